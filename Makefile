@@ -1,0 +1,33 @@
+# Two commands on a fresh clone: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install bench quick clean gc
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	# torch is pinned to the CPU build (torch==2.13.0); GPU extras are installed only where a GPU is present.
+	$(BIN)/python -m pip install -q -e '.[torch,bench,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m client_sdk.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+quick: $(STAMP)
+	$(BIN)/python -m bench quick
+
+gc: $(STAMP)
+	$(BIN)/python -m shm gc
+
+clean:
+	rm -rf $(VENV) build *.egg-info

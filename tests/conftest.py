@@ -1,0 +1,109 @@
+"""Suite-wide hygiene: every test must leave no child process and no /dev/shm file behind.
+
+The check is a fixture (autouse) rather than a session hook so that the failure names the
+test that leaked.  Children are found through /proc (no psutil dependency): any process whose
+parent chain leads to this pytest process.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "zinf-"
+
+
+def shm_files() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
+    except FileNotFoundError:  # pragma: no cover - non-Linux
+        return set()
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # comm may contain spaces and parentheses: split after the last ')'.
+    rest = data[data.rfind(b")") + 2 :].split()
+    if rest[0] == b"Z":  # zombie: reaped by its parent soon, not a leak of a live process
+        return None
+    return int(rest[1])
+
+
+# Long-lived helpers that multiprocessing starts once per interpreter, not per test.
+_IGNORED = (b"resource_tracker", b"forkserver")
+
+
+def _ignored(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read()
+    except OSError:
+        return True
+    return any(tag in cmd for tag in _IGNORED)
+
+
+def descendants(root: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            pp = _ppid(int(name))
+            if pp is not None:
+                parents[int(name)] = pp
+    out: set[int] = set()
+    frontier = {root}
+    while frontier:
+        nxt = {p for p, pp in parents.items() if pp in frontier and p not in out}
+        out |= nxt
+        frontier = nxt
+    return {p for p in out if not _ignored(p)}
+
+
+def _settle(check, timeout: float = 5.0):
+    """Poll a leak check until it is empty or the timeout passes (processes take a moment to
+    be reaped after a kill).  Returns the last value seen."""
+    deadline = time.monotonic() + timeout
+    value = check()
+    while value and time.monotonic() < deadline:
+        time.sleep(0.02)
+        value = check()
+    return value
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fail the test that leaves a child process or a zinf-* file in /dev/shm behind."""
+    me = os.getpid()
+    before_files = shm_files()
+    before_procs = descendants(me)
+    yield
+    left_procs = _settle(lambda: descendants(me) - before_procs)
+    left_files = _settle(lambda: shm_files() - before_files)
+    problems = []
+    if left_procs:
+        cmdlines = []
+        for pid in sorted(left_procs):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdlines.append(f"{pid}: {f.read().replace(b'\0', b' ').decode(errors='replace')}")
+            except OSError:
+                pass
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+        problems.append("child processes left running: " + "; ".join(cmdlines))
+    if left_files:
+        for n in left_files:
+            try:
+                os.unlink(os.path.join(SHM_DIR, n))
+            except OSError:
+                pass
+        problems.append(f"/dev/shm files left behind: {sorted(left_files)}")
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
