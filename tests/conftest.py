@@ -90,7 +90,8 @@ def no_leaks():
         for pid in sorted(left_procs):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmdlines.append(f"{pid}: {f.read().replace(b'\0', b' ').decode(errors='replace')}")
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                    cmdlines.append(f"{pid}: {cmd}")
             except OSError:
                 pass
             try:

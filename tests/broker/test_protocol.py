@@ -1,0 +1,166 @@
+"""broker.protocol: round trips, validation, and that bad input is one typed error."""
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from broker import protocol as P
+
+
+def _shm_ref(name="x", dtype="<f4", shape=(2, 3), **kw):
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    loc = P.ShmLoc(
+        segment=kw.get("segment", "zinf-1-2-0123456789abcdef"),
+        offset=kw.get("offset", 4096),
+        nbytes=kw.get("nbytes", nbytes),
+        slot=kw.get("slot", 0),
+        generation=kw.get("generation", 1),
+    )
+    return P.TensorRef(name=name, dtype=dtype, shape=list(shape), loc=loc)
+
+
+def test_request_round_trip_all_locations():
+    refs = [
+        _shm_ref("a"),
+        P.TensorRef(name="b", dtype="|u1", shape=[4], loc=P.InlineLoc(frame=0)),
+        P.TensorRef(
+            name="c", dtype="<f2", shape=[8], loc=P.CudaLoc(pool="p", offset=0, nbytes=16, device=0, handle=b"h" * 64, event=b"e" * 64)
+        ),
+    ]
+    req = P.Request(id=7, priority=0, timeout_ms=12.5, host="h", pid=1, tensors=refs, meta={"k": [1, 2]})
+    frame = P.encode_header(req)
+    assert P.is_header(frame)
+    assert P.decode_request(frame, n_inline=1) == req
+
+
+def test_header_is_plain_msgpack_after_magic():
+    """Another language reads the header with any msgpack library: a map with string keys."""
+    req = P.Request(id=1, tensors=[_shm_ref()], host="h")
+    frame = P.encode_header(req)
+    assert frame[:4] == b"\xc1ZNF"
+    m = msgspec.msgpack.decode(frame[4:])
+    assert m["v"] == 1 and m["id"] == 1
+    assert m["tensors"][0]["loc"]["kind"] == "shm"
+
+
+def test_opaque_bodies_are_not_headers():
+    for body in [b"", b"hello", msgspec.msgpack.encode({"a": 1}), b'{"json": 1}']:
+        assert not P.is_header(body)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda m: m.update(v=2), "version 2"),
+        (lambda m: m.update(priority=7), "priority"),
+        (lambda m: m.update(id=-1), "unsigned"),
+        (lambda m: m.update(id="x"), "id"),
+        (lambda m: m.update(reply="carrier-pigeon"), "reply mode"),
+        (lambda m: m["tensors"][0].update(dtype="|O"), "objects"),
+        (lambda m: m["tensors"][0].update(dtype="float32"), "canonical"),
+        (lambda m: m["tensors"][0].update(dtype="nonsense"), "unknown dtype"),
+        (lambda m: m["tensors"][0].update(shape=[-1, 3]), "negative"),
+        (lambda m: m["tensors"][0]["loc"].update(nbytes=5), "need 24"),
+        (lambda m: m["tensors"][0]["loc"].update(kind="carrier"), "loc"),
+        (lambda m: m.update(tensors=[m["tensors"][0], m["tensors"][0]]), "twice"),
+        (lambda m: m.pop("host"), "host"),
+        (lambda m: m["tensors"][0].update(shape=[1] * 40), "dimensions"),
+    ],
+)
+def test_bad_request_headers_raise_protocol_error(mutate, match):
+    m = msgspec.msgpack.decode(msgspec.msgpack.encode(P.Request(id=1, host="h", tensors=[_shm_ref()])))
+    mutate(m)
+    with pytest.raises(P.ProtocolError, match=match):
+        P.decode_request(P.MAGIC + msgspec.msgpack.encode(m))
+
+
+def test_inline_frame_index_and_size_checked():
+    ref = P.TensorRef(name="b", dtype="<i4", shape=[3], loc=P.InlineLoc(frame=1))
+    frame = P.encode_header(P.Request(id=1, tensors=[ref]))
+    with pytest.raises(P.ProtocolError, match="inline frame 1"):
+        P.decode_request(frame, n_inline=1)
+    req = P.decode_request(frame, n_inline=2)
+    with pytest.raises(P.ProtocolError, match="has 4 bytes"):
+        P.check_inline_sizes(req.tensors, [b"", b"abcd"])
+    P.check_inline_sizes(req.tensors, [b"", b"x" * 12])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_garbage_never_escapes_as_another_exception(data):
+    for decoder in (P.decode_request, P.decode_reply, P.decode_ready, P.decode_cancel):
+        for frame in (data, P.MAGIC + data):
+            try:
+                decoder(frame)
+            except P.ProtocolError:
+                pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=12), max_size=6))
+def test_garbage_frames_never_escape(frames):
+    for parser in (P.parse_client, P.parse_worker, P.parse_broker_to_client, P.parse_broker_to_worker):
+        try:
+            parser(frames)
+        except P.ProtocolError:
+            pass
+
+
+def test_parse_client_commands():
+    m = P.parse_client(P.client_request("echo", [b"body"]))
+    assert (m.command, m.service, m.body, m.leading_empty) == (P.C_REQUEST, b"echo", (b"body",), False)
+    m = P.parse_client([b"", *P.client_request("echo", [b"body"])])
+    assert m.leading_empty and m.body == (b"body",)
+    assert P.parse_client(P.client_heartbeat()).command == P.C_HEARTBEAT
+    m = P.parse_client(P.client_cancel("echo", 9))
+    assert P.decode_cancel(m.body[0]).id == 9
+    with pytest.raises(P.ProtocolError, match="MDPC02"):
+        P.parse_client([b"MDPC01", b"\x01", b"echo", b"x"])
+    with pytest.raises(P.ProtocolError, match="unknown client command"):
+        P.parse_client([b"MDPC02", b"\x09"])
+    with pytest.raises(P.ProtocolError, match="body frame"):
+        P.parse_client([b"MDPC02", b"\x01", b"echo"])
+
+
+def test_parse_worker_commands():
+    m = P.parse_worker(P.worker_ready("echo"))
+    assert m.command == P.W_READY and m.service == b"echo" and m.ready is None
+    caps = P.Ready(credit=8, max_batch=8, host="h", transports=["inline", "shm"], pid=3)
+    m = P.parse_worker(P.worker_ready("echo", caps))
+    assert m.ready == caps
+    env = P.token_envelope(123456789)
+    m = P.parse_worker(P.worker_reply(env, True, [b"a", b"b"]))
+    assert m.command == P.W_FINAL and P.envelope_token(m.envelope) == 123456789 and m.body == (b"a", b"b")
+    with pytest.raises(P.ProtocolError, match="reserved"):
+        P.parse_worker(P.worker_ready("mmi.service"))
+    with pytest.raises(P.ProtocolError, match="unknown transports"):
+        P.parse_worker(P.worker_ready("echo", P.Ready(transports=["pigeon"])))
+    with pytest.raises(P.ProtocolError, match="delimiter"):
+        P.parse_worker([P.MDPW, P.W_FINAL, env, b"x", b"body"])
+
+
+def test_broker_side_builders_round_trip():
+    frames = P.to_worker_request(b"wid", P.token_envelope(5), [b"h"])
+    assert frames[0] == b"wid"
+    d = P.parse_broker_to_worker(frames[1:])
+    assert d.command == P.W_REQUEST and P.envelope_token(d.envelope) == 5 and d.body == (b"h",)
+    d = P.parse_broker_to_worker(P.to_worker_cancel(b"wid", P.token_envelope(5))[1:])
+    assert d.command == P.W_CANCEL
+    out = P.to_client(b"cid", True, b"echo", P.error_body(3, P.ErrorCode.QUEUE_FULL, "full"))
+    r = P.parse_broker_to_client(out[1:])
+    rep = P.decode_reply(r.body[0])
+    assert r.command == P.C_FINAL and rep.id == 3 and rep.error.code == 429
+
+
+@pytest.mark.parametrize(
+    "dt", ["|u1", "|i1", "<i2", "<u4", "<i8", "<f2", "<f4", "<f8", "<c8", "<c16", "|b1", "<M8[ns]", "<m8[s]", "|S7", "<U3", "|V8"]
+)
+def test_dtypes_accepted(dt):
+    assert P.parse_dtype(np.dtype(dt).str) == np.dtype(dt)
+
+
+def test_host_id_is_stable():
+    assert P.local_host_id() == P.local_host_id()
+    assert "/" in P.local_host_id()
