@@ -1,0 +1,391 @@
+"""The broker's ZeroMQ loop: frames in, scheduler events, actions, frames out.
+
+This module makes no scheduling decision (that is `broker.state`), and builds or parses no
+frame by hand (that is `broker.protocol`).  What it does: poll two ROUTER sockets, turn each
+message into one scheduler event stamped with the monotonic clock, turn the returned actions
+into frames, and sleep until the scheduler's next wake-up.
+
+Hot path: a tensor request is one msgspec decode of its header (needed for priority,
+deadline and locality), one re-encode at dispatch (the remaining budget and the queue time
+for the worker), and frames forwarded by reference (`copy=False`): an inline 64 MB tensor
+crosses this process without being copied.  Replies are relayed untouched.
+
+A malformed message is logged (rate-limited) and answered with a typed error when it names a
+request id, otherwise dropped; it never raises out of the loop.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from broker import protocol as P
+from broker.state import (
+    ClientError,
+    CancelAtWorker,
+    Config,
+    DisconnectWorker,
+    Dispatch,
+    HeartbeatWorker,
+    Scheduler,
+    ToClient,
+)
+
+log = logging.getLogger("broker")
+
+# Messages drained from one socket before looking at the other and at the timers: large
+# enough to amortise the poll, small enough that a flood of clients cannot starve workers.
+_DRAIN = 64
+
+
+def default_runtime_dir() -> str:
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    path = os.path.join(base, f"zmq-infer-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def default_endpoints() -> tuple[str, str]:
+    d = default_runtime_dir()
+    return f"ipc://{d}/frontend.ipc", f"ipc://{d}/backend.ipc"
+
+
+@dataclass
+class BrokerConfig:
+    frontend: str = ""
+    backend: str = ""
+    scheduler: Config = field(default_factory=Config)
+
+    @classmethod
+    def from_toml(cls, path: str) -> "BrokerConfig":
+        import tomllib
+
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        b = data.get("broker", data)
+        sched = Config()
+        for key, value in b.get("scheduler", {}).items():
+            if not hasattr(sched, key):
+                raise ValueError(f"{path}: unknown scheduler option {key!r}")
+            if key == "priority_weights":
+                value = tuple(value)
+            setattr(sched, key, value)
+        return cls(frontend=b.get("frontend", ""), backend=b.get("backend", ""), scheduler=sched)
+
+
+class _Payload(msgspec.Struct, array_like=True):
+    """What the scheduler carries for one request (it never looks inside)."""
+
+    header: Any          # P.Request, or None for an opaque MDP body
+    body: tuple          # frames after the header (or the whole opaque body)
+
+
+class _RateLimitedLog:
+    def __init__(self, every: float = 1.0):
+        self.every = every
+        self.last = 0.0
+        self.suppressed = 0
+
+    def warning(self, msg: str, *args) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            if self.suppressed:
+                msg += f" ({self.suppressed} similar messages suppressed)"
+            log.warning(msg, *args)
+            self.last = now
+            self.suppressed = 0
+        else:
+            self.suppressed += 1
+
+
+class Broker:
+    """MDP/0.2 broker.  `Broker(cfg).serve(stop_event)`; a context manager that closes sockets."""
+
+    def __init__(self, cfg: BrokerConfig | None = None, *, ctx: zmq.Context | None = None):
+        self.cfg = cfg or BrokerConfig()
+        fe, be = default_endpoints()
+        self.frontend_ep = self.cfg.frontend or fe
+        self.backend_ep = self.cfg.backend or be
+        self.ctx = ctx or zmq.Context.instance()
+        self.sched = Scheduler(self.cfg.scheduler)
+        self.frontend = self.ctx.socket(zmq.ROUTER)
+        self.backend = self.ctx.socket(zmq.ROUTER)
+        for s in (self.frontend, self.backend):
+            s.linger = 0
+            s.rcvhwm = s.sndhwm = 100_000
+        self._bind(self.frontend, self.frontend_ep)
+        self._bind(self.backend, self.backend_ep)
+        # Resolve wildcard ports so callers (tests, bench) can connect.
+        self.frontend_ep = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.backend_ep = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
+        self._opaque_ids = 0
+        self._bad = _RateLimitedLog()
+        self.malformed = 0
+        self._closed = False
+
+    @staticmethod
+    def _bind(sock: zmq.Socket, ep: str) -> None:
+        if ep.startswith("ipc://"):
+            path = ep[len("ipc://") :]
+            if os.path.exists(path):  # a stale socket file from a dead broker
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        sock.bind(ep)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> "Broker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for s in (self.frontend, self.backend):
+            s.close(linger=0)
+        for ep in (self.frontend_ep, self.backend_ep):
+            if ep.startswith("ipc://"):
+                try:
+                    os.unlink(ep[len("ipc://") :])
+                except OSError:
+                    pass
+
+    def serve(self, stop: threading.Event | None = None) -> None:
+        """Run until `stop` is set (checked at least every 100 ms)."""
+        poller = zmq.Poller()
+        poller.register(self.frontend, zmq.POLLIN)
+        poller.register(self.backend, zmq.POLLIN)
+        fe, be = self.frontend, self.backend
+        sched = self.sched
+        wake = sched.next_wakeup(time.monotonic())
+        while stop is None or not stop.is_set():
+            now = time.monotonic()
+            if wake is not None and now >= wake:
+                self._act(sched.tick(now), now)
+                wake = sched.next_wakeup(now)
+            timeout = 100.0 if wake is None else max(0.0, min(100.0, (wake - now) * 1000.0))
+            events = dict(poller.poll(timeout))
+            if be in events:
+                self._drain(be, self._on_worker)
+            if fe in events:
+                self._drain(fe, self._on_client)
+            wake = sched.next_wakeup(time.monotonic())
+
+    def _drain(self, sock: zmq.Socket, handler) -> None:
+        for _ in range(_DRAIN):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                handler(frames)
+            except Exception:  # the loop must survive any one message
+                self.malformed += 1
+                log.exception("unexpected error while handling a message; dropped it")
+
+    # ------------------------------------------------------------------ clients
+
+    def _on_client(self, frames: list) -> None:
+        ident = frames[0].bytes
+        now = time.monotonic()
+        try:
+            msg = P.parse_client(frames[1:])
+        except P.ProtocolError as e:
+            self.malformed += 1
+            self._bad.warning("malformed client message from %r: %s", ident[:16], e)
+            return
+        if msg.leading_empty:
+            self._req_clients.add(ident)
+        sched = self.sched
+        cmd = msg.command
+        if cmd == P.C_REQUEST:
+            sched.client_seen(ident, now)
+            self._on_request(ident, msg, now)
+        elif cmd == P.C_HEARTBEAT:
+            self._act(sched.client_heartbeat(ident, now), now)
+            self._send_client(ident, P.client_heartbeat())
+        elif cmd == P.C_CANCEL:
+            sched.client_seen(ident, now)
+            try:
+                cancel = P.decode_cancel(msg.body[0])
+            except P.ProtocolError as e:
+                self.malformed += 1
+                self._bad.warning("bad CANCEL from %r: %s", ident[:16], e)
+                return
+            self._act(sched.client_cancel(ident, cancel.id, now), now)
+        elif cmd == P.C_DISCONNECT:
+            self._req_clients.discard(ident)
+            self._act(sched.client_disconnect(ident, now), now)
+
+    def _on_request(self, ident: bytes, msg: P.ClientMessage, now: float) -> None:
+        service = msg.service
+        body = msg.body
+        if service.startswith(b"mmi."):
+            self._mmi(ident, service, body)
+            return
+        first = body[0]
+        if P.is_header(first):
+            rest = body[1:]
+            try:
+                req = P.decode_request(first, n_inline=len(rest))
+                P.check_inline_sizes(req.tensors, rest)
+            except P.ProtocolError as e:
+                self.malformed += 1
+                rid = _lenient_id(first)
+                self._bad.warning("bad request header from %r: %s", ident[:16], e)
+                self._send_client(ident, P.to_client(ident, True, service, P.error_body(rid, e.code, str(e)))[1:])
+                return
+            local = None
+            if req.host is not None:
+                for t in req.tensors:
+                    if type(t.loc) is not P.InlineLoc:
+                        local = req.host
+                        break
+            deadline = None if req.timeout_ms is None else now + req.timeout_ms / 1000.0
+            actions = self.sched.client_request(
+                ident,
+                req.id,
+                service.decode(errors="replace"),
+                now,
+                payload=_Payload(req, rest),
+                priority=req.priority,
+                deadline=deadline,
+                local_host=local,
+            )
+        else:
+            # A plain MDP/0.2 request: opaque body, relayed as is.  Its id lives in a
+            # namespace (negative numbers) that no client id can collide with.
+            self._opaque_ids += 1
+            actions = self.sched.client_request(
+                ident, -self._opaque_ids, service.decode(errors="replace"), now, payload=_Payload(None, body)
+            )
+        self._act(actions, now)
+
+    def _mmi(self, ident: bytes, service: bytes, body: tuple) -> None:
+        if service == b"mmi.service":
+            name = bytes(body[0]).decode(errors="replace")
+            code = b"200" if self.sched.has_service(name) else b"404"
+        else:
+            code = b"501"
+        self._send_client(ident, P.to_client(ident, True, service, [code])[1:])
+
+    def _send_client(self, ident: bytes, frames: list) -> None:
+        """`frames` start at MDPC02; the identity (and a REQ client's delimiter) go first."""
+        head = [ident, b""] if ident in self._req_clients else [ident]
+        try:
+            self.frontend.send_multipart(head + frames, copy=False)
+        except zmq.ZMQError as e:  # a client that went away: nothing to deliver to
+            self._bad.warning("could not send to client %r: %s", ident[:16], e)
+
+    # ------------------------------------------------------------------ workers
+
+    def _on_worker(self, frames: list) -> None:
+        ident = frames[0].bytes
+        now = time.monotonic()
+        sched = self.sched
+        try:
+            msg = P.parse_worker(frames[1:])
+        except P.ProtocolError as e:
+            self.malformed += 1
+            self._bad.warning("malformed worker message from %r: %s", ident[:16], e)
+            sched.worker_seen(ident, now)
+            return
+        cmd = msg.command
+        if cmd == P.W_FINAL or cmd == P.W_PARTIAL:
+            token = P.envelope_token(msg.envelope)
+            if token is None:
+                self._bad.warning("worker %r replied with an envelope that is not ours", ident[:16])
+                sched.worker_seen(ident, now)
+                return
+            if cmd == P.W_FINAL:
+                actions = sched.worker_final(ident, token, now, msg.body)
+            else:
+                actions = sched.worker_partial(ident, token, now, msg.body)
+            self._act(actions, now)
+        elif cmd == P.W_HEARTBEAT:
+            self._act(sched.worker_seen(ident, now), now)
+        elif cmd == P.W_READY:
+            r = msg.ready
+            if r is None:
+                actions = sched.worker_ready(ident, msg.service.decode(errors="replace"), now)
+            else:
+                actions = sched.worker_ready(
+                    ident,
+                    msg.service.decode(errors="replace"),
+                    now,
+                    credit=r.credit,
+                    host=r.host,
+                    transports=frozenset(r.transports),
+                )
+            self._act(actions, now)
+        elif cmd == P.W_DISCONNECT:
+            self._act(sched.worker_disconnect(ident, now), now)
+
+    # ------------------------------------------------------------------ actions
+
+    def _act(self, actions, now: float) -> None:
+        if not actions:
+            return
+        for a in actions:
+            t = type(a)
+            if t is Dispatch:
+                self._dispatch(a, now)
+            elif t is ToClient:
+                self._send_client(
+                    a.client, [P.MDPC, P.C_FINAL if a.final else P.C_PARTIAL, a.service.encode(), *a.payload]
+                )
+            elif t is ClientError:
+                rid = a.request_id if a.request_id >= 0 else 0
+                self._send_client(
+                    a.client,
+                    [P.MDPC, P.C_FINAL, a.service.encode(), *P.error_body(rid, a.code, a.message)],
+                )
+            elif t is HeartbeatWorker:
+                self.backend.send_multipart([a.worker, *P.worker_heartbeat()])
+            elif t is CancelAtWorker:
+                self.backend.send_multipart(P.to_worker_cancel(a.worker, P.token_envelope(a.token)))
+            elif t is DisconnectWorker:
+                log.info("disconnecting worker %r: %s", a.worker[:16], a.reason)
+                self.backend.send_multipart([a.worker, *P.worker_disconnect()])
+
+    def _dispatch(self, a: Dispatch, now: float) -> None:
+        p: _Payload = a.payload
+        req = p.header
+        if req is None:
+            body = p.body
+        else:
+            # The worker sees what is left of the budget and how long the request queued.
+            if a.deadline is not None:
+                req.timeout_ms = max(0.0, (a.deadline - now) * 1000.0)
+            req.queue_ms = (now - a.enqueued_at) * 1000.0
+            body = (P.encode_header(req), *p.body)
+        try:
+            self.backend.send_multipart(
+                P.to_worker_request(a.worker, P.token_envelope(a.token), body), copy=False
+            )
+        except zmq.ZMQError as e:
+            self._bad.warning("could not send to worker %r: %s", a.worker[:16], e)
+
+
+def _lenient_id(frame: Any) -> int:
+    """Best-effort request id from a header that failed validation, so the error reaches
+    the right future on the client; 0 when even that is unreadable."""
+    try:
+        m = msgspec.msgpack.decode(memoryview(frame)[4:])
+        rid = m.get("id") if isinstance(m, dict) else None
+        return rid if isinstance(rid, int) and 0 <= rid < 1 << 64 else 0
+    except Exception:
+        return 0

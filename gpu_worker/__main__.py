@@ -1,0 +1,60 @@
+"""`python -m gpu_worker --broker EP --model NAME [--device cpu|cuda:N] [--max-batch N]`
+
+Loads and warms the model, registers with the broker (READY with its credit, host and
+transports), prints one line `READY service=<name> pid=<pid> device=<dev>` on stdout, and
+serves until SIGTERM, on which it finishes what it holds, sends DISCONNECT and exits 0.
+`--model` takes a shipped name (echo, cartoon, convnet, chunks) or `package.module:factory`
+(docs/models.md).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    from broker.server import default_endpoints
+    from gpu_worker.worker import Worker, WorkerConfig, install_sigterm_drain
+
+    ap = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__.splitlines()[0])
+    ap.add_argument("--broker", default=None, help="broker backend endpoint (default: the broker's ipc default)")
+    ap.add_argument("--model", default="echo", help="shipped model name or package.module:factory")
+    ap.add_argument("--service", default=None, help="service name to register (default: the model's name)")
+    ap.add_argument("--device", default=None, help="cpu, cuda:N or auto (default auto)")
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-delay-ms", type=float, default=2.0, help="longest a batch waits for company")
+    ap.add_argument("--max-cost", type=float, default=float("inf"), help="batch cost bound (model's cost units)")
+    ap.add_argument("--credit", type=int, default=None, help="requests held at once (default 2*max-batch)")
+    ap.add_argument("--heartbeat-interval", type=float, default=1.0)
+    ap.add_argument("--heartbeat-liveness", type=int, default=3)
+    ap.add_argument("--out-capacity-mb", type=int, default=256, help="output ring size")
+    ap.add_argument("--transports", default="inline,shm")
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--log-level", default="WARNING")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
+
+    cfg = WorkerConfig(
+        broker=args.broker or default_endpoints()[1],
+        model=args.model,
+        service=args.service,
+        device=args.device,
+        max_batch=args.max_batch,
+        max_delay=args.max_delay_ms / 1000.0,
+        max_cost=args.max_cost,
+        credit=args.credit,
+        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_liveness=args.heartbeat_liveness,
+        out_capacity=args.out_capacity_mb << 20,
+        warmup=not args.no_warmup,
+        transports=tuple(t for t in args.transports.split(",") if t),
+    )
+    with Worker(cfg) as w:
+        install_sigterm_drain(w)
+        w.serve(ready_cb=lambda: print(f"READY service={w.service} pid={w.pid} device={w.device}", flush=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""The worker process: one model, one MDP/0.2 worker socket, dynamic batching.
+
+Loop (one thread, on purpose: a lone request goes from socket to model with no thread
+hand-off, and the GIL makes a separate I/O thread compete with the model's Python code):
+
+    poll(socket, until the batcher's wake-up or the next heartbeat)
+    drain every delivered message: REQUEST -> inputs mapped in place -> batcher
+                                   CANCEL  -> drop if still pending (499)
+    if the batcher yields a batch: run it, write outputs, send FINALs
+    heartbeat / broker liveness / reconnect (Paranoid Pirate)
+
+While a batch computes, new requests wait in the socket; when it finishes they are all taken
+at once, so batches grow with load and a lone request under light load is never delayed.
+The heartbeat can be late by at most one batch's compute time.
+
+Inputs are read in place: shared-memory references become read-only numpy views of the
+client's segment (mapped once per segment), inline frames become numpy views of the received
+ZeroMQ frame.  Outputs go to this worker's output ring (reply "shm") or inline.  An output
+that *is* one of the inputs (an identity model such as `echo`) is answered with the input's
+own reference: nothing is copied, whatever the tensor's size, and the client keeps that slot
+until it releases the result (docs/protocol.md, section 7).
+
+SIGTERM drains: stop reading new work, finish what is held, send DISCONNECT, exit 0.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from broker import protocol as P
+from gpu_worker.batching import Batcher, Pending
+
+log = logging.getLogger("gpu_worker")
+
+
+@dataclass
+class WorkerConfig:
+    broker: str
+    model: str = "echo"
+    service: str | None = None        # defaults to the model's name
+    device: str | None = None         # None/"auto": cuda:0 when present, else cpu
+    max_batch: int = 8
+    max_delay: float = 0.002          # seconds a batch may wait for company (adaptive)
+    max_cost: float = float("inf")
+    credit: int | None = None         # requests the broker may hand us at once (default 2*max_batch)
+    heartbeat_interval: float = 1.0
+    heartbeat_liveness: int = 3
+    out_capacity: int = 256 << 20     # output ring bytes
+    out_slots: int = 4096
+    warmup: bool = True
+    transports: tuple[str, ...] = ("inline", "shm")
+
+
+class _Job:
+    """One request held by the worker."""
+
+    __slots__ = ("envelope", "req", "inputs", "opaque", "received", "deadline", "refs")
+
+    def __init__(self, envelope, req, inputs, opaque, received, deadline, refs):
+        self.envelope = envelope
+        self.req = req            # P.Request or None (opaque)
+        self.inputs = inputs      # dict name -> ndarray (views)
+        self.opaque = opaque      # body frames of an opaque request
+        self.received = received
+        self.deadline = deadline
+        self.refs = refs          # name -> TensorRef of the input (for identity pass-through)
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, *, ctx: zmq.Context | None = None):
+        from gpu_worker.backends import make_backend
+        from gpu_worker.devices import resolve_device
+        from gpu_worker.models import load_model
+        from shm import SegmentCache, ShmPool
+
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.model = load_model(cfg.model, self.device)
+        self.service = cfg.service or self.model.name
+        self.backend = make_backend(self.model, self.device)
+        max_batch = cfg.max_batch if getattr(self.model, "batchable", False) else 1
+        self.batcher = Batcher(max_batch=max_batch, max_cost=cfg.max_cost, max_delay=cfg.max_delay)
+        self.credit = cfg.credit or max(2 * max_batch, 2)
+        self.host = P.local_host_id()
+        self.pid = os.getpid()
+        self.inputs_cache = SegmentCache()
+        self.out_pool = ShmPool(cfg.out_capacity, slots=cfg.out_slots) if "shm" in cfg.transports else None
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        self.jobs: dict[bytes, _Job] = {}   # envelope -> job, while pending in the batcher
+        self.stop = threading.Event()
+        self.served = 0
+        if cfg.warmup:
+            self._warmup()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _warmup(self) -> None:
+        from gpu_worker.backends import warmup
+
+        t0 = time.perf_counter()
+        sizes = sorted({1, self.batcher.max_batch})
+        warmup(self.backend, self.model, sizes)
+        log.info("warm-up of %s on %s took %.1f ms", self.model.name, self.device, (time.perf_counter() - t0) * 1e3)
+
+    def _connect(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        s = self.ctx.socket(zmq.DEALER)
+        s.linger = 0
+        s.rcvhwm = s.sndhwm = 100_000
+        s.connect(self.cfg.broker)
+        self.sock = s
+        caps = P.Ready(
+            credit=self.credit,
+            max_batch=self.batcher.max_batch,
+            host=self.host,
+            transports=list(self.cfg.transports),
+            pid=self.pid,
+        )
+        s.send_multipart(P.worker_ready(self.service, caps))
+        self._last_sent = self._last_heard = time.monotonic()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        self.inputs_cache.close()
+        if self.out_pool is not None:
+            self.out_pool.close()
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def serve(self, ready_cb=None) -> None:
+        """Run until `self.stop` is set; then drain what is held and DISCONNECT."""
+        self._connect()
+        if ready_cb is not None:
+            ready_cb()
+        interval = self.cfg.heartbeat_interval
+        dead_after = interval * self.cfg.heartbeat_liveness
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self.stop.is_set():
+            now = time.monotonic()
+            wake = self.batcher.wake_at(now)
+            timeout = interval if wake is None else max(0.0, min(interval, wake - now))
+            if poller.poll(timeout * 1000.0):
+                self._drain()
+                self._last_heard = time.monotonic()
+            self._run_ready_batches()
+            now = time.monotonic()
+            if now - self._last_sent >= interval:
+                self._send(P.worker_heartbeat())
+            if now - self._last_heard > dead_after:
+                log.warning("broker silent for %.1f s; reconnecting", now - self._last_heard)
+                poller.unregister(self.sock)
+                self._fail_pending("broker connection lost")
+                self._connect()
+                poller.register(self.sock, zmq.POLLIN)
+        # Drain: what the broker already handed us is finished, then we say goodbye.
+        self._drain()
+        while len(self.batcher):
+            self._run_ready_batches(force=True)
+        self._send(P.worker_disconnect())
+
+    def _send(self, frames) -> None:
+        self.sock.send_multipart(frames, copy=False)
+        self._last_sent = time.monotonic()
+
+    # ------------------------------------------------------------------ receiving
+
+    def _drain(self) -> None:
+        sock = self.sock
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._on_message(frames)
+            except Exception:
+                log.exception("unexpected error while handling a message from the broker; dropped it")
+
+    def _on_message(self, frames) -> None:
+        try:
+            msg = P.parse_broker_to_worker(frames)
+        except P.ProtocolError as e:
+            log.warning("malformed message from broker: %s", e)
+            return
+        cmd = msg.command
+        if cmd == P.W_REQUEST:
+            self._on_request(msg.envelope, msg.body)
+        elif cmd == P.W_CANCEL:
+            job = self.jobs.get(msg.envelope)
+            if job is not None:
+                self.batcher.drop(lambda p: p.item is job)
+                del self.jobs[msg.envelope]
+                self._reply_error(job, P.ErrorCode.CANCELLED, "cancelled by the client before it ran")
+        elif cmd == P.W_DISCONNECT:
+            log.info("broker asked us to reconnect")
+            self._fail_pending("broker restarted")
+            self._connect()
+
+    def _on_request(self, envelope: bytes, body: tuple) -> None:
+        now = time.monotonic()
+        if not body or not P.is_header(body[0]):
+            job = _Job(envelope, None, None, body, now, None, None)
+            if not getattr(self.model, "accepts_opaque", self.model.name == "echo"):
+                self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR,
+                                  f"service {self.service!r} takes tensor requests; send a header frame (docs/protocol.md)")
+                return
+            # Opaque MDP bodies go straight back: they have no tensors to batch.
+            self._send(P.worker_reply(envelope, True, body))
+            self.served += 1
+            return
+        rest = body[1:]
+        try:
+            req = P.decode_request(body[0], n_inline=len(rest))
+            P.check_inline_sizes(req.tensors, rest)
+        except P.ProtocolError as e:
+            job = _Job(envelope, P.Request(id=0), None, None, now, None, None)
+            self._reply_error(job, e.code, str(e))
+            return
+        job = _Job(envelope, req, None, None, now, None, None)
+        try:
+            job.inputs, job.refs = self._map_inputs(req, rest)
+        except Exception as e:  # a stale/forged reference fails this request only
+            self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR, f"cannot read inputs: {e}")
+            return
+        if req.timeout_ms is not None:
+            job.deadline = now + req.timeout_ms / 1000.0
+            if req.timeout_ms <= 0:
+                self._reply_error(job, P.ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the worker got the request")
+                return
+        key = tuple((t.name, t.dtype, tuple(t.shape)) for t in req.tensors)
+        try:
+            cost = float(self.model.cost(job.inputs))
+        except Exception:
+            cost = 1.0
+        self.jobs[envelope] = job
+        self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline), now)
+
+    def _map_inputs(self, req: P.Request, frames) -> tuple[dict, dict]:
+        inputs: dict[str, np.ndarray] = {}
+        refs: dict[str, P.TensorRef] = {}
+        for t in req.tensors:
+            dt = P.parse_dtype(t.dtype)
+            loc = t.loc
+            kind = type(loc)
+            if kind is P.ShmLoc:
+                if req.host != self.host:
+                    raise P.ProtocolError("shared-memory reference from another host")
+                arr = self.inputs_cache.view(
+                    _shm_ref(loc), dt, tuple(t.shape)
+                )
+            elif kind is P.InlineLoc:
+                buf = frames[loc.frame]
+                buf = buf.buffer if hasattr(buf, "buffer") else memoryview(buf)
+                arr = np.frombuffer(buf, dtype=dt).reshape(t.shape) if dt.itemsize else np.empty(t.shape, dt)
+                arr.flags.writeable = False
+            else:
+                raise P.ProtocolError("CUDA IPC tensors are not supported by this worker yet (GPU issue)")
+            inputs[t.name] = arr
+            refs[t.name] = t
+        return inputs, refs
+
+    # ------------------------------------------------------------------ running
+
+    def _run_ready_batches(self, force: bool = False) -> None:
+        while True:
+            now = time.monotonic()
+            batch = self.batcher.take(now, idle=True) if not force else self.batcher.take(now + 3600.0, idle=True)
+            if not batch:
+                return
+            jobs = []
+            for p in batch:
+                job = p.item
+                self.jobs.pop(job.envelope, None)
+                if job.deadline is not None and now > job.deadline:
+                    self._reply_error(job, P.ErrorCode.DEADLINE_EXCEEDED, "deadline passed while waiting for a batch")
+                    continue
+                jobs.append(job)
+            if jobs:
+                self._run(jobs, now)
+
+    def _run(self, jobs: list[_Job], started: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            if getattr(self.model, "streaming", False):
+                for job in jobs:
+                    self._run_stream(job)
+                return
+            outputs = self.backend.run([j.inputs for j in jobs])
+        except Exception as e:
+            log.exception("model %s failed on a batch of %d", self.model.name, len(jobs))
+            for job in jobs:
+                self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {type(e).__name__}: {e}")
+            return
+        compute_ms = (time.perf_counter() - t0) * 1e3
+        for job, out in zip(jobs, outputs):
+            timing = {
+                "batch_wait_ms": (started - job.received) * 1e3,
+                "compute_ms": compute_ms,
+                "batch": float(len(jobs)),
+            }
+            if job.req.queue_ms is not None:
+                timing["queue_ms"] = job.req.queue_ms
+            self._reply_tensors(job, out, timing, final=True)
+        self.served += len(jobs)
+
+    def _run_stream(self, job: _Job) -> None:
+        seq = 0
+        t0 = time.perf_counter()
+        for out in self.backend.run_stream(job.inputs):
+            self._reply_tensors(job, out, {"compute_ms": (time.perf_counter() - t0) * 1e3}, final=False, seq=seq)
+            seq += 1
+        self._send(P.worker_reply(job.envelope, True, [P.encode_header(P.Reply(id=job.req.id, seq=seq))]))
+        self.served += 1
+
+    # ------------------------------------------------------------------ replying
+
+    def _reply_tensors(self, job: _Job, out: dict, timing: dict, *, final: bool, seq: int = 0) -> None:
+        t0 = time.perf_counter()
+        req = job.req
+        want_shm = self.out_pool is not None and (
+            req.reply == "shm" or (req.reply == "auto" and req.host == self.host)
+        )
+        refs: list[P.TensorRef] = []
+        frames: list[Any] = []
+        for name, value in out.items():
+            arr = np.asarray(value)
+            same = job.inputs.get(name) if job.inputs else None
+            if same is not None and _is_same_array(arr, same) and type(job.refs[name].loc) is P.ShmLoc and req.reply != "inline":
+                # Identity output: hand back the client's own reference; no byte moves.
+                refs.append(P.TensorRef(name=name, dtype=job.refs[name].dtype, shape=list(arr.shape), loc=job.refs[name].loc))
+                continue
+            dts = arr.dtype.str
+            if want_shm:
+                buf = self.out_pool.try_alloc(arr.shape, arr.dtype)
+                if buf is not None:
+                    np.copyto(buf, arr)
+                    ref = self.out_pool.ref_of(buf)
+                    self.out_pool.mark_in_flight(ref, holder_pid=req.pid)
+                    refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape),
+                                            loc=P.ShmLoc(segment=ref.segment, offset=ref.offset, nbytes=ref.nbytes,
+                                                         slot=ref.slot, generation=ref.generation)))
+                    continue
+                # Output ring full (the client holds many results): degrade to inline, never fail.
+            if not arr.flags.c_contiguous:
+                arr = np.ascontiguousarray(arr)
+            refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape), loc=P.InlineLoc(frame=len(frames))))
+            frames.append(arr.data if arr.nbytes else b"")
+        timing["output_ms"] = (time.perf_counter() - t0) * 1e3
+        header = P.encode_header(P.Reply(id=req.id, tensors=refs, timing=timing, seq=seq))
+        self._send(P.worker_reply(job.envelope, final, [header, *frames]))
+
+    def _reply_error(self, job: _Job, code: int, message: str) -> None:
+        rid = job.req.id if job.req is not None else 0
+        self._send(P.worker_reply(job.envelope, True, P.error_body(rid, code, message)))
+
+    def _fail_pending(self, why: str) -> None:
+        # The broker retries these elsewhere; our replies would carry dead tokens.
+        self.batcher.drop(lambda p: True)
+        self.jobs.clear()
+
+
+def _shm_ref(loc: P.ShmLoc):
+    from shm import ShmRef
+
+    return ShmRef(loc.segment, loc.offset, loc.nbytes, loc.slot, loc.generation)
+
+
+def _is_same_array(a: np.ndarray, b: np.ndarray) -> bool:
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.flags.c_contiguous
+    )
+
+
+def install_sigterm_drain(worker: Worker) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
+    signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
