@@ -1,0 +1,930 @@
+"""Scheduling core of the broker: a pure state machine.
+
+Theory of operation
+===================
+
+Rule 1: every scheduling decision lives in this file.  ``broker.server`` decodes frames,
+calls one event method of :class:`Scheduler` with the current monotonic time, and turns the
+returned actions into frames.  It never chooses a worker, never orders requests and never
+decides that something timed out; if it ever needs to, the decision belongs here.
+
+Rule 2: no I/O, no clock.  Every event takes ``now`` (seconds, monotonic, never decreasing);
+nothing here reads a clock, touches a socket or starts a thread.  That is what lets the tests
+replay any interleaving of events with an injected clock, and what lets the server sleep
+exactly until :meth:`Scheduler.next_wakeup`.
+
+Rule 3: exactly one final per client request, ever.  A request is ``QUEUED`` (waiting in
+its service's queue), ``RUNNING`` (a worker holds its token), ``CANCELLING`` (the client
+asked to cancel; the worker was told and its final is awaited), ``ABANDONED`` (the client
+already got its final, or went away, but a worker still holds the token and so still holds a
+credit) or ``DONE``.  A final (``ToClient(final=True)`` or ``ClientError``) is only ever
+emitted while leaving QUEUED/RUNNING/CANCELLING, and leaving them is one-way.
+
+Requests and payloads
+---------------------
+Payloads are opaque: carried in, handed back in actions.  A request is named by
+``(client, request_id)`` towards the client and by a broker-unique ``token`` towards a
+worker; every dispatch attempt (a retry after a worker death included) gets a fresh token,
+so a late reply from a worker presumed dead can never be mistaken for the current attempt.
+
+Dispatch
+--------
+Each service has one FIFO per priority.  When a worker has spare credit, the next request
+is chosen among the (bounded-scanned) queue heads by effective priority
+``weight[pri] * (1 + waited / aging_s)``: urgent work wins while fresh, and anything that
+waits long enough overtakes it, so no class starves.  A request carrying shared-memory
+references (``local_host`` set) may only go to a worker of its service on that host that
+speaks ``shm``; the workers able to take a given request form a *pool* (``None``: every
+worker of the service; a host name: the shm workers on that host).  A queue head whose pool
+has no spare credit is skipped, up to ``_SCAN`` entries, so it does not block the requests
+behind it.
+
+Each pool keeps a lazy min-heap of its workers with spare credit, keyed by
+``(in_flight / credit, in_flight, last used)``.  A load change bumps the worker's version
+and pushes one new entry; stale entries are discarded when they surface, and the heap is
+rebuilt when stale entries outnumber live workers.  Choosing a worker is therefore
+O(log workers) and independent of the queue length; nothing scans all workers per request.
+
+Time
+----
+Everything time-driven (deadlines, service grace, heartbeats to workers, worker and client
+liveness) is one min-heap of timers, also lazy: an entry is checked when it surfaces
+(is its request still waiting? has the worker been heard from since?) and is dropped or
+pushed back to its real due time.  Refreshing liveness on every message is therefore an
+O(1) store, and :meth:`Scheduler.next_wakeup` is exact after it settles the heap top.
+
+Failure handling
+----------------
+A worker that dies (DISCONNECT, a second READY, or silence for ``heartbeat_liveness``
+intervals) loses its requests: RUNNING ones go back to the front of their queue with
+``attempt + 1`` until ``max_retries`` is spent (then WORKER_FAILED), CANCELLING ones finish
+as CANCELLED, ABANDONED ones simply vanish.  A request whose pool has had no live worker
+for ``service_grace`` seconds fails with SERVICE_UNAVAILABLE (or NOT_LOCAL when the service
+lives on, but not on the request's host).  A client that disconnects or falls silent loses
+its queued requests silently and its running ones are cancelled at the worker.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from broker.protocol import ErrorCode, Priority  # noqa: F401  (re-exported)
+
+__all__ = [
+    "Priority",
+    "ErrorCode",
+    "Config",
+    "Dispatch",
+    "ToClient",
+    "ClientError",
+    "CancelAtWorker",
+    "HeartbeatWorker",
+    "DisconnectWorker",
+    "Action",
+    "Scheduler",
+]
+
+
+# The codes and classes are wire values: they live in broker.protocol, the single source
+# of truth, and are re-exported here for the scheduler's users.
+
+
+@dataclass(slots=True)
+class Config:
+    heartbeat_interval: float = 1.0  # seconds between heartbeats to workers
+    heartbeat_liveness: int = 3  # missed intervals before a peer is presumed dead
+    max_queue: int = 1024  # per service
+    priority_weights: tuple = (3.0, 1.0, 0.5)  # urgent, normal, background
+    aging_s: float = 0.5  # waiting this long adds one unit of the weight (no starvation)
+    max_retries: int = 2  # re-dispatches after worker deaths before WORKER_FAILED
+    service_grace: float = 1.0  # wait for a live worker before SERVICE_UNAVAILABLE
+    client_liveness: float | None = None  # default heartbeat_interval * heartbeat_liveness
+
+
+# ----------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Send a REQUEST to ``worker``; the worker echoes ``token`` in every reply.
+
+    ``attempt`` is 0 for the first dispatch and n for the n-th retry after worker deaths."""
+
+    worker: bytes
+    token: int
+    client: bytes
+    request_id: int
+    service: str
+    payload: object
+    enqueued_at: float
+    deadline: float | None
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class ToClient:
+    """Forward a worker's PARTIAL (``final=False``) or FINAL to the client."""
+
+    client: bytes
+    request_id: int
+    service: str
+    final: bool
+    payload: object
+    enqueued_at: float
+    dispatched_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ClientError:
+    """A typed error FINAL; ``payload`` is the original request payload."""
+
+    client: bytes
+    request_id: int
+    service: str
+    code: ErrorCode
+    message: str
+    payload: object
+
+
+@dataclass(frozen=True, slots=True)
+class CancelAtWorker:
+    worker: bytes
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeartbeatWorker:
+    worker: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DisconnectWorker:
+    worker: bytes
+    reason: str
+
+
+Action = Dispatch | ToClient | ClientError | CancelAtWorker | HeartbeatWorker | DisconnectWorker
+
+# ------------------------------------------------------------------------ internal state
+
+# Request states (see Rule 3 in the module docstring).
+_QUEUED, _RUNNING, _CANCELLING, _ABANDONED, _DONE = range(5)
+_LIVE_FOR_CLIENT = (_QUEUED, _RUNNING, _CANCELLING)
+
+# Timer kinds.
+_T_DEADLINE, _T_GRACE, _T_HEARTBEAT, _T_WORKER, _T_CLIENT = range(5)
+
+# How many entries of one priority queue a dispatch pass looks at to get past heads that
+# cannot go anywhere now (locality).  Bounded so a pile of unplaceable requests costs a
+# constant per pass instead of the queue length.
+_SCAN = 16
+
+_COUNTERS = (
+    "dispatched",
+    "completed",
+    "expired",
+    "rejected_full",
+    "retried",
+    "dropped_late",
+    "cancelled",
+    "worker_failed",
+    "unavailable",
+    "not_local",
+    "protocol_errors",
+    "client_dropped",
+    "worker_deaths",
+)
+
+
+class _Request:
+    __slots__ = (
+        "client",
+        "request_id",
+        "svc",
+        "payload",
+        "priority",
+        "deadline",
+        "local_host",
+        "enqueued_at",
+        "attempt",
+        "state",
+        "worker",
+        "token",
+        "dispatched_at",
+    )
+
+    def __init__(self, client, request_id, svc, payload, priority, deadline, local_host, now):
+        self.client = client
+        self.request_id = request_id
+        self.svc = svc
+        self.payload = payload
+        self.priority = priority
+        self.deadline = deadline
+        self.local_host = local_host
+        self.enqueued_at = now
+        self.attempt = 0
+        self.state = _QUEUED
+        self.worker = None
+        self.token = 0
+        self.dispatched_at = 0.0
+
+
+class _Pool:
+    """The workers of one service able to take one class of request (see docstring)."""
+
+    __slots__ = ("key", "live", "ready", "gap_since", "gap_epoch")
+
+    def __init__(self, key, now, epoch):
+        self.key = key
+        self.live = 0
+        # Lazy min-heap of (load, in_flight, used, seq, version, worker).
+        self.ready = []
+        # While the pool has no live worker: since when, and an epoch that grace timers
+        # carry so a timer from an earlier gap cannot fire in a later one.
+        self.gap_since = now
+        self.gap_epoch = epoch
+
+
+class _Service:
+    __slots__ = ("name", "queues", "queued", "workers", "pools", "any", "in_flight")
+
+    def __init__(self, name, now, epoch):
+        self.name = name
+        # OrderedDict as an indexable FIFO: O(1) append, pop from the middle (cancel,
+        # deadline) and push to the front (retry).  Keys are the requests themselves.
+        self.queues = (OrderedDict(), OrderedDict(), OrderedDict())
+        self.queued = 0
+        self.workers = {}
+        self.any = _Pool(None, now, epoch)
+        self.pools = {None: self.any}
+        self.in_flight = 0  # tokens held by this service's workers, abandoned ones included
+
+
+class _Worker:
+    __slots__ = (
+        "ident",
+        "svc",
+        "credit",
+        "host",
+        "transports",
+        "pools",
+        "in_flight",
+        "last_seen",
+        "last_heartbeat",
+        "used",
+        "version",
+        "alive",
+    )
+
+
+class _Client:
+    __slots__ = ("ident", "last_seen")
+
+    def __init__(self, ident, now):
+        self.ident = ident
+        self.last_seen = now
+
+
+# ----------------------------------------------------------------------------- scheduler
+
+
+class Scheduler:
+    """The broker's scheduling state.  Every event method returns a list of actions."""
+
+    def __init__(self, config: Config | None = None):
+        cfg = config if config is not None else Config()
+        if cfg.heartbeat_interval <= 0:
+            raise ValueError("heartbeat_interval must be > 0")
+        if cfg.heartbeat_liveness < 1:
+            raise ValueError("heartbeat_liveness must be >= 1")
+        if cfg.max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        if len(cfg.priority_weights) != 3 or any(w <= 0 for w in cfg.priority_weights):
+            raise ValueError("priority_weights must be three positive numbers")
+        if cfg.aging_s <= 0:
+            raise ValueError("aging_s must be > 0 (it divides the waiting time)")
+        if cfg.max_retries < 0:
+            raise ValueError("max_retries must be >= 0")
+        if cfg.service_grace < 0:
+            raise ValueError("service_grace must be >= 0")
+        self.config = cfg
+        self._weights = tuple(float(w) for w in cfg.priority_weights)
+        self._worker_ttl = cfg.heartbeat_interval * cfg.heartbeat_liveness
+        self._client_ttl = (
+            cfg.client_liveness if cfg.client_liveness is not None else self._worker_ttl
+        )
+        self._services: dict[str, _Service] = {}
+        self._workers: dict[bytes, _Worker] = {}
+        self._clients: dict[bytes, _Client] = {}  # only clients that sent a heartbeat
+        self._requests: dict[bytes, dict[int, _Request]] = {}  # live for their client
+        self._live = 0  # requests not DONE; bounds the number of valid timers
+        self._timers: list = []
+        self._seq = itertools.count()
+        self._tokens = itertools.count(1)
+        self._uses = itertools.count()
+        self._epochs = itertools.count(1)
+        # Services whose queues or workers changed during the current event; a dict, not a
+        # set, so the order of the resulting actions does not depend on object addresses.
+        self._dirty: dict[_Service, None] = {}
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+
+    # ------------------------------------------------------------------ worker events
+
+    def worker_ready(
+        self,
+        worker: bytes,
+        service: str,
+        now: float,
+        *,
+        credit: int = 1,
+        host: str | None = None,
+        transports: frozenset = frozenset({"inline"}),
+    ) -> list[Action]:
+        """A worker announced itself for ``service`` with ``credit`` concurrent requests.
+
+        ``transports`` must contain ``"shm"`` (and ``host`` be set) for it to take requests
+        that carry shared-memory references.  A second READY from a registered worker
+        disconnects it; its in-flight work is retried elsewhere."""
+        out: list[Action] = []
+        known = self._workers.get(worker)
+        if known is not None:
+            # MDP: a second READY means the peer lost its state (restart with the same
+            # identity) or is confused; either way its in-flight work cannot be trusted.
+            self._kill_worker(known, now, out)
+            out.insert(0, DisconnectWorker(worker, "READY from a worker already registered; "
+                                                   "reconnect and send READY once"))
+            self._flush(now, out)
+            return out
+        svc = self._service(service, now)
+        w = _Worker()
+        w.ident = worker
+        w.svc = svc
+        w.credit = max(1, int(credit))  # a worker with no credit would only hold a slot
+        w.host = host
+        w.transports = frozenset(transports)
+        w.in_flight = {}
+        w.last_seen = now
+        w.last_heartbeat = now  # READY is the handshake; the first heartbeat is due later
+        w.used = next(self._uses)
+        w.version = 0
+        w.alive = True
+        pools = [svc.any]
+        if host is not None and "shm" in w.transports:
+            pools.append(self._pool(svc, host, now))
+        w.pools = tuple(pools)
+        for pool in pools:
+            pool.live += 1
+            pool.gap_since = None
+            pool.gap_epoch = None
+        self._workers[worker] = w
+        svc.workers[worker] = w
+        self._reload(w)
+        self._push_timer(now + self.config.heartbeat_interval, _T_HEARTBEAT, w)
+        self._push_timer(now + self._worker_ttl, _T_WORKER, w)
+        self._dirty[svc] = None
+        self._flush(now, out)
+        return out
+
+    def worker_seen(self, worker: bytes, now: float) -> list[Action]:
+        """Any message other than READY from ``worker`` (call it before the specific event)."""
+        w = self._workers.get(worker)
+        if w is None:
+            # MDP: tell an unknown peer to reconnect, so it comes back with a READY.
+            return [DisconnectWorker(worker, "unknown worker (expired or never sent READY); "
+                                             "reconnect and send READY")]
+        w.last_seen = now
+        return []
+
+    def worker_partial(self, worker: bytes, token: int, now: float, payload: object = None
+                       ) -> list[Action]:
+        """Relay a PARTIAL if ``worker`` holds ``token``; otherwise drop it (counted)."""
+        req = self._held(worker, token, now)
+        if req is None:
+            return []
+        if req.state == _ABANDONED:
+            self._counters["dropped_late"] += 1
+            return []
+        return [ToClient(req.client, req.request_id, req.svc.name, False, payload,
+                         req.enqueued_at, req.dispatched_at)]
+
+    def worker_final(self, worker: bytes, token: int, now: float, payload: object = None
+                     ) -> list[Action]:
+        """Relay a FINAL if ``worker`` holds ``token`` and return its credit; a reply
+        for a token the worker does not hold (late, duplicate) is dropped and counted."""
+        req = self._held(worker, token, now)
+        if req is None:
+            return []
+        out: list[Action] = []
+        w = req.worker
+        del w.in_flight[token]
+        req.svc.in_flight -= 1
+        self._reload(w)
+        self._dirty[req.svc] = None
+        if req.state == _ABANDONED:
+            self._counters["dropped_late"] += 1
+        else:
+            self._unlink(req)
+            self._counters["completed"] += 1
+            out.append(ToClient(req.client, req.request_id, req.svc.name, True, payload,
+                                req.enqueued_at, req.dispatched_at))
+        self._retire(req)
+        self._flush(now, out)
+        return out
+
+    def worker_disconnect(self, worker: bytes, now: float) -> list[Action]:
+        """The worker said DISCONNECT (or the server knows it is gone): retry its work."""
+        w = self._workers.get(worker)
+        if w is None:
+            return []
+        out: list[Action] = []
+        self._kill_worker(w, now, out)
+        self._flush(now, out)
+        return out
+
+    # ------------------------------------------------------------------ client events
+
+    def client_request(
+        self,
+        client: bytes,
+        request_id: int,
+        service: str,
+        now: float,
+        *,
+        payload: object,
+        priority: Priority | int = Priority.NORMAL,
+        deadline: float | None = None,
+        local_host: str | None = None,
+    ) -> list[Action]:
+        """Admit, dispatch, or refuse a request.  ``deadline`` is absolute on the clock of
+        ``now``; ``local_host`` marks a request whose tensors sit in shared memory on that
+        host.  Refusals (expired, duplicate id, NOT_LOCAL, QUEUE_FULL) are immediate."""
+        self._touch_client(client, now)
+        cnt = self._counters
+
+        def reject(code, message):
+            return [ClientError(client, request_id, service, code, message, payload)]
+
+        try:
+            priority = Priority(priority)
+        except ValueError:
+            cnt["protocol_errors"] += 1
+            return reject(ErrorCode.PROTOCOL_ERROR,
+                          f"unknown priority {priority!r}; use 0 (urgent), 1 (normal) or "
+                          f"2 (background)")
+        mine = self._requests.get(client)
+        if mine is not None and request_id in mine:
+            cnt["protocol_errors"] += 1
+            return reject(ErrorCode.PROTOCOL_ERROR,
+                          f"request id {request_id} is already in flight from this client; "
+                          f"use a fresh id for every request")
+        if deadline is not None and deadline <= now:
+            cnt["expired"] += 1
+            return reject(ErrorCode.DEADLINE_EXCEEDED,
+                          f"deadline had already passed ({now - deadline:.3f} s ago) when the "
+                          f"broker received the request; allow more time")
+        svc = self._services.get(service)
+        if local_host is not None and svc is not None and svc.any.live > 0:
+            pool = svc.pools.get(local_host)
+            if pool is None or pool.live == 0:
+                cnt["not_local"] += 1
+                return reject(ErrorCode.NOT_LOCAL, self._not_local_message(service, local_host))
+        if svc is None:
+            svc = self._service(service, now)
+
+        req = _Request(client, request_id, svc, payload, priority, deadline, local_host, now)
+        self._live += 1
+        if mine is None:
+            mine = self._requests[client] = {}
+        mine[request_id] = req
+        svc.queues[priority][req] = None
+        svc.queued += 1
+        if deadline is not None:
+            self._push_timer(deadline, _T_DEADLINE, req)
+        pool = self._pool(svc, local_host, now)
+        if pool.live == 0:
+            self._push_grace(req, pool)
+
+        out: list[Action] = []
+        self._pump(svc, now, out)
+        # Full is judged after dispatching, so a free worker is never left idle by a queue
+        # clogged with requests it cannot take.
+        if req.state == _QUEUED and svc.queued > self.config.max_queue:
+            self._unqueue(req)
+            self._unlink(req)
+            self._retire(req)
+            cnt["rejected_full"] += 1
+            out.append(ClientError(client, request_id, service, ErrorCode.QUEUE_FULL,
+                                   f"the queue for '{service}' is full "
+                                   f"({self.config.max_queue} waiting); retry with backoff, "
+                                   f"lower the request rate or start more workers", payload))
+        self._flush(now, out)
+        return out
+
+    def client_cancel(self, client: bytes, request_id: int, now: float) -> list[Action]:
+        """Queued: CANCELLED now.  Running: CancelAtWorker, and the worker's own final is
+        forwarded when it comes.  Unknown or already final: ignored."""
+        self._touch_client(client, now)
+        req = self._requests.get(client, {}).get(request_id)
+        if req is None:
+            return []
+        out: list[Action] = []
+        if req.state == _QUEUED:
+            self._counters["cancelled"] += 1
+            self._unqueue(req)
+            self._error(req, ErrorCode.CANCELLED, "cancelled by the client", out)
+            self._retire(req)
+        elif req.state == _RUNNING:
+            # The worker's own final (result or its cancellation error) is the one final.
+            self._counters["cancelled"] += 1
+            req.state = _CANCELLING
+            out.append(CancelAtWorker(req.worker.ident, req.token))
+        self._flush(now, out)
+        return out
+
+    def client_heartbeat(self, client: bytes, now: float) -> list[Action]:
+        """From the first heartbeat on, the client is expected to stay audible."""
+        c = self._clients.get(client)
+        if c is None:
+            c = self._clients[client] = _Client(client, now)
+            self._push_timer(now + self._client_ttl, _T_CLIENT, c)
+        else:
+            c.last_seen = now
+        return []
+
+    def client_seen(self, client: bytes, now: float) -> list[Action]:
+        """Any message from ``client``; refreshes liveness if the client is tracked."""
+        self._touch_client(client, now)
+        return []
+
+    def client_disconnect(self, client: bytes, now: float) -> list[Action]:
+        """Drop the client's queued requests silently and cancel its running ones."""
+        out: list[Action] = []
+        self._drop_client(client, out)
+        self._flush(now, out)
+        return out
+
+    # ------------------------------------------------------------------ time
+
+    def tick(self, now: float) -> list[Action]:
+        """Fire everything due by ``now``: deadlines, service grace, heartbeats to workers,
+        worker and client liveness."""
+        out: list[Action] = []
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            _, _, kind, obj, epoch = heapq.heappop(timers)
+            due = self._timer_due(kind, obj, epoch)
+            if due is None:
+                continue
+            if due > now:
+                self._push_timer(due, kind, obj, epoch)
+                continue
+            if kind == _T_DEADLINE:
+                self._expire_deadline(obj, now, out)
+            elif kind == _T_GRACE:
+                self._expire_grace(obj, out)
+            elif kind == _T_HEARTBEAT:
+                out.append(HeartbeatWorker(obj.ident))
+                obj.last_heartbeat = now
+                self._push_timer(now + self.config.heartbeat_interval, _T_HEARTBEAT, obj)
+            elif kind == _T_WORKER:
+                out.append(DisconnectWorker(
+                    obj.ident, f"no message for {now - obj.last_seen:.3f} s "
+                               f"(liveness {self._worker_ttl} s); presumed dead"))
+                self._kill_worker(obj, now, out)
+            else:
+                self._drop_client(obj.ident, out)
+        self._flush(now, out)
+        return out
+
+    def next_wakeup(self, now: float) -> float | None:
+        """The earliest time at which :meth:`tick` has something to do (possibly <= now),
+        or None if nothing is scheduled.  ``now`` is accepted for symmetry; the answer does
+        not depend on it."""
+        timers = self._timers
+        while timers:
+            when, _, kind, obj, epoch = timers[0]
+            due = self._timer_due(kind, obj, epoch)
+            if due is None:
+                heapq.heappop(timers)
+            elif due > when:
+                heapq.heapreplace(timers, (due, next(self._seq), kind, obj, epoch))
+            else:
+                return when
+        return None
+
+    # ------------------------------------------------------------------ queries
+
+    def has_service(self, service: str) -> bool:
+        svc = self._services.get(service)
+        return svc is not None and svc.any.live > 0
+
+    def stats(self) -> dict:
+        services = {}
+        for name, svc in self._services.items():
+            q = svc.queues
+            services[name] = {
+                "queued": {"urgent": len(q[0]), "normal": len(q[1]), "background": len(q[2])},
+                "in_flight": svc.in_flight,
+                "workers": len(svc.workers),
+                "credit": sum(w.credit for w in svc.workers.values()),
+            }
+        return {
+            "services": services,
+            "workers": len(self._workers),
+            "clients": len(self._clients),
+            "requests": self._live,
+            "counters": dict(self._counters),
+        }
+
+    # ------------------------------------------------------------------ internals
+
+    def _service(self, name, now):
+        svc = self._services.get(name)
+        if svc is None:
+            svc = self._services[name] = _Service(name, now, next(self._epochs))
+        return svc
+
+    def _pool(self, svc, key, now):
+        pool = svc.pools.get(key)
+        if pool is None:
+            pool = svc.pools[key] = _Pool(key, now, next(self._epochs))
+        return pool
+
+    def _touch_client(self, client, now):
+        c = self._clients.get(client)
+        if c is not None:
+            c.last_seen = now
+
+    def _held(self, worker, token, now):
+        """The request ``worker`` holds as ``token``, or None (a late or duplicate reply)."""
+        w = self._workers.get(worker)
+        if w is None:
+            self._counters["dropped_late"] += 1
+            return None
+        w.last_seen = now
+        req = w.in_flight.get(token)
+        if req is None:
+            self._counters["dropped_late"] += 1
+        return req
+
+    def _not_local_message(self, service, host):
+        return (f"no worker for '{service}' on host '{host}' accepts shared memory (the "
+                f"service runs on other hosts); send the tensors inline instead")
+
+    # ---- bookkeeping of one request
+
+    def _unlink(self, req):
+        """The client has its final: forget the request under its client's name."""
+        mine = self._requests.get(req.client)
+        if mine is not None and mine.get(req.request_id) is req:
+            del mine[req.request_id]
+            if not mine:
+                del self._requests[req.client]
+
+    def _retire(self, req):
+        req.state = _DONE
+        req.worker = None
+        self._live -= 1
+
+    def _unqueue(self, req):
+        svc = req.svc
+        del svc.queues[req.priority][req]
+        svc.queued -= 1
+        self._dirty[svc] = None
+
+    def _error(self, req, code, message, out):
+        out.append(ClientError(req.client, req.request_id, req.svc.name, code, message,
+                               req.payload))
+        self._unlink(req)
+
+    # ---- workers and dispatch
+
+    def _reload(self, w):
+        """Re-file ``w`` in its pools' ready heaps after its load changed."""
+        w.version += 1
+        n = len(w.in_flight)
+        if n >= w.credit:
+            return
+        entry = (n / w.credit, n, w.used, next(self._seq), w.version, w)
+        for pool in w.pools:
+            heap = pool.ready
+            heapq.heappush(heap, entry)
+            if len(heap) > 4 * pool.live + 16:
+                heap[:] = [e for e in heap if e[5].alive and e[5].version == e[4]]
+                heapq.heapify(heap)
+
+    @staticmethod
+    def _ready_worker(pool):
+        heap = pool.ready
+        while heap:
+            e = heap[0]
+            w = e[5]
+            if w.alive and w.version == e[4]:
+                return w
+            heapq.heappop(heap)
+        return None
+
+    def _pump(self, svc, now, out):
+        """Dispatch while some queued request has a worker with spare credit in its pool."""
+        weights = self._weights
+        aging = self.config.aging_s
+        pools = svc.pools
+        ready = self._ready_worker
+        while ready(svc.any) is not None:
+            best = None
+            best_score = 0.0
+            for pri, q in enumerate(svc.queues):
+                if not q:
+                    continue
+                expired = None
+                cand = None
+                for n, req in enumerate(q):
+                    if n >= _SCAN:
+                        break
+                    if req.deadline is not None and req.deadline <= now:
+                        # Never dispatch an expired request, even if tick() has not run yet.
+                        if expired is None:
+                            expired = []
+                        expired.append(req)
+                        continue
+                    pool = pools.get(req.local_host)
+                    if pool is not None and ready(pool) is not None:
+                        cand = req
+                        break
+                if expired:
+                    for req in expired:
+                        self._expire_deadline(req, now, out)
+                if cand is not None:
+                    score = weights[pri] * (1.0 + (now - cand.enqueued_at) / aging)
+                    if best is None or score > best_score:
+                        best, best_score = cand, score
+            if best is None:
+                return
+            self._dispatch(best, ready(pools[best.local_host]), now, out)
+
+    def _dispatch(self, req, w, now, out):
+        svc = req.svc
+        del svc.queues[req.priority][req]
+        svc.queued -= 1
+        token = next(self._tokens)
+        req.state = _RUNNING
+        req.worker = w
+        req.token = token
+        req.dispatched_at = now
+        w.in_flight[token] = req
+        svc.in_flight += 1
+        w.used = next(self._uses)
+        self._reload(w)
+        self._counters["dispatched"] += 1
+        out.append(Dispatch(w.ident, token, req.client, req.request_id, svc.name, req.payload,
+                            req.enqueued_at, req.deadline, req.attempt))
+
+    def _kill_worker(self, w, now, out):
+        """Forget a dead worker and settle everything it held."""
+        w.alive = False
+        svc = w.svc
+        del self._workers[w.ident]
+        del svc.workers[w.ident]
+        self._counters["worker_deaths"] += 1
+        retry = []
+        for req in w.in_flight.values():
+            svc.in_flight -= 1
+            if req.state == _RUNNING:
+                if req.attempt >= self.config.max_retries:
+                    self._counters["worker_failed"] += 1
+                    self._error(req, ErrorCode.WORKER_FAILED,
+                                f"the worker running this request died {req.attempt + 1} "
+                                f"time(s) (max_retries={self.config.max_retries}); check "
+                                f"the logs of the '{svc.name}' workers", out)
+                    self._retire(req)
+                else:
+                    retry.append(req)
+            elif req.state == _CANCELLING:
+                self._error(req, ErrorCode.CANCELLED,
+                            "cancelled by the client (the worker died before confirming)", out)
+                self._retire(req)
+            else:
+                self._retire(req)
+        w.in_flight = {}
+        # Front of the queue, oldest first: these requests have already waited their turn.
+        for req in reversed(retry):
+            self._counters["retried"] += 1
+            req.attempt += 1
+            req.state = _QUEUED
+            req.worker = None
+            q = svc.queues[req.priority]
+            q[req] = None
+            q.move_to_end(req, last=False)
+            svc.queued += 1
+        for pool in w.pools:
+            pool.live -= 1
+            if pool.live == 0:
+                pool.gap_since = now
+                pool.gap_epoch = next(self._epochs)
+                for q in svc.queues:
+                    for req in q:
+                        if req.local_host == pool.key:
+                            self._push_grace(req, pool)
+        self._dirty[svc] = None
+
+    # ---- timers
+
+    def _push_timer(self, when, kind, obj, epoch=None):
+        timers = self._timers
+        heapq.heappush(timers, (when, next(self._seq), kind, obj, epoch))
+        # Lazy deletion leaves stale entries behind (e.g. deadlines of requests that finished
+        # long before them).  Valid timers are bounded by this census, so rebuilding once the
+        # heap is twice that size keeps it O(live state) at O(1) amortised cost.
+        bound = 2 * len(self._workers) + len(self._clients) + 2 * self._live + 256
+        if len(timers) > 2 * bound:
+            timers[:] = [t for t in timers if self._timer_due(t[2], t[3], t[4]) is not None]
+            heapq.heapify(timers)
+
+    def _push_grace(self, req, pool):
+        self._push_timer(max(req.enqueued_at, pool.gap_since) + self.config.service_grace,
+                         _T_GRACE, req, pool.gap_epoch)
+
+    def _timer_due(self, kind, obj, epoch):
+        """When the timer really fires, or None if it no longer applies."""
+        if kind == _T_DEADLINE:
+            return obj.deadline if obj.state in _LIVE_FOR_CLIENT else None
+        if kind == _T_GRACE:
+            if obj.state != _QUEUED:
+                return None
+            pool = obj.svc.pools.get(obj.local_host)
+            if pool is None or pool.gap_epoch != epoch:
+                return None
+            return max(obj.enqueued_at, pool.gap_since) + self.config.service_grace
+        if kind == _T_HEARTBEAT:
+            return obj.last_heartbeat + self.config.heartbeat_interval if obj.alive else None
+        if kind == _T_WORKER:
+            return obj.last_seen + self._worker_ttl if obj.alive else None
+        if self._clients.get(obj.ident) is not obj:
+            return None
+        return obj.last_seen + self._client_ttl
+
+    def _expire_deadline(self, req, now, out):
+        self._counters["expired"] += 1
+        if req.state == _QUEUED:
+            self._unqueue(req)
+            self._error(req, ErrorCode.DEADLINE_EXCEEDED,
+                        f"deadline passed after {now - req.enqueued_at:.3f} s waiting for a "
+                        f"free '{req.svc.name}' worker; allow more time, lower the load or "
+                        f"start more workers", out)
+            self._retire(req)
+            return
+        if req.state == _RUNNING:
+            out.append(CancelAtWorker(req.worker.ident, req.token))
+        # The worker keeps the credit until its late final arrives or it dies.
+        req.state = _ABANDONED
+        self._error(req, ErrorCode.DEADLINE_EXCEEDED,
+                    f"deadline passed while a worker was running the request "
+                    f"({now - req.dispatched_at:.3f} s in flight); allow more time or use a "
+                    f"faster worker", out)
+
+    def _expire_grace(self, req, out):
+        svc = req.svc
+        grace = float(self.config.service_grace)
+        self._unqueue(req)
+        if svc.any.live == 0:
+            self._counters["unavailable"] += 1
+            self._error(req, ErrorCode.SERVICE_UNAVAILABLE,
+                        f"no worker for '{svc.name}' registered within {grace} s; start one "
+                        f"with python -m gpu_worker --model {svc.name}", out)
+        else:
+            self._counters["not_local"] += 1
+            self._error(req, ErrorCode.NOT_LOCAL,
+                        self._not_local_message(svc.name, req.local_host), out)
+        self._retire(req)
+
+    # ---- clients
+
+    def _drop_client(self, client, out):
+        self._clients.pop(client, None)
+        mine = self._requests.pop(client, None)
+        if not mine:
+            return
+        for req in mine.values():
+            if req.state == _QUEUED:
+                self._counters["client_dropped"] += 1
+                self._unqueue(req)
+                self._retire(req)
+            else:
+                if req.state == _RUNNING:
+                    out.append(CancelAtWorker(req.worker.ident, req.token))
+                req.state = _ABANDONED
+
+    # ---- end of every event
+
+    def _flush(self, now, out):
+        dirty = self._dirty
+        while dirty:
+            svc = next(iter(dirty))
+            del dirty[svc]
+            if self._services.get(svc.name) is not svc:
+                continue
+            self._pump(svc, now, out)
+            if not svc.workers and not svc.queued:
+                del self._services[svc.name]

@@ -1,0 +1,644 @@
+"""broker.state, event by event with an injected clock."""
+from __future__ import annotations
+
+import pytest
+
+from broker.state import (
+    CancelAtWorker,
+    ClientError,
+    Config,
+    DisconnectWorker,
+    Dispatch,
+    ErrorCode,
+    HeartbeatWorker,
+    Priority,
+    Scheduler,
+    ToClient,
+)
+
+C = b"client"
+
+
+def of(actions, cls):
+    return [a for a in actions if isinstance(a, cls)]
+
+
+def only(actions, cls):
+    found = of(actions, cls)
+    assert len(found) == 1, actions
+    return found[0]
+
+
+def req(s, rid, now=0.0, service="svc", client=C, **kw):
+    kw.setdefault("payload", f"p{rid}")
+    return s.client_request(client, rid, service, now, **kw)
+
+
+# ----------------------------------------------------------------------------- types
+
+
+def test_error_codes_are_fixed_on_the_wire():
+    assert {c.name: int(c) for c in ErrorCode} == {
+        "PROTOCOL_ERROR": 400,
+        "NOT_LOCAL": 421,
+        "QUEUE_FULL": 429,
+        "CANCELLED": 499,
+        "INTERNAL": 500,
+        "WORKER_FAILED": 502,
+        "SERVICE_UNAVAILABLE": 503,
+        "DEADLINE_EXCEEDED": 504,
+    }
+    assert [int(p) for p in Priority] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"heartbeat_interval": 0},
+        {"heartbeat_liveness": 0},
+        {"aging_s": 0},
+        {"priority_weights": (1.0, 1.0)},
+        {"max_retries": -1},
+        {"service_grace": -1},
+    ],
+)
+def test_bad_config_is_refused(kw):
+    with pytest.raises(ValueError):
+        Scheduler(Config(**kw))
+
+
+def test_actions_are_frozen():
+    a = CancelAtWorker(b"w", 1)
+    with pytest.raises(AttributeError):
+        a.token = 2  # type: ignore[misc]
+
+
+# ----------------------------------------------------------------------------- credit
+
+
+def test_bare_worker_has_credit_one():
+    s = Scheduler()
+    assert s.worker_ready(b"w", "svc", 0.0) == []
+    d1 = only(req(s, 1), Dispatch)
+    assert (d1.worker, d1.client, d1.request_id, d1.payload, d1.attempt) == (b"w", C, 1, "p1", 0)
+    assert req(s, 2) == []  # queued: credit 1 is used
+    assert s.stats()["services"]["svc"]["queued"]["normal"] == 1
+    out = s.worker_final(b"w", d1.token, 0.1, "r1")
+    assert out[0] == ToClient(C, 1, "svc", True, "r1", 0.0, 0.0)
+    d2 = only(out, Dispatch)
+    assert d2.request_id == 2 and d2.token != d1.token
+
+
+def test_credit_limit_is_never_exceeded():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=3)
+    dispatched = [a for i in range(5) for a in of(req(s, i), Dispatch)]
+    assert len(dispatched) == 3
+    st = s.stats()["services"]["svc"]
+    assert st["in_flight"] == 3 and st["queued"]["normal"] == 2 and st["credit"] == 3
+    out = s.worker_final(b"w", dispatched[0].token, 1.0, None)
+    assert len(of(out, Dispatch)) == 1
+
+
+def test_least_loaded_then_fewest_in_flight_then_least_recently_used():
+    s = Scheduler()
+    s.worker_ready(b"w1", "svc", 0.0, credit=4)
+    s.worker_ready(b"w2", "svc", 0.0, credit=2)
+    got = [only(req(s, i), Dispatch).worker for i in range(6)]
+    # loads before each pick (w1 / w2): 0/0 (LRU: w1), .25/0, .25/.5, .5/.5 (fewer: w2),
+    # .5/full, .75/full
+    assert got == [b"w1", b"w2", b"w1", b"w2", b"w1", b"w1"]
+    assert req(s, 99) == []  # both full
+
+
+def test_idle_workers_share_work_by_least_recent_use():
+    s = Scheduler()
+    s.worker_ready(b"w1", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    d = only(req(s, 1), Dispatch)
+    assert d.worker == b"w1"
+    s.worker_final(b"w1", d.token, 0.1, None)
+    assert only(req(s, 2, now=0.2), Dispatch).worker == b"w2"
+
+
+def test_many_workers_dispatch_stays_cheap_and_heaps_bounded():
+    s = Scheduler(Config(max_queue=100_000))
+    n_workers = 200
+    for i in range(n_workers):
+        s.worker_ready(b"w%d" % i, "svc", 0.0, credit=4)
+    live = []
+    for rid in range(20_000):
+        live += of(req(s, rid, deadline=1e9), Dispatch)
+        if len(live) > 400:
+            d = live.pop(0)
+            live += of(s.worker_final(d.worker, d.token, 0.0, None), Dispatch)
+    pool = s._services["svc"].any
+    assert len(pool.ready) <= 4 * n_workers + 16
+    assert len(s._timers) <= 4 * (2 * n_workers + 2 * s.stats()["requests"] + 256)
+
+
+# ----------------------------------------------------------------------------- priorities
+
+
+def test_urgent_goes_first_then_normal_then_background():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    busy = only(req(s, 0), Dispatch)
+    req(s, 1, priority=Priority.BACKGROUND)
+    req(s, 2, priority=Priority.NORMAL)
+    req(s, 3, priority=Priority.URGENT)
+    order = []
+    token = busy.token
+    for _ in range(3):
+        d = only(s.worker_final(b"w", token, 0.0, None), Dispatch)
+        order.append(d.request_id)
+        token = d.token
+    assert order == [3, 2, 1]
+
+
+def test_aging_lets_an_old_normal_request_overtake_a_fresh_urgent_one():
+    s = Scheduler()  # weights 3/1, aging 0.5 s: normal wins after waiting > 1 s
+    s.worker_ready(b"w", "svc", 0.0)
+    busy = only(req(s, 0), Dispatch)
+    req(s, 1, now=0.0, priority=Priority.NORMAL)
+    req(s, 2, now=1.5, priority=Priority.URGENT)
+    d = only(s.worker_final(b"w", busy.token, 1.5, None), Dispatch)
+    assert d.request_id == 1
+
+
+def test_background_is_served_under_a_steady_urgent_load():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, 0, priority=Priority.URGENT), Dispatch).token
+    req(s, 1, priority=Priority.BACKGROUND)
+    rid = 2
+    now = 0.0
+    served_at = None
+    # Urgent work arrives as fast as the worker completes it, so there is always an urgent
+    # request waiting when the worker frees up.
+    while now < 30.0:
+        now += 0.1
+        req(s, rid, now=now, priority=Priority.URGENT)
+        rid += 1
+        d = only(s.worker_final(b"w", token, now, None), Dispatch)
+        token = d.token
+        if d.request_id == 1:
+            served_at = now
+            break
+    assert served_at is not None
+    assert 2.0 < served_at < 10.0
+
+
+# ----------------------------------------------------------------------------- deadlines
+
+
+def test_expired_on_arrival_is_refused_and_never_dispatched():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    out = req(s, 1, now=5.0, deadline=5.0)
+    assert only(out, ClientError).code == ErrorCode.DEADLINE_EXCEEDED
+    assert of(out, Dispatch) == []
+    assert s.stats()["counters"]["expired"] == 1
+
+
+def test_queued_request_expires_at_its_deadline():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    busy = only(req(s, 0), Dispatch)
+    req(s, 1, deadline=0.5)
+    assert s.next_wakeup(0.0) == 0.5
+    assert s.tick(0.49) == []
+    err = only(s.tick(0.5), ClientError)
+    assert (err.request_id, err.code, err.payload) == (1, ErrorCode.DEADLINE_EXCEEDED, "p1")
+    assert s.worker_final(b"w", busy.token, 0.6, None)[1:] == []  # nothing left to dispatch
+
+
+def test_expired_request_is_not_dispatched_even_before_tick_runs():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    busy = only(req(s, 0), Dispatch)
+    req(s, 1, deadline=0.5)
+    req(s, 2)
+    out = s.worker_final(b"w", busy.token, 0.7, None)  # no tick since 0.0
+    assert only(out, ClientError).request_id == 1
+    assert only(out, Dispatch).request_id == 2
+    assert s.tick(0.7) == []
+
+
+def test_in_flight_deadline_errors_now_and_cancels_at_worker():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, 1, deadline=1.0), Dispatch)
+    assert d.deadline == 1.0
+    out = s.tick(1.0)
+    err = only(out, ClientError)
+    assert err.code == ErrorCode.DEADLINE_EXCEEDED and err.request_id == 1
+    assert only(out, CancelAtWorker) == CancelAtWorker(b"w", d.token)
+    # The worker keeps the credit until its late final arrives.
+    assert req(s, 2, now=1.1) == []
+    out = s.worker_final(b"w", d.token, 1.2, "late")
+    assert of(out, ToClient) == []
+    assert only(out, Dispatch).request_id == 2
+    assert s.stats()["counters"]["dropped_late"] == 1
+    # The request id may be reused once its final has gone out.
+    assert of(req(s, 1, now=1.3), ClientError) == []
+
+
+def test_in_flight_deadline_then_worker_death_gives_no_second_final():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    only(req(s, 1, deadline=1.0), Dispatch)
+    assert len(of(s.tick(1.0), ClientError)) == 1
+    out = s.worker_disconnect(b"w", 1.1)
+    assert of(out, ClientError) == [] and of(out, Dispatch) == []
+
+
+# ----------------------------------------------------------------------------- admission
+
+
+def test_queue_full_is_refused_immediately():
+    s = Scheduler(Config(max_queue=2))
+    s.worker_ready(b"w", "svc", 0.0)
+    only(req(s, 0), Dispatch)
+    assert req(s, 1) == [] and req(s, 2) == []
+    err = only(req(s, 3), ClientError)
+    assert err.code == ErrorCode.QUEUE_FULL and "full" in err.message
+    assert s.stats()["counters"]["rejected_full"] == 1
+    assert s.stats()["services"]["svc"]["queued"]["normal"] == 2
+
+
+def test_a_free_worker_is_used_even_with_no_queue_room():
+    s = Scheduler(Config(max_queue=0))
+    s.worker_ready(b"w", "svc", 0.0)
+    assert only(req(s, 1), Dispatch).request_id == 1
+    assert only(req(s, 2), ClientError).code == ErrorCode.QUEUE_FULL
+
+
+def test_duplicate_request_id_is_a_protocol_error_for_the_new_one_only():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, 1), Dispatch)
+    err = only(req(s, 1, payload="again"), ClientError)
+    assert err.code == ErrorCode.PROTOCOL_ERROR and err.payload == "again"
+    out = s.worker_final(b"w", d.token, 0.1, "ok")
+    assert only(out, ToClient).payload == "ok"
+
+
+def test_unknown_priority_is_a_protocol_error():
+    s = Scheduler()
+    assert only(req(s, 1, priority=7), ClientError).code == ErrorCode.PROTOCOL_ERROR
+
+
+# ----------------------------------------------------------------------------- service grace
+
+
+def test_no_worker_within_grace_gives_service_unavailable():
+    s = Scheduler()
+    assert req(s, 1, service="cartoon", now=10.0) == []
+    assert not s.has_service("cartoon")
+    assert s.next_wakeup(10.0) == 11.0
+    assert s.tick(10.99) == []
+    err = only(s.tick(11.0), ClientError)
+    assert err.code == ErrorCode.SERVICE_UNAVAILABLE
+    assert "cartoon" in err.message and "python -m gpu_worker --model cartoon" in err.message
+    assert s.stats()["services"] == {}  # an empty service leaves nothing behind
+    assert s.next_wakeup(11.0) is None
+
+
+def test_worker_arriving_within_grace_takes_the_request():
+    s = Scheduler()
+    req(s, 1)
+    assert only(s.worker_ready(b"w", "svc", 0.9), Dispatch).request_id == 1
+    assert s.has_service("svc")
+    assert of(s.tick(5.0), ClientError) == []
+
+
+def test_grace_runs_from_the_last_worker_death():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    only(req(s, 1), Dispatch)
+    s.worker_seen(b"w", 4.0)
+    assert s.worker_disconnect(b"w", 5.0) == []  # retried, but no worker left
+    assert not s.has_service("svc")
+    assert s.tick(5.99) == []
+    assert only(s.tick(6.0), ClientError).code == ErrorCode.SERVICE_UNAVAILABLE
+
+
+# ----------------------------------------------------------------------------- locality
+
+
+def test_shm_request_goes_only_to_a_same_host_shm_worker():
+    s = Scheduler()
+    shm = frozenset({"inline", "shm"})
+    s.worker_ready(b"wB", "svc", 0.0, host="B", transports=shm)  # least recently used
+    s.worker_ready(b"wA", "svc", 0.0, host="A", transports=shm)
+    assert only(req(s, 1, local_host="A"), Dispatch).worker == b"wA"
+    assert only(req(s, 2), Dispatch).worker == b"wB"  # inline: any worker
+
+
+def test_shm_request_for_a_host_without_shm_worker_is_not_local():
+    s = Scheduler()
+    s.worker_ready(b"wA", "svc", 0.0, host="A")  # inline only
+    s.worker_ready(b"wB", "svc", 0.0, host="B", transports=frozenset({"shm"}))
+    for host in ("A", "C"):
+        err = only(req(s, host, local_host=host), ClientError)
+        assert err.code == ErrorCode.NOT_LOCAL and "inline" in err.message
+    assert s.stats()["counters"]["not_local"] == 2
+
+
+def test_a_head_that_cannot_be_placed_does_not_block_the_queue():
+    s = Scheduler()
+    shm = frozenset({"shm"})
+    s.worker_ready(b"wA", "svc", 0.0, host="A", transports=shm)
+    s.worker_ready(b"wB", "svc", 0.0, host="B")
+    only(req(s, 0, local_host="A"), Dispatch)  # wA busy
+    assert req(s, 1, local_host="A") == []  # waits for wA
+    d = only(req(s, 2), Dispatch)  # behind it, but wB can take it
+    assert d.worker == b"wB"
+
+
+def test_shm_request_queued_without_workers_fails_after_grace():
+    s = Scheduler()
+    s.worker_ready(b"wB", "svc", 0.0, host="B")
+    shm = frozenset({"shm"})
+    s.worker_ready(b"wA", "svc", 0.0, host="A", transports=shm)
+    only(req(s, 1, local_host="A"), Dispatch)
+    req(s, 2, local_host="A")
+    s.worker_seen(b"wB", 2.0)
+    s.worker_disconnect(b"wA", 2.0)  # request 1 goes back to the queue, its host is gone
+    assert of(s.tick(2.99), ClientError) == []
+    errs = of(s.tick(3.0), ClientError)
+    assert sorted(e.request_id for e in errs) == [1, 2]
+    assert {e.code for e in errs} == {ErrorCode.NOT_LOCAL}  # the service itself lives on
+
+
+# ----------------------------------------------------------------------------- worker deaths
+
+
+def test_worker_death_redispatches_with_new_token_and_drops_late_final():
+    s = Scheduler()
+    s.worker_ready(b"w1", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    d1 = only(req(s, 1), Dispatch)
+    assert d1.worker == b"w1"
+    only(req(s, 2), Dispatch)  # w2 busy
+    assert req(s, 3) == []
+    out = s.worker_disconnect(b"w1", 1.0)
+    assert out == []  # nobody free yet; request 1 is at the front of the queue
+    d2 = s.worker_final(b"w2", 2, 1.1, None)
+    retry = only(d2, Dispatch)
+    assert (retry.request_id, retry.worker, retry.attempt) == (1, b"w2", 1)
+    assert retry.token not in (d1.token, 2)
+    assert s.stats()["counters"]["retried"] == 1
+    # The presumed-dead worker answers after all: dropped.
+    assert s.worker_final(b"w1", d1.token, 1.2, "stale") == []
+    assert s.stats()["counters"]["dropped_late"] == 1
+    out = s.worker_final(b"w2", retry.token, 1.3, "good")
+    finals = [a for a in out if isinstance(a, ToClient) and a.request_id == 1]
+    assert [f.payload for f in finals] == ["good"]
+
+
+def test_silent_worker_is_expired_by_tick_and_its_work_moves():
+    s = Scheduler()
+    s.worker_ready(b"w1", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0, credit=2)
+    only(req(s, 1), Dispatch)
+    d1 = only(req(s, 2), Dispatch)
+    assert d1.worker == b"w1" or d1.worker == b"w2"
+    for t in (1.0, 2.0, 2.9):
+        s.worker_seen(b"w2", t)
+    out = s.tick(3.0)
+    assert DisconnectWorker in {type(a) for a in out}
+    assert only(out, DisconnectWorker).worker == b"w1"
+    redo = only(out, Dispatch)
+    assert redo.worker == b"w2" and redo.attempt == 1
+    # A late reply from w1 after it re-registers is still not accepted.
+    s.worker_ready(b"w1", "svc", 3.1)
+    assert s.worker_final(b"w1", 1, 3.2, "stale") == []
+
+
+def test_max_retries_then_worker_failed():
+    s = Scheduler(Config(max_retries=1))
+    s.worker_ready(b"w1", "svc", 0.0)
+    d = only(req(s, 1), Dispatch)
+    out = s.worker_ready(b"w2", "svc", 0.1)
+    assert out == []
+    d = only(s.worker_disconnect(b"w1", 0.2), Dispatch)
+    assert (d.worker, d.attempt) == (b"w2", 1)
+    err = only(s.worker_disconnect(b"w2", 0.3), ClientError)
+    assert err.code == ErrorCode.WORKER_FAILED and err.payload == "p1"
+    assert s.stats()["counters"]["worker_failed"] == 1
+
+
+def test_no_retries_means_the_first_death_fails_the_request():
+    s = Scheduler(Config(max_retries=0))
+    s.worker_ready(b"w1", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    only(req(s, 1), Dispatch)
+    out = s.worker_disconnect(b"w1", 0.1)
+    assert only(out, ClientError).code == ErrorCode.WORKER_FAILED
+    assert of(out, Dispatch) == []
+
+
+def test_retried_requests_keep_their_order_at_the_front():
+    s = Scheduler()
+    s.worker_ready(b"w1", "svc", 0.0, credit=2)
+    only(req(s, 1), Dispatch)
+    only(req(s, 2), Dispatch)
+    req(s, 3)
+    s.worker_disconnect(b"w1", 0.1)
+    out = s.worker_ready(b"w2", "svc", 0.2, credit=3)
+    assert [d.request_id for d in of(out, Dispatch)] == [1, 2, 3]
+    assert [d.attempt for d in of(out, Dispatch)] == [1, 1, 0]
+
+
+def test_second_ready_disconnects_and_retries():
+    s = Scheduler()
+    s.worker_ready(b"w1", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    d = only(req(s, 1), Dispatch)
+    only(req(s, 2), Dispatch)
+    out = s.worker_ready(b"w1", "svc", 0.5)
+    assert isinstance(out[0], DisconnectWorker) and out[0].worker == b"w1"
+    assert of(out, Dispatch) == []  # w2 is busy
+    assert s.stats()["workers"] == 1
+    assert only(s.worker_final(b"w2", d.token + 1, 0.6, None), Dispatch).request_id == 1
+
+
+def test_unknown_worker_is_told_to_reconnect():
+    s = Scheduler()
+    assert only(s.worker_seen(b"ghost", 0.0), DisconnectWorker).worker == b"ghost"
+    assert s.worker_final(b"ghost", 42, 0.0, None) == []
+    assert s.worker_partial(b"ghost", 42, 0.0, None) == []
+    assert s.worker_disconnect(b"ghost", 0.0) == []
+    assert s.stats()["counters"]["dropped_late"] == 2
+
+
+def test_partials_are_relayed_only_while_the_worker_holds_the_token():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, 1), Dispatch)
+    p = only(s.worker_partial(b"w", d.token, 0.1, "chunk"), ToClient)
+    assert (p.final, p.payload, p.dispatched_at) == (False, "chunk", 0.0)
+    s.worker_final(b"w", d.token, 0.2, "end")
+    assert s.worker_partial(b"w", d.token, 0.3, "late") == []
+    assert s.worker_final(b"w", d.token, 0.3, "dup") == []
+    assert s.worker_final(b"w", 999, 0.3, "bogus") == []
+    assert s.stats()["counters"]["dropped_late"] == 3
+
+
+# ----------------------------------------------------------------------------- cancellation
+
+
+def test_cancel_queued_request():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    busy = only(req(s, 0), Dispatch)
+    req(s, 1)
+    err = only(s.client_cancel(C, 1, 0.1), ClientError)
+    assert err.code == ErrorCode.CANCELLED and err.request_id == 1
+    assert s.client_cancel(C, 1, 0.2) == []  # already final
+    assert s.client_cancel(C, 77, 0.2) == []  # never existed
+    assert s.worker_final(b"w", busy.token, 0.3, None)[1:] == []
+    assert s.stats()["counters"]["cancelled"] == 1
+
+
+def test_cancel_in_flight_waits_for_the_workers_final():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, 1), Dispatch)
+    assert s.client_cancel(C, 1, 0.1) == [CancelAtWorker(b"w", d.token)]
+    assert s.client_cancel(C, 1, 0.15) == []  # told once
+    out = s.worker_final(b"w", d.token, 0.2, "cancelled-or-result")
+    assert only(out, ToClient).payload == "cancelled-or-result"
+    assert s.worker_final(b"w", d.token, 0.3, "again") == []
+
+
+def test_cancel_in_flight_then_worker_death_is_cancelled_not_retried():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    only(req(s, 1), Dispatch)
+    s.client_cancel(C, 1, 0.1)
+    out = s.worker_disconnect(b"w", 0.2)
+    assert only(out, ClientError).code == ErrorCode.CANCELLED
+    assert of(out, Dispatch) == []
+
+
+# ----------------------------------------------------------------------------- clients
+
+
+def test_client_disconnect_drops_queued_and_cancels_running():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, 1), Dispatch)
+    req(s, 2)
+    req(s, 3, client=b"other")
+    out = s.client_disconnect(C, 0.5)
+    assert out == [CancelAtWorker(b"w", d.token)]
+    out = s.worker_final(b"w", d.token, 0.6, "late")
+    assert of(out, ToClient) == []
+    assert only(out, Dispatch).client == b"other"  # request 2 is gone
+    assert s.stats()["counters"]["client_dropped"] == 1
+
+
+def test_silent_client_is_dropped_only_if_it_ever_sent_a_heartbeat():
+    s = Scheduler(Config(client_liveness=2.0, heartbeat_interval=100.0))
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, 1), Dispatch)
+    req(s, 2)
+    req(s, 3, client=b"quiet")  # never heartbeats: never expired
+    s.client_heartbeat(C, 0.0)
+    s.client_seen(C, 1.0)
+    assert s.next_wakeup(1.0) == 3.0
+    assert s.tick(2.9) == []
+    assert s.tick(3.0) == [CancelAtWorker(b"w", d.token)]
+    assert s.stats()["clients"] == 0
+    out = s.worker_final(b"w", d.token, 3.1, None)
+    assert only(out, Dispatch).client == b"quiet"
+    s.worker_seen(b"w", 50.0)
+    assert of(s.tick(50.0), CancelAtWorker) == []
+
+
+def test_default_client_liveness_follows_heartbeats():
+    s = Scheduler(Config(heartbeat_interval=0.5, heartbeat_liveness=4))
+    s.client_heartbeat(C, 0.0)
+    assert s.next_wakeup(0.0) == 2.0
+
+
+# ----------------------------------------------------------------------------- heartbeats
+
+
+def test_heartbeats_are_sent_each_interval_and_silence_kills():
+    s = Scheduler()  # interval 1 s, liveness 3
+    s.worker_ready(b"w", "svc", 0.0)
+    assert s.tick(0.5) == []
+    assert s.tick(1.0) == [HeartbeatWorker(b"w")]
+    assert s.tick(1.5) == []
+    assert s.tick(2.0) == [HeartbeatWorker(b"w")]
+    s.worker_seen(b"w", 2.5)
+    assert s.tick(3.0) == [HeartbeatWorker(b"w")]  # not dead: heard from at 2.5
+    assert s.tick(4.0) == [HeartbeatWorker(b"w")]
+    assert s.tick(5.0) == [HeartbeatWorker(b"w")]
+    assert s.tick(5.49) == []
+    out = s.tick(5.5)
+    assert [type(a) for a in out] == [DisconnectWorker]
+    assert not s.has_service("svc")
+    assert s.tick(10.0) == []
+
+
+def test_late_tick_sends_one_heartbeat_not_a_burst():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    s.worker_seen(b"w", 2.5)
+    assert s.tick(2.5) == [HeartbeatWorker(b"w")]
+    assert s.next_wakeup(2.5) == 3.5
+
+
+# ----------------------------------------------------------------------------- next_wakeup
+
+
+def test_next_wakeup_tracks_the_earliest_real_deadline():
+    s = Scheduler(Config(heartbeat_interval=10.0))
+    assert s.next_wakeup(0.0) is None
+    s.worker_ready(b"w", "svc", 0.0)
+    assert s.next_wakeup(0.0) == 10.0
+    d = only(req(s, 1, deadline=4.0), Dispatch)
+    assert s.next_wakeup(0.0) == 4.0
+    s.worker_final(b"w", d.token, 1.0, None)
+    assert s.next_wakeup(1.0) == 10.0  # the finished request's deadline no longer counts
+    s.worker_seen(b"w", 5.0)  # liveness moves to 35, heartbeat still due at 10
+    assert s.tick(9.99) == []
+    assert s.tick(10.0) == [HeartbeatWorker(b"w")]
+    assert s.next_wakeup(10.0) == 20.0
+
+
+def test_next_wakeup_never_promises_work_that_is_not_there():
+    s = Scheduler(Config(client_liveness=2.0))
+    s.client_heartbeat(C, 0.0)
+    for t in (0.5, 1.0, 1.5):
+        s.client_seen(C, t)
+    assert s.next_wakeup(1.5) == 3.5
+    assert s.tick(3.49) == []
+
+
+def test_stats_shape():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=2)
+    req(s, 1, priority=Priority.URGENT)
+    req(s, 2)
+    req(s, 3, priority=Priority.BACKGROUND)
+    st = s.stats()
+    assert st["services"]["svc"] == {
+        "queued": {"urgent": 0, "normal": 0, "background": 1},
+        "in_flight": 2,
+        "workers": 1,
+        "credit": 2,
+    }
+    assert st["workers"] == 1 and st["requests"] == 3
+    assert st["counters"]["dispatched"] == 2
+    assert set(st["counters"]) >= {
+        "dispatched", "completed", "expired", "rejected_full", "retried", "dropped_late",
+        "cancelled",
+    }

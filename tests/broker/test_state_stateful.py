@@ -1,0 +1,290 @@
+"""broker.state under random interleavings of events (hypothesis stateful testing).
+
+A small model of the outside world (which workers are alive, which tokens each holds,
+which requests are still owed a final) checks every action the scheduler returns:
+
+- a client never gets two finals for one request, nor one after it went away;
+- a worker never holds more tokens than its credit;
+- an expired request is never dispatched, and a shm request only goes to a same-host shm
+  worker of its service;
+- tick() before next_wakeup() has nothing to do;
+- once workers stop dying and time moves on, every request gets exactly one final.
+"""
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from broker.state import (
+    CancelAtWorker,
+    ClientError,
+    Config,
+    DisconnectWorker,
+    Dispatch,
+    ErrorCode,
+    HeartbeatWorker,
+    Priority,
+    Scheduler,
+    ToClient,
+)
+
+WORKERS = [b"w0", b"w1", b"w2", b"w3"]
+CLIENTS = [b"c0", b"c1"]
+SERVICES = ["a", "b"]
+HOSTS = ["h0", "h1"]
+# Multiples of 1/4 keep every sum of times exact in binary floating point, so the model's
+# liveness arithmetic agrees with the scheduler's to the last bit.
+STEPS = st.sampled_from([0.25, 0.5, 1.0, 2.0])
+
+
+class _Req:
+    def __init__(self, service, deadline, local_host):
+        self.service = service
+        self.deadline = deadline
+        self.local_host = local_host
+        self.finals = 0
+        self.gone = False  # its client went away: no final is owed any more
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.cfg = Config(
+            heartbeat_interval=1.0,
+            heartbeat_liveness=3,
+            max_queue=4,
+            max_retries=1,
+            service_grace=1.0,
+            client_liveness=2.0,
+        )
+        self.s = Scheduler(self.cfg)
+        self.now = 0.0
+        self.rids = itertools.count()
+        self.workers: dict[bytes, dict] = {}  # live, as the outside world sees it
+        self.reqs: dict[tuple[bytes, int], _Req] = {}
+        self.tokens_seen: set[int] = set()
+        self.tracked: dict[bytes, float] = {}  # clients that heartbeat: last time heard
+
+    # ---- checking every action
+
+    def apply(self, actions):
+        for a in actions:
+            if isinstance(a, Dispatch):
+                w = self.workers.get(a.worker)
+                assert w is not None, f"dispatch to a dead or unknown worker: {a}"
+                assert w["service"] == a.service
+                assert len(w["tokens"]) < w["credit"], "credit exceeded"
+                assert a.deadline is None or a.deadline > self.now, "expired request dispatched"
+                assert a.token not in self.tokens_seen, "token reused"
+                assert 0 <= a.attempt <= self.cfg.max_retries
+                r = self.reqs[(a.client, a.request_id)]
+                assert r.finals == 0 and not r.gone
+                assert r.service == a.service and r.deadline == a.deadline
+                if r.local_host is not None:
+                    assert w["host"] == r.local_host and w["shm"], "shm request sent off-host"
+                self.tokens_seen.add(a.token)
+                w["tokens"][a.token] = (a.client, a.request_id)
+            elif isinstance(a, (ToClient, ClientError)):
+                r = self.reqs[(a.client, a.request_id)]
+                assert not r.gone, f"reply to a client that went away: {a}"
+                assert r.finals == 0, f"second final: {a}"
+                if isinstance(a, ClientError) or a.final:
+                    r.finals = 1
+            elif isinstance(a, CancelAtWorker):
+                assert a.token in self.workers[a.worker]["tokens"]
+            elif isinstance(a, HeartbeatWorker):
+                assert a.worker in self.workers
+            elif isinstance(a, DisconnectWorker):
+                self.workers.pop(a.worker, None)
+            else:  # pragma: no cover
+                raise AssertionError(f"unknown action {a!r}")
+
+    def touch(self, client):
+        if client in self.tracked:
+            self.tracked[client] = self.now
+
+    def client_gone(self, client):
+        self.tracked.pop(client, None)
+        for (c, _), r in self.reqs.items():
+            if c == client and r.finals == 0:
+                r.gone = True
+
+    def owed(self):
+        return [k for k, r in self.reqs.items() if r.finals == 0 and not r.gone]
+
+    # ---- workers
+
+    @rule(
+        worker=st.sampled_from(WORKERS),
+        service=st.sampled_from(SERVICES),
+        credit=st.integers(1, 3),
+        host=st.sampled_from(HOSTS + [None]),
+        shm=st.booleans(),
+    )
+    def worker_ready(self, worker, service, credit, host, shm):
+        transports = frozenset({"inline", "shm"} if shm else {"inline"})
+        out = self.s.worker_ready(worker, service, self.now, credit=credit, host=host,
+                                  transports=transports)
+        if worker in self.workers:
+            assert isinstance(out[0], DisconnectWorker) and out[0].worker == worker
+        else:
+            self.workers[worker] = {"service": service, "credit": credit, "host": host,
+                                    "shm": shm and host is not None, "tokens": {}}
+        self.apply(out)
+
+    @rule(worker=st.sampled_from(WORKERS))
+    def worker_disconnect(self, worker):
+        out = self.s.worker_disconnect(worker, self.now)
+        self.workers.pop(worker, None)
+        self.apply(out)
+
+    @rule(worker=st.sampled_from(WORKERS))
+    def worker_heartbeat(self, worker):
+        out = self.s.worker_seen(worker, self.now)
+        if worker in self.workers:
+            assert out == []
+        else:
+            assert [type(a) for a in out] == [DisconnectWorker]
+
+    @precondition(lambda self: any(w["tokens"] for w in self.workers.values()))
+    @rule(data=st.data(), final=st.booleans())
+    def worker_reply(self, data, final):
+        worker = data.draw(st.sampled_from(sorted(k for k, w in self.workers.items()
+                                                  if w["tokens"])))
+        token = data.draw(st.sampled_from(sorted(self.workers[worker]["tokens"])))
+        self.s.worker_seen(worker, self.now)
+        if final:
+            out = self.s.worker_final(worker, token, self.now, "result")
+            del self.workers[worker]["tokens"][token]
+        else:
+            out = self.s.worker_partial(worker, token, self.now, "chunk")
+        self.apply(out)
+
+    @precondition(lambda self: self.tokens_seen)
+    @rule(data=st.data(), worker=st.sampled_from(WORKERS))
+    def stale_reply(self, data, worker):
+        token = data.draw(st.sampled_from(sorted(self.tokens_seen)))
+        held = self.workers.get(worker, {}).get("tokens", {})
+        if token in held:
+            return
+        assert self.s.worker_final(worker, token, self.now, "stale") == []
+        assert self.s.worker_partial(worker, token, self.now, "stale") == []
+
+    # ---- clients
+
+    @rule(
+        client=st.sampled_from(CLIENTS),
+        service=st.sampled_from(SERVICES),
+        priority=st.sampled_from(list(Priority)),
+        deadline=st.sampled_from([None, None, 0.0, 0.25, 1.0, 3.0]),
+        local_host=st.sampled_from([None, None] + HOSTS),
+    )
+    def client_request(self, client, service, priority, deadline, local_host):
+        rid = next(self.rids)
+        dl = None if deadline is None else self.now + deadline
+        self.reqs[(client, rid)] = _Req(service, dl, local_host)
+        out = self.s.client_request(client, rid, service, self.now, payload=rid,
+                                    priority=priority, deadline=dl, local_host=local_host)
+        self.touch(client)
+        if deadline == 0.0:
+            assert [(type(a), a.code) for a in out] == [(ClientError,
+                                                         ErrorCode.DEADLINE_EXCEEDED)]
+        self.apply(out)
+
+    @precondition(lambda self: self.owed())
+    @rule(data=st.data())
+    def duplicate_request(self, data):
+        client, rid = data.draw(st.sampled_from(sorted(self.owed())))
+        out = self.s.client_request(client, rid, "a", self.now, payload=None)
+        self.touch(client)
+        assert [(type(a), a.code) for a in out] == [(ClientError, ErrorCode.PROTOCOL_ERROR)]
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def client_cancel(self, data):
+        client, rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        out = self.s.client_cancel(client, rid, self.now)
+        self.touch(client)
+        self.apply(out)
+
+    @rule(client=st.sampled_from(CLIENTS))
+    def client_heartbeat(self, client):
+        self.s.client_heartbeat(client, self.now)
+        self.tracked[client] = self.now
+
+    @rule(client=st.sampled_from(CLIENTS))
+    def client_seen(self, client):
+        assert self.s.client_seen(client, self.now) == []
+        self.touch(client)
+
+    @rule(client=st.sampled_from(CLIENTS))
+    def client_disconnect(self, client):
+        out = self.s.client_disconnect(client, self.now)
+        self.client_gone(client)
+        self.apply(out)
+
+    # ---- time
+
+    @rule(dt=STEPS)
+    def advance(self, dt):
+        wake = self.s.next_wakeup(self.now)
+        self.now += dt
+        out = self.s.tick(self.now)
+        if wake is None or wake > self.now:
+            assert out == [], f"tick before next_wakeup ({wake}) did something: {out}"
+        self.apply(out)
+        ttl = self.cfg.client_liveness
+        for client, seen in list(self.tracked.items()):
+            if seen + ttl <= self.now:
+                self.client_gone(client)
+
+    @rule(dt=STEPS)
+    def advance_without_tick(self, dt):
+        # The server may handle a message before its timer fires: nothing may rely on
+        # tick() having run first (an expired request must still never be dispatched).
+        self.now += dt
+
+    # ---- invariants
+
+    @invariant()
+    def credit_and_liveness_agree(self):
+        for ident, w in self.s._workers.items():
+            assert len(w.in_flight) <= w.credit
+            assert ident in self.workers
+        assert set(self.workers) == set(self.s._workers)
+        for service in SERVICES:
+            assert self.s.has_service(service) == any(
+                w["service"] == service for w in self.workers.values())
+
+    def teardown(self):
+        # Workers stop dying: everyone stays audible and answers everything it holds.
+        for _ in range(200):
+            if not self.owed() and not any(w["tokens"] for w in self.workers.values()):
+                break
+            self.now += 0.5
+            for ident, w in list(self.workers.items()):
+                self.apply(self.s.worker_seen(ident, self.now))
+                for token in list(w["tokens"]):
+                    out = self.s.worker_final(ident, token, self.now, "result")
+                    del w["tokens"][token]
+                    self.apply(out)
+            for client in self.tracked:
+                self.s.client_seen(client, self.now)
+                self.tracked[client] = self.now
+            self.apply(self.s.tick(self.now))
+        assert self.owed() == [], "requests left without a final"
+        st_ = self.s.stats()
+        assert st_["requests"] == 0
+        assert all(sum(v["queued"].values()) == 0 and v["in_flight"] == 0
+                   for v in st_["services"].values())
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestScheduler = SchedulerMachine.TestCase
