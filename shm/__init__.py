@@ -1,1 +1,95 @@
-"""shm"""
+"""Shared-memory data plane: tensors are written once and read in place by another process.
+
+Only a small descriptor (``ShmRef``) crosses ZeroMQ; the bytes stay in a file under
+/dev/shm that both processes map.  This package knows nothing about ZeroMQ or msgpack.
+Design notes and the full memory-ordering argument: docs/shm.md.
+
+Segment
+-------
+A segment is a file ``/dev/shm/zinf-<pid>-<starttime>-<16 hex>``, created (O_EXCL, mode
+0600), sized, mapped MAP_SHARED and later unlinked by exactly one process, its *owner*.
+``pid`` and ``starttime`` (field 22 of /proc/<pid>/stat) name the owner, so anyone can tell
+whether it is still alive even after the pid has been recycled.  All integers are little
+endian; all offsets are absolute file offsets::
+
+    0      header, 4096 bytes
+           0 magic "ZINFSEG1"   8 version u32    12 header_size u32   16 slot_count u32
+          20 slot_size u32     24 data_offset u64 32 data_size u64     40 align u64
+          48 owner_pid u32     52 closed u32      56 owner_starttime u64
+          64 owner_pidns u64   72 total_size u64  (rest zero)
+    4096   slot table: slot_count records of 64 bytes (one cache line each, so one slot's
+           traffic never false-shares with another's)
+           0 state u32   4 generation u32   8 offset u64   16 nbytes u64
+          24 holder_pid u32   28 pad   32 holder_starttime u64   40..63 pad
+    data_offset (page- and align-aligned)
+           data area, data_size bytes; a slot's bytes are [offset, offset + nbytes)
+
+``state`` and ``generation`` share one aligned 8-byte word (state in the low half), so
+each write of them is a single store and each read a consistent pair.
+
+Slot states and who may move them
+---------------------------------
+::
+
+    FREE (0) --alloc--> WRITING (1) --mark_in_flight--> IN_FLIGHT (2) --release--> RELEASED (3)
+      ^  ^                  |                               |  (reader)                 |
+      |  +------free--------+-------------free--------------+                          |
+      +------------------------------reclaim (owner)--------------------------------------+
+
+- FREE -> WRITING: the owner, allocating.  It fills the slot's bytes while WRITING.
+- WRITING -> IN_FLIGHT: the owner, just before it sends the descriptor.  It records the
+  holder (the process expected to release the slot), if there is one.
+- IN_FLIGHT -> RELEASED: a reader, when done.  This is the *only* store a non-owner ever
+  makes to a segment: one 8-byte store of (same generation, RELEASED), after a fence.
+- RELEASED -> FREE, WRITING/IN_FLIGHT -> FREE: the owner only.  ``generation`` goes up by
+  one on every return to FREE, so a descriptor names one lifetime of one slot and any
+  later use of it is detected (``StaleDescriptor``).
+
+Where each state's slots live: WRITING belongs to the owner alone; IN_FLIGHT slots are
+shared with readers, who may only read them; RELEASED slots wait for the owner's next
+``reclaim()`` (run lazily, when an allocation does not fit).  The allocator itself (ring
+head/tail, free slot ids) and the owner's copy of every state and generation live in the
+owner's private memory; the owner never trusts anything in the segment except a RELEASED
+state carrying the generation it handed out.
+
+Readers map the header and table read-write (for the RELEASED store) and the data area
+read-only, validate every descriptor against the slot record before viewing a byte, and
+cache one mapping per segment (``SegmentCache``).
+
+When a process dies
+-------------------
+- An owner (client with input slots, worker with output slots) dies: its segments stay
+  in /dev/shm until ``shm.gc.collect()`` (run by every new ShmPool, or
+  ``python -m shm gc``) sees its pid/starttime gone and unlinks them.  Readers that had
+  the segment mapped keep valid memory -- views in use stay correct -- until they drop
+  the mapping (``SegmentCache.sweep()`` / ``forget()``); the kernel frees the pages then.
+- A reader dies holding IN_FLIGHT slots: if the owner recorded it as the holder
+  (``mark_in_flight(ref, holder_pid=...)``), the owner's ``reclaim()`` frees those slots
+  once /proc shows that pid/starttime gone.  Slots without a holder (inputs) are freed
+  by their owner when their request ends, whoever died.
+- A reader dies half-way through its RELEASED store: impossible; it is one store.
+
+Memory ordering, in one paragraph (docs/shm.md has the full argument): the owner's
+stores of tensor bytes and of the slot record happen before it sends the descriptor; the
+send and the reader's receive are system calls and libzmq lock/atomic handoffs, which
+order them release -> acquire across processes on x86 and ARM, so a reader that has the
+descriptor sees the bytes.  The reader's RELEASED store must not become visible before
+its loads of those bytes: x86 never reorders a load with a later store; on ARM
+``fence.fence()`` (two lock round trips) orders them.  The owner reuses the bytes only
+after loading RELEASED, and its reuse is control-dependent on that load.
+"""
+from __future__ import annotations
+
+from . import gc
+from .errors import BadDescriptor, SegmentGone, ShmError, ShmFull, StaleDescriptor
+from .fence import fence
+from .gc import collect
+from .pool import ShmPool
+from .reader import SegmentCache
+from .segment import FREE, IN_FLIGHT, RELEASED, WRITING, ShmRef
+
+__all__ = [
+    "ShmRef", "ShmPool", "SegmentCache", "collect", "fence", "gc",
+    "ShmError", "ShmFull", "SegmentGone", "StaleDescriptor", "BadDescriptor",
+    "FREE", "WRITING", "IN_FLIGHT", "RELEASED",
+]

@@ -1,0 +1,38 @@
+"""Errors raised by the shared-memory data plane.
+
+Every error is a ``ValueError`` (through ``ShmError``) because each one means "this value --
+a descriptor, a request size, a segment name -- cannot be used", and callers that already
+catch ``ValueError`` for bad input keep working.  The subclasses say what the caller should
+do next:
+
+- ``SegmentGone``: the owner closed or died; drop whatever refers to the segment.
+- ``StaleDescriptor``: the slot was freed (and maybe reused) since the descriptor was made;
+  the data it named no longer exists.  Usually a late or duplicated message.
+- ``BadDescriptor``: the descriptor could never have been valid (forged, corrupted, wrong
+  shape/dtype for its size).  A bug in the sender.
+- ``ShmFull``: the pool has no room; the message says how to give it some.
+"""
+from __future__ import annotations
+
+
+class ShmError(ValueError):
+    """Base class of every error raised by ``shm``."""
+
+
+class ShmFull(ShmError):
+    """A pool cannot satisfy an allocation even after reclaiming released slots."""
+
+
+class SegmentGone(ShmError):
+    """The segment named by a descriptor no longer exists (owner closed it or died)."""
+
+
+class StaleDescriptor(ShmError):
+    """The descriptor names a slot generation that is no longer live."""
+
+
+class BadDescriptor(ShmError):
+    """The descriptor is malformed or inconsistent with the segment it names."""
+
+
+__all__ = ["ShmError", "ShmFull", "SegmentGone", "StaleDescriptor", "BadDescriptor"]

@@ -1,0 +1,188 @@
+"""Reader side: map each segment once, validate descriptors, hand out zero-copy views.
+
+A reader never trusts a descriptor: it arrived over a socket, perhaps late, duplicated or
+from a buggy peer.  Everything is checked against the segment before a byte of tensor data
+is touched, and the data area is mapped read-only so a reader cannot scribble on it.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from .errors import BadDescriptor, SegmentGone, ShmError, StaleDescriptor
+from .fence import fence
+from .segment import (
+    H32_CLOSED, IN_FLIGHT, Q_NBYTES, Q_OFFSET, QS, RELEASED, STATE_NAMES, U32, Attached,
+    ShmRef, attach_segment, checked_dtype, detach, normalize_shape, parse_name, process_alive,
+)
+
+
+class SegmentCache:
+    """Mappings of other processes' segments (data area read-only), one per segment, reused.
+
+    Attaching costs a few syscalls and two mmaps; every later view() is a dictionary
+    lookup plus validation.  At most ``max_segments`` stay mapped (least recently used
+    goes first).  Segments whose owner closed them are dropped the next time they are
+    touched, and by sweep(), so an unlinked segment's memory is not kept alive by us.
+
+    Not thread-safe: one cache per thread, or guard it with a lock.
+    """
+
+    def __init__(self, max_segments: int = 64):
+        if max_segments < 1:
+            raise ValueError("max_segments must be >= 1")
+        self._segs: OrderedDict[str, Attached] = OrderedDict()
+        self._max = max_segments
+        self._closed = False
+
+    def __enter__(self) -> SegmentCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return len(self._segs)
+
+    def __contains__(self, segment: object) -> bool:
+        return segment in self._segs
+
+    def __repr__(self) -> str:
+        return f"<SegmentCache {len(self._segs)} segments mapped>"
+
+    # ------------------------------------------------------------------ mappings
+    def _get(self, name: str) -> Attached:
+        a = self._segs.get(name)
+        if a is not None:
+            if a.h32[H32_CLOSED]:
+                self.forget(name)
+                raise SegmentGone(f"segment {name} was closed (its owner closed it or died)")
+            self._segs.move_to_end(name)
+            return a
+        if self._closed:
+            raise ShmError("SegmentCache is closed")
+        self.sweep(check_owners=False)
+        a = attach_segment(name)  # validates the name before touching the filesystem
+        self._segs[name] = a
+        while len(self._segs) > self._max:
+            _, old = self._segs.popitem(last=False)
+            detach(old)
+        return a
+
+    def _check(self, ref, released_ok: bool = False) -> tuple[Attached, int, int]:
+        """Validate ``ref`` against its slot record.  (mapping, slot index, state word).
+
+        The returned word is -1 when ``released_ok`` and the slot is already RELEASED at
+        the descriptor's generation.
+        """
+        try:
+            name, off, nb, slot, gen = ref
+        except (TypeError, ValueError):
+            raise BadDescriptor(f"not a descriptor (segment, offset, nbytes, slot, generation): {ref!r}") from None
+        if type(name) is not str:
+            raise BadDescriptor(f"segment name must be a str, got {type(name).__name__}")
+        if not (type(off) is int and type(nb) is int and type(slot) is int and type(gen) is int):
+            raise BadDescriptor(f"descriptor fields must be ints: {ref!r}")
+        a = self._get(name)
+        if not 0 <= slot < a.slot_count:
+            raise BadDescriptor(f"slot {slot} out of range 0..{a.slot_count - 1} in {name}")
+        if off < a.data_offset or nb < 0 or off + nb > a.data_end:
+            raise BadDescriptor(
+                f"bytes [{off}, +{nb}) are outside the data area [{a.data_offset}, {a.data_end}) of {name}"
+            )
+        if not 0 <= gen <= U32:
+            raise BadDescriptor(f"generation {gen} out of range")
+        q = a.q
+        b = slot * QS
+        w = q[b]
+        state = w & U32
+        if w >> 32 != gen or state != IN_FLIGHT:
+            if released_ok and state == RELEASED and w >> 32 == gen:
+                return a, b, -1
+            raise StaleDescriptor(
+                f"descriptor for slot {slot} generation {gen} of {name} is stale: the slot is "
+                f"{STATE_NAMES.get(state, state)} at generation {w >> 32}"
+            )
+        so = q[b + Q_OFFSET]
+        sn = q[b + Q_NBYTES]
+        if off < so or off + nb > so + sn:
+            raise BadDescriptor(
+                f"bytes [{off}, +{nb}) do not lie in slot {slot}'s record [{so}, +{sn}) of {name}"
+            )
+        if q[b] != w:
+            # The owner moved the slot on while we looked at it: our reads of offset and
+            # nbytes may belong to the next generation.
+            raise StaleDescriptor(f"slot {slot} of {name} changed while being validated")
+        return a, b, w
+
+    # ------------------------------------------------------------------ public API
+    def view(self, ref: ShmRef, dtype, shape) -> np.ndarray:
+        """A read-only ndarray over the descriptor's bytes, without copying them."""
+        try:
+            dt = checked_dtype(dtype)
+        except TypeError as e:
+            raise BadDescriptor(f"bad dtype {dtype!r}: {e}") from None
+        try:
+            shape, n = normalize_shape(shape)
+        except (TypeError, ValueError) as e:
+            raise BadDescriptor(f"bad shape {shape!r}: {e}") from None
+        a, _, _ = self._check(ref)
+        nb = ref[2]
+        if n * dt.itemsize != nb:
+            raise BadDescriptor(
+                f"shape {shape} of {dt} is {n * dt.itemsize} bytes but the descriptor has {nb}"
+            )
+        # frombuffer with positional arguments is the cheapest way numpy offers to wrap
+        # memory; the data mapping is read-only, so the array is too (and cannot be
+        # made writeable).
+        arr = np.frombuffer(a.data_mm, dt, n, ref[1] - a.data_offset)
+        return arr if arr.shape == shape else arr.reshape(shape)
+
+    def release(self, ref: ShmRef) -> None:
+        """Tell the owner this reader is done with the slot (IN_FLIGHT -> RELEASED).
+
+        Call it only after every read of the slot's bytes has finished, including
+        asynchronous ones (a non-blocking device copy).  Releasing twice is a no-op while
+        the owner has not reclaimed the slot; afterwards it raises StaleDescriptor.
+        """
+        a, b, w = self._check(ref, released_ok=True)
+        if w < 0:
+            return
+        # Our loads of the tensor (done by the caller before this call) must be complete
+        # before the owner can see RELEASED and overwrite the bytes.  See shm/fence.py.
+        fence()
+        a.q[b] = (w & ~U32) | RELEASED  # one aligned 8-byte store: same generation, RELEASED
+
+    def forget(self, segment: str) -> None:
+        """Drop the mapping of ``segment`` (views already handed out stay valid)."""
+        a = self._segs.pop(segment, None)
+        if a is not None:
+            detach(a)
+
+    def sweep(self, check_owners: bool = True) -> list[str]:
+        """Drop mappings of segments that were closed or, with check_owners, whose owner died.
+
+        Cheap without check_owners (one load per segment); with it, one /proc read each.
+        Workers should call it now and then (e.g. with the heartbeat), together with
+        ``shm.gc.collect()``, so the memory of departed clients is returned.
+        """
+        dropped = []
+        for name, a in list(self._segs.items()):
+            gone = bool(a.h32[H32_CLOSED])
+            if not gone and check_owners:
+                ids = parse_name(name)
+                gone = ids is not None and not process_alive(*ids)
+            if gone:
+                self.forget(name)
+                dropped.append(name)
+        return dropped
+
+    def close(self) -> None:
+        """Drop every mapping.  Idempotent."""
+        self._closed = True
+        for name in list(self._segs):
+            self.forget(name)
+
+
+__all__ = ["SegmentCache"]

@@ -1,0 +1,431 @@
+"""Segment files: names, owner liveness, the on-file layout, create and attach.
+
+Everything here is shared by the owner side (``pool``), the reader side (``reader``) and
+crash cleanup (``gc``).  The layout is described in full at the top of ``shm/__init__.py``;
+the constants below are the single source of truth for the offsets.
+"""
+from __future__ import annotations
+
+import mmap
+import operator
+import os
+import re
+import secrets
+import sys
+from math import prod as _prod
+from typing import NamedTuple
+
+import numpy as np
+
+from .errors import BadDescriptor, SegmentGone, ShmError
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
+    # The reader's one store packs (generation, state) into one little-endian u64.
+    raise ImportError("shm: the segment layout is little-endian; big-endian hosts are unsupported")
+
+SHM_DIR = "/dev/shm"
+PREFIX = "zinf-"
+# pid (no leading zero, as the kernel prints it), starttime (clock ticks since boot), and
+# 64 random bits.  Always used with fullmatch(), which (unlike match() with $) also
+# refuses a trailing newline; the classes admit no "/" and no "..".
+NAME_RE = re.compile(r"zinf-([1-9][0-9]{0,9})-([0-9]{1,20})-([0-9a-f]{16})")
+
+MAGIC = b"ZINFSEG1"
+VERSION = 1
+HEADER_SIZE = 4096
+SLOT_SIZE = 64
+PAGE = mmap.PAGESIZE
+MAX_SLOTS = 1 << 20
+MAX_ALIGN = 1 << 30
+
+# Slot states (the low 32 bits of a slot's first u64).
+FREE = 0
+WRITING = 1
+IN_FLIGHT = 2
+RELEASED = 3
+STATE_NAMES = {FREE: "FREE", WRITING: "WRITING", IN_FLIGHT: "IN_FLIGHT", RELEASED: "RELEASED"}
+
+HEADER_DTYPE = np.dtype(
+    {
+        "names": [
+            "magic", "version", "header_size", "slot_count", "slot_size", "data_offset",
+            "data_size", "align", "owner_pid", "closed", "owner_starttime", "owner_pidns",
+            "total_size",
+        ],
+        "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "<u8", "<u4", "<u4",
+                    "<u8", "<u8", "<u8"],
+        "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 48, 52, 56, 64, 72],
+        "itemsize": 128,
+    }
+)
+# Index of the header's ``closed`` flag in a u32 view of the header.
+H32_CLOSED = 52 // 4
+
+SLOT_DTYPE = np.dtype(
+    {
+        "names": ["state", "generation", "offset", "nbytes", "holder_pid", "holder_starttime"],
+        "formats": ["<u4", "<u4", "<u8", "<u8", "<u4", "<u8"],
+        "offsets": [0, 4, 8, 16, 24, 32],
+        "itemsize": SLOT_SIZE,
+    }
+)
+# Indices into a u64 ('Q') memoryview of the slot table: slot s starts at s * QS.  Python
+# scalar access through a memoryview is about as fast as numpy's and needs no boxing into
+# numpy scalars, so the hot paths use these; bulk scans use the numpy views.
+QS = SLOT_SIZE // 8
+Q_WORD = 0  # state (low 32 bits) | generation (high 32 bits): one aligned 8-byte store
+Q_OFFSET = 1
+Q_NBYTES = 2
+Q_HOLDER_PID = 3  # holder pid in the low 32 bits; the high 32 bits are padding, kept 0
+Q_HOLDER_START = 4
+U32 = 0xFFFFFFFF
+
+
+class ShmRef(NamedTuple):
+    """Descriptor of bytes in a segment: what crosses ZeroMQ instead of the tensor.
+
+    ``offset`` is the absolute byte offset in the segment file (not relative to the data
+    area), so a reader in any language can mmap the file and use it directly.
+    """
+
+    segment: str
+    offset: int
+    nbytes: int
+    slot: int
+    generation: int
+
+
+# NamedTuple's generated __new__ is a Python function (~0.4 us); building the tuple
+# directly is half that, and descriptors are made on every allocation.
+_tuple_new = tuple.__new__
+
+
+def make_ref(segment: str, offset: int, nbytes: int, slot: int, generation: int) -> ShmRef:
+    return _tuple_new(ShmRef, (segment, offset, nbytes, slot, generation))
+
+
+class Geometry(NamedTuple):
+    slot_count: int
+    data_offset: int
+    data_size: int
+    align: int
+    total_size: int
+
+
+def round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def parse_name(name: object) -> tuple[int, int] | None:
+    """(owner pid, owner starttime) of a well-formed segment name, else None."""
+    if type(name) is not str:
+        return None
+    m = NAME_RE.fullmatch(name)
+    if m is None:
+        return None
+    return int(m.group(1)), int(m.group(2))
+
+
+def path_of(name: str) -> str:
+    if parse_name(name) is None:
+        raise BadDescriptor(f"invalid segment name {name!r}: expected zinf-<pid>-<starttime>-<16 hex>")
+    return os.path.join(SHM_DIR, name)
+
+
+def proc_starttime(pid: int) -> int | None:
+    """Start time (clock ticks after boot, /proc/<pid>/stat field 22) of a running process.
+
+    None when there is no such process or it is a zombie: a zombie has released its
+    mappings and will never touch a slot again, so for every use here it is dead.
+    """
+    if pid <= 0:
+        return None
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    # comm (field 2) may contain spaces and ')': fields 3.. start after the last ')'.
+    rest = data[data.rfind(b")") + 2 :].split()
+    if len(rest) < 20 or rest[0] in (b"Z", b"X"):
+        return None
+    return int(rest[19])
+
+
+def process_alive(pid: int, starttime: int) -> bool:
+    """True if ``pid`` is running and is the same process that had ``starttime``."""
+    st = proc_starttime(pid)
+    return st is not None and st == starttime
+
+
+_identity: tuple[int, int] | None = None
+
+
+def self_identity() -> tuple[int, int]:
+    """(pid, starttime) of this process, re-read after a fork."""
+    global _identity
+    pid = os.getpid()
+    if _identity is None or _identity[0] != pid:
+        st = proc_starttime(pid)
+        if st is None:  # pragma: no cover - /proc not mounted
+            raise ShmError("shm needs /proc (to name segments by owner pid and start time)")
+        _identity = (pid, st)
+    return _identity
+
+
+def pid_namespace() -> int:
+    """Inode of this process's pid namespace, 0 if unknown.
+
+    Liveness is judged by pid; a pid is only meaningful inside one pid namespace, so crash
+    GC never judges a segment whose header names a different namespace.
+    """
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # pragma: no cover
+        return 0
+
+
+def new_name() -> str:
+    pid, st = self_identity()
+    return f"{PREFIX}{pid}-{st}-{secrets.token_hex(8)}"
+
+
+def normalize_shape(shape) -> tuple[tuple[int, ...], int]:
+    """(shape tuple, element count); TypeError/ValueError on anything else."""
+    if type(shape) is tuple:
+        # Fast path for the usual tuple of Python ints: C-level prod/min, no Python loop.
+        n = _prod(shape)
+        if type(n) is int and (not shape or min(shape) >= 0):
+            return shape, n
+    if type(shape) is not tuple:
+        if isinstance(shape, (list, tuple)):
+            shape = tuple(shape)
+        else:
+            try:
+                shape = (operator.index(shape),)
+            except TypeError:
+                shape = tuple(shape)
+    n = 1
+    plain = True
+    for d in shape:
+        if type(d) is not int:
+            plain = False
+            if isinstance(d, bool):
+                raise TypeError(f"bad dimension in shape {shape!r}")
+            d = operator.index(d)  # numpy integers are fine; floats are not
+        if d < 0:
+            raise ValueError(f"negative dimension in shape {shape!r}")
+        n *= d
+    if not plain:
+        shape = tuple(operator.index(d) for d in shape)
+    return shape, n
+
+
+# np.dtype(...) costs more than a dict lookup, and callers repeat a handful of dtypes.
+_DTYPES: dict[object, np.dtype] = {}
+
+
+def checked_dtype(dtype) -> np.dtype:
+    """np.dtype(dtype), refusing dtypes that cannot be shared (TypeError)."""
+    try:
+        dt = _DTYPES.get(dtype)
+    except TypeError:  # unhashable spec, e.g. a list of fields
+        dt = None
+    if dt is not None:
+        return dt
+    dt = np.dtype(dtype)
+    if dt.hasobject:
+        # Object arrays hold pointers into one process's heap: meaningless (and a crash
+        # when dereferenced) in any other process.
+        raise TypeError(f"dtype {dt} holds Python object pointers; it cannot live in shared memory")
+    if dt.itemsize == 0:
+        raise TypeError(f"dtype {dt} has no size")
+    if len(_DTYPES) < 256:
+        try:
+            _DTYPES[dtype] = dt
+        except TypeError:
+            pass
+    return dt
+
+
+def create_segment(capacity: int, slots: int, align: int) -> tuple[str, mmap.mmap, Geometry]:
+    """Create, size, map and initialise a new segment file.  The caller owns it."""
+    pid, st = self_identity()
+    # The data area starts on a page boundary (so readers can map it read-only on its own)
+    # and on an ``align`` boundary (so every allocation offset is aligned in the file).
+    data_offset = round_up(HEADER_SIZE + SLOT_SIZE * slots, max(align, PAGE))
+    data_size = round_up(capacity, align)
+    total = data_offset + data_size
+    try:
+        vfs = os.statvfs(SHM_DIR)
+        free_bytes = vfs.f_bavail * vfs.f_frsize
+    except OSError:  # pragma: no cover
+        free_bytes = None
+    if free_bytes is not None and total > free_bytes:
+        # tmpfs pages are only allocated on first touch; a full /dev/shm then kills the
+        # writer with SIGBUS instead of an exception.  Refuse up front when it cannot fit.
+        raise ShmError(
+            f"cannot create a {total >> 20} MiB segment: {SHM_DIR} has only {free_bytes >> 20} MiB "
+            "free; lower ShmPool(capacity=...), or enlarge /dev/shm (docker: --shm-size)"
+        )
+    flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    for _ in range(8):
+        name = new_name()
+        path = os.path.join(SHM_DIR, name)
+        try:
+            fd = os.open(path, flags, 0o600)
+            break
+        except FileExistsError:  # 64 random bits collided: astronomically rare, retry
+            continue
+    else:  # pragma: no cover
+        raise ShmError("could not pick an unused segment name")
+    try:
+        try:
+            os.ftruncate(fd, total)
+            mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            # The mapping keeps the file's pages; the fd is no longer needed and keeping it
+            # would only count against the fd limit.
+            os.close(fd)
+    except BaseException:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise
+    hdr = np.ndarray((), HEADER_DTYPE, buffer=mm)
+    hdr["version"] = VERSION
+    hdr["header_size"] = HEADER_SIZE
+    hdr["slot_count"] = slots
+    hdr["slot_size"] = SLOT_SIZE
+    hdr["data_offset"] = data_offset
+    hdr["data_size"] = data_size
+    hdr["align"] = align
+    hdr["owner_pid"] = pid
+    hdr["owner_starttime"] = st
+    hdr["owner_pidns"] = pid_namespace()
+    hdr["total_size"] = total
+    # Magic last: a file without it is a segment still being created (or a stranger).
+    hdr["magic"] = MAGIC
+    del hdr
+    return name, mm, Geometry(slots, data_offset, data_size, align, total)
+
+
+def read_header(fd: int, name: str) -> np.void:
+    """Read and validate the header of an open segment file; BadDescriptor if malformed."""
+    size = os.fstat(fd).st_size
+    raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
+    if len(raw) < HEADER_DTYPE.itemsize:
+        raise BadDescriptor(f"segment {name} is too small to be a zinf segment ({size} bytes)")
+    h = np.frombuffer(raw, HEADER_DTYPE)[0]
+    if bytes(h["magic"]) != MAGIC:
+        raise BadDescriptor(f"segment {name} has no {MAGIC!r} magic (not initialised, or not ours)")
+    if int(h["version"]) != VERSION:
+        raise BadDescriptor(f"segment {name} has layout version {int(h['version'])}, this reader knows {VERSION}")
+    slots = int(h["slot_count"])
+    data_offset = int(h["data_offset"])
+    data_size = int(h["data_size"])
+    align = int(h["align"])
+    if (
+        int(h["header_size"]) != HEADER_SIZE
+        or int(h["slot_size"]) != SLOT_SIZE
+        or not 1 <= slots <= MAX_SLOTS
+        or data_offset % PAGE
+        or data_offset < HEADER_SIZE + SLOT_SIZE * slots
+        or not 1 <= align <= MAX_ALIGN
+        or align & (align - 1)
+        or data_offset % align
+        or data_size < 1
+        or int(h["total_size"]) != data_offset + data_size
+        or data_offset + data_size > size
+    ):
+        raise BadDescriptor(f"segment {name} has an inconsistent header (file size {size})")
+    ids = parse_name(name)
+    if ids is not None and ids != (int(h["owner_pid"]), int(h["owner_starttime"])):
+        raise BadDescriptor(f"segment {name}: header owner does not match the name")
+    return h
+
+
+class Attached(NamedTuple):
+    """A reader's mappings of one segment."""
+
+    name: str
+    table_mm: mmap.mmap  # header + slot table, read-write (for the one RELEASED store)
+    data_mm: mmap.mmap  # data area, read-only: a reader cannot scribble on tensors
+    q: memoryview  # 'Q' view of the slot table
+    h32: memoryview  # 'I' view of the header
+    views: tuple  # every memoryview to release before unmapping
+    slot_count: int
+    data_offset: int
+    data_end: int
+    data_addr: int  # virtual address of the data area in this process
+
+
+def attach_segment(name: str) -> Attached:
+    """Map an existing segment for reading.  SegmentGone if it does not exist or is closed."""
+    path = path_of(name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        raise SegmentGone(f"segment {name} does not exist (its owner closed it or died)") from None
+    except OSError as e:
+        raise BadDescriptor(f"cannot open segment {name}: {e.strerror}") from None
+    try:
+        h = read_header(fd, name)
+        if int(h["closed"]):
+            raise SegmentGone(f"segment {name} was closed by its owner")
+        slots = int(h["slot_count"])
+        data_offset = int(h["data_offset"])
+        data_size = int(h["data_size"])
+        table_mm = mmap.mmap(fd, data_offset, flags=mmap.MAP_SHARED, access=mmap.ACCESS_WRITE)
+        try:
+            # ACCESS_READ (not prot=PROT_READ) so the buffer *reports* read-only; otherwise
+            # numpy would hand out writeable arrays over PROT_READ pages (a segfault).
+            data_mm = mmap.mmap(fd, data_size, access=mmap.ACCESS_READ, offset=data_offset)
+        except BaseException:
+            table_mm.close()
+            raise
+    finally:
+        os.close(fd)
+    root = memoryview(table_mm)
+    tab = root[HEADER_SIZE : HEADER_SIZE + SLOT_SIZE * slots]
+    q = tab.cast("Q")
+    hdr = root[:HEADER_SIZE]
+    h32 = hdr.cast("I")
+    probe = np.frombuffer(data_mm, np.uint8, count=1)
+    data_addr = probe.__array_interface__["data"][0]
+    del probe
+    return Attached(
+        name, table_mm, data_mm, q, h32, (h32, hdr, q, tab, root), slots, data_offset,
+        data_offset + data_size, data_addr,
+    )
+
+
+def detach(a: Attached) -> None:
+    """Drop a reader's mappings.  Arrays still viewing the data keep it mapped until they die."""
+    for v in a.views:
+        try:
+            v.release()
+        except BufferError:  # pragma: no cover - we never export these
+            pass
+    for m in (a.table_mm, a.data_mm):
+        try:
+            m.close()
+        except BufferError:
+            # Live arrays still point into this mapping; unmapping now would turn their
+            # next access into a segfault.  The mmap object unmaps when the last one dies.
+            pass
+
+
+__all__ = [
+    "SHM_DIR", "PREFIX", "NAME_RE", "MAGIC", "VERSION", "HEADER_SIZE", "SLOT_SIZE",
+    "FREE", "WRITING", "IN_FLIGHT", "RELEASED", "STATE_NAMES", "HEADER_DTYPE", "SLOT_DTYPE",
+    "ShmRef", "make_ref", "Geometry", "parse_name", "path_of", "proc_starttime", "process_alive",
+    "self_identity", "pid_namespace", "create_segment", "attach_segment", "detach",
+    "read_header", "normalize_shape", "checked_dtype",
+]

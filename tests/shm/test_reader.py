@@ -1,0 +1,196 @@
+"""Reader side: descriptor validation, read-only zero-copy views, release, cache upkeep."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from shm import (
+    IN_FLIGHT, RELEASED, BadDescriptor, SegmentCache, SegmentGone, ShmError, ShmPool, ShmRef,
+    StaleDescriptor, fence,
+)
+from shm.segment import SHM_DIR
+
+
+@pytest.fixture
+def pool():
+    with ShmPool(1 << 16, slots=8) as p:
+        yield p
+
+
+@pytest.fixture
+def cache():
+    with SegmentCache() as c:
+        yield c
+
+
+def sent(pool: ShmPool, shape=(4, 4), dtype=np.float32, fill=3.0):
+    """Allocate, fill and mark in flight: what a sender does before sending the ref."""
+    a = pool.alloc(shape, dtype)
+    a[...] = fill
+    ref = pool.ref_of(a)
+    pool.mark_in_flight(ref)
+    return a, ref
+
+
+def test_view_is_zero_copy_and_read_only(pool, cache):
+    a, ref = sent(pool)
+    v = cache.view(ref, np.float32, (4, 4))
+    assert (v == 3.0).all() and v.shape == (4, 4) and v.dtype == np.float32
+    assert not v.flags.writeable
+    with pytest.raises(ValueError):
+        v[0, 0] = 1.0
+    with pytest.raises(ValueError):
+        v.flags.writeable = True
+    a[1, 2] = 42.0  # the owner writes; the existing view sees it
+    assert v[1, 2] == 42.0
+    assert cache.view(ref, "<f4", 16)[6] == 42.0
+    assert ref.segment in cache and len(cache) == 1
+
+
+def test_view_of_a_sub_range_descriptor(pool, cache):
+    a, _ = sent(pool, shape=(8,), dtype=np.int32, fill=0)
+    a[:] = np.arange(8)
+    sub = pool.ref_of(a[2:5])
+    assert cache.view(sub, np.int32, 3).tolist() == [2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    "mutate, error",
+    [
+        (lambda r: r._replace(generation=r.generation + 1), StaleDescriptor),
+        (lambda r: r._replace(generation=-1), BadDescriptor),
+        (lambda r: r._replace(offset=0), BadDescriptor),  # inside the header
+        (lambda r: r._replace(offset=1 << 40), BadDescriptor),  # past the end
+        (lambda r: r._replace(nbytes=-64), BadDescriptor),
+        (lambda r: r._replace(offset=r.offset + 64), BadDescriptor),  # not the slot's bytes
+        (lambda r: r._replace(nbytes=r.nbytes + 64), BadDescriptor),
+        (lambda r: r._replace(slot=8), BadDescriptor),
+        (lambda r: r._replace(slot=-1), BadDescriptor),
+        (lambda r: r._replace(slot=r.slot + 1), StaleDescriptor),  # a FREE slot
+        (lambda r: r._replace(segment="../etc/passwd"), BadDescriptor),
+        (lambda r: r._replace(segment="zinf-1-2-../../../etc"), BadDescriptor),
+        (lambda r: r._replace(segment=r.segment + "\n"), BadDescriptor),
+        (lambda r: r._replace(segment=r.segment.upper()), BadDescriptor),
+        (lambda r: r._replace(segment="/dev/shm/" + r.segment), BadDescriptor),
+        (lambda r: r._replace(segment=b"zinf"), BadDescriptor),
+        (lambda r: r._replace(segment="zinf-1-1-0123456789abcdef"), SegmentGone),
+        (lambda r: r._replace(offset=float(r.offset)), BadDescriptor),
+        (lambda r: r._replace(slot=True), BadDescriptor),
+        (lambda r: (r.segment, r.offset), BadDescriptor),
+        (lambda r: None, BadDescriptor),
+    ],
+)
+def test_forged_descriptors_are_rejected(pool, cache, mutate, error):
+    _, ref = sent(pool, shape=(16,), fill=1.0)
+    bad = mutate(ref)
+    n = bad.nbytes // 4 if isinstance(bad, ShmRef) and isinstance(bad.nbytes, int) and bad.nbytes >= 0 else 16
+    with pytest.raises(error):
+        cache.view(bad, np.float32, n)
+    with pytest.raises(error):
+        cache.release(bad)
+    assert cache.view(ref, np.float32, 16).sum() == 16  # the real one still works
+
+
+def test_shape_and_dtype_must_match_the_descriptor(pool, cache):
+    _, ref = sent(pool, shape=(4, 4), dtype=np.float32)
+    for dtype, shape in [(np.float32, (4, 5)), (np.float64, (4, 4)), (np.uint8, 63), (np.float32, ())]:
+        with pytest.raises(BadDescriptor, match="bytes"):
+            cache.view(ref, dtype, shape)
+    with pytest.raises(BadDescriptor, match="object"):
+        cache.view(ref, object, 8)
+    with pytest.raises(BadDescriptor):
+        cache.view(ref, "not-a-dtype", 16)
+    with pytest.raises(BadDescriptor):
+        cache.view(ref, np.float32, (4, -4))
+    with pytest.raises(BadDescriptor):
+        cache.view(ref, np.float32, (4.0, 4))
+    assert cache.view(ref, np.uint8, (2, 32)).shape == (2, 32)  # any dtype/shape of that size
+
+
+def test_only_in_flight_slots_can_be_viewed(pool, cache):
+    a = pool.alloc(16, np.uint8)
+    ref = pool.ref_of(a)
+    with pytest.raises(StaleDescriptor, match="WRITING"):
+        cache.view(ref, np.uint8, 16)  # not sent yet: the owner may still be writing
+    pool.mark_in_flight(ref)
+    cache.view(ref, np.uint8, 16)
+    pool.free(ref)
+    with pytest.raises(StaleDescriptor, match="FREE"):
+        cache.view(ref, np.uint8, 16)
+    b = pool.alloc(16, np.uint8)  # same slot, next generation
+    rb = pool.ref_of(b)
+    pool.mark_in_flight(rb)
+    assert rb.slot == ref.slot and rb.generation == ref.generation + 1
+    with pytest.raises(StaleDescriptor):
+        cache.view(ref, np.uint8, 16)
+    with pytest.raises(StaleDescriptor):
+        cache.release(ref)
+    assert pool.table[rb.slot]["state"] == IN_FLIGHT  # the stale release stored nothing
+
+
+def test_release_stores_released_and_owner_reclaims(pool, cache):
+    _, ref = sent(pool)
+    cache.view(ref, np.float32, (4, 4))
+    cache.release(ref)
+    assert pool.table[ref.slot]["state"] == RELEASED
+    assert pool.table[ref.slot]["generation"] == ref.generation
+    assert pool.in_use() == 1
+    assert pool.reclaim() == 1 and pool.in_use() == 0
+
+
+def test_segment_gone_after_owner_closes(cache):
+    with ShmPool(1 << 16, slots=4) as p:
+        _, ref = sent(p)
+        v = cache.view(ref, np.float32, (4, 4))
+    # Unlinked and flagged closed: the cached mapping is dropped on next use...
+    with pytest.raises(SegmentGone):
+        cache.view(ref, np.float32, (4, 4))
+    assert ref.segment not in cache
+    # ...the view already handed out still reads the same bytes...
+    assert (v == 3.0).all()
+    # ...and without a cached mapping the file is simply not there.
+    with pytest.raises(SegmentGone):
+        cache.view(ref, np.float32, (4, 4))
+    with pytest.raises(SegmentGone):
+        cache.release(ref)
+
+
+def test_forget_sweep_close_and_lru():
+    with ShmPool(1 << 16, slots=4) as p1, ShmPool(1 << 16, slots=4) as p2, ShmPool(1 << 16, slots=4) as p3:
+        refs = [sent(p)[1] for p in (p1, p2, p3)]
+        cache = SegmentCache(max_segments=2)
+        views = [cache.view(r, np.float32, (4, 4)) for r in refs]
+        assert len(cache) == 2 and refs[0].segment not in cache  # least recently used went
+        assert cache.view(refs[0], np.float32, (4, 4)).sum() == 48  # re-attached on demand
+        cache.forget(refs[0].segment)
+        cache.forget(refs[0].segment)  # idempotent
+        assert refs[0].segment not in cache
+        assert cache.sweep() == []
+        p3.close()
+        assert cache.sweep() == [refs[2].segment]
+        cache.close()
+        cache.close()
+        assert len(cache) == 0
+        assert all((v == 3.0).all() for v in views)  # unmapping never pulls memory from under a view
+        with pytest.raises(ShmError, match="closed"):
+            cache.view(refs[1], np.float32, (4, 4))
+
+
+def test_attach_rejects_files_that_are_not_segments(cache):
+    name = f"zinf-{os.getpid()}-1-{'ab' * 8}"
+    p = os.path.join(SHM_DIR, name)
+    with open(p, "wb") as f:
+        f.write(b"\0" * 8192)
+    try:
+        with pytest.raises(BadDescriptor, match="magic"):
+            cache.view(ShmRef(name, 4096, 0, 0, 0), np.uint8, 0)
+    finally:
+        os.unlink(p)
+    assert name not in cache
+
+
+def test_fence_is_callable_and_reentrant_safe():
+    for _ in range(3):
+        fence()
