@@ -11,7 +11,11 @@ hand-off, and the GIL makes a separate I/O thread compete with the model's Pytho
 
 While a batch computes, new requests wait in the socket; when it finishes they are all taken
 at once, so batches grow with load and a lone request under light load is never delayed.
-The heartbeat can be late by at most one batch's compute time.
+A batch whose compute time is unknown or predicted to exceed half a heartbeat interval runs
+on a compute thread instead, so the loop keeps heartbeating and receiving while it runs (the
+broker would otherwise presume a worker that computes for seconds dead, and retry its work).
+Fast batches stay on the loop's thread: the hand-off costs tens of microseconds, which is
+most of a small request's budget.
 
 Inputs are read in place: shared-memory references become read-only numpy views of the
 client's segment (mapped once per segment), inline frames become numpy views of the received
@@ -98,6 +102,9 @@ class Worker:
         self.jobs: dict[bytes, _Job] = {}   # envelope -> job, while pending in the batcher
         self.stop = threading.Event()
         self.served = 0
+        self._compute_ewma: dict[int, float] = {}  # batch size -> seconds
+        self._offload: _ComputeThread | None = None
+        self._busy = False
         if cfg.warmup:
             self._warmup()
 
@@ -108,7 +115,8 @@ class Worker:
 
         t0 = time.perf_counter()
         sizes = sorted({1, self.batcher.max_batch})
-        warmup(self.backend, self.model, sizes)
+        warmup(self.backend, self.model, sizes)           # lazy init: allocator, kernels, CUDA context
+        self._compute_ewma.update(warmup(self.backend, self.model, sizes))  # steady-state times
         log.info("warm-up of %s on %s took %.1f ms", self.model.name, self.device, (time.perf_counter() - t0) * 1e3)
 
     def _connect(self) -> None:
@@ -146,34 +154,49 @@ class Worker:
     def serve(self, ready_cb=None) -> None:
         """Run until `self.stop` is set; then drain what is held and DISCONNECT."""
         self._connect()
+        self._offload = _ComputeThread(self.ctx, self.backend)
         if ready_cb is not None:
             ready_cb()
         interval = self.cfg.heartbeat_interval
         dead_after = interval * self.cfg.heartbeat_liveness
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        while not self.stop.is_set():
-            now = time.monotonic()
-            wake = self.batcher.wake_at(now)
-            timeout = interval if wake is None else max(0.0, min(interval, wake - now))
-            if poller.poll(timeout * 1000.0):
-                self._drain()
-                self._last_heard = time.monotonic()
-            self._run_ready_batches()
-            now = time.monotonic()
-            if now - self._last_sent >= interval:
-                self._send(P.worker_heartbeat())
-            if now - self._last_heard > dead_after:
-                log.warning("broker silent for %.1f s; reconnecting", now - self._last_heard)
-                poller.unregister(self.sock)
-                self._fail_pending("broker connection lost")
-                self._connect()
-                poller.register(self.sock, zmq.POLLIN)
-        # Drain: what the broker already handed us is finished, then we say goodbye.
-        self._drain()
-        while len(self.batcher):
-            self._run_ready_batches(force=True)
-        self._send(P.worker_disconnect())
+        poller.register(self._offload.done, zmq.POLLIN)
+        try:
+            while not self.stop.is_set():
+                now = time.monotonic()
+                wake = None if self._busy else self.batcher.wake_at(now)
+                timeout = interval if wake is None else max(0.0, min(interval, wake - now))
+                events = dict(poller.poll(timeout * 1000.0))
+                if self._offload.done in events:
+                    self._finish_offloaded()
+                if self.sock in events:
+                    self._drain()
+                    self._last_heard = time.monotonic()
+                if not self._busy:
+                    self._run_ready_batches()
+                now = time.monotonic()
+                if now - self._last_sent >= interval:
+                    self._send(P.worker_heartbeat())
+                if now - self._last_heard > dead_after:
+                    log.warning("broker silent for %.1f s; reconnecting", now - self._last_heard)
+                    poller.unregister(self.sock)
+                    self._fail_pending("broker connection lost")
+                    self._connect()
+                    poller.register(self.sock, zmq.POLLIN)
+            # Drain: what the broker already handed us is finished, then we say goodbye.
+            self._drain()
+            while self._busy or len(self.batcher):
+                if self._busy:
+                    if self._offload.done.poll(interval * 1000.0):
+                        self._finish_offloaded()
+                    else:
+                        self._send(P.worker_heartbeat())
+                    continue
+                self._run_ready_batches(force=True)
+            self._send(P.worker_disconnect())
+        finally:
+            self._offload.close()
 
     def _send(self, frames) -> None:
         self.sock.send_multipart(frames, copy=False)
@@ -279,46 +302,66 @@ class Worker:
     # ------------------------------------------------------------------ running
 
     def _run_ready_batches(self, force: bool = False) -> None:
-        while True:
+        while not self._busy:
             now = time.monotonic()
-            batch = self.batcher.take(now, idle=True) if not force else self.batcher.take(now + 3600.0, idle=True)
+            for p in self.batcher.expire(now):
+                self.jobs.pop(p.item.envelope, None)
+                self._reply_error(p.item, P.ErrorCode.DEADLINE_EXCEEDED, "deadline passed while waiting for a batch")
+            batch = self.batcher.take(now, idle=True, force=force)
             if not batch:
                 return
-            jobs = []
-            for p in batch:
-                job = p.item
+            jobs = [p.item for p in batch]
+            for job in jobs:
                 self.jobs.pop(job.envelope, None)
-                if job.deadline is not None and now > job.deadline:
-                    self._reply_error(job, P.ErrorCode.DEADLINE_EXCEEDED, "deadline passed while waiting for a batch")
-                    continue
-                jobs.append(job)
-            if jobs:
-                self._run(jobs, now)
+            self._run(jobs, now)
 
     def _run(self, jobs: list[_Job], started: float) -> None:
+        if getattr(self.model, "streaming", False):
+            for job in jobs:
+                self._run_stream(job)
+            return
+        predicted = self._compute_ewma.get(len(jobs))
+        if self._offload is not None and (predicted is None or predicted > self.cfg.heartbeat_interval / 2):
+            self._busy = True
+            self._offload.submit(jobs, started)
+            return
         t0 = time.perf_counter()
         try:
-            if getattr(self.model, "streaming", False):
-                for job in jobs:
-                    self._run_stream(job)
-                return
             outputs = self.backend.run([j.inputs for j in jobs])
+            error = None
         except Exception as e:
-            log.exception("model %s failed on a batch of %d", self.model.name, len(jobs))
+            outputs, error = None, e
+        self._complete(jobs, started, outputs, error, time.perf_counter() - t0)
+        if self._busy:  # a batch finished on the loop thread can't leave the flag set
+            self._busy = False
+
+    def _finish_offloaded(self) -> None:
+        jobs, started, outputs, error, seconds = self._offload.result()
+        self._busy = False
+        self._complete(jobs, started, outputs, error, seconds)
+
+    def _complete(self, jobs, started, outputs, error, seconds: float) -> None:
+        n = len(jobs)
+        prev = self._compute_ewma.get(n)
+        self._compute_ewma[n] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
+        if error is not None:
+            log.error("model %s failed on a batch of %d: %r", self.model.name, n, error)
             for job in jobs:
-                self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {type(e).__name__}: {e}")
+                self._reply_error(
+                    job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {type(error).__name__}: {error}"
+                )
             return
-        compute_ms = (time.perf_counter() - t0) * 1e3
+        compute_ms = seconds * 1e3
         for job, out in zip(jobs, outputs):
             timing = {
                 "batch_wait_ms": (started - job.received) * 1e3,
                 "compute_ms": compute_ms,
-                "batch": float(len(jobs)),
+                "batch": float(n),
             }
             if job.req.queue_ms is not None:
                 timing["queue_ms"] = job.req.queue_ms
             self._reply_tensors(job, out, timing, final=True)
-        self.served += len(jobs)
+        self.served += n
 
     def _run_stream(self, job: _Job) -> None:
         seq = 0
@@ -374,6 +417,66 @@ class Worker:
         # The broker retries these elsewhere; our replies would carry dead tokens.
         self.batcher.drop(lambda p: True)
         self.jobs.clear()
+
+
+class _ComputeThread:
+    """One thread that runs offloaded batches; it signals completion on an inproc PAIR
+    socket so the worker's poll wakes up (a zmq socket may not be shared across threads,
+    but each end of the pair is used by one thread only)."""
+
+    _n = 0
+
+    def __init__(self, ctx: zmq.Context, backend):
+        _ComputeThread._n += 1
+        addr = f"inproc://gpu-worker-done-{os.getpid()}-{_ComputeThread._n}"
+        self.done = ctx.socket(zmq.PAIR)
+        self.done.linger = 0
+        self.done.bind(addr)
+        self._tx = ctx.socket(zmq.PAIR)
+        self._tx.linger = 0
+        self._tx.connect(addr)
+        self._backend = backend
+        self._job = None
+        self._out = None
+        self._cv = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="compute", daemon=True)
+        self._thread.start()
+
+    def submit(self, jobs, started) -> None:
+        with self._cv:
+            self._job = (jobs, started)
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._job is None and not self._closing:
+                    self._cv.wait()
+                if self._closing:
+                    return
+                jobs, started = self._job
+                self._job = None
+            t0 = time.perf_counter()
+            try:
+                outputs, error = self._backend.run([j.inputs for j in jobs]), None
+            except Exception as e:
+                outputs, error = None, e
+            self._out = (jobs, started, outputs, error, time.perf_counter() - t0)
+            self._tx.send(b"")
+
+    def result(self):
+        self.done.recv()
+        out, self._out = self._out, None
+        return out
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join(5)
+        self._tx.close(linger=0)
+        self.done.close(linger=0)
 
 
 def _shm_ref(loc: P.ShmLoc):

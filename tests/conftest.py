@@ -64,6 +64,19 @@ def descendants(root: int) -> set[int]:
     return {p for p in out if not _ignored(p)}
 
 
+def _ours(name: str, me: int) -> bool:
+    """A segment is this suite's if its owner (the pid in its name) is this process or one of
+    its children, or is dead (a child that crashed).  Other programs on the machine, such as a
+    second test run, may create segments at the same time; they are not our leaks."""
+    try:
+        pid = int(name.split("-")[1])
+    except (IndexError, ValueError):
+        return True
+    if pid == me or pid in descendants(me):
+        return True
+    return not os.path.exists(f"/proc/{pid}")
+
+
 def _settle(check, timeout: float = 5.0):
     """Poll a leak check until it is empty or the timeout passes (processes take a moment to
     be reaped after a kill).  Returns the last value seen."""
@@ -83,7 +96,7 @@ def no_leaks():
     before_procs = descendants(me)
     yield
     left_procs = _settle(lambda: descendants(me) - before_procs)
-    left_files = _settle(lambda: shm_files() - before_files)
+    left_files = _settle(lambda: {n for n in shm_files() - before_files if _ours(n, me)})
     problems = []
     if left_procs:
         cmdlines = []

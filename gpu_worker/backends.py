@@ -1,0 +1,392 @@
+"""Backends: run a Model on a device for a list of per-request input dicts.
+
+A backend owns the data movement around a model call, and tries hard not to copy:
+
+* stacking: one request is passed as ``arr[np.newaxis]``, a view of the request's own
+  array (in the worker: the client's shared-memory slot).  Several requests are copied once
+  with ``np.stack(..., out=)`` into a staging buffer that is kept and reused for the next
+  batch of the same shape (pinned host memory on CUDA, so the upload can be asynchronous).
+  A staging buffer that a model's output aliases (``echo``) is handed over to that output
+  and not reused, so a result can never be overwritten by a later batch.
+* numpy -> torch on the CPU is zero-copy.  Shared-memory inputs are read-only numpy
+  arrays, and torch has no read-only tensors: ``torch.from_numpy`` would warn on every new
+  process and flipping the array's ``writeable`` flag would hand out a writable alias of
+  memory the worker must not write.  ``torch.from_dlpack`` is the sanctioned route: numpy
+  >= 2.1 exports read-only arrays through DLPack 1.0 with the read-only flag set, torch
+  accepts it without a warning and without a copy.  The model is trusted not to write to
+  its inputs (none of the shipped ones do; under ``torch.inference_mode`` in-place ops on
+  inputs are a programming error anyway), and the worker maps client segments read-only,
+  so a rogue write faults instead of corrupting a client's data.  Only on an older numpy
+  (no read-only DLPack export) does the backend fall back to ``torch.from_numpy`` with
+  that one warning filtered - still no copy.
+* outputs come back as one numpy array per output name for the whole batch (one
+  device->host copy per name on CUDA); each request gets ``batch_output[i]``, a read-only
+  view, never a per-item copy.
+
+Backends are not thread-safe: one worker thread drives one backend.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "BackendUnavailable",
+    "CallableBackend",
+    "TensorRTBackend",
+    "TorchBackend",
+    "make_backend",
+    "numpy_to_torch",
+    "warmup",
+]
+
+Inputs = Mapping[str, np.ndarray]
+Outputs = dict[str, np.ndarray]
+
+TENSORRT_MISSING = ("TensorRT is not installed; pip install '.[gpu]' on a machine with an NVIDIA GPU "
+                    "(and a CUDA build of torch), or use the torch backend")
+
+
+class BackendError(RuntimeError):
+    """A batch could not be run: incompatible requests or malformed model outputs."""
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot be used on this machine (a library or the hardware is missing)."""
+
+
+# --------------------------------------------------------------------------- conversions
+
+
+def numpy_to_torch(arr: np.ndarray):
+    """A CPU tensor sharing ``arr``'s memory, also for read-only arrays, without a warning.
+
+    Raises BackendError for dtypes torch cannot represent (object, strings, ...).
+    """
+    import torch
+
+    if arr.flags.writeable:
+        try:
+            return torch.from_numpy(arr)
+        except (TypeError, ValueError):
+            pass  # e.g. negative strides or a non-native byte order: handled below
+    else:
+        try:
+            return torch.from_dlpack(arr)
+        except (BufferError, TypeError, ValueError, RuntimeError):
+            # numpy < 2.1 refuses to export read-only arrays over DLPack.  from_numpy still
+            # shares memory; its warning is about exactly the case we accept on purpose.
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                    return torch.from_numpy(arr)
+            except (TypeError, ValueError):
+                pass
+    if arr.dtype.hasobject or arr.dtype.kind in "USVO":
+        raise BackendError(f"input dtype {arr.dtype} has no torch equivalent")
+    # Layouts torch cannot alias (negative strides, byte-swapped data): a copy is the only
+    # option, and it is the request's problem, not a hot path.
+    try:
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("=")))
+    except TypeError as e:
+        raise BackendError(f"input dtype {arr.dtype} has no torch equivalent") from e
+
+
+def _to_numpy(value, name: str) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if type(value).__module__.startswith("torch"):
+        return value.detach().numpy()  # CPU tensors only here: CUDA outputs were fetched first
+    arr = np.asarray(value)
+    if arr.dtype.hasobject:
+        raise BackendError(f"output {name!r} is a {type(value).__name__}, not an array or tensor")
+    return arr
+
+
+# --------------------------------------------------------------------------- staging buffers
+
+
+class _Staging:
+    """Reusable batch buffers, one per (input name, dtype, per-item shape), LRU-bounded."""
+
+    def __init__(self, allocate, max_entries: int = 16):
+        self._allocate = allocate
+        self._max = max_entries
+        self._buffers: OrderedDict[tuple, np.ndarray] = OrderedDict()
+
+    def get(self, name: str, dtype: np.dtype, shape: tuple, n: int) -> tuple[tuple, np.ndarray]:
+        key = (name, dtype.str, shape)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < n:
+            cap = n if buf is None else max(n, buf.shape[0])
+            buf = self._allocate((cap, *shape), dtype)
+            self._buffers[key] = buf
+            while len(self._buffers) > self._max:
+                self._buffers.popitem(last=False)
+        self._buffers.move_to_end(key)
+        return key, buf[:n]
+
+    def forget(self, key: tuple) -> None:
+        self._buffers.pop(key, None)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+def _framework(model) -> str:
+    return getattr(model, "framework", "torch")
+
+
+def _signature(inputs: Inputs) -> tuple:
+    return tuple(sorted((k, v.dtype.str, v.shape) for k, v in inputs.items()))
+
+
+# --------------------------------------------------------------------------- backends
+
+
+class Backend:
+    """Runs one model on one device.  Subclasses convert to and from the model's arrays."""
+
+    kind = "base"
+
+    def __init__(self, model, device: str = "cpu"):
+        self.model = model
+        self.device = device
+        self._staging = _Staging(self._allocate)
+
+    # Hooks ------------------------------------------------------------------------------
+    def _allocate(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def _to_model(self, model, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        if _framework(model) != "numpy":
+            raise BackendError(f"model {model.name!r} is a {_framework(model)} model; "
+                               f"the {self.kind} backend passes numpy arrays (use make_backend)")
+        return batch
+
+    def _from_model(self, outputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        return {k: _to_numpy(v, k) for k, v in outputs.items()}
+
+    def _call(self, model, batch):
+        return model(batch)
+
+    def _iterate(self, partials: Iterator):
+        return partials
+
+    # API --------------------------------------------------------------------------------
+    def run(self, requests: Sequence[Inputs]) -> list[Outputs]:
+        """One output dict per request, in order.  Requests must be stack-compatible (same
+        names, dtypes and shapes); a model with ``batchable = False`` is run once per
+        request."""
+        model = self.model
+        if getattr(model, "streaming", False):
+            raise BackendError(f"model {model.name!r} streams its outputs; use run_stream()")
+        if not requests:
+            return []
+        if len(requests) > 1 and not getattr(model, "batchable", True):
+            return [self._run_batch(model, [r])[0] for r in requests]
+        return self._run_batch(model, requests)
+
+    def run_stream(self, request: Inputs) -> Iterator[Outputs]:
+        """Partial outputs of one request, in the order the model yields them (a model that
+        does not stream yields its one output)."""
+        model = self.model
+        batch, _ = self._stack([request])
+        partials = self._call(model, self._to_model(model, batch))
+        if isinstance(partials, Mapping):  # a non-streaming model: a single "partial"
+            partials = iter((partials,))
+        for out in self._iterate(partials):
+            yield self._split(model, self._from_model(out), 1)[0]
+
+    def close(self) -> None:
+        self._staging.clear()
+
+    # Internals --------------------------------------------------------------------------
+    def _run_batch(self, model, requests: Sequence[Inputs]) -> list[Outputs]:
+        n = len(requests)
+        batch, staged = self._stack(requests)
+        outputs = self._from_model(self._call(model, self._to_model(model, batch)))
+        if staged:
+            # An output that aliases a staging buffer owns it from now on.
+            for key, buf in staged:
+                if any(np.may_share_memory(o, buf) for o in outputs.values()):
+                    self._staging.forget(key)
+        return self._split(model, outputs, n)
+
+    def _stack(self, requests: Sequence[Inputs]) -> tuple[dict[str, np.ndarray], list]:
+        first = requests[0]
+        if len(requests) == 1:
+            # A view with a new leading axis: no copy of the request's (shared) memory.
+            # expand_dims, not arr[None]: indexing gives the new axis a 0 stride, which
+            # sends torch's channels_last kernels down a path 2-3x slower.
+            return {k: np.expand_dims(np.asarray(v), 0) for k, v in first.items()}, []
+        sig = _signature(first)
+        for i, r in enumerate(requests[1:], 1):
+            if _signature(r) != sig:
+                raise BackendError(f"request {i} is not stack-compatible with request 0: "
+                                   f"{_signature(r)} != {sig}")
+        n = len(requests)
+        batch, staged = {}, []
+        for name, arr in first.items():
+            key, buf = self._staging.get(name, arr.dtype, arr.shape, n)
+            np.stack([r[name] for r in requests], out=buf)
+            batch[name] = buf
+            staged.append((key, buf))
+        return batch, staged
+
+    @staticmethod
+    def _split(model, outputs: dict[str, np.ndarray], n: int) -> list[Outputs]:
+        for name, arr in outputs.items():
+            if arr.ndim == 0 or arr.shape[0] != n:
+                raise BackendError(f"model {model.name!r} output {name!r} has shape {arr.shape}; "
+                                   f"expected a leading batch axis of {n}")
+        per_request: list[Outputs] = [{} for _ in range(n)]
+        for name, arr in outputs.items():
+            for i in range(n):
+                view = arr[i, ...]  # a 0-d view, not a scalar copy, for per-request scalars
+                if isinstance(view, np.ndarray):
+                    # Read-only: these views may alias inputs in shared memory (echo).
+                    view.flags.writeable = False
+                per_request[i][name] = view
+        return per_request
+
+
+class CallableBackend(Backend):
+    """numpy in, numpy out: for ``framework = "numpy"`` models.  Never imports torch."""
+
+    kind = "numpy"
+
+    def __init__(self, model, device: str = "cpu"):
+        if _framework(model) != "numpy":
+            raise BackendError(f"model {model.name!r} is a {_framework(model)} model; "
+                               "the numpy backend can only run numpy models (use make_backend)")
+        super().__init__(model, device)
+
+
+class TorchBackend(Backend):
+    """torch models on "cpu" or "cuda:N", under ``torch.inference_mode()``."""
+
+    kind = "torch"
+
+    def __init__(self, model, device: str = "cpu"):
+        import torch
+
+        from .devices import resolve_device
+
+        self._torch = torch
+        device = resolve_device(device)
+        self._cuda = device.startswith("cuda")
+        self._tdevice = torch.device(device)
+        super().__init__(model, device)
+
+    def _allocate(self, shape, dtype):
+        if self._cuda:
+            # Pinned host memory: the host->device copy of a staged batch can run async.
+            t = self._torch.empty(shape, dtype=numpy_to_torch(np.empty(0, dtype)).dtype, pin_memory=True)
+            return t.numpy()
+        return np.empty(shape, dtype)
+
+    def _to_model(self, model, batch):
+        if _framework(model) == "numpy":
+            return batch  # numpy models (echo, chunks) run here too, untouched
+        tensors = {k: numpy_to_torch(v) for k, v in batch.items()}
+        if self._cuda:
+            # Safe to be asynchronous: _from_model synchronises before run() returns, so a
+            # staging buffer is never refilled while its upload is still in flight.
+            tensors = {k: t.to(self._tdevice, non_blocking=True) for k, t in tensors.items()}
+        return tensors
+
+    def _from_model(self, outputs):
+        torch = self._torch
+        fetched = {}
+        for k, v in outputs.items():
+            if isinstance(v, torch.Tensor) and v.device.type != "cpu":
+                v = v.to("cpu", non_blocking=True)
+            fetched[k] = v
+        if self._cuda:
+            torch.cuda.current_stream(self._tdevice).synchronize()
+        return {k: _to_numpy(v, k) for k, v in fetched.items()}
+
+    def _call(self, model, batch):
+        with self._torch.inference_mode():
+            return model(batch)
+
+    def _iterate(self, partials):
+        # Enter inference mode around each step rather than across yields, so the caller's
+        # own code between partials never runs in inference mode.
+        it = iter(partials)
+        while True:
+            with self._torch.inference_mode():
+                try:
+                    out = next(it)
+                except StopIteration:
+                    return
+            yield out
+
+
+class TensorRTBackend(Backend):
+    """Placeholder for the TensorRT engine backend (a later issue)."""
+
+    kind = "tensorrt"
+
+    def __init__(self, model, device: str = "cuda:0", **options):
+        try:
+            import tensorrt  # noqa: F401
+        except ImportError as e:
+            raise BackendUnavailable(TENSORRT_MISSING) from e
+        raise BackendUnavailable("TensorRT is installed but the TensorRT backend is not implemented yet; "
+                                 "use the torch backend")
+
+
+_BACKENDS = {"torch": TorchBackend, "numpy": CallableBackend, "tensorrt": TensorRTBackend}
+
+
+def make_backend(model, device: str = "cpu", kind: str = "auto") -> Backend:
+    """The backend for ``model``: ``kind="auto"`` follows ``model.framework``."""
+    if kind == "auto":
+        kind = _framework(model)
+    try:
+        cls = _BACKENDS[kind]
+    except KeyError:
+        raise BackendError(f"unknown backend {kind!r}; expected one of {', '.join(_BACKENDS)} or 'auto'") from None
+    return cls(model, device)
+
+
+def warmup(backend: Backend, model=None, batch_sizes: Iterable[int] = (1,)) -> dict[int, float]:
+    """Run the model's example inputs at each batch size; returns seconds per size.
+
+    ``model`` defaults to (and must be) the backend's model; it is accepted so that call
+    sites read as "warm up this model on this backend".
+
+    The first calls pay for lazy initialisation (allocator, kernel selection, CUDA context
+    and autotuning); doing them before taking traffic keeps them out of the latency tail.
+    A model without example inputs is skipped (empty result).
+    """
+    if model is None:
+        model = backend.model
+    elif model is not backend.model:
+        raise BackendError(f"warmup: backend runs {backend.model.name!r}, not {model.name!r}")
+    try:
+        example = model.example_inputs()
+    except NotImplementedError:
+        return {}
+    sizes = sorted({max(1, int(b)) for b in batch_sizes})
+    if not getattr(model, "batchable", True):
+        sizes = [1]
+    timings: dict[int, float] = {}
+    for b in sizes:
+        t0 = time.perf_counter()
+        if getattr(model, "streaming", False):
+            for _ in backend.run_stream(example):
+                pass
+        else:
+            backend.run([example] * b)
+        timings[b] = time.perf_counter() - t0
+    return timings

@@ -1,0 +1,308 @@
+"""A pure dynamic batcher: which pending requests form the next batch, and how long to wait.
+
+No sockets, no clock reads, no torch: every method that depends on time takes ``now``
+(seconds, any monotonic origin, the same one as ``Pending.arrived`` and ``deadline``).
+
+Policy
+------
+* Compatibility.  Only requests with equal ``key`` share a batch.  The key must capture
+  everything that stacking needs (input names, dtypes, per-item shapes); ``batch_key()``
+  builds one from an input dict.
+* Size.  A batch holds at most ``max_batch`` requests and at most ``max_cost`` total cost;
+  a single request whose cost alone exceeds ``max_cost`` still runs, alone.  Requests of a
+  group are taken in add order and a batch stops at the first one that does not fit (no
+  overtaking inside a group).
+* Fairness.  The group holding the oldest pending request (by ``arrived``, ties by add
+  order) goes first, even while a younger group's batch is fuller.
+* Deadlines.  A request whose ``deadline`` has passed (``deadline <= now``) is never put
+  in a batch: ``take()`` sets it aside and ``expire(now)`` hands it to the caller (which
+  owes its client an error).  ``expire`` also collects any that passed since.
+* Waiting, when the worker is idle.  The batcher keeps, per key, an EWMA of the
+  inter-arrival time.  If the expected gap is larger than ``max_delay`` (light traffic, or
+  no estimate yet) nothing is gained by waiting and the batch - a lone request included -
+  goes at once.  Otherwise it waits until the earliest of
+    - the oldest request's ``arrived + max_delay`` (the hard bound on added latency),
+    - the expected time the batch fills up (last arrival + missing items x expected gap),
+    - any pending request's ``deadline - deadline_margin`` (time to still run it),
+  and a full batch (``max_batch`` items, or the next item would exceed ``max_cost``) goes
+  at once.  The times depend only on state that changes with an arrival, so ``wake_at``
+  stays true until the next ``add``; when the expected arrivals do not come (a burst
+  ended), the batch goes at the expected fill time rather than waiting out ``max_delay``.
+* Busy worker.  ``take(now, idle=False)`` means a batch is still running: only a full batch
+  is returned (waiting is free while the worker cannot start anything anyway).  A batch
+  handed out by ``take`` also marks the worker busy.  The first ``take(now, idle=True)``
+  after that returns whatever accumulated, without any extra wait: those requests have
+  already waited for the worker.  Once a take finds nothing pending, the worker counts as
+  idle again and the waiting rules above apply to new arrivals.
+
+Every request added is returned exactly once: by ``take`` (in a batch), ``expire`` or
+``drop``.  ``len()`` counts the ones still owed.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["Batcher", "Pending", "batch_key"]
+
+
+@dataclass(slots=True)
+class Pending:
+    """One request waiting to be batched.  ``item`` is opaque to the batcher."""
+
+    key: Hashable
+    cost: float
+    item: object
+    arrived: float
+    deadline: float | None = None
+
+
+def batch_key(inputs: Mapping[str, object]) -> Hashable:
+    """A key under which requests can be stacked: input names, dtypes and per-item shapes.
+
+    Works for anything with ``.dtype`` and ``.shape`` (numpy arrays, tensors) without
+    importing either library.
+    """
+    return tuple(sorted((name, str(a.dtype), tuple(a.shape)) for name, a in inputs.items()))
+
+
+@dataclass(slots=True)
+class _Entry:
+    seq: int
+    p: Pending
+
+
+@dataclass(slots=True)
+class _Rate:
+    last: float  # latest arrival seen for the key
+    gap: float | None = None  # EWMA of inter-arrival time; None until two arrivals
+
+
+class Batcher:
+    """Dynamic batcher; see the module docstring for the policy."""
+
+    #: weight of a new inter-arrival sample in the EWMA
+    alpha = 0.2
+    #: keys whose arrival rate is remembered (LRU), so that many one-off shapes cannot grow
+    #: the state without bound
+    max_tracked_keys = 1024
+
+    def __init__(self, *, max_batch: int = 8, max_cost: float = math.inf, max_delay: float = 0.002,
+                 deadline_margin: float = 0.0):
+        if int(max_batch) != max_batch or max_batch < 1:
+            raise ValueError("max_batch must be an integer >= 1")
+        if not max_cost > 0:
+            raise ValueError("max_cost must be > 0")
+        if not (0 <= max_delay < math.inf):
+            raise ValueError("max_delay must be finite and >= 0")
+        if not (0 <= deadline_margin < math.inf):
+            raise ValueError("deadline_margin must be finite and >= 0")
+        self.max_batch = int(max_batch)
+        self.max_cost = float(max_cost)
+        self.max_delay = float(max_delay)
+        #: time a batch needs to run: a request is dispatched no later than its deadline
+        #: minus this.  The worker may update it from measured batch latency.
+        self.deadline_margin = float(deadline_margin)
+        # Samples are capped so that one long silence does not make the estimate "light
+        # traffic" for the next hundred arrivals; anything above max_delay reads as light.
+        self._gap_cap = 16.0 * self.max_delay
+        self._groups: dict[Hashable, deque[_Entry]] = {}
+        self._live: dict[int, _Entry] = {}
+        self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped lazily
+        self._expired: list[Pending] = []
+        self._rates: OrderedDict[Hashable, _Rate] = OrderedDict()
+        self._seq = 0
+        self._busy = False
+
+    def __len__(self) -> int:
+        return len(self._live) + len(self._expired)
+
+    # ------------------------------------------------------------------------------ input
+
+    def add(self, p: Pending, now: float) -> None:
+        """Queue a request.  Its ``arrived`` feeds the arrival-rate estimate; ``now`` is only
+        used to set aside a request that is already past its deadline."""
+        self._observe_arrival(p.key, p.arrived)
+        if p.deadline is not None and p.deadline <= now:
+            self._expired.append(p)
+            return
+        self._seq += 1
+        e = _Entry(self._seq, p)
+        self._live[e.seq] = e
+        self._groups.setdefault(p.key, deque()).append(e)
+        if p.deadline is not None:
+            heapq.heappush(self._deadlines, (p.deadline, e.seq))
+
+    def _observe_arrival(self, key: Hashable, arrived: float) -> None:
+        r = self._rates.get(key)
+        if r is None:
+            self._rates[key] = _Rate(arrived)
+            while len(self._rates) > self.max_tracked_keys:
+                self._rates.popitem(last=False)
+            return
+        self._rates.move_to_end(key)
+        # Out-of-order stamps (several receiving threads) count as simultaneous arrivals.
+        sample = min(max(arrived - r.last, 0.0), self._gap_cap)
+        r.gap = sample if r.gap is None else r.gap + self.alpha * (sample - r.gap)
+        r.last = max(r.last, arrived)
+
+    # ------------------------------------------------------------------------------ output
+
+    def take(self, now: float, *, idle: bool, force: bool = False) -> list[Pending]:
+        """The next batch to run, or [] to keep waiting (see ``wake_at``).
+
+        ``force=True`` skips the wait (not the size, key and deadline rules): for draining
+        at shutdown.  Pass the real ``now``; a time in the future would expire requests."""
+        self._set_aside_expired(now)
+        key = self._oldest_key()
+        if key is None:
+            # Idle with nothing pending: new arrivals follow the waiting rules again.  Busy
+            # with nothing pending: whatever arrives meanwhile goes when the worker is free.
+            self._busy = not idle
+            return []
+        n, full = self._plan(key)
+        if not idle:
+            self._busy = True
+            return self._pop(key, n) if full else []
+        if full or force or self._busy or self._ready_at(key, n, now) <= now:
+            return self._pop(key, n)
+        return []
+
+    def wake_at(self, now: float) -> float | None:
+        """When ``take(idle=True)`` may return a batch, or ``expire`` a request, without a
+        new arrival: ``now`` if already, None if nothing is pending.
+
+        Meant for an idle worker's poll timeout.  While a batch runs the answer is ``now``
+        whenever something is pending (it goes as soon as the worker is free), so a busy
+        worker should wait for its batch, not for this time."""
+        if self._expired:
+            return now
+        key = self._oldest_key()
+        if key is None:
+            return None
+        n, full = self._plan(key)
+        t = now if (full or self._busy) else self._ready_at(key, n, now)
+        first_deadline = self._first_deadline()
+        if first_deadline is not None:
+            t = min(t, first_deadline)
+        return max(t, now)
+
+    def expire(self, now: float) -> list[Pending]:
+        """Remove and return every request whose deadline has passed (``deadline <= now``),
+        including those ``take`` set aside."""
+        self._set_aside_expired(now)
+        out, self._expired = self._expired, []
+        return out
+
+    def drop(self, predicate: Callable[[Pending], bool]) -> list[Pending]:
+        """Remove and return the requests (pending or expired) for which ``predicate`` is
+        true, e.g. cancelled ones."""
+        dropped = [e for e in self._live.values() if predicate(e.p)]
+        if dropped:
+            self._remove({e.seq for e in dropped})
+        out = [e.p for e in dropped]
+        kept = []
+        for p in self._expired:
+            if predicate(p):
+                out.append(p)
+            else:
+                kept.append(p)
+        self._expired = kept
+        return out
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _oldest_key(self) -> Hashable | None:
+        best = None
+        best_key = None
+        for key, group in self._groups.items():
+            head = group[0]
+            rank = (head.p.arrived, head.seq)
+            if best is None or rank < best:
+                best, best_key = rank, key
+        return best_key
+
+    def _plan(self, key: Hashable) -> tuple[int, bool]:
+        """(items in the next batch of ``key``, whether that batch is full)."""
+        group = self._groups[key]
+        total = 0.0
+        n = 0
+        for e in group:
+            if n == self.max_batch:
+                return n, True
+            c = e.p.cost
+            if n and total + c > self.max_cost:
+                return n, True
+            total += c
+            n += 1
+            if total >= self.max_cost:  # at the cap, or a lone request over it
+                return n, True
+        return n, n == self.max_batch
+
+    def _ready_at(self, key: Hashable, n: int, now: float) -> float:
+        """When a not-yet-full batch of ``key`` with ``n`` items should go."""
+        r = self._rates.get(key)
+        if r is None or r.gap is None or r.gap > self.max_delay:
+            return now
+        gap = r.gap
+        group = self._groups[key]
+        t = group[0].p.arrived + self.max_delay
+        missing = self.max_batch - n
+        if math.isfinite(self.max_cost):
+            used = sum(e.p.cost for _, e in zip(range(n), group))
+            if used > 0:
+                room = (self.max_cost - used) / (used / n)  # items of average cost that still fit
+                if room < missing:  # (also keeps a huge room from tiny costs out of int())
+                    missing = max(1, int(room))
+        t = min(t, r.last + missing * gap)
+        first_deadline = self._first_deadline()
+        if first_deadline is not None:
+            t = min(t, first_deadline - self.deadline_margin)
+        return t
+
+    def _first_deadline(self) -> float | None:
+        heap = self._deadlines
+        while heap and heap[0][1] not in self._live:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def _set_aside_expired(self, now: float) -> None:
+        heap = self._deadlines
+        gone = set()
+        while heap and (heap[0][1] not in self._live or heap[0][0] <= now):
+            _, seq = heapq.heappop(heap)
+            if seq in self._live and seq not in gone:
+                gone.add(seq)
+                self._expired.append(self._live[seq].p)
+        if gone:
+            self._remove(gone)
+        if len(heap) > 64 and len(heap) > 4 * len(self._live):
+            # Taken and dropped requests leave stale entries behind; compact once they
+            # dominate so a long deadline horizon cannot grow the heap without bound.
+            self._deadlines = [(d, s) for d, s in heap if s in self._live]
+            heapq.heapify(self._deadlines)
+
+    def _remove(self, seqs: set[int]) -> None:
+        for key in {self._live[s].p.key for s in seqs}:
+            group = deque(e for e in self._groups[key] if e.seq not in seqs)
+            if group:
+                self._groups[key] = group
+            else:
+                del self._groups[key]
+        for s in seqs:
+            del self._live[s]
+
+    def _pop(self, key: Hashable, n: int) -> list[Pending]:
+        group = self._groups[key]
+        batch = []
+        for _ in range(n):
+            e = group.popleft()
+            del self._live[e.seq]
+            batch.append(e.p)
+        if not group:
+            del self._groups[key]
+        self._busy = True
+        return batch

@@ -1,0 +1,547 @@
+"""Shipped models and ``--model`` loading.
+
+A model sees one *batch*: a dict of name -> array with a leading batch axis (N >= 1); it
+returns a dict of name -> array whose leading axis is that same N (or, when ``streaming``,
+an iterator of such dicts).  A model with ``batchable = False`` is always called with N == 1.
+Backends (``gpu_worker.backends``) do the stacking, conversion and splitting; models never
+see requests, sockets or shared memory.
+
+``framework`` says what the arrays are: "torch" models get ``torch.Tensor`` on ``device``,
+"numpy" models get ``np.ndarray``.  Shipped models:
+
+==========  =========  =========  ==========  ===============================================
+name        framework  batchable  streaming   inputs -> outputs (per request)
+==========  =========  =========  ==========  ===============================================
+echo        numpy      yes        no          any -> the same arrays (no copy)
+cartoon     torch      yes        no          image uint8 HxWx3 -> image uint8 HxWx3
+convnet     torch      yes        no          image uint8 HxWx3 (H, W >= 32) -> logits f32 (1000,)
+chunks      numpy      no         yes         x (any shape) -> k partials of x split on axis 0
+==========  =========  =========  ==========  ===============================================
+
+torch is imported only when a torch model is built, so ``echo`` and ``chunks`` load and run
+on an install without torch.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+__all__ = [
+    "SHIPPED_MODELS",
+    "CallableModel",
+    "CartoonModel",
+    "ChunksModel",
+    "ConvNetModel",
+    "EchoModel",
+    "Model",
+    "ModelBase",
+    "ModelLoadError",
+    "TorchModuleModel",
+    "cartoon_filter",
+    "load_model",
+]
+
+
+class ModelLoadError(Exception):
+    """``load_model`` could not turn a spec into a Model; the message says what was expected."""
+
+
+@runtime_checkable
+class Model(Protocol):
+    """What a worker needs from a model.
+
+    ``framework`` ("torch" or "numpy") and ``device`` are optional on custom models: a
+    missing ``framework`` means "torch", a missing ``device`` means the device it was loaded
+    for.
+    """
+
+    name: str
+    batchable: bool
+    streaming: bool
+
+    def cost(self, inputs: Mapping[str, np.ndarray]) -> float: ...
+
+    def __call__(self, batch: Mapping[str, Any]) -> Any: ...
+
+    def example_inputs(self) -> dict[str, np.ndarray]: ...
+
+
+_MODEL_ATTRS = ("name", "batchable", "streaming", "cost", "example_inputs")
+
+
+def _is_model(obj: object) -> bool:
+    return callable(obj) and all(hasattr(obj, a) for a in _MODEL_ATTRS)
+
+
+def _nbytes(inputs: Mapping[str, Any]) -> float:
+    return float(sum(getattr(a, "nbytes", 0) for a in inputs.values()))
+
+
+class ModelBase:
+    """Defaults for the optional parts of the Model interface."""
+
+    name = "model"
+    framework = "torch"
+    batchable = True
+    streaming = False
+    device = "cpu"
+
+    def cost(self, inputs: Mapping[str, np.ndarray]) -> float:
+        # Bytes are a fair default: copying and most elementwise work scale with them.
+        return _nbytes(inputs)
+
+    def example_inputs(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError(f"model {self.name!r} has no example inputs")
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} on {self.device}>"
+
+
+# --------------------------------------------------------------------------- numpy models
+
+
+class EchoModel(ModelBase):
+    """Returns its inputs: measures the transport, not the model."""
+
+    name = "echo"
+    framework = "numpy"
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device
+
+    def __call__(self, batch):
+        # The same objects, not copies: the backend's output views then alias the inputs.
+        return dict(batch)
+
+    def example_inputs(self):
+        return {"x": np.arange(16, dtype=np.float32)}
+
+
+class ChunksModel(ModelBase):
+    """Streams its input ``x`` back as ``k`` consecutive pieces along the item's first axis.
+
+    Concatenating the partials (on axis 0 of the per-request arrays) gives ``x`` back, which
+    is what the PARTIAL-ordering tests check.
+    """
+
+    name = "chunks"
+    framework = "numpy"
+    batchable = False
+    streaming = True
+
+    def __init__(self, device: str = "cpu", k: int = 4):
+        if k < 1:
+            raise ValueError("k must be >= 1")
+        self.device = device
+        self.k = k
+
+    def __call__(self, batch) -> Iterator[dict]:
+        x = batch["x"]
+        if x.ndim < 2:  # a per-request scalar cannot be split: one partial carries it
+            yield {"x": x}
+            return
+        n = x.shape[1]
+        pieces = max(1, min(self.k, n))  # never an empty partial unless x itself is empty
+        for i in range(pieces):
+            # Plain slicing works on numpy arrays and torch tensors alike.
+            yield {"x": x[:, i * n // pieces : (i + 1) * n // pieces]}
+
+    def example_inputs(self):
+        return {"x": np.arange(32, dtype=np.float32)}
+
+
+# --------------------------------------------------------------------------- torch models
+
+
+@functools.cache
+def _nets():
+    """nn.Module classes, defined on first use so that importing this module never imports
+    torch."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class CartoonFilter(nn.Module):
+        """Cartoon look: edge-preserving smoothing, k-level colour quantisation, dark edges.
+
+        uint8 NxHxWx3 in, uint8 NxHxWx3 out.  Only conv2d, conv_transpose2d, pad, abs, clamp,
+        floor, round and elementwise arithmetic, so it exports to ONNX/TensorRT as is.
+
+        The smoothing and the edge detector run at half resolution: that is most of the
+        work, the look hardly changes, and it leaves a 720p frame at ~30-40 ms on one CPU
+        core.  Both are brought back to full size with an exact 2x bilinear
+        conv_transpose2d (cheaper on CPU than interpolate, and a plain ONNX op).
+        """
+
+        def __init__(self, levels: int = 8, passes: int = 3, sigma: float = 40.0,
+                     edge_low: float = 80.0, edge_high: float = 200.0, edge_strength: float = 0.85):
+            super().__init__()
+            if not 2 <= levels <= 256:
+                raise ValueError("levels must be in [2, 256]")
+            self.levels = levels
+            self.passes = passes
+            self.sigma = sigma
+            self.edge_low = edge_low
+            self.edge_high = edge_high
+            self.edge_strength = edge_strength
+            b = torch.tensor([1.0, 2.0, 1.0])
+            self.register_buffer("blur", (b[:, None] * b[None, :] / 16).expand(3, 1, 3, 3).contiguous())
+            self.register_buffer("down", torch.full((3, 1, 2, 2), 0.25))
+            u = torch.tensor([0.25, 0.75, 0.75, 0.25])
+            up = u[:, None] * u[None, :]
+            self.register_buffer("up3", up.expand(3, 1, 4, 4).contiguous())
+            self.register_buffer("up1", up.view(1, 1, 4, 4).clone())
+            gx = torch.tensor([[-1.0, 0.0, 1.0], [-2.0, 0.0, 2.0], [-1.0, 0.0, 1.0]])
+            self.register_buffer("sobel", torch.stack([gx, gx.t()])[:, None].contiguous())
+            self.register_buffer("luma", torch.tensor([0.299, 0.587, 0.114]).view(1, 3, 1, 1))
+
+        def _upsample2x(self, x, weight):
+            # Replicate-pad one low-res pixel so the borders interpolate towards themselves
+            # instead of towards zero; padding=3 then crops to exactly 2x the input size.
+            x = F.pad(x, (1, 1, 1, 1), mode="replicate")
+            return F.conv_transpose2d(x, weight, stride=2, padding=3, groups=weight.shape[0])
+
+        def forward(self, image):
+            # NHWC uint8 -> NCHW float without a transpose copy: the permuted view is
+            # channels_last, which the CPU conv kernels prefer anyway.
+            x = image.permute(0, 3, 1, 2).float()
+            h, w = x.shape[-2], x.shape[-1]
+            ph, pw = h % 2, w % 2
+            if ph or pw:  # odd sizes: pad to even, crop at the end
+                x = F.pad(x, (0, pw, 0, ph), mode="replicate")
+            s = F.conv2d(x, self.down, stride=2, groups=3)  # 2x2 mean; much faster than avg_pool2d here
+            for _ in range(self.passes):
+                # Sigma-filter style step: move towards the local blur only where the pixel
+                # is close to it, so strong edges stay put while flat areas lose noise.
+                b = F.conv2d(F.pad(s, (1, 1, 1, 1), mode="replicate"), self.blur, groups=3)
+                d = (b - s).abs().sum(1, keepdim=True)
+                s = s + (1.0 - d / self.sigma).clamp(0.0, 1.0) * (b - s)
+            lum = F.conv2d(s, self.luma)
+            g = F.conv2d(F.pad(lum, (1, 1, 1, 1), mode="replicate"), self.sobel)
+            mag = g.abs().sum(1, keepdim=True)
+            # A ramp instead of a hard threshold gives anti-aliased lines after upsampling.
+            e = ((mag - self.edge_low) / (self.edge_high - self.edge_low)).clamp(0.0, 1.0)
+            s = self._upsample2x(s, self.up3)
+            e = self._upsample2x(e, self.up1)
+            step = 256.0 / self.levels
+            q = (torch.floor(s / step) + 0.5) * step
+            out = q * (1.0 - self.edge_strength * e)
+            if ph or pw:
+                out = out[:, :, :h, :w]
+            out = out.round().clamp(0.0, 255.0).to(torch.uint8).permute(0, 2, 3, 1)
+            return out.contiguous()
+
+    class ConvNet(nn.Module):
+        """An isotropic CNN (patchify stem, then 3x3 residual convs at 1/32 resolution, an MLP
+        head).  Built so that batching pays off even on a CPU: at 7x7 spatial size with 512
+        channels a single image makes a skinny matrix product that cannot use the cores
+        well, and the head is a weight-bandwidth-bound matrix-vector product at batch 1;
+        a batch reuses every weight N times.
+        """
+
+        def __init__(self, width: int = 512, patch: int = 32, depth: int = 6, hidden: int = 1024,
+                     classes: int = 1000):
+            super().__init__()
+            self.patch = patch
+            self.stem = nn.Conv2d(3, width, patch, stride=patch)
+            self.blocks = nn.ModuleList(nn.Conv2d(width, width, 3, padding=1) for _ in range(depth))
+            self.hidden = nn.Linear(width, hidden)
+            self.head = nn.Linear(hidden, classes)
+
+        def forward(self, image):
+            x = image.permute(0, 3, 1, 2).float() * (2.0 / 255.0) - 1.0
+            x = F.relu(self.stem(x))
+            for conv in self.blocks:
+                # Halving the residual branch keeps activations bounded without norm layers.
+                x = F.relu(x + 0.5 * conv(x))
+            x = x.mean(dim=(2, 3))
+            return self.head(F.relu(self.hidden(x)))
+
+    def seeded_init(module: nn.Module, seed: int) -> None:
+        # A private CPU generator: the weights do not depend on (or disturb) the global RNG,
+        # and they are the same whichever device the model is moved to afterwards.
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                else:
+                    fan_in = p[0].numel()
+                    p.normal_(0.0, (2.0 / fan_in) ** 0.5, generator=g)
+
+    return type("Nets", (), {"CartoonFilter": CartoonFilter, "ConvNet": ConvNet,
+                             "seeded_init": staticmethod(seeded_init)})
+
+
+def cartoon_filter(**params):
+    """The bare ``nn.Module`` behind ``cartoon`` (for ONNX/TensorRT export)."""
+    return _nets().CartoonFilter(**params).eval()
+
+
+def _check_image(batch, model: str, min_side: int = 1):
+    image = batch.get("image")
+    if image is None:
+        raise ValueError(f"{model} needs an input named 'image' (uint8 HxWx3), got {sorted(batch)}")
+    if image.ndim != 4 or image.shape[-1] != 3 or not str(image.dtype).endswith("uint8"):
+        shape = tuple(image.shape[1:])
+        raise ValueError(f"{model} needs 'image' as uint8 HxWx3, got {image.dtype} {shape}")
+    if image.shape[1] < min_side or image.shape[2] < min_side:
+        raise ValueError(f"{model} needs images of at least {min_side}x{min_side}, got {tuple(image.shape[1:])}")
+    return image
+
+
+class _TorchNetModel(ModelBase):
+    framework = "torch"
+
+    def _prepare(self, net, device: str):
+        net.eval().requires_grad_(False)
+        self.net = net.to(device)
+        self.device = device
+
+
+class CartoonModel(_TorchNetModel):
+    """The ``cartoon`` AR filter (see ``_nets().CartoonFilter``)."""
+
+    name = "cartoon"
+
+    def __init__(self, device: str = "cpu", **params):
+        self._prepare(_nets().CartoonFilter(**params), device)
+
+    def cost(self, inputs):
+        image = inputs["image"]
+        return float(image.shape[0] * image.shape[1])  # pixels: the filter is per-pixel work
+
+    def __call__(self, batch):
+        return {"image": self.net(_check_image(batch, "cartoon"))}
+
+    def example_inputs(self):
+        rng = np.random.default_rng(0)
+        return {"image": rng.integers(0, 256, (720, 1280, 3), dtype=np.uint8)}
+
+
+class ConvNetModel(_TorchNetModel):
+    """The ``convnet`` compute-bound benchmark model, with weights from a fixed seed."""
+
+    name = "convnet"
+
+    def __init__(self, device: str = "cpu", seed: int = 0, **params):
+        import torch
+
+        nets = _nets()
+        # Built on the meta device so the default init (thrown away anyway) costs nothing.
+        with torch.device("meta"):
+            net = nets.ConvNet(**params)
+        net = net.to_empty(device="cpu")
+        nets.seeded_init(net, seed)
+        self._min_side = net.patch
+        self._prepare(net, device)
+        if device.startswith("cuda"):
+            self.net = self.net.to(memory_format=torch.channels_last)
+
+    def cost(self, inputs):
+        image = inputs["image"]
+        return float(image.shape[0] * image.shape[1])
+
+    def __call__(self, batch):
+        return {"logits": self.net(_check_image(batch, "convnet", self._min_side))}
+
+    def example_inputs(self):
+        rng = np.random.default_rng(0)
+        return {"image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8)}
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+def _attr_or(obj, name, default):
+    value = getattr(obj, name, default)
+    return default if value is None else value
+
+
+class TorchModuleModel(ModelBase):
+    """Wraps an ``nn.Module`` returned by a ``package.module:factory``.
+
+    The module is called with the batch as keyword arguments (``forward(self, image)`` for
+    an input named "image"); a forward that takes a single parameter whose name is not an
+    input name gets the whole dict instead.  A returned tensor becomes the output "output";
+    a returned dict is used as is.  Optional attributes on the module override the defaults:
+    ``batchable``, ``streaming``, ``cost(inputs)``, ``example_inputs`` (a dict or a
+    function returning one).
+    """
+
+    framework = "torch"
+
+    def __init__(self, module, *, name: str, device: str = "cpu"):
+        module.eval().requires_grad_(False)
+        self.module = module.to(device)
+        self.name = name
+        self.device = device
+        self.batchable = bool(_attr_or(module, "batchable", True))
+        self.streaming = bool(_attr_or(module, "streaming", False))
+        self._call_style: dict[tuple[str, ...], str] = {}
+        try:
+            self._signature = inspect.signature(module.forward)
+        except (TypeError, ValueError):
+            self._signature = None
+
+    def _style(self, names: tuple[str, ...]) -> str:
+        style = self._call_style.get(names)
+        if style is None:
+            style = "kwargs"
+            if self._signature is not None:
+                try:
+                    self._signature.bind(**dict.fromkeys(names))
+                except TypeError:
+                    style = "dict"
+            self._call_style[names] = style
+        return style
+
+    def __call__(self, batch):
+        names = tuple(sorted(batch))
+        out = self.module(**batch) if self._style(names) == "kwargs" else self.module(dict(batch))
+        if self.streaming:
+            return (_normalise_outputs(o, self.name) for o in out)
+        return _normalise_outputs(out, self.name)
+
+    def cost(self, inputs):
+        fn = getattr(self.module, "cost", None)
+        return float(fn(inputs)) if callable(fn) else _nbytes(inputs)
+
+    def example_inputs(self):
+        ex = getattr(self.module, "example_inputs", None)
+        if ex is None:
+            return super().example_inputs()
+        return dict(ex() if callable(ex) else ex)
+
+
+class CallableModel(ModelBase):
+    """Wraps a plain callable ``fn(dict of np.ndarray) -> dict of np.ndarray``.
+
+    The callable sees the batch (leading batch axis).  Like ``TorchModuleModel`` it honours
+    optional ``batchable``, ``streaming``, ``cost`` and ``example_inputs`` attributes.
+    """
+
+    framework = "numpy"
+
+    def __init__(self, fn: Callable, *, name: str, device: str = "cpu"):
+        self.fn = fn
+        self.name = name
+        self.device = device
+        self.batchable = bool(_attr_or(fn, "batchable", True))
+        self.streaming = bool(_attr_or(fn, "streaming", False))
+
+    def __call__(self, batch):
+        out = self.fn(batch)
+        if self.streaming:
+            return (_normalise_outputs(o, self.name) for o in out)
+        return _normalise_outputs(out, self.name)
+
+    def cost(self, inputs):
+        fn = getattr(self.fn, "cost", None)
+        return float(fn(inputs)) if callable(fn) else _nbytes(inputs)
+
+    def example_inputs(self):
+        ex = getattr(self.fn, "example_inputs", None)
+        if ex is None:
+            return super().example_inputs()
+        return dict(ex() if callable(ex) else ex)
+
+
+def _normalise_outputs(out, name: str):
+    if isinstance(out, Mapping):
+        return out
+    if hasattr(out, "shape") and hasattr(out, "dtype"):  # a single tensor or array
+        return {"output": out}
+    raise TypeError(f"model {name!r} returned {type(out).__name__}; expected a dict of arrays/tensors "
+                    "or a single array/tensor")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+SHIPPED_MODELS: dict[str, Callable[..., Model]] = {
+    "echo": EchoModel,
+    "cartoon": CartoonModel,
+    "convnet": ConvNetModel,
+    "chunks": ChunksModel,
+}
+
+_EXPECTED = ("expected a shipped model name (" + ", ".join(SHIPPED_MODELS) + ") or "
+             "'package.module:factory', where factory(device=...) or factory() returns a Model, "
+             "a torch.nn.Module, or a callable taking and returning a dict of numpy arrays")
+
+
+def _is_torch_module(obj: object) -> bool:
+    # An nn.Module can only exist if torch was imported already; do not import it here.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+def _call_factory(factory, device: str):
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # some builtins and C callables have no signature
+        return factory()
+    takes_device = "device" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return factory(device=device) if takes_device else factory()
+
+
+def load_model(spec: str, device: str = "cpu") -> Model:
+    """Build the model named by ``spec`` on ``device``.
+
+    ``spec`` is a shipped name (see ``SHIPPED_MODELS``) or ``package.module:factory``
+    (``factory`` may be a dotted attribute path).  The factory's result is used as is when it
+    already implements ``Model``; an ``nn.Module`` is wrapped in ``TorchModuleModel`` (moved
+    to ``device``, eval mode) and any other callable in ``CallableModel``.
+    """
+    from .devices import resolve_device
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ModelLoadError(f"empty model spec {spec!r}: {_EXPECTED}")
+    spec = spec.strip()
+    device = resolve_device(device)
+
+    if spec in SHIPPED_MODELS:
+        try:
+            return SHIPPED_MODELS[spec](device=device)
+        except ImportError as e:
+            raise ModelLoadError(f"model {spec!r} needs torch, which is not importable ({e}); "
+                                 "pip install '.[torch]'") from e
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        raise ModelLoadError(f"unknown model {spec!r}: {_EXPECTED}")
+    if not module_name or not attr:
+        raise ModelLoadError(f"malformed model spec {spec!r}: {_EXPECTED}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:
+        raise ModelLoadError(f"cannot import {module_name!r} for model spec {spec!r}: "
+                             f"{type(e).__name__}: {e} (is the package on PYTHONPATH?)") from e
+    factory: Any = module
+    for part in attr.split("."):
+        try:
+            factory = getattr(factory, part)
+        except AttributeError as e:
+            raise ModelLoadError(f"module {module_name!r} has no attribute {attr!r} (model spec {spec!r})") from e
+    if not callable(factory):
+        raise ModelLoadError(f"{spec!r} is a {type(factory).__name__}, not a callable factory: {_EXPECTED}")
+    try:
+        obj = _call_factory(factory, device)
+    except Exception as e:
+        raise ModelLoadError(f"factory {spec!r} raised {type(e).__name__}: {e}") from e
+
+    name = attr.rsplit(".", 1)[-1]
+    if _is_model(obj):
+        return obj
+    if _is_torch_module(obj):
+        return TorchModuleModel(obj, name=_attr_or(obj, "name", name), device=device)
+    if callable(obj):
+        return CallableModel(obj, name=_attr_or(obj, "name", name), device=device)
+    raise ModelLoadError(f"factory {spec!r} returned {type(obj).__name__}: {_EXPECTED}")

@@ -1,0 +1,130 @@
+"""Fixtures that run the real processes: `python -m broker` and `python -m gpu_worker`.
+
+Each process prints a READY line once it serves; fixtures wait for that line (with a
+timeout) instead of sleeping, and stop every process they started at teardown (SIGTERM, then
+SIGKILL if it does not exit in time)."""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+
+class Proc:
+    def __init__(self, args: list[str], env: dict | None = None):
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), full_env.get("PYTHONPATH", "")])
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        if env:
+            full_env.update(env)
+        self.args = args
+        self.p = subprocess.Popen(
+            [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=ROOT
+        )
+        self.ready_line = ""
+
+    def wait_ready(self, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        buf = b""
+        fd = self.p.stdout.fileno()
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.args} did not print READY within {timeout} s; stderr: {self.stderr()}")
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    raise RuntimeError(f"{self.args} exited with {self.p.wait(5)}: {self.stderr()}")
+                buf += chunk
+        line = buf.split(b"\n", 1)[0].decode()
+        assert line.startswith("READY"), line
+        self.ready_line = line
+        return line
+
+    def stderr(self) -> str:
+        if self.p.poll() is None:
+            return "(still running)"
+        return self.p.stderr.read().decode(errors="replace")[-3000:]
+
+    def field(self, name: str) -> str:
+        for part in self.ready_line.split():
+            if part.startswith(name + "="):
+                return part.split("=", 1)[1]
+        raise KeyError(name)
+
+    def terminate(self, timeout: float = 15.0) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                return self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+        return self.p.wait(10)
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait(10)
+
+    def close(self) -> None:
+        self.terminate()
+        for f in (self.p.stdout, self.p.stderr):
+            f.close()
+
+
+class Cluster:
+    """A broker and workers on ipc endpoints in a private temp dir."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+        self.frontend = f"ipc://{tmp}/fe.ipc"
+        self.backend = f"ipc://{tmp}/be.ipc"
+
+    def broker(self, *extra: str) -> Proc:
+        p = Proc(["-m", "broker", "--frontend", self.frontend, "--backend", self.backend,
+                  "--heartbeat-interval", "0.2", *extra])
+        self.procs.append(p)
+        p.wait_ready()
+        return p
+
+    def worker(self, model: str = "echo", *extra: str, env: dict | None = None, wait: bool = True) -> Proc:
+        p = Proc(["-m", "gpu_worker", "--broker", self.backend, "--model", model,
+                  "--heartbeat-interval", "0.2", "--out-capacity-mb", "160", *extra], env=env)
+        self.procs.append(p)
+        if wait:
+            p.wait_ready()
+        return p
+
+    def close(self) -> None:
+        # Workers first, so they can DISCONNECT from a live broker.
+        for p in reversed(self.procs):
+            p.close()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def wait_service(client, service: str, timeout: float = 20.0) -> None:
+    """Poll MMI until the broker knows a live worker for `service` (a condition, not a sleep)."""
+    deadline = time.monotonic() + timeout
+    while not client.mmi_service(service):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no worker for {service!r} after {timeout} s")
+        time.sleep(0.01)

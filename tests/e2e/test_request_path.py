@@ -1,0 +1,362 @@
+"""End to end: real broker and worker processes, real client, loopback ipc only."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from broker import protocol as P
+from client_sdk import AsyncClient, Client
+from client_sdk.errors import DeadlineExceeded, NotLocal, QueueFull, ServiceUnavailable
+
+from .conftest import wait_service
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _cases():
+    rng = np.random.default_rng(0)
+    yield "scalar", np.array(3.5, dtype=np.float64)
+    yield "empty", np.zeros((0, 7), dtype=np.int32)
+    yield "five_d", rng.standard_normal((2, 3, 1, 4, 5)).astype(np.float32)
+    yield "noncontig", rng.integers(0, 255, (40, 30), dtype=np.uint8)[::3, ::2]
+    yield "fortran", np.asfortranarray(rng.standard_normal((6, 9)))
+    yield "bool", rng.integers(0, 2, (17,)).astype(bool)
+    yield "complex", (rng.standard_normal(5) + 1j * rng.standard_normal(5)).astype(np.complex128)
+    yield "half", rng.standard_normal((3, 3)).astype(np.float16)
+    yield "datetime", np.array(["2026-11-29T10:00", "1970-01-01"], dtype="datetime64[ns]")
+    yield "big_endian", np.arange(6, dtype=">i4")
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_echo_dtypes_and_shapes(cluster, transport):
+    cluster.broker()
+    cluster.worker("echo")
+    with Client(cluster.frontend, transport=transport, timeout=20) as c:
+        wait_service(c, "echo")
+        inputs = dict(_cases())
+        out = c.infer("echo", inputs)
+        assert set(out) == set(inputs)
+        for name, arr in inputs.items():
+            got = out[name]
+            assert got.shape == arr.shape, name
+            assert got.dtype == arr.dtype, name
+            np.testing.assert_array_equal(got, arr, err_msg=name)
+        out.release()
+
+
+def test_64mib_tensor_round_trip(cluster):
+    cluster.broker()
+    cluster.worker("echo")
+    with Client(cluster.frontend, timeout=30) as c:
+        wait_service(c, "echo")
+        x = c.alloc((64 << 20,), np.uint8)
+        x[:] = np.arange(x.size, dtype=np.uint64).astype(np.uint8)
+        x[12345] = 7
+        with c.infer("echo", {"x": x}) as out:
+            assert out["x"].nbytes == 64 << 20
+            assert out["x"][12345] == 7
+            np.testing.assert_array_equal(out["x"][-1000:], x[-1000:])
+
+
+def test_streaming_partials_arrive_in_order(cluster):
+    cluster.broker()
+    cluster.worker("chunks")
+    with Client(cluster.frontend, timeout=20) as c:
+        wait_service(c, "chunks")
+        x = np.arange(1000, dtype=np.int64)
+        parts = list(c.infer_stream("chunks", {"x": x}))
+        chunks = [p["x"] for p in parts if "x" in p]
+        assert len(chunks) >= 2
+        np.testing.assert_array_equal(np.concatenate(chunks), x)
+
+
+def test_plain_mdp02_client_gets_opaque_echo(cluster):
+    """A client written from RFC 18 alone: DEALER, MDPC02, REQUEST, service, body."""
+    cluster.broker()
+    cluster.worker("echo")
+    with Client(cluster.frontend) as c:
+        wait_service(c, "echo")
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    try:
+        s.connect(cluster.frontend)
+        s.send_multipart([b"MDPC02", b"\x01", b"echo", b"hello", b"world"])
+        assert s.poll(10_000), "no reply"
+        assert s.recv_multipart() == [b"MDPC02", b"\x03", b"echo", b"hello", b"world"]
+        # MMI from RFC 8
+        s.send_multipart([b"MDPC02", b"\x01", b"mmi.service", b"echo"])
+        assert s.poll(10_000)
+        assert s.recv_multipart() == [b"MDPC02", b"\x03", b"mmi.service", b"200"]
+        s.send_multipart([b"MDPC02", b"\x01", b"mmi.service", b"nope"])
+        assert s.poll(10_000)
+        assert s.recv_multipart()[-1] == b"404"
+    finally:
+        s.close()
+
+
+def test_plain_mdp02_worker_serves_opaque_requests(cluster):
+    """A worker written from RFC 18 alone: bare 3-frame READY, echoes the body back."""
+    cluster.broker()
+    ctx = zmq.Context.instance()
+    w = ctx.socket(zmq.DEALER)
+    w.linger = 0
+    try:
+        w.connect(cluster.backend)
+        w.send_multipart([b"MDPW02", b"\x01", b"upper"])
+        with Client(cluster.frontend, timeout=10) as c:
+            wait_service(c, "upper")
+            c_sock_reply = {}
+
+            def serve_one():
+                while True:
+                    assert w.poll(10_000)
+                    frames = w.recv_multipart()
+                    if frames[1] == b"\x02":
+                        env = frames[2]
+                        assert frames[3] == b""
+                        w.send_multipart([b"MDPW02", b"\x04", env, b"", frames[4].upper()])
+                        return
+
+            import threading
+
+            t = threading.Thread(target=serve_one)
+            t.start()
+            c_sock_reply["r"] = c.request("upper", [b"shout"])
+            t.join(10)
+            assert c_sock_reply["r"] == [b"SHOUT"]
+    finally:
+        w.close()
+
+
+def test_garbage_frames_leave_broker_serving(cluster):
+    cluster.broker()
+    cluster.worker("echo")
+    ctx = zmq.Context.instance()
+    junk = [
+        [b""], [b"MDPC02"], [b"MDPC02", b"\x09"], [b"MDPC01", b"\x01", b"echo", b"x"],
+        [b"MDPC02", b"\x01", b"echo", P.MAGIC + b"\xff\xff\xff"],
+        [b"MDPC02", b"\x01", b"echo", P.MAGIC + b"\x81\xa1v\x05"],
+        [b"MDPC02", b"\x05", b"echo", b"not a cancel"],
+        [os.urandom(64) for _ in range(5)],
+    ]
+    raw_c = ctx.socket(zmq.DEALER)
+    raw_w = ctx.socket(zmq.DEALER)
+    for s in (raw_c, raw_w):
+        s.linger = 0
+    try:
+        raw_c.connect(cluster.frontend)
+        raw_w.connect(cluster.backend)
+        for frames in junk:
+            raw_c.send_multipart(frames)
+            raw_w.send_multipart(frames)
+        raw_w.send_multipart([b"MDPW02", b"\x04", b"\x00" * 8, b"", b"late reply nobody asked for"])
+        raw_w.send_multipart([b"MDPW02", b"\x01", b"echo", P.MAGIC + b"garbage"])
+        # A malformed header that carries an id gets a typed error for that id.
+        bad = P.MAGIC + __import__("msgspec").msgpack.encode({"v": 1, "id": 77, "priority": 9})
+        raw_c.send_multipart([b"MDPC02", b"\x01", b"echo", bad])
+        # Earlier junk with a header magic got its own 400s (id 0); ours carries id 77.
+        errors = []
+        while not any(r.id == 77 for r in errors):
+            assert raw_c.poll(10_000), f"no error for id 77; got {errors}"
+            reply = raw_c.recv_multipart()
+            assert reply[:3] == [b"MDPC02", b"\x03", b"echo"]
+            errors.append(P.decode_reply(reply[3]))
+        assert all(r.error.code == 400 for r in errors)
+        with Client(cluster.frontend, timeout=10) as c:
+            out = c.infer("echo", {"x": np.arange(10)})
+            np.testing.assert_array_equal(out["x"], np.arange(10))
+            out.release()
+    finally:
+        raw_c.close()
+        raw_w.close()
+
+
+def test_unknown_service_fails_fast(cluster):
+    cluster.broker("--service-grace", "0.2")
+    with Client(cluster.frontend, timeout=10) as c:
+        t0 = time.monotonic()
+        with pytest.raises(ServiceUnavailable, match="nosuch"):
+            c.infer("nosuch", {"x": np.zeros(3)})
+        assert time.monotonic() - t0 < 5.0
+
+
+@pytest.fixture
+def gate(tmp_path):
+    """A FIFO that releases one gated request per byte written."""
+    path = tmp_path / "gate.fifo"
+    os.mkfifo(path)
+
+    class Gate:
+        env = {"GATE_FIFO": str(path)}
+        fd = None
+
+        def open(self):
+            # Opening the write end blocks until the worker opened the read end.
+            self.fd = os.open(path, os.O_WRONLY)
+
+        def release(self, n=1):
+            os.write(self.fd, b"x" * n)
+
+        def close(self):
+            if self.fd is not None:
+                os.close(self.fd)
+
+    g = Gate()
+    yield g
+    g.close()
+
+
+def _gated_worker(cluster, gate, *extra):
+    p = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "1",
+                       "--no-warmup", *extra, env=gate.env, wait=False)
+    gate.open()
+    p.wait_ready()
+    return p
+
+
+def test_priorities_under_load(cluster, gate):
+    cluster.broker()
+    _gated_worker(cluster, gate)
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=30) as c:
+            while not await c.mmi_service("gate"):
+                await asyncio.sleep(0.01)
+            order: list[str] = []
+
+            async def call(tag, priority):
+                await c.infer("gate", {"x": np.array([len(order)])}, priority=priority)
+                order.append(tag)
+
+            first = asyncio.create_task(call("first", "normal"))
+            # Let the first request reach the worker before the rest queue behind it.
+            while c.in_flight() < 1:
+                await asyncio.sleep(0)
+            tasks = [asyncio.create_task(call(f"bg{i}", "background")) for i in range(3)]
+            tasks += [asyncio.create_task(call(f"urgent{i}", "urgent")) for i in range(3)]
+            await asyncio.sleep(0)
+            # Barrier: the broker handles one client's messages in order, so once this MMI
+            # reply is back, every request above is queued at the broker.
+            assert await c.mmi_service("gate")
+            gate.release(7)
+            await asyncio.wait_for(asyncio.gather(first, *tasks), 30)
+            return order
+
+    order = asyncio.run(scenario())
+    assert order[0] == "first"
+    assert order[1:4] == ["urgent0", "urgent1", "urgent2"], order
+    assert sorted(order[4:]) == ["bg0", "bg1", "bg2"]
+
+
+def test_deadline_and_queue_full(cluster, gate):
+    cluster.broker("--max-queue", "2")
+    _gated_worker(cluster, gate)
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=30) as c:
+            while not await c.mmi_service("gate"):
+                await asyncio.sleep(0.01)
+            busy = asyncio.create_task(c.infer("gate", {"x": np.zeros(1)}))
+            while c.in_flight() < 1:
+                await asyncio.sleep(0)
+            assert await c.mmi_service("gate")
+            # Queued behind the busy worker, with a short budget: never dispatched.
+            t0 = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                await c.infer("gate", {"x": np.zeros(1)}, timeout=0.2)
+            assert time.monotonic() - t0 < 5
+            q1 = asyncio.create_task(c.infer("gate", {"x": np.zeros(1)}))
+            q2 = asyncio.create_task(c.infer("gate", {"x": np.zeros(1)}))
+            await asyncio.sleep(0)
+            assert await c.mmi_service("gate")
+            with pytest.raises(QueueFull):
+                await c.infer("gate", {"x": np.zeros(1)})
+            gate.release(3)
+            await asyncio.wait_for(asyncio.gather(busy, q1, q2), 30)
+
+    asyncio.run(scenario())
+
+
+def test_worker_sigkill_requests_complete_once_elsewhere(cluster, gate):
+    cluster.broker()
+    doomed = cluster.worker("gate_model:factory", "--service", "echo", "--max-batch", "1", "--credit", "8",
+                            "--no-warmup", env=gate.env, wait=False)
+    gate.open()
+    doomed.wait_ready()
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=60) as c:
+            while not await c.mmi_service("echo"):
+                await asyncio.sleep(0.01)
+            xs = [np.full((1000,), i, dtype=np.int32) for i in range(6)]
+            tasks = [asyncio.create_task(c.infer("echo", {"x": x})) for x in xs]
+            while c.in_flight() < len(xs):
+                await asyncio.sleep(0)
+            assert await c.mmi_service("echo")  # all six are at the doomed worker (credit 8)
+            cluster.worker("echo")
+            doomed.kill()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            for x, r in zip(xs, results):
+                np.testing.assert_array_equal(r["x"], x)
+                r.release()
+            # Exactly one final each: nothing else arrives for these ids.
+            assert c.stray_replies == 0
+
+    asyncio.run(scenario())
+
+
+def test_shm_request_with_no_local_worker(cluster):
+    cluster.broker()
+    cluster.worker("echo", "--transports", "inline")
+    with Client(cluster.frontend, timeout=10, fallback_inline=False) as c:
+        wait_service(c, "echo")
+        with pytest.raises(NotLocal):
+            c.infer("echo", {"x": np.arange(4)})
+    with Client(cluster.frontend, timeout=10) as c:  # default: resend inline transparently
+        out = c.infer("echo", {"x": np.arange(4)})
+        np.testing.assert_array_equal(out["x"], np.arange(4))
+        out.release()
+
+
+def test_sigterm_drains_and_exits_zero(cluster, gate):
+    cluster.broker()
+    w = _gated_worker(cluster, gate)
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=30) as c:
+            while not await c.mmi_service("gate"):
+                await asyncio.sleep(0.01)
+            task = asyncio.create_task(c.infer("gate", {"x": np.arange(3)}))
+            while c.in_flight() < 1:
+                await asyncio.sleep(0)
+            assert await c.mmi_service("gate")
+            w.p.terminate()  # SIGTERM while the request is held
+            gate.release(1)
+            out = await asyncio.wait_for(task, 30)
+            np.testing.assert_array_equal(out["x"], np.arange(3))
+            out.release()
+
+    asyncio.run(scenario())
+    assert w.p.wait(20) == 0
+
+
+def test_cartoon_and_convnet_serve(cluster):
+    cluster.broker()
+    cluster.worker("cartoon")
+    cluster.worker("convnet")
+    with Client(cluster.frontend, timeout=60) as c:
+        wait_service(c, "cartoon")
+        wait_service(c, "convnet")
+        img = c.alloc((120, 160, 3), np.uint8)
+        img[:] = np.random.default_rng(1).integers(0, 255, img.shape, dtype=np.uint8)
+        with c.infer("cartoon", {"image": img}) as out:
+            assert out["image"].shape == img.shape and out["image"].dtype == np.uint8
+            assert not np.array_equal(out["image"], img)
+        with c.infer("convnet", {"image": np.zeros((224, 224, 3), np.uint8)}) as out:
+            assert out["logits"].dtype == np.float32 and out["logits"].shape[-1] == 1000

@@ -1,0 +1,315 @@
+"""The dynamic batcher, driven by an injected clock (no sleeps, no threads)."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_worker.batching import Batcher, Pending, batch_key
+
+MS = 1e-3
+
+
+def req(i, t, key="a", cost=1.0, deadline=None):
+    return Pending(key=key, cost=cost, item=i, arrived=t, deadline=deadline)
+
+
+def items(batch):
+    return [p.item for p in batch]
+
+
+def idle_worker_after_heavy_traffic(b: Batcher, key="a", gap=0.1 * MS, n=10) -> float:
+    """Feed ``n`` requests ``gap`` apart, each served at once as the worker keeps up, then
+    let the worker report idle with nothing pending.  Returns the clock at the end."""
+    t = 0.0
+    for i in range(n):
+        b.add(req(f"warm{i}", t, key), t)
+        assert b.take(t, idle=True)  # a busy->idle worker takes what is there
+        t += gap
+    assert b.take(t, idle=True) == []  # nothing pending: idle again
+    return t
+
+
+def test_import_does_not_need_torch():
+    # torch may already be imported by other tests; the module itself must not pull it in.
+    import subprocess
+
+    code = "import sys, gpu_worker.batching; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_lone_request_under_light_traffic_is_never_delayed():
+    b = Batcher(max_batch=8, max_delay=2 * MS)
+    t = 0.0
+    for i in range(20):
+        b.add(req(i, t), t)
+        assert items(b.take(t, idle=True)) == [i]  # at once, same instant
+        assert b.take(t, idle=True) == []
+        t += 50 * MS  # gaps far above max_delay
+
+
+def test_first_request_of_a_key_goes_at_once():
+    b = Batcher(max_batch=8, max_delay=10 * MS)
+    b.add(req(0, 1.0), 1.0)
+    assert items(b.take(1.0, idle=True)) == [0]
+
+
+def test_heavy_traffic_waits_at_most_max_delay():
+    b = Batcher(max_batch=8, max_delay=2 * MS)
+    t = idle_worker_after_heavy_traffic(b)
+    b.add(req("x", t), t)
+    assert b.take(t, idle=True) == []  # more are expected within max_delay: wait
+    wake = b.wake_at(t)
+    assert t < wake <= t + 2 * MS
+    assert b.take(wake - 1e-6, idle=True) == []
+    assert items(b.take(wake, idle=True)) == ["x"]
+
+
+def test_wait_is_bounded_by_max_delay_even_if_fill_is_expected_later():
+    b = Batcher(max_batch=64, max_delay=1 * MS)
+    t = idle_worker_after_heavy_traffic(b, gap=0.5 * MS)
+    b.add(req("x", t), t)
+    # Filling 63 more slots at 0.5 ms would take ~31 ms; the bound is max_delay.
+    assert b.wake_at(t) == pytest.approx(t + 1 * MS)
+
+
+def test_heavy_traffic_batch_goes_when_it_fills():
+    b = Batcher(max_batch=4, max_delay=2 * MS)
+    t = idle_worker_after_heavy_traffic(b)
+    got = []
+    for i in range(4):
+        b.add(req(i, t), t)
+        got = b.take(t, idle=True)
+        if i < 3:
+            assert got == []
+        t += 0.05 * MS
+    assert items(got) == [0, 1, 2, 3]
+
+
+def test_stopped_burst_waits_only_until_the_expected_fill_time():
+    b = Batcher(max_batch=8, max_delay=2 * MS)
+    t = idle_worker_after_heavy_traffic(b)  # arrivals 0.1 ms apart
+    b.add(req("x", t), t)
+    assert b.take(t, idle=True) == []
+    # 7 more were expected by t + 0.7 ms; none came, so it goes then, not at t + 2 ms.
+    assert b.wake_at(t) == pytest.approx(t + 0.7 * MS)
+    assert b.wake_at(t + 0.5 * MS) == b.wake_at(t)  # stable until the next arrival
+    assert items(b.take(t + 0.7 * MS + 1e-9, idle=True)) == ["x"]
+
+
+def test_busy_then_idle_takes_accumulated_work_at_once():
+    b = Batcher(max_batch=8, max_delay=2 * MS)
+    t = idle_worker_after_heavy_traffic(b)
+    b.add(req(0, t), t)
+    assert b.take(t, idle=True) == []  # idle, heavy traffic: waiting
+    batch = b.take(t + 2 * MS, idle=True)
+    assert items(batch) == [0]  # worker now busy with it
+    t += 2 * MS
+    for i in range(1, 4):
+        t += 0.1 * MS
+        b.add(req(i, t), t)
+        assert b.take(t, idle=False) == []  # busy and not full: nothing
+    assert b.wake_at(t) == t
+    assert items(b.take(t, idle=True)) == [1, 2, 3]  # idle again: no extra wait
+
+
+def test_force_skips_the_wait_but_not_the_limits():
+    b = Batcher(max_batch=2, max_delay=2 * MS)
+    t = idle_worker_after_heavy_traffic(b)
+    for i in range(3):
+        b.add(req(i, t), t)
+    b.add(req("late", t, deadline=t), t + 1e-9)
+    assert items(b.take(t, idle=True, force=True)) == [0, 1]
+    assert items(b.take(t, idle=True, force=True)) == [2]
+    assert b.take(t, idle=True, force=True) == []
+    assert items(b.expire(t)) == ["late"]
+
+
+def test_busy_worker_gets_a_full_batch():
+    b = Batcher(max_batch=2, max_delay=2 * MS)
+    b.add(req(0, 0.0), 0.0)
+    b.add(req(1, 0.0), 0.0)
+    b.add(req(2, 0.0), 0.0)
+    assert items(b.take(0.0, idle=False)) == [0, 1]
+    assert b.take(0.0, idle=False) == []
+    assert items(b.take(0.0, idle=True)) == [2]
+
+
+def test_max_batch_respected():
+    b = Batcher(max_batch=3, max_delay=0.0)
+    for i in range(10):
+        b.add(req(i, 0.0), 0.0)
+    sizes = []
+    while len(b):
+        sizes.append(len(b.take(0.0, idle=True)))
+    assert sizes == [3, 3, 3, 1]
+
+
+def test_max_cost_respected_and_oversized_request_runs_alone():
+    b = Batcher(max_batch=8, max_cost=10.0, max_delay=0.0)
+    for i, c in enumerate([4, 4, 4, 25, 3, 3]):
+        b.add(req(i, 0.0, cost=c), 0.0)
+    batches = []
+    while len(b):
+        batches.append(items(b.take(0.0, idle=True)))
+    assert batches == [[0, 1], [2], [3], [4, 5]]
+
+
+def test_incompatible_keys_never_mixed_and_groups_served_fifo():
+    b = Batcher(max_batch=8, max_delay=0.0)
+    order = [("a", 0.0), ("b", 0.1), ("a", 0.2), ("c", 0.3), ("b", 0.4), ("a", 0.5)]
+    for i, (k, t) in enumerate(order):
+        b.add(req(i, t, key=k), t)
+    batches = []
+    while len(b):
+        batch = b.take(1.0, idle=True)
+        assert len({p.key for p in batch}) == 1
+        batches.append((batch[0].key, items(batch)))
+    assert batches == [("a", [0, 2, 5]), ("b", [1, 4]), ("c", [3])]
+
+
+def test_oldest_group_goes_first_even_if_another_is_fuller():
+    b = Batcher(max_batch=4, max_delay=0.0)
+    b.add(req("old", 0.0, key="x"), 0.0)
+    for i in range(3):
+        b.add(req(i, 0.1, key="y"), 0.1)
+    assert items(b.take(0.2, idle=True)) == ["old"]
+
+
+def test_expired_requests_are_not_batched_and_are_returned_by_expire():
+    b = Batcher(max_batch=8, max_delay=0.0)
+    b.add(req("late", 0.0, deadline=0.5), 0.0)
+    b.add(req("ok", 0.0, deadline=5.0), 0.0)
+    b.add(req("none", 0.0), 0.0)
+    b.add(req("dead-on-arrival", 0.0, deadline=0.9), 1.0)
+    assert items(b.take(1.0, idle=True)) == ["ok", "none"]
+    assert len(b) == 2
+    assert sorted(items(b.expire(1.0))) == ["dead-on-arrival", "late"]
+    assert len(b) == 0 and b.expire(2.0) == []
+
+
+def test_wait_never_passes_a_deadline_margin():
+    b = Batcher(max_batch=8, max_delay=2 * MS, deadline_margin=0.3 * MS)
+    t = idle_worker_after_heavy_traffic(b)
+    b.add(req("x", t, deadline=t + 1 * MS), t)
+    assert b.wake_at(t) == pytest.approx(t + 0.7 * MS)
+    assert b.take(t + 0.6 * MS, idle=True) == []
+    assert items(b.take(t + 0.7 * MS, idle=True)) == ["x"]
+
+
+def test_wake_at_reports_deadlines_for_expiry():
+    b = Batcher(max_batch=2, max_delay=0.0)
+    assert b.wake_at(0.0) is None
+    b.add(req(0, 0.0, key="a"), 0.0)
+    b.add(req(1, 0.0, key="b", deadline=3.0), 0.0)
+    assert b.wake_at(0.0) == 0.0  # "a" can go now
+    assert items(b.take(0.0, idle=True)) == [0]
+    b.add(req(2, 0.0, key="b"), 0.0)
+    b.add(req(3, 0.0, key="b"), 0.0)
+    assert items(b.take(0.0, idle=True)) == [1, 2]
+    b.add(req(4, 10.0, key="c", deadline=12.0), 10.0)
+    b.add(req(5, 10.0, key="d", deadline=11.0), 10.0)
+    b.drop(lambda p: p.item in (3, 4))
+    assert b.wake_at(10.0) == 10.0
+    assert items(b.take(10.0, idle=True)) == [5]
+    assert b.wake_at(10.0) is None
+
+
+def test_drop_removes_pending_and_expired():
+    b = Batcher(max_batch=8, max_delay=0.0)
+    for i in range(6):
+        b.add(req(i, 0.0, key=i % 2, deadline=1.0 if i == 4 else None), 0.0)
+    assert b.take(0.0, idle=False) == []
+    dropped = b.drop(lambda p: p.item in (1, 2))
+    assert sorted(items(dropped)) == [1, 2]
+    assert items(b.take(2.0, idle=True)) == [0]  # 4 expired, set aside
+    assert items(b.drop(lambda p: p.item == 4)) == [4]
+    assert items(b.take(2.0, idle=True)) == [3, 5]
+    assert len(b) == 0
+
+
+def test_batch_key_groups_by_names_dtypes_shapes():
+    np = pytest.importorskip("numpy")
+    a = {"x": np.zeros((2, 3), np.float32), "y": np.zeros(4, np.uint8)}
+    b = {"y": np.ones(4, np.uint8), "x": np.ones((2, 3), np.float32)}
+    assert batch_key(a) == batch_key(b)
+    assert batch_key(a) != batch_key({**a, "x": np.zeros((2, 3), np.float64)})
+    assert batch_key(a) != batch_key({**a, "x": np.zeros((3, 2), np.float32)})
+    assert batch_key(a) != batch_key({"x": a["x"]})
+
+
+def test_bad_parameters_rejected():
+    for kwargs in ({"max_batch": 0}, {"max_batch": 1.5}, {"max_cost": 0}, {"max_delay": -1},
+                   {"max_delay": float("inf")}):
+        with pytest.raises(ValueError):
+            Batcher(**kwargs)
+
+
+# ------------------------------------------------------------------------------ property
+
+op = st.one_of(
+    st.tuples(st.just("add"), st.sampled_from("abc"), st.floats(0.0, 5.0), st.none() | st.floats(0.0, 0.01),
+              st.floats(0.0, 0.003)),
+    st.tuples(st.just("take"), st.booleans(), st.floats(0.0, 0.003)),
+    st.tuples(st.just("drop"), st.integers(0, 6)),
+    st.tuples(st.just("expire"), st.floats(0.0, 0.003)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(op, max_size=60), max_batch=st.integers(1, 5), max_cost=st.sampled_from([3.0, 6.0, float("inf")]),
+       max_delay=st.sampled_from([0.0, 0.001, 0.002]))
+def test_every_request_is_returned_exactly_once(ops, max_batch, max_cost, max_delay):
+    b = Batcher(max_batch=max_batch, max_cost=max_cost, max_delay=max_delay, deadline_margin=0.0005)
+    now = 0.0
+    added: dict[int, Pending] = {}
+    returned: list[int] = []
+
+    def check_batch(batch, t):
+        if not batch:
+            return
+        assert len(batch) <= max_batch
+        assert len({p.key for p in batch}) == 1
+        assert len(batch) == 1 or sum(p.cost for p in batch) <= max_cost
+        assert all(p.deadline is None or p.deadline > t for p in batch)
+        returned.extend(p.item for p in batch)
+
+    for o in ops:
+        if o[0] == "add":
+            _, key, cost, ttl, dt = o
+            now += dt
+            i = len(added)
+            added[i] = req(i, now, key=key, cost=cost, deadline=None if ttl is None else now + ttl)
+            b.add(added[i], now)
+        elif o[0] == "take":
+            _, idle, dt = o
+            now += dt
+            batch = b.take(now, idle=idle)
+            check_batch(batch, now)
+            if idle and not batch and len(b):
+                # Waiting never stretches past the oldest pending request's max_delay.
+                done = set(returned)
+                oldest = min(p.arrived for i, p in added.items() if i not in done)
+                assert now <= b.wake_at(now) <= max(now, oldest + max_delay)
+        elif o[0] == "drop":
+            returned.extend(items(b.drop(lambda p, m=o[1]: p.item % 7 == m)))
+        else:
+            now += o[1]
+            returned.extend(p.item for p in b.expire(now) if p.deadline <= now)
+        w = b.wake_at(now)
+        assert w is None or w >= now
+        assert len(b) == len(added) - len(returned)
+
+    # Drain: an idle worker that sleeps until wake_at always makes progress.
+    for _ in range(10 * len(added) + 10):
+        if not len(b):
+            break
+        w = b.wake_at(now)
+        assert w is not None
+        now = max(now, w)
+        check_batch(b.take(now, idle=True), now)
+        returned.extend(items(b.expire(now)))
+    assert len(b) == 0
+    assert sorted(returned) == sorted(added)

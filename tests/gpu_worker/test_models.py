@@ -1,0 +1,331 @@
+"""Shipped models and ``load_model``."""
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from gpu_worker.models import SHIPPED_MODELS, CallableModel, Model, ModelLoadError, TorchModuleModel, load_model
+
+torch = pytest.importorskip("torch")
+
+
+def run(model, **batch):
+    """Call a model the way a backend does: batch arrays in, numpy out."""
+    if model.framework == "torch":
+        batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
+    with torch.inference_mode():
+        out = model(batch)
+    return {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in out.items()}
+
+
+def scene(h=48, w=64, seed=0):
+    """Two flat colour fields with a sharp vertical boundary, plus sensor-like noise."""
+    rng = np.random.default_rng(seed)
+    img = np.empty((h, w, 3), np.float32)
+    img[:, : w // 2] = (200, 170, 60)
+    img[:, w // 2 :] = (40, 60, 150)
+    img += rng.normal(0, 6, img.shape)
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+def gradient(h=64, w=64, seed=1):
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    img = np.stack([x * 4, y * 4, (x + y) * 2], axis=-1) + rng.normal(0, 8, (h, w, 3))
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def cartoon():
+    return load_model("cartoon", "cpu")
+
+
+@pytest.fixture(scope="module")
+def convnet():
+    return load_model("convnet", "cpu")
+
+
+def n_colours(img):
+    return len(np.unique(img.reshape(-1, 3), axis=0))
+
+
+# ------------------------------------------------------------------------------ cartoon
+
+
+def test_cartoon_keeps_shape_dtype_and_changes_the_image(cartoon):
+    for h, w in [(48, 64), (37, 51)]:  # odd sizes take the pad-and-crop path
+        img = gradient(h, w)
+        out = run(cartoon, image=img[None])["image"]
+        assert out.shape == (1, h, w, 3) and out.dtype == np.uint8
+        assert not np.array_equal(out[0], img)
+
+
+def test_cartoon_reduces_colours(cartoon):
+    img = gradient()
+    out = run(cartoon, image=img[None])["image"][0]
+    assert n_colours(out) < n_colours(img) / 4
+
+
+def test_cartoon_draws_dark_edges_at_a_sharp_boundary(cartoon):
+    img = scene()
+    out = run(cartoon, image=img[None])["image"][0].astype(np.float32)
+    luma = out @ np.array([0.299, 0.587, 0.114], np.float32)
+    w = img.shape[1]
+    edge = luma[4:-4, w // 2 - 2 : w // 2 + 2].min(axis=1)  # darkest pixel across the boundary
+    left = luma[4:-4, 4 : w // 2 - 6].mean()
+    right = luma[4:-4, w // 2 + 6 : -4].mean()
+    assert (edge < 0.5 * min(left, right)).all()
+    # Away from the boundary the noise is smoothed into flat colour: no spurious edges.
+    assert luma[4:-4, 4 : w // 2 - 6].min() > 0.8 * left
+    assert luma[4:-4, w // 2 + 6 : -4].min() > 0.8 * right
+
+
+def test_cartoon_is_deterministic(cartoon):
+    img = gradient()[None]
+    assert np.array_equal(run(cartoon, image=img)["image"], run(cartoon, image=img)["image"])
+    assert np.array_equal(run(cartoon, image=img)["image"], run(load_model("cartoon", "cpu"), image=img)["image"])
+
+
+def test_cartoon_batched_equals_per_item(cartoon):
+    imgs = np.stack([gradient(seed=s) for s in range(3)])
+    batched = run(cartoon, image=imgs)["image"]
+    single = np.concatenate([run(cartoon, image=imgs[i : i + 1])["image"] for i in range(3)])
+    np.testing.assert_allclose(batched.astype(np.int16), single.astype(np.int16), atol=1)
+
+
+# Ops with a direct ONNX counterpart (Conv, ConvTranspose, Pad edge-mode, Abs, Clip, Floor,
+# Round, Cast, Transpose, ReduceSum and arithmetic) - what the TensorRT path will need.
+EXPORTABLE = {"abs", "add", "clamp", "conv2d", "conv_transpose2d", "div", "floor", "mul", "pad", "permute",
+              "round", "rsub", "sub", "sum", "to", "slice", "where", "cat", "avg_pool2d", "contiguous",
+              "clone", "_assert_tensor_metadata"}
+
+
+@pytest.mark.parametrize("shape", [(1, 37, 51, 3)])  # odd: includes the pad-and-crop path
+def test_cartoon_filter_exports_to_one_graph_of_onnx_friendly_ops(shape):
+    from gpu_worker.models import cartoon_filter
+
+    net = cartoon_filter()
+    img = torch.from_numpy(np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8))
+    ep = torch.export.export(net, (img,))  # fails on graph breaks / data-dependent control flow
+    ops = {str(n.target).split(".")[1] for n in ep.graph.nodes if n.op == "call_function"}
+    assert ops <= EXPORTABLE, ops - EXPORTABLE
+    with torch.inference_mode():
+        assert torch.equal(ep.module()(img), net(img))
+
+
+# ------------------------------------------------------------------------------ convnet
+
+
+def test_convnet_outputs_logits_per_item(convnet):
+    imgs = np.stack([gradient(64, 64, seed=s) for s in range(2)])
+    out = run(convnet, image=imgs)["logits"]
+    assert out.shape == (2, 1000) and out.dtype == np.float32
+    assert np.isfinite(out).all() and out.std() > 0
+    assert not np.allclose(out[0], out[1])
+
+
+def test_convnet_batched_equals_per_item(convnet):
+    imgs = np.stack([gradient(64, 96, seed=s) for s in range(3)])
+    batched = run(convnet, image=imgs)["logits"]
+    single = np.concatenate([run(convnet, image=imgs[i : i + 1])["logits"] for i in range(3)])
+    np.testing.assert_allclose(batched, single, rtol=1e-4, atol=1e-4 * np.abs(single).max())
+
+
+def test_convnet_is_deterministic_across_loads(convnet):
+    torch.manual_seed(1234)  # the global RNG must not matter
+    other = load_model("convnet", "cpu")
+    for (n1, p1), (n2, p2) in zip(convnet.net.state_dict().items(), other.net.state_dict().items()):
+        assert n1 == n2 and torch.equal(p1, p2)
+    img = gradient(64, 64)[None]
+    assert np.array_equal(run(convnet, image=img)["logits"], run(other, image=img)["logits"])
+
+
+def test_image_models_reject_bad_inputs_with_a_clear_message(cartoon, convnet):
+    with pytest.raises(ValueError, match="at least 32x32"):
+        run(convnet, image=np.zeros((1, 16, 16, 3), np.uint8))
+    for m in (cartoon, convnet):
+        with pytest.raises(ValueError, match="uint8 HxWx3"):
+            run(m, image=np.zeros((1, 40, 40, 3), np.float32))
+        with pytest.raises(ValueError, match="uint8 HxWx3"):
+            run(m, image=np.zeros((1, 40, 40), np.uint8))
+        with pytest.raises(ValueError, match="named 'image'"):
+            run(m, x=np.zeros((1, 40, 40, 3), np.uint8))
+
+
+# ------------------------------------------------------------------------------ echo, chunks
+
+
+def test_echo_returns_its_inputs_without_copying():
+    m = load_model("echo", "cpu")
+    x = np.arange(12, dtype=np.float32).reshape(1, 3, 4)
+    out = m({"x": x, "y": x[:, 0]})
+    assert out["x"] is x and np.shares_memory(out["y"], x)
+
+
+@pytest.mark.parametrize("n,k", [(10, 4), (3, 4), (8, 1), (0, 3)])
+def test_chunks_streams_in_order_and_concatenates_back(n, k):
+    from gpu_worker.models import ChunksModel
+
+    m = ChunksModel(k=k)
+    assert m.streaming and not m.batchable
+    x = np.arange(n * 2, dtype=np.int32).reshape(1, n, 2)
+    parts = [p["x"] for p in m({"x": x})]
+    assert len(parts) == max(1, min(k, n))
+    assert all(len(p) or n == 0 for p in parts[0])
+    np.testing.assert_array_equal(np.concatenate(parts, axis=1), x)
+    # Ordered: each partial continues where the previous one stopped.
+    flat = [int(v) for p in parts for v in p[0, :, 0]]
+    assert flat == sorted(flat)
+
+
+def test_chunks_with_scalar_items():
+    from gpu_worker.models import ChunksModel
+
+    parts = list(ChunksModel()({"x": np.array([7.0])}))
+    assert len(parts) == 1 and parts[0]["x"].tolist() == [7.0]
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_MODELS))
+def test_load_each_shipped_model(name):
+    m = load_model(name, "cpu")
+    assert isinstance(m, Model)
+    assert m.name == name and m.device == "cpu"
+    ex = m.example_inputs()
+    assert ex and all(isinstance(v, np.ndarray) for v in ex.values())
+    assert m.cost(ex) > 0
+
+
+FACTORIES = textwrap.dedent(
+    '''
+    import numpy as np
+    import torch
+    from gpu_worker.models import ModelBase
+
+    class Doubler(ModelBase):
+        name = "doubler"
+        framework = "numpy"
+        def __init__(self, device="cpu"):
+            self.device = device
+        def __call__(self, batch):
+            return {"y": batch["x"] * 2}
+        def example_inputs(self):
+            return {"x": np.ones(3, np.float32)}
+
+    def make_model(device):
+        return Doubler(device)
+
+    class Affine(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.tensor(3.0))
+        def forward(self, x):
+            return x * self.scale + 1
+
+    def make_module():          # no device parameter: called as make_module()
+        return Affine()
+
+    class DictNet(torch.nn.Module):
+        batchable = False
+        def forward(self, inputs):
+            return {"sum": inputs["a"] + inputs["b"]}
+
+    def make_dictnet(**kwargs):  # **kwargs: gets device=
+        assert "device" in kwargs
+        return DictNet()
+
+    def make_callable(device="cpu"):
+        def negate(batch):
+            return {"neg": -batch["x"]}
+        negate.example_inputs = lambda: {"x": np.zeros(2)}
+        return negate
+
+    class Holder:
+        @staticmethod
+        def factory():
+            return lambda batch: {"z": batch["x"]}
+
+    not_callable = 42
+
+    def broken(device="cpu"):
+        raise RuntimeError("weights missing")
+
+    def returns_none():
+        return None
+    '''
+)
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    pkg = tmp_path / "mymodels"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "zoo.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "mymodels.zoo"
+    for mod in ("mymodels.zoo", "mymodels"):
+        sys.modules.pop(mod, None)
+
+
+def test_load_factory_returning_a_model(factories):
+    m = load_model(f"{factories}:make_model", "cpu")
+    assert type(m).__name__ == "Doubler" and m.name == "doubler"
+    assert m({"x": np.ones((1, 3))})["y"].tolist() == [[2, 2, 2]]
+
+
+def test_load_factory_returning_an_nn_module(factories):
+    m = load_model(f"{factories}:make_module", "cpu")
+    assert isinstance(m, TorchModuleModel) and m.framework == "torch" and m.batchable
+    assert m.name == "make_module"
+    assert not m.module.training and not any(p.requires_grad for p in m.module.parameters())
+    out = run(m, x=np.array([[1.0, 2.0]], np.float32))
+    assert list(out) == ["output"] and out["output"].tolist() == [[4.0, 7.0]]
+    with pytest.raises(NotImplementedError):
+        m.example_inputs()
+
+
+def test_load_nn_module_taking_a_dict(factories):
+    m = load_model(f"{factories}:make_dictnet", "cpu")
+    assert not m.batchable
+    out = run(m, a=np.array([[1.0]], np.float32), b=np.array([[2.0]], np.float32))
+    assert out["sum"].tolist() == [[3.0]]
+
+
+def test_load_factory_returning_a_callable(factories):
+    m = load_model(f"{factories}:make_callable", "cpu")
+    assert isinstance(m, CallableModel) and m.framework == "numpy"
+    assert m({"x": np.array([[1.0]])})["neg"].tolist() == [[-1.0]]
+    assert m.example_inputs()["x"].shape == (2,)
+    assert m.cost({"x": np.zeros(4, np.float64)}) == 32.0
+
+
+def test_load_dotted_factory_path(factories):
+    m = load_model(f"{factories}:Holder.factory", "cpu")
+    assert m({"x": np.ones(1)})["z"].tolist() == [1.0]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nope", "unknown model 'nope'"),
+        ("", "empty model spec"),
+        ("mymodels.zoo:", "malformed"),
+        (":factory", "malformed"),
+        ("mymodels.missing:f", "cannot import 'mymodels.missing'"),
+        ("mymodels.zoo:nothing", "has no attribute 'nothing'"),
+        ("mymodels.zoo:not_callable", "not a callable factory"),
+        ("mymodels.zoo:broken", "raised RuntimeError: weights missing"),
+        ("mymodels.zoo:returns_none", "returned NoneType"),
+    ],
+)
+def test_bad_spec_raises_model_load_error(factories, spec, message):
+    with pytest.raises(ModelLoadError, match=message) as info:
+        load_model(spec, "cpu")
+    if "unknown" in message or "malformed" in message or "returned" in message:
+        assert "package.module:factory" in str(info.value)  # says what was expected
