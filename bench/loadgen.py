@@ -1,0 +1,344 @@
+"""Load generation: closed and open loops, measurement windows, interleaved comparisons.
+
+Everything runs on one asyncio loop (uvloop when installed). Latency is measured with
+time.perf_counter_ns. In the open loop it is measured from each request's *intended* send
+time, so a stall in the target (or in this process) shows up as the latencies of every
+request that should have been sent during it, not as one slow sample: no coordinated
+omission.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import numpy as np
+
+from bench.hist import LatencyHistogram, ServerTiming, converged
+
+RequestFn = Callable[[Any], Awaitable[dict | None]]
+
+ERROR_SAMPLES = 5  # distinct error messages kept per window, for the report
+
+
+# ---------------------------------------------------------------------------------------
+# Payloads
+# ---------------------------------------------------------------------------------------
+FRAME_SHAPE = (1080, 1920, 3)  # one 1080p RGB frame, 6,220,800 bytes
+_ALIASES = {
+    "tiny": "16",
+    "frame": "1080x1920x3",
+    "6mb": "1080x1920x3",
+    "64mb": "64m",
+}
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+
+
+@dataclass(frozen=True)
+class PayloadSpec:
+    nbytes: int
+    shape: tuple[int, ...]
+    label: str
+
+
+def parse_size(text: str) -> PayloadSpec:
+    """'16', '4k', '64MiB', '1080x1920x3' (uint8 HxWxC), or an alias (tiny, frame, 64mb).
+
+    k/m/g are binary (KiB, MiB, GiB) with optional 'b'/'ib'/'i' after them."""
+    t = text.strip().lower()
+    t = _ALIASES.get(t, t)
+    if "x" in t:
+        shape = tuple(int(d) for d in t.split("x"))
+        if any(d <= 0 for d in shape):
+            raise ValueError(f"bad shape {text!r}")
+        return PayloadSpec(int(np.prod(shape)), shape, "x".join(map(str, shape)))
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)(?:ib|i|b)?", t)
+    if not m:
+        raise ValueError(f"cannot parse payload size {text!r}")
+    n = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if n <= 0:
+        raise ValueError(f"payload size must be positive: {text!r}")
+    return PayloadSpec(n, (n,), human_bytes(n))
+
+
+def human_bytes(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n}B"
+
+
+def make_payload(spec: PayloadSpec, seed: int = 0) -> np.ndarray:
+    """Random bytes (not zeros: zero pages can be mapped lazily and would make the first
+    send pay the page faults), generated once and reused for every request."""
+    rng = np.random.default_rng(seed)
+    return np.frombuffer(rng.bytes(spec.nbytes), dtype=np.uint8).reshape(spec.shape).copy()
+
+
+# ---------------------------------------------------------------------------------------
+# One measurement window
+# ---------------------------------------------------------------------------------------
+@dataclass
+class WindowResult:
+    hist: LatencyHistogram
+    ok: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    elapsed_s: float = 0.0
+    server: ServerTiming = field(default_factory=ServerTiming)
+    error_samples: list[str] = field(default_factory=list)
+    # Open loop only: how late the generator itself launched requests (its own health).
+    max_send_lag_ms: float = 0.0
+
+    @property
+    def p50_ms(self) -> float:
+        return self.hist.percentile_ms(50) if self.hist.count else math.nan
+
+    def _note_error(self, e: BaseException | str) -> None:
+        self.errors += 1
+        msg = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+        if len(self.error_samples) < ERROR_SAMPLES and msg not in self.error_samples:
+            self.error_samples.append(msg)
+
+
+async def _one(request: RequestFn, payload: Any, start_ns: int, res: WindowResult,
+               timeout_s: float | None) -> None:
+    """Issue one request; latency = completion - start_ns (start_ns is the intended time in
+    the open loop, the actual send time in the closed loop)."""
+    try:
+        if timeout_s is None:
+            reply = await request(payload)
+        else:
+            async with asyncio.timeout(timeout_s):
+                reply = await request(payload)
+    except TimeoutError:
+        res.timeouts += 1
+        res._note_error(f"timeout after {timeout_s} s")
+        return
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:
+        res._note_error(e)
+        return
+    end = time.perf_counter_ns()
+    if reply:
+        err = reply.get("error")
+        if err:
+            res._note_error(str(err))
+            return
+        res.server.add_reply(reply)
+    res.hist.record_ns(end - start_ns)
+    res.ok += 1
+
+
+async def closed_loop(request: RequestFn, payload: Any, *, concurrency: int, duration_s: float,
+                      min_requests: int = 1, max_duration_s: float | None = None,
+                      timeout_s: float | None = None) -> WindowResult:
+    """`concurrency` coroutines, each sending its next request when the previous returns.
+
+    Stops issuing at `duration_s`, but not before `min_requests` were issued (large payloads
+    on slow peers would otherwise give windows of one sample), and never after
+    `max_duration_s` (default 10x duration, at least 1 s)."""
+    res = WindowResult(LatencyHistogram())
+    start = time.perf_counter_ns()
+    soft = start + int(duration_s * 1e9)
+    if max_duration_s is None:
+        max_duration_s = max(10 * duration_s, 1.0)
+    hard = start + int(max_duration_s * 1e9)
+    issued = 0
+
+    async def worker() -> None:
+        nonlocal issued
+        while True:
+            now = time.perf_counter_ns()
+            if now >= hard or (now >= soft and issued >= min_requests):
+                return
+            issued += 1
+            await _one(request, payload, time.perf_counter_ns(), res, timeout_s)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    res.elapsed_s = (time.perf_counter_ns() - start) / 1e9
+    return res
+
+
+def intended_offsets_ns(rate: float, duration_s: float, arrival: str = "constant",
+                        seed: int = 0) -> np.ndarray:
+    """Send times (ns after t0) of an open-loop schedule: i/R, or Poisson arrivals (i.i.d.
+    exponential gaps, mean 1/R) from a seeded RNG so every peer gets the same schedule."""
+    if rate <= 0:
+        raise ValueError("rate must be positive")
+    horizon = int(duration_s * 1e9)
+    if arrival == "constant":
+        n = int(math.ceil(duration_s * rate))
+        t = (np.arange(n, dtype=np.float64) * (1e9 / rate)).astype(np.int64)
+    elif arrival == "poisson":
+        rng = np.random.default_rng(seed)
+        # Draw a generous batch; the tail past the horizon is cut below.
+        n = int(duration_s * rate + 10 * math.sqrt(duration_s * rate + 1) + 10)
+        t = np.cumsum(rng.exponential(1e9 / rate, size=n)).astype(np.int64)
+        t -= t[0]  # first request at t0, like the constant schedule
+    else:
+        raise ValueError(f"arrival must be 'constant' or 'poisson', not {arrival!r}")
+    return t[t < horizon]
+
+
+async def open_loop(request: RequestFn, payload: Any, *, rate: float, duration_s: float,
+                    arrival: str = "constant", seed: int = 0,
+                    timeout_s: float | None = None, spin_us: float = 1000.0) -> WindowResult:
+    """Launch request i as its own task at t0 + offset_i (or as soon as possible after, if
+    the loop was late) and record completion - (t0 + offset_i).
+
+    `spin_us`: the last stretch before a due time is waited by yielding to the loop rather
+    than by a timer, trading CPU for send-time precision (0: timers only)."""
+    res = WindowResult(LatencyHistogram())
+    offsets = intended_offsets_ns(rate, duration_s, arrival, seed)
+    spin_ns = int(spin_us * 1000)
+    tasks: set[asyncio.Task] = set()
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter_ns()
+    max_lag = 0
+    i, n = 0, len(offsets)
+    while i < n:
+        due = t0 + int(offsets[i])
+        now = time.perf_counter_ns()
+        if due > now:
+            # Event-loop timers fire on a ~1 ms grid (libuv and epoll both round to ms), and
+            # every bit of lateness is charged to the request. So sleep only up to `spin_ns`
+            # before the due time, then yield in a tight loop (I/O keeps being served).
+            if due - now > spin_ns:
+                await asyncio.sleep((due - now - spin_ns) / 1e9)
+            else:
+                await asyncio.sleep(0)
+            continue
+        # Catch up: everything already due goes out now, each timed from its own due time.
+        while i < n and t0 + int(offsets[i]) <= now:
+            due = t0 + int(offsets[i])
+            max_lag = max(max_lag, now - due)
+            task = loop.create_task(_one(request, payload, due, res, timeout_s))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            i += 1
+    if tasks:
+        await asyncio.gather(*tasks)
+    end = time.perf_counter_ns()
+    res.elapsed_s = max((end - t0) / 1e9, duration_s)
+    res.max_send_lag_ms = max_lag / 1e6
+    return res
+
+
+# ---------------------------------------------------------------------------------------
+# Workloads, windows until stable, interleaved peers
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    payload: PayloadSpec
+    mode: str = "closed"  # "closed" | "open"
+    concurrency: int = 1
+    rate: float | None = None
+    arrival: str = "constant"
+
+    @property
+    def key(self) -> str:
+        load = f"c{self.concurrency}" if self.mode == "closed" else f"r{self.rate:g}{self.arrival[0]}"
+        return f"{self.payload.label}_{load}"
+
+    def describe(self) -> str:
+        if self.mode == "closed":
+            return f"{self.payload.label} x{self.concurrency}"
+        return f"{self.payload.label} @{self.rate:g}/s {self.arrival}"
+
+
+@dataclass
+class RunConfig:
+    window_s: float = 1.0
+    warmup_s: float = 0.5
+    stable_windows: int = 3  # this many consecutive windows ...
+    tolerance: float = 0.10  # ... whose p50s agree within this fraction
+    max_duration_s: float = 30.0  # per workload, all peers together
+    min_requests: int = 3  # per closed-loop window
+    timeout_s: float | None = 30.0
+    seed: int = 1
+    spin_us: float = 1000.0  # open loop: see open_loop()
+
+
+@dataclass
+class Measurement:
+    """All windows of one peer on one workload, merged."""
+
+    peer: str
+    workload: Workload
+    hist: LatencyHistogram = field(default_factory=LatencyHistogram)
+    server: ServerTiming = field(default_factory=ServerTiming)
+    ok: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    elapsed_s: float = 0.0
+    window_p50_ms: list[float] = field(default_factory=list)
+    error_samples: list[str] = field(default_factory=list)
+    converged: bool = False
+    max_send_lag_ms: float = 0.0
+
+    def add(self, w: WindowResult) -> None:
+        self.hist.add(w.hist)
+        self.server.merge(w.server)
+        self.ok += w.ok
+        self.errors += w.errors
+        self.timeouts += w.timeouts
+        self.elapsed_s += w.elapsed_s
+        self.window_p50_ms.append(w.p50_ms)
+        self.max_send_lag_ms = max(self.max_send_lag_ms, w.max_send_lag_ms)
+        for e in w.error_samples:
+            if len(self.error_samples) < ERROR_SAMPLES and e not in self.error_samples:
+                self.error_samples.append(e)
+
+
+async def run_window(request: RequestFn, payload: Any, wl: Workload, cfg: RunConfig,
+                     duration_s: float, window_index: int) -> WindowResult:
+    if wl.mode == "closed":
+        return await closed_loop(request, payload, concurrency=wl.concurrency,
+                                 duration_s=duration_s, min_requests=cfg.min_requests,
+                                 timeout_s=cfg.timeout_s)
+    # Same seed per window index: in round r every peer sees the identical arrival sequence.
+    return await open_loop(request, payload, rate=wl.rate, duration_s=duration_s,
+                           arrival=wl.arrival, seed=cfg.seed * 1_000_003 + window_index,
+                           timeout_s=cfg.timeout_s, spin_us=cfg.spin_us)
+
+
+ProgressFn = Callable[[str, str, int], None]  # (workload, peer, window index)
+
+
+async def measure_interleaved(requests: dict[str, RequestFn], payload: Any, wl: Workload,
+                              cfg: RunConfig, progress: ProgressFn | None = None
+                              ) -> dict[str, Measurement]:
+    """Round-robin windows A,B,C,A,B,C... so slow machine drift (thermal, noisy neighbours,
+    frequency scaling) lands on every peer alike, until every peer has had `stable_windows`
+    consecutive window p50s agreeing within `tolerance`, or `max_duration_s` has passed."""
+    out = {name: Measurement(name, wl) for name in requests}
+    if not requests:
+        return out
+    start = time.monotonic()
+    if cfg.warmup_s > 0:
+        for name, req in requests.items():
+            if progress:
+                progress(wl.describe(), name, -1)
+            await run_window(req, payload, wl, cfg, cfg.warmup_s, 0)
+    rnd = 0
+    while True:
+        for name, req in requests.items():
+            if progress:
+                progress(wl.describe(), name, rnd)
+            out[name].add(await run_window(req, payload, wl, cfg, cfg.window_s, rnd + 1))
+        rnd += 1
+        for m in out.values():
+            # Sticky: a peer that has shown stable windows stays done even if a later window
+            # is disturbed; it keeps running only so the interleaving stays fair to the rest.
+            m.converged = m.converged or converged(m.window_p50_ms, cfg.stable_windows,
+                                                   cfg.tolerance)
+        if all(m.converged for m in out.values()):
+            break
+        if time.monotonic() - start >= cfg.max_duration_s:
+            break
+    return out

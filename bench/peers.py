@@ -1,0 +1,703 @@
+"""Peers: the systems a benchmark measures, each behind the same small interface.
+
+A peer owns its server processes (spawned in `start()`, always reaped in `stop()`) and hands
+out clients whose `request(payload)` the load generator awaits. Adding a system to the
+comparison is one class decorated with `@register`:
+
+    @register
+    class MyPeer(Peer):
+        name = "my-peer"
+        def available(self): return True, ""
+        def start(self): self.spawn([...])           # blocks on the child's READY line
+        def client(self): return MyClient(...)       # a PeerClient
+
+`Peer.stop()` reaps whatever `spawn()` started, so most peers need not override it.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import importlib.util
+import itertools
+import os
+import queue
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from typing import Any, ClassVar
+
+import numpy as np
+
+from bench import echo_servers
+
+
+class PeerStartError(RuntimeError):
+    """A peer's server did not come up (exited, or no READY line in time)."""
+
+
+class PeerClient:
+    """What the load generator talks to.
+
+    `request` is awaited on the harness's event loop (the client is created inside that loop,
+    so it may bind loop resources lazily). It returns None or a dict; recognised keys:
+
+    - `queue_ms`, `input_ms`, `compute_ms`, `output_ms`: server-side split, averaged in reports;
+    - `error`: a truthy value marks the request failed (raising an exception does the same);
+    - `reply`: the response payload (bytes-like), used by tests to check echoes bit-exactly.
+    """
+
+    async def request(self, payload: Any) -> dict | None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def request_sync(self, payload: Any) -> dict | None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        pass
+
+
+PEERS: dict[str, type["Peer"]] = {}
+
+# Peers still running at interpreter exit are stopped there, so an exception in the harness
+# (or a test) never orphans server processes.
+_LIVE: "weakref.WeakSet[Peer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_live_peers() -> None:
+    for peer in list(_LIVE):
+        try:
+            peer.stop()
+        except Exception:
+            pass
+
+
+def register(cls: type["Peer"]) -> type["Peer"]:
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} has no name")
+    PEERS[cls.name] = cls
+    return cls
+
+
+def make_peer(name: str, **options: Any) -> "Peer":
+    try:
+        cls = PEERS[name]
+    except KeyError:
+        raise KeyError(f"unknown peer {name!r}; known: {', '.join(PEERS)}") from None
+    return cls(**options)
+
+
+class Peer:
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+
+    def __init__(self, **options: Any):
+        self.options = options
+        self._procs: list[subprocess.Popen] = []
+        self._tmpdir: str | None = None
+
+    # --- the interface -------------------------------------------------------------------
+    def available(self) -> tuple[bool, str]:
+        """(True, "") when this peer can run here, else (False, why not)."""
+        return True, ""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def client(self) -> PeerClient:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Reap every process spawn() started, newest first; idempotent; never raises."""
+        procs, self._procs = self._procs, []
+        for p in reversed(procs):
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except OSError:
+                    pass
+        for p in reversed(procs):
+            try:
+                p.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout is not None:
+                p.stdout.close()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+        _LIVE.discard(self)
+
+    def __enter__(self) -> "Peer":
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- helpers for subclasses ----------------------------------------------------------
+    @property
+    def tmpdir(self) -> str:
+        if self._tmpdir is None:
+            # Short and under /tmp: ipc:// paths are limited to ~107 bytes.
+            self._tmpdir = tempfile.mkdtemp(prefix="zbench-")
+        return self._tmpdir
+
+    def ipc(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.tmpdir, name)}"
+
+    def spawn(self, argv: list[str], *, ready_timeout: float = 60.0, env: dict | None = None) -> str:
+        """Start a server process and block until it writes `READY [info]` on stdout.
+
+        Returns the info after READY (e.g. a bound port). The process is tracked and reaped
+        by stop(). Raises PeerStartError (with the exit status) if it dies or stays silent.
+        """
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=None,  # server tracebacks go straight to the user's terminal
+            env=env,
+            close_fds=True,
+        )
+        self._procs.append(proc)
+        _LIVE.add(self)
+        try:
+            return _wait_ready(proc, ready_timeout)
+        except PeerStartError:
+            raise
+        except BaseException as e:  # KeyboardInterrupt while waiting: still reaped by stop()
+            raise PeerStartError(f"{self.name}: {e!r}") from e
+
+    @staticmethod
+    def python_module(module: str, *args: str) -> list[str]:
+        return [sys.executable, "-m", module, *args]
+
+
+def _wait_ready(proc: subprocess.Popen, timeout: float) -> str:
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PeerStartError(f"{proc.args!r}: no READY within {timeout:.0f} s")
+        r, _, _ = select.select([fd], [], [], left)
+        if not r:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            rc = proc.wait()
+            raise PeerStartError(f"{proc.args!r}: exited with status {rc} before READY")
+        buf += chunk
+    line = buf.split(b"\n", 1)[0].decode(errors="replace").strip()
+    if not line.startswith("READY"):
+        raise PeerStartError(f"{proc.args!r}: expected READY, got {line!r}")
+    return line[len("READY"):].strip()
+
+
+def as_buffer(payload: Any) -> Any:
+    """A flat byte view of the payload without copying (zmq sends any contiguous buffer)."""
+    if isinstance(payload, np.ndarray):
+        if not payload.flags.c_contiguous:
+            payload = np.ascontiguousarray(payload)
+        return payload.reshape(-1).view(np.uint8).data
+    return payload
+
+
+# ---------------------------------------------------------------------------------------
+# ZeroMQ echo client (direct and proxy peers)
+# ---------------------------------------------------------------------------------------
+class ZmqEchoClient(PeerClient):
+    """DEALER client that multiplexes concurrent requests over one socket.
+
+    Each request carries an 8-byte id frame the echo returns verbatim; a reader task matches
+    replies to waiting futures, so N coroutines (closed loop) or thousands of tasks (open
+    loop) share one connection, like a real SDK would.
+    """
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self._ids = itertools.count(1)
+        self._actx = None
+        self._asock = None
+        self._reader: asyncio.Task | None = None
+        self._pending: dict[bytes, asyncio.Future] = {}
+        self._sctx = None
+        self._ssock = None
+
+    # async -----------------------------------------------------------------------------
+    def _async_socket(self):
+        if self._asock is None:
+            import zmq
+            import zmq.asyncio
+
+            self._actx = zmq.asyncio.Context()
+            s = self._actx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.RCVHWM, 0)
+            s.connect(self.endpoint)
+            self._asock = s
+            self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+        return self._asock
+
+    async def _read_loop(self) -> None:
+        sock = self._asock
+        pending = self._pending
+        try:
+            while True:
+                frames = await sock.recv_multipart(copy=False)
+                fut = pending.pop(frames[0].bytes, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(frames)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # socket closed under us: fail whoever is still waiting
+            for fut in pending.values():
+                if not fut.done():
+                    fut.set_exception(ConnectionError(f"reader stopped: {e!r}"))
+            pending.clear()
+
+    async def request(self, payload: Any) -> dict | None:
+        sock = self._async_socket()
+        rid = next(self._ids).to_bytes(8, "little")
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            await sock.send_multipart([rid, as_buffer(payload)], copy=False)
+            frames = await fut
+        finally:
+            self._pending.pop(rid, None)
+        return {"reply": frames[1].buffer}
+
+    async def aclose(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._reader = None
+        if self._asock is not None:
+            self._asock.close(0)
+            self._actx.term()
+            self._asock = self._actx = None
+        self.close()
+
+    # sync ------------------------------------------------------------------------------
+    def request_sync(self, payload: Any) -> dict | None:
+        import zmq
+
+        if self._ssock is None:
+            self._sctx = zmq.Context()
+            s = self._sctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(self.endpoint)
+            self._ssock = s
+        rid = next(self._ids).to_bytes(8, "little")
+        self._ssock.send_multipart([rid, as_buffer(payload)], copy=False)
+        while True:
+            frames = self._ssock.recv_multipart(copy=False)
+            if frames[0].bytes == rid:  # skip late replies to an abandoned earlier request
+                return {"reply": frames[1].buffer}
+
+    def close(self) -> None:
+        if self._ssock is not None:
+            self._ssock.close(0)
+            self._sctx.term()
+            self._ssock = self._sctx = None
+
+
+# ---------------------------------------------------------------------------------------
+# gRPC echo client
+# ---------------------------------------------------------------------------------------
+_STOP = object()
+
+
+class GrpcEchoClient(PeerClient):
+    """One bidirectional stream per client; replies come back in request order (the server
+    echoes its stream in order), so a FIFO of futures matches them without an id."""
+
+    def __init__(self, target: str):
+        self.target = target
+        self._achan = None
+        self._acall = None
+        self._reader: asyncio.Task | None = None
+        self._fifo: collections.deque[asyncio.Future] = collections.deque()
+        self._wlock: asyncio.Lock | None = None
+        self._schan = None
+        self._sq: queue.Queue | None = None
+        self._sresp = None
+        self._last_obj: Any = None
+        self._last_bytes = b""
+
+    def _bytes(self, payload: Any) -> bytes:
+        # gRPC's C core wants bytes. Converting once per payload object mirrors a user who
+        # already holds serialized bytes, and keeps the 64 MiB case from measuring memcpy.
+        if payload is self._last_obj:
+            return self._last_bytes
+        data = payload if isinstance(payload, bytes) else bytes(as_buffer(payload))
+        self._last_obj, self._last_bytes = payload, data
+        return data
+
+    async def _open(self) -> None:
+        import grpc
+
+        self._achan = grpc.aio.insecure_channel(self.target, options=echo_servers.GRPC_OPTIONS)
+        self._acall = self._achan.stream_stream(echo_servers.GRPC_METHOD)()
+        self._wlock = asyncio.Lock()
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        import grpc
+
+        call, fifo = self._acall, self._fifo
+        try:
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    raise ConnectionError("gRPC stream ended")
+                fut = fifo.popleft()
+                if not fut.done():  # a timed-out request's reply still arrives, in order
+                    fut.set_result(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            while fifo:
+                fut = fifo.popleft()
+                if not fut.done():
+                    fut.set_exception(ConnectionError(f"gRPC reader stopped: {e!r}"))
+
+    async def request(self, payload: Any) -> dict | None:
+        if self._acall is None:
+            await self._open()
+        data = self._bytes(payload)
+        fut = asyncio.get_running_loop().create_future()
+        # The FIFO order must equal the wire order, and grpc.aio allows one write at a time.
+        async with self._wlock:
+            self._fifo.append(fut)
+            await self._acall.write(data)
+        return {"reply": await fut}
+
+    async def aclose(self) -> None:
+        if self._acall is not None:
+            try:
+                await self._acall.done_writing()
+            except Exception:
+                pass
+            self._acall.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._reader = None
+        if self._achan is not None:
+            await self._achan.close()
+            self._achan = self._acall = None
+        self.close()
+
+    def request_sync(self, payload: Any) -> dict | None:
+        import grpc
+
+        if self._schan is None:
+            self._schan = grpc.insecure_channel(self.target, options=echo_servers.GRPC_OPTIONS)
+            self._sq = queue.Queue()
+            method = self._schan.stream_stream(echo_servers.GRPC_METHOD)
+            self._sresp = method(iter(self._sq.get, _STOP))
+        self._sq.put(self._bytes(payload))
+        return {"reply": next(self._sresp)}
+
+    def close(self) -> None:
+        if self._schan is not None:
+            self._sq.put(_STOP)
+            self._sresp.cancel()
+            self._schan.close()
+            self._schan = self._sq = self._sresp = None
+
+
+# ---------------------------------------------------------------------------------------
+# Floor peers
+# ---------------------------------------------------------------------------------------
+def _echo_argv(*args: str) -> list[str]:
+    return Peer.python_module("bench.echo_servers", *args)
+
+
+@register
+class DirectPeer(Peer):
+    name = "direct"
+    description = "pyzmq DEALER -> ROUTER echo process, no broker (lower floor)"
+
+    def start(self) -> None:
+        self.endpoint = self.ipc("echo")
+        self.spawn(_echo_argv("zmq-echo", "--bind", self.endpoint))
+
+    def client(self) -> PeerClient:
+        return ZmqEchoClient(self.endpoint)
+
+
+@register
+class ProxyPeer(Peer):
+    name = "proxy"
+    description = "same echo worker behind a libzmq ROUTER/DEALER proxy process"
+
+    def start(self) -> None:
+        self.endpoint = self.ipc("front")
+        back = self.ipc("back")
+        self.spawn(_echo_argv("proxy", "--front", self.endpoint, "--back", back))
+        self.spawn(_echo_argv("zmq-echo", "--connect", back))
+        # The worker's READY only says it called connect(); one round trip through the relay
+        # proves the whole path is up before anything is timed.
+        probe = ZmqEchoClient(self.endpoint)
+        try:
+            probe.request_sync(b"ready?")
+        finally:
+            probe.close()
+
+    def client(self) -> PeerClient:
+        return ZmqEchoClient(self.endpoint)
+
+
+@register
+class GrpcPeer(Peer):
+    name = "grpc"
+    description = "grpcio (asyncio) bidirectional stream of raw bytes, echo, TCP loopback"
+
+    def available(self) -> tuple[bool, str]:
+        if importlib.util.find_spec("grpc") is None:
+            return False, "grpcio is not installed (pip install grpcio)"
+        return True, ""
+
+    def start(self) -> None:
+        port = self.spawn(_echo_argv("grpc", "--host", "127.0.0.1", "--port", "0"))
+        self.target = f"127.0.0.1:{int(port)}"
+
+    def client(self) -> PeerClient:
+        return GrpcEchoClient(self.target)
+
+
+# ---------------------------------------------------------------------------------------
+# Optional third-party peers (only where their packages are installed)
+# ---------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HttpEchoClient(PeerClient):
+    """Minimal keep-alive HTTP/1.1 POST client (stdlib only) with a connection per
+    concurrent request, so the comparison does not depend on an extra HTTP library."""
+
+    def __init__(self, host: str, port: int, path: str):
+        self.host, self.port, self.path = host, port, path
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._all: list[asyncio.StreamWriter] = []
+
+    def _head(self, n: int) -> bytes:
+        return (
+            f"POST {self.path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Content-Type: application/octet-stream\r\nContent-Length: {n}\r\n\r\n"
+        ).encode()
+
+    @staticmethod
+    def _parse_head(head: bytes) -> tuple[int, int]:
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        length = 0
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            if k.strip().lower() == "content-length":
+                length = int(v)
+        return status, length
+
+    async def request(self, payload: Any) -> dict | None:
+        buf = as_buffer(payload)
+        n = len(buf) if not isinstance(buf, memoryview) else buf.nbytes
+        if self._idle:
+            r, w = self._idle.pop()
+        else:
+            r, w = await asyncio.open_connection(self.host, self.port, limit=1 << 20)
+            self._all.append(w)
+        w.write(self._head(n))
+        w.write(buf)
+        await w.drain()
+        head = await r.readuntil(b"\r\n\r\n")
+        status, length = self._parse_head(head)
+        body = await r.readexactly(length)
+        self._idle.append((r, w))
+        if status != 200:
+            return {"error": f"HTTP {status}"}
+        return {"reply": body}
+
+    def request_sync(self, payload: Any) -> dict | None:
+        buf = as_buffer(payload)
+        n = len(buf) if not isinstance(buf, memoryview) else buf.nbytes
+        with socket.create_connection((self.host, self.port)) as s:
+            s.sendall(self._head(n))
+            s.sendall(buf)
+            f = s.makefile("rb")
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                line = f.readline()
+                if not line:
+                    raise ConnectionError("connection closed")
+                head += line
+            status, length = self._parse_head(head)
+            body = f.read(length)
+        if status != 200:
+            return {"error": f"HTTP {status}"}
+        return {"reply": body}
+
+    async def aclose(self) -> None:
+        for w in self._all:
+            w.close()
+        self._all.clear()
+        self._idle.clear()
+
+
+class PyTritonClient(PeerClient):
+    def __init__(self, url: str):
+        self.url = url
+        self._aclient = None
+        self._sclient = None
+
+    async def request(self, payload: Any) -> dict | None:
+        if self._aclient is None:
+            from pytriton.client import AsyncioModelClient
+
+            self._aclient = AsyncioModelClient(self.url, "echo")
+            await self._aclient.__aenter__()
+        arr = np.frombuffer(as_buffer(payload), dtype=np.uint8)
+        out = await self._aclient.infer_sample(data=arr)
+        return {"reply": out["out"]}
+
+    def request_sync(self, payload: Any) -> dict | None:
+        if self._sclient is None:
+            from pytriton.client import ModelClient
+
+            self._sclient = ModelClient(self.url, "echo")
+        arr = np.frombuffer(as_buffer(payload), dtype=np.uint8)
+        return {"reply": self._sclient.infer_sample(data=arr)["out"]}
+
+    async def aclose(self) -> None:
+        if self._aclient is not None:
+            await self._aclient.__aexit__(None, None, None)
+            self._aclient = None
+        self.close()
+
+    def close(self) -> None:
+        if self._sclient is not None:
+            self._sclient.close()
+            self._sclient = None
+
+
+@register
+class PyTritonPeer(Peer):
+    name = "pytriton"
+    description = "NVIDIA PyTriton (Triton server + Python echo model), gRPC endpoint"
+
+    def available(self) -> tuple[bool, str]:
+        if importlib.util.find_spec("pytriton") is None:
+            return False, "pytriton is not installed (pip install nvidia-pytriton)"
+        return True, ""
+
+    def start(self) -> None:
+        ports = [_free_port() for _ in range(3)]
+        self.spawn(
+            _echo_argv("pytriton", "--grpc-port", str(ports[0]), "--http-port", str(ports[1]),
+                       "--metrics-port", str(ports[2])),
+            ready_timeout=300.0,
+        )
+        self.url = f"grpc://127.0.0.1:{ports[0]}"
+
+    def client(self) -> PeerClient:
+        return PyTritonClient(self.url)
+
+
+@register
+class RayServePeer(Peer):
+    name = "rayserve"
+    description = "Ray Serve HTTP deployment echoing the request body"
+
+    def available(self) -> tuple[bool, str]:
+        if importlib.util.find_spec("ray") is None:
+            return False, "ray is not installed (pip install 'ray[serve]')"
+        if importlib.util.find_spec("ray.serve") is None:
+            return False, "ray.serve is not importable (pip install 'ray[serve]')"
+        return True, ""
+
+    def start(self) -> None:
+        port = _free_port()
+        # Ray's own start-up (GCS, raylet, proxy) takes tens of seconds on a small machine.
+        self.spawn(_echo_argv("rayserve", "--port", str(port)), ready_timeout=300.0)
+        self.port = port
+
+    def client(self) -> PeerClient:
+        return HttpEchoClient("127.0.0.1", self.port, "/echo")
+
+
+def availability(names: list[str]) -> dict[str, tuple[bool, str]]:
+    """available() of each named peer, without starting anything; unknown names included."""
+    out: dict[str, tuple[bool, str]] = {}
+    for n in names:
+        if n not in PEERS:
+            why = f"unknown peer (known: {', '.join(PEERS)})"
+            if PLUGIN_ERRORS:
+                why += "; plug-in import failed: " + "; ".join(
+                    f"{m}: {e}" for m, e in PLUGIN_ERRORS.items())
+            out[n] = (False, why)
+            continue
+        try:
+            out[n] = make_peer(n).available()
+        except Exception as e:
+            out[n] = (False, f"available() raised {e!r}")
+    return out
+
+
+# Modules that register more peers when imported. The broker's own peers are expected in
+# bench.broker_peers; others can be named with `--peer-module` on the command line.
+DEFAULT_PLUGIN_MODULES = ("bench.broker_peers",)
+PLUGIN_ERRORS: dict[str, str] = {}
+
+
+def load_plugins(extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Import peer plug-in modules (each registers its classes with @register).
+
+    A missing default module is fine (the broker peers may not exist yet); a module named
+    explicitly must import, so a typo fails loudly.
+    """
+    loaded = []
+    for mod in DEFAULT_PLUGIN_MODULES:
+        if importlib.util.find_spec(mod) is None:
+            continue
+        try:
+            importlib.import_module(mod)
+        except Exception as e:
+            # The floors must still be measurable when the broker's module is broken; its
+            # peers then show up as skipped with this error as the reason.
+            PLUGIN_ERRORS[mod] = f"{type(e).__name__}: {e}"
+            print(f"bench: could not import {mod}: {PLUGIN_ERRORS[mod]}", file=sys.stderr)
+            continue
+        loaded.append(mod)
+    for mod in extra:
+        importlib.import_module(mod)
+        loaded.append(mod)
+    return loaded

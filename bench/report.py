@@ -1,0 +1,307 @@
+"""Turn measurements into the report: a JSON document (schema in docs/bench.md), a terminal
+table and a markdown table. Pure functions of the data, so tests can build reports from
+synthetic measurements."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+from importlib import metadata
+from typing import Any
+
+from bench.loadgen import FRAME_SHAPE, Measurement
+
+SCHEMA = "zinf-bench/1"
+
+TINY_BYTES = 16
+FRAME_BYTES = int(FRAME_SHAPE[0] * FRAME_SHAPE[1] * FRAME_SHAPE[2])  # 6,220,800
+BIG_BYTES = 64 << 20
+
+# name -> (numerator (peer, bytes), denominator (peer, bytes), meaning)
+RATIOS: dict[str, tuple[tuple[str, int], tuple[str, int], str]] = {
+    "broker_vs_proxy_floor_tiny": (
+        ("broker-shm", TINY_BYTES), ("proxy", TINY_BYTES),
+        "p50 at 16 B through broker-shm / p50 through a bare libzmq proxy"),
+    "broker_vs_direct_tiny": (
+        ("broker-shm", TINY_BYTES), ("direct", TINY_BYTES),
+        "p50 at 16 B through broker-shm / p50 of a direct DEALER-ROUTER echo"),
+    "payload_independence_6mb": (
+        ("broker-shm", FRAME_BYTES), ("broker-shm", TINY_BYTES),
+        "broker-shm p50 at 1080x1920x3 uint8 (6.2 MB) / its p50 at 16 B"),
+    "payload_independence_64mb": (
+        ("broker-shm", BIG_BYTES), ("broker-shm", TINY_BYTES),
+        "broker-shm p50 at 64 MiB / its p50 at 16 B"),
+    "grpc_vs_shm_6mb": (
+        ("grpc", FRAME_BYTES), ("broker-shm", FRAME_BYTES),
+        "grpc p50 / broker-shm p50 at 1080x1920x3 uint8 (6.2 MB)"),
+}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(loop_name: str | None = None) -> dict[str, Any]:
+    import zmq
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        usable = os.cpu_count()
+    return {
+        "cpu_model": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_usable": usable,
+        "machine": platform.machine(),
+        "os": platform.platform(),
+        "python": sys.version.split()[0],
+        "python_implementation": platform.python_implementation(),
+        "pyzmq": zmq.pyzmq_version(),
+        "libzmq": zmq.zmq_version(),
+        "numpy": _version("numpy"),
+        "grpcio": _version("grpcio"),
+        "hdrhistogram": _version("hdrhistogram"),
+        "uvloop": _version("uvloop"),
+        "event_loop": loop_name,
+    }
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return None
+    return round(x, nd)
+
+
+def result_entry(m: Measurement, slo_ms: float | None) -> dict[str, Any]:
+    wl = m.workload
+    attempts = m.ok + m.errors
+    slo = None
+    if slo_ms is not None and attempts:
+        # Failed requests count as misses: an error never meets an SLO.
+        slo = m.hist.count_at_or_below_ms(slo_ms) / attempts
+    rps = m.ok / m.elapsed_s if m.elapsed_s > 0 else None
+    return {
+        "peer": m.peer,
+        "workload": wl.key,
+        "payload_bytes": wl.payload.nbytes,
+        "payload_label": wl.payload.label,
+        "payload_shape": list(wl.payload.shape),
+        "mode": wl.mode,
+        "concurrency": wl.concurrency if wl.mode == "closed" else None,
+        "rate_rps": wl.rate if wl.mode == "open" else None,
+        "arrival": wl.arrival if wl.mode == "open" else None,
+        "requests": m.ok,
+        "errors": m.errors,
+        "timeouts": m.timeouts,
+        "error_samples": list(m.error_samples),
+        "measured_s": _r(m.elapsed_s),
+        "throughput_rps": _r(rps, 2),
+        "throughput_MBps": _r(rps * wl.payload.nbytes / 1e6, 2) if rps is not None else None,
+        "latency_ms": {k: _r(v) for k, v in m.hist.summary_ms().items()},
+        "slo_ms": slo_ms,
+        "slo_attainment": _r(slo, 5),
+        "server_ms": m.server.means_ms(),
+        "server_samples": m.server.samples,
+        "windows": len(m.window_p50_ms),
+        "window_p50_ms": [_r(v) for v in m.window_p50_ms],
+        "converged": m.converged,
+        "max_send_lag_ms": _r(m.max_send_lag_ms) if wl.mode == "open" else None,
+        "hdr": m.hist.encode() if m.hist.count else None,
+    }
+
+
+def _lookup_p50(results: list[dict], peers: dict[str, dict], peer: str, nbytes: int
+                ) -> tuple[float | None, str]:
+    st = peers.get(peer)
+    if st is None:
+        return None, f"peer {peer!r} was not part of this run"
+    if st["status"] != "ok":
+        return None, f"peer {peer!r} {st['status']}: {st['reason']}"
+    rows = [r for r in results if r["peer"] == peer and r["payload_bytes"] == nbytes
+            and r["mode"] == "closed"]
+    if not rows:
+        return None, f"peer {peer!r} was not measured at {nbytes} B (closed loop)"
+    # Ratios are about unloaded latency: use the lowest concurrency measured.
+    row = min(rows, key=lambda r: r["concurrency"])
+    p50 = row["latency_ms"]["p50"]
+    if p50 is None or p50 <= 0:
+        return None, f"peer {peer!r} has no successful request at {nbytes} B"
+    return p50, ""
+
+
+def compute_ratios(results: list[dict], peers: dict[str, dict]
+                   ) -> tuple[dict[str, float | None], dict[str, str]]:
+    ratios: dict[str, float | None] = {}
+    missing: dict[str, str] = {}
+    for name, ((pn, bn), (pd, bd), _meaning) in RATIOS.items():
+        num, why_n = _lookup_p50(results, peers, pn, bn)
+        den, why_d = _lookup_p50(results, peers, pd, bd)
+        if num is None or den is None:
+            ratios[name] = None
+            missing[name] = "; ".join(dict.fromkeys(w for w in (why_n, why_d) if w))
+        else:
+            ratios[name] = round(num / den, 4)
+    return ratios, missing
+
+
+def build_report(*, command: str, argv: list[str], config: dict[str, Any],
+                 peers: dict[str, dict], measurements: list[Measurement],
+                 slo_ms: float | None, started_at: str, wall_s: float,
+                 with_ratios: bool, loop_name: str | None = None) -> dict[str, Any]:
+    """`peers`: name -> {"status": "ok"|"skipped"|"failed", "reason": str, "description": str}."""
+    results = [result_entry(m, slo_ms) for m in measurements]
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "command": command,
+        "argv": list(argv),
+        "command_line": " ".join(shlex.quote(a) for a in argv),
+        "started_at": started_at,
+        "wall_s": round(wall_s, 3),
+        "machine": machine_info(loop_name),
+        "config": config,
+        "peers": peers,
+        "skipped": [{"peer": n, "status": s["status"], "reason": s["reason"]}
+                    for n, s in peers.items() if s["status"] != "ok"],
+        "results": results,
+    }
+    if with_ratios:
+        ratios, missing = compute_ratios(results, peers)
+        report["ratios"] = ratios
+        report["ratios_missing"] = missing
+        report["ratio_definitions"] = {k: v[2] for k, v in RATIOS.items()}
+    return report
+
+
+def write_json(report: dict[str, Any], path: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, allow_nan=False)
+        f.write("\n")
+
+
+# ---------------------------------------------------------------------------------------
+# Tables
+# ---------------------------------------------------------------------------------------
+_COLS = ("peer", "payload", "load", "n", "err", "p50", "p90", "p95", "p99", "p99.9", "max",
+         "req/s", "SLO%", "stable", "server q/in/comp/out ms")
+
+
+def _fmt_ms(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v < 1:
+        return f"{v:.3f}"
+    if v < 100:
+        return f"{v:.2f}"
+    return f"{v:.0f}"
+
+
+def _row(r: dict) -> list[str]:
+    lat = r["latency_ms"]
+    load = (f"c={r['concurrency']}" if r["mode"] == "closed"
+            else f"{r['rate_rps']:g}/s {r['arrival']}")
+    srv = r["server_ms"]
+    split = ("/".join(_fmt_ms(srv[k]) for k in ("queue", "input", "compute", "output"))
+             if srv else "-")
+    slo = r["slo_attainment"]
+    return [
+        r["peer"], r["payload_label"], load, str(r["requests"]), str(r["errors"]),
+        *(_fmt_ms(lat[k]) for k in ("p50", "p90", "p95", "p99", "p99.9", "max")),
+        f"{r['throughput_rps']:.0f}" if r["throughput_rps"] is not None else "-",
+        f"{100 * slo:.1f}" if slo is not None else "-",
+        "yes" if r["converged"] else f"no({r['windows']})",
+        split,
+    ]
+
+
+def _sorted_results(report: dict) -> list[dict]:
+    order = {n: i for i, n in enumerate(report["peers"])}
+    return sorted(report["results"], key=lambda r: (
+        r["payload_bytes"], r["mode"], r["concurrency"] or 0, r["rate_rps"] or 0,
+        order.get(r["peer"], 99)))
+
+
+def render_table(report: dict) -> str:
+    rows = [list(_COLS)] + [_row(r) for r in _sorted_results(report)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLS))]
+    left = {0, 1, 2, 13, 14}
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    out = [line(rows[0]), line(["-" * w for w in widths])]
+    out += [line(r) for r in rows[1:]]
+    slo = report["config"].get("slo_ms")
+    out.append(f"latencies in ms; SLO% = share of requests within {slo} ms (errors count as misses)")
+    out += _footer_lines(report)
+    return "\n".join(out)
+
+
+def _footer_lines(report: dict, md: bool = False) -> list[str]:
+    bullet = "- " if md else "  "
+    out: list[str] = []
+    if report["skipped"]:
+        out.append("")
+        out.append("Skipped peers:" if not md else "**Skipped peers**")
+        out += [f"{bullet}{s['peer']} ({s['status']}): {s['reason']}" for s in report["skipped"]]
+    if "ratios" in report:
+        out.append("")
+        out.append("Ratios (p50 over p50):" if not md else "**Ratios** (p50 over p50)")
+        for k, v in report["ratios"].items():
+            if v is None:
+                out.append(f"{bullet}{k}: null ({report['ratios_missing'][k]})")
+            else:
+                out.append(f"{bullet}{k}: {v:.3f}")
+    errs = [(r["peer"], r["payload_label"], e) for r in report["results"] for e in r["error_samples"]]
+    if errs:
+        out.append("")
+        out.append("Errors seen:" if not md else "**Errors seen**")
+        out += [f"{bullet}{p} {s}: {e}" for p, s, e in errs]
+    return out
+
+
+def render_markdown(report: dict) -> str:
+    m = report["machine"]
+    out = [
+        f"# bench {report['command']}",
+        "",
+        f"`{report['command_line']}`",
+        "",
+        f"{m['cpu_model']}, {m['cores']} cores, Python {m['python']}, pyzmq {m['pyzmq']} "
+        f"(libzmq {m['libzmq']}), started {report['started_at']}, {report['wall_s']:.1f} s",
+        "",
+        "| " + " | ".join(_COLS) + " |",
+        "|" + "|".join("---" if i in (0, 1, 2, 13, 14) else "---:" for i in range(len(_COLS))) + "|",
+    ]
+    out += ["| " + " | ".join(_row(r)) + " |" for r in _sorted_results(report)]
+    out.append("")
+    out.append(f"Latencies in ms. SLO% = share of requests within {report['config'].get('slo_ms')} ms "
+               "(errors count as misses).")
+    out += _footer_lines(report, md=True)
+    return "\n".join(out) + "\n"
+
+
+def write_markdown(report: dict, path: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        f.write(render_markdown(report))

@@ -1,0 +1,390 @@
+"""asyncio client: many requests in flight over one DEALER socket.
+
+One reader task receives every message and routes it to its call by request id, so any
+number of tasks can `await c.infer(...)` at once (opaque requests use sockets of their own,
+see client.py).  A heartbeat task keeps the broker informed while calls are waiting and fails them
+with `BrokerUnreachable` when the broker falls silent.  Cancelling a task that awaits
+`infer` sends CANCEL to the broker; the call's input slots are freed when the FINAL that
+answers the cancellation arrives.
+
+Requests are queued on the socket without awaiting the send: a request the caller stops
+waiting for has still either left or will leave, so its input slots are only ever freed by
+its FINAL (or by `close()`), never while a worker might read them.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Mapping
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from broker import protocol as P
+
+from .client import CLOSE_LINGER_MS, _MMI_SERVICE, _Call, _Core, _dealer, _drop_socket, _mmi_answer, _opaque_reply
+from .errors import DeadlineExceeded, InferenceError, ProtocolError
+from .tensors import Result
+
+__all__ = ["AsyncClient", "AsyncReplyStream", "run"]
+
+log = logging.getLogger("client_sdk")
+
+
+def run(coro: Any) -> Any:
+    """`asyncio.run`, on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a declared dependency off Windows
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+class _Expired(Exception):
+    """Internal: the call's own deadline passed (turned into DeadlineExceeded)."""
+
+
+class AsyncClient:
+    """asyncio twin of `Client`, with the same options and the same Result lifetime rules.
+
+        async with AsyncClient("ipc:///tmp/zinf.sock") as c:
+            r = await c.infer("echo", {"x": x})
+    """
+
+    def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
+                 pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
+                 fallback_inline: bool = True):
+        self._core = _Core(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
+                           heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline)
+        self._ctx = zmq.asyncio.Context.instance()
+        self._sock = _dealer(self._ctx, endpoint)
+        self._reader: asyncio.Task | None = None
+        self._heart: asyncio.Task | None = None
+        self._sends: set[asyncio.Future] = set()
+        self._broken: BaseException | None = None
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def endpoint(self) -> str:
+        return self._core.endpoint
+
+    @property
+    def uses_shm(self) -> bool:
+        return self._core.use_shm
+
+    @property
+    def pool(self) -> Any:
+        return self._core.pool
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    def alloc(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
+        """See `Client.alloc`."""
+        return self._core.alloc(shape, dtype)
+
+    def free(self, arr: np.ndarray) -> None:
+        """See `Client.free`."""
+        self._core.free(arr)
+
+    # ---------------------------------------------------------------- background tasks
+
+    def _start(self) -> None:
+        self._core._check_open()
+        if self._broken is not None:
+            raise InferenceError(f"the client's reader stopped ({self._broken!r}); create a new client",
+                                 code=None)
+        if self._reader is None:
+            loop = asyncio.get_running_loop()
+            self._reader = loop.create_task(self._read_loop(), name="client_sdk-reader")
+            if self._core.heartbeat_interval is not None:
+                self._heart = loop.create_task(self._heartbeat_loop(), name="client_sdk-heartbeat")
+
+    async def _read_loop(self) -> None:
+        core = self._core
+        recv = self._sock.recv_multipart
+        try:
+            while True:
+                frames = await recv(copy=False)
+                try:
+                    outs = core.on_message(frames, time.monotonic())
+                except Exception:  # one bad message must not stop every other call
+                    log.exception("error while handling a message from the broker")
+                    continue
+                for out in outs:
+                    self._send_nowait(out)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self._broken = e
+            err = InferenceError(f"the client's socket failed ({e}); create a new client", code=None)
+            for call in core.active():
+                core.fail(call, err)
+            raise
+
+    async def _heartbeat_loop(self) -> None:
+        core = self._core
+        interval = core.heartbeat_interval
+        # A periodic timer, not synchronisation: half the interval keeps the gap between two
+        # heartbeats under one interval whatever the phase.
+        while True:
+            await asyncio.sleep(interval / 2)
+            active = core.active()
+            if not active:
+                continue
+            now = time.monotonic()
+            if now - core.last_send >= interval:
+                self._send_nowait(P.client_heartbeat())
+            for call in active:
+                err = core.unreachable(call, now)
+                if err is not None:
+                    core.fail(call, err)
+
+    def _send_nowait(self, frames: list[Any] | None) -> None:
+        if frames is None or self._core.closed:
+            return
+        try:
+            fut = self._sock.send_multipart(frames, copy=False)
+        except zmq.ZMQError as e:
+            log.warning("could not send to the broker: %s", e)
+            return
+        self._core.last_send = time.monotonic()
+        if fut.done():
+            if not fut.cancelled():
+                fut.exception()  # marks it retrieved
+            return
+        self._sends.add(fut)
+        fut.add_done_callback(self._sent)
+
+    def _sent(self, fut: asyncio.Future) -> None:
+        self._sends.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("could not send to the broker: %s", fut.exception())
+
+    # ---------------------------------------------------------------- waiting
+
+    def _submit(self, call: _Call) -> None:
+        """Register `call` and queue its frames; never awaits (see the module docstring)."""
+        now = time.monotonic()
+        call.t_submit = call.t_submit or now
+        frames = self._core.request_frames(call, now)
+        self._send_nowait(frames)
+
+    async def _next(self, call: _Call, limit: float | None = None) -> tuple[str, Any]:
+        """Next item for `call`.  Raises _Expired at the call's deadline and TimeoutError
+        after `limit` seconds (the call stays in flight)."""
+        if call.inbox:
+            return call.inbox.popleft()
+        ev = asyncio.Event()
+        call.notify = ev.set
+        stop = None if limit is None else time.monotonic() + limit
+        try:
+            while not call.inbox:
+                now = time.monotonic()
+                ends = [t for t in (call.deadline, stop) if t is not None]
+                if call.deadline is not None and now >= call.deadline:
+                    raise _Expired
+                if stop is not None and now >= stop:
+                    raise TimeoutError(f"no result within {limit:g}s; the request is still in flight")
+                ev.clear()
+                if ends:
+                    try:
+                        await asyncio.wait_for(ev.wait(), min(ends) - now)
+                    except TimeoutError:
+                        pass
+                else:
+                    await ev.wait()
+        finally:
+            if call.notify is ev.set:
+                call.notify = None
+        return call.inbox.popleft()
+
+    def _give_up(self, call: _Call) -> None:
+        if not self._core.closed:
+            self._send_nowait(self._core.abandon(call))
+
+    # ---------------------------------------------------------------- requests
+
+    async def infer(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
+                    priority: Any = "normal", meta: Mapping[str, Any] | None = None,
+                    reply: str = "auto") -> Result:
+        """Run one request and return its FINAL outputs (PARTIALs are released unread)."""
+        stream = self.infer_stream(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply)
+        try:
+            async for res in stream:
+                if res.final:
+                    return res
+                res.release()
+        finally:
+            stream.close()
+        raise ProtocolError("the reply stream ended without a FINAL")  # pragma: no cover
+
+    def infer_stream(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
+                     priority: Any = "normal", meta: Mapping[str, Any] | None = None,
+                     reply: str = "auto") -> "AsyncReplyStream":
+        """Send one request now; `async for` over the result gets each PARTIAL, then the
+        FINAL.  Closing it (or leaving `async with`) before the FINAL cancels the request."""
+        self._start()
+        call = self._core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply)
+        self._submit(call)
+        return AsyncReplyStream(self, call)
+
+    async def request(self, service: str, frames: list[bytes], timeout: float | None = None) -> list[bytes]:
+        """Send a plain MDP request (opaque body frames) and return the FINAL's body frames.
+        Like `Client.request`, it uses a socket of its own."""
+        out = self._core.opaque_frames(service, frames)
+        limit = self._core._timeout(timeout)
+        sock = _dealer(self._ctx, self.endpoint)
+        try:
+            await sock.send_multipart(out, copy=False)
+
+            async def final() -> list[bytes]:
+                while True:
+                    done, body = _opaque_reply(await sock.recv_multipart(), service)
+                    if done:
+                        return body
+
+            try:
+                return await asyncio.wait_for(final(), limit)
+            except TimeoutError:
+                raise DeadlineExceeded(f"no reply from service {service!r} within {limit:g}s") from None
+        finally:
+            _drop_socket(sock)
+
+    async def mmi_service(self, name: str, timeout: float | None = None) -> bool:
+        """Whether the broker knows a worker for `name` (MMI, RFC 8).
+
+        Sent on the client's own socket, so it also works as a barrier: the broker handles
+        one client's messages in order, and once this answer is back every request sent
+        before it has been queued or dispatched."""
+        self._start()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._core.mmi_waiters.append(fut)
+        self._send_nowait(self._core.opaque_frames(_MMI_SERVICE, [name.encode()]))
+        limit = self._core._timeout(timeout)
+        try:
+            body = await asyncio.wait_for(asyncio.shield(fut), limit)
+        except TimeoutError:
+            fut.cancel()
+            raise DeadlineExceeded(f"no MMI answer from the broker within {limit:g}s") from None
+        return _mmi_answer(body, name)
+
+    def in_flight(self) -> int:
+        """Requests sent and not yet answered with a FINAL."""
+        return len(self._core.calls)
+
+    @property
+    def stray_replies(self) -> int:
+        """Replies that matched no waiting request (late, duplicate or abandoned)."""
+        return self._core.discarded
+
+    def stream(self, service: str, *, latest_wins: bool = True, max_in_flight: int = 2,
+               timeout: float | None = None, priority: Any = "normal",
+               meta: Mapping[str, Any] | None = None, reply: str = "auto"):
+        """A frame stream for interactive (AR) use; see `client_sdk.stream.AsyncStream`."""
+        from .stream import AsyncStream
+
+        return AsyncStream(self, service, latest_wins=latest_wins, max_in_flight=max_in_flight,
+                           timeout=timeout, priority=priority, meta=meta, reply=reply)
+
+    # ---------------------------------------------------------------- lifetime
+
+    async def close(self) -> None:
+        """Wake every waiter with an error, say DISCONNECT, close the socket, unlink the pool."""
+        core = self._core
+        if core.closed:
+            return
+        err = InferenceError("the client was closed while this request was waiting", code=None)
+        for call in core.active():
+            core.fail(call, err)
+        tasks = [t for t in (self._reader, self._heart) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except BaseException:
+                pass
+        try:
+            self._sock.send_multipart(P.client_disconnect(), flags=zmq.NOBLOCK)
+        except (zmq.ZMQError, Exception):
+            pass
+        for fut in list(self._sends):
+            fut.cancel()
+        self._sock.close(linger=CLOSE_LINGER_MS)
+        core.close()
+
+    aclose = close
+
+    async def __aenter__(self) -> "AsyncClient":
+        self._start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("shm" if self.uses_shm else "inline")
+        return f"<AsyncClient {self.endpoint} {state}>"
+
+
+class AsyncReplyStream:
+    """Async iterator over the replies to one request (`AsyncClient.infer_stream`)."""
+
+    def __init__(self, client: AsyncClient, call: _Call):
+        self._client = client
+        self._call = call
+        self._finished = False
+
+    @property
+    def request_id(self) -> int:
+        return self._call.id
+
+    def __aiter__(self) -> "AsyncReplyStream":
+        return self
+
+    async def __anext__(self) -> Result:
+        if self._finished:
+            raise StopAsyncIteration
+        call = self._call
+        try:
+            kind, item = await self._client._next(call)
+        except _Expired:
+            self.close()
+            raise self._client._core.deadline_error(call) from None
+        except BaseException:
+            # Task cancellation included: the broker hears CANCEL, the inputs wait for FINAL.
+            self.close()
+            raise
+        if kind == "error":
+            self.close()
+            raise item
+        if kind == "final":
+            self._finished = True
+        return item
+
+    def close(self) -> None:
+        """Stop listening; cancels the request if its FINAL has not arrived."""
+        if not self._finished:
+            self._finished = True
+            self._client._give_up(self._call)
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "AsyncReplyStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

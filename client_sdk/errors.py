@@ -1,0 +1,137 @@
+"""Typed errors raised by the client SDK.
+
+Every error a broker or worker can report arrives as a numeric `ErrorCode` in a FINAL's
+header; `error_from` turns it into one of the classes below so callers can `except` the case
+they can handle (retry on `QueueFull`, give up on `ServiceUnavailable`, ...).  Each message
+ends with what to do about it, because the person reading a traceback rarely has the
+protocol spec open.
+"""
+from __future__ import annotations
+
+from broker import protocol as _P
+from broker.protocol import ErrorCode
+
+__all__ = [
+    "InferenceError",
+    "ServiceUnavailable",
+    "DeadlineExceeded",
+    "QueueFull",
+    "Cancelled",
+    "ProtocolError",
+    "WorkerFailed",
+    "NotLocal",
+    "BrokerUnreachable",
+    "InternalError",
+    "NotSupported",
+    "error_from",
+]
+
+
+class InferenceError(Exception):
+    """Base of every error the SDK raises.  `code` is the wire `ErrorCode` (an int), or None
+    for errors that never crossed the wire."""
+
+    code: int | None = ErrorCode.INTERNAL
+    #: appended to the message when it does not already say what to do
+    hint = ""
+
+    def __init__(self, message: str = "", *, code: int | None = None, request_id: int | None = None):
+        if code is not None:
+            self.code = code
+        self.request_id = request_id
+        text = message or (self.__class__.__doc__ or "inference failed").strip().splitlines()[0]
+        if self.hint and self.hint not in text:
+            text = f"{text} ({self.hint})"
+        super().__init__(text)
+
+
+class ServiceUnavailable(InferenceError):
+    """No worker serves this service."""
+
+    code = ErrorCode.SERVICE_UNAVAILABLE
+    hint = "start a worker for the service, or check the service name (client.mmi_service(name))"
+
+
+class DeadlineExceeded(InferenceError, TimeoutError):
+    """The request did not finish within its timeout."""
+
+    code = ErrorCode.DEADLINE_EXCEEDED
+    hint = "raise `timeout`, lower the load, or add workers"
+
+
+class QueueFull(InferenceError):
+    """The broker's queue for this service is full."""
+
+    code = ErrorCode.QUEUE_FULL
+    hint = "back off and retry, send fewer requests at once, or add workers"
+
+
+class Cancelled(InferenceError):
+    """The request was cancelled before it finished."""
+
+    code = ErrorCode.CANCELLED
+    hint = "nothing to do if you cancelled it; otherwise the broker or worker dropped it, so retry"
+
+
+class ProtocolError(InferenceError, _P.ProtocolError):
+    """A peer sent (or was sent) something that breaks the wire protocol."""
+
+    code = ErrorCode.PROTOCOL_ERROR
+    hint = "client, broker and worker must run the same protocol version; this is a bug if they do"
+
+
+class WorkerFailed(InferenceError):
+    """The worker running the request failed or died."""
+
+    code = ErrorCode.WORKER_FAILED
+    hint = "see the worker's log; the request may be retried if the model is deterministic"
+
+
+class NotLocal(InferenceError):
+    """Shared-memory tensors were sent to a worker on another host."""
+
+    code = ErrorCode.NOT_LOCAL
+    hint = "use transport='inline' for remote brokers, or keep fallback_inline=True"
+
+
+class BrokerUnreachable(InferenceError):
+    """The broker does not answer, not even heartbeats."""
+
+    code = ErrorCode.SERVICE_UNAVAILABLE
+    hint = "check that the broker is running and that the endpoint is right"
+
+
+class InternalError(InferenceError):
+    """The broker or worker hit an internal error."""
+
+    code = ErrorCode.INTERNAL
+    hint = "see the broker and worker logs; retrying may help"
+
+
+class NotSupported(InferenceError, NotImplementedError):
+    """This input is not supported yet."""
+
+    code = None
+    hint = ""
+
+
+_BY_CODE: dict[int, type[InferenceError]] = {
+    ErrorCode.PROTOCOL_ERROR: ProtocolError,
+    ErrorCode.NOT_LOCAL: NotLocal,
+    ErrorCode.QUEUE_FULL: QueueFull,
+    ErrorCode.CANCELLED: Cancelled,
+    ErrorCode.INTERNAL: InternalError,
+    ErrorCode.WORKER_FAILED: WorkerFailed,
+    ErrorCode.SERVICE_UNAVAILABLE: ServiceUnavailable,
+    ErrorCode.DEADLINE_EXCEEDED: DeadlineExceeded,
+}
+
+
+def error_from(code: int, message: str = "", *, request_id: int | None = None) -> InferenceError:
+    """The exception for a wire error code; unknown codes give a plain `InferenceError` that
+    keeps the code, so a newer broker never makes an older client crash."""
+    cls = _BY_CODE.get(int(code), InferenceError)
+    text = message or ""
+    if cls is InferenceError:
+        text = f"error {int(code)}: {text or 'no message'} (upgrade the client to learn this code)"
+    return cls(text, code=int(code), request_id=request_id)

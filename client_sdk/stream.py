@@ -1,0 +1,336 @@
+"""Frame streams for interactive use (AR, live video): send frames as they come, get results
+in send order, and never build a backlog.
+
+With `latest_wins` (the default) at most `max_in_flight` frames are outstanding; a frame sent
+while that many are in flight waits, and a newer frame replaces it (the older one is
+dropped and counted in `dropped`).  So a slow model shows the newest frame next instead of
+working through stale ones.  With `latest_wins=False` every frame is kept and sent in order
+as capacity frees up.
+
+Each frame is its own request with its own deadline (`timeout`, counted from when it is
+actually sent).  Ordinary arrays are copied at `send()` time (into a shared-memory slot, or
+into a private inline buffer), so the caller may reuse its frame buffer immediately.  A
+buffer from `client.alloc` is sent by reference instead (that is its point): do not
+overwrite it until its frame has a result or was dropped; a ring of `max_in_flight + 2`
+buffers used round robin is always safe.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import zmq
+
+from .errors import InferenceError
+from .tensors import InvalidInput, Result
+
+__all__ = ["Stream", "AsyncStream", "StreamStats", "EndOfStream"]
+
+
+class EndOfStream(InferenceError, LookupError):
+    """Nothing left to receive from this stream."""
+
+    code = None
+
+
+@dataclass
+class StreamStats:
+    sent: int = 0          # frames that went to the broker
+    completed: int = 0     # results received
+    failed: int = 0        # frames that ended in an error (deadline, worker failure, ...)
+    dropped: int = 0       # frames replaced by a newer one before they were sent
+    in_flight: int = 0     # sent, result not arrived yet
+    pending: int = 0       # waiting to be sent
+    latencies_ms: list[float] = field(default_factory=list)  # send() to result, per completed frame
+
+    @property
+    def latencies(self) -> list[float]:
+        return self.latencies_ms
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+
+class _StreamCore:
+    """Bookkeeping shared by the blocking and the asyncio stream."""
+
+    LATENCY_WINDOW = 10_000
+
+    def __init__(self, client: Any, service: str, *, latest_wins: bool, max_in_flight: int,
+                 timeout: float | None, priority: Any, meta: Mapping[str, Any] | None, reply: str):
+        if int(max_in_flight) < 1:
+            raise InvalidInput(f"max_in_flight must be at least 1, got {max_in_flight}")
+        self._client = client
+        self._core = client._core
+        self.service = service
+        self.latest_wins = bool(latest_wins)
+        self.max_in_flight = int(max_in_flight)
+        self._opts = dict(timeout=timeout, priority=priority, meta=meta, reply=reply)
+        self._outstanding: deque = deque()   # sent calls, in send order
+        self._pending: deque = deque()       # packed calls not sent yet
+        self._frames = 0
+        self._sent = 0
+        self._completed = 0
+        self._failed = 0
+        self._dropped = 0
+        self._lat: deque[float] = deque(maxlen=self.LATENCY_WINDOW)
+        self._closed = False
+        self._finishing = False
+
+    # counters, readable without a stats() snapshot
+    @property
+    def dropped(self) -> int:
+        return self._dropped
+
+    @property
+    def sent(self) -> int:
+        return self._sent
+
+    @property
+    def completed(self) -> int:
+        return self._completed
+
+    def _in_flight(self) -> int:
+        return sum(1 for c in self._outstanding if not c.done)
+
+    def stats(self) -> StreamStats:
+        return StreamStats(sent=self._sent, completed=self._completed, failed=self._failed,
+                           dropped=self._dropped, in_flight=self._in_flight(), pending=len(self._pending),
+                           latencies_ms=list(self._lat))
+
+    def _make(self, inputs: Mapping[str, Any]) -> Any:
+        if self._closed or self._finishing:
+            raise InferenceError("this stream is closed; open a new one with client.stream()", code=None)
+        call = self._core.new_call(self.service, inputs, copy_inline=True, **self._opts)
+        call.frame = self._frames
+        call.t_submit = time.monotonic()
+        self._frames += 1
+        return call
+
+    def _admit(self, call: Any) -> None:
+        if self.latest_wins:
+            while self._pending:
+                self._core.discard_unsent(self._pending.popleft())
+                self._dropped += 1
+        self._pending.append(call)
+
+    def _take_sendable(self) -> list[Any]:
+        out = []
+        room = self.max_in_flight - self._in_flight()
+        while self._pending and room > 0:
+            out.append(self._pending.popleft())
+            room -= 1
+        return out
+
+    def _pop_head(self) -> tuple[str, Any] | None:
+        """The head frame's outcome, if it has one (PARTIALs are released unread)."""
+        while self._outstanding:
+            head = self._outstanding[0]
+            while head.inbox and head.inbox[0][0] == "partial":
+                head.inbox.popleft()[1].release()
+            if not head.inbox:
+                return None
+            kind, item = head.inbox.popleft()
+            self._outstanding.popleft()
+            if kind == "error":
+                self._failed += 1
+                if not head.done:  # a client-side failure: tell the broker to stop
+                    self._give_up(head)
+            else:
+                self._completed += 1
+                self._lat.append((head.t_done - head.t_submit) * 1000.0)
+            return kind, item
+        return None
+
+    def _expire_head(self) -> InferenceError:
+        head = self._outstanding.popleft()
+        self._failed += 1
+        self._give_up(head)
+        return self._core.deadline_error(head)
+
+    def _give_up(self, call: Any) -> None:
+        self._client._give_up(call)
+
+    def _shutdown(self) -> None:
+        self._closed = True
+        while self._pending:
+            self._core.discard_unsent(self._pending.popleft())
+        while self._outstanding:
+            self._give_up(self._outstanding.popleft())
+
+
+class Stream(_StreamCore):
+    """Blocking frame stream (`Client.stream`).  Not thread-safe, like the client."""
+
+    def send(self, inputs: Mapping[str, Any]) -> int:
+        """Queue one frame and return its number (0, 1, ...).  Never waits for the broker."""
+        self._client._pump(0)
+        call = self._make(inputs)
+        self._admit(call)
+        self._flush()
+        return call.frame
+
+    def _flush(self) -> None:
+        calls = self._take_sendable()
+        for i, call in enumerate(calls):
+            if not self._client._send_call_nowait(call):
+                # The broker is not reading (high-water mark): keep the rest for later.
+                self._pending.extendleft(reversed(calls[i:]))
+                return
+            self._outstanding.append(call)
+            self._sent += 1
+
+    def recv(self, timeout: float | None = None) -> Result:
+        """The next result in send order.  Raises the frame's error if it failed,
+        DeadlineExceeded if the frame outlived its timeout, TimeoutError after `timeout`
+        seconds (the frame stays in flight), EndOfStream when nothing is outstanding."""
+        client = self._client
+        core = self._core
+        stop = None if timeout is None else time.monotonic() + timeout
+        client._pump(0)  # what already arrived counts, even with timeout=0
+        while True:
+            self._flush()
+            got = self._pop_head()
+            if got is not None:
+                kind, item = got
+                if kind == "error":
+                    raise item
+                return item
+            now = time.monotonic()
+            if not self._outstanding:
+                if not self._pending:
+                    raise EndOfStream("nothing to receive: every frame sent so far has been received or dropped")
+                # Frames wait for the socket (high-water mark): wait until it takes them.
+                if stop is not None and now >= stop:
+                    raise TimeoutError(f"no result within {timeout:g}s; the broker is not reading")
+                client._sock.poll(-1 if stop is None else max(1, int((stop - now) * 1000)), zmq.POLLOUT)
+                continue
+            head = self._outstanding[0]
+            if head.deadline is not None and now >= head.deadline:
+                raise self._expire_head()
+            if stop is not None and now >= stop:
+                raise TimeoutError(f"no result within {timeout:g}s; the frame is still in flight")
+            err = core.unreachable(head, now)
+            if err is not None:
+                self._outstanding.popleft()
+                self._failed += 1
+                self._give_up(head)
+                raise err
+            ends = [t for t in (head.deadline, stop) if t is not None]
+            client._pump(min(ends) - now if ends else None)
+
+    def __iter__(self):
+        """Results until every frame sent so far has one."""
+        while self._outstanding or self._pending:
+            yield self.recv()
+
+    def close(self) -> None:
+        """Cancel outstanding frames, drop pending ones.  Results already received stay valid."""
+        if not self._closed:
+            self._shutdown()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncStream(_StreamCore):
+    """asyncio frame stream (`AsyncClient.stream`).  `send()` is a plain method (it never
+    waits); results come from `await s.recv()` or `async for r in s`, which ends after
+    `finish()` once everything sent has a result, or at `close()`."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self._event = asyncio.Event()
+
+    def _wake(self) -> None:
+        # Called by the client's reader for every reply to one of our frames: a finished
+        # frame frees capacity, so the newest pending frame goes out without waiting for
+        # the consumer to call recv().
+        if not self._closed:
+            self._flush()
+        self._event.set()
+
+    def send(self, inputs: Mapping[str, Any]) -> int:
+        """Queue one frame and return its number (0, 1, ...).  Never waits."""
+        self._client._start()
+        call = self._make(inputs)
+        call.notify = self._wake
+        self._admit(call)
+        self._flush()
+        self._event.set()
+        return call.frame
+
+    def _flush(self) -> None:
+        for call in self._take_sendable():
+            self._client._submit(call)
+            self._outstanding.append(call)
+            self._sent += 1
+
+    def finish(self) -> None:
+        """No more frames will be sent: iteration ends once the outstanding ones are in."""
+        self._finishing = True
+        self._event.set()
+
+    async def recv(self, timeout: float | None = None) -> Result:
+        """The next result in send order; same errors as `Stream.recv`.  With nothing
+        outstanding it waits for the next `send()`, unless the stream is finished or closed
+        (EndOfStream)."""
+        core = self._core
+        stop = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._closed:
+                raise EndOfStream("the stream is closed")
+            self._flush()
+            got = self._pop_head()
+            if got is not None:
+                kind, item = got
+                if kind == "error":
+                    raise item
+                return item
+            if not self._outstanding and not self._pending and self._finishing:
+                raise EndOfStream("the stream is finished and every frame has its result")
+            now = time.monotonic()
+            head = self._outstanding[0] if self._outstanding else None
+            if head is not None and head.deadline is not None and now >= head.deadline:
+                raise self._expire_head()
+            if stop is not None and now >= stop:
+                raise TimeoutError(f"no result within {timeout:g}s")
+            ends = [t for t in (head.deadline if head is not None else None, stop) if t is not None]
+            self._event.clear()
+            if ends:
+                try:
+                    await asyncio.wait_for(self._event.wait(), min(ends) - now)
+                except TimeoutError:
+                    pass
+            else:
+                await self._event.wait()
+
+    def __aiter__(self) -> "AsyncStream":
+        return self
+
+    async def __anext__(self) -> Result:
+        try:
+            return await self.recv()
+        except EndOfStream:
+            raise StopAsyncIteration from None
+
+    def close(self) -> None:
+        """Cancel outstanding frames, drop pending ones, end iteration."""
+        if not self._closed:
+            self._shutdown()
+            self._event.set()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "AsyncStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()

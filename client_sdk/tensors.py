@@ -1,0 +1,534 @@
+"""Packing request inputs and unpacking reply outputs.
+
+Inputs: a mapping name -> array (numpy, torch CPU tensor, or anything `np.asarray` takes).
+Each tensor goes one of three ways, cheapest first:
+
+1. by reference: it already lives in the client's `ShmPool` (`client.alloc`) and is
+   C-contiguous, so only its descriptor is sent (no copy at all);
+2. copied once into a temporary pool slot (shared-memory transport on), freed when the
+   request's FINAL or error arrives;
+3. inline: its bytes ride in a ZeroMQ frame (shared memory off, the pool full, or an empty
+   tensor, where a slot would cost more than the zero bytes it saves).
+
+Outputs: `ShmLoc` tensors become read-only views of the worker's segment (no copy) and are
+released back to the worker when the user is done with them; inline tensors become
+`np.frombuffer` views of the received frame (no copy either).
+
+The wire layout of a tensor is always C order with numpy's `dtype.str`; Fortran-ordered or
+strided inputs are made C-contiguous on the way in (that copy is the one the transport needs
+anyway).
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+import shm as _shm
+from broker import protocol as P
+
+from .errors import InferenceError, NotSupported, ProtocolError, WorkerFailed
+
+__all__ = ["Result", "Packed", "pack", "to_numpy", "InvalidInput", "OutputLeases", "lease_array"]
+
+
+class InvalidInput(InferenceError, ValueError):
+    """An input cannot be sent."""
+
+    code = None
+    hint = ""
+
+
+# --------------------------------------------------------------------------------------------
+# Lifetime of arrays that point into shared memory.
+#
+# NumPy collapses a view's `.base` chain down to the first array that owns its memory or
+# whose base is not an ndarray.  An array made by slicing a segment-wide ndarray would
+# therefore hand its views a base that skips it, and a finalizer on it would fire while a
+# view (`out[0]`, `out.T`) is still being read.  Routing the array through a tiny object that
+# exposes `__array_interface__` gives it a non-ndarray base, which stops the collapse: every
+# view derived from the returned array keeps that array alive, so its finalizer runs only
+# when the last view is gone.
+
+class _Lease:
+    __slots__ = ("__array_interface__", "_src", "_owner", "__weakref__")
+
+    def __init__(self, src: np.ndarray, owner: Any = None):
+        self._src = src
+        self._owner = owner
+        self.__array_interface__ = src.__array_interface__
+
+
+def lease_array(src: np.ndarray, on_last_drop: Callable[..., Any], *args: Any,
+                owner: Any = None, readonly: bool = False) -> tuple[np.ndarray, weakref.finalize]:
+    """A view of `src` whose finalizer (`on_last_drop(*args)`) runs once no view of it is
+    left.  The finalizer can also be called early (`fin()`), and runs once either way.
+    `owner`, if given, is kept alive as long as any view is."""
+    out = np.asarray(_Lease(src, owner))
+    if readonly:
+        out.flags.writeable = False
+    fin = weakref.finalize(out, on_last_drop, *args)
+    # Releasing at interpreter exit is pointless (the owner reclaims a dead pid's slots) and
+    # would run after the segment cache is gone.
+    fin.atexit = False
+    return out, fin
+
+
+def ref_to_loc(ref: Any) -> P.ShmLoc:
+    return P.ShmLoc(segment=ref.segment, offset=ref.offset, nbytes=ref.nbytes, slot=ref.slot,
+                    generation=ref.generation)
+
+
+def loc_to_ref(loc: P.ShmLoc) -> Any:
+    return _shm.ShmRef(loc.segment, loc.offset, loc.nbytes, loc.slot, loc.generation)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+
+def to_numpy(name: str, x: Any) -> np.ndarray:
+    """`x` as a numpy array sharing its memory when it can (torch CPU tensors, ndarrays)."""
+    if isinstance(x, np.ndarray):
+        arr = x
+    elif type(x).__module__.startswith("torch") and hasattr(x, "numpy") and hasattr(x, "device"):
+        arr = _torch_to_numpy(name, x)
+    else:
+        try:
+            arr = np.asarray(x)
+        except Exception as e:
+            raise InvalidInput(
+                f"input {name!r} ({type(x).__name__}) cannot be converted to a numpy array: {e}; "
+                "pass a numpy array or a torch CPU tensor"
+            ) from None
+    if arr.dtype.hasobject:
+        raise InvalidInput(
+            f"input {name!r} has dtype {arr.dtype}, which holds Python objects and cannot cross "
+            "processes; convert it to a numeric, bool, string or datetime dtype first "
+            "(for example np.asarray(x, dtype=np.float32))"
+        )
+    if arr.ndim > P.MAX_NDIM:
+        raise InvalidInput(f"input {name!r} has {arr.ndim} dimensions; the protocol allows at most {P.MAX_NDIM}")
+    return arr
+
+
+def _torch_to_numpy(name: str, t: Any) -> np.ndarray:
+    if t.device.type != "cpu":
+        raise NotSupported(
+            f"input {name!r} is a torch tensor on {t.device}; passing GPU tensors directly is not "
+            "supported yet (the CUDA transport is a separate work item): call .cpu() on it first"
+        )
+    if str(t.layout) != "torch.strided":
+        raise InvalidInput(f"input {name!r} is a {t.layout} torch tensor; call .to_dense() on it first")
+    t = t.detach()
+    # Lazily conjugated/negated views would otherwise be read as their unresolved bits.
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    try:
+        return t.numpy()
+    except TypeError as e:  # bfloat16 and other dtypes numpy lacks
+        raise InvalidInput(
+            f"input {name!r} has torch dtype {t.dtype}, which numpy cannot represent ({e}); convert "
+            "it first (.float()), or send its bits (.view(torch.int16)) and convert on the worker"
+        ) from None
+
+
+class Packed:
+    """One request's inputs ready for the wire."""
+
+    __slots__ = ("tensors", "frames", "temp", "arrays", "uses_shm")
+
+    def __init__(self) -> None:
+        self.tensors: list[P.TensorRef] = []
+        self.frames: list[Any] = []        # inline frames, in InlineLoc order
+        self.temp: list[Any] = []          # ShmRefs of temporary slots, freed at FINAL
+        self.arrays: dict[str, np.ndarray] = {}  # what was sent (keeps by-reference inputs alive); for an inline resend
+        self.uses_shm = False
+
+
+def _inline(arr: np.ndarray, copy: bool, in_shm: bool) -> Any:
+    if arr.nbytes == 0:
+        return b""
+    in_shm = in_shm or _lease_of(arr) is not None
+    c = np.ascontiguousarray(arr)
+    flat = c.reshape(-1).view(np.uint8)
+    # Frames are sent with copy=False, so ZeroMQ keeps a pointer into the buffer until the
+    # bytes are on the wire.  Shared memory may be unmapped (client.close) or reused
+    # (client.free) before then, and callers of non-blocking sends may overwrite their own
+    # array, so those get a private copy.
+    if in_shm or (copy and np.may_share_memory(c, arr)):
+        return flat.tobytes()
+    return flat
+
+
+def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = False) -> Packed:
+    """Pack `inputs`.  `pool` None means inline only.  `copy_inline` makes inline frames
+    private copies (for sends that return before the bytes leave, such as `Stream.send`)."""
+    if not isinstance(inputs, Mapping):
+        raise InvalidInput(f"inputs must be a mapping name -> array, got {type(inputs).__name__}")
+    if len(inputs) > P.MAX_TENSORS:
+        raise InvalidInput(f"{len(inputs)} inputs in one request; the protocol allows at most {P.MAX_TENSORS}")
+    out = Packed()
+    try:
+        for name, x in inputs.items():
+            if not isinstance(name, str) or not name:
+                raise InvalidInput(f"input names must be non-empty strings, got {name!r}")
+            arr = to_numpy(name, x)
+            out.arrays[name] = arr
+            dt = arr.dtype.str
+            shape = list(arr.shape)
+            loc = None
+            ref = None
+            if pool is not None and arr.nbytes:
+                ref = _ref_in_pool(pool, arr)
+                if ref is not None and arr.flags.c_contiguous and ref.nbytes == arr.nbytes:
+                    pool.mark_in_flight(ref)     # 1. by reference, no copy
+                    loc = ref_to_loc(ref)
+                else:
+                    dst = _try_alloc(pool, arr)
+                    if dst is not None:          # 2. one copy into a temporary slot
+                        tref = pool.ref_of(dst)
+                        out.temp.append(tref)
+                        np.copyto(dst, arr, casting="no")
+                        pool.mark_in_flight(tref)
+                        loc = ref_to_loc(tref)
+                        # What was sent, for an inline resend: the caller's array may have
+                        # changed since (a stream frame buffer), the slot has not.
+                        out.arrays[name] = dst
+            if loc is None:                      # 3. inline
+                loc = P.InlineLoc(frame=len(out.frames))
+                out.frames.append(_inline(arr, copy_inline, ref is not None))
+            else:
+                out.uses_shm = True
+            out.tensors.append(P.TensorRef(name=name, dtype=dt, shape=shape, loc=loc))
+    except BaseException:
+        free_temp(pool, out.temp)
+        raise
+    return out
+
+
+def _lease_of(arr: np.ndarray) -> _Lease | None:
+    b = arr
+    for _ in range(4):  # a leased array, or a view of one (numpy stops collapsing there)
+        b = getattr(b, "base", None)
+        if type(b) is _Lease:
+            return b
+        if not isinstance(b, np.ndarray):
+            return None
+    return None
+
+
+def _ref_in_pool(pool: Any, arr: np.ndarray) -> Any | None:
+    """The descriptor of `arr` if its bytes lie in one live slot of `pool`, else None.
+
+    The pool recognises its arrays by their `.base`; a buffer from `client.alloc` is
+    wrapped (see `lease_array`), so for those the same bytes are looked up through the
+    pool's own array."""
+    ref = pool.ref_of(arr)
+    if ref is not None or not arr.nbytes:
+        return ref
+    lease = _lease_of(arr)
+    if lease is None:
+        return None
+    src = lease._src
+    whole = pool.ref_of(src)
+    if whole is None or not arr.flags.c_contiguous:
+        return None
+    rel = arr.__array_interface__["data"][0] - src.__array_interface__["data"][0]
+    if rel < 0 or rel + arr.nbytes > whole.nbytes:
+        return None
+    if rel == 0 and arr.nbytes == whole.nbytes:
+        return whole
+    return _shm.ShmRef(whole.segment, whole.offset + rel, arr.nbytes, whole.slot, whole.generation)
+
+
+def _try_alloc(pool: Any, arr: np.ndarray) -> np.ndarray | None:
+    try:
+        return pool.try_alloc(arr.shape, arr.dtype)
+    except _shm.ShmFull:
+        return None
+    except (_shm.ShmError, TypeError, ValueError):
+        # Too large for any slot, or a dtype the pool refuses: inline still works.
+        return None
+
+
+def free_temp(pool: Any, refs: list[Any]) -> None:
+    for ref in refs:
+        try:
+            pool.free(ref)
+        except Exception:  # pool already closed: its segment is gone with the slot
+            pass
+    refs.clear()
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs
+
+class OutputLeases:
+    """Reader side of output slots: maps the worker's segments (one `SegmentCache`, created on
+    first use), counts the arrays still alive, and releases each slot once.
+
+    Finalizers can run in any thread and at any allocation (garbage collection), hence the
+    re-entrant lock.  Closing waits for the last live lease, so that results dropped after
+    `client.close()` still give their slots back to the worker."""
+
+    def __init__(self, factory: Callable[[], Any] | None = None):
+        self._factory = factory or (lambda: _shm.SegmentCache())
+        self._cache: Any = None
+        self._lock = threading.RLock()
+        self.own_segment: str | None = None  # the client's input pool: not an output ring
+        self._live = 0
+        self._closing = False
+
+    @property
+    def cache(self) -> Any:
+        with self._lock:
+            if self._cache is None:
+                if self._closing:
+                    raise InferenceError("the client is closed; open a new one", code=None)
+                self._cache = self._factory()
+            return self._cache
+
+    @property
+    def live(self) -> int:
+        return self._live
+
+    def view(self, loc: P.ShmLoc, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, weakref.finalize]:
+        ref = loc_to_ref(loc)
+        with self._lock:
+            src = self.cache.view(ref, dtype, shape)
+            self._live += 1
+        try:
+            return lease_array(src, self._release, ref)
+        except BaseException:
+            self._release(ref)
+            raise
+
+    def _release(self, ref: Any) -> None:
+        with self._lock:
+            cache = self._cache
+            try:
+                if cache is not None:
+                    cache.release(ref)
+            except Exception:  # segment gone (worker died) or cache closed: nothing to give back
+                pass
+            self._live -= 1
+            if self._closing and self._live == 0:
+                self._close_cache()
+
+    def release_unviewed(self, loc: P.ShmLoc) -> None:
+        """Give back an output slot nobody will read (a discarded late reply)."""
+        with self._lock:
+            if self._closing or loc.segment == self.own_segment:
+                # Never store RELEASED into our own pool: its owner-side reclaim would free
+                # a slot we still use (an input buffer a worker echoed back).
+                return
+            try:
+                self.cache.release(loc_to_ref(loc))
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            if self._live == 0:
+                self._close_cache()
+
+    def _close_cache(self) -> None:
+        cache, self._cache = self._cache, None
+        if cache is not None:
+            try:
+                cache.close()
+            except Exception:
+                pass
+
+
+class Result(Mapping):
+    """Outputs of one reply: a read-only mapping name -> np.ndarray.
+
+    Arrays backed by the worker's shared memory are zero-copy views.  Their slot goes back to
+    the worker when `release()` is called (or the `with` block ends), or else when the last
+    array (and every view derived from it) is garbage-collected.  After `release()` the
+    arrays must not be read any more: the worker may already be writing the next result
+    there.  Copy (`np.array(r["y"])`) what you want to keep longer.
+    """
+
+    __slots__ = ("_arrays", "_fins", "timing", "id", "seq", "final", "frame", "_released", "__weakref__")
+
+    def __init__(self, arrays: dict[str, np.ndarray], fins: list[weakref.finalize], *,
+                 timing: dict[str, float] | None = None, id: int = 0, seq: int = 0,
+                 final: bool = True, frame: int | None = None):
+        self._arrays = arrays
+        self._fins = fins
+        self.timing: dict[str, float] = dict(timing or {})
+        self.id = id
+        self.seq = seq
+        self.final = final
+        self.frame = frame
+        self._released = False
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if self._released:
+            raise KeyError(f"{name!r}: this Result was released; read outputs before release() or "
+                           "copy them with np.array(result[name])")
+        return self._arrays[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    @property
+    def zero_copy(self) -> dict[str, bool]:
+        """name -> True when that output is a view of shared memory (no copy was made)."""
+        return {n: any(f.alive and f.peek()[0] is a for f in self._fins) for n, a in self._arrays.items()}
+
+    def release(self) -> None:
+        """Give shared-memory output slots back to the worker now.  Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        fins, self._fins = self._fins, []
+        self._arrays = {}
+        for f in fins:
+            f()
+
+    def __enter__(self) -> "Result":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        if self._released:
+            return f"<Result id={self.id} released>"
+        items = ", ".join(f"{n}: {a.dtype}{list(a.shape)}" for n, a in self._arrays.items())
+        return f"<Result id={self.id}{'' if self.final else f' partial {self.seq}'} {{{items}}}>"
+
+
+def unpack(reply: P.Reply, frames: list[Any], leases: OutputLeases, *, final: bool,
+           frame: int | None = None,
+           local: Callable[[P.ShmLoc, np.dtype, tuple], tuple | None] | None = None) -> Result:
+    """Build a Result from a decoded reply header and the frames after it (zmq.Frame or
+    bytes).  Inline sizes must have been checked (`protocol.check_inline_sizes`).
+
+    `local(loc, dtype, shape)` resolves outputs that point into the client's own pool (a
+    worker may hand an input back unchanged): it returns (array, finalizer), or None for a
+    segment that is not ours."""
+    arrays: dict[str, np.ndarray] = {}
+    fins: list[weakref.finalize] = []
+    try:
+        for i, t in enumerate(reply.tensors):
+            dt = P.parse_dtype(t.dtype)
+            shape = tuple(t.shape)
+            loc = t.loc
+            if type(loc) is P.InlineLoc:
+                fr = frames[loc.frame]
+                buf = fr.buffer if hasattr(fr, "buffer") else memoryview(fr)
+                arr = np.frombuffer(buf, dtype=dt).reshape(shape) if buf.nbytes else np.empty(shape, dt)
+                # Read-only like shared-memory outputs, so code never depends on the transport.
+                arr.flags.writeable = False
+            elif type(loc) is P.ShmLoc:
+                got = local(loc, dt, shape) if local is not None else None
+                try:
+                    arr, fin = got if got is not None else leases.view(loc, dt, shape)
+                except _shm.SegmentGone as e:
+                    raise WorkerFailed(f"output {t.name!r}: the worker's segment is gone ({e}); "
+                                       "the worker probably died, retry the request") from None
+                except _shm.ShmError as e:
+                    raise ProtocolError(f"output {t.name!r}: bad shared-memory descriptor ({e})") from None
+                fins.append(fin)
+            else:
+                raise NotSupported(
+                    f"output {t.name!r} arrived in CUDA memory, which this client cannot read yet; "
+                    "send the request with reply='shm' or reply='inline'"
+                )
+            arrays[t.name] = arr
+    except BaseException:
+        for f in fins:
+            f()
+        # Slots after the failing one were never viewed; give them back too.
+        for t in reply.tensors[len(arrays) + 1:]:
+            if type(t.loc) is P.ShmLoc:
+                leases.release_unviewed(t.loc)
+        raise
+    return Result(arrays, fins, timing=reply.timing, id=reply.id, seq=reply.seq, final=final, frame=frame)
+
+
+class Adopted:
+    """An input slot a worker handed back as an output: it now lives as long as the outputs
+    that view it (and the request, until its FINAL), then `free(ref)` runs once."""
+
+    __slots__ = ("ref", "_free", "_holds", "__weakref__")
+
+    def __init__(self, ref: Any, free: Callable[[Any], None]):
+        self.ref = ref
+        self._free = free
+        self._holds = 0
+
+    def hold(self) -> None:
+        self._holds += 1
+
+    def drop(self) -> None:
+        self._holds -= 1
+        if self._holds == 0:
+            free, self._free = self._free, None
+            if free is not None:
+                free(self.ref)
+
+
+def local_output(packed: Packed, loc: P.ShmLoc, dt: np.dtype, shape: tuple,
+                 adopted: dict[int, Adopted], free: Callable[[Any], None]) -> tuple[np.ndarray, weakref.finalize]:
+    """A read-only output viewing bytes of one of this request's own inputs (no copy).
+
+    The bytes must lie inside an input sent by reference or through a temporary slot; a
+    temporary slot is adopted (kept past the FINAL until the outputs are gone), a buffer
+    from `client.alloc` stays the caller's and is kept alive by the view."""
+    for t in packed.tensors:
+        il = t.loc
+        if (type(il) is P.ShmLoc and il.segment == loc.segment and il.slot == loc.slot
+                and il.generation == loc.generation and il.offset <= loc.offset
+                and loc.offset + loc.nbytes <= il.offset + il.nbytes):
+            break
+    else:
+        raise ProtocolError(
+            f"an output points at slot {loc.slot} of the client's own segment, which is not an "
+            "input of this request"
+        )
+    base = packed.arrays[t.name]
+    start = loc.offset - il.offset
+    if loc.nbytes:
+        src = base.reshape(-1).view(np.uint8)[start:start + loc.nbytes].view(dt).reshape(shape)
+    else:
+        src = np.empty(shape, dt)
+    keeper = adopted.get(loc.slot)
+    if keeper is None:
+        for i, r in enumerate(packed.temp):
+            if r.slot == loc.slot and r.generation == loc.generation:
+                keeper = adopted[loc.slot] = Adopted(packed.temp.pop(i), free)
+                keeper.hold()  # the request's own hold, dropped after its FINAL
+                break
+    if keeper is None:  # a client.alloc buffer: the view keeps it alive, nothing to free
+        return lease_array(src, _noop, readonly=True)
+    keeper.hold()
+    return lease_array(src, keeper.drop, owner=keeper, readonly=True)
+
+
+def _noop() -> None:
+    pass
+
+
+def release_reply(reply: P.Reply, leases: OutputLeases) -> None:
+    """Give back every output slot of a reply nobody will read."""
+    for t in reply.tensors:
+        if type(t.loc) is P.ShmLoc:
+            leases.release_unviewed(t.loc)

@@ -1,0 +1,103 @@
+"""The floor peers really start, echo bit-exactly (sync and async, concurrently) and stop
+without leaving a process behind (the suite's autouse fixture checks the latter)."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from bench.peers import PEERS, Peer, PeerStartError, availability, make_peer
+
+FLOORS = ["direct", "proxy", "grpc"]
+
+
+@pytest.fixture(scope="module")
+def frame() -> np.ndarray:
+    return np.random.default_rng(5).integers(0, 256, size=(1080, 1920, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("name", FLOORS)
+async def test_floor_peer_echoes_bit_exactly_and_stops(name, frame):
+    peer = make_peer(name)
+    assert peer.available() == (True, "")
+    with peer:
+        pids = [p.pid for p in peer._procs]
+        assert pids and all(os.path.exists(f"/proc/{pid}") for pid in pids)
+
+        sync = peer.client()
+        try:
+            r = sync.request_sync(frame)
+            assert bytes(r["reply"]) == frame.tobytes()
+            assert bytes(sync.request_sync(b"\x00\x01tiny")["reply"]) == b"\x00\x01tiny"
+        finally:
+            sync.close()
+
+        client = peer.client()
+        try:
+            # Concurrent requests of different sizes on one client must each get their own
+            # reply back (id matching for zmq, FIFO order for gRPC).
+            payloads = [bytes([i]) * (1 + 1000 * i) for i in range(16)] + [frame]
+            replies = await asyncio.gather(*(client.request(p) for p in payloads))
+            for p, r in zip(payloads, replies):
+                want = p.tobytes() if isinstance(p, np.ndarray) else p
+                assert bytes(r["reply"]) == want
+        finally:
+            await client.aclose()
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _is_zombie(pid)
+    assert peer._tmpdir is None
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return True
+
+
+def test_stop_is_idempotent_and_reaps_on_start_failure():
+    class Broken(Peer):
+        name = "broken"
+
+        def start(self):
+            self.spawn(self.python_module("bench.echo_servers", "zmq-echo", "--bind", self.ipc("a")))
+            # Second server exits before READY: start must raise, stop must reap the first.
+            self.spawn(["python3", "-c", "import sys; sys.exit(3)"])
+
+    p = Broken()
+    with pytest.raises(PeerStartError, match="status 3"):
+        with p:
+            pass
+    assert p._procs == []
+    p.stop()  # again: harmless
+
+
+def test_silent_server_times_out():
+    class Silent(Peer):
+        name = "silent"
+
+        def start(self):
+            self.spawn(["python3", "-c", "import time; time.sleep(30)"], ready_timeout=0.3)
+
+    with pytest.raises(PeerStartError, match="no READY"):
+        with Silent():
+            pass
+
+
+def test_optional_peers_report_a_reason_when_missing():
+    status = availability(["pytriton", "rayserve", "no-such-peer"])
+    for name in ("pytriton", "rayserve"):
+        ok, why = status[name]
+        if not ok:
+            assert "not installed" in why or "not importable" in why
+    assert status["no-such-peer"][0] is False
+    assert "unknown peer" in status["no-such-peer"][1]
+
+
+def test_registry_holds_the_floors_in_order():
+    assert list(PEERS)[:3] == FLOORS
+    for cls in PEERS.values():
+        assert cls.name and cls.description

@@ -1,0 +1,933 @@
+"""Client, AsyncClient and streams against an in-test fake broker.
+
+The fake is one thread running a ROUTER that decodes everything with broker.protocol and
+answers like broker + worker together: it reads inputs in place through its own
+SegmentCache (which refuses any slot that is not IN_FLIGHT, so it also checks the client's
+slot states) and writes outputs into its own ShmPool, marked IN_FLIGHT for the client's
+pid, or inline when asked.  Requests to the "hold" services wait until the test releases
+them, so every test paces the fake with queues and events, never with sleeps.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import os
+import queue
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import zmq
+
+import shm
+from broker import protocol as P
+from broker.protocol import ErrorCode
+from client_sdk import (
+    AsyncClient,
+    BrokerUnreachable,
+    Client,
+    DeadlineExceeded,
+    EndOfStream,
+    InferenceError,
+    NotSupported,
+    errors,
+    run,
+)
+from client_sdk.tensors import InvalidInput
+
+pytestmark = pytest.mark.timeout(30)
+
+WAIT = 10.0  # upper bound for any single blocking wait in these tests
+KNOWN_SERVICES = {"echo", "echo_inline", "hold", "partials", "error", "remote", "opaque", "identity", "opaque_hold"}
+
+
+class FakeBroker(threading.Thread):
+    def __init__(self, endpoint: str):
+        super().__init__(name="fake-broker", daemon=True)
+        self.endpoint = endpoint
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self._wake_rx = self.ctx.socket(zmq.PULL)
+        self._wake_rx.bind(f"inproc://fake-wake-{id(self)}")
+        self._wake_tx = self.ctx.socket(zmq.PUSH)
+        self._wake_tx.connect(f"inproc://fake-wake-{id(self)}")
+        self._wake_lock = threading.Lock()
+        self._calls: queue.Queue = queue.Queue()
+        # Everything below is touched only by the fake's thread once it runs; tests reach it
+        # through call() or through the thread-safe queues.
+        self.pool = shm.ShmPool(8 << 20)
+        self.cache = shm.SegmentCache()
+        self.requests: list[tuple[str, Any]] = []    # (service, Request or opaque body)
+        self.held: list[tuple[bytes, str, P.Request, list]] = []
+        self.hold_for_heartbeat: list[tuple[bytes, str, P.Request, list]] = []
+        self.out_refs: list[shm.ShmRef] = []
+        self.out_arrays: list[np.ndarray] = []
+        self.held_opaque: list[tuple[bytes, list[bytes]]] = []
+        self.held_q: queue.Queue = queue.Queue()     # request id of each request put on hold
+        self.cancels: queue.Queue = queue.Queue()    # ids of CANCELs received
+        self.events: queue.Queue = queue.Queue()     # ("heartbeat",), ("disconnect",)
+        self.answer_cancel = True
+        self._halt = False
+
+    # ---------------------------------------------------------------- test-side API
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn in the fake's thread (so its sockets and pool stay single-threaded)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, fut))
+        with self._wake_lock:
+            self._wake_tx.send(b"")
+        return fut.result(WAIT)
+
+    def release(self, n: int = 1, identity: bool = False) -> None:
+        def go():
+            for _ in range(n):
+                ident, service, req, body = self.held.pop(0)
+                if identity:
+                    rep = P.Reply(id=req.id, tensors=list(req.tensors))
+                    self._send(ident, True, service, [P.encode_header(rep), *body[1:]])
+                else:
+                    self._echo(ident, service, req, body)
+        self.call(go)
+
+    def answer_opaque_reversed(self) -> None:
+        def go():
+            while self.held_opaque:
+                ident, body = self.held_opaque.pop()
+                self._send(ident, True, "opaque_hold", body)
+        self.call(go)
+
+    def out_states(self) -> list[int]:
+        return self.call(lambda: [int(self.pool.table["state"][r.slot]) for r in self.out_refs])
+
+    def reclaim(self) -> int:
+        return self.call(self.pool.reclaim)
+
+    def stop(self) -> None:
+        self.call(lambda: setattr(self, "_halt", True))
+        self.join(WAIT)
+        for s in (self.sock, self._wake_rx, self._wake_tx):
+            s.close(linger=0)
+        self.cache.close()
+        self.pool.close()
+        self.ctx.term()
+
+    # ---------------------------------------------------------------- the loop
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
+        while not self._halt:
+            ready = dict(poller.poll())
+            if self._wake_rx in ready:
+                self._wake_rx.recv()
+                fn, fut = self._calls.get()
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # handed to the test thread
+                    fut.set_exception(e)
+            if self.sock in ready:
+                frames = self.sock.recv_multipart(copy=False)
+                self._on_client(frames[0].bytes, frames[1:])
+
+    def _send(self, ident: bytes, final: bool, service: str, body: list) -> None:
+        self.sock.send_multipart(P.to_client(ident, final, service.encode(), body), copy=False)
+
+    def _error(self, ident: bytes, service: str, rid: int, code: int, message: str) -> None:
+        self._send(ident, True, service, P.error_body(rid, code, message))
+
+    def _on_client(self, ident: bytes, frames: list) -> None:
+        msg = P.parse_client(frames)
+        if msg.command == P.C_HEARTBEAT:
+            self.events.put(("heartbeat",))
+            self.sock.send_multipart([ident, *P.client_heartbeat()])
+            waiting, self.hold_for_heartbeat = self.hold_for_heartbeat, []
+            for item in waiting:
+                self._echo(*item)
+            return
+        if msg.command == P.C_DISCONNECT:
+            self.events.put(("disconnect",))
+            return
+        if msg.command == P.C_CANCEL:
+            rid = P.decode_cancel(msg.body[0]).id
+            self.cancels.put(rid)
+            for i, (hid, service, req, _) in enumerate(self.held):
+                if hid == ident and req.id == rid and self.answer_cancel:
+                    del self.held[i]
+                    self._error(ident, service, rid, ErrorCode.CANCELLED, "cancelled by the client")
+                    break
+            return
+        service = msg.service.decode()
+        body = list(msg.body)
+        if service == "mmi.service":
+            name = bytes(body[0]).decode()
+            self._send(ident, True, service, [b"200" if name in KNOWN_SERVICES else b"404"])
+            return
+        if not P.is_header(body[0]):
+            self.requests.append((service, [bytes(f) for f in body]))
+            if service == "opaque":
+                self._send(ident, True, service, [bytes(f) for f in body])
+            elif service == "opaque_hold":
+                self.held_opaque.append((ident, [bytes(f) for f in body]))
+                self.held_q.put(bytes(body[0]))
+            else:
+                self._error(ident, service, 0, ErrorCode.SERVICE_UNAVAILABLE, f"no service {service!r}")
+            return
+        try:
+            req = P.decode_request(body[0], len(body) - 1)
+            P.check_inline_sizes(req.tensors, body[1:])
+        except P.ProtocolError as e:
+            self._error(ident, service, 0, e.code, str(e))
+            return
+        self.requests.append((service, req))
+        has_shm = any(type(t.loc) is P.ShmLoc for t in req.tensors)
+        if service in ("echo", "echo_inline"):
+            self._echo(ident, service, req, body)
+        elif service == "partials":
+            n = int(req.meta.get("n", 2))
+            for seq in range(n):
+                self._echo(ident, service, req, body, final=False, seq=seq)
+            self._echo(ident, service, req, body, seq=n)
+        elif service == "error":
+            self._error(ident, service, req.id, int(req.meta["code"]), req.meta.get("message", "fake error"))
+        elif service == "identity":
+            # Like a worker whose model returns its input unchanged: the output descriptor
+            # is the client's own input descriptor (no byte moves), in PARTIALs too.
+            n = int(req.meta.get("n", 0))
+            for seq in range(n + 1):
+                rep = P.Reply(id=req.id, tensors=list(req.tensors), seq=seq)
+                self._send(ident, seq == n, service, [P.encode_header(rep), *body[1:]])
+        elif service == "badheader":
+            # A reply that breaks the protocol (negative dimension); its id is still readable.
+            bad = P.TensorRef(name="y", dtype="<f4", shape=[-1], loc=P.InlineLoc(frame=0))
+            self._send(ident, True, service, [P.encode_header(P.Reply(id=req.id, tensors=[bad])), b""])
+        elif service == "hold":
+            self.held.append((ident, service, req, body))
+            self.held_q.put(req.id)
+        elif service == "hold_hb":
+            self.hold_for_heartbeat.append((ident, service, req, body))
+        elif service == "remote":
+            if has_shm:
+                self._error(ident, service, req.id, ErrorCode.NOT_LOCAL, "the worker is on another host")
+            else:
+                self._echo(ident, service, req, body)
+        else:
+            self._error(ident, service, req.id, ErrorCode.SERVICE_UNAVAILABLE, f"no service {service!r}")
+
+    def _inputs(self, req: P.Request, body: list) -> dict[str, np.ndarray]:
+        out = {}
+        for t in req.tensors:
+            dt = P.parse_dtype(t.dtype)
+            if type(t.loc) is P.ShmLoc:
+                assert req.host == P.local_host_id()
+                loc = t.loc
+                out[t.name] = self.cache.view(
+                    shm.ShmRef(loc.segment, loc.offset, loc.nbytes, loc.slot, loc.generation), dt, tuple(t.shape)
+                )
+            else:
+                buf = memoryview(body[1 + t.loc.frame])
+                out[t.name] = (np.frombuffer(buf, dt).reshape(t.shape) if buf.nbytes
+                               else np.empty(t.shape, dt))
+        return out
+
+    def _echo(self, ident: bytes, service: str, req: P.Request, body: list, *, final: bool = True,
+              seq: int = 0) -> None:
+        try:
+            arrays = self._inputs(req, body)
+        except shm.ShmError as e:
+            self._error(ident, service, req.id, ErrorCode.PROTOCOL_ERROR, f"bad input descriptor: {e}")
+            return
+        inline = req.reply == "inline" or service == "echo_inline"
+        tensors, frames = [], []
+        for name, arr in arrays.items():
+            if inline or arr.nbytes == 0:
+                loc = P.InlineLoc(frame=len(frames))
+                frames.append(np.ascontiguousarray(arr).tobytes())
+            else:
+                dst = self.pool.alloc(arr.shape, arr.dtype)
+                dst[...] = arr
+                ref = self.pool.ref_of(dst)
+                self.pool.mark_in_flight(ref, holder_pid=req.pid)
+                self.out_refs.append(ref)
+                self.out_arrays.append(dst)
+                loc = P.ShmLoc(segment=ref.segment, offset=ref.offset, nbytes=ref.nbytes, slot=ref.slot,
+                               generation=ref.generation)
+            tensors.append(P.TensorRef(name=name, dtype=arr.dtype.str, shape=list(arr.shape), loc=loc))
+        rep = P.Reply(id=req.id, tensors=tensors, timing={"compute_ms": 0.25}, seq=seq)
+        self._send(ident, final, service, [P.encode_header(rep), *frames])
+
+
+@pytest.fixture
+def endpoint(tmp_path_factory):
+    # ipc paths are limited to ~107 bytes: keep them short whatever the test's name.
+    return f"ipc://{tmp_path_factory.mktemp('ep')}/b.sock"
+
+
+@pytest.fixture
+def fake(endpoint):
+    fb = FakeBroker(endpoint)
+    fb.start()
+    try:
+        yield fb
+    finally:
+        fb.stop()
+
+
+# ================================================================================================
+# Round trips
+
+def _cases() -> list[tuple[str, np.ndarray]]:
+    rng = np.random.default_rng(7)
+    base = rng.standard_normal((6, 8)).astype(np.float32)
+    return [
+        ("f32_0d", np.array(3.25, np.float32)),
+        ("f64_empty", np.zeros((0, 3))),
+        ("i16_5d", np.arange(2 * 1 * 3 * 1 * 2, dtype=np.int16).reshape(2, 1, 3, 1, 2)),
+        ("f32_strided", base[::2, 1::3]),
+        ("f32_fortran", np.asfortranarray(base)),
+        ("bool", rng.random((4, 5)) > 0.5),
+        ("c64", (base[:2] + 1j * base[2:4]).astype(np.complex64)),
+        ("c128", np.array([1 + 2j, -3.5j, 0], np.complex128)),
+        ("f16", base.astype(np.float16)),
+        ("dt64", np.array(["2024-02-29T12:00", "1970-01-01", "NaT"], "datetime64[ns]")),
+        ("td64", np.array([1, -2, 3], "timedelta64[s]")),
+        ("u8_big", rng.integers(0, 255, 1 << 20, dtype=np.uint8)),
+        ("i32_be", np.arange(5, dtype=">i4")),
+        ("u64", np.array([0, 2**64 - 1], np.uint64)),
+        ("str", np.array(["a", "héllo"], "U5")),
+        ("bytes", np.array([b"ab", b"xyz"], "S3")),
+    ]
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_round_trip_dtypes_and_shapes(fake, endpoint, transport):
+    cases = _cases()
+    with Client(endpoint, transport=transport) as c:
+        for name, x in cases:
+            with c.infer("echo", {name: x}) as r:
+                y = r[name]
+                assert y.dtype == x.dtype and y.shape == x.shape, name
+                np.testing.assert_array_equal(y, x, err_msg=name)
+                assert not y.flags.writeable
+                assert r.zero_copy[name] == (transport == "shm" and x.size > 0)
+                assert r.timing["compute_ms"] == 0.25 and r.final
+        # all inputs in one request too
+        with c.infer("echo", dict(cases)) as r:
+            for name, x in cases:
+                np.testing.assert_array_equal(r[name], x, err_msg=name)
+        service, req = fake.requests[-1]
+        kinds = {t.name: type(t.loc) for t in req.tensors}
+        want = P.ShmLoc if transport == "shm" else P.InlineLoc
+        assert kinds["f32_fortran"] is want and kinds["u8_big"] is want
+        assert kinds["f64_empty"] is P.InlineLoc  # nothing to put in a slot
+        assert req.reply == ("auto" if transport == "shm" else "inline")
+        if transport == "shm":
+            assert c.pool.in_use() == 0
+    assert not fake.out_states() or set(fake.out_states()) <= {shm.RELEASED, shm.FREE}
+
+
+def test_torch_inputs(fake, endpoint):
+    torch = pytest.importorskip("torch")
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # non-contiguous
+    g = torch.ones(3, requires_grad=True)
+    with Client(endpoint) as c:
+        with c.infer("echo", {"t": t, "g": g}) as r:
+            np.testing.assert_array_equal(r["t"], t.numpy())
+            np.testing.assert_array_equal(r["g"], np.ones(3, np.float32))
+        with pytest.raises(NotSupported, match="GPU tensors") as ei:
+            c.infer("echo", {"m": torch.empty(3, device="meta")})
+        assert isinstance(ei.value, NotImplementedError) and isinstance(ei.value, InferenceError)
+        with pytest.raises(InvalidInput, match="bfloat16"):
+            c.infer("echo", {"b": torch.zeros(2, dtype=torch.bfloat16)})
+        assert c.pool.in_use() == 0
+
+
+def test_bad_inputs_fail_before_sending(fake, endpoint):
+    with Client(endpoint) as c:
+        with pytest.raises(InvalidInput, match="Python objects"):
+            c.infer("echo", {"x": np.array([1, "a", None], dtype=object)})
+        with pytest.raises(InvalidInput, match="mapping"):
+            c.infer("echo", [np.zeros(2)])
+        with pytest.raises(InvalidInput, match="priority"):
+            c.infer("echo", {"x": np.zeros(2)}, priority="asap")
+        with pytest.raises(InvalidInput, match="meta"):
+            c.infer("echo", {"x": np.zeros(2)}, meta={"f": object()})
+        assert c.pool.in_use() == 0
+        assert c.mmi_service("echo")  # a round trip after them: none of them reached the fake
+    assert fake.requests == [] or all(s == "mmi.service" for s, _ in fake.requests)
+
+
+# ================================================================================================
+# Shared memory: inputs by reference, slot lifetimes, outputs released
+
+def test_alloc_buffers_go_by_reference(fake, endpoint):
+    with Client(endpoint, transport="shm") as c:
+        buf = c.alloc((4, 6), np.float32)
+        buf[...] = np.arange(24).reshape(4, 6)
+        with c.infer("echo", {"x": buf, "row": buf[2]}) as r:
+            np.testing.assert_array_equal(r["x"], buf)
+            np.testing.assert_array_equal(r["row"], buf[2])
+        _, req = fake.requests[-1]
+        locs = {t.name: t.loc for t in req.tensors}
+        assert type(locs["x"]) is P.ShmLoc and locs["x"].segment == c.pool.name
+        assert locs["row"].slot == locs["x"].slot  # same slot: no copy was made
+        assert locs["row"].offset == locs["x"].offset + 2 * 6 * 4 and locs["row"].nbytes == 24
+        assert c.pool.in_use() == 1  # the request did not free the user's buffer
+        # A column is strided: it must be copied, into a temporary slot freed at the FINAL.
+        with c.infer("echo", {"col": buf[:, 1]}) as r:
+            np.testing.assert_array_equal(r["col"], buf[:, 1])
+        _, req = fake.requests[-1]
+        assert req.tensors[0].loc.slot != locs["x"].slot
+        assert c.pool.in_use() == 1
+        view = buf[1:]
+        del buf
+        gc.collect()
+        assert c.pool.in_use() == 1  # a view keeps the buffer
+        del view
+        gc.collect()
+        assert c.pool.in_use() == 0
+        b2 = c.alloc((3,), np.int64)
+        c.free(b2)
+        assert c.pool.in_use() == 0
+        with pytest.raises(InvalidInput):
+            c.free(np.zeros(3))
+
+
+def test_buffer_dropped_in_another_thread(endpoint):
+    with Client(endpoint, transport="shm") as c:
+        box = [c.alloc((16,), np.uint8)]
+        t = threading.Thread(target=box.clear)
+        t.start()
+        t.join(WAIT)
+        assert c.pool.in_use() == 1  # the pool is single-threaded: freed by the client's thread...
+        c.alloc((1,), np.uint8)      # ...at its next call
+        assert c.pool.in_use() == 0
+
+
+def test_temp_slots_freed_at_final_not_before(fake, endpoint):
+    with Client(endpoint, transport="shm") as c:
+        x = np.arange(10.0)
+        replies = c.infer_stream("hold", {"x": x, "y": x[::2]})
+        assert fake.held_q.get(timeout=WAIT) == replies.request_id
+        assert c.pool.in_use() == 2  # the worker may still be reading them
+        fake.release(1)
+        (r,) = list(replies)
+        assert r.final
+        np.testing.assert_array_equal(r["y"], x[::2])
+        assert c.pool.in_use() == 0
+        r.release()
+
+
+def test_outputs_are_zero_copy_and_released(fake, endpoint):
+    with Client(endpoint, transport="shm") as c:
+        x = np.arange(16, dtype=np.int32)
+        r = c.infer("echo", {"x": x})
+        assert r.zero_copy == {"x": True}
+        assert fake.out_states() == [shm.IN_FLIGHT]
+        # Zero copy: a write by the owner (never done for real while IN_FLIGHT) shows
+        # through the client's view.
+        fake.call(lambda: fake.out_arrays[0].__setitem__(3, -5))
+        assert r["x"][3] == -5
+        r.release()
+        assert fake.out_states() == [shm.RELEASED]
+        assert fake.reclaim() == 1
+        with pytest.raises(KeyError, match="released"):
+            r["x"]
+        r.release()  # idempotent
+
+        # Garbage collection releases too, once the last view is gone.
+        r = c.infer("echo", {"x": x})
+        y = r["x"]
+        tail = y[4:].reshape(3, 4).T
+        del r, y
+        gc.collect()
+        assert fake.out_states()[-1] == shm.IN_FLIGHT
+        np.testing.assert_array_equal(tail, x[4:].reshape(3, 4).T)
+        del tail
+        gc.collect()
+        assert fake.out_states()[-1] == shm.RELEASED
+        assert fake.reclaim() == 1
+
+
+def test_inputs_handed_back_as_outputs(fake, endpoint):
+    """A worker may answer with the client's own input descriptor.  The input slot then
+    outlives the FINAL as long as the outputs do, and the client never stores RELEASED into
+    its own pool (its reclaim would free a slot still in use)."""
+    with Client(endpoint, transport="shm") as c:
+        x = np.arange(12, dtype=np.int16).reshape(3, 4)
+        r = c.infer("identity", {"x": x, "t": x.T})
+        assert r.zero_copy == {"x": True, "t": True}  # views of the input slots themselves
+        np.testing.assert_array_equal(r["x"], x)
+        np.testing.assert_array_equal(r["t"], x.T)
+        assert not r["x"].flags.writeable
+        assert c.pool.in_use() == 2  # adopted by the result
+        assert set(c.pool.table["state"][:2]) == {shm.IN_FLIGHT}
+        keep = r["t"][1:]
+        r.release()
+        assert c.pool.in_use() == 0
+
+        # PARTIALs and the FINAL share the slot: it goes when the last of them does.
+        rs = list(c.infer_stream("identity", {"x": x}, meta={"n": 2}))
+        assert len(rs) == 3 and c.pool.in_use() == 1
+        rs[2].release()
+        rs[0].release()
+        assert c.pool.in_use() == 1
+        y = rs[1]["x"]
+        del rs
+        gc.collect()
+        assert c.pool.in_use() == 1 and y[2, 3] == 11
+        del y
+        gc.collect()
+        assert c.pool.in_use() == 0
+
+        # A buffer from alloc() stays the caller's.
+        buf = c.alloc((3, 4), np.int16)
+        buf[...] = x
+        with c.infer("identity", {"b": buf}) as r:
+            np.testing.assert_array_equal(r["b"], x)
+        assert c.pool.in_use() == 1 and shm.RELEASED not in set(c.pool.table["state"].tolist())
+        c.free(buf)
+        assert c.pool.in_use() == 0
+    del keep
+
+
+def test_late_identity_reply_is_not_released_into_own_pool(fake, endpoint):
+    fake.answer_cancel = False
+    with Client(endpoint, transport="shm") as c:
+        buf = c.alloc((4,), np.float32)
+        with pytest.raises(DeadlineExceeded):
+            c.infer("hold", {"b": buf, "tmp": np.ones(3)}, timeout=0.1)
+        fake.held_q.get(timeout=WAIT)
+        fake.release(1, identity=True)
+        c.infer("echo", {"x": np.ones(1)}).release()  # the late reply was handled before this
+        assert c._core.discarded == 1
+        assert c.pool.in_use() == 1  # only the user's buffer
+        assert shm.RELEASED not in set(c.pool.table["state"].tolist())
+        c.free(buf)
+
+
+def test_result_outlives_client(fake, endpoint):
+    with Client(endpoint, transport="shm") as c:
+        r = c.infer("echo", {"x": np.arange(5)})
+    np.testing.assert_array_equal(r["x"], np.arange(5))  # mapping kept while results live
+    r.release()
+    assert fake.out_states() == [shm.RELEASED]
+
+
+def test_partials(fake, endpoint):
+    with Client(endpoint) as c:
+        x = np.arange(3)
+        got = list(c.infer_stream("partials", {"x": x}, meta={"n": 3}))
+        assert [(r.final, r.seq) for r in got] == [(False, 0), (False, 1), (False, 2), (True, 3)]
+        for r in got:
+            np.testing.assert_array_equal(r["x"], x)
+            r.release()
+        r = c.infer("partials", {"x": x}, meta={"n": 2})
+        assert r.final and r.seq == 2
+        r.release()
+        assert set(fake.out_states()) == {shm.RELEASED}  # unread PARTIALs were given back
+
+
+def test_pool_full_falls_back_to_inline(fake, endpoint):
+    with Client(endpoint, transport="shm", pool_capacity=64 << 10) as c:
+        big = np.ones(1 << 17, np.float64)  # 1 MiB > the pool
+        small = np.arange(4.0)
+        with c.infer("echo", {"big": big, "small": small}) as r:
+            np.testing.assert_array_equal(r["big"], big)
+        _, req = fake.requests[-1]
+        locs = {t.name: type(t.loc) for t in req.tensors}
+        assert locs == {"big": P.InlineLoc, "small": P.ShmLoc}
+        assert c.pool.in_use() == 0
+
+
+# ================================================================================================
+# Errors, timeouts, cancellation, fallbacks
+
+@pytest.mark.parametrize("code,cls", [
+    (ErrorCode.PROTOCOL_ERROR, errors.ProtocolError),
+    (ErrorCode.NOT_LOCAL, errors.NotLocal),
+    (ErrorCode.QUEUE_FULL, errors.QueueFull),
+    (ErrorCode.CANCELLED, errors.Cancelled),
+    (ErrorCode.INTERNAL, errors.InternalError),
+    (ErrorCode.WORKER_FAILED, errors.WorkerFailed),
+    (ErrorCode.SERVICE_UNAVAILABLE, errors.ServiceUnavailable),
+    (ErrorCode.DEADLINE_EXCEEDED, errors.DeadlineExceeded),
+    (599, errors.InferenceError),
+])
+def test_error_codes_raise_typed_errors(fake, endpoint, code, cls):
+    with Client(endpoint, transport="shm") as c:
+        with pytest.raises(cls) as ei:
+            c.infer("error", {"x": np.zeros(3)}, meta={"code": int(code), "message": "boom"})
+        assert type(ei.value) is cls and ei.value.code == code and "boom" in str(ei.value)
+        assert c.pool.in_use() == 0  # the error is the FINAL: inputs freed
+
+
+def test_bad_reply_header_fails_its_call(fake, endpoint):
+    with Client(endpoint, transport="shm") as c:
+        with pytest.raises(errors.ProtocolError, match="negative dimension"):
+            c.infer("badheader", {"x": np.zeros(2)})
+        assert c.pool.in_use() == 0
+
+
+def test_argument_checks(endpoint):
+    import math
+
+    with pytest.raises(InvalidInput, match="spelling"):
+        Client("tcp://no-port-here")
+    with pytest.raises(InvalidInput, match="endpoint"):
+        Client("/tmp/not-an-endpoint")
+    with Client(endpoint, transport="inline") as c:
+        for bad in (0, -1, float("nan")):
+            with pytest.raises(InvalidInput, match="timeout"):
+                c.infer("echo", {"x": np.zeros(1)}, timeout=bad)
+        with pytest.raises(InvalidInput, match="reply"):
+            c.infer("echo", {"x": np.zeros(1)}, reply="carrier")
+        with pytest.raises(InvalidInput, match="service name"):
+            c.infer("", {"x": np.zeros(1)})
+        with pytest.raises(InvalidInput, match="service name"):
+            c.request("x" * 256, [b""])
+        call = c._core.new_call("echo", {"x": np.zeros(1)}, timeout=math.inf)
+        assert call.timeout is None
+        with pytest.raises(ValueError, match="max_in_flight"):
+            c.stream("echo", max_in_flight=0)
+
+
+def test_unknown_service(fake, endpoint):
+    with Client(endpoint) as c:
+        with pytest.raises(errors.ServiceUnavailable, match="mmi_service"):
+            c.infer("nope", {"x": np.zeros(1)})
+
+
+def test_timeout_cancels_and_late_final_frees_slots(fake, endpoint):
+    fake.answer_cancel = False
+    with Client(endpoint, transport="shm") as c:
+        with pytest.raises(DeadlineExceeded) as ei:
+            c.infer("hold", {"x": np.zeros(8)}, timeout=0.2)
+        assert isinstance(ei.value, TimeoutError)
+        rid = fake.held_q.get(timeout=WAIT)
+        assert fake.cancels.get(timeout=WAIT) == rid
+        _, req = fake.requests[-1]
+        assert 0 < req.timeout_ms <= 200
+        assert c.pool.in_use() == 1  # no FINAL yet: a worker may still read the input
+        fake.release(1)              # the late FINAL (with an output slot) arrives...
+        with c.infer("echo", {"x": np.ones(2)}) as r:  # ...and is processed before this reply
+            np.testing.assert_array_equal(r["x"], np.ones(2))
+        assert c.pool.in_use() == 0
+        assert c._core.discarded == 1
+        assert fake.out_states()[0] == shm.RELEASED  # the discarded output went back
+
+
+def test_heartbeats_while_waiting(fake, endpoint):
+    with Client(endpoint, heartbeat_interval=0.05) as c:
+        # The fake answers this request only when a heartbeat arrives.
+        with c.infer("hold_hb", {"x": np.arange(3)}, timeout=WAIT) as r:
+            np.testing.assert_array_equal(r["x"], np.arange(3))
+    assert fake.events.get(timeout=WAIT) == ("heartbeat",)
+
+
+def test_broker_unreachable(endpoint):
+    with Client(endpoint, heartbeat_interval=0.02, timeout=WAIT) as c:
+        with pytest.raises(BrokerUnreachable, match="not answered"):
+            c.infer("echo", {"x": np.zeros(2)})
+        assert c.pool.in_use() == 1  # never answered: kept until close, which unlinks the pool
+
+
+def test_not_local_resends_inline(fake, endpoint):
+    with Client(endpoint, transport="shm") as c:
+        x = np.arange(6.0).reshape(2, 3)
+        with c.infer("remote", {"x": x}) as r:
+            np.testing.assert_array_equal(r["x"], x)
+            assert r.zero_copy == {"x": False}
+        assert c.pool.in_use() == 0
+        (s1, first), (s2, second) = fake.requests[-2:]
+        assert type(first.tensors[0].loc) is P.ShmLoc
+        assert type(second.tensors[0].loc) is P.InlineLoc and second.reply == "inline"
+        assert second.id != first.id
+        n = len(fake.requests)
+        with c.infer("remote", {"x": x}) as r:  # remembered: straight inline
+            np.testing.assert_array_equal(r["x"], x)
+        assert len(fake.requests) == n + 1
+    with Client(endpoint, transport="shm", fallback_inline=False) as c:
+        with pytest.raises(errors.NotLocal):
+            c.infer("remote", {"x": np.zeros(2)})
+
+
+def test_not_local_resend_uses_what_was_sent(fake, endpoint):
+    with Client(endpoint, transport="shm") as c, c.stream("remote") as s:
+        frame = np.arange(4.0)
+        s.send({"x": frame})
+        frame[:] = -1  # the caller reuses its buffer at once
+        with s.recv(WAIT) as r:
+            np.testing.assert_array_equal(r["x"], np.arange(4.0))
+        assert c.pool.in_use() == 0
+
+
+def test_opaque_request_and_mmi(fake, endpoint):
+    with Client(endpoint) as c:
+        assert c.request("opaque", [b"hello", b"", b"\x00\x01"]) == [b"hello", b"", b"\x00\x01"]
+        with pytest.raises(errors.ServiceUnavailable):
+            c.request("missing", [b"x"])
+        assert c.mmi_service("echo") is True
+        assert c.mmi_service("nope") is False
+        with pytest.raises(InvalidInput):
+            c.request("opaque", [P.MAGIC + b"x"])
+
+
+def test_opaque_timeout_disconnects_its_socket(fake, endpoint):
+    with Client(endpoint) as c:
+        with pytest.raises(DeadlineExceeded):
+            c.request("opaque_hold", [b"late"], timeout=0.1)
+        assert fake.held_q.get(timeout=WAIT) == b"late"
+        assert fake.events.get(timeout=WAIT) == ("disconnect",)
+        fake.answer_opaque_reversed()  # the late reply goes to a closed socket...
+        assert c.request("opaque", [b"next"]) == [b"next"]  # ...never to the next request
+
+
+async def test_async_opaque_out_of_order(fake, endpoint):
+    async with AsyncClient(endpoint) as c:
+        first = asyncio.create_task(c.request("opaque_hold", [b"1"]))
+        second = asyncio.create_task(c.request("opaque_hold", [b"2"]))
+        got = {await asyncio.to_thread(fake.held_q.get, timeout=WAIT) for _ in range(2)}
+        assert got == {b"1", b"2"}
+        fake.answer_opaque_reversed()
+        assert await first == [b"1"] and await second == [b"2"]
+        with pytest.raises(DeadlineExceeded):
+            await c.request("opaque_hold", [b"x"], timeout=0.05)
+
+
+def test_close_disconnects_and_unlinks(fake, endpoint):
+    c = Client(endpoint, transport="shm")
+    c.infer("echo", {"x": np.zeros(4)}).release()
+    name = c.pool.name
+    assert os.path.exists(f"/dev/shm/{name}")
+    c.close()
+    c.close()
+    assert not os.path.exists(f"/dev/shm/{name}")
+    assert fake.events.get(timeout=WAIT) == ("disconnect",)
+    with pytest.raises(InferenceError, match="closed"):
+        c.infer("echo", {"x": np.zeros(1)})
+
+
+def test_transport_resolution(endpoint):
+    from client_sdk.client import resolve_transport
+
+    assert resolve_transport("auto", "ipc:///tmp/x")
+    assert resolve_transport("auto", "tcp://127.0.0.1:5555")
+    assert resolve_transport("auto", "tcp://127.3.2.1:5555")
+    assert resolve_transport("auto", "tcp://localhost:5555")
+    assert resolve_transport("auto", "tcp://[::1]:5555")
+    assert not resolve_transport("auto", "tcp://10.0.0.5:5555")
+    assert not resolve_transport("auto", "tcp://gpu-box:5555")
+    assert resolve_transport("shm", "tcp://10.0.0.5:5555")
+    assert not resolve_transport("inline", "ipc:///tmp/x")
+    with pytest.raises(InvalidInput):
+        resolve_transport("carrier-pigeon", "ipc:///tmp/x")
+    with Client(endpoint, transport="inline") as c:
+        assert not c.uses_shm
+
+
+# ================================================================================================
+# Streams (blocking)
+
+def test_stream_latest_wins_drops_and_keeps_order(fake, endpoint):
+    with Client(endpoint) as c, c.stream("hold", max_in_flight=2) as s:
+        for i in range(10):
+            assert s.send({"x": np.full(3, i)}) == i
+        held = [fake.held_q.get(timeout=WAIT) for _ in range(2)]
+        assert s.dropped == 7  # frames 2..8 were replaced, 9 waits
+        st = s.stats()
+        assert (st.sent, st.in_flight, st.pending, st["dropped"]) == (2, 2, 1, 7)
+        fake.release(2)
+        got = [s.recv(WAIT), s.recv(WAIT)]
+        held.append(fake.held_q.get(timeout=WAIT))  # frame 9 went out once there was room
+        fake.release(1)
+        got.append(s.recv(WAIT))
+        assert [int(r["x"][0]) for r in got] == [0, 1, 9]
+        assert [r.frame for r in got] == [0, 1, 9]
+        assert held == sorted(held)
+        with pytest.raises(EndOfStream):
+            s.recv(0)
+        st = s.stats()
+        assert (st.sent, st.completed, st.dropped, st.failed) == (3, 3, 7, 0)
+        assert len(st.latencies_ms) == 3 and all(v > 0 for v in st.latencies)
+        for r in got:
+            r.release()
+        assert c.pool.in_use() == 0
+
+
+def test_stream_keep_all_in_order(fake, endpoint):
+    with Client(endpoint, transport="inline") as c:
+        s = c.stream("echo", latest_wins=False, max_in_flight=3)
+        frame = np.zeros(4)
+        for i in range(8):
+            frame[:] = i  # the stream copied the previous frame: reusing the buffer is safe
+            s.send({"x": frame})
+        got = [int(r["x"][0]) for r in s]
+        assert got == list(range(8))
+        assert s.stats().dropped == 0
+        s.close()
+
+
+def test_stream_errors_and_close(fake, endpoint):
+    with Client(endpoint, transport="shm") as c:
+        s = c.stream("error", latest_wins=False, meta={"code": int(ErrorCode.WORKER_FAILED)})
+        s.send({"x": np.zeros(2)})
+        with pytest.raises(errors.WorkerFailed):
+            s.recv(WAIT)
+        assert s.stats().failed == 1
+        s.close()
+        with pytest.raises(InferenceError, match="closed"):
+            s.send({"x": np.zeros(2)})
+
+        s = c.stream("hold", max_in_flight=2)
+        for i in range(3):
+            s.send({"x": np.full(2, i)})
+        ids = [fake.held_q.get(timeout=WAIT) for _ in range(2)]
+        s.close()  # cancels both in flight, drops the pending one (its slot at once)
+        assert sorted(fake.cancels.get(timeout=WAIT) for _ in range(2)) == sorted(ids)
+        assert c.pool.in_use() == 2  # until the CANCELLED finals arrive
+        c.infer("echo", {"x": np.ones(1)}).release()
+        assert c.pool.in_use() == 0
+
+
+def test_stream_recv_timeout_keeps_frame(fake, endpoint):
+    with Client(endpoint) as c:
+        s = c.stream("hold", timeout=WAIT)
+        s.send({"x": np.ones(2)})
+        fake.held_q.get(timeout=WAIT)
+        with pytest.raises(TimeoutError) as ei:
+            s.recv(0.05)
+        assert not isinstance(ei.value, DeadlineExceeded)
+        fake.release(1)
+        np.testing.assert_array_equal(s.recv(WAIT)["x"], np.ones(2))
+        s.close()
+        assert c.pool.in_use() == 0
+
+
+# ================================================================================================
+# asyncio
+
+async def test_async_many_concurrent(fake, endpoint):
+    async with AsyncClient(endpoint, transport="shm") as c:
+        async def one(i):
+            x = np.full((2, 3), i, np.int64)
+            r = await c.infer("echo", {"x": x, "y": x.T})
+            with r:
+                np.testing.assert_array_equal(r["x"], x)
+                np.testing.assert_array_equal(r["y"], x.T)
+                return r.id
+
+        ids = await asyncio.gather(*(one(i) for i in range(32)))
+        assert len(set(ids)) == 32
+        assert c.pool.in_use() == 0
+        assert await c.request("opaque", [b"a"]) == [b"a"]
+        assert await c.mmi_service("echo") and not await c.mmi_service("nope")
+        with pytest.raises(errors.QueueFull):
+            await c.infer("error", {"x": np.zeros(1)}, meta={"code": 429})
+    fake.reclaim()
+    assert set(fake.out_states()) <= {shm.FREE, shm.RELEASED}
+
+
+async def test_async_cancellation_sends_cancel(fake, endpoint):
+    async with AsyncClient(endpoint, transport="shm") as c:
+        task = asyncio.create_task(c.infer("hold", {"x": np.zeros(5)}))
+        rid = await asyncio.to_thread(fake.held_q.get, timeout=WAIT)
+        assert c.pool.in_use() == 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await asyncio.to_thread(fake.cancels.get, timeout=WAIT) == rid
+        # The fake answers the CANCEL with a CANCELLED FINAL, queued before this reply.
+        r = await c.infer("echo", {"x": np.ones(1)})
+        r.release()
+        assert c.pool.in_use() == 0
+
+
+async def test_async_cancel_keeps_inputs_until_late_final(fake, endpoint):
+    fake.answer_cancel = False  # like a worker that finishes anyway
+    async with AsyncClient(endpoint, transport="shm") as c:
+        task = asyncio.create_task(c.infer("hold", {"x": np.zeros(5)}))
+        rid = await asyncio.to_thread(fake.held_q.get, timeout=WAIT)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await asyncio.to_thread(fake.cancels.get, timeout=WAIT) == rid
+        assert c.pool.in_use() == 1  # no FINAL yet: the worker may still be reading
+        fake.release(1)              # the late result, with an output slot
+        (await c.infer("echo", {"x": np.ones(1)})).release()
+        assert c.pool.in_use() == 0
+        assert fake.out_states()[0] == shm.RELEASED  # the discarded output was given back
+
+
+async def test_async_deadline(fake, endpoint):
+    async with AsyncClient(endpoint) as c:
+        with pytest.raises(DeadlineExceeded):
+            await c.infer("hold", {"x": np.zeros(1)}, timeout=0.1)
+        rid = await asyncio.to_thread(fake.held_q.get, timeout=WAIT)
+        assert await asyncio.to_thread(fake.cancels.get, timeout=WAIT) == rid
+
+
+async def test_async_not_local_and_partials(fake, endpoint):
+    async with AsyncClient(endpoint, transport="shm") as c:
+        r = await c.infer("remote", {"x": np.arange(3)})
+        np.testing.assert_array_equal(r["x"], np.arange(3))
+        seen = []
+        async with c.infer_stream("partials", {"x": np.arange(2)}, meta={"n": 2}) as replies:
+            async for res in replies:
+                seen.append((res.final, res.seq))
+                res.release()
+        assert seen == [(False, 0), (False, 1), (True, 2)]
+        assert c.pool.in_use() == 0
+
+
+async def test_async_broker_unreachable(endpoint):
+    async with AsyncClient(endpoint, heartbeat_interval=0.02, timeout=WAIT) as c:
+        with pytest.raises(BrokerUnreachable):
+            await c.infer("echo", {"x": np.zeros(2)})
+
+
+async def test_async_stream_latest_wins(fake, endpoint):
+    async with AsyncClient(endpoint) as c:
+        s = c.stream("hold", max_in_flight=1)
+        for i in range(5):
+            s.send({"x": np.full(2, i)})
+        await asyncio.to_thread(fake.held_q.get, timeout=WAIT)
+        assert s.dropped == 3  # 1..3 replaced; 4 waits
+        fake.release(1)
+        r0 = await s.recv(WAIT)
+        await asyncio.to_thread(fake.held_q.get, timeout=WAIT)  # 4 was sent by the reader
+        fake.release(1)
+        s.finish()
+        rest = [r async for r in s]
+        assert [int(r["x"][0]) for r in [r0, *rest]] == [0, 4]
+        st = s.stats()
+        assert (st.sent, st.completed, st.dropped) == (2, 2, 3)
+        for r in [r0, *rest]:
+            r.release()
+        with pytest.raises(InferenceError, match="closed"):
+            s.send({"x": np.zeros(1)})
+
+
+def test_run_with_uvloop(fake, endpoint):
+    async def main():
+        loop = type(asyncio.get_running_loop()).__module__
+        async with AsyncClient(endpoint) as c:
+            rs = await asyncio.gather(*(c.infer("echo", {"x": np.arange(i + 1)}) for i in range(8)))
+            s = c.stream("echo", latest_wins=False)
+            for i in range(4):
+                s.send({"x": np.full(1, i)})
+            s.finish()
+            got = [int(r["x"][0]) async for r in s]
+            out = [int(r["x"].sum()) for r in rs], got
+            for r in rs:
+                r.release()
+            return loop, out
+
+    loop, (sums, got) = run(main())
+    assert loop.startswith("uvloop")
+    assert sums == [sum(range(i + 1)) for i in range(8)] and got == [0, 1, 2, 3]

@@ -1,0 +1,142 @@
+"""Packing, unpacking, result lifetimes and error mapping, without any socket."""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import shm
+from broker import protocol as P
+from broker.protocol import ErrorCode
+from client_sdk import errors
+from client_sdk import tensors as T
+from client_sdk.tensors import InvalidInput, Result
+
+
+@pytest.fixture
+def pool():
+    with shm.ShmPool(1 << 20) as p:
+        yield p
+
+
+def _bytes_of(frame) -> bytes:
+    return bytes(memoryview(frame).cast("B")) if not isinstance(frame, bytes) else frame
+
+
+def _roundtrip(packed: T.Packed, leases: T.OutputLeases) -> Result:
+    return T.unpack(P.Reply(id=1, tensors=packed.tensors), packed.frames, leases, final=True)
+
+
+# -------------------------------------------------------------------------------- errors
+
+def test_error_classes_and_codes():
+    for code in ErrorCode:
+        e = errors.error_from(code, "why")
+        assert isinstance(e, errors.InferenceError) and e.code == code
+        assert str(e).startswith("why (")  # every message carries what to do
+    assert isinstance(errors.error_from(ErrorCode.PROTOCOL_ERROR, "x"), P.ProtocolError)
+    assert isinstance(errors.error_from(ErrorCode.DEADLINE_EXCEEDED, "x"), TimeoutError)
+    odd = errors.error_from(418, "teapot")
+    assert type(odd) is errors.InferenceError and odd.code == 418 and "upgrade" in str(odd)
+    assert issubclass(errors.NotSupported, NotImplementedError)
+    assert "endpoint" in str(errors.BrokerUnreachable())
+
+
+# -------------------------------------------------------------------------------- packing
+
+def test_inline_packing_is_c_order_and_zero_copy_when_possible():
+    f = np.asfortranarray(np.arange(12, dtype=np.int32).reshape(3, 4))
+    c = np.arange(6, dtype=np.float64)
+    p = T.pack({"f": f, "c": c, "z": np.int8(7), "e": np.zeros((2, 0))}, None)
+    assert [type(t.loc) for t in p.tensors] == [P.InlineLoc] * 4
+    assert [t.loc.frame for t in p.tensors] == [0, 1, 2, 3]
+    assert _bytes_of(p.frames[0]) == np.ascontiguousarray(f).tobytes()
+    assert np.shares_memory(p.frames[1], c)  # contiguous: sent from the caller's memory
+    assert p.tensors[2].shape == [] and _bytes_of(p.frames[2]) == b"\x07"
+    assert p.frames[3] == b"" and p.tensors[3].shape == [2, 0]
+    assert not p.uses_shm and not p.temp
+
+
+def test_copy_inline_makes_private_frames():
+    c = np.arange(6, dtype=np.float64)
+    p = T.pack({"c": c}, None, copy_inline=True)
+    c[:] = -1
+    assert np.frombuffer(p.frames[0], np.float64).tolist() == list(range(6))
+
+
+def test_shm_packing_and_views(pool):
+    leases = T.OutputLeases()
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    p = T.pack({"x": x, "t": x.transpose(2, 0, 1)}, pool)
+    assert p.uses_shm and len(p.temp) == 2 and pool.in_use() == 2
+    assert all(pool.table["state"][r.slot] == shm.IN_FLIGHT for r in p.temp)  # readable by workers
+    # The client's own pool is readable through a SegmentCache (same process here).
+    r = _roundtrip(p, leases)
+    np.testing.assert_array_equal(r["t"], x.transpose(2, 0, 1))
+    assert r.zero_copy == {"x": True, "t": True}
+    r.release()
+    T.free_temp(pool, p.temp)
+    assert pool.in_use() == 0
+    leases.close()
+
+
+def test_failed_pack_frees_its_slots(pool):
+    with pytest.raises(InvalidInput, match="Python objects"):
+        T.pack({"ok": np.zeros(100), "bad": np.array([None])}, pool)
+    assert pool.in_use() == 0
+
+
+def test_input_validation():
+    with pytest.raises(InvalidInput, match="at most"):
+        T.pack({f"t{i}": np.zeros(1) for i in range(P.MAX_TENSORS + 1)}, None)
+    with pytest.raises(InvalidInput, match="dimensions"):
+        T.pack({"x": np.zeros((1,) * (P.MAX_NDIM + 1))}, None)
+    with pytest.raises(InvalidInput, match="non-empty strings"):
+        T.pack({"": np.zeros(1)}, None)
+    p = T.pack({"l": [[1, 2], [3, 4]]}, None)  # array-likes are accepted
+    assert p.tensors[0].shape == [2, 2]
+
+
+# -------------------------------------------------------------------------------- results
+
+def test_result_mapping_and_release_semantics():
+    r = T.unpack(P.Reply(id=9, tensors=[P.TensorRef(name="a", dtype="<i2", shape=[2],
+                                                    loc=P.InlineLoc(frame=0))], timing={"q": 1.0}),
+                 [np.array([5, 6], "<i2").tobytes()], T.OutputLeases(), final=True)
+    assert list(r) == ["a"] and len(r) == 1 and "a" in r and r.timing == {"q": 1.0}
+    assert r["a"].tolist() == [5, 6] and not r["a"].flags.writeable
+    assert "a: int16[2]" in repr(r)
+    with r:
+        pass
+    assert r.released and "released" in repr(r)
+    with pytest.raises(KeyError, match="released"):
+        r["a"]
+
+
+def test_lease_finalizer_waits_for_every_view():
+    fired = []
+    out, fin = T.lease_array(np.arange(10), fired.append, "gone")
+    views = [out[2:], out.reshape(2, 5).T, out.view(np.uint8)[::8]]
+    del out
+    gc.collect()
+    assert fired == []
+    views.pop()
+    views.pop()
+    gc.collect()
+    assert fired == []
+    views.pop()
+    gc.collect()
+    assert fired == ["gone"]
+
+
+def test_leases_close_waits_for_live_results(pool):
+    leases = T.OutputLeases()
+    p = T.pack({"x": np.arange(8.0)}, pool)
+    r = _roundtrip(p, leases)
+    leases.close()  # the client closed; the result is still in use
+    assert leases.live == 1 and r["x"][7] == 7.0
+    slot = p.temp[0].slot
+    r.release()
+    assert pool.table["state"][slot] == shm.RELEASED  # still given back after close
+    assert leases.live == 0
