@@ -43,6 +43,8 @@ log = logging.getLogger("broker")
 # Messages drained from one socket before looking at the other and at the timers: large
 # enough to amortise the poll, small enough that a flood of clients cannot starve workers.
 _DRAIN = 64
+# Seconds between sweeps for shared-memory segments of dead processes.
+_GC_INTERVAL = 1.0
 
 
 def default_runtime_dir() -> str:
@@ -171,8 +173,14 @@ class Broker:
         fe, be = self.frontend, self.backend
         sched = self.sched
         wake = sched.next_wakeup(time.monotonic())
+        next_gc = time.monotonic()
         while stop is None or not stop.is_set():
             now = time.monotonic()
+            if now >= next_gc:
+                # The broker outlives clients and workers on this host: it reaps the shared
+                # memory of those that died without cleaning up (SIGKILL, OOM).
+                self._collect_shm()
+                next_gc = now + _GC_INTERVAL
             if wake is not None and now >= wake:
                 self._act(sched.tick(now), now)
                 wake = sched.next_wakeup(now)
@@ -183,6 +191,15 @@ class Broker:
             if fe in events:
                 self._drain(fe, self._on_client)
             wake = sched.next_wakeup(time.monotonic())
+
+    def _collect_shm(self) -> None:
+        try:
+            from shm import gc as shm_gc
+
+            for name in shm_gc.collect():
+                log.info("unlinked shared memory of a dead process: %s", name)
+        except Exception:  # never let housekeeping stop the broker
+            log.exception("shared-memory garbage collection failed")
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
         for _ in range(_DRAIN):

@@ -360,7 +360,11 @@ class Worker:
             }
             if job.req.queue_ms is not None:
                 timing["queue_ms"] = job.req.queue_ms
-            self._reply_tensors(job, out, timing, final=True)
+            try:
+                self._reply_tensors(job, out, timing, final=True)
+            except Exception as e:  # one bad output must not take the worker (and its other requests) down
+                log.exception("could not send the outputs of request %d", job.req.id)
+                self._reply_error(job, P.ErrorCode.INTERNAL, f"could not send outputs: {type(e).__name__}: {e}")
         self.served += n
 
     def _run_stream(self, job: _Job) -> None:
@@ -404,7 +408,8 @@ class Worker:
             if not arr.flags.c_contiguous:
                 arr = np.ascontiguousarray(arr)
             refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape), loc=P.InlineLoc(frame=len(frames))))
-            frames.append(arr.data if arr.nbytes else b"")
+            # Raw bytes view: the buffer protocol refuses some dtypes (datetime64) as typed views.
+            frames.append(arr.reshape(-1).view(np.uint8).data if arr.nbytes else b"")
         timing["output_ms"] = (time.perf_counter() - t0) * 1e3
         header = P.encode_header(P.Reply(id=req.id, tensors=refs, timing=timing, seq=seq))
         self._send(P.worker_reply(job.envelope, final, [header, *frames]))
