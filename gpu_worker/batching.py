@@ -25,7 +25,12 @@ Policy
     - the expected time the batch fills up (last arrival + missing items x expected gap),
     - any pending request's ``deadline - deadline_margin`` (time to still run it),
   and a full batch (``max_batch`` items, or the next item would exceed ``max_cost``) goes
-  at once.  The times depend only on state that changes with an arrival, so ``wake_at``
+  at once.
+* Waiting must pay off.  A short inter-arrival time does not prove that company is coming:
+  a closed-loop client that sends its next request only after the reply arrives has short
+  gaps and never sends anything while we wait.  So the batcher keeps, per key, an EWMA of
+  how many requests each wait gathered; when that falls below ``min_gain`` it stops waiting
+  (lone requests go at once) and only probes again every ``probe_every`` batches.  The times depend only on state that changes with an arrival, so ``wake_at``
   stays true until the next ``add``; when the expected arrivals do not come (a burst
   ended), the batch goes at the expected fill time rather than waiting out ``max_delay``.
 * Busy worker.  ``take(now, idle=False)`` means a batch is still running: only a full batch
@@ -79,6 +84,9 @@ class _Entry:
 class _Rate:
     last: float  # latest arrival seen for the key
     gap: float | None = None  # EWMA of inter-arrival time; None until two arrivals
+    gain: float = 1.0  # EWMA of the requests a wait gathered (did waiting pay off?)
+    waited_from: int | None = None  # batch size when the current wait began
+    skips: int = 0  # waits skipped since the last probe because they did not pay off
 
 
 class Batcher:
@@ -86,6 +94,10 @@ class Batcher:
 
     #: weight of a new inter-arrival sample in the EWMA
     alpha = 0.2
+    #: a wait that gathers fewer requests than this on average is not worth its delay
+    min_gain = 0.5
+    #: batches between two probing waits once waiting stopped paying off
+    probe_every = 32
     #: keys whose arrival rate is remembered (LRU), so that many one-off shapes cannot grow
     #: the state without bound
     max_tracked_keys = 1024
@@ -166,10 +178,32 @@ class Batcher:
         n, full = self._plan(key)
         if not idle:
             self._busy = True
-            return self._pop(key, n) if full else []
-        if full or force or self._busy or self._ready_at(key, n, now) <= now:
+            if full:
+                self._settle_wait(key, n)
+                return self._pop(key, n)
+            return []
+        if full or force or self._busy:
+            self._settle_wait(key, n)
             return self._pop(key, n)
+        t, gated = self._wait_until(key, n, now)
+        r = self._rates.get(key)
+        if t <= now:
+            if gated and r is not None:
+                r.skips += 1
+            self._settle_wait(key, n)
+            return self._pop(key, n)
+        if r is not None and r.waited_from is None:
+            r.waited_from = n
         return []
+
+    def _settle_wait(self, key: Hashable, n: int) -> None:
+        """A batch of ``key`` goes now: if we had been waiting for it, learn what that gained."""
+        r = self._rates.get(key)
+        if r is None or r.waited_from is None:
+            return
+        r.gain += self.alpha * ((n - r.waited_from) - r.gain)
+        r.waited_from = None
+        r.skips = 0
 
     def wake_at(self, now: float) -> float | None:
         """When ``take(idle=True)`` may return a batch, or ``expire`` a request, without a
@@ -184,7 +218,7 @@ class Batcher:
         if key is None:
             return None
         n, full = self._plan(key)
-        t = now if (full or self._busy) else self._ready_at(key, n, now)
+        t = now if (full or self._busy) else self._wait_until(key, n, now)[0]
         first_deadline = self._first_deadline()
         if first_deadline is not None:
             t = min(t, first_deadline)
@@ -241,6 +275,15 @@ class Batcher:
             if total >= self.max_cost:  # at the cap, or a lone request over it
                 return n, True
         return n, n == self.max_batch
+
+    def _wait_until(self, key: Hashable, n: int, now: float) -> tuple[float, bool]:
+        """(when a not-yet-full batch should go, whether "now" is only because waiting has
+        not been paying off)."""
+        r = self._rates.get(key)
+        if r is not None and r.waited_from is None and r.gain < self.min_gain and r.skips < self.probe_every:
+            t = self._ready_at(key, n, now)
+            return now, t > now
+        return self._ready_at(key, n, now), False
 
     def _ready_at(self, key: Hashable, n: int, now: float) -> float:
         """When a not-yet-full batch of ``key`` with ``n`` items should go."""

@@ -313,3 +313,48 @@ def test_every_request_is_returned_exactly_once(ops, max_batch, max_cost, max_de
         returned.extend(items(b.expire(now)))
     assert len(b) == 0
     assert sorted(returned) == sorted(added)
+
+
+def test_closed_loop_client_stops_paying_for_waits():
+    """A client that sends its next request only after the reply has short inter-arrival
+    gaps but never sends during a wait.  The first waits gain nothing; after that a lone
+    request goes at once, with a probing wait every `probe_every` batches."""
+    b = Batcher(max_batch=8, max_delay=0.002)
+    now = 0.0
+    delays = []
+    for i in range(200):
+        b.add(Pending(key="k", cost=1.0, item=i, arrived=now), now)
+        got = b.take(now, idle=True)
+        start = now
+        while not got:
+            now = b.wake_at(now)
+            got = b.take(now, idle=True)
+        assert [p.item for p in got] == [i]
+        assert b.take(now, idle=True) == []  # the worker's loop asks again: nothing left, idle
+        delays.append(now - start)
+        now += 0.0005  # the reply's trip back and the client's next send
+    waited = [d for d in delays[20:] if d > 0]
+    # Early requests wait (gaps look short); later only the periodic probe does.
+    assert any(d > 0 for d in delays[:10])
+    assert len(waited) <= len(delays[20:]) // Batcher.probe_every + 1
+
+
+def test_waits_that_gather_company_keep_happening():
+    b = Batcher(max_batch=4, max_delay=0.002)
+    now = 0.0
+    sizes = []
+    for _ in range(50):
+        # Four concurrent clients: their requests land 0.1 ms apart.
+        for j in range(4):
+            b.add(Pending(key="k", cost=1.0, item=j, arrived=now), now)
+            got = b.take(now, idle=True)
+            if got:
+                break
+            now += 0.0001
+        while not got:
+            now = b.wake_at(now)
+            got = b.take(now, idle=True)
+        sizes.append(len(got))
+        assert b.take(now, idle=True) == []
+        now += 0.001
+    assert sum(s == 4 for s in sizes[10:]) >= 35
