@@ -45,6 +45,7 @@ log = logging.getLogger("broker")
 _DRAIN = 64
 # Seconds between sweeps for shared-memory segments of dead processes.
 _GC_INTERVAL = 1.0
+_POLLIN = int(zmq.POLLIN)
 
 
 def default_runtime_dir() -> str:
@@ -167,15 +168,16 @@ class Broker:
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Run until `stop` is set (checked at least every 100 ms)."""
-        poller = zmq.Poller()
-        poller.register(self.frontend, zmq.POLLIN)
-        poller.register(self.backend, zmq.POLLIN)
         fe, be = self.frontend, self.backend
+        items = [(be, zmq.POLLIN), (fe, zmq.POLLIN)]
+        poll = zmq.zmq_poll
+        monotonic = time.monotonic
         sched = self.sched
-        wake = sched.next_wakeup(time.monotonic())
-        next_gc = time.monotonic()
+        on_worker, on_client = self._on_worker, self._on_client
+        wake = sched.next_wakeup(monotonic())
+        next_gc = monotonic()
         while stop is None or not stop.is_set():
-            now = time.monotonic()
+            now = monotonic()
             if now >= next_gc:
                 # The broker outlives clients and workers on this host: it reaps the shared
                 # memory of those that died without cleaning up (SIGKILL, OOM).
@@ -184,13 +186,12 @@ class Broker:
             if wake is not None and now >= wake:
                 self._act(sched.tick(now), now)
                 wake = sched.next_wakeup(now)
-            timeout = 100.0 if wake is None else max(0.0, min(100.0, (wake - now) * 1000.0))
-            events = dict(poller.poll(timeout))
-            if be in events:
-                self._drain(be, self._on_worker)
-            if fe in events:
-                self._drain(fe, self._on_client)
-            wake = sched.next_wakeup(time.monotonic())
+            timeout = 100 if wake is None else max(0, min(100, int((wake - now) * 1000.0 + 0.999)))
+            for sock, _ in poll(items, timeout):
+                # Workers first: a reply frees credit for the requests that follow.
+                self._drain(sock, on_worker if sock is be else on_client)
+            wake = sched.next_wakeup(monotonic())
+        self._collect_shm()
 
     def _collect_shm(self) -> None:
         try:
@@ -202,16 +203,18 @@ class Broker:
             log.exception("shared-memory garbage collection failed")
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
+        # Poll said a message is there; after it, ask EVENTS rather than catch zmq.Again
+        # (an exception per wake-up is measurable at this rate).
+        recv = sock.recv_multipart
         for _ in range(_DRAIN):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+            frames = recv(copy=False)
             try:
                 handler(frames)
             except Exception:  # the loop must survive any one message
                 self.malformed += 1
                 log.exception("unexpected error while handling a message; dropped it")
+            if not sock.get(zmq.EVENTS) & _POLLIN:
+                return
 
     # ------------------------------------------------------------------ clients
 
@@ -377,6 +380,8 @@ class Broker:
             elif t is DisconnectWorker:
                 log.info("disconnecting worker %r: %s", a.worker[:16], a.reason)
                 self.backend.send_multipart([a.worker, *P.worker_disconnect()])
+                # A worker presumed dead may have died for real: reap its shared memory now.
+                self._collect_shm()
 
     def _dispatch(self, a: Dispatch, now: float) -> None:
         p: _Payload = a.payload

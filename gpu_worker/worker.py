@@ -43,6 +43,7 @@ from broker import protocol as P
 from gpu_worker.batching import Batcher, Pending
 
 log = logging.getLogger("gpu_worker")
+_POLLIN = int(zmq.POLLIN)
 
 
 @dataclass
@@ -205,12 +206,11 @@ class Worker:
     # ------------------------------------------------------------------ receiving
 
     def _drain(self) -> None:
+        # EVENTS instead of recv(NOBLOCK) + zmq.Again: no exception per wake-up.
         sock = self.sock
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        recv = sock.recv_multipart
+        while sock.get(zmq.EVENTS) & _POLLIN:
+            frames = recv(copy=False)
             try:
                 self._on_message(frames)
             except Exception:
