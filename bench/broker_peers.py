@@ -24,6 +24,8 @@ class _BrokerClient(PeerClient):
         from client_sdk import AsyncClient, Client
 
         self.transport = transport
+        # A remote client gets its outputs inline too; a local one where the worker chooses.
+        self.reply = "inline" if transport == "inline" else "auto"
         self._aio = AsyncClient(endpoint, transport=transport, timeout=60)
         self._sync: Any = None
         self._endpoint = endpoint
@@ -55,7 +57,7 @@ class _BrokerClient(PeerClient):
 
     async def request(self, payload: Any) -> dict | None:
         x = self._stage(self._aio, payload)
-        res = await self._aio.infer("echo", {"x": x})
+        res = await self._aio.infer("echo", {"x": x}, reply=self.reply)
         try:
             return self._timing(res)
         finally:
@@ -65,7 +67,7 @@ class _BrokerClient(PeerClient):
         if self._sync is None:
             self._sync = self._Client(self._endpoint, transport=self.transport, timeout=60)
         x = self._stage(self._sync, payload)
-        with self._sync.infer("echo", {"x": x}) as res:
+        with self._sync.infer("echo", {"x": x}, reply=self.reply) as res:
             out = self._timing(res)
             out["reply"] = bytes(np.ascontiguousarray(res["x"]).view(np.uint8).reshape(-1))
             return out

@@ -67,7 +67,7 @@ class WorkerConfig:
 class _Job:
     """One request held by the worker."""
 
-    __slots__ = ("envelope", "req", "inputs", "opaque", "received", "deadline", "refs")
+    __slots__ = ("envelope", "req", "inputs", "opaque", "received", "deadline", "refs", "input_ms")
 
     def __init__(self, envelope, req, inputs, opaque, received, deadline, refs):
         self.envelope = envelope
@@ -77,6 +77,7 @@ class _Job:
         self.received = received
         self.deadline = deadline
         self.refs = refs          # name -> TensorRef of the input (for identity pass-through)
+        self.input_ms = 0.0       # mapping the inputs (shm views, inline frames)
 
 
 class Worker:
@@ -258,7 +259,9 @@ class Worker:
             return
         job = _Job(envelope, req, None, None, now, None, None)
         try:
+            t0 = time.perf_counter()
             job.inputs, job.refs = self._map_inputs(req, rest)
+            job.input_ms = (time.perf_counter() - t0) * 1e3
         except Exception as e:  # a stale/forged reference fails this request only
             self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR, f"cannot read inputs: {e}")
             return
@@ -355,6 +358,7 @@ class Worker:
         for job, out in zip(jobs, outputs):
             timing = {
                 "batch_wait_ms": (started - job.received) * 1e3,
+                "input_ms": job.input_ms,
                 "compute_ms": compute_ms,
                 "batch": float(n),
             }

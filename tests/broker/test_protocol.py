@@ -164,3 +164,20 @@ def test_dtypes_accepted(dt):
 def test_host_id_is_stable():
     assert P.local_host_id() == P.local_host_id()
     assert "/" in P.local_host_id()
+
+
+def test_broker_toml_config(tmp_path):
+    from broker.server import BrokerConfig
+
+    path = tmp_path / "broker.toml"
+    path.write_text(
+        'frontend = "ipc:///tmp/x-fe"\nbackend = "ipc:///tmp/x-be"\n'
+        "[scheduler]\nheartbeat_interval = 0.5\nmax_queue = 7\npriority_weights = [4.0, 1.0, 0.25]\n"
+    )
+    cfg = BrokerConfig.from_toml(str(path))
+    assert (cfg.frontend, cfg.backend) == ("ipc:///tmp/x-fe", "ipc:///tmp/x-be")
+    assert cfg.scheduler.heartbeat_interval == 0.5 and cfg.scheduler.max_queue == 7
+    assert cfg.scheduler.priority_weights == (4.0, 1.0, 0.25)
+    path.write_text("[scheduler]\nno_such_option = 1\n")
+    with pytest.raises(ValueError, match="no_such_option"):
+        BrokerConfig.from_toml(str(path))

@@ -360,3 +360,35 @@ def test_cartoon_and_convnet_serve(cluster):
             assert not np.array_equal(out["image"], img)
         with c.infer("convnet", {"image": np.zeros((224, 224, 3), np.uint8)}) as out:
             assert out["logits"].dtype == np.float32 and out["logits"].shape[-1] == 1000
+
+
+def test_cancelled_queued_request_never_runs(cluster, gate):
+    cluster.broker()
+    _gated_worker(cluster, gate)
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=30) as c:
+            while not await c.mmi_service("gate"):
+                await asyncio.sleep(0.01)
+            busy = asyncio.create_task(c.infer("gate", {"x": np.zeros(1)}))
+            while c.in_flight() < 1:
+                await asyncio.sleep(0)
+            doomed = asyncio.create_task(c.infer("gate", {"x": np.ones(1)}))
+            while c.in_flight() < 2:
+                await asyncio.sleep(0)
+            assert await c.mmi_service("gate")  # both reached the broker; the second is queued
+            doomed.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await doomed
+            assert await c.mmi_service("gate")  # the CANCEL reached the broker
+            gate.release(1)
+            await asyncio.wait_for(busy, 30)
+            # Had the cancelled request been dispatched, it would take this byte and the
+            # next request would never finish.
+            nxt = asyncio.create_task(c.infer("gate", {"x": np.full(1, 2.0)}))
+            gate.release(1)
+            out = await asyncio.wait_for(nxt, 30)
+            assert out["x"][0] == 2.0
+            out.release()
+
+    asyncio.run(scenario())
