@@ -677,6 +677,9 @@ class Scheduler:
 
     def _unlink(self, req):
         """The client has its final: forget the request under its client's name."""
+        # Stale timer entries may keep this object a while (lazy deletion); the payload can
+        # be a 64 MB inline tensor, so it must not stay reachable through them.
+        req.payload = None
         mine = self._requests.get(req.client)
         if mine is not None and mine.get(req.request_id) is req:
             del mine[req.request_id]

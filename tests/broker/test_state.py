@@ -642,3 +642,26 @@ def test_stats_shape():
         "dispatched", "completed", "expired", "rejected_full", "retried", "dropped_late",
         "cancelled",
     }
+
+
+def test_finished_request_payload_is_not_retained():
+    """A stale deadline timer must not keep a finished request's payload (it can be a 64 MB
+    inline tensor) alive: found as a broker RSS leak of one tensor per request."""
+    import gc
+    import weakref
+
+    class Payload:
+        pass
+
+    s = Scheduler(Config())
+    s.worker_ready(b"w", "svc", 0.0, credit=1)
+    refs = []
+    for i in range(50):
+        p = Payload()
+        refs.append(weakref.ref(p))
+        acts = s.client_request(b"c", i, "svc", 0.0, payload=p, deadline=100.0)
+        token = next(a.token for a in acts if isinstance(a, Dispatch))
+        s.worker_final(b"w", token, 0.0, payload=None)
+        del p, acts
+    gc.collect()
+    assert all(r() is None for r in refs)
