@@ -43,6 +43,7 @@ from .tensors import InvalidInput, Result
 
 __all__ = ["Client", "resolve_transport", "parse_priority"]
 
+_POLLIN = int(zmq.POLLIN)
 log = logging.getLogger("client_sdk")
 
 #: milliseconds a closing socket may keep trying to deliver its DISCONNECT (close() itself
@@ -705,18 +706,19 @@ class Client:
         if hb is not None:
             timeout = hb if timeout is None else min(timeout, hb)
         ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
-        if not self._sock.poll(ms, zmq.POLLIN):
+        # zmq_poll directly: Socket.poll builds a Poller and a dict on every call.
+        if not zmq.zmq_poll([(self._sock, _POLLIN)], ms):
             return
         self._drain()
 
     def _drain(self) -> None:
+        # EVENTS rather than recv(NOBLOCK) until zmq.Again: an exception per wake-up costs
+        # more than the rest of the client's work on a small request.
         sock = self._sock
         core = self._core
-        while True:
-            try:
-                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        recv = sock.recv_multipart
+        while sock.get(zmq.EVENTS) & _POLLIN:
+            frames = recv(copy=False)
             for out in core.on_message(frames, time.monotonic()):
                 self._try_send(out)
 
