@@ -106,15 +106,17 @@ class HostRegistration:
 def register_host(buf: Any, *, readonly: bool | None = None, portable: bool = True) -> HostRegistration:
     """Pin `buf` (a shared-memory mapping) for async DMA: ``cudaHostRegister``.
 
-    The range must be page-aligned (segment mappings are).  Read-only mappings need the
+    The range must start on a page (segment mappings do).  Read-only mappings need the
     read-only flag, otherwise the driver tries to pin them writable and fails."""
     addr, size, ro = buffer_span(buf)
     if readonly is None:
         readonly = ro
     if size == 0:
         raise HostRegisterError("cannot register an empty buffer")
-    if addr % mmap.PAGESIZE or size % mmap.PAGESIZE:
-        raise HostRegisterError(f"range {addr:#x}+{size} is not page-aligned; register whole mappings")
+    if addr % mmap.PAGESIZE:
+        raise HostRegisterError(f"address {addr:#x} is not page-aligned; register whole mappings")
+    # A mapping always covers whole pages, so rounding the length up stays inside it.
+    size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
     torch = require_cuda()
     cudart = torch.cuda.cudart()
     flags = (HOST_REGISTER_PORTABLE if portable else 0) | (HOST_REGISTER_READ_ONLY if readonly else 0)

@@ -1,0 +1,159 @@
+"""CudaLoc on the wire and the host state table of a device pool, on the CPU.
+
+The release path of a device slot is the host one: the owner's state words live in a zinf
+segment, a reader stores RELEASED through shm.SegmentCache, the owner's book reclaims.
+"""
+from __future__ import annotations
+
+import os
+
+import msgspec
+import numpy as np
+import pytest
+
+from broker import protocol as P
+from shm import SegmentCache, SegmentGone, StaleDescriptor, BadDescriptor
+from shm.cuda_ipc import (
+    HANDLE_SIZE, DevicePoolBook, DeviceRef, HostStateTable, PoolMeta, from_loc, host_ref,
+    read_pool_meta, to_loc,
+)
+from shm.segment import SHM_DIR
+
+POOL = "zinf-4242-81234-0f3a9c2d4b5e6f70"
+
+
+def ref(**kw):
+    base = dict(pool=POOL, offset=512, nbytes=1080 * 1920 * 3, slot=3, generation=9, device=1)
+    base.update(kw)
+    return DeviceRef(**base)
+
+
+def test_loc_round_trip_through_a_request_header():
+    r = ref()
+    loc = to_loc(r, handle=b"\x01" * HANDLE_SIZE, event=b"\x02" * HANDLE_SIZE)
+    req = P.Request(id=7, pid=4242, tensors=[P.TensorRef(name="image", dtype="|u1", shape=[1080, 1920, 3], loc=loc)])
+    back = P.decode_request(P.encode_header(req))
+    got = back.tensors[0].loc
+    assert type(got) is P.CudaLoc
+    assert got.handle == b"\x01" * HANDLE_SIZE and got.event == b"\x02" * HANDLE_SIZE
+    assert from_loc(got) == r
+
+
+def test_loc_without_handle_and_reply_side():
+    r = ref(nbytes=4000, offset=0, slot=0, generation=0, device=0)
+    loc = to_loc(r)
+    rep = P.decode_reply(P.encode_header(P.Reply(id=1, tensors=[P.TensorRef(name="logits", dtype="<f4", shape=[1000], loc=loc)])))
+    assert from_loc(rep.tensors[0].loc) == r and rep.tensors[0].loc.handle == b""
+
+
+def test_protocol_checks_nbytes_against_dtype_and_shape():
+    loc = to_loc(ref(nbytes=10))
+    req = P.Request(id=1, tensors=[P.TensorRef(name="x", dtype="<f4", shape=[3], loc=loc)])
+    with pytest.raises(P.ProtocolError, match="need 12"):
+        P.decode_request(P.encode_header(req))
+
+
+@pytest.mark.parametrize("pool, err", [
+    ("zinf-4242-81234-0f3a9c2d4b5e6f70", "must be '<segment>/<slot>/<generation>'"),
+    ("../etc/passwd/1/2", "must be"),
+    ("..%2Fpasswd/1/2", "not a state-table segment name"),
+    (POOL + "/x/2", "must be '<segment>/<slot>/<generation>'"),
+    (POOL + "/1/-2", "must be '<segment>/<slot>/<generation>'"),
+])
+def test_bad_pool_ids_are_refused(pool, err):
+    loc = P.CudaLoc(pool=pool, offset=0, nbytes=1, device=0)
+    with pytest.raises(BadDescriptor, match=err):
+        from_loc(loc)
+
+
+def test_bad_fields_are_refused():
+    with pytest.raises(BadDescriptor, match="handle must be 64 bytes"):
+        from_loc(P.CudaLoc(pool=POOL + "/1/2", offset=0, nbytes=1, device=0, handle=b"x"))
+    with pytest.raises(BadDescriptor, match="device"):
+        from_loc(P.CudaLoc(pool=POOL + "/1/2", offset=0, nbytes=1, device=-1))
+    with pytest.raises(BadDescriptor, match="generation"):
+        from_loc(P.CudaLoc(pool=POOL + f"/1/{1 << 33}", offset=0, nbytes=1, device=0))
+
+
+def test_a_loc_with_its_own_slot_fields_is_used_as_is():
+    # What CudaLoc looks like once the protocol gives slot/generation fields of their own.
+    class CudaLoc2(msgspec.Struct, tag="cuda", tag_field="kind", frozen=True):
+        pool: str
+        offset: int
+        nbytes: int
+        device: int
+        handle: bytes = b""
+        event: bytes = b""
+        slot: int = -1
+        generation: int = 0
+
+    r = ref()
+    loc = to_loc(r, cls=CudaLoc2)
+    assert loc.pool == POOL and loc.slot == 3 and loc.generation == 9
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(loc), type=CudaLoc2)
+    assert from_loc(wire) == r
+    # An old peer's location (no slot fields sent) still parses through the pool id.
+    assert from_loc(CudaLoc2(pool=f"{POOL}/3/9", offset=512, nbytes=r.nbytes, device=1)) == r
+
+
+def test_host_state_table_release_path():
+    table = HostStateTable(8)
+    cache = SegmentCache()
+    try:
+        assert os.path.exists(os.path.join(SHM_DIR, table.name))
+        table.write_meta(PoolMeta(1 << 20, 2, 256, b"\xab" * 64, b"\x11" * 16))
+        meta, data_offset = read_pool_meta(table.name)
+        assert meta == PoolMeta(1 << 20, 2, 256, b"\xab" * 64, b"\x11" * 16)
+        assert data_offset == table.data_offset
+        book = DevicePoolBook(1 << 20, slots=8, words=table.words, record_offset=table.data_offset)
+        s = book.alloc(1000)
+        r = DeviceRef(table.name, s.offset, s.nbytes, s.slot, s.generation, 2)
+        h = host_ref(r, data_offset)
+        with pytest.raises(StaleDescriptor):  # WRITING: not visible to readers yet
+            cache.view(h, np.uint8, (0,))
+        book.mark_in_flight(s.slot, s.generation)
+        cache.view(h, np.uint8, (0,))  # validation only: the slot is IN_FLIGHT at that generation
+        cache.release(h)
+        cache.release(h)  # idempotent until reclaimed
+        assert book.reclaim() == 1
+        with pytest.raises(StaleDescriptor):
+            cache.release(h)
+        # Through a real CudaLoc, as a consumer gets it.
+        s2 = book.alloc(10)
+        book.mark_in_flight(s2.slot, s2.generation)
+        loc = to_loc(DeviceRef(table.name, s2.offset, 10, s2.slot, s2.generation, 2))
+        cache.release(host_ref(from_loc(loc), data_offset))
+        assert book.reclaim() == 1
+    finally:
+        cache.close()
+        table.close()
+    assert not os.path.exists(os.path.join(SHM_DIR, table.name))
+    with pytest.raises(SegmentGone):
+        read_pool_meta(table.name)
+
+
+def test_closed_table_tells_cached_readers():
+    table = HostStateTable(2)
+    cache = SegmentCache()
+    try:
+        table.write_meta(PoolMeta(4096, 0, 256, b"\0" * 64, b""))
+        book = DevicePoolBook(4096, slots=2, words=table.words, record_offset=table.data_offset)
+        s = book.alloc(1)
+        book.mark_in_flight(s.slot, s.generation)
+        h = host_ref(DeviceRef(table.name, s.offset, 1, s.slot, s.generation, 0), table.data_offset)
+        cache.view(h, np.uint8, (0,))
+        assert read_pool_meta(table.name)[0].uuid == b""
+        table.close()
+        with pytest.raises(SegmentGone):
+            cache.view(h, np.uint8, (0,))
+    finally:
+        cache.close()
+        table.close()
+
+
+def test_read_pool_meta_refuses_plain_segments():
+    from shm import ShmPool
+
+    with ShmPool(4096, slots=1) as p:
+        with pytest.raises(BadDescriptor, match="not a device pool"):
+            read_pool_meta(p.name)

@@ -1,0 +1,60 @@
+"""`python -m bench.gpu_check --dry-run` writes valid JSON and never a traceback."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from shm.cuda_ipc import cuda_status
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_dry_run_writes_json(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("OUT", None)
+    p = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stdout + p.stderr
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == 1 and doc["dry_run"] is True
+    assert "bench.gpu_check --dry-run" in doc["command"]
+    assert doc["versions"]["python"] and "torch" in doc["versions"]
+    assert set(doc["checks"]) == {"gpu_tests", "ipc_roundtrip", "no_host_copy", "latency"}
+    ok, _ = cuda_status()
+    for check in doc["checks"].values():
+        assert check["status"] == "skipped"
+        if not ok:
+            assert "no CUDA device" in check["reason"]
+    assert doc["ok"] is True and not list(tmp_path.glob("*.tmp"))
+
+
+def test_default_out_follows_OUT(monkeypatch, tmp_path):
+    from bench import gpu_check
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gpu_check.default_out() == tmp_path / "gpu_check.json"
+    monkeypatch.delenv("OUT")
+    assert gpu_check.default_out() == ROOT / "bench" / "results" / "gpu_check.json"
+
+
+def test_memcpy_counting_by_direction():
+    from bench.gpu_check import memcpy_counts
+
+    class E:
+        def __init__(self, name):
+            self.name = name
+
+    class Prof:
+        def events(self):
+            return [E(n) for n in ("Memcpy HtoD (Pinned -> Device)", "Memcpy DtoD (Device -> Device)",
+                                   "Memcpy DtoD (Device -> Device)", "cudaMemcpyAsync", "aten::copy_",
+                                   "Memcpy DtoH (Device -> Pageable)", "Memset (Device)")]
+
+    c = memcpy_counts(Prof())
+    assert (c["htod"], c["dtoh"], c["dtod"], c["other_memcpy"]) == (1, 1, 2, 0)
+    assert c["names"]["cudaMemcpyAsync"] == 1

@@ -1,0 +1,60 @@
+"""Without CUDA every GPU module imports, and every device entry point says why it cannot
+run with one typed error."""
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from shm.cuda_ipc import CudaUnavailable, cuda_status
+
+HAVE_CUDA, WHY = cuda_status()
+no_cuda = pytest.mark.skipif(HAVE_CUDA, reason="CUDA is available here; these check the CPU-only behaviour")
+
+
+def test_modules_import_without_cuda_python_or_tensorrt():
+    # A fresh interpreter, so nothing imported by other tests hides a missing import.
+    code = ("import shm.cuda_ipc, gpu_worker.cuda_runtime, gpu_worker.trt, bench.gpu_check; "
+            "import sys; print('tensorrt' in sys.modules, 'onnx' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]  # imported lazily, only when used
+
+
+@no_cuda
+def test_device_entry_points_raise_cuda_unavailable():
+    from gpu_worker import cuda_runtime as cr
+    from shm import cuda_ipc
+
+    assert "no CUDA device" in WHY or "torch" in WHY
+    for call in (lambda: cuda_ipc.CudaPool(1 << 20), lambda: cuda_ipc.runtime(), cuda_ipc.require_cuda,
+                 lambda: cr.CopyComputeOverlap(0),
+                 lambda: cr.register_host((4096 * 16, 4096))):
+        with pytest.raises(CudaUnavailable, match="CUDA|torch"):
+            call()
+    with pytest.raises(CudaUnavailable):
+        cuda_ipc.CudaPoolCache().view(
+            cuda_ipc.to_loc(cuda_ipc.DeviceRef("zinf-1-1-0123456789abcdef", 0, 1, 0, 0, 0)), "|u1", (1,))
+    w = cr.MemoryWatch(4)  # construction is pure; the first reading needs CUDA
+    with pytest.raises(CudaUnavailable):
+        w.limit()
+
+
+@no_cuda
+def test_trt_backend_says_what_is_missing():
+    from gpu_worker import trt
+    from gpu_worker.backends import BackendUnavailable
+    from gpu_worker.models import load_model
+
+    ok, why = trt.available()
+    assert not ok and why
+    with pytest.raises(BackendUnavailable, match=why.split(":")[0]):
+        trt.TrtBackend(load_model("convnet", "cpu"))
+
+
+def test_cuda_ipc_module_is_not_imported_by_shm():
+    # shm stays CUDA-free for host-only users: the device plane is opt-in.
+    mod = importlib.import_module("shm")
+    assert "cuda_ipc" not in mod.__all__
