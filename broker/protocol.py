@@ -141,6 +141,8 @@ class CudaLoc(msgspec.Struct, tag="cuda", tag_field="kind", frozen=True):
     device: int
     handle: bytes = b""
     event: bytes = b""
+    slot: int = -1          # slot in the pool's state table (docs/gpu.md); -1: none
+    generation: int = 0     # the slot's generation at hand-off, as for shared memory
 
 
 Location = Union[InlineLoc, ShmLoc, CudaLoc]
