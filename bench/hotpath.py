@@ -1,0 +1,149 @@
+"""The Python cost of one tiny request in each process, with the sockets taken out.
+
+Each component handles the frames it would see for a 16-byte shared-memory echo, with its
+sockets replaced by a stub that records what would be sent; what is left is the component's
+own work per request (parsing, validation, scheduling, batching, descriptors):
+
+  broker   client REQUEST in -> dispatch out, worker FINAL in -> FINAL to the client out
+  worker   REQUEST in -> map inputs, batch, run echo, reply header out
+  client   pack the request -> parse the reply -> build and release the Result
+
+    python -m bench.hotpath [--n 20000]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import zmq
+
+from broker import protocol as P
+
+
+class _Stub:
+    last = None
+
+    def send_multipart(self, frames, copy=True, flags=0):
+        self.last = frames
+
+    def close(self, linger=None):
+        pass
+
+
+def _per_call_us(fn, n: int, repeats: int = 5) -> float:
+    for _ in range(min(n, 1000)):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter_ns() - t0) / n / 1e3)
+    return statistics.median(out)
+
+
+def broker_us(n: int) -> float:
+    from broker.server import Broker, BrokerConfig
+
+    d = tempfile.mkdtemp(prefix="zinf-hot-")
+    b = Broker(BrokerConfig(frontend=f"ipc://{d}/f", backend=f"ipc://{d}/b"))
+    real = b.frontend, b.backend
+    b.frontend, b.backend = _Stub(), _Stub()
+    F = zmq.Frame
+    try:
+        caps = P.Ready(credit=4, host=P.local_host_id(), transports=["inline", "shm"])
+        b._on_worker([F(b"W1"), *map(F, P.worker_ready("echo", caps))])
+        ref = P.TensorRef(name="x", dtype="|u1", shape=[16],
+                          loc=P.ShmLoc(segment="zinf-1-2-0123456789abcdef", offset=4096, nbytes=16, slot=0,
+                                       generation=1))
+        hdr = P.encode_header(P.Request(id=1, host=P.local_host_id(), pid=1, tensors=[ref]))
+        rep = P.encode_header(P.Reply(id=1, tensors=[ref], timing={"compute_ms": 0.01}))
+
+        def one():
+            b._on_client([F(b"C1"), F(P.MDPC), F(P.C_REQUEST), F(b"echo"), F(hdr)])
+            env = b.backend.last[3]
+            b._on_worker([F(b"W1"), F(P.MDPW), F(P.W_FINAL), F(env), F(b""), F(rep)])
+
+        return _per_call_us(one, n)
+    finally:
+        b.frontend, b.backend = real
+        b.close()
+
+
+def worker_us(n: int) -> float:
+    from gpu_worker.worker import Worker, WorkerConfig
+    from shm import ShmPool
+
+    pool = ShmPool(1 << 20)
+    x = pool.alloc((16,), np.uint8)
+    ref = pool.ref_of(x)
+    pool.mark_in_flight(ref)
+    w = Worker(WorkerConfig(broker="ipc:///nonexistent", model="echo", max_batch=1))
+    w.sock = _Stub()
+    w._last_sent = w._last_heard = time.monotonic()
+    F = zmq.Frame
+    loc = P.ShmLoc(segment=ref.segment, offset=ref.offset, nbytes=16, slot=ref.slot, generation=ref.generation)
+    hdr = P.encode_header(P.Request(id=1, host=P.local_host_id(), pid=1, queue_ms=0.01,
+                                    tensors=[P.TensorRef(name="x", dtype="|u1", shape=[16], loc=loc)]))
+
+    def one():
+        w._on_message([F(P.MDPW), F(P.W_REQUEST), F(b"\0" * 8), F(b""), F(hdr)])
+        w._run_ready_batches()
+
+    try:
+        return _per_call_us(one, n)
+    finally:
+        w.sock = None
+        w.close()
+        pool.close()
+
+
+def client_us(n: int) -> float:
+    from client_sdk import Client
+
+    d = tempfile.mkdtemp(prefix="zinf-hot-")
+    c = Client(f"ipc://{d}/nothing", timeout=5)
+    core = c._core
+    x = c.alloc((16,), np.uint8)
+    F = zmq.Frame
+    call0 = core.new_call("echo", {"x": x})
+    frames0 = core.request_frames(call0, time.monotonic())
+    tensors = P.decode_request(frames0[3], 0).tensors
+    core.calls.pop(call0.id, None)
+
+    def one():
+        call = core.new_call("echo", {"x": x})
+        core.request_frames(call, time.monotonic())
+        # Encoding the worker's reply (~1 us) is the one piece timed here that is not the client's.
+        rep = P.encode_header(P.Reply(id=call.id, tensors=tensors, timing={"compute_ms": 0.01}))
+        core.on_message([F(P.MDPC), F(P.C_FINAL), F(b"echo"), F(rep)], time.monotonic())
+        call.inbox.popleft()[1].release()
+
+    try:
+        return _per_call_us(one, n)
+    finally:
+        c.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.hotpath", description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=20000)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    res = {"broker_request_and_reply_us": broker_us(args.n), "worker_request_us": worker_us(args.n // 4),
+           "client_request_us": client_us(args.n // 4)}
+    for k, v in res.items():
+        print(f"{k:30s} {v:7.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "python -m bench.hotpath " + " ".join(argv or sys.argv[1:]), **res}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
