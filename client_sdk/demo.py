@@ -203,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
             pass
         shm_gc.collect()  # segments of any process that did not exit cleanly
         left = set(os.listdir("/dev/shm")) - shm_before if os.path.isdir("/dev/shm") else set()
-        left = {n for n in left if n.startswith("zinf-")}
+        # Ours: segments whose owner (the pid in the name) is this process or one it started.
+        # Other programs on the host may create segments meanwhile; they are not our leftovers.
+        mine = {str(os.getpid())} | {str(p.pid) for p in procs}
+        left = {n for n in left if n.startswith("zinf-") and n.split("-")[1] in mine}
         if left:
             print(f"warning: left in /dev/shm: {sorted(left)}", file=sys.stderr)
 
