@@ -30,10 +30,11 @@ physical memory stays allocated for the process's life.
 
 Slots, states and generations
 -----------------------------
-`DevicePoolBook` is the allocator: pure Python, no CUDA, tested on the CPU.  It has the host
-ring's state machine (FREE -> WRITING -> IN_FLIGHT -> RELEASED -> FREE), the same
-generation rule (up by one on every return to FREE, so a descriptor names one lifetime of
-one slot) and the same private-truth rule (the owner trusts only a RELEASED word carrying
+`DevicePoolBook` is the allocator: pure Python, no CUDA, tested on the CPU.  It is the host
+pools' own allocator (`shm.book.SlotBook`), so it has the host ring's state machine
+(FREE -> WRITING -> IN_FLIGHT -> RELEASED -> FREE), the same generation rule (up by one on
+every return to FREE, so a descriptor names one lifetime of one slot) and the same
+private-truth rule (the owner trusts only a RELEASED word carrying
 the generation it handed out).  Offsets are aligned to 256 bytes by default (cudaMalloc's
 own guarantee: every dtype and 128-bit vector loads are aligned) or to 2 MiB (a large page
 per slot, for callers that register slots with other APIs).
@@ -95,12 +96,13 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 
+from .book import SlotBook, check_geometry
 from .errors import BadDescriptor, SegmentGone, ShmError, ShmFull, StaleDescriptor
 from .fence import fence
 from .segment import (
-    FREE, HEADER_SIZE, IN_FLIGHT, MAX_ALIGN, MAX_SLOTS, Q_HOLDER_PID, Q_HOLDER_START, Q_NBYTES,
-    Q_OFFSET, QS, RELEASED, SLOT_SIZE, STATE_NAMES, U32, WRITING, ShmRef, create_segment, parse_name,
-    path_of, proc_starttime, process_alive, read_header,
+    FREE, HEADER_SIZE, IN_FLIGHT, Q_HOLDER_PID, Q_HOLDER_START, Q_NBYTES, Q_OFFSET, QS, RELEASED,
+    SLOT_SIZE, STATE_NAMES, U32, ShmRef, create_segment, parse_name, path_of, process_alive,
+    read_header,
 )
 
 __all__ = [
@@ -213,29 +215,19 @@ def release_word(words, slot: int, generation: int) -> bool:
 # --------------------------------------------------------------------------------------------
 # The allocator (pure)
 
-class _ProcHolders:
-    """Holder liveness from /proc: (pid, starttime) names a process forever."""
-
-    @staticmethod
-    def starttime(pid: int) -> int:
-        return proc_starttime(pid) or 0
-
-    @staticmethod
-    def alive(pid: int, starttime: int) -> bool:
-        return starttime != 0 and process_alive(pid, starttime)
-
-
-class DevicePoolBook:
+class DevicePoolBook(SlotBook):
     """Slot and byte bookkeeping of one device pool; touches no device.
 
-    A byte ring with out-of-order release, like `ShmPool`'s: allocations are carved at
-    `head` in order; freeing the oldest moves the tail over every freed allocation behind
-    it, freeing the newest pulls the head back, freeing one in the middle only marks it.
-    Requests finish roughly in order, so this needs no search and no coalescing.
+    The host pools' allocator (`shm.book.SlotBook`: a byte ring with out-of-order release
+    and the slot state machine) with a device-facing surface: offsets are relative to the
+    pool's base, allocations come back as `DeviceSlot`, and descriptors are checked as
+    (slot, generation) pairs.
 
     `words` is the shared slot table (u64 words in the shm slot-record layout): the owner
     mirrors every state change there and reads back exactly one thing, a RELEASED word with
     the generation it handed out.  By default it is a private array (tests, single process).
+    Every record's offset and size stay (`record_offset`, 0): the state table's token data
+    area, which is what `host_ref` describes.
 
     Not thread-safe: one owner thread, or a lock around it.
     """
@@ -243,37 +235,14 @@ class DevicePoolBook:
     def __init__(self, capacity: int, *, slots: int = 1024, align: int = ALIGN, words=None,
                  record_offset: int = 0, holders: Any = None,
                  on_free: Callable[[int], None] | None = None):
-        capacity = operator.index(capacity)
-        slots = operator.index(slots)
-        align = operator.index(align)
-        if capacity < 1:
-            raise ValueError(f"capacity must be at least 1 byte, got {capacity}")
-        if not 1 <= slots <= MAX_SLOTS:
-            raise ValueError(f"slots must be in 1..{MAX_SLOTS}, got {slots}")
-        if not 1 <= align <= MAX_ALIGN or align & (align - 1):
-            raise ValueError(f"align must be a power of two in 1..{MAX_ALIGN}, got {align} (256 or 2 MiB are usual)")
+        capacity, slots, align = check_geometry(capacity, slots, align, " (256 or 2 MiB are usual)")
         if words is None:
             words = memoryview(array.array("Q", bytes(8 * QS * slots)))
         if len(words) < QS * slots:
             raise ValueError(f"state table has {len(words) // QS} slot records, need {slots}")
-        self.capacity = capacity
-        self.slots = slots
-        self.align = align
-        self.words = words
+        super().__init__(capacity, slots, align, words, mirror_extent=False, holders=holders,
+                         on_free=on_free)
         self.record_offset = record_offset
-        self._holders = holders if holders is not None else _ProcHolders()
-        self._on_free = on_free
-        self._amask = align - 1
-        self._gen = [0] * slots
-        self._pstate = bytearray(slots)  # FREE / WRITING / IN_FLIGHT: the truth
-        self._off = [0] * slots
-        self._nb = [0] * slots
-        self._free = list(range(slots - 1, -1, -1))
-        self._ring: deque[tuple[int, int, int, int]] = deque()  # (slot, gen, start, end)
-        self._head = 0
-        self._in_flight: set[int] = set()
-        self._holder_of: dict[int, tuple[int, int]] = {}
-        self.wraps = 0
         for s in range(slots):
             b = s * QS
             words[b] = 0
@@ -292,9 +261,6 @@ class DevicePoolBook:
     def get(self, slot: int) -> DeviceSlot:
         return DeviceSlot(slot, self._gen[slot], self._off[slot], self._nb[slot])
 
-    def in_use(self) -> int:
-        return self.slots - len(self._free)
-
     def live(self) -> list[DeviceSlot]:
         return [self.get(s) for s in range(self.slots) if self._pstate[s] != FREE]
 
@@ -302,50 +268,14 @@ class DevicePoolBook:
         return len(self._in_flight)
 
     # ------------------------------------------------------------------ allocation
-    def _take(self, nbytes: int) -> int:
-        free = self._free
-        if not free:
-            return -1
-        if nbytes:
-            ring = self._ring
-            if ring:
-                tail = ring[0][2]
-                head = self._head
-                start = (head + self._amask) & ~self._amask
-                if head > tail:  # live bytes [tail, head); free: [head, end) and [0, tail)
-                    if start + nbytes > self.capacity:
-                        if nbytes > tail:
-                            return -1
-                        start = 0
-                        self.wraps += 1
-                elif start + nbytes > tail:  # wrapped: the only free bytes are [head, tail)
-                    return -1
-            elif nbytes > self.capacity:
-                return -1
-            else:
-                start = 0
-            slot = free.pop()
-            self._head = start + nbytes
-            ring.append((slot, self._gen[slot], start, self._head))
-        else:
-            # Empty tensors take a slot (every descriptor has a generation) but no bytes,
-            # and stay out of the ring so they never hold back its tail.
-            slot = free.pop()
-            start = 0
-        self._pstate[slot] = WRITING
-        self._off[slot] = start
-        self._nb[slot] = nbytes
-        self.words[slot * QS] = (self._gen[slot] << 32) | WRITING
-        return slot
-
     def try_alloc(self, nbytes: int) -> DeviceSlot | None:
         """A WRITING slot of `nbytes`, or None when it does not fit even after reclaim()."""
         nbytes = operator.index(nbytes)
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        slot = self._take(nbytes)
+        slot = self.take(nbytes)
         if slot < 0 and self.reclaim():
-            slot = self._take(nbytes)
+            slot = self.take(nbytes)
         return None if slot < 0 else self.get(slot)
 
     def alloc(self, nbytes: int) -> DeviceSlot:
@@ -363,9 +293,8 @@ class DevicePoolBook:
             why = (f"all {self.slots} slots are live; release results sooner or create the pool "
                    "with more slots")
         else:
-            live = sum(e[3] - e[2] for e in self._ring if self._gen[e[0]] == e[1])
             why = (f"no contiguous run of {nbytes} bytes is free ({self.in_use()} live slots hold "
-                   f"{live} of {self.capacity} bytes; the oldest live allocation holds back the "
+                   f"{self.live_bytes()} of {self.capacity} bytes; the oldest live allocation holds back the "
                    "space after it); release results sooner or create a larger pool")
         return DevicePoolFull(head + why)
 
@@ -382,77 +311,11 @@ class DevicePoolBook:
     def mark_in_flight(self, slot: int, generation: int, holder_pid: int | None = None) -> None:
         """WRITING -> IN_FLIGHT just before the descriptor is sent; re-marking (a retry)
         only updates the holder.  A holder that dies gets its slots reclaimed."""
-        s = self._own(slot, generation)
-        w = self.words
-        b = s * QS
-        if self._pstate[s] == IN_FLIGHT and w[b] == (generation << 32) | RELEASED:
-            raise StaleDescriptor(f"slot {s} generation {generation} was already released by its reader")
-        if holder_pid is None:
-            hp = hs = 0
-        else:
-            hp = operator.index(holder_pid)
-            if not 0 < hp <= U32:
-                raise ValueError(f"holder_pid must be a positive pid, got {holder_pid!r}")
-            hs = self._holders.starttime(hp)
-        w[b + Q_HOLDER_PID] = hp
-        w[b + Q_HOLDER_START] = hs
-        self._pstate[s] = IN_FLIGHT
-        self._in_flight.add(s)
-        w[b] = (generation << 32) | IN_FLIGHT
-        if hp:
-            self._holder_of[s] = (hp, hs)
-        else:
-            self._holder_of.pop(s, None)
+        self.set_in_flight(self._own(slot, generation), holder_pid)
 
     def free(self, slot: int, generation: int) -> None:
         """The owner returns a live slot (any state) to FREE; its generation goes up."""
-        self._free_slot(self._own(slot, generation))
-
-    def _free_slot(self, s: int) -> None:
-        g = (self._gen[s] + 1) & U32
-        self._gen[s] = g
-        self._pstate[s] = FREE
-        self._in_flight.discard(s)
-        self._holder_of.pop(s, None)
-        b = s * QS
-        self.words[b + Q_HOLDER_PID] = 0
-        self.words[b + Q_HOLDER_START] = 0
-        self.words[b] = g << 32
-        self._free.append(s)
-        if self._nb[s]:
-            ring, gens = self._ring, self._gen
-            while ring and gens[ring[0][0]] != ring[0][1]:
-                ring.popleft()
-            while ring and gens[ring[-1][0]] != ring[-1][1]:
-                ring.pop()
-            self._head = ring[-1][3] if ring else 0
-        if self._on_free is not None:
-            self._on_free(s)
-
-    def reclaim(self) -> int:
-        """Free IN_FLIGHT slots their reader released, and those whose holder died."""
-        n = 0
-        w = self.words
-        for s in list(self._in_flight):
-            b = s * QS
-            word = w[b]
-            gen = self._gen[s]
-            if word == (gen << 32) | RELEASED:
-                self._free_slot(s)
-                n += 1
-            elif word != (gen << 32) | IN_FLIGHT:
-                # A late store for an older generation, or garbage: put back the truth.
-                w[b] = (gen << 32) | IN_FLIGHT
-        if self._holder_of:
-            verdict: dict[tuple[int, int], bool] = {}
-            for s, key in list(self._holder_of.items()):
-                alive = verdict.get(key)
-                if alive is None:
-                    alive = verdict[key] = self._holders.alive(*key)
-                if not alive and self._pstate[s] == IN_FLIGHT:
-                    self._free_slot(s)
-                    n += 1
-        return n
+        self.free_slot(self._own(slot, generation))
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,19 +1,10 @@
 """Owner side: one segment plus a private allocator over its data area.
 
-The allocator is a byte ring with out-of-order release:
-
-- allocations are carved at ``head`` (rounded up to ``align``) in allocation order;
-- ``tail`` is the start of the oldest allocation that is still live; freeing any other
-  allocation only marks it, and the tail jumps over the freed prefix when the oldest one
-  goes; symmetrically, freeing the newest allocations pulls ``head`` back, so an
-  alloc/free round trip next to a long-lived allocation costs no ring space;
-- when the bytes after ``head`` are too few, the next allocation wraps to offset 0 if it
-  fits below ``tail``; the skipped end of the area is reused once the tail passes it.
-
-Why a ring and not a general-purpose allocator: requests are mostly freed in roughly the
-order they were made, so a ring needs no search, no coalescing and no per-size bins, and
-an allocation is a handful of integer operations.  Its cost is head-of-line blocking: one
-long-lived allocation holds back the space behind it -- the ShmFull message says so.
+The allocator is `shm.book.SlotBook` (a byte ring with out-of-order release and the slot
+state machine; its docstring explains why a ring); this module owns the segment, the
+arrays handed out over it and the descriptors that name them.  The ring's cost is
+head-of-line blocking: one long-lived allocation holds back the space behind it -- the
+ShmFull message says so.
 
 Only the slot records (state, generation, offset, nbytes, holder) are shared.  The ring,
 the free-slot list and the owner's own copy of every slot's state and generation are
@@ -24,18 +15,16 @@ from __future__ import annotations
 
 import operator
 import os
-import select
 import weakref
-from collections import deque
 
 import numpy as np
 
 from . import gc as _gc
+from .book import PidfdHolders, SlotBook, check_geometry
 from .errors import BadDescriptor, ShmError, ShmFull, StaleDescriptor
 from .segment import (
-    FREE, HEADER_SIZE, IN_FLIGHT, MAX_ALIGN, MAX_SLOTS, Q_HOLDER_PID, Q_HOLDER_START,
-    Q_NBYTES, Q_OFFSET, QS, RELEASED, SHM_DIR, SLOT_DTYPE, SLOT_SIZE, STATE_NAMES, U32,
-    WRITING, ShmRef, checked_dtype, create_segment, make_ref, normalize_shape, proc_starttime, process_alive,
+    FREE, HEADER_SIZE, RELEASED, SHM_DIR, SLOT_DTYPE, SLOT_SIZE, STATE_NAMES, ShmRef, checked_dtype,
+    create_segment, make_ref, normalize_shape,
 )
 
 _collected_in: int | None = None
@@ -75,69 +64,6 @@ def _finalize_segment(name: str, owner_pid: int, mm) -> None:
         pass
 
 
-class _Holders:
-    """Starttimes of holder pids, cached behind a pidfd so a reused pid is never trusted.
-
-    Reading /proc/<pid>/stat costs ~10 us; the worker marks every output with the client's
-    pid.  A pidfd refers to one process forever, and polls readable once it exits, so
-    while our pidfd for a pid is not readable that pid still names the process whose
-    starttime we cached.
-    """
-
-    MAX = 1024
-
-    def __init__(self) -> None:
-        self._cache: dict[int, tuple[int, int, select.poll]] = {}
-        self._use_pidfd = hasattr(os, "pidfd_open")
-
-    def _drop(self, pid: int) -> None:
-        ent = self._cache.pop(pid, None)
-        if ent is not None:
-            os.close(ent[1])
-
-    def starttime(self, pid: int) -> int:
-        ent = self._cache.get(pid)
-        if ent is not None:
-            if not ent[2].poll(0):
-                return ent[0]
-            self._drop(pid)
-        st = proc_starttime(pid)
-        if st is None:
-            return 0  # already dead: the slot is reclaimable at once
-        if self._use_pidfd and len(self._cache) < self.MAX:
-            try:
-                fd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                return st
-            except OSError:  # ENOSYS / EPERM under seccomp: fall back to /proc reads
-                self._use_pidfd = False
-                return st
-            if proc_starttime(pid) != st:
-                # The pid was reused between the two reads: the pidfd is for a newer
-                # process than ``st`` describes.  Don't cache; ``st``'s process is dead.
-                os.close(fd)
-                return st
-            poller = select.poll()
-            poller.register(fd, select.POLLIN)
-            self._cache[pid] = (st, fd, poller)
-        return st
-
-    def alive(self, pid: int, starttime: int) -> bool:
-        if starttime == 0:
-            return False
-        ent = self._cache.get(pid)
-        if ent is not None and ent[0] == starttime:
-            if not ent[2].poll(0):
-                return True
-            self._drop(pid)
-            return False
-        return process_alive(pid, starttime)
-
-    def close(self) -> None:
-        for pid in list(self._cache):
-            self._drop(pid)
-
-
 class ShmPool:
     """A shared-memory segment owned by this process, with a slot allocator.
 
@@ -147,15 +73,7 @@ class ShmPool:
 
     def __init__(self, capacity: int = 256 << 20, *, slots: int = 4096, align: int = 64):
         self._closed = True  # so close()/finalisers are harmless if __init__ fails
-        capacity = operator.index(capacity)
-        slots = operator.index(slots)
-        align = operator.index(align)
-        if capacity < 1:
-            raise ValueError(f"capacity must be at least 1 byte, got {capacity}")
-        if not 1 <= slots <= MAX_SLOTS:
-            raise ValueError(f"slots must be in 1..{MAX_SLOTS}, got {slots}")
-        if not 1 <= align <= MAX_ALIGN or align & (align - 1):
-            raise ValueError(f"align must be a power of two in 1..{MAX_ALIGN}, got {align}")
+        capacity, slots, align = check_geometry(capacity, slots, align)
         _collect_once()
         name, mm, geo = create_segment(capacity, slots, align)
         self._finalizer = weakref.finalize(self, _finalize_segment, name, os.getpid(), mm)
@@ -178,12 +96,6 @@ class ShmPool:
         except BaseException:
             self._finalizer()
             raise
-        self._amask = align - 1
-        # Private allocator state -- the truth; shared memory only mirrors it.
-        self._gen = [0] * slots
-        self._pstate = bytearray(slots)  # FREE / WRITING / IN_FLIGHT (never RELEASED)
-        self._off = [0] * slots  # absolute file offsets
-        self._nb = [0] * slots
         self._raw: list[np.ndarray | None] = [None] * slots  # uint8 array over the slot
         self._arr: list[object] = [None] * slots  # what alloc()/alloc_nbytes() returned
         self._ref: list[ShmRef | None] = [None] * slots
@@ -192,14 +104,35 @@ class ShmPool:
         # while they are keys.
         self._by_raw: dict[int, int] = {}
         self._by_arr: dict[int, int] = {}
-        self._free = list(range(slots - 1, -1, -1))  # stack: pop() gives slot 0 first
-        # Live (and not yet skipped-over freed) allocations in allocation order:
-        # (slot, generation at alloc, start, end), offsets relative to the data area.
-        self._ring: deque[tuple[int, int, int, int]] = deque()
-        self._head = 0  # relative to the data area
-        self._holder_of: dict[int, tuple[int, int]] = {}  # IN_FLIGHT slot -> (pid, starttime)
-        self._holders = _Holders()
-        self._wraps = 0
+        raws, arrs, refs, by_raw, by_arr = self._raw, self._arr, self._ref, self._by_raw, self._by_arr
+
+        def forget(slot: int) -> None:
+            # A closure over the containers, not a bound method: pool -> book -> pool would
+            # be a cycle, and the segment's unlink would wait for the cycle collector.
+            raw = raws[slot]
+            if raw is not None:
+                del by_raw[id(raw)]
+                del by_arr[id(arrs[slot])]
+                raws[slot] = None
+            arrs[slot] = None
+            refs[slot] = None
+
+        book = self._book = SlotBook(
+            self.capacity, slots, align, self._q, base=self.data_offset, holders=PidfdHolders(), on_free=forget,
+        )
+        # The book's containers are mutated in place, never rebound, so these aliases stay
+        # the truth and the hot paths skip one attribute lookup.
+        self._gen = book._gen
+        self._pstate = book._pstate  # FREE / WRITING / IN_FLIGHT (never RELEASED)
+        self._off = book._off  # absolute file offsets
+        self._nb = book._nb
+        self._free = book._free
+        self._ring = book._ring
+        self._holder_of = book._holder_of
+        self._holders = book._holders
+        self._take = book.take  # close() swaps in one that raises ShmError
+        self._free_slot = book.free_slot
+        self._set_in_flight = book.set_in_flight
         self._closed = False
 
     # ------------------------------------------------------------------ context manager
@@ -224,52 +157,15 @@ class ShmPool:
             raise ShmError("pool is closed")
         return self._table
 
-    # ------------------------------------------------------------------ allocation
-    def _take(self, nbytes: int) -> int:
-        """Reserve a slot and ``nbytes`` of the ring; the slot id, or -1 if it doesn't fit."""
-        if self._closed:
-            raise ShmError(f"ShmPool {self.name} is closed")
-        free = self._free
-        if not free:
-            return -1
-        if nbytes:
-            ring = self._ring
-            if ring:
-                tail = ring[0][2]
-                head = self._head
-                start = (head + self._amask) & ~self._amask
-                if head > tail:  # live bytes are [tail, head): free is [head, end) + [0, tail)
-                    if start + nbytes > self.capacity:
-                        if nbytes > tail:
-                            return -1
-                        start = 0
-                        self._wraps += 1
-                elif start + nbytes > tail:  # wrapped: the only free bytes are [head, tail)
-                    return -1
-            elif nbytes > self.capacity:
-                return -1
-            else:
-                start = 0
-            slot = free.pop()
-            self._head = start + nbytes
-            ring.append((slot, self._gen[slot], start, self._head))
-            off = self.data_offset + start
-        else:
-            # Empty arrays take a slot (so every descriptor has a generation to check) but
-            # no bytes, and stay out of the ring so they never block its tail.
-            slot = free.pop()
-            off = self.data_offset
-        gen = self._gen[slot]
-        self._pstate[slot] = WRITING
-        self._off[slot] = off
-        self._nb[slot] = nbytes
-        q = self._q
-        b = slot * QS
-        q[b + Q_OFFSET] = off
-        q[b + Q_NBYTES] = nbytes
-        q[b] = (gen << 32) | WRITING
-        return slot
+    @property
+    def _head(self) -> int:
+        return self._book._head
 
+    @property
+    def _wraps(self) -> int:
+        return self._book.wraps
+
+    # ------------------------------------------------------------------ allocation
     def _reclaim_and_take(self, nbytes: int) -> int:
         """Second try after _take failed: reclaim lazily, only when space is short."""
         return self._take(nbytes) if self.reclaim() else -1
@@ -289,8 +185,8 @@ class ShmPool:
                 "pool with more slots=."
             )
         else:
-            live = sum(e[3] - e[2] for e in self._ring if self._gen[e[0]] == e[1])
-            oldest = self._ring[0][0] if self._ring else None
+            live = self._book.live_bytes()
+            oldest = self._book.oldest()
             why = (
                 f"no contiguous run of {nbytes} bytes is free ({self.in_use()} live slots "
                 f"hold {live} of {self.capacity} bytes; the oldest live slot {oldest} holds "
@@ -456,61 +352,7 @@ class ShmPool:
         the owner frees itself (inputs).  Re-marking an IN_FLIGHT slot (a retry) only
         updates the holder.
         """
-        slot = self._own(ref)
-        q = self._q
-        b = slot * QS
-        gen = self._gen[slot]
-        if self._pstate[slot] == IN_FLIGHT and q[b] == (gen << 32) | RELEASED:
-            raise StaleDescriptor(f"slot {slot} generation {gen} was already released by its reader")
-        if holder_pid is None:
-            hp = hs = 0
-        else:
-            hp = operator.index(holder_pid)
-            if not 0 < hp <= U32:
-                raise ValueError(f"holder_pid must be a positive pid, got {holder_pid!r}")
-            hs = self._holders.starttime(hp)
-        q[b + Q_HOLDER_PID] = hp
-        q[b + Q_HOLDER_START] = hs
-        self._pstate[slot] = IN_FLIGHT
-        q[b] = (gen << 32) | IN_FLIGHT
-        if hp:
-            self._holder_of[slot] = (hp, hs)
-        elif self._holder_of:
-            self._holder_of.pop(slot, None)
-
-    def _free_slot(self, slot: int) -> None:
-        g = (self._gen[slot] + 1) & U32
-        self._gen[slot] = g
-        self._pstate[slot] = FREE
-        self._q[slot * QS] = g << 32  # | FREE (0): one store, generation and state together
-        raw = self._raw[slot]
-        if raw is not None:
-            del self._by_raw[id(raw)]
-            del self._by_arr[id(self._arr[slot])]
-            self._raw[slot] = None
-        self._arr[slot] = None
-        self._ref[slot] = None
-        if self._holder_of:
-            self._holder_of.pop(slot, None)
-        self._free.append(slot)
-        if self._nb[slot]:
-            ring = self._ring
-            gens = self._gen
-            while ring:
-                e = ring[0]
-                if gens[e[0]] == e[1]:
-                    break
-                ring.popleft()
-            # Also give back a freed suffix: an allocation freed before anything newer
-            # (the common alloc/free round trip) then costs no ring space at all, instead
-            # of marching head around the ring behind a long-lived allocation.
-            while ring:
-                e = ring[-1]
-                if gens[e[0]] == e[1]:
-                    break
-                ring.pop()
-            # Empty: restart at 0 for the longest possible run.
-            self._head = ring[-1][3] if ring else 0
+        self._set_in_flight(self._own(ref), holder_pid)
 
     def free(self, ref: ShmRef) -> None:
         """Owner returns a slot (any live state) to FREE; its generation goes up by one."""
@@ -520,49 +362,38 @@ class ShmPool:
         """Free RELEASED slots and IN_FLIGHT slots whose holder died; how many were freed."""
         if self._closed:
             return 0
-        n = 0
-        q = self._q
-        pstate = self._pstate
-        gens = self._gen
-        for s in np.flatnonzero(self._state_col == RELEASED).tolist():
-            b = s * QS
-            w = q[b]
-            if w & U32 != RELEASED:
-                continue
-            if pstate[s] == IN_FLIGHT and w >> 32 == gens[s]:
-                self._free_slot(s)
-                n += 1
-            else:
-                # A late RELEASED for an older generation (possible only after the owner
-                # freed a slot that was still lent out): ignore it and put back the truth.
-                q[b] = (gens[s] << 32) | pstate[s]
-        if self._holder_of:
-            verdict: dict[tuple[int, int], bool] = {}
-            for s, key in list(self._holder_of.items()):
-                alive = verdict.get(key)
-                if alive is None:
-                    alive = verdict[key] = self._holders.alive(*key)
-                if not alive and pstate[s] == IN_FLIGHT:
-                    self._free_slot(s)
-                    n += 1
-        return n
+        # A vectorised scan of the shared states: far cheaper than visiting every
+        # IN_FLIGHT slot once thousands are lent out.
+        return self._book.reclaim(np.flatnonzero(self._state_col == RELEASED).tolist())
 
     def in_use(self) -> int:
         """Number of live (non-FREE) slots."""
         if self._closed:
             return 0
-        return self.slots - len(self._free)
+        return self._book.in_use()
 
     def close(self) -> None:
         """Mark closed, unlink, unmap.  Idempotent; arrays still alive keep their pages."""
         if self._closed:
             return
         self._closed = True
+        # Instead of a closed check on every allocation; a closure over the name, since a
+        # bound method stored on self would make the pool a reference cycle.
+        name = self.name
+
+        def take_closed(nbytes: int) -> int:
+            raise ShmError(f"ShmPool {name} is closed")
+
+        self._take = take_closed
         self._finalizer()
         self._holders.close()
         self._by_raw.clear()
         self._by_arr.clear()
-        self._raw = self._arr = self._ref = []  # type: ignore[assignment]
+        # In place: the book's on_free closure holds these lists too, and must not keep
+        # the arrays alive.
+        self._raw.clear()
+        self._arr.clear()
+        self._ref.clear()
         self._table = self._state_col = None  # type: ignore[assignment]
         for v in self._views:
             v.release()
