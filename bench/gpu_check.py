@@ -10,7 +10,10 @@ and writes what it has.  Every section is wrapped: one failure is recorded, the 
 
 Sections, in order of what matters most if time runs out:
 
-1. ``gpu_tests``: ``pytest tests/gpu -m gpu`` in a subprocess.
+1. ``gpu_tests``: ``pytest tests/gpu -m gpu`` in a subprocess.  This includes the real
+   product path (tests/gpu/test_product_cuda.py: ``python -m broker`` + ``python -m
+   gpu_worker --device cuda:0`` + ``client_sdk`` with ``alloc_cuda``, CUDA tensors in and
+   out, bit-exact); the sections below drive the data plane with a minimal server.
 2. ``ipc_roundtrip``: two processes, CUDA IPC both ways, fresh random bytes of several
    dtypes and shapes every round; the server writes ``~input`` into an output slot it
    poisoned first; the client compares bytes on the device.  A negative control (server

@@ -169,7 +169,7 @@ class Request(msgspec.Struct, kw_only=True):
     timeout_ms: float | None = None   # budget from the broker's receipt; the broker rewrites it to what is left at dispatch
     host: str | None = None           # sender's shared-memory host id; required with shm refs
     pid: int | None = None            # sender's pid, so a worker can reclaim output slots of a dead client
-    reply: str = "auto"               # "auto" | "shm" | "inline": how outputs come back
+    reply: str = "auto"               # "auto" | "shm" | "inline" | "cuda": how outputs come back
     tensors: list[TensorRef] = []
     meta: dict[str, Any] = {}         # free-form, for the model
     queue_ms: float | None = None     # set by the broker at dispatch: time spent in its queue
@@ -209,7 +209,7 @@ _DEC_CANCEL = msgspec.msgpack.Decoder(Cancel)
 _DEC_READY = msgspec.msgpack.Decoder(Ready)
 
 TRANSPORTS = frozenset({"inline", "shm", "cuda"})
-REPLY_MODES = frozenset({"auto", "shm", "inline"})
+REPLY_MODES = frozenset({"auto", "shm", "inline", "cuda"})
 
 
 # --------------------------------------------------------------------------------------------

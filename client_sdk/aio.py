@@ -87,6 +87,10 @@ class AsyncClient:
         """See `Client.alloc`."""
         return self._core.alloc(shape, dtype)
 
+    def alloc_cuda(self, shape: Any, dtype: Any = np.float32, device: Any = "cuda:0") -> Any:
+        """See `Client.alloc_cuda`."""
+        return self._core.alloc_cuda(shape, dtype, device)
+
     def free(self, arr: np.ndarray) -> None:
         """See `Client.free`."""
         self._core.free(arr)

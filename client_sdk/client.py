@@ -154,6 +154,7 @@ class _Core:
         self.heartbeat_interval = heartbeat_interval if heartbeat_interval and heartbeat_interval > 0 else None
         self.fallback_inline = fallback_inline
         self._pool: Any = None
+        self._cuda: Any = None  # CudaSide, created by the first CUDA tensor or alloc_cuda
         self.leases = T.OutputLeases()
         self._user_bufs: dict[tuple[str, int, int], weakref.finalize] = {}
         self._owner_thread = threading.get_ident()
@@ -197,6 +198,22 @@ class _Core:
         arr, fin = T.lease_array(src, self._buffer_dropped, key, ref)
         self._user_bufs[key] = fin
         return arr
+
+    def cuda_side(self, device: Any = None) -> Any:
+        """The client's CUDA side (device pool + pool cache), created on first use;
+        NotSupported with the reason where CUDA is unavailable."""
+        if self._cuda is None:
+            self._check_open()
+            from .cuda import CudaSide
+
+            self._cuda = CudaSide(self.pool_capacity, device)
+            self.leases.cuda_cache = self._cuda.cache
+        return self._cuda
+
+    def alloc_cuda(self, shape: Any, dtype: Any = np.float32, device: Any = "cuda:0") -> Any:
+        side = self.cuda_side(device)
+        side.check_device(device)
+        return side.alloc(shape, dtype)
 
     def _buffer_dropped(self, key: tuple[str, int, int] | None, ref: Any) -> None:
         if key is not None:
@@ -249,6 +266,8 @@ class _Core:
         if reply not in P.REPLY_MODES:
             raise InvalidInput(f"reply {reply!r} must be one of {sorted(P.REPLY_MODES)}")
         self.run_deferred()
+        if self._cuda is not None:
+            self._cuda.poll()
         call = _Call(service, timeout=self._timeout(timeout))
         call.priority = parse_priority(priority)
         call.meta = dict(meta or {})
@@ -262,7 +281,8 @@ class _Core:
                 pool = None
                 if call.reply == "auto":
                     call.reply = "inline"
-        call.packed = T.pack(inputs, pool, copy_inline=copy_inline)
+        # CUDA IPC only reaches workers on this host, exactly as shared memory does.
+        call.packed = T.pack(inputs, pool, copy_inline=copy_inline, cuda=None if inline else self.cuda_side)
         return call
 
     def opaque_frames(self, service: str, frames: list[Any]) -> list[Any]:
@@ -386,7 +406,7 @@ class _Core:
                 return [self._resend_inline(call, now)]
         if call.abandoned or rep.error is not None:
             if final:
-                self._finish_inputs(call)
+                self._finish_inputs(call, rep)
             if call.abandoned:
                 if final:
                     call.done = True
@@ -401,14 +421,14 @@ class _Core:
             res = T.unpack(rep, frames, self.leases, final=final, frame=call.frame, local=self._local_outputs(call))
         except InferenceError as e:
             if final:
-                self._finish_inputs(call)
+                self._finish_inputs(call, rep)
                 self._deliver(call, ("error", e), True)
             else:
                 log.warning("dropping a PARTIAL of request %d: %s", rep.id, e)
             return []
         if final:
             # After unpacking: inputs handed back as outputs were adopted by the Result.
-            self._finish_inputs(call)
+            self._finish_inputs(call, rep)
             res.timing.setdefault("client_ms", (now - call.t_sent) * 1000.0)
         self._deliver(call, ("final" if final else "partial", res), final)
         return []
@@ -429,10 +449,10 @@ class _Core:
     def _free_adopted(self, ref: Any) -> None:
         self._buffer_dropped(None, ref)
 
-    def _finish_inputs(self, call: _Call) -> None:
+    def _finish_inputs(self, call: _Call, rep: P.Reply | None = None) -> None:
         """The request's FINAL arrived: the one moment no worker (including a retry) can
         read its inputs again."""
-        self._free_inputs(call)
+        self._free_inputs(call, reply=rep)
         adopted, call.adopted = call.adopted, {}
         for keeper in adopted.values():
             keeper.drop()
@@ -451,10 +471,15 @@ class _Core:
             call.reply = "inline"
         return self.request_frames(call, now)
 
-    def _free_inputs(self, call: _Call, packed: T.Packed | None = None) -> None:
+    def _free_inputs(self, call: _Call, packed: T.Packed | None = None, reply: P.Reply | None = None) -> None:
         packed = packed or call.packed
         if packed is not None and packed.temp and self._pool is not None:
             T.free_temp(self._pool, packed.temp)
+        if packed is not None and packed.cuda_temp and self._cuda is not None:
+            # The worker's reads of these slots are ordered before its output events (same
+            # worker stream); host and error replies were synchronised before FINAL.
+            after = self._cuda.events_of(reply.tensors) if reply is not None else ()
+            self._cuda.free_temp(packed.cuda_temp, after=after)
 
     def _deliver(self, call: _Call, item: tuple[str, Any], final: bool) -> None:
         if final:
@@ -509,6 +534,9 @@ class _Core:
         self._user_bufs.clear()
         self._deferred.clear()
         self.leases.close()
+        side, self._cuda = self._cuda, None
+        if side is not None:
+            side.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
@@ -575,6 +603,13 @@ class Client:
         it is sent by reference, never copied.  It is freed when the array (and every view of
         it) is dropped, or by `free()`; a request never frees it."""
         return self._core.alloc(shape, dtype)
+
+    def alloc_cuda(self, shape: Any, dtype: Any = np.float32, device: Any = "cuda:0") -> Any:
+        """A torch CUDA tensor in the client's device pool (created on first use).  Fill it
+        (on the current stream) and pass it to `infer`: it is sent by CUDA IPC reference,
+        never copied.  Freed when the tensor and every view of it are dropped.  Raises
+        NotSupported (with the reason) where CUDA is unavailable."""
+        return self._core.alloc_cuda(shape, dtype, device)
 
     def free(self, arr: np.ndarray) -> None:
         """Free an `alloc()` buffer now.  Do not use the array (or any view) afterwards, and

@@ -30,6 +30,7 @@ import numpy as np
 import shm as _shm
 from broker import protocol as P
 
+from . import cuda as _cuda
 from .errors import InferenceError, NotSupported, ProtocolError, WorkerFailed
 
 __all__ = ["Result", "Packed", "pack", "to_numpy", "InvalidInput", "OutputLeases", "lease_array"]
@@ -117,8 +118,8 @@ def to_numpy(name: str, x: Any) -> np.ndarray:
 def _torch_to_numpy(name: str, t: Any) -> np.ndarray:
     if t.device.type != "cpu":
         raise NotSupported(
-            f"input {name!r} is a torch tensor on {t.device}; passing GPU tensors directly is not "
-            "supported yet (the CUDA transport is a separate work item): call .cpu() on it first"
+            f"input {name!r} is a torch tensor on {t.device}; of GPU tensors only CUDA ones can be "
+            "passed directly (by CUDA IPC): call .cpu() on it first"
         )
     if str(t.layout) != "torch.strided":
         raise InvalidInput(f"input {name!r} is a {t.layout} torch tensor; call .to_dense() on it first")
@@ -140,7 +141,7 @@ def _torch_to_numpy(name: str, t: Any) -> np.ndarray:
 class Packed:
     """One request's inputs ready for the wire."""
 
-    __slots__ = ("tensors", "frames", "temp", "arrays", "uses_shm")
+    __slots__ = ("tensors", "frames", "temp", "arrays", "uses_shm", "cuda_temp")
 
     def __init__(self) -> None:
         self.tensors: list[P.TensorRef] = []
@@ -148,6 +149,7 @@ class Packed:
         self.temp: list[Any] = []          # ShmRefs of temporary slots, freed at FINAL
         self.arrays: dict[str, np.ndarray] = {}  # what was sent (keeps by-reference inputs alive); for an inline resend
         self.uses_shm = False
+        self.cuda_temp: list[Any] | None = None  # temporary device slots (tensors), freed at FINAL
 
 
 def _inline(arr: np.ndarray, copy: bool, in_shm: bool) -> Any:
@@ -165,9 +167,12 @@ def _inline(arr: np.ndarray, copy: bool, in_shm: bool) -> Any:
     return flat
 
 
-def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = False) -> Packed:
+def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = False,
+         cuda: Callable[[], Any] | None = None) -> Packed:
     """Pack `inputs`.  `pool` None means inline only.  `copy_inline` makes inline frames
-    private copies (for sends that return before the bytes leave, such as `Stream.send`)."""
+    private copies (for sends that return before the bytes leave, such as `Stream.send`).
+    `cuda()` returns the client's `CudaSide` for torch CUDA tensors (by CUDA IPC); without it
+    they are copied to the host (a worker on another host cannot open CUDA IPC handles)."""
     if not isinstance(inputs, Mapping):
         raise InvalidInput(f"inputs must be a mapping name -> array, got {type(inputs).__name__}")
     if len(inputs) > P.MAX_TENSORS:
@@ -177,6 +182,19 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
         for name, x in inputs.items():
             if not isinstance(name, str) or not name:
                 raise InvalidInput(f"input names must be non-empty strings, got {name!r}")
+            if type(x) is not np.ndarray and _cuda.is_cuda_tensor(x):
+                if cuda is not None:
+                    side = cuda()
+                    if out.cuda_temp is None:
+                        out.cuda_temp = []
+                    got = side.pack(x, out.cuda_temp)
+                    if got is not None:
+                        dts, shp, cloc, sent = got
+                        out.arrays[name] = sent
+                        out.tensors.append(P.TensorRef(name=name, dtype=dts, shape=shp, loc=cloc))
+                        continue
+                    # Device pool full: through the host instead.
+                x = x.detach().cpu()
             arr = to_numpy(name, x)
             out.arrays[name] = arr
             dt = arr.dtype.str
@@ -207,6 +225,8 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
             out.tensors.append(P.TensorRef(name=name, dtype=dt, shape=shape, loc=loc))
     except BaseException:
         free_temp(pool, out.temp)
+        if out.cuda_temp and cuda is not None:
+            cuda().free_temp(out.cuda_temp)
         raise
     return out
 
@@ -281,6 +301,7 @@ class OutputLeases:
         self._cache: Any = None
         self._lock = threading.RLock()
         self.own_segment: str | None = None  # the client's input pool: not an output ring
+        self.cuda_cache: Any = None  # the client's CudaPoolCache, once it has a CUDA side
         self._live = 0
         self._closing = False
 
@@ -448,10 +469,21 @@ def unpack(reply: P.Reply, frames: list[Any], leases: OutputLeases, *, final: bo
                     raise ProtocolError(f"output {t.name!r}: bad shared-memory descriptor ({e})") from None
                 fins.append(fin)
             else:
-                raise NotSupported(
-                    f"output {t.name!r} arrived in CUDA memory, which this client cannot read yet; "
-                    "send the request with reply='shm' or reply='inline'"
-                )
+                cache = leases.cuda_cache
+                if cache is None:
+                    raise NotSupported(
+                        f"output {t.name!r} arrived in CUDA memory, but this client has no CUDA "
+                        "side (pass CUDA tensors or call alloc_cuda first); send the request with "
+                        "reply='shm' or reply='inline'"
+                    )
+                try:
+                    arr, fin = cache.lease(loc, dt, shape)
+                except _shm.SegmentGone as e:
+                    raise WorkerFailed(f"output {t.name!r}: the worker's device pool is gone ({e}); "
+                                       "the worker probably died, retry the request") from None
+                except _shm.ShmError as e:
+                    raise ProtocolError(f"output {t.name!r}: bad CUDA descriptor ({e})") from None
+                fins.append(fin)
             arrays[t.name] = arr
     except BaseException:
         for f in fins:
@@ -460,6 +492,8 @@ def unpack(reply: P.Reply, frames: list[Any], leases: OutputLeases, *, final: bo
         for t in reply.tensors[len(arrays) + 1:]:
             if type(t.loc) is P.ShmLoc:
                 leases.release_unviewed(t.loc)
+            elif type(t.loc) is P.CudaLoc:
+                _release_cuda(leases, t.loc)
         raise
     return Result(arrays, fins, timing=reply.timing, id=reply.id, seq=reply.seq, final=final, frame=frame)
 
@@ -532,3 +566,14 @@ def release_reply(reply: P.Reply, leases: OutputLeases) -> None:
     for t in reply.tensors:
         if type(t.loc) is P.ShmLoc:
             leases.release_unviewed(t.loc)
+        elif type(t.loc) is P.CudaLoc:
+            _release_cuda(leases, t.loc)
+
+
+def _release_cuda(leases: OutputLeases, loc: P.CudaLoc) -> None:
+    cache = leases.cuda_cache
+    if cache is not None:
+        try:
+            cache.release(loc)
+        except Exception:  # the worker's pool is gone: nothing to give back
+            pass

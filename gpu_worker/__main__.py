@@ -1,4 +1,4 @@
-"""`python -m gpu_worker --broker EP --model NAME [--device cpu|cuda:N] [--max-batch N]`
+"""`python -m gpu_worker --broker EP --model NAME [--device cpu|cuda:N] [--max-batch N] [--backend tensorrt]`
 
 Loads and warms the model, registers with the broker (READY with its credit, host and
 transports), prints one line `READY service=<name> pid=<pid> device=<dev>` on stdout, and
@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--service", default=None, help="service name to register (default: the model's name)")
     ap.add_argument("--device", default=None, help="cpu, cuda:N or auto (default auto)")
     ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--backend", default="auto", choices=("auto", "torch", "numpy", "tensorrt"),
+                    help="auto follows the model's framework; tensorrt needs tensorrt, onnx and a GPU")
+    ap.add_argument("--cuda-pool-mb", type=int, default=256,
+                    help="device pool for outputs kept on the GPU (CUDA workers only)")
     ap.add_argument("--max-delay-ms", type=float, default=2.0, help="longest a batch waits for company")
     ap.add_argument("--max-cost", type=float, default=float("inf"), help="batch cost bound (model's cost units)")
     ap.add_argument("--credit", type=int, default=None, help="requests held at once (default 2*max-batch)")
@@ -49,8 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         out_capacity=args.out_capacity_mb << 20,
         warmup=not args.no_warmup,
         transports=tuple(t for t in args.transports.split(",") if t),
+        backend=args.backend,
+        cuda_pool_capacity=args.cuda_pool_mb << 20,
     )
-    with Worker(cfg) as w:
+    from gpu_worker.backends import BackendUnavailable
+
+    try:
+        worker = Worker(cfg)
+    except BackendUnavailable as e:
+        print(f"python -m gpu_worker: backend {args.backend!r} is unavailable: {e}", file=sys.stderr, flush=True)
+        return 2
+    with worker as w:
         install_sigterm_drain(w)
         w.serve(ready_cb=lambda: print(f"READY service={w.service} pid={w.pid} device={w.device}", flush=True))
     return 0

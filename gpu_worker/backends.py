@@ -27,6 +27,8 @@ Backends are not thread-safe: one worker thread drives one backend.
 """
 from __future__ import annotations
 
+import contextlib
+
 import time
 import warnings
 from collections import OrderedDict
@@ -318,6 +320,44 @@ class TorchBackend(Backend):
         with self._torch.inference_mode():
             return model(batch)
 
+    def run_device(self, requests: Sequence[Mapping[str, Any]], stream=None) -> list[dict[str, Any]]:
+        """Like run(), but outputs stay torch tensors on the model's device and nothing
+        synchronises: the caller orders its reads on `stream` (the stream everything is
+        queued on; default the current one).  Inputs may be numpy arrays or torch tensors
+        (CUDA IPC views).  For the GPU worker's CUDA transport; torch models only."""
+        torch = self._torch
+        model = self.model
+        if getattr(model, "streaming", False):
+            raise BackendError(f"model {model.name!r} streams its outputs; use run_stream()")
+        if _framework(model) != "torch":
+            raise BackendError(f"run_device runs torch models; {model.name!r} is a {_framework(model)} model")
+        if not requests:
+            return []
+        if len(requests) > 1 and not getattr(model, "batchable", True):
+            return [self.run_device([r], stream)[0] for r in requests]
+        ctx = torch.cuda.stream(stream) if (stream is not None and self._cuda) else contextlib.nullcontext()
+        n = len(requests)
+        with ctx:
+            batch = {}
+            for name in requests[0]:
+                parts = [self._device_tensor(r[name]) for r in requests]
+                batch[name] = parts[0].unsqueeze(0) if n == 1 else torch.stack(parts)
+            outputs = self._call(model, batch)
+        out = {}
+        for k, v in outputs.items():
+            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v), device=self._tdevice)
+            if t.dim() == 0 or t.shape[0] != n:
+                raise BackendError(f"model {model.name!r} output {k!r} has shape {tuple(t.shape)}; "
+                                   f"expected a leading batch axis of {n}")
+            out[k] = t
+        return [{k: t[i] for k, t in out.items()} for i in range(n)]
+
+    def _device_tensor(self, x):
+        torch = self._torch
+        if not isinstance(x, torch.Tensor):
+            x = numpy_to_torch(np.asarray(x))
+        return x.to(self._tdevice, non_blocking=True) if x.device != self._tdevice else x
+
     def _iterate(self, partials):
         # Enter inference mode around each step rather than across yields, so the caller's
         # own code between partials never runs in inference mode.
@@ -341,21 +381,34 @@ class TensorRTBackend(Backend):
             import tensorrt  # noqa: F401
         except ImportError as e:
             raise BackendUnavailable(TENSORRT_MISSING) from e
-        raise BackendUnavailable("TensorRT is installed but the TensorRT backend is not implemented yet; "
-                                 "use the torch backend")
+        from gpu_worker import trt
+
+        ok, why = trt.available()
+        raise BackendUnavailable(f"the TensorRT backend cannot run here: {why}" if not ok else
+                                 "construct the TensorRT backend with make_backend(..., kind='tensorrt')")
 
 
 _BACKENDS = {"torch": TorchBackend, "numpy": CallableBackend, "tensorrt": TensorRTBackend}
 
 
-def make_backend(model, device: str = "cpu", kind: str = "auto") -> Backend:
-    """The backend for ``model``: ``kind="auto"`` follows ``model.framework``."""
+def make_backend(model, device: str = "cpu", kind: str = "auto", **options) -> Backend:
+    """The backend for ``model``: ``kind="auto"`` follows ``model.framework``.
+
+    ``kind="tensorrt"`` is `gpu_worker.trt.TrtBackend` when `trt.available()` says so, else
+    BackendUnavailable with the reason; ``options`` (max_batch, fp16, ...) go to it."""
     if kind == "auto":
         kind = _framework(model)
     try:
         cls = _BACKENDS[kind]
     except KeyError:
         raise BackendError(f"unknown backend {kind!r}; expected one of {', '.join(_BACKENDS)} or 'auto'") from None
+    if kind == "tensorrt":
+        from gpu_worker import trt
+
+        ok, _ = trt.available()
+        if ok:
+            return trt.TrtBackend(model, device, **options)
+        # The stub raises the reason (its message for a missing tensorrt is what users see).
     return cls(model, device)
 
 

@@ -62,12 +62,15 @@ class WorkerConfig:
     out_slots: int = 4096
     warmup: bool = True
     transports: tuple[str, ...] = ("inline", "shm")
+    backend: str = "auto"             # "auto" (the model's framework), "torch", "numpy", "tensorrt"
+    cuda_pool_capacity: int = 256 << 20   # device pool for outputs kept on the GPU (cuda only)
+    cuda_pool_slots: int = 1024
 
 
 class _Job:
     """One request held by the worker."""
 
-    __slots__ = ("envelope", "req", "inputs", "opaque", "received", "deadline", "refs", "input_ms")
+    __slots__ = ("envelope", "req", "inputs", "opaque", "received", "deadline", "refs", "input_ms", "cuda_in")
 
     def __init__(self, envelope, req, inputs, opaque, received, deadline, refs):
         self.envelope = envelope
@@ -78,6 +81,7 @@ class _Job:
         self.deadline = deadline
         self.refs = refs          # name -> TensorRef of the input (for identity pass-through)
         self.input_ms = 0.0       # mapping the inputs (shm views, inline frames)
+        self.cuda_in = False      # some input is a CUDA IPC view (the worker stream reads it)
 
 
 class Worker:
@@ -91,14 +95,16 @@ class Worker:
         self.device = resolve_device(cfg.device)
         self.model = load_model(cfg.model, self.device)
         self.service = cfg.service or self.model.name
-        self.backend = make_backend(self.model, self.device)
         max_batch = cfg.max_batch if getattr(self.model, "batchable", False) else 1
+        self.backend = make_backend(self.model, self.device, cfg.backend,
+                                    **({"max_batch": max_batch} if cfg.backend == "tensorrt" else {}))
         self.batcher = Batcher(max_batch=max_batch, max_cost=cfg.max_cost, max_delay=cfg.max_delay)
         self.credit = cfg.credit or max(2 * max_batch, 2)
         self.host = P.local_host_id()
         self.pid = os.getpid()
         self.inputs_cache = SegmentCache()
         self.out_pool = ShmPool(cfg.out_capacity, slots=cfg.out_slots) if "shm" in cfg.transports else None
+        self.transports = tuple(cfg.transports)
         self.ctx = ctx or zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self.jobs: dict[bytes, _Job] = {}   # envelope -> job, while pending in the batcher
@@ -107,8 +113,165 @@ class Worker:
         self._compute_ewma: dict[int, float] = {}  # batch size -> seconds
         self._offload: _ComputeThread | None = None
         self._busy = False
+        self.cuda = self.device.startswith("cuda")
+        self._runner = self._run_host
+        if self.cuda:
+            self._init_cuda()
         if cfg.warmup:
             self._warmup()
+
+    # ------------------------------------------------------------------ CUDA
+
+    def _init_cuda(self) -> None:
+        """Device-side transport: everything here exists only on a CUDA worker, so the CPU
+        path pays nothing for it (methods are swapped once, here)."""
+        import torch
+
+        from gpu_worker.cuda_runtime import GpuMemoryPressure, HostRegistry, MemoryWatch
+        from shm.cuda_ipc import CudaPool, CudaPoolCache
+
+        cfg = self.cfg
+        self._torch = torch
+        self._tdevice = torch.device(self.device)
+        index = self._tdevice.index or 0
+        # One stream for IPC waits, compute, output copies and hand-off events: the GPU
+        # orders them, the host never waits on the request path.
+        self.stream = torch.cuda.Stream(device=self._tdevice)
+        self.cuda_pool = CudaPool(cfg.cuda_pool_capacity, device=index, slots=cfg.cuda_pool_slots)
+        self.cuda_cache = CudaPoolCache(local={self.cuda_pool.name: self.cuda_pool})
+        self.host_reg = HostRegistry()
+        # Unpin a client segment before its mapping goes (LRU, sweep, close).
+        self.inputs_cache.on_forget = self.host_reg.drop
+        if self.out_pool is not None:
+            self.host_reg.ensure(self.out_pool.name, self.out_pool.mapping)
+        self.mem = MemoryWatch(self.batcher.max_batch, device=index)
+        self._max_batch = self.batcher.max_batch
+        self._device_path = getattr(self.model, "framework", "torch") == "torch" and hasattr(self.backend, "run_device")
+        self._np_dtypes: dict[Any, np.dtype] = {}
+        if "cuda" not in self.transports:
+            self.transports = (*self.transports, "cuda")
+        self._pending_cuda_in = False
+        self._GpuMemoryPressure = GpuMemoryPressure
+        self._map_inputs = self._map_inputs_cuda
+        self._runner = self._run_cuda
+
+    def _close_cuda(self) -> None:
+        try:
+            self.stream.synchronize()
+        except Exception:
+            pass
+        self.cuda_cache.close()
+        self.host_reg.close()   # before the mappings it pins are closed
+        self.cuda_pool.close()
+
+    def _cuda_housekeeping(self) -> None:
+        try:
+            self.cuda_cache.poll()
+            self.cuda_cache.sweep()
+            self.cuda_pool.reclaim()
+        except Exception:
+            log.exception("CUDA pool housekeeping failed")
+
+    def _map_inputs_cuda(self, req: P.Request, frames) -> tuple[dict, dict]:
+        inputs: dict[str, Any] = {}
+        refs: dict[str, P.TensorRef] = {}
+        for t in req.tensors:
+            dt = P.parse_dtype(t.dtype)
+            loc = t.loc
+            kind = type(loc)
+            if kind is P.ShmLoc:
+                if req.host != self.host:
+                    raise P.ProtocolError("shared-memory reference from another host")
+                arr = self.inputs_cache.view(_shm_ref(loc), dt, tuple(t.shape))
+                if loc.segment not in self.host_reg:
+                    # Pinned, so the upload is a DMA straight from the client's slot.
+                    self.host_reg.ensure(loc.segment, self.inputs_cache.mapping(loc.segment), readonly=True)
+            elif kind is P.InlineLoc:
+                buf = frames[loc.frame]
+                buf = buf.buffer if hasattr(buf, "buffer") else memoryview(buf)
+                arr = np.frombuffer(buf, dtype=dt).reshape(t.shape) if dt.itemsize else np.empty(t.shape, dt)
+                arr.flags.writeable = False
+            else:
+                if req.host != self.host:
+                    raise P.ProtocolError("CUDA IPC reference from another host")
+                arr = self.cuda_cache.view(loc, dt, tuple(t.shape), stream=self.stream)
+                if not self._device_path:
+                    # A numpy model reads host memory: one copy, ordered after the producer.
+                    with self._torch.cuda.stream(self.stream):
+                        host = arr.to("cpu", non_blocking=True)
+                    self.stream.synchronize()
+                    arr = host.numpy()
+                    arr.flags.writeable = False
+                self._pending_cuda_in = True
+            inputs[t.name] = arr
+            refs[t.name] = t
+        return inputs, refs
+
+    def _wants_device(self, job: _Job) -> bool:
+        req = job.req
+        return (req.reply == "cuda" or (req.reply == "auto" and job.cuda_in)) and req.host == self.host
+
+    def _run_host(self, jobs: list[_Job]):
+        return self.backend.run([j.inputs for j in jobs])
+
+    def _run_cuda(self, jobs: list[_Job]):
+        try:
+            if self._device_path and any(j.cuda_in or self._wants_device(j) for j in jobs):
+                return self.backend.run_device([j.inputs for j in jobs], stream=self.stream)
+            return self.backend.run([j.inputs for j in jobs])
+        except self._torch.cuda.OutOfMemoryError:
+            self.mem.on_oom()
+            raise
+
+    def _np_dtype(self, tdtype) -> np.dtype:
+        dt = self._np_dtypes.get(tdtype)
+        if dt is None:
+            dt = self._np_dtypes[tdtype] = self._torch.empty(0, dtype=tdtype).numpy().dtype
+        return dt
+
+    def _device_outputs(self, job: _Job, out: dict) -> list[P.TensorRef] | None:
+        """Outputs copied into our device pool and handed off (CudaLoc), or None when the
+        pool is full (the caller then replies through host memory)."""
+        torch = self._torch
+        pool = self.cuda_pool
+        handed = []
+        refs = []
+        try:
+            with torch.cuda.stream(self.stream):
+                for name, value in out.items():
+                    src = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
+                    dt = self._np_dtype(src.dtype)
+                    dst = pool.try_alloc(tuple(src.shape), dt)
+                    if dst is None:
+                        pool.reclaim()
+                        dst = pool.try_alloc(tuple(src.shape), dt)
+                    if dst is None:
+                        for t in handed:
+                            pool.free(t)
+                        return None
+                    handed.append(dst)
+                    dst.copy_(src, non_blocking=True)
+                    loc = pool.hand_off(dst, stream=self.stream, holder_pid=job.req.pid)
+                    refs.append(P.TensorRef(name=name, dtype=dt.str, shape=list(src.shape), loc=loc))
+        except BaseException:
+            for t in handed:
+                try:
+                    pool.free(t)
+                except Exception:
+                    pass
+            raise
+        return refs
+
+    def _to_host(self, out: dict) -> dict:
+        torch = self._torch
+        fetched = {}
+        with torch.cuda.stream(self.stream):
+            for k, v in out.items():
+                fetched[k] = v.to("cpu", non_blocking=True) if isinstance(v, torch.Tensor) else v
+        # Host outputs are complete before FINAL, which also orders our reads of CUDA inputs
+        # before the client frees them (docs/gpu.md, section 3).
+        self.stream.synchronize()
+        return {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in fetched.items()}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -133,7 +296,7 @@ class Worker:
             credit=self.credit,
             max_batch=self.batcher.max_batch,
             host=self.host,
-            transports=list(self.cfg.transports),
+            transports=list(self.transports),
             pid=self.pid,
         )
         s.send_multipart(P.worker_ready(self.service, caps))
@@ -143,6 +306,8 @@ class Worker:
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
+        if self.cuda:
+            self._close_cuda()
         self.inputs_cache.close()
         if self.out_pool is not None:
             self.out_pool.close()
@@ -156,7 +321,7 @@ class Worker:
     def serve(self, ready_cb=None) -> None:
         """Run until `self.stop` is set; then drain what is held and DISCONNECT."""
         self._connect()
-        self._offload = _ComputeThread(self.ctx, self.backend)
+        self._offload = _ComputeThread(self.ctx, self._runner)
         if ready_cb is not None:
             ready_cb()
         interval = self.cfg.heartbeat_interval
@@ -180,6 +345,8 @@ class Worker:
                 now = time.monotonic()
                 if now - self._last_sent >= interval:
                     self._send(P.worker_heartbeat())
+                    if self.cuda:
+                        self._cuda_housekeeping()
                 if now - self._last_heard > dead_after:
                     log.warning("broker silent for %.1f s; reconnecting", now - self._last_heard)
                     poller.unregister(self.sock)
@@ -258,13 +425,24 @@ class Worker:
             self._reply_error(job, e.code, str(e))
             return
         job = _Job(envelope, req, None, None, now, None, None)
+        if self.cuda:
+            try:
+                self.mem.admit()
+            except self._GpuMemoryPressure as e:
+                self._reply_error(job, P.ErrorCode.QUEUE_FULL, str(e))
+                return
+            self._pending_cuda_in = False
         try:
             t0 = time.perf_counter()
             job.inputs, job.refs = self._map_inputs(req, rest)
             job.input_ms = (time.perf_counter() - t0) * 1e3
         except Exception as e:  # a stale/forged reference fails this request only
+            if self.cuda:
+                job.cuda_in = self._pending_cuda_in
             self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR, f"cannot read inputs: {e}")
             return
+        if self.cuda:
+            job.cuda_in = self._pending_cuda_in
         if req.timeout_ms is not None:
             job.deadline = now + req.timeout_ms / 1000.0
             if req.timeout_ms <= 0:
@@ -310,6 +488,10 @@ class Worker:
             for p in self.batcher.expire(now):
                 self.jobs.pop(p.item.envelope, None)
                 self._reply_error(p.item, P.ErrorCode.DEADLINE_EXCEEDED, "deadline passed while waiting for a batch")
+            if self.cuda:
+                # Smaller batches need less activation memory; MemoryWatch halves the cap
+                # under pressure and doubles it back.
+                self.batcher.max_batch = min(self._max_batch, self.mem.limit())
             batch = self.batcher.take(now, idle=True, force=force)
             if not batch:
                 return
@@ -330,7 +512,7 @@ class Worker:
             return
         t0 = time.perf_counter()
         try:
-            outputs = self.backend.run([j.inputs for j in jobs])
+            outputs = self._runner(jobs)
             error = None
         except Exception as e:
             outputs, error = None, e
@@ -385,15 +567,26 @@ class Worker:
     def _reply_tensors(self, job: _Job, out: dict, timing: dict, *, final: bool, seq: int = 0) -> None:
         t0 = time.perf_counter()
         req = job.req
+        if self.cuda:
+            if self._wants_device(job):
+                refs = self._device_outputs(job, out)
+                if refs is not None:
+                    timing["output_ms"] = (time.perf_counter() - t0) * 1e3
+                    header = P.encode_header(P.Reply(id=req.id, tensors=refs, timing=timing, seq=seq))
+                    self._send(P.worker_reply(job.envelope, final, [header]))
+                    return
+                # Device pool full (the client holds many results): degrade to host memory.
+            if any(isinstance(v, self._torch.Tensor) for v in out.values()):
+                out = self._to_host(out)
         want_shm = self.out_pool is not None and (
-            req.reply == "shm" or (req.reply == "auto" and req.host == self.host)
+            req.reply == "shm" or (req.reply != "inline" and req.host == self.host)
         )
         refs: list[P.TensorRef] = []
         frames: list[Any] = []
         for name, value in out.items():
             arr = np.asarray(value)
             same = job.inputs.get(name) if job.inputs else None
-            if same is not None and _is_same_array(arr, same) and type(job.refs[name].loc) is P.ShmLoc and req.reply != "inline":
+            if same is not None and type(job.refs[name].loc) is P.ShmLoc and req.reply != "inline" and _is_same_array(arr, same):
                 # Identity output: hand back the client's own reference; no byte moves.
                 refs.append(P.TensorRef(name=name, dtype=job.refs[name].dtype, shape=list(arr.shape), loc=job.refs[name].loc))
                 continue
@@ -420,6 +613,12 @@ class Worker:
 
     def _reply_error(self, job: _Job, code: int, message: str) -> None:
         rid = job.req.id if job.req is not None else 0
+        if job.cuda_in:
+            # The client frees its input slots at FINAL: our queued reads must be done.
+            try:
+                self.stream.synchronize()
+            except Exception:
+                log.exception("could not synchronise the worker stream before an error reply")
         self._send(P.worker_reply(job.envelope, True, P.error_body(rid, code, message)))
 
     def _fail_pending(self, why: str) -> None:
@@ -435,7 +634,7 @@ class _ComputeThread:
 
     _n = 0
 
-    def __init__(self, ctx: zmq.Context, backend):
+    def __init__(self, ctx: zmq.Context, run):
         _ComputeThread._n += 1
         addr = f"inproc://gpu-worker-done-{os.getpid()}-{_ComputeThread._n}"
         self.done = ctx.socket(zmq.PAIR)
@@ -444,7 +643,7 @@ class _ComputeThread:
         self._tx = ctx.socket(zmq.PAIR)
         self._tx.linger = 0
         self._tx.connect(addr)
-        self._backend = backend
+        self._run = run  # jobs -> outputs (the worker's host or CUDA runner)
         self._job = None
         self._out = None
         self._cv = threading.Condition()
@@ -468,7 +667,7 @@ class _ComputeThread:
                 self._job = None
             t0 = time.perf_counter()
             try:
-                outputs, error = self._backend.run([j.inputs for j in jobs]), None
+                outputs, error = self._run(jobs), None
             except Exception as e:
                 outputs, error = None, e
             self._out = (jobs, started, outputs, error, time.perf_counter() - t0)

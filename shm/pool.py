@@ -147,6 +147,11 @@ class ShmPool:
         return f"<ShmPool {getattr(self, 'name', '?')} capacity={getattr(self, 'capacity', 0)} {state}>"
 
     @property
+    def mapping(self):
+        """The segment's whole mmap (for pinning it with cudaHostRegister)."""
+        return self._mm
+
+    @property
     def closed(self) -> bool:
         return self._closed
 

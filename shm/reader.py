@@ -29,12 +29,16 @@ class SegmentCache:
     Not thread-safe: one cache per thread, or guard it with a lock.
     """
 
-    def __init__(self, max_segments: int = 64):
+    def __init__(self, max_segments: int = 64, *, on_forget=None):
         if max_segments < 1:
             raise ValueError("max_segments must be >= 1")
         self._segs: OrderedDict[str, Attached] = OrderedDict()
         self._max = max_segments
         self._closed = False
+        # Called with a segment's name just before its mapping is closed, whatever the
+        # reason (LRU, closed segment, sweep, close): a GPU worker unregisters its
+        # cudaHostRegister pinning there, which must happen while the pages are mapped.
+        self.on_forget = on_forget
 
     def __enter__(self) -> SegmentCache:
         return self
@@ -66,8 +70,7 @@ class SegmentCache:
         a = attach_segment(name)  # validates the name before touching the filesystem
         self._segs[name] = a
         while len(self._segs) > self._max:
-            _, old = self._segs.popitem(last=False)
-            detach(old)
+            self.forget(next(iter(self._segs)))
         return a
 
     def _check(self, ref, released_ok: bool = False) -> tuple[Attached, int, int]:
@@ -154,10 +157,23 @@ class SegmentCache:
         fence()
         a.q[b] = (w & ~U32) | RELEASED  # one aligned 8-byte store: same generation, RELEASED
 
+    def mapping(self, segment: str):
+        """The read-only mmap of ``segment``'s data area, if it is mapped (else None).
+
+        For pinning it (cudaHostRegister); valid until ``on_forget`` is called for it."""
+        a = self._segs.get(segment)
+        return None if a is None else a.data_mm
+
     def forget(self, segment: str) -> None:
         """Drop the mapping of ``segment`` (views already handed out stay valid)."""
         a = self._segs.pop(segment, None)
         if a is not None:
+            hook = self.on_forget
+            if hook is not None:
+                try:
+                    hook(segment)
+                except Exception:  # a failing hook must not leak the mapping
+                    pass
             detach(a)
 
     def sweep(self, check_owners: bool = True) -> list[str]:

@@ -1,0 +1,95 @@
+"""The SDK's CUDA side (client_sdk/cuda.py, tensors.pack/unpack) on the simulated device of
+test_cuda_ipc_simulated.py: real pools, state tables, descriptors and leases; CPU tensors
+stand in for device tensors."""
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from broker import protocol as P
+from client_sdk import cuda as sdk_cuda
+from client_sdk import tensors as T
+from shm import cuda_ipc as ci
+from tests.gpu.test_cuda_ipc_simulated import FakeEvent, sim  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+def side(sim, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(sdk_cuda, "is_cuda_tensor", lambda x: isinstance(x, torch.Tensor))
+    s = sdk_cuda.CudaSide(1 << 20, device=0)
+    yield s
+    s.close()
+
+
+def test_inputs_by_reference_and_by_copy_outputs_leased(side, sim):  # noqa: F811
+    buf = side.alloc((4,), torch.int32)
+    buf.copy_(torch.tensor([1, 2, 3, 4], dtype=torch.int32))
+    other = torch.arange(3, dtype=torch.float32)
+    packed = T.pack({"a": buf, "b": other}, None, cuda=lambda: side)
+    a, b = packed.tensors
+    assert type(a.loc) is P.CudaLoc and type(b.loc) is P.CudaLoc and not packed.frames
+    assert a.dtype == "<i4" and a.shape == [4] and b.dtype == "<f4"
+    assert len(packed.cuda_temp) == 1 and side.pool.in_use() == 2
+    assert torch.equal(packed.cuda_temp[0], other)              # copied once into a slot
+    assert side.pool.ref_of(buf).offset == ci.from_loc(a.loc).offset  # buf itself: by reference
+
+    worker = ci.CudaPool(1 << 20, device=0, slots=8)            # the worker's output pool
+    try:
+        y = worker.alloc((2, 2), np.int16)
+        y.copy_(torch.tensor([[5, 6], [7, 8]], dtype=torch.int16))
+        loc = worker.hand_off(y, holder_pid=os.getpid())
+        rep = P.decode_reply(P.encode_header(P.Reply(id=1, tensors=[
+            P.TensorRef(name="y", dtype="<i2", shape=[2, 2], loc=loc)])))
+        leases = T.OutputLeases()
+        leases.cuda_cache = side.cache
+        res = T.unpack(rep, [], leases, final=True)
+        assert torch.equal(res["y"], y) and res["y"].data_ptr() == y.data_ptr()
+        # FINAL: the temporary input slot is freed after the reply's output events.
+        events = side.events_of(rep.tensors)
+        assert len(events) == 1 and events[0] is FakeEvent.from_ipc_handle(0, loc.event)
+        side.free_temp(packed.cuda_temp, after=events)
+        assert sim.cuda.stream.waited[-1] is events[0]
+        assert side.pool.in_use() == 1 and packed.cuda_temp == []
+        res.release()
+        side.poll()
+        assert worker.reclaim() == 1 and worker.in_use() == 0    # released with the Result
+        leases.close()
+    finally:
+        worker.close()
+    del buf, packed, a
+    gc.collect()
+    side.poll()
+    assert side.pool.in_use() == 0                               # alloc buffer freed on drop
+
+
+def test_unviewed_cuda_outputs_are_released(side, sim):  # noqa: F811
+    worker = ci.CudaPool(1 << 20, device=0, slots=8)
+    try:
+        y = worker.alloc((3,), np.float32)
+        loc = worker.hand_off(y, holder_pid=os.getpid())
+        rep = P.Reply(id=2, tensors=[P.TensorRef(name="y", dtype="<f4", shape=[3], loc=loc)])
+        leases = T.OutputLeases()
+        leases.cuda_cache = side.cache
+        T.release_reply(rep, leases)
+        side.poll()
+        assert worker.reclaim() == 1
+        leases.close()
+    finally:
+        worker.close()
+
+
+def test_full_device_pool_falls_back_to_the_host(sim, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(sdk_cuda, "is_cuda_tensor", lambda x: isinstance(x, torch.Tensor))
+    side = sdk_cuda.CudaSide(256, device=0)
+    try:
+        big = torch.arange(1000, dtype=torch.float32)
+        packed = T.pack({"x": big}, None, cuda=lambda: side)
+        assert type(packed.tensors[0].loc) is P.InlineLoc and not packed.cuda_temp
+        np.testing.assert_array_equal(np.frombuffer(bytes(packed.frames[0]), np.float32), big.numpy())
+        assert side.pool.in_use() == 0
+    finally:
+        side.close()
