@@ -36,6 +36,7 @@ from broker.state import (
     HeartbeatWorker,
     Scheduler,
     ToClient,
+    cuda_key,
 )
 
 log = logging.getLogger("broker")
@@ -271,9 +272,12 @@ class Broker:
             local = None
             if req.host is not None:
                 for t in req.tensors:
-                    if type(t.loc) is not P.InlineLoc:
-                        local = req.host
+                    kind = type(t.loc)
+                    if kind is P.CudaLoc:
+                        local = cuda_key(req.host)  # needs a worker that maps CUDA IPC
                         break
+                    if kind is P.ShmLoc:
+                        local = req.host
             deadline = None if req.timeout_ms is None else now + req.timeout_ms / 1000.0
             actions = self.sched.client_request(
                 ident,

@@ -91,6 +91,12 @@ __all__ = [
 # of truth, and are re-exported here for the scheduler's users.
 
 
+def cuda_key(host: str) -> str:
+    """The ``local_host`` of a request with CUDA IPC references: only workers on ``host`` that
+    advertise the ``cuda`` transport can take it."""
+    return host + "#cuda"
+
+
 @dataclass(slots=True)
 class Config:
     heartbeat_interval: float = 1.0  # seconds between heartbeats to workers
@@ -371,8 +377,13 @@ class Scheduler:
         w.version = 0
         w.alive = True
         pools = [svc.any]
-        if host is not None and "shm" in w.transports:
-            pools.append(self._pool(svc, host, now))
+        if host is not None:
+            # One pool per same-host transport: shared-memory requests are keyed by the host,
+            # CUDA IPC requests by cuda_key(host), so neither reaches a worker that can't map it.
+            if "shm" in w.transports:
+                pools.append(self._pool(svc, host, now))
+            if "cuda" in w.transports:
+                pools.append(self._pool(svc, cuda_key(host), now))
         w.pools = tuple(pools)
         for pool in pools:
             pool.live += 1
@@ -670,6 +681,9 @@ class Scheduler:
         return req
 
     def _not_local_message(self, service, host):
+        if host.endswith("#cuda"):
+            return (f"no worker for '{service}' on host '{host[:-5]}' accepts CUDA IPC tensors; "
+                    f"start one with python -m gpu_worker --device cuda:N, or send host tensors")
         return (f"no worker for '{service}' on host '{host}' accepts shared memory (the "
                 f"service runs on other hosts); send the tensors inline instead")
 

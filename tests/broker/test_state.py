@@ -665,3 +665,18 @@ def test_finished_request_payload_is_not_retained():
         del p, acts
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_cuda_requests_only_go_to_same_host_cuda_workers():
+    from broker.state import cuda_key
+
+    s = Scheduler(Config())
+    s.worker_ready(b"cpu", "svc", 0.0, credit=4, host="h", transports=frozenset({"inline", "shm"}))
+    acts = s.client_request(b"c", 1, "svc", 0.0, payload=None, local_host=cuda_key("h"))
+    assert [type(a) for a in acts] == [ClientError] and acts[0].code == ErrorCode.NOT_LOCAL
+    s.worker_ready(b"gpu", "svc", 0.0, credit=4, host="h", transports=frozenset({"inline", "shm", "cuda"}))
+    acts = s.client_request(b"c", 2, "svc", 0.0, payload=None, local_host=cuda_key("h"))
+    assert [(type(a), a.worker) for a in acts] == [(Dispatch, b"gpu")]
+    # Shared-memory requests still go to either (least loaded first: the idle CPU worker).
+    acts = s.client_request(b"c", 3, "svc", 0.0, payload=None, local_host="h")
+    assert [(type(a), a.worker) for a in acts] == [(Dispatch, b"cpu")]

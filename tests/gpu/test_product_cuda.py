@@ -83,7 +83,8 @@ def test_cuda_inputs_to_a_cpu_worker_fail_typed(cluster):  # noqa: F811
 
     cluster.broker()
     cluster.worker(MODEL, "--service", "exact", "--device", "cpu")
-    with Client(cluster.frontend) as c:
+    # The broker refuses at once (NOT_LOCAL): no worker of the service maps CUDA IPC.
+    with Client(cluster.frontend, fallback_inline=False) as c:
         wait_service(c, "exact")
         with pytest.raises(InferenceError, match="CUDA IPC"):
             c.infer("exact", {"x": torch.zeros((4, 8), dtype=torch.int32, device="cuda"),
