@@ -1,7 +1,10 @@
 """asyncio client: many requests in flight over one DEALER socket.
 
-One reader task receives every message and routes it to its call by request id, so any
-number of tasks can `await c.infer(...)` at once (opaque requests use sockets of their own,
+A reader callback on the socket's file descriptor (`loop.add_reader`) drains every message
+and routes it to its call by request id, so any number of tasks can `await c.infer(...)`
+at once; the main socket is a plain pyzmq socket used without blocking, because
+zmq.asyncio's per-message futures and a reader task's wake-up cost more than the rest of a
+small request's client-side work (opaque requests use sockets of their own,
 see client.py).  A heartbeat task keeps the broker informed while calls are waiting and fails them
 with `BrokerUnreachable` when the broker falls silent.  Cancelling a task that awaits
 `infer` sends CANCEL to the broker; the call's input slots are freed when the FINAL that
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import Any, Mapping
 
 import numpy as np
@@ -31,6 +35,7 @@ from .tensors import Result
 __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
 
 log = logging.getLogger("client_sdk")
+_POLLIN = int(zmq.POLLIN)
 
 
 def run(coro: Any) -> Any:
@@ -58,11 +63,12 @@ class AsyncClient:
                  fallback_inline: bool = True):
         self._core = _Core(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
                            heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline)
-        self._ctx = zmq.asyncio.Context.instance()
-        self._sock = _dealer(self._ctx, endpoint)
-        self._reader: asyncio.Task | None = None
+        self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
+        self._sock = _dealer(zmq.Context.instance(), endpoint)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop our reader is on
         self._heart: asyncio.Task | None = None
-        self._sends: set[asyncio.Future] = set()
+        self._pending: deque = deque()  # frames the socket refused (high-water mark), in order
+        self._retry: asyncio.TimerHandle | None = None
         self._broken: BaseException | None = None
 
     # ---------------------------------------------------------------- properties
@@ -102,18 +108,26 @@ class AsyncClient:
         if self._broken is not None:
             raise InferenceError(f"the client's reader stopped ({self._broken!r}); create a new client",
                                  code=None)
-        if self._reader is None:
+        if self._loop is None:
             loop = asyncio.get_running_loop()
-            self._reader = loop.create_task(self._read_loop(), name="client_sdk-reader")
+            loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+            self._loop = loop
+            loop.call_soon(self._drain)  # the FD is edge-triggered: look once now
             if self._core.heartbeat_interval is not None:
                 self._heart = loop.create_task(self._heartbeat_loop(), name="client_sdk-heartbeat")
 
-    async def _read_loop(self) -> None:
+    def _drain(self) -> None:
+        """Route every message that has arrived; run by the loop when the FD signals."""
         core = self._core
-        recv = self._sock.recv_multipart
+        sock = self._sock
+        if core.closed or self._broken is not None:
+            return
         try:
-            while True:
-                frames = await recv(copy=False)
+            if self._pending:
+                self._flush()
+            handled = 0
+            while sock.getsockopt(zmq.EVENTS) & _POLLIN:
+                frames = sock.recv_multipart(copy=False)
                 try:
                     outs = core.on_message(frames, time.monotonic())
                 except Exception:  # one bad message must not stop every other call
@@ -121,14 +135,15 @@ class AsyncClient:
                     continue
                 for out in outs:
                     self._send_nowait(out)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
+                handled += 1
+                if handled >= 256:  # let other callbacks run; come back at once
+                    self._loop.call_soon(self._drain)
+                    return
+        except zmq.ZMQError as e:
             self._broken = e
             err = InferenceError(f"the client's socket failed ({e}); create a new client", code=None)
             for call in core.active():
                 core.fail(call, err)
-            raise
 
     async def _heartbeat_loop(self) -> None:
         core = self._core
@@ -151,23 +166,45 @@ class AsyncClient:
     def _send_nowait(self, frames: list[Any] | None) -> None:
         if frames is None or self._core.closed:
             return
+        if self._pending:  # keep the order: earlier frames are still waiting
+            self._pending.append(frames)
+            return
+        sock = self._sock
         try:
-            fut = self._sock.send_multipart(frames, copy=False)
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._pending.append(frames)
+            self._schedule_retry()
+            return
         except zmq.ZMQError as e:
             log.warning("could not send to the broker: %s", e)
             return
         self._core.last_send = time.monotonic()
-        if fut.done():
-            if not fut.cancelled():
-                fut.exception()  # marks it retrieved
-            return
-        self._sends.add(fut)
-        fut.add_done_callback(self._sent)
+        # Sending can consume the FD's edge for a message that has already arrived.
+        if self._loop is not None and sock.getsockopt(zmq.EVENTS) & _POLLIN:
+            self._loop.call_soon(self._drain)
 
-    def _sent(self, fut: asyncio.Future) -> None:
-        self._sends.discard(fut)
-        if not fut.cancelled() and fut.exception() is not None:
-            log.warning("could not send to the broker: %s", fut.exception())
+    def _flush(self) -> None:
+        sock = self._sock
+        while self._pending:
+            try:
+                sock.send_multipart(self._pending[0], flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                self._schedule_retry()
+                return
+            except zmq.ZMQError as e:
+                log.warning("could not send to the broker: %s", e)
+            self._pending.popleft()
+            self._core.last_send = time.monotonic()
+
+    def _schedule_retry(self) -> None:
+        # The broker is not reading (high-water mark): try again shortly rather than spin.
+        if self._loop is not None and self._retry is None:
+            def again():
+                self._retry = None
+                self._drain()
+
+            self._retry = self._loop.call_later(0.001, again)
 
     # ---------------------------------------------------------------- waiting
 
@@ -306,20 +343,25 @@ class AsyncClient:
         err = InferenceError("the client was closed while this request was waiting", code=None)
         for call in core.active():
             core.fail(call, err)
-        tasks = [t for t in (self._reader, self._heart) if t is not None]
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
+        if self._loop is not None:
             try:
-                await t
+                self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+            except Exception:  # the loop may already be closed
+                pass
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if self._heart is not None:
+            self._heart.cancel()
+            try:
+                await self._heart
             except BaseException:
                 pass
         try:
             self._sock.send_multipart(P.client_disconnect(), flags=zmq.NOBLOCK)
         except (zmq.ZMQError, Exception):
             pass
-        for fut in list(self._sends):
-            fut.cancel()
+        self._pending.clear()
         self._sock.close(linger=CLOSE_LINGER_MS)
         core.close()
 
