@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from broker import protocol as P
 
-from .client import CLOSE_LINGER_MS, _MMI_SERVICE, _Call, _Core, _dealer, _drop_socket, _mmi_answer, _opaque_reply
+from .client import CLOSE_LINGER_MS, _MMI_SERVICE, _Call, _Core, _ReplyStreamBase, _dealer, _drop_socket, _mmi_answer, _opaque_reply
 from .errors import DeadlineExceeded, InferenceError, ProtocolError
 from .tensors import Result
 
@@ -379,17 +379,8 @@ class AsyncClient:
         return f"<AsyncClient {self.endpoint} {state}>"
 
 
-class AsyncReplyStream:
+class AsyncReplyStream(_ReplyStreamBase):
     """Async iterator over the replies to one request (`AsyncClient.infer_stream`)."""
-
-    def __init__(self, client: AsyncClient, call: _Call):
-        self._client = client
-        self._call = call
-        self._finished = False
-
-    @property
-    def request_id(self) -> int:
-        return self._call.id
 
     def __aiter__(self) -> "AsyncReplyStream":
         return self
@@ -414,12 +405,6 @@ class AsyncReplyStream:
             self._finished = True
         return item
 
-    def close(self) -> None:
-        """Stop listening; cancels the request if its FINAL has not arrived."""
-        if not self._finished:
-            self._finished = True
-            self._client._give_up(self._call)
-
     async def aclose(self) -> None:
         self.close()
 
@@ -428,9 +413,3 @@ class AsyncReplyStream:
 
     async def __aexit__(self, *exc: Any) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -840,10 +840,11 @@ def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     return sock
 
 
-class ReplyStream:
-    """Iterator over the replies to one request (`Client.infer_stream`)."""
+class _ReplyStreamBase:
+    """What the blocking and the asyncio reply streams share: the call, and giving up on it
+    (CANCEL to the broker) when closed or dropped before its FINAL."""
 
-    def __init__(self, client: Client, call: _Call):
+    def __init__(self, client: Any, call: _Call):
         self._client = client
         self._call = call
         self._finished = False
@@ -851,6 +852,22 @@ class ReplyStream:
     @property
     def request_id(self) -> int:
         return self._call.id
+
+    def close(self) -> None:
+        """Stop listening; cancels the request if its FINAL has not arrived."""
+        if not self._finished:
+            self._finished = True
+            self._client._give_up(self._call)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class ReplyStream(_ReplyStreamBase):
+    """Iterator over the replies to one request (`Client.infer_stream`)."""
 
     def __iter__(self) -> "ReplyStream":
         return self
@@ -870,23 +887,11 @@ class ReplyStream:
             self._finished = True
         return item
 
-    def close(self) -> None:
-        """Stop listening; cancels the request if its FINAL has not arrived."""
-        if not self._finished:
-            self._finished = True
-            self._client._give_up(self._call)
-
     def __enter__(self) -> "ReplyStream":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def _mmi_answer(body: list[bytes], name: str) -> bool:

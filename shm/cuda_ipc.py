@@ -101,8 +101,8 @@ from .errors import BadDescriptor, SegmentGone, ShmError, ShmFull, StaleDescript
 from .fence import fence
 from .segment import (
     FREE, HEADER_SIZE, IN_FLIGHT, Q_HOLDER_PID, Q_HOLDER_START, Q_NBYTES, Q_OFFSET, QS, RELEASED,
-    SLOT_SIZE, STATE_NAMES, U32, ShmRef, create_segment, parse_name, path_of, process_alive,
-    read_header,
+    SLOT_SIZE, STATE_NAMES, U32, ShmRef, create_segment, open_checked, parse_name, path_of,
+    process_alive,
 )
 
 __all__ = [
@@ -392,17 +392,8 @@ class HostStateTable:
 def read_pool_meta(name: str) -> tuple[PoolMeta, int]:
     """(metadata, data offset) of a device pool's state table, read from the file.
     SegmentGone / BadDescriptor as for host segments."""
-    path = path_of(name)
+    fd, h = open_checked(name, os.O_RDONLY, "device pool")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
-        raise SegmentGone(f"device pool {name} does not exist (its owner closed it or died)") from None
-    except OSError as e:
-        raise BadDescriptor(f"cannot open device pool table {name}: {e.strerror}") from None
-    try:
-        h = read_header(fd, name)
-        if int(h["closed"]):
-            raise SegmentGone(f"device pool {name} was closed by its owner")
         raw = os.pread(fd, _META.size, META_OFFSET)
     finally:
         os.close(fd)

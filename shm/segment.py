@@ -366,19 +366,30 @@ class Attached(NamedTuple):
     data_addr: int  # virtual address of the data area in this process
 
 
-def attach_segment(name: str) -> Attached:
-    """Map an existing segment for reading.  SegmentGone if it does not exist or is closed."""
+def open_checked(name: str, flags: int, what: str = "segment") -> tuple[int, np.void]:
+    """Open a live segment file and read its header: (fd, header).  The caller closes fd.
+    SegmentGone if it does not exist or its owner closed it; BadDescriptor otherwise."""
     path = path_of(name)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, flags | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
-        raise SegmentGone(f"segment {name} does not exist (its owner closed it or died)") from None
+        raise SegmentGone(f"{what} {name} does not exist (its owner closed it or died)") from None
     except OSError as e:
-        raise BadDescriptor(f"cannot open segment {name}: {e.strerror}") from None
+        raise BadDescriptor(f"cannot open {what} {name}: {e.strerror}") from None
     try:
         h = read_header(fd, name)
         if int(h["closed"]):
-            raise SegmentGone(f"segment {name} was closed by its owner")
+            raise SegmentGone(f"{what} {name} was closed by its owner")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, h
+
+
+def attach_segment(name: str) -> Attached:
+    """Map an existing segment for reading.  SegmentGone if it does not exist or is closed."""
+    fd, h = open_checked(name, os.O_RDWR)
+    try:
         slots = int(h["slot_count"])
         data_offset = int(h["data_offset"])
         data_size = int(h["data_size"])
