@@ -7,7 +7,9 @@ between rows are the pieces themselves:
   proxy         client -> zmq.proxy (C) -> echo                  (the floor any broker is held to)
   broker/raw    client -> our broker -> minimal MDP worker       opaque body, then with a header
   broker/ours   client -> our broker -> gpu_worker --model echo  opaque body, then with a header
-  sdk           client_sdk.Client -> our broker -> gpu_worker    (the full product path, shm)
+  proxy/sdk     client_sdk.Client -> zmq.proxy (C) -> gpu_worker (the brokered floor, shm)
+  sdk           client_sdk.Client -> our broker -> gpu_worker    (the full product path, shm),
+                with replies relayed by the broker, then sent straight back (direct reply)
 
 Rows are interleaved round-robin over `--rounds` rounds and the median of the per-round
 medians is reported, so drift on a shared machine hits every row alike.
@@ -69,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     tmp = tempfile.mkdtemp(prefix="zinf-breakdown-")
-    ep = {k: f"ipc://{tmp}/{k}.ipc" for k in ("direct", "pfront", "pback", "fe1", "be1", "fe2", "be2")}
+    ep = {k: f"ipc://{tmp}/{k}.ipc" for k in ("direct", "pfront", "pback", "fe1", "be1", "fe2", "be2",
+                                          "sfront", "sback")}
     procs: list[subprocess.Popen] = []
     ctx = zmq.Context.instance()
     socks: list[zmq.Socket] = []
@@ -81,15 +84,20 @@ def main(argv: list[str] | None = None) -> int:
         _spawn(["-c", _RAW_WORKER, ep["be1"]], procs)
         _spawn(["-m", "broker", "--frontend", ep["fe2"], "--backend", ep["be2"]], procs)
         _spawn(["-m", "gpu_worker", "--broker", ep["be2"], "--model", "echo", "--max-batch", "1"], procs)
+        _spawn(["-m", "bench.echo_servers", "proxy", "--front", ep["sfront"], "--back", ep["sback"]], procs)
+        _spawn(["-m", "bench.proxied_worker", "--connect", ep["sback"], "--model", "echo", "--max-batch", "1"], procs)
 
         from client_sdk import Client
 
         sdk = Client(ep["fe2"], timeout=30)
+        relayed = Client(ep["fe2"], timeout=30, direct_reply=False)
         while not sdk.mmi_service("echo"):
             time.sleep(0.01)
         with Client(ep["fe1"], timeout=30) as probe:
             while not probe.mmi_service("echo"):
                 time.sleep(0.01)
+        psdk = Client(ep["sfront"], timeout=30)
+        psdk.mmi_service("echo")  # one round trip through the relay: the path is up
 
         def dealer(e):
             s = ctx.socket(zmq.DEALER)
@@ -103,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                  loc=P.InlineLoc(frame=0))]))
         sd, sp, s1, s2 = dealer(ep["direct"]), dealer(ep["pfront"]), dealer(ep["fe1"]), dealer(ep["fe2"])
         x = sdk.alloc((16,), np.uint8)
+        rx = relayed.alloc((16,), np.uint8)
+        px = psdk.alloc((16,), np.uint8)
 
         def rt(sock, frames):
             def go():
@@ -113,6 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         def sdk_call():
             sdk.infer("echo", {"x": x}).release()
 
+        def relayed_call():
+            relayed.infer("echo", {"x": rx}).release()
+
+        def proxy_sdk_call():
+            psdk.infer("echo", {"x": px}).release()
+
         rows = {
             "direct": rt(sd, [payload]),
             "proxy": rt(sp, [payload]),
@@ -120,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             "broker/raw header": rt(s1, [P.MDPC, P.C_REQUEST, b"echo", hdr, payload]),
             "broker/ours opaque": rt(s2, [P.MDPC, P.C_REQUEST, b"echo", payload]),
             "broker/ours header": rt(s2, [P.MDPC, P.C_REQUEST, b"echo", hdr, payload]),
-            "sdk shm": sdk_call,
+            "proxy → gpu_worker echo (SDK client)": proxy_sdk_call,
+            "sdk shm, replies relayed by the broker": relayed_call,
+            "sdk shm (direct reply)": sdk_call,
         }
         for fn in rows.values():  # warm every path
             _median_us(fn, 200)
@@ -130,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                 per_round[k].append(_median_us(fn, args.n))
         res = {k: statistics.median(v) for k, v in per_round.items()}
         sdk.close()
+        relayed.close()
+        psdk.close()
     finally:
         for s in socks:
             s.close(0)
@@ -149,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
         os.rmdir(tmp)
 
     floor = res["proxy"]
-    print(f"{'path':22s} {'p50 us':>8s} {'x proxy':>8s}")
+    w = max(len(k) for k in res)
+    print(f"{'path':{w}s} {'p50 us':>8s} {'x proxy':>8s}")
     for k, v in res.items():
-        print(f"{k:22s} {v:8.1f} {v / floor:8.2f}")
+        print(f"{k:{w}s} {v:8.1f} {v / floor:8.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "python -m bench.breakdown " + " ".join(argv or sys.argv[1:]),

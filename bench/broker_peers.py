@@ -8,15 +8,21 @@ time it sees it, and sends that buffer on every request: an application writes i
 into shared memory once (a camera ring, a preprocessing output) and the transport must not
 copy it again.  The echo worker hands the input back by reference, so nothing on the path
 copies the payload.
+
+`proxy-sdk` is the floor these are held to: the same client code and the same
+`gpu_worker` echo (run by `bench.proxied_worker`), with the broker replaced by a libzmq
+proxy process (`zmq.proxy`, no Python in the relay).
 """
 from __future__ import annotations
+
+import asyncio
 
 import os
 from typing import Any
 
 import numpy as np
 
-from bench.peers import Peer, PeerClient, register
+from bench.peers import Peer, PeerClient, PeerStartError, register
 
 
 class _BrokerClient(PeerClient):
@@ -82,6 +88,11 @@ class _BrokerClient(PeerClient):
         if self._sync is not None:
             self._sync.close()
             self._sync = None
+        if not self._aio.closed:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:  # no loop here: close the async client on a fresh one
+                asyncio.run(self._aio.close())
 
 
 class _BrokerPeer(Peer):
@@ -125,3 +136,26 @@ class BrokerInlinePeer(_BrokerPeer):
     name = "broker-inline"
     description = "our broker + echo worker; tensor bytes inline in the ZeroMQ message (the remote path)"
     transport = "inline"
+
+
+@register
+class ProxySdkPeer(_BrokerPeer):
+    name = "proxy-sdk"
+    description = ("broker-shm's client and gpu_worker echo with zmq.proxy in place of the broker "
+                   "(the brokered floor)")
+    transport = "shm"
+
+    def start(self) -> None:
+        self.frontend = self.ipc("front.ipc")
+        backend = self.ipc("back.ipc")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.spawn(self.python_module("bench.echo_servers", "proxy", "--front", self.frontend,
+                                      "--back", backend), env=env)
+        self.spawn(self.python_module("bench.proxied_worker", "--connect", backend, "--model", "echo",
+                                      "--max-batch", "1"), env=env)
+        # READY means connect() was called; one round trip through the relay proves the path.
+        from client_sdk import Client
+
+        with Client(self.frontend, timeout=30) as c:
+            if not c.mmi_service("echo"):
+                raise PeerStartError(f"{self.name}: the proxied worker does not serve 'echo'")

@@ -456,7 +456,7 @@ class DirectPeer(Peer):
 @register
 class ProxyPeer(Peer):
     name = "proxy"
-    description = "same echo worker behind a libzmq ROUTER/DEALER proxy process"
+    description = "direct's minimal echo behind a libzmq ROUTER/DEALER proxy process (bare floor)"
 
     def start(self) -> None:
         self.endpoint = self.ipc("front")

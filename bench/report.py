@@ -23,8 +23,17 @@ BIG_BYTES = 64 << 20
 # name -> (numerator (peer, bytes), denominator (peer, bytes), meaning)
 RATIOS: dict[str, tuple[tuple[str, int], tuple[str, int], str]] = {
     "broker_vs_proxy_floor_tiny": (
+        ("broker-shm", TINY_BYTES), ("proxy-sdk", TINY_BYTES),
+        "p50 at 16 B through broker-shm / p50 of the same SDK client and gpu_worker echo "
+        "with a libzmq proxy in place of the broker"),
+    "broker_vs_bare_proxy_tiny": (
         ("broker-shm", TINY_BYTES), ("proxy", TINY_BYTES),
-        "p50 at 16 B through broker-shm / p50 through a bare libzmq proxy"),
+        "p50 at 16 B through broker-shm / p50 of a raw DEALER client through a libzmq proxy "
+        "to a minimal echo"),
+    "proxy_sdk_vs_proxy_tiny": (
+        ("proxy-sdk", TINY_BYTES), ("proxy", TINY_BYTES),
+        "p50 at 16 B of proxy-sdk / proxy: what the SDK client and gpu_worker cost over a raw "
+        "DEALER and a minimal echo, behind the same proxy"),
     "broker_vs_direct_tiny": (
         ("broker-shm", TINY_BYTES), ("direct", TINY_BYTES),
         "p50 at 16 B through broker-shm / p50 of a direct DEALER-ROUTER echo"),

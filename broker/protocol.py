@@ -29,6 +29,7 @@ Worker -> broker (worker uses DEALER)
     FINAL       "MDPW02", 0x04, envelope, "", body...
     HEARTBEAT   "MDPW02", 0x05
     DISCONNECT  "MDPW02", 0x06
+    DONE        "MDPW02", 0x08, envelope...                  extension: these FINALs went straight to their clients
 Broker -> worker
     REQUEST     "MDPW02", 0x02, envelope, "", body...
     HEARTBEAT   "MDPW02", 0x05
@@ -37,6 +38,12 @@ Broker -> worker
 
 `envelope` is what RFC 18 calls the client address: an opaque frame of at most 255 bytes that
 the worker returns unchanged.  Our broker puts its dispatch token there (8 bytes, big endian).
+
+Direct reply (extension, docs/protocol.md section 8): a same-host client may name, in its
+request header, an ipc endpoint it has bound (`reply_to`).  A worker that can reach it sends
+the FINAL there, framed exactly as the broker would (MDPC02, 0x03, service, body...), and then
+tells the broker with DONE, which settles the request without a relay.  A plain MDP peer never
+sets or reads `reply_to`, so it keeps the relayed path.
 """
 from __future__ import annotations
 
@@ -72,6 +79,7 @@ W_FINAL = b"\x04"
 W_HEARTBEAT = b"\x05"
 W_DISCONNECT = b"\x06"
 W_CANCEL = b"\x07"
+W_DONE = b"\x08"
 
 MAGIC = b"\xc1ZNF"
 VERSION = 1
@@ -82,6 +90,8 @@ MAX_ENVELOPE_LEN = 255
 MAX_TENSORS = 256
 MAX_NDIM = 32
 MAX_HEADER_BYTES = 1 << 20
+MAX_REPLY_TO_LEN = 255
+MAX_DONE = 4096          # envelopes in one DONE
 
 
 class ErrorCode(IntEnum):
@@ -173,6 +183,7 @@ class Request(msgspec.Struct, kw_only=True):
     tensors: list[TensorRef] = []
     meta: dict[str, Any] = {}         # free-form, for the model
     queue_ms: float | None = None     # set by the broker at dispatch: time spent in its queue
+    reply_to: str | None = None       # "ipc://..." bound by the client: a same-host worker may send the FINAL there
 
 
 class Reply(msgspec.Struct, kw_only=True):
@@ -257,6 +268,14 @@ def decode_request(frame: Any, n_inline: int | None = None) -> Request:
     check_tensors(req.tensors, n_inline)
     if req.host is None and any(type(t.loc) is ShmLoc for t in req.tensors):
         raise ProtocolError("a request with shared-memory tensors must name its host (field 'host')")
+    rt = req.reply_to
+    if rt is not None:
+        if not rt.startswith("ipc:///") or len(rt) > MAX_REPLY_TO_LEN or "\x00" in rt:
+            raise ProtocolError(
+                f"reply_to must be an absolute ipc:// endpoint of at most {MAX_REPLY_TO_LEN} characters, got {rt[:64]!r}"
+            )
+        if req.host is None:
+            raise ProtocolError("a request with reply_to must name its host (field 'host')")
     return req
 
 
@@ -418,6 +437,16 @@ def worker_reply(envelope: bytes, final: bool, body: Iterable[Any]) -> list[Any]
     return [MDPW, W_FINAL if final else W_PARTIAL, envelope, b"", *body]
 
 
+def worker_done(envelopes: Sequence[bytes]) -> list[bytes]:
+    return [MDPW, W_DONE, *envelopes]
+
+
+def direct_reply(final: bool, service: bytes, body: Iterable[Any]) -> list[Any]:
+    """A reply a worker sends straight to a client's `reply_to` socket: the frames the
+    broker would have relayed (no identity: the socket is the client's own)."""
+    return [MDPC, C_FINAL if final else C_PARTIAL, service, *body]
+
+
 def worker_heartbeat() -> list[bytes]:
     return [MDPW, W_HEARTBEAT]
 
@@ -482,7 +511,7 @@ class WorkerMessage(msgspec.Struct, frozen=True):
     service: bytes = b""        # READY
     ready: Ready | None = None  # READY with capabilities
     envelope: bytes = b""       # PARTIAL / FINAL
-    body: tuple = ()
+    body: tuple = ()            # PARTIAL / FINAL body; DONE: the envelopes (bytes)
 
 
 def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
@@ -513,6 +542,14 @@ def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
         if len(env) > MAX_ENVELOPE_LEN:
             raise ProtocolError("envelope longer than 255 bytes")
         return WorkerMessage(cmd, envelope=env, body=tuple(frames[4:]))
+    if cmd == W_DONE:
+        n = len(frames) - 2
+        if not 1 <= n <= MAX_DONE:
+            raise ProtocolError(f"DONE carries {n} envelopes; expected 1..{MAX_DONE}")
+        envs = tuple(bytes(f) for f in frames[2:])
+        if any(len(e) > MAX_ENVELOPE_LEN for e in envs):
+            raise ProtocolError("envelope longer than 255 bytes")
+        return WorkerMessage(cmd, body=envs)
     if cmd in (W_HEARTBEAT, W_DISCONNECT):
         return WorkerMessage(cmd)
     raise ProtocolError(f"unknown worker command {cmd!r}")

@@ -8,7 +8,9 @@ into frames, and sleep until the scheduler's next wake-up.
 Hot path: a tensor request is one msgspec decode of its header (needed for priority,
 deadline and locality), one re-encode at dispatch (the remaining budget and the queue time
 for the worker), and frames forwarded by reference (`copy=False`): an inline 64 MB tensor
-crosses this process without being copied.  Replies are relayed untouched.
+crosses this process without being copied.  Replies are relayed untouched, and a same-host
+client's replies usually do not cross the broker at all (direct reply: the worker sends the
+FINAL to the client and a DONE here, docs/protocol.md section 8).
 
 A malformed message is logged (rate-limited) and answered with a typed error when it names a
 request id, otherwise dropped; it never raises out of the loop.
@@ -200,6 +202,10 @@ class Broker:
 
             for name in shm_gc.collect():
                 log.info("unlinked shared memory of a dead process: %s", name)
+            from client_sdk.client import sweep_reply_sockets
+
+            for name in sweep_reply_sockets(default_runtime_dir()):
+                log.info("unlinked the reply socket of a dead client: %s", name)
         except Exception:  # never let housekeeping stop the broker
             log.exception("shared-memory garbage collection failed")
 
@@ -339,6 +345,15 @@ class Broker:
             else:
                 actions = sched.worker_partial(ident, token, now, msg.body)
             self._act(actions, now)
+        elif cmd == P.W_DONE:
+            tokens = []
+            for env in msg.body:
+                token = P.envelope_token(env)
+                if token is None:
+                    self._bad.warning("worker %r sent DONE with an envelope that is not ours", ident[:16])
+                else:
+                    tokens.append(token)
+            self._act(sched.worker_done(ident, tokens, now), now)
         elif cmd == P.W_HEARTBEAT:
             self._act(sched.worker_seen(ident, now), now)
         elif cmd == P.W_READY:

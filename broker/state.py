@@ -190,6 +190,7 @@ _SCAN = 16
 _COUNTERS = (
     "dispatched",
     "completed",
+    "direct",           # of the completed: FINAL sent by the worker straight to the client
     "expired",
     "rejected_full",
     "retried",
@@ -424,10 +425,27 @@ class Scheduler:
                      ) -> list[Action]:
         """Relay a FINAL if ``worker`` holds ``token`` and return its credit; a reply
         for a token the worker does not hold (late, duplicate) is dropped and counted."""
+        out: list[Action] = []
+        self._settle(worker, token, now, payload, out, relay=True)
+        self._flush(now, out)
+        return out
+
+    def worker_done(self, worker: bytes, tokens, now: float) -> list[Action]:
+        """``worker`` sent these requests' FINALs straight to their clients (direct reply,
+        docs/protocol.md section 8): settle each as `worker_final` would and return its
+        credit, relaying nothing.  Tokens it does not hold (late, duplicate) are dropped
+        and counted.  The client itself drops a second FINAL for one request, so a retry
+        raced by a direct reply still ends in exactly one result."""
+        out: list[Action] = []
+        for token in tokens:
+            self._settle(worker, token, now, None, out, relay=False)
+        self._flush(now, out)
+        return out
+
+    def _settle(self, worker, token, now, payload, out, *, relay):
         req = self._held(worker, token, now)
         if req is None:
-            return []
-        out: list[Action] = []
+            return
         w = req.worker
         del w.in_flight[token]
         req.svc.in_flight -= 1
@@ -438,11 +456,12 @@ class Scheduler:
         else:
             self._unlink(req)
             self._counters["completed"] += 1
-            out.append(ToClient(req.client, req.request_id, req.svc.name, True, payload,
-                                req.enqueued_at, req.dispatched_at))
+            if relay:
+                out.append(ToClient(req.client, req.request_id, req.svc.name, True, payload,
+                                    req.enqueued_at, req.dispatched_at))
+            else:
+                self._counters["direct"] += 1
         self._retire(req)
-        self._flush(now, out)
-        return out
 
     def worker_disconnect(self, worker: bytes, now: float) -> list[Action]:
         """The worker said DISCONNECT (or the server knows it is gone): retry its work."""

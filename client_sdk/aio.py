@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from broker import protocol as P
 
-from .client import CLOSE_LINGER_MS, _MMI_SERVICE, _Call, _Core, _ReplyStreamBase, _dealer, _drop_socket, _mmi_answer, _opaque_reply
+from .client import CLOSE_LINGER_MS, _MMI_SERVICE, _Call, _Core, _ReplyInbox, _ReplyStreamBase, _dealer, _drop_socket, _mmi_answer, _opaque_reply
 from .errors import DeadlineExceeded, InferenceError, ProtocolError
 from .tensors import Result
 
@@ -60,11 +60,16 @@ class AsyncClient:
 
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
-                 fallback_inline: bool = True):
+                 fallback_inline: bool = True, direct_reply: bool = True):
         self._core = _Core(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
-                           heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline)
+                           heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
+                           direct_reply=direct_reply)
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
         self._sock = _dealer(zmq.Context.instance(), endpoint)
+        # Replies straight from same-host workers (docs/protocol.md section 8); read by the
+        # same callback as the broker socket.
+        self._inbox = _ReplyInbox.open(zmq.Context.instance(), self._core)
+        self._socks = [self._sock] if self._inbox is None else [self._sock, self._inbox.sock]
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop our reader is on
         self._heart: asyncio.Task | None = None
         self._pending: deque = deque()  # frames the socket refused (high-water mark), in order
@@ -89,6 +94,11 @@ class AsyncClient:
     def closed(self) -> bool:
         return self._core.closed
 
+    @property
+    def direct_replies(self) -> int:
+        """See `Client.direct_replies`."""
+        return self._core.direct_replies
+
     def alloc(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
         """See `Client.alloc`."""
         return self._core.alloc(shape, dtype)
@@ -110,7 +120,8 @@ class AsyncClient:
                                  code=None)
         if self._loop is None:
             loop = asyncio.get_running_loop()
-            loop.add_reader(self._sock.getsockopt(zmq.FD), self._drain)
+            for sock in self._socks:
+                loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
             self._loop = loop
             loop.call_soon(self._drain)  # the FD is edge-triggered: look once now
             if self._core.heartbeat_interval is not None:
@@ -119,26 +130,28 @@ class AsyncClient:
     def _drain(self) -> None:
         """Route every message that has arrived; run by the loop when the FD signals."""
         core = self._core
-        sock = self._sock
         if core.closed or self._broken is not None:
             return
         try:
             if self._pending:
                 self._flush()
             handled = 0
-            while sock.getsockopt(zmq.EVENTS) & _POLLIN:
-                frames = sock.recv_multipart(copy=False)
-                try:
-                    outs = core.on_message(frames, time.monotonic())
-                except Exception:  # one bad message must not stop every other call
-                    log.exception("error while handling a message from the broker")
-                    continue
-                for out in outs:
-                    self._send_nowait(out)
-                handled += 1
-                if handled >= 256:  # let other callbacks run; come back at once
-                    self._loop.call_soon(self._drain)
-                    return
+            for sock in self._socks:
+                direct = sock is not self._sock
+                while sock.getsockopt(zmq.EVENTS) & _POLLIN:
+                    frames = sock.recv_multipart(copy=False)
+                    core.direct_replies += direct
+                    try:
+                        outs = core.on_message(frames, time.monotonic())
+                    except Exception:  # one bad message must not stop every other call
+                        log.exception("error while handling a message from the broker")
+                        continue
+                    for out in outs:
+                        self._send_nowait(out)
+                    handled += 1
+                    if handled >= 256:  # let other callbacks run; come back at once
+                        self._loop.call_soon(self._drain)
+                        return
         except zmq.ZMQError as e:
             self._broken = e
             err = InferenceError(f"the client's socket failed ({e}); create a new client", code=None)
@@ -344,10 +357,11 @@ class AsyncClient:
         for call in core.active():
             core.fail(call, err)
         if self._loop is not None:
-            try:
-                self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
-            except Exception:  # the loop may already be closed
-                pass
+            for sock in self._socks:
+                try:
+                    self._loop.remove_reader(sock.getsockopt(zmq.FD))
+                except Exception:  # the loop may already be closed
+                    pass
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
@@ -363,6 +377,8 @@ class AsyncClient:
             pass
         self._pending.clear()
         self._sock.close(linger=CLOSE_LINGER_MS)
+        if self._inbox is not None:
+            self._inbox.close()
         core.close()
 
     aclose = close

@@ -6,7 +6,11 @@ the FINAL, and the transparent inline resend after NOT_LOCAL.  The front ends (`
 here, `AsyncClient` in aio.py) only move frames and wait.
 
 Routing: a tensor reply carries its request id in the header, so any number of tensor
-requests share the client's socket.  An opaque (plain MDP) reply carries nothing to match it
+requests share the client's socket.  A client of a broker on this host also binds a reply
+socket (`_ReplyInbox`) and names it in each request (`reply_to`): a worker on this host sends
+the FINAL there, one hop instead of two through the broker (docs/protocol.md section 8).
+Both sockets feed the same `_Core.on_message`; a second FINAL for one request (a retry that
+raced a direct reply) finds no call and is dropped.  An opaque (plain MDP) reply carries nothing to match it
 by, and two requests to one service may finish out of order on different workers, so each
 opaque request (`request()`, `mmi_service()`) uses a short-lived socket of its own: its
 reply cannot be mistaken for another's, and a late one after a timeout goes nowhere.
@@ -17,6 +21,7 @@ import ipaddress
 import logging
 import math
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -143,7 +148,7 @@ class _Call:
 class _Core:
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
-                 fallback_inline: bool = True):
+                 fallback_inline: bool = True, direct_reply: bool = True):
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise InvalidInput(f"endpoint {endpoint!r} must look like 'ipc:///tmp/broker.sock' or 'tcp://host:port'")
         self.endpoint = endpoint
@@ -153,6 +158,9 @@ class _Core:
         self.pool_capacity = int(pool_capacity)
         self.heartbeat_interval = heartbeat_interval if heartbeat_interval and heartbeat_interval > 0 else None
         self.fallback_inline = fallback_inline
+        # Direct replies need a broker (hence workers) that can reach an ipc socket of ours.
+        self.direct_reply = bool(direct_reply) and _endpoint_is_local(endpoint)
+        self.reply_to: str | None = None  # set by the front end once its reply socket is bound
         self._pool: Any = None
         self._cuda: Any = None  # CudaSide, created by the first CUDA tensor or alloc_cuda
         self.leases = T.OutputLeases()
@@ -166,6 +174,7 @@ class _Core:
         self.last_send = 0.0
         self.closed = False
         self.discarded = 0   # late or unknown replies dropped (for tests and debugging)
+        self.direct_replies = 0  # messages that came straight from a worker (reply_to)
         # MMI queries sent on the main socket, oldest first.  The broker answers MMI itself,
         # in the order it receives them, so replies match waiters first-in first-out; an
         # abandoned waiter still consumes its own late answer.
@@ -314,6 +323,7 @@ class _Core:
             reply=call.reply,
             tensors=packed.tensors,
             meta=call.meta,
+            reply_to=self.reply_to,
         )
         try:
             head = P.encode_header(hdr)
@@ -570,11 +580,16 @@ class Client:
 
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
-                 fallback_inline: bool = True):
+                 fallback_inline: bool = True, direct_reply: bool = True):
         self._core = _Core(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
-                           heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline)
+                           heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
+                           direct_reply=direct_reply)
         self._ctx = zmq.Context.instance()
         self._sock = _dealer(self._ctx, endpoint)
+        self._inbox = _ReplyInbox.open(self._ctx, self._core)
+        self._items = [(self._sock, _POLLIN)]
+        if self._inbox is not None:
+            self._items.append((self._inbox.sock, _POLLIN))
 
     # ---------------------------------------------------------------- properties
 
@@ -595,6 +610,13 @@ class Client:
     @property
     def closed(self) -> bool:
         return self._core.closed
+
+    @property
+    def direct_replies(self) -> int:
+        """Replies that came straight from a worker on this host instead of through the
+        broker (docs/protocol.md section 8); 0 when `direct_reply=False` or the broker is
+        remote."""
+        return self._core.direct_replies
 
     # ---------------------------------------------------------------- buffers
 
@@ -742,20 +764,22 @@ class Client:
             timeout = hb if timeout is None else min(timeout, hb)
         ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
         # zmq_poll directly: Socket.poll builds a Poller and a dict on every call.
-        if not zmq.zmq_poll([(self._sock, _POLLIN)], ms):
+        if not zmq.zmq_poll(self._items, ms):
             return
         self._drain()
 
     def _drain(self) -> None:
         # EVENTS rather than recv(NOBLOCK) until zmq.Again: an exception per wake-up costs
         # more than the rest of the client's work on a small request.
-        sock = self._sock
         core = self._core
-        recv = sock.recv_multipart
-        while sock.get(zmq.EVENTS) & _POLLIN:
-            frames = recv(copy=False)
-            for out in core.on_message(frames, time.monotonic()):
-                self._try_send(out)
+        for sock, _ in self._items:
+            recv = sock.recv_multipart
+            direct = sock is not self._sock
+            while sock.get(zmq.EVENTS) & _POLLIN:
+                frames = recv(copy=False)
+                core.direct_replies += direct
+                for out in core.on_message(frames, time.monotonic()):
+                    self._try_send(out)
 
     def _wait(self, call: _Call, limit: float | None = None) -> tuple[str, Any]:
         """Next item for `call`.  Raises DeadlineExceeded at the call's deadline, TimeoutError
@@ -787,6 +811,8 @@ class Client:
         except zmq.ZMQError:
             pass
         self._sock.close(linger=CLOSE_LINGER_MS)
+        if self._inbox is not None:
+            self._inbox.close()
         self._core.close()
 
     def __enter__(self) -> "Client":
@@ -827,6 +853,85 @@ def _drop_socket(sock: zmq.Socket) -> None:
     except zmq.ZMQError:
         pass
     sock.close(linger=CLOSE_LINGER_MS)
+
+
+class _ReplyInbox:
+    """The client's direct-reply socket: a PULL bound to an ipc path that only this user can
+    reach (the runtime directory is mode 0700).  Workers on this host connect to it and send
+    FINALs there (docs/protocol.md section 8).  libzmq leaves the socket file behind on close,
+    so `close` unlinks it; the broker sweeps the files of clients that died (SIGKILL)."""
+
+    PREFIX = "c-"
+
+    def __init__(self, sock: zmq.Socket, path: str):
+        self.sock = sock
+        self.path = path
+        # A client dropped without close() still removes its file (at collection or exit).
+        self._unlink = weakref.finalize(self, _unlink_quietly, path)
+
+    @classmethod
+    def open(cls, ctx: zmq.Context, core: _Core) -> "_ReplyInbox | None":
+        if not core.direct_reply:
+            return None
+        from broker.server import default_runtime_dir
+
+        path = os.path.join(default_runtime_dir(), f"{cls.PREFIX}{os.getpid()}-{secrets.token_hex(6)}.ipc")
+        if len(path.encode()) > 100:  # sun_path holds 108 bytes: keep the relayed path instead
+            log.info("runtime directory path too long for a reply socket; replies go through the broker")
+            return None
+        sock = ctx.socket(zmq.PULL)
+        sock.linger = 0
+        sock.rcvhwm = 100_000
+        try:
+            sock.bind("ipc://" + path)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            log.info("cannot bind a reply socket (%s); replies go through the broker", e)
+            return None
+        core.reply_to = "ipc://" + path
+        return cls(sock, path)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self._unlink()
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def sweep_reply_sockets(directory: str) -> list[str]:
+    """Unlink the reply-socket files that dead clients left in `directory`; returns them."""
+    gone = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return gone
+    for name in names:
+        if not (name.startswith(_ReplyInbox.PREFIX) and name.endswith(".ipc")):
+            continue
+        pid = name[len(_ReplyInbox.PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            gone.append(name)
+        except OSError:
+            pass
+    return gone
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:

@@ -15,7 +15,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from broker.server import default_endpoints
-    from gpu_worker.worker import Worker, WorkerConfig, install_sigterm_drain
+    from gpu_worker.worker import DIRECT_LINGER_MS, Worker, WorkerConfig, install_sigterm_drain
 
     ap = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__.splitlines()[0])
     ap.add_argument("--broker", default=None, help="broker backend endpoint (default: the broker's ipc default)")
@@ -66,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     with worker as w:
         install_sigterm_drain(w)
         w.serve(ready_cb=lambda: print(f"READY service={w.service} pid={w.pid} device={w.device}", flush=True))
+    # Closed sockets may still hold replies sent straight to clients (and the DISCONNECT):
+    # give them a moment to leave before the process does.
+    import zmq
+
+    zmq.Context.instance().destroy(linger=DIRECT_LINGER_MS)
     return 0
 
 

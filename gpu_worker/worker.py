@@ -33,6 +33,7 @@ import os
 import signal
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,9 @@ from gpu_worker.batching import Batcher, Pending
 
 log = logging.getLogger("gpu_worker")
 _POLLIN = int(zmq.POLLIN)
+# Milliseconds a closed reply_to socket keeps delivering what it has queued: a FINAL already
+# told to the broker as DONE must still reach its client (close() itself does not wait).
+DIRECT_LINGER_MS = 2000
 
 
 @dataclass
@@ -65,6 +69,8 @@ class WorkerConfig:
     backend: str = "auto"             # "auto" (the model's framework), "torch", "numpy", "tensorrt"
     cuda_pool_capacity: int = 256 << 20   # device pool for outputs kept on the GPU (cuda only)
     cuda_pool_slots: int = 1024
+    direct_reply: bool = True         # send a same-host client's FINAL to its reply_to socket (docs/protocol.md section 8)
+    direct_sockets: int = 64          # reply_to sockets kept open (least recently used closed first)
 
 
 class _Job:
@@ -113,6 +119,13 @@ class Worker:
         self._compute_ewma: dict[int, float] = {}  # batch size -> seconds
         self._offload: _ComputeThread | None = None
         self._busy = False
+        self._service_b = self.service.encode()
+        self._streaming = bool(getattr(self.model, "streaming", False))
+        # Direct reply: one PUSH socket per client reply_to endpoint, LRU; envelopes of the
+        # FINALs sent that way, told to the broker in one DONE per loop turn.
+        self._direct: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self._done: list[bytes] = []
+        self.direct_sent = 0
         self.cuda = self.device.startswith("cuda")
         self._runner = self._run_host
         if self.cuda:
@@ -303,6 +316,9 @@ class Worker:
         self._last_sent = self._last_heard = time.monotonic()
 
     def close(self) -> None:
+        for sock in self._direct.values():
+            sock.close(linger=DIRECT_LINGER_MS)
+        self._direct.clear()
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
@@ -342,6 +358,8 @@ class Worker:
                     self._last_heard = time.monotonic()
                 if not self._busy:
                     self._run_ready_batches()
+                if self._done:
+                    self._flush_done()
                 now = time.monotonic()
                 if now - self._last_sent >= interval:
                     self._send(P.worker_heartbeat())
@@ -363,6 +381,7 @@ class Worker:
                         self._send(P.worker_heartbeat())
                     continue
                 self._run_ready_batches(force=True)
+            self._flush_done()
             self._send(P.worker_disconnect())
         finally:
             self._offload.close()
@@ -573,7 +592,7 @@ class Worker:
                 if refs is not None:
                     timing["output_ms"] = (time.perf_counter() - t0) * 1e3
                     header = P.encode_header(P.Reply(id=req.id, tensors=refs, timing=timing, seq=seq))
-                    self._send(P.worker_reply(job.envelope, final, [header]))
+                    self._reply(job, final, [header])
                     return
                 # Device pool full (the client holds many results): degrade to host memory.
             if any(isinstance(v, self._torch.Tensor) for v in out.values()):
@@ -609,7 +628,7 @@ class Worker:
             frames.append(arr.reshape(-1).view(np.uint8).data if arr.nbytes else b"")
         timing["output_ms"] = (time.perf_counter() - t0) * 1e3
         header = P.encode_header(P.Reply(id=req.id, tensors=refs, timing=timing, seq=seq))
-        self._send(P.worker_reply(job.envelope, final, [header, *frames]))
+        self._reply(job, final, [header, *frames])
 
     def _reply_error(self, job: _Job, code: int, message: str) -> None:
         rid = job.req.id if job.req is not None else 0
@@ -619,12 +638,73 @@ class Worker:
                 self.stream.synchronize()
             except Exception:
                 log.exception("could not synchronise the worker stream before an error reply")
-        self._send(P.worker_reply(job.envelope, True, P.error_body(rid, code, message)))
+        self._reply(job, True, P.error_body(rid, code, message))
+
+    def _reply(self, job: _Job, final: bool, body: list) -> None:
+        """Send one reply: a FINAL straight to a same-host client that gave a reply_to
+        socket (direct reply), anything else through the broker."""
+        req = job.req
+        if (final and req is not None and req.reply_to is not None and req.host == self.host
+                and self.cfg.direct_reply and not self._streaming):
+            sock = self._direct_socket(req.reply_to)
+            if sock is not None:
+                try:
+                    sock.send_multipart(P.direct_reply(True, self._service_b, body), flags=zmq.NOBLOCK, copy=False)
+                except zmq.ZMQError as e:
+                    # Full (a client that stopped reading, or died) or closed: the broker
+                    # relays this one, and the socket is dropped so the next one reconnects.
+                    log.warning("direct reply to %s failed (%s); relaying through the broker", req.reply_to, e)
+                    self._drop_direct(req.reply_to)
+                else:
+                    self._done.append(job.envelope)
+                    self.direct_sent += 1
+                    return
+        self._send(P.worker_reply(job.envelope, final, body))
+
+    def _direct_socket(self, endpoint: str) -> zmq.Socket | None:
+        sock = self._direct.get(endpoint)
+        if sock is not None:
+            self._direct.move_to_end(endpoint)
+            return sock
+        if not os.path.exists(endpoint[len("ipc://"):]):
+            # Not visible from here (another mount namespace, or the client is gone): a
+            # connect would queue replies forever, so relay instead.
+            return None
+        sock = None
+        try:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.linger = 0
+            # A client that stops reading costs at most this many queued replies before
+            # the worker falls back to relaying (and reconnects afresh).
+            sock.sndhwm = 1000
+            sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            if sock is not None:
+                sock.close(linger=0)
+            log.warning("cannot connect to reply_to %s (%s); relaying through the broker", endpoint, e)
+            return None
+        self._direct[endpoint] = sock
+        while len(self._direct) > max(1, self.cfg.direct_sockets):
+            _, old = self._direct.popitem(last=False)
+            old.close(linger=DIRECT_LINGER_MS)
+        return sock
+
+    def _drop_direct(self, endpoint: str) -> None:
+        sock = self._direct.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def _flush_done(self) -> None:
+        """Tell the broker which FINALs went straight to their clients (returns our credit)."""
+        done, self._done = self._done, []
+        for i in range(0, len(done), P.MAX_DONE):
+            self._send(P.worker_done(done[i : i + P.MAX_DONE]))
 
     def _fail_pending(self, why: str) -> None:
         # The broker retries these elsewhere; our replies would carry dead tokens.
         self.batcher.drop(lambda p: True)
         self.jobs.clear()
+        self._done.clear()
 
 
 class _ComputeThread:

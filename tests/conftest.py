@@ -1,4 +1,5 @@
-"""Suite-wide hygiene: every test must leave no child process and no /dev/shm file behind.
+"""Suite-wide hygiene: every test must leave no child process, no /dev/shm file and no
+client reply-socket file behind.
 
 The check is a fixture (autouse) rather than a session hook so that the failure names the
 test that leaked.  Children are found through /proc (no psutil dependency): any process whose
@@ -13,6 +14,17 @@ import pytest
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "zinf-"
+
+
+def reply_socket_files(me: int) -> set[str]:
+    """Direct-reply socket files (client_sdk `_ReplyInbox`) of clients in this process."""
+    from broker.server import default_runtime_dir
+
+    d = default_runtime_dir()
+    try:
+        return {n for n in os.listdir(d) if n.startswith(f"c-{me}-") and n.endswith(".ipc")}
+    except FileNotFoundError:
+        return set()
 
 
 def shm_files() -> set[str]:
@@ -94,10 +106,14 @@ def no_leaks():
     me = os.getpid()
     before_files = shm_files()
     before_procs = descendants(me)
+    before_socks = reply_socket_files(me)
     yield
     left_procs = _settle(lambda: descendants(me) - before_procs)
     left_files = _settle(lambda: {n for n in shm_files() - before_files if _ours(n, me)})
+    left_socks = reply_socket_files(me) - before_socks
     problems = []
+    if left_socks:
+        problems.append(f"client reply sockets left open (a Client or AsyncClient not closed): {sorted(left_socks)}")
     if left_procs:
         cmdlines = []
         for pid in sorted(left_procs):

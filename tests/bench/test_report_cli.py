@@ -97,9 +97,10 @@ def test_compare_report_schema_skips_and_outputs(tmp_path, monkeypatch):
     assert a["server_ms"] == {"queue": 0.1, "input": 0.2, "compute": 0.3, "output": 0.4}
     assert b["server_ms"] is None
     assert a["slo_attainment"] > 0.5 and b["slo_attainment"] < 0.5  # 2 ms SLO: 1 ms vs 3 ms
-    # No broker in this run: every ratio is null and says why.
+    # None of the ratios' peers in this run: every ratio is null and names a missing peer.
     assert set(rep["ratios"]) == set(RATIOS) and all(v is None for v in rep["ratios"].values())
-    assert all("broker-shm" in rep["ratios_missing"][k] for k in RATIOS)
+    for k, ((num, _), (den, _), _) in RATIOS.items():
+        assert f"peer {num!r} was not part of this run" in rep["ratios_missing"][k]
 
     text = md.read_text()
     assert "| peer |" in text and "fake-a" in text and "fake-off" in text
@@ -127,11 +128,12 @@ def test_ratios_from_a_run_with_all_their_peers(tmp_path, monkeypatch):
 def _check_ratios_run(tmp_path, monkeypatch):
     # A payload-independent "broker", floors that are faster at 16 B, a gRPC that pays per MB.
     monkeypatch.setitem(PEERS, "broker-shm", fake_peer("broker-shm", 4.0))
+    monkeypatch.setitem(PEERS, "proxy-sdk", fake_peer("proxy-sdk", 3.0))
     monkeypatch.setitem(PEERS, "proxy", fake_peer("proxy", 2.0))
     monkeypatch.setitem(PEERS, "direct", fake_peer("direct", 1.0))
     monkeypatch.setitem(PEERS, "grpc", fake_peer("grpc", 4.0, per_mb_ms=2.0))
     out = tmp_path / "q.json"  # main() creates the folder
-    rc = cli.main(["quick", "--peers", "broker-shm,proxy,direct,grpc", "--json", str(out), *FAST])
+    rc = cli.main(["quick", "--peers", "broker-shm,proxy-sdk,proxy,direct,grpc", "--json", str(out), *FAST])
     assert rc == 0
     rep = json.loads(out.read_text())
     assert rep["ratios_missing"] == {}
@@ -143,13 +145,16 @@ def _check_ratios_run(tmp_path, monkeypatch):
 
     frame, big = 1080 * 1920 * 3, 64 << 20
     # Each ratio is exactly the quotient of the p50s it names ...
-    assert r["broker_vs_proxy_floor_tiny"] == pytest.approx(p50("broker-shm", 16) / p50("proxy", 16), rel=1e-3)
+    assert r["broker_vs_proxy_floor_tiny"] == pytest.approx(p50("broker-shm", 16) / p50("proxy-sdk", 16), rel=1e-3)
+    assert r["broker_vs_bare_proxy_tiny"] == pytest.approx(p50("broker-shm", 16) / p50("proxy", 16), rel=1e-3)
+    assert r["proxy_sdk_vs_proxy_tiny"] == pytest.approx(p50("proxy-sdk", 16) / p50("proxy", 16), rel=1e-3)
     assert r["broker_vs_direct_tiny"] == pytest.approx(p50("broker-shm", 16) / p50("direct", 16), rel=1e-3)
     assert r["payload_independence_6mb"] == pytest.approx(p50("broker-shm", frame) / p50("broker-shm", 16), rel=1e-3)
     assert r["payload_independence_64mb"] == pytest.approx(p50("broker-shm", big) / p50("broker-shm", 16), rel=1e-3)
     assert r["grpc_vs_shm_6mb"] == pytest.approx(p50("grpc", frame) / p50("broker-shm", frame), rel=1e-3)
     # ... and sees the fakes' shapes (loosely: sleeps overshoot on a busy machine).
-    assert r["broker_vs_direct_tiny"] > r["broker_vs_proxy_floor_tiny"] > 1.0
+    assert r["broker_vs_direct_tiny"] > r["broker_vs_bare_proxy_tiny"] > r["broker_vs_proxy_floor_tiny"] > 1.0
+    assert r["proxy_sdk_vs_proxy_tiny"] > 1.0
     assert 0.5 < r["payload_independence_6mb"] < 2.0
     assert 0.5 < r["payload_independence_64mb"] < 2.0
     assert r["grpc_vs_shm_6mb"] > 1.5  # (4 + 12.4) / 4 nominally
@@ -162,13 +167,15 @@ def _row(peer, nbytes, p50, conc=1):
 
 def test_compute_ratios_exact_and_missing_reasons():
     ok = {"status": "ok", "reason": ""}
-    peers = {"broker-shm": ok, "proxy": ok, "direct": ok,
+    peers = {"broker-shm": ok, "proxy-sdk": ok, "proxy": ok, "direct": ok,
              "grpc": {"status": "failed", "reason": "start failed: port in use"}}
     rows = [_row("broker-shm", 16, 0.3), _row("broker-shm", 16, 9.9, conc=8),
-            _row("proxy", 16, 0.2), _row("direct", 16, 0.1),
+            _row("proxy-sdk", 16, 0.25), _row("proxy", 16, 0.2), _row("direct", 16, 0.1),
             _row("broker-shm", 6_220_800, 0.6)]
     ratios, missing = compute_ratios(rows, peers)
-    assert ratios["broker_vs_proxy_floor_tiny"] == pytest.approx(1.5)  # lowest concurrency used
+    assert ratios["broker_vs_proxy_floor_tiny"] == pytest.approx(1.2)  # lowest concurrency used
+    assert ratios["broker_vs_bare_proxy_tiny"] == pytest.approx(1.5)
+    assert ratios["proxy_sdk_vs_proxy_tiny"] == pytest.approx(1.25)
     assert ratios["broker_vs_direct_tiny"] == pytest.approx(3.0)
     assert ratios["payload_independence_6mb"] == pytest.approx(2.0)
     assert ratios["payload_independence_64mb"] is None
@@ -176,6 +183,24 @@ def test_compute_ratios_exact_and_missing_reasons():
     assert ratios["grpc_vs_shm_6mb"] is None
     assert "port in use" in missing["grpc_vs_shm_6mb"]
     assert set(ratios) == set(RATIOS) and set(missing) == {"payload_independence_64mb", "grpc_vs_shm_6mb"}
+
+
+def test_broker_floor_ratio_needs_the_sdk_floor_not_the_bare_proxy():
+    ok = {"status": "ok", "reason": ""}
+    rows = [_row("broker-shm", 16, 0.3), _row("proxy", 16, 0.2), _row("direct", 16, 0.1)]
+    ratios, missing = compute_ratios(rows, {"broker-shm": ok, "proxy": ok, "direct": ok})
+    # Without proxy-sdk the floor ratio is null (never silently the bare proxy's) ...
+    assert ratios["broker_vs_proxy_floor_tiny"] is None
+    assert "peer 'proxy-sdk' was not part of this run" in missing["broker_vs_proxy_floor_tiny"]
+    assert ratios["proxy_sdk_vs_proxy_tiny"] is None
+    # ... while the bare-floor and direct ratios still come out.
+    assert ratios["broker_vs_bare_proxy_tiny"] == pytest.approx(1.5)
+    assert ratios["broker_vs_direct_tiny"] == pytest.approx(3.0)
+    # A proxy-sdk that failed to start says so.
+    failed = {"status": "failed", "reason": "start failed: no READY"}
+    ratios, missing = compute_ratios(rows, {"broker-shm": ok, "proxy": ok, "proxy-sdk": failed})
+    assert ratios["broker_vs_proxy_floor_tiny"] is None
+    assert "no READY" in missing["broker_vs_proxy_floor_tiny"]
 
 
 def test_rate_subcommand_open_loop(tmp_path, monkeypatch):

@@ -181,3 +181,48 @@ def test_broker_toml_config(tmp_path):
     path.write_text("[scheduler]\nno_such_option = 1\n")
     with pytest.raises(ValueError, match="no_such_option"):
         BrokerConfig.from_toml(str(path))
+
+
+# ----------------------------------------------------------------------------- direct reply
+
+
+def test_done_carries_envelopes_and_is_bounded():
+    envs = [P.token_envelope(t) for t in (1, 2, 3)]
+    m = P.parse_worker(P.worker_done(envs))
+    assert m.command == P.W_DONE and m.body == tuple(envs)
+    with pytest.raises(P.ProtocolError, match="DONE carries 0"):
+        P.parse_worker([P.MDPW, P.W_DONE])
+    with pytest.raises(P.ProtocolError, match="DONE carries"):
+        P.parse_worker(P.worker_done([b"12345678"] * (P.MAX_DONE + 1)))
+    with pytest.raises(P.ProtocolError, match="255"):
+        P.parse_worker(P.worker_done([b"x" * 256]))
+
+
+def test_direct_reply_frames_are_what_the_broker_would_relay():
+    body = [P.encode_header(P.Reply(id=7)), b"payload"]
+    relayed = P.to_client(b"ident", True, b"echo", body)[1:]
+    assert P.direct_reply(True, b"echo", body) == relayed
+    m = P.parse_broker_to_client(P.direct_reply(True, b"echo", body))
+    assert m.command == P.C_FINAL and m.service == b"echo" and list(m.body) == body
+
+
+@pytest.mark.parametrize(
+    "reply_to, host, match",
+    [
+        ("tcp://127.0.0.1:5555", "h", "absolute ipc"),
+        ("ipc://relative/path", "h", "absolute ipc"),
+        ("ipc:///tmp/" + "x" * 300, "h", "absolute ipc"),
+        ("ipc:///tmp/a\x00b", "h", "absolute ipc"),
+        ("ipc:///tmp/ok.ipc", None, "must name its host"),
+    ],
+)
+def test_bad_reply_to_is_a_protocol_error(reply_to, host, match):
+    head = P.encode_header(P.Request(id=1, host=host, reply_to=reply_to))
+    with pytest.raises(P.ProtocolError, match=match):
+        P.decode_request(head, n_inline=0)
+
+
+def test_reply_to_round_trips():
+    head = P.encode_header(P.Request(id=1, host="h", reply_to="ipc:///tmp/zmq-infer-0/c-1-ab.ipc"))
+    assert P.decode_request(head, 0).reply_to == "ipc:///tmp/zmq-infer-0/c-1-ab.ipc"
+    assert P.decode_request(P.encode_header(P.Request(id=1)), 0).reply_to is None

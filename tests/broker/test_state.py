@@ -680,3 +680,56 @@ def test_cuda_requests_only_go_to_same_host_cuda_workers():
     # Shared-memory requests still go to either (least loaded first: the idle CPU worker).
     acts = s.client_request(b"c", 3, "svc", 0.0, payload=None, local_host="h")
     assert [(type(a), a.worker) for a in acts] == [(Dispatch, b"cpu")]
+
+
+# ----------------------------------------------------------------------------- direct reply (DONE)
+
+
+def test_done_settles_without_relaying_and_returns_credit():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=2)
+    d1, d2 = (only(req(s, i), Dispatch) for i in (1, 2))
+    assert req(s, 3) == []  # credit used up
+    out = s.worker_done(b"w", [d1.token, d2.token], 0.5)
+    assert of(out, ToClient) == [] and of(out, ClientError) == []
+    assert only(out, Dispatch).request_id == 3
+    c = s.stats()["counters"]
+    assert c["completed"] == 2 and c["direct"] == 2
+    # The ids are free again: the client has its finals.
+    assert len(of(req(s, 1, now=0.6), Dispatch)) == 1
+
+
+def test_late_or_duplicate_done_is_dropped_and_counted():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, 1), Dispatch)
+    s.worker_done(b"w", [d.token], 0.1)
+    assert s.worker_done(b"w", [d.token, 999], 0.2) == []
+    assert s.worker_done(b"stranger", [d.token], 0.2) == []
+    assert s.stats()["counters"]["dropped_late"] == 3
+
+
+def test_done_after_in_flight_deadline_gives_no_second_final():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, 1, deadline=1.0), Dispatch)
+    assert only(s.tick(1.0), ClientError).code == ErrorCode.DEADLINE_EXCEEDED
+    assert req(s, 2, now=1.1) == []  # the worker still holds the credit
+    out = s.worker_done(b"w", [d.token], 1.2)
+    assert of(out, ClientError) == [] and of(out, ToClient) == []
+    assert only(out, Dispatch).request_id == 2
+
+
+def test_done_from_a_presumed_dead_worker_is_dropped_and_the_retry_stands():
+    s = Scheduler()
+    s.worker_ready(b"w1", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    d1 = only(req(s, 1), Dispatch)
+    assert d1.worker == b"w1"
+    retry = only(s.worker_disconnect(b"w1", 1.0), Dispatch)
+    assert retry.worker == b"w2"
+    # w1 had delivered its FINAL straight to the client before it was presumed dead: its
+    # DONE settles nothing (the client drops the retry's second FINAL itself).
+    assert s.worker_done(b"w1", [d1.token], 1.1) == []
+    assert of(s.worker_done(b"w2", [retry.token], 1.2), ToClient) == []
+    assert s.stats()["counters"]["completed"] == 1

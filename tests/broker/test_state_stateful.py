@@ -162,6 +162,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             out = self.s.worker_partial(worker, token, self.now, "chunk")
         self.apply(out)
 
+    @precondition(lambda self: any(w["tokens"] for w in self.workers.values()))
+    @rule(data=st.data())
+    def worker_done(self, data):
+        """Direct reply: the worker delivered FINALs to their clients itself, then DONE."""
+        worker = data.draw(st.sampled_from(sorted(k for k, w in self.workers.items()
+                                                  if w["tokens"])))
+        held = self.workers[worker]["tokens"]
+        tokens = data.draw(st.lists(st.sampled_from(sorted(held)), min_size=1, unique=True))
+        self.s.worker_seen(worker, self.now)
+        for token in tokens:
+            r = self.reqs[held.pop(token)]
+            if r.finals == 0 and not r.gone:
+                r.finals = 1  # the client has it; the broker must not send another
+        self.apply(self.s.worker_done(worker, tokens, self.now))
+
     @precondition(lambda self: self.tokens_seen)
     @rule(data=st.data(), worker=st.sampled_from(WORKERS))
     def stale_reply(self, data, worker):
@@ -171,6 +186,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         assert self.s.worker_final(worker, token, self.now, "stale") == []
         assert self.s.worker_partial(worker, token, self.now, "stale") == []
+        assert self.s.worker_done(worker, [token], self.now) == []
 
     # ---- clients
 

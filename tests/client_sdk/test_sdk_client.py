@@ -15,6 +15,7 @@ import gc
 import os
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -72,6 +73,7 @@ class FakeBroker(threading.Thread):
         self.events: queue.Queue = queue.Queue()     # ("heartbeat",), ("disconnect",)
         self.answer_cancel = True
         self._halt = False
+        self._direct: dict[str, zmq.Socket] = {}      # reply_to -> PUSH, like a worker's
 
     # ---------------------------------------------------------------- test-side API
 
@@ -110,7 +112,7 @@ class FakeBroker(threading.Thread):
     def stop(self) -> None:
         self.call(lambda: setattr(self, "_halt", True))
         self.join(WAIT)
-        for s in (self.sock, self._wake_rx, self._wake_tx):
+        for s in (self.sock, self._wake_rx, self._wake_tx, *self._direct.values()):
             s.close(linger=0)
         self.cache.close()
         self.pool.close()
@@ -206,6 +208,18 @@ class FakeBroker(threading.Thread):
             # A reply that breaks the protocol (negative dimension); its id is still readable.
             bad = P.TensorRef(name="y", dtype="<f4", shape=[-1], loc=P.InlineLoc(frame=0))
             self._send(ident, True, service, [P.encode_header(P.Reply(id=req.id, tensors=[bad])), b""])
+        elif service == "direct_dup":
+            # What a retry that raced a direct reply looks like to the client: the FINAL
+            # straight from a worker on its reply_to socket, and the same FINAL relayed.
+            assert req.reply_to is not None and req.reply_to.startswith("ipc:///")
+            sock = self._direct.get(req.reply_to)
+            if sock is None:
+                sock = self._direct[req.reply_to] = self.ctx.socket(zmq.PUSH)
+                sock.connect(req.reply_to)
+            rep_ = P.Reply(id=req.id, tensors=[P.TensorRef(name="n", dtype="<i8", shape=[], loc=P.InlineLoc(frame=0))])
+            head = P.encode_header(rep_)
+            sock.send_multipart(P.direct_reply(True, service.encode(), [head, np.int64(1).tobytes()]))
+            self._send(ident, True, service, [head, np.int64(2).tobytes()])
         elif service == "hold":
             self.held.append((ident, service, req, body))
             self.held_q.put(req.id)
@@ -931,3 +945,67 @@ def test_run_with_uvloop(fake, endpoint):
     loop, (sums, got) = run(main())
     assert loop.startswith("uvloop")
     assert sums == [sum(range(i + 1)) for i in range(8)] and got == [0, 1, 2, 3]
+
+
+# ================================================================================================
+# Direct replies (docs/protocol.md section 8)
+
+def test_direct_reply_and_relayed_duplicate_give_one_result(fake, endpoint):
+    with Client(endpoint, timeout=WAIT) as c:
+        path = c._inbox.path
+        assert os.path.exists(path) and oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
+        for _ in range(3):
+            with c.infer("direct_dup", {"x": np.arange(3)}) as out:
+                assert int(out["n"]) in (1, 2)
+        # Each request: one result, one duplicate dropped.  Which copy wins is a race, so
+        # read until all six copies are in (a condition with a deadline, not a sleep).
+        deadline = time.monotonic() + WAIT
+        while (c.direct_replies, c._core.discarded) != (3, 3) and time.monotonic() < deadline:
+            c._pump(0.05)
+        assert (c.direct_replies, c._core.discarded) == (3, 3)
+    assert not os.path.exists(path)  # libzmq leaves the file; close() unlinks it
+
+
+def test_direct_reply_option_off_and_remote_broker(fake, endpoint):
+    with Client(endpoint, timeout=WAIT, direct_reply=False) as c:
+        assert c._inbox is None
+        with c.infer("echo", {"x": np.arange(3)}) as out:
+            np.testing.assert_array_equal(out["x"], np.arange(3))
+        assert fake.call(lambda: fake.requests[-1][1].reply_to) is None
+    with Client("tcp://192.0.2.1:5555", timeout=WAIT) as c:  # not local: nothing to bind
+        assert c._inbox is None
+
+
+def test_async_client_reads_direct_replies(fake, endpoint):
+    async def main():
+        async with AsyncClient(endpoint, timeout=WAIT) as c:
+            path = c._inbox.path
+            outs = await asyncio.gather(*(c.infer("direct_dup", {"x": np.arange(2)}) for _ in range(4)))
+            for out in outs:
+                assert int(out["n"]) in (1, 2)
+                out.release()
+            deadline = time.monotonic() + WAIT
+            while (c.direct_replies, c.stray_replies) != (4, 4) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            assert (c.direct_replies, c.stray_replies) == (4, 4)
+        return path
+
+    path = run(main())
+    assert not os.path.exists(path)
+
+
+def test_sweep_removes_only_dead_clients_reply_sockets(tmp_path):
+    import subprocess
+    import sys
+
+    from client_sdk.client import sweep_reply_sockets
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(WAIT)
+    dead = tmp_path / f"c-{p.pid}-abc.ipc"
+    alive = tmp_path / f"c-{os.getpid()}-abc.ipc"
+    other = tmp_path / "frontend.ipc"
+    for f in (dead, alive, other):
+        f.write_bytes(b"")
+    assert sweep_reply_sockets(str(tmp_path)) == [dead.name]
+    assert not dead.exists() and alive.exists() and other.exists()

@@ -392,3 +392,79 @@ def test_cancelled_queued_request_never_runs(cluster, gate):
             out.release()
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ direct reply (section 8)
+
+
+def test_same_host_finals_come_straight_from_the_worker(cluster):
+    """More requests than the worker's credit, one after another: every FINAL arrives on the
+    client's reply socket, and the broker settles each from the worker's DONE (had it not,
+    the credit would run out and the 17th request would wait forever)."""
+    cluster.broker()
+    cluster.worker("echo", "--max-batch", "1", "--credit", "4")
+    with Client(cluster.frontend, timeout=20) as c:
+        wait_service(c, "echo")
+        x = c.alloc((1000,), np.float32)
+        for i in range(20):
+            x[:] = i
+            with c.infer("echo", {"x": x}) as out:
+                assert float(out["x"][0]) == i
+        y = np.arange(5, dtype=np.int16)  # inline-packed input, shm reply
+        with c.infer("echo", {"y": y}) as out:
+            np.testing.assert_array_equal(out["y"], y)
+        assert c.direct_replies == 21
+
+    async def concurrent():
+        async with AsyncClient(cluster.frontend, timeout=20) as c:
+            outs = await asyncio.gather(*(c.infer("echo", {"x": np.full(3, i)}) for i in range(12)))
+            for i, out in enumerate(outs):
+                np.testing.assert_array_equal(out["x"], np.full(3, i))
+                out.release()
+            assert c.direct_replies == 12 and c.stray_replies == 0
+
+    asyncio.run(concurrent())
+
+
+def test_direct_reply_off_relays_through_the_broker(cluster):
+    cluster.broker()
+    cluster.worker("echo")
+    with Client(cluster.frontend, timeout=20, direct_reply=False) as c:
+        wait_service(c, "echo")
+        for i in range(3):
+            with c.infer("echo", {"x": np.full(4, i)}) as out:
+                np.testing.assert_array_equal(out["x"], np.full(4, i))
+        assert c.direct_replies == 0
+
+
+def test_unreachable_reply_to_falls_back_to_the_broker(cluster, tmp_path):
+    """A reply_to the worker cannot see (another mount namespace, a client gone): the FINAL
+    is relayed through the broker instead of being queued for nobody."""
+    cluster.broker()
+    cluster.worker("echo")
+    with Client(cluster.frontend) as c:
+        wait_service(c, "echo")
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    try:
+        s.connect(cluster.frontend)
+        x = np.arange(6, dtype=np.int32)
+        head = P.encode_header(P.Request(
+            id=5, host=P.local_host_id(), reply_to=f"ipc://{tmp_path}/nobody-binds-this.ipc", reply="inline",
+            tensors=[P.TensorRef(name="x", dtype=x.dtype.str, shape=[6], loc=P.InlineLoc(frame=0))],
+        ))
+        s.send_multipart(P.client_request("echo", [head, x.tobytes()]))
+        assert s.poll(10_000), "no reply through the broker"
+        msg = P.parse_broker_to_client(s.recv_multipart())
+        rep = P.decode_reply(msg.body[0], len(msg.body) - 1)
+        assert msg.command == P.C_FINAL and rep.id == 5 and rep.error is None
+        np.testing.assert_array_equal(np.frombuffer(msg.body[1], np.int32), x)
+        # A malformed reply_to is the sender's error, answered as such.
+        bad = P.encode_header(P.Request(id=6, host=P.local_host_id(), reply_to="tcp://127.0.0.1:1"))
+        s.send_multipart(P.client_request("echo", [bad]))
+        assert s.poll(10_000)
+        rep = P.decode_reply(P.parse_broker_to_client(s.recv_multipart()).body[0])
+        assert rep.id == 6 and rep.error.code == P.ErrorCode.PROTOCOL_ERROR and "reply_to" in rep.error.message
+    finally:
+        s.close()
