@@ -33,7 +33,8 @@ import zmq
 from bench.peers import _wait_ready  # noqa: PLC2701
 from broker import protocol as P
 
-# A worker written from RFC 18 alone: READY, then echo every REQUEST body as a FINAL.
+# A worker written from RFC 18 alone: READY, then echo every REQUEST body as a FINAL and
+# answer heartbeats.
 _RAW_WORKER = r"""
 import sys, zmq
 s = zmq.Context().socket(zmq.DEALER)
@@ -42,8 +43,13 @@ s.send_multipart([b"MDPW02", b"\x01", b"echo"])
 print("READY", flush=True)
 while True:
     f = s.recv_multipart(copy=False)
-    if f[1].bytes == b"\x02":
+    cmd = f[1].bytes
+    if cmd == b"\x02":
         s.send_multipart([b"MDPW02", b"\x04", f[2], b"", *f[4:]], copy=False)
+    elif cmd == b"\x05":  # heartbeat: answer, or the broker presumes us dead between rows
+        s.send_multipart([b"MDPW02", b"\x05"])
+    elif cmd == b"\x06":  # told to reconnect
+        s.send_multipart([b"MDPW02", b"\x01", b"echo"])
 """
 
 

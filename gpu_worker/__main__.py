@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out-capacity-mb", type=int, default=256, help="output ring size")
     ap.add_argument("--transports", default="inline,shm")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--no-direct-reply", action="store_true",
+                    help="send every reply through the broker, even to clients on this host")
+    ap.add_argument("--done-delay-ms", type=float, default=5.0,
+                    help="longest a DONE for direct replies waits to gather more (docs/protocol.md section 8)")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
@@ -55,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         transports=tuple(t for t in args.transports.split(",") if t),
         backend=args.backend,
         cuda_pool_capacity=args.cuda_pool_mb << 20,
+        direct_reply=not args.no_direct_reply,
+        done_delay=args.done_delay_ms / 1000.0,
     )
     from gpu_worker.backends import BackendUnavailable
 

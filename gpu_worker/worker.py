@@ -71,6 +71,8 @@ class WorkerConfig:
     cuda_pool_slots: int = 1024
     direct_reply: bool = True         # send a same-host client's FINAL to its reply_to socket (docs/protocol.md section 8)
     direct_sockets: int = 64          # reply_to sockets kept open (least recently used closed first)
+    done_delay: float = 0.005         # seconds a DONE may wait to gather more (never past a request's deadline)
+    done_batch: int | None = None     # ... or until this many FINALs are pending (default credit // 4)
 
 
 class _Job:
@@ -125,6 +127,8 @@ class Worker:
         # FINALs sent that way, told to the broker in one DONE per loop turn.
         self._direct: OrderedDict[str, zmq.Socket] = OrderedDict()
         self._done: list[bytes] = []
+        self._done_due = 0.0
+        self._done_max = max(1, cfg.done_batch or self.credit // 4)
         self.direct_sent = 0
         self.cuda = self.device.startswith("cuda")
         self._runner = self._run_host
@@ -349,6 +353,8 @@ class Worker:
             while not self.stop.is_set():
                 now = time.monotonic()
                 wake = None if self._busy else self.batcher.wake_at(now)
+                if self._done:
+                    wake = self._done_due if wake is None else min(wake, self._done_due)
                 timeout = interval if wake is None else max(0.0, min(interval, wake - now))
                 events = dict(poller.poll(timeout * 1000.0))
                 if self._offload.done in events:
@@ -358,9 +364,9 @@ class Worker:
                     self._last_heard = time.monotonic()
                 if not self._busy:
                     self._run_ready_batches()
-                if self._done:
-                    self._flush_done()
                 now = time.monotonic()
+                if self._done and (now >= self._done_due or len(self._done) >= self._done_max):
+                    self._flush_done()
                 if now - self._last_sent >= interval:
                     self._send(P.worker_heartbeat())
                     if self.cuda:
@@ -656,7 +662,7 @@ class Worker:
                     log.warning("direct reply to %s failed (%s); relaying through the broker", req.reply_to, e)
                     self._drop_direct(req.reply_to)
                 else:
-                    self._done.append(job.envelope)
+                    self._note_done(job)
                     self.direct_sent += 1
                     return
         self._send(P.worker_reply(job.envelope, final, body))
@@ -693,6 +699,21 @@ class Worker:
         sock = self._direct.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=0)
+
+    def _note_done(self, job: _Job) -> None:
+        """Remember that `job`'s FINAL went straight to its client.  DONEs are gathered:
+        one message for several FINALs costs the broker one wake-up instead of several, and
+        on a small machine that wake-up competes with the client the FINAL just woke.  The
+        broker's credit count lags by at most `done_batch` requests or `done_delay` seconds,
+        and a DONE is always sent before the request's deadline, so the broker never times
+        out a request that was answered."""
+        now = time.monotonic()
+        due = now + self.cfg.done_delay
+        if job.deadline is not None:
+            due = min(due, now + max(0.0, job.deadline - now) / 2)
+        if not self._done or due < self._done_due:
+            self._done_due = due
+        self._done.append(job.envelope)
 
     def _flush_done(self) -> None:
         """Tell the broker which FINALs went straight to their clients (returns our credit)."""

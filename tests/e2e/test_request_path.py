@@ -468,3 +468,16 @@ def test_unreachable_reply_to_falls_back_to_the_broker(cluster, tmp_path):
         assert rep.id == 6 and rep.error.code == P.ErrorCode.PROTOCOL_ERROR and "reply_to" in rep.error.message
     finally:
         s.close()
+
+
+def test_gathered_dones_return_credit_before_it_runs_out(cluster):
+    """DONEs wait to gather (here: up to a minute), but never until the credit is spent:
+    40 requests one after another through a worker of credit 8 all complete promptly."""
+    cluster.broker()
+    cluster.worker("echo", "--max-batch", "1", "--credit", "8", "--done-delay-ms", "60000")
+    with Client(cluster.frontend, timeout=20) as c:
+        wait_service(c, "echo")
+        for i in range(40):
+            with c.infer("echo", {"x": np.full(2, i)}) as out:
+                np.testing.assert_array_equal(out["x"], np.full(2, i))
+        assert c.direct_replies == 40

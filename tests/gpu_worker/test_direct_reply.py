@@ -1,0 +1,97 @@
+"""The worker's side of direct reply (docs/protocol.md section 8), in process: which replies
+go straight to the client, the fallback to the broker, and when DONE is sent."""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from broker import protocol as P
+from gpu_worker.worker import Worker, WorkerConfig, _Job
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Recorder:
+    """Stands in for the broker socket: keeps what the worker sends."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send_multipart(self, frames, copy=True, flags=0):
+        self.sent.append([bytes(f) for f in frames])
+
+    def close(self, linger=None):
+        pass
+
+
+@pytest.fixture
+def worker(tmp_path):
+    w = Worker(WorkerConfig(broker=f"ipc://{tmp_path}/none.ipc", model="echo", warmup=False, credit=16,
+                            done_delay=0.005))
+    w.sock = _Recorder()
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+@pytest.fixture
+def inbox(tmp_path):
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.PULL)
+    s.linger = 0
+    path = f"{tmp_path}/c.ipc"
+    s.bind("ipc://" + path)
+    try:
+        yield s, "ipc://" + path
+    finally:
+        s.close()
+
+
+def _job(token: int, reply_to: str | None, host: str | None = None, deadline: float | None = None) -> _Job:
+    req = P.Request(id=token, host=host or P.local_host_id(), reply_to=reply_to)
+    return _Job(P.token_envelope(token), req, {}, None, time.monotonic(), deadline, {})
+
+
+def test_final_goes_to_reply_to_and_is_remembered_for_done(worker, inbox):
+    sock, ep = inbox
+    worker._reply(_job(1, ep), True, P.error_body(1, 500, "x"))
+    assert sock.poll(5000)
+    msg = P.parse_broker_to_client(sock.recv_multipart())
+    assert msg.command == P.C_FINAL and msg.service == b"echo"
+    assert worker.sock.sent == [] and worker._done == [P.token_envelope(1)]
+    worker._flush_done()
+    assert worker.sock.sent == [P.worker_done([P.token_envelope(1)])]
+
+
+@pytest.mark.parametrize("case", ["partial", "other_host", "unreachable", "no_reply_to", "disabled"])
+def test_everything_else_goes_through_the_broker(worker, inbox, tmp_path, case):
+    sock, ep = inbox
+    final = case != "partial"
+    job = {
+        "partial": _job(1, ep),
+        "other_host": _job(1, ep, host="elsewhere/0"),
+        "unreachable": _job(1, f"ipc://{tmp_path}/nobody.ipc"),
+        "no_reply_to": _job(1, None),
+        "disabled": _job(1, ep),
+    }[case]
+    if case == "disabled":
+        worker.cfg.direct_reply = False
+    worker._reply(job, final, [b"body"])
+    assert worker.sock.sent == [P.worker_reply(P.token_envelope(1), final, [b"body"])]
+    assert worker._done == [] and not sock.poll(0)
+
+
+def test_done_waits_for_company_but_never_past_a_deadline(worker, inbox):
+    _, ep = inbox
+    t0 = time.monotonic()
+    worker._reply(_job(1, ep), True, [b""])
+    assert t0 + 0.004 <= worker._done_due <= time.monotonic() + 0.005
+    # A request due in 2 ms pulls the DONE forward: the broker must hear of it first.
+    worker._reply(_job(2, ep, deadline=time.monotonic() + 0.002), True, [b""])
+    assert worker._done_due <= time.monotonic() + 0.001
+    assert worker._done_max == 4  # credit 16 // 4
