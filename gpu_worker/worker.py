@@ -29,6 +29,7 @@ SIGTERM drains: stop reading new work, finish what is held, send DISCONNECT, exi
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -353,10 +354,13 @@ class Worker:
             while not self.stop.is_set():
                 now = time.monotonic()
                 wake = None if self._busy else self.batcher.wake_at(now)
-                if self._done:
-                    wake = self._done_due if wake is None else min(wake, self._done_due)
                 timeout = interval if wake is None else max(0.0, min(interval, wake - now))
-                events = dict(poller.poll(timeout * 1000.0))
+                ms = timeout * 1000.0
+                if self._done:
+                    # Whole milliseconds, rounded up: zmq_poll truncates, and a DONE can
+                    # afford to be late where spinning until it is due cannot.
+                    ms = min(ms, math.ceil(max(0.0, self._done_due - now) * 1000.0))
+                events = dict(poller.poll(ms))
                 if self._offload.done in events:
                     self._finish_offloaded()
                 if self.sock in events:
