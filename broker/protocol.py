@@ -23,6 +23,9 @@ Broker -> client
     PARTIAL     "MDPC02", 0x02, service, body...
     FINAL       "MDPC02", 0x03, service, body...            an error is a FINAL whose header has `error`
     HEARTBEAT   "MDPC02", 0x04                               reply to a client heartbeat
+Worker -> client, on the client's reply_to socket only (direct reply)
+    FINAL       "MDPC02", 0x03, service, body...             as the broker would relay it
+    FINALS      "MDPC02", 0x07, service, header, header...   several FINALs that have no inline frames
 Worker -> broker (worker uses DEALER)
     READY       "MDPW02", 0x01, service [, header(Ready)]   a bare 3-frame READY: credit 1, inline only
     PARTIAL     "MDPW02", 0x03, envelope, "", body...
@@ -70,6 +73,7 @@ C_FINAL = b"\x03"
 C_HEARTBEAT = b"\x04"
 C_CANCEL = b"\x05"
 C_DISCONNECT = b"\x06"
+C_FINALS = b"\x07"   # direct reply only: several header-only FINALs in one message
 
 # Worker sub-protocol commands (RFC 18 defines 0x01..0x06; 0x07 is our extension).
 W_READY = b"\x01"
@@ -447,6 +451,11 @@ def direct_reply(final: bool, service: bytes, body: Iterable[Any]) -> list[Any]:
     return [MDPC, C_FINAL if final else C_PARTIAL, service, *body]
 
 
+def direct_finals(service: bytes, headers: Sequence[Any]) -> list[Any]:
+    """Several header-only FINALs for one client in one message (a batch's replies)."""
+    return [MDPC, C_FINALS, service, *headers]
+
+
 def worker_heartbeat() -> list[bytes]:
     return [MDPW, W_HEARTBEAT]
 
@@ -570,6 +579,10 @@ def parse_broker_to_client(frames: Sequence[Any]) -> BrokerToClient:
     if cmd in (C_PARTIAL, C_FINAL):
         if len(frames) < 3:
             raise ProtocolError("PARTIAL/FINAL needs a service name")
+        return BrokerToClient(cmd, bytes(frames[2]), tuple(frames[3:]))
+    if cmd == C_FINALS:
+        if len(frames) < 4:
+            raise ProtocolError("FINALS is MDPC02, 0x07, service, header, header...")
         return BrokerToClient(cmd, bytes(frames[2]), tuple(frames[3:]))
     if cmd == C_HEARTBEAT:
         return BrokerToClient(cmd)

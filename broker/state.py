@@ -537,7 +537,14 @@ class Scheduler:
             self._push_grace(req, pool)
 
         out: list[Action] = []
-        self._pump(svc, now, out)
+        if svc.queued == 1:
+            # Nothing else waits, so there is no order to decide: the least-loaded worker of
+            # its pool takes it now (the common case under light load, kept short).
+            w = self._ready_worker(pool)
+            if w is not None:
+                self._dispatch(req, w, now, out)
+        else:
+            self._pump(svc, now, out)
         # Full is judged after dispatching, so a free worker is never left idle by a queue
         # clogged with requests it cannot take.
         if req.state == _QUEUED and svc.queued > self.config.max_queue:
@@ -764,6 +771,8 @@ class Scheduler:
 
     def _pump(self, svc, now, out):
         """Dispatch while some queued request has a worker with spare credit in its pool."""
+        if not svc.queued:
+            return
         weights = self._weights
         aging = self.config.aging_s
         pools = svc.pools

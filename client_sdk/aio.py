@@ -140,9 +140,8 @@ class AsyncClient:
                 direct = sock is not self._sock
                 while sock.getsockopt(zmq.EVENTS) & _POLLIN:
                     frames = sock.recv_multipart(copy=False)
-                    core.direct_replies += direct
                     try:
-                        outs = core.on_message(frames, time.monotonic())
+                        outs = core.on_message(frames, time.monotonic(), direct)
                     except Exception:  # one bad message must not stop every other call
                         log.exception("error while handling a message from the broker")
                         continue

@@ -174,7 +174,7 @@ class _Core:
         self.last_send = 0.0
         self.closed = False
         self.discarded = 0   # late or unknown replies dropped (for tests and debugging)
-        self.direct_replies = 0  # messages that came straight from a worker (reply_to)
+        self.direct_replies = 0  # replies that came straight from a worker (reply_to)
         # MMI queries sent on the main socket, oldest first.  The broker answers MMI itself,
         # in the order it receives them, so replies match waiters first-in first-out; an
         # abandoned waiter still consumes its own late answer.
@@ -364,9 +364,9 @@ class _Core:
 
     # ---------------------------------------------------------------- incoming
 
-    def on_message(self, frames: list[Any], now: float) -> list[list[Any]]:
-        """Route one message from the broker.  Returns messages to send in response (an
-        inline resend after NOT_LOCAL)."""
+    def on_message(self, frames: list[Any], now: float, direct: bool = False) -> list[list[Any]]:
+        """Route one message from the broker (or, `direct`, from a worker through the reply
+        socket).  Returns messages to send in response (an inline resend after NOT_LOCAL)."""
         self.last_recv = now
         try:
             msg = P.parse_broker_to_client(frames)
@@ -375,8 +375,17 @@ class _Core:
             return []
         if msg.command == P.C_HEARTBEAT:
             return []
-        final = msg.command == P.C_FINAL
-        body = msg.body
+        if direct:
+            self.direct_replies += len(msg.body) if msg.command == P.C_FINALS else 1
+        if msg.command == P.C_FINALS:
+            # A worker's batch, straight from it: each frame is one header-only FINAL.
+            out: list[list[Any]] = []
+            for head in msg.body:
+                out += self._on_final_body(msg.service, (head,), True, now)
+            return out
+        return self._on_final_body(msg.service, msg.body, msg.command == P.C_FINAL, now)
+
+    def _on_final_body(self, service: bytes, body: tuple, final: bool, now: float) -> list[list[Any]]:
         if body and P.is_header(body[0]):
             try:
                 rep = P.decode_reply(body[0], len(body) - 1)
@@ -398,7 +407,7 @@ class _Core:
                 T.release_reply(rep, self.leases)
                 return []
             return self._on_reply(call, rep, list(body[1:]), final, now)
-        if msg.service == _MMI_SERVICE.encode() and final and self.mmi_waiters:
+        if service == _MMI_SERVICE.encode() and final and self.mmi_waiters:
             waiter = self.mmi_waiters.popleft()
             if not waiter.done():
                 waiter.set_result([bytes(f) for f in body])
@@ -777,8 +786,7 @@ class Client:
             direct = sock is not self._sock
             while sock.get(zmq.EVENTS) & _POLLIN:
                 frames = recv(copy=False)
-                core.direct_replies += direct
-                for out in core.on_message(frames, time.monotonic()):
+                for out in core.on_message(frames, time.monotonic(), direct):
                     self._try_send(out)
 
     def _wait(self, call: _Call, limit: float | None = None) -> tuple[str, Any]:

@@ -125,11 +125,14 @@ class Worker:
         self._service_b = self.service.encode()
         self._streaming = bool(getattr(self.model, "streaming", False))
         # Direct reply: one PUSH socket per client reply_to endpoint, LRU; envelopes of the
-        # FINALs sent that way, told to the broker in one DONE per loop turn.
+        # FINALs sent that way, gathered into DONEs for the broker (_note_done).
         self._direct: OrderedDict[str, zmq.Socket] = OrderedDict()
         self._done: list[bytes] = []
         self._done_due = 0.0
         self._done_max = max(1, cfg.done_batch or self.credit // 4)
+        # While a batch's replies are written: header-only FINALs per reply_to, sent as one
+        # FINALS message per client when the batch is done (None: send each at once).
+        self._coalesce: dict[str, list] | None = None
         self.direct_sent = 0
         self.cuda = self.device.startswith("cuda")
         self._runner = self._run_host
@@ -566,6 +569,15 @@ class Worker:
                 )
             return
         compute_ms = seconds * 1e3
+        if n > 1:
+            self._coalesce = {}
+        try:
+            self._reply_batch(jobs, outputs, started, compute_ms, n)
+        finally:
+            self._send_coalesced()
+        self.served += n
+
+    def _reply_batch(self, jobs, outputs, started, compute_ms: float, n: int) -> None:
         for job, out in zip(jobs, outputs):
             timing = {
                 "batch_wait_ms": (started - job.received) * 1e3,
@@ -580,7 +592,30 @@ class Worker:
             except Exception as e:  # one bad output must not take the worker (and its other requests) down
                 log.exception("could not send the outputs of request %d", job.req.id)
                 self._reply_error(job, P.ErrorCode.INTERNAL, f"could not send outputs: {type(e).__name__}: {e}")
-        self.served += n
+
+    def _send_coalesced(self) -> None:
+        """Send the header-only FINALs gathered while a batch was answered: one message per
+        client (FINALS), instead of one per request."""
+        pending, self._coalesce = self._coalesce, None
+        if not pending:
+            return
+        for endpoint, items in pending.items():
+            heads = [head for head, _ in items]
+            frames = (P.direct_reply(True, self._service_b, heads) if len(heads) == 1
+                      else P.direct_finals(self._service_b, heads))
+            sock = self._direct.get(endpoint)
+            try:
+                if sock is None:
+                    raise zmq.Again()
+                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError:
+                # Full or gone: relay each through the broker instead.
+                for head, job in items:
+                    self._send(P.worker_reply(job.envelope, True, [head]))
+                continue
+            for _, job in items:
+                self._note_done(job)
+            self.direct_sent += len(items)
 
     def _run_stream(self, job: _Job) -> None:
         seq = 0
@@ -657,12 +692,18 @@ class Worker:
         if (final and req is not None and req.reply_to is not None and req.host == self.host
                 and self.cfg.direct_reply and not self._streaming):
             sock = self._direct_socket(req.reply_to)
+            if sock is not None and self._coalesce is not None and len(body) == 1:
+                self._coalesce.setdefault(req.reply_to, []).append((body[0], job))
+                return
             if sock is not None:
                 try:
                     sock.send_multipart(P.direct_reply(True, self._service_b, body), flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    # Full: the client stopped reading, or died.  The replies already queued
+                    # stay queued (they were told to the broker as DONE); this one goes
+                    # through the broker, which knows whether the client is still there.
+                    pass
                 except zmq.ZMQError as e:
-                    # Full (a client that stopped reading, or died) or closed: the broker
-                    # relays this one, and the socket is dropped so the next one reconnects.
                     log.warning("direct reply to %s failed (%s); relaying through the broker", req.reply_to, e)
                     self._drop_direct(req.reply_to)
                 else:
@@ -709,8 +750,8 @@ class Worker:
         one message for several FINALs costs the broker one wake-up instead of several, and
         on a small machine that wake-up competes with the client the FINAL just woke.  The
         broker's credit count lags by at most `done_batch` requests or `done_delay` seconds,
-        and a DONE is always sent before the request's deadline, so the broker never times
-        out a request that was answered."""
+        and a DONE goes out within half the time the request had left, so the broker hears
+        of it before it would time the request out."""
         now = time.monotonic()
         due = now + self.cfg.done_delay
         if job.deadline is not None:

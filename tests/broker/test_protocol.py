@@ -226,3 +226,11 @@ def test_reply_to_round_trips():
     head = P.encode_header(P.Request(id=1, host="h", reply_to="ipc:///tmp/zmq-infer-0/c-1-ab.ipc"))
     assert P.decode_request(head, 0).reply_to == "ipc:///tmp/zmq-infer-0/c-1-ab.ipc"
     assert P.decode_request(P.encode_header(P.Request(id=1)), 0).reply_to is None
+
+
+def test_finals_carry_several_headers():
+    heads = [P.encode_header(P.Reply(id=i)) for i in (1, 2)]
+    m = P.parse_broker_to_client(P.direct_finals(b"echo", heads))
+    assert m.command == P.C_FINALS and m.service == b"echo" and list(m.body) == heads
+    with pytest.raises(P.ProtocolError, match="FINALS"):
+        P.parse_broker_to_client([P.MDPC, P.C_FINALS, b"echo"])

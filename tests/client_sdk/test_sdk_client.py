@@ -96,6 +96,21 @@ class FakeBroker(threading.Thread):
                     self._echo(ident, service, req, body)
         self.call(go)
 
+    def release_direct_batch(self, n: int) -> None:
+        """Answer the first `n` held requests (same client) with one FINALS message on the
+        client's reply socket, as a worker answers a batch."""
+        def go():
+            items, self.held = self.held[:n], self.held[n:]
+            heads = []
+            for ident, service, req, body in items:
+                self._echo(ident, service, req, body, collect=heads)
+            sock = self._direct.get(items[0][2].reply_to)
+            if sock is None:
+                sock = self._direct[items[0][2].reply_to] = self.ctx.socket(zmq.PUSH)
+                sock.connect(items[0][2].reply_to)
+            sock.send_multipart(P.direct_finals(b"hold", heads))
+        self.call(go)
+
     def answer_opaque_reversed(self) -> None:
         def go():
             while self.held_opaque:
@@ -250,7 +265,7 @@ class FakeBroker(threading.Thread):
         return out
 
     def _echo(self, ident: bytes, service: str, req: P.Request, body: list, *, final: bool = True,
-              seq: int = 0) -> None:
+              seq: int = 0, collect: list | None = None) -> None:
         try:
             arrays = self._inputs(req, body)
         except shm.ShmError as e:
@@ -273,6 +288,10 @@ class FakeBroker(threading.Thread):
                                generation=ref.generation)
             tensors.append(P.TensorRef(name=name, dtype=arr.dtype.str, shape=list(arr.shape), loc=loc))
         rep = P.Reply(id=req.id, tensors=tensors, timing={"compute_ms": 0.25}, seq=seq)
+        if collect is not None:
+            assert not frames
+            collect.append(P.encode_header(rep))
+            return
         self._send(ident, final, service, [P.encode_header(rep), *frames])
 
 
@@ -1009,3 +1028,20 @@ def test_sweep_removes_only_dead_clients_reply_sockets(tmp_path):
         f.write_bytes(b"")
     assert sweep_reply_sockets(str(tmp_path)) == [dead.name]
     assert not dead.exists() and alive.exists() and other.exists()
+
+
+def test_one_finals_message_resolves_each_call_it_carries(fake, endpoint):
+    async def main():
+        async with AsyncClient(endpoint, timeout=WAIT) as c:
+            xs = [np.full(4, i, np.float32) for i in range(3)]
+            tasks = [asyncio.ensure_future(c.infer("hold", {"x": x})) for x in xs]
+            for _ in xs:
+                await asyncio.get_running_loop().run_in_executor(None, fake.held_q.get, True, WAIT)
+            fake.release_direct_batch(3)
+            outs = await asyncio.wait_for(asyncio.gather(*tasks), WAIT)
+            for x, out in zip(xs, outs):
+                np.testing.assert_array_equal(out["x"], x)
+                out.release()
+            assert c.direct_replies == 3 and c.stray_replies == 0
+
+    run(main())

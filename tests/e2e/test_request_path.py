@@ -481,3 +481,26 @@ def test_gathered_dones_return_credit_before_it_runs_out(cluster):
             with c.infer("echo", {"x": np.full(2, i)}) as out:
                 np.testing.assert_array_equal(out["x"], np.full(2, i))
         assert c.direct_replies == 40
+
+
+def test_batched_replies_reach_every_caller(cluster):
+    """A batching worker answers a batch's header-only FINALs to one client in one message
+    (FINALS); every caller still gets its own result."""
+    cluster.broker()
+    cluster.worker("echo", "--max-batch", "8", "--credit", "32")
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=20) as c:
+            while not await c.mmi_service("echo"):
+                await asyncio.sleep(0.01)
+            for _ in range(3):
+                bufs = [c.alloc((64,), np.int32) for _ in range(24)]
+                for i, b in enumerate(bufs):
+                    b[:] = i
+                outs = await asyncio.gather(*(c.infer("echo", {"x": b}) for b in bufs))
+                for i, out in enumerate(outs):
+                    np.testing.assert_array_equal(out["x"], np.full(64, i, np.int32))
+                    out.release()
+            assert c.direct_replies == 72 and c.stray_replies == 0
+
+    asyncio.run(scenario())

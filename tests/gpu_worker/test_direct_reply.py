@@ -95,3 +95,24 @@ def test_done_waits_for_company_but_never_past_a_deadline(worker, inbox):
     worker._reply(_job(2, ep, deadline=time.monotonic() + 0.002), True, [b""])
     assert worker._done_due <= time.monotonic() + 0.001
     assert worker._done_max == 4  # credit 16 // 4
+
+
+def test_a_batch_answers_each_client_with_one_message(worker, inbox):
+    sock, ep = inbox
+    jobs = [_job(t, ep) for t in (1, 2, 3)]
+    worker._complete(jobs, time.monotonic(), [{}, {}, {}], None, 0.001)
+    assert sock.poll(5000)
+    frames = sock.recv_multipart()
+    msg = P.parse_broker_to_client(frames)
+    assert msg.command == P.C_FINALS and msg.service == b"echo"
+    assert [P.decode_reply(h).id for h in msg.body] == [1, 2, 3]
+    assert not sock.poll(100)  # nothing else: one message for the batch
+    assert worker._done == [P.token_envelope(t) for t in (1, 2, 3)] and worker.direct_sent == 3
+    assert worker._coalesce is None
+
+
+def test_a_lone_request_is_not_held_for_company(worker, inbox):
+    sock, ep = inbox
+    worker._complete([_job(9, ep)], time.monotonic(), [{}], None, 0.001)
+    assert sock.poll(5000)
+    assert P.parse_broker_to_client(sock.recv_multipart()).command == P.C_FINAL
