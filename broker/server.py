@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import secrets
 import tempfile
 import threading
 import time
@@ -56,6 +58,43 @@ def default_runtime_dir() -> str:
     path = os.path.join(base, f"zmq-infer-{os.getuid()}")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
+
+
+# A client's direct-reply socket (docs/protocol.md section 8): c-<pid>-<starttime>-<hex>.ipc
+# in the runtime directory, named like shared-memory segments so that a dead owner is told
+# from a live one even after its pid is reused.
+_REPLY_SOCKET_RE = re.compile(r"c-(\d+)-(\d+)-[0-9a-f]+\.ipc")
+
+
+def reply_socket_path() -> str:
+    """A fresh path for this process's direct-reply socket."""
+    from shm.segment import self_identity
+
+    pid, start = self_identity()
+    return os.path.join(default_runtime_dir(), f"c-{pid}-{start}-{secrets.token_hex(6)}.ipc")
+
+
+def sweep_reply_sockets(directory: str | None = None) -> list[str]:
+    """Unlink the reply-socket files that dead clients left behind (libzmq leaves the file
+    of a bound ipc socket on close, and a SIGKILLed client never gets to); returns them."""
+    from shm.segment import process_alive
+
+    directory = directory or default_runtime_dir()
+    gone = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return gone
+    for name in names:
+        m = _REPLY_SOCKET_RE.fullmatch(name)
+        if m is None or process_alive(int(m.group(1)), int(m.group(2))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            gone.append(name)
+        except OSError:
+            pass
+    return gone
 
 
 def default_endpoints() -> tuple[str, str]:
@@ -202,9 +241,7 @@ class Broker:
 
             for name in shm_gc.collect():
                 log.info("unlinked shared memory of a dead process: %s", name)
-            from client_sdk.client import sweep_reply_sockets
-
-            for name in sweep_reply_sockets(default_runtime_dir()):
+            for name in sweep_reply_sockets():
                 log.info("unlinked the reply socket of a dead client: %s", name)
         except Exception:  # never let housekeeping stop the broker
             log.exception("shared-memory garbage collection failed")

@@ -10,10 +10,12 @@ requests share the client's socket.  A client of a broker on this host also bind
 socket (`_ReplyInbox`) and names it in each request (`reply_to`): a worker on this host sends
 the FINAL there, one hop instead of two through the broker (docs/protocol.md section 8).
 Both sockets feed the same `_Core.on_message`; a second FINAL for one request (a retry that
-raced a direct reply) finds no call and is dropped.  An opaque (plain MDP) reply carries nothing to match it
-by, and two requests to one service may finish out of order on different workers, so each
-opaque request (`request()`, `mmi_service()`) uses a short-lived socket of its own: its
-reply cannot be mistaken for another's, and a late one after a timeout goes nowhere.
+raced a direct reply) finds no call and is dropped.
+
+An opaque (plain MDP) reply carries nothing to match it by, and two requests to one service
+may finish out of order on different workers, so each opaque request (`request()`,
+`mmi_service()`) uses a short-lived socket of its own: its reply cannot be mistaken for
+another's, and a late one after a timeout goes nowhere.
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ import ipaddress
 import logging
 import math
 import os
-import secrets
 import threading
 import time
 import weakref
@@ -869,8 +870,6 @@ class _ReplyInbox:
     FINALs there (docs/protocol.md section 8).  libzmq leaves the socket file behind on close,
     so `close` unlinks it; the broker sweeps the files of clients that died (SIGKILL)."""
 
-    PREFIX = "c-"
-
     def __init__(self, sock: zmq.Socket, path: str):
         self.sock = sock
         self.path = path
@@ -881,9 +880,9 @@ class _ReplyInbox:
     def open(cls, ctx: zmq.Context, core: _Core) -> "_ReplyInbox | None":
         if not core.direct_reply:
             return None
-        from broker.server import default_runtime_dir
+        from broker.server import reply_socket_path
 
-        path = os.path.join(default_runtime_dir(), f"{cls.PREFIX}{os.getpid()}-{secrets.token_hex(6)}.ipc")
+        path = reply_socket_path()
         if len(path.encode()) > 100:  # sun_path holds 108 bytes: keep the relayed path instead
             log.info("runtime directory path too long for a reply socket; replies go through the broker")
             return None
@@ -909,37 +908,6 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def sweep_reply_sockets(directory: str) -> list[str]:
-    """Unlink the reply-socket files that dead clients left in `directory`; returns them."""
-    gone = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return gone
-    for name in names:
-        if not (name.startswith(_ReplyInbox.PREFIX) and name.endswith(".ipc")):
-            continue
-        pid = name[len(_ReplyInbox.PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or _pid_alive(int(pid)):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
-            gone.append(name)
-        except OSError:
-            pass
-    return gone
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:

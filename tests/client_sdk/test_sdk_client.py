@@ -1017,17 +1017,20 @@ def test_sweep_removes_only_dead_clients_reply_sockets(tmp_path):
     import subprocess
     import sys
 
-    from client_sdk.client import sweep_reply_sockets
+    from broker.server import sweep_reply_sockets
+    from shm.segment import self_identity
 
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait(WAIT)
-    dead = tmp_path / f"c-{p.pid}-abc.ipc"
-    alive = tmp_path / f"c-{os.getpid()}-abc.ipc"
+    pid, start = self_identity()
+    dead = tmp_path / f"c-{p.pid}-12345-abc.ipc"
+    reused = tmp_path / f"c-{pid}-{start + 1}-abc.ipc"   # our pid, another process's start time
+    alive = tmp_path / f"c-{pid}-{start}-abc.ipc"
     other = tmp_path / "frontend.ipc"
-    for f in (dead, alive, other):
+    for f in (dead, reused, alive, other):
         f.write_bytes(b"")
-    assert sweep_reply_sockets(str(tmp_path)) == [dead.name]
-    assert not dead.exists() and alive.exists() and other.exists()
+    assert sorted(sweep_reply_sockets(str(tmp_path))) == sorted([dead.name, reused.name])
+    assert alive.exists() and other.exists()
 
 
 def test_one_finals_message_resolves_each_call_it_carries(fake, endpoint):
