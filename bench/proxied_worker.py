@@ -35,8 +35,6 @@ import logging
 import sys
 import time
 
-import zmq
-
 from broker import protocol as P
 from gpu_worker.worker import Worker, WorkerConfig, install_sigterm_drain
 
@@ -67,13 +65,7 @@ class ProxiedWorker(Worker):
         pass
 
     def _connect(self) -> None:
-        if self.sock is not None:
-            self.sock.close(linger=0)
-        s = self.ctx.socket(zmq.DEALER)
-        s.linger = 0
-        s.rcvhwm = s.sndhwm = 100_000
-        s.connect(self.cfg.broker)
-        self.sock = s
+        self._open_socket()  # and no READY: a proxy has nobody to register with
         self._service_b = self.service.encode()
         self._seq = getattr(self, "_seq", 0)
         self._last_sent = time.monotonic()

@@ -305,7 +305,8 @@ class Worker:
         self._compute_ewma.update(warmup(self.backend, self.model, sizes))  # steady-state times
         log.info("warm-up of %s on %s took %.1f ms", self.model.name, self.device, (time.perf_counter() - t0) * 1e3)
 
-    def _connect(self) -> None:
+    def _open_socket(self) -> zmq.Socket:
+        """(Re)open the DEALER to `cfg.broker`."""
         if self.sock is not None:
             self.sock.close(linger=0)
         s = self.ctx.socket(zmq.DEALER)
@@ -313,6 +314,10 @@ class Worker:
         s.rcvhwm = s.sndhwm = 100_000
         s.connect(self.cfg.broker)
         self.sock = s
+        return s
+
+    def _connect(self) -> None:
+        s = self._open_socket()
         caps = P.Ready(
             credit=self.credit,
             max_batch=self.batcher.max_batch,
