@@ -31,6 +31,7 @@ import msgspec
 import zmq
 
 from broker import protocol as P
+from broker.wire import recv_frames, send_frames
 from broker.state import (
     ClientError,
     CancelAtWorker,
@@ -249,9 +250,8 @@ class Broker:
     def _drain(self, sock: zmq.Socket, handler) -> None:
         # Poll said a message is there; after it, ask EVENTS rather than catch zmq.Again
         # (an exception per wake-up is measurable at this rate).
-        recv = sock.recv_multipart
         for _ in range(_DRAIN):
-            frames = recv(copy=False)
+            frames = recv_frames(sock)
             try:
                 handler(frames)
             except Exception:  # the loop must survive any one message
@@ -353,7 +353,7 @@ class Broker:
         """`frames` start at MDPC02; the identity (and a REQ client's delimiter) go first."""
         head = [ident, b""] if ident in self._req_clients else [ident]
         try:
-            self.frontend.send_multipart(head + frames, copy=False)
+            send_frames(self.frontend, head + frames)
         except zmq.ZMQError as e:  # a client that went away: nothing to deliver to
             self._bad.warning("could not send to client %r: %s", ident[:16], e)
 
@@ -430,12 +430,12 @@ class Broker:
                     [P.MDPC, P.C_FINAL, a.service.encode(), *P.error_body(rid, a.code, a.message)],
                 )
             elif t is HeartbeatWorker:
-                self.backend.send_multipart([a.worker, *P.worker_heartbeat()])
+                send_frames(self.backend, [a.worker, *P.worker_heartbeat()])
             elif t is CancelAtWorker:
-                self.backend.send_multipart(P.to_worker_cancel(a.worker, P.token_envelope(a.token)))
+                send_frames(self.backend, P.to_worker_cancel(a.worker, P.token_envelope(a.token)))
             elif t is DisconnectWorker:
                 log.info("disconnecting worker %r: %s", a.worker[:16], a.reason)
-                self.backend.send_multipart([a.worker, *P.worker_disconnect()])
+                send_frames(self.backend, [a.worker, *P.worker_disconnect()])
                 # A worker presumed dead may have died for real: reap its shared memory now.
                 self._collect_shm()
 
@@ -451,9 +451,7 @@ class Broker:
             req.queue_ms = (now - a.enqueued_at) * 1000.0
             body = (P.encode_header(req), *p.body)
         try:
-            self.backend.send_multipart(
-                P.to_worker_request(a.worker, P.token_envelope(a.token), body), copy=False
-            )
+            send_frames(self.backend, P.to_worker_request(a.worker, P.token_envelope(a.token), body))
         except zmq.ZMQError as e:
             self._bad.warning("could not send to worker %r: %s", a.worker[:16], e)
 

@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from broker import protocol as P
+from broker.wire import NOBLOCK, recv_frames, send_frames
 
 from .client import CLOSE_LINGER_MS, _MMI_SERVICE, _Call, _Core, _ReplyInbox, _ReplyStreamBase, _dealer, _drop_socket, _mmi_answer, _opaque_reply
 from .errors import DeadlineExceeded, InferenceError, ProtocolError
@@ -139,7 +140,7 @@ class AsyncClient:
             for sock in self._socks:
                 direct = sock is not self._sock
                 while sock.getsockopt(zmq.EVENTS) & _POLLIN:
-                    frames = sock.recv_multipart(copy=False)
+                    frames = recv_frames(sock)
                     try:
                         outs = core.on_message(frames, time.monotonic(), direct)
                     except Exception:  # one bad message must not stop every other call
@@ -183,7 +184,7 @@ class AsyncClient:
             return
         sock = self._sock
         try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            send_frames(sock, frames, NOBLOCK)
         except zmq.Again:
             self._pending.append(frames)
             self._schedule_retry()
@@ -200,7 +201,7 @@ class AsyncClient:
         sock = self._sock
         while self._pending:
             try:
-                sock.send_multipart(self._pending[0], flags=zmq.NOBLOCK, copy=False)
+                send_frames(sock, self._pending[0], NOBLOCK)
             except zmq.Again:
                 self._schedule_retry()
                 return

@@ -36,6 +36,7 @@ import zmq
 import shm as _shm
 from broker import protocol as P
 from broker.protocol import ErrorCode, Priority
+from broker.wire import NOBLOCK, recv_frames, send_frames
 
 from . import tensors as T
 from .errors import (
@@ -713,7 +714,7 @@ class Client:
         sock = self._sock
         while True:
             try:
-                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                send_frames(sock, frames, NOBLOCK)
                 self._core.last_send = time.monotonic()
                 return
             except zmq.Again:
@@ -738,7 +739,7 @@ class Client:
         """Send without waiting; False (and the call back to unsent) if the socket is full."""
         frames = self._core.request_frames(call, time.monotonic())
         try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            send_frames(self._sock, frames, NOBLOCK)
         except zmq.Again:
             self._core.unregister(call)
             return False
@@ -752,7 +753,7 @@ class Client:
         if frames is None:
             return
         try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            send_frames(self._sock, frames, NOBLOCK)
             self._core.last_send = time.monotonic()
         except zmq.ZMQError:  # full or closed: the broker is gone anyway
             pass
@@ -783,10 +784,9 @@ class Client:
         # more than the rest of the client's work on a small request.
         core = self._core
         for sock, _ in self._items:
-            recv = sock.recv_multipart
             direct = sock is not self._sock
             while sock.get(zmq.EVENTS) & _POLLIN:
-                frames = recv(copy=False)
+                frames = recv_frames(sock)
                 for out in core.on_message(frames, time.monotonic(), direct):
                     self._try_send(out)
 

@@ -42,6 +42,7 @@ import numpy as np
 import zmq
 
 from broker import protocol as P
+from broker.wire import NOBLOCK, recv_frames, send_frames
 from gpu_worker.batching import Batcher, Pending
 
 log = logging.getLogger("gpu_worker")
@@ -405,7 +406,7 @@ class Worker:
             self._offload.close()
 
     def _send(self, frames) -> None:
-        self.sock.send_multipart(frames, copy=False)
+        send_frames(self.sock, frames)
         self._last_sent = time.monotonic()
 
     # ------------------------------------------------------------------ receiving
@@ -413,9 +414,8 @@ class Worker:
     def _drain(self) -> None:
         # EVENTS instead of recv(NOBLOCK) + zmq.Again: no exception per wake-up.
         sock = self.sock
-        recv = sock.recv_multipart
         while sock.get(zmq.EVENTS) & _POLLIN:
-            frames = recv(copy=False)
+            frames = recv_frames(sock)
             try:
                 self._on_message(frames)
             except Exception:
@@ -612,7 +612,7 @@ class Worker:
             try:
                 if sock is None:
                     raise zmq.Again()
-                sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                send_frames(sock, frames, NOBLOCK)
             except zmq.ZMQError:
                 # Full or gone: relay each through the broker instead.
                 for head, job in items:
@@ -702,7 +702,7 @@ class Worker:
                 return
             if sock is not None:
                 try:
-                    sock.send_multipart(P.direct_reply(True, self._service_b, body), flags=zmq.NOBLOCK, copy=False)
+                    send_frames(sock, P.direct_reply(True, self._service_b, body), NOBLOCK)
                 except zmq.Again:
                     # Full: the client stopped reading, or died.  The replies already queued
                     # stay queued (they were told to the broker as DONE); this one goes

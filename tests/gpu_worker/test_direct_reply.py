@@ -16,27 +16,42 @@ pytestmark = pytest.mark.timeout(30)
 
 
 class _Recorder:
-    """Stands in for the broker socket: keeps what the worker sends."""
+    """Stands in for the broker: the worker's socket is one end of an inproc pair, and
+    `sent` is what has arrived at the other end."""
 
-    def __init__(self):
-        self.sent = []
+    def __init__(self, ctx: zmq.Context, name: str):
+        self.rx = ctx.socket(zmq.PAIR)
+        self.rx.linger = 0
+        self.rx.bind(f"inproc://{name}")
+        self.tx = ctx.socket(zmq.PAIR)
+        self.tx.linger = 0
+        self.tx.connect(f"inproc://{name}")
+        self._got: list = []
 
-    def send_multipart(self, frames, copy=True, flags=0):
-        self.sent.append([bytes(f) for f in frames])
+    @property
+    def sent(self) -> list:
+        while self.rx.poll(50):  # inproc delivers at once; the wait is only an upper bound
+            self._got.append(self.rx.recv_multipart())
+        return self._got
 
-    def close(self, linger=None):
-        pass
+    def close(self) -> None:
+        self.tx.close()
+        self.rx.close()
 
 
 @pytest.fixture
 def worker(tmp_path):
     w = Worker(WorkerConfig(broker=f"ipc://{tmp_path}/none.ipc", model="echo", warmup=False, credit=16,
                             done_delay=0.005))
-    w.sock = _Recorder()
+    rec = _Recorder(w.ctx, f"recorder-{id(w)}")
+    w.sock = rec.tx
+    w.recorder = rec
     try:
         yield w
     finally:
+        w.sock = None
         w.close()
+        rec.close()
 
 
 @pytest.fixture
@@ -63,9 +78,9 @@ def test_final_goes_to_reply_to_and_is_remembered_for_done(worker, inbox):
     assert sock.poll(5000)
     msg = P.parse_broker_to_client(sock.recv_multipart())
     assert msg.command == P.C_FINAL and msg.service == b"echo"
-    assert worker.sock.sent == [] and worker._done == [P.token_envelope(1)]
+    assert worker.recorder.sent == [] and worker._done == [P.token_envelope(1)]
     worker._flush_done()
-    assert worker.sock.sent == [P.worker_done([P.token_envelope(1)])]
+    assert worker.recorder.sent == [P.worker_done([P.token_envelope(1)])]
 
 
 @pytest.mark.parametrize("case", ["partial", "other_host", "unreachable", "no_reply_to", "disabled"])
@@ -82,7 +97,7 @@ def test_everything_else_goes_through_the_broker(worker, inbox, tmp_path, case):
     if case == "disabled":
         worker.cfg.direct_reply = False
     worker._reply(job, final, [b"body"])
-    assert worker.sock.sent == [P.worker_reply(P.token_envelope(1), final, [b"body"])]
+    assert worker.recorder.sent == [P.worker_reply(P.token_envelope(1), final, [b"body"])]
     assert worker._done == [] and not sock.poll(0)
 
 
