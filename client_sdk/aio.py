@@ -29,7 +29,7 @@ import zmq.asyncio
 from broker import protocol as P
 from broker.wire import NOBLOCK, recv_frames, send_frames
 
-from .client import CLOSE_LINGER_MS, _MMI_SERVICE, _Call, _Core, _ReplyInbox, _ReplyStreamBase, _dealer, _drop_socket, _mmi_answer, _opaque_reply
+from .client import CLOSE_LINGER_MS, _MMI_SERVICE, _Call, _ClientFacade, _Core, _ReplyInbox, _ReplyStreamBase, _dealer, _drop_socket, _mmi_answer, _opaque_reply
 from .errors import DeadlineExceeded, InferenceError, ProtocolError
 from .tensors import Result
 
@@ -52,7 +52,7 @@ class _Expired(Exception):
     """Internal: the call's own deadline passed (turned into DeadlineExceeded)."""
 
 
-class AsyncClient:
+class AsyncClient(_ClientFacade):
     """asyncio twin of `Client`, with the same options and the same Result lifetime rules.
 
         async with AsyncClient("ipc:///tmp/zinf.sock") as c:
@@ -76,41 +76,6 @@ class AsyncClient:
         self._pending: deque = deque()  # frames the socket refused (high-water mark), in order
         self._retry: asyncio.TimerHandle | None = None
         self._broken: BaseException | None = None
-
-    # ---------------------------------------------------------------- properties
-
-    @property
-    def endpoint(self) -> str:
-        return self._core.endpoint
-
-    @property
-    def uses_shm(self) -> bool:
-        return self._core.use_shm
-
-    @property
-    def pool(self) -> Any:
-        return self._core.pool
-
-    @property
-    def closed(self) -> bool:
-        return self._core.closed
-
-    @property
-    def direct_replies(self) -> int:
-        """See `Client.direct_replies`."""
-        return self._core.direct_replies
-
-    def alloc(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
-        """See `Client.alloc`."""
-        return self._core.alloc(shape, dtype)
-
-    def alloc_cuda(self, shape: Any, dtype: Any = np.float32, device: Any = "cuda:0") -> Any:
-        """See `Client.alloc_cuda`."""
-        return self._core.alloc_cuda(shape, dtype, device)
-
-    def free(self, arr: np.ndarray) -> None:
-        """See `Client.free`."""
-        self._core.free(arr)
 
     # ---------------------------------------------------------------- background tasks
 

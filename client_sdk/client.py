@@ -579,30 +579,11 @@ def _drain_inbox(call: _Call) -> None:
             item.release()
 
 
-# ================================================================================================
+class _ClientFacade:
+    """What `Client` and `AsyncClient` expose the same way: properties and buffers, all
+    answered by their `_Core`."""
 
-class Client:
-    """Blocking client for the inference broker.
-
-    One DEALER socket; not thread-safe (use one client per thread, or `AsyncClient`).
-    Results hold zero-copy views of shared memory: see `Result` and docs/client.md for
-    their lifetime.
-    """
-
-    def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
-                 pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
-                 fallback_inline: bool = True, direct_reply: bool = True):
-        self._core = _Core(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
-                           heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
-                           direct_reply=direct_reply)
-        self._ctx = zmq.Context.instance()
-        self._sock = _dealer(self._ctx, endpoint)
-        self._inbox = _ReplyInbox.open(self._ctx, self._core)
-        self._items = [(self._sock, _POLLIN)]
-        if self._inbox is not None:
-            self._items.append((self._inbox.sock, _POLLIN))
-
-    # ---------------------------------------------------------------- properties
+    _core: _Core
 
     @property
     def endpoint(self) -> str:
@@ -648,6 +629,30 @@ class Client:
         """Free an `alloc()` buffer now.  Do not use the array (or any view) afterwards, and
         not while a request that uses it is in flight."""
         self._core.free(arr)
+
+
+# ================================================================================================
+
+class Client(_ClientFacade):
+    """Blocking client for the inference broker.
+
+    One DEALER socket; not thread-safe (use one client per thread, or `AsyncClient`).
+    Results hold zero-copy views of shared memory: see `Result` and docs/client.md for
+    their lifetime.
+    """
+
+    def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
+                 pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
+                 fallback_inline: bool = True, direct_reply: bool = True):
+        self._core = _Core(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
+                           heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
+                           direct_reply=direct_reply)
+        self._ctx = zmq.Context.instance()
+        self._sock = _dealer(self._ctx, endpoint)
+        self._inbox = _ReplyInbox.open(self._ctx, self._core)
+        self._items = [(self._sock, _POLLIN)]
+        if self._inbox is not None:
+            self._items.append((self._inbox.sock, _POLLIN))
 
     # ---------------------------------------------------------------- requests
 
