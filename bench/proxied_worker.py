@@ -30,12 +30,12 @@ gpu_worker`; SIGTERM drains and exits 0.  Only DEALER clients (no REQ) are suppo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
 
 from broker import protocol as P
+from gpu_worker.__main__ import add_model_options, model_config
 from gpu_worker.worker import Worker, WorkerConfig, install_sigterm_drain
 
 log = logging.getLogger("bench.proxied_worker")
@@ -45,10 +45,8 @@ _SEQ_BYTES = 8
 
 
 def make_config(connect: str, **kw) -> WorkerConfig:
-    """WorkerConfig for a proxied worker: every reply relayed, like a brokered one."""
-    if any(f.name == "direct_reply" for f in dataclasses.fields(WorkerConfig)):
-        kw["direct_reply"] = False
-    return WorkerConfig(broker=connect, **kw)
+    """WorkerConfig for a proxied worker: every reply relayed, as a relay must."""
+    return WorkerConfig(broker=connect, **kw, direct_reply=False)
 
 
 class ProxiedWorker(Worker):
@@ -130,33 +128,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m bench.proxied_worker", description=__doc__.splitlines()[0])
     ap.add_argument("--connect", required=True, help="the proxy's backend (DEALER) endpoint")
-    ap.add_argument("--model", default="echo", help="shipped model name or package.module:factory")
-    ap.add_argument("--service", default=None, help="service name to answer (default: the model's name)")
-    ap.add_argument("--device", default=None, help="cpu, cuda:N or auto (default auto)")
-    ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--max-delay-ms", type=float, default=2.0, help="longest a batch waits for company")
-    ap.add_argument("--heartbeat-interval", type=float, default=1.0,
-                    help="loop wake-up interval (no heartbeat leaves this process)")
-    ap.add_argument("--out-capacity-mb", type=int, default=256, help="output ring size")
-    ap.add_argument("--transports", default="inline,shm")
-    ap.add_argument("--no-warmup", action="store_true")
-    ap.add_argument("--log-level", default="WARNING")
+    add_model_options(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s proxied-worker %(levelname)s %(message)s")
     _die_with_parent()  # SIGTERM (a drain) if the harness dies
 
-    cfg = make_config(
-        args.connect,
-        model=args.model,
-        service=args.service,
-        device=args.device,
-        max_batch=args.max_batch,
-        max_delay=args.max_delay_ms / 1000.0,
-        heartbeat_interval=args.heartbeat_interval,
-        out_capacity=args.out_capacity_mb << 20,
-        warmup=not args.no_warmup,
-        transports=tuple(t for t in args.transports.split(",") if t),
-    )
+    cfg = make_config(args.connect, **model_config(args))
     with ProxiedWorker(cfg) as w:
         install_sigterm_drain(w)
         w.serve(ready_cb=lambda: print(f"READY service={w.service} pid={w.pid} device={w.device}", flush=True))

@@ -13,50 +13,62 @@ import logging
 import sys
 
 
+def add_model_options(ap: argparse.ArgumentParser) -> None:
+    """The options of any process that runs our Worker loop (also `bench.proxied_worker`)."""
+    ap.add_argument("--model", default="echo", help="shipped model name or package.module:factory")
+    ap.add_argument("--service", default=None, help="service name to register (default: the model's name)")
+    ap.add_argument("--device", default=None, help="cpu, cuda:N or auto (default auto)")
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-delay-ms", type=float, default=2.0, help="longest a batch waits for company")
+    ap.add_argument("--heartbeat-interval", type=float, default=1.0)
+    ap.add_argument("--out-capacity-mb", type=int, default=256, help="output ring size")
+    ap.add_argument("--transports", default="inline,shm")
+    ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--log-level", default="WARNING")
+
+
+def model_config(args: argparse.Namespace) -> dict:
+    """WorkerConfig keywords for the options of `add_model_options`."""
+    return dict(
+        model=args.model,
+        service=args.service,
+        device=args.device,
+        max_batch=args.max_batch,
+        max_delay=args.max_delay_ms / 1000.0,
+        heartbeat_interval=args.heartbeat_interval,
+        out_capacity=args.out_capacity_mb << 20,
+        warmup=not args.no_warmup,
+        transports=tuple(t for t in args.transports.split(",") if t),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     from broker.server import default_endpoints
     from gpu_worker.worker import DIRECT_LINGER_MS, Worker, WorkerConfig, install_sigterm_drain
 
     ap = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__.splitlines()[0])
     ap.add_argument("--broker", default=None, help="broker backend endpoint (default: the broker's ipc default)")
-    ap.add_argument("--model", default="echo", help="shipped model name or package.module:factory")
-    ap.add_argument("--service", default=None, help="service name to register (default: the model's name)")
-    ap.add_argument("--device", default=None, help="cpu, cuda:N or auto (default auto)")
-    ap.add_argument("--max-batch", type=int, default=8)
+    add_model_options(ap)
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "numpy", "tensorrt"),
                     help="auto follows the model's framework; tensorrt needs tensorrt, onnx and a GPU")
     ap.add_argument("--cuda-pool-mb", type=int, default=256,
                     help="device pool for outputs kept on the GPU (CUDA workers only)")
-    ap.add_argument("--max-delay-ms", type=float, default=2.0, help="longest a batch waits for company")
     ap.add_argument("--max-cost", type=float, default=float("inf"), help="batch cost bound (model's cost units)")
     ap.add_argument("--credit", type=int, default=None, help="requests held at once (default 2*max-batch)")
-    ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--heartbeat-liveness", type=int, default=3)
-    ap.add_argument("--out-capacity-mb", type=int, default=256, help="output ring size")
-    ap.add_argument("--transports", default="inline,shm")
-    ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--no-direct-reply", action="store_true",
                     help="send every reply through the broker, even to clients on this host")
     ap.add_argument("--done-delay-ms", type=float, default=5.0,
                     help="longest a DONE for direct replies waits to gather more (docs/protocol.md section 8)")
-    ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
 
     cfg = WorkerConfig(
         broker=args.broker or default_endpoints()[1],
-        model=args.model,
-        service=args.service,
-        device=args.device,
-        max_batch=args.max_batch,
-        max_delay=args.max_delay_ms / 1000.0,
+        **model_config(args),
         max_cost=args.max_cost,
         credit=args.credit,
-        heartbeat_interval=args.heartbeat_interval,
         heartbeat_liveness=args.heartbeat_liveness,
-        out_capacity=args.out_capacity_mb << 20,
-        warmup=not args.no_warmup,
-        transports=tuple(t for t in args.transports.split(",") if t),
         backend=args.backend,
         cuda_pool_capacity=args.cuda_pool_mb << 20,
         direct_reply=not args.no_direct_reply,
