@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 
@@ -16,6 +17,22 @@ from client_sdk.errors import DeadlineExceeded, NotLocal, QueueFull, ServiceUnav
 from .conftest import wait_service
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@contextlib.contextmanager
+def _raw_client_of_echo(cluster):
+    """A broker, an echo worker it knows of, and a bare DEALER on the broker's frontend."""
+    cluster.broker()
+    cluster.worker("echo")
+    with Client(cluster.frontend) as c:
+        wait_service(c, "echo")
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.linger = 0
+    try:
+        s.connect(cluster.frontend)
+        yield s
+    finally:
+        s.close()
 
 
 def _cases():
@@ -77,15 +94,7 @@ def test_streaming_partials_arrive_in_order(cluster):
 
 def test_plain_mdp02_client_gets_opaque_echo(cluster):
     """A client written from RFC 18 alone: DEALER, MDPC02, REQUEST, service, body."""
-    cluster.broker()
-    cluster.worker("echo")
-    with Client(cluster.frontend) as c:
-        wait_service(c, "echo")
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.linger = 0
-    try:
-        s.connect(cluster.frontend)
+    with _raw_client_of_echo(cluster) as s:
         s.send_multipart([b"MDPC02", b"\x01", b"echo", b"hello", b"world"])
         assert s.poll(10_000), "no reply"
         assert s.recv_multipart() == [b"MDPC02", b"\x03", b"echo", b"hello", b"world"]
@@ -96,8 +105,6 @@ def test_plain_mdp02_client_gets_opaque_echo(cluster):
         s.send_multipart([b"MDPC02", b"\x01", b"mmi.service", b"nope"])
         assert s.poll(10_000)
         assert s.recv_multipart()[-1] == b"404"
-    finally:
-        s.close()
 
 
 def test_plain_mdp02_worker_serves_opaque_requests(cluster):
@@ -440,15 +447,7 @@ def test_direct_reply_off_relays_through_the_broker(cluster):
 def test_unreachable_reply_to_falls_back_to_the_broker(cluster, tmp_path):
     """A reply_to the worker cannot see (another mount namespace, a client gone): the FINAL
     is relayed through the broker instead of being queued for nobody."""
-    cluster.broker()
-    cluster.worker("echo")
-    with Client(cluster.frontend) as c:
-        wait_service(c, "echo")
-    ctx = zmq.Context.instance()
-    s = ctx.socket(zmq.DEALER)
-    s.linger = 0
-    try:
-        s.connect(cluster.frontend)
+    with _raw_client_of_echo(cluster) as s:
         x = np.arange(6, dtype=np.int32)
         head = P.encode_header(P.Request(
             id=5, host=P.local_host_id(), reply_to=f"ipc://{tmp_path}/nobody-binds-this.ipc", reply="inline",
@@ -466,8 +465,6 @@ def test_unreachable_reply_to_falls_back_to_the_broker(cluster, tmp_path):
         assert s.poll(10_000)
         rep = P.decode_reply(P.parse_broker_to_client(s.recv_multipart()).body[0])
         assert rep.id == 6 and rep.error.code == P.ErrorCode.PROTOCOL_ERROR and "reply_to" in rep.error.message
-    finally:
-        s.close()
 
 
 def test_gathered_dones_return_credit_before_it_runs_out(cluster):
