@@ -608,13 +608,13 @@ class Worker:
             heads = [head for head, _ in items]
             frames = (P.direct_reply(True, self._service_b, heads) if len(heads) == 1
                       else P.direct_finals(self._service_b, heads))
-            sock = self._direct.get(endpoint)
+            sock = self._direct.get(endpoint)  # None: closed since (least recently used)
             try:
-                if sock is None:
-                    raise zmq.Again()
-                send_frames(sock, frames, NOBLOCK)
-            except zmq.ZMQError:
-                # Full or gone: relay each through the broker instead.
+                if sock is not None:
+                    send_frames(sock, frames, NOBLOCK)
+            except zmq.ZMQError:  # full, or the socket failed
+                sock = None
+            if sock is None:  # relay each through the broker instead
                 for head, job in items:
                     self._send(P.worker_reply(job.envelope, True, [head]))
                 continue
