@@ -224,8 +224,8 @@ def serve(endpoint: str) -> int:
     from gpu_worker.backends import numpy_to_torch
     from gpu_worker.cuda_runtime import GraphCache, HostRegistry
     from gpu_worker.models import load_model
-    from shm import SegmentCache, ShmPool, ShmRef
-    from shm.cuda_ipc import CudaPool, CudaPoolCache
+    from shm import SegmentCache, ShmPool
+    from shm.cuda import CudaPool, CudaPoolCache
 
     dev = torch.device("cuda:0")
     torch.cuda.init()
@@ -246,7 +246,7 @@ def serve(endpoint: str) -> int:
         dt = P.parse_dtype(t.dtype)
         if type(t.loc) is P.CudaLoc:
             return ipc.view(t.loc, dt, tuple(t.shape), stream=stream)
-        ref = ShmRef(t.loc.segment, t.loc.offset, t.loc.nbytes, t.loc.slot, t.loc.generation)
+        ref = P.shm_ref(t.loc)
         arr = seg.view(ref, dt, tuple(t.shape))
         name = t.loc.segment
         if name not in pins:
@@ -259,15 +259,14 @@ def serve(endpoint: str) -> int:
         if transport == "cuda":
             t = pool.alloc(tuple(o.shape), dt)
             t.copy_(o)
-            loc = pool.hand_off(t, stream=stream, holder_pid=req.pid)
+            loc = P.cuda_loc(pool.hand_off(t, stream=stream, holder_pid=req.pid))
         else:
             arr = out_shm.alloc(tuple(o.shape), dt)
             numpy_to_torch(arr).copy_(o, non_blocking=True)
             stream.synchronize()  # the reply's bytes must be in host memory before FINAL
             ref = out_shm.ref_of(arr)
             out_shm.mark_in_flight(ref, holder_pid=req.pid)
-            loc = P.ShmLoc(segment=ref.segment, offset=ref.offset, nbytes=ref.nbytes, slot=ref.slot,
-                           generation=ref.generation)
+            loc = P.shm_loc(ref)
         return P.TensorRef(name=name, dtype=dt.str, shape=list(o.shape), loc=loc)
 
     def setup(req):
@@ -324,7 +323,7 @@ def serve(endpoint: str) -> int:
             if not req.meta.get("skip_write"):
                 torch.bitwise_not(x.reshape(-1).view(torch.uint8), out=yb)
             outs.append(P.TensorRef(name=t.name, dtype=t.dtype, shape=list(t.shape),
-                                    loc=pool.hand_off(y, stream=stream, holder_pid=req.pid)))
+                                    loc=P.cuda_loc(pool.hand_off(y, stream=stream, holder_pid=req.pid))))
         return P.Reply(id=req.id, tensors=outs), None
 
     def raw(req):
@@ -485,7 +484,7 @@ class Client:
         import torch
 
         from shm import SegmentCache, ShmPool
-        from shm.cuda_ipc import CudaPool, CudaPoolCache
+        from shm.cuda import CudaPool, CudaPoolCache
 
         self.torch = torch
         self.pool = CudaPool(256 << 20, device=0, slots=256)
@@ -527,7 +526,7 @@ def ipc_roundtrip(server: Server, client: Client, rounds: int = 5) -> dict:
         src = _rand_bytes(torch, nbytes)
         t.reshape(-1).view(torch.uint8).copy_(src)
         want = torch.bitwise_not(src)
-        loc = client.pool.hand_off(t)
+        loc = P.cuda_loc(client.pool.hand_off(t))
         rep, _ = server.call("echo", [P.TensorRef(name="x", dtype=dtype, shape=list(shape), loc=loc)],
                              skip_write=skip_write)
         out_loc = rep.tensors[0].loc
@@ -585,12 +584,11 @@ def _round_trip(server: Server, client: Client, transport: str, frame) -> float:
     torch = client.torch
     t0 = time.perf_counter()
     if transport == "cuda":
-        loc = client.pool.hand_off(frame)
+        loc = P.cuda_loc(client.pool.hand_off(frame))
     else:
         ref = client.shm.ref_of(frame)
         client.shm.mark_in_flight(ref)
-        loc = P.ShmLoc(segment=ref.segment, offset=ref.offset, nbytes=ref.nbytes, slot=ref.slot,
-                       generation=ref.generation)
+        loc = P.shm_loc(ref)
     rep, _ = server.call("run", [P.TensorRef(name="image", dtype="|u1", shape=list(FRAME), loc=loc)],
                          transport=transport)
     fins = []
@@ -600,9 +598,7 @@ def _round_trip(server: Server, client: Client, transport: str, frame) -> float:
             out, fin = client.ipc.lease(t.loc, dt, tuple(t.shape))
             fins.append(fin)
         else:
-            from shm import ShmRef
-
-            ref = ShmRef(t.loc.segment, t.loc.offset, t.loc.nbytes, t.loc.slot, t.loc.generation)
+            ref = P.shm_ref(t.loc)
             out = client.seg.view(ref, dt, tuple(t.shape))
             fins.append(lambda ref=ref: client.seg.release(ref))
     if transport == "cuda":
@@ -708,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.out or default_out(), argv, args.budget, args.dry_run)
     report.doc["out"] = str(report.path)
     report.doc["versions"] = versions()
-    from shm.cuda_ipc import cuda_status
+    from shm.cuda import cuda_status
 
     ok, why = cuda_status()
     if not ok:

@@ -36,7 +36,7 @@ class _Stub:
 
 
 def _stub_send(sock, frames, flags=0):
-    """Stands in for `broker.wire.send_frames` where the sockets are stubs."""
+    """Stands in for `broker.protocol.wire.send_frames` where the sockets are stubs."""
     sock.last = frames
 
 
@@ -111,7 +111,7 @@ def worker_us(n: int) -> float:
     w.sock = _Stub()
     w._last_sent = w._last_heard = time.monotonic()
     F = zmq.Frame
-    loc = P.ShmLoc(segment=ref.segment, offset=ref.offset, nbytes=16, slot=ref.slot, generation=ref.generation)
+    loc = P.shm_loc(ref._replace(nbytes=16))
     hdr = P.encode_header(P.Request(id=1, host=P.local_host_id(), pid=1, queue_ms=0.01,
                                     tensors=[P.TensorRef(name="x", dtype="|u1", shape=[16], loc=loc)]))
 

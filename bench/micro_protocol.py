@@ -1,7 +1,7 @@
 """Micro-benchmark of the header codec: encode + decode (with full validation) of a request
 header that references tensors in shared memory.  The header's cost must not depend on the
 size of the tensors it describes (64 B vs 64 MB).  Also: sending and receiving one 5-frame
-MDP message over inproc with pyzmq's send/recv_multipart vs `broker.wire`.
+MDP message over inproc with pyzmq's send/recv_multipart vs `broker.protocol.wire`.
 
     python -m bench.micro_protocol
 """
@@ -55,7 +55,7 @@ def run(repeats: int = 5, iters: int = 20000) -> dict:
 def _multipart(repeats: int, iters: int) -> dict[str, float]:
     import zmq
 
-    from broker.wire import recv_frames, send_frames
+    from broker.protocol.wire import recv_frames, send_frames
 
     ctx = zmq.Context()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)

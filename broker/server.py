@@ -1,7 +1,7 @@
 """The broker's ZeroMQ loop: frames in, scheduler events, actions, frames out.
 
-This module makes no scheduling decision (that is `broker.state`), and builds or parses no
-frame by hand (that is `broker.protocol`).  What it does: poll two ROUTER sockets, turn each
+This module makes no scheduling decision (that is `broker.state`), and every frame it sends
+or reads is built or parsed by `broker.protocol`.  What it does: poll two ROUTER sockets, turn each
 message into one scheduler event stamped with the monotonic clock, turn the returned actions
 into frames, and sleep until the scheduler's next wake-up.
 
@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import secrets
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +28,10 @@ import msgspec
 import zmq
 
 from broker import protocol as P
-from broker.wire import recv_frames, send_frames
+from broker.protocol.wire import recv_frames, send_frames
+from shm import gc as shm_gc
+from shm.segment import process_alive
+
 from broker.state import (
     ClientError,
     CancelAtWorker,
@@ -54,41 +54,18 @@ _GC_INTERVAL = 1.0
 _POLLIN = int(zmq.POLLIN)
 
 
-def default_runtime_dir() -> str:
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    path = os.path.join(base, f"zmq-infer-{os.getuid()}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    return path
-
-
-# A client's direct-reply socket (docs/protocol.md section 8): c-<pid>-<starttime>-<hex>.ipc
-# in the runtime directory, named like shared-memory segments so that a dead owner is told
-# from a live one even after its pid is reused.
-_REPLY_SOCKET_RE = re.compile(r"c-(\d+)-(\d+)-[0-9a-f]+\.ipc")
-
-
-def reply_socket_path() -> str:
-    """A fresh path for this process's direct-reply socket."""
-    from shm.segment import self_identity
-
-    pid, start = self_identity()
-    return os.path.join(default_runtime_dir(), f"c-{pid}-{start}-{secrets.token_hex(6)}.ipc")
-
-
 def sweep_reply_sockets(directory: str | None = None) -> list[str]:
     """Unlink the reply-socket files that dead clients left behind (libzmq leaves the file
     of a bound ipc socket on close, and a SIGKILLed client never gets to); returns them."""
-    from shm.segment import process_alive
-
-    directory = directory or default_runtime_dir()
+    directory = directory or P.default_runtime_dir()
     gone = []
     try:
         names = os.listdir(directory)
     except OSError:
         return gone
     for name in names:
-        m = _REPLY_SOCKET_RE.fullmatch(name)
-        if m is None or process_alive(int(m.group(1)), int(m.group(2))):
+        owner = P.parse_reply_socket_name(name)
+        if owner is None or process_alive(*owner):
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -96,11 +73,6 @@ def sweep_reply_sockets(directory: str | None = None) -> list[str]:
         except OSError:
             pass
     return gone
-
-
-def default_endpoints() -> tuple[str, str]:
-    d = default_runtime_dir()
-    return f"ipc://{d}/frontend.ipc", f"ipc://{d}/backend.ipc"
 
 
 @dataclass
@@ -156,7 +128,7 @@ class Broker:
 
     def __init__(self, cfg: BrokerConfig | None = None, *, ctx: zmq.Context | None = None):
         self.cfg = cfg or BrokerConfig()
-        fe, be = default_endpoints()
+        fe, be = P.default_endpoints()
         self.frontend_ep = self.cfg.frontend or fe
         self.backend_ep = self.cfg.backend or be
         self.ctx = ctx or zmq.Context.instance()
@@ -238,8 +210,6 @@ class Broker:
 
     def _collect_shm(self) -> None:
         try:
-            from shm import gc as shm_gc
-
             for name in shm_gc.collect():
                 log.info("unlinked shared memory of a dead process: %s", name)
             for name in sweep_reply_sockets():
@@ -308,9 +278,9 @@ class Broker:
                 P.check_inline_sizes(req.tensors, rest)
             except P.ProtocolError as e:
                 self.malformed += 1
-                rid = _lenient_id(first)
+                rid = P.lenient_request_id(first)
                 self._bad.warning("bad request header from %r: %s", ident[:16], e)
-                self._send_client(ident, P.to_client(ident, True, service, P.error_body(rid, e.code, str(e)))[1:])
+                self._send_client(ident, P.client_reply(True, service, P.error_body(rid, e.code, str(e))))
                 return
             local = None
             if req.host is not None:
@@ -347,7 +317,7 @@ class Broker:
             code = b"200" if self.sched.has_service(name) else b"404"
         else:
             code = b"501"
-        self._send_client(ident, P.to_client(ident, True, service, [code])[1:])
+        self._send_client(ident, P.client_reply(True, service, [code]))
 
     def _send_client(self, ident: bytes, frames: list) -> None:
         """`frames` start at MDPC02; the identity (and a REQ client's delimiter) go first."""
@@ -421,13 +391,13 @@ class Broker:
                 self._dispatch(a, now)
             elif t is ToClient:
                 self._send_client(
-                    a.client, [P.MDPC, P.C_FINAL if a.final else P.C_PARTIAL, a.service.encode(), *a.payload]
+                    a.client, P.client_reply(a.final, a.service.encode(), a.payload)
                 )
             elif t is ClientError:
                 rid = a.request_id if a.request_id >= 0 else 0
                 self._send_client(
                     a.client,
-                    [P.MDPC, P.C_FINAL, a.service.encode(), *P.error_body(rid, a.code, a.message)],
+                    P.client_reply(True, a.service.encode(), P.error_body(rid, a.code, a.message)),
                 )
             elif t is HeartbeatWorker:
                 send_frames(self.backend, [a.worker, *P.worker_heartbeat()])
@@ -455,13 +425,3 @@ class Broker:
         except zmq.ZMQError as e:
             self._bad.warning("could not send to worker %r: %s", a.worker[:16], e)
 
-
-def _lenient_id(frame: Any) -> int:
-    """Best-effort request id from a header that failed validation, so the error reaches
-    the right future on the client; 0 when even that is unreadable."""
-    try:
-        m = msgspec.msgpack.decode(memoryview(frame)[4:])
-        rid = m.get("id") if isinstance(m, dict) else None
-        return rid if isinstance(rid, int) and 0 <= rid < 1 << 64 else 0
-    except Exception:
-        return 0

@@ -27,7 +27,7 @@ import zmq
 import zmq.asyncio
 
 from broker import protocol as P
-from broker.wire import NOBLOCK, recv_frames, send_frames
+from broker.protocol.wire import NOBLOCK, recv_frames, send_frames
 
 from .client import CLOSE_LINGER_MS, _MMI_SERVICE, _Call, _ClientFacade, _Core, _ReplyInbox, _ReplyStreamBase, _dealer, _drop_socket, _mmi_answer, _opaque_reply
 from .errors import DeadlineExceeded, InferenceError, ProtocolError

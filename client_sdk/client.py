@@ -36,7 +36,7 @@ import zmq
 import shm as _shm
 from broker import protocol as P
 from broker.protocol import ErrorCode, Priority
-from broker.wire import NOBLOCK, recv_frames, send_frames
+from broker.protocol.wire import NOBLOCK, recv_frames, send_frames
 
 from . import tensors as T
 from .errors import (
@@ -885,9 +885,7 @@ class _ReplyInbox:
     def open(cls, ctx: zmq.Context, core: _Core) -> "_ReplyInbox | None":
         if not core.direct_reply:
             return None
-        from broker.server import reply_socket_path
-
-        path = reply_socket_path()
+        path = P.reply_socket_path()
         if len(path.encode()) > 100:  # sun_path holds 108 bytes: keep the relayed path instead
             log.info("runtime directory path too long for a reply socket; replies go through the broker")
             return None

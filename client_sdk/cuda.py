@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from broker import protocol as P
+
 from .errors import NotSupported
 
 
@@ -40,7 +42,7 @@ class CudaSide:
     client's own thread; tensors dropped elsewhere are freed at its next call."""
 
     def __init__(self, capacity: int, device: Any = "cuda:0"):
-        from shm.cuda_ipc import CudaPool, CudaPoolCache, CudaUnavailable, require_cuda
+        from shm.cuda import CudaPool, CudaPoolCache, CudaUnavailable, require_cuda
 
         try:
             self.torch = require_cuda()
@@ -88,7 +90,7 @@ class CudaSide:
                                f"allocate on {device!r} (one device per client)")
 
     def alloc(self, shape: Any, dtype: Any) -> Any:
-        from shm.cuda_ipc import _tensor_at
+        from shm.cuda import tensor_at
 
         self.run_deferred()
         dt = self._dtype_of(dtype)
@@ -98,7 +100,7 @@ class CudaSide:
             return src  # an empty tensor owns no bytes: nothing to free later
         # A second tensor over the slot whose holder's finalizer runs once the caller's
         # tensor and all its views are gone (the pool keeps `src` itself alive).
-        t, fin = _tensor_at(self.pool.base_ptr + ref.offset, tuple(src.shape), dt, self.device,
+        t, fin = tensor_at(self.pool.base_ptr + ref.offset, tuple(src.shape), dt, self.device,
                             self.pool._block, self._dropped, (ref,))
         self._user[(ref.slot, ref.generation)] = fin
         return t
@@ -135,7 +137,7 @@ class CudaSide:
         shape = list(x.shape)
         ref = pool.ref_of(x)  # None unless x lies in a live slot (checks the device too)
         if ref is not None:
-            return dt.str, shape, pool.hand_off(ref), x          # by reference, no copy
+            return dt.str, shape, P.cuda_loc(pool.hand_off(ref)), x        # by reference, no copy
         dst = pool.try_alloc(tuple(x.shape), dt)
         if dst is None:
             pool.reclaim()
@@ -144,7 +146,7 @@ class CudaSide:
                 return None
         temps.append(dst)
         dst.copy_(x, non_blocking=True)                        # one device copy, on this stream
-        return dt.str, shape, pool.hand_off(dst), dst
+        return dt.str, shape, P.cuda_loc(pool.hand_off(dst)), dst
 
     def free_temp(self, temps: list, after: list | tuple = ()) -> None:
         for t in temps:
@@ -156,8 +158,6 @@ class CudaSide:
 
     def events_of(self, tensors: list) -> list:
         """The output events of a reply: later writes into our input slots must follow them."""
-        from broker import protocol as P
-
         out = []
         for t in tensors:
             loc = t.loc

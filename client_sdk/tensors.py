@@ -78,15 +78,6 @@ def lease_array(src: np.ndarray, on_last_drop: Callable[..., Any], *args: Any,
     return out, fin
 
 
-def ref_to_loc(ref: Any) -> P.ShmLoc:
-    return P.ShmLoc(segment=ref.segment, offset=ref.offset, nbytes=ref.nbytes, slot=ref.slot,
-                    generation=ref.generation)
-
-
-def loc_to_ref(loc: P.ShmLoc) -> Any:
-    return _shm.ShmRef(loc.segment, loc.offset, loc.nbytes, loc.slot, loc.generation)
-
-
 # --------------------------------------------------------------------------------------------
 # Inputs
 
@@ -205,7 +196,7 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
                 ref = _ref_in_pool(pool, arr)
                 if ref is not None and arr.flags.c_contiguous and ref.nbytes == arr.nbytes:
                     pool.mark_in_flight(ref)     # 1. by reference, no copy
-                    loc = ref_to_loc(ref)
+                    loc = P.shm_loc(ref)
                 else:
                     dst = _try_alloc(pool, arr)
                     if dst is not None:          # 2. one copy into a temporary slot
@@ -213,7 +204,7 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
                         out.temp.append(tref)
                         np.copyto(dst, arr, casting="no")
                         pool.mark_in_flight(tref)
-                        loc = ref_to_loc(tref)
+                        loc = P.shm_loc(tref)
                         # What was sent, for an inline resend: the caller's array may have
                         # changed since (a stream frame buffer), the slot has not.
                         out.arrays[name] = dst
@@ -319,7 +310,7 @@ class OutputLeases:
         return self._live
 
     def view(self, loc: P.ShmLoc, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, weakref.finalize]:
-        ref = loc_to_ref(loc)
+        ref = P.shm_ref(loc)
         with self._lock:
             src = self.cache.view(ref, dtype, shape)
             self._live += 1
@@ -349,7 +340,7 @@ class OutputLeases:
                 # a slot we still use (an input buffer a worker echoed back).
                 return
             try:
-                self.cache.release(loc_to_ref(loc))
+                self.cache.release(P.shm_ref(loc))
             except Exception:
                 pass
 

@@ -12,6 +12,8 @@ import argparse
 import logging
 import sys
 
+from broker import protocol as P
+
 
 def add_model_options(ap: argparse.ArgumentParser) -> None:
     """The options of any process that runs our Worker loop (also `bench.proxied_worker`)."""
@@ -43,7 +45,6 @@ def model_config(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from broker.server import default_endpoints
     from gpu_worker.worker import DIRECT_LINGER_MS, Worker, WorkerConfig, install_sigterm_drain
 
     ap = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__.splitlines()[0])
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
 
     cfg = WorkerConfig(
-        broker=args.broker or default_endpoints()[1],
+        broker=args.broker or P.default_endpoints()[1],
         **model_config(args),
         max_cost=args.max_cost,
         credit=args.credit,

@@ -5,7 +5,7 @@ Everything imports on a machine without CUDA.  The decisions - which graph bucke
 uses, when a graph is captured, how far to shrink batches under memory pressure, when an
 idle worker runs a warm-up - are plain Python with injectable numbers and clocks, and are
 unit-tested on the CPU.  Only the calls that touch a device need CUDA; they raise
-`shm.cuda_ipc.CudaUnavailable` (the same typed error as the IPC plane) when it is missing.
+`shm.cuda.CudaUnavailable` (the same typed error as the IPC plane) when it is missing.
 
 How the worker uses them on CUDA (see docs/gpu.md for the full picture):
 
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import numpy as np
 
-from shm.cuda_ipc import CudaUnavailable, require_cuda
+from shm.cuda import CudaUnavailable, require_cuda
 
 log = logging.getLogger("gpu_worker.cuda")
 

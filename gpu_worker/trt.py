@@ -39,7 +39,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from gpu_worker.backends import BackendError, BackendUnavailable, TorchBackend, numpy_to_torch
-from shm.cuda_ipc import cuda_status
+from shm.cuda import cuda_status
 
 log = logging.getLogger("gpu_worker.trt")
 

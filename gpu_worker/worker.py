@@ -42,7 +42,7 @@ import numpy as np
 import zmq
 
 from broker import protocol as P
-from broker.wire import NOBLOCK, recv_frames, send_frames
+from broker.protocol.wire import NOBLOCK, recv_frames, send_frames
 from gpu_worker.batching import Batcher, Pending
 
 log = logging.getLogger("gpu_worker")
@@ -150,7 +150,7 @@ class Worker:
         import torch
 
         from gpu_worker.cuda_runtime import GpuMemoryPressure, HostRegistry, MemoryWatch
-        from shm.cuda_ipc import CudaPool, CudaPoolCache
+        from shm.cuda import CudaPool, CudaPoolCache
 
         cfg = self.cfg
         self._torch = torch
@@ -204,7 +204,7 @@ class Worker:
             if kind is P.ShmLoc:
                 if req.host != self.host:
                     raise P.ProtocolError("shared-memory reference from another host")
-                arr = self.inputs_cache.view(_shm_ref(loc), dt, tuple(t.shape))
+                arr = self.inputs_cache.view(P.shm_ref(loc), dt, tuple(t.shape))
                 if loc.segment not in self.host_reg:
                     # Pinned, so the upload is a DMA straight from the client's slot.
                     self.host_reg.ensure(loc.segment, self.inputs_cache.mapping(loc.segment), readonly=True)
@@ -273,7 +273,7 @@ class Worker:
                         return None
                     handed.append(dst)
                     dst.copy_(src, non_blocking=True)
-                    loc = pool.hand_off(dst, stream=self.stream, holder_pid=job.req.pid)
+                    loc = P.cuda_loc(pool.hand_off(dst, stream=self.stream, holder_pid=job.req.pid))
                     refs.append(P.TensorRef(name=name, dtype=dt.str, shape=list(src.shape), loc=loc))
         except BaseException:
             for t in handed:
@@ -504,7 +504,7 @@ class Worker:
                 if req.host != self.host:
                     raise P.ProtocolError("shared-memory reference from another host")
                 arr = self.inputs_cache.view(
-                    _shm_ref(loc), dt, tuple(t.shape)
+                    P.shm_ref(loc), dt, tuple(t.shape)
                 )
             elif kind is P.InlineLoc:
                 buf = frames[loc.frame]
@@ -606,7 +606,7 @@ class Worker:
             return
         for endpoint, items in pending.items():
             heads = [head for head, _ in items]
-            frames = (P.direct_reply(True, self._service_b, heads) if len(heads) == 1
+            frames = (P.client_reply(True, self._service_b, heads) if len(heads) == 1
                       else P.direct_finals(self._service_b, heads))
             sock = self._direct.get(endpoint)  # None: closed since (least recently used)
             try:
@@ -667,8 +667,7 @@ class Worker:
                     ref = self.out_pool.ref_of(buf)
                     self.out_pool.mark_in_flight(ref, holder_pid=req.pid)
                     refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape),
-                                            loc=P.ShmLoc(segment=ref.segment, offset=ref.offset, nbytes=ref.nbytes,
-                                                         slot=ref.slot, generation=ref.generation)))
+                                            loc=P.shm_loc(ref)))
                     continue
                 # Output ring full (the client holds many results): degrade to inline, never fail.
             if not arr.flags.c_contiguous:
@@ -702,7 +701,7 @@ class Worker:
                 return
             if sock is not None:
                 try:
-                    send_frames(sock, P.direct_reply(True, self._service_b, body), NOBLOCK)
+                    send_frames(sock, P.client_reply(True, self._service_b, body), NOBLOCK)
                 except zmq.Again:
                     # Full: the client stopped reading, or died.  The replies already queued
                     # stay queued (they were told to the broker as DONE); this one goes
@@ -836,12 +835,6 @@ class _ComputeThread:
         self._thread.join(5)
         self._tx.close(linger=0)
         self.done.close(linger=0)
-
-
-def _shm_ref(loc: P.ShmLoc):
-    from shm import ShmRef
-
-    return ShmRef(loc.segment, loc.offset, loc.nbytes, loc.slot, loc.generation)
 
 
 def _is_same_array(a: np.ndarray, b: np.ndarray) -> bool:

@@ -48,7 +48,7 @@ Slot states and who may move them
 Where each state's slots live: WRITING belongs to the owner alone; IN_FLIGHT slots are
 shared with readers, who may only read them; RELEASED slots wait for the owner's next
 ``reclaim()`` (run lazily, when an allocation does not fit).  The allocator itself
-(``shm.book.SlotBook``, shared with the device pools of ``shm.cuda_ipc``: ring head/tail,
+(``shm.book.SlotBook``, shared with the device pools of ``shm.cuda``: ring head/tail,
 free slot ids) and the owner's copy of every state and generation live in the
 owner's private memory; the owner never trusts anything in the segment except a RELEASED
 state carrying the generation it handed out.

@@ -201,8 +201,8 @@ def test_done_carries_envelopes_and_is_bounded():
 def test_direct_reply_frames_are_what_the_broker_would_relay():
     body = [P.encode_header(P.Reply(id=7)), b"payload"]
     relayed = P.to_client(b"ident", True, b"echo", body)[1:]
-    assert P.direct_reply(True, b"echo", body) == relayed
-    m = P.parse_broker_to_client(P.direct_reply(True, b"echo", body))
+    assert P.client_reply(True, b"echo", body) == relayed
+    m = P.parse_broker_to_client(P.client_reply(True, b"echo", body))
     assert m.command == P.C_FINAL and m.service == b"echo" and list(m.body) == body
 
 

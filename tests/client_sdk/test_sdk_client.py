@@ -233,7 +233,7 @@ class FakeBroker(threading.Thread):
                 sock.connect(req.reply_to)
             rep_ = P.Reply(id=req.id, tensors=[P.TensorRef(name="n", dtype="<i8", shape=[], loc=P.InlineLoc(frame=0))])
             head = P.encode_header(rep_)
-            sock.send_multipart(P.direct_reply(True, service.encode(), [head, np.int64(1).tobytes()]))
+            sock.send_multipart(P.client_reply(True, service.encode(), [head, np.int64(1).tobytes()]))
             self._send(ident, True, service, [head, np.int64(2).tobytes()])
         elif service == "hold":
             self.held.append((ident, service, req, body))

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shm.cuda_ipc import cuda_status
+from shm.cuda import cuda_status
 
 HAVE_CUDA, WHY = cuda_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_CUDA, reason=f"needs a CUDA device: {WHY}")]
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = """
 import sys, torch
 from broker import protocol as P
-from shm.cuda_ipc import CudaPool, CudaPoolCache
+from shm.cuda import CudaPool, CudaPoolCache
 torch.cuda.init()
 pool = CudaPool(64 << 20, device=0, slots=64)
 cache = CudaPoolCache()
@@ -117,7 +117,7 @@ CASES = [("|u1", (1080, 1920, 3)), ("<f4", (3, 257, 129)), ("<f2", (1000,)), ("<
 
 def test_ipc_round_trip_between_two_processes_is_bit_exact(torch):
     from broker import protocol as P
-    from shm.cuda_ipc import CudaPool, CudaPoolCache
+    from shm.cuda import CudaPool, CudaPoolCache
 
     pool = CudaPool(64 << 20, slots=64)
     cache = CudaPoolCache()
@@ -159,7 +159,7 @@ def test_ipc_round_trip_between_two_processes_is_bit_exact(torch):
 
 def test_lease_releases_only_after_the_last_view_is_gone(torch):
     from broker import protocol as P
-    from shm.cuda_ipc import CudaPool, CudaPoolCache
+    from shm.cuda import CudaPool, CudaPoolCache
 
     pool = CudaPool(16 << 20, slots=8)
     cache = CudaPoolCache()
@@ -191,7 +191,7 @@ def test_lease_releases_only_after_the_last_view_is_gone(torch):
 def test_dead_importer_slots_are_reclaimed(torch):
     from broker import protocol as P
     from shm import collect
-    from shm.cuda_ipc import CudaPool
+    from shm.cuda import CudaPool
 
     pool = CudaPool(16 << 20, slots=8)
     child = Child()
@@ -215,7 +215,7 @@ def test_dead_importer_slots_are_reclaimed(torch):
 
 def test_pool_in_process(torch):
     from shm import BadDescriptor, StaleDescriptor
-    from shm.cuda_ipc import CudaPool, CudaPoolCache, DevicePoolFull, from_loc
+    from shm.cuda import CudaPool, CudaPoolCache, DevicePoolFull, from_loc
 
     with CudaPool(1 << 20, slots=4) as pool:
         a = pool.alloc((100,), np.float32)

@@ -1,7 +1,7 @@
 """The CUDA transport through the real product: `python -m broker`, `python -m gpu_worker
 --device cuda:0` and `client_sdk` with `alloc_cuda` and torch CUDA tensors.  The GPU tests
-skip (with the reason) without CUDA; the first test runs everywhere and pins the CPU
-worker's answer to reply="cuda"."""
+skip (with the reason) without CUDA; the CPU worker's answer to reply="cuda" is pinned by
+tests/e2e/test_cuda_transport.py."""
 from __future__ import annotations
 
 import gc
@@ -9,32 +9,13 @@ import gc
 import numpy as np
 import pytest
 
-from shm.cuda_ipc import cuda_status
+from shm.cuda import cuda_status
+from tests.e2e.cuda_models import inputs
 from tests.e2e.conftest import cluster, wait_service  # noqa: F401  (fixture)
 
 HAVE_CUDA, WHY = cuda_status()
 needs_cuda = pytest.mark.skipif(not HAVE_CUDA, reason=f"needs an NVIDIA GPU with CUDA: {WHY}")
-MODEL = "tests.gpu.cuda_models:make_exact"
-
-
-def _inputs(rng):
-    return (rng.integers(-(1 << 20), 1 << 20, (4, 8), dtype=np.int32),
-            rng.standard_normal((4, 8)).astype(np.float32))
-
-
-def test_cpu_worker_answers_reply_cuda_through_host_memory(cluster):  # noqa: F811
-    from client_sdk import Client
-
-    cluster.broker()
-    cluster.worker(MODEL, "--service", "exact", "--device", "cpu")
-    rng = np.random.default_rng(1)
-    with Client(cluster.frontend) as c:
-        wait_service(c, "exact")
-        x, f = _inputs(rng)
-        with c.infer("exact", {"x": x, "f": f}, reply="cuda") as r:
-            assert isinstance(r["y"], np.ndarray)
-            np.testing.assert_array_equal(r["y"], x * 3 + 1)
-            np.testing.assert_array_equal(r["g"].view(np.uint32), (-f).view(np.uint32))
+MODEL = "tests.e2e.cuda_models:make_exact"
 
 
 @pytest.mark.gpu
@@ -52,7 +33,7 @@ def test_cuda_tensors_in_and_out_bit_exact(cluster):  # noqa: F811
         xbuf = c.alloc_cuda((4, 8), torch.int32)            # by reference
         side = c._core._cuda
         for round_ in range(3):
-            x, f = _inputs(rng)
+            x, f = inputs(rng)
             xbuf.copy_(torch.from_numpy(x))
             fdev = torch.from_numpy(f).cuda()                  # not in the pool: one device copy
             with c.infer("exact", {"x": xbuf, "f": fdev}) as r:  # auto + CUDA inputs: CUDA outputs

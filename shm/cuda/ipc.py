@@ -96,10 +96,10 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 
-from .book import SlotBook, check_geometry
-from .errors import BadDescriptor, SegmentGone, ShmError, ShmFull, StaleDescriptor
-from .fence import fence
-from .segment import (
+from ..book import SlotBook, check_geometry
+from ..errors import BadDescriptor, SegmentGone, ShmError, ShmFull, StaleDescriptor
+from ..fence import fence
+from ..segment import (
     FREE, HEADER_SIZE, IN_FLIGHT, Q_HOLDER_PID, Q_HOLDER_START, Q_NBYTES, Q_OFFSET, QS, RELEASED,
     SLOT_SIZE, STATE_NAMES, U32, ShmRef, create_segment, open_checked, parse_name, path_of,
     process_alive,
@@ -107,8 +107,8 @@ from .segment import (
 
 __all__ = [
     "ALIGN", "ALIGN_LARGE", "HANDLE_SIZE", "CudaUnavailable", "DevicePoolFull", "DeviceRef",
-    "DeviceSlot", "DevicePoolBook", "HostStateTable", "PoolMeta", "read_pool_meta", "to_loc",
-    "from_loc", "host_ref", "cuda_status", "require_cuda", "CudaPool", "CudaPoolCache",
+    "DeviceSlot", "DevicePoolBook", "HostStateTable", "PoolMeta", "read_pool_meta", "check_ref",
+    "host_ref", "cuda_status", "require_cuda", "CudaPool", "CudaPoolCache",
     "release_word",
 ]
 
@@ -141,7 +141,8 @@ class DeviceSlot(NamedTuple):
 
 
 class DeviceRef(NamedTuple):
-    """What a `CudaLoc` names, with the slot identity the release path needs."""
+    """One device slot handed to another process: the fields of the protocol's `CudaLoc`
+    (broker.protocol.refs converts one into the other)."""
 
     pool: str        # the state table's segment name: unique per pool, carries the owner's pid
     offset: int      # bytes from the pool's base
@@ -149,49 +150,29 @@ class DeviceRef(NamedTuple):
     slot: int
     generation: int
     device: int      # the owner's CUDA ordinal
+    handle: bytes = b""   # the pool's IPC memory handle (empty once the peer has the pool open)
+    event: bytes = b""    # IPC event recorded after the producer's last write (empty: none)
 
 
-def _loc_has_slot_fields(cls: Any) -> bool:
-    return "slot" in getattr(cls, "__struct_fields__", ()) and "generation" in cls.__struct_fields__
-
-
-def to_loc(ref: DeviceRef, handle: bytes = b"", event: bytes = b"", cls: Any = None):
-    """The protocol's `CudaLoc` for `ref`.
-
-    Until `CudaLoc` has `slot` and `generation` fields of its own, they travel in the pool
-    id as ``<segment>/<slot>/<generation>`` ("/" never occurs in a segment name, so the split
-    is unambiguous).  Imported lazily: `shm` itself stays free of msgpack."""
-    if cls is None:
-        from broker.protocol import CudaLoc as cls  # noqa: N813
-    if _loc_has_slot_fields(cls):
-        return cls(pool=ref.pool, offset=ref.offset, nbytes=ref.nbytes, device=ref.device,
-                   handle=handle, event=event, slot=ref.slot, generation=ref.generation)
-    return cls(pool=f"{ref.pool}/{ref.slot}/{ref.generation}", offset=ref.offset, nbytes=ref.nbytes,
-               device=ref.device, handle=handle, event=event)
-
-
-def from_loc(loc: Any) -> DeviceRef:
-    """`DeviceRef` of a received `CudaLoc`; BadDescriptor when it cannot name a slot."""
-    pool = loc.pool
-    slot = getattr(loc, "slot", None)
-    gen = getattr(loc, "generation", None)
-    if slot is None or gen is None or (type(slot) is int and slot < 0):
-        parts = pool.split("/") if isinstance(pool, str) else ()
-        if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
-            raise BadDescriptor(f"CUDA pool id {pool!r} must be '<segment>/<slot>/<generation>'")
-        pool, slot, gen = parts[0], int(parts[1]), int(parts[2])
+def check_ref(ref: Any) -> DeviceRef:
+    """A received device descriptor as a `DeviceRef`, checked field by field (the reader
+    never trusts one); BadDescriptor names what is wrong.  Anything with DeviceRef's fields
+    is accepted, so the protocol's `CudaLoc` is checked without a conversion."""
+    pool, slot, gen = ref.pool, ref.slot, ref.generation
     if parse_name(pool) is None:
         raise BadDescriptor(f"CUDA pool id {pool!r} is not a state-table segment name")
-    for what, v in (("offset", loc.offset), ("nbytes", loc.nbytes), ("slot", slot), ("generation", gen),
-                    ("device", loc.device)):
+    for what, v in (("offset", ref.offset), ("nbytes", ref.nbytes), ("slot", slot), ("generation", gen),
+                    ("device", ref.device)):
         if type(v) is not int or v < 0:
             raise BadDescriptor(f"CUDA location field {what} must be a non-negative int, got {v!r}")
     if gen > U32:
         raise BadDescriptor(f"generation {gen} out of range")
-    for what, b in (("handle", loc.handle), ("event", loc.event)):
+    for what, b in (("handle", ref.handle), ("event", ref.event)):
         if b and len(b) != HANDLE_SIZE:
             raise BadDescriptor(f"CUDA location {what} must be {HANDLE_SIZE} bytes or empty, got {len(b)}")
-    return DeviceRef(pool, loc.offset, loc.nbytes, slot, gen, loc.device)
+    if type(ref) is DeviceRef:
+        return ref
+    return DeviceRef(pool, ref.offset, ref.nbytes, slot, gen, ref.device, bytes(ref.handle), bytes(ref.event))
 
 
 def host_ref(ref: DeviceRef, record_offset: int) -> ShmRef:
@@ -890,7 +871,8 @@ class CudaPool:
 
     def hand_off(self, x, *, stream=None, holder_pid: int | None = None, include_handle: bool = True):
         """Record the slot's IPC event after the writes queued so far on `stream` (default:
-        the current stream), mark it IN_FLIGHT and return its `CudaLoc`.  No host wait."""
+        the current stream), mark it IN_FLIGHT and return its `DeviceRef`, handle and event
+        included.  No host wait."""
         self._check_open()
         ref = self._resolve(x)
         torch = self._torch
@@ -902,7 +884,7 @@ class CudaPool:
         if not h:
             h = self._event_handles[ref.slot] = bytes(ev.ipc_handle())
         self.book.mark_in_flight(ref.slot, ref.generation, holder_pid)
-        return to_loc(ref, self.handle if include_handle else b"", h)
+        return ref._replace(handle=self.handle if include_handle else b"", event=h)
 
     def free(self, x, *, after: Iterable[Any] = (), stream=None) -> None:
         """Return a slot now.  `after`: events (e.g. a reply's opened IPC events) that later
@@ -977,7 +959,7 @@ class CudaPoolCache:
     @property
     def states(self):
         if self._states is None:
-            from .reader import SegmentCache
+            from ..reader import SegmentCache
 
             self._states = SegmentCache(max_segments=256)
         return self._states
@@ -1023,13 +1005,13 @@ class CudaPoolCache:
 
     def event_of(self, loc) -> Any:
         """The opened IPC event of a received location (for `CudaPool.free(after=...)`)."""
-        ref = from_loc(loc)
+        ref = check_ref(loc)
         p = self._open(ref, loc.handle)
         return self._event(bytes(loc.event), p.device) if loc.event else None
 
     # ------------------------------------------------------------------ viewing
     def _view(self, loc, dtype, shape, stream, release: bool):
-        ref = from_loc(loc)
+        ref = check_ref(loc)
         dt = np.dtype(dtype)
         shape = tuple(shape)
         n = dt.itemsize
@@ -1122,7 +1104,7 @@ class CudaPoolCache:
 
     def release(self, loc, *, stream=None) -> None:
         """Give back a slot that was never viewed (a discarded late reply)."""
-        ref = from_loc(loc)
+        ref = check_ref(loc)
         torch = require_cuda()
         p = self._pools.get(ref.pool)
         if p is None:

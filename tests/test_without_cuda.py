@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from shm.cuda_ipc import CudaUnavailable, cuda_status
+from shm.cuda import CudaUnavailable, cuda_status
 
 HAVE_CUDA, WHY = cuda_status()
 no_cuda = pytest.mark.skipif(HAVE_CUDA, reason="CUDA is available here; these check the CPU-only behaviour")

@@ -13,8 +13,8 @@ import torch
 from broker import protocol as P
 from client_sdk import cuda as sdk_cuda
 from client_sdk import tensors as T
-from shm import cuda_ipc as ci
-from tests.gpu.test_cuda_ipc_simulated import FakeEvent, sim  # noqa: F401  (fixture)
+from shm.cuda import ipc as ci
+from tests.shm.test_cuda_ipc_simulated import FakeEvent, sim  # noqa: F401  (fixture)
 
 
 @pytest.fixture

@@ -2,6 +2,8 @@
 round trip through the real broker and worker."""
 from __future__ import annotations
 
+import numpy as np
+
 
 def make_exact():
     import torch
@@ -11,8 +13,6 @@ def make_exact():
 
         @staticmethod
         def example_inputs():
-            import numpy as np
-
             return {"x": np.zeros((4, 8), np.int32), "f": np.zeros((4, 8), np.float32)}
 
         def forward(self, x, f):
@@ -20,3 +20,9 @@ def make_exact():
             return {"y": x * 3 + 1, "g": -f, "same": f.clone()}
 
     return Exact()
+
+
+def inputs(rng):
+    """Inputs whose outputs `make_exact` computes exactly: int32 x and float32 f."""
+    return (rng.integers(-(1 << 20), 1 << 20, (4, 8), dtype=np.int32),
+            rng.standard_normal((4, 8)).astype(np.float32))

@@ -10,7 +10,7 @@ import pytest
 
 import shm
 from broker import protocol as P
-from shm.cuda_ipc import cuda_status
+from shm.cuda import cuda_status
 
 HAVE_CUDA, WHY = cuda_status()
 no_cuda = pytest.mark.skipif(HAVE_CUDA, reason="CUDA is available here; these check the CPU-only behaviour")
@@ -127,7 +127,7 @@ def test_run_device_matches_run_on_cpu():
     from gpu_worker.backends import BackendError, TorchBackend, make_backend
     from gpu_worker.models import load_model
 
-    model = load_model("tests.gpu.cuda_models:make_exact", "cpu")
+    model = load_model("tests.e2e.cuda_models:make_exact", "cpu")
     be = make_backend(model, "cpu")
     assert isinstance(be, TorchBackend)
     rng = np.random.default_rng(0)

@@ -13,7 +13,7 @@ import pytest
 
 from broker import protocol as P
 from shm import SegmentCache, SegmentGone, StaleDescriptor, BadDescriptor
-from shm.cuda_ipc import (
+from shm.cuda import (
     HANDLE_SIZE, DevicePoolBook, DeviceRef, HostStateTable, PoolMeta, from_loc, host_ref,
     read_pool_meta, to_loc,
 )

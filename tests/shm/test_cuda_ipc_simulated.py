@@ -19,7 +19,7 @@ import torch
 
 from broker import protocol as P
 from shm import BadDescriptor, SegmentGone, StaleDescriptor
-from shm import cuda_ipc as ci
+from shm.cuda import ipc as ci
 
 
 class FakeEvent:

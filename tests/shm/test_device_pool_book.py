@@ -16,7 +16,7 @@ from hypothesis.stateful import (
 )
 
 from shm import FREE, IN_FLIGHT, RELEASED, WRITING, BadDescriptor, ShmFull, StaleDescriptor
-from shm.cuda_ipc import ALIGN, ALIGN_LARGE, DevicePoolBook, DevicePoolFull, release_word
+from shm.cuda import ALIGN, ALIGN_LARGE, DevicePoolBook, DevicePoolFull, release_word
 from shm.segment import QS, U32
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shm.cuda_ipc import cuda_status
+from shm.cuda import cuda_status
 
 ROOT = Path(__file__).resolve().parents[2]
 
