@@ -31,7 +31,7 @@ TIMING = {
 
 
 def default_single_peer() -> str:
-    # The broker is what single-peer runs are for once it exists; until then, the floor.
+    # Single-peer runs measure the broker; the floor stands in when its peers failed to load.
     return "broker-shm" if "broker-shm" in PEERS else "direct"
 
 

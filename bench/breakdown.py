@@ -30,7 +30,7 @@ import time
 import numpy as np
 import zmq
 
-from bench.peers import _wait_ready  # noqa: PLC2701
+from bench.peers import wait_ready
 from broker import protocol as P
 
 # A worker written from RFC 18 alone: READY, then echo every REQUEST body as a FINAL and
@@ -56,7 +56,7 @@ while True:
 def _spawn(args, procs):
     p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     procs.append(p)
-    _wait_ready(p, 120)
+    wait_ready(p, 120)
     return p
 
 

@@ -22,7 +22,7 @@ GRPC_OPTIONS = [
 GRPC_METHOD = "/zinfbench.Echo/Stream"
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Ask the kernel to SIGTERM us when the harness dies, so a crashed or killed bench run
     never leaves echo servers behind."""
     if sys.platform.startswith("linux"):
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--metrics-port", type=int, required=True)
     a = p.parse_args(argv)
 
-    _die_with_parent()
+    die_with_parent()
     # SIGTERM is how peers stop us; the default action (exit without cleanup) is what we want
     # even while blocked inside libzmq, so make sure nothing inherited a different handler.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

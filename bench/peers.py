@@ -178,7 +178,7 @@ class Peer:
         self._procs.append(proc)
         _LIVE.add(self)
         try:
-            return _wait_ready(proc, ready_timeout)
+            return wait_ready(proc, ready_timeout)
         except PeerStartError:
             raise
         except BaseException as e:  # KeyboardInterrupt while waiting: still reaped by stop()
@@ -189,7 +189,9 @@ class Peer:
         return [sys.executable, "-m", module, *args]
 
 
-def _wait_ready(proc: subprocess.Popen, timeout: float) -> str:
+def wait_ready(proc: subprocess.Popen, timeout: float) -> str:
+    """The first line a peer process prints on stdout (its READY line), waiting at most
+    `timeout` seconds; PeerStartError if it exits or stays silent."""
     fd = proc.stdout.fileno()
     deadline = time.monotonic() + timeout
     buf = b""
@@ -672,7 +674,7 @@ def availability(names: list[str]) -> dict[str, tuple[bool, str]]:
     return out
 
 
-# Modules that register more peers when imported. The broker's own peers are expected in
+# Modules that register more peers when imported: the broker's own peers are in
 # bench.broker_peers; others can be named with `--peer-module` on the command line.
 DEFAULT_PLUGIN_MODULES = ("bench.broker_peers",)
 PLUGIN_ERRORS: dict[str, str] = {}
@@ -681,13 +683,12 @@ PLUGIN_ERRORS: dict[str, str] = {}
 def load_plugins(extra: list[str] | tuple[str, ...] = ()) -> list[str]:
     """Import peer plug-in modules (each registers its classes with @register).
 
-    A missing default module is fine (the broker peers may not exist yet); a module named
-    explicitly must import, so a typo fails loudly.
+    A default module that fails to import leaves its peers skipped with the error as the
+    reason (the floors stay measurable); a module named explicitly must import, so a typo
+    fails loudly.
     """
     loaded = []
     for mod in DEFAULT_PLUGIN_MODULES:
-        if importlib.util.find_spec(mod) is None:
-            continue
         try:
             importlib.import_module(mod)
         except Exception as e:

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from bench.peers import _wait_ready  # noqa: PLC2701 - the harness's READY-line wait
+from bench.peers import wait_ready
 
 
 class _Cluster:
@@ -34,10 +34,10 @@ class _Cluster:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.procs = [subprocess.Popen([sys.executable, "-m", "broker", "--frontend", self.fe, "--backend", be],
                                        stdout=subprocess.PIPE, env=env)]
-        _wait_ready(self.procs[0], 60)
+        wait_ready(self.procs[0], 60)
         self.procs.append(subprocess.Popen([sys.executable, "-m", "gpu_worker", "--broker", be, "--model", model,
                                             *worker_args], stdout=subprocess.PIPE, env=env))
-        _wait_ready(self.procs[1], 120)
+        wait_ready(self.procs[1], 120)
 
     def close(self) -> None:
         for p in reversed(self.procs):

@@ -39,18 +39,22 @@ def is_cuda_tensor(x: Any) -> bool:
 
 class CudaSide:
     """One device pool (inputs) and one `CudaPoolCache` (outputs) per client.  Used from the
-    client's own thread; tensors dropped elsewhere are freed at its next call."""
+    client's own thread; tensors dropped elsewhere are freed at its next call.
 
-    def __init__(self, capacity: int, device: Any = "cuda:0"):
-        from shm.cuda import CudaPool, CudaPoolCache, CudaUnavailable, require_cuda
+    `runtime`: the `shm.cuda.CudaRuntime` both use (default: the real one); tests pass a
+    simulated device."""
 
+    def __init__(self, capacity: int, device: Any = "cuda:0", *, runtime: Any = None):
+        from shm.cuda import CudaPool, CudaPoolCache, CudaUnavailable, default_runtime
+
+        self.runtime = runtime if runtime is not None else default_runtime()
         try:
-            self.torch = require_cuda()
-            self.pool = CudaPool(capacity, device=device)
+            self.torch = self.runtime.torch()
+            self.pool = CudaPool(capacity, device=device, runtime=self.runtime)
         except CudaUnavailable as e:
             raise NotSupported(unavailable_message(str(e))) from None
         self.device = self.pool.device
-        self.cache = CudaPoolCache(local={self.pool.name: self.pool})
+        self.cache = CudaPoolCache(local={self.pool.name: self.pool}, runtime=self.runtime)
         self._np_dtypes: dict[Any, np.dtype] = {}
         self._user: dict[tuple[int, int], Any] = {}  # (slot, generation) -> finalizer
         self._owner_thread = threading.get_ident()
@@ -90,18 +94,15 @@ class CudaSide:
                                f"allocate on {device!r} (one device per client)")
 
     def alloc(self, shape: Any, dtype: Any) -> Any:
-        from shm.cuda import tensor_at
-
         self.run_deferred()
         dt = self._dtype_of(dtype)
         src = self.pool.alloc(shape, dt)
         ref = self.pool.ref_of(src)
         if ref is None or src.numel() == 0:
             return src  # an empty tensor owns no bytes: nothing to free later
-        # A second tensor over the slot whose holder's finalizer runs once the caller's
-        # tensor and all its views are gone (the pool keeps `src` itself alive).
-        t, fin = tensor_at(self.pool.base_ptr + ref.offset, tuple(src.shape), dt, self.device,
-                            self.pool._block, self._dropped, (ref,))
+        # A second tensor over the slot whose finalizer runs once the caller's tensor and
+        # all its views are gone (the pool keeps `src` itself alive).
+        t, fin = self.pool.watched_view(ref, dt, tuple(src.shape), self._dropped, (ref,))
         self._user[(ref.slot, ref.generation)] = fin
         return t
 

@@ -34,13 +34,13 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import numpy as np
 
-from shm.cuda import CudaUnavailable, require_cuda
+from shm.cuda import CudaUnavailable, require_cuda, runtime_api
 
 log = logging.getLogger("gpu_worker.cuda")
 
 __all__ = [
     "CudaUnavailable", "HostRegisterError", "HostRegistration", "HostRegistry", "register_host",
-    "buffer_span", "CopyComputeOverlap", "default_buckets", "bucket_for", "GraphCache",
+    "buffer_span", "CopyComputeOverlap", "default_buckets", "bucket_for", "input_signature", "GraphCache",
     "GpuMemoryPressure", "MemoryWatch", "KeepWarm",
 ]
 
@@ -74,37 +74,35 @@ def buffer_span(buf: Any) -> tuple[int, int, bool]:
     return arr.__array_interface__["data"][0], mv.nbytes, mv.readonly
 
 
-def _cuda_error(cudart, err: int) -> str:
-    f = getattr(cudart, "cudaGetErrorString", None)
-    if f is not None:
-        try:
-            return str(f(err))
-        except Exception:
-            pass
-    return f"cudaError {err}"
+def _cuda_error(api, err: int) -> str:
+    try:
+        return str(api.error_string(err))
+    except Exception:
+        return f"cudaError {err}"
 
 
 class HostRegistration:
     """One registered range; `unregister()` before the memory is unmapped."""
 
-    __slots__ = ("addr", "size", "flags", "_cudart", "active")
+    __slots__ = ("addr", "size", "flags", "_api", "active")
 
-    def __init__(self, addr: int, size: int, flags: int, cudart: Any):
+    def __init__(self, addr: int, size: int, flags: int, api: Any):
         self.addr, self.size, self.flags = addr, size, flags
-        self._cudart = cudart
+        self._api = api
         self.active = True
 
     def unregister(self) -> None:
         if not self.active:
             return
         self.active = False
-        err = int(self._cudart.cudaHostUnregister(self.addr))
+        err = int(self._api.host_unregister(self.addr))
         if err:
-            log.warning("cudaHostUnregister(%#x) failed: %s", self.addr, _cuda_error(self._cudart, err))
+            log.warning("cudaHostUnregister(%#x) failed: %s", self.addr, _cuda_error(self._api, err))
 
 
 def register_host(buf: Any, *, readonly: bool | None = None, portable: bool = True) -> HostRegistration:
-    """Pin `buf` (a shared-memory mapping) for async DMA: ``cudaHostRegister``.
+    """Pin `buf` (a shared-memory mapping) for async DMA: ``cudaHostRegister``, through the
+    process's one CUDA runtime (`shm.cuda.runtime_api`).
 
     The range must start on a page (segment mappings do).  Read-only mappings need the
     read-only flag, otherwise the driver tries to pin them writable and fails."""
@@ -117,14 +115,13 @@ def register_host(buf: Any, *, readonly: bool | None = None, portable: bool = Tr
         raise HostRegisterError(f"address {addr:#x} is not page-aligned; register whole mappings")
     # A mapping always covers whole pages, so rounding the length up stays inside it.
     size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
-    torch = require_cuda()
-    cudart = torch.cuda.cudart()
+    api = runtime_api()
     flags = (HOST_REGISTER_PORTABLE if portable else 0) | (HOST_REGISTER_READ_ONLY if readonly else 0)
-    err = int(cudart.cudaHostRegister(addr, size, flags))
+    err = int(api.host_register(addr, size, flags))
     if err:
         raise HostRegisterError(f"cudaHostRegister({addr:#x}, {size}, flags={flags:#x}) failed: "
-                                f"{_cuda_error(cudart, err)}", err)
-    return HostRegistration(addr, size, flags, cudart)
+                                f"{_cuda_error(api, err)}", err)
+    return HostRegistration(addr, size, flags, api)
 
 
 class HostRegistry:
@@ -261,7 +258,7 @@ def bucket_for(n: int, buckets: Iterable[int]) -> int | None:
     return best
 
 
-def _signature(inputs: Mapping[str, Any]) -> tuple:
+def input_signature(inputs: Mapping[str, Any]) -> tuple:
     """What a graph is specialised on besides the batch size: names, dtypes, item shapes,
     devices."""
     return tuple(sorted((k, str(v.dtype), tuple(v.shape[1:]), str(getattr(v, "device", "cpu")))
@@ -338,7 +335,7 @@ class GraphCache:
         if len(sizes) != 1:
             raise ValueError(f"inputs disagree on the batch size: {sorted(sizes)}")
         n = sizes.pop()
-        sig = _signature(inputs)
+        sig = input_signature(inputs)
         action, bucket = self.plan(n, sig)
         key = (bucket, sig)
         if action in ("eager", "warmup"):

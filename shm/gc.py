@@ -17,7 +17,7 @@ import numpy as np
 
 from .segment import (
     FREE, HEADER_DTYPE, MAGIC, SHM_DIR, SLOT_DTYPE, SLOT_SIZE, HEADER_SIZE, parse_name,
-    pid_namespace, process_alive,
+    mark_closed, pid_namespace, process_alive,
 )
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -98,7 +98,7 @@ def _mark_closed(path: str) -> None:
         return
     try:
         if _header(fd) is not None:
-            os.pwrite(fd, b"\x01\x00\x00\x00", 52)
+            mark_closed(fd)
     except OSError:
         pass
     finally:

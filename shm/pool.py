@@ -24,7 +24,7 @@ from .book import PidfdHolders, SlotBook, check_geometry
 from .errors import BadDescriptor, ShmError, ShmFull, StaleDescriptor
 from .segment import (
     FREE, HEADER_SIZE, RELEASED, SHM_DIR, SLOT_DTYPE, SLOT_SIZE, STATE_NAMES, ShmRef, checked_dtype,
-    create_segment, make_ref, normalize_shape,
+    create_segment, make_ref, mark_closed, normalize_shape,
 )
 
 _collected_in: int | None = None
@@ -55,7 +55,7 @@ def _finalize_segment(name: str, owner_pid: int, mm) -> None:
     try:
         # Tell readers that cached the mapping: their next view() raises SegmentGone and
         # drops it, so the tmpfs pages are freed once the last mapping goes.
-        mm[52:56] = b"\x01\x00\x00\x00"
+        mark_closed(mm)
     except (ValueError, TypeError):
         pass
     try:

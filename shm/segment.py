@@ -13,7 +13,7 @@ import re
 import secrets
 import sys
 from math import prod as _prod
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -58,8 +58,10 @@ HEADER_DTYPE = np.dtype(
         "itemsize": 128,
     }
 )
-# Index of the header's ``closed`` flag in a u32 view of the header.
-H32_CLOSED = 52 // 4
+# Index of the header's ``closed`` flag in a u32 view of the header: readers test
+# ``h32[H32_CLOSED]``; the owner (or crash GC) sets it with `mark_closed`, nowhere else.
+H32_CLOSED = HEADER_DTYPE.fields["closed"][1] // 4
+_CLOSED_WORD = (1).to_bytes(4, "little")
 
 SLOT_DTYPE = np.dtype(
     {
@@ -386,6 +388,19 @@ def open_checked(name: str, flags: int, what: str = "segment") -> tuple[int, np.
     return fd, h
 
 
+def mark_closed(target: Any) -> None:
+    """Set the header's closed flag, the one write of it: readers that cached the mapping
+    drop it at their next look (`SegmentCache`), and `open_checked` refuses the segment
+    from then on.  `target` is the owner's writable mapping of the file, or a file
+    descriptor opened for writing (crash GC, which never maps what it removes).  Errors of
+    the mapping (ValueError once it is closed) or of the write (OSError) propagate."""
+    offset = H32_CLOSED * 4
+    if isinstance(target, int):
+        os.pwrite(target, _CLOSED_WORD, offset)
+    else:
+        target[offset: offset + 4] = _CLOSED_WORD
+
+
 def attach_segment(name: str) -> Attached:
     """Map an existing segment for reading.  SegmentGone if it does not exist or is closed."""
     fd, h = open_checked(name, os.O_RDWR)
@@ -438,5 +453,5 @@ __all__ = [
     "FREE", "WRITING", "IN_FLIGHT", "RELEASED", "STATE_NAMES", "HEADER_DTYPE", "SLOT_DTYPE",
     "ShmRef", "make_ref", "Geometry", "parse_name", "path_of", "proc_starttime", "process_alive",
     "self_identity", "pid_namespace", "create_segment", "attach_segment", "detach",
-    "read_header", "normalize_shape", "checked_dtype",
+    "read_header", "normalize_shape", "checked_dtype", "mark_closed", "H32_CLOSED",
 ]

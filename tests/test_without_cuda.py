@@ -16,8 +16,9 @@ no_cuda = pytest.mark.skipif(HAVE_CUDA, reason="CUDA is available here; these ch
 
 def test_modules_import_without_cuda_python_or_tensorrt():
     # A fresh interpreter, so nothing imported by other tests hides a missing import.
-    code = ("import shm.cuda_ipc, gpu_worker.cuda_runtime, gpu_worker.trt, bench.gpu_check; "
-            "import sys; print('tensorrt' in sys.modules, 'onnx' in sys.modules)")
+    code = ("import shm.cuda, shm.cuda.book, shm.cuda.importer, shm.cuda.pool, shm.cuda.refs, "
+            "shm.cuda.runtime, shm.cuda.table, shm.cuda.views, gpu_worker.cuda_runtime, gpu_worker.trt, "
+            "bench.gpu_check; import sys; print('tensorrt' in sys.modules, 'onnx' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]  # imported lazily, only when used
@@ -25,18 +26,20 @@ def test_modules_import_without_cuda_python_or_tensorrt():
 
 @no_cuda
 def test_device_entry_points_raise_cuda_unavailable():
+    from broker import protocol as P
     from gpu_worker import cuda_runtime as cr
-    from shm import cuda_ipc
+    from shm import cuda
 
     assert "no CUDA device" in WHY or "torch" in WHY
-    for call in (lambda: cuda_ipc.CudaPool(1 << 20), lambda: cuda_ipc.runtime(), cuda_ipc.require_cuda,
+    for call in (lambda: cuda.CudaPool(1 << 20), cuda.runtime_api, cuda.require_cuda,
+                 lambda: cuda.default_runtime().torch(), lambda: cuda.default_runtime().api(),
                  lambda: cr.CopyComputeOverlap(0),
                  lambda: cr.register_host((4096 * 16, 4096))):
         with pytest.raises(CudaUnavailable, match="CUDA|torch"):
             call()
     with pytest.raises(CudaUnavailable):
-        cuda_ipc.CudaPoolCache().view(
-            cuda_ipc.to_loc(cuda_ipc.DeviceRef("zinf-1-1-0123456789abcdef", 0, 1, 0, 0, 0)), "|u1", (1,))
+        cuda.CudaPoolCache().view(
+            P.cuda_loc(cuda.DeviceRef("zinf-1-1-0123456789abcdef", 0, 1, 0, 0, 0)), "|u1", (1,))
     w = cr.MemoryWatch(4)  # construction is pure; the first reading needs CUDA
     with pytest.raises(CudaUnavailable):
         w.limit()
@@ -44,6 +47,7 @@ def test_device_entry_points_raise_cuda_unavailable():
 
 @no_cuda
 def test_trt_backend_says_what_is_missing():
+    pytest.importorskip("torch", reason="the convnet model it wraps is a torch model")
     from gpu_worker import trt
     from gpu_worker.backends import BackendUnavailable
     from gpu_worker.models import load_model
@@ -54,7 +58,11 @@ def test_trt_backend_says_what_is_missing():
         trt.TrtBackend(load_model("convnet", "cpu"))
 
 
-def test_cuda_ipc_module_is_not_imported_by_shm():
+def test_cuda_package_is_not_imported_by_shm():
     # shm stays CUDA-free for host-only users: the device plane is opt-in.
     mod = importlib.import_module("shm")
-    assert "cuda_ipc" not in mod.__all__
+    assert "cuda" not in mod.__all__
+    code = "import shm, sys; print(sorted(m for m in sys.modules if m.startswith('shm.cuda')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[]"]

@@ -1,56 +1,30 @@
 """Frames: every MDP/0.2 (RFC 18) command we send or accept, built and parsed in one place.
 
-Clients, the broker and workers all encode and decode through this module; nothing else in
-the project builds or parses a frame.  It touches no socket and reads no clock.  Everything a
-peer sends is validated here, and every failure is one typed error, `ProtocolError`, with a
-message that names the field; callers log it and answer or drop the one message, never more.
+Clients, the broker and workers all build and parse frames through this module; nothing else
+in the project does.  It touches no socket and reads no clock.  Everything a peer sends is
+validated here, and every failure is one typed error, `ProtocolError`, whose message names
+what was wrong; callers log it and answer or drop that one message, never more.
 
-Framing is Majordomo MDP/0.2 (ZeroMQ RFC 18) and MMI (RFC 8), extended in a way that a plain
-MDP/0.2 peer never notices: a tensor request carries, as its first body frame, a *header
-frame* that starts with `MAGIC` (0xC1 is the one byte that msgpack never emits, so no msgpack
-body can start with it), followed by a msgpack map.  docs/protocol.md is the prose form of
-this module, written for someone implementing a peer in another language.
+Framing is Majordomo MDP/0.2 (ZeroMQ RFC 18) and MMI (RFC 8), extended so that a plain MDP/0.2
+peer never notices: a tensor message carries, as its first body frame, a header frame
+(`broker.protocol.header`) that starts with a magic whose first byte, 0xC1, msgpack never
+emits.  The frame table is `CLIENT_COMMANDS` and `WORKER_COMMANDS` below: it is the source of
+truth, docs/protocol.md sections 2 and 3 are rendered from it (`frame_table`), and a test
+keeps the two equal.  ROUTER sockets prepend the peer identity; the parsers here see frames
+with it already stripped.
 
-Frames as seen by the broker (ROUTER sockets prepend the peer identity, stripped before
-these functions see them):
-
-Client -> broker (client uses DEALER; a REQ client's leading empty frame is tolerated)
-    REQUEST     "MDPC02", 0x01, service, body...            body = [header, inline...] or opaque
-    HEARTBEAT   "MDPC02", 0x04                               extension: client liveness
-    CANCEL      "MDPC02", 0x05, service, header(Cancel)      extension
-    DISCONNECT  "MDPC02", 0x06                               extension
-Broker -> client
-    PARTIAL     "MDPC02", 0x02, service, body...
-    FINAL       "MDPC02", 0x03, service, body...            an error is a FINAL whose header has `error`
-    HEARTBEAT   "MDPC02", 0x04                               reply to a client heartbeat
-Worker -> client, on the client's reply_to socket only (direct reply)
-    FINAL       "MDPC02", 0x03, service, body...             as the broker would relay it
-    FINALS      "MDPC02", 0x07, service, header, header...   several FINALs that have no inline frames
-Worker -> broker (worker uses DEALER)
-    READY       "MDPW02", 0x01, service [, header(Ready)]   a bare 3-frame READY: credit 1, inline only
-    PARTIAL     "MDPW02", 0x03, envelope, "", body...
-    FINAL       "MDPW02", 0x04, envelope, "", body...
-    HEARTBEAT   "MDPW02", 0x05
-    DISCONNECT  "MDPW02", 0x06
-    DONE        "MDPW02", 0x08, envelope...                  extension: these FINALs went straight to their clients
-Broker -> worker
-    REQUEST     "MDPW02", 0x02, envelope, "", body...
-    HEARTBEAT   "MDPW02", 0x05
-    DISCONNECT  "MDPW02", 0x06
-    CANCEL      "MDPW02", 0x07, envelope                     extension: drop this request if you still can
-
-`envelope` is what RFC 18 calls the client address: an opaque frame of at most 255 bytes that
-the worker returns unchanged.  Our broker puts its dispatch token there (8 bytes, big endian).
-
-Direct reply (extension, docs/protocol.md section 8): a same-host client may name, in its
-request header, an ipc endpoint it has bound (`reply_to`).  A worker that can reach it sends
-the FINAL there, framed exactly as the broker would (MDPC02, 0x03, service, body...), and then
-tells the broker with DONE, which settles the request without a relay.  A plain MDP peer never
-sets or reads `reply_to`, so it keeps the relayed path.
+Invariants a maintainer must keep:
+- `envelope` (RFC 18's client address) is opaque, at most 255 bytes, returned unchanged by a
+  worker; our broker puts its 8-byte big-endian dispatch token there (`token_envelope`).
+- A new command is an extension only if a plain MDP peer never receives it unless it sent
+  something that only our peers send (a heartbeat, a header).
+- Direct reply (docs/protocol.md section 8): a worker sends to a client's `reply_to` socket
+  exactly the frames the broker would relay, without an identity (`client_reply`), and then
+  settles the request at the broker with DONE.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import msgspec
 
@@ -59,7 +33,7 @@ from .header import (
     Ready, Reply, decode_ready, encode_header,
 )
 
-__all__ = ["MDPC", "MDPW", "C_REQUEST", "C_PARTIAL", "C_FINAL", "C_HEARTBEAT", "C_CANCEL",
+__all__ = ["Command", "CLIENT_COMMANDS", "WORKER_COMMANDS", "frame_table", "MDPC", "MDPW", "C_REQUEST", "C_PARTIAL", "C_FINAL", "C_HEARTBEAT", "C_CANCEL",
     "C_DISCONNECT", "C_FINALS", "W_READY", "W_REQUEST", "W_PARTIAL", "W_FINAL", "W_HEARTBEAT",
     "W_DISCONNECT", "W_CANCEL", "W_DONE", "client_request", "client_cancel", "client_heartbeat",
     "client_disconnect", "to_client", "error_body", "worker_ready", "worker_reply",
@@ -75,7 +49,7 @@ __all__ = ["MDPC", "MDPW", "C_REQUEST", "C_PARTIAL", "C_FINAL", "C_HEARTBEAT", "
 MDPC = b"MDPC02"
 MDPW = b"MDPW02"
 
-# Client sub-protocol commands (RFC 18 defines 0x01..0x03; 0x04.. are our extensions).
+# Client sub-protocol commands (RFC 18 defines 0x01..0x03; the rest are our extensions).
 C_REQUEST = b"\x01"
 C_PARTIAL = b"\x02"
 C_FINAL = b"\x03"
@@ -84,7 +58,7 @@ C_CANCEL = b"\x05"
 C_DISCONNECT = b"\x06"
 C_FINALS = b"\x07"   # direct reply only: several header-only FINALs in one message
 
-# Worker sub-protocol commands (RFC 18 defines 0x01..0x06; 0x07 is our extension).
+# Worker sub-protocol commands (RFC 18 defines 0x01..0x06; the rest are our extensions).
 W_READY = b"\x01"
 W_REQUEST = b"\x02"
 W_PARTIAL = b"\x03"
@@ -94,6 +68,48 @@ W_DISCONNECT = b"\x06"
 W_CANCEL = b"\x07"
 W_DONE = b"\x08"
 
+
+class Command(NamedTuple):
+    """One row of the frame table: a command and the frames that follow its command frame."""
+
+    name: str
+    code: bytes
+    direction: str   # C client, B broker, W worker
+    frames: str      # after frame 1 (the command), in order
+    origin: str      # "RFC 18" or "extension"
+
+
+CLIENT_COMMANDS: tuple[Command, ...] = (
+    Command("REQUEST", C_REQUEST, "C→B", "service name, body: `[header, inline...]` or opaque", "RFC 18"),
+    Command("PARTIAL", C_PARTIAL, "B→C", "service name, body", "RFC 18"),
+    Command("FINAL", C_FINAL, "B→C; W→C on `reply_to`", "service name, body (an error is a header with `error`)",
+            "RFC 18"),
+    Command("HEARTBEAT", C_HEARTBEAT, "C→B, B→C", "none", "extension"),
+    Command("CANCEL", C_CANCEL, "C→B", "service name, header `Cancel`", "extension"),
+    Command("DISCONNECT", C_DISCONNECT, "C→B", "none", "extension"),
+    Command("FINALS", C_FINALS, "W→C on `reply_to` only", "service name, header, header... (header-only FINALs)",
+            "extension"),
+)
+
+WORKER_COMMANDS: tuple[Command, ...] = (
+    Command("READY", W_READY, "W→B", "service name [, header `Ready`] (bare: credit 1, inline only)", "RFC 18"),
+    Command("REQUEST", W_REQUEST, "B→W", "envelope, empty, body", "RFC 18"),
+    Command("PARTIAL", W_PARTIAL, "W→B", "envelope, empty, body", "RFC 18"),
+    Command("FINAL", W_FINAL, "W→B", "envelope, empty, body", "RFC 18"),
+    Command("HEARTBEAT", W_HEARTBEAT, "both", "none", "RFC 18"),
+    Command("DISCONNECT", W_DISCONNECT, "both", "none", "RFC 18"),
+    Command("CANCEL", W_CANCEL, "B→W", "envelope", "extension"),
+    Command("DONE", W_DONE, "W→B", f"envelope, envelope... (1 to {MAX_DONE}, one per frame)", "extension"),
+)
+
+
+def frame_table(protocol: bytes, commands: Sequence[Command]) -> str:
+    """The markdown table of one sub-protocol (`MDPC` or `MDPW`), as docs/protocol.md shows it."""
+    proto = protocol.decode()
+    rows = ["| command | dir | frame 0 | frame 1 | frames 2+ | origin |", "|---|---|---|---|---|---|"]
+    for c in commands:
+        rows.append(f"| {c.name} | {c.direction} | `{proto}` | `0x{c.code.hex()}` | {c.frames} | {c.origin} |")
+    return "\n".join(rows) + "\n"
 
 # --------------------------------------------------------------------------------------------
 # Frame builders

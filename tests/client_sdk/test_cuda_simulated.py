@@ -1,6 +1,6 @@
 """The SDK's CUDA side (client_sdk/cuda.py, tensors.pack/unpack) on the simulated device of
-test_cuda_ipc_simulated.py: real pools, state tables, descriptors and leases; CPU tensors
-stand in for device tensors."""
+tests/shm/cuda_fake.py: real pools, state tables, descriptors and leases; CPU tensors stand
+in for device tensors."""
 from __future__ import annotations
 
 import gc
@@ -8,19 +8,26 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
-from broker import protocol as P
-from client_sdk import cuda as sdk_cuda
-from client_sdk import tensors as T
-from shm.cuda import ipc as ci
-from tests.shm.test_cuda_ipc_simulated import FakeEvent, sim  # noqa: F401  (fixture)
+torch = pytest.importorskip("torch", reason="the simulated device's tensors are torch CPU tensors")
+
+from broker import protocol as P  # noqa: E402
+from client_sdk import cuda as sdk_cuda  # noqa: E402
+from client_sdk import tensors as T  # noqa: E402
+from shm.cuda import CudaPool, check_ref  # noqa: E402
+from tests.shm.cuda_fake import sim  # noqa: E402,F401  (fixture)
 
 
 @pytest.fixture
-def side(sim, monkeypatch):  # noqa: F811
+def cpu_tensors_are_cuda(monkeypatch):
+    # tensors.pack asks client_sdk.cuda.is_cuda_tensor before any CudaSide (and so any
+    # runtime) exists, so this one check is patched rather than injected.
     monkeypatch.setattr(sdk_cuda, "is_cuda_tensor", lambda x: isinstance(x, torch.Tensor))
-    s = sdk_cuda.CudaSide(1 << 20, device=0)
+
+
+@pytest.fixture
+def side(sim, cpu_tensors_are_cuda):  # noqa: F811
+    s = sdk_cuda.CudaSide(1 << 20, device=0, runtime=sim)
     yield s
     s.close()
 
@@ -35,13 +42,13 @@ def test_inputs_by_reference_and_by_copy_outputs_leased(side, sim):  # noqa: F81
     assert a.dtype == "<i4" and a.shape == [4] and b.dtype == "<f4"
     assert len(packed.cuda_temp) == 1 and side.pool.in_use() == 2
     assert torch.equal(packed.cuda_temp[0], other)              # copied once into a slot
-    assert side.pool.ref_of(buf).offset == ci.from_loc(a.loc).offset  # buf itself: by reference
+    assert side.pool.ref_of(buf).offset == check_ref(a.loc).offset  # buf itself: by reference
 
-    worker = ci.CudaPool(1 << 20, device=0, slots=8)            # the worker's output pool
+    worker = CudaPool(1 << 20, device=0, slots=8, runtime=sim)            # the worker's output pool
     try:
         y = worker.alloc((2, 2), np.int16)
         y.copy_(torch.tensor([[5, 6], [7, 8]], dtype=torch.int16))
-        loc = worker.hand_off(y, holder_pid=os.getpid())
+        loc = P.cuda_loc(worker.hand_off(y, holder_pid=os.getpid()))
         rep = P.decode_reply(P.encode_header(P.Reply(id=1, tensors=[
             P.TensorRef(name="y", dtype="<i2", shape=[2, 2], loc=loc)])))
         leases = T.OutputLeases()
@@ -50,7 +57,7 @@ def test_inputs_by_reference_and_by_copy_outputs_leased(side, sim):  # noqa: F81
         assert torch.equal(res["y"], y) and res["y"].data_ptr() == y.data_ptr()
         # FINAL: the temporary input slot is freed after the reply's output events.
         events = side.events_of(rep.tensors)
-        assert len(events) == 1 and events[0] is FakeEvent.from_ipc_handle(0, loc.event)
+        assert len(events) == 1 and events[0] is sim.Event.from_ipc_handle(0, loc.event)
         side.free_temp(packed.cuda_temp, after=events)
         assert sim.cuda.stream.waited[-1] is events[0]
         assert side.pool.in_use() == 1 and packed.cuda_temp == []
@@ -67,10 +74,10 @@ def test_inputs_by_reference_and_by_copy_outputs_leased(side, sim):  # noqa: F81
 
 
 def test_unviewed_cuda_outputs_are_released(side, sim):  # noqa: F811
-    worker = ci.CudaPool(1 << 20, device=0, slots=8)
+    worker = CudaPool(1 << 20, device=0, slots=8, runtime=sim)
     try:
         y = worker.alloc((3,), np.float32)
-        loc = worker.hand_off(y, holder_pid=os.getpid())
+        loc = P.cuda_loc(worker.hand_off(y, holder_pid=os.getpid()))
         rep = P.Reply(id=2, tensors=[P.TensorRef(name="y", dtype="<f4", shape=[3], loc=loc)])
         leases = T.OutputLeases()
         leases.cuda_cache = side.cache
@@ -82,9 +89,8 @@ def test_unviewed_cuda_outputs_are_released(side, sim):  # noqa: F811
         worker.close()
 
 
-def test_full_device_pool_falls_back_to_the_host(sim, monkeypatch):  # noqa: F811
-    monkeypatch.setattr(sdk_cuda, "is_cuda_tensor", lambda x: isinstance(x, torch.Tensor))
-    side = sdk_cuda.CudaSide(256, device=0)
+def test_full_device_pool_falls_back_to_the_host(sim, cpu_tensors_are_cuda):  # noqa: F811
+    side = sdk_cuda.CudaSide(256, device=0, runtime=sim)
     try:
         big = torch.arange(1000, dtype=torch.float32)
         packed = T.pack({"x": big}, None, cuda=lambda: side)

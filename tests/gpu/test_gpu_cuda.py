@@ -48,7 +48,7 @@ for line in sys.stdin:
                 yb.fill_(0xA5)
                 torch.bitwise_not(x.reshape(-1).view(torch.uint8), out=yb)
                 outs.append(P.TensorRef(name=t.name, dtype=t.dtype, shape=t.shape,
-                                        loc=pool.hand_off(y, stream=stream, holder_pid=req.pid)))
+                                        loc=P.cuda_loc(pool.hand_off(y, stream=stream, holder_pid=req.pid))))
         print("reply", P.encode_header(P.Reply(id=req.id, tensors=outs)).hex(), "pools", len(cache), flush=True)
     elif cmd == "hold":
         req = P.decode_request(bytes.fromhex(arg))
@@ -133,7 +133,7 @@ def test_ipc_round_trip_between_two_processes_is_bit_exact(torch):
                 t.reshape(-1).view(torch.uint8).copy_(src)
                 want = torch.bitwise_not(src)
                 # The handle rides only in the first message: the child has the pool open after that.
-                loc = pool.hand_off(t, include_handle=(rnd == 0 and i == 0))
+                loc = P.cuda_loc(pool.hand_off(t, include_handle=(rnd == 0 and i == 0)))
                 req = P.Request(id=i, pid=os.getpid(), tensors=[P.TensorRef(name="x", dtype=dtype, shape=list(shape), loc=loc)])
                 child.send("echo " + P.encode_header(req).hex())
                 words = child.read().split()
@@ -168,7 +168,7 @@ def test_lease_releases_only_after_the_last_view_is_gone(torch):
         assert child.read() == "ready"
         t = pool.alloc((256,), np.uint8)
         t.copy_(_rand(torch, 256))
-        req = P.Request(id=1, pid=os.getpid(), tensors=[P.TensorRef(name="x", dtype="|u1", shape=[256], loc=pool.hand_off(t))])
+        req = P.Request(id=1, pid=os.getpid(), tensors=[P.TensorRef(name="x", dtype="|u1", shape=[256], loc=P.cuda_loc(pool.hand_off(t)))])
         child.send("echo " + P.encode_header(req).hex())
         out_loc = P.decode_reply(bytes.fromhex(child.read().split()[1])).tensors[0].loc
         out, fin = cache.lease(out_loc, np.uint8, (256,))
@@ -199,7 +199,7 @@ def test_dead_importer_slots_are_reclaimed(torch):
         assert child.read() == "ready"
         t = pool.alloc((1024,), np.float32)
         t.fill_(1.5)
-        loc = pool.hand_off(t, holder_pid=child.pid)
+        loc = P.cuda_loc(pool.hand_off(t, holder_pid=child.pid))
         req = P.Request(id=1, pid=os.getpid(), tensors=[P.TensorRef(name="x", dtype="<f4", shape=[1024], loc=loc)])
         child.send("hold " + P.encode_header(req).hex())
         assert child.read() == "held"
@@ -215,7 +215,7 @@ def test_dead_importer_slots_are_reclaimed(torch):
 
 def test_pool_in_process(torch):
     from shm import BadDescriptor, StaleDescriptor
-    from shm.cuda import CudaPool, CudaPoolCache, DevicePoolFull, from_loc
+    from shm.cuda import CudaPool, CudaPoolCache, DevicePoolFull, check_ref
 
     with CudaPool(1 << 20, slots=4) as pool:
         a = pool.alloc((100,), np.float32)
@@ -233,7 +233,7 @@ def test_pool_in_process(torch):
         assert v.data_ptr() == b.data_ptr()
         pool.free(b)
         with pytest.raises(StaleDescriptor):
-            pool.free(from_loc(loc))
+            pool.free(check_ref(loc))
         with pytest.raises(BadDescriptor):
             pool.hand_off(torch.zeros(3, device="cuda"))
         own.close()

@@ -7,11 +7,10 @@ import mmap
 
 import numpy as np
 import pytest
-import torch
 
 from gpu_worker.cuda_runtime import (
     GpuMemoryPressure, GraphCache, HostRegisterError, HostRegistry, KeepWarm, MemoryWatch,
-    bucket_for, buffer_span, default_buckets,
+    bucket_for, buffer_span, default_buckets, input_signature,
 )
 
 MiB = 1 << 20
@@ -33,6 +32,11 @@ def test_bucket_for(n, want):
 
 
 # ------------------------------------------------------------------------------ graph cache
+
+@pytest.fixture
+def torch():
+    return pytest.importorskip("torch", reason="GraphCache is tested with torch CPU tensors")
+
 
 class FakeCapture:
     """Stands in for CUDA graph capture: replay re-runs fn on the static inputs and copies the
@@ -61,7 +65,7 @@ def model(batch):
     return {"y": x * 2 + 1, "s": x.sum(dim=1)}
 
 
-def test_graph_cache_warms_captures_and_replays_with_padding():
+def test_graph_cache_warms_captures_and_replays_with_padding(torch):
     cap = FakeCapture()
     gc = GraphCache(model, buckets=(1, 2, 4), warmup=2, capture=cap)
     x3 = torch.arange(12, dtype=torch.float32).reshape(3, 4)
@@ -85,12 +89,10 @@ def test_graph_cache_warms_captures_and_replays_with_padding():
 
 
 def gc_sig(x):
-    from gpu_worker.cuda_runtime import _signature
-
-    return _signature({"x": x})
+    return input_signature({"x": x})
 
 
-def test_graph_cache_keys_on_item_shape_and_dtype():
+def test_graph_cache_keys_on_item_shape_and_dtype(torch):
     cap = FakeCapture()
     gc = GraphCache(model, buckets=(2,), warmup=0, capture=cap)
     gc.run({"x": torch.ones(2, 4)})
@@ -99,14 +101,14 @@ def test_graph_cache_keys_on_item_shape_and_dtype():
     assert cap.calls == [2, 2, 2] and len(gc) == 3
 
 
-def test_graph_cache_too_large_runs_eager():
+def test_graph_cache_too_large_runs_eager(torch):
     cap = FakeCapture()
     gc = GraphCache(model, buckets=(1, 2), warmup=0, capture=cap)
     out = gc.run({"x": torch.ones(5, 4)})
     assert out["y"].shape == (5, 4) and cap.calls == [] and gc.stats["eager"] == 1
 
 
-def test_graph_cache_capture_failure_is_eager_for_good():
+def test_graph_cache_capture_failure_is_eager_for_good(torch):
     cap = FakeCapture(fail_for={2})
     gc = GraphCache(model, buckets=(1, 2), warmup=1, capture=cap)
     x = torch.ones(2, 3)
@@ -117,7 +119,7 @@ def test_graph_cache_capture_failure_is_eager_for_good():
     assert gc.plan(2, gc_sig(x))[0] == "eager"
 
 
-def test_graph_cache_evicts_least_recent():
+def test_graph_cache_evicts_least_recent(torch):
     cap = FakeCapture()
     gc = GraphCache(model, buckets=(1, 2, 4), warmup=0, max_graphs=2, capture=cap)
     for n in (1, 2, 4):
@@ -126,7 +128,7 @@ def test_graph_cache_evicts_least_recent():
     assert gc.plan(1, gc_sig(torch.ones(1, 2)))[0] == "capture"
 
 
-def test_graph_cache_refuses_mixed_batch_sizes():
+def test_graph_cache_refuses_mixed_batch_sizes(torch):
     gc = GraphCache(model, buckets=(4,), capture=FakeCapture())
     with pytest.raises(ValueError, match="batch size"):
         gc.run({"x": torch.ones(2, 2), "z": torch.ones(3, 2)})

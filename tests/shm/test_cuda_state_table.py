@@ -14,8 +14,8 @@ import pytest
 from broker import protocol as P
 from shm import SegmentCache, SegmentGone, StaleDescriptor, BadDescriptor
 from shm.cuda import (
-    HANDLE_SIZE, DevicePoolBook, DeviceRef, HostStateTable, PoolMeta, from_loc, host_ref,
-    read_pool_meta, to_loc,
+    HANDLE_SIZE, DevicePoolBook, DeviceRef, HostStateTable, PoolMeta, check_ref, host_ref,
+    read_pool_meta,
 )
 from shm.segment import SHM_DIR
 
@@ -29,71 +29,68 @@ def ref(**kw):
 
 
 def test_loc_round_trip_through_a_request_header():
-    r = ref()
-    loc = to_loc(r, handle=b"\x01" * HANDLE_SIZE, event=b"\x02" * HANDLE_SIZE)
+    r = ref(handle=b"\x01" * HANDLE_SIZE, event=b"\x02" * HANDLE_SIZE)
+    loc = P.cuda_loc(r)
     req = P.Request(id=7, pid=4242, tensors=[P.TensorRef(name="image", dtype="|u1", shape=[1080, 1920, 3], loc=loc)])
     back = P.decode_request(P.encode_header(req))
     got = back.tensors[0].loc
     assert type(got) is P.CudaLoc
     assert got.handle == b"\x01" * HANDLE_SIZE and got.event == b"\x02" * HANDLE_SIZE
-    assert from_loc(got) == r
+    assert check_ref(got) == r and P.device_ref(got) == r
 
 
 def test_loc_without_handle_and_reply_side():
     r = ref(nbytes=4000, offset=0, slot=0, generation=0, device=0)
-    loc = to_loc(r)
+    loc = P.cuda_loc(r)
     rep = P.decode_reply(P.encode_header(P.Reply(id=1, tensors=[P.TensorRef(name="logits", dtype="<f4", shape=[1000], loc=loc)])))
-    assert from_loc(rep.tensors[0].loc) == r and rep.tensors[0].loc.handle == b""
+    assert check_ref(rep.tensors[0].loc) == r and rep.tensors[0].loc.handle == b""
 
 
 def test_protocol_checks_nbytes_against_dtype_and_shape():
-    loc = to_loc(ref(nbytes=10))
+    loc = P.cuda_loc(ref(nbytes=10))
     req = P.Request(id=1, tensors=[P.TensorRef(name="x", dtype="<f4", shape=[3], loc=loc)])
     with pytest.raises(P.ProtocolError, match="need 12"):
         P.decode_request(P.encode_header(req))
 
 
-@pytest.mark.parametrize("pool, err", [
-    ("zinf-4242-81234-0f3a9c2d4b5e6f70", "must be '<segment>/<slot>/<generation>'"),
-    ("../etc/passwd/1/2", "must be"),
-    ("..%2Fpasswd/1/2", "not a state-table segment name"),
-    (POOL + "/x/2", "must be '<segment>/<slot>/<generation>'"),
-    (POOL + "/1/-2", "must be '<segment>/<slot>/<generation>'"),
+# The pool id is a segment name and nothing else.  A location without slot fields (slot -1,
+# as an old peer sent it, with "<segment>/<slot>/<generation>" in the pool id) used to be
+# parsed from the pool id; that fallback is gone, so it is refused.
+@pytest.mark.parametrize("pool, slot, err", [
+    (POOL, -1, "names no slot"),
+    (f"{POOL}/1/2", -1, "names no slot"),
+    ("../etc/passwd/1/2", -1, "names no slot"),
+    ("../etc/passwd/1/2", 1, "not a state-table segment name"),
+    ("..%2Fpasswd", 1, "not a state-table segment name"),
+    (POOL + "/x/2", 1, "not a state-table segment name"),
+    (POOL + "/1/-2", 1, "not a state-table segment name"),
 ])
-def test_bad_pool_ids_are_refused(pool, err):
-    loc = P.CudaLoc(pool=pool, offset=0, nbytes=1, device=0)
+def test_bad_pool_ids_are_refused(pool, slot, err):
+    loc = P.CudaLoc(pool=pool, offset=0, nbytes=1, device=0, slot=slot, generation=2)
     with pytest.raises(BadDescriptor, match=err):
-        from_loc(loc)
+        check_ref(loc)
 
 
 def test_bad_fields_are_refused():
     with pytest.raises(BadDescriptor, match="handle must be 64 bytes"):
-        from_loc(P.CudaLoc(pool=POOL + "/1/2", offset=0, nbytes=1, device=0, handle=b"x"))
+        check_ref(P.CudaLoc(pool=POOL, offset=0, nbytes=1, device=0, handle=b"x", slot=1, generation=2))
     with pytest.raises(BadDescriptor, match="device"):
-        from_loc(P.CudaLoc(pool=POOL + "/1/2", offset=0, nbytes=1, device=-1))
+        check_ref(P.CudaLoc(pool=POOL, offset=0, nbytes=1, device=-1, slot=1, generation=2))
     with pytest.raises(BadDescriptor, match="generation"):
-        from_loc(P.CudaLoc(pool=POOL + f"/1/{1 << 33}", offset=0, nbytes=1, device=0))
+        check_ref(P.CudaLoc(pool=POOL, offset=0, nbytes=1, device=0, slot=1, generation=1 << 33))
+    with pytest.raises(BadDescriptor, match="slot"):
+        check_ref(P.CudaLoc(pool=POOL, offset=0, nbytes=1, device=0, slot=-2, generation=2))
 
 
-def test_a_loc_with_its_own_slot_fields_is_used_as_is():
-    # What CudaLoc looks like once the protocol gives slot/generation fields of their own.
-    class CudaLoc2(msgspec.Struct, tag="cuda", tag_field="kind", frozen=True):
-        pool: str
-        offset: int
-        nbytes: int
-        device: int
-        handle: bytes = b""
-        event: bytes = b""
-        slot: int = -1
-        generation: int = 0
-
+def test_a_loc_carries_its_slot_fields_on_the_wire():
     r = ref()
-    loc = to_loc(r, cls=CudaLoc2)
+    loc = P.cuda_loc(r)
     assert loc.pool == POOL and loc.slot == 3 and loc.generation == 9
-    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(loc), type=CudaLoc2)
-    assert from_loc(wire) == r
-    # An old peer's location (no slot fields sent) still parses through the pool id.
-    assert from_loc(CudaLoc2(pool=f"{POOL}/3/9", offset=512, nbytes=r.nbytes, device=1)) == r
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(loc), type=P.CudaLoc)
+    assert check_ref(wire) == r and P.device_ref(wire) == r
+    # An old peer's location (no slot fields sent, the slot in the pool id) is refused.
+    with pytest.raises(BadDescriptor, match="names no slot"):
+        check_ref(P.CudaLoc(pool=f"{POOL}/3/9", offset=512, nbytes=r.nbytes, device=1))
 
 
 def test_host_state_table_release_path():
@@ -121,8 +118,8 @@ def test_host_state_table_release_path():
         # Through a real CudaLoc, as a consumer gets it.
         s2 = book.alloc(10)
         book.mark_in_flight(s2.slot, s2.generation)
-        loc = to_loc(DeviceRef(table.name, s2.offset, 10, s2.slot, s2.generation, 2))
-        cache.release(host_ref(from_loc(loc), data_offset))
+        loc = P.cuda_loc(DeviceRef(table.name, s2.offset, 10, s2.slot, s2.generation, 2))
+        cache.release(host_ref(check_ref(loc), data_offset))
         assert book.reclaim() == 1
     finally:
         cache.close()
