@@ -9,20 +9,11 @@ Segment
 A segment is a file ``/dev/shm/zinf-<pid>-<starttime>-<16 hex>``, created (O_EXCL, mode
 0600), sized, mapped MAP_SHARED and later unlinked by exactly one process, its *owner*.
 ``pid`` and ``starttime`` (field 22 of /proc/<pid>/stat) name the owner, so anyone can tell
-whether it is still alive even after the pid has been recycled.  All integers are little
-endian; all offsets are absolute file offsets::
-
-    0      header, 4096 bytes
-           0 magic "ZINFSEG1"   8 version u32    12 header_size u32   16 slot_count u32
-          20 slot_size u32     24 data_offset u64 32 data_size u64     40 align u64
-          48 owner_pid u32     52 closed u32      56 owner_starttime u64
-          64 owner_pidns u64   72 total_size u64  (rest zero)
-    4096   slot table: slot_count records of 64 bytes (one cache line each, so one slot's
-           traffic never false-shares with another's)
-           0 state u32   4 generation u32   8 offset u64   16 nbytes u64
-          24 holder_pid u32   28 pad   32 holder_starttime u64   40..63 pad
-    data_offset (page- and align-aligned)
-           data area, data_size bytes; a slot's bytes are [offset, offset + nbytes)
+whether it is still alive even after the pid has been recycled.  It holds a 4096-byte header,
+a slot table of 64-byte records (one cache line each, so one slot's traffic never
+false-shares with another's), and a data area where a slot's bytes are
+``[offset, offset + nbytes)``.  Byte offsets: ``shm.segment.HEADER_FIELDS`` and
+``SLOT_FIELDS``, the source of truth (docs/shm.md renders them).
 
 ``state`` and ``generation`` share one aligned 8-byte word (state in the low half), so
 each write of them is a single store and each read a consistent pair.

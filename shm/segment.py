@@ -1,8 +1,8 @@
 """Segment files: names, owner liveness, the on-file layout, create and attach.
 
 Everything here is shared by the owner side (``pool``), the reader side (``reader``) and
-crash cleanup (``gc``).  The layout is described in full at the top of ``shm/__init__.py``;
-the constants below are the single source of truth for the offsets.
+crash cleanup (``gc``).  The on-file layout is `HEADER_FIELDS` and `SLOT_FIELDS` below: the
+single source of truth for every offset (docs/shm.md renders them as tables).
 """
 from __future__ import annotations
 
@@ -45,32 +45,76 @@ IN_FLIGHT = 2
 RELEASED = 3
 STATE_NAMES = {FREE: "FREE", WRITING: "WRITING", IN_FLIGHT: "IN_FLIGHT", RELEASED: "RELEASED"}
 
-HEADER_DTYPE = np.dtype(
-    {
-        "names": [
-            "magic", "version", "header_size", "slot_count", "slot_size", "data_offset",
-            "data_size", "align", "owner_pid", "closed", "owner_starttime", "owner_pidns",
-            "total_size",
-        ],
-        "formats": ["S8", "<u4", "<u4", "<u4", "<u4", "<u8", "<u8", "<u8", "<u4", "<u4",
-                    "<u8", "<u8", "<u8"],
-        "offsets": [0, 8, 12, 16, 20, 24, 32, 40, 48, 52, 56, 64, 72],
-        "itemsize": 128,
-    }
+
+
+class Field(NamedTuple):
+    """One field of an on-file record: the layout tables below are the source of truth for
+    the segment format; the numpy dtypes are built from them, and docs/shm.md's tables are
+    rendered from them (`layout_table`, kept equal by tests/test_docs.py)."""
+
+    offset: int
+    name: str
+    format: str   # numpy format: little-endian, fixed size
+    note: str
+
+
+HEADER_FIELDS: tuple[Field, ...] = (
+    Field(0, "magic", "S8", "`ZINFSEG1`; written last at creation"),
+    Field(8, "version", "<u4", "layout version, 1"),
+    Field(12, "header_size", "<u4", "4096"),
+    Field(16, "slot_count", "<u4", "records in the slot table"),
+    Field(20, "slot_size", "<u4", "64"),
+    Field(24, "data_offset", "<u8", "start of the data area: page- and `align`-aligned"),
+    Field(32, "data_size", "<u8", "bytes in the data area (`capacity` rounded up to `align`)"),
+    Field(40, "align", "<u8", "allocation alignment (power of two; 64 by default)"),
+    Field(48, "owner_pid", "<u4", ""),
+    Field(52, "closed", "<u4", "0 while the owner lives; 1 once it closed the segment or GC found it dead"),
+    Field(56, "owner_starttime", "<u8", "field 22 of /proc/<pid>/stat"),
+    Field(64, "owner_pidns", "<u8", "inode of the owner's pid namespace (`/proc/self/ns/pid`)"),
+    Field(72, "total_size", "<u8", "data_offset + data_size"),
 )
+
+SLOT_FIELDS: tuple[Field, ...] = (
+    Field(0, "state", "<u4", "owner (FREE, WRITING, IN_FLIGHT); reader (RELEASED)"),
+    Field(4, "generation", "<u4", "owner"),
+    Field(8, "offset", "<u8", "owner, at alloc"),
+    Field(16, "nbytes", "<u8", "owner, at alloc"),
+    Field(24, "holder_pid", "<u4", "owner, at mark_in_flight (0: no holder)"),
+    Field(32, "holder_starttime", "<u8", "owner, at mark_in_flight"),
+)
+
+
+def _dtype(fields: tuple[Field, ...], itemsize: int) -> np.dtype:
+    return np.dtype({"names": [f.name for f in fields], "formats": [f.format for f in fields],
+                     "offsets": [f.offset for f in fields], "itemsize": itemsize})
+
+
+def layout_table(fields: tuple[Field, ...], size: int, note: str) -> str:
+    """A record's layout as a markdown table, padding included (docs/shm.md)."""
+    rows = [f"| off | field | type | {note} |", "|---|---|---|---|"]
+    at = 0
+    for f in (*fields, Field(size, "", "V0", "")):
+        if f.offset > at:
+            gap = f.offset - at
+            rows.append(f"| {at} | pad | {'u32' if gap == 4 else f'{gap} bytes'} | 0 |")
+        if f.name:
+            dt = np.dtype(f.format)
+            kind = f"{dt.itemsize} bytes" if dt.kind == "S" else f"{dt.kind}{dt.itemsize * 8}"
+            rows.append(f"| {f.offset} | {f.name} | {kind} | {f.note} |")
+        at = f.offset + np.dtype(f.format).itemsize
+    return "\n".join(rows) + "\n"
+
+
+# The header record is 128 bytes at offset 0 of a HEADER_SIZE page (the rest is zero, except
+# what a device pool's state table stores at shm.cuda.table's META_OFFSET); the slot table
+# follows at HEADER_SIZE, one SLOT_SIZE record per slot (one cache line: no false sharing).
+HEADER_DTYPE = _dtype(HEADER_FIELDS, 128)
 # Index of the header's ``closed`` flag in a u32 view of the header: readers test
 # ``h32[H32_CLOSED]``; the owner (or crash GC) sets it with `mark_closed`, nowhere else.
 H32_CLOSED = HEADER_DTYPE.fields["closed"][1] // 4
 _CLOSED_WORD = (1).to_bytes(4, "little")
 
-SLOT_DTYPE = np.dtype(
-    {
-        "names": ["state", "generation", "offset", "nbytes", "holder_pid", "holder_starttime"],
-        "formats": ["<u4", "<u4", "<u8", "<u8", "<u4", "<u8"],
-        "offsets": [0, 4, 8, 16, 24, 32],
-        "itemsize": SLOT_SIZE,
-    }
-)
+SLOT_DTYPE = _dtype(SLOT_FIELDS, SLOT_SIZE)
 # Indices into a u64 ('Q') memoryview of the slot table: slot s starts at s * QS.  Python
 # scalar access through a memoryview is about as fast as numpy's and needs no boxing into
 # numpy scalars, so the hot paths use these; bulk scans use the numpy views.

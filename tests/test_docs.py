@@ -14,8 +14,13 @@ BLOCK = re.compile(r"<!-- generated: (?P<name>[^>]+?) -->\n(?P<body>.*?)<!-- end
 
 def _generators():
     from broker.protocol import frames as F
+    from shm import segment as S
 
     return {
+        "layout_table(HEADER_FIELDS) in shm/segment.py":
+            lambda: S.layout_table(S.HEADER_FIELDS, S.HEADER_DTYPE.itemsize, "meaning"),
+        "layout_table(SLOT_FIELDS) in shm/segment.py":
+            lambda: S.layout_table(S.SLOT_FIELDS, S.SLOT_SIZE, "written by"),
         "frame_table(MDPC, CLIENT_COMMANDS) in broker/protocol/frames.py":
             lambda: F.frame_table(F.MDPC, F.CLIENT_COMMANDS),
         "frame_table(MDPW, WORKER_COMMANDS) in broker/protocol/frames.py":

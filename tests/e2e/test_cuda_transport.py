@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from tests.e2e.cuda_models import inputs
 from tests.e2e.conftest import cluster, wait_service  # noqa: F401  (fixture)
@@ -11,6 +12,7 @@ MODEL = "tests.e2e.cuda_models:make_exact"
 
 
 def test_cpu_worker_answers_reply_cuda_through_host_memory(cluster):  # noqa: F811
+    pytest.importorskip("torch", reason="the exact model is a torch module (pip install '.[torch]')")
     from client_sdk import Client
 
     cluster.broker()

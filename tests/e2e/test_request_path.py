@@ -354,6 +354,7 @@ def test_sigterm_drains_and_exits_zero(cluster, gate):
 
 
 def test_cartoon_and_convnet_serve(cluster):
+    pytest.importorskip("torch", reason="cartoon and convnet are torch models (pip install '.[torch]')")
     cluster.broker()
     cluster.worker("cartoon")
     cluster.worker("convnet")
