@@ -6,6 +6,12 @@
         y = r["x"]            # zero-copy, read-only; r.release() when done
 
 See docs/client.md for the API, the transports and the lifetime rules of results.
+
+Modules: `client` (Client) and `aio` (AsyncClient) are mirrored twins over `core`
+(ClientCore: everything that is not I/O) and `calls` (Call, option checks, reply parsing);
+`sockets` creates and drops sockets; `base` holds what both twins expose alike; `stream` the
+frame streams; `tensors` packing and results; `cuda` the CUDA side; `errors` every error
+class.  `__all__` below is pinned by tests/client_sdk/test_sdk_surface.py.
 """
 from . import errors
 from .aio import AsyncClient, AsyncReplyStream, run
@@ -14,7 +20,10 @@ from .errors import (
     BrokerUnreachable,
     Cancelled,
     DeadlineExceeded,
+    EndOfStream,
     InferenceError,
+    InternalError,
+    InvalidInput,
     NotLocal,
     NotSupported,
     ProtocolError,
@@ -22,8 +31,8 @@ from .errors import (
     ServiceUnavailable,
     WorkerFailed,
 )
-from .stream import AsyncStream, EndOfStream, Stream, StreamStats
-from .tensors import InvalidInput, Result
+from .stream import AsyncStream, Stream, StreamStats
+from .tensors import Result
 
 __all__ = [
     "Client",
@@ -46,6 +55,7 @@ __all__ = [
     "WorkerFailed",
     "NotLocal",
     "BrokerUnreachable",
+    "InternalError",
     "NotSupported",
     "InvalidInput",
 ]

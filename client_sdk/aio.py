@@ -1,18 +1,21 @@
-"""asyncio client: many requests in flight over one DEALER socket.
+"""asyncio client: the core (core.py) driven by the event loop; many requests in flight over
+one DEALER socket.
 
-A reader callback on the socket's file descriptor (`loop.add_reader`) drains every message
-and routes it to its call by request id, so any number of tasks can `await c.infer(...)`
-at once; the main socket is a plain pyzmq socket used without blocking, because
-zmq.asyncio's per-message futures and a reader task's wake-up cost more than the rest of a
-small request's client-side work (opaque requests use sockets of their own,
-see client.py).  A heartbeat task keeps the broker informed while calls are waiting and fails them
-with `BrokerUnreachable` when the broker falls silent.  Cancelling a task that awaits
-`infer` sends CANCEL to the broker; the call's input slots are freed when the FINAL that
-answers the cancellation arrives.
+`AsyncClient` mirrors `Client` (client.py) method for method; the methods that wait are
+coroutines.  A reader callback on the socket's file descriptor (`loop.add_reader`) drains
+every message and hands it to `ClientCore.on_message`, which routes it to its call by
+request id, so any number of tasks can `await c.infer(...)` at once.  The main socket is a
+plain pyzmq socket used without blocking, because zmq.asyncio's per-message futures and a
+reader task's wake-up cost more than the rest of a small request's client-side work (opaque
+requests use sockets of their own, as in client.py).  A heartbeat task keeps the broker
+informed while calls are waiting and fails them with `BrokerUnreachable` when the broker
+falls silent.  Cancelling a task that awaits `infer` sends CANCEL to the broker; the call's
+input slots are freed when the FINAL that answers the cancellation arrives.
 
 Requests are queued on the socket without awaiting the send: a request the caller stops
 waiting for has still either left or will leave, so its input slots are only ever freed by
-its FINAL (or by `close()`), never while a worker might read them.
+its FINAL (or by `close()`), never while a worker might read them.  Frames the socket
+refuses (high-water mark) wait in `_pending`, in order, and go out before anything newer.
 """
 from __future__ import annotations
 
@@ -22,15 +25,17 @@ import time
 from collections import deque
 from typing import Any, Mapping
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
 from broker import protocol as P
 from broker.protocol.wire import NOBLOCK, recv_frames, send_frames
 
-from .client import CLOSE_LINGER_MS, _MMI_SERVICE, _Call, _ClientFacade, _Core, _ReplyInbox, _ReplyStreamBase, _dealer, _drop_socket, _mmi_answer, _opaque_reply
+from .base import ClientBase, ReplyStreamBase
+from .calls import Call, mmi_answer, opaque_reply
+from .core import ClientCore
 from .errors import DeadlineExceeded, InferenceError, ProtocolError
+from .sockets import CLOSE_LINGER_MS, ReplyInbox, dealer, drop_socket
 from .tensors import Result
 
 __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
@@ -48,11 +53,7 @@ def run(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
-class _Expired(Exception):
-    """Internal: the call's own deadline passed (turned into DeadlineExceeded)."""
-
-
-class AsyncClient(_ClientFacade):
+class AsyncClient(ClientBase):
     """asyncio twin of `Client`, with the same options and the same Result lifetime rules.
 
         async with AsyncClient("ipc:///tmp/zinf.sock") as c:
@@ -62,25 +63,28 @@ class AsyncClient(_ClientFacade):
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
                  fallback_inline: bool = True, direct_reply: bool = True):
-        self._core = _Core(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
-                           heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
-                           direct_reply=direct_reply)
+        self._core = ClientCore(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
+                                heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
+                                direct_reply=direct_reply)
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
-        self._sock = _dealer(zmq.Context.instance(), endpoint)
+        self._sock = dealer(zmq.Context.instance(), endpoint)
         # Replies straight from same-host workers (docs/protocol.md section 8); read by the
         # same callback as the broker socket.
-        self._inbox = _ReplyInbox.open(zmq.Context.instance(), self._core)
+        self._inbox = ReplyInbox.open(zmq.Context.instance()) if self._core.direct_reply else None
+        if self._inbox is not None:
+            self._core.reply_to = self._inbox.endpoint
         self._socks = [self._sock] if self._inbox is None else [self._sock, self._inbox.sock]
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop our reader is on
         self._heart: asyncio.Task | None = None
         self._pending: deque = deque()  # frames the socket refused (high-water mark), in order
         self._retry: asyncio.TimerHandle | None = None
         self._broken: BaseException | None = None
+        self._traffic: asyncio.Future | None = None  # resolved by the reader for pump()
 
     # ---------------------------------------------------------------- background tasks
 
     def _start(self) -> None:
-        self._core._check_open()
+        self._core.check_open()
         if self._broken is not None:
             raise InferenceError(f"the client's reader stopped ({self._broken!r}); create a new client",
                                  code=None)
@@ -93,15 +97,16 @@ class AsyncClient(_ClientFacade):
             if self._core.heartbeat_interval is not None:
                 self._heart = loop.create_task(self._heartbeat_loop(), name="client_sdk-heartbeat")
 
-    def _drain(self) -> None:
-        """Route every message that has arrived; run by the loop when the FD signals."""
+    def _drain(self) -> int:
+        """Route every message that has arrived; run by the loop when the FD signals.
+        Returns how many were handled."""
         core = self._core
         if core.closed or self._broken is not None:
-            return
+            return 0
+        handled = 0
         try:
             if self._pending:
                 self._flush()
-            handled = 0
             for sock in self._socks:
                 direct = sock is not self._sock
                 while sock.getsockopt(zmq.EVENTS) & _POLLIN:
@@ -116,12 +121,21 @@ class AsyncClient(_ClientFacade):
                     handled += 1
                     if handled >= 256:  # let other callbacks run; come back at once
                         self._loop.call_soon(self._drain)
-                        return
+                        return handled
         except zmq.ZMQError as e:
             self._broken = e
             err = InferenceError(f"the client's socket failed ({e}); create a new client", code=None)
             for call in core.active():
                 core.fail(call, err)
+        finally:
+            if handled or self._broken is not None:
+                self._wake_pumps()
+        return handled
+
+    def _wake_pumps(self) -> None:
+        fut, self._traffic = self._traffic, None
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     async def _heartbeat_loop(self) -> None:
         core = self._core
@@ -130,16 +144,10 @@ class AsyncClient(_ClientFacade):
         # heartbeats under one interval whatever the phase.
         while True:
             await asyncio.sleep(interval / 2)
-            active = core.active()
-            if not active:
-                continue
             now = time.monotonic()
-            if now - core.last_send >= interval:
+            if core.heartbeat_due(now):
                 self._send_nowait(P.client_heartbeat())
-            for call in active:
-                err = core.unreachable(call, now)
-                if err is not None:
-                    core.fail(call, err)
+            core.fail_unreachable(now)
 
     def _send_nowait(self, frames: list[Any] | None) -> None:
         if frames is None or self._core.closed:
@@ -186,16 +194,9 @@ class AsyncClient(_ClientFacade):
 
     # ---------------------------------------------------------------- waiting
 
-    def _submit(self, call: _Call) -> None:
-        """Register `call` and queue its frames; never awaits (see the module docstring)."""
-        now = time.monotonic()
-        call.t_submit = call.t_submit or now
-        frames = self._core.request_frames(call, now)
-        self._send_nowait(frames)
-
-    async def _next(self, call: _Call, limit: float | None = None) -> tuple[str, Any]:
-        """Next item for `call`.  Raises _Expired at the call's deadline and TimeoutError
-        after `limit` seconds (the call stays in flight)."""
+    async def _next(self, call: Call, limit: float | None = None) -> tuple[str, Any]:
+        """Next item for `call`.  Raises DeadlineExceeded at the call's deadline and
+        TimeoutError after `limit` seconds (the call stays in flight)."""
         if call.inbox:
             return call.inbox.popleft()
         ev = asyncio.Event()
@@ -206,7 +207,7 @@ class AsyncClient(_ClientFacade):
                 now = time.monotonic()
                 ends = [t for t in (call.deadline, stop) if t is not None]
                 if call.deadline is not None and now >= call.deadline:
-                    raise _Expired
+                    raise call.deadline_error()
                 if stop is not None and now >= stop:
                     raise TimeoutError(f"no result within {limit:g}s; the request is still in flight")
                 ev.clear()
@@ -221,10 +222,6 @@ class AsyncClient(_ClientFacade):
             if call.notify is ev.set:
                 call.notify = None
         return call.inbox.popleft()
-
-    def _give_up(self, call: _Call) -> None:
-        if not self._core.closed:
-            self._send_nowait(self._core.abandon(call))
 
     # ---------------------------------------------------------------- requests
 
@@ -247,23 +244,22 @@ class AsyncClient(_ClientFacade):
                      reply: str = "auto") -> "AsyncReplyStream":
         """Send one request now; `async for` over the result gets each PARTIAL, then the
         FINAL.  Closing it (or leaving `async with`) before the FINAL cancels the request."""
-        self._start()
-        call = self._core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply)
-        self._submit(call)
+        call = self.prepare(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply)
+        self.submit(call)
         return AsyncReplyStream(self, call)
 
     async def request(self, service: str, frames: list[bytes], timeout: float | None = None) -> list[bytes]:
         """Send a plain MDP request (opaque body frames) and return the FINAL's body frames.
         Like `Client.request`, it uses a socket of its own."""
         out = self._core.opaque_frames(service, frames)
-        limit = self._core._timeout(timeout)
-        sock = _dealer(self._ctx, self.endpoint)
+        limit = self._core.timeout_of(timeout)
+        sock = dealer(self._ctx, self.endpoint)
         try:
             await sock.send_multipart(out, copy=False)
 
             async def final() -> list[bytes]:
                 while True:
-                    done, body = _opaque_reply(await sock.recv_multipart(), service)
+                    done, body = opaque_reply(await sock.recv_multipart(), service)
                     if done:
                         return body
 
@@ -272,7 +268,7 @@ class AsyncClient(_ClientFacade):
             except TimeoutError:
                 raise DeadlineExceeded(f"no reply from service {service!r} within {limit:g}s") from None
         finally:
-            _drop_socket(sock)
+            drop_socket(sock)
 
     async def mmi_service(self, name: str, timeout: float | None = None) -> bool:
         """Whether the broker knows a worker for `name` (MMI, RFC 8).
@@ -281,26 +277,22 @@ class AsyncClient(_ClientFacade):
         one client's messages in order, and once this answer is back every request sent
         before it has been queued or dispatched."""
         self._start()
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._core.mmi_waiters.append(fut)
-        self._send_nowait(self._core.opaque_frames(_MMI_SERVICE, [name.encode()]))
-        limit = self._core._timeout(timeout)
+        core = self._core
+        frames = core.mmi_frames(name)
+        limit = core.timeout_of(timeout)
+        q = core.expect_mmi(name)
+        fut = self._loop.create_future()
+        q.notify = lambda: fut.done() or fut.set_result(None)
+        self._send_nowait(frames)
         try:
-            body = await asyncio.wait_for(asyncio.shield(fut), limit)
+            await asyncio.wait_for(fut, limit)
         except TimeoutError:
-            fut.cancel()
             raise DeadlineExceeded(f"no MMI answer from the broker within {limit:g}s") from None
-        return _mmi_answer(body, name)
-
-    def in_flight(self) -> int:
-        """Requests sent and not yet answered with a FINAL."""
-        return len(self._core.calls)
-
-    @property
-    def stray_replies(self) -> int:
-        """Replies that matched no waiting request (late, duplicate or abandoned)."""
-        return self._core.discarded
+        finally:
+            q.notify = None
+            if q.answer is None:
+                q.abandoned = True  # its late answer is consumed and dropped
+        return mmi_answer(q.answer, name)
 
     def stream(self, service: str, *, latest_wins: bool = True, max_in_flight: int = 2,
                timeout: float | None = None, priority: Any = "normal",
@@ -310,6 +302,51 @@ class AsyncClient(_ClientFacade):
 
         return AsyncStream(self, service, latest_wins=latest_wins, max_in_flight=max_in_flight,
                            timeout=timeout, priority=priority, meta=meta, reply=reply)
+
+    # ---------------------------------------------------------------- seams for streams
+    # The same four as Client's (see there); none of them blocks the loop.
+
+    def prepare(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
+                priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto",
+                copy_inline: bool = False) -> Call:
+        """Check the arguments and pack the inputs into a `Call`, without sending it (the
+        reader starts on the running loop if it has not yet).  A prepared call must end in
+        `submit` or `give_up`: it may hold input slots."""
+        self._start()
+        return self._core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta,
+                                   reply=reply, copy_inline=copy_inline)
+
+    def submit(self, call: Call, timeout: float | None = 0.0) -> bool:
+        """Register a prepared call and queue its REQUEST; its deadline starts now.  Never
+        waits and always True: frames the socket refuses wait in the client's own queue, in
+        order (`timeout` is there for `Client.submit`'s sake)."""
+        now = time.monotonic()
+        call.t_submit = call.t_submit or now
+        self._send_nowait(self._core.request_frames(call, now))
+        return True
+
+    def give_up(self, call: Call) -> None:
+        """Stop waiting for `call`: an unsent one is dropped and its input slots freed now; one
+        in flight is cancelled at the broker (its slots are freed when its FINAL arrives).
+        Whatever still arrives for it is released unread."""
+        frames = self._core.give_up(call)
+        if frames is not None and not self._core.closed:
+            self._send_nowait(frames)
+
+    async def pump(self, timeout: float | None = None) -> None:
+        """Route what has arrived; if nothing had, wait up to `timeout` seconds (None: until
+        something arrives) for the next message, which the reader routes before this
+        returns.  The reader and the heartbeat task do the routing and the liveness work by
+        themselves; this is for code that waits for traffic rather than for one call."""
+        self._start()
+        if self._drain() or (timeout is not None and timeout <= 0):
+            return
+        if self._traffic is None:
+            self._traffic = self._loop.create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._traffic), timeout)
+        except TimeoutError:
+            pass
 
     # ---------------------------------------------------------------- lifetime
 
@@ -345,6 +382,7 @@ class AsyncClient(_ClientFacade):
         if self._inbox is not None:
             self._inbox.close()
         core.close()
+        self._wake_pumps()
 
     aclose = close
 
@@ -355,12 +393,8 @@ class AsyncClient(_ClientFacade):
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else ("shm" if self.uses_shm else "inline")
-        return f"<AsyncClient {self.endpoint} {state}>"
 
-
-class AsyncReplyStream(_ReplyStreamBase):
+class AsyncReplyStream(ReplyStreamBase):
     """Async iterator over the replies to one request (`AsyncClient.infer_stream`)."""
 
     def __aiter__(self) -> "AsyncReplyStream":
@@ -369,14 +403,11 @@ class AsyncReplyStream(_ReplyStreamBase):
     async def __anext__(self) -> Result:
         if self._finished:
             raise StopAsyncIteration
-        call = self._call
         try:
-            kind, item = await self._client._next(call)
-        except _Expired:
-            self.close()
-            raise self._client._core.deadline_error(call) from None
+            kind, item = await self._client._next(self._call)
         except BaseException:
-            # Task cancellation included: the broker hears CANCEL, the inputs wait for FINAL.
+            # Deadline and task cancellation included: the broker hears CANCEL, the inputs
+            # wait for the FINAL.
             self.close()
             raise
         if kind == "error":

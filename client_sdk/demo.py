@@ -98,9 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     width, height = (int(v) for v in args.size.lower().split("x"))
 
-    from client_sdk import Client
-    from client_sdk.errors import InferenceError
-    from client_sdk.stream import EndOfStream
+    from client_sdk import Client, EndOfStream, InferenceError
     from shm import gc as shm_gc
 
     tmp = tempfile.mkdtemp(prefix="zmq-infer-demo-")

@@ -1,11 +1,32 @@
-"""Typed errors raised by the client SDK.
+"""Every error class the client SDK raises, and `error_from` (wire code -> class).
 
 Every error a broker or worker can report arrives as a numeric `ErrorCode` in a FINAL's
 header; `error_from` turns it into one of the classes below so callers can `except` the case
 they can handle (retry on `QueueFull`, give up on `ServiceUnavailable`, ...).  Each message
 ends with what to do about it, because the person reading a traceback rarely has the
 protocol spec open.
+
+Invariants: no other module of the SDK defines an exception class (they import theirs from
+here, and `client_sdk` re-exports all of them); a class keeps its extra base (TimeoutError,
+ValueError, ...) so that code catching the builtin keeps working.
 """
+# The exception tree (wire code where the error can come from the broker or a worker):
+#
+# Exception
+# └── InferenceError                              code of the reply, or None
+#     ├── ServiceUnavailable                      503  no worker serves the service
+#     ├── DeadlineExceeded       (+ TimeoutError) 504  not finished in time
+#     ├── QueueFull                               429  the broker's queue is full
+#     ├── Cancelled                               499  cancelled before it finished
+#     ├── ProtocolError (+ broker.protocol.ProtocolError)
+#     │                                           400  the wire protocol was broken
+#     ├── WorkerFailed                            502  the worker failed or died
+#     ├── NotLocal                                421  shm tensors reached another host
+#     ├── InternalError                           500  broker or worker bug
+#     ├── BrokerUnreachable                       503  no answer, not even heartbeats (client-side)
+#     ├── NotSupported    (+ NotImplementedError) None e.g. CUDA tensors without a CUDA side
+#     ├── InvalidInput    (+ ValueError)          None an argument or input cannot be sent
+#     └── EndOfStream     (+ LookupError)         None a stream has nothing left to receive
 from __future__ import annotations
 
 from broker import protocol as _P
@@ -23,6 +44,8 @@ __all__ = [
     "BrokerUnreachable",
     "InternalError",
     "NotSupported",
+    "InvalidInput",
+    "EndOfStream",
     "error_from",
 ]
 
@@ -113,6 +136,19 @@ class NotSupported(InferenceError, NotImplementedError):
 
     code = None
     hint = ""
+
+
+class InvalidInput(InferenceError, ValueError):
+    """An input cannot be sent."""
+
+    code = None
+    hint = ""
+
+
+class EndOfStream(InferenceError, LookupError):
+    """Nothing left to receive from this stream."""
+
+    code = None
 
 
 _BY_CODE: dict[int, type[InferenceError]] = {

@@ -13,6 +13,12 @@ into a private inline buffer), so the caller may reuse its frame buffer immediat
 buffer from `client.alloc` is sent by reference instead (that is its point): do not
 overwrite it until its frame has a result or was dropped; a ring of `max_in_flight + 2`
 buffers used round robin is always safe.
+
+A stream is built on the clients' public seams only (docs/client.md, "Seams"): it packs a
+frame with `client.prepare`, sends it with `client.submit` when there is room, drops or
+cancels it with `client.give_up`, and the blocking stream waits with `client.pump`; the
+asyncio stream is woken by the reader through `call.notify`.  It never reaches into a
+client's private state.
 """
 from __future__ import annotations
 
@@ -22,18 +28,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import zmq
+from .errors import EndOfStream, InferenceError, InvalidInput
+from .tensors import Result
 
-from .errors import InferenceError
-from .tensors import InvalidInput, Result
-
+# EndOfStream lives in errors.py; it stays importable from here, where it used to be.
 __all__ = ["Stream", "AsyncStream", "StreamStats", "EndOfStream"]
-
-
-class EndOfStream(InferenceError, LookupError):
-    """Nothing left to receive from this stream."""
-
-    code = None
 
 
 @dataclass
@@ -64,7 +63,6 @@ class _StreamCore:
         if int(max_in_flight) < 1:
             raise InvalidInput(f"max_in_flight must be at least 1, got {max_in_flight}")
         self._client = client
-        self._core = client._core
         self.service = service
         self.latest_wins = bool(latest_wins)
         self.max_in_flight = int(max_in_flight)
@@ -104,7 +102,7 @@ class _StreamCore:
     def _make(self, inputs: Mapping[str, Any]) -> Any:
         if self._closed or self._finishing:
             raise InferenceError("this stream is closed; open a new one with client.stream()", code=None)
-        call = self._core.new_call(self.service, inputs, copy_inline=True, **self._opts)
+        call = self._client.prepare(self.service, inputs, copy_inline=True, **self._opts)
         call.frame = self._frames
         call.t_submit = time.monotonic()
         self._frames += 1
@@ -113,17 +111,22 @@ class _StreamCore:
     def _admit(self, call: Any) -> None:
         if self.latest_wins:
             while self._pending:
-                self._core.discard_unsent(self._pending.popleft())
+                self._client.give_up(self._pending.popleft())  # never sent: its slots go now
                 self._dropped += 1
         self._pending.append(call)
 
-    def _take_sendable(self) -> list[Any]:
-        out = []
+    def _flush(self) -> None:
+        """Send pending frames while fewer than max_in_flight are outstanding."""
         room = self.max_in_flight - self._in_flight()
         while self._pending and room > 0:
-            out.append(self._pending.popleft())
+            call = self._pending.popleft()
+            if not self._client.submit(call):
+                # The broker is not reading (high-water mark): keep it for later.
+                self._pending.appendleft(call)
+                return
+            self._outstanding.append(call)
+            self._sent += 1
             room -= 1
-        return out
 
     def _pop_head(self) -> tuple[str, Any] | None:
         """The head frame's outcome, if it has one (PARTIALs are released unread)."""
@@ -138,7 +141,7 @@ class _StreamCore:
             if kind == "error":
                 self._failed += 1
                 if not head.done:  # a client-side failure: tell the broker to stop
-                    self._give_up(head)
+                    self._client.give_up(head)
             else:
                 self._completed += 1
                 self._lat.append((head.t_done - head.t_submit) * 1000.0)
@@ -148,18 +151,15 @@ class _StreamCore:
     def _expire_head(self) -> InferenceError:
         head = self._outstanding.popleft()
         self._failed += 1
-        self._give_up(head)
-        return self._core.deadline_error(head)
-
-    def _give_up(self, call: Any) -> None:
-        self._client._give_up(call)
+        self._client.give_up(head)
+        return head.deadline_error()
 
     def _shutdown(self) -> None:
         self._closed = True
         while self._pending:
-            self._core.discard_unsent(self._pending.popleft())
+            self._client.give_up(self._pending.popleft())
         while self._outstanding:
-            self._give_up(self._outstanding.popleft())
+            self._client.give_up(self._outstanding.popleft())
 
 
 class Stream(_StreamCore):
@@ -167,30 +167,19 @@ class Stream(_StreamCore):
 
     def send(self, inputs: Mapping[str, Any]) -> int:
         """Queue one frame and return its number (0, 1, ...).  Never waits for the broker."""
-        self._client._pump(0)
+        self._client.pump(0)
         call = self._make(inputs)
         self._admit(call)
         self._flush()
         return call.frame
-
-    def _flush(self) -> None:
-        calls = self._take_sendable()
-        for i, call in enumerate(calls):
-            if not self._client._send_call_nowait(call):
-                # The broker is not reading (high-water mark): keep the rest for later.
-                self._pending.extendleft(reversed(calls[i:]))
-                return
-            self._outstanding.append(call)
-            self._sent += 1
 
     def recv(self, timeout: float | None = None) -> Result:
         """The next result in send order.  Raises the frame's error if it failed,
         DeadlineExceeded if the frame outlived its timeout, TimeoutError after `timeout`
         seconds (the frame stays in flight), EndOfStream when nothing is outstanding."""
         client = self._client
-        core = self._core
         stop = None if timeout is None else time.monotonic() + timeout
-        client._pump(0)  # what already arrived counts, even with timeout=0
+        client.pump(0)  # what already arrived counts, even with timeout=0
         while True:
             self._flush()
             got = self._pop_head()
@@ -203,24 +192,24 @@ class Stream(_StreamCore):
             if not self._outstanding:
                 if not self._pending:
                     raise EndOfStream("nothing to receive: every frame sent so far has been received or dropped")
-                # Frames wait for the socket (high-water mark): wait until it takes them.
+                # Frames wait for the socket (high-water mark): wait until it takes the oldest.
                 if stop is not None and now >= stop:
                     raise TimeoutError(f"no result within {timeout:g}s; the broker is not reading")
-                client._sock.poll(-1 if stop is None else max(1, int((stop - now) * 1000)), zmq.POLLOUT)
+                call = self._pending.popleft()
+                if client.submit(call, None if stop is None else stop - now):
+                    self._outstanding.append(call)
+                    self._sent += 1
+                else:
+                    self._pending.appendleft(call)
                 continue
             head = self._outstanding[0]
             if head.deadline is not None and now >= head.deadline:
                 raise self._expire_head()
             if stop is not None and now >= stop:
                 raise TimeoutError(f"no result within {timeout:g}s; the frame is still in flight")
-            err = core.unreachable(head, now)
-            if err is not None:
-                self._outstanding.popleft()
-                self._failed += 1
-                self._give_up(head)
-                raise err
+            # A silent broker fails the head in its inbox (client.pump): _pop_head raises it.
             ends = [t for t in (head.deadline, stop) if t is not None]
-            client._pump(min(ends) - now if ends else None)
+            client.pump(min(ends) - now if ends else None)
 
     def __iter__(self):
         """Results until every frame sent so far has one."""
@@ -258,19 +247,12 @@ class AsyncStream(_StreamCore):
 
     def send(self, inputs: Mapping[str, Any]) -> int:
         """Queue one frame and return its number (0, 1, ...).  Never waits."""
-        self._client._start()
         call = self._make(inputs)
         call.notify = self._wake
         self._admit(call)
         self._flush()
         self._event.set()
         return call.frame
-
-    def _flush(self) -> None:
-        for call in self._take_sendable():
-            self._client._submit(call)
-            self._outstanding.append(call)
-            self._sent += 1
 
     def finish(self) -> None:
         """No more frames will be sent: iteration ends once the outstanding ones are in."""
@@ -281,7 +263,6 @@ class AsyncStream(_StreamCore):
         """The next result in send order; same errors as `Stream.recv`.  With nothing
         outstanding it waits for the next `send()`, unless the stream is finished or closed
         (EndOfStream)."""
-        core = self._core
         stop = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._closed:

@@ -31,16 +31,12 @@ import shm as _shm
 from broker import protocol as P
 
 from . import cuda as _cuda
-from .errors import InferenceError, NotSupported, ProtocolError, WorkerFailed
+# InvalidInput lives in errors.py with every other error class; it is still importable from
+# here because code written against the older layout (and cuda.py) imports it from tensors.
+from .errors import InferenceError, InvalidInput, NotSupported, ProtocolError, WorkerFailed
 
-__all__ = ["Result", "Packed", "pack", "to_numpy", "InvalidInput", "OutputLeases", "lease_array"]
-
-
-class InvalidInput(InferenceError, ValueError):
-    """An input cannot be sent."""
-
-    code = None
-    hint = ""
+__all__ = ["Result", "Packed", "pack", "unpack", "to_numpy", "OutputLeases", "lease_array",
+           "ref_in_pool", "free_temp", "local_output", "Adopted", "release_reply"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,7 +189,7 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
             loc = None
             ref = None
             if pool is not None and arr.nbytes:
-                ref = _ref_in_pool(pool, arr)
+                ref = ref_in_pool(pool, arr)
                 if ref is not None and arr.flags.c_contiguous and ref.nbytes == arr.nbytes:
                     pool.mark_in_flight(ref)     # 1. by reference, no copy
                     loc = P.shm_loc(ref)
@@ -233,7 +229,7 @@ def _lease_of(arr: np.ndarray) -> _Lease | None:
     return None
 
 
-def _ref_in_pool(pool: Any, arr: np.ndarray) -> Any | None:
+def ref_in_pool(pool: Any, arr: np.ndarray) -> Any | None:
     """The descriptor of `arr` if its bytes lie in one live slot of `pool`, else None.
 
     The pool recognises its arrays by their `.base`; a buffer from `client.alloc` is

@@ -6,12 +6,17 @@ SegmentCache (which refuses any slot that is not IN_FLIGHT, so it also checks th
 slot states) and writes outputs into its own ShmPool, marked IN_FLIGHT for the client's
 pid, or inline when asked.  Requests to the "hold" services wait until the test releases
 them, so every test paces the fake with queues and events, never with sleeps.
+
+Tests that apply to both twins take the `connect` fixture: it opens a `Client`, or an
+`AsyncClient` driven through `BlockingTwin` (each coroutine run to completion on a private
+event loop), so one test body checks that both clients behave the same.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import gc
+import inspect
 import os
 import queue
 import threading
@@ -32,11 +37,11 @@ from client_sdk import (
     DeadlineExceeded,
     EndOfStream,
     InferenceError,
+    InvalidInput,
     NotSupported,
     errors,
     run,
 )
-from client_sdk.tensors import InvalidInput
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -68,6 +73,8 @@ class FakeBroker(threading.Thread):
         self.out_refs: list[shm.ShmRef] = []
         self.out_arrays: list[np.ndarray] = []
         self.held_opaque: list[tuple[bytes, list[bytes]]] = []
+        self.held_mmi: list[bytes] = []               # identities waiting for a "hold_mmi" answer
+        self.idents: list[bytes] = []                 # sender of each tensor request and MMI question
         self.held_q: queue.Queue = queue.Queue()     # request id of each request put on hold
         self.cancels: queue.Queue = queue.Queue()    # ids of CANCELs received
         self.events: queue.Queue = queue.Queue()     # ("heartbeat",), ("disconnect",)
@@ -116,6 +123,13 @@ class FakeBroker(threading.Thread):
             while self.held_opaque:
                 ident, body = self.held_opaque.pop()
                 self._send(ident, True, "opaque_hold", body)
+        self.call(go)
+
+    def release_mmi(self) -> None:
+        """Answer the held `hold_mmi` questions, late, with "200"."""
+        def go():
+            while self.held_mmi:
+                self._send(self.held_mmi.pop(0), True, "mmi.service", [b"200"])
         self.call(go)
 
     def out_states(self) -> list[int]:
@@ -183,6 +197,11 @@ class FakeBroker(threading.Thread):
         body = list(msg.body)
         if service == "mmi.service":
             name = bytes(body[0]).decode()
+            self.idents.append(ident)
+            if name == "hold_mmi":
+                self.held_mmi.append(ident)
+                self.held_q.put(b"hold_mmi")
+                return
             self._send(ident, True, service, [b"200" if name in KNOWN_SERVICES else b"404"])
             return
         if not P.is_header(body[0]):
@@ -202,6 +221,7 @@ class FakeBroker(threading.Thread):
             self._error(ident, service, 0, e.code, str(e))
             return
         self.requests.append((service, req))
+        self.idents.append(ident)
         has_shm = any(type(t.loc) is P.ShmLoc for t in req.tensors)
         if service in ("echo", "echo_inline"):
             self._echo(ident, service, req, body)
@@ -311,6 +331,95 @@ def fake(endpoint):
         fb.stop()
 
 
+class BlockingTwin:
+    """An AsyncClient behind Client's blocking API: each coroutine method runs to completion
+    on a private event loop (the reader and heartbeat task run while it does); everything
+    else is the AsyncClient's own attribute."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        self._twin = AsyncClient(*args, **kw)
+        self._twin_loop = asyncio.new_event_loop()
+        self._run(self._twin.__aenter__())  # the reader joins our loop
+
+    def _run(self, coro: Any) -> Any:
+        return self._twin_loop.run_until_complete(coro)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._twin, name)
+        if inspect.iscoroutinefunction(attr):
+            return lambda *a, **kw: self._run(attr(*a, **kw))
+        return attr
+
+    def infer_stream(self, *args: Any, **kw: Any) -> "BlockingReplies":
+        return BlockingReplies(self, self._twin.infer_stream(*args, **kw))
+
+    def close(self) -> None:
+        self._run(self._twin.close())
+
+    def shutdown(self) -> None:
+        """Close the client if the test did not, then the loop."""
+        try:
+            if not self._twin.closed:
+                self.close()
+        finally:
+            self._twin_loop.close()
+
+    def __enter__(self) -> "BlockingTwin":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class BlockingReplies:
+    """An AsyncReplyStream behind ReplyStream's blocking API."""
+
+    def __init__(self, twin: BlockingTwin, replies: Any):
+        self._twin = twin
+        self._replies = replies
+
+    @property
+    def request_id(self) -> int:
+        return self._replies.request_id
+
+    def __iter__(self) -> "BlockingReplies":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return self._twin._run(self._replies.__anext__())
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    def close(self) -> None:
+        self._replies.close()
+
+    def __enter__(self) -> "BlockingReplies":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@pytest.fixture(params=["Client", "AsyncClient"])
+def connect(request):
+    """Opens clients of the kind the test runs with (`connect(endpoint, **options)`)."""
+    twins: list[BlockingTwin] = []
+
+    def make(*args: Any, **kw: Any) -> Any:
+        if request.param == "Client":
+            return Client(*args, **kw)
+        twin = BlockingTwin(*args, **kw)
+        twins.append(twin)
+        return twin
+
+    try:
+        yield make
+    finally:
+        for twin in twins:
+            twin.shutdown()
+
+
 # ================================================================================================
 # Round trips
 
@@ -338,9 +447,9 @@ def _cases() -> list[tuple[str, np.ndarray]]:
 
 
 @pytest.mark.parametrize("transport", ["shm", "inline"])
-def test_round_trip_dtypes_and_shapes(fake, endpoint, transport):
+def test_round_trip_dtypes_and_shapes(connect, fake, endpoint, transport):
     cases = _cases()
-    with Client(endpoint, transport=transport) as c:
+    with connect(endpoint, transport=transport) as c:
         for name, x in cases:
             with c.infer("echo", {name: x}) as r:
                 y = r[name]
@@ -364,11 +473,11 @@ def test_round_trip_dtypes_and_shapes(fake, endpoint, transport):
     assert not fake.out_states() or set(fake.out_states()) <= {shm.RELEASED, shm.FREE}
 
 
-def test_torch_inputs(fake, endpoint):
+def test_torch_inputs(connect, fake, endpoint):
     torch = pytest.importorskip("torch")
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()  # non-contiguous
     g = torch.ones(3, requires_grad=True)
-    with Client(endpoint) as c:
+    with connect(endpoint) as c:
         with c.infer("echo", {"t": t, "g": g}) as r:
             np.testing.assert_array_equal(r["t"], t.numpy())
             np.testing.assert_array_equal(r["g"], np.ones(3, np.float32))
@@ -380,8 +489,8 @@ def test_torch_inputs(fake, endpoint):
         assert c.pool.in_use() == 0
 
 
-def test_bad_inputs_fail_before_sending(fake, endpoint):
-    with Client(endpoint) as c:
+def test_bad_inputs_fail_before_sending(connect, fake, endpoint):
+    with connect(endpoint) as c:
         with pytest.raises(InvalidInput, match="Python objects"):
             c.infer("echo", {"x": np.array([1, "a", None], dtype=object)})
         with pytest.raises(InvalidInput, match="mapping"):
@@ -398,8 +507,8 @@ def test_bad_inputs_fail_before_sending(fake, endpoint):
 # ================================================================================================
 # Shared memory: inputs by reference, slot lifetimes, outputs released
 
-def test_alloc_buffers_go_by_reference(fake, endpoint):
-    with Client(endpoint, transport="shm") as c:
+def test_alloc_buffers_go_by_reference(connect, fake, endpoint):
+    with connect(endpoint, transport="shm") as c:
         buf = c.alloc((4, 6), np.float32)
         buf[...] = np.arange(24).reshape(4, 6)
         with c.infer("echo", {"x": buf, "row": buf[2]}) as r:
@@ -431,8 +540,8 @@ def test_alloc_buffers_go_by_reference(fake, endpoint):
             c.free(np.zeros(3))
 
 
-def test_buffer_dropped_in_another_thread(endpoint):
-    with Client(endpoint, transport="shm") as c:
+def test_buffer_dropped_in_another_thread(connect, endpoint):
+    with connect(endpoint, transport="shm") as c:
         box = [c.alloc((16,), np.uint8)]
         t = threading.Thread(target=box.clear)
         t.start()
@@ -442,8 +551,8 @@ def test_buffer_dropped_in_another_thread(endpoint):
         assert c.pool.in_use() == 0
 
 
-def test_temp_slots_freed_at_final_not_before(fake, endpoint):
-    with Client(endpoint, transport="shm") as c:
+def test_temp_slots_freed_at_final_not_before(connect, fake, endpoint):
+    with connect(endpoint, transport="shm") as c:
         x = np.arange(10.0)
         replies = c.infer_stream("hold", {"x": x, "y": x[::2]})
         assert fake.held_q.get(timeout=WAIT) == replies.request_id
@@ -456,8 +565,8 @@ def test_temp_slots_freed_at_final_not_before(fake, endpoint):
         r.release()
 
 
-def test_outputs_are_zero_copy_and_released(fake, endpoint):
-    with Client(endpoint, transport="shm") as c:
+def test_outputs_are_zero_copy_and_released(connect, fake, endpoint):
+    with connect(endpoint, transport="shm") as c:
         x = np.arange(16, dtype=np.int32)
         r = c.infer("echo", {"x": x})
         assert r.zero_copy == {"x": True}
@@ -487,11 +596,11 @@ def test_outputs_are_zero_copy_and_released(fake, endpoint):
         assert fake.reclaim() == 1
 
 
-def test_inputs_handed_back_as_outputs(fake, endpoint):
+def test_inputs_handed_back_as_outputs(connect, fake, endpoint):
     """A worker may answer with the client's own input descriptor.  The input slot then
     outlives the FINAL as long as the outputs do, and the client never stores RELEASED into
     its own pool (its reclaim would free a slot still in use)."""
-    with Client(endpoint, transport="shm") as c:
+    with connect(endpoint, transport="shm") as c:
         x = np.arange(12, dtype=np.int16).reshape(3, 4)
         r = c.infer("identity", {"x": x, "t": x.T})
         assert r.zero_copy == {"x": True, "t": True}  # views of the input slots themselves
@@ -529,31 +638,31 @@ def test_inputs_handed_back_as_outputs(fake, endpoint):
     del keep
 
 
-def test_late_identity_reply_is_not_released_into_own_pool(fake, endpoint):
+def test_late_identity_reply_is_not_released_into_own_pool(connect, fake, endpoint):
     fake.answer_cancel = False
-    with Client(endpoint, transport="shm") as c:
+    with connect(endpoint, transport="shm") as c:
         buf = c.alloc((4,), np.float32)
         with pytest.raises(DeadlineExceeded):
             c.infer("hold", {"b": buf, "tmp": np.ones(3)}, timeout=0.1)
         fake.held_q.get(timeout=WAIT)
         fake.release(1, identity=True)
         c.infer("echo", {"x": np.ones(1)}).release()  # the late reply was handled before this
-        assert c._core.discarded == 1
+        assert c.stray_replies == 1
         assert c.pool.in_use() == 1  # only the user's buffer
         assert shm.RELEASED not in set(c.pool.table["state"].tolist())
         c.free(buf)
 
 
-def test_result_outlives_client(fake, endpoint):
-    with Client(endpoint, transport="shm") as c:
+def test_result_outlives_client(connect, fake, endpoint):
+    with connect(endpoint, transport="shm") as c:
         r = c.infer("echo", {"x": np.arange(5)})
     np.testing.assert_array_equal(r["x"], np.arange(5))  # mapping kept while results live
     r.release()
     assert fake.out_states() == [shm.RELEASED]
 
 
-def test_partials(fake, endpoint):
-    with Client(endpoint) as c:
+def test_partials(connect, fake, endpoint):
+    with connect(endpoint) as c:
         x = np.arange(3)
         got = list(c.infer_stream("partials", {"x": x}, meta={"n": 3}))
         assert [(r.final, r.seq) for r in got] == [(False, 0), (False, 1), (False, 2), (True, 3)]
@@ -566,8 +675,8 @@ def test_partials(fake, endpoint):
         assert set(fake.out_states()) == {shm.RELEASED}  # unread PARTIALs were given back
 
 
-def test_pool_full_falls_back_to_inline(fake, endpoint):
-    with Client(endpoint, transport="shm", pool_capacity=64 << 10) as c:
+def test_pool_full_falls_back_to_inline(connect, fake, endpoint):
+    with connect(endpoint, transport="shm", pool_capacity=64 << 10) as c:
         big = np.ones(1 << 17, np.float64)  # 1 MiB > the pool
         small = np.arange(4.0)
         with c.infer("echo", {"big": big, "small": small}) as r:
@@ -592,29 +701,29 @@ def test_pool_full_falls_back_to_inline(fake, endpoint):
     (ErrorCode.DEADLINE_EXCEEDED, errors.DeadlineExceeded),
     (599, errors.InferenceError),
 ])
-def test_error_codes_raise_typed_errors(fake, endpoint, code, cls):
-    with Client(endpoint, transport="shm") as c:
+def test_error_codes_raise_typed_errors(connect, fake, endpoint, code, cls):
+    with connect(endpoint, transport="shm") as c:
         with pytest.raises(cls) as ei:
             c.infer("error", {"x": np.zeros(3)}, meta={"code": int(code), "message": "boom"})
         assert type(ei.value) is cls and ei.value.code == code and "boom" in str(ei.value)
         assert c.pool.in_use() == 0  # the error is the FINAL: inputs freed
 
 
-def test_bad_reply_header_fails_its_call(fake, endpoint):
-    with Client(endpoint, transport="shm") as c:
+def test_bad_reply_header_fails_its_call(connect, fake, endpoint):
+    with connect(endpoint, transport="shm") as c:
         with pytest.raises(errors.ProtocolError, match="negative dimension"):
             c.infer("badheader", {"x": np.zeros(2)})
         assert c.pool.in_use() == 0
 
 
-def test_argument_checks(endpoint):
+def test_argument_checks(connect, endpoint):
     import math
 
     with pytest.raises(InvalidInput, match="spelling"):
-        Client("tcp://no-port-here")
+        connect("tcp://no-port-here")
     with pytest.raises(InvalidInput, match="endpoint"):
-        Client("/tmp/not-an-endpoint")
-    with Client(endpoint, transport="inline") as c:
+        connect("/tmp/not-an-endpoint")
+    with connect(endpoint, transport="inline") as c:
         for bad in (0, -1, float("nan")):
             with pytest.raises(InvalidInput, match="timeout"):
                 c.infer("echo", {"x": np.zeros(1)}, timeout=bad)
@@ -624,21 +733,22 @@ def test_argument_checks(endpoint):
             c.infer("", {"x": np.zeros(1)})
         with pytest.raises(InvalidInput, match="service name"):
             c.request("x" * 256, [b""])
-        call = c._core.new_call("echo", {"x": np.zeros(1)}, timeout=math.inf)
+        call = c.prepare("echo", {"x": np.zeros(1)}, timeout=math.inf)
         assert call.timeout is None
+        c.give_up(call)
         with pytest.raises(ValueError, match="max_in_flight"):
             c.stream("echo", max_in_flight=0)
 
 
-def test_unknown_service(fake, endpoint):
-    with Client(endpoint) as c:
+def test_unknown_service(connect, fake, endpoint):
+    with connect(endpoint) as c:
         with pytest.raises(errors.ServiceUnavailable, match="mmi_service"):
             c.infer("nope", {"x": np.zeros(1)})
 
 
-def test_timeout_cancels_and_late_final_frees_slots(fake, endpoint):
+def test_timeout_cancels_and_late_final_frees_slots(connect, fake, endpoint):
     fake.answer_cancel = False
-    with Client(endpoint, transport="shm") as c:
+    with connect(endpoint, transport="shm") as c:
         with pytest.raises(DeadlineExceeded) as ei:
             c.infer("hold", {"x": np.zeros(8)}, timeout=0.2)
         assert isinstance(ei.value, TimeoutError)
@@ -651,27 +761,27 @@ def test_timeout_cancels_and_late_final_frees_slots(fake, endpoint):
         with c.infer("echo", {"x": np.ones(2)}) as r:  # ...and is processed before this reply
             np.testing.assert_array_equal(r["x"], np.ones(2))
         assert c.pool.in_use() == 0
-        assert c._core.discarded == 1
+        assert c.stray_replies == 1
         assert fake.out_states()[0] == shm.RELEASED  # the discarded output went back
 
 
-def test_heartbeats_while_waiting(fake, endpoint):
-    with Client(endpoint, heartbeat_interval=0.05) as c:
+def test_heartbeats_while_waiting(connect, fake, endpoint):
+    with connect(endpoint, heartbeat_interval=0.05) as c:
         # The fake answers this request only when a heartbeat arrives.
         with c.infer("hold_hb", {"x": np.arange(3)}, timeout=WAIT) as r:
             np.testing.assert_array_equal(r["x"], np.arange(3))
     assert fake.events.get(timeout=WAIT) == ("heartbeat",)
 
 
-def test_broker_unreachable(endpoint):
-    with Client(endpoint, heartbeat_interval=0.02, timeout=WAIT) as c:
+def test_broker_unreachable(connect, endpoint):
+    with connect(endpoint, heartbeat_interval=0.02, timeout=WAIT) as c:
         with pytest.raises(BrokerUnreachable, match="not answered"):
             c.infer("echo", {"x": np.zeros(2)})
         assert c.pool.in_use() == 1  # never answered: kept until close, which unlinks the pool
 
 
-def test_not_local_resends_inline(fake, endpoint):
-    with Client(endpoint, transport="shm") as c:
+def test_not_local_resends_inline(connect, fake, endpoint):
+    with connect(endpoint, transport="shm") as c:
         x = np.arange(6.0).reshape(2, 3)
         with c.infer("remote", {"x": x}) as r:
             np.testing.assert_array_equal(r["x"], x)
@@ -685,7 +795,7 @@ def test_not_local_resends_inline(fake, endpoint):
         with c.infer("remote", {"x": x}) as r:  # remembered: straight inline
             np.testing.assert_array_equal(r["x"], x)
         assert len(fake.requests) == n + 1
-    with Client(endpoint, transport="shm", fallback_inline=False) as c:
+    with connect(endpoint, transport="shm", fallback_inline=False) as c:
         with pytest.raises(errors.NotLocal):
             c.infer("remote", {"x": np.zeros(2)})
 
@@ -700,8 +810,8 @@ def test_not_local_resend_uses_what_was_sent(fake, endpoint):
         assert c.pool.in_use() == 0
 
 
-def test_opaque_request_and_mmi(fake, endpoint):
-    with Client(endpoint) as c:
+def test_opaque_request_and_mmi(connect, fake, endpoint):
+    with connect(endpoint) as c:
         assert c.request("opaque", [b"hello", b"", b"\x00\x01"]) == [b"hello", b"", b"\x00\x01"]
         with pytest.raises(errors.ServiceUnavailable):
             c.request("missing", [b"x"])
@@ -711,8 +821,23 @@ def test_opaque_request_and_mmi(fake, endpoint):
             c.request("opaque", [P.MAGIC + b"x"])
 
 
-def test_opaque_timeout_disconnects_its_socket(fake, endpoint):
-    with Client(endpoint) as c:
+def test_mmi_uses_the_main_socket_and_matches_answers_in_order(connect, fake, endpoint):
+    """Both twins ask MMI on the socket their requests use (so an answer is a barrier behind
+    them); a timed-out question's late answer is not taken for the next one's."""
+    with connect(endpoint, timeout=WAIT) as c:
+        c.infer("echo", {"x": np.zeros(1)}).release()
+        assert c.mmi_service("echo") is True
+        with pytest.raises(DeadlineExceeded, match="MMI"):
+            c.mmi_service("hold_mmi", timeout=0.1)
+        assert fake.held_q.get(timeout=WAIT) == b"hold_mmi"
+        fake.release_mmi()                     # "200", for the question that timed out
+        assert c.mmi_service("nope") is False  # its own answer, "404"
+        assert c.mmi_service("echo") is True
+        assert len(set(fake.call(lambda: list(fake.idents)))) == 1  # one socket for all of it
+
+
+def test_opaque_timeout_disconnects_its_socket(connect, fake, endpoint):
+    with connect(endpoint) as c:
         with pytest.raises(DeadlineExceeded):
             c.request("opaque_hold", [b"late"], timeout=0.1)
         assert fake.held_q.get(timeout=WAIT) == b"late"
@@ -733,8 +858,8 @@ async def test_async_opaque_out_of_order(fake, endpoint):
             await c.request("opaque_hold", [b"x"], timeout=0.05)
 
 
-def test_close_disconnects_and_unlinks(fake, endpoint):
-    c = Client(endpoint, transport="shm")
+def test_close_disconnects_and_unlinks(connect, fake, endpoint):
+    c = connect(endpoint, transport="shm")
     c.infer("echo", {"x": np.zeros(4)}).release()
     name = c.pool.name
     assert os.path.exists(f"/dev/shm/{name}")
@@ -969,8 +1094,8 @@ def test_run_with_uvloop(fake, endpoint):
 # ================================================================================================
 # Direct replies (docs/protocol.md section 8)
 
-def test_direct_reply_and_relayed_duplicate_give_one_result(fake, endpoint):
-    with Client(endpoint, timeout=WAIT) as c:
+def test_direct_reply_and_relayed_duplicate_give_one_result(connect, fake, endpoint):
+    with connect(endpoint, timeout=WAIT) as c:
         path = c._inbox.path
         assert os.path.exists(path) and oct(os.stat(os.path.dirname(path)).st_mode & 0o777) == "0o700"
         for _ in range(3):
@@ -979,19 +1104,19 @@ def test_direct_reply_and_relayed_duplicate_give_one_result(fake, endpoint):
         # Each request: one result, one duplicate dropped.  Which copy wins is a race, so
         # read until all six copies are in (a condition with a deadline, not a sleep).
         deadline = time.monotonic() + WAIT
-        while (c.direct_replies, c._core.discarded) != (3, 3) and time.monotonic() < deadline:
-            c._pump(0.05)
-        assert (c.direct_replies, c._core.discarded) == (3, 3)
+        while (c.direct_replies, c.stray_replies) != (3, 3) and time.monotonic() < deadline:
+            c.pump(0.05)
+        assert (c.direct_replies, c.stray_replies) == (3, 3)
     assert not os.path.exists(path)  # libzmq leaves the file; close() unlinks it
 
 
-def test_direct_reply_option_off_and_remote_broker(fake, endpoint):
-    with Client(endpoint, timeout=WAIT, direct_reply=False) as c:
+def test_direct_reply_option_off_and_remote_broker(connect, fake, endpoint):
+    with connect(endpoint, timeout=WAIT, direct_reply=False) as c:
         assert c._inbox is None
         with c.infer("echo", {"x": np.arange(3)}) as out:
             np.testing.assert_array_equal(out["x"], np.arange(3))
         assert fake.call(lambda: fake.requests[-1][1].reply_to) is None
-    with Client("tcp://192.0.2.1:5555", timeout=WAIT) as c:  # not local: nothing to bind
+    with connect("tcp://192.0.2.1:5555", timeout=WAIT) as c:  # not local: nothing to bind
         assert c._inbox is None
 
 

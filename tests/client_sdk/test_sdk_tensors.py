@@ -9,9 +9,9 @@ import pytest
 import shm
 from broker import protocol as P
 from broker.protocol import ErrorCode
-from client_sdk import errors
+from client_sdk import InvalidInput, errors
 from client_sdk import tensors as T
-from client_sdk.tensors import InvalidInput, Result
+from client_sdk.tensors import Result
 
 
 @pytest.fixture

@@ -1,0 +1,167 @@
+"""What one request is, and the checks and parsers around it: pure values and functions that
+the core (core.py) and both twins share.  Nothing here sends, waits or reads the clock.
+
+- `Call`: one tensor request, from packing to its last reply.  The core owns its fields; a
+  twin or a stream may read them and set `notify`, `frame` and `t_submit`.
+- `MmiQuery`: one `mmi.service` question waiting for its answer on the client's socket.
+- option checks (`parse_priority`, `check_service`, `resolve_transport`) raise InvalidInput
+  before anything is packed or sent.
+- `opaque_reply`, `mmi_answer`: the meaning of the reply to a plain MDP request.
+"""
+from __future__ import annotations
+
+import ipaddress
+from collections import deque
+from typing import Any, Callable
+
+from broker import protocol as P
+from broker.protocol import Priority
+
+from . import tensors as T
+from .errors import DeadlineExceeded, InvalidInput, ProtocolError, error_from
+
+__all__ = ["Call", "MmiQuery", "MMI_SERVICE", "parse_priority", "check_service", "endpoint_is_local",
+           "resolve_transport", "opaque_reply", "mmi_answer"]
+
+MMI_SERVICE = "mmi.service"
+
+_PRIORITY_NAMES = {"urgent": Priority.URGENT, "normal": Priority.NORMAL, "background": Priority.BACKGROUND}
+
+
+# ------------------------------------------------------------------------------------ options
+
+def parse_priority(p: Any) -> Priority:
+    if isinstance(p, str):
+        try:
+            return _PRIORITY_NAMES[p.lower()]
+        except KeyError:
+            raise InvalidInput(f"priority {p!r} must be 'urgent', 'normal' or 'background'") from None
+    try:
+        return Priority(int(p))
+    except (TypeError, ValueError):
+        raise InvalidInput(f"priority {p!r} must be 0 (urgent), 1 (normal), 2 (background) or one of their names") from None
+
+
+def check_service(service: Any) -> None:
+    """Reject a bad service name before anything is packed or sent."""
+    if not isinstance(service, str):
+        raise InvalidInput(f"service must be a str, got {type(service).__name__}")
+    n = len(service.encode())
+    if not 1 <= n <= P.MAX_SERVICE_LEN:
+        raise InvalidInput(f"service name must be 1..{P.MAX_SERVICE_LEN} bytes of UTF-8, got {n}")
+
+
+def endpoint_is_local(endpoint: str) -> bool:
+    """Whether a broker at `endpoint` runs on this host (ipc, inproc, TCP to loopback)."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep:
+        return False
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    rest = rest.rsplit(";", 1)[-1]  # "tcp://source;host:port": the peer is after the ';'
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_transport(transport: str, endpoint: str) -> bool:
+    """True when inputs should go through shared memory."""
+    if transport == "shm":
+        return True
+    if transport == "inline":
+        return False
+    if transport == "auto":
+        return endpoint_is_local(endpoint)
+    raise InvalidInput(f"transport {transport!r} must be 'auto', 'shm' or 'inline'")
+
+
+# ------------------------------------------------------------------------------------ opaque replies
+
+def opaque_reply(frames: list[Any], service: str) -> tuple[bool, list[bytes]]:
+    """(True, body) for the FINAL of an opaque request; raises its error; (False, []) for
+    anything else (a PARTIAL, a heartbeat)."""
+    try:
+        msg = P.parse_broker_to_client(frames)
+        if msg.command != P.C_FINAL:
+            return False, []
+        body = [bytes(f) for f in msg.body]
+        rep = P.decode_reply(body[0], len(body) - 1) if body and P.is_header(body[0]) else None
+    except P.ProtocolError as e:
+        raise ProtocolError(f"bad reply to an opaque request to {service!r}: {e}") from None
+    if rep is not None:
+        if rep.error is not None:
+            raise error_from(rep.error.code, rep.error.message)
+        raise ProtocolError(f"service {service!r} answered an opaque request with a tensor header")
+    return True, body
+
+
+def mmi_answer(body: list[bytes], name: str) -> bool:
+    """The meaning of an `mmi.service` answer body: True for "200", False for "404"."""
+    code = bytes(body[0]) if body else b""
+    if code == b"200":
+        return True
+    if code == b"404":
+        return False
+    raise ProtocolError(f"mmi.service answered {code!r} for {name!r}; expected b'200' or b'404'")
+
+
+# ------------------------------------------------------------------------------------ calls
+
+class Call:
+    """One tensor request and what its caller has not consumed yet.
+
+    A twin or a stream may read every field and set `notify` (called after each item lands
+    in `inbox`), `frame` and `t_submit`; everything else is the core's."""
+
+    __slots__ = ("id", "service", "packed", "priority", "meta", "reply", "timeout",
+                 "deadline", "t_sent", "t_submit", "t_done", "inbox", "done", "abandoned", "retried",
+                 "frame", "notify", "adopted", "__weakref__")
+
+    def __init__(self, service: str, *, timeout: float | None):
+        self.id = 0              # 0 until registered by request_frames (and again if unregistered)
+        self.service = service
+        self.packed: T.Packed | None = None
+        self.priority = Priority.NORMAL
+        self.meta: dict[str, Any] = {}
+        self.reply = "auto"
+        self.timeout = timeout
+        self.deadline: float | None = None
+        self.t_sent = 0.0
+        self.t_submit = 0.0   # when the caller handed it over (a stream frame may wait before it is sent)
+        self.t_done = 0.0
+        # ("partial", Result) | ("final", Result) | ("error", InferenceError)
+        self.inbox: deque[tuple[str, Any]] = deque()
+        self.done = False        # FINAL (or error) received: inputs freed, nothing more will come
+        self.abandoned = False   # the caller gave up: discard what still arrives
+        self.retried = False
+        self.frame: int | None = None
+        self.notify: Callable[[], None] | None = None
+        self.adopted: dict[int, T.Adopted] = {}  # input slots handed back as outputs
+
+    def remaining(self, now: float) -> float | None:
+        return None if self.deadline is None else self.deadline - now
+
+    def deadline_error(self) -> DeadlineExceeded:
+        """The error for a call that outlived its deadline (the twin cancels it)."""
+        return DeadlineExceeded(
+            f"no reply from service {self.service!r} within {self.timeout:g}s; the request was cancelled",
+            request_id=self.id or None,
+        )
+
+
+class MmiQuery:
+    """One `mmi.service` question sent on the client's own socket, waiting for its answer."""
+
+    __slots__ = ("name", "answer", "abandoned", "notify")
+
+    def __init__(self, name: str):
+        self.name = name
+        self.answer: list[bytes] | None = None
+        self.abandoned = False   # the asker timed out: the answer is consumed and dropped
+        self.notify: Callable[[], None] | None = None

@@ -1,0 +1,540 @@
+"""The client's socket-free core: everything `Client` and `AsyncClient` share that is not I/O.
+
+`ClientCore` is fed frames and the current time by its front end ("twin": `Client` in
+client.py, `AsyncClient` in aio.py) and returns frames to send; it never touches a socket,
+an event loop or the clock.  What a twin does with it:
+
+    call = core.new_call(service, inputs, ...)    pack inputs (by reference, temp slot, inline)
+    frames = core.request_frames(call, now)       assign an id, register, build the REQUEST
+    outs = core.on_message(frames, now, direct)   route one reply; `outs` are frames to send
+                                                  (the inline resend after NOT_LOCAL)
+    frames = core.give_up(call)                   the caller stopped waiting: CANCEL, or None
+    core.fail_unreachable(now)                    liveness: fail calls whose broker fell silent
+    frames = core.mmi_frames(name); q = core.expect_mmi(name)     an MMI question, in order
+
+Delivery.  A reply is put in its call's `inbox` (("partial" | "final", Result) or
+("error", InferenceError)), then `call.notify()` runs if the twin set one (an asyncio event,
+a stream's wake-up).  An MMI answer goes to its `MmiQuery` the same way.  The core holds no
+future: the blocking twin just looks at the inbox after each pump.
+
+Invariants a maintainer must keep:
+
+- An input slot (host or CUDA) is freed only when the FINAL or error that answers its request
+  arrives, or when the request never reached the wire.  Never at timeout or cancellation: a
+  worker, or a retry on another worker, may be reading it until the broker sends that FINAL.
+- Request ids are unique per client and never reused; a FINAL finds its call at most once
+  (`calls.pop`), so a duplicate (a direct reply raced by its relayed copy after a retry) finds
+  nothing, its output slots are given back unread, and it is counted in `discarded`.
+- The broker answers MMI itself, in the order it receives the questions: answers match the
+  `mmi_waiters` first in, first out, and an abandoned waiter still consumes its own late
+  answer.  (An answer lost on the way, e.g. to a broker restart, would shift every later
+  match by one; opaque requests avoid this by using sockets of their own.)
+- One thread drives the core.  Only finalizers of user buffers may run elsewhere: their
+  frees are deferred to the owner thread's next call (the pools are single-threaded).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import weakref
+from collections import deque
+from typing import Any, Callable, Mapping
+
+import msgspec
+import numpy as np
+
+import shm as _shm
+from broker import protocol as P
+from broker.protocol import ErrorCode
+
+from . import tensors as T
+from .calls import MMI_SERVICE, Call, MmiQuery, check_service, endpoint_is_local, parse_priority, resolve_transport
+from .errors import BrokerUnreachable, InferenceError, InvalidInput, ProtocolError, error_from
+from .tensors import Result
+
+__all__ = ["ClientCore", "LIVENESS"]
+
+log = logging.getLogger("client_sdk")
+
+#: heartbeat intervals of silence (no reply, not even to a heartbeat) before the broker is
+#: declared unreachable for a waiting call
+LIVENESS = 5
+
+_MMI_SERVICE_B = MMI_SERVICE.encode()
+
+
+def _drain_inbox(call: Call) -> None:
+    while call.inbox:
+        kind, item = call.inbox.popleft()
+        if isinstance(item, Result):
+            item.release()
+
+
+# ------------------------------------------------------------------------------------ the core
+
+class ClientCore:
+    """Ids, packing, the input pools, output leases, reply routing and delivery, the inline
+    fallback, deadlines and liveness of one client (see the module docstring)."""
+
+    def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
+                 pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
+                 fallback_inline: bool = True, direct_reply: bool = True):
+        if not isinstance(endpoint, str) or "://" not in endpoint:
+            raise InvalidInput(f"endpoint {endpoint!r} must look like 'ipc:///tmp/broker.sock' or 'tcp://host:port'")
+        self.endpoint = endpoint
+        self.transport = transport
+        self.use_shm = resolve_transport(transport, endpoint)
+        self.timeout = timeout
+        self.pool_capacity = int(pool_capacity)
+        self.heartbeat_interval = heartbeat_interval if heartbeat_interval and heartbeat_interval > 0 else None
+        self.fallback_inline = fallback_inline
+        # Direct replies need a broker (hence workers) that can reach an ipc socket of ours.
+        self.direct_reply = bool(direct_reply) and endpoint_is_local(endpoint)
+        self.reply_to: str | None = None  # set by the twin once its reply socket is bound
+        self._pool: Any = None
+        self._cuda: Any = None  # CudaSide, created by the first CUDA tensor or alloc_cuda
+        self.leases = T.OutputLeases()
+        self._user_bufs: dict[tuple[str, int, int], weakref.finalize] = {}
+        self._owner_thread = threading.get_ident()
+        self._deferred: deque[Any] = deque()
+        self._next_id = 1
+        self.calls: dict[int, Call] = {}
+        self.not_local: set[str] = set()
+        # Silence is counted from max(last_recv, call.t_sent) (silent_for), so before the
+        # first message the call's own send time is the reference.
+        self.last_recv = 0.0
+        self.last_send = 0.0
+        self.closed = False
+        self.discarded = 0   # late or unknown replies dropped (for tests and debugging)
+        self.direct_replies = 0  # replies that came straight from a worker (reply_to)
+        self.mmi_waiters: deque[MmiQuery] = deque()  # MMI questions sent, oldest first
+
+    # ---------------------------------------------------------------- pools and buffers
+
+    @property
+    def pool(self) -> Any:
+        """The input pool, created on first use (an inline-only client never touches /dev/shm)."""
+        if self._pool is None:
+            self.check_open()
+            try:
+                self._pool = _shm.ShmPool(self.pool_capacity)
+                self.leases.own_segment = self._pool.name
+            except (OSError, _shm.ShmError) as e:
+                if self.transport == "shm":
+                    raise InferenceError(f"cannot create a shared-memory pool ({e}); use transport='inline'",
+                                         code=None) from None
+                log.warning("shared memory unavailable (%s); sending tensors inline", e)
+                self.use_shm = False
+                raise
+        return self._pool
+
+    def alloc(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
+        self.run_deferred()
+        src = self.pool.alloc(shape, dtype)
+        ref = self._pool.ref_of(src)
+        key = (ref.segment, ref.slot, ref.generation)
+        arr, fin = T.lease_array(src, self._buffer_dropped, key, ref)
+        self._user_bufs[key] = fin
+        return arr
+
+    def cuda_side(self, device: Any = None) -> Any:
+        """The client's CUDA side (device pool + pool cache), created on first use;
+        NotSupported with the reason where CUDA is unavailable."""
+        if self._cuda is None:
+            self.check_open()
+            from .cuda import CudaSide
+
+            self._cuda = CudaSide(self.pool_capacity, device)
+            self.leases.cuda_cache = self._cuda.cache
+        return self._cuda
+
+    def alloc_cuda(self, shape: Any, dtype: Any = np.float32, device: Any = "cuda:0") -> Any:
+        side = self.cuda_side(device)
+        side.check_device(device)
+        return side.alloc(shape, dtype)
+
+    def _buffer_dropped(self, key: tuple[str, int, int] | None, ref: Any) -> None:
+        if key is not None:
+            self._user_bufs.pop(key, None)
+        if threading.get_ident() == self._owner_thread:
+            self._free_buffer(ref)
+        else:
+            # The pool is single-threaded: a buffer dropped in another thread is freed by
+            # the client's own thread at its next call.
+            self._deferred.append(ref)
+
+    def _free_buffer(self, ref: Any) -> None:
+        if self._pool is not None:
+            try:
+                self._pool.free(ref)
+            except Exception:  # already freed
+                pass
+
+    def run_deferred(self) -> None:
+        while self._deferred:
+            self._free_buffer(self._deferred.popleft())
+
+    def free(self, arr: np.ndarray) -> None:
+        ref = T.ref_in_pool(self._pool, arr) if self._pool is not None and isinstance(arr, np.ndarray) else None
+        fin = self._user_bufs.pop((ref.segment, ref.slot, ref.generation), None) if ref is not None else None
+        if fin is None:
+            raise InvalidInput("free() takes an array returned by alloc() that was not freed yet")
+        fin()
+
+    # ---------------------------------------------------------------- building requests
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise InferenceError("this client is closed; create a new one", code=None)
+
+    def timeout_of(self, timeout: float | None) -> float | None:
+        """Seconds a request may take: `timeout`, else the client's default; None for no limit."""
+        t = self.timeout if timeout is None else timeout
+        if t is None or t == math.inf:
+            return None  # wait as long as it takes
+        t = float(t)
+        if not t > 0:
+            raise InvalidInput(f"timeout must be a positive number of seconds (or math.inf), got {timeout!r}")
+        return t
+
+    def new_call(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
+                 priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto",
+                 copy_inline: bool = False) -> Call:
+        """Check the arguments and pack the inputs; nothing is registered or sent yet."""
+        self.check_open()
+        check_service(service)
+        if reply not in P.REPLY_MODES:
+            raise InvalidInput(f"reply {reply!r} must be one of {sorted(P.REPLY_MODES)}")
+        self.run_deferred()
+        if self._cuda is not None:
+            self._cuda.poll()
+        call = Call(service, timeout=self.timeout_of(timeout))
+        call.priority = parse_priority(priority)
+        call.meta = dict(meta or {})
+        inline = not self.use_shm or service in self.not_local
+        call.reply = ("inline" if inline else "auto") if reply == "auto" else reply
+        pool = None
+        if not inline:
+            try:
+                pool = self.pool
+            except (OSError, _shm.ShmError):
+                pool = None
+                if call.reply == "auto":
+                    call.reply = "inline"
+        # CUDA IPC only reaches workers on this host, exactly as shared memory does.
+        call.packed = T.pack(inputs, pool, copy_inline=copy_inline, cuda=None if inline else self.cuda_side)
+        return call
+
+    def opaque_frames(self, service: str, frames: list[Any]) -> list[Any]:
+        """REQUEST frames of a plain MDP request (checked, not sent)."""
+        self.check_open()
+        check_service(service)
+        if not frames:
+            raise InvalidInput("an MDP request needs at least one body frame")
+        if P.is_header(frames[0]):
+            raise InvalidInput("an opaque body must not start with the tensor header magic; use infer()")
+        return P.client_request(service, list(frames))
+
+    def request_frames(self, call: Call, now: float) -> list[Any]:
+        """Assign an id, register the call and return its REQUEST frames."""
+        if call.deadline is None and call.timeout is not None:
+            call.deadline = now + call.timeout
+        call.t_sent = now
+        call.id = self._next_id
+        self._next_id += 1
+        self.calls[call.id] = call
+        rem = call.remaining(now)
+        packed = call.packed
+        hdr = P.Request(
+            id=call.id,
+            priority=int(call.priority),
+            timeout_ms=None if rem is None else max(0.0, round(rem * 1000.0, 3)),
+            host=P.local_host_id(),
+            pid=os.getpid(),
+            reply=call.reply,
+            tensors=packed.tensors,
+            meta=call.meta,
+            reply_to=self.reply_to,
+        )
+        try:
+            head = P.encode_header(hdr)
+        except (TypeError, msgspec.EncodeError) as e:
+            self.discard_unsent(call)
+            raise InvalidInput(f"meta cannot be encoded as msgpack ({e}); use str/int/float/bool/list/dict values") from None
+        return P.client_request(call.service, [head, *packed.frames])
+
+    # ---------------------------------------------------------------- MMI
+
+    def mmi_frames(self, name: str) -> list[Any]:
+        """REQUEST frames of an `mmi.service` question about `name` (checked, not sent)."""
+        return self.opaque_frames(MMI_SERVICE, [name.encode()])
+
+    def expect_mmi(self, name: str) -> MmiQuery:
+        """Register the waiter of an MMI question just sent (or queued) on the main socket."""
+        q = MmiQuery(name)
+        self.mmi_waiters.append(q)
+        return q
+
+    # ---------------------------------------------------------------- giving up
+
+    def unregister(self, call: Call) -> None:
+        """Undo request_frames for a call that could not be sent yet."""
+        self.calls.pop(call.id, None)
+        call.id = 0
+        call.deadline = None
+
+    def discard_unsent(self, call: Call) -> None:
+        """A call that never reached the wire (dropped stream frame, failed send): nothing can
+        be reading its inputs, so they are freed now."""
+        if call.id:
+            self.calls.pop(call.id, None)
+        self._free_inputs(call)
+        call.abandoned = True
+        call.done = True
+        _drain_inbox(call)
+
+    def abandon(self, call: Call) -> list[Any] | None:
+        """The caller stopped waiting.  Returns CANCEL frames to send, if one is useful.
+        Inputs stay allocated until the FINAL arrives: a worker may be reading them now."""
+        if call.abandoned:
+            return None
+        call.abandoned = True
+        call.notify = None
+        _drain_inbox(call)
+        if call.done or call.id == 0:
+            return None
+        return P.client_cancel(call.service, call.id)
+
+    def give_up(self, call: Call) -> list[Any] | None:
+        """The caller is done with `call`, FINAL or not: a call never registered (id 0) is
+        discarded and its inputs freed now; one in flight is abandoned (CANCEL frames
+        returned when useful, inputs kept until its FINAL)."""
+        if call.id == 0 and not call.abandoned:
+            self.discard_unsent(call)
+            return None
+        return self.abandon(call)
+
+    # ---------------------------------------------------------------- incoming
+
+    def on_message(self, frames: list[Any], now: float, direct: bool = False) -> list[list[Any]]:
+        """Route one message from the broker (or, `direct`, from a worker through the reply
+        socket).  Returns messages to send in response (an inline resend after NOT_LOCAL)."""
+        self.last_recv = now
+        try:
+            msg = P.parse_broker_to_client(frames)
+        except P.ProtocolError as e:
+            log.warning("dropping a malformed message from the broker: %s", e)
+            return []
+        if msg.command == P.C_HEARTBEAT:
+            return []
+        if direct:
+            self.direct_replies += len(msg.body) if msg.command == P.C_FINALS else 1
+        if msg.command == P.C_FINALS:
+            # A worker's batch, straight from it: each frame is one header-only FINAL.
+            out: list[list[Any]] = []
+            for head in msg.body:
+                out += self._on_final_body(msg.service, (head,), True, now)
+            return out
+        return self._on_final_body(msg.service, msg.body, msg.command == P.C_FINAL, now)
+
+    def _on_final_body(self, service: bytes, body: tuple, final: bool, now: float) -> list[list[Any]]:
+        if body and P.is_header(body[0]):
+            try:
+                rep = P.decode_reply(body[0], len(body) - 1)
+                P.check_inline_sizes(rep.tensors, body[1:])
+            except P.ProtocolError as e:
+                # Fail the call it was meant for, if that can be told, rather than let it
+                # wait for its deadline.
+                call = self.calls.get(P.lenient_request_id(body[0]))
+                log.warning("bad reply header%s: %s", f" for request {call.id}" if call else "", e)
+                if call is not None and final and not call.abandoned:
+                    self.calls.pop(call.id, None)
+                    self._finish_inputs(call)
+                    self._deliver(call, ("error", ProtocolError(f"the reply header was invalid: {e}",
+                                                                request_id=call.id)), True, now)
+                return []
+            call = self.calls.get(rep.id)
+            if call is None:
+                self.discarded += 1
+                T.release_reply(rep, self.leases)
+                return []
+            return self._on_reply(call, rep, list(body[1:]), final, now)
+        if service == _MMI_SERVICE_B and final and self.mmi_waiters:
+            q = self.mmi_waiters.popleft()
+            if not q.abandoned:
+                q.answer = [bytes(f) for f in body]
+                if q.notify is not None:
+                    q.notify()
+            return []
+        # Any other opaque body on this socket answers nothing we sent (opaque requests have
+        # their own sockets).
+        self.discarded += 1
+        return []
+
+    def _on_reply(self, call: Call, rep: P.Reply, frames: list[Any], final: bool, now: float) -> list[list[Any]]:
+        if final:
+            self.calls.pop(call.id, None)
+            if (rep.error is not None and rep.error.code == ErrorCode.NOT_LOCAL and self.fallback_inline
+                    and not call.retried and not call.abandoned and call.packed is not None):
+                return [self._resend_inline(call, now)]
+        if call.abandoned or rep.error is not None:
+            if final:
+                self._finish_inputs(call, rep)
+            if call.abandoned:
+                if final:
+                    call.done = True
+                self.discarded += 1
+                T.release_reply(rep, self.leases)
+            elif not final:
+                log.warning("ignoring an error in a PARTIAL for request %d", rep.id)
+            else:
+                self._deliver(call, ("error", error_from(rep.error.code, rep.error.message, request_id=rep.id)),
+                              True, now)
+            return []
+        try:
+            res = T.unpack(rep, frames, self.leases, final=final, frame=call.frame, local=self._local_outputs(call))
+        except InferenceError as e:
+            if final:
+                self._finish_inputs(call, rep)
+                self._deliver(call, ("error", e), True, now)
+            else:
+                log.warning("dropping a PARTIAL of request %d: %s", rep.id, e)
+            return []
+        if final:
+            # After unpacking: inputs handed back as outputs were adopted by the Result.
+            self._finish_inputs(call, rep)
+            res.timing.setdefault("client_ms", (now - call.t_sent) * 1000.0)
+        self._deliver(call, ("final" if final else "partial", res), final, now)
+        return []
+
+    def _local_outputs(self, call: Call) -> Callable | None:
+        pool = self._pool
+        if pool is None or call.packed is None or not call.packed.uses_shm:
+            return None
+        own = pool.name
+
+        def resolve(loc: P.ShmLoc, dt: np.dtype, shape: tuple) -> tuple | None:
+            if loc.segment != own:
+                return None
+            return T.local_output(call.packed, loc, dt, shape, call.adopted, self._free_adopted)
+
+        return resolve
+
+    def _free_adopted(self, ref: Any) -> None:
+        self._buffer_dropped(None, ref)
+
+    def _finish_inputs(self, call: Call, rep: P.Reply | None = None) -> None:
+        """The request's FINAL arrived: the one moment no worker (including a retry) can
+        read its inputs again."""
+        self._free_inputs(call, reply=rep)
+        adopted, call.adopted = call.adopted, {}
+        for keeper in adopted.values():
+            keeper.drop()
+
+    def _resend_inline(self, call: Call, now: float) -> list[Any]:
+        """NOT_LOCAL: the worker cannot see our /dev/shm.  Send the same inputs again inline,
+        under a new id (the old one is finished), within what is left of the deadline."""
+        log.info("service %r is not on this host; resending request %d inline", call.service, call.id)
+        self.not_local.add(call.service)
+        call.retried = True
+        old = call.packed
+        # Copy out of the temporary slots before they are freed.
+        call.packed = T.pack(old.arrays, None, copy_inline=True)
+        self._free_inputs(call, old)
+        if call.reply in ("auto", "shm"):
+            call.reply = "inline"
+        return self.request_frames(call, now)
+
+    def _free_inputs(self, call: Call, packed: T.Packed | None = None, reply: P.Reply | None = None) -> None:
+        packed = packed or call.packed
+        if packed is not None and packed.temp and self._pool is not None:
+            T.free_temp(self._pool, packed.temp)
+        if packed is not None and packed.cuda_temp and self._cuda is not None:
+            # The worker's reads of these slots are ordered before its output events (same
+            # worker stream); host and error replies were synchronised before FINAL.
+            after = self._cuda.events_of(reply.tensors) if reply is not None else ()
+            self._cuda.free_temp(packed.cuda_temp, after=after)
+
+    def _deliver(self, call: Call, item: tuple[str, Any], final: bool, now: float) -> None:
+        if final:
+            call.done = True
+            call.t_done = now
+        call.inbox.append(item)
+        if call.notify is not None:
+            call.notify()
+
+    # ---------------------------------------------------------------- liveness
+
+    def fail(self, call: Call, exc: InferenceError) -> None:
+        """Deliver a client-side error (broker silent, client closed) to a waiting call.
+        One such error is enough: another is not queued behind one not yet consumed."""
+        if call.abandoned or call.done:
+            return
+        if call.inbox and call.inbox[-1][0] == "error":
+            return
+        call.inbox.append(("error", exc))
+        if call.notify is not None:
+            call.notify()
+
+    def active(self) -> list[Call]:
+        """Calls sent whose caller still waits for a FINAL."""
+        return [c for c in self.calls.values() if not c.abandoned and not c.done]
+
+    def silent_for(self, call: Call, now: float) -> float:
+        return now - max(self.last_recv, call.t_sent)
+
+    def unreachable(self, call: Call, now: float) -> BrokerUnreachable | None:
+        """The error for `call` if the broker has been silent for LIVENESS heartbeat
+        intervals since it was sent (None with heartbeats off)."""
+        if self.heartbeat_interval is None:
+            return None
+        silence = self.silent_for(call, now)
+        if silence <= LIVENESS * self.heartbeat_interval:
+            return None
+        return BrokerUnreachable(
+            f"the broker at {self.endpoint} has not answered anything, not even heartbeats, for "
+            f"{silence:.1f}s (request to {call.service!r} given up)", request_id=call.id or None
+        )
+
+    def fail_unreachable(self, now: float) -> int:
+        """Fail every waiting call the broker has been silent on for too long; how many."""
+        hb = self.heartbeat_interval
+        if hb is None or now - self.last_recv <= LIVENESS * hb:
+            return 0  # heard from recently: no call can have been silent longer
+        n = 0
+        for call in self.active():
+            err = self.unreachable(call, now)
+            if err is not None:
+                self.fail(call, err)
+                n += 1
+        return n
+
+    def heartbeat_due(self, now: float) -> bool:
+        """Whether a HEARTBEAT should go out now: calls are waiting and nothing was sent for
+        a heartbeat interval."""
+        hb = self.heartbeat_interval
+        return hb is not None and now - self.last_send >= hb and bool(self.active())
+
+    # ---------------------------------------------------------------- shutdown
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for call in list(self.calls.values()):
+            call.abandoned = True
+            _drain_inbox(call)
+        self.calls.clear()
+        for fin in list(self._user_bufs.values()):
+            fin.detach()
+        self._user_bufs.clear()
+        self._deferred.clear()
+        self.leases.close()
+        side, self._cuda = self._cuda, None
+        if side is not None:
+            side.close()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()

@@ -1,0 +1,140 @@
+"""ClientCore without any socket or clock: frames and times in, inbox items and frames out.
+
+Each test builds the replies a broker or worker would send with broker.protocol and feeds them
+to `on_message` with an explicit `now`, so deadlines, liveness and duplicate handling are one
+call each."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from broker import protocol as P
+from broker.protocol import ErrorCode
+from client_sdk import BrokerUnreachable, DeadlineExceeded, errors
+from client_sdk.calls import MMI_SERVICE, mmi_answer, opaque_reply
+from client_sdk.core import LIVENESS, ClientCore
+
+
+@pytest.fixture
+def core():
+    c = ClientCore("ipc:///tmp/zinf-core-test.sock", transport="inline", heartbeat_interval=1.0)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _final(call, value: np.ndarray, *, final: bool = True, seq: int = 0) -> list:
+    t = P.TensorRef(name="y", dtype=value.dtype.str, shape=list(value.shape), loc=P.InlineLoc(frame=0))
+    head = P.encode_header(P.Reply(id=call.id, tensors=[t], seq=seq))
+    return P.client_reply(final, call.service.encode(), [head, value.tobytes()])
+
+
+def _sent(core, service="echo", now=100.0, **kw):
+    call = core.new_call(service, {"x": np.arange(3)}, **kw)
+    frames = core.request_frames(call, now)
+    assert frames[:3] == [P.MDPC, P.C_REQUEST, service.encode()]
+    return call
+
+
+def test_reply_goes_to_its_call_once_and_a_duplicate_is_dropped(core):
+    woken = []
+    a, b = _sent(core), _sent(core)
+    assert (a.id, b.id) == (1, 2) and set(core.calls) == {1, 2}
+    b.notify = lambda: woken.append(b.id)
+    assert core.on_message(_final(b, np.int64([7]), final=False), 100.1) == []
+    assert core.on_message(_final(b, np.int64([8])), 100.25) == []
+    assert woken == [2, 2] and not a.inbox
+    (k1, partial), (k2, res) = b.inbox
+    assert (k1, k2) == ("partial", "final") and int(partial["y"][0]) == 7 and int(res["y"][0]) == 8
+    assert b.done and b.t_done == 100.25 and res.timing["client_ms"] == pytest.approx(250.0)
+    assert set(core.calls) == {1} and core.discarded == 0
+    core.on_message(_final(b, np.int64([8])), 100.3)  # the relayed copy of a direct reply
+    assert core.discarded == 1 and len(b.inbox) == 2
+
+
+def test_error_reply_is_typed_and_finishes_the_call(core):
+    call = _sent(core)
+    core.on_message(P.client_reply(True, b"echo", P.error_body(call.id, ErrorCode.QUEUE_FULL, "busy")), 101.0)
+    kind, err = call.inbox.popleft()
+    assert kind == "error" and type(err) is errors.QueueFull and err.request_id == call.id
+    assert call.done and not core.calls
+
+
+def test_request_header_carries_the_remaining_deadline(core):
+    call = _sent(core, timeout=2.0, now=50.0)
+    assert call.deadline == 52.0 and call.remaining(51.5) == 0.5
+    err = call.deadline_error()
+    assert isinstance(err, DeadlineExceeded) and "2s" in str(err) and err.request_id == call.id
+
+
+def test_give_up_frees_an_unsent_call_and_cancels_a_sent_one(core):
+    unsent = core.new_call("echo", {"x": np.arange(2)})
+    assert core.give_up(unsent) is None and unsent.done and unsent.abandoned
+    sent = _sent(core)
+    assert core.give_up(sent) == P.client_cancel("echo", sent.id)
+    assert core.give_up(sent) is None  # once
+    core.on_message(_final(sent, np.int64([1])), 101.0)  # its late FINAL is dropped
+    assert not sent.inbox and core.discarded == 1 and not core.calls
+
+
+def test_liveness_is_decided_from_the_times_passed_in(core):
+    call = _sent(core, now=10.0)
+    limit = 10.0 + LIVENESS * 1.0
+    assert core.unreachable(call, limit) is None
+    assert isinstance(core.unreachable(call, limit + 0.1), BrokerUnreachable)
+    core.on_message(P.client_heartbeat(), 14.0)  # anything heard resets the silence
+    assert core.unreachable(call, limit + 0.1) is None and core.fail_unreachable(limit + 0.1) == 0
+    assert core.fail_unreachable(14.0 + LIVENESS + 0.5) == 1
+    core.fail_unreachable(14.0 + LIVENESS + 0.6)  # one error is enough
+    assert [k for k, _ in call.inbox] == ["error"] and isinstance(call.inbox[0][1], BrokerUnreachable)
+
+
+def test_heartbeat_due_only_while_calls_wait(core):
+    assert not core.heartbeat_due(1000.0)
+    call = _sent(core, now=10.0)
+    core.last_send = 10.0
+    assert not core.heartbeat_due(10.5) and core.heartbeat_due(11.0)
+    core.give_up(call)
+    assert not core.heartbeat_due(11.0)
+
+
+def test_mmi_answers_match_questions_in_order(core):
+    first = core.expect_mmi("echo")
+    first.abandoned = True             # timed out; its answer is still on the way
+    second = core.expect_mmi("nope")
+    assert core.mmi_frames("nope") == P.client_request(MMI_SERVICE, [b"nope"])
+    core.on_message(P.client_reply(True, MMI_SERVICE.encode(), [b"200"]), 1.0)
+    assert first.answer is None and second.answer is None  # the late answer went to `first`
+    core.on_message(P.client_reply(True, MMI_SERVICE.encode(), [b"404"]), 2.0)
+    assert mmi_answer(second.answer, "nope") is False and core.discarded == 0
+    core.on_message(P.client_reply(True, MMI_SERVICE.encode(), [b"200"]), 3.0)  # nobody asked
+    assert core.discarded == 1
+    with pytest.raises(errors.ProtocolError, match="501"):
+        mmi_answer([b"501"], "x")
+
+
+def test_opaque_reply_parsing():
+    assert opaque_reply(P.client_reply(True, b"svc", [b"a", b"b"]), "svc") == (True, [b"a", b"b"])
+    assert opaque_reply(P.client_reply(False, b"svc", [b"a"]), "svc") == (False, [])
+    with pytest.raises(errors.ServiceUnavailable):
+        opaque_reply(P.client_reply(True, b"svc", P.error_body(0, ErrorCode.SERVICE_UNAVAILABLE, "none")), "svc")
+
+
+def test_not_local_resends_the_same_inputs_inline_under_a_new_id():
+    core = ClientCore("ipc:///tmp/zinf-core-test.sock", transport="shm")
+    try:
+        call = core.new_call("remote", {"x": np.arange(4.0)})
+        core.request_frames(call, 5.0)
+        first = call.id
+        assert call.packed.uses_shm and core.pool.in_use() == 1
+        outs = core.on_message(P.client_reply(True, b"remote", P.error_body(first, ErrorCode.NOT_LOCAL, "far")), 5.1)
+        assert core.pool.in_use() == 0 and "remote" in core.not_local  # the slot went at that FINAL
+        (resend,) = outs
+        req = P.decode_request(resend[3], len(resend) - 4)
+        assert req.id == call.id != first and req.reply == "inline"
+        assert type(req.tensors[0].loc) is P.InlineLoc
+        assert np.frombuffer(bytes(resend[4]), np.float64).tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert not call.inbox and not call.done  # the caller never saw the NOT_LOCAL
+    finally:
+        core.close()
