@@ -1,8 +1,9 @@
 """The Python cost of one tiny request in each process, with the sockets taken out.
 
 Each component handles the frames it would see for a 16-byte shared-memory echo, with its
-sockets replaced by a stub that records what would be sent; what is left is the component's
-own work per request (parsing, validation, scheduling, batching, descriptors):
+sockets replaced by a stub that records what would be sent (the worker through its upstream
+seam, a `BrokerLink` whose send only records); what is left is the component's own work per
+request (parsing, validation, scheduling, batching, descriptors):
 
   broker   client REQUEST in -> dispatch out, worker FINAL in -> FINAL to the client out
   worker   REQUEST in -> map inputs, batch, run echo, reply header out
@@ -23,6 +24,7 @@ import numpy as np
 import zmq
 
 from broker import protocol as P
+from gpu_worker.upstream import BrokerLink
 
 
 class _Stub:
@@ -99,6 +101,16 @@ def broker_us(n: int) -> float:
         b.close()
 
 
+class _RecordingLink(BrokerLink):
+    """The worker's broker connection with the socket taken out: what it would send is kept
+    (`gpu_worker.upstream` is the worker's seam for this)."""
+
+    last = None
+
+    def send(self, frames) -> None:
+        self.last = frames
+
+
 def worker_us(n: int) -> float:
     from gpu_worker.worker import Worker, WorkerConfig
     from shm import ShmPool
@@ -107,25 +119,20 @@ def worker_us(n: int) -> float:
     x = pool.alloc((16,), np.uint8)
     ref = pool.ref_of(x)
     pool.mark_in_flight(ref)
-    w = Worker(WorkerConfig(broker="ipc:///nonexistent", model="echo", max_batch=1))
-    w.sock = _Stub()
-    w._last_sent = w._last_heard = time.monotonic()
+    link = _RecordingLink("ipc:///nonexistent", zmq.Context.instance())
+    w = Worker(WorkerConfig(broker="ipc:///nonexistent", model="echo", max_batch=1), upstream=link)
     F = zmq.Frame
     loc = P.shm_loc(ref._replace(nbytes=16))
     hdr = P.encode_header(P.Request(id=1, host=P.local_host_id(), pid=1, queue_ms=0.01,
                                     tensors=[P.TensorRef(name="x", dtype="|u1", shape=[16], loc=loc)]))
 
     def one():
-        w._on_message([F(P.MDPW), F(P.W_REQUEST), F(b"\0" * 8), F(b""), F(hdr)])
-        w._run_ready_batches()
+        w.on_message([F(P.MDPW), F(P.W_REQUEST), F(b"\0" * 8), F(b""), F(hdr)])
+        w.run_ready_batches()
 
     try:
-        import gpu_worker.worker
-
-        with _NoSend(gpu_worker.worker):
-            return _per_call_us(one, n)
+        return _per_call_us(one, n)
     finally:
-        w.sock = None
         w.close()
         pool.close()
 

@@ -3,26 +3,26 @@
 `python -m bench.proxied_worker --connect EP [--model echo] [--max-batch N] ...`
 
 Runs `gpu_worker.worker.Worker` unchanged (model loading, warm-up, batcher, shared-memory
-input mapping, reply encoding) and overrides only the three methods that touch its socket,
+input mapping, reply encoding) with one part replaced: its upstream (`gpu_worker.upstream`),
 so that it can sit behind `zmq.proxy(ROUTER front, DEALER back)` (`python -m
-bench.echo_servers proxy`) and be driven by the SDK `Client`:
+bench.echo_servers proxy`) and be driven by the SDK `Client`.  `ProxyLink` is that upstream:
 
-  _connect     DEALER connected to the proxy's backend DEALER; no READY (there is no broker
-               to register with).
-  _on_message  what arrives is the client's own MDP/0.2 message behind the identity the
-               proxy's ROUTER prepended: [identity, MDPC02, 0x01, service, body...].
-               REQUEST -> the worker's usual `_on_request`; HEARTBEAT -> answered;
-               `mmi.service` -> 200/404; CANCEL and DISCONNECT -> dropped (a cancelled
-               request still runs; the client discards its FINAL).
-  _send        worker replies [MDPW02, FINAL|PARTIAL, envelope, "", body...] become client
-               replies [identity, MDPC02, FINAL|PARTIAL, service, body...]; heartbeats,
-               DISCONNECT and anything else meant for a broker are dropped.
+  connect  DEALER connected to the proxy's backend DEALER; no READY (there is no broker
+           to register with).
+  receive  what arrives is the client's own MDP/0.2 message behind the identity the
+           proxy's ROUTER prepended: [identity, MDPC02, 0x01, service, body...].
+           REQUEST -> handed to the worker as the broker's REQUEST would be; HEARTBEAT ->
+           answered; `mmi.service` -> 200/404; CANCEL and DISCONNECT -> dropped (a
+           cancelled request still runs; the client discards its FINAL).
+  send     worker replies [MDPW02, FINAL|PARTIAL, envelope, "", body...] become client
+           replies [identity, MDPC02, FINAL|PARTIAL, service, body...]; heartbeats,
+           DISCONNECT and anything else meant for a broker are dropped.
 
 Each request gets its own envelope (identity + an 8-byte sequence number), as the broker's
 dispatch token would be: the worker keys its held jobs by envelope, and one client may have
-many requests in flight.  A broker-silence reconnect never fires (`_last_heard` always reads
-"now"): a proxy never heartbeats.  Replies always go back through the proxy (`direct_reply`
-is switched off where `WorkerConfig` has it; a request's `reply_to` is ignored).
+many requests in flight.  A broker-silence reconnect never fires (`watch_liveness` is off):
+a proxy never heartbeats.  Replies always go back through the proxy (`direct_reply` is
+switched off where `WorkerConfig` has it; a request's `reply_to` is ignored).
 
 Prints `READY service=<name> pid=<pid> device=<dev>` once connected, like `python -m
 gpu_worker`; SIGTERM drains and exits 0.  Only DEALER clients (no REQ) are supported.
@@ -34,8 +34,11 @@ import logging
 import sys
 import time
 
+import zmq
+
 from broker import protocol as P
 from gpu_worker.__main__ import add_model_options, model_config
+from gpu_worker.upstream import BrokerLink
 from gpu_worker.worker import Worker, WorkerConfig, install_sigterm_drain
 
 log = logging.getLogger("bench.proxied_worker")
@@ -49,69 +52,76 @@ def make_config(connect: str, **kw) -> WorkerConfig:
     return WorkerConfig(broker=connect, **kw, direct_reply=False)
 
 
-class ProxiedWorker(Worker):
-    """`Worker` speaking to a `zmq.proxy` backend (see the module docstring)."""
+def make_worker(cfg: WorkerConfig, *, ctx: zmq.Context | None = None) -> Worker:
+    """Our `Worker` speaking to a `zmq.proxy` backend at ``cfg.broker``."""
+    ctx = ctx or zmq.Context.instance()
+    return Worker(cfg, ctx=ctx, upstream=ProxyLink(cfg.broker, ctx))
 
-    # A proxy never speaks on its own: the worker's broker-liveness check must not read
-    # silence as a dead broker and reconnect (which would also drop what it holds).
-    @property
-    def _last_heard(self) -> float:
-        return time.monotonic()
 
-    @_last_heard.setter
-    def _last_heard(self, value: float) -> None:
-        pass
+class ProxyLink(BrokerLink):
+    """The worker's upstream when a `zmq.proxy` stands where the broker would (see the
+    module docstring)."""
 
-    def _connect(self) -> None:
-        self._open_socket()  # and no READY: a proxy has nobody to register with
-        self._service_b = self.service.encode()
-        self._seq = getattr(self, "_seq", 0)
-        self._last_sent = time.monotonic()
+    # A proxy never speaks on its own: silence is not a dead broker, and a reconnect would
+    # also drop what the worker holds.
+    watch_liveness = False
 
-    def _on_message(self, frames) -> None:
+    def __init__(self, endpoint: str, ctx: zmq.Context):
+        super().__init__(endpoint, ctx)
+        self.service = b""  # ours, set by connect
+        self._seq = 0
+
+    def connect(self, service: str, ready: P.Ready) -> zmq.Socket:
+        s = self.open()  # and no READY: a proxy has nobody to register with
+        self.service = service.encode()
+        self.last_sent = time.monotonic()
+        return s
+
+    def receive(self, frames) -> P.BrokerToWorker | None:
         ident = frames[0].bytes
         try:
             msg = P.parse_client(frames[1:])
         except P.ProtocolError as e:
             log.warning("malformed message from client %r: %s", ident[:16], e)
-            return
+            return None
         if msg.leading_empty:
             log.warning("REQ clients are not supported behind the proxied worker; dropped")
-            return
+            return None
         cmd = msg.command
         if cmd == P.C_REQUEST:
             service = msg.service
-            if service == self._service_b:
+            if service == self.service:
                 self._seq += 1
-                self._on_request(ident + self._seq.to_bytes(_SEQ_BYTES, "big"), msg.body)
-            elif service == _MMI_SERVICE:
+                return P.BrokerToWorker(P.W_REQUEST, ident + self._seq.to_bytes(_SEQ_BYTES, "big"), tuple(msg.body))
+            if service == _MMI_SERVICE:
                 name = bytes(msg.body[0])
-                code = b"200" if name == self._service_b else b"404"
+                code = b"200" if name == self.service else b"404"
                 self._to_client([ident, P.MDPC, P.C_FINAL, service, code])
             else:
                 rid = _request_id(msg.body)
                 self._to_client([ident, P.MDPC, P.C_FINAL, service, *P.error_body(
                     rid, P.ErrorCode.SERVICE_UNAVAILABLE,
-                    f"this proxied worker serves {self.service!r} only")])
+                    f"this proxied worker serves {self.service.decode()!r} only")])
         elif cmd == P.C_HEARTBEAT:
             self._to_client([ident, P.MDPC, P.C_HEARTBEAT])
         # C_CANCEL, C_DISCONNECT: nothing to do without a broker's bookkeeping.
+        return None
 
-    def _send(self, frames) -> None:
+    def send(self, frames) -> None:
         cmd = frames[1]
         if cmd == P.W_FINAL:
             ccmd = P.C_FINAL
         elif cmd == P.W_PARTIAL:
             ccmd = P.C_PARTIAL
         else:  # HEARTBEAT, DISCONNECT, DONE: for a broker that is not there
-            self._last_sent = time.monotonic()
+            self.last_sent = time.monotonic()
             return
         env = bytes(frames[2])
-        self._to_client([env[:-_SEQ_BYTES], P.MDPC, ccmd, self._service_b, *frames[4:]])
+        self._to_client([env[:-_SEQ_BYTES], P.MDPC, ccmd, self.service, *frames[4:]])
 
     def _to_client(self, frames) -> None:
         self.sock.send_multipart(frames, copy=False)
-        self._last_sent = time.monotonic()
+        self.last_sent = time.monotonic()
 
 
 def _request_id(body) -> int:
@@ -124,17 +134,17 @@ def _request_id(body) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.echo_servers import _die_with_parent
+    from bench.echo_servers import die_with_parent
 
     ap = argparse.ArgumentParser(prog="python -m bench.proxied_worker", description=__doc__.splitlines()[0])
     ap.add_argument("--connect", required=True, help="the proxy's backend (DEALER) endpoint")
     add_model_options(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s proxied-worker %(levelname)s %(message)s")
-    _die_with_parent()  # SIGTERM (a drain) if the harness dies
+    die_with_parent()  # SIGTERM (a drain) if the harness dies
 
     cfg = make_config(args.connect, **model_config(args))
-    with ProxiedWorker(cfg) as w:
+    with make_worker(cfg) as w:
         install_sigterm_drain(w)
         w.serve(ready_cb=lambda: print(f"READY service={w.service} pid={w.pid} device={w.device}", flush=True))
     return 0

@@ -28,7 +28,7 @@ Backends are not thread-safe: one worker thread drives one backend.
 from __future__ import annotations
 
 import contextlib
-
+import importlib.util
 import time
 import warnings
 from collections import OrderedDict
@@ -42,7 +42,6 @@ __all__ = [
     "BackendError",
     "BackendUnavailable",
     "CallableBackend",
-    "TensorRTBackend",
     "TorchBackend",
     "make_backend",
     "numpy_to_torch",
@@ -371,24 +370,9 @@ class TorchBackend(Backend):
             yield out
 
 
-class TensorRTBackend(Backend):
-    """Placeholder for the TensorRT engine backend (a later issue)."""
-
-    kind = "tensorrt"
-
-    def __init__(self, model, device: str = "cuda:0", **options):
-        try:
-            import tensorrt  # noqa: F401
-        except ImportError as e:
-            raise BackendUnavailable(TENSORRT_MISSING) from e
-        from gpu_worker import trt
-
-        ok, why = trt.available()
-        raise BackendUnavailable(f"the TensorRT backend cannot run here: {why}" if not ok else
-                                 "construct the TensorRT backend with make_backend(..., kind='tensorrt')")
-
-
-_BACKENDS = {"torch": TorchBackend, "numpy": CallableBackend, "tensorrt": TensorRTBackend}
+# Backend kinds make_backend knows ("tensorrt" is gpu_worker.trt.TrtBackend).
+_KINDS = ("torch", "numpy", "tensorrt")
+_BACKENDS = {"torch": TorchBackend, "numpy": CallableBackend}
 
 
 def make_backend(model, device: str = "cpu", kind: str = "auto", **options) -> Backend:
@@ -398,18 +382,18 @@ def make_backend(model, device: str = "cpu", kind: str = "auto", **options) -> B
     BackendUnavailable with the reason; ``options`` (max_batch, fp16, ...) go to it."""
     if kind == "auto":
         kind = _framework(model)
-    try:
-        cls = _BACKENDS[kind]
-    except KeyError:
-        raise BackendError(f"unknown backend {kind!r}; expected one of {', '.join(_BACKENDS)} or 'auto'") from None
+    if kind not in _KINDS:
+        raise BackendError(f"unknown backend {kind!r}; expected one of {', '.join(_KINDS)} or 'auto'")
     if kind == "tensorrt":
         from gpu_worker import trt
 
-        ok, _ = trt.available()
-        if ok:
-            return trt.TrtBackend(model, device, **options)
-        # The stub raises the reason (its message for a missing tensorrt is what users see).
-    return cls(model, device)
+        ok, why = trt.available()
+        if not ok:
+            # A missing tensorrt is what most users meet: say how to get it, or what else to use.
+            raise BackendUnavailable(TENSORRT_MISSING if importlib.util.find_spec("tensorrt") is None
+                                     else f"the TensorRT backend cannot run here: {why}")
+        return trt.TrtBackend(model, device, **options)
+    return _BACKENDS[kind](model, device)
 
 
 def warmup(backend: Backend, model=None, batch_sizes: Iterable[int] = (1,)) -> dict[int, float]:

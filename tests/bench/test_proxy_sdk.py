@@ -150,10 +150,10 @@ def test_send_translates_replies_and_drops_broker_traffic(frames, kept):
         def send_multipart(self, f, copy=True):
             sent.append(list(f))
 
-    w = object.__new__(proxied_worker.ProxiedWorker)
-    w.sock = Sock()
-    w._service_b = b"echo"
-    w._last_sent = 0.0
-    w._send(frames)
-    assert w._last_sent > 0.0
+    link = proxied_worker.ProxyLink("ipc:///tmp/x", zmq.Context.instance())
+    link.sock = Sock()
+    link.service = b"echo"
+    link.last_sent = 0.0
+    link.send(frames)
+    assert link.last_sent > 0.0
     assert sent == ([[b"ident", P.MDPC, P.C_FINAL, b"echo", b"h", b"b"]] if kept else [])

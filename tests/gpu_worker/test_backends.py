@@ -1,4 +1,4 @@
-"""Backends: stacking, zero-copy conversion, splitting, devices, and the TensorRT stub."""
+"""Backends: stacking, zero-copy conversion, splitting, devices, and an unavailable TensorRT."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +12,6 @@ from gpu_worker.backends import (
     BackendError,
     BackendUnavailable,
     CallableBackend,
-    TensorRTBackend,
     TorchBackend,
     make_backend,
     numpy_to_torch,
@@ -290,14 +289,16 @@ def test_cuda_available_never_raises(monkeypatch):
     assert resolve_device("auto") == "cpu"
 
 
-def test_tensorrt_stub_is_unavailable():
+def test_tensorrt_is_unavailable_without_tensorrt():
+    from gpu_worker import trt
+
+    if trt.available()[0]:
+        pytest.skip("TensorRT is usable here")
     with pytest.raises(BackendUnavailable) as info:
-        TensorRTBackend(Spy(), "cuda:0")
+        make_backend(Spy(), "cuda:0", kind="tensorrt")
     if importlib.util.find_spec("tensorrt") is None:
         assert str(info.value) == TENSORRT_MISSING
         assert "pip install '.[gpu]'" in str(info.value)
-    with pytest.raises(BackendUnavailable):
-        make_backend(Spy(), "cuda:0", kind="tensorrt")
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
 """The worker's side of direct reply (docs/protocol.md section 8), in process: which replies
-go straight to the client, the fallback to the broker, and when DONE is sent."""
+go straight to the client, the fallback to the broker, and when DONE is sent.  The decisions
+alone are tested in test_direct.py; here the worker acts on them with real sockets."""
 from __future__ import annotations
 
 import os
@@ -10,16 +11,20 @@ import pytest
 import zmq
 
 from broker import protocol as P
-from gpu_worker.worker import Worker, WorkerConfig, _Job
+from broker.protocol.wire import send_frames
+from gpu_worker.job import Job
+from gpu_worker.upstream import BrokerLink
+from gpu_worker.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class _Recorder:
-    """Stands in for the broker: the worker's socket is one end of an inproc pair, and
-    `sent` is what has arrived at the other end."""
+class _Recorder(BrokerLink):
+    """Stands in for the broker: the worker's upstream sends on one end of an inproc pair,
+    and `sent` is what has arrived at the other end."""
 
     def __init__(self, ctx: zmq.Context, name: str):
+        super().__init__("inproc://unused", ctx)
         self.rx = ctx.socket(zmq.PAIR)
         self.rx.linger = 0
         self.rx.bind(f"inproc://{name}")
@@ -34,6 +39,9 @@ class _Recorder:
             self._got.append(self.rx.recv_multipart())
         return self._got
 
+    def send(self, frames) -> None:
+        send_frames(self.tx, frames)
+
     def close(self) -> None:
         self.tx.close()
         self.rx.close()
@@ -41,17 +49,14 @@ class _Recorder:
 
 @pytest.fixture
 def worker(tmp_path):
+    rec = _Recorder(zmq.Context.instance(), f"recorder-{id(tmp_path)}")
     w = Worker(WorkerConfig(broker=f"ipc://{tmp_path}/none.ipc", model="echo", warmup=False, credit=16,
-                            done_delay=0.005))
-    rec = _Recorder(w.ctx, f"recorder-{id(w)}")
-    w.sock = rec.tx
+                            done_delay=0.005), upstream=rec)
     w.recorder = rec
     try:
         yield w
     finally:
-        w.sock = None
-        w.close()
-        rec.close()
+        w.close()  # closes its upstream, the recorder
 
 
 @pytest.fixture
@@ -67,9 +72,9 @@ def inbox(tmp_path):
         s.close()
 
 
-def _job(token: int, reply_to: str | None, host: str | None = None, deadline: float | None = None) -> _Job:
+def _job(token: int, reply_to: str | None, host: str | None = None, deadline: float | None = None) -> Job:
     req = P.Request(id=token, host=host or P.local_host_id(), reply_to=reply_to)
-    return _Job(P.token_envelope(token), req, {}, None, time.monotonic(), deadline, {})
+    return Job(P.token_envelope(token), req, {}, None, time.monotonic(), deadline, {})
 
 
 def test_final_goes_to_reply_to_and_is_remembered_for_done(worker, inbox):
@@ -78,7 +83,7 @@ def test_final_goes_to_reply_to_and_is_remembered_for_done(worker, inbox):
     assert sock.poll(5000)
     msg = P.parse_broker_to_client(sock.recv_multipart())
     assert msg.command == P.C_FINAL and msg.service == b"echo"
-    assert worker.recorder.sent == [] and worker._done == [P.token_envelope(1)]
+    assert worker.recorder.sent == [] and worker.dones.envelopes == [P.token_envelope(1)]
     worker._flush_done()
     assert worker.recorder.sent == [P.worker_done([P.token_envelope(1)])]
 
@@ -98,18 +103,18 @@ def test_everything_else_goes_through_the_broker(worker, inbox, tmp_path, case):
         worker.cfg.direct_reply = False
     worker._reply(job, final, [b"body"])
     assert worker.recorder.sent == [P.worker_reply(P.token_envelope(1), final, [b"body"])]
-    assert worker._done == [] and not sock.poll(0)
+    assert worker.dones.envelopes == [] and not sock.poll(0)
 
 
 def test_done_waits_for_company_but_never_past_a_deadline(worker, inbox):
     _, ep = inbox
     t0 = time.monotonic()
     worker._reply(_job(1, ep), True, [b""])
-    assert t0 + 0.004 <= worker._done_due <= time.monotonic() + 0.005
+    assert t0 + 0.004 <= worker.dones.due <= time.monotonic() + 0.005
     # A request due in 2 ms pulls the DONE forward: the broker must hear of it first.
     worker._reply(_job(2, ep, deadline=time.monotonic() + 0.002), True, [b""])
-    assert worker._done_due <= time.monotonic() + 0.001
-    assert worker._done_max == 4  # credit 16 // 4
+    assert worker.dones.due <= time.monotonic() + 0.001
+    assert worker.dones.max_pending == 4  # credit 16 // 4
 
 
 def test_a_batch_answers_each_client_with_one_message(worker, inbox):
@@ -122,8 +127,8 @@ def test_a_batch_answers_each_client_with_one_message(worker, inbox):
     assert msg.command == P.C_FINALS and msg.service == b"echo"
     assert [P.decode_reply(h).id for h in msg.body] == [1, 2, 3]
     assert not sock.poll(100)  # nothing else: one message for the batch
-    assert worker._done == [P.token_envelope(t) for t in (1, 2, 3)] and worker.direct_sent == 3
-    assert worker._coalesce is None
+    assert worker.dones.envelopes == [P.token_envelope(t) for t in (1, 2, 3)] and worker.direct_sent == 3
+    assert worker.batch_finals is None
 
 
 def test_a_lone_request_is_not_held_for_company(worker, inbox):

@@ -33,6 +33,7 @@ def test_cache_dir_follows_xdg(monkeypatch, tmp_path):
 
 
 def test_weights_digest_tracks_weights():
+    pytest.importorskip("torch", reason="the digest is of a torch module's weights")
     from gpu_worker.models import load_model
 
     a = trt.weights_digest(load_model("convnet", "cpu").net)
@@ -53,7 +54,8 @@ def test_available_reports_a_reason():
 @pytest.mark.parametrize("name", ["cartoon", "convnet"])
 def test_onnx_export_has_a_dynamic_batch_axis(name, tmp_path):
     import numpy as np
-    import torch
+
+    torch = pytest.importorskip("torch", reason="the export traces a torch model")
 
     from gpu_worker.models import load_model
 

@@ -1,0 +1,117 @@
+"""Where a batch runs: on the worker loop's own thread, or on the compute thread.
+
+The worker is one poll loop (docs/architecture.md, "Threads and wake-ups").  A batch runs on
+the loop's thread unless its compute time is unknown or predicted to exceed half a heartbeat
+interval; then it goes to the one `ComputeThread`, so that the loop keeps heartbeating and
+receiving while it runs (the broker would otherwise presume a worker that computes for
+seconds dead, and retry its work).  Fast batches stay on the loop's thread: the hand-off
+costs tens of microseconds, which is most of a small request's budget.
+
+`ComputeTimes` is the decision, pure: no clock, no thread; seconds are measured by the
+caller and passed in.  `ComputeThread` is the mechanism.  Invariants:
+
+* at most one batch is on the compute thread at a time (the worker stays busy until its
+  result is collected), and the thread never touches a worker socket: it signals completion
+  on its own inproc PAIR, which the loop polls;
+* a batch size never seen (no warm-up, or a size warm-up did not run) is offloaded, since
+  nothing says it is fast.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import zmq
+
+__all__ = ["ComputeTimes", "ComputeThread"]
+
+
+class ComputeTimes:
+    """Seconds a batch takes, per batch size (an EWMA: a new measurement weighs 0.2), and
+    the offload rule."""
+
+    def __init__(self, heartbeat_interval: float):
+        self.heartbeat_interval = float(heartbeat_interval)
+        self._seconds: dict[int, float] = {}
+
+    def seed(self, timings: Mapping[int, float]) -> None:
+        """Take warm-up timings (batch size -> seconds) as the current estimates."""
+        self._seconds.update(timings)
+
+    def predict(self, n: int) -> float | None:
+        """Expected seconds for a batch of ``n``; None when no batch of that size ran yet."""
+        return self._seconds.get(n)
+
+    def observe(self, n: int, seconds: float) -> None:
+        prev = self._seconds.get(n)
+        self._seconds[n] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
+
+    def offload(self, n: int) -> bool:
+        """Whether a batch of ``n`` goes to the compute thread: its time is unknown or
+        longer than half a heartbeat interval."""
+        predicted = self._seconds.get(n)
+        return predicted is None or predicted > self.heartbeat_interval / 2
+
+
+class ComputeThread:
+    """One thread that runs offloaded batches; it signals completion on an inproc PAIR
+    socket so the worker's poll wakes up (a zmq socket may not be shared across threads,
+    but each end of the pair is used by one thread only)."""
+
+    _n = 0
+
+    def __init__(self, ctx: zmq.Context, run: Callable[[list], list]):
+        ComputeThread._n += 1
+        addr = f"inproc://gpu-worker-done-{os.getpid()}-{ComputeThread._n}"
+        #: the loop polls this for POLLIN; `result()` then returns the finished batch
+        self.done = ctx.socket(zmq.PAIR)
+        self.done.linger = 0
+        self.done.bind(addr)
+        self._tx = ctx.socket(zmq.PAIR)
+        self._tx.linger = 0
+        self._tx.connect(addr)
+        self._run = run  # jobs -> outputs (the worker's data plane)
+        self._job = None
+        self._out = None
+        self._cv = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="compute", daemon=True)
+        self._thread.start()
+
+    def submit(self, jobs, started) -> None:
+        with self._cv:
+            self._job = (jobs, started)
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._job is None and not self._closing:
+                    self._cv.wait()
+                if self._closing:
+                    return
+                jobs, started = self._job
+                self._job = None
+            t0 = time.perf_counter()
+            try:
+                outputs, error = self._run(jobs), None
+            except Exception as e:
+                outputs, error = None, e
+            self._out = (jobs, started, outputs, error, time.perf_counter() - t0)
+            self._tx.send(b"")
+
+    def result(self):
+        """(jobs, started, outputs, error, seconds) of the finished batch; blocks until done."""
+        self.done.recv()
+        out, self._out = self._out, None
+        return out
+
+    def close(self) -> None:
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join(5)
+        self._tx.close(linger=0)
+        self.done.close(linger=0)

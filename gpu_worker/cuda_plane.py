@@ -1,0 +1,238 @@
+"""The CUDA data plane: a `HostPlane` plus device memory (docs/gpu.md, sections 3 and 7).
+
+Constructed only when the worker's device is ``cuda:N`` (`CudaPlane.open`), so the CPU path
+imports and pays nothing for it.  Same methods as `gpu_worker.planes.HostPlane`; host
+tensors (shared memory, inline frames) are mapped by the host plane it wraps, and outputs
+that do not stay on the device are written by it.
+
+Invariants a maintainer must keep:
+
+* One worker stream orders everything: IPC event waits, uploads, compute, output copies and
+  hand-off events are queued on it, and the host never waits on the request path - except
+  where a client is about to be told FINAL while the device may still read its inputs (host
+  outputs: one synchronise before FINAL; an error FINAL of a job with CUDA inputs:
+  `finish_reads`).  The client frees its input slots at FINAL.
+* CUDA IPC inputs are honoured from a client on this host only; a numpy model gets a host
+  copy of them (ordered after the producer's event).
+* Outputs stay on the device (a slot of our `CudaPool`, handed off to the client's pid) when
+  the request says ``reply="cuda"``, or ``"auto"`` and it had CUDA inputs, and the client is
+  on this host.  A full device pool degrades to host memory, never to an error.
+* Client segments and the output ring are pinned (`HostRegistry`) so uploads and downloads
+  are DMA; a segment is unpinned before its mapping goes (`SegmentCache.on_forget`).
+* `close()` synchronises, closes the IPC cache, unpins, then closes the pools (pins first:
+  they must go while the pages they pin are still mapped).
+* Only public names of `shm.cuda` and `gpu_worker.cuda_runtime` are used here.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from broker import protocol as P
+from gpu_worker.cuda_runtime import GpuMemoryPressure, HostRegistry, MemoryWatch
+from gpu_worker.job import Job
+from gpu_worker.planes import HostPlane
+
+__all__ = ["CudaPlane"]
+
+log = logging.getLogger("gpu_worker")
+
+
+class CudaPlane:
+    """Device-side transport around a `HostPlane` (see the module docstring).
+
+    ``torch`` is the torch module (a stand-in in CPU tests), ``stream`` the worker stream,
+    ``pool`` a `shm.cuda.CudaPool` for outputs, ``cache`` a `shm.cuda.CudaPoolCache` for
+    inputs, ``pins`` a `gpu_worker.cuda_runtime.HostRegistry`, ``mem`` a
+    `gpu_worker.cuda_runtime.MemoryWatch`; ``device_path``: the backend runs torch models on
+    device tensors (`run_device`), so CUDA inputs need no host copy."""
+
+    def __init__(self, host: HostPlane, *, torch, stream, pool, cache, pins, mem, device_path: bool):
+        self.host = host
+        self.backend = host.backend
+        self.torch = torch
+        self.stream = stream
+        self.pool = pool
+        self.cache = cache
+        self.pins = pins
+        self.mem = mem
+        self.device_path = device_path
+        self._np_dtypes: dict[Any, np.dtype] = {}
+        self.transports = host.transports if "cuda" in host.transports else (*host.transports, "cuda")
+        # Unpin a client segment before its mapping goes (LRU, sweep, close).
+        host.inputs.on_forget = pins.drop
+        if host.out_pool is not None:
+            pins.ensure(host.out_pool.name, host.out_pool.mapping)
+
+    @classmethod
+    def open(cls, host: HostPlane, model, *, device: str, max_batch: int, pool_capacity: int = 256 << 20,
+             pool_slots: int = 1024) -> "CudaPlane":
+        """The plane of a worker on ``device`` (``cuda:N``) running ``model`` on ``host.backend``."""
+        import torch
+
+        from shm.cuda import CudaPool, CudaPoolCache
+
+        tdevice = torch.device(device)
+        index = tdevice.index or 0
+        # One stream for IPC waits, compute, output copies and hand-off events: the GPU
+        # orders them, the host never waits on the request path.
+        stream = torch.cuda.Stream(device=tdevice)
+        pool = CudaPool(pool_capacity, device=index, slots=pool_slots)
+        cache = CudaPoolCache(local={pool.name: pool})
+        device_path = getattr(model, "framework", "torch") == "torch" and hasattr(host.backend, "run_device")
+        return cls(host, torch=torch, stream=stream, pool=pool, cache=cache, pins=HostRegistry(),
+                   mem=MemoryWatch(max_batch, device=index), device_path=device_path)
+
+    def admit(self) -> str | None:
+        try:
+            self.mem.admit()
+        except GpuMemoryPressure as e:
+            return str(e)
+        return None
+
+    # ------------------------------------------------------------------ inputs
+
+    def map_inputs(self, job: Job, frames) -> None:
+        req = job.req
+        host = self.host
+        inputs: dict[str, Any] = {}
+        refs: dict[str, P.TensorRef] = {}
+        for t in req.tensors:
+            dt = P.parse_dtype(t.dtype)
+            loc = t.loc
+            if type(loc) is P.CudaLoc:
+                arr = self._map_device(req, t, dt)
+                job.cuda_in = True
+            else:
+                arr = host.map_tensor(req, t, dt, frames)
+                if type(loc) is P.ShmLoc and loc.segment not in self.pins:
+                    # Pinned, so the upload is a DMA straight from the client's slot.
+                    self.pins.ensure(loc.segment, host.inputs.mapping(loc.segment), readonly=True)
+            inputs[t.name] = arr
+            refs[t.name] = t
+        job.inputs, job.refs = inputs, refs
+
+    def _map_device(self, req: P.Request, t: P.TensorRef, dt: np.dtype):
+        if req.host != self.host.host:
+            raise P.ProtocolError("CUDA IPC reference from another host")
+        arr = self.cache.view(t.loc, dt, tuple(t.shape), stream=self.stream)
+        if not self.device_path:
+            # A numpy model reads host memory: one copy, ordered after the producer.
+            with self.torch.cuda.stream(self.stream):
+                host = arr.to("cpu", non_blocking=True)
+            self.stream.synchronize()
+            arr = host.numpy()
+            arr.flags.writeable = False
+        return arr
+
+    # ------------------------------------------------------------------ running
+
+    def batch_limit(self, max_batch: int) -> int:
+        # Smaller batches need less activation memory; MemoryWatch halves the cap under
+        # pressure and doubles it back.
+        return min(max_batch, self.mem.limit())
+
+    def run(self, jobs: list[Job]) -> list:
+        try:
+            if self.device_path and any(j.cuda_in or self._wants_device(j) for j in jobs):
+                return self.backend.run_device([j.inputs for j in jobs], stream=self.stream)
+            return self.backend.run([j.inputs for j in jobs])
+        except self.torch.cuda.OutOfMemoryError:
+            self.mem.on_oom()
+            raise
+
+    def _wants_device(self, job: Job) -> bool:
+        req = job.req
+        return (req.reply == "cuda" or (req.reply == "auto" and job.cuda_in)) and req.host == self.host.host
+
+    # ------------------------------------------------------------------ outputs
+
+    def write_outputs(self, job: Job, out: dict) -> tuple[list[P.TensorRef], list[Any]]:
+        if self._wants_device(job):
+            refs = self._device_outputs(job, out)
+            if refs is not None:
+                return refs, []
+            # Device pool full (the client holds many results): degrade to host memory.
+        if any(isinstance(v, self.torch.Tensor) for v in out.values()):
+            out = self._to_host(out)
+        return self.host.write_outputs(job, out)
+
+    def _np_dtype(self, tdtype) -> np.dtype:
+        dt = self._np_dtypes.get(tdtype)
+        if dt is None:
+            dt = self._np_dtypes[tdtype] = self.torch.empty(0, dtype=tdtype).numpy().dtype
+        return dt
+
+    def _device_outputs(self, job: Job, out: dict) -> list[P.TensorRef] | None:
+        """Outputs copied into our device pool and handed off (CudaLoc), or None when the
+        pool is full (the caller then replies through host memory)."""
+        torch = self.torch
+        pool = self.pool
+        handed = []
+        refs = []
+        try:
+            with torch.cuda.stream(self.stream):
+                for name, value in out.items():
+                    src = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
+                    dt = self._np_dtype(src.dtype)
+                    dst = pool.try_alloc(tuple(src.shape), dt)
+                    if dst is None:
+                        pool.reclaim()
+                        dst = pool.try_alloc(tuple(src.shape), dt)
+                    if dst is None:
+                        for t in handed:
+                            pool.free(t)
+                        return None
+                    handed.append(dst)
+                    dst.copy_(src, non_blocking=True)
+                    loc = P.cuda_loc(pool.hand_off(dst, stream=self.stream, holder_pid=job.req.pid))
+                    refs.append(P.TensorRef(name=name, dtype=dt.str, shape=list(src.shape), loc=loc))
+        except BaseException:
+            for t in handed:
+                try:
+                    pool.free(t)
+                except Exception:
+                    pass
+            raise
+        return refs
+
+    def _to_host(self, out: dict) -> dict:
+        torch = self.torch
+        fetched = {}
+        with torch.cuda.stream(self.stream):
+            for k, v in out.items():
+                fetched[k] = v.to("cpu", non_blocking=True) if isinstance(v, torch.Tensor) else v
+        # Host outputs are complete before FINAL, which also orders our reads of CUDA inputs
+        # before the client frees them (docs/gpu.md, section 3).
+        self.stream.synchronize()
+        return {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in fetched.items()}
+
+    def finish_reads(self, job: Job) -> None:
+        if job.cuda_in:
+            # The client frees its input slots at FINAL: our queued reads must be done.
+            try:
+                self.stream.synchronize()
+            except Exception:
+                log.exception("could not synchronise the worker stream before an error reply")
+
+    # ------------------------------------------------------------------ upkeep
+
+    def housekeeping(self) -> None:
+        try:
+            self.cache.poll()
+            self.cache.sweep()
+            self.pool.reclaim()
+        except Exception:
+            log.exception("CUDA pool housekeeping failed")
+
+    def close(self) -> None:
+        try:
+            self.stream.synchronize()
+        except Exception:
+            pass
+        self.cache.close()
+        self.pins.close()   # before the mappings it pins are closed
+        self.pool.close()
+        self.host.close()

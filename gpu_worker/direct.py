@@ -1,0 +1,215 @@
+"""The worker's side of direct reply (docs/protocol.md section 8): which FINALs go straight to
+a same-host client's ``reply_to`` socket, and the DONEs that tell the broker about them.
+
+Three pure cores (no socket, no clock: time is passed in) and one socket cache:
+
+* `direct_endpoint` - whether a reply may skip the broker: a FINAL (not a PARTIAL), of a
+  tensor request (not opaque), of a model that does not stream, to a client on this host
+  that named a ``reply_to``, with direct reply enabled.  Anything else is relayed.
+* `DoneGather` - envelopes of FINALs sent direct, waiting to go to the broker as DONE.  A
+  DONE waits for company for at most ``delay`` seconds or until ``max_pending`` envelopes
+  are held, whichever comes first, and never past half the time the earliest-due request had
+  left (so the broker hears of it before it would time the request out).  A DONE carries at
+  most ``P.MAX_DONE`` envelopes; more go as several DONEs.
+* `BatchFinals` - the header-only FINALs of one batch, per client, sent as one message each
+  (FINALS).  Only a batch of several is gathered (`gathers_finals`): a lone request's FINAL
+  is never held back for company.
+* `DirectSockets` - one PUSH socket per ``reply_to`` endpoint, least recently used closed
+  first.  An endpoint whose ipc path is not visible from here (another mount namespace, or
+  the client is gone) gets no socket: a connect would queue replies forever.  A send never
+  blocks: a full socket (the client stopped reading) or a failed one means the caller relays
+  this reply through the broker, which knows whether the client is still there.
+
+Invariant the worker must keep: an envelope enters `DoneGather` only after its FINAL was
+queued on a direct socket, and every envelope that entered is told to the broker (or dropped
+with the connection it belonged to: `clear()` after a reconnect).  A closed socket lingers
+`DIRECT_LINGER_MS` so that FINALs already told to the broker as DONE still reach their client.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import OrderedDict
+
+import zmq
+
+from broker import protocol as P
+from broker.protocol.wire import NOBLOCK, send_frames
+
+__all__ = ["DIRECT_LINGER_MS", "direct_endpoint", "DoneGather", "gathers_finals", "BatchFinals", "DirectSockets"]
+
+log = logging.getLogger("gpu_worker")
+
+# Milliseconds a closed reply_to socket keeps delivering what it has queued: a FINAL already
+# told to the broker as DONE must still reach its client (close() itself does not wait).
+DIRECT_LINGER_MS = 2000
+
+
+def direct_endpoint(final: bool, req: P.Request | None, *, host: str, enabled: bool, streaming: bool) -> str | None:
+    """The ``reply_to`` a reply may be sent to directly, or None: relay it through the broker.
+
+    PARTIALs and a streaming model's FINAL stay with the broker (their order and relay-time
+    checks live there), as do opaque replies (``req`` None) and replies to a client on
+    another host or without ``reply_to``.  Whether the endpoint is reachable and its socket
+    takes the message is `DirectSockets`' answer."""
+    if (final and req is not None and req.reply_to is not None and req.host == host
+            and enabled and not streaming):
+        return req.reply_to
+    return None
+
+
+class DoneGather:
+    """Envelopes whose FINAL went straight to the client, gathered into DONEs.
+
+    One DONE for several FINALs costs the broker one wake-up instead of several, and on a
+    small machine that wake-up competes with the client the FINAL just woke.  The broker's
+    credit count lags by at most ``max_pending`` requests or ``delay`` seconds."""
+
+    def __init__(self, *, delay: float, max_pending: int):
+        self.delay = float(delay)
+        self.max_pending = int(max_pending)
+        #: envelopes not yet told to the broker, in the order their FINALs went
+        self.envelopes: list[bytes] = []
+        #: when the pending envelopes must go (meaningful while there are some)
+        self.due = 0.0
+
+    def __len__(self) -> int:
+        return len(self.envelopes)
+
+    def add(self, envelope: bytes, deadline: float | None, now: float) -> None:
+        """A FINAL for ``envelope`` (whose request is due at ``deadline``) went direct at ``now``."""
+        due = now + self.delay
+        if deadline is not None:
+            due = min(due, now + max(0.0, deadline - now) / 2)
+        if not self.envelopes or due < self.due:
+            self.due = due
+        self.envelopes.append(envelope)
+
+    def ready(self, now: float) -> bool:
+        """Whether the pending envelopes should go now."""
+        return bool(self.envelopes) and (now >= self.due or len(self.envelopes) >= self.max_pending)
+
+    def wait_ms(self, now: float) -> int | None:
+        """Milliseconds until the DONE is due (a poll timeout), None when nothing is pending.
+        Whole milliseconds, rounded up: zmq_poll truncates, and a DONE can afford to be late
+        where spinning until it is due cannot."""
+        if not self.envelopes:
+            return None
+        return math.ceil(max(0.0, self.due - now) * 1000.0)
+
+    def take(self) -> list[list[bytes]]:
+        """The DONE messages (frames) for everything pending, which is then forgotten."""
+        done, self.envelopes = self.envelopes, []
+        return [P.worker_done(done[i : i + P.MAX_DONE]) for i in range(0, len(done), P.MAX_DONE)]
+
+    def clear(self) -> None:
+        """Forget the pending envelopes (their tokens died with the broker connection)."""
+        self.envelopes.clear()
+
+
+def gathers_finals(batch_size: int) -> bool:
+    """Whether a batch's header-only FINALs are gathered per client (`BatchFinals`): only
+    for a batch of several; a lone request's FINAL goes at once."""
+    return batch_size > 1
+
+
+class BatchFinals:
+    """The header-only FINALs of one batch, per ``reply_to``, while its replies are written."""
+
+    def __init__(self):
+        self._by_endpoint: dict[str, list] = {}
+
+    def __len__(self) -> int:
+        return sum(len(items) for items in self._by_endpoint.values())
+
+    def add(self, endpoint: str, header, item) -> None:
+        """Gather one FINAL (its only frame, ``header``); ``item`` comes back with it."""
+        self._by_endpoint.setdefault(endpoint, []).append((header, item))
+
+    def messages(self, service: bytes) -> list[tuple[str, list, list]]:
+        """(endpoint, frames, [(header, item)...]) per client: a FINALS message for several
+        headers, a plain FINAL for one."""
+        out = []
+        for endpoint, items in self._by_endpoint.items():
+            heads = [head for head, _ in items]
+            frames = P.client_reply(True, service, heads) if len(heads) == 1 else P.direct_finals(service, heads)
+            out.append((endpoint, frames, items))
+        return out
+
+
+class DirectSockets:
+    """PUSH sockets to clients' ``reply_to`` endpoints, least recently used closed first."""
+
+    #: replies a client that stops reading may have queued before the worker relays instead
+    sndhwm = 1000
+
+    def __init__(self, ctx: zmq.Context, *, capacity: int = 64):
+        self.ctx = ctx
+        self.capacity = max(1, int(capacity))
+        self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._socks)
+
+    def __contains__(self, endpoint: object) -> bool:
+        return endpoint in self._socks
+
+    def open(self, endpoint: str) -> zmq.Socket | None:
+        """The socket for ``endpoint`` (connected now if need be), or None when the endpoint
+        cannot be reached from here."""
+        sock = self._socks.get(endpoint)
+        if sock is not None:
+            self._socks.move_to_end(endpoint)
+            return sock
+        if not os.path.exists(endpoint[len("ipc://"):]):
+            # Not visible from here (another mount namespace, or the client is gone): a
+            # connect would queue replies forever, so relay instead.
+            return None
+        sock = None
+        try:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.linger = 0
+            # A client that stops reading costs at most this many queued replies before
+            # the worker falls back to relaying (and reconnects afresh).
+            sock.sndhwm = self.sndhwm
+            sock.connect(endpoint)
+        except zmq.ZMQError as e:
+            if sock is not None:
+                sock.close(linger=0)
+            log.warning("cannot connect to reply_to %s (%s); relaying through the broker", endpoint, e)
+            return None
+        self._socks[endpoint] = sock
+        while len(self._socks) > self.capacity:
+            _, old = self._socks.popitem(last=False)
+            old.close(linger=DIRECT_LINGER_MS)
+        return sock
+
+    def send(self, endpoint: str, frames, *, keep_failed: bool = False) -> bool:
+        """Queue one message on ``endpoint``'s open socket without blocking; False when the
+        caller must relay it instead: no socket is open for it (closed since), the socket is
+        full (it stays: the replies already queued stay queued), or the send failed (the
+        socket is closed, with a warning, unless ``keep_failed``)."""
+        sock = self._socks.get(endpoint)
+        if sock is None:
+            return False
+        try:
+            send_frames(sock, frames, NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if not keep_failed:
+                log.warning("direct reply to %s failed (%s); relaying through the broker", endpoint, e)
+                self.drop(endpoint)
+            return False
+        return True
+
+    def drop(self, endpoint: str) -> None:
+        sock = self._socks.pop(endpoint, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def close(self) -> None:
+        for sock in self._socks.values():
+            sock.close(linger=DIRECT_LINGER_MS)
+        self._socks.clear()

@@ -1,0 +1,36 @@
+"""One request held by the worker, from its REQUEST to its FINAL.
+
+A `Job` is plain data shared by the worker loop (`gpu_worker.worker`), the data planes
+(`gpu_worker.planes`, `gpu_worker.cuda_plane`) and the direct-reply gathering
+(`gpu_worker.direct`).  Invariants a maintainer must keep:
+
+* ``envelope`` is the broker's token for this dispatch attempt; every reply and DONE for the
+  job carries it, and nothing else identifies the job to the broker.
+* ``req`` is None only for an opaque MDP request (no header): such a job is never batched,
+  never replied to directly and has no tensors.
+* ``inputs`` and ``refs`` are set together by a plane's ``map_inputs`` (both None until
+  then): views of the client's memory, never copies the worker may write to.
+* ``cuda_in`` is True once a CUDA IPC input was viewed on the worker's stream (set even if
+  a later input of the same request then failed to map): the reads queued for it must be
+  finished before the client is told FINAL, which frees the inputs.
+"""
+from __future__ import annotations
+
+__all__ = ["Job"]
+
+
+class Job:
+    """One request held by the worker."""
+
+    __slots__ = ("envelope", "req", "inputs", "opaque", "received", "deadline", "refs", "input_ms", "cuda_in")
+
+    def __init__(self, envelope, req, inputs, opaque, received, deadline, refs):
+        self.envelope = envelope
+        self.req = req            # P.Request or None (opaque)
+        self.inputs = inputs      # dict name -> ndarray (views)
+        self.opaque = opaque      # body frames of an opaque request
+        self.received = received
+        self.deadline = deadline
+        self.refs = refs          # name -> TensorRef of the input (for identity pass-through)
+        self.input_ms = 0.0       # mapping the inputs (shm views, inline frames)
+        self.cuda_in = False      # some input is a CUDA IPC view (the worker stream reads it)

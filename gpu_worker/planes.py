@@ -1,0 +1,169 @@
+"""Data planes: how a worker reads a request's tensors, runs a batch, and places its outputs.
+
+The worker loop (`gpu_worker.worker`) knows nothing of where tensors live; it talks to one
+plane, chosen once when the worker starts: `HostPlane` (this module) on a CPU worker,
+`gpu_worker.cuda_plane.CudaPlane` on a CUDA one.  Both have the same methods:
+
+    transports                   what READY advertises ("inline", "shm"[, "cuda"])
+    admit() -> str | None        None: take a new request; else why it is shed (QUEUE_FULL)
+    map_inputs(job, frames)      job.inputs, job.refs: views of the request's tensors
+    batch_limit(max_batch) -> n  the largest batch to form now
+    run(jobs) -> outputs         one dict name -> array per job, in order
+    write_outputs(job, out) -> (tensor refs, inline frames)   for the reply header and body
+    finish_reads(job)            before an error FINAL: reads of the job's inputs are done
+    housekeeping()               every heartbeat interval
+    close()
+
+Host plane invariants:
+
+* Inputs are read in place: a shared-memory reference becomes a read-only numpy view of the
+  client's segment (mapped once per segment, `shm.SegmentCache`), an inline frame a
+  read-only numpy view of the received ZeroMQ frame.  Nothing is copied and nothing the
+  worker may write aliases a client's memory.  Shared-memory references are only honoured
+  from a client on this host.
+* Outputs go to this worker's output ring (`shm.ShmPool`, marked IN_FLIGHT for the client's
+  pid) when the client is on this host and did not ask for inline, else inline; a full ring
+  degrades to inline, never to an error.
+* Identity pass-through: an output that *is* one of the request's shared-memory inputs (an
+  identity model such as `echo`) is answered with the input's own reference: nothing is
+  copied, whatever the tensor's size, and the client keeps that slot until it releases the
+  result (docs/protocol.md, section 7).
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from broker import protocol as P
+from gpu_worker.job import Job
+
+__all__ = ["DataPlane", "HostPlane", "is_same_array"]
+
+CUDA_ON_CPU_WORKER = ("CUDA IPC tensors need a worker on a CUDA device (start it with "
+                      "python -m gpu_worker --device cuda:N); this worker runs on the CPU")
+
+
+class DataPlane(Protocol):
+    """What the worker loop needs from a data plane (see the module docstring)."""
+
+    transports: tuple[str, ...]
+
+    def admit(self) -> str | None: ...
+    def map_inputs(self, job: Job, frames) -> None: ...
+    def batch_limit(self, max_batch: int) -> int: ...
+    def run(self, jobs: list[Job]) -> list: ...
+    def write_outputs(self, job: Job, out: dict) -> tuple[list[P.TensorRef], list]: ...
+    def finish_reads(self, job: Job) -> None: ...
+    def housekeeping(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class HostPlane:
+    """Tensors in host memory: shared-memory views and inline frames in, the output ring or
+    inline frames out.  Owns the input segment cache and the output ring."""
+
+    def __init__(self, backend, *, host: str, transports=("inline", "shm"), out_capacity: int = 256 << 20,
+                 out_slots: int = 4096):
+        from shm import SegmentCache, ShmPool
+
+        self.backend = backend
+        self.host = host
+        self.transports = tuple(transports)
+        #: client segments, mapped read-only once each
+        self.inputs = SegmentCache()
+        #: this worker's output ring (None without the "shm" transport)
+        self.out_pool = ShmPool(out_capacity, slots=out_slots) if "shm" in self.transports else None
+
+    def admit(self) -> str | None:
+        return None
+
+    # ------------------------------------------------------------------ inputs
+
+    def map_inputs(self, job: Job, frames) -> None:
+        req = job.req
+        inputs: dict[str, np.ndarray] = {}
+        refs: dict[str, P.TensorRef] = {}
+        for t in req.tensors:
+            inputs[t.name] = self.map_tensor(req, t, P.parse_dtype(t.dtype), frames)
+            refs[t.name] = t
+        job.inputs, job.refs = inputs, refs
+
+    def map_tensor(self, req: P.Request, t: P.TensorRef, dt: np.dtype, frames) -> np.ndarray:
+        """A read-only view of one host tensor of ``req`` (shared memory or an inline frame)."""
+        loc = t.loc
+        kind = type(loc)
+        if kind is P.ShmLoc:
+            if req.host != self.host:
+                raise P.ProtocolError("shared-memory reference from another host")
+            return self.inputs.view(P.shm_ref(loc), dt, tuple(t.shape))
+        if kind is P.InlineLoc:
+            buf = frames[loc.frame]
+            buf = buf.buffer if hasattr(buf, "buffer") else memoryview(buf)
+            arr = np.frombuffer(buf, dtype=dt).reshape(t.shape) if dt.itemsize else np.empty(t.shape, dt)
+            arr.flags.writeable = False
+            return arr
+        raise P.ProtocolError(CUDA_ON_CPU_WORKER)
+
+    # ------------------------------------------------------------------ running
+
+    def batch_limit(self, max_batch: int) -> int:
+        return max_batch
+
+    def run(self, jobs: list[Job]) -> list:
+        return self.backend.run([j.inputs for j in jobs])
+
+    # ------------------------------------------------------------------ outputs
+
+    def write_outputs(self, job: Job, out: dict) -> tuple[list[P.TensorRef], list[Any]]:
+        req = job.req
+        want_shm = self.out_pool is not None and (
+            req.reply == "shm" or (req.reply != "inline" and req.host == self.host)
+        )
+        refs: list[P.TensorRef] = []
+        frames: list[Any] = []
+        for name, value in out.items():
+            arr = np.asarray(value)
+            same = job.inputs.get(name) if job.inputs else None
+            if same is not None and type(job.refs[name].loc) is P.ShmLoc and req.reply != "inline" and is_same_array(arr, same):
+                # Identity output: hand back the client's own reference; no byte moves.
+                refs.append(P.TensorRef(name=name, dtype=job.refs[name].dtype, shape=list(arr.shape), loc=job.refs[name].loc))
+                continue
+            dts = arr.dtype.str
+            if want_shm:
+                buf = self.out_pool.try_alloc(arr.shape, arr.dtype)
+                if buf is not None:
+                    np.copyto(buf, arr)
+                    ref = self.out_pool.ref_of(buf)
+                    self.out_pool.mark_in_flight(ref, holder_pid=req.pid)
+                    refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape),
+                                            loc=P.shm_loc(ref)))
+                    continue
+                # Output ring full (the client holds many results): degrade to inline, never fail.
+            if not arr.flags.c_contiguous:
+                arr = np.ascontiguousarray(arr)
+            refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape), loc=P.InlineLoc(frame=len(frames))))
+            # Raw bytes view: the buffer protocol refuses some dtypes (datetime64) as typed views.
+            frames.append(arr.reshape(-1).view(np.uint8).data if arr.nbytes else b"")
+        return refs, frames
+
+    def finish_reads(self, job: Job) -> None:
+        pass  # host reads are done when the model call returns
+
+    def housekeeping(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.inputs.close()
+        if self.out_pool is not None:
+            self.out_pool.close()
+
+
+def is_same_array(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether ``a`` is ``b``'s memory, seen whole (the identity pass-through test)."""
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.flags.c_contiguous
+    )

@@ -1,0 +1,78 @@
+"""gpu_worker.compute: whether a batch leaves the worker loop's thread (pure, seconds passed
+in), and the compute thread that runs it and wakes the loop."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import zmq
+
+from gpu_worker.compute import ComputeThread, ComputeTimes
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_an_unknown_batch_size_is_offloaded():
+    t = ComputeTimes(heartbeat_interval=1.0)
+    assert t.predict(4) is None and t.offload(4)
+
+
+def test_offload_when_longer_than_half_a_heartbeat_interval():
+    t = ComputeTimes(heartbeat_interval=1.0)
+    t.seed({1: 0.001, 8: 0.5, 16: 0.6})
+    assert not t.offload(1)
+    assert not t.offload(8)          # exactly half: stays on the loop's thread
+    assert t.offload(16)
+    assert t.offload(2)              # a size warm-up did not run
+
+
+def test_measured_times_are_an_ewma_per_batch_size():
+    t = ComputeTimes(heartbeat_interval=0.1)
+    t.observe(2, 0.01)
+    assert t.predict(2) == 0.01      # the first measurement is taken as is
+    t.observe(2, 0.11)
+    assert t.predict(2) == pytest.approx(0.8 * 0.01 + 0.2 * 0.11)
+    assert not t.offload(2)          # 0.03 < 0.05
+    for _ in range(10):
+        t.observe(2, 0.2)
+    assert t.offload(2)              # batches got slower: off the loop's thread now
+    assert t.predict(3) is None
+
+
+def test_warm_up_timings_replace_estimates_for_their_sizes_only():
+    t = ComputeTimes(heartbeat_interval=1.0)
+    t.observe(1, 0.9)
+    t.observe(4, 0.9)
+    t.seed({1: 0.001})
+    assert t.predict(1) == 0.001 and t.predict(4) == 0.9
+
+
+def test_the_compute_thread_runs_a_batch_and_wakes_the_loop():
+    ctx = zmq.Context.instance()
+    seen = []
+
+    def run(jobs):
+        seen.append(threading.current_thread().name)
+        return [j * 2 for j in jobs]
+
+    ct = ComputeThread(ctx, run)
+    try:
+        ct.submit([1, 2], 5.0)
+        assert ct.done.poll(5000)
+        jobs, started, outputs, error, seconds = ct.result()
+        assert (jobs, started, outputs, error) == ([1, 2], 5.0, [2, 4], None) and seconds >= 0
+        assert seen == ["compute"]
+
+        def boom(jobs):
+            raise ValueError("model failed")
+
+        ct2 = ComputeThread(ctx, boom)
+        try:
+            ct2.submit([1], 0.0)
+            assert ct2.done.poll(5000)
+            _, _, outputs, error, _ = ct2.result()
+            assert outputs is None and isinstance(error, ValueError)
+        finally:
+            ct2.close()
+    finally:
+        ct.close()

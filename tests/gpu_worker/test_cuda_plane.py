@@ -1,0 +1,311 @@
+"""The CUDA data plane's own decisions on the CPU (gpu_worker.cuda_plane.CudaPlane): which
+path a batch and its outputs take, the fallbacks to host memory, when the worker stream is
+synchronised, pinning, shedding under memory pressure, and the order of closing.
+
+The device parts are stand-ins passed to the constructor (a stream that counts its
+synchronisations, a pool and an IPC cache over CPU tensors, a pinning function that records);
+`HostRegistry` and `MemoryWatch` are the real ones with injected readings.  What only a GPU
+can show (real IPC, stream ordering) is in tests/gpu."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the CUDA plane's tensors are torch tensors (CPU ones here)")
+
+from broker import protocol as P  # noqa: E402
+from gpu_worker.cuda_plane import CudaPlane  # noqa: E402
+from gpu_worker.cuda_runtime import HostRegistry, MemoryWatch  # noqa: E402
+from gpu_worker.job import Job  # noqa: E402
+from gpu_worker.planes import HostPlane  # noqa: E402
+
+HOST = P.local_host_id()
+POOL = "zinf-1-1-0123456789abcdef"
+GiB = 1 << 30
+
+
+class Stream:
+    def __init__(self, log):
+        self.log = log
+        self.syncs = 0
+
+    def synchronize(self):
+        self.syncs += 1
+        self.log.append("stream.synchronize")
+
+
+class _Cuda:
+    OutOfMemoryError = torch.cuda.OutOfMemoryError
+
+    @staticmethod
+    def stream(s):
+        return contextlib.nullcontext()
+
+
+class Torch:
+    """torch with its `cuda` namespace replaced (CPU tensors stand in for device ones)."""
+
+    Tensor = torch.Tensor
+    from_numpy = staticmethod(torch.from_numpy)
+    empty = staticmethod(torch.empty)
+    cuda = _Cuda
+
+
+class Pool:
+    """Device pool of `slots` CPU tensors."""
+
+    name = "zinf-2-2-fedcba9876543210"
+
+    def __init__(self, log, slots=4):
+        self.log = log
+        self.slots = slots
+        self.live: list = []
+        self.freed: list = []
+        self.handed: list = []
+        self.reclaims = 0
+
+    def try_alloc(self, shape, dtype):
+        if len(self.live) >= self.slots:
+            return None
+        t = torch.from_numpy(np.zeros(shape, dtype))
+        self.live.append(t)
+        return t
+
+    def reclaim(self):
+        self.reclaims += 1
+        return 0
+
+    def free(self, t):
+        self.freed.append(t)
+        self.live = [x for x in self.live if x is not t]
+
+    def hand_off(self, t, *, stream=None, holder_pid=None):
+        i = next(k for k, x in enumerate(self.live) if x is t)
+        self.handed.append((i, holder_pid))
+        return P.device_ref(P.CudaLoc(pool=self.name, offset=i * 4096, nbytes=t.numel() * t.element_size(),
+                                      device=0, handle=b"h" * 64, event=b"e" * 64, slot=i, generation=1))
+
+    def close(self):
+        self.log.append("pool.close")
+
+
+class Cache:
+    """IPC cache: descriptors name tensors the test put in `tensors`."""
+
+    def __init__(self, log):
+        self.log = log
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.views: list = []
+
+    def view(self, loc, dtype, shape, *, stream=None):
+        self.views.append((loc.offset, stream))
+        return self.tensors[loc.offset].view(torch.from_numpy(np.empty(0, dtype)).dtype).reshape(shape)
+
+    def poll(self):
+        self.log.append("cache.poll")
+
+    def sweep(self):
+        self.log.append("cache.sweep")
+
+    def close(self):
+        self.log.append("cache.close")
+
+
+class Backend:
+    def __init__(self, log, fail=None):
+        self.log = log
+        self.fail = fail
+
+    def run(self, batch):
+        self.log.append("run")
+        if self.fail:
+            raise self.fail
+        return [{"y": np.asarray(inputs["x"]) + 1} for inputs in batch]
+
+    def run_device(self, batch, stream=None):
+        self.log.append("run_device")
+        if self.fail:
+            raise self.fail
+        return [{"y": torch.as_tensor(np.asarray(inputs["x"])) + 1} for inputs in batch]
+
+
+@pytest.fixture
+def side():
+    log: list = []
+    pinned: list = []
+
+    class Reg:
+        def __init__(self, name):
+            self.name = name
+
+        def unregister(self):
+            log.append(f"unpin {self.name}")
+
+    def register(buf, readonly=None):
+        pinned.append(readonly)
+        return Reg(len(pinned))
+
+    host = HostPlane(Backend(log), host=HOST, out_capacity=1 << 20, out_slots=8)
+    free = [8 * GiB]
+    mem = MemoryWatch(8, min_free_bytes=1 * GiB, interval=0.0, mem_info=lambda: (free[0], 16 * GiB))
+    plane = CudaPlane(host, torch=Torch, stream=Stream(log), pool=Pool(log), cache=Cache(log),
+                      pins=HostRegistry(register=register), mem=mem, device_path=True)
+    plane.test_log, plane.test_pinned, plane.test_free = log, pinned, free
+    yield plane
+    if not getattr(plane, "test_closed", False):
+        plane.close()
+
+
+def _cuda_ref(plane, value: np.ndarray, offset: int = 0, name: str = "x") -> P.TensorRef:
+    plane.cache.tensors[offset] = torch.from_numpy(value.copy().view(np.uint8).reshape(-1))
+    loc = P.CudaLoc(pool=POOL, offset=offset, nbytes=value.nbytes, device=0, slot=0, generation=1)
+    return P.TensorRef(name=name, dtype=value.dtype.str, shape=list(value.shape), loc=loc)
+
+
+def _job(tensors, *, reply="auto", host=HOST) -> Job:
+    return Job(P.token_envelope(1), P.Request(id=1, host=host, pid=os.getpid(), reply=reply, tensors=tensors),
+               None, None, 0.0, None, None)
+
+
+def test_advertises_cuda_and_pins_the_output_ring(side):
+    assert side.transports == ("inline", "shm", "cuda")
+    assert side.test_pinned == [None]                    # the output ring, writable
+    assert side.host.inputs.on_forget == side.pins.drop  # unpinned before a mapping goes
+
+
+def test_cuda_inputs_are_viewed_on_the_worker_stream(side):
+    x = np.arange(6, dtype=np.int32)
+    job = _job([_cuda_ref(side, x)])
+    side.map_inputs(job, [])
+    assert job.cuda_in and isinstance(job.inputs["x"], torch.Tensor)
+    assert side.cache.views == [(0, side.stream)] and side.stream.syncs == 0  # no host wait
+    np.testing.assert_array_equal(job.inputs["x"].numpy(), x)
+
+
+def test_a_numpy_model_gets_a_read_only_host_copy_of_cuda_inputs(side):
+    side.device_path = False
+    job = _job([_cuda_ref(side, np.arange(4, dtype=np.float32))])
+    side.map_inputs(job, [])
+    arr = job.inputs["x"]
+    assert isinstance(arr, np.ndarray) and not arr.flags.writeable and side.stream.syncs == 1
+    assert job.cuda_in
+
+
+def test_cuda_inputs_from_another_host_are_refused(side):
+    job = _job([_cuda_ref(side, np.zeros(2, np.uint8))], host="elsewhere/0")
+    with pytest.raises(P.ProtocolError, match="another host"):
+        side.map_inputs(job, [])
+    assert not job.cuda_in and job.inputs is None
+
+
+def test_client_segments_are_pinned_read_only_once(side):
+    import shm
+
+    with shm.ShmPool(1 << 20) as client:
+        refs = []
+        for i in range(2):
+            a = client.alloc((4,), np.uint8)
+            ref = client.ref_of(a)
+            client.mark_in_flight(ref)
+            refs.append(P.TensorRef(name=f"x{i}", dtype="|u1", shape=[4], loc=P.shm_loc(ref)))
+        side.map_inputs(_job(refs), [])
+        assert side.test_pinned == [None, True]
+        side.host.inputs.forget(client.name)
+        assert "unpin 2" in side.test_log
+
+
+def test_a_batch_with_cuda_inputs_or_device_replies_runs_on_the_device(side):
+    on_host = _job([])
+    on_host.inputs = {"x": np.ones(2, np.int32)}
+    side.run([on_host])
+    wants_device = _job([], reply="cuda")
+    wants_device.inputs = {"x": np.ones(2, np.int32)}
+    side.run([on_host, wants_device])
+    assert side.test_log[-2:] == ["run", "run_device"]
+    side.device_path = False
+    side.run([wants_device])
+    assert side.test_log[-1] == "run"
+
+
+def test_an_out_of_memory_batch_halves_the_batch_cap(side):
+    side.backend.fail = torch.cuda.OutOfMemoryError("CUDA out of memory")
+    job = _job([])
+    job.inputs = {"x": np.ones(2, np.int32)}
+    assert side.batch_limit(8) == 8
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        side.run([job])
+    assert side.mem.cap == 4
+    side.test_free[0] = 15 * GiB  # plenty again: the cap doubles back on the next reading
+    assert side.batch_limit(8) == 8
+
+
+def test_memory_pressure_sheds_new_requests_with_a_reason(side):
+    assert side.admit() is None
+    side.test_free[0] = GiB // 4  # far below the 1 GiB threshold
+    why = side.admit()
+    assert why is not None and "GPU memory pressure" in why
+    assert side.batch_limit(8) == 1
+
+
+def test_device_replies_stay_in_the_pool_handed_to_the_client(side):
+    job = _job([], reply="cuda")
+    refs, frames = side.write_outputs(job, {"y": torch.arange(3, dtype=torch.int16), "z": np.ones(2, np.float32)})
+    assert frames == [] and [r.name for r in refs] == ["y", "z"]
+    assert all(type(r.loc) is P.CudaLoc for r in refs) and refs[0].dtype == "<i2" and refs[1].dtype == "<f4"
+    assert side.pool.handed == [(0, os.getpid()), (1, os.getpid())]
+    torch.testing.assert_close(side.pool.live[0], torch.arange(3, dtype=torch.int16))
+
+
+def test_a_full_device_pool_degrades_to_host_memory(side):
+    side.pool.slots = 1
+    job = _job([], reply="cuda")
+    job.inputs, job.refs = {}, {}
+    refs, frames = side.write_outputs(job, {"y": torch.arange(3, dtype=torch.int16), "z": torch.ones(2)})
+    assert side.pool.reclaims == 1 and len(side.pool.freed) == 1 and side.pool.live == []  # nothing half-sent
+    assert all(type(r.loc) is P.ShmLoc for r in refs) and frames == []
+    assert side.stream.syncs == 1  # host outputs are complete before FINAL
+
+
+def test_host_replies_are_fetched_then_the_stream_synchronised(side):
+    job = _job([], reply="inline")
+    job.inputs, job.refs = {}, {}
+    refs, frames = side.write_outputs(job, {"y": torch.arange(4, dtype=torch.int32)})
+    assert side.stream.syncs == 1 and side.pool.handed == []
+    assert type(refs[0].loc) is P.InlineLoc and bytes(frames[0]) == np.arange(4, dtype=np.int32).tobytes()
+    # "auto" without CUDA inputs is a host reply too; a numpy-only output needs no sync.
+    side.write_outputs(_job([]), {"y": np.arange(2)})
+    assert side.stream.syncs == 1 and side.pool.handed == []
+
+
+def test_an_error_reply_waits_for_queued_reads_of_cuda_inputs_only(side):
+    job = _job([])
+    side.finish_reads(job)
+    assert side.stream.syncs == 0
+    job.cuda_in = True
+    side.finish_reads(job)
+    assert side.stream.syncs == 1
+
+
+def test_housekeeping_polls_sweeps_and_reclaims_and_never_raises(side, caplog):
+    side.housekeeping()
+    assert side.test_log[-2:] == ["cache.poll", "cache.sweep"] and side.pool.reclaims == 1
+
+    def boom():
+        raise RuntimeError("driver hiccup")
+
+    side.cache.poll = boom
+    side.housekeeping()
+    assert "CUDA pool housekeeping failed" in caplog.text
+
+
+def test_close_synchronises_closes_the_cache_unpins_then_closes_the_pools(side):
+    del side.test_log[:]
+    side.close()
+    side.test_closed = True
+    assert side.test_log == ["stream.synchronize", "cache.close", "unpin 1", "pool.close"]
+    assert side.host.out_pool is not None
+    with pytest.raises(Exception):
+        side.host.out_pool.try_alloc((1,), np.uint8)  # the host plane was closed too

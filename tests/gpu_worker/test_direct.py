@@ -1,0 +1,197 @@
+"""The direct-reply decisions of gpu_worker.direct, alone: which replies may skip the broker,
+when a DONE goes and what it carries, which FINALs are gathered per client, and the reply_to
+socket cache (reachable, full, failed).  No worker, no clock: time is passed in."""
+from __future__ import annotations
+
+import pytest
+import zmq
+
+from broker import protocol as P
+from gpu_worker.direct import (
+    BatchFinals,
+    DirectSockets,
+    DoneGather,
+    direct_endpoint,
+    gathers_finals,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+HOST = "this-host/0"
+EP = "ipc:///run/user/1/c-1.ipc"
+
+
+def env(i: int) -> bytes:
+    return P.token_envelope(i)
+
+
+# ------------------------------------------------------------------ direct or through the broker
+
+def _req(**kw) -> P.Request:
+    return P.Request(id=1, **{"host": HOST, "reply_to": EP, **kw})
+
+
+def test_a_same_host_final_with_reply_to_goes_direct():
+    assert direct_endpoint(True, _req(), host=HOST, enabled=True, streaming=False) == EP
+
+
+@pytest.mark.parametrize("final, req, enabled, streaming", [
+    (False, _req(), True, False),                     # a PARTIAL: its order stays with the broker
+    (True, None, True, False),                        # an opaque MDP request
+    (True, _req(reply_to=None), True, False),         # no reply_to
+    (True, _req(host="elsewhere/0"), True, False),    # a client on another host
+    (True, _req(), False, False),                     # direct reply switched off
+    (True, _req(), True, True),                       # a streaming model's FINAL
+])
+def test_everything_else_is_relayed(final, req, enabled, streaming):
+    assert direct_endpoint(final, req, host=HOST, enabled=enabled, streaming=streaming) is None
+
+
+# ------------------------------------------------------------------ DONE
+
+def test_a_done_waits_up_to_the_delay_for_company():
+    g = DoneGather(delay=0.005, max_pending=4)
+    assert len(g) == 0 and not g.ready(0.0) and g.wait_ms(0.0) is None
+    g.add(env(1), None, now=10.0)
+    assert g.due == pytest.approx(10.005)
+    assert not g.ready(10.004) and g.ready(10.005)
+    # A later FINAL never pushes the DONE back.
+    g.add(env(2), None, now=10.003)
+    assert g.due == pytest.approx(10.005)
+    # As a poll timeout: whole milliseconds, rounded up, never negative.
+    g = DoneGather(delay=0.005, max_pending=4)
+    g.add(env(1), None, now=0.0)
+    assert g.wait_ms(0.0) == 5 and g.wait_ms(0.0041) == 1 and g.wait_ms(1.0) == 0
+
+
+def test_a_done_goes_when_a_quarter_of_the_credit_is_pending():
+    g = DoneGather(delay=10.0, max_pending=3)
+    for i in range(2):
+        g.add(env(i), None, now=0.0)
+    assert not g.ready(0.0)
+    g.add(env(2), None, now=0.0)
+    assert g.ready(0.0)
+
+
+def test_a_done_never_waits_past_half_a_requests_remaining_time():
+    g = DoneGather(delay=0.005, max_pending=100)
+    g.add(env(1), deadline=10.002, now=10.0)
+    assert g.due == pytest.approx(10.001)             # half of the 2 ms left
+    g.add(env(2), deadline=None, now=10.0005)         # a request without deadline: no later
+    assert g.due == pytest.approx(10.001)
+    g.add(env(3), deadline=9.0, now=10.0008)          # already past: due at once
+    assert g.due == pytest.approx(10.0008) and g.ready(10.0008)
+
+
+def test_a_done_carries_every_pending_envelope_in_order_at_most_max_done_each():
+    g = DoneGather(delay=0.005, max_pending=1)
+    envs = [env(i) for i in range(P.MAX_DONE + 2)]
+    for e in envs:
+        g.add(e, None, now=0.0)
+    msgs = g.take()
+    assert msgs == [P.worker_done(envs[: P.MAX_DONE]), P.worker_done(envs[P.MAX_DONE:])]
+    assert len(g) == 0 and g.take() == [] and not g.ready(1.0)
+
+
+def test_clear_forgets_envelopes_of_a_lost_connection():
+    g = DoneGather(delay=0.005, max_pending=4)
+    g.add(env(1), None, now=0.0)
+    g.clear()
+    assert g.take() == [] and g.wait_ms(0.0) is None
+
+
+# ------------------------------------------------------------------ FINALs of one batch
+
+def test_only_a_batch_of_several_gathers_its_finals():
+    assert gathers_finals(1) is False  # a lone request's FINAL is never held back
+    assert gathers_finals(2) and gathers_finals(8)
+
+
+def test_batch_finals_are_one_message_per_client():
+    f = BatchFinals()
+    assert len(f) == 0 and not f
+    f.add("ipc://a", b"h1", "job1")
+    f.add("ipc://b", b"h2", "job2")
+    f.add("ipc://a", b"h3", "job3")
+    assert len(f) == 3
+    out = f.messages(b"echo")
+    assert out == [
+        ("ipc://a", P.direct_finals(b"echo", [b"h1", b"h3"]), [(b"h1", "job1"), (b"h3", "job3")]),
+        ("ipc://b", P.client_reply(True, b"echo", [b"h2"]), [(b"h2", "job2")]),
+    ]
+
+
+# ------------------------------------------------------------------ reply_to sockets
+
+@pytest.fixture
+def ctx():
+    return zmq.Context.instance()
+
+
+def _pull(ctx, path: str, hwm: int = 1000) -> zmq.Socket:
+    s = ctx.socket(zmq.PULL)
+    s.linger = 0
+    s.rcvhwm = hwm
+    s.bind("ipc://" + path)
+    return s
+
+
+def test_an_unreachable_endpoint_gets_no_socket(ctx, tmp_path):
+    socks = DirectSockets(ctx)
+    try:
+        assert socks.open(f"ipc://{tmp_path}/nobody.ipc") is None and len(socks) == 0
+        assert socks.send(f"ipc://{tmp_path}/nobody.ipc", [b"x"]) is False  # nothing open: relay
+    finally:
+        socks.close()
+
+
+def test_sockets_are_reused_and_the_least_recently_used_closed(ctx, tmp_path):
+    pulls = [_pull(ctx, f"{tmp_path}/{i}.ipc") for i in range(3)]
+    eps = [f"ipc://{tmp_path}/{i}.ipc" for i in range(3)]
+    socks = DirectSockets(ctx, capacity=2)
+    try:
+        a = socks.open(eps[0])
+        assert a is not None and socks.open(eps[0]) is a
+        socks.open(eps[1])
+        socks.open(eps[0])                 # eps[1] is now the least recently used
+        socks.open(eps[2])
+        assert eps[0] in socks and eps[2] in socks and eps[1] not in socks
+        assert socks.send(eps[0], [P.MDPC, P.C_FINAL, b"echo", b"h"])
+        assert pulls[0].poll(5000) and pulls[0].recv_multipart() == [P.MDPC, P.C_FINAL, b"echo", b"h"]
+        socks.drop(eps[0])
+        assert eps[0] not in socks and socks.send(eps[0], [b"x"]) is False
+    finally:
+        socks.close()
+        assert len(socks) == 0
+        for p in pulls:
+            p.close()
+
+
+def test_a_full_socket_is_kept_and_the_reply_relayed(ctx, tmp_path):
+    path = f"{tmp_path}/slow.ipc"
+    pull = _pull(ctx, path, hwm=1)
+    socks = DirectSockets(ctx)
+    socks.sndhwm = 1
+    try:
+        ep = "ipc://" + path
+        assert socks.open(ep) is not None
+        # The client reads nothing: libzmq's queues and the kernel's buffers fill up.
+        results = [socks.send(ep, [b"x" * (1 << 16)]) for _ in range(200)]
+        assert results[0] is True and results[-1] is False, results
+        assert ep in socks  # full is not failed: what is queued stays queued
+    finally:
+        socks.close()
+        pull.close()
+
+
+def test_a_failed_send_drops_the_socket_unless_told_to_keep_it(ctx, tmp_path):
+    pull = _pull(ctx, f"{tmp_path}/c.ipc")
+    ep = f"ipc://{tmp_path}/c.ipc"
+    socks = DirectSockets(ctx)
+    try:
+        socks.open(ep).close()  # a socket that fails on every send (ENOTSOCK)
+        assert socks.send(ep, [b"x"], keep_failed=True) is False and ep in socks
+        assert socks.send(ep, [b"x"]) is False and ep not in socks
+    finally:
+        socks.close()
+        pull.close()

@@ -1,0 +1,124 @@
+"""The host data plane (gpu_worker.planes.HostPlane) alone: inputs read in place, outputs in
+the output ring or inline, identity pass-through, and what it refuses.  No sockets, no torch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import shm
+from broker import protocol as P
+from gpu_worker.backends import make_backend
+from gpu_worker.job import Job
+from gpu_worker.models import load_model
+from gpu_worker.planes import HostPlane
+
+HOST = P.local_host_id()
+
+
+@pytest.fixture
+def plane():
+    p = HostPlane(make_backend(load_model("echo", "cpu"), "cpu"), host=HOST, out_capacity=1 << 20, out_slots=8)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture
+def client_pool():
+    with shm.ShmPool(1 << 20) as pool:
+        yield pool
+
+
+def _shm_input(pool, value: np.ndarray, name: str = "x") -> P.TensorRef:
+    a = pool.alloc(value.shape, value.dtype)
+    a[...] = value
+    ref = pool.ref_of(a)
+    pool.mark_in_flight(ref)
+    return P.TensorRef(name=name, dtype=value.dtype.str, shape=list(value.shape), loc=P.shm_loc(ref))
+
+
+def _job(tensors, *, reply="auto", host=HOST) -> Job:
+    return Job(P.token_envelope(1), P.Request(id=1, host=host, pid=1, reply=reply, tensors=tensors),
+               None, None, 0.0, None, None)
+
+
+def test_inputs_are_read_only_views_of_shared_memory_and_inline_frames(plane, client_pool):
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    frame = np.array([7, 8, 9], np.uint8).tobytes()
+    job = _job([_shm_input(client_pool, x),
+                P.TensorRef(name="b", dtype="|u1", shape=[3], loc=P.InlineLoc(frame=0))])
+    plane.map_inputs(job, [frame])
+    assert set(job.inputs) == set(job.refs) == {"x", "b"}
+    np.testing.assert_array_equal(job.inputs["x"], x)
+    np.testing.assert_array_equal(job.inputs["b"], [7, 8, 9])
+    assert not job.inputs["x"].flags.writeable and not job.inputs["b"].flags.writeable
+    assert job.cuda_in is False
+
+
+@pytest.mark.parametrize("case", ["other_host", "cuda"])
+def test_what_a_host_plane_refuses(plane, client_pool, case):
+    if case == "other_host":
+        job = _job([_shm_input(client_pool, np.zeros(4, np.uint8))], host="elsewhere/0")
+        match = "another host"
+    else:
+        loc = P.CudaLoc(pool="zinf-1-1-0123456789abcdef", offset=0, nbytes=4, device=0, slot=0, generation=0)
+        job = _job([P.TensorRef(name="x", dtype="|u1", shape=[4], loc=loc)])
+        match = r"--device cuda:N"  # says what to do instead
+    with pytest.raises(P.ProtocolError, match=match):
+        plane.map_inputs(job, [])
+    assert job.inputs is None and job.refs is None
+
+
+def test_an_identity_output_is_answered_with_the_clients_own_reference(plane, client_pool):
+    t = _shm_input(client_pool, np.arange(4, dtype=np.int16))
+    job = _job([t])
+    plane.map_inputs(job, [])
+    (out,) = plane.run([job])
+    refs, frames = plane.write_outputs(job, out)
+    assert frames == [] and refs == [P.TensorRef(name="x", dtype=t.dtype, shape=[4], loc=t.loc)]
+
+
+def test_outputs_go_to_the_ring_for_a_local_client_and_inline_otherwise(plane):
+    y = np.arange(5, dtype=np.float64)
+    ring, frames = plane.write_outputs(_job([]), {"y": y})
+    assert frames == [] and type(ring[0].loc) is P.ShmLoc and ring[0].dtype == "<f8" and ring[0].shape == [5]
+    reader = shm.SegmentCache()
+    try:
+        np.testing.assert_array_equal(reader.view(P.shm_ref(ring[0].loc), np.float64, (5,)), y)
+    finally:
+        reader.close()
+    for job in (_job([], reply="inline"), _job([], host="elsewhere/0")):
+        refs, frames = plane.write_outputs(job, {"y": y})
+        assert refs == [P.TensorRef(name="y", dtype="<f8", shape=[5], loc=P.InlineLoc(frame=0))]
+        assert bytes(frames[0]) == y.tobytes()
+
+
+def test_a_full_ring_degrades_to_inline(plane):
+    big = np.zeros(2 << 20, np.uint8)  # larger than the whole ring
+    refs, frames = plane.write_outputs(_job([]), {"y": big})
+    assert type(refs[0].loc) is P.InlineLoc and len(frames) == 1
+
+
+def test_without_the_shm_transport_there_is_no_ring():
+    p = HostPlane(None, host=HOST, transports=("inline",))
+    try:
+        assert p.out_pool is None and p.transports == ("inline",)
+        refs, frames = p.write_outputs(_job([]), {"y": np.ones(2, np.uint8)})
+        assert type(refs[0].loc) is P.InlineLoc
+        assert p.admit() is None and p.batch_limit(8) == 8
+    finally:
+        p.close()
+
+
+def test_a_cpu_worker_never_loads_the_cuda_plane(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; from gpu_worker.worker import Worker, WorkerConfig; "
+            f"w = Worker(WorkerConfig(broker='ipc://{tmp_path}/none.ipc', device='cpu', warmup=False)); "
+            "print(type(w.plane).__name__, 'gpu_worker.cuda_plane' in sys.modules, "
+            "'gpu_worker.cuda_runtime' in sys.modules); w.close()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["HostPlane", "False", "False"]
