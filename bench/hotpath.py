@@ -1,9 +1,10 @@
 """The Python cost of one tiny request in each process, with the sockets taken out.
 
 Each component handles the frames it would see for a 16-byte shared-memory echo, with its
-sockets replaced by a stub that records what would be sent (the worker through its upstream
-seam, a `BrokerLink` whose send only records); what is left is the component's own work per
-request (parsing, validation, scheduling, batching, descriptors):
+sockets taken out through its public seams (the broker's `send_to_client`/`send_to_worker`,
+the worker's upstream, a `BrokerLink` whose send only records; the client's socket-free
+`ClientCore`); what is left is the component's own work per request (parsing, validation,
+scheduling, batching, descriptors):
 
   broker   client REQUEST in -> dispatch out, worker FINAL in -> FINAL to the client out
   worker   REQUEST in -> map inputs, batch, run echo, reply header out
@@ -27,37 +28,6 @@ from broker import protocol as P
 from gpu_worker.upstream import BrokerLink
 
 
-class _Stub:
-    last = None
-
-    def send_multipart(self, frames, copy=True, flags=0):
-        self.last = frames
-
-    def close(self, linger=None):
-        pass
-
-
-def _stub_send(sock, frames, flags=0):
-    """Stands in for `broker.protocol.wire.send_frames` where the sockets are stubs."""
-    sock.last = frames
-
-
-class _NoSend:
-    """Swap `send_frames` for the stub in the given modules while timing."""
-
-    def __init__(self, *modules):
-        self.modules = modules
-
-    def __enter__(self):
-        self.saved = [m.send_frames for m in self.modules]
-        for m in self.modules:
-            m.send_frames = _stub_send
-
-    def __exit__(self, *exc):
-        for m, f in zip(self.modules, self.saved):
-            m.send_frames = f
-
-
 def _per_call_us(fn, n: int, repeats: int = 5) -> float:
     for _ in range(min(n, 1000)):
         fn()
@@ -73,14 +43,23 @@ def _per_call_us(fn, n: int, repeats: int = 5) -> float:
 def broker_us(n: int) -> float:
     from broker.server import Broker, BrokerConfig
 
+    class RecordingBroker(Broker):
+        """The broker with its two send seams recording instead of sending."""
+
+        to_worker = to_client = None
+
+        def send_to_worker(self, frames) -> None:
+            self.to_worker = frames
+
+        def send_to_client(self, frames) -> None:
+            self.to_client = frames
+
     d = tempfile.mkdtemp(prefix="zinf-hot-")
-    b = Broker(BrokerConfig(frontend=f"ipc://{d}/f", backend=f"ipc://{d}/b"))
-    real = b.frontend, b.backend
-    b.frontend, b.backend = _Stub(), _Stub()
+    b = RecordingBroker(BrokerConfig(frontend=f"ipc://{d}/f", backend=f"ipc://{d}/b"))
     F = zmq.Frame
     try:
         caps = P.Ready(credit=4, host=P.local_host_id(), transports=["inline", "shm"])
-        b._on_worker([F(b"W1"), *map(F, P.worker_ready("echo", caps))])
+        b.on_worker([F(b"W1"), *map(F, P.worker_ready("echo", caps))])
         ref = P.TensorRef(name="x", dtype="|u1", shape=[16],
                           loc=P.ShmLoc(segment="zinf-1-2-0123456789abcdef", offset=4096, nbytes=16, slot=0,
                                        generation=1))
@@ -88,16 +67,12 @@ def broker_us(n: int) -> float:
         rep = P.encode_header(P.Reply(id=1, tensors=[ref], timing={"compute_ms": 0.01}))
 
         def one():
-            b._on_client([F(b"C1"), F(P.MDPC), F(P.C_REQUEST), F(b"echo"), F(hdr)])
-            env = b.backend.last[3]
-            b._on_worker([F(b"W1"), F(P.MDPW), F(P.W_FINAL), F(env), F(b""), F(rep)])
+            b.on_client([F(b"C1"), F(P.MDPC), F(P.C_REQUEST), F(b"echo"), F(hdr)])
+            env = b.to_worker[3]
+            b.on_worker([F(b"W1"), F(P.MDPW), F(P.W_FINAL), F(env), F(b""), F(rep)])
 
-        import broker.server
-
-        with _NoSend(broker.server):
-            return _per_call_us(one, n)
+        return _per_call_us(one, n)
     finally:
-        b.frontend, b.backend = real
         b.close()
 
 
@@ -138,12 +113,11 @@ def worker_us(n: int) -> float:
 
 
 def client_us(n: int) -> float:
-    from client_sdk import Client
+    from client_sdk.core import ClientCore
 
     d = tempfile.mkdtemp(prefix="zinf-hot-")
-    c = Client(f"ipc://{d}/nothing", timeout=5)
-    core = c._core
-    x = c.alloc((16,), np.uint8)
+    core = ClientCore(f"ipc://{d}/nothing", timeout=5)  # the client's socket-free core
+    x = core.alloc((16,), np.uint8)
     F = zmq.Frame
     call0 = core.new_call("echo", {"x": x})
     frames0 = core.request_frames(call0, time.monotonic())
@@ -161,7 +135,7 @@ def client_us(n: int) -> float:
     try:
         return _per_call_us(one, n)
     finally:
-        c.close()
+        core.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -188,7 +188,7 @@ class Broker:
         poll = zmq.zmq_poll
         monotonic = time.monotonic
         sched = self.sched
-        on_worker, on_client = self._on_worker, self._on_client
+        on_worker, on_client = self.on_worker, self.on_client
         wake = sched.next_wakeup(monotonic())
         next_gc = monotonic()
         while stop is None or not stop.is_set():
@@ -232,7 +232,8 @@ class Broker:
 
     # ------------------------------------------------------------------ clients
 
-    def _on_client(self, frames: list) -> None:
+    def on_client(self, frames: list) -> None:
+        """One message from the frontend: the client's identity, then its frames."""
         ident = frames[0].bytes
         now = time.monotonic()
         try:
@@ -319,17 +320,28 @@ class Broker:
             code = b"501"
         self._send_client(ident, P.client_reply(True, service, [code]))
 
+    # The two send seams: every frame the broker sends leaves through one of these (the
+    # hot-path bench replaces them to time the broker's own work without sockets).
+    def send_to_client(self, frames: list) -> None:
+        """Send one message on the frontend; `frames` start with the client's identity."""
+        send_frames(self.frontend, frames)
+
+    def send_to_worker(self, frames: list) -> None:
+        """Send one message on the backend; `frames` start with the worker's identity."""
+        send_frames(self.backend, frames)
+
     def _send_client(self, ident: bytes, frames: list) -> None:
         """`frames` start at MDPC02; the identity (and a REQ client's delimiter) go first."""
         head = [ident, b""] if ident in self._req_clients else [ident]
         try:
-            send_frames(self.frontend, head + frames)
+            self.send_to_client(head + frames)
         except zmq.ZMQError as e:  # a client that went away: nothing to deliver to
             self._bad.warning("could not send to client %r: %s", ident[:16], e)
 
     # ------------------------------------------------------------------ workers
 
-    def _on_worker(self, frames: list) -> None:
+    def on_worker(self, frames: list) -> None:
+        """One message from the backend: the worker's identity, then its frames."""
         ident = frames[0].bytes
         now = time.monotonic()
         sched = self.sched
@@ -400,12 +412,12 @@ class Broker:
                     P.client_reply(True, a.service.encode(), P.error_body(rid, a.code, a.message)),
                 )
             elif t is HeartbeatWorker:
-                send_frames(self.backend, [a.worker, *P.worker_heartbeat()])
+                self.send_to_worker([a.worker, *P.worker_heartbeat()])
             elif t is CancelAtWorker:
-                send_frames(self.backend, P.to_worker_cancel(a.worker, P.token_envelope(a.token)))
+                self.send_to_worker(P.to_worker_cancel(a.worker, P.token_envelope(a.token)))
             elif t is DisconnectWorker:
                 log.info("disconnecting worker %r: %s", a.worker[:16], a.reason)
-                send_frames(self.backend, [a.worker, *P.worker_disconnect()])
+                self.send_to_worker([a.worker, *P.worker_disconnect()])
                 # A worker presumed dead may have died for real: reap its shared memory now.
                 self._collect_shm()
 
@@ -421,7 +433,7 @@ class Broker:
             req.queue_ms = (now - a.enqueued_at) * 1000.0
             body = (P.encode_header(req), *p.body)
         try:
-            send_frames(self.backend, P.to_worker_request(a.worker, P.token_envelope(a.token), body))
+            self.send_to_worker(P.to_worker_request(a.worker, P.token_envelope(a.token), body))
         except zmq.ZMQError as e:
             self._bad.warning("could not send to worker %r: %s", a.worker[:16], e)
 
