@@ -235,7 +235,7 @@ def serve(endpoint: str) -> int:
     seg = SegmentCache()
     pins = HostRegistry()
     out_shm = ShmPool(256 << 20, slots=512, align=4096)
-    pins.ensure(out_shm.name, np.frombuffer(out_shm._mm, np.uint8))  # bench: the whole segment
+    pins.ensure(out_shm.name, np.frombuffer(out_shm.mapping, np.uint8))  # the whole segment
     state: dict[str, Any] = {"fn": None, "prof": None}
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PAIR)
@@ -250,7 +250,7 @@ def serve(endpoint: str) -> int:
         arr = seg.view(ref, dt, tuple(t.shape))
         name = t.loc.segment
         if name not in pins:
-            pins.ensure(name, seg._segs[name].data_mm)  # proposed: a public SegmentCache.mapping(name)
+            pins.ensure(name, seg.mapping(name))
         return numpy_to_torch(arr).to(dev, non_blocking=True)
 
     def as_output(name: str, o, req: P.Request, transport: str) -> P.TensorRef:

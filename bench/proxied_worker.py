@@ -96,41 +96,29 @@ class ProxyLink(BrokerLink):
             if service == _MMI_SERVICE:
                 name = bytes(msg.body[0])
                 code = b"200" if name == self.service else b"404"
-                self._to_client([ident, P.MDPC, P.C_FINAL, service, code])
+                token = [bytes(msg.body[1])] if len(msg.body) == 2 and len(msg.body[1]) <= P.MAX_MMI_TOKEN else []
+                self._to_client(P.to_client(ident, True, service, [code, *token]))  # as our broker answers
             else:
-                rid = _request_id(msg.body)
-                self._to_client([ident, P.MDPC, P.C_FINAL, service, *P.error_body(
+                rid = P.lenient_request_id(msg.body[0]) if P.is_header(msg.body[0]) else 0
+                self._to_client(P.to_client(ident, True, service, P.error_body(
                     rid, P.ErrorCode.SERVICE_UNAVAILABLE,
-                    f"this proxied worker serves {self.service.decode()!r} only")])
+                    f"this proxied worker serves {self.service.decode()!r} only")))
         elif cmd == P.C_HEARTBEAT:
-            self._to_client([ident, P.MDPC, P.C_HEARTBEAT])
+            self._to_client([ident, *P.client_heartbeat()])
         # C_CANCEL, C_DISCONNECT: nothing to do without a broker's bookkeeping.
         return None
 
     def send(self, frames) -> None:
         cmd = frames[1]
-        if cmd == P.W_FINAL:
-            ccmd = P.C_FINAL
-        elif cmd == P.W_PARTIAL:
-            ccmd = P.C_PARTIAL
-        else:  # HEARTBEAT, DISCONNECT, DONE: for a broker that is not there
+        if cmd != P.W_FINAL and cmd != P.W_PARTIAL:  # HEARTBEAT, DISCONNECT, DONE: for a broker that is not there
             self.last_sent = time.monotonic()
             return
         env = bytes(frames[2])
-        self._to_client([env[:-_SEQ_BYTES], P.MDPC, ccmd, self.service, *frames[4:]])
+        self._to_client(P.to_client(env[:-_SEQ_BYTES], cmd == P.W_FINAL, self.service, frames[4:]))
 
     def _to_client(self, frames) -> None:
         self.sock.send_multipart(frames, copy=False)
         self.last_sent = time.monotonic()
-
-
-def _request_id(body) -> int:
-    if body and P.is_header(body[0]):
-        try:
-            return P.decode_request(body[0]).id
-        except P.ProtocolError:
-            pass
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

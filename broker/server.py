@@ -318,7 +318,10 @@ class Broker:
             code = b"200" if self.sched.has_service(name) else b"404"
         else:
             code = b"501"
-        self._send_client(ident, P.client_reply(True, service, [code]))
+        # A second frame of up to 64 bytes is the asker's correlation token: echoed after the
+        # code (docs/protocol.md section 4), so answers cannot be mistaken for one another.
+        token = [bytes(body[1])] if len(body) == 2 and len(body[1]) <= P.MAX_MMI_TOKEN else []
+        self._send_client(ident, P.client_reply(True, service, [code, *token]))
 
     # The two send seams: every frame the broker sends leaves through one of these (the
     # hot-path bench replaces them to time the broker's own work without sockets).

@@ -278,12 +278,12 @@ class AsyncClient(ClientBase):
         before it has been queued or dispatched."""
         self._start()
         core = self._core
-        frames = core.mmi_frames(name)
+        q = core.mmi_question(name)
         limit = core.timeout_of(timeout)
-        q = core.expect_mmi(name)
+        core.expect_mmi(q)
         fut = self._loop.create_future()
         q.notify = lambda: fut.done() or fut.set_result(None)
-        self._send_nowait(frames)
+        self._send_nowait(q.frames)
         try:
             await asyncio.wait_for(fut, limit)
         except TimeoutError:

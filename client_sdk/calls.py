@@ -116,8 +116,9 @@ def mmi_answer(body: list[bytes], name: str) -> bool:
 class Call:
     """One tensor request and what its caller has not consumed yet.
 
-    A twin or a stream may read every field and set `notify` (called after each item lands
-    in `inbox`), `frame` and `t_submit`; everything else is the core's."""
+    A twin or a stream may read every field, take items from `inbox` (oldest first), and set
+    `notify` (called after each item lands in `inbox`), `frame` and `t_submit`; everything
+    else is the core's."""
 
     __slots__ = ("id", "service", "packed", "priority", "meta", "reply", "timeout",
                  "deadline", "t_sent", "t_submit", "t_done", "inbox", "done", "abandoned", "retried",
@@ -156,12 +157,18 @@ class Call:
 
 
 class MmiQuery:
-    """One `mmi.service` question sent on the client's own socket, waiting for its answer."""
+    """One `mmi.service` question sent on the client's own socket, waiting for its answer.
 
-    __slots__ = ("name", "answer", "abandoned", "notify")
+    `token` rides after the name and our broker echoes it after the status code
+    (docs/protocol.md section 4), so an answer finds its own question even when an earlier
+    answer was lost."""
 
-    def __init__(self, name: str):
+    __slots__ = ("name", "token", "frames", "answer", "abandoned", "notify")
+
+    def __init__(self, name: str, token: bytes, frames: list[Any]):
         self.name = name
+        self.token = token
+        self.frames = frames     # the REQUEST to send
         self.answer: list[bytes] | None = None
         self.abandoned = False   # the asker timed out: the answer is consumed and dropped
         self.notify: Callable[[], None] | None = None

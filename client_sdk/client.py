@@ -113,11 +113,11 @@ class Client(ClientBase):
         one client's messages in order, and once this answer is back every request sent
         before it has been queued or dispatched."""
         core = self._core
-        frames = core.mmi_frames(name)
+        q = core.mmi_question(name)
         limit = core.timeout_of(timeout)
         stop = None if limit is None else time.monotonic() + limit
-        self._send(frames, stop)
-        q = core.expect_mmi(name)
+        self._send(q.frames, stop)
+        core.expect_mmi(q)
         try:
             while q.answer is None:
                 now = time.monotonic()

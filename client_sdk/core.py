@@ -10,7 +10,7 @@ an event loop or the clock.  What a twin does with it:
                                                   (the inline resend after NOT_LOCAL)
     frames = core.give_up(call)                   the caller stopped waiting: CANCEL, or None
     core.fail_unreachable(now)                    liveness: fail calls whose broker fell silent
-    frames = core.mmi_frames(name); q = core.expect_mmi(name)     an MMI question, in order
+    q = core.mmi_question(name); send q.frames; core.expect_mmi(q)   an MMI question
 
 Delivery.  A reply is put in its call's `inbox` (("partial" | "final", Result) or
 ("error", InferenceError)), then `call.notify()` runs if the twin set one (an asyncio event,
@@ -25,10 +25,11 @@ Invariants a maintainer must keep:
 - Request ids are unique per client and never reused; a FINAL finds its call at most once
   (`calls.pop`), so a duplicate (a direct reply raced by its relayed copy after a retry) finds
   nothing, its output slots are given back unread, and it is counted in `discarded`.
-- The broker answers MMI itself, in the order it receives the questions: answers match the
-  `mmi_waiters` first in, first out, and an abandoned waiter still consumes its own late
-  answer.  (An answer lost on the way, e.g. to a broker restart, would shift every later
-  match by one; opaque requests avoid this by using sockets of their own.)
+- The broker answers MMI itself, in the order it receives the questions.  Each question
+  carries a token that our broker echoes, and an answer goes to the waiter with its token;
+  the waiters ahead of it lost their answers (a broker restart) and abandoned ones are
+  dropped.  An answer without a token (a broker that does not echo) matches the oldest
+  waiter; an abandoned waiter still consumes its own late answer.
 - One thread drives the core.  Only finalizers of user buffers may run elsewhere: their
   frees are deferred to the owner thread's next call (the pools are single-threaded).
 """
@@ -110,6 +111,7 @@ class ClientCore:
         self.discarded = 0   # late or unknown replies dropped (for tests and debugging)
         self.direct_replies = 0  # replies that came straight from a worker (reply_to)
         self.mmi_waiters: deque[MmiQuery] = deque()  # MMI questions sent, oldest first
+        self._mmi_seq = 0
 
     # ---------------------------------------------------------------- pools and buffers
 
@@ -267,15 +269,34 @@ class ClientCore:
 
     # ---------------------------------------------------------------- MMI
 
-    def mmi_frames(self, name: str) -> list[Any]:
-        """REQUEST frames of an `mmi.service` question about `name` (checked, not sent)."""
-        return self.opaque_frames(MMI_SERVICE, [name.encode()])
+    def mmi_question(self, name: str) -> MmiQuery:
+        """An `mmi.service` question about `name`: its REQUEST frames (checked, not sent) with
+        a fresh token."""
+        self._mmi_seq += 1
+        token = self._mmi_seq.to_bytes(8, "big")
+        return MmiQuery(name, token, self.opaque_frames(MMI_SERVICE, [name.encode(), token]))
 
-    def expect_mmi(self, name: str) -> MmiQuery:
-        """Register the waiter of an MMI question just sent (or queued) on the main socket."""
-        q = MmiQuery(name)
+    def expect_mmi(self, q: MmiQuery) -> MmiQuery:
+        """Register the waiter of an MMI question sent (or queued) on the main socket."""
         self.mmi_waiters.append(q)
         return q
+
+    def _take_mmi_waiter(self, body: tuple) -> MmiQuery | None:
+        """The waiter an MMI answer belongs to, removed from the queue (None: nobody's)."""
+        waiters = self.mmi_waiters
+        if len(body) < 2:
+            return waiters.popleft()  # no token echoed: answers come in question order
+        token = bytes(body[1])
+        for i, q in enumerate(waiters):
+            if q.token == token:
+                # The broker answers in order: the waiters ahead lost their answers.  The
+                # abandoned ones go; the others keep waiting until their own deadline.
+                ahead = [w for w in list(waiters)[:i] if not w.abandoned]
+                for _ in range(i + 1):
+                    waiters.popleft()
+                waiters.extendleft(reversed(ahead))
+                return q
+        return None
 
     # ---------------------------------------------------------------- giving up
 
@@ -362,11 +383,13 @@ class ClientCore:
                 return []
             return self._on_reply(call, rep, list(body[1:]), final, now)
         if service == _MMI_SERVICE_B and final and self.mmi_waiters:
-            q = self.mmi_waiters.popleft()
-            if not q.abandoned:
-                q.answer = [bytes(f) for f in body]
+            q = self._take_mmi_waiter(body)
+            if q is not None and not q.abandoned:
+                q.answer = [bytes(body[0])] if body else []
                 if q.notify is not None:
                     q.notify()
+            elif q is None:
+                self.discarded += 1
             return []
         # Any other opaque body on this socket answers nothing we sent (opaque requests have
         # their own sockets).
@@ -467,16 +490,18 @@ class ClientCore:
 
     # ---------------------------------------------------------------- liveness
 
-    def fail(self, call: Call, exc: InferenceError) -> None:
-        """Deliver a client-side error (broker silent, client closed) to a waiting call.
-        One such error is enough: another is not queued behind one not yet consumed."""
+    def fail(self, call: Call, exc: InferenceError) -> bool:
+        """Deliver a client-side error (broker silent, client closed) to a waiting call;
+        whether it was queued.  One such error is enough: another is not queued behind one
+        not yet consumed."""
         if call.abandoned or call.done:
-            return
+            return False
         if call.inbox and call.inbox[-1][0] == "error":
-            return
+            return False
         call.inbox.append(("error", exc))
         if call.notify is not None:
             call.notify()
+        return True
 
     def active(self) -> list[Call]:
         """Calls sent whose caller still waits for a FINAL."""
@@ -499,15 +524,15 @@ class ClientCore:
         )
 
     def fail_unreachable(self, now: float) -> int:
-        """Fail every waiting call the broker has been silent on for too long; how many."""
+        """Fail every waiting call the broker has been silent on for too long; how many were
+        newly failed (a call whose error is still unread is not counted again)."""
         hb = self.heartbeat_interval
         if hb is None or now - self.last_recv <= LIVENESS * hb:
             return 0  # heard from recently: no call can have been silent longer
         n = 0
         for call in self.active():
             err = self.unreachable(call, now)
-            if err is not None:
-                self.fail(call, err)
+            if err is not None and self.fail(call, err):
                 n += 1
         return n
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from broker import protocol as P
 
-from .errors import NotSupported
+from .errors import InvalidInput, NotSupported
 
 
 def unavailable_message(why: str) -> str:
@@ -70,7 +70,6 @@ class CudaSide:
             try:
                 dt = np.dtype(torch.empty(0, dtype=tdtype).numpy().dtype)
             except TypeError as e:
-                from .tensors import InvalidInput
 
                 raise InvalidInput(f"torch dtype {tdtype} has no numpy equivalent ({e}); convert it first") from None
             self._np_dtypes[tdtype] = dt
@@ -88,7 +87,6 @@ class CudaSide:
         d = self.torch.device(device)
         index = d.index if d.index is not None else self.torch.cuda.current_device()
         if d.type != "cuda" or index != self.device:
-            from .tensors import InvalidInput
 
             raise InvalidInput(f"this client's device pool is on cuda:{self.device}; alloc_cuda cannot "
                                f"allocate on {device!r} (one device per client)")

@@ -31,8 +31,8 @@ import shm as _shm
 from broker import protocol as P
 
 from . import cuda as _cuda
-# InvalidInput lives in errors.py with every other error class; it is still importable from
-# here because code written against the older layout (and cuda.py) imports it from tensors.
+# InvalidInput lives in errors.py with every other error class; it stays importable from here
+# for code written against the older layout.
 from .errors import InferenceError, InvalidInput, NotSupported, ProtocolError, WorkerFailed
 
 __all__ = ["Result", "Packed", "pack", "unpack", "to_numpy", "OutputLeases", "lease_array",

@@ -370,9 +370,9 @@ class TorchBackend(Backend):
             yield out
 
 
-# Backend kinds make_backend knows ("tensorrt" is gpu_worker.trt.TrtBackend).
-_KINDS = ("torch", "numpy", "tensorrt")
+# Backend kinds make_backend knows ("tensorrt" is gpu_worker.trt.TrtBackend, imported on use).
 _BACKENDS = {"torch": TorchBackend, "numpy": CallableBackend}
+_KINDS = (*_BACKENDS, "tensorrt")
 
 
 def make_backend(model, device: str = "cpu", kind: str = "auto", **options) -> Backend:

@@ -17,7 +17,7 @@ SHM_PREFIX = "zinf-"
 
 
 def reply_socket_files(me: int) -> set[str]:
-    """Direct-reply socket files (client_sdk `_ReplyInbox`) of clients in this process."""
+    """Direct-reply socket files (`client_sdk.sockets.ReplyInbox`) of clients in this process."""
     from broker.protocol.naming import default_runtime_dir
 
     d = default_runtime_dir()

@@ -66,3 +66,12 @@ def test_cuda_package_is_not_imported_by_shm():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["[]"]
+
+
+def test_the_protocol_loads_no_device_pool():
+    # Every process imports broker.protocol; only DeviceRef of the CUDA plane comes with it.
+    code = ("import broker.protocol, sys; "
+            "print(sorted(m for m in sys.modules if m.startswith('shm.cuda')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['shm.cuda',", "'shm.cuda.refs']"]

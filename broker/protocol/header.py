@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 __all__ = ["MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_ENVELOPE_LEN",
-    "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_REPLY_TO_LEN", "MAX_DONE", "ErrorCode",
+    "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_REPLY_TO_LEN", "MAX_DONE", "MAX_MMI_TOKEN", "ErrorCode",
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
     "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "TRANSPORTS", "REPLY_MODES", "is_header",
     "encode_header", "decode_request", "decode_reply", "decode_cancel", "decode_ready",
@@ -39,6 +39,7 @@ MAX_NDIM = 32
 MAX_HEADER_BYTES = 1 << 20
 MAX_REPLY_TO_LEN = 255
 MAX_DONE = 4096          # envelopes in one DONE
+MAX_MMI_TOKEN = 64       # bytes of the correlation token an MMI answer echoes
 
 
 class ErrorCode(IntEnum):
@@ -68,7 +69,7 @@ class ProtocolError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------
-# Header schema.  msgspec validates types while decoding; `_check_*` validates the rest.
+# Header schema.  msgspec validates types while decoding; the `check_*` functions validate the rest.
 
 class InlineLoc(msgspec.Struct, tag="inline", tag_field="kind", frozen=True):
     """Bytes follow in the message: `frame` indexes the frames after the header (0 = first)."""

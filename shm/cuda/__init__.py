@@ -43,17 +43,32 @@ Contract across them:
 """
 from __future__ import annotations
 
-from .book import ALIGN, ALIGN_LARGE, DevicePoolBook, DevicePoolFull
-from .importer import CudaPoolCache
-from .pool import CudaPool
-from .refs import HANDLE_SIZE, DeviceRef, DeviceSlot, check_ref, host_ref
-from .runtime import CudaRuntime, CudaUnavailable, TorchCuda, cuda_status, default_runtime, require_cuda, runtime_api
-from .table import HostStateTable, PoolMeta, read_pool_meta, release_word
-from .views import tensor_at
+import importlib
+from typing import Any
 
-__all__ = [
-    "ALIGN", "ALIGN_LARGE", "HANDLE_SIZE", "CudaPool", "CudaPoolCache", "CudaUnavailable",
-    "DevicePoolBook", "DevicePoolFull", "DeviceRef", "DeviceSlot", "HostStateTable", "PoolMeta",
-    "check_ref", "cuda_status", "host_ref", "read_pool_meta", "release_word", "require_cuda",
-    "tensor_at", "CudaRuntime", "TorchCuda", "default_runtime", "runtime_api",
-]
+# Names are loaded from their module on first use (PEP 562): `broker.protocol` needs only
+# `DeviceRef`, and a CPU process must not pay for importing the pools and the runtime loader.
+_HOME = {
+    "ALIGN": "book", "ALIGN_LARGE": "book", "DevicePoolBook": "book", "DevicePoolFull": "book",
+    "CudaPoolCache": "importer", "CudaPool": "pool",
+    "HANDLE_SIZE": "refs", "DeviceRef": "refs", "DeviceSlot": "refs", "check_ref": "refs", "host_ref": "refs",
+    "CudaRuntime": "runtime", "CudaUnavailable": "runtime", "TorchCuda": "runtime", "cuda_status": "runtime",
+    "default_runtime": "runtime", "require_cuda": "runtime", "runtime_api": "runtime",
+    "HostStateTable": "table", "PoolMeta": "table", "read_pool_meta": "table", "release_word": "table",
+    "tensor_at": "views",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOME})

@@ -109,8 +109,7 @@ class _CtypesRuntime:
 
     def _check(self, err: int, what: str) -> None:
         if err:
-            msg = self._lib.cudaGetErrorString(err)
-            raise RuntimeError(f"{what} failed: CUDA error {err} ({msg.decode() if msg else '?'})")
+            raise RuntimeError(f"{what} failed: CUDA error {err} ({self.error_string(err)})")
 
     def _on(self, device: int):
         runtime = self

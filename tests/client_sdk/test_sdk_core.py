@@ -86,7 +86,7 @@ def test_liveness_is_decided_from_the_times_passed_in(core):
     core.on_message(P.client_heartbeat(), 14.0)  # anything heard resets the silence
     assert core.unreachable(call, limit + 0.1) is None and core.fail_unreachable(limit + 0.1) == 0
     assert core.fail_unreachable(14.0 + LIVENESS + 0.5) == 1
-    core.fail_unreachable(14.0 + LIVENESS + 0.6)  # one error is enough
+    assert core.fail_unreachable(14.0 + LIVENESS + 0.6) == 0  # one error is enough: nothing new failed
     assert [k for k, _ in call.inbox] == ["error"] and isinstance(call.inbox[0][1], BrokerUnreachable)
 
 
@@ -99,11 +99,11 @@ def test_heartbeat_due_only_while_calls_wait(core):
     assert not core.heartbeat_due(11.0)
 
 
-def test_mmi_answers_match_questions_in_order(core):
-    first = core.expect_mmi("echo")
+def test_mmi_answers_without_a_token_match_questions_in_order(core):
+    first = core.expect_mmi(core.mmi_question("echo"))
     first.abandoned = True             # timed out; its answer is still on the way
-    second = core.expect_mmi("nope")
-    assert core.mmi_frames("nope") == P.client_request(MMI_SERVICE, [b"nope"])
+    second = core.expect_mmi(core.mmi_question("nope"))
+    assert second.frames == P.client_request(MMI_SERVICE, [b"nope", second.token])
     core.on_message(P.client_reply(True, MMI_SERVICE.encode(), [b"200"]), 1.0)
     assert first.answer is None and second.answer is None  # the late answer went to `first`
     core.on_message(P.client_reply(True, MMI_SERVICE.encode(), [b"404"]), 2.0)
@@ -112,6 +112,21 @@ def test_mmi_answers_match_questions_in_order(core):
     assert core.discarded == 1
     with pytest.raises(errors.ProtocolError, match="501"):
         mmi_answer([b"501"], "x")
+
+
+def test_mmi_answers_find_their_question_by_token_when_one_was_lost(core):
+    lost = core.expect_mmi(core.mmi_question("echo"))      # its answer never comes (a restart)
+    waiting = core.expect_mmi(core.mmi_question("other"))  # still waiting, answer not lost yet
+    lost.abandoned = True
+    third = core.expect_mmi(core.mmi_question("nope"))
+    assert len({lost.token, waiting.token, third.token}) == 3
+    core.on_message(P.client_reply(True, MMI_SERVICE.encode(), [b"404", third.token]), 1.0)
+    assert mmi_answer(third.answer, "nope") is False and lost.answer is None
+    assert list(core.mmi_waiters) == [waiting]               # the abandoned one is gone
+    core.on_message(P.client_reply(True, MMI_SERVICE.encode(), [b"200", waiting.token]), 2.0)
+    assert mmi_answer(waiting.answer, "other") is True and not core.mmi_waiters
+    core.on_message(P.client_reply(True, MMI_SERVICE.encode(), [b"200", lost.token]), 3.0)  # too late
+    assert lost.answer is None and core.discarded == 1
 
 
 def test_opaque_reply_parsing():

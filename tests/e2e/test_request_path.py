@@ -107,6 +107,17 @@ def test_plain_mdp02_client_gets_opaque_echo(cluster):
         assert s.recv_multipart()[-1] == b"404"
 
 
+def test_mmi_echoes_a_correlation_token_and_nothing_longer(cluster):
+    """Extension (protocol section 4): a second frame of up to 64 bytes comes back after the code."""
+    with _raw_client_of_echo(cluster) as s:
+        s.send_multipart([b"MDPC02", b"\x01", b"mmi.service", b"echo", b"\x00" * 7 + b"\x2a"])
+        assert s.poll(10_000)
+        assert s.recv_multipart() == [b"MDPC02", b"\x03", b"mmi.service", b"200", b"\x00" * 7 + b"\x2a"]
+        s.send_multipart([b"MDPC02", b"\x01", b"mmi.service", b"nope", b"t" * 65])  # too long: not echoed
+        assert s.poll(10_000)
+        assert s.recv_multipart() == [b"MDPC02", b"\x03", b"mmi.service", b"404"]
+
+
 def test_plain_mdp02_worker_serves_opaque_requests(cluster):
     """A worker written from RFC 18 alone: bare 3-frame READY, echoes the body back."""
     cluster.broker()
