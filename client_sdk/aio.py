@@ -117,7 +117,7 @@ class AsyncClient(ClientBase):
                         log.exception("error while handling a message from the broker")
                         continue
                     for out in outs:
-                        self._send_nowait(out)
+                        self._send_soon(out)
                     handled += 1
                     if handled >= 256:  # let other callbacks run; come back at once
                         self._loop.call_soon(self._drain)
@@ -146,10 +146,10 @@ class AsyncClient(ClientBase):
             await asyncio.sleep(interval / 2)
             now = time.monotonic()
             if core.heartbeat_due(now):
-                self._send_nowait(P.client_heartbeat())
+                self._send_soon(P.client_heartbeat())
             core.fail_unreachable(now)
 
-    def _send_nowait(self, frames: list[Any] | None) -> None:
+    def _send_soon(self, frames: list[Any] | None) -> None:
         if frames is None or self._core.closed:
             return
         if self._pending:  # keep the order: earlier frames are still waiting
@@ -283,7 +283,7 @@ class AsyncClient(ClientBase):
         core.expect_mmi(q)
         fut = self._loop.create_future()
         q.notify = lambda: fut.done() or fut.set_result(None)
-        self._send_nowait(q.frames)
+        self._send_soon(q.frames)
         try:
             await asyncio.wait_for(fut, limit)
         except TimeoutError:
@@ -322,16 +322,8 @@ class AsyncClient(ClientBase):
         order (`timeout` is there for `Client.submit`'s sake)."""
         now = time.monotonic()
         call.t_submit = call.t_submit or now
-        self._send_nowait(self._core.request_frames(call, now))
+        self._send_soon(self._core.request_frames(call, now))
         return True
-
-    def give_up(self, call: Call) -> None:
-        """Stop waiting for `call`: an unsent one is dropped and its input slots freed now; one
-        in flight is cancelled at the broker (its slots are freed when its FINAL arrives).
-        Whatever still arrives for it is released unread."""
-        frames = self._core.give_up(call)
-        if frames is not None and not self._core.closed:
-            self._send_nowait(frames)
 
     async def pump(self, timeout: float | None = None) -> None:
         """Route what has arrived; if nothing had, wait up to `timeout` seconds (None: until

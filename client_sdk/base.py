@@ -1,8 +1,9 @@
 """What `Client` and `AsyncClient` expose in exactly the same way, answered by their core.
 
-`ClientBase` holds the properties, the buffer methods and the counters; each twin adds the
-methods that move frames or wait (infer, request, mmi_service, close, and the stream seams
-`prepare`, `submit`, `give_up`, `pump`), with the same names, arguments and meaning.
+`ClientBase` holds the properties, the buffer methods, the counters and `give_up`; each twin
+adds the methods that move frames or wait (infer, request, mmi_service, close, and the stream
+seams `prepare`, `submit`, `pump`) and its `_send_soon`, with the same names, arguments and
+meaning.
 tests/client_sdk/test_sdk_surface.py compares the two classes so that they cannot drift.
 
 `ReplyStreamBase` is what the blocking and the asyncio reply streams share: the call, and
@@ -58,6 +59,19 @@ class ClientBase:
     def in_flight(self) -> int:
         """Requests sent and not yet answered with a FINAL."""
         return len(self._core.calls)
+
+    def give_up(self, call: Call) -> None:
+        """Stop waiting for `call`: an unsent one is dropped and its input slots freed now; one
+        in flight is cancelled at the broker (its slots are freed when its FINAL arrives).
+        Whatever still arrives for it is released unread."""
+        frames = self._core.give_up(call)
+        if frames is not None and not self._core.closed:
+            self._send_soon(frames)
+
+    def _send_soon(self, frames: list[Any]) -> None:
+        """Send one message without waiting (each twin's own: the blocking client drops what a
+        full socket refuses, the broker being gone then; the asyncio client queues it in order)."""
+        raise NotImplementedError
 
     # ---------------------------------------------------------------- buffers
 

@@ -174,14 +174,6 @@ class Client(ClientBase):
         self._core.last_send = time.monotonic()
         return True
 
-    def give_up(self, call: Call) -> None:
-        """Stop waiting for `call`: an unsent one is dropped and its input slots freed now; one
-        in flight is cancelled at the broker (its slots are freed when its FINAL arrives).
-        Whatever still arrives for it is released unread."""
-        frames = self._core.give_up(call)
-        if frames is not None and not self._core.closed:
-            self._try_send(frames)
-
     def pump(self, timeout: float | None = None) -> None:
         """Wait up to `timeout` seconds (None: until something arrives) for messages from the
         broker or a worker, and route each to its call's inbox.  Returns after the first
@@ -193,7 +185,7 @@ class Client(ClientBase):
         if hb is not None:
             now = time.monotonic()
             if core.heartbeat_due(now):
-                self._try_send(P.client_heartbeat())
+                self._send_soon(P.client_heartbeat())
             if core.fail_unreachable(now):
                 timeout = 0  # their callers must hear it now
             timeout = hb if timeout is None else min(timeout, hb)
@@ -230,7 +222,7 @@ class Client(ClientBase):
             self._core.discard_unsent(call)
             raise
 
-    def _try_send(self, frames: list[Any] | None) -> None:
+    def _send_soon(self, frames: list[Any] | None) -> None:
         if frames is None:
             return
         try:
@@ -248,7 +240,7 @@ class Client(ClientBase):
             while sock.get(zmq.EVENTS) & _POLLIN:
                 frames = recv_frames(sock)
                 for out in core.on_message(frames, time.monotonic(), direct):
-                    self._try_send(out)
+                    self._send_soon(out)
 
     def _wait(self, call: Call, limit: float | None = None) -> tuple[str, Any]:
         """Next item for `call`.  Raises DeadlineExceeded at the call's deadline and
