@@ -113,6 +113,7 @@ class Worker:
         self.compute_times = ComputeTimes(cfg.heartbeat_interval)
         self._offload: ComputeThread | None = None
         self._busy = False
+        self._reconnect_why: str | None = None  # set by a DISCONNECT; the loop reconnects
         self._last_heard = 0.0
         self._service_b = self.service.encode()
         self._streaming = bool(getattr(self.model, "streaming", False))
@@ -201,6 +202,8 @@ class Worker:
                 if self.sock in events:
                     self._drain()
                     self._last_heard = time.monotonic()
+                if self._reconnect_why is not None:
+                    self._reconnect(poller)
                 if not self._busy:
                     self.run_ready_batches()
                 now = time.monotonic()
@@ -211,10 +214,8 @@ class Worker:
                     self.plane.housekeeping()
                 if upstream.watch_liveness and now - self._last_heard > dead_after:
                     log.warning("broker silent for %.1f s; reconnecting", now - self._last_heard)
-                    poller.unregister(self.sock)
-                    self._fail_pending("broker connection lost")
-                    self._connect()
-                    poller.register(self.sock, zmq.POLLIN)
+                    self._reconnect_why = "broker connection lost"
+                    self._reconnect(poller)
             # Drain: what the broker already handed us is finished, then we say goodbye.
             self._drain()
             while self._busy or len(self.batcher):
@@ -235,10 +236,20 @@ class Worker:
 
     # ------------------------------------------------------------------ receiving
 
+    def _reconnect(self, poller: zmq.Poller) -> None:
+        """Drop what the old connection held and register afresh.  Only the loop calls this,
+        between drains: the socket being read must never be closed under its reader."""
+        why, self._reconnect_why = self._reconnect_why, None
+        poller.unregister(self.sock)
+        self._fail_pending(why)
+        self._connect()
+        poller.register(self.sock, zmq.POLLIN)
+
     def _drain(self) -> None:
-        # EVENTS instead of recv(NOBLOCK) + zmq.Again: no exception per wake-up.
+        # EVENTS instead of recv(NOBLOCK) + zmq.Again: no exception per wake-up.  A message
+        # that asks for a reconnect ends the drain: the loop reconnects before reading again.
         sock = self.sock
-        while sock.get(zmq.EVENTS) & _POLLIN:
+        while self._reconnect_why is None and sock.get(zmq.EVENTS) & _POLLIN:
             frames = recv_frames(sock)
             try:
                 self.on_message(frames)
@@ -261,8 +272,7 @@ class Worker:
                 self._reply_error(job, P.ErrorCode.CANCELLED, "cancelled by the client before it ran")
         elif cmd == P.W_DISCONNECT:
             log.info("broker asked us to reconnect")
-            self._fail_pending("broker restarted")
-            self._connect()
+            self._reconnect_why = "broker restarted"
 
     def _on_request(self, envelope: bytes, body: tuple) -> None:
         now = time.monotonic()

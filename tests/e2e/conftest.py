@@ -31,6 +31,7 @@ class Proc:
             [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=ROOT
         )
         self.ready_line = ""
+        self._err = b""  # stderr already read by wait_log
 
     def wait_ready(self, timeout: float = 30.0) -> str:
         deadline = time.monotonic() + timeout
@@ -54,7 +55,23 @@ class Proc:
     def stderr(self) -> str:
         if self.p.poll() is None:
             return "(still running)"
-        return self.p.stderr.read().decode(errors="replace")[-3000:]
+        return (self._err + self.p.stderr.read()).decode(errors="replace")[-3000:]
+
+    def wait_log(self, text: str, timeout: float = 15.0) -> None:
+        """Read stderr until it contains `text` (a condition, not a sleep)."""
+        deadline = time.monotonic() + timeout
+        fd = self.p.stderr.fileno()
+        while text.encode() not in self._err:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.args} did not log {text!r} within {timeout} s: {self._err[-2000:]!r}")
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise RuntimeError(f"{self.args} exited with {self.p.wait(5)} before logging {text!r}: "
+                                       f"{self._err[-2000:]!r}")
+                self._err += chunk
 
     def field(self, name: str) -> str:
         for part in self.ready_line.split():
