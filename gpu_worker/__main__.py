@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-liveness", type=int, default=3)
     ap.add_argument("--no-direct-reply", action="store_true",
                     help="send every reply through the broker, even to clients on this host")
+    ap.add_argument("--drain-grace-s", type=float, default=30.0,
+                    help="on SIGTERM, how long results stay readable for clients that have not released them")
     ap.add_argument("--done-delay-ms", type=float, default=5.0,
                     help="longest a DONE for direct replies waits to gather more (docs/protocol.md section 8)")
     args = ap.parse_args(argv)
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         cuda_pool_capacity=args.cuda_pool_mb << 20,
         direct_reply=not args.no_direct_reply,
         done_delay=args.done_delay_ms / 1000.0,
+        drain_grace=args.drain_grace_s,
     )
     from gpu_worker.backends import BackendUnavailable
 

@@ -227,6 +227,11 @@ class CudaPlane:
         except Exception:
             log.exception("CUDA pool housekeeping failed")
 
+    def lent(self) -> int:
+        self.cache.poll()
+        self.pool.reclaim()
+        return self.pool.in_use() + self.host.lent()
+
     def close(self) -> None:
         try:
             self.stream.synchronize()

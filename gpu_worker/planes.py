@@ -12,7 +12,8 @@ plane, chosen once when the worker starts: `HostPlane` (this module) on a CPU wo
     write_outputs(job, out) -> (tensor refs, inline frames)   for the reply header and body
     finish_reads(job)            before an error FINAL: reads of the job's inputs are done
     housekeeping()               every heartbeat interval
-    close()
+    lent() -> int                outputs clients hold and have not released (after a reclaim)
+    close()                      unlinks the output memory: a stopping worker waits for lent() == 0
 
 Host plane invariants:
 
@@ -56,6 +57,7 @@ class DataPlane(Protocol):
     def write_outputs(self, job: Job, out: dict) -> tuple[list[P.TensorRef], list]: ...
     def finish_reads(self, job: Job) -> None: ...
     def housekeeping(self) -> None: ...
+    def lent(self) -> int: ...
     def close(self) -> None: ...
 
 
@@ -152,6 +154,13 @@ class HostPlane:
 
     def housekeeping(self) -> None:
         pass
+
+    def lent(self) -> int:
+        pool = self.out_pool
+        if pool is None:
+            return 0
+        pool.reclaim()  # released slots, and those of holders that died
+        return pool.in_use()
 
     def close(self) -> None:
         self.inputs.close()

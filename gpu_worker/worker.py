@@ -78,6 +78,7 @@ class WorkerConfig:
     direct_sockets: int = 64          # reply_to sockets kept open (least recently used closed first)
     done_delay: float = 0.005         # seconds a DONE may wait to gather more (never past a request's deadline)
     done_batch: int | None = None     # ... or until this many FINALs are pending (default credit // 4)
+    drain_grace: float = 30.0         # on stop, seconds outputs stay readable for clients yet to release them
 
 
 class Worker:
@@ -109,6 +110,7 @@ class Worker:
         self.sock: zmq.Socket | None = None   # the upstream socket the loop polls (while serving)
         self.jobs: dict[bytes, Job] = {}      # envelope -> job, while pending in the batcher
         self.stop = threading.Event()
+        self.hurry = threading.Event()  # stop without waiting for clients to release outputs
         self.served = 0
         self.compute_times = ComputeTimes(cfg.heartbeat_interval)
         self._offload: ComputeThread | None = None
@@ -228,8 +230,28 @@ class Worker:
                 self.run_ready_batches(force=True)
             self._flush_done()
             self._send(P.worker_disconnect())
+            self._wait_outputs_released()
         finally:
             self._offload.close()
+
+    def _wait_outputs_released(self) -> None:
+        """Keep the output memory (unlinked by close) until every client released what it was
+        sent, its holder died, `cfg.drain_grace` passed, or `hurry` was set (a second SIGTERM).
+        Nothing else is left to do: the broker was told DISCONNECT, so no request comes."""
+        grace = self.cfg.drain_grace
+        t0 = time.monotonic()
+        lent = self.plane.lent()
+        if lent:
+            log.info("keeping %d outputs readable until their clients release them (at most %.0f s)", lent, grace)
+        while lent and not self.hurry.is_set():
+            if time.monotonic() - t0 >= grace:
+                log.warning("%d outputs still unreleased by clients after %.1f s; closing anyway", lent, grace)
+                return
+            # Released slots change in shared memory, with no message: look every 10 ms.
+            self.hurry.wait(0.01)
+            lent = self.plane.lent()
+        if lent == 0 and time.monotonic() - t0 > 0.05:
+            log.info("outputs released by their clients after %.2f s", time.monotonic() - t0)
 
     def _send(self, frames) -> None:
         self.upstream.send(frames)
@@ -472,5 +494,13 @@ class Worker:
 
 
 def install_sigterm_drain(worker: Worker) -> None:
-    signal.signal(signal.SIGTERM, lambda *_: worker.stop.set())
-    signal.signal(signal.SIGINT, lambda *_: worker.stop.set())
+    """SIGTERM or SIGINT: finish what is held, DISCONNECT, keep outputs readable until they
+    are released (or the grace passes); a second signal skips that wait."""
+
+    def on_signal(*_) -> None:
+        if worker.stop.is_set():
+            worker.hurry.set()
+        worker.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)

@@ -1,16 +1,28 @@
 """A model for tests whose progress the test controls: each call reads one byte from the FIFO
-named by $GATE_FIFO before echoing its inputs, so a test decides exactly when a request
-finishes (no sleeps).  Loaded as `--model gate_model:factory` with this folder on PYTHONPATH."""
+named by $GATE_FIFO before answering, so a test decides exactly when a request finishes (no
+sleeps).  Loaded as `--model gate_model:factory` (echoes its inputs: the reply references the
+client's own memory) or `gate_model:copying` (answers copies: the reply lives in the worker's
+output ring), with this folder on PYTHONPATH."""
 import os
 
+import numpy as np
 
-def factory(device: str = "cpu"):
+
+def _gate(copy: bool):
     path = os.environ["GATE_FIFO"]
     fd = os.open(path, os.O_RDONLY)  # blocks until the test opens the write end
 
     def gate(inputs):
         os.read(fd, 1)
-        return dict(inputs)
+        return {k: np.array(v, copy=True) for k, v in inputs.items()} if copy else dict(inputs)
 
     gate.name = "gate"
     return gate
+
+
+def factory(device: str = "cpu"):
+    return _gate(copy=False)
+
+
+def copying(device: str = "cpu"):
+    return _gate(copy=True)
