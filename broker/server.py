@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -128,6 +129,9 @@ class Broker:
 
     def __init__(self, cfg: BrokerConfig | None = None, *, ctx: zmq.Context | None = None):
         self.cfg = cfg or BrokerConfig()
+        # New at every start: clients see it in heartbeat answers and resend what a previous
+        # broker process held (docs/protocol.md section 2).
+        self.instance = secrets.token_bytes(P.INSTANCE_LEN)
         fe, be = P.default_endpoints()
         self.frontend_ep = self.cfg.frontend or fe
         self.backend_ep = self.cfg.backend or be
@@ -251,7 +255,7 @@ class Broker:
             self._on_request(ident, msg, now)
         elif cmd == P.C_HEARTBEAT:
             self._act(sched.client_heartbeat(ident, now), now)
-            self._send_client(ident, P.client_heartbeat())
+            self._send_client(ident, P.broker_heartbeat(self.instance))
         elif cmd == P.C_CANCEL:
             sched.client_seen(ident, now)
             try:

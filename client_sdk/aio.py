@@ -62,10 +62,10 @@ class AsyncClient(ClientBase):
 
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
-                 fallback_inline: bool = True, direct_reply: bool = True):
+                 fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2):
         self._core = ClientCore(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
-                                direct_reply=direct_reply)
+                                direct_reply=direct_reply, restart_resends=restart_resends)
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
         self._sock = dealer(zmq.Context.instance(), endpoint)
         # Replies straight from same-host workers (docs/protocol.md section 8); read by the
@@ -94,6 +94,9 @@ class AsyncClient(ClientBase):
                 loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
             self._loop = loop
             loop.call_soon(self._drain)  # the FD is edge-triggered: look once now
+            hello = self._core.hello(time.monotonic())
+            if hello is not None:
+                self._send_soon(hello)
             if self._core.heartbeat_interval is not None:
                 self._heart = loop.create_task(self._heartbeat_loop(), name="client_sdk-heartbeat")
 
@@ -146,7 +149,7 @@ class AsyncClient(ClientBase):
             await asyncio.sleep(interval / 2)
             now = time.monotonic()
             if core.heartbeat_due(now):
-                self._send_soon(P.client_heartbeat())
+                self._send_soon(core.heartbeat(now))
             core.fail_unreachable(now)
 
     def _send_soon(self, frames: list[Any] | None) -> None:

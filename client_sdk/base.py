@@ -56,6 +56,12 @@ class ClientBase:
         """Replies that matched no waiting request (late, duplicate or abandoned)."""
         return self._core.discarded
 
+    @property
+    def broker_restarts(self) -> int:
+        """Broker restarts this client noticed (a new instance id in a heartbeat answer); the
+        calls in flight at each were sent again (docs/client.md, "When the broker restarts")."""
+        return self._core.broker_restarts
+
     def in_flight(self) -> int:
         """Requests sent and not yet answered with a FINAL."""
         return len(self._core.calls)

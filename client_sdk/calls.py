@@ -122,7 +122,7 @@ class Call:
 
     __slots__ = ("id", "service", "packed", "priority", "meta", "reply", "timeout",
                  "deadline", "t_sent", "t_submit", "t_done", "inbox", "done", "abandoned", "retried",
-                 "frame", "notify", "adopted", "__weakref__")
+                 "frame", "notify", "adopted", "broker", "resends", "partials", "__weakref__")
 
     def __init__(self, service: str, *, timeout: float | None):
         self.id = 0              # 0 until registered by request_frames (and again if unregistered)
@@ -144,6 +144,9 @@ class Call:
         self.frame: int | None = None
         self.notify: Callable[[], None] | None = None
         self.adopted: dict[int, T.Adopted] = {}  # input slots handed back as outputs
+        self.broker: bytes | None = None  # instance id of the broker it was last sent to, as known then
+        self.resends = 0         # times sent again because the broker restarted
+        self.partials = 0        # PARTIALs delivered (a streamed call is not resent)
 
     def remaining(self, now: float) -> float | None:
         return None if self.deadline is None else self.deadline - now

@@ -49,10 +49,10 @@ class Client(ClientBase):
 
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
-                 fallback_inline: bool = True, direct_reply: bool = True):
+                 fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2):
         self._core = ClientCore(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
-                                direct_reply=direct_reply)
+                                direct_reply=direct_reply, restart_resends=restart_resends)
         self._ctx = zmq.Context.instance()
         self._sock = dealer(self._ctx, endpoint)
         self._inbox = ReplyInbox.open(self._ctx) if self._core.direct_reply else None
@@ -60,6 +60,9 @@ class Client(ClientBase):
         if self._inbox is not None:
             self._core.reply_to = self._inbox.endpoint
             self._items.append((self._inbox.sock, _POLLIN))
+        hello = self._core.hello(time.monotonic())
+        if hello is not None:
+            self._send_soon(hello)
 
     # ---------------------------------------------------------------- requests
 
@@ -185,7 +188,7 @@ class Client(ClientBase):
         if hb is not None:
             now = time.monotonic()
             if core.heartbeat_due(now):
-                self._send_soon(P.client_heartbeat())
+                self._send_soon(core.heartbeat(now))
             if core.fail_unreachable(now):
                 timeout = 0  # their callers must hear it now
             timeout = hb if timeout is None else min(timeout, hb)

@@ -81,7 +81,7 @@ class ClientCore:
 
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
-                 fallback_inline: bool = True, direct_reply: bool = True):
+                 fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2):
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise InvalidInput(f"endpoint {endpoint!r} must look like 'ipc:///tmp/broker.sock' or 'tcp://host:port'")
         self.endpoint = endpoint
@@ -107,6 +107,10 @@ class ClientCore:
         # first message the call's own send time is the reference.
         self.last_recv = 0.0
         self.last_send = 0.0
+        self.last_heartbeat = 0.0
+        self.broker_instance: bytes | None = None  # from the broker's heartbeat answers
+        self.broker_restarts = 0
+        self.restart_resends = max(0, int(restart_resends))
         self.closed = False
         self.discarded = 0   # late or unknown replies dropped (for tests and debugging)
         self.direct_replies = 0  # replies that came straight from a worker (reply_to)
@@ -244,6 +248,7 @@ class ClientCore:
         if call.deadline is None and call.timeout is not None:
             call.deadline = now + call.timeout
         call.t_sent = now
+        call.broker = self.broker_instance
         call.id = self._next_id
         self._next_id += 1
         self.calls[call.id] = call
@@ -349,7 +354,7 @@ class ClientCore:
             log.warning("dropping a malformed message from the broker: %s", e)
             return []
         if msg.command == P.C_HEARTBEAT:
-            return []
+            return self._on_broker_instance(msg.body[0], now) if msg.body else []
         if direct:
             self.direct_replies += len(msg.body) if msg.command == P.C_FINALS else 1
         if msg.command == P.C_FINALS:
@@ -429,6 +434,8 @@ class ClientCore:
             # After unpacking: inputs handed back as outputs were adopted by the Result.
             self._finish_inputs(call, rep)
             res.timing.setdefault("client_ms", (now - call.t_sent) * 1000.0)
+        if not final:
+            call.partials += 1
         self._deliver(call, ("final" if final else "partial", res), final, now)
         return []
 
@@ -537,10 +544,50 @@ class ClientCore:
         return n
 
     def heartbeat_due(self, now: float) -> bool:
-        """Whether a HEARTBEAT should go out now: calls are waiting and nothing was sent for
-        a heartbeat interval."""
+        """Whether a HEARTBEAT should go out now: calls are waiting and none went out for a
+        heartbeat interval.  Sent whatever other traffic flows: its answer carries the
+        broker's instance id, which is how calls lost to a broker restart are found."""
         hb = self.heartbeat_interval
-        return hb is not None and now - self.last_send >= hb and bool(self.active())
+        return hb is not None and now - self.last_heartbeat >= hb and bool(self.active())
+
+    def heartbeat(self, now: float) -> list[bytes]:
+        """A HEARTBEAT to send now."""
+        self.last_heartbeat = now
+        return P.client_heartbeat()
+
+    def hello(self, now: float) -> list[bytes] | None:
+        """What a twin sends once connected: a HEARTBEAT, so that the broker's answer tells
+        its instance before any request can be lost to a restart (None with heartbeats off)."""
+        return None if self.heartbeat_interval is None else self.heartbeat(now)
+
+    def _on_broker_instance(self, instance: bytes, now: float) -> list[list[Any]]:
+        """A heartbeat answer named the broker process.  When it is a new one, the calls
+        sent to its predecessor were lost with it: send them again (new ids, so a late
+        result of the old run finds nothing and is dropped), each at most `restart_resends`
+        times, or fail them; a call that already streamed PARTIALs cannot be replayed."""
+        known, self.broker_instance = self.broker_instance, instance
+        if known is None or known == instance:
+            if known is None:
+                for call in self.calls.values():
+                    call.broker = call.broker or instance
+            return []
+        self.broker_restarts += 1
+        out = []
+        for call in self.active():
+            if call.broker == instance or call.id == 0:
+                continue  # sent to the new broker already, or not sent yet
+            if call.partials or call.resends >= self.restart_resends:
+                why = ("it had streamed results" if call.partials
+                       else f"it was resent {call.resends} times already")
+                self.fail(call, BrokerUnreachable(
+                    f"the broker restarted while request {call.id} to {call.service!r} was in flight, "
+                    f"and {why}", request_id=call.id))
+                continue
+            log.info("the broker restarted; resending request %d to %r", call.id, call.service)
+            call.resends += 1
+            self.calls.pop(call.id, None)
+            out.append(self.request_frames(call, now))
+        return out
 
     # ---------------------------------------------------------------- shutdown
 

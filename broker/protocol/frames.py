@@ -35,7 +35,7 @@ from .header import (
 
 __all__ = ["Command", "CLIENT_COMMANDS", "WORKER_COMMANDS", "frame_table", "MDPC", "MDPW", "C_REQUEST", "C_PARTIAL", "C_FINAL", "C_HEARTBEAT", "C_CANCEL",
     "C_DISCONNECT", "C_FINALS", "W_READY", "W_REQUEST", "W_PARTIAL", "W_FINAL", "W_HEARTBEAT",
-    "W_DISCONNECT", "W_CANCEL", "W_DONE", "client_request", "client_cancel", "client_heartbeat",
+    "W_DISCONNECT", "W_CANCEL", "W_DONE", "client_request", "client_cancel", "client_heartbeat", "broker_heartbeat", "INSTANCE_LEN",
     "client_disconnect", "to_client", "error_body", "worker_ready", "worker_reply",
     "worker_done", "client_reply", "direct_finals", "worker_heartbeat", "worker_disconnect",
     "to_worker_request", "to_worker_cancel", "token_envelope", "envelope_token", "ClientMessage",
@@ -68,6 +68,8 @@ W_DISCONNECT = b"\x06"
 W_CANCEL = b"\x07"
 W_DONE = b"\x08"
 
+INSTANCE_LEN = 8  # a broker's instance id: random, new at every start
+
 
 class Command(NamedTuple):
     """One row of the frame table: a command and the frames that follow its command frame."""
@@ -84,7 +86,8 @@ CLIENT_COMMANDS: tuple[Command, ...] = (
     Command("PARTIAL", C_PARTIAL, "B→C", "service name, body", "RFC 18"),
     Command("FINAL", C_FINAL, "B→C; W→C on `reply_to`", "service name, body (an error is a header with `error`)",
             "RFC 18"),
-    Command("HEARTBEAT", C_HEARTBEAT, "C→B, B→C", "none", "extension"),
+    Command("HEARTBEAT", C_HEARTBEAT, "C→B, B→C", "none; B→C: [broker instance id] (8 bytes, new at every start)",
+            "extension"),
     Command("CANCEL", C_CANCEL, "C→B", "service name, header `Cancel`", "extension"),
     Command("DISCONNECT", C_DISCONNECT, "C→B", "none", "extension"),
     Command("FINALS", C_FINALS, "W→C on `reply_to` only", "service name, header, header... (header-only FINALs)",
@@ -131,6 +134,12 @@ def client_cancel(service: str, request_id: int) -> list[Any]:
 
 def client_heartbeat() -> list[bytes]:
     return [MDPC, C_HEARTBEAT]
+
+
+def broker_heartbeat(instance: bytes) -> list[bytes]:
+    """The broker's answer to a client HEARTBEAT: it carries the broker's instance id, so a
+    client notices a restart even inside its liveness window (docs/protocol.md section 2)."""
+    return [MDPC, C_HEARTBEAT, instance]
 
 
 def client_disconnect() -> list[bytes]:
@@ -302,7 +311,9 @@ def parse_broker_to_client(frames: Sequence[Any]) -> BrokerToClient:
             raise ProtocolError("FINALS is MDPC02, 0x07, service, header, header...")
         return BrokerToClient(cmd, bytes(frames[2]), tuple(frames[3:]))
     if cmd == C_HEARTBEAT:
-        return BrokerToClient(cmd)
+        if len(frames) > 3 or (len(frames) == 3 and len(frames[2]) != INSTANCE_LEN):
+            raise ProtocolError(f"HEARTBEAT is MDPC02, 0x04 [, {INSTANCE_LEN}-byte broker instance]")
+        return BrokerToClient(cmd, body=(bytes(frames[2]),) if len(frames) == 3 else ())
     raise ProtocolError(f"unknown command {cmd!r} from broker")
 
 

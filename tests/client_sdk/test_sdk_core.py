@@ -93,7 +93,7 @@ def test_liveness_is_decided_from_the_times_passed_in(core):
 def test_heartbeat_due_only_while_calls_wait(core):
     assert not core.heartbeat_due(1000.0)
     call = _sent(core, now=10.0)
-    core.last_send = 10.0
+    core.heartbeat(10.0)  # one went out at 10.0
     assert not core.heartbeat_due(10.5) and core.heartbeat_due(11.0)
     core.give_up(call)
     assert not core.heartbeat_due(11.0)
@@ -153,3 +153,47 @@ def test_not_local_resends_the_same_inputs_inline_under_a_new_id():
         assert not call.inbox and not call.done  # the caller never saw the NOT_LOCAL
     finally:
         core.close()
+
+
+def test_a_broker_restart_resends_what_was_in_flight_under_new_ids(core):
+    old, new = b"\x01" * 8, b"\x02" * 8
+    core.on_message(P.broker_heartbeat(old), 100.0)
+    lost, streamed = _sent(core, now=100.1), _sent(core, now=100.1)
+    core.on_message(_final(streamed, np.int64([1]), final=False), 100.2)
+    assert core.on_message(P.broker_heartbeat(old), 100.3) == []  # same broker: nothing to do
+    after = _sent(core, now=100.4)
+    after.broker = new  # as if sent once the client knew the new broker
+    out = core.on_message(P.broker_heartbeat(new), 100.5)
+    assert len(out) == 1 and core.broker_restarts == 1
+    old_id = 1
+    hdr = P.decode_request(out[0][3], len(out[0]) - 4)
+    assert lost.id == hdr.id != old_id and lost.resends == 1 and lost.broker == new
+    assert [k for k, _ in streamed.inbox] == ["partial", "error"]  # a stream cannot be replayed
+    assert isinstance(streamed.inbox[-1][1], BrokerUnreachable)
+    assert after.resends == 0 and after.id in core.calls
+    # A late result of the old run finds nothing; the new run's answers the call once.
+    late = P.client_reply(True, b"echo", [P.encode_header(P.Reply(id=old_id))])
+    core.on_message(late, 100.6)
+    assert core.discarded == 1 and not lost.inbox
+    core.on_message(_final(lost, np.int64([5])), 100.7)
+    assert [k for k, _ in lost.inbox] == ["final"]
+
+
+def test_resends_after_restarts_are_bounded(core):
+    core.restart_resends = 1
+    core.on_message(P.broker_heartbeat(b"a" * 8), 1.0)
+    call = _sent(core, now=1.0)
+    assert len(core.on_message(P.broker_heartbeat(b"b" * 8), 2.0)) == 1
+    assert core.on_message(P.broker_heartbeat(b"c" * 8), 3.0) == []
+    kind, err = call.inbox.popleft()
+    assert kind == "error" and isinstance(err, BrokerUnreachable) and "resent 1 times" in str(err)
+
+
+def test_heartbeats_go_out_every_interval_while_calls_wait_whatever_else_is_sent(core):
+    call = _sent(core, now=10.0)
+    core.last_send = 10.9  # other traffic does not hold the heartbeat back
+    assert core.heartbeat_due(10.95)
+    assert core.heartbeat(10.95) == P.client_heartbeat() and not core.heartbeat_due(11.5)
+    assert core.heartbeat_due(11.95)
+    core.give_up(call)
+    assert not core.heartbeat_due(20.0)

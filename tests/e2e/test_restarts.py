@@ -44,3 +44,42 @@ def test_workers_survive_a_broker_restart_past_the_liveness_window(cluster):
         wait_service(c, "echo")
         _echo_round(c, 5)
     assert worker.p.poll() is None, worker.stderr()
+
+
+def test_a_broker_restart_under_load_loses_nothing_and_duplicates_nothing(cluster):
+    """SIGKILL the broker while requests are in flight and start it again at once: each call
+    gets exactly its own result (the client resends what the dead broker held)."""
+    import asyncio
+
+    from client_sdk import AsyncClient
+
+    broker = cluster.broker()
+    workers = [cluster.worker("echo"), cluster.worker("echo")]
+    per_task, tasks = 40, 8
+    restarted = {}
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=20, heartbeat_interval=0.2) as c:
+            while not await c.mmi_service("echo"):
+                await asyncio.sleep(0.01)
+            done = []
+
+            async def one_stream(k: int):
+                for i in range(per_task):
+                    x = np.full(4, k * 1000 + i, np.int64)
+                    out = await c.infer("echo", {"x": x})
+                    np.testing.assert_array_equal(out["x"], x)  # its own result, not another's
+                    out.release()
+                    done.append((k, i))
+                    if len(done) == tasks * per_task // 4 and not restarted:
+                        broker.kill()  # mid-load: requests are in flight at the broker and workers
+                        restarted["t"] = time.monotonic()
+                        cluster.broker()  # (blocks the loop briefly: the calls just wait)
+                        restarted["back"] = time.monotonic() - restarted["t"]
+
+            await asyncio.wait_for(asyncio.gather(*(one_stream(k) for k in range(tasks))), 60)
+            assert sorted(done) == [(k, i) for k in range(tasks) for i in range(per_task)]
+            return c.broker_restarts
+
+    assert asyncio.run(scenario()) == 1
+    assert all(w.p.poll() is None for w in workers), [w.stderr() for w in workers]
