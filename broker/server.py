@@ -137,6 +137,7 @@ class Broker:
         self.backend_ep = self.cfg.backend or be
         self.ctx = ctx or zmq.Context.instance()
         self.sched = Scheduler(self.cfg.scheduler)
+        self._client_window_ms = max(1, min(int(self.sched.client_window * 1000), (1 << 32) - 1))
         self.frontend = self.ctx.socket(zmq.ROUTER)
         self.backend = self.ctx.socket(zmq.ROUTER)
         for s in (self.frontend, self.backend):
@@ -255,7 +256,7 @@ class Broker:
             self._on_request(ident, msg, now)
         elif cmd == P.C_HEARTBEAT:
             self._act(sched.client_heartbeat(ident, now), now)
-            self._send_client(ident, P.broker_heartbeat(self.instance))
+            self._send_client(ident, P.broker_heartbeat(self.instance, self._client_window_ms))
         elif cmd == P.C_CANCEL:
             sched.client_seen(ident, now)
             try:

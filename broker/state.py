@@ -653,6 +653,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queries
 
+    @property
+    def client_window(self) -> float:
+        """Seconds a tracked client may stay silent before it is presumed dead (clients are
+        told, so that they heartbeat often enough)."""
+        return self._client_ttl
+
     def has_service(self, service: str) -> bool:
         svc = self._services.get(service)
         return svc is not None and svc.any.live > 0

@@ -142,11 +142,11 @@ class AsyncClient(ClientBase):
 
     async def _heartbeat_loop(self) -> None:
         core = self._core
-        interval = core.heartbeat_interval
-        # A periodic timer, not synchronisation: half the interval keeps the gap between two
-        # heartbeats under one interval whatever the phase.
+        # A periodic timer, not synchronisation: half the period keeps the gap between two
+        # heartbeats under one period whatever the phase (the period shortens once the broker
+        # has said how long it waits for us).
         while True:
-            await asyncio.sleep(interval / 2)
+            await asyncio.sleep(core.heartbeat_period / 2)
             now = time.monotonic()
             if core.heartbeat_due(now):
                 self._send_soon(core.heartbeat(now))

@@ -184,7 +184,7 @@ class Client(ClientBase):
         does what AsyncClient's heartbeat task does: sends a HEARTBEAT when one is due, and
         fails (in their inbox) the calls the broker has been silent on for too long."""
         core = self._core
-        hb = core.heartbeat_interval
+        hb = core.heartbeat_period
         if hb is not None:
             now = time.monotonic()
             if core.heartbeat_due(now):

@@ -109,6 +109,7 @@ class ClientCore:
         self.last_send = 0.0
         self.last_heartbeat = 0.0
         self.broker_instance: bytes | None = None  # from the broker's heartbeat answers
+        self.broker_window: float | None = None    # ... and how long it waits for our heartbeats
         self.broker_restarts = 0
         self.restart_resends = max(0, int(restart_resends))
         self.closed = False
@@ -354,7 +355,11 @@ class ClientCore:
             log.warning("dropping a malformed message from the broker: %s", e)
             return []
         if msg.command == P.C_HEARTBEAT:
-            return self._on_broker_instance(msg.body[0], now) if msg.body else []
+            if not msg.body:
+                return []  # a broker without the extension
+            instance, window_ms = msg.body
+            self.broker_window = window_ms / 1000.0
+            return self._on_broker_instance(instance, now)
         if direct:
             self.direct_replies += len(msg.body) if msg.command == P.C_FINALS else 1
         if msg.command == P.C_FINALS:
@@ -547,8 +552,18 @@ class ClientCore:
         """Whether a HEARTBEAT should go out now: calls are waiting and none went out for a
         heartbeat interval.  Sent whatever other traffic flows: its answer carries the
         broker's instance id, which is how calls lost to a broker restart are found."""
-        hb = self.heartbeat_interval
+        hb = self.heartbeat_period
         return hb is not None and now - self.last_heartbeat >= hb and bool(self.active())
+
+    @property
+    def heartbeat_period(self) -> float | None:
+        """Seconds between heartbeats while calls wait: the configured interval, shortened to
+        a third of the broker's client liveness window once the broker has told it, so that a
+        broker configured with short heartbeats never presumes this client dead."""
+        hb = self.heartbeat_interval
+        if hb is None or self.broker_window is None:
+            return hb
+        return min(hb, self.broker_window / 3)
 
     def heartbeat(self, now: float) -> list[bytes]:
         """A HEARTBEAT to send now."""

@@ -86,8 +86,8 @@ CLIENT_COMMANDS: tuple[Command, ...] = (
     Command("PARTIAL", C_PARTIAL, "B→C", "service name, body", "RFC 18"),
     Command("FINAL", C_FINAL, "B→C; W→C on `reply_to`", "service name, body (an error is a header with `error`)",
             "RFC 18"),
-    Command("HEARTBEAT", C_HEARTBEAT, "C→B, B→C", "none; B→C: [broker instance id] (8 bytes, new at every start)",
-            "extension"),
+    Command("HEARTBEAT", C_HEARTBEAT, "C→B, B→C", "none; B→C: [instance id (8 bytes, new at every start), "
+            "client liveness window in ms (u32, big endian)]", "extension"),
     Command("CANCEL", C_CANCEL, "C→B", "service name, header `Cancel`", "extension"),
     Command("DISCONNECT", C_DISCONNECT, "C→B", "none", "extension"),
     Command("FINALS", C_FINALS, "W→C on `reply_to` only", "service name, header, header... (header-only FINALs)",
@@ -136,10 +136,12 @@ def client_heartbeat() -> list[bytes]:
     return [MDPC, C_HEARTBEAT]
 
 
-def broker_heartbeat(instance: bytes) -> list[bytes]:
-    """The broker's answer to a client HEARTBEAT: it carries the broker's instance id, so a
-    client notices a restart even inside its liveness window (docs/protocol.md section 2)."""
-    return [MDPC, C_HEARTBEAT, instance]
+def broker_heartbeat(instance: bytes, client_window_ms: int) -> list[bytes]:
+    """The broker's answer to a client HEARTBEAT (docs/protocol.md section 2): its instance id,
+    so that a client notices a restart even inside its liveness window, and how long it waits
+    for a client with calls in flight before presuming it dead, so that the client heartbeats
+    often enough (one place, the broker's config, sets liveness)."""
+    return [MDPC, C_HEARTBEAT, instance, int(client_window_ms).to_bytes(4, "big")]
 
 
 def client_disconnect() -> list[bytes]:
@@ -311,9 +313,11 @@ def parse_broker_to_client(frames: Sequence[Any]) -> BrokerToClient:
             raise ProtocolError("FINALS is MDPC02, 0x07, service, header, header...")
         return BrokerToClient(cmd, bytes(frames[2]), tuple(frames[3:]))
     if cmd == C_HEARTBEAT:
-        if len(frames) > 3 or (len(frames) == 3 and len(frames[2]) != INSTANCE_LEN):
-            raise ProtocolError(f"HEARTBEAT is MDPC02, 0x04 [, {INSTANCE_LEN}-byte broker instance]")
-        return BrokerToClient(cmd, body=(bytes(frames[2]),) if len(frames) == 3 else ())
+        if len(frames) == 2:
+            return BrokerToClient(cmd)
+        if len(frames) != 4 or len(frames[2]) != INSTANCE_LEN or len(frames[3]) != 4:
+            raise ProtocolError(f"HEARTBEAT is MDPC02, 0x04 [, {INSTANCE_LEN}-byte instance, 4-byte window in ms]")
+        return BrokerToClient(cmd, body=(bytes(frames[2]), int.from_bytes(bytes(frames[3]), "big")))
     raise ProtocolError(f"unknown command {cmd!r} from broker")
 
 

@@ -157,13 +157,13 @@ def test_not_local_resends_the_same_inputs_inline_under_a_new_id():
 
 def test_a_broker_restart_resends_what_was_in_flight_under_new_ids(core):
     old, new = b"\x01" * 8, b"\x02" * 8
-    core.on_message(P.broker_heartbeat(old), 100.0)
+    core.on_message(P.broker_heartbeat(old, 3000), 100.0)
     lost, streamed = _sent(core, now=100.1), _sent(core, now=100.1)
     core.on_message(_final(streamed, np.int64([1]), final=False), 100.2)
-    assert core.on_message(P.broker_heartbeat(old), 100.3) == []  # same broker: nothing to do
+    assert core.on_message(P.broker_heartbeat(old, 3000), 100.3) == []  # same broker: nothing to do
     after = _sent(core, now=100.4)
     after.broker = new  # as if sent once the client knew the new broker
-    out = core.on_message(P.broker_heartbeat(new), 100.5)
+    out = core.on_message(P.broker_heartbeat(new, 3000), 100.5)
     assert len(out) == 1 and core.broker_restarts == 1
     old_id = 1
     hdr = P.decode_request(out[0][3], len(out[0]) - 4)
@@ -181,10 +181,10 @@ def test_a_broker_restart_resends_what_was_in_flight_under_new_ids(core):
 
 def test_resends_after_restarts_are_bounded(core):
     core.restart_resends = 1
-    core.on_message(P.broker_heartbeat(b"a" * 8), 1.0)
+    core.on_message(P.broker_heartbeat(b"a" * 8, 3000), 1.0)
     call = _sent(core, now=1.0)
-    assert len(core.on_message(P.broker_heartbeat(b"b" * 8), 2.0)) == 1
-    assert core.on_message(P.broker_heartbeat(b"c" * 8), 3.0) == []
+    assert len(core.on_message(P.broker_heartbeat(b"b" * 8, 3000), 2.0)) == 1
+    assert core.on_message(P.broker_heartbeat(b"c" * 8, 3000), 3.0) == []
     kind, err = call.inbox.popleft()
     assert kind == "error" and isinstance(err, BrokerUnreachable) and "resent 1 times" in str(err)
 
@@ -197,3 +197,13 @@ def test_heartbeats_go_out_every_interval_while_calls_wait_whatever_else_is_sent
     assert core.heartbeat_due(11.95)
     core.give_up(call)
     assert not core.heartbeat_due(20.0)
+
+
+def test_the_broker_sets_how_often_a_client_heartbeats(core):
+    _sent(core, now=10.0)
+    core.heartbeat(10.0)
+    assert core.heartbeat_period == 1.0 and not core.heartbeat_due(10.5)
+    core.on_message(P.broker_heartbeat(b"i" * 8, 600), 10.0)  # it presumes a client dead after 0.6 s
+    assert core.heartbeat_period == pytest.approx(0.2) and core.heartbeat_due(10.25)
+    core.on_message(P.broker_heartbeat(b"i" * 8, 60_000), 11.0)  # never longer than our own
+    assert core.heartbeat_period == 1.0

@@ -317,7 +317,9 @@ def test_worker_sigkill_requests_complete_once_elsewhere(cluster, gate):
             while c.in_flight() < len(xs):
                 await asyncio.sleep(0)
             assert await c.mmi_service("echo")  # all six are at the doomed worker (credit 8)
-            cluster.worker("echo")
+            # Off the loop: a client that cannot heartbeat for longer than the broker's window
+            # (0.6 s here) is presumed dead, and its requests are cancelled.
+            await asyncio.to_thread(cluster.worker, "echo")
             doomed.kill()
             results = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             for x, r in zip(xs, results):

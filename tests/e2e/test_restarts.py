@@ -74,7 +74,7 @@ def test_a_broker_restart_under_load_loses_nothing_and_duplicates_nothing(cluste
                     if len(done) == tasks * per_task // 4 and not restarted:
                         broker.kill()  # mid-load: requests are in flight at the broker and workers
                         restarted["t"] = time.monotonic()
-                        cluster.broker()  # (blocks the loop briefly: the calls just wait)
+                        await asyncio.to_thread(cluster.broker)
                         restarted["back"] = time.monotonic() - restarted["t"]
 
             await asyncio.wait_for(asyncio.gather(*(one_stream(k) for k in range(tasks))), 60)
