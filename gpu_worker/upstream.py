@@ -14,6 +14,8 @@ upstream with the same four methods and two attributes:
     last_sent: float                    monotonic time of the last message sent upstream
     watch_liveness: bool                whether silence for heartbeat_liveness intervals
                                         means the peer is gone (the worker reconnects)
+    monitor: zmq.Socket | None          polled by the loop when set; then reconnected() says
+                                        whether the connection dropped and came back
 
 It never decides anything about requests: the worker loop does.  The worker owns its
 upstream and closes it.
@@ -24,6 +26,7 @@ import logging
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from broker import protocol as P
 from broker.protocol.wire import send_frames
@@ -42,18 +45,36 @@ class BrokerLink:
         self.endpoint = endpoint
         self.ctx = ctx
         self.sock: zmq.Socket | None = None
+        self.monitor: zmq.Socket | None = None  # the socket's connection events (PAIR), for the loop to poll
         self.last_sent = 0.0
+        self._dropped = False
 
     def open(self) -> zmq.Socket:
         """(Re)open the DEALER to ``endpoint``, without saying anything on it."""
-        if self.sock is not None:
-            self.sock.close(linger=0)
+        self._close_socket()
         s = self.ctx.socket(zmq.DEALER)
         s.linger = 0
         s.rcvhwm = s.sndhwm = 100_000
+        # libzmq reconnects on its own when the broker goes away; the monitor tells us when
+        # the connection came back, which means (most often) a new broker process that has
+        # never heard of us: register again at once rather than at the next heartbeat.
+        self.monitor = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._dropped = False
         s.connect(self.endpoint)
         self.sock = s
         return s
+
+    def reconnected(self) -> bool:
+        """Read the monitor's pending events; True when the connection dropped and came back
+        since the last (re)open, i.e. the worker should register afresh."""
+        came_back = False
+        while self.monitor is not None and self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._dropped = True
+            elif event == zmq.EVENT_CONNECTED and self._dropped:
+                came_back = True
+        return came_back
 
     def connect(self, service: str, ready: P.Ready) -> zmq.Socket:
         """(Re)open and register with the broker (READY)."""
@@ -73,7 +94,14 @@ class BrokerLink:
         send_frames(self.sock, frames)
         self.last_sent = time.monotonic()
 
-    def close(self) -> None:
+    def _close_socket(self) -> None:
         if self.sock is not None:
+            if self.monitor is not None:
+                self.sock.disable_monitor()
+                self.monitor.close(linger=0)
+                self.monitor = None
             self.sock.close(linger=0)
             self.sock = None
+
+    def close(self) -> None:
+        self._close_socket()

@@ -189,6 +189,8 @@ class Worker:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._offload.done, zmq.POLLIN)
+        if upstream.monitor is not None:
+            poller.register(upstream.monitor, zmq.POLLIN)
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
@@ -204,6 +206,9 @@ class Worker:
                 if self.sock in events:
                     self._drain()
                     self._last_heard = time.monotonic()
+                if upstream.monitor in events and upstream.reconnected():
+                    log.info("the broker connection came back; registering again")
+                    self._reconnect_why = "broker connection re-established"
                 if self._reconnect_why is not None:
                     self._reconnect(poller)
                 if not self._busy:
@@ -263,9 +268,13 @@ class Worker:
         between drains: the socket being read must never be closed under its reader."""
         why, self._reconnect_why = self._reconnect_why, None
         poller.unregister(self.sock)
+        if self.upstream.monitor is not None:
+            poller.unregister(self.upstream.monitor)
         self._fail_pending(why)
         self._connect()
         poller.register(self.sock, zmq.POLLIN)
+        if self.upstream.monitor is not None:
+            poller.register(self.upstream.monitor, zmq.POLLIN)
 
     def _drain(self) -> None:
         # EVENTS instead of recv(NOBLOCK) + zmq.Again: no exception per wake-up.  A message

@@ -1,0 +1,125 @@
+"""Recovery times: how long a service is gone when its broker is SIGKILLed and started again,
+and how long a request in flight at that moment takes to complete (the client resends it).
+
+    python -m bench.restart [--rounds 5] [--heartbeat-interval 1.0] [--json PATH]
+
+Each round: a broker and one `echo` worker on ipc endpoints in a temp dir, a sync `Client`
+with a request held in flight by a gate (the worker's model is `gpu_worker` echo behind a
+short compute, so the request is at the worker when the broker dies), SIGKILL of the broker,
+a new broker on the same endpoints at once.  Reported per round and as medians:
+
+  service_back_s   restart -> the broker knows a worker again (MMI answers 200): the worker
+                   notices on its next heartbeat (DISCONNECT from the new broker) and
+                   re-registers, so about one worker heartbeat interval at most
+  request_done_s   restart -> the request in flight at the kill has its result (resent by
+                   the client once a heartbeat answer names the new broker)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from bench.peers import wait_ready
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    wait_ready(p, 120)
+    return p
+
+
+def _stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+def one_round(hb: float) -> dict:
+    from client_sdk import Client
+
+    d = tempfile.mkdtemp(prefix="zinf-restart-")
+    fe, be = f"ipc://{d}/fe.ipc", f"ipc://{d}/be.ipc"
+    broker_args = ["-m", "broker", "--frontend", fe, "--backend", be, "--heartbeat-interval", str(hb)]
+    procs = [_start(broker_args)]
+    procs.append(_start(["-m", "gpu_worker", "--broker", be, "--model", "bench.restart:slow_echo",
+                         "--heartbeat-interval", str(hb), "--no-warmup"]))
+    try:
+        with Client(fe, timeout=60, heartbeat_interval=hb) as c:
+            while not c.mmi_service("slow_echo"):
+                time.sleep(0.01)
+            x = np.arange(16, dtype=np.int32)
+            got: dict = {}
+
+            def call() -> None:
+                with Client(fe, timeout=60, heartbeat_interval=hb) as c2:
+                    with c2.infer("slow_echo", {"x": x}) as r:
+                        got["ok"] = bool(np.array_equal(r["x"], x))
+                        got["t"] = time.monotonic()
+
+            t = threading.Thread(target=call)
+            t.start()
+            time.sleep(0.1)  # the request is at the worker (its compute takes 0.3 s)
+            procs[0].kill()
+            procs[0].wait(10)
+            t0 = time.monotonic()
+            procs[0] = _start(broker_args)
+            while not c.mmi_service("slow_echo", timeout=10):
+                time.sleep(0.005)
+            back = time.monotonic() - t0
+            t.join(60)
+            return {"service_back_s": back, "request_done_s": got.get("t", float("nan")) - t0,
+                    "request_ok": got.get("ok", False)}
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+
+
+def slow_echo(device: str = "cpu"):
+    """The worker's model here: echo after 0.3 s of "compute"."""
+    def run(inputs):
+        time.sleep(0.3)
+        return {k: np.array(v) for k, v in inputs.items()}
+
+    run.name = "slow_echo"
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.restart", description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--heartbeat-interval", type=float, default=1.0)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    rounds = [one_round(a.heartbeat_interval) for _ in range(a.rounds)]
+    res = {
+        "heartbeat_interval_s": a.heartbeat_interval,
+        "rounds": rounds,
+        "service_back_s_median": statistics.median(r["service_back_s"] for r in rounds),
+        "request_done_s_median": statistics.median(r["request_done_s"] for r in rounds),
+        "all_requests_ok": all(r["request_ok"] for r in rounds),
+    }
+    for r in rounds:
+        print(f"service back {r['service_back_s']:.3f} s   request done {r['request_done_s']:.3f} s   "
+              f"ok={r['request_ok']}")
+    print(f"median: service back {res['service_back_s_median']:.3f} s, "
+          f"request done {res['request_done_s_median']:.3f} s (heartbeat interval {a.heartbeat_interval} s)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0 if res["all_requests_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
