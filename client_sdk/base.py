@@ -64,7 +64,7 @@ class ClientBase:
 
     def in_flight(self) -> int:
         """Requests sent and not yet answered with a FINAL."""
-        return len(self._core.calls)
+        return self._core.in_flight()
 
     def give_up(self, call: Call) -> None:
         """Stop waiting for `call`: an unsent one is dropped and its input slots freed now; one

@@ -122,7 +122,7 @@ class Call:
 
     __slots__ = ("id", "service", "packed", "priority", "meta", "reply", "timeout",
                  "deadline", "t_sent", "t_submit", "t_done", "inbox", "done", "abandoned", "retried",
-                 "frame", "notify", "adopted", "broker", "resends", "partials", "__weakref__")
+                 "frame", "notify", "adopted", "broker", "resends", "partials", "old_ids", "__weakref__")
 
     def __init__(self, service: str, *, timeout: float | None):
         self.id = 0              # 0 until registered by request_frames (and again if unregistered)
@@ -147,6 +147,7 @@ class Call:
         self.broker: bytes | None = None  # instance id of the broker it was last sent to, as known then
         self.resends = 0         # times sent again because the broker restarted
         self.partials = 0        # PARTIALs delivered (a streamed call is not resent)
+        self.old_ids: list[int] = []  # ids it was sent under before a broker restart (still answerable)
 
     def remaining(self, now: float) -> float | None:
         return None if self.deadline is None else self.deadline - now

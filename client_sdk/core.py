@@ -381,7 +381,7 @@ class ClientCore:
                 call = self.calls.get(P.lenient_request_id(body[0]))
                 log.warning("bad reply header%s: %s", f" for request {call.id}" if call else "", e)
                 if call is not None and final and not call.abandoned:
-                    self.calls.pop(call.id, None)
+                    self._forget(call)
                     self._finish_inputs(call)
                     self._deliver(call, ("error", ProtocolError(f"the reply header was invalid: {e}",
                                                                 request_id=call.id)), True, now)
@@ -407,8 +407,20 @@ class ClientCore:
         return []
 
     def _on_reply(self, call: Call, rep: P.Reply, frames: list[Any], final: bool, now: float) -> list[list[Any]]:
+        out: list[list[Any]] = []
+        if rep.id != call.id:
+            # The run from before a broker restart answered.  A result is the call's result
+            # (and the resent run is cancelled); an error may be the old run's loss, so the
+            # resent run keeps its chance.
+            self.calls.pop(rep.id, None)
+            if not final or rep.error is not None:
+                self.discarded += 1
+                T.release_reply(rep, self.leases)
+                return []
+            if not call.abandoned and not call.done:
+                out.append(P.client_cancel(call.service, call.id))
         if final:
-            self.calls.pop(call.id, None)
+            self._forget(call)
             if (rep.error is not None and rep.error.code == ErrorCode.NOT_LOCAL and self.fallback_inline
                     and not call.retried and not call.abandoned and call.packed is not None):
                 return [self._resend_inline(call, now)]
@@ -442,7 +454,7 @@ class ClientCore:
         if not final:
             call.partials += 1
         self._deliver(call, ("final" if final else "partial", res), final, now)
-        return []
+        return out
 
     def _local_outputs(self, call: Call) -> Callable | None:
         pool = self._pool
@@ -517,7 +529,17 @@ class ClientCore:
 
     def active(self) -> list[Call]:
         """Calls sent whose caller still waits for a FINAL."""
-        return [c for c in self.calls.values() if not c.abandoned and not c.done]
+        return [c for k, c in self.calls.items() if k == c.id and not c.abandoned and not c.done]
+
+    def in_flight(self) -> int:
+        """Calls sent and not yet answered with a FINAL (each once, whatever ids it has)."""
+        return sum(1 for k, c in self.calls.items() if k == c.id)
+
+    def _forget(self, call: Call) -> None:
+        """The call is answered: no id of it is answerable any more."""
+        self.calls.pop(call.id, None)
+        for old in call.old_ids:
+            self.calls.pop(old, None)
 
     def silent_for(self, call: Call, now: float) -> float:
         return now - max(self.last_recv, call.t_sent)
@@ -578,8 +600,9 @@ class ClientCore:
     def _on_broker_instance(self, instance: bytes, now: float) -> list[list[Any]]:
         """A heartbeat answer named the broker process.  When it is a new one, the calls
         sent to its predecessor were lost with it: send them again (new ids, so a late
-        result of the old run finds nothing and is dropped), each at most `restart_resends`
-        times, or fail them; a call that already streamed PARTIALs cannot be replayed."""
+        times, or fail them; a call that already streamed PARTIALs cannot be replayed.  The old
+        ids stay answerable: whichever run answers first with a result is the call's, and
+        anything later for it is dropped (see `_on_reply`)."""
         known, self.broker_instance = self.broker_instance, instance
         if known is None or known == instance:
             if known is None:
@@ -600,7 +623,7 @@ class ClientCore:
                 continue
             log.info("the broker restarted; resending request %d to %r", call.id, call.service)
             call.resends += 1
-            self.calls.pop(call.id, None)
+            call.old_ids.append(call.id)  # stays answerable: a worker may still reply to it directly
             out.append(self.request_frames(call, now))
         return out
 

@@ -171,12 +171,20 @@ def test_a_broker_restart_resends_what_was_in_flight_under_new_ids(core):
     assert [k for k, _ in streamed.inbox] == ["partial", "error"]  # a stream cannot be replayed
     assert isinstance(streamed.inbox[-1][1], BrokerUnreachable)
     assert after.resends == 0 and after.id in core.calls
-    # A late result of the old run finds nothing; the new run's answers the call once.
-    late = P.client_reply(True, b"echo", [P.encode_header(P.Reply(id=old_id))])
-    core.on_message(late, 100.6)
-    assert core.discarded == 1 and not lost.inbox
-    core.on_message(_final(lost, np.int64([5])), 100.7)
-    assert [k for k, _ in lost.inbox] == ["final"]
+    # The old id stays answerable: an error from the old run is dropped (the new run may
+    # still succeed), its result answers the call and cancels the resent run.
+    assert core.in_flight() == 3 and set(core.calls) == {old_id, lost.id, streamed.id, after.id}
+    err = P.client_reply(True, b"echo", P.error_body(old_id, ErrorCode.WORKER_FAILED, "gone"))
+    assert core.on_message(err, 100.6) == [] and core.discarded == 1 and not lost.inbox
+    new_id, lost.id = lost.id, old_id  # build the old run's reply with _final
+    old_reply = _final(lost, np.int64([5]))
+    lost.id = new_id
+    core.calls[old_id] = lost  # (the error above made it forget the old id; answerable again)
+    out = core.on_message(old_reply, 100.7)
+    assert out == [P.client_cancel("echo", new_id)] and [k for k, _ in lost.inbox] == ["final"]
+    assert old_id not in core.calls and new_id not in core.calls
+    core.on_message(_final(lost, np.int64([6])), 100.8)  # the resent run's answer: dropped
+    assert core.discarded == 2 and len(lost.inbox) == 1
 
 
 def test_resends_after_restarts_are_bounded(core):
