@@ -18,6 +18,7 @@ caller and passed in.  `ComputeThread` is the mechanism.  Invariants:
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -25,7 +26,9 @@ from collections.abc import Callable, Mapping
 
 import zmq
 
-__all__ = ["ComputeTimes", "ComputeThread"]
+__all__ = ["ComputeTimes", "ComputeThread", "LoopHeartbeats"]
+
+log = logging.getLogger("gpu_worker")
 
 
 class ComputeTimes:
@@ -115,3 +118,56 @@ class ComputeThread:
         self._thread.join(5)
         self._tx.close(linger=0)
         self.done.close(linger=0)
+
+
+class LoopHeartbeats:
+    """Heartbeats while a batch runs on the loop's own thread.
+
+    A batch predicted fast runs on the loop thread, but a prediction can be wrong (an input
+    that makes the model slow, a first call that compiles): without heartbeats for the
+    broker's liveness window the worker would be presumed dead and its request run a second
+    time elsewhere.  So one small thread sends them for the loop while it computes.
+
+    The upstream socket is never used by two threads at once: the loop holds `_socket` at all
+    times except inside `computing_begin()` .. `computing_end()`, and this thread touches the
+    socket only while it holds `_socket` itself (a lock hand-off is the full memory barrier
+    libzmq asks for when a socket changes threads).  Outside compute the thread only wakes
+    every half interval, finds the lock taken, and sleeps again.  A model that holds the GIL
+    for longer than the liveness window without releasing it (a C extension that never
+    does) still starves this thread: such models must be offloaded (their warm-up timing
+    says so).
+    """
+
+    def __init__(self, send_heartbeat: Callable[[], None], last_sent: Callable[[], float], interval: float):
+        self._send = send_heartbeat
+        self._last_sent = last_sent
+        self._interval = interval
+        self._socket = threading.Lock()
+        self._socket.acquire()  # the loop's, from now on (construct on the loop thread)
+        self._stop = threading.Event()
+        self.sent = 0
+        self._thread = threading.Thread(target=self._loop, name="gpu_worker-heartbeats", daemon=True)
+        self._thread.start()
+
+    def computing_begin(self) -> None:
+        self._socket.release()
+
+    def computing_end(self) -> None:
+        self._socket.acquire()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval / 2):
+            if not self._socket.acquire(blocking=False):
+                continue  # the loop has the socket: it heartbeats itself
+            try:
+                if time.monotonic() - self._last_sent() >= self._interval:
+                    self._send()
+                    self.sent += 1
+            except Exception:  # never let a heartbeat failure take the loop's lock with it
+                log.exception("heartbeat during compute failed")
+            finally:
+                self._socket.release()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)

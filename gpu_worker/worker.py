@@ -43,7 +43,7 @@ import zmq
 from broker import protocol as P
 from broker.protocol.wire import recv_frames
 from gpu_worker.batching import Batcher, Pending
-from gpu_worker.compute import ComputeThread, ComputeTimes
+from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
 from gpu_worker.planes import DataPlane, HostPlane
@@ -114,6 +114,7 @@ class Worker:
         self.served = 0
         self.compute_times = ComputeTimes(cfg.heartbeat_interval)
         self._offload: ComputeThread | None = None
+        self._heartbeats: LoopHeartbeats | None = None  # while serving
         self._busy = False
         self._reconnect_why: str | None = None  # set by a DISCONNECT; the loop reconnects
         self._last_heard = 0.0
@@ -181,6 +182,8 @@ class Worker:
         """Run until `self.stop` is set; then drain what is held and DISCONNECT."""
         self._connect()
         self._offload = ComputeThread(self.ctx, self.plane.run)
+        self._heartbeats = LoopHeartbeats(lambda: self._send(P.worker_heartbeat()),
+                                          lambda: self.upstream.last_sent, self.cfg.heartbeat_interval)
         if ready_cb is not None:
             ready_cb()
         interval = self.cfg.heartbeat_interval
@@ -237,6 +240,7 @@ class Worker:
             self._send(P.worker_disconnect())
             self._wait_outputs_released()
         finally:
+            self._heartbeats.close()
             self._offload.close()
 
     def _wait_outputs_released(self) -> None:
@@ -379,11 +383,17 @@ class Worker:
             self._offload.submit(jobs, started)
             return
         t0 = time.perf_counter()
+        beats = self._heartbeats
+        if beats is not None:
+            beats.computing_begin()  # the upstream socket is the heartbeat thread's meanwhile
         try:
             outputs = self.plane.run(jobs)
             error = None
         except Exception as e:
             outputs, error = None, e
+        finally:
+            if beats is not None:
+                beats.computing_end()
         self._complete(jobs, started, outputs, error, time.perf_counter() - t0)
         if self._busy:  # a batch finished on the loop thread can't leave the flag set
             self._busy = False

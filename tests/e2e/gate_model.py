@@ -26,3 +26,25 @@ def factory(device: str = "cpu"):
 
 def copying(device: str = "cpu"):
     return _gate(copy=True)
+
+
+def sleepy(device: str = "cpu"):
+    """Sleeps x[0] seconds, then echoes: its warm-up (x = 0) is fast, so a batch of it is
+    predicted fast and runs on the worker loop's thread however long x says.  Each call with
+    x > 0 appends the worker's pid to $SLEEPY_LOG, so a test counts the runs."""
+    import time
+
+    log = os.environ["SLEEPY_LOG"]
+
+    def run(inputs):
+        x = np.asarray(inputs["x"])
+        if x.size and float(x.flat[0]) > 0:
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            time.sleep(float(x.flat[0]))
+        return {"x": np.array(x, copy=True)}
+
+    run.name = "sleepy"
+    run.batchable = False
+    run.example_inputs = lambda: {"x": np.zeros(1)}
+    return run

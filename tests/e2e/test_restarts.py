@@ -83,3 +83,21 @@ def test_a_broker_restart_under_load_loses_nothing_and_duplicates_nothing(cluste
 
     assert asyncio.run(scenario()) == 1
     assert all(w.p.poll() is None for w in workers), [w.stderr() for w in workers]
+
+
+def test_a_long_request_on_the_loop_thread_runs_exactly_once(cluster, tmp_path):
+    """3x the liveness window (0.2 s x 3) on the worker loop's own thread: heartbeats go on
+    meanwhile (gpu_worker.compute.LoopHeartbeats), so the broker never presumes the worker
+    dead and never runs the request a second time on the other worker."""
+    runs = tmp_path / "runs.log"
+    cluster.broker()
+    env = {"SLEEPY_LOG": str(runs)}
+    workers = [cluster.worker("gate_model:sleepy", "--service", "sleepy", env=env) for _ in range(2)]
+    with Client(cluster.frontend, timeout=30) as c:
+        wait_service(c, "sleepy")
+        x = np.array([1.8])
+        with c.infer("sleepy", {"x": x}) as r:
+            np.testing.assert_array_equal(r["x"], x)
+        assert c.stray_replies == 0
+    assert len(runs.read_text().split()) == 1, runs.read_text()
+    assert all(w.p.poll() is None for w in workers), [w.stderr() for w in workers]

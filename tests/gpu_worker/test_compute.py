@@ -76,3 +76,28 @@ def test_the_compute_thread_runs_a_batch_and_wakes_the_loop():
             ct2.close()
     finally:
         ct.close()
+
+
+def test_loop_heartbeats_go_out_only_while_the_loop_computes():
+    import threading
+
+    from gpu_worker.compute import LoopHeartbeats
+
+    sent = threading.Event()
+    last = [0.0]
+
+    def send():
+        last[0] = __import__("time").monotonic()
+        sent.set()
+
+    beats = LoopHeartbeats(send, lambda: last[0], interval=0.05)
+    try:
+        assert not sent.wait(0.3)  # the loop holds the socket: it heartbeats itself
+        beats.computing_begin()
+        assert sent.wait(5.0)      # computing: the thread keeps the broker informed
+        beats.computing_end()      # and gives the socket back
+        sent.clear()
+        assert not sent.wait(0.3)
+        assert beats.sent >= 1
+    finally:
+        beats.close()
