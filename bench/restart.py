@@ -13,11 +13,15 @@ a new broker on the same endpoints at once.  Reported per round and as medians:
                    re-registers, so about one worker heartbeat interval at most
   request_done_s   restart -> the request in flight at the kill has its result (resent by
                    the client once a heartbeat answer names the new broker)
+  failover_s       a second measurement: SIGKILL of a local worker that holds a request ->
+                   the request's result from the other worker (the broker presumes the dead
+                   worker gone when its connection closes, not after heartbeat_liveness)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,8 +34,9 @@ import numpy as np
 from bench.peers import wait_ready
 
 
-def _start(args: list[str]) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+def _start(args: list[str], env: dict | None = None) -> subprocess.Popen:
+    full = None if env is None else {**os.environ, **env}
+    p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=full)
     wait_ready(p, 120)
     return p
 
@@ -86,10 +91,44 @@ def one_round(hb: float) -> dict:
             _stop(p)
 
 
+def failover_round(hb: float) -> float:
+    from client_sdk import Client
+
+    d = tempfile.mkdtemp(prefix="zinf-failover-")
+    fe, be = f"ipc://{d}/fe.ipc", f"ipc://{d}/be.ipc"
+    worker = ["-m", "gpu_worker", "--broker", be, "--model", "bench.restart:slow_echo",
+              "--heartbeat-interval", str(hb), "--no-warmup"]
+    procs = [_start(["-m", "broker", "--frontend", fe, "--backend", be, "--heartbeat-interval", str(hb)])]
+    procs.append(_start(worker, env={"SLOW_ECHO_S": "60"}))  # holds what it gets
+    try:
+        with Client(fe, timeout=60, heartbeat_interval=hb) as c:
+            while not c.mmi_service("slow_echo"):
+                time.sleep(0.01)
+            got: dict = {}
+
+            def call() -> None:
+                with Client(fe, timeout=60, heartbeat_interval=hb) as c2:
+                    c2.infer("slow_echo", {"x": np.arange(4)}).release()
+                    got["t"] = time.monotonic()
+
+            t = threading.Thread(target=call)
+            t.start()
+            procs.append(_start(worker, env={"SLOW_ECHO_S": "0"}))  # the request is at the first one by now
+            t0 = time.monotonic()
+            procs[1].kill()
+            t.join(60)
+            return got.get("t", float("nan")) - t0
+    finally:
+        for p in reversed(procs):
+            _stop(p)
+
+
 def slow_echo(device: str = "cpu"):
-    """The worker's model here: echo after 0.3 s of "compute"."""
+    """The worker's model here: echo after $SLOW_ECHO_S (default 0.3) seconds of "compute"."""
+    delay = float(os.environ.get("SLOW_ECHO_S", "0.3"))
+
     def run(inputs):
-        time.sleep(0.3)
+        time.sleep(delay)
         return {k: np.array(v) for k, v in inputs.items()}
 
     run.name = "slow_echo"
@@ -103,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     rounds = [one_round(a.heartbeat_interval) for _ in range(a.rounds)]
+    failovers = [failover_round(a.heartbeat_interval) for _ in range(a.rounds)]
     res = {
+        "failover_s": failovers,
+        "failover_s_median": statistics.median(failovers),
         "heartbeat_interval_s": a.heartbeat_interval,
         "rounds": rounds,
         "service_back_s_median": statistics.median(r["service_back_s"] for r in rounds),
@@ -114,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"service back {r['service_back_s']:.3f} s   request done {r['request_done_s']:.3f} s   "
               f"ok={r['request_ok']}")
     print(f"median: service back {res['service_back_s_median']:.3f} s, "
-          f"request done {res['request_done_s_median']:.3f} s (heartbeat interval {a.heartbeat_interval} s)")
+          f"request done {res['request_done_s_median']:.3f} s, worker fail-over {res['failover_s_median']:.3f} s "
+          f"(heartbeat interval {a.heartbeat_interval} s; liveness {3 * a.heartbeat_interval:g} s)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -32,6 +32,9 @@ from broker import protocol as P
 from broker.protocol.wire import recv_frames, send_frames
 from shm import gc as shm_gc
 from shm.segment import process_alive
+from zmq.utils.monitor import recv_monitor_message
+
+from broker.connections import WorkerConnections
 
 from broker.state import (
     ClientError,
@@ -148,6 +151,10 @@ class Broker:
         # Resolve wildcard ports so callers (tests, bench) can connect.
         self.frontend_ep = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_ep = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
+        # A worker whose connection closes is dead now, not after heartbeat_liveness silent
+        # intervals (broker.connections): the backend's monitor says which connection closed.
+        self._worker_conns = WorkerConnections()
+        self._backend_events = self.backend.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
         self._opaque_ids = 0
         self._bad = _RateLimitedLog()
@@ -177,6 +184,8 @@ class Broker:
         if self._closed:
             return
         self._closed = True
+        self.backend.disable_monitor()
+        self._backend_events.close(linger=0)
         for s in (self.frontend, self.backend):
             s.close(linger=0)
         for ep in (self.frontend_ep, self.backend_ep):
@@ -188,8 +197,8 @@ class Broker:
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Run until `stop` is set (checked at least every 100 ms)."""
-        fe, be = self.frontend, self.backend
-        items = [(be, zmq.POLLIN), (fe, zmq.POLLIN)]
+        fe, be, events = self.frontend, self.backend, self._backend_events
+        items = [(be, zmq.POLLIN), (fe, zmq.POLLIN), (events, zmq.POLLIN)]
         poll = zmq.zmq_poll
         monotonic = time.monotonic
         sched = self.sched
@@ -209,7 +218,10 @@ class Broker:
             timeout = 100 if wake is None else max(0, min(100, int((wake - now) * 1000.0 + 0.999)))
             for sock, _ in poll(items, timeout):
                 # Workers first: a reply frees credit for the requests that follow.
-                self._drain(sock, on_worker if sock is be else on_client)
+                if sock is events:
+                    self._on_backend_events()
+                else:
+                    self._drain(sock, on_worker if sock is be else on_client)
             wake = sched.next_wakeup(monotonic())
         self._collect_shm()
 
@@ -384,6 +396,7 @@ class Broker:
         elif cmd == P.W_HEARTBEAT:
             self._act(sched.worker_seen(ident, now), now)
         elif cmd == P.W_READY:
+            self._bind_connection(ident, frames[1], now)
             r = msg.ready
             if r is None:
                 actions = sched.worker_ready(ident, msg.service.decode(errors="replace"), now)
@@ -399,6 +412,27 @@ class Broker:
             self._act(actions, now)
         elif cmd == P.W_DISCONNECT:
             self._act(sched.worker_disconnect(ident, now), now)
+
+    def _bind_connection(self, ident: bytes, frame: Any, now: float) -> None:
+        try:
+            fd = frame.get(zmq.SRCFD)  # the connection libzmq read this READY from
+        except (zmq.ZMQError, AttributeError):  # not a received frame, or no SRCFD here
+            return
+        gone = self._worker_conns.bind(fd, ident)
+        if gone is not None:
+            log.info("worker %r lost its connection (its number was reused); presuming it dead", gone[:16])
+            self._act(self.sched.worker_disconnect(gone, now), now)
+
+    def _on_backend_events(self) -> None:
+        now = time.monotonic()
+        while self._backend_events.get(zmq.EVENTS) & _POLLIN:
+            event = recv_monitor_message(self._backend_events)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            gone = self._worker_conns.closed(event["value"])
+            if gone is not None:
+                log.info("worker %r closed its connection; presuming it dead", gone[:16])
+                self._act(self.sched.worker_disconnect(gone, now), now)
 
     # ------------------------------------------------------------------ actions
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from client_sdk import Client
 from tests.e2e.conftest import wait_service
+from tests.e2e.test_request_path import gate  # noqa: F401  (fixture)
 
 
 def _echo_round(c: Client, n: int) -> None:
@@ -101,3 +102,39 @@ def test_a_long_request_on_the_loop_thread_runs_exactly_once(cluster, tmp_path):
         assert c.stray_replies == 0
     assert len(runs.read_text().split()) == 1, runs.read_text()
     assert all(w.p.poll() is None for w in workers), [w.stderr() for w in workers]
+
+
+def test_a_sigkilled_local_worker_fails_over_when_its_connection_closes(cluster, gate):
+    """Heartbeats of 1 s (3 s liveness): the broker still moves the dead worker's requests at
+    once, because the closed connection names the worker (broker.connections)."""
+    import asyncio
+
+    from client_sdk import AsyncClient
+
+    cluster.broker("--heartbeat-interval", "1.0")
+    doomed = cluster.worker("gate_model:factory", "--service", "echo", "--max-batch", "1", "--credit", "8",
+                            "--no-warmup", "--heartbeat-interval", "1.0", env=gate.env, wait=False)
+    gate.open()
+    doomed.wait_ready()
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=30) as c:
+            while not await c.mmi_service("echo"):
+                await asyncio.sleep(0.01)
+            xs = [np.full((16,), i, dtype=np.int32) for i in range(4)]
+            tasks = [asyncio.create_task(c.infer("echo", {"x": x})) for x in xs]
+            while c.in_flight() < len(xs):
+                await asyncio.sleep(0)
+            assert await c.mmi_service("echo")  # all four are at the doomed worker
+            await asyncio.to_thread(cluster.worker, "echo", "--heartbeat-interval", "1.0")
+            t0 = time.monotonic()
+            doomed.kill()
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            took = time.monotonic() - t0
+            for x, r in zip(xs, results):
+                np.testing.assert_array_equal(r["x"], x)
+                r.release()
+            return took
+
+    took = asyncio.run(scenario())
+    assert took < 1.5, f"fail-over took {took:.2f} s; the liveness window is 3 s"
