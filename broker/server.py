@@ -20,6 +20,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,6 +58,26 @@ _DRAIN = 64
 # Seconds between sweeps for shared-memory segments of dead processes.
 _GC_INTERVAL = 1.0
 _POLLIN = int(zmq.POLLIN)
+_MAX_CLIENT_PIDS = 1 << 16
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _peer_pid(frame: Any) -> int | None:
+    """SO_PEERCRED's pid for the unix-domain connection a received frame came from."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+        s = socket.socket(fileno=os.dup(fd))
+    except (zmq.ZMQError, AttributeError, OSError):
+        return None
+    try:
+        if s.family != socket.AF_UNIX:
+            return None
+        pid = _PEERCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
+        return pid or None  # 0: the peer is in a pid namespace we cannot see
+    except OSError:
+        return None
+    finally:
+        s.close()
 
 
 def sweep_reply_sockets(directory: str | None = None) -> list[str]:
@@ -155,6 +177,7 @@ class Broker:
         # intervals (broker.connections): the backend's monitor says which connection closed.
         self._worker_conns = WorkerConnections()
         self._backend_events = self.backend.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._client_pids: dict[bytes, int | None] = {}  # client identity -> attested pid
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
         self._opaque_ids = 0
         self._bad = _RateLimitedLog()
@@ -300,6 +323,11 @@ class Broker:
                 self._bad.warning("bad request header from %r: %s", ident[:16], e)
                 self._send_client(ident, P.client_reply(True, service, P.error_body(rid, e.code, str(e))))
                 return
+            # Workers reclaim a dead client's output slots by this pid: for an ipc client the
+            # kernel says whose it is (whatever the header claimed); over tcp it cannot.
+            attested = self._client_pid(ident, first)
+            if attested is not None:
+                req.pid = attested
             local = None
             if req.host is not None:
                 for t in req.tensors:
@@ -412,6 +440,17 @@ class Broker:
             self._act(actions, now)
         elif cmd == P.W_DISCONNECT:
             self._act(sched.worker_disconnect(ident, now), now)
+
+    def _client_pid(self, ident: bytes, frame: Any) -> int | None:
+        """The pid of the process on the other end of this client's ipc connection (learned
+        once per client), or None when the kernel cannot say (tcp, another pid namespace)."""
+        pid = self._client_pids.get(ident, -1)
+        if pid == -1:
+            pid = _peer_pid(frame)
+            if len(self._client_pids) >= _MAX_CLIENT_PIDS:
+                self._client_pids.clear()  # bounded: the clients still here are learned again
+            self._client_pids[ident] = pid
+        return pid
 
     def _bind_connection(self, ident: bytes, frame: Any, now: float) -> None:
         try:

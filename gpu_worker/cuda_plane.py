@@ -220,6 +220,7 @@ class CudaPlane:
     # ------------------------------------------------------------------ upkeep
 
     def housekeeping(self) -> None:
+        self.host.housekeeping()
         try:
             self.cache.poll()
             self.cache.sweep()

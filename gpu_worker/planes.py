@@ -153,7 +153,10 @@ class HostPlane:
         pass  # host reads are done when the model call returns
 
     def housekeeping(self) -> None:
-        pass
+        # Outputs of clients that died (their holder pid is gone) and released ones go back
+        # now, not at the next allocation that finds the ring full.
+        if self.out_pool is not None:
+            self.out_pool.reclaim()
 
     def lent(self) -> int:
         pool = self.out_pool

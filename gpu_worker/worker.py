@@ -194,6 +194,7 @@ class Worker:
         poller.register(self._offload.done, zmq.POLLIN)
         if upstream.monitor is not None:
             poller.register(upstream.monitor, zmq.POLLIN)
+        next_housekeeping = time.monotonic() + interval
         try:
             while not self.stop.is_set():
                 now = time.monotonic()
@@ -221,7 +222,9 @@ class Worker:
                     self._flush_done()
                 if now - upstream.last_sent >= interval:
                     self._send(P.worker_heartbeat())
+                if now >= next_housekeeping:  # every interval, busy or not
                     self.plane.housekeeping()
+                    next_housekeeping = now + interval
                 if upstream.watch_liveness and now - self._last_heard > dead_after:
                     log.warning("broker silent for %.1f s; reconnecting", now - self._last_heard)
                     self._reconnect_why = "broker connection lost"

@@ -138,3 +138,52 @@ def test_a_sigkilled_local_worker_fails_over_when_its_connection_closes(cluster,
 
     took = asyncio.run(scenario())
     assert took < 1.5, f"fail-over took {took:.2f} s; the liveness window is 3 s"
+
+
+_HOLDER = """
+import sys, numpy as np
+from client_sdk import Client
+c = Client(sys.argv[1], timeout=10)
+held = [c.infer("sleepy", {"x": np.zeros(1 << 16)}) for _ in range(8)]   # results kept, unreleased
+print("HELD", flush=True)
+sys.stdin.read()
+"""
+
+
+def _live_slots(owner_pid: int) -> int:
+    from shm.gc import list_segments
+
+    return sum(s.live_slots or 0 for s in list_segments() if s.owner_pid == owner_pid)
+
+
+def test_a_killed_clients_results_are_reclaimed_from_the_output_ring(cluster, tmp_path):
+    """The worker frees the output slots of a client that died within about a heartbeat
+    interval, keyed on the pid the broker read from the client's connection."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import ROOT
+
+    cluster.broker()
+    w = cluster.worker("gate_model:sleepy", "--service", "sleepy", env={"SLEEPY_LOG": str(tmp_path / "runs")})
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "sleepy")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, cluster.frontend], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, cwd=ROOT)
+    try:
+        assert holder.stdout.readline().strip() == b"HELD"
+        worker_pid = int(w.field("pid"))
+        assert _live_slots(worker_pid) >= 8
+        holder.kill()
+        holder.wait(10)
+        t0 = time.monotonic()
+        while _live_slots(worker_pid) > 0:  # a condition polled with a deadline, as wait_service does
+            assert time.monotonic() - t0 < 5.0, f"{_live_slots(worker_pid)} output slots still held"
+            time.sleep(0.02)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(10)
+        holder.stdin.close()
+        holder.stdout.close()
