@@ -163,6 +163,9 @@ class Broker:
         self.ctx = ctx or zmq.Context.instance()
         self.sched = Scheduler(self.cfg.scheduler)
         self._client_window_ms = max(1, min(int(self.sched.client_window * 1000), (1 << 32) - 1))
+        sc = self.cfg.scheduler
+        self._welcome = P.Welcome(instance=self.instance, heartbeat_interval=sc.heartbeat_interval,
+                                  heartbeat_liveness=sc.heartbeat_liveness)
         self.frontend = self.ctx.socket(zmq.ROUTER)
         self.backend = self.ctx.socket(zmq.ROUTER)
         for s in (self.frontend, self.backend):
@@ -437,6 +440,11 @@ class Broker:
                     host=r.host,
                     transports=frozenset(r.transports),
                 )
+                refused = any(type(a) is DisconnectWorker and a.worker == ident for a in actions)
+                if r.welcome and not refused:
+                    # Registered: say so, with this process's instance and the liveness
+                    # settings both sides must use (one place configures them: here).
+                    self.send_to_worker(P.to_worker_welcome(ident, self._welcome))
             self._act(actions, now)
         elif cmd == P.W_DISCONNECT:
             self._act(sched.worker_disconnect(ident, now), now)

@@ -141,7 +141,7 @@ class LoopHeartbeats:
     def __init__(self, send_heartbeat: Callable[[], None], last_sent: Callable[[], float], interval: float):
         self._send = send_heartbeat
         self._last_sent = last_sent
-        self._interval = interval
+        self.interval = interval
         self._socket = threading.Lock()
         self._socket.acquire()  # the loop's, from now on (construct on the loop thread)
         self._stop = threading.Event()
@@ -156,11 +156,11 @@ class LoopHeartbeats:
         self._socket.acquire()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self._interval / 2):
+        while not self._stop.wait(self.interval / 2):
             if not self._socket.acquire(blocking=False):
                 continue  # the loop has the socket: it heartbeats itself
             try:
-                if time.monotonic() - self._last_sent() >= self._interval:
+                if time.monotonic() - self._last_sent() >= self.interval:
                     self._send()
                     self.sent += 1
             except Exception:  # never let a heartbeat failure take the loop's lock with it

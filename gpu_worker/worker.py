@@ -113,6 +113,10 @@ class Worker:
         self.hurry = threading.Event()  # stop without waiting for clients to release outputs
         self.served = 0
         self.compute_times = ComputeTimes(cfg.heartbeat_interval)
+        # Liveness settings: the command line's until the broker's WELCOME replaces them.
+        self.heartbeat_interval = cfg.heartbeat_interval
+        self.heartbeat_liveness = cfg.heartbeat_liveness
+        self.broker_instance: bytes | None = None
         self._offload: ComputeThread | None = None
         self._heartbeats: LoopHeartbeats | None = None  # while serving
         self._busy = False
@@ -162,6 +166,7 @@ class Worker:
             host=self.host,
             transports=list(self.transports),
             pid=self.pid,
+            welcome=True,
         )
         self.sock = self.upstream.connect(self.service, caps)
         self._last_heard = time.monotonic()
@@ -183,20 +188,21 @@ class Worker:
         self._connect()
         self._offload = ComputeThread(self.ctx, self.plane.run)
         self._heartbeats = LoopHeartbeats(lambda: self._send(P.worker_heartbeat()),
-                                          lambda: self.upstream.last_sent, self.cfg.heartbeat_interval)
+                                          lambda: self.upstream.last_sent, self.heartbeat_interval)
         if ready_cb is not None:
             ready_cb()
-        interval = self.cfg.heartbeat_interval
-        dead_after = interval * self.cfg.heartbeat_liveness
         upstream = self.upstream
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._offload.done, zmq.POLLIN)
         if upstream.monitor is not None:
             poller.register(upstream.monitor, zmq.POLLIN)
-        next_housekeeping = time.monotonic() + interval
+        next_housekeeping = time.monotonic() + self.heartbeat_interval
         try:
             while not self.stop.is_set():
+                # Read each pass: a WELCOME may have brought the broker's settings.
+                interval = self.heartbeat_interval
+                dead_after = interval * self.heartbeat_liveness
                 now = time.monotonic()
                 wake = None if self._busy else self.batcher.wake_at(now)
                 timeout = interval if wake is None else max(0.0, min(interval, wake - now))
@@ -233,7 +239,7 @@ class Worker:
             self._drain()
             while self._busy or len(self.batcher):
                 if self._busy:
-                    if self._offload.done.poll(interval * 1000.0):
+                    if self._offload.done.poll(self.heartbeat_interval * 1000.0):
                         self._finish_offloaded()
                     else:
                         self._send(P.worker_heartbeat())
@@ -308,9 +314,25 @@ class Worker:
                 self.batcher.drop(lambda p: p.item is job)
                 del self.jobs[msg.envelope]
                 self._reply_error(job, P.ErrorCode.CANCELLED, "cancelled by the client before it ran")
+        elif cmd == P.W_WELCOME:
+            self._on_welcome(msg.body[0])
         elif cmd == P.W_DISCONNECT:
             log.info("broker asked us to reconnect")
             self._reconnect_why = "broker restarted"
+
+    def _on_welcome(self, w: P.Welcome) -> None:
+        """Registered with broker process `w.instance`, which sets the liveness settings."""
+        self.broker_instance = w.instance
+        if (w.heartbeat_interval, w.heartbeat_liveness) != (self.heartbeat_interval, self.heartbeat_liveness):
+            log.info("the broker sets liveness: heartbeat every %.3g s, presumed dead after %d silent intervals "
+                     "(was %.3g s x %d)", w.heartbeat_interval, w.heartbeat_liveness,
+                     self.heartbeat_interval, self.heartbeat_liveness)
+        self.heartbeat_interval = w.heartbeat_interval
+        self.heartbeat_liveness = w.heartbeat_liveness
+        self.compute_times.heartbeat_interval = w.heartbeat_interval
+        if self._heartbeats is not None:
+            self._heartbeats.interval = w.heartbeat_interval
+        log.info("registered with broker %s", w.instance.hex())
 
     def _on_request(self, envelope: bytes, body: tuple) -> None:
         now = time.monotonic()

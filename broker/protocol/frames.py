@@ -30,12 +30,12 @@ import msgspec
 
 from .header import (
     MAX_DONE, MAX_ENVELOPE_LEN, MAX_SERVICE_LEN, MMI_PREFIX, Cancel, ErrorInfo, ProtocolError,
-    Ready, Reply, decode_ready, encode_header,
+    Ready, Reply, Welcome, decode_ready, decode_welcome, encode_header,
 )
 
 __all__ = ["Command", "CLIENT_COMMANDS", "WORKER_COMMANDS", "frame_table", "MDPC", "MDPW", "C_REQUEST", "C_PARTIAL", "C_FINAL", "C_HEARTBEAT", "C_CANCEL",
     "C_DISCONNECT", "C_FINALS", "W_READY", "W_REQUEST", "W_PARTIAL", "W_FINAL", "W_HEARTBEAT",
-    "W_DISCONNECT", "W_CANCEL", "W_DONE", "client_request", "client_cancel", "client_heartbeat", "broker_heartbeat", "INSTANCE_LEN",
+    "W_DISCONNECT", "W_CANCEL", "W_DONE", "W_WELCOME", "to_worker_welcome", "client_request", "client_cancel", "client_heartbeat", "broker_heartbeat", "INSTANCE_LEN",
     "client_disconnect", "to_client", "error_body", "worker_ready", "worker_reply",
     "worker_done", "client_reply", "direct_finals", "worker_heartbeat", "worker_disconnect",
     "to_worker_request", "to_worker_cancel", "token_envelope", "envelope_token", "ClientMessage",
@@ -67,6 +67,7 @@ W_HEARTBEAT = b"\x05"
 W_DISCONNECT = b"\x06"
 W_CANCEL = b"\x07"
 W_DONE = b"\x08"
+W_WELCOME = b"\x09"
 
 INSTANCE_LEN = 8  # a broker's instance id: random, new at every start
 
@@ -103,6 +104,8 @@ WORKER_COMMANDS: tuple[Command, ...] = (
     Command("DISCONNECT", W_DISCONNECT, "both", "none", "RFC 18"),
     Command("CANCEL", W_CANCEL, "B→W", "envelope", "extension"),
     Command("DONE", W_DONE, "W→B", f"envelope, envelope... (1 to {MAX_DONE}, one per frame)", "extension"),
+    Command("WELCOME", W_WELCOME, "B→W", "header `Welcome` (only to a worker whose `Ready` asked for it)",
+            "extension"),
 )
 
 
@@ -194,6 +197,11 @@ def worker_disconnect() -> list[bytes]:
 
 def to_worker_request(identity: bytes, envelope: bytes, body: Iterable[Any]) -> list[Any]:
     return [identity, MDPW, W_REQUEST, envelope, b"", *body]
+
+
+def to_worker_welcome(identity: bytes, welcome: Welcome) -> list[bytes]:
+    """The broker's answer to a READY whose header set `welcome` (docs/protocol.md section 3)."""
+    return [identity, MDPW, W_WELCOME, encode_header(welcome)]
 
 
 def to_worker_cancel(identity: bytes, envelope: bytes) -> list[bytes]:
@@ -341,6 +349,10 @@ def parse_broker_to_worker(frames: Sequence[Any]) -> BrokerToWorker:
         if len(frames) < 3:
             raise ProtocolError("CANCEL is MDPW02, 0x07, envelope")
         return BrokerToWorker(cmd, bytes(frames[2]))
+    if cmd == W_WELCOME:
+        if len(frames) != 3:
+            raise ProtocolError("WELCOME is MDPW02, 0x09, header(Welcome)")
+        return BrokerToWorker(cmd, body=(decode_welcome(frames[2]),))
     if cmd in (W_HEARTBEAT, W_DISCONNECT):
         return BrokerToWorker(cmd)
     raise ProtocolError(f"unknown command {cmd!r} from broker")

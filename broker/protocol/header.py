@@ -20,8 +20,8 @@ import numpy as np
 __all__ = ["MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_ENVELOPE_LEN",
     "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_REPLY_TO_LEN", "MAX_DONE", "MAX_MMI_TOKEN", "ErrorCode",
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
-    "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "TRANSPORTS", "REPLY_MODES", "is_header",
-    "encode_header", "decode_request", "decode_reply", "decode_cancel", "decode_ready",
+    "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "TRANSPORTS", "REPLY_MODES", "is_header",
+    "encode_header", "decode_request", "decode_reply", "decode_cancel", "decode_ready", "decode_welcome",
     "parse_dtype", "dtype_str", "tensor_nbytes", "check_tensors", "check_inline_sizes", "lenient_request_id",
 ]
 
@@ -159,6 +159,17 @@ class Ready(msgspec.Struct, kw_only=True):
     host: str | None = None
     transports: list[str] = msgspec.field(default_factory=lambda: ["inline"])
     pid: int | None = None
+    welcome: bool = False   # the worker understands WELCOME (the broker then sends one)
+
+
+class Welcome(msgspec.Struct, kw_only=True):
+    """Header of WELCOME (broker -> worker), the answer to a READY that asked for one: the
+    worker is registered, with which broker process, and at what liveness settings."""
+
+    v: int = VERSION
+    instance: bytes                # 8 bytes, new at every broker start
+    heartbeat_interval: float      # seconds; the worker heartbeats at this rate
+    heartbeat_liveness: int        # missed intervals before either side presumes the other dead
 
 
 _ENC = msgspec.msgpack.Encoder()
@@ -166,6 +177,7 @@ _DEC_REQUEST = msgspec.msgpack.Decoder(Request)
 _DEC_REPLY = msgspec.msgpack.Decoder(Reply)
 _DEC_CANCEL = msgspec.msgpack.Decoder(Cancel)
 _DEC_READY = msgspec.msgpack.Decoder(Ready)
+_DEC_WELCOME = msgspec.msgpack.Decoder(Welcome)
 
 TRANSPORTS = frozenset({"inline", "shm", "cuda"})
 REPLY_MODES = frozenset({"auto", "shm", "inline", "cuda"})
@@ -235,6 +247,15 @@ def decode_reply(frame: Any, n_inline: int | None = None) -> Reply:
 
 def decode_cancel(frame: Any) -> Cancel:
     return _decode(frame, _DEC_CANCEL, "cancel")
+
+
+def decode_welcome(frame: Any) -> Welcome:
+    w = _decode(frame, _DEC_WELCOME, "welcome")
+    if len(w.instance) != 8:
+        raise ProtocolError(f"welcome instance must be 8 bytes, got {len(w.instance)}")
+    if not (0 < w.heartbeat_interval <= 3600) or not (1 <= w.heartbeat_liveness <= 1000):
+        raise ProtocolError(f"welcome liveness settings out of range: {w.heartbeat_interval} s x {w.heartbeat_liveness}")
+    return w
 
 
 def decode_ready(frame: Any) -> Ready:

@@ -187,3 +187,22 @@ def test_a_killed_clients_results_are_reclaimed_from_the_output_ring(cluster, tm
             holder.wait(10)
         holder.stdin.close()
         holder.stdout.close()
+
+
+def test_the_brokers_liveness_settings_reach_its_workers(cluster):
+    """A broker configured for 0.2 s heartbeats and a worker started with 1 s: the worker
+    takes the broker's settings from WELCOME and is never presumed dead for heartbeating
+    too slowly (before, it was presumed dead and re-registered over and over)."""
+    cluster.broker()  # 0.2 s x 3
+    w = cluster.worker("echo", "--heartbeat-interval", "1.0", "--log-level", "INFO")
+    w.wait_log("the broker sets liveness: heartbeat every 0.2 s")
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "echo")
+        for _ in range(3):
+            _echo_round(c, 5)
+            # Idle for longer than the broker's window (0.6 s) but less than the worker's own
+            # interval (1 s): only heartbeats at the broker's rate keep the worker registered.
+            time.sleep(0.8)
+        assert c.mmi_service("echo")
+    w.terminate()
+    assert "asked us to reconnect" not in w.stderr(), w.stderr()
