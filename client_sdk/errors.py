@@ -25,7 +25,7 @@ ValueError, ...) so that code catching the builtin keeps working.
 #     ├── InternalError                           500  broker or worker bug
 #     ├── BrokerUnreachable                       503  no answer, not even heartbeats (client-side)
 #     ├── NotSupported    (+ NotImplementedError) None e.g. CUDA tensors without a CUDA side
-#     ├── InvalidInput    (+ ValueError)          None an argument or input cannot be sent
+#     ├── InvalidInput    (+ ValueError)          422  the inputs do not match the model (or cannot be sent: None)
 #     └── EndOfStream     (+ LookupError)         None a stream has nothing left to receive
 from __future__ import annotations
 
@@ -139,10 +139,16 @@ class NotSupported(InferenceError, NotImplementedError):
 
 
 class InvalidInput(InferenceError, ValueError):
-    """An input cannot be sent."""
+    """An input cannot be sent, or the model's declared inputs refused it (422: the message
+    names the mismatch and the signature the service takes)."""
 
     code = None
-    hint = ""
+    hint = ""  # a local argument error says what to do itself
+
+    def __init__(self, message: str = "", *, code: int | None = None, request_id: int | None = None):
+        if code == ErrorCode.INVALID_INPUT and message:
+            message = f"{message} (send inputs that match it; the model did not run)"
+        super().__init__(message, code=code, request_id=request_id)
 
 
 class EndOfStream(InferenceError, LookupError):
@@ -154,6 +160,7 @@ class EndOfStream(InferenceError, LookupError):
 _BY_CODE: dict[int, type[InferenceError]] = {
     ErrorCode.PROTOCOL_ERROR: ProtocolError,
     ErrorCode.NOT_LOCAL: NotLocal,
+    ErrorCode.INVALID_INPUT: InvalidInput,
     ErrorCode.QUEUE_FULL: QueueFull,
     ErrorCode.CANCELLED: Cancelled,
     ErrorCode.INTERNAL: InternalError,

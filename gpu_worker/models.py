@@ -91,6 +91,9 @@ class ModelBase:
     batchable = True
     streaming = False
     device = "cpu"
+    # Declared inputs, {name: (dtype str or None, shape with None for variable axes, or
+    # None)}; None: not declared, anything goes (gpu_worker.signature checks requests).
+    inputs: dict | None = None
 
     def cost(self, inputs: Mapping[str, np.ndarray]) -> float:
         # Bytes are a fair default: copying and most elementwise work scale with them.
@@ -309,6 +312,7 @@ class CartoonModel(_TorchNetModel):
     """The ``cartoon`` AR filter (see ``_nets().CartoonFilter``)."""
 
     name = "cartoon"
+    inputs = {"image": ("|u1", (None, None, 3))}  # one RGB frame, any size
 
     def __init__(self, device: str = "cpu", **params):
         self._prepare(_nets().CartoonFilter(**params), device)
@@ -329,6 +333,7 @@ class ConvNetModel(_TorchNetModel):
     """The ``convnet`` compute-bound benchmark model, with weights from a fixed seed."""
 
     name = "convnet"
+    inputs = {"image": ("|u1", (None, None, 3))}
 
     def __init__(self, device: str = "cpu", seed: int = 0, **params):
         import torch
@@ -384,6 +389,7 @@ class TorchModuleModel(ModelBase):
         self.device = device
         self.batchable = bool(_attr_or(module, "batchable", True))
         self.streaming = bool(_attr_or(module, "streaming", False))
+        self.inputs = _attr_or(module, "inputs", None)
         self._call_style: dict[tuple[str, ...], str] = {}
         try:
             self._signature = inspect.signature(module.forward)
@@ -435,6 +441,7 @@ class CallableModel(ModelBase):
         self.device = device
         self.batchable = bool(_attr_or(fn, "batchable", True))
         self.streaming = bool(_attr_or(fn, "streaming", False))
+        self.inputs = _attr_or(fn, "inputs", None)
 
     def __call__(self, batch):
         out = self.fn(batch)

@@ -44,6 +44,7 @@ from broker import protocol as P
 from broker.protocol.wire import recv_frames
 from gpu_worker.batching import Batcher, Pending
 from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats
+from gpu_worker.signature import describe, mismatch, parse_inputs
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
 from gpu_worker.planes import DataPlane, HostPlane
@@ -124,6 +125,7 @@ class Worker:
         self._last_heard = 0.0
         self._service_b = self.service.encode()
         self._streaming = bool(getattr(self.model, "streaming", False))
+        self._signature = parse_inputs(getattr(self.model, "inputs", None))
         # Direct reply: one PUSH socket per client reply_to endpoint; the envelopes of the
         # FINALs sent that way, gathered into DONEs for the broker.
         self.direct = DirectSockets(self.ctx, capacity=cfg.direct_sockets)
@@ -355,6 +357,12 @@ class Worker:
             self._reply_error(job, e.code, str(e))
             return
         job = Job(envelope, req, None, None, now, None, None)
+        if self._signature is not None:
+            why = mismatch(self._signature, req.tensors)
+            if why is not None:
+                self._reply_error(job, P.ErrorCode.INVALID_INPUT,
+                                  f"{why}; service {self.service!r} takes {describe(self._signature)}")
+                return
         shed = self.plane.admit()
         if shed is not None:
             self._reply_error(job, P.ErrorCode.QUEUE_FULL, shed)

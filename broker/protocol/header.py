@@ -48,6 +48,7 @@ class ErrorCode(IntEnum):
 
     PROTOCOL_ERROR = 400
     NOT_LOCAL = 421
+    INVALID_INPUT = 422   # the request's tensors do not match what the model declared
     QUEUE_FULL = 429
     CANCELLED = 499
     INTERNAL = 500

@@ -48,3 +48,15 @@ def sleepy(device: str = "cpu"):
     run.batchable = False
     run.example_inputs = lambda: {"x": np.zeros(1)}
     return run
+
+
+def declared(device: str = "cpu"):
+    """Doubles an RGB frame; declares its input, so a wrong request is refused before it runs."""
+
+    def run(inputs):
+        return {"image": np.asarray(inputs["image"]) // 2}
+
+    run.name = "declared"
+    run.batchable = False
+    run.inputs = {"image": ("|u1", (None, None, 3))}
+    return run
