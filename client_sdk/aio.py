@@ -32,7 +32,7 @@ from broker import protocol as P
 from broker.protocol.wire import NOBLOCK, recv_frames, send_frames
 
 from .base import ClientBase, ReplyStreamBase
-from .calls import Call, mmi_answer, opaque_reply
+from .calls import Call, final_of_infer, mmi_answer, opaque_reply
 from .core import ClientCore
 from .errors import DeadlineExceeded, InferenceError, ProtocolError
 from .sockets import CLOSE_LINGER_MS, ReplyInbox, dealer, drop_socket
@@ -231,12 +231,15 @@ class AsyncClient(ClientBase):
     async def infer(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                     priority: Any = "normal", meta: Mapping[str, Any] | None = None,
                     reply: str = "auto") -> Result:
-        """Run one request and return its FINAL outputs (PARTIALs are released unread)."""
+        """Run one request and return its FINAL outputs.  A service that streams its results
+        (PARTIALs) and ends with an empty FINAL raises `NotSupported`: use `infer_stream`."""
         stream = self.infer_stream(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply)
+        partials = 0
         try:
             async for res in stream:
                 if res.final:
-                    return res
+                    return final_of_infer(service, res, partials)
+                partials += 1
                 res.release()
         finally:
             stream.close()

@@ -18,10 +18,10 @@ from broker import protocol as P
 from broker.protocol import Priority
 
 from . import tensors as T
-from .errors import DeadlineExceeded, InvalidInput, ProtocolError, error_from
+from .errors import DeadlineExceeded, InvalidInput, NotSupported, ProtocolError, error_from
 
 __all__ = ["Call", "MmiQuery", "MMI_SERVICE", "parse_priority", "check_service", "endpoint_is_local",
-           "resolve_transport", "opaque_reply", "mmi_answer"]
+           "resolve_transport", "opaque_reply", "mmi_answer", "final_of_infer"]
 
 MMI_SERVICE = "mmi.service"
 
@@ -99,6 +99,17 @@ def opaque_reply(frames: list[Any], service: str) -> tuple[bool, list[bytes]]:
             raise error_from(rep.error.code, rep.error.message)
         raise ProtocolError(f"service {service!r} answered an opaque request with a tensor header")
     return True, body
+
+
+def final_of_infer(service: str, res: Any, partials: int) -> Any:
+    """What `infer` returns for a FINAL that followed `partials` PARTIALs: the FINAL itself,
+    unless the service streamed everything and the FINAL is empty (then the caller meant
+    `infer_stream`: a typed error rather than an empty result)."""
+    if partials and len(res) == 0:
+        res.release()
+        raise NotSupported(f"service {service!r} streams its results ({partials} PARTIALs, then an empty "
+                           f"FINAL); use infer_stream() to receive them")
+    return res
 
 
 def mmi_answer(body: list[bytes], name: str) -> bool:

@@ -26,7 +26,7 @@ from broker import protocol as P
 from broker.protocol.wire import NOBLOCK, recv_frames, send_frames
 
 from .base import ClientBase, ReplyStreamBase
-from .calls import Call, mmi_answer, opaque_reply, parse_priority, resolve_transport
+from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priority, resolve_transport
 from .core import ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, ProtocolError
 from .sockets import CLOSE_LINGER_MS, ReplyInbox, dealer, drop_socket
@@ -68,13 +68,15 @@ class Client(ClientBase):
 
     def infer(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
               priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto") -> Result:
-        """Run one request and return its FINAL outputs.  PARTIALs, if the service sends any,
-        are released unread; use `infer_stream` to see them."""
+        """Run one request and return its FINAL outputs.  A service that streams its results
+        (PARTIALs) and ends with an empty FINAL raises `NotSupported`: use `infer_stream`."""
+        partials = 0
         with self.infer_stream(service, inputs, timeout=timeout, priority=priority, meta=meta,
                                reply=reply) as replies:
             for res in replies:
                 if res.final:
-                    return res
+                    return final_of_infer(service, res, partials)
+                partials += 1
                 res.release()
         raise ProtocolError("the reply stream ended without a FINAL")  # pragma: no cover
 

@@ -401,9 +401,20 @@ class ClientCore:
             elif q is None:
                 self.discarded += 1
             return []
-        # Any other opaque body on this socket answers nothing we sent (opaque requests have
-        # their own sockets).
-        self.discarded += 1
+        # An opaque FINAL on this socket answers a tensor call (opaque requests have sockets
+        # of their own): the service is not one of ours (a plain MDP worker).  It carries no
+        # id, so it fails the oldest call waiting on that service; each such call gets one.
+        name = bytes(service).decode(errors="replace")
+        waiting = [c for c in self.active() if c.service == name] if final else []
+        if not waiting:
+            self.discarded += 1
+            return []
+        call = min(waiting, key=lambda c: c.t_sent)
+        self._forget(call)
+        self._finish_inputs(call)
+        self._deliver(call, ("error", ProtocolError(
+            f"service {name!r} answered a tensor request with an opaque body (a plain MDP worker?); "
+            f"use client.request() for opaque services", request_id=call.id)), True, now)
         return []
 
     def _on_reply(self, call: Call, rep: P.Reply, frames: list[Any], final: bool, now: float) -> list[list[Any]]:

@@ -41,6 +41,7 @@ def test_error_codes_are_fixed_on_the_wire():
     assert {c.name: int(c) for c in ErrorCode} == {
         "PROTOCOL_ERROR": 400,
         "NOT_LOCAL": 421,
+        "INVALID_INPUT": 422,
         "QUEUE_FULL": 429,
         "CANCELLED": 499,
         "INTERNAL": 500,

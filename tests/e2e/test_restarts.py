@@ -207,26 +207,3 @@ def test_the_brokers_liveness_settings_reach_its_workers(cluster):
     w.terminate()
     assert "asked us to reconnect" not in w.stderr(), w.stderr()
 
-
-def test_client_mistakes_are_typed_client_errors_not_server_faults(cluster):
-    """A wrong dtype, shape or input name for a model that declares its inputs: 422
-    InvalidInput naming the mismatch and the signature, and the model does not run."""
-    import re
-
-    import pytest
-
-    from client_sdk import InvalidInput
-
-    cluster.broker()
-    cluster.worker("gate_model:declared", "--service", "declared")
-    with Client(cluster.frontend, timeout=10) as c:
-        wait_service(c, "declared")
-        good = np.full((4, 6, 3), 200, np.uint8)
-        with c.infer("declared", {"image": good}) as r:
-            np.testing.assert_array_equal(r["image"], good // 2)
-        for inputs, why in (({"image": good.astype(np.float32)}, "has dtype <f4, expected |u1"),
-                            ({"image": good[..., :2].copy()}, "has shape [4, 6, 2], expected [?, ?, 3]"),
-                            ({"frame": good}, "missing input 'image' and unexpected input 'frame'")):
-            with pytest.raises(InvalidInput, match=re.escape("service 'declared' takes image: |u1[?, ?, 3]")) as info:
-                c.infer("declared", inputs)
-            assert why in str(info.value) and info.value.code == 422

@@ -1,0 +1,75 @@
+"""Client mistakes get typed client errors, promptly, never a server fault or a silent wait:
+inputs that do not match a model's declared inputs, an opaque reply to a tensor call, and
+`infer()` on a streaming service."""
+from __future__ import annotations
+
+import re
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+from client_sdk import Client, InvalidInput, NotSupported, ProtocolError
+from tests.e2e.conftest import wait_service
+
+
+def test_client_mistakes_are_typed_client_errors_not_server_faults(cluster):
+    """A wrong dtype, shape or input name for a model that declares its inputs: 422
+    InvalidInput naming the mismatch and the signature, and the model does not run."""
+    cluster.broker()
+    cluster.worker("gate_model:declared", "--service", "declared")
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "declared")
+        good = np.full((4, 6, 3), 200, np.uint8)
+        with c.infer("declared", {"image": good}) as r:
+            np.testing.assert_array_equal(r["image"], good // 2)
+        for inputs, why in (({"image": good.astype(np.float32)}, "has dtype <f4, expected |u1"),
+                            ({"image": good[..., :2].copy()}, "has shape [4, 6, 2], expected [?, ?, 3]"),
+                            ({"frame": good}, "missing input 'image' and unexpected input 'frame'")):
+            with pytest.raises(InvalidInput, match=re.escape("service 'declared' takes image: |u1[?, ?, 3]")) as info:
+                c.infer("declared", inputs)
+            assert why in str(info.value) and info.value.code == 422
+
+
+def test_infer_on_a_streaming_service_says_to_use_infer_stream(cluster):
+    cluster.broker()
+    cluster.worker("chunks")
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "chunks")
+        with pytest.raises(NotSupported, match="streams its results .* use infer_stream"):
+            c.infer("chunks", {"x": np.arange(12, dtype=np.int32).reshape(3, 4)})
+        assert len(list(c.infer_stream("chunks", {"x": np.ones((2, 4), np.int32)}))) >= 2  # the right call
+
+
+def test_an_opaque_reply_to_a_tensor_call_is_a_typed_error_not_a_timeout(cluster):
+    """A plain MDP worker (opaque bodies) registered under a name a tensor client calls."""
+    cluster.broker()
+    w = zmq.Context.instance().socket(zmq.DEALER)
+    w.linger = 0
+    stop = threading.Event()
+
+    def plain_worker():
+        while not stop.is_set():
+            if w.poll(50):
+                f = w.recv_multipart()
+                if f[1] == b"\x02":  # REQUEST: answer with the body's length, as text
+                    w.send_multipart([b"MDPW02", b"\x04", f[2], b"", str(len(f[4])).encode()])
+            else:
+                w.send_multipart([b"MDPW02", b"\x05"])  # HEARTBEAT: the broker's window is 0.6 s
+
+    t = threading.Thread(target=plain_worker)
+    try:
+        w.connect(cluster.backend)
+        w.send_multipart([b"MDPW02", b"\x01", b"plain"])
+        t.start()
+        with Client(cluster.frontend, timeout=30) as c:
+            wait_service(c, "plain")
+            with pytest.raises(ProtocolError, match="opaque body .* use client.request"):
+                c.infer("plain", {"x": np.zeros(4)}, timeout=30)  # fails at once, not after 30 s
+            assert c.request("plain", [b"abc"]) == [b"3"]
+    finally:
+        stop.set()
+        if t.is_alive():
+            t.join(5)
+        w.close()
