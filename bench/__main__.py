@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--arrival", choices=("constant", "poisson"), default="constant",
                    help="open-loop arrivals: evenly spaced or Poisson (default constant)")
 
+    sub.add_parser("soak", help="long mixed 16 B / 6 MB load; RSS and open files per process "
+                                "(python -m bench soak --help)", add_help=False)
     s = sub.add_parser("render", help="redraw table/markdown/plots from a saved JSON report")
     s.add_argument("report", help="JSON report written by --json")
     s.add_argument("--markdown", metavar="PATH")
@@ -287,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     # The interpreter's own argv when run from a shell: exactly what was typed.
     argv_full = (list(sys.orig_argv) if argv is None
                  else [sys.executable, "-m", "bench", *argv])
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["soak"]:  # its own options (bench/soak.py): a run of the product, not of peers
+        from bench import soak
+
+        return soak.main(args[1:])
     a = build_parser().parse_args(argv)
     if a.command == "render":
         return cmd_render(a)
