@@ -326,11 +326,11 @@ class Broker:
                 self._bad.warning("bad request header from %r: %s", ident[:16], e)
                 self._send_client(ident, P.client_reply(True, service, P.error_body(rid, e.code, str(e))))
                 return
-            # Workers reclaim a dead client's output slots by this pid: for an ipc client the
-            # kernel says whose it is (whatever the header claimed); over tcp it cannot.
-            attested = self._client_pid(ident, first)
-            if attested is not None:
-                req.pid = attested
+            # Workers reclaim a dead client's output slots by this pid, so it is never the
+            # header's claim (a client could name another's pid and pin slots for good): for
+            # an ipc client the kernel says whose connection it is; over tcp nobody can, and
+            # such a client's outputs go back only when it releases them.
+            req.pid = self._client_pid(ident, first)
             local = None
             if req.host is not None:
                 for t in req.tensors:

@@ -207,3 +207,25 @@ def test_the_brokers_liveness_settings_reach_its_workers(cluster):
     w.terminate()
     assert "asked us to reconnect" not in w.stderr(), w.stderr()
 
+
+
+def test_a_broker_outage_past_the_liveness_window_fails_calls_typed_then_recovers(cluster):
+    """Past the client's liveness window (5 x 0.1 s) a waiting call gets BrokerUnreachable
+    (not a 30 s timeout, never a silent loss); once the broker is back, calls succeed."""
+    import pytest
+
+    from client_sdk import BrokerUnreachable
+
+    broker = cluster.broker()
+    cluster.worker("echo")
+    with Client(cluster.frontend, timeout=30, heartbeat_interval=0.1) as c:
+        wait_service(c, "echo")
+        _echo_round(c, 3)
+        broker.kill()
+        t0 = time.monotonic()
+        with pytest.raises(BrokerUnreachable):
+            c.infer("echo", {"x": np.zeros(4)})
+        assert time.monotonic() - t0 < 5.0
+        cluster.broker()
+        wait_service(c, "echo")
+        _echo_round(c, 3)
