@@ -224,7 +224,7 @@ class Broker:
     def serve(self, stop: threading.Event | None = None) -> None:
         """Run until `stop` is set (checked at least every 100 ms)."""
         fe, be, events = self.frontend, self.backend, self._backend_events
-        items = [(be, zmq.POLLIN), (fe, zmq.POLLIN), (events, zmq.POLLIN)]
+        items = [(events, zmq.POLLIN), (be, zmq.POLLIN), (fe, zmq.POLLIN)]
         poll = zmq.zmq_poll
         monotonic = time.monotonic
         sched = self.sched
@@ -305,6 +305,7 @@ class Broker:
                 return
             self._act(sched.client_cancel(ident, cancel.id, now), now)
         elif cmd == P.C_DISCONNECT:
+            self._client_pids.pop(ident, None)
             self._req_clients.discard(ident)
             self._act(sched.client_disconnect(ident, now), now)
 
@@ -427,6 +428,10 @@ class Broker:
         elif cmd == P.W_HEARTBEAT:
             self._act(sched.worker_seen(ident, now), now)
         elif cmd == P.W_READY:
+            # Connection events first: libzmq queues a connection's DISCONNECTED before it
+            # closes the descriptor, so an event for an earlier holder of this READY's
+            # descriptor is already waiting and must be applied before the new binding.
+            self._on_backend_events()
             self._bind_connection(ident, frames[1], now)
             r = msg.ready
             if r is None:

@@ -405,13 +405,17 @@ class ClientCore:
         # of their own): the service is not one of ours (a plain MDP worker).  It carries no
         # id, so it fails the oldest call waiting on that service; each such call gets one.
         name = bytes(service).decode(errors="replace")
-        waiting = [c for c in self.active() if c.service == name] if final else []
+        waiting = ([c for k, c in self.calls.items() if k == c.id and not c.done and c.service == name]
+                   if final else [])
         if not waiting:
             self.discarded += 1
             return []
-        call = min(waiting, key=lambda c: c.t_sent)
+        call = min(waiting, key=lambda c: c.t_submit or c.t_sent)  # the oldest first sent
         self._forget(call)
         self._finish_inputs(call)
+        if call.abandoned:  # its caller is gone: nothing to tell, but its entry and inputs go
+            call.done = True
+            return []
         self._deliver(call, ("error", ProtocolError(
             f"service {name!r} answered a tensor request with an opaque body (a plain MDP worker?); "
             f"use client.request() for opaque services", request_id=call.id)), True, now)
@@ -609,11 +613,15 @@ class ClientCore:
         return None if self.heartbeat_interval is None else self.heartbeat(now)
 
     def _on_broker_instance(self, instance: bytes, now: float) -> list[list[Any]]:
-        """A heartbeat answer named the broker process.  When it is a new one, the calls
-        sent to its predecessor were lost with it: send them again (new ids, so a late
-        times, or fail them; a call that already streamed PARTIALs cannot be replayed.  The old
-        ids stay answerable: whichever run answers first with a result is the call's, and
-        anything later for it is dropped (see `_on_reply`)."""
+        """A heartbeat answer named the broker process.  When it is a new one, the calls sent
+        to its predecessor may be lost with it.  Each one still waited for is sent again
+        under a new id, at most `restart_resends` times, after a CANCEL of its old id (a copy
+        that reached the new broker, queued during the outage, is dropped there rather than
+        run twice).  The old id stays answerable: whichever run answers first with a result
+        is the call's, and anything later for it is dropped (see `_on_reply`).  A call that
+        streamed PARTIALs cannot be replayed and fails; calls nobody waits for any more
+        (abandoned, or already failed) are forgotten, their inputs freed: no FINAL will come
+        for them from a dead broker."""
         known, self.broker_instance = self.broker_instance, instance
         if known is None or known == instance:
             if known is None:
@@ -622,18 +630,25 @@ class ClientCore:
             return []
         self.broker_restarts += 1
         out = []
-        for call in self.active():
-            if call.broker == instance or call.id == 0:
-                continue  # sent to the new broker already, or not sent yet
+        for cid, call in list(self.calls.items()):
+            if cid != call.id or call.broker == instance or call.id == 0:
+                continue  # an old id (seen with its call), sent to the new broker already, or unsent
+            if call.abandoned or call.done or (call.inbox and call.inbox[-1][0] == "error"):
+                self._forget(call)
+                self._finish_inputs(call)
+                continue
             if call.partials or call.resends >= self.restart_resends:
                 why = ("it had streamed results" if call.partials
                        else f"it was resent {call.resends} times already")
-                self.fail(call, BrokerUnreachable(
+                self._forget(call)
+                self._finish_inputs(call)
+                self._deliver(call, ("error", BrokerUnreachable(
                     f"the broker restarted while request {call.id} to {call.service!r} was in flight, "
-                    f"and {why}", request_id=call.id))
+                    f"and {why}", request_id=call.id)), True, now)
                 continue
             log.info("the broker restarted; resending request %d to %r", call.id, call.service)
             call.resends += 1
+            out.append(P.client_cancel(call.service, call.id))
             call.old_ids.append(call.id)  # stays answerable: a worker may still reply to it directly
             out.append(self.request_frames(call, now))
         return out

@@ -474,7 +474,20 @@ class Worker:
     def _run_stream(self, job: Job) -> None:
         seq = 0
         t0 = time.perf_counter()
-        for out in self.backend.run_stream(job.inputs):
+        outs = iter(self.backend.run_stream(job.inputs))
+        beats = self._heartbeats
+        while True:
+            # The model computes inside next(): heartbeats are the thread's meanwhile, the
+            # PARTIALs between are the loop's (the socket changes hands at each boundary).
+            if beats is not None:
+                beats.computing_begin()
+            try:
+                out = next(outs, _END)
+            finally:
+                if beats is not None:
+                    beats.computing_end()
+            if out is _END:
+                break
             self._reply_tensors(job, out, {"compute_ms": (time.perf_counter() - t0) * 1e3}, final=False, seq=seq)
             seq += 1
         self._send(P.worker_reply(job.envelope, True, [P.encode_header(P.Reply(id=job.req.id, seq=seq))]))
@@ -543,6 +556,9 @@ class Worker:
         self.batcher.drop(lambda p: True)
         self.jobs.clear()
         self.dones.clear()
+
+
+_END = object()  # the end of a streaming model's outputs
 
 
 def install_sigterm_drain(worker: Worker) -> None:

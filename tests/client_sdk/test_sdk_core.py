@@ -155,46 +155,65 @@ def test_not_local_resends_the_same_inputs_inline_under_a_new_id():
         core.close()
 
 
+def _restart(core, lost_count=1):
+    """A broker instance, calls sent to it, then a new instance: the resend frames."""
+    core.on_message(P.broker_heartbeat(b"\x01" * 8, 3000), 100.0)
+    calls = [_sent(core, now=100.1) for _ in range(lost_count)]
+    return calls, core.on_message(P.broker_heartbeat(b"\x02" * 8, 3000), 100.5)
+
+
 def test_a_broker_restart_resends_what_was_in_flight_under_new_ids(core):
     old, new = b"\x01" * 8, b"\x02" * 8
     core.on_message(P.broker_heartbeat(old, 3000), 100.0)
-    lost, streamed = _sent(core, now=100.1), _sent(core, now=100.1)
+    lost, streamed, gone = _sent(core, now=100.1), _sent(core, now=100.1), _sent(core, now=100.1)
     core.on_message(_final(streamed, np.int64([1]), final=False), 100.2)
+    core.give_up(gone)  # abandoned: nobody waits for it
     assert core.on_message(P.broker_heartbeat(old, 3000), 100.3) == []  # same broker: nothing to do
     after = _sent(core, now=100.4)
     after.broker = new  # as if sent once the client knew the new broker
+    old_id = lost.id
     out = core.on_message(P.broker_heartbeat(new, 3000), 100.5)
-    assert len(out) == 1 and core.broker_restarts == 1
-    old_id = 1
-    hdr = P.decode_request(out[0][3], len(out[0]) - 4)
+    # The old copy is cancelled (the new broker drops it if it got it), then sent anew.
+    assert out[0] == P.client_cancel("echo", old_id) and len(out) == 2 and core.broker_restarts == 1
+    hdr = P.decode_request(out[1][3], len(out[1]) - 4)
     assert lost.id == hdr.id != old_id and lost.resends == 1 and lost.broker == new
     assert [k for k, _ in streamed.inbox] == ["partial", "error"]  # a stream cannot be replayed
     assert isinstance(streamed.inbox[-1][1], BrokerUnreachable)
     assert after.resends == 0 and after.id in core.calls
-    # The old id stays answerable: an error from the old run is dropped (the new run may
-    # still succeed), its result answers the call and cancels the resent run.
-    assert core.in_flight() == 3 and set(core.calls) == {old_id, lost.id, streamed.id, after.id}
+    # Nothing waits for the streamed or the abandoned call any more: both are forgotten.
+    assert streamed.id not in core.calls and gone.id not in core.calls
+    assert core.in_flight() == 2 and set(core.calls) == {old_id, lost.id, after.id}
+    # An error from the old run is dropped (the new run may still succeed)...
     err = P.client_reply(True, b"echo", P.error_body(old_id, ErrorCode.WORKER_FAILED, "gone"))
     assert core.on_message(err, 100.6) == [] and core.discarded == 1 and not lost.inbox
-    new_id, lost.id = lost.id, old_id  # build the old run's reply with _final
-    old_reply = _final(lost, np.int64([5]))
+    # ...and the new run's result answers the call once.
+    core.on_message(_final(lost, np.int64([5])), 100.7)
+    assert [k for k, _ in lost.inbox] == ["final"] and lost.id not in core.calls
+
+
+def test_after_a_restart_the_old_runs_result_wins_and_cancels_the_new_run(core):
+    (lost,), out = _restart(core)
+    old_id, new_id = P.decode_cancel(out[0][3]).id, lost.id
+    lost.id = old_id
+    old_reply = _final(lost, np.int64([5]))  # what a worker of the old run sends straight to us
     lost.id = new_id
-    core.calls[old_id] = lost  # (the error above made it forget the old id; answerable again)
-    out = core.on_message(old_reply, 100.7)
-    assert out == [P.client_cancel("echo", new_id)] and [k for k, _ in lost.inbox] == ["final"]
+    assert core.on_message(old_reply, 100.7) == [P.client_cancel("echo", new_id)]
+    assert [k for k, _ in lost.inbox] == ["final"]
     assert old_id not in core.calls and new_id not in core.calls
     core.on_message(_final(lost, np.int64([6])), 100.8)  # the resent run's answer: dropped
-    assert core.discarded == 2 and len(lost.inbox) == 1
+    assert core.discarded == 1 and len(lost.inbox) == 1
 
 
 def test_resends_after_restarts_are_bounded(core):
     core.restart_resends = 1
     core.on_message(P.broker_heartbeat(b"a" * 8, 3000), 1.0)
     call = _sent(core, now=1.0)
-    assert len(core.on_message(P.broker_heartbeat(b"b" * 8, 3000), 2.0)) == 1
+    out = core.on_message(P.broker_heartbeat(b"b" * 8, 3000), 2.0)
+    assert [f[1] for f in out] == [P.C_CANCEL, P.C_REQUEST]
     assert core.on_message(P.broker_heartbeat(b"c" * 8, 3000), 3.0) == []
     kind, err = call.inbox.popleft()
     assert kind == "error" and isinstance(err, BrokerUnreachable) and "resent 1 times" in str(err)
+    assert core.in_flight() == 0  # forgotten: no FINAL comes for it from a dead broker
 
 
 def test_heartbeats_go_out_every_interval_while_calls_wait_whatever_else_is_sent(core):

@@ -137,7 +137,7 @@ def test_a_sigkilled_local_worker_fails_over_when_its_connection_closes(cluster,
             return took
 
     took = asyncio.run(scenario())
-    assert took < 1.5, f"fail-over took {took:.2f} s; the liveness window is 3 s"
+    assert took < 2.5, f"fail-over took {took:.2f} s; the liveness window is 3 s"
 
 
 _HOLDER = """
