@@ -18,6 +18,7 @@ calls waits (`pump`), which is what the caller's blocking calls do.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Mapping
 
 import zmq
@@ -57,6 +58,7 @@ class Client(ClientBase):
         self._sock = dealer(self._ctx, endpoint)
         self._inbox = ReplyInbox.open(self._ctx) if self._core.direct_reply else None
         self._items = [(self._sock, _POLLIN)]
+        self._pending: deque[list[Any]] = deque()  # REQUESTs the socket refused (resends), in order
         if self._inbox is not None:
             self._core.reply_to = self._inbox.endpoint
             self._items.append((self._inbox.sock, _POLLIN))
@@ -186,6 +188,8 @@ class Client(ClientBase):
         does what AsyncClient's heartbeat task does: sends a HEARTBEAT when one is due, and
         fails (in their inbox) the calls the broker has been silent on for too long."""
         core = self._core
+        if self._pending:
+            self._flush_pending()
         hb = core.heartbeat_period
         if hb is not None:
             now = time.monotonic()
@@ -230,11 +234,32 @@ class Client(ClientBase):
     def _send_soon(self, frames: list[Any] | None) -> None:
         if frames is None:
             return
+        if frames[1] == P.C_REQUEST and self._pending:
+            self._pending.append(frames)  # keep the order behind requests already waiting
+            return
         try:
             send_frames(self._sock, frames, NOBLOCK)
             self._core.last_send = time.monotonic()
-        except zmq.ZMQError:  # full or closed: the broker is gone anyway
+        except zmq.Again:
+            # A full queue (a broker away): a request (a resend after a restart) must not be
+            # lost, so it waits for the next pump; a heartbeat or CANCEL may be dropped.
+            if frames[1] == P.C_REQUEST:
+                self._pending.append(frames)
+        except zmq.ZMQError:  # closed: nothing will be delivered anyway
             pass
+
+    def _flush_pending(self) -> None:
+        pending = self._pending
+        while pending:
+            try:
+                send_frames(self._sock, pending[0], NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError:
+                pending.clear()
+                return
+            pending.popleft()
+            self._core.last_send = time.monotonic()
 
     def _drain(self) -> None:
         # EVENTS rather than recv(NOBLOCK) until zmq.Again: an exception per wake-up costs

@@ -233,7 +233,9 @@ class Worker:
                 if now >= next_housekeeping:  # every interval, busy or not
                     self.plane.housekeeping()
                     next_housekeeping = now + interval
-                if upstream.watch_liveness and now - self._last_heard > dead_after:
+                # Messages waiting in the socket (a long batch just ended) are not silence.
+                if (upstream.watch_liveness and now - self._last_heard > dead_after
+                        and not self.sock.get(zmq.EVENTS) & _POLLIN):
                     log.warning("broker silent for %.1f s; reconnecting", now - self._last_heard)
                     self._reconnect_why = "broker connection lost"
                     self._reconnect(poller)
