@@ -189,6 +189,25 @@ class Peer:
         return [sys.executable, "-m", module, *args]
 
 
+def start_ready(args: list[str], env: dict | None = None, timeout: float = 120) -> subprocess.Popen:
+    """`python ARGS` (one of our processes), returned once it printed its READY line."""
+    full = None if env is None else {**os.environ, **env}
+    p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=full)
+    wait_ready(p, timeout)
+    return p
+
+
+def stop_process(p: subprocess.Popen) -> None:
+    """SIGTERM (our processes drain and exit 0), then SIGKILL if it does not exit in time."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
 def wait_ready(proc: subprocess.Popen, timeout: float) -> str:
     """The first line a peer process prints on stdout (its READY line), waiting at most
     `timeout` seconds; PeerStartError if it exits or stays silent."""

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,24 +30,8 @@ import time
 
 import numpy as np
 
-from bench.peers import wait_ready
-
-
-def _start(args: list[str], env: dict | None = None) -> subprocess.Popen:
-    full = None if env is None else {**os.environ, **env}
-    p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=full)
-    wait_ready(p, 120)
-    return p
-
-
-def _stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
+from bench.peers import start_ready as _start
+from bench.peers import stop_process as _stop
 
 
 def one_round(hb: float) -> dict:

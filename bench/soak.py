@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -23,7 +22,8 @@ import time
 
 import numpy as np
 
-from bench.peers import wait_ready
+from bench.peers import start_ready as _start
+from bench.peers import stop_process
 
 
 def _proc_sample(pid: int) -> tuple[int, int]:
@@ -35,12 +35,6 @@ def _proc_sample(pid: int) -> tuple[int, int]:
                 rss = int(line.split()[1]) * 1024
                 break
     return rss, len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def _start(args: list[str]) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    wait_ready(p, 120)
-    return p
 
 
 def run(minutes: float, sample_s: float) -> dict:
@@ -87,12 +81,7 @@ def run(minutes: float, sample_s: float) -> dict:
         for t in threads:
             t.join(60)
         for p in procs.values():
-            p.terminate()
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+            stop_process(p)
     half = [s for s in samples if s["t"] >= samples[-1]["t"] / 2] or samples
     growth = {}
     for name in pids:
