@@ -61,7 +61,7 @@ def broker_us(n: int) -> float:
         caps = P.Ready(credit=4, host=P.local_host_id(), transports=["inline", "shm"])
         b.on_worker([F(b"W1"), *map(F, P.worker_ready("echo", caps))])
         ref = P.TensorRef(name="x", dtype="|u1", shape=[16],
-                          loc=P.ShmLoc(segment="zinf-1-2-0123456789abcdef", offset=4096, nbytes=16, slot=0,
+                          loc=P.ShmLoc(segment="zinf-1-2-0123456789abcdef-5", offset=4096, nbytes=16, slot=0,
                                        generation=1))
         hdr = P.encode_header(P.Request(id=1, host=P.local_host_id(), pid=1, tensors=[ref]))
         rep = P.encode_header(P.Reply(id=1, tensors=[ref], timing={"compute_ms": 0.01}))

@@ -20,7 +20,7 @@ def _request(n_tensors: int, nbytes: int) -> P.Request:
             name=f"t{i}",
             dtype="|u1",
             shape=[nbytes],
-            loc=P.ShmLoc(segment="zinf-1234-5678-0123456789abcdef", offset=4096 + i * nbytes,
+            loc=P.ShmLoc(segment="zinf-1234-5678-0123456789abcdef-5", offset=4096 + i * nbytes,
                          nbytes=nbytes, slot=i, generation=1),
         )
         for i in range(n_tensors)

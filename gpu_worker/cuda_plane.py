@@ -33,7 +33,7 @@ import numpy as np
 from broker import protocol as P
 from gpu_worker.cuda_runtime import GpuMemoryPressure, HostRegistry, MemoryWatch
 from gpu_worker.job import Job
-from gpu_worker.planes import HostPlane
+from gpu_worker.planes import HostPlane, check_owner
 
 __all__ = ["CudaPlane"]
 
@@ -117,6 +117,7 @@ class CudaPlane:
     def _map_device(self, req: P.Request, t: P.TensorRef, dt: np.dtype):
         if req.host != self.host.host:
             raise P.ProtocolError("CUDA IPC reference from another host")
+        check_owner(req, t.loc.pool)  # the pool's state table is a segment of its owner
         arr = self.cache.view(t.loc, dt, tuple(t.shape), stream=self.stream)
         if not self.device_path:
             # A numpy model reads host memory: one copy, ordered after the producer.

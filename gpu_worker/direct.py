@@ -52,10 +52,17 @@ def direct_endpoint(final: bool, req: P.Request | None, *, host: str, enabled: b
     PARTIALs and a streaming model's FINAL stay with the broker (their order and relay-time
     checks live there), as do opaque replies (``req`` None) and replies to a client on
     another host or without ``reply_to``.  Whether the endpoint is reachable and its socket
-    takes the message is `DirectSockets`' answer."""
+    takes the message is `DirectSockets`' answer.
+
+    The socket must be the requester's own: its file name states its owner's pid
+    (`broker.protocol.naming`), which must be the pid the broker attested for the request
+    (``req.pid``).  A ``reply_to`` naming another process's socket is ignored and the reply
+    goes back through the broker, to the client that sent the request."""
     if (final and req is not None and req.reply_to is not None and req.host == host
-            and enabled and not streaming):
-        return req.reply_to
+            and enabled and not streaming and req.pid is not None):
+        owner = P.parse_reply_socket_name(req.reply_to.rpartition("/")[2])
+        if owner is not None and owner[0] == req.pid:
+            return req.reply_to
     return None
 
 

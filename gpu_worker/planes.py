@@ -37,9 +37,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from broker import protocol as P
+from shm.segment import owner_of
 from gpu_worker.job import Job
 
-__all__ = ["DataPlane", "HostPlane", "is_same_array"]
+__all__ = ["DataPlane", "HostPlane", "check_owner", "is_same_array"]
 
 CUDA_ON_CPU_WORKER = ("CUDA IPC tensors need a worker on a CUDA device (start it with "
                       "python -m gpu_worker --device cuda:N); this worker runs on the CPU")
@@ -98,6 +99,7 @@ class HostPlane:
         if kind is P.ShmLoc:
             if req.host != self.host:
                 raise P.ProtocolError("shared-memory reference from another host")
+            check_owner(req, loc.segment)
             return self.inputs.view(P.shm_ref(loc), dt, tuple(t.shape))
         if kind is P.InlineLoc:
             buf = frames[loc.frame]
@@ -169,6 +171,26 @@ class HostPlane:
         self.inputs.close()
         if self.out_pool is not None:
             self.out_pool.close()
+
+
+NOT_ATTESTED = ("shared-memory and CUDA references need a sender the broker can attest (a "
+                "local ipc connection in this pid namespace); send the tensors inline")
+NOT_OWNED = ("a shared-memory or CUDA reference names memory that the sending process does not "
+             "own; send tensors from the process that allocated them, or inline")
+
+
+def check_owner(req: P.Request, segment: str) -> None:
+    """Refuse a reference into memory the requester does not own, before anything is opened.
+
+    The principal is the pid the broker attested for the request's connection (SO_PEERCRED,
+    rewritten into ``req.pid`` at dispatch; whatever the client wrote there is discarded);
+    the owner is the pid a segment's name states, which the reader checks against the
+    segment's header when it opens it.  The message is the same whatever the segment, so
+    it tells the sender nothing about memory that is not its own."""
+    if req.pid is None:
+        raise P.ProtocolError(NOT_ATTESTED)
+    if owner_of(segment) != req.pid:
+        raise P.ProtocolError(NOT_OWNED)
 
 
 def is_same_array(a: np.ndarray, b: np.ndarray) -> bool:

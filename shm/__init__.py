@@ -1,15 +1,17 @@
 """Shared-memory data plane: tensors are written once and read in place by another process.
 
-Only a small descriptor (``ShmRef``) crosses ZeroMQ; the bytes stay in a file under
-/dev/shm that both processes map.  This package knows nothing about ZeroMQ or msgpack.
+Only a small descriptor (``ShmRef``) crosses ZeroMQ; the bytes stay in a sealed memfd
+that both processes map.  This package knows nothing about ZeroMQ or msgpack.
 Design notes and the full memory-ordering argument: docs/shm.md.
 
 Segment
 -------
-A segment is a file ``/dev/shm/zinf-<pid>-<starttime>-<16 hex>``, created (O_EXCL, mode
-0600), sized, mapped MAP_SHARED and later unlinked by exactly one process, its *owner*.
-``pid`` and ``starttime`` (field 22 of /proc/<pid>/stat) name the owner, so anyone can tell
-whether it is still alive even after the pid has been recycled.  It holds a 4096-byte header,
+A segment is a memfd named ``zinf-<pid>-<starttime>-<16 hex>-<fd>``, created (mode 0600),
+sized, sealed against resizing and mapped MAP_SHARED by exactly one process, its *owner*,
+which keeps descriptor ``fd`` open; others open it as ``/proc/<pid>/fd/<fd>`` (only the
+same user may).  ``pid`` and ``starttime`` (field 22 of /proc/<pid>/stat) name the owner,
+so anyone can tell whether it is still alive even after the pid has been recycled; the
+seals mean nobody, the owner included, can shrink it under a reader (SIGBUS).  It holds a 4096-byte header,
 a slot table of 64-byte records (one cache line each, so one slot's traffic never
 false-shares with another's), and a data area where a slot's bytes are
 ``[offset, offset + nbytes)``.  Byte offsets: ``shm.segment.HEADER_FIELDS`` and
@@ -50,11 +52,11 @@ cache one mapping per segment (``SegmentCache``).
 
 When a process dies
 -------------------
-- An owner (client with input slots, worker with output slots) dies: its segments stay
-  in /dev/shm until ``shm.gc.collect()`` (run by every new ShmPool, or
-  ``python -m shm gc``) sees its pid/starttime gone and unlinks them.  Readers that had
-  the segment mapped keep valid memory -- views in use stay correct -- until they drop
-  the mapping (``SegmentCache.sweep()`` / ``forget()``); the kernel frees the pages then.
+- An owner (client with input slots, worker with output slots) dies: its descriptor
+  goes with it, and new descriptors into its segments fail (``SegmentGone``).  Readers
+  that had a segment mapped keep valid memory -- views in use stay correct -- until they
+  drop the mapping (``SegmentCache.sweep()`` / ``forget()``); the kernel frees the pages
+  with the last mapping.  Nothing is left to collect.
 - A reader dies holding IN_FLIGHT slots: if the owner recorded it as the holder
   (``mark_in_flight(ref, holder_pid=...)``), the owner's ``reclaim()`` frees those slots
   once /proc shows that pid/starttime gone.  Slots without a holder (inputs) are freed

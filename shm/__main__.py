@@ -16,10 +16,10 @@ def _size(n: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shm", description="Inspect and clean zinf-* shared-memory segments.")
+    p = argparse.ArgumentParser(prog="python -m shm", description="Inspect zinf-* shared-memory segments (sealed memfds); remove files older versions left in /dev/shm.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("ls", help="list segments: name, owner pid, owner alive?, size, live slots")
-    g = sub.add_parser("gc", help="unlink segments whose owner process is gone")
+    sub.add_parser("ls", help="list the live segments of this user's processes: name, owner pid, size, live slots")
+    g = sub.add_parser("gc", help="unlink /dev/shm/zinf-* files of earlier versions whose owner process is gone")
     g.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     args = p.parse_args(argv)
     if args.cmd == "ls":
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for n in names:
         print(f"{verb} {n}")
-    print(f"{verb} {len(names)} segment(s) of dead owners")
+    print(f"{verb} {len(names)} legacy segment file(s) of dead owners")
     return 0
 
 

@@ -1,12 +1,14 @@
-"""Crash cleanup: unlink segments whose owner process is gone.
+"""Inspection and cleanup of segments.
 
-A segment's name carries its owner's pid *and* start time, so "is the owner alive?" is
-one read of /proc/<pid>/stat, and a recycled pid (same number, later start time) is seen
-as the different process it is.  Only the owner unlinks a segment while it lives; after it
-dies anyone may, and every new ShmPool does so once per process.
+Segments are sealed memfds (docs/shm.md): they have no name in any filesystem, and the
+kernel frees one when its owner's descriptor and the last mapping are gone, so a crashed
+owner leaves nothing behind to collect.  What this module does:
 
-Unlinking only removes the name: processes that still map the segment keep valid memory
-until they drop their mappings (SegmentCache.sweep()), and the kernel frees the pages then.
+- `list_segments()`: every live segment this process can see, found through the owners'
+  ``/proc/<pid>/fd`` (only processes of the same user are visible there), with its size
+  and the number of slots in use.
+- `collect()`: unlink the ``/dev/shm/zinf-*`` files that earlier versions created and whose
+  owner (pid + start time, from the name) is gone.  Nothing of this version ever needs it.
 """
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ from typing import NamedTuple
 import numpy as np
 
 from .segment import (
-    FREE, HEADER_DTYPE, MAGIC, SHM_DIR, SLOT_DTYPE, SLOT_SIZE, HEADER_SIZE, parse_name,
-    mark_closed, pid_namespace, process_alive,
+    FREE, HEADER_DTYPE, HEADER_SIZE, LEGACY_NAME_RE, MAGIC, NAME_RE, PREFIX, SHM_DIR, SLOT_DTYPE,
+    SLOT_SIZE, mark_closed, pid_namespace, process_alive,
 )
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_LINK_HEAD = "/memfd:" + PREFIX
+_LINK_TAIL = " (deleted)"
 
 
 class SegmentInfo(NamedTuple):
@@ -41,100 +45,110 @@ def _header(fd: int):
     return h if bytes(h["magic"]) == MAGIC else None
 
 
-def _inspect(name: str, ids: tuple[int, int], count_slots: bool) -> SegmentInfo | None:
-    path = os.path.join(SHM_DIR, name)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | _NOFOLLOW)
-    except FileNotFoundError:
+def _live_slots(fd: int, h) -> int | None:
+    slots = int(h["slot_count"])
+    tab = os.pread(fd, SLOT_SIZE * slots, HEADER_SIZE)
+    if len(tab) != SLOT_SIZE * slots:
         return None
-    except OSError:
-        # Another user's segment (mode 0600) or a symlink: list it, judge nothing else.
-        try:
-            size = os.lstat(path).st_size
-        except OSError:
-            return None
-        return SegmentInfo(name, ids[0], ids[1], process_alive(*ids), size, None, False)
+    return int(np.count_nonzero(np.frombuffer(tab, SLOT_DTYPE)["state"] != FREE))
+
+
+def _segments_of(pid: str) -> list[str]:
+    """Names of the segments process ``pid`` owns, from the links in its fd table."""
+    d = f"/proc/{pid}/fd"
     try:
-        size = os.fstat(fd).st_size
-        h = _header(fd)
-        live = None
-        foreign = False
-        if h is not None:
-            ns = int(h["owner_pidns"])
-            mine = pid_namespace()
-            foreign = bool(ns and mine and ns != mine)
-            if count_slots:
-                slots = int(h["slot_count"])
-                tab = os.pread(fd, SLOT_SIZE * slots, HEADER_SIZE)
-                if len(tab) == SLOT_SIZE * slots:
-                    live = int(np.count_nonzero(np.frombuffer(tab, SLOT_DTYPE)["state"] != FREE))
-    finally:
-        os.close(fd)
-    return SegmentInfo(name, ids[0], ids[1], process_alive(*ids), size, live, foreign)
+        fds = os.listdir(d)
+    except OSError:  # gone, or another user's
+        return []
+    seen: dict[str, str] = {}
+    for fd in sorted(fds, key=int):
+        try:
+            target = os.readlink(f"{d}/{fd}")
+        except OSError:
+            continue
+        if not (target.startswith(_LINK_HEAD) and target.endswith(_LINK_TAIL)):
+            continue
+        label = target[len("/memfd:"): -len(_LINK_TAIL)]
+        name = f"{label}-{fd}"
+        m = NAME_RE.fullmatch(name)
+        # Only the owner's fd table names its segments (a forked child's inherited copy
+        # would list them twice); each mapping holds a duplicate of the descriptor
+        # (Python's mmap keeps one), so one segment may appear under several numbers:
+        # the lowest is the one the owner made, or the one left once it closed that.
+        if m is not None and m.group(1) == pid and label not in seen:
+            seen[label] = name
+    return list(seen.values())
 
 
 def list_segments(count_slots: bool = True) -> list[SegmentInfo]:
-    """Every zinf-* segment in /dev/shm with its owner and whether the owner is alive."""
+    """Every live segment whose owner this process can see (the same user's processes)."""
     out = []
     try:
-        names = sorted(os.listdir(SHM_DIR))
-    except FileNotFoundError:  # pragma: no cover - no /dev/shm
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:  # pragma: no cover - no /proc
         return out
-    for name in names:
-        ids = parse_name(name)
-        if ids is None:
-            continue
-        info = _inspect(name, ids, count_slots)
-        if info is not None:
-            out.append(info)
+    for pid in sorted(pids, key=int):
+        for name in _segments_of(pid):
+            m = NAME_RE.fullmatch(name)
+            try:
+                fd = os.open(f"/proc/{pid}/fd/{m.group(4)}", os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                h = _header(fd)
+                live = _live_slots(fd, h) if h is not None and count_slots else None
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            out.append(SegmentInfo(name, int(m.group(1)), int(m.group(2)), True, size, live, False))
     return out
 
 
-def _mark_closed(path: str) -> None:
-    """Set the header's closed flag so readers holding a cached mapping let go of it."""
+def _inspect_legacy(name: str) -> bool:
+    """True when a legacy /dev/shm file may be removed: its header names our pid namespace."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | _NOFOLLOW)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC | _NOFOLLOW)
     except OSError:
-        return
+        return False  # another user's (mode 0600), or a symlink: not ours to judge
     try:
-        if _header(fd) is not None:
-            mark_closed(fd)
+        h = _header(fd)
+        if h is not None:
+            ns = int(h["owner_pidns"])
+            mine = pid_namespace()
+            if ns and mine and ns != mine:
+                return False
+            mark_closed(fd)  # readers holding a cached mapping let go of it
+        return True
     except OSError:
-        pass
+        return False
     finally:
         os.close(fd)
 
 
 def collect(dry_run: bool = False) -> list[str]:
-    """Unlink every zinf-* segment whose owner (pid + start time) is gone; their names.
-
-    With ``dry_run`` nothing is touched and the names that would go are returned.
-    Segments whose header names another pid namespace are left alone: a pid there means
-    nothing here.
-    """
+    """Unlink every legacy ``/dev/shm/zinf-*`` file whose owner (pid + start time) is gone;
+    their names.  With ``dry_run`` nothing is touched and the names that would go are
+    returned.  Files whose header names another pid namespace are left alone."""
     removed = []
     try:
         names = sorted(os.listdir(SHM_DIR))
     except FileNotFoundError:  # pragma: no cover
         return removed
     for name in names:
-        ids = parse_name(name)
-        if ids is None or process_alive(*ids):
-            continue
-        info = _inspect(name, ids, count_slots=False)
-        if info is None or info.foreign or info.alive:
+        m = LEGACY_NAME_RE.fullmatch(name)
+        if m is None or process_alive(int(m.group(1)), int(m.group(2))):
             continue
         if dry_run:
             removed.append(name)
             continue
-        path = os.path.join(SHM_DIR, name)
-        _mark_closed(path)
+        if not _inspect_legacy(name):
+            continue
         try:
-            os.unlink(path)
-        except FileNotFoundError:
-            continue  # another collector got there first
+            os.unlink(os.path.join(SHM_DIR, name))
         except OSError:
-            continue  # not ours to remove (another user's, in a sticky /dev/shm)
+            continue  # another collector got there first, or not ours to remove
         removed.append(name)
     return removed
 

@@ -19,48 +19,28 @@ import weakref
 
 import numpy as np
 
-from . import gc as _gc
 from .book import PidfdHolders, SlotBook, check_geometry
 from .errors import BadDescriptor, ShmError, ShmFull, StaleDescriptor
 from .segment import (
-    FREE, HEADER_SIZE, RELEASED, SHM_DIR, SLOT_DTYPE, SLOT_SIZE, STATE_NAMES, ShmRef, checked_dtype,
+    FREE, HEADER_SIZE, RELEASED, SLOT_DTYPE, SLOT_SIZE, STATE_NAMES, ShmRef, checked_dtype,
     create_segment, make_ref, mark_closed, normalize_shape,
 )
 
-_collected_in: int | None = None
-
-
-def _collect_once() -> None:
-    """Run crash GC the first time this process creates a pool.
-
-    Every client and worker creates a pool at start, so segments of crashed processes are
-    swept without anyone running ``python -m shm gc``; once per process keeps it cheap.
-    """
-    global _collected_in
-    pid = os.getpid()
-    if _collected_in == pid:
-        return
-    _collected_in = pid
-    try:
-        _gc.collect()
-    except OSError:  # pragma: no cover - an unreadable /dev/shm must not stop the pool
-        pass
-
-
-def _finalize_segment(name: str, owner_pid: int, mm) -> None:
-    """Close flag + unlink; run by close(), by garbage collection, or at interpreter exit."""
-    if os.getpid() != owner_pid:
-        # A forked child inherited the pool object; the segment is still its parent's.
-        return
-    try:
+def _finalize_segment(fd: int, owner_pid: int, mm) -> None:
+    """Close flag + the owner's descriptor; run by close(), by garbage collection, or at
+    interpreter exit.  The memfd vanishes once the last mapping of it goes."""
+    if os.getpid() == owner_pid:
         # Tell readers that cached the mapping: their next view() raises SegmentGone and
-        # drops it, so the tmpfs pages are freed once the last mapping goes.
-        mark_closed(mm)
-    except (ValueError, TypeError):
-        pass
+        # drops it, so the pages are freed once the last mapping goes.  (A forked child
+        # inherited the pool object and a copy of the descriptor, not the segment: it
+        # only closes its copy.)
+        try:
+            mark_closed(mm)
+        except (ValueError, TypeError):
+            pass
     try:
-        os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
+        os.close(fd)
+    except OSError:
         pass
 
 
@@ -74,9 +54,8 @@ class ShmPool:
     def __init__(self, capacity: int = 256 << 20, *, slots: int = 4096, align: int = 64):
         self._closed = True  # so close()/finalisers are harmless if __init__ fails
         capacity, slots, align = check_geometry(capacity, slots, align)
-        _collect_once()
-        name, mm, geo = create_segment(capacity, slots, align)
-        self._finalizer = weakref.finalize(self, _finalize_segment, name, os.getpid(), mm)
+        name, mm, geo, fd = create_segment(capacity, slots, align)
+        self._finalizer = weakref.finalize(self, _finalize_segment, fd, os.getpid(), mm)
         try:
             self.name: str = name
             self.capacity: int = geo.data_size

@@ -1,16 +1,23 @@
-"""Segment files: names, owner liveness, the on-file layout, create and attach.
+"""Segments: names, owner liveness, the layout, create and attach.
 
 Everything here is shared by the owner side (``pool``), the reader side (``reader``) and
-crash cleanup (``gc``).  The on-file layout is `HEADER_FIELDS` and `SLOT_FIELDS` below: the
+the inspection tools (``gc``).  The layout is `HEADER_FIELDS` and `SLOT_FIELDS` below: the
 single source of truth for every offset (docs/shm.md renders them as tables).
+
+A segment is a sealed memfd (docs/shm.md, "Why sealed memfds"): its owner keeps the file
+descriptor open, and a reader opens the owner's ``/proc/<pid>/fd/<fd>``, which the kernel
+allows only to processes that could ptrace the owner (the same user).  The seals make
+the file impossible to shrink, so a mapped segment can never turn a read into SIGBUS.
 """
 from __future__ import annotations
 
+import fcntl
 import mmap
 import operator
 import os
 import re
 import secrets
+import stat
 import sys
 from math import prod as _prod
 from typing import Any, NamedTuple
@@ -23,15 +30,24 @@ if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     # The reader's one store packs (generation, state) into one little-endian u64.
     raise ImportError("shm: the segment layout is little-endian; big-endian hosts are unsupported")
 
+# Only files of earlier versions (which named segments in /dev/shm) live here; `shm.gc`
+# still removes those whose owner died.
 SHM_DIR = "/dev/shm"
 PREFIX = "zinf-"
-# pid (no leading zero, as the kernel prints it), starttime (clock ticks since boot), and
-# 64 random bits.  Always used with fullmatch(), which (unlike match() with $) also
-# refuses a trailing newline; the classes admit no "/" and no "..".
-NAME_RE = re.compile(r"zinf-([1-9][0-9]{0,9})-([0-9]{1,20})-([0-9a-f]{16})")
+# pid (no leading zero, as the kernel prints it), starttime (clock ticks since boot), 64
+# random bits, and the owner's file descriptor number.  Always used with fullmatch(), which
+# (unlike match() with $) also refuses a trailing newline; the classes admit no "/" and no
+# "..".  The memfd's own label is the name without the "-<fd>" suffix.
+NAME_RE = re.compile(r"zinf-([1-9][0-9]{0,9})-([0-9]{1,20})-([0-9a-f]{16})-(0|[1-9][0-9]{0,8})")
+# Names of the /dev/shm files of earlier versions (crash GC only).
+LEGACY_NAME_RE = re.compile(r"zinf-([1-9][0-9]{0,9})-([0-9]{1,20})-([0-9a-f]{16})")
+# Seals every segment carries: it can neither shrink (a reader's mapped pages would vanish:
+# SIGBUS) nor grow, and no seal can be added or removed any more.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_MFD_NOEXEC_SEAL = getattr(os, "MFD_NOEXEC_SEAL", 0x0008)  # Linux >= 6.3; older kernels refuse it
 
 MAGIC = b"ZINFSEG1"
-VERSION = 1
+VERSION = 2
 HEADER_SIZE = 4096
 SLOT_SIZE = 64
 PAGE = mmap.PAGESIZE
@@ -60,7 +76,7 @@ class Field(NamedTuple):
 
 HEADER_FIELDS: tuple[Field, ...] = (
     Field(0, "magic", "S8", "`ZINFSEG1`; written last at creation"),
-    Field(8, "version", "<u4", "layout version, 1"),
+    Field(8, "version", "<u4", "layout version, 2"),
     Field(12, "header_size", "<u4", "4096"),
     Field(16, "slot_count", "<u4", "records in the slot table"),
     Field(20, "slot_size", "<u4", "64"),
@@ -72,6 +88,7 @@ HEADER_FIELDS: tuple[Field, ...] = (
     Field(56, "owner_starttime", "<u8", "field 22 of /proc/<pid>/stat"),
     Field(64, "owner_pidns", "<u8", "inode of the owner's pid namespace (`/proc/self/ns/pid`)"),
     Field(72, "total_size", "<u8", "data_offset + data_size"),
+    Field(80, "nonce", "<u8", "the name's 64 random bits: a reader checks that the file it opened is the one named"),
 )
 
 SLOT_FIELDS: tuple[Field, ...] = (
@@ -172,10 +189,33 @@ def parse_name(name: object) -> tuple[int, int] | None:
     return int(m.group(1)), int(m.group(2))
 
 
+def owner_of(name: object) -> int | None:
+    """The owner pid a well-formed segment name states, else None.  A process serving
+    others (a worker) compares it with the pid the kernel attested for the requester
+    before it opens anything: nobody can have it read a segment of another process."""
+    ids = parse_name(name)
+    return None if ids is None else ids[0]
+
+
+class _Parts(NamedTuple):
+    pid: int
+    starttime: int
+    nonce: int
+    fd: int
+    label: str  # the memfd's label: what /proc/<pid>/fd/<fd> links to
+
+
+def name_parts(name: object) -> _Parts:
+    if type(name) is not str or (m := NAME_RE.fullmatch(name)) is None:
+        raise BadDescriptor(f"invalid segment name {str(name)[:80]!r}: expected zinf-<pid>-<starttime>-<16 hex>-<fd>")
+    return _Parts(int(m.group(1)), int(m.group(2)), int(m.group(3), 16), int(m.group(4)),
+                  name[: m.start(4) - 1])
+
+
 def path_of(name: str) -> str:
-    if parse_name(name) is None:
-        raise BadDescriptor(f"invalid segment name {name!r}: expected zinf-<pid>-<starttime>-<16 hex>")
-    return os.path.join(SHM_DIR, name)
+    """The path through which another process opens segment ``name``: the owner's fd."""
+    p = name_parts(name)
+    return f"/proc/{p.pid}/fd/{p.fd}"
 
 
 def proc_starttime(pid: int) -> int | None:
@@ -299,50 +339,29 @@ def checked_dtype(dtype) -> np.dtype:
     return dt
 
 
-def create_segment(capacity: int, slots: int, align: int) -> tuple[str, mmap.mmap, Geometry]:
-    """Create, size, map and initialise a new segment file.  The caller owns it."""
+def create_segment(capacity: int, slots: int, align: int) -> tuple[str, mmap.mmap, Geometry, int]:
+    """Create, size, seal, map and initialise a new segment: (name, mapping, geometry, fd).
+    The caller owns it and must keep ``fd`` open for as long as others may attach: the
+    segment is reachable only through it (and vanishes once it and every mapping are gone)."""
     pid, st = self_identity()
     # The data area starts on a page boundary (so readers can map it read-only on its own)
     # and on an ``align`` boundary (so every allocation offset is aligned in the file).
     data_offset = round_up(HEADER_SIZE + SLOT_SIZE * slots, max(align, PAGE))
     data_size = round_up(capacity, align)
     total = data_offset + data_size
+    nonce = secrets.randbits(64)
+    label = f"{PREFIX}{pid}-{st}-{nonce:016x}"
+    fd = _memfd(label)
     try:
-        vfs = os.statvfs(SHM_DIR)
-        free_bytes = vfs.f_bavail * vfs.f_frsize
-    except OSError:  # pragma: no cover
-        free_bytes = None
-    if free_bytes is not None and total > free_bytes:
-        # tmpfs pages are only allocated on first touch; a full /dev/shm then kills the
-        # writer with SIGBUS instead of an exception.  Refuse up front when it cannot fit.
-        raise ShmError(
-            f"cannot create a {total >> 20} MiB segment: {SHM_DIR} has only {free_bytes >> 20} MiB "
-            "free; lower ShmPool(capacity=...), or enlarge /dev/shm (docker: --shm-size)"
-        )
-    flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-    for _ in range(8):
-        name = new_name()
-        path = os.path.join(SHM_DIR, name)
-        try:
-            fd = os.open(path, flags, 0o600)
-            break
-        except FileExistsError:  # 64 random bits collided: astronomically rare, retry
-            continue
-    else:  # pragma: no cover
-        raise ShmError("could not pick an unused segment name")
-    try:
-        try:
-            os.ftruncate(fd, total)
-            mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            # The mapping keeps the file's pages; the fd is no longer needed and keeping it
-            # would only count against the fd limit.
-            os.close(fd)
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, total)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as e:
+        os.close(fd)
+        raise ShmError(f"cannot create a {total >> 20} MiB shared-memory segment: {e.strerror}") from None
     except BaseException:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        os.close(fd)
         raise
     hdr = np.ndarray((), HEADER_DTYPE, buffer=mm)
     hdr["version"] = VERSION
@@ -356,10 +375,24 @@ def create_segment(capacity: int, slots: int, align: int) -> tuple[str, mmap.mma
     hdr["owner_starttime"] = st
     hdr["owner_pidns"] = pid_namespace()
     hdr["total_size"] = total
+    hdr["nonce"] = nonce
     # Magic last: a file without it is a segment still being created (or a stranger).
     hdr["magic"] = MAGIC
     del hdr
-    return name, mm, Geometry(slots, data_offset, data_size, align, total)
+    return f"{label}-{fd}", mm, Geometry(slots, data_offset, data_size, align, total), fd
+
+
+def _memfd(label: str) -> int:
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    try:
+        return os.memfd_create(label, flags | _MFD_NOEXEC_SEAL)
+    except OSError as e:
+        if e.errno != 22:  # EINVAL: a kernel before 6.3 does not know MFD_NOEXEC_SEAL
+            raise ShmError(f"memfd_create failed: {e.strerror}") from None
+    try:
+        return os.memfd_create(label, flags)
+    except OSError as e:  # pragma: no cover - memfds exist since Linux 3.17
+        raise ShmError(f"memfd_create failed: {e.strerror}") from None
 
 
 def read_header(fd: int, name: str) -> np.void:
@@ -391,9 +424,9 @@ def read_header(fd: int, name: str) -> np.void:
         or data_offset + data_size > size
     ):
         raise BadDescriptor(f"segment {name} has an inconsistent header (file size {size})")
-    ids = parse_name(name)
-    if ids is not None and ids != (int(h["owner_pid"]), int(h["owner_starttime"])):
-        raise BadDescriptor(f"segment {name}: header owner does not match the name")
+    p = name_parts(name)
+    if (p.pid, p.starttime, p.nonce) != (int(h["owner_pid"]), int(h["owner_starttime"]), int(h["nonce"])):
+        raise SegmentGone(f"segment {name} does not exist (its owner closed it or died)")
     return h
 
 
@@ -413,16 +446,42 @@ class Attached(NamedTuple):
 
 
 def open_checked(name: str, flags: int, what: str = "segment") -> tuple[int, np.void]:
-    """Open a live segment file and read its header: (fd, header).  The caller closes fd.
-    SegmentGone if it does not exist or its owner closed it; BadDescriptor otherwise."""
-    path = path_of(name)
+    """Open a live segment through its owner's descriptor and read its header: (fd, header).
+    The caller closes fd.  SegmentGone if it does not exist (any more) or its owner closed
+    it; BadDescriptor otherwise.
+
+    Race-free: whatever the owner's descriptor number refers to by the time we open it, the
+    checks run on the file we opened -- a regular file, sealed against shrinking, whose
+    header names the same owner and nonce as ``name``."""
+    p = name_parts(name)
+    path = f"/proc/{p.pid}/fd/{p.fd}"
+    gone = f"{what} {name} does not exist (its owner closed it or died)"
     try:
-        fd = os.open(path, flags | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+        target = os.readlink(path)
     except FileNotFoundError:
-        raise SegmentGone(f"{what} {name} does not exist (its owner closed it or died)") from None
+        raise SegmentGone(gone) from None
+    except PermissionError:
+        raise BadDescriptor(f"cannot open {what} {name}: permission denied (segments are "
+                            f"shared only between processes of one user)") from None
+    except OSError as e:
+        raise BadDescriptor(f"cannot open {what} {name}: {e.strerror}") from None
+    if target != f"/memfd:{p.label} (deleted)":
+        raise SegmentGone(gone)  # the descriptor was closed, its number reused
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise SegmentGone(gone) from None
     except OSError as e:
         raise BadDescriptor(f"cannot open {what} {name}: {e.strerror}") from None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SegmentGone(gone)
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if seals & SEALS != SEALS:
+            raise BadDescriptor(f"{what} {name} is not sealed against resizing; refusing to map it")
         h = read_header(fd, name)
         if int(h["closed"]):
             raise SegmentGone(f"{what} {name} was closed by its owner")
@@ -493,9 +552,9 @@ def detach(a: Attached) -> None:
 
 
 __all__ = [
-    "SHM_DIR", "PREFIX", "NAME_RE", "MAGIC", "VERSION", "HEADER_SIZE", "SLOT_SIZE",
+    "SHM_DIR", "PREFIX", "NAME_RE", "LEGACY_NAME_RE", "SEALS", "MAGIC", "VERSION", "HEADER_SIZE", "SLOT_SIZE",
     "FREE", "WRITING", "IN_FLIGHT", "RELEASED", "STATE_NAMES", "HEADER_DTYPE", "SLOT_DTYPE",
-    "ShmRef", "make_ref", "Geometry", "parse_name", "path_of", "proc_starttime", "process_alive",
+    "ShmRef", "make_ref", "Geometry", "parse_name", "owner_of", "name_parts", "path_of", "proc_starttime", "process_alive",
     "self_identity", "pid_namespace", "create_segment", "attach_segment", "detach",
     "read_header", "normalize_shape", "checked_dtype", "mark_closed", "H32_CLOSED",
 ]

@@ -1,5 +1,5 @@
-"""Suite-wide hygiene: every test must leave no child process, no /dev/shm file and no
-client reply-socket file behind.
+"""Suite-wide hygiene: every test must leave no child process, no shared-memory segment
+still open, no /dev/shm file and no client reply-socket file behind.
 
 The check is a fixture (autouse) rather than a session hook so that the failure names the
 test that leaked.  Children are found through /proc (no psutil dependency): any process whose
@@ -32,6 +32,37 @@ def shm_files() -> set[str]:
         return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
     except FileNotFoundError:  # pragma: no cover - non-Linux
         return set()
+
+
+def open_segments(me: int) -> set[str]:
+    """Segments this process owns and has not closed (a ShmPool, a device pool's state table
+    or a client left open).  Closed ones may stay mapped while arrays view them."""
+    from shm.gc import _segments_of
+    from shm.segment import H32_CLOSED
+
+    out = set()
+    for name in _segments_of(str(me)):
+        try:
+            fd = os.open(f"/proc/{me}/fd/{name.rsplit('-', 1)[1]}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            closed = int.from_bytes(os.pread(fd, 4, H32_CLOSED * 4), "little")
+        finally:
+            os.close(fd)
+        if not closed:
+            out.add(name)
+    return out
+
+
+def _open_segments_after_gc(me: int, before: set[str]) -> set[str]:
+    left = open_segments(me) - before
+    if left:  # a pool dropped without close() is closed by its finalizer: give it the chance
+        import gc
+
+        gc.collect()
+        left = open_segments(me) - before
+    return left
 
 
 def _ppid(pid: int) -> int | None:
@@ -102,16 +133,21 @@ def _settle(check, timeout: float = 5.0):
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    """Fail the test that leaves a child process or a zinf-* file in /dev/shm behind."""
+    """Fail the test that leaves a child process, an open segment or a zinf-* file in
+    /dev/shm behind."""
     me = os.getpid()
     before_files = shm_files()
+    before_segments = open_segments(me)
     before_procs = descendants(me)
     before_socks = reply_socket_files(me)
     yield
     left_procs = _settle(lambda: descendants(me) - before_procs)
     left_files = _settle(lambda: {n for n in shm_files() - before_files if _ours(n, me)})
     left_socks = reply_socket_files(me) - before_socks
+    left_segments = _open_segments_after_gc(me, before_segments)
     problems = []
+    if left_segments:
+        problems.append(f"shared-memory segments left open (a ShmPool or Client not closed): {sorted(left_segments)}")
     if left_socks:
         problems.append(f"client reply sockets left open (a Client or AsyncClient not closed): {sorted(left_socks)}")
     if left_procs:

@@ -39,7 +39,7 @@ def test_device_entry_points_raise_cuda_unavailable():
             call()
     with pytest.raises(CudaUnavailable):
         cuda.CudaPoolCache().view(
-            P.cuda_loc(cuda.DeviceRef("zinf-1-1-0123456789abcdef", 0, 1, 0, 0, 0)), "|u1", (1,))
+            P.cuda_loc(cuda.DeviceRef("zinf-1-1-0123456789abcdef-5", 0, 1, 0, 0, 0)), "|u1", (1,))
     w = cr.MemoryWatch(4)  # construction is pure; the first reading needs CUDA
     with pytest.raises(CudaUnavailable):
         w.limit()

@@ -4,7 +4,7 @@ Contract:
 
 - The table is an ordinary segment (`shm.segment.create_segment`, the host layout
   unchanged), so a reader stores RELEASED with `shm.SegmentCache.release` as for a host
-  slot, crash GC (`shm.gc.collect`) removes the tables of dead owners, and the pool id is
+  slot, a dead owner's table vanishes with its last mapping (a sealed memfd), and the pool id is
   the segment's name.  Its data area is a token 64 bytes that every slot record points at
   with size 0 (`refs.host_ref`).
 - The header's unused bytes at `META_OFFSET` carry the pool's metadata, written once by the
@@ -17,7 +17,7 @@ Contract:
   so an importer can check bounds and open the pool from a descriptor without a handle,
   and map the owner's ordinal to its own (`views.local_ordinal`).
 - Only the owner process closes the table: the header's closed flag is set
-  (`shm.segment.mark_closed`) and the file unlinked, by `close()`, by garbage collection
+  (`shm.segment.mark_closed`) and the owner's descriptor closed, by `close()`, by garbage collection
   or at exit; a forked child that inherited the object does neither.
 """
 from __future__ import annotations
@@ -27,10 +27,10 @@ import struct
 import weakref
 from typing import NamedTuple
 
-from ..errors import BadDescriptor, ShmError
+from ..errors import BadDescriptor
 from ..fence import fence
 from ..segment import (
-    HEADER_SIZE, IN_FLIGHT, QS, RELEASED, SLOT_SIZE, create_segment, mark_closed, open_checked, path_of,
+    HEADER_SIZE, IN_FLIGHT, QS, RELEASED, SLOT_SIZE, create_segment, mark_closed, open_checked,
 )
 from .refs import HANDLE_SIZE
 
@@ -50,16 +50,15 @@ class PoolMeta(NamedTuple):
     uuid: bytes  # 16 bytes, or empty when unknown
 
 
-def _finalize_table(name: str, owner_pid: int, mm) -> None:
-    if os.getpid() != owner_pid:  # a forked child inherited the object, not the table
-        return
+def _finalize_table(fd: int, owner_pid: int, mm) -> None:
+    if os.getpid() == owner_pid:  # a forked child inherited a copy of the fd, not the table
+        try:
+            mark_closed(mm)  # importers drop their mappings
+        except (ValueError, TypeError):
+            pass
     try:
-        mark_closed(mm)  # importers drop their mappings
-    except (ValueError, TypeError):
-        pass
-    try:
-        os.unlink(path_of(name))
-    except (FileNotFoundError, ShmError):
+        os.close(fd)
+    except OSError:
         pass
 
 
@@ -71,8 +70,8 @@ class HostStateTable:
     slots with no code of its own."""
 
     def __init__(self, slots: int):
-        name, mm, geo = create_segment(1, slots, 64)
-        self._finalizer = weakref.finalize(self, _finalize_table, name, os.getpid(), mm)
+        name, mm, geo, fd = create_segment(1, slots, 64)
+        self._finalizer = weakref.finalize(self, _finalize_table, fd, os.getpid(), mm)
         self.name = name
         self.slots = slots
         self.data_offset = geo.data_offset

@@ -23,7 +23,7 @@ from gpu_worker.job import Job  # noqa: E402
 from gpu_worker.planes import HostPlane  # noqa: E402
 
 HOST = P.local_host_id()
-POOL = "zinf-1-1-0123456789abcdef"
+POOL = f"zinf-{os.getpid()}-1-0123456789abcdef-5"  # the requester's own pool
 GiB = 1 << 30
 
 
@@ -57,7 +57,7 @@ class Torch:
 class Pool:
     """Device pool of `slots` CPU tensors."""
 
-    name = "zinf-2-2-fedcba9876543210"
+    name = "zinf-2-2-fedcba9876543210-5"
 
     def __init__(self, log, slots=4):
         self.log = log
@@ -165,8 +165,8 @@ def _cuda_ref(plane, value: np.ndarray, offset: int = 0, name: str = "x") -> P.T
     return P.TensorRef(name=name, dtype=value.dtype.str, shape=list(value.shape), loc=loc)
 
 
-def _job(tensors, *, reply="auto", host=HOST) -> Job:
-    return Job(P.token_envelope(1), P.Request(id=1, host=host, pid=os.getpid(), reply=reply, tensors=tensors),
+def _job(tensors, *, reply="auto", host=HOST, pid=os.getpid()) -> Job:
+    return Job(P.token_envelope(1), P.Request(id=1, host=host, pid=pid, reply=reply, tensors=tensors),
                None, None, 0.0, None, None)
 
 
@@ -199,6 +199,14 @@ def test_cuda_inputs_from_another_host_are_refused(side):
     with pytest.raises(P.ProtocolError, match="another host"):
         side.map_inputs(job, [])
     assert not job.cuda_in and job.inputs is None
+
+
+@pytest.mark.parametrize("pid", [None, 1, os.getpid() + 1])
+def test_cuda_inputs_of_a_pool_the_requester_does_not_own_are_refused(side, pid):
+    job = _job([_cuda_ref(side, np.zeros(2, np.uint8))], pid=pid)
+    with pytest.raises(P.ProtocolError, match="attest|does not own") as e:
+        side.map_inputs(job, [])
+    assert POOL not in str(e.value) and not job.cuda_in and side.cache.views == []  # nothing opened
 
 
 def test_client_segments_are_pinned_read_only_once(side):

@@ -174,7 +174,7 @@ def test_cuda_outputs_without_a_cuda_side_are_a_typed_error():
     from client_sdk import tensors as T
     from client_sdk.errors import NotSupported
 
-    loc = P.CudaLoc(pool="zinf-1-1-0123456789abcdef", offset=0, nbytes=4, device=0, slot=0, generation=0)
+    loc = P.CudaLoc(pool="zinf-1-1-0123456789abcdef-5", offset=0, nbytes=4, device=0, slot=0, generation=0)
     rep = P.Reply(id=1, tensors=[P.TensorRef(name="y", dtype="<f4", shape=[1], loc=loc)])
     leases = T.OutputLeases()
     with pytest.raises(NotSupported, match="no CUDA side"):

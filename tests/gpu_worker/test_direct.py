@@ -18,7 +18,8 @@ from gpu_worker.direct import (
 pytestmark = pytest.mark.timeout(30)
 
 HOST = "this-host/0"
-EP = "ipc:///run/user/1/c-1.ipc"
+PID = 4242
+EP = f"ipc:///run/user/1/zmq-infer-1/c-{PID}-77-00ab12.ipc"  # a socket of process PID
 
 
 def env(i: int) -> bytes:
@@ -28,7 +29,7 @@ def env(i: int) -> bytes:
 # ------------------------------------------------------------------ direct or through the broker
 
 def _req(**kw) -> P.Request:
-    return P.Request(id=1, **{"host": HOST, "reply_to": EP, **kw})
+    return P.Request(id=1, **{"host": HOST, "reply_to": EP, "pid": PID, **kw})
 
 
 def test_a_same_host_final_with_reply_to_goes_direct():
@@ -42,6 +43,9 @@ def test_a_same_host_final_with_reply_to_goes_direct():
     (True, _req(host="elsewhere/0"), True, False),    # a client on another host
     (True, _req(), False, False),                     # direct reply switched off
     (True, _req(), True, True),                       # a streaming model's FINAL
+    (True, _req(pid=None), True, False),              # a sender the broker could not attest
+    (True, _req(pid=PID + 1), True, False),           # another process's socket
+    (True, _req(reply_to="ipc:///tmp/x.ipc"), True, False),  # not a reply-socket name at all
 ])
 def test_everything_else_is_relayed(final, req, enabled, streaming):
     assert direct_endpoint(final, req, host=HOST, enabled=enabled, streaming=streaming) is None

@@ -73,7 +73,7 @@ def inbox(tmp_path):
 
 
 def _job(token: int, reply_to: str | None, host: str | None = None, deadline: float | None = None) -> Job:
-    req = P.Request(id=token, host=host or P.local_host_id(), reply_to=reply_to)
+    req = P.Request(id=token, host=host or P.local_host_id(), reply_to=reply_to, pid=os.getpid())
     return Job(P.token_envelope(token), req, {}, None, time.monotonic(), deadline, {})
 
 

@@ -2,6 +2,8 @@
 the output ring or inline, identity pass-through, and what it refuses.  No sockets, no torch."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -38,8 +40,9 @@ def _shm_input(pool, value: np.ndarray, name: str = "x") -> P.TensorRef:
     return P.TensorRef(name=name, dtype=value.dtype.str, shape=list(value.shape), loc=P.shm_loc(ref))
 
 
-def _job(tensors, *, reply="auto", host=HOST) -> Job:
-    return Job(P.token_envelope(1), P.Request(id=1, host=host, pid=1, reply=reply, tensors=tensors),
+def _job(tensors, *, reply="auto", host=HOST, pid=None) -> Job:
+    pid = os.getpid() if pid is None else pid  # the broker attests the sender: here, this process
+    return Job(P.token_envelope(1), P.Request(id=1, host=host, pid=pid, reply=reply, tensors=tensors),
                None, None, 0.0, None, None)
 
 
@@ -62,12 +65,25 @@ def test_what_a_host_plane_refuses(plane, client_pool, case):
         job = _job([_shm_input(client_pool, np.zeros(4, np.uint8))], host="elsewhere/0")
         match = "another host"
     else:
-        loc = P.CudaLoc(pool="zinf-1-1-0123456789abcdef", offset=0, nbytes=4, device=0, slot=0, generation=0)
+        loc = P.CudaLoc(pool="zinf-1-1-0123456789abcdef-5", offset=0, nbytes=4, device=0, slot=0, generation=0)
         job = _job([P.TensorRef(name="x", dtype="|u1", shape=[4], loc=loc)])
         match = r"--device cuda:N"  # says what to do instead
     with pytest.raises(P.ProtocolError, match=match):
         plane.map_inputs(job, [])
     assert job.inputs is None and job.refs is None
+
+
+@pytest.mark.parametrize("pid", [-1, 1, os.getpid() + 1])
+def test_a_segment_the_requester_does_not_own_is_refused_before_it_is_opened(plane, client_pool, pid):
+    # The principal is the pid the broker attested (SO_PEERCRED), never anything the client
+    # wrote; -1 stands for "not attested" (tcp, another pid namespace).
+    job = _job([_shm_input(client_pool, np.arange(4, dtype=np.int16))], pid=pid)
+    if pid == -1:
+        job.req.pid = None
+    with pytest.raises(P.ProtocolError, match="attest|does not own") as e:
+        plane.map_inputs(job, [])
+    assert client_pool.name not in str(e.value) and "slot" not in str(e.value)  # tells nothing
+    assert client_pool.name not in plane.inputs  # never mapped
 
 
 def test_an_identity_output_is_answered_with_the_clients_own_reference(plane, client_pool):

@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 
 from shm import RELEASED, SegmentCache, SegmentGone, ShmPool, ShmRef, StaleDescriptor, collect
+from shm.gc import list_segments
 from shm.segment import SHM_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def shm_files() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith("zinf-")}
+def live_segments() -> set[str]:
+    return {s.name for s in list_segments(count_slots=False)}
 
 
 class Child:
@@ -126,7 +127,7 @@ def test_reader_sees_writer_bytes_in_place():
         assert (v.ravel() == np.arange(64 * 64) % 251).all()
         # The view's memory is the shared file itself, not a copy.
         addr = v.__array_interface__["data"][0]
-        assert mapping_of(addr).startswith(os.path.join(SHM_DIR, ref.segment))
+        assert mapping_of(addr) == f"/memfd:{ref.segment.rsplit('-', 1)[0]} (deleted)"
         # A store in the writer shows up in the view we already have.
         w.send("poke 100 7")
         assert w.read() == "ok"
@@ -212,47 +213,56 @@ OWNER = """
 """
 
 
-def test_sigkilled_owner_is_collected_live_owner_is_not():
-    before = shm_files()
+def test_sigkilled_owners_segment_is_gone_but_mapped_memory_stays_valid():
     with Child(OWNER) as dead, Child(OWNER) as live, SegmentCache() as cache:
         dead_name, off, slot, gen = dead.read().split()
         live_name = live.read().split()[0]
-        assert {dead_name, live_name} <= shm_files()
-        # Both owners alive: nothing to collect.
-        assert dead_name not in collect() and live_name not in collect(dry_run=True)
+        assert {dead_name, live_name} <= live_segments()
+        assert not os.path.exists(os.path.join(SHM_DIR, dead_name))  # nothing in any filesystem
         ref = ShmRef(dead_name, int(off), 1024, int(slot), int(gen))
         v = cache.view(ref, np.uint8, 1024)
         dead.kill9()
-        assert dead_name in collect(dry_run=True)
-        assert dead_name in shm_files()  # dry run touched nothing
-        removed = collect()
-        assert dead_name in removed and live_name not in removed
-        assert dead_name not in shm_files() and live_name in shm_files()
-        # The reader's mapping outlives the dead owner's name...
+        assert dead_name not in live_segments() and live_name in live_segments()
+        # The reader's mapping outlives the dead owner (the kernel frees the pages with
+        # the last mapping)...
         assert (v == 5).all()
-        # ...but the segment is gone for new descriptors, and the cache lets go of it.
+        # ...the reader's sweep lets go of it, and the segment is gone for new descriptors.
+        assert cache.sweep() == [dead_name]
         with pytest.raises(SegmentGone):
             cache.view(ref, np.uint8, 1024)
         assert dead_name not in cache
-        live.kill9()
-        assert live_name in collect()
-    assert shm_files() == before
+        assert collect() == []  # nothing was ever left behind to collect
 
 
-def test_new_pool_collects_dead_owners_once_per_process():
-    with Child(OWNER) as dead:
-        name = dead.read().split()[0]
-        dead.kill9()
-    assert name in shm_files()
-    code = """
-        from shm import ShmPool
-        with ShmPool(4096, slots=1):
-            pass
-        print("done", flush=True)
-    """
-    with Child(code) as c:
-        assert c.read() == "done"
-    assert name not in shm_files()
+LEGACY = "zinf-{pid}-{start}-0123456789abcdef"
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    return child.pid
+
+
+def test_collect_removes_legacy_files_of_dead_owners_only():
+    # Earlier versions named segments in /dev/shm; a crashed one may have left files there.
+    dead = os.path.join(SHM_DIR, LEGACY.format(pid=_dead_pid(), start=1))
+    mine = os.path.join(SHM_DIR, LEGACY.format(pid=os.getpid(), start=1))  # wrong start: dead too
+    other = os.path.join(SHM_DIR, "zinf-not-a-segment")
+    for p in (dead, mine, other):
+        with open(p, "wb") as f:
+            f.write(b"\0" * 4096)
+    try:
+        assert set(collect(dry_run=True)) >= {os.path.basename(dead), os.path.basename(mine)}
+        assert os.path.exists(dead)
+        removed = collect()
+        assert os.path.basename(dead) in removed and os.path.basename(mine) in removed
+        assert not os.path.exists(dead) and not os.path.exists(mine) and os.path.exists(other)
+    finally:
+        for p in (dead, mine, other):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
 
 
 def test_cli_ls_and_gc():
@@ -265,17 +275,20 @@ def test_cli_ls_and_gc():
         assert ls.returncode == 0, ls.stderr
         rows = {line.split()[0]: line.split() for line in ls.stdout.splitlines()[1:]}
         assert rows[live_name][1] == str(live.pid) and rows[live_name][2] == "yes"
-        assert rows[dead_name][2] == "no"
+        assert dead_name not in rows
         assert rows[live_name][-1] == "1"  # one live slot
+    legacy = os.path.join(SHM_DIR, LEGACY.format(pid=_dead_pid(), start=1))
+    with open(legacy, "wb") as f:
+        f.write(b"\0" * 4096)
+    try:
         dry = subprocess.run([sys.executable, "-m", "shm", "gc", "--dry-run"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=30)
-        assert f"would remove {dead_name}" in dry.stdout and dead_name in shm_files()
+        assert f"would remove {os.path.basename(legacy)}" in dry.stdout and os.path.exists(legacy)
         gc = subprocess.run([sys.executable, "-m", "shm", "gc"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=30)
-        assert gc.returncode == 0 and f"removed {dead_name}" in gc.stdout
-        assert live_name not in gc.stdout
-        assert dead_name not in shm_files() and live_name in shm_files()
-        live.kill9()
-        collect()
-    assert live_name not in shm_files()
+        assert gc.returncode == 0 and f"removed {os.path.basename(legacy)}" in gc.stdout
+        assert not os.path.exists(legacy)
+    finally:
+        if os.path.exists(legacy):
+            os.unlink(legacy)
 
 
 def test_pool_left_open_is_unlinked_at_normal_exit():
@@ -297,4 +310,4 @@ def test_pool_left_open_is_unlinked_at_normal_exit():
         assert c.proc.wait(timeout=30) == 0
         err = c.proc.stderr.read()
     assert "Traceback" not in err and "Exception" not in err, err
-    assert name not in shm_files()
+    assert name not in live_segments()

@@ -17,9 +17,9 @@ from shm.cuda import (
     HANDLE_SIZE, DevicePoolBook, DeviceRef, HostStateTable, PoolMeta, check_ref, host_ref,
     read_pool_meta,
 )
-from shm.segment import SHM_DIR
+from shm.segment import path_of
 
-POOL = "zinf-4242-81234-0f3a9c2d4b5e6f70"
+POOL = "zinf-4242-81234-0f3a9c2d4b5e6f70-5"
 
 
 def ref(**kw):
@@ -97,7 +97,7 @@ def test_host_state_table_release_path():
     table = HostStateTable(8)
     cache = SegmentCache()
     try:
-        assert os.path.exists(os.path.join(SHM_DIR, table.name))
+        assert os.readlink(path_of(table.name)).startswith("/memfd:")
         table.write_meta(PoolMeta(1 << 20, 2, 256, b"\xab" * 64, b"\x11" * 16))
         meta, data_offset = read_pool_meta(table.name)
         assert meta == PoolMeta(1 << 20, 2, 256, b"\xab" * 64, b"\x11" * 16)
@@ -124,7 +124,6 @@ def test_host_state_table_release_path():
     finally:
         cache.close()
         table.close()
-    assert not os.path.exists(os.path.join(SHM_DIR, table.name))
     with pytest.raises(SegmentGone):
         read_pool_meta(table.name)
 

@@ -13,11 +13,22 @@ from shm import (
     FREE, IN_FLIGHT, RELEASED, WRITING, BadDescriptor, SegmentCache, ShmError, ShmFull, ShmPool,
     ShmRef, StaleDescriptor,
 )
-from shm.segment import HEADER_DTYPE, MAGIC, SHM_DIR, parse_name, proc_starttime
+from shm import SegmentGone
+from shm.segment import HEADER_DTYPE, MAGIC, SEALS, open_checked, parse_name, path_of, proc_starttime
 
 
 def path(pool: ShmPool) -> str:
-    return os.path.join(SHM_DIR, pool.name)
+    return path_of(pool.name)
+
+
+def exists(name: str) -> bool:
+    """Whether segment ``name`` can still be opened by a reader."""
+    try:
+        fd, _ = open_checked(name, os.O_RDONLY)
+    except SegmentGone:
+        return False
+    os.close(fd)
+    return True
 
 
 def record(pool: ShmPool, slot: int) -> dict:
@@ -39,7 +50,25 @@ def test_segment_file_name_header_and_mode():
         assert int(h["data_size"]) == pool.capacity and int(h["align"]) == 64
         assert int(h["owner_pid"]) == os.getpid() and int(h["closed"]) == 0
         assert pool.data_offset % 4096 == 0 and pool.data_offset >= 4096 + 64 * 8
-    assert not os.path.exists(path(pool))
+    assert not exists(pool.name)
+
+
+def test_segment_is_a_sealed_memfd_nobody_can_resize():
+    import fcntl
+
+    with ShmPool(1 << 16, slots=8) as pool:
+        assert os.readlink(path(pool)).startswith("/memfd:zinf-")
+        assert not os.path.exists(os.path.join("/dev/shm", pool.name))  # no name in any filesystem
+        fd = os.open(path(pool), os.O_RDWR)
+        try:
+            assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+            for size in (0, 4096, pool.data_offset + pool.capacity + 4096):
+                with pytest.raises(PermissionError):
+                    os.ftruncate(fd, size)
+            with pytest.raises(PermissionError):
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+        finally:
+            os.close(fd)
 
 
 def test_alloc_returns_writable_c_contiguous_arrays_in_the_segment():
@@ -132,9 +161,6 @@ def test_ref_of_views_and_foreign_arrays():
 
 
 def test_ref_of_large_array():
-    vfs = os.statvfs(SHM_DIR)
-    if vfs.f_bavail * vfs.f_frsize < 80 << 20:
-        pytest.skip("/dev/shm too small for a 64 MiB segment")
     with ShmPool((64 << 20) + 4096, slots=4) as pool:
         big = pool.alloc(64 << 20, np.uint8)  # never touched: tmpfs pages stay unallocated
         small = pool.alloc(64, np.uint8)
@@ -184,7 +210,7 @@ def test_owner_rejects_foreign_and_forged_descriptors():
     with ShmPool(1 << 16, slots=4) as pool:
         ref = pool.ref_of(pool.alloc(64, np.uint8))
         with pytest.raises(BadDescriptor):
-            pool.free(ref._replace(segment="zinf-1-1-0000000000000000"))
+            pool.free(ref._replace(segment="zinf-1-1-0000000000000000-5"))
         with pytest.raises(BadDescriptor):
             pool.free(ref._replace(slot=99))
         with pytest.raises(BadDescriptor):
@@ -313,7 +339,7 @@ def test_forked_child_does_not_unlink_the_parents_segment():
             os._exit(0)
         _, status = os.waitpid(pid, 0)
         assert status == 0
-        assert os.path.exists(path(pool))
+        assert exists(pool.name)
 
 
 def test_reclaim_frees_in_flight_slots_of_dead_holders():

@@ -75,7 +75,8 @@ def test_view_of_a_sub_range_descriptor(pool, cache):
         (lambda r: r._replace(segment=r.segment.upper()), BadDescriptor),
         (lambda r: r._replace(segment="/dev/shm/" + r.segment), BadDescriptor),
         (lambda r: r._replace(segment=b"zinf"), BadDescriptor),
-        (lambda r: r._replace(segment="zinf-1-1-0123456789abcdef"), SegmentGone),
+        (lambda r: r._replace(segment="zinf-999999999-1-0123456789abcdef-5"), SegmentGone),  # no such process
+        (lambda r: r._replace(segment=r.segment.rsplit("-", 1)[0] + "-0"), SegmentGone),  # fd 0 is no segment
         (lambda r: r._replace(offset=float(r.offset)), BadDescriptor),
         (lambda r: r._replace(slot=True), BadDescriptor),
         (lambda r: (r.segment, r.offset), BadDescriptor),
@@ -179,16 +180,30 @@ def test_forget_sweep_close_and_lru():
 
 
 def test_attach_rejects_files_that_are_not_segments(cache):
-    name = f"zinf-{os.getpid()}-1-{'ab' * 8}"
-    p = os.path.join(SHM_DIR, name)
-    with open(p, "wb") as f:
-        f.write(b"\0" * 8192)
+    import fcntl
+
+    from shm.segment import SEALS, self_identity
+
+    pid, start = self_identity()
+    label = f"zinf-{pid}-{start}-{'ab' * 8}"
+    # A regular file at the named descriptor: not a memfd of that label.
+    with open(os.path.join(SHM_DIR, "zinf-test-regular"), "wb") as f:
+        os.unlink(f.name)
+        with pytest.raises(SegmentGone):
+            cache.view(ShmRef(f"{label}-{f.fileno()}", 4096, 0, 0, 0), np.uint8, 0)
+    # A memfd with the right label but no seals: it could be shrunk under a reader.
+    fd = os.memfd_create(label, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
     try:
+        os.ftruncate(fd, 8192)
+        with pytest.raises(BadDescriptor, match="not sealed"):
+            cache.view(ShmRef(f"{label}-{fd}", 4096, 0, 0, 0), np.uint8, 0)
+        # Sealed, but nothing in it.
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         with pytest.raises(BadDescriptor, match="magic"):
-            cache.view(ShmRef(name, 4096, 0, 0, 0), np.uint8, 0)
+            cache.view(ShmRef(f"{label}-{fd}", 4096, 0, 0, 0), np.uint8, 0)
     finally:
-        os.unlink(p)
-    assert name not in cache
+        os.close(fd)
+    assert len(cache) == 0
 
 
 def test_fence_is_callable_and_reentrant_safe():
