@@ -29,21 +29,67 @@ so a late reply from a worker presumed dead can never be mistaken for the curren
 
 Dispatch
 --------
-Each service has one FIFO per priority.  When a worker has spare credit, the next request
-is chosen among the (bounded-scanned) queue heads by effective priority
-``weight[pri] * (1 + waited / aging_s)``: urgent work wins while fresh, and anything that
-waits long enough overtakes it, so no class starves.  A request carrying shared-memory
-references (``local_host`` set) may only go to a worker of its service on that host that
-speaks ``shm``; the workers able to take a given request form a *pool* (``None``: every
-worker of the service; a host name: the shm workers on that host).  A queue head whose pool
-has no spare credit is skipped, up to ``_SCAN`` entries, so it does not block the requests
-behind it.
+Each service has three priority classes.  A class holds one FIFO per client (identity) and
+keeps those clients in a ring, least recently served first: a client joins the ring at its
+back when it queues something in the class while having nothing there, a client that is
+served moves to the back, and one whose FIFO empties leaves.  A client's FIFO is in arrival
+order, except that retries go back to its front (see Failure handling).
+
+When a worker has spare credit, each non-empty class proposes one *candidate*: walking the
+ring from its front, the first request (in FIFO order) whose pool has a worker with spare
+credit.  The walk looks at no more than ``_SCAN`` requests of one client and ``_CLASS_SCAN``
+requests of the class in all, so a pile of requests that cannot go anywhere now costs a
+constant per pass instead of the queue length; requests found expired on the way are
+failed, never dispatched.  Among the candidates the one with the highest effective priority
+``weight[pri] * (1 + waited / aging_s)`` is dispatched: urgent work wins while fresh, and
+anything that waits long enough overtakes it, so no class starves.  Within a class this is
+round robin between clients: a client with 50,000 queued requests gets one dispatch, then
+every other client waiting in the class (with something placeable) gets one, before its
+next; a client with one request at a time waits for at most one dispatch from each other
+client queued in its class, however long their queues are.  With a single client the order
+is plain FIFO, as before.
+
+A request carrying shared-memory references (``local_host`` set) may only go to a worker of
+its service on that host that speaks ``shm``; the workers able to take a given request form a
+*pool* (``None``: every worker of the service; a host name: the shm workers on that host).  A
+request whose pool has no spare credit is skipped by the walk above, so it blocks neither the
+requests behind it in its client's FIFO nor the other clients; its client stays at the front
+of the ring (it was not served) and is served as soon as its pool frees up.
+
+When nothing is queued in the service, a new request goes straight to the least-loaded
+worker of its pool (no order to decide; this is the common case under light load).
 
 Each pool keeps a lazy min-heap of its workers with spare credit, keyed by
 ``(in_flight / credit, in_flight, last used)``.  A load change bumps the worker's version
 and pushes one new entry; stale entries are discarded when they surface, and the heap is
 rebuilt when stale entries outnumber live workers.  Choosing a worker is therefore
 O(log workers) and independent of the queue length; nothing scans all workers per request.
+Queueing, unqueueing (dispatch, cancel, deadline, eviction) and moving a client in its ring
+are O(1) OrderedDict operations.
+
+Admission
+---------
+After the checks that make a request invalid (priority, duplicate id, deadline already
+passed, NOT_LOCAL), a request is refused at once with QUEUE_FULL, and nothing else changes,
+when its client (identity, across all services) already has ``max_client_requests``
+requests outstanding (queued, running or cancelling), or when its ``size`` (the inline
+payload bytes the server passes) would take the ``size`` sum of the client's outstanding
+requests over ``max_client_bytes``.  Bytes are counted from admission until the request's
+final, whatever the path (result, direct reply, error, cancel, deadline, worker failure,
+eviction), or until the client goes away; a retry after a worker death keeps them counted.
+
+``max_queue`` bounds the requests queued in one service.  When the queue is over it after
+dispatching and the newcomer is still queued, one request is refused: the newest (latest
+``enqueued_at``; on a tie, the least urgent) queued request of the client holding the most
+queued requests in that service.  If that is the newcomer's own client (ties included), the
+newcomer is refused; otherwise the evicted request gets its QUEUE_FULL final now and the
+newcomer stays.  So a client can only ever push itself into QUEUE_FULL, and a client's burst
+fills the queue at no one else's expense.  (Retries after a worker death may take a queue
+over ``max_queue``; they refuse nothing.)  A client's queued count in a service is the
+length of its (at most three) FIFOs there: O(1) to read and nothing to maintain.  Once a
+queue overflows, its clients are also bucketed by count (``_Service.tiers``,
+``_Service.top``) until it is down to half of ``max_queue``, so finding the heaviest client
+is O(1) amortised and costs nothing while queues stay short (see ``Scheduler._heaviest``).
 
 Time
 ----
@@ -56,7 +102,8 @@ O(1) store, and :meth:`Scheduler.next_wakeup` is exact after it settles the heap
 Failure handling
 ----------------
 A worker that dies (DISCONNECT, a second READY, or silence for ``heartbeat_liveness``
-intervals) loses its requests: RUNNING ones go back to the front of their queue with
+intervals) loses its requests: RUNNING ones go back to the front of their client's FIFO,
+and that client to the front of its class's ring (they have already waited their turn), with
 ``attempt + 1`` until ``max_retries`` is spent (then WORKER_FAILED), CANCELLING ones finish
 as CANCELLED, ABANDONED ones simply vanish.  A request whose pool has had no live worker
 for ``service_grace`` seconds fails with SERVICE_UNAVAILABLE (or NOT_LOCAL when the service
@@ -101,12 +148,16 @@ def cuda_key(host: str) -> str:
 class Config:
     heartbeat_interval: float = 1.0  # seconds between heartbeats to workers
     heartbeat_liveness: int = 3  # missed intervals before a peer is presumed dead
-    max_queue: int = 1024  # per service
+    max_queue: int = 1024  # queued requests per service (the heaviest client yields first)
     priority_weights: tuple = (3.0, 1.0, 0.5)  # urgent, normal, background
     aging_s: float = 0.5  # waiting this long adds one unit of the weight (no starvation)
     max_retries: int = 2  # re-dispatches after worker deaths before WORKER_FAILED
     service_grace: float = 1.0  # wait for a live worker before SERVICE_UNAVAILABLE
     client_liveness: float | None = None  # default heartbeat_interval * heartbeat_liveness
+    # Per client identity, across services: outstanding (queued, running or cancelling)
+    # requests, and the sum of their ``size`` (inline payload bytes).  Over either: QUEUE_FULL.
+    max_client_requests: int = 4096
+    max_client_bytes: int = 1 << 30  # 1 GiB
 
 
 # ----------------------------------------------------------------------------- actions
@@ -182,10 +233,11 @@ _LIVE_FOR_CLIENT = (_QUEUED, _RUNNING, _CANCELLING)
 # Timer kinds.
 _T_DEADLINE, _T_GRACE, _T_HEARTBEAT, _T_WORKER, _T_CLIENT = range(5)
 
-# How many entries of one priority queue a dispatch pass looks at to get past heads that
-# cannot go anywhere now (locality).  Bounded so a pile of unplaceable requests costs a
-# constant per pass instead of the queue length.
+# How many queued requests a dispatch pass looks at to get past ones that cannot go anywhere
+# now (locality): at most _SCAN of one client's FIFO and _CLASS_SCAN of one priority class.
+# Bounded so a pile of unplaceable requests costs a constant per pass, not the queue length.
 _SCAN = 16
+_CLASS_SCAN = 4 * _SCAN
 
 _COUNTERS = (
     "dispatched",
@@ -202,6 +254,9 @@ _COUNTERS = (
     "protocol_errors",
     "client_dropped",
     "worker_deaths",
+    "evicted",                   # queued requests of the heaviest client refused for a newcomer
+    "rejected_client_requests",  # over max_client_requests
+    "rejected_client_bytes",     # over max_client_bytes
 )
 
 
@@ -220,9 +275,11 @@ class _Request:
         "worker",
         "token",
         "dispatched_at",
+        "size",
     )
 
-    def __init__(self, client, request_id, svc, payload, priority, deadline, local_host, now):
+    def __init__(self, client, request_id, svc, payload, priority, deadline, local_host, now,
+                 size):
         self.client = client
         self.request_id = request_id
         self.svc = svc
@@ -236,6 +293,7 @@ class _Request:
         self.worker = None
         self.token = 0
         self.dispatched_at = 0.0
+        self.size = size  # counted in Scheduler._bytes while live for the client
 
 
 class _Pool:
@@ -255,18 +313,38 @@ class _Pool:
 
 
 class _Service:
-    __slots__ = ("name", "queues", "queued", "workers", "pools", "any", "in_flight")
+    __slots__ = ("name", "classes", "queued", "tiers", "top", "workers", "pools", "any",
+                 "in_flight")
 
     def __init__(self, name, now, epoch):
         self.name = name
-        # OrderedDict as an indexable FIFO: O(1) append, pop from the middle (cancel,
-        # deadline) and push to the front (retry).  Keys are the requests themselves.
-        self.queues = (OrderedDict(), OrderedDict(), OrderedDict())
+        # One ring per priority class: client -> that client's FIFO, least recently served
+        # client first (see Dispatch in the module docstring).  OrderedDicts throughout: O(1)
+        # append, removal from the middle (cancel, deadline, eviction), move to either end
+        # (a served client to the back, a retry to the front).  FIFO keys are the requests
+        # themselves; no FIFO in a ring is ever empty.
+        self.classes = (OrderedDict(), OrderedDict(), OrderedDict())
         self.queued = 0
+        # How many requests a client has queued here is the length of its FIFOs (at most
+        # three: _Service.count).  While the queue is long (see Scheduler._heaviest), the
+        # clients are also bucketed by that count (count -> {client: None}; no empty
+        # buckets), the largest count in ``top``, so that who holds most is an O(1)
+        # question; None while the queue is short.
+        self.tiers = None
+        self.top = 0
         self.workers = {}
         self.any = _Pool(None, now, epoch)
         self.pools = {None: self.any}
         self.in_flight = 0  # tokens held by this service's workers, abandoned ones included
+
+    def count(self, client):
+        """How many requests ``client`` has queued in this service (all classes): O(1)."""
+        n = 0
+        for ring in self.classes:
+            fifo = ring.get(client)
+            if fifo is not None:
+                n += len(fifo)
+        return n
 
 
 class _Worker:
@@ -316,7 +394,14 @@ class Scheduler:
             raise ValueError("max_retries must be >= 0")
         if cfg.service_grace < 0:
             raise ValueError("service_grace must be >= 0")
+        if cfg.max_client_requests < 1:
+            raise ValueError("max_client_requests must be >= 1")
+        if cfg.max_client_bytes < 0:
+            raise ValueError("max_client_bytes must be >= 0")
         self.config = cfg
+        self._max_client_requests = int(cfg.max_client_requests)
+        self._max_client_bytes = int(cfg.max_client_bytes)
+        self._tiers_off = int(cfg.max_queue) // 2  # see _heaviest
         self._weights = tuple(float(w) for w in cfg.priority_weights)
         self._worker_ttl = cfg.heartbeat_interval * cfg.heartbeat_liveness
         self._client_ttl = (
@@ -326,6 +411,7 @@ class Scheduler:
         self._workers: dict[bytes, _Worker] = {}
         self._clients: dict[bytes, _Client] = {}  # only clients that sent a heartbeat
         self._requests: dict[bytes, dict[int, _Request]] = {}  # live for their client
+        self._bytes: dict[bytes, int] = {}  # sum of their sizes, per client; no zero entries
         self._live = 0  # requests not DONE; bounds the number of valid timers
         self._timers: list = []
         self._seq = itertools.count()
@@ -486,10 +572,14 @@ class Scheduler:
         priority: Priority | int = Priority.NORMAL,
         deadline: float | None = None,
         local_host: str | None = None,
+        size: int = 0,
     ) -> list[Action]:
         """Admit, dispatch, or refuse a request.  ``deadline`` is absolute on the clock of
         ``now``; ``local_host`` marks a request whose tensors sit in shared memory on that
-        host.  Refusals (expired, duplicate id, NOT_LOCAL, QUEUE_FULL) are immediate."""
+        host; ``size`` is what the request counts against ``max_client_bytes`` while it is
+        live (the server passes its inline payload bytes).  Refusals (expired, duplicate id,
+        NOT_LOCAL, QUEUE_FULL) are immediate; admitting a request into a full queue may
+        instead evict a queued request of a heavier client (see Admission)."""
         self._touch_client(client, now)
         cnt = self._counters
 
@@ -520,16 +610,33 @@ class Scheduler:
             if pool is None or pool.live == 0:
                 cnt["not_local"] += 1
                 return reject(ErrorCode.NOT_LOCAL, self._not_local_message(service, local_host))
+        if mine is not None and len(mine) >= self._max_client_requests:
+            cnt["rejected_client_requests"] += 1
+            return reject(ErrorCode.QUEUE_FULL,
+                          f"this client already has {len(mine)} requests outstanding, the "
+                          f"limit per client (max_client_requests="
+                          f"{self._max_client_requests}); wait for results before sending "
+                          f"more")
+        if size:
+            held = self._bytes.get(client, 0)
+            if held + size > self._max_client_bytes:
+                cnt["rejected_client_bytes"] += 1
+                return reject(ErrorCode.QUEUE_FULL,
+                              f"this request's {size} payload bytes would take this client's "
+                              f"outstanding requests to {held + size} bytes, over the limit "
+                              f"per client (max_client_bytes={self._max_client_bytes}); wait "
+                              f"for results before sending more, or pass large tensors in "
+                              f"shared memory")
+            self._bytes[client] = held + size
         if svc is None:
             svc = self._service(service, now)
 
-        req = _Request(client, request_id, svc, payload, priority, deadline, local_host, now)
+        req = _Request(client, request_id, svc, payload, priority, deadline, local_host, now,
+                       size)
         self._live += 1
         if mine is None:
             mine = self._requests[client] = {}
         mine[request_id] = req
-        svc.queues[priority][req] = None
-        svc.queued += 1
         if deadline is not None:
             self._push_timer(deadline, _T_DEADLINE, req)
         pool = self._pool(svc, local_host, now)
@@ -537,25 +644,45 @@ class Scheduler:
             self._push_grace(req, pool)
 
         out: list[Action] = []
-        if svc.queued == 1:
+        if not svc.queued:
             # Nothing else waits, so there is no order to decide: the least-loaded worker of
             # its pool takes it now (the common case under light load, kept short).
             w = self._ready_worker(pool)
             if w is not None:
-                self._dispatch(req, w, now, out)
+                self._start(req, w, now, out)
+                self._flush(now, out)
+                return out
+            self._enqueue(req)
         else:
+            self._enqueue(req)
             self._pump(svc, now, out)
         # Full is judged after dispatching, so a free worker is never left idle by a queue
         # clogged with requests it cannot take.
         if req.state == _QUEUED and svc.queued > self.config.max_queue:
-            self._unqueue(req)
-            self._unlink(req)
-            self._retire(req)
-            cnt["rejected_full"] += 1
-            out.append(ClientError(client, request_id, service, ErrorCode.QUEUE_FULL,
-                                   f"the queue for '{service}' is full "
-                                   f"({self.config.max_queue} waiting); retry with backoff, "
-                                   f"lower the request rate or start more workers", payload))
+            top, heavy = self._heaviest(svc)
+            n = svc.count(client)
+            if n >= top:
+                # This client holds the most (ties included): the newcomer is refused.
+                self._unqueue(req)
+                self._unlink(req)
+                self._retire(req)
+                cnt["rejected_full"] += 1
+                out.append(ClientError(
+                    client, request_id, service, ErrorCode.QUEUE_FULL,
+                    f"the queue for '{service}' is full ({self.config.max_queue} waiting) and "
+                    f"this client holds the largest share of it ({n - 1} waiting); retry "
+                    f"with backoff, lower the request rate or start more workers", payload))
+            else:
+                victim = self._newest(svc, heavy)
+                cnt["evicted"] += 1
+                self._unqueue(victim)
+                self._error(victim, ErrorCode.QUEUE_FULL,
+                            f"the queue for '{service}' is full ({self.config.max_queue} "
+                            f"waiting) and this client holds the largest share of it "
+                            f"({top} waiting): its newest request made room "
+                            f"for another client's; retry with backoff or send fewer "
+                            f"requests at a time", out)
+                self._retire(victim)
         self._flush(now, out)
         return out
 
@@ -666,9 +793,9 @@ class Scheduler:
     def stats(self) -> dict:
         services = {}
         for name, svc in self._services.items():
-            q = svc.queues
+            u, n, b = (sum(map(len, ring.values())) for ring in svc.classes)
             services[name] = {
-                "queued": {"urgent": len(q[0]), "normal": len(q[1]), "background": len(q[2])},
+                "queued": {"urgent": u, "normal": n, "background": b},
                 "in_flight": svc.in_flight,
                 "workers": len(svc.workers),
                 "credit": sum(w.credit for w in svc.workers.values()),
@@ -678,8 +805,16 @@ class Scheduler:
             "workers": len(self._workers),
             "clients": len(self._clients),
             "requests": self._live,
+            "client_requests": sum(map(len, self._requests.values())),
+            "client_bytes": sum(self._bytes.values()),
             "counters": dict(self._counters),
         }
+
+    def client_usage(self, client: bytes) -> dict:
+        """What ``client`` holds against its caps: requests outstanding (queued, running or
+        cancelling, all services) and the sum of their sizes in bytes."""
+        return {"outstanding": len(self._requests.get(client, ())),
+                "bytes": self._bytes.get(client, 0)}
 
     # ------------------------------------------------------------------ internals
 
@@ -726,22 +861,133 @@ class Scheduler:
         # Stale timer entries may keep this object a while (lazy deletion); the payload can
         # be a 64 MB inline tensor, so it must not stay reachable through them.
         req.payload = None
-        mine = self._requests.get(req.client)
+        client = req.client
+        mine = self._requests.get(client)
         if mine is not None and mine.get(req.request_id) is req:
             del mine[req.request_id]
             if not mine:
-                del self._requests[req.client]
+                del self._requests[client]
+            if req.size:
+                left = self._bytes[client] - req.size
+                if left:
+                    self._bytes[client] = left
+                else:
+                    del self._bytes[client]
 
     def _retire(self, req):
         req.state = _DONE
         req.worker = None
         self._live -= 1
 
-    def _unqueue(self, req):
+    @staticmethod
+    def _enqueue(req, front=False):
+        """Queue ``req`` at the back of its client's FIFO in its class (a retry: at the front
+        of the FIFO, and its client at the front of the ring)."""
         svc = req.svc
-        del svc.queues[req.priority][req]
+        c = req.client
+        ring = svc.classes[req.priority]
+        fifo = ring.get(c)
+        if fifo is None:
+            fifo = ring[c] = OrderedDict()
+        fifo[req] = None
+        if front:
+            fifo.move_to_end(req, last=False)
+            ring.move_to_end(c, last=False)
+        svc.queued += 1
+        tiers = svc.tiers
+        if tiers is not None:
+            k = svc.count(c)
+            if k > 1:
+                t = tiers[k - 1]
+                del t[c]
+                if not t:
+                    del tiers[k - 1]
+            t = tiers.get(k)
+            if t is None:
+                tiers[k] = {c: None}
+            else:
+                t[c] = None
+            if k > svc.top:
+                svc.top = k
+
+    def _take(self, req, served):
+        """Remove ``req`` from its queue; ``served``: it is being dispatched, so its client
+        moves to the back of the ring."""
+        svc = req.svc
+        c = req.client
+        ring = svc.classes[req.priority]
+        fifo = ring[c]
+        del fifo[req]
+        if not fifo:
+            del ring[c]
+        elif served:
+            ring.move_to_end(c)
         svc.queued -= 1
-        self._dirty[svc] = None
+        tiers = svc.tiers
+        if tiers is not None:
+            if svc.queued <= self._tiers_off:
+                svc.tiers = None  # short again: see _heaviest
+                return
+            k = svc.count(c)
+            t = tiers[k + 1]
+            del t[c]
+            if not t:
+                del tiers[k + 1]
+                if k + 1 == svc.top:
+                    svc.top = k
+            if k:
+                t = tiers.get(k)
+                if t is None:
+                    tiers[k] = {c: None}
+                else:
+                    t[c] = None
+
+    @staticmethod
+    def _heaviest(svc):
+        """(count, client): a client holding the most queued requests in ``svc``.
+
+        Only asked when the queue is over ``max_queue``.  The buckets that answer it in O(1)
+        are built then (O(clients queued), at most O(queue length)) and kept up to date until
+        the queue is down to half of ``max_queue``; refilling it takes at least half as many
+        enqueues as the next build can cost, so the cost is O(1) amortised, and nothing at
+        all while queues stay short (the hot path)."""
+        tiers = svc.tiers
+        if tiers is None:
+            counts = {}
+            for ring in svc.classes:
+                for c, fifo in ring.items():
+                    counts[c] = counts.get(c, 0) + len(fifo)
+            tiers = svc.tiers = {}
+            top = 0
+            for c, k in counts.items():
+                t = tiers.get(k)
+                if t is None:
+                    tiers[k] = {c: None}
+                else:
+                    t[c] = None
+                if k > top:
+                    top = k
+            svc.top = top
+        top = svc.top
+        return top, next(iter(tiers[top]))
+
+    def _unqueue(self, req):
+        """Remove a queued request that is not being dispatched (cancel, deadline, grace,
+        eviction, its client gone)."""
+        self._take(req, False)
+        self._dirty[req.svc] = None
+
+    @staticmethod
+    def _newest(svc, client):
+        """The newest request ``client`` has queued in ``svc`` (on a tie, the least urgent)."""
+        best = None
+        for pri in (2, 1, 0):
+            fifo = svc.classes[pri].get(client)
+            if fifo:
+                req = next(reversed(fifo))
+                if best is None or req.enqueued_at > best.enqueued_at:
+                    best = req
+        return best
 
     def _error(self, req, code, message, out):
         out.append(ClientError(req.client, req.request_id, req.svc.name, code, message,
@@ -783,26 +1029,38 @@ class Scheduler:
         aging = self.config.aging_s
         pools = svc.pools
         ready = self._ready_worker
+        classes = svc.classes
+        scan = _SCAN
         while ready(svc.any) is not None:
             best = None
             best_score = 0.0
-            for pri, q in enumerate(svc.queues):
-                if not q:
+            for pri in (0, 1, 2):
+                ring = classes[pri]
+                if not ring:
                     continue
                 expired = None
                 cand = None
-                for n, req in enumerate(q):
-                    if n >= _SCAN:
-                        break
-                    if req.deadline is not None and req.deadline <= now:
-                        # Never dispatch an expired request, even if tick() has not run yet.
-                        if expired is None:
-                            expired = []
-                        expired.append(req)
-                        continue
-                    pool = pools.get(req.local_host)
-                    if pool is not None and ready(pool) is not None:
-                        cand = req
+                left = _CLASS_SCAN
+                # Least recently served client first; in its FIFO, the first request that can
+                # go somewhere now (see Dispatch in the module docstring).
+                for fifo in ring.values():
+                    n = scan if scan < left else left
+                    for req in fifo:
+                        if not n:
+                            break
+                        n -= 1
+                        left -= 1
+                        if req.deadline is not None and req.deadline <= now:
+                            # Never dispatch an expired request, even if tick() has not run.
+                            if expired is None:
+                                expired = []
+                            expired.append(req)
+                            continue
+                        pool = pools.get(req.local_host)
+                        if pool is not None and ready(pool) is not None:
+                            cand = req
+                            break
+                    if cand is not None or not left:
                         break
                 if expired:
                     for req in expired:
@@ -813,12 +1071,12 @@ class Scheduler:
                         best, best_score = cand, score
             if best is None:
                 return
-            self._dispatch(best, ready(pools[best.local_host]), now, out)
+            self._take(best, True)
+            self._start(best, ready(pools[best.local_host]), now, out)
 
-    def _dispatch(self, req, w, now, out):
+    def _start(self, req, w, now, out):
+        """Hand a request that is in no queue to ``w``."""
         svc = req.svc
-        del svc.queues[req.priority][req]
-        svc.queued -= 1
         token = next(self._tokens)
         req.state = _RUNNING
         req.worker = w
@@ -859,25 +1117,24 @@ class Scheduler:
             else:
                 self._retire(req)
         w.in_flight = {}
-        # Front of the queue, oldest first: these requests have already waited their turn.
+        # Front of their FIFOs, and their clients to the front of the rings, oldest first:
+        # these requests have already waited their turn.
         for req in reversed(retry):
             self._counters["retried"] += 1
             req.attempt += 1
             req.state = _QUEUED
             req.worker = None
-            q = svc.queues[req.priority]
-            q[req] = None
-            q.move_to_end(req, last=False)
-            svc.queued += 1
+            self._enqueue(req, front=True)
         for pool in w.pools:
             pool.live -= 1
             if pool.live == 0:
                 pool.gap_since = now
                 pool.gap_epoch = next(self._epochs)
-                for q in svc.queues:
-                    for req in q:
-                        if req.local_host == pool.key:
-                            self._push_grace(req, pool)
+                for ring in svc.classes:
+                    for fifo in ring.values():
+                        for req in fifo:
+                            if req.local_host == pool.key:
+                                self._push_grace(req, pool)
         self._dirty[svc] = None
 
     # ---- timers
@@ -957,6 +1214,8 @@ class Scheduler:
         mine = self._requests.pop(client, None)
         if not mine:
             return
+        # Nothing of the client's is live any more: none of its bytes stay counted.
+        self._bytes.pop(client, None)
         for req in mine.values():
             if req.state == _QUEUED:
                 self._counters["client_dropped"] += 1
@@ -966,6 +1225,8 @@ class Scheduler:
                 if req.state == _RUNNING:
                     out.append(CancelAtWorker(req.worker.ident, req.token))
                 req.state = _ABANDONED
+            # Never needed again (an abandoned request is not retried), and it may be large.
+            req.payload = None
 
     # ---- end of every event
 

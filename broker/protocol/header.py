@@ -18,7 +18,8 @@ import msgspec
 import numpy as np
 
 __all__ = ["MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_ENVELOPE_LEN",
-    "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_REPLY_TO_LEN", "MAX_DONE", "MAX_MMI_TOKEN", "ErrorCode",
+    "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_REPLY_TO_LEN", "MAX_DONE", "MAX_MMI_TOKEN",
+    "MAX_TENSOR_BYTES", "MAX_DEPTH", "MAX_DTYPE_LEN", "ErrorCode",
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
     "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "TRANSPORTS", "REPLY_MODES", "is_header",
     "encode_header", "decode_request", "decode_reply", "decode_cancel", "decode_ready", "decode_welcome",
@@ -40,6 +41,19 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_REPLY_TO_LEN = 255
 MAX_DONE = 4096          # envelopes in one DONE
 MAX_MMI_TOKEN = 64       # bytes of the correlation token an MMI answer echoes
+#: The most bytes one tensor may describe, counting each 0 dimension as 1: itemsize x
+#: prod(max(d, 1) for d in shape) <= this.  Far above any real tensor (1 TiB), it is there so
+#: that a claimed shape can never overflow a reader's size or stride arithmetic: it bounds
+#: every dimension (also the other dimensions of an empty tensor, so [0, 2**62] is refused)
+#: and the element count.  Deployment limits on message sizes are a socket's business.
+MAX_TENSOR_BYTES = 1 << 40
+#: How deep a header's values may nest: the header map is level 1, `meta` level 2, a map or
+#: array inside `meta` level 3, and so on (the typed fields stop at level 4: tensors, a
+#: TensorRef, its loc or shape).  `meta` is checked after decoding (`_check_depth`); values
+#: of unknown keys are skipped by msgspec without building anything, and anything nested
+#: past msgspec's own recursion budget (about 1000 levels) is refused as too deep as well.
+MAX_DEPTH = 32
+MAX_DTYPE_LEN = 32       # characters of a dtype string (numpy's longest, e.g. '<m8[100000as]', is far shorter)
 
 
 class ErrorCode(IntEnum):
@@ -197,15 +211,24 @@ def encode_header(msg: Request | Reply | Cancel | Ready) -> bytes:
 
 
 def _decode(frame: Any, decoder: msgspec.msgpack.Decoder, what: str):
-    mv = memoryview(frame)
+    try:
+        mv = memoryview(frame)
+    except TypeError:
+        raise ProtocolError(f"{what} header must be a bytes frame, got {type(frame).__name__}") from None
     if mv.nbytes > MAX_HEADER_BYTES:
         raise ProtocolError(f"{what} header is {mv.nbytes} bytes; the limit is {MAX_HEADER_BYTES}")
-    if mv[:4] != MAGIC:
+    if bytes(mv[:4]) != MAGIC:
         raise ProtocolError(f"{what} header frame must start with the 4-byte magic C1 5A 4E 46")
     try:
         msg = decoder.decode(mv[4:])
     except msgspec.DecodeError as e:  # covers ValidationError
         raise ProtocolError(f"bad {what} header: {e}") from None
+    except RecursionError:
+        # msgspec bounds its recursion by the interpreter's (about 1000 levels, less the
+        # caller's stack): far past MAX_DEPTH, so this is always a header nested too deep.
+        raise ProtocolError(f"bad {what} header: it nests deeper than {MAX_DEPTH} levels") from None
+    except Exception as e:  # anything else a decoder may raise on hostile bytes is still the bytes' fault
+        raise ProtocolError(f"bad {what} header: {type(e).__name__}: {e}") from None
     if msg.v != VERSION:
         raise ProtocolError(
             f"{what} header version {msg.v} is not supported; this peer speaks version {VERSION}"
@@ -226,6 +249,8 @@ def decode_request(frame: Any, n_inline: int | None = None) -> Request:
         raise ProtocolError("timeout_ms must be a number, not NaN")
     if req.reply not in REPLY_MODES:
         raise ProtocolError(f"reply mode {req.reply!r} must be one of {sorted(REPLY_MODES)}")
+    if req.meta:
+        _check_depth(req.meta, "request")
     check_tensors(req.tensors, n_inline)
     if req.host is None and any(type(t.loc) is ShmLoc for t in req.tensors):
         raise ProtocolError("a request with shared-memory tensors must name its host (field 'host')")
@@ -271,18 +296,61 @@ def decode_ready(frame: Any) -> Ready:
     return r
 
 
+_CONTAINERS = frozenset({dict, list, tuple})  # what msgspec builds for maps, arrays, array keys
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _check_depth(meta: dict, what: str) -> None:
+    """Refuse a decoded `meta` that nests deeper than MAX_DEPTH (the header map is level 1,
+    `meta` level 2).  A member is looked into only when it is a non-empty container, and a
+    container's members only when any is one (`isdisjoint(map(type, ...))` runs at C speed
+    over scalars); the recursion stops at MAX_DEPTH, whatever the input."""
+    if _CONTAINERS.isdisjoint(map(type, meta.values())):
+        return  # the usual case: flat parameters (meta's keys are str, by the schema)
+    try:
+        _walk(meta.values(), 2)
+    except _TooDeep:
+        raise ProtocolError(f"{what} header nests deeper than {MAX_DEPTH} levels (in 'meta'); the limit is {MAX_DEPTH}") from None
+
+
+def _walk(members, depth: int) -> None:
+    """`members` belong to a container at level `depth`."""
+    for v in members:
+        if type(v) in _CONTAINERS:
+            if depth >= MAX_DEPTH:
+                raise _TooDeep
+            if v:
+                if type(v) is dict:
+                    if not _CONTAINERS.isdisjoint(map(type, v)):  # array keys decode to tuples
+                        _walk(v, depth + 1)
+                    v = v.values()
+                if not _CONTAINERS.isdisjoint(map(type, v)):
+                    _walk(v, depth + 1)
+
+
 @functools.lru_cache(maxsize=512)
 def parse_dtype(s: str) -> np.dtype:
-    """numpy dtype from its `.str`, refusing dtypes whose bytes are not plain data."""
+    """numpy dtype from its `.str`, refusing dtypes whose bytes are not plain data and dtypes
+    of item size 0 (`|V0`, `|S0`, `<U0`: a tensor of them is 0 bytes whatever its shape, so
+    no size check could bound what a reader loops over)."""
+    if len(s) > MAX_DTYPE_LEN or s.lstrip("<>|=")[:1] == "a":
+        # Far longer than any dtype.str, or numpy's deprecated 'a' alias (numpy would warn on
+        # every such message): numpy is not asked.
+        raise ProtocolError(f"unknown dtype {s[:MAX_DTYPE_LEN]!r}; use numpy's dtype.str, e.g. '<f4' or '|u1'")
     try:
         dt = np.dtype(s)
-    except (TypeError, ValueError):
+    except Exception:  # TypeError, ValueError, or whatever numpy's parser makes of a hostile string
         raise ProtocolError(f"unknown dtype {s!r}; use numpy's dtype.str, e.g. '<f4' or '|u1'") from None
     if dt.hasobject:
         raise ProtocolError(f"dtype {s!r} holds Python objects, which cannot cross processes")
     if dt.str != s:
         # Ambiguous spellings ('float', 'i') would make two peers disagree on the size.
         raise ProtocolError(f"dtype {s!r} is not canonical; send numpy's dtype.str ({dt.str!r})")
+    if dt.itemsize == 0:
+        raise ProtocolError(f"dtype {s!r} has item size 0; zero-size dtypes are refused (give the item a size, e.g. '|S1')")
     return dt
 
 
@@ -291,10 +359,28 @@ def dtype_str(dt: np.dtype) -> str:
 
 
 def tensor_nbytes(ref: TensorRef) -> int:
+    """Bytes of a tensor: itemsize x prod(shape).  Raises ProtocolError for a dtype that
+    `parse_dtype` refuses, a negative dimension, or a tensor over MAX_TENSOR_BYTES (each 0
+    dimension counted as 1), computed with Python ints and without numpy allocating."""
     n = parse_dtype(ref.dtype).itemsize
+    empty = False
     for d in ref.shape:
+        if d <= 0:
+            if d < 0:
+                raise ProtocolError(f"tensor {ref.name!r} has a negative dimension in shape {_short(ref.shape)}")
+            empty = True
+            continue
         n *= d
-    return n
+        if n > MAX_TENSOR_BYTES:
+            raise ProtocolError(
+                f"tensor {ref.name!r}: dtype {ref.dtype} and shape {_short(ref.shape)} describe more than "
+                f"{MAX_TENSOR_BYTES} bytes (counting 0 dimensions as 1); the limit is {MAX_TENSOR_BYTES}"
+            )
+    return 0 if empty else n
+
+
+def _short(shape: Sequence[int]) -> str:
+    return str(list(shape)) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ...] ({len(shape)} dims)"
 
 
 def check_tensors(tensors: Sequence[TensorRef], n_inline: int | None) -> None:
@@ -307,10 +393,7 @@ def check_tensors(tensors: Sequence[TensorRef], n_inline: int | None) -> None:
         names.add(t.name)
         if len(t.shape) > MAX_NDIM:
             raise ProtocolError(f"tensor {t.name!r} has {len(t.shape)} dimensions; the limit is {MAX_NDIM}")
-        for d in t.shape:
-            if d < 0:
-                raise ProtocolError(f"tensor {t.name!r} has a negative dimension in shape {t.shape}")
-        nbytes = tensor_nbytes(t)
+        nbytes = tensor_nbytes(t)  # dtype, negative and absurd dimensions
         loc = t.loc
         if type(loc) is InlineLoc:
             if loc.frame < 0 or (n_inline is not None and loc.frame >= n_inline):
@@ -330,6 +413,11 @@ def check_inline_sizes(tensors: Sequence[TensorRef], frames: Sequence[Any]) -> N
     """Inline frames must hold exactly the bytes their reference describes."""
     for t in tensors:
         if type(t.loc) is InlineLoc:
+            if not 0 <= t.loc.frame < len(frames):
+                raise ProtocolError(
+                    f"tensor {t.name!r} refers to inline frame {t.loc.frame}, but the message has "
+                    f"{len(frames)} frames after the header"
+                )
             got = memoryview(frames[t.loc.frame]).nbytes
             want = tensor_nbytes(t)
             if got != want:
@@ -339,12 +427,92 @@ def check_inline_sizes(tensors: Sequence[TensorRef], frames: Sequence[Any]) -> N
                 )
 
 
+class _IdOnly(msgspec.Struct):
+    id: int = 0
+
+
+_DEC_ID = msgspec.msgpack.Decoder(_IdOnly)
+
+# Bytes that follow a msgpack scalar's first byte (fixed-size formats), for `_scan_id`.
+_FIXED = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4,
+          0xD3: 8, 0xCA: 4, 0xCB: 8, 0xD4: 2, 0xD5: 3, 0xD6: 5, 0xD7: 9, 0xD8: 17}
+# Formats whose first byte is followed by a big-endian length of 1, 2 or 4 bytes, then that
+# many bytes (ext: one type byte more).
+_SIZED = {0xD9: (1, 0), 0xDA: (2, 0), 0xDB: (4, 0), 0xC4: (1, 0), 0xC5: (2, 0), 0xC6: (4, 0),
+          0xC7: (1, 1), 0xC8: (2, 1), 0xC9: (4, 1)}
+
+
+def _scan_id(b: bytes) -> int:
+    """`id` from the top-level map of msgpack bytes `b`, reading key by key and skipping only
+    scalar values: no recursion, whatever follows (our peers send `v`, then `id`).  0 when a
+    container comes before `id` or anything is malformed."""
+    if not b:
+        return 0
+    t = b[0]
+    if 0x80 <= t <= 0x8F:
+        n, i = t & 0x0F, 1
+    elif t == 0xDE:
+        n, i = int.from_bytes(b[1:3], "big"), 3
+    elif t == 0xDF:
+        n, i = int.from_bytes(b[1:5], "big"), 5
+    else:
+        return 0
+    end = len(b)
+    for _ in range(min(n, 64)):
+        if i >= end:
+            return 0
+        # key: a string
+        t = b[i]
+        if 0xA0 <= t <= 0xBF:
+            kl, i = t & 0x1F, i + 1
+        elif t in (0xD9, 0xDA, 0xDB):
+            w = _SIZED[t][0]
+            kl, i = int.from_bytes(b[i + 1:i + 1 + w], "big"), i + 1 + w
+        else:
+            return 0
+        key = b[i:i + kl]
+        i += kl
+        if i >= end:
+            return 0
+        t = b[i]
+        if key == b"id":
+            if t <= 0x7F:
+                return t
+            if t in (0xCC, 0xCD, 0xCE, 0xCF):
+                w = _FIXED[t]
+                raw = b[i + 1:i + 1 + w]
+                return int.from_bytes(raw, "big") if len(raw) == w else 0
+            return 0
+        # skip a scalar value
+        if t <= 0x7F or t >= 0xE0:
+            i += 1
+        elif 0xA0 <= t <= 0xBF:
+            i += 1 + (t & 0x1F)
+        elif t in _FIXED:
+            i += 1 + _FIXED[t]
+        elif t in _SIZED:
+            w, extra = _SIZED[t]
+            i += 1 + w + extra + int.from_bytes(b[i + 1:i + 1 + w], "big")
+        else:
+            return 0  # a container (or 0xC1): give up rather than recurse
+    return 0
+
+
 def lenient_request_id(frame: Any) -> int:
     """Best-effort request id from a header that failed validation, so that the error reaches
-    the right call on the client; 0 when even that is unreadable."""
+    the right call on the client; 0 when even that is unreadable.  Never raises: msgspec
+    decodes only `id` (other keys are skipped without building anything); when that fails
+    too (a header nested too deep for msgspec, say), `_scan_id` reads the top-level keys
+    that precede `id` without recursing.  Nothing over MAX_HEADER_BYTES is looked at."""
     try:
-        m = msgspec.msgpack.decode(memoryview(frame)[4:])
-        rid = m.get("id") if isinstance(m, dict) else None
-        return rid if isinstance(rid, int) and 0 <= rid < 1 << 64 else 0
+        mv = memoryview(frame)
+        if mv.nbytes > MAX_HEADER_BYTES or mv.nbytes < 5:
+            return 0
+        body = mv[4:]
+        try:
+            rid = _DEC_ID.decode(body).id
+        except Exception:
+            rid = _scan_id(bytes(body[:4096]))
+        return rid if type(rid) is int and 0 <= rid < 1 << 64 else 0
     except Exception:
         return 0

@@ -1,6 +1,8 @@
 """broker.protocol: round trips, validation, and that bad input is one typed error."""
 from __future__ import annotations
 
+import re
+
 import msgspec
 import numpy as np
 import pytest
@@ -234,3 +236,72 @@ def test_finals_carry_several_headers():
     assert m.command == P.C_FINALS and m.service == b"echo" and list(m.body) == heads
     with pytest.raises(P.ProtocolError, match="FINALS"):
         P.parse_broker_to_client([P.MDPC, P.C_FINALS, b"echo"])
+
+
+# ----------------------------------------------------------------------------- hostile sizes and nesting
+
+
+@pytest.mark.parametrize("dt", ["|V0", "|S0", "<U0", ">U0"])
+@pytest.mark.parametrize("where", ["inline", "shm"])
+def test_zero_itemsize_dtypes_are_refused_in_requests_and_replies(dt, where):
+    """A 0-byte item makes any shape 0 bytes: [2**40] of them would pass every size check and
+    have a reader loop 2**40 times."""
+    loc = (P.InlineLoc(frame=0) if where == "inline" else
+           P.ShmLoc(segment="zinf-1-2-0123456789abcdef", offset=0, nbytes=0, slot=0, generation=1))
+    ref = P.TensorRef(name="z", dtype=dt, shape=[1 << 40], loc=loc)
+    with pytest.raises(P.ProtocolError, match=f"dtype '{re.escape(dt)}' has item size 0"):
+        P.decode_request(P.encode_header(P.Request(id=1, host="h", tensors=[ref])), n_inline=1)
+    with pytest.raises(P.ProtocolError, match="item size 0"):
+        P.decode_reply(P.encode_header(P.Reply(id=1, tensors=[ref])), n_inline=1)
+    with pytest.raises(P.ProtocolError, match="item size 0"):
+        P.parse_dtype(dt)
+    with pytest.raises(P.ProtocolError, match="item size 0"):
+        P.tensor_nbytes(ref)
+
+
+@pytest.mark.parametrize(
+    "dtype, shape, ok",
+    [
+        ("|u1", [1 << 40], True),                    # exactly MAX_TENSOR_BYTES
+        ("|u1", [(1 << 40) + 1], False),
+        ("<f4", [1 << 38], True),
+        ("<f4", [(1 << 38) + 1], False),
+        ("<f8", [1 << 20, 1 << 20, 2], False),
+        ("<f4", [0, 1 << 62], False),                # empty, but a dimension is absurd
+        ("<f4", [0, 1 << 20], True),                 # empty and sane
+        ("<f4", [0] * 31 + [(1 << 64) - 1], False),
+        ("|u1", [1 << 13] * 4, False),               # 2**52 elements, no single dim over 2**40
+        ("|S2147483647", [512], True),               # 2**40 - 512 bytes: a huge item is fine
+        ("|S2147483647", [513], False),
+    ],
+)
+def test_absurd_shapes_are_refused(dtype, shape, ok):
+    assert P.MAX_TENSOR_BYTES == 1 << 40
+    n = np.dtype(dtype).itemsize
+    for d in shape:
+        n *= d
+    loc = P.ShmLoc(segment="zinf-1-2-0123456789abcdef", offset=0, nbytes=min(n, (1 << 64) - 1), slot=0, generation=1)
+    ref = P.TensorRef(name="t", dtype=dtype, shape=shape, loc=loc)
+    for frame, decode in ((P.encode_header(P.Request(id=1, host="h", tensors=[ref])), P.decode_request),
+                          (P.encode_header(P.Reply(id=1, tensors=[ref])), P.decode_reply)):
+        if ok:
+            assert P.tensor_nbytes(decode(frame, 0).tensors[0]) == n
+        else:
+            with pytest.raises(P.ProtocolError, match="describe more than 1099511627776 bytes"):
+                decode(frame, 0)
+
+
+def test_deep_meta_is_a_protocol_error_with_the_id_still_readable():
+    for n in (40, 1_000, 100_000):
+        frame = P.MAGIC + b"\x83\xa1v\x01\xa2id\x2a\xa4meta\x81\xa1k" + b"\x81\xa1k" * n + b"\xc0"
+        with pytest.raises(P.ProtocolError, match="nests deeper than 32 levels"):
+            P.decode_request(frame, 0)
+        assert P.lenient_request_id(frame) == 42
+    ok = P.Request(id=1, meta={"a": [[{"b": [1, 2]}]], "c": 1.5, "d": {(1, 2): "tuple key"}})
+    assert P.decode_request(P.encode_header(ok)) == ok
+
+
+def test_inline_sizes_checked_against_frames_actually_there():
+    ref = P.TensorRef(name="b", dtype="<i4", shape=[3], loc=P.InlineLoc(frame=2))
+    with pytest.raises(P.ProtocolError, match="inline frame 2"):
+        P.check_inline_sizes([ref], [b"x" * 12])

@@ -8,7 +8,13 @@ which requests are still owed a final) checks every action the scheduler returns
 - an expired request is never dispatched, and a shm request only goes to a same-host shm
   worker of its service;
 - tick() before next_wakeup() has nothing to do;
-- once workers stop dying and time moves on, every request gets exactly one final.
+- once workers stop dying and time moves on, every request gets exactly one final;
+- with several clients: the per-client caps refuse exactly the requests over them, and
+  nothing else; an eviction only ever takes a queued request of another client; the queue
+  bookkeeping (per-client FIFOs in rings, per-client queued counts and their buckets) agrees
+  with the queued requests and never holds an empty FIFO or a zero or negative count; each client's
+  outstanding requests and bytes agree with what the model owes it, and are back to 0 at the
+  end.
 """
 from __future__ import annotations
 
@@ -31,16 +37,20 @@ from broker.state import (
 )
 
 WORKERS = [b"w0", b"w1", b"w2", b"w3"]
-CLIENTS = [b"c0", b"c1"]
+CLIENTS = [b"c0", b"c1", b"c2"]
 SERVICES = ["a", "b"]
 HOSTS = ["h0", "h1"]
 # Multiples of 1/4 keep every sum of times exact in binary floating point, so the model's
 # liveness arithmetic agrees with the scheduler's to the last bit.
 STEPS = st.sampled_from([0.25, 0.5, 1.0, 2.0])
+SIZES = st.sampled_from([0, 0, 10, 60])
+MAX_CLIENT_REQUESTS = 5
+MAX_CLIENT_BYTES = 100
 
 
 class _Req:
-    def __init__(self, service, deadline, local_host):
+    def __init__(self, service, deadline, local_host, size=0):
+        self.size = size
         self.service = service
         self.deadline = deadline
         self.local_host = local_host
@@ -58,6 +68,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_retries=1,
             service_grace=1.0,
             client_liveness=2.0,
+            max_client_requests=MAX_CLIENT_REQUESTS,
+            max_client_bytes=MAX_CLIENT_BYTES,
         )
         self.s = Scheduler(self.cfg)
         self.now = 0.0
@@ -113,6 +125,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def owed(self):
         return [k for k, r in self.reqs.items() if r.finals == 0 and not r.gone]
+
+    def usage(self, client):
+        """What the scheduler must count against ``client``: the requests still owed."""
+        live = [r for (c, _), r in self.reqs.items() if c == client and r.finals == 0
+                and not r.gone]
+        return {"outstanding": len(live), "bytes": sum(r.size for r in live)}
 
     # ---- workers
 
@@ -196,17 +214,50 @@ class SchedulerMachine(RuleBasedStateMachine):
         priority=st.sampled_from(list(Priority)),
         deadline=st.sampled_from([None, None, 0.0, 0.25, 1.0, 3.0]),
         local_host=st.sampled_from([None, None] + HOSTS),
+        size=SIZES,
     )
-    def client_request(self, client, service, priority, deadline, local_host):
+    def client_request(self, client, service, priority, deadline, local_host, size):
+        self.send(client, service, priority, deadline, local_host, size)
+
+    @rule(
+        client=st.sampled_from(CLIENTS),
+        service=st.sampled_from(SERVICES),
+        priority=st.sampled_from(list(Priority)),
+        n=st.integers(2, 6),
+        size=SIZES,
+    )
+    def client_burst(self, client, service, priority, n, size):
+        """Several requests at once: fills queues, reaches the caps, provokes evictions."""
+        for _ in range(n):
+            self.send(client, service, priority, None, None, size)
+
+    def send(self, client, service, priority, deadline, local_host, size):
         rid = next(self.rids)
         dl = None if deadline is None else self.now + deadline
-        self.reqs[(client, rid)] = _Req(service, dl, local_host)
+        held = self.usage(client)
+        over = (held["outstanding"] >= MAX_CLIENT_REQUESTS
+                or (size and held["bytes"] + size > MAX_CLIENT_BYTES))
+        self.reqs[(client, rid)] = _Req(service, dl, local_host, size)
         out = self.s.client_request(client, rid, service, self.now, payload=rid,
-                                    priority=priority, deadline=dl, local_host=local_host)
+                                    priority=priority, deadline=dl, local_host=local_host,
+                                    size=size)
         self.touch(client)
         if deadline == 0.0:
             assert [(type(a), a.code) for a in out] == [(ClientError,
                                                          ErrorCode.DEADLINE_EXCEEDED)]
+        elif over:
+            # Refused at once (NOT_LOCAL is checked first), and nothing else happens.
+            assert [(type(a), a.request_id) for a in out] == [(ClientError, rid)], out
+            assert out[0].code in (ErrorCode.QUEUE_FULL, ErrorCode.NOT_LOCAL)
+        for a in out:
+            if isinstance(a, ClientError) and "max_client_" in a.message:
+                assert over and a.request_id == rid and a.code == ErrorCode.QUEUE_FULL
+            if isinstance(a, ClientError) and a.request_id != rid and \
+                    a.code == ErrorCode.QUEUE_FULL:
+                # An eviction: never the newcomer's own client, always a queued request.
+                assert a.client != client and "largest share" in a.message
+                assert not any(rid_ == a.request_id for w in self.workers.values()
+                               for (_, rid_) in w["tokens"].values())
         self.apply(out)
 
     @precondition(lambda self: self.owed())
@@ -274,6 +325,33 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.s.has_service(service) == any(
                 w["service"] == service for w in self.workers.values())
 
+    @invariant()
+    def queue_bookkeeping_agrees(self):
+        for svc in self.s._services.values():
+            counts: dict[bytes, int] = {}
+            for pri, ring in enumerate(svc.classes):
+                for client, fifo in ring.items():
+                    assert fifo, "empty FIFO left in a ring"
+                    for r in fifo:
+                        assert r.client == client and r.priority == pri and r.svc is svc
+                        assert r.state == 0  # QUEUED
+                        counts[client] = counts.get(client, 0) + 1
+            assert all(svc.count(client) == n > 0 for client, n in counts.items())
+            assert svc.queued == sum(counts.values()) >= 0
+            if svc.tiers is not None:  # kept only while the queue is long
+                assert svc.queued > self.cfg.max_queue // 2
+                tiers: dict[int, set] = {}
+                for client, n in counts.items():
+                    tiers.setdefault(n, set()).add(client)
+                assert {n: set(t) for n, t in svc.tiers.items()} == tiers
+                assert svc.top == max(counts.values(), default=0)
+
+    @invariant()
+    def client_usage_agrees(self):
+        for client in CLIENTS:
+            assert self.s.client_usage(client) == self.usage(client)
+        assert all(b > 0 for b in self.s._bytes.values())
+
     def teardown(self):
         # Workers stop dying: everyone stays audible and answers everything it holds.
         for _ in range(200):
@@ -293,6 +371,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.owed() == [], "requests left without a final"
         st_ = self.s.stats()
         assert st_["requests"] == 0
+        assert st_["client_requests"] == 0 and st_["client_bytes"] == 0
+        assert self.s._bytes == {} and self.s._requests == {}
         assert all(sum(v["queued"].values()) == 0 and v["in_flight"] == 0
                    for v in st_["services"].values())
 

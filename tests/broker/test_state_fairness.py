@@ -1,0 +1,441 @@
+"""broker.state: fair sharing between clients, eviction of the heaviest, per-client caps.
+
+All on the pure state machine with an injected clock (see the module docstring of
+broker.state, sections Dispatch and Admission).
+"""
+from __future__ import annotations
+
+import pytest
+
+from broker.state import (
+    CancelAtWorker,
+    ClientError,
+    Config,
+    Dispatch,
+    ErrorCode,
+    Priority,
+    Scheduler,
+    ToClient,
+)
+
+A, B, C, D, X = b"A", b"B", b"C", b"D", b"X"
+
+
+def of(actions, cls):
+    return [a for a in actions if isinstance(a, cls)]
+
+
+def only(actions, cls):
+    found = of(actions, cls)
+    assert len(found) == 1, actions
+    return found[0]
+
+
+def req(s, client, rid, now=0.0, service="svc", **kw):
+    kw.setdefault("payload", (client, rid))
+    return s.client_request(client, rid, service, now, **kw)
+
+
+def drain(s, worker, token, n, now=0.0):
+    """Complete the running request ``n`` times; the (client, request id) order dispatched."""
+    order = []
+    for _ in range(n):
+        d = only(s.worker_final(worker, token, now, None), Dispatch)
+        order.append((d.client, d.request_id))
+        token = d.token
+    return order, token
+
+
+def assert_nothing_held(s):
+    st = s.stats()
+    assert st["requests"] == 0
+    assert st["client_requests"] == 0 and st["client_bytes"] == 0
+    assert s._bytes == {} and s._requests == {}
+    for svc in s._services.values():
+        assert svc.queued == 0 and svc.tiers is None
+        assert all(not ring for ring in svc.classes)
+
+
+# ----------------------------------------------------------------------------- the burst
+
+
+def test_a_burst_of_50000_does_not_delay_or_refuse_another_client():
+    s = Scheduler(Config(max_queue=100_000, max_client_requests=100_000))
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, A, 0), Dispatch).token
+    for rid in range(1, 50_001):
+        assert req(s, A, rid) == []
+    assert s.stats()["services"]["svc"]["queued"]["normal"] == 50_000
+    # The other client's request arrives behind the whole burst, and is accepted.
+    assert req(s, B, 1, now=0.1) == []
+    order, token = drain(s, b"w", token, 3, now=0.2)
+    assert (B, 1) in order[:2], order
+    assert order == [(A, 1), (B, 1), (A, 2)]  # A was served last (its first request)
+    assert s.stats()["counters"]["rejected_full"] == 0
+
+
+def test_a_burst_that_fills_the_queue_makes_room_for_another_client():
+    s = Scheduler(Config(max_queue=1024, max_client_requests=100_000))
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, A, 0), Dispatch).token
+    refused = 0
+    for rid in range(1, 50_001):
+        out = req(s, A, rid)
+        if out:
+            # Beyond the queue, A only ever pushes itself out: the newcomer is refused.
+            err = only(out, ClientError)
+            assert (err.client, err.request_id, err.code) == (A, rid, ErrorCode.QUEUE_FULL)
+            refused += 1
+    assert refused == 50_000 - 1024
+    out = req(s, B, 1, now=0.1)
+    # B is queued; A's newest queued request yields its place.
+    err = only(out, ClientError)
+    assert (err.client, err.request_id, err.code) == (A, 1024, ErrorCode.QUEUE_FULL)
+    assert "full" in err.message and "largest share" in err.message
+    assert of(out, Dispatch) == []
+    c = s.stats()["counters"]
+    assert c["evicted"] == 1 and c["rejected_full"] == refused
+    order, _ = drain(s, b"w", token, 2, now=0.2)
+    assert (B, 1) in order, order
+
+
+# ----------------------------------------------------------------------------- round robin
+
+
+def test_round_robin_between_three_clients_in_one_class():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, X, 0), Dispatch).token
+    for client in (A, B, C):
+        for rid in range(1, 5):
+            assert req(s, client, rid) == []
+    order, _ = drain(s, b"w", token, 12)
+    assert order == [(cl, rid) for rid in range(1, 5) for cl in (A, B, C)]
+
+
+def test_a_client_that_joins_goes_to_the_back_of_the_ring():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, X, 0), Dispatch).token
+    for client in (A, B, C):
+        for rid in (1, 2):
+            req(s, client, rid)
+    order, token = drain(s, b"w", token, 1)
+    assert order == [(A, 1)]  # A moves to the back: B, C, A
+    req(s, D, 1)  # joins behind A
+    order, _ = drain(s, b"w", token, 6)
+    assert order == [(B, 1), (C, 1), (A, 2), (D, 1), (B, 2), (C, 2)]
+
+
+def test_one_client_alone_is_plain_fifo():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, A, 0), Dispatch).token
+    for rid in range(1, 6):
+        req(s, A, rid)
+    order, _ = drain(s, b"w", token, 5)
+    assert order == [(A, rid) for rid in range(1, 6)]
+
+
+def test_a_trickling_client_is_served_every_other_dispatch():
+    # A keeps many queued; B always has exactly one queued (it sends the next when it gets
+    # a result).  B is never more than one dispatch away.
+    s = Scheduler(Config(max_queue=10_000))
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, A, 0), Dispatch).token
+    for rid in range(1, 1001):
+        req(s, A, rid)
+    req(s, B, 0)
+    brid = 0
+    served = []
+    for _ in range(40):
+        d = only(s.worker_final(b"w", token, 0.0, None), Dispatch)
+        token = d.token
+        served.append(d.client)
+        if d.client == B:
+            brid += 1
+            req(s, B, brid)
+    assert served == [A, B] * 20
+
+
+def test_priorities_still_win_across_classes():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, X, 0), Dispatch).token
+    for rid in range(1, 4):
+        req(s, A, rid)  # normal
+    req(s, C, 1, priority=Priority.BACKGROUND)
+    req(s, B, 1, priority=Priority.URGENT)
+    req(s, B, 2, priority=Priority.URGENT)
+    order, _ = drain(s, b"w", token, 6)
+    assert order == [(B, 1), (B, 2), (A, 1), (A, 2), (A, 3), (C, 1)]
+
+
+def test_aging_still_lets_an_old_class_overtake():
+    s = Scheduler()  # weights 3/1, aging 0.5 s
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, X, 0), Dispatch).token
+    req(s, A, 1, now=0.0)
+    req(s, B, 1, now=1.5, priority=Priority.URGENT)
+    order, _ = drain(s, b"w", token, 2, now=1.5)
+    assert order == [(A, 1), (B, 1)]
+
+
+# ----------------------------------------------------------------------------- locality
+
+
+def test_locality_skip_works_across_and_within_client_fifos():
+    s = Scheduler()
+    shm = frozenset({"shm"})
+    s.worker_ready(b"wA", "svc", 0.0, host="h", transports=shm)
+    s.worker_ready(b"wB", "svc", 0.0, host="other")
+    ta = only(req(s, X, 0, local_host="h"), Dispatch).token  # wA busy
+    tb = only(req(s, X, 1), Dispatch).token  # wB busy
+    req(s, A, 1, local_host="h")  # A's head: only wA can take it
+    req(s, A, 2)
+    req(s, B, 1)
+    # wB frees: A is least recently served; its head cannot go, the request behind it can.
+    d = only(s.worker_final(b"wB", tb, 0.1, None), Dispatch)
+    assert (d.worker, d.client, d.request_id) == (b"wB", A, 2)
+    d = only(s.worker_final(b"wB", d.token, 0.2, None), Dispatch)
+    assert (d.worker, d.client, d.request_id) == (b"wB", B, 1)
+    d = only(s.worker_final(b"wA", ta, 0.3, None), Dispatch)
+    assert (d.worker, d.client, d.request_id) == (b"wA", A, 1)
+
+
+def test_a_client_with_a_pile_of_unplaceable_requests_does_not_block_others():
+    s = Scheduler()
+    shm = frozenset({"shm"})
+    s.worker_ready(b"wA", "svc", 0.0, host="h", transports=shm)
+    s.worker_ready(b"wB", "svc", 0.0, host="other")
+    only(req(s, X, 0, local_host="h"), Dispatch)
+    tb = only(req(s, X, 1), Dispatch).token
+    for rid in range(1, 41):
+        req(s, A, rid, local_host="h")  # far more than one pass looks at
+    req(s, B, 1)
+    d = only(s.worker_final(b"wB", tb, 0.1, None), Dispatch)
+    assert (d.worker, d.client, d.request_id) == (b"wB", B, 1)
+
+
+# ----------------------------------------------------------------------------- retries
+
+
+def test_retries_go_back_to_the_front_of_their_clients_and_the_ring():
+    s = Scheduler()
+    s.worker_ready(b"w1", "svc", 0.0, credit=2)
+    only(req(s, A, 1), Dispatch)
+    only(req(s, B, 1), Dispatch)
+    req(s, C, 1)
+    req(s, A, 2)
+    req(s, B, 2)
+    s.worker_disconnect(b"w1", 0.1)
+    out = s.worker_ready(b"w2", "svc", 0.2, credit=5)
+    got = [(d.client, d.request_id, d.attempt) for d in of(out, Dispatch)]
+    assert got[:2] == [(A, 1, 1), (B, 1, 1)]
+    assert sorted(got[2:]) == [(A, 2, 0), (B, 2, 0), (C, 1, 0)]
+
+
+# ----------------------------------------------------------------------------- eviction
+
+
+def test_eviction_takes_the_newest_request_of_the_heaviest_client():
+    s = Scheduler(Config(max_queue=4))
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, X, 0), Dispatch).token
+    for rid in (1, 2, 3):
+        req(s, A, rid, now=rid / 10)
+    req(s, B, 1, now=0.4)
+    out = req(s, B, 2, now=0.5)  # 5 > 4: A holds 3, B 2
+    err = only(out, ClientError)
+    assert (err.client, err.request_id, err.code, err.payload) == (
+        A, 3, ErrorCode.QUEUE_FULL, (A, 3))
+    assert "largest share" in err.message and "svc" in err.message
+    assert s.stats()["counters"]["evicted"] == 1
+    # A and B now hold 2 each: a tie refuses the newcomer of a tied client.
+    err = only(req(s, A, 4, now=0.6), ClientError)
+    assert (err.client, err.request_id, err.code) == (A, 4, ErrorCode.QUEUE_FULL)
+    err = only(req(s, B, 3, now=0.7), ClientError)
+    assert (err.client, err.request_id) == (B, 3)
+    assert s.stats()["counters"]["rejected_full"] == 2
+    # A third client, holding nothing, always gets in.
+    err = only(req(s, C, 1, now=0.8), ClientError)
+    assert err.client in (A, B) and err.request_id == 2
+    order, _ = drain(s, b"w", token, 4, now=1.0)
+    assert sorted(order) == sorted({(A, 1), (A, 2), (B, 1), (B, 2), (C, 1)} - {(err.client, 2)})
+
+
+def test_eviction_takes_the_newest_across_classes_and_the_least_urgent_on_a_tie():
+    s = Scheduler(Config(max_queue=3))
+    s.worker_ready(b"w", "svc", 0.0)
+    only(req(s, X, 0), Dispatch)
+    req(s, A, 1, now=0.0, priority=Priority.BACKGROUND)
+    req(s, A, 2, now=0.2, priority=Priority.URGENT)
+    req(s, A, 3, now=0.1, priority=Priority.NORMAL)
+    err = only(req(s, B, 1, now=0.3), ClientError)
+    assert err.request_id == 2  # the newest, though urgent
+    err = only(req(s, A, 4, now=0.3, priority=Priority.URGENT), ClientError)
+    assert err.request_id == 4  # A holds 3 with this one, B 1: the newcomer is refused
+    s2 = Scheduler(Config(max_queue=2))
+    s2.worker_ready(b"w", "svc", 0.0)
+    only(req(s2, X, 0), Dispatch)
+    req(s2, A, 1, priority=Priority.URGENT)
+    req(s2, A, 2, priority=Priority.BACKGROUND)
+    err = only(req(s2, B, 1), ClientError)
+    assert (err.client, err.request_id) == (A, 2)  # same time: the background one
+
+
+def test_eviction_is_per_service():
+    s = Scheduler(Config(max_queue=2))
+    s.worker_ready(b"w1", "one", 0.0)
+    s.worker_ready(b"w2", "two", 0.0)
+    only(req(s, X, 0, service="one"), Dispatch)
+    only(req(s, X, 1, service="two"), Dispatch)
+    req(s, A, 1, service="one")
+    req(s, A, 2, service="one")
+    req(s, B, 1, service="two")
+    req(s, B, 2, service="two")
+    req(s, B, 3, service="two")  # B is the heaviest overall, but not in "one"
+    err = only(req(s, B, 4, service="one"), ClientError)
+    assert (err.client, err.request_id) == (A, 2)
+
+
+# ----------------------------------------------------------------------------- caps
+
+
+@pytest.mark.parametrize("kw", [{"max_client_requests": 0}, {"max_client_bytes": -1}])
+def test_bad_caps_are_refused(kw):
+    with pytest.raises(ValueError):
+        Scheduler(Config(**kw))
+
+
+def test_defaults():
+    cfg = Config()
+    assert cfg.max_client_requests == 4096 and cfg.max_client_bytes == 1 << 30
+
+
+def test_cap_on_outstanding_requests_counts_every_service_and_state():
+    s = Scheduler(Config(max_client_requests=3))
+    s.worker_ready(b"w1", "one", 0.0)
+    s.worker_ready(b"w2", "two", 0.0)
+    d = only(req(s, A, 1, service="one"), Dispatch)  # running
+    assert req(s, A, 2, service="one") == []  # queued
+    only(req(s, A, 3, service="two"), Dispatch)  # running elsewhere
+    assert s.client_usage(A) == {"outstanding": 3, "bytes": 0}
+    err = only(req(s, A, 4, service="two"), ClientError)
+    assert err.code == ErrorCode.QUEUE_FULL and "max_client_requests=3" in err.message
+    assert s.stats()["counters"]["rejected_client_requests"] == 1
+    assert s.client_usage(A)["outstanding"] == 3  # nothing else changed
+    assert req(s, B, 1, service="one") == []  # other clients are not affected
+    # Cancelling still counts until the worker's final.
+    assert s.client_cancel(A, 1, 0.1) == [CancelAtWorker(b"w1", d.token)]
+    assert only(req(s, A, 5, service="two"), ClientError).code == ErrorCode.QUEUE_FULL
+    out = s.worker_final(b"w1", d.token, 0.2, "cancelled")
+    assert only(out, ToClient).request_id == 1
+    assert of(req(s, A, 6, service="two", now=0.3), ClientError) == []
+
+
+def test_cap_on_bytes():
+    s = Scheduler(Config(max_client_bytes=100))
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, A, 1, size=60), Dispatch)
+    err = only(req(s, A, 2, size=50), ClientError)
+    assert err.code == ErrorCode.QUEUE_FULL and "max_client_bytes=100" in err.message
+    assert s.stats()["counters"]["rejected_client_bytes"] == 1
+    assert req(s, A, 3, size=40) == []  # exactly at the limit
+    assert req(s, A, 4) == []  # size 0 is never refused for bytes
+    assert req(s, B, 1, size=100) == []  # per client
+    assert s.client_usage(A) == {"outstanding": 3, "bytes": 100}
+    assert s.stats()["client_bytes"] == 200
+    err = only(req(s, C, 1, size=101), ClientError)  # bigger than the whole allowance
+    assert "max_client_bytes" in err.message
+    s.worker_final(b"w", d.token, 0.1, None)
+    assert s.client_usage(A)["bytes"] == 40
+    assert of(req(s, A, 5, size=60, now=0.2), ClientError) == []
+
+
+def test_bytes_are_released_on_every_path():
+    s = Scheduler(Config(max_retries=1, max_queue=3, service_grace=1.0))
+    s.worker_ready(b"w1", "svc", 0.0, credit=2)
+    s.worker_ready(b"w2", "svc", 0.0, credit=2)
+    now = 0.0
+    # final and direct reply
+    d1 = only(req(s, A, 1, size=10), Dispatch)
+    d2 = only(req(s, A, 2, size=20), Dispatch)
+    assert s.client_usage(A)["bytes"] == 30
+    s.worker_final(d1.worker, d1.token, now, None)
+    s.worker_done(d2.worker, [d2.token], now)
+    assert s.client_usage(A) == {"outstanding": 0, "bytes": 0}
+    # running: cancel then the worker's final; cancel then worker death
+    d3 = only(req(s, A, 3, size=5), Dispatch)
+    d4 = only(req(s, B, 1, size=7), Dispatch)
+    d5 = only(req(s, B, 2, size=9), Dispatch)
+    d6 = only(req(s, A, 4, size=11), Dispatch)
+    # queued: cancel, deadline, eviction, refused newcomer, client gone
+    req(s, A, 5, size=13)
+    req(s, A, 6, size=17, deadline=0.5)
+    req(s, A, 7, size=19)
+    assert s.client_usage(A)["bytes"] == 5 + 11 + 13 + 17 + 19
+    assert only(req(s, B, 3, size=23), ClientError).request_id == 7  # evicted
+    assert only(req(s, B, 4, size=29), ClientError).request_id == 4  # B now ties: refused
+    s.client_cancel(A, 5, now)
+    assert s.client_usage(A)["bytes"] == 5 + 11 + 17
+    s.client_cancel(A, 3, now)
+    s.worker_final(d3.worker, d3.token, now, None)
+    s.client_cancel(B, 1, now)
+    # worker death: a cancelling request finishes, a running one is retried (still counted)
+    dead = d4.worker
+    held_b = s.client_usage(B)["bytes"]
+    out = s.worker_disconnect(dead, 0.1)
+    assert s.client_usage(B)["bytes"] == held_b - 7
+    retried = [d for d in of(out, Dispatch) if d.attempt == 1]
+    # the queued one with a deadline expires
+    s.tick(0.5)
+    assert s.client_usage(A)["bytes"] <= 11
+    # the second death of a retried request: WORKER_FAILED
+    live = [w for w in (b"w1", b"w2") if w in s._workers]
+    for w in live:
+        s.worker_seen(w, 0.6)
+    for d in retried:
+        if d.worker in s._workers:
+            s.worker_disconnect(d.worker, 0.6)
+    # client disconnect drops queued and abandons running ones
+    s.worker_ready(b"w3", "svc", 0.7, credit=1)
+    s.client_disconnect(A, 0.8)
+    s.client_disconnect(B, 0.8)
+    assert s.client_usage(A)["bytes"] == 0 and s.client_usage(B)["bytes"] == 0
+    # grace: a queued request with no worker at all
+    req(s, C, 1, service="nobody", size=31, now=1.0)
+    assert s.client_usage(C)["bytes"] == 31
+    assert only(s.tick(2.0), ClientError).code == ErrorCode.SERVICE_UNAVAILABLE
+    # everything the workers still hold finishes (late finals of abandoned requests)
+    for w in list(s._workers.values()):
+        for token in list(w.in_flight):
+            s.worker_final(w.ident, token, 3.0, None)
+    assert_nothing_held(s)
+    del d5, d6
+
+
+def test_bytes_are_released_when_a_queued_request_expires_and_when_running_one_does():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, A, 1, size=100, deadline=1.0), Dispatch)
+    req(s, A, 2, size=50, deadline=0.5)
+    assert only(s.tick(0.5), ClientError).request_id == 2
+    assert s.client_usage(A)["bytes"] == 100
+    out = s.tick(1.0)  # running: the client gets its final now, the worker keeps the credit
+    assert only(out, ClientError).request_id == 1
+    assert s.client_usage(A)["bytes"] == 0
+    s.worker_final(b"w", d.token, 1.1, None)
+    assert_nothing_held(s)
+
+
+def test_bytes_stay_counted_across_a_retry_then_go():
+    s = Scheduler()
+    s.worker_ready(b"w1", "svc", 0.0)
+    only(req(s, A, 1, size=64), Dispatch)
+    assert s.worker_disconnect(b"w1", 0.1) == []  # back in the queue, no worker
+    assert s.client_usage(A) == {"outstanding": 1, "bytes": 64}
+    d = only(s.worker_ready(b"w2", "svc", 0.2), Dispatch)
+    assert d.attempt == 1
+    s.worker_final(b"w2", d.token, 0.3, None)
+    assert_nothing_held(s)
