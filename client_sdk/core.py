@@ -94,6 +94,7 @@ class ClientCore:
         # Direct replies need a broker (hence workers) that can reach an ipc socket of ours.
         self.direct_reply = bool(direct_reply) and endpoint_is_local(endpoint)
         self.reply_to: str | None = None  # set by the twin once its reply socket is bound
+        self._bad = P.RateLimitedLog(log)  # a broken or hostile peer's replies: one line a second
         self._pool: Any = None
         self._cuda: Any = None  # CudaSide, created by the first CUDA tensor or alloc_cuda
         self.leases = T.OutputLeases()
@@ -379,7 +380,7 @@ class ClientCore:
                 # Fail the call it was meant for, if that can be told, rather than let it
                 # wait for its deadline.
                 call = self.calls.get(P.lenient_request_id(body[0]))
-                log.warning("bad reply header%s: %s", f" for request {call.id}" if call else "", e)
+                self._bad.warning("bad reply header%s: %s", f" for request {call.id}" if call else "", e)
                 if call is not None and final and not call.abandoned:
                     self._forget(call)
                     self._finish_inputs(call)

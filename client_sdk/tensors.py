@@ -97,6 +97,11 @@ def to_numpy(name: str, x: Any) -> np.ndarray:
             "processes; convert it to a numeric, bool, string or datetime dtype first "
             "(for example np.asarray(x, dtype=np.float32))"
         )
+    if arr.dtype.itemsize == 0:
+        raise InvalidInput(
+            f"input {name!r} has dtype {arr.dtype.str!r}, whose items have no size; give them one "
+            "(for example '|S1') or send an empty array of a sized dtype"
+        )
     if arr.ndim > P.MAX_NDIM:
         raise InvalidInput(f"input {name!r} has {arr.ndim} dimensions; the protocol allows at most {P.MAX_NDIM}")
     return arr

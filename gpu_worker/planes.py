@@ -104,7 +104,7 @@ class HostPlane:
         if kind is P.InlineLoc:
             buf = frames[loc.frame]
             buf = buf.buffer if hasattr(buf, "buffer") else memoryview(buf)
-            arr = np.frombuffer(buf, dtype=dt).reshape(t.shape) if dt.itemsize else np.empty(t.shape, dt)
+            arr = np.frombuffer(buf, dtype=dt).reshape(t.shape)  # parse_dtype refuses itemsize 0
             arr.flags.writeable = False
             return arr
         raise P.ProtocolError(CUDA_ON_CPU_WORKER)

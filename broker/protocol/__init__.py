@@ -20,7 +20,8 @@ from .header import *  # noqa: F401,F403
 from .header import __all__ as _header_all
 from .naming import *  # noqa: F401,F403
 from .naming import __all__ as _naming_all
+from .ratelog import RateLimitedLog
 from .refs import *  # noqa: F401,F403
 from .refs import __all__ as _refs_all
 
-__all__ = [*_header_all, *_frames_all, *_naming_all, *_refs_all]
+__all__ = [*_header_all, *_frames_all, *_naming_all, *_refs_all, "RateLimitedLog"]
