@@ -94,7 +94,7 @@ def test_input_validation():
         T.pack({"x": np.zeros((1,) * (P.MAX_NDIM + 1))}, None)
     with pytest.raises(InvalidInput, match="non-empty strings"):
         T.pack({"": np.zeros(1)}, None)
-    for dt in ("V0", "S0", "U0"):  # items of no size: refused here, not by the broker's 400
+    for dt in ("V0", np.dtype([])):  # items of no size: refused here, not by the broker's 400
         with pytest.raises(InvalidInput, match="no size"):
             T.pack({"x": np.empty((1 << 20,), dt)}, None)
     p = T.pack({"l": [[1, 2], [3, 4]]}, None)  # array-likes are accepted
