@@ -3,6 +3,15 @@
 Binds both endpoints (ipc:// under the runtime directory by default), prints one line
 `READY frontend=<ep> backend=<ep>` on stdout once it serves (scripts and tests wait for that
 line instead of sleeping), and exits 0 on SIGTERM or SIGINT.
+
+A tcp endpoint is served with CurveZMQ: `--curve-secret FILE` (the broker's secret
+certificate), `--client-keys DIR` and `--worker-keys DIR` (the allowed public certificates of
+each side), or plain tcp with `--insecure` (a warning names the endpoint).  With a tcp
+endpoint and neither, the broker does not start: it says what to pass and exits 2.
+
+`python -m broker keys DIR [--name NAME]` writes a key pair, DIR/NAME.key (public) and
+DIR/NAME.key_secret (secret, 0600), for the broker (NAME server, the default), a client or a
+worker (docs/security.md).
 """
 from __future__ import annotations
 
@@ -12,23 +21,55 @@ import signal
 import sys
 import threading
 
+from broker.protocol.naming import RuntimeDirError
+from broker.security import SecurityError, make_keys
 from broker.server import Broker, BrokerConfig
 
 
+def keys_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m broker keys",
+                                 description="Write a CurveZMQ key pair: DIR/NAME.key (public) and "
+                                             "DIR/NAME.key_secret (secret, mode 0600).")
+    ap.add_argument("directory", metavar="DIR", help="where to write them (created 0700 if missing)")
+    ap.add_argument("--name", default="server", help="file name: server (default), or e.g. client, worker, gpu-box-3")
+    ap.add_argument("--force", action="store_true", help="overwrite an existing pair of that name")
+    args = ap.parse_args(argv)
+    try:
+        public, secret = make_keys(args.directory, args.name, overwrite=args.force)
+    except (SecurityError, OSError) as e:
+        print(f"python -m broker keys: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(f"public {public}")
+    print(f"secret {secret}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m broker", description=__doc__.splitlines()[0])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["keys"]:
+        return keys_main(argv[1:])
+    ap = argparse.ArgumentParser(prog="python -m broker", description=__doc__.splitlines()[0],
+                                 epilog="python -m broker keys DIR [--name NAME]: write a CurveZMQ key pair")
     ap.add_argument("--frontend", help="client endpoint (default ipc://$XDG_RUNTIME_DIR/zmq-infer-UID/frontend.ipc)")
     ap.add_argument("--backend", help="worker endpoint (default ipc://.../backend.ipc)")
-    ap.add_argument("--config", help="TOML file: frontend, backend and a [scheduler] table")
+    ap.add_argument("--config", help="TOML file: frontend, backend, a [scheduler] and a [security] table")
     ap.add_argument("--heartbeat-interval", type=float, help="seconds (default 1.0)")
     ap.add_argument("--heartbeat-liveness", type=int, help="missed heartbeats before a peer is dead (default 3)")
     ap.add_argument("--max-queue", type=int, help="queued requests per service (default 1024)")
     ap.add_argument("--service-grace", type=float, help="seconds a request waits for a worker of its service")
+    ap.add_argument("--curve-secret", metavar="FILE", help="tcp endpoints: the broker's secret certificate (NAME.key_secret)")
+    ap.add_argument("--client-keys", metavar="DIR", help="tcp frontend: directory of allowed clients' public *.key certificates")
+    ap.add_argument("--worker-keys", metavar="DIR", help="tcp backend: directory of allowed workers' public *.key certificates")
+    ap.add_argument("--insecure", action="store_true", help="serve tcp endpoints as plain tcp: no authentication, no encryption")
     ap.add_argument("--log-level", default="WARNING")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s broker %(levelname)s %(message)s")
 
-    cfg = BrokerConfig.from_toml(args.config) if args.config else BrokerConfig()
+    try:
+        cfg = BrokerConfig.from_toml(args.config) if args.config else BrokerConfig()
+    except SecurityError as e:
+        print(f"python -m broker: {e}", file=sys.stderr, flush=True)
+        return 2
     if args.frontend:
         cfg.frontend = args.frontend
     if args.backend:
@@ -37,11 +78,22 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, opt)
         if v is not None:
             setattr(cfg.scheduler, opt, v)
+    for opt in ("curve_secret", "client_keys", "worker_keys"):
+        v = getattr(args, opt)
+        if v is not None:
+            setattr(cfg.security, opt, v)
+    if args.insecure:
+        cfg.security.insecure = True
 
+    try:
+        broker = Broker(cfg)
+    except (SecurityError, RuntimeDirError) as e:
+        print(f"python -m broker: {e}", file=sys.stderr, flush=True)
+        return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    with Broker(cfg) as broker:
+    with broker:
         print(f"READY frontend={broker.frontend_ep} backend={broker.backend_ep}", flush=True)
         broker.serve(stop)
     return 0

@@ -37,6 +37,7 @@ from shm.segment import process_alive
 from zmq.utils.monitor import recv_monitor_message
 
 from broker.connections import WorkerConnections
+from broker import security
 
 from broker.state import (
     ClientError,
@@ -106,6 +107,7 @@ class BrokerConfig:
     frontend: str = ""
     backend: str = ""
     scheduler: Config = field(default_factory=Config)
+    security: security.SecurityConfig = field(default_factory=security.SecurityConfig)
 
     @classmethod
     def from_toml(cls, path: str) -> "BrokerConfig":
@@ -121,7 +123,8 @@ class BrokerConfig:
             if key == "priority_weights":
                 value = tuple(value)
             setattr(sched, key, value)
-        return cls(frontend=b.get("frontend", ""), backend=b.get("backend", ""), scheduler=sched)
+        sec = security.SecurityConfig.from_table(b.get("security", {}), path, os.path.dirname(os.path.abspath(path)))
+        return cls(frontend=b.get("frontend", ""), backend=b.get("backend", ""), scheduler=sched, security=sec)
 
 
 class _Payload(msgspec.Struct, array_like=True):
@@ -157,9 +160,12 @@ class Broker:
         # New at every start: clients see it in heartbeat answers and resend what a previous
         # broker process held (docs/protocol.md section 2).
         self.instance = secrets.token_bytes(P.INSTANCE_LEN)
-        fe, be = P.default_endpoints()
+        # (The runtime directory is checked, and created, only when a default is used.)
+        fe, be = ("", "") if self.cfg.frontend and self.cfg.backend else P.default_endpoints()
         self.frontend_ep = self.cfg.frontend or fe
         self.backend_ep = self.cfg.backend or be
+        # CURVE on tcp endpoints, or a refusal to start (broker.security), before anything binds.
+        self._curve_plan = security.plan(self.cfg.security, self.frontend_ep, self.backend_ep)
         self.ctx = ctx or zmq.Context.instance()
         self.sched = Scheduler(self.cfg.scheduler)
         self._client_window_ms = max(1, min(int(self.sched.client_window * 1000), (1 << 32) - 1))
@@ -171,11 +177,31 @@ class Broker:
         for s in (self.frontend, self.backend):
             s.linger = 0
             s.rcvhwm = s.sndhwm = 100_000
-        self._bind(self.frontend, self.frontend_ep)
-        self._bind(self.backend, self.backend_ep)
+        self._curve = security.ServerCurve(self.ctx, self._curve_plan)
+        try:
+            self._curve.start()
+            self._curve.configure(self.frontend, "frontend")
+            self._curve.configure(self.backend, "backend")
+            self._bind(self.frontend, self.frontend_ep)
+            self._bind(self.backend, self.backend_ep)
+        except BaseException:
+            for s in (self.frontend, self.backend):
+                s.close(linger=0)
+            self._curve.stop()
+            raise
         # Resolve wildcard ports so callers (tests, bench) can connect.
         self.frontend_ep = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_ep = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
+        insecure = [ep for ep in (self.frontend_ep, self.backend_ep) if ep.startswith("tcp://")
+                    and not self._curve_plan.enabled]
+        if insecure:
+            log.warning("INSECURE: serving %s as plain tcp (--insecure): no authentication, no encryption; "
+                        "any process that can reach it can act as a client or a worker", " and ".join(insecure))
+        # Whether a client's connection is tcp (learned once per client, as its pid is): tcp
+        # peers may not name shared memory, CUDA memory or a reply socket.  Only a frontend
+        # that is not ipc can have any.
+        self._tcp_frontend = not self.frontend_ep.startswith("ipc://")
+        self._client_tcp: dict[bytes, bool] = {}
         # A worker whose connection closes is dead now, not after heartbeat_liveness silent
         # intervals (broker.connections): the backend's monitor says which connection closed.
         self._worker_conns = WorkerConnections()
@@ -197,6 +223,10 @@ class Broker:
                 except OSError:
                     pass
         sock.bind(ep)
+        if ep.startswith("ipc://") and not ep.startswith("ipc://@"):
+            # Only this user may connect (the runtime directory is 0700 as well; an explicit
+            # path may be elsewhere).
+            os.chmod(sock.getsockopt_string(zmq.LAST_ENDPOINT)[len("ipc://") :], 0o600)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -214,6 +244,7 @@ class Broker:
         self._backend_events.close(linger=0)
         for s in (self.frontend, self.backend):
             s.close(linger=0)
+        self._curve.stop()
         for ep in (self.frontend_ep, self.backend_ep):
             if ep.startswith("ipc://"):
                 try:
@@ -327,6 +358,17 @@ class Broker:
                 self._bad.warning("bad request header from %r: %s", ident[:16], e)
                 self._send_client(ident, P.client_reply(True, service, P.error_body(rid, e.code, str(e))))
                 return
+            if self._tcp_frontend:
+                tcp = self._client_tcp.get(ident)
+                if tcp is None:  # learned once per client, as its pid is; bounded the same way
+                    if len(self._client_tcp) >= _MAX_CLIENT_PIDS:
+                        self._client_tcp.clear()
+                    tcp = self._client_tcp[ident] = security.peer_is_tcp(first)
+                if tcp and security.names_local_memory(req):
+                    self._bad.warning("refused a request from tcp client %r: %s", ident[:16], security.TCP_REFS)
+                    self._send_client(ident, P.client_reply(True, service, P.error_body(
+                        req.id, P.ErrorCode.PROTOCOL_ERROR, security.TCP_REFS)))
+                    return
             # Workers reclaim a dead client's output slots by this pid, so it is never the
             # header's claim (a client could name another's pid and pin slots for good): for
             # an ipc client the kernel says whose connection it is; over tcp nobody can, and

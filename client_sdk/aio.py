@@ -35,7 +35,7 @@ from .base import ClientBase, ReplyStreamBase
 from .calls import Call, final_of_infer, mmi_answer, opaque_reply
 from .core import ClientCore
 from .errors import DeadlineExceeded, InferenceError, ProtocolError
-from .sockets import CLOSE_LINGER_MS, ReplyInbox, dealer, drop_socket
+from .sockets import CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, tcp_options
 from .tensors import Result
 
 __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
@@ -54,7 +54,8 @@ def run(coro: Any) -> Any:
 
 
 class AsyncClient(ClientBase):
-    """asyncio twin of `Client`, with the same options and the same Result lifetime rules.
+    """asyncio twin of `Client`, with the same options (CurveZMQ keys for tcp included) and
+    the same Result lifetime rules.
 
         async with AsyncClient("ipc:///tmp/zinf.sock") as c:
             r = await c.infer("echo", {"x": x})
@@ -62,12 +63,16 @@ class AsyncClient(ClientBase):
 
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
-                 fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2):
+                 fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2,
+                 server_key: str | bytes | None = None, client_key: str | None = None, insecure: bool = False):
+        # A tcp broker: CurveZMQ keys (or an explicit insecure=True), inline tensors only.
+        transport, direct_reply = tcp_options(endpoint, transport, direct_reply)
         self._core = ClientCore(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
                                 direct_reply=direct_reply, restart_resends=restart_resends)
+        self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
-        self._sock = dealer(zmq.Context.instance(), endpoint)
+        self._sock = dealer(zmq.Context.instance(), endpoint, self._curve)
         # Replies straight from same-host workers (docs/protocol.md section 8); read by the
         # same callback as the broker socket.
         self._inbox = ReplyInbox.open(zmq.Context.instance()) if self._core.direct_reply else None
@@ -259,7 +264,7 @@ class AsyncClient(ClientBase):
         Like `Client.request`, it uses a socket of its own."""
         out = self._core.opaque_frames(service, frames)
         limit = self._core.timeout_of(timeout)
-        sock = dealer(self._ctx, self.endpoint)
+        sock = dealer(self._ctx, self.endpoint, self._curve)
         try:
             await sock.send_multipart(out, copy=False)
 

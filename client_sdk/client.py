@@ -30,7 +30,7 @@ from .base import ClientBase, ReplyStreamBase
 from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priority, resolve_transport
 from .core import ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, ProtocolError
-from .sockets import CLOSE_LINGER_MS, ReplyInbox, dealer, drop_socket
+from .sockets import CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, tcp_options
 from .tensors import Result
 
 # resolve_transport and parse_priority are re-exported: they were importable from here.
@@ -46,16 +46,25 @@ class Client(ClientBase):
     One DEALER socket; not thread-safe (use one client per thread, or `AsyncClient`).
     Results hold zero-copy views of shared memory: see `Result` and docs/client.md for
     their lifetime.
+
+    A tcp endpoint is CurveZMQ: `server_key` is the broker's public certificate (path) or
+    z85 key, `client_key` the path of this client's secret certificate (defaults:
+    $ZMQ_INFER_SERVER_KEY, $ZMQ_INFER_CLIENT_KEY); `insecure=True` is plain tcp instead.
+    Over tcp, tensors go inline and replies come through the broker (docs/security.md).
     """
 
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
-                 fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2):
+                 fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2,
+                 server_key: str | bytes | None = None, client_key: str | None = None, insecure: bool = False):
+        # A tcp broker: CurveZMQ keys (or an explicit insecure=True), inline tensors only.
+        transport, direct_reply = tcp_options(endpoint, transport, direct_reply)
         self._core = ClientCore(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
                                 direct_reply=direct_reply, restart_resends=restart_resends)
+        self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = zmq.Context.instance()
-        self._sock = dealer(self._ctx, endpoint)
+        self._sock = dealer(self._ctx, endpoint, self._curve)
         self._inbox = ReplyInbox.open(self._ctx) if self._core.direct_reply else None
         self._items = [(self._sock, _POLLIN)]
         self._pending: deque[list[Any]] = deque()  # REQUESTs the socket refused (resends), in order
@@ -100,7 +109,7 @@ class Client(ClientBase):
         out = self._core.opaque_frames(service, frames)
         limit = self._core.timeout_of(timeout)
         deadline = None if limit is None else time.monotonic() + limit
-        sock = dealer(self._ctx, self.endpoint)
+        sock = dealer(self._ctx, self.endpoint, self._curve)
         try:
             sock.send_multipart(out, copy=False)
             while True:

@@ -2,8 +2,11 @@
 
 Both twins use these; nothing here parses a reply or keeps request state (that is core.py).
 
-- `dealer(ctx, endpoint)`: a DEALER connected to the broker (linger 0).  Works for a plain
-  and an asyncio context alike.
+- `dealer(ctx, endpoint, curve)`: a DEALER connected to the broker (linger 0), with CurveZMQ
+  when `curve` holds keys.  Works for a plain and an asyncio context alike.
+- `curve_keys(endpoint, server_key, client_key, insecure)`: the keys a client of a tcp broker
+  needs, or `InvalidInput` naming the options to pass (docs/security.md); `tcp_options`: what a
+  tcp broker lets a client send (tensors inline, no reply socket).
 - `drop_socket(sock)`: DISCONNECT, then close with a short linger.  For the short-lived
   socket of an opaque request: the DISCONNECT drops the request at the broker if it is
   still queued, so a late answer goes nowhere.
@@ -16,14 +19,17 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from typing import Any
 
 import zmq
 
 from broker import protocol as P
+from broker.protocol import curve as C
 
 from .errors import InvalidInput
 
-__all__ = ["CLOSE_LINGER_MS", "dealer", "drop_socket", "ReplyInbox"]
+__all__ = ["CLOSE_LINGER_MS", "dealer", "drop_socket", "ReplyInbox", "curve_keys", "tcp_options",
+           "ENV_CLIENT_KEY"]
 
 log = logging.getLogger("client_sdk")
 
@@ -35,9 +41,43 @@ CLOSE_LINGER_MS = 100
 _MAX_IPC_PATH = 100
 
 
-def dealer(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+#: this client's secret certificate when `client_key` is not given (with `C.ENV_SERVER_KEY`,
+#: ZMQ_INFER_SERVER_KEY, for the broker's public key)
+ENV_CLIENT_KEY = "ZMQ_INFER_CLIENT_KEY"
+
+
+def curve_keys(endpoint: Any, server_key: Any, client_key: Any, insecure: bool) -> C.PeerKeys | None:
+    """The CurveZMQ keys for a broker at `endpoint`: None unless it is tcp and not `insecure`.
+
+    `server_key` is the broker's public certificate (a path, e.g. `keys/server.key`) or its
+    40-character z85 key; `client_key` the path of this client's secret certificate
+    (`NAME.key_secret`, made by `python -m broker keys DIR --name NAME`).  Missing ones are
+    taken from $ZMQ_INFER_SERVER_KEY and $ZMQ_INFER_CLIENT_KEY."""
+    try:
+        return C.peer_keys(endpoint, server_key, client_key, insecure=bool(insecure), server_opt="server_key=",
+                           own_opt="client_key=", insecure_opt="insecure=True", own_name="client",
+                           env_own=ENV_CLIENT_KEY)
+    except C.CurveKeyError as e:
+        raise InvalidInput(str(e)) from None
+
+
+def tcp_options(endpoint: Any, transport: str, direct_reply: bool) -> tuple[str, bool]:
+    """(transport, direct_reply) as a broker at `endpoint` takes them: a tcp broker refuses
+    shared-memory and CUDA references and reply sockets from its tcp peers, loopback or not,
+    so inputs go inline and replies come back through it."""
+    if not C.is_tcp(endpoint):
+        return transport, direct_reply
+    if transport == "shm":
+        raise InvalidInput(f"transport='shm' cannot be used with the tcp endpoint {endpoint!r}: a broker takes "
+                           f"only inline tensors over tcp; use transport='auto' or 'inline', or an ipc:// endpoint")
+    return ("inline" if transport == "auto" else transport), False
+
+
+def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None) -> zmq.Socket:
+    """A DEALER connected to `endpoint`; a CURVE client of it when `curve` is given."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    C.configure_peer(sock, curve)
     try:
         sock.connect(endpoint)
     except zmq.ZMQError as e:
@@ -84,6 +124,13 @@ class ReplyInbox:
         except zmq.ZMQError as e:
             sock.close(linger=0)
             log.info("cannot bind a reply socket (%s); replies go through the broker", e)
+            return None
+        try:
+            os.chmod(path, 0o600)  # only this user's processes may connect (the directory is 0700 too)
+        except OSError as e:
+            sock.close(linger=0)
+            _unlink_quietly(path)
+            log.info("cannot restrict the reply socket to this user (%s); replies go through the broker", e)
             return None
         return cls(sock, path)
 

@@ -1,5 +1,9 @@
 """`python -m gpu_worker --broker EP --model NAME [--device cpu|cuda:N] [--max-batch N] [--backend tensorrt]`
 
+A tcp `--broker` needs `--server-key` (the broker's public certificate) and `--worker-key`
+(this worker's secret certificate, in the broker's `--worker-keys` allow-list), or `--insecure`;
+without them the worker exits 2 at once, saying so (docs/security.md).
+
 Loads and warms the model, registers with the broker (READY with its credit, host and
 transports), prints one line `READY service=<name> pid=<pid> device=<dev>` on stdout, and
 serves until SIGTERM, on which it finishes what it holds, sends DISCONNECT and exits 0.
@@ -63,11 +67,26 @@ def main(argv: list[str] | None = None) -> int:
                     help="on SIGTERM, how long results stay readable for clients that have not released them")
     ap.add_argument("--done-delay-ms", type=float, default=5.0,
                     help="longest a DONE for direct replies waits to gather more (docs/protocol.md section 8)")
+    ap.add_argument("--server-key", default=None,
+                    help="tcp broker: its public certificate (server.key) or z85 key; default $ZMQ_INFER_SERVER_KEY")
+    ap.add_argument("--worker-key", default=None,
+                    help="tcp broker: this worker's secret certificate (NAME.key_secret); default $ZMQ_INFER_WORKER_KEY")
+    ap.add_argument("--insecure", action="store_true", help="tcp broker without CurveZMQ (plain, unauthenticated)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
 
+    broker = args.broker or P.default_endpoints()[1]
+    from gpu_worker.upstream import CurveKeyError, link_keys
+
+    try:  # before the model loads: a worker that cannot connect says so at once
+        link_keys(broker, args.server_key, args.worker_key, args.insecure)
+    except CurveKeyError as e:
+        print(f"python -m gpu_worker: {e}", file=sys.stderr, flush=True)
+        return 2
+    if args.insecure and broker.startswith("tcp://"):
+        logging.getLogger("gpu_worker").warning("INSECURE: connecting to %s as plain tcp (--insecure)", broker)
     cfg = WorkerConfig(
-        broker=args.broker or P.default_endpoints()[1],
+        broker=broker,
         **model_config(args),
         max_cost=args.max_cost,
         credit=args.credit,
@@ -77,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         direct_reply=not args.no_direct_reply,
         done_delay=args.done_delay_ms / 1000.0,
         drain_grace=args.drain_grace_s,
+        server_key=args.server_key,
+        worker_key=args.worker_key,
+        insecure=args.insecure,
     )
     from gpu_worker.backends import BackendUnavailable
 

@@ -19,6 +19,11 @@ upstream with the same four methods and two attributes:
 
 It never decides anything about requests: the worker loop does.  The worker owns its
 upstream and closes it.
+
+A broker on tcp is reached with CurveZMQ (docs/security.md): `server_key` is the broker's
+public certificate or z85 key, `worker_key` this worker's secret certificate, whose public
+half must be in the broker's worker allow-list (`--worker-keys`); `insecure=True` is plain tcp.
+Without either, a tcp endpoint raises `CurveKeyError` naming the options to pass.
 """
 from __future__ import annotations
 
@@ -29,9 +34,24 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from broker import protocol as P
+from broker.protocol import curve as C
 from broker.protocol.wire import send_frames
 
-__all__ = ["BrokerLink"]
+__all__ = ["BrokerLink", "link_keys", "CurveKeyError", "ENV_WORKER_KEY"]
+
+CurveKeyError = C.CurveKeyError
+
+#: this worker's secret certificate when none is given (with ZMQ_INFER_SERVER_KEY for the
+#: broker's public key)
+ENV_WORKER_KEY = "ZMQ_INFER_WORKER_KEY"
+
+
+def link_keys(endpoint: str, server_key=None, worker_key=None, insecure: bool = False) -> C.PeerKeys | None:
+    """The CURVE keys for a broker at `endpoint` (None: not tcp, or `insecure`); raises
+    `CurveKeyError` for a tcp endpoint without keys, or with keys that cannot be read."""
+    return C.peer_keys(endpoint, server_key, worker_key, insecure=insecure, server_opt="--server-key",
+                       own_opt="--worker-key", insecure_opt="--insecure", own_name="worker",
+                       env_own=ENV_WORKER_KEY)
 
 log = logging.getLogger("gpu_worker")
 
@@ -41,9 +61,11 @@ class BrokerLink:
 
     watch_liveness = True
 
-    def __init__(self, endpoint: str, ctx: zmq.Context):
+    def __init__(self, endpoint: str, ctx: zmq.Context, *, server_key=None, worker_key=None,
+                 insecure: bool = False):
         self.endpoint = endpoint
         self.ctx = ctx
+        self.curve = link_keys(endpoint, server_key, worker_key, insecure)
         self.sock: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None  # the socket's connection events (PAIR), for the loop to poll
         self.last_sent = 0.0
@@ -60,6 +82,7 @@ class BrokerLink:
         # never heard of us: register again at once rather than at the next heartbeat.
         self.monitor = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._dropped = False
+        C.configure_peer(s, self.curve)
         s.connect(self.endpoint)
         self.sock = s
         return s

@@ -80,6 +80,9 @@ class WorkerConfig:
     done_delay: float = 0.005         # seconds a DONE may wait to gather more (never past a request's deadline)
     done_batch: int | None = None     # ... or until this many FINALs are pending (default credit // 4)
     drain_grace: float = 30.0         # on stop, seconds outputs stay readable for clients yet to release them
+    server_key: str | None = None     # tcp broker: its public certificate or z85 key (CurveZMQ, docs/security.md)
+    worker_key: str | None = None     # tcp broker: this worker's secret certificate
+    insecure: bool = False            # tcp broker without CurveZMQ
 
 
 class Worker:
@@ -107,7 +110,8 @@ class Worker:
         self.plane: DataPlane = self._open_plane()
         self.transports = self.plane.transports
         self.ctx = ctx or zmq.Context.instance()
-        self.upstream = upstream if upstream is not None else BrokerLink(cfg.broker, self.ctx)
+        self.upstream = upstream if upstream is not None else BrokerLink(
+            cfg.broker, self.ctx, server_key=cfg.server_key, worker_key=cfg.worker_key, insecure=cfg.insecure)
         self.sock: zmq.Socket | None = None   # the upstream socket the loop polls (while serving)
         self.jobs: dict[bytes, Job] = {}      # envelope -> job, while pending in the batcher
         self.stop = threading.Event()

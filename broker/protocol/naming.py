@@ -17,7 +17,7 @@ import tempfile
 from shm.segment import self_identity
 
 __all__ = [
-    "local_host_id", "default_runtime_dir", "default_endpoints", "reply_socket_path",
+    "local_host_id", "default_runtime_dir", "RuntimeDirError", "default_endpoints", "reply_socket_path",
     "parse_reply_socket_name",
 ]
 
@@ -43,11 +43,38 @@ def local_host_id() -> str:
     return f"{socket.gethostname()}/{digest}"
 
 
+class RuntimeDirError(PermissionError):
+    """The runtime directory is not this user's own (another uid made it, or it is not a
+    directory): its sockets could be reached, or faked, by someone else."""
+
+
 def default_runtime_dir() -> str:
-    """`$XDG_RUNTIME_DIR/zmq-infer-<uid>` (or under the temp dir), created 0700."""
+    """`$XDG_RUNTIME_DIR/zmq-infer-<uid>` (or under the temp dir), created 0700.
+
+    The directory keeps other users away from the ipc sockets in it, so it must be ours: one
+    that exists already is checked (through a descriptor opened without following a symlink)
+    to be a directory owned by this uid, and narrowed to 0700 if it is wider.  Anything else
+    raises `RuntimeDirError`: in a shared /tmp, another user could have created it first."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    path = os.path.join(base, f"zmq-infer-{os.getuid()}")
+    uid = os.getuid()
+    path = os.path.join(base, f"zmq-infer-{uid}")
     os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as e:  # a symlink (ELOOP) or not a directory (ENOTDIR)
+        raise RuntimeDirError(f"runtime directory {path} is not a plain directory ({e.strerror}); remove it, "
+                              f"or set XDG_RUNTIME_DIR to a directory of your own") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != uid:
+            raise RuntimeDirError(
+                f"runtime directory {path} belongs to uid {st.st_uid}, not to this user (uid {uid}): another "
+                f"user may have created it to reach or fake our sockets; remove it, or set XDG_RUNTIME_DIR "
+                f"to a directory of your own")
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return path
 
 

@@ -64,7 +64,7 @@ def inbox(tmp_path):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.PULL)
     s.linger = 0
-    path = f"{tmp_path}/c.ipc"
+    path = f"{tmp_path}/c-{os.getpid()}-1-abc123.ipc"  # a reply socket of this process
     s.bind("ipc://" + path)
     try:
         yield s, "ipc://" + path
@@ -95,7 +95,7 @@ def test_everything_else_goes_through_the_broker(worker, inbox, tmp_path, case):
     job = {
         "partial": _job(1, ep),
         "other_host": _job(1, ep, host="elsewhere/0"),
-        "unreachable": _job(1, f"ipc://{tmp_path}/nobody.ipc"),
+        "unreachable": _job(1, f"ipc://{tmp_path}/c-{os.getpid()}-1-000000.ipc"),
         "no_reply_to": _job(1, None),
         "disabled": _job(1, ep),
     }[case]

@@ -1,0 +1,161 @@
+"""CurveZMQ keys as every tcp peer reads them: the server's public key, a peer's own key pair,
+and the socket options a connecting peer sets.
+
+A client and a worker each connect to the broker over tcp with CURVE (docs/security.md): they
+need the broker's public key (to know they talk to the right server) and a key pair of their
+own whose public half is in the broker's allow-list.  Keys are the certificate files that
+`zmq.auth.create_certificates` writes (`python -m broker keys DIR --name NAME`): `NAME.key`
+holds the public key, `NAME.key_secret` both halves.  The broker's side (allow-lists, ZAP,
+making keys) is `broker.security`; this module is the part the client SDK and the worker share,
+so it lives with the protocol that all three import.
+
+Nothing here opens a socket but `configure_peer`, which only sets options on one.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.utils import z85
+
+__all__ = [
+    "CurveKeyError", "PeerKeys", "is_tcp", "load_public_key", "load_secret_cert", "peer_keys",
+    "configure_peer", "ENV_SERVER_KEY",
+]
+
+log = logging.getLogger("broker.protocol")
+
+#: the broker's public key (a certificate path or the 40-character z85 key) for clients and
+#: workers that are not given one explicitly
+ENV_SERVER_KEY = "ZMQ_INFER_SERVER_KEY"
+
+_Z85_KEY_LEN = 40
+
+
+class CurveKeyError(ValueError):
+    """A key or certificate that is missing, unreadable or malformed, or a tcp endpoint with
+    no keys and no explicit opt-out.  The message says what to pass."""
+
+
+@dataclass(frozen=True)
+class PeerKeys:
+    """What a connecting peer needs (z85 bytes, 40 characters each)."""
+
+    server: bytes   # the broker's public key
+    public: bytes   # ours
+    secret: bytes   # ours
+
+    def __repr__(self) -> str:  # never print a secret key
+        return f"PeerKeys(server={self.server.decode()!r}, public={self.public.decode()!r})"
+
+
+def is_tcp(endpoint: Any) -> bool:
+    """Whether a ZeroMQ endpoint is tcp (the transport CURVE protects)."""
+    return isinstance(endpoint, str) and endpoint.startswith("tcp://")
+
+
+def _z85(value: Any) -> bytes | None:
+    """`value` as a z85 key if it looks like one (40 characters that decode to 32 bytes)."""
+    if isinstance(value, str):
+        try:
+            value = value.encode("ascii")
+        except UnicodeEncodeError:
+            return None
+    if not isinstance(value, bytes) or len(value) != _Z85_KEY_LEN:
+        return None
+    try:
+        if len(z85.decode(value)) == 32:
+            return value
+    except Exception:  # a character outside the alphabet, or a group beyond 32 bits
+        pass
+    return None
+
+
+def load_public_key(value: Any, what: str = "server key") -> bytes:
+    """A public key from a certificate file (`NAME.key`, or `NAME.key_secret`, whose public
+    half is used) or from its 40-character z85 text."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str) and os.path.exists(value):
+        return _read_cert(value, what)[0]
+    key = _z85(value)
+    if key is not None:
+        return key
+    raise CurveKeyError(
+        f"{what} {value!r} is neither a certificate file that exists nor a 40-character z85 key "
+        f"(the broker's public certificate is the NAME.key file that `python -m broker keys` wrote)")
+
+
+def load_secret_cert(path: Any, what: str = "key") -> tuple[bytes, bytes]:
+    """(public, secret) from a secret certificate file (`NAME.key_secret`)."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+        raise CurveKeyError(f"{what} must be the path of a secret certificate (NAME.key_secret), got {path!r}")
+    public, secret = _read_cert(path, what)
+    if secret is None:
+        hint = f"; did you mean {path}_secret?" if path.endswith(".key") else ""
+        raise CurveKeyError(f"{what} {path!r} holds no secret key (it is a public certificate){hint}")
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:  # pragma: no cover - it was just read
+        mode = 0
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("secret certificate %s is readable by other users (mode %o); chmod 600 it",
+                    path, stat.S_IMODE(mode))
+    return public, secret
+
+
+def _read_cert(path: str, what: str) -> tuple[bytes, bytes | None]:
+    try:
+        public, secret = zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as e:
+        raise CurveKeyError(f"cannot read the {what} certificate {path!r}: {e}") from None
+    if _z85(public) is None or (secret is not None and _z85(secret) is None):
+        raise CurveKeyError(f"the {what} certificate {path!r} does not hold 40-character z85 keys")
+    return public, secret
+
+
+def peer_keys(endpoint: str, server_key: Any, own_key: Any, *, insecure: bool, server_opt: str,
+              own_opt: str, insecure_opt: str, own_name: str, env_own: str | None = None) -> PeerKeys | None:
+    """The keys a peer connecting to `endpoint` uses, or None for plain ZeroMQ.
+
+    Not tcp: None (ipc is protected by the file system, docs/security.md).  tcp: both keys,
+    from the arguments or else the environment (`ENV_SERVER_KEY`, `env_own`), unless
+    `insecure`; with neither, `CurveKeyError` names the options to pass (`server_opt`,
+    `own_opt`, `insecure_opt` are how the caller spells them, e.g. ``--server-key``)."""
+    if not is_tcp(endpoint):
+        return None
+    if insecure:
+        if server_key is not None or own_key is not None:
+            raise CurveKeyError(f"{insecure_opt} asks for plain tcp, yet keys were given ({server_opt}, "
+                                f"{own_opt}); pass one or the other")
+        return None
+    if server_key is None:
+        server_key = os.environ.get(ENV_SERVER_KEY) or None
+    if own_key is None and env_own is not None:
+        own_key = os.environ.get(env_own) or None
+    if server_key is None or own_key is None:
+        missing = [opt for opt, v in ((server_opt, server_key), (own_opt, own_key)) if v is None]
+        raise CurveKeyError(
+            f"{endpoint} is a tcp endpoint, which needs CurveZMQ keys: pass {' and '.join(missing)} "
+            f"({server_opt}: the broker's public certificate, e.g. keys/server.key; {own_opt}: this "
+            f"{own_name}'s secret certificate, made by `python -m broker keys DIR --name {own_name}`, whose "
+            f"public half is in the broker's allow-list), or {insecure_opt} for plain, unauthenticated tcp")
+    server = load_public_key(server_key, "server key")
+    public, secret = load_secret_cert(own_key, f"{own_name} key")
+    return PeerKeys(server=server, public=public, secret=secret)
+
+
+def configure_peer(sock: zmq.Socket, keys: PeerKeys | None) -> None:
+    """Set a connecting socket's CURVE options (before `connect`); nothing for None."""
+    if keys is None:
+        return
+    sock.curve_serverkey = keys.server
+    sock.curve_publickey = keys.public
+    sock.curve_secretkey = keys.secret

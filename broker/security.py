@@ -1,0 +1,286 @@
+"""CurveZMQ on the broker's tcp endpoints: keys, allow-lists, ZAP and server sockets.
+
+A tcp endpoint is reachable by any process that can reach the address, so the broker
+authenticates and encrypts every tcp connection with CURVE (docs/security.md):
+
+- the broker holds a server key pair (`--curve-secret server.key_secret`);
+- clients and workers each hold a key pair of their own; the broker accepts a connection on
+  the frontend only from a public key in the client allow-list (`--client-keys DIR`, a
+  directory of `*.key` public certificates, as `zmq.auth` reads them) and on the backend only
+  from one in the worker allow-list (`--worker-keys DIR`).  The two lists are told apart by
+  the ZAP domain of the socket: a client key cannot register as a worker;
+- plain tcp only with an explicit `insecure`, which logs a warning naming the endpoint.
+
+ipc endpoints are untouched: they live in the 0700 runtime directory and their socket files
+are 0600 (`broker.protocol.naming`), so the kernel keeps other users out.
+
+The ZAP handler is pyzmq's `zmq.auth.thread.ThreadAuthenticator`: a thread that libzmq asks
+once per tcp handshake and that sleeps otherwise, so the broker's single-threaded loop and
+its ipc hot path do not see it.  Everything here but `ServerCurve.start` and
+`configure_server` is socket-free.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from broker import protocol as P
+from broker.protocol import curve as C
+
+__all__ = [
+    "SecurityError", "SecurityConfig", "FRONTEND_DOMAIN", "BACKEND_DOMAIN", "make_keys",
+    "load_allow_list", "load_server_secret", "plan", "CurvePlan", "configure_server", "ServerCurve",
+    "TCP_REFS", "peer_is_tcp", "names_local_memory",
+]
+
+log = logging.getLogger("broker")
+
+#: ZAP domains of the two sockets: which allow-list a handshake is checked against
+FRONTEND_DOMAIN = "zmq-infer.clients"
+BACKEND_DOMAIN = "zmq-infer.workers"
+
+SECURITY_OPTIONS = ("curve_secret", "client_keys", "worker_keys", "insecure")
+
+
+class SecurityError(ValueError):
+    """Security settings that cannot serve the configured endpoints (a tcp endpoint without
+    keys, an allow-list that is missing or empty, a key file that cannot be read).  The message
+    says what to pass."""
+
+
+@dataclass
+class SecurityConfig:
+    """The broker's CURVE settings (`[broker.security]` in the TOML file; the CLI flags of the
+    same names override them)."""
+
+    curve_secret: str = ""   # the server's secret certificate (NAME.key_secret)
+    client_keys: str = ""    # directory of clients' public certificates (*.key)
+    worker_keys: str = ""    # directory of workers' public certificates (*.key)
+    insecure: bool = False   # plain tcp (logs a warning); never with keys
+
+    @classmethod
+    def from_table(cls, table: Any, source: str, base_dir: str = "") -> "SecurityConfig":
+        """From a TOML table; relative paths are taken from `base_dir` (the file's directory)."""
+        if not isinstance(table, dict):
+            raise SecurityError(f"{source}: [security] must be a table")
+        cfg = cls()
+        for key, value in table.items():
+            if key not in SECURITY_OPTIONS:
+                raise SecurityError(f"{source}: unknown security option {key!r} (known: {', '.join(SECURITY_OPTIONS)})")
+            if key == "insecure":
+                if not isinstance(value, bool):
+                    raise SecurityError(f"{source}: security.insecure must be true or false, got {value!r}")
+            else:
+                if not isinstance(value, str):
+                    raise SecurityError(f"{source}: security.{key} must be a path (a string), got {value!r}")
+                if value and base_dir:
+                    value = os.path.join(base_dir, os.path.expanduser(value))
+            setattr(cfg, key, value)
+        return cfg
+
+
+# ------------------------------------------------------------------------------------ keys
+
+def make_keys(directory: str, name: str, *, overwrite: bool = False) -> tuple[str, str]:
+    """Write a key pair `DIR/NAME.key` (public, 0644) and `DIR/NAME.key_secret` (0600) with
+    `zmq.auth.create_certificates`; returns their paths.  The directory is created 0700 if
+    missing; existing files are kept unless `overwrite`."""
+    if not name or os.sep in name or name.startswith("."):
+        raise SecurityError(f"key name {name!r} must be a plain file name such as 'server', 'client' or 'worker'")
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    public, secret = (os.path.join(directory, name + ext) for ext in (".key", ".key_secret"))
+    if not overwrite:
+        there = [p for p in (public, secret) if os.path.lexists(p)]
+        if there:
+            raise SecurityError(f"{' and '.join(there)} already exist; pick another name, or overwrite them on purpose (--force)")
+    # The secret file is created 0600 (not created world-readable and then narrowed): the
+    # helper opens files with the process umask, so narrow that for the call.
+    old = os.umask(0o077)
+    try:
+        public, secret = zmq.auth.create_certificates(directory, name)
+    finally:
+        os.umask(old)
+    os.chmod(secret, 0o600)
+    os.chmod(public, 0o644)
+    return public, secret
+
+
+def load_server_secret(path: str) -> tuple[bytes, bytes]:
+    """The server's (public, secret) key pair from its secret certificate."""
+    try:
+        return C.load_secret_cert(path, "server (--curve-secret)")
+    except C.CurveKeyError as e:
+        raise SecurityError(str(e)) from None
+
+
+def load_allow_list(directory: str, what: str) -> frozenset[bytes]:
+    """The z85 public keys of the `*.key` certificates in `directory`; an allow-list that is
+    missing or empty is an error (it would refuse everyone, which is never what was meant)."""
+    if not directory or not os.path.isdir(directory):
+        raise SecurityError(f"{what} allow-list {directory!r} is not a directory of public certificates (*.key)")
+    keys = set()
+    for path in sorted(glob.glob(os.path.join(glob.escape(directory), "*.key"))):
+        try:
+            keys.add(C.load_public_key(path, f"{what} allow-list"))
+        except C.CurveKeyError as e:
+            raise SecurityError(str(e)) from None
+    if not keys:
+        raise SecurityError(f"{what} allow-list {directory!r} holds no public certificate (*.key); copy the "
+                            f"NAME.key file of each {what} allowed in there")
+    return frozenset(keys)
+
+
+# ------------------------------------------------------------------------------------ the plan
+
+@dataclass(frozen=True)
+class CurvePlan:
+    """Which of the broker's sockets use CURVE, and with what.  `insecure` lists the tcp
+    endpoints served in plain text (the warning names them)."""
+
+    public: bytes | None = None
+    secret: bytes | None = None
+    allow: tuple[tuple[str, str, frozenset], ...] = ()   # (role, domain, keys) for each CURVE socket
+    insecure: tuple[str, ...] = ()
+
+    def domain_of(self, role: str) -> str | None:
+        for r, domain, _ in self.allow:
+            if r == role:
+                return domain
+        return None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.allow)
+
+
+_FIX = ("pass --curve-secret FILE (the broker's NAME.key_secret) with --client-keys DIR and/or "
+        "--worker-keys DIR (directories of allowed public *.key certificates) for the tcp endpoints; "
+        "`python -m broker keys DIR --name NAME` makes key pairs; or --insecure for plain, "
+        "unauthenticated tcp (the [broker.security] table of the TOML file takes the same keys)")
+
+
+def plan(cfg: SecurityConfig, frontend: str, backend: str) -> CurvePlan:
+    """Check the settings against the endpoints (before anything binds) and load the keys.
+
+    tcp endpoints need the server key and the allow-list of their side, unless `insecure`;
+    anything else (ipc, inproc) takes no keys."""
+    sides = [("frontend", frontend, cfg.client_keys, "--client-keys", "client", FRONTEND_DOMAIN),
+             ("backend", backend, cfg.worker_keys, "--worker-keys", "worker", BACKEND_DOMAIN)]
+    tcp = [s for s in sides if C.is_tcp(s[1])]
+    keys_given = bool(cfg.curve_secret or cfg.client_keys or cfg.worker_keys)
+    if cfg.insecure:
+        if keys_given:
+            raise SecurityError("--insecure (security.insecure) asks for plain tcp, yet CURVE keys were given "
+                                "(--curve-secret, --client-keys, --worker-keys); pass one or the other")
+        return CurvePlan(insecure=tuple(ep for _, ep, *_ in tcp))
+    if not tcp:
+        return CurvePlan()  # keys given for ipc endpoints are simply not needed
+    if not cfg.curve_secret:
+        eps = " and ".join(f"{role} {ep}" for role, ep, *_ in tcp)
+        raise SecurityError(f"refusing to serve {eps} without CurveZMQ: anyone who can reach a tcp endpoint "
+                            f"could act as a client or a worker; {_FIX}")
+    public, secret = load_server_secret(cfg.curve_secret)
+    allow = []
+    for role, ep, directory, flag, who, domain in tcp:
+        if not directory:
+            raise SecurityError(f"the {role} {ep} is tcp, so it needs the allow-list of {who} keys: pass {flag} DIR "
+                                f"(a directory of the allowed {who}s' public *.key certificates)")
+        allow.append((role, domain, load_allow_list(directory, who)))
+    return CurvePlan(public=public, secret=secret, allow=tuple(allow))
+
+
+# ------------------------------------------------------------------------------------ sockets
+
+def configure_server(sock: zmq.Socket, secret: bytes, domain: str) -> None:
+    """Make a socket a CURVE server (before `bind`); ZAP checks each peer in `domain`."""
+    sock.curve_server = True
+    sock.curve_secretkey = secret
+    sock.zap_domain = domain.encode()
+
+
+configure_client = C.configure_peer  # the connecting side (clients, workers, tests)
+
+
+class _AllowList:
+    """A `zmq.auth` credentials provider: the public keys one ZAP domain accepts."""
+
+    def __init__(self, keys: frozenset[bytes]):
+        self.keys = keys
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.keys:
+            return True
+        log.info("refused a tcp peer: CURVE key %s is not in the %s allow-list", key.decode(errors="replace"), domain)
+        return False
+
+
+class ServerCurve:
+    """The ZAP handler of one broker: `start()` before binding the CURVE sockets, `stop()`
+    after closing them.  One per zmq.Context (ZAP has one address per context)."""
+
+    def __init__(self, ctx: zmq.Context, plan: CurvePlan):
+        self.plan = plan
+        self.ctx = ctx
+        self.auth: ThreadAuthenticator | None = None
+
+    def start(self) -> None:
+        if not self.plan.enabled:
+            return
+        auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("broker.zap"))
+        try:
+            auth.start()
+        except zmq.ZMQError as e:
+            auth.stop()
+            raise SecurityError(f"cannot start the ZAP handler ({e}): another CURVE broker uses this "
+                                f"zmq.Context; give each broker a context of its own") from None
+        for _, domain, keys in self.plan.allow:
+            # Keys loaded and checked here (configure_curve only logs a directory it cannot
+            # read); a domain with no list is refused by the authenticator.
+            auth.configure_curve_callback(domain, _AllowList(keys))
+        self.auth = auth
+
+    def configure(self, sock: zmq.Socket, role: str) -> None:
+        domain = self.plan.domain_of(role)
+        if domain is not None:
+            configure_server(sock, self.plan.secret, domain)
+
+    def stop(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
+
+
+# ------------------------------------------------------------------------------------ tcp requests
+
+#: the FINAL error (400) of a tcp peer's request that names memory or a socket of this host
+TCP_REFS = "tcp peers may not send shared-memory or CUDA references or reply_to; send tensors inline"
+
+
+def peer_is_tcp(frame: Any) -> bool:
+    """Whether a received frame came over a tcp connection (the family of its SRCFD); False
+    when that cannot be told (not a received frame, inproc)."""
+    try:
+        s = socket.socket(fileno=os.dup(frame.get(zmq.SRCFD)))
+    except (zmq.ZMQError, AttributeError, OSError):
+        return False
+    try:
+        return s.family in (socket.AF_INET, socket.AF_INET6)
+    finally:
+        s.close()
+
+
+def names_local_memory(req: Any) -> bool:
+    """Whether a request header names anything of this host's: a shared-memory or CUDA tensor,
+    or a reply socket (what a tcp peer may not send: its owner is nobody the broker knows)."""
+    if req.reply_to is not None:
+        return True
+    inline = P.InlineLoc
+    return any(type(t.loc) is not inline for t in req.tensors)

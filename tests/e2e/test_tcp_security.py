@@ -1,0 +1,395 @@
+"""End to end: the attacks of issue 11 on tcp and ipc endpoints, against real broker and
+worker processes (loopback only).
+
+A broker on tcp://127.0.0.1 with CurveZMQ serves an authenticated client and worker; a
+client without keys, with keys not in the allow-list, or trusting the wrong server key gets
+no service; a rogue worker (plain, with unknown keys, or with a client's key) never
+registers, so it receives nothing while the real worker serves every request; a tcp request
+naming shared memory, CUDA memory or a reply socket gets a 400.  `--insecure` serves plain
+tcp and says so.  A process of another user cannot connect to the broker's ipc sockets.
+
+Every wait is bounded: handshakes are watched through socket monitors (libzmq reports a
+refused handshake as an event), replies through polls with a timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import zmq
+import zmq.auth
+from zmq.utils.monitor import recv_monitor_message
+
+from broker import protocol as P
+from broker import security as S
+from broker.protocol.curve import PeerKeys
+from client_sdk import AsyncClient, Client, run
+from client_sdk.errors import BrokerUnreachable, DeadlineExceeded
+
+from .conftest import Proc, wait_service
+
+pytestmark = pytest.mark.timeout(120)
+
+LOOPBACK = "tcp://127.0.0.1:0"
+_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_WATCH = zmq.EVENT_HANDSHAKE_SUCCEEDED | _FAILED | zmq.EVENT_DISCONNECTED
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """Key pairs (server, client, worker, stranger) and the broker's two allow-lists."""
+    root = tmp_path_factory.mktemp("curve")
+    k = SimpleNamespace(root=root)
+    for name in ("server", "client", "worker", "stranger"):
+        pub, sec = S.make_keys(str(root / "keys"), name)
+        setattr(k, name, SimpleNamespace(pub=pub, sec=sec, pair=zmq.auth.load_certificate(sec)))
+    for side, name in (("clients", "client"), ("workers", "worker")):
+        (root / side).mkdir()
+        shutil.copy(getattr(k, name).pub, root / side)
+    k.broker_args = ["--curve-secret", k.server.sec, "--client-keys", str(root / "clients"),
+                     "--worker-keys", str(root / "workers")]
+    return k
+
+
+def _worker(backend: str, *extra: str) -> Proc:
+    p = Proc(["-m", "gpu_worker", "--broker", backend, "--model", "echo", "--heartbeat-interval", "0.2",
+              "--out-capacity-mb", "16", *extra])
+    p.wait_ready()
+    return p
+
+
+@pytest.fixture(scope="module")
+def secure(keys):
+    """A CURVE broker on tcp loopback (both sockets) and an authenticated echo worker."""
+    procs = []
+    try:
+        b = Proc(["-m", "broker", "--frontend", LOOPBACK, "--backend", LOOPBACK, "--heartbeat-interval", "0.2",
+                  *keys.broker_args])
+        procs.append(b)
+        b.wait_ready()
+        fe, be = b.field("frontend"), b.field("backend")
+        assert fe.startswith("tcp://127.0.0.1:") and be.startswith("tcp://127.0.0.1:")
+        procs.append(_worker(be, "--server-key", keys.server.pub, "--worker-key", keys.worker.sec))
+        yield SimpleNamespace(frontend=fe, backend=be, broker=b)
+    finally:
+        for p in reversed(procs):
+            p.close()
+
+
+def _good_client(secure, keys, **kw) -> Client:
+    return Client(secure.frontend, server_key=keys.server.pub, client_key=keys.client.sec, **kw)
+
+
+class Raw:
+    """A bare pyzmq DEALER (optionally a CURVE client with the given key pair) and a monitor
+    of its handshakes."""
+
+    def __init__(self, endpoint: str, server: bytes | None = None, pair: tuple | None = None):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.linger = 0
+        if pair is not None:
+            S.configure_client(self.sock, PeerKeys(server=server, public=pair[0], secret=pair[1]))
+        self.monitor = self.sock.get_monitor_socket(_WATCH)
+        self.sock.connect(endpoint)
+
+    def handshake(self, timeout: float = 10.0) -> str:
+        """'ok' once a handshake succeeded, 'refused' once one failed or the broker dropped the
+        connection mid-handshake; raises if neither happens within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.monitor.poll(int(left * 1000)):
+                raise TimeoutError("no handshake outcome in time")
+            ev = recv_monitor_message(self.monitor)["event"]
+            if ev == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return "ok"
+            if ev & (_FAILED | zmq.EVENT_DISCONNECTED):
+                return "refused"
+
+    def received(self, timeout: float) -> list:
+        """Everything that arrives within `timeout` seconds (a bounded poll)."""
+        got = []
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0 and self.sock.poll(int(left * 1000)):
+            got.append(self.sock.recv_multipart())
+        return got
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
+
+
+def _server_pub(keys) -> bytes:
+    return keys.server.pair[0]
+
+
+# ------------------------------------------------------------------------------------ served
+
+def test_authenticated_client_and_worker_are_served(secure, keys):
+    x = np.arange(1000, dtype=np.float32)
+    big = np.random.default_rng(1).integers(0, 255, 1 << 20, dtype=np.uint8)
+    with _good_client(secure, keys, timeout=20) as c:
+        wait_service(c, "echo")
+        assert not c.uses_shm and c._inbox is None  # tcp: inline tensors, replies via the broker
+        with c.infer("echo", {"x": x, "big": big}, reply="inline") as out:
+            np.testing.assert_array_equal(out["x"], x)
+            np.testing.assert_array_equal(out["big"], big)
+        assert c.request("echo", [b"opaque"]) == [b"opaque"]  # its own socket: CURVE as well
+
+    async def main():
+        z85 = _server_pub(keys).decode()  # the key itself instead of a certificate file
+        async with AsyncClient(secure.frontend, server_key=z85, client_key=keys.client.sec, timeout=20) as a:
+            outs = [await a.infer("echo", {"x": x + i}) for i in range(3)]
+            for i, out in enumerate(outs):
+                np.testing.assert_array_equal(out["x"], x + i)
+                out.release()
+
+    run(main())
+
+
+def test_unauthenticated_clients_get_no_service(secure, keys):
+    x = np.arange(4, dtype=np.float32)
+    bad = {
+        "plain tcp": dict(insecure=True),
+        "keys not in the allow-list": dict(server_key=keys.server.pub, client_key=keys.stranger.sec),
+        "a worker's keys": dict(server_key=keys.server.pub, client_key=keys.worker.sec),
+        "the wrong server key": dict(server_key=keys.stranger.pub, client_key=keys.client.sec),
+    }
+    for why, opts in bad.items():
+        with Client(secure.frontend, timeout=1.0, **opts) as c:
+            with pytest.raises((DeadlineExceeded, BrokerUnreachable)):
+                c.infer("echo", {"x": x})
+                pytest.fail(f"a client with {why} was served")
+    # The handshakes were refused (not merely slow), and the broker still serves the good client.
+    for server, pair in ((_server_pub(keys), keys.stranger.pair), (keys.stranger.pair[0], keys.client.pair)):
+        raw = Raw(secure.frontend, server, pair)
+        try:
+            assert raw.handshake() == "refused"
+        finally:
+            raw.close()
+    with _good_client(secure, keys, timeout=20) as c:
+        with c.infer("echo", {"x": x}) as out:
+            np.testing.assert_array_equal(out["x"], x)
+
+
+def test_rogue_workers_never_receive_a_request(secure, keys):
+    ready = P.worker_ready("echo", P.Ready(credit=1000, max_batch=1, welcome=True))
+    rogues = {
+        "plain tcp": Raw(secure.backend),
+        "unknown keys": Raw(secure.backend, _server_pub(keys), keys.stranger.pair),
+        "a client's keys": Raw(secure.backend, _server_pub(keys), keys.client.pair),
+    }
+    try:
+        for why, r in rogues.items():
+            r.sock.send_multipart(ready)  # queued: it would go out once a handshake succeeds
+            assert r.handshake() == "refused", why
+        x = np.arange(16, dtype=np.float32)
+        with _good_client(secure, keys, timeout=20) as c:
+            wait_service(c, "echo")
+            for i in range(30):  # a registered rogue with credit 1000 would get most of these
+                with c.infer("echo", {"x": x + i}) as out:
+                    np.testing.assert_array_equal(out["x"], x + i)
+        for why, r in rogues.items():
+            assert r.received(0.3) == [], f"the rogue worker with {why} received something"
+    finally:
+        for r in rogues.values():
+            r.close()
+
+
+def test_a_client_key_cannot_register_as_a_worker(secure, keys):
+    front = Raw(secure.frontend, _server_pub(keys), keys.client.pair)
+    back = Raw(secure.backend, _server_pub(keys), keys.client.pair)
+    try:
+        assert front.handshake() == "ok"      # a client's key is good on the frontend...
+        back.sock.send_multipart(P.worker_ready("rogue-only", P.Ready(credit=8, welcome=True)))
+        assert back.handshake() == "refused"  # ...and refused on the backend (its own ZAP domain)
+        with _good_client(secure, keys, timeout=20) as c:
+            assert not c.mmi_service("rogue-only")
+        assert back.received(0.2) == []
+    finally:
+        front.close()
+        back.close()
+
+
+def test_tcp_requests_may_not_name_local_memory(secure, keys):
+    raw = Raw(secure.frontend, _server_pub(keys), keys.client.pair)
+    host = P.local_host_id()
+    inline = P.TensorRef("x", "<f4", [4], P.InlineLoc(0))
+    cases = {
+        "shm": P.Request(id=11, host=host, tensors=[P.TensorRef("x", "<f4", [4], P.ShmLoc("zinf-1-2-3", 0, 16, 0, 1))]),
+        "cuda": P.Request(id=12, host=host, tensors=[P.TensorRef("x", "<f4", [4], P.CudaLoc("pool", 0, 16, 0))]),
+        "reply_to": P.Request(id=13, host=host, tensors=[inline], reply_to="ipc:///tmp/c-1-2-ab.ipc"),
+    }
+    try:
+        assert raw.handshake() == "ok"
+        for kind, req in cases.items():
+            body = [P.encode_header(req)] + ([np.zeros(4, np.float32).tobytes()] if kind == "reply_to" else [])
+            raw.sock.send_multipart(P.client_request("echo", body))
+            assert raw.sock.poll(10_000), kind
+            msg = P.parse_broker_to_client(raw.sock.recv_multipart())
+            assert msg.command == P.C_FINAL, kind
+            rep = P.decode_reply(msg.body[0])
+            assert rep.id == req.id and rep.error is not None, kind
+            assert rep.error.code == 400 and rep.error.message == S.TCP_REFS, kind
+        # The same connection, inline: served.
+        raw.sock.send_multipart(P.client_request("echo", [P.encode_header(P.Request(id=14, tensors=[inline])),
+                                                          np.arange(4, dtype=np.float32).tobytes()]))
+        assert raw.sock.poll(10_000)
+        msg = P.parse_broker_to_client(raw.sock.recv_multipart())
+        rep = P.decode_reply(msg.body[0], len(msg.body) - 1)
+        assert rep.id == 14 and rep.error is None
+        assert bytes(msg.body[1]) == np.arange(4, dtype=np.float32).tobytes()
+    finally:
+        raw.close()
+
+
+# ------------------------------------------------------------------------------------ settings
+
+def test_insecure_serves_plain_tcp_and_warns(tmp_path):
+    procs = []
+    raw = None
+    try:
+        b = Proc(["-m", "broker", "--frontend", LOOPBACK, "--backend", LOOPBACK, "--heartbeat-interval", "0.2",
+                  "--insecure"])
+        procs.append(b)
+        b.wait_ready()
+        fe, be = b.field("frontend"), b.field("backend")
+        b.wait_log("INSECURE")
+        procs.append(_worker(be, "--insecure"))
+        # Plain tcp means anyone: a bare DEALER registers as a worker (what CURVE refuses above).
+        raw = Raw(be)
+        raw.sock.send_multipart(P.worker_ready("raw", P.Ready(credit=1, welcome=True)))
+        assert raw.handshake() == "ok"
+        with Client(fe, insecure=True, timeout=20) as c:
+            wait_service(c, "echo")
+            wait_service(c, "raw")
+            with c.infer("echo", {"x": np.arange(3)}) as out:
+                np.testing.assert_array_equal(out["x"], np.arange(3))
+        assert _shm_over_plain_tcp(fe) == S.TCP_REFS  # the tcp refusal holds without CURVE too
+        b.terminate()
+        log = b.stderr()
+        lines = [ln for ln in log.splitlines() if "INSECURE" in ln]
+        assert len(lines) == 1 and "WARNING" in lines[0], log
+        assert fe in lines[0] and be in lines[0]
+    finally:
+        if raw is not None:
+            raw.close()
+        for p in reversed(procs):
+            p.close()
+
+
+def _shm_over_plain_tcp(frontend: str) -> str:
+    """The error message a plain tcp request with a shared-memory tensor gets (code 400)."""
+    raw = Raw(frontend)
+    try:
+        req = P.Request(id=5, host=P.local_host_id(),
+                        tensors=[P.TensorRef("x", "<f4", [4], P.ShmLoc("zinf-1-2-3", 0, 16, 0, 1))])
+        raw.sock.send_multipart(P.client_request("echo", [P.encode_header(req)]))
+        assert raw.sock.poll(10_000)
+        rep = P.decode_reply(P.parse_broker_to_client(raw.sock.recv_multipart()).body[0])
+        assert rep.id == 5 and rep.error.code == 400
+        return rep.error.message
+    finally:
+        raw.close()
+
+
+def test_tcp_without_keys_refuses_to_start(tmp_path):
+    b = Proc(["-m", "broker", "--frontend", LOOPBACK, "--backend", f"ipc://{tmp_path}/be.ipc"])
+    w = Proc(["-m", "gpu_worker", "--broker", "tcp://127.0.0.1:9", "--model", "echo"])
+    try:
+        assert b.p.wait(30) == 2 and w.p.wait(30) == 2
+        err = b.stderr()
+        assert "--curve-secret" in err and "--client-keys" in err and "--insecure" in err, err
+        err = w.stderr()
+        assert "--server-key" in err and "--worker-key" in err and "--insecure" in err, err
+    finally:
+        b.close()
+        w.close()
+
+
+# ------------------------------------------------------------------------------------ other users
+
+_CHILD = r"""
+import errno, json, os, socket, sys
+out = {"uid": os.getuid()}
+try:
+    os.listdir(sys.argv[1])
+    out["open_dir"] = "listed"
+except OSError as e:
+    out["open_dir"] = errno.errorcode[e.errno]
+for name, path in (("frontend", sys.argv[2]), ("backend", sys.argv[3])):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(5)
+    try:
+        s.connect(path)
+        out[name] = "connected"
+    except OSError as e:
+        out[name] = errno.errorcode.get(e.errno, str(e.errno))
+    finally:
+        s.close()
+print(json.dumps(out))
+"""
+
+
+def _unprivileged_python() -> str:
+    """An interpreter that uid 65534 may run (a venv under /root is out of its reach)."""
+    for exe in (sys.executable, "/usr/bin/python3", shutil.which("python3") or ""):
+        if not exe:
+            continue
+        try:
+            r = subprocess.run([exe, "-I", "-S", "-c", "pass"], user=65534, group=65534, extra_groups=[],
+                               capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if r.returncode == 0:
+            return exe
+    pytest.skip("no Python interpreter that uid 65534 can run")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="dropping to another uid needs root (CI runs the suite as root)")
+def test_another_user_cannot_connect_to_the_ipc_endpoints():
+    exe = _unprivileged_python()
+    # A base every user may enter, as /tmp is: the 0700 runtime directory inside it and the
+    # 0600 socket files are what keep the other user out, not a private parent.
+    base = tempfile.mkdtemp(prefix="zinf-xuser-")
+    b = None
+    try:
+        os.chmod(base, 0o755)
+        open_dir = os.path.join(base, "open")
+        os.mkdir(open_dir)
+        os.chmod(open_dir, 0o755)
+        # The frontend in a directory anyone may enter (only the file mode protects it), the
+        # backend at its default place in the runtime directory.
+        b = Proc(["-m", "broker", "--frontend", f"ipc://{open_dir}/fe.ipc"], env={"XDG_RUNTIME_DIR": base})
+        b.wait_ready()
+        fe, be = b.field("frontend")[len("ipc://"):], b.field("backend")[len("ipc://"):]
+        run_dir = os.path.join(base, f"zmq-infer-{os.getuid()}")
+        assert os.path.dirname(be) == run_dir
+        assert os.stat(run_dir).st_mode & 0o777 == 0o700
+        assert os.stat(fe).st_mode & 0o777 == os.stat(be).st_mode & 0o777 == 0o600
+        r = subprocess.run([exe, "-I", "-S", "-c", _CHILD, open_dir, fe, be], user=65534, group=65534,
+                           extra_groups=[], capture_output=True, timeout=30, text=True)
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)
+        assert got == {"uid": 65534, "open_dir": "listed", "frontend": "EACCES", "backend": "EACCES"}, got
+        # Control: the same connects as this user succeed.
+        for path in (fe, be):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(path)
+            s.close()
+    finally:
+        if b is not None:
+            b.close()
+        shutil.rmtree(base, ignore_errors=True)
