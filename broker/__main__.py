@@ -57,6 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-liveness", type=int, help="missed heartbeats before a peer is dead (default 3)")
     ap.add_argument("--max-queue", type=int, help="queued requests per service (default 1024)")
     ap.add_argument("--service-grace", type=float, help="seconds a request waits for a worker of its service")
+    ap.add_argument("--max-message-mb", type=float,
+                    help="largest message a peer may send, MiB (default 256); a larger one drops its connection")
+    ap.add_argument("--client-hwm", type=int,
+                    help="messages queued towards one client before it counts as not reading and is dropped (default 1000)")
+    ap.add_argument("--max-client-requests", type=int,
+                    help="outstanding requests per client, across services (default 4096)")
+    ap.add_argument("--max-client-mb", type=float,
+                    help="MiB of request bodies one client may have queued or running (default 512)")
     ap.add_argument("--curve-secret", metavar="FILE", help="tcp endpoints: the broker's secret certificate (NAME.key_secret)")
     ap.add_argument("--client-keys", metavar="DIR", help="tcp frontend: directory of allowed clients' public *.key certificates")
     ap.add_argument("--worker-keys", metavar="DIR", help="tcp backend: directory of allowed workers' public *.key certificates")
@@ -78,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, opt)
         if v is not None:
             setattr(cfg.scheduler, opt, v)
+    if args.max_message_mb is not None:
+        cfg.max_message_bytes = max(1, int(args.max_message_mb * (1 << 20)))
+    if args.client_hwm is not None:
+        cfg.client_hwm = max(1, args.client_hwm)
+    if args.max_client_requests is not None:
+        cfg.scheduler.max_client_requests = args.max_client_requests
+    if args.max_client_mb is not None:
+        cfg.scheduler.max_client_bytes = max(0, int(args.max_client_mb * (1 << 20)))
     for opt in ("curve_secret", "client_keys", "worker_keys"):
         v = getattr(args, opt)
         if v is not None:

@@ -61,6 +61,11 @@ _GC_INTERVAL = 1.0
 _POLLIN = int(zmq.POLLIN)
 _MAX_CLIENT_PIDS = 1 << 16
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_NOBLOCK = int(zmq.NOBLOCK)
+#: default largest message: the largest inline tensor a deployment expects, and then some
+DEFAULT_MAX_MESSAGE = 256 << 20
+#: default messages queued towards one client before it counts as not reading
+DEFAULT_CLIENT_HWM = 1000
 
 
 def _peer_pid(frame: Any) -> int | None:
@@ -79,6 +84,14 @@ def _peer_pid(frame: Any) -> int | None:
         return None
     finally:
         s.close()
+
+
+def _nbytes(frames) -> int:
+    """Bytes in a message body: what a queued request holds of the broker's memory."""
+    n = 0
+    for f in frames:
+        n += len(f)
+    return n
 
 
 def sweep_reply_sockets(directory: str | None = None) -> list[str]:
@@ -108,6 +121,12 @@ class BrokerConfig:
     backend: str = ""
     scheduler: Config = field(default_factory=Config)
     security: security.SecurityConfig = field(default_factory=security.SecurityConfig)
+    #: largest message any peer may send (bytes, all frames together); libzmq drops the
+    #: connection of a peer that announces more, before buffering it
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE
+    #: messages the broker queues towards one client; a client whose queue is full has
+    #: stopped reading: its requests are dropped as if it had disconnected
+    client_hwm: int = DEFAULT_CLIENT_HWM
 
     @classmethod
     def from_toml(cls, path: str) -> "BrokerConfig":
@@ -124,7 +143,14 @@ class BrokerConfig:
                 value = tuple(value)
             setattr(sched, key, value)
         sec = security.SecurityConfig.from_table(b.get("security", {}), path, os.path.dirname(os.path.abspath(path)))
-        return cls(frontend=b.get("frontend", ""), backend=b.get("backend", ""), scheduler=sched, security=sec)
+        limits = {}
+        for key in ("max_message_bytes", "client_hwm"):
+            if key in b:
+                if type(b[key]) is not int or b[key] < 1:
+                    raise ValueError(f"{path}: {key} must be a positive integer")
+                limits[key] = b[key]
+        return cls(frontend=b.get("frontend", ""), backend=b.get("backend", ""), scheduler=sched, security=sec,
+                   **limits)
 
 
 class _Payload(msgspec.Struct, array_like=True):
@@ -132,24 +158,6 @@ class _Payload(msgspec.Struct, array_like=True):
 
     header: Any          # P.Request, or None for an opaque MDP body
     body: tuple          # frames after the header (or the whole opaque body)
-
-
-class _RateLimitedLog:
-    def __init__(self, every: float = 1.0):
-        self.every = every
-        self.last = 0.0
-        self.suppressed = 0
-
-    def warning(self, msg: str, *args) -> None:
-        now = time.monotonic()
-        if now - self.last >= self.every:
-            if self.suppressed:
-                msg += f" ({self.suppressed} similar messages suppressed)"
-            log.warning(msg, *args)
-            self.last = now
-            self.suppressed = 0
-        else:
-            self.suppressed += 1
 
 
 class Broker:
@@ -176,7 +184,13 @@ class Broker:
         self.backend = self.ctx.socket(zmq.ROUTER)
         for s in (self.frontend, self.backend):
             s.linger = 0
-            s.rcvhwm = s.sndhwm = 100_000
+            s.maxmsgsize = self.cfg.max_message_bytes
+        # Workers are few and ours: deep queues.  Clients are many: each gets client_hwm
+        # messages each way, and a client that lets its replies pile up to that is told
+        # apart (ROUTER_MANDATORY turns "queue full" into EAGAIN instead of a silent drop).
+        self.backend.rcvhwm = self.backend.sndhwm = 100_000
+        self.frontend.rcvhwm = self.frontend.sndhwm = self.cfg.client_hwm
+        self.frontend.router_mandatory = 1
         self._curve = security.ServerCurve(self.ctx, self._curve_plan)
         try:
             self._curve.start()
@@ -209,8 +223,10 @@ class Broker:
         self._client_pids: dict[bytes, int | None] = {}  # client identity -> attested pid
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
         self._opaque_ids = 0
-        self._bad = _RateLimitedLog()
+        self._bad = P.RateLimitedLog(log)
+        self._oops = P.RateLimitedLog(log)  # unexpected exceptions: a traceback a second at most
         self.malformed = 0
+        self.stalled_clients = 0  # clients dropped because they stopped reading their replies
         self._closed = False
 
     @staticmethod
@@ -300,7 +316,7 @@ class Broker:
                 handler(frames)
             except Exception:  # the loop must survive any one message
                 self.malformed += 1
-                log.exception("unexpected error while handling a message; dropped it")
+                self._oops.exception("unexpected error while handling a message; dropped it")
             if not sock.get(zmq.EVENTS) & _POLLIN:
                 return
 
@@ -336,9 +352,13 @@ class Broker:
                 return
             self._act(sched.client_cancel(ident, cancel.id, now), now)
         elif cmd == P.C_DISCONNECT:
-            self._client_pids.pop(ident, None)
-            self._req_clients.discard(ident)
+            self._forget_client(ident)
             self._act(sched.client_disconnect(ident, now), now)
+
+    def _forget_client(self, ident: bytes) -> None:
+        self._client_pids.pop(ident, None)
+        self._client_tcp.pop(ident, None)
+        self._req_clients.discard(ident)
 
     def _on_request(self, ident: bytes, msg: P.ClientMessage, now: float) -> None:
         service = msg.service
@@ -369,6 +389,10 @@ class Broker:
                     self._send_client(ident, P.client_reply(True, service, P.error_body(
                         req.id, P.ErrorCode.PROTOCOL_ERROR, security.TCP_REFS)))
                     return
+                if tcp:
+                    # A worker on the client's host would answer a same-host client through
+                    # its output ring; a tcp client gets its outputs inline, like its inputs.
+                    req.host = None
             # Workers reclaim a dead client's output slots by this pid, so it is never the
             # header's claim (a client could name another's pid and pin slots for good): for
             # an ipc client the kernel says whose connection it is; over tcp nobody can, and
@@ -393,13 +417,15 @@ class Broker:
                 priority=req.priority,
                 deadline=deadline,
                 local_host=local,
+                size=_nbytes(rest) if rest else 0,
             )
         else:
             # A plain MDP/0.2 request: opaque body, relayed as is.  Its id lives in a
             # namespace (negative numbers) that no client id can collide with.
             self._opaque_ids += 1
             actions = self.sched.client_request(
-                ident, -self._opaque_ids, service.decode(errors="replace"), now, payload=_Payload(None, body)
+                ident, -self._opaque_ids, service.decode(errors="replace"), now, payload=_Payload(None, body),
+                size=_nbytes(body),
             )
         self._act(actions, now)
 
@@ -417,8 +443,10 @@ class Broker:
     # The two send seams: every frame the broker sends leaves through one of these (the
     # hot-path bench replaces them to time the broker's own work without sockets).
     def send_to_client(self, frames: list) -> None:
-        """Send one message on the frontend; `frames` start with the client's identity."""
-        send_frames(self.frontend, frames)
+        """Send one message on the frontend; `frames` start with the client's identity.
+        Never blocks: `zmq.Again` when the client's queue is full (it stopped reading),
+        EHOSTUNREACH when the client is gone."""
+        send_frames(self.frontend, frames, _NOBLOCK)
 
     def send_to_worker(self, frames: list) -> None:
         """Send one message on the backend; `frames` start with the worker's identity."""
@@ -429,8 +457,23 @@ class Broker:
         head = [ident, b""] if ident in self._req_clients else [ident]
         try:
             self.send_to_client(head + frames)
-        except zmq.ZMQError as e:  # a client that went away: nothing to deliver to
+        except zmq.Again:
+            # client_hwm messages wait for it already: it does not read what it asked for.
+            # Drop it as if it had disconnected (its queued requests go, its running ones
+            # are cancelled at their workers), so it holds no more of our memory and nobody
+            # else waits behind it.  Were it to read again, it finds its calls unanswered.
+            self.stalled_clients += 1
+            self._bad.warning("client %r stopped reading its replies (%d waiting); dropped its requests",
+                              ident[:16], self.cfg.client_hwm)
+            self._client_gone(ident)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: a client that went away: nothing to deliver to
             self._bad.warning("could not send to client %r: %s", ident[:16], e)
+            self._client_gone(ident)
+
+    def _client_gone(self, ident: bytes) -> None:
+        self._forget_client(ident)
+        now = time.monotonic()
+        self._act(self.sched.client_disconnect(ident, now), now)
 
     # ------------------------------------------------------------------ workers
 

@@ -157,7 +157,7 @@ class Config:
     # Per client identity, across services: outstanding (queued, running or cancelling)
     # requests, and the sum of their ``size`` (inline payload bytes).  Over either: QUEUE_FULL.
     max_client_requests: int = 4096
-    max_client_bytes: int = 1 << 30  # 1 GiB
+    max_client_bytes: int = 512 << 20  # 512 MiB: two of the broker's largest messages
 
 
 # ----------------------------------------------------------------------------- actions

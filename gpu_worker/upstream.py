@@ -70,6 +70,7 @@ class BrokerLink:
         self.monitor: zmq.Socket | None = None  # the socket's connection events (PAIR), for the loop to poll
         self.last_sent = 0.0
         self._dropped = False
+        self._bad = P.RateLimitedLog(log)
 
     def open(self) -> zmq.Socket:
         """(Re)open the DEALER to ``endpoint``, without saying anything on it."""
@@ -110,7 +111,7 @@ class BrokerLink:
         try:
             return P.parse_broker_to_worker(frames)
         except P.ProtocolError as e:
-            log.warning("malformed message from broker: %s", e)
+            self._bad.warning("malformed message from broker: %s", e)
             return None
 
     def send(self, frames) -> None:

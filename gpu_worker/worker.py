@@ -95,6 +95,7 @@ class Worker:
         from gpu_worker.models import load_model
 
         self.cfg = cfg
+        self._oops = P.RateLimitedLog(log)  # a traceback a second at most, whatever a peer sends
         self.device = resolve_device(cfg.device)
         self.model = load_model(cfg.model, self.device)
         self.service = cfg.service or self.model.name
@@ -306,7 +307,7 @@ class Worker:
             try:
                 self.on_message(frames)
             except Exception:
-                log.exception("unexpected error while handling a message from the broker; dropped it")
+                self._oops.exception("unexpected error while handling a message from the broker; dropped it")
 
     def on_message(self, frames) -> None:
         """Handle one message from upstream (what the loop does with each one it receives)."""
@@ -359,7 +360,8 @@ class Worker:
             req = P.decode_request(body[0], n_inline=len(rest))
             P.check_inline_sizes(req.tensors, rest)
         except P.ProtocolError as e:
-            job = Job(envelope, P.Request(id=0), None, None, now, None, None)
+            # The id the header names, if any can be read, so the client can match the 400.
+            job = Job(envelope, P.Request(id=P.lenient_request_id(body[0])), None, None, now, None, None)
             self._reply_error(job, e.code, str(e))
             return
         job = Job(envelope, req, None, None, now, None, None)

@@ -310,7 +310,7 @@ def test_bad_caps_are_refused(kw):
 
 def test_defaults():
     cfg = Config()
-    assert cfg.max_client_requests == 4096 and cfg.max_client_bytes == 1 << 30
+    assert cfg.max_client_requests == 4096 and cfg.max_client_bytes == 512 << 20
 
 
 def test_cap_on_outstanding_requests_counts_every_service_and_state():
