@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-liveness", type=int, help="missed heartbeats before a peer is dead (default 3)")
     ap.add_argument("--max-queue", type=int, help="queued requests per service (default 1024)")
     ap.add_argument("--service-grace", type=float, help="seconds a request waits for a worker of its service")
-    ap.add_argument("--max-message-mb", type=float,
-                    help="largest message a peer may send, MiB (default 256); a larger one drops its connection")
+    ap.add_argument("--max-frame-mb", type=float,
+                    help="largest frame a client may send, MiB (default 256); a larger one drops its connection")
     ap.add_argument("--client-hwm", type=int,
                     help="messages queued towards one client before it counts as not reading and is dropped (default 1000)")
     ap.add_argument("--max-client-requests", type=int,
@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         v = getattr(args, opt)
         if v is not None:
             setattr(cfg.scheduler, opt, v)
-    if args.max_message_mb is not None:
-        cfg.max_message_bytes = max(1, int(args.max_message_mb * (1 << 20)))
+    if args.max_frame_mb is not None:
+        cfg.max_frame_bytes = max(1, int(args.max_frame_mb * (1 << 20)))
     if args.client_hwm is not None:
         cfg.client_hwm = max(1, args.client_hwm)
     if args.max_client_requests is not None:

@@ -62,8 +62,8 @@ _POLLIN = int(zmq.POLLIN)
 _MAX_CLIENT_PIDS = 1 << 16
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _NOBLOCK = int(zmq.NOBLOCK)
-#: default largest message: the largest inline tensor a deployment expects, and then some
-DEFAULT_MAX_MESSAGE = 256 << 20
+#: default largest client frame: the largest inline tensor a deployment expects, and then some
+DEFAULT_MAX_FRAME = 256 << 20
 #: default messages queued towards one client before it counts as not reading
 DEFAULT_CLIENT_HWM = 1000
 
@@ -121,9 +121,11 @@ class BrokerConfig:
     backend: str = ""
     scheduler: Config = field(default_factory=Config)
     security: security.SecurityConfig = field(default_factory=security.SecurityConfig)
-    #: largest message any peer may send (bytes, all frames together); libzmq drops the
-    #: connection of a peer that announces more, before buffering it
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE
+    #: largest frame a client may send (bytes; ZMQ_MAXMSGSIZE, which libzmq checks per
+    #: frame): libzmq drops the connection of a client that announces more, before
+    #: buffering it.  A message of n frames can still hold n times this; the per-client byte
+    #: cap refuses it once read.  Workers (few, authenticated) are not limited.
+    max_frame_bytes: int = DEFAULT_MAX_FRAME
     #: messages the broker queues towards one client; a client whose queue is full has
     #: stopped reading: its requests are dropped as if it had disconnected
     client_hwm: int = DEFAULT_CLIENT_HWM
@@ -144,7 +146,7 @@ class BrokerConfig:
             setattr(sched, key, value)
         sec = security.SecurityConfig.from_table(b.get("security", {}), path, os.path.dirname(os.path.abspath(path)))
         limits = {}
-        for key in ("max_message_bytes", "client_hwm"):
+        for key in ("max_frame_bytes", "client_hwm"):
             if key in b:
                 if type(b[key]) is not int or b[key] < 1:
                     raise ValueError(f"{path}: {key} must be a positive integer")
@@ -184,7 +186,9 @@ class Broker:
         self.backend = self.ctx.socket(zmq.ROUTER)
         for s in (self.frontend, self.backend):
             s.linger = 0
-            s.maxmsgsize = self.cfg.max_message_bytes
+        # Only clients are limited: a worker's reply may be as large as its model makes it
+        # (a client asking for a large inline output must not get the worker cut off).
+        self.frontend.maxmsgsize = self.cfg.max_frame_bytes
         # Workers are few and ours: deep queues.  Clients are many: each gets client_hwm
         # messages each way, and a client that lets its replies pile up to that is told
         # apart (ROUTER_MANDATORY turns "queue full" into EAGAIN instead of a silent drop).
@@ -224,7 +228,9 @@ class Broker:
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
         self._opaque_ids = 0
         self._bad = P.RateLimitedLog(log)
+        self._stall_log = P.RateLimitedLog(log)  # its own throttle: a flood of junk cannot hide it
         self._oops = P.RateLimitedLog(log)  # unexpected exceptions: a traceback a second at most
+        self._doomed: dict[bytes, None] = {}  # clients a send found stalled or gone, to drop
         self.malformed = 0
         self.stalled_clients = 0  # clients dropped because they stopped reading their replies
         self._closed = False
@@ -314,6 +320,8 @@ class Broker:
             frames = recv_frames(sock)
             try:
                 handler(frames)
+                if self._doomed:  # a client a direct answer (heartbeat, MMI, 400) found stalled
+                    self._drop_doomed()
             except Exception:  # the loop must survive any one message
                 self.malformed += 1
                 self._oops.exception("unexpected error while handling a message; dropped it")
@@ -454,6 +462,9 @@ class Broker:
 
     def _send_client(self, ident: bytes, frames: list) -> None:
         """`frames` start at MDPC02; the identity (and a REQ client's delimiter) go first."""
+        doomed = self._doomed
+        if doomed and ident in doomed:
+            return  # being dropped: nothing more goes to it
         head = [ident, b""] if ident in self._req_clients else [ident]
         try:
             self.send_to_client(head + frames)
@@ -463,17 +474,24 @@ class Broker:
             # are cancelled at their workers), so it holds no more of our memory and nobody
             # else waits behind it.  Were it to read again, it finds its calls unanswered.
             self.stalled_clients += 1
-            self._bad.warning("client %r stopped reading its replies (%d waiting); dropped its requests",
-                              ident[:16], self.cfg.client_hwm)
-            self._client_gone(ident)
+            self._stall_log.warning("client %r stopped reading its replies (%d waiting); dropped its requests",
+                                    ident[:16], self.cfg.client_hwm)
+            doomed[ident] = None
         except zmq.ZMQError as e:  # EHOSTUNREACH: a client that went away: nothing to deliver to
             self._bad.warning("could not send to client %r: %s", ident[:16], e)
-            self._client_gone(ident)
+            doomed[ident] = None
 
-    def _client_gone(self, ident: bytes) -> None:
-        self._forget_client(ident)
-        now = time.monotonic()
-        self._act(self.sched.client_disconnect(ident, now), now)
+    def _drop_doomed(self) -> None:
+        """Drop the clients a send found stalled or gone.  Run after the actions being sent
+        (never in the middle of them: a CANCEL must not overtake the REQUEST it cancels)."""
+        doomed = self._doomed
+        while doomed:
+            ident = next(iter(doomed))
+            self._forget_client(ident)
+            now = time.monotonic()
+            actions = self.sched.client_disconnect(ident, now)
+            del doomed[ident]
+            self._act(actions, now)
 
     # ------------------------------------------------------------------ workers
 
@@ -597,8 +615,10 @@ class Broker:
             elif t is DisconnectWorker:
                 log.info("disconnecting worker %r: %s", a.worker[:16], a.reason)
                 self.send_to_worker([a.worker, *P.worker_disconnect()])
-                # A worker presumed dead may have died for real: reap its shared memory now.
+                # A worker presumed dead may have died for real: sweep what it left now.
                 self._collect_shm()
+        if self._doomed:
+            self._drop_doomed()
 
     def _dispatch(self, a: Dispatch, now: float) -> None:
         p: _Payload = a.payload

@@ -1,0 +1,45 @@
+"""A client whose reply queue is full is dropped after the actions being sent, not among
+them: the REQUEST the same event dispatched for it reaches its worker before the CANCEL
+that dropping it sends (a worker ignores a CANCEL for a request it has not seen, and would
+then run the request for nobody).  The broker's two send seams stand in for its sockets."""
+from __future__ import annotations
+
+import zmq
+
+from broker import protocol as P
+from broker.server import Broker, BrokerConfig
+
+
+def _frames(ident: bytes, msg: list) -> list:
+    return [zmq.Frame(ident), *(zmq.Frame(bytes(f)) for f in msg)]
+
+
+def test_a_stalled_client_is_dropped_after_the_dispatch_that_was_sent_for_it(tmp_path):
+    cfg = BrokerConfig(frontend=f"ipc://{tmp_path}/fe.ipc", backend=f"ipc://{tmp_path}/be.ipc")
+    with Broker(cfg) as b:
+        to_worker, to_client, full = [], [], set()
+
+        def send_client(frames):
+            if frames[0] in full:
+                raise zmq.Again()
+            to_client.append(frames)
+
+        b.send_to_client = send_client
+        b.send_to_worker = to_worker.append
+        b.on_worker(_frames(b"W", P.worker_ready("svc", P.Ready(credit=1, transports=["inline"]))))
+        for i in (1, 2):  # credit 1: the first runs, the second waits
+            req = P.Request(id=i)
+            b.on_client(_frames(b"H", P.client_request("svc", [P.encode_header(req)])))
+        sent = [P.parse_broker_to_worker(f[1:]) for f in to_worker]
+        assert [m.command for m in sent] == [P.W_REQUEST]
+        first = sent[0].envelope
+
+        full.add(b"H")  # the client stopped reading: its queue is full from now on
+        to_worker.clear()
+        reply = P.encode_header(P.Reply(id=1))
+        b.on_worker(_frames(b"W", P.worker_reply(first, True, [reply])))
+        cmds = [P.parse_broker_to_worker(f[1:]) for f in to_worker]
+        assert [m.command for m in cmds] == [P.W_REQUEST, P.W_CANCEL]
+        assert cmds[0].envelope == cmds[1].envelope  # the cancel follows its own request
+        assert b.stalled_clients == 1 and to_client == []
+        assert b.sched.client_usage(b"H")["outstanding"] in (0, 1)  # at most the cancelled one

@@ -1,0 +1,305 @@
+"""Bounded resources and fairness with real processes (docs/security.md, "Bounded resources
+and fairness"): what one client can make the broker hold is bounded whatever it sends and
+whether or not it reads, and nothing it does makes another client wait or fail.
+
+- A frame over ``--max-frame-mb`` drops its sender's connection before it is buffered:
+  no reply, no memory, and legitimate clients are served as before.  (libzmq applies
+  ZMQ_MAXMSGSIZE to each frame, not to a multipart message as a whole.)
+- A client that stops reading its replies is dropped once ``--client-hwm`` replies wait for
+  it, at a bounded cost in broker memory, while a well-behaved client is served throughout.
+- A burst from one client fills a service's queue only at its own expense: another client
+  is never refused with QUEUE_FULL and is served round robin, not behind the burst.
+- ``--max-client-requests`` refuses exactly the requests over the cap, and nobody else's.
+
+The slow service is the gate model (tests/e2e/gate_model.py): each request finishes when the
+test writes one byte to a FIFO, so "how many requests ran before this one" is counted
+exactly rather than guessed from timings.  Every wait is a poll with a deadline.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from broker import protocol as P
+from client_sdk import Client
+from tests.e2e.conftest import wait_service
+from tests.e2e.test_request_path import gate  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.timeout(60)
+
+MiB = 1 << 20
+STALLED = "stopped reading its replies"
+
+
+def _status_kib(pid: int, field: str) -> int:
+    """A `VmRSS`-style line of /proc/<pid>/status, in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _dealer(endpoint: str, **options) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.linger = 0
+    s.sndtimeo = 10_000  # a blocking send that cannot complete fails instead of hanging
+    for name, value in options.items():
+        s.setsockopt(getattr(zmq, name.upper()), value)
+    s.connect(endpoint)
+    return s
+
+
+def _request(service: str, rid: int, data, dtype: str, shape: list[int], reply: str = "auto") -> list:
+    """A tensor REQUEST with one inline tensor `x`: `data` is its only body frame."""
+    t = P.TensorRef(name="x", dtype=dtype, shape=shape, loc=P.InlineLoc(frame=0))
+    head = P.encode_header(P.Request(id=rid, reply=reply, tensors=[t]))
+    return P.client_request(service, [head, data])
+
+
+def _small(service: str, rid: int) -> list:
+    """A tiny request whose echo carries its id back (x = [rid] as float64)."""
+    return _request(service, rid, np.array([rid], np.float64).tobytes(), "<f8", [1])
+
+
+def _recv_final(sock: zmq.Socket, timeout_ms: int = 10_000) -> tuple[P.Reply, list]:
+    assert sock.poll(timeout_ms), f"no reply within {timeout_ms} ms"
+    m = P.parse_broker_to_client(sock.recv_multipart())
+    assert m.command == P.C_FINAL, m
+    return P.decode_reply(m.body[0], n_inline=len(m.body) - 1), list(m.body[1:])
+
+
+def _barrier(sock: zmq.Socket) -> None:
+    """An MMI question on `sock`, answered: the broker handles one connection's messages in
+    order, so it has handled everything sent on `sock` before."""
+    sock.send_multipart(P.client_request("mmi.service", [b"gate"]))
+    assert sock.poll(10_000), "no MMI answer"
+    m = P.parse_broker_to_client(sock.recv_multipart())
+    assert m.service == b"mmi.service" and m.body[0] == b"200", m
+
+
+def _echo(c: Client, x: np.ndarray, service: str = "echo", timeout: float = 10.0) -> None:
+    with c.infer(service, {"x": x}, timeout=timeout) as r:
+        np.testing.assert_array_equal(r["x"], x)
+
+
+def _gated_worker(cluster, gate):  # noqa: F811
+    """One worker of service "gate" that holds one request at a time."""
+    p = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "1",
+                       "--no-warmup", env=gate.env, wait=False)
+    gate.open()
+    p.wait_ready()
+    return p
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def test_an_oversized_frame_drops_its_connection_before_it_is_buffered(cluster):
+    broker = cluster.broker("--max-frame-mb", "1")
+    cluster.worker("echo")
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "echo")
+        _echo(c, np.arange(100, dtype=np.int32))  # warm: the broker's steady-state memory
+    pid = broker.p.pid
+    rss0 = _status_kib(pid, "VmRSS")
+    big = bytes(2 * MiB)  # one 2 MiB frame: twice the limit
+    for i in range(8):
+        # Each from a socket of its own (a dropped connection is not retried: no reconnect).
+        s = _dealer(cluster.frontend, reconnect_ivl=-1)
+        events = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            s.send_multipart(_request("echo", i + 1, big, "|u1", [len(big)], reply="inline"), copy=False)
+            assert events.poll(10_000), "the broker did not drop the connection of an oversized message"
+            assert recv_monitor_message(events)["event"] == zmq.EVENT_DISCONNECTED
+            assert not s.poll(500 if i == 0 else 50), "an oversized request was answered"
+        finally:
+            s.disable_monitor()
+            events.close(0)
+            s.close(0)
+    assert broker.p.poll() is None, broker.stderr()
+    rss1 = _status_kib(pid, "VmRSS")
+    hwm = _status_kib(pid, "VmHWM")
+    print(f"\noversized: broker VmRSS {rss0} -> {rss1} KiB (+{rss1 - rss0}), VmHWM {hwm} KiB")
+    # 16 MiB were sent; libzmq refused each at its size field, so none of it was ever held
+    # (measured on the test machine: +16 KiB of RSS, and no new peak).
+    assert rss1 - rss0 < 8 * 1024, (rss0, rss1)
+    assert hwm - rss0 < 8 * 1024, (rss0, hwm)
+    # Legitimate clients are served: shared memory, and inline through the broker's sockets
+    # both ways (512 KiB in, 512 KiB back through the broker: under the 1 MiB limit).
+    with Client(cluster.frontend, timeout=10) as c:
+        _echo(c, np.arange(1000, dtype=np.float32))
+        _echo(c, np.arange(128 * 1024, dtype=np.float32))
+    with Client(cluster.frontend, timeout=10, transport="inline", direct_reply=False) as c:
+        _echo(c, np.arange(1000, dtype=np.float32))
+        _echo(c, np.full(512 * 1024, 7, np.uint8))
+
+
+def test_a_client_that_stops_reading_costs_bounded_memory_and_nobody_else_notices(cluster):
+    broker = cluster.broker("--client-hwm", "8", "--max-client-mb", "32")
+    cluster.worker("echo")
+    n_big, size = 200, MiB
+    pid = broker.p.pid
+    with Client(cluster.frontend, timeout=10) as good:
+        wait_service(good, "echo")
+        _echo(good, np.arange(16, dtype=np.int64))
+        rss0 = _status_kib(pid, "VmRSS")
+        # It takes one message at a time and a small socket buffer, and never reads.  Its
+        # sends wait while the previous one is still queued here, so that what it sent is
+        # what the broker has read (sndtimeo: each send fails after 10 s instead of hanging).
+        hog = _dealer(cluster.frontend, rcvhwm=1, rcvbuf=4096, sndhwm=1, sndbuf=65536)
+        try:
+            payload = bytes(size)
+            for i in range(n_big):
+                # Zero-copy: every message references the same 1 MiB buffer of this process.
+                hog.send_multipart(_request("echo", i + 1, payload, "|u1", [size], reply="inline"), copy=False)
+                if i % 4 == 0:  # meanwhile, 50 small echoes of a well-behaved client
+                    _echo(good, np.full(64, i, np.int32))
+            # Each send returned once the one before had left this process (sndhwm 1, a small
+            # socket buffer): the broker has read all but the last of the 200 MiB.
+            broker.wait_log(STALLED, timeout=20)
+            _echo(good, np.arange(16, dtype=np.int64))  # still served, after all of it
+            rss1 = _status_kib(pid, "VmRSS")
+            hwm = _status_kib(pid, "VmHWM")
+            print(f"\nstalled reader: broker VmRSS {rss0} -> {rss1} KiB (+{rss1 - rss0}), "
+                  f"peak VmHWM {hwm} KiB (+{hwm - rss0}) for {n_big * size >> 20} MiB sent")
+            # What the broker may hold for the hog: its queued and running requests (32 MiB,
+            # --max-client-mb), client_hwm (8) replies of 1 MiB waiting in its send queue, 8
+            # requests of 1 MiB in its receive queue, the echo worker's replies in flight
+            # (credit 16 x 1 MiB), plus the kernel's socket buffers and allocator slack:
+            # about 64 MiB.  Measured on the test machine: a peak of +16 MiB (the echo worker
+            # keeps up, so the byte cap is rarely reached).  Unbounded, the replies it does not
+            # read would pile up here: most of the 200 MiB sent.  100 MiB leaves room for a
+            # slow machine on which the worker falls behind, and is still half of that.
+            assert hwm - rss0 < 100 * 1024, (rss0, hwm)
+            assert rss1 - rss0 < 100 * 1024, (rss0, rss1)
+        finally:
+            hog.close(0)
+    assert broker.p.poll() is None, broker.stderr()
+    with Client(cluster.frontend, timeout=10) as fresh:
+        for i in range(5):
+            _echo(fresh, np.full(1000, i, np.int16))
+        _echo(fresh, np.arange(256 * 1024, dtype=np.float32))
+
+
+def test_a_burst_from_one_client_never_pushes_another_into_queue_full(cluster, gate):  # noqa: F811
+    cluster.broker("--max-queue", "64")
+    _gated_worker(cluster, gate)
+    n_burst = 2000
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "gate")
+        # The burster queues whatever it is sent (rcvhwm 0: no limit on its side), so the
+        # broker never counts it as a client that stopped reading.
+        burster = _dealer(cluster.frontend, rcvhwm=0)
+        try:
+            for i in range(n_burst):
+                burster.send_multipart(_small("gate", i + 1))
+            # The worker took the first, 64 queue behind it, and each of the others was
+            # refused at once: a client that holds the largest share only pushes itself out.
+            # (Read here only to know that the broker has handled the whole burst.)
+            refused = []
+            for _ in range(n_burst - 1 - 64):
+                rep, _ = _recv_final(burster)
+                assert rep.error is not None and rep.error.code == P.ErrorCode.QUEUE_FULL, rep
+                assert "holds the largest share" in rep.error.message, rep.error.message
+                refused.append(rep.id)
+            assert sorted(refused) == list(range(66, n_burst + 1))
+            # 10 requests of another client, one at a time.  Each is queued (the MMI answer on
+            # the same socket says so) before the gate lets exactly 3 requests finish: the one
+            # running, at most one of the burster's, then this one.  Behind the burst, it
+            # would need 64 more.
+            took = []
+            for k in range(10):
+                x = np.array([1000 + k], np.float64)
+                with c.infer_stream("gate", {"x": x}, timeout=10) as replies:
+                    assert c.mmi_service("gate", timeout=10)
+                    t0 = time.monotonic()
+                    gate.release(3)
+                    res = next(replies)  # raises on an error: QueueFull, DeadlineExceeded
+                    took.append(time.monotonic() - t0)
+                    assert res.final
+                    np.testing.assert_array_equal(res["x"], x)
+                    res.release()
+            print(f"\nburst: the other client's 10 requests took {[round(t * 1000, 1) for t in took]} ms")
+            # Draining the queue ahead of it would take 64 gated requests; it took 3 each.
+            assert max(took) < 2.0, took
+            # The burster's replies: the first 20 of its requests (2 per gated round), and one
+            # eviction: the first of the other client's requests found the queue full and
+            # took the place of the burster's newest queued request.
+            got = {}
+            while len(got) < 21:
+                rep, frames = _recv_final(burster)
+                assert rep.id not in got, rep
+                got[rep.id] = (rep, frames)
+            evicted = [r for r, _ in got.values() if r.error is not None]
+            assert [r.id for r in evicted] == [65], evicted
+            assert evicted[0].error.code == P.ErrorCode.QUEUE_FULL
+            assert "holds the largest share" in evicted[0].error.message
+            assert "made room for another client's" in evicted[0].error.message
+            done = sorted(rid for rid, (r, _) in got.items() if r.error is None)
+            assert done == list(range(1, 21)), done
+            for rid in done:
+                rep, frames = got[rid]
+                assert np.frombuffer(frames[0], np.float64).tolist() == [rid]
+            assert not burster.poll(50)
+            burster.send_multipart(P.client_disconnect())  # its 43 queued requests go
+            _barrier(burster)
+        finally:
+            burster.close(0)
+        # Its queue is gone: the running one (cancelled, still gated) and then ours.
+        x = np.array([7.0])
+        with c.infer_stream("gate", {"x": x}, timeout=10) as replies:
+            assert c.mmi_service("gate", timeout=10)
+            gate.release(2)
+            res = next(replies)
+            np.testing.assert_array_equal(res["x"], x)
+            res.release()
+
+
+def test_the_per_client_request_cap_refuses_exactly_what_is_over_it(cluster, gate):  # noqa: F811
+    cluster.broker("--max-client-requests", "5")
+    _gated_worker(cluster, gate)
+    with Client(cluster.frontend, timeout=10) as other:
+        wait_service(other, "gate")
+        raw = _dealer(cluster.frontend)
+        try:
+            for rid in range(1, 9):
+                raw.send_multipart(_small("gate", rid))
+            # 1 running and 4 queued are its 5 outstanding; 6, 7 and 8 are over the cap.
+            refused = {}
+            for _ in range(3):
+                rep, _ = _recv_final(raw)
+                assert rep.error is not None and rep.error.code == P.ErrorCode.QUEUE_FULL, rep
+                assert "max_client_requests=5" in rep.error.message, rep.error.message
+                refused[rep.id] = rep
+            assert sorted(refused) == [6, 7, 8]
+            assert not raw.poll(50)
+            # Another client is not counted against it: admitted and served in turn (the
+            # running one, one of raw's, then this one).
+            x = np.array([42.0])
+            with other.infer_stream("gate", {"x": x}, timeout=10) as replies:
+                assert other.mmi_service("gate", timeout=10)
+                gate.release(3)
+                res = next(replies)
+                np.testing.assert_array_equal(res["x"], x)
+                res.release()
+            # The first five all succeed.
+            gate.release(3)
+            done = {}
+            for _ in range(5):
+                rep, frames = _recv_final(raw)
+                assert rep.error is None, rep
+                assert np.frombuffer(frames[0], np.float64).tolist() == [rep.id]
+                done[rep.id] = rep
+            assert sorted(done) == [1, 2, 3, 4, 5]
+            # Its results are in, so its count is back to zero: it is admitted again.
+            raw.send_multipart(_small("gate", 9))
+            gate.release(1)
+            rep, frames = _recv_final(raw)
+            assert rep.id == 9 and rep.error is None, rep
+        finally:
+            raw.close(0)
