@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+import os
 import tempfile
 import time
 
@@ -98,7 +99,7 @@ def worker_us(n: int) -> float:
     w = Worker(WorkerConfig(broker="ipc:///nonexistent", model="echo", max_batch=1), upstream=link)
     F = zmq.Frame
     loc = P.shm_loc(ref._replace(nbytes=16))
-    hdr = P.encode_header(P.Request(id=1, host=P.local_host_id(), pid=1, queue_ms=0.01,
+    hdr = P.encode_header(P.Request(id=1, host=P.local_host_id(), pid=os.getpid(), queue_ms=0.01,
                                     tensors=[P.TensorRef(name="x", dtype="|u1", shape=[16], loc=loc)]))
 
     def one():

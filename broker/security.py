@@ -167,6 +167,11 @@ _FIX = ("pass --curve-secret FILE (the broker's NAME.key_secret) with --client-k
         "unauthenticated tcp (the [broker.security] table of the TOML file takes the same keys)")
 
 
+def _kernel_guarded(ep: str) -> bool:
+    """ipc:// socket files (file permissions) and inproc:// (one process) need no keys."""
+    return (ep.startswith("ipc://") and not ep.startswith("ipc://@")) or ep.startswith("inproc://")
+
+
 def plan(cfg: SecurityConfig, frontend: str, backend: str) -> CurvePlan:
     """Check the settings against the endpoints (before anything binds) and load the keys.
 
@@ -176,6 +181,12 @@ def plan(cfg: SecurityConfig, frontend: str, backend: str) -> CurvePlan:
              ("backend", backend, cfg.worker_keys, "--worker-keys", "worker", BACKEND_DOMAIN)]
     tcp = [s for s in sides if C.is_tcp(s[1])]
     keys_given = bool(cfg.curve_secret or cfg.client_keys or cfg.worker_keys)
+    bare = [ep for _, ep, *_ in sides if ep and not C.is_tcp(ep) and not _kernel_guarded(ep)]
+    if bare and not cfg.insecure:
+        raise SecurityError(f"refusing to serve {' and '.join(bare)}: only tcp (with CurveZMQ), ipc:// socket "
+                            f"files (guarded by their directory's and their own permissions) and inproc:// are "
+                            f"protected; an abstract ipc://@name or another transport lets any local user or "
+                            f"network peer in.  Use one of those, or pass --insecure")
     if cfg.insecure:
         if keys_given:
             raise SecurityError("--insecure (security.insecure) asks for plain tcp, yet CURVE keys were given "

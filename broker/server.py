@@ -65,7 +65,7 @@ _NOBLOCK = int(zmq.NOBLOCK)
 #: default largest client frame: the largest inline tensor a deployment expects, and then some
 DEFAULT_MAX_FRAME = 256 << 20
 #: default messages queued towards one client before it counts as not reading
-DEFAULT_CLIENT_HWM = 1000
+DEFAULT_CLIENT_HWM = 4096  # = the default max_client_requests: a client within its cap is never dropped for pipelining
 
 
 def _peer_pid(frame: Any) -> int | None:

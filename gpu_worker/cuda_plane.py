@@ -35,6 +35,9 @@ from gpu_worker.cuda_runtime import GpuMemoryPressure, HostRegistry, MemoryWatch
 from gpu_worker.job import Job
 from gpu_worker.planes import HostPlane, check_owner
 
+#: client segments up to this size are pinned (cudaHostRegister) for DMA uploads
+PIN_MAX_BYTES = 4 << 30
+
 __all__ = ["CudaPlane"]
 
 log = logging.getLogger("gpu_worker")
@@ -108,8 +111,12 @@ class CudaPlane:
             else:
                 arr = host.map_tensor(req, t, dt, frames)
                 if type(loc) is P.ShmLoc and loc.segment not in self.pins:
-                    # Pinned, so the upload is a DMA straight from the client's slot.
-                    self.pins.ensure(loc.segment, host.inputs.mapping(loc.segment), readonly=True)
+                    # Pinned, so the upload is a DMA straight from the client's slot.  Pinning
+                    # faults in the whole mapping, so a segment larger than PIN_MAX_BYTES
+                    # (a client's sparse 64 GiB pool would pin 64 GiB) is read unpinned.
+                    m = host.inputs.mapping(loc.segment)
+                    if m is not None and len(m) <= PIN_MAX_BYTES:
+                        self.pins.ensure(loc.segment, m, readonly=True)
             inputs[t.name] = arr
             refs[t.name] = t
         job.inputs, job.refs = inputs, refs
@@ -146,7 +153,9 @@ class CudaPlane:
 
     def _wants_device(self, job: Job) -> bool:
         req = job.req
-        return (req.reply == "cuda" or (req.reply == "auto" and job.cuda_in)) and req.host == self.host.host
+        # Lent to the attested process only (see HostPlane.write_outputs).
+        return ((req.reply == "cuda" or (req.reply == "auto" and job.cuda_in)) and req.host == self.host.host
+                and req.pid is not None)
 
     # ------------------------------------------------------------------ outputs
 

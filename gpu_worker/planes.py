@@ -121,9 +121,11 @@ class HostPlane:
 
     def write_outputs(self, job: Job, out: dict) -> tuple[list[P.TensorRef], list[Any]]:
         req = job.req
-        want_shm = self.out_pool is not None and (
-            req.reply == "shm" or (req.reply != "inline" and req.host == self.host)
-        )
+        # An output slot is lent to the process the broker attested, which gives it back by
+        # releasing it or by dying; a request without one (tcp, another pid namespace) would
+        # pin the slot for good, so it gets its outputs inline, whatever it asked for.
+        want_shm = (self.out_pool is not None and req.pid is not None and req.host == self.host
+                    and req.reply != "inline")
         refs: list[P.TensorRef] = []
         frames: list[Any] = []
         for name, value in out.items():

@@ -106,8 +106,9 @@ def list_segments(count_slots: bool = True) -> list[SegmentInfo]:
     return out
 
 
-def _inspect_legacy(name: str) -> bool:
-    """True when a legacy /dev/shm file may be removed: its header names our pid namespace."""
+def _inspect_legacy(name: str, dry_run: bool) -> bool:
+    """True when a legacy /dev/shm file may be removed: its header names our pid namespace.
+    Unless ``dry_run``, its closed flag is set (readers holding a mapping let go of it)."""
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC | _NOFOLLOW)
     except OSError:
@@ -119,7 +120,8 @@ def _inspect_legacy(name: str) -> bool:
             mine = pid_namespace()
             if ns and mine and ns != mine:
                 return False
-            mark_closed(fd)  # readers holding a cached mapping let go of it
+            if not dry_run:
+                mark_closed(fd)
         return True
     except OSError:
         return False
@@ -140,10 +142,10 @@ def collect(dry_run: bool = False) -> list[str]:
         m = LEGACY_NAME_RE.fullmatch(name)
         if m is None or process_alive(int(m.group(1)), int(m.group(2))):
             continue
+        if not _inspect_legacy(name, dry_run):
+            continue
         if dry_run:
             removed.append(name)
-            continue
-        if not _inspect_legacy(name):
             continue
         try:
             os.unlink(os.path.join(SHM_DIR, name))

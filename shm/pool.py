@@ -29,15 +29,17 @@ from .segment import (
 def _finalize_segment(fd: int, owner_pid: int, mm) -> None:
     """Close flag + the owner's descriptor; run by close(), by garbage collection, or at
     interpreter exit.  The memfd vanishes once the last mapping of it goes."""
-    if os.getpid() == owner_pid:
+    if os.getpid() != owner_pid:
+        # A forked child inherited the pool object, not the segment.  It leaves the
+        # descriptor alone too: the child may have reused that number for a file of its own
+        # (its inherited copy goes when it exits or execs: O_CLOEXEC).
+        return
+    try:
         # Tell readers that cached the mapping: their next view() raises SegmentGone and
-        # drops it, so the pages are freed once the last mapping goes.  (A forked child
-        # inherited the pool object and a copy of the descriptor, not the segment: it
-        # only closes its copy.)
-        try:
-            mark_closed(mm)
-        except (ValueError, TypeError):
-            pass
+        # drops it, so the pages are freed once the last mapping goes.
+        mark_closed(mm)
+    except (ValueError, TypeError):
+        pass
     try:
         os.close(fd)
     except OSError:

@@ -13,7 +13,7 @@ import numpy as np
 from .errors import BadDescriptor, SegmentGone, ShmError, StaleDescriptor
 from .fence import fence
 from .segment import (
-    H32_CLOSED, IN_FLIGHT, Q_NBYTES, Q_OFFSET, QS, RELEASED, STATE_NAMES, U32, Attached,
+    H32_CLOSED, IN_FLIGHT, MAX_MAPPED_SEGMENT, Q_NBYTES, Q_OFFSET, QS, RELEASED, STATE_NAMES, U32, Attached,
     ShmRef, attach_segment, checked_dtype, detach, normalize_shape, parse_name, process_alive,
 )
 
@@ -29,9 +29,11 @@ class SegmentCache:
     Not thread-safe: one cache per thread, or guard it with a lock.
     """
 
-    def __init__(self, max_segments: int = 64, *, on_forget=None):
+    def __init__(self, max_segments: int = 64, *, on_forget=None, max_segment_bytes: int = MAX_MAPPED_SEGMENT):
         if max_segments < 1:
             raise ValueError("max_segments must be >= 1")
+        # At most max_segments x max_segment_bytes of address space, whatever clients send.
+        self._max_seg_bytes = max_segment_bytes
         self._segs: OrderedDict[str, Attached] = OrderedDict()
         self._max = max_segments
         self._closed = False
@@ -67,7 +69,7 @@ class SegmentCache:
         if self._closed:
             raise ShmError("SegmentCache is closed")
         self.sweep(check_owners=False)
-        a = attach_segment(name)  # validates the name before touching the filesystem
+        a = attach_segment(name, self._max_seg_bytes)  # validates the name before touching the filesystem
         self._segs[name] = a
         while len(self._segs) > self._max:
             self.forget(next(iter(self._segs)))
@@ -180,8 +182,8 @@ class SegmentCache:
         """Drop mappings of segments that were closed or, with check_owners, whose owner died.
 
         Cheap without check_owners (one load per segment); with it, one /proc read each.
-        Workers should call it now and then (e.g. with the heartbeat), together with
-        ``shm.gc.collect()``, so the memory of departed clients is returned.
+        Workers should call it now and then (e.g. with the heartbeat), so the memory of
+        departed clients is returned.
         """
         dropped = []
         for name, a in list(self._segs.items()):

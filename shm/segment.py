@@ -504,10 +504,19 @@ def mark_closed(target: Any) -> None:
         target[offset: offset + 4] = _CLOSED_WORD
 
 
-def attach_segment(name: str) -> Attached:
-    """Map an existing segment for reading.  SegmentGone if it does not exist or is closed."""
+#: default largest segment a reader maps: memfds are not bounded by /dev/shm's size, and a
+#: sparse one costs its owner nothing, so a reader bounds what a client can make it map
+MAX_MAPPED_SEGMENT = 1 << 36  # 64 GiB
+
+
+def attach_segment(name: str, max_size: int = MAX_MAPPED_SEGMENT) -> Attached:
+    """Map an existing segment for reading.  SegmentGone if it does not exist or is closed;
+    BadDescriptor if it is larger than ``max_size`` bytes."""
     fd, h = open_checked(name, os.O_RDWR)
     try:
+        if int(h["total_size"]) > max_size:
+            raise BadDescriptor(f"segment {name} is {int(h['total_size']) >> 20} MiB, more than this reader "
+                                f"maps ({max_size >> 20} MiB); use a smaller pool")
         slots = int(h["slot_count"])
         data_offset = int(h["data_offset"])
         data_size = int(h["data_size"])
@@ -556,5 +565,5 @@ __all__ = [
     "FREE", "WRITING", "IN_FLIGHT", "RELEASED", "STATE_NAMES", "HEADER_DTYPE", "SLOT_DTYPE",
     "ShmRef", "make_ref", "Geometry", "parse_name", "owner_of", "name_parts", "path_of", "proc_starttime", "process_alive",
     "self_identity", "pid_namespace", "create_segment", "attach_segment", "detach",
-    "read_header", "normalize_shape", "checked_dtype", "mark_closed", "H32_CLOSED",
+    "read_header", "normalize_shape", "checked_dtype", "mark_closed", "H32_CLOSED", "MAX_MAPPED_SEGMENT",
 ]

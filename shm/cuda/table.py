@@ -51,11 +51,12 @@ class PoolMeta(NamedTuple):
 
 
 def _finalize_table(fd: int, owner_pid: int, mm) -> None:
-    if os.getpid() == owner_pid:  # a forked child inherited a copy of the fd, not the table
-        try:
-            mark_closed(mm)  # importers drop their mappings
-        except (ValueError, TypeError):
-            pass
+    if os.getpid() != owner_pid:  # a forked child: not its table, maybe not its fd number
+        return
+    try:
+        mark_closed(mm)  # importers drop their mappings
+    except (ValueError, TypeError):
+        pass
     try:
         os.close(fd)
     except OSError:

@@ -121,6 +121,16 @@ def test_plan_refuses_tcp_without_keys_and_names_the_flags(keys):
     assert p.enabled and p.domain_of("frontend") == S.FRONTEND_DOMAIN and p.domain_of("backend") is None
 
 
+@pytest.mark.parametrize("ep", ["ipc://@zinf-abstract", "tipc://{5560,0,0}", "udp://127.0.0.1:5555"])
+def test_plan_refuses_endpoints_nothing_guards(ep):
+    # An abstract unix socket has no file permissions, other transports reach the network:
+    # only tcp with CURVE, ipc socket files and inproc are served without --insecure.
+    with pytest.raises(S.SecurityError, match="--insecure"):
+        S.plan(S.SecurityConfig(), ep, "ipc:///tmp/b.ipc")
+    assert not S.plan(S.SecurityConfig(), "inproc://a", "ipc:///tmp/b.ipc").enabled
+    assert not S.plan(S.SecurityConfig(insecure=True), ep, "ipc:///tmp/b.ipc").enabled
+
+
 def test_toml_security_table(keys, tmp_path):
     root, k = keys
     cfg_file = root / "broker.toml"

@@ -104,7 +104,9 @@ def test_outputs_go_to_the_ring_for_a_local_client_and_inline_otherwise(plane):
         np.testing.assert_array_equal(reader.view(P.shm_ref(ring[0].loc), np.float64, (5,)), y)
     finally:
         reader.close()
-    for job in (_job([], reply="inline"), _job([], host="elsewhere/0")):
+    unattested = _job([], reply="shm")
+    unattested.req.pid = None  # tcp, or another pid namespace: nobody would give the slot back
+    for job in (_job([], reply="inline"), _job([], host="elsewhere/0"), unattested):
         refs, frames = plane.write_outputs(job, {"y": y})
         assert refs == [P.TensorRef(name="y", dtype="<f8", shape=[5], loc=P.InlineLoc(frame=0))]
         assert bytes(frames[0]) == y.tobytes()

@@ -209,3 +209,15 @@ def test_attach_rejects_files_that_are_not_segments(cache):
 def test_fence_is_callable_and_reentrant_safe():
     for _ in range(3):
         fence()
+
+
+def test_a_reader_maps_no_segment_larger_than_its_bound():
+    # memfds are not bounded by /dev/shm, and a sparse one costs its owner nothing: the
+    # reader bounds what a client can make it map (max_segments x max_segment_bytes).
+    with ShmPool(2 << 20, slots=4) as big, SegmentCache(max_segment_bytes=1 << 20) as cache:
+        a = big.alloc(16, np.uint8)
+        ref = big.ref_of(a)
+        big.mark_in_flight(ref)
+        with pytest.raises(BadDescriptor, match="more than this reader maps"):
+            cache.view(ref, np.uint8, 16)
+        assert len(cache) == 0
