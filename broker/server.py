@@ -404,8 +404,8 @@ class Broker:
             # Workers reclaim a dead client's output slots by this pid, so it is never the
             # header's claim (a client could name another's pid and pin slots for good): for
             # an ipc client the kernel says whose connection it is; over tcp nobody can, and
-            # such a client's outputs go back only when it releases them.
-            req.pid = self._client_pid(ident, first)
+            # such a client gets its outputs inline.
+            req.pid = pid = self._client_pid(ident, first)
             local = None
             if req.host is not None:
                 for t in req.tensors:
@@ -426,16 +426,30 @@ class Broker:
                 deadline=deadline,
                 local_host=local,
                 size=_nbytes(rest) if rest else 0,
+                principal=pid if pid is not None else self._tcp_principal(first),
             )
         else:
             # A plain MDP/0.2 request: opaque body, relayed as is.  Its id lives in a
             # namespace (negative numbers) that no client id can collide with.
             self._opaque_ids += 1
+            pid = self._client_pid(ident, first)
             actions = self.sched.client_request(
                 ident, -self._opaque_ids, service.decode(errors="replace"), now, payload=_Payload(None, body),
-                size=_nbytes(body),
+                size=_nbytes(body), principal=pid if pid is not None else self._tcp_principal(first),
             )
         self._act(actions, now)
+
+    def _tcp_principal(self, frame: Any) -> str | None:
+        """Whom the caps and the round-robin count a tcp client as: its CurveZMQ key (the
+        ZAP User-Id), whichever connection it uses.  None (the connection is its own
+        principal) without CURVE, or when the frame says nothing."""
+        if not self._tcp_frontend:
+            return None
+        try:
+            uid = frame.get("User-Id")
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+            return None
+        return f"curve:{uid}" if uid else None
 
     def _mmi(self, ident: bytes, service: bytes, body: tuple) -> None:
         if service == b"mmi.service":

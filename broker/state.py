@@ -27,34 +27,50 @@ Payloads are opaque: carried in, handed back in actions.  A request is named by
 worker; every dispatch attempt (a retry after a worker death included) gets a fresh token,
 so a late reply from a worker presumed dead can never be mistaken for the current attempt.
 
+Connections and principals
+--------------------------
+``client`` is the ZeroMQ routing identity of one *connection*: replies and errors go to it,
+request ids are unique per connection, and cancellation, liveness and disconnect are per
+connection.  Fairness, eviction and the per-client caps are about who is *behind* the
+connection, its *principal*: the server passes the attested pid of an ipc client, the
+CurveZMQ user id of a tcp client, or None when it knows neither, and None means the
+connection is its own principal (its identity is the key).  So a process that opens N
+connections still gets one share: one turn in each ring, one set of caps, one count when the
+heaviest is looked for.  A request's principal is recorded on it at admission and never
+recomputed (a later request on the same identity may carry another one); a connection that
+goes away takes exactly its own requests out of its principal's FIFOs and counts.  Below,
+"client" in fairness, eviction and caps means the principal.
+
 Dispatch
 --------
-Each service has three priority classes.  A class holds one FIFO per client (identity) and
-keeps those clients in a ring, least recently served first: a client joins the ring at its
-back when it queues something in the class while having nothing there, a client that is
-served moves to the back, and one whose FIFO empties leaves.  A client's FIFO is in arrival
-order, except that retries go back to its front (see Failure handling).
+Each service has three priority classes.  A class holds one FIFO per principal (holding the
+requests of all its connections) and keeps those principals in a ring, least recently
+served first: a principal joins the ring at its back when it queues something in the class
+while having nothing there, a principal that is served moves to the back, and one whose FIFO
+empties leaves.  A principal's FIFO is in arrival order (across its connections), except
+that retries go back to its front (see Failure handling).
 
 When a worker has spare credit, each non-empty class proposes one *candidate*: walking the
 ring from its front, the first request (in FIFO order) whose pool has a worker with spare
-credit.  The walk looks at no more than ``_SCAN`` requests of one client and ``_CLASS_SCAN``
-requests of the class in all, so a pile of requests that cannot go anywhere now costs a
-constant per pass instead of the queue length; requests found expired on the way are
-failed, never dispatched.  Among the candidates the one with the highest effective priority
-``weight[pri] * (1 + waited / aging_s)`` is dispatched: urgent work wins while fresh, and
-anything that waits long enough overtakes it, so no class starves.  Within a class this is
-round robin between clients: a client with 50,000 queued requests gets one dispatch, then
-every other client waiting in the class (with something placeable) gets one, before its
-next; a client with one request at a time waits for at most one dispatch from each other
-client queued in its class, however long their queues are.  With a single client the order
+credit.  The walk looks at no more than ``_SCAN`` requests of one principal and
+``_CLASS_SCAN`` requests of the class in all, so a pile of requests that cannot go anywhere
+now costs a constant per pass instead of the queue length; requests found expired on the way
+are failed, never dispatched.  Among the candidates the one with the highest effective
+priority ``weight[pri] * (1 + waited / aging_s)`` is dispatched: urgent work wins while
+fresh, and anything that waits long enough overtakes it, so no class starves.  Within a class
+this is round robin between principals: a principal with 50,000 queued requests (on one
+connection or on 50,000) gets one dispatch, then every other principal waiting in the class
+(with something placeable) gets one, before its next; a principal with one request at a time
+waits for at most one dispatch from each other principal queued in its class, however long
+their queues are and however many connections they use.  With a single principal the order
 is plain FIFO, as before.
 
 A request carrying shared-memory references (``local_host`` set) may only go to a worker of
 its service on that host that speaks ``shm``; the workers able to take a given request form a
 *pool* (``None``: every worker of the service; a host name: the shm workers on that host).  A
 request whose pool has no spare credit is skipped by the walk above, so it blocks neither the
-requests behind it in its client's FIFO nor the other clients; its client stays at the front
-of the ring (it was not served) and is served as soon as its pool frees up.
+requests behind it in its principal's FIFO nor the other principals; its principal stays at
+the front of the ring (it was not served) and is served as soon as its pool frees up.
 
 When nothing is queued in the service, a new request goes straight to the least-loaded
 worker of its pool (no order to decide; this is the common case under light load).
@@ -64,32 +80,36 @@ Each pool keeps a lazy min-heap of its workers with spare credit, keyed by
 and pushes one new entry; stale entries are discarded when they surface, and the heap is
 rebuilt when stale entries outnumber live workers.  Choosing a worker is therefore
 O(log workers) and independent of the queue length; nothing scans all workers per request.
-Queueing, unqueueing (dispatch, cancel, deadline, eviction) and moving a client in its ring
-are O(1) OrderedDict operations.
+Queueing, unqueueing (dispatch, cancel, deadline, eviction) and moving a principal in its
+ring are O(1) OrderedDict operations.
 
 Admission
 ---------
-After the checks that make a request invalid (priority, duplicate id, deadline already
-passed, NOT_LOCAL), a request is refused at once with QUEUE_FULL, and nothing else changes,
-when its client (identity, across all services) already has ``max_client_requests``
-requests outstanding (queued, running or cancelling), or when its ``size`` (the inline
-payload bytes the server passes) would take the ``size`` sum of the client's outstanding
-requests over ``max_client_bytes``.  Bytes are counted from admission until the request's
-final, whatever the path (result, direct reply, error, cancel, deadline, worker failure,
-eviction), or until the client goes away; a retry after a worker death keeps them counted.
+After the checks that make a request invalid (priority, duplicate id on its connection,
+deadline already passed, NOT_LOCAL), a request is refused at once with QUEUE_FULL, and
+nothing else changes, when its principal (all its connections, across all services) already
+has ``max_client_requests`` requests outstanding (queued, running or cancelling), or when its
+``size`` (the inline payload bytes the server passes) would take the ``size`` sum of the
+principal's outstanding requests over ``max_client_bytes``.  Bytes are counted from admission
+until the request's final, whatever the path (result, direct reply, error, cancel, deadline,
+worker failure, eviction), or until its connection goes away; a retry after a worker death
+keeps them counted.  Both are O(1) dict entries per principal (no zero entries), adjusted
+request by request, so they stay exact as the principal's connections come and go.
 
 ``max_queue`` bounds the requests queued in one service.  When the queue is over it after
 dispatching and the newcomer is still queued, one request is refused: the newest (latest
-``enqueued_at``; on a tie, the least urgent) queued request of the client holding the most
-queued requests in that service.  If that is the newcomer's own client (ties included), the
-newcomer is refused; otherwise the evicted request gets its QUEUE_FULL final now and the
-newcomer stays.  So a client can only ever push itself into QUEUE_FULL, and a client's burst
-fills the queue at no one else's expense.  (Retries after a worker death may take a queue
-over ``max_queue``; they refuse nothing.)  A client's queued count in a service is the
-length of its (at most three) FIFOs there: O(1) to read and nothing to maintain.  Once a
-queue overflows, its clients are also bucketed by count (``_Service.tiers``,
-``_Service.top``) until it is down to half of ``max_queue``, so finding the heaviest client
-is O(1) amortised and costs nothing while queues stay short (see ``Scheduler._heaviest``).
+``enqueued_at``; on a tie, the least urgent) queued request of the principal holding the most
+queued requests in that service, whichever of its connections sent it (the QUEUE_FULL goes to
+that connection).  If that is the newcomer's own principal (ties included), the newcomer is
+refused; otherwise the evicted request gets its QUEUE_FULL final now and the newcomer stays.
+So a principal can only ever push itself into QUEUE_FULL, and a principal's burst, on any
+number of connections, fills the queue at no one else's expense.  (Retries after a worker
+death may take a queue over ``max_queue``; they refuse nothing.)  A principal's queued count
+in a service is the length of its (at most three) FIFOs there: O(1) to read and nothing to
+maintain.  Once a queue overflows, its principals are also bucketed by count
+(``_Service.tiers``, ``_Service.top``) until it is down to half of ``max_queue``, so finding
+the heaviest principal is O(1) amortised and costs nothing while queues stay short (see
+``Scheduler._heaviest``).
 
 Time
 ----
@@ -102,13 +122,14 @@ O(1) store, and :meth:`Scheduler.next_wakeup` is exact after it settles the heap
 Failure handling
 ----------------
 A worker that dies (DISCONNECT, a second READY, or silence for ``heartbeat_liveness``
-intervals) loses its requests: RUNNING ones go back to the front of their client's FIFO,
-and that client to the front of its class's ring (they have already waited their turn), with
+intervals) loses its requests: RUNNING ones go back to the front of their principal's FIFO,
+and that principal to the front of its class's ring (they have already waited their turn), with
 ``attempt + 1`` until ``max_retries`` is spent (then WORKER_FAILED), CANCELLING ones finish
 as CANCELLED, ABANDONED ones simply vanish.  A request whose pool has had no live worker
 for ``service_grace`` seconds fails with SERVICE_UNAVAILABLE (or NOT_LOCAL when the service
-lives on, but not on the request's host).  A client that disconnects or falls silent loses
-its queued requests silently and its running ones are cancelled at the worker.
+lives on, but not on the request's host).  A client connection that disconnects or falls
+silent loses its queued requests silently and its running ones are cancelled at the worker;
+the other connections of its principal keep theirs.
 """
 from __future__ import annotations
 
@@ -148,14 +169,15 @@ def cuda_key(host: str) -> str:
 class Config:
     heartbeat_interval: float = 1.0  # seconds between heartbeats to workers
     heartbeat_liveness: int = 3  # missed intervals before a peer is presumed dead
-    max_queue: int = 1024  # queued requests per service (the heaviest client yields first)
+    max_queue: int = 1024  # queued requests per service (the heaviest principal yields first)
     priority_weights: tuple = (3.0, 1.0, 0.5)  # urgent, normal, background
     aging_s: float = 0.5  # waiting this long adds one unit of the weight (no starvation)
     max_retries: int = 2  # re-dispatches after worker deaths before WORKER_FAILED
     service_grace: float = 1.0  # wait for a live worker before SERVICE_UNAVAILABLE
     client_liveness: float | None = None  # default heartbeat_interval * heartbeat_liveness
-    # Per client identity, across services: outstanding (queued, running or cancelling)
-    # requests, and the sum of their ``size`` (inline payload bytes).  Over either: QUEUE_FULL.
+    # Per principal (a client process or user, all its connections together; see the module
+    # docstring), across services: outstanding (queued, running or cancelling) requests, and
+    # the sum of their ``size`` (inline payload bytes).  Over either: QUEUE_FULL.
     max_client_requests: int = 4096
     max_client_bytes: int = 512 << 20  # 512 MiB: two of the broker's largest messages
 
@@ -234,7 +256,7 @@ _LIVE_FOR_CLIENT = (_QUEUED, _RUNNING, _CANCELLING)
 _T_DEADLINE, _T_GRACE, _T_HEARTBEAT, _T_WORKER, _T_CLIENT = range(5)
 
 # How many queued requests a dispatch pass looks at to get past ones that cannot go anywhere
-# now (locality): at most _SCAN of one client's FIFO and _CLASS_SCAN of one priority class.
+# now (locality): at most _SCAN of one principal's FIFO and _CLASS_SCAN of one priority class.
 # Bounded so a pile of unplaceable requests costs a constant per pass, not the queue length.
 _SCAN = 16
 _CLASS_SCAN = 4 * _SCAN
@@ -254,7 +276,7 @@ _COUNTERS = (
     "protocol_errors",
     "client_dropped",
     "worker_deaths",
-    "evicted",                   # queued requests of the heaviest client refused for a newcomer
+    "evicted",                   # queued requests of the heaviest principal refused for a newcomer
     "rejected_client_requests",  # over max_client_requests
     "rejected_client_bytes",     # over max_client_bytes
 )
@@ -263,6 +285,7 @@ _COUNTERS = (
 class _Request:
     __slots__ = (
         "client",
+        "principal",
         "request_id",
         "svc",
         "payload",
@@ -278,9 +301,12 @@ class _Request:
         "size",
     )
 
-    def __init__(self, client, request_id, svc, payload, priority, deadline, local_host, now,
-                 size):
-        self.client = client
+    def __init__(self, client, principal, request_id, svc, payload, priority, deadline,
+                 local_host, now, size):
+        self.client = client  # the connection: where its replies go
+        # Who it counts against (fairness, eviction, caps): fixed at admission, never
+        # recomputed (the connection's next request may carry another principal).
+        self.principal = principal
         self.request_id = request_id
         self.svc = svc
         self.payload = payload
@@ -293,7 +319,7 @@ class _Request:
         self.worker = None
         self.token = 0
         self.dispatched_at = 0.0
-        self.size = size  # counted in Scheduler._bytes while live for the client
+        self.size = size  # counted in Scheduler._bytes, its principal's, while live
 
 
 class _Pool:
@@ -318,17 +344,18 @@ class _Service:
 
     def __init__(self, name, now, epoch):
         self.name = name
-        # One ring per priority class: client -> that client's FIFO, least recently served
-        # client first (see Dispatch in the module docstring).  OrderedDicts throughout: O(1)
-        # append, removal from the middle (cancel, deadline, eviction), move to either end
-        # (a served client to the back, a retry to the front).  FIFO keys are the requests
+        # One ring per priority class: principal -> that principal's FIFO (the requests of
+        # all its connections), least recently served principal first (see Dispatch in the
+        # module docstring).  OrderedDicts throughout: O(1) append, removal from the middle
+        # (cancel, deadline, eviction, a connection gone), move to either end (a served
+        # principal to the back, a retry to the front).  FIFO keys are the requests
         # themselves; no FIFO in a ring is ever empty.
         self.classes = (OrderedDict(), OrderedDict(), OrderedDict())
         self.queued = 0
-        # How many requests a client has queued here is the length of its FIFOs (at most
-        # three: _Service.count).  While the queue is long (see Scheduler._heaviest), the
-        # clients are also bucketed by that count (count -> {client: None}; no empty
-        # buckets), the largest count in ``top``, so that who holds most is an O(1)
+        # How many requests a principal has queued here is the length of its FIFOs (at
+        # most three: _Service.count).  While the queue is long (see Scheduler._heaviest),
+        # the principals are also bucketed by that count (count -> {principal: None}; no
+        # empty buckets), the largest count in ``top``, so that who holds most is an O(1)
         # question; None while the queue is short.
         self.tiers = None
         self.top = 0
@@ -337,11 +364,11 @@ class _Service:
         self.pools = {None: self.any}
         self.in_flight = 0  # tokens held by this service's workers, abandoned ones included
 
-    def count(self, client):
-        """How many requests ``client`` has queued in this service (all classes): O(1)."""
+    def count(self, principal):
+        """How many requests ``principal`` has queued in this service (all classes): O(1)."""
         n = 0
         for ring in self.classes:
-            fifo = ring.get(client)
+            fifo = ring.get(principal)
             if fifo is not None:
                 n += len(fifo)
         return n
@@ -410,8 +437,12 @@ class Scheduler:
         self._services: dict[str, _Service] = {}
         self._workers: dict[bytes, _Worker] = {}
         self._clients: dict[bytes, _Client] = {}  # only clients that sent a heartbeat
-        self._requests: dict[bytes, dict[int, _Request]] = {}  # live for their client
-        self._bytes: dict[bytes, int] = {}  # sum of their sizes, per client; no zero entries
+        # Requests live for their client, per connection (routing, duplicate ids, cancel,
+        # disconnect), and what they count against the caps, per principal (see the module
+        # docstring): how many, and the sum of their sizes.  No empty or zero entries.
+        self._requests: dict[bytes, dict[int, _Request]] = {}
+        self._outstanding: dict[object, int] = {}
+        self._bytes: dict[object, int] = {}
         self._live = 0  # requests not DONE; bounds the number of valid timers
         self._timers: list = []
         self._seq = itertools.count()
@@ -573,13 +604,19 @@ class Scheduler:
         deadline: float | None = None,
         local_host: str | None = None,
         size: int = 0,
+        principal: object = None,
     ) -> list[Action]:
         """Admit, dispatch, or refuse a request.  ``deadline`` is absolute on the clock of
         ``now``; ``local_host`` marks a request whose tensors sit in shared memory on that
         host; ``size`` is what the request counts against ``max_client_bytes`` while it is
-        live (the server passes its inline payload bytes).  Refusals (expired, duplicate id,
-        NOT_LOCAL, QUEUE_FULL) are immediate; admitting a request into a full queue may
-        instead evict a queued request of a heavier client (see Admission)."""
+        live (the server passes its inline payload bytes).  ``principal`` (hashable; the
+        server passes an attested pid or a CurveZMQ user id, never bytes) is who the request
+        counts against for fairness, eviction and the caps; None: the connection ``client``
+        is its own principal.  Refusals (expired, duplicate id, NOT_LOCAL, QUEUE_FULL) are
+        immediate; admitting a request into a full queue may instead evict a queued request
+        of a heavier principal (see Admission)."""
+        if principal is None:
+            principal = client
         self._touch_client(client, now)
         cnt = self._counters
 
@@ -610,29 +647,32 @@ class Scheduler:
             if pool is None or pool.live == 0:
                 cnt["not_local"] += 1
                 return reject(ErrorCode.NOT_LOCAL, self._not_local_message(service, local_host))
-        if mine is not None and len(mine) >= self._max_client_requests:
+        outstanding = self._outstanding.get(principal, 0)
+        if outstanding >= self._max_client_requests:
             cnt["rejected_client_requests"] += 1
             return reject(ErrorCode.QUEUE_FULL,
-                          f"this client already has {len(mine)} requests outstanding, the "
-                          f"limit per client (max_client_requests="
-                          f"{self._max_client_requests}); wait for results before sending "
-                          f"more")
+                          f"this client process/principal already has {outstanding} requests "
+                          f"outstanding over all its connections, the limit per client "
+                          f"(max_client_requests={self._max_client_requests}); wait for "
+                          f"results before sending more")
         if size:
-            held = self._bytes.get(client, 0)
+            held = self._bytes.get(principal, 0)
             if held + size > self._max_client_bytes:
                 cnt["rejected_client_bytes"] += 1
                 return reject(ErrorCode.QUEUE_FULL,
-                              f"this request's {size} payload bytes would take this client's "
-                              f"outstanding requests to {held + size} bytes, over the limit "
+                              f"this request's {size} payload bytes would take the "
+                              f"outstanding requests of this client process/principal (over "
+                              f"all its connections) to {held + size} bytes, over the limit "
                               f"per client (max_client_bytes={self._max_client_bytes}); wait "
                               f"for results before sending more, or pass large tensors in "
                               f"shared memory")
-            self._bytes[client] = held + size
+            self._bytes[principal] = held + size
+        self._outstanding[principal] = outstanding + 1
         if svc is None:
             svc = self._service(service, now)
 
-        req = _Request(client, request_id, svc, payload, priority, deadline, local_host, now,
-                       size)
+        req = _Request(client, principal, request_id, svc, payload, priority, deadline,
+                       local_host, now, size)
         self._live += 1
         if mine is None:
             mine = self._requests[client] = {}
@@ -660,9 +700,9 @@ class Scheduler:
         # clogged with requests it cannot take.
         if req.state == _QUEUED and svc.queued > self.config.max_queue:
             top, heavy = self._heaviest(svc)
-            n = svc.count(client)
+            n = svc.count(principal)
             if n >= top:
-                # This client holds the most (ties included): the newcomer is refused.
+                # This principal holds the most (ties included): the newcomer is refused.
                 self._unqueue(req)
                 self._unlink(req)
                 self._retire(req)
@@ -670,18 +710,20 @@ class Scheduler:
                 out.append(ClientError(
                     client, request_id, service, ErrorCode.QUEUE_FULL,
                     f"the queue for '{service}' is full ({self.config.max_queue} waiting) and "
-                    f"this client holds the largest share of it ({n - 1} waiting); retry "
-                    f"with backoff, lower the request rate or start more workers", payload))
+                    f"this client process/principal holds the largest share of it ({n - 1} "
+                    f"waiting, over all its connections); retry with backoff, lower the "
+                    f"request rate or start more workers", payload))
             else:
                 victim = self._newest(svc, heavy)
                 cnt["evicted"] += 1
                 self._unqueue(victim)
                 self._error(victim, ErrorCode.QUEUE_FULL,
                             f"the queue for '{service}' is full ({self.config.max_queue} "
-                            f"waiting) and this client holds the largest share of it "
-                            f"({top} waiting): its newest request made room "
-                            f"for another client's; retry with backoff or send fewer "
-                            f"requests at a time", out)
+                            f"waiting) and this client process/principal holds the "
+                            f"largest share of it ({top} waiting, over all its "
+                            f"connections): its newest request made room for another "
+                            f"client's; retry with backoff or send fewer requests at a "
+                            f"time", out)
                 self._retire(victim)
         self._flush(now, out)
         return out
@@ -723,7 +765,8 @@ class Scheduler:
         return []
 
     def client_disconnect(self, client: bytes, now: float) -> list[Action]:
-        """Drop the client's queued requests silently and cancel its running ones."""
+        """Drop the connection's queued requests silently and cancel its running ones (its
+        principal's other connections keep theirs)."""
         out: list[Action] = []
         self._drop_client(client, out)
         self._flush(now, out)
@@ -805,16 +848,19 @@ class Scheduler:
             "workers": len(self._workers),
             "clients": len(self._clients),
             "requests": self._live,
-            "client_requests": sum(map(len, self._requests.values())),
+            "client_requests": sum(self._outstanding.values()),
             "client_bytes": sum(self._bytes.values()),
+            "principals": len(self._outstanding),  # with something outstanding
             "counters": dict(self._counters),
         }
 
-    def client_usage(self, client: bytes) -> dict:
-        """What ``client`` holds against its caps: requests outstanding (queued, running or
-        cancelling, all services) and the sum of their sizes in bytes."""
-        return {"outstanding": len(self._requests.get(client, ())),
-                "bytes": self._bytes.get(client, 0)}
+    def client_usage(self, principal: object) -> dict:
+        """What ``principal`` holds against its caps, over all its connections: requests
+        outstanding (queued, running or cancelling, all services) and the sum of their
+        sizes in bytes.  ``principal`` is what the requests were sent with (a pid, a user
+        id), or the connection identity for requests sent with ``principal=None``."""
+        return {"outstanding": self._outstanding.get(principal, 0),
+                "bytes": self._bytes.get(principal, 0)}
 
     # ------------------------------------------------------------------ internals
 
@@ -857,7 +903,8 @@ class Scheduler:
     # ---- bookkeeping of one request
 
     def _unlink(self, req):
-        """The client has its final: forget the request under its client's name."""
+        """The client has its final: forget the request under its connection's name and
+        stop counting it against its principal."""
         # Stale timer entries may keep this object a while (lazy deletion); the payload can
         # be a 64 MB inline tensor, so it must not stay reachable through them.
         req.payload = None
@@ -867,12 +914,23 @@ class Scheduler:
             del mine[req.request_id]
             if not mine:
                 del self._requests[client]
-            if req.size:
-                left = self._bytes[client] - req.size
-                if left:
-                    self._bytes[client] = left
-                else:
-                    del self._bytes[client]
+            self._release(req)
+
+    def _release(self, req):
+        """Take a request that was live for its client off its principal's counts (once:
+        the caller has just removed it from ``_requests``)."""
+        p = req.principal
+        left = self._outstanding[p] - 1
+        if left:
+            self._outstanding[p] = left
+        else:
+            del self._outstanding[p]
+        if req.size:
+            left = self._bytes[p] - req.size
+            if left:
+                self._bytes[p] = left
+            else:
+                del self._bytes[p]
 
     def _retire(self, req):
         req.state = _DONE
@@ -881,10 +939,10 @@ class Scheduler:
 
     @staticmethod
     def _enqueue(req, front=False):
-        """Queue ``req`` at the back of its client's FIFO in its class (a retry: at the front
-        of the FIFO, and its client at the front of the ring)."""
+        """Queue ``req`` at the back of its principal's FIFO in its class (a retry: at the
+        front of the FIFO, and its principal at the front of the ring)."""
         svc = req.svc
-        c = req.client
+        c = req.principal
         ring = svc.classes[req.priority]
         fifo = ring.get(c)
         if fifo is None:
@@ -911,10 +969,10 @@ class Scheduler:
                 svc.top = k
 
     def _take(self, req, served):
-        """Remove ``req`` from its queue; ``served``: it is being dispatched, so its client
+        """Remove ``req`` from its queue; ``served``: it is being dispatched, so its principal
         moves to the back of the ring."""
         svc = req.svc
-        c = req.client
+        c = req.principal
         ring = svc.classes[req.priority]
         fifo = ring[c]
         del fifo[req]
@@ -944,10 +1002,10 @@ class Scheduler:
 
     @staticmethod
     def _heaviest(svc):
-        """(count, client): a client holding the most queued requests in ``svc``.
+        """(count, principal): a principal holding the most queued requests in ``svc``.
 
         Only asked when the queue is over ``max_queue``.  The buckets that answer it in O(1)
-        are built then (O(clients queued), at most O(queue length)) and kept up to date until
+        are built then (O(principals queued), at most O(queue length)) and kept up to date until
         the queue is down to half of ``max_queue``; refilling it takes at least half as many
         enqueues as the next build can cost, so the cost is O(1) amortised, and nothing at
         all while queues stay short (the hot path)."""
@@ -973,16 +1031,17 @@ class Scheduler:
 
     def _unqueue(self, req):
         """Remove a queued request that is not being dispatched (cancel, deadline, grace,
-        eviction, its client gone)."""
+        eviction, its connection gone)."""
         self._take(req, False)
         self._dirty[req.svc] = None
 
     @staticmethod
-    def _newest(svc, client):
-        """The newest request ``client`` has queued in ``svc`` (on a tie, the least urgent)."""
+    def _newest(svc, principal):
+        """The newest request ``principal`` has queued in ``svc``, from whichever of its
+        connections (on a tie, the least urgent)."""
         best = None
         for pri in (2, 1, 0):
-            fifo = svc.classes[pri].get(client)
+            fifo = svc.classes[pri].get(principal)
             if fifo:
                 req = next(reversed(fifo))
                 if best is None or req.enqueued_at > best.enqueued_at:
@@ -1041,8 +1100,8 @@ class Scheduler:
                 expired = None
                 cand = None
                 left = _CLASS_SCAN
-                # Least recently served client first; in its FIFO, the first request that can
-                # go somewhere now (see Dispatch in the module docstring).
+                # Least recently served principal first; in its FIFO, the first request that
+                # can go somewhere now (see Dispatch in the module docstring).
                 for fifo in ring.values():
                     n = scan if scan < left else left
                     for req in fifo:
@@ -1117,7 +1176,7 @@ class Scheduler:
             else:
                 self._retire(req)
         w.in_flight = {}
-        # Front of their FIFOs, and their clients to the front of the rings, oldest first:
+        # Front of their FIFOs, and their principals to the front of the rings, oldest first:
         # these requests have already waited their turn.
         for req in reversed(retry):
             self._counters["retried"] += 1
@@ -1210,13 +1269,16 @@ class Scheduler:
     # ---- clients
 
     def _drop_client(self, client, out):
+        """The connection ``client`` went away (or fell silent): exactly its requests go;
+        its principal's other connections keep theirs, and their counts."""
         self._clients.pop(client, None)
         mine = self._requests.pop(client, None)
         if not mine:
             return
-        # Nothing of the client's is live any more: none of its bytes stay counted.
-        self._bytes.pop(client, None)
         for req in mine.values():
+            # Nothing of the connection's is live for it any more: off its principal's
+            # counts (request by request: they need not share one principal).
+            self._release(req)
             if req.state == _QUEUED:
                 self._counters["client_dropped"] += 1
                 self._unqueue(req)

@@ -288,3 +288,39 @@ def test_tcp_request_checks():
     assert S.names_local_memory(P.Request(id=1, tensors=[cuda]))
     assert S.names_local_memory(P.Request(id=1, host="h", reply_to="ipc:///tmp/c.ipc"))
     assert not S.peer_is_tcp(b"not a received frame")
+
+
+def test_a_tcp_clients_principal_is_its_key_across_connections(keys):
+    """Caps and the round-robin count a CURVE client by its key, not by its connection:
+    two sockets with one key are one principal (broker.state, "Connections and principals")."""
+    import threading
+    import time
+
+    root, k = keys
+    cfg = BrokerConfig(frontend="tcp://127.0.0.1:0", backend="ipc://" + str(root / "be.ipc"),
+                       security=S.SecurityConfig(curve_secret=k["server"][1], client_keys=str(root / "clients")))
+    stop = threading.Event()
+    with Broker(cfg) as b:
+        t = threading.Thread(target=b.serve, args=(stop,))
+        t.start()
+        socks = []
+        try:
+            pub, sec = zmq.auth.load_certificate(k["client"][1])
+            server_pub = zmq.auth.load_certificate(k["server"][0])[0]
+            for i in range(2):
+                s = zmq.Context.instance().socket(zmq.DEALER)
+                s.linger = 0
+                C.configure_peer(s, C.PeerKeys(server=server_pub, public=pub, secret=sec))
+                s.connect(b.frontend_ep)
+                socks.append(s)
+                # No worker serves it, so the request stays queued (for service_grace).
+                s.send_multipart(P.client_request("nobody", [P.encode_header(P.Request(id=1))]))
+            deadline = time.monotonic() + 10
+            while b.sched.client_usage(f"curve:{pub.decode()}")["outstanding"] < 2:
+                assert time.monotonic() < deadline, b.sched.stats()
+                time.sleep(0.01)
+        finally:
+            stop.set()
+            t.join(10)
+            for s in socks:
+                s.close(0)

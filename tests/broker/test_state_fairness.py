@@ -1,7 +1,9 @@
 """broker.state: fair sharing between clients, eviction of the heaviest, per-client caps.
 
 All on the pure state machine with an injected clock (see the module docstring of
-broker.state, sections Dispatch and Admission).
+broker.state, sections Connections and principals, Dispatch and Admission).  The tests that
+pass no ``principal`` use connections that are their own principal; the section at the end
+has principals with many connections.
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ def assert_nothing_held(s):
     st = s.stats()
     assert st["requests"] == 0
     assert st["client_requests"] == 0 and st["client_bytes"] == 0
-    assert s._bytes == {} and s._requests == {}
+    assert s._bytes == {} and s._requests == {} and s._outstanding == {}
+    assert st["principals"] == 0
     for svc in s._services.values():
         assert svc.queued == 0 and svc.tiers is None
         assert all(not ring for ring in svc.classes)
@@ -438,4 +441,210 @@ def test_bytes_stay_counted_across_a_retry_then_go():
     d = only(s.worker_ready(b"w2", "svc", 0.2), Dispatch)
     assert d.attempt == 1
     s.worker_final(b"w2", d.token, 0.3, None)
+    assert_nothing_held(s)
+
+
+# ----------------------------------------------------------------------------- principals
+
+PID, USER = 4242, "alice"  # what the server passes: an attested pid, a CurveZMQ user id
+
+
+def conns(n, prefix=b"p"):
+    return [prefix + str(i).encode() for i in range(n)]
+
+
+def test_a_principal_with_100_connections_gets_one_share_of_the_ring():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, X, 0), Dispatch).token
+    many = conns(100)
+    for c in many:
+        assert req(s, c, 1, principal=PID) == []
+    assert req(s, B, 1, principal=USER) == []  # one connection, behind all 100
+    order, _ = drain(s, b"w", token, 3)
+    assert (B, 1) in order[:2], order
+    assert order == [(many[0], 1), (B, 1), (many[1], 1)]  # routed to each connection
+    # The same 100 connections as their own principals: B waits behind all of them.
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, X, 0), Dispatch).token
+    for c in many:
+        req(s, c, 1)
+    req(s, B, 1)
+    order, _ = drain(s, b"w", token, 101)
+    assert order.index((B, 1)) == 100
+
+
+def test_one_principal_on_many_connections_is_fifo_across_them():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, X, 0), Dispatch).token
+    sent = [(c, rid) for rid in (1, 2) for c in (A, B, C)]
+    for c, rid in sent:
+        req(s, c, rid, principal=PID)
+    order, _ = drain(s, b"w", token, 6)
+    assert order == sent
+
+
+def test_request_cap_counts_every_connection_of_a_principal():
+    s = Scheduler(Config(max_client_requests=3))
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, A, 1, principal=PID), Dispatch)  # running
+    assert req(s, B, 1, principal=PID) == []  # queued
+    assert req(s, C, 1, principal=PID) == []
+    assert s.client_usage(PID) == {"outstanding": 3, "bytes": 0}
+    assert s.client_usage(A) == {"outstanding": 0, "bytes": 0}  # a connection, not a principal
+    err = only(req(s, D, 1, principal=PID), ClientError)  # a fresh connection: same principal
+    assert (err.client, err.request_id, err.code) == (D, 1, ErrorCode.QUEUE_FULL)
+    assert "max_client_requests=3" in err.message
+    assert "this client process/principal" in err.message
+    assert only(req(s, A, 2, principal=PID), ClientError).code == ErrorCode.QUEUE_FULL
+    assert s.stats()["counters"]["rejected_client_requests"] == 2
+    assert req(s, D, 2, principal=USER) == []  # another principal is not affected
+    assert req(s, X, 1) == []  # nor a connection that is its own principal
+    assert s.stats()["principals"] == 3  # PID, USER and X (the worker still holds X 0)
+    s.worker_final(b"w", d.token, 0.1, None)
+    assert s.client_usage(PID)["outstanding"] == 2
+    assert of(req(s, D, 3, principal=PID, now=0.2), ClientError) == []
+
+
+def test_byte_cap_counts_every_connection_of_a_principal():
+    s = Scheduler(Config(max_client_bytes=100))
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, A, 1, size=60, principal=PID), Dispatch)
+    err = only(req(s, B, 1, size=50, principal=PID), ClientError)
+    assert (err.client, err.code) == (B, ErrorCode.QUEUE_FULL)
+    assert "max_client_bytes=100" in err.message
+    assert "this client process/principal" in err.message
+    assert s.stats()["counters"]["rejected_client_bytes"] == 1
+    assert req(s, B, 2, size=40, principal=PID) == []  # exactly at the limit
+    assert only(req(s, C, 1, size=1, principal=PID), ClientError).code == ErrorCode.QUEUE_FULL
+    assert req(s, C, 2, principal=PID) == []  # size 0 is never refused for bytes
+    assert req(s, D, 1, size=100, principal=USER) == []  # per principal
+    assert s.client_usage(PID) == {"outstanding": 3, "bytes": 100}
+    assert s.client_usage(USER) == {"outstanding": 1, "bytes": 100}
+    assert s.stats()["client_bytes"] == 200
+    s.worker_final(b"w", d.token, 0.1, None)  # A's 60 go; B's 40 are dispatched
+    assert s.client_usage(PID) == {"outstanding": 2, "bytes": 40}
+    assert of(req(s, C, 3, size=60, principal=PID, now=0.2), ClientError) == []
+
+
+def test_1024_one_request_connections_fill_the_queue_and_yield_to_another_principal():
+    s = Scheduler(Config(max_queue=1024))
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, X, 0), Dispatch).token
+    many = conns(1024)
+    for i, c in enumerate(many):
+        assert req(s, c, 1, now=i * 1e-4, principal=PID) == []
+    assert s.stats()["services"]["svc"]["queued"]["normal"] == 1024
+    out = req(s, B, 1, now=0.2, principal=USER)
+    # The newcomer stays; the principal's newest request goes, to its own connection.
+    err = only(out, ClientError)
+    assert (err.client, err.request_id, err.code) == (many[-1], 1, ErrorCode.QUEUE_FULL)
+    assert err.payload == (many[-1], 1)
+    assert "largest share" in err.message and "1024 waiting" in err.message
+    c = s.stats()["counters"]
+    assert c["evicted"] == 1 and c["rejected_full"] == 0
+    assert s.client_usage(PID)["outstanding"] == 1023
+    # The principal's next newcomer, on yet another connection, only pushes itself out.
+    err = only(req(s, b"new", 1, now=0.3, principal=PID), ClientError)
+    assert (err.client, err.request_id) == (b"new", 1)
+    assert "largest share" in err.message
+    order, _ = drain(s, b"w", token, 2, now=0.4)
+    assert order == [(many[0], 1), (B, 1)]
+    # Without principals each connection holds one, ties with the newcomer: it is refused.
+    s = Scheduler(Config(max_queue=1024))
+    s.worker_ready(b"w", "svc", 0.0)
+    only(req(s, X, 0), Dispatch)
+    for c in many:
+        req(s, c, 1)
+    err = only(req(s, B, 1, now=0.2), ClientError)
+    assert (err.client, err.request_id) == (B, 1)
+
+
+def test_a_tie_between_principals_refuses_the_newcomer():
+    s = Scheduler(Config(max_queue=4))
+    s.worker_ready(b"w", "svc", 0.0)
+    only(req(s, X, 0), Dispatch)
+    req(s, A, 1, now=0.1, principal=PID)
+    req(s, B, 1, now=0.2, principal=PID)
+    req(s, C, 1, now=0.3, principal=USER)
+    req(s, D, 1, now=0.4, principal=USER)
+    err = only(req(s, b"E", 1, now=0.5, principal=USER), ClientError)  # USER would hold 3
+    assert (err.client, err.request_id) == (b"E", 1)
+    err = only(req(s, b"F", 1, now=0.6), ClientError)  # a third principal evicts
+    assert (err.client, err.request_id) in {(B, 1), (D, 1)}
+
+
+def test_disconnecting_one_connection_releases_exactly_its_requests():
+    s = Scheduler(Config(max_client_requests=5, max_client_bytes=100))
+    s.worker_ready(b"w", "svc", 0.0, credit=2)
+    da = only(req(s, A, 1, size=10, principal=PID), Dispatch)  # running
+    db = only(req(s, B, 1, size=5, principal=PID), Dispatch)  # running
+    req(s, A, 2, size=20, principal=PID)
+    req(s, B, 2, size=7, principal=PID)
+    req(s, A, 3, size=30, principal=PID)
+    assert s.client_usage(PID) == {"outstanding": 5, "bytes": 72}
+    assert only(req(s, C, 1, principal=PID), ClientError).code == ErrorCode.QUEUE_FULL
+    out = s.client_disconnect(A, 0.1)
+    assert out == [CancelAtWorker(b"w", da.token)]
+    assert s.client_usage(PID) == {"outstanding": 2, "bytes": 12}
+    assert s.stats()["services"]["svc"]["queued"]["normal"] == 1
+    ring = s._services["svc"].classes[Priority.NORMAL]
+    assert [(r.client, r.request_id) for r in ring[PID]] == [(B, 2)]
+    assert s.stats()["counters"]["client_dropped"] == 2
+    # The freed counts are usable at once, on another connection of the same principal.
+    assert req(s, C, 2, size=88, principal=PID) == []
+    # A's worker answers late: dropped; B's requests are served and routed to B.
+    out = s.worker_final(b"w", da.token, 0.2, None)
+    assert of(out, ToClient) == []
+    assert s.stats()["counters"]["dropped_late"] == 1
+    d = only(out, Dispatch)
+    assert (d.client, d.request_id) == (B, 2)
+    assert only(s.worker_final(b"w", db.token, 0.3, "r"), ToClient).client == B
+    d2 = only(s.worker_final(b"w", d.token, 0.4, "r"), ToClient)
+    assert (d2.client, d2.request_id) == (B, 2)
+    assert s.client_usage(PID) == {"outstanding": 1, "bytes": 88}
+    s.client_disconnect(C, 0.5)
+    s.client_disconnect(B, 0.5)
+    for w in s._workers.values():
+        for t in list(w.in_flight):
+            s.worker_final(w.ident, t, 0.6, None)
+    assert_nothing_held(s)
+
+
+def test_a_silent_connection_drops_only_its_own_requests():
+    s = Scheduler(Config(client_liveness=2.0))
+    s.worker_ready(b"w", "svc", 0.0)
+    only(req(s, X, 0), Dispatch)
+    s.client_heartbeat(A, 0.0)
+    req(s, A, 1, size=3, principal=PID)
+    req(s, B, 1, size=4, principal=PID)
+    s.client_seen(B, 1.9)
+    out = s.tick(2.0)  # A is presumed gone; its queued request goes silently
+    assert of(out, ClientError) == [] and of(out, CancelAtWorker) == []
+    assert s.stats()["counters"]["client_dropped"] == 1
+    assert s.client_usage(PID) == {"outstanding": 1, "bytes": 4}
+    ring = s._services["svc"].classes[Priority.NORMAL]
+    assert [r.client for r in ring[PID]] == [B]
+
+
+def test_a_requests_principal_is_fixed_at_admission():
+    # One identity, two principals (e.g. a reconnect that reuses the identity): each request
+    # stays counted where it was admitted, and leaves from there.
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, A, 1, size=10, principal=PID), Dispatch)
+    req(s, A, 2, size=20, principal=USER)
+    req(s, A, 3, size=40, principal=USER)
+    assert s.client_usage(PID) == {"outstanding": 1, "bytes": 10}
+    assert s.client_usage(USER) == {"outstanding": 2, "bytes": 60}
+    s.client_cancel(A, 3, 0.1)
+    assert s.client_usage(USER) == {"outstanding": 1, "bytes": 20}
+    d2 = only(s.worker_final(b"w", d.token, 0.2, None), Dispatch)
+    assert (d2.client, d2.request_id) == (A, 2)
+    assert s.client_usage(PID) == {"outstanding": 0, "bytes": 0}
+    s.client_disconnect(A, 0.3)
+    assert s.client_usage(USER) == {"outstanding": 0, "bytes": 0}
+    s.worker_final(b"w", d2.token, 0.4, None)
     assert_nothing_held(s)

@@ -9,12 +9,15 @@ which requests are still owed a final) checks every action the scheduler returns
   worker of its service;
 - tick() before next_wakeup() has nothing to do;
 - once workers stop dying and time moves on, every request gets exactly one final;
-- with several clients: the per-client caps refuse exactly the requests over them, and
-  nothing else; an eviction only ever takes a queued request of another client; the queue
-  bookkeeping (per-client FIFOs in rings, per-client queued counts and their buckets) agrees
-  with the queued requests and never holds an empty FIFO or a zero or negative count; each client's
-  outstanding requests and bytes agree with what the model owes it, and are back to 0 at the
-  end.
+- with several client connections, mapped onto fewer principals (several connections per
+  principal, one connection its own principal, and a connection's principal may change
+  between its requests): the per-principal caps refuse exactly the requests over them, and
+  nothing else; an eviction only ever takes a queued request of another principal, and its
+  error goes to that request's own connection; the queue bookkeeping (per-principal FIFOs in
+  rings, per-principal queued counts and their buckets) agrees with the queued requests and
+  never holds an empty FIFO or a zero or negative count; each principal's outstanding
+  requests and bytes agree with what the model owes it (whatever its connections did), and
+  are back to 0 at the end.
 """
 from __future__ import annotations
 
@@ -37,7 +40,11 @@ from broker.state import (
 )
 
 WORKERS = [b"w0", b"w1", b"w2", b"w3"]
-CLIENTS = [b"c0", b"c1", b"c2"]
+CLIENTS = [b"c0", b"c1", b"c2", b"c3", b"c4"]  # connections (routing identities)
+# What the server passes as ``principal`` (None: the connection is its own principal).
+PRINCIPALS = [None, 7, "u"]
+FIRST_PRINCIPAL = {b"c0": None, b"c1": 7, b"c2": 7, b"c3": "u", b"c4": "u"}
+PRINCIPAL_KEYS = CLIENTS + [7, "u"]  # every key the scheduler may count against
 SERVICES = ["a", "b"]
 HOSTS = ["h0", "h1"]
 # Multiples of 1/4 keep every sum of times exact in binary floating point, so the model's
@@ -49,7 +56,8 @@ MAX_CLIENT_BYTES = 100
 
 
 class _Req:
-    def __init__(self, service, deadline, local_host, size=0):
+    def __init__(self, principal, service, deadline, local_host, size=0):
+        self.principal = principal  # the key it counts against, fixed when it was sent
         self.size = size
         self.service = service
         self.deadline = deadline
@@ -78,6 +86,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.reqs: dict[tuple[bytes, int], _Req] = {}
         self.tokens_seen: set[int] = set()
         self.tracked: dict[bytes, float] = {}  # clients that heartbeat: last time heard
+        self.principal_of = dict(FIRST_PRINCIPAL)  # what the server would pass now
 
     # ---- checking every action
 
@@ -99,6 +108,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.tokens_seen.add(a.token)
                 w["tokens"][a.token] = (a.client, a.request_id)
             elif isinstance(a, (ToClient, ClientError)):
+                # Keyed by connection: a reply routed to another connection of the same
+                # principal is not found.
+                assert (a.client, a.request_id) in self.reqs, f"misrouted: {a}"
                 r = self.reqs[(a.client, a.request_id)]
                 assert not r.gone, f"reply to a client that went away: {a}"
                 assert r.finals == 0, f"second final: {a}"
@@ -126,11 +138,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     def owed(self):
         return [k for k, r in self.reqs.items() if r.finals == 0 and not r.gone]
 
-    def usage(self, client):
-        """What the scheduler must count against ``client``: the requests still owed."""
-        live = [r for (c, _), r in self.reqs.items() if c == client and r.finals == 0
+    def usage(self, principal):
+        """What the scheduler must count against ``principal``: the requests still owed, of
+        all its connections."""
+        live = [r for r in self.reqs.values() if r.principal == principal and r.finals == 0
                 and not r.gone]
         return {"outstanding": len(live), "bytes": sum(r.size for r in live)}
+
+    def key(self, client):
+        p = self.principal_of[client]
+        return client if p is None else p
 
     # ---- workers
 
@@ -234,13 +251,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     def send(self, client, service, priority, deadline, local_host, size):
         rid = next(self.rids)
         dl = None if deadline is None else self.now + deadline
-        held = self.usage(client)
+        key = self.key(client)
+        held = self.usage(key)
         over = (held["outstanding"] >= MAX_CLIENT_REQUESTS
                 or (size and held["bytes"] + size > MAX_CLIENT_BYTES))
-        self.reqs[(client, rid)] = _Req(service, dl, local_host, size)
+        self.reqs[(client, rid)] = _Req(key, service, dl, local_host, size)
         out = self.s.client_request(client, rid, service, self.now, payload=rid,
                                     priority=priority, deadline=dl, local_host=local_host,
-                                    size=size)
+                                    size=size, principal=self.principal_of[client])
         self.touch(client)
         if deadline == 0.0:
             assert [(type(a), a.code) for a in out] == [(ClientError,
@@ -254,17 +272,27 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert over and a.request_id == rid and a.code == ErrorCode.QUEUE_FULL
             if isinstance(a, ClientError) and a.request_id != rid and \
                     a.code == ErrorCode.QUEUE_FULL:
-                # An eviction: never the newcomer's own client, always a queued request.
-                assert a.client != client and "largest share" in a.message
+                # An eviction: never the newcomer's own principal (whichever connection),
+                # always a queued request.
+                assert self.reqs[(a.client, a.request_id)].principal != key
+                assert "largest share" in a.message
                 assert not any(rid_ == a.request_id for w in self.workers.values()
                                for (_, rid_) in w["tokens"].values())
         self.apply(out)
 
+    @rule(client=st.sampled_from(CLIENTS), principal=st.sampled_from(PRINCIPALS))
+    def change_principal(self, client, principal):
+        """The server would now pass another principal for this identity (a reconnect that
+        reuses it, say): requests already admitted stay counted where they were."""
+        self.principal_of[client] = principal
+
     @precondition(lambda self: self.owed())
-    @rule(data=st.data())
-    def duplicate_request(self, data):
+    @rule(data=st.data(), principal=st.sampled_from(PRINCIPALS))
+    def duplicate_request(self, data, principal):
+        # Duplicate ids are per connection, whatever the principal.
         client, rid = data.draw(st.sampled_from(sorted(self.owed())))
-        out = self.s.client_request(client, rid, "a", self.now, payload=None)
+        out = self.s.client_request(client, rid, "a", self.now, payload=None,
+                                    principal=principal)
         self.touch(client)
         assert [(type(a), a.code) for a in out] == [(ClientError, ErrorCode.PROTOCOL_ERROR)]
 
@@ -328,29 +356,33 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def queue_bookkeeping_agrees(self):
         for svc in self.s._services.values():
-            counts: dict[bytes, int] = {}
+            counts: dict[object, int] = {}
             for pri, ring in enumerate(svc.classes):
-                for client, fifo in ring.items():
+                for principal, fifo in ring.items():
                     assert fifo, "empty FIFO left in a ring"
                     for r in fifo:
-                        assert r.client == client and r.priority == pri and r.svc is svc
+                        assert r.principal == principal and r.priority == pri and r.svc is svc
+                        assert self.reqs[(r.client, r.request_id)].principal == principal
                         assert r.state == 0  # QUEUED
-                        counts[client] = counts.get(client, 0) + 1
-            assert all(svc.count(client) == n > 0 for client, n in counts.items())
+                        counts[principal] = counts.get(principal, 0) + 1
+            assert all(svc.count(p) == n > 0 for p, n in counts.items())
             assert svc.queued == sum(counts.values()) >= 0
             if svc.tiers is not None:  # kept only while the queue is long
                 assert svc.queued > self.cfg.max_queue // 2
                 tiers: dict[int, set] = {}
-                for client, n in counts.items():
-                    tiers.setdefault(n, set()).add(client)
+                for p, n in counts.items():
+                    tiers.setdefault(n, set()).add(p)
                 assert {n: set(t) for n, t in svc.tiers.items()} == tiers
                 assert svc.top == max(counts.values(), default=0)
 
     @invariant()
     def client_usage_agrees(self):
-        for client in CLIENTS:
-            assert self.s.client_usage(client) == self.usage(client)
+        for p in PRINCIPAL_KEYS:
+            assert self.s.client_usage(p) == self.usage(p)
         assert all(b > 0 for b in self.s._bytes.values())
+        assert all(n > 0 for n in self.s._outstanding.values())
+        assert self.s.stats()["principals"] == sum(
+            1 for p in PRINCIPAL_KEYS if self.usage(p)["outstanding"])
 
     def teardown(self):
         # Workers stop dying: everyone stays audible and answers everything it holds.
@@ -372,7 +404,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         st_ = self.s.stats()
         assert st_["requests"] == 0
         assert st_["client_requests"] == 0 and st_["client_bytes"] == 0
-        assert self.s._bytes == {} and self.s._requests == {}
+        assert self.s._bytes == {} and self.s._requests == {} and self.s._outstanding == {}
         assert all(sum(v["queued"].values()) == 0 and v["in_flight"] == 0
                    for v in st_["services"].values())
 

@@ -54,6 +54,60 @@ def _dealer(endpoint: str, **options) -> zmq.Socket:
     return s
 
 
+_RELAY = """
+import sys
+import zmq
+ctx = zmq.Context.instance()
+dealer, pair = ctx.socket(zmq.DEALER), ctx.socket(zmq.PAIR)
+for s in (dealer, pair):
+    s.linger = 0
+    s.rcvhwm = s.sndhwm = 0
+pair.bind(sys.argv[2])
+dealer.connect(sys.argv[1])
+print("READY", flush=True)
+try:
+    zmq.proxy(pair, dealer)
+except (zmq.ContextTerminated, KeyboardInterrupt):
+    pass
+"""
+
+
+class _ChildDealer:
+    """A DEALER to the broker that lives in a child process, driven from here through a
+    PAIR relay: the broker attests the child's pid for it, so it is another client
+    process (principal) than the test's own `Client`, as a real second client would be."""
+
+    def __init__(self, endpoint: str, tmp_path):
+        import subprocess
+        import sys
+
+        from tests.e2e.conftest import ROOT
+
+        relay = f"ipc://{tmp_path}/relay-{id(self)}.ipc"
+        self.proc = subprocess.Popen([sys.executable, "-c", _RELAY, endpoint, relay], stdout=subprocess.PIPE,
+                                     cwd=ROOT, text=True)
+        assert self.proc.stdout.readline().strip() == "READY"
+        self.sock = zmq.Context.instance().socket(zmq.PAIR)
+        self.sock.linger = 0
+        self.sock.rcvhwm = self.sock.sndhwm = 0
+        self.sock.connect(relay)
+
+    def send_multipart(self, frames) -> None:
+        self.sock.send_multipart(frames)
+
+    def recv_multipart(self):
+        return self.sock.recv_multipart()
+
+    def poll(self, timeout_ms: int) -> int:
+        return self.sock.poll(timeout_ms)
+
+    def close(self, linger: int = 0) -> None:
+        self.sock.close(linger)
+        self.proc.kill()
+        self.proc.wait(10)
+        self.proc.stdout.close()
+
+
 def _request(service: str, rid: int, data, dtype: str, shape: list[int], reply: str = "auto") -> list:
     """A tensor REQUEST with one inline tensor `x`: `data` is its only body frame."""
     t = P.TensorRef(name="x", dtype=dtype, shape=shape, loc=P.InlineLoc(frame=0))
@@ -148,6 +202,9 @@ def test_a_client_that_stops_reading_costs_bounded_memory_and_nobody_else_notice
         wait_service(good, "echo")
         _echo(good, np.arange(16, dtype=np.int64))
         rss0 = _status_kib(pid, "VmRSS")
+        # (The hog is a connection of this process, as `good` is: the broker drops the
+        # connection that stopped reading, not the process.  `good` sends through shared
+        # memory, so the process's byte cap, which the hog fills, does not touch it.)
         # It takes one message at a time and a small socket buffer, and never reads.  Its
         # sends wait while the previous one is still queued here, so that what it sent is
         # what the broker has read (sndtimeo: each send fails after 10 s instead of hanging).
@@ -186,15 +243,16 @@ def test_a_client_that_stops_reading_costs_bounded_memory_and_nobody_else_notice
         _echo(fresh, np.arange(256 * 1024, dtype=np.float32))
 
 
-def test_a_burst_from_one_client_never_pushes_another_into_queue_full(cluster, gate):  # noqa: F811
+def test_a_burst_from_one_client_never_pushes_another_into_queue_full(cluster, gate, tmp_path):  # noqa: F811
     cluster.broker("--max-queue", "64")
     _gated_worker(cluster, gate)
     n_burst = 2000
     with Client(cluster.frontend, timeout=10) as c:
         wait_service(c, "gate")
-        # The burster queues whatever it is sent (rcvhwm 0: no limit on its side), so the
-        # broker never counts it as a client that stopped reading.
-        burster = _dealer(cluster.frontend, rcvhwm=0)
+        # The burster is another process (caps and the round-robin count processes, not
+        # connections) and queues whatever it is sent (no limit on its side), so the broker
+        # never counts it as a client that stopped reading.
+        burster = _ChildDealer(cluster.frontend, tmp_path)
         try:
             for i in range(n_burst):
                 burster.send_multipart(_small("gate", i + 1))
@@ -260,12 +318,12 @@ def test_a_burst_from_one_client_never_pushes_another_into_queue_full(cluster, g
             res.release()
 
 
-def test_the_per_client_request_cap_refuses_exactly_what_is_over_it(cluster, gate):  # noqa: F811
+def test_the_per_client_request_cap_refuses_exactly_what_is_over_it(cluster, gate, tmp_path):  # noqa: F811
     cluster.broker("--max-client-requests", "5")
     _gated_worker(cluster, gate)
     with Client(cluster.frontend, timeout=10) as other:
         wait_service(other, "gate")
-        raw = _dealer(cluster.frontend)
+        raw = _ChildDealer(cluster.frontend, tmp_path)  # another process: its own cap
         try:
             for rid in range(1, 9):
                 raw.send_multipart(_small("gate", rid))
