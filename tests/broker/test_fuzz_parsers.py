@@ -331,7 +331,7 @@ def _nested(kind: bytes, n: int, leaf: bytes = b"\xc0") -> bytes:
     return (kind * n) + leaf
 
 
-@pytest.mark.parametrize("n", [10, 1_000, 100_000])
+@pytest.mark.parametrize("n", [10, 5_000, 100_000])  # past msgspec's recursion limit on 3.11 and 3.12
 @pytest.mark.parametrize("where", ["meta", "unknown", "tensors", "key"])
 def test_deep_nesting_is_a_protocol_error_never_a_recursion_error(n, where):
     if where == "meta":
