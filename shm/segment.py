@@ -189,12 +189,23 @@ def parse_name(name: object) -> tuple[int, int] | None:
     return int(m.group(1)), int(m.group(2))
 
 
+_owners: dict[str, int | None] = {}
+
+
 def owner_of(name: object) -> int | None:
     """The owner pid a well-formed segment name states, else None.  A process serving
     others (a worker) compares it with the pid the kernel attested for the requester
-    before it opens anything: nobody can have it read a segment of another process."""
-    ids = parse_name(name)
-    return None if ids is None else ids[0]
+    before it opens anything: nobody can have it read a segment of another process.
+    On the path of every request, so answers are remembered (a client names the same few
+    segments again and again; the memo is bounded)."""
+    pid = _owners.get(name, -1) if type(name) is str else None
+    if pid == -1:
+        ids = parse_name(name)
+        pid = None if ids is None else ids[0]
+        if len(_owners) >= 4096:
+            _owners.clear()
+        _owners[name] = pid
+    return pid
 
 
 class _Parts(NamedTuple):
