@@ -20,17 +20,11 @@ from broker.state import (
     ToClient,
 )
 
+from tests.broker.test_state import of, only
+
 A, B, C, D, X = b"A", b"B", b"C", b"D", b"X"
 
 
-def of(actions, cls):
-    return [a for a in actions if isinstance(a, cls)]
-
-
-def only(actions, cls):
-    found = of(actions, cls)
-    assert len(found) == 1, actions
-    return found[0]
 
 
 def req(s, client, rid, now=0.0, service="svc", **kw):
