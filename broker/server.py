@@ -307,7 +307,7 @@ class Broker:
     def _collect_shm(self) -> None:
         try:
             for name in shm_gc.collect():
-                log.info("unlinked shared memory of a dead process: %s", name)
+                log.info("unlinked a /dev/shm segment file an earlier version left: %s", name)
             for name in sweep_reply_sockets():
                 log.info("unlinked the reply socket of a dead client: %s", name)
         except Exception:  # never let housekeeping stop the broker

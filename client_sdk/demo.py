@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             os.rmdir(tmp)
         except OSError:
             pass
-        shm_gc.collect()  # segments of any process that did not exit cleanly
+        shm_gc.collect()  # /dev/shm files of earlier versions (segments are memfds now)
         left = set(os.listdir("/dev/shm")) - shm_before if os.path.isdir("/dev/shm") else set()
         # Ours: segments whose owner (the pid in the name) is this process or one it started.
         # Other programs on the host may create segments meanwhile; they are not our leftovers.
