@@ -225,12 +225,19 @@ class Broker:
         self._worker_conns = WorkerConnections()
         self._backend_events = self.backend.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._client_pids: dict[bytes, int | None] = {}  # client identity -> attested pid
+        # What is learned about a client's connection (its pid, whether it is tcp) is
+        # forgotten when that connection closes: a client chooses its routing id, and a
+        # later connection reusing the id must not inherit the earlier one's pid.
+        self._frontend_events = self.frontend.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._client_conn: dict[bytes, int] = {}  # client identity -> the fd it was learned on
+        self._conn_clients: dict[int, list[bytes]] = {}  # fd -> identities learned on it
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
         self._opaque_ids = 0
         self._bad = P.RateLimitedLog(log)
         self._stall_log = P.RateLimitedLog(log)  # its own throttle: a flood of junk cannot hide it
         self._oops = P.RateLimitedLog(log)  # unexpected exceptions: a traceback a second at most
         self._doomed: dict[bytes, None] = {}  # clients a send found stalled or gone, to drop
+        self._dropping = False
         self.malformed = 0
         self.stalled_clients = 0  # clients dropped because they stopped reading their replies
         self._closed = False
@@ -264,6 +271,8 @@ class Broker:
         self._closed = True
         self.backend.disable_monitor()
         self._backend_events.close(linger=0)
+        self.frontend.disable_monitor()
+        self._frontend_events.close(linger=0)
         for s in (self.frontend, self.backend):
             s.close(linger=0)
         self._curve.stop()
@@ -276,8 +285,8 @@ class Broker:
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Run until `stop` is set (checked at least every 100 ms)."""
-        fe, be, events = self.frontend, self.backend, self._backend_events
-        items = [(events, zmq.POLLIN), (be, zmq.POLLIN), (fe, zmq.POLLIN)]
+        fe, be, events, fe_events = self.frontend, self.backend, self._backend_events, self._frontend_events
+        items = [(events, zmq.POLLIN), (be, zmq.POLLIN), (fe_events, zmq.POLLIN), (fe, zmq.POLLIN)]
         poll = zmq.zmq_poll
         monotonic = time.monotonic
         sched = self.sched
@@ -299,6 +308,8 @@ class Broker:
                 # Workers first: a reply frees credit for the requests that follow.
                 if sock is events:
                     self._on_backend_events()
+                elif sock is fe_events:
+                    self._on_frontend_events()
                 else:
                     self._drain(sock, on_worker if sock is be else on_client)
             wake = sched.next_wakeup(monotonic())
@@ -366,9 +377,15 @@ class Broker:
     def _forget_client(self, ident: bytes) -> None:
         self._client_pids.pop(ident, None)
         self._client_tcp.pop(ident, None)
+        self._client_conn.pop(ident, None)
         self._req_clients.discard(ident)
 
     def _on_request(self, ident: bytes, msg: P.ClientMessage, now: float) -> None:
+        if self._frontend_events.get(zmq.EVENTS) & _POLLIN:
+            # libzmq queues a connection's DISCONNECTED before it closes the descriptor, so
+            # the close of an earlier connection that used this identity is already here:
+            # apply it before trusting what was learned under the identity.
+            self._on_frontend_events()
         service = msg.service
         body = msg.body
         if service.startswith(b"mmi."):
@@ -498,6 +515,15 @@ class Broker:
     def _drop_doomed(self) -> None:
         """Drop the clients a send found stalled or gone.  Run after the actions being sent
         (never in the middle of them: a CANCEL must not overtake the REQUEST it cancels)."""
+        if self._dropping:
+            return  # the outer call's loop takes whoever was added meanwhile
+        self._dropping = True
+        try:
+            self._drop_doomed_loop()
+        finally:
+            self._dropping = False
+
+    def _drop_doomed_loop(self) -> None:
         doomed = self._doomed
         while doomed:
             ident = next(iter(doomed))
@@ -578,9 +604,33 @@ class Broker:
         if pid == -1:
             pid = _peer_pid(frame)
             if len(self._client_pids) >= _MAX_CLIENT_PIDS:
-                self._client_pids.clear()  # bounded: the clients still here are learned again
+                # Bounded: the clients still here are learned again.
+                self._client_pids.clear()
+                self._client_tcp.clear()
+                self._client_conn.clear()
+                self._conn_clients.clear()
             self._client_pids[ident] = pid
+            try:
+                fd = frame.get(zmq.SRCFD)
+            except (zmq.ZMQError, AttributeError):
+                fd = None
+            if fd is not None:
+                self._client_conn[ident] = fd
+                self._conn_clients.setdefault(fd, []).append(ident)
         return pid
+
+    def _on_frontend_events(self) -> None:
+        """Forget what was learned about clients whose connection closed."""
+        while self._frontend_events.get(zmq.EVENTS) & _POLLIN:
+            event = recv_monitor_message(self._frontend_events)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            fd = event["value"]
+            for ident in self._conn_clients.pop(fd, ()):
+                if self._client_conn.get(ident) == fd:
+                    del self._client_conn[ident]
+                    self._client_pids.pop(ident, None)
+                    self._client_tcp.pop(ident, None)
 
     def _bind_connection(self, ident: bytes, frame: Any, now: float) -> None:
         try:

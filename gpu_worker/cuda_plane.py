@@ -35,8 +35,10 @@ from gpu_worker.cuda_runtime import GpuMemoryPressure, HostRegistry, MemoryWatch
 from gpu_worker.job import Job
 from gpu_worker.planes import HostPlane, check_owner
 
-#: client segments up to this size are pinned (cudaHostRegister) for DMA uploads
+#: client segments up to this size are pinned (cudaHostRegister) for DMA uploads...
 PIN_MAX_BYTES = 4 << 30
+#: ...and at most this much of them at once (64 cached segments could be 256 GiB otherwise)
+PIN_BUDGET_BYTES = 8 << 30
 
 __all__ = ["CudaPlane"]
 
@@ -65,7 +67,8 @@ class CudaPlane:
         self._np_dtypes: dict[Any, np.dtype] = {}
         self.transports = host.transports if "cuda" in host.transports else (*host.transports, "cuda")
         # Unpin a client segment before its mapping goes (LRU, sweep, close).
-        host.inputs.on_forget = pins.drop
+        self._pinned: dict[str, int] = {}  # client segment -> bytes pinned (PIN_BUDGET_BYTES in all)
+        host.inputs.on_forget = self._unpin
         if host.out_pool is not None:
             pins.ensure(host.out_pool.name, host.out_pool.mapping)
 
@@ -87,6 +90,11 @@ class CudaPlane:
         device_path = getattr(model, "framework", "torch") == "torch" and hasattr(host.backend, "run_device")
         return cls(host, torch=torch, stream=stream, pool=pool, cache=cache, pins=HostRegistry(),
                    mem=MemoryWatch(max_batch, device=index), device_path=device_path)
+
+    def _unpin(self, segment: str) -> None:
+        """The input cache's on_forget hook: unpin before the mapping goes."""
+        self._pinned.pop(segment, None)
+        self.pins.drop(segment)
 
     def admit(self) -> str | None:
         try:
@@ -115,8 +123,10 @@ class CudaPlane:
                     # faults in the whole mapping, so a segment larger than PIN_MAX_BYTES
                     # (a client's sparse 64 GiB pool would pin 64 GiB) is read unpinned.
                     m = host.inputs.mapping(loc.segment)
-                    if m is not None and len(m) <= PIN_MAX_BYTES:
+                    if (m is not None and len(m) <= PIN_MAX_BYTES
+                            and sum(self._pinned.values()) + len(m) <= PIN_BUDGET_BYTES):
                         self.pins.ensure(loc.segment, m, readonly=True)
+                        self._pinned[loc.segment] = len(m)
             inputs[t.name] = arr
             refs[t.name] = t
         job.inputs, job.refs = inputs, refs

@@ -189,7 +189,7 @@ def parse_name(name: object) -> tuple[int, int] | None:
     return int(m.group(1)), int(m.group(2))
 
 
-_owners: dict[str, int | None] = {}
+_owners: dict[str, int] = {}
 
 
 def owner_of(name: object) -> int | None:
@@ -198,10 +198,14 @@ def owner_of(name: object) -> int | None:
     before it opens anything: nobody can have it read a segment of another process.
     On the path of every request, so answers are remembered (a client names the same few
     segments again and again; the memo is bounded)."""
-    pid = _owners.get(name, -1) if type(name) is str else None
-    if pid == -1:
+    if type(name) is not str:
+        return None
+    pid = _owners.get(name)
+    if pid is None:
         ids = parse_name(name)
-        pid = None if ids is None else ids[0]
+        if ids is None:
+            return None  # not remembered: a hostile name may be a megabyte long
+        pid = ids[0]
         if len(_owners) >= 4096:
             _owners.clear()
         _owners[name] = pid

@@ -297,7 +297,10 @@ def test_a_tcp_clients_principal_is_its_key_across_connections(keys):
     import time
 
     root, k = keys
+    from broker.state import Config
+
     cfg = BrokerConfig(frontend="tcp://127.0.0.1:0", backend="ipc://" + str(root / "be.ipc"),
+                       scheduler=Config(service_grace=60),  # queued until the test has looked
                        security=S.SecurityConfig(curve_secret=k["server"][1], client_keys=str(root / "clients")))
     stop = threading.Event()
     with Broker(cfg) as b:

@@ -86,7 +86,11 @@ class _ChildDealer:
         relay = f"ipc://{tmp_path}/relay-{id(self)}.ipc"
         self.proc = subprocess.Popen([sys.executable, "-c", _RELAY, endpoint, relay], stdout=subprocess.PIPE,
                                      cwd=ROOT, text=True)
-        assert self.proc.stdout.readline().strip() == "READY"
+        if self.proc.stdout.readline().strip() != "READY":
+            self.proc.kill()
+            self.proc.wait(10)
+            self.proc.stdout.close()
+            raise AssertionError("the relay child did not start")
         self.sock = zmq.Context.instance().socket(zmq.PAIR)
         self.sock.linger = 0
         self.sock.rcvhwm = self.sock.sndhwm = 0

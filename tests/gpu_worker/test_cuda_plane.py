@@ -173,7 +173,7 @@ def _job(tensors, *, reply="auto", host=HOST, pid=os.getpid()) -> Job:
 def test_advertises_cuda_and_pins_the_output_ring(side):
     assert side.transports == ("inline", "shm", "cuda")
     assert side.test_pinned == [None]                    # the output ring, writable
-    assert side.host.inputs.on_forget == side.pins.drop  # unpinned before a mapping goes
+    assert side.host.inputs.on_forget == side._unpin  # unpinned before a mapping goes
 
 
 def test_cuda_inputs_are_viewed_on_the_worker_stream(side):
@@ -222,7 +222,22 @@ def test_client_segments_are_pinned_read_only_once(side):
         side.map_inputs(_job(refs), [])
         assert side.test_pinned == [None, True]
         side.host.inputs.forget(client.name)
-        assert "unpin 2" in side.test_log
+        assert "unpin 2" in side.test_log and side._pinned == {}
+
+
+def test_pinning_stops_at_its_budget(side, monkeypatch):
+    # Pinning faults in a whole segment: past the budget, client segments are read unpinned.
+    import shm
+    from gpu_worker import cuda_plane
+
+    with shm.ShmPool(1 << 20) as a, shm.ShmPool(1 << 20) as b:
+        monkeypatch.setattr(cuda_plane, "PIN_BUDGET_BYTES", a.data_offset + a.capacity)
+        for pool in (a, b):
+            x = pool.alloc((4,), np.uint8)
+            ref = pool.ref_of(x)
+            pool.mark_in_flight(ref)
+            side.map_inputs(_job([P.TensorRef(name="x", dtype="|u1", shape=[4], loc=P.shm_loc(ref))]), [])
+        assert side.test_pinned == [None, True] and list(side._pinned) == [a.name]
 
 
 def test_a_batch_with_cuda_inputs_or_device_replies_runs_on_the_device(side):
