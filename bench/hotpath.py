@@ -55,6 +55,8 @@ def broker_us(n: int) -> float:
         def send_to_client(self, frames) -> None:
             self.to_client = frames
 
+    # What libzmq gives a client that sets no routing id: a zero byte, then a counter.
+    CLIENT_ID = b"\x00\x00\x00\x00\x01"
     d = tempfile.mkdtemp(prefix="zinf-hot-")
     b = RecordingBroker(BrokerConfig(frontend=f"ipc://{d}/f", backend=f"ipc://{d}/b"))
     F = zmq.Frame
@@ -68,7 +70,7 @@ def broker_us(n: int) -> float:
         rep = P.encode_header(P.Reply(id=1, tensors=[ref], timing={"compute_ms": 0.01}))
 
         def one():
-            b.on_client([F(b"C1"), F(P.MDPC), F(P.C_REQUEST), F(b"echo"), F(hdr)])
+            b.on_client([F(CLIENT_ID), F(P.MDPC), F(P.C_REQUEST), F(b"echo"), F(hdr)])
             env = b.to_worker[3]
             b.on_worker([F(b"W1"), F(P.MDPW), F(P.W_FINAL), F(env), F(b""), F(rep)])
 

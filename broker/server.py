@@ -381,10 +381,11 @@ class Broker:
         self._req_clients.discard(ident)
 
     def _on_request(self, ident: bytes, msg: P.ClientMessage, now: float) -> None:
-        if self._frontend_events.get(zmq.EVENTS) & _POLLIN:
-            # libzmq queues a connection's DISCONNECTED before it closes the descriptor, so
-            # the close of an earlier connection that used this identity is already here:
-            # apply it before trusting what was learned under the identity.
+        if ident[0] and self._frontend_events.get(zmq.EVENTS) & _POLLIN:
+            # A routing id the client chose (libzmq's own start with a zero byte and are never
+            # reused) may have been another connection's.  libzmq queues a connection's
+            # DISCONNECTED before it closes the descriptor, so that earlier connection's close
+            # is already here: apply it before trusting what was learned under the id.
             self._on_frontend_events()
         service = msg.service
         body = msg.body
