@@ -382,10 +382,12 @@ class Broker:
 
     def _on_request(self, ident: bytes, msg: P.ClientMessage, now: float) -> None:
         if ident[0] and self._frontend_events.get(zmq.EVENTS) & _POLLIN:
-            # A routing id the client chose (libzmq's own start with a zero byte and are never
-            # reused) may have been another connection's.  libzmq queues a connection's
-            # DISCONNECTED before it closes the descriptor, so that earlier connection's close
-            # is already here: apply it before trusting what was learned under the id.
+            # A routing id the client chose may have been another connection's, even one on
+            # the same descriptor number (`_client_pid` catches a different one).  libzmq
+            # queues a connection's DISCONNECTED before it closes the descriptor, so that
+            # earlier connection's close is already here: apply it before trusting what was
+            # learned under the id.  (libzmq's own ids start with a zero byte and count up
+            # from a random start; a client that names one of those could only guess it.)
             self._on_frontend_events()
         service = msg.service
         body = msg.body
@@ -602,6 +604,15 @@ class Broker:
         """The pid of the process on the other end of this client's ipc connection (learned
         once per client), or None when the kernel cannot say (tcp, another pid namespace)."""
         pid = self._client_pids.get(ident, -1)
+        learned = self._client_conn.get(ident, -1)
+        fd = None
+        if pid == -1 or learned is not None:  # None: learned from a frame without a descriptor
+            try:
+                fd = frame.get(zmq.SRCFD)  # 0.1 us: the connection this message came on
+            except (zmq.ZMQError, AttributeError):
+                fd = None
+            if pid != -1 and learned != fd:
+                pid = -1  # the identity arrives on another connection now: learn it afresh
         if pid == -1:
             pid = _peer_pid(frame)
             if len(self._client_pids) >= _MAX_CLIENT_PIDS:
@@ -611,12 +622,9 @@ class Broker:
                 self._client_conn.clear()
                 self._conn_clients.clear()
             self._client_pids[ident] = pid
-            try:
-                fd = frame.get(zmq.SRCFD)
-            except (zmq.ZMQError, AttributeError):
-                fd = None
+            self._client_tcp.pop(ident, None)
+            self._client_conn[ident] = fd
             if fd is not None:
-                self._client_conn[ident] = fd
                 self._conn_clients.setdefault(fd, []).append(ident)
         return pid
 
