@@ -132,7 +132,7 @@ class Call:
     else is the core's."""
 
     __slots__ = ("id", "service", "packed", "priority", "meta", "reply", "timeout",
-                 "deadline", "t_sent", "t_submit", "t_done", "inbox", "done", "abandoned", "retried",
+                 "deadline", "t_sent", "t_submit", "t_done", "inbox", "done", "abandoned", "retried", "probe",
                  "frame", "notify", "adopted", "broker", "resends", "partials", "old_ids", "__weakref__")
 
     def __init__(self, service: str, *, timeout: float | None):
@@ -152,6 +152,7 @@ class Call:
         self.done = False        # FINAL (or error) received: inputs freed, nothing more will come
         self.abandoned = False   # the caller gave up: discard what still arrives
         self.retried = False
+        self.probe = False       # sent through shared memory to a service that was not local before
         self.frame: int | None = None
         self.notify: Callable[[], None] | None = None
         self.adopted: dict[int, T.Adopted] = {}  # input slots handed back as outputs

@@ -75,6 +75,9 @@ def _drain_inbox(call: Call) -> None:
 
 # ------------------------------------------------------------------------------------ the core
 
+#: longest wait before a client that fell back to inline tries shared memory again (seconds)
+NOT_LOCAL_RETRY_MAX_S = 30.0
+
 class ClientCore:
     """Ids, packing, the input pools, output leases, reply routing and delivery, the inline
     fallback, deadlines and liveness of one client (see the module docstring)."""
@@ -103,7 +106,10 @@ class ClientCore:
         self._deferred: deque[Any] = deque()
         self._next_id = 1
         self.calls: dict[int, Call] = {}
-        self.not_local: set[str] = set()
+        # service -> when (on the clock of `now`, as last seen) to try shared memory again: a
+        # service with no worker on this host may get one later (a worker started or moved).
+        self.not_local: dict[str, float] = {}
+        self._not_local_backoff: dict[str, float] = {}
         # Silence is counted from max(last_recv, call.t_sent) (silent_for), so before the
         # first message the call's own send time is the reference.
         self.last_recv = 0.0
@@ -221,7 +227,9 @@ class ClientCore:
         call = Call(service, timeout=self.timeout_of(timeout))
         call.priority = parse_priority(priority)
         call.meta = dict(meta or {})
-        inline = not self.use_shm or service in self.not_local
+        retry_at = self.not_local.get(service)
+        inline = not self.use_shm or (retry_at is not None and self.last_recv < retry_at)
+        call.probe = self.use_shm and retry_at is not None and not inline
         call.reply = ("inline" if inline else "auto") if reply == "auto" else reply
         pool = None
         if not inline:
@@ -440,6 +448,10 @@ class ClientCore:
             if (rep.error is not None and rep.error.code == ErrorCode.NOT_LOCAL and self.fallback_inline
                     and not call.retried and not call.abandoned and call.packed is not None):
                 return [self._resend_inline(call, now)]
+            if call.probe and (rep.error is None or rep.error.code != ErrorCode.NOT_LOCAL):
+                # Shared memory reached a worker: the service is local again.
+                self.not_local.pop(call.service, None)
+                self._not_local_backoff.pop(call.service, None)
         if call.abandoned or rep.error is not None:
             if final:
                 self._finish_inputs(call, rep)
@@ -500,8 +512,14 @@ class ClientCore:
         """NOT_LOCAL: the worker cannot see our /dev/shm.  Send the same inputs again inline,
         under a new id (the old one is finished), within what is left of the deadline."""
         log.info("service %r is not on this host; resending request %d inline", call.service, call.id)
-        self.not_local.add(call.service)
+        # Inline from now on, and shared memory tried again after a backoff that doubles
+        # while the service stays remote (1 s, 2 s, ... 30 s): a probe that finds it still
+        # remote costs one broker round trip (NOT_LOCAL is answered at once) and is resent.
+        backoff = min(2.0 * self._not_local_backoff.get(call.service, 0.5), NOT_LOCAL_RETRY_MAX_S)
+        self._not_local_backoff[call.service] = backoff
+        self.not_local[call.service] = now + backoff
         call.retried = True
+        call.probe = False  # its inline answer says nothing about shared memory
         old = call.packed
         # Copy out of the temporary slots before they are freed.
         call.packed = T.pack(old.arrays, None, copy_inline=True)

@@ -155,6 +155,49 @@ def test_not_local_resends_the_same_inputs_inline_under_a_new_id():
         core.close()
 
 
+def test_a_client_that_fell_back_to_inline_tries_shared_memory_again_after_a_backoff():
+    core = ClientCore("ipc:///tmp/zinf-core-test.sock", transport="auto")
+
+    def reply_to(call, error=None):
+        body = (P.error_body(call.id, ErrorCode.NOT_LOCAL, "far") if error
+                else [P.encode_header(P.Reply(id=call.id))])
+        return body
+
+    try:
+        call = core.new_call("svc", {"x": np.arange(4.0)})
+        core.request_frames(call, 10.0)
+        assert call.packed.uses_shm
+        core.on_message(P.client_reply(True, b"svc", reply_to(call, "far")), 10.0)  # -> resent inline
+        core.on_message(P.client_reply(True, b"svc", reply_to(call)), 10.1)
+        # Within the backoff (1 s): inline at once, no round trip wasted on NOT_LOCAL.
+        c2 = core.new_call("svc", {"x": np.arange(4.0)})
+        assert not c2.packed.uses_shm and c2.reply == "inline" and not c2.probe
+        core.request_frames(c2, 10.2)
+        core.on_message(P.client_reply(True, b"svc", reply_to(c2)), 10.9)
+        # Past it: shared memory again.  Still remote: resent inline, the backoff doubles.
+        core.on_message(P.broker_heartbeat(b"\x01" * 8, 3000), 11.2)
+        c3 = core.new_call("svc", {"x": np.arange(4.0)})
+        assert c3.packed.uses_shm and c3.probe
+        core.request_frames(c3, 11.2)
+        (resend,) = core.on_message(P.client_reply(True, b"svc", reply_to(c3, "far")), 11.2)
+        assert P.decode_request(resend[3], len(resend) - 4).reply == "inline"
+        assert core.not_local["svc"] == 11.2 + 2.0
+        core.on_message(P.client_reply(True, b"svc", reply_to(c3)), 11.3)
+        # A local worker appeared: the next probe succeeds and the client stays on shared memory.
+        core.on_message(P.broker_heartbeat(b"\x01" * 8, 3000), 13.5)
+        c4 = core.new_call("svc", {"x": np.arange(4.0)})
+        assert c4.probe
+        core.request_frames(c4, 13.5)
+        core.on_message(P.client_reply(True, b"svc", reply_to(c4)), 13.6)
+        assert "svc" not in core.not_local
+        c5 = core.new_call("svc", {"x": np.arange(4.0)})
+        assert c5.packed.uses_shm and not c5.probe
+        core.request_frames(c5, 13.7)
+        core.on_message(P.client_reply(True, b"svc", reply_to(c5)), 13.8)
+    finally:
+        core.close()
+
+
 def _restart(core, lost_count=1):
     """A broker instance, calls sent to it, then a new instance: the resend frames."""
     core.on_message(P.broker_heartbeat(b"\x01" * 8, 3000), 100.0)
