@@ -26,6 +26,7 @@ from .errors import (
     InvalidInput,
     NotLocal,
     NotSupported,
+    PoolFull,
     ProtocolError,
     QueueFull,
     ServiceUnavailable,
@@ -58,4 +59,5 @@ __all__ = [
     "InternalError",
     "NotSupported",
     "InvalidInput",
+    "PoolFull",
 ]

@@ -52,7 +52,7 @@ from broker.protocol import ErrorCode
 
 from . import tensors as T
 from .calls import MMI_SERVICE, Call, MmiQuery, check_service, endpoint_is_local, parse_priority, resolve_transport
-from .errors import BrokerUnreachable, InferenceError, InvalidInput, ProtocolError, error_from
+from .errors import BrokerUnreachable, InferenceError, InvalidInput, PoolFull, ProtocolError, error_from
 from .tensors import Result
 
 __all__ = ["ClientCore", "LIVENESS"]
@@ -146,7 +146,10 @@ class ClientCore:
 
     def alloc(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
         self.run_deferred()
-        src = self.pool.alloc(shape, dtype)
+        try:
+            src = self.pool.alloc(shape, dtype)
+        except _shm.ShmFull as e:
+            raise PoolFull(str(e)) from None
         ref = self._pool.ref_of(src)
         key = (ref.segment, ref.slot, ref.generation)
         arr, fin = T.lease_array(src, self._buffer_dropped, key, ref)

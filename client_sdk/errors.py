@@ -26,11 +26,13 @@ ValueError, ...) so that code catching the builtin keeps working.
 #     ├── BrokerUnreachable                       503  no answer, not even heartbeats (client-side)
 #     ├── NotSupported    (+ NotImplementedError) None e.g. CUDA tensors without a CUDA side
 #     ├── InvalidInput    (+ ValueError)          422  the inputs do not match the model (or cannot be sent: None)
-#     └── EndOfStream     (+ LookupError)         None a stream has nothing left to receive
+#     ├── EndOfStream     (+ LookupError)         None a stream has nothing left to receive
+#     └── PoolFull        (+ shm.ShmFull)         None `alloc()`: the client's pool has no room
 from __future__ import annotations
 
 from broker import protocol as _P
 from broker.protocol import ErrorCode
+from shm.errors import ShmFull as _ShmFull
 
 __all__ = [
     "InferenceError",
@@ -46,6 +48,7 @@ __all__ = [
     "NotSupported",
     "InvalidInput",
     "EndOfStream",
+    "PoolFull",
     "error_from",
 ]
 
@@ -155,6 +158,13 @@ class EndOfStream(InferenceError, LookupError):
     """Nothing left to receive from this stream."""
 
     code = None
+
+
+class PoolFull(InferenceError, _ShmFull):
+    """`alloc()` found no room in the client's shared-memory pool (also a `shm.ShmFull`)."""
+
+    code = None
+    hint = ""  # the pool's message says what to do (a larger pool_capacity, free buffers sooner)
 
 
 _BY_CODE: dict[int, type[InferenceError]] = {

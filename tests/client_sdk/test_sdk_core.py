@@ -277,3 +277,16 @@ def test_the_broker_sets_how_often_a_client_heartbeats(core):
     assert core.heartbeat_period == pytest.approx(0.2) and core.heartbeat_due(10.25)
     core.on_message(P.broker_heartbeat(b"i" * 8, 60_000), 11.0)  # never longer than our own
     assert core.heartbeat_period == 1.0
+
+
+def test_alloc_in_a_full_pool_is_an_inference_error_and_still_a_shm_full():
+    import shm
+    from client_sdk import InferenceError, PoolFull
+
+    core = ClientCore("ipc:///tmp/zinf-core-test.sock", transport="shm", pool_capacity=1 << 16)
+    try:
+        with pytest.raises(PoolFull, match="capacity") as e:
+            core.alloc((1 << 20,), np.uint8)
+        assert isinstance(e.value, InferenceError) and isinstance(e.value, shm.ShmFull)
+    finally:
+        core.close()

@@ -64,7 +64,7 @@ def test_package_all_is_pinned():
         "Client", "AsyncClient", "Result", "ReplyStream", "AsyncReplyStream", "Stream", "AsyncStream",
         "StreamStats", "EndOfStream", "run", "errors", "InferenceError", "ServiceUnavailable",
         "DeadlineExceeded", "QueueFull", "Cancelled", "ProtocolError", "WorkerFailed", "NotLocal",
-        "BrokerUnreachable", "InternalError", "NotSupported", "InvalidInput",
+        "BrokerUnreachable", "InternalError", "NotSupported", "InvalidInput", "PoolFull",
     ]
     for name in client_sdk.__all__:
         assert getattr(client_sdk, name) is not None, name
@@ -77,7 +77,7 @@ def test_errors_public_names_are_pinned():
     assert errors.__all__ == [
         "InferenceError", "ServiceUnavailable", "DeadlineExceeded", "QueueFull", "Cancelled",
         "ProtocolError", "WorkerFailed", "NotLocal", "BrokerUnreachable", "InternalError",
-        "NotSupported", "InvalidInput", "EndOfStream", "error_from",
+        "NotSupported", "InvalidInput", "EndOfStream", "PoolFull", "error_from",
     ]
     classes = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, BaseException)
                and v.__module__ == errors.__name__}
@@ -95,6 +95,9 @@ def test_moved_errors_keep_their_bases_and_old_import_paths():
     assert issubclass(errors.InvalidInput, errors.InferenceError) and issubclass(errors.InvalidInput, ValueError)
     assert issubclass(errors.EndOfStream, errors.InferenceError) and issubclass(errors.EndOfStream, LookupError)
     assert errors.InvalidInput.code is None and errors.EndOfStream.code is None
+    import shm
+
+    assert issubclass(errors.PoolFull, errors.InferenceError) and issubclass(errors.PoolFull, shm.ShmFull)
     assert tensors.InvalidInput is errors.InvalidInput is client_sdk.InvalidInput
     assert stream.EndOfStream is errors.EndOfStream is client_sdk.EndOfStream
 
