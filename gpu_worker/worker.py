@@ -54,6 +54,9 @@ __all__ = ["Worker", "WorkerConfig", "install_sigterm_drain", "DIRECT_LINGER_MS"
 
 log = logging.getLogger("gpu_worker")
 _POLLIN = int(zmq.POLLIN)
+# How long serve waits for the broker's WELCOME before announcing READY anyway, in heartbeat
+# intervals (the command line's): a plain MDP broker never sends one.
+READY_FALLBACK_INTERVALS = 2
 
 
 @dataclass
@@ -126,6 +129,9 @@ class Worker:
         self._offload: ComputeThread | None = None
         self._heartbeats: LoopHeartbeats | None = None  # while serving
         self._busy = False
+        self._ready_cb = None         # serve's ready callback until it has run (once)
+        self._ready_deadline = 0.0    # when it runs without a WELCOME
+        self._ready_wait = 0.0
         self._reconnect_why: str | None = None  # set by a DISCONNECT; the loop reconnects
         self._last_heard = 0.0
         self._service_b = self.service.encode()
@@ -196,8 +202,12 @@ class Worker:
         self._offload = ComputeThread(self.ctx, self.plane.run)
         self._heartbeats = LoopHeartbeats(lambda: self._send(P.worker_heartbeat()),
                                           lambda: self.upstream.last_sent, self.heartbeat_interval)
-        if ready_cb is not None:
-            ready_cb()
+        # READY means registered: `ready_cb` runs on the first WELCOME (the broker has us),
+        # or, from a broker that never sends one (plain MDP), after READY_FALLBACK_INTERVALS
+        # heartbeat intervals without it.  Once only: a WELCOME after a reconnect is silent.
+        self._ready_cb = ready_cb
+        self._ready_wait = READY_FALLBACK_INTERVALS * self.heartbeat_interval
+        self._ready_deadline = time.monotonic() + self._ready_wait
         upstream = self.upstream
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
@@ -213,6 +223,8 @@ class Worker:
                 now = time.monotonic()
                 wake = None if self._busy else self.batcher.wake_at(now)
                 timeout = interval if wake is None else max(0.0, min(interval, wake - now))
+                if self._ready_cb is not None:
+                    timeout = max(0.0, min(timeout, self._ready_deadline - now))
                 ms = timeout * 1000.0
                 done_ms = self.dones.wait_ms(now)
                 if done_ms is not None:
@@ -231,6 +243,10 @@ class Worker:
                 if not self._busy:
                     self.run_ready_batches()
                 now = time.monotonic()
+                if self._ready_cb is not None and now >= self._ready_deadline:
+                    log.warning("no WELCOME from the broker within %.3g s (a plain MDP broker, or none yet); "
+                                "announcing READY anyway", self._ready_wait)
+                    self._announce_ready()
                 if self.dones.ready(now):
                     self._flush_done()
                 if now - upstream.last_sent >= interval:
@@ -342,6 +358,13 @@ class Worker:
         if self._heartbeats is not None:
             self._heartbeats.interval = w.heartbeat_interval
         log.info("registered with broker %s", w.instance.hex())
+        self._announce_ready()
+
+    def _announce_ready(self) -> None:
+        """Run serve's `ready_cb` the first time only."""
+        cb, self._ready_cb = self._ready_cb, None
+        if cb is not None:
+            cb()
 
     def _on_request(self, envelope: bytes, body: tuple) -> None:
         now = time.monotonic()
