@@ -5,10 +5,12 @@ A tcp `--broker` needs `--server-key` (the broker's public certificate) and `--w
 without them the worker exits 2 at once, saying so (docs/security.md).
 
 Loads and warms the model, registers with the broker (READY with its credit, host and
-transports), prints one line `READY service=<name> pid=<pid> device=<dev>` on stdout, and
-serves until SIGTERM, on which it finishes what it holds, sends DISCONNECT and exits 0.
+transports), prints one line `READY service=<name> pid=<pid> device=<dev>` on stdout once
+the broker acknowledged the registration (its WELCOME; from a broker that sends none, after
+two heartbeat intervals), and serves until SIGTERM, on which it finishes what it holds, sends DISCONNECT and exits 0.
 `--model` takes a shipped name (echo, cartoon, convnet, chunks) or `package.module:factory`
-(docs/models.md).
+(docs/models.md).  A model that cannot be loaded (bad spec, import error, factory raising, no
+such device) or whose warm-up raises is one line on stderr saying what to change, and exit 2.
 """
 from __future__ import annotations
 
@@ -48,8 +50,16 @@ def model_config(args: argparse.Namespace) -> dict:
     )
 
 
+def _fail(message: str) -> None:
+    """A start-up failure as one line on stderr (whitespace, newlines included, collapsed)."""
+    text = " ".join(message.split())
+    if len(text) > 1000:
+        text = text[:997] + "..."
+    print(f"python -m gpu_worker: {text}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    from gpu_worker.worker import DIRECT_LINGER_MS, Worker, WorkerConfig, install_sigterm_drain
+    from gpu_worker.worker import DIRECT_LINGER_MS, WarmupError, Worker, WorkerConfig, install_sigterm_drain
 
     ap = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__.splitlines()[0])
     ap.add_argument("--broker", default=None, help="broker backend endpoint (default: the broker's ipc default)")
@@ -101,11 +111,21 @@ def main(argv: list[str] | None = None) -> int:
         insecure=args.insecure,
     )
     from gpu_worker.backends import BackendUnavailable
+    from gpu_worker.devices import DeviceError, DeviceUnavailable
+    from gpu_worker.models import ModelLoadError
 
     try:
         worker = Worker(cfg)
     except BackendUnavailable as e:
         print(f"python -m gpu_worker: backend {args.backend!r} is unavailable: {e}", file=sys.stderr, flush=True)
+        return 2
+    except (ModelLoadError, DeviceError, DeviceUnavailable) as e:  # the message says what was expected
+        _fail(f"cannot load model {args.model!r}: {e}")
+        return 2
+    except WarmupError as e:
+        _fail(f"model {args.model!r} failed its warm-up on its example_inputs: {e}; "
+              "make example_inputs() match the inputs the model takes (and its declared `inputs`), "
+              "fix the model, or start with --no-warmup (docs/models.md)")
         return 2
     with worker as w:
         install_sigterm_drain(w)

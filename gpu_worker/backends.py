@@ -23,12 +23,22 @@ A backend owns the data movement around a model call, and tries hard not to copy
   device->host copy per name on CUDA); each request gets ``batch_output[i]``, a read-only
   view, never a per-item copy.
 
+Request ``meta`` (the header's free-form map, ``client.infer(..., meta={...})``) reaches a
+model only if it asks for it, by declaring a keyword parameter named ``meta`` (on a Model's
+``__call__``, a wrapped callable, or a wrapped ``nn.Module``'s ``forward``).  It is detected
+once, when the backend is made (`takes_meta`); a model that does not declare it is called
+exactly as before and the worker does no per-request work for it.  A batchable model gets
+``meta`` as a list of the requests' dicts in batch order (``meta[i]`` belongs to
+``batch[name][i]``, a list of one for a batch of one); a model with ``batchable = False``
+and a streaming model, which are always run one request at a time, get that request's dict.
+
 Backends are not thread-safe: one worker thread drives one backend.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import time
 import warnings
 from collections import OrderedDict
@@ -43,6 +53,7 @@ __all__ = [
     "BackendUnavailable",
     "CallableBackend",
     "TorchBackend",
+    "declares_meta",
     "make_backend",
     "numpy_to_torch",
     "warmup",
@@ -149,6 +160,63 @@ def _signature(inputs: Inputs) -> tuple:
     return tuple(sorted((k, v.dtype.str, v.shape) for k, v in inputs.items()))
 
 
+# --------------------------------------------------------------------------- request meta
+
+
+def declares_meta(fn) -> bool:
+    """Whether ``fn`` declares a parameter named ``meta`` that can be passed by keyword
+    (``**kwargs`` alone does not count: only a model that asks for it gets it)."""
+    try:
+        param = inspect.signature(fn).parameters.get("meta")
+    except (TypeError, ValueError):  # builtins and C callables without a signature
+        return False
+    return param is not None and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                inspect.Parameter.KEYWORD_ONLY)
+
+
+def _meta_caller(model):
+    """``call(batch, meta) -> outputs`` for a model that declares ``meta``, else None.
+
+    Looked for, in order: the Model's own ``__call__``; the function a `CallableModel`
+    wraps; the ``forward`` of the module a `TorchModuleModel` wraps (called the way the
+    wrapper calls it: the inputs as keyword arguments, or the whole dict when they do not
+    bind, plus ``meta=``).  Run once per backend, never per call."""
+    if declares_meta(model):  # inspect.signature of an instance is its __call__'s
+        return lambda batch, meta: model(batch, meta=meta)
+    from gpu_worker import models as M  # lazy: models imports torch-free, but keep import order loose
+
+    if isinstance(model, M.CallableModel) and declares_meta(model.fn):
+        fn = model.fn
+
+        def call_fn(batch, meta):
+            out = fn(batch, meta=meta)
+            if model.streaming:
+                return (M.normalise_outputs(o, model.name) for o in out)
+            return M.normalise_outputs(out, model.name)
+        return call_fn
+    module = getattr(model, "module", None)
+    if isinstance(model, M.TorchModuleModel) and module is not None and declares_meta(module.forward):
+        sig = inspect.signature(module.forward)
+        styles: dict[tuple, bool] = {}
+
+        def call_module(batch, meta):
+            names = tuple(sorted(batch))
+            kwargs = styles.get(names)
+            if kwargs is None:
+                try:
+                    sig.bind(**dict.fromkeys(names), meta=None)
+                    kwargs = True
+                except TypeError:
+                    kwargs = False
+                styles[names] = kwargs
+            out = module(**batch, meta=meta) if kwargs else module(dict(batch), meta=meta)
+            if model.streaming:
+                return (M.normalise_outputs(o, model.name) for o in out)
+            return M.normalise_outputs(out, model.name)
+        return call_module
+    return None
+
+
 # --------------------------------------------------------------------------- backends
 
 
@@ -161,6 +229,11 @@ class Backend:
         self.model = model
         self.device = device
         self._staging = _Staging(self._allocate)
+        #: call(batch, meta) for a model that declares ``meta`` (see the module docstring)
+        self._meta_call = _meta_caller(model)
+        #: whether run()/run_stream()/run_device() pass request meta on to the model; when
+        #: False, callers need not collect it (the worker's data planes don't)
+        self.takes_meta = self._meta_call is not None
 
     # Hooks ------------------------------------------------------------------------------
     def _allocate(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
@@ -178,29 +251,56 @@ class Backend:
     def _call(self, model, batch):
         return model(batch)
 
+    def _call_meta(self, model, batch, meta):
+        # Only for a model that declares meta (self.takes_meta); subclasses that override
+        # _call (TensorRT) keep their two-argument hook.
+        return self._meta_call(batch, meta)
+
+    def _invoke(self, model, batch, meta):
+        return self._call(model, batch) if meta is None else self._call_meta(model, batch, meta)
+
     def _iterate(self, partials: Iterator):
         return partials
 
     # API --------------------------------------------------------------------------------
-    def run(self, requests: Sequence[Inputs]) -> list[Outputs]:
+    def run(self, requests: Sequence[Inputs], meta: Sequence[Mapping[str, Any]] | None = None) -> list[Outputs]:
         """One output dict per request, in order.  Requests must be stack-compatible (same
         names, dtypes and shapes); a model with ``batchable = False`` is run once per
-        request."""
+        request.  ``meta``: one dict per request (its header's ``meta``), passed on only if
+        the model declares it (`takes_meta`; missing: empty dicts), else ignored."""
         model = self.model
         if getattr(model, "streaming", False):
             raise BackendError(f"model {model.name!r} streams its outputs; use run_stream()")
         if not requests:
             return []
-        if len(requests) > 1 and not getattr(model, "batchable", True):
-            return [self._run_batch(model, [r])[0] for r in requests]
-        return self._run_batch(model, requests)
+        if self._meta_call is None:  # the hot path: exactly as without meta support
+            if len(requests) > 1 and not getattr(model, "batchable", True):
+                return [self._run_batch(model, [r])[0] for r in requests]
+            return self._run_batch(model, requests)
+        metas = self._metas(meta, len(requests))
+        if not getattr(model, "batchable", True):
+            return [self._run_batch(model, [r], m)[0] for r, m in zip(requests, metas)]
+        return self._run_batch(model, requests, metas)
 
-    def run_stream(self, request: Inputs) -> Iterator[Outputs]:
+    def _metas(self, meta, n: int) -> list | None:
+        """The per-request meta list for a model that takes it, else None (no work)."""
+        if self._meta_call is None:
+            return None
+        if meta is None:
+            return [{} for _ in range(n)]
+        metas = [{} if m is None else m for m in meta]
+        if len(metas) != n:
+            raise BackendError(f"{len(metas)} meta dicts for {n} requests")
+        return metas
+
+    def run_stream(self, request: Inputs, meta: Mapping[str, Any] | None = None) -> Iterator[Outputs]:
         """Partial outputs of one request, in the order the model yields them (a model that
-        does not stream yields its one output)."""
+        does not stream yields its one output).  ``meta``: the request's dict, passed on
+        only if the model declares it."""
         model = self.model
         batch, _ = self._stack([request])
-        partials = self._call(model, self._to_model(model, batch))
+        m = None if self._meta_call is None else ({} if meta is None else meta)
+        partials = self._invoke(model, self._to_model(model, batch), m)
         if isinstance(partials, Mapping):  # a non-streaming model: a single "partial"
             partials = iter((partials,))
         for out in self._iterate(partials):
@@ -210,10 +310,12 @@ class Backend:
         self._staging.clear()
 
     # Internals --------------------------------------------------------------------------
-    def _run_batch(self, model, requests: Sequence[Inputs]) -> list[Outputs]:
+    def _run_batch(self, model, requests: Sequence[Inputs], meta=None) -> list[Outputs]:
+        # meta: None (the model does not take it), a list (batchable) or one dict.
         n = len(requests)
         batch, staged = self._stack(requests)
-        outputs = self._from_model(self._call(model, self._to_model(model, batch)))
+        outputs = self._from_model(self._call(model, self._to_model(model, batch)) if meta is None
+                                   else self._call_meta(model, self._to_model(model, batch), meta))
         if staged:
             # An output that aliases a staging buffer owns it from now on.
             for key, buf in staged:
@@ -319,11 +421,17 @@ class TorchBackend(Backend):
         with self._torch.inference_mode():
             return model(batch)
 
-    def run_device(self, requests: Sequence[Mapping[str, Any]], stream=None) -> list[dict[str, Any]]:
+    def _call_meta(self, model, batch, meta):
+        with self._torch.inference_mode():
+            return self._meta_call(batch, meta)
+
+    def run_device(self, requests: Sequence[Mapping[str, Any]], stream=None,
+                   meta: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
         """Like run(), but outputs stay torch tensors on the model's device and nothing
         synchronises: the caller orders its reads on `stream` (the stream everything is
         queued on; default the current one).  Inputs may be numpy arrays or torch tensors
-        (CUDA IPC views).  For the GPU worker's CUDA transport; torch models only."""
+        (CUDA IPC views).  ``meta`` as for run().  For the GPU worker's CUDA transport;
+        torch models only."""
         torch = self._torch
         model = self.model
         if getattr(model, "streaming", False):
@@ -332,8 +440,14 @@ class TorchBackend(Backend):
             raise BackendError(f"run_device runs torch models; {model.name!r} is a {_framework(model)} model")
         if not requests:
             return []
-        if len(requests) > 1 and not getattr(model, "batchable", True):
-            return [self.run_device([r], stream)[0] for r in requests]
+        metas = self._metas(meta, len(requests))
+        batchable = getattr(model, "batchable", True)
+        if len(requests) > 1 and not batchable:
+            if metas is None:
+                return [self.run_device([r], stream)[0] for r in requests]
+            return [self.run_device([r], stream, [m])[0] for r, m in zip(requests, metas)]
+        if metas is not None and not batchable:
+            metas = metas[0]  # an unbatched model gets its one request's dict
         ctx = torch.cuda.stream(stream) if (stream is not None and self._cuda) else contextlib.nullcontext()
         n = len(requests)
         with ctx:
@@ -341,7 +455,7 @@ class TorchBackend(Backend):
             for name in requests[0]:
                 parts = [self._device_tensor(r[name]) for r in requests]
                 batch[name] = parts[0].unsqueeze(0) if n == 1 else torch.stack(parts)
-            outputs = self._call(model, batch)
+            outputs = self._invoke(model, batch, metas)
         out = {}
         for k, v in outputs.items():
             t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v), device=self._tdevice)

@@ -154,9 +154,11 @@ class CudaPlane:
 
     def run(self, jobs: list[Job]) -> list:
         try:
+            # Request meta only for a model that declares it (fixed when the backend is made).
+            extra = {"meta": [j.req.meta for j in jobs]} if getattr(self.backend, "takes_meta", False) else {}
             if self.device_path and any(j.cuda_in or self._wants_device(j) for j in jobs):
-                return self.backend.run_device([j.inputs for j in jobs], stream=self.stream)
-            return self.backend.run([j.inputs for j in jobs])
+                return self.backend.run_device([j.inputs for j in jobs], stream=self.stream, **extra)
+            return self.backend.run([j.inputs for j in jobs], **extra)
         except self.torch.cuda.OutOfMemoryError:
             self.mem.on_oom()
             raise

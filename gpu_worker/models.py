@@ -45,6 +45,7 @@ __all__ = [
     "TorchModuleModel",
     "cartoon_filter",
     "load_model",
+    "normalise_outputs",
 ]
 
 
@@ -369,15 +370,48 @@ def _attr_or(obj, name, default):
     return default if value is None else value
 
 
+def _binds_one_positional(sig: inspect.Signature) -> bool:
+    """Whether ``forward`` can be called with exactly one positional argument."""
+    try:
+        sig.bind(None)
+    except TypeError:
+        return False
+    return True
+
+
+_MAPPING_ANNOTATIONS = ("dict", "Dict", "Mapping", "MutableMapping")
+
+
+def _wants_mapping(sig: inspect.Signature) -> bool:
+    """Whether the first positional parameter is annotated as a dict (it then gets the batch
+    dict even when the batch has one tensor)."""
+    for p in sig.parameters.values():
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL):
+            ann = p.annotation
+            if ann is p.empty:
+                return False
+            if not isinstance(ann, str):
+                origin = getattr(ann, "__origin__", None) or ann
+                if isinstance(origin, type) and issubclass(origin, Mapping):
+                    return True
+                ann = getattr(origin, "__name__", str(origin))
+            base = ann.split("[", 1)[0].rsplit(".", 1)[-1].strip()
+            return base in _MAPPING_ANNOTATIONS
+    return False
+
+
 class TorchModuleModel(ModelBase):
     """Wraps an ``nn.Module`` returned by a ``package.module:factory``.
 
     The module is called with the batch as keyword arguments (``forward(self, image)`` for
-    an input named "image"); a forward that takes a single parameter whose name is not an
-    input name gets the whole dict instead.  A returned tensor becomes the output "output";
-    a returned dict is used as is.  Optional attributes on the module override the defaults:
-    ``batchable``, ``streaming``, ``cost(inputs)``, ``example_inputs`` (a dict or a
-    function returning one).
+    an input named "image").  When the names do not bind: a batch of one tensor goes to a
+    forward that takes one positional argument (``nn.Sequential``'s ``forward(self, input)``,
+    ``forward(self, *args)``) positionally, whatever its name -- unless that parameter is
+    annotated as a dict/Mapping, which gets the dict; a batch of several tensors goes to a
+    single-parameter forward as the whole dict.  A returned tensor becomes the output
+    "output"; a returned dict is used as is.  Optional attributes on the module override
+    the defaults: ``batchable``, ``streaming``, ``cost(inputs)``, ``example_inputs`` (a dict
+    or a function returning one).
     """
 
     framework = "torch"
@@ -400,20 +434,30 @@ class TorchModuleModel(ModelBase):
         style = self._call_style.get(names)
         if style is None:
             style = "kwargs"
-            if self._signature is not None:
+            sig = self._signature
+            if sig is not None:
                 try:
-                    self._signature.bind(**dict.fromkeys(names))
+                    sig.bind(**dict.fromkeys(names))
                 except TypeError:
                     style = "dict"
+                    if len(names) == 1 and _binds_one_positional(sig) and not _wants_mapping(sig):
+                        style = "positional"
             self._call_style[names] = style
         return style
 
     def __call__(self, batch):
         names = tuple(sorted(batch))
-        out = self.module(**batch) if self._style(names) == "kwargs" else self.module(dict(batch))
+        style = self._style(names)
+        if style == "kwargs":
+            out = self.module(**batch)
+        elif style == "positional":
+            (tensor,) = batch.values()
+            out = self.module(tensor)
+        else:
+            out = self.module(dict(batch))
         if self.streaming:
-            return (_normalise_outputs(o, self.name) for o in out)
-        return _normalise_outputs(out, self.name)
+            return (normalise_outputs(o, self.name) for o in out)
+        return normalise_outputs(out, self.name)
 
     def cost(self, inputs):
         fn = getattr(self.module, "cost", None)
@@ -446,8 +490,8 @@ class CallableModel(ModelBase):
     def __call__(self, batch):
         out = self.fn(batch)
         if self.streaming:
-            return (_normalise_outputs(o, self.name) for o in out)
-        return _normalise_outputs(out, self.name)
+            return (normalise_outputs(o, self.name) for o in out)
+        return normalise_outputs(out, self.name)
 
     def cost(self, inputs):
         fn = getattr(self.fn, "cost", None)
@@ -460,7 +504,8 @@ class CallableModel(ModelBase):
         return dict(ex() if callable(ex) else ex)
 
 
-def _normalise_outputs(out, name: str):
+def normalise_outputs(out, name: str):
+    """A model's return value as a dict of named outputs (a lone tensor is output ``name``)."""
     if isinstance(out, Mapping):
         return out
     if hasattr(out, "shape") and hasattr(out, "dtype"):  # a single tensor or array
@@ -505,7 +550,9 @@ def load_model(spec: str, device: str = "cpu") -> Model:
     ``spec`` is a shipped name (see ``SHIPPED_MODELS``) or ``package.module:factory``
     (``factory`` may be a dotted attribute path).  The factory's result is used as is when it
     already implements ``Model``; an ``nn.Module`` is wrapped in ``TorchModuleModel`` (moved
-    to ``device``, eval mode) and any other callable in ``CallableModel``.
+    to ``device``, eval mode) and any other callable in ``CallableModel``.  A wrapped model
+    is named after itself, never after the factory (see ``_model_name``): that name is the
+    worker's default service.
     """
     from .devices import resolve_device
 
@@ -536,19 +583,43 @@ def load_model(spec: str, device: str = "cpu") -> Model:
         try:
             factory = getattr(factory, part)
         except AttributeError as e:
-            raise ModelLoadError(f"module {module_name!r} has no attribute {attr!r} (model spec {spec!r})") from e
+            raise ModelLoadError(f"module {module_name!r} has no attribute {attr!r} (model spec {spec!r}; "
+                                 "check the name after ':')") from e
     if not callable(factory):
         raise ModelLoadError(f"{spec!r} is a {type(factory).__name__}, not a callable factory: {_EXPECTED}")
     try:
         obj = _call_factory(factory, device)
     except Exception as e:
-        raise ModelLoadError(f"factory {spec!r} raised {type(e).__name__}: {e}") from e
+        raise ModelLoadError(f"factory {spec!r} raised {type(e).__name__}: {e} "
+                             "(fix the factory or what it loads; it is called as factory(device=...) "
+                             "or factory())") from e
 
-    name = attr.rsplit(".", 1)[-1]
     if _is_model(obj):
         return obj
     if _is_torch_module(obj):
-        return TorchModuleModel(obj, name=_attr_or(obj, "name", name), device=device)
+        return TorchModuleModel(obj, name=_model_name(obj, attr), device=device)
     if callable(obj):
-        return CallableModel(obj, name=_attr_or(obj, "name", name), device=device)
+        return CallableModel(obj, name=_model_name(obj, attr), device=device)
     raise ModelLoadError(f"factory {spec!r} returned {type(obj).__name__}: {_EXPECTED}")
+
+
+def _model_name(obj: object, attr: str) -> str:
+    """The default service name of a wrapped model: its own ``name`` attribute (a non-empty
+    str); else an ``nn.Module``'s class name, lowercased (``Sequential`` -> "sequential"); a
+    named function's ``__name__``; a callable object's class name, lowercased.  Only an
+    anonymous callable (a lambda) falls back to the factory's name."""
+    try:
+        name = getattr(obj, "name", None)
+    except Exception:  # a property that raises: no name of its own
+        name = None
+    if isinstance(name, str) and name.strip():
+        return name.strip()
+    if _is_torch_module(obj):
+        return type(obj).__name__.lower()
+    if inspect.isfunction(obj) or inspect.ismethod(obj) or inspect.isbuiltin(obj):
+        fn_name = getattr(obj, "__name__", "")
+        if fn_name and fn_name.isidentifier():  # not "<lambda>"
+            return fn_name
+    elif not isinstance(obj, functools.partial) and type(obj).__name__ != "function":
+        return type(obj).__name__.lower()
+    return attr.rsplit(".", 1)[-1]

@@ -50,13 +50,17 @@ from gpu_worker.job import Job
 from gpu_worker.planes import DataPlane, HostPlane
 from gpu_worker.upstream import BrokerLink
 
-__all__ = ["Worker", "WorkerConfig", "install_sigterm_drain", "DIRECT_LINGER_MS"]
+__all__ = ["Worker", "WorkerConfig", "WarmupError", "install_sigterm_drain", "DIRECT_LINGER_MS"]
 
 log = logging.getLogger("gpu_worker")
 _POLLIN = int(zmq.POLLIN)
 # How long serve waits for the broker's WELCOME before announcing READY anyway, in heartbeat
 # intervals (the command line's): a plain MDP broker never sends one.
 READY_FALLBACK_INTERVALS = 2
+
+
+class WarmupError(RuntimeError):
+    """The model failed its warm-up on its example inputs (the message is the model's error)."""
 
 
 @dataclass
@@ -146,7 +150,10 @@ class Worker:
         self.batch_finals: BatchFinals | None = None
         self.direct_sent = 0
         if cfg.warmup:
-            self._warmup()
+            try:
+                self._warmup()
+            except Exception as e:  # the model's own error, on its own example inputs
+                raise WarmupError(f"{type(e).__name__}: {e}") from e
 
     def _open_plane(self) -> DataPlane:
         """The data plane, chosen once: everything CUDA exists only on a CUDA worker, so the
@@ -505,7 +512,7 @@ class Worker:
     def _run_stream(self, job: Job) -> None:
         seq = 0
         t0 = time.perf_counter()
-        outs = iter(self.backend.run_stream(job.inputs))
+        outs = iter(self.backend.run_stream(job.inputs, meta=job.req.meta))
         beats = self._heartbeats
         while True:
             # The model computes inside next(): heartbeats are the thread's meanwhile, the

@@ -299,3 +299,117 @@ def test_tensorrt_is_unavailable_without_tensorrt():
     if importlib.util.find_spec("tensorrt") is None:
         assert str(info.value) == TENSORRT_MISSING
         assert "pip install '.[gpu]'" in str(info.value)
+
+
+# --------------------------------------------------------------------------- request meta
+
+
+def _scaler(record: list):
+    def fn(batch, meta):
+        record.append(meta)
+        scale = np.array([m.get("scale", 1) for m in meta] if isinstance(meta, list) else [meta.get("scale", 1)])
+        return {"y": batch["x"] * scale.reshape(-1, *([1] * (batch["x"].ndim - 1)))}
+    return fn
+
+
+def test_callable_declaring_meta_gets_a_list_per_batch_in_order():
+    from gpu_worker.models import CallableModel
+
+    seen: list = []
+    backend = CallableBackend(CallableModel(_scaler(seen), name="scaler"))
+    assert backend.takes_meta
+    x = np.ones(3, np.float32)
+    outs = backend.run([{"x": x}, {"x": x}, {"x": x}], meta=[{"scale": 2}, {"scale": 3}, {}])
+    assert seen == [[{"scale": 2}, {"scale": 3}, {}]]
+    assert [float(o["y"][0]) for o in outs] == [2.0, 3.0, 1.0]
+    # A batch of one is still a batch: a list of one.  No meta given: empty dicts.
+    backend.run([{"x": x}], meta=[{"scale": 5}])
+    backend.run([{"x": x}])
+    assert seen[1:] == [[{"scale": 5}], [{}]]
+
+
+def test_unbatched_and_streaming_models_get_one_dict():
+    from gpu_worker.models import CallableModel
+
+    seen: list = []
+    fn = _scaler(seen)
+    fn.batchable = False
+    backend = CallableBackend(CallableModel(fn, name="one"))
+    x = np.ones(2, np.float32)
+    outs = backend.run([{"x": x}, {"x": x}], meta=[{"scale": 4}, {"scale": 6}])
+    assert seen == [{"scale": 4}, {"scale": 6}]
+    assert [float(o["y"][0]) for o in outs] == [4.0, 6.0]
+
+    got = []
+
+    def chunks(batch, *, meta):
+        got.append(meta)
+        for _ in range(meta["k"]):
+            yield {"x": batch["x"]}
+    chunks.streaming = True
+    backend = CallableBackend(CallableModel(chunks, name="chunks"))
+    assert len(list(backend.run_stream({"x": x}, meta={"k": 3}))) == 3
+    assert got == [{"k": 3}]
+
+
+def test_models_without_meta_are_called_as_before():
+    from gpu_worker.models import CallableModel
+
+    calls = []
+
+    def plain(batch):
+        calls.append(batch)
+        return {"y": batch["x"]}
+
+    def kw_only(batch, **kwargs):  # **kwargs is not a declaration: nothing extra is passed
+        calls.append(kwargs)
+        return {"y": batch["x"]}
+
+    x = np.ones(2, np.float32)
+    for fn in (plain, kw_only):
+        backend = CallableBackend(CallableModel(fn, name="plain"))
+        assert not backend.takes_meta
+        assert backend._meta_call is None
+        backend.run([{"x": x}, {"x": x}], meta=[{"a": 1}, {"a": 2}])  # ignored
+        backend.run([{"x": x}])
+    assert calls[2:] == [{}, {}]
+
+
+def test_model_class_declaring_meta_in_call():
+    class Scale(ModelBase):
+        name = "scale"
+        framework = "numpy"
+
+        def __call__(self, batch, meta=None):
+            return {"y": batch["x"] * np.array([m["scale"] for m in meta], np.float32)[:, None]}
+
+    backend = CallableBackend(Scale())
+    assert backend.takes_meta
+    x = np.ones(2, np.float32)
+    outs = backend.run([{"x": x}, {"x": x}], meta=[{"scale": 2}, {"scale": 3}])
+    assert [o["y"].tolist() for o in outs] == [[2.0, 2.0], [3.0, 3.0]]
+
+
+def test_torch_module_forward_declaring_meta():
+    from gpu_worker.models import TorchModuleModel
+
+    class Scale(torch.nn.Module):
+        def forward(self, x, *, meta):
+            return x * torch.tensor([m.get("scale", 1) for m in meta], dtype=x.dtype)[:, None]
+
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    backend = TorchBackend(TorchModuleModel(Scale(), name="scale"))
+    assert backend.takes_meta
+    x = np.ones(2, np.float32)
+    outs = backend.run([{"x": x}, {"x": x}], meta=[{"scale": 3}, {}])
+    assert [o["output"].tolist() for o in outs] == [[3.0, 3.0], [1.0, 1.0]]
+    (one,) = backend.run([{"x": x}], meta=[{"scale": 7}])
+    assert one["output"].tolist() == [7.0, 7.0]
+
+    plain = TorchBackend(TorchModuleModel(Plain(), name="plain"))
+    assert not plain.takes_meta
+    (out,) = plain.run([{"x": x}], meta=[{"scale": 7}])
+    assert out["output"].tolist() == [2.0, 2.0]

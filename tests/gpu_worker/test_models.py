@@ -257,6 +257,47 @@ FACTORIES = textwrap.dedent(
 
     def returns_none():
         return None
+
+    def make_seq():             # a stock nn.Sequential: forward(self, input)
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 2))
+
+    class StarArgs(torch.nn.Module):
+        def forward(self, *args):
+            return args[0] * 2
+
+    def build():
+        return StarArgs()
+
+    class Named(torch.nn.Module):
+        name = "resnet-ish"
+        def forward(self, x):
+            return x
+
+    def make_named():
+        return Named()
+
+    class OneDict(torch.nn.Module):
+        def forward(self, inputs: dict):   # annotated: gets the dict even for one input
+            return {"y": inputs["x"] + 1}
+
+    def make_onedict():
+        return OneDict()
+
+    def make_lambda():
+        return lambda batch: {"z": batch["x"]}
+
+    class BadWarmup(torch.nn.Module):
+        inputs = {"x": ("<f4", (4,))}
+        example_inputs = {"x": np.ones(3, np.float32)}   # does not fit the Linear(4, 2)
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+        def forward(self, x):
+            return self.fc(x)
+
+    def make_bad_warmup():
+        return BadWarmup()
     '''
 )
 
@@ -282,7 +323,7 @@ def test_load_factory_returning_a_model(factories):
 def test_load_factory_returning_an_nn_module(factories):
     m = load_model(f"{factories}:make_module", "cpu")
     assert isinstance(m, TorchModuleModel) and m.framework == "torch" and m.batchable
-    assert m.name == "make_module"
+    assert m.name == "affine"  # the model's name (class name, lowercased), not the factory's
     assert not m.module.training and not any(p.requires_grad for p in m.module.parameters())
     out = run(m, x=np.array([[1.0, 2.0]], np.float32))
     assert list(out) == ["output"] and out["output"].tolist() == [[4.0, 7.0]]
@@ -329,3 +370,96 @@ def test_bad_spec_raises_model_load_error(factories, spec, message):
         load_model(spec, "cpu")
     if "unknown" in message or "malformed" in message or "returned" in message:
         assert "package.module:factory" in str(info.value)  # says what was expected
+
+
+# ------------------------------------------------- single-input modules and default names
+
+
+def test_nn_sequential_binds_a_lone_input_whatever_its_name(factories):
+    from gpu_worker.backends import make_backend, warmup
+
+    m = load_model(f"{factories}:make_seq", "cpu")
+    assert isinstance(m, TorchModuleModel) and m.name == "sequential"
+    lin = m.module[0]
+    x = np.array([[1.0, 2.0, 3.0, 4.0], [0.5, -1.0, 0.0, 2.0]], np.float32)
+    want = (torch.from_numpy(x) @ lin.weight.T + lin.bias).numpy()
+    out = run(m, x=x)  # the model's own call, as in the tests above
+    assert list(out) == ["output"] and np.allclose(out["output"], want)
+    # The worker's path: a backend run per request, and a warm-up on example inputs.
+    backend = make_backend(m, "cpu")
+    outs = backend.run([{"x": x[0]}, {"x": x[1]}])
+    assert np.allclose(np.stack([o["output"] for o in outs]), want)
+    assert np.allclose(backend.run([{"input": x[0]}])[0]["output"], want[0])  # any name
+    m.module.example_inputs = {"x": x[0]}
+    assert set(warmup(backend, m, [1, 2])) == {1, 2}
+
+
+def test_star_args_forward_binds_a_lone_input(factories):
+    m = load_model(f"{factories}:build", "cpu")
+    assert m.name == "starargs"  # not "build"
+    assert run(m, image=np.ones((1, 2), np.float32))["output"].tolist() == [[2.0, 2.0]]
+
+
+def test_a_forward_annotated_as_dict_still_gets_the_dict(factories):
+    m = load_model(f"{factories}:make_onedict", "cpu")
+    assert run(m, x=np.zeros((1, 2), np.float32))["y"].tolist() == [[1.0, 1.0]]
+
+
+@pytest.mark.parametrize("factory, name", [
+    ("make_module", "affine"),        # nn.Module: class name, lowercased
+    ("make_named", "resnet-ish"),     # its own name attribute
+    ("make_model", "doubler"),        # a Model: its name
+    ("make_callable", "negate"),      # a named function
+    ("make_lambda", "make_lambda"),   # anonymous: only then the factory's name
+])
+def test_the_default_service_name_is_the_models(factories, factory, name):
+    assert load_model(f"{factories}:{factory}", "cpu").name == name
+
+
+def test_the_worker_registers_the_models_name(factories):
+    from gpu_worker.worker import Worker, WorkerConfig
+
+    class Upstream:  # never connected: only the name the worker would register matters
+        def close(self, *a, **k):
+            pass
+
+    w = Worker(WorkerConfig(broker="ipc:///nonexistent", model=f"{factories}:make_module", device="cpu",
+                            warmup=False, out_capacity=1 << 20), upstream=Upstream())
+    with w:
+        assert w.service == "affine"
+
+
+# ------------------------------------------------- load failures: one line, exit non-zero
+
+
+def _start_worker(model: str, pythonpath: str):
+    import os
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pythonpath, os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "gpu_worker", "--model", model, "--device", "cpu",
+                           "--broker", "ipc:///tmp/zmq-infer-test-no-broker", "--out-capacity-mb", "1"],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def _one_line(proc) -> str:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_a_model_that_does_not_import_is_one_line(factories, tmp_path):
+    line = _one_line(_start_worker("mymodels.missing:make", str(tmp_path)))
+    assert "cannot import 'mymodels.missing'" in line and "PYTHONPATH" in line
+
+
+def test_a_factory_that_raises_is_one_line(factories, tmp_path):
+    line = _one_line(_start_worker(f"{factories}:broken", str(tmp_path)))
+    assert "weights missing" in line and "fix the factory" in line
+
+
+def test_a_model_whose_warmup_raises_is_one_line(factories, tmp_path):
+    line = _one_line(_start_worker(f"{factories}:make_bad_warmup", str(tmp_path)))
+    assert "warm-up" in line and "example_inputs" in line and "--no-warmup" in line
