@@ -1,41 +1,61 @@
 """The broker tells workers the pid the kernel attests for an ipc client, not the one the
-client wrote in its header (workers reclaim a dead client's outputs by it)."""
+client wrote in its header (workers reclaim a dead client's outputs by it, and read only
+its memory)."""
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+import sys
 import threading
 
 import zmq
 
 from broker import protocol as P
 from broker.server import Broker, BrokerConfig
+from tests.e2e.conftest import ROOT
 
 
-def test_an_ipc_clients_pid_is_the_kernels_not_its_claim(tmp_path):
+@contextlib.contextmanager
+def _broker_and_worker(tmp_path, credit: int):
+    """A broker serving in a thread and a raw worker of service "svc": (frontend, worker)."""
     fe, be = f"ipc://{tmp_path}/fe.ipc", f"ipc://{tmp_path}/be.ipc"
     stop = threading.Event()
     ctx = zmq.Context.instance()
     broker = Broker(BrokerConfig(frontend=fe, backend=be), ctx=ctx)
     t = threading.Thread(target=broker.serve, args=(stop,))
     t.start()
-    worker, client = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    worker = ctx.socket(zmq.DEALER)
     try:
         worker.connect(be)
-        worker.send_multipart(P.worker_ready("svc", P.Ready(credit=1, host=P.local_host_id(), transports=["inline"])))
-        client.connect(fe)
-        for attempt in range(200):  # until the READY is in: a request before it just queues
-            lie = P.Request(id=attempt + 1, pid=1, host=P.local_host_id())
-            client.send_multipart(P.client_request("svc", [P.encode_header(lie)]))
-            if worker.poll(50):
-                break
-        msg = P.parse_broker_to_worker(worker.recv_multipart())
-        assert P.decode_request(msg.body[0]).pid == os.getpid()  # this process, not pid 1
+        worker.send_multipart(P.worker_ready("svc", P.Ready(credit=credit, host=P.local_host_id(),
+                                                           transports=["inline"])))
+        yield fe, worker
     finally:
         stop.set()
         t.join(10)
         worker.close(0)
-        client.close(0)
         broker.close()
+
+
+def _dispatched(worker: zmq.Socket) -> P.Request:
+    assert worker.poll(10_000), "the request never reached the worker"
+    return P.decode_request(P.parse_broker_to_worker(worker.recv_multipart()).body[0])
+
+
+def test_an_ipc_clients_pid_is_the_kernels_not_its_claim(tmp_path):
+    with _broker_and_worker(tmp_path, credit=1) as (fe, worker):
+        client = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            client.connect(fe)
+            for attempt in range(200):  # until the READY is in: a request before it just queues
+                lie = P.Request(id=attempt + 1, pid=1, host=P.local_host_id())
+                client.send_multipart(P.client_request("svc", [P.encode_header(lie)]))
+                if worker.poll(50):
+                    break
+            assert _dispatched(worker).pid == os.getpid()  # this process, not pid 1
+        finally:
+            client.close(0)
 
 
 _SENDER = """
@@ -51,36 +71,15 @@ s.close(linger=0)          # then gone, without a DISCONNECT
 
 
 def test_a_routing_id_reused_by_another_process_does_not_inherit_the_first_ones_pid(tmp_path):
-    import subprocess
-    import sys
-
-    from tests.e2e.conftest import ROOT
-
-    fe, be = f"ipc://{tmp_path}/fe.ipc", f"ipc://{tmp_path}/be.ipc"
-    stop = threading.Event()
-    ctx = zmq.Context.instance()
-    broker = Broker(BrokerConfig(frontend=fe, backend=be), ctx=ctx)
-    t = threading.Thread(target=broker.serve, args=(stop,))
-    t.start()
-    worker = ctx.socket(zmq.DEALER)
-    try:
-        worker.connect(be)
-        worker.send_multipart(P.worker_ready("svc", P.Ready(credit=8, host=P.local_host_id(), transports=["inline"])))
+    with _broker_and_worker(tmp_path, credit=8) as (fe, worker):
         seen = {}
         for rid in (1, 2):  # two processes, one after the other, with the same routing id
             child = subprocess.Popen([sys.executable, "-c", _SENDER, fe, str(rid)], cwd=ROOT, stdin=subprocess.PIPE,
                                      env={**os.environ, "PYTHONPATH": str(ROOT)})
             try:
-                assert worker.poll(10_000), "the request never reached the worker"
-                msg = P.parse_broker_to_worker(worker.recv_multipart())
-                req = P.decode_request(msg.body[0])
+                req = _dispatched(worker)
                 seen[req.id] = (req.pid, child.pid)
             finally:
                 child.communicate(b"\n", timeout=30)
-        assert seen[1] == (seen[1][1], seen[1][1]) and seen[2] == (seen[2][1], seen[2][1])
-        assert seen[1][0] != seen[2][0]  # each request carries its own process's pid
-    finally:
-        stop.set()
-        t.join(10)
-        worker.close(0)
-        broker.close()
+        assert seen[1][0] == seen[1][1] and seen[2][0] == seen[2][1]  # each its own process's pid
+        assert seen[1][0] != seen[2][0]
