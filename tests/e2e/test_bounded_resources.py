@@ -145,6 +145,22 @@ def _echo(c: Client, x: np.ndarray, service: str = "echo", timeout: float = 10.0
         np.testing.assert_array_equal(r["x"], x)
 
 
+def _gated_call(c: Client, gate, x: np.ndarray, releases: int) -> float:  # noqa: F811
+    """One call to "gate", known to be queued at the broker (the MMI answer on the same socket
+    says so) before exactly `releases` requests are let through; seconds from the release to
+    its result.  Raises on an error (QueueFull, DeadlineExceeded)."""
+    with c.infer_stream("gate", {"x": x}, timeout=10) as replies:
+        assert c.mmi_service("gate", timeout=10)
+        t0 = time.monotonic()
+        gate.release(releases)
+        res = next(replies)
+        took = time.monotonic() - t0
+        assert res.final
+        np.testing.assert_array_equal(res["x"], x)
+        res.release()
+    return took
+
+
 def _gated_worker(cluster, gate):  # noqa: F811
     """One worker of service "gate" that holds one request at a time."""
     p = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "1",
@@ -276,16 +292,7 @@ def test_a_burst_from_one_client_never_pushes_another_into_queue_full(cluster, g
             # would need 64 more.
             took = []
             for k in range(10):
-                x = np.array([1000 + k], np.float64)
-                with c.infer_stream("gate", {"x": x}, timeout=10) as replies:
-                    assert c.mmi_service("gate", timeout=10)
-                    t0 = time.monotonic()
-                    gate.release(3)
-                    res = next(replies)  # raises on an error: QueueFull, DeadlineExceeded
-                    took.append(time.monotonic() - t0)
-                    assert res.final
-                    np.testing.assert_array_equal(res["x"], x)
-                    res.release()
+                took.append(_gated_call(c, gate, np.array([1000 + k], np.float64), 3))
             print(f"\nburst: the other client's 10 requests took {[round(t * 1000, 1) for t in took]} ms")
             # Draining the queue ahead of it would take 64 gated requests; it took 3 each.
             assert max(took) < 2.0, took
@@ -313,13 +320,7 @@ def test_a_burst_from_one_client_never_pushes_another_into_queue_full(cluster, g
         finally:
             burster.close(0)
         # Its queue is gone: the running one (cancelled, still gated) and then ours.
-        x = np.array([7.0])
-        with c.infer_stream("gate", {"x": x}, timeout=10) as replies:
-            assert c.mmi_service("gate", timeout=10)
-            gate.release(2)
-            res = next(replies)
-            np.testing.assert_array_equal(res["x"], x)
-            res.release()
+        _gated_call(c, gate, np.array([7.0]), 2)
 
 
 def test_the_per_client_request_cap_refuses_exactly_what_is_over_it(cluster, gate, tmp_path):  # noqa: F811
@@ -342,13 +343,7 @@ def test_the_per_client_request_cap_refuses_exactly_what_is_over_it(cluster, gat
             assert not raw.poll(50)
             # Another client is not counted against it: admitted and served in turn (the
             # running one, one of raw's, then this one).
-            x = np.array([42.0])
-            with other.infer_stream("gate", {"x": x}, timeout=10) as replies:
-                assert other.mmi_service("gate", timeout=10)
-                gate.release(3)
-                res = next(replies)
-                np.testing.assert_array_equal(res["x"], x)
-                res.release()
+            _gated_call(other, gate, np.array([42.0]), 3)
             # The first five all succeed.
             gate.release(3)
             done = {}
