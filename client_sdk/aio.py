@@ -32,9 +32,9 @@ from broker import protocol as P
 from broker.protocol.wire import NOBLOCK, recv_frames, send_frames
 
 from .base import ClientBase, ReplyStreamBase
-from .calls import Call, final_of_infer, mmi_answer, opaque_reply
+from .calls import Call, mmi_answer, opaque_reply
 from .core import ClientCore
-from .errors import DeadlineExceeded, InferenceError, ProtocolError
+from .errors import DeadlineExceeded, InferenceError
 from .sockets import CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, tcp_options
 from .tensors import Result
 
@@ -238,23 +238,19 @@ class AsyncClient(ClientBase):
                     reply: str = "auto") -> Result:
         """Run one request and return its FINAL outputs.  A service that streams its results
         (PARTIALs) and ends with an empty FINAL raises `NotSupported`: use `infer_stream`."""
-        stream = self.infer_stream(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply)
-        partials = 0
+        handle = self.infer_stream(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply)
         try:
-            async for res in stream:
-                if res.final:
-                    return final_of_infer(service, res, partials)
-                partials += 1
-                res.release()
+            return await handle.result()
         finally:
-            stream.close()
-        raise ProtocolError("the reply stream ended without a FINAL")  # pragma: no cover
+            handle.close()
 
     def infer_stream(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                      priority: Any = "normal", meta: Mapping[str, Any] | None = None,
                      reply: str = "auto") -> "AsyncReplyStream":
-        """Send one request now; `async for` over the result gets each PARTIAL, then the
-        FINAL.  Closing it (or leaving `async with`) before the FINAL cancels the request."""
+        """Send one request now and return its handle: `async for` over it gets each
+        PARTIAL, then the FINAL; `await handle.result()` the FINAL alone.  `cancel()` cancels
+        the request at once; closing the handle (or leaving `async with`) before the FINAL
+        cancels it too."""
         call = self.prepare(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply)
         self.submit(call)
         return AsyncReplyStream(self, call)
@@ -398,27 +394,47 @@ class AsyncClient(ClientBase):
 
 
 class AsyncReplyStream(ReplyStreamBase):
-    """Async iterator over the replies to one request (`AsyncClient.infer_stream`)."""
+    """The handle on one request (`AsyncClient.infer_stream`): `async for` over it for each
+    PARTIAL, then the FINAL; or `await result()` for the FINAL alone; `cancel()` (a plain
+    method) to stop it now (see `ReplyStreamBase`)."""
 
     def __aiter__(self) -> "AsyncReplyStream":
         return self
 
     async def __anext__(self) -> Result:
-        if self._finished:
+        if self._ended(True):
             raise StopAsyncIteration
+        return self._item(*await self._wait(None))
+
+    async def result(self, timeout: float | None = None) -> Result:
+        """Wait for the FINAL and return it, releasing any PARTIAL before it unread; as
+        `ReplyStream.result`: `timeout` bounds this wait only (`TimeoutError`, the request
+        stays in flight), `Cancelled` at once after `cancel()`.  Cancelling the task that
+        awaits it cancels the request."""
+        self._ended(False)
+        stop = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+        while True:
+            left = None if stop is None else max(0.0, stop - time.monotonic())
+            res = self._final(*await self._wait(left, timeout))
+            if res is not None:
+                return res
+
+    async def _wait(self, limit: float | None, asked: float | None = None) -> tuple[str, Any]:
         try:
-            kind, item = await self._client._next(self._call)
-        except BaseException:
-            # Deadline and task cancellation included: the broker hears CANCEL, the inputs
-            # wait for the FINAL.
+            return await self._client._next(self._call, limit)
+        except DeadlineExceeded:
             self.close()
             raise
-        if kind == "error":
+        except TimeoutError:
+            if limit is None:  # pragma: no cover - only a limit raises a plain TimeoutError
+                self.close()
+                raise
+            raise TimeoutError(f"no result within {asked:g}s; the request is still in flight") from None
+        except BaseException:
+            # Task cancellation included: the broker hears CANCEL, the inputs wait for the
+            # FINAL.
             self.close()
-            raise item
-        if kind == "final":
-            self._finished = True
-        return item
+            raise
 
     async def aclose(self) -> None:
         self.close()

@@ -6,8 +6,10 @@ seams `prepare`, `submit`, `pump`) and its `_send_soon`, with the same names, ar
 meaning.
 tests/client_sdk/test_sdk_surface.py compares the two classes so that they cannot drift.
 
-`ReplyStreamBase` is what the blocking and the asyncio reply streams share: the call, and
-giving up on it (CANCEL to the broker) when closed or dropped before its FINAL.
+`ReplyStreamBase` is what the blocking and the asyncio reply streams share: the call, giving
+up on it (CANCEL to the broker) when closed or dropped before its FINAL, `cancel()` and
+`cancelled`, and what `result()` makes of each reply; each twin adds the waiting
+(`__next__`/`result()`, `__anext__`/`await result()`).
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from .calls import Call
+from .calls import Call, final_of_infer
 from .core import ClientCore
+from .errors import Cancelled, EndOfStream
 
 __all__ = ["ClientBase", "ReplyStreamBase"]
 
@@ -105,23 +108,89 @@ class ClientBase:
 
 
 class ReplyStreamBase:
-    """The replies to one request: `request_id`, and `close()`, which cancels the request if
-    its FINAL has not arrived (also when the stream is garbage-collected)."""
+    """A handle on one request in flight: its replies, `result()`, `cancel()`, `close()`.
+
+    `cancel()` ends the handle at once: the broker is sent CANCEL now, and every later
+    `next()` or `result()` raises `Cancelled` without waiting for anything.  The request's
+    input slots stay allocated until the FINAL that answers the cancellation arrives (a
+    worker may be reading them until then), and are freed by whichever later call of the
+    client routes it.  `close()` (also when the handle is garbage-collected) stops
+    listening and cancels the request if its FINAL has not arrived; the iteration then just
+    ends."""
 
     def __init__(self, client: Any, call: Call):
         self._client = client
         self._call = call
-        self._finished = False
+        self._finished = False   # nothing more will be handed out (FINAL taken, error, closed, cancelled)
+        self._cancelled = False  # ended by cancel()
+        self._dropped = 0        # PARTIALs that result() released unread
 
     @property
     def request_id(self) -> int:
         return self._call.id
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether `cancel()` ended this handle before its FINAL arrived."""
+        return self._cancelled
+
+    def cancel(self) -> bool:
+        """Cancel the request now, without waiting: CANCEL goes to the broker (a queued
+        request never runs; a running one is stopped at its worker) and every later `next()`
+        or `result()` raises `Cancelled` at once.  Its input slots are freed when the broker's
+        (or worker's) FINAL for it arrives, never earlier.  True if the handle is cancelled
+        (now or before); False when there is nothing left to cancel: its FINAL (or error) has
+        already arrived, or the handle was closed."""
+        if self._cancelled:
+            return True
+        if self._finished or self._call.done:
+            return False
+        self._cancelled = True
+        self._finished = True
+        self._client.give_up(self._call)
+        return True
 
     def close(self) -> None:
         """Stop listening; cancels the request if its FINAL has not arrived."""
         if not self._finished:
             self._finished = True
             self._client.give_up(self._call)
+
+    # ---------------------------------------------------------------- for the twins
+
+    def _ended(self, iterating: bool) -> bool:
+        """Called before waiting: raises `Cancelled` on a cancelled handle; True when
+        nothing more will come (`next()` stops), for `result()` an `EndOfStream`."""
+        if self._cancelled:
+            call = self._call
+            raise Cancelled(f"request {call.id} to {call.service!r} was cancelled by its caller (cancel())",
+                            request_id=call.id or None)
+        if not self._finished:
+            return False
+        if iterating:
+            return True
+        raise EndOfStream("this reply stream has nothing left to receive: its FINAL was already taken, "
+                          "it failed, or it was closed")
+
+    def _item(self, kind: str, item: Any) -> Any:
+        """What the next reply means for the caller: an error raised (the handle closed,
+        which cancels the request if it is still in flight), or the Result."""
+        if kind == "error":
+            self.close()  # a client-side error (silent broker): the broker hears CANCEL
+            raise item
+        if kind == "final":
+            self._finished = True
+        return item
+
+    def _final(self, kind: str, item: Any) -> Any:
+        """`result()`'s step: the FINAL's Result (checked as `infer` checks it), or None after
+        releasing a PARTIAL."""
+        res = self._item(kind, item)
+        if res.final:
+            return final_of_infer(self._call.service, res, self._dropped)
+        self._dropped += 1
+        res.release()
+        return None
 
     def __del__(self) -> None:
         try:

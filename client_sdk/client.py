@@ -27,9 +27,9 @@ from broker import protocol as P
 from broker.protocol.wire import NOBLOCK, recv_frames, send_frames
 
 from .base import ClientBase, ReplyStreamBase
-from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priority, resolve_transport
+from .calls import Call, mmi_answer, opaque_reply, parse_priority, resolve_transport
 from .core import ClientCore
-from .errors import BrokerUnreachable, DeadlineExceeded, ProtocolError
+from .errors import BrokerUnreachable, DeadlineExceeded
 from .sockets import CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, tcp_options
 from .tensors import Result
 
@@ -67,7 +67,7 @@ class Client(ClientBase):
         self._sock = dealer(self._ctx, endpoint, self._curve)
         self._inbox = ReplyInbox.open(self._ctx) if self._core.direct_reply else None
         self._items = [(self._sock, _POLLIN)]
-        self._pending: deque[list[Any]] = deque()  # REQUESTs the socket refused (resends), in order
+        self._pending: deque[list[Any]] = deque()  # REQUESTs (resends) and CANCELs the socket refused, in order
         if self._inbox is not None:
             self._core.reply_to = self._inbox.endpoint
             self._items.append((self._inbox.sock, _POLLIN))
@@ -81,22 +81,18 @@ class Client(ClientBase):
               priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto") -> Result:
         """Run one request and return its FINAL outputs.  A service that streams its results
         (PARTIALs) and ends with an empty FINAL raises `NotSupported`: use `infer_stream`."""
-        partials = 0
         with self.infer_stream(service, inputs, timeout=timeout, priority=priority, meta=meta,
-                               reply=reply) as replies:
-            for res in replies:
-                if res.final:
-                    return final_of_infer(service, res, partials)
-                partials += 1
-                res.release()
-        raise ProtocolError("the reply stream ended without a FINAL")  # pragma: no cover
+                               reply=reply) as handle:
+            return handle.result()
 
     def infer_stream(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                      priority: Any = "normal", meta: Mapping[str, Any] | None = None,
                      reply: str = "auto") -> "ReplyStream":
-        """Send one request now; iterate to get each PARTIAL as it arrives, then the FINAL.
-        Closing the iterator (or leaving a `with` block) before the FINAL cancels the
-        request.  `timeout` covers the whole exchange."""
+        """Send one request now and return its handle: iterate it to get each PARTIAL as it
+        arrives, then the FINAL, or call `result()` for the FINAL alone.  `cancel()` cancels
+        the request at once (later `next()`/`result()` raise `Cancelled`); closing the handle
+        (or leaving a `with` block) before the FINAL cancels it too.  `timeout` covers the
+        whole exchange."""
         call = self.prepare(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply)
         self._send_call(call)
         return ReplyStream(self, call)
@@ -243,16 +239,21 @@ class Client(ClientBase):
     def _send_soon(self, frames: list[Any] | None) -> None:
         if frames is None:
             return
-        if frames[1] == P.C_REQUEST and self._pending:
-            self._pending.append(frames)  # keep the order behind requests already waiting
+        keep = frames[1] != P.C_HEARTBEAT
+        if keep and self._pending:
+            # Keep the order behind what already waits: a CANCEL must not overtake the
+            # REQUEST (a resend after a restart) it cancels.
+            self._pending.append(frames)
+            self._flush_pending()
             return
         try:
             send_frames(self._sock, frames, NOBLOCK)
             self._core.last_send = time.monotonic()
         except zmq.Again:
-            # A full queue (a broker away): a request (a resend after a restart) must not be
-            # lost, so it waits for the next pump; a heartbeat or CANCEL may be dropped.
-            if frames[1] == P.C_REQUEST:
+            # A full queue (the broker not reading): a request (a resend after a restart) or a
+            # CANCEL must not be lost, so it waits for the next pump (a later call of this
+            # client), or is made moot by close()'s DISCONNECT; a heartbeat may be dropped.
+            if keep:
                 self._pending.append(frames)
         except zmq.ZMQError:  # closed: nothing will be delivered anyway
             pass
@@ -286,14 +287,16 @@ class Client(ClientBase):
         TimeoutError after `limit` seconds (the call stays in flight); a silent broker
         arrives as an error item (see `pump`)."""
         stop = None if limit is None else time.monotonic() + limit
+        looked = False  # a limit of 0 still routes what has already arrived
         while not call.inbox:
             now = time.monotonic()
             if call.deadline is not None and now >= call.deadline:
                 raise call.deadline_error()
-            if stop is not None and now >= stop:
+            if stop is not None and now >= stop and looked:
                 raise TimeoutError(f"no result within {limit:g}s; the request is still in flight")
             ends = [t for t in (call.deadline, stop) if t is not None]
-            self.pump(min(ends) - now if ends else None)
+            self.pump(max(0.0, min(ends) - now) if ends else None)
+            looked = True
         return call.inbox.popleft()
 
     # ---------------------------------------------------------------- lifetime
@@ -320,25 +323,50 @@ class Client(ClientBase):
 
 
 class ReplyStream(ReplyStreamBase):
-    """Iterator over the replies to one request (`Client.infer_stream`)."""
+    """The handle on one request (`Client.infer_stream`): iterate it for each PARTIAL, then
+    the FINAL; or `result()` for the FINAL alone; `cancel()` to stop it now (see
+    `ReplyStreamBase`)."""
 
     def __iter__(self) -> "ReplyStream":
         return self
 
     def __next__(self) -> Result:
-        if self._finished:
+        if self._ended(True):
             raise StopIteration
+        return self._item(*self._wait(None))
+
+    def result(self, timeout: float | None = None) -> Result:
+        """Wait for the FINAL and return it, releasing any PARTIAL before it unread; raises
+        what `infer` raises (the request's own deadline: `DeadlineExceeded`, and the
+        request is cancelled).  `timeout` (seconds, None: as long as the request may take)
+        bounds this wait only: when it passes, `TimeoutError` is raised and the request stays
+        in flight (call `result()` again, or `cancel()`).  Raises `Cancelled` at once after
+        `cancel()`, and `EndOfStream` once the FINAL was taken or the handle closed."""
+        self._ended(False)
+        stop = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+        while True:
+            left = None if stop is None else max(0.0, stop - time.monotonic())
+            res = self._final(*self._wait(left, timeout))
+            if res is not None:
+                return res
+
+    def _wait(self, limit: float | None, asked: float | None = None) -> tuple[str, Any]:
+        """The client's `_wait` for this call; anything but the `limit` running out closes
+        the handle (a deadline, a KeyboardInterrupt: CANCEL is on its way to the broker
+        before the exception leaves)."""
         try:
-            kind, item = self._client._wait(self._call)
+            return self._client._wait(self._call, limit)
+        except DeadlineExceeded:
+            self.close()
+            raise
+        except TimeoutError:
+            if limit is None:  # pragma: no cover - only a limit raises a plain TimeoutError
+                self.close()
+                raise
+            raise TimeoutError(f"no result within {asked:g}s; the request is still in flight") from None
         except BaseException:
             self.close()
             raise
-        if kind == "error":
-            self.close()  # a client-side error (silent broker): the broker hears CANCEL
-            raise item
-        if kind == "final":
-            self._finished = True
-        return item
 
     def __enter__(self) -> "ReplyStream":
         return self

@@ -399,6 +399,16 @@ class BlockingReplies:
         except StopAsyncIteration:
             raise StopIteration from None
 
+    @property
+    def cancelled(self) -> bool:
+        return self._replies.cancelled
+
+    def cancel(self) -> bool:
+        return self._replies.cancel()
+
+    def result(self, timeout: Any = None) -> Any:
+        return self._twin._run(self._replies.result(timeout))
+
     def close(self) -> None:
         self._replies.close()
 
@@ -771,6 +781,58 @@ def test_timeout_cancels_and_late_final_frees_slots(connect, fake, endpoint):
         assert c.pool.in_use() == 0
         assert c.stray_replies == 1
         assert fake.out_states()[0] == shm.RELEASED  # the discarded output went back
+
+
+def test_handle_cancel_and_result(connect, fake, endpoint):
+    """The reply-stream handle: `result(timeout)` bounds the wait only, `cancel()` sends
+    CANCEL at once and ends the handle (`Cancelled` without waiting), and the input slot
+    waits for the FINAL that answers the cancellation."""
+    fake.answer_cancel = False  # the CANCELLED final comes when the test says
+    with connect(endpoint, transport="shm", timeout=WAIT) as c:
+        h = c.infer_stream("hold", {"x": np.zeros(8)})
+        rid = fake.held_q.get(timeout=WAIT)
+        with pytest.raises(TimeoutError) as ei:
+            h.result(timeout=0.05)
+        assert not isinstance(ei.value, DeadlineExceeded) and not h.cancelled
+        assert c.in_flight() == 1  # still in flight
+        assert h.cancel() is True and h.cancelled and h.cancel() is True
+        assert fake.cancels.get(timeout=WAIT) == rid
+        t0 = time.monotonic()
+        for _ in range(2):
+            with pytest.raises(errors.Cancelled) as ei:
+                h.result(timeout=WAIT)
+            assert ei.value.request_id == rid
+            with pytest.raises(errors.Cancelled):
+                next(h)
+        assert time.monotonic() - t0 < 1.0
+        assert c.pool.in_use() == 1  # no FINAL yet: a worker may still read the input
+        fake.release(1)              # the late FINAL...
+        with c.infer("echo", {"x": np.ones(2)}) as r:  # ...routed before this reply
+            np.testing.assert_array_equal(r["x"], np.ones(2))
+        assert c.pool.in_use() == 0 and c.stray_replies == 1
+
+        # result() releases PARTIALs unread and returns the FINAL; afterwards nothing is left.
+        h = c.infer_stream("partials", {"x": np.arange(3)}, meta={"n": 2})
+        with h.result(timeout=WAIT) as r:
+            assert r.final and r.seq == 2
+            np.testing.assert_array_equal(r["x"], np.arange(3))
+        assert h.cancel() is False and not h.cancelled
+        with pytest.raises(EndOfStream):
+            h.result()
+        assert list(h) == []
+        # A FINAL that arrived unread cannot be cancelled any more: it is still the result.
+        h = c.infer_stream("echo", {"x": np.arange(2)})
+        c.mmi_service("echo")  # the echo's FINAL is routed before this answer
+        assert h.cancel() is False
+        with h.result() as r:
+            np.testing.assert_array_equal(r["x"], np.arange(2))
+        # Errors are infer's.
+        h = c.infer_stream("error", {"x": np.zeros(1)}, meta={"code": int(ErrorCode.WORKER_FAILED)})
+        with pytest.raises(errors.WorkerFailed):
+            h.result(timeout=WAIT)
+        assert c.pool.in_use() == 0
+    fake.reclaim()
+    assert set(fake.out_states()) <= {shm.FREE, shm.RELEASED}  # unread PARTIALs went back
 
 
 def test_heartbeats_while_waiting(connect, fake, endpoint):
