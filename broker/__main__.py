@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="outstanding requests per client, across services (default 4096)")
     ap.add_argument("--max-client-mb", type=float,
                     help="MiB of request bodies one client may have queued or running (default 512)")
+    ap.add_argument("--recall-after-ms", type=float,
+                    help="an idle worker takes back requests waiting behind a busy worker's batch once that "
+                         "batch has run this long (default 5; negative: never)")
     ap.add_argument("--curve-secret", metavar="FILE", help="tcp endpoints: the broker's secret certificate (NAME.key_secret)")
     ap.add_argument("--client-keys", metavar="DIR", help="tcp frontend: directory of allowed clients' public *.key certificates")
     ap.add_argument("--worker-keys", metavar="DIR", help="tcp backend: directory of allowed workers' public *.key certificates")
@@ -94,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.scheduler.max_client_requests = args.max_client_requests
     if args.max_client_mb is not None:
         cfg.scheduler.max_client_bytes = max(0, int(args.max_client_mb * (1 << 20)))
+    if args.recall_after_ms is not None:
+        cfg.scheduler.recall_after = None if args.recall_after_ms < 0 else args.recall_after_ms / 1000.0
     for opt in ("curve_secret", "client_keys", "worker_keys"):
         v = getattr(args, opt)
         if v is not None:

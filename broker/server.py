@@ -42,6 +42,7 @@ from broker import security
 from broker.state import (
     ClientError,
     CancelAtWorker,
+    RecallAtWorker,
     Config,
     DisconnectWorker,
     Dispatch,
@@ -571,6 +572,9 @@ class Broker:
                 else:
                     tokens.append(token)
             self._act(sched.worker_done(ident, tokens, now), now)
+        elif cmd == P.W_RETURNED:
+            tokens = [t for t in map(P.envelope_token, msg.body) if t is not None]
+            self._act(sched.worker_returned(ident, tokens, now), now)
         elif cmd == P.W_HEARTBEAT:
             self._act(sched.worker_seen(ident, now), now)
         elif cmd == P.W_READY:
@@ -590,6 +594,7 @@ class Broker:
                     credit=r.credit,
                     host=r.host,
                     transports=frozenset(r.transports),
+                    recall=r.recall,
                 )
                 refused = any(type(a) is DisconnectWorker and a.worker == ident for a in actions)
                 if r.welcome and not refused:
@@ -685,6 +690,10 @@ class Broker:
                 self.send_to_worker([a.worker, *P.worker_heartbeat()])
             elif t is CancelAtWorker:
                 self.send_to_worker(P.to_worker_cancel(a.worker, P.token_envelope(a.token)))
+            elif t is RecallAtWorker:
+                envs = [P.token_envelope(t) for t in a.tokens]
+                for i in range(0, len(envs), P.MAX_DONE):
+                    self.send_to_worker(P.to_worker_recall(a.worker, envs[i:i + P.MAX_DONE]))
             elif t is DisconnectWorker:
                 log.info("disconnecting worker %r: %s", a.worker[:16], a.reason)
                 self.send_to_worker([a.worker, *P.worker_disconnect()])
@@ -703,6 +712,7 @@ class Broker:
             if a.deadline is not None:
                 req.timeout_ms = max(0.0, (a.deadline - now) * 1000.0)
             req.queue_ms = (now - a.enqueued_at) * 1000.0
+            req.returned = a.returned or None
             body = (P.encode_header(req), *p.body)
         try:
             self.send_to_worker(P.to_worker_request(a.worker, P.token_envelope(a.token), body))

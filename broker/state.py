@@ -75,6 +75,31 @@ the front of the ring (it was not served) and is served as soon as its pool free
 When nothing is queued in the service, a new request goes straight to the least-loaded
 worker of its pool (no order to decide; this is the common case under light load).
 
+Taking work back
+----------------
+Credit lets a worker hold more than it runs (its next batch waits at the worker, so batches
+follow each other without a broker round trip), but a request held that way waits for the
+worker's running batch however long that is, while another worker of its pool may sit idle:
+the broker cannot know how long a batch will take.  So it corrects placement after the fact.
+A worker that answers RECALL (``recall`` at READY) and holds two or more requests is *deep*
+(``_Service.deep``); one holding nothing is *idle* (``_Service.idle``).  At the end of every
+event that touched a service with both, and nothing queued that an idle worker could take
+(``_pump`` runs first), each idle worker not already waiting for work taken back picks the
+deep worker of its service whose oldest request has run longest, if that is at least
+``recall_after`` seconds (younger: a timer looks again when it is not; waiting behind a
+short batch is cheaper than a round trip), and that worker gets a ``RecallAtWorker`` for its
+newest requests that the idle worker's pools can take, at most half of those it holds that
+are still running and not yet asked for, and at most the idle worker's credit.  The worker
+drops the ones it has not started and says so (``worker_returned``); each goes straight to
+the idle worker it was taken back for if that one can still take it (it already had its
+turn), else to the front of its principal's FIFO, without counting as an attempt
+(``returned`` is counted on the request and shown to the worker, so the reply's timing
+says so; ``queue_ms`` is measured from the broker's receipt, so it includes the time spent
+parked).  The ones already started finish as usual.  A request is asked for at most once per
+dispatch; a worker that returns one unasked is refusing work, and that counts as a failed
+attempt.  The check is O(1) when there is nothing to take back and O(credit) per idle
+worker otherwise.
+
 Each pool keeps a lazy min-heap of its workers with spare credit, keyed by
 ``(in_flight / credit, in_flight, last used)``.  A load change bumps the worker's version
 and pushes one new entry; stale entries are discarded when they surface, and the heap is
@@ -148,6 +173,7 @@ __all__ = [
     "ToClient",
     "ClientError",
     "CancelAtWorker",
+    "RecallAtWorker",
     "HeartbeatWorker",
     "DisconnectWorker",
     "Action",
@@ -180,6 +206,10 @@ class Config:
     # the sum of their ``size`` (inline payload bytes).  Over either: QUEUE_FULL.
     max_client_requests: int = 4096
     max_client_bytes: int = 512 << 20  # 512 MiB: two of the broker's largest messages
+    # Head-of-line: a worker of the pool that is idle takes back requests parked behind a
+    # busy worker's running batch once that worker's oldest request has run this long
+    # (seconds; None: never).  See "Taking work back" in the module docstring.
+    recall_after: float | None = 0.005
 
 
 # ----------------------------------------------------------------------------- actions
@@ -200,6 +230,7 @@ class Dispatch:
     enqueued_at: float
     deadline: float | None
     attempt: int
+    returned: int = 0  # times a busy worker gave this request back unstarted (RecallAtWorker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,6 +265,15 @@ class CancelAtWorker:
 
 
 @dataclass(frozen=True, slots=True)
+class RecallAtWorker:
+    """Ask ``worker`` to give back these requests if it has not started them (RECALL); it
+    answers with the ones it dropped (`Scheduler.worker_returned`) and runs the others."""
+
+    worker: bytes
+    tokens: tuple
+
+
+@dataclass(frozen=True, slots=True)
 class HeartbeatWorker:
     worker: bytes
 
@@ -244,7 +284,8 @@ class DisconnectWorker:
     reason: str
 
 
-Action = Dispatch | ToClient | ClientError | CancelAtWorker | HeartbeatWorker | DisconnectWorker
+Action = (Dispatch | ToClient | ClientError | CancelAtWorker | RecallAtWorker | HeartbeatWorker
+          | DisconnectWorker)
 
 # ------------------------------------------------------------------------ internal state
 
@@ -253,7 +294,7 @@ _QUEUED, _RUNNING, _CANCELLING, _ABANDONED, _DONE = range(5)
 _LIVE_FOR_CLIENT = (_QUEUED, _RUNNING, _CANCELLING)
 
 # Timer kinds.
-_T_DEADLINE, _T_GRACE, _T_HEARTBEAT, _T_WORKER, _T_CLIENT = range(5)
+_T_DEADLINE, _T_GRACE, _T_HEARTBEAT, _T_WORKER, _T_CLIENT, _T_RECALL = range(6)
 
 # How many queued requests a dispatch pass looks at to get past ones that cannot go anywhere
 # now (locality): at most _SCAN of one principal's FIFO and _CLASS_SCAN of one priority class.
@@ -279,6 +320,8 @@ _COUNTERS = (
     "evicted",                   # queued requests of the heaviest principal refused for a newcomer
     "rejected_client_requests",  # over max_client_requests
     "rejected_client_bytes",     # over max_client_bytes
+    "recalled",                  # requests asked back from a busy worker for an idle one
+    "returned",                  # ... and given back unstarted (then run by another worker)
 )
 
 
@@ -299,6 +342,9 @@ class _Request:
         "token",
         "dispatched_at",
         "size",
+        "recalled",
+        "returned",
+        "thief",
     )
 
     def __init__(self, client, principal, request_id, svc, payload, priority, deadline,
@@ -320,6 +366,9 @@ class _Request:
         self.token = 0
         self.dispatched_at = 0.0
         self.size = size  # counted in Scheduler._bytes, its principal's, while live
+        self.recalled = False  # a RECALL was sent for the current token
+        self.returned = 0      # times a busy worker gave it back unstarted
+        self.thief = None      # the idle worker it was recalled for
 
 
 class _Pool:
@@ -340,7 +389,7 @@ class _Pool:
 
 class _Service:
     __slots__ = ("name", "classes", "queued", "tiers", "top", "workers", "pools", "any",
-                 "in_flight")
+                 "in_flight", "idle", "deep", "recall_at")
 
     def __init__(self, name, now, epoch):
         self.name = name
@@ -363,6 +412,12 @@ class _Service:
         self.any = _Pool(None, now, epoch)
         self.pools = {None: self.any}
         self.in_flight = 0  # tokens held by this service's workers, abandoned ones included
+        # Taking work back (module docstring): workers holding nothing, and workers that
+        # answer RECALL holding two or more (one may run while others wait behind it).
+        # Kept by Scheduler._reload, so "is there anything to take back?" is O(1).
+        self.idle = {}
+        self.deep = {}
+        self.recall_at = None  # when a _T_RECALL timer of this service is due, if one is
 
     def count(self, principal):
         """How many requests ``principal`` has queued in this service (all classes): O(1)."""
@@ -388,6 +443,8 @@ class _Worker:
         "used",
         "version",
         "alive",
+        "recall",
+        "awaiting",
     )
 
 
@@ -428,6 +485,7 @@ class Scheduler:
         self.config = cfg
         self._max_client_requests = int(cfg.max_client_requests)
         self._max_client_bytes = int(cfg.max_client_bytes)
+        self._recall_after = None if cfg.recall_after is None else max(0.0, float(cfg.recall_after))
         self._tiers_off = int(cfg.max_queue) // 2  # see _heaviest
         self._weights = tuple(float(w) for w in cfg.priority_weights)
         self._worker_ttl = cfg.heartbeat_interval * cfg.heartbeat_liveness
@@ -465,11 +523,13 @@ class Scheduler:
         credit: int = 1,
         host: str | None = None,
         transports: frozenset = frozenset({"inline"}),
+        recall: bool = False,
     ) -> list[Action]:
         """A worker announced itself for ``service`` with ``credit`` concurrent requests.
 
         ``transports`` must contain ``"shm"`` (and ``host`` be set) for it to take requests
-        that carry shared-memory references.  A second READY from a registered worker
+        that carry shared-memory references.  ``recall``: it answers RECALL (requests it
+        holds unstarted can be taken back for an idle worker).  A second READY from a registered worker
         disconnects it; its in-flight work is retried elsewhere."""
         out: list[Action] = []
         known = self._workers.get(worker)
@@ -494,6 +554,8 @@ class Scheduler:
         w.used = next(self._uses)
         w.version = 0
         w.alive = True
+        w.recall = bool(recall)
+        w.awaiting = 0  # requests recalled for it from busy workers, not yet back or started
         pools = [svc.any]
         if host is not None:
             # One pool per same-host transport: shared-memory requests are keyed by the host,
@@ -559,6 +621,60 @@ class Scheduler:
         self._flush(now, out)
         return out
 
+    def worker_returned(self, worker: bytes, tokens, now: float) -> list[Action]:
+        """``worker`` gave these requests back unstarted (its answer to a RECALL): each goes
+        to the idle worker it was recalled for, or to the front of its queue, without
+        counting as an attempt.  One the broker did not recall counts as a failed attempt
+        (a worker refusing work); cancelled or abandoned ones end here.  Tokens it does not
+        hold are dropped and counted."""
+        out: list[Action] = []
+        retry = []
+        for token in tokens:
+            req = self._held(worker, token, now)
+            if req is None:
+                continue
+            w = req.worker
+            del w.in_flight[token]
+            req.svc.in_flight -= 1
+            thief = req.thief
+            if thief is not None:
+                self._unthief(req)
+            self._reload(w)
+            self._dirty[req.svc] = None
+            if req.state == _RUNNING:
+                retry.append((req, thief))
+            elif req.state == _CANCELLING:
+                self._error(req, ErrorCode.CANCELLED, "cancelled by the client", out)
+                self._retire(req)
+            else:
+                self._retire(req)  # abandoned: its client already has its final
+        for req, thief in reversed(retry):
+            req.state = _QUEUED
+            req.worker = None
+            if req.recalled:
+                self._counters["returned"] += 1
+                req.returned += 1
+                pool = req.svc.pools.get(req.local_host)
+                if (thief is not None and thief.alive and len(thief.in_flight) < thief.credit
+                        and pool is not None and pool in thief.pools):
+                    # It already had its turn: straight to the worker it was taken back for.
+                    self._start(req, thief, now, out)
+                    continue
+            elif req.attempt >= self.config.max_retries:
+                self._counters["worker_failed"] += 1
+                self._error(req, ErrorCode.WORKER_FAILED,
+                            f"a worker gave this request back unasked {req.attempt + 1} "
+                            f"time(s) (max_retries={self.config.max_retries}); check the "
+                            f"logs of the '{req.svc.name}' workers", out)
+                self._retire(req)
+                continue
+            else:
+                self._counters["retried"] += 1
+                req.attempt += 1
+            self._enqueue(req, front=True)
+        self._flush(now, out)
+        return out
+
     def _settle(self, worker, token, now, payload, out, *, relay):
         req = self._held(worker, token, now)
         if req is None:
@@ -566,6 +682,8 @@ class Scheduler:
         w = req.worker
         del w.in_flight[token]
         req.svc.in_flight -= 1
+        if req.thief is not None:
+            self._unthief(req)  # it had started before the RECALL arrived
         self._reload(w)
         self._dirty[req.svc] = None
         if req.state == _ABANDONED:
@@ -795,6 +913,9 @@ class Scheduler:
                 out.append(HeartbeatWorker(obj.ident))
                 obj.last_heartbeat = now
                 self._push_timer(now + self.config.heartbeat_interval, _T_HEARTBEAT, obj)
+            elif kind == _T_RECALL:
+                obj.recall_at = None
+                self._dirty[obj] = None  # _flush looks for work to take back
             elif kind == _T_WORKER:
                 out.append(DisconnectWorker(
                     obj.ident, f"no message for {now - obj.last_seen:.3f} s "
@@ -1059,6 +1180,16 @@ class Scheduler:
         """Re-file ``w`` in its pools' ready heaps after its load changed."""
         w.version += 1
         n = len(w.in_flight)
+        svc = w.svc
+        if n == 0:
+            svc.idle[w] = None
+            svc.deep.pop(w, None)
+        else:
+            svc.idle.pop(w, None)
+            if n >= 2 and w.recall:
+                svc.deep[w] = None
+            else:
+                svc.deep.pop(w, None)
         if n >= w.credit:
             return
         entry = (n / w.credit, n, w.used, next(self._seq), w.version, w)
@@ -1133,6 +1264,12 @@ class Scheduler:
             self._take(best, True)
             self._start(best, ready(pools[best.local_host]), now, out)
 
+    @staticmethod
+    def _unthief(req):
+        """``req`` is no longer on its way to the idle worker it was recalled for."""
+        req.thief.awaiting -= 1
+        req.thief = None
+
     def _start(self, req, w, now, out):
         """Hand a request that is in no queue to ``w``."""
         svc = req.svc
@@ -1141,13 +1278,14 @@ class Scheduler:
         req.worker = w
         req.token = token
         req.dispatched_at = now
+        req.recalled = False
         w.in_flight[token] = req
         svc.in_flight += 1
         w.used = next(self._uses)
         self._reload(w)
         self._counters["dispatched"] += 1
         out.append(Dispatch(w.ident, token, req.client, req.request_id, svc.name, req.payload,
-                            req.enqueued_at, req.deadline, req.attempt))
+                            req.enqueued_at, req.deadline, req.attempt, req.returned))
 
     def _kill_worker(self, w, now, out):
         """Forget a dead worker and settle everything it held."""
@@ -1155,10 +1293,14 @@ class Scheduler:
         svc = w.svc
         del self._workers[w.ident]
         del svc.workers[w.ident]
+        svc.idle.pop(w, None)
+        svc.deep.pop(w, None)
         self._counters["worker_deaths"] += 1
         retry = []
         for req in w.in_flight.values():
             svc.in_flight -= 1
+            if req.thief is not None:
+                self._unthief(req)
             if req.state == _RUNNING:
                 if req.attempt >= self.config.max_retries:
                     self._counters["worker_failed"] += 1
@@ -1228,6 +1370,11 @@ class Scheduler:
             return obj.last_heartbeat + self.config.heartbeat_interval if obj.alive else None
         if kind == _T_WORKER:
             return obj.last_seen + self._worker_ttl if obj.alive else None
+        if kind == _T_RECALL:
+            # One live timer per service: the one whose time it keeps in ``recall_at``.
+            if self._services.get(obj.name) is not obj or obj.recall_at != epoch:
+                return None
+            return epoch
         if self._clients.get(obj.ident) is not obj:
             return None
         return obj.last_seen + self._client_ttl
@@ -1300,5 +1447,54 @@ class Scheduler:
             if self._services.get(svc.name) is not svc:
                 continue
             self._pump(svc, now, out)
+            if svc.idle and svc.deep and self._recall_after is not None:
+                self._recall(svc, now, out)
             if not svc.workers and not svc.queued:
                 del self._services[svc.name]
+
+    def _recall(self, svc, now, out):
+        """Take back requests parked behind busy workers' running batches for the workers
+        of ``svc`` that hold nothing (see "Taking work back" in the module docstring)."""
+        after = self._recall_after
+        wake = None
+        for thief in list(svc.idle):
+            if thief.in_flight or thief.awaiting:
+                continue  # busy, or already waiting for work taken back for it
+            best = None
+            for w in svc.deep:
+                oldest = next(iter(w.in_flight.values()))
+                ready_at = oldest.dispatched_at + after
+                if ready_at > now:
+                    # Its current batch is young: waiting behind it is cheap.  Look again
+                    # when it is not.
+                    if wake is None or ready_at < wake:
+                        wake = ready_at
+                    continue
+                if best is None or oldest.dispatched_at < best[0]:
+                    best = (oldest.dispatched_at, w)
+            if best is None:
+                continue
+            victim = best[1]
+            # Newest first (most likely not started); keep at least half of what the victim
+            # still runs unasked, and never ask for more than the thief can take.
+            mine = [r for r in victim.in_flight.values() if r.state == _RUNNING and not r.recalled]
+            k = min(len(mine) // 2, thief.credit)
+            if not k:
+                continue
+            tokens = []
+            for req in reversed(mine):
+                if len(tokens) == k:
+                    break
+                pool = svc.pools.get(req.local_host)
+                if pool is None or pool not in thief.pools:
+                    continue
+                req.recalled = True
+                req.thief = thief
+                thief.awaiting += 1
+                tokens.append(req.token)
+            if tokens:
+                self._counters["recalled"] += len(tokens)
+                out.append(RecallAtWorker(victim.ident, tuple(tokens)))
+        if wake is not None and (svc.recall_at is None or wake < svc.recall_at):
+            svc.recall_at = wake
+            self._push_timer(wake, _T_RECALL, svc, wake)

@@ -32,6 +32,12 @@ def add_model_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out-capacity-mb", type=int, default=256, help="output ring size")
     ap.add_argument("--transports", default="inline,shm")
     ap.add_argument("--no-warmup", action="store_true")
+    ap.add_argument("--keep-warm-ms", type=_non_negative, default=None, metavar="MS",
+                    help="while idle, run a batch of one every MS ms without work, to keep the device's clocks "
+                         "up; 0: off (default: 50 on a CUDA device, off on the CPU)")
+    ap.add_argument("--keep-warm-util", type=_fraction, default=0.6, metavar="FRACTION",
+                    help="keep warm only while the worker was busy at most FRACTION of the recent window "
+                         "(ten periods; default 0.6)")
     ap.add_argument("--log-level", default="WARNING")
 
 
@@ -47,7 +53,23 @@ def model_config(args: argparse.Namespace) -> dict:
         out_capacity=args.out_capacity_mb << 20,
         warmup=not args.no_warmup,
         transports=tuple(t for t in args.transports.split(",") if t),
+        keep_warm=None if args.keep_warm_ms is None else args.keep_warm_ms / 1000.0,
+        keep_warm_util=args.keep_warm_util,
     )
+
+
+def _non_negative(text: str) -> float:
+    v = float(text)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, not {text!r}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction between 0 and 1, not {text!r}")
+    return v
 
 
 def _fail(message: str) -> None:

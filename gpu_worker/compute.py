@@ -26,7 +26,12 @@ from collections.abc import Callable, Mapping
 
 import zmq
 
-__all__ = ["ComputeTimes", "ComputeThread", "LoopHeartbeats"]
+__all__ = ["ComputeTimes", "ComputeThread", "LoopHeartbeats", "READ_TICK"]
+
+# Seconds between the heartbeat thread's looks at the socket while a batch computes on the
+# loop's thread: what arrives meanwhile is read (and a RECALL answered) at most this late.
+# Outside compute each look is a failed lock attempt: about 100 cheap wake-ups a second.
+READ_TICK = 0.01
 
 log = logging.getLogger("gpu_worker")
 
@@ -136,12 +141,19 @@ class LoopHeartbeats:
     for longer than the liveness window without releasing it (a C extension that never
     does) still starves this thread: such models must be offloaded (their warm-up timing
     says so).
+
+    With ``during`` (the worker's `_read_while_computing`), the thread also reads the socket
+    every `READ_TICK` seconds while the loop computes: so a request that arrives during a
+    batch predicted fast but long (a misprediction) has its arrival time, and a RECALL for
+    it is answered while the batch runs instead of after it.
     """
 
-    def __init__(self, send_heartbeat: Callable[[], None], last_sent: Callable[[], float], interval: float):
+    def __init__(self, send_heartbeat: Callable[[], None], last_sent: Callable[[], float], interval: float,
+                 during: Callable[[], None] | None = None):
         self._send = send_heartbeat
         self._last_sent = last_sent
         self.interval = interval
+        self._during = during  # run with the socket held, every READ_TICK, while the loop computes
         self._socket = threading.Lock()
         self._socket.acquire()  # the loop's, from now on (construct on the loop thread)
         self._stop = threading.Event()
@@ -156,10 +168,12 @@ class LoopHeartbeats:
         self._socket.acquire()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval / 2):
+        while not self._stop.wait(self.interval / 2 if self._during is None else min(self.interval / 2, READ_TICK)):
             if not self._socket.acquire(blocking=False):
                 continue  # the loop has the socket: it heartbeats itself
             try:
+                if self._during is not None:
+                    self._during()
                 if time.monotonic() - self._last_sent() >= self.interval:
                     self._send()
                     self.sent += 1

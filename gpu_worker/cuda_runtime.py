@@ -21,8 +21,9 @@ How the worker uses them on CUDA (see docs/gpu.md for the full picture):
   is padded up to its bucket.
 - `MemoryWatch`: cudaMemGetInfo below a threshold halves the batch cap; far below it, the
   cap drops to one and new work is shed with `GpuMemoryPressure` (a typed error).
-- `KeepWarm`: after `period` idle seconds, run one small batch so clocks, caches and the
-  allocator are warm when traffic returns.
+- `KeepWarm`: while the worker is idle, one small batch (a unit) every `period` seconds
+  without work, as long as the busy fraction of the recent window is at most `util`, so
+  clocks, caches and the allocator are warm when traffic returns (on by default on CUDA).
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ log = logging.getLogger("gpu_worker.cuda")
 __all__ = [
     "CudaUnavailable", "HostRegisterError", "HostRegistration", "HostRegistry", "register_host",
     "buffer_span", "CopyComputeOverlap", "default_buckets", "bucket_for", "input_signature", "GraphCache",
-    "GpuMemoryPressure", "MemoryWatch", "KeepWarm",
+    "GpuMemoryPressure", "MemoryWatch", "KeepWarm", "keep_warm_period", "KEEP_WARM_AUTO_PERIOD",
+    "KEEP_WARM_MAX_UNIT",
 ]
 
 # cudaHostRegister flags (cuda_runtime_api.h).
@@ -505,40 +507,8 @@ class MemoryWatch:
         self._next = float("-inf")
 
 
-# --------------------------------------------------------------------------------------------
-# Idle keep-warm
-
-class KeepWarm:
-    """Run `warm()` (one small batch) when the worker has been idle for `period` seconds.
-
-    GPUs drop clocks within tens of milliseconds of idling and the first kernels after a
-    pause pay for it; a periodic tiny batch keeps the first real request of a burst fast.
-    Off (period None or <= 0) by default in the worker: it spends power."""
-
-    def __init__(self, period: float | None, warm: Callable[[], Any], clock: Callable[[], float] = time.monotonic):
-        self.period = period if period and period > 0 else None
-        self._warm = warm
-        self._clock = clock
-        self.last = clock()
-        self.runs = 0
-
-    def touch(self, now: float | None = None) -> None:
-        """Real work happened: the idle clock restarts."""
-        self.last = self._clock() if now is None else now
-
-    def next_at(self) -> float | None:
-        return None if self.period is None else self.last + self.period
-
-    def maybe_run(self, now: float | None = None) -> bool:
-        if self.period is None:
-            return False
-        now = self._clock() if now is None else now
-        if now - self.last < self.period:
-            return False
-        try:
-            self._warm()
-        except Exception as e:  # a warm-up failure must never take the worker down
-            log.warning("keep-warm batch failed: %s", e)
-        self.runs += 1
-        self.last = now
-        return True
+# Keep-warm lives in gpu_worker.keepwarm (a CPU worker may use it without this module);
+# re-exported here, where it used to be.
+from gpu_worker.keepwarm import (  # noqa: E402,F401
+    KEEP_WARM_AUTO_PERIOD, KEEP_WARM_MAX_UNIT, KEEP_WARM_SLOW_UNITS, KeepWarm, keep_warm_period,
+)

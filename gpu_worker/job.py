@@ -22,7 +22,8 @@ __all__ = ["Job"]
 class Job:
     """One request held by the worker."""
 
-    __slots__ = ("envelope", "req", "inputs", "opaque", "received", "deadline", "refs", "input_ms", "cuda_in")
+    __slots__ = ("envelope", "req", "inputs", "opaque", "received", "deadline", "refs", "input_ms", "cuda_in",
+                 "cancelled")
 
     def __init__(self, envelope, req, inputs, opaque, received, deadline, refs):
         self.envelope = envelope
@@ -34,3 +35,4 @@ class Job:
         self.refs = refs          # name -> TensorRef of the input (for identity pass-through)
         self.input_ms = 0.0       # mapping the inputs (shm views, inline frames)
         self.cuda_in = False      # some input is a CUDA IPC view (the worker stream reads it)
+        self.cancelled = False    # a CANCEL arrived while it ran: its result is not sent

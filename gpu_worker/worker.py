@@ -3,11 +3,12 @@
 Loop (one thread, on purpose: a lone request goes from socket to model with no thread
 hand-off, and the GIL makes a separate I/O thread compete with the model's Python code):
 
-    poll(socket, until the batcher's wake-up, the next DONE or the next heartbeat)
+    poll(socket, until the batcher's wake-up, the next DONE, heartbeat or keep-warm unit)
     drain every delivered message: REQUEST -> inputs mapped in place -> batcher
                                    CANCEL  -> drop if still pending (499)
     if the batcher yields a batch: run it, write outputs, send FINALs
     DONE for direct replies / heartbeat / broker liveness / reconnect (Paranoid Pirate)
+    idle and a keep-warm unit due: run it (a batch of one, small; gpu_worker.keepwarm.KeepWarm)
 
 While a batch computes, new requests wait in the socket; when it finishes they are all taken
 at once, so batches grow with load and a lone request under light load is never delayed.
@@ -90,6 +91,8 @@ class WorkerConfig:
     server_key: str | None = None     # tcp broker: its public certificate or z85 key (CurveZMQ, docs/security.md)
     worker_key: str | None = None     # tcp broker: this worker's secret certificate
     insecure: bool = False            # tcp broker without CurveZMQ
+    keep_warm: float | None = None    # idle seconds between keep-warm units; None: 0.05 on CUDA, off on CPU; 0: off
+    keep_warm_util: float = 0.6       # ... and only while the busy fraction of the recent window is at most this
 
 
 class Worker:
@@ -122,6 +125,16 @@ class Worker:
             cfg.broker, self.ctx, server_key=cfg.server_key, worker_key=cfg.worker_key, insecure=cfg.insecure)
         self.sock: zmq.Socket | None = None   # the upstream socket the loop polls (while serving)
         self.jobs: dict[bytes, Job] = {}      # envelope -> job, while pending in the batcher
+        self.running: dict[bytes, Job] = {}   # envelope -> job, while its batch (or stream) runs
+        # What the heartbeat thread read while a batch computed on the loop's thread
+        # (`_read_while_computing`), for the loop to handle right after, in order: messages
+        # with their arrival times, the envelopes of the REQUESTs among them, and the
+        # envelopes it already gave back to a RECALL.
+        self._stash: list = []
+        self._stash_requests: set[bytes] = set()
+        self._returned_early: set[bytes] = set()
+        self.returned = 0                     # requests given back unstarted (RECALL)
+        self.cancelled_running = 0            # requests cancelled while their batch ran
         self.stop = threading.Event()
         self.hurry = threading.Event()  # stop without waiting for clients to release outputs
         self.served = 0
@@ -154,6 +167,8 @@ class Worker:
                 self._warmup()
             except Exception as e:  # the model's own error, on its own example inputs
                 raise WarmupError(f"{type(e).__name__}: {e}") from e
+        # Keep-warm (docs/gpu.md): a batch of one of the example inputs while idle.
+        self.keep_warm = self._open_keep_warm()
 
     def _open_plane(self) -> DataPlane:
         """The data plane, chosen once: everything CUDA exists only on a CUDA worker, so the
@@ -187,11 +202,13 @@ class Worker:
             transports=list(self.transports),
             pid=self.pid,
             welcome=True,
+            recall=True,
         )
         self.sock = self.upstream.connect(self.service, caps)
         self._last_heard = time.monotonic()
 
     def close(self) -> None:
+        self._log_keep_warm()
         self.direct.close()
         self.upstream.close()
         self.sock = None
@@ -208,7 +225,8 @@ class Worker:
         self._connect()
         self._offload = ComputeThread(self.ctx, self.plane.run)
         self._heartbeats = LoopHeartbeats(lambda: self._send(P.worker_heartbeat()),
-                                          lambda: self.upstream.last_sent, self.heartbeat_interval)
+                                          lambda: self.upstream.last_sent, self.heartbeat_interval,
+                                          during=self._read_while_computing)
         # READY means registered: `ready_cb` runs on the first WELCOME (the broker has us),
         # or, from a broker that never sends one (plain MDP), after READY_FALLBACK_INTERVALS
         # heartbeat intervals without it.  Once only: a WELCOME after a reconnect is silent.
@@ -230,6 +248,7 @@ class Worker:
                 now = time.monotonic()
                 wake = None if self._busy else self.batcher.wake_at(now)
                 timeout = interval if wake is None else max(0.0, min(interval, wake - now))
+                timeout = self._keep_warm_timeout(now, timeout)
                 if self._ready_cb is not None:
                     timeout = max(0.0, min(timeout, self._ready_deadline - now))
                 ms = timeout * 1000.0
@@ -258,6 +277,7 @@ class Worker:
                     self._flush_done()
                 if now - upstream.last_sent >= interval:
                     self._send(P.worker_heartbeat())
+                self._maybe_keep_warm()
                 if now >= next_housekeeping:  # every interval, busy or not
                     self.plane.housekeeping()
                     next_housekeeping = now + interval
@@ -327,6 +347,7 @@ class Worker:
         sock = self.sock
         while self._reconnect_why is None and sock.get(zmq.EVENTS) & _POLLIN:
             frames = recv_frames(sock)
+            self._last_heard = time.monotonic()
             try:
                 self.on_message(frames)
             except Exception:
@@ -335,17 +356,28 @@ class Worker:
     def on_message(self, frames) -> None:
         """Handle one message from upstream (what the loop does with each one it receives)."""
         msg = self.upstream.receive(frames)
-        if msg is None:
-            return
+        if msg is not None:
+            self._handle(msg, time.monotonic())
+
+    def _handle(self, msg: P.BrokerToWorker, received: float) -> None:
         cmd = msg.command
         if cmd == P.W_REQUEST:
-            self._on_request(msg.envelope, msg.body)
+            self._on_request(msg.envelope, msg.body, received)
         elif cmd == P.W_CANCEL:
             job = self.jobs.get(msg.envelope)
             if job is not None:
                 self.batcher.drop(lambda p: p.item is job)
                 del self.jobs[msg.envelope]
                 self._reply_error(job, P.ErrorCode.CANCELLED, "cancelled by the client before it ran")
+                return
+            job = self.running.get(msg.envelope)
+            if job is not None and not job.cancelled:
+                # Running: a streaming model stops at its next partial; a batch cannot be
+                # interrupted, so its result for this request is dropped (_reply_batch).
+                job.cancelled = True
+                self.cancelled_running += 1
+        elif cmd == P.W_RECALL:
+            self._on_recall(msg.body)
         elif cmd == P.W_WELCOME:
             self._on_welcome(msg.body[0])
         elif cmd == P.W_DISCONNECT:
@@ -373,8 +405,70 @@ class Worker:
         if cb is not None:
             cb()
 
-    def _on_request(self, envelope: bytes, body: tuple) -> None:
-        now = time.monotonic()
+    def _on_recall(self, envelopes) -> None:
+        """The broker wants these back for an idle worker: give back the ones still waiting
+        in the batcher (never one that started: that one answers as usual)."""
+        back = {e for e in envelopes if e in self.jobs}
+        if not back:
+            return
+        for p in self.batcher.drop(lambda p: p.item.envelope in back):
+            self.plane.finish_reads(p.item)
+        for e in back:
+            del self.jobs[e]
+        self.returned += len(back)
+        self._send(P.worker_returned(list(back)))
+
+    def _read_while_computing(self) -> None:
+        """On the heartbeat thread, holding the socket, while a batch computes on the loop's
+        thread (`compute.LoopHeartbeats`): read what has arrived, so that every request's
+        wait is measured from its arrival and a RECALL is answered now, not after the batch.
+        Everything but the RECALL is left for the loop (`_after_compute`); the loop thread
+        does not touch `jobs` while it computes, so reading it here is safe."""
+        sock = self.sock
+        if sock is None or self._reconnect_why is not None:
+            return
+        while sock.get(zmq.EVENTS) & _POLLIN:
+            msg = self.upstream.receive(recv_frames(sock))
+            if msg is None:
+                continue
+            if msg.command == P.W_RECALL:
+                early = self._returned_early
+                back = [e for e in msg.body
+                        if (e in self.jobs or e in self._stash_requests) and e not in early]
+                if back:
+                    early.update(back)
+                    self.returned += len(back)
+                    self._send(P.worker_returned(back))
+                continue
+            if msg.command == P.W_REQUEST:
+                self._stash_requests.add(msg.envelope)
+            self._stash.append((msg, time.monotonic()))
+
+    def _after_compute(self) -> None:
+        """Right after a batch computed on the loop's thread: handle what the heartbeat
+        thread read meanwhile, in order, less what it gave back."""
+        if not self._stash and not self._returned_early:
+            return
+        stash, self._stash = self._stash, []
+        early, self._returned_early = self._returned_early, set()
+        self._stash_requests = set()
+        if early:
+            for p in self.batcher.drop(lambda p: p.item.envelope in early):
+                self.jobs.pop(p.item.envelope, None)
+                self.plane.finish_reads(p.item)
+        for msg, received in stash:
+            if msg.command == P.W_REQUEST and msg.envelope in early:
+                continue  # given back before we ever looked at it
+            try:
+                self._handle(msg, received)
+            except Exception:
+                self._oops.exception("unexpected error while handling a message from the broker; dropped it")
+        if stash:
+            self._last_heard = time.monotonic()
+
+    def _on_request(self, envelope: bytes, body: tuple, now: float | None = None) -> None:
+        if now is None:
+            now = time.monotonic()
         if not body or not P.is_header(body[0]):
             job = Job(envelope, None, None, body, now, None, None)
             if not getattr(self.model, "accepts_opaque", self.model.name == "echo"):
@@ -449,6 +543,7 @@ class Worker:
             for job in jobs:
                 self._run_stream(job)
             return
+        self.running = {job.envelope: job for job in jobs}  # a CANCEL now drops its result
         if self._offload is not None and self.compute_times.offload(len(jobs)):
             self._busy = True
             self._offload.submit(jobs, started)
@@ -465,7 +560,9 @@ class Worker:
         finally:
             if beats is not None:
                 beats.computing_end()
-        self._complete(jobs, started, outputs, error, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self._after_compute()  # a CANCEL read meanwhile drops a result before it is written
+        self._complete(jobs, started, outputs, error, seconds)
         if self._busy:  # a batch finished on the loop thread can't leave the flag set
             self._busy = False
 
@@ -475,8 +572,10 @@ class Worker:
         self._complete(jobs, started, outputs, error, seconds)
 
     def _complete(self, jobs, started, outputs, error, seconds: float) -> None:
+        self.running = {}
         n = len(jobs)
         self.compute_times.observe(n, seconds)
+        self.keep_warm.busy(seconds, time.monotonic())
         if error is not None:
             log.error("model %s failed on a batch of %d: %r", self.model.name, n, error)
             for job in jobs:
@@ -492,9 +591,18 @@ class Worker:
         finally:
             self._send_batch_finals()
         self.served += n
+        if seconds >= self.dones.delay:
+            # Gathering DONEs saves the broker wake-ups on small requests; after a batch this
+            # long it saves nothing, and the broker should know at once that we are free
+            # (it may be holding work back for us: RECALL).
+            self._flush_done()
 
     def _reply_batch(self, jobs, outputs, started, compute_ms: float, n: int) -> None:
         for job, out in zip(jobs, outputs):
+            if job.cancelled:
+                self._reply_error(job, P.ErrorCode.CANCELLED,
+                                  "cancelled by the client while its batch ran; its result was dropped")
+                continue
             timing = {
                 "batch_wait_ms": (started - job.received) * 1e3,
                 "input_ms": job.input_ms,
@@ -503,6 +611,8 @@ class Worker:
             }
             if job.req.queue_ms is not None:
                 timing["queue_ms"] = job.req.queue_ms
+            if job.req.returned:
+                timing["returned"] = float(job.req.returned)
             try:
                 self._reply_tensors(job, out, timing, final=True)
             except Exception as e:  # one bad output must not take the worker (and its other requests) down
@@ -512,24 +622,44 @@ class Worker:
     def _run_stream(self, job: Job) -> None:
         seq = 0
         t0 = time.perf_counter()
-        outs = iter(self.backend.run_stream(job.inputs, meta=job.req.meta))
-        beats = self._heartbeats
-        while True:
-            # The model computes inside next(): heartbeats are the thread's meanwhile, the
-            # PARTIALs between are the loop's (the socket changes hands at each boundary).
-            if beats is not None:
-                beats.computing_begin()
-            try:
-                out = next(outs, _END)
-            finally:
+        self.running = {job.envelope: job}
+        try:
+            outs = iter(self.backend.run_stream(job.inputs, meta=job.req.meta))
+            beats = self._heartbeats
+            while True:
+                # The model computes inside next(): heartbeats are the thread's meanwhile, the
+                # PARTIALs between are the loop's (the socket changes hands at each boundary).
                 if beats is not None:
-                    beats.computing_end()
-            if out is _END:
-                break
-            self._reply_tensors(job, out, {"compute_ms": (time.perf_counter() - t0) * 1e3}, final=False, seq=seq)
-            seq += 1
-        self._send(P.worker_reply(job.envelope, True, [P.encode_header(P.Reply(id=job.req.id, seq=seq))]))
-        self.served += 1
+                    beats.computing_begin()
+                try:
+                    out = next(outs, _END)
+                finally:
+                    if beats is not None:
+                        beats.computing_end()
+                # Between partials: what arrived meanwhile, then what is in the socket, so
+                # that a CANCEL stops the model here, at its next partial.
+                self._after_compute()
+                self._drain()
+                if job.cancelled:
+                    close = getattr(outs, "close", None)
+                    if close is not None:
+                        try:
+                            close()  # the generator's finally blocks run now
+                        except Exception:
+                            self._oops.exception("closing a cancelled stream of %s failed", self.model.name)
+                    self._reply_error(job, P.ErrorCode.CANCELLED,
+                                      f"cancelled by the client after {seq} partial result(s)")
+                    self.served += 1
+                    return
+                if out is _END:
+                    break
+                self._reply_tensors(job, out, {"compute_ms": (time.perf_counter() - t0) * 1e3},
+                                    final=False, seq=seq)
+                seq += 1
+            self._send(P.worker_reply(job.envelope, True, [P.encode_header(P.Reply(id=job.req.id, seq=seq))]))
+            self.served += 1
+        finally:
+            self.running = {}
 
     # ------------------------------------------------------------------ replying
 
@@ -594,6 +724,95 @@ class Worker:
         self.batcher.drop(lambda p: True)
         self.jobs.clear()
         self.dones.clear()
+
+    # ------------------------------------------------------------------ keep-warm
+
+    def _open_keep_warm(self):
+        """The keep-warm decision and its unit: one batch of one of the model's example
+        inputs (built here, once), run on the loop's thread while the worker is idle
+        (gpu_worker.keepwarm.KeepWarm).  A model whose batch of one takes longer than
+        KEEP_WARM_MAX_UNIT is not kept warm: a request that arrives during a unit waits for
+        it, so a unit must be small."""
+        from gpu_worker import keepwarm
+        from gpu_worker.keepwarm import KeepWarm, keep_warm_period
+
+        cfg = self.cfg
+        period = keep_warm_period(cfg.keep_warm, self.cuda)
+        off = KeepWarm(None, util=cfg.keep_warm_util)  # checks the setting even when off
+        if period is None:
+            return off
+        why = seconds = None
+        if self._streaming:
+            why = "a streaming model is not kept warm"
+        else:
+            try:
+                example = self.model.example_inputs()
+            except NotImplementedError:
+                why = "the model has no example_inputs()"
+        if why is None:
+            backend = self.backend
+
+            def unit() -> None:
+                backend.run([example])
+
+            seconds = self.compute_times.predict(1)  # the warm-up's steady-state time
+            if seconds is None:  # no warm-up ran: time the unit (its second run; the first pays lazy init)
+                try:
+                    unit()
+                    t0 = time.perf_counter()
+                    unit()
+                    seconds = time.perf_counter() - t0
+                except Exception as e:
+                    why = f"its unit (a batch of one of the example inputs) raised {type(e).__name__}: {e}"
+            if why is None and seconds > keepwarm.KEEP_WARM_MAX_UNIT:
+                why = (f"a batch of one takes {seconds * 1e3:.3g} ms, over the {keepwarm.KEEP_WARM_MAX_UNIT * 1e3:g} ms "
+                       "a unit may take (a request arriving during one would wait for it)")
+        if why is not None:
+            (log.info if cfg.keep_warm is None else log.warning)("keep-warm off for %s: %s", self.model.name, why)
+            off.off_reason = why
+            return off
+        kw = KeepWarm(period, unit, util=cfg.keep_warm_util, max_unit=keepwarm.KEEP_WARM_MAX_UNIT)
+        log.info("keep-warm on: a batch of one (%.3g ms) after %.3g ms without work, while the busy fraction "
+                 "of the last %.3g s is at most %.0f%%", seconds * 1e3, period * 1e3, kw.window, kw.util * 100)
+        return kw
+
+    def _keep_warm_timeout(self, now: float, timeout: float) -> float:
+        """The loop's poll timeout, shortened to when the next keep-warm unit is due (rounded
+        up to a whole millisecond, as the poll counts them: no spinning)."""
+        if self._busy or len(self.batcher) or not self.keep_warm.enabled:
+            return timeout
+        at = self.keep_warm.next_at(now)
+        if at is None:
+            return timeout
+        whole_ms = -(-max(0.0, at - now) * 1e3 // 1)  # ceil
+        return max(0.0, min(timeout, whole_ms / 1e3 + 1e-7))
+
+    def _maybe_keep_warm(self) -> None:
+        """Run a keep-warm unit if one is due and the worker is idle (nothing computing,
+        nothing waiting in the batcher).  A request arriving meanwhile waits one unit."""
+        if not self._busy and not len(self.batcher) and self.keep_warm.enabled:
+            self.keep_warm.maybe_run(time.monotonic())
+
+    @property
+    def keep_warm_runs(self) -> int:
+        """Keep-warm units run so far."""
+        return self.keep_warm.runs
+
+    @property
+    def keep_warm_seconds(self) -> float:
+        """Seconds the keep-warm units took, in all."""
+        return self.keep_warm.seconds
+
+    def stats(self) -> dict:
+        """Counters, until the project has a metrics endpoint."""
+        return {"served": self.served, "direct_sent": self.direct_sent,
+                "keep_warm_runs": self.keep_warm.runs, "keep_warm_seconds": self.keep_warm.seconds}
+
+    def _log_keep_warm(self) -> None:
+        kw = getattr(self, "keep_warm", None)
+        if kw is not None and (kw.runs or kw.enabled):
+            log.info("keep-warm ran %d times, %.1f ms in all%s", kw.runs, kw.seconds * 1e3,
+                     f" ({kw.failures} failed)" if kw.failures else "")
 
 
 _END = object()  # the end of a streaming model's outputs

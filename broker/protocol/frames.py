@@ -35,7 +35,7 @@ from .header import (
 
 __all__ = ["Command", "CLIENT_COMMANDS", "WORKER_COMMANDS", "frame_table", "MDPC", "MDPW", "C_REQUEST", "C_PARTIAL", "C_FINAL", "C_HEARTBEAT", "C_CANCEL",
     "C_DISCONNECT", "C_FINALS", "W_READY", "W_REQUEST", "W_PARTIAL", "W_FINAL", "W_HEARTBEAT",
-    "W_DISCONNECT", "W_CANCEL", "W_DONE", "W_WELCOME", "to_worker_welcome", "client_request", "client_cancel", "client_heartbeat", "broker_heartbeat", "INSTANCE_LEN",
+    "W_DISCONNECT", "W_CANCEL", "W_DONE", "W_WELCOME", "W_RECALL", "W_RETURNED", "to_worker_recall", "worker_returned", "to_worker_welcome", "client_request", "client_cancel", "client_heartbeat", "broker_heartbeat", "INSTANCE_LEN",
     "client_disconnect", "to_client", "error_body", "worker_ready", "worker_reply",
     "worker_done", "client_reply", "direct_finals", "worker_heartbeat", "worker_disconnect",
     "to_worker_request", "to_worker_cancel", "token_envelope", "envelope_token", "ClientMessage",
@@ -68,6 +68,8 @@ W_DISCONNECT = b"\x06"
 W_CANCEL = b"\x07"
 W_DONE = b"\x08"
 W_WELCOME = b"\x09"
+W_RECALL = b"\x0a"    # B->W: give back these requests if you have not started them
+W_RETURNED = b"\x0b"  # W->B: these requests were not started and are the broker's again
 
 INSTANCE_LEN = 8  # a broker's instance id: random, new at every start
 
@@ -106,6 +108,9 @@ WORKER_COMMANDS: tuple[Command, ...] = (
     Command("DONE", W_DONE, "W→B", f"envelope, envelope... (1 to {MAX_DONE}, one per frame)", "extension"),
     Command("WELCOME", W_WELCOME, "B→W", "header `Welcome` (only to a worker whose `Ready` asked for it)",
             "extension"),
+    Command("RECALL", W_RECALL, "B→W", f"envelope, envelope... (1 to {MAX_DONE}; only to a worker whose `Ready` "
+            "set `recall`)", "extension"),
+    Command("RETURNED", W_RETURNED, "W→B", f"envelope, envelope... (1 to {MAX_DONE}, one per frame)", "extension"),
 )
 
 
@@ -175,6 +180,11 @@ def worker_done(envelopes: Sequence[bytes]) -> list[bytes]:
     return [MDPW, W_DONE, *envelopes]
 
 
+def worker_returned(envelopes: Sequence[bytes]) -> list[bytes]:
+    """The answer to a RECALL: the requests the worker dropped unstarted (docs/protocol.md)."""
+    return [MDPW, W_RETURNED, *envelopes]
+
+
 def client_reply(final: bool, service: bytes, body: Iterable[Any]) -> list[Any]:
     """A PARTIAL or FINAL to a client, without an identity: what the broker relays after the
     identity frame, and what a worker sends straight to a client's `reply_to` socket (the
@@ -206,6 +216,10 @@ def to_worker_welcome(identity: bytes, welcome: Welcome) -> list[bytes]:
 
 def to_worker_cancel(identity: bytes, envelope: bytes) -> list[bytes]:
     return [identity, MDPW, W_CANCEL, envelope]
+
+
+def to_worker_recall(identity: bytes, envelopes: Sequence[bytes]) -> list[bytes]:
+    return [identity, MDPW, W_RECALL, *envelopes]
 
 
 def token_envelope(token: int) -> bytes:
@@ -287,10 +301,11 @@ def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
         if len(env) > MAX_ENVELOPE_LEN:
             raise ProtocolError("envelope longer than 255 bytes")
         return WorkerMessage(cmd, envelope=env, body=tuple(frames[4:]))
-    if cmd == W_DONE:
+    if cmd == W_DONE or cmd == W_RETURNED:
         n = len(frames) - 2
         if not 1 <= n <= MAX_DONE:
-            raise ProtocolError(f"DONE carries {n} envelopes; expected 1..{MAX_DONE}")
+            what = "DONE" if cmd == W_DONE else "RETURNED"
+            raise ProtocolError(f"{what} carries {n} envelopes; expected 1..{MAX_DONE}")
         envs = tuple(bytes(f) for f in frames[2:])
         if any(len(e) > MAX_ENVELOPE_LEN for e in envs):
             raise ProtocolError("envelope longer than 255 bytes")
@@ -349,6 +364,11 @@ def parse_broker_to_worker(frames: Sequence[Any]) -> BrokerToWorker:
         if len(frames) < 3:
             raise ProtocolError("CANCEL is MDPW02, 0x07, envelope")
         return BrokerToWorker(cmd, bytes(frames[2]))
+    if cmd == W_RECALL:
+        n = len(frames) - 2
+        if not 1 <= n <= MAX_DONE:
+            raise ProtocolError(f"RECALL carries {n} envelopes; expected 1..{MAX_DONE}")
+        return BrokerToWorker(cmd, body=tuple(bytes(f) for f in frames[2:]))
     if cmd == W_WELCOME:
         if len(frames) != 3:
             raise ProtocolError("WELCOME is MDPW02, 0x09, header(Welcome)")

@@ -145,7 +145,8 @@ class Request(msgspec.Struct, kw_only=True):
     reply: str = "auto"               # "auto" | "shm" | "inline" | "cuda": how outputs come back
     tensors: list[TensorRef] = []
     meta: dict[str, Any] = {}         # free-form, for the model
-    queue_ms: float | None = None     # set by the broker at dispatch: time spent in its queue
+    queue_ms: float | None = None     # set by the broker at dispatch: time from its receipt to this dispatch
+    returned: int | None = None       # set by the broker: times a busy worker gave it back unstarted (RECALL)
     reply_to: str | None = None       # "ipc://..." bound by the client: a same-host worker may send the FINAL there
 
 
@@ -175,6 +176,7 @@ class Ready(msgspec.Struct, kw_only=True):
     transports: list[str] = msgspec.field(default_factory=lambda: ["inline"])
     pid: int | None = None
     welcome: bool = False   # the worker understands WELCOME (the broker then sends one)
+    recall: bool = False    # the worker answers RECALL with RETURNED (the broker then sends it)
 
 
 class Welcome(msgspec.Struct, kw_only=True):

@@ -35,6 +35,7 @@ from broker.state import (
     ErrorCode,
     HeartbeatWorker,
     Priority,
+    RecallAtWorker,
     Scheduler,
     ToClient,
 )
@@ -67,6 +68,9 @@ class _Req:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    # A multiple of 1/4, like STEPS: waiting for it exercises the recall timer.
+    RECALL_AFTER = 0.5
+
     def __init__(self):
         super().__init__()
         self.cfg = Config(
@@ -78,6 +82,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             client_liveness=2.0,
             max_client_requests=MAX_CLIENT_REQUESTS,
             max_client_bytes=MAX_CLIENT_BYTES,
+            recall_after=self.RECALL_AFTER,
         )
         self.s = Scheduler(self.cfg)
         self.now = 0.0
@@ -118,6 +123,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                     r.finals = 1
             elif isinstance(a, CancelAtWorker):
                 assert a.token in self.workers[a.worker]["tokens"]
+            elif isinstance(a, RecallAtWorker):
+                w = self.workers[a.worker]
+                assert w["recall"], "RECALL to a worker that did not ask for it"
+                assert a.tokens and all(t in w["tokens"] for t in a.tokens)
+                assert not (set(a.tokens) & w["recalled"]), "asked twice for one dispatch"
+                w["recalled"].update(a.tokens)
             elif isinstance(a, HeartbeatWorker):
                 assert a.worker in self.workers
             elif isinstance(a, DisconnectWorker):
@@ -157,16 +168,24 @@ class SchedulerMachine(RuleBasedStateMachine):
         credit=st.integers(1, 3),
         host=st.sampled_from(HOSTS + [None]),
         shm=st.booleans(),
+        recall=st.booleans(),
     )
-    def worker_ready(self, worker, service, credit, host, shm):
+    def worker_ready(self, worker, service, credit, host, shm, recall):
+        self.ready(worker, service, credit, host, shm, recall)
+
+    def ready(self, worker, service, credit, host, shm, recall):
         transports = frozenset({"inline", "shm"} if shm else {"inline"})
-        out = self.s.worker_ready(worker, service, self.now, credit=credit, host=host,
-                                  transports=transports)
-        if worker in self.workers:
-            assert isinstance(out[0], DisconnectWorker) and out[0].worker == worker
-        else:
+        if worker not in self.workers:
             self.workers[worker] = {"service": service, "credit": credit, "host": host,
-                                    "shm": shm and host is not None, "tokens": {}}
+                                    "shm": shm and host is not None, "tokens": {},
+                                    "recall": recall, "recalled": set()}
+            fresh = True
+        else:
+            fresh = False
+        out = self.s.worker_ready(worker, service, self.now, credit=credit, host=host,
+                                  transports=transports, recall=recall)
+        if not fresh:
+            assert isinstance(out[0], DisconnectWorker) and out[0].worker == worker
         self.apply(out)
 
     @rule(worker=st.sampled_from(WORKERS))
@@ -212,6 +231,40 @@ class SchedulerMachine(RuleBasedStateMachine):
                 r.finals = 1  # the client has it; the broker must not send another
         self.apply(self.s.worker_done(worker, tokens, self.now))
 
+    @precondition(lambda self: any(w["tokens"] for w in self.workers.values()))
+    @rule(data=st.data())
+    def worker_finishes_all(self, data):
+        """A worker answers everything it holds at once: it is idle, maybe next to a busy one."""
+        worker = data.draw(st.sampled_from(sorted(k for k, w in self.workers.items()
+                                                  if w["tokens"])))
+        self.s.worker_seen(worker, self.now)
+        for token in sorted(self.workers[worker]["tokens"]):
+            del self.workers[worker]["tokens"][token]
+            self.apply(self.s.worker_final(worker, token, self.now, "result"))
+
+    @precondition(lambda self: any(w["tokens"] for w in self.workers.values()))
+    @rule(data=st.data(), asked=st.booleans())
+    def worker_returns(self, data, asked):
+        self.worker_returned(data, asked)
+
+    def worker_returned(self, data, asked):
+        """A worker gives requests back unstarted: recalled ones (asked) or any (unasked)."""
+        def held(w):
+            return w["recalled"] & set(w["tokens"]) if asked else set(w["tokens"])
+        candidates = sorted(k for k, w in self.workers.items() if held(w))
+        if not candidates:
+            return
+        worker = data.draw(st.sampled_from(candidates))
+        w = self.workers[worker]
+        pool = sorted(held(w))
+        if not pool:
+            return
+        tokens = data.draw(st.lists(st.sampled_from(pool), min_size=1, unique=True))
+        self.s.worker_seen(worker, self.now)
+        for token in tokens:
+            del w["tokens"][token]
+        self.apply(self.s.worker_returned(worker, tokens, self.now))
+
     @precondition(lambda self: self.tokens_seen)
     @rule(data=st.data(), worker=st.sampled_from(WORKERS))
     def stale_reply(self, data, worker):
@@ -222,6 +275,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.s.worker_final(worker, token, self.now, "stale") == []
         assert self.s.worker_partial(worker, token, self.now, "stale") == []
         assert self.s.worker_done(worker, [token], self.now) == []
+        assert self.s.worker_returned(worker, [token], self.now) == []
 
     # ---- clients
 
@@ -354,6 +408,17 @@ class SchedulerMachine(RuleBasedStateMachine):
                 w["service"] == service for w in self.workers.values())
 
     @invariant()
+    def recall_bookkeeping_agrees(self):
+        for svc in self.s._services.values():
+            for w in svc.workers.values():
+                assert (w in svc.idle) == (not w.in_flight)
+                assert (w in svc.deep) == (w.recall and len(w.in_flight) >= 2)
+                assert w.awaiting == sum(1 for o in self.s._workers.values()
+                                         for r in o.in_flight.values() if r.thief is w)
+            assert set(svc.idle) <= set(svc.workers.values())
+            assert set(svc.deep) <= set(svc.workers.values())
+
+    @invariant()
     def queue_bookkeeping_agrees(self):
         for svc in self.s._services.values():
             counts: dict[object, int] = {}
@@ -416,3 +481,30 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestScheduler = SchedulerMachine.TestCase
+
+
+class RecallMachine(SchedulerMachine):
+    """The same model, with workers that make taking work back likely: one service, deep
+    credit, most of them answering RECALL, asked at once."""
+
+    RECALL_AFTER = 0.0
+
+    @rule(
+        worker=st.sampled_from(WORKERS),
+        credit=st.integers(2, 3),
+        host=st.sampled_from(HOSTS + [None]),
+        shm=st.booleans(),
+        recall=st.sampled_from([True, True, False]),
+    )
+    def worker_ready(self, worker, credit, host, shm, recall):
+        self.ready(worker, SERVICES[0], credit, host, shm, recall)
+
+
+    @precondition(lambda self: any(w["recalled"] & set(w["tokens"]) for w in self.workers.values()))
+    @rule(data=st.data())
+    def worker_returns_recalled(self, data):
+        self.worker_returned(data, True)
+
+
+RecallMachine.TestCase.settings = SchedulerMachine.TestCase.settings
+TestSchedulerRecall = RecallMachine.TestCase

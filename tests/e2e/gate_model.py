@@ -60,3 +60,28 @@ def declared(device: str = "cpu"):
     run.batchable = False
     run.inputs = {"image": ("|u1", (None, None, 3))}
     return run
+
+
+def ticker(device: str = "cpu"):
+    """A streaming model: x = [n, dt] yields n partials, one every dt seconds.  Each partial
+    of a call with dt > 0 appends "<pid> <i>" to $SLEEPY_LOG, so a test sees how far a
+    stream got (its warm-up, dt = 0, writes nothing)."""
+    import time
+
+    log = os.environ["SLEEPY_LOG"]
+
+    def run(inputs):
+        x = np.asarray(inputs["x"]).ravel()
+        n, dt = int(x[0]), float(x[1])
+        for i in range(n):
+            if dt > 0:
+                time.sleep(dt)
+                with open(log, "a") as f:
+                    f.write(f"{os.getpid()} {i}\n")
+            yield {"x": np.array([float(i)])}
+
+    run.name = "ticker"
+    run.batchable = False
+    run.streaming = True
+    run.example_inputs = lambda: {"x": np.array([1.0, 0.0])}
+    return run

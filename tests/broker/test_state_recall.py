@@ -1,0 +1,173 @@
+"""Head-of-line: an idle worker takes back what waits behind a busy worker's running batch
+(broker.state, "Taking work back"), event by event with an injected clock."""
+from __future__ import annotations
+
+from broker.state import (
+    CancelAtWorker,
+    ClientError,
+    Config,
+    Dispatch,
+    ErrorCode,
+    RecallAtWorker,
+    Scheduler,
+    ToClient,
+)
+
+C = b"client"
+W1, W2, W3 = b"w1", b"w2", b"w3"
+
+
+def of(actions, cls):
+    return [a for a in actions if isinstance(a, cls)]
+
+
+def only(actions, cls):
+    found = of(actions, cls)
+    assert len(found) == 1, actions
+    return found[0]
+
+
+def sched(**kw):
+    s = Scheduler(Config(**kw))
+    for w in (W1, W2):
+        s.worker_ready(w, "svc", 0.0, credit=16, recall=True)
+    return s
+
+
+def send(s, rid, now):
+    return s.client_request(C, rid, "svc", now, payload=f"p{rid}")
+
+
+def test_the_1s_and_20ms_case_a_short_request_never_waits_behind_a_long_one():
+    """Two workers, default credit.  A (1 s) runs on one, B (20 ms) on the other; C (20 ms)
+    arrives while both are busy and lands behind one of them.  When B's worker goes idle,
+    C runs there: done at about 40 ms, not at 1 s."""
+    s = sched()
+    a = only(send(s, 1, 0.000), Dispatch)
+    b = only(send(s, 2, 0.001), Dispatch)
+    assert {a.worker, b.worker} == {W1, W2}
+    c = only(send(s, 3, 0.002), Dispatch)
+    long_w, short_w = a.worker, b.worker
+    # Both hold one: the tie goes to the least recently used, A's worker.
+    assert c.worker == long_w
+    # C is parked behind A's 1 s batch.  B ends at 21 ms: its worker is idle, A's batch has
+    # run 21 ms (over recall_after): C is asked back.
+    out = s.worker_final(short_w, b.token, 0.021, "B")
+    assert only(out, ToClient).request_id == 2
+    rec = only(out, RecallAtWorker)
+    assert rec.worker == long_w and rec.tokens == (c.token,)
+    # The busy worker had not started it: it gives it back; the idle worker gets it at once,
+    # as the same attempt, its timing saying it was handed back once.
+    out = s.worker_returned(long_w, [c.token], 0.0215)
+    again = only(out, Dispatch)
+    assert again.worker == short_w and again.request_id == 3
+    assert again.attempt == 0 and again.returned == 1
+    assert again.token != c.token
+    out = s.worker_final(short_w, again.token, 0.0415, "C")
+    fin = only(out, ToClient)
+    assert fin.request_id == 3 and fin.payload == "C"
+    # It waited about 20 ms in all (the shown queue time), not a second.
+    assert fin.dispatched_at - fin.enqueued_at < 0.025
+    # A still ends normally; the stale token of C at the long worker is dropped if it comes.
+    assert only(s.worker_final(long_w, a.token, 1.0, "A"), ToClient).request_id == 1
+    assert s.worker_final(long_w, c.token, 1.0, "C-late") == []
+    st = s.stats()["counters"]
+    assert st["recalled"] == 1 and st["returned"] == 1 and st["completed"] == 3
+
+
+def test_started_requests_finish_where_they_are():
+    s = sched()
+    a = only(send(s, 1, 0.0), Dispatch)
+    b = only(send(s, 2, 0.0), Dispatch)
+    c = only(send(s, 3, 0.001), Dispatch)
+    long_w = c.worker
+    short_w = W1 if long_w == W2 else W2
+    short = a if a.worker == short_w else b
+    rec = only(s.worker_final(short_w, short.token, 0.02, "x"), RecallAtWorker)
+    # The worker had started it (a batch of two): it ignores the RECALL and answers later.
+    assert s.worker_final(long_w, rec.tokens[0], 1.0, "C")[0].request_id == 3
+    # Asked once per dispatch: the idle worker going idle again asks nothing more.
+    assert s.stats()["counters"]["returned"] == 0
+
+
+def test_young_batches_are_left_alone_until_they_are_not():
+    """Waiting behind a batch that started a moment ago is cheaper than a round trip: the
+    broker looks again when the batch is recall_after old (a timer), not before."""
+    s = sched(recall_after=0.05)
+    a = only(send(s, 1, 0.0), Dispatch)
+    b = only(send(s, 2, 0.0), Dispatch)
+    c = only(send(s, 3, 0.001), Dispatch)
+    idle_w = a.worker if c.worker != a.worker else b.worker
+    done = a if a.worker == idle_w else b
+    out = s.worker_final(idle_w, done.token, 0.01, "x")
+    assert not of(out, RecallAtWorker)
+    assert s.next_wakeup(0.01) is not None and s.next_wakeup(0.01) <= 0.05 + 1e-9
+    assert not of(s.tick(0.049), RecallAtWorker)
+    rec = only(s.tick(0.05), RecallAtWorker)
+    assert rec.worker == c.worker and rec.tokens == (c.token,)
+
+
+def test_queued_work_goes_first_and_nothing_is_recalled_from_workers_that_cannot_answer():
+    s = Scheduler(Config())
+    s.worker_ready(W1, "svc", 0.0, credit=4)  # a plain worker: no RECALL
+    s.worker_ready(W2, "svc", 0.0, credit=4, recall=True)
+    ds = [only(send(s, i, 0.0), Dispatch) for i in range(4)]
+    on_w1 = [d for d in ds if d.worker == W1]
+    on_w2 = [d for d in ds if d.worker == W2]
+    assert len(on_w1) == 2 and len(on_w2) == 2
+    # W2 finishes both; W1 (no recall) keeps what it holds.
+    s.worker_final(W2, on_w2[0].token, 0.1, "x")
+    out = s.worker_final(W2, on_w2[1].token, 0.1, "x")
+    assert not of(out, RecallAtWorker)
+
+
+def test_half_of_a_deep_worker_and_locality():
+    s = Scheduler(Config())
+    s.worker_ready(W1, "svc", 0.0, credit=16, recall=True, host="h", transports=frozenset({"inline", "shm"}))
+    # Eight requests on W1 alone: two for shared memory on host h, the others inline.
+    tokens = []
+    for i in range(8):
+        kw = {"local_host": "h"} if i in (6, 7) else {}
+        tokens.append(only(s.client_request(C, i, "svc", 0.0, payload=i, **kw), Dispatch).token)
+    # W2 joins: inline only (it cannot map h's shared memory), idle.
+    out = s.worker_ready(W2, "svc", 0.1, credit=16, recall=True)
+    rec = only(out, RecallAtWorker)
+    # At most half of the eight, newest first, skipping the two it cannot take.
+    assert rec.worker == W1 and rec.tokens == (tokens[5], tokens[4], tokens[3], tokens[2])
+    # W1 had started 2..3 (its batch), not 4..5: it returns those; W2 gets them.
+    out = s.worker_returned(W1, [tokens[5], tokens[4]], 0.101)
+    assert [d.worker for d in of(out, Dispatch)] == [W2, W2]
+    assert sorted(d.request_id for d in of(out, Dispatch)) == [4, 5]
+
+
+def test_returned_when_cancelled_or_unasked():
+    s = sched()
+    a = only(send(s, 1, 0.0), Dispatch)
+    b = only(send(s, 2, 0.0), Dispatch)
+    c = only(send(s, 3, 0.001), Dispatch)
+    idle_w = a.worker if c.worker != a.worker else b.worker
+    done = a if a.worker == idle_w else b
+    only(s.worker_final(idle_w, done.token, 0.02, "x"), RecallAtWorker)
+    # The client cancels while the RECALL is on its way; the worker returns it: CANCELLED.
+    assert only(s.client_cancel(C, 3, 0.021), CancelAtWorker).token == c.token
+    err = only(s.worker_returned(c.worker, [c.token], 0.022), ClientError)
+    assert err.request_id == 3 and err.code == ErrorCode.CANCELLED
+    # A worker giving back what nobody asked for refuses work: a failed attempt, retried.
+    d = only(send(s, 4, 0.03), Dispatch)
+    out = s.worker_returned(d.worker, [d.token], 0.031)
+    again = only(out, Dispatch)
+    assert again.request_id == 4 and again.attempt == 1 and again.returned == 0
+
+
+def test_the_victim_dies_with_work_recalled():
+    s = sched()
+    a = only(send(s, 1, 0.0), Dispatch)
+    b = only(send(s, 2, 0.0), Dispatch)
+    c = only(send(s, 3, 0.001), Dispatch)
+    idle_w = a.worker if c.worker != a.worker else b.worker
+    done = a if a.worker == idle_w else b
+    only(s.worker_final(idle_w, done.token, 0.02, "x"), RecallAtWorker)
+    out = s.worker_disconnect(c.worker, 0.021)
+    # Both of the dead worker's requests are retried on the idle one (nothing lost twice).
+    assert sorted(d.request_id for d in of(out, Dispatch)) == sorted({1, 2, 3} - {done.request_id})
+    assert all(d.worker == idle_w for d in of(out, Dispatch))

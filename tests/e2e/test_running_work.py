@@ -1,0 +1,148 @@
+"""Work that is already at a worker, against the real processes (`python -m broker`, `python -m
+gpu_worker`): a request parked behind a busy worker's long batch is taken back for an idle
+worker (RECALL), and cancelling a running request frees the worker for the next one (a
+streaming model stops at its next partial; a batch that cannot be interrupted drops the
+cancelled result).
+
+The models are tests/e2e/gate_model.py's `sleepy` (sleeps x[0] seconds; its warm-up is fast,
+so even a long call runs on the worker loop's own thread, the hard case) and `ticker` (a
+stream of x[0] partials, one every x[1] seconds).  Both log each real call (or partial) to
+$SLEEPY_LOG with the worker's pid, which is how a test sees where and how far work ran.
+Timing bounds are generous (a loaded 2-core machine); each is far below what the request
+would take without the behaviour under test.  No sleeps as synchronisation.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from broker import protocol as P
+from client_sdk import Client
+
+pytestmark = pytest.mark.timeout(60)
+
+WAIT = 10.0
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []
+
+
+def _wait_for(cond, timeout: float = WAIT, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not met within {timeout} s")
+        time.sleep(0.005)  # polling a file the worker writes (a condition, not a delay)
+
+
+def test_a_short_request_is_not_parked_behind_a_long_batch(cluster, tmp_path):
+    """The issue's case: two workers, default credit.  A (1 s) runs on one, B (50 ms) on the
+    other, C (20 ms) arrives while both are busy and is placed behind A (both hold one; the
+    tie goes to the least recently used).  When B's worker goes idle, the broker takes C back
+    from A's worker, which is inside A's batch on its loop thread, and C runs there: C is
+    answered in about 100 ms instead of after A's second, and its timing says so."""
+    log = tmp_path / "runs.log"
+    env = {"SLEEPY_LOG": str(log)}
+    cluster.broker()
+    cluster.worker("gate_model:sleepy", env=env)
+    cluster.worker("gate_model:sleepy", env=env)
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        t0 = time.monotonic()
+        a = c.infer_stream("sleepy", {"x": np.array([1.0])})
+        _wait_for(lambda: len(_lines(log)) == 1, what="A started")
+        b = c.infer_stream("sleepy", {"x": np.array([0.05])})
+        _wait_for(lambda: len(_lines(log)) == 2, what="B started")
+        t_c = time.monotonic()
+        cc = c.infer_stream("sleepy", {"x": np.array([0.02])})
+        res_c = cc.result(timeout=WAIT)
+        took_c = time.monotonic() - t_c
+        res_b = b.result(timeout=WAIT)
+        res_a = a.result(timeout=WAIT)
+        took_a = time.monotonic() - t0
+        runs = _lines(log)
+        assert len(runs) == 3, runs
+        pid_a, pid_b, pid_c = runs
+        assert pid_a != pid_b
+        # C ran on B's worker, not behind A.
+        assert pid_c == pid_b, runs
+        assert took_c < 0.6, f"C took {took_c:.3f} s: parked behind A's 1 s batch"
+        assert took_a >= 1.0
+        # Every wait shows: handed back once, and its queue time covers the parked time.
+        assert res_c.timing.get("returned") == 1.0, res_c.timing
+        assert res_c.timing["queue_ms"] >= 20.0, res_c.timing
+        assert "returned" not in res_b.timing and "returned" not in res_a.timing
+        for r in (res_a, res_b, res_c):
+            r.release()
+
+
+def test_cancelling_a_stream_stops_it_at_its_next_partial(cluster, tmp_path):
+    """A stream of 100 partials, 50 ms apart (5 s), cancelled after its first: the worker
+    stops it at its next partial, and the next request is answered at once, not after 5 s."""
+    log = tmp_path / "ticks.log"
+    cluster.broker()
+    worker = cluster.worker("gate_model:ticker", env={"SLEEPY_LOG": str(log)})
+    pid = worker.p.pid
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        h = c.infer_stream("ticker", {"x": np.array([100.0, 0.05])})
+        first = next(h)
+        assert not first.final
+        first.release()
+        assert h.cancel()
+        t0 = time.monotonic()
+        nxt = c.infer_stream("ticker", {"x": np.array([2.0, 0.01])})
+        got = [r for r in nxt]
+        took = time.monotonic() - t0
+        assert [r.final for r in got] == [False, False, True]
+        for r in got:
+            r.release()
+        # The next request started within a partial or two of the cancel, not 5 s later.
+        assert took < 1.0, f"the next request took {took:.3f} s"
+        ticks = [line for line in log.read_text().splitlines() if line.startswith(f"{pid} ")]
+        # 2 from the second request; the cancelled one stopped after a handful of its 100.
+        assert len(ticks) - 2 < 10, ticks
+
+
+def test_a_cancelled_batch_drops_its_result_and_the_next_request_follows(cluster, tmp_path):
+    """A batch cannot be interrupted: a request cancelled while it runs (600 ms) gets
+    CANCELLED instead of its result when the batch ends, and the request behind it (already
+    at the worker, credit 2) starts right after: within one batch of the cancel."""
+    log = tmp_path / "runs.log"
+    cluster.broker()
+    cluster.worker("gate_model:sleepy", env={"SLEEPY_LOG": str(log)})
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.connect(cluster.frontend)
+    try:
+        def request(rid, x):
+            x = np.array([x])
+            head = P.encode_header(P.Request(id=rid, reply="inline", timeout_ms=WAIT * 1000, tensors=[
+                P.TensorRef(name="x", dtype=x.dtype.str, shape=list(x.shape), loc=P.InlineLoc(frame=0))]))
+            s.send_multipart(P.client_request("sleepy", [head, x.tobytes()]))
+
+        def final(timeout=WAIT):
+            assert s.poll(int(timeout * 1000)), "no reply"
+            msg = P.parse_broker_to_client(s.recv_multipart())
+            assert msg.command == P.C_FINAL
+            return P.decode_reply(msg.body[0], len(msg.body) - 1)
+
+        t0 = time.monotonic()
+        request(1, 0.6)
+        _wait_for(lambda: len(_lines(log)) == 1, what="the long request started")
+        s.send_multipart(P.client_cancel("sleepy", 1))
+        request(2, 0.0)
+        first = final()
+        assert first.id == 1 and first.error is not None, first
+        assert first.error.code == P.ErrorCode.CANCELLED and "result was dropped" in first.error.message
+        second = final()
+        took = time.monotonic() - t0
+        assert second.id == 2 and second.error is None, second
+        # One batch (0.6 s) and the follow-up; far below two long batches.
+        assert took < 0.6 + 0.6, f"took {took:.3f} s"
+    finally:
+        s.close(linger=0)
