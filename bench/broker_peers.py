@@ -97,6 +97,7 @@ class _BrokerClient(PeerClient):
 
 class _BrokerPeer(Peer):
     transport = "shm"
+    broker_args: tuple[str, ...] = ()
 
     def available(self) -> tuple[bool, str]:
         return True, ""
@@ -105,7 +106,8 @@ class _BrokerPeer(Peer):
         self.frontend = self.ipc("frontend.ipc")
         backend = self.ipc("backend.ipc")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.spawn(self.python_module("broker", "--frontend", self.frontend, "--backend", backend), env=env)
+        self.spawn(self.python_module("broker", "--frontend", self.frontend, "--backend", backend,
+                                      *self.broker_args), env=env)
         self.spawn(self.python_module("gpu_worker", "--broker", backend, "--model", "echo",
                                       "--max-batch", "1", "--credit", "64"), env=env)
         # The worker's READY means it sent READY; one round trip proves the broker has it.
@@ -129,6 +131,14 @@ class BrokerShmPeer(_BrokerPeer):
     name = "broker-shm"
     description = "our broker + echo worker; tensors in shared memory, only the header crosses ZeroMQ"
     transport = "shm"
+
+
+@register
+class BrokerShmMetricsPeer(_BrokerPeer):
+    name = "broker-shm-metrics"
+    description = "broker-shm with the broker's metrics on (--http: counted, served on /metrics)"
+    transport = "shm"
+    broker_args = ("--http", "127.0.0.1:0")
 
 
 @register

@@ -41,7 +41,8 @@ def _per_call_us(fn, n: int, repeats: int = 5) -> float:
     return statistics.median(out)
 
 
-def broker_us(n: int) -> float:
+def broker_us(n: int, metrics: bool = False) -> float:
+    """``metrics``: with the broker's metrics on (`--http`), as `broker_metrics_us` measures."""
     from broker.server import Broker, BrokerConfig
 
     class RecordingBroker(Broker):
@@ -58,7 +59,8 @@ def broker_us(n: int) -> float:
     # What libzmq gives a client that sets no routing id: a zero byte, then a counter.
     CLIENT_ID = b"\x00\x00\x00\x00\x01"
     d = tempfile.mkdtemp(prefix="zinf-hot-")
-    b = RecordingBroker(BrokerConfig(frontend=f"ipc://{d}/f", backend=f"ipc://{d}/b"))
+    b = RecordingBroker(BrokerConfig(frontend=f"ipc://{d}/f", backend=f"ipc://{d}/b",
+                                     http="127.0.0.1:0" if metrics else ""))
     F = zmq.Frame
     try:
         caps = P.Ready(credit=4, host=P.local_host_id(), transports=["inline", "shm"])
@@ -146,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    res = {"broker_request_and_reply_us": broker_us(args.n), "worker_request_us": worker_us(args.n // 4),
-           "client_request_us": client_us(args.n // 4)}
+    res = {"broker_request_and_reply_us": broker_us(args.n),
+           "broker_with_metrics_us": broker_us(args.n, metrics=True),
+           "worker_request_us": worker_us(args.n // 4), "client_request_us": client_us(args.n // 4)}
     for k, v in res.items():
         print(f"{k:30s} {v:7.1f}")
     if args.json:

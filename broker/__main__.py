@@ -4,6 +4,11 @@ Binds both endpoints (ipc:// under the runtime directory by default), prints one
 `READY frontend=<ep> backend=<ep>` on stdout once it serves (scripts and tests wait for that
 line instead of sleeping), and exits 0 on SIGTERM or SIGINT.
 
+With `[[pool]]` tables in the `--config` file it is also their launcher (broker.launcher,
+docs/operations.md "One launcher"): it starts and supervises those workers, its READY line
+(`... workers=<n>`) waits for all of them, SIGTERM drains them before it exits 0, and SIGHUP
+restarts them one at a time.  A bad key or value in the file is one line on stderr and exit 2.
+
 A tcp endpoint is served with CurveZMQ: `--curve-secret FILE` (the broker's secret
 certificate), `--client-keys DIR` and `--worker-keys DIR` (the allowed public certificates of
 each side), or plain tcp with `--insecure` (a warning names the endpoint).  With a tcp
@@ -16,11 +21,14 @@ worker (docs/security.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import signal
 import sys
 import threading
 
+from broker.config import load_launcher
+from broker.launcher import Launcher
 from broker.protocol.naming import RuntimeDirError
 from broker.security import SecurityError, make_keys
 from broker.server import Broker, BrokerConfig
@@ -52,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                                  epilog="python -m broker keys DIR [--name NAME]: write a CurveZMQ key pair")
     ap.add_argument("--frontend", help="client endpoint (default ipc://$XDG_RUNTIME_DIR/zmq-infer-UID/frontend.ipc)")
     ap.add_argument("--backend", help="worker endpoint (default ipc://.../backend.ipc)")
-    ap.add_argument("--config", help="TOML file: frontend, backend, a [scheduler] and a [security] table")
+    ap.add_argument("--config", help="TOML file: frontend, backend, a [scheduler] and a [security] table; "
+                                     "with [[pool]] tables, also starts and supervises those workers")
     ap.add_argument("--heartbeat-interval", type=float, help="seconds (default 1.0)")
     ap.add_argument("--heartbeat-liveness", type=int, help="missed heartbeats before a peer is dead (default 3)")
     ap.add_argument("--max-queue", type=int, help="queued requests per service (default 1024)")
@@ -65,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="outstanding requests per client, across services (default 4096)")
     ap.add_argument("--max-client-mb", type=float,
                     help="MiB of request bodies one client may have queued or running (default 512)")
+    ap.add_argument("--http", metavar="HOST:PORT",
+                    help="serve /metrics (Prometheus) and the /v2/health and /v2/models paths here "
+                         "(PORT alone: 127.0.0.1); off by default, and then nothing is counted")
     ap.add_argument("--recall-after-ms", type=float,
                     help="an idle worker takes back requests waiting behind a busy worker's batch once that "
                          "batch has run this long (default 5; negative: never)")
@@ -78,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = BrokerConfig.from_toml(args.config) if args.config else BrokerConfig()
-    except SecurityError as e:
+        deploy = load_launcher(args.config) if args.config else None  # [[pool]] tables, if any
+    except (SecurityError, ValueError) as e:  # config.ConfigError too: one line naming the key
         print(f"python -m broker: {e}", file=sys.stderr, flush=True)
         return 2
     if args.frontend:
@@ -97,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.scheduler.max_client_requests = args.max_client_requests
     if args.max_client_mb is not None:
         cfg.scheduler.max_client_bytes = max(0, int(args.max_client_mb * (1 << 20)))
+    if args.http is not None:
+        cfg.http = args.http
     if args.recall_after_ms is not None:
         cfg.scheduler.recall_after = None if args.recall_after_ms < 0 else args.recall_after_ms / 1000.0
     for opt in ("curve_secret", "client_keys", "worker_keys"):
@@ -108,16 +123,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         broker = Broker(cfg)
-    except (SecurityError, RuntimeDirError) as e:
+    except (SecurityError, RuntimeDirError, ValueError, RuntimeError) as e:
         print(f"python -m broker: {e}", file=sys.stderr, flush=True)
         return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    with broker:
-        print(f"READY frontend={broker.frontend_ep} backend={broker.backend_ep}", flush=True)
+    # [[pool]] tables: this process is their launcher too (broker.launcher).  It takes the
+    # signals over (SIGTERM drains the pools, then sets `stop`; SIGHUP rolls them) and prints
+    # READY itself once every pool's workers are ready.
+    pools = Launcher(broker, deploy, stop) if deploy is not None else None
+    with broker, (pools if pools is not None else contextlib.nullcontext()):
+        http = f" http={broker.http_address}" if broker.http is not None else ""
+        if pools is None:
+            print(f"READY frontend={broker.frontend_ep} backend={broker.backend_ep}{http}", flush=True)
         broker.serve(stop)
-    return 0
+    return 0 if pools is None else pools.exit_code
 
 
 if __name__ == "__main__":

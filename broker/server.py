@@ -61,6 +61,7 @@ _DRAIN = 64
 _GC_INTERVAL = 1.0
 _POLLIN = int(zmq.POLLIN)
 _MAX_CLIENT_PIDS = 1 << 16
+_MAX_SERVICES = 1024  # service names remembered for the HTTP endpoint (as broker.metrics.MAX_SERVICES)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _NOBLOCK = int(zmq.NOBLOCK)
 #: default largest client frame: the largest inline tensor a deployment expects, and then some
@@ -130,13 +131,18 @@ class BrokerConfig:
     #: messages the broker queues towards one client; a client whose queue is full has
     #: stopped reading: its requests are dropped as if it had disconnected
     client_hwm: int = DEFAULT_CLIENT_HWM
+    #: ``HOST:PORT`` (or ``PORT``: loopback) of the HTTP endpoint for /metrics and the health
+    #: paths (broker.http); empty: none, and nothing is counted
+    http: str = ""
 
     @classmethod
     def from_toml(cls, path: str) -> "BrokerConfig":
-        import tomllib
+        from broker import config as deploy_file
 
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        # Unknown keys (here, in [broker], [scheduler]) and values of the wrong type: a
+        # ConfigError naming the key.  [[pool]] and [launcher] are the launcher's.
+        data = deploy_file.read_toml(path)
+        deploy_file.check_broker_keys(data, path, cls)
         b = data.get("broker", data)
         sched = Config()
         for key, value in b.get("scheduler", {}).items():
@@ -152,6 +158,10 @@ class BrokerConfig:
                 if type(b[key]) is not int or b[key] < 1:
                     raise ValueError(f"{path}: {key} must be a positive integer")
                 limits[key] = b[key]
+        if "http" in b:
+            if not isinstance(b["http"], str):
+                raise ValueError(f"{path}: http must be a string, HOST:PORT")
+            limits["http"] = b["http"]
         return cls(frontend=b.get("frontend", ""), backend=b.get("backend", ""), scheduler=sched, security=sec,
                    **limits)
 
@@ -178,7 +188,17 @@ class Broker:
         # CURVE on tcp endpoints, or a refusal to start (broker.security), before anything binds.
         self._curve_plan = security.plan(self.cfg.security, self.frontend_ep, self.backend_ep)
         self.ctx = ctx or zmq.Context.instance()
-        self.sched = Scheduler(self.cfg.scheduler)
+        # Metrics are counted only when someone can read them (--http): otherwise the
+        # request path pays nothing for them (broker.metrics).
+        self.metrics = None
+        if self.cfg.http:
+            from broker.metrics import Metrics
+
+            self.metrics = Metrics()
+        self.sched = Scheduler(self.cfg.scheduler,
+                               on_direct=self.metrics.final if self.metrics is not None else None)
+        self._seen_services: dict[str, None] = {}  # registered at some point (404 vs 503), bounded
+        self._worker_info: dict[bytes, tuple[str, int | None, Any]] = {}  # ident -> (service, pid, inputs)
         self._client_window_ms = max(1, min(int(self.sched.client_window * 1000), (1 << 32) - 1))
         sc = self.cfg.scheduler
         self._welcome = P.Welcome(instance=self.instance, heartbeat_interval=sc.heartbeat_interval,
@@ -242,6 +262,29 @@ class Broker:
         self.malformed = 0
         self.stalled_clients = 0  # clients dropped because they stopped reading their replies
         self._closed = False
+        self.http = None
+        self._http_loop = None
+        if self.cfg.http:
+            try:
+                self._open_http()
+            except BaseException:
+                self.close()
+                raise
+
+    def _open_http(self) -> None:
+        """The HTTP endpoint's threads and the inproc PAIR on which they ask this loop."""
+        from broker.http import HttpFront, LoopLink, parse_address
+
+        address = parse_address(self.cfg.http)
+        name = f"inproc://broker-http-{id(self)}"
+        self._http_loop = self.ctx.socket(zmq.PAIR)
+        self._http_loop.linger = 0
+        self._http_loop.bind(name)
+        try:
+            self.http = HttpFront(address, LoopLink(self.ctx, name))
+        except OSError as e:
+            raise RuntimeError(f"--http {self.cfg.http}: cannot listen: {e}") from None
+        self.http_address = "%s:%d" % self.http.address
 
     @staticmethod
     def _bind(sock: zmq.Socket, ep: str) -> None:
@@ -270,6 +313,10 @@ class Broker:
         if self._closed:
             return
         self._closed = True
+        if self.http is not None:
+            self.http.close()
+        if self._http_loop is not None:
+            self._http_loop.close(linger=0)
         self.backend.disable_monitor()
         self._backend_events.close(linger=0)
         self.frontend.disable_monitor()
@@ -288,6 +335,9 @@ class Broker:
         """Run until `stop` is set (checked at least every 100 ms)."""
         fe, be, events, fe_events = self.frontend, self.backend, self._backend_events, self._frontend_events
         items = [(events, zmq.POLLIN), (be, zmq.POLLIN), (fe_events, zmq.POLLIN), (fe, zmq.POLLIN)]
+        http = self._http_loop
+        if http is not None:
+            items.append((http, zmq.POLLIN))
         poll = zmq.zmq_poll
         monotonic = time.monotonic
         sched = self.sched
@@ -311,10 +361,66 @@ class Broker:
                     self._on_backend_events()
                 elif sock is fe_events:
                     self._on_frontend_events()
+                elif sock is http:
+                    self._on_http()
                 else:
                     self._drain(sock, on_worker if sock is be else on_client)
             wake = sched.next_wakeup(monotonic())
         self._collect_shm()
+
+    def _on_http(self) -> None:
+        """Answer the HTTP threads' questions (broker.http) with copies of the loop's state."""
+        sock = self._http_loop
+        while sock.get(zmq.EVENTS) & _POLLIN:
+            n, what, arg = sock.recv_pyobj()
+            try:
+                answer = self._http_answer(what, arg)
+            except Exception:
+                self._oops.exception("could not answer an HTTP question %r", what)
+                answer = None
+            sock.send_pyobj((n, answer))
+
+    def _http_answer(self, what: str, arg: str):
+        sched = self.sched
+        if what == "live":
+            return True
+        if what == "ready":
+            return any(sched.has_service(name) for name in self._seen_services)
+        if what == "model_ready":
+            if sched.has_service(arg):
+                return "ready"
+            return "unavailable" if arg in self._seen_services else "unknown"
+        if what == "model":
+            if arg not in self._seen_services:
+                return {}
+            info = sched.service_info(arg) or {"queued": {"urgent": 0, "normal": 0, "background": 0},
+                                               "in_flight": 0, "workers": []}
+            workers, inputs = [], None
+            for w in info["workers"]:
+                _, pid, sig = self._worker_info.get(w["worker"], (arg, None, None))
+                inputs = inputs or sig
+                workers.append({"pid": pid, "host": w["host"], "transports": w["transports"],
+                                "credit": w["credit"], "in_flight": w["in_flight"]})
+            return {
+                "name": arg,
+                "ready": bool(workers),
+                "platform": "zmq-infer",
+                "workers": workers,
+                "hosts": sorted({w["host"] or "" for w in workers}),
+                "transports": sorted({t for w in workers for t in w["transports"]}),
+                "credit": sum(w["credit"] for w in workers),
+                "in_flight": info["in_flight"],
+                "queue": info["queued"],
+                "inputs": [{"name": k, "datatype": v[0], "shape": v[1]} for k, v in (inputs or {}).items()],
+            }
+        if what == "metrics":
+            m = self.metrics
+            snap = None
+            if m is not None:
+                snap = m.snapshot()
+                snap["gauges"] = [g for w, g in m.gauges.items() if sched.has_worker(w)]
+            return snap, sched.stats(), list(m.known if m is not None else ())
+        return None
 
     def _collect_shm(self) -> None:
         try:
@@ -559,22 +665,37 @@ class Broker:
                 sched.worker_seen(ident, now)
                 return
             if cmd == P.W_FINAL:
-                actions = sched.worker_final(ident, token, now, msg.body)
+                code = P.reply_error_code(msg.body[0]) if self.metrics is not None and msg.body else 0
+                actions = sched.worker_final(ident, token, now, msg.body, code)
             else:
                 actions = sched.worker_partial(ident, token, now, msg.body)
             self._act(actions, now)
         elif cmd == P.W_DONE:
             tokens = []
-            for env in msg.body:
+            info = msg.info
+            codes = ages = None
+            if info is not None:
+                codes, ages = [], []
+            for i, env in enumerate(msg.body):
                 token = P.envelope_token(env)
                 if token is None:
                     self._bad.warning("worker %r sent DONE with an envelope that is not ours", ident[:16])
                 else:
                     tokens.append(token)
-            self._act(sched.worker_done(ident, tokens, now), now)
+                    if info is not None:
+                        codes.append(info.codes[i])
+                        ages.append(info.ages_ms[i] / 1000.0)
+            self._act(sched.worker_done(ident, tokens, now, codes, ages), now)
+        elif cmd == P.W_STATS:
+            sched.worker_seen(ident, now)
+            known = self._worker_info.get(ident)
+            if self.metrics is not None and known is not None:
+                if not self.metrics.worker_stats(ident, known[0], known[1], msg.info):
+                    self._bad.warning("worker %r sent STATS that do not add up; ignored", ident[:16])
         elif cmd == P.W_RETURNED:
             tokens = [t for t in map(P.envelope_token, msg.body) if t is not None]
-            self._act(sched.worker_returned(ident, tokens, now), now)
+            kept = [t for t in map(P.envelope_token, msg.info) if t is not None]
+            self._act(sched.worker_returned(ident, tokens, now, kept), now)
         elif cmd == P.W_HEARTBEAT:
             self._act(sched.worker_seen(ident, now), now)
         elif cmd == P.W_READY:
@@ -584,6 +705,7 @@ class Broker:
             self._on_backend_events()
             self._bind_connection(ident, frames[1], now)
             r = msg.ready
+            self._note_worker(ident, msg.service.decode(errors="replace"), r)
             if r is None:
                 actions = sched.worker_ready(ident, msg.service.decode(errors="replace"), now)
             else:
@@ -604,6 +726,19 @@ class Broker:
             self._act(actions, now)
         elif cmd == P.W_DISCONNECT:
             self._act(sched.worker_disconnect(ident, now), now)
+
+    def _note_worker(self, ident: bytes, service: str, ready) -> None:
+        """What the HTTP endpoint and the metrics say about a worker: its service (now a
+        known name: 503, not 404, once it has no worker), pid and declared inputs."""
+        if service not in self._seen_services and len(self._seen_services) < _MAX_SERVICES:
+            self._seen_services[service] = None
+        if self.metrics is not None:
+            self.metrics.register(service)
+        if len(self._worker_info) >= _MAX_CLIENT_PIDS:
+            live = {w: v for w, v in self._worker_info.items() if self.sched.has_worker(w)}
+            self._worker_info = live
+        self._worker_info[ident] = (service, None if ready is None else ready.pid,
+                                    None if ready is None else ready.inputs)
 
     def _client_pid(self, ident: bytes, frame: Any) -> int | None:
         """The pid of the process on the other end of this client's ipc connection (learned
@@ -680,7 +815,11 @@ class Broker:
                 self._send_client(
                     a.client, P.client_reply(a.final, a.service.encode(), a.payload)
                 )
+                if a.final and self.metrics is not None:
+                    self.metrics.final(a.service, a.code, a.enqueued_at, a.dispatched_at, now)
             elif t is ClientError:
+                if self.metrics is not None:
+                    self.metrics.final(a.service, a.code, a.enqueued_at, None, now)
                 rid = a.request_id if a.request_id >= 0 else 0
                 self._send_client(
                     a.client,
@@ -691,6 +830,10 @@ class Broker:
             elif t is CancelAtWorker:
                 self.send_to_worker(P.to_worker_cancel(a.worker, P.token_envelope(a.token)))
             elif t is RecallAtWorker:
+                if self.metrics is not None:
+                    known = self._worker_info.get(a.worker)
+                    if known is not None:
+                        self.metrics.recalled(known[0], len(a.tokens))
                 envs = [P.token_envelope(t) for t in a.tokens]
                 for i in range(0, len(envs), P.MAX_DONE):
                     self.send_to_worker(P.to_worker_recall(a.worker, envs[i:i + P.MAX_DONE]))

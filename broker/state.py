@@ -97,8 +97,9 @@ turn), else to the front of its principal's FIFO, without counting as an attempt
 says so; ``queue_ms`` is measured from the broker's receipt, so it includes the time spent
 parked).  The ones already started finish as usual.  A request is asked for at most once per
 dispatch; a worker that returns one unasked is refusing work, and that counts as a failed
-attempt.  The check is O(1) when there is nothing to take back and O(credit) per idle
-worker otherwise.
+attempt.  The worker answers every RECALL, also for the requests it keeps (started), so
+an idle worker waits for at most one round trip before it may look elsewhere.  The check is
+O(1) when there is nothing to take back, and O(idle x deep + credit) otherwise.
 
 Each pool keeps a lazy min-heap of its workers with spare credit, keyed by
 ``(in_flight / credit, in_flight, last used)``.  A load change bumps the worker's version
@@ -244,6 +245,7 @@ class ToClient:
     payload: object
     enqueued_at: float
     dispatched_at: float
+    code: int = 0  # a FINAL's outcome as the server read it (0: a result), for the metrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +258,7 @@ class ClientError:
     code: ErrorCode
     message: str
     payload: object
+    enqueued_at: float | None = None  # None: refused at admission (it never queued)
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +348,7 @@ class _Request:
         "recalled",
         "returned",
         "thief",
+        "orphan",
     )
 
     def __init__(self, client, principal, request_id, svc, payload, priority, deadline,
@@ -369,6 +373,7 @@ class _Request:
         self.recalled = False  # a RECALL was sent for the current token
         self.returned = 0      # times a busy worker gave it back unstarted
         self.thief = None      # the idle worker it was recalled for
+        self.orphan = False    # its connection went away while a worker held it (no final sent)
 
 
 class _Pool:
@@ -445,6 +450,8 @@ class _Worker:
         "alive",
         "recall",
         "awaiting",
+        "is_idle",
+        "is_deep",
     )
 
 
@@ -462,7 +469,12 @@ class _Client:
 class Scheduler:
     """The broker's scheduling state.  Every event method returns a list of actions."""
 
-    def __init__(self, config: Config | None = None):
+    def __init__(self, config: Config | None = None, *, on_direct=None):
+        """``on_direct(service, code, enqueued_at, dispatched_at, finished_at)``, if given, is
+        called for every request settled by a worker's DONE whose client was still waiting
+        (the broker relays nothing for it, so the caller counts it there: its metrics), and
+        for every request whose connection went away while a worker held it, when the
+        worker's answer comes: the one count of each request the broker sends no final for."""
         cfg = config if config is not None else Config()
         if cfg.heartbeat_interval <= 0:
             raise ValueError("heartbeat_interval must be > 0")
@@ -485,7 +497,9 @@ class Scheduler:
         self.config = cfg
         self._max_client_requests = int(cfg.max_client_requests)
         self._max_client_bytes = int(cfg.max_client_bytes)
-        self._recall_after = None if cfg.recall_after is None else max(0.0, float(cfg.recall_after))
+        # Negative: never (a TOML file has no null to say so).
+        self._recall_after = (None if cfg.recall_after is None or cfg.recall_after < 0
+                              else float(cfg.recall_after))
         self._tiers_off = int(cfg.max_queue) // 2  # see _heaviest
         self._weights = tuple(float(w) for w in cfg.priority_weights)
         self._worker_ttl = cfg.heartbeat_interval * cfg.heartbeat_liveness
@@ -511,6 +525,8 @@ class Scheduler:
         # set, so the order of the resulting actions does not depend on object addresses.
         self._dirty: dict[_Service, None] = {}
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._draining: str | None = None  # see drain()
+        self._on_direct = on_direct
 
     # ------------------------------------------------------------------ worker events
 
@@ -555,7 +571,8 @@ class Scheduler:
         w.version = 0
         w.alive = True
         w.recall = bool(recall)
-        w.awaiting = 0  # requests recalled for it from busy workers, not yet back or started
+        w.awaiting = 0  # requests recalled for it from busy workers, not yet answered
+        w.is_idle = w.is_deep = False  # in svc.idle / svc.deep (kept by _reload)
         pools = [svc.any]
         if host is not None:
             # One pool per same-host transport: shared-memory requests are keyed by the host,
@@ -600,35 +617,49 @@ class Scheduler:
         return [ToClient(req.client, req.request_id, req.svc.name, False, payload,
                          req.enqueued_at, req.dispatched_at)]
 
-    def worker_final(self, worker: bytes, token: int, now: float, payload: object = None
-                     ) -> list[Action]:
+    def worker_final(self, worker: bytes, token: int, now: float, payload: object = None,
+                     code: int = 0) -> list[Action]:
         """Relay a FINAL if ``worker`` holds ``token`` and return its credit; a reply
-        for a token the worker does not hold (late, duplicate) is dropped and counted."""
+        for a token the worker does not hold (late, duplicate) is dropped and counted.
+        ``code``: the FINAL's outcome, passed through to the ToClient."""
         out: list[Action] = []
-        self._settle(worker, token, now, payload, out, relay=True)
+        self._settle(worker, token, now, payload, out, relay=True, code=code)
         self._flush(now, out)
         return out
 
-    def worker_done(self, worker: bytes, tokens, now: float) -> list[Action]:
+    def worker_done(self, worker: bytes, tokens, now: float, codes=None, ages=None) -> list[Action]:
         """``worker`` sent these requests' FINALs straight to their clients (direct reply,
         docs/protocol.md section 8): settle each as `worker_final` would and return its
         credit, relaying nothing.  Tokens it does not hold (late, duplicate) are dropped
         and counted.  The client itself drops a second FINAL for one request, so a retry
-        raced by a direct reply still ends in exactly one result."""
+        raced by a direct reply still ends in exactly one result.  ``codes`` and ``ages``
+        (seconds since each FINAL went), when the worker sent them, reach ``on_direct``."""
         out: list[Action] = []
-        for token in tokens:
-            self._settle(worker, token, now, None, out, relay=False)
+        for i, token in enumerate(tokens):
+            self._settle(worker, token, now, None, out, relay=False,
+                         code=codes[i] if codes is not None else 0,
+                         age=ages[i] if ages is not None else 0.0)
         self._flush(now, out)
         return out
 
-    def worker_returned(self, worker: bytes, tokens, now: float) -> list[Action]:
-        """``worker`` gave these requests back unstarted (its answer to a RECALL): each goes
-        to the idle worker it was recalled for, or to the front of its queue, without
-        counting as an attempt.  One the broker did not recall counts as a failed attempt
-        (a worker refusing work); cancelled or abandoned ones end here.  Tokens it does not
-        hold are dropped and counted."""
+    def worker_returned(self, worker: bytes, tokens, now: float, kept=()) -> list[Action]:
+        """``worker``'s answer to a RECALL: ``tokens`` it gave back unstarted, ``kept`` the
+        ones it had started (they finish there).  Each one given back goes to the idle worker
+        it was recalled for if that one can still take it, or to the front of its queue,
+        without counting as an attempt; one the broker did not recall counts as a failed
+        attempt (a worker refusing work); cancelled or abandoned ones end here.  A kept one
+        frees its idle worker to look elsewhere.  Tokens it does not hold are dropped and
+        counted."""
         out: list[Action] = []
         retry = []
+        if kept:
+            w = self._workers.get(worker)
+            if w is not None:
+                for token in kept:
+                    req = w.in_flight.get(token)
+                    if req is not None and req.thief is not None:
+                        self._unthief(req)
+                        self._dirty[req.svc] = None
         for token in tokens:
             req = self._held(worker, token, now)
             if req is None:
@@ -651,6 +682,11 @@ class Scheduler:
         for req, thief in reversed(retry):
             req.state = _QUEUED
             req.worker = None
+            if req.deadline is not None and req.deadline <= now:
+                # Never dispatched expired, even if tick() has not run yet.
+                self._enqueue(req)
+                self._expire_deadline(req, now, out)
+                continue
             if req.recalled:
                 self._counters["returned"] += 1
                 req.returned += 1
@@ -675,7 +711,7 @@ class Scheduler:
         self._flush(now, out)
         return out
 
-    def _settle(self, worker, token, now, payload, out, *, relay):
+    def _settle(self, worker, token, now, payload, out, *, relay, code=0, age=0.0):
         req = self._held(worker, token, now)
         if req is None:
             return
@@ -688,14 +724,22 @@ class Scheduler:
         self._dirty[req.svc] = None
         if req.state == _ABANDONED:
             self._counters["dropped_late"] += 1
+            if req.orphan and self._on_direct is not None:
+                # Its client left before any final: the worker's answer is its only count
+                # (sent straight to the client, which may have read it before it left).
+                self._on_direct(req.svc.name, code, req.enqueued_at, req.dispatched_at,
+                                max(req.dispatched_at, now - age))
         else:
             self._unlink(req)
             self._counters["completed"] += 1
             if relay:
                 out.append(ToClient(req.client, req.request_id, req.svc.name, True, payload,
-                                    req.enqueued_at, req.dispatched_at))
+                                    req.enqueued_at, req.dispatched_at, code))
             else:
                 self._counters["direct"] += 1
+                if self._on_direct is not None:
+                    self._on_direct(req.svc.name, code, req.enqueued_at, req.dispatched_at,
+                                    max(req.dispatched_at, now - age))
         self._retire(req)
 
     def worker_disconnect(self, worker: bytes, now: float) -> list[Action]:
@@ -741,6 +785,9 @@ class Scheduler:
         def reject(code, message):
             return [ClientError(client, request_id, service, code, message, payload)]
 
+        if self._draining is not None:
+            cnt["unavailable"] += 1
+            return reject(ErrorCode.SERVICE_UNAVAILABLE, self._draining)
         try:
             priority = Priority(priority)
         except ValueError:
@@ -950,6 +997,22 @@ class Scheduler:
         told, so that they heartbeat often enough)."""
         return self._client_ttl
 
+    def drain(self, reason: str) -> None:
+        """Refuse every new request from now on (SERVICE_UNAVAILABLE, with ``reason`` as its
+        message) while the requests already admitted run to their finals: the first step of
+        a graceful shutdown (broker.launcher waits for :attr:`live` to reach 0).  One
+        attribute store: the launcher's thread may call it while the loop runs."""
+        self._draining = reason
+
+    @property
+    def live(self) -> int:
+        """Requests not DONE: queued, running, cancelling, or still held by a worker."""
+        return self._live
+
+    def has_worker(self, worker: bytes) -> bool:
+        """Whether ``worker`` is registered and alive."""
+        return worker in self._workers
+
     def has_service(self, service: str) -> bool:
         svc = self._services.get(service)
         return svc is not None and svc.any.live > 0
@@ -963,6 +1026,7 @@ class Scheduler:
                 "in_flight": svc.in_flight,
                 "workers": len(svc.workers),
                 "credit": sum(w.credit for w in svc.workers.values()),
+                "hosts": self._hosts(svc),
             }
         return {
             "services": services,
@@ -973,6 +1037,28 @@ class Scheduler:
             "client_bytes": sum(self._bytes.values()),
             "principals": len(self._outstanding),  # with something outstanding
             "counters": dict(self._counters),
+        }
+
+    @staticmethod
+    def _hosts(svc) -> dict:
+        hosts: dict = {}
+        for w in svc.workers.values():
+            key = w.host or ""
+            hosts[key] = hosts.get(key, 0) + 1
+        return hosts
+
+    def service_info(self, service: str) -> dict | None:
+        """What the broker knows of ``service`` right now (None: nothing): its queue, and
+        each live worker's host, transports, credit and requests held."""
+        svc = self._services.get(service)
+        if svc is None:
+            return None
+        u, n, b = (sum(map(len, ring.values())) for ring in svc.classes)
+        return {
+            "queued": {"urgent": u, "normal": n, "background": b},
+            "in_flight": svc.in_flight,
+            "workers": [{"worker": w.ident, "host": w.host, "transports": sorted(w.transports),
+                         "credit": w.credit, "in_flight": len(w.in_flight)} for w in svc.workers.values()],
         }
 
     def client_usage(self, principal: object) -> dict:
@@ -1171,7 +1257,7 @@ class Scheduler:
 
     def _error(self, req, code, message, out):
         out.append(ClientError(req.client, req.request_id, req.svc.name, code, message,
-                               req.payload))
+                               req.payload, req.enqueued_at))
         self._unlink(req)
 
     # ---- workers and dispatch
@@ -1180,16 +1266,23 @@ class Scheduler:
         """Re-file ``w`` in its pools' ready heaps after its load changed."""
         w.version += 1
         n = len(w.in_flight)
-        svc = w.svc
+        # Membership changes only when the count crosses 0 or 2: flags keep the common
+        # case (one request in, one out) to two attribute reads.
         if n == 0:
-            svc.idle[w] = None
-            svc.deep.pop(w, None)
-        else:
-            svc.idle.pop(w, None)
-            if n >= 2 and w.recall:
-                svc.deep[w] = None
-            else:
-                svc.deep.pop(w, None)
+            if not w.is_idle:
+                w.svc.idle[w] = None
+                w.is_idle = True
+        elif w.is_idle:
+            del w.svc.idle[w]
+            w.is_idle = False
+        if n >= 2 and w.recall:
+            if not w.is_deep:
+                w.svc.deep[w] = None
+                w.is_deep = True
+                self._dirty[w.svc] = None  # an idle worker may take from it (see _flush)
+        elif w.is_deep:
+            del w.svc.deep[w]
+            w.is_deep = False
         if n >= w.credit:
             return
         entry = (n / w.credit, n, w.used, next(self._seq), w.version, w)
@@ -1433,6 +1526,8 @@ class Scheduler:
             else:
                 if req.state == _RUNNING:
                     out.append(CancelAtWorker(req.worker.ident, req.token))
+                if req.state != _ABANDONED:
+                    req.orphan = True
                 req.state = _ABANDONED
             # Never needed again (an abandoned request is not retried), and it may be large.
             req.payload = None
@@ -1457,44 +1552,51 @@ class Scheduler:
         of ``svc`` that hold nothing (see "Taking work back" in the module docstring)."""
         after = self._recall_after
         wake = None
-        for thief in list(svc.idle):
-            if thief.in_flight or thief.awaiting:
-                continue  # busy, or already waiting for work taken back for it
-            best = None
-            for w in svc.deep:
-                oldest = next(iter(w.in_flight.values()))
-                ready_at = oldest.dispatched_at + after
-                if ready_at > now:
-                    # Its current batch is young: waiting behind it is cheap.  Look again
-                    # when it is not.
-                    if wake is None or ready_at < wake:
-                        wake = ready_at
-                    continue
-                if best is None or oldest.dispatched_at < best[0]:
-                    best = (oldest.dispatched_at, w)
-            if best is None:
-                continue
-            victim = best[1]
-            # Newest first (most likely not started); keep at least half of what the victim
-            # still runs unasked, and never ask for more than the thief can take.
-            mine = [r for r in victim.in_flight.values() if r.state == _RUNNING and not r.recalled]
-            k = min(len(mine) // 2, thief.credit)
-            if not k:
-                continue
-            tokens = []
-            for req in reversed(mine):
-                if len(tokens) == k:
-                    break
-                pool = svc.pools.get(req.local_host)
-                if pool is None or pool not in thief.pools:
-                    continue
-                req.recalled = True
-                req.thief = thief
-                thief.awaiting += 1
-                tokens.append(req.token)
-            if tokens:
-                self._counters["recalled"] += len(tokens)
-                out.append(RecallAtWorker(victim.ident, tuple(tokens)))
+        ripe = []
+        for w in svc.deep:
+            oldest = next(iter(w.in_flight.values()))
+            ready_at = oldest.dispatched_at + after
+            if ready_at > now:
+                # Its current batch is young: waiting behind it is cheap.  Look again when
+                # it is not.
+                if wake is None or ready_at < wake:
+                    wake = ready_at
+            else:
+                ripe.append((oldest.dispatched_at, w))
+        if ripe:
+            ripe.sort(key=lambda e: e[0])  # the longest-running batch first
+            for thief in list(svc.idle):
+                if thief.in_flight or thief.awaiting:
+                    continue  # busy, or waiting for the answer to a RECALL made for it
+                for _, victim in ripe:
+                    tokens = self._recall_for(thief, victim)
+                    if tokens:
+                        self._counters["recalled"] += len(tokens)
+                        out.append(RecallAtWorker(victim.ident, tokens))
+                        break
         if wake is not None and (svc.recall_at is None or wake < svc.recall_at):
             svc.recall_at = wake
             self._push_timer(wake, _T_RECALL, svc, wake)
+
+    @staticmethod
+    def _recall_for(thief, victim) -> tuple:
+        """The tokens to ask ``victim`` back for ``thief``: its newest (most likely not
+        started) that the thief's pools can take, at most half of those it still runs
+        unasked and at most the thief's credit; each marked asked (once per dispatch)."""
+        mine = [r for r in victim.in_flight.values() if r.state == _RUNNING and not r.recalled]
+        k = min(len(mine) // 2, thief.credit)
+        if not k:
+            return ()
+        pools = victim.svc.pools
+        tokens = []
+        for req in reversed(mine):
+            pool = pools.get(req.local_host)
+            if pool is None or pool not in thief.pools:
+                continue
+            req.recalled = True
+            req.thief = thief
+            thief.awaiting += 1
+            tokens.append(req.token)
+            if len(tokens) == k:
+                break
+        return tuple(tokens)

@@ -78,8 +78,9 @@ class ClientBase:
             self._send_soon(frames)
 
     def _send_soon(self, frames: list[Any]) -> None:
-        """Send one message without waiting (each twin's own: the blocking client drops what a
-        full socket refuses, the broker being gone then; the asyncio client queues it in order)."""
+        """Send one message without waiting (each twin's own: the blocking client keeps a
+        REQUEST or CANCEL that a full socket refuses for its next pump, in order, and drops a
+        refused heartbeat; the asyncio client queues everything in order)."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- buffers

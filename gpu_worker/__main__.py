@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker-key", default=None,
                     help="tcp broker: this worker's secret certificate (NAME.key_secret); default $ZMQ_INFER_WORKER_KEY")
     ap.add_argument("--insecure", action="store_true", help="tcp broker without CurveZMQ (plain, unauthenticated)")
+    ap.add_argument("--health-port", metavar="[HOST:]PORT", default=None,
+                    help="serve /v2/health/live and /v2/health/ready for probes of this process "
+                         "(PORT alone: 127.0.0.1; a pod: 0.0.0.0:PORT)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
 
@@ -149,9 +152,36 @@ def main(argv: list[str] | None = None) -> int:
               "make example_inputs() match the inputs the model takes (and its declared `inputs`), "
               "fix the model, or start with --no-warmup (docs/models.md)")
         return 2
-    with worker as w:
-        install_sigterm_drain(w)
-        w.serve(ready_cb=lambda: print(f"READY service={w.service} pid={w.pid} device={w.device}", flush=True))
+    health = None
+    if args.health_port is not None:
+        from gpu_worker.health import HealthServer, loop_alive, parse_port
+
+        registered = []
+        try:
+            health = HealthServer(
+                parse_port(args.health_port),
+                live=lambda: loop_alive(lambda: worker.last_loop,
+                                        lambda: worker.heartbeat_interval * worker.heartbeat_liveness,
+                                        lambda: bool(worker.running)),
+                ready=lambda: bool(registered) and not worker.stop.is_set())
+        except (ValueError, OSError) as e:
+            worker.close()
+            print(f"python -m gpu_worker: --health-port {args.health_port}: {e}", file=sys.stderr, flush=True)
+            return 2
+
+    def ready() -> None:
+        if health is not None:
+            registered.append(True)
+        extra = f" health={health.address[0]}:{health.address[1]}" if health is not None else ""
+        print(f"READY service={worker.service} pid={worker.pid} device={worker.device}{extra}", flush=True)
+
+    try:
+        with worker as w:
+            install_sigterm_drain(w)
+            w.serve(ready_cb=ready)
+    finally:
+        if health is not None:
+            health.close()
     # Closed sockets may still hold replies sent straight to clients (and the DISCONNECT):
     # give them a moment to leave before the process does.
     import zmq

@@ -250,6 +250,19 @@ class CudaPlane:
         except Exception:
             log.exception("CUDA pool housekeeping failed")
 
+    def usage(self) -> dict:
+        """The host plane's, plus the device pool and device memory (the memory watch's last
+        cudaMemGetInfo reading; None until it took one)."""
+        out = self.host.usage()
+        try:
+            used = self.pool.book.live_bytes()
+        except Exception:  # a report must never take the worker down
+            used = None
+        out.update(cuda_used=used, cuda_capacity=getattr(self.pool, "capacity", None),
+                   device_used=None if self.mem.free is None else self.mem.total - self.mem.free,
+                   device_total=self.mem.total)
+        return out
+
     def lent(self) -> int:
         self.cache.poll()
         self.pool.reclaim()

@@ -78,20 +78,26 @@ class DoneGather:
         self.max_pending = int(max_pending)
         #: envelopes not yet told to the broker, in the order their FINALs went
         self.envelopes: list[bytes] = []
+        #: per pending envelope: its FINAL's outcome (0, or the error code) and when it went
+        self.codes: list[int] = []
+        self.sent: list[float] = []
         #: when the pending envelopes must go (meaningful while there are some)
         self.due = 0.0
 
     def __len__(self) -> int:
         return len(self.envelopes)
 
-    def add(self, envelope: bytes, deadline: float | None, now: float) -> None:
-        """A FINAL for ``envelope`` (whose request is due at ``deadline``) went direct at ``now``."""
+    def add(self, envelope: bytes, deadline: float | None, now: float, code: int = 0) -> None:
+        """A FINAL for ``envelope`` (whose request is due at ``deadline``) went direct at
+        ``now``; ``code``: 0 for a result, else its error code."""
         due = now + self.delay
         if deadline is not None:
             due = min(due, now + max(0.0, deadline - now) / 2)
         if not self.envelopes or due < self.due:
             self.due = due
         self.envelopes.append(envelope)
+        self.codes.append(code)
+        self.sent.append(now)
 
     def ready(self, now: float) -> bool:
         """Whether the pending envelopes should go now."""
@@ -105,14 +111,24 @@ class DoneGather:
             return None
         return math.ceil(max(0.0, self.due - now) * 1000.0)
 
-    def take(self) -> list[list[bytes]]:
-        """The DONE messages (frames) for everything pending, which is then forgotten."""
+    def take(self, now: float) -> list[list[bytes]]:
+        """The DONE messages (frames) for everything pending, which is then forgotten; each
+        carries the outcomes and ages of its FINALs (`P.DoneInfo`: the broker counts them)."""
         done, self.envelopes = self.envelopes, []
-        return [P.worker_done(done[i : i + P.MAX_DONE]) for i in range(0, len(done), P.MAX_DONE)]
+        codes, self.codes = self.codes, []
+        sent, self.sent = self.sent, []
+        out = []
+        for i in range(0, len(done), P.MAX_DONE):
+            j = i + P.MAX_DONE
+            info = P.DoneInfo(codes=codes[i:j], ages_ms=[max(0.0, (now - t) * 1000.0) for t in sent[i:j]])
+            out.append(P.worker_done(done[i:j], info))
+        return out
 
     def clear(self) -> None:
         """Forget the pending envelopes (their tokens died with the broker connection)."""
         self.envelopes.clear()
+        self.codes.clear()
+        self.sent.clear()
 
 
 def gathers_finals(batch_size: int) -> bool:

@@ -23,7 +23,7 @@ class Job:
     """One request held by the worker."""
 
     __slots__ = ("envelope", "req", "inputs", "opaque", "received", "deadline", "refs", "input_ms", "cuda_in",
-                 "cancelled")
+                 "cancelled", "code")
 
     def __init__(self, envelope, req, inputs, opaque, received, deadline, refs):
         self.envelope = envelope
@@ -36,3 +36,4 @@ class Job:
         self.input_ms = 0.0       # mapping the inputs (shm views, inline frames)
         self.cuda_in = False      # some input is a CUDA IPC view (the worker stream reads it)
         self.cancelled = False    # a CANCEL arrived while it ran: its result is not sent
+        self.code = 0             # its FINAL's outcome: 0 (a result) or the error code sent

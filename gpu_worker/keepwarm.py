@@ -126,12 +126,16 @@ class KeepWarm:
         return self.busy_seconds(now) / self.window if self.window > 0 else 0.0
 
     def next_at(self, now: float | None = None) -> float | None:
-        """When the next unit is due (None: keep-warm is off); at or before `now`: due now."""
+        """When the next unit is due (None: keep-warm is off); at or before `now`: due now.
+        While the period since the last batch or unit has not passed, that end of period
+        (a lower bound: asked again then, the utilisation may push it later)."""
         if self.period is None:
             return None
         now = self._clock() if now is None else now
         at = self.last + self.period
-        if self.util >= 1.0:
+        if self.util >= 1.0 or at > now:
+            # Not due before `at` whatever the utilisation: the loop asks again then (the
+            # walk below is O(spans in the window); a busy worker's idle passes skip it).
             return at
         excess = self.busy_seconds(now) - self.util * self.window  # busy seconds that must leave the window
         if excess <= 1e-12:

@@ -59,6 +59,7 @@ class DataPlane(Protocol):
     def finish_reads(self, job: Job) -> None: ...
     def housekeeping(self) -> None: ...
     def lent(self) -> int: ...
+    def usage(self) -> dict: ...
     def close(self) -> None: ...
 
 
@@ -163,6 +164,13 @@ class HostPlane:
         # now, not at the next allocation that finds the ring full.
         if self.out_pool is not None:
             self.out_pool.reclaim()
+
+    def usage(self) -> dict:
+        """Pool use for the worker's STATS (`P.WorkerStats` fields): output ring bytes."""
+        pool = self.out_pool
+        if pool is None:
+            return {}
+        return {"shm_used": pool.live_bytes(), "shm_capacity": pool.capacity}
 
     def lent(self) -> int:
         pool = self.out_pool

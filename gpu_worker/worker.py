@@ -5,7 +5,8 @@ hand-off, and the GIL makes a separate I/O thread compete with the model's Pytho
 
     poll(socket, until the batcher's wake-up, the next DONE, heartbeat or keep-warm unit)
     drain every delivered message: REQUEST -> inputs mapped in place -> batcher
-                                   CANCEL  -> drop if still pending (499)
+                                   CANCEL  -> drop if still pending (499); running: drop its result
+                                   RECALL  -> give back what has not started (RETURNED)
     if the batcher yields a batch: run it, write outputs, send FINALs
     DONE for direct replies / heartbeat / broker liveness / reconnect (Paranoid Pirate)
     idle and a keep-warm unit due: run it (a batch of one, small; gpu_worker.keepwarm.KeepWarm)
@@ -24,7 +25,8 @@ This module is the loop and nothing else; each decision it acts on lives with it
     gpu_worker.upstream    the broker connection (or whatever stands in for it)
 
 Invariants a maintainer must keep: every request the broker hands over gets exactly one
-FINAL (a reply or a typed error) unless the broker connection is lost first; the loop never
+FINAL (a reply or a typed error), or is given back unstarted (RETURNED, asked by a RECALL),
+unless the broker connection is lost first; every RECALL is answered; the loop never
 blocks for longer than one batch computed on its own thread (so heartbeats keep flowing);
 nothing here branches on the device - the plane chosen at start does.
 
@@ -50,6 +52,7 @@ from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, Done
 from gpu_worker.job import Job
 from gpu_worker.planes import DataPlane, HostPlane
 from gpu_worker.upstream import BrokerLink
+from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
 
 __all__ = ["Worker", "WorkerConfig", "WarmupError", "install_sigterm_drain", "DIRECT_LINGER_MS"]
 
@@ -134,6 +137,13 @@ class Worker:
         self._stash_requests: set[bytes] = set()
         self._returned_early: set[bytes] = set()
         self.returned = 0                     # requests given back unstarted (RECALL)
+        # What only the worker sees, for the broker's metrics (a STATS message each
+        # heartbeat interval with something new: `_send_stats`); seconds, and batch sizes.
+        self._hist = {"compute": Histogram(LATENCY_BUCKETS), "input": Histogram(LATENCY_BUCKETS),
+                      "output": Histogram(LATENCY_BUCKETS), "batch": Histogram(BATCH_BUCKETS)}
+        self._stats_warm = 0     # keep-warm runs already reported
+        self._stats_usage = None  # pool use last reported
+        self.last_loop = time.monotonic()  # the loop's last pass (the health endpoint's liveness)
         self.cancelled_running = 0            # requests cancelled while their batch ran
         self.stop = threading.Event()
         self.hurry = threading.Event()  # stop without waiting for clients to release outputs
@@ -203,6 +213,9 @@ class Worker:
             pid=self.pid,
             welcome=True,
             recall=True,
+            inputs=None if self._signature is None else {
+                name: (spec.dtype, None if spec.shape is None else list(spec.shape))
+                for name, spec in self._signature.items()},
         )
         self.sock = self.upstream.connect(self.service, caps)
         self._last_heard = time.monotonic()
@@ -280,7 +293,9 @@ class Worker:
                 self._maybe_keep_warm()
                 if now >= next_housekeeping:  # every interval, busy or not
                     self.plane.housekeeping()
+                    self._send_stats()
                     next_housekeeping = now + interval
+                self.last_loop = now
                 # Messages waiting in the socket (a long batch just ended) are not silence.
                 if (upstream.watch_liveness and now - self._last_heard > dead_after
                         and not self.sock.get(zmq.EVENTS) & _POLLIN):
@@ -407,16 +422,18 @@ class Worker:
 
     def _on_recall(self, envelopes) -> None:
         """The broker wants these back for an idle worker: give back the ones still waiting
-        in the batcher (never one that started: that one answers as usual)."""
-        back = {e for e in envelopes if e in self.jobs}
-        if not back:
-            return
-        for p in self.batcher.drop(lambda p: p.item.envelope in back):
-            self.plane.finish_reads(p.item)
-        for e in back:
-            del self.jobs[e]
-        self.returned += len(back)
-        self._send(P.worker_returned(list(back)))
+        in the batcher; the others (started, or already answered) are kept and answer as
+        usual.  Always answered, so the idle worker can look elsewhere at once."""
+        back = [e for e in envelopes if e in self.jobs]
+        kept = [e for e in envelopes if e not in self.jobs]
+        if back:
+            gone = set(back)
+            for p in self.batcher.drop(lambda p: p.item.envelope in gone):
+                self.plane.finish_reads(p.item)
+            for e in back:
+                del self.jobs[e]
+            self.returned += len(back)
+        self._send(P.worker_returned(back, kept))
 
     def _read_while_computing(self) -> None:
         """On the heartbeat thread, holding the socket, while a batch computes on the loop's
@@ -433,12 +450,15 @@ class Worker:
                 continue
             if msg.command == P.W_RECALL:
                 early = self._returned_early
-                back = [e for e in msg.body
-                        if (e in self.jobs or e in self._stash_requests) and e not in early]
-                if back:
-                    early.update(back)
-                    self.returned += len(back)
-                    self._send(P.worker_returned(back))
+                back, kept = [], []
+                for e in msg.body:
+                    if (e in self.jobs or e in self._stash_requests) and e not in early:
+                        back.append(e)
+                    else:
+                        kept.append(e)
+                early.update(back)
+                self.returned += len(back)
+                self._send(P.worker_returned(back, kept))
                 continue
             if msg.command == P.W_REQUEST:
                 self._stash_requests.add(msg.envelope)
@@ -584,6 +604,7 @@ class Worker:
                 )
             return
         compute_ms = seconds * 1e3
+        self._hist["batch"].observe(n)
         if gathers_finals(n):
             self.batch_finals = BatchFinals()
         try:
@@ -615,6 +636,10 @@ class Worker:
                 timing["returned"] = float(job.req.returned)
             try:
                 self._reply_tensors(job, out, timing, final=True)
+                hist = self._hist
+                hist["compute"].observe(compute_ms / 1e3)
+                hist["input"].observe(job.input_ms / 1e3)
+                hist["output"].observe(timing["output_ms"] / 1e3)
             except Exception as e:  # one bad output must not take the worker (and its other requests) down
                 log.exception("could not send the outputs of request %d", job.req.id)
                 self._reply_error(job, P.ErrorCode.INTERNAL, f"could not send outputs: {type(e).__name__}: {e}")
@@ -673,6 +698,7 @@ class Worker:
     def _reply_error(self, job: Job, code: int, message: str) -> None:
         rid = job.req.id if job.req is not None else 0
         self.plane.finish_reads(job)
+        job.code = int(code)
         self._reply(job, True, P.error_body(rid, code, message))
 
     def _reply(self, job: Job, final: bool, body: list) -> None:
@@ -712,12 +738,32 @@ class Worker:
 
     def _note_done(self, job: Job) -> None:
         """Remember that `job`'s FINAL went straight to its client (gpu_worker.direct)."""
-        self.dones.add(job.envelope, job.deadline, time.monotonic())
+        self.dones.add(job.envelope, job.deadline, time.monotonic(), job.code)
 
     def _flush_done(self) -> None:
         """Tell the broker which FINALs went straight to their clients (returns our credit)."""
-        for frames in self.dones.take():
+        for frames in self.dones.take(time.monotonic()):
             self._send(frames)
+
+    def _send_stats(self) -> None:
+        """STATS to our broker (one that sent WELCOME: a plain MDP broker would not know the
+        command): the histograms' counts since the last one, keep-warm runs, pool use; only
+        when something changed."""
+        if self.broker_instance is None:
+            return
+        try:
+            usage = self.plane.usage()
+        except Exception:
+            self._oops.exception("could not read the pools' use")
+            usage = {}
+        warm = self.keep_warm.runs - self._stats_warm
+        hist = self._hist
+        if not warm and usage == self._stats_usage and not any(h.sum or any(h.counts) for h in hist.values()):
+            return
+        fields = {name: h.take() for name, h in hist.items()}
+        self._stats_warm += warm
+        self._stats_usage = usage
+        self._send(P.worker_stats(P.WorkerStats(keep_warm_runs=warm, **fields, **usage)))
 
     def _fail_pending(self, why: str) -> None:
         # The broker retries these elsewhere; our replies would carry dead tokens.
@@ -791,6 +837,9 @@ class Worker:
         """Run a keep-warm unit if one is due and the worker is idle (nothing computing,
         nothing waiting in the batcher).  A request arriving meanwhile waits one unit."""
         if not self._busy and not len(self.batcher) and self.keep_warm.enabled:
+            sock = self.sock
+            if sock is not None and sock.get(zmq.EVENTS) & _POLLIN:
+                return  # work is waiting in the socket: it goes first
             self.keep_warm.maybe_run(time.monotonic())
 
     @property

@@ -352,6 +352,12 @@ class ShmPool:
         # IN_FLIGHT slot once thousands are lent out.
         return self._book.reclaim(np.flatnonzero(self._state_col == RELEASED).tolist())
 
+    def live_bytes(self) -> int:
+        """Bytes held by live allocations (O(live slots): for periodic reports, not per request)."""
+        if self._closed:
+            return 0
+        return self._book.live_bytes()
+
     def in_use(self) -> int:
         """Number of live (non-FREE) slots."""
         if self._closed:

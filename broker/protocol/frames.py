@@ -30,12 +30,13 @@ import msgspec
 
 from .header import (
     MAX_DONE, MAX_ENVELOPE_LEN, MAX_SERVICE_LEN, MMI_PREFIX, Cancel, ErrorInfo, ProtocolError,
-    Ready, Reply, Welcome, decode_ready, decode_welcome, encode_header,
+    DoneInfo, Ready, Reply, Welcome, WorkerStats, decode_done_info, decode_ready, decode_welcome,
+    decode_worker_stats, encode_header, is_header,
 )
 
 __all__ = ["Command", "CLIENT_COMMANDS", "WORKER_COMMANDS", "frame_table", "MDPC", "MDPW", "C_REQUEST", "C_PARTIAL", "C_FINAL", "C_HEARTBEAT", "C_CANCEL",
     "C_DISCONNECT", "C_FINALS", "W_READY", "W_REQUEST", "W_PARTIAL", "W_FINAL", "W_HEARTBEAT",
-    "W_DISCONNECT", "W_CANCEL", "W_DONE", "W_WELCOME", "W_RECALL", "W_RETURNED", "to_worker_recall", "worker_returned", "to_worker_welcome", "client_request", "client_cancel", "client_heartbeat", "broker_heartbeat", "INSTANCE_LEN",
+    "W_DISCONNECT", "W_CANCEL", "W_DONE", "W_WELCOME", "W_RECALL", "W_RETURNED", "W_STATS", "worker_stats", "to_worker_recall", "worker_returned", "to_worker_welcome", "client_request", "client_cancel", "client_heartbeat", "broker_heartbeat", "INSTANCE_LEN",
     "client_disconnect", "to_client", "error_body", "worker_ready", "worker_reply",
     "worker_done", "client_reply", "direct_finals", "worker_heartbeat", "worker_disconnect",
     "to_worker_request", "to_worker_cancel", "token_envelope", "envelope_token", "ClientMessage",
@@ -70,6 +71,7 @@ W_DONE = b"\x08"
 W_WELCOME = b"\x09"
 W_RECALL = b"\x0a"    # B->W: give back these requests if you have not started them
 W_RETURNED = b"\x0b"  # W->B: these requests were not started and are the broker's again
+W_STATS = b"\x0c"     # W->B: what only the worker sees (timings, batch sizes, pool use)
 
 INSTANCE_LEN = 8  # a broker's instance id: random, new at every start
 
@@ -105,12 +107,15 @@ WORKER_COMMANDS: tuple[Command, ...] = (
     Command("HEARTBEAT", W_HEARTBEAT, "both", "none", "RFC 18"),
     Command("DISCONNECT", W_DISCONNECT, "both", "none", "RFC 18"),
     Command("CANCEL", W_CANCEL, "B→W", "envelope", "extension"),
-    Command("DONE", W_DONE, "W→B", f"envelope, envelope... (1 to {MAX_DONE}, one per frame)", "extension"),
+    Command("DONE", W_DONE, "W→B", f"envelope, envelope... (1 to {MAX_DONE}, one per frame) [, header `DoneInfo`]",
+            "extension"),
     Command("WELCOME", W_WELCOME, "B→W", "header `Welcome` (only to a worker whose `Ready` asked for it)",
             "extension"),
     Command("RECALL", W_RECALL, "B→W", f"envelope, envelope... (1 to {MAX_DONE}; only to a worker whose `Ready` "
             "set `recall`)", "extension"),
-    Command("RETURNED", W_RETURNED, "W→B", f"envelope, envelope... (1 to {MAX_DONE}, one per frame)", "extension"),
+    Command("RETURNED", W_RETURNED, "W→B", f"envelope... (given back), empty, envelope... (kept: already started); "
+            f"1 to {MAX_DONE} in all", "extension"),
+    Command("STATS", W_STATS, "W→B", "header `WorkerStats`", "extension"),
 )
 
 
@@ -176,13 +181,20 @@ def worker_reply(envelope: bytes, final: bool, body: Iterable[Any]) -> list[Any]
     return [MDPW, W_FINAL if final else W_PARTIAL, envelope, b"", *body]
 
 
-def worker_done(envelopes: Sequence[bytes]) -> list[bytes]:
-    return [MDPW, W_DONE, *envelopes]
+def worker_done(envelopes: Sequence[bytes], info: DoneInfo | None = None) -> list[bytes]:
+    if info is None:
+        return [MDPW, W_DONE, *envelopes]
+    return [MDPW, W_DONE, *envelopes, encode_header(info)]
 
 
-def worker_returned(envelopes: Sequence[bytes]) -> list[bytes]:
-    """The answer to a RECALL: the requests the worker dropped unstarted (docs/protocol.md)."""
-    return [MDPW, W_RETURNED, *envelopes]
+def worker_stats(stats: WorkerStats) -> list[bytes]:
+    return [MDPW, W_STATS, encode_header(stats)]
+
+
+def worker_returned(envelopes: Sequence[bytes], kept: Sequence[bytes] = ()) -> list[bytes]:
+    """The answer to a RECALL: the requests the worker dropped unstarted, then (after an empty
+    frame) the ones it keeps because they started (docs/protocol.md section 3)."""
+    return [MDPW, W_RETURNED, *envelopes, b"", *kept]
 
 
 def client_reply(final: bool, service: bytes, body: Iterable[Any]) -> list[Any]:
@@ -270,7 +282,8 @@ class WorkerMessage(msgspec.Struct, frozen=True):
     service: bytes = b""        # READY
     ready: Ready | None = None  # READY with capabilities
     envelope: bytes = b""       # PARTIAL / FINAL
-    body: tuple = ()            # PARTIAL / FINAL body; DONE: the envelopes (bytes)
+    body: tuple = ()            # PARTIAL / FINAL body; DONE, RETURNED: the envelopes (bytes)
+    info: Any = None            # DONE: its DoneInfo, if sent; STATS: the WorkerStats; RETURNED: the kept envelopes
 
 
 def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
@@ -301,15 +314,35 @@ def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
         if len(env) > MAX_ENVELOPE_LEN:
             raise ProtocolError("envelope longer than 255 bytes")
         return WorkerMessage(cmd, envelope=env, body=tuple(frames[4:]))
-    if cmd == W_DONE or cmd == W_RETURNED:
-        n = len(frames) - 2
+    if cmd == W_RETURNED:
+        rest = [bytes(f) for f in frames[2:]]
+        kept: list[bytes] = []
+        if b"" in rest:
+            i = rest.index(b"")
+            rest, kept = rest[:i], rest[i + 1:]
+        if not 1 <= len(rest) + len(kept) <= MAX_DONE:
+            raise ProtocolError(f"RETURNED carries {len(rest) + len(kept)} envelopes; expected 1..{MAX_DONE}")
+        if any(len(e) > MAX_ENVELOPE_LEN or not e for e in (*rest, *kept)):
+            raise ProtocolError("RETURNED envelopes must be 1..255 bytes (one empty frame separates the kept ones)")
+        return WorkerMessage(cmd, body=tuple(rest), info=tuple(kept))
+    if cmd == W_DONE:
+        rest = frames[2:]
+        info = None
+        if len(rest) > 1 and is_header(rest[-1]):
+            # An envelope is never a header: ours are 8-byte tokens that start with 0x00.
+            info = decode_done_info(rest[-1], len(rest) - 1)
+            rest = rest[:-1]
+        n = len(rest)
         if not 1 <= n <= MAX_DONE:
-            what = "DONE" if cmd == W_DONE else "RETURNED"
-            raise ProtocolError(f"{what} carries {n} envelopes; expected 1..{MAX_DONE}")
-        envs = tuple(bytes(f) for f in frames[2:])
+            raise ProtocolError(f"DONE carries {n} envelopes; expected 1..{MAX_DONE}")
+        envs = tuple(bytes(f) for f in rest)
         if any(len(e) > MAX_ENVELOPE_LEN for e in envs):
             raise ProtocolError("envelope longer than 255 bytes")
-        return WorkerMessage(cmd, body=envs)
+        return WorkerMessage(cmd, body=envs, info=info)
+    if cmd == W_STATS:
+        if len(frames) != 3:
+            raise ProtocolError("STATS is MDPW02, 0x0c, header(WorkerStats)")
+        return WorkerMessage(cmd, info=decode_worker_stats(frames[2]))
     if cmd in (W_HEARTBEAT, W_DISCONNECT):
         return WorkerMessage(cmd)
     raise ProtocolError(f"unknown worker command {cmd!r}")

@@ -21,8 +21,9 @@ __all__ = ["MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_ENVELOPE_LE
     "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_REPLY_TO_LEN", "MAX_DONE", "MAX_MMI_TOKEN",
     "MAX_TENSOR_BYTES", "MAX_DEPTH", "MAX_DTYPE_LEN", "ErrorCode",
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
-    "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "TRANSPORTS", "REPLY_MODES", "is_header",
+    "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "DoneInfo", "WorkerStats", "TRANSPORTS", "REPLY_MODES", "is_header",
     "encode_header", "decode_request", "decode_reply", "decode_cancel", "decode_ready", "decode_welcome",
+    "decode_done_info", "decode_worker_stats", "reply_error_code",
     "parse_dtype", "dtype_str", "tensor_nbytes", "check_tensors", "check_inline_sizes", "lenient_request_id",
 ]
 
@@ -177,6 +178,9 @@ class Ready(msgspec.Struct, kw_only=True):
     pid: int | None = None
     welcome: bool = False   # the worker understands WELCOME (the broker then sends one)
     recall: bool = False    # the worker answers RECALL with RETURNED (the broker then sends it)
+    # The model's declared inputs, name -> [dtype or nil, shape (sizes or nil) or nil], for
+    # the broker's model endpoint (docs/operations.md); nil when it declares none.
+    inputs: dict[str, tuple[str | None, list[int | None] | None]] | None = None
 
 
 class Welcome(msgspec.Struct, kw_only=True):
@@ -189,12 +193,49 @@ class Welcome(msgspec.Struct, kw_only=True):
     heartbeat_liveness: int        # missed intervals before either side presumes the other dead
 
 
+class DoneInfo(msgspec.Struct, kw_only=True):
+    """Optional last frame of DONE: per envelope, in order, the FINAL's outcome (0: a
+    result, else the error code) and how long ago it was sent to the client (ms), so the
+    broker counts direct replies as it counts relayed ones."""
+
+    v: int = VERSION
+    codes: list[int] = []
+    ages_ms: list[float] = []
+
+
+class WorkerStats(msgspec.Struct, kw_only=True):
+    """Header of STATS (worker -> broker, at most once a heartbeat interval): what only the
+    worker sees, since its last STATS.  Histograms are bucket counts over the bounds of
+    `broker.protocol.stats` (one more count than bounds: +Inf) and their sums; gauges are
+    current values (None: not applicable)."""
+
+    v: int = VERSION
+    compute: tuple[list[int], float] | None = None    # seconds per request (its batch's time)
+    input: tuple[list[int], float] | None = None      # seconds mapping a request's inputs
+    output: tuple[list[int], float] | None = None     # seconds writing a request's outputs
+    batch: tuple[list[int], float] | None = None      # requests per batch
+    keep_warm_runs: int = 0                           # units run since the last STATS
+    shm_used: int | None = None                       # output pool bytes in use
+    shm_capacity: int | None = None
+    cuda_used: int | None = None                      # device pool bytes in use (CUDA workers)
+    cuda_capacity: int | None = None
+    device_used: int | None = None                    # device memory in use (cudaMemGetInfo)
+    device_total: int | None = None
+
+
+class _ErrorOnly(msgspec.Struct):
+    error: ErrorInfo | None = None
+
+
 _ENC = msgspec.msgpack.Encoder()
 _DEC_REQUEST = msgspec.msgpack.Decoder(Request)
 _DEC_REPLY = msgspec.msgpack.Decoder(Reply)
 _DEC_CANCEL = msgspec.msgpack.Decoder(Cancel)
 _DEC_READY = msgspec.msgpack.Decoder(Ready)
 _DEC_WELCOME = msgspec.msgpack.Decoder(Welcome)
+_DEC_DONE_INFO = msgspec.msgpack.Decoder(DoneInfo)
+_DEC_STATS = msgspec.msgpack.Decoder(WorkerStats)
+_DEC_ERROR_ONLY = msgspec.msgpack.Decoder(_ErrorOnly)
 
 TRANSPORTS = frozenset({"inline", "shm", "cuda"})
 REPLY_MODES = frozenset({"auto", "shm", "inline", "cuda"})
@@ -284,6 +325,32 @@ def decode_welcome(frame: Any) -> Welcome:
     if not (0 < w.heartbeat_interval <= 3600) or not (1 <= w.heartbeat_liveness <= 1000):
         raise ProtocolError(f"welcome liveness settings out of range: {w.heartbeat_interval} s x {w.heartbeat_liveness}")
     return w
+
+
+def decode_done_info(frame: Any, n: int) -> DoneInfo:
+    """The trailing header of a DONE with `n` envelopes; its lists must have `n` entries."""
+    d = _decode(frame, _DEC_DONE_INFO, "done")
+    if len(d.codes) != n or len(d.ages_ms) != n:
+        raise ProtocolError(f"DONE info has {len(d.codes)} codes and {len(d.ages_ms)} ages for {n} envelopes")
+    return d
+
+
+def decode_worker_stats(frame: Any) -> WorkerStats:
+    return _decode(frame, _DEC_STATS, "stats")
+
+
+def reply_error_code(frame: Any) -> int:
+    """The error code of a reply's header frame, 0 for a result (or a frame that is not a
+    header: an opaque MDP reply).  Reads only `error`, for the broker's outcome counts; a
+    malformed header counts as a result here (the client decodes and judges it)."""
+    try:
+        mv = memoryview(frame)
+        if bytes(mv[:4]) != MAGIC:
+            return 0
+        e = _DEC_ERROR_ONLY.decode(mv[4:]).error
+    except Exception:
+        return 0
+    return 0 if e is None else int(e.code)
 
 
 def decode_ready(frame: Any) -> Ready:

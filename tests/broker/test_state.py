@@ -636,8 +636,13 @@ def test_stats_shape():
         "in_flight": 2,
         "workers": 1,
         "credit": 2,
+        "hosts": {"": 1},
     }
     assert st["workers"] == 1 and st["requests"] == 3
+    info = s.service_info("svc")
+    assert info["queued"] == {"urgent": 0, "normal": 0, "background": 1} and info["in_flight"] == 2
+    assert info["workers"] == [{"worker": b"w", "host": None, "transports": ["inline"], "credit": 2, "in_flight": 2}]
+    assert s.service_info("nope") is None
     assert st["counters"]["dispatched"] == 2
     assert set(st["counters"]) >= {
         "dispatched", "completed", "expired", "rejected_full", "retried", "dropped_late",

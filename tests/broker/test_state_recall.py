@@ -171,3 +171,50 @@ def test_the_victim_dies_with_work_recalled():
     # Both of the dead worker's requests are retried on the idle one (nothing lost twice).
     assert sorted(d.request_id for d in of(out, Dispatch)) == sorted({1, 2, 3} - {done.request_id})
     assert all(d.worker == idle_w for d in of(out, Dispatch))
+
+
+def test_an_answer_that_keeps_everything_frees_the_idle_worker_to_look_elsewhere():
+    """A found case: a batch of two (A, C) runs on W1; W2 goes idle and asks for C, which has
+    started.  W1 says so (kept).  Later F lands behind W1's batch; when W2 is idle again it
+    takes F back (before the fix, W2 waited for C's answer forever and F waited a second)."""
+    s = sched()
+    a = only(send(s, 1, 0.0), Dispatch)
+    b = only(send(s, 2, 0.0), Dispatch)
+    c = only(send(s, 3, 0.001), Dispatch)
+    assert (a.worker, b.worker, c.worker) == (W1, W2, W1)
+    rec = only(s.worker_final(W2, b.token, 0.02, "B"), RecallAtWorker)
+    assert rec.worker == W1 and rec.tokens == (c.token,)
+    assert s.worker_returned(W1, [], 0.021, kept=[c.token]) == []  # started: kept
+    d = only(send(s, 4, 0.03), Dispatch)
+    e = only(send(s, 5, 0.03), Dispatch)
+    f = only(send(s, 6, 0.03), Dispatch)
+    assert (d.worker, e.worker, f.worker) == (W2, W2, W1)  # F: behind A and C
+    s.worker_final(W2, d.token, 0.05, "D")
+    rec2 = only(s.worker_final(W2, e.token, 0.05, "E"), RecallAtWorker)
+    # C was asked for once already (once per dispatch); of A and F, the newest.
+    assert rec2.worker == W1 and rec2.tokens == (f.token,)
+    again = only(s.worker_returned(W1, [f.token], 0.051), Dispatch)
+    assert again.worker == W2 and again.request_id == 6 and again.returned == 1
+
+
+def test_a_request_returned_after_its_deadline_is_never_dispatched():
+    s = sched()
+    only(s.client_request(C, 1, "svc", 0.0, payload="a"), Dispatch)
+    b = only(s.client_request(C, 2, "svc", 0.0, payload="b"), Dispatch)
+    c = only(s.client_request(C, 3, "svc", 0.001, payload="c", deadline=0.03), Dispatch)
+    assert c.worker != b.worker
+    only(s.worker_final(b.worker, b.token, 0.02, "B"), RecallAtWorker)
+    # It comes back after its deadline, before any tick: answered, never dispatched.
+    out = s.worker_returned(c.worker, [c.token], 0.0305)
+    assert not of(out, Dispatch)
+    err = only(out, ClientError)
+    assert err.request_id == 3 and err.code == ErrorCode.DEADLINE_EXCEEDED
+
+
+def test_a_negative_recall_after_means_never():
+    s = sched(recall_after=-1.0)
+    only(send(s, 1, 0.0), Dispatch)
+    b = only(send(s, 2, 0.0), Dispatch)
+    only(send(s, 3, 0.001), Dispatch)
+    assert not of(s.worker_final(b.worker, b.token, 10.0, "B"), RecallAtWorker)
+    assert not of(s.tick(20.0), RecallAtWorker)

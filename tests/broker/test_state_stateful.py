@@ -65,6 +65,7 @@ class _Req:
         self.local_host = local_host
         self.finals = 0
         self.gone = False  # its client went away: no final is owed any more
+        self.counted = False  # (gone) its worker's answer was counted
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -84,7 +85,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_client_bytes=MAX_CLIENT_BYTES,
             recall_after=self.RECALL_AFTER,
         )
-        self.s = Scheduler(self.cfg)
+        self.directs: list = []  # on_direct calls: direct replies the metrics count
+        self.s = Scheduler(self.cfg, on_direct=lambda *a: self.directs.append(a))
         self.now = 0.0
         self.rids = itertools.count()
         self.workers: dict[bytes, dict] = {}  # live, as the outside world sees it
@@ -129,6 +131,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert a.tokens and all(t in w["tokens"] for t in a.tokens)
                 assert not (set(a.tokens) & w["recalled"]), "asked twice for one dispatch"
                 w["recalled"].update(a.tokens)
+                w["unanswered"].update(a.tokens)
             elif isinstance(a, HeartbeatWorker):
                 assert a.worker in self.workers
             elif isinstance(a, DisconnectWorker):
@@ -178,7 +181,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if worker not in self.workers:
             self.workers[worker] = {"service": service, "credit": credit, "host": host,
                                     "shm": shm and host is not None, "tokens": {},
-                                    "recall": recall, "recalled": set()}
+                                    "recall": recall, "recalled": set(), "unanswered": set()}
             fresh = True
         else:
             fresh = False
@@ -225,11 +228,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         held = self.workers[worker]["tokens"]
         tokens = data.draw(st.lists(st.sampled_from(sorted(held)), min_size=1, unique=True))
         self.s.worker_seen(worker, self.now)
+        owed = 0
         for token in tokens:
             r = self.reqs[held.pop(token)]
             if r.finals == 0 and not r.gone:
                 r.finals = 1  # the client has it; the broker must not send another
-        self.apply(self.s.worker_done(worker, tokens, self.now))
+                owed += 1
+            elif r.finals == 0 and r.gone and not r.counted:
+                r.counted = True  # its client left first: the worker's answer is its one count
+                owed += 1
+        before = len(self.directs)
+        codes = [0 if i % 2 else 499 for i in range(len(tokens))]
+        self.apply(self.s.worker_done(worker, tokens, self.now, codes, [0.0] * len(tokens)))
+        # Counted once for each request whose client was still waiting, and only those.
+        assert len(self.directs) - before == owed
+        for service, code, enq, disp, fin in self.directs[before:]:
+            assert code in (0, 499) and enq <= disp <= fin == self.now
 
     @precondition(lambda self: any(w["tokens"] for w in self.workers.values()))
     @rule(data=st.data())
@@ -483,6 +497,21 @@ SchedulerMachine.TestCase.settings = settings(
 TestScheduler = SchedulerMachine.TestCase
 
 
+def _progress_ok(s: Scheduler) -> None:
+    """With recall_after 0: after every event, no worker that holds nothing (and waits for no
+    RECALL answer) sits next to a worker it could take something back from."""
+    for svc in s._services.values():
+        for thief in svc.idle:
+            if thief.in_flight or thief.awaiting:
+                continue
+            for victim in svc.deep:
+                mine = [r for r in victim.in_flight.values() if r.state == 1 and not r.recalled]  # RUNNING
+                if len(mine) // 2 < 1:
+                    continue
+                able = [r for r in mine if svc.pools.get(r.local_host) in thief.pools]
+                assert not able, f"idle {thief.ident} could take {len(able)} back from {victim.ident}"
+
+
 class RecallMachine(SchedulerMachine):
     """The same model, with workers that make taking work back likely: one service, deep
     credit, most of them answering RECALL, asked at once."""
@@ -500,10 +529,25 @@ class RecallMachine(SchedulerMachine):
         self.ready(worker, SERVICES[0], credit, host, shm, recall)
 
 
-    @precondition(lambda self: any(w["recalled"] & set(w["tokens"]) for w in self.workers.values()))
+    @precondition(lambda self: any(w["unanswered"] & set(w["tokens"]) for w in self.workers.values()))
     @rule(data=st.data())
-    def worker_returns_recalled(self, data):
-        self.worker_returned(data, True)
+    def worker_answers_recall(self, data):
+        """A worker answers a RECALL: some given back (not started), the rest kept."""
+        worker = data.draw(st.sampled_from(sorted(k for k, w in self.workers.items()
+                                                  if w["unanswered"] & set(w["tokens"]))))
+        w = self.workers[worker]
+        asked = sorted(w["unanswered"] & set(w["tokens"]))
+        back = data.draw(st.lists(st.sampled_from(asked), unique=True))
+        kept = [t for t in asked if t not in back]
+        w["unanswered"] -= set(asked)
+        self.s.worker_seen(worker, self.now)
+        for token in back:
+            del w["tokens"][token]
+        self.apply(self.s.worker_returned(worker, back, self.now, kept))
+
+    @invariant()
+    def nobody_idles_next_to_work_it_could_take(self):
+        _progress_ok(self.s)
 
 
 RecallMachine.TestCase.settings = SchedulerMachine.TestCase.settings

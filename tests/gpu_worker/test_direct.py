@@ -90,18 +90,23 @@ def test_a_done_never_waits_past_half_a_requests_remaining_time():
 def test_a_done_carries_every_pending_envelope_in_order_at_most_max_done_each():
     g = DoneGather(delay=0.005, max_pending=1)
     envs = [env(i) for i in range(P.MAX_DONE + 2)]
-    for e in envs:
-        g.add(e, None, now=0.0)
-    msgs = g.take()
-    assert msgs == [P.worker_done(envs[: P.MAX_DONE]), P.worker_done(envs[P.MAX_DONE:])]
-    assert len(g) == 0 and g.take() == [] and not g.ready(1.0)
+    for i, e in enumerate(envs):
+        g.add(e, None, now=0.0, code=499 if i == 1 else 0)
+    msgs = g.take(0.002)
+    codes = [0, 499] + [0] * (P.MAX_DONE - 2)
+    assert msgs == [P.worker_done(envs[: P.MAX_DONE], P.DoneInfo(codes=codes, ages_ms=[2.0] * P.MAX_DONE)),
+                    P.worker_done(envs[P.MAX_DONE:], P.DoneInfo(codes=[0, 0], ages_ms=[2.0, 2.0]))]
+    # The broker reads them back: envelopes, then each FINAL's outcome and age.
+    parsed = P.parse_worker(msgs[1])
+    assert parsed.body == tuple(envs[P.MAX_DONE:]) and parsed.info.codes == [0, 0]
+    assert len(g) == 0 and g.take(0.0) == [] and not g.ready(1.0)
 
 
 def test_clear_forgets_envelopes_of_a_lost_connection():
     g = DoneGather(delay=0.005, max_pending=4)
     g.add(env(1), None, now=0.0)
     g.clear()
-    assert g.take() == [] and g.wait_ms(0.0) is None
+    assert g.take(0.0) == [] and g.wait_ms(0.0) is None
 
 
 # ------------------------------------------------------------------ FINALs of one batch

@@ -89,7 +89,8 @@ def test_util_one_and_zero():
     assert always.next_at(1.0) == pytest.approx(1.1)      # the idle period alone
     only_idle, _ = _keep_warm(0.1, util=0.0, window=1.0)
     only_idle.busy(0.01, now=1.0)
-    assert only_idle.next_at(1.0) == pytest.approx(2.0)   # once no real work is left in the window
+    assert only_idle.next_at(1.0) == pytest.approx(1.1)   # no earlier than the period: ask again then
+    assert only_idle.next_at(1.1) == pytest.approx(2.0)   # once no real work is left in the window
     assert not only_idle.due(1.99) and only_idle.due(2.0)
 
 

@@ -1,0 +1,313 @@
+"""The deploy file: one TOML file for the broker and the worker pools it launches.
+
+`python -m broker --config deploy.toml` reads it; `BrokerConfig.from_toml` takes the broker's
+part (its keys at the top level, or under a `[broker]` table) and `load_launcher` the rest:
+`[[pool]]` tables (the worker pools, docs/operations.md "One launcher") and an optional
+`[launcher]` table.  Every key of the file belongs to one of them: an unknown key, or a value
+of the wrong type or out of range, is a `ConfigError` whose message is one line naming the
+file, the table and the key (`python -m broker` prints it and exits 2).
+
+Socket-free and clock-free: this module only reads and checks data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = [
+    "ConfigError", "PROCESS_TABLES", "POOL_KEYS", "LAUNCHER_KEYS", "PoolConfig", "LauncherConfig",
+    "read_toml", "check_broker_keys", "load_launcher", "launcher_from_data",
+]
+
+#: top-level tables that belong to the launcher, not to the broker loop
+PROCESS_TABLES = ("pool", "launcher")
+
+#: transports a worker may offer (broker.protocol's TRANSPORTS; repeated here as data so the
+#: config layer needs no protocol import)
+_TRANSPORTS = ("inline", "shm", "cuda")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+class ConfigError(ValueError):
+    """A deploy file that cannot be used; the message is one line naming the key."""
+
+
+def read_toml(path: str) -> dict:
+    """The file's tables, or a ConfigError saying why it cannot be read."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_like(where: str, key: str, value: Any, default: Any) -> None:
+    """`value` must have the type of `default` (a dataclass field's default): an int for an
+    int, a number for a float (or for an optional number, default None), a string, a bool, a
+    list of numbers for a tuple, a table for a nested dataclass."""
+    if dataclasses.is_dataclass(default):
+        ok, want = isinstance(value, dict), "a table"
+    elif isinstance(default, bool):
+        ok, want = isinstance(value, bool), "true or false"
+    elif isinstance(default, int):
+        ok, want = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif isinstance(default, float) or default is None:
+        ok, want = _is_number(value), "a number"
+    elif isinstance(default, str):
+        ok, want = isinstance(value, str), "a string"
+    elif isinstance(default, (tuple, list)):
+        ok, want = isinstance(value, list) and all(_is_number(x) for x in value), "a list of numbers"
+    else:  # a type this checker does not know: the consumer checks it
+        return
+    if not ok:
+        raise ConfigError(f"{where}{key} must be {want}, not {_show(value)}")
+
+
+def _defaults(cls) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            out[f.name] = f.default_factory()  # type: ignore[misc]
+        else:
+            out[f.name] = None
+    return out
+
+
+def _unknown(where: str, key: str, known) -> ConfigError:
+    return ConfigError(f"{where}unknown key {key!r} (known: {', '.join(sorted(known))})")
+
+
+def check_broker_keys(data: Mapping[str, Any], path: str, broker_cls) -> None:
+    """Every key of the file is the broker's (a field of `broker_cls`, BrokerConfig, at the top
+    level or in `[broker]`), `broker`, or a launcher table; broker values have their field's
+    type, and `[scheduler]` keys are fields of its dataclass with their types.  The
+    `[security]` table checks itself (`SecurityConfig.from_table`)."""
+    fields = _defaults(broker_cls)
+    if "broker" in data:
+        if not isinstance(data["broker"], dict):
+            raise ConfigError(f"{path}: broker must be a table ([broker]), not {_show(data['broker'])}")
+        for key in data:
+            if key != "broker" and key not in PROCESS_TABLES:
+                hint = " (with a [broker] table, the broker's keys go in it)" if key in fields else ""
+                raise ConfigError(f"{path}: unknown top-level key {key!r}{hint} "
+                                  f"(known: broker, {', '.join(PROCESS_TABLES)})")
+        table, where = data["broker"], f"{path}: [broker] "
+    else:
+        table, where = {k: v for k, v in data.items() if k not in PROCESS_TABLES}, f"{path}: "
+    for key, value in table.items():
+        if key not in fields:
+            raise _unknown(where, key, set(fields) | ({"broker", *PROCESS_TABLES} if where == f"{path}: " else set()))
+        if key == "security":
+            continue
+        _check_like(where, key, value, fields[key])
+        if key == "scheduler":
+            sched = _defaults(type(fields[key]))
+            for k, v in value.items():
+                if k not in sched:
+                    raise _unknown(f"{where}[scheduler] ", k, sched)
+                _check_like(f"{where}[scheduler] ", k, v, sched[k])
+
+
+# ------------------------------------------------------------------------------ pools
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One `[[pool]]` table: `count` workers of one model, all with the same options.  An
+    option left out (None) is left to `python -m gpu_worker`'s own default."""
+
+    name: str
+    model: str
+    count: int = 1
+    device: str | None = None
+    service: str | None = None
+    max_batch: int | None = None
+    max_delay_ms: float | None = None
+    max_cost: float | None = None
+    credit: int | None = None
+    transports: tuple[str, ...] | None = None
+    keep_warm_ms: float | None = None
+    drain_grace_s: float | None = None
+    extra_args: tuple[str, ...] = ()
+
+    def worker_args(self, backend: str, *, heartbeat_interval: float | None = None,
+                    heartbeat_liveness: int | None = None, link: tuple[str, ...] = ()) -> list[str]:
+        """`python -m gpu_worker` arguments for one worker of this pool (after `-m gpu_worker`).
+        `link`: flags for the broker connection (`--insecure`, `--server-key KEY` on tcp);
+        `extra_args` come last, so they override anything before them."""
+        a = ["--broker", backend, "--model", self.model]
+        if heartbeat_interval is not None:
+            a += ["--heartbeat-interval", repr(float(heartbeat_interval))]
+        if heartbeat_liveness is not None:
+            a += ["--heartbeat-liveness", str(int(heartbeat_liveness))]
+        for key, flag in _FLAGS:
+            v = getattr(self, key)
+            if v is None:
+                continue
+            a += [flag, ",".join(v) if key == "transports" else (repr(float(v)) if isinstance(v, float) else str(v))]
+        return a + list(link) + list(self.extra_args)
+
+
+#: pool key -> the gpu_worker flag it becomes (name, model, count and extra_args are the launcher's)
+_FLAGS = (
+    ("service", "--service"), ("device", "--device"), ("max_batch", "--max-batch"),
+    ("max_delay_ms", "--max-delay-ms"), ("max_cost", "--max-cost"), ("credit", "--credit"),
+    ("transports", "--transports"), ("keep_warm_ms", "--keep-warm-ms"), ("drain_grace_s", "--drain-grace-s"),
+)
+
+
+def _name(v):
+    return isinstance(v, str) and v.strip() == v and v != "" and not any(c.isspace() for c in v)
+
+
+def _int_at_least(n):
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= n), f"an integer >= {n}"
+
+
+def _number_at_least(n, strict=False):
+    if strict:
+        return (lambda v: _is_number(v) and v > n), f"a number > {n}"
+    return (lambda v: _is_number(v) and v >= n), f"a number >= {n}"
+
+
+#: every `[[pool]]` key: (check, what it must be)
+POOL_KEYS: dict[str, tuple] = {
+    "name": (_name, "a non-empty string without spaces"),
+    "model": (lambda v: isinstance(v, str) and v.strip() != "" and (":" not in v or all(v.split(":", 1))),
+              "a shipped model name (echo, cartoon, convnet, chunks) or package.module:factory"),
+    "count": _int_at_least(1),
+    "device": (lambda v: isinstance(v, str) and _DEVICE.match(v.strip().lower()) is not None,
+               "'auto', 'cpu', 'cuda' or 'cuda:N'"),
+    "service": (_name, "a non-empty string without spaces"),
+    "max_batch": _int_at_least(1),
+    "max_delay_ms": _number_at_least(0),
+    "max_cost": _number_at_least(0, strict=True),
+    "credit": _int_at_least(1),
+    "transports": (lambda v: isinstance(v, list) and v != [] and all(t in _TRANSPORTS for t in v),
+                   f"a non-empty list of {', '.join(repr(t) for t in _TRANSPORTS)}"),
+    "keep_warm_ms": _number_at_least(0),
+    "drain_grace_s": _number_at_least(0),
+    "extra_args": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                   "a list of strings (python -m gpu_worker arguments)"),
+}
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """The pools and the `[launcher]` table: how long a shutdown waits for admitted requests
+    (`drain_timeout_s`), how long a worker told to stop may take before SIGKILL
+    (`stop_timeout_s`; default its drain grace + 10 s), and the restart backoff (the first
+    restart after `restart_backoff_s`, doubling to `restart_backoff_max_s`, back to the first
+    once a worker stayed up `restart_reset_s`)."""
+
+    pools: tuple[PoolConfig, ...]
+    drain_timeout_s: float = 30.0
+    stop_timeout_s: float | None = None
+    restart_backoff_s: float = 0.5
+    restart_backoff_max_s: float = 30.0
+    restart_reset_s: float = 60.0
+    source: str = field(default="", compare=False)
+
+    @property
+    def stop_timeout(self) -> float:
+        if self.stop_timeout_s is not None:
+            return self.stop_timeout_s
+        grace = max((30.0 if p.drain_grace_s is None else p.drain_grace_s) for p in self.pools)
+        return grace + 10.0
+
+    @property
+    def workers(self) -> int:
+        return sum(p.count for p in self.pools)
+
+
+#: every `[launcher]` key: (check, what it must be)
+LAUNCHER_KEYS: dict[str, tuple] = {
+    "drain_timeout_s": _number_at_least(0),
+    "stop_timeout_s": _number_at_least(0),
+    "restart_backoff_s": _number_at_least(0),
+    "restart_backoff_max_s": _number_at_least(0),
+    "restart_reset_s": _number_at_least(0),
+}
+
+
+def _pool(table: Any, where: str) -> PoolConfig:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}must be a table, not {_show(table)}")
+    if "name" in table and _name(table["name"]):
+        where = f"{where[:-2]} (name {table['name']!r}): "
+    for key, value in table.items():
+        if key not in POOL_KEYS:
+            raise _unknown(where, key, POOL_KEYS)
+        ok, want = POOL_KEYS[key]
+        if not ok(value):
+            raise ConfigError(f"{where}{key} must be {want}, not {_show(value)}")
+    if "model" not in table:
+        raise ConfigError(f"{where}model is missing: a shipped model name (echo, cartoon, convnet, chunks) "
+                          "or package.module:factory")
+    kw = dict(table)
+    kw.setdefault("name", kw.get("service", kw["model"]))
+    for key in ("transports", "extra_args"):
+        if key in kw:
+            kw[key] = tuple(kw[key])
+    for key in ("max_delay_ms", "max_cost", "keep_warm_ms", "drain_grace_s"):
+        if key in kw:
+            kw[key] = float(kw[key])
+    if "device" in kw:
+        kw["device"] = kw["device"].strip().lower()
+    return PoolConfig(**kw)
+
+
+def launcher_from_data(data: Mapping[str, Any], path: str) -> LauncherConfig | None:
+    """The launcher's part of a parsed deploy file, or None when it has no `[[pool]]`."""
+    pools_data = data.get("pool")
+    extra = data.get("launcher")
+    if pools_data is None:
+        if extra is not None:
+            raise ConfigError(f"{path}: [launcher] without any [[pool]] table: add a [[pool]] or remove it")
+        return None
+    if not isinstance(pools_data, list) or not pools_data:
+        raise ConfigError(f"{path}: pool must be an array of tables ([[pool]]), not {_show(pools_data)}")
+    pools = []
+    seen: dict[str, int] = {}
+    for i, table in enumerate(pools_data, 1):
+        p = _pool(table, f"{path}: [[pool]] #{i}: ")
+        if p.name in seen:
+            raise ConfigError(f"{path}: [[pool]] #{i}: name {p.name!r} is taken by [[pool]] #{seen[p.name]}; "
+                              "give each pool its own name")
+        seen[p.name] = i
+        pools.append(p)
+    kw = {}
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise ConfigError(f"{path}: launcher must be a table ([launcher]), not {_show(extra)}")
+        for key, value in extra.items():
+            if key not in LAUNCHER_KEYS:
+                raise _unknown(f"{path}: [launcher] ", key, LAUNCHER_KEYS)
+            ok, want = LAUNCHER_KEYS[key]
+            if not ok(value):
+                raise ConfigError(f"{path}: [launcher] {key} must be {want}, not {_show(value)}")
+            kw[key] = float(value)
+    return LauncherConfig(pools=tuple(pools), source=path, **kw)
+
+
+def load_launcher(path: str) -> LauncherConfig | None:
+    """`launcher_from_data` of the file at `path`."""
+    return launcher_from_data(read_toml(path), path)

@@ -1,0 +1,165 @@
+"""The broker's HTTP endpoint (`python -m broker --http HOST:PORT`): Prometheus metrics and
+KServe v2 / Open Inference Protocol health paths (docs/operations.md, "Metrics and health").
+
+    GET /metrics                       Prometheus text (broker.metrics)
+    GET /v2/health/live                200 while the broker loop answers (within 1 s), else 503
+    GET /v2/health/ready               200 when some service has a live worker, else 503
+    GET /v2/models/{service}/ready     200 live worker; 503 known service without one; 404 unknown
+    GET /v2/models/{service}           JSON: workers, hosts, transports, credit, queue, inputs
+
+Threads: the server runs in its own threads (one per connection, `ThreadingHTTPServer`, with
+a socket timeout, so a slow client cannot hold the probes).  It never reads the broker's
+state itself: each request asks the broker loop for a snapshot over an inproc PAIR
+(`LoopLink`), which the loop answers between two messages (`Broker._on_http`).  So the
+numbers are consistent, the loop keeps its single-thread invariants, and liveness means what
+it says: the loop answered.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+import zmq
+
+__all__ = ["HttpFront", "LoopLink", "parse_address"]
+
+log = logging.getLogger("broker")
+
+#: How long a request waits for the loop's snapshot before the answer is 503 (live: the loop
+#: is stuck; anything else: it cannot be known now).
+LOOP_TIMEOUT_S = 1.0
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too), or ``PORT`` alone for loopback; ValueError otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        p = int(port)
+    except ValueError:
+        raise ValueError(f"--http {text!r}: expected HOST:PORT or PORT") from None
+    if not 0 <= p <= 65535:
+        raise ValueError(f"--http {text!r}: port {p} out of range")
+    return host, p
+
+
+class LoopLink:
+    """The HTTP threads' side of the inproc PAIR to the broker loop: `ask()` sends a
+    numbered question and waits for the answer with that number (a late answer to an
+    earlier, timed-out question is skipped).  One question at a time (a lock), since a
+    ZeroMQ socket is used by one thread at a time; the lock hand-off is the memory barrier."""
+
+    def __init__(self, ctx: zmq.Context, address: str):
+        self._sock = ctx.socket(zmq.PAIR)
+        self._sock.linger = 0
+        self._sock.connect(address)
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+
+    def ask(self, what: str, arg: str = "", timeout: float = LOOP_TIMEOUT_S):
+        """The loop's answer to ``what`` (a Python object), or None when it did not answer
+        within ``timeout``."""
+        if not self._lock.acquire(timeout=timeout):
+            return None
+        try:
+            n = next(self._seq)
+            self._sock.send_pyobj((n, what, arg))
+            ms = int(timeout * 1000)
+            while self._sock.poll(ms):
+                got, answer = self._sock.recv_pyobj()
+                if got == n:
+                    return answer
+            return None
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close(linger=0)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "zmq-infer"
+    timeout = 5.0  # a client that sends nothing for this long is dropped (its thread ends)
+
+    def log_message(self, fmt, *args):  # access lines at DEBUG, not on stderr
+        log.debug("http %s " + fmt, self.client_address[0], *args)
+
+    def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _json(self, status: int, obj) -> None:
+        self._send(status, json.dumps(obj).encode())
+
+    def do_HEAD(self):
+        self.do_GET()
+
+    def do_GET(self):
+        link: LoopLink = self.server.link
+        path = unquote(urlsplit(self.path).path).rstrip("/") or "/"
+        parts = path.split("/")[1:]
+        if path == "/metrics":
+            snap = link.ask("metrics")
+            if snap is None:
+                return self._json(503, {"error": "the broker loop did not answer"})
+            from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+            from broker.metrics import exposition, render
+
+            # Rendered here, on this thread: the loop only copied its numbers.
+            return self._send(200, exposition(render(*snap)), CONTENT_TYPE_LATEST)
+        if path == "/v2/health/live":
+            ok = link.ask("live") is not None
+            return self._json(200 if ok else 503, {"live": ok})
+        if path == "/v2/health/ready":
+            ready = link.ask("ready")
+            ok = bool(ready)
+            return self._json(200 if ok else 503, {"ready": ok})
+        if len(parts) in (3, 4) and parts[:2] == ["v2", "models"] and parts[2]:
+            service = parts[2]
+            if len(parts) == 4:
+                if parts[3] != "ready":
+                    return self._json(404, {"error": f"no such path {path!r}"})
+                state = link.ask("model_ready", service)
+                if state is None:
+                    return self._json(503, {"error": "the broker loop did not answer"})
+                status = {"ready": 200, "unavailable": 503}.get(state, 404)
+                return self._json(status, {"name": service, "ready": state == "ready"})
+            info = link.ask("model", service)
+            if info is None:
+                return self._json(503, {"error": "the broker loop did not answer"})
+            if not info:
+                return self._json(404, {"error": f"unknown service {service!r}"})
+            return self._json(200, info)
+        return self._json(404, {"error": f"no such path {path!r}"})
+
+
+class HttpFront:
+    """The HTTP server on its own threads; `close()` stops it."""
+
+    def __init__(self, address: tuple[str, int], link: LoopLink):
+        self.server = ThreadingHTTPServer(address, _Handler)
+        self.server.daemon_threads = True
+        self.server.link = link
+        self.link = link
+        self.address = self.server.server_address[:2]
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="broker-http", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(5)
+        self.link.close()

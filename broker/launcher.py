@@ -1,0 +1,741 @@
+"""The launcher: `python -m broker --config deploy.toml` with `[[pool]]` tables runs the broker
+and its worker pools in one command (docs/operations.md, "One launcher").
+
+Two parts, as in the broker itself:
+
+- :class:`Supervisor`, a pure state machine (no process, no clock, no thread: time is passed
+  in, like `broker.state`): events in (start, a worker printed READY, a worker exited with a
+  code, SIGHUP, SIGTERM, the broker went idle, time), actions out (start worker i of pool p,
+  SIGTERM it, SIGKILL it, all ready, give up, finished).  It keeps one worker per slot
+  (pool, index) running, restarts a crashed one with exponential backoff, rolls a pool one
+  worker at a time (start the replacement, wait for its READY, then stop the old one, wait
+  for it to exit, next), and shuts down in order: drain the broker, stop the workers, done.
+- :class:`Launcher`, the thin process layer: runs `python -m gpu_worker --broker <backend>`
+  children, reads their READY lines and exit codes, forwards their stderr, and turns the
+  signals it gets into events.  It runs the supervisor on a thread of its own; the broker
+  loop keeps the main thread, as without pools.
+
+Workers never outlive the launcher: each is started through a two-line prelude that sets
+PR_SET_PDEATHSIG to SIGTERM (Linux) and then execs `python -m gpu_worker`, so a launcher that
+dies, even by SIGKILL, takes its workers with it (they drain and exit 0; nothing is left for
+the next launcher to double).  The signal follows the *thread* that started the child: every
+child is started by the supervisor thread, which ends only after its children have exited.
+Workers run in sessions of their own, so a Ctrl-C in the terminal reaches the launcher only,
+which stops them in order.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from broker.config import LauncherConfig, PoolConfig
+
+__all__ = [
+    "Backoff", "Supervisor", "Launcher",
+    "StartWorker", "StopWorker", "KillWorker", "AllReady", "GiveUp", "WorkerGone", "RollDone", "Notice", "Finished",
+]
+
+log = logging.getLogger("broker.launcher")
+
+# --------------------------------------------------------------------------- actions
+
+
+@dataclass(frozen=True, slots=True)
+class StartWorker:
+    """Start a worker process for slot (pool, index); ``wid`` names it in later events."""
+
+    pool: str
+    index: int
+    wid: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StopWorker:
+    """SIGTERM worker ``wid``: it drains (finishes what it holds, DISCONNECT) and exits 0.
+    Sent again to a worker already stopping: skip the wait for its outputs' release."""
+
+    wid: int
+
+
+@dataclass(frozen=True, slots=True)
+class KillWorker:
+    """SIGKILL worker ``wid``: it was told to stop ``stop_timeout`` ago and is still there."""
+
+    wid: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllReady:
+    """Every slot's first worker printed READY: the launcher is ready (its READY line)."""
+
+    workers: int
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """A worker exited before its first READY while the launcher was starting: the pool cannot
+    start (a bad model, device or flag; the worker said why on stderr).  Everything stops."""
+
+    pool: str
+    index: int
+    wid: int
+    code: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerGone:
+    """Worker ``wid`` exited with ``code``; ``expected``: after our StopWorker.  ``restart_in``:
+    seconds until its slot starts a new one (None: no restart, e.g. during shutdown)."""
+
+    pool: str
+    index: int
+    wid: int
+    code: int
+    expected: bool
+    restart_in: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RollDone:
+    """Every worker of ``pool`` was replaced by a rolling restart."""
+
+    pool: str
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Something the log should say (level: a logging level)."""
+
+    level: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """Every worker is gone after a shutdown: stop the broker and exit."""
+
+
+# ------------------------------------------------------------------------- supervisor
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Restart delays: ``initial`` after the first crash, doubling to ``maximum``; a worker
+    that stayed up ``reset_after`` seconds counts as healthy (its crash is a first again)."""
+
+    initial: float = 0.5
+    maximum: float = 30.0
+    reset_after: float = 60.0
+
+    def delay(self, failures: int) -> float:
+        if failures <= 0:
+            return 0.0
+        return min(self.maximum, self.initial * 2.0 ** min(failures - 1, 64))
+
+
+class _Run:
+    __slots__ = ("wid", "slot", "gen", "started_at", "ready", "stopping", "kill_at", "killed")
+
+    def __init__(self, wid, slot, gen, now):
+        self.wid = wid
+        self.slot = slot
+        self.gen = gen
+        self.started_at = now
+        self.ready = False
+        self.stopping = False
+        self.kill_at = None
+        self.killed = False
+
+
+class _Slot:
+    __slots__ = ("pool", "index", "gen", "runs", "failures", "restart_at", "reason", "ready_once")
+
+    def __init__(self, pool, index):
+        self.pool = pool
+        self.index = index
+        self.gen = 0  # the generation it wants running; a rolling restart moves it on
+        self.runs: dict[int, _Run] = {}
+        self.failures = 0  # crashes in a row
+        self.restart_at = None  # a crashed worker's successor starts then
+        self.reason = "start"
+        self.ready_once = False
+
+
+class _Roll:
+    __slots__ = ("todo", "current")
+
+    def __init__(self, count):
+        self.todo = collections.deque(range(count))
+        self.current = None
+
+
+NEW, STARTING, RUNNING, DRAINING, STOPPING, STOPPED = "new", "starting", "running", "draining", "stopping", "stopped"
+
+
+class Supervisor:
+    """Worker pools as a pure state machine.  ``pools``: (name, count) pairs.  Every event
+    method takes ``now`` (monotonic seconds) and returns a list of actions; call
+    :meth:`tick` at :meth:`next_wakeup`.
+
+    Phases: new -> starting (until every slot's first worker is READY: AllReady) -> running
+    -> draining (shutdown: the broker refuses new requests and finishes the admitted ones;
+    ends at broker_idle or after ``drain_timeout``) -> stopping (every worker SIGTERMed,
+    SIGKILLed ``stop_timeout`` later) -> stopped (Finished).  A worker that exits before its
+    first READY while starting ends it all (GiveUp, then stopping).  While running or
+    draining, any other exit that was not asked for is a crash: the slot starts a new worker
+    after the backoff."""
+
+    def __init__(self, pools: Sequence[tuple[str, int]], *, backoff: Backoff = Backoff(),
+                 stop_timeout: float = 40.0, drain_timeout: float = 30.0):
+        self.backoff = backoff
+        self.stop_timeout = float(stop_timeout)
+        self.drain_timeout = float(drain_timeout)
+        self.phase = NEW
+        self.gave_up: GiveUp | None = None
+        self._pools = {name: [_Slot(name, i) for i in range(count)] for name, count in pools}
+        self._runs: dict[int, _Run] = {}
+        self._next_wid = 1
+        self._rolls: dict[str, _Roll] = {}
+        self._drain_deadline = None
+
+    # ---------------------------------------------------------------- introspection
+
+    @property
+    def finished(self) -> bool:
+        return self.phase == STOPPED
+
+    def workers(self) -> list[tuple[str, int, int, bool, bool]]:
+        """(pool, index, wid, ready, stopping) of every worker process there is."""
+        return [(r.slot.pool, r.slot.index, r.wid, r.ready, r.stopping) for r in self._runs.values()]
+
+    @property
+    def rolling(self) -> bool:
+        return bool(self._rolls)
+
+    # ---------------------------------------------------------------- events
+
+    def start(self, now: float) -> list:
+        if self.phase != NEW:
+            return []
+        self.phase = STARTING
+        out: list = []
+        for slot in self._slots():
+            self._reconcile(slot, now, out)
+        if not self._runs:  # no pool at all
+            self.phase = RUNNING
+            out.append(AllReady(0))
+        return out
+
+    def worker_ready(self, wid: int, now: float) -> list:
+        run = self._runs.get(wid)
+        if run is None or run.ready:
+            return []
+        run.ready = True
+        slot = run.slot
+        out: list = []
+        slot.ready_once = True
+        if self.phase in (STOPPING, STOPPED):
+            return out
+        if not run.stopping:
+            self._reconcile(slot, now, out)
+            self._advance(slot.pool, now, out)
+        if self.phase == STARTING and all(s.ready_once for s in self._slots()):
+            self.phase = RUNNING
+            out.append(AllReady(sum(1 for _ in self._slots())))
+        return out
+
+    def worker_exited(self, wid: int, code: int, now: float) -> list:
+        run = self._runs.pop(wid, None)
+        if run is None:
+            return []
+        slot = run.slot
+        slot.runs.pop(wid, None)
+        out: list = []
+        if run.stopping or self.phase in (STOPPING, STOPPED):
+            out.append(WorkerGone(slot.pool, slot.index, wid, code, run.stopping, None))
+            if self.phase == STOPPING:
+                self._maybe_finished(out)
+            else:
+                self._reconcile(slot, now, out)
+                self._advance(slot.pool, now, out)
+            return out
+        if self.phase == STARTING and not run.ready and not slot.ready_once:
+            out.append(WorkerGone(slot.pool, slot.index, wid, code, False, None))
+            self.gave_up = GiveUp(slot.pool, slot.index, wid, code)
+            out.append(self.gave_up)
+            self._begin_stop(now, out)
+            return out
+        restart_in = None
+        if run.gen == slot.gen:
+            # The slot's current worker crashed: a new one after the backoff.
+            if now - run.started_at >= self.backoff.reset_after:
+                slot.failures = 0
+            slot.failures += 1
+            restart_in = self.backoff.delay(slot.failures)
+            slot.restart_at = now + restart_in
+            slot.reason = (f"restart after exit code {code} (crash {slot.failures} in a row, "
+                           f"after {restart_in:g} s)")
+        # else: a worker of an older generation (being rolled out) crashed: its successor
+        # is starting or serving already.
+        out.append(WorkerGone(slot.pool, slot.index, wid, code, False, restart_in))
+        self._reconcile(slot, now, out)
+        self._advance(slot.pool, now, out)
+        return out
+
+    def roll(self, now: float, pools: Iterable[str] | None = None) -> list:
+        """A rolling restart of ``pools`` (default: all), each one worker at a time; pools
+        roll side by side.  A pool already rolling is left to finish."""
+        if self.phase != RUNNING:
+            return [Notice(logging.WARNING, f"rolling restart ignored: the launcher is {self.phase}")]
+        out: list = []
+        names = list(self._pools) if pools is None else list(pools)
+        for name in names:
+            if name not in self._pools:
+                out.append(Notice(logging.WARNING, f"rolling restart: no pool named {name!r}"))
+            elif name in self._rolls:
+                out.append(Notice(logging.WARNING, f"pool {name}: a rolling restart is already under way"))
+            else:
+                out.append(Notice(logging.INFO, f"pool {name}: rolling restart of {len(self._pools[name])} workers"))
+                self._rolls[name] = _Roll(len(self._pools[name]))
+                self._advance(name, now, out)
+        return out
+
+    def shutdown(self, now: float) -> list:
+        """SIGTERM or SIGINT.  The first: drain (the caller makes the broker refuse new
+        requests and reports broker_idle once the admitted ones are done).  A second: stop
+        the workers now.  A third: tell them again (they skip waiting for their outputs)."""
+        out: list = []
+        if self.phase == NEW:
+            self.phase = STOPPED
+            out.append(Finished())
+        elif self.phase in (STARTING, RUNNING):
+            self.phase = DRAINING
+            self._rolls.clear()
+            self._drain_deadline = now + self.drain_timeout
+            out.append(Notice(logging.INFO, f"shutting down: finishing the requests already admitted "
+                                            f"(at most {self.drain_timeout:g} s), then stopping the workers"))
+        elif self.phase == DRAINING:
+            out.append(Notice(logging.WARNING, "second signal: stopping the workers now"))
+            self._begin_stop(now, out)
+        elif self.phase == STOPPING:
+            out.append(Notice(logging.WARNING, "signal again: telling the workers to hurry"))
+            out.extend(StopWorker(r.wid) for r in self._runs.values() if not r.killed)
+        return out
+
+    def broker_idle(self, now: float) -> list:
+        """The broker holds no admitted request any more."""
+        out: list = []
+        if self.phase == DRAINING:
+            self._begin_stop(now, out)
+        return out
+
+    def tick(self, now: float) -> list:
+        out: list = []
+        if self.phase == DRAINING and self._drain_deadline is not None and now >= self._drain_deadline:
+            out.append(Notice(logging.WARNING, f"requests still unfinished after {self.drain_timeout:g} s; "
+                                               "stopping the workers anyway"))
+            self._begin_stop(now, out)
+        for run in list(self._runs.values()):
+            if run.stopping and not run.killed and run.kill_at is not None and now >= run.kill_at:
+                run.killed = True
+                out.append(Notice(logging.WARNING, f"pool {run.slot.pool} worker {run.slot.index} still there "
+                                                   f"{self.stop_timeout:g} s after SIGTERM: SIGKILL"))
+                out.append(KillWorker(run.wid))
+        if self.phase in (STARTING, RUNNING, DRAINING):
+            for slot in self._slots():
+                if slot.restart_at is not None and now >= slot.restart_at:
+                    self._reconcile(slot, now, out)
+        return out
+
+    def next_wakeup(self) -> float | None:
+        times = []
+        if self.phase in (STARTING, RUNNING, DRAINING):
+            times.extend(s.restart_at for s in self._slots() if s.restart_at is not None)
+        if self.phase == DRAINING and self._drain_deadline is not None:
+            times.append(self._drain_deadline)
+        times.extend(r.kill_at for r in self._runs.values() if r.stopping and not r.killed and r.kill_at is not None)
+        return min(times) if times else None
+
+    # ---------------------------------------------------------------- internals
+
+    def _slots(self):
+        for slots in self._pools.values():
+            yield from slots
+
+    def _reconcile(self, slot: _Slot, now: float, out: list) -> None:
+        """One worker of the slot's generation, started once any backoff has passed; once it
+        is READY, workers of older generations are told to stop."""
+        if self.phase not in (STARTING, RUNNING, DRAINING):
+            return
+        live = [r for r in slot.runs.values() if not r.stopping]
+        current = [r for r in live if r.gen == slot.gen]
+        if not current:
+            if slot.restart_at is None or now >= slot.restart_at:
+                slot.restart_at = None
+                wid = self._next_wid
+                self._next_wid += 1
+                run = _Run(wid, slot, slot.gen, now)
+                slot.runs[wid] = run
+                self._runs[wid] = run
+                out.append(StartWorker(slot.pool, slot.index, wid, slot.reason))
+                slot.reason = "start"
+            return
+        if any(r.ready for r in current):
+            for r in live:
+                if r.gen != slot.gen:
+                    self._stop(r, now, out)
+
+    def _stop(self, run: _Run, now: float, out: list) -> None:
+        run.stopping = True
+        run.kill_at = now + self.stop_timeout
+        out.append(StopWorker(run.wid))
+
+    def _advance(self, pool: str, now: float, out: list) -> None:
+        """Move a rolling restart of ``pool`` on: a slot is done when its only workers are of
+        its new generation and one of them is READY (its old one has exited)."""
+        roll = self._rolls.get(pool)
+        while roll is not None:
+            if roll.current is None:
+                if not roll.todo:
+                    del self._rolls[pool]
+                    out.append(RollDone(pool))
+                    return
+                roll.current = roll.todo.popleft()
+                slot = self._pools[pool][roll.current]
+                slot.gen += 1
+                slot.reason = "rolling restart"
+                self._reconcile(slot, now, out)
+            slot = self._pools[pool][roll.current]
+            runs = slot.runs.values()
+            if not (all(r.gen == slot.gen for r in runs) and any(r.ready for r in runs)):
+                return
+            roll.current = None
+
+    def _begin_stop(self, now: float, out: list) -> None:
+        self.phase = STOPPING
+        self._rolls.clear()
+        for slot in self._slots():
+            slot.restart_at = None
+        for run in self._runs.values():
+            if not run.stopping:
+                self._stop(run, now, out)
+        self._maybe_finished(out)
+
+    def _maybe_finished(self, out: list) -> None:
+        if self.phase == STOPPING and not self._runs:
+            self.phase = STOPPED
+            out.append(Finished())
+
+
+# ------------------------------------------------------------------------ process layer
+
+# Run in each child before the worker: the parent-death signal (Linux prctl
+# PR_SET_PDEATHSIG = 1) is SIGTERM, then exec the worker (the setting survives exec).  A
+# launcher that died before the prctl is caught by the parent check.
+_PRELUDE = (
+    "import ctypes, os, signal, sys\n"
+    "try: ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)\n"
+    "except Exception: pass\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(0)\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
+_LINE = 8192  # longest line read from a child at once (a longer one arrives in pieces)
+_TAIL = 20  # stderr lines kept per child for the give-up message
+_DRAIN_POLL = 0.02  # seconds between looks at the broker's admitted requests while draining
+_DRAIN_REASON = "the broker is shutting down (its launcher was told to stop); send the request elsewhere or later"
+
+
+class _Child:
+    __slots__ = ("wid", "pool", "index", "popen", "pid", "tail", "threads")
+
+    def __init__(self, wid, pool, index, popen):
+        self.wid = wid
+        self.pool = pool
+        self.index = index
+        self.popen = popen
+        self.pid = popen.pid
+        self.tail = collections.deque(maxlen=_TAIL)
+        self.threads: list[threading.Thread] = []
+
+    @property
+    def tag(self) -> str:
+        return f"pool {self.pool} worker {self.index} pid {self.pid}"
+
+
+class Launcher:
+    """The broker's worker pools as child processes, supervised on a thread of their own.
+
+    Made before the broker loop runs (it installs the SIGTERM, SIGINT and SIGHUP handlers)::
+
+        launcher = Launcher(broker, deploy, stop)
+        with broker, launcher:          # __enter__ starts the supervisor thread
+            broker.serve(stop)          # `stop` is set once the workers are gone
+        sys.exit(launcher.exit_code)
+
+    It prints ``READY frontend=<ep> backend=<ep> workers=<n>`` on stdout once every pool's
+    first workers printed READY, and logs each worker's start, READY, exit and restart
+    (``pool NAME worker I pid P ...``) on the ``broker.launcher`` logger.  Worker stderr
+    lines are copied to stderr, each prefixed ``[NAME/I pid P]``.
+    """
+
+    def __init__(self, broker, deploy: LauncherConfig, stop: threading.Event, *, out=None, err=None):
+        self.broker = broker
+        self.deploy = deploy
+        self.stop = stop
+        self.exit_code = 0
+        self._out = out or sys.stdout
+        self._err = err or sys.stderr
+        self._err_lock = threading.Lock()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from signal handlers
+        self._children: dict[int, _Child] = {}
+        self._pools = {p.name: p for p in deploy.pools}
+        self._thread: threading.Thread | None = None
+        sched = broker.cfg.scheduler
+        self._hb = (sched.heartbeat_interval, sched.heartbeat_liveness)
+        self._link = self._link_args()
+        self.sup = Supervisor(
+            [(p.name, p.count) for p in deploy.pools],
+            backoff=Backoff(deploy.restart_backoff_s, deploy.restart_backoff_max_s, deploy.restart_reset_s),
+            stop_timeout=deploy.stop_timeout, drain_timeout=deploy.drain_timeout_s)
+        for sig, ev in ((signal.SIGTERM, "term"), (signal.SIGINT, "term"), (signal.SIGHUP, "hup")):
+            signal.signal(sig, lambda *_, ev=ev: self._events.put((ev,)))
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def __enter__(self) -> "Launcher":
+        if not sys.platform.startswith("linux"):
+            log.warning("no parent-death signal on %s: workers would outlive a launcher that is killed", sys.platform)
+        self._thread = threading.Thread(target=self._supervise, name="launcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # The broker loop has returned: normally because the supervisor set `stop`; if the loop
+        # died instead, stop the workers now (they get no drain from a dead broker anyway).
+        if self._thread is not None and self._thread.is_alive():
+            self._events.put(("term",))
+            self._events.put(("term",))
+            self._thread.join(self.deploy.stop_timeout + 5.0)
+            if exc and exc[0] is not None:
+                self.exit_code = self.exit_code or 1
+
+    def request_roll(self) -> None:
+        """A rolling restart of every pool (what SIGHUP does)."""
+        self._events.put(("hup",))
+
+    def request_shutdown(self) -> None:
+        """What SIGTERM does."""
+        self._events.put(("term",))
+
+    # ---------------------------------------------------------------- the supervisor thread
+
+    def _supervise(self) -> None:
+        try:
+            self._do(self.sup.start(time.monotonic()))
+            while not self.sup.finished:
+                wake = self.sup.next_wakeup()
+                now = time.monotonic()
+                timeout = None if wake is None else max(0.0, wake - now)
+                if self.sup.phase == "draining":
+                    timeout = _DRAIN_POLL if timeout is None else min(timeout, _DRAIN_POLL)
+                try:
+                    ev = self._events.get(timeout=timeout)
+                except queue.Empty:
+                    ev = None
+                now = time.monotonic()
+                if ev is None:
+                    pass
+                elif ev[0] == "ready":
+                    self._do(self.sup.worker_ready(ev[1], now))
+                elif ev[0] == "exited":
+                    self._on_exit(ev[1], ev[2], now)
+                elif ev[0] == "term":
+                    actions = self.sup.shutdown(now)
+                    # Refuse new requests before anything is logged, so that whoever reads
+                    # "shutting down" knows a request sent now is refused, not admitted.
+                    self.broker.sched.drain(_DRAIN_REASON)
+                    self._do(actions)
+                elif ev[0] == "hup":
+                    self._do(self.sup.roll(now))
+                if self.sup.phase == "draining" and self.broker.sched.live == 0:
+                    self._do(self.sup.broker_idle(now))
+                self._do(self.sup.tick(time.monotonic()))
+            self._settle_broker()
+        except BaseException:
+            log.exception("the launcher's supervisor failed; its workers are told to stop")
+            self.exit_code = 1
+            self._terminate_all()
+            raise
+        finally:
+            self.stop.set()
+
+    def _settle_broker(self) -> None:
+        """After the workers are gone: give requests the broker still holds (put back by a
+        worker's DISCONNECT after a drain timeout) their SERVICE_UNAVAILABLE, boundedly."""
+        sched = self.broker.sched
+        sched.drain(_DRAIN_REASON)
+        deadline = time.monotonic() + sched.config.service_grace + 1.0
+        while sched.live and time.monotonic() < deadline:
+            time.sleep(_DRAIN_POLL)
+
+    def _do(self, actions) -> None:
+        for a in actions:
+            t = type(a)
+            if t is StartWorker:
+                self._start(a)
+            elif t is StopWorker:
+                self._signal(a.wid, signal.SIGTERM)
+            elif t is KillWorker:
+                self._signal(a.wid, signal.SIGKILL)
+            elif t is WorkerGone:
+                self._gone(a)
+            elif t is AllReady:
+                b = self.broker
+                http = f" http={b.http_address}" if getattr(b, "http", None) is not None else ""
+                print(f"READY frontend={b.frontend_ep} backend={b.backend_ep}{http} workers={a.workers}",
+                      file=self._out, flush=True)
+                log.info("every pool is ready: %s", ", ".join(f"{p.name} x{p.count}" for p in self.deploy.pools))
+            elif t is GiveUp:
+                child = self._children.get(a.wid)
+                said = child.tail[-1] if child is not None and child.tail else "(it wrote nothing on stderr)"
+                p = self._pools[a.pool]
+                self.exit_code = 2 if a.code == 2 else 1
+                self._say(f"python -m broker: pool {a.pool!r} (model {p.model!r}) worker {a.index} exited with code "
+                          f"{a.code} before it was ready: {said}")
+            elif t is RollDone:
+                log.info("pool %s: rolling restart done", a.pool)
+            elif t is Notice:
+                log.log(a.level, "%s", a.message)
+            elif t is Finished:
+                log.info("every worker has exited")
+
+    def _on_exit(self, wid: int, code: int, now: float) -> None:
+        self._do(self.sup.worker_exited(wid, code, now))
+        self._children.pop(wid, None)
+
+    def _gone(self, a: WorkerGone) -> None:
+        child = self._children.get(a.wid)
+        tag = child.tag if child is not None else f"pool {a.pool} worker {a.index}"
+        if a.expected:
+            log.info("%s exited with code %d", tag, a.code)
+        elif a.restart_in is not None:
+            log.warning("%s exited with code %d; restarting it in %g s", tag, a.code, a.restart_in)
+        else:
+            log.warning("%s exited with code %d", tag, a.code)
+
+    # ---------------------------------------------------------------- children
+
+    def _link_args(self) -> tuple[str, ...]:
+        """Flags for the workers' broker connection: none over ipc; over tcp, --insecure for a
+        plain backend, else the broker's public key (the worker's own secret key comes from
+        extra_args --worker-key or $ZMQ_INFER_WORKER_KEY)."""
+        be = self.broker.backend_ep
+        if not be.startswith("tcp://"):
+            return ()
+        sec = self.broker.cfg.security
+        if sec.insecure or not sec.curve_secret:
+            return ("--insecure",)
+        from broker.security import load_server_secret
+
+        public, _ = load_server_secret(sec.curve_secret)
+        return ("--server-key", public.decode())
+
+    def _argv(self, pool: PoolConfig) -> list[str]:
+        args = pool.worker_args(self.broker.backend_ep, heartbeat_interval=self._hb[0],
+                                heartbeat_liveness=self._hb[1], link=self._link)
+        return [sys.executable, "-c", _PRELUDE, str(os.getpid()), "-m", "gpu_worker", *args]
+
+    def _start(self, a: StartWorker) -> None:
+        pool = self._pools[a.pool]
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        try:
+            popen = subprocess.Popen(self._argv(pool), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, env=env, start_new_session=True, close_fds=True)
+        except OSError as e:
+            log.error("pool %s worker %d: cannot start python -m gpu_worker: %s", a.pool, a.index, e)
+            self._events.put(("exited", a.wid, 127))
+            return
+        child = _Child(a.wid, a.pool, a.index, popen)
+        self._children[a.wid] = child
+        log.info("%s started%s", child.tag, "" if a.reason == "start" else f" ({a.reason})")
+        out = threading.Thread(target=self._read_stdout, args=(child,), name=f"{a.pool}/{a.index}-out", daemon=True)
+        err = threading.Thread(target=self._read_stderr, args=(child,), name=f"{a.pool}/{a.index}-err", daemon=True)
+        child.threads = [out, err]
+        for t in child.threads:
+            t.start()
+        threading.Thread(target=self._wait, args=(child,), name=f"{a.pool}/{a.index}-wait", daemon=True).start()
+
+    def _read_stdout(self, child: _Child) -> None:
+        f = child.popen.stdout
+        ready = False
+        try:
+            for line in iter(lambda: f.readline(_LINE), b""):
+                text = line.decode(errors="replace").rstrip("\n")
+                if not ready and text.startswith("READY"):
+                    ready = True
+                    log.info("%s ready: %s", child.tag, text)
+                    self._events.put(("ready", child.wid))
+                else:
+                    self._forward(child, text)
+        except (OSError, ValueError):
+            pass
+        finally:
+            f.close()
+
+    def _read_stderr(self, child: _Child) -> None:
+        f = child.popen.stderr
+        try:
+            for line in iter(lambda: f.readline(_LINE), b""):
+                text = line.decode(errors="replace").rstrip("\n")
+                child.tail.append(text)
+                self._forward(child, text)
+        except (OSError, ValueError):
+            pass
+        finally:
+            f.close()
+
+    def _wait(self, child: _Child) -> None:
+        code = child.popen.wait()
+        # Its last lines (READY first of all) are reported before its exit; a grandchild that
+        # kept the pipes open does not hold the exit up for long.
+        for t in child.threads:
+            t.join(1.0)
+        self._events.put(("exited", child.wid, code))
+
+    def _forward(self, child: _Child, text: str) -> None:
+        self._say(f"[{child.pool}/{child.index} pid {child.pid}] {text}")
+
+    def _say(self, line: str) -> None:
+        with self._err_lock:
+            try:
+                self._err.write(line + "\n")
+                self._err.flush()
+            except (OSError, ValueError):
+                pass
+
+    def _signal(self, wid: int, sig: int) -> None:
+        child = self._children.get(wid)
+        if child is None:
+            return
+        try:
+            child.popen.send_signal(sig)
+        except OSError:
+            pass
+
+    def _terminate_all(self) -> None:
+        for child in list(self._children.values()):
+            try:
+                child.popen.send_signal(signal.SIGTERM)
+            except OSError:
+                pass

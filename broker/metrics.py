@@ -1,0 +1,239 @@
+"""The broker's metrics: what it counts on its loop, and the Prometheus text a scrape reads.
+
+Counting is plain Python on the broker's one thread (a dict look-up and an addition per
+event; `broker.protocol.stats.Histogram` for distributions), never a lock on the request
+path.  A scrape (`broker.http`, another thread) asks the loop for a `snapshot` (a copy,
+taken between two messages) and renders it here with prometheus-client's own exposition
+code, so names, escaping and format are the library's.  Workers report what only they see
+(compute, input and output times, batch sizes, pool use) in STATS messages, merged by
+`worker_stats`; a request answered by a worker straight to its client (direct reply) is
+counted from the worker's DONE, with the outcome and age the worker sent (`final`), so every
+request is counted once, whichever way its FINAL went (docs/operations.md, "Metrics").
+
+Label values are bounded: a `service` label is the name of a service some worker registered
+(`register`); requests for any other name count under ``_other``, so a client sending random
+service names cannot grow the exposition.  Per-worker gauges are dropped when the worker goes.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from broker.protocol import ErrorCode
+from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
+
+__all__ = ["Metrics", "render", "outcome_name", "OTHER", "MAX_SERVICES"]
+
+OTHER = "_other"
+#: Distinct service names the metrics keep labels for; more registered names count as OTHER.
+MAX_SERVICES = 1024
+
+_CODES = {int(c): c.name.lower() for c in ErrorCode}
+_PRIORITIES = ("urgent", "normal", "background")
+
+
+def outcome_name(code: int) -> str:
+    """``ok`` for a result, else the error code's name in lower case (``error_N`` for a code
+    this version does not know)."""
+    if not code:
+        return "ok"
+    return _CODES.get(int(code)) or f"error_{int(code)}"
+
+
+class _Service:
+    __slots__ = ("outcomes", "queue_wait", "request", "compute", "input", "output", "batch", "keep_warm",
+                 "recalled")
+
+    def __init__(self):
+        self.outcomes: dict[str, int] = {}
+        self.queue_wait = Histogram(LATENCY_BUCKETS)
+        self.request = Histogram(LATENCY_BUCKETS)
+        self.compute = Histogram(LATENCY_BUCKETS)
+        self.input = Histogram(LATENCY_BUCKETS)
+        self.output = Histogram(LATENCY_BUCKETS)
+        self.batch = Histogram(BATCH_BUCKETS)
+        self.keep_warm = 0
+        self.recalled = 0
+
+    def copy(self) -> "_Service":
+        c = _Service()
+        c.outcomes = dict(self.outcomes)
+        for name in ("queue_wait", "request", "compute", "input", "output", "batch"):
+            setattr(c, name, getattr(self, name).copy())
+        c.keep_warm = self.keep_warm
+        c.recalled = self.recalled
+        return c
+
+
+class Metrics:
+    """Counted on the broker's loop (not thread-safe: one thread updates, `snapshot` copies)."""
+
+    def __init__(self):
+        self.known: dict[str, None] = {}        # service names workers registered
+        self.services: dict[str, _Service] = {}
+        self.gauges: dict[bytes, tuple[str, int | None, Any]] = {}  # worker -> (service, pid, WorkerStats)
+        self.bad_stats = 0
+
+    def label(self, service: str) -> str:
+        return service if service in self.known else OTHER
+
+    def register(self, service: str) -> None:
+        """A worker registered for ``service``: it gets its own label from now on."""
+        if service not in self.known and len(self.known) < MAX_SERVICES:
+            self.known[service] = None
+
+    def _svc(self, service: str) -> _Service:
+        name = self.label(service)
+        s = self.services.get(name)
+        if s is None:
+            s = self.services[name] = _Service()
+        return s
+
+    def final(self, service: str, code: int, enqueued_at: float | None, dispatched_at: float | None,
+              finished_at: float) -> None:
+        """One request's FINAL reached (or was sent towards) its client: outcome, the time
+        from the broker's receipt to it, and the time it queued before its (last) dispatch."""
+        s = self._svc(service)
+        name = outcome_name(code)
+        s.outcomes[name] = s.outcomes.get(name, 0) + 1
+        if enqueued_at is not None:
+            s.request.observe(max(0.0, finished_at - enqueued_at))
+            if dispatched_at is not None:
+                s.queue_wait.observe(max(0.0, dispatched_at - enqueued_at))
+
+    def worker_stats(self, worker: bytes, service: str, pid: int | None, st: Any) -> bool:
+        """Merge one worker's STATS (deltas of its histograms, its current gauges); False
+        (and nothing merged) when it is malformed."""
+        s = self._svc(service)
+        pairs = [(s.compute, st.compute), (s.input, st.input), (s.output, st.output), (s.batch, st.batch)]
+        try:
+            for hist, delta in pairs:
+                if delta is not None and len(delta[0]) != len(hist.counts):
+                    raise ValueError("bucket count mismatch")
+                if delta is not None and (any(type(c) is not int or c < 0 for c in delta[0]) or delta[1] < 0):
+                    raise ValueError("negative or non-integer counts")
+            if st.keep_warm_runs < 0:
+                raise ValueError("negative keep-warm runs")
+        except (ValueError, TypeError):
+            self.bad_stats += 1
+            return False
+        for hist, delta in pairs:
+            if delta is not None:
+                hist.add(delta[0], delta[1])
+        s.keep_warm += st.keep_warm_runs
+        self.gauges[worker] = (self.label(service), pid, st)
+        return True
+
+    def recalled(self, service: str, n: int) -> None:
+        """``n`` requests asked back from a busy worker of ``service`` for an idle one."""
+        self._svc(service).recalled += n
+
+    def worker_gone(self, worker: bytes) -> None:
+        self.gauges.pop(worker, None)
+
+    def snapshot(self) -> dict:
+        """A copy for another thread to render."""
+        return {"services": {k: v.copy() for k, v in self.services.items()},
+                "gauges": [(svc, pid, st) for svc, pid, st in self.gauges.values()]}
+
+
+class _Snapshot(Collector):
+    def __init__(self, families: list):
+        self._families = families
+
+    def collect(self):
+        return iter(self._families)
+
+
+def _histogram(name: str, doc: str, per_service: Iterable[tuple[str, Histogram]]) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(name, doc, labels=["service"])
+    for service, h in per_service:
+        fam.add_metric([service], h.cumulative(), sum_value=h.sum)
+    return fam
+
+
+def render(metrics: dict | None, sched: dict, known: Iterable[str]) -> list:
+    """The metric families of one scrape: ``metrics`` is a `Metrics.snapshot()` (None when
+    the broker counts nothing), ``sched`` the scheduler's `stats()`, ``known`` the service
+    names with their own label."""
+    known = set(known)
+    fams = []
+    queue = GaugeMetricFamily("zmq_infer_queue_depth", "Requests queued in the broker, by priority",
+                              labels=["service", "priority"])
+    in_flight = GaugeMetricFamily("zmq_infer_in_flight", "Requests held by the service's workers",
+                                  labels=["service"])
+    workers = GaugeMetricFamily("zmq_infer_workers", "Live workers, by host", labels=["service", "host"])
+    credit = GaugeMetricFamily("zmq_infer_credit", "Requests the service's live workers may hold at once",
+                               labels=["service"])
+    for name, s in sorted(sched["services"].items()):
+        label = name if name in known else OTHER
+        for pri in _PRIORITIES:
+            queue.add_metric([label, pri], s["queued"][pri])
+        in_flight.add_metric([label], s["in_flight"])
+        credit.add_metric([label], s["credit"])
+        for host, n in sorted(s.get("hosts", {}).items()):
+            workers.add_metric([label, host], n)
+    fams += [queue, in_flight, workers, credit]
+    events = CounterMetricFamily("zmq_infer_broker_events", "Scheduler events since the broker started",
+                                 labels=["event"])
+    for event, n in sorted(sched["counters"].items()):
+        events.add_metric([event], n)
+    fams.append(events)
+    if metrics is None:
+        return fams
+    svcs = sorted(metrics["services"].items())
+    requests = CounterMetricFamily("zmq_infer_requests", "Requests answered, by outcome (ok or the error's name)",
+                                   labels=["service", "outcome"])
+    for name, s in svcs:
+        for outcome, n in sorted(s.outcomes.items()):
+            requests.add_metric([name, outcome], n)
+    fams.append(requests)
+    fams.append(_histogram("zmq_infer_queue_wait_seconds", "Time from the broker's receipt to the dispatch "
+                           "that ran the request", ((n, s.queue_wait) for n, s in svcs)))
+    fams.append(_histogram("zmq_infer_request_seconds", "Time from the broker's receipt to the FINAL",
+                           ((n, s.request) for n, s in svcs)))
+    fams.append(_histogram("zmq_infer_compute_seconds", "Model time of each request's batch (worker-side)",
+                           ((n, s.compute) for n, s in svcs)))
+    fams.append(_histogram("zmq_infer_input_seconds", "Time mapping a request's inputs (worker-side)",
+                           ((n, s.input) for n, s in svcs)))
+    fams.append(_histogram("zmq_infer_output_seconds", "Time writing a request's outputs (worker-side)",
+                           ((n, s.output) for n, s in svcs)))
+    fams.append(_histogram("zmq_infer_batch_size", "Requests per batch run (worker-side)",
+                           ((n, s.batch) for n, s in svcs)))
+    warm = CounterMetricFamily("zmq_infer_keep_warm_runs", "Keep-warm units the service's workers ran",
+                               labels=["service"])
+    for name, s in svcs:
+        warm.add_metric([name], s.keep_warm)
+    fams.append(warm)
+    recalled = CounterMetricFamily("zmq_infer_recalled", "Requests asked back from a busy worker for an idle "
+                                   "one (RECALL)", labels=["service"])
+    for name, s in svcs:
+        recalled.add_metric([name], s.recalled)
+    fams.append(recalled)
+    gauges = {
+        "shm_used": ("zmq_infer_shm_pool_used_bytes", "Output pool bytes in use, per worker"),
+        "shm_capacity": ("zmq_infer_shm_pool_capacity_bytes", "Output pool capacity, per worker"),
+        "cuda_used": ("zmq_infer_cuda_pool_used_bytes", "Device output pool bytes in use, per worker"),
+        "cuda_capacity": ("zmq_infer_cuda_pool_capacity_bytes", "Device output pool capacity, per worker"),
+        "device_used": ("zmq_infer_gpu_memory_used_bytes", "Device memory in use, per worker"),
+        "device_total": ("zmq_infer_gpu_memory_total_bytes", "Device memory, per worker"),
+    }
+    for field, (name, doc) in gauges.items():
+        fam = GaugeMetricFamily(name, doc, labels=["service", "worker"])
+        for service, pid, st in metrics["gauges"]:
+            v = getattr(st, field)
+            if v is not None:
+                fam.add_metric([service, str(pid)], v)
+        fams.append(fam)
+    return fams
+
+
+def exposition(families: list) -> bytes:
+    """Prometheus text format of ``families`` (prometheus-client's own writer)."""
+    from prometheus_client.exposition import generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Snapshot(families))
+    return generate_latest(registry)

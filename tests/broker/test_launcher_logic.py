@@ -1,0 +1,347 @@
+"""The launcher's decisions without processes: `broker.launcher.Supervisor` (events in, actions
+out, time passed in), the deploy file's schema (`broker.config`), and the broker's drain
+(`Scheduler.drain`)."""
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from broker import config as C
+from broker.launcher import (
+    AllReady, Backoff, Finished, GiveUp, KillWorker, RollDone, StartWorker, StopWorker, Supervisor, WorkerGone,
+)
+
+
+def starts(actions):
+    return [a for a in actions if type(a) is StartWorker]
+
+
+def only(actions, kind):
+    return [a for a in actions if type(a) is kind]
+
+
+def running(pools=(("a", 2), ("b", 1)), **kw):
+    """A supervisor whose first workers are all READY at t=0; returns it and {slot: wid}."""
+    s = Supervisor(list(pools), **kw)
+    first = starts(s.start(0.0))
+    assert [(a.pool, a.index) for a in first] == [(p, i) for p, n in pools for i in range(n)]
+    out = []
+    for a in first:
+        out += s.worker_ready(a.wid, 0.0)
+    assert out[-1] == AllReady(sum(n for _, n in pools)) and s.phase == "running"
+    return s, {(a.pool, a.index): a.wid for a in first}
+
+
+# ------------------------------------------------------------------------- start
+
+
+def test_ready_only_when_every_slot_was_ready_once():
+    s = Supervisor([("a", 2)])
+    w0, w1 = starts(s.start(0.0))
+    assert s.worker_ready(w0.wid, 1.0) == []
+    assert s.worker_ready(w0.wid, 1.0) == []  # a second READY changes nothing
+    assert s.worker_ready(w1.wid, 2.0) == [AllReady(2)]
+    assert s.worker_ready(999, 2.0) == []  # unknown worker
+
+
+def test_a_worker_that_dies_before_ready_at_start_gives_up_and_stops_the_rest():
+    s = Supervisor([("a", 1), ("b", 1)])
+    a, b = starts(s.start(0.0))
+    out = s.worker_exited(a.wid, 2, 1.0)
+    assert GiveUp("a", 0, a.wid, 2) in out and s.gave_up == GiveUp("a", 0, a.wid, 2)
+    assert only(out, StopWorker) == [StopWorker(b.wid)]
+    assert starts(out) == []
+    out = s.worker_exited(b.wid, 0, 1.5)
+    assert out[-1] == Finished() and s.finished
+
+
+def test_a_crash_after_ready_during_start_is_restarted_not_given_up():
+    s = Supervisor([("a", 2)], backoff=Backoff(0.5, 30, 60))
+    w0, w1 = starts(s.start(0.0))
+    s.worker_ready(w0.wid, 1.0)
+    out = s.worker_exited(w0.wid, -9, 2.0)
+    assert s.gave_up is None and only(out, WorkerGone)[0].restart_in == 0.5
+    assert starts(s.tick(2.5))[0].index == 0
+    assert s.worker_ready(w1.wid, 3.0) == [AllReady(2)]  # slot 0 was ready once already
+
+
+# ------------------------------------------------------------------------- crashes and backoff
+
+
+def test_crash_restart_backoff_doubles_caps_and_resets_after_a_long_uptime():
+    s, wid = running(backoff=Backoff(0.5, 4.0, 60.0))
+    cur, t, delays = wid[("a", 0)], 0.0, []
+    for _ in range(6):
+        t += 1.0
+        out = s.worker_exited(cur, 1, t)
+        gone = only(out, WorkerGone)[0]
+        assert not gone.expected and gone.code == 1
+        delays.append(gone.restart_in)
+        assert starts(out) == [] and s.next_wakeup() == pytest.approx(t + gone.restart_in)
+        assert starts(s.tick(t + gone.restart_in - 0.01)) == []  # not before the backoff
+        t += gone.restart_in
+        (new,) = starts(s.tick(t))
+        assert (new.pool, new.index) == ("a", 0) and "exit code 1" in new.reason
+        cur = new.wid
+    assert delays == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    s.worker_ready(cur, t)
+    out = s.worker_exited(cur, -11, t + 61.0)  # it stayed up past reset_after: a first crash again
+    assert only(out, WorkerGone)[0].restart_in == 0.5
+    assert len(s.workers()) == 2  # the other slots untouched
+
+
+def test_zero_backoff_restarts_at_once():
+    s, wid = running(backoff=Backoff(0.0, 0.0, 60.0))
+    out = s.worker_exited(wid[("b", 0)], -9, 5.0)
+    assert [(a.pool, a.index) for a in starts(out)] == [("b", 0)]
+
+
+def test_unknown_exit_is_ignored():
+    s, _ = running()
+    assert s.worker_exited(12345, 0, 1.0) == []
+
+
+# ------------------------------------------------------------------------- rolling restart
+
+
+def test_rolling_restart_replaces_one_worker_at_a_time_new_before_old():
+    s, wid = running(pools=(("a", 2),))
+    out = s.roll(10.0)
+    (n0,) = starts(out)
+    assert (n0.index, n0.reason) == (0, "rolling restart") and only(out, StopWorker) == []
+    assert s.rolling
+    out = s.worker_ready(n0.wid, 11.0)  # the replacement serves: the old one drains
+    assert out == [StopWorker(wid[("a", 0)])]
+    assert s.roll(11.0)[0].message.endswith("already under way")
+    out = s.worker_exited(wid[("a", 0)], 0, 12.0)  # old gone: next slot
+    assert only(out, WorkerGone)[0].expected
+    (n1,) = starts(out)
+    assert n1.index == 1
+    assert s.worker_ready(n1.wid, 13.0) == [StopWorker(wid[("a", 1)])]
+    out = s.worker_exited(wid[("a", 1)], 0, 14.0)
+    assert out[-1] == RollDone("a") and not s.rolling
+    assert sorted(w for _, _, w, _, _ in s.workers()) == [n0.wid, n1.wid]
+
+
+def test_pools_roll_side_by_side():
+    s, wid = running(pools=(("a", 1), ("b", 1)))
+    assert [(a.pool, a.index) for a in starts(s.roll(1.0))] == [("a", 0), ("b", 0)]
+
+
+def test_a_replacement_that_crashes_is_retried_and_the_old_worker_keeps_serving():
+    s, wid = running(pools=(("a", 1),), backoff=Backoff(0.5, 30, 60))
+    (n,) = starts(s.roll(1.0))
+    out = s.worker_exited(n.wid, 1, 2.0)
+    assert only(out, StopWorker) == [] and only(out, WorkerGone)[0].restart_in == 0.5
+    (n2,) = starts(s.tick(2.5))
+    assert s.worker_ready(n2.wid, 3.0) == [StopWorker(wid[("a", 0)])]
+    assert s.worker_exited(wid[("a", 0)], 0, 4.0)[-1] == RollDone("a")
+
+
+def test_the_old_worker_crashing_mid_roll_needs_no_restart_of_its_own():
+    s, wid = running(pools=(("a", 1),))
+    (n,) = starts(s.roll(1.0))
+    out = s.worker_exited(wid[("a", 0)], -9, 1.5)
+    assert starts(out) == [] and only(out, WorkerGone)[0].restart_in is None
+    assert s.worker_ready(n.wid, 2.0)[-1] == RollDone("a")
+
+
+def test_roll_is_refused_unless_running():
+    s = Supervisor([("a", 1)])
+    starts(s.start(0.0))
+    assert "starting" in s.roll(0.5)[0].message
+
+
+# ------------------------------------------------------------------------- shutdown
+
+
+def test_shutdown_drains_then_stops_every_worker_then_finishes():
+    s, wid = running(stop_timeout=5.0, drain_timeout=30.0)
+    out = s.shutdown(1.0)
+    assert s.phase == "draining" and only(out, StopWorker) == []
+    # A crash while draining is still restarted: admitted requests need workers.
+    out = s.worker_exited(wid[("a", 1)], -9, 1.2)
+    assert only(out, WorkerGone)[0].restart_in is not None
+    assert s.roll(1.3)[0].message.endswith("draining")
+    out = s.broker_idle(2.0)
+    assert sorted(a.wid for a in only(out, StopWorker)) == sorted([wid[("a", 0)], wid[("b", 0)]])
+    assert s.phase == "stopping"
+    assert starts(s.tick(2.5)) == []  # no restart while stopping (the crashed slot's included)
+    out = []
+    for w in (wid[("a", 0)], wid[("b", 0)]):
+        out += s.worker_exited(w, 0, 3.0)
+    assert out[-1] == Finished() and s.finished and s.next_wakeup() is None
+
+
+def test_drain_timeout_then_sigkill_after_stop_timeout():
+    s, wid = running(pools=(("a", 1),), stop_timeout=5.0, drain_timeout=2.0)
+    s.shutdown(1.0)
+    assert s.next_wakeup() == 3.0
+    out = s.tick(3.0)
+    assert only(out, StopWorker) == [StopWorker(wid[("a", 0)])]
+    assert s.next_wakeup() == 8.0
+    assert only(s.tick(7.9), KillWorker) == []
+    assert only(s.tick(8.0), KillWorker) == [KillWorker(wid[("a", 0)])]
+    assert only(s.tick(9.0), KillWorker) == []  # once
+    assert s.worker_exited(wid[("a", 0)], -9, 9.5)[-1] == Finished()
+
+
+def test_second_signal_stops_at_once_and_a_third_repeats_the_sigterm():
+    s, wid = running(pools=(("a", 1),))
+    s.shutdown(1.0)
+    assert only(s.shutdown(1.1), StopWorker) == [StopWorker(wid[("a", 0)])]
+    assert only(s.shutdown(1.2), StopWorker) == [StopWorker(wid[("a", 0)])]
+
+
+def test_shutdown_before_start_finishes_at_once():
+    s = Supervisor([("a", 1)])
+    assert s.shutdown(0.0) == [Finished()]
+
+
+# ------------------------------------------------------------------------- the deploy file
+
+
+def write(tmp_path, text):
+    p = tmp_path / "deploy.toml"
+    p.write_text(textwrap.dedent(text))
+    return str(p)
+
+
+def test_pool_tables_parse_and_map_to_worker_flags(tmp_path):
+    path = write(tmp_path, """
+        [launcher]
+        drain_timeout_s = 5
+        [[pool]]
+        model = "echo"
+        count = 2
+        [[pool]]
+        name = "fast"
+        model = "pkg.mod:factory"
+        device = "CPU"
+        service = "svc"
+        max_batch = 4
+        max_delay_ms = 1
+        max_cost = 2.5
+        credit = 3
+        transports = ["inline", "shm"]
+        keep_warm_ms = 0
+        drain_grace_s = 2
+        extra_args = ["--no-warmup"]
+    """)
+    d = C.load_launcher(path)
+    assert [p.name for p in d.pools] == ["echo", "fast"] and d.workers == 3
+    assert d.drain_timeout_s == 5.0 and d.stop_timeout == 40.0  # the echo pool's default grace (30) + 10
+    args = d.pools[1].worker_args("ipc:///b", heartbeat_interval=0.2, heartbeat_liveness=3, link=("--insecure",))
+    assert args == ["--broker", "ipc:///b", "--model", "pkg.mod:factory", "--heartbeat-interval", "0.2",
+                    "--heartbeat-liveness", "3", "--service", "svc", "--device", "cpu", "--max-batch", "4",
+                    "--max-delay-ms", "1.0", "--max-cost", "2.5", "--credit", "3", "--transports", "inline,shm",
+                    "--keep-warm-ms", "0.0", "--drain-grace-s", "2.0", "--insecure", "--no-warmup"]
+    assert d.pools[0].worker_args("ipc:///b") == ["--broker", "ipc:///b", "--model", "echo"]
+    # The broker's part of the same file is accepted as it is.
+    from broker.server import BrokerConfig
+
+    BrokerConfig.from_toml(path)
+
+
+def test_a_file_without_pools_is_no_launcher(tmp_path):
+    assert C.load_launcher(write(tmp_path, 'frontend = "ipc:///tmp/x"\n')) is None
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[[pool]]\nmodel = 'echo'\ncuont = 2\n", ["[[pool]] #1: ", "'cuont'", "count"]),
+    ("[[pool]]\nname = 'p'\nmodel = 'echo'\ncount = 0\n", ["[[pool]] #1 (name 'p')", "count must be an integer >= 1"]),
+    ("[[pool]]\nmodel = 'echo'\ncount = 'two'\n", ["count must be"]),
+    ("[[pool]]\nmodel = 'echo'\ncount = true\n", ["count must be"]),
+    ("[[pool]]\ncount = 1\n", ["model is missing"]),
+    ("[[pool]]\nmodel = 'mod:'\n", ["model must be"]),
+    ("[[pool]]\nmodel = 'echo'\ndevice = 'gpu'\n", ["device must be"]),
+    ("[[pool]]\nmodel = 'echo'\ntransports = ['tcp']\n", ["transports must be"]),
+    ("[[pool]]\nmodel = 'echo'\nmax_delay_ms = -1\n", ["max_delay_ms must be a number >= 0"]),
+    ("[[pool]]\nmodel = 'echo'\nextra_args = '--x'\n", ["extra_args must be a list of strings"]),
+    ("[[pool]]\nmodel = 'echo'\n[[pool]]\nmodel = 'echo'\n", ["[[pool]] #2", "name 'echo' is taken by [[pool]] #1"]),
+    ("pool = 3\n", ["pool must be an array of tables"]),
+    ("[launcher]\ndrain_timeout_s = 1\n", ["[launcher] without any [[pool]]"]),
+    ("[launcher]\nnope = 1\n[[pool]]\nmodel = 'echo'\n", ["[launcher] unknown key 'nope'"]),
+    ("[launcher]\nstop_timeout_s = 'x'\n[[pool]]\nmodel = 'echo'\n", ["[launcher] stop_timeout_s must be"]),
+])
+def test_pool_errors_name_the_key_in_one_line(tmp_path, text, words):
+    path = write(tmp_path, text)
+    with pytest.raises(C.ConfigError) as e:
+        C.load_launcher(path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(path + ": ")
+    for w in words:
+        assert w in msg, msg
+
+
+@pytest.mark.parametrize("text, words", [
+    ("fronted = 'ipc:///x'\n", ["unknown key 'fronted'", "frontend"]),
+    ("frontend = 3\n", ["frontend must be a string, not 3"]),
+    ("[scheduler]\nheartbeat_interval = 'fast'\n", ["[scheduler] heartbeat_interval must be a number"]),
+    ("[scheduler]\nmax_queue = 1.5\n", ["[scheduler] max_queue must be an integer"]),
+    ("[scheduler]\npriority_weights = ['a']\n", ["priority_weights must be a list of numbers"]),
+    ("[scheduler]\n__class__ = 1\n", ["[scheduler] unknown key '__class__'"]),
+    ("scheduler = 1\n", ["scheduler must be a table"]),
+    ("[broker]\nfrontend = 'ipc:///x'\n[scheduler]\nmax_queue = 1\n",
+     ["unknown top-level key 'scheduler'", "with a [broker] table"]),
+    ("[broker]\nbackend = 1\n", ["[broker] backend must be a string"]),
+    ("[broker]\nhwm = 1\n", ["[broker] unknown key 'hwm'"]),
+    ("broker = 1\n", ["broker must be a table"]),
+    ("frontend = \n", ["not valid TOML"]),
+])
+def test_broker_keys_are_checked_too(tmp_path, text, words):
+    from broker.server import BrokerConfig
+
+    path = write(tmp_path, text)
+    with pytest.raises(C.ConfigError) as e:
+        BrokerConfig.from_toml(path)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_a_missing_file_is_one_line(tmp_path):
+    with pytest.raises(C.ConfigError, match="cannot read it"):
+        C.read_toml(str(tmp_path / "nope.toml"))
+
+
+# ------------------------------------------------------------------------- the broker's drain
+
+
+def test_a_draining_scheduler_refuses_new_requests_and_finishes_admitted_ones():
+    from broker.state import ClientError, Dispatch, ErrorCode, Scheduler, ToClient
+
+    s = Scheduler()
+    s.worker_ready(b"w", "echo", 0.0, credit=1)
+    (d,) = [a for a in s.client_request(b"c", 1, "echo", 0.0, payload=None) if type(a) is Dispatch]
+    s.client_request(b"c", 2, "echo", 0.0, payload=None)  # queued behind it (credit 1)
+    assert s.live == 2
+    s.drain("shutting down")
+    (refused,) = s.client_request(b"c", 3, "echo", 0.1, payload=None)
+    assert type(refused) is ClientError and refused.code == ErrorCode.SERVICE_UNAVAILABLE
+    assert refused.message == "shutting down" and s.live == 2
+    out = s.worker_final(b"w", d.token, 0.2)
+    assert any(type(a) is ToClient for a in out)
+    (d2,) = [a for a in out if type(a) is Dispatch]  # the queued one still runs
+    s.worker_final(b"w", d2.token, 0.3)
+    assert s.live == 0
+
+
+def test_the_shipped_sample_and_the_docs_sample_parse(tmp_path):
+    import re
+    from pathlib import Path
+
+    from broker.server import BrokerConfig
+
+    root = Path(__file__).resolve().parents[2]
+    ops = (root / "docs" / "operations.md").read_text()
+    section = ops[ops.index("## One launcher"):]
+    doc_sample = tmp_path / "doc.toml"
+    doc_sample.write_text(re.search(r"```toml\n(.*?)```", section, re.S).group(1))
+    for path in (str(root / "deploy" / "deploy.toml"), str(doc_sample)):
+        BrokerConfig.from_toml(path)
+        d = C.load_launcher(path)
+        assert d is not None and d.workers >= 2
+        assert all(p.worker_args("ipc:///x")[:4] == ["--broker", "ipc:///x", "--model", p.model] for p in d.pools)

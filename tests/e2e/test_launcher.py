@@ -1,0 +1,292 @@
+"""The launcher with real processes: `python -m broker --config deploy.toml` with `[[pool]]`
+tables (broker.launcher, docs/operations.md "One launcher").  Endpoints are ipc sockets in
+tmp_path; every wait is for a line, a result or a process exit, with a bound."""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from client_sdk import AsyncClient, Client
+from client_sdk.errors import ServiceUnavailable
+from tests.e2e.conftest import ROOT, Proc
+from tests.e2e.test_request_path import gate  # noqa: F401  (fixture)
+
+TWO_POOLS = """
+    [[pool]]
+    model = "echo"
+    count = 2
+    [[pool]]
+    name = "other"
+    model = "echo"
+    service = "echo2"
+    max_batch = 4
+"""
+READY_LOG = re.compile(r"pool (\S+) worker (\d+) pid (\d+) ready")
+
+
+class Launcher(Proc):
+    """`python -m broker --config FILE` on ipc endpoints in `tmp`, with 0.2 s heartbeats."""
+
+    def __init__(self, tmp, pools: str, env: dict | None = None):
+        self.frontend = f"ipc://{tmp}/fe.ipc"
+        path = tmp / "deploy.toml"
+        path.write_text(f'frontend = "{self.frontend}"\nbackend = "ipc://{tmp}/be.ipc"\n'
+                        "[scheduler]\nheartbeat_interval = 0.2\n" + textwrap.dedent(pools))
+        super().__init__(["-m", "broker", "--config", str(path), "--log-level", "INFO"], env=env)
+
+    def wait_for(self, pattern: str, start: int = 0, timeout: float = 20.0) -> re.Match:
+        """The first match of `pattern` in stderr past offset `start` (read as it comes)."""
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        fd = self.p.stderr.fileno()
+        while (m := rx.search(self._err.decode("latin-1"), start)) is None:  # offsets = bytes
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no {pattern!r} within {timeout} s: {self._err[-3000:]!r}")
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise RuntimeError(f"launcher exited with {self.p.wait(5)} before {pattern!r}: {self._err[-3000:]!r}")
+                self._err += chunk
+        return m
+
+    def ready_pids(self) -> dict[tuple[str, int], int]:
+        """The latest READY pid of each slot, from the log read so far."""
+        out = {}
+        for m in READY_LOG.finditer(self._err.decode(errors="replace")):
+            out[(m.group(1), int(m.group(2)))] = int(m.group(3))
+        return out
+
+    def read_all_stderr(self, timeout: float = 20.0) -> str:
+        """After exit: the whole of stderr."""
+        self.p.wait(timeout)
+        self._err += self.p.stderr.read()
+        return self._err.decode(errors="replace")
+
+
+@pytest.fixture
+def launchers():
+    started = []
+
+    def start(tmp, pools, env=None, wait=True):
+        proc = Launcher(tmp, pools, env)
+        started.append(proc)
+        if wait:
+            proc.wait_ready()
+        return proc
+
+    yield start
+    for proc in started:
+        proc.close()
+
+
+def pidfds(pids) -> dict[int, int]:
+    return {pid: os.pidfd_open(pid) for pid in pids}
+
+
+def wait_gone(fds: dict[int, int], timeout: float) -> None:
+    """Wait until every process exits (its pidfd turns readable; no parent needed), bounded."""
+    deadline = time.monotonic() + timeout
+    left = dict(fds)
+    try:
+        while left:
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                raise AssertionError(f"processes still running {timeout} s on: {sorted(left)}")
+            for fd in select.select(list(left.values()), [], [], wait)[0]:
+                left = {p: f for p, f in left.items() if f != fd}
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+async def traffic(c: AsyncClient, service: str, stop: asyncio.Event, streams: int = 3) -> int:
+    """Requests until `stop`, `streams` at a time; each must come back with its own input.
+    Paced (a pause of 2 ms after each), so that the workers starting meanwhile get the CPU."""
+    done = 0
+
+    async def one(k: int):
+        nonlocal done
+        i = 0
+        while not stop.is_set():
+            x = np.full(8, k * 100_000 + i, np.int64)
+            out = await c.infer(service, {"x": x}, timeout=20)
+            np.testing.assert_array_equal(out["x"], x)
+            out.release()
+            done += 1
+            i += 1
+            await asyncio.sleep(0.002)  # pacing, not waiting for anything
+
+    await asyncio.gather(*(one(k) for k in range(streams)))
+    return done
+
+
+# ------------------------------------------------------------------------- config errors
+
+
+def run_broker(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "e2e"), str(ROOT)]))
+    return subprocess.run([sys.executable, "-m", "broker", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=env)
+
+
+@pytest.mark.parametrize("text, key", [
+    ("[[pool]]\nmodel = 'echo'\ncuont = 2\n", "'cuont'"),
+    ("[[pool]]\nmodel = 'echo'\ncount = 0\n", "count must be an integer >= 1"),
+    ("fronted = 'ipc:///tmp/x.ipc'\n[[pool]]\nmodel = 'echo'\n", "'fronted'"),
+])
+def test_a_bad_key_or_value_is_one_line_and_exit_2(tmp_path, text, key):
+    path = tmp_path / "deploy.toml"
+    path.write_text(text)
+    r = run_broker("--config", str(path))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0] and str(path) in lines[0], r.stderr
+    assert r.stdout == ""
+
+
+def test_a_pool_whose_model_cannot_load_stops_the_launch_with_exit_2(tmp_path):
+    path = tmp_path / "deploy.toml"
+    path.write_text(f'frontend = "ipc://{tmp_path}/fe.ipc"\nbackend = "ipc://{tmp_path}/be.ipc"\n'
+                    "[[pool]]\nmodel = 'echo'\n[[pool]]\nname = 'bad'\nmodel = 'nosuchmodel'\n")
+    r = run_broker("--config", str(path))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert "pool 'bad'" in last and "'nosuchmodel'" in last and "before it was ready" in last, r.stderr
+    assert not r.stdout.startswith("READY")
+
+
+# ------------------------------------------------------------------------- serving
+
+
+def test_two_pools_start_with_one_command_and_serve(tmp_path, launchers):
+    la = launchers(tmp_path, TWO_POOLS)
+    assert la.field("workers") == "3" and la.field("frontend") == la.frontend
+    la.wait_for(r"every pool is ready")
+    pids = la.ready_pids()
+    assert sorted(pids) == [("echo", 0), ("echo", 1), ("other", 0)] and len(set(pids.values())) == 3
+    with Client(la.frontend, timeout=10) as c:
+        for service in ("echo", "echo2"):
+            assert c.mmi_service(service)  # READY came after every worker registered
+            x = np.arange(16, dtype=np.float32)
+            with c.infer(service, {"x": x}) as r:
+                np.testing.assert_array_equal(r["x"], x)
+
+
+def test_a_sigkilled_worker_is_restarted_and_no_request_is_lost(tmp_path, launchers):
+    la = launchers(tmp_path, TWO_POOLS)
+    la.wait_for(r"every pool is ready")
+    victim = la.ready_pids()[("echo", 0)]
+
+    async def scenario():
+        async with AsyncClient(la.frontend, timeout=20, heartbeat_interval=0.2) as c:
+            stop = asyncio.Event()
+            load = asyncio.create_task(traffic(c, "echo", stop))
+
+            def kill_and_wait():
+                mark = len(la._err)
+                os.kill(victim, signal.SIGKILL)
+                la.wait_for(rf"pool echo worker 0 pid {victim} exited with code -9; restarting it in", mark)
+                return la.wait_for(r"pool echo worker 0 pid (\d+) ready", mark)
+
+            m = await asyncio.to_thread(kill_and_wait)  # the load runs on meanwhile
+            stop.set()
+            return int(m.group(1)), await asyncio.wait_for(load, 30)
+
+    new_pid, served = asyncio.run(scenario())
+    assert new_pid != victim and served > 0
+    assert la.ready_pids()[("echo", 0)] == new_pid
+    with Client(la.frontend, timeout=10) as c:  # the new worker serves too
+        for _ in range(20):
+            with c.infer("echo", {"x": np.ones(4)}) as r:
+                np.testing.assert_array_equal(r["x"], np.ones(4))
+
+
+def test_sigterm_finishes_every_admitted_request_then_exits_0(tmp_path, launchers, gate):
+    la = launchers(tmp_path, """
+        [[pool]]
+        model = "gate_model:factory"
+        service = "gate"
+        max_batch = 1
+        credit = 1
+        extra_args = ["--no-warmup"]
+    """, env=gate.env, wait=False)
+    gate.open()  # the gated model opens its FIFO as it loads
+    la.wait_ready()
+    la.wait_for(r"every pool is ready")
+    (pid,) = la.ready_pids().values()
+    fds = pidfds([pid])
+
+    async def scenario():
+        async with AsyncClient(la.frontend, timeout=30, heartbeat_interval=0.2) as c:
+            xs = [np.full(4, i, np.int32) for i in range(4)]
+            calls = [asyncio.create_task(c.infer("gate", {"x": x})) for x in xs]
+            while c.in_flight() < len(xs):
+                await asyncio.sleep(0)
+            assert await c.mmi_service("gate")  # after the four on the same connection: all at the broker
+            la.p.send_signal(signal.SIGTERM)  # one at the worker, three queued behind it
+            await asyncio.to_thread(la.wait_for, r"shutting down")
+            with pytest.raises(ServiceUnavailable, match="shutting down"):
+                await c.infer("gate", {"x": xs[0]}, timeout=10)  # new work is refused at once...
+            gate.release(len(xs))  # ...while the admitted requests all finish
+            results = await asyncio.wait_for(asyncio.gather(*calls), 20)
+            for x, r in zip(xs, results):
+                np.testing.assert_array_equal(r["x"], x)
+                r.release()
+
+    asyncio.run(scenario())
+    err = la.read_all_stderr()
+    assert la.p.returncode == 0, err
+    assert f"pool gate worker 0 pid {pid} exited with code 0" in err, err
+    wait_gone(fds, 5.0)  # its worker went with it
+
+
+def test_sighup_rolls_a_pool_under_traffic_and_loses_nothing(tmp_path, launchers):
+    la = launchers(tmp_path, "[[pool]]\nmodel = 'echo'\ncount = 2\n")
+    la.wait_for(r"every pool is ready")
+    old = la.ready_pids()
+    fds = pidfds(old.values())
+
+    async def scenario():
+        async with AsyncClient(la.frontend, timeout=20, heartbeat_interval=0.2) as c:
+            stop = asyncio.Event()
+            load = asyncio.create_task(traffic(c, "echo", stop))
+
+            def roll():
+                mark = len(la._err)
+                la.p.send_signal(signal.SIGHUP)
+                la.wait_for(r"pool echo: rolling restart done", mark, timeout=40)
+
+            await asyncio.to_thread(roll)
+            stop.set()
+            return await asyncio.wait_for(load, 30)
+
+    assert asyncio.run(scenario()) > 0  # and every one of them came back with its own input
+    new = la.ready_pids()
+    assert sorted(new) == sorted(old) and not set(new.values()) & set(old.values()), (old, new)
+    log = la._err.decode(errors="replace")
+    for slot, pid in old.items():  # one at a time, each replacement READY before its old worker left
+        assert log.index(f"pool echo worker {slot[1]} pid {new[slot]} ready") < \
+            log.index(f"pool echo worker {slot[1]} pid {pid} exited with code 0")
+    assert log.index(f"pool echo worker 0 pid {old[('echo', 0)]} exited") < \
+        log.index(f"pool echo worker 1 pid {new[('echo', 1)]} started")
+    wait_gone(fds, 10.0)  # the old workers drained and exited
+
+
+def test_workers_exit_with_a_sigkilled_launcher(tmp_path, launchers):
+    la = launchers(tmp_path, "[[pool]]\nmodel = 'echo'\ncount = 2\n")
+    la.wait_for(r"every pool is ready")
+    fds = pidfds(la.ready_pids().values())
+    la.p.kill()  # no chance to stop anyone: the kernel's parent-death signal does it
+    wait_gone(fds, 15.0)

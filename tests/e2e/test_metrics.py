@@ -1,0 +1,187 @@
+"""Metrics and health against the real processes: `python -m broker --http 127.0.0.1:0` and
+`python -m gpu_worker` (echo, and tests/e2e/gate_model.py's gate, whose calls wait for a byte
+the test writes).  After real traffic the test scrapes /metrics, parses it with
+prometheus-client's own parser and checks that the counts are what was sent, per outcome (direct
+replies, relayed replies, refusals, expiries), that queue depth rises under a backlog and
+returns to 0, and that the batch-size histogram matches the batches the worker ran (each
+reply's timing says its batch's size).  The health paths flip as workers come and go.  Every
+wait polls a condition with a timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from client_sdk import Client, DeadlineExceeded, QueueFull, ServiceUnavailable
+
+from .conftest import wait_service
+
+pytestmark = pytest.mark.timeout(90)
+
+WAIT = 10.0
+
+
+def get(base: str, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(base + path, timeout=WAIT) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def scrape(base: str) -> dict:
+    """{(name, frozenset(labels)): value} of every sample."""
+    status, body = get(base, "/metrics")
+    assert status == 200, body
+    out = {}
+    for fam in text_string_to_metric_families(body.decode()):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def until(cond, what: str, timeout: float = WAIT):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout} s")
+        time.sleep(0.02)  # polling an HTTP endpoint (a condition, not a delay)
+
+
+@pytest.fixture
+def gate(tmp_path):
+    path = tmp_path / "gate.fifo"
+    os.mkfifo(path)
+    fds = []
+
+    class Gate:
+        env = {"GATE_FIFO": str(path)}
+
+        def open(self):
+            fds.append(os.open(path, os.O_WRONLY))
+
+        def release(self, n=1):
+            os.write(fds[0], b"x" * n)
+
+    yield Gate()
+    for fd in fds:
+        os.close(fd)
+
+
+def test_counts_queue_depth_batches_and_health(cluster, gate):
+    broker = cluster.broker("--http", "127.0.0.1:0", "--max-queue", "3", "--service-grace", "0.3")
+    base = "http://" + broker.field("http")
+    # Nothing registered yet: alive, not ready, nothing known.
+    assert get(base, "/v2/health/live")[0] == 200
+    assert get(base, "/v2/health/ready")[0] == 503
+    assert get(base, "/v2/models/echo/ready")[0] == 404
+    assert get(base, "/v2/models/echo")[0] == 404
+    echo = cluster.worker("echo", "--health-port", "127.0.0.1:0")
+    gw = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "8", "--no-warmup",
+                        env=gate.env, wait=False)
+    gate.open()
+    gw.wait_ready()
+    whealth = "http://" + echo.field("health")
+    assert get(whealth, "/v2/health/live")[0] == 200
+    assert get(whealth, "/v2/health/ready")[0] == 200
+    assert get(base, "/v2/health/ready")[0] == 200
+    assert get(base, "/v2/models/echo/ready")[0] == 200
+    status, body = get(base, "/v2/models/echo")
+    info = json.loads(body)
+    assert status == 200 and info["name"] == "echo" and info["ready"] is True
+    assert len(info["workers"]) == 1 and info["workers"][0]["pid"] == echo.p.pid
+    assert "shm" in info["transports"] and info["credit"] >= 1 and info["queue"]["normal"] == 0
+
+    x = {"x": np.arange(16, dtype=np.float32)}
+    sent = {"ok": 0}
+    with Client(cluster.frontend, timeout=WAIT) as c, \
+            Client(cluster.frontend, timeout=WAIT, direct_reply=False) as relayed:
+        wait_service(c, "echo")
+        for _ in range(20):           # direct replies: counted from the worker's DONEs
+            c.infer("echo", x).release()
+        for _ in range(7):            # relayed through the broker
+            relayed.infer("echo", x).release()
+        sent["ok"] += 27
+        with pytest.raises(ServiceUnavailable):  # a service nobody serves: counted as _other
+            c.infer("nobody", x, timeout=WAIT)
+
+        # A backlog: one gated call runs alone (the worker holds it), 15 more fill the
+        # worker's credit (16 = 2 x max-batch), then the broker's queue (max 3) takes 2, one
+        # whose deadline passes there, one more, and refuses the next.
+        wait_service(c, "gate")
+        held = [c.infer_stream("gate", x) for _ in range(16)]
+        assert c.mmi_service("gate")
+        queued = [c.infer_stream("gate", x) for _ in range(2)]
+        with pytest.raises(DeadlineExceeded):
+            c.infer("gate", x, timeout=0.2)
+        queued.append(c.infer_stream("gate", x))
+        assert c.mmi_service("gate")
+        with pytest.raises(QueueFull):
+            c.infer("gate", x)
+        samples = scrape(base)
+        assert value(samples, "zmq_infer_queue_depth", service="gate", priority="normal") == 3
+        assert value(samples, "zmq_infer_in_flight", service="gate") == 16
+        gate.release(40)  # a byte per batch: more than enough
+        replies = [h.result(timeout=WAIT) for h in held + queued]
+        batches = [r.timing["batch"] for r in replies]
+        for r in replies:
+            r.release()
+        sent["ok"] += len(replies)
+
+    # The worker ran n requests reporting batch size k in n / k batches.
+    per_size: dict[float, int] = {}
+    for b in batches:
+        per_size[b] = per_size.get(b, 0) + 1
+    n_batches = {k: n / k for k, n in per_size.items()}
+    assert all(v == int(v) for v in n_batches.values()), n_batches
+
+    def settled():
+        s = scrape(base)
+        ok = value(s, "zmq_infer_requests_total", service="echo", outcome="ok") + \
+            value(s, "zmq_infer_requests_total", service="gate", outcome="ok")
+        done = ok == sent["ok"] and value(s, "zmq_infer_queue_depth", service="gate", priority="normal") == 0
+        # The workers' STATS come once a heartbeat interval.
+        done = done and value(s, "zmq_infer_batch_size_count", service="gate") == sum(n_batches.values()) \
+            and value(s, "zmq_infer_compute_seconds_count", service="echo") == 27
+        return s if done else None
+
+    s = until(settled, "every answer and every batch counted")
+    assert value(s, "zmq_infer_requests_total", service="echo", outcome="ok") == 27
+    assert value(s, "zmq_infer_requests_total", service="gate", outcome="ok") == len(batches)
+    assert value(s, "zmq_infer_requests_total", service="_other", outcome="service_unavailable") == 1
+    assert value(s, "zmq_infer_requests_total", service="gate", outcome="queue_full") == 1
+    # The client's own deadline and the broker's race: either way, one count.
+    assert value(s, "zmq_infer_requests_total", service="gate", outcome="deadline_exceeded") + \
+        value(s, "zmq_infer_requests_total", service="gate", outcome="cancelled") == 1
+    assert value(s, "zmq_infer_request_seconds_count", service="echo") == 27
+    assert value(s, "zmq_infer_queue_wait_seconds_count", service="echo") == 27
+    assert value(s, "zmq_infer_workers", service="echo", host=info["hosts"][0]) == 1
+    assert value(s, "zmq_infer_in_flight", service="gate") == 0
+    # The batch-size histogram holds exactly the batches the gate worker ran.
+    bounds = [1, 2, 4, 8, 16]
+    for le in bounds:
+        want = sum(n for k, n in n_batches.items() if k <= le)
+        assert value(s, "zmq_infer_batch_size_bucket", service="gate", le=f"{float(le)}") == want, le
+    assert value(s, "zmq_infer_batch_size_sum", service="gate") == sum(k * n for k, n in n_batches.items())
+    assert value(s, "zmq_infer_batch_size_bucket", service="echo", le="1.0") == 27
+    assert value(s, "zmq_infer_shm_pool_capacity_bytes", service="echo", worker=str(echo.p.pid)) > 0
+
+    # The echo worker goes: its service is known but has no worker (503), then back.
+    echo.terminate()
+    until(lambda: get(base, "/v2/models/echo/ready")[0] == 503, "echo unready")
+    assert get(base, "/v2/health/ready")[0] == 200  # gate still serves
+    assert get(base, "/v2/models/nope/ready")[0] == 404

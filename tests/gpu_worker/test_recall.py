@@ -1,0 +1,152 @@
+"""The worker's side of RECALL (docs/protocol.md section 3), in process: what it gives back,
+what it keeps, and the heartbeat thread's reads while a batch computes on the loop's thread
+(`Worker._read_while_computing`, then `_after_compute` on the loop), driven step by step
+with real sockets (an inproc pair stands in for the broker)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zmq
+
+from broker import protocol as P
+from broker.protocol.wire import send_frames
+from gpu_worker.worker import Worker, WorkerConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class _Pair:
+    """The worker's upstream: a PAIR to the test's `peer`."""
+
+    watch_liveness = False
+    monitor = None
+
+    def __init__(self, name: str):
+        self.ctx = zmq.Context.instance()
+        self.addr = f"inproc://{name}"
+        self.peer = self.ctx.socket(zmq.PAIR)
+        self.peer.linger = 0
+        self.peer.bind(self.addr)
+        self.sock = None
+        self.last_sent = 0.0
+
+    def connect(self, service, ready):
+        self.sock = self.ctx.socket(zmq.PAIR)
+        self.sock.linger = 0
+        self.sock.connect(self.addr)
+        return self.sock
+
+    def receive(self, frames):
+        return P.parse_broker_to_worker(frames)
+
+    def send(self, frames) -> None:
+        send_frames(self.sock, frames)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        self.peer.close()
+
+    # the test's side
+
+    def to_worker(self, frames) -> None:
+        self.peer.send_multipart(frames)
+
+    def request(self, token: int) -> None:
+        x = np.arange(4, dtype=np.float32)
+        head = P.encode_header(P.Request(id=token, reply="inline",
+                                         tensors=[P.TensorRef("x", "<f4", [4], P.InlineLoc(frame=0))]))
+        self.to_worker([P.MDPW, P.W_REQUEST, P.token_envelope(token), b"", head, x.tobytes()])
+
+    def recall(self, *tokens: int) -> None:
+        self.to_worker([P.MDPW, P.W_RECALL, *map(P.token_envelope, tokens)])
+
+    def cancel(self, token: int) -> None:
+        self.to_worker([P.MDPW, P.W_CANCEL, P.token_envelope(token)])
+
+    def returned(self) -> tuple[list[int], list[int]]:
+        assert self.peer.poll(5000), "no RETURNED"
+        msg = P.parse_worker(self.peer.recv_multipart())
+        assert msg.command == P.W_RETURNED
+        return [P.envelope_token(e) for e in msg.body], [P.envelope_token(e) for e in msg.info]
+
+
+@pytest.fixture
+def worker(tmp_path):
+    up = _Pair(f"recall-{id(tmp_path)}")
+    w = Worker(WorkerConfig(broker="inproc://unused", model="echo", warmup=False, max_delay=10.0), upstream=up)
+    w._connect()
+    w.up = up
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def _settle(w: Worker, cond) -> None:
+    """Let the worker's loop-side reads happen until `cond()` (inproc delivers at once)."""
+    for _ in range(100):
+        w._drain()
+        if cond():
+            return
+        w.sock.poll(10)
+    raise AssertionError("condition not reached")
+
+
+def test_the_loop_gives_back_what_waits_and_keeps_the_rest(worker):
+    up = worker.up
+    up.request(1)
+    up.request(2)
+    _settle(worker, lambda: len(worker.jobs) == 2)
+    assert len(worker.batcher) == 2
+    up.recall(2, 99)  # 99: started or answered long ago
+    worker.sock.poll(5000)
+    worker._drain()
+    assert up.returned() == ([2], [99])
+    assert set(worker.jobs) == {P.token_envelope(1)} and len(worker.batcher) == 1
+    assert worker.returned == 1
+
+
+def test_while_a_batch_computes_the_heartbeat_thread_answers_and_the_loop_follows(worker):
+    up = worker.up
+    up.request(1)
+    _settle(worker, lambda: len(worker.jobs) == 1)   # waiting in the batcher
+    # Meanwhile (the loop computes a batch): a new request, a RECALL for both and for one
+    # that has started, then a CANCEL for the new one.
+    up.request(2)
+    up.recall(1, 2, 7)
+    up.request(3)
+    up.cancel(2)
+    for _ in range(100):
+        if worker.sock.poll(10) and len(worker._stash) == 3:
+            break
+        worker._read_while_computing()
+    # The RECALL was answered at once; the loop's state is untouched so far.
+    assert up.returned() == ([1, 2], [7])
+    assert set(worker.jobs) == {P.token_envelope(1)}
+    assert [m.command for m, _ in worker._stash] == [P.W_REQUEST, P.W_REQUEST, P.W_CANCEL]
+    # The batch ends: what was given back goes, the rest is handled in order.
+    worker._after_compute()
+    assert set(worker.jobs) == {P.token_envelope(3)}
+    assert len(worker.batcher) == 1
+    assert worker._stash == [] and not worker._returned_early
+    assert not worker.up.peer.poll(100)  # no reply for 2 (given back) nor for its CANCEL
+
+
+def test_a_cancel_for_a_running_job_drops_its_result(worker):
+    up = worker.up
+    up.request(5)
+    _settle(worker, lambda: len(worker.jobs) == 1)
+    job = worker.jobs.pop(P.token_envelope(5))
+    worker.batcher.drop(lambda p: True)
+    worker.running = {job.envelope: job}  # as _run sets it while the batch computes
+    up.cancel(5)
+    worker.sock.poll(5000)
+    worker._drain()
+    assert job.cancelled and worker.cancelled_running == 1
+    worker._reply_batch([job], [{"x": np.zeros(4, np.float32)}], started=0.0, compute_ms=1.0, n=1)
+    assert up.peer.poll(5000)
+    msg = P.parse_worker(up.peer.recv_multipart())
+    rep = P.decode_reply(msg.body[0])
+    assert msg.command == P.W_FINAL and rep.error.code == P.ErrorCode.CANCELLED
+    assert "result was dropped" in rep.error.message
