@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connect", required=True, help="the proxy's backend (DEALER) endpoint")
     add_model_options(ap)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s proxied-worker %(levelname)s %(message)s")
+    from broker.protocol.logs import setup_logging
+
+    setup_logging(args.log_level, args.log_format, "proxied-worker")
     die_with_parent()  # SIGTERM (a drain) if the harness dies
 
     cfg = make_config(args.connect, **model_config(args))

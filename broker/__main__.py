@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import signal
 import sys
 import threading
 
 from broker.config import load_launcher
 from broker.launcher import Launcher
+from broker.protocol.logs import add_log_options, setup_logging
 from broker.protocol.naming import RuntimeDirError
 from broker.security import SecurityError, make_keys
 from broker.server import Broker, BrokerConfig
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-keys", metavar="DIR", help="tcp frontend: directory of allowed clients' public *.key certificates")
     ap.add_argument("--worker-keys", metavar="DIR", help="tcp backend: directory of allowed workers' public *.key certificates")
     ap.add_argument("--insecure", action="store_true", help="serve tcp endpoints as plain tcp: no authentication, no encryption")
-    ap.add_argument("--log-level", default="WARNING")
+    add_log_options(ap)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s broker %(levelname)s %(message)s")
+    setup_logging(args.log_level, args.log_format, "broker")
 
     try:
         cfg = BrokerConfig.from_toml(args.config) if args.config else BrokerConfig()

@@ -2,23 +2,25 @@
 KServe v2 / Open Inference Protocol health paths (docs/operations.md, "Metrics and health").
 
     GET /metrics                       Prometheus text (broker.metrics)
-    GET /v2/health/live                200 while the broker loop answers (within 1 s), else 503
+    GET /v2/health/live                200 while the broker loop runs (it passed within 2 s), else 503
     GET /v2/health/ready               200 when some service has a live worker, else 503
     GET /v2/models/{service}/ready     200 live worker; 503 known service without one; 404 unknown
     GET /v2/models/{service}           JSON: workers, hosts, transports, credit, queue, inputs
 
-Threads: the server runs in its own threads (one per connection, `ThreadingHTTPServer`, with
-a socket timeout, so a slow client cannot hold the probes).  It never reads the broker's
+Threads: the server runs in its own threads (one per connection, at most `MAX_CONNECTIONS`
+at once: more are closed at once; a socket timeout per read).  It never reads the broker's
 state itself: each request asks the broker loop for a snapshot over an inproc PAIR
 (`LoopLink`), which the loop answers between two messages (`Broker._on_http`).  So the
-numbers are consistent, the loop keeps its single-thread invariants, and liveness means what
-it says: the loop answered.
+numbers are consistent and the loop keeps its single-thread invariants.  Liveness alone asks
+nothing: the loop stamps each pass, and a probe reads the stamp, so a burst of scrapes can
+never make a live broker look dead.
 """
 from __future__ import annotations
 
 import itertools
 import json
 import logging
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
@@ -84,6 +86,39 @@ class LoopLink:
             self._sock.close(linger=0)
 
 
+#: HTTP connections served at once (probes and scrapes are few; more are closed at once, so
+#: slow or idle clients cannot use up the broker's threads).
+MAX_CONNECTIONS = 16
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``MAX_CONNECTIONS`` at once; IPv6 when the host is."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int = MAX_CONNECTIONS):
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the limit: closed, nothing read
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "zmq-infer"
     timeout = 5.0  # a client that sends nothing for this long is dropped (its thread ends)
@@ -107,8 +142,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         link: LoopLink = self.server.link
-        path = unquote(urlsplit(self.path).path).rstrip("/") or "/"
-        parts = path.split("/")[1:]
+        raw = urlsplit(self.path).path.rstrip("/") or "/"
+        parts = [unquote(p) for p in raw.split("/")[1:]]  # split first: a name may hold %2F
+        path = unquote(raw)
         if path == "/metrics":
             snap = link.ask("metrics")
             if snap is None:
@@ -120,7 +156,7 @@ class _Handler(BaseHTTPRequestHandler):
             # Rendered here, on this thread: the loop only copied its numbers.
             return self._send(200, exposition(render(*snap)), CONTENT_TYPE_LATEST)
         if path == "/v2/health/live":
-            ok = link.ask("live") is not None
+            ok = self.server.alive()
             return self._json(200 if ok else 503, {"live": ok})
         if path == "/v2/health/ready":
             ready = link.ask("ready")
@@ -148,10 +184,10 @@ class _Handler(BaseHTTPRequestHandler):
 class HttpFront:
     """The HTTP server on its own threads; `close()` stops it."""
 
-    def __init__(self, address: tuple[str, int], link: LoopLink):
-        self.server = ThreadingHTTPServer(address, _Handler)
-        self.server.daemon_threads = True
+    def __init__(self, address: tuple[str, int], link: LoopLink, alive=lambda: True):
+        self.server = BoundedHTTPServer(address, _Handler)
         self.server.link = link
+        self.server.alive = alive
         self.link = link
         self.address = self.server.server_address[:2]
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from broker.config import LauncherConfig, PoolConfig
+from broker.protocol import logs
 
 __all__ = [
     "Backoff", "Supervisor", "Launcher",
@@ -653,7 +654,10 @@ class Launcher:
     def _argv(self, pool: PoolConfig) -> list[str]:
         args = pool.worker_args(self.broker.backend_ep, heartbeat_interval=self._hb[0],
                                 heartbeat_liveness=self._hb[1], link=self._link)
-        return [sys.executable, "-c", _PRELUDE, str(os.getpid()), "-m", "gpu_worker", *args]
+        # The launcher's log format (first: a pool's extra_args may override it; its level is
+        # the worker's own, WARNING unless extra_args say --log-level).
+        fmt = ["--log-format", logs.configured_format()] if logs.configured_format() != "text" else []
+        return [sys.executable, "-c", _PRELUDE, str(os.getpid()), "-m", "gpu_worker", *fmt, *args]
 
     def _start(self, a: StartWorker) -> None:
         pool = self._pools[a.pool]
@@ -714,6 +718,9 @@ class Launcher:
         self._events.put(("exited", child.wid, code))
 
     def _forward(self, child: _Child, text: str) -> None:
+        if logs.configured_format() == "json":
+            self._say(logs.tag_json_line(text, pool=child.pool, index=child.index, pid=child.pid))
+            return
         self._say(f"[{child.pool}/{child.index} pid {child.pid}] {text}")
 
     def _say(self, line: str) -> None:

@@ -16,6 +16,7 @@ service names cannot grow the exposition.  Per-worker gauges are dropped when th
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -24,27 +25,36 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from broker.protocol import ErrorCode
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
 
-__all__ = ["Metrics", "render", "outcome_name", "OTHER", "MAX_SERVICES"]
+__all__ = ["Metrics", "render", "exposition", "outcome_name", "OTHER", "MAX_SERVICES", "CLIENT_GONE"]
 
 OTHER = "_other"
 #: Distinct service names the metrics keep labels for; more registered names count as OTHER.
 MAX_SERVICES = 1024
 
 _CODES = {int(c): c.name.lower() for c in ErrorCode}
+_MAX_COUNT = 1 << 53   # beyond this a count or a byte gauge is not a real one
+_MAX_SUM = 1e12        # seconds or requests in one STATS: far beyond any real interval
+_GAUGE_FIELDS = ("shm_used", "shm_capacity", "cuda_used", "cuda_capacity", "device_used", "device_total")
 _PRIORITIES = ("urgent", "normal", "background")
 
 
+from broker.state import CLIENT_GONE  # noqa: E402  (the scheduler reports it: never a wire code)
+
+
 def outcome_name(code: int) -> str:
-    """``ok`` for a result, else the error code's name in lower case (``error_N`` for a code
-    this version does not know)."""
+    """``ok`` for a result, else the error code's name in lower case; ``client_gone`` for
+    `CLIENT_GONE`; ``error_other`` for any code this version does not know (one label, so a
+    worker sending odd codes cannot grow the exposition)."""
     if not code:
         return "ok"
-    return _CODES.get(int(code)) or f"error_{int(code)}"
+    if code == CLIENT_GONE:
+        return "client_gone"
+    return _CODES.get(code) or "error_other"
 
 
 class _Service:
     __slots__ = ("outcomes", "queue_wait", "request", "compute", "input", "output", "batch", "keep_warm",
-                 "recalled")
+                 "recalled", "dropped")
 
     def __init__(self):
         self.outcomes: dict[str, int] = {}
@@ -56,6 +66,7 @@ class _Service:
         self.batch = Histogram(BATCH_BUCKETS)
         self.keep_warm = 0
         self.recalled = 0
+        self.dropped = 0
 
     def copy(self) -> "_Service":
         c = _Service()
@@ -64,6 +75,7 @@ class _Service:
             setattr(c, name, getattr(self, name).copy())
         c.keep_warm = self.keep_warm
         c.recalled = self.recalled
+        c.dropped = self.dropped
         return c
 
 
@@ -103,19 +115,29 @@ class Metrics:
             if dispatched_at is not None:
                 s.queue_wait.observe(max(0.0, dispatched_at - enqueued_at))
 
-    def worker_stats(self, worker: bytes, service: str, pid: int | None, st: Any) -> bool:
-        """Merge one worker's STATS (deltas of its histograms, its current gauges); False
-        (and nothing merged) when it is malformed."""
+    def worker_stats(self, worker: bytes, service: str, worker_label: str, st: Any) -> bool:
+        """Merge one worker's STATS (deltas of its histograms, its current gauges, shown with
+        the label ``worker_label``: its pid and host); False (and nothing merged) when it is
+        malformed: counts or sums negative, not finite or absurd."""
         s = self._svc(service)
         pairs = [(s.compute, st.compute), (s.input, st.input), (s.output, st.output), (s.batch, st.batch)]
         try:
             for hist, delta in pairs:
-                if delta is not None and len(delta[0]) != len(hist.counts):
+                if delta is None:
+                    continue
+                counts, total = delta
+                if len(counts) != len(hist.counts):
                     raise ValueError("bucket count mismatch")
-                if delta is not None and (any(type(c) is not int or c < 0 for c in delta[0]) or delta[1] < 0):
-                    raise ValueError("negative or non-integer counts")
-            if st.keep_warm_runs < 0:
-                raise ValueError("negative keep-warm runs")
+                if any(type(c) is not int or not 0 <= c < _MAX_COUNT for c in counts):
+                    raise ValueError("negative, huge or non-integer counts")
+                if not (math.isfinite(total) and 0 <= total < _MAX_SUM):
+                    raise ValueError("sum not a finite non-negative number")
+            if not 0 <= st.keep_warm_runs < _MAX_COUNT:
+                raise ValueError("keep-warm runs out of range")
+            for field in _GAUGE_FIELDS:
+                v = getattr(st, field)
+                if v is not None and not 0 <= v < _MAX_COUNT:
+                    raise ValueError(f"{field} out of range")
         except (ValueError, TypeError):
             self.bad_stats += 1
             return False
@@ -123,20 +145,30 @@ class Metrics:
             if delta is not None:
                 hist.add(delta[0], delta[1])
         s.keep_warm += st.keep_warm_runs
-        self.gauges[worker] = (self.label(service), pid, st)
+        self.gauges[worker] = (self.label(service), worker_label, st)
         return True
 
     def recalled(self, service: str, n: int) -> None:
         """``n`` requests asked back from a busy worker of ``service`` for an idle one."""
         self._svc(service).recalled += n
 
+    def dropped(self, service: str, n: int) -> None:
+        """A client's latest-wins stream dropped ``n`` frames before sending this request's
+        (the request says so: `P.Request.dropped`); bounded per request by sanity."""
+        if 0 < n < 1 << 32:
+            self._svc(service).dropped += n
+
     def worker_gone(self, worker: bytes) -> None:
         self.gauges.pop(worker, None)
 
-    def snapshot(self) -> dict:
-        """A copy for another thread to render."""
+    def snapshot(self, alive=None) -> dict:
+        """A copy for another thread to render; ``alive(worker)``: whether a worker still
+        is (the gauges of those that are not are dropped now)."""
+        if alive is not None:
+            for w in [w for w in self.gauges if not alive(w)]:
+                del self.gauges[w]
         return {"services": {k: v.copy() for k, v in self.services.items()},
-                "gauges": [(svc, pid, st) for svc, pid, st in self.gauges.values()]}
+                "gauges": list(self.gauges.values())}
 
 
 class _Snapshot(Collector):
@@ -167,14 +199,26 @@ def render(metrics: dict | None, sched: dict, known: Iterable[str]) -> list:
     workers = GaugeMetricFamily("zmq_infer_workers", "Live workers, by host", labels=["service", "host"])
     credit = GaugeMetricFamily("zmq_infer_credit", "Requests the service's live workers may hold at once",
                                labels=["service"])
-    for name, s in sorted(sched["services"].items()):
+    # Names without their own label add up under OTHER: one series per label set.
+    q: dict = {}
+    fl: dict = {}
+    cr: dict = {}
+    wk: dict = {}
+    for name, s in sched["services"].items():
         label = name if name in known else OTHER
         for pri in _PRIORITIES:
-            queue.add_metric([label, pri], s["queued"][pri])
-        in_flight.add_metric([label], s["in_flight"])
-        credit.add_metric([label], s["credit"])
-        for host, n in sorted(s.get("hosts", {}).items()):
-            workers.add_metric([label, host], n)
+            q[label, pri] = q.get((label, pri), 0) + s["queued"][pri]
+        fl[label] = fl.get(label, 0) + s["in_flight"]
+        cr[label] = cr.get(label, 0) + s["credit"]
+        for host, n in s.get("hosts", {}).items():
+            wk[label, host] = wk.get((label, host), 0) + n
+    for key in sorted(q):
+        queue.add_metric(list(key), q[key])
+    for key in sorted(fl):
+        in_flight.add_metric([key], fl[key])
+        credit.add_metric([key], cr[key])
+    for key in sorted(wk):
+        workers.add_metric(list(key), wk[key])
     fams += [queue, in_flight, workers, credit]
     events = CounterMetricFamily("zmq_infer_broker_events", "Scheduler events since the broker started",
                                  labels=["event"])
@@ -212,6 +256,12 @@ def render(metrics: dict | None, sched: dict, known: Iterable[str]) -> list:
     for name, s in svcs:
         recalled.add_metric([name], s.recalled)
     fams.append(recalled)
+    dropped = CounterMetricFamily("zmq_infer_stream_dropped_frames", "Frames latest-wins streams dropped at "
+                                  "their clients (a newer frame replaced them), as the clients report",
+                                  labels=["service"])
+    for name, s in svcs:
+        dropped.add_metric([name], s.dropped)
+    fams.append(dropped)
     gauges = {
         "shm_used": ("zmq_infer_shm_pool_used_bytes", "Output pool bytes in use, per worker"),
         "shm_capacity": ("zmq_infer_shm_pool_capacity_bytes", "Output pool capacity, per worker"),
@@ -222,10 +272,10 @@ def render(metrics: dict | None, sched: dict, known: Iterable[str]) -> list:
     }
     for field, (name, doc) in gauges.items():
         fam = GaugeMetricFamily(name, doc, labels=["service", "worker"])
-        for service, pid, st in metrics["gauges"]:
+        for service, worker, st in metrics["gauges"]:
             v = getattr(st, field)
             if v is not None:
-                fam.add_metric([service, str(pid)], v)
+                fam.add_metric([service, worker], v)
         fams.append(fam)
     return fams
 

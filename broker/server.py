@@ -18,6 +18,7 @@ request id, otherwise dropped; it never raises out of the loop.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import socket
@@ -31,6 +32,7 @@ import msgspec
 import zmq
 
 from broker import protocol as P
+from broker.protocol import logs
 from broker.protocol.wire import recv_frames, send_frames
 from shm import gc as shm_gc
 from shm.segment import process_alive
@@ -62,6 +64,7 @@ _GC_INTERVAL = 1.0
 _POLLIN = int(zmq.POLLIN)
 _MAX_CLIENT_PIDS = 1 << 16
 _MAX_SERVICES = 1024  # service names remembered for the HTTP endpoint (as broker.metrics.MAX_SERVICES)
+_LIVE_WITHIN_S = 2.0  # live: the loop passed this recently (it passes at least every 100 ms)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _NOBLOCK = int(zmq.NOBLOCK)
 #: default largest client frame: the largest inline tensor a deployment expects, and then some
@@ -198,11 +201,11 @@ class Broker:
         self.sched = Scheduler(self.cfg.scheduler,
                                on_direct=self.metrics.final if self.metrics is not None else None)
         self._seen_services: dict[str, None] = {}  # registered at some point (404 vs 503), bounded
-        self._worker_info: dict[bytes, tuple[str, int | None, Any]] = {}  # ident -> (service, pid, inputs)
+        self._worker_info: dict[bytes, tuple] = {}  # ident -> (service, pid, inputs, host)
         self._client_window_ms = max(1, min(int(self.sched.client_window * 1000), (1 << 32) - 1))
         sc = self.cfg.scheduler
         self._welcome = P.Welcome(instance=self.instance, heartbeat_interval=sc.heartbeat_interval,
-                                  heartbeat_liveness=sc.heartbeat_liveness)
+                                  heartbeat_liveness=sc.heartbeat_liveness, metrics=bool(self.cfg.http))
         self.frontend = self.ctx.socket(zmq.ROUTER)
         self.backend = self.ctx.socket(zmq.ROUTER)
         for s in (self.frontend, self.backend):
@@ -260,10 +263,12 @@ class Broker:
         self._doomed: dict[bytes, None] = {}  # clients a send found stalled or gone, to drop
         self._dropping = False
         self.malformed = 0
+        self._log_levels()  # whether request lines are logged (read again every _GC_INTERVAL)
         self.stalled_clients = 0  # clients dropped because they stopped reading their replies
         self._closed = False
         self.http = None
         self._http_loop = None
+        self.last_pass = time.monotonic()  # the loop's last pass (the HTTP liveness probe reads it)
         if self.cfg.http:
             try:
                 self._open_http()
@@ -281,7 +286,8 @@ class Broker:
         self._http_loop.linger = 0
         self._http_loop.bind(name)
         try:
-            self.http = HttpFront(address, LoopLink(self.ctx, name))
+            self.http = HttpFront(address, LoopLink(self.ctx, name),
+                                  alive=lambda: time.monotonic() - self.last_pass < _LIVE_WITHIN_S)
         except OSError as e:
             raise RuntimeError(f"--http {self.cfg.http}: cannot listen: {e}") from None
         self.http_address = "%s:%d" % self.http.address
@@ -345,12 +351,13 @@ class Broker:
         wake = sched.next_wakeup(monotonic())
         next_gc = monotonic()
         while stop is None or not stop.is_set():
-            now = monotonic()
+            now = self.last_pass = monotonic()
             if now >= next_gc:
                 # The broker outlives clients and workers on this host: it reaps the shared
                 # memory of those that died without cleaning up (SIGKILL, OOM).
                 self._collect_shm()
                 next_gc = now + _GC_INTERVAL
+                self._log_levels()
             if wake is not None and now >= wake:
                 self._act(sched.tick(now), now)
                 wake = sched.next_wakeup(now)
@@ -378,15 +385,21 @@ class Broker:
             except Exception:
                 self._oops.exception("could not answer an HTTP question %r", what)
                 answer = None
-            sock.send_pyobj((n, answer))
+            try:
+                sock.send_pyobj((n, answer), flags=zmq.NOBLOCK)  # never wait for the HTTP side
+            except zmq.Again:
+                pass
 
     def _http_answer(self, what: str, arg: str):
         sched = self.sched
         if what == "live":
             return True
         if what == "ready":
-            return any(sched.has_service(name) for name in self._seen_services)
+            # Not while draining (SIGTERM to the launcher): new requests are refused then.
+            return not sched.draining and sched.live_services() > 0
         if what == "model_ready":
+            if sched.draining:
+                return "unavailable"
             if sched.has_service(arg):
                 return "ready"
             return "unavailable" if arg in self._seen_services else "unknown"
@@ -397,7 +410,7 @@ class Broker:
                                                "in_flight": 0, "workers": []}
             workers, inputs = [], None
             for w in info["workers"]:
-                _, pid, sig = self._worker_info.get(w["worker"], (arg, None, None))
+                _, pid, sig, _ = self._worker_info.get(w["worker"], (arg, None, None, None))
                 inputs = inputs or sig
                 workers.append({"pid": pid, "host": w["host"], "transports": w["transports"],
                                 "credit": w["credit"], "in_flight": w["in_flight"]})
@@ -417,8 +430,7 @@ class Broker:
             m = self.metrics
             snap = None
             if m is not None:
-                snap = m.snapshot()
-                snap["gauges"] = [g for w, g in m.gauges.items() if sched.has_worker(w)]
+                snap = m.snapshot(alive=sched.has_worker)
             return snap, sched.stats(), list(m.known if m is not None else ())
         return None
 
@@ -512,6 +524,8 @@ class Broker:
                 rid = P.lenient_request_id(first)
                 self._bad.warning("bad request header from %r: %s", ident[:16], e)
                 self._send_client(ident, P.client_reply(True, service, P.error_body(rid, e.code, str(e))))
+                if self.metrics is not None:
+                    self.metrics.final(service.decode(errors="replace"), int(e.code), None, None, now)
                 return
             if self._tcp_frontend:
                 tcp = self._client_tcp.get(ident)
@@ -523,6 +537,9 @@ class Broker:
                     self._bad.warning("refused a request from tcp client %r: %s", ident[:16], security.TCP_REFS)
                     self._send_client(ident, P.client_reply(True, service, P.error_body(
                         req.id, P.ErrorCode.PROTOCOL_ERROR, security.TCP_REFS)))
+                    if self.metrics is not None:
+                        self.metrics.final(service.decode(errors="replace"), int(P.ErrorCode.PROTOCOL_ERROR),
+                                           None, None, now)
                     return
                 if tcp:
                     # A worker on the client's host would answer a same-host client through
@@ -533,6 +550,9 @@ class Broker:
             # an ipc client the kernel says whose connection it is; over tcp nobody can, and
             # such a client gets its outputs inline.
             req.pid = pid = self._client_pid(ident, first)
+            if self._log_debug:
+                log.debug("request received", extra={**logs.tensor_fields(req), "service": service.decode(errors="replace"),
+                                                     "priority": req.priority, "timeout_ms": req.timeout_ms})
             local = None
             if req.host is not None:
                 for t in req.tensors:
@@ -543,6 +563,8 @@ class Broker:
                     if kind is P.ShmLoc:
                         local = req.host
             deadline = None if req.timeout_ms is None else now + req.timeout_ms / 1000.0
+            if req.dropped and self.metrics is not None:
+                self.metrics.dropped(service.decode(errors="replace"), req.dropped)
             actions = self.sched.client_request(
                 ident,
                 req.id,
@@ -672,7 +694,13 @@ class Broker:
             self._act(actions, now)
         elif cmd == P.W_DONE:
             tokens = []
-            info = msg.info
+            info = None
+            if msg.info is not None and self.metrics is not None:
+                try:
+                    info = P.decode_done_info(msg.info, len(msg.body))
+                except P.ProtocolError as e:
+                    self._bad.warning("worker %r sent a DONE whose outcomes do not parse (%s); counted as results",
+                                      ident[:16], e)
             codes = ages = None
             if info is not None:
                 codes, ages = [], []
@@ -683,14 +711,16 @@ class Broker:
                 else:
                     tokens.append(token)
                     if info is not None:
-                        codes.append(info.codes[i])
-                        ages.append(info.ages_ms[i] / 1000.0)
+                        codes.append(int(info.codes[i]))
+                        age = info.ages_ms[i]
+                        ages.append(age / 1000.0 if math.isfinite(age) and 0.0 <= age < 3.6e6 else 0.0)
             self._act(sched.worker_done(ident, tokens, now, codes, ages), now)
         elif cmd == P.W_STATS:
             sched.worker_seen(ident, now)
             known = self._worker_info.get(ident)
             if self.metrics is not None and known is not None:
-                if not self.metrics.worker_stats(ident, known[0], known[1], msg.info):
+                label = f"{known[1]}@{known[3] or '-'}"  # pid@host: pids repeat across pods
+                if not self.metrics.worker_stats(ident, known[0], label, msg.info):
                     self._bad.warning("worker %r sent STATS that do not add up; ignored", ident[:16])
         elif cmd == P.W_RETURNED:
             tokens = [t for t in map(P.envelope_token, msg.body) if t is not None]
@@ -705,9 +735,10 @@ class Broker:
             self._on_backend_events()
             self._bind_connection(ident, frames[1], now)
             r = msg.ready
-            self._note_worker(ident, msg.service.decode(errors="replace"), r)
             if r is None:
                 actions = sched.worker_ready(ident, msg.service.decode(errors="replace"), now)
+                if not any(type(a) is DisconnectWorker and a.worker == ident for a in actions):
+                    self._note_worker(ident, msg.service.decode(errors="replace"), None)
             else:
                 actions = sched.worker_ready(
                     ident,
@@ -719,6 +750,8 @@ class Broker:
                     recall=r.recall,
                 )
                 refused = any(type(a) is DisconnectWorker and a.worker == ident for a in actions)
+                if not refused:
+                    self._note_worker(ident, msg.service.decode(errors="replace"), r)
                 if r.welcome and not refused:
                     # Registered: say so, with this process's instance and the liveness
                     # settings both sides must use (one place configures them: here).
@@ -738,7 +771,8 @@ class Broker:
             live = {w: v for w, v in self._worker_info.items() if self.sched.has_worker(w)}
             self._worker_info = live
         self._worker_info[ident] = (service, None if ready is None else ready.pid,
-                                    None if ready is None else ready.inputs)
+                                    None if ready is None else ready.inputs,
+                                    None if ready is None else ready.host)
 
     def _client_pid(self, ident: bytes, frame: Any) -> int | None:
         """The pid of the process on the other end of this client's ipc connection (learned
@@ -820,6 +854,9 @@ class Broker:
             elif t is ClientError:
                 if self.metrics is not None:
                     self.metrics.final(a.service, a.code, a.enqueued_at, None, now)
+                if self._log_info:
+                    self._log_request("request failed: " + a.message, a.payload, a.request_id,
+                                      service=a.service, code=int(a.code))
                 rid = a.request_id if a.request_id >= 0 else 0
                 self._send_client(
                     a.client,
@@ -861,4 +898,28 @@ class Broker:
             self.send_to_worker(P.to_worker_request(a.worker, P.token_envelope(a.token), body))
         except zmq.ZMQError as e:
             self._bad.warning("could not send to worker %r: %s", a.worker[:16], e)
+            return
+        if self._log_info:
+            known = self._worker_info.get(a.worker)
+            self._log_request("request dispatched", p, a.request_id, service=a.service,
+                              worker_pid=known[1] if known is not None else None,
+                              queue_ms=round((now - a.enqueued_at) * 1000.0, 3), attempt=a.attempt,
+                              returned=a.returned or None)
+
+    # ------------------------------------------------------------------ request log lines
+
+    def _log_levels(self) -> None:
+        """Read the log levels once (at start, then every _GC_INTERVAL), so that a request
+        line that is off costs the request path one attribute test."""
+        self._log_info = log.isEnabledFor(logging.INFO)
+        self._log_debug = log.isEnabledFor(logging.DEBUG)
+
+    def _log_request(self, msg: str, payload: Any, request_id: int, **fields: Any) -> None:
+        """One INFO line about a request, naming it (rid, trace_id) as the worker does."""
+        req = getattr(payload, "header", None)
+        if req is not None:
+            head = logs.request_fields(req)
+        else:  # a plain MDP request: ids of its own (negative), unknown to workers
+            head = {"rid": f"mdp:{-request_id}"}
+        log.info(msg, extra={**head, **fields})
 

@@ -292,6 +292,10 @@ Action = (Dispatch | ToClient | ClientError | CancelAtWorker | RecallAtWorker | 
 
 # ------------------------------------------------------------------------ internal state
 
+#: The outcome `on_direct` reports for a request whose client went away before any final
+#: (queued, or held by a worker that then died or gave it back): never a wire code.
+CLIENT_GONE = -1
+
 # Request states (see Rule 3 in the module docstring).
 _QUEUED, _RUNNING, _CANCELLING, _ABANDONED, _DONE = range(5)
 _LIVE_FOR_CLIENT = (_QUEUED, _RUNNING, _CANCELLING)
@@ -678,7 +682,8 @@ class Scheduler:
                 self._error(req, ErrorCode.CANCELLED, "cancelled by the client", out)
                 self._retire(req)
             else:
-                self._retire(req)  # abandoned: its client already has its final
+                self._gone(req, now)  # abandoned: counted now if its client left without a final
+                self._retire(req)
         for req, thief in reversed(retry):
             req.state = _QUEUED
             req.worker = None
@@ -933,7 +938,7 @@ class Scheduler:
         """Drop the connection's queued requests silently and cancel its running ones (its
         principal's other connections keep theirs)."""
         out: list[Action] = []
-        self._drop_client(client, out)
+        self._drop_client(client, out, now)
         self._flush(now, out)
         return out
 
@@ -969,7 +974,7 @@ class Scheduler:
                                f"(liveness {self._worker_ttl} s); presumed dead"))
                 self._kill_worker(obj, now, out)
             else:
-                self._drop_client(obj.ident, out)
+                self._drop_client(obj.ident, out, now)
         self._flush(now, out)
         return out
 
@@ -1008,6 +1013,15 @@ class Scheduler:
     def live(self) -> int:
         """Requests not DONE: queued, running, cancelling, or still held by a worker."""
         return self._live
+
+    @property
+    def draining(self) -> bool:
+        """Whether `drain()` was called: new requests are refused."""
+        return self._draining is not None
+
+    def live_services(self) -> int:
+        """How many services have a live worker (O(services): for probes, not per request)."""
+        return sum(1 for svc in self._services.values() if svc.any.live > 0)
 
     def has_worker(self, worker: bytes) -> bool:
         """Whether ``worker`` is registered and alive."""
@@ -1409,6 +1423,7 @@ class Scheduler:
                             "cancelled by the client (the worker died before confirming)", out)
                 self._retire(req)
             else:
+                self._gone(req, now)
                 self._retire(req)
         w.in_flight = {}
         # Front of their FIFOs, and their principals to the front of the rings, oldest first:
@@ -1508,7 +1523,13 @@ class Scheduler:
 
     # ---- clients
 
-    def _drop_client(self, client, out):
+    def _gone(self, req, now):
+        """An abandoned request ends without a worker's answer: if its client left before any
+        final (an orphan), this is its one count (outcome CLIENT_GONE)."""
+        if req.orphan and self._on_direct is not None:
+            self._on_direct(req.svc.name, CLIENT_GONE, req.enqueued_at, req.dispatched_at, now)
+
+    def _drop_client(self, client, out, now):
         """The connection ``client`` went away (or fell silent): exactly its requests go;
         its principal's other connections keep theirs, and their counts."""
         self._clients.pop(client, None)
@@ -1522,6 +1543,8 @@ class Scheduler:
             if req.state == _QUEUED:
                 self._counters["client_dropped"] += 1
                 self._unqueue(req)
+                if self._on_direct is not None:
+                    self._on_direct(req.svc.name, CLIENT_GONE, req.enqueued_at, None, now)
                 self._retire(req)
             else:
                 if req.state == _RUNNING:

@@ -243,10 +243,11 @@ class AsyncClient(ClientBase):
 
     async def infer(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                     priority: Any = "normal", meta: Mapping[str, Any] | None = None,
-                    reply: str = "auto") -> Result:
+                    reply: str = "auto", traceparent: str | None = None) -> Result:
         """Run one request and return its FINAL outputs.  A service that streams its results
         (PARTIALs) and ends with an empty FINAL raises `NotSupported`: use `infer_stream`."""
-        handle = self.infer_stream(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply)
+        handle = self.infer_stream(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
+                                   traceparent=traceparent)
         try:
             return await handle.result()
         finally:
@@ -254,12 +255,16 @@ class AsyncClient(ClientBase):
 
     def infer_stream(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                      priority: Any = "normal", meta: Mapping[str, Any] | None = None,
-                     reply: str = "auto") -> "AsyncReplyStream":
+                     reply: str = "auto", traceparent: str | None = None) -> "AsyncReplyStream":
         """Send one request now and return its handle: `async for` over it gets each
         PARTIAL, then the FINAL; `await handle.result()` the FINAL alone.  `cancel()` cancels
         the request at once; closing the handle (or leaving `async with`) before the FINAL
-        cancels it too."""
-        call = self.prepare(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply)
+        cancels it too.
+        `traceparent`: a W3C trace context (``00-<32 hex trace id>-<16 hex span id>-<2 hex
+        flags>``) carried to the broker and the worker, whose log lines and spans name its
+        trace id (docs/operations.md, "Logs and traces"); one that does not parse is ignored."""
+        call = self.prepare(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
+                            traceparent=traceparent)
         self.submit(call)
         return AsyncReplyStream(self, call)
 
@@ -323,13 +328,13 @@ class AsyncClient(ClientBase):
 
     def prepare(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                 priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto",
-                copy_inline: bool = False) -> Call:
+                copy_inline: bool = False, traceparent: str | None = None) -> Call:
         """Check the arguments and pack the inputs into a `Call`, without sending it (the
         reader starts on the running loop if it has not yet).  A prepared call must end in
         `submit` or `give_up`: it may hold input slots."""
         self._start()
         return self._core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta,
-                                   reply=reply, copy_inline=copy_inline)
+                                   reply=reply, copy_inline=copy_inline, traceparent=traceparent)
 
     def submit(self, call: Call, timeout: float | None = 0.0) -> bool:
         """Register a prepared call and queue its REQUEST; its deadline starts now.  Never

@@ -133,10 +133,12 @@ class Call:
 
     __slots__ = ("id", "service", "packed", "priority", "meta", "reply", "timeout",
                  "deadline", "t_sent", "t_submit", "t_done", "inbox", "done", "abandoned", "retried", "probe",
-                 "frame", "notify", "adopted", "broker", "resends", "partials", "old_ids", "__weakref__")
+                 "frame", "notify", "adopted", "broker", "resends", "partials", "old_ids", "dropped",
+                 "traceparent", "__weakref__")
 
     def __init__(self, service: str, *, timeout: float | None):
         self.id = 0              # 0 until registered by request_frames (and again if unregistered)
+        self.dropped = 0         # a stream's frames dropped (latest wins) since its previous request
         self.service = service
         self.packed: T.Packed | None = None
         self.priority = Priority.NORMAL
@@ -160,6 +162,7 @@ class Call:
         self.resends = 0         # times sent again because the broker restarted
         self.partials = 0        # PARTIALs delivered (a streamed call is not resent)
         self.old_ids: list[int] = []  # ids it was sent under before a broker restart (still answerable)
+        self.traceparent: str | None = None  # W3C traceparent sent in the request header (docs/client.md)
 
     def remaining(self, now: float) -> float | None:
         return None if self.deadline is None else self.deadline - now

@@ -78,22 +78,27 @@ class Client(ClientBase):
     # ---------------------------------------------------------------- requests
 
     def infer(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
-              priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto") -> Result:
+              priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto",
+              traceparent: str | None = None) -> Result:
         """Run one request and return its FINAL outputs.  A service that streams its results
         (PARTIALs) and ends with an empty FINAL raises `NotSupported`: use `infer_stream`."""
         with self.infer_stream(service, inputs, timeout=timeout, priority=priority, meta=meta,
-                               reply=reply) as handle:
+                               reply=reply, traceparent=traceparent) as handle:
             return handle.result()
 
     def infer_stream(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                      priority: Any = "normal", meta: Mapping[str, Any] | None = None,
-                     reply: str = "auto") -> "ReplyStream":
+                     reply: str = "auto", traceparent: str | None = None) -> "ReplyStream":
         """Send one request now and return its handle: iterate it to get each PARTIAL as it
         arrives, then the FINAL, or call `result()` for the FINAL alone.  `cancel()` cancels
         the request at once (later `next()`/`result()` raise `Cancelled`); closing the handle
         (or leaving a `with` block) before the FINAL cancels it too.  `timeout` covers the
-        whole exchange."""
-        call = self.prepare(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply)
+        whole exchange.
+        `traceparent`: a W3C trace context (``00-<32 hex trace id>-<16 hex span id>-<2 hex
+        flags>``) carried to the broker and the worker, whose log lines and spans name its
+        trace id (docs/operations.md, "Logs and traces"); one that does not parse is ignored."""
+        call = self.prepare(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
+                            traceparent=traceparent)
         self._send_call(call)
         return ReplyStream(self, call)
 
@@ -156,13 +161,13 @@ class Client(ClientBase):
 
     def prepare(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                 priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto",
-                copy_inline: bool = False) -> Call:
+                copy_inline: bool = False, traceparent: str | None = None) -> Call:
         """Check the arguments and pack the inputs into a `Call`, without sending it.
         `copy_inline` makes inline frames private copies (the caller may then reuse its
         arrays at once).  A prepared call must end in `submit` or `give_up`: it may hold
         input slots."""
         return self._core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta,
-                                   reply=reply, copy_inline=copy_inline)
+                                   reply=reply, copy_inline=copy_inline, traceparent=traceparent)
 
     def submit(self, call: Call, timeout: float | None = 0.0) -> bool:
         """Register a prepared call and send its REQUEST, waiting at most `timeout` seconds

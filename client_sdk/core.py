@@ -218,18 +218,22 @@ class ClientCore:
 
     def new_call(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                  priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto",
-                 copy_inline: bool = False) -> Call:
+                 copy_inline: bool = False, traceparent: str | None = None) -> Call:
         """Check the arguments and pack the inputs; nothing is registered or sent yet."""
         self.check_open()
         check_service(service)
         if reply not in P.REPLY_MODES:
             raise InvalidInput(f"reply {reply!r} must be one of {sorted(P.REPLY_MODES)}")
+        if traceparent is not None and not isinstance(traceparent, str):
+            raise InvalidInput(f"traceparent must be a str ('00-<32 hex>-<16 hex>-<2 hex>') or None, "
+                               f"got {type(traceparent).__name__}")
         self.run_deferred()
         if self._cuda is not None:
             self._cuda.poll()
         call = Call(service, timeout=self.timeout_of(timeout))
         call.priority = parse_priority(priority)
         call.meta = dict(meta or {})
+        call.traceparent = traceparent
         retry_at = self.not_local.get(service)
         inline = not self.use_shm or (retry_at is not None and self.last_recv < retry_at)
         call.probe = self.use_shm and retry_at is not None and not inline
@@ -277,6 +281,8 @@ class ClientCore:
             tensors=packed.tensors,
             meta=call.meta,
             reply_to=self.reply_to,
+            traceparent=call.traceparent,
+            dropped=call.dropped or None,
         )
         try:
             head = P.encode_header(hdr)

@@ -74,6 +74,7 @@ class _StreamCore:
         self._completed = 0
         self._failed = 0
         self._dropped = 0
+        self._told = 0  # of the dropped, how many a request sent so far told the broker about
         self._lat: deque[float] = deque(maxlen=self.LATENCY_WINDOW)
         self._closed = False
         self._finishing = False
@@ -120,13 +121,22 @@ class _StreamCore:
         room = self.max_in_flight - self._in_flight()
         while self._pending and room > 0:
             call = self._pending.popleft()
-            if not self._client.submit(call):
+            if not self._submit(call, 0.0):
                 # The broker is not reading (high-water mark): keep it for later.
                 self._pending.appendleft(call)
                 return
             self._outstanding.append(call)
             self._sent += 1
             room -= 1
+
+    def _submit(self, call: Any, timeout: float | None) -> bool:
+        """Submit one frame; the frames dropped since the last one sent ride on it (the
+        broker counts them: `zmq_infer_stream_dropped_frames_total`)."""
+        call.dropped = self._dropped - self._told
+        if not self._client.submit(call, timeout):
+            return False
+        self._told = self._dropped
+        return True
 
     def _pop_head(self) -> tuple[str, Any] | None:
         """The head frame's outcome, if it has one (PARTIALs are released unread)."""
@@ -196,7 +206,7 @@ class Stream(_StreamCore):
                 if stop is not None and now >= stop:
                     raise TimeoutError(f"no result within {timeout:g}s; the broker is not reading")
                 call = self._pending.popleft()
-                if client.submit(call, None if stop is None else stop - now):
+                if self._submit(call, None if stop is None else stop - now):
                     self._outstanding.append(call)
                     self._sent += 1
                 else:

@@ -19,6 +19,7 @@ import logging
 import sys
 
 from broker import protocol as P
+from broker.protocol.logs import add_log_options, setup_logging
 
 
 def add_model_options(ap: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def add_model_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--keep-warm-util", type=_fraction, default=0.6, metavar="FRACTION",
                     help="keep warm only while the worker was busy at most FRACTION of the recent window "
                          "(ten periods; default 0.6)")
-    ap.add_argument("--log-level", default="WARNING")
+    add_log_options(ap)  # --log-level, --log-format
 
 
 def model_config(args: argparse.Namespace) -> dict:
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="serve /v2/health/live and /v2/health/ready for probes of this process "
                          "(PORT alone: 127.0.0.1; a pod: 0.0.0.0:PORT)")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s worker %(levelname)s %(message)s")
+    setup_logging(args.log_level, args.log_format, "worker")
 
     broker = args.broker or P.default_endpoints()[1]
     from gpu_worker.upstream import CurveKeyError, link_keys
@@ -156,22 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.health_port is not None:
         from gpu_worker.health import HealthServer, loop_alive, parse_port
 
-        registered = []
         try:
             health = HealthServer(
                 parse_port(args.health_port),
                 live=lambda: loop_alive(lambda: worker.last_loop,
                                         lambda: worker.heartbeat_interval * worker.heartbeat_liveness,
                                         lambda: bool(worker.running)),
-                ready=lambda: bool(registered) and not worker.stop.is_set())
+                ready=lambda: worker.registered and not worker.stop.is_set())
         except (ValueError, OSError) as e:
             worker.close()
             print(f"python -m gpu_worker: --health-port {args.health_port}: {e}", file=sys.stderr, flush=True)
             return 2
 
     def ready() -> None:
-        if health is not None:
-            registered.append(True)
         extra = f" health={health.address[0]}:{health.address[1]}" if health is not None else ""
         print(f"READY service={worker.service} pid={worker.pid} device={worker.device}{extra}", flush=True)
 

@@ -83,6 +83,8 @@ class DoneGather:
         self.sent: list[float] = []
         #: when the pending envelopes must go (meaningful while there are some)
         self.due = 0.0
+        #: whether a DONE carries the outcomes and ages (the broker counts: its WELCOME said so)
+        self.info = True
 
     def __len__(self) -> int:
         return len(self.envelopes)
@@ -120,7 +122,9 @@ class DoneGather:
         out = []
         for i in range(0, len(done), P.MAX_DONE):
             j = i + P.MAX_DONE
-            info = P.DoneInfo(codes=codes[i:j], ages_ms=[max(0.0, (now - t) * 1000.0) for t in sent[i:j]])
+            info = None
+            if self.info:
+                info = P.DoneInfo(codes=codes[i:j], ages_ms=[max(0.0, (now - t) * 1000.0) for t in sent[i:j]])
             out.append(P.worker_done(done[i:j], info))
         return out
 

@@ -3,7 +3,8 @@ orchestrator that watches each process (a kubelet's liveness probe):
 
     GET /v2/health/live    200 while the worker's loop runs (it passed within its liveness
                            window, or a batch is computing: a model that computes is alive)
-    GET /v2/health/ready   200 once the broker registered it (READY) and until it drains
+    GET /v2/health/ready   200 while the broker has it registered (from its WELCOME until the
+                           connection is lost or it drains)
 
 Served on one daemon thread (`ThreadingHTTPServer`, a socket timeout per connection); it
 only reads two attributes the loop writes (a float and a bool), never the loop's state.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -61,9 +63,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address, handler):
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+
+
 class HealthServer:
     def __init__(self, address: tuple[str, int], live: Callable[[], bool], ready: Callable[[], bool]):
-        self.server = ThreadingHTTPServer(address, _Handler)
+        self.server = _Server(address, _Handler)
         self.server.daemon_threads = True
         self.server.live = live
         self.server.ready = ready
@@ -79,5 +90,6 @@ class HealthServer:
 
 
 def loop_alive(last_loop: Callable[[], float], window: Callable[[], float], computing: Callable[[], bool]) -> bool:
-    """Liveness: the loop passed within ``window`` seconds, or a batch is computing."""
-    return computing() or time.monotonic() - last_loop() <= window()
+    """Liveness: the loop passed within ``window`` seconds (at least 2 s: a loaded machine
+    may stall a loop that long without anything being wrong), or a batch is computing."""
+    return computing() or time.monotonic() - last_loop() <= max(2.0, window())

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import zmq
 
 from broker import protocol as P
+from broker.protocol import logs
 from broker.protocol.wire import recv_frames
 from gpu_worker.batching import Batcher, Pending
 from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats
@@ -51,6 +52,7 @@ from gpu_worker.signature import describe, mismatch, parse_inputs
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
 from gpu_worker.planes import DataPlane, HostPlane
+from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
 
@@ -100,9 +102,11 @@ class WorkerConfig:
 
 class Worker:
     """One model served to one broker.  ``upstream`` replaces the broker connection
-    (`gpu_worker.upstream`; default `BrokerLink(cfg.broker)`); the worker closes it."""
+    (`gpu_worker.upstream`; default `BrokerLink(cfg.broker)`); the worker closes it.
+    ``tracing``: a `gpu_worker.tracing.Tracing` for OpenTelemetry spans (default: from the
+    OTEL_* environment, None when it asks for none)."""
 
-    def __init__(self, cfg: WorkerConfig, *, ctx: zmq.Context | None = None, upstream=None):
+    def __init__(self, cfg: WorkerConfig, *, ctx: zmq.Context | None = None, upstream=None, tracing=None):
         from gpu_worker.backends import make_backend
         from gpu_worker.devices import resolve_device
         from gpu_worker.models import load_model
@@ -143,6 +147,8 @@ class Worker:
                       "output": Histogram(LATENCY_BUCKETS), "batch": Histogram(BATCH_BUCKETS)}
         self._stats_warm = 0     # keep-warm runs already reported
         self._stats_usage = None  # pool use last reported
+        self.counts = False        # the broker counts (its WELCOME said so): STATS, DONE outcomes
+        self.registered = False    # a WELCOME since the last (re)connect (the health probe's ready)
         self.last_loop = time.monotonic()  # the loop's last pass (the health endpoint's liveness)
         self.cancelled_running = 0            # requests cancelled while their batch ran
         self.stop = threading.Event()
@@ -162,12 +168,14 @@ class Worker:
         self._reconnect_why: str | None = None  # set by a DISCONNECT; the loop reconnects
         self._last_heard = 0.0
         self._service_b = self.service.encode()
+        self.tracing = tracing if tracing is not None else tracing_from_env(self.service)
         self._streaming = bool(getattr(self.model, "streaming", False))
         self._signature = parse_inputs(getattr(self.model, "inputs", None))
         # Direct reply: one PUSH socket per client reply_to endpoint; the envelopes of the
         # FINALs sent that way, gathered into DONEs for the broker.
         self.direct = DirectSockets(self.ctx, capacity=cfg.direct_sockets)
         self.dones = DoneGather(delay=cfg.done_delay, max_pending=max(1, cfg.done_batch or self.credit // 4))
+        self.dones.info = False  # until a counting broker's WELCOME
         # While a batch's replies are written: its header-only FINALs per reply_to, sent as
         # one FINALS message per client when the batch is done (None: send each at once).
         self.batch_finals: BatchFinals | None = None
@@ -347,6 +355,8 @@ class Worker:
         """Drop what the old connection held and register afresh.  Only the loop calls this,
         between drains: the socket being read must never be closed under its reader."""
         why, self._reconnect_why = self._reconnect_why, None
+        if self.broker_instance is not None:
+            self.registered = False  # our broker: until its next WELCOME (a plain one sends none)
         poller.unregister(self.sock)
         if self.upstream.monitor is not None:
             poller.unregister(self.upstream.monitor)
@@ -402,6 +412,8 @@ class Worker:
     def _on_welcome(self, w: P.Welcome) -> None:
         """Registered with broker process `w.instance`, which sets the liveness settings."""
         self.broker_instance = w.instance
+        self.registered = True
+        self.counts = self.dones.info = bool(w.metrics)
         if (w.heartbeat_interval, w.heartbeat_liveness) != (self.heartbeat_interval, self.heartbeat_liveness):
             log.info("the broker sets liveness: heartbeat every %.3g s, presumed dead after %d silent intervals "
                      "(was %.3g s x %d)", w.heartbeat_interval, w.heartbeat_liveness,
@@ -417,6 +429,7 @@ class Worker:
     def _announce_ready(self) -> None:
         """Run serve's `ready_cb` the first time only."""
         cb, self._ready_cb = self._ready_cb, None
+        self.registered = True
         if cb is not None:
             cb()
 
@@ -604,7 +617,8 @@ class Worker:
                 )
             return
         compute_ms = seconds * 1e3
-        self._hist["batch"].observe(n)
+        if self.counts:
+            self._hist["batch"].observe(n)
         if gathers_finals(n):
             self.batch_finals = BatchFinals()
         try:
@@ -619,6 +633,10 @@ class Worker:
             self._flush_done()
 
     def _reply_batch(self, jobs, outputs, started, compute_ms: float, n: int) -> None:
+        info = log.isEnabledFor(logging.INFO)  # once per batch: levels that are off cost nothing more
+        tracing = self.tracing
+        if tracing is not None:
+            tracing.batch(started, compute_ms, n)
         for job, out in zip(jobs, outputs):
             if job.cancelled:
                 self._reply_error(job, P.ErrorCode.CANCELLED,
@@ -635,14 +653,22 @@ class Worker:
             if job.req.returned:
                 timing["returned"] = float(job.req.returned)
             try:
-                self._reply_tensors(job, out, timing, final=True)
-                hist = self._hist
-                hist["compute"].observe(compute_ms / 1e3)
-                hist["input"].observe(job.input_ms / 1e3)
-                hist["output"].observe(timing["output_ms"] / 1e3)
+                refs = self._reply_tensors(job, out, timing, final=True)
+                if self.counts:
+                    hist = self._hist
+                    hist["compute"].observe(compute_ms / 1e3)
+                    hist["input"].observe(job.input_ms / 1e3)
+                    hist["output"].observe(timing["output_ms"] / 1e3)
             except Exception as e:  # one bad output must not take the worker (and its other requests) down
-                log.exception("could not send the outputs of request %d", job.req.id)
+                log.exception("could not send the outputs of request %d", job.req.id, extra=logs.request_fields(job.req))
                 self._reply_error(job, P.ErrorCode.INTERNAL, f"could not send outputs: {type(e).__name__}: {e}")
+                continue
+            if info:
+                log.info("request done", extra=logs.done_fields(job.req, self.service, timing))
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("request tensors", extra=logs.tensor_fields(job.req, refs))
+            if tracing is not None:
+                tracing.request(job, timing)
 
     def _run_stream(self, job: Job) -> None:
         seq = 0
@@ -683,20 +709,30 @@ class Worker:
                 seq += 1
             self._send(P.worker_reply(job.envelope, True, [P.encode_header(P.Reply(id=job.req.id, seq=seq))]))
             self.served += 1
+            if log.isEnabledFor(logging.INFO):
+                log.info("request done", extra={**logs.done_fields(job.req, self.service, {
+                    "queue_ms": job.req.queue_ms, "input_ms": job.input_ms,
+                    "compute_ms": (time.perf_counter() - t0) * 1e3}), "partials": seq})
         finally:
             self.running = {}
 
     # ------------------------------------------------------------------ replying
 
-    def _reply_tensors(self, job: Job, out: dict, timing: dict, *, final: bool, seq: int = 0) -> None:
+    def _reply_tensors(self, job: Job, out: dict, timing: dict, *, final: bool, seq: int = 0) -> list:
         t0 = time.perf_counter()
         refs, frames = self.plane.write_outputs(job, out)
         timing["output_ms"] = (time.perf_counter() - t0) * 1e3
         header = P.encode_header(P.Reply(id=job.req.id, tensors=refs, timing=timing, seq=seq))
         self._reply(job, final, [header, *frames])
+        return refs
 
     def _reply_error(self, job: Job, code: int, message: str) -> None:
         rid = job.req.id if job.req is not None else 0
+        if job.req is not None and log.isEnabledFor(logging.INFO):
+            log.info("request failed: %s", message, extra={**logs.request_fields(job.req), "service": self.service,
+                                                            "code": int(code)})
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("request tensors", extra=logs.tensor_fields(job.req))
         self.plane.finish_reads(job)
         job.code = int(code)
         self._reply(job, True, P.error_body(rid, code, message))
@@ -749,7 +785,7 @@ class Worker:
         """STATS to our broker (one that sent WELCOME: a plain MDP broker would not know the
         command): the histograms' counts since the last one, keep-warm runs, pool use; only
         when something changed."""
-        if self.broker_instance is None:
+        if not self.counts:
             return
         try:
             usage = self.plane.usage()

@@ -283,7 +283,7 @@ class WorkerMessage(msgspec.Struct, frozen=True):
     ready: Ready | None = None  # READY with capabilities
     envelope: bytes = b""       # PARTIAL / FINAL
     body: tuple = ()            # PARTIAL / FINAL body; DONE, RETURNED: the envelopes (bytes)
-    info: Any = None            # DONE: its DoneInfo, if sent; STATS: the WorkerStats; RETURNED: the kept envelopes
+    info: Any = None            # DONE: its DoneInfo frame (raw), if sent; STATS: the WorkerStats; RETURNED: the kept envelopes
 
 
 def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
@@ -330,7 +330,9 @@ def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
         info = None
         if len(rest) > 1 and is_header(rest[-1]):
             # An envelope is never a header: ours are 8-byte tokens that start with 0x00.
-            info = decode_done_info(rest[-1], len(rest) - 1)
+            # Kept raw: decoded (`decode_done_info`) only by a broker that counts, and a bad
+            # one costs only the counts, never the settling of the envelopes.
+            info = bytes(rest[-1])
             rest = rest[:-1]
         n = len(rest)
         if not 1 <= n <= MAX_DONE:

@@ -6,11 +6,14 @@ whose message names the field.  The field-by-field description for implementers 
 languages is docs/protocol.md section 3; the struct definitions below are the authority.
 
 Must never: touch a socket, read a clock, or import a process package (broker state or
-server, gpu_worker, client_sdk).
+server, gpu_worker, client_sdk).  (It logs one thing, at DEBUG only: a malformed
+traceparent that it drops.)
 """
 from __future__ import annotations
 
 import functools
+import logging
+import re
 from enum import IntEnum
 from typing import Any, Sequence, Union
 
@@ -25,6 +28,7 @@ __all__ = ["MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_ENVELOPE_LE
     "encode_header", "decode_request", "decode_reply", "decode_cancel", "decode_ready", "decode_welcome",
     "decode_done_info", "decode_worker_stats", "reply_error_code",
     "parse_dtype", "dtype_str", "tensor_nbytes", "check_tensors", "check_inline_sizes", "lenient_request_id",
+    "valid_traceparent",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -148,7 +152,9 @@ class Request(msgspec.Struct, kw_only=True):
     meta: dict[str, Any] = {}         # free-form, for the model
     queue_ms: float | None = None     # set by the broker at dispatch: time from its receipt to this dispatch
     returned: int | None = None       # set by the broker: times a busy worker gave it back unstarted (RECALL)
+    dropped: int | None = None        # a latest-wins stream's frames dropped by the client since its previous request
     reply_to: str | None = None       # "ipc://..." bound by the client: a same-host worker may send the FINAL there
+    traceparent: str | None = None    # W3C trace context of the client's span, passed through untouched; a malformed one is dropped
 
 
 class Reply(msgspec.Struct, kw_only=True):
@@ -191,6 +197,7 @@ class Welcome(msgspec.Struct, kw_only=True):
     instance: bytes                # 8 bytes, new at every broker start
     heartbeat_interval: float      # seconds; the worker heartbeats at this rate
     heartbeat_liveness: int        # missed intervals before either side presumes the other dead
+    metrics: bool = False          # the broker counts (--http): send STATS and DONE outcomes
 
 
 class DoneInfo(msgspec.Struct, kw_only=True):
@@ -305,7 +312,23 @@ def decode_request(frame: Any, n_inline: int | None = None) -> Request:
             )
         if req.host is None:
             raise ProtocolError("a request with reply_to must name its host (field 'host')")
+    tp = req.traceparent
+    if tp is not None and not valid_traceparent(tp):
+        # W3C Trace Context: a traceparent that does not parse is ignored, never an error.
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("ignored a malformed traceparent %r (request id %d)", tp[:64], req.id)
+        req.traceparent = None
     return req
+
+
+_TRACEPARENT = re.compile(r"00-(?!0{32})[0-9a-f]{32}-(?!0{16})[0-9a-f]{16}-[0-9a-f]{2}")
+_log = logging.getLogger("broker.protocol")
+
+
+def valid_traceparent(tp: Any) -> bool:
+    """Whether `tp` is a W3C traceparent of version 00: ``00-<32 hex>-<16 hex>-<2 hex>``,
+    lower-case hex, neither id all zeros."""
+    return type(tp) is str and len(tp) == 55 and _TRACEPARENT.fullmatch(tp) is not None
 
 
 def decode_reply(frame: Any, n_inline: int | None = None) -> Reply:

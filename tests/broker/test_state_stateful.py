@@ -86,6 +86,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             recall_after=self.RECALL_AFTER,
         )
         self.directs: list = []  # on_direct calls: direct replies the metrics count
+        self.sent_n = 0          # client_request calls
+        self.final_n = 0         # finals the broker sent (ToClient final, ClientError)
         self.s = Scheduler(self.cfg, on_direct=lambda *a: self.directs.append(a))
         self.now = 0.0
         self.rids = itertools.count()
@@ -123,6 +125,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert r.finals == 0, f"second final: {a}"
                 if isinstance(a, ClientError) or a.final:
                     r.finals = 1
+                    self.final_n += 1
             elif isinstance(a, CancelAtWorker):
                 assert a.token in self.workers[a.worker]["tokens"]
             elif isinstance(a, RecallAtWorker):
@@ -324,6 +327,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         over = (held["outstanding"] >= MAX_CLIENT_REQUESTS
                 or (size and held["bytes"] + size > MAX_CLIENT_BYTES))
         self.reqs[(client, rid)] = _Req(key, service, dl, local_host, size)
+        self.sent_n += 1
         out = self.s.client_request(client, rid, service, self.now, payload=rid,
                                     priority=priority, deadline=dl, local_host=local_host,
                                     size=size, principal=self.principal_of[client])
@@ -359,10 +363,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def duplicate_request(self, data, principal):
         # Duplicate ids are per connection, whatever the principal.
         client, rid = data.draw(st.sampled_from(sorted(self.owed())))
+        self.sent_n += 1
         out = self.s.client_request(client, rid, "a", self.now, payload=None,
                                     principal=principal)
         self.touch(client)
         assert [(type(a), a.code) for a in out] == [(ClientError, ErrorCode.PROTOCOL_ERROR)]
+        self.final_n += 1  # the refusal is that request's one count
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
@@ -480,6 +486,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.tracked[client] = self.now
             self.apply(self.s.tick(self.now))
         assert self.owed() == [], "requests left without a final"
+        # The metrics' view: every request counted exactly once, by the final the broker
+        # sent, or through on_direct (direct replies, and requests whose client left).
+        assert self.final_n + len(self.directs) == self.sent_n, (self.final_n, len(self.directs), self.sent_n)
         st_ = self.s.stats()
         assert st_["requests"] == 0
         assert st_["client_requests"] == 0 and st_["client_bytes"] == 0

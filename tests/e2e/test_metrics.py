@@ -115,7 +115,17 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
             c.infer("echo", x).release()
         for _ in range(7):            # relayed through the broker
             relayed.infer("echo", x).release()
-        sent["ok"] += 27
+        # A latest-wins stream sent faster than it is answered: its client drops frames
+        # and says how many on the next one it sends; the broker counts them.
+        with c.stream("echo", latest_wins=True, max_in_flight=1) as st:
+            for _ in range(40):
+                st.send(x)
+            for r in st:
+                r.release()
+            stream = st.stats()
+        assert stream.dropped > 0 and stream.failed == 0
+        n_echo = 27 + stream.completed
+        sent["ok"] += n_echo
         with pytest.raises(ServiceUnavailable):  # a service nobody serves: counted as _other
             c.infer("nobody", x, timeout=WAIT)
 
@@ -156,19 +166,20 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
         done = ok == sent["ok"] and value(s, "zmq_infer_queue_depth", service="gate", priority="normal") == 0
         # The workers' STATS come once a heartbeat interval.
         done = done and value(s, "zmq_infer_batch_size_count", service="gate") == sum(n_batches.values()) \
-            and value(s, "zmq_infer_compute_seconds_count", service="echo") == 27
+            and value(s, "zmq_infer_compute_seconds_count", service="echo") == n_echo
         return s if done else None
 
     s = until(settled, "every answer and every batch counted")
-    assert value(s, "zmq_infer_requests_total", service="echo", outcome="ok") == 27
+    assert value(s, "zmq_infer_requests_total", service="echo", outcome="ok") == n_echo
+    assert value(s, "zmq_infer_stream_dropped_frames_total", service="echo") == stream.dropped
     assert value(s, "zmq_infer_requests_total", service="gate", outcome="ok") == len(batches)
     assert value(s, "zmq_infer_requests_total", service="_other", outcome="service_unavailable") == 1
     assert value(s, "zmq_infer_requests_total", service="gate", outcome="queue_full") == 1
     # The client's own deadline and the broker's race: either way, one count.
     assert value(s, "zmq_infer_requests_total", service="gate", outcome="deadline_exceeded") + \
         value(s, "zmq_infer_requests_total", service="gate", outcome="cancelled") == 1
-    assert value(s, "zmq_infer_request_seconds_count", service="echo") == 27
-    assert value(s, "zmq_infer_queue_wait_seconds_count", service="echo") == 27
+    assert value(s, "zmq_infer_request_seconds_count", service="echo") == n_echo
+    assert value(s, "zmq_infer_queue_wait_seconds_count", service="echo") == n_echo
     assert value(s, "zmq_infer_workers", service="echo", host=info["hosts"][0]) == 1
     assert value(s, "zmq_infer_in_flight", service="gate") == 0
     # The batch-size histogram holds exactly the batches the gate worker ran.
@@ -177,8 +188,12 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
         want = sum(n for k, n in n_batches.items() if k <= le)
         assert value(s, "zmq_infer_batch_size_bucket", service="gate", le=f"{float(le)}") == want, le
     assert value(s, "zmq_infer_batch_size_sum", service="gate") == sum(k * n for k, n in n_batches.items())
-    assert value(s, "zmq_infer_batch_size_bucket", service="echo", le="1.0") == 27
-    assert value(s, "zmq_infer_shm_pool_capacity_bytes", service="echo", worker=str(echo.p.pid)) > 0
+    assert value(s, "zmq_infer_batch_size_bucket", service="echo", le="1.0") == n_echo
+    worker_label = f"{echo.p.pid}@{info['hosts'][0]}"
+    assert value(s, "zmq_infer_shm_pool_capacity_bytes", service="echo", worker=worker_label) > 0
+    # The 20 from the first client went straight back to it (direct reply), the 7 through
+    # the broker: both counted.
+    assert value(s, "zmq_infer_broker_events_total", event="direct") >= 20
 
     # The echo worker goes: its service is known but has no worker (503), then back.
     echo.terminate()

@@ -98,7 +98,12 @@ def test_a_done_carries_every_pending_envelope_in_order_at_most_max_done_each():
                     P.worker_done(envs[P.MAX_DONE:], P.DoneInfo(codes=[0, 0], ages_ms=[2.0, 2.0]))]
     # The broker reads them back: envelopes, then each FINAL's outcome and age.
     parsed = P.parse_worker(msgs[1])
-    assert parsed.body == tuple(envs[P.MAX_DONE:]) and parsed.info.codes == [0, 0]
+    assert parsed.body == tuple(envs[P.MAX_DONE:])
+    assert P.decode_done_info(parsed.info, len(parsed.body)).codes == [0, 0]
+    # For a broker that does not count, no outcomes: the plain DONE.
+    g.info = False
+    g.add(envs[0], None, now=0.0, code=499)
+    assert g.take(0.0) == [P.worker_done(envs[:1])]
     assert len(g) == 0 and g.take(0.0) == [] and not g.ready(1.0)
 
 

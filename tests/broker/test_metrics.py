@@ -1,0 +1,227 @@
+"""broker.metrics (what the broker counts, and the Prometheus text of a scrape) and broker.http
+(the HTTP threads, asking a stand-in for the broker loop over the inproc PAIR), in process.
+The end-to-end counts against real traffic are tests/e2e/test_metrics.py."""
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker import protocol as P
+from broker.http import MAX_CONNECTIONS, HttpFront, LoopLink, parse_address
+from broker.metrics import CLIENT_GONE, MAX_SERVICES, OTHER, Metrics, exposition, outcome_name, render
+from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _sched(services: dict) -> dict:
+    return {"services": {name: {"queued": {"urgent": 0, "normal": q, "background": 0}, "in_flight": f,
+                                "workers": 1, "credit": 4, "hosts": {"h": 1}}
+                         for name, (q, f) in services.items()},
+            "counters": {"dispatched": 3}}
+
+
+def _samples(text: bytes) -> list:
+    out = []
+    for fam in text_string_to_metric_families(text.decode()):
+        out += [(s.name, tuple(sorted(s.labels.items())), s.value) for s in fam.samples]
+    return out
+
+
+def test_outcome_names_are_bounded():
+    assert outcome_name(0) == "ok"
+    assert outcome_name(int(P.ErrorCode.QUEUE_FULL)) == "queue_full"
+    assert outcome_name(CLIENT_GONE) == "client_gone"
+    assert {outcome_name(c) for c in (7, -5, 1 << 62, 600)} == {"error_other"}
+
+
+def test_counts_labels_and_one_series_per_label_set():
+    m = Metrics()
+    m.register("echo")
+    m.final("echo", 0, 1.0, 1.001, 1.004)
+    m.final("echo", int(P.ErrorCode.DEADLINE_EXCEEDED), 1.0, None, 2.0)
+    m.final("nobody", int(P.ErrorCode.SERVICE_UNAVAILABLE), 1.0, None, 2.0)
+    m.final("junk", 0, None, None, 2.0)  # refused at admission: no times
+    # Two unregistered names in the scheduler add up under one _other series.
+    text = exposition(render(m.snapshot(), _sched({"echo": (2, 1), "x": (1, 0), "y": (3, 2)}), m.known))
+    samples = _samples(text)
+    keys = [(n, lab) for n, lab, _ in samples]
+    assert len(keys) == len(set(keys)), "duplicate series"
+    got = {(n, lab): v for n, lab, v in samples}
+    assert got[("zmq_infer_queue_depth", (("priority", "normal"), ("service", OTHER)))] == 4
+    assert got[("zmq_infer_in_flight", (("service", OTHER),))] == 2
+    assert got[("zmq_infer_requests_total", (("outcome", "ok"), ("service", "echo")))] == 1
+    assert got[("zmq_infer_requests_total", (("outcome", "deadline_exceeded"), ("service", "echo")))] == 1
+    assert got[("zmq_infer_requests_total", (("outcome", "service_unavailable"), ("service", OTHER)))] == 1
+    assert got[("zmq_infer_request_seconds_count", (("service", "echo"),))] == 2
+    assert got[("zmq_infer_queue_wait_seconds_count", (("service", "echo"),))] == 1
+    assert got[("zmq_infer_broker_events_total", (("event", "dispatched"),))] == 3
+
+
+def test_service_labels_are_capped():
+    m = Metrics()
+    for i in range(MAX_SERVICES + 10):
+        m.register(f"s{i}")
+    assert len(m.known) == MAX_SERVICES and m.label(f"s{MAX_SERVICES + 5}") == OTHER
+
+
+def _stats(**kw):
+    base = dict(compute=([1] + [0] * len(LATENCY_BUCKETS), 0.00005),
+                batch=([2] + [0] * len(BATCH_BUCKETS), 2.0), shm_used=10, shm_capacity=100)
+    base.update(kw)
+    return P.WorkerStats(**base)
+
+
+@pytest.mark.parametrize("bad", [
+    {"compute": ([1] * 3, 1.0)},                                       # other bounds
+    {"compute": ([-1] + [0] * len(LATENCY_BUCKETS), 1.0)},             # negative count
+    {"compute": ([1] + [0] * len(LATENCY_BUCKETS), math.nan)},         # NaN sum
+    {"compute": ([1] + [0] * len(LATENCY_BUCKETS), math.inf)},
+    {"compute": ([1 << 60] + [0] * len(LATENCY_BUCKETS), 1.0)},        # absurd
+    {"shm_used": -5},
+    {"keep_warm_runs": -1},
+])
+def test_stats_that_do_not_add_up_change_nothing(bad):
+    m = Metrics()
+    m.register("echo")
+    assert m.worker_stats(b"w", "echo", "1@h", _stats())
+    before = exposition(render(m.snapshot(), _sched({}), m.known))
+    assert not m.worker_stats(b"w", "echo", "1@h", _stats(**bad))
+    assert m.bad_stats == 1
+    assert exposition(render(m.snapshot(), _sched({}), m.known)) == before
+    assert "nan" not in before.decode().lower()
+
+
+def test_gauges_of_workers_that_are_gone_are_dropped():
+    m = Metrics()
+    m.register("echo")
+    m.worker_stats(b"w1", "echo", "1@h", _stats())
+    m.worker_stats(b"w2", "echo", "1@other", _stats(shm_used=20))
+    text = exposition(render(m.snapshot(alive=lambda w: w == b"w2"), _sched({}), m.known)).decode()
+    assert 'worker="1@other"' in text and 'worker="1@h"' not in text
+    assert list(m.gauges) == [b"w2"]
+
+
+def test_parse_address():
+    assert parse_address("8002") == ("127.0.0.1", 8002)
+    assert parse_address("0.0.0.0:9") == ("0.0.0.0", 9)
+    assert parse_address("[::1]:9") == ("::1", 9)
+    for bad in ("x", "1:99999"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
+
+
+class _Loop:
+    """Stands in for the broker loop: answers the HTTP threads' questions from a dict, or
+    not at all while `stuck`."""
+
+    def __init__(self, answers: dict):
+        self.ctx = zmq.Context.instance()
+        self.addr = f"inproc://test-http-{id(self)}"
+        self.sock = self.ctx.socket(zmq.PAIR)
+        self.sock.linger = 0
+        self.sock.bind(self.addr)
+        self.answers = answers
+        self.stuck = threading.Event()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self):
+        while not self.stop.is_set():
+            if not self.sock.poll(20) or self.stuck.is_set():
+                self.stop.wait(0.01)  # stuck: the question waits in the socket
+                continue
+            n, what, arg = self.sock.recv_pyobj()
+            a = self.answers.get(what)
+            self.sock.send_pyobj((n, a(arg) if callable(a) else a))
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(linger=0)
+
+
+@pytest.fixture
+def front():
+    m = Metrics()
+    m.register("echo")
+    m.final("echo", 0, 1.0, 1.0, 1.5)
+    answers = {
+        "ready": True,
+        "model_ready": lambda s: {"echo": "ready", "gone": "unavailable"}.get(s, "unknown"),
+        "model": lambda s: {"name": s, "ready": True, "workers": []} if s == "echo" else {},
+        "metrics": (m.snapshot(), _sched({"echo": (0, 0)}), list(m.known)),
+    }
+    loop = _Loop(answers)
+    alive = {"ok": True}
+    f = HttpFront(("127.0.0.1", 0), LoopLink(loop.ctx, loop.addr), alive=lambda: alive["ok"])
+    f.loop, f.alive_flag = loop, alive
+    try:
+        yield f
+    finally:
+        f.close()
+        loop.close()
+
+
+def _get(f, path):
+    url = "http://%s:%d%s" % (*f.address, path)
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_paths_and_their_answers(front):
+    assert _get(front, "/v2/health/live")[0] == 200
+    assert _get(front, "/v2/health/ready")[0] == 200
+    assert _get(front, "/v2/models/echo/ready")[0] == 200
+    assert _get(front, "/v2/models/gone/ready")[0] == 503
+    assert _get(front, "/v2/models/nope/ready")[0] == 404
+    status, body = _get(front, "/v2/models/echo")
+    assert status == 200 and json.loads(body)["name"] == "echo"
+    assert _get(front, "/v2/models/nope")[0] == 404
+    assert _get(front, "/nothing")[0] == 404
+    status, body = _get(front, "/metrics")
+    assert status == 200 and b'zmq_infer_requests_total{outcome="ok",service="echo"} 1.0' in body
+    front.alive_flag["ok"] = False
+    assert _get(front, "/v2/health/live")[0] == 503
+
+
+def test_a_stuck_loop_gives_503_but_liveness_reads_the_loop_stamp(front):
+    front.loop.stuck.set()
+    assert _get(front, "/metrics")[0] == 503          # asked, no answer within a second
+    assert _get(front, "/v2/health/live")[0] == 200   # the stamp (here: a flag) says alive
+    front.loop.stuck.clear()
+    # A late answer to the timed-out question is skipped, not taken for the next one.
+    assert _get(front, "/v2/health/ready")[0] == 200
+    assert _get(front, "/v2/models/echo/ready")[0] == 200
+
+
+def test_connections_are_capped(front):
+    idle = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            s = socket.create_connection(front.address, timeout=5)
+            idle.append(s)
+        extra = socket.create_connection(front.address, timeout=5)
+        extra.settimeout(5)
+        try:
+            extra.sendall(b"GET /v2/health/live HTTP/1.0\r\n\r\n")
+            got = extra.recv(100)
+        except (ConnectionResetError, BrokenPipeError):
+            got = b""
+        assert got == b"", "a connection over the cap was served"
+        extra.close()
+    finally:
+        for s in idle:
+            s.close()

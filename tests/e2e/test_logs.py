@@ -1,0 +1,172 @@
+"""Logs and traces of the real processes (docs/operations.md, "Logs and traces").
+
+A broker and an echo worker run at each level and format; a few requests go through, one of
+them with a W3C traceparent; then both are stopped (they drain and exit, so every line is
+written) and their whole stderr is read:
+
+- WARNING (the default): no line about any request;
+- INFO: one line per request at the worker (`request done`, with its timings) and at the
+  broker (`request dispatched`, with its queue wait), each naming the request's rid, and the
+  traced request's trace id;
+- DEBUG: also the tensors (name, dtype, shape, shared-memory segment, offset, size);
+- `--log-format json`: every line is a JSON object with ts, level, process, pid, logger, msg;
+- with opentelemetry-sdk and `OTEL_TRACES_EXPORTER=console`, the worker's spans for the
+  traced request carry the client's trace id, as children of the client's span.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from client_sdk import Client
+
+from .conftest import wait_service
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+SPAN_ID = "00f067aa0ba902b7"
+TRACEPARENT = f"00-{TRACE_ID}-{SPAN_ID}-01"
+N = 4  # requests per run; the first carries TRACEPARENT
+TIMINGS = ("queue_ms", "batch_wait_ms", "input_ms", "compute_ms", "output_ms")
+
+
+def _run(cluster, level: str, fmt: str = "text", *, env: dict | None = None, traceparent2: str | None = None):
+    """Start a broker and a worker at `level`/`fmt`, send N echo requests through shared
+    memory, stop both; their stderr (all of it) and the worker's stdout after READY."""
+    opts = ("--log-level", level, "--log-format", fmt)
+    broker = cluster.broker(*opts)
+    worker = cluster.worker("echo", *opts, env=env)
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "echo")
+        x = c.alloc((16,), np.uint8)
+        for i in range(N):
+            x[:] = i
+            tp = TRACEPARENT if i == 0 else (traceparent2 if i == 1 else None)
+            with c.infer("echo", {"x": x}, traceparent=tp) as out:
+                assert int(out["x"][0]) == i
+    assert worker.terminate() == 0
+    worker_out = worker.p.stdout.read().decode()
+    worker_err = _stderr(worker)
+    assert broker.terminate() == 0
+    return _stderr(broker), worker_err, worker_out
+
+
+def _stderr(proc) -> str:
+    """All of a stopped process's stderr (what wait_log read, then the rest)."""
+    return (proc._err + proc.p.stderr.read()).decode(errors="replace")
+
+
+def _lines(text: str, what: str) -> list[str]:
+    return [line for line in text.splitlines() if what in line]
+
+
+def _fields(line: str) -> dict[str, str]:
+    return dict(re.findall(r" (\w+)=(\S+)", line))
+
+
+def test_warning_logs_no_request_line(cluster):
+    broker_err, worker_err, _ = _run(cluster, "WARNING")
+    for text in (broker_err, worker_err):
+        for what in ("request done", "request dispatched", "request failed", "rid="):
+            assert what not in text, text
+
+
+def test_info_is_one_line_per_request_with_its_timings_and_rid(cluster):
+    broker_err, worker_err, _ = _run(cluster, "info")  # any case
+    done = _lines(worker_err, " worker INFO request done ")
+    assert len(done) == N, worker_err
+    rids = []
+    for line in done:
+        f = _fields(line)
+        assert f["service"] == "echo" and f["batch"] == "1", line
+        for t in TIMINGS:
+            assert float(f[t]) >= 0, (t, line)
+        assert re.fullmatch(rf"{os.getpid()}:\d+", f["rid"]), line  # the client's pid: its request id
+        rids.append(f["rid"])
+    assert len(set(rids)) == N
+    # The traced request, and only it, names its trace id.
+    traced = [line for line in done if f"trace_id={TRACE_ID}" in line]
+    assert len(traced) == 1 and traced[0] == done[0], done
+    assert "request tensors" not in worker_err  # DEBUG only
+    # The broker: one line per request at dispatch, the same rids.
+    sent = _lines(broker_err, " broker INFO request dispatched ")
+    assert sorted(_fields(line)["rid"] for line in sent) == sorted(rids), broker_err
+    assert f"trace_id={TRACE_ID}" in sent[0] and all("trace_id" not in line for line in sent[1:]), sent
+    for line in sent:
+        f = _fields(line)
+        assert float(f["queue_ms"]) >= 0 and f["attempt"] == "0" and int(f["worker_pid"]) > 0, line
+    assert "request received" not in broker_err  # DEBUG only
+
+
+def test_debug_adds_tensor_shapes_dtypes_and_shared_memory(cluster):
+    # The second request's traceparent is malformed (upper-case hex): ignored, not an error.
+    broker_err, worker_err, _ = _run(cluster, "DEBUG", traceparent2=TRACEPARENT.upper())
+    tensors = _lines(worker_err, " worker DEBUG request tensors ")
+    assert len(tensors) == N, worker_err
+    for line in tensors:
+        f = _fields(line)
+        (inp,), (outp,) = json.loads(f["inputs"]), json.loads(f["outputs"])
+        for t in (inp, outp):
+            assert (t["name"], t["dtype"], t["shape"], t["loc"], t["nbytes"]) == ("x", "|u1", [16], "shm", 16), line
+            assert t["segment"].startswith("zinf-") and t["offset"] >= 0, line
+    assert len(_lines(worker_err, " worker INFO request done ")) == N  # INFO lines stay as they are
+    received = _lines(broker_err, " broker DEBUG request received ")
+    assert len(received) == N, broker_err
+    assert json.loads(_fields(received[0])["inputs"])[0]["segment"].startswith("zinf-")
+    assert "ignored a malformed traceparent" in broker_err, broker_err
+    assert worker_err.count("trace_id=") == 2  # the good one's two lines; the bad one has none
+
+
+def test_json_lines_all_parse_with_their_fields(cluster):
+    broker_err, worker_err, _ = _run(cluster, "DEBUG", "json")
+    for process, text in (("broker", broker_err), ("worker", worker_err)):
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]  # every line is JSON
+        assert records, process
+        for r in records:
+            assert {"ts", "level", "process", "pid", "logger", "msg"} <= set(r), r
+            assert r["process"] == process and isinstance(r["pid"], int), r
+            assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", r["ts"]), r
+        about = [r for r in records if r["msg"].startswith("request")]
+        assert about and all(r["rid"].startswith(f"{os.getpid()}:") for r in about), about
+        traced = [r for r in about if r.get("trace_id") == TRACE_ID]
+        assert len(traced) == 2, about  # INFO and DEBUG lines of the traced request
+    done = [json.loads(line) for line in worker_err.splitlines() if '"request done"' in line]
+    assert len(done) == N
+    for r in done:
+        assert r["level"] == "INFO" and r["batch"] == 1 and r["service"] == "echo"
+        assert all(isinstance(r[t], float) for t in TIMINGS), r
+    shm = [json.loads(line)["inputs"][0] for line in worker_err.splitlines() if '"request tensors"' in line]
+    assert len(shm) == N and all(t["loc"] == "shm" and t["segment"].startswith("zinf-") for t in shm)
+
+
+def _console_spans(text: str) -> list[dict]:
+    """The span objects the SDK's console exporter printed (indented JSON, one after another)."""
+    dec, spans, i = json.JSONDecoder(), [], 0
+    while True:
+        j = text.find("{", i)
+        if j < 0:
+            return spans
+        obj, i = dec.raw_decode(text, j)
+        spans.append(obj)
+
+
+def test_a_client_traceparent_reaches_the_workers_log_and_spans(cluster):
+    pytest.importorskip("opentelemetry.sdk.trace", reason="needs opentelemetry-sdk (the dev extra)")
+    env = {"OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "test-echo"}
+    _, worker_err, worker_out = _run(cluster, "INFO", env=env)
+    assert len(_lines(worker_err, f"trace_id={TRACE_ID}")) == 1, worker_err
+    spans = _console_spans(worker_out)  # exported when the worker exits, at the latest
+    assert sorted(s["name"] for s in spans) == ["compute", "input", "output", "queue"], worker_out
+    by_name = {s["name"]: s for s in spans}
+    for s in spans:  # only the traced request has spans, all children of the client's span
+        assert s["context"]["trace_id"] == "0x" + TRACE_ID, s
+        assert s["parent_id"] == "0x" + SPAN_ID, s
+        assert s["resource"]["attributes"]["service.name"] == "test-echo"
+        assert s["attributes"]["zmq_infer.rid"].startswith(f"{os.getpid()}:")
+        assert s["start_time"] <= s["end_time"], s
+    order = [by_name[n] for n in ("queue", "input", "compute", "output")]
+    for a, b in zip(order, order[1:]):  # one after another (ISO times of one format compare as text)
+        assert a["start_time"] <= b["start_time"], (a, b)
