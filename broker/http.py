@@ -8,7 +8,8 @@ KServe v2 / Open Inference Protocol health paths (docs/operations.md, "Metrics a
     GET /v2/models/{service}           JSON: workers, hosts, transports, credit, queue, inputs
 
 Threads: the server runs in its own threads (one per connection, at most `MAX_CONNECTIONS`
-at once: more are closed at once; a socket timeout per read).  It never reads the broker's
+at once: a new one evicts the oldest, so slow clients cannot lock probes out; a socket
+timeout per read; `broker.protocol.httpserve`).  It never reads the broker's
 state itself: each request asks the broker loop for a snapshot over an inproc PAIR
 (`LoopLink`), which the loop answers between two messages (`Broker._on_http`).  So the
 numbers are consistent and the loop keeps its single-thread invariants.  Liveness alone asks
@@ -20,14 +21,15 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote, urlsplit
 
 import zmq
 
-__all__ = ["HttpFront", "LoopLink", "parse_address"]
+from broker.protocol.httpserve import MAX_CONNECTIONS, BoundedHTTPServer, host_port
+
+__all__ = ["HttpFront", "LoopLink", "parse_address", "MAX_CONNECTIONS", "host_port"]
 
 log = logging.getLogger("broker")
 
@@ -84,39 +86,6 @@ class LoopLink:
     def close(self) -> None:
         with self._lock:
             self._sock.close(linger=0)
-
-
-#: HTTP connections served at once (probes and scrapes are few; more are closed at once, so
-#: slow or idle clients cannot use up the broker's threads).
-MAX_CONNECTIONS = 16
-
-
-class BoundedHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, at most ``MAX_CONNECTIONS`` at once; IPv6 when the host is."""
-
-    daemon_threads = True
-
-    def __init__(self, address, handler, max_connections: int = MAX_CONNECTIONS):
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        self._slots = threading.BoundedSemaphore(max_connections)
-        super().__init__(address, handler)
-
-    def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # over the limit: closed, nothing read
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
 
 
 class _Handler(BaseHTTPRequestHandler):

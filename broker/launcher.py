@@ -611,8 +611,12 @@ class Launcher:
                 said = child.tail[-1] if child is not None and child.tail else "(it wrote nothing on stderr)"
                 p = self._pools[a.pool]
                 self.exit_code = 2 if a.code == 2 else 1
-                self._say(f"python -m broker: pool {a.pool!r} (model {p.model!r}) worker {a.index} exited with code "
-                          f"{a.code} before it was ready: {said}")
+                line = (f"python -m broker: pool {a.pool!r} (model {p.model!r}) worker {a.index} exited with code "
+                        f"{a.code} before it was ready: {said}")
+                if logs.configured_format() == "json":
+                    log.error("%s", line)  # one JSON object, like every other line on stderr
+                else:
+                    self._say(line)
             elif t is RollDone:
                 log.info("pool %s: rolling restart done", a.pool)
             elif t is Notice:

@@ -104,7 +104,7 @@ class Metrics:
         return s
 
     def final(self, service: str, code: int, enqueued_at: float | None, dispatched_at: float | None,
-              finished_at: float) -> None:
+              finished_at: float, key: object = None) -> None:
         """One request's FINAL reached (or was sent towards) its client: outcome, the time
         from the broker's receipt to it, and the time it queued before its (last) dispatch."""
         s = self._svc(service)

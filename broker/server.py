@@ -278,7 +278,7 @@ class Broker:
 
     def _open_http(self) -> None:
         """The HTTP endpoint's threads and the inproc PAIR on which they ask this loop."""
-        from broker.http import HttpFront, LoopLink, parse_address
+        from broker.http import HttpFront, LoopLink, host_port, parse_address
 
         address = parse_address(self.cfg.http)
         name = f"inproc://broker-http-{id(self)}"
@@ -290,7 +290,7 @@ class Broker:
                                   alive=lambda: time.monotonic() - self.last_pass < _LIVE_WITHIN_S)
         except OSError as e:
             raise RuntimeError(f"--http {self.cfg.http}: cannot listen: {e}") from None
-        self.http_address = "%s:%d" % self.http.address
+        self.http_address = host_port(*self.http.address)
 
     @staticmethod
     def _bind(sock: zmq.Socket, ep: str) -> None:
@@ -711,7 +711,8 @@ class Broker:
                 else:
                     tokens.append(token)
                     if info is not None:
-                        codes.append(int(info.codes[i]))
+                        c = int(info.codes[i])
+                        codes.append(c if c >= 0 else 1 << 20)  # negatives are the broker's own (client_gone)
                         age = info.ages_ms[i]
                         ages.append(age / 1000.0 if math.isfinite(age) and 0.0 <= age < 3.6e6 else 0.0)
             self._act(sched.worker_done(ident, tokens, now, codes, ages), now)

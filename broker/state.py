@@ -474,7 +474,8 @@ class Scheduler:
     """The broker's scheduling state.  Every event method returns a list of actions."""
 
     def __init__(self, config: Config | None = None, *, on_direct=None):
-        """``on_direct(service, code, enqueued_at, dispatched_at, finished_at)``, if given, is
+        """``on_direct(service, code, enqueued_at, dispatched_at, finished_at, key)`` (``key``:
+        the request's ``(client, request_id)``), if given, is
         called for every request settled by a worker's DONE whose client was still waiting
         (the broker relays nothing for it, so the caller counts it there: its metrics), and
         for every request whose connection went away while a worker held it, when the
@@ -733,7 +734,7 @@ class Scheduler:
                 # Its client left before any final: the worker's answer is its only count
                 # (sent straight to the client, which may have read it before it left).
                 self._on_direct(req.svc.name, code, req.enqueued_at, req.dispatched_at,
-                                max(req.dispatched_at, now - age))
+                                max(req.dispatched_at, now - age), (req.client, req.request_id))
         else:
             self._unlink(req)
             self._counters["completed"] += 1
@@ -744,7 +745,7 @@ class Scheduler:
                 self._counters["direct"] += 1
                 if self._on_direct is not None:
                     self._on_direct(req.svc.name, code, req.enqueued_at, req.dispatched_at,
-                                    max(req.dispatched_at, now - age))
+                                    max(req.dispatched_at, now - age), (req.client, req.request_id))
         self._retire(req)
 
     def worker_disconnect(self, worker: bytes, now: float) -> list[Action]:
@@ -1527,7 +1528,8 @@ class Scheduler:
         """An abandoned request ends without a worker's answer: if its client left before any
         final (an orphan), this is its one count (outcome CLIENT_GONE)."""
         if req.orphan and self._on_direct is not None:
-            self._on_direct(req.svc.name, CLIENT_GONE, req.enqueued_at, req.dispatched_at, now)
+            self._on_direct(req.svc.name, CLIENT_GONE, req.enqueued_at, req.dispatched_at, now,
+                            (req.client, req.request_id))
 
     def _drop_client(self, client, out, now):
         """The connection ``client`` went away (or fell silent): exactly its requests go;
@@ -1544,7 +1546,8 @@ class Scheduler:
                 self._counters["client_dropped"] += 1
                 self._unqueue(req)
                 if self._on_direct is not None:
-                    self._on_direct(req.svc.name, CLIENT_GONE, req.enqueued_at, None, now)
+                    self._on_direct(req.svc.name, CLIENT_GONE, req.enqueued_at, None, now,
+                                    (req.client, req.request_id))
                 self._retire(req)
             else:
                 if req.state == _RUNNING:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import secrets
 import threading
 import weakref
 from collections import deque
@@ -104,7 +105,9 @@ class ClientCore:
         self._user_bufs: dict[tuple[str, int, int], weakref.finalize] = {}
         self._owner_thread = threading.get_ident()
         self._deferred: deque[Any] = deque()
-        self._next_id = 1
+        # A random start: two clients of one process (or one made again) name different
+        # requests in the logs' rid=<pid>:<id> (ids are per connection, any start works).
+        self._next_id = 1 + secrets.randbelow(1 << 31)
         self.calls: dict[int, Call] = {}
         # service -> when (on the clock of `now`, as last seen) to try shared memory again: a
         # service with no worker on this host may get one later (a worker started or moved).

@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     health = None
     if args.health_port is not None:
+        from broker.protocol.httpserve import host_port
         from gpu_worker.health import HealthServer, loop_alive, parse_port
 
         try:
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
 
     def ready() -> None:
-        extra = f" health={health.address[0]}:{health.address[1]}" if health is not None else ""
+        extra = f" health={host_port(*health.address)}" if health is not None else ""
         print(f"READY service={worker.service} pid={worker.pid} device={worker.device}{extra}", flush=True)
 
     try:

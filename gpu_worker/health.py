@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+
+from broker.protocol.httpserve import BoundedHTTPServer
 from typing import Callable
 
 __all__ = ["HealthServer", "parse_port"]
@@ -63,18 +64,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address, handler):
-        if ":" in address[0]:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, handler)
-
-
 class HealthServer:
     def __init__(self, address: tuple[str, int], live: Callable[[], bool], ready: Callable[[], bool]):
-        self.server = _Server(address, _Handler)
+        self.server = BoundedHTTPServer(address, _Handler)
         self.server.daemon_threads = True
         self.server.live = live
         self.server.ready = ready

@@ -230,6 +230,9 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     device_total: int | None = None
 
 
+_UNKNOWN_CODE = 1 << 20  # an error code no version defines: counted as error_other
+
+
 class _ErrorOnly(msgspec.Struct):
     error: ErrorInfo | None = None
 
@@ -373,7 +376,10 @@ def reply_error_code(frame: Any) -> int:
         e = _DEC_ERROR_ONLY.decode(mv[4:]).error
     except Exception:
         return 0
-    return 0 if e is None else int(e.code)
+    if e is None:
+        return 0
+    code = int(e.code)
+    return code if code > 0 else _UNKNOWN_CODE  # never 0 (a result) nor a negative (the broker's own)
 
 
 def decode_ready(frame: Any) -> Ready:

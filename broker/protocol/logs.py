@@ -26,8 +26,10 @@ import argparse
 import datetime
 import json
 import logging
+import math
 import os
 import sys
+import threading
 from typing import Any, Iterable
 
 from .header import CudaLoc, ShmLoc
@@ -100,7 +102,21 @@ class JsonFormatter(logging.Formatter):
             out["exc"] = record.exc_text
         if record.stack_info:
             out["stack"] = self.formatStack(record.stack_info)
-        return json.dumps(out, default=str)
+        try:
+            return json.dumps(out, default=str, allow_nan=False)
+        except (ValueError, TypeError):  # a non-finite float, a key that is not a string
+            return json.dumps(_plain(out), default=str, allow_nan=False)
+
+
+def _plain(v: Any) -> Any:
+    """``v`` with what strict JSON cannot hold made text: non-finite floats, non-str keys."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return repr(v)
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
 
 
 def setup_logging(level: str | int = "WARNING", fmt: str = "text", process: str = "",
@@ -125,7 +141,18 @@ def setup_logging(level: str | int = "WARNING", fmt: str = "text", process: str 
     root.addHandler(handler)
     root.setLevel(level)
     _FORMAT = fmt
+    # Warnings and uncaught thread exceptions through the same handler: in json mode every
+    # line on stderr is then one JSON object.
+    logging.captureWarnings(True)
+    threading.excepthook = _thread_excepthook
     return handler
+
+
+def _thread_excepthook(args) -> None:
+    if args.exc_type is SystemExit:
+        return
+    logging.getLogger("threads").error("uncaught exception in thread %s", getattr(args.thread, "name", "?"),
+                                       exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
 
 
 def configured_format() -> str:

@@ -88,6 +88,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.directs: list = []  # on_direct calls: direct replies the metrics count
         self.sent_n = 0          # client_request calls
         self.final_n = 0         # finals the broker sent (ToClient final, ClientError)
+        self.counted: dict = {}  # (client, rid) -> times counted (admitted requests only)
         self.s = Scheduler(self.cfg, on_direct=lambda *a: self.directs.append(a))
         self.now = 0.0
         self.rids = itertools.count()
@@ -126,6 +127,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if isinstance(a, ClientError) or a.final:
                     r.finals = 1
                     self.final_n += 1
+                    self.counted[(a.client, a.request_id)] = self.counted.get((a.client, a.request_id), 0) + 1
             elif isinstance(a, CancelAtWorker):
                 assert a.token in self.workers[a.worker]["tokens"]
             elif isinstance(a, RecallAtWorker):
@@ -245,7 +247,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.apply(self.s.worker_done(worker, tokens, self.now, codes, [0.0] * len(tokens)))
         # Counted once for each request whose client was still waiting, and only those.
         assert len(self.directs) - before == owed
-        for service, code, enq, disp, fin in self.directs[before:]:
+        for service, code, enq, disp, fin, _ in self.directs[before:]:
             assert code in (0, 499) and enq <= disp <= fin == self.now
 
     @precondition(lambda self: any(w["tokens"] for w in self.workers.values()))
@@ -489,6 +491,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         # The metrics' view: every request counted exactly once, by the final the broker
         # sent, or through on_direct (direct replies, and requests whose client left).
         assert self.final_n + len(self.directs) == self.sent_n, (self.final_n, len(self.directs), self.sent_n)
+        for *_, key in self.directs:
+            self.counted[key] = self.counted.get(key, 0) + 1
+        # ... and per request: each admitted request exactly once (a duplicate id's refusal
+        # is the refused copy's count, made while the original was live).
+        twice = {k: n for k, n in self.counted.items() if n != 1}
+        assert not twice, twice
         st_ = self.s.stats()
         assert st_["requests"] == 0
         assert st_["client_requests"] == 0 and st_["client_bytes"] == 0

@@ -17,7 +17,10 @@ import urllib.request
 
 import numpy as np
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
+
+from broker import protocol as P
 
 from client_sdk import Client, DeadlineExceeded, QueueFull, ServiceUnavailable
 
@@ -128,6 +131,17 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
         sent["ok"] += n_echo
         with pytest.raises(ServiceUnavailable):  # a service nobody serves: counted as _other
             c.infer("nobody", x, timeout=WAIT)
+        # A header the broker itself refuses (400, before any queue): counted once too.
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.linger = 0
+        raw.connect(cluster.frontend)
+        try:
+            raw.send_multipart(P.client_request("echo", [P.MAGIC + b"\xc1\xc1 not msgpack"]))
+            assert raw.poll(int(WAIT * 1000))
+            reply = P.parse_broker_to_client(raw.recv_multipart())
+            assert P.decode_reply(reply.body[0]).error.code == 400
+        finally:
+            raw.close(linger=0)
 
         # A backlog: one gated call runs alone (the worker holds it), 15 more fill the
         # worker's credit (16 = 2 x max-batch), then the broker's queue (max 3) takes 2, one
@@ -175,6 +189,7 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
     assert value(s, "zmq_infer_requests_total", service="gate", outcome="ok") == len(batches)
     assert value(s, "zmq_infer_requests_total", service="_other", outcome="service_unavailable") == 1
     assert value(s, "zmq_infer_requests_total", service="gate", outcome="queue_full") == 1
+    assert value(s, "zmq_infer_requests_total", service="echo", outcome="protocol_error") == 1
     # The client's own deadline and the broker's race: either way, one count.
     assert value(s, "zmq_infer_requests_total", service="gate", outcome="deadline_exceeded") + \
         value(s, "zmq_infer_requests_total", service="gate", outcome="cancelled") == 1
