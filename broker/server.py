@@ -894,6 +894,7 @@ class Broker:
                 req.timeout_ms = max(0.0, (a.deadline - now) * 1000.0)
             req.queue_ms = (now - a.enqueued_at) * 1000.0
             req.returned = a.returned or None
+            req.backlog = a.backlog  # 0 tells a latency-first batcher that nothing is on its way
             body = (P.encode_header(req), *p.body)
         try:
             self.send_to_worker(P.to_worker_request(a.worker, P.token_envelope(a.token), body))

@@ -232,6 +232,7 @@ class Dispatch:
     deadline: float | None
     attempt: int
     returned: int = 0  # times a busy worker gave this request back unstarted (RecallAtWorker)
+    backlog: int = 0   # requests of the service still queued here after this dispatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -1393,7 +1394,7 @@ class Scheduler:
         self._reload(w)
         self._counters["dispatched"] += 1
         out.append(Dispatch(w.ident, token, req.client, req.request_id, svc.name, req.payload,
-                            req.enqueued_at, req.deadline, req.attempt, req.returned))
+                            req.enqueued_at, req.deadline, req.attempt, req.returned, svc.queued))
 
     def _kill_worker(self, w, now, out):
         """Forget a dead worker and settle everything it held."""

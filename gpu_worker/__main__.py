@@ -29,6 +29,10 @@ def add_model_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default=None, help="cpu, cuda:N or auto (default auto)")
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-delay-ms", type=float, default=2.0, help="longest a batch waits for company")
+    ap.add_argument("--batching", choices=("latency", "throughput"), default="latency",
+                    help="latency (default): a batch waits for company only while the broker has a backlog "
+                         "(a lone client never waits); throughput: also on arrival-rate evidence alone "
+                         "(docs/models.md, 'Batching policy')")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
     ap.add_argument("--out-capacity-mb", type=int, default=256, help="output ring size")
     ap.add_argument("--transports", default="inline,shm")
@@ -50,6 +54,7 @@ def model_config(args: argparse.Namespace) -> dict:
         device=args.device,
         max_batch=args.max_batch,
         max_delay=args.max_delay_ms / 1000.0,
+        batching=args.batching,
         heartbeat_interval=args.heartbeat_interval,
         out_capacity=args.out_capacity_mb << 20,
         warmup=not args.no_warmup,

@@ -33,6 +33,17 @@ Policy
   (lone requests go at once) and only probes again every ``probe_every`` batches.  The times depend only on state that changes with an arrival, so ``wake_at``
   stays true until the next ``add``; when the expected arrivals do not come (a burst
   ended), the batch goes at the expected fill time rather than waiting out ``max_delay``.
+* Latency first (``latency_first``, the default).  Our broker writes in each request how
+  many requests of its service it still had queued when it dispatched it (``backlog``).
+  When that is 0 for every request of the next batch, every other outstanding request is
+  already at some worker: this one's are in the batcher, and another worker's will not come
+  here.  Company could then only be a request its client has not sent yet, which a closed
+  loop client never sends while it waits, so the batch goes at once: no wait, and no
+  probing wait either (a lone sequential client pays nothing for batching).  Under load
+  batches still form: requests that arrive while a batch runs go together when it ends, and
+  a broker backlog (``backlog`` > 0) brings back the waiting rules above.  Without the
+  field (a plain MDP broker), or with ``latency_first=False`` (``--batching throughput``:
+  wait for company on the arrival-rate evidence alone), the rules above apply as they are.
 * Busy worker.  ``take(now, idle=False)`` means a batch is still running: only a full batch
   is returned (waiting is free while the worker cannot start anything anyway).  A batch
   handed out by ``take`` also marks the worker busy.  The first ``take(now, idle=True)``
@@ -63,6 +74,9 @@ class Pending:
     item: object
     arrived: float
     deadline: float | None = None
+    #: requests of the service the broker still had queued when it dispatched this one
+    #: (None: not said, e.g. a plain MDP broker); see "Latency first" in the module docstring
+    backlog: int | None = None
 
 
 def batch_key(inputs: Mapping[str, object]) -> Hashable:
@@ -103,7 +117,7 @@ class Batcher:
     max_tracked_keys = 1024
 
     def __init__(self, *, max_batch: int = 8, max_cost: float = math.inf, max_delay: float = 0.002,
-                 deadline_margin: float = 0.0):
+                 deadline_margin: float = 0.0, latency_first: bool = True):
         if int(max_batch) != max_batch or max_batch < 1:
             raise ValueError("max_batch must be an integer >= 1")
         if not max_cost > 0:
@@ -115,6 +129,7 @@ class Batcher:
         self.max_batch = int(max_batch)
         self.max_cost = float(max_cost)
         self.max_delay = float(max_delay)
+        self.latency_first = bool(latency_first)
         #: time a batch needs to run: a request is dispatched no later than its deadline
         #: minus this.  The worker may update it from measured batch latency.
         self.deadline_margin = float(deadline_margin)
@@ -279,6 +294,8 @@ class Batcher:
     def _wait_until(self, key: Hashable, n: int, now: float) -> tuple[float, bool]:
         """(when a not-yet-full batch should go, whether "now" is only because waiting has
         not been paying off)."""
+        if self.latency_first and self._no_backlog(key, n):
+            return now, False  # nothing is on its way: waiting could only cost latency
         r = self._rates.get(key)
         if r is not None and r.waited_from is None and r.gain < self.min_gain and r.skips < self.probe_every:
             t = self._ready_at(key, n, now)
@@ -305,6 +322,15 @@ class Batcher:
         if first_deadline is not None:
             t = min(t, first_deadline - self.deadline_margin)
         return t
+
+    def _no_backlog(self, key: Hashable, n: int) -> bool:
+        """Whether the broker said, for each of the next ``n`` requests of ``key``, that it
+        had nothing of the service queued when it dispatched them (so any company would
+        have to be a request not sent yet)."""
+        for _, e in zip(range(n), self._groups[key]):
+            if e.p.backlog is None or e.p.backlog > 0:
+                return False
+        return True
 
     def _first_deadline(self) -> float | None:
         heap = self._deadlines

@@ -98,6 +98,7 @@ class WorkerConfig:
     insecure: bool = False            # tcp broker without CurveZMQ
     keep_warm: float | None = None    # idle seconds between keep-warm units; None: 0.05 on CUDA, off on CPU; 0: off
     keep_warm_util: float = 0.6       # ... and only while the busy fraction of the recent window is at most this
+    batching: str = "latency"         # "latency": wait for company only with a broker backlog; "throughput": on arrival rates
 
 
 class Worker:
@@ -119,7 +120,10 @@ class Worker:
         max_batch = cfg.max_batch if getattr(self.model, "batchable", False) else 1
         self.backend = make_backend(self.model, self.device, cfg.backend,
                                     **({"max_batch": max_batch} if cfg.backend == "tensorrt" else {}))
-        self.batcher = Batcher(max_batch=max_batch, max_cost=cfg.max_cost, max_delay=cfg.max_delay)
+        if cfg.batching not in ("latency", "throughput"):
+            raise ValueError(f"batching {cfg.batching!r} must be 'latency' or 'throughput'")
+        self.batcher = Batcher(max_batch=max_batch, max_cost=cfg.max_cost, max_delay=cfg.max_delay,
+                               latency_first=cfg.batching == "latency")
         self.max_batch = max_batch        # the batcher's cap when the plane does not lower it
         self.credit = cfg.credit or max(2 * max_batch, 2)
         self.host = P.local_host_id()
@@ -550,7 +554,8 @@ class Worker:
         except Exception:
             cost = 1.0
         self.jobs[envelope] = job
-        self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline), now)
+        self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline,
+                                 backlog=req.backlog), now)
 
     # ------------------------------------------------------------------ running
 

@@ -153,6 +153,7 @@ class Request(msgspec.Struct, kw_only=True):
     queue_ms: float | None = None     # set by the broker at dispatch: time from its receipt to this dispatch
     returned: int | None = None       # set by the broker: times a busy worker gave it back unstarted (RECALL)
     dropped: int | None = None        # a latest-wins stream's frames dropped by the client since its previous request
+    backlog: int | None = None        # set by the broker at dispatch: requests of the service it still has queued
     reply_to: str | None = None       # "ipc://..." bound by the client: a same-host worker may send the FINAL there
     traceparent: str | None = None    # W3C trace context of the client's span, passed through untouched; a malformed one is dropped
 

@@ -358,3 +358,56 @@ def test_waits_that_gather_company_keep_happening():
         assert b.take(now, idle=True) == []
         now += 0.001
     assert sum(s == 4 for s in sizes[10:]) >= 35
+
+
+def _closed_loop(b: Batcher, backlog, n: int = 200) -> list[float]:
+    """A closed-loop client (next request 0.5 ms after each reply); each request's wait."""
+    now = 0.0
+    delays = []
+    for i in range(n):
+        b.add(Pending(key="k", cost=1.0, item=i, arrived=now, backlog=backlog), now)
+        got = b.take(now, idle=True)
+        start = now
+        while not got:
+            now = b.wake_at(now)
+            got = b.take(now, idle=True)
+        assert [p.item for p in got] == [i]
+        assert b.take(now, idle=True) == []
+        delays.append(now - start)
+        now += 0.0005
+    return delays
+
+
+def test_latency_first_a_lone_client_never_waits_not_even_to_probe():
+    """The broker says it had nothing of the service queued (backlog 0): no request of a
+    lone sequential client waits, from the first to the last: no probing wait either."""
+    assert _closed_loop(Batcher(max_batch=8, max_delay=0.002), backlog=0) == [0.0] * 200
+    # The same client through a broker that says nothing (a plain MDP broker), or with
+    # latency_first off: the waiting rules on arrival rates alone (early waits, probes).
+    for b, backlog in ((Batcher(max_batch=8, max_delay=0.002), None),
+                       (Batcher(max_batch=8, max_delay=0.002, latency_first=False), 0)):
+        assert any(d > 0 for d in _closed_loop(b, backlog))
+
+
+def test_latency_first_a_broker_backlog_brings_waiting_back():
+    """Requests dispatched while the broker still held more of the service wait for them
+    as before (bounded by max_delay), and a full batch still goes at once."""
+    b = Batcher(max_batch=4, max_delay=0.002)
+    t = idle_worker_after_heavy_traffic(b)  # short gaps: waiting looks worth it
+    b.add(Pending(key="a", cost=1.0, item="x", arrived=t, backlog=3), t)
+    assert b.take(t, idle=True) == []
+    assert t < b.wake_at(t) <= t + 0.002 + 1e-12
+    for i in range(3):
+        b.add(Pending(key="a", cost=1.0, item=i, arrived=t, backlog=3 - i - 1), t)
+    assert items(b.take(t, idle=True)) == ["x", 0, 1, 2]
+
+
+def test_latency_first_batches_still_form_under_load():
+    """Requests that arrive while a batch runs go together when it ends, backlog or not."""
+    b = Batcher(max_batch=8, max_delay=0.002)
+    b.add(Pending(key="a", cost=1.0, item=0, arrived=0.0, backlog=0), 0.0)
+    assert items(b.take(0.0, idle=True)) == [0]          # runs alone
+    for i in range(1, 6):                                 # arrive while it runs
+        b.add(Pending(key="a", cost=1.0, item=i, arrived=0.0001 * i, backlog=0), 0.0001 * i)
+        assert b.take(0.0001 * i, idle=False) == []
+    assert items(b.take(0.001, idle=True)) == [1, 2, 3, 4, 5]
