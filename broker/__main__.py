@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import signal
 import sys
-import threading
 
 from broker.config import load_launcher
 from broker.launcher import Launcher
@@ -50,6 +49,20 @@ def keys_main(argv: list[str]) -> int:
     print(f"public {public}")
     print(f"secret {secret}")
     return 0
+
+
+class _SignalStop:
+    """The broker loop's stop flag, set from signal handlers: a plain attribute, no lock (a
+    threading.Event's set() takes one, and a second signal arriving inside it deadlocks)."""
+
+    def __init__(self):
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SecurityError, RuntimeDirError, ValueError, RuntimeError) as e:
         print(f"python -m broker: {e}", file=sys.stderr, flush=True)
         return 2
-    stop = threading.Event()
+    stop = _SignalStop()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     # [[pool]] tables: this process is their launcher too (broker.launcher).  It takes the

@@ -157,6 +157,10 @@ class Worker:
         self.cancelled_running = 0            # requests cancelled while their batch ran
         self.stop = threading.Event()
         self.hurry = threading.Event()  # stop without waiting for clients to release outputs
+        # SIGTERM/SIGINT received (install_sigterm_drain): the handler only counts, with no
+        # lock, since a signal may interrupt another handler or the loop inside an Event;
+        # the loop turns the count into `stop` (1) and `hurry` (2) (`_take_signals`).
+        self.signals = 0
         self.served = 0
         self.compute_times = ComputeTimes(cfg.heartbeat_interval)
         # Liveness settings: the command line's until the broker's WELCOME replaces them.
@@ -266,7 +270,7 @@ class Worker:
             poller.register(upstream.monitor, zmq.POLLIN)
         next_housekeeping = time.monotonic() + self.heartbeat_interval
         try:
-            while not self.stop.is_set():
+            while not self._take_signals():
                 # Read each pass: a WELCOME may have brought the broker's settings.
                 interval = self.heartbeat_interval
                 dead_after = interval * self.heartbeat_liveness
@@ -340,7 +344,7 @@ class Worker:
         lent = self.plane.lent()
         if lent:
             log.info("keeping %d outputs readable until their clients release them (at most %.0f s)", lent, grace)
-        while lent and not self.hurry.is_set():
+        while lent and not (self._take_signals() and self.hurry.is_set()):
             if time.monotonic() - t0 >= grace:
                 log.warning("%d outputs still unreleased by clients after %.1f s; closing anyway", lent, grace)
                 return
@@ -352,6 +356,17 @@ class Worker:
 
     def _send(self, frames) -> None:
         self.upstream.send(frames)
+
+    def _take_signals(self) -> bool:
+        """Turn the signals counted by the handler into `stop` and `hurry` (on the loop's
+        thread, outside any handler); whether `stop` is set."""
+        n = self.signals
+        if n:
+            if not self.stop.is_set():
+                self.stop.set()
+            if n >= 2 and not self.hurry.is_set():
+                self.hurry.set()
+        return self.stop.is_set()
 
     # ------------------------------------------------------------------ receiving
 
@@ -913,9 +928,9 @@ def install_sigterm_drain(worker: Worker) -> None:
     are released (or the grace passes); a second signal skips that wait."""
 
     def on_signal(*_) -> None:
-        if worker.stop.is_set():
-            worker.hurry.set()
-        worker.stop.set()
+        # Nothing that takes a lock: a second signal may arrive while this handler, or the
+        # loop, is inside an Event's lock (a deadlock, seen with a SIGKILLed launcher).
+        worker.signals += 1
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
