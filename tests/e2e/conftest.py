@@ -145,3 +145,30 @@ def wait_service(client, service: str, timeout: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no worker for {service!r} after {timeout} s")
         time.sleep(0.01)
+
+
+@pytest.fixture
+def gate(tmp_path):
+    """A FIFO for tests/e2e/gate_model.py: `open()` once the worker started (it returns
+    when the worker opened the read end), then each byte `release()`s one gated call."""
+    path = tmp_path / "gate.fifo"
+    os.mkfifo(path)
+
+    class Gate:
+        env = {"GATE_FIFO": str(path)}
+        fd = None
+
+        def open(self):
+            # Opening the write end blocks until the worker opened the read end.
+            self.fd = os.open(path, os.O_WRONLY)
+
+        def release(self, n=1):
+            os.write(self.fd, b"x" * n)
+
+        def close(self):
+            if self.fd is not None:
+                os.close(self.fd)
+
+    g = Gate()
+    yield g
+    g.close()

@@ -65,26 +65,6 @@ def until(cond, what: str, timeout: float = WAIT):
         time.sleep(0.02)  # polling an HTTP endpoint (a condition, not a delay)
 
 
-@pytest.fixture
-def gate(tmp_path):
-    path = tmp_path / "gate.fifo"
-    os.mkfifo(path)
-    fds = []
-
-    class Gate:
-        env = {"GATE_FIFO": str(path)}
-
-        def open(self):
-            fds.append(os.open(path, os.O_WRONLY))
-
-        def release(self, n=1):
-            os.write(fds[0], b"x" * n)
-
-    yield Gate()
-    for fd in fds:
-        os.close(fd)
-
-
 def test_counts_queue_depth_batches_and_health(cluster, gate):
     broker = cluster.broker("--http", "127.0.0.1:0", "--max-queue", "3", "--service-grace", "0.3")
     base = "http://" + broker.field("http")

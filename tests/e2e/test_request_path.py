@@ -204,32 +204,6 @@ def test_unknown_service_fails_fast(cluster):
         assert time.monotonic() - t0 < 5.0
 
 
-@pytest.fixture
-def gate(tmp_path):
-    """A FIFO that releases one gated request per byte written."""
-    path = tmp_path / "gate.fifo"
-    os.mkfifo(path)
-
-    class Gate:
-        env = {"GATE_FIFO": str(path)}
-        fd = None
-
-        def open(self):
-            # Opening the write end blocks until the worker opened the read end.
-            self.fd = os.open(path, os.O_WRONLY)
-
-        def release(self, n=1):
-            os.write(self.fd, b"x" * n)
-
-        def close(self):
-            if self.fd is not None:
-                os.close(self.fd)
-
-    g = Gate()
-    yield g
-    g.close()
-
-
 def _gated_worker(cluster, gate, *extra, model="gate_model:factory"):
     p = cluster.worker(model, "--service", "gate", "--max-batch", "1", "--credit", "1",
                        "--no-warmup", *extra, env=gate.env, wait=False)

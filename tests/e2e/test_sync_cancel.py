@@ -32,31 +32,6 @@ AT_ONCE = 0.25   # "at once", generous for a loaded machine (what proves it: not
 
 
 @pytest.fixture
-def gate(tmp_path):
-    """A FIFO that lets one gated request finish per byte written."""
-    path = tmp_path / "gate.fifo"
-    os.mkfifo(path)
-
-    class Gate:
-        env = {"GATE_FIFO": str(path)}
-        fd = None
-
-        def open(self):
-            self.fd = os.open(path, os.O_WRONLY)  # returns once the worker opened the read end
-
-        def release(self, n=1):
-            os.write(self.fd, b"x" * n)
-
-        def close(self):
-            if self.fd is not None:
-                os.close(self.fd)
-
-    g = Gate()
-    yield g
-    g.close()
-
-
-@pytest.fixture
 def gated(cluster, gate):
     """A broker and one gate worker that holds a single request at a time."""
     cluster.broker()
