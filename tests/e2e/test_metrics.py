@@ -10,7 +10,6 @@ wait polls a condition with a timeout.
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.error
 import urllib.request

@@ -14,7 +14,6 @@ cancelled.  Every wait polls a condition with a timeout; nothing sleeps.
 """
 from __future__ import annotations
 
-import os
 import signal
 import time
 
