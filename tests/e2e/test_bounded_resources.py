@@ -27,7 +27,6 @@ from zmq.utils.monitor import recv_monitor_message
 from broker import protocol as P
 from client_sdk import Client
 from tests.e2e.conftest import wait_service
-from tests.e2e.test_request_path import gate  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,7 +19,6 @@ import pytest
 from client_sdk import AsyncClient, Client
 from client_sdk.errors import ServiceUnavailable
 from tests.e2e.conftest import ROOT, Proc
-from tests.e2e.test_request_path import gate  # noqa: F401  (fixture)
 
 TWO_POOLS = """
     [[pool]]

@@ -8,7 +8,6 @@ import numpy as np
 
 from client_sdk import Client
 from tests.e2e.conftest import wait_service
-from tests.e2e.test_request_path import gate  # noqa: F401  (fixture)
 
 
 def _echo_round(c: Client, n: int) -> None:
