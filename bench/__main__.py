@@ -1,4 +1,4 @@
-"""`python -m bench SUBCOMMAND`: latency, rate, sweep, compare, quick, render.
+"""`python -m bench SUBCOMMAND`: run, latency, rate, sweep, compare, quick, render.
 
 See docs/bench.md for the options, the JSON schema and the ratios."""
 from __future__ import annotations
@@ -136,12 +136,16 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--arrival", choices=("constant", "poisson"), default="constant",
                    help="open-loop arrivals: evenly spaced or Poisson (default constant)")
 
+    sub.add_parser("run", help="your service on a running broker: closed/open loop or frame "
+                               "streams, capacity under an SLO (python -m bench run --help)",
+                   add_help=False)
     sub.add_parser("soak", help="long mixed 16 B / 6 MB load; RSS and open files per process "
                                 "(python -m bench soak --help)", add_help=False)
     s = sub.add_parser("render", help="redraw table/markdown/plots from a saved JSON report")
     s.add_argument("report", help="JSON report written by --json")
     s.add_argument("--markdown", metavar="PATH")
     s.add_argument("--plots", metavar="DIR")
+    s.add_argument("--csv", metavar="PATH", help="a `run` report only: perf_analyzer's CSV columns")
     s.add_argument("--quiet", action="store_true")
     return p
 
@@ -274,6 +278,21 @@ def _config_dict(a: argparse.Namespace, cfg: RunConfig, names: list[str],
 def cmd_render(a: argparse.Namespace) -> int:
     with open(a.report) as f:
         report = json.load(f)
+    from bench import run_report as rr
+
+    if rr.is_run_report(report):
+        if not a.quiet:
+            print(rr.render_table(report))
+        if a.markdown:
+            rr.write_markdown(report, a.markdown)
+        if a.csv:
+            rr.write_csv(report, a.csv)
+        if a.plots:
+            rr.write_plots(report, a.plots)
+        return 0
+    if a.csv:
+        print("python -m bench render: --csv needs a report of `python -m bench run`", file=sys.stderr)
+        return 2
     if not a.quiet:
         print(rep.render_table(report))
     if a.markdown:
@@ -294,6 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import soak
 
         return soak.main(args[1:])
+    if args[:1] == ["run"]:  # its own options (bench/run.py): a deployment that is already running
+        from bench import run
+
+        return run.main(args[1:], argv_full)
     a = build_parser().parse_args(argv)
     if a.command == "render":
         return cmd_render(a)

@@ -159,3 +159,60 @@ def converged(p50s: list[float], needed: int = 3, tolerance: float = 0.10) -> bo
     if any(v is None or math.isnan(v) for v in tail):
         return False
     return agree_within(tail, tolerance)
+
+
+# The reply-header fields `bench run` splits a request's server time into (ms), as the
+# worker and broker write them, and the JSON keys they are reported under.
+SPLIT_FIELDS = (("queue_ms", "queue"), ("batch_wait_ms", "batch_wait"), ("input_ms", "input"),
+                ("compute_ms", "compute"), ("output_ms", "output"))
+
+
+@dataclass
+class ServerSplit:
+    """Sums of the server-side split (queue wait, batch wait, input, compute, output) over
+    replies, and the batch sizes the worker formed (the `batch` timing field), for one
+    level of `bench run`.  Picklable and mergeable, so generator processes can send theirs."""
+
+    sums: dict[str, float] = field(default_factory=lambda: {k: 0.0 for k, _ in SPLIT_FIELDS})
+    counts: dict[str, int] = field(default_factory=lambda: {k: 0 for k, _ in SPLIT_FIELDS})
+    batches: dict[int, int] = field(default_factory=dict)
+
+    def add_timing(self, timing) -> None:
+        """One reply's timing mapping (`Result.timing`); unknown or missing keys are ignored."""
+        if not timing:
+            return
+        for k, _ in SPLIT_FIELDS:
+            v = timing.get(k)
+            if v is not None:
+                self.sums[k] += float(v)
+                self.counts[k] += 1
+        b = timing.get("batch")
+        if b is not None:
+            b = int(b)
+            self.batches[b] = self.batches.get(b, 0) + 1
+
+    def merge(self, other: "ServerSplit") -> None:
+        for k, _ in SPLIT_FIELDS:
+            self.sums[k] += other.sums[k]
+            self.counts[k] += other.counts[k]
+        for b, n in other.batches.items():
+            self.batches[b] = self.batches.get(b, 0) + n
+
+    @property
+    def samples(self) -> int:
+        return max(self.counts.values())
+
+    def means_ms(self) -> dict[str, float | None] | None:
+        """{"queue": ms, "batch_wait": ms, ...}; None when no reply carried timing."""
+        if self.samples == 0:
+            return None
+        return {name: (round(self.sums[k] / self.counts[k], 4) if self.counts[k] else None)
+                for k, name in SPLIT_FIELDS}
+
+    def batch_size(self) -> dict | None:
+        """{"mean": m, "counts": {"1": n, ...}}; None when no reply carried a batch size."""
+        total = sum(self.batches.values())
+        if not total:
+            return None
+        mean = sum(b * n for b, n in self.batches.items()) / total
+        return {"mean": round(mean, 3), "counts": {str(b): self.batches[b] for b in sorted(self.batches)}}

@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from bench.hist import LatencyHistogram, ServerTiming, converged
+from bench.hist import LatencyHistogram, ServerSplit, ServerTiming, converged
 
 RequestFn = Callable[[Any], Awaitable[dict | None]]
 
@@ -90,8 +90,11 @@ class WindowResult:
     elapsed_s: float = 0.0
     server: ServerTiming = field(default_factory=ServerTiming)
     error_samples: list[str] = field(default_factory=list)
-    # Open loop only: how late the generator itself launched requests (its own health).
+    # Open loop only: how late the generator itself launched requests (its own health):
+    # the worst, and every request's lateness (launch - intended send time).
     max_send_lag_ms: float = 0.0
+    lateness: LatencyHistogram | None = None
+    split: ServerSplit = field(default_factory=ServerSplit)  # queue/batch wait/.../batch sizes
 
     @property
     def p50_ms(self) -> float:
@@ -130,19 +133,24 @@ async def _one(request: RequestFn, payload: Any, start_ns: int, res: WindowResul
             res._note_error(str(err))
             return
         res.server.add_reply(reply)
+        res.split.add_timing(reply)
     res.hist.record_ns(end - start_ns)
     res.ok += 1
 
 
 async def closed_loop(request: RequestFn, payload: Any, *, concurrency: int, duration_s: float,
                       min_requests: int = 1, max_duration_s: float | None = None,
-                      timeout_s: float | None = None) -> WindowResult:
+                      timeout_s: float | None = None, start_ns: int | None = None) -> WindowResult:
     """`concurrency` coroutines, each sending its next request when the previous returns.
 
     Stops issuing at `duration_s`, but not before `min_requests` were issued (large payloads
     on slow peers would otherwise give windows of one sample), and never after
-    `max_duration_s` (default 10x duration, at least 1 s)."""
+    `max_duration_s` (default 10x duration, at least 1 s).  `start_ns` (perf_counter_ns, the
+    system-wide CLOCK_MONOTONIC on Linux): begin then, so that generator processes given the
+    same start run their windows together."""
     res = WindowResult(LatencyHistogram())
+    if start_ns is not None:
+        await _sleep_until(start_ns)
     start = time.perf_counter_ns()
     soft = start + int(duration_s * 1e9)
     if max_duration_s is None:
@@ -185,20 +193,35 @@ def intended_offsets_ns(rate: float, duration_s: float, arrival: str = "constant
     return t[t < horizon]
 
 
+async def _sleep_until(t_ns: int) -> None:
+    while True:
+        left = t_ns - time.perf_counter_ns()
+        if left <= 0:
+            return
+        await asyncio.sleep(left / 1e9 if left > 1_000_000 else 0)
+
+
 async def open_loop(request: RequestFn, payload: Any, *, rate: float, duration_s: float,
                     arrival: str = "constant", seed: int = 0,
-                    timeout_s: float | None = None, spin_us: float = 1000.0) -> WindowResult:
+                    timeout_s: float | None = None, spin_us: float = 1000.0,
+                    t0_ns: int | None = None, part: tuple[int, int] = (0, 1)) -> WindowResult:
     """Launch request i as its own task at t0 + offset_i (or as soon as possible after, if
     the loop was late) and record completion - (t0 + offset_i).
 
     `spin_us`: the last stretch before a due time is waited by yielding to the loop rather
-    than by a timer, trading CPU for send-time precision (0: timers only)."""
-    res = WindowResult(LatencyHistogram())
+    than by a timer, trading CPU for send-time precision (0: timers only).  `t0_ns`
+    (perf_counter_ns; default now) and `part=(j, n)`: this generator sends requests j, j+n,
+    j+2n, ... of the schedule, so n processes given the same t0 share one schedule exactly.
+    Every launch's lateness goes into `lateness`."""
+    res = WindowResult(LatencyHistogram(), lateness=LatencyHistogram())
     offsets = intended_offsets_ns(rate, duration_s, arrival, seed)
+    j, nparts = part
+    if nparts > 1:
+        offsets = offsets[j::nparts]
     spin_ns = int(spin_us * 1000)
     tasks: set[asyncio.Task] = set()
     loop = asyncio.get_running_loop()
-    t0 = time.perf_counter_ns()
+    t0 = time.perf_counter_ns() if t0_ns is None else t0_ns
     max_lag = 0
     i, n = 0, len(offsets)
     while i < n:
@@ -217,6 +240,7 @@ async def open_loop(request: RequestFn, payload: Any, *, rate: float, duration_s
         while i < n and t0 + int(offsets[i]) <= now:
             due = t0 + int(offsets[i])
             max_lag = max(max_lag, now - due)
+            res.lateness.record_ns(now - due)
             task = loop.create_task(_one(request, payload, due, res, timeout_s))
             tasks.add(task)
             task.add_done_callback(tasks.discard)

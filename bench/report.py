@@ -213,7 +213,8 @@ _COLS = ("peer", "payload", "load", "n", "err", "p50", "p90", "p95", "p99", "p99
          "req/s", "SLO%", "stable", "server q/in/comp/out ms")
 
 
-def _fmt_ms(v: float | None) -> str:
+def fmt_ms(v: float | None) -> str:
+    """A latency in ms for a table: 3 decimals under 1 ms, 2 under 100, none above; '-' for None."""
     if v is None:
         return "-"
     if v < 1:
@@ -228,12 +229,12 @@ def _row(r: dict) -> list[str]:
     load = (f"c={r['concurrency']}" if r["mode"] == "closed"
             else f"{r['rate_rps']:g}/s {r['arrival']}")
     srv = r["server_ms"]
-    split = ("/".join(_fmt_ms(srv[k]) for k in ("queue", "input", "compute", "output"))
+    split = ("/".join(fmt_ms(srv[k]) for k in ("queue", "input", "compute", "output"))
              if srv else "-")
     slo = r["slo_attainment"]
     return [
         r["peer"], r["payload_label"], load, str(r["requests"]), str(r["errors"]),
-        *(_fmt_ms(lat[k]) for k in ("p50", "p90", "p95", "p99", "p99.9", "max")),
+        *(fmt_ms(lat[k]) for k in ("p50", "p90", "p95", "p99", "p99.9", "max")),
         f"{r['throughput_rps']:.0f}" if r["throughput_rps"] is not None else "-",
         f"{100 * slo:.1f}" if slo is not None else "-",
         "yes" if r["converged"] else f"no({r['windows']})",

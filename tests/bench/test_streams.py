@@ -1,0 +1,233 @@
+"""The streams load mode (bench/streams.py) against a real broker and worker: frames are
+scheduled, sent, matched to their results and accounted (sent, completed, dropped); a
+model slower than the frame period drops frames and caps the achieved fps; detail() and
+merge() agree with the windows; a window survives pickling (generator processes)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.streams import StreamsWindow, detail, merge, stream_ticks, streams_window
+from client_sdk import AsyncClient
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+
+
+class _Proc:
+    def __init__(self, args: list[str]):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")])
+        env["PYTHONUNBUFFERED"] = "1"
+        self.args = args
+        self.p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env=env, cwd=ROOT)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        buf = b""
+        fd = self.p.stdout.fileno()
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.args} printed no READY within {timeout} s")
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    self.p.wait(5)
+                    raise RuntimeError(f"{self.args} exited {self.p.returncode}: {self.p.stderr.read()[-2000:]!r}")
+                buf += chunk
+        assert buf.startswith(b"READY"), buf
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(15)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(10)
+        for f in (self.p.stdout, self.p.stderr):
+            f.close()
+
+
+class _Cluster:
+    def __init__(self, tmp: Path, model: str, *worker_args: str):
+        self.frontend = f"ipc://{tmp}/fe.ipc"
+        backend = f"ipc://{tmp}/be.ipc"
+        self.procs: list[_Proc] = []
+        try:
+            b = _Proc(["-m", "broker", "--frontend", self.frontend, "--backend", backend,
+                       "--heartbeat-interval", "0.2"])
+            self.procs.append(b)
+            b.wait_ready()
+            w = _Proc(["-m", "gpu_worker", "--broker", backend, "--model", model, "--device", "cpu",
+                       "--heartbeat-interval", "0.2", "--out-capacity-mb", "16", *worker_args])
+            self.procs.append(w)
+            w.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for p in reversed(self.procs):  # the worker first, so it can DISCONNECT
+            p.close()
+        self.procs = []
+
+
+@pytest.fixture
+def echo_cluster(tmp_path):
+    c = _Cluster(tmp_path, "echo")
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def slow_cluster(tmp_path):
+    c = _Cluster(tmp_path, "slow_model:factory", "--max-batch", "1")
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+SAMPLES = [{"x": np.full(16, i, np.uint8)} for i in range(3)]
+
+
+def test_ticks_spread_streams_over_the_period():
+    t0 = 1_000_000_000
+    a = stream_ticks(0, 4, 10.0, 1.0, t0)
+    b = stream_ticks(1, 4, 10.0, 1.0, t0)
+    assert len(a) == len(b) == 10
+    assert a[0] == t0 and b[0] == t0 + 25_000_000  # a quarter of the 100 ms period
+    assert all(y - x == 100_000_000 for x, y in zip(a, a[1:]))
+    assert stream_ticks(3, 4, 10.0, 0.05, t0) == []  # its first tick (75 ms) is past the end
+
+
+async def test_echo_streams_complete_every_frame(echo_cluster):
+    async with AsyncClient(echo_cluster.frontend, timeout=10) as c:
+        await c.infer("echo", SAMPLES[0], timeout=10)  # connected and served once
+        async with asyncio.timeout(30):
+            # Two in flight per stream, so a scheduling hiccup on a busy machine drops nothing.
+            win = await streams_window(c, "echo", SAMPLES, streams=2, fps=50.0, duration_s=0.6,
+                                       max_in_flight=2, timeout_s=10.0, drain_s=5.0)
+    assert win.errors == win.timeouts == 0, win.error_samples
+    assert [e["stream"] for e in win.per_stream] == [0, 1]
+    for e in win.per_stream:
+        assert e["frames"] == 30  # 0.6 s at 50 fps
+        assert e["dropped"] == 0 and e["failed"] == 0
+        assert e["sent"] == e["completed"] == e["frames"]
+        assert e["latency_hist"].count == e["completed"]
+    assert win.hist.count == 60
+    assert win.lateness.count == 60
+    assert 0 < win.hist.percentile_ms(50) < 50.0
+    assert win.lateness.max_ms() < 200.0
+    assert win.split.samples == 60
+    assert 0.6 <= win.elapsed_s < 1.5
+    assert win.cpu_s > 0
+
+    d = detail(win, fps=50.0, slo_ms=1000.0)
+    assert d["drop_rate"] == 0.0
+    assert [p["stream"] for p in d["per_stream"]] == [0, 1]
+    for p in d["per_stream"]:
+        assert p["achieved_fps"] == pytest.approx(30 / win.elapsed_s, rel=1e-3)
+        assert p["p50_ms"] is not None and p["p50_ms"] <= p["p99_ms"]
+    assert d["achieved_fps"] == pytest.approx(30 / win.elapsed_s, rel=1e-3)
+    # Every frame within a generous SLO: two streams' worth of completed frames per second.
+    assert d["stream_equivalents"] == pytest.approx(60 / win.elapsed_s / 50.0, rel=1e-3)
+
+    # Pickles (generator processes send windows back) and round-trips its wire form.
+    back = pickle.loads(pickle.dumps(win))
+    assert isinstance(back, StreamsWindow)
+    assert back.hist.count == 60 and back.per_stream[1]["latency_hist"].count == 30
+    assert back.split.batches == win.split.batches
+    assert detail(back, 50.0, 1000.0) == d
+
+    # Two windows of one level: counts and histograms add, measured time adds.
+    m = merge([win, back])
+    assert m.hist.count == 120 and m.lateness.count == 120
+    assert [e["stream"] for e in m.per_stream] == [0, 1]
+    assert all(e["frames"] == 60 and e["completed"] == 60 for e in m.per_stream)
+    assert m.elapsed_s == pytest.approx(2 * win.elapsed_s)
+    assert detail([win, back], 50.0, 1000.0)["achieved_fps"] == pytest.approx(d["achieved_fps"], rel=1e-3)
+
+
+async def test_processes_share_one_schedule(echo_cluster):
+    """Two generators given the same t0 and their halves of 4 streams: one merged window
+    whose per-stream entries are the union, timed side by side (not added)."""
+    async with AsyncClient(echo_cluster.frontend, timeout=10) as c:
+        await c.infer("echo", SAMPLES[0], timeout=10)
+        t0 = time.monotonic_ns() + 20_000_000
+        async with asyncio.timeout(30):
+            a, b = await asyncio.gather(
+                streams_window(c, "echo", SAMPLES, streams=2, fps=20.0, duration_s=0.3, t0_ns=t0,
+                               first_stream=2, total_streams=4, timeout_s=10.0),
+                streams_window(c, "echo", SAMPLES, streams=2, fps=20.0, duration_s=0.3, t0_ns=t0,
+                               first_stream=0, total_streams=4, timeout_s=10.0))
+
+        # A window cancelled midway closes its streams and leaves no task behind; the client
+        # goes on serving.
+        task = asyncio.create_task(streams_window(c, "echo", SAMPLES, streams=3, fps=100.0, duration_s=10.0))
+        await asyncio.sleep(0.2)  # let it run a while; cancelling at any point must be clean
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+        left = [t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("bench-stream-")]
+        assert left == []
+        with await c.infer("echo", SAMPLES[1], timeout=10) as r:
+            assert r["x"][0] == 1
+    m = merge([a, b])
+    assert [e["stream"] for e in m.per_stream] == [0, 1, 2, 3]
+    # 0.3 s at 20 fps: ticks at 0, 50, 100 ... 250 ms plus the stream's phase (12.5 ms steps).
+    assert [e["frames"] for e in m.per_stream] == [6, 6, 6, 6]
+    assert sum(e["completed"] for e in m.per_stream) == 24 == m.hist.count
+    assert m.elapsed_s == pytest.approx(max(a.elapsed_s, b.elapsed_s))
+    assert m.cpu_s == pytest.approx(a.cpu_s + b.cpu_s)
+
+
+async def test_slow_model_drops_frames(slow_cluster):
+    async with AsyncClient(slow_cluster.frontend, timeout=10) as c:
+        await c.infer("slow", SAMPLES[0], timeout=10)
+        win = await streams_window(c, "slow", SAMPLES, streams=1, fps=60.0, duration_s=1.0,
+                                   max_in_flight=1, timeout_s=10.0, drain_s=5.0)
+    (e,) = win.per_stream
+    assert win.errors == 0, win.error_samples
+    assert e["frames"] == 60
+    assert e["dropped"] > 0
+    assert e["sent"] + e["dropped"] == e["frames"]
+    assert e["completed"] == e["sent"]
+    d = detail(win, fps=60.0, slo_ms=1000.0)
+    # 50 ms a frame: at most 20 results a second, whatever the 60 fps offered.
+    assert 10.0 <= d["achieved_fps"] <= 21.0
+    assert d["drop_rate"] == pytest.approx(e["dropped"] / 60)
+    assert d["stream_equivalents"] == pytest.approx(e["completed"] / win.elapsed_s / 60.0, rel=1e-3)
+    assert d["stream_equivalents"] < 0.4  # a fraction of one stream
+    # Capture to result: at least the 50 ms the model takes; frames that waited pay more.
+    assert win.hist.min_ms() >= 49.0
+    # A tight SLO holds nothing.
+    assert detail(win, fps=60.0, slo_ms=10.0)["stream_equivalents"] == 0.0
+    assert win.split.means_ms()["compute"] >= 45.0
+
+    # Cut the drain short: the frame in flight at the cut is a failed frame (a timeout), the
+    # one still waiting to be sent a dropped one; every tick is accounted for.
+    async with AsyncClient(slow_cluster.frontend, timeout=10) as c:
+        async with asyncio.timeout(30):
+            cut = await streams_window(c, "slow", SAMPLES, streams=1, fps=60.0, duration_s=0.2,
+                                       max_in_flight=1, timeout_s=10.0, drain_s=0.0)
+    (e,) = cut.per_stream
+    assert e["failed"] >= 1 and cut.timeouts == cut.errors == e["failed"], cut.error_samples
+    assert e["completed"] + e["failed"] == e["sent"]
+    assert e["sent"] + e["dropped"] == e["frames"] == 12
