@@ -2,7 +2,7 @@
 
 Pure logic: the runner measures a load level and hands the figures here; this module says
 whether the level held the SLO, which level to measure next, and what the report's "search"
-object says (docs/bench-run-draft.md, "Capacity search").
+object says (docs/bench.md, "Capacity search").
 
 Ranges are perf_analyzer's `START:END[:STEP]` (END inclusive, STEP 1 unless given); a single
 value is a range of one.
@@ -259,8 +259,20 @@ def summary(results: list[dict], cfg: dict, kind: str, searched: bool, steps: li
                   "throughput_rps": r.get("throughput_rps"), "why_not": r.get("why_not")} for r in results]
     else:
         steps = [dict(s) for s in steps]
-    held = [s["load"] for s in steps if s["holds"]]
+    # The highest level that held below the lowest that did not (perf_analyzer stops at the
+    # first level over its threshold): a level that held above a failure is luck, not capacity.
+    # The search only ever measures between the two, so there it is the highest that held.
+    failed = [s["load"] for s in steps if not s["holds"]]
+    ceiling = min(failed) if failed else math.inf
+    held = [s["load"] for s in steps if s["holds"] and s["load"] < ceiling]
     capacity = max(held) if held else None
+    # What stopped it: the service, or the load generator (the lowest failing level was
+    # invalid because the generator could not keep the schedule): then the capacity is a
+    # lower bound of the service's, and says so.
+    limited_by = None
+    if failed:
+        first_fail = next(s for s in steps if not s["holds"] and s["load"] == ceiling)
+        limited_by = "generator" if str(first_fail.get("why_not") or "").startswith("invalid") else "slo"
     at = {r["load"]: r for r in results}  # the last result measured at each load
     throughput = stream_equivalents = None
     if capacity is not None:
@@ -279,6 +291,7 @@ def summary(results: list[dict], cfg: dict, kind: str, searched: bool, steps: li
         "slo_ms": cfg.get("slo_ms"), "percentile": cfg.get("percentile"),
         "steps": steps,
         "capacity": capacity, "capacity_throughput_rps": throughput,
+        "limited_by": limited_by,  # "slo" | "generator" | None (no level failed: the cap or the range's end)
         "stream_equivalents": stream_equivalents,
         "knee": knee([(r["load"], r.get("percentile_ms")) for r in results]),
     }

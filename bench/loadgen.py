@@ -110,7 +110,11 @@ class WindowResult:
 async def _one(request: RequestFn, payload: Any, start_ns: int, res: WindowResult,
                timeout_s: float | None) -> None:
     """Issue one request; latency = completion - start_ns (start_ns is the intended time in
-    the open loop, the actual send time in the closed loop)."""
+    the open loop, the actual send time in the closed loop).  With `res.lateness`, how late
+    the request really started against start_ns is recorded here, as it goes out (not when
+    its task was created: in a burst of catch-up launches the last ones start latest)."""
+    if res.lateness is not None:
+        res.lateness.record_ns(time.perf_counter_ns() - start_ns)
     try:
         if timeout_s is None:
             reply = await request(payload)
@@ -240,7 +244,6 @@ async def open_loop(request: RequestFn, payload: Any, *, rate: float, duration_s
         while i < n and t0 + int(offsets[i]) <= now:
             due = t0 + int(offsets[i])
             max_lag = max(max_lag, now - due)
-            res.lateness.record_ns(now - due)
             task = loop.create_task(_one(request, payload, due, res, timeout_s))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
@@ -251,6 +254,89 @@ async def open_loop(request: RequestFn, payload: Any, *, rate: float, duration_s
     res.elapsed_s = max((end - t0) / 1e9, duration_s)
     res.max_send_lag_ms = max_lag / 1e6
     return res
+
+
+# ---------------------------------------------------------------------------------------
+# One load level as continuous windows (bench run)
+# ---------------------------------------------------------------------------------------
+def _window_of(offset_ns: int, warmup_ns: int, window_ns: int, windows: int) -> int:
+    """-1 for warm-up, else the index of the window `offset_ns` (after the start) falls in."""
+    if offset_ns < warmup_ns:
+        return -1
+    return min(int((offset_ns - warmup_ns) // window_ns), windows - 1)
+
+
+def _finish_windows(results: list[WindowResult], window_s: float, t_last_start_ns: int) -> None:
+    for r in results:
+        r.elapsed_s = window_s
+    # The last window also holds the tail: replies to its requests that came after its end.
+    results[-1].elapsed_s = max(window_s, (time.perf_counter_ns() - t_last_start_ns) / 1e9)
+
+
+async def closed_loop_windows(request: RequestFn, payload: Any, *, concurrency: int, warmup_s: float,
+                              window_s: float, windows: int, timeout_s: float | None = None,
+                              start_ns: int | None = None) -> list[WindowResult]:
+    """`concurrency` coroutines run without a pause through a warm-up and `windows` windows;
+    each request lands in the window its send time falls in (warm-up ones are dropped), so
+    no window starts from an empty system.  Issuing stops at the end of the last window."""
+    if start_ns is not None:
+        await _sleep_until(start_ns)
+    results = [WindowResult(LatencyHistogram()) for _ in range(windows)]
+    warm = WindowResult(LatencyHistogram())
+    warm_ns, win_ns = int(warmup_s * 1e9), int(window_s * 1e9)
+    t0 = time.perf_counter_ns()
+    end = t0 + warm_ns + windows * win_ns
+
+    async def worker() -> None:
+        while (now := time.perf_counter_ns()) < end:
+            k = _window_of(now - t0, warm_ns, win_ns, windows)
+            await _one(request, payload, now, warm if k < 0 else results[k], timeout_s)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    _finish_windows(results, window_s, t0 + warm_ns + (windows - 1) * win_ns)
+    return results
+
+
+async def open_loop_windows(request: RequestFn, payload: Any, *, rate: float, warmup_s: float,
+                            window_s: float, windows: int, arrival: str = "constant", seed: int = 0,
+                            timeout_s: float | None = None, spin_us: float = 1000.0,
+                            t0_ns: int | None = None, part: tuple[int, int] = (0, 1)) -> list[WindowResult]:
+    """One open-loop schedule over a warm-up and `windows` windows, no pause between them (a
+    backlog built in one window is still there in the next); each request lands in the
+    window its *intended* send time falls in, timed from that time.  `t0_ns` and `part` as
+    in `open_loop`.  Every request's lateness is in its window's `lateness`."""
+    warm_ns, win_ns = int(warmup_s * 1e9), int(window_s * 1e9)
+    offsets = intended_offsets_ns(rate, warmup_s + windows * window_s, arrival, seed)
+    j, nparts = part
+    if nparts > 1:
+        offsets = offsets[j::nparts]
+    results = [WindowResult(LatencyHistogram(), lateness=LatencyHistogram()) for _ in range(windows)]
+    warm = WindowResult(LatencyHistogram())
+    spin_ns = int(spin_us * 1000)
+    tasks: set[asyncio.Task] = set()
+    loop = asyncio.get_running_loop()
+    t0 = time.perf_counter_ns() if t0_ns is None else t0_ns
+    i, n = 0, len(offsets)
+    while i < n:
+        due = t0 + int(offsets[i])
+        now = time.perf_counter_ns()
+        if due > now:  # the same timer-then-yield wait as open_loop's
+            await asyncio.sleep((due - now - spin_ns) / 1e9 if due - now > spin_ns else 0)
+            continue
+        while i < n and t0 + int(offsets[i]) <= now:
+            off = int(offsets[i])
+            k = _window_of(off, warm_ns, win_ns, windows)
+            res = warm if k < 0 else results[k]
+            if k >= 0:
+                res.max_send_lag_ms = max(res.max_send_lag_ms, (now - t0 - off) / 1e6)
+            task = loop.create_task(_one(request, payload, t0 + off, res, timeout_s))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            i += 1
+    if tasks:
+        await asyncio.gather(*tasks)
+    _finish_windows(results, window_s, t0 + warm_ns + (windows - 1) * win_ns)
+    return results
 
 
 # ---------------------------------------------------------------------------------------

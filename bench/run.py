@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-error-rate", type=float, default=0.001, help="a level holding the SLO has at most this (0.001)")
     s.add_argument("--max-drop-rate", type=float, default=0.01, help="streams: at most this share dropped (0.01)")
     s.add_argument("--max-lateness-ms", type=float,
-                   help="p99 generator lateness beyond which a result is invalid (default min(1, SLO/10))")
+                   help="p99 generator lateness beyond which a result is invalid (default SLO/10)")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="PATH", help="write the JSON report")
     o.add_argument("--csv", metavar="PATH", help="write the CSV (perf_analyzer's columns)")
@@ -140,12 +140,18 @@ def make_plan(a: argparse.Namespace) -> Plan:
         raise ValueError("--windows, --workers, --max-in-flight and --samples must be at least 1")
     if not 0 < a.percentile < 100:
         raise ValueError(f"--percentile must be between 0 and 100, got {a.percentile}")
-    lateness = a.max_lateness_ms if a.max_lateness_ms is not None else min(1.0, a.slo_ms / 10)
+    for name, v in (("--max-error-rate", a.max_error_rate), ("--max-drop-rate", a.max_drop_rate)):
+        if not 0 <= v <= 1:
+            raise ValueError(f"{name} is a fraction between 0 and 1, got {v}")
+    if a.warmup_s < 0 or a.timeout_s < 0:
+        raise ValueError("--warmup-s and --timeout-s cannot be negative")
+    lateness = a.max_lateness_ms if a.max_lateness_ms is not None else a.slo_ms / 10
     cfg = {"slo_ms": a.slo_ms, "percentile": a.percentile, "max_error_rate": a.max_error_rate,
            "max_drop_rate": a.max_drop_rate, "max_lateness_ms": lateness}
     if a.search:
         start, end = cap.parse_range_bounds(text, integer)
         end = end if end is not None else cap.DEFAULT_CAP[KINDS[mode]]
+        cap.Search(KINDS[mode], start, end, a.resolution)  # its own checks (start <= cap, resolution > 0)
         return Plan(mode, [start, end], True, start, end, cfg)
     return Plan(mode, cap.expand_range(text, integer), False, cfg=cfg)
 
@@ -184,10 +190,13 @@ class Generator:
         o = self.opts
         if self.samples is None:
             self.samples, _ = load_samples(**o.input_opts)
-        self.client = AsyncClient(o.endpoint, transport=o.transport, timeout=o.timeout_s,
-                                  server_key=o.server_key, client_key=o.client_key,
-                                  insecure=o.insecure,
-                                  pool_capacity=max(256 << 20, 2 * self._bytes() + (64 << 20)))
+        try:
+            self.client = AsyncClient(o.endpoint, transport=o.transport, timeout=o.timeout_s,
+                                      server_key=o.server_key, client_key=o.client_key,
+                                      insecure=o.insecure,
+                                      pool_capacity=max(256 << 20, 2 * self._bytes() + (64 << 20)))
+        except Exception as e:  # a malformed endpoint, tcp without keys, a bad key file, ...
+            raise TargetError(f"cannot make a client for {o.endpoint}: {e}") from None
         try:
             has = await self.client.mmi_service(o.service, timeout=CONNECT_TIMEOUT_S)
         except Exception as e:
@@ -231,11 +240,12 @@ class Generator:
             res.release()
 
     async def window(self, spec: dict) -> dict:
-        """Run one window of this generator's share; the result in wire form."""
+        """Run this generator's share of one streams window, or of a whole closed- or
+        open-loop level (warm-up and windows back to back); the result in wire form, a level
+        as {"windows": [one per window]}."""
         cpu0 = time.process_time()
-        mode, dur, t0 = spec["mode"], spec["duration_s"], spec["t0_ns"]
+        mode, t0 = spec["mode"], spec["t0_ns"]
         timeout = self.opts.timeout_s
-        out: dict[str, Any] = {"streams": None, "lateness": None}
         if mode == "streams":
             from bench import streams as st
 
@@ -243,28 +253,33 @@ class Generator:
                 return _idle_window(cpu0)
             w = await st.streams_window(
                 self.client, self.opts.service, self.staged, streams=spec["streams"], fps=spec["fps"],
-                duration_s=dur, t0_ns=t0, first_stream=spec["first_stream"],
+                duration_s=spec["duration_s"], t0_ns=t0, first_stream=spec["first_stream"],
                 total_streams=spec["total_streams"], max_in_flight=spec["max_in_flight"],
                 timeout_s=timeout, spin_us=self.opts.spin_us)
-            out.update(hist=w.hist.encode(), lateness=w.lateness.encode(), ok=sum(s["completed"] for s in w.per_stream),
-                       errors=w.errors, timeouts=w.timeouts, error_samples=list(w.error_samples),
-                       elapsed_s=w.elapsed_s, split=w.split, streams=w)
+            return {"hist": w.hist.encode(), "lateness": w.lateness.encode(),
+                    "ok": sum(s["completed"] for s in w.per_stream), "errors": w.errors,
+                    "timeouts": w.timeouts, "error_samples": list(w.error_samples),
+                    "elapsed_s": w.elapsed_s, "split": w.split, "streams": w,
+                    "cpu_s": time.process_time() - cpu0}
+        k, warm, win = spec["windows"], spec["warmup_s"], spec["window_s"]
+        if mode == "closed":
+            if spec["concurrency"] <= 0:
+                return {"windows": [_idle_window(cpu0) for _ in range(k)]}
+            rs = await loadgen.closed_loop_windows(self._request, None, concurrency=spec["concurrency"],
+                                                   warmup_s=warm, window_s=win, windows=k,
+                                                   timeout_s=timeout, start_ns=t0)
         else:
-            if mode == "closed":
-                if spec["concurrency"] <= 0:
-                    return _idle_window(cpu0)
-                r = await loadgen.closed_loop(self._request, None, concurrency=spec["concurrency"],
-                                              duration_s=dur, min_requests=1, timeout_s=timeout,
-                                              start_ns=t0)
-            else:
-                r = await loadgen.open_loop(self._request, None, rate=spec["rate"], duration_s=dur,
-                                            arrival=spec["arrival"], seed=spec["seed"], timeout_s=timeout,
-                                            spin_us=self.opts.spin_us, t0_ns=t0, part=tuple(spec["part"]))
-            out.update(hist=r.hist.encode(), lateness=r.lateness.encode() if r.lateness is not None else None,
-                       ok=r.ok, errors=r.errors, timeouts=r.timeouts, error_samples=list(r.error_samples),
-                       elapsed_s=r.elapsed_s, split=r.split)
-        out["cpu_s"] = time.process_time() - cpu0
-        return out
+            rs = await loadgen.open_loop_windows(self._request, None, rate=spec["rate"], warmup_s=warm,
+                                                 window_s=win, windows=k, arrival=spec["arrival"],
+                                                 seed=spec["seed"], timeout_s=timeout,
+                                                 spin_us=self.opts.spin_us, t0_ns=t0, part=tuple(spec["part"]))
+        # The CPU of the measured windows: the level's, less the warm-up's share.
+        cpu = (time.process_time() - cpu0) * (k * win) / (warm + k * win)
+        return {"windows": [{"hist": r.hist.encode(),
+                             "lateness": r.lateness.encode() if r.lateness is not None else None,
+                             "ok": r.ok, "errors": r.errors, "timeouts": r.timeouts,
+                             "error_samples": list(r.error_samples), "elapsed_s": r.elapsed_s,
+                             "split": r.split, "streams": None, "cpu_s": cpu / k} for r in rs]}
 
     async def close(self) -> None:
         if self.client is not None:
@@ -379,7 +394,9 @@ class ProcessGenerators:
     def windows(self, specs: list[dict]) -> list[dict]:
         for c, spec in zip(self.conns, specs):
             c.send(spec)
-        return self._collect(self.reply_timeout_s + max(s["duration_s"] for s in specs))
+        longest = max(s["duration_s"] if s["mode"] == "streams"
+                      else s["warmup_s"] + s["windows"] * s["window_s"] for s in specs)
+        return self._collect(self.reply_timeout_s + longest)
 
     def close(self) -> None:
         for c in self.conns:
@@ -403,22 +420,26 @@ def _shares(total: int, n: int) -> list[int]:
     return [total // n + (1 if j < total % n else 0) for j in range(n)]
 
 
-def window_specs(mode: str, load: Any, n: int, duration_s: float, t0_ns: int, a: argparse.Namespace,
-                 window_index: int) -> list[dict]:
-    """The load of one window split between n generators."""
-    base = {"mode": mode, "duration_s": duration_s, "t0_ns": t0_ns}
+def window_specs(mode: str, load: Any, n: int, t0_ns: int, a: argparse.Namespace,
+                 window_index: int = 0, duration_s: float | None = None) -> list[dict]:
+    """The load split between n generators: a whole level (closed and open loop: warm-up
+    and windows back to back), or one window of streams."""
+    if mode == "streams":
+        base = {"mode": mode, "duration_s": duration_s, "t0_ns": t0_ns}
+        shares, first, specs = _shares(int(load), n), 0, []
+        for s in shares:
+            specs.append(dict(base, streams=s, first_stream=first, total_streams=int(load), fps=a.fps,
+                              max_in_flight=a.max_in_flight))
+            first += s
+        return specs
+    base = {"mode": mode, "t0_ns": t0_ns, "warmup_s": a.warmup_s, "window_s": a.window_s,
+            "windows": a.windows}
     if mode == "closed":
         return [dict(base, concurrency=c) for c in _shares(int(load), n)]
-    if mode == "open":
-        # Same seed per window index, so every level and rerun sees comparable arrivals.
-        seed = a.seed * 1_000_003 + window_index
-        return [dict(base, rate=float(load), arrival=a.arrival, seed=seed, part=(j, n)) for j in range(n)]
-    shares, first, specs = _shares(int(load), n), 0, []
-    for s in shares:
-        specs.append(dict(base, streams=s, first_stream=first, total_streams=int(load), fps=a.fps,
-                          max_in_flight=a.max_in_flight))
-        first += s
-    return specs
+    # One seed for every level and rerun: comparable arrivals.  All n generators get the
+    # same schedule and each takes every n-th request of it.
+    return [dict(base, rate=float(load), arrival=a.arrival, seed=a.seed * 1_000_003, part=(j, n))
+            for j in range(n)]
 
 
 @dataclass
@@ -501,7 +522,8 @@ def level_entry(mode: str, load: Any, lv: Level, a: argparse.Namespace, plan: Pl
         "server_metrics": server_metrics,
         "streams_detail": None,
         "generator": {"processes": processes, "cpu_s": round(lv.cpu_s, 3),
-                      "cpu_cores": round(lv.cpu_s / lv.measured_s, 3) if lv.measured_s > 0 else None},
+                      "cpu_cores": round(lv.cpu_s / lv.measured_s, 3) if lv.measured_s > 0 else None,
+                      "saturated": False},
         "hdr": h.encode() if h.count else None,
     }
     if lv.lateness is not None and lv.lateness.count:
@@ -513,6 +535,10 @@ def level_entry(mode: str, load: Any, lv: Level, a: argparse.Namespace, plan: Pl
             entry["invalid_reason"] = (
                 f"the load generator ran late: p99 lateness {p99:.3g} ms > {cfg['max_lateness_ms']:g} ms "
                 f"(it could not keep the schedule; add --workers, or run it on a quieter machine)")
+    cores = entry["generator"]["cpu_cores"]
+    # A generator process near a whole core is the bottleneck itself (closed loop has no
+    # schedule to be late for, so this is its only sign): flagged, not invalidated.
+    entry["generator"]["saturated"] = cores is not None and cores >= 0.9 * processes
     if mode == "streams" and lv.streams:
         from bench import streams as st
 
@@ -523,32 +549,60 @@ def level_entry(mode: str, load: Any, lv: Level, a: argparse.Namespace, plan: Pl
     return entry
 
 
+class _ScrapeAt:
+    """Scrape the broker at a moment of the schedule (the first measured window's start),
+    from a thread, so the generator's loop is never blocked on HTTP."""
+
+    def __init__(self, scraper: Any, at_ns: int):
+        import threading
+
+        self.scraper, self.at_ns, self.error = scraper, at_ns, None
+        self.thread = threading.Thread(target=self._run, name="bench-scrape", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        left = self.at_ns - time.perf_counter_ns()
+        if left > 0:
+            time.sleep(left / 1e9)  # a scheduled action, not a synchronisation
+        try:
+            self.scraper.mark()
+        except Exception as e:
+            self.error = str(e)
+
+    def figures(self) -> dict:
+        self.thread.join(timeout=30.0)
+        if self.thread.is_alive() or self.error is not None:
+            return {"error": self.error or "the scrape did not finish within 30 s"}
+        try:
+            return self.scraper.figures()
+        except Exception as e:
+            return {"error": str(e)}
+
+
 def measure_level(gens: Any, mode: str, load: Any, a: argparse.Namespace, plan: Plan,
                   scraper: Any, progress: Any) -> dict:
     margin_ns = 20_000_000 if gens.processes == 1 else 100_000_000  # all generators ready by then
+    lv = Level()
+    t0 = time.perf_counter_ns() + margin_ns
+    if mode != "streams":
+        progress.window(mode, load, 0)
+        at = _ScrapeAt(scraper, t0 + int(a.warmup_s * 1e9)) if scraper is not None else None
+        outs = gens.windows(window_specs(mode, load, gens.processes, t0, a))
+        for k in range(a.windows):
+            lv.add_window([o["windows"][k] for o in outs], a.percentile)
+        return level_entry(mode, load, lv, a, plan, gens.processes, at.figures() if at else None)
+    # Streams: each window its own round.  A latest-wins stream holds at most max-in-flight
+    # frames, so the system refills within a frame period: windows need no continuity.
     if a.warmup_s > 0:
         progress.window(mode, load, -1)
-        t0 = time.perf_counter_ns() + margin_ns
-        gens.windows(window_specs(mode, load, gens.processes, a.warmup_s, t0, a, 0))
-    metrics_error = None
-    if scraper is not None:
-        try:
-            scraper.mark()
-        except Exception as e:
-            metrics_error = str(e)
-    lv = Level()
+        gens.windows(window_specs(mode, load, gens.processes, t0, a, duration_s=a.warmup_s))
+    at = _ScrapeAt(scraper, 0) if scraper is not None else None
     for k in range(a.windows):
         progress.window(mode, load, k)
         t0 = time.perf_counter_ns() + margin_ns
-        lv.add_window(gens.windows(window_specs(mode, load, gens.processes, a.window_s, t0, a, k + 1)),
+        lv.add_window(gens.windows(window_specs(mode, load, gens.processes, t0, a, k + 1, a.window_s)),
                       a.percentile)
-    figures = None
-    if scraper is not None:
-        try:
-            figures = scraper.figures() if metrics_error is None else {"error": metrics_error}
-        except Exception as e:
-            figures = {"error": str(e)}
-    return level_entry(mode, load, lv, a, plan, gens.processes, figures)
+    return level_entry(mode, load, lv, a, plan, gens.processes, at.figures() if at else None)
 
 
 class Progress:
@@ -589,23 +643,23 @@ class Progress:
 UNITS = {"closed": "in flight", "open": "req/s", "streams": "streams"}
 
 
-def run_levels(gens: Any, plan: Plan, a: argparse.Namespace, scraper: Any) -> tuple[list[dict], Any]:
+def run_levels(gens: Any, plan: Plan, a: argparse.Namespace, scraper: Any,
+               results: list[dict], search: Any = None) -> None:
+    """Measure the levels (or drive `search`), appending each level's entry to `results`
+    as it ends, so that a run cut short still reports what it measured."""
     progress = Progress(None if plan.search else len(plan.levels), not a.quiet, UNITS[plan.mode])
-    results: list[dict] = []
     try:
         if not plan.search:
             for load in plan.levels:
                 e = measure_level(gens, plan.mode, load, a, plan, scraper, progress)
                 results.append(e)
                 progress.level_done(e, a.percentile)
-            return results, None
-        search = cap.Search(KINDS[plan.mode], plan.start, plan.cap_, a.resolution)
+            return
         while (load := search.next_load()) is not None:
             e = measure_level(gens, plan.mode, load, a, plan, scraper, progress)
             results.append(e)
             progress.level_done(e, a.percentile)
             search.record(load, e["holds_slo"], e["percentile_ms"], e["throughput_rps"], e["why_not"])
-        return results, search
     finally:
         progress.close()
 
@@ -659,6 +713,9 @@ def main(argv: list[str], argv_full: list[str] | None = None) -> int:
         samples = []  # each process loads its own; free ours
         gens = ProcessGenerators(opts, a.workers, not a.no_uvloop,
                                  reply_timeout_s=(a.timeout_s or 60.0) + 30.0)
+    results: list[dict] = []
+    search = cap.Search(KINDS[plan.mode], plan.start, plan.cap_, a.resolution) if plan.search else None
+    aborted, rc = None, 0
     try:
         try:
             info = gens.start()
@@ -666,12 +723,15 @@ def main(argv: list[str], argv_full: list[str] | None = None) -> int:
             print(f"python -m bench run: {e}", file=sys.stderr)
             return 1
         inputs_info["staged_shm"] = info["staged_shm"]
-        results, search = run_levels(gens, plan, a, scraper)
+        run_levels(gens, plan, a, scraper, results, search)
     except TargetError as e:
-        print(f"python -m bench run: {e}", file=sys.stderr)
-        return 1
+        aborted, rc = str(e), 1
+    except KeyboardInterrupt:
+        aborted, rc = "interrupted (Ctrl-C)", 130
     finally:
         gens.close()
+    if aborted:
+        print(f"python -m bench run: stopped after {len(results)} level(s): {aborted}", file=sys.stderr)
     kind = KINDS[plan.mode]
     report = {
         "schema": SCHEMA,
@@ -687,6 +747,7 @@ def main(argv: list[str], argv_full: list[str] | None = None) -> int:
         "results": results,
         "search": cap.summary(results, plan.cfg, kind, plan.search,
                               search.steps if search is not None else None),
+        "aborted": aborted,
     }
     if not a.quiet:
         print(rr.render_table(report))
@@ -699,6 +760,6 @@ def main(argv: list[str], argv_full: list[str] | None = None) -> int:
         rr.write_csv(report, a.csv)
     if a.markdown:
         rr.write_markdown(report, a.markdown)
-    if a.plots:
+    if a.plots and results:
         rr.write_plots(report, a.plots)
-    return 0
+    return rc

@@ -1,5 +1,5 @@
 """Outputs of `python -m bench run` from its report dict (schema "zinf-bench-run/1", see
-docs/bench-run-draft.md): perf_analyzer-style CSV, a terminal table, markdown and PNG plots.
+docs/bench.md): perf_analyzer-style CSV, a terminal table, markdown and PNG plots.
 
 Pure functions of the report, so `python -m bench render REPORT.json` redraws them from a
 saved JSON and tests can feed synthetic reports.  Every optional field may be null or absent
@@ -233,8 +233,12 @@ def capacity_line(report: dict) -> str | None:
         parts.append(f"capacity at {pname} <= {slo:g} ms: none (no level held)")
     else:
         ach = s.get("capacity_throughput_rps")
-        parts.append(f"capacity at {pname} <= {slo:g} ms: {_level_unit(kind, _num(s['capacity']), fps)}"
-                     + ("" if ach is None else f" ({ach:.1f} req/s achieved)"))
+        bound = s.get("limited_by") == "generator"
+        parts.append(f"capacity at {pname} <= {slo:g} ms: {'at least ' if bound else ''}"
+                     f"{_level_unit(kind, _num(s['capacity']), fps)}"
+                     + ("" if ach is None else f" ({ach:.1f} req/s achieved)")
+                     + (" - bound by the load generator, not the service (the next level was INVALID)"
+                        if bound else ""))
     if kind == "streams" and s.get("stream_equivalents") is not None:
         parts.append(f"stream equivalents {s['stream_equivalents']:.2f}")
     if s.get("knee") is not None:
@@ -321,6 +325,16 @@ def _footer_lines(report: dict, md: bool = False) -> list[str]:
         procs = top.get("processes") or cfg.get("workers") or 1
         out.append(f"generator cpu: {lo:.2f}-{top['cpu_cores']:.2f} cores over {procs} process(es) "
                    f"(highest at {_load_label(top_r, mode)})")
+        sat = [r for r, g in gens if g.get("saturated")]
+        if sat:
+            out.append("generator SATURATED (>= 0.9 core per process) at "
+                       + ", ".join(_load_label(r, mode) for r in sat)
+                       + ": it may be the bottleneck there; add --workers")
+    bound = cfg.get("max_lateness_ms")
+    if bound is not None and mode in ("open", "streams"):
+        out.append(f"lateness bound: a level is INVALID when its generator's p99 lateness exceeds {bound:g} ms")
+    if report.get("aborted"):
+        out.append(f"ABORTED: {report['aborted']} (the levels above are all that was measured)")
     return out
 
 

@@ -2,7 +2,7 @@
 a load level of `bench run`: what the broker itself counted for one service over that level.
 
 Counters and histograms only grow, so a level's figures are the difference of two scrapes
-(one just before its first measured window, one just after its last): requests by outcome,
+(one as its first measured window starts, one just after its last): requests by outcome,
 and the means of the queue-wait, request, compute and batch-size histograms (sum / count).
 Parsing is prometheus-client's own text parser."""
 from __future__ import annotations
@@ -17,6 +17,8 @@ HISTOGRAMS = {
     "zmq_infer_queue_wait_seconds": ("queue_wait_ms_mean", 1e3),
     "zmq_infer_request_seconds": ("request_ms_mean", 1e3),
     "zmq_infer_compute_seconds": ("compute_ms_mean", 1e3),
+    "zmq_infer_input_seconds": ("input_ms_mean", 1e3),
+    "zmq_infer_output_seconds": ("output_ms_mean", 1e3),
     "zmq_infer_batch_size": ("batch_size_mean", 1.0),
 }
 REQUESTS = "zmq_infer_requests"  # the family name the parser gives zmq_infer_requests_total

@@ -5,7 +5,7 @@ One scheduler task sends every stream's frames at their ticks (a heap of the nex
 each stream), with open_loop's technique for precise send times: sleep until `spin_us`
 before the due time, then yield to the loop until it is due.  A late scheduler sends every
 tick already due at once, and each tick's lateness (actual `send()` time - intended tick) is
-recorded, so a generator that cannot keep up says so (docs/bench-run-draft.md, "Honest load
+recorded, so a generator that cannot keep up says so (docs/bench.md, "Honest load
 generation").  A frame's latency is capture to result: the time its result was received
 minus its intended tick, so a frame that waited behind a busy stream is charged the wait.
 
@@ -291,7 +291,7 @@ def merge(wins: list[StreamsWindow]) -> StreamsWindow:
 
 
 def detail(win: StreamsWindow | list[StreamsWindow], fps: float, slo_ms: float) -> dict:
-    """The report's `streams_detail` (docs/bench-run-draft.md)."""
+    """The report's `streams_detail` (docs/bench.md)."""
     if isinstance(win, list):
         win = merge(win)
     secs = win.elapsed_s

@@ -276,12 +276,30 @@ def test_summary_unsearched():
         "searched": False, "kind": "rate", "slo_ms": 10.0, "percentile": 99.0,
         "steps": [{"load": r["load"], "holds": r["holds_slo"], "percentile_ms": r["percentile_ms"],
                    "throughput_rps": r["throughput_rps"], "why_not": r["why_not"]} for r in results],
-        "capacity": 300, "capacity_throughput_rps": 297.0, "stream_equivalents": None, "knee": 200,
+        "capacity": 300, "capacity_throughput_rps": 297.0, "limited_by": "slo",
+        "stream_equivalents": None, "knee": 200,
     }
     none = summary([result(100, False, 30.0, 80.0)], CFG, "concurrency", searched=False)
     assert none["capacity"] is None and none["capacity_throughput_rps"] is None and none["knee"] == 100
     empty = summary([], CFG, "rate", searched=False)
     assert empty["steps"] == [] and empty["capacity"] is None and empty["knee"] is None
+
+
+def test_summary_a_level_that_held_above_a_failure_is_not_the_capacity():
+    """Range mode: 300 failed (noise, or the real knee), 400 then held: capacity is 200."""
+    results = [result(100, True, 1.0, 99.0), result(200, True, 1.8, 198.0),
+               result(300, False, 30.0, 290.0), result(400, True, 4.0, 397.0)]
+    got = summary(results, CFG, "rate", searched=False)
+    assert got["capacity"] == 200 and got["capacity_throughput_rps"] == 198.0
+    assert got["limited_by"] == "slo"
+
+
+def test_summary_says_when_the_load_generator_was_the_limit():
+    results = [result(100, True, 1.0, 99.0),
+               result(200, False, 3.0, 199.0, why="invalid: the load generator ran late: ...")]
+    got = summary(results, CFG, "rate", searched=False)
+    assert got["capacity"] == 100 and got["limited_by"] == "generator"
+    assert summary([result(100, True, 1.0, 99.0)], CFG, "rate", searched=False)["limited_by"] is None
 
 
 def test_summary_searched_uses_the_search_steps():

@@ -256,3 +256,44 @@ def test_histogram_clamps_and_summarises():
     assert h.count_at_or_below_ms(5.01) == 2
     back = LatencyHistogram.decode(h.encode())
     assert back.count == 3 and back.percentile_ms(50) == h.percentile_ms(50)
+
+
+# -- one level as continuous windows (bench run) ---------------------------------------------
+
+
+async def test_open_loop_windows_keep_the_backlog_across_windows_and_assign_by_intended_time():
+    """A server of one request at a time, 10 ms each, offered 150 req/s: the backlog grows
+    without a pause between windows, so each window's latency is above the one before (a
+    fresh start per window would show the same small latency in every window), and each
+    window holds exactly the requests whose intended send time falls in it."""
+    from bench.loadgen import open_loop_windows
+
+    lock = asyncio.Lock()
+
+    async def serve(_):
+        async with lock:
+            await asyncio.sleep(0.01)
+        return None
+
+    rs = await open_loop_windows(serve, None, rate=150, warmup_s=0.1, window_s=0.2, windows=3,
+                                 timeout_s=30)
+    assert [r.ok for r in rs] == [30, 30, 30]  # warm-up's 15 are not in any window
+    p50 = [r.hist.percentile_ms(50) for r in rs]
+    assert p50[0] < p50[1] < p50[2], p50
+    assert all(r.lateness is not None and r.lateness.count == 30 for r in rs)
+    assert rs[-1].elapsed_s > 0.2  # the last window holds the drain of the backlog
+
+
+async def test_closed_loop_windows_run_without_a_pause():
+    from bench.loadgen import closed_loop_windows
+
+    async def serve(_):
+        await asyncio.sleep(0.005)
+        return None
+
+    t0 = time.perf_counter()
+    rs = await closed_loop_windows(serve, None, concurrency=2, warmup_s=0.05, window_s=0.1, windows=2)
+    took = time.perf_counter() - t0
+    assert len(rs) == 2 and all(10 <= r.ok <= 45 for r in rs), [r.ok for r in rs]
+    assert took < 0.25 + 0.1  # warm-up + 2 windows + one last request, one after another
+    assert all(r.lateness is None for r in rs)

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +22,7 @@ import pytest
 from bench import run as bench_run
 from bench.inputs import digest
 
-from tests.e2e.conftest import ROOT, HERE
+from tests.e2e.conftest import ROOT
 
 FAST = ["--warmup-s", "0.2", "--window-s", "0.6", "--windows", "1", "--timeout-s", "10"]
 
@@ -188,3 +192,41 @@ def test_usage_errors_and_an_unknown_service_exit_clearly(cluster, tmp_path, cap
                            "--request-rate-range", "10:5"]) == 2
     assert bench_run.main([*base, "--service", "nosuch", "--input", "x=4:uint8"]) == 1
     assert "no worker for service 'nosuch'" in capsys.readouterr().err
+
+
+def test_an_interrupted_run_still_reports_the_levels_it_measured(cluster, tmp_path):
+    """Ctrl-C during the second level of a long range: exit 130, and the JSON has the first
+    level and says the run was aborted."""
+    import os
+    import select
+    import signal
+    import time
+
+    cluster.broker()
+    cluster.worker()
+    p = subprocess.Popen(
+        [sys.executable, "-m", "bench", "run", "--endpoint", cluster.frontend, "--service", "echo",
+         "--input", "x=16:uint8", "--concurrency-range", "1:50", *FAST, "--window-s", "0.3",
+         "--json", str(tmp_path / "r.json")],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline, buf = time.monotonic() + 60, b""
+        while b"1 in flight:" not in buf:  # the first level's progress line
+            left = deadline - time.monotonic()
+            assert left > 0, buf
+            r, _, _ = select.select([p.stderr], [], [], left)
+            if r:
+                chunk = os.read(p.stderr.fileno(), 4096)
+                assert chunk, f"bench run exited early: {buf!r}"
+                buf += chunk
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 130
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        p.stderr.close()
+    rep = _report(tmp_path)
+    assert rep["aborted"] and "interrupted" in rep["aborted"]
+    assert rep["results"] and rep["results"][0]["concurrency"] == 1
+    assert len(rep["results"]) < 50
