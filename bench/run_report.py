@@ -327,7 +327,7 @@ def _footer_lines(report: dict, md: bool = False) -> list[str]:
                    f"(highest at {_load_label(top_r, mode)})")
         sat = [r for r, g in gens if g.get("saturated")]
         if sat:
-            out.append("generator SATURATED (>= 0.9 core per process) at "
+            out.append("generator SATURATED (its event loop >= 90 % busy) at "
                        + ", ".join(_load_label(r, mode) for r in sat)
                        + ": it may be the bottleneck there; add --workers")
     bound = cfg.get("max_lateness_ms")

@@ -38,6 +38,10 @@ CASES: dict[str, tuple[str, int, list[str], list[str]]] = {
         "--input", FRAME_720P, "--streams-range", "1:3", "--fps", "30", "--slo-ms", "250"]),
     "echo_16B_capacity": ("echo", 1, [], [
         "--input", "x=16:uint8", "--request-rate-range", "500:100000", "--search", "--slo-ms", "10"]),
+    # The same with the generator in two processes (it takes a core at the knee above).
+    "echo_16B_capacity_2gen": ("echo", 1, [], [
+        "--input", "x=16:uint8", "--request-rate-range", "500:100000", "--search", "--slo-ms", "10",
+        "--workers", "2"]),
     "echo_6MB_capacity": ("echo", 1, [], [
         "--input", "x=1080x1920x3:uint8", "--request-rate-range", "50:100000", "--search",
         "--slo-ms", "10"]),
