@@ -94,7 +94,8 @@ class WindowResult:
     # the worst, and every request's lateness (launch - intended send time).
     max_send_lag_ms: float = 0.0
     lateness: LatencyHistogram | None = None
-    split: ServerSplit = field(default_factory=ServerSplit)  # queue/batch wait/.../batch sizes
+    split: ServerSplit | None = None  # bench run: queue/batch wait/.../batch sizes
+    served: int = 0  # bench run: successful replies that arrived during this window
 
     @property
     def p50_ms(self) -> float:
@@ -108,11 +109,12 @@ class WindowResult:
 
 
 async def _one(request: RequestFn, payload: Any, start_ns: int, res: WindowResult,
-               timeout_s: float | None) -> None:
+               timeout_s: float | None) -> bool:
     """Issue one request; latency = completion - start_ns (start_ns is the intended time in
     the open loop, the actual send time in the closed loop).  With `res.lateness`, how late
     the request really started against start_ns is recorded here, as it goes out (not when
-    its task was created: in a burst of catch-up launches the last ones start latest)."""
+    its task was created: in a burst of catch-up launches the last ones start latest).
+    True when it succeeded (and was recorded)."""
     if res.lateness is not None:
         res.lateness.record_ns(time.perf_counter_ns() - start_ns)
     try:
@@ -124,37 +126,35 @@ async def _one(request: RequestFn, payload: Any, start_ns: int, res: WindowResul
     except TimeoutError:
         res.timeouts += 1
         res._note_error(f"timeout after {timeout_s} s")
-        return
+        return False
     except asyncio.CancelledError:
         raise
     except Exception as e:
         res._note_error(e)
-        return
+        return False
     end = time.perf_counter_ns()
     if reply:
         err = reply.get("error")
         if err:
             res._note_error(str(err))
-            return
+            return False
         res.server.add_reply(reply)
-        res.split.add_timing(reply)
+        if res.split is not None:
+            res.split.add_timing(reply)
     res.hist.record_ns(end - start_ns)
     res.ok += 1
+    return True
 
 
 async def closed_loop(request: RequestFn, payload: Any, *, concurrency: int, duration_s: float,
                       min_requests: int = 1, max_duration_s: float | None = None,
-                      timeout_s: float | None = None, start_ns: int | None = None) -> WindowResult:
+                      timeout_s: float | None = None) -> WindowResult:
     """`concurrency` coroutines, each sending its next request when the previous returns.
 
     Stops issuing at `duration_s`, but not before `min_requests` were issued (large payloads
     on slow peers would otherwise give windows of one sample), and never after
-    `max_duration_s` (default 10x duration, at least 1 s).  `start_ns` (perf_counter_ns, the
-    system-wide CLOCK_MONOTONIC on Linux): begin then, so that generator processes given the
-    same start run their windows together."""
+    `max_duration_s` (default 10x duration, at least 1 s)."""
     res = WindowResult(LatencyHistogram())
-    if start_ns is not None:
-        await _sleep_until(start_ns)
     start = time.perf_counter_ns()
     soft = start + int(duration_s * 1e9)
     if max_duration_s is None:
@@ -208,7 +208,8 @@ async def _sleep_until(t_ns: int) -> None:
 async def open_loop(request: RequestFn, payload: Any, *, rate: float, duration_s: float,
                     arrival: str = "constant", seed: int = 0,
                     timeout_s: float | None = None, spin_us: float = 1000.0,
-                    t0_ns: int | None = None, part: tuple[int, int] = (0, 1)) -> WindowResult:
+                    t0_ns: int | None = None, part: tuple[int, int] = (0, 1),
+                    lateness: bool = False) -> WindowResult:
     """Launch request i as its own task at t0 + offset_i (or as soon as possible after, if
     the loop was late) and record completion - (t0 + offset_i).
 
@@ -216,8 +217,8 @@ async def open_loop(request: RequestFn, payload: Any, *, rate: float, duration_s
     than by a timer, trading CPU for send-time precision (0: timers only).  `t0_ns`
     (perf_counter_ns; default now) and `part=(j, n)`: this generator sends requests j, j+n,
     j+2n, ... of the schedule, so n processes given the same t0 share one schedule exactly.
-    Every launch's lateness goes into `lateness`."""
-    res = WindowResult(LatencyHistogram(), lateness=LatencyHistogram())
+    With `lateness`, every request's lateness goes into the result's `lateness`."""
+    res = WindowResult(LatencyHistogram(), lateness=LatencyHistogram() if lateness else None)
     offsets = intended_offsets_ns(rate, duration_s, arrival, seed)
     j, nparts = part
     if nparts > 1:
@@ -266,11 +267,23 @@ def _window_of(offset_ns: int, warmup_ns: int, window_ns: int, windows: int) -> 
     return min(int((offset_ns - warmup_ns) // window_ns), windows - 1)
 
 
-def _finish_windows(results: list[WindowResult], window_s: float, t_last_start_ns: int) -> None:
+def _finish_windows(results: list[WindowResult], window_s: float, t_last_start_ns: int | None) -> None:
+    """Each window lasted window_s; with `t_last_start_ns` (open loop) the last one also holds
+    the tail, the replies to its requests that came after its end, so that the level's
+    throughput (successes over the windows' time) is what was served, not what was offered."""
     for r in results:
         r.elapsed_s = window_s
-    # The last window also holds the tail: replies to its requests that came after its end.
-    results[-1].elapsed_s = max(window_s, (time.perf_counter_ns() - t_last_start_ns) / 1e9)
+    if t_last_start_ns is not None:
+        results[-1].elapsed_s = max(window_s, (time.perf_counter_ns() - t_last_start_ns) / 1e9)
+
+
+async def _counted(request: RequestFn, payload: Any, start_ns: int, res: WindowResult,
+                   timeout_s: float | None, results: list[WindowResult], m0: int, win_ns: int) -> None:
+    """_one, and a success also counted as served in the window its reply arrived in."""
+    if await _one(request, payload, start_ns, res, timeout_s):
+        k = (time.perf_counter_ns() - m0) // win_ns
+        if 0 <= k < len(results):
+            results[k].served += 1
 
 
 async def closed_loop_windows(request: RequestFn, payload: Any, *, concurrency: int, warmup_s: float,
@@ -281,19 +294,23 @@ async def closed_loop_windows(request: RequestFn, payload: Any, *, concurrency: 
     no window starts from an empty system.  Issuing stops at the end of the last window."""
     if start_ns is not None:
         await _sleep_until(start_ns)
-    results = [WindowResult(LatencyHistogram()) for _ in range(windows)]
+    results = [WindowResult(LatencyHistogram(), split=ServerSplit()) for _ in range(windows)]
     warm = WindowResult(LatencyHistogram())
     warm_ns, win_ns = int(warmup_s * 1e9), int(window_s * 1e9)
     t0 = time.perf_counter_ns()
-    end = t0 + warm_ns + windows * win_ns
+    m0 = t0 + warm_ns
+    end = m0 + windows * win_ns
 
     async def worker() -> None:
         while (now := time.perf_counter_ns()) < end:
             k = _window_of(now - t0, warm_ns, win_ns, windows)
-            await _one(request, payload, now, warm if k < 0 else results[k], timeout_s)
+            await _counted(request, payload, now, warm if k < 0 else results[k], timeout_s,
+                           results, m0, win_ns)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    _finish_windows(results, window_s, t0 + warm_ns + (windows - 1) * win_ns)
+    # Closed loop: requests started in a window count there, so it lasted window_s (the
+    # tail of the last balances the warm-up's replies that came in the first).
+    _finish_windows(results, window_s, None)
     return results
 
 
@@ -310,7 +327,8 @@ async def open_loop_windows(request: RequestFn, payload: Any, *, rate: float, wa
     j, nparts = part
     if nparts > 1:
         offsets = offsets[j::nparts]
-    results = [WindowResult(LatencyHistogram(), lateness=LatencyHistogram()) for _ in range(windows)]
+    results = [WindowResult(LatencyHistogram(), lateness=LatencyHistogram(), split=ServerSplit())
+               for _ in range(windows)]
     warm = WindowResult(LatencyHistogram())
     spin_ns = int(spin_us * 1000)
     tasks: set[asyncio.Task] = set()
@@ -329,7 +347,8 @@ async def open_loop_windows(request: RequestFn, payload: Any, *, rate: float, wa
             res = warm if k < 0 else results[k]
             if k >= 0:
                 res.max_send_lag_ms = max(res.max_send_lag_ms, (now - t0 - off) / 1e6)
-            task = loop.create_task(_one(request, payload, t0 + off, res, timeout_s))
+            task = loop.create_task(_counted(request, payload, t0 + off, res, timeout_s,
+                                             results, t0 + warm_ns, win_ns))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             i += 1

@@ -286,7 +286,7 @@ class Generator:
                              "lateness": r.lateness.encode() if r.lateness is not None else None,
                              "ok": r.ok, "errors": r.errors, "timeouts": r.timeouts,
                              "error_samples": list(r.error_samples), "elapsed_s": r.elapsed_s,
-                             "split": r.split, "streams": None, "cpu_s": cpu / k,
+                             "split": r.split, "streams": None, "cpu_s": cpu / k, "served": r.served,
                              "loop_cpu_s": loop_cpu / k} for r in rs]}
 
     async def close(self) -> None:
@@ -325,7 +325,12 @@ class LocalGenerators:
         return self.runner.run(self.gen.start())
 
     def windows(self, specs: list[dict]) -> list[dict]:
-        return [self.runner.run(self.gen.window(specs[0]))]
+        try:
+            return [self.runner.run(self.gen.window(specs[0]))]
+        except (KeyboardInterrupt, TargetError):
+            raise
+        except Exception as e:  # as a generator process reports it: the run stops, its report stays
+            raise TargetError(f"the generator failed: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         try:
@@ -336,9 +341,13 @@ class LocalGenerators:
 
 def _child(conn, opts: GenOptions, use_uvloop: bool) -> None:
     """A generator process: start, then run windows as the parent asks, until None."""
+    import signal
+
     from bench.echo_servers import die_with_parent
 
     die_with_parent()
+    # Ctrl-C reaches the whole process group: the parent ends the run (sends None, joins).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     runner, _ = _runner(use_uvloop)
     gen = Generator(opts)
     try:
@@ -429,7 +438,7 @@ def _shares(total: int, n: int) -> list[int]:
 
 
 def window_specs(mode: str, load: Any, n: int, t0_ns: int, a: argparse.Namespace,
-                 window_index: int = 0, duration_s: float | None = None) -> list[dict]:
+                 duration_s: float | None = None) -> list[dict]:
     """The load split between n generators: a whole level (closed and open loop: warm-up
     and windows back to back), or one window of streams."""
     if mode == "streams":
@@ -467,11 +476,13 @@ class Level:
     loop_max: float = 0.0  # the busiest generator loop's CPU share in any window
     window_pct: list = field(default_factory=list)
     window_rps: list = field(default_factory=list)
+    window_split: list = field(default_factory=list)
     streams: list = field(default_factory=list)
 
     def add_window(self, outs: list[dict], percentile: float) -> None:
         w = LatencyHistogram()
-        ok, elapsed = 0, 0.0
+        split = ServerSplit()
+        ok, elapsed, served = 0, 0.0, 0
         for o in outs:
             if o["hist"]:
                 w.add(LatencyHistogram.decode(o["hist"]))
@@ -479,8 +490,9 @@ class Level:
                 if self.lateness is None:
                     self.lateness = LatencyHistogram()
                 self.lateness.add(LatencyHistogram.decode(o["lateness"]))
-            self.split.merge(o["split"])
+            split.merge(o["split"])
             ok += o["ok"]
+            served += o.get("served", o["ok"])
             self.errors += o["errors"]
             self.timeouts += o["timeouts"]
             for e in o["error_samples"]:
@@ -494,10 +506,13 @@ class Level:
             if o["streams"] is not None:
                 self.streams.append(o["streams"])
         self.hist.add(w)
+        self.split.merge(split)
         self.ok += ok
         self.measured_s += elapsed
         self.window_pct.append(round(w.percentile_ms(percentile), 3) if w.count else None)
-        self.window_rps.append(round(ok / elapsed, 2) if elapsed > 0 else None)
+        # Served: replies that arrived during the window (streams: its frames' results).
+        self.window_rps.append(round(served / elapsed, 2) if elapsed > 0 else None)
+        self.window_split.append(split.means_ms())
 
 
 def _r(x: Any, nd: int = 3) -> Any:
@@ -526,6 +541,7 @@ def level_entry(mode: str, load: Any, lv: Level, a: argparse.Namespace, plan: Pl
         "percentile_ms": _r(h.percentile_ms(a.percentile)) if h.count else None,
         "window_percentile_ms": lv.window_pct,
         "window_throughput_rps": lv.window_rps,
+        "window_server_ms": lv.window_split,
         "slo_attainment": round(h.count_at_or_below_ms(a.slo_ms) / n_all, 4) if n_all else None,
         "valid": True, "invalid_reason": None,
         "lateness_ms": None,
@@ -548,9 +564,11 @@ def level_entry(mode: str, load: Any, lv: Level, a: argparse.Namespace, plan: Pl
             entry["invalid_reason"] = (
                 f"the load generator ran late: p99 lateness {p99:.3g} ms > {cfg['max_lateness_ms']:g} ms "
                 f"(it could not keep the schedule; add --workers, or run it on a quieter machine)")
-    # A generator whose event loop is busy 90 % of the time is a bottleneck itself (closed
-    # loop has no schedule to be late for, so this is its only sign): flagged, not invalidated.
-    entry["generator"]["saturated"] = lv.loop_max >= 0.9
+    # A closed-loop generator whose event loop is busy 90 % of the time is a bottleneck itself
+    # (a closed loop has no schedule to be late for, so this is its only sign): flagged, not
+    # invalidated.  Open loop and streams spin-wait before each send (--spin-us), so their
+    # loops look busy whatever they do: lateness is their sign.
+    entry["generator"]["saturated"] = mode == "closed" and lv.loop_max >= 0.9
     if mode == "streams" and lv.streams:
         from bench import streams as st
 
@@ -568,7 +586,7 @@ class _ScrapeAt:
     def __init__(self, scraper: Any, at_ns: int):
         import threading
 
-        self.scraper, self.at_ns, self.error = scraper, at_ns, None
+        self.scraper, self.at_ns, self.error, self.text = scraper, at_ns, None, None
         self.thread = threading.Thread(target=self._run, name="bench-scrape", daemon=True)
         self.thread.start()
 
@@ -577,7 +595,7 @@ class _ScrapeAt:
         if left > 0:
             time.sleep(left / 1e9)  # a scheduled action, not a synchronisation
         try:
-            self.scraper.mark()
+            self.text = self.scraper.fetch_text()  # parsed later, off the generator's hot time
         except Exception as e:
             self.error = str(e)
 
@@ -586,7 +604,7 @@ class _ScrapeAt:
         if self.thread.is_alive() or self.error is not None:
             return {"error": self.error or "the scrape did not finish within 30 s"}
         try:
-            return self.scraper.figures()
+            return self.scraper.figures_since(self.text)
         except Exception as e:
             return {"error": str(e)}
 
@@ -612,7 +630,7 @@ def measure_level(gens: Any, mode: str, load: Any, a: argparse.Namespace, plan: 
     for k in range(a.windows):
         progress.window(mode, load, k)
         t0 = time.perf_counter_ns() + margin_ns
-        lv.add_window(gens.windows(window_specs(mode, load, gens.processes, t0, a, k + 1, a.window_s)),
+        lv.add_window(gens.windows(window_specs(mode, load, gens.processes, t0, a, a.window_s)),
                       a.percentile)
     return level_entry(mode, load, lv, a, plan, gens.processes, at.figures() if at else None)
 
@@ -723,8 +741,11 @@ def main(argv: list[str], argv_full: list[str] | None = None) -> int:
         gens: Any = LocalGenerators(opts, samples, not a.no_uvloop)
     else:
         samples = []  # each process loads its own; free ours
-        gens = ProcessGenerators(opts, a.workers, not a.no_uvloop,
-                                 reply_timeout_s=(a.timeout_s or 60.0) + 30.0)
+        try:
+            gens = ProcessGenerators(opts, a.workers, not a.no_uvloop,
+                                     reply_timeout_s=(a.timeout_s or 60.0) + 30.0)
+        except KeyboardInterrupt:
+            return 130
     results: list[dict] = []
     search = cap.Search(KINDS[plan.mode], plan.start, plan.cap_, a.resolution) if plan.search else None
     aborted, rc = None, 0

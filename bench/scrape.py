@@ -81,6 +81,14 @@ class Scraper:
     def scrape(self) -> dict[str, float]:
         return snapshot(fetch(self.url, self.timeout_s), self.service)
 
+    def fetch_text(self) -> str:
+        return fetch(self.url, self.timeout_s)
+
+    def figures_since(self, before_text: str | None) -> dict[str, Any]:
+        """The level's figures from the text fetched at its start (parsed only now)."""
+        before = snapshot(before_text, self.service) if before_text else {}
+        return level_figures(before, self.scrape())
+
     def mark(self) -> None:
         self._before = self.scrape()
 

@@ -9,8 +9,8 @@ recorded, so a generator that cannot keep up says so (docs/bench.md, "Honest loa
 generation").  A frame's latency is capture to result: the time its result was received
 minus its intended tick, so a frame that waited behind a busy stream is charged the wait.
 
-Every clock is `time.monotonic_ns()` (CLOCK_MONOTONIC, system-wide): generator processes
-given the same `t0_ns` share one schedule.  Stream g (global index, 0 <= g < total_streams)
+Every clock is `time.perf_counter_ns()`, the harness's clock (CLOCK_MONOTONIC on Linux, so
+system-wide): generator processes given the same `t0_ns` share one schedule.  Stream g (global index, 0 <= g < total_streams)
 ticks at t0 + (g / total_streams + k) / fps, k = 0, 1, ... while the tick is before
 t0 + duration_s: the cameras are spread evenly over the frame period.
 """
@@ -133,7 +133,7 @@ async def streams_window(client: Any, service: str, samples: list[dict], *, stre
         raise ValueError(f"streams {first_stream}..{first_stream + streams - 1} do not fit in {total} streams")
     cpu0 = time.process_time()
     if t0_ns is None:
-        t0_ns = time.monotonic_ns() + 20_000_000
+        t0_ns = time.perf_counter_ns() + 20_000_000
     end_ns = t0_ns + int(round(duration_s * 1e9))
     spin_ns = int(spin_us * 1000)
     nsamples = len(samples)
@@ -167,10 +167,10 @@ async def streams_window(client: Any, service: str, samples: list[dict], *, stre
                 if s.stats().failed + s.completed <= before:
                     raise  # not one frame's outcome (the client itself broke): stop the window
                 counts[1] += 1
-                last_ns[0] = max(last_ns[0], time.monotonic_ns())
+                last_ns[0] = max(last_ns[0], time.perf_counter_ns())
                 win.note_error(f"{type(e).__name__}: {e}", isinstance(e, TimeoutError))
                 continue
-            now = time.monotonic_ns()
+            now = time.perf_counter_ns()
             counts[0] += 1
             last_ns[0] = max(last_ns[0], now)
             due = frames.pop(res.frame, None)
@@ -199,7 +199,7 @@ async def streams_window(client: Any, service: str, samples: list[dict], *, stre
             if broken:
                 raise broken[0]
             due = heap[0][0]
-            now = time.monotonic_ns()
+            now = time.perf_counter_ns()
             if due > now:
                 # Timers fire on a ~1 ms grid: sleep only up to spin_ns before the due time,
                 # then yield in a tight loop (replies keep being read meanwhile).
@@ -212,7 +212,7 @@ async def streams_window(client: Any, service: str, samples: list[dict], *, stre
             while heap and heap[0][0] <= now:
                 due, i, k = heapq.heappop(heap)
                 g = first_stream + i
-                t_send = time.monotonic_ns()
+                t_send = time.perf_counter_ns()
                 lat.record_ns(t_send - due)
                 try:
                     frame = strs[i].send(samples[(g + k) % nsamples])

@@ -114,7 +114,8 @@ def test_a_starved_generator_is_reported_late_and_its_result_invalid(cluster, tm
     t.start()
     try:
         rc = bench_run.main(["--endpoint", cluster.frontend, "--service", "echo", "--input", "x=16:uint8",
-                             "--request-rate-range", "100", "--slo-ms", "1000", *FAST, "--warmup-s", "0", "--spin-us", "0",
+                             "--request-rate-range", "100", "--slo-ms", "1000", "--max-lateness-ms", "1", *FAST,
+                             "--warmup-s", "0", "--spin-us", "0",
                              "--json", str(tmp_path / "r.json")])
     finally:
         stop.set()
