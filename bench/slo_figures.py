@@ -42,6 +42,11 @@ CASES: dict[str, tuple[str, int, list[str], list[str]]] = {
     "echo_16B_capacity_2gen": ("echo", 1, [], [
         "--input", "x=16:uint8", "--request-rate-range", "500:100000", "--search", "--slo-ms", "10",
         "--workers", "2"]),
+    # ... and without the spin before each send (--spin-us 0): two spinning generators on
+    # two cores take a core from the broker and the worker.
+    "echo_16B_capacity_2gen_nospin": ("echo", 1, [], [
+        "--input", "x=16:uint8", "--request-rate-range", "500:100000", "--search", "--slo-ms", "10",
+        "--workers", "2", "--spin-us", "0"]),
     "echo_6MB_capacity": ("echo", 1, [], [
         "--input", "x=1080x1920x3:uint8", "--request-rate-range", "50:100000", "--search",
         "--slo-ms", "10"]),

@@ -3,7 +3,8 @@
 Theory of operation
 ===================
 
-Rule 1: every scheduling decision lives in this file.  ``broker.server`` decodes frames,
+Rule 1: every scheduling decision lives in this file (and, for leases, in its mixin
+``broker/leases.py``).  ``broker.server`` decodes frames,
 calls one event method of :class:`Scheduler` with the current monotonic time, and turns the
 returned actions into frames.  It never chooses a worker, never orders requests and never
 decides that something timed out; if it ever needs to, the decision belongs here.
@@ -164,6 +165,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from broker.leases import LeaseAction, LeaseEvents
 from broker.protocol import ErrorCode, Priority  # noqa: F401  (re-exported)
 
 __all__ = [
@@ -289,7 +291,7 @@ class DisconnectWorker:
 
 
 Action = (Dispatch | ToClient | ClientError | CancelAtWorker | RecallAtWorker | HeartbeatWorker
-          | DisconnectWorker)
+          | DisconnectWorker | LeaseAction)
 
 # ------------------------------------------------------------------------ internal state
 
@@ -330,6 +332,9 @@ _COUNTERS = (
     "rejected_client_bytes",     # over max_client_bytes
     "recalled",                  # requests asked back from a busy worker for an idle one
     "returned",                  # ... and given back unstarted (then run by another worker)
+    "leases_granted",            # leases a worker confirmed (broker/leases.py)
+    "leases_refused",            # lease asks answered with an error
+    "leases_ended",
 )
 
 
@@ -457,6 +462,9 @@ class _Worker:
         "awaiting",
         "is_idle",
         "is_deep",
+        "direct",   # the worker's direct socket (Ready.direct): it takes leases
+        "leased",   # credit reserved by its leases (not for brokered dispatch)
+        "leases",   # lease id -> broker.leases._Lease
     )
 
 
@@ -471,7 +479,7 @@ class _Client:
 # ----------------------------------------------------------------------------- scheduler
 
 
-class Scheduler:
+class Scheduler(LeaseEvents):
     """The broker's scheduling state.  Every event method returns a list of actions."""
 
     def __init__(self, config: Config | None = None, *, on_direct=None):
@@ -533,6 +541,7 @@ class Scheduler:
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._draining: str | None = None  # see drain()
         self._on_direct = on_direct
+        self._init_leases()
 
     # ------------------------------------------------------------------ worker events
 
@@ -546,12 +555,14 @@ class Scheduler:
         host: str | None = None,
         transports: frozenset = frozenset({"inline"}),
         recall: bool = False,
+        direct: str | None = None,
     ) -> list[Action]:
         """A worker announced itself for ``service`` with ``credit`` concurrent requests.
 
         ``transports`` must contain ``"shm"`` (and ``host`` be set) for it to take requests
         that carry shared-memory references.  ``recall``: it answers RECALL (requests it
-        holds unstarted can be taken back for an idle worker).  A second READY from a registered worker
+        holds unstarted can be taken back for an idle worker).  ``direct``: the endpoint of
+        its direct socket, for leases (broker/leases.py).  A second READY from a registered worker
         disconnects it; its in-flight work is retried elsewhere."""
         out: list[Action] = []
         known = self._workers.get(worker)
@@ -579,6 +590,9 @@ class Scheduler:
         w.recall = bool(recall)
         w.awaiting = 0  # requests recalled for it from busy workers, not yet answered
         w.is_idle = w.is_deep = False  # in svc.idle / svc.deep (kept by _reload)
+        w.direct = direct or None
+        w.leased = 0
+        w.leases = {}
         pools = [svc.any]
         if host is not None:
             # One pool per same-host transport: shared-memory requests are keyed by the host,
@@ -698,7 +712,8 @@ class Scheduler:
                 self._counters["returned"] += 1
                 req.returned += 1
                 pool = req.svc.pools.get(req.local_host)
-                if (thief is not None and thief.alive and len(thief.in_flight) < thief.credit
+                if (thief is not None and thief.alive
+                        and len(thief.in_flight) < thief.credit - thief.leased
                         and pool is not None and pool in thief.pools):
                     # It already had its turn: straight to the worker it was taken back for.
                     self._start(req, thief, now, out)
@@ -1043,6 +1058,8 @@ class Scheduler:
                 "workers": len(svc.workers),
                 "credit": sum(w.credit for w in svc.workers.values()),
                 "hosts": self._hosts(svc),
+                "leases": sum(len(w.leases) for w in svc.workers.values()),
+                "leased_credit": sum(w.leased for w in svc.workers.values()),
             }
         return {
             "services": services,
@@ -1299,9 +1316,9 @@ class Scheduler:
         elif w.is_deep:
             del w.svc.deep[w]
             w.is_deep = False
-        if n >= w.credit:
+        if n >= w.credit - w.leased:  # leased credit is the leaseholders' (broker/leases.py)
             return
-        entry = (n / w.credit, n, w.used, next(self._seq), w.version, w)
+        entry = ((n + w.leased) / w.credit, n, w.used, next(self._seq), w.version, w)
         for pool in w.pools:
             heap = pool.ready
             heapq.heappush(heap, entry)
@@ -1399,6 +1416,7 @@ class Scheduler:
     def _kill_worker(self, w, now, out):
         """Forget a dead worker and settle everything it held."""
         w.alive = False
+        self._end_worker_leases(w, out)
         svc = w.svc
         del self._workers[w.ident]
         del svc.workers[w.ident]
@@ -1535,6 +1553,7 @@ class Scheduler:
     def _drop_client(self, client, out, now):
         """The connection ``client`` went away (or fell silent): exactly its requests go;
         its principal's other connections keep theirs, and their counts."""
+        self._end_client_leases(client, out)
         self._clients.pop(client, None)
         mine = self._requests.pop(client, None)
         if not mine:
@@ -1611,7 +1630,7 @@ class Scheduler:
         started) that the thief's pools can take, at most half of those it still runs
         unasked and at most the thief's credit; each marked asked (once per dispatch)."""
         mine = [r for r in victim.in_flight.values() if r.state == _RUNNING and not r.recalled]
-        k = min(len(mine) // 2, thief.credit)
+        k = min(len(mine) // 2, thief.credit - thief.leased)
         if not k:
             return ()
         pools = victim.svc.pools

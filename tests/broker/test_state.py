@@ -637,6 +637,8 @@ def test_stats_shape():
         "workers": 1,
         "credit": 2,
         "hosts": {"": 1},
+        "leases": 0,
+        "leased_credit": 0,
     }
     assert st["workers"] == 1 and st["requests"] == 3
     info = s.service_info("svc")

@@ -1,0 +1,268 @@
+"""Leases (pinned streams): the broker's side, as events and actions of the pure scheduler.
+
+docs/protocol.md section 10 is the protocol; this module is the part of it that decides:
+which worker a lease goes to, what it reserves, and who is told when it ends.  It is a mixin
+of :class:`broker.state.Scheduler` (it reads the scheduler's workers, services and clients,
+and keeps the same rules: no I/O, no clock, every event returns actions).
+
+A lease reserves ``slots`` of one worker's credit: brokered dispatch treats that worker as
+having ``credit - leased`` (state.py's ``_reload``), so a slot is never handed out twice, and
+every worker keeps at least one slot for brokered requests.  A lease is PENDING from the
+client's ask until the worker confirms it (only then is the client told where to connect:
+the worker always knows a lease before the client can use it), then ACTIVE until it ends:
+
+- the client ends it, or goes away (disconnect, silence): the worker is told (``client_done``,
+  ``client_gone``);
+- the worker ends it (SIGTERM, scale-down: ``worker_stopping``) or dies (``worker_failed``):
+  the client is told, with ``resend`` when requests in flight on the lease will get no reply
+  (a dead worker), so it sends them again through the broker;
+- the broker drains (``end_leases``): both are told.
+
+Lease ids are the scheduler's own counter (unique for the broker's life; the server makes
+them 8 bytes); the ``secret`` that binds a direct connection to a lease is made by the server
+(randomness is I/O) and carried through untouched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from broker.protocol import ErrorCode
+
+# Lease states.
+PENDING, ACTIVE = "pending", "active"
+
+# Why a lease ended (LeaseEnd.reason on the wire).
+WORKER_FAILED = "worker_failed"
+WORKER_STOPPING = "worker_stopping"
+DRAIN = "drain"
+CLIENT_DONE = "client_done"
+CLIENT_GONE = "client_gone"
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseToWorker:
+    """Send the worker a LEASE (LeaseGrant); it answers with `Scheduler.worker_leased`."""
+
+    worker: bytes
+    lease: int
+    service: str
+    slots: int
+    client: bytes
+    principal: object
+    secret: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseToClient:
+    """Answer the client's LEASE: where to connect (LeaseInfo)."""
+
+    client: bytes
+    ask_id: int
+    service: str
+    lease: int
+    endpoint: str
+    slots: int
+    secret: bytes
+    worker_host: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRefused:
+    """Answer the client's LEASE with a typed error: it stays on the brokered path."""
+
+    client: bytes
+    ask_id: int
+    service: str
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseEndToClient:
+    client: bytes
+    service: str
+    lease: int
+    reason: str
+    resend: bool  # requests in flight on the lease get no reply: send them through the broker
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseEndToWorker:
+    worker: bytes
+    lease: int
+    reason: str
+
+
+LeaseAction = LeaseToWorker | LeaseToClient | LeaseRefused | LeaseEndToClient | LeaseEndToWorker
+
+
+class _Lease:
+    __slots__ = ("id", "client", "principal", "svc", "worker", "slots", "ask_id", "secret", "state")
+
+    def __init__(self, lid, client, principal, svc, worker, slots, ask_id, secret):
+        self.id = lid
+        self.client = client
+        self.principal = principal
+        self.svc = svc
+        self.worker = worker
+        self.slots = slots
+        self.ask_id = ask_id
+        self.secret = secret
+        self.state = PENDING
+
+
+class LeaseEvents:
+    """The lease events of the scheduler (mixed into `broker.state.Scheduler`, whose
+    ``__init__`` calls ``_init_leases``)."""
+
+    def _init_leases(self) -> None:
+        self._leases: dict[int, _Lease] = {}
+        self._client_leases: dict[bytes, dict[int, _Lease]] = {}
+        self._lease_seq = 0
+
+    # ------------------------------------------------------------------ events
+
+    def client_lease(self, client: bytes, principal: object, ask_id: int, service: str, now: float, *,
+                     slots: int = 1, host: str | None = None, transports=frozenset({"inline"}),
+                     secret: bytes = b"") -> list:
+        """The client asks to be pinned to a worker of ``service`` for ``slots`` requests in
+        flight.  A leaseholder is a tracked client (as after a heartbeat): silent for its
+        liveness window, it loses its leases."""
+        out: list = []
+        self.client_heartbeat(client, now)
+        if self._draining is not None:
+            out.append(LeaseRefused(client, ask_id, service, ErrorCode.SERVICE_UNAVAILABLE, self._draining))
+            return out
+        slots = max(1, int(slots))
+        svc = self._services.get(service)
+        workers = [w for w in svc.workers.values() if w.alive] if svc is not None else []
+        if not workers:
+            self._counters["leases_refused"] += 1
+            out.append(LeaseRefused(client, ask_id, service, ErrorCode.SERVICE_UNAVAILABLE,
+                                    f"no live worker for service '{service}'"))
+            return out
+        cands = [w for w in workers if w.direct and w.credit - w.leased > 1]
+        if host is not None and "shm" in transports:
+            near = [w for w in cands if w.host == host and "shm" in w.transports]
+            cands = near or cands  # a remote worker takes the lease inline
+        if not cands:
+            self._counters["leases_refused"] += 1
+            why = ("no worker of it takes leases (none set a direct socket)"
+                   if not any(w.direct for w in workers)
+                   else "every worker's credit is leased already")
+            out.append(LeaseRefused(client, ask_id, service, ErrorCode.SERVICE_UNAVAILABLE,
+                                    f"service '{service}': {why}; requests go through the broker"))
+            return out
+        w = min(cands, key=lambda w: ((len(w.in_flight) + w.leased) / w.credit, w.used))
+        grant = min(slots, w.credit - w.leased - 1)
+        self._lease_seq += 1
+        lease = _Lease(self._lease_seq, client, principal, w.svc, w, grant, ask_id, secret)
+        self._leases[lease.id] = lease
+        self._client_leases.setdefault(client, {})[lease.id] = lease
+        w.leases[lease.id] = lease
+        self._reserve(w, grant)
+        out.append(LeaseToWorker(w.ident, lease.id, service, grant, client, principal, secret))
+        return out
+
+    def worker_leased(self, worker: bytes, lease_id: int, now: float, *, ok: bool = True,
+                      message: str = "") -> list:
+        """The worker took the lease (or refused it): now the client is told."""
+        out: list = []
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.worker.ident != worker or lease.state != PENDING:
+            self._counters["protocol_errors"] += 1  # late, duplicate or not its lease
+            return out
+        if ok:
+            lease.state = ACTIVE
+            self._counters["leases_granted"] += 1
+            w = lease.worker
+            out.append(LeaseToClient(lease.client, lease.ask_id, lease.svc.name, lease.id, w.direct,
+                                     lease.slots, lease.secret, w.host))
+            return out
+        self._counters["leases_refused"] += 1
+        self._forget(lease)
+        out.append(LeaseRefused(lease.client, lease.ask_id, lease.svc.name, ErrorCode.SERVICE_UNAVAILABLE,
+                                f"the worker refused the lease{': ' + message if message else ''}"))
+        self._flush(now, out)
+        return out
+
+    def client_lease_end(self, client: bytes, lease_id: int, now: float) -> list:
+        """The client is done with a lease (unknown or not its own: ignored)."""
+        out: list = []
+        lease = self._client_leases.get(client, {}).get(lease_id)
+        if lease is not None:
+            self._end(lease, CLIENT_DONE, out, tell_client=False)
+            self._flush(now, out)
+        return out
+
+    def worker_lease_end(self, worker: bytes, lease_id: int, now: float,
+                         reason: str = WORKER_STOPPING) -> list:
+        """The worker ends a lease (it is stopping): it finishes what it holds, so the
+        client resends nothing."""
+        out: list = []
+        lease = self._leases.get(lease_id)
+        if lease is not None and lease.worker.ident == worker:
+            self._end(lease, reason, out, tell_worker=False)
+            self._flush(now, out)
+        return out
+
+    def end_leases(self, reason: str, now: float) -> list:
+        """End every lease, telling both sides (a drain: the workers finish what they hold,
+        the clients go back to the brokered path)."""
+        out: list = []
+        for lease in list(self._leases.values()):
+            self._end(lease, reason, out)
+        self._flush(now, out)
+        return out
+
+    # ------------------------------------------------------------------ queries
+
+    def leases_of(self, service: str) -> int:
+        return sum(1 for lease in self._leases.values() if lease.svc.name == service)
+
+    # ------------------------------------------------------------------ internals
+
+    def _reserve(self, w, slots: int) -> None:
+        w.leased += slots
+        self._reload(w)  # its spare credit for brokered dispatch changed
+        self._dirty[w.svc] = None
+
+    def _forget(self, lease) -> None:
+        """Take the lease out of every index and give its slots back."""
+        del self._leases[lease.id]
+        mine = self._client_leases.get(lease.client)
+        if mine is not None:
+            mine.pop(lease.id, None)
+            if not mine:
+                del self._client_leases[lease.client]
+        w = lease.worker
+        w.leases.pop(lease.id, None)
+        if w.alive:
+            self._reserve(w, -lease.slots)
+        else:
+            w.leased -= lease.slots
+
+    def _end(self, lease, reason: str, out: list, *, tell_worker: bool = True, tell_client: bool = True,
+             resend: bool = False) -> None:
+        pending = lease.state == PENDING
+        self._forget(lease)
+        self._counters["leases_ended"] += 1
+        if tell_worker and lease.worker.alive:
+            out.append(LeaseEndToWorker(lease.worker.ident, lease.id, reason))
+        if tell_client:
+            if pending:  # the client was never told of it: its ask gets an answer
+                out.append(LeaseRefused(lease.client, lease.ask_id, lease.svc.name,
+                                        ErrorCode.SERVICE_UNAVAILABLE,
+                                        f"the lease ended before the worker confirmed it ({reason})"))
+            else:
+                out.append(LeaseEndToClient(lease.client, lease.svc.name, lease.id, reason, resend))
+
+    def _end_worker_leases(self, w, out: list) -> None:
+        """``w`` is dead (already marked so): its clients resend what they had in flight."""
+        for lease in list(w.leases.values()):
+            self._end(lease, WORKER_FAILED, out, tell_worker=False, resend=True)
+
+    def _end_client_leases(self, client: bytes, out: list) -> None:
+        """``client`` went away: its workers drop its leases."""
+        for lease in list(self._client_leases.get(client, {}).values()):
+            self._end(lease, CLIENT_GONE, out, tell_client=False)

@@ -1,0 +1,188 @@
+"""Leases in the pure scheduler (broker/leases.py, docs/protocol.md section 10), event by
+event: placement, accounting, confirmation, and every way a lease ends."""
+from __future__ import annotations
+
+from broker.leases import (
+    CLIENT_DONE,
+    CLIENT_GONE,
+    DRAIN,
+    WORKER_FAILED,
+    WORKER_STOPPING,
+    LeaseEndToClient,
+    LeaseEndToWorker,
+    LeaseRefused,
+    LeaseToClient,
+    LeaseToWorker,
+)
+from broker.state import Config, Dispatch, ErrorCode, Scheduler
+
+C = b"client"
+EP = "ipc:///run/w.ipc"
+
+
+def of(actions, cls):
+    return [a for a in actions if isinstance(a, cls)]
+
+
+def only(actions, cls):
+    found = of(actions, cls)
+    assert len(found) == 1, actions
+    return found[0]
+
+
+def lease(s, now=0.0, client=C, service="svc", ask_id=7, **kw):
+    kw.setdefault("secret", b"s" * 16)
+    return s.client_lease(client, None, ask_id, service, now, **kw)
+
+
+def granted(s, now=0.0, **kw):
+    """Ask, the worker confirms: the lease id and the client's answer."""
+    to_w = only(lease(s, now, **kw), LeaseToWorker)
+    return to_w, only(s.worker_leased(to_w.worker, to_w.lease, now), LeaseToClient)
+
+
+def req(s, rid, now=0.0, client=C, **kw):
+    kw.setdefault("payload", f"p{rid}")
+    return s.client_request(client, rid, "svc", now, **kw)
+
+
+def test_a_lease_goes_to_the_worker_first_and_to_the_client_once_it_confirms():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
+    out = lease(s, slots=3)
+    to_w = only(out, LeaseToWorker)
+    assert not of(out, LeaseToClient)  # the worker must know it before the client can use it
+    assert (to_w.worker, to_w.service, to_w.slots, to_w.client, to_w.secret) == (b"w", "svc", 3, C, b"s" * 16)
+    to_c = only(s.worker_leased(b"w", to_w.lease, 0.1), LeaseToClient)
+    assert (to_c.client, to_c.ask_id, to_c.lease, to_c.endpoint, to_c.slots) == (C, 7, to_w.lease, EP, 3)
+    st = s.stats()
+    assert st["services"]["svc"]["leases"] == 1 and st["services"]["svc"]["leased_credit"] == 3
+    assert st["counters"]["leases_granted"] == 1
+    assert s.worker_leased(b"w", to_w.lease, 0.2) == []  # a duplicate confirmation is dropped
+
+
+def test_leased_credit_is_not_handed_out_to_brokered_requests():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=4, direct=EP)
+    granted(s, slots=3)
+    dispatched = [a for i in range(1, 4) for a in of(req(s, i), Dispatch)]
+    assert len(dispatched) == 1  # 4 credit - 3 leased
+    assert s.stats()["services"]["svc"]["queued"]["normal"] == 2
+
+
+def test_a_worker_keeps_one_slot_for_the_broker_and_a_lease_gets_what_is_left():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=4, direct=EP)
+    to_w, _ = granted(s, slots=10)
+    assert to_w.slots == 3
+    refused = only(lease(s, ask_id=8), LeaseRefused)
+    assert refused.code == ErrorCode.SERVICE_UNAVAILABLE and "leased already" in refused.message
+
+
+def test_placement_prefers_the_clients_host_then_the_least_loaded():
+    s = Scheduler()
+    s.worker_ready(b"far", "svc", 0.0, credit=8, host="h2", transports=frozenset({"inline", "shm"}), direct=EP)
+    s.worker_ready(b"near1", "svc", 0.0, credit=8, host="h1", transports=frozenset({"inline", "shm"}), direct=EP)
+    s.worker_ready(b"near2", "svc", 0.0, credit=8, host="h1", transports=frozenset({"inline", "shm"}), direct=EP)
+    kw = dict(host="h1", transports=frozenset({"inline", "shm"}), slots=2)
+    first, _ = granted(s, ask_id=1, **kw)
+    second, _ = granted(s, ask_id=2, **kw)
+    assert {first.worker, second.worker} == {b"near1", b"near2"}  # spread: least loaded first
+    # An inline-only client may go anywhere: the least loaded is the one with no lease yet.
+    third = only(lease(s, ask_id=3, slots=1), LeaseToWorker)
+    assert third.worker == b"far"
+
+
+def test_no_worker_or_no_direct_socket_is_the_same_typed_error_as_a_request_gets():
+    s = Scheduler()
+    r = only(lease(s), LeaseRefused)
+    assert r.code == ErrorCode.SERVICE_UNAVAILABLE and "no live worker" in r.message
+    s.worker_ready(b"plain", "svc", 0.0, credit=8)  # a plain MDP worker: no direct socket
+    r = only(lease(s), LeaseRefused)
+    assert r.code == ErrorCode.SERVICE_UNAVAILABLE and "direct socket" in r.message
+    assert s.stats()["counters"]["leases_refused"] == 2
+
+
+def test_a_refusing_worker_gives_the_slots_back_and_the_client_an_error():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=4, direct=EP)
+    to_w = only(lease(s, slots=3), LeaseToWorker)
+    r = only(s.worker_leased(b"w", to_w.lease, 0.1, ok=False, message="full"), LeaseRefused)
+    assert r.ask_id == 7 and "full" in r.message
+    assert s.stats()["services"]["svc"]["leased_credit"] == 0
+    assert len([a for i in range(1, 5) for a in of(req(s, i), Dispatch)]) == 4
+
+
+def test_the_pinned_worker_dying_tells_the_client_to_resend_through_the_broker():
+    s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3))
+    s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
+    s.worker_ready(b"w2", "svc", 0.0, credit=8, direct=EP)
+    to_w, to_c = granted(s)
+    s.worker_seen(b"w2" if to_w.worker == b"w" else b"w", 2.5)
+    out = s.tick(3.5)  # the pinned one went silent
+    end = only(out, LeaseEndToClient)
+    assert (end.client, end.lease, end.reason, end.resend) == (C, to_c.lease, WORKER_FAILED, True)
+    assert not of(out, LeaseEndToWorker)
+    assert s.stats()["services"]["svc"]["leases"] == 0
+
+
+def test_a_worker_dying_before_it_confirmed_answers_the_ask_with_an_error():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
+    only(lease(s), LeaseToWorker)
+    out = s.worker_disconnect(b"w", 0.5)
+    r = only(out, LeaseRefused)
+    assert r.ask_id == 7 and r.code == ErrorCode.SERVICE_UNAVAILABLE
+    assert not of(out, LeaseEndToClient)
+
+
+def test_a_drain_ends_every_lease_on_both_sides_without_resending():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
+    to_w, to_c = granted(s)
+    s.drain("shutting down")
+    out = s.end_leases(DRAIN, 1.0)
+    assert only(out, LeaseEndToWorker) == LeaseEndToWorker(b"w", to_w.lease, DRAIN)
+    end = only(out, LeaseEndToClient)
+    assert end.reason == DRAIN and end.resend is False
+    r = only(lease(s, 1.1, ask_id=9), LeaseRefused)  # no new leases while draining
+    assert r.code == ErrorCode.SERVICE_UNAVAILABLE and r.message == "shutting down"
+
+
+def test_a_stopping_worker_ends_its_leases_and_the_client_is_told():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
+    to_w, _ = granted(s, slots=4)
+    out = s.worker_lease_end(b"w", to_w.lease, 1.0)
+    end = only(out, LeaseEndToClient)
+    assert end.reason == WORKER_STOPPING and end.resend is False
+    assert not of(out, LeaseEndToWorker)
+    assert s.stats()["services"]["svc"]["leased_credit"] == 0
+    assert s.worker_lease_end(b"other", to_w.lease, 1.1) == []
+
+
+def test_the_client_ending_or_leaving_tells_the_worker():
+    s = Scheduler(Config(client_liveness=2.0))
+    s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
+    first, _ = granted(s, ask_id=1)
+    out = s.client_lease_end(C, first.lease, 0.5)
+    assert only(out, LeaseEndToWorker) == LeaseEndToWorker(b"w", first.lease, CLIENT_DONE)
+    assert s.client_lease_end(b"someone-else", first.lease, 0.6) == []
+    second, _ = granted(s, 0.6, ask_id=2)
+    s.worker_seen(b"w", 2.0)
+    out = s.tick(2.7)  # the leaseholder went silent: it was tracked from its ask
+    assert only(out, LeaseEndToWorker) == LeaseEndToWorker(b"w", second.lease, CLIENT_GONE)
+    third, _ = granted(s, 2.8, ask_id=3)
+    out = s.client_disconnect(C, 2.9)
+    assert only(out, LeaseEndToWorker).reason == CLIENT_GONE
+    assert s.stats()["services"]["svc"]["leases"] == 0
+
+
+def test_slots_freed_by_an_ending_lease_go_to_queued_requests_at_once():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=3, direct=EP)
+    to_w, _ = granted(s, slots=2)
+    assert len(of(req(s, 1), Dispatch)) == 1
+    assert of(req(s, 2), Dispatch) == []  # waits: the rest is leased
+    out = s.client_lease_end(C, to_w.lease, 0.5)
+    assert only(out, Dispatch).request_id == 2

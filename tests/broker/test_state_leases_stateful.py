@@ -1,0 +1,187 @@
+"""Leases under random interleavings (hypothesis stateful testing): the request machine of
+test_state_stateful.py, with two of its four workers taking leases and clients asking for,
+ending and losing them among everything else.  Checked on every action and after every step:
+
+- a lease goes only to a live worker of its service with a direct socket, and never leaves a
+  worker less than one slot of credit for brokered requests;
+- brokered dispatch never uses leased credit (a worker holds fewer tokens than its credit
+  minus its leased slots);
+- the client hears of a lease only after its worker confirmed it, every ask gets exactly one
+  answer (LEASED or an error), and an end is told only to the side that did not end it;
+- a lease never outlives its worker or its client: a dead worker's leases end at once with
+  ``resend`` for the client, a departed client's with a word to the worker;
+- the scheduler's leased credit agrees with the model's, and the request rules of the parent
+  machine (one final per request, caps, queues) still hold.
+"""
+from __future__ import annotations
+
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule
+
+from broker.leases import (
+    LeaseEndToClient,
+    LeaseEndToWorker,
+    LeaseRefused,
+    LeaseToClient,
+    LeaseToWorker,
+    WORKER_FAILED,
+)
+from broker.state import Dispatch, DisconnectWorker
+from tests.broker.test_state_stateful import CLIENTS, SERVICES, SchedulerMachine
+
+DIRECT = {b"w0", b"w1"}  # the workers with a direct socket
+EP = "ipc:///run/direct.ipc"
+
+
+class LeaseMachine(SchedulerMachine):
+    def __init__(self):
+        super().__init__()
+        self.leases: dict[int, dict] = {}  # lease id -> {client, worker, service, slots, active}
+        self.asks: dict[tuple[bytes, int], int] = {}  # (client, ask id) -> answers so far
+        self.ask_ids = iter(range(10**9, 2 * 10**9))
+        self.current_ask = None  # the ask whose LeaseToWorker may come in the actions being applied
+        self.ended: dict[int, dict] = {}  # leases the worker was told of in the actions being applied
+
+    def leased(self, worker: bytes) -> int:
+        return sum(le["slots"] for le in self.leases.values() if le["worker"] == worker)
+
+    # ---- workers: some have direct sockets
+
+    def ready(self, worker, service, credit, host, shm, recall):
+        transports = frozenset({"inline", "shm"} if shm else {"inline"})
+        fresh = worker not in self.workers
+        if fresh:
+            self.workers[worker] = {"service": service, "credit": credit, "host": host,
+                                    "shm": shm and host is not None, "tokens": {},
+                                    "recall": recall, "recalled": set(), "unanswered": set()}
+        out = self.s.worker_ready(worker, service, self.now, credit=credit, host=host,
+                                  transports=transports, recall=recall,
+                                  direct=EP if worker in DIRECT else None)
+        if not fresh:
+            assert isinstance(out[0], DisconnectWorker) and out[0].worker == worker
+        self.apply(out)
+
+    # ---- checking every action
+
+    def apply(self, actions):
+        for a in actions:  # one at a time, in order, the parent's actions too
+            if isinstance(a, Dispatch):
+                w = self.workers.get(a.worker)
+                assert w is not None
+                assert len(w["tokens"]) < w["credit"] - self.leased(a.worker), "leased credit dispatched"
+                super().apply([a])
+            elif isinstance(a, LeaseToWorker):
+                w = self.workers.get(a.worker)
+                assert w is not None and a.worker in DIRECT, f"lease to {a.worker!r}"
+                assert w["service"] == a.service and a.slots >= 1
+                assert self.leased(a.worker) + a.slots <= w["credit"] - 1, "no slot left for the broker"
+                assert a.lease not in self.leases
+                assert self.current_ask is not None and self.current_ask[0] == a.client, "unasked lease"
+                self.leases[a.lease] = {"client": a.client, "worker": a.worker, "service": a.service,
+                                        "slots": a.slots, "active": False, "ask": self.current_ask[1]}
+                self.current_ask = None
+            elif isinstance(a, LeaseToClient):
+                le = self.leases.get(a.lease)
+                assert le is not None and not le["active"] and le["client"] == a.client
+                assert le["ask"] == a.ask_id and le["slots"] == a.slots and a.endpoint == EP
+                le["active"] = True
+                self.answer(a.client, a.ask_id)
+            elif isinstance(a, LeaseRefused):
+                for lid, le in list(self.leases.items()):
+                    if le["client"] == a.client and le["ask"] == a.ask_id:
+                        assert not le["active"], "refused after it was granted"
+                        del self.leases[lid]
+                self.answer(a.client, a.ask_id)
+            elif isinstance(a, LeaseEndToClient):
+                # A drain tells the worker first, then the client, of one lease.
+                le = self.leases.pop(a.lease, None) or self.ended.pop(a.lease, None)
+                assert le is not None and le["active"] and le["client"] == a.client, a
+                assert a.resend == (a.reason == WORKER_FAILED)
+            elif isinstance(a, LeaseEndToWorker):
+                le = self.leases.pop(a.lease, None)
+                assert le is not None and le["worker"] == a.worker and a.worker in self.workers, a
+                self.ended[a.lease] = le
+            else:
+                super().apply([a])
+        self.ended = {}
+
+    def client_gone(self, client):
+        super().client_gone(client)
+        for key in self.asks:  # a client that went away is owed no answer
+            if key[0] == client:
+                self.asks[key] = 1
+
+    def answer(self, client, ask_id):
+        key = (client, ask_id)
+        assert key in self.asks and self.asks[key] == 0, f"second answer to {key}"
+        assert client in self.tracked, f"an answer to a client that went away: {key}"
+        self.asks[key] = 1
+
+    # ---- lease events
+
+    @rule(client=st.sampled_from(CLIENTS), service=st.sampled_from(SERVICES), slots=st.integers(1, 3))
+    def client_lease(self, client, service, slots):
+        ask = next(self.ask_ids)
+        self.asks[(client, ask)] = 0
+        out = self.s.client_lease(client, None, ask, service, self.now, slots=slots, secret=b"x")
+        self.tracked[client] = self.now  # a leaseholder is tracked from its ask
+        self.current_ask = (client, ask)
+        self.apply(out)
+        self.current_ask = None
+
+    @precondition(lambda self: any(not le["active"] for le in self.leases.values()))
+    @rule(data=st.data(), ok=st.booleans())
+    def worker_confirms(self, data, ok):
+        lid = data.draw(st.sampled_from(sorted(k for k, le in self.leases.items() if not le["active"])))
+        worker = self.leases[lid]["worker"]
+        self.s.worker_seen(worker, self.now)
+        self.apply(self.s.worker_leased(worker, lid, self.now, ok=ok))
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def client_ends_a_lease(self, data):
+        lid = data.draw(st.sampled_from(sorted(self.leases)))
+        le = self.leases[lid]
+        out = self.s.client_lease_end(le["client"], lid, self.now)
+        assert [type(a) for a in out if not isinstance(a, Dispatch)] == [LeaseEndToWorker]
+        self.apply(out)
+        if not le["active"]:  # withdrawn before its answer: it needs none now
+            self.answer(le["client"], le["ask"])
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data())
+    def worker_ends_a_lease(self, data):
+        lid = data.draw(st.sampled_from(sorted(self.leases)))
+        le = self.leases[lid]
+        self.s.worker_seen(le["worker"], self.now)
+        out = self.s.worker_lease_end(le["worker"], lid, self.now)
+        self.apply(out)
+        assert lid not in self.leases
+
+    @rule()
+    def broker_ends_every_lease(self):
+        self.apply(self.s.end_leases("drain", self.now))
+        assert self.leases == {}
+
+    # ---- invariants
+
+    @invariant()
+    def leases_live_with_their_worker_and_client(self):
+        for le in self.leases.values():
+            assert le["worker"] in self.workers, "a dead worker's lease did not end"
+            assert le["client"] in self.tracked, "a departed client's lease did not end"
+        for ident, w in self.s._workers.items():
+            assert w.leased == self.leased(ident) and len(w.leases) == sum(
+                1 for le in self.leases.values() if le["worker"] == ident)
+            assert w.leased <= max(0, w.credit - 1)
+        assert sum(v["leases"] for v in self.s.stats()["services"].values()) == len(self.leases)
+
+    @invariant()
+    def every_ask_is_answered_or_pending(self):
+        pending = {(le["client"], le["ask"]) for le in self.leases.values() if not le["active"]}
+        for key, n in self.asks.items():
+            assert n == 1 or key in pending, f"ask {key} left without an answer"
+
+
+LeaseMachine.TestCase.settings = SchedulerMachine.TestCase.settings
+TestSchedulerLeases = LeaseMachine.TestCase
