@@ -220,6 +220,10 @@ class LeaseEvents:
     def leases_of(self, service: str) -> int:
         return sum(1 for lease in self._leases.values() if lease.svc.name == service)
 
+    @property
+    def has_leases(self) -> bool:
+        return bool(self._leases)
+
     # ------------------------------------------------------------------ internals
 
     def _reserve(self, w, slots: int) -> None:

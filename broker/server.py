@@ -41,6 +41,7 @@ from zmq.utils.monitor import recv_monitor_message
 from broker.connections import WorkerConnections
 from broker import security
 
+from broker.leases import DRAIN, LeaseEndToClient, LeaseEndToWorker, LeaseRefused, LeaseToClient, LeaseToWorker
 from broker.state import (
     ClientError,
     CancelAtWorker,
@@ -62,6 +63,7 @@ _DRAIN = 64
 # Seconds between sweeps for shared-memory segments of dead processes.
 _GC_INTERVAL = 1.0
 _POLLIN = int(zmq.POLLIN)
+_LEASE_ACTIONS = frozenset({LeaseToWorker, LeaseToClient, LeaseRefused, LeaseEndToClient, LeaseEndToWorker})
 _MAX_CLIENT_PIDS = 1 << 16
 _MAX_SERVICES = 1024  # service names remembered for the HTTP endpoint (as broker.metrics.MAX_SERVICES)
 _LIVE_WITHIN_S = 2.0  # live: the loop passed this recently (it passes at least every 100 ms)
@@ -184,6 +186,7 @@ class Broker:
         # New at every start: clients see it in heartbeat answers and resend what a previous
         # broker process held (docs/protocol.md section 2).
         self.instance = secrets.token_bytes(P.INSTANCE_LEN)
+        self._asking: tuple | None = None  # (pid, host, principal) of the LEASE being handled
         # (The runtime directory is checked, and created, only when a default is used.)
         fe, be = ("", "") if self.cfg.frontend and self.cfg.backend else P.default_endpoints()
         self.frontend_ep = self.cfg.frontend or fe
@@ -361,6 +364,9 @@ class Broker:
             if wake is not None and now >= wake:
                 self._act(sched.tick(now), now)
                 wake = sched.next_wakeup(now)
+            if sched.has_leases and sched.draining:
+                # drain() may come from the launcher's thread: leases end here, on the loop.
+                self._act(sched.end_leases(DRAIN, now), now)
             timeout = 100 if wake is None else max(0, min(100, int((wake - now) * 1000.0 + 0.999)))
             for sock, _ in poll(items, timeout):
                 # Workers first: a reply frees credit for the requests that follow.
@@ -492,6 +498,44 @@ class Broker:
         elif cmd == P.C_DISCONNECT:
             self._forget_client(ident)
             self._act(sched.client_disconnect(ident, now), now)
+        elif cmd == P.C_LEASE:
+            self._on_lease(ident, msg, now)
+        elif cmd == P.C_LEASE_END:
+            sched.client_seen(ident, now)
+            try:
+                end = P.decode_lease_end(msg.body[0])
+            except P.ProtocolError as e:
+                self.malformed += 1
+                self._bad.warning("bad LEASE_END from %r: %s", ident[:16], e)
+                return
+            self._act(sched.client_lease_end(ident, P.lease_number(end.lease), now), now)
+
+    def _on_lease(self, ident: bytes, msg: P.ClientMessage, now: float) -> None:
+        """A client asks to be pinned to a worker (docs/protocol.md section 10): the scheduler
+        places it; the grant carries what only the broker knows of the client (the kernel's
+        pid of its connection, its principal) and a secret made here."""
+        first = msg.body[0]
+        service = msg.service
+        try:
+            ask = P.decode_lease_ask(first)
+        except P.ProtocolError as e:
+            self.malformed += 1
+            self._bad.warning("bad LEASE from %r: %s", ident[:16], e)
+            self._send_client(ident, P.client_leased(service, P.error_body(P.lenient_request_id(first), e.code, str(e))))
+            return
+        host, transports = ask.host, frozenset(ask.transports)
+        if self._tcp_frontend and security.peer_is_tcp(first):
+            host, transports = None, frozenset({"inline"})  # as its requests: inline only
+        pid = self._client_pid(ident, first)
+        principal = pid if pid is not None else self._tcp_principal(first)
+        self._asking = (pid, host, principal)
+        try:
+            actions = self.sched.client_lease(ident, principal, ask.id, service.decode(errors="replace"), now,
+                                              slots=ask.slots, host=host, transports=transports,
+                                              secret=secrets.token_bytes(16))
+            self._act(actions, now)
+        finally:
+            self._asking = None
 
     def _forget_client(self, ident: bytes) -> None:
         self._client_pids.pop(ident, None)
@@ -727,6 +771,26 @@ class Broker:
             tokens = [t for t in map(P.envelope_token, msg.body) if t is not None]
             kept = [t for t in map(P.envelope_token, msg.info) if t is not None]
             self._act(sched.worker_returned(ident, tokens, now, kept), now)
+        elif cmd == P.W_LEASED:
+            sched.worker_seen(ident, now)
+            why = ""
+            if msg.info is not None:
+                try:
+                    err = P.decode_reply(msg.info).error
+                    why = err.message if err is not None else ""
+                except P.ProtocolError:
+                    why = "(an unreadable reason)"
+            self._act(sched.worker_leased(ident, P.lease_number(msg.envelope), now, ok=msg.info is None,
+                                          message=why), now)
+        elif cmd == P.W_LEASE_END:
+            sched.worker_seen(ident, now)
+            try:
+                end = P.decode_lease_end(msg.info)
+            except P.ProtocolError as e:
+                self.malformed += 1
+                self._bad.warning("bad LEASE_END from worker %r: %s", ident[:16], e)
+                return
+            self._act(sched.worker_lease_end(ident, P.lease_number(msg.envelope), now, reason=end.reason), now)
         elif cmd == P.W_HEARTBEAT:
             self._act(sched.worker_seen(ident, now), now)
         elif cmd == P.W_READY:
@@ -749,6 +813,7 @@ class Broker:
                     host=r.host,
                     transports=frozenset(r.transports),
                     recall=r.recall,
+                    direct=r.direct,
                 )
                 refused = any(type(a) is DisconnectWorker and a.worker == ident for a in actions)
                 if not refused:
@@ -875,6 +940,8 @@ class Broker:
                 envs = [P.token_envelope(t) for t in a.tokens]
                 for i in range(0, len(envs), P.MAX_DONE):
                     self.send_to_worker(P.to_worker_recall(a.worker, envs[i:i + P.MAX_DONE]))
+            elif t in _LEASE_ACTIONS:
+                self._lease_action(a)
             elif t is DisconnectWorker:
                 log.info("disconnecting worker %r: %s", a.worker[:16], a.reason)
                 self.send_to_worker([a.worker, *P.worker_disconnect()])
@@ -882,6 +949,27 @@ class Broker:
                 self._collect_shm()
         if self._doomed:
             self._drop_doomed()
+
+    def _lease_action(self, a) -> None:
+        t = type(a)
+        if t is LeaseToWorker:
+            pid, host, principal = self._asking or (None, None, None)
+            grant = P.LeaseGrant(lease=P.lease_id(a.lease), secret=a.secret, service=a.service, slots=a.slots,
+                                 client_host=host, client_pid=pid,
+                                 principal=None if principal is None else str(principal))
+            self.send_to_worker(P.to_worker_lease(a.worker, P.encode_header(grant)))
+        elif t is LeaseToClient:
+            info = P.LeaseInfo(id=a.ask_id, lease=P.lease_id(a.lease), secret=a.secret, endpoint=a.endpoint,
+                               slots=a.slots, instance=self.instance, host=a.worker_host)
+            self._send_client(a.client, P.client_leased(a.service, [P.encode_header(info)]))
+        elif t is LeaseRefused:
+            self._send_client(a.client, P.client_leased(a.service, P.error_body(a.ask_id, a.code, a.message)))
+        elif t is LeaseEndToClient:
+            end = P.LeaseEnd(lease=P.lease_id(a.lease), reason=a.reason, resend=a.resend)
+            self._send_client(a.client, P.client_lease_end(a.service, P.encode_header(end)))
+        elif t is LeaseEndToWorker:
+            end = P.LeaseEnd(lease=P.lease_id(a.lease), reason=a.reason)
+            self.send_to_worker(P.to_worker_lease_end(a.worker, P.lease_id(a.lease), P.encode_header(end)))
 
     def _dispatch(self, a: Dispatch, now: float) -> None:
         p: _Payload = a.payload

@@ -42,6 +42,9 @@ __all__ = ["Command", "CLIENT_COMMANDS", "WORKER_COMMANDS", "frame_table", "MDPC
     "to_worker_request", "to_worker_cancel", "token_envelope", "envelope_token", "ClientMessage",
     "parse_client", "WorkerMessage", "parse_worker", "BrokerToClient", "parse_broker_to_client",
     "BrokerToWorker", "parse_broker_to_worker",
+    "C_LEASE", "C_LEASED", "C_LEASE_END", "C_HELLO", "W_LEASE", "W_LEASED", "W_LEASE_END", "LEASE_ID_LEN",
+    "lease_id", "lease_number", "client_lease", "client_lease_end", "client_leased",
+    "to_worker_lease", "to_worker_lease_end", "worker_leased", "worker_lease_end",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -58,6 +61,11 @@ C_HEARTBEAT = b"\x04"
 C_CANCEL = b"\x05"
 C_DISCONNECT = b"\x06"
 C_FINALS = b"\x07"   # direct reply only: several header-only FINALs in one message
+# Leases (docs/protocol.md section 10)
+C_LEASE = b"\x08"      # C->B: pin me to a worker of this service (LeaseAsk)
+C_LEASED = b"\x09"     # B->C: where to connect (LeaseInfo), or an error header
+C_LEASE_END = b"\x0a"  # both: the lease is over (LeaseEnd)
+C_HELLO = b"\x0b"      # C->W on the worker's direct socket: bind this connection to a lease
 
 # Worker sub-protocol commands (RFC 18 defines 0x01..0x06; the rest are our extensions).
 W_READY = b"\x01"
@@ -72,8 +80,12 @@ W_WELCOME = b"\x09"
 W_RECALL = b"\x0a"    # B->W: give back these requests if you have not started them
 W_RETURNED = b"\x0b"  # W->B: these requests were not started and are the broker's again
 W_STATS = b"\x0c"     # W->B: what only the worker sees (timings, batch sizes, pool use)
+W_LEASE = b"\x0d"     # B->W: a lease on you (LeaseGrant)
+W_LEASED = b"\x0e"    # W->B: lease id [, error header: refused]
+W_LEASE_END = b"\x0f"  # both: lease id, LeaseEnd
 
 INSTANCE_LEN = 8  # a broker's instance id: random, new at every start
+LEASE_ID_LEN = 8  # a lease id on the wire: big-endian, from the broker's counter
 
 
 class Command(NamedTuple):
@@ -97,6 +109,10 @@ CLIENT_COMMANDS: tuple[Command, ...] = (
     Command("DISCONNECT", C_DISCONNECT, "C→B", "none", "extension"),
     Command("FINALS", C_FINALS, "W→C on `reply_to` only", "service name, header, header... (header-only FINALs)",
             "extension"),
+    Command("LEASE", C_LEASE, "C→B", "service name, header `LeaseAsk` (section 10)", "extension"),
+    Command("LEASED", C_LEASED, "B→C", "service name, header `LeaseInfo`, or a header with `error`", "extension"),
+    Command("LEASE_END", C_LEASE_END, "C→B, B→C", "service name, header `LeaseEnd`", "extension"),
+    Command("HELLO", C_HELLO, "C→W on a worker's direct socket", "header `LeaseHello`", "extension"),
 )
 
 WORKER_COMMANDS: tuple[Command, ...] = (
@@ -116,6 +132,9 @@ WORKER_COMMANDS: tuple[Command, ...] = (
     Command("RETURNED", W_RETURNED, "W→B", f"envelope... (given back), empty, envelope... (kept: already started); "
             f"1 to {MAX_DONE} in all", "extension"),
     Command("STATS", W_STATS, "W→B", "header `WorkerStats`", "extension"),
+    Command("LEASE", W_LEASE, "B→W", "header `LeaseGrant` (only to a worker whose `Ready` set `direct`)", "extension"),
+    Command("LEASED", W_LEASED, "W→B", "lease id (8 bytes) [, a header with `error`: refused]", "extension"),
+    Command("LEASE_END", W_LEASE_END, "B→W, W→B", "lease id (8 bytes), header `LeaseEnd`", "extension"),
 )
 
 
@@ -238,6 +257,46 @@ def token_envelope(token: int) -> bytes:
     return token.to_bytes(8, "big")
 
 
+# Leases (docs/protocol.md section 10).  Headers are passed encoded (`encode_header`).
+
+def lease_id(number: int) -> bytes:
+    return number.to_bytes(LEASE_ID_LEN, "big")
+
+
+def lease_number(lease: bytes) -> int:
+    return int.from_bytes(lease, "big")
+
+
+def client_lease(service: str | bytes, header: bytes) -> list[bytes]:
+    return [MDPC, C_LEASE, _service_bytes(service), header]
+
+
+def client_lease_end(service: str | bytes, header: bytes) -> list[bytes]:
+    """LEASE_END between a client and the broker (the same frames either way)."""
+    return [MDPC, C_LEASE_END, _service_bytes(service), header]
+
+
+def client_leased(service: str | bytes, body: Sequence[Any]) -> list[Any]:
+    """B->C LEASED, without an identity: body is [LeaseInfo header] or an error body."""
+    return [MDPC, C_LEASED, _service_bytes(service), *body]
+
+
+def to_worker_lease(identity: bytes, header: bytes) -> list[bytes]:
+    return [identity, MDPW, W_LEASE, header]
+
+
+def to_worker_lease_end(identity: bytes, lease: bytes, header: bytes) -> list[bytes]:
+    return [identity, MDPW, W_LEASE_END, lease, header]
+
+
+def worker_leased(lease: bytes, error_header: bytes | None = None) -> list[bytes]:
+    return [MDPW, W_LEASED, lease] + ([error_header] if error_header is not None else [])
+
+
+def worker_lease_end(lease: bytes, header: bytes) -> list[bytes]:
+    return [MDPW, W_LEASE_END, lease, header]
+
+
 def envelope_token(envelope: Any) -> int | None:
     """The broker's token from an envelope, or None if the envelope is not one of ours."""
     b = bytes(envelope)
@@ -265,9 +324,9 @@ def parse_client(frames: Sequence[Any]) -> ClientMessage:
     if bytes(frames[0]) != MDPC:
         raise ProtocolError(f"client message must start with MDPC02, got {bytes(frames[0])[:16]!r}")
     cmd = bytes(frames[1])
-    if cmd in (C_REQUEST, C_CANCEL):
+    if cmd in (C_REQUEST, C_CANCEL, C_LEASE, C_LEASE_END):
         if len(frames) < 4:
-            raise ProtocolError("REQUEST/CANCEL needs a service name and at least one body frame")
+            raise ProtocolError("REQUEST/CANCEL/LEASE/LEASE_END needs a service name and at least one body frame")
         service = bytes(frames[2])
         if not service or len(service) > MAX_SERVICE_LEN:
             raise ProtocolError(f"service name must be 1..{MAX_SERVICE_LEN} bytes")
@@ -314,6 +373,14 @@ def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
         if len(env) > MAX_ENVELOPE_LEN:
             raise ProtocolError("envelope longer than 255 bytes")
         return WorkerMessage(cmd, envelope=env, body=tuple(frames[4:]))
+    if cmd in (W_LEASED, W_LEASE_END):
+        if len(frames) not in (3, 4) or (cmd == W_LEASE_END and len(frames) != 4):
+            raise ProtocolError("LEASED is MDPW02, 0x0e, lease id [, error header]; "
+                                "LEASE_END is MDPW02, 0x0f, lease id, header")
+        lease = bytes(frames[2])
+        if len(lease) != LEASE_ID_LEN:
+            raise ProtocolError(f"a lease id is {LEASE_ID_LEN} bytes, got {len(lease)}")
+        return WorkerMessage(cmd, envelope=lease, info=frames[3] if len(frames) == 4 else None)
     if cmd == W_RETURNED:
         rest = [bytes(f) for f in frames[2:]]
         kept: list[bytes] = []

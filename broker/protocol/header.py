@@ -29,6 +29,8 @@ __all__ = ["MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_ENVELOPE_LE
     "decode_done_info", "decode_worker_stats", "reply_error_code",
     "parse_dtype", "dtype_str", "tensor_nbytes", "check_tensors", "check_inline_sizes", "lenient_request_id",
     "valid_traceparent",
+    "LeaseAsk", "LeaseGrant", "LeaseInfo", "LeaseEnd", "LeaseHello", "LEASE_REASONS", "decode_lease_ask",
+    "decode_lease_grant", "decode_lease_info", "decode_lease_end", "decode_lease_hello",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -185,6 +187,7 @@ class Ready(msgspec.Struct, kw_only=True):
     pid: int | None = None
     welcome: bool = False   # the worker understands WELCOME (the broker then sends one)
     recall: bool = False    # the worker answers RECALL with RETURNED (the broker then sends it)
+    direct: str | None = None  # the endpoint of the worker's direct socket: it takes leases (section 10)
     # The model's declared inputs, name -> [dtype or nil, shape (sizes or nil) or nil], for
     # the broker's model endpoint (docs/operations.md); nil when it declares none.
     inputs: dict[str, tuple[str | None, list[int | None] | None]] | None = None
@@ -199,6 +202,63 @@ class Welcome(msgspec.Struct, kw_only=True):
     heartbeat_interval: float      # seconds; the worker heartbeats at this rate
     heartbeat_liveness: int        # missed intervals before either side presumes the other dead
     metrics: bool = False          # the broker counts (--http): send STATS and DONE outcomes
+
+
+class LeaseAsk(msgspec.Struct, kw_only=True):
+    """C->B LEASE (docs/protocol.md section 10)."""
+
+    v: int = VERSION
+    id: int                       # from the client's request-id space; LEASED echoes it
+    slots: int = 1                # requests in flight wanted at once
+    host: str | None = None       # the client's shared-memory host (placement)
+    transports: list[str] = msgspec.field(default_factory=lambda: ["inline"])
+
+
+class LeaseGrant(msgspec.Struct, kw_only=True):
+    """B->W LEASE."""
+
+    v: int = VERSION
+    lease: bytes                  # 8 bytes
+    secret: bytes                 # 16 bytes: binds a direct connection to the lease (HELLO)
+    service: str
+    slots: int
+    client_host: str | None = None
+    client_pid: int | None = None  # the kernel's word for the client's ipc connection (SO_PEERCRED)
+    principal: str | None = None   # what the lease's requests count against
+
+
+class LeaseInfo(msgspec.Struct, kw_only=True):
+    """B->C LEASED."""
+
+    v: int = VERSION
+    id: int                       # the LeaseAsk's
+    lease: bytes
+    secret: bytes
+    endpoint: str                 # the worker's direct socket
+    slots: int
+    instance: bytes               # the broker's: a lease never outlives the broker that made it
+    host: str | None = None       # the worker's shared-memory host (same as the client's: shm works)
+
+
+class LeaseEnd(msgspec.Struct, kw_only=True):
+    """LEASE_END, either way."""
+
+    v: int = VERSION
+    lease: bytes
+    reason: str
+    resend: bool = False          # requests in flight on the lease get no reply: send them through the broker
+
+
+class LeaseHello(msgspec.Struct, kw_only=True):
+    """C->W HELLO on the worker's direct socket."""
+
+    v: int = VERSION
+    lease: bytes
+    secret: bytes
+
+
+LEASE_REASONS = frozenset({"worker_failed", "drain", "scale_down", "worker_stopping", "client_gone",
+                           "client_done", "broker_restart"})
 
 
 class DoneInfo(msgspec.Struct, kw_only=True):
@@ -247,6 +307,11 @@ _DEC_WELCOME = msgspec.msgpack.Decoder(Welcome)
 _DEC_DONE_INFO = msgspec.msgpack.Decoder(DoneInfo)
 _DEC_STATS = msgspec.msgpack.Decoder(WorkerStats)
 _DEC_ERROR_ONLY = msgspec.msgpack.Decoder(_ErrorOnly)
+_DEC_LEASE_ASK = msgspec.msgpack.Decoder(LeaseAsk)
+_DEC_LEASE_GRANT = msgspec.msgpack.Decoder(LeaseGrant)
+_DEC_LEASE_INFO = msgspec.msgpack.Decoder(LeaseInfo)
+_DEC_LEASE_END = msgspec.msgpack.Decoder(LeaseEnd)
+_DEC_LEASE_HELLO = msgspec.msgpack.Decoder(LeaseHello)
 
 TRANSPORTS = frozenset({"inline", "shm", "cuda"})
 REPLY_MODES = frozenset({"auto", "shm", "inline", "cuda"})
@@ -260,7 +325,7 @@ def is_header(frame: Any) -> bool:
     return bytes(memoryview(frame)[:4]) == MAGIC
 
 
-def encode_header(msg: Request | Reply | Cancel | Ready) -> bytes:
+def encode_header(msg: msgspec.Struct) -> bytes:
     return MAGIC + _ENC.encode(msg)
 
 
@@ -392,7 +457,62 @@ def decode_ready(frame: Any) -> Ready:
     bad = set(r.transports) - TRANSPORTS
     if bad:
         raise ProtocolError(f"unknown transports {sorted(bad)}; known: {sorted(TRANSPORTS)}")
+    if r.direct is not None and not _endpoint_ok(r.direct):
+        raise ProtocolError("ready direct must be an ipc:// or tcp:// endpoint of at most 255 characters")
     return r
+
+
+def _endpoint_ok(ep: Any) -> bool:
+    return isinstance(ep, str) and len(ep) <= 255 and ep.startswith(("ipc://", "tcp://")) and len(ep) > 6
+
+
+def _check_lease_id(lease: bytes, what: str) -> None:
+    if len(lease) != 8:
+        raise ProtocolError(f"{what} lease id must be 8 bytes, got {len(lease)}")
+
+
+def decode_lease_ask(frame: Any) -> LeaseAsk:
+    a = _decode(frame, _DEC_LEASE_ASK, "lease ask")
+    if not 0 <= a.id < 1 << 64:
+        raise ProtocolError(f"lease ask id {a.id} must be an unsigned 64-bit integer")
+    if not 1 <= a.slots <= 1 << 16:
+        raise ProtocolError(f"lease slots {a.slots} must be between 1 and 65536")
+    bad = set(a.transports) - TRANSPORTS
+    if bad:
+        raise ProtocolError(f"unknown transports {sorted(bad)}; known: {sorted(TRANSPORTS)}")
+    return a
+
+
+def decode_lease_grant(frame: Any) -> LeaseGrant:
+    g = _decode(frame, _DEC_LEASE_GRANT, "lease grant")
+    _check_lease_id(g.lease, "lease grant")
+    if len(g.secret) != 16 or not 1 <= g.slots <= 1 << 16:
+        raise ProtocolError("lease grant needs a 16-byte secret and 1..65536 slots")
+    return g
+
+
+def decode_lease_info(frame: Any) -> LeaseInfo:
+    i = _decode(frame, _DEC_LEASE_INFO, "lease info")
+    _check_lease_id(i.lease, "lease info")
+    if len(i.secret) != 16 or not _endpoint_ok(i.endpoint) or not 1 <= i.slots <= 1 << 16:
+        raise ProtocolError("lease info needs a 16-byte secret, an ipc:// or tcp:// endpoint and 1..65536 slots")
+    return i
+
+
+def decode_lease_end(frame: Any) -> LeaseEnd:
+    e = _decode(frame, _DEC_LEASE_END, "lease end")
+    _check_lease_id(e.lease, "lease end")
+    if e.reason not in LEASE_REASONS:
+        raise ProtocolError(f"lease end reason {e.reason!r} is not one of {sorted(LEASE_REASONS)}")
+    return e
+
+
+def decode_lease_hello(frame: Any) -> LeaseHello:
+    h = _decode(frame, _DEC_LEASE_HELLO, "lease hello")
+    _check_lease_id(h.lease, "lease hello")
+    if len(h.secret) != 16:
+        raise ProtocolError("lease hello needs the lease's 16-byte secret")
+    return h
 
 
 _CONTAINERS = frozenset({dict, list, tuple})  # what msgspec builds for maps, arrays, array keys
