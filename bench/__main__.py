@@ -13,7 +13,7 @@ from typing import Any
 
 from bench import loadgen, report as rep
 from bench.loadgen import Measurement, PayloadSpec, RunConfig, Workload, parse_size
-from bench.peers import PEERS, Peer, availability, load_plugins, make_peer
+from bench.peers import PEERS, Peer, PeerClient, availability, load_plugins, make_peer
 
 DEFAULT_SWEEP_SIZES = "16,256,4k,64k,1m,1080x1920x3,16m,64m"
 DEFAULT_COMPARE_SIZES = "16,1080x1920x3,64m"
@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--size", type=_sizes, default=_sizes("16"),
                    help="payload: bytes (16, 4k, 64m) or HxWxC uint8 (default 16)")
     s.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
+    _add_blocking(s)
 
     s = sub.add_parser("rate", parents=[common],
                        help="open loop at R req/s, latency from intended send times")
@@ -119,12 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", parents=[common], help="payload sizes x concurrencies")
     s.add_argument("--sizes", type=_sizes, default=_sizes(DEFAULT_SWEEP_SIZES),
                    help=f"comma-separated payloads (default {DEFAULT_SWEEP_SIZES})")
-    s.add_argument("--concurrencies", type=_ints, default=_ints(DEFAULT_SWEEP_CONCURRENCIES),
-                   help=f"comma-separated (default {DEFAULT_SWEEP_CONCURRENCIES})")
+    s.add_argument("--concurrencies", type=_ints, default=None,
+                   help=f"comma-separated (default {DEFAULT_SWEEP_CONCURRENCIES}; 1 with --blocking/--both)")
     s.add_argument("--rates", type=_floats,
                    help="sweep open-loop rates instead of concurrencies")
     s.add_argument("--arrival", choices=("constant", "poisson"), default="constant",
                    help="open-loop arrivals: evenly spaced or Poisson (default constant)")
+    _add_blocking(s)
 
     for name, helptext in (("compare", "several peers, interleaved windows"),
                            ("quick", "a short compare (< 2 min on 2 cores)")):
@@ -135,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--rate", type=float, help="open loop at this rate instead of closed loop")
         s.add_argument("--arrival", choices=("constant", "poisson"), default="constant",
                    help="open-loop arrivals: evenly spaced or Poisson (default constant)")
+        _add_blocking(s)
 
     sub.add_parser("run", help="your service on a running broker: closed/open loop or frame "
                                "streams, capacity under an SLO (python -m bench run --help)",
@@ -150,6 +153,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_blocking(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group("blocking clients (closed loop, concurrency 1)")
+    g.add_argument("--blocking", action="store_true",
+                   help="measure each peer through its blocking client (request_sync, no event "
+                        "loop running), reported as PEER:sync, instead of its asyncio client")
+    g.add_argument("--both", action="store_true",
+                   help="measure each peer both ways: PEER (asyncio) and PEER:sync (blocking)")
+
+
+def clients_mode(a: argparse.Namespace) -> str:
+    """'asyncio' (the default), 'blocking' (--blocking) or 'both' (--both)."""
+    if getattr(a, "both", False):
+        return "both"
+    return "blocking" if getattr(a, "blocking", False) else "asyncio"
+
+
+def blocking_usage_error(a: argparse.Namespace) -> str | None:
+    """Why --blocking/--both cannot run with these options (None when they can, or are off).
+    A blocking client has one request in flight and no schedule: closed loop at concurrency 1."""
+    if clients_mode(a) == "asyncio":
+        return None
+    flag = "--both" if a.both else "--blocking"
+    if getattr(a, "rate", None) or getattr(a, "rates", None):
+        return f"{flag} measures a closed loop: it cannot be combined with --rate/--rates"
+    conc = getattr(a, "concurrencies", None) or [getattr(a, "concurrency", 1)]
+    if any(c != 1 for c in conc):
+        return (f"{flag} runs one request at a time: the concurrency must be 1, "
+                f"not {','.join(map(str, conc))}")
+    return None
+
+
 def build_workloads(a: argparse.Namespace) -> list[Workload]:
     c = a.command
     if c == "latency":
@@ -160,7 +194,9 @@ def build_workloads(a: argparse.Namespace) -> list[Workload]:
         if a.rates:
             return [Workload(sz, "open", rate=r, arrival=a.arrival)
                     for sz in a.sizes for r in a.rates]
-        return [Workload(sz, "closed", concurrency=n) for sz in a.sizes for n in a.concurrencies]
+        concurrencies = a.concurrencies or (
+            [1] if clients_mode(a) != "asyncio" else _ints(DEFAULT_SWEEP_CONCURRENCIES))
+        return [Workload(sz, "closed", concurrency=n) for sz in a.sizes for n in concurrencies]
     if a.rate:
         return [Workload(sz, "open", rate=a.rate, arrival=a.arrival) for sz in a.sizes]
     return [Workload(sz, "closed", concurrency=a.concurrency) for sz in a.sizes]
@@ -241,6 +277,71 @@ async def measure_all(peers: dict[str, Peer], workloads: list[Workload], cfg: Ru
                 pass
 
 
+def has_request_sync(client: PeerClient) -> bool:
+    return type(client).request_sync is not PeerClient.request_sync
+
+
+def measure_mixed(peers: dict[str, Peer], variants: list[tuple[str, str, bool]],
+                  workloads: list[Workload], cfg: RunConfig, progress: Progress,
+                  use_uvloop: bool) -> tuple[list[Measurement], str, dict[str, str]]:
+    """Measure `variants` ((label, peer, blocking) in interleaving order) with no event loop
+    running during the blocking windows: the clients are made, and every asyncio window run,
+    on one loop (asyncio.Runner) that stands still in between.  Returns the measurements,
+    the loop's name and {label: reason} for blocking variants whose client has no
+    request_sync."""
+    runner, loop_name = _runner(use_uvloop)
+    with runner:
+        clients: dict[str, PeerClient] = {}
+        try:
+            async def make_clients() -> None:  # created inside the loop, as measure_all does
+                for n, p in peers.items():
+                    clients[n] = p.client()
+
+            runner.run(make_clients())
+            requests: dict[str, Any] = {}
+            blocking: set[str] = set()
+            skipped: dict[str, str] = {}
+            for label, name, is_sync in variants:
+                c = clients[name]
+                if not is_sync:
+                    requests[label] = c.request
+                elif has_request_sync(c):
+                    requests[label] = c.request_sync
+                    blocking.add(label)
+                else:
+                    skipped[label] = (f"no blocking client: {type(c).__name__} does not "
+                                      "implement request_sync")
+            out: list[Measurement] = []
+            payload, payload_spec = None, None
+            for wl in workloads:
+                if requests:
+                    if wl.payload != payload_spec:
+                        payload = None  # free a 64 MiB buffer before making the next one
+                        payload, payload_spec = loadgen.make_payload(wl.payload, cfg.seed), wl.payload
+                    ms = loadgen.measure_interleaved_sync(requests, payload, wl, cfg, progress.window,
+                                                          blocking=blocking, run_async=runner.run)
+                    out.extend(ms.values())
+                progress.workload_done()
+            return out, loop_name, skipped
+        finally:
+            for c in clients.values():
+                try:
+                    runner.run(c.aclose())
+                except Exception:
+                    pass
+
+
+def _runner(use_uvloop: bool) -> tuple[asyncio.Runner, str]:
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return asyncio.Runner(loop_factory=uvloop.new_event_loop), "uvloop"
+    return asyncio.Runner(), "asyncio"
+
+
 def run_loop(coro, use_uvloop: bool) -> tuple[Any, str]:
     if use_uvloop:
         try:
@@ -272,6 +373,7 @@ def _config_dict(a: argparse.Namespace, cfg: RunConfig, names: list[str],
         "seed": cfg.seed,
         "spin_us": cfg.spin_us,
         "slo_ms": a.slo_ms,
+        "clients": clients_mode(a),                # asyncio | blocking | both
     }
 
 
@@ -320,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.command == "render":
         return cmd_render(a)
+    why = blocking_usage_error(a)
+    if why:
+        print(f"python -m bench {a.command}: error: {why}", file=sys.stderr)
+        return 2
+    mode = clients_mode(a)
     load_plugins(a.peer_module)
     names = resolve_peers(a)
     if a.list_peers:
@@ -351,10 +458,21 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             running[name] = peer
             status[name] = {"status": "ok", "reason": "", "description": desc}
+            if mode != "asyncio":  # its blocking variant, right after it (table order)
+                status[rep.sync_name(name)] = {"status": "ok", "reason": "",
+                                               "description": f"{desc} (blocking client)"}
         measurements: list[Measurement] = []
-        if running:
+        if running and mode == "asyncio":
             measurements, loop_name = run_loop(
                 measure_all(running, workloads, cfg, progress), use_uvloop=not a.no_uvloop)
+        elif running:
+            variants = [(label, n, is_sync) for n in running
+                        for label, is_sync in ((n, False), (rep.sync_name(n), True))
+                        if (mode == "both" or is_sync)]
+            measurements, loop_name, no_sync = measure_mixed(
+                running, variants, workloads, cfg, progress, use_uvloop=not a.no_uvloop)
+            for label, reason in no_sync.items():
+                status[label].update(status="skipped", reason=reason)
     finally:
         progress.close()
         for p in running.values():
@@ -376,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
 
         plots.write_plots(report, a.plots)
     # Skipped peers are expected; having measured nothing at all is not.
+    if mode == "blocking":  # only the blocking variants were to be measured
+        return 0 if any(status[rep.sync_name(n)]["status"] == "ok" for n in running) else 1
     return 0 if running else 1
 
 

@@ -36,18 +36,23 @@ class _BrokerClient(PeerClient):
         self._sync: Any = None
         self._endpoint = endpoint
         self._Client = Client
-        self._staged: dict[int, tuple[Any, np.ndarray]] = {}
+        # (id(SDK client), id(payload)) -> (payload, its copy in that client's pool): the
+        # asyncio and the blocking client each have a pool of their own, and a buffer from
+        # the other's would be copied on every request.
+        self._staged: dict[tuple[int, int], tuple[Any, np.ndarray]] = {}
+        self._last: Any = None  # the blocking client's previous Result, released at the next call
 
     def _stage(self, client, payload) -> np.ndarray:
         arr = payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, np.uint8)
         if self.transport != "shm":
             return arr
-        hit = self._staged.get(id(payload))
+        key = (id(client), id(payload))
+        hit = self._staged.get(key)
         if hit is not None and hit[0] is payload and hit[1].base is not None:
             return hit[1]
         buf = client.alloc(arr.shape, arr.dtype)
         np.copyto(buf, arr)
-        self._staged[id(payload)] = (payload, buf)
+        self._staged[key] = (payload, buf)
         return buf
 
     @staticmethod
@@ -70,13 +75,24 @@ class _BrokerClient(PeerClient):
             res.release()
 
     def request_sync(self, payload: Any) -> dict | None:
+        """One blocking `Client.infer` (its own timeout, 60 s, applies).  The reply is a
+        zero-copy view, valid until the next call: the Result is released then (inside that
+        call's time, as the asyncio `request` releases its own), so no size pays a copy of
+        the reply that the asyncio path does not."""
         if self._sync is None:
             self._sync = self._Client(self._endpoint, transport=self.transport, timeout=60)
+        self._release_last()
         x = self._stage(self._sync, payload)
-        with self._sync.infer("echo", {"x": x}, reply=self.reply) as res:
-            out = self._timing(res)
-            out["reply"] = bytes(np.ascontiguousarray(res["x"]).view(np.uint8).reshape(-1))
-            return out
+        res = self._sync.infer("echo", {"x": x}, reply=self.reply)
+        self._last = res
+        out = self._timing(res)
+        out["reply"] = memoryview(np.ascontiguousarray(res["x"]).reshape(-1).view(np.uint8))
+        return out
+
+    def _release_last(self) -> None:
+        last, self._last = self._last, None
+        if last is not None:
+            last.release()
 
     async def aclose(self) -> None:
         self._staged.clear()
@@ -84,6 +100,7 @@ class _BrokerClient(PeerClient):
         self.close()
 
     def close(self) -> None:
+        self._release_last()
         self._staged.clear()
         if self._sync is not None:
             self._sync.close()

@@ -114,7 +114,7 @@ def run_grpc(host: str, port: int) -> None:
     asyncio.run(main())
 
 
-def _serve_until_terminated(cleanup) -> None:
+def serve_until_terminated(cleanup) -> None:
     """Block until SIGTERM, then run `cleanup`: these servers start their own helper processes
     (Ray's GCS and raylet, the Triton binary) that the default SIGTERM action would orphan."""
     import threading
@@ -149,30 +149,7 @@ def run_rayserve(port: int) -> None:
         serve.shutdown()
         ray.shutdown()
 
-    _serve_until_terminated(cleanup)
-
-
-def run_pytriton(grpc_port: int, http_port: int, metrics_port: int) -> None:
-    # Not exercised in CI (pytriton is not a dependency); kept to the documented public API.
-    import numpy as np
-    from pytriton.model_config import ModelConfig, Tensor
-    from pytriton.triton import Triton, TritonConfig
-
-    def infer(**inputs):
-        return {"out": inputs["data"]}
-
-    cfg = TritonConfig(grpc_port=grpc_port, http_port=http_port, metrics_port=metrics_port)
-    triton = Triton(config=cfg)
-    triton.bind(
-        model_name="echo",
-        infer_func=infer,
-        inputs=[Tensor(name="data", dtype=np.uint8, shape=(-1,))],
-        outputs=[Tensor(name="out", dtype=np.uint8, shape=(-1,))],
-        config=ModelConfig(max_batch_size=0),
-    )
-    triton.run()
-    _ready(str(grpc_port))
-    _serve_until_terminated(triton.stop)
+    serve_until_terminated(cleanup)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -190,10 +167,6 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--port", type=int, default=0)
     y = sub.add_parser("rayserve")
     y.add_argument("--port", type=int, required=True)
-    t = sub.add_parser("pytriton")
-    t.add_argument("--grpc-port", type=int, required=True)
-    t.add_argument("--http-port", type=int, required=True)
-    t.add_argument("--metrics-port", type=int, required=True)
     a = p.parse_args(argv)
 
     die_with_parent()
@@ -207,10 +180,8 @@ def main(argv: list[str] | None = None) -> None:
         run_proxy(a.front, a.back)
     elif a.kind == "grpc":
         run_grpc(a.host, a.port)
-    elif a.kind == "rayserve":
-        run_rayserve(a.port)
     else:
-        run_pytriton(a.grpc_port, a.http_port, a.metrics_port)
+        run_rayserve(a.port)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,9 @@ time.perf_counter_ns. In the open loop it is measured from each request's *inten
 time, so a stall in the target (or in this process) shows up as the latencies of every
 request that should have been sent during it, not as one slow sample: no coordinated
 omission.
+
+A peer's blocking client (`request_sync`) is measured by `closed_loop_sync`: back-to-back
+calls on the caller's thread, no event loop running (see `measure_interleaved_sync`).
 """
 from __future__ import annotations
 
@@ -13,13 +16,14 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Collection
 
 import numpy as np
 
 from bench.hist import LatencyHistogram, ServerSplit, ServerTiming, converged
 
 RequestFn = Callable[[Any], Awaitable[dict | None]]
+SyncRequestFn = Callable[[Any], dict | None]  # a blocking client: request_sync(payload)
 
 ERROR_SAMPLES = 5  # distinct error messages kept per window, for the report
 
@@ -172,6 +176,64 @@ async def closed_loop(request: RequestFn, payload: Any, *, concurrency: int, dur
             await _one(request, payload, time.perf_counter_ns(), res, timeout_s)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
+    res.elapsed_s = (time.perf_counter_ns() - start) / 1e9
+    return res
+
+
+def _one_sync(request_sync: SyncRequestFn, payload: Any, res: WindowResult,
+              timeout_s: float | None) -> bool:
+    """One blocking call, timed with perf_counter_ns around it; True when it succeeded.
+
+    A blocking call cannot be interrupted from outside: the client's own timeout applies
+    (a TimeoutError it raises counts as a timeout), and a call that returns after more than
+    `timeout_s` is counted as a timeout (an error, not a latency), as in the async loop."""
+    start = time.perf_counter_ns()
+    try:
+        reply = request_sync(payload)
+    except TimeoutError as e:
+        res.timeouts += 1
+        res._note_error(e)
+        return False
+    except Exception as e:
+        res._note_error(e)
+        return False
+    end = time.perf_counter_ns()
+    if timeout_s is not None and end - start > timeout_s * 1e9:
+        res.timeouts += 1
+        res._note_error(f"timeout after {timeout_s} s")
+        return False
+    if reply:
+        err = reply.get("error")
+        if err:
+            res._note_error(str(err))
+            return False
+        res.server.add_reply(reply)
+    res.hist.record_ns(end - start)
+    res.ok += 1
+    return True
+
+
+def closed_loop_sync(request_sync: SyncRequestFn, payload: Any, *, duration_s: float,
+                     min_requests: int = 1, max_duration_s: float | None = None,
+                     timeout_s: float | None = None) -> WindowResult:
+    """The blocking closed loop: `request_sync(payload)` back to back on this thread (one
+    request in flight), with the same window rules as `closed_loop` (stops issuing at
+    `duration_s`, not before `min_requests`, never after `max_duration_s`, default 10x
+    duration, at least 1 s).  Meant to run with no event loop running: called from a
+    coroutine it blocks that loop for the whole window.  `timeout_s`: see `_one_sync`."""
+    res = WindowResult(LatencyHistogram())
+    start = time.perf_counter_ns()
+    soft = start + int(duration_s * 1e9)
+    if max_duration_s is None:
+        max_duration_s = max(10 * duration_s, 1.0)
+    hard = start + int(max_duration_s * 1e9)
+    issued = 0
+    while True:
+        now = time.perf_counter_ns()
+        if now >= hard or (now >= soft and issued >= min_requests):
+            break
+        issued += 1
+        _one_sync(request_sync, payload, res, timeout_s)
     res.elapsed_s = (time.perf_counter_ns() - start) / 1e9
     return res
 
@@ -409,6 +471,7 @@ class Measurement:
     error_samples: list[str] = field(default_factory=list)
     converged: bool = False
     max_send_lag_ms: float = 0.0
+    blocking: bool = False  # measured through the peer's blocking client (closed_loop_sync)
 
     def add(self, w: WindowResult) -> None:
         self.hist.add(w.hist)
@@ -436,30 +499,39 @@ async def run_window(request: RequestFn, payload: Any, wl: Workload, cfg: RunCon
                            timeout_s=cfg.timeout_s, spin_us=cfg.spin_us)
 
 
+def run_window_sync(request_sync: SyncRequestFn, payload: Any, wl: Workload, cfg: RunConfig,
+                    duration_s: float, window_index: int = 0) -> WindowResult:
+    """One window of a blocking client: closed loop, one request in flight."""
+    if wl.mode != "closed" or wl.concurrency != 1:
+        raise ValueError(f"a blocking client runs closed loop at concurrency 1, not {wl.describe()}")
+    return closed_loop_sync(request_sync, payload, duration_s=duration_s,
+                            min_requests=cfg.min_requests, timeout_s=cfg.timeout_s)
+
+
 ProgressFn = Callable[[str, str, int], None]  # (workload, peer, window index)
 
 
-async def measure_interleaved(requests: dict[str, RequestFn], payload: Any, wl: Workload,
-                              cfg: RunConfig, progress: ProgressFn | None = None
-                              ) -> dict[str, Measurement]:
-    """Round-robin windows A,B,C,A,B,C... so slow machine drift (thermal, noisy neighbours,
-    frequency scaling) lands on every peer alike, until every peer has had `stable_windows`
-    consecutive window p50s agreeing within `tolerance`, or `max_duration_s` has passed."""
-    out = {name: Measurement(name, wl) for name in requests}
-    if not requests:
+def _interleaving(names: list[str], wl: Workload, cfg: RunConfig, progress: ProgressFn | None,
+                  blocking: Collection[str]):
+    """The schedule of an interleaved measurement, as a generator: it yields
+    (name, duration_s, window_index) for each window to run, is sent that window's
+    WindowResult back, and returns the merged Measurements (StopIteration.value).  The async
+    and the blocking drivers below share it, so both follow one stopping rule."""
+    out = {name: Measurement(name, wl, blocking=name in blocking) for name in names}
+    if not names:
         return out
     start = time.monotonic()
     if cfg.warmup_s > 0:
-        for name, req in requests.items():
+        for name in names:
             if progress:
                 progress(wl.describe(), name, -1)
-            await run_window(req, payload, wl, cfg, cfg.warmup_s, 0)
+            yield name, cfg.warmup_s, 0
     rnd = 0
     while True:
-        for name, req in requests.items():
+        for name in names:
             if progress:
                 progress(wl.describe(), name, rnd)
-            out[name].add(await run_window(req, payload, wl, cfg, cfg.window_s, rnd + 1))
+            out[name].add((yield name, cfg.window_s, rnd + 1))
         rnd += 1
         for m in out.values():
             # Sticky: a peer that has shown stable windows stays done even if a later window
@@ -471,3 +543,54 @@ async def measure_interleaved(requests: dict[str, RequestFn], payload: Any, wl: 
         if time.monotonic() - start >= cfg.max_duration_s:
             break
     return out
+
+
+async def measure_interleaved(requests: dict[str, RequestFn], payload: Any, wl: Workload,
+                              cfg: RunConfig, progress: ProgressFn | None = None, *,
+                              blocking: Collection[str] = ()) -> dict[str, Measurement]:
+    """Round-robin windows A,B,C,A,B,C... so slow machine drift (thermal, noisy neighbours,
+    frequency scaling) lands on every peer alike, until every peer has had `stable_windows`
+    consecutive window p50s agreeing within `tolerance`, or `max_duration_s` has passed.
+
+    Names in `blocking` map to a blocking `request_sync` instead of a coroutine function and
+    run `closed_loop_sync` windows, which block this loop while they run (to measure them
+    with no loop running at all, use `measure_interleaved_sync`)."""
+    gen = _interleaving(list(requests), wl, cfg, progress, blocking)
+    try:
+        step = next(gen)
+        while True:
+            name, duration_s, index = step
+            req = requests[name]
+            if name in blocking:
+                w = run_window_sync(req, payload, wl, cfg, duration_s, index)
+            else:
+                w = await run_window(req, payload, wl, cfg, duration_s, index)
+            step = gen.send(w)
+    except StopIteration as stop:
+        return stop.value
+
+
+def measure_interleaved_sync(requests: dict[str, Any], payload: Any, wl: Workload, cfg: RunConfig,
+                             progress: ProgressFn | None = None, *, blocking: Collection[str] = (),
+                             run_async: Callable[[Awaitable], Any] | None = None
+                             ) -> dict[str, Measurement]:
+    """`measure_interleaved` driven from plain code, so that the blocking windows (names in
+    `blocking`, whose request is a `request_sync`) run with no event loop running.  The
+    other names' windows are coroutines run to completion by `run_async` (e.g. an
+    `asyncio.Runner`'s `run`, so that every async window uses the loop its clients were
+    made on); the loop stands still between them."""
+    if run_async is None and any(n not in blocking for n in requests):
+        raise ValueError("asyncio peers need run_async to run their windows")
+    gen = _interleaving(list(requests), wl, cfg, progress, blocking)
+    try:
+        step = next(gen)
+        while True:
+            name, duration_s, index = step
+            req = requests[name]
+            if name in blocking:
+                w = run_window_sync(req, payload, wl, cfg, duration_s, index)
+            else:
+                w = run_async(run_window(req, payload, wl, cfg, duration_s, index))
+            step = gen.send(w)
+    except StopIteration as stop:
+        return stop.value

@@ -322,19 +322,26 @@ class ZmqEchoClient(PeerClient):
         self.close()
 
     # sync ------------------------------------------------------------------------------
+    SYNC_TIMEOUT_S = 60.0  # a blocking recv gives up (TimeoutError) after this long
+
     def request_sync(self, payload: Any) -> dict | None:
+        """One blocking round trip on a plain DEALER of its own (no event loop, no thread)."""
         import zmq
 
         if self._ssock is None:
             self._sctx = zmq.Context()
             s = self._sctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, int(self.SYNC_TIMEOUT_S * 1000))
             s.connect(self.endpoint)
             self._ssock = s
         rid = next(self._ids).to_bytes(8, "little")
         self._ssock.send_multipart([rid, as_buffer(payload)], copy=False)
         while True:
-            frames = self._ssock.recv_multipart(copy=False)
+            try:
+                frames = self._ssock.recv_multipart(copy=False)
+            except zmq.Again:
+                raise TimeoutError(f"no reply within {self.SYNC_TIMEOUT_S:g} s") from None
             if frames[0].bytes == rid:  # skip late replies to an abandoned earlier request
                 return {"reply": frames[1].buffer}
 
@@ -436,6 +443,9 @@ class GrpcEchoClient(PeerClient):
         self.close()
 
     def request_sync(self, payload: Any) -> dict | None:
+        """gRPC's blocking stream: a bidi stream_stream on a grpc.insecure_channel, fed by a
+        queue-backed request iterator, one request at a time (the next reply is this one's).
+        No per-message timeout exists on a stream: a server that never answers blocks."""
         import grpc
 
         if self._schan is None:
@@ -595,62 +605,143 @@ class HttpEchoClient(PeerClient):
 
 
 class PyTritonClient(PeerClient):
-    def __init__(self, url: str):
-        self.url = url
+    """tritonclient.grpc against the `echo` model of `bench.triton_echo`: one UINT8 tensor in
+    (`data`, shape [n]), the same bytes back (`out`).
+
+    Unary ModelInfer calls on one channel: `tritonclient.grpc.aio` for `request` (concurrent
+    requests are concurrent calls), the blocking `tritonclient.grpc` client for `request_sync`.
+    Like GrpcEchoClient, the InferInput (whose set_data_from_numpy serializes the tensor, a
+    copy) is built once per payload object and reused, as a caller holding a ready tensor would.
+    Every reply's size is checked, and its bytes the first time a payload comes back.
+    """
+
+    def __init__(self, target: str):
+        self.target = target  # "host:port" of Triton's gRPC endpoint
         self._aclient = None
         self._sclient = None
+        self._last_obj: Any = None
+        self._last_arr: np.ndarray | None = None
+        self._last_inputs: list | None = None
+        self._verified: Any = None  # the payload object whose echo was compared byte for byte
+
+    def _inputs(self, payload: Any) -> tuple[np.ndarray, list]:
+        if payload is not self._last_obj:
+            from tritonclient.grpc import InferInput  # the aio client takes the same class
+
+            from bench.triton_echo import INPUT
+
+            arr = np.frombuffer(as_buffer(payload), dtype=np.uint8)
+            inp = InferInput(INPUT, [arr.size], "UINT8")
+            inp.set_data_from_numpy(arr)
+            self._last_obj, self._last_arr, self._last_inputs = payload, arr, [inp]
+        return self._last_arr, self._last_inputs
+
+    def _check(self, payload: Any, arr: np.ndarray, result: Any) -> dict:
+        from bench.triton_echo import OUTPUT
+
+        out = result.as_numpy(OUTPUT)
+        if out is None or out.dtype != np.uint8 or out.size != arr.size:
+            got = None if out is None else f"{out.dtype}[{out.size}]"
+            return {"error": f"bad echo: sent uint8[{arr.size}], got {got}"}
+        if self._verified is not payload:
+            if not np.array_equal(out, arr):
+                return {"error": "bad echo: reply bytes differ from the request"}
+            self._verified = payload
+        return {"reply": out.data}
 
     async def request(self, payload: Any) -> dict | None:
-        if self._aclient is None:
-            from pytriton.client import AsyncioModelClient
+        from bench.triton_echo import MODEL
 
-            self._aclient = AsyncioModelClient(self.url, "echo")
-            await self._aclient.__aenter__()
-        arr = np.frombuffer(as_buffer(payload), dtype=np.uint8)
-        out = await self._aclient.infer_sample(data=arr)
-        return {"reply": out["out"]}
+        if self._aclient is None:
+            import tritonclient.grpc.aio as grpcclient
+
+            self._aclient = grpcclient.InferenceServerClient(self.target)
+        arr, inputs = self._inputs(payload)
+        result = await self._aclient.infer(MODEL, inputs)
+        return self._check(payload, arr, result)
 
     def request_sync(self, payload: Any) -> dict | None:
-        if self._sclient is None:
-            from pytriton.client import ModelClient
+        from bench.triton_echo import MODEL
 
-            self._sclient = ModelClient(self.url, "echo")
-        arr = np.frombuffer(as_buffer(payload), dtype=np.uint8)
-        return {"reply": self._sclient.infer_sample(data=arr)["out"]}
+        if self._sclient is None:
+            import tritonclient.grpc as grpcclient
+
+            self._sclient = grpcclient.InferenceServerClient(self.target)
+        arr, inputs = self._inputs(payload)
+        return self._check(payload, arr, self._sclient.infer(MODEL, inputs))
 
     async def aclose(self) -> None:
         if self._aclient is not None:
-            await self._aclient.__aexit__(None, None, None)
-            self._aclient = None
+            try:
+                await self._aclient.close()
+            finally:
+                self._aclient = None
         self.close()
 
     def close(self) -> None:
         if self._sclient is not None:
-            self._sclient.close()
-            self._sclient = None
+            try:
+                self._sclient.close()
+            finally:
+                self._sclient = None
 
 
 @register
 class PyTritonPeer(Peer):
     name = "pytriton"
-    description = "NVIDIA PyTriton (Triton server + Python echo model), gRPC endpoint"
+    description = ("NVIDIA PyTriton: tritonserver + Python-backend echo model (CPU, one instance, "
+                   "no batching), tritonclient over gRPC")
 
     def available(self) -> tuple[bool, str]:
-        if importlib.util.find_spec("pytriton") is None:
-            return False, "pytriton is not installed (pip install nvidia-pytriton)"
+        # find_spec only: nothing of pytriton or tritonclient is imported to answer.
+        spec = importlib.util.find_spec("pytriton")
+        if spec is None:
+            return False, ("pytriton is not installed (pip install -e '.[triton]', "
+                           "or pip install nvidia-pytriton)")
+        if importlib.util.find_spec("tritonclient") is None or \
+                importlib.util.find_spec("tritonclient.grpc") is None:
+            return False, "tritonclient[grpc] is not installed (pip install 'tritonclient[grpc]')"
+        ver = f"{sys.version_info[0]}.{sys.version_info[1]}"
+        stub = os.path.join(list(spec.submodule_search_locations or [""])[0], "tritonserver",
+                            "python_backend_stubs", ver, "triton_python_backend_stub")
+        if not os.path.exists(stub):
+            return False, f"pytriton's Python backend stub for Python {ver} is not installed ({stub})"
         return True, ""
 
     def start(self) -> None:
-        ports = [_free_port() for _ in range(3)]
-        self.spawn(
-            _echo_argv("pytriton", "--grpc-port", str(ports[0]), "--http-port", str(ports[1]),
-                       "--metrics-port", str(ports[2])),
-            ready_timeout=300.0,
+        from bench import triton_echo
+
+        # The child picks its own free gRPC port and prints READY host:port once the model is
+        # loaded (a few seconds; more on a busy 2-core machine). stub_env(): the interpreter's
+        # LIBDIR first on LD_LIBRARY_PATH, for the backend stub (see bench/triton_echo.py).
+        # tritonserver's log goes to a file (its tail is printed if start-up fails).
+        self.target = self.spawn(
+            self.python_module("bench.triton_echo", "--host", "127.0.0.1",
+                               "--log-file", os.path.join(self.tmpdir, "tritonserver.log")),
+            ready_timeout=180.0,
+            env=triton_echo.stub_env(),
         )
-        self.url = f"grpc://127.0.0.1:{ports[0]}"
 
     def client(self) -> PeerClient:
-        return PyTritonClient(self.url)
+        return PyTritonClient(self.target)
+
+    def stop(self) -> None:
+        # Triton's orderly exit (unload the model, stop the stub, remove PyTriton's workspace
+        # and shared memory) takes about 4 s, more on a busy machine: longer than the 5 s that
+        # Peer.stop() grants before SIGKILL, which would orphan tritonserver. Give it 30 s.
+        deadline = time.monotonic() + 30.0
+        for p in self._procs:
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except OSError:
+                    pass
+        for p in self._procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        super().stop()
 
 
 @register

@@ -48,6 +48,52 @@ RATIOS: dict[str, tuple[tuple[str, int], tuple[str, int], str]] = {
         "grpc p50 / broker-shm p50 at 1080x1920x3 uint8 (6.2 MB)"),
 }
 
+# A peer measured through its blocking client (`--blocking`, `--both`) is reported as
+# "<peer>:sync".  Every ratio above has a `<name>_sync` twin, the same definition over the
+# blocking results: what the issue's targets are about, with the asyncio ones beside them.
+SYNC_SUFFIX = ":sync"
+
+
+def sync_name(peer: str) -> str:
+    return peer + SYNC_SUFFIX
+
+
+SYNC_RATIOS: dict[str, tuple[tuple[str, int], tuple[str, int], str]] = {
+    f"{name}_sync": ((sync_name(pn), bn), (sync_name(pd), bd),
+                     f"{meaning}; blocking clients (the :sync results)")
+    for name, ((pn, bn), (pd, bd), meaning) in RATIOS.items()
+}
+
+# name -> ((peer, bytes), meaning): p99 / p50 of one result, blocking clients, sequential.
+TAIL_RATIOS: dict[str, tuple[tuple[str, int], str]] = {
+    "tail_ratio_tiny": (
+        (sync_name("broker-shm"), TINY_BYTES),
+        "p99 / p50 of broker-shm:sync at 16 B: the tail of a lone sequential blocking client "
+        "on the default brokered path"),
+    "tail_ratio_floor_tiny": (
+        (sync_name("proxy-sdk"), TINY_BYTES),
+        "p99 / p50 of proxy-sdk:sync at 16 B: the same for the brokered floor (same client and "
+        "worker, a libzmq proxy in place of the broker)"),
+}
+
+# name -> (numerator ratio, denominator ratio, meaning)
+QUOTIENT_RATIOS: dict[str, tuple[str, str, str]] = {
+    "tail_ratio_vs_floor_tiny": (
+        "tail_ratio_tiny", "tail_ratio_floor_tiny",
+        "tail_ratio_tiny / tail_ratio_floor_tiny: how much wider the broker's tail is than "
+        "the floor's own"),
+}
+
+
+def ratio_definitions(blocking: bool = False) -> dict[str, str]:
+    """What each reported ratio means; with `blocking`, the blocking-client ratios too."""
+    out = {k: v[2] for k, v in RATIOS.items()}
+    if blocking:
+        out.update({k: v[2] for k, v in SYNC_RATIOS.items()})
+        out.update({k: v[1] for k, v in TAIL_RATIOS.items()})
+        out.update({k: v[2] for k, v in QUOTIENT_RATIOS.items()})
+    return out
+
 
 def _version(dist: str) -> str | None:
     try:
@@ -106,7 +152,7 @@ def result_entry(m: Measurement, slo_ms: float | None) -> dict[str, Any]:
         # Failed requests count as misses: an error never meets an SLO.
         slo = m.hist.count_at_or_below_ms(slo_ms) / attempts
     rps = m.ok / m.elapsed_s if m.elapsed_s > 0 else None
-    return {
+    entry = {
         "peer": m.peer,
         "workload": wl.key,
         "payload_bytes": wl.payload.nbytes,
@@ -134,11 +180,23 @@ def result_entry(m: Measurement, slo_ms: float | None) -> dict[str, Any]:
         "max_send_lag_ms": _r(m.max_send_lag_ms) if wl.mode == "open" else None,
         "hdr": m.hist.encode() if m.hist.count else None,
     }
+    if m.blocking:  # only on blocking results, so asyncio entries keep their schema
+        entry["blocking"] = True
+    return entry
 
 
-def _lookup_p50(results: list[dict], peers: dict[str, dict], peer: str, nbytes: int
-                ) -> tuple[float | None, str]:
+def _lookup(results: list[dict], peers: dict[str, dict], peer: str, nbytes: int,
+            stat: str = "p50") -> tuple[float | None, str]:
     st = peers.get(peer)
+    if st is None and peer.endswith(SYNC_SUFFIX):
+        # A blocking variant has no entry of its own when its peer never ran, or when the
+        # run measured only the asyncio clients: say which.
+        base = peers.get(peer[:-len(SYNC_SUFFIX)])
+        if base is not None and base["status"] != "ok":
+            return None, f"peer {peer[:-len(SYNC_SUFFIX)]!r} {base['status']}: {base['reason']}"
+        if base is not None:
+            return None, (f"peer {peer!r} was not measured (blocking clients: run with "
+                          "--blocking or --both)")
     if st is None:
         return None, f"peer {peer!r} was not part of this run"
     if st["status"] != "ok":
@@ -146,27 +204,69 @@ def _lookup_p50(results: list[dict], peers: dict[str, dict], peer: str, nbytes: 
     rows = [r for r in results if r["peer"] == peer and r["payload_bytes"] == nbytes
             and r["mode"] == "closed"]
     if not rows:
+        if not any(r["peer"] == peer for r in results) and sync_name(peer) in peers:
+            return None, (f"only the blocking client of {peer!r} was measured "
+                          "(--blocking; --both measures both)")
         return None, f"peer {peer!r} was not measured at {nbytes} B (closed loop)"
     # Ratios are about unloaded latency: use the lowest concurrency measured.
     row = min(rows, key=lambda r: r["concurrency"])
     p50 = row["latency_ms"]["p50"]
     if p50 is None or p50 <= 0:
         return None, f"peer {peer!r} has no successful request at {nbytes} B"
-    return p50, ""
+    if stat == "p50":
+        return p50, ""
+    v = row["latency_ms"].get(stat)
+    if v is None:
+        return None, f"peer {peer!r} has no {stat} at {nbytes} B"
+    return v, ""
 
 
-def compute_ratios(results: list[dict], peers: dict[str, dict]
+def _lookup_p50(results: list[dict], peers: dict[str, dict], peer: str, nbytes: int
+                ) -> tuple[float | None, str]:
+    return _lookup(results, peers, peer, nbytes)
+
+
+def has_blocking(peers: dict[str, dict]) -> bool:
+    """Whether a run asked for blocking clients (its peers include `<peer>:sync` entries)."""
+    return any(n.endswith(SYNC_SUFFIX) for n in peers)
+
+
+def compute_ratios(results: list[dict], peers: dict[str, dict], blocking: bool | None = None
                    ) -> tuple[dict[str, float | None], dict[str, str]]:
+    """The ratios of RATIOS, and with `blocking` (default: whether `peers` has `:sync`
+    entries) those of SYNC_RATIOS, TAIL_RATIOS and QUOTIENT_RATIOS; a null ratio's reason
+    is in the second dict."""
+    if blocking is None:
+        blocking = has_blocking(peers)
     ratios: dict[str, float | None] = {}
     missing: dict[str, str] = {}
-    for name, ((pn, bn), (pd, bd), _meaning) in RATIOS.items():
-        num, why_n = _lookup_p50(results, peers, pn, bn)
-        den, why_d = _lookup_p50(results, peers, pd, bd)
+    exact: dict[str, float] = {}  # unrounded, for the quotients
+    p50_ratios = {**RATIOS, **SYNC_RATIOS} if blocking else RATIOS
+    for name, ((pn, bn), (pd, bd), _meaning) in p50_ratios.items():
+        num, why_n = _lookup(results, peers, pn, bn)
+        den, why_d = _lookup(results, peers, pd, bd)
         if num is None or den is None:
             ratios[name] = None
             missing[name] = "; ".join(dict.fromkeys(w for w in (why_n, why_d) if w))
         else:
             ratios[name] = round(num / den, 4)
+    if not blocking:
+        return ratios, missing
+    for name, ((peer, nbytes), _meaning) in TAIL_RATIOS.items():
+        num, why_n = _lookup(results, peers, peer, nbytes, "p99")
+        den, why_d = _lookup(results, peers, peer, nbytes, "p50")
+        if num is None or den is None:
+            ratios[name] = None
+            missing[name] = "; ".join(dict.fromkeys(w for w in (why_n, why_d) if w))
+        else:
+            exact[name] = num / den
+            ratios[name] = round(exact[name], 4)
+    for name, (rn, rd, _meaning) in QUOTIENT_RATIOS.items():
+        if rn in exact and rd in exact:
+            ratios[name] = round(exact[rn] / exact[rd], 4)
+        else:
+            ratios[name] = None
+            missing[name] = "; ".join(f"{r}: {missing[r]}" for r in (rn, rd) if r in missing)
     return ratios, missing
 
 
@@ -191,10 +291,11 @@ def build_report(*, command: str, argv: list[str], config: dict[str, Any],
         "results": results,
     }
     if with_ratios:
-        ratios, missing = compute_ratios(results, peers)
+        blocking = has_blocking(peers)
+        ratios, missing = compute_ratios(results, peers, blocking)
         report["ratios"] = ratios
         report["ratios_missing"] = missing
-        report["ratio_definitions"] = {k: v[2] for k, v in RATIOS.items()}
+        report["ratio_definitions"] = ratio_definitions(blocking)
     return report
 
 
@@ -275,7 +376,9 @@ def _footer_lines(report: dict, md: bool = False) -> list[str]:
         out += [f"{bullet}{s['peer']} ({s['status']}): {s['reason']}" for s in report["skipped"]]
     if "ratios" in report:
         out.append("")
-        out.append("Ratios (p50 over p50):" if not md else "**Ratios** (p50 over p50)")
+        what = ("p50 over p50; tail_*: p99 over p50" if any(k.startswith("tail_") for k in report["ratios"])
+                else "p50 over p50")
+        out.append(f"Ratios ({what}):" if not md else f"**Ratios** ({what})")
         for k, v in report["ratios"].items():
             if v is None:
                 out.append(f"{bullet}{k}: null ({report['ratios_missing'][k]})")

@@ -329,6 +329,11 @@ class LocalGenerators:
             return [self.runner.run(self.gen.window(specs[0]))]
         except (KeyboardInterrupt, TargetError):
             raise
+        except asyncio.CancelledError:
+            # Only Ctrl-C cancels this task; a SIGINT landing while asyncio.Runner.run sets
+            # itself up is reported as a bare cancellation (it resets its interrupt count
+            # after installing its handler).
+            raise KeyboardInterrupt from None
         except Exception as e:  # as a generator process reports it: the run stops, its report stays
             raise TargetError(f"the generator failed: {type(e).__name__}: {e}") from e
 

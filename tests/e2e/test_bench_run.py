@@ -221,7 +221,8 @@ def test_an_interrupted_run_still_reports_the_levels_it_measured(cluster, tmp_pa
                 assert chunk, f"bench run exited early: {buf!r}"
                 buf += chunk
         p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=60) == 130
+        rc = p.wait(timeout=60)
+        assert rc == 130, (rc, (buf + p.stderr.read()).decode(errors="replace")[-3000:])
     finally:
         if p.poll() is None:
             p.kill()
