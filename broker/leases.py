@@ -35,8 +35,13 @@ PENDING, ACTIVE = "pending", "active"
 WORKER_FAILED = "worker_failed"
 WORKER_STOPPING = "worker_stopping"
 DRAIN = "drain"
+SCALE_DOWN = "scale_down"
 CLIENT_DONE = "client_done"
 CLIENT_GONE = "client_gone"
+UNCONFIRMED = "worker_failed"  # the worker did not confirm in its liveness window: as if it had failed
+T_LEASE = 6  # the scheduler's timer kind for a lease not yet confirmed (state.py's own are 0..5)
+# What a worker may give as its reason to end a lease; anything else is taken as stopping.
+WORKER_REASONS = frozenset({WORKER_STOPPING, SCALE_DOWN, DRAIN})
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +55,8 @@ class LeaseToWorker:
     client: bytes
     principal: object
     secret: bytes
+    client_pid: int | None = None   # as the server attested it (the grant carries it)
+    client_host: str | None = None  # the client's shared-memory host, when the lease is near it
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +70,7 @@ class LeaseToClient:
     endpoint: str
     slots: int
     secret: bytes
-    worker_host: str | None
+    worker_host: str | None  # set only when the client may send shared-memory references
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +104,9 @@ LeaseAction = LeaseToWorker | LeaseToClient | LeaseRefused | LeaseEndToClient | 
 
 
 class _Lease:
-    __slots__ = ("id", "client", "principal", "svc", "worker", "slots", "ask_id", "secret", "state")
+    __slots__ = ("id", "client", "principal", "svc", "worker", "slots", "ask_id", "secret", "state", "near")
 
-    def __init__(self, lid, client, principal, svc, worker, slots, ask_id, secret):
+    def __init__(self, lid, client, principal, svc, worker, slots, ask_id, secret, near=False):
         self.id = lid
         self.client = client
         self.principal = principal
@@ -109,6 +116,7 @@ class _Lease:
         self.ask_id = ask_id
         self.secret = secret
         self.state = PENDING
+        self.near = near  # same host, shared memory on both sides: the client may send references
 
 
 class LeaseEvents:
@@ -118,50 +126,70 @@ class LeaseEvents:
     def _init_leases(self) -> None:
         self._leases: dict[int, _Lease] = {}
         self._client_leases: dict[bytes, dict[int, _Lease]] = {}
+        self._principal_leased: dict[object, int] = {}  # slots leased, per principal (capped)
         self._lease_seq = 0
 
     # ------------------------------------------------------------------ events
 
     def client_lease(self, client: bytes, principal: object, ask_id: int, service: str, now: float, *,
                      slots: int = 1, host: str | None = None, transports=frozenset({"inline"}),
-                     secret: bytes = b"") -> list:
+                     secret: bytes = b"", pid: int | None = None, remote: bool = False) -> list:
         """The client asks to be pinned to a worker of ``service`` for ``slots`` requests in
-        flight.  A leaseholder is a tracked client (as after a heartbeat): silent for its
-        liveness window, it loses its leases."""
+        flight.  ``remote``: it came over tcp (only a worker with a tcp direct socket will
+        do, and never through shared memory).  A leaseholder is a tracked client (as after a
+        heartbeat) from the moment a lease is placed: silent for its liveness window, it
+        loses its leases.  All of a principal's leases hold at most ``max_client_requests``
+        slots together."""
         out: list = []
-        self.client_heartbeat(client, now)
         if self._draining is not None:
+            self._counters["leases_refused"] += 1
             out.append(LeaseRefused(client, ask_id, service, ErrorCode.SERVICE_UNAVAILABLE, self._draining))
             return out
         slots = max(1, int(slots))
         svc = self._services.get(service)
         workers = [w for w in svc.workers.values() if w.alive] if svc is not None else []
+
+        def refuse(why):
+            self._counters["leases_refused"] += 1
+            out.append(LeaseRefused(client, ask_id, service, ErrorCode.SERVICE_UNAVAILABLE, why))
+            return out
+
         if not workers:
-            self._counters["leases_refused"] += 1
-            out.append(LeaseRefused(client, ask_id, service, ErrorCode.SERVICE_UNAVAILABLE,
-                                    f"no live worker for service '{service}'"))
-            return out
-        cands = [w for w in workers if w.direct and w.credit - w.leased > 1]
-        if host is not None and "shm" in transports:
-            near = [w for w in cands if w.host == host and "shm" in w.transports]
-            cands = near or cands  # a remote worker takes the lease inline
+            return refuse(f"no live worker for service '{service}'")
+        key = client if principal is None else principal
+        room = self._max_client_requests - self._principal_leased.get(key, 0)
+        if room < 1:
+            return refuse(f"this client's leases hold {self._max_client_requests} slots already "
+                          f"(max_client_requests); requests go through the broker")
+        scheme = "tcp://" if remote else ("ipc://", "tcp://")
+        cands = [w for w in workers if w.direct and w.direct.startswith(scheme) and w.credit - w.leased > 1]
+        near = False
+        if not remote and host is not None and "shm" in transports:
+            close = [w for w in cands if w.host == host and "shm" in w.transports]
+            near = bool(close)
+            cands = close or cands  # a remote worker takes the lease inline
         if not cands:
-            self._counters["leases_refused"] += 1
-            why = ("no worker of it takes leases (none set a direct socket)"
-                   if not any(w.direct for w in workers)
-                   else "every worker's credit is leased already")
-            out.append(LeaseRefused(client, ask_id, service, ErrorCode.SERVICE_UNAVAILABLE,
-                                    f"service '{service}': {why}; requests go through the broker"))
-            return out
+            if not any(w.direct for w in workers):
+                why = "no worker of it takes leases (none set a direct socket)"
+            elif remote and not any(w.direct and w.direct.startswith("tcp://") for w in workers):
+                why = "no worker of it has a tcp direct socket for a remote client"
+            else:
+                why = "every worker's credit is leased already"
+            return refuse(f"service '{service}': {why}; requests go through the broker")
         w = min(cands, key=lambda w: ((len(w.in_flight) + w.leased) / w.credit, w.used))
-        grant = min(slots, w.credit - w.leased - 1)
+        grant = min(slots, w.credit - w.leased - 1, room)
         self._lease_seq += 1
-        lease = _Lease(self._lease_seq, client, principal, w.svc, w, grant, ask_id, secret)
+        lease = _Lease(self._lease_seq, client, principal, w.svc, w, grant, ask_id, secret, near)
         self._leases[lease.id] = lease
         self._client_leases.setdefault(client, {})[lease.id] = lease
+        self._principal_leased[key] = self._principal_leased.get(key, 0) + grant
         w.leases[lease.id] = lease
         self._reserve(w, grant)
-        out.append(LeaseToWorker(w.ident, lease.id, service, grant, client, principal, secret))
+        self.client_heartbeat(client, now)
+        # Unconfirmed within the worker's liveness window: the ask is refused, the slots return.
+        self._push_timer(now + self._worker_ttl, T_LEASE, lease, now + self._worker_ttl)
+        out.append(LeaseToWorker(w.ident, lease.id, service, grant, client, principal, secret,
+                                 pid, host if near else None))
         return out
 
     def worker_leased(self, worker: bytes, lease_id: int, now: float, *, ok: bool = True,
@@ -177,7 +205,7 @@ class LeaseEvents:
             self._counters["leases_granted"] += 1
             w = lease.worker
             out.append(LeaseToClient(lease.client, lease.ask_id, lease.svc.name, lease.id, w.direct,
-                                     lease.slots, lease.secret, w.host))
+                                     lease.slots, lease.secret, w.host if lease.near else None))
             return out
         self._counters["leases_refused"] += 1
         self._forget(lease)
@@ -202,7 +230,9 @@ class LeaseEvents:
         out: list = []
         lease = self._leases.get(lease_id)
         if lease is not None and lease.worker.ident == worker:
-            self._end(lease, reason, out, tell_worker=False)
+            # A worker ends its own leases only by stopping: it cannot speak for the client
+            # (client_done), nor say it failed while it talks (resend stays the broker's call).
+            self._end(lease, reason if reason in WORKER_REASONS else WORKER_STOPPING, out, tell_worker=False)
             self._flush(now, out)
         return out
 
@@ -234,6 +264,12 @@ class LeaseEvents:
     def _forget(self, lease) -> None:
         """Take the lease out of every index and give its slots back."""
         del self._leases[lease.id]
+        key = lease.client if lease.principal is None else lease.principal
+        left = self._principal_leased.get(key, 0) - lease.slots
+        if left > 0:
+            self._principal_leased[key] = left
+        else:
+            self._principal_leased.pop(key, None)
         mine = self._client_leases.get(lease.client)
         if mine is not None:
             mine.pop(lease.id, None)
@@ -265,6 +301,13 @@ class LeaseEvents:
         """``w`` is dead (already marked so): its clients resend what they had in flight."""
         for lease in list(w.leases.values()):
             self._end(lease, WORKER_FAILED, out, tell_worker=False, resend=True)
+
+    def _lease_unconfirmed(self, lease, out: list) -> None:
+        """The worker never confirmed (a worker that set a direct socket but does not speak
+        leases, or a lost message): the ask is refused and the worker told to forget it."""
+        self._counters["leases_refused"] += 1
+        self._end(lease, UNCONFIRMED, out)
+        self._dirty[lease.svc] = None
 
     def _end_client_leases(self, client: bytes, out: list) -> None:
         """``client`` went away: its workers drop its leases."""

@@ -186,7 +186,6 @@ class Broker:
         # New at every start: clients see it in heartbeat answers and resend what a previous
         # broker process held (docs/protocol.md section 2).
         self.instance = secrets.token_bytes(P.INSTANCE_LEN)
-        self._asking: tuple | None = None  # (pid, host, principal) of the LEASE being handled
         # (The runtime directory is checked, and created, only when a default is used.)
         fe, be = ("", "") if self.cfg.frontend and self.cfg.backend else P.default_endpoints()
         self.frontend_ep = self.cfg.frontend or fe
@@ -514,6 +513,8 @@ class Broker:
         """A client asks to be pinned to a worker (docs/protocol.md section 10): the scheduler
         places it; the grant carries what only the broker knows of the client (the kernel's
         pid of its connection, its principal) and a secret made here."""
+        if ident[0] and self._frontend_events.get(zmq.EVENTS) & _POLLIN:
+            self._on_frontend_events()  # as for a request: a reused routing id's old connection first
         first = msg.body[0]
         service = msg.service
         try:
@@ -524,18 +525,14 @@ class Broker:
             self._send_client(ident, P.client_leased(service, P.error_body(P.lenient_request_id(first), e.code, str(e))))
             return
         host, transports = ask.host, frozenset(ask.transports)
-        if self._tcp_frontend and security.peer_is_tcp(first):
+        remote = self._tcp_frontend and security.peer_is_tcp(first)
+        if remote:
             host, transports = None, frozenset({"inline"})  # as its requests: inline only
         pid = self._client_pid(ident, first)
         principal = pid if pid is not None else self._tcp_principal(first)
-        self._asking = (pid, host, principal)
-        try:
-            actions = self.sched.client_lease(ident, principal, ask.id, service.decode(errors="replace"), now,
-                                              slots=ask.slots, host=host, transports=transports,
-                                              secret=secrets.token_bytes(16))
-            self._act(actions, now)
-        finally:
-            self._asking = None
+        self._act(self.sched.client_lease(ident, principal, ask.id, service.decode(errors="replace"), now,
+                                          slots=ask.slots, host=host, transports=transports,
+                                          secret=secrets.token_bytes(16), pid=pid, remote=remote), now)
 
     def _forget_client(self, ident: bytes) -> None:
         self._client_pids.pop(ident, None)
@@ -786,6 +783,8 @@ class Broker:
             sched.worker_seen(ident, now)
             try:
                 end = P.decode_lease_end(msg.info)
+                if end.lease != msg.envelope:
+                    raise P.ProtocolError("its header names another lease than its id frame")
             except P.ProtocolError as e:
                 self.malformed += 1
                 self._bad.warning("bad LEASE_END from worker %r: %s", ident[:16], e)
@@ -953,10 +952,9 @@ class Broker:
     def _lease_action(self, a) -> None:
         t = type(a)
         if t is LeaseToWorker:
-            pid, host, principal = self._asking or (None, None, None)
             grant = P.LeaseGrant(lease=P.lease_id(a.lease), secret=a.secret, service=a.service, slots=a.slots,
-                                 client_host=host, client_pid=pid,
-                                 principal=None if principal is None else str(principal))
+                                 client_host=a.client_host, client_pid=a.client_pid,
+                                 principal=None if a.principal is None else str(a.principal))
             self.send_to_worker(P.to_worker_lease(a.worker, P.encode_header(grant)))
         elif t is LeaseToClient:
             info = P.LeaseInfo(id=a.ask_id, lease=P.lease_id(a.lease), secret=a.secret, endpoint=a.endpoint,

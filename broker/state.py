@@ -165,7 +165,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from broker.leases import LeaseAction, LeaseEvents
+from broker.leases import T_LEASE, LeaseAction, LeaseEvents
 from broker.protocol import ErrorCode, Priority  # noqa: F401  (re-exported)
 
 __all__ = [
@@ -305,6 +305,7 @@ _LIVE_FOR_CLIENT = (_QUEUED, _RUNNING, _CANCELLING)
 
 # Timer kinds.
 _T_DEADLINE, _T_GRACE, _T_HEARTBEAT, _T_WORKER, _T_CLIENT, _T_RECALL = range(6)
+_T_LEASE = T_LEASE  # 6: a lease its worker has not confirmed yet (broker/leases.py)
 
 # How many queued requests a dispatch pass looks at to get past ones that cannot go anywhere
 # now (locality): at most _SCAN of one principal's FIFO and _CLASS_SCAN of one priority class.
@@ -985,6 +986,8 @@ class Scheduler(LeaseEvents):
             elif kind == _T_RECALL:
                 obj.recall_at = None
                 self._dirty[obj] = None  # _flush looks for work to take back
+            elif kind == _T_LEASE:
+                self._lease_unconfirmed(obj, out)
             elif kind == _T_WORKER:
                 out.append(DisconnectWorker(
                     obj.ident, f"no message for {now - obj.last_seen:.3f} s "
@@ -1498,6 +1501,8 @@ class Scheduler(LeaseEvents):
             return obj.last_heartbeat + self.config.heartbeat_interval if obj.alive else None
         if kind == _T_WORKER:
             return obj.last_seen + self._worker_ttl if obj.alive else None
+        if kind == _T_LEASE:  # a lease the worker has not confirmed (broker/leases.py)
+            return epoch if self._leases.get(obj.id) is obj and obj.state == "pending" else None
         if kind == _T_RECALL:
             # One live timer per service: the one whose time it keeps in ``recall_at``.
             if self._services.get(obj.name) is not obj or obj.recall_at != epoch:

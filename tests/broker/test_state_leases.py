@@ -186,3 +186,56 @@ def test_slots_freed_by_an_ending_lease_go_to_queued_requests_at_once():
     assert of(req(s, 2), Dispatch) == []  # waits: the rest is leased
     out = s.client_lease_end(C, to_w.lease, 0.5)
     assert only(out, Dispatch).request_id == 2
+
+
+def test_an_unconfirmed_lease_is_refused_after_the_workers_liveness_window():
+    s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3))
+    s.worker_ready(b"w", "svc", 0.0, credit=4, direct=EP)
+    to_w = only(lease(s, slots=3), LeaseToWorker)
+    s.worker_seen(b"w", 2.0)
+    s.client_heartbeat(C, 2.0)
+    assert of(s.tick(2.9), LeaseRefused) == []
+    out = s.tick(3.0)  # a worker that set a direct socket but never answers LEASE
+    r = only(out, LeaseRefused)
+    assert r.ask_id == 7 and r.code == ErrorCode.SERVICE_UNAVAILABLE
+    assert only(out, LeaseEndToWorker).lease == to_w.lease
+    assert s.stats()["services"]["svc"]["leased_credit"] == 0
+    assert s.worker_leased(b"w", to_w.lease, 3.1) == []  # too late
+
+
+def test_shared_memory_is_offered_only_when_the_lease_is_near_and_a_remote_client_needs_tcp():
+    s = Scheduler()
+    shm = frozenset({"inline", "shm"})
+    s.worker_ready(b"local-noshm", "svc", 0.0, credit=8, host="h1", direct=EP)
+    _, info = granted(s, ask_id=1, host="h1", transports=shm)
+    assert info.worker_host is None  # same host, but the worker maps no shared memory
+    s.worker_ready(b"local", "svc", 0.0, credit=8, host="h1", transports=shm, direct=EP)
+    to_w, info = granted(s, ask_id=2, host="h1", transports=shm)
+    assert to_w.worker == b"local" and info.worker_host == "h1" and to_w.client_host == "h1"
+    r = only(lease(s, ask_id=3, remote=True), LeaseRefused)
+    assert "tcp direct socket" in r.message  # both workers' direct sockets are ipc://
+    s.worker_ready(b"net", "svc", 0.0, credit=8, direct="tcp://10.0.0.1:7000")
+    to_w = only(lease(s, ask_id=4, remote=True, host="h1", transports=shm), LeaseToWorker)
+    assert to_w.worker == b"net" and to_w.client_host is None
+
+
+def test_a_principals_leases_are_capped_and_a_refused_ask_does_not_track_the_client():
+    s = Scheduler(Config(max_client_requests=4, client_liveness=1.0))
+    only(lease(s), LeaseRefused)
+    assert C not in s._clients  # a refused asker is not tracked (it may never heartbeat)
+    s.worker_ready(b"w", "svc", 0.0, credit=16, direct=EP)
+    first, _ = granted(s, 5.0, ask_id=1, slots=3)
+    second, _ = granted(s, 5.0, ask_id=2, slots=3)
+    assert (first.slots, second.slots) == (3, 1)  # 4 in all for this principal
+    r = only(lease(s, 5.0, ask_id=3), LeaseRefused)
+    assert "max_client_requests" in r.message
+    s.client_lease_end(C, first.lease, 5.1)
+    assert only(lease(s, 5.1, ask_id=4, slots=5), LeaseToWorker).slots == 3
+
+
+def test_a_worker_cannot_end_a_lease_as_the_client_or_as_failed():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
+    to_w, _ = granted(s)
+    end = only(s.worker_lease_end(b"w", to_w.lease, 1.0, reason="worker_failed"), LeaseEndToClient)
+    assert end.reason == WORKER_STOPPING and end.resend is False

@@ -41,6 +41,7 @@ class LeaseMachine(SchedulerMachine):
         self.ask_ids = iter(range(10**9, 2 * 10**9))
         self.current_ask = None  # the ask whose LeaseToWorker may come in the actions being applied
         self.ended: dict[int, dict] = {}  # leases the worker was told of in the actions being applied
+        self.departed: set[bytes] = set()  # clients gone (disconnect, silence) and not back since
 
     def leased(self, worker: bytes) -> int:
         return sum(le["slots"] for le in self.leases.values() if le["worker"] == worker)
@@ -107,6 +108,7 @@ class LeaseMachine(SchedulerMachine):
 
     def client_gone(self, client):
         super().client_gone(client)
+        self.departed.add(client)
         for key in self.asks:  # a client that went away is owed no answer
             if key[0] == client:
                 self.asks[key] = 1
@@ -114,7 +116,7 @@ class LeaseMachine(SchedulerMachine):
     def answer(self, client, ask_id):
         key = (client, ask_id)
         assert key in self.asks and self.asks[key] == 0, f"second answer to {key}"
-        assert client in self.tracked, f"an answer to a client that went away: {key}"
+        assert client not in self.departed, f"an answer to a client that went away: {key}"
         self.asks[key] = 1
 
     # ---- lease events
@@ -123,8 +125,10 @@ class LeaseMachine(SchedulerMachine):
     def client_lease(self, client, service, slots):
         ask = next(self.ask_ids)
         self.asks[(client, ask)] = 0
+        self.departed.discard(client)  # it is back
         out = self.s.client_lease(client, None, ask, service, self.now, slots=slots, secret=b"x")
-        self.tracked[client] = self.now  # a leaseholder is tracked from its ask
+        if any(isinstance(a, LeaseToWorker) for a in out):
+            self.tracked[client] = self.now  # a leaseholder is tracked from the lease's placement
         self.current_ask = (client, ask)
         self.apply(out)
         self.current_ask = None
