@@ -5,10 +5,12 @@ A tcp `--broker` needs `--server-key` (the broker's public certificate) and `--w
 without them the worker exits 2 at once, saying so (docs/security.md).
 
 Loads and warms the model, registers with the broker (READY with its credit, host and
-transports), prints one line `READY service=<name> pid=<pid> device=<dev>` on stdout once
+transports), prints one line `READY service=<name> pid=<pid> device=<dev>` (then
+`health=...` and `direct=<endpoint>` when asked for) on stdout once
 the broker acknowledged the registration (its WELCOME; from a broker that sends none, after
 two heartbeat intervals), and serves until SIGTERM, on which it finishes what it holds, sends DISCONNECT and exits 0.
-`--model` takes a shipped name (echo, cartoon, convnet, chunks) or `package.module:factory`
+`--direct` makes it take leases (pinned streams: docs/protocol.md section 10) on a direct socket
+in the runtime directory.  `--model` takes a shipped name (echo, cartoon, convnet, chunks) or `package.module:factory`
 (docs/models.md).  A model that cannot be loaded (bad spec, import error, factory raising, no
 such device) or whose warm-up raises is one line on stderr saying what to change, and exit 2.
 """
@@ -103,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="send every reply through the broker, even to clients on this host")
     ap.add_argument("--drain-grace-s", type=float, default=30.0,
                     help="on SIGTERM, how long results stay readable for clients that have not released them")
+    ap.add_argument("--direct", action="store_true",
+                    help="take leases (pinned streams, docs/protocol.md section 10): bind a direct socket in the "
+                         "runtime directory, on which leaseholding clients send requests straight to this worker")
     ap.add_argument("--done-delay-ms", type=float, default=5.0,
                     help="longest a DONE for direct replies waits to gather more (docs/protocol.md section 8)")
     ap.add_argument("--server-key", default=None,
@@ -135,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         backend=args.backend,
         cuda_pool_capacity=args.cuda_pool_mb << 20,
         direct_reply=not args.no_direct_reply,
+        direct=args.direct,
         done_delay=args.done_delay_ms / 1000.0,
         drain_grace=args.drain_grace_s,
         server_key=args.server_key,
@@ -143,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from gpu_worker.backends import BackendUnavailable
     from gpu_worker.devices import DeviceError, DeviceUnavailable
+    from gpu_worker.leases import DirectSocketError
     from gpu_worker.models import ModelLoadError
 
     try:
@@ -152,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (ModelLoadError, DeviceError, DeviceUnavailable) as e:  # the message says what was expected
         _fail(f"cannot load model {args.model!r}: {e}")
+        return 2
+    except DirectSocketError as e:
+        _fail(str(e))
         return 2
     except WarmupError as e:
         _fail(f"model {args.model!r} failed its warm-up on its example_inputs: {e}; "
@@ -177,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def ready() -> None:
         extra = f" health={host_port(*health.address)}" if health is not None else ""
+        if worker.direct_socket is not None:
+            extra += f" direct={worker.direct_socket.endpoint}"
         print(f"READY service={worker.service} pid={worker.pid} device={worker.device}{extra}", flush=True)
 
     try:

@@ -13,6 +13,10 @@ A `Job` is plain data shared by the worker loop (`gpu_worker.worker`), the data 
 * ``cuda_in`` is True once a CUDA IPC input was viewed on the worker's stream (set even if
   a later input of the same request then failed to map): the reads queued for it must be
   finished before the client is told FINAL, which frees the inputs.
+* ``route`` is None for a request the broker handed over; for one that came on the worker's
+  direct socket under a lease (docs/protocol.md section 10) it is the connection's routing
+  id, every reply goes back there, and ``envelope`` is the worker's own key for it (never
+  8 bytes long, so never one of the broker's tokens).
 """
 from __future__ import annotations
 
@@ -23,9 +27,9 @@ class Job:
     """One request held by the worker."""
 
     __slots__ = ("envelope", "req", "inputs", "opaque", "received", "deadline", "refs", "input_ms", "cuda_in",
-                 "cancelled", "code")
+                 "cancelled", "code", "route")
 
-    def __init__(self, envelope, req, inputs, opaque, received, deadline, refs):
+    def __init__(self, envelope, req, inputs, opaque, received, deadline, refs, route=None):
         self.envelope = envelope
         self.req = req            # P.Request or None (opaque)
         self.inputs = inputs      # dict name -> ndarray (views)
@@ -37,3 +41,4 @@ class Job:
         self.cuda_in = False      # some input is a CUDA IPC view (the worker stream reads it)
         self.cancelled = False    # a CANCEL arrived while it ran: its result is not sent
         self.code = 0             # its FINAL's outcome: 0 (a result) or the error code sent
+        self.route = route        # a leased request's direct connection (routing id); None: brokered

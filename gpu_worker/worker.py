@@ -23,6 +23,9 @@ This module is the loop and nothing else; each decision it acts on lives with it
     gpu_worker.direct      which FINALs skip the broker, and the DONEs that say so (pure),
                            and the sockets to clients' reply_to
     gpu_worker.upstream    the broker connection (or whatever stands in for it)
+    gpu_worker.leases      leases (--direct): the direct socket, and which of its requests
+                           may run (pure); they run here like brokered ones, and their
+                           replies go back on the direct socket
 
 Invariants a maintainer must keep: every request the broker hands over gets exactly one
 FINAL (a reply or a typed error), or is given back unstarted (RETURNED, asked by a RECALL),
@@ -30,7 +33,8 @@ unless the broker connection is lost first; every RECALL is answered; the loop n
 blocks for longer than one batch computed on its own thread (so heartbeats keep flowing);
 nothing here branches on the device - the plane chosen at start does.
 
-SIGTERM drains: stop reading new work, finish what is held, send DISCONNECT, exit 0.
+SIGTERM drains: stop reading new work, end the leases (LEASE_END to the broker; direct
+REQUESTs from then on get 503), finish what is held, send DISCONNECT, exit 0.
 """
 from __future__ import annotations
 
@@ -51,6 +55,7 @@ from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats
 from gpu_worker.signature import describe, mismatch, parse_inputs
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
+from gpu_worker.leases import DirectSocket, LeaseTable, Refusal
 from gpu_worker.planes import DataPlane, HostPlane
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
@@ -99,6 +104,7 @@ class WorkerConfig:
     keep_warm: float | None = None    # idle seconds between keep-warm units; None: 0.05 on CUDA, off on CPU; 0: off
     keep_warm_util: float = 0.6       # ... and only while the busy fraction of the recent window is at most this
     batching: str = "latency"         # "latency": wait for company only with a broker backlog; "throughput": on arrival rates
+    direct: bool = False              # take leases: bind a direct socket, named in Ready.direct (docs/protocol.md section 10)
 
 
 class Worker:
@@ -188,6 +194,13 @@ class Worker:
         # one FINALS message per client when the batch is done (None: send each at once).
         self.batch_finals: BatchFinals | None = None
         self.direct_sent = 0
+        # Leases (--direct): the table and the direct socket (bound last, below); None when off.
+        self.leases: LeaseTable | None = None
+        self.direct_socket: DirectSocket | None = None
+        self.leased_sent = 0          # FINALs sent on the direct socket
+        self._lease_seq = 0           # the worker's own keys for leased requests
+        self._linger_until = 0.0      # when stopping with leases: answer direct REQUESTs (503) until then
+        self._bad_direct = P.RateLimitedLog(log)
         if cfg.warmup:
             try:
                 self._warmup()
@@ -195,6 +208,13 @@ class Worker:
                 raise WarmupError(f"{type(e).__name__}: {e}") from e
         # Keep-warm (docs/gpu.md): a batch of one of the example inputs while idle.
         self.keep_warm = self._open_keep_warm()
+        if cfg.direct:
+            try:
+                self.direct_socket = DirectSocket(self.ctx)  # DirectSocketError: the message says why
+            except Exception:
+                self.plane.close()
+                raise
+            self.leases = LeaseTable()
 
     def _open_plane(self) -> DataPlane:
         """The data plane, chosen once: everything CUDA exists only on a CUDA worker, so the
@@ -229,6 +249,7 @@ class Worker:
             pid=self.pid,
             welcome=True,
             recall=True,
+            direct=None if self.direct_socket is None else self.direct_socket.endpoint,
             inputs=None if self._signature is None else {
                 name: (spec.dtype, None if spec.shape is None else list(spec.shape))
                 for name, spec in self._signature.items()},
@@ -239,6 +260,9 @@ class Worker:
     def close(self) -> None:
         self._log_keep_warm()
         self.direct.close()
+        if self.direct_socket is not None:
+            self.direct_socket.close(DIRECT_LINGER_MS)  # replies and 503s already queued still leave
+            self.direct_socket = None
         self.upstream.close()
         self.sock = None
         self.plane.close()
@@ -268,6 +292,9 @@ class Worker:
         poller.register(self._offload.done, zmq.POLLIN)
         if upstream.monitor is not None:
             poller.register(upstream.monitor, zmq.POLLIN)
+        direct = None if self.direct_socket is None else self.direct_socket.sock
+        if direct is not None:
+            poller.register(direct, zmq.POLLIN)
         next_housekeeping = time.monotonic() + self.heartbeat_interval
         try:
             while not self._take_signals():
@@ -290,6 +317,8 @@ class Worker:
                 if self.sock in events:
                     self._drain()
                     self._last_heard = time.monotonic()
+                if direct in events:
+                    self._drain_direct()
                 if upstream.monitor in events and upstream.reconnected():
                     log.info("the broker connection came back; registering again")
                     self._reconnect_why = "broker connection re-established"
@@ -318,11 +347,14 @@ class Worker:
                     log.warning("broker silent for %.1f s; reconnecting", now - self._last_heard)
                     self._reconnect_why = "broker connection lost"
                     self._reconnect(poller)
-            # Drain: what the broker already handed us is finished, then we say goodbye.
+            # Drain: the leases end first (no new direct request runs), what the broker and
+            # the leases already handed us is finished, then we say goodbye.
+            self._end_leases()
             self._drain()
+            self._drain_direct()
             while self._busy or len(self.batcher):
                 if self._busy:
-                    if self._offload.done.poll(self.heartbeat_interval * 1000.0):
+                    if self._wait_offloaded(self.heartbeat_interval):
                         self._finish_offloaded()
                     else:
                         self._send(P.worker_heartbeat())
@@ -330,6 +362,7 @@ class Worker:
                 self.run_ready_batches(force=True)
             self._flush_done()
             self._send(P.worker_disconnect())
+            self._linger_direct()
             self._wait_outputs_released()
         finally:
             self._heartbeats.close()
@@ -349,7 +382,10 @@ class Worker:
                 log.warning("%d outputs still unreleased by clients after %.1f s; closing anyway", lent, grace)
                 return
             # Released slots change in shared memory, with no message: look every 10 ms.
-            self.hurry.wait(0.01)
+            if self.direct_socket is None:
+                self.hurry.wait(0.01)
+            else:
+                self._wait_direct(0.01)
             lent = self.plane.lent()
         if lent == 0 and time.monotonic() - t0 > 0.05:
             log.info("outputs released by their clients after %.2f s", time.monotonic() - t0)
@@ -408,18 +444,7 @@ class Worker:
         if cmd == P.W_REQUEST:
             self._on_request(msg.envelope, msg.body, received)
         elif cmd == P.W_CANCEL:
-            job = self.jobs.get(msg.envelope)
-            if job is not None:
-                self.batcher.drop(lambda p: p.item is job)
-                del self.jobs[msg.envelope]
-                self._reply_error(job, P.ErrorCode.CANCELLED, "cancelled by the client before it ran")
-                return
-            job = self.running.get(msg.envelope)
-            if job is not None and not job.cancelled:
-                # Running: a streaming model stops at its next partial; a batch cannot be
-                # interrupted, so its result for this request is dropped (_reply_batch).
-                job.cancelled = True
-                self.cancelled_running += 1
+            self._cancel(msg.envelope)
         elif cmd == P.W_RECALL:
             self._on_recall(msg.body)
         elif cmd == P.W_WELCOME:
@@ -427,6 +452,25 @@ class Worker:
         elif cmd == P.W_DISCONNECT:
             log.info("broker asked us to reconnect")
             self._reconnect_why = "broker restarted"
+        elif cmd == P.W_LEASE:
+            self._on_lease(msg.body[0])
+        elif cmd == P.W_LEASE_END:
+            self._on_lease_end(msg.body[0])
+
+    def _cancel(self, envelope: bytes) -> None:
+        """CANCEL (from the broker, or on the direct socket for a leased request)."""
+        job = self.jobs.get(envelope)
+        if job is not None:
+            self.batcher.drop(lambda p: p.item is job)
+            del self.jobs[envelope]
+            self._reply_error(job, P.ErrorCode.CANCELLED, "cancelled by the client before it ran")
+            return
+        job = self.running.get(envelope)
+        if job is not None and not job.cancelled:
+            # Running: a streaming model stops at its next partial; a batch cannot be
+            # interrupted, so its result for this request is dropped (_reply_batch).
+            job.cancelled = True
+            self.cancelled_running += 1
 
     def _on_welcome(self, w: P.Welcome) -> None:
         """Registered with broker process `w.instance`, which sets the liveness settings."""
@@ -540,7 +584,12 @@ class Worker:
             job = Job(envelope, P.Request(id=P.lenient_request_id(body[0])), None, None, now, None, None)
             self._reply_error(job, e.code, str(e))
             return
-        job = Job(envelope, req, None, None, now, None, None)
+        self._admit(Job(envelope, req, None, None, now, None, None), rest, now)
+
+    def _admit(self, job: Job, rest, now: float) -> None:
+        """A decoded request (brokered or leased): checked against the model, its inputs
+        mapped, then into the batcher; or answered with the error that stops it."""
+        req = job.req
         if self._signature is not None:
             why = mismatch(self._signature, req.tensors)
             if why is not None:
@@ -568,7 +617,7 @@ class Worker:
             cost = float(self.model.cost(job.inputs))
         except Exception:
             cost = 1.0
-        self.jobs[envelope] = job
+        self.jobs[job.envelope] = job
         self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline,
                                  backlog=req.backlog), now)
 
@@ -711,6 +760,7 @@ class Worker:
                 # that a CANCEL stops the model here, at its next partial.
                 self._after_compute()
                 self._drain()
+                self._drain_direct()
                 if job.cancelled:
                     close = getattr(outs, "close", None)
                     if close is not None:
@@ -727,7 +777,7 @@ class Worker:
                 self._reply_tensors(job, out, {"compute_ms": (time.perf_counter() - t0) * 1e3},
                                     final=False, seq=seq)
                 seq += 1
-            self._send(P.worker_reply(job.envelope, True, [P.encode_header(P.Reply(id=job.req.id, seq=seq))]))
+            self._reply(job, True, [P.encode_header(P.Reply(id=job.req.id, seq=seq))])
             self.served += 1
             if log.isEnabledFor(logging.INFO):
                 log.info("request done", extra={**logs.done_fields(job.req, self.service, {
@@ -759,7 +809,11 @@ class Worker:
 
     def _reply(self, job: Job, final: bool, body: list) -> None:
         """Send one reply: a FINAL straight to a same-host client that gave a reply_to
-        socket (direct reply), anything else through the broker."""
+        socket (direct reply), anything else through the broker; a leased request's replies
+        on the direct socket, to the connection that sent it."""
+        if job.route is not None:
+            self._reply_leased(job, final, body)
+            return
         endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self.cfg.direct_reply,
                                    streaming=self._streaming)
         if endpoint is not None and self.direct.open(endpoint) is not None:
@@ -826,6 +880,190 @@ class Worker:
         self.batcher.drop(lambda p: True)
         self.jobs.clear()
         self.dones.clear()
+        if self.leases is not None:
+            # The broker presumes us gone (or is a new one): our leases are over, and their
+            # clients send what they had in flight through the broker.
+            self.leases.reset(why)
+
+    # ------------------------------------------------------------------ leases (--direct)
+
+    def _on_lease(self, grant: P.LeaseGrant) -> None:
+        """LEASE: take it (the client is told where to connect only after our LEASED)."""
+        if self.leases is None:
+            why = "this worker takes no leases (it was started without --direct)"
+        elif grant.service != self.service:
+            why = f"this worker serves {self.service!r}, not {grant.service!r}"
+        else:
+            why = self.leases.grant(grant)
+        if why is None:
+            log.info("leased %d slot(s) to pid %s (lease %s)", grant.slots, grant.client_pid, grant.lease.hex())
+            self._send(P.worker_leased(grant.lease))
+        else:
+            self._bad_direct.warning("refused lease %s: %s", grant.lease.hex(), why)
+            self._send(P.worker_leased(grant.lease, P.error_body(0, P.ErrorCode.SERVICE_UNAVAILABLE, why)[0]))
+
+    def _on_lease_end(self, end: P.LeaseEnd) -> None:
+        """LEASE_END from the broker: forget the lease.  Its client gone, its queued requests
+        are dropped (nobody waits for their FINAL) and its running ones cancelled; otherwise
+        what it holds finishes and answers as usual."""
+        lease = None if self.leases is None else self.leases.end(end.lease, end.reason)
+        if lease is None:
+            return
+        log.info("lease %s ended (%s)", end.lease.hex(), end.reason)
+        if end.reason != "client_gone" or not lease.in_flight:
+            return
+        keys = set(lease.in_flight)
+        for p in self.batcher.drop(lambda p: p.item.envelope in keys):
+            self.jobs.pop(p.item.envelope, None)
+            self.plane.finish_reads(p.item)
+            self.leases.finish(p.item.envelope)
+        for key in keys:
+            if key in self.running:
+                self._cancel(key)
+
+    def _end_leases(self) -> None:
+        """Stopping: end every lease at the broker (it tells their clients, who send new
+        requests through it); from now on a direct REQUEST is answered 503."""
+        if self.leases is None:
+            return
+        ids = self.leases.stop()
+        for lid in ids:
+            self._send(P.worker_lease_end(lid, P.encode_header(P.LeaseEnd(lease=lid, reason="worker_stopping"))))
+        if ids:
+            # A request its client sent before it heard of the end still gets its 503.
+            self._linger_until = time.monotonic() + self.heartbeat_interval
+            log.info("ended %d lease(s): the worker is stopping", len(ids))
+
+    def _drain_direct(self, most: int = 1000) -> None:
+        """Handle what waits on the direct socket (at most ``most`` messages: a flood of
+        them never starves the broker's heartbeats)."""
+        ds = self.direct_socket
+        if ds is None:
+            return
+        sock = ds.sock
+        while most > 0 and sock.get(zmq.EVENTS) & _POLLIN:
+            most -= 1
+            frames = recv_frames(sock)
+            try:
+                self._on_direct(frames, time.monotonic())
+            except P.ProtocolError as e:
+                self._bad_direct.warning("malformed message on the direct socket: %s", e)
+            except Exception:
+                self._oops.exception("unexpected error while handling a message on the direct socket; dropped it")
+
+    def _on_direct(self, frames, now: float) -> None:
+        """One message on the direct socket: routing id, then the client sub-protocol."""
+        route = bytes(frames[0])
+        rest = frames[1:]
+        if len(rest) >= 2 and bytes(rest[0]) == P.MDPC and bytes(rest[1]) == P.C_HELLO:
+            if len(rest) != 3:
+                raise P.ProtocolError("HELLO is MDPC02, 0x0b, header(LeaseHello)")
+            hello = P.decode_lease_hello(rest[2])
+            why = self.leases.hello(route, hello.lease, hello.secret)
+            if why is not None:
+                self._bad_direct.warning("refused a HELLO for lease %s: %s", hello.lease.hex(), why)
+            return
+        msg = P.parse_client(rest)
+        cmd = msg.command
+        if cmd == P.C_REQUEST:
+            self._on_direct_request(route, msg, now)
+        elif cmd == P.C_CANCEL:
+            key = self.leases.find(route, P.decode_cancel(msg.body[0]).id)
+            if key is not None:
+                self._cancel(key)
+        elif cmd == P.C_DISCONNECT:
+            self.leases.unbind(route)
+        elif cmd != P.C_HEARTBEAT:
+            raise P.ProtocolError(f"command {cmd!r} is not taken on a worker's direct socket")
+
+    def _on_direct_request(self, route: bytes, msg: P.ClientMessage, now: float) -> None:
+        """A REQUEST on the direct socket: run like a brokered one if its connection's lease
+        has a slot free, with what the broker would have set taken from the lease's grant
+        (the attested pid, the client's host) and never from the header."""
+        head, rest = msg.body[0], msg.body[1:]
+        is_header = P.is_header(head)
+        rid = P.lenient_request_id(head) if is_header else 0
+        self._lease_seq += 1
+        key = b"L" + self._lease_seq.to_bytes(8, "big")  # 9 bytes: never a broker token
+        lease = self.leases.admit(route, rid, key)
+        if type(lease) is Refusal:
+            self._direct_send(route, P.error_body(rid, lease.code, lease.message))
+            return
+        job = Job(key, P.Request(id=rid), None, None, now, None, None, route)
+        if msg.service != self._service_b:
+            self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR,
+                              f"this worker serves {self.service!r}, not {msg.service[:64]!r}")
+            return
+        if not is_header:
+            self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR,
+                              "a request on a lease takes a header frame first (docs/protocol.md section 5)")
+            return
+        try:
+            req = P.decode_request(head, n_inline=len(rest))
+            P.check_inline_sizes(req.tensors, rest)
+        except P.ProtocolError as e:
+            self._reply_error(job, e.code, str(e))
+            return
+        grant = lease.grant
+        near = grant.client_host is not None and grant.client_host == self.host
+        if not near and any(type(t.loc) is not P.InlineLoc for t in req.tensors):
+            self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR,
+                              "this lease takes inline tensors only (its client is not on the worker's host, or "
+                              "has no shared memory): send the tensors inline")
+            return
+        req.pid = grant.client_pid            # the kernel's word, through the broker: never the header's
+        req.host = grant.client_host if near else None
+        req.reply_to = None                   # replies go back on this connection
+        req.queue_ms = req.returned = None    # the broker's fields: nothing queued it
+        req.backlog = 0                       # the lease's other requests are here already
+        job.req = req
+        self._admit(job, rest, now)
+
+    def _reply_leased(self, job: Job, final: bool, body: list) -> None:
+        self._direct_send(job.route, body, final)
+        if final:
+            self.leases.finish(job.envelope)  # its slot is free (whether or not the send went)
+            self.leased_sent += 1
+
+    def _direct_send(self, route: bytes, body: list, final: bool = True) -> None:
+        """A FINAL (or PARTIAL) to connection ``route`` of the direct socket: the frames the
+        broker would relay, after the routing id."""
+        self.direct_socket.send([route, *P.client_reply(final, self._service_b, body)])
+
+    def _wait_offloaded(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for the offloaded batch (draining), answering the direct
+        socket meanwhile; whether the batch is done."""
+        done = self._offload.done
+        if self.direct_socket is None:
+            return bool(done.poll(seconds * 1000.0))
+        poller = zmq.Poller()
+        poller.register(done, zmq.POLLIN)
+        poller.register(self.direct_socket.sock, zmq.POLLIN)
+        deadline = time.monotonic() + seconds
+        while True:
+            events = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000.0))
+            if done in events:
+                return True
+            if not events and time.monotonic() >= deadline:
+                return False
+            self._drain_direct()
+
+    def _wait_direct(self, seconds: float) -> None:
+        """Stopped: wait up to ``seconds``, answering the direct socket (503) meanwhile."""
+        if self.direct_socket.sock.poll(seconds * 1000.0):
+            self._drain_direct()
+
+    def _linger_direct(self) -> None:
+        """Stopped with leases: until `_linger_until` (a heartbeat interval after the ends
+        were sent), keep answering direct REQUESTs, so that one its client sent before it
+        heard of the end gets its 503 instead of silence.  A second signal cuts it short."""
+        if self.direct_socket is None:
+            return
+        while not (self._take_signals() and self.hurry.is_set()):
+            left = self._linger_until - time.monotonic()
+            if left <= 0:
+                return
+            self._wait_direct(min(left, 0.05))
 
     # ------------------------------------------------------------------ keep-warm
 
@@ -896,6 +1134,8 @@ class Worker:
             sock = self.sock
             if sock is not None and sock.get(zmq.EVENTS) & _POLLIN:
                 return  # work is waiting in the socket: it goes first
+            if self.direct_socket is not None and self.direct_socket.sock.get(zmq.EVENTS) & _POLLIN:
+                return
             self.keep_warm.maybe_run(time.monotonic())
 
     @property
@@ -910,7 +1150,7 @@ class Worker:
 
     def stats(self) -> dict:
         """Counters, until the project has a metrics endpoint."""
-        return {"served": self.served, "direct_sent": self.direct_sent,
+        return {"served": self.served, "direct_sent": self.direct_sent, "leased_sent": self.leased_sent,
                 "keep_warm_runs": self.keep_warm.runs, "keep_warm_seconds": self.keep_warm.seconds}
 
     def _log_keep_warm(self) -> None:

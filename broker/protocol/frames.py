@@ -30,8 +30,8 @@ import msgspec
 
 from .header import (
     MAX_DONE, MAX_ENVELOPE_LEN, MAX_SERVICE_LEN, MMI_PREFIX, Cancel, ErrorInfo, ProtocolError,
-    DoneInfo, Ready, Reply, Welcome, WorkerStats, decode_done_info, decode_ready, decode_welcome,
-    decode_worker_stats, encode_header, is_header,
+    DoneInfo, Ready, Reply, Welcome, WorkerStats, decode_done_info, decode_lease_end, decode_lease_grant,
+    decode_ready, decode_welcome, decode_worker_stats, encode_header, is_header,
 )
 
 __all__ = ["Command", "CLIENT_COMMANDS", "WORKER_COMMANDS", "frame_table", "MDPC", "MDPW", "C_REQUEST", "C_PARTIAL", "C_FINAL", "C_HEARTBEAT", "C_CANCEL",
@@ -448,8 +448,8 @@ def parse_broker_to_client(frames: Sequence[Any]) -> BrokerToClient:
 
 class BrokerToWorker(msgspec.Struct, frozen=True):
     command: bytes
-    envelope: bytes = b""
-    body: tuple = ()
+    envelope: bytes = b""   # REQUEST, CANCEL: the envelope; LEASE, LEASE_END: the lease id
+    body: tuple = ()        # REQUEST: body frames; RECALL: envelopes; WELCOME, LEASE, LEASE_END: the decoded header
 
 
 def parse_broker_to_worker(frames: Sequence[Any]) -> BrokerToWorker:
@@ -475,6 +475,21 @@ def parse_broker_to_worker(frames: Sequence[Any]) -> BrokerToWorker:
         if len(frames) != 3:
             raise ProtocolError("WELCOME is MDPW02, 0x09, header(Welcome)")
         return BrokerToWorker(cmd, body=(decode_welcome(frames[2]),))
+    if cmd == W_LEASE:  # body: (LeaseGrant,); envelope: its lease id
+        if len(frames) != 3:
+            raise ProtocolError("LEASE is MDPW02, 0x0d, header(LeaseGrant)")
+        grant = decode_lease_grant(frames[2])
+        return BrokerToWorker(cmd, grant.lease, (grant,))
+    if cmd == W_LEASE_END:  # envelope: the lease id; body: (LeaseEnd,)
+        if len(frames) != 4:
+            raise ProtocolError("LEASE_END is MDPW02, 0x0f, lease id, header(LeaseEnd)")
+        lease = bytes(frames[2])
+        if len(lease) != LEASE_ID_LEN:
+            raise ProtocolError(f"a lease id is {LEASE_ID_LEN} bytes, got {len(lease)}")
+        end = decode_lease_end(frames[3])
+        if end.lease != lease:
+            raise ProtocolError("LEASE_END's header names another lease than its id frame")
+        return BrokerToWorker(cmd, lease, (end,))
     if cmd in (W_HEARTBEAT, W_DISCONNECT):
         return BrokerToWorker(cmd)
     raise ProtocolError(f"unknown command {cmd!r} from broker")

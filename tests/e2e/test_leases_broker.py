@@ -34,13 +34,28 @@ def _worker(ctx, cluster, service="pinned", credit=4, direct="ipc:///tmp/zinf-te
 
 def _next_lease_msg(w: zmq.Socket) -> list[bytes]:
     """The next non-heartbeat message to the fake worker (it heartbeats back meanwhile)."""
-    while True:
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while time.monotonic() < deadline:
         frames = _recv(w)
         assert frames[0] == P.MDPW
         if frames[1] == P.W_HEARTBEAT:
             w.send_multipart(P.worker_heartbeat())
             continue
         return frames
+    raise AssertionError("only heartbeats reached the fake worker")
+
+
+def _wait_registered(c: zmq.Socket, w: zmq.Socket, service: str = "pinned") -> None:
+    """Ask MMI until the broker knows the fake worker (its READY and the client's messages
+    travel on different sockets: a LEASE may overtake the READY)."""
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while time.monotonic() < deadline:
+        w.send_multipart(P.worker_heartbeat())
+        c.send_multipart([P.MDPC, P.C_REQUEST, b"mmi.service", service.encode()])
+        reply = _from_broker(c, 1.0)
+        if reply is not None and reply[3] == b"200":
+            return
+    raise AssertionError(f"the broker never registered the {service!r} worker")
 
 
 def _from_broker(c: zmq.Socket, timeout_s: float = TIMEOUT_MS / 1000) -> list[bytes] | None:
@@ -74,7 +89,7 @@ def test_a_lease_is_placed_confirmed_relayed_and_ended_through_the_broker(cluste
     w = _worker(ctx, cluster)
     c = _client(ctx, cluster)
     try:
-        w.send_multipart(P.worker_heartbeat())
+        _wait_registered(c, w)
         _ask(c)
         frames = _next_lease_msg(w)
         assert frames[1] == P.W_LEASE

@@ -1,0 +1,306 @@
+"""The worker's side of leases (pinned streams, docs/protocol.md section 10).
+
+A worker started with ``--direct`` binds a ROUTER, its *direct socket*, names it in
+``Ready.direct``, and takes leases from the broker: a lease lets one client send requests
+straight to this worker (two hops instead of three) for as long as the broker says.  Two
+parts live here:
+
+* `LeaseTable` - pure bookkeeping (no socket, no clock): the grants the broker sent
+  (LEASE), the direct connections bound to them (HELLO with the grant's secret), and the
+  requests each lease has in flight, which its ``slots`` bound.  It decides what a direct
+  REQUEST is answered when it may not run (not bound: 400; the lease's slots all in flight:
+  429; the lease ended or the worker is stopping: 503, to be sent through the broker) and
+  forgets leases when they end (LEASE_END from the broker, or `stop` on SIGTERM).
+* `DirectSocket` - the ROUTER itself, bound to ``ipc://<runtime dir>/w-<pid>-<random>.ipc``
+  (the runtime directory is mode 0700, the socket file 0600, as a client's reply socket:
+  only this user's processes can connect), unlinked at close.
+
+The worker loop (`gpu_worker.worker`) runs an admitted request like a brokered one (same
+checks, same batcher, same planes); only its replies take another route: on the direct
+socket, to the connection that sent it, and nothing about it goes to the broker (no DONE).
+
+Invariants a maintainer must keep: every request `admit` took is given to `finish` exactly
+once (its FINAL was sent, or it was dropped because its client is gone), so a lease's
+in-flight count never leaks a slot; a connection is bound to at most one lease; the secret
+is compared in constant time.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+from collections import OrderedDict
+from typing import NamedTuple
+
+import zmq
+
+from broker import protocol as P
+from broker.protocol.wire import NOBLOCK, send_frames
+
+__all__ = ["Lease", "Refusal", "LeaseTable", "DirectSocket", "DirectSocketError", "direct_socket_path",
+           "NOT_BOUND", "WORKER_STOPPING"]
+
+log = logging.getLogger("gpu_worker")
+
+#: the start of the 400 a REQUEST on a connection without a lease gets
+NOT_BOUND = "not bound to a lease: send HELLO first"
+#: LeaseEnd.reason for the leases a stopping worker ends (SIGTERM)
+WORKER_STOPPING = "worker_stopping"
+#: LeaseEnd.reason after which a lease's running requests are cancelled and queued ones dropped
+CLIENT_GONE = "client_gone"
+
+
+class Lease:
+    """One lease the broker granted: its grant, the connections bound to it, and the keys
+    (the worker's job envelopes) of the requests it has in flight."""
+
+    __slots__ = ("grant", "routes", "in_flight")
+
+    def __init__(self, grant: P.LeaseGrant):
+        self.grant = grant
+        self.routes: set[bytes] = set()
+        self.in_flight: set[bytes] = set()
+
+    @property
+    def id(self) -> bytes:
+        return self.grant.lease
+
+    @property
+    def slots(self) -> int:
+        return self.grant.slots
+
+
+class Refusal(NamedTuple):
+    """Why a direct REQUEST does not run: the FINAL error it is answered with."""
+
+    code: int
+    message: str
+
+
+class LeaseTable:
+    """Leases held by this worker (see the module docstring).  ``remember``: how many
+    connections whose lease ended (or whose HELLO was refused) are remembered, for the
+    message their next REQUEST gets; older ones get the plain "not bound" answer."""
+
+    def __init__(self, *, remember: int = 4096):
+        self.leases: dict[bytes, Lease] = {}
+        self.stopping = False
+        self._remember = max(1, int(remember))
+        self._routes: dict[bytes, Lease] = {}                   # bound connection -> its lease
+        self._ended: OrderedDict[bytes, str] = OrderedDict()    # connection -> why its lease ended
+        self._refused: OrderedDict[bytes, None] = OrderedDict()  # connections whose last HELLO was refused
+        self._keys: dict[bytes, tuple[Lease, bytes, int]] = {}  # key -> (lease, connection, request id)
+        self._requests: dict[tuple[bytes, int], bytes] = {}     # (connection, request id) -> key
+
+    def __len__(self) -> int:
+        return len(self.leases)
+
+    def __contains__(self, lease_id: object) -> bool:
+        return lease_id in self.leases
+
+    # ------------------------------------------------------------------ the broker's side
+
+    def grant(self, grant: P.LeaseGrant) -> str | None:
+        """Take a lease (LEASE); None when taken, else why it is refused."""
+        if self.stopping:
+            return "the worker is stopping"
+        if grant.lease in self.leases:
+            return f"lease {grant.lease.hex()} is held already"
+        self.leases[grant.lease] = Lease(grant)
+        return None
+
+    def end(self, lease_id: bytes, reason: str) -> Lease | None:
+        """Forget a lease (LEASE_END) and unbind its connections; their next REQUEST is
+        told to go through the broker.  Returns the lease (None if unknown): the requests in
+        its ``in_flight`` are still the worker's to finish (or drop, ``client_gone``)."""
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            return None
+        for route in lease.routes:
+            if self._routes.get(route) is lease:
+                del self._routes[route]
+                self._remember_route(self._ended, route, reason)
+        lease.routes = set()
+        return lease
+
+    def stop(self) -> list[bytes]:
+        """The worker is stopping: end every lease (``worker_stopping``); from now on every
+        REQUEST is refused with 503 and every grant and HELLO refused.  Returns the ended
+        leases' ids, for the LEASE_ENDs the broker must be told."""
+        self.stopping = True
+        ids = list(self.leases)
+        for lid in ids:
+            self.end(lid, WORKER_STOPPING)
+        return ids
+
+    def reset(self, why: str) -> None:
+        """The broker connection was lost (the worker reconnects and drops what it held):
+        every lease is over, since its broker presumes this worker gone; nothing is in
+        flight any more as far as the table is concerned."""
+        for lid in list(self.leases):
+            self.end(lid, why)
+        self._keys.clear()
+        self._requests.clear()
+
+    # ------------------------------------------------------------------ the client's side
+
+    def hello(self, route: bytes, lease_id: bytes, secret: bytes) -> str | None:
+        """Bind connection ``route`` to a lease (HELLO); None when bound, else why not (the
+        connection is then bound to nothing)."""
+        lease = None if self.stopping else self.leases.get(lease_id)
+        ok = lease is not None and hmac.compare_digest(lease.grant.secret, bytes(secret))
+        old = self._routes.pop(route, None)
+        if old is not None:
+            old.routes.discard(route)
+        if not ok:
+            self._remember_route(self._refused, route, None)
+            if self.stopping:
+                return "the worker is stopping"
+            return "unknown lease" if lease is None else "wrong secret"
+        self._refused.pop(route, None)
+        self._ended.pop(route, None)
+        self._routes[route] = lease
+        lease.routes.add(route)
+        return None
+
+    def unbind(self, route: bytes) -> None:
+        """Connection ``route`` said DISCONNECT: it is bound to nothing."""
+        lease = self._routes.pop(route, None)
+        if lease is not None:
+            lease.routes.discard(route)
+
+    def lease_of(self, route: bytes) -> Lease | None:
+        return self._routes.get(route)
+
+    def admit(self, route: bytes, request_id: int, key: bytes) -> Lease | Refusal:
+        """Whether a REQUEST (id ``request_id``) on connection ``route`` may run: its lease,
+        with the request counted in flight under ``key`` until `finish`, or the `Refusal`
+        to answer it with."""
+        if self.stopping:
+            return Refusal(int(P.ErrorCode.SERVICE_UNAVAILABLE),
+                           f"the worker is stopping and its leases ended ({WORKER_STOPPING}); resend this "
+                           "request through the broker (it did not run)")
+        lease = self._routes.get(route)
+        if lease is None:
+            why = self._ended.get(route)
+            if why is not None:
+                return Refusal(int(P.ErrorCode.SERVICE_UNAVAILABLE),
+                               f"this connection's lease ended ({why}); resend this request through the broker "
+                               "(it did not run)")
+            extra = (" (this connection's HELLO was refused: unknown lease or wrong secret)"
+                     if route in self._refused else "")
+            return Refusal(int(P.ErrorCode.PROTOCOL_ERROR), NOT_BOUND + extra)
+        if (route, request_id) in self._requests:
+            return Refusal(int(P.ErrorCode.PROTOCOL_ERROR),
+                           f"request id {request_id} is already in flight on this connection; ids must be unique "
+                           "among a client's outstanding requests")
+        if len(lease.in_flight) >= lease.slots:
+            return Refusal(int(P.ErrorCode.QUEUE_FULL),
+                           f"all {lease.slots} slots of this lease are in flight; wait for a reply before sending "
+                           "more, or send this one through the broker")
+        lease.in_flight.add(key)
+        self._keys[key] = (lease, route, request_id)
+        self._requests[(route, request_id)] = key
+        return lease
+
+    def find(self, route: bytes, request_id: int) -> bytes | None:
+        """The key of request ``request_id`` in flight from connection ``route`` (CANCEL),
+        whether or not its lease has ended since."""
+        return self._requests.get((route, request_id))
+
+    def finish(self, key: bytes) -> bool:
+        """The request under ``key`` is done (its FINAL went, or it was dropped): its slot
+        is free again.  False for a key not in flight (a no-op)."""
+        entry = self._keys.pop(key, None)
+        if entry is None:
+            return False
+        lease, route, rid = entry
+        lease.in_flight.discard(key)
+        self._requests.pop((route, rid), None)
+        return True
+
+    def in_flight(self, lease_id: bytes) -> int:
+        lease = self.leases.get(lease_id)
+        return 0 if lease is None else len(lease.in_flight)
+
+    # ------------------------------------------------------------------ internals
+
+    def _remember_route(self, table: OrderedDict, route: bytes, value) -> None:
+        table[route] = value
+        table.move_to_end(route)
+        while len(table) > self._remember:
+            table.popitem(last=False)
+
+
+class DirectSocketError(RuntimeError):
+    """The direct socket cannot be bound (the message says why and what to change)."""
+
+
+#: sun_path holds 108 bytes
+_MAX_IPC_PATH = 100
+
+
+def direct_socket_path(runtime_dir: str | None = None) -> str:
+    """A fresh path for this process's direct socket: ``<runtime dir>/w-<pid>-<random>.ipc``."""
+    d = runtime_dir if runtime_dir is not None else P.default_runtime_dir()
+    return os.path.join(d, f"w-{os.getpid()}-{secrets.token_hex(6)}.ipc")
+
+
+class DirectSocket:
+    """The worker's direct socket: a ROUTER on an ipc path only this user can reach.  Sends
+    never block: a reply to a connection that is gone, or that stopped reading, is dropped
+    (and logged, rate-limited)."""
+
+    #: replies queued per connection before further ones are dropped
+    sndhwm = 10_000
+
+    def __init__(self, ctx: zmq.Context, *, path: str | None = None):
+        try:
+            path = path if path is not None else direct_socket_path()
+        except OSError as e:  # the runtime directory (RuntimeDirError is one)
+            raise DirectSocketError(f"cannot take leases (--direct): {e}") from None
+        if len(path.encode()) > _MAX_IPC_PATH:
+            raise DirectSocketError(f"cannot take leases (--direct): the direct socket's path {path!r} is longer "
+                                    f"than an ipc path may be ({_MAX_IPC_PATH} bytes); set XDG_RUNTIME_DIR to a "
+                                    "shorter directory of your own")
+        sock = ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        sock.rcvhwm = 100_000
+        sock.sndhwm = self.sndhwm
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable or full: an error we count, not a silent drop
+        try:
+            sock.bind("ipc://" + path)
+            os.chmod(path, 0o600)  # only this user's processes may connect (the directory is 0700 too)
+        except (zmq.ZMQError, OSError) as e:
+            sock.close(linger=0)
+            _unlink_quietly(path)
+            raise DirectSocketError(f"cannot take leases (--direct): cannot bind {path}: {e}") from None
+        self.sock = sock
+        self.path = path
+        self.endpoint = "ipc://" + path   # what Ready.direct names
+        self.dropped = 0                  # replies that could not be queued
+        self._bad = P.RateLimitedLog(log)
+
+    def send(self, frames) -> bool:
+        """Queue one message (``[routing id, ...]``) without blocking; False when it was
+        dropped (the connection is gone, or its queue is full)."""
+        try:
+            send_frames(self.sock, frames, NOBLOCK)
+            return True
+        except zmq.ZMQError as e:  # EHOSTUNREACH: gone; EAGAIN: not reading
+            self.dropped += 1
+            self._bad.warning("a reply on the direct socket was dropped (%s): its client is gone or not reading", e)
+            return False
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close (replies already queued keep ``linger_ms`` to leave) and unlink the file."""
+        self.sock.close(linger=linger_ms)
+        _unlink_quietly(self.path)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

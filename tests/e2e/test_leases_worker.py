@@ -1,0 +1,236 @@
+"""Leases end to end, the worker's side (docs/protocol.md section 10): real broker and
+`python -m gpu_worker --direct` processes, and a raw client (the SDK does not ask for leases
+yet) that gets a lease through the broker, connects a DEALER to the worker's direct socket,
+says HELLO and sends its requests there.  Checked: the direct socket's file and mode, the
+binding (no HELLO, a wrong secret: 400), echoes straight from the worker, references refused
+on a lease that is not near, malformed frames survived, at most `slots` in flight (429), a
+local CANCEL (499), SIGTERM ending the lease through the broker (LEASE_END worker_stopping)
+and a later direct REQUEST answered 503 while held work finishes; a worker without
+--direct is never leased."""
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+from collections import deque
+
+import numpy as np
+import pytest
+import zmq
+
+from broker import protocol as P
+
+pytestmark = pytest.mark.timeout(60)
+
+TIMEOUT_S = 10.0
+
+
+class Leaseholder:
+    """A raw client: a DEALER on the broker's frontend, heartbeating it all along (a
+    leaseholder is a tracked client: silent for its liveness window, it loses its leases),
+    and, once leased, a DEALER on the worker's direct socket."""
+
+    def __init__(self, cluster):
+        self.ctx = zmq.Context.instance()
+        self.broker = self._dealer(cluster.frontend)
+        self.direct: zmq.Socket | None = None
+        self._got = {"broker": deque(), "worker": deque()}
+        self._beat = 0.0
+
+    def _dealer(self, endpoint: str) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.linger = 0
+        s.connect(endpoint)
+        return s
+
+    def close(self) -> None:
+        self.broker.close(0)
+        if self.direct is not None:
+            self.direct.close(0)
+
+    def _next(self, which: str, timeout_s: float = TIMEOUT_S) -> list[bytes]:
+        q = self._got[which]
+        deadline = time.monotonic() + timeout_s
+        while not q:
+            now = time.monotonic()
+            assert now < deadline, f"no message from the {which} within {timeout_s} s"
+            if now - self._beat >= 0.05:
+                self.broker.send_multipart(P.client_heartbeat())
+                self._beat = now
+            poller = zmq.Poller()
+            poller.register(self.broker, zmq.POLLIN)
+            if self.direct is not None:
+                poller.register(self.direct, zmq.POLLIN)
+            for sock, _ in poller.poll(50):
+                frames = sock.recv_multipart()
+                if sock is self.broker:
+                    if frames[1] != P.C_HEARTBEAT:
+                        self._got["broker"].append(frames)
+                else:
+                    self._got["worker"].append(frames)
+        return q.popleft()
+
+    def from_broker(self) -> list[bytes]:
+        return self._next("broker")
+
+    def reply(self) -> tuple[P.Reply, list[bytes]]:
+        """The next FINAL on the direct connection: its header and inline frames."""
+        frames = self._next("worker")
+        msg = P.parse_broker_to_client(frames)
+        assert msg.command == P.C_FINAL, frames[:2]
+        return P.decode_reply(msg.body[0], n_inline=len(msg.body) - 1), list(msg.body[1:])
+
+    def lease(self, service: str, ask_id: int, slots: int) -> P.LeaseInfo | P.ErrorInfo:
+        self.broker.send_multipart(P.client_lease(service, P.encode_header(P.LeaseAsk(id=ask_id, slots=slots))))
+        frames = self.from_broker()
+        assert frames[:3] == [P.MDPC, P.C_LEASED, service.encode()]
+        try:
+            return P.decode_lease_info(frames[3])
+        except P.ProtocolError:
+            return P.decode_reply(frames[3]).error
+
+    def connect(self, endpoint: str) -> None:
+        self.direct = self._dealer(endpoint)
+
+    def hello(self, lease: bytes, secret: bytes) -> None:
+        self.direct.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=lease, secret=secret))])
+
+    def request(self, rid: int, x: np.ndarray, service: str = "echo", **kw) -> None:
+        head = P.Request(id=rid, tensors=[P.TensorRef(name="x", dtype=x.dtype.str, shape=list(x.shape),
+                                                      loc=P.InlineLoc(frame=0))], **kw)
+        self.direct.send_multipart(P.client_request(service, [P.encode_header(head), x.tobytes()]))
+
+    def send(self, frames) -> None:
+        self.direct.send_multipart(frames)
+
+
+def _echoed(rep: P.Reply, frames: list[bytes]) -> np.ndarray:
+    assert rep.error is None, rep.error
+    [t] = rep.tensors
+    return np.frombuffer(frames[t.loc.frame], dtype=t.dtype).reshape(t.shape)
+
+
+def _direct_path(proc) -> str:
+    endpoint = proc.field("direct")
+    assert endpoint.startswith("ipc://")
+    path = endpoint[len("ipc://"):]
+    assert os.path.dirname(path) == P.default_runtime_dir()
+    assert os.path.basename(path).startswith(f"w-{proc.p.pid}-")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    return path
+
+
+@pytest.fixture
+def client(cluster):
+    c = Leaseholder(cluster)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_a_leased_client_gets_its_replies_straight_from_the_worker(cluster, client):
+    cluster.broker()
+    w = cluster.worker("echo", "--direct")
+    cluster.worker("echo", "--service", "plain")  # no --direct: never leased
+    path = _direct_path(w)
+    err = client.lease("plain", 1, slots=1)
+    assert isinstance(err, P.ErrorInfo) and err.code == int(P.ErrorCode.SERVICE_UNAVAILABLE)
+    assert "direct socket" in err.message
+    info = client.lease("echo", 2, slots=2)
+    assert isinstance(info, P.LeaseInfo) and info.endpoint == "ipc://" + path and info.slots == 2
+    assert info.host is None  # the ask named no host: inline only
+    client.connect(info.endpoint)
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    # Not bound yet: refused, nothing runs.
+    client.request(10, x)
+    rep, _ = client.reply()
+    assert rep.id == 10 and rep.error.code == int(P.ErrorCode.PROTOCOL_ERROR)
+    assert rep.error.message.startswith("not bound to a lease: send HELLO first")
+    # A wrong secret binds nothing either.
+    client.hello(info.lease, bytes(16))
+    client.request(11, x)
+    rep, _ = client.reply()
+    assert rep.id == 11 and rep.error.code == 400 and "HELLO was refused" in rep.error.message
+    # Malformed frames are logged and dropped; the worker goes on.
+    client.send([b"junk"])
+    client.send([P.MDPC, b"\x7f", b"?"])
+    client.send([P.MDPC, P.C_HELLO, P.MAGIC + b"\xc1"])
+    client.send([P.MDPC, P.C_REQUEST])
+    # The right secret: requests run, and their replies come straight back.
+    client.hello(info.lease, info.secret)
+    for rid in (12, 13):
+        client.request(rid, x * rid)
+    got = {}
+    for _ in range(2):
+        rep, frames = client.reply()
+        got[rep.id] = _echoed(rep, frames)
+    assert set(got) == {12, 13}
+    for rid, y in got.items():
+        assert np.array_equal(y, x * rid)
+    # The header's pid and reply_to are not trusted; a deadline and priorities are taken.
+    big = np.arange(1 << 16, dtype=np.uint8)
+    client.request(14, big, pid=1, priority=0, timeout_ms=10_000.0)
+    rep, frames = client.reply()
+    assert rep.id == 14 and np.array_equal(_echoed(rep, frames), big)
+    # A shared-memory reference on a lease that is not near: refused, nothing is opened.
+    ref = P.TensorRef(name="x", dtype="|u1", shape=[16], loc=P.ShmLoc(segment="zinf-1-2-0123456789abcdef-3",
+                                                                       offset=0, nbytes=16, slot=0, generation=1))
+    head = P.Request(id=15, host=P.local_host_id(), pid=os.getpid(), tensors=[ref])
+    client.send(P.client_request("echo", [P.encode_header(head)]))
+    rep, _ = client.reply()
+    assert rep.id == 15 and rep.error.code == 400 and "inline" in rep.error.message
+    # A bad header is that request's 400; a CANCEL of nothing in flight is ignored.
+    client.send(P.client_request("echo", [P.MAGIC + b"\xc1"]))
+    client.send(P.client_cancel("echo", 999))
+    rep, _ = client.reply()
+    assert rep.error.code == 400
+    client.request(16, x)
+    rep, frames = client.reply()
+    assert rep.id == 16 and np.array_equal(_echoed(rep, frames), x)
+    # The worker stops: the broker tells the client (heartbeating meanwhile, as a leaseholder
+    # must), and the socket file is gone.
+    w.p.send_signal(signal.SIGTERM)
+    end = P.decode_lease_end(client.from_broker()[3])
+    assert (end.lease, end.reason, end.resend) == (info.lease, "worker_stopping", False)
+    assert w.p.wait(TIMEOUT_S) == 0
+    assert not os.path.exists(path)
+
+
+def test_slots_cancel_and_sigterm_on_a_lease(cluster, client, gate):
+    cluster.broker()
+    w = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "4",
+                       "--no-warmup", "--direct", env=gate.env, wait=False)
+    gate.open()
+    w.wait_ready()
+    path = _direct_path(w)
+    info = client.lease("gate", 1, slots=2)
+    assert isinstance(info, P.LeaseInfo) and info.slots == 2
+    client.connect(info.endpoint)
+    client.hello(info.lease, info.secret)
+    x = np.arange(5, dtype=np.int64)
+    client.request(1, x, service="gate")      # runs: held by the gate
+    client.request(2, x + 2, service="gate")  # waits in the worker's batcher
+    client.request(3, x + 3, service="gate")  # beyond the lease's 2 slots
+    rep, _ = client.reply()
+    assert rep.id == 3 and rep.error.code == int(P.ErrorCode.QUEUE_FULL)
+    client.send(P.client_cancel("gate", 2))  # cancelled where it waits, by the worker itself
+    rep, _ = client.reply()
+    assert rep.id == 2 and rep.error.code == int(P.ErrorCode.CANCELLED)
+    # SIGTERM: the worker ends its lease through the broker before anything else ...
+    w.p.send_signal(signal.SIGTERM)
+    end_frames = client.from_broker()
+    assert end_frames[:3] == [P.MDPC, P.C_LEASE_END, b"gate"]
+    end = P.decode_lease_end(end_frames[3])
+    assert (end.lease, end.reason, end.resend) == (info.lease, "worker_stopping", False)
+    # ... so a new direct request is sent back to the broker's path, while the held one finishes.
+    client.request(4, x, service="gate")
+    rep, _ = client.reply()
+    assert rep.id == 4 and rep.error.code == int(P.ErrorCode.SERVICE_UNAVAILABLE)
+    assert "through the broker" in rep.error.message
+    gate.release(1)
+    rep, frames = client.reply()
+    assert rep.id == 1 and np.array_equal(_echoed(rep, frames), x)
+    assert w.p.wait(TIMEOUT_S) == 0
+    assert not os.path.exists(path)
