@@ -29,7 +29,6 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import secrets
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -242,9 +241,9 @@ _MAX_IPC_PATH = 100
 
 
 def direct_socket_path(runtime_dir: str | None = None) -> str:
-    """A fresh path for this process's direct socket: ``<runtime dir>/w-<pid>-<random>.ipc``."""
-    d = runtime_dir if runtime_dir is not None else P.default_runtime_dir()
-    return os.path.join(d, f"w-{os.getpid()}-{secrets.token_hex(6)}.ipc")
+    """A fresh path for this process's direct socket: ``<runtime dir>/w-<pid>-<start>-<random>.ipc``
+    (named like clients' reply sockets, so the broker sweeps it after a SIGKILL)."""
+    return P.direct_socket_path(runtime_dir)
 
 
 class DirectSocket:

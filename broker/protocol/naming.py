@@ -18,7 +18,7 @@ from shm.segment import self_identity
 
 __all__ = [
     "local_host_id", "default_runtime_dir", "RuntimeDirError", "default_endpoints", "reply_socket_path",
-    "parse_reply_socket_name",
+    "parse_reply_socket_name", "direct_socket_path",
 ]
 
 # Host identity: two processes may exchange shm references only if they see the same /dev/shm.
@@ -85,15 +85,23 @@ def default_endpoints() -> tuple[str, str]:
 
 
 # A client's direct-reply socket (docs/protocol.md section 8): c-<pid>-<starttime>-<hex>.ipc
-# in the runtime directory, named like shared-memory segments so that a dead owner is told
-# from a live one even after its pid is reused.
-_REPLY_SOCKET_RE = re.compile(r"c-(\d+)-(\d+)-[0-9a-f]+\.ipc")
+# in the runtime directory, and a worker's direct socket for leases (section 10):
+# w-<pid>-<starttime>-<hex>.ipc; named like shared-memory segments so that a dead owner is
+# told from a live one even after its pid is reused (the broker sweeps both).
+_REPLY_SOCKET_RE = re.compile(r"[cw]-(\d+)-(\d+)-[0-9a-f]+\.ipc")
 
 
 def reply_socket_path() -> str:
     """A fresh path for this process's direct-reply socket."""
     pid, start = self_identity()
     return os.path.join(default_runtime_dir(), f"c-{pid}-{start}-{secrets.token_hex(6)}.ipc")
+
+
+def direct_socket_path(runtime_dir: str | None = None) -> str:
+    """A fresh path for this process's direct socket (a worker taking leases)."""
+    pid, start = self_identity()
+    d = runtime_dir if runtime_dir is not None else default_runtime_dir()
+    return os.path.join(d, f"w-{pid}-{start}-{secrets.token_hex(6)}.ipc")
 
 
 def parse_reply_socket_name(name: str) -> tuple[int, int] | None:

@@ -1225,10 +1225,12 @@ def test_sweep_removes_only_dead_clients_reply_sockets(tmp_path):
     reused = tmp_path / f"c-{pid}-{start + 1}-abc.ipc"   # our pid, another process's start time
     alive = tmp_path / f"c-{pid}-{start}-abc.ipc"
     other = tmp_path / "frontend.ipc"
-    for f in (dead, reused, alive, other):
+    dead_worker = tmp_path / f"w-{p.pid}-12345-abc.ipc"  # a SIGKILLed worker's direct socket (leases)
+    live_worker = tmp_path / f"w-{pid}-{start}-abc.ipc"
+    for f in (dead, reused, alive, other, dead_worker, live_worker):
         f.write_bytes(b"")
-    assert sorted(sweep_reply_sockets(str(tmp_path))) == sorted([dead.name, reused.name])
-    assert alive.exists() and other.exists()
+    assert sorted(sweep_reply_sockets(str(tmp_path))) == sorted([dead.name, reused.name, dead_worker.name])
+    assert alive.exists() and other.exists() and live_worker.exists()
 
 
 def test_one_finals_message_resolves_each_call_it_carries(fake, endpoint):
