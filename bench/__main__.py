@@ -289,7 +289,7 @@ def measure_mixed(peers: dict[str, Peer], variants: list[tuple[str, str, bool]],
     on one loop (asyncio.Runner) that stands still in between.  Returns the measurements,
     the loop's name and {label: reason} for blocking variants whose client has no
     request_sync."""
-    runner, loop_name = _runner(use_uvloop)
+    runner, loop_name = loadgen.runner(use_uvloop)
     with runner:
         clients: dict[str, PeerClient] = {}
         try:
@@ -331,15 +331,6 @@ def measure_mixed(peers: dict[str, Peer], variants: list[tuple[str, str, bool]],
                     pass
 
 
-def _runner(use_uvloop: bool) -> tuple[asyncio.Runner, str]:
-    if use_uvloop:
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            return asyncio.Runner(loop_factory=uvloop.new_event_loop), "uvloop"
-    return asyncio.Runner(), "asyncio"
 
 
 def run_loop(coro, use_uvloop: bool) -> tuple[Any, str]:

@@ -82,6 +82,18 @@ def make_payload(spec: PayloadSpec, seed: int = 0) -> np.ndarray:
     return np.frombuffer(rng.bytes(spec.nbytes), dtype=np.uint8).reshape(spec.shape).copy()
 
 
+def runner(use_uvloop: bool) -> tuple[asyncio.Runner, str]:
+    """An asyncio.Runner on uvloop when it is installed and wanted, and the loop's name."""
+    if use_uvloop:
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return asyncio.Runner(loop_factory=uvloop.new_event_loop), "uvloop"
+    return asyncio.Runner(), "asyncio"
+
+
 # ---------------------------------------------------------------------------------------
 # One measurement window
 # ---------------------------------------------------------------------------------------

@@ -301,15 +301,6 @@ def _idle_window(cpu0: float) -> dict:
             "cpu_s": time.process_time() - cpu0, "loop_cpu_s": 0.0}
 
 
-def _runner(use_uvloop: bool) -> tuple[asyncio.Runner, str]:
-    if use_uvloop:
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            return asyncio.Runner(loop_factory=uvloop.new_event_loop), "uvloop"
-    return asyncio.Runner(), "asyncio"
 
 
 class LocalGenerators:
@@ -318,7 +309,7 @@ class LocalGenerators:
     processes = 1
 
     def __init__(self, opts: GenOptions, samples: list[dict], use_uvloop: bool):
-        self.runner, self.loop_name = _runner(use_uvloop)
+        self.runner, self.loop_name = loadgen.runner(use_uvloop)
         self.gen = Generator(opts, samples)
 
     def start(self) -> dict:
@@ -353,7 +344,7 @@ def _child(conn, opts: GenOptions, use_uvloop: bool) -> None:
     die_with_parent()
     # Ctrl-C reaches the whole process group: the parent ends the run (sends None, joins).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    runner, _ = _runner(use_uvloop)
+    runner, _ = loadgen.runner(use_uvloop)
     gen = Generator(opts)
     try:
         try:
