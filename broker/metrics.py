@@ -199,10 +199,16 @@ def render(metrics: dict | None, sched: dict, known: Iterable[str]) -> list:
     workers = GaugeMetricFamily("zmq_infer_workers", "Live workers, by host", labels=["service", "host"])
     credit = GaugeMetricFamily("zmq_infer_credit", "Requests the service's live workers may hold at once",
                                labels=["service"])
+    leases = GaugeMetricFamily("zmq_infer_leases", "Leases (pinned clients) held on the service's workers",
+                               labels=["service"])
+    leased = GaugeMetricFamily("zmq_infer_leased_credit", "Of the credit, what leases hold (not for brokered requests)",
+                               labels=["service"])
     # Names without their own label add up under OTHER: one series per label set.
     q: dict = {}
     fl: dict = {}
     cr: dict = {}
+    ls: dict = {}
+    lc: dict = {}
     wk: dict = {}
     for name, s in sched["services"].items():
         label = name if name in known else OTHER
@@ -210,6 +216,8 @@ def render(metrics: dict | None, sched: dict, known: Iterable[str]) -> list:
             q[label, pri] = q.get((label, pri), 0) + s["queued"][pri]
         fl[label] = fl.get(label, 0) + s["in_flight"]
         cr[label] = cr.get(label, 0) + s["credit"]
+        ls[label] = ls.get(label, 0) + s.get("leases", 0)
+        lc[label] = lc.get(label, 0) + s.get("leased_credit", 0)
         for host, n in s.get("hosts", {}).items():
             wk[label, host] = wk.get((label, host), 0) + n
     for key in sorted(q):
@@ -217,9 +225,11 @@ def render(metrics: dict | None, sched: dict, known: Iterable[str]) -> list:
     for key in sorted(fl):
         in_flight.add_metric([key], fl[key])
         credit.add_metric([key], cr[key])
+        leases.add_metric([key], ls[key])
+        leased.add_metric([key], lc[key])
     for key in sorted(wk):
         workers.add_metric(list(key), wk[key])
-    fams += [queue, in_flight, workers, credit]
+    fams += [queue, in_flight, workers, credit, leases, leased]
     events = CounterMetricFamily("zmq_infer_broker_events", "Scheduler events since the broker started",
                                  labels=["event"])
     for event, n in sorted(sched["counters"].items()):

@@ -244,3 +244,13 @@ def test_an_ipv6_address_is_served_and_named_in_brackets():
     finally:
         f.close()
         loop.close()
+
+
+def test_leases_are_gauges_per_service():
+    m = Metrics()
+    m.register("echo")
+    sched = _sched({"echo": (0, 1)})
+    sched["services"]["echo"].update(leases=2, leased_credit=5)
+    got = {(n, lab): v for n, lab, v in _samples(exposition(render(m.snapshot(), sched, m.known)))}
+    assert got[("zmq_infer_leases", (("service", "echo"),))] == 2
+    assert got[("zmq_infer_leased_credit", (("service", "echo"),))] == 5
