@@ -34,7 +34,8 @@ from broker.protocol.wire import NOBLOCK, recv_frames, send_frames
 from .base import ClientBase, ReplyStreamBase
 from .calls import Call, mmi_answer, opaque_reply
 from .core import ClientCore
-from .errors import DeadlineExceeded, InferenceError
+from .errors import DeadlineExceeded, InferenceError, InvalidInput
+from .pins import PinClose, PinOpen, PinSend
 from .sockets import CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, tcp_options
 from .tensors import Result
 
@@ -64,12 +65,13 @@ class AsyncClient(ClientBase):
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
                  fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2,
-                 server_key: str | bytes | None = None, client_key: str | None = None, insecure: bool = False):
+                 server_key: str | bytes | None = None, client_key: str | None = None, insecure: bool = False,
+                 pin: bool | int = False):
         # A tcp broker: CurveZMQ keys (or an explicit insecure=True), inline tensors only.
         transport, direct_reply = tcp_options(endpoint, transport, direct_reply)
         self._core = ClientCore(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
-                                direct_reply=direct_reply, restart_resends=restart_resends)
+                                direct_reply=direct_reply, restart_resends=restart_resends, pin=pin)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
         self._sock = dealer(zmq.Context.instance(), endpoint, self._curve)
@@ -85,6 +87,10 @@ class AsyncClient(ClientBase):
         self._retry: asyncio.TimerHandle | None = None
         self._broken: BaseException | None = None
         self._traffic: asyncio.Future | None = None  # resolved by the reader for pump()
+        # pin=True: a DEALER per lease, on its worker's direct socket (pins.py), read by the
+        # same callback
+        self._pin_socks: dict[bytes, zmq.Socket] = {}
+        self._pin_of: dict[zmq.Socket, Any] = {}
 
     # ---------------------------------------------------------------- background tasks
 
@@ -112,15 +118,17 @@ class AsyncClient(ClientBase):
         if core.closed or self._broken is not None:
             return 0
         handled = 0
+        pins = self._pin_of
         try:
             if self._pending:
                 self._flush()
             for sock in self._socks:
                 direct = sock is not self._sock
+                pin = pins.get(sock) if pins else None
                 while sock.getsockopt(zmq.EVENTS) & _POLLIN:
                     frames = recv_frames(sock)
                     try:
-                        outs = core.on_message(frames, time.monotonic(), direct)
+                        outs = core.on_message(frames, time.monotonic(), direct, pin)
                     except Exception:  # one bad message must not stop every other call
                         log.exception("error while handling a message from the broker")
                         continue
@@ -136,9 +144,78 @@ class AsyncClient(ClientBase):
             for call in core.active():
                 core.fail(call, err)
         finally:
+            if core.ops and not core.closed:  # after the loop: it may open and close sockets of `_socks`
+                self._run_ops()
             if handled or self._broken is not None:
                 self._wake_pumps()
         return handled
+
+    # ---------------------------------------------------------------- pinned streams
+
+    def _run_ops(self) -> None:
+        ops = self._core.ops
+        while ops:
+            op = ops.popleft()
+            kind = type(op)
+            if kind is list:
+                self._send_soon(op)
+            elif kind is PinSend:
+                sock = self._pin_socks.get(op.pin.lease)
+                if sock is not None:
+                    try:
+                        send_frames(sock, op.frames, NOBLOCK)
+                    except zmq.ZMQError:  # a CANCEL the worker cannot take: its FINAL still comes
+                        pass
+                    self._look_again(sock)
+            elif kind is PinOpen:
+                self._pin_open(op.pin, op.hello)
+            elif kind is PinClose:
+                sock = self._pin_socks.pop(op.pin.lease, None)
+                if sock is not None:
+                    self._pin_drop(sock)
+
+    def _pin_open(self, pin: Any, hello: list[Any]) -> None:
+        try:
+            sock = dealer(zmq.Context.instance(), pin.endpoint)
+            send_frames(sock, hello, NOBLOCK)
+        except (InvalidInput, zmq.ZMQError) as e:
+            self._core.pin_broken(pin, time.monotonic(), str(e))
+            if self._core.ops:
+                self._run_ops()
+            return
+        self._pin_socks[pin.lease] = sock
+        self._pin_of[sock] = pin
+        self._socks = [*self._socks, sock]
+        if self._loop is not None:
+            self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
+            self._look_again(sock)
+
+    def _pin_drop(self, sock: zmq.Socket) -> None:
+        self._pin_of.pop(sock, None)
+        self._socks = [s for s in self._socks if s is not sock]
+        if self._loop is not None:
+            try:
+                self._loop.remove_reader(sock.getsockopt(zmq.FD))
+            except Exception:  # the loop may already be closed
+                pass
+        drop_socket(sock)
+
+    def _look_again(self, sock: zmq.Socket) -> None:
+        # Sending can consume the FD's edge for a message that has already arrived.
+        if self._loop is not None and sock.getsockopt(zmq.EVENTS) & _POLLIN:
+            self._loop.call_soon(self._drain)
+
+    def _send_pinned(self, call: Call, frames: list[Any]) -> None:
+        sock = self._pin_socks.get(call.pin.lease)
+        if sock is not None:
+            try:
+                send_frames(sock, frames, NOBLOCK)
+                self._look_again(sock)
+                return
+            except zmq.ZMQError:  # full or gone: the broker takes it
+                pass
+        self._core.reroute(call)
+        self._send_soon(frames)
 
     def _wake_pumps(self) -> None:
         fut, self._traffic = self._traffic, None
@@ -317,7 +394,9 @@ class AsyncClient(ClientBase):
     def stream(self, service: str, *, latest_wins: bool = True, max_in_flight: int = 2,
                timeout: float | None = None, priority: Any = "normal",
                meta: Mapping[str, Any] | None = None, reply: str = "auto"):
-        """A frame stream for interactive (AR) use; see `client_sdk.stream.AsyncStream`."""
+        """A frame stream for interactive (AR) use; see `client_sdk.stream.AsyncStream`.  Pinned
+        when this client was made with `pin=True` (its frames are this client's requests).
+        NOTE (issue 13): streams are to pin by default; today only a `pin=True` client's do."""
         from .stream import AsyncStream
 
         return AsyncStream(self, service, latest_wins=latest_wins, max_in_flight=max_in_flight,
@@ -342,7 +421,14 @@ class AsyncClient(ClientBase):
         order (`timeout` is there for `Client.submit`'s sake)."""
         now = time.monotonic()
         call.t_submit = call.t_submit or now
-        self._send_soon(self._core.request_frames(call, now))
+        core = self._core
+        frames = core.request_frames(call, now)
+        if core.ops:
+            self._run_ops()
+        if call.pin is None:
+            self._send_soon(frames)
+        else:
+            self._send_pinned(call, frames)
         return True
 
     async def pump(self, timeout: float | None = None) -> None:
@@ -385,6 +471,9 @@ class AsyncClient(ClientBase):
                 await self._heart
             except BaseException:
                 pass
+        if core.pin_slots:
+            core.pin_goodbye()  # LEASE_END for each lease, its connection closed
+            self._run_ops()
         try:
             self._sock.send_multipart(P.client_disconnect(), flags=zmq.NOBLOCK)
         except (zmq.ZMQError, Exception):

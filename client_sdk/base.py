@@ -65,22 +65,41 @@ class ClientBase:
         calls in flight at each were sent again (docs/client.md, "When the broker restarts")."""
         return self._core.broker_restarts
 
+    @property
+    def pinned_replies(self) -> int:
+        """Replies that came from a leased worker on its direct connection (`pin=True`):
+        requests that never crossed the broker (docs/client.md, "Pinned streams")."""
+        return self._core.pinned_replies
+
+    def pinned(self, service: str) -> bool:
+        """Whether this client holds a lease on `service` now, so that its next requests go
+        straight to the leased worker (always False with `pin=False`)."""
+        return self._core.pinned(service)
+
     def in_flight(self) -> int:
         """Requests sent and not yet answered with a FINAL."""
         return self._core.in_flight()
 
     def give_up(self, call: Call) -> None:
         """Stop waiting for `call`: an unsent one is dropped and its input slots freed now; one
-        in flight is cancelled at the broker (its slots are freed when its FINAL arrives).
-        Whatever still arrives for it is released unread."""
-        frames = self._core.give_up(call)
-        if frames is not None and not self._core.closed:
+        in flight is cancelled at the broker, or at its leased worker (its slots are freed
+        when its FINAL arrives).  Whatever still arrives for it is released unread."""
+        core = self._core
+        frames = core.give_up(call)
+        if frames is not None and not core.closed:
             self._send_soon(frames)
+        if core.ops and not core.closed:
+            self._run_ops()
 
     def _send_soon(self, frames: list[Any]) -> None:
         """Send one message without waiting (each twin's own: the blocking client keeps a
         REQUEST or CANCEL that a full socket refuses for its next pump, in order, and drops a
         refused heartbeat; the asyncio client queues everything in order)."""
+        raise NotImplementedError
+
+    def _run_ops(self) -> None:
+        """Do what the core queued in `ops` for pinned streams (each twin's own: LEASE and
+        LEASE_END to the broker, and the leases' direct connections; see pins.py)."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------- buffers

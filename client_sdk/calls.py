@@ -134,7 +134,7 @@ class Call:
     __slots__ = ("id", "service", "packed", "priority", "meta", "reply", "timeout",
                  "deadline", "t_sent", "t_submit", "t_done", "inbox", "done", "abandoned", "retried", "probe",
                  "frame", "notify", "adopted", "broker", "resends", "partials", "old_ids", "dropped",
-                 "traceparent", "__weakref__")
+                 "traceparent", "pin", "__weakref__")
 
     def __init__(self, service: str, *, timeout: float | None):
         self.id = 0              # 0 until registered by request_frames (and again if unregistered)
@@ -163,6 +163,7 @@ class Call:
         self.partials = 0        # PARTIALs delivered (a streamed call is not resent)
         self.old_ids: list[int] = []  # ids it was sent under before a broker restart (still answerable)
         self.traceparent: str | None = None  # W3C traceparent sent in the request header (docs/client.md)
+        self.pin: Any = None     # the lease (pins.Pin) it is in flight on; None: through the broker
 
     def remaining(self, now: float) -> float | None:
         return None if self.deadline is None else self.deadline - now

@@ -10,7 +10,8 @@ before it).  A client of a broker on this host also binds a reply socket (`Reply
 names it in each request: a worker on this host sends the FINAL there, one hop instead of two
 (docs/protocol.md section 8); both sockets feed the same `ClientCore.on_message`.  An opaque
 request (`request()`) carries nothing to match its reply by, so it uses a short-lived socket
-of its own.
+of its own.  With `pin=True`, one more DEALER per lease, on its worker's direct socket
+(docs/protocol.md section 10; what goes where is decided by the core, pins.py).
 
 No thread: the client sends heartbeats and notices a silent broker only while one of its
 calls waits (`pump`), which is what the caller's blocking calls do.
@@ -29,7 +30,8 @@ from broker.protocol.wire import NOBLOCK, recv_frames, send_frames
 from .base import ClientBase, ReplyStreamBase
 from .calls import Call, mmi_answer, opaque_reply, parse_priority, resolve_transport
 from .core import ClientCore
-from .errors import BrokerUnreachable, DeadlineExceeded
+from .errors import BrokerUnreachable, DeadlineExceeded, InvalidInput
+from .pins import PinClose, PinOpen, PinSend
 from .sockets import CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, tcp_options
 from .tensors import Result
 
@@ -51,23 +53,29 @@ class Client(ClientBase):
     z85 key, `client_key` the path of this client's secret certificate (defaults:
     $ZMQ_INFER_SERVER_KEY, $ZMQ_INFER_CLIENT_KEY); `insecure=True` is plain tcp instead.
     Over tcp, tensors go inline and replies come through the broker (docs/security.md).
+    `pin=True` (or a number of slots): pinned streams, requests straight to a leased worker
+    of each service (docs/client.md, "Pinned streams"; client_sdk/pins.py).
     """
 
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
                  fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2,
-                 server_key: str | bytes | None = None, client_key: str | None = None, insecure: bool = False):
+                 server_key: str | bytes | None = None, client_key: str | None = None, insecure: bool = False,
+                 pin: bool | int = False):
         # A tcp broker: CurveZMQ keys (or an explicit insecure=True), inline tensors only.
         transport, direct_reply = tcp_options(endpoint, transport, direct_reply)
         self._core = ClientCore(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
-                                direct_reply=direct_reply, restart_resends=restart_resends)
+                                direct_reply=direct_reply, restart_resends=restart_resends, pin=pin)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = zmq.Context.instance()
         self._sock = dealer(self._ctx, endpoint, self._curve)
         self._inbox = ReplyInbox.open(self._ctx) if self._core.direct_reply else None
         self._items = [(self._sock, _POLLIN)]
         self._pending: deque[list[Any]] = deque()  # REQUESTs (resends) and CANCELs the socket refused, in order
+        # pin=True: a DEALER per lease, on its worker's direct socket (pins.py)
+        self._pin_socks: dict[bytes, zmq.Socket] = {}
+        self._pin_of: dict[zmq.Socket, Any] = {}
         if self._inbox is not None:
             self._core.reply_to = self._inbox.endpoint
             self._items.append((self._inbox.sock, _POLLIN))
@@ -149,7 +157,9 @@ class Client(ClientBase):
     def stream(self, service: str, *, latest_wins: bool = True, max_in_flight: int = 2,
                timeout: float | None = None, priority: Any = "normal",
                meta: Mapping[str, Any] | None = None, reply: str = "auto"):
-        """A frame stream for interactive (AR) use; see `client_sdk.stream.Stream`."""
+        """A frame stream for interactive (AR) use; see `client_sdk.stream.Stream`.  Pinned
+        when this client was made with `pin=True` (its frames are this client's requests).
+        NOTE (issue 13): streams are to pin by default; today only a `pin=True` client's do."""
         from .stream import Stream
 
         return Stream(self, service, latest_wins=latest_wins, max_in_flight=max_in_flight,
@@ -180,6 +190,10 @@ class Client(ClientBase):
         now = time.monotonic()
         call.t_submit = call.t_submit or now
         frames = self._core.request_frames(call, now)
+        if self._core.ops:
+            self._run_ops()
+        if call.pin is not None:
+            sock = self._sock_for(call)
         try:
             send_frames(sock, frames, NOBLOCK)
         except zmq.Again:
@@ -216,8 +230,8 @@ class Client(ClientBase):
 
     # ---------------------------------------------------------------- socket work
 
-    def _send(self, frames: list[Any], deadline: float | None) -> None:
-        sock = self._sock
+    def _send(self, frames: list[Any], deadline: float | None, sock: zmq.Socket | None = None) -> None:
+        sock = self._sock if sock is None else sock
         while True:
             try:
                 send_frames(sock, frames, NOBLOCK)
@@ -235,8 +249,10 @@ class Client(ClientBase):
 
     def _send_call(self, call: Call) -> None:
         frames = self._core.request_frames(call, time.monotonic())
+        if self._core.ops:
+            self._run_ops()
         try:
-            self._send(frames, call.deadline)
+            self._send(frames, call.deadline, None if call.pin is None else self._sock_for(call))
         except BaseException:
             self._core.discard_unsent(call)
             raise
@@ -280,12 +296,63 @@ class Client(ClientBase):
         # EVENTS rather than recv(NOBLOCK) until zmq.Again: an exception per wake-up costs
         # more than the rest of the client's work on a small request.
         core = self._core
+        pins = self._pin_of
         for sock, _ in self._items:
             direct = sock is not self._sock
+            pin = pins.get(sock) if pins else None
             while sock.get(zmq.EVENTS) & _POLLIN:
                 frames = recv_frames(sock)
-                for out in core.on_message(frames, time.monotonic(), direct):
+                for out in core.on_message(frames, time.monotonic(), direct, pin):
                     self._send_soon(out)
+        if core.ops:  # after the loop: it may open and close sockets of `_items`
+            self._run_ops()
+
+    # ---------------------------------------------------------------- pinned streams
+
+    def _run_ops(self) -> None:
+        ops = self._core.ops
+        while ops:
+            op = ops.popleft()
+            kind = type(op)
+            if kind is list:
+                self._send_soon(op)
+            elif kind is PinSend:
+                sock = self._pin_socks.get(op.pin.lease)
+                if sock is not None:
+                    try:
+                        send_frames(sock, op.frames, NOBLOCK)
+                    except zmq.ZMQError:  # a CANCEL the worker cannot take: its FINAL still comes
+                        pass
+            elif kind is PinOpen:
+                self._pin_open(op.pin, op.hello)
+            elif kind is PinClose:
+                sock = self._pin_socks.pop(op.pin.lease, None)
+                if sock is not None:
+                    del self._pin_of[sock]
+                    self._items = [item for item in self._items if item[0] is not sock]
+                    drop_socket(sock)
+
+    def _pin_open(self, pin: Any, hello: list[Any]) -> None:
+        try:
+            sock = dealer(self._ctx, pin.endpoint)
+            send_frames(sock, hello, NOBLOCK)
+        except (InvalidInput, zmq.ZMQError) as e:
+            self._core.pin_broken(pin, time.monotonic(), str(e))
+            if self._core.ops:
+                self._run_ops()
+            return
+        self._pin_socks[pin.lease] = sock
+        self._pin_of[sock] = pin
+        self._items.append((sock, _POLLIN))
+
+    def _sock_for(self, call: Call) -> zmq.Socket:
+        """The socket for a pinned call: its lease's, or the broker's when that one cannot
+        take it now (the call is then the broker's)."""
+        sock = self._pin_socks.get(call.pin.lease)
+        if sock is not None and sock.get(zmq.EVENTS) & _POLLOUT:
+            return sock
+        self._core.reroute(call)
+        return self._sock
 
     def _wait(self, call: Call, limit: float | None = None) -> tuple[str, Any]:
         """Next item for `call`.  Raises DeadlineExceeded at the call's deadline and
@@ -311,6 +378,9 @@ class Client(ClientBase):
         still alive stay readable; their output slots go back as they are dropped."""
         if self._core.closed:
             return
+        if self._core.pin_slots:
+            self._core.pin_goodbye()  # LEASE_END for each lease, its connection closed
+            self._run_ops()
         try:
             self._sock.send_multipart(P.client_disconnect(), flags=zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -54,6 +54,7 @@ from broker.protocol import ErrorCode
 from . import tensors as T
 from .calls import MMI_SERVICE, Call, MmiQuery, check_service, endpoint_is_local, parse_priority, resolve_transport
 from .errors import BrokerUnreachable, InferenceError, InvalidInput, PoolFull, ProtocolError, error_from
+from .pins import PinEvents
 from .tensors import Result
 
 __all__ = ["ClientCore", "LIVENESS"]
@@ -79,13 +80,15 @@ def _drain_inbox(call: Call) -> None:
 #: longest wait before a client that fell back to inline tries shared memory again (seconds)
 NOT_LOCAL_RETRY_MAX_S = 30.0
 
-class ClientCore:
+class ClientCore(PinEvents):
     """Ids, packing, the input pools, output leases, reply routing and delivery, the inline
-    fallback, deadlines and liveness of one client (see the module docstring)."""
+    fallback, deadlines and liveness of one client (see the module docstring); pinned
+    streams (leases) in its `PinEvents` mixin (pins.py)."""
 
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
-                 fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2):
+                 fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2,
+                 pin: Any = False):
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise InvalidInput(f"endpoint {endpoint!r} must look like 'ipc:///tmp/broker.sock' or 'tcp://host:port'")
         self.endpoint = endpoint
@@ -127,6 +130,7 @@ class ClientCore:
         self.direct_replies = 0  # replies that came straight from a worker (reply_to)
         self.mmi_waiters: deque[MmiQuery] = deque()  # MMI questions sent, oldest first
         self._mmi_seq = 0
+        self._init_pins(pin)  # leases (pins.py); pin=False: none ever asked for
 
     # ---------------------------------------------------------------- pools and buffers
 
@@ -239,6 +243,8 @@ class ClientCore:
         call.traceparent = traceparent
         retry_at = self.not_local.get(service)
         inline = not self.use_shm or (retry_at is not None and self.last_recv < retry_at)
+        if self.pin_slots and not inline and self.pin_inline(service):
+            inline = True  # its lease is not near: only inline tensors can go on it
         call.probe = self.use_shm and retry_at is not None and not inline
         call.reply = ("inline" if inline else "auto") if reply == "auto" else reply
         pool = None
@@ -264,7 +270,15 @@ class ClientCore:
         return P.client_request(service, list(frames))
 
     def request_frames(self, call: Call, now: float) -> list[Any]:
-        """Assign an id, register the call and return its REQUEST frames."""
+        """Assign an id, register the call and return its REQUEST frames.  On a pinning
+        client `call.pin` then says where to send them: None, to the broker; else on that
+        lease's connection (pins.py); `ops` may hold a LEASE to send."""
+        frames = self._brokered_request(call, now)
+        if self.pin_slots:
+            self._pin_route(call, now)
+        return frames
+
+    def _brokered_request(self, call: Call, now: float) -> list[Any]:
         if call.deadline is None and call.timeout is not None:
             call.deadline = now + call.timeout
         call.t_sent = now
@@ -272,6 +286,10 @@ class ClientCore:
         call.id = self._next_id
         self._next_id += 1
         self.calls[call.id] = call
+        return self._encode_request(call, now)
+
+    def _encode_request(self, call: Call, now: float) -> list[Any]:
+        """The REQUEST frames of a registered call, its deadline's remainder in the header."""
         rem = call.remaining(now)
         packed = call.packed
         hdr = P.Request(
@@ -329,6 +347,8 @@ class ClientCore:
 
     def unregister(self, call: Call) -> None:
         """Undo request_frames for a call that could not be sent yet."""
+        if call.pin is not None:
+            self._unpin(call)
         self.calls.pop(call.id, None)
         call.id = 0
         call.deadline = None
@@ -336,6 +356,8 @@ class ClientCore:
     def discard_unsent(self, call: Call) -> None:
         """A call that never reached the wire (dropped stream frame, failed send): nothing can
         be reading its inputs, so they are freed now."""
+        if call.pin is not None:
+            self._unpin(call)
         if call.id:
             self.calls.pop(call.id, None)
         self._free_inputs(call)
@@ -353,6 +375,9 @@ class ClientCore:
         _drain_inbox(call)
         if call.done or call.id == 0:
             return None
+        if call.pin is not None:
+            self._pin_cancel(call)  # where it runs: on its lease's connection (in `ops`)
+            return None
         return P.client_cancel(call.service, call.id)
 
     def give_up(self, call: Call) -> list[Any] | None:
@@ -366,13 +391,19 @@ class ClientCore:
 
     # ---------------------------------------------------------------- incoming
 
-    def on_message(self, frames: list[Any], now: float, direct: bool = False) -> list[list[Any]]:
+    def on_message(self, frames: list[Any], now: float, direct: bool = False, pin: Any = None) -> list[list[Any]]:
         """Route one message from the broker (or, `direct`, from a worker through the reply
-        socket).  Returns messages to send in response (an inline resend after NOT_LOCAL)."""
+        socket; `pin`, from a leased worker on that lease's connection).  Returns messages to
+        send to the broker in response (an inline resend after NOT_LOCAL, a pinned call moved
+        to the broker)."""
         self.last_recv = now
         try:
             msg = P.parse_broker_to_client(frames)
         except P.ProtocolError as e:
+            if self.pin_slots and pin is None:
+                out = self._on_lease_message(frames, now)  # LEASED, LEASE_END (pins.py)
+                if out is not None:
+                    return out
             log.warning("dropping a malformed message from the broker: %s", e)
             return []
         if msg.command == P.C_HEARTBEAT:
@@ -381,17 +412,18 @@ class ClientCore:
             instance, window_ms = msg.body
             self.broker_window = window_ms / 1000.0
             return self._on_broker_instance(instance, now)
-        if direct:
+        if direct and pin is None:
             self.direct_replies += len(msg.body) if msg.command == P.C_FINALS else 1
         if msg.command == P.C_FINALS:
             # A worker's batch, straight from it: each frame is one header-only FINAL.
             out: list[list[Any]] = []
             for head in msg.body:
-                out += self._on_final_body(msg.service, (head,), True, now)
+                out += self._on_final_body(msg.service, (head,), True, now, pin)
             return out
-        return self._on_final_body(msg.service, msg.body, msg.command == P.C_FINAL, now)
+        return self._on_final_body(msg.service, msg.body, msg.command == P.C_FINAL, now, pin)
 
-    def _on_final_body(self, service: bytes, body: tuple, final: bool, now: float) -> list[list[Any]]:
+    def _on_final_body(self, service: bytes, body: tuple, final: bool, now: float,
+                       pin: Any = None) -> list[list[Any]]:
         if body and P.is_header(body[0]):
             try:
                 rep = P.decode_reply(body[0], len(body) - 1)
@@ -408,10 +440,18 @@ class ClientCore:
                                                                 request_id=call.id)), True, now)
                 return []
             call = self.calls.get(rep.id)
-            if call is None:
+            if call is None or (pin is not None and call.pin is not pin):
+                # Nobody's, or (on a lease's connection) a call no longer on that lease: it
+                # was moved to the broker, whose answer is the one that counts.
                 self.discarded += 1
                 T.release_reply(rep, self.leases)
                 return []
+            if pin is not None:
+                if final and rep.error is not None:
+                    out = self._pin_bounce(call, pin, rep.error, now)
+                    if out is not None:
+                        return out  # it did not run: through the broker instead
+                self.pinned_replies += 1
             return self._on_reply(call, rep, list(body[1:]), final, now)
         if service == _MMI_SERVICE_B and final and self.mmi_waiters:
             q = self._take_mmi_waiter(body)
@@ -538,7 +578,7 @@ class ClientCore:
         self._free_inputs(call, old)
         if call.reply in ("auto", "shm"):
             call.reply = "inline"
-        return self.request_frames(call, now)
+        return self._brokered_request(call, now)
 
     def _free_inputs(self, call: Call, packed: T.Packed | None = None, reply: P.Reply | None = None) -> None:
         packed = packed or call.packed
@@ -586,6 +626,8 @@ class ClientCore:
         self.calls.pop(call.id, None)
         for old in call.old_ids:
             self.calls.pop(old, None)
+        if call.pin is not None:
+            self._unpin(call)
 
     def silent_for(self, call: Call, now: float) -> float:
         return now - max(self.last_recv, call.t_sent)
@@ -619,9 +661,11 @@ class ClientCore:
     def heartbeat_due(self, now: float) -> bool:
         """Whether a HEARTBEAT should go out now: calls are waiting and none went out for a
         heartbeat interval.  Sent whatever other traffic flows: its answer carries the
-        broker's instance id, which is how calls lost to a broker restart are found."""
+        broker's instance id, which is how calls lost to a broker restart are found.  A
+        client holding leases heartbeats while idle too (where its twin can: the asyncio
+        one): the broker ends the leases of a client it has not heard from."""
         hb = self.heartbeat_period
-        return hb is not None and now - self.last_heartbeat >= hb and bool(self.active())
+        return hb is not None and now - self.last_heartbeat >= hb and (bool(self.active()) or bool(self.pins))
 
     @property
     def heartbeat_period(self) -> float | None:
@@ -660,6 +704,8 @@ class ClientCore:
                     call.broker = call.broker or instance
             return []
         self.broker_restarts += 1
+        if self.pin_all or self._asking:
+            self._pin_reset(now)  # a lease never outlives the broker that made it (pins.py)
         out = []
         for cid, call in list(self.calls.items()):
             if cid != call.id or call.broker == instance or call.id == 0:
@@ -681,7 +727,7 @@ class ClientCore:
             call.resends += 1
             out.append(P.client_cancel(call.service, call.id))
             call.old_ids.append(call.id)  # stays answerable: a worker may still reply to it directly
-            out.append(self.request_frames(call, now))
+            out.append(self._brokered_request(call, now))
         return out
 
     # ---------------------------------------------------------------- shutdown
@@ -694,6 +740,9 @@ class ClientCore:
             call.abandoned = True
             _drain_inbox(call)
         self.calls.clear()
+        self.pins.clear()
+        self.pin_all.clear()
+        self.ops.clear()
         for fin in list(self._user_bufs.values()):
             fin.detach()
         self._user_bufs.clear()

@@ -135,7 +135,7 @@ def _imports(path: pathlib.Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("name", ["core.py", "calls.py"])
+@pytest.mark.parametrize("name", ["core.py", "calls.py", "pins.py"])
 def test_core_is_socket_free(name):
     """No socket, no event loop, no clock: time is passed in."""
     assert not {"zmq", "asyncio", "time", "socket", "selectors"} & _imports(SDK / name)

@@ -1,5 +1,5 @@
 """Leases through a real broker process (docs/protocol.md section 10), spoken frame by frame
-by raw sockets: workers and the SDK do not use leases yet, so the worker here is a DEALER
+by raw sockets (the SDK and `gpu_worker --direct` have their own tests): the worker here is a DEALER
 that says READY with a direct socket and answers LEASE itself.  What is checked is the
 broker's side: placement reaches the worker first, the client is told only after the worker
 confirmed, the grant carries the kernel's pid of the client's connection, every end is

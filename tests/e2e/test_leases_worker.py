@@ -1,6 +1,6 @@
 """Leases end to end, the worker's side (docs/protocol.md section 10): real broker and
-`python -m gpu_worker --direct` processes, and a raw client (the SDK does not ask for leases
-yet) that gets a lease through the broker, connects a DEALER to the worker's direct socket,
+`python -m gpu_worker --direct` processes, and a raw client (the SDK's `pin=True` is tested in
+test_pinned.py) that gets a lease through the broker, connects a DEALER to the worker's direct socket,
 says HELLO and sends its requests there.  Checked: the direct socket's file and mode, the
 binding (no HELLO, a wrong secret: 400), echoes straight from the worker, references refused
 on a lease that is not near, malformed frames survived, at most `slots` in flight (429), a

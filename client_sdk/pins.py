@@ -1,0 +1,399 @@
+"""Pinned streams, the client's side of leases (docs/protocol.md section 10): socket-free.
+
+`PinEvents` is a mixin of `ClientCore` (core.py), like the broker's lease mixin of its
+scheduler: it decides, the twins (client.py, aio.py) move frames.  A client made with
+`pin=True` (or a number of slots) asks the broker for a lease on a service the first time it
+sends that service a request, and sends its requests straight to the leased worker once the
+broker said where (LEASED), up to the lease's `slots` in flight; everything else (no lease
+yet, the lease's slots all in flight, tensors the lease cannot take) goes through the broker
+as before.  Replies on the direct connection take the same path as the broker's.
+
+What the core asks of its twin goes into `core.ops`, in order, which the twin runs after
+each call into the core (`ClientCore.on_message`, `request_frames`, `give_up`, ...):
+
+- a plain frame list: send it to the broker (LEASE, LEASE_END);
+- `PinOpen(pin, hello)`: connect a DEALER to `pin.endpoint` and send `hello` on it;
+- `PinSend(pin, frames)`: send `frames` on that DEALER (a CANCEL of a pinned call);
+- `PinClose(pin)`: close it (DISCONNECT first).
+
+A call the core puts on a lease has `call.pin` set when `request_frames` returns: the twin
+sends it on that lease's DEALER (or, when it cannot, calls `reroute` and sends the same
+frames to the broker).  Messages read from a lease's DEALER are handed to `on_message` with
+`pin=` that lease.
+
+Ends, all of which put the service back on the brokered path (a new lease is asked for on
+a later request, no sooner than `PIN_RETRY_MIN_S` after the end; refusals back off from
+there, doubling up to `PIN_RETRY_MAX_S`):
+
+- LEASED with an error (no worker with a direct socket, unknown service, ...): backoff;
+- LEASE_END with `resend` (the worker is presumed dead): the DEALER closes at once and every
+  call in flight on the lease is sent again through the broker, under the same id (the
+  broker never saw it); nothing more can arrive for it on the closed connection, and a
+  direct reply to a call that is no longer on that lease is dropped as a stray, so each
+  call completes exactly once;
+- LEASE_END without `resend` (drain, scale-down, the worker stopping): new calls go through
+  the broker, those in flight finish on the DEALER (which closes after the last one);
+- a direct FINAL that says the request did not run and asks to be sent through the broker
+  (503 after the lease ended, 429 beyond the lease's slots, 400 "not bound"): it is sent
+  through the broker instead of being delivered, and a 503 or 400 ends the lease here too;
+- a broker restart (a new instance in a heartbeat answer): every lease ends (their calls
+  are resent by the restart logic of core.py);
+- `close()`: LEASE_END `client_done` for each lease held (`pin_goodbye`).
+
+Invariant: a call is on at most one lease (`call.pin`), listed in that lease's `calls`
+until its FINAL (`ClientCore._forget`) or until it is moved to the broker.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, NamedTuple
+
+from broker import protocol as P
+from broker.protocol import ErrorCode
+
+from .errors import InvalidInput, error_from
+
+__all__ = ["Pin", "PinOpen", "PinSend", "PinClose", "PinEvents", "pin_slots", "PIN_SLOTS",
+           "PIN_RETRY_MIN_S", "PIN_RETRY_MAX_S", "ASK_TIMEOUT_S"]
+
+log = logging.getLogger("client_sdk")
+
+#: slots a `pin=True` client asks for per lease (the broker may grant fewer)
+PIN_SLOTS = 8
+#: seconds before a service whose lease ended (or was refused) is asked for again, doubling
+#: with each refusal up to PIN_RETRY_MAX_S
+PIN_RETRY_MIN_S = 1.0
+PIN_RETRY_MAX_S = 30.0
+#: an ask unanswered this long is taken as lost (a broker that does not know LEASE, or a
+#: restart): refused, and asked again after the backoff
+ASK_TIMEOUT_S = 5.0
+
+#: the direct FINALs that mean "this request did not run: send it through the broker"
+_BOUNCE_CODES = (int(ErrorCode.SERVICE_UNAVAILABLE), int(ErrorCode.QUEUE_FULL), int(ErrorCode.PROTOCOL_ERROR))
+_NOT_BOUND = "not bound to a lease"
+
+
+def pin_slots(pin: Any) -> int:
+    """The slots a `pin=` option asks for: 0 (off) for False/None/0, PIN_SLOTS for True, or
+    the number given."""
+    if pin is None or pin is False:
+        return 0
+    if pin is True:
+        return PIN_SLOTS
+    if isinstance(pin, int) and 1 <= pin <= 1 << 16:
+        return int(pin)
+    raise InvalidInput(f"pin must be True, False or a number of slots (1..65536), got {pin!r}")
+
+
+class Pin:
+    """One lease held: where its worker listens, how many calls it takes, which are on it."""
+
+    __slots__ = ("service", "lease", "secret", "endpoint", "slots", "near", "calls", "ending", "closed")
+
+    def __init__(self, service: str, info: P.LeaseInfo, near: bool):
+        self.service = service
+        self.lease: bytes = info.lease
+        self.secret: bytes = info.secret
+        self.endpoint: str = info.endpoint
+        self.slots: int = info.slots
+        self.near = near            # shared-memory references may go on it
+        self.calls: dict[int, Any] = {}  # id -> Call in flight on it
+        self.ending = False         # ended: takes no new call, closes after its last one
+        self.closed = False         # PinClose queued
+
+    def __repr__(self) -> str:
+        return (f"<Pin {self.service!r} lease={self.lease.hex()} slots={self.slots} in_flight={len(self.calls)}"
+                f"{' ending' if self.ending else ''}{' closed' if self.closed else ''}>")
+
+
+class PinOpen(NamedTuple):
+    pin: Pin
+    hello: list
+
+
+class PinSend(NamedTuple):
+    pin: Pin
+    frames: list
+
+
+class PinClose(NamedTuple):
+    pin: Pin
+
+
+def _inline_only(packed: Any) -> bool:
+    return packed is not None and all(type(t.loc) is P.InlineLoc for t in packed.tensors)
+
+
+class PinEvents:
+    """The lease decisions of `ClientCore` (its ``__init__`` calls ``_init_pins``)."""
+
+    def _init_pins(self, pin: Any) -> None:
+        self.pin_slots = pin_slots(pin)
+        self.ops: deque[Any] = deque()           # for the twin (see the module docstring)
+        self.pins: dict[str, Pin] = {}           # service -> its lease in use
+        self.pin_all: dict[bytes, Pin] = {}      # lease id -> every lease with an open connection
+        self._asking: dict[str, tuple[int, float]] = {}  # service -> (ask id, when asked)
+        self._ask_ids: dict[int, str] = {}       # ask id -> service
+        self._pin_retry: dict[str, float] = {}   # service -> no ask before this time
+        self._pin_backoff: dict[str, float] = {}  # service -> the last refusal's backoff
+        self.pinned_replies = 0                  # replies that came on a lease's connection
+        self.pins_granted = 0
+        self.pins_refused = 0
+        self.pins_ended = 0
+
+    # ------------------------------------------------------------------ queries
+
+    def pinned(self, service: str) -> bool:
+        """Whether `service` is leased now (its next requests may go straight to its worker)."""
+        return service in self.pins
+
+    # ------------------------------------------------------------------ sending
+
+    def pin_inline(self, service: str) -> bool:
+        """Whether a new call to `service` must pack its inputs inline: its lease is not near
+        (the worker cannot map our memory), so only inline tensors can go on it."""
+        pin = self.pins.get(service)
+        return pin is not None and not pin.near
+
+    def _pin_route(self, call: Any, now: float) -> None:
+        """A call registered and about to be sent: put it on its service's lease when there
+        is room, or ask for a lease when there is none (the call itself goes through the
+        broker meanwhile)."""
+        svc = call.service
+        pin = self.pins.get(svc)
+        if pin is not None:
+            if len(pin.calls) < pin.slots and (pin.near or _inline_only(call.packed)):
+                call.pin = pin
+                pin.calls[call.id] = call
+            return
+        asked = self._asking.get(svc)
+        if asked is not None:
+            if now - asked[1] < ASK_TIMEOUT_S:
+                return
+            log.info("no answer to the lease ask for %r within %.0f s; staying brokered", svc, ASK_TIMEOUT_S)
+            self._forget_ask(svc)
+            self._pin_refused(svc, now)
+        if now < self._pin_retry.get(svc, -1.0):
+            return
+        ask_id = self._next_id
+        self._next_id += 1
+        self._asking[svc] = (ask_id, now)
+        self._ask_ids[ask_id] = svc
+        transports = ["shm", "inline"] if self.use_shm else ["inline"]
+        ask = P.LeaseAsk(id=ask_id, slots=self.pin_slots, host=P.local_host_id(), transports=transports)
+        self.ops.append(P.client_lease(svc, P.encode_header(ask)))
+
+    def reroute(self, call: Any) -> None:
+        """The twin could not send `call` on its lease's connection: it goes to the broker
+        instead (the same frames, the same id)."""
+        if call.pin is not None:
+            self._unpin(call)
+
+    def _unpin(self, call: Any) -> None:
+        """`call` leaves its lease (answered, unsent, or moved to the broker)."""
+        pin, call.pin = call.pin, None
+        pin.calls.pop(call.id, None)
+        if pin.ending and not pin.calls:
+            self._close_pin(pin)
+
+    def _pin_cancel(self, call: Any) -> None:
+        """CANCEL a pinned call where it runs: on its lease's connection."""
+        self.ops.append(PinSend(call.pin, P.client_cancel(call.service, call.id)))
+
+    # ------------------------------------------------------------------ the broker's answers
+
+    def _on_lease_message(self, frames: list[Any], now: float) -> list[list[Any]] | None:
+        """LEASED or LEASE_END from the broker (which `parse_broker_to_client` does not know);
+        None when `frames` is neither.  Returns frames to send to the broker."""
+        if len(frames) < 2 or bytes(frames[0]) != P.MDPC:
+            return None
+        cmd = bytes(frames[1])
+        if cmd not in (P.C_LEASED, P.C_LEASE_END):
+            return None
+        if len(frames) != 4:
+            log.warning("dropping a malformed lease message from the broker (%d frames)", len(frames))
+            return []
+        if cmd == P.C_LEASED:
+            return self._on_leased(bytes(frames[2]), frames[3], now)
+        try:
+            end = P.decode_lease_end(frames[3])
+        except P.ProtocolError as e:
+            log.warning("dropping a malformed LEASE_END from the broker: %s", e)
+            return []
+        pin = self.pin_all.get(end.lease)
+        if pin is None or pin.ending and not end.resend:
+            return []
+        self.pins_ended += 1
+        log.info("lease %s on %r ended (%s)%s", end.lease.hex(), pin.service, end.reason,
+                 "; resending its requests through the broker" if end.resend and pin.calls else "")
+        return self._end_pin(pin, now, resend=end.resend)
+
+    def _on_leased(self, service: bytes, head: Any, now: float) -> list[list[Any]]:
+        try:
+            info = P.decode_lease_info(head)
+        except P.ProtocolError:
+            info = None
+        if info is None:
+            try:
+                err = P.decode_reply(head).error
+                rid = P.lenient_request_id(head)
+            except P.ProtocolError as e:
+                log.warning("dropping a malformed LEASED from the broker: %s", e)
+                return []
+            svc = self._ask_ids.get(rid)
+            if svc is None:
+                self.discarded += 1
+                return []
+            self._forget_ask(svc)
+            log.info("no lease for %r (%s); its requests go through the broker",
+                     svc, err.message if err is not None else "no reason given")
+            self._pin_refused(svc, now)
+            return []
+        svc = self._ask_ids.get(info.id)
+        stale = (svc is None or self.closed or not info.endpoint.startswith("ipc://")
+                 or (self.broker_instance is not None and info.instance != self.broker_instance))
+        if stale:
+            # Not ours any more (a late answer to an ask given up on, a previous broker's, or
+            # an endpoint we cannot use yet): the broker gets its slots back.
+            if svc is not None:
+                self._forget_ask(svc)
+                self._pin_refused(svc, now)
+            return [self._lease_end_frames(service, info.lease)]
+        self._forget_ask(svc)
+        old = self.pins.get(svc)
+        if old is not None:  # cannot happen (one ask per service at a time); keep the one in use
+            return [self._lease_end_frames(service, info.lease)]
+        near = self.use_shm and info.host is not None and info.host == P.local_host_id()
+        pin = Pin(svc, info, near)
+        self.pins[svc] = pin
+        self.pin_all[pin.lease] = pin
+        self._pin_backoff.pop(svc, None)
+        self._pin_retry.pop(svc, None)
+        self.pins_granted += 1
+        log.info("pinned %r to %s (%d slots%s)", svc, info.endpoint, info.slots, ", shared memory" if near else "")
+        hello = [P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=pin.lease, secret=pin.secret))]
+        self.ops.append(PinOpen(pin, hello))
+        return []
+
+    def _forget_ask(self, svc: str) -> None:
+        asked = self._asking.pop(svc, None)
+        if asked is not None:
+            self._ask_ids.pop(asked[0], None)
+
+    def _pin_refused(self, svc: str, now: float) -> None:
+        self.pins_refused += 1
+        backoff = min(2.0 * self._pin_backoff.get(svc, PIN_RETRY_MIN_S / 2), PIN_RETRY_MAX_S)
+        self._pin_backoff[svc] = backoff
+        self._pin_retry[svc] = now + backoff
+
+    @staticmethod
+    def _lease_end_frames(service: Any, lease: bytes) -> list[Any]:
+        return P.client_lease_end(service, P.encode_header(P.LeaseEnd(lease=lease, reason="client_done")))
+
+    # ------------------------------------------------------------------ ends
+
+    def _end_pin(self, pin: Pin, now: float, *, resend: bool) -> list[list[Any]]:
+        """The lease is over: new calls go through the broker (a new lease is asked for
+        after the backoff).  With `resend` its calls in flight go through the broker now and
+        its connection closes; without, they finish on it."""
+        if self.pins.get(pin.service) is pin:
+            del self.pins[pin.service]
+            self._pin_retry[pin.service] = max(self._pin_retry.get(pin.service, -1.0), now + PIN_RETRY_MIN_S)
+        pin.ending = True
+        out: list[list[Any]] = []
+        if resend:
+            for call in list(pin.calls.values()):
+                out += self._to_broker(call, now, lost=True)
+        if not pin.calls:
+            self._close_pin(pin)
+        return out
+
+    def _close_pin(self, pin: Pin) -> None:
+        if pin.closed:
+            return
+        pin.closed = True
+        pin.ending = True
+        self.pin_all.pop(pin.lease, None)
+        if self.pins.get(pin.service) is pin:
+            del self.pins[pin.service]
+        self.ops.append(PinClose(pin))
+
+    def _to_broker(self, call: Any, now: float, *, lost: bool) -> list[list[Any]]:
+        """Move a pinned call to the broker: its REQUEST again, same id.  `lost`: its worker
+        will not answer (presumed dead); an abandoned call is then forgotten (nobody waits,
+        nothing will reply) and a call that streamed PARTIALs fails (its caller would see
+        them twice)."""
+        self._unpin(call)
+        if call.done:
+            return []
+        if lost and call.abandoned:
+            self._forget(call)
+            self._finish_inputs(call)
+            call.done = True
+            return []
+        if lost and call.partials:
+            self._forget(call)
+            self._finish_inputs(call)
+            self._deliver(call, ("error", error_from(
+                int(ErrorCode.WORKER_FAILED), f"the pinned worker of {call.service!r} failed after request "
+                f"{call.id} had streamed results", request_id=call.id)), True, now)
+            return []
+        call.broker = self.broker_instance
+        return [self._encode_request(call, now)]
+
+    def _pin_bounce(self, call: Any, pin: Pin, err: Any, now: float) -> list[list[Any]] | None:
+        """A direct FINAL error for `call`: None when it is the call's answer, else the
+        frames that send the call through the broker (the worker says it did not run it)."""
+        code, msg = err.code, err.message or ""
+        if code not in _BOUNCE_CODES or call.abandoned:
+            return None
+        if code == int(ErrorCode.PROTOCOL_ERROR) and not msg.startswith(_NOT_BOUND):
+            return None
+        if code == int(ErrorCode.SERVICE_UNAVAILABLE) and "through the broker" not in msg:
+            return None
+        if code != int(ErrorCode.QUEUE_FULL) and not pin.ending:
+            # The worker no longer holds the lease (it stopped, or forgot us): end it here.
+            log.info("the pinned worker of %r refused request %d (%s); back to the broker", pin.service, call.id, msg)
+            self.pins_ended += 1
+            self._end_pin(pin, now, resend=False)
+        return self._to_broker(call, now, lost=False)
+
+    def _pin_reset(self, now: float) -> None:
+        """A broker restart: every lease (and ask) is void.  The calls on them lose their
+        lease; core.py's restart logic resends them."""
+        self._asking.clear()
+        self._ask_ids.clear()
+        services = {pin.service for pin in self.pin_all.values()} | set(self.pins)
+        for pin in list(self.pin_all.values()):
+            for call in list(pin.calls.values()):
+                call.pin = None
+            pin.calls.clear()
+            self._close_pin(pin)
+        self.pins.clear()
+        for svc in services:
+            self._pin_retry[svc] = max(self._pin_retry.get(svc, -1.0), now + PIN_RETRY_MIN_S)
+
+    def pin_broken(self, pin: Pin, now: float, why: str) -> None:
+        """The twin could not connect to the lease's worker: the lease goes back to the
+        broker, and the service stays brokered for the backoff."""
+        log.warning("cannot connect to the leased worker of %r at %s (%s); staying brokered",
+                    pin.service, pin.endpoint, why)
+        self.ops.append(self._lease_end_frames(pin.service, pin.lease))
+        for call in list(pin.calls.values()):  # none yet: calls are routed after the connection opened
+            self._unpin(call)
+        self._close_pin(pin)
+        self._pin_refused(pin.service, now)
+
+    def pin_goodbye(self) -> None:
+        """Closing: LEASE_END (client_done) for every lease in use, then every connection closed
+        (queued in `ops`)."""
+        for pin in list(self.pins.values()):
+            self.ops.append(self._lease_end_frames(pin.service, pin.lease))
+        for pin in list(self.pin_all.values()):
+            for call in list(pin.calls.values()):
+                call.pin = None
+            pin.calls.clear()
+            self._close_pin(pin)
+        self._asking.clear()
+        self._ask_ids.clear()

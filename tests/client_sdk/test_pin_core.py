@@ -1,0 +1,382 @@
+"""Pinned streams in the socket-free core (client_sdk/pins.py, mixed into ClientCore): frames
+and times in, frames and `ops` out, no socket.  Each test plays the broker's LEASED and
+LEASE_END and the leased worker's replies (`on_message(..., pin=...)`) by hand."""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import numpy as np
+import pytest
+
+import client_sdk
+from broker import protocol as P
+from broker.protocol import ErrorCode
+from client_sdk import errors
+from client_sdk.core import ClientCore
+from client_sdk.pins import (ASK_TIMEOUT_S, PIN_RETRY_MAX_S, PIN_RETRY_MIN_S, PIN_SLOTS, PinClose, PinOpen, PinSend,
+                             pin_slots)
+
+LEASE = bytes(7) + b"\x01"
+SECRET = bytes(range(16))
+INSTANCE = b"broker01"
+ENDPOINT = "ipc:///tmp/zinf-pin-test-w.ipc"
+
+
+@pytest.fixture
+def core():
+    c = ClientCore("ipc:///tmp/zinf-pin-core-test.sock", transport="inline", heartbeat_interval=1.0, pin=2)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _final(call, value: np.ndarray, *, final: bool = True) -> list:
+    t = P.TensorRef(name="y", dtype=value.dtype.str, shape=list(value.shape), loc=P.InlineLoc(frame=0))
+    head = P.encode_header(P.Reply(id=call.id, tensors=[t]))
+    return P.client_reply(final, call.service.encode(), [head, value.tobytes()])
+
+
+def _error(call, code, message) -> list:
+    return P.client_reply(True, call.service.encode(), P.error_body(call.id, code, message))
+
+
+def _send(core, service="echo", now=100.0, inputs=None, **kw):
+    call = core.new_call(service, inputs if inputs is not None else {"x": np.arange(3)}, **kw)
+    frames = core.request_frames(call, now)
+    assert frames[:3] == [P.MDPC, P.C_REQUEST, service.encode()]
+    return call, frames
+
+
+def _ops(core) -> list:
+    out = list(core.ops)
+    core.ops.clear()
+    return out
+
+
+def _ask_of(ops) -> P.LeaseAsk:
+    [frames] = [op for op in ops if type(op) is list and op[1] == P.C_LEASE]
+    assert frames[:3] == [P.MDPC, P.C_LEASE, b"echo"]
+    return P.decode_lease_ask(frames[3])
+
+
+def _leased(ask_id, *, service=b"echo", lease=LEASE, slots=2, host=None, instance=INSTANCE, endpoint=ENDPOINT):
+    info = P.LeaseInfo(id=ask_id, lease=lease, secret=SECRET, endpoint=endpoint, slots=slots, instance=instance,
+                       host=host)
+    return [P.MDPC, P.C_LEASED, service, P.encode_header(info)]
+
+
+def _lease_end(resend, *, lease=LEASE, reason="worker_failed"):
+    return [P.MDPC, P.C_LEASE_END, b"echo", P.encode_header(P.LeaseEnd(lease=lease, reason=reason, resend=resend))]
+
+
+def _pinned(core, now=100.0, slots=2):
+    """Ask (through a first, brokered request) and get the lease; returns (first call, pin)."""
+    first, _ = _send(core, now=now)
+    ask = _ask_of(_ops(core))
+    assert first.pin is None
+    assert core.on_message(_leased(ask.id, slots=slots), now + 0.001) == []
+    [op] = _ops(core)
+    assert type(op) is PinOpen and op.pin.endpoint == ENDPOINT and op.pin.slots == slots
+    return first, op.pin
+
+
+def _result(call):
+    kind, res = call.inbox.popleft()
+    assert kind == "final", res
+    value = int(res["y"][0])
+    res.release()
+    return value
+
+
+def test_pin_option_values():
+    assert pin_slots(False) == 0 and pin_slots(None) == 0 and pin_slots(True) == PIN_SLOTS == 8
+    assert pin_slots(64) == 64
+    for bad in (0.5, -1, "yes", 1 << 17):
+        with pytest.raises(errors.InvalidInput):
+            pin_slots(bad)
+    with pytest.raises(errors.InvalidInput):
+        client_sdk.Client("ipc:///tmp/zinf-pin-nobody.sock", pin="always")
+
+
+def test_without_pin_nothing_is_asked_and_lease_messages_are_not_ours():
+    c = ClientCore("ipc:///tmp/zinf-pin-core-test.sock", transport="inline", pin=False)
+    try:
+        call, _ = _send(c)
+        assert not c.ops and call.pin is None and not c.pinned("echo")
+        assert c.on_message(_leased(call.id), 100.1) == [] and not c.ops and not c.pins
+        assert c.give_up(call) == P.client_cancel("echo", call.id)
+    finally:
+        c.close()
+
+
+def test_first_request_asks_once_and_goes_through_the_broker_until_leased(core):
+    a, _ = _send(core)
+    ask = _ask_of(_ops(core))
+    assert ask.slots == 2 and ask.host == P.local_host_id() and ask.transports == ["inline"]
+    assert ask.id == a.id + 1  # from the request-id space
+    b, _ = _send(core)  # the ask is outstanding: no second one, and no lease yet
+    assert not core.ops and a.pin is None and b.pin is None and not core.pinned("echo")
+    assert core.on_message(_leased(ask.id), 100.1) == []
+    [op] = _ops(core)
+    assert type(op) is PinOpen
+    assert op.hello[:2] == [P.MDPC, P.C_HELLO]
+    hello = P.decode_lease_hello(op.hello[2])
+    assert (hello.lease, hello.secret) == (LEASE, SECRET)
+    assert core.pinned("echo") and core.pins_granted == 1
+    # The calls sent before the lease still answer through the broker.
+    core.on_message(_final(a, np.int64([1])), 100.2)
+    assert _result(a) == 1 and core.pinned_replies == 0
+
+
+def test_pinned_calls_use_the_lease_up_to_its_slots_and_replies_resolve_them(core):
+    _, pin = _pinned(core)
+    c1, f1 = _send(core, now=101.0)
+    c2, _ = _send(core, now=101.0)
+    c3, _ = _send(core, now=101.0)  # beyond the 2 slots: through the broker
+    assert c1.pin is pin and c2.pin is pin and c3.pin is None and set(pin.calls) == {c1.id, c2.id}
+    assert f1[3] and P.decode_request(f1[3], n_inline=len(f1) - 4).id == c1.id  # the same REQUEST frames
+    assert core.on_message(_final(c1, np.int64([11])), 101.1, pin=pin) == []
+    assert _result(c1) == 11 and core.pinned_replies == 1 and set(pin.calls) == {c2.id}
+    c4, _ = _send(core, now=101.2)  # a slot is free again
+    assert c4.pin is pin
+    core.on_message(_final(c3, np.int64([3])), 101.3)  # the brokered one
+    assert _result(c3) == 3 and core.pinned_replies == 1
+    # A cancel goes where the call runs.
+    assert core.give_up(c2) is None
+    [op] = _ops(core)
+    assert type(op) is PinSend and op.pin is pin and op.frames == P.client_cancel("echo", c2.id)
+    core.on_message(_error(c2, ErrorCode.CANCELLED, "cancelled"), 101.4, pin=pin)
+    assert c2.done and not c2.inbox and c2.id not in pin.calls
+    assert core.discarded == 1  # the abandoned call's FINAL is dropped
+
+
+def test_lease_end_with_resend_moves_every_call_to_the_broker_exactly_once(core):
+    first, pin = _pinned(core)
+    c1, f1 = _send(core, now=101.0)
+    c2, _ = _send(core, now=101.0)
+    out = core.on_message(_lease_end(True), 102.0)
+    assert sorted(P.decode_request(f[3], n_inline=len(f) - 4).id for f in out) == sorted([c1.id, c2.id])
+    assert all(f[:3] == [P.MDPC, P.C_REQUEST, b"echo"] for f in out)
+    req = P.decode_request(out[0][3], n_inline=len(out[0]) - 4)
+    assert req.timeout_ms == pytest.approx(9000.0)  # what is left of the deadline
+    [op] = _ops(core)
+    assert type(op) is PinClose and op.pin is pin
+    assert not core.pinned("echo") and c1.pin is None and c2.pin is None and core.pins_ended == 1
+    # A late direct reply (it cannot come on a closed socket, but if it did) is a stray ...
+    core.on_message(_final(c1, np.int64([0])), 102.1, pin=pin)
+    assert not c1.inbox and core.discarded == 1
+    # ... and the broker's answer is the one.
+    core.on_message(_final(c1, np.int64([1])), 102.2)
+    core.on_message(_final(c2, np.int64([2])), 102.2)
+    assert _result(c1) == 1 and _result(c2) == 2 and set(core.calls) == {first.id}
+    # A new lease is asked for on a request after the backoff, not before.
+    _send(core, now=102.5)
+    assert not core.ops
+    _send(core, now=102.0 + PIN_RETRY_MIN_S + 0.01)
+    _ask_of(_ops(core))
+
+
+def test_lease_end_with_resend_forgets_abandoned_calls_and_fails_streamed_ones(core):
+    first, pin = _pinned(core)
+    gone, _ = _send(core, now=101.0)
+    streamed, _ = _send(core, now=101.0)
+    core.give_up(gone)
+    _ops(core)
+    core.on_message(_final(streamed, np.int64([5]), final=False), 101.1, pin=pin)
+    assert streamed.inbox[0][0] == "partial"
+    assert core.on_message(_lease_end(True), 102.0) == []
+    assert gone.done and gone.id not in core.calls
+    kind, err = streamed.inbox[-1]
+    assert kind == "error" and isinstance(err, errors.WorkerFailed) and streamed.done
+    assert set(core.calls) == {first.id}
+    streamed.inbox.popleft()[1].release()
+
+
+def test_lease_end_without_resend_lets_calls_finish_on_the_connection(core):
+    _, pin = _pinned(core)
+    c1, _ = _send(core, now=101.0)
+    assert core.on_message(_lease_end(False, reason="worker_stopping"), 102.0) == []
+    assert not core.ops and not core.pinned("echo") and pin.ending  # the socket stays for c1
+    c2, _ = _send(core, now=102.1)
+    assert c2.pin is None  # new calls: through the broker
+    core.on_message(_final(c1, np.int64([1])), 102.2, pin=pin)
+    assert _result(c1) == 1
+    [op] = _ops(core)
+    assert type(op) is PinClose and op.pin is pin and LEASE not in core.pin_all
+
+
+def test_a_direct_503_asking_to_resend_goes_through_the_broker_instead(core):
+    _, pin = _pinned(core)
+    c1, _ = _send(core, now=101.0)
+    c2, _ = _send(core, now=101.0)
+    msg = "this connection's lease ended (client_gone); resend this request through the broker (it did not run)"
+    out = core.on_message(_error(c1, ErrorCode.SERVICE_UNAVAILABLE, msg), 101.5, pin=pin)
+    assert [P.decode_request(f[3], n_inline=len(f) - 4).id for f in out] == [c1.id]
+    assert not c1.inbox and not c1.done and c1.pin is None and c1.id in core.calls
+    assert not core.pinned("echo") and pin.ending and not core.ops  # c2 still on the connection
+    core.on_message(_final(c1, np.int64([1])), 101.6)
+    assert _result(c1) == 1
+    # A 503 that does not ask to resend is the call's answer.
+    core.on_message(_error(c2, ErrorCode.SERVICE_UNAVAILABLE, "no live worker"), 101.7, pin=pin)
+    kind, err = c2.inbox.popleft()
+    assert kind == "error" and isinstance(err, errors.ServiceUnavailable)
+    [op] = _ops(core)
+    assert type(op) is PinClose
+
+
+def test_a_direct_429_goes_through_the_broker_and_keeps_the_lease(core):
+    _, pin = _pinned(core)
+    c1, _ = _send(core, now=101.0)
+    out = core.on_message(_error(c1, ErrorCode.QUEUE_FULL, "all 2 slots of this lease are in flight"), 101.1, pin=pin)
+    assert len(out) == 1 and c1.pin is None and core.pinned("echo") and not pin.ending
+
+
+def test_a_refused_ask_backs_off_doubling_up_to_the_maximum(core):
+    now = 100.0
+    waits = []
+    for _ in range(8):
+        call, _ = _send(core, now=now)
+        ask = _ask_of(_ops(core))
+        refusal = [P.MDPC, P.C_LEASED, b"echo",
+                   *P.error_body(ask.id, ErrorCode.SERVICE_UNAVAILABLE, "no worker of it takes leases")]
+        assert core.on_message(refusal, now) == []
+        retry = core._pin_retry["echo"]
+        waits.append(retry - now)
+        _send(core, now=retry - 0.01)
+        assert not core.ops  # not yet
+        now = retry
+    assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, PIN_RETRY_MAX_S, PIN_RETRY_MAX_S, PIN_RETRY_MAX_S]
+    assert core.pins_refused == 8 and not core.pins
+
+
+def test_an_unanswered_ask_is_given_up_and_asked_again(core):
+    _send(core, now=100.0)
+    first = _ask_of(_ops(core))
+    _send(core, now=100.0 + ASK_TIMEOUT_S - 0.1)
+    assert not core.ops
+    _send(core, now=100.0 + ASK_TIMEOUT_S + 0.1)  # lost: refused, backoff starts
+    assert not core.ops
+    _send(core, now=100.0 + ASK_TIMEOUT_S + 0.1 + PIN_RETRY_MIN_S)
+    again = _ask_of(_ops(core))
+    assert again.id != first.id
+    # The first ask's late answer is not taken: the broker gets its lease back.
+    out = core.on_message(_leased(first.id), 110.0)
+    assert out and out[0][:3] == [P.MDPC, P.C_LEASE_END, b"echo"]
+    end = P.decode_lease_end(out[0][3])
+    assert (end.lease, end.reason) == (LEASE, "client_done") and not core.pinned("echo")
+
+
+def test_a_lease_of_another_broker_instance_is_handed_back(core):
+    core.on_message([P.MDPC, P.C_HEARTBEAT, INSTANCE, (3000).to_bytes(4, "big")], 99.0)
+    _send(core)
+    ask = _ask_of(_ops(core))
+    out = core.on_message(_leased(ask.id, instance=b"another!"), 100.1)
+    assert P.decode_lease_end(out[0][3]).reason == "client_done" and not core.pinned("echo")
+
+
+def test_a_broker_restart_ends_every_lease_and_resends_its_calls(core):
+    core.on_message([P.MDPC, P.C_HEARTBEAT, INSTANCE, (3000).to_bytes(4, "big")], 99.0)
+    _, pin = _pinned(core)
+    c1, _ = _send(core, now=101.0)
+    old = c1.id
+    out = core.on_message([P.MDPC, P.C_HEARTBEAT, b"broker02", (3000).to_bytes(4, "big")], 102.0)
+    ops = _ops(core)
+    assert [type(op) for op in ops] == [PinClose] and not core.pinned("echo") and c1.pin is None
+    # core.py's restart logic: CANCEL the old id at the (new) broker, resend under a new one.
+    assert P.client_cancel("echo", old) in out and c1.id != old
+    assert [P.decode_request(f[3], n_inline=len(f) - 4).id for f in out if f[1] == P.C_REQUEST][-1] == c1.id
+    core.on_message(_final(c1, np.int64([1])), 102.1)
+    assert _result(c1) == 1 and core.broker_restarts == 1
+
+
+def test_close_says_client_done_for_each_lease_and_closes_its_connection(core):
+    _, pin = _pinned(core)
+    c1, _ = _send(core, now=101.0)
+    core.pin_goodbye()
+    ops = _ops(core)
+    assert [type(op) for op in ops] == [list, PinClose]
+    assert ops[0][:3] == [P.MDPC, P.C_LEASE_END, b"echo"]
+    assert P.decode_lease_end(ops[0][3]) == P.LeaseEnd(lease=LEASE, reason="client_done")
+    assert c1.pin is None and not core.pins and not core.pin_all
+
+
+def test_a_connection_that_cannot_open_gives_the_lease_back(core):
+    _, pin = _pinned(core)
+    core.pin_broken(pin, 100.5, "no such file")
+    ops = _ops(core)
+    assert [type(op) for op in ops] == [list, PinClose] and ops[0][1] == P.C_LEASE_END
+    assert not core.pinned("echo") and core._pin_retry["echo"] == pytest.approx(101.5)
+
+
+def test_reroute_and_unregister_take_a_call_off_its_lease(core):
+    _, pin = _pinned(core)
+    c1, _ = _send(core, now=101.0)
+    core.reroute(c1)
+    assert c1.pin is None and not pin.calls and c1.id in core.calls
+    c2, _ = _send(core, now=101.0)
+    core.unregister(c2)
+    assert c2.pin is None and not pin.calls
+
+
+def test_shared_memory_goes_on_a_near_lease_and_inline_on_a_far_one():
+    c = ClientCore("ipc:///tmp/zinf-pin-core-test.sock", transport="auto", heartbeat_interval=1.0, pin=4)
+    try:
+        x = {"x": np.arange(64, dtype=np.float32)}
+        early = c.new_call("echo", x)  # packed before any lease: shared memory
+        assert early.packed.uses_shm
+        c.request_frames(early, 100.0)
+        ask = _ask_of(_ops(c))
+        assert ask.transports == ["shm", "inline"] and ask.host == P.local_host_id()
+        # A far lease (no host): new calls pack inline and go on it; a call packed with
+        # references cannot, and goes through the broker.
+        c.on_message(_leased(ask.id, slots=4), 100.1)
+        [op] = _ops(c)
+        far = op.pin
+        assert not far.near
+        shm_call = c.new_call("echo", x)
+        assert c.pin_inline("echo")
+        assert not shm_call.packed.uses_shm and shm_call.reply == "inline"
+        c.request_frames(shm_call, 100.2)
+        assert shm_call.pin is far
+        c.on_message(_lease_end(False, reason="drain"), 100.3)
+        _ops(c)
+        # A near lease: references go on it.
+        c.request_frames(c.new_call("echo", x), 100.3 + PIN_RETRY_MIN_S)
+        ask = _ask_of(_ops(c))
+        c.on_message(_leased(ask.id, lease=bytes(7) + b"\x02", slots=4, host=P.local_host_id()), 102.0)
+        [op] = _ops(c)
+        assert op.pin.near
+        near_call = c.new_call("echo", x)
+        assert near_call.packed.uses_shm
+        c.request_frames(near_call, 102.1)
+        assert near_call.pin is op.pin
+    finally:
+        c.close()
+
+
+def test_pins_module_is_socket_free():
+    src = (pathlib.Path(client_sdk.__file__).parent / "pins.py").read_text()
+    names = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    assert not {"zmq", "asyncio", "time", "socket", "selectors"} & names
+
+
+def test_a_pinning_client_sends_the_same_request_frames_as_a_plain_one():
+    plain = ClientCore("ipc:///tmp/zinf-pin-core-test.sock", transport="inline", pin=False)
+    pinning = ClientCore("ipc:///tmp/zinf-pin-core-test.sock", transport="inline", pin=True)
+    try:
+        pinning._next_id = plain._next_id
+        kw = dict(timeout=3.0, priority="urgent", meta={"k": 1}, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+        a = plain.request_frames(plain.new_call("echo", {"x": np.arange(5)}, **kw), 100.0)
+        b = pinning.request_frames(pinning.new_call("echo", {"x": np.arange(5)}, **kw), 100.0)
+        assert [bytes(f) for f in a] == [bytes(f) for f in b]
+        assert not plain.ops and len(pinning.ops) == 1  # the ask, beside the request
+    finally:
+        plain.close()
+        pinning.close()

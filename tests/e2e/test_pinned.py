@@ -1,0 +1,225 @@
+"""Pinned streams through the SDK (`pin=True`, docs/client.md "Pinned streams"), with real
+broker and `python -m gpu_worker --direct` processes: a pinned client's requests go straight
+to the leased worker and its replies come back the same way (`pinned_replies`), a service
+whose workers take no leases stays brokered, and every end of a lease (the worker SIGKILLed
+with 64 requests in flight on it, or SIGTERMed while it holds some) completes every request
+exactly once, through the broker where needed, after which the client pins again.  A plain
+MDP client works beside it all along."""
+from __future__ import annotations
+
+import asyncio
+import select
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from broker import protocol as P
+from client_sdk import AsyncClient, Client
+from tests.e2e.conftest import wait_service
+
+pytestmark = pytest.mark.timeout(60)
+
+TIMEOUT_S = 10.0
+
+
+def _echo(c: Client, service: str, i: int) -> None:
+    x = np.full(16, i, np.int64)
+    with c.infer(service, {"x": x}, timeout=TIMEOUT_S) as r:
+        np.testing.assert_array_equal(r["x"], x)
+
+
+def _until_pinned(c: Client, service: str, timeout: float = TIMEOUT_S) -> None:
+    """Echo requests (the first one asks for the lease) until the client holds one; the
+    backoff after an end is 1 s, so this waits for a condition, never a fixed time."""
+    deadline = time.monotonic() + timeout
+    i = 0
+    while not c.pinned(service):
+        assert time.monotonic() < deadline, f"not pinned to {service!r} within {timeout} s"
+        _echo(c, service, i)
+        i += 1
+        if not c.pinned(service):
+            c.pump(0.05)  # a LEASED on its way is routed
+
+
+def _pump_until(c: Client, cond, what: str, timeout: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        c.pump(0.05)
+
+
+def _start_pumping(c: Client, proc, timeout: float = 30.0) -> None:
+    """Wait for `proc`'s READY line while `c` pumps (and so heartbeats)."""
+    deadline = time.monotonic() + timeout
+    while not select.select([proc.p.stdout.fileno()], [], [], 0)[0]:
+        assert time.monotonic() < deadline, f"{proc.args} not ready within {timeout} s"
+        c.pump(0.05)
+    proc.wait_ready()
+
+
+def _plain_echo(frontend: str, service: str, value: int) -> None:
+    """A plain MDP client: a raw DEALER that never heard of leases."""
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.linger = 0
+    s.connect(frontend)
+    try:
+        x = np.full(4, value, np.int32)
+        head = P.Request(id=7, tensors=[P.TensorRef(name="x", dtype=x.dtype.str, shape=[4], loc=P.InlineLoc(frame=0))])
+        s.send_multipart(P.client_request(service, [P.encode_header(head), x.tobytes()]))
+        assert s.poll(TIMEOUT_S * 1000), "the plain client got no reply"
+        msg = P.parse_broker_to_client(s.recv_multipart())
+        assert msg.command == P.C_FINAL
+        rep = P.decode_reply(msg.body[0], n_inline=len(msg.body) - 1)
+        assert rep.error is None and rep.id == 7, rep.error
+        [t] = rep.tensors
+        np.testing.assert_array_equal(np.frombuffer(msg.body[1 + t.loc.frame], np.int32), x)
+    finally:
+        s.close(0)
+
+
+def test_pinned_clients_get_their_replies_straight_from_the_worker(cluster):
+    cluster.broker()
+    cluster.worker("echo", "--direct")
+    with Client(cluster.frontend, timeout=TIMEOUT_S, pin=True) as c:
+        wait_service(c, "echo")
+        _until_pinned(c, "echo")
+        before, relayed = c.pinned_replies, c.direct_replies
+        for i in range(40):
+            _echo(c, "echo", i)
+        assert c.pinned_replies - before == 40 and c.direct_replies == relayed  # none crossed the broker
+        # A stream on a pinned client is pinned too.
+        with c.stream("echo", latest_wins=False, max_in_flight=2) as st:
+            for i in range(6):
+                st.send({"x": np.full(3, i, np.int16)})
+            for i in range(6):
+                with st.recv(timeout=TIMEOUT_S) as r:
+                    np.testing.assert_array_equal(r["x"], np.full(3, i, np.int16))
+        assert c.pinned_replies - before == 46
+        _plain_echo(cluster.frontend, "echo", 5)
+        assert c.stray_replies == 0
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=TIMEOUT_S, pin=True) as ac:
+            deadline = time.monotonic() + TIMEOUT_S
+            while not ac.pinned("echo"):
+                assert time.monotonic() < deadline, "the AsyncClient never pinned"
+                r = await ac.infer("echo", {"x": np.arange(4)})
+                r.release()
+                if not ac.pinned("echo"):
+                    await ac.pump(0.05)
+            before = ac.pinned_replies
+            for k in range(5):  # 8 at a time: the lease's slots
+                xs = [np.full(8, 100 * k + i, np.float32) for i in range(8)]
+                outs = await asyncio.gather(*(ac.infer("echo", {"x": x}) for x in xs))
+                for x, out in zip(xs, outs):
+                    np.testing.assert_array_equal(out["x"], x)
+                    out.release()
+            assert ac.pinned_replies - before == 40 and ac.stray_replies == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_service_without_direct_workers_stays_brokered(cluster):
+    cluster.broker()
+    cluster.worker("echo")  # no --direct: never leased
+    with Client(cluster.frontend, timeout=TIMEOUT_S, pin=True) as c:
+        wait_service(c, "echo")
+        for i in range(5):
+            _echo(c, "echo", i)
+        c.mmi_service("echo")  # a barrier: the LEASE's refusal came before this answer
+        assert not c.pinned("echo") and c.pinned_replies == 0
+        for i in range(5):  # within the backoff: no new ask, still brokered
+            _echo(c, "echo", i)
+        assert c.pinned_replies == 0 and c.stray_replies == 0
+
+
+def test_sigkill_of_the_pinned_worker_with_64_in_flight_loses_and_duplicates_nothing(cluster, gate):
+    cluster.broker()
+    doomed = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "80",
+                            "--no-warmup", "--direct", env=gate.env, wait=False)
+    gate.open()
+    doomed.wait_ready()
+    with Client(cluster.frontend, timeout=30, pin=64) as c:
+        # The first request asks for the lease, and waits at the gate (brokered) meanwhile.
+        first = c.infer_stream("gate", {"x": np.arange(3)})
+        _pump_until(c, lambda: c.pinned("gate"), "the lease")
+        gate.release(1)
+        with first.result(timeout=TIMEOUT_S) as r:
+            np.testing.assert_array_equal(r["x"], np.arange(3))
+        # A second worker of the service (an echo, no gate), ready before the kill; the
+        # client heartbeats meanwhile (idle for the broker's client window, it would lose
+        # its lease: a blocking client sends heartbeats only from inside its calls).
+        _start_pumping(c, cluster.worker("echo", "--service", "gate", "--direct", wait=False))
+        xs = [np.full(5, i, np.int64) for i in range(64)]
+        handles = [c.infer_stream("gate", {"x": x}) for x in xs]
+        assert c.in_flight() == 64
+        gate.release(4)  # four finish on the lease; 60 are held at the doomed worker
+        done = {}
+        for i in range(4):
+            with handles[i].result(timeout=TIMEOUT_S) as r:
+                np.testing.assert_array_equal(r["x"], xs[i])
+                done[i] = 1
+        assert c.pinned_replies == 4
+        doomed.kill()  # SIGKILL: the broker ends the lease with resend
+        for i in range(4, 64):
+            with handles[i].result(timeout=TIMEOUT_S) as r:
+                np.testing.assert_array_equal(r["x"], xs[i])  # its own result
+                done[i] = done.get(i, 0) + 1
+        assert done == {i: 1 for i in range(64)} and c.in_flight() == 0
+        assert c.pinned_replies == 4 and c.stray_replies == 0  # the 60 came through the broker
+        # ... and the client pins again, to the live worker.
+        _until_pinned(c, "gate")
+        before = c.pinned_replies
+        _echo(c, "gate", 7)
+        assert c.pinned_replies == before + 1
+
+
+def test_sigterm_of_the_pinned_worker_ends_the_lease_without_losing_a_request(cluster, gate):
+    cluster.broker()
+    stopping = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "16",
+                              "--no-warmup", "--direct", env=gate.env, wait=False)
+    gate.open()
+    stopping.wait_ready()
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=30, pin=True) as c:
+            first = c.infer_stream("gate", {"x": np.arange(3)})
+            deadline = time.monotonic() + TIMEOUT_S
+            while not c.pinned("gate"):
+                assert time.monotonic() < deadline, "never pinned"
+                await c.pump(0.05)
+            # A second worker of the service (an echo, no gate) starts while the first request
+            # waits at the gate: a batch that took that long is never run on the worker loop's
+            # own thread again, so the loop hears SIGTERM while the gate holds requests.
+            await asyncio.to_thread(cluster.worker, "echo", "--service", "gate", "--direct")
+            gate.release(1)
+            (await first.result(timeout=TIMEOUT_S)).release()
+            xs = [np.full(6, i, np.int32) for i in range(8)]
+            held = [asyncio.ensure_future(c.infer("gate", {"x": x})) for x in xs]  # all 8 on the lease
+            await asyncio.sleep(0)
+            assert c.in_flight() == 8
+            stopping.p.send_signal(15)  # SIGTERM: the worker ends its lease, then finishes what it holds
+            deadline = time.monotonic() + TIMEOUT_S
+            while c.pinned("gate"):
+                assert time.monotonic() < deadline, "the lease never ended"
+                await c.pump(0.05)
+            before = c.pinned_replies
+            # New requests go through the broker meanwhile (the broker may hand some to the
+            # stopping worker before it says goodbye: the gate lets those through too).
+            later = [np.full(6, 100 + i, np.int32) for i in range(8)]
+            more = [asyncio.ensure_future(c.infer("gate", {"x": x})) for x in later]
+            await asyncio.sleep(0)
+            gate.release(16)  # the held requests finish on the lease's connection
+            for x, fut in zip(xs + later, held + more):
+                out = await asyncio.wait_for(fut, TIMEOUT_S)
+                np.testing.assert_array_equal(out["x"], x)
+                out.release()
+            await asyncio.to_thread(_plain_echo, cluster.frontend, "gate", 9)
+            assert c.in_flight() == 0 and c.stray_replies == 0
+            return c.pinned_replies - before
+
+    pinned = asyncio.run(asyncio.wait_for(scenario(), 40))
+    assert pinned == 8  # the held ones answered on the lease's connection, the later ones did not
+    assert stopping.p.wait(TIMEOUT_S) == 0
