@@ -26,13 +26,14 @@ from bench.peers import Peer, PeerClient, PeerStartError, register
 
 
 class _BrokerClient(PeerClient):
-    def __init__(self, endpoint: str, transport: str):
+    def __init__(self, endpoint: str, transport: str, pin: bool = False):
         from client_sdk import AsyncClient, Client
 
         self.transport = transport
+        self.pin = pin
         # A remote client gets its outputs inline too; a local one where the worker chooses.
         self.reply = "inline" if transport == "inline" else "auto"
-        self._aio = AsyncClient(endpoint, transport=transport, timeout=60)
+        self._aio = AsyncClient(endpoint, transport=transport, timeout=60, pin=pin)
         self._sync: Any = None
         self._endpoint = endpoint
         self._Client = Client
@@ -80,7 +81,7 @@ class _BrokerClient(PeerClient):
         call's time, as the asyncio `request` releases its own), so no size pays a copy of
         the reply that the asyncio path does not."""
         if self._sync is None:
-            self._sync = self._Client(self._endpoint, transport=self.transport, timeout=60)
+            self._sync = self._Client(self._endpoint, transport=self.transport, timeout=60, pin=self.pin)
         self._release_last()
         x = self._stage(self._sync, payload)
         res = self._sync.infer("echo", {"x": x}, reply=self.reply)
@@ -115,6 +116,8 @@ class _BrokerClient(PeerClient):
 class _BrokerPeer(Peer):
     transport = "shm"
     broker_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()
+    pin = False
 
     def available(self) -> tuple[bool, str]:
         return True, ""
@@ -126,7 +129,7 @@ class _BrokerPeer(Peer):
         self.spawn(self.python_module("broker", "--frontend", self.frontend, "--backend", backend,
                                       *self.broker_args), env=env)
         self.spawn(self.python_module("gpu_worker", "--broker", backend, "--model", "echo",
-                                      "--max-batch", "1", "--credit", "64"), env=env)
+                                      "--max-batch", "1", "--credit", "64", *self.worker_args), env=env)
         # The worker's READY means it sent READY; one round trip proves the broker has it.
         from client_sdk import Client
 
@@ -140,7 +143,7 @@ class _BrokerPeer(Peer):
                 time.sleep(0.01)
 
     def client(self) -> PeerClient:
-        return _BrokerClient(self.frontend, self.transport)
+        return _BrokerClient(self.frontend, self.transport, pin=self.pin)
 
 
 @register
@@ -148,6 +151,16 @@ class BrokerShmPeer(_BrokerPeer):
     name = "broker-shm"
     description = "our broker + echo worker; tensors in shared memory, only the header crosses ZeroMQ"
     transport = "shm"
+
+
+@register
+class PinnedPeer(_BrokerPeer):
+    name = "pinned"
+    description = ("broker-shm's client with pin=True and a gpu_worker --direct echo: after its lease, "
+                   "requests go straight to the worker and back (two hops; docs/protocol.md section 10)")
+    transport = "shm"
+    worker_args = ("--direct",)
+    pin = True
 
 
 @register

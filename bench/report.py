@@ -43,6 +43,19 @@ RATIOS: dict[str, tuple[tuple[str, int], tuple[str, int], str]] = {
     "payload_independence_64mb": (
         ("broker-shm", BIG_BYTES), ("broker-shm", TINY_BYTES),
         "broker-shm p50 at 64 MiB / its p50 at 16 B"),
+    "pinned_vs_direct_tiny": (
+        ("pinned", TINY_BYTES), ("direct", TINY_BYTES),
+        "p50 at 16 B of the pinned path (SDK client with pin=True, gpu_worker --direct: two hops) / "
+        "p50 of a raw DEALER-ROUTER echo"),
+    "pinned_vs_grpc_tiny": (
+        ("pinned", TINY_BYTES), ("grpc", TINY_BYTES),
+        "p50 at 16 B of the pinned path / p50 of a gRPC bidi stream echo"),
+    "pinned_payload_independence_6mb": (
+        ("pinned", FRAME_BYTES), ("pinned", TINY_BYTES),
+        "pinned p50 at 1080x1920x3 uint8 (6.2 MB) / its p50 at 16 B"),
+    "pinned_payload_independence_64mb": (
+        ("pinned", BIG_BYTES), ("pinned", TINY_BYTES),
+        "pinned p50 at 64 MiB / its p50 at 16 B"),
     "grpc_vs_shm_6mb": (
         ("grpc", FRAME_BYTES), ("broker-shm", FRAME_BYTES),
         "grpc p50 / broker-shm p50 at 1080x1920x3 uint8 (6.2 MB)"),
