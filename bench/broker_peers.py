@@ -69,11 +69,19 @@ class _BrokerClient(PeerClient):
 
     async def request(self, payload: Any) -> dict | None:
         x = self._stage(self._aio, payload)
+        before = self._aio.pinned_replies if self.pin else 0
         res = await self._aio.infer("echo", {"x": x}, reply=self.reply)
         try:
-            return self._timing(res)
+            return self._not_pinned(self._aio, before) or self._timing(res)
         finally:
             res.release()
+
+    def _not_pinned(self, client, before: int) -> dict | None:
+        """A pinned peer counts only replies that came on the lease (the first requests go
+        through the broker while it is asked for: in the warm-up)."""
+        if self.pin and client.pinned_replies == before:
+            return {"error": "answered through the broker: no lease held (not a pinned request)"}
+        return None
 
     def request_sync(self, payload: Any) -> dict | None:
         """One blocking `Client.infer` (its own timeout, 60 s, applies).  The reply is a
@@ -84,8 +92,12 @@ class _BrokerClient(PeerClient):
             self._sync = self._Client(self._endpoint, transport=self.transport, timeout=60, pin=self.pin)
         self._release_last()
         x = self._stage(self._sync, payload)
+        before = self._sync.pinned_replies if self.pin else 0
         res = self._sync.infer("echo", {"x": x}, reply=self.reply)
         self._last = res
+        miss = self._not_pinned(self._sync, before)
+        if miss is not None:
+            return miss
         out = self._timing(res)
         out["reply"] = memoryview(np.ascontiguousarray(res["x"]).reshape(-1).view(np.uint8))
         return out
@@ -161,6 +173,17 @@ class PinnedPeer(_BrokerPeer):
     transport = "shm"
     worker_args = ("--direct",)
     pin = True
+
+    def start(self) -> None:
+        # A leaseholder that says nothing for the broker's client liveness window loses its
+        # lease, and a blocking client says nothing between its windows (it has no thread):
+        # while the other peers' windows run, seconds pass.  A long window keeps the lease, so
+        # every measured request is a pinned one (`request_sync` checks it).
+        cfg = os.path.join(self.tmpdir, "pinned-broker.toml")
+        with open(cfg, "w") as f:
+            f.write("[scheduler]\nclient_liveness = 3600.0\n")
+        self.broker_args = ("--config", cfg)
+        super().start()
 
 
 @register

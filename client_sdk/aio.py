@@ -125,7 +125,9 @@ class AsyncClient(ClientBase):
             for sock in self._socks:
                 direct = sock is not self._sock
                 pin = pins.get(sock) if pins else None
-                while sock.getsockopt(zmq.EVENTS) & _POLLIN:
+                # A lease's socket may be closed meanwhile (a stream woken by a FINAL ran
+                # the core's ops): skip it rather than break the client on ENOTSOCK.
+                while not sock.closed and sock.getsockopt(zmq.EVENTS) & _POLLIN:
                     frames = recv_frames(sock)
                     try:
                         outs = core.on_message(frames, time.monotonic(), direct, pin)

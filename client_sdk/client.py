@@ -300,7 +300,7 @@ class Client(ClientBase):
         for sock, _ in self._items:
             direct = sock is not self._sock
             pin = pins.get(sock) if pins else None
-            while sock.get(zmq.EVENTS) & _POLLIN:
+            while not sock.closed and sock.get(zmq.EVENTS) & _POLLIN:  # a lease's may close meanwhile
                 frames = recv_frames(sock)
                 for out in core.on_message(frames, time.monotonic(), direct, pin):
                     self._send_soon(out)

@@ -131,6 +131,9 @@ class ClientCore(PinEvents):
         self.mmi_waiters: deque[MmiQuery] = deque()  # MMI questions sent, oldest first
         self._mmi_seq = 0
         self._init_pins(pin)  # leases (pins.py); pin=False: none ever asked for
+        if self.pin_slots and self.heartbeat_interval is None:
+            raise InvalidInput("pin=True needs heartbeats (heartbeat_interval > 0): a leaseholder the broker "
+                               "does not hear from loses its lease")
 
     # ---------------------------------------------------------------- pools and buffers
 
@@ -396,15 +399,22 @@ class ClientCore(PinEvents):
         socket; `pin`, from a leased worker on that lease's connection).  Returns messages to
         send to the broker in response (an inline resend after NOT_LOCAL, a pinned call moved
         to the broker)."""
-        self.last_recv = now
+        if pin is None:
+            # The broker's (or a reply socket's) word keeps the broker alive in our eyes; a
+            # leased worker's traffic must not hide a silent broker.
+            self.last_recv = now
         try:
             msg = P.parse_broker_to_client(frames)
         except P.ProtocolError as e:
-            if self.pin_slots and pin is None:
+            if self.pin_slots and pin is None and not direct:
                 out = self._on_lease_message(frames, now)  # LEASED, LEASE_END (pins.py)
                 if out is not None:
                     return out
             log.warning("dropping a malformed message from the broker: %s", e)
+            return []
+        if pin is not None and msg.command == P.C_HEARTBEAT:
+            # Only the broker speaks for the broker: a worker's HEARTBEAT could fake a restart.
+            log.warning("dropping a HEARTBEAT from the leased worker of %r", pin.service)
             return []
         if msg.command == P.C_HEARTBEAT:
             if not msg.body:
@@ -432,6 +442,8 @@ class ClientCore(PinEvents):
                 # Fail the call it was meant for, if that can be told, rather than let it
                 # wait for its deadline.
                 call = self.calls.get(P.lenient_request_id(body[0]))
+                if call is not None and pin is not None and call.pin is not pin:
+                    call = None  # a leased worker answers only for the calls on its lease
                 self._bad.warning("bad reply header%s: %s", f" for request {call.id}" if call else "", e)
                 if call is not None and final and not call.abandoned:
                     self._forget(call)
@@ -453,6 +465,11 @@ class ClientCore(PinEvents):
                         return out  # it did not run: through the broker instead
                 self.pinned_replies += 1
             return self._on_reply(call, rep, list(body[1:]), final, now)
+        if pin is not None:
+            # Not a header: nothing a leased worker may send (MMI answers and opaque bodies
+            # are the broker's and plain workers' business).
+            self.discarded += 1
+            return []
         if service == _MMI_SERVICE_B and final and self.mmi_waiters:
             q = self._take_mmi_waiter(body)
             if q is not None and not q.abandoned:

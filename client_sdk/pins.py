@@ -356,6 +356,9 @@ class PinEvents:
             # The worker no longer holds the lease (it stopped, or forgot us): end it here.
             log.info("the pinned worker of %r refused request %d (%s); back to the broker", pin.service, call.id, msg)
             self.pins_ended += 1
+            # The broker still counts the lease's slots: say it is over (it ignores an
+            # unknown lease, if it ended the lease itself meanwhile).
+            self.ops.append(self._lease_end_frames(pin.service, pin.lease))
             self._end_pin(pin, now, resend=False)
         return self._to_broker(call, now, lost=False)
 
