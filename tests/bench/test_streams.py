@@ -5,90 +5,32 @@ merge() agree with the windows; a window survives pickling (generator processes)
 from __future__ import annotations
 
 import asyncio
-import os
 import pickle
-import select
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bench.streams import StreamsWindow, detail, merge, stream_ticks, streams_window
 from client_sdk import AsyncClient
-
-HERE = Path(__file__).parent
-ROOT = HERE.parent.parent
+from tests.e2e.conftest import Cluster
 
 
-class _Proc:
-    def __init__(self, args: list[str]):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")])
-        env["PYTHONUNBUFFERED"] = "1"
-        self.args = args
-        self.p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  env=env, cwd=ROOT)
-
-    def wait_ready(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        buf = b""
-        fd = self.p.stdout.fileno()
-        while b"\n" not in buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{self.args} printed no READY within {timeout} s")
-            r, _, _ = select.select([fd], [], [], left)
-            if r:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    self.p.wait(5)
-                    raise RuntimeError(f"{self.args} exited {self.p.returncode}: {self.p.stderr.read()[-2000:]!r}")
-                buf += chunk
-        assert buf.startswith(b"READY"), buf
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(15)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait(10)
-        for f in (self.p.stdout, self.p.stderr):
-            f.close()
-
-
-class _Cluster:
-    def __init__(self, tmp: Path, model: str, *worker_args: str):
-        self.frontend = f"ipc://{tmp}/fe.ipc"
-        backend = f"ipc://{tmp}/be.ipc"
-        self.procs: list[_Proc] = []
-        try:
-            b = _Proc(["-m", "broker", "--frontend", self.frontend, "--backend", backend,
-                       "--heartbeat-interval", "0.2"])
-            self.procs.append(b)
-            b.wait_ready()
-            w = _Proc(["-m", "gpu_worker", "--broker", backend, "--model", model, "--device", "cpu",
-                       "--heartbeat-interval", "0.2", "--out-capacity-mb", "16", *worker_args])
-            self.procs.append(w)
-            w.wait_ready()
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        for p in reversed(self.procs):  # the worker first, so it can DISCONNECT
-            p.close()
-        self.procs = []
+def _cluster(tmp_path, model: str, *worker_args: str) -> Cluster:
+    """A broker and one worker (tests/e2e/conftest.py's processes: READY waited for, reaped)."""
+    c = Cluster(tmp_path)
+    try:
+        c.broker()
+        c.worker(model, *worker_args)
+    except BaseException:
+        c.close()
+        raise
+    return c
 
 
 @pytest.fixture
 def echo_cluster(tmp_path):
-    c = _Cluster(tmp_path, "echo")
+    c = _cluster(tmp_path, "echo")
     try:
         yield c
     finally:
@@ -97,7 +39,7 @@ def echo_cluster(tmp_path):
 
 @pytest.fixture
 def slow_cluster(tmp_path):
-    c = _Cluster(tmp_path, "slow_model:factory", "--max-batch", "1")
+    c = _cluster(tmp_path, "tests.bench.slow_model:factory", "--max-batch", "1")
     try:
         yield c
     finally:
