@@ -293,15 +293,33 @@ async def open_loop(request: RequestFn, payload: Any, *, rate: float, duration_s
     j+2n, ... of the schedule, so n processes given the same t0 share one schedule exactly.
     With `lateness`, every request's lateness goes into the result's `lateness`."""
     res = WindowResult(LatencyHistogram(), lateness=LatencyHistogram() if lateness else None)
-    offsets = intended_offsets_ns(rate, duration_s, arrival, seed)
-    j, nparts = part
-    if nparts > 1:
-        offsets = offsets[j::nparts]
-    spin_ns = int(spin_us * 1000)
-    tasks: set[asyncio.Task] = set()
-    loop = asyncio.get_running_loop()
+    offsets = _part(intended_offsets_ns(rate, duration_s, arrival, seed), part)
     t0 = time.perf_counter_ns() if t0_ns is None else t0_ns
     max_lag = 0
+
+    def launch(off: int, now: int):
+        nonlocal max_lag
+        max_lag = max(max_lag, now - t0 - off)
+        return _one(request, payload, t0 + off, res, timeout_s)
+
+    await _follow_schedule(offsets, t0, int(spin_us * 1000), launch)
+    end = time.perf_counter_ns()
+    res.elapsed_s = max((end - t0) / 1e9, duration_s)
+    res.max_send_lag_ms = max_lag / 1e6
+    return res
+
+
+def _part(offsets: np.ndarray, part: tuple[int, int]) -> np.ndarray:
+    """Generator j of n sends requests j, j+n, j+2n, ... of one schedule."""
+    j, nparts = part
+    return offsets[j::nparts] if nparts > 1 else offsets
+
+
+async def _follow_schedule(offsets: np.ndarray, t0: int, spin_ns: int, launch) -> None:
+    """Run `launch(offset, now)` (a coroutine, as its own task) for every offset at t0 +
+    offset, or as soon as possible after when the loop was late; then wait for them all."""
+    tasks: set[asyncio.Task] = set()
+    loop = asyncio.get_running_loop()
     i, n = 0, len(offsets)
     while i < n:
         due = t0 + int(offsets[i])
@@ -310,25 +328,16 @@ async def open_loop(request: RequestFn, payload: Any, *, rate: float, duration_s
             # Event-loop timers fire on a ~1 ms grid (libuv and epoll both round to ms), and
             # every bit of lateness is charged to the request. So sleep only up to `spin_ns`
             # before the due time, then yield in a tight loop (I/O keeps being served).
-            if due - now > spin_ns:
-                await asyncio.sleep((due - now - spin_ns) / 1e9)
-            else:
-                await asyncio.sleep(0)
+            await asyncio.sleep((due - now - spin_ns) / 1e9 if due - now > spin_ns else 0)
             continue
         # Catch up: everything already due goes out now, each timed from its own due time.
         while i < n and t0 + int(offsets[i]) <= now:
-            due = t0 + int(offsets[i])
-            max_lag = max(max_lag, now - due)
-            task = loop.create_task(_one(request, payload, due, res, timeout_s))
+            task = loop.create_task(launch(int(offsets[i]), now))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
             i += 1
     if tasks:
         await asyncio.gather(*tasks)
-    end = time.perf_counter_ns()
-    res.elapsed_s = max((end - t0) / 1e9, duration_s)
-    res.max_send_lag_ms = max_lag / 1e6
-    return res
 
 
 # ---------------------------------------------------------------------------------------
@@ -397,37 +406,20 @@ async def open_loop_windows(request: RequestFn, payload: Any, *, rate: float, wa
     window its *intended* send time falls in, timed from that time.  `t0_ns` and `part` as
     in `open_loop`.  Every request's lateness is in its window's `lateness`."""
     warm_ns, win_ns = int(warmup_s * 1e9), int(window_s * 1e9)
-    offsets = intended_offsets_ns(rate, warmup_s + windows * window_s, arrival, seed)
-    j, nparts = part
-    if nparts > 1:
-        offsets = offsets[j::nparts]
+    offsets = _part(intended_offsets_ns(rate, warmup_s + windows * window_s, arrival, seed), part)
     results = [WindowResult(LatencyHistogram(), lateness=LatencyHistogram(), split=ServerSplit())
                for _ in range(windows)]
     warm = WindowResult(LatencyHistogram())
-    spin_ns = int(spin_us * 1000)
-    tasks: set[asyncio.Task] = set()
-    loop = asyncio.get_running_loop()
     t0 = time.perf_counter_ns() if t0_ns is None else t0_ns
-    i, n = 0, len(offsets)
-    while i < n:
-        due = t0 + int(offsets[i])
-        now = time.perf_counter_ns()
-        if due > now:  # the same timer-then-yield wait as open_loop's
-            await asyncio.sleep((due - now - spin_ns) / 1e9 if due - now > spin_ns else 0)
-            continue
-        while i < n and t0 + int(offsets[i]) <= now:
-            off = int(offsets[i])
-            k = _window_of(off, warm_ns, win_ns, windows)
-            res = warm if k < 0 else results[k]
-            if k >= 0:
-                res.max_send_lag_ms = max(res.max_send_lag_ms, (now - t0 - off) / 1e6)
-            task = loop.create_task(_counted(request, payload, t0 + off, res, timeout_s,
-                                             results, t0 + warm_ns, win_ns))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            i += 1
-    if tasks:
-        await asyncio.gather(*tasks)
+
+    def launch(off: int, now: int):
+        k = _window_of(off, warm_ns, win_ns, windows)
+        res = warm if k < 0 else results[k]
+        if k >= 0:
+            res.max_send_lag_ms = max(res.max_send_lag_ms, (now - t0 - off) / 1e6)
+        return _counted(request, payload, t0 + off, res, timeout_s, results, t0 + warm_ns, win_ns)
+
+    await _follow_schedule(offsets, t0, int(spin_us * 1000), launch)
     _finish_windows(results, window_s, t0 + warm_ns + (windows - 1) * win_ns)
     return results
 
