@@ -7,7 +7,8 @@ the worker's upstream, a `BrokerLink` whose send only records; the client's sock
 scheduling, batching, descriptors):
 
   broker   client REQUEST in -> dispatch out, worker FINAL in -> FINAL to the client out
-  worker   REQUEST in -> map inputs, batch, run echo, reply header out
+  worker   REQUEST in -> map inputs, batch, run echo, reply header out (also with counting on,
+           as for a broker with --http: `worker_with_metrics_us`)
   client   pack the request -> parse the reply -> build and release the Result
 
     python -m bench.hotpath [--n 20000]
@@ -91,7 +92,9 @@ class _RecordingLink(BrokerLink):
         self.last = frames
 
 
-def worker_us(n: int) -> float:
+def worker_us(n: int, metrics: bool = False) -> float:
+    """``metrics``: counting on, as for a broker with `--http` (its WELCOME says so): the
+    worker's histograms are fed per request, for its STATS."""
     from gpu_worker.worker import Worker, WorkerConfig
     from shm import ShmPool
 
@@ -102,6 +105,11 @@ def worker_us(n: int) -> float:
     link = _RecordingLink("ipc:///nonexistent", zmq.Context.instance())
     w = Worker(WorkerConfig(broker="ipc:///nonexistent", model="echo", max_batch=1), upstream=link)
     F = zmq.Frame
+    if metrics:  # what a counting broker's WELCOME does
+        welcome = P.Welcome(instance=b"\0" * 8, heartbeat_interval=w.heartbeat_interval,
+                            heartbeat_liveness=w.heartbeat_liveness, metrics=True)
+        w.on_message(P.to_worker_welcome(b"", welcome)[1:])
+        assert w.counts
     loc = P.shm_loc(ref._replace(nbytes=16))
     hdr = P.encode_header(P.Request(id=1, host=P.local_host_id(), pid=os.getpid(), queue_ms=0.01,
                                     tensors=[P.TensorRef(name="x", dtype="|u1", shape=[16], loc=loc)]))
@@ -150,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     res = {"broker_request_and_reply_us": broker_us(args.n),
            "broker_with_metrics_us": broker_us(args.n, metrics=True),
-           "worker_request_us": worker_us(args.n // 4), "client_request_us": client_us(args.n // 4)}
+           "worker_request_us": worker_us(args.n // 4), "worker_with_metrics_us": worker_us(args.n // 4, metrics=True),
+           "client_request_us": client_us(args.n // 4)}
     for k, v in res.items():
         print(f"{k:30s} {v:7.1f}")
     if args.json:

@@ -176,7 +176,7 @@ class LeaseEvents:
             else:
                 why = "every worker's credit is leased already"
             return refuse(f"service '{service}': {why}; requests go through the broker")
-        w = min(cands, key=lambda w: ((len(w.in_flight) + w.leased) / w.credit, w.used))
+        w = min(cands, key=lambda w: (w.busy, (len(w.in_flight) + w.leased) / w.credit, w.used))
         grant = min(slots, w.credit - w.leased - 1, room)
         self._lease_seq += 1
         lease = _Lease(self._lease_seq, client, principal, w.svc, w, grant, ask_id, secret, near)

@@ -7,8 +7,10 @@ taken between two messages) and renders it here with prometheus-client's own exp
 code, so names, escaping and format are the library's.  Workers report what only they see
 (compute, input and output times, batch sizes, pool use) in STATS messages, merged by
 `worker_stats`; a request answered by a worker straight to its client (direct reply) is
-counted from the worker's DONE, with the outcome and age the worker sent (`final`), so every
-request is counted once, whichever way its FINAL went (docs/operations.md, "Metrics").
+counted from the worker's DONE, with the outcome and age the worker sent (`final`), and a
+leased (pinned) request, which the broker never sees, from the worker's STATS (its outcome
+counts and its receipt-to-FINAL times), so every request is counted once, whichever way its
+FINAL went (docs/operations.md, "Metrics").
 
 Label values are bounded: a `service` label is the name of a service some worker registered
 (`register`); requests for any other name count under ``_other``, so a client sending random
@@ -34,6 +36,7 @@ MAX_SERVICES = 1024
 _CODES = {int(c): c.name.lower() for c in ErrorCode}
 _MAX_COUNT = 1 << 53   # beyond this a count or a byte gauge is not a real one
 _MAX_SUM = 1e12        # seconds or requests in one STATS: far beyond any real interval
+_MAX_OUTCOMES = 64     # distinct outcome codes in one STATS: far more than ErrorCode has
 _GAUGE_FIELDS = ("shm_used", "shm_capacity", "cuda_used", "cuda_capacity", "device_used", "device_total")
 _PRIORITIES = ("urgent", "normal", "background")
 
@@ -120,8 +123,15 @@ class Metrics:
         the label ``worker_label``: its pid and host); False (and nothing merged) when it is
         malformed: counts or sums negative, not finite or absurd."""
         s = self._svc(service)
-        pairs = [(s.compute, st.compute), (s.input, st.input), (s.output, st.output), (s.batch, st.batch)]
+        pairs = [(s.compute, st.compute), (s.input, st.input), (s.output, st.output), (s.batch, st.batch),
+                 (s.request, st.leased_request)]
+        leased = st.leased or {}
         try:
+            if not isinstance(leased, dict) or len(leased) > _MAX_OUTCOMES:
+                raise ValueError("leased outcomes not a small map")
+            for code, n in leased.items():
+                if type(code) is not int or type(n) is not int or not 0 <= n < _MAX_COUNT:
+                    raise ValueError("leased outcome counts negative, huge or non-integer")
             for hist, delta in pairs:
                 if delta is None:
                     continue
@@ -144,6 +154,11 @@ class Metrics:
         for hist, delta in pairs:
             if delta is not None:
                 hist.add(delta[0], delta[1])
+        for code, n in leased.items():
+            if n:
+                # A worker's code is never the broker's own (client_gone): negatives are odd.
+                name = outcome_name(code) if code >= 0 else "error_other"
+                s.outcomes[name] = s.outcomes.get(name, 0) + n
         s.keep_warm += st.keep_warm_runs
         self.gauges[worker] = (self.label(service), worker_label, st)
         return True

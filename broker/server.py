@@ -203,7 +203,7 @@ class Broker:
         self.sched = Scheduler(self.cfg.scheduler,
                                on_direct=self.metrics.final if self.metrics is not None else None)
         self._seen_services: dict[str, None] = {}  # registered at some point (404 vs 503), bounded
-        self._worker_info: dict[bytes, tuple] = {}  # ident -> (service, pid, inputs, host)
+        self._worker_info: dict[bytes, tuple] = {}  # ident -> (service, pid, inputs, host, outputs)
         self._client_window_ms = max(1, min(int(self.sched.client_window * 1000), (1 << 32) - 1))
         sc = self.cfg.scheduler
         self._welcome = P.Welcome(instance=self.instance, heartbeat_interval=sc.heartbeat_interval,
@@ -413,10 +413,11 @@ class Broker:
                 return {}
             info = sched.service_info(arg) or {"queued": {"urgent": 0, "normal": 0, "background": 0},
                                                "in_flight": 0, "workers": []}
-            workers, inputs = [], None
+            workers, inputs, outputs = [], None, None
             for w in info["workers"]:
-                _, pid, sig, _ = self._worker_info.get(w["worker"], (arg, None, None, None))
+                _, pid, sig, _, outs = self._worker_info.get(w["worker"], (arg, None, None, None, None))
                 inputs = inputs or sig
+                outputs = outputs or outs
                 workers.append({"pid": pid, "host": w["host"], "transports": w["transports"],
                                 "credit": w["credit"], "in_flight": w["in_flight"]})
             return {
@@ -430,6 +431,7 @@ class Broker:
                 "in_flight": info["in_flight"],
                 "queue": info["queued"],
                 "inputs": [{"name": k, "datatype": v[0], "shape": v[1]} for k, v in (inputs or {}).items()],
+                "outputs": [{"name": k, "datatype": v[0], "shape": v[1]} for k, v in (outputs or {}).items()],
             }
         if what == "metrics":
             m = self.metrics
@@ -792,6 +794,8 @@ class Broker:
             self._act(sched.worker_lease_end(ident, P.lease_number(msg.envelope), now, reason=end.reason), now)
         elif cmd == P.W_HEARTBEAT:
             self._act(sched.worker_seen(ident, now), now)
+        elif cmd == P.W_BUSY:
+            self._act(sched.worker_busy(ident, msg.info, now), now)
         elif cmd == P.W_READY:
             # Connection events first: libzmq queues a connection's DISCONNECTED before it
             # closes the descriptor, so an event for an earlier holder of this READY's
@@ -827,7 +831,7 @@ class Broker:
 
     def _note_worker(self, ident: bytes, service: str, ready) -> None:
         """What the HTTP endpoint and the metrics say about a worker: its service (now a
-        known name: 503, not 404, once it has no worker), pid and declared inputs."""
+        known name: 503, not 404, once it has no worker), pid, declared inputs and outputs."""
         if service not in self._seen_services and len(self._seen_services) < _MAX_SERVICES:
             self._seen_services[service] = None
         if self.metrics is not None:
@@ -837,7 +841,8 @@ class Broker:
             self._worker_info = live
         self._worker_info[ident] = (service, None if ready is None else ready.pid,
                                     None if ready is None else ready.inputs,
-                                    None if ready is None else ready.host)
+                                    None if ready is None else ready.host,
+                                    None if ready is None else ready.outputs)
 
     def _client_pid(self, ident: bytes, frame: Any) -> int | None:
         """The pid of the process on the other end of this client's ipc connection (learned

@@ -102,8 +102,16 @@ attempt.  The worker answers every RECALL, also for the requests it keeps (start
 an idle worker waits for at most one round trip before it may look elsewhere.  The check is
 O(1) when there is nothing to take back, and O(idle x deep + credit) otherwise.
 
+Leased work (pinned streams, broker/leases.py) runs at a worker without the broker seeing
+it, so a worker whose running batch holds leased requests and runs long says BUSY
+(``worker_busy``), and says so again when it ends.  A busy worker is never idle (nothing
+is taken back for it), comes last in its pools' heaps (dispatch hands it work only when
+every other worker of the pool is full or busy too), and is deep from one request held:
+everything it holds is parked behind the leased batch, so all of it (not half) may be taken
+back for an idle worker.
+
 Each pool keeps a lazy min-heap of its workers with spare credit, keyed by
-``(in_flight / credit, in_flight, last used)``.  A load change bumps the worker's version
+``(busy, (in_flight + leased) / credit, in_flight, last used)``.  A load change bumps the worker's version
 and pushes one new entry; stale entries are discarded when they surface, and the heap is
 rebuilt when stale entries outnumber live workers.  Choosing a worker is therefore
 O(log workers) and independent of the queue length; nothing scans all workers per request.
@@ -463,6 +471,7 @@ class _Worker:
         "awaiting",
         "is_idle",
         "is_deep",
+        "busy",     # it said BUSY: a long batch with leased requests runs there (worker_busy)
         "direct",   # the worker's direct socket (Ready.direct): it takes leases
         "leased",   # credit reserved by its leases (not for brokered dispatch)
         "leases",   # lease id -> broker.leases._Lease
@@ -591,6 +600,7 @@ class Scheduler(LeaseEvents):
         w.recall = bool(recall)
         w.awaiting = 0  # requests recalled for it from busy workers, not yet answered
         w.is_idle = w.is_deep = False  # in svc.idle / svc.deep (kept by _reload)
+        w.busy = False
         w.direct = direct or None
         w.leased = 0
         w.leases = {}
@@ -625,6 +635,22 @@ class Scheduler(LeaseEvents):
                                              "reconnect and send READY")]
         w.last_seen = now
         return []
+
+    def worker_busy(self, worker: bytes, busy: bool, now: float) -> list[Action]:
+        """BUSY from ``worker`` (docs/protocol.md section 10.3): a long batch with leased
+        requests runs there (``busy``), which the broker cannot see, or it ended.  While
+        busy the worker is never idle (nothing is taken back for it), is the last choice for
+        dispatch, and counts as deep from one request it holds: every request it holds
+        unasked may be taken back for an idle worker ("Taking work back")."""
+        out = self.worker_seen(worker, now)
+        w = self._workers.get(worker)
+        if w is None or w.busy == bool(busy):
+            return out
+        w.busy = bool(busy)
+        self._reload(w)
+        self._dirty[w.svc] = None
+        self._flush(now, out)
+        return out
 
     def worker_partial(self, worker: bytes, token: int, now: float, payload: object = None
                        ) -> list[Action]:
@@ -713,7 +739,7 @@ class Scheduler(LeaseEvents):
                 self._counters["returned"] += 1
                 req.returned += 1
                 pool = req.svc.pools.get(req.local_host)
-                if (thief is not None and thief.alive
+                if (thief is not None and thief.alive and not thief.busy
                         and len(thief.in_flight) < thief.credit - thief.leased
                         and pool is not None and pool in thief.pools):
                     # It already had its turn: straight to the worker it was taken back for.
@@ -1302,16 +1328,16 @@ class Scheduler(LeaseEvents):
         """Re-file ``w`` in its pools' ready heaps after its load changed."""
         w.version += 1
         n = len(w.in_flight)
-        # Membership changes only when the count crosses 0 or 2: flags keep the common
-        # case (one request in, one out) to two attribute reads.
-        if n == 0:
+        # Membership changes only when the count crosses 0 or 2 (or BUSY changes): flags
+        # keep the common case (one request in, one out) to two attribute reads.
+        if n == 0 and not w.busy:
             if not w.is_idle:
                 w.svc.idle[w] = None
                 w.is_idle = True
         elif w.is_idle:
             del w.svc.idle[w]
             w.is_idle = False
-        if n >= 2 and w.recall:
+        if (n >= 2 or n and w.busy) and w.recall:
             if not w.is_deep:
                 w.svc.deep[w] = None
                 w.is_deep = True
@@ -1321,12 +1347,13 @@ class Scheduler(LeaseEvents):
             w.is_deep = False
         if n >= w.credit - w.leased:  # leased credit is the leaseholders' (broker/leases.py)
             return
-        entry = ((n + w.leased) / w.credit, n, w.used, next(self._seq), w.version, w)
+        # A busy worker (BUSY) last: what it is handed waits behind leased work.
+        entry = (w.busy, (n + w.leased) / w.credit, n, w.used, next(self._seq), w.version, w)
         for pool in w.pools:
             heap = pool.ready
             heapq.heappush(heap, entry)
             if len(heap) > 4 * pool.live + 16:
-                heap[:] = [e for e in heap if e[5].alive and e[5].version == e[4]]
+                heap[:] = [e for e in heap if e[6].alive and e[6].version == e[5]]
                 heapq.heapify(heap)
 
     @staticmethod
@@ -1334,8 +1361,8 @@ class Scheduler(LeaseEvents):
         heap = pool.ready
         while heap:
             e = heap[0]
-            w = e[5]
-            if w.alive and w.version == e[4]:
+            w = e[6]
+            if w.alive and w.version == e[5]:
                 return w
             heapq.heappop(heap)
         return None
@@ -1633,9 +1660,10 @@ class Scheduler(LeaseEvents):
     def _recall_for(thief, victim) -> tuple:
         """The tokens to ask ``victim`` back for ``thief``: its newest (most likely not
         started) that the thief's pools can take, at most half of those it still runs
-        unasked and at most the thief's credit; each marked asked (once per dispatch)."""
+        unasked and at most the thief's credit; each marked asked (once per dispatch).  From
+        a busy victim (BUSY: leased work runs there, not these) all of them may be."""
         mine = [r for r in victim.in_flight.values() if r.state == _RUNNING and not r.recalled]
-        k = min(len(mine) // 2, thief.credit - thief.leased)
+        k = min(len(mine) if victim.busy else len(mine) // 2, thief.credit - thief.leased)
         if not k:
             return ()
         pools = victim.svc.pools

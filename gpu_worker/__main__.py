@@ -12,7 +12,9 @@ two heartbeat intervals), and serves until SIGTERM, on which it finishes what it
 `--direct` makes it take leases (pinned streams: docs/protocol.md section 10) on a direct socket
 in the runtime directory.  `--model` takes a shipped name (echo, cartoon, convnet, chunks) or `package.module:factory`
 (docs/models.md).  A model that cannot be loaded (bad spec, import error, factory raising, no
-such device) or whose warm-up raises is one line on stderr saying what to change, and exit 2.
+such device, a `name` with whitespace or control characters, malformed `inputs`/`outputs`
+declarations) or whose warm-up raises, and an option the worker cannot run with
+(`--max-batch 0`), is one line on stderr saying what to change, and exit 2.
 """
 from __future__ import annotations
 
@@ -89,7 +91,7 @@ def _fail(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpu_worker.worker import DIRECT_LINGER_MS, WarmupError, Worker, WorkerConfig, install_sigterm_drain
+    from gpu_worker.worker import DIRECT_LINGER_MS, ConfigError, WarmupError, Worker, WorkerConfig, install_sigterm_drain
 
     ap = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__.splitlines()[0])
     ap.add_argument("--broker", default=None, help="broker backend endpoint (default: the broker's ipc default)")
@@ -154,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         worker = Worker(cfg)
+    except ConfigError as e:  # checked before anything loads: the message names the option
+        _fail(str(e))
+        return 2
     except BackendUnavailable as e:
         print(f"python -m gpu_worker: backend {args.backend!r} is unavailable: {e}", file=sys.stderr, flush=True)
         return 2

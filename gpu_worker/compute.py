@@ -133,9 +133,10 @@ class LoopHeartbeats:
     broker's liveness window the worker would be presumed dead and its request run a second
     time elsewhere.  So one small thread sends them for the loop while it computes.
 
-    The upstream socket is never used by two threads at once: the loop holds `_socket` at all
-    times except inside `computing_begin()` .. `computing_end()`, and this thread touches the
-    socket only while it holds `_socket` itself (a lock hand-off is the full memory barrier
+    The upstream socket (and a leasing worker's direct socket, which `during` reads) is never
+    used by two threads at once: the loop holds `_socket` at all times except inside
+    `computing_begin()` .. `computing_end()`, and this thread touches the sockets only while
+    it holds `_socket` itself (a lock hand-off is the full memory barrier
     libzmq asks for when a socket changes threads).  Outside compute the thread only wakes
     every half interval, finds the lock taken, and sleeps again.  A model that holds the GIL
     for longer than the liveness window without releasing it (a C extension that never

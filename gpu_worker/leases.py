@@ -38,7 +38,7 @@ from broker import protocol as P
 from broker.protocol.wire import NOBLOCK, send_frames
 
 __all__ = ["Lease", "Refusal", "LeaseTable", "DirectSocket", "DirectSocketError", "direct_socket_path",
-           "NOT_BOUND", "WORKER_STOPPING"]
+           "NOT_BOUND", "WORKER_STOPPING", "LONG_BATCH_S", "runs_long"]
 
 log = logging.getLogger("gpu_worker")
 
@@ -48,6 +48,21 @@ NOT_BOUND = "not bound to a lease: send HELLO first"
 WORKER_STOPPING = "worker_stopping"
 #: LeaseEnd.reason after which a lease's running requests are cancelled and queued ones dropped
 CLIENT_GONE = "client_gone"
+#: seconds a request would still wait behind a running batch (or stream) beyond which a
+#: round trip elsewhere is the cheaper choice: the broker's default ``recall_after``
+LONG_BATCH_S = 0.005
+
+
+def runs_long(elapsed: float, predicted: float | None, long: float = LONG_BATCH_S) -> bool:
+    """The head-of-line rule of leases (docs/protocol.md section 10.3), pure: whether a
+    batch that has run ``elapsed`` seconds of the ``predicted`` ones (None: unknown, as a
+    stream's) keeps what waits behind it for long: at least ``long`` more by its prediction,
+    or already past both its prediction and ``long`` (mispredicted: nothing says it ends
+    soon).  The worker then tells the broker BUSY (if the batch holds leased requests) and
+    sends another lease's requests that would wait behind it through the broker."""
+    if predicted is None:
+        return elapsed >= long
+    return predicted - elapsed >= long or elapsed >= max(predicted, long)
 
 
 class Lease:

@@ -45,6 +45,7 @@ __all__ = [
     "TorchModuleModel",
     "cartoon_filter",
     "load_model",
+    "name_problem",
     "normalise_outputs",
 ]
 
@@ -95,6 +96,8 @@ class ModelBase:
     # Declared inputs, {name: (dtype str or None, shape with None for variable axes, or
     # None)}; None: not declared, anything goes (gpu_worker.signature checks requests).
     inputs: dict | None = None
+    # Declared outputs, the same way: shown by the broker's /v2/models/{service}, not checked.
+    outputs: dict | None = None
 
     def cost(self, inputs: Mapping[str, np.ndarray]) -> float:
         # Bytes are a fair default: copying and most elementwise work scale with them.
@@ -314,6 +317,7 @@ class CartoonModel(_TorchNetModel):
 
     name = "cartoon"
     inputs = {"image": ("|u1", (None, None, 3))}  # one RGB frame, any size
+    outputs = {"image": ("|u1", (None, None, 3))}  # the same frame, cartooned
 
     def __init__(self, device: str = "cpu", **params):
         self._prepare(_nets().CartoonFilter(**params), device)
@@ -335,6 +339,7 @@ class ConvNetModel(_TorchNetModel):
 
     name = "convnet"
     inputs = {"image": ("|u1", (None, None, 3))}
+    outputs = {"logits": ("<f4", (1000,))}
 
     def __init__(self, device: str = "cpu", seed: int = 0, **params):
         import torch
@@ -424,6 +429,7 @@ class TorchModuleModel(ModelBase):
         self.batchable = bool(_attr_or(module, "batchable", True))
         self.streaming = bool(_attr_or(module, "streaming", False))
         self.inputs = _attr_or(module, "inputs", None)
+        self.outputs = _attr_or(module, "outputs", None)
         self._call_style: dict[tuple[str, ...], str] = {}
         try:
             self._signature = inspect.signature(module.forward)
@@ -486,6 +492,7 @@ class CallableModel(ModelBase):
         self.batchable = bool(_attr_or(fn, "batchable", True))
         self.streaming = bool(_attr_or(fn, "streaming", False))
         self.inputs = _attr_or(fn, "inputs", None)
+        self.outputs = _attr_or(fn, "outputs", None)
 
     def __call__(self, batch):
         out = self.fn(batch)
@@ -544,7 +551,38 @@ def _call_factory(factory, device: str):
     return factory(device=device) if takes_device else factory()
 
 
+def name_problem(name: object, what: str = "model name") -> str | None:
+    """Why ``name`` cannot be a service name (it is one, registered with the broker, when no
+    ``--service`` is given), or None: a non-empty string of at most `MAX_SERVICE_LEN` UTF-8
+    bytes with no whitespace or control characters (they would not survive logs, metrics
+    labels and URLs such as /v2/models/{service} unchanged)."""
+    from broker.protocol import MAX_SERVICE_LEN
+
+    if not isinstance(name, str) or not name:
+        return f"the {what} {name!r} is not a non-empty string"
+    if any(c.isspace() or not c.isprintable() for c in name):
+        return f"the {what} {name!r} has whitespace or control characters: remove them"
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_SERVICE_LEN:
+        return f"the {what} {name[:40]!r}... is longer than {MAX_SERVICE_LEN} bytes"
+    return None
+
+
 def load_model(spec: str, device: str = "cpu") -> Model:
+    """Build the model named by ``spec`` on ``device`` (`_build_model`), and check what it
+    declares: a usable name (`name_problem`) and well-formed ``inputs`` and ``outputs``
+    (`gpu_worker.signature.parse_inputs`); `ModelLoadError` (one line) otherwise."""
+    from gpu_worker.signature import parse_inputs
+
+    model = _build_model(spec, device)
+    why = name_problem(getattr(model, "name", None))
+    if why is not None:
+        raise ModelLoadError(f"{why} (model spec {spec!r}: change the model's `name`)")
+    for what in ("inputs", "outputs"):
+        parse_inputs(getattr(model, what, None), what)
+    return model
+
+
+def _build_model(spec: str, device: str = "cpu") -> Model:
     """Build the model named by ``spec`` on ``device``.
 
     ``spec`` is a shipped name (see ``SHIPPED_MODELS``) or ``package.module:factory``

@@ -7,7 +7,10 @@ or None for any shape.  A request whose tensors do not match -- a missing or une
 name, another dtype, another rank or size -- is answered ``INVALID_INPUT`` (422) with the
 mismatch and the whole expected signature, and never reaches the model: a client mistake
 must not look like a server fault.  A model that declares nothing accepts anything (the
-model itself may still refuse, which is then a 500).  Pure functions, no model call.
+model itself may still refuse, which is then a 500).  A model may declare ``outputs`` the
+same way: they are not checked, only shown (the broker's ``/v2/models/{service}``).  A
+declaration that is not of this form raises `SignatureError` (a `ModelLoadError`: the worker
+says so in one line and exits 2).  Pure functions, no model call.
 """
 from __future__ import annotations
 
@@ -15,7 +18,18 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["TensorSpec", "parse_inputs", "mismatch", "describe"]
+from gpu_worker.models import ModelLoadError
+
+__all__ = ["TensorSpec", "SignatureError", "parse_inputs", "wire_signature", "mismatch", "describe"]
+
+_FORM = ('declare {name: (dtype, shape)}: dtype a numpy dtype string ("<f4", "|u1") or None for any, '
+         'shape a tuple of sizes >= 0 with None for any size (or None for any shape), '
+         'e.g. {"image": ("|u1", (None, None, 3))} (docs/models.md)')
+
+
+class SignatureError(ModelLoadError, ValueError):
+    """A model's ``inputs`` or ``outputs`` declaration is not of the documented form; the
+    message names the entry and what to write instead."""
 
 
 class TensorSpec(NamedTuple):
@@ -23,21 +37,42 @@ class TensorSpec(NamedTuple):
     shape: tuple[int | None, ...] | None     # None entries: any size; None: any shape
 
 
-def parse_inputs(decl: Mapping[str, Any] | None) -> dict[str, TensorSpec] | None:
-    """The signature a model declared (its ``inputs`` attribute), checked; None if none."""
+def parse_inputs(decl: Mapping[str, Any] | None, what: str = "inputs") -> dict[str, TensorSpec] | None:
+    """The signature a model declared (its ``inputs`` attribute, or ``what``: "outputs"),
+    checked; None if none.  `SignatureError` (one line) for anything else."""
     if decl is None:
         return None
+    if not isinstance(decl, Mapping):
+        raise SignatureError(f"the model's `{what}` is a {type(decl).__name__}, not a dict; {_FORM}")
     out = {}
     for name, spec in decl.items():
+        entry = f"`{what}[{name!r}]` = {spec!r}"[:200]
+        if not isinstance(name, str) or not name:
+            raise SignatureError(f"the model's `{what}` has the key {name!r}: tensor names are non-empty strings; {_FORM}")
+        if isinstance(spec, (str, bytes)) or not isinstance(spec, (tuple, list)) or len(spec) != 2:
+            raise SignatureError(f"the model declares {entry}, not a (dtype, shape) pair; {_FORM}")
         dtype, shape = spec
         if dtype is not None:
-            dtype = np.dtype(dtype).str
+            try:
+                dtype = np.dtype(dtype).str
+            except (TypeError, ValueError):
+                raise SignatureError(f"the model declares {entry}: {dtype!r} is not a numpy dtype; {_FORM}") from None
         if shape is not None:
+            if isinstance(shape, (str, bytes)) or not isinstance(shape, (tuple, list)):
+                raise SignatureError(f"the model declares {entry}: its shape {shape!r} is not a tuple; {_FORM}")
+            if any(d is not None and (isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0)
+                   for d in shape):
+                raise SignatureError(f"the model declares {entry}: sizes must be integers >= 0 or None; {_FORM}")
             shape = tuple(None if d is None else int(d) for d in shape)
-            if any(d is not None and d < 0 for d in shape):
-                raise ValueError(f"input {name!r}: sizes must be >= 0 or None, got {shape}")
-        out[str(name)] = TensorSpec(dtype, shape)
+        out[name] = TensorSpec(dtype, shape)
     return out
+
+
+def wire_signature(sig: Mapping[str, TensorSpec] | None) -> dict | None:
+    """A parsed signature as READY carries it (`broker.protocol.Ready.inputs`/``outputs``)."""
+    if sig is None:
+        return None
+    return {name: (spec.dtype, None if spec.shape is None else list(spec.shape)) for name, spec in sig.items()}
 
 
 def _shape_text(shape: tuple[int | None, ...] | None) -> str:

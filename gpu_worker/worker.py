@@ -13,6 +13,14 @@ hand-off, and the GIL makes a separate I/O thread compete with the model's Pytho
 
 While a batch computes, new requests wait in the socket; when it finishes they are all taken
 at once, so batches grow with load and a lone request under light load is never delayed.
+(A batch on the loop's own thread lends both sockets to the heartbeat thread meanwhile:
+`_read_while_computing` stashes what arrives with its arrival time, answers RECALLs, and
+sends a lease's request that would wait behind another's long batch through the broker.)
+
+Head of line with leases (docs/protocol.md section 10.3): a batch or stream that runs long
+(`leases.runs_long`) with leased requests in it is told to the broker (BUSY on, then off),
+since the broker cannot see leased work; a leased request that would wait behind a long
+batch holding none of its lease's requests is answered 429 "send it through the broker".
 
 This module is the loop and nothing else; each decision it acts on lives with its job:
 
@@ -52,16 +60,16 @@ from broker.protocol import logs
 from broker.protocol.wire import recv_frames
 from gpu_worker.batching import Batcher, Pending
 from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats
-from gpu_worker.signature import describe, mismatch, parse_inputs
+from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signature
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
-from gpu_worker.leases import DirectSocket, LeaseTable, Refusal
+from gpu_worker.leases import DirectSocket, LeaseTable, Refusal, runs_long
 from gpu_worker.planes import DataPlane, HostPlane
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
 
-__all__ = ["Worker", "WorkerConfig", "WarmupError", "install_sigterm_drain", "DIRECT_LINGER_MS"]
+__all__ = ["Worker", "WorkerConfig", "WarmupError", "ConfigError", "install_sigterm_drain", "DIRECT_LINGER_MS"]
 
 log = logging.getLogger("gpu_worker")
 _POLLIN = int(zmq.POLLIN)
@@ -72,6 +80,19 @@ READY_FALLBACK_INTERVALS = 2
 
 class WarmupError(RuntimeError):
     """The model failed its warm-up on its example inputs (the message is the model's error)."""
+
+
+class ConfigError(ValueError):
+    """A `WorkerConfig` value the worker cannot run with; the message names the option (and
+    its command-line flag) and what it takes, in one line."""
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not NaN
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -106,6 +127,58 @@ class WorkerConfig:
     batching: str = "latency"         # "latency": wait for company only with a broker backlog; "throughput": on arrival rates
     direct: bool = False              # take leases: bind a direct socket, named in Ready.direct (docs/protocol.md section 10)
 
+    def check(self) -> None:
+        """`ConfigError` for the first value the worker cannot run with (`Worker` checks
+        before it loads anything)."""
+        def need(ok: bool, option: str, flag: str | None, what: str, value) -> None:
+            if not ok:
+                via = f" ({flag})" if flag else ""
+                raise ConfigError(f"{option}{via} must be {what}, not {value!r}")
+
+        need(_whole(self.max_batch) and self.max_batch >= 1, "max_batch", "--max-batch", "an integer >= 1",
+             self.max_batch)
+        need(_number(self.max_delay) and 0 <= self.max_delay < float("inf"), "max_delay", "--max-delay-ms",
+             "a finite number of seconds >= 0", self.max_delay)
+        need(_number(self.max_cost) and self.max_cost > 0, "max_cost", "--max-cost", "a number > 0 (inf: no bound)",
+             self.max_cost)
+        need(self.credit is None or (_whole(self.credit) and self.credit >= 1), "credit", "--credit",
+             "an integer >= 1 (or unset: 2 x max-batch)", self.credit)
+        need(_number(self.heartbeat_interval) and 0 < self.heartbeat_interval < float("inf"), "heartbeat_interval",
+             "--heartbeat-interval", "a finite number of seconds > 0", self.heartbeat_interval)
+        need(_whole(self.heartbeat_liveness) and self.heartbeat_liveness >= 1, "heartbeat_liveness",
+             "--heartbeat-liveness", "an integer >= 1", self.heartbeat_liveness)
+        need(_whole(self.out_capacity) and self.out_capacity > 0, "out_capacity", "--out-capacity-mb",
+             "a size > 0", self.out_capacity)
+        need(_whole(self.out_slots) and self.out_slots >= 1, "out_slots", None, "an integer >= 1", self.out_slots)
+        need(bool(self.transports) and all(t in P.TRANSPORTS for t in self.transports), "transports",
+             "--transports", f"a non-empty list of {', '.join(sorted(P.TRANSPORTS))}", ",".join(self.transports))
+        need(self.backend in ("auto", "torch", "numpy", "tensorrt"), "backend", "--backend",
+             "auto, torch, numpy or tensorrt", self.backend)
+        need(_whole(self.cuda_pool_capacity) and self.cuda_pool_capacity > 0, "cuda_pool_capacity", "--cuda-pool-mb",
+             "a size > 0", self.cuda_pool_capacity)
+        need(_whole(self.cuda_pool_slots) and self.cuda_pool_slots >= 1, "cuda_pool_slots", None,
+             "an integer >= 1", self.cuda_pool_slots)
+        need(_whole(self.direct_sockets) and self.direct_sockets >= 1, "direct_sockets", None, "an integer >= 1",
+             self.direct_sockets)
+        need(_number(self.done_delay) and 0 <= self.done_delay < float("inf"), "done_delay", "--done-delay-ms",
+             "a finite number of seconds >= 0", self.done_delay)
+        need(self.done_batch is None or (_whole(self.done_batch) and self.done_batch >= 1), "done_batch", None,
+             "an integer >= 1 (or unset)", self.done_batch)
+        need(_number(self.drain_grace) and 0 <= self.drain_grace < float("inf"), "drain_grace", "--drain-grace-s",
+             "a finite number of seconds >= 0", self.drain_grace)
+        need(self.keep_warm is None or (_number(self.keep_warm) and 0 <= self.keep_warm < float("inf")),
+             "keep_warm", "--keep-warm-ms", "a finite time >= 0 (0: off)", self.keep_warm)
+        need(_number(self.keep_warm_util) and 0 <= self.keep_warm_util <= 1, "keep_warm_util", "--keep-warm-util",
+             "a fraction between 0 and 1", self.keep_warm_util)
+        need(self.batching in ("latency", "throughput"), "batching", "--batching", "'latency' or 'throughput'",
+             self.batching)
+        if self.service is not None:
+            from gpu_worker.models import name_problem
+
+            why = name_problem(self.service, "service name")
+            if why is not None:
+                raise ConfigError(f"--service: {why}")
+
 
 class Worker:
     """One model served to one broker.  ``upstream`` replaces the broker connection
@@ -118,6 +191,7 @@ class Worker:
         from gpu_worker.devices import resolve_device
         from gpu_worker.models import load_model
 
+        cfg.check()  # ConfigError: one line naming the option, before anything is loaded
         self.cfg = cfg
         self._oops = P.RateLimitedLog(log)  # a traceback a second at most, whatever a peer sends
         self.device = resolve_device(cfg.device)
@@ -126,8 +200,6 @@ class Worker:
         max_batch = cfg.max_batch if getattr(self.model, "batchable", False) else 1
         self.backend = make_backend(self.model, self.device, cfg.backend,
                                     **({"max_batch": max_batch} if cfg.backend == "tensorrt" else {}))
-        if cfg.batching not in ("latency", "throughput"):
-            raise ValueError(f"batching {cfg.batching!r} must be 'latency' or 'throughput'")
         self.batcher = Batcher(max_batch=max_batch, max_cost=cfg.max_cost, max_delay=cfg.max_delay,
                                latency_first=cfg.batching == "latency")
         self.max_batch = max_batch        # the batcher's cap when the plane does not lower it
@@ -150,11 +222,22 @@ class Worker:
         self._stash: list = []
         self._stash_requests: set[bytes] = set()
         self._returned_early: set[bytes] = set()
+        self._stash_direct: list = []         # ... and what it read on the direct socket: (frames, arrival time)
+        # The batch (or stream) running now, for the head-of-line rule of leases
+        # (docs/protocol.md section 10.3): when it started (monotonic) and its predicted
+        # seconds (None: unknown); whether the broker was told BUSY for it.
+        self._batch_at: float | None = None
+        self._batch_predicted: float | None = None
+        self._busy_told = False
         self.returned = 0                     # requests given back unstarted (RECALL)
         # What only the worker sees, for the broker's metrics (a STATS message each
         # heartbeat interval with something new: `_send_stats`); seconds, and batch sizes.
+        # Leased requests (their FINALs never cross the broker) add their outcomes and their
+        # time from our receipt to the FINAL sent (`_count_leased`).
         self._hist = {"compute": Histogram(LATENCY_BUCKETS), "input": Histogram(LATENCY_BUCKETS),
-                      "output": Histogram(LATENCY_BUCKETS), "batch": Histogram(BATCH_BUCKETS)}
+                      "output": Histogram(LATENCY_BUCKETS), "batch": Histogram(BATCH_BUCKETS),
+                      "leased_request": Histogram(LATENCY_BUCKETS)}
+        self._leased_outcomes: dict[int, int] = {}  # outcome code (0: a result) -> FINALs since the last STATS
         self._stats_warm = 0     # keep-warm runs already reported
         self._stats_usage = None  # pool use last reported
         self.counts = False        # the broker counts (its WELCOME said so): STATS, DONE outcomes
@@ -184,7 +267,8 @@ class Worker:
         self._service_b = self.service.encode()
         self.tracing = tracing if tracing is not None else tracing_from_env(self.service)
         self._streaming = bool(getattr(self.model, "streaming", False))
-        self._signature = parse_inputs(getattr(self.model, "inputs", None))
+        self._signature = parse_inputs(getattr(self.model, "inputs", None), "inputs")
+        self._outputs = parse_inputs(getattr(self.model, "outputs", None), "outputs")
         # Direct reply: one PUSH socket per client reply_to endpoint; the envelopes of the
         # FINALs sent that way, gathered into DONEs for the broker.
         self.direct = DirectSockets(self.ctx, capacity=cfg.direct_sockets)
@@ -198,6 +282,7 @@ class Worker:
         self.leases: LeaseTable | None = None
         self.direct_socket: DirectSocket | None = None
         self.leased_sent = 0          # FINALs sent on the direct socket
+        self.leased_bounced = 0       # leased REQUESTs sent back to the broker's path (429): they would wait behind another's long batch
         self._lease_seq = 0           # the worker's own keys for leased requests
         self._linger_until = 0.0      # when stopping with leases: answer direct REQUESTs (503) until then
         self._bad_direct = P.RateLimitedLog(log)
@@ -250,9 +335,8 @@ class Worker:
             welcome=True,
             recall=True,
             direct=None if self.direct_socket is None else self.direct_socket.endpoint,
-            inputs=None if self._signature is None else {
-                name: (spec.dtype, None if spec.shape is None else list(spec.shape))
-                for name, spec in self._signature.items()},
+            inputs=wire_signature(self._signature),
+            outputs=wire_signature(self._outputs),
         )
         self.sock = self.upstream.connect(self.service, caps)
         self._last_heard = time.monotonic()
@@ -319,6 +403,8 @@ class Worker:
                     self._last_heard = time.monotonic()
                 if direct in events:
                     self._drain_direct()
+                if self._busy and self.leases is not None and self.jobs:
+                    self._bounce_pending()  # an offloaded batch that runs past its prediction
                 if upstream.monitor in events and upstream.reconnected():
                     log.info("the broker connection came back; registering again")
                     self._reconnect_why = "broker connection re-established"
@@ -516,7 +602,12 @@ class Worker:
         thread (`compute.LoopHeartbeats`): read what has arrived, so that every request's
         wait is measured from its arrival and a RECALL is answered now, not after the batch.
         Everything but the RECALL is left for the loop (`_after_compute`); the loop thread
-        does not touch `jobs` while it computes, so reading it here is safe."""
+        does not touch `jobs` while it computes, so reading it here is safe.  The direct
+        socket is read the same way (`_read_direct_while_computing`), and the broker is told
+        BUSY once the batch runs long with leased requests in it."""
+        self._read_direct_while_computing()
+        if not self._busy_told and self._batch_at is not None:
+            self._maybe_tell_busy(time.monotonic())
         sock = self.sock
         if sock is None or self._reconnect_why is not None:
             return
@@ -540,11 +631,47 @@ class Worker:
                 self._stash_requests.add(msg.envelope)
             self._stash.append((msg, time.monotonic()))
 
+    def _read_direct_while_computing(self) -> None:
+        """On the heartbeat thread, holding the direct socket with the upstream one (the
+        loop hands both over in `computing_begin` and takes them back in `computing_end`):
+        stash what arrived with its arrival time, for `_after_compute`, so a leased
+        request's wait is measured from its arrival and a CANCEL drops a running result
+        before it is written.  A leased REQUEST that would wait behind this batch, long and
+        another's, is sent back to the broker's path now (`_bounce_direct`), and a HELLO is
+        handled now (it only binds a connection in the lease table)."""
+        ds = self.direct_socket
+        if ds is None:
+            return
+        stash = self._stash_direct
+        if stash and self._batch_at is not None:
+            # Read earlier, while the batch still looked short: it may be long by now.
+            now = time.monotonic()
+            stash[:] = [(frames, t) for frames, t in stash
+                        if not (_is_direct_request(frames) and self._bounce_direct(bytes(frames[0]), frames[4:], now))]
+        sock = ds.sock
+        most = 1000  # as `_drain_direct`: a flood never starves the heartbeats
+        while most > 0 and sock.get(zmq.EVENTS) & _POLLIN:
+            most -= 1
+            frames = recv_frames(sock)
+            now = time.monotonic()
+            if _is_direct_request(frames):
+                if self._bounce_direct(bytes(frames[0]), frames[4:], now):
+                    continue
+            elif len(frames) >= 3 and bytes(frames[1]) == P.MDPC and bytes(frames[2]) == P.C_HELLO:
+                # Bound now (the lease table is the loop's only outside compute, and a HELLO
+                # touches nothing else), so the REQUEST that often follows at once is judged
+                # with its lease.
+                self._on_direct_frames(frames, now)
+                continue
+            stash.append((frames, now))
+
     def _after_compute(self) -> None:
         """Right after a batch computed on the loop's thread: handle what the heartbeat
-        thread read meanwhile, in order, less what it gave back."""
-        if not self._stash and not self._returned_early:
+        thread read meanwhile, in order, less what it gave back; then what it read on the
+        direct socket."""
+        if not self._stash and not self._returned_early and not self._stash_direct:
             return
+        direct, self._stash_direct = self._stash_direct, []
         stash, self._stash = self._stash, []
         early, self._returned_early = self._returned_early, set()
         self._stash_requests = set()
@@ -561,6 +688,8 @@ class Worker:
                 self._oops.exception("unexpected error while handling a message from the broker; dropped it")
         if stash:
             self._last_heard = time.monotonic()
+        for frames, received in direct:
+            self._on_direct_frames(frames, received)
 
     def _on_request(self, envelope: bytes, body: tuple, now: float | None = None) -> None:
         if now is None:
@@ -646,7 +775,15 @@ class Worker:
                 self._run_stream(job)
             return
         self.running = {job.envelope: job for job in jobs}  # a CANCEL now drops its result
-        if self._offload is not None and self.compute_times.offload(len(jobs)):
+        offload = self._offload is not None and self.compute_times.offload(len(jobs))
+        predicted = self.compute_times.predict(len(jobs))
+        self._batch_at = started
+        # Offloaded with no timing: nothing says it is short.
+        self._batch_predicted = float("inf") if offload and predicted is None else predicted
+        if self.leases is not None and runs_long(0.0, self._batch_predicted):
+            self._maybe_tell_busy(started)
+            self._bounce_pending()
+        if offload:
             self._busy = True
             self._offload.submit(jobs, started)
             return
@@ -675,6 +812,7 @@ class Worker:
 
     def _complete(self, jobs, started, outputs, error, seconds: float) -> None:
         self.running = {}
+        self._batch_over()
         n = len(jobs)
         self.compute_times.observe(n, seconds)
         self.keep_warm.busy(seconds, time.monotonic())
@@ -741,8 +879,16 @@ class Worker:
 
     def _run_stream(self, job: Job) -> None:
         seq = 0
+        start = time.monotonic()
         t0 = time.perf_counter()
         self.running = {job.envelope: job}
+        self._batch_at = start  # the head-of-line rule of leases: a stream's length is unknown
+        # Every wait the request had, on each PARTIAL and the FINAL (as a batch reply shows).
+        waits = {"batch_wait_ms": (start - job.received) * 1e3, "input_ms": job.input_ms}
+        if job.req.queue_ms is not None:
+            waits["queue_ms"] = job.req.queue_ms
+        if job.req.returned:
+            waits["returned"] = float(job.req.returned)
         try:
             outs = iter(self.backend.run_stream(job.inputs, meta=job.req.meta))
             beats = self._heartbeats
@@ -761,6 +907,9 @@ class Worker:
                 self._after_compute()
                 self._drain()
                 self._drain_direct()
+                if self.leases is not None:
+                    self._maybe_tell_busy(time.monotonic())
+                    self._bounce_pending()
                 if job.cancelled:
                     close = getattr(outs, "close", None)
                     if close is not None:
@@ -774,17 +923,17 @@ class Worker:
                     return
                 if out is _END:
                     break
-                self._reply_tensors(job, out, {"compute_ms": (time.perf_counter() - t0) * 1e3},
+                self._reply_tensors(job, out, {**waits, "compute_ms": (time.perf_counter() - t0) * 1e3},
                                     final=False, seq=seq)
                 seq += 1
-            self._reply(job, True, [P.encode_header(P.Reply(id=job.req.id, seq=seq))])
+            timing = {**waits, "compute_ms": (time.perf_counter() - t0) * 1e3}
+            self._reply(job, True, [P.encode_header(P.Reply(id=job.req.id, seq=seq, timing=timing))])
             self.served += 1
             if log.isEnabledFor(logging.INFO):
-                log.info("request done", extra={**logs.done_fields(job.req, self.service, {
-                    "queue_ms": job.req.queue_ms, "input_ms": job.input_ms,
-                    "compute_ms": (time.perf_counter() - t0) * 1e3}), "partials": seq})
+                log.info("request done", extra={**logs.done_fields(job.req, self.service, timing), "partials": seq})
         finally:
             self.running = {}
+            self._batch_over()
 
     # ------------------------------------------------------------------ replying
 
@@ -868,12 +1017,15 @@ class Worker:
             usage = {}
         warm = self.keep_warm.runs - self._stats_warm
         hist = self._hist
-        if not warm and usage == self._stats_usage and not any(h.sum or any(h.counts) for h in hist.values()):
+        leased = self._leased_outcomes
+        if not warm and not leased and usage == self._stats_usage and \
+                not any(h.sum or any(h.counts) for h in hist.values()):
             return
         fields = {name: h.take() for name, h in hist.items()}
+        self._leased_outcomes = {}
         self._stats_warm += warm
         self._stats_usage = usage
-        self._send(P.worker_stats(P.WorkerStats(keep_warm_runs=warm, **fields, **usage)))
+        self._send(P.worker_stats(P.WorkerStats(keep_warm_runs=warm, leased=leased or None, **fields, **usage)))
 
     def _fail_pending(self, why: str) -> None:
         # The broker retries these elsewhere; our replies would carry dead tokens.
@@ -943,13 +1095,17 @@ class Worker:
         sock = ds.sock
         while most > 0 and sock.get(zmq.EVENTS) & _POLLIN:
             most -= 1
-            frames = recv_frames(sock)
-            try:
-                self._on_direct(frames, time.monotonic())
-            except P.ProtocolError as e:
-                self._bad_direct.warning("malformed message on the direct socket: %s", e)
-            except Exception:
-                self._oops.exception("unexpected error while handling a message on the direct socket; dropped it")
+            self._on_direct_frames(recv_frames(sock), time.monotonic())
+
+    def _on_direct_frames(self, frames, now: float) -> None:
+        """One message read from the direct socket at ``now`` (its arrival): handled, or
+        logged and dropped when malformed."""
+        try:
+            self._on_direct(frames, now)
+        except P.ProtocolError as e:
+            self._bad_direct.warning("malformed message on the direct socket: %s", e)
+        except Exception:
+            self._oops.exception("unexpected error while handling a message on the direct socket; dropped it")
 
     def _on_direct(self, frames, now: float) -> None:
         """One message on the direct socket: routing id, then the client sub-protocol."""
@@ -980,6 +1136,8 @@ class Worker:
         """A REQUEST on the direct socket: run like a brokered one if its connection's lease
         has a slot free, with what the broker would have set taken from the lease's grant
         (the attested pid, the client's host) and never from the header."""
+        if self._bounce_direct(route, msg.body, now):
+            return
         head, rest = msg.body[0], msg.body[1:]
         is_header = P.is_header(head)
         rid = P.lenient_request_id(head) if is_header else 0
@@ -1019,11 +1177,110 @@ class Worker:
         job.req = req
         self._admit(job, rest, now)
 
+    def _waits_behind_another(self, lease, now: float) -> float | None:
+        """The head-of-line rule of leases (docs/protocol.md section 10.3): how long (ms) the
+        batch or stream running now has run, when a request of ``lease`` would wait behind
+        it long (`leases.runs_long`) and it holds none of that lease's requests (a lease's
+        own requests wait for its own batch, as a stream's do); else None."""
+        at = self._batch_at
+        if at is None or not self.running or lease is None:
+            return None
+        running = self.running
+        if any(key in running for key in lease.in_flight):
+            return None
+        elapsed = now - at
+        return elapsed * 1e3 if runs_long(elapsed, self._batch_predicted) else None
+
+    def _bounce_direct(self, route: bytes, body, now: float) -> bool:
+        """A leased REQUEST (``body``: its frames after the service) that would wait behind
+        another's long batch: answered 429 with "send it through the broker" (the SDK
+        resends it there at once, and the lease stays), so the broker can start it on an
+        idle worker; whether it was.  Safe on the heartbeat thread while it holds the
+        sockets (reads only the lease table and what runs)."""
+        leases = self.leases
+        if leases is None or leases.stopping:
+            return False
+        ran_ms = self._waits_behind_another(leases.lease_of(route), now)
+        if ran_ms is None:
+            return False
+        head = body[0] if body else b""
+        rid = P.lenient_request_id(head) if P.is_header(head) else 0
+        self.leased_bounced += 1
+        self._direct_send(route, P.error_body(
+            rid, P.ErrorCode.QUEUE_FULL,
+            f"this worker is running another's batch ({ran_ms:.0f} ms so far) and would start this request only "
+            "after it; send this one through the broker, which can start it on an idle worker (it did not run)"))
+        return True
+
+    def _bounce_pending(self) -> None:
+        """The batch or stream running now runs long (`leases.runs_long`: at its start by
+        its prediction, or later, past it): the leased requests waiting in the batcher whose
+        lease has none in it are sent back to the broker's path, as one arriving now would
+        be (`_bounce_direct`)."""
+        leases = self.leases
+        at = self._batch_at
+        if leases is None or not self.jobs or at is None:
+            return
+        now = time.monotonic()
+        if not runs_long(now - at, self._batch_predicted):
+            return
+        doomed = {}
+        for key, job in self.jobs.items():
+            if job.route is not None:
+                ran_ms = self._waits_behind_another(leases.lease_of(job.route), now)
+                if ran_ms is not None:
+                    doomed[key] = ran_ms
+        if not doomed:
+            return
+        for p in self.batcher.drop(lambda p: p.item.envelope in doomed):
+            job = self.jobs.pop(p.item.envelope)
+            self.leased_bounced += 1
+            # As a bounce at arrival: it did not run, so it is no leased outcome (STATS); the
+            # broker counts it when the client resends it there.
+            self.plane.finish_reads(job)
+            leases.finish(job.envelope)
+            self._direct_send(job.route, P.error_body(
+                job.req.id, P.ErrorCode.QUEUE_FULL,
+                f"this worker is running another's batch ({doomed[job.envelope]:.0f} ms so far) and would start "
+                "this request only after it; send this one through the broker, which can start it on an idle "
+                "worker (it did not run)"))
+
+    def _maybe_tell_busy(self, now: float) -> None:
+        """Tell the broker BUSY (docs/protocol.md section 10.3) once the batch or stream
+        running now runs long with leased requests in it: the broker cannot see those, and
+        would otherwise take this worker for idle, or hand it requests that wait behind
+        them.  The loop's thread, or the heartbeat thread while it holds the sockets."""
+        at = self._batch_at
+        if (self._busy_told or at is None or self.leases is None
+                or not runs_long(now - at, self._batch_predicted)
+                or not any(job.route is not None for job in self.running.values())):
+            return
+        self._busy_told = True
+        self._send(P.worker_busy(True))
+        log.debug("told the broker BUSY: a batch of %d with leased requests runs long", len(self.running))
+
+    def _batch_over(self) -> None:
+        """The batch or stream that ran is over (the loop's thread): BUSY off if it was on."""
+        self._batch_at = self._batch_predicted = None
+        if self._busy_told:
+            self._busy_told = False
+            self._send(P.worker_busy(False))
+
     def _reply_leased(self, job: Job, final: bool, body: list) -> None:
         self._direct_send(job.route, body, final)
         if final:
             self.leases.finish(job.envelope)  # its slot is free (whether or not the send went)
             self.leased_sent += 1
+            if self.counts:
+                self._count_leased(job)
+
+    def _count_leased(self, job: Job) -> None:
+        """A leased request's FINAL was sent (a result, or the error `_reply_error` set in
+        ``job.code``): the broker never sees it, so our next STATS counts it, with its time
+        from our receipt of the REQUEST to now."""
+        code = job.code
+        self._leased_outcomes[code] = self._leased_outcomes.get(code, 0) + 1
+        self._hist["leased_request"].observe(max(0.0, time.monotonic() - job.received))
 
     def _direct_send(self, route: bytes, body: list, final: bool = True) -> None:
         """A FINAL (or PARTIAL) to connection ``route`` of the direct socket: the frames the
@@ -1151,6 +1408,7 @@ class Worker:
     def stats(self) -> dict:
         """Counters, until the project has a metrics endpoint."""
         return {"served": self.served, "direct_sent": self.direct_sent, "leased_sent": self.leased_sent,
+                "leased_bounced": self.leased_bounced,
                 "keep_warm_runs": self.keep_warm.runs, "keep_warm_seconds": self.keep_warm.seconds}
 
     def _log_keep_warm(self) -> None:
@@ -1161,6 +1419,12 @@ class Worker:
 
 
 _END = object()  # the end of a streaming model's outputs
+
+
+def _is_direct_request(frames) -> bool:
+    """Whether frames read from the direct socket are a REQUEST: routing id, MDPC02, 0x01,
+    service, body (at least one frame)."""
+    return len(frames) >= 5 and bytes(frames[1]) == P.MDPC and bytes(frames[2]) == P.C_REQUEST
 
 
 def install_sigterm_drain(worker: Worker) -> None:

@@ -44,7 +44,7 @@ __all__ = ["Command", "CLIENT_COMMANDS", "WORKER_COMMANDS", "frame_table", "MDPC
     "BrokerToWorker", "parse_broker_to_worker",
     "C_LEASE", "C_LEASED", "C_LEASE_END", "C_HELLO", "W_LEASE", "W_LEASED", "W_LEASE_END", "LEASE_ID_LEN",
     "lease_id", "lease_number", "client_lease", "client_lease_end", "client_leased",
-    "to_worker_lease", "to_worker_lease_end", "worker_leased", "worker_lease_end",
+    "to_worker_lease", "to_worker_lease_end", "worker_leased", "worker_lease_end", "W_BUSY", "worker_busy",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -83,6 +83,7 @@ W_STATS = b"\x0c"     # W->B: what only the worker sees (timings, batch sizes, p
 W_LEASE = b"\x0d"     # B->W: a lease on you (LeaseGrant)
 W_LEASED = b"\x0e"    # W->B: lease id [, error header: refused]
 W_LEASE_END = b"\x0f"  # both: lease id, LeaseEnd
+W_BUSY = b"\x10"       # W->B: a long batch with leased requests runs (1) / ended (0)
 
 INSTANCE_LEN = 8  # a broker's instance id: random, new at every start
 LEASE_ID_LEN = 8  # a lease id on the wire: big-endian, from the broker's counter
@@ -135,6 +136,8 @@ WORKER_COMMANDS: tuple[Command, ...] = (
     Command("LEASE", W_LEASE, "B→W", "header `LeaseGrant` (only to a worker whose `Ready` set `direct`)", "extension"),
     Command("LEASED", W_LEASED, "W→B", "lease id (8 bytes) [, a header with `error`: refused]", "extension"),
     Command("LEASE_END", W_LEASE_END, "B→W, W→B", "lease id (8 bytes), header `LeaseEnd`", "extension"),
+    Command("BUSY", W_BUSY, "W→B", "one byte: `0x01` a long batch with leased requests runs (what the broker hands "
+            "the worker meanwhile waits behind it; section 10.3), `0x00` it ended", "extension"),
 )
 
 
@@ -297,6 +300,11 @@ def worker_lease_end(lease: bytes, header: bytes) -> list[bytes]:
     return [MDPW, W_LEASE_END, lease, header]
 
 
+def worker_busy(busy: bool) -> list[bytes]:
+    """BUSY: a long batch holding leased requests runs here (True), or it ended (False)."""
+    return [MDPW, W_BUSY, b"\x01" if busy else b"\x00"]
+
+
 def envelope_token(envelope: Any) -> int | None:
     """The broker's token from an envelope, or None if the envelope is not one of ours."""
     b = bytes(envelope)
@@ -342,7 +350,7 @@ class WorkerMessage(msgspec.Struct, frozen=True):
     ready: Ready | None = None  # READY with capabilities
     envelope: bytes = b""       # PARTIAL / FINAL
     body: tuple = ()            # PARTIAL / FINAL body; DONE, RETURNED: the envelopes (bytes)
-    info: Any = None            # DONE: its DoneInfo frame (raw), if sent; STATS: the WorkerStats; RETURNED: the kept envelopes
+    info: Any = None            # DONE: its DoneInfo frame (raw), if sent; STATS: the WorkerStats; RETURNED: the kept envelopes; BUSY: a bool
 
 
 def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
@@ -412,6 +420,10 @@ def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
         if len(frames) != 3:
             raise ProtocolError("STATS is MDPW02, 0x0c, header(WorkerStats)")
         return WorkerMessage(cmd, info=decode_worker_stats(frames[2]))
+    if cmd == W_BUSY:
+        if len(frames) != 3 or bytes(frames[2]) not in (b"\x00", b"\x01"):
+            raise ProtocolError("BUSY is MDPW02, 0x10, one byte (0x01 busy, 0x00 not)")
+        return WorkerMessage(cmd, info=bytes(frames[2]) == b"\x01")
     if cmd in (W_HEARTBEAT, W_DISCONNECT):
         return WorkerMessage(cmd)
     raise ProtocolError(f"unknown worker command {cmd!r}")

@@ -191,6 +191,8 @@ class Ready(msgspec.Struct, kw_only=True):
     # The model's declared inputs, name -> [dtype or nil, shape (sizes or nil) or nil], for
     # the broker's model endpoint (docs/operations.md); nil when it declares none.
     inputs: dict[str, tuple[str | None, list[int | None] | None]] | None = None
+    # ... and its declared outputs, the same way (what /v2/models/{service} shows).
+    outputs: dict[str, tuple[str | None, list[int | None] | None]] | None = None
 
 
 class Welcome(msgspec.Struct, kw_only=True):
@@ -289,6 +291,11 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     cuda_capacity: int | None = None
     device_used: int | None = None                    # device memory in use (cudaMemGetInfo)
     device_total: int | None = None
+    # Leased requests (docs/protocol.md section 10), whose FINALs never cross the broker:
+    # FINALs sent on the direct socket per outcome (0: a result, else the error code), and
+    # seconds from the worker's receipt of each REQUEST to its FINAL sent.
+    leased: dict[int, int] | None = None
+    leased_request: tuple[list[int], float] | None = None
 
 
 _UNKNOWN_CODE = 1 << 20  # an error code no version defines: counted as error_other

@@ -13,3 +13,7 @@ pytestmark = pytest.mark.timeout(60)
 def test_each_component_is_timed(fn):
     us = fn(20)
     assert 0 < us < 10_000
+
+
+def test_the_worker_is_timed_with_counting_on():
+    assert 0 < hotpath.worker_us(20, metrics=True) < 10_000

@@ -88,6 +88,11 @@ def _stats(**kw):
     {"compute": ([1 << 60] + [0] * len(LATENCY_BUCKETS), 1.0)},        # absurd
     {"shm_used": -5},
     {"keep_warm_runs": -1},
+    {"leased": {0: -1}},                                               # negative leased count
+    {"leased": {0: 1 << 60}},
+    {"leased": {c: 1 for c in range(100)}},                            # more codes than any version has
+    {"leased_request": ([1] * 3, 1.0)},
+    {"leased_request": ([1] + [0] * len(LATENCY_BUCKETS), -1.0)},
 ])
 def test_stats_that_do_not_add_up_change_nothing(bad):
     m = Metrics()
@@ -254,3 +259,23 @@ def test_leases_are_gauges_per_service():
     got = {(n, lab): v for n, lab, v in _samples(exposition(render(m.snapshot(), sched, m.known)))}
     assert got[("zmq_infer_leases", (("service", "echo"),))] == 2
     assert got[("zmq_infer_leased_credit", (("service", "echo"),))] == 5
+
+
+def test_leased_requests_count_from_stats_as_outcomes_and_request_times():
+    """Pinned requests never cross the broker: the worker's STATS carries their outcomes and
+    receipt-to-FINAL times, which add to the same series as brokered requests."""
+    m = Metrics()
+    m.register("echo")
+    m.final("echo", 0, 1.0, 1.001, 1.004)  # one brokered
+    leased_request = ([3] + [0] * (len(LATENCY_BUCKETS) - 1) + [1], 0.0003 + 99.0)
+    st = _stats(leased={0: 5, int(P.ErrorCode.QUEUE_FULL): 1, 999: 2, -3: 1}, leased_request=leased_request)
+    # Through the wire, as a worker sends it.
+    st = P.parse_worker(P.worker_stats(st)).info
+    assert st.leased == {0: 5, int(P.ErrorCode.QUEUE_FULL): 1, 999: 2, -3: 1}
+    assert m.worker_stats(b"w", "echo", "1@h", st)
+    got = {(n, lab): v for n, lab, v in _samples(exposition(render(m.snapshot(), _sched({}), m.known)))}
+    assert got[("zmq_infer_requests_total", (("outcome", "ok"), ("service", "echo")))] == 6
+    assert got[("zmq_infer_requests_total", (("outcome", "queue_full"), ("service", "echo")))] == 1
+    assert got[("zmq_infer_requests_total", (("outcome", "error_other"), ("service", "echo")))] == 3
+    assert got[("zmq_infer_request_seconds_count", (("service", "echo"),))] == 1 + 4
+    assert got[("zmq_infer_request_seconds_bucket", (("le", "+Inf"), ("service", "echo")))] == 5

@@ -305,3 +305,12 @@ def test_inline_sizes_checked_against_frames_actually_there():
     ref = P.TensorRef(name="b", dtype="<i4", shape=[3], loc=P.InlineLoc(frame=2))
     with pytest.raises(P.ProtocolError, match="inline frame 2"):
         P.check_inline_sizes([ref], [b"x" * 12])
+
+
+def test_busy_round_trips_and_a_bad_one_is_a_protocol_error():
+    for busy in (True, False):
+        msg = P.parse_worker(P.worker_busy(busy))
+        assert msg.command == P.W_BUSY and msg.info is busy
+    for bad in ([P.MDPW, P.W_BUSY], [P.MDPW, P.W_BUSY, b"\x02"], [P.MDPW, P.W_BUSY, b"\x01", b"x"]):
+        with pytest.raises(P.ProtocolError, match="BUSY"):
+            P.parse_worker(bad)

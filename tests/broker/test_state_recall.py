@@ -218,3 +218,74 @@ def test_a_negative_recall_after_means_never():
     only(send(s, 3, 0.001), Dispatch)
     assert not of(s.worker_final(b.worker, b.token, 10.0, "B"), RecallAtWorker)
     assert not of(s.tick(20.0), RecallAtWorker)
+
+
+# ---- BUSY: leased work the broker cannot see (docs/protocol.md section 10.3)
+
+
+def test_a_worker_busy_with_a_long_leased_batch_comes_last_for_dispatch():
+    """W1 runs a lease's long batch (it said BUSY): brokered requests go to W2, even when W2
+    holds more, so none waits behind work the broker cannot see; BUSY off, W1 takes again."""
+    s = sched()
+    assert s.worker_busy(W1, True, 0.0) == []
+    ds = [only(send(s, i, 0.001), Dispatch) for i in range(3)]
+    assert [d.worker for d in ds] == [W2, W2, W2]
+    # W1 holds nothing but is not idle: nothing is taken back from W2 for it (W2 is deep
+    # and its batch old), and nothing is dispatched to it while W2 has credit.
+    assert not of(s.tick(0.5), RecallAtWorker)
+    # The leased batch ends: W1 is idle, and takes back half of what waits at W2.
+    rec = only(s.worker_busy(W1, False, 0.6), RecallAtWorker)
+    assert rec.worker == W2 and rec.tokens == (ds[2].token,)
+    again = only(s.worker_returned(W2, [ds[2].token], 0.601), Dispatch)
+    assert again.worker == W1 and again.returned == 1
+    # A busy worker is still used when every other one is full (it only comes last).
+    s2 = Scheduler(Config())
+    s2.worker_ready(W1, "svc", 0.0, credit=2, recall=True)
+    s2.worker_ready(W2, "svc", 0.0, credit=2, recall=True)
+    s2.worker_busy(W2, True, 0.0)
+    assert [only(send(s2, i, 0.0), Dispatch).worker for i in range(3)] == [W1, W1, W2]
+
+
+def test_a_request_parked_behind_a_long_leased_batch_is_taken_back_for_an_idle_worker():
+    """The issue's case, with the long batch a lease's: R lands on W1 (W2 busy with a
+    brokered one); W1 starts a long leased batch and says BUSY; when W2 goes idle, R (the
+    only one W1 holds: nothing of W1's brokered work runs) is taken back and runs there."""
+    s = sched()
+    long_one = only(send(s, 1, 0.0), Dispatch)
+    assert long_one.worker == W1
+    s.worker_final(W1, long_one.token, 0.001, "x")
+    busy = only(send(s, 2, 0.002), Dispatch)   # W2's: W1 was used last
+    assert busy.worker == W2
+    r = only(send(s, 3, 0.003), Dispatch)
+    assert r.worker == W1                      # one held: not deep, nothing to take back
+    assert not of(s.worker_busy(W1, True, 0.010), RecallAtWorker)  # W2 is not idle yet
+    rec = only(s.worker_final(W2, busy.token, 0.020, "B"), RecallAtWorker)
+    assert rec.worker == W1 and rec.tokens == (r.token,)
+    again = only(s.worker_returned(W1, [r.token], 0.021), Dispatch)
+    assert again.worker == W2 and again.request_id == 3 and again.returned == 1
+    fin = only(s.worker_final(W2, again.token, 0.041, "R"), ToClient)
+    assert fin.request_id == 3 and fin.dispatched_at - fin.enqueued_at < 0.025
+    # Without BUSY the same request would have waited for W1's batch: one held is not deep.
+    s2 = sched()
+    a = only(send(s2, 1, 0.0), Dispatch)
+    s2.worker_final(W1, a.token, 0.001, "x")
+    b = only(send(s2, 2, 0.002), Dispatch)
+    only(send(s2, 3, 0.003), Dispatch)
+    assert not of(s2.worker_final(W2, b.token, 0.020, "B"), RecallAtWorker)
+
+
+def test_busy_is_only_a_hint_from_a_registered_worker_and_a_returned_request_skips_a_busy_thief():
+    s = sched()
+    assert [type(a).__name__ for a in s.worker_busy(b"stranger", True, 0.0)] == ["DisconnectWorker"]
+    assert s.worker_busy(W1, False, 0.0) == []   # no change: nothing to do
+    # R is recalled from deep W1 for idle W2; before W1 answers, W2 says BUSY: R goes back
+    # to the queue instead of behind W2's leased batch, and then to the best worker: W1.
+    a = only(send(s, 1, 0.0), Dispatch)
+    b = only(send(s, 2, 0.0), Dispatch)
+    c = only(send(s, 3, 0.001), Dispatch)
+    assert (a.worker, b.worker, c.worker) == (W1, W2, W1)
+    rec = only(s.worker_final(W2, b.token, 0.02, "B"), RecallAtWorker)
+    assert rec.tokens == (c.token,)
+    s.worker_busy(W2, True, 0.021)
+    again = only(s.worker_returned(W1, [c.token], 0.022), Dispatch)
+    assert again.worker == W1 and again.returned == 1

@@ -210,6 +210,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         else:
             assert [type(a) for a in out] == [DisconnectWorker]
 
+    @rule(worker=st.sampled_from(WORKERS), busy=st.booleans())
+    def worker_busy(self, worker, busy):
+        """BUSY (a long leased batch runs there) on or off: dispatch puts it last, and what
+        it holds may all be taken back for an idle worker."""
+        out = self.s.worker_busy(worker, busy, self.now)
+        if worker not in self.workers:
+            assert [type(a) for a in out] == [DisconnectWorker]
+            return
+        self.apply(out)
+
     @precondition(lambda self: any(w["tokens"] for w in self.workers.values()))
     @rule(data=st.data(), final=st.booleans())
     def worker_reply(self, data, final):
@@ -433,8 +443,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def recall_bookkeeping_agrees(self):
         for svc in self.s._services.values():
             for w in svc.workers.values():
-                assert (w in svc.idle) == (not w.in_flight)
-                assert (w in svc.deep) == (w.recall and len(w.in_flight) >= 2)
+                assert (w in svc.idle) == (not w.in_flight and not w.busy)
+                assert (w in svc.deep) == (w.recall and (len(w.in_flight) >= 2 or bool(w.in_flight) and w.busy))
                 assert w.awaiting == sum(1 for o in self.s._workers.values()
                                          for r in o.in_flight.values() if r.thief is w)
             assert set(svc.idle) <= set(svc.workers.values())
@@ -523,7 +533,7 @@ def _progress_ok(s: Scheduler) -> None:
                 continue
             for victim in svc.deep:
                 mine = [r for r in victim.in_flight.values() if r.state == 1 and not r.recalled]  # RUNNING
-                if len(mine) // 2 < 1:
+                if (len(mine) if victim.busy else len(mine) // 2) < 1:
                     continue
                 able = [r for r in mine if svc.pools.get(r.local_host) in thief.pools]
                 assert not able, f"idle {thief.ident} could take {len(able)} back from {victim.ident}"

@@ -51,7 +51,8 @@ def sleepy(device: str = "cpu"):
 
 
 def declared(device: str = "cpu"):
-    """Doubles an RGB frame; declares its input, so a wrong request is refused before it runs."""
+    """Halves an RGB frame; declares its input (so a wrong request is refused before it runs)
+    and its output."""
 
     def run(inputs):
         return {"image": np.asarray(inputs["image"]) // 2}
@@ -59,6 +60,7 @@ def declared(device: str = "cpu"):
     run.name = "declared"
     run.batchable = False
     run.inputs = {"image": ("|u1", (None, None, 3))}
+    run.outputs = {"image": ("|u1", (None, None, 3))}  # shown by /v2/models/declared
     return run
 
 

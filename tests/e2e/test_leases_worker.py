@@ -234,3 +234,91 @@ def test_slots_cancel_and_sigterm_on_a_lease(cluster, client, gate):
     assert rep.id == 1 and np.array_equal(_echoed(rep, frames), x)
     assert w.p.wait(TIMEOUT_S) == 0
     assert not os.path.exists(path)
+
+
+def _lines(path) -> list[str]:
+    return path.read_text().split("\n")[:-1] if path.exists() else []
+
+
+def _until(cond, what: str, timeout_s: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        time.sleep(0.005)  # polling a file the worker writes (a condition, not a delay)
+
+
+def test_the_direct_socket_is_read_while_a_batch_computes_on_the_loop_thread(cluster, client, tmp_path):
+    """gate_model's `sleepy` runs even a long call on the worker loop's own thread (its
+    warm-up is fast).  What the lease sends during such a batch is read then, by the
+    heartbeat thread: a REQUEST's wait counts from its arrival (batch_wait_ms covers the
+    batch it waited behind), and a CANCEL of the running request drops its result."""
+    log = tmp_path / "runs.log"
+    cluster.broker()
+    cluster.worker("gate_model:sleepy", "--direct", "--credit", "4", env={"SLEEPY_LOG": str(log)})
+    info = client.lease("sleepy", 1, slots=3)
+    assert isinstance(info, P.LeaseInfo) and info.slots == 3
+    client.connect(info.endpoint)
+    client.hello(info.lease, info.secret)
+    client.request(1, np.array([0.3]), service="sleepy")
+    _until(lambda: len(_lines(log)) == 1, "the 300 ms batch starting")
+    client.request(2, np.array([0.0]), service="sleepy")  # arrives during the batch
+    got = {}
+    for _ in range(2):
+        rep, frames = client.reply()
+        got[rep.id] = (rep, frames)
+    assert got[1][0].error is None and got[2][0].error is None, (got[1][0].error, got[2][0].error)
+    timing = got[2][0].timing
+    assert timing["batch_wait_ms"] >= 200.0, timing  # not ~0: its wait behind the batch shows
+    # A CANCEL during a loop-thread batch: read then, so the result is dropped.
+    client.request(3, np.array([0.3]), service="sleepy")
+    _until(lambda: len(_lines(log)) == 2, "the second 300 ms batch starting")
+    client.send(P.client_cancel("sleepy", 3))
+    rep, _ = client.reply()
+    assert rep.id == 3 and rep.error is not None and rep.error.code == int(P.ErrorCode.CANCELLED), rep
+    assert "while its batch ran" in rep.error.message
+    client.request(4, np.array([0.0]), service="sleepy")
+    rep, frames = client.reply()
+    assert rep.id == 4 and rep.error is None and np.array_equal(_echoed(rep, frames), [0.0])
+
+
+def test_a_lease_does_not_wait_behind_another_leases_long_batch(cluster, tmp_path):
+    """Two leases on one worker: while lease A's long batch runs (on the loop's thread), lease
+    B's request is answered 429 "send this one through the broker" at once instead of
+    waiting (the SDK resends it there; test_pinned.py), and the worker tells the broker
+    BUSY, so brokered work goes elsewhere meanwhile.  A's own next request waits for A's
+    batch as a stream's would."""
+    log = tmp_path / "runs.log"
+    cfg = tmp_path / "broker.toml"
+    # Each raw leaseholder heartbeats only while it waits for its own messages: a long client
+    # liveness keeps the one not being read from losing its lease meanwhile.
+    cfg.write_text("[scheduler]\nclient_liveness = 60.0\n")
+    cluster.broker("--config", str(cfg))
+    w = cluster.worker("gate_model:sleepy", "--direct", "--credit", "4", "--log-level", "debug",
+                       env={"SLEEPY_LOG": str(log)})
+    a, b = Leaseholder(cluster), Leaseholder(cluster)
+    try:
+        for n, holder in enumerate((a, b)):
+            info = holder.lease("sleepy", n + 1, slots=1 + n)
+            assert isinstance(info, P.LeaseInfo), info
+            holder.connect(info.endpoint)
+            holder.hello(info.lease, info.secret)
+        a.request(1, np.array([1.0]), service="sleepy")
+        _until(lambda: len(_lines(log)) == 1, "A's 1 s batch starting")
+        t0 = time.monotonic()
+        b.request(1, np.array([0.0]), service="sleepy")
+        rep, _ = b.reply()
+        took = time.monotonic() - t0
+        assert rep.id == 1 and rep.error is not None and rep.error.code == int(P.ErrorCode.QUEUE_FULL), rep
+        assert "through the broker" in rep.error.message and "did not run" in rep.error.message
+        assert took < 0.6, f"B's answer took {took:.3f} s: it waited behind A's batch"
+        w.wait_log("told the broker BUSY")
+        rep, frames = a.reply()
+        assert rep.id == 1 and rep.error is None
+        # Nothing runs now: B's requests run on the lease again.
+        b.request(2, np.array([0.0]), service="sleepy")
+        rep, frames = b.reply()
+        assert rep.id == 2 and rep.error is None and np.array_equal(_echoed(rep, frames), [0.0])
+        assert len(_lines(log)) == 1
+    finally:
+        a.close()
+        b.close()

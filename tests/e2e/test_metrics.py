@@ -75,8 +75,10 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
     echo = cluster.worker("echo", "--health-port", "127.0.0.1:0")
     gw = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "8", "--no-warmup",
                         env=gate.env, wait=False)
+    dw = cluster.worker("gate_model:declared", "--service", "declared", wait=False)
     gate.open()
     gw.wait_ready()
+    dw.wait_ready()
     whealth = "http://" + echo.field("health")
     assert get(whealth, "/v2/health/live")[0] == 200
     assert get(whealth, "/v2/health/ready")[0] == 200
@@ -87,6 +89,13 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
     assert status == 200 and info["name"] == "echo" and info["ready"] is True
     assert len(info["workers"]) == 1 and info["workers"][0]["pid"] == echo.p.pid
     assert "shm" in info["transports"] and info["credit"] >= 1 and info["queue"]["normal"] == 0
+    assert info["inputs"] == [] and info["outputs"] == []  # echo declares nothing
+    # A model that declares its signature: both halves, as its READY carried them.
+    status, body = get(base, "/v2/models/declared")
+    declared = json.loads(body)
+    assert status == 200 and declared["ready"] is True
+    assert declared["inputs"] == [{"name": "image", "datatype": "|u1", "shape": [None, None, 3]}]
+    assert declared["outputs"] == [{"name": "image", "datatype": "|u1", "shape": [None, None, 3]}]
 
     x = {"x": np.arange(16, dtype=np.float32)}
     sent = {"ok": 0}
@@ -138,6 +147,10 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
         samples = scrape(base)
         assert value(samples, "zmq_infer_queue_depth", service="gate", priority="normal") == 3
         assert value(samples, "zmq_infer_in_flight", service="gate") == 16
+        # Its only worker is saturated (all its credit held, a backlog queued): still ready,
+        # or pods would flap out of their Service under load.
+        assert get(base, "/v2/models/gate/ready")[0] == 200
+        assert json.loads(get(base, "/v2/models/gate")[1])["in_flight"] == 16
         gate.release(40)  # a byte per batch: more than enough
         replies = [h.result(timeout=WAIT) for h in held + queued]
         batches = [r.timing["batch"] for r in replies]
@@ -194,3 +207,48 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
     until(lambda: get(base, "/v2/models/echo/ready")[0] == 503, "echo unready")
     assert get(base, "/v2/health/ready")[0] == 200  # gate still serves
     assert get(base, "/v2/models/nope/ready")[0] == 404
+    again = cluster.worker("echo")  # READY: the broker's WELCOME came, it is registered
+    until(lambda: get(base, "/v2/models/echo/ready")[0] == 200, "echo ready again")
+    assert [w["pid"] for w in json.loads(get(base, "/v2/models/echo")[1])["workers"]] == [again.p.pid]
+
+
+def test_pinned_requests_are_counted_from_the_workers_stats(cluster):
+    """Requests on a lease never cross the broker: the worker counts them (outcome, and the
+    time from its receipt to the FINAL) in its STATS, so once the next STATS is in, the
+    broker's counters have risen by exactly the requests that went on the lease."""
+    from client_sdk import InvalidInput
+
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    cluster.worker("gate_model:declared", "--service", "declared", "--direct")
+    good = {"image": np.full((4, 4, 3), 8, np.uint8)}
+    bad = {"image": np.zeros((4, 4), np.uint8)}  # not what the model declared: 422, on the lease
+
+    def counts():
+        s = scrape(base)
+        return (value(s, "zmq_infer_requests_total", service="declared", outcome="ok"),
+                value(s, "zmq_infer_requests_total", service="declared", outcome="invalid_input"),
+                value(s, "zmq_infer_request_seconds_count", service="declared"))
+
+    with Client(cluster.frontend, timeout=WAIT, pin=True) as c:
+        wait_service(c, "declared")
+        sent = 0
+        deadline = time.monotonic() + WAIT
+        while not c.pinned("declared"):  # the first request asks for the lease
+            assert time.monotonic() < deadline, "never pinned"
+            with c.infer("declared", good) as r:
+                assert int(r["image"][0, 0, 0]) == 4
+            sent += 1
+            if not c.pinned("declared"):
+                c.pump(0.05)  # a LEASED on its way is routed
+        # Whichever way they went, the requests so far are counted; then only the lease's.
+        until(lambda: counts() == (sent, 0, sent), "the requests before the lease counted")
+        before = c.pinned_replies
+        n = 25
+        for _ in range(n):
+            with c.infer("declared", good) as r:
+                assert int(r["image"][0, 0, 0]) == 4
+        with pytest.raises(InvalidInput):
+            c.infer("declared", bad)
+        assert c.pinned_replies - before == n + 1, "a request left the lease"
+    until(lambda: counts() == (sent + n, 1, sent + n + 1), f"{n} pinned results and 1 pinned error counted")

@@ -146,3 +146,69 @@ def test_a_cancelled_batch_drops_its_result_and_the_next_request_follows(cluster
         assert took < 0.6 + 0.6, f"took {took:.3f} s"
     finally:
         s.close(linger=0)
+
+
+def _until_pinned(c: Client, service: str) -> None:
+    """Fast requests (the first asks for the lease) until `c` holds one: a condition."""
+    deadline = time.monotonic() + WAIT
+    while not c.pinned(service):
+        assert time.monotonic() < deadline, f"not pinned to {service!r} within {WAIT} s"
+        c.infer(service, {"x": np.array([0.0])}, timeout=WAIT).release()
+        if not c.pinned(service):
+            c.pump(0.05)  # a LEASED on its way is routed
+
+
+def test_pinned_streams_and_brokered_work_are_not_parked_behind_a_long_leased_batch(cluster, tmp_path):
+    """The head-of-line rule with leases (docs/protocol.md section 10.3), both directions.
+    W1 takes leases (--direct), W2 does not; two pinned clients, A and B, both hold a lease
+    on W1.  A's 2 s request runs on W1's loop thread (sleepy: predicted fast):
+
+    - B's 20 ms request, sent on B's lease, is not held behind it: W1 answers "send it
+      through the broker" at once, B's SDK does, and it runs on the idle W2;
+    - W1 told the broker BUSY, so brokered requests go to W2 even when W2 holds two (without
+      BUSY, W1 - same load by leased slots, none held - would get them): E waits behind
+      W2's two short ones, not behind A's two seconds."""
+    log = tmp_path / "runs.log"
+    env = {"SLEEPY_LOG": str(log)}
+    cfg = tmp_path / "broker.toml"
+    # A blocking client heartbeats only while it waits: a long client liveness keeps the
+    # leases of the clients the test is not waiting on.
+    cfg.write_text("[scheduler]\nclient_liveness = 60.0\n")
+    cluster.broker("--config", str(cfg))
+    w1 = cluster.worker("gate_model:sleepy", "--direct", "--credit", "3", "--log-level", "debug", env=env)
+    w2 = cluster.worker("gate_model:sleepy", "--credit", "3", env=env)
+    pid1, pid2 = str(w1.p.pid), str(w2.p.pid)
+    with Client(cluster.frontend, timeout=WAIT, pin=1) as a, Client(cluster.frontend, timeout=WAIT, pin=1) as b, \
+            Client(cluster.frontend, timeout=WAIT) as plain:
+        _until_pinned(a, "sleepy")
+        _until_pinned(b, "sleepy")
+        pinned_before = b.pinned_replies
+        t0 = time.monotonic()
+        ha = a.infer_stream("sleepy", {"x": np.array([2.0])})
+        _wait_for(lambda: len(_lines(log)) == 1, what="A started")
+        assert _lines(log) == [pid1]  # on A's lease
+        t_b = time.monotonic()
+        res_b = b.infer("sleepy", {"x": np.array([0.02])}, timeout=WAIT)
+        took_b = time.monotonic() - t_b
+        assert _lines(log)[1] == pid2, _lines(log)
+        assert took_b < 0.6, f"B took {took_b:.3f} s: parked behind A's batch"
+        assert b.pinned_replies == pinned_before  # its answer came through the broker
+        assert b.pinned("sleepy")                 # and its lease stays
+        res_b.release()
+        w1.wait_log("told the broker BUSY")
+        d1 = plain.infer_stream("sleepy", {"x": np.array([0.2])})
+        d2 = plain.infer_stream("sleepy", {"x": np.array([0.2])})
+        _wait_for(lambda: len(_lines(log)) == 3, what="D1 started")
+        t_e = time.monotonic()
+        e = plain.infer_stream("sleepy", {"x": np.array([0.02])})
+        res_e = e.result(timeout=WAIT)
+        took_e = time.monotonic() - t_e
+        runs = _lines(log)
+        assert runs[2:] == [pid2, pid2, pid2], runs  # D1, D2, E: all on W2
+        assert took_e < 1.4, f"E took {took_e:.3f} s: parked behind A's batch"
+        for h in (d1, d2):
+            h.result(timeout=WAIT).release()
+        res_e.release()
+        res_a = ha.result(timeout=WAIT)
+        assert time.monotonic() - t0 >= 2.0
+        res_a.release()

@@ -182,3 +182,96 @@ def test_a_lost_broker_connection_ends_every_lease(worker, client):
     rep, _ = _reply(client)
     assert rep.id == 2 and rep.error.code == int(P.ErrorCode.SERVICE_UNAVAILABLE)
     assert "broker connection lost" in rep.error.message
+
+
+def test_a_long_batch_sends_other_leases_waiting_requests_to_the_broker_and_says_busy(worker, client):
+    """The head-of-line rule of leases (docs/protocol.md section 10.3), at the start of a
+    batch predicted long (1 s): lease B's request waiting in the batcher is answered 429
+    "send this one through the broker" (it did not run), lease A's own next one waits for
+    A's batch; the broker is told BUSY for each long batch holding leased requests, and
+    BUSY off when it ends."""
+    other = zmq.Context.instance().socket(zmq.DEALER)
+    other.linger = 0
+    other.connect(worker.direct_socket.endpoint)
+    try:
+        a, b = _lease(worker, 1, slots=2), _lease(worker, 2, slots=2)
+        worker.upstream.sent()
+        for sock, lease in ((client, a), (other, b)):
+            sock.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=lease, secret=SECRET))])
+        # Three shapes: three batches, in arrival order (A's first).
+        _request(client, 1, np.zeros(3))
+        _take(worker, lambda: len(worker.jobs) == 1)
+        _request(other, 1, np.zeros(5))
+        _take(worker, lambda: len(worker.jobs) == 2)
+        _request(client, 2, np.zeros(4))
+        _take(worker, lambda: len(worker.jobs) == 3)
+        worker.compute_times.seed({1: 1.0})  # predicted long
+        worker.run_ready_batches(force=True)
+        rep, _ = _reply(other)
+        assert rep.id == 1 and rep.error.code == int(P.ErrorCode.QUEUE_FULL)
+        assert "through the broker" in rep.error.message and "did not run" in rep.error.message
+        assert worker.leases.in_flight(b) == 0 and worker.leased_bounced == 1
+        got = sorted(_reply(client)[0].id for _ in range(2))
+        assert got == [1, 2]  # A's own waited for A's batch, and ran
+        sent = [P.parse_worker(f) for f in worker.upstream.sent()]
+        assert [(m.command, m.info) for m in sent] == [(P.W_BUSY, True), (P.W_BUSY, False)] * 2
+    finally:
+        other.close()
+
+
+def test_runs_long_is_the_rule():
+    from gpu_worker.leases import LONG_BATCH_S, runs_long
+
+    assert LONG_BATCH_S == 0.005
+    assert runs_long(0.0, 1.0) and not runs_long(0.0, 0.004)   # by its prediction
+    assert not runs_long(0.998, 1.0)                           # nearly done: wait for it
+    assert runs_long(1.5, 1.0)                                 # past its prediction: nothing says soon
+    assert not runs_long(0.003, 0.001) and runs_long(0.006, 0.001)
+    assert not runs_long(0.004, None) and runs_long(0.005, None)  # a stream, or no timing
+
+
+def test_while_a_batch_computes_the_heartbeat_thread_reads_the_direct_socket(worker, client):
+    """`_read_direct_while_computing` (the heartbeat thread, while the loop computes): a HELLO
+    binds at once, so the REQUEST right behind it is judged with its lease: lease B's waits
+    behind lease A's long batch, so it is answered 429 now; lease A's own next REQUEST and a
+    CANCEL of its running one are stashed with their arrival times, and the loop handles them
+    right after the batch (`_after_compute`): the REQUEST's wait counts from its arrival, the
+    CANCEL drops the running result."""
+    other = zmq.Context.instance().socket(zmq.DEALER)
+    other.linger = 0
+    other.connect(worker.direct_socket.endpoint)
+    try:
+        a, b = _lease(worker, 1, slots=2), _lease(worker, 2, slots=2)
+        worker.upstream.sent()
+        client.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=a, secret=SECRET))])
+        _request(client, 1, np.zeros(3))
+        _take(worker, lambda: len(worker.jobs) == 1)
+        # The loop takes A's request and computes it (as `_run` does, up to computing_begin):
+        # a batch predicted at 1 ms that has run for 500 ms.
+        [p] = worker.batcher.take(time.monotonic(), idle=True, force=True)
+        running = worker.jobs.pop(p.item.envelope)
+        worker.running = {running.envelope: running}
+        worker._batch_at, worker._batch_predicted = time.monotonic() - 0.5, 0.001
+        other.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=b, secret=SECRET))])
+        _request(other, 7, np.zeros(5))
+        _request(client, 2, np.zeros(3))
+        client.send_multipart(P.client_cancel("echo", 1))
+        deadline = time.monotonic() + 5
+        while len(worker._stash_direct) < 2:
+            assert time.monotonic() < deadline, "the heartbeat thread's reads got nothing"
+            worker.direct_socket.sock.poll(50)
+            worker._read_direct_while_computing()
+        rep, _ = _reply(other)
+        assert rep.id == 7 and rep.error.code == int(P.ErrorCode.QUEUE_FULL) and "through the broker" in rep.error.message
+        assert worker.leases.in_flight(b) == 0 and worker.leased_bounced == 1  # it took no slot
+        read_by = time.monotonic()
+        assert [bytes(f[2]) for f, _ in worker._stash_direct] == [P.C_REQUEST, P.C_CANCEL]
+        assert worker.jobs == {} and not running.cancelled  # the loop's state: untouched so far
+        # The batch ends: the loop handles what was stashed, in order.
+        worker._after_compute()
+        assert running.cancelled and worker.cancelled_running == 1
+        [queued] = worker.jobs.values()
+        assert queued.req.id == 2 and queued.received <= read_by  # its arrival, not the batch's end
+        assert worker._stash_direct == []
+    finally:
+        other.close()

@@ -1,6 +1,7 @@
 """Shipped models and ``load_model``."""
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 
@@ -302,15 +303,61 @@ FACTORIES = textwrap.dedent(
 )
 
 
+# Declarations a worker must refuse at load (no torch: a subprocess starts fast).
+PLAIN = textwrap.dedent(
+    r'''
+    import numpy as np
+
+    def nonsense_inputs():
+        f = lambda batch: dict(batch)
+        f.inputs = {"x": "nonsense"}
+        return f
+
+    def bad_dtype_outputs():
+        f = lambda batch: dict(batch)
+        f.outputs = {"y": ("float99", (3,))}
+        return f
+
+    def negative_size():
+        f = lambda batch: dict(batch)
+        f.inputs = {"x": ("<f4", (None, -3))}
+        return f
+
+    def not_a_dict():
+        f = lambda batch: dict(batch)
+        f.inputs = [("x", "<f4", (3,))]
+        return f
+
+    def spaced_name():
+        f = lambda batch: dict(batch)
+        f.name = "my model"
+        return f
+
+    def control_name():
+        f = lambda batch: dict(batch)
+        f.name = "echo\x07"
+        return f
+
+    def declared():
+        f = lambda batch: {"y": batch["x"] * 2}
+        f.inputs = {"x": ("<f4", (None, 3))}
+        f.outputs = {"y": (np.float32, [None, 3])}
+        f.example_inputs = lambda: {"x": np.ones((2, 3), np.float32)}
+        return f
+    '''
+)
+
+
 @pytest.fixture
 def factories(tmp_path, monkeypatch):
     pkg = tmp_path / "mymodels"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "zoo.py").write_text(FACTORIES)
+    (pkg / "plain.py").write_text(PLAIN)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "mymodels.zoo"
-    for mod in ("mymodels.zoo", "mymodels"):
+    for mod in ("mymodels.zoo", "mymodels.plain", "mymodels"):
         sys.modules.pop(mod, None)
 
 
@@ -370,6 +417,31 @@ def test_bad_spec_raises_model_load_error(factories, spec, message):
         load_model(spec, "cpu")
     if "unknown" in message or "malformed" in message or "returned" in message:
         assert "package.module:factory" in str(info.value)  # says what was expected
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("nonsense_inputs", "declares `inputs['x']` = 'nonsense', not a (dtype, shape) pair"),
+    ("bad_dtype_outputs", "declares `outputs['y']` = ('float99', (3,)): 'float99' is not a numpy dtype"),
+    ("negative_size", "sizes must be integers >= 0 or None"),
+    ("not_a_dict", "`inputs` is a list, not a dict"),
+    ("spaced_name", "the model name 'my model' has whitespace or control characters"),
+    ("control_name", "has whitespace or control characters"),
+])
+def test_malformed_declarations_and_names_are_refused_at_load(factories, factory, message):
+    with pytest.raises(ModelLoadError, match=re.escape(message)) as info:
+        load_model(f"mymodels.plain:{factory}", "cpu")
+    text = str(info.value)
+    assert "\n" not in text
+    if factory not in ("spaced_name", "control_name"):
+        assert "(dtype, shape)" in text and "docs/models.md" in text  # what to write instead
+
+
+def test_declared_outputs_are_kept_and_parsed(factories):
+    from gpu_worker.signature import parse_inputs
+
+    m = load_model("mymodels.plain:declared", "cpu")
+    assert parse_inputs(m.outputs, "outputs") == {"y": ("<f4", (None, 3))}
+    assert parse_inputs(m.inputs) == {"x": ("<f4", (None, 3))}
 
 
 # ------------------------------------------------- single-input modules and default names
@@ -432,13 +504,13 @@ def test_the_worker_registers_the_models_name(factories):
 # ------------------------------------------------- load failures: one line, exit non-zero
 
 
-def _start_worker(model: str, pythonpath: str):
+def _start_worker(model: str, pythonpath: str, *extra: str):
     import os
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([pythonpath, os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "gpu_worker", "--model", model, "--device", "cpu",
-                           "--broker", "ipc:///tmp/zmq-infer-test-no-broker", "--out-capacity-mb", "1"],
+                           "--broker", "ipc:///tmp/zmq-infer-test-no-broker", "--out-capacity-mb", "1", *extra],
                           capture_output=True, text=True, timeout=60, env=env)
 
 
@@ -463,3 +535,19 @@ def test_a_factory_that_raises_is_one_line(factories, tmp_path):
 def test_a_model_whose_warmup_raises_is_one_line(factories, tmp_path):
     line = _one_line(_start_worker(f"{factories}:make_bad_warmup", str(tmp_path)))
     assert "warm-up" in line and "example_inputs" in line and "--no-warmup" in line
+
+
+@pytest.mark.parametrize("model, extra, words", [
+    ("mymodels.plain:nonsense_inputs", (), ("`inputs['x']` = 'nonsense'", "(dtype, shape)")),
+    ("mymodels.plain:spaced_name", (), ("'my model'", "whitespace", "change the model's `name`")),
+    ("echo", ("--max-batch", "0"), ("max_batch (--max-batch) must be an integer >= 1, not 0",)),
+    ("echo", ("--heartbeat-interval", "0"), ("--heartbeat-interval", "> 0")),
+    ("echo", ("--transports", "carrier-pigeon"), ("--transports", "carrier-pigeon")),
+    ("echo", ("--service", "two words"), ("--service", "'two words'", "whitespace")),
+])
+def test_bad_declarations_and_options_are_one_line_and_exit_2(factories, tmp_path, model, extra, words):
+    proc = _start_worker(model, str(tmp_path), *extra)
+    line = _one_line(proc)
+    assert proc.returncode == 2, proc.stderr
+    for w in words:
+        assert w in line, line

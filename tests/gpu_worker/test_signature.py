@@ -33,3 +33,16 @@ def test_the_signature_reads_as_declared():
     assert parse_inputs(None) is None
     with pytest.raises(ValueError):
         parse_inputs({"x": ("|u1", (-1,))})
+
+
+def test_outputs_parse_like_inputs_and_travel_as_ready_carries_them():
+    from gpu_worker.signature import SignatureError, wire_signature
+
+    sig = parse_inputs({"logits": ("<f4", (1000,)), "any": (None, None)}, "outputs")
+    assert wire_signature(sig) == {"logits": ("<f4", [1000]), "any": (None, None)}
+    assert wire_signature(None) is None
+    ready = P.Ready(inputs=wire_signature(SIG), outputs=wire_signature(sig))
+    back = P.decode_ready(P.encode_header(ready))
+    assert back.outputs == {"logits": ("<f4", [1000]), "any": (None, None)}
+    with pytest.raises(SignatureError, match=r"`outputs\['y'\]` = 'nonsense', not a \(dtype, shape\) pair"):
+        parse_inputs({"y": "nonsense"}, "outputs")
