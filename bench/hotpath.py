@@ -134,7 +134,10 @@ def client_us(n: int) -> float:
     F = zmq.Frame
     call0 = core.new_call("echo", {"x": x})
     frames0 = core.request_frames(call0, time.monotonic())
-    tensors = P.decode_request(frames0[3], 0).tensors
+    # 16 B travel inline both ways by default (P.SMALL_INLINE_BYTES): the echo's reply
+    # carries the request's own inline frame back.
+    inline = [bytes(f) for f in frames0[4:]]
+    tensors = P.decode_request(frames0[3], len(inline)).tensors
     core.calls.pop(call0.id, None)
 
     def one():
@@ -142,7 +145,7 @@ def client_us(n: int) -> float:
         core.request_frames(call, time.monotonic())
         # Encoding the worker's reply (~1 us) is the one piece timed here that is not the client's.
         rep = P.encode_header(P.Reply(id=call.id, tensors=tensors, timing={"compute_ms": 0.01}))
-        core.on_message([F(P.MDPC), F(P.C_FINAL), F(b"echo"), F(rep)], time.monotonic())
+        core.on_message([F(P.MDPC), F(P.C_FINAL), F(b"echo"), F(rep), *map(F, inline)], time.monotonic())
         call.inbox.popleft()[1].release()
 
     try:

@@ -117,6 +117,11 @@ class Peer:
     def client(self) -> PeerClient:
         raise NotImplementedError
 
+    @property
+    def pids(self) -> list[int]:
+        """The pids of the processes spawn() started, in order (for CPU accounting)."""
+        return [p.pid for p in self._procs]
+
     def stop(self) -> None:
         """Reap every process spawn() started, newest first; idempotent; never raises."""
         procs, self._procs = self._procs, []

@@ -33,7 +33,7 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol import logs
-from broker.protocol.wire import recv_frames, send_frames
+from broker.protocol.wire import recv_frames, send_frames, sock_events
 from shm import gc as shm_gc
 from shm.segment import process_alive
 from zmq.utils.monitor import recv_monitor_message
@@ -383,7 +383,7 @@ class Broker:
     def _on_http(self) -> None:
         """Answer the HTTP threads' questions (broker.http) with copies of the loop's state."""
         sock = self._http_loop
-        while sock.get(zmq.EVENTS) & _POLLIN:
+        while sock_events(sock) & _POLLIN:
             n, what, arg = sock.recv_pyobj()
             try:
                 answer = self._http_answer(what, arg)
@@ -462,7 +462,7 @@ class Broker:
             except Exception:  # the loop must survive any one message
                 self.malformed += 1
                 self._oops.exception("unexpected error while handling a message; dropped it")
-            if not sock.get(zmq.EVENTS) & _POLLIN:
+            if not sock_events(sock) & _POLLIN:
                 return
 
     # ------------------------------------------------------------------ clients
@@ -515,7 +515,7 @@ class Broker:
         """A client asks to be pinned to a worker (docs/protocol.md section 10): the scheduler
         places it; the grant carries what only the broker knows of the client (the kernel's
         pid of its connection, its principal) and a secret made here."""
-        if ident[0] and self._frontend_events.get(zmq.EVENTS) & _POLLIN:
+        if ident[0] and sock_events(self._frontend_events) & _POLLIN:
             self._on_frontend_events()  # as for a request: a reused routing id's old connection first
         first = msg.body[0]
         service = msg.service
@@ -543,7 +543,7 @@ class Broker:
         self._req_clients.discard(ident)
 
     def _on_request(self, ident: bytes, msg: P.ClientMessage, now: float) -> None:
-        if ident[0] and self._frontend_events.get(zmq.EVENTS) & _POLLIN:
+        if ident[0] and sock_events(self._frontend_events) & _POLLIN:
             # A routing id the client chose may have been another connection's, even one on
             # the same descriptor number (`_client_pid` catches a different one).  libzmq
             # queues a connection's DISCONNECTED before it closes the descriptor, so that
@@ -874,7 +874,7 @@ class Broker:
 
     def _on_frontend_events(self) -> None:
         """Forget what was learned about clients whose connection closed."""
-        while self._frontend_events.get(zmq.EVENTS) & _POLLIN:
+        while sock_events(self._frontend_events) & _POLLIN:
             event = recv_monitor_message(self._frontend_events)
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
@@ -897,7 +897,7 @@ class Broker:
 
     def _on_backend_events(self) -> None:
         now = time.monotonic()
-        while self._backend_events.get(zmq.EVENTS) & _POLLIN:
+        while sock_events(self._backend_events) & _POLLIN:
             event = recv_monitor_message(self._backend_events)
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue

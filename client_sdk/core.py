@@ -94,6 +94,9 @@ class ClientCore(PinEvents):
         self.endpoint = endpoint
         self.transport = transport
         self.use_shm = resolve_transport(transport, endpoint)
+        # transport="shm" means every tensor by reference; "auto" sends small ones inline
+        # (P.SMALL_INLINE_BYTES), and lets the worker answer small outputs inline too.
+        self.inline_max = 0 if transport == "shm" else P.SMALL_INLINE_BYTES
         self.timeout = timeout
         self.pool_capacity = int(pool_capacity)
         self.heartbeat_interval = heartbeat_interval if heartbeat_interval and heartbeat_interval > 0 else None
@@ -249,7 +252,9 @@ class ClientCore(PinEvents):
         if self.pin_slots and not inline and self.pin_inline(service):
             inline = True  # its lease is not near: only inline tensors can go on it
         call.probe = self.use_shm and retry_at is not None and not inline
-        call.reply = ("inline" if inline else "auto") if reply == "auto" else reply
+        if reply == "auto":
+            reply = "inline" if inline else ("shm" if self.transport == "shm" else "auto")
+        call.reply = reply
         pool = None
         if not inline:
             try:
@@ -259,7 +264,11 @@ class ClientCore(PinEvents):
                 if call.reply == "auto":
                     call.reply = "inline"
         # CUDA IPC only reaches workers on this host, exactly as shared memory does.
-        call.packed = T.pack(inputs, pool, copy_inline=copy_inline, cuda=None if inline else self.cuda_side)
+        call.packed = T.pack(inputs, pool, copy_inline=copy_inline, cuda=None if inline else self.cuda_side,
+                             inline_max=self.inline_max)
+        # A probe asks whether shared memory works again: one with only small (inline)
+        # tensors cannot tell, so it is a plain request and the backoff stands.
+        call.probe = call.probe and call.packed.uses_shm
         return call
 
     def opaque_frames(self, service: str, frames: list[Any]) -> list[Any]:

@@ -160,8 +160,9 @@ def _inline(arr: np.ndarray, copy: bool, in_shm: bool) -> Any:
 
 
 def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = False,
-         cuda: Callable[[], Any] | None = None) -> Packed:
-    """Pack `inputs`.  `pool` None means inline only.  `copy_inline` makes inline frames
+         cuda: Callable[[], Any] | None = None, inline_max: int = 0) -> Packed:
+    """Pack `inputs`.  `pool` None means inline only; with a pool, tensors of at most
+    `inline_max` bytes still go inline (`P.SMALL_INLINE_BYTES`).  `copy_inline` makes inline frames
     private copies (for sends that return before the bytes leave, such as `Stream.send`).
     `cuda()` returns the client's `CudaSide` for torch CUDA tensors (by CUDA IPC); without it
     they are copied to the host (a worker on another host cannot open CUDA IPC handles)."""
@@ -193,7 +194,7 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
             shape = list(arr.shape)
             loc = None
             ref = None
-            if pool is not None and arr.nbytes:
+            if pool is not None and arr.nbytes > inline_max:
                 ref = ref_in_pool(pool, arr)
                 if ref is not None and arr.flags.c_contiguous and ref.nbytes == arr.nbytes:
                     pool.mark_in_flight(ref)     # 1. by reference, no copy

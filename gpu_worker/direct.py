@@ -60,10 +60,19 @@ def direct_endpoint(final: bool, req: P.Request | None, *, host: str, enabled: b
     goes back through the broker, to the client that sent the request."""
     if (final and req is not None and req.reply_to is not None and req.host == host
             and enabled and not streaming and req.pid is not None):
-        owner = P.parse_reply_socket_name(req.reply_to.rpartition("/")[2])
+        rt = req.reply_to
+        owner = _owners.get(rt, _UNSEEN)
+        if owner is _UNSEEN:  # a regex per request otherwise; a client keeps one socket
+            if len(_owners) >= 4096:
+                _owners.clear()
+            owner = _owners[rt] = P.parse_reply_socket_name(rt.rpartition("/")[2])
         if owner is not None and owner[0] == req.pid:
-            return req.reply_to
+            return rt
     return None
+
+
+_owners: dict[str, tuple | None] = {}  # reply_to -> its parsed name (owner pid, ...), or None
+_UNSEEN = object()
 
 
 class DoneGather:

@@ -139,7 +139,8 @@ class HostPlane:
                 refs.append(P.TensorRef(name=name, dtype=job.refs[name].dtype, shape=list(arr.shape), loc=job.refs[name].loc))
                 continue
             dts = arr.dtype.str
-            if want_shm:
+            # Small outputs go inline unless the request asked for shared memory by name.
+            if want_shm and (arr.nbytes > P.SMALL_INLINE_BYTES or req.reply == "shm"):
                 buf = self.out_pool.try_alloc(arr.shape, arr.dtype)
                 if buf is not None:
                     np.copyto(buf, arr)

@@ -57,7 +57,7 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol import logs
-from broker.protocol.wire import recv_frames
+from broker.protocol.wire import recv_frames, sock_events
 from gpu_worker.batching import Batcher, Pending
 from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats
 from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signature
@@ -257,6 +257,7 @@ class Worker:
         self.heartbeat_liveness = cfg.heartbeat_liveness
         self.broker_instance: bytes | None = None
         self._offload: ComputeThread | None = None
+        self._poller: zmq.Poller | None = None  # the loop's, while it serves
         self._heartbeats: LoopHeartbeats | None = None  # while serving
         self._busy = False
         self._ready_cb = None         # serve's ready callback until it has run (once)
@@ -373,7 +374,9 @@ class Worker:
         upstream = self.upstream
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self._offload.done, zmq.POLLIN)
+        # The offload thread's completion socket is polled only while a batch is offloaded
+        # (_run registers it): each socket in a poll costs two syscalls per wake-up.
+        self._poller = poller
         if upstream.monitor is not None:
             poller.register(upstream.monitor, zmq.POLLIN)
         direct = None if self.direct_socket is None else self.direct_socket.sock
@@ -396,7 +399,7 @@ class Worker:
                 if done_ms is not None:
                     ms = min(ms, done_ms)
                 events = dict(poller.poll(ms))
-                if self._offload.done in events:
+                if self._busy and self._offload.done in events:
                     self._finish_offloaded()
                 if self.sock in events:
                     self._drain()
@@ -429,7 +432,7 @@ class Worker:
                 self.last_loop = now
                 # Messages waiting in the socket (a long batch just ended) are not silence.
                 if (upstream.watch_liveness and now - self._last_heard > dead_after
-                        and not self.sock.get(zmq.EVENTS) & _POLLIN):
+                        and not sock_events(self.sock) & _POLLIN):
                     log.warning("broker silent for %.1f s; reconnecting", now - self._last_heard)
                     self._reconnect_why = "broker connection lost"
                     self._reconnect(poller)
@@ -511,7 +514,7 @@ class Worker:
         # EVENTS instead of recv(NOBLOCK) + zmq.Again: no exception per wake-up.  A message
         # that asks for a reconnect ends the drain: the loop reconnects before reading again.
         sock = self.sock
-        while self._reconnect_why is None and sock.get(zmq.EVENTS) & _POLLIN:
+        while self._reconnect_why is None and sock_events(sock) & _POLLIN:
             frames = recv_frames(sock)
             self._last_heard = time.monotonic()
             try:
@@ -611,7 +614,7 @@ class Worker:
         sock = self.sock
         if sock is None or self._reconnect_why is not None:
             return
-        while sock.get(zmq.EVENTS) & _POLLIN:
+        while sock_events(sock) & _POLLIN:
             msg = self.upstream.receive(recv_frames(sock))
             if msg is None:
                 continue
@@ -650,7 +653,7 @@ class Worker:
                         if not (_is_direct_request(frames) and self._bounce_direct(bytes(frames[0]), frames[4:], now))]
         sock = ds.sock
         most = 1000  # as `_drain_direct`: a flood never starves the heartbeats
-        while most > 0 and sock.get(zmq.EVENTS) & _POLLIN:
+        while most > 0 and sock_events(sock) & _POLLIN:
             most -= 1
             frames = recv_frames(sock)
             now = time.monotonic()
@@ -755,7 +758,8 @@ class Worker:
     def run_ready_batches(self, force: bool = False) -> None:
         """Run every batch the batcher yields now (``force``: without waiting for company,
         to drain), answering expired requests first; stops while a batch is offloaded."""
-        while not self._busy:
+        batcher = self.batcher
+        while not self._busy and len(batcher):
             now = time.monotonic()
             for p in self.batcher.expire(now):
                 self.jobs.pop(p.item.envelope, None)
@@ -785,6 +789,8 @@ class Worker:
             self._bounce_pending()
         if offload:
             self._busy = True
+            if self._poller is not None:
+                self._poller.register(self._offload.done, zmq.POLLIN)
             self._offload.submit(jobs, started)
             return
         t0 = time.perf_counter()
@@ -808,6 +814,8 @@ class Worker:
     def _finish_offloaded(self) -> None:
         jobs, started, outputs, error, seconds = self._offload.result()
         self._busy = False
+        if self._poller is not None:
+            self._poller.unregister(self._offload.done)
         self._complete(jobs, started, outputs, error, seconds)
 
     def _complete(self, jobs, started, outputs, error, seconds: float) -> None:
@@ -1093,7 +1101,7 @@ class Worker:
         if ds is None:
             return
         sock = ds.sock
-        while most > 0 and sock.get(zmq.EVENTS) & _POLLIN:
+        while most > 0 and sock_events(sock) & _POLLIN:
             most -= 1
             self._on_direct_frames(recv_frames(sock), time.monotonic())
 
@@ -1389,9 +1397,9 @@ class Worker:
         nothing waiting in the batcher).  A request arriving meanwhile waits one unit."""
         if not self._busy and not len(self.batcher) and self.keep_warm.enabled:
             sock = self.sock
-            if sock is not None and sock.get(zmq.EVENTS) & _POLLIN:
+            if sock is not None and sock_events(sock) & _POLLIN:
                 return  # work is waiting in the socket: it goes first
-            if self.direct_socket is not None and self.direct_socket.sock.get(zmq.EVENTS) & _POLLIN:
+            if self.direct_socket is not None and sock_events(self.direct_socket.sock) & _POLLIN:
                 return
             self.keep_warm.maybe_run(time.monotonic())
 

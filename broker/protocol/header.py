@@ -24,7 +24,7 @@ __all__ = ["MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_ENVELOPE_LE
     "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_REPLY_TO_LEN", "MAX_DONE", "MAX_MMI_TOKEN",
     "MAX_TENSOR_BYTES", "MAX_DEPTH", "MAX_DTYPE_LEN", "ErrorCode",
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
-    "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "DoneInfo", "WorkerStats", "TRANSPORTS", "REPLY_MODES", "is_header",
+    "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "DoneInfo", "WorkerStats", "TRANSPORTS", "REPLY_MODES", "SMALL_INLINE_BYTES", "is_header",
     "encode_header", "decode_request", "decode_reply", "decode_cancel", "decode_ready", "decode_welcome",
     "decode_done_info", "decode_worker_stats", "reply_error_code",
     "parse_dtype", "dtype_str", "tensor_nbytes", "check_tensors", "check_inline_sizes", "lenient_request_id",
@@ -54,6 +54,11 @@ MAX_MMI_TOKEN = 64       # bytes of the correlation token an MMI answer echoes
 #: every dimension (also the other dimensions of an empty tensor, so [0, 2**62] is refused)
 #: and the element count.  Deployment limits on message sizes are a socket's business.
 MAX_TENSOR_BYTES = 1 << 40
+# Tensors of at most this many bytes travel inline (copied into a frame) rather than by a
+# shared-memory reference, unless a client or request asks for shared memory explicitly
+# (transport="shm", reply="shm"): below it a copy costs less than the slot bookkeeping and
+# mapping on both sides.  Measured crossover: `python -m bench.inline_crossover`.
+SMALL_INLINE_BYTES = 4096
 #: How deep a header's values may nest: the header map is level 1, `meta` level 2, a map or
 #: array inside `meta` level 3, and so on (the typed fields stop at level 4: tensors, a
 #: TensorRef, its loc or shape).  `meta` is checked after decoding (`_check_depth`); values

@@ -16,12 +16,14 @@ from typing import Any, Sequence
 import zmq
 from zmq.backend import Socket as _Base
 
-__all__ = ["send_frames", "recv_frames", "NOBLOCK"]
+__all__ = ["send_frames", "recv_frames", "sock_events", "NOBLOCK"]
 
 NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
 _send = _Base.send
 _recv = _Base.recv
+_get = _Base.get
+_EVENTS = int(zmq.EVENTS)
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
@@ -42,3 +44,10 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
         f = _recv(sock, flags, False)
         parts.append(f)
     return parts
+
+
+def sock_events(sock: zmq.Socket) -> int:
+    """`sock.get(zmq.EVENTS)` as a plain int: pyzmq's wraps it in a `PollEvent` enum, an
+    enum construction per call, and the loops ask this once per message and once more to
+    find the queue empty."""
+    return _get(sock, _EVENTS)

@@ -327,7 +327,7 @@ def test_reroute_and_unregister_take_a_call_off_its_lease(core):
 def test_shared_memory_goes_on_a_near_lease_and_inline_on_a_far_one():
     c = ClientCore("ipc:///tmp/zinf-pin-core-test.sock", transport="auto", heartbeat_interval=1.0, pin=4)
     try:
-        x = {"x": np.arange(64, dtype=np.float32)}
+        x = {"x": np.arange(2048, dtype=np.float32)}  # 8 KiB: above P.SMALL_INLINE_BYTES
         early = c.new_call("echo", x)  # packed before any lease: shared memory
         assert early.packed.uses_shm
         c.request_frames(early, 100.0)

@@ -485,7 +485,7 @@ def test_round_trip_dtypes_and_shapes(connect, fake, endpoint, transport):
         want = P.ShmLoc if transport == "shm" else P.InlineLoc
         assert kinds["f32_fortran"] is want and kinds["u8_big"] is want
         assert kinds["f64_empty"] is P.InlineLoc  # nothing to put in a slot
-        assert req.reply == ("auto" if transport == "shm" else "inline")
+        assert req.reply == ("shm" if transport == "shm" else "inline")  # transport="shm": replies by reference too
         if transport == "shm":
             assert c.pool.in_use() == 0
     assert not fake.out_states() or set(fake.out_states()) <= {shm.RELEASED, shm.FREE}
@@ -846,7 +846,7 @@ def test_heartbeats_while_waiting(connect, fake, endpoint):
 def test_broker_unreachable(connect, endpoint):
     with connect(endpoint, heartbeat_interval=0.02, timeout=WAIT) as c:
         with pytest.raises(BrokerUnreachable, match="not answered"):
-            c.infer("echo", {"x": np.zeros(2)})
+            c.infer("echo", {"x": np.zeros(1024)})  # 8 KiB: by shared memory, not inline
         assert c.pool.in_use() == 1  # never answered: kept until close, which unlinks the pool
 
 

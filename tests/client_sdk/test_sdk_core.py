@@ -163,20 +163,22 @@ def test_a_client_that_fell_back_to_inline_tries_shared_memory_again_after_a_bac
                 else [P.encode_header(P.Reply(id=call.id))])
         return body
 
+    x = np.arange(1024.0)  # 8 KiB: above P.SMALL_INLINE_BYTES, so by shared memory when local
+
     try:
-        call = core.new_call("svc", {"x": np.arange(4.0)})
+        call = core.new_call("svc", {"x": x})
         core.request_frames(call, 10.0)
         assert call.packed.uses_shm
         core.on_message(P.client_reply(True, b"svc", reply_to(call, "far")), 10.0)  # -> resent inline
         core.on_message(P.client_reply(True, b"svc", reply_to(call)), 10.1)
         # Within the backoff (1 s): inline at once, no round trip wasted on NOT_LOCAL.
-        c2 = core.new_call("svc", {"x": np.arange(4.0)})
+        c2 = core.new_call("svc", {"x": x})
         assert not c2.packed.uses_shm and c2.reply == "inline" and not c2.probe
         core.request_frames(c2, 10.2)
         core.on_message(P.client_reply(True, b"svc", reply_to(c2)), 10.9)
         # Past it: shared memory again.  Still remote: resent inline, the backoff doubles.
         core.on_message(P.broker_heartbeat(b"\x01" * 8, 3000), 11.2)
-        c3 = core.new_call("svc", {"x": np.arange(4.0)})
+        c3 = core.new_call("svc", {"x": x})
         assert c3.packed.uses_shm and c3.probe
         core.request_frames(c3, 11.2)
         (resend,) = core.on_message(P.client_reply(True, b"svc", reply_to(c3, "far")), 11.2)
@@ -185,12 +187,12 @@ def test_a_client_that_fell_back_to_inline_tries_shared_memory_again_after_a_bac
         core.on_message(P.client_reply(True, b"svc", reply_to(c3)), 11.3)
         # A local worker appeared: the next probe succeeds and the client stays on shared memory.
         core.on_message(P.broker_heartbeat(b"\x01" * 8, 3000), 13.5)
-        c4 = core.new_call("svc", {"x": np.arange(4.0)})
+        c4 = core.new_call("svc", {"x": x})
         assert c4.probe
         core.request_frames(c4, 13.5)
         core.on_message(P.client_reply(True, b"svc", reply_to(c4)), 13.6)
         assert "svc" not in core.not_local
-        c5 = core.new_call("svc", {"x": np.arange(4.0)})
+        c5 = core.new_call("svc", {"x": x})
         assert c5.packed.uses_shm and not c5.probe
         core.request_frames(c5, 13.7)
         core.on_message(P.client_reply(True, b"svc", reply_to(c5)), 13.8)
@@ -288,5 +290,71 @@ def test_alloc_in_a_full_pool_is_an_inference_error_and_still_a_shm_full():
         with pytest.raises(PoolFull, match="capacity") as e:
             core.alloc((1 << 20,), np.uint8)
         assert isinstance(e.value, InferenceError) and isinstance(e.value, shm.ShmFull)
+    finally:
+        core.close()
+
+
+# --- small tensors inline (P.SMALL_INLINE_BYTES) -------------------------------------------
+
+def _header(core, call) -> P.Request:
+    frames = core.request_frames(call, 50.0)
+    return P.decode_request(frames[3], len(frames) - 4)
+
+
+def test_auto_sends_tensors_up_to_the_threshold_inline_and_larger_ones_by_shared_memory():
+    core = ClientCore("ipc:///tmp/zinf-core-small.sock", transport="auto")
+    try:
+        assert core.use_shm and core.inline_max == P.SMALL_INLINE_BYTES == 4096
+        at = np.arange(P.SMALL_INLINE_BYTES, dtype=np.uint8)
+        above = np.arange(P.SMALL_INLINE_BYTES + 1, dtype=np.uint8)
+        big = np.arange(2048, dtype=np.float32)  # 8 KiB
+        call = core.new_call("echo", {"at": at, "above": above, "big": big})
+        assert call.packed.uses_shm and call.reply == "auto"
+        req = _header(core, call)
+        kinds = {t.name: type(t.loc) for t in req.tensors}
+        assert kinds == {"at": P.InlineLoc, "above": P.ShmLoc, "big": P.ShmLoc}
+        assert req.reply == "auto"  # the worker may answer small outputs inline
+        assert core.pool.in_use() == 2  # temporary slots for the two large ones only
+        (frame,) = call.packed.frames
+        assert bytes(frame) == at.tobytes()
+        # Only small tensors: nothing in shared memory at all.
+        small = core.new_call("echo", {"x": np.arange(4.0)})
+        assert not small.packed.uses_shm and small.packed.temp == []
+        assert type(_header(core, small).tensors[0].loc) is P.InlineLoc
+        assert core.pool.in_use() == 2
+    finally:
+        core.close()
+
+
+def test_a_small_array_from_the_pool_goes_inline_as_a_private_copy():
+    core = ClientCore("ipc:///tmp/zinf-core-small.sock", transport="auto")
+    try:
+        x = core.alloc((16,), np.uint8)
+        x[:] = np.arange(16, dtype=np.uint8)
+        call = core.new_call("echo", {"x": x, "v": x[4:12]})
+        assert not call.packed.uses_shm
+        for frame, want in zip(call.packed.frames, (x, x[4:12])):
+            # bytes, not a view of the pool: the slot may be freed or unmapped before ZeroMQ
+            # has the frame on the wire (frames are sent with copy=False).
+            assert type(frame) is bytes and frame == want.tobytes()
+        assert all(type(t.loc) is P.InlineLoc for t in _header(core, call).tensors)
+        x[:] = 0
+        assert call.packed.frames[0] == bytes(range(16))  # the sent copy did not change
+    finally:
+        core.close()
+
+
+def test_transport_shm_sends_even_a_tiny_tensor_by_reference_and_asks_for_a_shm_reply():
+    core = ClientCore("ipc:///tmp/zinf-core-small.sock", transport="shm")
+    try:
+        assert core.inline_max == 0
+        call = core.new_call("echo", {"x": np.arange(2, dtype=np.int8), "e": np.zeros((0, 3))})
+        assert call.packed.uses_shm and call.reply == "shm"
+        req = _header(core, call)
+        kinds = {t.name: type(t.loc) for t in req.tensors}
+        assert kinds == {"x": P.ShmLoc, "e": P.InlineLoc}  # an empty tensor has nothing to put in a slot
+        assert req.reply == "shm" and core.pool.in_use() == 1
+        # An explicit reply mode is kept as asked.
+        assert core.new_call("echo", {"x": np.arange(2)}, reply="inline").reply == "inline"
     finally:
         core.close()

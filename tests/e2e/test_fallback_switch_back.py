@@ -15,7 +15,7 @@ def test_the_inline_fallback_switches_back_once_a_local_worker_exists(cluster):
     cluster.worker("echo", "--transports", "inline")  # serves the service, but not our memory
     with Client(cluster.frontend, timeout=10) as c:
         wait_service(c, "echo")
-        x = np.arange(1000, dtype=np.float32)
+        x = np.arange(2048, dtype=np.float32)  # 8 KiB: above P.SMALL_INLINE_BYTES, so by shared memory
         with c.infer("echo", {"x": x}) as r:  # NOT_LOCAL, resent inline, transparently
             np.testing.assert_array_equal(r["x"], x)
         assert "echo" in c._core.not_local

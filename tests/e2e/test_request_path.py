@@ -308,14 +308,40 @@ def test_worker_sigkill_requests_complete_once_elsewhere(cluster, gate):
 def test_shm_request_with_no_local_worker(cluster):
     cluster.broker()
     cluster.worker("echo", "--transports", "inline")
+    x = np.arange(1024)  # 8 KiB: above P.SMALL_INLINE_BYTES, so by shared memory
     with Client(cluster.frontend, timeout=10, fallback_inline=False) as c:
         wait_service(c, "echo")
         with pytest.raises(NotLocal):
-            c.infer("echo", {"x": np.arange(4)})
+            c.infer("echo", {"x": x})
     with Client(cluster.frontend, timeout=10) as c:  # default: resend inline transparently
-        out = c.infer("echo", {"x": np.arange(4)})
-        np.testing.assert_array_equal(out["x"], np.arange(4))
+        out = c.infer("echo", {"x": x})
+        np.testing.assert_array_equal(out["x"], x)
         out.release()
+
+
+def test_small_tensors_go_inline_and_large_ones_by_shared_memory_from_a_local_client(cluster):
+    """P.SMALL_INLINE_BYTES: below it a copy costs less than a slot, both ways."""
+    cluster.broker()
+    cluster.worker("echo")
+    with Client(cluster.frontend, timeout=20) as c:  # transport="auto", a worker on this host
+        wait_service(c, "echo")
+        small = np.arange(2, dtype=np.float64)  # 16 bytes
+        large = np.arange(16 * 1024, dtype=np.float32)  # 64 KiB
+        for _ in range(3):
+            with c.infer("echo", {"x": small}) as r:
+                np.testing.assert_array_equal(r["x"], small)
+                assert r.zero_copy == {"x": False}  # came back inline
+                assert c.pool.in_use() == 0 and c.in_flight() == 0  # never put in a slot
+            with c.infer("echo", {"x": large}) as r:
+                np.testing.assert_array_equal(r["x"], large)
+                assert r.zero_copy == {"x": True}  # a view of shared memory
+        assert c.pool.in_use() == 0 and c.in_flight() == 0
+        assert "echo" not in c._core.not_local  # nothing was refused as NOT_LOCAL
+    with Client(cluster.frontend, timeout=20, transport="shm") as c:  # shared memory asked for by name
+        with c.infer("echo", {"x": small}) as r:
+            np.testing.assert_array_equal(r["x"], small)
+            assert r.zero_copy == {"x": True}
+        assert c.pool.in_use() == 0
 
 
 def test_sigterm_drains_and_exits_zero(cluster, gate):

@@ -42,8 +42,9 @@ def gated(cluster, gate):
 
 
 def _x(v: float) -> dict:
-    # Non-empty ordinary arrays: each is copied into a temporary slot of the client's pool.
-    return {"x": np.full(256, v, np.float32)}
+    # Ordinary arrays above P.SMALL_INLINE_BYTES (8 KiB): each is copied into a temporary
+    # slot of the client's pool (smaller ones would travel inline).
+    return {"x": np.full(2048, v, np.float32)}
 
 
 def _pump_until(c: Client, cond, what: str, timeout: float = WAIT, each=None) -> None:

@@ -286,7 +286,8 @@ def test_a_full_device_pool_degrades_to_host_memory(side):
     side.pool.slots = 1
     job = _job([], reply="cuda")
     job.inputs, job.refs = {}, {}
-    refs, frames = side.write_outputs(job, {"y": torch.arange(3, dtype=torch.int16), "z": torch.ones(2)})
+    # 8 KiB each: above P.SMALL_INLINE_BYTES, so the host fallback is the output ring, not inline
+    refs, frames = side.write_outputs(job, {"y": torch.arange(4096, dtype=torch.int16), "z": torch.ones(2048)})
     assert side.pool.reclaims == 1 and len(side.pool.freed) == 1 and side.pool.live == []  # nothing half-sent
     assert all(type(r.loc) is P.ShmLoc for r in refs) and frames == []
     assert side.stream.syncs == 1  # host outputs are complete before FINAL

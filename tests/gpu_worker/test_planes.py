@@ -96,20 +96,43 @@ def test_an_identity_output_is_answered_with_the_clients_own_reference(plane, cl
 
 
 def test_outputs_go_to_the_ring_for_a_local_client_and_inline_otherwise(plane):
-    y = np.arange(5, dtype=np.float64)
+    y = np.arange(1024, dtype=np.float64)  # 8 KiB: above P.SMALL_INLINE_BYTES
     ring, frames = plane.write_outputs(_job([]), {"y": y})
-    assert frames == [] and type(ring[0].loc) is P.ShmLoc and ring[0].dtype == "<f8" and ring[0].shape == [5]
+    assert frames == [] and type(ring[0].loc) is P.ShmLoc and ring[0].dtype == "<f8" and ring[0].shape == [1024]
     reader = shm.SegmentCache()
     try:
-        np.testing.assert_array_equal(reader.view(P.shm_ref(ring[0].loc), np.float64, (5,)), y)
+        np.testing.assert_array_equal(reader.view(P.shm_ref(ring[0].loc), np.float64, (1024,)), y)
     finally:
         reader.close()
     unattested = _job([], reply="shm")
     unattested.req.pid = None  # tcp, or another pid namespace: nobody would give the slot back
     for job in (_job([], reply="inline"), _job([], host="elsewhere/0"), unattested):
         refs, frames = plane.write_outputs(job, {"y": y})
-        assert refs == [P.TensorRef(name="y", dtype="<f8", shape=[5], loc=P.InlineLoc(frame=0))]
+        assert refs == [P.TensorRef(name="y", dtype="<f8", shape=[1024], loc=P.InlineLoc(frame=0))]
         assert bytes(frames[0]) == y.tobytes()
+
+
+@pytest.mark.parametrize("nbytes, reply, by_ring", [
+    (16, "auto", False),                     # small: a copy costs less than a slot
+    (P.SMALL_INLINE_BYTES, "auto", False),   # the threshold itself is still inline
+    (P.SMALL_INLINE_BYTES + 8, "auto", True),
+    (8192, "auto", True),
+    (16, "shm", True),                       # asked for shared memory by name: whatever the size
+])
+def test_small_outputs_go_inline_unless_the_request_asks_for_shared_memory(plane, nbytes, reply, by_ring):
+    y = np.arange(nbytes // 8, dtype=np.float64)
+    job = _job([], reply=reply)  # a local client the broker attested
+    refs, frames = plane.write_outputs(job, {"y": y})
+    if by_ring:
+        assert frames == [] and type(refs[0].loc) is P.ShmLoc and plane.out_pool.in_use() == 1
+        reader = shm.SegmentCache()
+        try:
+            np.testing.assert_array_equal(reader.view(P.shm_ref(refs[0].loc), np.float64, y.shape), y)
+        finally:
+            reader.close()
+    else:
+        assert refs == [P.TensorRef(name="y", dtype="<f8", shape=list(y.shape), loc=P.InlineLoc(frame=0))]
+        assert bytes(frames[0]) == y.tobytes() and plane.out_pool.in_use() == 0
 
 
 def test_a_full_ring_degrades_to_inline(plane):
