@@ -641,10 +641,12 @@ class Scheduler(LeaseEvents):
         requests runs there (``busy``), which the broker cannot see, or it ended.  While
         busy the worker is never idle (nothing is taken back for it), is the last choice for
         dispatch, and counts as deep from one request it holds: every request it holds
-        unasked may be taken back for an idle worker ("Taking work back")."""
+        unasked may be taken back for an idle worker ("Taking work back").  Ignored from a
+        worker without a direct socket: it takes no leases, so it has no leased work to say
+        BUSY about (and must not keep itself out of dispatch and recall with it)."""
         out = self.worker_seen(worker, now)
         w = self._workers.get(worker)
-        if w is None or w.busy == bool(busy):
+        if w is None or w.direct is None or w.busy == bool(busy):
             return out
         w.busy = bool(busy)
         self._reload(w)

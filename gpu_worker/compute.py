@@ -38,23 +38,40 @@ log = logging.getLogger("gpu_worker")
 
 class ComputeTimes:
     """Seconds a batch takes, per batch size (an EWMA: a new measurement weighs 0.2), and
-    the offload rule."""
+    the offload rule; `recent` is the head-of-line rule's prediction."""
 
     def __init__(self, heartbeat_interval: float):
         self.heartbeat_interval = float(heartbeat_interval)
         self._seconds: dict[int, float] = {}
+        self._last: dict[int, tuple[float, float]] = {}  # n -> the last two measurements
 
     def seed(self, timings: Mapping[int, float]) -> None:
         """Take warm-up timings (batch size -> seconds) as the current estimates."""
         self._seconds.update(timings)
+        for n, seconds in timings.items():
+            self._last[n] = (seconds, seconds)
 
     def predict(self, n: int) -> float | None:
         """Expected seconds for a batch of ``n``; None when no batch of that size ran yet."""
         return self._seconds.get(n)
 
+    def recent(self, n: int) -> float | None:
+        """The head-of-line rule's prediction (`gpu_worker.leases.runs_long`) for a batch of
+        ``n``: the least of the average and the last two measurements, so one slow outlier
+        (which lifts the average for many batches) does not make the following batches
+        "long" (BUSY and bounces for nothing), while two slow ones in a row do; a batch that
+        does run long is caught by the rule's "past its prediction" arm anyway."""
+        avg = self._seconds.get(n)
+        last = self._last.get(n)
+        if avg is None or last is None:
+            return avg
+        return min(avg, last[0], last[1])
+
     def observe(self, n: int, seconds: float) -> None:
         prev = self._seconds.get(n)
         self._seconds[n] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
+        last = self._last.get(n)
+        self._last[n] = (seconds, seconds if last is None else last[0])
 
     def offload(self, n: int) -> bool:
         """Whether a batch of ``n`` goes to the compute thread: its time is unknown or
@@ -174,7 +191,10 @@ class LoopHeartbeats:
                 continue  # the loop has the socket: it heartbeats itself
             try:
                 if self._during is not None:
-                    self._during()
+                    try:
+                        self._during()
+                    except Exception:  # its failure must not cost this tick's heartbeat
+                        log.exception("reading the sockets during compute failed")
                 if time.monotonic() - self._last_sent() >= self.interval:
                     self._send()
                     self.sent += 1

@@ -76,6 +76,11 @@ _POLLIN = int(zmq.POLLIN)
 # How long serve waits for the broker's WELCOME before announcing READY anyway, in heartbeat
 # intervals (the command line's): a plain MDP broker never sends one.
 READY_FALLBACK_INTERVALS = 2
+# Messages the heartbeat thread holds from the direct socket while a batch computes on the
+# loop's thread (`_read_direct_while_computing`); the rest waits in the socket (its HWM),
+# and `_after_compute` never has more than this to handle at once.  A lease's own traffic
+# is bounded by its slots: this is far beyond what all leases send during one batch.
+_DIRECT_STASH_MAX = 256
 
 
 class WarmupError(RuntimeError):
@@ -223,6 +228,10 @@ class Worker:
         self._stash_requests: set[bytes] = set()
         self._returned_early: set[bytes] = set()
         self._stash_direct: list = []         # ... and what it read on the direct socket: (frames, arrival time)
+        self._direct_judged = 0               # its first entry read while the batch looked short (re-judged)
+        # Leased requests waiting in the batcher that the heartbeat thread answered 429
+        # while the batch became long (`_bounce_queued`): the loop drops them right after.
+        self._bounced_early: set[bytes] = set()
         # The batch (or stream) running now, for the head-of-line rule of leases
         # (docs/protocol.md section 10.3): when it started (monotonic) and its predicted
         # seconds (None: unknown); whether the broker was told BUSY for it.
@@ -501,6 +510,7 @@ class Worker:
         why, self._reconnect_why = self._reconnect_why, None
         if self.broker_instance is not None:
             self.registered = False  # our broker: until its next WELCOME (a plain one sends none)
+        self._busy_told = False  # the new connection's broker was told nothing (no BUSY off for it)
         poller.unregister(self.sock)
         if self.upstream.monitor is not None:
             poller.unregister(self.upstream.monitor)
@@ -640,41 +650,98 @@ class Worker:
         stash what arrived with its arrival time, for `_after_compute`, so a leased
         request's wait is measured from its arrival and a CANCEL drops a running result
         before it is written.  A leased REQUEST that would wait behind this batch, long and
-        another's, is sent back to the broker's path now (`_bounce_direct`), and a HELLO is
-        handled now (it only binds a connection in the lease table)."""
+        another's, is sent back to the broker's path now (`_bounce_direct`), and so is one
+        already waiting in the batcher (`_bounce_queued`); a HELLO is handled now (it only
+        binds a connection in the lease table) unless its connection has messages stashed
+        (it then keeps its place behind them).  At most `_DIRECT_STASH_MAX` messages are
+        stashed; the rest stay in the socket for the loop."""
         ds = self.direct_socket
         if ds is None:
             return
         stash = self._stash_direct
-        if stash and self._batch_at is not None:
-            # Read earlier, while the batch still looked short: it may be long by now.
+        at = self._batch_at
+        if at is not None and runs_long(time.monotonic() - at, self._batch_predicted):
             now = time.monotonic()
-            stash[:] = [(frames, t) for frames, t in stash
-                        if not (_is_direct_request(frames) and self._bounce_direct(bytes(frames[0]), frames[4:], now))]
+            judged = self._direct_judged
+            if judged < len(stash):
+                # Read while the batch still looked short: it is long now.  (What was read
+                # while it was long is not looked at again: its verdict stands.)
+                stash[judged:] = [(frames, t) for frames, t in stash[judged:]
+                                  if not (_is_direct_request(frames)
+                                          and self._bounce_direct(bytes(frames[0]), frames[4:], now))]
+                self._direct_judged = len(stash)
+            if self.jobs:
+                self._bounce_queued(now)
         sock = ds.sock
-        most = 1000  # as `_drain_direct`: a flood never starves the heartbeats
+        most = _DIRECT_STASH_MAX - len(stash)  # a flood never starves the heartbeats
         while most > 0 and sock_events(sock) & _POLLIN:
-            most -= 1
             frames = recv_frames(sock)
             now = time.monotonic()
-            if _is_direct_request(frames):
+            request = _is_direct_request(frames)
+            if request:
                 if self._bounce_direct(bytes(frames[0]), frames[4:], now):
                     continue
             elif len(frames) >= 3 and bytes(frames[1]) == P.MDPC and bytes(frames[2]) == P.C_HELLO:
                 # Bound now (the lease table is the loop's only outside compute, and a HELLO
                 # touches nothing else), so the REQUEST that often follows at once is judged
-                # with its lease.
-                self._on_direct_frames(frames, now)
-                continue
+                # with its lease; but never ahead of what its connection sent before it (a
+                # stashed DISCONNECT replayed after it would unbind the new lease).
+                route = bytes(frames[0])
+                if not any(bytes(f[0]) == route for f, _ in stash):
+                    self._on_direct_frames(frames, now)
+                    continue
+            if log.isEnabledFor(logging.DEBUG) and len(frames) >= 3:
+                cmd = bytes(frames[2])
+                if cmd in (P.C_REQUEST, P.C_CANCEL):
+                    log.debug("read a %s on the direct socket while a batch computes",
+                              "REQUEST" if cmd == P.C_REQUEST else "CANCEL")
+            most -= 1
             stash.append((frames, now))
+            # Its verdict stands unless it is a REQUEST read while the batch looked short.
+            if self._direct_judged == len(stash) - 1 and (
+                    not request or (at is not None and runs_long(now - at, self._batch_predicted))):
+                self._direct_judged += 1
+
+    def _bounce_queued(self, now: float) -> None:
+        """On the heartbeat thread during compute (`_read_direct_while_computing`), once the
+        running batch is long: the leased requests waiting in the batcher whose lease has
+        none in it are answered 429 now, as `_bounce_pending` would, and noted in
+        `_bounced_early`; the loop drops them from the batcher and frees their reads and
+        slots right after the batch (`_after_compute`).  Only reads the loop's state (`jobs`,
+        the lease table, `running`): the loop is inside the model call and touches none of it."""
+        leases = self.leases
+        if leases is None or leases.stopping:
+            return
+        gone = self._bounced_early
+        for key, job in list(self.jobs.items()):
+            if job.route is None or key in gone:
+                continue
+            ran_ms = self._waits_behind_another(leases.lease_of(job.route), now)
+            if ran_ms is None:
+                continue
+            gone.add(key)
+            self.leased_bounced += 1
+            self._direct_send(job.route, P.error_body(
+                job.req.id, P.ErrorCode.QUEUE_FULL,
+                f"this worker is running another's batch ({ran_ms:.0f} ms so far) and would start "
+                "this request only after it; send this one through the broker, which can start it on an idle "
+                "worker (it did not run)"))
 
     def _after_compute(self) -> None:
         """Right after a batch computed on the loop's thread: handle what the heartbeat
         thread read meanwhile, in order, less what it gave back; then what it read on the
         direct socket."""
-        if not self._stash and not self._returned_early and not self._stash_direct:
+        if not self._stash and not self._returned_early and not self._stash_direct and not self._bounced_early:
             return
         direct, self._stash_direct = self._stash_direct, []
+        self._direct_judged = 0
+        bounced, self._bounced_early = self._bounced_early, set()
+        if bounced:
+            # Answered 429 by the heartbeat thread meanwhile (`_bounce_queued`): they never run.
+            for p in self.batcher.drop(lambda p: p.item.envelope in bounced):
+                job = self.jobs.pop(p.item.envelope)
+                self.plane.finish_reads(job)
+                self.leases.finish(job.envelope)
         stash, self._stash = self._stash, []
         early, self._returned_early = self._returned_early, set()
         self._stash_requests = set()
@@ -780,7 +847,7 @@ class Worker:
             return
         self.running = {job.envelope: job for job in jobs}  # a CANCEL now drops its result
         offload = self._offload is not None and self.compute_times.offload(len(jobs))
-        predicted = self.compute_times.predict(len(jobs))
+        predicted = self.compute_times.recent(len(jobs))  # one slow outlier does not make it long
         self._batch_at = started
         # Offloaded with no timing: nothing says it is short.
         self._batch_predicted = float("inf") if offload and predicted is None else predicted
@@ -1259,7 +1326,10 @@ class Worker:
         would otherwise take this worker for idle, or hand it requests that wait behind
         them.  The loop's thread, or the heartbeat thread while it holds the sockets."""
         at = self._batch_at
+        # Only our broker knows BUSY (a plain MDP one would drop it as unknown): registered
+        # with a WELCOME on this connection.
         if (self._busy_told or at is None or self.leases is None
+                or self.broker_instance is None or not self.registered
                 or not runs_long(now - at, self._batch_predicted)
                 or not any(job.route is not None for job in self.running.values())):
             return

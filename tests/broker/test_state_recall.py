@@ -15,6 +15,7 @@ from broker.state import (
 
 C = b"client"
 W1, W2, W3 = b"w1", b"w2", b"w3"
+EP = "ipc:///run/direct.ipc"  # a direct socket: the worker takes leases (and may say BUSY)
 
 
 def of(actions, cls):
@@ -30,7 +31,7 @@ def only(actions, cls):
 def sched(**kw):
     s = Scheduler(Config(**kw))
     for w in (W1, W2):
-        s.worker_ready(w, "svc", 0.0, credit=16, recall=True)
+        s.worker_ready(w, "svc", 0.0, credit=16, recall=True, direct=EP)
     return s
 
 
@@ -240,8 +241,8 @@ def test_a_worker_busy_with_a_long_leased_batch_comes_last_for_dispatch():
     assert again.worker == W1 and again.returned == 1
     # A busy worker is still used when every other one is full (it only comes last).
     s2 = Scheduler(Config())
-    s2.worker_ready(W1, "svc", 0.0, credit=2, recall=True)
-    s2.worker_ready(W2, "svc", 0.0, credit=2, recall=True)
+    s2.worker_ready(W1, "svc", 0.0, credit=2, recall=True, direct=EP)
+    s2.worker_ready(W2, "svc", 0.0, credit=2, recall=True, direct=EP)
     s2.worker_busy(W2, True, 0.0)
     assert [only(send(s2, i, 0.0), Dispatch).worker for i in range(3)] == [W1, W1, W2]
 
@@ -289,3 +290,20 @@ def test_busy_is_only_a_hint_from_a_registered_worker_and_a_returned_request_ski
     s.worker_busy(W2, True, 0.021)
     again = only(s.worker_returned(W1, [c.token], 0.022), Dispatch)
     assert again.worker == W1 and again.returned == 1
+
+
+def test_busy_from_a_worker_without_a_direct_socket_is_ignored():
+    """A worker that takes no leases (no `Ready.direct`) has no leased work to say BUSY
+    about: its BUSY changes nothing (it stays idle, first for dispatch, and takes work back),
+    though it counts as a sign of life."""
+    s = Scheduler(Config())
+    s.worker_ready(W1, "svc", 0.0, credit=2, recall=True)
+    s.worker_ready(W2, "svc", 0.0, credit=2, recall=True, direct=EP)
+    assert s.worker_busy(W1, True, 0.0) == []
+    assert not s._workers[W1].busy and s._workers[W1].is_idle
+    assert only(send(s, 1, 0.001), Dispatch).worker == W1  # not put last
+    # The same from the leasing worker counts.
+    s.worker_busy(W2, True, 0.002)
+    assert s._workers[W2].busy and not s._workers[W2].is_idle
+    s.worker_busy(W1, True, 0.5)
+    assert s._workers[W1].last_seen == 0.5  # a sign of life all the same

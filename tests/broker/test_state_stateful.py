@@ -41,6 +41,8 @@ from broker.state import (
 )
 
 WORKERS = [b"w0", b"w1", b"w2", b"w3"]
+# Workers with a direct socket (they take leases, so only their BUSY counts).
+DIRECT_WORKERS = {b"w0", b"w1"}
 CLIENTS = [b"c0", b"c1", b"c2", b"c3", b"c4"]  # connections (routing identities)
 # What the server passes as ``principal`` (None: the connection is its own principal).
 PRINCIPALS = [None, 7, "u"]
@@ -191,7 +193,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         else:
             fresh = False
         out = self.s.worker_ready(worker, service, self.now, credit=credit, host=host,
-                                  transports=transports, recall=recall)
+                                  transports=transports, recall=recall,
+                                  direct="ipc:///run/direct.ipc" if worker in DIRECT_WORKERS else None)
         if not fresh:
             assert isinstance(out[0], DisconnectWorker) and out[0].worker == worker
         self.apply(out)
@@ -213,11 +216,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(worker=st.sampled_from(WORKERS), busy=st.booleans())
     def worker_busy(self, worker, busy):
         """BUSY (a long leased batch runs there) on or off: dispatch puts it last, and what
-        it holds may all be taken back for an idle worker."""
+        it holds may all be taken back for an idle worker.  From a worker without a direct
+        socket (it takes no leases) it is ignored."""
         out = self.s.worker_busy(worker, busy, self.now)
         if worker not in self.workers:
             assert [type(a) for a in out] == [DisconnectWorker]
             return
+        if worker not in DIRECT_WORKERS:
+            assert out == [] and not self.s._workers[worker].busy
         self.apply(out)
 
     @precondition(lambda self: any(w["tokens"] for w in self.workers.values()))

@@ -50,6 +50,40 @@ def sleepy(device: str = "cpu"):
     return run
 
 
+def held(device: str = "cpu"):
+    """As `sleepy`, but a call with x[0] < 0 is held until the test releases it (one byte on
+    the FIFO $GATE_FIFO: the `gate` fixture's `release()`) instead of for a fixed time, so a
+    test decides when a long batch ends (no margins that a loaded machine could miss); x[0]
+    > 0 sleeps that long.  Its warm-up (x = 0) is fast, so even a held call runs on the
+    worker loop's own thread.  Each call with x != 0 appends the worker's pid to
+    $SLEEPY_LOG.  The FIFO is opened read-write at load (Linux: it never blocks), so the
+    fixture's `open()` returns at once and several workers may share one FIFO."""
+    import time
+
+    log = os.environ["SLEEPY_LOG"]
+    path = os.environ.get("GATE_FIFO")
+    fd = os.open(path, os.O_RDWR) if path else None
+
+    def run(inputs):
+        x = np.asarray(inputs["x"])
+        t = float(x.flat[0]) if x.size else 0.0
+        if t:
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()}\n")
+        if t < 0:
+            if fd is None:
+                raise RuntimeError("held: x < 0 needs $GATE_FIFO")
+            os.read(fd, 1)
+        elif t > 0:
+            time.sleep(t)
+        return {"x": np.array(x, copy=True)}
+
+    run.name = "held"
+    run.batchable = False
+    run.example_inputs = lambda: {"x": np.zeros(1)}
+    return run
+
+
 def declared(device: str = "cpu"):
     """Halves an RGB frame; declares its input (so a wrong request is refused before it runs)
     and its output."""

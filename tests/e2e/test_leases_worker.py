@@ -247,21 +247,31 @@ def _until(cond, what: str, timeout_s: float = TIMEOUT_S) -> None:
         time.sleep(0.005)  # polling a file the worker writes (a condition, not a delay)
 
 
-def test_the_direct_socket_is_read_while_a_batch_computes_on_the_loop_thread(cluster, client, tmp_path):
-    """gate_model's `sleepy` runs even a long call on the worker loop's own thread (its
-    warm-up is fast).  What the lease sends during such a batch is read then, by the
-    heartbeat thread: a REQUEST's wait counts from its arrival (batch_wait_ms covers the
-    batch it waited behind), and a CANCEL of the running request drops its result."""
+def test_the_direct_socket_is_read_while_a_batch_computes_on_the_loop_thread(cluster, client, tmp_path, gate):
+    """gate_model's `held` runs even a long call on the worker loop's own thread (its warm-up
+    is fast), and holds it until the test releases it.  What the lease sends during such a
+    batch is read then, by the heartbeat thread (the worker's debug log says so, which is
+    what the test waits for): a REQUEST's wait counts from its arrival (batch_wait_ms covers
+    the time it waited behind the batch), and a CANCEL of the running request drops its
+    result."""
     log = tmp_path / "runs.log"
     cluster.broker()
-    cluster.worker("gate_model:sleepy", "--direct", "--credit", "4", env={"SLEEPY_LOG": str(log)})
-    info = client.lease("sleepy", 1, slots=3)
+    w = cluster.worker("gate_model:held", "--direct", "--credit", "4", "--log-level", "debug",
+                       env={"SLEEPY_LOG": str(log), **gate.env})
+    gate.open()
+    info = client.lease("held", 1, slots=3)
     assert isinstance(info, P.LeaseInfo) and info.slots == 3
     client.connect(info.endpoint)
     client.hello(info.lease, info.secret)
-    client.request(1, np.array([0.3]), service="sleepy")
-    _until(lambda: len(_lines(log)) == 1, "the 300 ms batch starting")
-    client.request(2, np.array([0.0]), service="sleepy")  # arrives during the batch
+    client.request(1, np.array([-1.0]), service="held")  # held until released
+    _until(lambda: len(_lines(log)) == 1, "the held batch starting")
+    client.request(2, np.array([0.0]), service="held")  # arrives during the batch
+    w.wait_log("read a REQUEST on the direct socket while a batch computes")
+    read_by = time.monotonic()  # request 2's arrival, as the worker took it, is before this
+    # The held batch goes on 200 ms more (a span measured, not a synchronisation): request 2
+    # starts after the release, so its wait is at least that, if counted from its arrival.
+    _until(lambda: time.monotonic() - read_by >= 0.2, "200 ms passing")
+    gate.release(1)
     got = {}
     for _ in range(2):
         rep, frames = client.reply()
@@ -269,53 +279,55 @@ def test_the_direct_socket_is_read_while_a_batch_computes_on_the_loop_thread(clu
     assert got[1][0].error is None and got[2][0].error is None, (got[1][0].error, got[2][0].error)
     timing = got[2][0].timing
     assert timing["batch_wait_ms"] >= 200.0, timing  # not ~0: its wait behind the batch shows
-    # A CANCEL during a loop-thread batch: read then, so the result is dropped.
-    client.request(3, np.array([0.3]), service="sleepy")
-    _until(lambda: len(_lines(log)) == 2, "the second 300 ms batch starting")
-    client.send(P.client_cancel("sleepy", 3))
+    # A CANCEL during a loop-thread batch: read then (the log says so before the release), so
+    # the result is dropped.
+    client.request(3, np.array([-1.0]), service="held")
+    _until(lambda: len(_lines(log)) == 2, "the second held batch starting")
+    client.send(P.client_cancel("held", 3))
+    w.wait_log("read a CANCEL on the direct socket while a batch computes")
+    gate.release(1)
     rep, _ = client.reply()
     assert rep.id == 3 and rep.error is not None and rep.error.code == int(P.ErrorCode.CANCELLED), rep
     assert "while its batch ran" in rep.error.message
-    client.request(4, np.array([0.0]), service="sleepy")
+    client.request(4, np.array([0.0]), service="held")
     rep, frames = client.reply()
     assert rep.id == 4 and rep.error is None and np.array_equal(_echoed(rep, frames), [0.0])
 
 
-def test_a_lease_does_not_wait_behind_another_leases_long_batch(cluster, tmp_path):
-    """Two leases on one worker: while lease A's long batch runs (on the loop's thread), lease
-    B's request is answered 429 "send this one through the broker" at once instead of
-    waiting (the SDK resends it there; test_pinned.py), and the worker tells the broker
-    BUSY, so brokered work goes elsewhere meanwhile.  A's own next request waits for A's
-    batch as a stream's would."""
+def test_a_lease_does_not_wait_behind_another_leases_long_batch(cluster, tmp_path, gate):
+    """Two leases on one worker: while lease A's long batch runs (on the loop's thread, held
+    by the gate until the test releases it), lease B's request is answered 429 "send this
+    one through the broker" instead of waiting (the SDK resends it there; test_pinned.py):
+    its answer comes while A's batch is still held, which no clock margin could fake.  The
+    worker tells the broker BUSY, so brokered work goes elsewhere meanwhile."""
     log = tmp_path / "runs.log"
     cfg = tmp_path / "broker.toml"
     # Each raw leaseholder heartbeats only while it waits for its own messages: a long client
     # liveness keeps the one not being read from losing its lease meanwhile.
     cfg.write_text("[scheduler]\nclient_liveness = 60.0\n")
     cluster.broker("--config", str(cfg))
-    w = cluster.worker("gate_model:sleepy", "--direct", "--credit", "4", "--log-level", "debug",
-                       env={"SLEEPY_LOG": str(log)})
+    w = cluster.worker("gate_model:held", "--direct", "--credit", "4", "--log-level", "debug",
+                       env={"SLEEPY_LOG": str(log), **gate.env})
+    gate.open()
     a, b = Leaseholder(cluster), Leaseholder(cluster)
     try:
         for n, holder in enumerate((a, b)):
-            info = holder.lease("sleepy", n + 1, slots=1 + n)
+            info = holder.lease("held", n + 1, slots=1 + n)
             assert isinstance(info, P.LeaseInfo), info
             holder.connect(info.endpoint)
             holder.hello(info.lease, info.secret)
-        a.request(1, np.array([1.0]), service="sleepy")
-        _until(lambda: len(_lines(log)) == 1, "A's 1 s batch starting")
-        t0 = time.monotonic()
-        b.request(1, np.array([0.0]), service="sleepy")
-        rep, _ = b.reply()
-        took = time.monotonic() - t0
+        a.request(1, np.array([-1.0]), service="held")  # held until released
+        _until(lambda: len(_lines(log)) == 1, "A's held batch starting")
+        b.request(1, np.array([0.0]), service="held")
+        rep, _ = b.reply()  # A's batch is still held: this did not wait behind it
         assert rep.id == 1 and rep.error is not None and rep.error.code == int(P.ErrorCode.QUEUE_FULL), rep
         assert "through the broker" in rep.error.message and "did not run" in rep.error.message
-        assert took < 0.6, f"B's answer took {took:.3f} s: it waited behind A's batch"
         w.wait_log("told the broker BUSY")
+        gate.release(1)
         rep, frames = a.reply()
         assert rep.id == 1 and rep.error is None
         # Nothing runs now: B's requests run on the lease again.
-        b.request(2, np.array([0.0]), service="sleepy")
+        b.request(2, np.array([0.0]), service="held")
         rep, frames = b.reply()
         assert rep.id == 2 and rep.error is None and np.array_equal(_echoed(rep, frames), [0.0])
         assert len(_lines(log)) == 1

@@ -105,6 +105,21 @@ def _request(client, rid, x, **kw) -> None:
     client.send_multipart(P.client_request("echo", [P.encode_header(head), x.tobytes()]))
 
 
+def _welcome(worker) -> None:
+    """Our broker's WELCOME (only to it does the worker say BUSY)."""
+    welcome = P.Welcome(instance=b"\x01" * 8, heartbeat_interval=1.0, heartbeat_liveness=3)
+    worker.on_message(P.to_worker_welcome(b"", welcome)[1:])
+
+
+def _dealer(worker, routing_id: bytes | None = None):
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.linger = 0
+    if routing_id is not None:
+        s.setsockopt(zmq.ROUTING_ID, routing_id)
+    s.connect(worker.direct_socket.endpoint)
+    return s
+
+
 def _take(worker, until) -> None:
     """Let the worker read its direct socket until `until()` holds."""
     deadline = time.monotonic() + 5
@@ -188,13 +203,14 @@ def test_a_long_batch_sends_other_leases_waiting_requests_to_the_broker_and_says
     """The head-of-line rule of leases (docs/protocol.md section 10.3), at the start of a
     batch predicted long (1 s): lease B's request waiting in the batcher is answered 429
     "send this one through the broker" (it did not run), lease A's own next one waits for
-    A's batch; the broker is told BUSY for each long batch holding leased requests, and
-    BUSY off when it ends."""
+    A's batch; the broker is told BUSY for a long batch holding leased requests, and BUSY
+    off when it ends."""
     other = zmq.Context.instance().socket(zmq.DEALER)
     other.linger = 0
     other.connect(worker.direct_socket.endpoint)
     try:
         a, b = _lease(worker, 1, slots=2), _lease(worker, 2, slots=2)
+        _welcome(worker)
         worker.upstream.sent()
         for sock, lease in ((client, a), (other, b)):
             sock.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=lease, secret=SECRET))])
@@ -214,7 +230,10 @@ def test_a_long_batch_sends_other_leases_waiting_requests_to_the_broker_and_says
         got = sorted(_reply(client)[0].id for _ in range(2))
         assert got == [1, 2]  # A's own waited for A's batch, and ran
         sent = [P.parse_worker(f) for f in worker.upstream.sent()]
-        assert [(m.command, m.info) for m in sent] == [(P.W_BUSY, True), (P.W_BUSY, False)] * 2
+        # BUSY for the first batch only: the second is predicted by the least of the average
+        # and the last measurements (`ComputeTimes.recent`), and the first took a fraction of
+        # a millisecond, so it is short.
+        assert [(m.command, m.info) for m in sent] == [(P.W_BUSY, True), (P.W_BUSY, False)]
     finally:
         other.close()
 
@@ -275,3 +294,207 @@ def test_while_a_batch_computes_the_heartbeat_thread_reads_the_direct_socket(wor
         assert worker._stash_direct == []
     finally:
         other.close()
+
+
+def test_a_batch_that_becomes_long_on_the_loop_thread_bounces_another_leases_queued_request(worker, client,
+                                                                                             monkeypatch):
+    """Lease A's batch is predicted short (0.1 ms: it runs on the loop's thread, and lease
+    B's request already waiting in the batcher is not bounced at its start) but runs long:
+    the heartbeat thread answers B's waiting request 429 "send it through the broker" while
+    A's batch still runs (the "model" here returns only once B got that answer), and the
+    loop drops it from the batcher and frees its slot right after; A's runs, and the broker
+    is told BUSY on and off."""
+    from gpu_worker.compute import LoopHeartbeats
+
+    other = _dealer(worker)
+    beats = None
+    try:
+        a, b = _lease(worker, 1, slots=2), _lease(worker, 2, slots=2)
+        _welcome(worker)
+        worker.upstream.sent()
+        for sock, lease in ((client, a), (other, b)):
+            sock.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=lease, secret=SECRET))])
+        _request(client, 1, np.zeros(3))
+        _take(worker, lambda: len(worker.jobs) == 1)
+        _request(other, 1, np.zeros(5))   # another shape: waits in the batcher behind A's batch
+        _take(worker, lambda: len(worker.jobs) == 2)
+        worker.compute_times.seed({1: 0.0001})
+        beats = worker._heartbeats = LoopHeartbeats(
+            lambda: worker._send(P.worker_heartbeat()), lambda: worker.upstream.last_sent, 1.0,
+            during=worker._read_while_computing)
+        real, during = worker.plane.run, []
+
+        def run(jobs):
+            out = real(jobs)
+            if not during:  # A's batch: "computes" until B got its answer (5 s at most)
+                during.append(other.poll(5000))
+            return out
+
+        monkeypatch.setattr(worker.plane, "run", run)
+        worker.run_ready_batches(force=True)
+        assert during == [True], "B's waiting request was not answered while A's batch ran"
+        rep, _ = _reply(other)
+        assert rep.id == 1 and rep.error.code == int(P.ErrorCode.QUEUE_FULL)
+        assert "through the broker" in rep.error.message and "did not run" in rep.error.message
+        assert worker.leased_bounced == 1 and worker.leases.in_flight(b) == 0
+        assert worker.jobs == {} and len(worker.batcher) == 0 and during == [True]  # B's never ran
+        rep, _ = _reply(client)
+        assert rep.id == 1 and rep.error is None and worker.leases.in_flight(a) == 0
+        busy = [m.info for m in map(P.parse_worker, worker.upstream.sent()) if m.command == P.W_BUSY]
+        assert busy == [True, False]
+        assert not other.poll(100)  # one answer for B's request: the 429
+    finally:
+        if beats is not None:
+            beats.close()
+            worker._heartbeats = None
+        other.close()
+
+
+def test_busy_goes_only_to_our_broker_and_a_reconnect_forgets_it(worker, client):
+    """BUSY (0x10) is our broker's command: never sent before its WELCOME (a plain MDP broker
+    does not know it), and `_reconnect` forgets one told to the old connection (no BUSY off
+    for the new broker, which was never told on)."""
+    a = _lease(worker, 1, slots=2)
+    worker.upstream.sent()
+    client.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=a, secret=SECRET))])
+    _request(client, 1, np.zeros(3))
+    _take(worker, lambda: len(worker.jobs) == 1)
+    worker.compute_times.seed({1: 1.0})  # predicted long
+    worker.run_ready_batches(force=True)
+    assert _reply(client)[0].error is None
+    assert [m.command for m in map(P.parse_worker, worker.upstream.sent())] == []  # no WELCOME: nothing
+    _welcome(worker)
+    worker.running = {b"x": worker_job(worker)}
+    worker._batch_at, worker._batch_predicted = time.monotonic(), 1.0
+    worker._maybe_tell_busy(time.monotonic())
+    assert [(m.command, m.info) for m in map(P.parse_worker, worker.upstream.sent())] == [(P.W_BUSY, True)]
+    worker._reconnect_why = "test"
+    poller = zmq.Poller()
+    poller.register(worker.sock, zmq.POLLIN)
+    worker._reconnect(poller)
+    assert worker._busy_told is False and worker.registered is False
+    worker.running = {}
+    worker._batch_over()
+    assert not any(P.parse_worker(f).command == P.W_BUSY for f in worker.upstream.sent())
+
+
+def worker_job(worker):
+    """A leased job as the batcher holds one (only its route matters to BUSY)."""
+    from gpu_worker.job import Job
+
+    job = Job.__new__(Job)
+    job.route = b"r"
+    return job
+
+
+def test_the_direct_stash_is_capped_and_only_new_entries_are_judged(worker, client, monkeypatch):
+    """While a batch computes on the loop's thread the heartbeat thread stashes at most
+    `_DIRECT_STASH_MAX` messages; the rest stay in the socket (its HWM) for the loop.  An
+    entry read while the batch was long is not judged again on later ticks."""
+    import gpu_worker.worker as W
+
+    monkeypatch.setattr(W, "_DIRECT_STASH_MAX", 3)
+    a = _lease(worker, 1, slots=2)
+    client.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=a, secret=SECRET))])
+    _request(client, 1, np.zeros(3))
+    _take(worker, lambda: len(worker.jobs) == 1)
+    [p] = worker.batcher.take(time.monotonic(), idle=True, force=True)
+    running = worker.jobs.pop(p.item.envelope)
+    worker.running = {running.envelope: running}
+    worker._batch_at, worker._batch_predicted = time.monotonic() - 0.5, 0.001  # long by now
+    judged, handled = [], []
+    real_bounce, real_handle = worker._bounce_direct, worker._on_direct_frames
+    monkeypatch.setattr(worker, "_bounce_direct", lambda *a: judged.append(1) or real_bounce(*a))
+    monkeypatch.setattr(worker, "_on_direct_frames", lambda *a: handled.append(1) or real_handle(*a))
+    _request(client, 2, np.zeros(3))  # A's own: kept (it waits for A's batch)
+    for rid in range(100, 105):
+        client.send_multipart(P.client_cancel("echo", rid))  # nothing of these runs: stashed
+    deadline = time.monotonic() + 5
+    while len(worker._stash_direct) < 3:
+        assert time.monotonic() < deadline, "the heartbeat thread's reads got nothing"
+        worker.direct_socket.sock.poll(50)
+        worker._read_direct_while_computing()
+    assert len(judged) == 1  # the REQUEST, once, on arrival
+    for _ in range(3):  # later ticks: no more read, nothing judged again
+        worker._read_direct_while_computing()
+    assert len(worker._stash_direct) == 3 and len(judged) == 1
+    assert worker.direct_socket.sock.poll(0)  # the rest waits in the socket
+    worker._after_compute()
+    assert len(handled) == 3 and worker._stash_direct == []
+    worker.running, worker._batch_at = {}, None
+    _take(worker, lambda: len(handled) == 6)  # the loop reads the rest
+    assert {job.req.id for job in worker.jobs.values()} == {2}
+
+
+def test_an_early_hello_keeps_its_place_behind_what_its_connection_sent_before(worker):
+    """A HELLO read during compute is handled at once only when nothing of its connection is
+    stashed: here DISCONNECT then HELLO (a client re-binding) replay in order after the
+    batch, so the connection ends bound (handled at once, the HELLO would be undone by the
+    DISCONNECT replayed after it)."""
+    route = b"conn-hello"
+    sock = _dealer(worker, route)
+    try:
+        a = _lease(worker, 1, slots=2)
+        hello = [P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=a, secret=SECRET))]
+        sock.send_multipart(hello)
+        _take(worker, lambda: worker.leases.lease_of(route) is not None)
+        sock.send_multipart(P.client_disconnect())
+        sock.send_multipart(hello)
+        deadline = time.monotonic() + 5
+        while len(worker._stash_direct) < 2:
+            assert time.monotonic() < deadline, "the heartbeat thread's reads got nothing"
+            worker.direct_socket.sock.poll(50)
+            worker._read_direct_while_computing()
+        assert [bytes(f[2]) for f, _ in worker._stash_direct] == [P.C_DISCONNECT, P.C_HELLO]
+        assert worker.leases.lease_of(route) is not None  # nothing handled yet
+        worker._after_compute()
+        assert worker.leases.lease_of(route) is not None  # unbound, then bound again
+    finally:
+        sock.close()
+
+
+def test_one_slow_batch_does_not_make_the_following_ones_long():
+    """`ComputeTimes.recent` (the head-of-line rule's prediction) is the least of the average
+    and the last two measurements: one 300 ms outlier among sub-millisecond batches lifts the
+    average (the offload rule's) for many batches, but marks none of the following ones long
+    (no BUSY, no bounces for nothing); two slow ones in a row do."""
+    from gpu_worker.compute import ComputeTimes
+    from gpu_worker.leases import runs_long
+
+    ct = ComputeTimes(1.0)
+    ct.seed({1: 0.0002})
+    for _ in range(5):
+        ct.observe(1, 0.0002)
+    ct.observe(1, 0.3)
+    assert runs_long(0.0, ct.predict(1))         # the average alone would say long ...
+    for _ in range(11):
+        assert not runs_long(0.0, ct.recent(1))  # ... for each of the next 11; recent: none
+        ct.observe(1, 0.0002)
+    assert ct.recent(1) <= 0.0002 + 1e-12
+    ct.observe(1, 0.3)
+    ct.observe(1, 0.3)
+    assert runs_long(0.0, ct.recent(1))          # slow twice in a row: long
+    assert ComputeTimes(1.0).recent(2) is None   # nothing measured: unknown
+
+
+def test_a_failing_read_during_compute_does_not_cost_the_heartbeat():
+    """`LoopHeartbeats`: an exception in `during` (the reads while the loop computes) is
+    logged, and that tick's heartbeat still goes."""
+    import threading
+
+    from gpu_worker.compute import LoopHeartbeats
+
+    sent, tried = threading.Event(), []
+
+    def boom():
+        tried.append(1)
+        raise RuntimeError("read failed")
+
+    beats = LoopHeartbeats(sent.set, lambda: 0.0, 0.02, during=boom)
+    try:
+        beats.computing_begin()
+        assert sent.wait(5), "no heartbeat while `during` fails"
+        beats.computing_end()
+        assert tried and beats.sent >= 1
+    finally:
+        beats.close()
