@@ -1,0 +1,76 @@
+"""One deploy file for every process: `python -m gpu_worker --config FILE --pool NAME` starts
+a worker of that `[[pool]]` as the launcher would (issue 12: "the same file serves every
+process"), for workers that run in a container of their own."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from client_sdk import Client
+from gpu_worker.__main__ import pool_argv
+from tests.e2e.conftest import Proc, wait_service
+
+
+def _deploy(tmp_path, backend: str) -> str:
+    path = tmp_path / "deploy.toml"
+    path.write_text(f'''
+frontend = "ipc://{tmp_path}/fe.ipc"
+backend = "{backend}"
+
+[scheduler]
+heartbeat_interval = 0.2
+
+[[pool]]
+name = "tiny"
+model = "echo"
+service = "tiny-echo"
+max_batch = 4
+extra_args = ["--out-capacity-mb", "64"]
+''')
+    return str(path)
+
+
+def test_pool_argv_is_the_launchers_command_line(tmp_path):
+    be = f"ipc://{tmp_path}/be.ipc"
+    argv = pool_argv(_deploy(tmp_path, be), "tiny")
+    assert argv[:4] == ["--broker", be, "--model", "echo"]
+    assert argv[argv.index("--heartbeat-interval") + 1] == "0.2"
+    assert argv[argv.index("--service") + 1] == "tiny-echo"
+    assert argv[argv.index("--max-batch") + 1] == "4"
+    assert argv[-2:] == ["--out-capacity-mb", "64"]  # extra_args last
+
+
+def test_an_unknown_pool_or_a_missing_half_is_one_line_and_exit_2(tmp_path):
+    cfg = _deploy(tmp_path, f"ipc://{tmp_path}/be.ipc")
+    with pytest.raises(ValueError, match="no \\[\\[pool\\]\\] named 'nope' \\(pools: tiny\\)"):
+        pool_argv(cfg, "nope")
+    for args in (["--config", cfg, "--pool", "nope"], ["--config", cfg]):
+        p = Proc(["-m", "gpu_worker", *args])
+        try:
+            assert p.p.wait(60) == 2
+            err = p.stderr().strip()
+            assert len(err.splitlines()) == 1 and err.startswith("python -m gpu_worker: "), err
+        finally:
+            p.close()
+
+
+def test_a_worker_from_the_deploy_file_serves_and_later_flags_override_it(tmp_path):
+    be = f"ipc://{tmp_path}/be.ipc"
+    cfg = _deploy(tmp_path, be)
+    broker = Proc(["-m", "broker", "--frontend", f"ipc://{tmp_path}/fe.ipc", "--backend", be,
+                   "--heartbeat-interval", "0.2"])
+    procs = [broker]
+    try:
+        broker.wait_ready()
+        # --service after the file's flags wins: the pool says tiny-echo.
+        worker = Proc(["-m", "gpu_worker", "--config", cfg, "--pool", "tiny", "--service", "renamed"])
+        procs.append(worker)
+        assert "service=renamed" in worker.wait_ready()
+        with Client(f"ipc://{tmp_path}/fe.ipc", timeout=20) as c:
+            wait_service(c, "renamed")
+            x = np.arange(8, dtype=np.float32)
+            with c.infer("renamed", {"x": x}) as r:
+                np.testing.assert_array_equal(r["x"], x)
+    finally:
+        for p in reversed(procs):
+            p.close()
