@@ -212,7 +212,11 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
                         out.arrays[name] = dst
             if loc is None:                      # 3. inline
                 loc = P.InlineLoc(frame=len(out.frames))
-                out.frames.append(_inline(arr, copy_inline, ref is not None))
+                # A small tensor of a client with shared memory is copied now (100 ns): it
+                # may lie in the pool (also wrapped by torch, where _lease_of cannot see
+                # it), and what is sent is what the caller passed at prepare time.
+                small = pool is not None and arr.nbytes <= inline_max
+                out.frames.append(_inline(arr, copy_inline, ref is not None or small))
             else:
                 out.uses_shm = True
             out.tensors.append(P.TensorRef(name=name, dtype=dt, shape=shape, loc=loc))

@@ -211,6 +211,12 @@ class Batcher:
             r.waited_from = n
         return []
 
+    def idle(self) -> None:
+        """The worker is free and nothing is pending: what ``take(idle=True)`` does with an
+        empty queue, without the rest of it (new arrivals follow the waiting rules again)."""
+        if not self._live and not self._expired:
+            self._busy = False
+
     def _settle_wait(self, key: Hashable, n: int) -> None:
         """A batch of ``key`` goes now: if we had been waiting for it, learn what that gained."""
         r = self._rates.get(key)

@@ -826,7 +826,10 @@ class Worker:
         """Run every batch the batcher yields now (``force``: without waiting for company,
         to drain), answering expired requests first; stops while a batch is offloaded."""
         batcher = self.batcher
-        while not self._busy and len(batcher):
+        while not self._busy:
+            if not len(batcher):
+                batcher.idle()  # as an empty take(idle=True): the batcher is not busy any more
+                return
             now = time.monotonic()
             for p in self.batcher.expire(now):
                 self.jobs.pop(p.item.envelope, None)

@@ -47,7 +47,6 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
 
 
 def sock_events(sock: zmq.Socket) -> int:
-    """`sock.get(zmq.EVENTS)` as a plain int: pyzmq's wraps it in a `PollEvent` enum, an
-    enum construction per call, and the loops ask this once per message and once more to
-    find the queue empty."""
+    """`sock.get(zmq.EVENTS)` without the sugar layer's Python call (the loops ask this once
+    per message and once more to find the queue empty)."""
     return _get(sock, _EVENTS)

@@ -411,3 +411,53 @@ def test_latency_first_batches_still_form_under_load():
         b.add(Pending(key="a", cost=1.0, item=i, arrived=0.0001 * i, backlog=0), 0.0001 * i)
         assert b.take(0.0001 * i, idle=False) == []
     assert items(b.take(0.001, idle=True)) == [1, 2, 3, 4, 5]
+
+
+def test_idle_with_nothing_pending_is_an_empty_take():
+    """`idle()` (what the worker calls instead of an empty take once its batches ran) makes
+    the next arrival wait for company again; a busy batcher would send it at once."""
+    b = Batcher(max_batch=8, max_delay=2 * MS)
+    t = idle_worker_after_heavy_traffic(b)
+    b.add(req("y", t), t)
+    assert b.take(t + 2 * MS, idle=True)  # busy with it now
+    t += 2 * MS
+    b.idle()
+    t += 0.1 * MS
+    b.add(req("x", t), t)
+    assert b.take(t, idle=True) == []  # waits for company, as after an empty take
+    b.add(req("z", t), t)
+    b.idle()  # something pending: idle() changes nothing
+    assert b.wake_at(t) > t
+
+
+def test_the_worker_leaves_the_batcher_waiting_for_company_after_a_batch():
+    """After the worker ran its batches, the batcher must not stay busy (it would send every
+    later arrival alone, batching off for good)."""
+    from gpu_worker.worker import Worker, WorkerConfig
+
+    w = Worker(WorkerConfig(broker="ipc:///nonexistent", model="echo", max_batch=8, batching="throughput"),
+               upstream=_NoLink())
+    try:
+        t = idle_worker_after_heavy_traffic(w.batcher)
+        w.batcher.add(req("first", t), t)
+        assert w.batcher.take(t + 2 * MS, idle=True)  # a batch handed out: busy
+        w.run_ready_batches()  # nothing pending now: the worker is idle again
+        t += 2.1 * MS
+        w.batcher.add(req("x", t), t)
+        assert w.batcher.take(t, idle=True) == []  # waits for company
+    finally:
+        w.close()
+
+
+class _NoLink:
+    """An upstream that is never used (the test drives the worker's batcher directly)."""
+
+    monitor = None
+    watch_liveness = False
+    last_sent = 0.0
+
+    def __init__(self):
+        self.sock = None
+
+    def close(self) -> None:
+        pass
