@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 
+from broker import protocol as P
 from broker.config import load_launcher
 from broker.launcher import Launcher
 from broker.protocol.logs import add_log_options, setup_logging
@@ -65,12 +67,56 @@ class _SignalStop:
         return self._set
 
 
+def pool_worker_argv(config: str, pool: str) -> list[str]:
+    """`python -m gpu_worker` flags of one worker of the `[[pool]]` named `pool` in the deploy
+    file `config`, as the launcher starts it: the broker's backend and heartbeat settings,
+    the pool's keys, `--insecure` for a plain tcp backend, then the pool's `extra_args`.
+    Raises ValueError (one line to print) for a bad file or an unknown pool."""
+    cfg = BrokerConfig.from_toml(config)
+    deploy = load_launcher(config)
+    pools = {p.name: p for p in (deploy.pools if deploy is not None else ())}
+    if pool not in pools:
+        raise ValueError(f"{config}: no [[pool]] named {pool!r} (pools: {', '.join(sorted(pools)) or 'none'})")
+    backend = cfg.backend or P.default_endpoints()[1]
+    link = ("--insecure",) if backend.startswith("tcp://") and cfg.security.insecure else ()
+    return pools[pool].worker_args(backend, heartbeat_interval=cfg.scheduler.heartbeat_interval,
+                                   heartbeat_liveness=cfg.scheduler.heartbeat_liveness, link=link)
+
+
+def pool_main(argv: list[str]) -> int:
+    """`python -m broker --config FILE --pool NAME [-- WORKER FLAGS]`: become one worker of that
+    pool (exec `python -m gpu_worker`), for a worker in a container or Deployment of its own
+    beside a broker reading the same file; flags after `--` override the file's."""
+    ap = argparse.ArgumentParser(prog="python -m broker --pool", add_help=False)
+    ap.add_argument("--config")
+    ap.add_argument("--pool")
+    known, rest = ap.parse_known_args(argv)
+    if not known.config or not known.pool:
+        print("python -m broker: --pool NAME needs --config FILE (the deploy file with that [[pool]])",
+              file=sys.stderr, flush=True)
+        return 2
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    try:
+        args = pool_worker_argv(known.config, known.pool)
+    except (SecurityError, ValueError, OSError) as e:  # config.ConfigError too: one line naming the key
+        print(f"python -m broker: {e}", file=sys.stderr, flush=True)
+        return 2
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "gpu_worker", *args, *rest])
+    return 0  # pragma: no cover - execv does not return
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["keys"]:
         return keys_main(argv[1:])
+    if any(a == "--pool" or a.startswith("--pool=") for a in argv[: argv.index("--") if "--" in argv else None]):
+        return pool_main(argv)
     ap = argparse.ArgumentParser(prog="python -m broker", description=__doc__.splitlines()[0],
-                                 epilog="python -m broker keys DIR [--name NAME]: write a CurveZMQ key pair")
+                                 epilog="python -m broker keys DIR [--name NAME]: write a CurveZMQ key pair; "
+                                        "python -m broker --config FILE --pool NAME [-- FLAGS]: run one worker "
+                                        "of that [[pool]] (docs/operations.md)")
     ap.add_argument("--frontend", help="client endpoint (default ipc://$XDG_RUNTIME_DIR/zmq-infer-UID/frontend.ipc)")
     ap.add_argument("--backend", help="worker endpoint (default ipc://.../backend.ipc)")
     ap.add_argument("--config", help="TOML file: frontend, backend, a [scheduler] and a [security] table; "

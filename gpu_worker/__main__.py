@@ -90,51 +90,10 @@ def _fail(message: str) -> None:
     print(f"python -m gpu_worker: {text}", file=sys.stderr, flush=True)
 
 
-def pool_argv(config: str, pool: str) -> list[str]:
-    """The flags of one worker of `[[pool]]` named `pool` in the deploy file `config`, as the
-    launcher would start it: its broker's backend and heartbeat settings, the pool's keys,
-    `--insecure` for a plain tcp backend, then the pool's `extra_args`.  Flags given after
-    them on the command line override them.  Raises ValueError with one line to print."""
-    from broker.config import load_launcher
-    from broker.server import BrokerConfig
-
-    bcfg = BrokerConfig.from_toml(config)
-    deploy = load_launcher(config)
-    pools = {p.name: p for p in (deploy.pools if deploy is not None else ())}
-    if pool not in pools:
-        known = ", ".join(sorted(pools)) or "none"
-        raise ValueError(f"{config}: no [[pool]] named {pool!r} (pools: {known})")
-    backend = bcfg.backend or P.default_endpoints()[1]
-    link = ("--insecure",) if backend.startswith("tcp://") and bcfg.security.insecure else ()
-    sched = bcfg.scheduler
-    return pools[pool].worker_args(backend, heartbeat_interval=sched.heartbeat_interval,
-                                   heartbeat_liveness=sched.heartbeat_liveness, link=link)
-
-
 def main(argv: list[str] | None = None) -> int:
     from gpu_worker.worker import DIRECT_LINGER_MS, ConfigError, WarmupError, Worker, WorkerConfig, install_sigterm_drain
 
-    # --config FILE --pool NAME: the deploy file the launcher reads serves a worker started on
-    # its own too (a container of its own, docs/deploy.md); the rest of the line overrides it.
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    pre.add_argument("--pool")
-    known, rest = pre.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if known.config is not None or known.pool is not None:
-        if known.config is None or known.pool is None:
-            print("python -m gpu_worker: --config and --pool go together (a deploy file and the name of "
-                  "one of its [[pool]] tables)", file=sys.stderr, flush=True)
-            return 2
-        try:
-            argv = pool_argv(known.config, known.pool) + rest
-        except (ValueError, OSError) as e:  # config.ConfigError is a ValueError: one line naming the key
-            print(f"python -m gpu_worker: {e}", file=sys.stderr, flush=True)
-            return 2
-
     ap = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", metavar="FILE", help="a deploy file (docs/operations.md): with --pool, start "
-                    "one worker of that [[pool]] as the launcher would; later flags override it")
-    ap.add_argument("--pool", metavar="NAME", help="the [[pool]] of --config to take this worker's flags from")
     ap.add_argument("--broker", default=None, help="broker backend endpoint (default: the broker's ipc default)")
     add_model_options(ap)
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "numpy", "tensorrt"),

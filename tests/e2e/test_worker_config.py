@@ -1,13 +1,13 @@
-"""One deploy file for every process: `python -m gpu_worker --config FILE --pool NAME` starts
-a worker of that `[[pool]]` as the launcher would (issue 12: "the same file serves every
-process"), for workers that run in a container of their own."""
+"""One deploy file for every process: `python -m broker --config FILE --pool NAME` becomes one
+worker of that `[[pool]]`, started as the launcher would start it (issue 12: "the same file
+serves every process"), for workers that run in a container of their own."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from client_sdk import Client
-from gpu_worker.__main__ import pool_argv
+from broker.__main__ import pool_worker_argv as pool_argv
 from tests.e2e.conftest import Proc, wait_service
 
 
@@ -44,12 +44,12 @@ def test_an_unknown_pool_or_a_missing_half_is_one_line_and_exit_2(tmp_path):
     cfg = _deploy(tmp_path, f"ipc://{tmp_path}/be.ipc")
     with pytest.raises(ValueError, match="no \\[\\[pool\\]\\] named 'nope' \\(pools: tiny\\)"):
         pool_argv(cfg, "nope")
-    for args in (["--config", cfg, "--pool", "nope"], ["--config", cfg]):
-        p = Proc(["-m", "gpu_worker", *args])
+    for args in (["--config", cfg, "--pool", "nope"], ["--pool", "tiny"]):
+        p = Proc(["-m", "broker", *args])
         try:
             assert p.p.wait(60) == 2
             err = p.stderr().strip()
-            assert len(err.splitlines()) == 1 and err.startswith("python -m gpu_worker: "), err
+            assert len(err.splitlines()) == 1 and err.startswith("python -m broker: "), err
         finally:
             p.close()
 
@@ -62,8 +62,8 @@ def test_a_worker_from_the_deploy_file_serves_and_later_flags_override_it(tmp_pa
     procs = [broker]
     try:
         broker.wait_ready()
-        # --service after the file's flags wins: the pool says tiny-echo.
-        worker = Proc(["-m", "gpu_worker", "--config", cfg, "--pool", "tiny", "--service", "renamed"])
+        # --service after `--` wins over the file's: the pool says tiny-echo.
+        worker = Proc(["-m", "broker", "--config", cfg, "--pool", "tiny", "--", "--service", "renamed"])
         procs.append(worker)
         assert "service=renamed" in worker.wait_ready()
         with Client(f"ipc://{tmp_path}/fe.ipc", timeout=20) as c:
