@@ -9,8 +9,9 @@ See docs/client.md for the API, the transports and the lifetime rules of results
 
 Modules: `client` (Client) and `aio` (AsyncClient) are mirrored twins over `core`
 (ClientCore: everything that is not I/O) and `calls` (Call, option checks, reply parsing);
-`pins` the client's side of leases (pinned streams, `pin=True`: which requests go straight to
-a leased worker; socket-free, mixed into the core); `sockets` creates and drops sockets;
+`pins` the client's side of leases (pinned streams, `pin=True` or a stream's service: which
+requests go straight to a leased worker; socket-free, mixed into the core); `sockets` creates
+and drops sockets;
 `base` holds what both twins expose alike; `stream` the
 frame streams; `tensors` packing and results; `cuda` the CUDA side; `errors` every error
 class.  `__all__` below is pinned by tests/client_sdk/test_sdk_surface.py.

@@ -87,8 +87,8 @@ class AsyncClient(ClientBase):
         self._retry: asyncio.TimerHandle | None = None
         self._broken: BaseException | None = None
         self._traffic: asyncio.Future | None = None  # resolved by the reader for pump()
-        # pin=True: a DEALER per lease, on its worker's direct socket (pins.py), read by the
-        # same callback
+        # pin=True or a stream's service: a DEALER per lease, on its worker's direct socket
+        # (pins.py), read by the same callback
         self._pin_socks: dict[bytes, zmq.Socket] = {}
         self._pin_of: dict[zmq.Socket, Any] = {}
 
@@ -395,14 +395,18 @@ class AsyncClient(ClientBase):
 
     def stream(self, service: str, *, latest_wins: bool = True, max_in_flight: int = 2,
                timeout: float | None = None, priority: Any = "normal",
-               meta: Mapping[str, Any] | None = None, reply: str = "auto"):
-        """A frame stream for interactive (AR) use; see `client_sdk.stream.AsyncStream`.  Pinned
-        when this client was made with `pin=True` (its frames are this client's requests).
-        NOTE (issue 13): streams are to pin by default; today only a `pin=True` client's do."""
+               meta: Mapping[str, Any] | None = None, reply: str = "auto", pin: bool | None = None):
+        """A frame stream for interactive (AR) use; see `client_sdk.stream.AsyncStream`.
+        Pinned as `Client.stream`'s: `pin=None` (the default) when this client can (heartbeats
+        on), `pin=False` never, `pin=True` always (InvalidInput with heartbeats off)."""
         from .stream import AsyncStream
 
-        return AsyncStream(self, service, latest_wins=latest_wins, max_in_flight=max_in_flight,
-                           timeout=timeout, priority=priority, meta=meta, reply=reply)
+        may_pin = self._core.stream_pins(pin)
+        st = AsyncStream(self, service, latest_wins=latest_wins, max_in_flight=max_in_flight,
+                         timeout=timeout, priority=priority, meta=meta, reply=reply, pin=may_pin)
+        if may_pin:
+            self._core.pin_on_demand(service, st.max_in_flight)  # its service asks for a lease
+        return st
 
     # ---------------------------------------------------------------- seams for streams
     # The same four as Client's (see there); none of them blocks the loop.
@@ -473,7 +477,7 @@ class AsyncClient(ClientBase):
                 await self._heart
             except BaseException:
                 pass
-        if core.pin_slots:
+        if core.pin_slots or core.pin_services:
             core.pin_goodbye()  # LEASE_END for each lease, its connection closed
             self._run_ops()
         try:

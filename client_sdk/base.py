@@ -67,13 +67,14 @@ class ClientBase:
 
     @property
     def pinned_replies(self) -> int:
-        """Replies that came from a leased worker on its direct connection (`pin=True`):
-        requests that never crossed the broker (docs/client.md, "Pinned streams")."""
+        """Replies that came from a leased worker on its direct connection (`pin=True`, or a
+        stream's service): requests that never crossed the broker (docs/client.md, "Pinned
+        streams")."""
         return self._core.pinned_replies
 
     def pinned(self, service: str) -> bool:
         """Whether this client holds a lease on `service` now, so that its next requests go
-        straight to the leased worker (always False with `pin=False`)."""
+        straight to the leased worker (with `pin=False`, only a stream's service can be)."""
         return self._core.pinned(service)
 
     def in_flight(self) -> int:

@@ -128,13 +128,13 @@ class Call:
     """One tensor request and what its caller has not consumed yet.
 
     A twin or a stream may read every field, take items from `inbox` (oldest first), and set
-    `notify` (called after each item lands in `inbox`), `frame` and `t_submit`; everything
-    else is the core's."""
+    `notify` (called after each item lands in `inbox`), `frame`, `t_submit` and `no_pin`
+    (before it is submitted: never on a lease); everything else is the core's."""
 
     __slots__ = ("id", "service", "packed", "priority", "meta", "reply", "timeout",
                  "deadline", "t_sent", "t_submit", "t_done", "inbox", "done", "abandoned", "retried", "probe",
                  "frame", "notify", "adopted", "broker", "resends", "partials", "old_ids", "dropped",
-                 "traceparent", "pin", "__weakref__")
+                 "traceparent", "pin", "no_pin", "__weakref__")
 
     def __init__(self, service: str, *, timeout: float | None):
         self.id = 0              # 0 until registered by request_frames (and again if unregistered)
@@ -164,6 +164,7 @@ class Call:
         self.old_ids: list[int] = []  # ids it was sent under before a broker restart (still answerable)
         self.traceparent: str | None = None  # W3C traceparent sent in the request header (docs/client.md)
         self.pin: Any = None     # the lease (pins.Pin) it is in flight on; None: through the broker
+        self.no_pin = False      # never on a lease (a `pin=False` stream's frame)
 
     def remaining(self, now: float) -> float | None:
         return None if self.deadline is None else self.deadline - now

@@ -10,8 +10,9 @@ before it).  A client of a broker on this host also binds a reply socket (`Reply
 names it in each request: a worker on this host sends the FINAL there, one hop instead of two
 (docs/protocol.md section 8); both sockets feed the same `ClientCore.on_message`.  An opaque
 request (`request()`) carries nothing to match its reply by, so it uses a short-lived socket
-of its own.  With `pin=True`, one more DEALER per lease, on its worker's direct socket
-(docs/protocol.md section 10; what goes where is decided by the core, pins.py).
+of its own.  With `pin=True` (or a stream's service pinned), one more DEALER per lease, on
+its worker's direct socket (docs/protocol.md section 10; what goes where is decided by the
+core, pins.py).
 
 No thread: the client sends heartbeats and notices a silent broker only while one of its
 calls waits (`pump`), which is what the caller's blocking calls do.
@@ -54,7 +55,8 @@ class Client(ClientBase):
     $ZMQ_INFER_SERVER_KEY, $ZMQ_INFER_CLIENT_KEY); `insecure=True` is plain tcp instead.
     Over tcp, tensors go inline and replies come through the broker (docs/security.md).
     `pin=True` (or a number of slots): pinned streams, requests straight to a leased worker
-    of each service (docs/client.md, "Pinned streams"; client_sdk/pins.py).
+    of each service (docs/client.md, "Pinned streams"; client_sdk/pins.py); without it, only a
+    `stream()`'s service is pinned (by default).
     """
 
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
@@ -73,7 +75,7 @@ class Client(ClientBase):
         self._inbox = ReplyInbox.open(self._ctx) if self._core.direct_reply else None
         self._items = [(self._sock, _POLLIN)]
         self._pending: deque[list[Any]] = deque()  # REQUESTs (resends) and CANCELs the socket refused, in order
-        # pin=True: a DEALER per lease, on its worker's direct socket (pins.py)
+        # pin=True or a stream's service: a DEALER per lease, on its worker's direct socket (pins.py)
         self._pin_socks: dict[bytes, zmq.Socket] = {}
         self._pin_of: dict[zmq.Socket, Any] = {}
         if self._inbox is not None:
@@ -156,14 +158,22 @@ class Client(ClientBase):
 
     def stream(self, service: str, *, latest_wins: bool = True, max_in_flight: int = 2,
                timeout: float | None = None, priority: Any = "normal",
-               meta: Mapping[str, Any] | None = None, reply: str = "auto"):
-        """A frame stream for interactive (AR) use; see `client_sdk.stream.Stream`.  Pinned
-        when this client was made with `pin=True` (its frames are this client's requests).
-        NOTE (issue 13): streams are to pin by default; today only a `pin=True` client's do."""
+               meta: Mapping[str, Any] | None = None, reply: str = "auto", pin: bool | None = None):
+        """A frame stream for interactive (AR) use; see `client_sdk.stream.Stream`.
+        Pinned streams (docs/client.md): `pin=None` (the default) pins the service when this
+        client can (heartbeats on): its requests to it go straight to a leased worker once
+        the broker grants a lease, through the broker until then or when none can be had
+        (no `--direct` worker, a plain MDP broker, tcp); `pin=False`: every frame through
+        the broker; `pin=True`: pin, InvalidInput with heartbeats off.  A `pin=True` client
+        pins every service anyway."""
         from .stream import Stream
 
-        return Stream(self, service, latest_wins=latest_wins, max_in_flight=max_in_flight,
-                      timeout=timeout, priority=priority, meta=meta, reply=reply)
+        may_pin = self._core.stream_pins(pin)
+        st = Stream(self, service, latest_wins=latest_wins, max_in_flight=max_in_flight,
+                    timeout=timeout, priority=priority, meta=meta, reply=reply, pin=may_pin)
+        if may_pin:
+            self._core.pin_on_demand(service, st.max_in_flight)  # its service asks for a lease
+        return st
 
     # ---------------------------------------------------------------- seams for streams
     # Small steps that `infer` is made of, for code that keeps several calls in flight on
@@ -379,7 +389,7 @@ class Client(ClientBase):
         still alive stay readable; their output slots go back as they are dropped."""
         if self._core.closed:
             return
-        if self._core.pin_slots:
+        if self._core.pin_slots or self._core.pin_services:
             self._core.pin_goodbye()  # LEASE_END for each lease, its connection closed
             self._run_ops()
         try:

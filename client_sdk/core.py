@@ -133,7 +133,7 @@ class ClientCore(PinEvents):
         self.direct_replies = 0  # replies that came straight from a worker (reply_to)
         self.mmi_waiters: deque[MmiQuery] = deque()  # MMI questions sent, oldest first
         self._mmi_seq = 0
-        self._init_pins(pin)  # leases (pins.py); pin=False: none ever asked for
+        self._init_pins(pin)  # leases (pins.py); pin=False: asked for only on a stream's service
         if self.pin_slots and self.heartbeat_interval is None:
             raise InvalidInput("pin=True needs heartbeats (heartbeat_interval > 0): a leaseholder the broker "
                                "does not hear from loses its lease")
@@ -249,12 +249,11 @@ class ClientCore(PinEvents):
         call.traceparent = traceparent
         retry_at = self.not_local.get(service)
         inline = not self.use_shm or (retry_at is not None and self.last_recv < retry_at)
-        if self.pin_slots and not inline and self.pin_inline(service):
+        if self.pins and not inline and self.pin_inline(service):
             inline = True  # its lease is not near: only inline tensors can go on it
         call.probe = self.use_shm and retry_at is not None and not inline
-        if reply == "auto":
-            reply = "inline" if inline else ("shm" if self.transport == "shm" else "auto")
-        call.reply = reply
+        asked = reply
+        call.reply = ("inline" if inline else "auto") if reply == "auto" else reply
         pool = None
         if not inline:
             try:
@@ -266,9 +265,15 @@ class ClientCore(PinEvents):
         # CUDA IPC only reaches workers on this host, exactly as shared memory does.
         call.packed = T.pack(inputs, pool, copy_inline=copy_inline, cuda=None if inline else self.cuda_side,
                              inline_max=self.inline_max)
+        by_ref = any(type(t.loc) is not P.InlineLoc for t in call.packed.tensors)
+        if asked == "auto" and call.reply == "auto" and self.transport == "shm" and pool is not None:
+            # transport="shm": outputs in shared memory too, whatever their size; except
+            # for CUDA inputs, whose outputs may stay on the device ("auto" there).
+            if not any(type(t.loc) is P.CudaLoc for t in call.packed.tensors):
+                call.reply = "shm"
         # A probe asks whether shared memory works again: one with only small (inline)
         # tensors cannot tell, so it is a plain request and the backoff stands.
-        call.probe = call.probe and call.packed.uses_shm
+        call.probe = call.probe and by_ref
         return call
 
     def opaque_frames(self, service: str, frames: list[Any]) -> list[Any]:
@@ -283,10 +288,11 @@ class ClientCore(PinEvents):
 
     def request_frames(self, call: Call, now: float) -> list[Any]:
         """Assign an id, register the call and return its REQUEST frames.  On a pinning
-        client `call.pin` then says where to send them: None, to the broker; else on that
-        lease's connection (pins.py); `ops` may hold a LEASE to send."""
+        client (or to a service pinned on demand by a stream) `call.pin` then says where to
+        send them: None, to the broker; else on that lease's connection (pins.py); `ops` may
+        hold a LEASE to send."""
         frames = self._brokered_request(call, now)
-        if self.pin_slots:
+        if (self.pin_slots or call.service in self.pin_services) and not call.no_pin:
             self._pin_route(call, now)
         return frames
 
@@ -415,7 +421,7 @@ class ClientCore(PinEvents):
         try:
             msg = P.parse_broker_to_client(frames)
         except P.ProtocolError as e:
-            if self.pin_slots and pin is None and not direct:
+            if (self.pin_slots or self.pin_services) and pin is None and not direct:
                 out = self._on_lease_message(frames, now)  # LEASED, LEASE_END (pins.py)
                 if out is not None:
                     return out
@@ -768,6 +774,7 @@ class ClientCore(PinEvents):
         self.calls.clear()
         self.pins.clear()
         self.pin_all.clear()
+        self.pin_services.clear()
         self.ops.clear()
         for fin in list(self._user_bufs.values()):
             fin.detach()

@@ -8,6 +8,13 @@ broker said where (LEASED), up to the lease's `slots` in flight; everything else
 yet, the lease's slots all in flight, tensors the lease cannot take) goes through the broker
 as before.  Replies on the direct connection take the same path as the broker's.
 
+A client made without `pin` pins on demand: a stream (`client.stream(..., pin=None)`, with
+heartbeats on) adds its service to `pin_services` (`pin_on_demand`), and from then on that
+service's requests are handled exactly as a pinning client's (asked for
+max(PIN_SLOTS, the stream's max_in_flight) slots); every other service's stay byte for
+byte what they were before leases (no LEASE, the same frames).  A call with `no_pin` set (a
+`pin=False` stream's frame) never goes on a lease, on any client.
+
 What the core asks of its twin goes into `core.ops`, in order, which the twin runs after
 each call into the core (`ClientCore.on_message`, `request_frames`, `give_up`, ...):
 
@@ -55,12 +62,15 @@ from broker.protocol import ErrorCode
 from .errors import InvalidInput, error_from
 
 __all__ = ["Pin", "PinOpen", "PinSend", "PinClose", "PinEvents", "pin_slots", "PIN_SLOTS",
-           "PIN_RETRY_MIN_S", "PIN_RETRY_MAX_S", "ASK_TIMEOUT_S"]
+           "PIN_RETRY_MIN_S", "PIN_RETRY_MAX_S", "ASK_TIMEOUT_S", "PIN_MAX_SLOTS"]
 
 log = logging.getLogger("client_sdk")
 
-#: slots a `pin=True` client asks for per lease (the broker may grant fewer)
+#: slots a `pin=True` client asks for per lease (the broker may grant fewer); a stream's
+#: service pinned on demand asks for as many, or the stream's max_in_flight if larger
 PIN_SLOTS = 8
+#: the most slots one lease may ask for
+PIN_MAX_SLOTS = 1 << 16
 #: seconds before a service whose lease ended (or was refused) is asked for again, doubling
 #: with each refusal up to PIN_RETRY_MAX_S
 PIN_RETRY_MIN_S = 1.0
@@ -81,7 +91,7 @@ def pin_slots(pin: Any) -> int:
         return 0
     if pin is True:
         return PIN_SLOTS
-    if isinstance(pin, int) and 1 <= pin <= 1 << 16:
+    if isinstance(pin, int) and 1 <= pin <= PIN_MAX_SLOTS:
         return int(pin)
     raise InvalidInput(f"pin must be True, False or a number of slots (1..65536), got {pin!r}")
 
@@ -129,7 +139,8 @@ class PinEvents:
     """The lease decisions of `ClientCore` (its ``__init__`` calls ``_init_pins``)."""
 
     def _init_pins(self, pin: Any) -> None:
-        self.pin_slots = pin_slots(pin)
+        self.pin_slots = pin_slots(pin)          # every service pinned (pin=True); 0: none but ...
+        self.pin_services: dict[str, int] = {}   # ... these, pinned on demand (a stream's): service -> slots
         self.ops: deque[Any] = deque()           # for the twin (see the module docstring)
         self.pins: dict[str, Pin] = {}           # service -> its lease in use
         self.pin_all: dict[bytes, Pin] = {}      # lease id -> every lease with an open connection
@@ -147,6 +158,32 @@ class PinEvents:
     def pinned(self, service: str) -> bool:
         """Whether `service` is leased now (its next requests may go straight to its worker)."""
         return service in self.pins
+
+    # ------------------------------------------------------------------ streams
+
+    def stream_pins(self, pin: Any) -> bool:
+        """Whether a stream opened with `pin` (None, True or False) may put its frames on a
+        lease: None when the client can (heartbeats on), False never, True always
+        (InvalidInput when heartbeats are off)."""
+        if pin is not None and not isinstance(pin, bool):
+            raise InvalidInput(f"a stream's pin must be None (pin when the client can), True or False, got {pin!r}")
+        if pin is False:
+            return False
+        if self.heartbeat_interval is None:
+            if pin:
+                raise InvalidInput("stream(pin=True) needs heartbeats (heartbeat_interval > 0): a leaseholder the "
+                                   "broker does not hear from loses its lease")
+            return False
+        return True
+
+    def pin_on_demand(self, service: str, max_in_flight: int) -> None:
+        """A stream that may pin opened on `service`: a client that does not pin every
+        service pins this one from now on, asking for max(PIN_SLOTS, max_in_flight) slots
+        (the largest of its streams')."""
+        if self.pin_slots or self.closed:
+            return  # a pinning client pins every service already, with its own slots
+        want = min(max(PIN_SLOTS, int(max_in_flight)), PIN_MAX_SLOTS)
+        self.pin_services[service] = max(self.pin_services.get(service, 0), want)
 
     # ------------------------------------------------------------------ sending
 
@@ -181,7 +218,8 @@ class PinEvents:
         self._asking[svc] = (ask_id, now)
         self._ask_ids[ask_id] = svc
         transports = ["shm", "inline"] if self.use_shm else ["inline"]
-        ask = P.LeaseAsk(id=ask_id, slots=self.pin_slots, host=P.local_host_id(), transports=transports)
+        slots = self.pin_slots or self.pin_services.get(svc, PIN_SLOTS)
+        ask = P.LeaseAsk(id=ask_id, slots=slots, host=P.local_host_id(), transports=transports)
         self.ops.append(P.client_lease(svc, P.encode_header(ask)))
 
     def reroute(self, call: Any) -> None:

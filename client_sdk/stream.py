@@ -19,6 +19,10 @@ frame with `client.prepare`, sends it with `client.submit` when there is room, d
 cancels it with `client.give_up`, and the blocking stream waits with `client.pump`; the
 asyncio stream is woken by the reader through `call.notify`.  It never reaches into a
 client's private state.
+
+Pinning (docs/client.md, "Pinned streams") is decided by `client.stream(..., pin=)`, which
+asks the client's core to pin the service (`pin_on_demand`); a stream made with `pin=False`
+marks its frames `call.no_pin`, so that none goes on a lease, on any client.
 """
 from __future__ import annotations
 
@@ -59,13 +63,15 @@ class _StreamCore:
     LATENCY_WINDOW = 10_000
 
     def __init__(self, client: Any, service: str, *, latest_wins: bool, max_in_flight: int,
-                 timeout: float | None, priority: Any, meta: Mapping[str, Any] | None, reply: str):
+                 timeout: float | None, priority: Any, meta: Mapping[str, Any] | None, reply: str,
+                 pin: bool = True):
         if int(max_in_flight) < 1:
             raise InvalidInput(f"max_in_flight must be at least 1, got {max_in_flight}")
         self._client = client
         self.service = service
         self.latest_wins = bool(latest_wins)
         self.max_in_flight = int(max_in_flight)
+        self.pin = bool(pin)  # its frames may go on a lease (False: every one through the broker)
         self._opts = dict(timeout=timeout, priority=priority, meta=meta, reply=reply)
         self._outstanding: deque = deque()   # sent calls, in send order
         self._pending: deque = deque()       # packed calls not sent yet
@@ -106,6 +112,7 @@ class _StreamCore:
         call = self._client.prepare(self.service, inputs, copy_inline=True, **self._opts)
         call.frame = self._frames
         call.t_submit = time.monotonic()
+        call.no_pin = not self.pin
         self._frames += 1
         return call
 

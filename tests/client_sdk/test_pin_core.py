@@ -384,3 +384,101 @@ def test_a_pinning_client_sends_the_same_request_frames_as_a_plain_one():
     finally:
         plain.close()
         pinning.close()
+
+
+# ------------------------------------------------------------------ streams pin by default (issue 13)
+
+def _plain_core(**kw):
+    return ClientCore("ipc:///tmp/zinf-pin-core-test.sock", transport="inline", heartbeat_interval=1.0, **kw)
+
+
+def test_a_stream_pins_its_service_on_a_plain_client_and_nothing_else():
+    c = _plain_core(pin=False)
+    twin = _plain_core(pin=False)  # the same client without any stream: the reference frames
+    try:
+        twin._next_id = c._next_id
+        before, _ = _send(c, "other")
+        assert not c.ops and before.pin is None
+        assert c.stream_pins(None) is True
+        c.pin_on_demand("echo", 2)  # what client.stream("echo") does
+        assert c.pin_services == {"echo": PIN_SLOTS}
+        first, _ = _send(c, "echo")
+        ask = _ask_of(_ops(c))
+        assert ask.slots == PIN_SLOTS and first.pin is None  # brokered until LEASED
+        # A plain request to another service: no ask, and the frames of a client without streams.
+        twin._next_id = c._next_id
+        other, frames = _send(c, "other", now=100.5)
+        _, twin_frames = _send(twin, "other", now=100.5)
+        assert not c.ops and not twin.ops and other.pin is None
+        assert [bytes(f) for f in frames] == [bytes(f) for f in twin_frames]
+        # LEASED is ours now (a client without streams drops it: see above).
+        assert c.on_message(_leased(ask.id, slots=PIN_SLOTS), 100.6) == []
+        [op] = _ops(c)
+        assert type(op) is PinOpen and c.pinned("echo") and not c.pinned("other")
+        on_lease, _ = _send(c, "echo", now=101.0)
+        still_brokered, _ = _send(c, "other", now=101.0)
+        assert on_lease.pin is op.pin and still_brokered.pin is None and not c.ops
+        c.on_message(_final(on_lease, np.int64([4])), 101.1, pin=op.pin)
+        assert _result(on_lease) == 4 and c.pinned_replies == 1
+        # Closing ends the lease as a pinning client's does.
+        c.pin_goodbye()
+        ops = _ops(c)
+        assert [type(o) for o in ops] == [list, PinClose]
+        assert P.decode_lease_end(ops[0][3]) == P.LeaseEnd(lease=LEASE, reason="client_done")
+    finally:
+        c.close()
+        twin.close()
+
+
+def test_a_stream_asks_for_its_max_in_flight_when_larger_than_the_default():
+    c = _plain_core(pin=False)
+    try:
+        c.pin_on_demand("echo", 3)
+        c.pin_on_demand("echo", PIN_SLOTS + 12)
+        c.pin_on_demand("echo", 1)  # the largest stream's stays
+        _send(c, "echo")
+        assert _ask_of(_ops(c)).slots == PIN_SLOTS + 12
+    finally:
+        c.close()
+
+
+def test_a_pin_false_stream_never_asks_and_never_goes_on_a_lease(core):
+    plain = _plain_core(pin=False)
+    try:
+        assert plain.stream_pins(False) is False  # client.stream(..., pin=False) pins nothing
+        call = plain.new_call("echo", {"x": np.arange(3)})
+        call.no_pin = True  # what a pin=False stream marks its frames with
+        plain.request_frames(call, 100.0)
+        assert not plain.ops and not plain.pin_services and call.pin is None
+    finally:
+        plain.close()
+    # On a pinning client too: its frames stay brokered beside the lease.
+    _, pin = _pinned(core)
+    frame = core.new_call("echo", {"x": np.arange(3)})
+    frame.no_pin = True
+    core.request_frames(frame, 101.0)
+    assert frame.pin is None and not pin.calls and not core.ops
+
+
+def test_stream_pin_option_values():
+    c = _plain_core(pin=False)
+    deaf = ClientCore("ipc:///tmp/zinf-pin-core-test.sock", transport="inline", heartbeat_interval=None)
+    try:
+        assert c.stream_pins(None) is True and c.stream_pins(True) is True and c.stream_pins(False) is False
+        for bad in ("yes", 1, 0.5):
+            with pytest.raises(errors.InvalidInput):
+                c.stream_pins(bad)
+        # Without heartbeats: None does not pin, True cannot.
+        assert deaf.stream_pins(None) is False and deaf.stream_pins(False) is False
+        with pytest.raises(errors.InvalidInput, match="heartbeats"):
+            deaf.stream_pins(True)
+    finally:
+        c.close()
+        deaf.close()
+
+
+def test_a_pinning_client_keeps_its_own_slots_for_a_stream(core):
+    core.pin_on_demand("echo", 50)
+    assert not core.pin_services  # pin=2 pins every service already
+    _send(core)
+    assert _ask_of(_ops(core)).slots == 2

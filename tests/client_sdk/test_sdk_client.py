@@ -78,6 +78,7 @@ class FakeBroker(threading.Thread):
         self.held_q: queue.Queue = queue.Queue()     # request id of each request put on hold
         self.cancels: queue.Queue = queue.Queue()    # ids of CANCELs received
         self.events: queue.Queue = queue.Queue()     # ("heartbeat",), ("disconnect",)
+        self.lease_asks: list[tuple[str, P.LeaseAsk]] = []  # every LEASE (a stream's), refused
         self.answer_cancel = True
         self._halt = False
         self._direct: dict[str, zmq.Socket] = {}      # reply_to -> PUSH, like a worker's
@@ -191,6 +192,14 @@ class FakeBroker(threading.Thread):
             return
         if msg.command == P.C_DISCONNECT:
             self.events.put(("disconnect",))
+            return
+        if msg.command in (P.C_LEASE, P.C_LEASE_END):
+            # As a broker whose workers take no leases: every ask refused (LEASED, an error).
+            if msg.command == P.C_LEASE:
+                ask = P.decode_lease_ask(msg.body[0])
+                self.lease_asks.append((msg.service.decode(), ask))
+                self.sock.send_multipart([ident, *P.client_leased(msg.service, P.error_body(
+                    ask.id, ErrorCode.SERVICE_UNAVAILABLE, "no worker of it takes leases"))])
             return
         if msg.command == P.C_CANCEL:
             rid = P.decode_cancel(msg.body[0]).id
@@ -1114,6 +1123,63 @@ async def test_async_not_local_and_partials(fake, endpoint):
                 res.release()
         assert seen == [(False, 0), (False, 1), (True, 2)]
         assert c.pool.in_use() == 0
+
+
+def _asks(fake) -> list[tuple[str, int]]:
+    return [(svc, ask.slots) for svc, ask in fake.call(lambda: list(fake.lease_asks))]
+
+
+def test_a_stream_asks_for_a_lease_and_stays_brokered_when_refused(fake, endpoint):
+    """Streams pin by default (issue 13): a plain client's stream asks for a lease on its
+    service (LEASE goes before the first frame), the refusal leaves it brokered, and nothing
+    else asks: not a plain request, not a `pin=False` stream, not a client without heartbeats."""
+    with Client(endpoint, transport="inline", timeout=WAIT) as c:
+        with c.infer("echo", {"x": np.zeros(2)}) as r:
+            assert r["x"].shape == (2,)
+        with c.stream("echo_inline", pin=False) as s:
+            s.send({"x": np.zeros(2)})
+            s.recv(WAIT).release()
+        assert _asks(fake) == []
+        with c.stream("echo", latest_wins=False, max_in_flight=3) as s:
+            for i in range(4):
+                s.send({"x": np.full(2, i)})
+            assert [int(r["x"][0]) for r in s] == [0, 1, 2, 3]
+        asks = _asks(fake)
+        assert asks and set(asks) == {("echo", 8)}  # one ask, maybe another after the 1 s backoff
+        assert not c.pinned("echo") and c.pinned_replies == 0 and c.stray_replies == 0
+        with c.infer("echo_inline", {"x": np.zeros(2)}) as r:
+            pass
+        assert {svc for svc, _ in _asks(fake)} == {"echo"}
+    with Client(endpoint, transport="inline", heartbeat_interval=None) as c:
+        with pytest.raises(InvalidInput, match="heartbeats"):
+            c.stream("echo", pin=True)
+        with c.stream("echo_inline") as s:  # pin=None: cannot pin without heartbeats, does not try
+            s.send({"x": np.zeros(2)})
+            s.recv(WAIT).release()
+        assert {svc for svc, _ in _asks(fake)} == {"echo"}
+
+
+async def test_async_stream_asks_for_a_lease_and_stays_brokered_when_refused(fake, endpoint):
+    async with AsyncClient(endpoint, transport="inline", timeout=WAIT) as c:
+        (await c.infer("echo", {"x": np.zeros(2)})).release()
+        s = c.stream("echo_inline", pin=False)
+        s.send({"x": np.zeros(2)})
+        (await s.recv(WAIT)).release()
+        s.close()
+        assert await asyncio.to_thread(_asks, fake) == []
+        s = c.stream("echo", latest_wins=False, max_in_flight=12)
+        for i in range(4):
+            s.send({"x": np.full(2, i)})
+        s.finish()
+        got = [r async for r in s]
+        assert [int(r["x"][0]) for r in got] == [0, 1, 2, 3]
+        for r in got:
+            r.release()
+        assert set(await asyncio.to_thread(_asks, fake)) == {("echo", 12)}
+        assert not c.pinned("echo") and c.pinned_replies == 0 and c.stray_replies == 0
+    async with AsyncClient(endpoint, transport="inline", heartbeat_interval=None) as c:
+        with pytest.raises(InvalidInput, match="heartbeats"):
+            c.stream("echo", pin=True)
 
 
 async def test_async_broker_unreachable(endpoint):

@@ -358,3 +358,28 @@ def test_transport_shm_sends_even_a_tiny_tensor_by_reference_and_asks_for_a_shm_
         assert core.new_call("echo", {"x": np.arange(2)}, reply="inline").reply == "inline"
     finally:
         core.close()
+
+
+def test_transport_shm_asks_shared_memory_outputs_except_for_cuda_inputs(monkeypatch):
+    """transport="shm" turns a default reply into "shm" (outputs by reference whatever their
+    size), but a request with CUDA inputs keeps "auto", so its outputs may stay on the device
+    (docs/gpu.md)."""
+    from client_sdk import core as core_mod
+    from client_sdk.tensors import Packed
+
+    c = ClientCore("ipc:///tmp/zinf-reply-test.sock", transport="shm", heartbeat_interval=None)
+    try:
+        assert c.new_call("echo", {"x": np.zeros(2, np.uint8)}).reply == "shm"
+
+        def cuda_pack(inputs, pool, **kw):
+            p = Packed()
+            p.tensors.append(P.TensorRef(name="x", dtype="<f4", shape=[4], loc=P.CudaLoc(
+                pool="p", offset=0, nbytes=16, device=0)))
+            return p
+
+        monkeypatch.setattr(core_mod.T, "pack", cuda_pack)
+        call = c.new_call("echo", {"x": np.zeros(4, np.float32)})
+        assert call.reply == "auto"
+        assert c.new_call("echo", {"x": np.zeros(4, np.float32)}, reply="inline").reply == "inline"
+    finally:
+        c.close()

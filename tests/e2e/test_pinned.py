@@ -228,3 +228,90 @@ def test_sigterm_of_the_pinned_worker_ends_the_lease_without_losing_a_request(cl
     # (above); tests/e2e/test_leases_worker.py shows held work finishing on the connection.
     assert 0 <= pinned <= 8
     assert stopping.p.wait(TIMEOUT_S) == 0
+
+
+# ------------------------------------------------------------------ streams pin by default (issue 13)
+
+def _frame(i: int) -> dict:
+    return {"x": np.full(3, i, np.int16)}
+
+
+def _check(r, i: int) -> None:
+    with r:
+        np.testing.assert_array_equal(r["x"], np.full(3, i, np.int16))
+
+
+def test_a_stream_of_a_plain_client_pins_its_service(cluster):
+    """`Client(endpoint)` and `AsyncClient(endpoint)`, no `pin`: a stream asks for a lease on
+    its service with its first frame, and its frames go on the lease once it is granted."""
+    cluster.broker()
+    cluster.worker("echo", "--direct")
+    with Client(cluster.frontend, timeout=TIMEOUT_S) as c:
+        wait_service(c, "echo")
+        with c.stream("echo", latest_wins=False, max_in_flight=2) as st:
+            deadline = time.monotonic() + TIMEOUT_S
+            i = 0
+            while not c.pinned("echo"):  # the first frames go through the broker meanwhile
+                assert time.monotonic() < deadline, "the stream never pinned"
+                st.send(_frame(i))
+                _check(st.recv(timeout=TIMEOUT_S), i)
+                i += 1
+                if not c.pinned("echo"):
+                    c.pump(0.05)  # a LEASED on its way is routed
+            before = c.pinned_replies
+            for k in range(10):
+                st.send(_frame(100 + k))
+            for k in range(10):
+                _check(st.recv(timeout=TIMEOUT_S), 100 + k)
+            assert c.pinned_replies - before == 10
+        assert c.stray_replies == 0 and c.in_flight() == 0
+        _plain_echo(cluster.frontend, "echo", 3)
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=TIMEOUT_S) as ac:
+            st = ac.stream("echo", latest_wins=False, max_in_flight=4)
+            deadline = time.monotonic() + TIMEOUT_S
+            i = 0
+            while not ac.pinned("echo"):
+                assert time.monotonic() < deadline, "the async stream never pinned"
+                st.send(_frame(i))
+                _check(await st.recv(TIMEOUT_S), i)
+                i += 1
+                if not ac.pinned("echo"):
+                    await ac.pump(0.05)
+            before = ac.pinned_replies
+            for k in range(12):
+                st.send(_frame(200 + k))
+            for k in range(12):
+                _check(await st.recv(TIMEOUT_S), 200 + k)
+            assert ac.pinned_replies - before == 12 and ac.stray_replies == 0
+            st.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_stream_against_workers_without_direct_stays_brokered(cluster):
+    cluster.broker()
+    cluster.worker("echo")  # no --direct: the ask is refused
+    with Client(cluster.frontend, timeout=TIMEOUT_S) as c:
+        wait_service(c, "echo")
+        with c.stream("echo", latest_wins=False, max_in_flight=2) as st:
+            for i in range(8):
+                st.send(_frame(i))
+            for i in range(8):
+                _check(st.recv(timeout=TIMEOUT_S), i)
+        c.mmi_service("echo")  # a barrier: the LEASE's refusal came before this answer
+        assert not c.pinned("echo") and c.pinned_replies == 0 and c.stray_replies == 0
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=TIMEOUT_S) as ac:
+            st = ac.stream("echo", latest_wins=False, max_in_flight=3)
+            for i in range(8):
+                st.send(_frame(i))
+            for i in range(8):
+                _check(await st.recv(TIMEOUT_S), i)
+            st.close()
+            await ac.mmi_service("echo")
+            assert not ac.pinned("echo") and ac.pinned_replies == 0 and ac.stray_replies == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
