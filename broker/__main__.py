@@ -78,6 +78,10 @@ def pool_worker_argv(config: str, pool: str) -> list[str]:
     if pool not in pools:
         raise ValueError(f"{config}: no [[pool]] named {pool!r} (pools: {', '.join(sorted(pools)) or 'none'})")
     backend = cfg.backend or P.default_endpoints()[1]
+    host = backend.partition("://")[2].rpartition(":")[0]
+    if backend.startswith("tcp://") and host in ("*", "0.0.0.0", "[::]", "::"):
+        raise ValueError(f"{config}: backend {backend!r} is where the broker binds, not an address a worker can "
+                         "connect to: give the worker one after `--` (-- --broker tcp://HOST:PORT)")
     link = ("--insecure",) if backend.startswith("tcp://") and cfg.security.insecure else ()
     return pools[pool].worker_args(backend, heartbeat_interval=cfg.scheduler.heartbeat_interval,
                                    heartbeat_liveness=cfg.scheduler.heartbeat_liveness, link=link)
@@ -87,23 +91,40 @@ def pool_main(argv: list[str]) -> int:
     """`python -m broker --config FILE --pool NAME [-- WORKER FLAGS]`: become one worker of that
     pool (exec `python -m gpu_worker`), for a worker in a container or Deployment of its own
     beside a broker reading the same file; flags after `--` override the file's."""
-    ap = argparse.ArgumentParser(prog="python -m broker --pool", add_help=False)
-    ap.add_argument("--config")
-    ap.add_argument("--pool")
-    known, rest = ap.parse_known_args(argv)
-    if not known.config or not known.pool:
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ours, rest = argv[:cut], argv[cut + 1:]
+    config = pool = None
+    i = 0
+    while i < len(ours):  # only --config and --pool here: the worker's flags go after --
+        a = ours[i]
+        key, eq, val = a.partition("=")
+        if key in ("--config", "--pool") and (eq or i + 1 < len(ours)):
+            if not eq:
+                i += 1
+                val = ours[i]
+            if key == "--config":
+                config = val
+            else:
+                pool = val
+        else:
+            print(f"python -m broker: with --pool, only --config FILE and --pool NAME come before `--`; "
+                  f"the worker's flags (such as {a}) go after it", file=sys.stderr, flush=True)
+            return 2
+        i += 1
+    if not config or not pool:
         print("python -m broker: --pool NAME needs --config FILE (the deploy file with that [[pool]])",
               file=sys.stderr, flush=True)
         return 2
-    if rest[:1] == ["--"]:
-        rest = rest[1:]
     try:
-        args = pool_worker_argv(known.config, known.pool)
+        args = pool_worker_argv(config, pool)
     except (SecurityError, ValueError, OSError) as e:  # config.ConfigError too: one line naming the key
         print(f"python -m broker: {e}", file=sys.stderr, flush=True)
         return 2
     sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "gpu_worker", *args, *rest])
+    # The interpreter's own options (-X, -u, ...) carry over: everything before our `-m broker`.
+    orig = list(getattr(sys, "orig_argv", [sys.executable]))
+    lead = orig[:orig.index("-m")] if "-m" in orig else [sys.executable]
+    os.execv(sys.executable, [*lead, "-m", "gpu_worker", *args, *rest])
     return 0  # pragma: no cover - execv does not return
 
 

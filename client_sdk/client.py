@@ -173,7 +173,17 @@ class Client(ClientBase):
                     timeout=timeout, priority=priority, meta=meta, reply=reply, pin=may_pin)
         if may_pin:
             self._core.pin_on_demand(service, st.max_in_flight)  # its service asks for a lease
+            st._pinned = not self._core.pin_slots
         return st
+
+    def stream_closed(self, service: str) -> None:
+        """A stream that pinned `service` closed (client_sdk.stream): after the last one its
+        lease ends."""
+        if self._core.closed:
+            return
+        self._core.pin_release(service, time.monotonic())
+        if self._core.ops:
+            self._run_ops()
 
     # ---------------------------------------------------------------- seams for streams
     # Small steps that `infer` is made of, for code that keeps several calls in flight on

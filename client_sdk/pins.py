@@ -11,7 +11,8 @@ as before.  Replies on the direct connection take the same path as the broker's.
 A client made without `pin` pins on demand: a stream (`client.stream(..., pin=None)`, with
 heartbeats on) adds its service to `pin_services` (`pin_on_demand`), and from then on that
 service's requests are handled exactly as a pinning client's (asked for
-max(PIN_SLOTS, the stream's max_in_flight) slots); every other service's stay byte for
+the largest max_in_flight of its streams' slots) until its last stream closes (`pin_release`:
+LEASE_END); every other service's stay byte for
 byte what they were before leases (no LEASE, the same frames).  A call with `no_pin` set (a
 `pin=False` stream's frame) never goes on a lease, on any client.
 
@@ -141,6 +142,7 @@ class PinEvents:
     def _init_pins(self, pin: Any) -> None:
         self.pin_slots = pin_slots(pin)          # every service pinned (pin=True); 0: none but ...
         self.pin_services: dict[str, int] = {}   # ... these, pinned on demand (a stream's): service -> slots
+        self._pin_streams: dict[str, int] = {}   # service -> its open streams that pinned it
         self.ops: deque[Any] = deque()           # for the twin (see the module docstring)
         self.pins: dict[str, Pin] = {}           # service -> its lease in use
         self.pin_all: dict[bytes, Pin] = {}      # lease id -> every lease with an open connection
@@ -174,16 +176,36 @@ class PinEvents:
                 raise InvalidInput("stream(pin=True) needs heartbeats (heartbeat_interval > 0): a leaseholder the "
                                    "broker does not hear from loses its lease")
             return False
+        if pin is None and self.endpoint.startswith("tcp://"):
+            return False  # no direct sockets over tcp yet: the broker refuses remote asks
         return True
 
     def pin_on_demand(self, service: str, max_in_flight: int) -> None:
         """A stream that may pin opened on `service`: a client that does not pin every
-        service pins this one from now on, asking for max(PIN_SLOTS, max_in_flight) slots
+        service pins this one until its last such stream closes, asking for max_in_flight slots
         (the largest of its streams')."""
         if self.pin_slots or self.closed:
             return  # a pinning client pins every service already, with its own slots
-        want = min(max(PIN_SLOTS, int(max_in_flight)), PIN_MAX_SLOTS)
+        want = min(max(1, int(max_in_flight)), PIN_MAX_SLOTS)
         self.pin_services[service] = max(self.pin_services.get(service, 0), want)
+        self._pin_streams[service] = self._pin_streams.get(service, 0) + 1
+
+    def pin_release(self, service: str, now: float) -> None:
+        """A stream of `service` that `pin_on_demand` counted closed: after the last one the
+        service is not pinned any more and its lease ends (LEASE_END; calls in flight on it
+        finish there), so the worker's slots go back to everyone else."""
+        n = self._pin_streams.get(service, 0) - 1
+        if n > 0:
+            self._pin_streams[service] = n
+            return
+        self._pin_streams.pop(service, None)
+        if self.pin_slots or self.pin_services.pop(service, None) is None:
+            return
+        self._forget_ask(service)
+        pin = self.pins.get(service)
+        if pin is not None:
+            self.ops.append(self._lease_end_frames(service, pin.lease))
+            self._end_pin(pin, now, resend=False)
 
     # ------------------------------------------------------------------ sending
 

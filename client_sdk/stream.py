@@ -72,6 +72,7 @@ class _StreamCore:
         self.latest_wins = bool(latest_wins)
         self.max_in_flight = int(max_in_flight)
         self.pin = bool(pin)  # its frames may go on a lease (False: every one through the broker)
+        self._pinned = False  # counted by the client's pin_on_demand (set by client.stream)
         self._opts = dict(timeout=timeout, priority=priority, meta=meta, reply=reply)
         self._outstanding: deque = deque()   # sent calls, in send order
         self._pending: deque = deque()       # packed calls not sent yet
@@ -177,6 +178,9 @@ class _StreamCore:
             self._client.give_up(self._pending.popleft())
         while self._outstanding:
             self._client.give_up(self._outstanding.popleft())
+        if self._pinned:
+            self._pinned = False
+            self._client.stream_closed(self.service)  # the last stream of a service ends its lease
 
 
 class Stream(_StreamCore):

@@ -401,10 +401,10 @@ def test_a_stream_pins_its_service_on_a_plain_client_and_nothing_else():
         assert not c.ops and before.pin is None
         assert c.stream_pins(None) is True
         c.pin_on_demand("echo", 2)  # what client.stream("echo") does
-        assert c.pin_services == {"echo": PIN_SLOTS}
+        assert c.pin_services == {"echo": 2}
         first, _ = _send(c, "echo")
         ask = _ask_of(_ops(c))
-        assert ask.slots == PIN_SLOTS and first.pin is None  # brokered until LEASED
+        assert ask.slots == 2 and first.pin is None  # brokered until LEASED: its max_in_flight
         # A plain request to another service: no ask, and the frames of a client without streams.
         twin._next_id = c._next_id
         other, frames = _send(c, "other", now=100.5)
@@ -412,7 +412,7 @@ def test_a_stream_pins_its_service_on_a_plain_client_and_nothing_else():
         assert not c.ops and not twin.ops and other.pin is None
         assert [bytes(f) for f in frames] == [bytes(f) for f in twin_frames]
         # LEASED is ours now (a client without streams drops it: see above).
-        assert c.on_message(_leased(ask.id, slots=PIN_SLOTS), 100.6) == []
+        assert c.on_message(_leased(ask.id, slots=2), 100.6) == []
         [op] = _ops(c)
         assert type(op) is PinOpen and c.pinned("echo") and not c.pinned("other")
         on_lease, _ = _send(c, "echo", now=101.0)
@@ -430,7 +430,7 @@ def test_a_stream_pins_its_service_on_a_plain_client_and_nothing_else():
         twin.close()
 
 
-def test_a_stream_asks_for_its_max_in_flight_when_larger_than_the_default():
+def test_a_stream_asks_for_the_largest_max_in_flight_of_its_service():
     c = _plain_core(pin=False)
     try:
         c.pin_on_demand("echo", 3)
@@ -482,3 +482,37 @@ def test_a_pinning_client_keeps_its_own_slots_for_a_stream(core):
     assert not core.pin_services  # pin=2 pins every service already
     _send(core)
     assert _ask_of(_ops(core)).slots == 2
+
+
+def test_the_last_stream_closing_ends_its_lease_and_unpins_the_service():
+    c = _plain_core(pin=False)
+    try:
+        c.pin_on_demand("echo", 2)
+        c.pin_on_demand("echo", 2)  # two streams of one service
+        first, _ = _send(c, "echo")
+        ask = _ask_of(_ops(c))
+        assert c.on_message(_leased(ask.id, slots=2), 100.1) == []
+        [op] = _ops(c)
+        on_lease, _ = _send(c, "echo", now=100.2)
+        assert on_lease.pin is op.pin
+        c.pin_release("echo", 100.3)  # one of two closed: still pinned
+        assert c.pinned("echo") and not c.ops
+        c.pin_release("echo", 100.4)  # the last: LEASE_END, the call in flight finishes on the lease
+        [end] = _ops(c)
+        assert P.decode_lease_end(end[3]) == P.LeaseEnd(lease=LEASE, reason="client_done")
+        assert not c.pinned("echo") and "echo" not in c.pin_services
+        c.on_message(_final(on_lease, np.int64([5])), 100.5, pin=op.pin)
+        assert _result(on_lease) == 5
+        assert [type(o) for o in _ops(c)] == [PinClose]  # its connection closes after its last call
+        later, _ = _send(c, "echo", now=200.0)  # the service is not pinned any more: no ask
+        assert later.pin is None and not c.ops
+    finally:
+        c.close()
+
+
+def test_a_stream_on_a_tcp_client_does_not_pin_by_default():
+    c = ClientCore("tcp://127.0.0.1:5555", transport="inline", heartbeat_interval=1.0)
+    try:
+        assert c.stream_pins(None) is False and c.stream_pins(True) is True
+    finally:
+        c.close()

@@ -44,7 +44,8 @@ def test_an_unknown_pool_or_a_missing_half_is_one_line_and_exit_2(tmp_path):
     cfg = _deploy(tmp_path, f"ipc://{tmp_path}/be.ipc")
     with pytest.raises(ValueError, match="no \\[\\[pool\\]\\] named 'nope' \\(pools: tiny\\)"):
         pool_argv(cfg, "nope")
-    for args in (["--config", cfg, "--pool", "nope"], ["--pool", "tiny"]):
+    for args in (["--config", cfg, "--pool", "nope"], ["--pool", "tiny"], ["--config", cfg, "--pool"],
+                 ["--config", cfg, "--pool", "tiny", "--frontend", "ipc:///x"]):
         p = Proc(["-m", "broker", *args])
         try:
             assert p.p.wait(60) == 2
@@ -52,6 +53,11 @@ def test_an_unknown_pool_or_a_missing_half_is_one_line_and_exit_2(tmp_path):
             assert len(err.splitlines()) == 1 and err.startswith("python -m broker: "), err
         finally:
             p.close()
+
+
+def test_a_bind_address_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ValueError, match="where the broker binds"):
+        pool_argv(_deploy(tmp_path, "tcp://*:5556"), "tiny")
 
 
 def test_a_worker_from_the_deploy_file_serves_and_later_flags_override_it(tmp_path):
