@@ -15,59 +15,16 @@ import pytest
 import zmq
 
 from broker import protocol as P
-from broker.protocol.wire import send_frames
 from gpu_worker.worker import Worker, WorkerConfig
+from tests.gpu_worker.pair_link import PairLink
 
 pytestmark = pytest.mark.timeout(30)
 
 SECRET = b"s" * 16
 
 
-class _Pair:
-    """The worker's upstream: a PAIR to the test's `peer`; remembers the READY it sent."""
-
-    watch_liveness = False
-    monitor = None
-
-    def __init__(self, name: str):
-        self.ctx = zmq.Context.instance()
-        self.addr = f"inproc://{name}"
-        self.peer = self.ctx.socket(zmq.PAIR)
-        self.peer.linger = 0
-        self.peer.bind(self.addr)
-        self.sock = None
-        self.ready = None
-        self.last_sent = 0.0
-
-    def connect(self, service, ready):
-        self.ready = ready
-        if self.sock is not None:
-            self.sock.close()
-        self.sock = self.ctx.socket(zmq.PAIR)
-        self.sock.linger = 0
-        self.sock.connect(self.addr)
-        return self.sock
-
-    def receive(self, frames):
-        return P.parse_broker_to_worker(frames)
-
-    def send(self, frames) -> None:
-        send_frames(self.sock, frames)
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-        self.peer.close()
-
-    def sent(self) -> list:
-        out = []
-        while self.peer.poll(50):  # inproc delivers at once; the wait is only an upper bound
-            out.append(self.peer.recv_multipart())
-        return out
-
-
 def _worker(tmp_path, direct: bool) -> Worker:
-    up = _Pair(f"lease-up-{id(tmp_path)}-{direct}")
+    up = PairLink(f"lease-up-{id(tmp_path)}-{direct}")
     w = Worker(WorkerConfig(broker="inproc://unused", model="echo", warmup=False, credit=8, direct=direct),
                upstream=up)
     w._connect()

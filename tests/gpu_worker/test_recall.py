@@ -6,51 +6,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import zmq
 
 from broker import protocol as P
-from broker.protocol.wire import send_frames
 from gpu_worker.worker import Worker, WorkerConfig
+from tests.gpu_worker.pair_link import PairLink
 
 pytestmark = pytest.mark.timeout(30)
 
 
-class _Pair:
-    """The worker's upstream: a PAIR to the test's `peer`."""
-
-    watch_liveness = False
-    monitor = None
-
-    def __init__(self, name: str):
-        self.ctx = zmq.Context.instance()
-        self.addr = f"inproc://{name}"
-        self.peer = self.ctx.socket(zmq.PAIR)
-        self.peer.linger = 0
-        self.peer.bind(self.addr)
-        self.sock = None
-        self.last_sent = 0.0
-
-    def connect(self, service, ready):
-        self.sock = self.ctx.socket(zmq.PAIR)
-        self.sock.linger = 0
-        self.sock.connect(self.addr)
-        return self.sock
-
-    def receive(self, frames):
-        return P.parse_broker_to_worker(frames)
-
-    def send(self, frames) -> None:
-        send_frames(self.sock, frames)
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-        self.peer.close()
-
-    # the test's side
-
-    def to_worker(self, frames) -> None:
-        self.peer.send_multipart(frames)
+class _Pair(PairLink):
+    """PairLink with the RECALL test's messages."""
 
     def request(self, token: int) -> None:
         x = np.arange(4, dtype=np.float32)

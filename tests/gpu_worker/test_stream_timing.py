@@ -8,52 +8,18 @@ import time
 
 import numpy as np
 import pytest
-import zmq
 
 from broker import protocol as P
-from broker.protocol.wire import send_frames
 from gpu_worker.worker import Worker, WorkerConfig
+from tests.gpu_worker.pair_link import PairLink
 
 pytestmark = pytest.mark.timeout(30)
-
-
-class _Pair:
-    """The worker's upstream: a PAIR to the test's `peer`."""
-
-    watch_liveness = False
-    monitor = None
-
-    def __init__(self, name: str):
-        self.ctx = zmq.Context.instance()
-        self.addr = f"inproc://{name}"
-        self.peer = self.ctx.socket(zmq.PAIR)
-        self.peer.linger = 0
-        self.peer.bind(self.addr)
-        self.sock = None
-        self.last_sent = 0.0
-
-    def connect(self, service, ready):
-        self.sock = self.ctx.socket(zmq.PAIR)
-        self.sock.linger = 0
-        self.sock.connect(self.addr)
-        return self.sock
-
-    def receive(self, frames):
-        return P.parse_broker_to_worker(frames)
-
-    def send(self, frames) -> None:
-        send_frames(self.sock, frames)
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-        self.peer.close()
 
 
 @pytest.fixture
 def worker(tmp_path, monkeypatch):
     monkeypatch.setenv("SLEEPY_LOG", str(tmp_path / "ticks.log"))
-    up = _Pair(f"stream-timing-{id(tmp_path)}")
+    up = PairLink(f"stream-timing-{id(tmp_path)}")
     w = Worker(WorkerConfig(broker="inproc://unused", model="tests.e2e.gate_model:ticker", warmup=False),
                upstream=up)
     w._connect()
@@ -64,7 +30,7 @@ def worker(tmp_path, monkeypatch):
         w.close()
 
 
-def _replies(up: _Pair) -> list[tuple[bytes, P.Reply]]:
+def _replies(up: PairLink) -> list[tuple[bytes, P.Reply]]:
     out = []
     while True:
         assert up.peer.poll(5000), "the stream did not end"
