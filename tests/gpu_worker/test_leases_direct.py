@@ -77,6 +77,17 @@ def _dealer(worker, routing_id: bytes | None = None):
     return s
 
 
+def _two_leases(worker, client, other) -> tuple[bytes, bytes]:
+    """Leases 1 and 2 of two slots each, `client` bound to the first and `other` to the
+    second, the worker registered (WELCOME) and what it sent so far read; their ids."""
+    a, b = _lease(worker, 1, slots=2), _lease(worker, 2, slots=2)
+    _welcome(worker)
+    worker.upstream.sent()
+    for sock, lease in ((client, a), (other, b)):
+        sock.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=lease, secret=SECRET))])
+    return a, b
+
+
 def _take(worker, until) -> None:
     """Let the worker read its direct socket until `until()` holds."""
     deadline = time.monotonic() + 5
@@ -162,15 +173,9 @@ def test_a_long_batch_sends_other_leases_waiting_requests_to_the_broker_and_says
     "send this one through the broker" (it did not run), lease A's own next one waits for
     A's batch; the broker is told BUSY for a long batch holding leased requests, and BUSY
     off when it ends."""
-    other = zmq.Context.instance().socket(zmq.DEALER)
-    other.linger = 0
-    other.connect(worker.direct_socket.endpoint)
+    other = _dealer(worker)
     try:
-        a, b = _lease(worker, 1, slots=2), _lease(worker, 2, slots=2)
-        _welcome(worker)
-        worker.upstream.sent()
-        for sock, lease in ((client, a), (other, b)):
-            sock.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=lease, secret=SECRET))])
+        a, b = _two_leases(worker, client, other)
         # Three shapes: three batches, in arrival order (A's first).
         _request(client, 1, np.zeros(3))
         _take(worker, lambda: len(worker.jobs) == 1)
@@ -213,9 +218,7 @@ def test_while_a_batch_computes_the_heartbeat_thread_reads_the_direct_socket(wor
     CANCEL of its running one are stashed with their arrival times, and the loop handles them
     right after the batch (`_after_compute`): the REQUEST's wait counts from its arrival, the
     CANCEL drops the running result."""
-    other = zmq.Context.instance().socket(zmq.DEALER)
-    other.linger = 0
-    other.connect(worker.direct_socket.endpoint)
+    other = _dealer(worker)
     try:
         a, b = _lease(worker, 1, slots=2), _lease(worker, 2, slots=2)
         worker.upstream.sent()
@@ -266,11 +269,7 @@ def test_a_batch_that_becomes_long_on_the_loop_thread_bounces_another_leases_que
     other = _dealer(worker)
     beats = None
     try:
-        a, b = _lease(worker, 1, slots=2), _lease(worker, 2, slots=2)
-        _welcome(worker)
-        worker.upstream.sent()
-        for sock, lease in ((client, a), (other, b)):
-            sock.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=lease, secret=SECRET))])
+        a, b = _two_leases(worker, client, other)
         _request(client, 1, np.zeros(3))
         _take(worker, lambda: len(worker.jobs) == 1)
         _request(other, 1, np.zeros(5))   # another shape: waits in the batcher behind A's batch
