@@ -405,8 +405,8 @@ class AsyncClient(ClientBase):
         st = AsyncStream(self, service, latest_wins=latest_wins, max_in_flight=max_in_flight,
                          timeout=timeout, priority=priority, meta=meta, reply=reply, pin=may_pin)
         if may_pin:
-            self._core.pin_on_demand(service, st.max_in_flight)  # its service asks for a lease
-            st._pinned = not self._core.pin_slots
+            # its service asks for a lease; a stream it counted ends that lease when it closes
+            st._pinned = self._core.pin_on_demand(service, st.max_in_flight)
         return st
 
     def stream_closed(self, service: str) -> None:

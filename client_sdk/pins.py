@@ -180,15 +180,16 @@ class PinEvents:
             return False  # no direct sockets over tcp yet: the broker refuses remote asks
         return True
 
-    def pin_on_demand(self, service: str, max_in_flight: int) -> None:
+    def pin_on_demand(self, service: str, max_in_flight: int) -> bool:
         """A stream that may pin opened on `service`: a client that does not pin every
         service pins this one until its last such stream closes, asking for max_in_flight slots
         (the largest of its streams')."""
         if self.pin_slots or self.closed:
-            return  # a pinning client pins every service already, with its own slots
+            return False  # a pinning client pins every service already, with its own slots
         want = min(max(1, int(max_in_flight)), PIN_MAX_SLOTS)
         self.pin_services[service] = max(self.pin_services.get(service, 0), want)
         self._pin_streams[service] = self._pin_streams.get(service, 0) + 1
+        return True  # counted: pin_release when the stream closes
 
     def pin_release(self, service: str, now: float) -> None:
         """A stream of `service` that `pin_on_demand` counted closed: after the last one the
