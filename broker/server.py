@@ -560,8 +560,7 @@ class Broker:
         if P.is_header(first):
             rest = body[1:]
             try:
-                req = P.decode_request(first, n_inline=len(rest))
-                P.check_inline_sizes(req.tensors, rest)
+                req = P.decode_request(first, frames=rest)
             except P.ProtocolError as e:
                 self.malformed += 1
                 rid = P.lenient_request_id(first)

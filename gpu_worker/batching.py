@@ -11,9 +11,17 @@ Policy
 * Size.  A batch holds at most ``max_batch`` requests and at most ``max_cost`` total cost;
   a single request whose cost alone exceeds ``max_cost`` still runs, alone.  Requests of a
   group are taken in add order and a batch stops at the first one that does not fit (no
-  overtaking inside a group).
-* Fairness.  The group holding the oldest pending request (by ``arrived``, ties by add
-  order) goes first, even while a younger group's batch is fuller.
+  overtaking inside a group), but for priorities:
+* Priorities (``priority``: 0 urgent, 1 normal, 2 background, as in the request header).
+  While requests of one class only are pending, nothing changes.  With several, each
+  request scores as the broker scores its queues, ``priority_weights[priority] x (1 +
+  waited / aging_s)`` (3 / 1 / 0.5 and 0.5 s, the broker's defaults): inside a group the
+  higher scores go first (ties by add order), and the group whose best request scores
+  highest goes first.  Urgent work wins while the rest waits only so long (no starvation);
+  on a pinned stream (docs/protocol.md section 10) the worker's batcher is the only queue a
+  request meets, so this is where its priority holds.
+* Fairness.  Among requests of one class, the group holding the oldest pending request (by
+  ``arrived``, ties by add order) goes first, even while a younger group's batch is fuller.
 * Deadlines.  A request whose ``deadline`` has passed (``deadline <= now``) is never put
   in a batch: ``take()`` sets it aside and ``expire(now)`` hands it to the caller (which
   owes its client an error).  ``expire`` also collects any that passed since.
@@ -77,6 +85,8 @@ class Pending:
     #: requests of the service the broker still had queued when it dispatched this one
     #: (None: not said, e.g. a plain MDP broker); see "Latency first" in the module docstring
     backlog: int | None = None
+    #: 0 urgent, 1 normal, 2 background (the request header's): lower goes first
+    priority: int = 1
 
 
 def batch_key(inputs: Mapping[str, object]) -> Hashable:
@@ -117,7 +127,8 @@ class Batcher:
     max_tracked_keys = 1024
 
     def __init__(self, *, max_batch: int = 8, max_cost: float = math.inf, max_delay: float = 0.002,
-                 deadline_margin: float = 0.0, latency_first: bool = True):
+                 deadline_margin: float = 0.0, latency_first: bool = True,
+                 priority_weights: tuple = (3.0, 1.0, 0.5), aging_s: float = 0.5):
         if int(max_batch) != max_batch or max_batch < 1:
             raise ValueError("max_batch must be an integer >= 1")
         if not max_cost > 0:
@@ -143,21 +154,35 @@ class Batcher:
         self._rates: OrderedDict[Hashable, _Rate] = OrderedDict()
         self._seq = 0
         self._busy = False
+        if len(priority_weights) != 3 or not all(w > 0 for w in priority_weights):
+            raise ValueError("priority_weights must be three positive numbers")
+        if not aging_s > 0:
+            raise ValueError("aging_s must be > 0")
+        self.priority_weights = tuple(float(w) for w in priority_weights)
+        self.aging_s = float(aging_s)
+        self._priority = 1     # the class of what is pending, while it is one class
+        self._mixed = False    # several classes are pending: groups are ordered by score
 
     def __len__(self) -> int:
         return len(self._live) + len(self._expired)
 
     # ------------------------------------------------------------------------------ input
 
-    def add(self, p: Pending, now: float) -> None:
-        """Queue a request.  Its ``arrived`` feeds the arrival-rate estimate; ``now`` is only
-        used to set aside a request that is already past its deadline."""
-        self._observe_arrival(p.key, p.arrived)
+    def add(self, p: Pending, now: float, *, observed: bool = False) -> None:
+        """Queue a request.  Its ``arrived`` feeds the arrival-rate estimate (unless
+        ``observed``: `goes_alone` counted it); ``now`` is only used to set aside a request
+        that is already past its deadline."""
+        if not observed:
+            self._observe_arrival(p.key, p.arrived)
         if p.deadline is not None and p.deadline <= now:
             self._expired.append(p)
             return
         self._seq += 1
         e = _Entry(self._seq, p)
+        if not self._live:
+            self._priority = p.priority
+        elif p.priority != self._priority:
+            self._mixed = True
         self._live[e.seq] = e
         self._groups.setdefault(p.key, deque()).append(e)
         if p.deadline is not None:
@@ -184,7 +209,7 @@ class Batcher:
         ``force=True`` skips the wait (not the size, key and deadline rules): for draining
         at shutdown.  Pass the real ``now``; a time in the future would expire requests."""
         self._set_aside_expired(now)
-        key = self._oldest_key()
+        key = self._oldest_key(now)
         if key is None:
             # Idle with nothing pending: new arrivals follow the waiting rules again.  Busy
             # with nothing pending: whatever arrives meanwhile goes when the worker is free.
@@ -211,6 +236,43 @@ class Batcher:
             r.waited_from = n
         return []
 
+    def goes_alone(self, key: Hashable, arrived: float, backlog: int | None,
+                   deadline: float | None = None) -> bool:
+        """Whether a request of ``key`` arriving at ``arrived`` (the current time) with
+        ``backlog`` (the broker's word) and ``deadline`` would be a batch of one at once:
+        nothing is pending, and `take(arrived, idle=True)` after `add` would return it now
+        (a batch size of one; latency-first with no backlog; or the arrival-rate rules
+        say go: light traffic, or waits that stopped paying off).  Its arrival is counted
+        as `add` counts it, either way.  True: the batcher is busy, as after `take`
+        returned it, and the caller runs it now (the worker's lone-request lane) and
+        calls `idle` once it ran.  False: the caller must `add` it with ``observed=True``
+        (its arrival is counted already) and `take` decides, as always; so too for a
+        finite ``max_cost`` (the cost rules need it queued), unless one of the first two
+        reasons holds.  Not for a request already past its deadline (`add` sets it aside)."""
+        self._observe_arrival(key, arrived)
+        if self._live or self._expired:
+            return False
+        if not (self.max_batch == 1 or self._busy or (self.latency_first and backlog == 0)):
+            if self.max_cost != math.inf:
+                return False  # the cost rules (`_plan`, `_ready_at`) need it queued
+            # `_wait_until` for a batch of this one request, without queueing it.
+            r = self._rates.get(key)
+            if r is None or r.gap is None or r.gap > self.max_delay:
+                pass  # light traffic: `_ready_at` says now
+            else:
+                # The wait would end at the earliest of max_delay, the expected fill, and
+                # the deadline's margin; one that ends now is no wait (gap 0, or the deadline).
+                t = min(arrived + self.max_delay, r.last + (self.max_batch - 1) * r.gap)
+                if deadline is not None:
+                    t = min(t, deadline - self.deadline_margin)
+                if t > arrived:
+                    if not (r.waited_from is None and r.gain < self.min_gain and r.skips < self.probe_every):
+                        return False  # it would wait for company
+                    r.skips += 1  # waiting stopped paying off: it goes, and the probe comes closer
+        self._settle_wait(key, 1)
+        self._busy = True
+        return True
+
     def idle(self) -> None:
         """The worker is free and nothing is pending: what ``take(idle=True)`` does with an
         empty queue, without the rest of it (new arrivals follow the waiting rules again)."""
@@ -235,7 +297,7 @@ class Batcher:
         worker should wait for its batch, not for this time."""
         if self._expired:
             return now
-        key = self._oldest_key()
+        key = self._oldest_key(now)
         if key is None:
             return None
         n, full = self._plan(key)
@@ -270,12 +332,35 @@ class Batcher:
 
     # ------------------------------------------------------------------------------ internals
 
-    def _oldest_key(self) -> Hashable | None:
+    def _oldest_key(self, now: float) -> Hashable | None:
+        if self._mixed:
+            return self._best_scored_key(now)
         best = None
         best_key = None
         for key, group in self._groups.items():
             head = group[0]
             rank = (head.p.arrived, head.seq)
+            if best is None or rank < best:
+                best, best_key = rank, key
+        return best_key
+
+    def _best_scored_key(self, now: float) -> Hashable | None:
+        """Several classes pending: each group put in the order its requests go (score,
+        highest first, then add order), and the key of the group whose head scores highest
+        (ties: the oldest head)."""
+        weights, aging = self.priority_weights, self.aging_s
+
+        def score(e: _Entry) -> float:
+            return weights[e.p.priority] * (1.0 + max(0.0, now - e.p.arrived) / aging)
+
+        best = None
+        best_key = None
+        for key, group in self._groups.items():
+            ranked = sorted(group, key=lambda e: (-score(e), e.seq))
+            if ranked != list(group):
+                self._groups[key] = group = deque(ranked)
+            head = group[0]
+            rank = (-score(head), head.p.arrived, head.seq)
             if best is None or rank < best:
                 best, best_key = rank, key
         return best_key
@@ -315,7 +400,8 @@ class Batcher:
             return now
         gap = r.gap
         group = self._groups[key]
-        t = group[0].p.arrived + self.max_delay
+        # The bound is the oldest request's, which is not the head when priorities reorder.
+        t = (min(e.p.arrived for e in group) if self._mixed else group[0].p.arrived) + self.max_delay
         missing = self.max_batch - n
         if math.isfinite(self.max_cost):
             used = sum(e.p.cost for _, e in zip(range(n), group))
@@ -369,6 +455,8 @@ class Batcher:
                 del self._groups[key]
         for s in seqs:
             del self._live[s]
+        if not self._live:
+            self._mixed = False
 
     def _pop(self, key: Hashable, n: int) -> list[Pending]:
         group = self._groups[key]
@@ -379,5 +467,7 @@ class Batcher:
             batch.append(e.p)
         if not group:
             del self._groups[key]
+        if not self._live:
+            self._mixed = False
         self._busy = True
         return batch

@@ -132,7 +132,7 @@ class HostPlane:
         refs: list[P.TensorRef] = []
         frames: list[Any] = []
         for name, value in out.items():
-            arr = np.asarray(value)
+            arr = value if type(value) is np.ndarray else np.asarray(value)
             same = job.inputs.get(name) if job.inputs else None
             if same is not None and type(job.refs[name].loc) is P.ShmLoc and req.reply != "inline" and is_same_array(arr, same):
                 # Identity output: hand back the client's own reference; no byte moves.
@@ -150,11 +150,16 @@ class HostPlane:
                                             loc=P.shm_loc(ref)))
                     continue
                 # Output ring full (the client holds many results): degrade to inline, never fail.
+            refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape), loc=P.InlineLoc(frame=len(frames))))
+            nbytes = arr.nbytes
+            if nbytes <= P.SMALL_INLINE_BYTES:
+                # A small copy (in C order, whatever the layout) costs less than the views.
+                frames.append(arr.tobytes())
+                continue
             if not arr.flags.c_contiguous:
                 arr = np.ascontiguousarray(arr)
-            refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape), loc=P.InlineLoc(frame=len(frames))))
             # Raw bytes view: the buffer protocol refuses some dtypes (datetime64) as typed views.
-            frames.append(arr.reshape(-1).view(np.uint8).data if arr.nbytes else b"")
+            frames.append(arr.reshape(-1).view(np.uint8).data)
         return refs, frames
 
     def finish_reads(self, job: Job) -> None:

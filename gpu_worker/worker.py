@@ -267,6 +267,7 @@ class Worker:
         self.broker_instance: bytes | None = None
         self._offload: ComputeThread | None = None
         self._poller: zmq.Poller | None = None  # the loop's, while it serves
+        self._monitor_fd: int | None = None     # the upstream monitor's descriptor, in that poller
         self._heartbeats: LoopHeartbeats | None = None  # while serving
         self._busy = False
         self._ready_cb = None         # serve's ready callback until it has run (once)
@@ -296,6 +297,9 @@ class Worker:
         self._lease_seq = 0           # the worker's own keys for leased requests
         self._linger_until = 0.0      # when stopping with leases: answer direct REQUESTs (503) until then
         self._bad_direct = P.RateLimitedLog(log)
+        # The lone-request lane (`_lone_ready`): on while `serve` loops (tests that drive
+        # the loop's steps one by one turn it on themselves).
+        self.lone_lane = False
         if cfg.warmup:
             try:
                 self._warmup()
@@ -386,12 +390,12 @@ class Worker:
         # The offload thread's completion socket is polled only while a batch is offloaded
         # (_run registers it): each socket in a poll costs two syscalls per wake-up.
         self._poller = poller
-        if upstream.monitor is not None:
-            poller.register(upstream.monitor, zmq.POLLIN)
+        self._watch_monitor(poller)
         direct = None if self.direct_socket is None else self.direct_socket.sock
         if direct is not None:
             poller.register(direct, zmq.POLLIN)
         next_housekeeping = time.monotonic() + self.heartbeat_interval
+        self.lone_lane = True
         try:
             while not self._take_signals():
                 # Read each pass: a WELCOME may have brought the broker's settings.
@@ -407,7 +411,8 @@ class Worker:
                 done_ms = self.dones.wait_ms(now)
                 if done_ms is not None:
                     ms = min(ms, done_ms)
-                events = dict(poller.poll(ms))
+                # zmq_poll on the poller's list (what Poller.poll does, less two calls).
+                events = dict(zmq.zmq_poll(poller.sockets, int(ms)))
                 if self._busy and self._offload.done in events:
                     self._finish_offloaded()
                 if self.sock in events:
@@ -417,7 +422,7 @@ class Worker:
                     self._drain_direct()
                 if self._busy and self.leases is not None and self.jobs:
                     self._bounce_pending()  # an offloaded batch that runs past its prediction
-                if upstream.monitor in events and upstream.reconnected():
+                if self._monitor_fd in events and upstream.reconnected():
                     log.info("the broker connection came back; registering again")
                     self._reconnect_why = "broker connection re-established"
                 if self._reconnect_why is not None:
@@ -447,6 +452,7 @@ class Worker:
                     self._reconnect(poller)
             # Drain: the leases end first (no new direct request runs), what the broker and
             # the leases already handed us is finished, then we say goodbye.
+            self.lone_lane = False
             self._end_leases()
             self._drain()
             self._drain_direct()
@@ -512,13 +518,27 @@ class Worker:
             self.registered = False  # our broker: until its next WELCOME (a plain one sends none)
         self._busy_told = False  # the new connection's broker was told nothing (no BUSY off for it)
         poller.unregister(self.sock)
-        if self.upstream.monitor is not None:
-            poller.unregister(self.upstream.monitor)
+        if self._monitor_fd is not None:
+            poller.unregister(self._monitor_fd)
+            self._monitor_fd = None
         self._fail_pending(why)
         self._connect()
         poller.register(self.sock, zmq.POLLIN)
-        if self.upstream.monitor is not None:
-            poller.register(self.upstream.monitor, zmq.POLLIN)
+        self._watch_monitor(poller)
+
+    def _watch_monitor(self, poller: zmq.Poller) -> None:
+        """Poll the upstream's connection monitor by its file descriptor: a zmq socket in a
+        poll costs two syscalls per wake-up (libzmq asks its EVENTS before and after), its
+        descriptor none.  That is safe because nothing but `reconnected()` touches the
+        monitor, and it reads until the socket says nothing is left, so the descriptor
+        signals again when the next event arrives; read once now, for the same reason."""
+        monitor = self.upstream.monitor
+        if monitor is None:
+            return
+        self._monitor_fd = monitor.get(zmq.FD)
+        poller.register(self._monitor_fd, zmq.POLLIN)
+        if self.upstream.reconnected() and self._reconnect_why is None:
+            self._reconnect_why = "broker connection re-established"
 
     def _drain(self) -> None:
         # EVENTS instead of recv(NOBLOCK) + zmq.Again: no exception per wake-up.  A message
@@ -776,8 +796,7 @@ class Worker:
             return
         rest = body[1:]
         try:
-            req = P.decode_request(body[0], n_inline=len(rest))
-            P.check_inline_sizes(req.tensors, rest)
+            req = P.decode_request(body[0], frames=rest)
         except P.ProtocolError as e:
             # The id the header names, if any can be read, so the client can match the 400.
             job = Job(envelope, P.Request(id=P.lenient_request_id(body[0])), None, None, now, None, None)
@@ -811,14 +830,36 @@ class Worker:
             if req.timeout_ms <= 0:
                 self._reply_error(job, P.ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the worker got the request")
                 return
-        key = tuple((t.name, t.dtype, tuple(t.shape)) for t in req.tensors)
+        key = tuple([(t.name, t.dtype, tuple(t.shape)) for t in req.tensors])
+        observed = False
+        if self._lone_ready(job.route):
+            if self.batcher.goes_alone(key, now, req.backlog, job.deadline):
+                # The lone-request lane: what run_ready_batches would run right after this
+                # drain, a batch of one, runs now, without the batcher's queue around it.
+                self._run([job], now)
+                if not self._busy:  # it ran here (not offloaded): as run_ready_batches after it
+                    self.batcher.idle()
+                return
+            observed = True  # its arrival is counted
         try:
             cost = float(self.model.cost(job.inputs))
         except Exception:
             cost = 1.0
         self.jobs[job.envelope] = job
         self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline,
-                                 backlog=req.backlog), now)
+                                 backlog=req.backlog, priority=req.priority), now, observed=observed)
+
+    def _lone_ready(self, route: bytes | None) -> bool:
+        """Whether the worker may run a request it just admitted (``route``: a leased
+        request's connection) at once, if the batcher would send it alone
+        (`Batcher.goes_alone`): what `run_ready_batches` after the drain would do with it,
+        when the lane is on (`serve`), nothing runs, the model does not stream, and the
+        socket it came on holds nothing more that could join its batch.  The loop's
+        thread only."""
+        if not self.lone_lane or self._busy or self.running or self._streaming:
+            return False
+        sock = self.sock if route is None else self.direct_socket.sock
+        return sock is not None and not sock_events(sock) & _POLLIN
 
     # ------------------------------------------------------------------ running
 
@@ -876,7 +917,8 @@ class Worker:
             if beats is not None:
                 beats.computing_end()
         seconds = time.perf_counter() - t0
-        self._after_compute()  # a CANCEL read meanwhile drops a result before it is written
+        if self._stash or self._stash_direct or self._returned_early or self._bounced_early:
+            self._after_compute()  # a CANCEL read meanwhile drops a result before it is written
         self._complete(jobs, started, outputs, error, seconds)
         if self._busy:  # a batch finished on the loop thread can't leave the flag set
             self._busy = False
@@ -909,7 +951,8 @@ class Worker:
         try:
             self._reply_batch(jobs, outputs, started, compute_ms, n)
         finally:
-            self._send_batch_finals()
+            if self.batch_finals is not None:
+                self._send_batch_finals()
         self.served += n
         if seconds >= self.dones.delay:
             # Gathering DONEs saves the broker wake-ups on small requests; after a batch this
@@ -1188,6 +1231,11 @@ class Worker:
     def _on_direct(self, frames, now: float) -> None:
         """One message on the direct socket: routing id, then the client sub-protocol."""
         route = bytes(frames[0])
+        if (len(frames) >= 5 and bytes(frames[2]) == P.C_REQUEST and bytes(frames[1]) == P.MDPC
+                and bytes(frames[3]) == self._service_b):
+            # The common case, without building a ClientMessage: a REQUEST for our service.
+            self._on_direct_request(route, self._service_b, frames[4:], now)
+            return
         rest = frames[1:]
         if len(rest) >= 2 and bytes(rest[0]) == P.MDPC and bytes(rest[1]) == P.C_HELLO:
             if len(rest) != 3:
@@ -1200,7 +1248,7 @@ class Worker:
         msg = P.parse_client(rest)
         cmd = msg.command
         if cmd == P.C_REQUEST:
-            self._on_direct_request(route, msg, now)
+            self._on_direct_request(route, msg.service, msg.body, now)
         elif cmd == P.C_CANCEL:
             key = self.leases.find(route, P.decode_cancel(msg.body[0]).id)
             if key is not None:
@@ -1210,40 +1258,45 @@ class Worker:
         elif cmd != P.C_HEARTBEAT:
             raise P.ProtocolError(f"command {cmd!r} is not taken on a worker's direct socket")
 
-    def _on_direct_request(self, route: bytes, msg: P.ClientMessage, now: float) -> None:
-        """A REQUEST on the direct socket: run like a brokered one if its connection's lease
-        has a slot free, with what the broker would have set taken from the lease's grant
-        (the attested pid, the client's host) and never from the header."""
-        if self._bounce_direct(route, msg.body, now):
+    def _on_direct_request(self, route: bytes, service: bytes, body, now: float) -> None:
+        """A REQUEST (``body``: its frames after the service name) on the direct socket: run
+        like a brokered one if its connection's lease has a slot free, with what the broker
+        would have set taken from the lease's grant (the attested pid, the client's host)
+        and never from the header."""
+        if self.running and self._bounce_direct(route, body, now):  # only a running batch bounces
             return
-        head, rest = msg.body[0], msg.body[1:]
-        is_header = P.is_header(head)
-        rid = P.lenient_request_id(head) if is_header else 0
+        head, rest = body[0], body[1:]
+        req = error = None
+        if P.is_header(head):
+            try:
+                req = P.decode_request(head, frames=rest)
+            except P.ProtocolError as e:
+                error = e
+            rid = P.lenient_request_id(head) if req is None else req.id
+        else:
+            rid = 0
         self._lease_seq += 1
         key = b"L" + self._lease_seq.to_bytes(8, "big")  # 9 bytes: never a broker token
         lease = self.leases.admit(route, rid, key)
         if type(lease) is Refusal:
             self._direct_send(route, P.error_body(rid, lease.code, lease.message))
             return
-        job = Job(key, P.Request(id=rid), None, None, now, None, None, route)
-        if msg.service != self._service_b:
-            self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR,
-                              f"this worker serves {self.service!r}, not {msg.service[:64]!r}")
-            return
-        if not is_header:
-            self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR,
-                              "a request on a lease takes a header frame first (docs/protocol.md section 5)")
-            return
-        try:
-            req = P.decode_request(head, n_inline=len(rest))
-            P.check_inline_sizes(req.tensors, rest)
-        except P.ProtocolError as e:
-            self._reply_error(job, e.code, str(e))
+        if service != self._service_b or req is None or error is not None:
+            job = Job(key, P.Request(id=rid), None, None, now, None, None, route)
+            if service != self._service_b:
+                self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR,
+                                  f"this worker serves {self.service!r}, not {service[:64]!r}")
+            elif error is not None:
+                self._reply_error(job, error.code, str(error))
+            else:
+                self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR,
+                                  "a request on a lease takes a header frame first (docs/protocol.md section 5)")
             return
         grant = lease.grant
         near = grant.client_host is not None and grant.client_host == self.host
         if not near and any(type(t.loc) is not P.InlineLoc for t in req.tensors):
-            self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR,
+            self._reply_error(Job(key, P.Request(id=rid), None, None, now, None, None, route),
+                              P.ErrorCode.PROTOCOL_ERROR,
                               "this lease takes inline tensors only (its client is not on the worker's host, or "
                               "has no shared memory): send the tensors inline")
             return
@@ -1252,8 +1305,7 @@ class Worker:
         req.reply_to = None                   # replies go back on this connection
         req.queue_ms = req.returned = None    # the broker's fields: nothing queued it
         req.backlog = 0                       # the lease's other requests are here already
-        job.req = req
-        self._admit(job, rest, now)
+        self._admit(Job(key, req, None, None, now, None, None, route), rest, now)
 
     def _waits_behind_another(self, lease, now: float) -> float | None:
         """The head-of-line rule of leases (docs/protocol.md section 10.3): how long (ms) the
@@ -1348,7 +1400,8 @@ class Worker:
             self._send(P.worker_busy(False))
 
     def _reply_leased(self, job: Job, final: bool, body: list) -> None:
-        self._direct_send(job.route, body, final)
+        # `_direct_send`, inline: this is every leased reply's path.
+        self.direct_socket.send([job.route, P.MDPC, P.C_FINAL if final else P.C_PARTIAL, self._service_b, *body])
         if final:
             self.leases.finish(job.envelope)  # its slot is free (whether or not the send went)
             self.leased_sent += 1

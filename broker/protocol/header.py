@@ -367,10 +367,11 @@ def _decode(frame: Any, decoder: msgspec.msgpack.Decoder, what: str):
     return msg
 
 
-def decode_request(frame: Any, n_inline: int | None = None) -> Request:
+def decode_request(frame: Any, n_inline: int | None = None, frames: Sequence[Any] | None = None) -> Request:
     """Decode and validate a request header.  `n_inline` is the number of frames after the
     header; when given, inline references are checked against it and their sizes later by
-    `check_inline_sizes`."""
+    `check_inline_sizes`.  With ``frames`` (the frames after the header) both are checked
+    here, in one pass over the tensors."""
     req = _decode(frame, _DEC_REQUEST, "request")
     if not 0 <= req.id < 1 << 64:
         raise ProtocolError(f"request id {req.id} must be an unsigned 64-bit integer")
@@ -382,8 +383,8 @@ def decode_request(frame: Any, n_inline: int | None = None) -> Request:
         raise ProtocolError(f"reply mode {req.reply!r} must be one of {sorted(REPLY_MODES)}")
     if req.meta:
         _check_depth(req.meta, "request")
-    check_tensors(req.tensors, n_inline)
-    if req.host is None and any(type(t.loc) is ShmLoc for t in req.tensors):
+    by_ref = check_tensors(req.tensors, n_inline, frames)
+    if by_ref and req.host is None and any(type(t.loc) is ShmLoc for t in req.tensors):
         raise ProtocolError("a request with shared-memory tensors must name its host (field 'host')")
     rt = req.reply_to
     if rt is not None:
@@ -412,9 +413,11 @@ def valid_traceparent(tp: Any) -> bool:
     return type(tp) is str and len(tp) == 55 and _TRACEPARENT.fullmatch(tp) is not None
 
 
-def decode_reply(frame: Any, n_inline: int | None = None) -> Reply:
+def decode_reply(frame: Any, n_inline: int | None = None, frames: Sequence[Any] | None = None) -> Reply:
+    """Decode and validate a reply header (``n_inline`` and ``frames`` as for
+    `decode_request`)."""
     rep = _decode(frame, _DEC_REPLY, "reply")
-    check_tensors(rep.tensors, n_inline)
+    check_tensors(rep.tensors, n_inline, frames)
     return rep
 
 
@@ -614,9 +617,16 @@ def _short(shape: Sequence[int]) -> str:
     return str(list(shape)) if len(shape) <= 8 else f"[{', '.join(map(str, shape[:8]))}, ...] ({len(shape)} dims)"
 
 
-def check_tensors(tensors: Sequence[TensorRef], n_inline: int | None) -> None:
+def check_tensors(tensors: Sequence[TensorRef], n_inline: int | None,
+                  frames: Sequence[Any] | None = None) -> bool:
+    """Validate tensor references (names, dimensions, sizes, locations; with ``frames``,
+    the frames after the header, also each inline frame's size, as `check_inline_sizes`);
+    whether any tensor is not inline."""
     if len(tensors) > MAX_TENSORS:
         raise ProtocolError(f"{len(tensors)} tensors in one message; the limit is {MAX_TENSORS}")
+    if frames is not None:
+        n_inline = len(frames)
+    by_ref = False
     names = set()
     for t in tensors:
         if t.name in names:
@@ -632,12 +642,21 @@ def check_tensors(tensors: Sequence[TensorRef], n_inline: int | None) -> None:
                     f"tensor {t.name!r} refers to inline frame {loc.frame}, but the message has "
                     f"{n_inline} frames after the header"
                 )
+            if frames is not None:
+                got = memoryview(frames[loc.frame]).nbytes
+                if got != nbytes:
+                    raise ProtocolError(
+                        f"tensor {t.name!r}: inline frame {loc.frame} has {got} bytes; "
+                        f"dtype {t.dtype} and shape {t.shape} need {nbytes}"
+                    )
         else:
+            by_ref = True
             if loc.offset < 0 or loc.nbytes != nbytes:
                 raise ProtocolError(
                     f"tensor {t.name!r}: location says {loc.nbytes} bytes at offset {loc.offset}, "
                     f"but dtype {t.dtype} and shape {t.shape} need {nbytes}"
                 )
+    return by_ref
 
 
 def check_inline_sizes(tensors: Sequence[TensorRef], frames: Sequence[Any]) -> None:

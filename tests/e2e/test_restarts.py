@@ -228,3 +228,22 @@ def test_a_broker_outage_past_the_liveness_window_fails_calls_typed_then_recover
         cluster.broker()
         wait_service(c, "echo")
         _echo_round(c, 3)
+
+
+def test_a_worker_registers_with_a_restarted_broker_at_once_not_at_its_next_heartbeat(cluster):
+    """Its connection's monitor (polled by descriptor) says the connection came back: it
+    registers again then, without waiting for a heartbeat (5 s here) to be refused."""
+    slow = ("--heartbeat-interval", "5")
+    broker = cluster.broker(*slow)
+    worker = cluster.worker("echo", *slow)
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "echo")
+    broker.kill()
+    cluster.broker(*slow)
+    t0 = time.monotonic()
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "echo", timeout=10)
+        back_after = time.monotonic() - t0
+        _echo_round(c, 3)
+    assert worker.p.poll() is None, worker.stderr()
+    assert back_after < 2.5, back_after  # a heartbeat would take up to 5 s

@@ -461,3 +461,59 @@ class _NoLink:
 
     def close(self) -> None:
         pass
+
+
+# ------------------------------------------------------------------ priorities
+
+
+def _p(item, arrived, priority=1, key="k"):
+    return Pending(key=key, cost=1.0, item=item, arrived=arrived, priority=priority)
+
+
+def test_an_urgent_request_goes_ahead_of_normal_ones_waiting_in_its_group():
+    b = Batcher(max_batch=2, max_delay=0.0)
+    for p in (_p("a", 1.0), _p("b", 1.1), _p("u", 1.2, priority=0), _p("bg", 1.25, priority=2),
+              _p("u2", 1.3, priority=0)):
+        b.add(p, 1.3)
+    order = []
+    while len(b):
+        order.append([p.item for p in b.take(2.0, idle=True, force=True)])
+    assert order == [["u", "u2"], ["a", "b"], ["bg"]]
+
+
+def test_the_group_with_the_most_urgent_request_goes_first_then_the_oldest():
+    b = Batcher(max_batch=8, max_delay=0.0)
+    b.add(_p("old-normal", 1.0, key="x"), 1.0)
+    b.add(_p("new-urgent", 1.5, priority=0, key="y"), 1.5)
+    b.add(_p("older-bg", 0.5, priority=2, key="z"), 1.5)
+    assert [p.item for p in b.take(2.0, idle=True, force=True)] == ["new-urgent"]
+    assert [p.item for p in b.take(2.0, idle=True, force=True)] == ["old-normal"]
+    assert [p.item for p in b.take(2.0, idle=True, force=True)] == ["older-bg"]
+
+
+def test_the_wait_bound_is_the_oldest_requests_even_behind_an_urgent_head():
+    b = Batcher(max_batch=8, max_delay=0.01)
+    for t in (0.0, 0.001, 0.002):  # a known short gap: the batcher waits for company
+        b.add(_p(t, t), t)
+        b.take(t, idle=True, force=True)
+        b.idle()
+    b.add(_p("normal", 1.0), 1.0)
+    b.add(_p("urgent", 1.004, priority=0), 1.004)
+    assert b.wake_at(1.004) <= 1.0 + 0.01  # bounded by the normal one's arrival, not the urgent's
+
+
+def test_a_request_that_waited_long_enough_beats_a_fresh_urgent_one():
+    """Aging, as the broker's queues have it: no class starves another."""
+    b = Batcher(max_batch=1, max_delay=0.0)
+    b.add(_p("background", 0.0, priority=2), 0.0)
+    b.add(_p("urgent", 9.9, priority=0), 9.9)
+    assert [p.item for p in b.take(10.0, idle=True)] == ["background"]  # 0.5 x 21 > 3 x 1.2
+    assert [p.item for p in b.take(10.0, idle=True)] == ["urgent"]
+
+
+def test_one_class_pending_keeps_add_order_exactly():
+    b = Batcher(max_batch=2, max_delay=0.0)
+    for i, t in enumerate((1.0, 1.1, 1.2)):
+        b.add(_p(i, t, priority=2), t)
+    assert [p.item for p in b.take(5.0, idle=True)] == [0, 1]
+    assert [p.item for p in b.take(5.0, idle=True)] == [2]
