@@ -29,8 +29,8 @@ from broker import protocol as P
 from broker.protocol.wire import NOBLOCK, recv_frames, send_frames, sock_events
 
 from .base import ClientBase, ReplyStreamBase
-from .calls import Call, mmi_answer, opaque_reply, parse_priority, resolve_transport
-from .core import ClientCore
+from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priority, resolve_transport
+from .core import LIVENESS, ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, InvalidInput
 from .pins import PinClose, PinOpen, PinSend
 from .sockets import CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, tcp_options
@@ -92,9 +92,38 @@ class Client(ClientBase):
               traceparent: str | None = None) -> Result:
         """Run one request and return its FINAL outputs.  A service that streams its results
         (PARTIALs) and ends with an empty FINAL raises `NotSupported`: use `infer_stream`."""
-        with self.infer_stream(service, inputs, timeout=timeout, priority=priority, meta=meta,
-                               reply=reply, traceparent=traceparent) as handle:
-            return handle.result()
+        # What `infer_stream(...).result()` in a `with` block does, without the handle: this
+        # is the hot path of a caller that sends one request at a time.
+        call = self._core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
+                                   traceparent=traceparent)
+        self._send_call(call)
+        partials = 0
+        inbox = call.inbox
+        try:
+            while True:
+                # `_wait` without a limit; each pump stops reading once the call has an item
+                while not inbox:
+                    now = time.monotonic()
+                    deadline = call.deadline
+                    if deadline is None:
+                        self._pump(None, now, call)
+                    elif now < deadline:
+                        self._pump(deadline - now, now, call)
+                    else:
+                        raise call.deadline_error()
+                kind, item = inbox.popleft()
+                if kind == "final":
+                    break
+                if kind == "error":
+                    raise item
+                partials += 1  # a PARTIAL: released unread, as result() does
+                item.release()
+        except BaseException:
+            # A deadline, a silent broker, a KeyboardInterrupt...: CANCEL is on its way to the
+            # broker (or the leased worker) before the exception leaves.
+            self.give_up(call)
+            raise
+        return final_of_infer(service, item, partials) if partials else item
 
     def infer_stream(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                      priority: Any = "normal", meta: Mapping[str, Any] | None = None,
@@ -231,22 +260,32 @@ class Client(ClientBase):
         batch of traffic, and after at most one heartbeat interval.  While calls wait it also
         does what AsyncClient's heartbeat task does: sends a HEARTBEAT when one is due, and
         fails (in their inbox) the calls the broker has been silent on for too long."""
+        self._pump(timeout, time.monotonic())
+
+    def _pump(self, timeout: float | None, now: float, call: Call | None = None) -> None:
+        """`pump` at `now`; with `call`, reading a socket stops once `call` has an item."""
         core = self._core
         if self._pending:
             self._flush_pending()
         hb = core.heartbeat_period
         if hb is not None:
-            now = time.monotonic()
-            if core.heartbeat_due(now):
+            # The cheap tests first: heartbeat_due and fail_unreachable ask the same and more.
+            if now - core.last_heartbeat >= hb and core.heartbeat_due(now):
                 self._send_soon(core.heartbeat(now))
-            if core.fail_unreachable(now):
+            if now - core.last_recv > LIVENESS * hb and core.fail_unreachable(now):
                 timeout = 0  # their callers must hear it now
-            timeout = hb if timeout is None else min(timeout, hb)
-        ms = -1 if timeout is None else max(0, int(timeout * 1000 + 0.999))
+            if timeout is None or timeout > hb:
+                timeout = hb
+        if timeout is None:
+            ms = -1
+        else:
+            ms = int(timeout * 1000 + 0.999)
+            if ms < 0:
+                ms = 0
         # zmq_poll directly: Socket.poll builds a Poller and a dict on every call.
         ready = zmq.zmq_poll(self._items, ms)
         if ready:
-            self._drain(ready)
+            self._drain(ready, call)
 
     # ---------------------------------------------------------------- socket work
 
@@ -268,13 +307,28 @@ class Client(ClientBase):
                 sock.poll(wait, zmq.POLLOUT)
 
     def _send_call(self, call: Call) -> None:
-        frames = self._core.request_frames(call, time.monotonic())
-        if self._core.ops:
+        core = self._core
+        frames = core.request_frames(call, time.monotonic())
+        if core.ops:
             self._run_ops()
         try:
-            self._send(frames, call.deadline, None if call.pin is None else self._sock_for(call))
+            pin = call.pin
+            if pin is not None:
+                # On its lease's connection, unless that one cannot take it now (what
+                # `_sock_for` asks EVENTS for, learnt from the send itself): then the call is
+                # the broker's.
+                sock = self._pin_socks.get(pin.lease)
+                if sock is not None:
+                    try:
+                        send_frames(sock, frames, NOBLOCK)
+                        core.last_send = time.monotonic()
+                        return
+                    except zmq.Again:
+                        pass
+                core.reroute(call)
+            self._send(frames, call.deadline)
         except BaseException:
-            self._core.discard_unsent(call)
+            core.discard_unsent(call)
             raise
 
     def _send_soon(self, frames: list[Any] | None) -> None:
@@ -312,19 +366,32 @@ class Client(ClientBase):
             pending.popleft()
             self._core.last_send = time.monotonic()
 
-    def _drain(self, ready: list | None = None) -> None:
+    def _drain(self, ready: list | None = None, call: Call | None = None) -> None:
         # EVENTS rather than recv(NOBLOCK) until zmq.Again: an exception per wake-up costs
         # more than the rest of the client's work on a small request.  `ready`: what the
         # poll found readable (each socket asked costs a syscall pair); None: every socket.
+        # A socket zmq_poll found readable holds a whole message (the poll asked EVENTS
+        # itself), so the first read needs no question; it does not wait all the same, in
+        # case something read that socket meanwhile (a `notify` callback that pumps).
+        # With `call` (`infer` waiting), reading stops once its item is there: what else is
+        # queued stays for the next pump, as if it had arrived a moment later.
         core = self._core
         pins = self._pin_of
         for sock, _ in (self._items if ready is None else ready):
             direct = sock is not self._sock
             pin = pins.get(sock) if pins else None
-            while not sock.closed and sock_events(sock) & _POLLIN:  # a lease's may close meanwhile
-                frames = recv_frames(sock)
+            readable = ready is not None
+            # a lease's socket may close meanwhile
+            while not sock.closed and (readable or sock_events(sock) & _POLLIN):
+                try:
+                    frames = recv_frames(sock, NOBLOCK)
+                except zmq.Again:
+                    break
                 for out in core.on_message(frames, time.monotonic(), direct, pin):
                     self._send_soon(out)
+                if call is not None and call.inbox:
+                    break
+                readable = False
         if core.ops:  # after the loop: it may open and close sockets of `_items`
             self._run_ops()
 

@@ -67,6 +67,22 @@ LIVENESS = 5
 
 _MMI_SERVICE_B = MMI_SERVICE.encode()
 
+#: service names whose check (and UTF-8 encoding) a client remembers, so that the next
+#: request to one skips both; bounded, for a client that makes up names as it goes
+_SERVICE_CACHE = 256
+
+# This process's pid, for request headers (a worker reclaims a dead client's output slots by
+# it): os.getpid() is a system call, and a forked child gets its own value here.
+_pid = os.getpid()
+
+
+def _after_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
 
 def _drain_inbox(call: Call) -> None:
     while call.inbox:
@@ -104,6 +120,8 @@ class ClientCore(PinEvents):
         # Direct replies need a broker (hence workers) that can reach an ipc socket of ours.
         self.direct_reply = bool(direct_reply) and endpoint_is_local(endpoint)
         self.reply_to: str | None = None  # set by the twin once its reply socket is bound
+        self._host = P.local_host_id()    # for every request header (constant per process)
+        self._service_b: dict[str, bytes] = {}  # service names checked: their UTF-8 (_SERVICE_CACHE)
         self._bad = P.RateLimitedLog(log)  # a broken or hostile peer's replies: one line a second
         self._pool: Any = None
         self._cuda: Any = None  # CudaSide, created by the first CUDA tensor or alloc_cuda
@@ -233,47 +251,61 @@ class ClientCore(PinEvents):
                  priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto",
                  copy_inline: bool = False, traceparent: str | None = None) -> Call:
         """Check the arguments and pack the inputs; nothing is registered or sent yet."""
-        self.check_open()
-        check_service(service)
-        if reply not in P.REPLY_MODES:
-            raise InvalidInput(f"reply {reply!r} must be one of {sorted(P.REPLY_MODES)}")
-        if traceparent is not None and not isinstance(traceparent, str):
-            raise InvalidInput(f"traceparent must be a str ('00-<32 hex>-<16 hex>-<2 hex>') or None, "
-                               f"got {type(traceparent).__name__}")
-        self.run_deferred()
+        # The defaults, to a service already checked (the usual request): nothing to check,
+        # and the Call's own defaults (normal priority, no meta, no traceparent) stand.
+        plain = (meta is None and traceparent is None and reply == "auto" and type(priority) is str
+                 and priority == "normal" and type(service) is str and service in self._service_b
+                 and not self.closed)
+        if not plain:
+            self.check_open()
+            check_service(service)
+            if reply not in P.REPLY_MODES:
+                raise InvalidInput(f"reply {reply!r} must be one of {sorted(P.REPLY_MODES)}")
+            if traceparent is not None and not isinstance(traceparent, str):
+                raise InvalidInput(f"traceparent must be a str ('00-<32 hex>-<16 hex>-<2 hex>') or None, "
+                                   f"got {type(traceparent).__name__}")
+        if self._deferred:
+            self.run_deferred()
         if self._cuda is not None:
             self._cuda.poll()
         call = Call(service, timeout=self.timeout_of(timeout))
-        call.priority = parse_priority(priority)
-        call.meta = dict(meta or {})
-        call.traceparent = traceparent
-        retry_at = self.not_local.get(service)
+        if not plain:
+            call.priority = parse_priority(priority)
+            call.meta = dict(meta or {})
+            call.traceparent = traceparent
+            if len(self._service_b) < _SERVICE_CACHE:
+                self._service_b[service] = service.encode()  # checked: the next call may skip that
+        retry_at = self.not_local.get(service) if self.not_local else None
         inline = not self.use_shm or (retry_at is not None and self.last_recv < retry_at)
-        if self.pins and not inline and self.pin_inline(service):
-            inline = True  # its lease is not near: only inline tensors can go on it
+        if self.pins and not inline:
+            pin = self.pins.get(service)  # pin_inline(), inlined: this runs for every request
+            if pin is not None and not pin.near:
+                inline = True  # its lease is not near: only inline tensors can go on it
         call.probe = self.use_shm and retry_at is not None and not inline
         asked = reply
         call.reply = ("inline" if inline else "auto") if reply == "auto" else reply
         pool = None
         if not inline:
-            try:
-                pool = self.pool
-            except (OSError, _shm.ShmError):
-                pool = None
-                if call.reply == "auto":
-                    call.reply = "inline"
+            pool = self._pool
+            if pool is None:
+                try:
+                    pool = self.pool  # created on first use
+                except (OSError, _shm.ShmError):
+                    pool = None
+                    if call.reply == "auto":
+                        call.reply = "inline"
         # CUDA IPC only reaches workers on this host, exactly as shared memory does.
-        call.packed = T.pack(inputs, pool, copy_inline=copy_inline, cuda=None if inline else self.cuda_side,
-                             inline_max=self.inline_max)
-        by_ref = any(type(t.loc) is not P.InlineLoc for t in call.packed.tensors)
+        call.packed = packed = T.pack(inputs, pool, copy_inline=copy_inline,
+                                      cuda=None if inline else self.cuda_side, inline_max=self.inline_max)
         if asked == "auto" and call.reply == "auto" and self.transport == "shm" and pool is not None:
             # transport="shm": outputs in shared memory too, whatever their size; except
             # for CUDA inputs, whose outputs may stay on the device ("auto" there).
-            if not any(type(t.loc) is P.CudaLoc for t in call.packed.tensors):
+            if not any(type(t.loc) is P.CudaLoc for t in packed.tensors):
                 call.reply = "shm"
-        # A probe asks whether shared memory works again: one with only small (inline)
-        # tensors cannot tell, so it is a plain request and the backoff stands.
-        call.probe = call.probe and by_ref
+        if call.probe:
+            # A probe asks whether shared memory works again: one with only small (inline)
+            # tensors cannot tell, so it is a plain request and the backoff stands.
+            call.probe = any(type(t.loc) is not P.InlineLoc for t in packed.tensors)
         return call
 
     def opaque_frames(self, service: str, frames: list[Any]) -> list[Any]:
@@ -308,14 +340,18 @@ class ClientCore(PinEvents):
 
     def _encode_request(self, call: Call, now: float) -> list[Any]:
         """The REQUEST frames of a registered call, its deadline's remainder in the header."""
-        rem = call.remaining(now)
         packed = call.packed
+        if call.deadline is None:
+            timeout_ms = None
+        else:
+            ms = (call.deadline - now) * 1000.0
+            timeout_ms = round(ms, 3) if ms > 0 else 0.0
         hdr = P.Request(
             id=call.id,
-            priority=int(call.priority),
-            timeout_ms=None if rem is None else max(0.0, round(rem * 1000.0, 3)),
-            host=P.local_host_id(),
-            pid=os.getpid(),
+            priority=call.priority,  # an IntEnum: msgspec writes its int
+            timeout_ms=timeout_ms,
+            host=self._host,
+            pid=_pid,
             reply=call.reply,
             tensors=packed.tensors,
             meta=call.meta,
@@ -328,7 +364,10 @@ class ClientCore(PinEvents):
         except (TypeError, msgspec.EncodeError) as e:
             self.discard_unsent(call)
             raise InvalidInput(f"meta cannot be encoded as msgpack ({e}); use str/int/float/bool/list/dict values") from None
-        return P.client_request(call.service, [head, *packed.frames])
+        svc = self._service_b.get(call.service)
+        if svc is None:
+            return P.client_request(call.service, [head, *packed.frames])
+        return [P.MDPC, P.C_REQUEST, svc, head, *packed.frames]
 
     # ---------------------------------------------------------------- MMI
 
@@ -418,6 +457,10 @@ class ClientCore(PinEvents):
             # The broker's (or a reply socket's) word keeps the broker alive in our eyes; a
             # leased worker's traffic must not hide a silent broker.
             self.last_recv = now
+        if len(frames) > 3 and bytes(frames[1]) == P.C_FINAL and bytes(frames[0]) == P.MDPC:
+            out = self._on_plain_final(frames, now, direct, pin)
+            if out is not None:
+                return out
         try:
             msg = P.parse_broker_to_client(frames)
         except P.ProtocolError as e:
@@ -447,12 +490,52 @@ class ClientCore(PinEvents):
             return out
         return self._on_final_body(msg.service, msg.body, msg.command == P.C_FINAL, now, pin)
 
+    def _on_plain_final(self, frames: list[Any], now: float, direct: bool, pin: Any) -> list[list[Any]] | None:
+        """The usual message, taken in one step: a FINAL with a valid tensor header and no
+        error, for the current id of a call that still waits for it (on its own lease's
+        connection when `pin`).  Does what `_on_final_body` and `_on_reply` do for it, in
+        the same order; None, having changed nothing, for anything else (then the general
+        path runs: errors, strays, old ids, probes, MMI answers, opaque bodies)."""
+        body = frames[4:]
+        try:
+            rep = P.decode_reply(frames[3], frames=body)  # and the inline frames' sizes
+        except P.ProtocolError:
+            return None  # not a header at all, or a bad one: the general path tells which
+        call = self.calls.get(rep.id)
+        if (call is None or call.pin is not pin or rep.error is not None or rep.id != call.id
+                or call.abandoned or call.probe):
+            return None
+        if pin is not None:
+            self.pinned_replies += 1
+        elif direct:
+            self.direct_replies += 1
+        self._forget(call)
+        packed = call.packed
+        try:
+            res = T.unpack(rep, body, self.leases, final=True, frame=call.frame,
+                           local=self._local_outputs(call) if packed is not None and packed.uses_shm else None)
+        except InferenceError as e:
+            self._finish_inputs(call, rep)
+            self._deliver(call, ("error", e), True, now)
+            return []
+        if call.adopted or (packed is not None and (packed.temp or packed.cuda_temp)):
+            # After unpacking: inputs handed back as outputs were adopted by the Result.
+            self._finish_inputs(call, rep)
+        timing = res.timing
+        if "client_ms" not in timing:
+            timing["client_ms"] = (now - call.t_sent) * 1000.0
+        call.done = True
+        call.t_done = now
+        call.inbox.append(("final", res))
+        if call.notify is not None:
+            call.notify()
+        return []
+
     def _on_final_body(self, service: bytes, body: tuple, final: bool, now: float,
                        pin: Any = None) -> list[list[Any]]:
         if body and P.is_header(body[0]):
             try:
-                rep = P.decode_reply(body[0], len(body) - 1)
-                P.check_inline_sizes(rep.tensors, body[1:])
+                rep = P.decode_reply(body[0], frames=body[1:])  # and the inline frames' sizes
             except P.ProtocolError as e:
                 # Fail the call it was meant for, if that can be told, rather than let it
                 # wait for its deadline.

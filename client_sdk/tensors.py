@@ -135,13 +135,19 @@ class Packed:
 
     __slots__ = ("tensors", "frames", "temp", "arrays", "uses_shm", "cuda_temp")
 
-    def __init__(self) -> None:
-        self.tensors: list[P.TensorRef] = []
-        self.frames: list[Any] = []        # inline frames, in InlineLoc order
+    def __init__(self, tensors: list[P.TensorRef] | None = None, frames: list[Any] | None = None,
+                 arrays: dict[str, np.ndarray] | None = None) -> None:
+        self.tensors: list[P.TensorRef] = [] if tensors is None else tensors
+        self.frames: list[Any] = [] if frames is None else frames  # inline frames, in InlineLoc order
         self.temp: list[Any] = []          # ShmRefs of temporary slots, freed at FINAL
-        self.arrays: dict[str, np.ndarray] = {}  # what was sent (keeps by-reference inputs alive); for an inline resend
+        # what was sent (keeps by-reference inputs alive); for an inline resend
+        self.arrays: dict[str, np.ndarray] = {} if arrays is None else arrays
         self.uses_shm = False
         self.cuda_temp: list[Any] | None = None  # temporary device slots (tensors), freed at FINAL
+
+
+#: the location of a request's first inline frame (frozen: one instance serves every request)
+_FIRST_FRAME = P.InlineLoc(frame=0)
 
 
 def _inline(arr: np.ndarray, copy: bool, in_shm: bool) -> Any:
@@ -166,6 +172,19 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
     private copies (for sends that return before the bytes leave, such as `Stream.send`).
     `cuda()` returns the client's `CudaSide` for torch CUDA tensors (by CUDA IPC); without it
     they are copied to the host (a worker on another host cannot open CUDA IPC handles)."""
+    if type(inputs) is dict and len(inputs) == 1:
+        # The lean path: one small numpy array, the usual request of an interactive caller.
+        # It goes inline as a private copy (`tobytes`, C order), which is what the general
+        # path below sends for it too (a small tensor of a client with shared memory is
+        # copied; an inline-only client's would be a view, but a copy of at most
+        # SMALL_INLINE_BYTES costs less than making that view).  Anything else falls through.
+        [(name, x)] = inputs.items()
+        if (type(x) is np.ndarray and type(name) is str and name
+                and x.nbytes <= (P.SMALL_INLINE_BYTES if pool is None else inline_max)):
+            dt = x.dtype
+            if not dt.hasobject and dt.itemsize and x.ndim <= P.MAX_NDIM:
+                return Packed([P.TensorRef(name=name, dtype=dt.str, shape=list(x.shape), loc=_FIRST_FRAME)],
+                              [x.tobytes()], {name: x})
     if not isinstance(inputs, Mapping):
         raise InvalidInput(f"inputs must be a mapping name -> array, got {type(inputs).__name__}")
     if len(inputs) > P.MAX_TENSORS:
@@ -445,14 +464,19 @@ def unpack(reply: P.Reply, frames: list[Any], leases: OutputLeases, *, final: bo
     arrays: dict[str, np.ndarray] = {}
     fins: list[weakref.finalize] = []
     try:
-        for i, t in enumerate(reply.tensors):
+        for t in reply.tensors:
             dt = P.parse_dtype(t.dtype)
             shape = tuple(t.shape)
             loc = t.loc
             if type(loc) is P.InlineLoc:
                 fr = frames[loc.frame]
-                buf = fr.buffer if hasattr(fr, "buffer") else memoryview(fr)
-                arr = np.frombuffer(buf, dtype=dt).reshape(shape) if buf.nbytes else np.empty(shape, dt)
+                try:
+                    buf = fr.buffer  # a zmq.Frame: its bytes without a copy
+                except AttributeError:
+                    buf = memoryview(fr)
+                # np.ndarray over the buffer: frombuffer().reshape() in one step (the sizes
+                # were checked against dtype and shape).
+                arr = np.ndarray(shape, dt, buf) if buf.nbytes else np.empty(shape, dt)
                 # Read-only like shared-memory outputs, so code never depends on the transport.
                 arr.flags.writeable = False
             elif type(loc) is P.ShmLoc:
