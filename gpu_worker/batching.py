@@ -241,18 +241,20 @@ class Batcher:
         """Whether a request of ``key`` arriving at ``arrived`` (the current time) with
         ``backlog`` (the broker's word) and ``deadline`` would be a batch of one at once:
         nothing is pending, and `take(arrived, idle=True)` after `add` would return it now
-        (a batch size of one; latency-first with no backlog; or the arrival-rate rules
-        say go: light traffic, or waits that stopped paying off).  Its arrival is counted
+        (a batch size of one; the batcher still busy from the last batch; latency-first
+        with no backlog; or the arrival-rate rules say go: light traffic, or waits that
+        stopped paying off).  Its arrival is counted
         as `add` counts it, either way.  True: the batcher is busy, as after `take`
         returned it, and the caller runs it now (the worker's lone-request lane) and
         calls `idle` once it ran.  False: the caller must `add` it with ``observed=True``
         (its arrival is counted already) and `take` decides, as always; so too for a
-        finite ``max_cost`` (the cost rules need it queued), unless one of the first two
+        finite ``max_cost`` (the cost rules need it queued), unless one of the first three
         reasons holds.  Not for a request already past its deadline (`add` sets it aside)."""
         self._observe_arrival(key, arrived)
         if self._live or self._expired:
             return False
-        if not (self.max_batch == 1 or self._busy or (self.latency_first and backlog == 0)):
+        if not (self.max_batch == 1 or self._busy
+                or (self.latency_first and backlog is not None and backlog <= 0)):  # as `_no_backlog`
             if self.max_cost != math.inf:
                 return False  # the cost rules (`_plan`, `_ready_at`) need it queued
             # `_wait_until` for a batch of this one request, without queueing it.
@@ -400,8 +402,12 @@ class Batcher:
             return now
         gap = r.gap
         group = self._groups[key]
-        # The bound is the oldest request's, which is not the head when priorities reorder.
-        t = (min(e.p.arrived for e in group) if self._mixed else group[0].p.arrived) + self.max_delay
+        if self._mixed:
+            # Priorities reorder: the bound is the oldest pending request's, whatever its
+            # group (once it is reached, the best-scored group goes, and the rest follow).
+            t = min(e.p.arrived for e in self._live.values()) + self.max_delay
+        else:
+            t = group[0].p.arrived + self.max_delay
         missing = self.max_batch - n
         if math.isfinite(self.max_cost):
             used = sum(e.p.cost for _, e in zip(range(n), group))

@@ -152,8 +152,10 @@ class HostPlane:
                 # Output ring full (the client holds many results): degrade to inline, never fail.
             refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape), loc=P.InlineLoc(frame=len(frames))))
             nbytes = arr.nbytes
-            if nbytes <= P.SMALL_INLINE_BYTES:
+            if nbytes <= P.SMALL_INLINE_BYTES and not arr.dtype.hasobject:
                 # A small copy (in C order, whatever the layout) costs less than the views.
+                # (Object arrays are refused below, as the buffer protocol refuses them:
+                # their bytes would be pointers.)
                 frames.append(arr.tobytes())
                 continue
             if not arr.flags.c_contiguous:

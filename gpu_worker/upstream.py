@@ -14,8 +14,12 @@ upstream with the same four methods and two attributes:
     last_sent: float                    monotonic time of the last message sent upstream
     watch_liveness: bool                whether silence for heartbeat_liveness intervals
                                         means the peer is gone (the worker reconnects)
-    monitor: zmq.Socket | None          polled by the loop when set; then reconnected() says
-                                        whether the connection dropped and came back
+    monitor: zmq.Socket | None          polled by the loop when set, by its file descriptor
+                                        (ZMQ_FD: it signals on new events only, so
+                                        reconnected() must read until none is left, and
+                                        nothing else may touch the socket); then
+                                        reconnected() says whether the connection dropped
+                                        and came back
 
 It never decides anything about requests: the worker loop does.  The worker owns its
 upstream and closes it.

@@ -83,6 +83,13 @@ READY_FALLBACK_INTERVALS = 2
 _DIRECT_STASH_MAX = 256
 
 
+class LaneFault(BaseException):
+    """An unexpected error of the worker's own while it ran a batch in the lone-request lane
+    (`Worker._admit`): raised past the drains' per-message handlers, which would drop it and
+    go on with the batch half done, so that it ends `serve` as the same error from
+    `run_ready_batches` does."""
+
+
 class WarmupError(RuntimeError):
     """The model failed its warm-up on its example inputs (the message is the model's error)."""
 
@@ -300,6 +307,7 @@ class Worker:
         # The lone-request lane (`_lone_ready`): on while `serve` loops (tests that drive
         # the loop's steps one by one turn it on themselves).
         self.lone_lane = False
+        self._lane_ran = False  # a batch ran in the lane during the current drain
         if cfg.warmup:
             try:
                 self._warmup()
@@ -544,7 +552,10 @@ class Worker:
         # EVENTS instead of recv(NOBLOCK) + zmq.Again: no exception per wake-up.  A message
         # that asks for a reconnect ends the drain: the loop reconnects before reading again.
         sock = self.sock
-        while self._reconnect_why is None and sock_events(sock) & _POLLIN:
+        self._lane_ran = False
+        # After a batch run in the lane the loop's turn comes first (signals, the other
+        # socket, DONEs, housekeeping): what else waits here is read on its next pass.
+        while self._reconnect_why is None and not self._lane_ran and sock_events(sock) & _POLLIN:
             frames = recv_frames(sock)
             self._last_heard = time.monotonic()
             try:
@@ -832,11 +843,18 @@ class Worker:
                 return
         key = tuple([(t.name, t.dtype, tuple(t.shape)) for t in req.tensors])
         observed = False
-        if self._lone_ready(job.route):
+        if self._lone_ready():
             if self.batcher.goes_alone(key, now, req.backlog, job.deadline):
                 # The lone-request lane: what run_ready_batches would run right after this
                 # drain, a batch of one, runs now, without the batcher's queue around it.
-                self._run([job], now)
+                self._lane_ran = True
+                try:
+                    self._run([job], now)
+                except Exception as e:
+                    # As from run_ready_batches: a fault of the worker's own, not of this
+                    # message, ends the loop (the drains would log it and go on with a
+                    # batch half done).
+                    raise LaneFault(f"{type(e).__name__}: {e}") from e
                 if not self._busy:  # it ran here (not offloaded): as run_ready_batches after it
                     self.batcher.idle()
                 return
@@ -849,17 +867,23 @@ class Worker:
         self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline,
                                  backlog=req.backlog, priority=req.priority), now, observed=observed)
 
-    def _lone_ready(self, route: bytes | None) -> bool:
-        """Whether the worker may run a request it just admitted (``route``: a leased
-        request's connection) at once, if the batcher would send it alone
-        (`Batcher.goes_alone`): what `run_ready_batches` after the drain would do with it,
-        when the lane is on (`serve`), nothing runs, the model does not stream, and the
-        socket it came on holds nothing more that could join its batch.  The loop's
-        thread only."""
+    def _lone_ready(self) -> bool:
+        """Whether the worker may run a request it just admitted at once, if the batcher
+        would send it alone (`Batcher.goes_alone`): what `run_ready_batches` after the
+        drain would do with it, when the lane is on (`serve`), nothing runs, the model
+        does not stream, and neither socket (the broker's, the direct one) holds anything
+        more that could join its batch or should go first.  The loop's thread only."""
         if not self.lone_lane or self._busy or self.running or self._streaming:
             return False
-        sock = self.sock if route is None else self.direct_socket.sock
-        return sock is not None and not sock_events(sock) & _POLLIN
+        sock = self.sock
+        if sock is None or sock_events(sock) & _POLLIN:
+            return False
+        ds = self.direct_socket
+        if ds is not None and sock_events(ds.sock) & _POLLIN:
+            return False
+        if self.cuda:  # the plane may have lowered the batch size since (MemoryWatch)
+            self.batcher.max_batch = self.plane.batch_limit(self.max_batch)
+        return True
 
     # ------------------------------------------------------------------ running
 
@@ -1214,7 +1238,8 @@ class Worker:
         if ds is None:
             return
         sock = ds.sock
-        while most > 0 and sock_events(sock) & _POLLIN:
+        self._lane_ran = False
+        while most > 0 and not self._lane_ran and sock_events(sock) & _POLLIN:  # one lane batch, as `_drain`
             most -= 1
             self._on_direct_frames(recv_frames(sock), time.monotonic())
 

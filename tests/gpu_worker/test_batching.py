@@ -517,3 +517,17 @@ def test_one_class_pending_keeps_add_order_exactly():
         b.add(_p(i, t, priority=2), t)
     assert [p.item for p in b.take(5.0, idle=True)] == [0, 1]
     assert [p.item for p in b.take(5.0, idle=True)] == [2]
+
+
+def test_with_priorities_mixed_the_wait_bound_is_the_oldest_pending_requests_of_any_group():
+    b = Batcher(max_batch=8, max_delay=0.002)
+    for key in ("x", "y"):  # both keys: a known short gap, so each would wait for company
+        for t in (0.0, 0.0005, 0.001):
+            b.add(Pending(key=key, cost=1.0, item=t, arrived=t, backlog=3), t)
+            b.take(t, idle=True, force=True)
+            b.idle()
+    b.add(Pending(key="x", cost=1.0, item="normal", arrived=1.0, backlog=3), 1.0)
+    b.add(Pending(key="y", cost=1.0, item="urgent", arrived=1.0003, backlog=3, priority=0), 1.0003)
+    assert b.wake_at(1.0003) <= 1.002 + 1e-9  # the normal one's bound, not the urgent's 1.0023
+    assert [p.item for p in b.take(1.002, idle=True)] == ["urgent"]
+    assert [p.item for p in b.take(1.002, idle=True)] == ["normal"]

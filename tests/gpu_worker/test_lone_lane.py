@@ -290,3 +290,66 @@ def test_the_workers_queue_runs_the_urgent_request_first(tmp_path):
         assert [r.id for r in w.up.finals(3)] == [3, 1, 2]
     finally:
         w.close()
+
+
+def test_after_a_lane_batch_the_drain_returns_to_the_loop(worker):
+    """Two requests in the socket, the first alone by the time it runs (the second not
+    yet read): one lane batch per drain, then the loop's turn."""
+    worker.up.request(1)
+    _read(worker, 1)
+    worker.up.request(2)
+    worker.up.request(3)
+    assert worker.sock.poll(5000)
+    worker._drain()  # two waiting: both go to the batcher (company), then the loop runs them
+    worker.run_ready_batches()
+    assert sorted(r.id for r in worker.up.finals(3)) == [1, 2, 3]
+    worker._lane_ran = False
+    worker.up.request(4)
+    assert worker.sock.poll(5000)
+    worker._drain()
+    assert worker._lane_ran  # it ran alone, and the drain stopped there
+    assert [r.id for r in worker.up.finals(1)] == [4]
+
+
+def test_a_brokered_request_waits_for_what_the_direct_socket_holds(worker):
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.linger = 0
+    s.connect(worker.direct_socket.endpoint)
+    try:
+        s.send_multipart([P.MDPC, P.C_HEARTBEAT])  # anything on the direct socket
+        assert worker.direct_socket.sock.poll(5000)
+        worker.up.request(1)
+        _read(worker, 1)
+        assert len(worker.jobs) == 1  # not alone: the direct socket is read first
+        worker._drain_direct()
+        worker.run_ready_batches()
+        assert [r.id for r in worker.up.finals(1)] == [1]
+    finally:
+        s.close()
+
+
+def test_a_fault_of_the_worker_in_the_lane_ends_the_loop_instead_of_being_dropped(worker, monkeypatch):
+    from gpu_worker.worker import LaneFault
+
+    def broken(*a, **kw):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(worker, "_complete", broken)
+    worker.up.request(1)
+    assert worker.sock.poll(5000)
+    with pytest.raises(LaneFault, match="a bug"):
+        worker._drain()
+
+
+def test_an_object_array_output_is_an_error_not_pointers(tmp_path):
+    from gpu_worker.job import Job
+    from gpu_worker.planes import HostPlane
+
+    w = _worker(tmp_path)
+    try:
+        plane = w.plane
+        assert isinstance(plane, HostPlane)
+        job = Job(b"e", P.Request(id=1), {}, None, 0.0, None, {})
+        with pytest.raises((TypeError, ValueError)):
+            plane.write_outputs(job, {"o": np.array([object(), "x"], dtype=object)})
+    finally:
+        w.close()
