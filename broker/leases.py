@@ -15,7 +15,10 @@ the worker always knows a lease before the client can use it), then ACTIVE until
   ``client_gone``);
 - the worker ends it (SIGTERM, scale-down: ``worker_stopping``) or dies (``worker_failed``):
   the client is told, with ``resend`` when requests in flight on the lease will get no reply
-  (a dead worker), so it sends them again through the broker;
+  (a dead worker), so it sends them again through the broker.  A worker that ended a lease
+  by stopping still owes that lease's requests in flight their replies: should it die
+  before it says DISCONNECT (it would have finished them first), the client is told again,
+  ``worker_failed`` with ``resend`` (the worker keeps a note of such leases, ``stopped``);
 - the broker drains (``end_leases``): both are told.
 
 Lease ids are the scheduler's own counter (unique for the broker's life; the server makes
@@ -233,6 +236,8 @@ class LeaseEvents:
             # A worker ends its own leases only by stopping: it cannot speak for the client
             # (client_done), nor say it failed while it talks (resend stays the broker's call).
             self._end(lease, reason if reason in WORKER_REASONS else WORKER_STOPPING, out, tell_worker=False)
+            if lease.state != PENDING:  # the client knows it: it may have requests in flight on it
+                lease.worker.stopped[lease.id] = (lease.client, lease.svc.name)
             self._flush(now, out)
         return out
 
@@ -297,10 +302,16 @@ class LeaseEvents:
             else:
                 out.append(LeaseEndToClient(lease.client, lease.svc.name, lease.id, reason, resend))
 
-    def _end_worker_leases(self, w, out: list) -> None:
-        """``w`` is dead (already marked so): its clients resend what they had in flight."""
+    def _end_worker_leases(self, w, out: list, *, failed: bool = True) -> None:
+        """``w`` is dead (already marked so): its clients resend what they had in flight,
+        on its leases and (``failed``: it did not say DISCONNECT) on those it had ended by
+        stopping, whose requests it was still to answer."""
         for lease in list(w.leases.values()):
             self._end(lease, WORKER_FAILED, out, tell_worker=False, resend=True)
+        stopped, w.stopped = w.stopped, {}
+        if failed:
+            for lid, (client, service) in stopped.items():
+                out.append(LeaseEndToClient(client, service, lid, WORKER_FAILED, True))
 
     def _lease_unconfirmed(self, lease, out: list) -> None:
         """The worker never confirmed (a worker that set a direct socket but does not speak

@@ -825,8 +825,8 @@ class Broker:
                     # settings both sides must use (one place configures them: here).
                     self.send_to_worker(P.to_worker_welcome(ident, self._welcome))
             self._act(actions, now)
-        elif cmd == P.W_DISCONNECT:
-            self._act(sched.worker_disconnect(ident, now), now)
+        elif cmd == P.W_DISCONNECT:  # said goodbye: it finished what it held
+            self._act(sched.worker_disconnect(ident, now, failed=False), now)
 
     def _note_worker(self, ident: bytes, service: str, ready) -> None:
         """What the HTTP endpoint and the metrics say about a worker: its service (now a

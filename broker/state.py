@@ -475,6 +475,7 @@ class _Worker:
         "direct",   # the worker's direct socket (Ready.direct): it takes leases
         "leased",   # credit reserved by its leases (not for brokered dispatch)
         "leases",   # lease id -> broker.leases._Lease
+        "stopped",  # lease id -> (client, service) of leases it ended by stopping (broker.leases)
     )
 
 
@@ -604,6 +605,7 @@ class Scheduler(LeaseEvents):
         w.direct = direct or None
         w.leased = 0
         w.leases = {}
+        w.stopped = {}
         pools = [svc.any]
         if host is not None:
             # One pool per same-host transport: shared-memory requests are keyed by the host,
@@ -793,13 +795,15 @@ class Scheduler(LeaseEvents):
                                     max(req.dispatched_at, now - age), (req.client, req.request_id))
         self._retire(req)
 
-    def worker_disconnect(self, worker: bytes, now: float) -> list[Action]:
-        """The worker said DISCONNECT (or the server knows it is gone): retry its work."""
+    def worker_disconnect(self, worker: bytes, now: float, *, failed: bool = True) -> list[Action]:
+        """The worker is gone: retry its work.  ``failed=False``: it said DISCONNECT, so it
+        finished what it held (its leases' requests included); otherwise (the server saw
+        its connection close, or its number reused) it may have died holding some."""
         w = self._workers.get(worker)
         if w is None:
             return []
         out: list[Action] = []
-        self._kill_worker(w, now, out)
+        self._kill_worker(w, now, out, failed=failed)
         self._flush(now, out)
         return out
 
@@ -1445,10 +1449,11 @@ class Scheduler(LeaseEvents):
         out.append(Dispatch(w.ident, token, req.client, req.request_id, svc.name, req.payload,
                             req.enqueued_at, req.deadline, req.attempt, req.returned, svc.queued))
 
-    def _kill_worker(self, w, now, out):
-        """Forget a dead worker and settle everything it held."""
+    def _kill_worker(self, w, now, out, failed: bool = True):
+        """Forget a dead worker and settle everything it held (``failed``: it did not say
+        DISCONNECT, so what it held on leases it had ended may be lost too)."""
         w.alive = False
-        self._end_worker_leases(w, out)
+        self._end_worker_leases(w, out, failed=failed)
         svc = w.svc
         del self._workers[w.ident]
         del svc.workers[w.ident]

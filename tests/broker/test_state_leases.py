@@ -161,6 +161,32 @@ def test_a_stopping_worker_ends_its_leases_and_the_client_is_told():
     assert s.worker_lease_end(b"other", to_w.lease, 1.1) == []
 
 
+def test_a_worker_that_dies_after_ending_its_leases_by_stopping_has_their_clients_resend():
+    """It ended the lease by stopping, so it owed the lease's requests in flight their
+    replies; it died (its connection closed) instead of saying DISCONNECT: the client is told
+    again, with resend.  A DISCONNECT (it finished what it held) tells the client nothing."""
+    for failed in (True, False):
+        s = Scheduler()
+        s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
+        to_w, _ = granted(s, slots=4)
+        assert only(s.worker_lease_end(b"w", to_w.lease, 1.0), LeaseEndToClient).resend is False
+        out = s.worker_disconnect(b"w", 2.0, failed=failed)
+        if failed:
+            assert only(out, LeaseEndToClient) == LeaseEndToClient(C, "svc", to_w.lease, WORKER_FAILED, True)
+        else:
+            assert not of(out, LeaseEndToClient)
+        assert s.worker_disconnect(b"w", 2.1) == []  # told once: the worker is forgotten
+
+
+def test_a_lease_never_confirmed_leaves_no_note_when_its_worker_stops_then_dies():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
+    to_w = only(lease(s, slots=2), LeaseToWorker)
+    out = s.worker_lease_end(b"w", to_w.lease, 0.5)  # before confirming: the client's ask is refused
+    assert only(out, LeaseRefused)
+    assert not of(s.worker_disconnect(b"w", 1.0), LeaseEndToClient)
+
+
 def test_the_client_ending_or_leaving_tells_the_worker():
     s = Scheduler(Config(client_liveness=2.0))
     s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)

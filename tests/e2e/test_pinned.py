@@ -230,6 +230,46 @@ def test_sigterm_of_the_pinned_worker_ends_the_lease_without_losing_a_request(cl
     assert stopping.p.wait(TIMEOUT_S) == 0
 
 
+def test_a_worker_sigkilled_while_it_drains_its_ended_lease_loses_no_request(cluster, gate):
+    """SIGTERM ends the lease (its requests in flight are still the worker's to answer), then
+    SIGKILL before it answers them: the broker sees the connection close without a
+    DISCONNECT and tells the client again, with resend; every held request completes through
+    the broker, on the other worker, exactly once."""
+    cluster.broker()
+    doomed = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "16",
+                            "--no-warmup", "--direct", env=gate.env, wait=False)
+    gate.open()
+    doomed.wait_ready()
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=30, pin=True) as c:
+            first = c.infer_stream("gate", {"x": np.arange(3)})
+            deadline = time.monotonic() + TIMEOUT_S
+            while not c.pinned("gate"):
+                assert time.monotonic() < deadline, "never pinned"
+                await c.pump(0.05)
+            await asyncio.to_thread(cluster.worker, "echo", "--service", "gate", "--direct")
+            gate.release(1)
+            (await first.result(timeout=TIMEOUT_S)).release()
+            xs = [np.full(5, i, np.int32) for i in range(6)]
+            held = [asyncio.ensure_future(c.infer("gate", {"x": x})) for x in xs]  # on the lease
+            await asyncio.sleep(0)
+            assert c.in_flight() == 6
+            doomed.p.send_signal(15)  # SIGTERM: the lease ends; the worker waits at its gate
+            deadline = time.monotonic() + TIMEOUT_S
+            while c.pinned("gate"):
+                assert time.monotonic() < deadline, "the lease never ended"
+                await c.pump(0.05)
+            doomed.kill()  # SIGKILL before it answered what it holds
+            for x, fut in zip(xs, held):
+                out = await asyncio.wait_for(fut, TIMEOUT_S)
+                np.testing.assert_array_equal(out["x"], x)
+                out.release()
+            assert c.in_flight() == 0 and c.stray_replies == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 40))
+
+
 # ------------------------------------------------------------------ streams pin by default (issue 13)
 
 def _frame(i: int) -> dict:
