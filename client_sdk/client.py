@@ -272,8 +272,15 @@ class Client(ClientBase):
             # The cheap tests first: heartbeat_due and fail_unreachable ask the same and more.
             if now - core.last_heartbeat >= hb and core.heartbeat_due(now):
                 self._send_soon(core.heartbeat(now))
-            if now - core.last_recv > LIVENESS * hb and core.fail_unreachable(now):
-                timeout = 0  # their callers must hear it now
+            if now - core.last_recv > LIVENESS * hb:
+                # Silent that long, in our eyes: first read what has arrived meanwhile (an
+                # `infer` stops reading at its own FINAL, and a caller may come back late),
+                # so that a reply sitting in a socket is not failed as the broker's silence.
+                ready = zmq.zmq_poll(self._items, 0)
+                if ready:
+                    self._drain(ready)
+                if core.fail_unreachable(now):
+                    timeout = 0  # their callers must hear it now
             if timeout is None or timeout > hb:
                 timeout = hb
         if timeout is None:
@@ -373,12 +380,15 @@ class Client(ClientBase):
         # A socket zmq_poll found readable holds a whole message (the poll asked EVENTS
         # itself), so the first read needs no question; it does not wait all the same, in
         # case something read that socket meanwhile (a `notify` callback that pumps).
-        # With `call` (`infer` waiting), reading stops once its item is there: what else is
-        # queued stays for the next pump, as if it had arrived a moment later.
+        # With `call` (`infer` waiting), reading a reply socket (a lease's, the direct-reply
+        # inbox) stops once its item is there: what else is queued there stays for the next
+        # pump, as if it had arrived a moment later.  The broker's socket is always read to
+        # the end: a restart's heartbeat or a LEASE_END must not wait for the next call.
         core = self._core
         pins = self._pin_of
         for sock, _ in (self._items if ready is None else ready):
             direct = sock is not self._sock
+            stop = call if direct else None
             pin = pins.get(sock) if pins else None
             readable = ready is not None
             # a lease's socket may close meanwhile
@@ -389,7 +399,7 @@ class Client(ClientBase):
                     break
                 for out in core.on_message(frames, time.monotonic(), direct, pin):
                     self._send_soon(out)
-                if call is not None and call.inbox:
+                if stop is not None and stop.inbox:
                     break
                 readable = False
         if core.ops:  # after the loop: it may open and close sockets of `_items`

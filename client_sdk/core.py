@@ -42,7 +42,7 @@ import secrets
 import threading
 import weakref
 from collections import deque
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import msgspec
 import numpy as np
@@ -511,9 +511,12 @@ class ClientCore(PinEvents):
             self.direct_replies += 1
         self._forget(call)
         packed = call.packed
+        pool = self._pool
         try:
+            # `_own_inputs(call)`, inlined: this runs for every request.
             res = T.unpack(rep, body, self.leases, final=True, frame=call.frame,
-                           local=self._local_outputs(call) if packed is not None and packed.uses_shm else None)
+                           own=(pool.name, packed, call.adopted, self._free_adopted)
+                           if packed is not None and packed.uses_shm and pool is not None else None)
         except InferenceError as e:
             self._finish_inputs(call, rep)
             self._deliver(call, ("error", e), True, now)
@@ -634,7 +637,7 @@ class ClientCore(PinEvents):
                               True, now)
             return []
         try:
-            res = T.unpack(rep, frames, self.leases, final=final, frame=call.frame, local=self._local_outputs(call))
+            res = T.unpack(rep, frames, self.leases, final=final, frame=call.frame, own=self._own_inputs(call))
         except InferenceError as e:
             if final:
                 self._finish_inputs(call, rep)
@@ -651,18 +654,13 @@ class ClientCore(PinEvents):
         self._deliver(call, ("final" if final else "partial", res), final, now)
         return out
 
-    def _local_outputs(self, call: Call) -> Callable | None:
+    def _own_inputs(self, call: Call) -> tuple | None:
+        """What `T.unpack` needs to resolve outputs that point into our own pool (inputs
+        handed back): None when the request sent nothing through it."""
         pool = self._pool
         if pool is None or call.packed is None or not call.packed.uses_shm:
             return None
-        own = pool.name
-
-        def resolve(loc: P.ShmLoc, dt: np.dtype, shape: tuple) -> tuple | None:
-            if loc.segment != own:
-                return None
-            return T.local_output(call.packed, loc, dt, shape, call.adopted, self._free_adopted)
-
-        return resolve
+        return (pool.name, call.packed, call.adopted, self._free_adopted)
 
     def _free_adopted(self, ref: Any) -> None:
         self._buffer_dropped(None, ref)

@@ -179,12 +179,29 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
         # copied; an inline-only client's would be a view, but a copy of at most
         # SMALL_INLINE_BYTES costs less than making that view).  Anything else falls through.
         [(name, x)] = inputs.items()
-        if (type(x) is np.ndarray and type(name) is str and name
-                and x.nbytes <= (P.SMALL_INLINE_BYTES if pool is None else inline_max)):
-            dt = x.dtype
-            if not dt.hasobject and dt.itemsize and x.ndim <= P.MAX_NDIM:
-                return Packed([P.TensorRef(name=name, dtype=dt.str, shape=list(x.shape), loc=_FIRST_FRAME)],
-                              [x.tobytes()], {name: x})
+        if type(x) is np.ndarray and type(name) is str and name:
+            nbytes = x.nbytes
+            if nbytes <= (P.SMALL_INLINE_BYTES if pool is None else inline_max):
+                dt = x.dtype
+                if not dt.hasobject and dt.itemsize and x.ndim <= P.MAX_NDIM:
+                    return Packed([P.TensorRef(name=name, dtype=dt.str, shape=list(x.shape), loc=_FIRST_FRAME)],
+                                  [x.tobytes()], {name: x})
+            elif pool is not None and type(x.base) is _Lease:
+                # The lean by-reference path: one whole `client.alloc` buffer, the array
+                # `alloc` returned (its base is the _Lease; a view of it has that array as
+                # base, and goes the general way).  Its bytes are exactly its source's (an
+                # array's data pointer cannot be moved), so when that source is a live slot
+                # of this pool of as many bytes, the slot's descriptor is what `ref_in_pool`
+                # finds for it too: sent by reference, as the general path sends it.
+                ref = pool.ref_of(x.base._src)
+                dt = x.dtype
+                if (ref is not None and ref.nbytes == nbytes and x.flags.c_contiguous
+                        and not dt.hasobject and x.ndim <= P.MAX_NDIM):
+                    pool.mark_in_flight(ref)
+                    out = Packed([P.TensorRef(name=name, dtype=dt.str, shape=list(x.shape), loc=P.shm_loc(ref))],
+                                 None, {name: x})
+                    out.uses_shm = True
+                    return out
     if not isinstance(inputs, Mapping):
         raise InvalidInput(f"inputs must be a mapping name -> array, got {type(inputs).__name__}")
     if len(inputs) > P.MAX_TENSORS:
@@ -264,12 +281,19 @@ def ref_in_pool(pool: Any, arr: np.ndarray) -> Any | None:
     The pool recognises its arrays by their `.base`; a buffer from `client.alloc` is
     wrapped (see `lease_array`), so for those the same bytes are looked up through the
     pool's own array."""
-    ref = pool.ref_of(arr)
-    if ref is not None or not arr.nbytes:
-        return ref
-    lease = _lease_of(arr)
-    if lease is None:
-        return None
+    lease = arr.base
+    if type(lease) is _Lease:
+        # What `lease_array` returned (a `client.alloc` buffer): the pool cannot see it
+        # through its base (a _Lease is none of its arrays), so it is not asked.
+        if not arr.nbytes:
+            return None
+    else:
+        ref = pool.ref_of(arr)
+        if ref is not None or not arr.nbytes:
+            return ref
+        lease = _lease_of(arr)
+        if lease is None:
+            return None
     src = lease._src
     whole = pool.ref_of(src)
     if whole is None or not arr.flags.c_contiguous:
@@ -454,13 +478,15 @@ class Result(Mapping):
 
 def unpack(reply: P.Reply, frames: list[Any], leases: OutputLeases, *, final: bool,
            frame: int | None = None,
-           local: Callable[[P.ShmLoc, np.dtype, tuple], tuple | None] | None = None) -> Result:
+           local: Callable[[P.ShmLoc, np.dtype, tuple], tuple | None] | None = None,
+           own: tuple[str, Packed, dict[int, Adopted], Callable[[Any], None]] | None = None) -> Result:
     """Build a Result from a decoded reply header and the frames after it (zmq.Frame or
     bytes).  Inline sizes must have been checked (`protocol.check_inline_sizes`).
 
-    `local(loc, dtype, shape)` resolves outputs that point into the client's own pool (a
-    worker may hand an input back unchanged): it returns (array, finalizer), or None for a
-    segment that is not ours."""
+    Outputs that point into the client's own pool (a worker may hand an input back
+    unchanged) are views of the request's inputs: `own` = (segment, packed, adopted, free)
+    names that pool and what `local_output` needs for them.  Or `local(loc, dtype, shape)`
+    resolves them: it returns (array, finalizer), or None for a segment that is not ours."""
     arrays: dict[str, np.ndarray] = {}
     fins: list[weakref.finalize] = []
     try:
@@ -480,7 +506,11 @@ def unpack(reply: P.Reply, frames: list[Any], leases: OutputLeases, *, final: bo
                 # Read-only like shared-memory outputs, so code never depends on the transport.
                 arr.flags.writeable = False
             elif type(loc) is P.ShmLoc:
-                got = local(loc, dt, shape) if local is not None else None
+                if own is not None:
+                    got = (local_output(own[1], loc, dt, shape, own[2], own[3])
+                           if loc.segment == own[0] else None)
+                else:
+                    got = local(loc, dt, shape) if local is not None else None
                 try:
                     arr, fin = got if got is not None else leases.view(loc, dt, shape)
                 except _shm.SegmentGone as e:
@@ -560,26 +590,62 @@ def local_output(packed: Packed, loc: P.ShmLoc, dt: np.dtype, shape: tuple,
             "input of this request"
         )
     base = packed.arrays[t.name]
-    start = loc.offset - il.offset
-    if loc.nbytes:
+    if il.offset == loc.offset and il.nbytes == loc.nbytes and base.dtype is dt and base.shape == shape:
+        # The usual echo: the whole input, as it was sent.  What was sent (C-contiguous,
+        # exactly the input's bytes) is already the view asked for.
+        src = base
+    elif loc.nbytes:
+        start = loc.offset - il.offset
         src = base.reshape(-1).view(np.uint8)[start:start + loc.nbytes].view(dt).reshape(shape)
     else:
         src = np.empty(shape, dt)
-    keeper = adopted.get(loc.slot)
-    if keeper is None:
+    keeper = adopted.get(loc.slot) if adopted else None
+    if keeper is None and packed.temp:
         for i, r in enumerate(packed.temp):
             if r.slot == loc.slot and r.generation == loc.generation:
                 keeper = adopted[loc.slot] = Adopted(packed.temp.pop(i), free)
                 keeper.hold()  # the request's own hold, dropped after its FINAL
                 break
-    if keeper is None:  # a client.alloc buffer: the view keeps it alive, nothing to free
-        return lease_array(src, _noop, readonly=True)
+    if keeper is None:
+        # A client.alloc buffer: the view keeps it alive, nothing to free.  Still wrapped
+        # as `lease_array` wraps (views of it keep it, its base stays a _Lease), with a
+        # finalizer that has nothing to run.
+        out = np.asarray(_Lease(src))
+        out.flags.writeable = False
+        return out, _NothingToFree(out)
     keeper.hold()
     return lease_array(src, keeper.drop, owner=keeper, readonly=True)
 
 
 def _noop() -> None:
     pass
+
+
+class _NothingToFree:
+    """The finalizer of an output that gives nothing back when it goes (a view of a
+    `client.alloc` buffer): what `Result` asks of a `weakref.finalize` (`alive`, `peek`,
+    calling it; `detach`), without registering one, as nothing has to run at the end."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, arr: np.ndarray):
+        self._ref: Any = weakref.ref(arr)
+
+    @property
+    def alive(self) -> bool:
+        return self._ref is not None and self._ref() is not None
+
+    def peek(self) -> tuple | None:
+        arr = None if self._ref is None else self._ref()
+        return None if arr is None else (arr, _noop, (), {})
+
+    def detach(self) -> tuple | None:
+        got = self.peek()
+        self._ref = None
+        return got
+
+    def __call__(self, _: Any = None) -> None:
+        self._ref = None
 
 
 def release_reply(reply: P.Reply, leases: OutputLeases) -> None:

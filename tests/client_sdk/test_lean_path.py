@@ -478,3 +478,45 @@ def test_the_service_check_is_remembered_only_for_good_names(core):
     for i in range(300):
         call = core.new_call(f"svc{i}", {"x": np.arange(2)})
         assert core.request_frames(call, 1.0)[2] == f"svc{i}".encode()
+
+
+def test_a_reply_queued_behind_an_infers_final_is_read_not_failed_as_silence(endpoint):
+    """The broker answers an earlier call and `infer` back to back, `infer`'s first; the
+    caller comes back to the earlier call only after the liveness window (it did something
+    else meanwhile): the reply that was waiting in the socket is its result, not a
+    BrokerUnreachable (the broker's socket is read to the end, and a silent spell reads
+    what arrived before it judges)."""
+    ctx = zmq.Context.instance()
+    r = ctx.socket(zmq.ROUTER)
+    r.linger = 0
+    r.bind(endpoint)
+    seen = queue.Queue()
+
+    def broker():
+        reqs = []
+        while len(reqs) < 2:
+            if not r.poll(int(WAIT * 1000)):
+                return
+            ident, *f = r.recv_multipart()
+            if f[1] == P.C_REQUEST:
+                reqs.append((ident, f, P.decode_request(f[3], len(f) - 4)))
+        for ident, f, req in reversed(reqs):  # the infer's FINAL first, then the earlier call's
+            head = P.encode_header(P.Reply(id=req.id, tensors=list(req.tensors)))
+            r.send_multipart([ident, *P.client_reply(True, f[2], [head, *f[4:]])])
+        seen.put(True)
+
+    t = threading.Thread(target=broker, daemon=True)
+    t.start()
+    c = Client(endpoint, timeout=30, heartbeat_interval=0.05)  # silent after 5 x 0.05 s
+    try:
+        earlier = c.infer_stream("svc", {"x": np.arange(2)})
+        with c.infer("svc", {"x": np.arange(3)}) as res:
+            np.testing.assert_array_equal(res["x"], np.arange(3))
+        assert seen.get(timeout=WAIT)
+        time.sleep(0.4)  # the caller is busy elsewhere, past the liveness window (not a wait for anything)
+        with earlier.result(timeout=WAIT) as res:
+            np.testing.assert_array_equal(res["x"], np.arange(2))
+    finally:
+        c.close()
+        t.join(WAIT)
+        r.close(0)
