@@ -15,10 +15,11 @@ the worker always knows a lease before the client can use it), then ACTIVE until
   ``client_gone``);
 - the worker ends it (SIGTERM, scale-down: ``worker_stopping``) or dies (``worker_failed``):
   the client is told, with ``resend`` when requests in flight on the lease will get no reply
-  (a dead worker), so it sends them again through the broker.  A worker that ended a lease
-  by stopping still owes that lease's requests in flight their replies: should it die
-  before it says DISCONNECT (it would have finished them first), the client is told again,
-  ``worker_failed`` with ``resend`` (the worker keeps a note of such leases, ``stopped``);
+  (a dead worker), so it sends them again through the broker.  A lease ended while its
+  worker lives (the worker stopping, a drain, the client done) still has that worker owe
+  its requests in flight their replies: should it die before it says DISCONNECT (it would
+  have finished them first), the client is told again, ``worker_failed`` with ``resend``
+  (the worker keeps a note of such leases, ``stopped``);
 - the broker drains (``end_leases``): both are told.
 
 Lease ids are the scheduler's own counter (unique for the broker's life; the server makes
@@ -236,8 +237,6 @@ class LeaseEvents:
             # A worker ends its own leases only by stopping: it cannot speak for the client
             # (client_done), nor say it failed while it talks (resend stays the broker's call).
             self._end(lease, reason if reason in WORKER_REASONS else WORKER_STOPPING, out, tell_worker=False)
-            if lease.state != PENDING:  # the client knows it: it may have requests in flight on it
-                lease.worker.stopped[lease.id] = (lease.client, lease.svc.name)
             self._flush(now, out)
         return out
 
@@ -291,6 +290,11 @@ class LeaseEvents:
              resend: bool = False) -> None:
         pending = lease.state == PENDING
         self._forget(lease)
+        if not pending and lease.worker.alive and reason != CLIENT_GONE:
+            # Ended while its worker lives (stopping, drain, scale-down, the client done):
+            # the worker still owes its requests in flight their replies, so should it die
+            # before it says DISCONNECT, the client resends them (`_end_worker_leases`).
+            lease.worker.stopped[lease.id] = (lease.client, lease.svc.name)
         self._counters["leases_ended"] += 1
         if tell_worker and lease.worker.alive:
             out.append(LeaseEndToWorker(lease.worker.ident, lease.id, reason))

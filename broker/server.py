@@ -813,7 +813,8 @@ class Broker:
             # Connection events first: libzmq queues a connection's DISCONNECTED before it
             # closes the descriptor, so an event for an earlier holder of this READY's
             # descriptor is already waiting and must be applied before the new binding.
-            self._on_backend_events()
+            # (Not reading the backend first: we are inside its drain.)
+            self._on_backend_events(read_first=False)
             self._bind_connection(ident, frames[1], now)
             r = msg.ready
             if r is None:
@@ -908,7 +909,14 @@ class Broker:
             log.info("worker %r lost its connection (its number was reused); presuming it dead", gone[:16])
             self._act(self.sched.worker_disconnect(gone, now), now)
 
-    def _on_backend_events(self) -> None:
+    def _on_backend_events(self, read_first: bool = True) -> None:
+        """Apply the backend's connection events.  A worker whose connection closed is
+        presumed dead, but what it sent before closing comes first (``read_first``: the
+        backend is read to the end before each such verdict): a worker that said DISCONNECT
+        and exited is one that finished its work, not one that failed holding it (its
+        leases' clients would resend what it had answered).  libzmq delivers a
+        connection's messages before its ROUTER sees the pipe close, so they are in the
+        socket by the time the event is."""
         now = time.monotonic()
         while sock_events(self._backend_events) & _POLLIN:
             event = recv_monitor_message(self._backend_events)
@@ -916,8 +924,13 @@ class Broker:
                 continue
             gone = self._worker_conns.closed(event["value"])
             if gone is not None:
-                log.info("worker %r closed its connection; presuming it dead", gone[:16])
-                self._act(self.sched.worker_disconnect(gone, now), now)
+                if read_first:
+                    be = self.backend
+                    while sock_events(be) & _POLLIN:
+                        self._drain(be, self.on_worker)
+                if self.sched.knows_worker(gone):
+                    log.info("worker %r closed its connection; presuming it dead", gone[:16])
+                    self._act(self.sched.worker_disconnect(gone, now), now)
 
     # ------------------------------------------------------------------ actions
 

@@ -101,14 +101,14 @@ class Client(ClientBase):
         inbox = call.inbox
         try:
             while True:
-                # `_wait` without a limit; each pump stops reading once the call has an item
+                # `_wait` without a limit
                 while not inbox:
                     now = time.monotonic()
                     deadline = call.deadline
                     if deadline is None:
-                        self._pump(None, now, call)
+                        self._pump(None, now)
                     elif now < deadline:
-                        self._pump(deadline - now, now, call)
+                        self._pump(deadline - now, now)
                     else:
                         raise call.deadline_error()
                 kind, item = inbox.popleft()
@@ -262,8 +262,8 @@ class Client(ClientBase):
         fails (in their inbox) the calls the broker has been silent on for too long."""
         self._pump(timeout, time.monotonic())
 
-    def _pump(self, timeout: float | None, now: float, call: Call | None = None) -> None:
-        """`pump` at `now`; with `call`, reading a socket stops once `call` has an item."""
+    def _pump(self, timeout: float | None, now: float) -> None:
+        """`pump` at `now`."""
         core = self._core
         if self._pending:
             self._flush_pending()
@@ -279,6 +279,7 @@ class Client(ClientBase):
                 ready = zmq.zmq_poll(self._items, 0)
                 if ready:
                     self._drain(ready)
+                    timeout = 0  # what it routed is for the callers now, not after a wait
                 if core.fail_unreachable(now):
                     timeout = 0  # their callers must hear it now
             if timeout is None or timeout > hb:
@@ -292,7 +293,7 @@ class Client(ClientBase):
         # zmq_poll directly: Socket.poll builds a Poller and a dict on every call.
         ready = zmq.zmq_poll(self._items, ms)
         if ready:
-            self._drain(ready, call)
+            self._drain(ready)
 
     # ---------------------------------------------------------------- socket work
 
@@ -373,22 +374,23 @@ class Client(ClientBase):
             pending.popleft()
             self._core.last_send = time.monotonic()
 
-    def _drain(self, ready: list | None = None, call: Call | None = None) -> None:
+    def _drain(self, ready: list | None = None) -> None:
         # EVENTS rather than recv(NOBLOCK) until zmq.Again: an exception per wake-up costs
         # more than the rest of the client's work on a small request.  `ready`: what the
         # poll found readable (each socket asked costs a syscall pair); None: every socket.
         # A socket zmq_poll found readable holds a whole message (the poll asked EVENTS
         # itself), so the first read needs no question; it does not wait all the same, in
         # case something read that socket meanwhile (a `notify` callback that pumps).
-        # With `call` (`infer` waiting), reading a reply socket (a lease's, the direct-reply
-        # inbox) stops once its item is there: what else is queued there stays for the next
-        # pump, as if it had arrived a moment later.  The broker's socket is always read to
-        # the end: a restart's heartbeat or a LEASE_END must not wait for the next call.
+        # Every socket is read to the end, the broker's last: a LEASE_END that says
+        # "resend" must find the replies that already came on its lease routed (or it would
+        # send them again), and a restart's heartbeat must not wait for the next call.
         core = self._core
         pins = self._pin_of
-        for sock, _ in (self._items if ready is None else ready):
+        items = self._items if ready is None else ready
+        if len(items) > 1 and items[0][0] is self._sock:
+            items = [*items[1:], items[0]]
+        for sock, _ in items:
             direct = sock is not self._sock
-            stop = call if direct else None
             pin = pins.get(sock) if pins else None
             readable = ready is not None
             # a lease's socket may close meanwhile
@@ -399,8 +401,6 @@ class Client(ClientBase):
                     break
                 for out in core.on_message(frames, time.monotonic(), direct, pin):
                     self._send_soon(out)
-                if stop is not None and stop.inbox:
-                    break
                 readable = False
         if core.ops:  # after the loop: it may open and close sockets of `_items`
             self._run_ops()

@@ -285,7 +285,8 @@ class PinEvents:
         pin = self.pin_all.get(end.lease)
         if pin is None or pin.ending and not end.resend:
             return []
-        self.pins_ended += 1
+        if not pin.ending:  # a second end (resend after a stop) is not a second lease ended
+            self.pins_ended += 1
         log.info("lease %s on %r ended (%s)%s", end.lease.hex(), pin.service, end.reason,
                  "; resending its requests through the broker" if end.resend and pin.calls else "")
         return self._end_pin(pin, now, resend=end.resend)

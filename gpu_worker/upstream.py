@@ -10,7 +10,8 @@ upstream with the same four methods and two attributes:
     connect(service, ready) -> socket   (re)open; the socket the worker loop polls
     receive(frames) -> P.BrokerToWorker | None   None: handled here, or malformed (dropped)
     send(frames)                        one worker message (P.worker_* frames)
-    close()
+    close()                             (BrokerLink: what is still queued, a DISCONNECT, may
+                                        take CLOSE_LINGER_MS to leave)
     last_sent: float                    monotonic time of the last message sent upstream
     watch_liveness: bool                whether silence for heartbeat_liveness intervals
                                         means the peer is gone (the worker reconnects)
@@ -59,6 +60,9 @@ def link_keys(endpoint: str, server_key=None, worker_key=None, insecure: bool = 
 
 log = logging.getLogger("gpu_worker")
 
+
+#: how long what is still queued to the broker may take to leave when the link closes for good
+CLOSE_LINGER_MS = 250
 
 class BrokerLink:
     """A DEALER to the broker at ``endpoint`` (see the module docstring)."""
@@ -122,14 +126,17 @@ class BrokerLink:
         send_frames(self.sock, frames)
         self.last_sent = time.monotonic()
 
-    def _close_socket(self) -> None:
+    def _close_socket(self, linger_ms: int = 0) -> None:
         if self.sock is not None:
             if self.monitor is not None:
                 self.sock.disable_monitor()
                 self.monitor.close(linger=0)
                 self.monitor = None
-            self.sock.close(linger=0)
+            self.sock.close(linger=linger_ms)
             self.sock = None
 
     def close(self) -> None:
-        self._close_socket()
+        """Close the connection for good.  What is still queued (the DISCONNECT just sent)
+        may take CLOSE_LINGER_MS to leave: dropped, a goodbye would look like a death to the
+        broker (the clients of the leases we ended would resend what we answered)."""
+        self._close_socket(CLOSE_LINGER_MS)

@@ -10,6 +10,10 @@ ending and losing them among everything else.  Checked on every action and after
   answer (LEASED or an error), and an end is told only to the side that did not end it;
 - a lease never outlives its worker or its client: a dead worker's leases end at once with
   ``resend`` for the client, a departed client's with a word to the worker;
+- a lease ended while its worker lives (by the worker, the client or a drain; not a departed
+  client's) is told to its client once more, ``worker_failed`` with ``resend``, if that
+  worker then dies without saying DISCONNECT (it still owed the lease's requests their
+  replies), and never after a DISCONNECT;
 - the scheduler's leased credit agrees with the model's, and the request rules of the parent
   machine (one final per request, caps, queues) still hold.
 """
@@ -42,6 +46,7 @@ class LeaseMachine(SchedulerMachine):
         self.current_ask = None  # the ask whose LeaseToWorker may come in the actions being applied
         self.ended: dict[int, dict] = {}  # leases the worker was told of in the actions being applied
         self.departed: set[bytes] = set()  # clients gone (disconnect, silence) and not back since
+        self.noted: dict[int, dict] = {}  # active leases ended while their worker lived (resend if it dies)
 
     def leased(self, worker: bytes) -> int:
         return sum(le["slots"] for le in self.leases.values() if le["worker"] == worker)
@@ -96,6 +101,9 @@ class LeaseMachine(SchedulerMachine):
             elif isinstance(a, LeaseEndToClient):
                 # A drain tells the worker first, then the client, of one lease.
                 le = self.leases.pop(a.lease, None) or self.ended.pop(a.lease, None)
+                if le is None:  # an ended lease's worker died before saying DISCONNECT
+                    le = self.noted.pop(a.lease, None)
+                    assert le is not None and a.reason == WORKER_FAILED and a.resend, a
                 assert le is not None and le["active"] and le["client"] == a.client, a
                 assert a.resend == (a.reason == WORKER_FAILED)
             elif isinstance(a, LeaseEndToWorker):
@@ -149,6 +157,7 @@ class LeaseMachine(SchedulerMachine):
         out = self.s.client_lease_end(le["client"], lid, self.now)
         assert [type(a) for a in out if not isinstance(a, Dispatch)] == [LeaseEndToWorker]
         self.apply(out)
+        self.note(lid, le)
         if not le["active"]:  # withdrawn before its answer: it needs none now
             self.answer(le["client"], le["ask"])
 
@@ -161,11 +170,75 @@ class LeaseMachine(SchedulerMachine):
         out = self.s.worker_lease_end(le["worker"], lid, self.now)
         self.apply(out)
         assert lid not in self.leases
+        self.note(lid, le)
 
     @rule()
     def broker_ends_every_lease(self):
+        ending = dict(self.leases)
         self.apply(self.s.end_leases("drain", self.now))
         assert self.leases == {}
+        for lid, le in ending.items():
+            self.note(lid, le)
+
+    def note(self, lid, le):
+        if le["active"] and le["worker"] in self.workers:
+            self.noted[lid] = le
+
+    @precondition(lambda self: any(le["active"] for le in self.leases.values()))
+    @rule(data=st.data(), goodbye=st.booleans())
+    def worker_stops_then_goes(self, data, goodbye):
+        """A worker ends an active lease by stopping, then leaves: with a DISCONNECT (it
+        finished what it held) or dying (its client must resend)."""
+        lid = data.draw(st.sampled_from(sorted(k for k, le in self.leases.items() if le["active"])))
+        self.worker_stops_then_goes_lease(lid, goodbye)
+
+    @rule(worker=st.sampled_from(sorted(DIRECT)), client=st.sampled_from(CLIENTS), goodbye=st.booleans())
+    def lease_stop_and_go(self, worker, client, goodbye):
+        """The whole sequence in one step (random rules reach it too rarely): a direct
+        worker with room for a lease, a lease placed on it and confirmed, the worker ending
+        it by stopping, then leaving with or without a DISCONNECT."""
+        if worker not in self.workers:
+            self.ready(worker, SERVICES[0], 3, None, False, False)
+        if worker not in self.workers or self.workers[worker]["credit"] - self.leased(worker) < 2:
+            return  # no room for a lease on it (its credit is the parent machine's draw)
+        service = self.workers[worker]["service"]
+        before = set(self.leases)
+        self.client_lease(client, service, 1)
+        mine = [lid for lid in set(self.leases) - before if self.leases[lid]["worker"] == worker]
+        if not mine:
+            return  # placed on another worker of the service, or refused: nothing to stop here
+        [lid] = mine
+        self.s.worker_seen(worker, self.now)
+        self.apply(self.s.worker_leased(worker, lid, self.now, ok=True))
+        if not self.leases.get(lid, {}).get("active"):
+            return
+        self.worker_stops_then_goes_lease(lid, goodbye)
+
+    def worker_stops_then_goes_lease(self, lid, goodbye):
+        le = self.leases[lid]
+        worker = le["worker"]
+        self.s.worker_seen(worker, self.now)
+        self.apply(self.s.worker_lease_end(worker, lid, self.now))
+        self.note(lid, le)
+        assert lid in self.noted
+        out = self.s.worker_disconnect(worker, self.now, failed=not goodbye)
+        self.workers.pop(worker, None)
+        if goodbye:
+            assert not any(isinstance(a, LeaseEndToClient) and a.lease in self.noted for a in out)
+            self.noted = {k: v for k, v in self.noted.items() if v["worker"] != worker}
+        self.apply(out)
+        assert lid not in self.noted
+
+    @precondition(lambda self: self.noted)
+    @rule(data=st.data())
+    def worker_says_goodbye(self, data):
+        """A clean DISCONNECT (after its drain): nothing more to tell anyone of its notes."""
+        worker = data.draw(st.sampled_from(sorted({le["worker"] for le in self.noted.values()})))
+        out = self.s.worker_disconnect(worker, self.now, failed=False)
+        self.workers.pop(worker, None)
+        self.apply(out)
+        assert not any(isinstance(a, LeaseEndToClient) and a.lease in self.noted for a in out)
+        self.noted = {lid: le for lid, le in self.noted.items() if le["worker"] != worker}
 
     # ---- invariants
 
@@ -179,6 +252,11 @@ class LeaseMachine(SchedulerMachine):
                 1 for le in self.leases.values() if le["worker"] == ident)
             assert w.leased <= max(0, w.credit - 1)
         assert sum(v["leases"] for v in self.s.stats()["services"].values()) == len(self.leases)
+
+    @invariant()
+    def a_dead_workers_notes_were_told(self):
+        for lid, le in self.noted.items():
+            assert le["worker"] in self.workers, f"lease {lid}'s worker died and its client was not told"
 
     @invariant()
     def every_ask_is_answered_or_pending(self):

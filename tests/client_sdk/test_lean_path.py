@@ -520,3 +520,27 @@ def test_a_reply_queued_behind_an_infers_final_is_read_not_failed_as_silence(end
         c.close()
         t.join(WAIT)
         r.close(0)
+
+
+def test_a_resend_lease_end_finds_the_replies_already_on_the_lease_routed(pinned):
+    """Replies wait on the lease's connection and a LEASE_END with resend waits on the
+    broker's (the worker answered, then died): one pump routes the replies first, so nothing
+    goes through the broker a second time (it would run twice)."""
+    c, broker, worker = pinned
+    [lease] = c._pin_socks
+    lease_sock = c._pin_socks[lease]
+    before = len(broker.call(lambda: list(broker.requests)))
+    handles = [c.infer_stream("echo", {"x": np.arange(3) + i}) for i in range(2)]
+    for _ in handles:
+        worker.requests.get(timeout=WAIT)
+    assert lease_sock.poll(int(WAIT * 1000))  # the replies are there (not read: poll only looks)
+    ident = broker.call(lambda: broker.idents[-1])
+    end = P.encode_header(P.LeaseEnd(lease=lease, reason="worker_failed", resend=True))
+    broker.call(lambda: broker.sock.send_multipart([ident, *P.client_lease_end("echo", end)]))
+    assert c._sock.poll(int(WAIT * 1000))
+    c.pump(0)
+    for i, h in enumerate(handles):
+        with h.result(timeout=0) as r:
+            np.testing.assert_array_equal(r["x"], np.arange(3) + i)
+    assert len(broker.call(lambda: list(broker.requests))) == before  # nothing resent
+    assert not c.pinned("echo")
