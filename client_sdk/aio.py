@@ -16,6 +16,11 @@ Requests are queued on the socket without awaiting the send: a request the calle
 waiting for has still either left or will leave, so its input slots are only ever freed by
 its FINAL (or by `close()`), never while a worker might read them.  Frames the socket
 refuses (high-water mark) wait in `_pending`, in order, and go out before anything newer.
+
+`infer` waits without a reply-stream handle (as `Client.infer` does): the reader resolves a
+plain future through `call.notify`, and one client-wide timer, armed at the earliest
+deadline of the `infer` calls waiting, wakes those whose deadline has passed (a timer per
+request, or `asyncio.wait_for`'s task, would cost more than the rest of the wait).
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from functools import partial
 from typing import Any, Mapping
 
 import zmq
@@ -32,7 +38,7 @@ from broker import protocol as P
 from broker.protocol.wire import NOBLOCK, recv_frames, send_frames
 
 from .base import ClientBase, ReplyStreamBase
-from .calls import Call, mmi_answer, opaque_reply
+from .calls import Call, final_of_infer, mmi_answer, opaque_reply
 from .core import ClientCore
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PinClose, PinOpen, PinSend
@@ -43,6 +49,15 @@ __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
 
 log = logging.getLogger("client_sdk")
 _POLLIN = int(zmq.POLLIN)
+_Future = asyncio.Future  # what loop.create_future() makes, without its Python call
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    """`call.notify` of a waiting `infer` (as a `partial`): wake it.  Called once per item
+    that lands in the call's inbox, and by the deadline timer; the future may already be
+    done (a PARTIAL and its FINAL in one read) or cancelled (the waiting task was)."""
+    if not fut.done():
+        fut.set_result(None)
 
 
 def run(coro: Any) -> Any:
@@ -91,6 +106,12 @@ class AsyncClient(ClientBase):
         # (pins.py), read by the same callback
         self._pin_socks: dict[bytes, zmq.Socket] = {}
         self._pin_of: dict[zmq.Socket, Any] = {}
+        # `infer` calls waiting now (a dict as an ordered set), and the one timer that wakes
+        # them at their deadlines: armed at `_deadline_at`, the earliest deadline known when
+        # it was armed (see `_deadlines`)
+        self._waiters: dict[Call, None] = {}
+        self._deadline_at: float | None = None
+        self._deadline_timer: asyncio.TimerHandle | None = None
 
     # ---------------------------------------------------------------- background tasks
 
@@ -102,7 +123,7 @@ class AsyncClient(ClientBase):
         if self._loop is None:
             loop = asyncio.get_running_loop()
             for sock in self._socks:
-                loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
+                loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
             self._loop = loop
             loop.call_soon(self._drain)  # the FD is edge-triggered: look once now
             hello = self._core.hello(time.monotonic())
@@ -111,9 +132,10 @@ class AsyncClient(ClientBase):
             if self._core.heartbeat_interval is not None:
                 self._heart = loop.create_task(self._heartbeat_loop(), name="client_sdk-heartbeat")
 
-    def _drain(self) -> int:
-        """Route every message that has arrived; run by the loop when the FD signals.
-        Returns how many were handled."""
+    def _drain(self, only: zmq.Socket | None = None) -> int:
+        """Route every message that has arrived (`only`: on that socket, whose FD the loop
+        found signalled: each socket's FD is its reader's own, and a send that may consume
+        one's edge looks again itself); returns how many were handled."""
         core = self._core
         if core.closed or self._broken is not None:
             return 0
@@ -122,7 +144,17 @@ class AsyncClient(ClientBase):
         try:
             if self._pending:
                 self._flush()
-            for sock in self._socks:
+                only = None  # its sends may have consumed the broker socket's edge
+            if only is None or only is self._sock:
+                # Every socket, the broker's last: a LEASE_END that says "resend" must find
+                # the replies that already came on its lease routed (or it would send them
+                # again), so the broker's signal reads the reply sockets first.
+                socks = self._socks
+                if len(socks) > 1 and socks[0] is self._sock:
+                    socks = [*socks[1:], socks[0]]
+            else:
+                socks = (only,)
+            for sock in socks:
                 direct = sock is not self._sock
                 pin = pins.get(sock) if pins else None
                 # A lease's socket may be closed meanwhile (a stream woken by a FINAL ran
@@ -148,7 +180,7 @@ class AsyncClient(ClientBase):
         finally:
             if core.ops and not core.closed:  # after the loop: it may open and close sockets of `_socks`
                 self._run_ops()
-            if handled or self._broken is not None:
+            if self._traffic is not None and (handled or self._broken is not None):
                 self._wake_pumps()
         return handled
 
@@ -189,7 +221,7 @@ class AsyncClient(ClientBase):
         self._pin_of[sock] = pin
         self._socks = [*self._socks, sock]
         if self._loop is not None:
-            self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
+            self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
             self._look_again(sock)
 
     def _pin_drop(self, sock: zmq.Socket) -> None:
@@ -281,6 +313,37 @@ class AsyncClient(ClientBase):
 
     # ---------------------------------------------------------------- waiting
 
+    def _arm_deadlines(self, at: float) -> None:
+        """Have `_deadlines` run at `at` (a `time.monotonic()` instant), instead of later."""
+        timer = self._deadline_timer
+        if timer is not None:
+            timer.cancel()
+        self._deadline_at = at
+        self._deadline_timer = self._loop.call_later(max(0.0, at - time.monotonic()), self._deadlines)
+
+    def _deadlines(self) -> None:
+        """The deadline timer: wake each waiting `infer` whose deadline has passed (it raises
+        DeadlineExceeded and cancels its call), and arm again for the earliest deadline still
+        ahead.  A waiter that finds its deadline not passed yet (an early timer) waits again,
+        the timer armed for it."""
+        self._deadline_timer = self._deadline_at = None
+        if self._core.closed:
+            return
+        now = time.monotonic()
+        ahead = None
+        for call in self._waiters:
+            deadline = call.deadline
+            if deadline is None:
+                continue
+            if deadline <= now:
+                wake = call.notify
+                if wake is not None:
+                    wake()  # resolves a future: nothing runs now, `_waiters` stays as it is
+            elif ahead is None or deadline < ahead:
+                ahead = deadline
+        if ahead is not None:
+            self._arm_deadlines(ahead)
+
     async def _next(self, call: Call, limit: float | None = None) -> tuple[str, Any]:
         """Next item for `call`.  Raises DeadlineExceeded at the call's deadline and
         TimeoutError after `limit` seconds (the call stays in flight)."""
@@ -325,12 +388,60 @@ class AsyncClient(ClientBase):
                     reply: str = "auto", traceparent: str | None = None) -> Result:
         """Run one request and return its FINAL outputs.  A service that streams its results
         (PARTIALs) and ends with an empty FINAL raises `NotSupported`: use `infer_stream`."""
-        handle = self.infer_stream(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
-                                   traceparent=traceparent)
+        # What `infer_stream(...).result()` under `async with` does, without the handle (as
+        # `Client.infer`): the hot path of a caller that awaits one request at a time.
+        core = self._core
+        if self._loop is None or self._broken is not None:
+            self._start()  # `prepare`'s; a closed client is refused by new_call
+        call = core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
+                             traceparent=traceparent)
+        # `submit`, inlined
+        now = time.monotonic()
+        call.t_submit = now
+        frames = core.request_frames(call, now)
+        if core.ops:
+            self._run_ops()
+        if call.pin is None:
+            self._send_soon(frames)
+        else:
+            self._send_pinned(call, frames)
+        loop = self._loop
+        inbox = call.inbox
+        waiters = self._waiters
+        waiters[call] = None
+        partials = 0
         try:
-            return await handle.result()
+            while True:
+                while not inbox:
+                    if core.closed:
+                        # close() failed it, and then let go of every call (its inbox too)
+                        raise InferenceError("the client was closed while this request was waiting", code=None)
+                    deadline = call.deadline
+                    if deadline is not None:
+                        if time.monotonic() >= deadline:
+                            raise call.deadline_error()
+                        at = self._deadline_at
+                        if at is None or deadline < at:
+                            self._arm_deadlines(deadline)
+                    fut = _Future(loop=loop)
+                    call.notify = partial(_resolve, fut)
+                    await fut
+                kind, item = inbox.popleft()
+                if kind == "final":
+                    break
+                if kind == "error":
+                    raise item
+                partials += 1  # a PARTIAL: released unread, as result() does
+                item.release()
+        except BaseException:
+            # A deadline, a silent broker, the awaiting task cancelled...: CANCEL is on its
+            # way to the broker (or the leased worker) before the exception leaves.
+            self.give_up(call)
+            raise
         finally:
-            handle.close()
+            del waiters[call]
+        call.notify = None
+        return final_of_infer(service, item, partials) if partials else item
 
     def infer_stream(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                      priority: Any = "normal", meta: Mapping[str, Any] | None = None,
@@ -481,6 +592,9 @@ class AsyncClient(ClientBase):
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
+        if self._deadline_timer is not None:
+            self._deadline_timer.cancel()
+            self._deadline_timer = self._deadline_at = None
         if self._heart is not None:
             self._heart.cancel()
             try:
