@@ -9,6 +9,9 @@ scheduling, batching, descriptors):
   broker   client REQUEST in -> dispatch out, worker FINAL in -> FINAL to the client out
   worker   REQUEST in -> map inputs, batch, run echo, reply header out (also with counting on,
            as for a broker with --http: `worker_with_metrics_us`)
+  leased   a pinned REQUEST in on the worker's direct socket -> the lone-request lane (run at
+           once, no batcher queue) -> FINAL out on the same connection, 16 B inline both ways
+           (`worker_leased_us`)
   client   pack the request -> parse the reply -> build and release the Result
 
     python -m bench.hotpath [--n 20000]
@@ -125,6 +128,41 @@ def worker_us(n: int, metrics: bool = False) -> float:
         pool.close()
 
 
+def worker_leased_us(n: int) -> float:
+    """A leased (pinned) request at a serving worker: the direct socket's REQUEST handled as
+    the loop handles it (`_on_direct_frames`, the lone-request lane on, as in `serve`), its
+    FINAL recorded instead of sent."""
+    from gpu_worker.worker import Worker, WorkerConfig
+
+    link = _RecordingLink("ipc:///nonexistent", zmq.Context.instance())
+    w = Worker(WorkerConfig(broker="ipc:///nonexistent", model="echo", direct=True, warmup=False), upstream=link)
+    w._connect()
+    w.lone_lane = True
+    secret = b"s" * 16
+    grant = P.LeaseGrant(lease=P.lease_id(1), secret=secret, service=w.service, slots=2,
+                         client_host=P.local_host_id(), client_pid=os.getpid())
+    w.on_message(P.to_worker_lease(b"", P.encode_header(grant))[1:])
+    route = b"\x00hotpath"
+    assert w.leases.hello(route, grant.lease, secret) is None
+    sent = []
+    w.direct_socket.send = sent.append  # the reply is recorded, not sent
+    x = np.zeros(16, np.uint8).tobytes()
+    F = zmq.Frame
+    ids = iter(range(1, 1 << 62))
+    service = w.service.encode()
+
+    def one():
+        head = P.encode_header(P.Request(id=next(ids), tensors=[P.TensorRef("x", "|u1", [16], P.InlineLoc(frame=0))]))
+        w._on_direct_frames([F(route), F(P.MDPC), F(P.C_REQUEST), F(service), F(head), F(x)], time.monotonic())
+        assert sent, "the lane did not answer at once"
+        sent.clear()
+
+    try:
+        return _per_call_us(one, n)
+    finally:
+        w.close()
+
+
 def client_us(n: int) -> float:
     from client_sdk.core import ClientCore
 
@@ -162,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"broker_request_and_reply_us": broker_us(args.n),
            "broker_with_metrics_us": broker_us(args.n, metrics=True),
            "worker_request_us": worker_us(args.n // 4), "worker_with_metrics_us": worker_us(args.n // 4, metrics=True),
+           "worker_leased_us": worker_leased_us(args.n // 4),
            "client_request_us": client_us(args.n // 4)}
     for k, v in res.items():
         print(f"{k:30s} {v:7.1f}")

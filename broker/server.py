@@ -60,6 +60,9 @@ log = logging.getLogger("broker")
 # Messages drained from one socket before looking at the other and at the timers: large
 # enough to amortise the poll, small enough that a flood of clients cannot starve workers.
 _DRAIN = 64
+# The longest a closed worker's verdict waits for the backend to hold nothing more (its last
+# messages read first): a flood from other workers must not keep a dead one alive.
+GONE_WAIT_S = 0.1
 # Seconds between sweeps for shared-memory segments of dead processes.
 _GC_INTERVAL = 1.0
 _POLLIN = int(zmq.POLLIN)
@@ -249,6 +252,7 @@ class Broker:
         # A worker whose connection closes is dead now, not after heartbeat_liveness silent
         # intervals (broker.connections): the backend's monitor says which connection closed.
         self._worker_conns = WorkerConnections()
+        self._gone: dict[bytes, float] = {}  # workers whose connection closed -> when: their verdict waits (`_settle_gone`)
         self._backend_events = self.backend.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._client_pids: dict[bytes, int | None] = {}  # client identity -> attested pid
         # What is learned about a client's connection (its pid, whether it is tcp) is
@@ -379,6 +383,8 @@ class Broker:
                 # drain() may come from the launcher's thread: leases end here, on the loop.
                 self._act(sched.end_leases(DRAIN, now), now)
             timeout = 100 if wake is None else max(0, min(100, int((wake - now) * 1000.0 + 0.999)))
+            if self._gone:  # a closed worker's verdict waits for its last messages: look again soon
+                timeout = min(timeout, 10)
             for sock, _ in poll(items, timeout):
                 # Workers first: a reply frees credit for the requests that follow.
                 if sock is be:
@@ -391,6 +397,8 @@ class Broker:
                     self._on_frontend_events()
                 elif sock == http:
                     self._on_http()
+            if self._gone:
+                self._settle_gone(monotonic())
             wake = sched.next_wakeup(monotonic())
         self._collect_shm()
 
@@ -813,8 +821,7 @@ class Broker:
             # Connection events first: libzmq queues a connection's DISCONNECTED before it
             # closes the descriptor, so an event for an earlier holder of this READY's
             # descriptor is already waiting and must be applied before the new binding.
-            # (Not reading the backend first: we are inside its drain.)
-            self._on_backend_events(read_first=False)
+            self._on_backend_events()
             self._bind_connection(ident, frames[1], now)
             r = msg.ready
             if r is None:
@@ -909,14 +916,13 @@ class Broker:
             log.info("worker %r lost its connection (its number was reused); presuming it dead", gone[:16])
             self._act(self.sched.worker_disconnect(gone, now), now)
 
-    def _on_backend_events(self, read_first: bool = True) -> None:
-        """Apply the backend's connection events.  A worker whose connection closed is
-        presumed dead, but what it sent before closing comes first (``read_first``: the
-        backend is read to the end before each such verdict): a worker that said DISCONNECT
-        and exited is one that finished its work, not one that failed holding it (its
-        leases' clients would resend what it had answered).  libzmq delivers a
-        connection's messages before its ROUTER sees the pipe close, so they are in the
-        socket by the time the event is."""
+    def _on_backend_events(self) -> None:
+        """Apply the backend's connection events: the descriptor bookkeeping now, and for a
+        worker whose connection closed, the verdict (presumed dead) once what it sent before
+        closing has been read (`_settle_gone`): a worker that said DISCONNECT and exited
+        finished its work, it did not fail holding it (its leases' clients would resend
+        what it had answered).  libzmq delivers a connection's messages before its ROUTER
+        sees the pipe close, so they are in the backend by the time the event is here."""
         now = time.monotonic()
         while sock_events(self._backend_events) & _POLLIN:
             event = recv_monitor_message(self._backend_events)
@@ -924,13 +930,20 @@ class Broker:
                 continue
             gone = self._worker_conns.closed(event["value"])
             if gone is not None:
-                if read_first:
-                    be = self.backend
-                    while sock_events(be) & _POLLIN:
-                        self._drain(be, self.on_worker)
-                if self.sched.knows_worker(gone):
-                    log.info("worker %r closed its connection; presuming it dead", gone[:16])
-                    self._act(self.sched.worker_disconnect(gone, now), now)
+                self._gone.setdefault(gone, now)
+
+    def _settle_gone(self, now: float) -> None:
+        """The verdict on workers whose connection closed (`_on_backend_events`), once the
+        backend holds nothing more (their last messages, a DISCONNECT among them, were
+        read), or after GONE_WAIT_S whatever it holds (a flood from other workers must not
+        keep a dead one alive)."""
+        if sock_events(self.backend) & _POLLIN and all(now - t < GONE_WAIT_S for t in self._gone.values()):
+            return
+        gone, self._gone = self._gone, {}
+        for ident in gone:
+            if self.sched.has_worker(ident):  # not if it said DISCONNECT meanwhile
+                log.info("worker %r closed its connection; presuming it dead", ident[:16])
+                self._act(self.sched.worker_disconnect(ident, now), now)
 
     # ------------------------------------------------------------------ actions
 

@@ -1079,10 +1079,6 @@ class Scheduler(LeaseEvents):
         """Whether ``worker`` is registered and alive."""
         return worker in self._workers
 
-    def knows_worker(self, worker: bytes) -> bool:
-        """Whether ``worker`` is registered (not yet gone)."""
-        return worker in self._workers
-
     def has_service(self, service: str) -> bool:
         svc = self._services.get(service)
         return svc is not None and svc.any.live > 0

@@ -155,6 +155,7 @@ class AsyncClient(ClientBase):
             else:
                 socks = (only,)
             for sock in socks:
+                n = 0  # each socket its own budget: a busy one does not starve the broker's
                 direct = sock is not self._sock
                 pin = pins.get(sock) if pins else None
                 # A lease's socket may be closed meanwhile (a stream woken by a FINAL ran
@@ -169,9 +170,10 @@ class AsyncClient(ClientBase):
                     for out in outs:
                         self._send_soon(out)
                     handled += 1
-                    if handled >= 256:  # let other callbacks run; come back at once
+                    n += 1
+                    if n >= 256:  # let other callbacks run; come back at once
                         self._loop.call_soon(self._drain)
-                        return handled
+                        break
         except zmq.ZMQError as e:
             self._broken = e
             err = InferenceError(f"the client's socket failed ({e}); create a new client", code=None)
@@ -247,7 +249,8 @@ class AsyncClient(ClientBase):
                 self._look_again(sock)
                 return
             except zmq.ZMQError:  # full or gone: the broker takes it
-                pass
+                if not sock.closed:
+                    self._look_again(sock)  # a failed send may have consumed its edge too
         self._core.reroute(call)
         self._send_soon(frames)
 

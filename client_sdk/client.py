@@ -273,9 +273,9 @@ class Client(ClientBase):
             if now - core.last_heartbeat >= hb and core.heartbeat_due(now):
                 self._send_soon(core.heartbeat(now))
             if now - core.last_recv > LIVENESS * hb:
-                # Silent that long, in our eyes: first read what has arrived meanwhile (an
-                # `infer` stops reading at its own FINAL, and a caller may come back late),
-                # so that a reply sitting in a socket is not failed as the broker's silence.
+                # Silent that long, in our eyes: first read what has arrived meanwhile (a
+                # caller may come back late, and a drain may have stopped at its budget), so
+                # that a reply sitting in a socket is not failed as the broker's silence.
                 ready = zmq.zmq_poll(self._items, 0)
                 if ready:
                     self._drain(ready)
@@ -393,8 +393,10 @@ class Client(ClientBase):
             direct = sock is not self._sock
             pin = pins.get(sock) if pins else None
             readable = ready is not None
+            most = 256  # each socket its own budget: a busy reply socket does not starve the rest
             # a lease's socket may close meanwhile
-            while not sock.closed and (readable or sock_events(sock) & _POLLIN):
+            while most and not sock.closed and (readable or sock_events(sock) & _POLLIN):
+                most -= 1
                 try:
                     frames = recv_frames(sock, NOBLOCK)
                 except zmq.Again:

@@ -9,7 +9,7 @@ from bench import hotpath
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.mark.parametrize("fn", [hotpath.broker_us, hotpath.worker_us, hotpath.client_us])
+@pytest.mark.parametrize("fn", [hotpath.broker_us, hotpath.worker_us, hotpath.worker_leased_us, hotpath.client_us])
 def test_each_component_is_timed(fn):
     us = fn(20)
     assert 0 < us < 10_000
