@@ -907,6 +907,11 @@ class Broker:
                     self._client_tcp.pop(ident, None)
 
     def _bind_connection(self, ident: bytes, frame: Any, now: float) -> None:
+        if self._gone.pop(ident, None) is not None and self.sched.has_worker(ident):
+            # A READY under the identity of a worker whose connection closed (a peer that
+            # names itself): the old registration's verdict comes first, as the event's did.
+            log.info("worker %r closed its connection; presuming it dead", ident[:16])
+            self._act(self.sched.worker_disconnect(ident, now), now)
         try:
             fd = frame.get(zmq.SRCFD)  # the connection libzmq read this READY from
         except (zmq.ZMQError, AttributeError):  # not a received frame, or no SRCFD here
@@ -937,9 +942,14 @@ class Broker:
         backend holds nothing more (their last messages, a DISCONNECT among them, were
         read), or after GONE_WAIT_S whatever it holds (a flood from other workers must not
         keep a dead one alive)."""
-        if sock_events(self.backend) & _POLLIN and all(now - t < GONE_WAIT_S for t in self._gone.values()):
-            return
-        gone, self._gone = self._gone, {}
+        if sock_events(self.backend) & _POLLIN:
+            # Something is still to read: only those that waited long enough (the others'
+            # DISCONNECT may be in it).
+            gone = [ident for ident, t in self._gone.items() if now - t >= GONE_WAIT_S]
+            for ident in gone:
+                del self._gone[ident]
+        else:
+            gone, self._gone = list(self._gone), {}
         for ident in gone:
             if self.sched.has_worker(ident):  # not if it said DISCONNECT meanwhile
                 log.info("worker %r closed its connection; presuming it dead", ident[:16])

@@ -148,13 +148,17 @@ class AsyncClient(ClientBase):
             if only is None or only is self._sock:
                 # Every socket, the broker's last: a LEASE_END that says "resend" must find
                 # the replies that already came on its lease routed (or it would send them
-                # again), so the broker's signal reads the reply sockets first.
+                # again), so the broker's signal reads the reply sockets first, and a pass in
+                # which one ran out of its budget leaves the broker's for the next pass.
                 socks = self._socks
                 if len(socks) > 1 and socks[0] is self._sock:
                     socks = [*socks[1:], socks[0]]
             else:
                 socks = (only,)
+            capped = False
             for sock in socks:
+                if capped and sock is self._sock:
+                    continue  # a lease's replies are left to read: the broker's LEASE_END waits for them
                 n = 0  # each socket its own budget: a busy one does not starve the broker's
                 direct = sock is not self._sock
                 pin = pins.get(sock) if pins else None
@@ -173,6 +177,7 @@ class AsyncClient(ClientBase):
                     n += 1
                     if n >= 256:  # let other callbacks run; come back at once
                         self._loop.call_soon(self._drain)
+                        capped = capped or direct
                         break
         except zmq.ZMQError as e:
             self._broken = e
@@ -250,7 +255,10 @@ class AsyncClient(ClientBase):
                 return
             except zmq.ZMQError:  # full or gone: the broker takes it
                 if not sock.closed:
-                    self._look_again(sock)  # a failed send may have consumed its edge too
+                    try:
+                        self._look_again(sock)  # a failed send may have consumed its edge too
+                    except zmq.ZMQError:
+                        pass
         self._core.reroute(call)
         self._send_soon(frames)
 

@@ -278,7 +278,7 @@ class Client(ClientBase):
                 # that a reply sitting in a socket is not failed as the broker's silence.
                 ready = zmq.zmq_poll(self._items, 0)
                 if ready:
-                    self._drain(ready)
+                    self._drain(ready, always_broker=True)  # the broker's word first, now
                     timeout = 0  # what it routed is for the callers now, not after a wait
                 if core.fail_unreachable(now):
                     timeout = 0  # their callers must hear it now
@@ -374,24 +374,29 @@ class Client(ClientBase):
             pending.popleft()
             self._core.last_send = time.monotonic()
 
-    def _drain(self, ready: list | None = None) -> None:
+    def _drain(self, ready: list | None = None, always_broker: bool = False) -> None:
         # EVENTS rather than recv(NOBLOCK) until zmq.Again: an exception per wake-up costs
         # more than the rest of the client's work on a small request.  `ready`: what the
         # poll found readable (each socket asked costs a syscall pair); None: every socket.
         # A socket zmq_poll found readable holds a whole message (the poll asked EVENTS
         # itself), so the first read needs no question; it does not wait all the same, in
         # case something read that socket meanwhile (a `notify` callback that pumps).
-        # Every socket is read to the end, the broker's last: a LEASE_END that says
-        # "resend" must find the replies that already came on its lease routed (or it would
-        # send them again), and a restart's heartbeat must not wait for the next call.
+        # Every socket is read (up to a budget of 256 messages each), the broker's last: a
+        # LEASE_END that says "resend" must find the replies that already came on its lease
+        # routed (or it would send them again), so a pass in which a reply socket ran out
+        # of budget leaves the broker's socket for the next one (unless ``always_broker``:
+        # the broker has seemed silent so long that its word cannot wait).
         core = self._core
         pins = self._pin_of
         items = self._items if ready is None else ready
+        capped = False
         if len(items) > 1 and items[0][0] is self._sock:
             items = [*items[1:], items[0]]
         for sock, _ in items:
             direct = sock is not self._sock
             pin = pins.get(sock) if pins else None
+            if capped and sock is self._sock and not always_broker:
+                continue  # a lease's replies are left to read: the broker's LEASE_END waits for them
             readable = ready is not None
             most = 256  # each socket its own budget: a busy reply socket does not starve the rest
             # a lease's socket may close meanwhile
@@ -404,6 +409,8 @@ class Client(ClientBase):
                 for out in core.on_message(frames, time.monotonic(), direct, pin):
                     self._send_soon(out)
                 readable = False
+            if not most and direct:
+                capped = True
         if core.ops:  # after the loop: it may open and close sockets of `_items`
             self._run_ops()
 
