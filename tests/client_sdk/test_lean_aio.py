@@ -29,21 +29,6 @@ pytestmark = pytest.mark.timeout(30)
 
 
 @pytest.fixture
-def endpoint(tmp_path_factory):
-    return f"ipc://{tmp_path_factory.mktemp('leanaio')}/b.sock"
-
-
-@pytest.fixture
-def fake(endpoint):
-    fb = FakeBroker(endpoint)
-    fb.start()
-    try:
-        yield fb
-    finally:
-        fb.stop()
-
-
-@pytest.fixture
 def no_handle(monkeypatch):
     """`infer` must not build a reply-stream handle (infer_stream still may)."""
     def refuse(*a, **kw):

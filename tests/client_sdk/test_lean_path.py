@@ -33,21 +33,6 @@ pytestmark = pytest.mark.timeout(30)
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
-@pytest.fixture
-def endpoint(tmp_path_factory):
-    return f"ipc://{tmp_path_factory.mktemp('lean')}/b.sock"
-
-
-@pytest.fixture
-def fake(endpoint):
-    fb = FakeBroker(endpoint)
-    fb.start()
-    try:
-        yield fb
-    finally:
-        fb.stop()
-
-
 def _last_request(fake) -> P.Request:
     service, req = fake.requests[-1]
     assert isinstance(req, P.Request), (service, req)

@@ -22,7 +22,7 @@ from client_sdk import Client
 from client_sdk import tensors as T
 from client_sdk.core import ClientCore
 
-from .test_sdk_client import WAIT, FakeBroker
+from .test_sdk_client import WAIT
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -280,21 +280,6 @@ def test_outputs_of_a_request_with_no_shared_memory_inputs_are_never_local(core)
 
 # ================================================================================================
 # Through a blocking client
-
-@pytest.fixture
-def endpoint(tmp_path_factory):
-    return f"ipc://{tmp_path_factory.mktemp('leanref')}/b.sock"
-
-
-@pytest.fixture
-def fake(endpoint):
-    fb = FakeBroker(endpoint)
-    fb.start()
-    try:
-        yield fb
-    finally:
-        fb.stop()
-
 
 @pytest.mark.parametrize("transport", ["auto", "shm"])
 def test_client_sends_an_alloc_buffer_by_reference_and_gets_it_back(fake, endpoint, transport):

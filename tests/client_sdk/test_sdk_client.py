@@ -332,22 +332,6 @@ class FakeBroker(threading.Thread):
         self._send(ident, final, service, [P.encode_header(rep), *frames])
 
 
-@pytest.fixture
-def endpoint(tmp_path_factory):
-    # ipc paths are limited to ~107 bytes: keep them short whatever the test's name.
-    return f"ipc://{tmp_path_factory.mktemp('ep')}/b.sock"
-
-
-@pytest.fixture
-def fake(endpoint):
-    fb = FakeBroker(endpoint)
-    fb.start()
-    try:
-        yield fb
-    finally:
-        fb.stop()
-
-
 class BlockingTwin:
     """An AsyncClient behind Client's blocking API: each coroutine method runs to completion
     on a private event loop (the reader and heartbeat task run while it does); everything
