@@ -406,16 +406,7 @@ class AsyncClient(ClientBase):
             self._start()  # `prepare`'s; a closed client is refused by new_call
         call = core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
                              traceparent=traceparent)
-        # `submit`, inlined
-        now = time.monotonic()
-        call.t_submit = now
-        frames = core.request_frames(call, now)
-        if core.ops:
-            self._run_ops()
-        if call.pin is None:
-            self._send_soon(frames)
-        else:
-            self._send_pinned(call, frames)
+        self.submit(call)
         loop = self._loop
         inbox = call.inbox
         waiters = self._waiters
