@@ -23,7 +23,7 @@ import numpy as np
 
 from broker import protocol as P
 
-from .errors import InvalidInput, NotSupported
+from .errors import InvalidInput, NotSupported, PoolFull
 
 
 def unavailable_message(why: str) -> str:
@@ -92,9 +92,17 @@ class CudaSide:
                                f"allocate on {device!r} (one device per client)")
 
     def alloc(self, shape: Any, dtype: Any) -> Any:
+        """`alloc_cuda`: a tensor in the device pool; PoolFull (an InferenceError and a
+        `shm.ShmFull`, as for `alloc`) when the pool has no room."""
+        from shm.errors import ShmFull
+
         self.run_deferred()
         dt = self._dtype_of(dtype)
-        src = self.pool.alloc(shape, dt)
+        try:
+            src = self.pool.alloc(shape, dt)
+        except ShmFull as e:  # shm.cuda.DevicePoolFull: its message says which limit
+            raise PoolFull(f"alloc_cuda: {e} (the client's device pool holds pool_capacity bytes: pass a larger "
+                           "pool_capacity, or drop alloc_cuda tensors and release results sooner)") from None
         ref = self.pool.ref_of(src)
         if ref is None or src.numel() == 0:
             return src  # an empty tensor owns no bytes: nothing to free later

@@ -27,7 +27,7 @@ ValueError, ...) so that code catching the builtin keeps working.
 #     ├── NotSupported    (+ NotImplementedError) None e.g. CUDA tensors without a CUDA side
 #     ├── InvalidInput    (+ ValueError)          422  the inputs do not match the model (or cannot be sent: None)
 #     ├── EndOfStream     (+ LookupError)         None a stream has nothing left to receive
-#     └── PoolFull        (+ shm.ShmFull)         None `alloc()`: the client's pool has no room
+#     └── PoolFull        (+ shm.ShmFull)         None `alloc()`/`alloc_cuda()`: the client's pool has no room
 from __future__ import annotations
 
 from broker import protocol as _P
@@ -161,7 +161,8 @@ class EndOfStream(InferenceError, LookupError):
 
 
 class PoolFull(InferenceError, _ShmFull):
-    """`alloc()` found no room in the client's shared-memory pool (also a `shm.ShmFull`)."""
+    """`alloc()` found no room in the client's shared-memory pool, or `alloc_cuda()` none in
+    its device pool (also a `shm.ShmFull`)."""
 
     code = None
     hint = ""  # the pool's message says what to do (a larger pool_capacity, free buffers sooner)

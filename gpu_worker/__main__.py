@@ -14,7 +14,9 @@ in the runtime directory.  `--model` takes a shipped name (echo, cartoon, convne
 (docs/models.md).  A model that cannot be loaded (bad spec, import error, factory raising, no
 such device, a `name` with whitespace or control characters, malformed `inputs`/`outputs`
 declarations) or whose warm-up raises, and an option the worker cannot run with
-(`--max-batch 0`), is one line on stderr saying what to change, and exit 2.
+(`--max-batch 0`), or a `--backend` that cannot run the model (the numpy backend for a torch
+model; TensorRT for a model without example inputs or that does not export), is one line on
+stderr saying what to change, and exit 2.
 """
 from __future__ import annotations
 
@@ -90,6 +92,19 @@ def _fail(message: str) -> None:
     print(f"python -m gpu_worker: {text}", file=sys.stderr, flush=True)
 
 
+def _backend_failure(backend: str, model: str, message: str) -> str:
+    """What `make_backend` raised while building the backend, as what to change on the command line."""
+    message = message.replace(" (use make_backend)", "")  # library advice, meaningless here
+    if "example_inputs" in message:
+        advice = ("give the model example_inputs() returning one item per input (docs/models.md), "
+                  "or use --backend auto")
+    elif backend != "auto":
+        advice = "use --backend auto (it follows the model's framework)"
+    else:
+        advice = "fix the model (docs/models.md)"
+    return f"backend {backend!r} cannot run model {model!r}: {message}; {advice}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from gpu_worker.worker import DIRECT_LINGER_MS, ConfigError, WarmupError, Worker, WorkerConfig, install_sigterm_drain
 
@@ -149,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_key=args.worker_key,
         insecure=args.insecure,
     )
-    from gpu_worker.backends import BackendUnavailable
+    from gpu_worker.backends import BackendError, BackendUnavailable
     from gpu_worker.devices import DeviceError, DeviceUnavailable
     from gpu_worker.leases import DirectSocketError
     from gpu_worker.models import ModelLoadError
@@ -161,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except BackendUnavailable as e:
         print(f"python -m gpu_worker: backend {args.backend!r} is unavailable: {e}", file=sys.stderr, flush=True)
+        return 2
+    except BackendError as e:  # the backend cannot run this model (a framework it does not take, no example inputs)
+        _fail(_backend_failure(args.backend, args.model, str(e)))
         return 2
     except (ModelLoadError, DeviceError, DeviceUnavailable) as e:  # the message says what was expected
         _fail(f"cannot load model {args.model!r}: {e}")
@@ -184,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                 live=lambda: loop_alive(lambda: worker.last_loop,
                                         lambda: worker.heartbeat_interval * worker.heartbeat_liveness,
                                         lambda: bool(worker.running)),
-                ready=lambda: worker.registered and not worker.stop.is_set())
+                ready=lambda: worker.ready and not worker.stop.is_set())
         except (ValueError, OSError) as e:
             worker.close()
             print(f"python -m gpu_worker: --health-port {args.health_port}: {e}", file=sys.stderr, flush=True)

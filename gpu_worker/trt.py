@@ -138,13 +138,22 @@ def _adapter(model: Any, input_names: list[str], output_names: list[str]):
     return DictAdapter().eval()
 
 
-def _example_batch(model: Any, batch: int, device: str) -> dict[str, Any]:
-    import torch
-
+def _example_items(model: Any) -> dict[str, np.ndarray]:
+    """One item per input (no batch axis): the model's example inputs, which fix the shapes
+    an engine is built for; BackendError when the model has none."""
     try:
         example = model.example_inputs()
     except NotImplementedError:
-        raise BackendError(f"model {model.name!r} has no example_inputs(); TensorRT needs the item shapes") from None
+        raise BackendError(f"model {model.name!r} has no example_inputs(); "
+                           "TensorRT needs them for the item shapes of its engine") from None
+    if not isinstance(example, Mapping) or not example:
+        raise BackendError(f"model {model.name!r}: example_inputs() returned {type(example).__name__}, "
+                           "not a dict of input name -> one item (TensorRT builds its engine for those shapes)")
+    return {k: np.asarray(v) for k, v in example.items()}
+
+
+def _example_batch(model: Any, batch: int, device: str) -> dict[str, Any]:
+    example = _example_items(model)
     out = {}
     for k, v in example.items():
         arr = np.ascontiguousarray(np.stack([np.asarray(v)] * batch))
@@ -166,8 +175,12 @@ def export_onnx(model: Any, path: str | os.PathLike, *, example: Mapping[str, An
     if example is None:
         example = _example_batch(model, 2, device)
     input_names = sorted(example)
-    with torch.inference_mode():
-        probe = model(dict(example))
+    try:
+        with torch.inference_mode():
+            probe = model(dict(example))
+    except Exception as e:
+        raise BackendError(f"model {model.name!r} raised on its example inputs while being exported to ONNX "
+                           f"for TensorRT: {type(e).__name__}: {e}") from e
     if not isinstance(probe, Mapping):
         raise BackendError(f"model {model.name!r} must return a dict of tensors to be exported")
     output_names = sorted(probe)
@@ -177,10 +190,14 @@ def export_onnx(model: Any, path: str | os.PathLike, *, example: Mapping[str, An
     onnx_out = [f"{k}__out" if k in clash else k for k in output_names]
     dyn = {k: {0: "batch"} for k in input_names + onnx_out}
     module = _adapter(model, input_names, output_names)
-    with torch.no_grad():
-        torch.onnx.export(module, tuple(example[k] for k in input_names), os.fspath(path),
-                          input_names=input_names, output_names=onnx_out, dynamic_axes=dyn,
-                          opset_version=opset, do_constant_folding=True, dynamo=False)
+    try:
+        with torch.no_grad():
+            torch.onnx.export(module, tuple(example[k] for k in input_names), os.fspath(path),
+                              input_names=input_names, output_names=onnx_out, dynamic_axes=dyn,
+                              opset_version=opset, do_constant_folding=True, dynamo=False)
+    except Exception as e:  # an op the exporter cannot trace: the model cannot run on TensorRT
+        raise BackendError(f"model {model.name!r} cannot be exported to ONNX for TensorRT: "
+                           f"{type(e).__name__}: {e}") from e
     return input_names, output_names
 
 
@@ -276,7 +293,7 @@ def load_or_build(model: Any, *, device: int = 0, max_batch: int = 8, opt_batch:
     trt = _trt()
     import torch
 
-    items = {k: np.asarray(v) for k, v in (example if example is not None else model.example_inputs()).items()}
+    items = {k: np.asarray(v) for k, v in example.items()} if example is not None else _example_items(model)
     batch2 = {k: numpy_to_torch(np.ascontiguousarray(np.stack([v, v]))).to(f"cuda:{device}") for k, v in items.items()}
     sig = [(k, items[k].dtype.str, tuple(v.shape)) for k, v in items.items()]
     opt = opt_batch or max(1, max_batch // 2)
@@ -391,7 +408,7 @@ class TrtBackend(TorchBackend):
                                         directory=cache, opt_level=opt_level, example=example)
         self.engine = TensorRTEngine(plan, index)
         self.max_batch = max_batch
-        ex = example if example is not None else model.example_inputs()
+        ex = example if example is not None else _example_items(model)
         self._signature = {k: (np.asarray(v).dtype.str, tuple(np.asarray(v).shape)) for k, v in ex.items()}
         self._warned = False
 

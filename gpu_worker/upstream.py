@@ -76,6 +76,7 @@ class BrokerLink:
         self.curve = link_keys(endpoint, server_key, worker_key, insecure)
         self.sock: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None  # the socket's connection events (PAIR), for the loop to poll
+        self.connected = False  # as the monitor last said (read by `reconnected`)
         self.last_sent = 0.0
         self._dropped = False
         self._bad = P.RateLimitedLog(log)
@@ -91,6 +92,7 @@ class BrokerLink:
         # never heard of us: register again at once rather than at the next heartbeat.
         self.monitor = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._dropped = False
+        self.connected = False
         C.configure_peer(s, self.curve)
         s.connect(self.endpoint)
         self.sock = s
@@ -104,8 +106,11 @@ class BrokerLink:
             event = recv_monitor_message(self.monitor)["event"]
             if event == zmq.EVENT_DISCONNECTED:
                 self._dropped = True
-            elif event == zmq.EVENT_CONNECTED and self._dropped:
-                came_back = True
+                self.connected = False
+            elif event == zmq.EVENT_CONNECTED:
+                self.connected = True
+                if self._dropped:
+                    came_back = True
         return came_back
 
     def connect(self, service: str, ready: P.Ready) -> zmq.Socket:

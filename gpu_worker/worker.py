@@ -257,7 +257,8 @@ class Worker:
         self._stats_warm = 0     # keep-warm runs already reported
         self._stats_usage = None  # pool use last reported
         self.counts = False        # the broker counts (its WELCOME said so): STATS, DONE outcomes
-        self.registered = False    # a WELCOME since the last (re)connect (the health probe's ready)
+        self.registered = False    # a WELCOME since the last (re)connect (see `ready`)
+        self._plain_broker = False  # no WELCOME came within the wait: a plain MDP broker, or none
         self.last_loop = time.monotonic()  # the loop's last pass (the health endpoint's liveness)
         self.cancelled_running = 0            # requests cancelled while their batch ran
         self.stop = threading.Event()
@@ -441,6 +442,7 @@ class Worker:
                 if self._ready_cb is not None and now >= self._ready_deadline:
                     log.warning("no WELCOME from the broker within %.3g s (a plain MDP broker, or none yet); "
                                 "announcing READY anyway", self._ready_wait)
+                    self._plain_broker = True  # ready (the probe's) while connected, from now on
                     self._announce_ready()
                 if self.dones.ready(now):
                     self._flush_done()
@@ -622,9 +624,18 @@ class Worker:
     def _announce_ready(self) -> None:
         """Run serve's `ready_cb` the first time only."""
         cb, self._ready_cb = self._ready_cb, None
-        self.registered = True
         if cb is not None:
             cb()
+
+    @property
+    def ready(self) -> bool:
+        """The health probe's ready: registered (a WELCOME since the last (re)connect), or,
+        from a broker that sends no WELCOME (plain MDP: READY was announced after the wait),
+        connected to it.  Never ready with no broker at all: announcing READY after the wait
+        does not make a worker that nobody has registered."""
+        if self.registered:
+            return True
+        return self._plain_broker and bool(getattr(self.upstream, "connected", False))
 
     def _on_recall(self, envelopes) -> None:
         """The broker wants these back for an idle worker: give back the ones still waiting
@@ -961,7 +972,11 @@ class Worker:
         self.compute_times.observe(n, seconds)
         self.keep_warm.busy(seconds, time.monotonic())
         if error is not None:
-            log.error("model %s failed on a batch of %d: %r", self.model.name, n, error)
+            # The batch's request ids ride along: at the errors-only level this is the one line
+            # about these requests.
+            log.error("model %s failed on a batch of %d: %r", self.model.name, n, error,
+                      extra={"service": self.service,
+                             "rids": [logs.request_id(job.req) for job in jobs if job.req is not None]})
             for job in jobs:
                 self._reply_error(
                     job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {type(error).__name__}: {error}"

@@ -279,3 +279,44 @@ def test_leased_requests_count_from_stats_as_outcomes_and_request_times():
     assert got[("zmq_infer_requests_total", (("outcome", "error_other"), ("service", "echo")))] == 3
     assert got[("zmq_infer_request_seconds_count", (("service", "echo"),))] == 1 + 4
     assert got[("zmq_infer_request_seconds_bucket", (("le", "+Inf"), ("service", "echo")))] == 5
+
+
+def test_cuda_pool_and_gpu_memory_gauges_per_worker():
+    """A CUDA worker's STATS carry its device pool's use and capacity and the device's memory
+    (gpu_worker.cuda_plane.CudaPlane.usage): one gauge series each, labelled with the worker;
+    a CPU worker's (None: not applicable) shows none of them."""
+    m = Metrics()
+    m.register("gpu")
+    st = _stats(cuda_used=3 << 20, cuda_capacity=256 << 20, device_used=5 << 30, device_total=80 << 30)
+    st = P.parse_worker(P.worker_stats(st)).info  # through the wire, as a worker sends it
+    assert m.worker_stats(b"w1", "gpu", "41@h", st)
+    assert m.worker_stats(b"w2", "gpu", "42@h", _stats())  # a CPU worker: no device fields
+    got = {(n, lab): v for n, lab, v in _samples(exposition(render(m.snapshot(), _sched({}), m.known)))}
+    w1 = (("service", "gpu"), ("worker", "41@h"))
+    assert got[("zmq_infer_cuda_pool_used_bytes", w1)] == 3 << 20
+    assert got[("zmq_infer_cuda_pool_capacity_bytes", w1)] == 256 << 20
+    assert got[("zmq_infer_gpu_memory_used_bytes", w1)] == 5 << 30
+    assert got[("zmq_infer_gpu_memory_total_bytes", w1)] == 80 << 30
+    assert got[("zmq_infer_shm_pool_used_bytes", w1)] == 10  # the host ring beside it
+    w2 = (("service", "gpu"), ("worker", "42@h"))
+    assert got[("zmq_infer_shm_pool_used_bytes", w2)] == 10
+    assert not [k for k in got if k[1] == w2 and k[0].startswith(("zmq_infer_cuda_pool_", "zmq_infer_gpu_memory_"))]
+    # The next STATS replaces the gauges (they are current values, not sums).
+    assert m.worker_stats(b"w1", "gpu", "41@h", _stats(cuda_used=1 << 20, cuda_capacity=256 << 20,
+                                                          device_used=4 << 30, device_total=80 << 30))
+    got = {(n, lab): v for n, lab, v in _samples(exposition(render(m.snapshot(), _sched({}), m.known)))}
+    assert got[("zmq_infer_cuda_pool_used_bytes", w1)] == 1 << 20
+    assert got[("zmq_infer_gpu_memory_used_bytes", w1)] == 4 << 30
+    # A worker that goes takes its device series with it.
+    m.worker_gone(b"w1")
+    text = exposition(render(m.snapshot(), _sched({}), m.known)).decode()
+    assert 'worker="41@h"' not in text
+
+
+@pytest.mark.parametrize("field", ["cuda_used", "cuda_capacity", "device_used", "device_total"])
+def test_device_gauges_out_of_range_are_refused(field):
+    m = Metrics()
+    m.register("gpu")
+    assert not m.worker_stats(b"w", "gpu", "1@h", _stats(**{field: -1}))
+    assert not m.worker_stats(b"w", "gpu", "1@h", _stats(**{field: 1 << 60}))
+    assert m.bad_stats == 2 and m.gauges == {}

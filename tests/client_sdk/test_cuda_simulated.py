@@ -99,3 +99,30 @@ def test_full_device_pool_falls_back_to_the_host(sim, cpu_tensors_are_cuda):  # 
         assert side.pool.in_use() == 0
     finally:
         side.close()
+
+
+def test_alloc_cuda_on_a_full_device_pool_is_pool_full(sim, monkeypatch, tmp_path):  # noqa: F811
+    """docs/client.md: every error derives from InferenceError.  A device pool with no room
+    is `PoolFull`, as for `alloc()` (and still a `shm.ShmFull`), with the pool's reason and
+    what to change; the pool is left as it was."""
+    import shm
+    import shm.cuda
+    from client_sdk import Client, InferenceError, PoolFull
+
+    monkeypatch.setattr(shm.cuda, "default_runtime", lambda: sim)  # the client's CudaSide runs on the simulation
+    with Client(f"ipc://{tmp_path}/none.ipc", pool_capacity=4096) as c:
+        with pytest.raises(PoolFull) as info:
+            c.alloc_cuda((4096,), np.float32)  # 16 KiB in a 4 KiB device pool
+        e = info.value
+        assert isinstance(e, InferenceError) and isinstance(e, shm.ShmFull) and e.code is None
+        assert "larger than the whole pool" in str(e) and "pool_capacity" in str(e), str(e)
+        side = c._core._cuda
+        assert side is not None and side.pool.in_use() == 0  # nothing half-allocated
+        t = c.alloc_cuda((16,), np.float32)                   # what fits still does
+        assert tuple(t.shape) == (16,) and side.pool.in_use() == 1
+        # Every slot live: the other reason, the same class.
+        held = [t]
+        with pytest.raises(PoolFull, match="alloc_cuda"):
+            while len(held) < 10_000:
+                held.append(c.alloc_cuda((16,), np.float32))
+        del held, t

@@ -10,6 +10,8 @@ written) and their whole stderr is read:
   traced request's trace id;
 - DEBUG: also the tensors (name, dtype, shape, shared-memory segment, offset, size);
 - `--log-format json`: every line is a JSON object with ts, level, process, pid, logger, msg;
+- a model that raises (tests/e2e/raising_model.py), at the default level: one ERROR line
+  naming the service and the failed batch's rids, and nothing else about the requests;
 - with opentelemetry-sdk and `OTEL_TRACES_EXPORTER=console`, the worker's spans for the
   traced request carry the client's trace id, as children of the client's span.
 """
@@ -22,7 +24,7 @@ import re
 import numpy as np
 import pytest
 
-from client_sdk import Client
+from client_sdk import Client, InternalError
 
 from .conftest import wait_service
 
@@ -170,3 +172,49 @@ def test_a_client_traceparent_reaches_the_workers_log_and_spans(cluster):
     order = [by_name[n] for n in ("queue", "input", "compute", "output")]
     for a, b in zip(order, order[1:]):  # one after another (ISO times of one format compare as text)
         assert a["start_time"] <= b["start_time"], (a, b)
+
+
+def _run_failing(cluster, fmt: str):
+    """A broker and a worker of raising_model at the default level (WARNING) in `fmt`: one
+    request that passes, one the model raises on; both stopped.  Their stderr, and the failed
+    request's rid (the client's pid: its request id)."""
+    broker = cluster.broker("--log-format", fmt)
+    worker = cluster.worker("raising_model:factory", "--service", "raising", "--log-format", fmt)
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "raising")
+        with c.infer("raising", {"x": np.zeros(4, np.float32)}) as out:
+            assert not out["x"].any()
+        with pytest.raises(InternalError, match="told to fail") as e:
+            c.infer("raising", {"x": np.ones(4, np.float32)})
+    assert e.value.request_id is not None
+    assert worker.terminate() == 0
+    worker_err = _stderr(worker)
+    assert broker.terminate() == 0
+    return _stderr(broker), worker_err, f"{os.getpid()}:{e.value.request_id}"
+
+
+def test_a_failing_model_is_one_error_line_with_the_batchs_rids(cluster):
+    broker_err, worker_err, rid = _run_failing(cluster, "text")
+    failed = _lines(worker_err, " worker ERROR model raising failed on a batch of 1")
+    assert len(failed) == 1, worker_err
+    f = _fields(failed[0])
+    assert f["service"] == "raising" and json.loads(f["rids"]) == [rid], failed[0]
+    assert "told to fail" in failed[0]
+    assert len(_lines(worker_err, "failed on a batch")) == 1, worker_err
+    for text in (broker_err, worker_err):  # WARNING: no INFO line about any request
+        assert " INFO " not in text and " DEBUG " not in text, text
+        for what in ("request done", "request dispatched", "request failed", "rid="):
+            assert what not in text, text
+
+
+def test_a_failing_models_error_line_in_json_has_its_rids(cluster):
+    broker_err, worker_err, rid = _run_failing(cluster, "json")
+    records = [json.loads(line) for line in worker_err.splitlines() if line.strip()]  # every line is JSON
+    failed = [r for r in records if "failed on a batch" in r["msg"]]
+    assert len(failed) == 1, records
+    (r,) = failed
+    assert r["level"] == "ERROR" and r["process"] == "worker" and r["service"] == "raising", r
+    assert r["msg"].startswith("model raising failed on a batch of 1: ") and r["rids"] == [rid], r
+    for text in (broker_err, worker_err):
+        recs = [json.loads(line) for line in text.splitlines() if line.strip()]
+        assert not [x for x in recs if x["level"] in ("INFO", "DEBUG") or x["msg"].startswith("request")], recs

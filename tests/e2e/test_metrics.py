@@ -2,7 +2,9 @@
 `python -m gpu_worker` (echo, and tests/e2e/gate_model.py's gate, whose calls wait for a byte
 the test writes).  After real traffic the test scrapes /metrics, parses it with
 prometheus-client's own parser and checks that the counts are what was sent, per outcome (direct
-replies, relayed replies, refusals, expiries), that queue depth rises under a backlog and
+replies, relayed replies, refusals, expiries: one whose deadline passes in the broker's queue
+while its client waits on), that the worker-side histograms count every request, that queue
+depth rises under a backlog and
 returns to 0, and that the batch-size histogram matches the batches the worker ran (each
 reply's timing says its batch's size).  The health paths flip as workers come and go.  Every
 wait polls a condition with a timeout.
@@ -133,13 +135,39 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
 
         # A backlog: one gated call runs alone (the worker holds it), 15 more fill the
         # worker's credit (16 = 2 x max-batch), then the broker's queue (max 3) takes 2, one
-        # whose deadline passes there, one more, and refuses the next.
+        # whose deadline passes there (the SDK's, racing its own timeout), another whose
+        # deadline passes there while its client waits longer, one more, and refuses the next.
         wait_service(c, "gate")
         held = [c.infer_stream("gate", x) for _ in range(16)]
         assert c.mmi_service("gate")
         queued = [c.infer_stream("gate", x) for _ in range(2)]
         with pytest.raises(DeadlineExceeded):
             c.infer("gate", x, timeout=0.2)
+
+        def expiries():
+            s = scrape(base)
+            return (value(s, "zmq_infer_requests_total", service="gate", outcome="deadline_exceeded"),
+                    value(s, "zmq_infer_requests_total", service="gate", outcome="cancelled"))
+
+        # The client's deadline and the broker's race: either way, one count.
+        expired0, _ = until(lambda: (lambda e: e if sum(e) == 1 else None)(expiries()), "the SDK's expiry counted")
+        # A raw client gives its request 200 ms and waits up to WAIT (it never cancels): only the broker's
+        # deadline can end it, while it sits queued behind the gated calls.
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.linger = 0
+        raw.connect(cluster.frontend)
+        try:
+            t = P.TensorRef(name="x", dtype=x["x"].dtype.str, shape=list(x["x"].shape), loc=P.InlineLoc(frame=0))
+            raw.send_multipart(P.client_request("gate", [P.encode_header(P.Request(id=1, timeout_ms=200, tensors=[t])),
+                                                         x["x"].tobytes()]))
+            assert raw.poll(int(WAIT * 1000)), "no answer to the expiring request"
+            m = P.parse_broker_to_client(raw.recv_multipart())
+            assert m.command == P.C_FINAL, m
+            err = P.decode_reply(m.body[0]).error
+            assert err.code == P.ErrorCode.DEADLINE_EXCEEDED and "waiting for a free 'gate' worker" in err.message, err
+        finally:
+            raw.close(linger=0)
+        assert expiries() == (expired0 + 1, 1 - expired0)
         queued.append(c.infer_stream("gate", x))
         assert c.mmi_service("gate")
         with pytest.raises(QueueFull):
@@ -172,7 +200,9 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
         done = ok == sent["ok"] and value(s, "zmq_infer_queue_depth", service="gate", priority="normal") == 0
         # The workers' STATS come once a heartbeat interval.
         done = done and value(s, "zmq_infer_batch_size_count", service="gate") == sum(n_batches.values()) \
-            and value(s, "zmq_infer_compute_seconds_count", service="echo") == n_echo
+            and value(s, "zmq_infer_compute_seconds_count", service="echo") == n_echo \
+            and value(s, "zmq_infer_input_seconds_count", service="echo") == n_echo \
+            and value(s, "zmq_infer_output_seconds_count", service="echo") == n_echo
         return s if done else None
 
     s = until(settled, "every answer and every batch counted")
@@ -182,11 +212,16 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
     assert value(s, "zmq_infer_requests_total", service="_other", outcome="service_unavailable") == 1
     assert value(s, "zmq_infer_requests_total", service="gate", outcome="queue_full") == 1
     assert value(s, "zmq_infer_requests_total", service="echo", outcome="protocol_error") == 1
-    # The client's own deadline and the broker's race: either way, one count.
-    assert value(s, "zmq_infer_requests_total", service="gate", outcome="deadline_exceeded") + \
-        value(s, "zmq_infer_requests_total", service="gate", outcome="cancelled") == 1
+    # The SDK's expiry (the broker's or the client's CANCEL: one count either way) and the
+    # raw client's, which only the broker's deadline ended: exactly one more.
+    assert value(s, "zmq_infer_requests_total", service="gate", outcome="deadline_exceeded") == expired0 + 1
+    assert value(s, "zmq_infer_requests_total", service="gate", outcome="cancelled") == 1 - expired0
     assert value(s, "zmq_infer_request_seconds_count", service="echo") == n_echo
     assert value(s, "zmq_infer_queue_wait_seconds_count", service="echo") == n_echo
+    # Worker-side, once per answered request (direct or relayed): inputs mapped, outputs written.
+    assert value(s, "zmq_infer_input_seconds_count", service="echo") == n_echo
+    assert value(s, "zmq_infer_output_seconds_count", service="echo") == n_echo
+    assert value(s, "zmq_infer_compute_seconds_count", service="echo") == n_echo
     assert value(s, "zmq_infer_workers", service="echo", host=info["hosts"][0]) == 1
     assert value(s, "zmq_infer_in_flight", service="gate") == 0
     # The batch-size histogram holds exactly the batches the gate worker ran.

@@ -27,11 +27,13 @@ def _echo_once(c: Client, i: int) -> None:
 def test_a_client_started_on_ready_is_served_at_once(cluster):
     """No wait_service: the READY line alone says the broker has the worker.  Repeated over
     fresh workers, so a READY printed before registration would show as NOT_LOCAL or
-    ServiceUnavailable."""
-    cluster.broker()
+    ServiceUnavailable: the broker runs with no service grace (a request for a service
+    without a registered worker fails at once instead of waiting for one to register), and
+    the client does not fall back to inline (which would resend a NOT_LOCAL)."""
+    cluster.broker("--service-grace", "0")
     for i in range(3):
         w = cluster.worker("echo")  # returns on the READY line
-        with Client(cluster.frontend, transport="shm", timeout=10) as c:
+        with Client(cluster.frontend, transport="shm", timeout=10, fallback_inline=False) as c:
             _echo_once(c, i)
         assert w.terminate() == 0
 

@@ -333,3 +333,31 @@ def test_close_synchronises_closes_the_cache_unpins_then_closes_the_pools(side):
     assert side.host.out_pool is not None
     with pytest.raises(Exception):
         side.host.out_pool.try_alloc((1,), np.uint8)  # the host plane was closed too
+
+
+def test_usage_reports_the_device_pool_and_device_memory(side):
+    """What a CUDA worker's STATS carry (broker.metrics: zmq_infer_cuda_pool_* and
+    zmq_infer_gpu_memory_*): the host ring's use, the device pool's live bytes and capacity,
+    and the memory watch's last cudaMemGetInfo reading (None until it took one)."""
+    from shm.cuda import CudaPool
+    from tests.shm.cuda_fake import FakeCudaRuntime
+
+    out = side.usage()
+    assert out["shm_capacity"] == side.host.out_pool.capacity and out["shm_used"] == 0
+    # The stand-in pool has no book: not reported, and the report does not fail.
+    assert out["cuda_used"] is None and out["cuda_capacity"] is None
+    assert out["device_used"] is None and out["device_total"] is None  # no reading yet
+    side.admit()  # the memory watch reads: 8 of 16 GiB free
+    side.pool.close()
+    side.pool = pool = CudaPool(1 << 16, slots=4, runtime=FakeCudaRuntime())  # closed with the plane
+    t = pool.try_alloc((1024,), np.uint8)
+    out = side.usage()
+    assert (out["cuda_used"], out["cuda_capacity"]) == (1024, 1 << 16)
+    assert (out["device_used"], out["device_total"]) == (8 * GiB, 16 * GiB)
+    assert set(out) == {"shm_used", "shm_capacity", "cuda_used", "cuda_capacity", "device_used", "device_total"}
+    P.WorkerStats(**out)  # the fields the worker's STATS header takes, as they are
+    pool.free(t)
+    side.test_free[0] = 12 * GiB
+    side.admit()
+    out = side.usage()
+    assert out["cuda_used"] == 0 and out["device_used"] == 4 * GiB

@@ -181,3 +181,71 @@ def test_cuda_outputs_without_a_cuda_side_are_a_typed_error():
         T.unpack(rep, [], leases, final=True)
     T.release_reply(rep, leases)  # nothing to release without a cache: no error
     leases.close()
+
+
+# ------------------------------------------------------------------ keep-warm by device
+
+def _cuda_like_plane(host, model, *, device, max_batch, **_):
+    """`CudaPlane.open` without a GPU: the real CudaPlane around the worker's HostPlane, its
+    device parts stand-ins (a stream, an output pool and an IPC cache that only close,
+    pinning that records nothing, memory readings of an idle 16 GiB device)."""
+    from gpu_worker.cuda_plane import CudaPlane
+    from gpu_worker.cuda_runtime import HostRegistry, MemoryWatch
+
+    class Part:
+        name = "zinf-2-2-fedcba9876543210-5"
+
+        def synchronize(self):
+            pass
+
+        def close(self):
+            pass
+
+    class Pinned:
+        def unregister(self):
+            pass
+
+    return CudaPlane(host, torch=None, stream=Part(), pool=Part(), cache=Part(),
+                     pins=HostRegistry(register=lambda buf, readonly=None: Pinned()),
+                     mem=MemoryWatch(max_batch, mem_info=lambda: (8 << 30, 16 << 30)), device_path=False)
+
+
+@pytest.fixture
+def cuda_like(monkeypatch):
+    """Workers built here on "cuda:0" get the CUDA plane above: the device resolves as if a
+    GPU were there, everything else is the worker's own construction."""
+    from gpu_worker import devices
+    from gpu_worker.cuda_plane import CudaPlane
+
+    real = devices.resolve_device
+    monkeypatch.setattr(devices, "resolve_device", lambda spec: "cuda:0" if spec == "cuda:0" else real(spec))
+    monkeypatch.setattr(CudaPlane, "open",
+                        classmethod(lambda cls, host, model, **kw: _cuda_like_plane(host, model, **kw)))
+
+
+@pytest.mark.parametrize("keep_warm, period", [(None, 0.05), (0.0, None), (0.02, 0.02)])
+def test_keep_warm_is_on_by_default_on_a_cuda_worker(cuda_like, tmp_path, keep_warm, period):
+    from gpu_worker.cuda_plane import CudaPlane
+    from gpu_worker.keepwarm import KEEP_WARM_AUTO_PERIOD
+    from gpu_worker.worker import Worker, WorkerConfig
+
+    assert KEEP_WARM_AUTO_PERIOD == 0.05  # docs/gpu.md, --keep-warm-ms: "default: 50 on a CUDA device"
+    cfg = WorkerConfig(broker=f"ipc://{tmp_path}/none.ipc", model="echo", device="cuda:0", warmup=False,
+                       out_capacity=1 << 20, keep_warm=keep_warm)
+    with Worker(cfg) as w:
+        assert w.cuda and w.device == "cuda:0" and isinstance(w.plane, CudaPlane) and "cuda" in w.transports
+        assert w.keep_warm.period == period
+        assert w.keep_warm.enabled is (period is not None)
+        assert w.keep_warm_runs == 0  # nothing ran before serving
+
+
+@pytest.mark.parametrize("keep_warm, period", [(None, None), (0.02, 0.02)])
+def test_keep_warm_is_off_by_default_on_a_cpu_worker(tmp_path, keep_warm, period):
+    from gpu_worker.worker import Worker, WorkerConfig
+
+    cfg = WorkerConfig(broker=f"ipc://{tmp_path}/none.ipc", model="echo", device="cpu", warmup=False,
+                       out_capacity=1 << 20, keep_warm=keep_warm)
+    with Worker(cfg) as w:
+        assert not w.cuda
+        assert w.keep_warm.period == period
+        assert w.keep_warm.enabled is (period is not None)

@@ -291,13 +291,23 @@ def test_a_request_during_a_unit_waits_for_that_unit_only(serving):
 
 
 def test_requests_between_units_are_never_held_for_one(serving):
+    """Units every 5 ms, requests in between: each is read and run at once (its batch wait
+    under one unit), and from its send to its FINAL it waits at most for the one unit that
+    may have started as it was sent (units are never longer than KEEP_WARM_MAX_UNIT), not
+    for units run back to back while it sits in the socket."""
+    unit = cuda_runtime.KEEP_WARM_MAX_UNIT
     _, pipe, units = serving(keep_warm=0.005)
     for i in range(5):
         units.wait(i + 1)
+        sent = time.monotonic()
         pipe.request(i)
         final = pipe.next(P.W_FINAL)
+        answered = pipe.finals_at[i]
         assert P.decode_reply(final[4]).id == i
-        assert _batch_wait_ms(final) < cuda_runtime.KEEP_WARM_MAX_UNIT * 1e3
+        assert _batch_wait_ms(final) < unit * 1e3
+        during = [t for t, _ in units.starts if sent < t < answered]
+        assert len(during) <= 1, f"request {i}: {len(during)} units started while it waited"
+        assert answered - sent < unit + 0.25, f"request {i}: {answered - sent:.3f} s from send to FINAL"
     assert all(pending == 0 for _, pending in units.starts)  # never while a request was pending
 
 

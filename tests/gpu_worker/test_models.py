@@ -544,6 +544,9 @@ def test_a_model_whose_warmup_raises_is_one_line(factories, tmp_path):
     ("echo", ("--heartbeat-interval", "0"), ("--heartbeat-interval", "> 0")),
     ("echo", ("--transports", "carrier-pigeon"), ("--transports", "carrier-pigeon")),
     ("echo", ("--service", "two words"), ("--service", "'two words'", "whitespace")),
+    # a backend that cannot run the model (BackendError while it is built): what to pass instead
+    ("cartoon", ("--backend", "numpy", "--no-warmup"),
+     ("backend 'numpy' cannot run model 'cartoon'", "is a torch model", "use --backend auto")),
 ])
 def test_bad_declarations_and_options_are_one_line_and_exit_2(factories, tmp_path, model, extra, words):
     proc = _start_worker(model, str(tmp_path), *extra)
@@ -551,3 +554,44 @@ def test_bad_declarations_and_options_are_one_line_and_exit_2(factories, tmp_pat
     assert proc.returncode == 2, proc.stderr
     for w in words:
         assert w in line, line
+    assert "make_backend" not in line  # the library's advice means nothing on the command line
+
+
+def test_tensorrt_export_failures_are_backend_errors(factories, tmp_path, monkeypatch):
+    """What TrtBackend meets before the first TensorRT call (without onnx or a GPU here): a
+    model without example inputs, or one that raises on them, is a BackendError saying so,
+    not the raw NotImplementedError or the model's own exception."""
+    from gpu_worker import trt
+    from gpu_worker.backends import BackendError
+
+    monkeypatch.setattr(trt, "onnx_available", lambda: (True, "ok"))  # both fail before the exporter runs
+    with pytest.raises(BackendError, match=r"'affine' has no example_inputs\(\); TensorRT needs them"):
+        trt.export_onnx(load_model(f"{factories}:make_module", "cpu"), tmp_path / "m.onnx")
+    with pytest.raises(BackendError, match="raised on its example inputs while being exported") as info:
+        trt.export_onnx(load_model(f"{factories}:make_bad_warmup", "cpu"), tmp_path / "m.onnx")
+    assert "RuntimeError" in str(info.value) and isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_a_tensorrt_build_failure_is_one_line_and_exit_2(factories, tmp_path, monkeypatch, capsys):
+    """`--backend tensorrt` for a model without example inputs: on a GPU, TrtBackend raises
+    the BackendError of `trt.export_onnx` above while the worker builds its backend; here
+    make_backend raises that same error in its place."""
+    from gpu_worker import backends, trt
+    from gpu_worker.__main__ import main
+
+    monkeypatch.setattr(trt, "onnx_available", lambda: (True, "ok"))
+
+    def make_backend(model, device="cpu", kind="auto", **options):
+        assert kind == "tensorrt"
+        trt.export_onnx(model, tmp_path / "m.onnx")  # raises: the model has no example inputs
+        raise AssertionError("export_onnx should have raised")
+
+    monkeypatch.setattr(backends, "make_backend", make_backend)
+    rc = main(["--broker", f"ipc://{tmp_path}/none.ipc", "--model", f"{factories}:make_module", "--device", "cpu",
+               "--backend", "tensorrt", "--no-warmup", "--out-capacity-mb", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("python -m gpu_worker: backend 'tensorrt' cannot run model"), lines[0]
+    assert "has no example_inputs()" in lines[0] and "give the model example_inputs()" in lines[0], lines[0]

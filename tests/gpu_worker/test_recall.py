@@ -115,3 +115,56 @@ def test_a_cancel_for_a_running_job_drops_its_result(worker):
     rep = P.decode_reply(msg.body[0])
     assert msg.command == P.W_FINAL and rep.error.code == P.ErrorCode.CANCELLED
     assert "result was dropped" in rep.error.message
+
+
+def _finals(up: _Pair) -> dict[int, tuple[P.Reply, list]]:
+    """token -> (reply, its inline frames) of every FINAL the worker sent so far."""
+    out = {}
+    for frames in up.sent():
+        msg = P.parse_worker(frames)
+        if msg.command == P.W_FINAL:
+            out[P.envelope_token(msg.envelope)] = (P.decode_reply(msg.body[0], len(msg.body) - 1), msg.body[1:])
+    return out
+
+
+def test_cancelling_one_request_of_a_running_batch_drops_only_its_result(worker):
+    """Two requests in one batch on the loop's thread; the client of one cancels while the
+    batch computes (the heartbeat thread reads the CANCEL meanwhile).  The batch cannot be
+    interrupted: it runs to its end, the cancelled request gets CANCELLED and the other its
+    outputs."""
+    up = worker.up
+    up.request(1)
+    up.request(2)
+    _settle(worker, lambda: len(worker.jobs) == 2)
+    assert len(worker.batcher) == 2  # waiting for company (max_delay 10 s): one batch below
+    plane_run = worker.plane.run
+    ran = []
+
+    def run(jobs):
+        # The batch computes: the broker relays the CANCEL of request 2 meanwhile.
+        ran.append(sorted(P.envelope_token(j.envelope) for j in jobs))
+        assert set(worker.running) == {P.token_envelope(1), P.token_envelope(2)}
+        up.cancel(2)
+        for _ in range(100):
+            worker._read_while_computing()
+            if worker._stash:
+                break
+            worker.sock.poll(10)
+        assert [m.command for m, _ in worker._stash] == [P.W_CANCEL]
+        return plane_run(jobs)
+
+    worker.plane.run = run
+    worker.run_ready_batches(force=True)
+    assert ran == [[1, 2]]
+    assert worker.cancelled_running == 1 and worker.running == {} and not worker.jobs
+    finals = _finals(up)
+    assert set(finals) == {1, 2}, finals
+    cancelled, _ = finals[2]
+    assert cancelled.error is not None and cancelled.error.code == P.ErrorCode.CANCELLED
+    assert "result was dropped" in cancelled.error.message and not cancelled.tensors
+    done, frames = finals[1]
+    assert done.error is None and [t.name for t in done.tensors] == ["x"]
+    (t,) = done.tensors
+    np.testing.assert_array_equal(np.frombuffer(frames[t.loc.frame], t.dtype).reshape(t.shape),
+                                  np.arange(4, dtype=np.float32))
+    assert done.timing["batch"] == 2.0  # it ran in the batch with the cancelled one

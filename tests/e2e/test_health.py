@@ -1,0 +1,80 @@
+"""Health probes that flip with the real processes: the broker's readiness while its launcher
+drains (`python -m broker --config FILE --http 127.0.0.1:0`, a request held by
+tests/e2e/gate_model.py's `held` model, so the drain lasts until the test lets it end), and a
+worker's `--health-port` readiness before and after its broker comes up.  Every wait polls
+a condition or reads a line, with a timeout."""
+from __future__ import annotations
+
+import json
+import signal
+import textwrap
+
+import numpy as np
+import pytest
+
+from client_sdk import Client
+
+from .conftest import Proc, wait_service
+from .test_metrics import WAIT, get, until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_broker_is_not_ready_while_it_drains(tmp_path, gate):
+    frontend = f"ipc://{tmp_path}/fe.ipc"
+    path = tmp_path / "deploy.toml"
+    path.write_text(f'frontend = "{frontend}"\nbackend = "ipc://{tmp_path}/be.ipc"\n'
+                    "[scheduler]\nheartbeat_interval = 0.2\n" + textwrap.dedent("""
+                        [[pool]]
+                        model = "gate_model:held"
+                        service = "held"
+                        max_batch = 1
+                        credit = 1
+                    """))
+    la = Proc(["-m", "broker", "--config", str(path), "--http", "127.0.0.1:0", "--log-level", "INFO"],
+              env={**gate.env, "SLEEPY_LOG": str(tmp_path / "held.log")})
+    try:
+        la.wait_ready()
+        gate.open()  # the worker opened the FIFO as it loaded: at once
+        base = "http://" + la.field("http")
+        assert get(base, "/v2/health/ready")[0] == 200
+        assert get(base, "/v2/models/held/ready")[0] == 200
+        x = np.array([-1.0])  # held until the gate releases it
+        with Client(frontend, timeout=WAIT) as c:
+            wait_service(c, "held")
+            call = c.infer_stream("held", {"x": x})
+            until(lambda: json.loads(get(base, "/v2/models/held")[1])["in_flight"] == 1, "the request at the worker")
+            la.p.send_signal(signal.SIGTERM)
+            la.wait_log("shutting down")  # logged after the broker started refusing new requests
+            # Draining: alive, but neither the broker nor its service takes new work.
+            assert get(base, "/v2/health/live")[0] == 200
+            assert get(base, "/v2/health/ready")[0] == 503
+            assert get(base, "/v2/models/held/ready")[0] == 503
+            assert json.loads(get(base, "/v2/models/held")[1])["in_flight"] == 1  # still held
+            gate.release()
+            r = call.result(timeout=WAIT)
+            np.testing.assert_array_equal(r["x"], x)
+            r.release()
+        assert la.p.wait(WAIT) == 0, la.stderr()
+    finally:
+        la.close()
+
+
+def test_a_workers_readiness_waits_for_its_broker(cluster):
+    """Ready (gpu_worker.health) means the broker has it registered: not before a broker is
+    there at all, and once one comes up, without restarting the worker."""
+    # No broker yet: the worker announces READY after its WELCOME wait, unregistered.
+    w = cluster.worker("echo", "--health-port", "127.0.0.1:0")
+    base = "http://" + w.field("health")
+    assert get(base, "/v2/health/live")[0] == 200
+    status, body = get(base, "/v2/health/ready")
+    before = (status, json.loads(body))
+    cluster.broker()
+    until(lambda: get(base, "/v2/health/ready")[0] == 200, "the worker registered")
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, "echo")
+        with c.infer("echo", {"x": np.arange(4)}) as r:
+            np.testing.assert_array_equal(r["x"], np.arange(4))
+    assert w.terminate() == 0  # drains: DISCONNECT to a live broker
+    # Checked last, so that what follows registration is checked whatever this says.
+    assert before == (503, {"ready": False}), "ready with no broker running"
