@@ -37,6 +37,7 @@ import time
 import zmq
 
 from broker import protocol as P
+from broker.protocol.wire import send_frames
 from gpu_worker.__main__ import add_model_options, model_config
 from gpu_worker.upstream import BrokerLink
 from gpu_worker.worker import Worker, WorkerConfig, install_sigterm_drain
@@ -117,7 +118,7 @@ class ProxyLink(BrokerLink):
         self._to_client(P.to_client(env[:-_SEQ_BYTES], cmd == P.W_FINAL, self.service, frames[4:]))
 
     def _to_client(self, frames) -> None:
-        self.sock.send_multipart(frames, copy=False)
+        send_frames(self.sock, frames)  # wire's, as BrokerLink's: the loop's Waiter tracks its sockets by it
         self.last_sent = time.monotonic()
 
 

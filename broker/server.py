@@ -33,7 +33,7 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol import logs
-from broker.protocol.wire import recv_frames, send_frames, sock_events
+from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events
 from shm import gc as shm_gc
 from shm.segment import process_alive
 from zmq.utils.monitor import recv_monitor_message
@@ -345,24 +345,35 @@ class Broker:
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Run until `stop` is set (checked at least every 100 ms)."""
+        waiter = Waiter()
+        try:
+            self._serve(waiter, stop)
+        finally:
+            waiter.close()
+
+    def _serve(self, waiter: Waiter, stop: threading.Event | None) -> None:
         fe, be = self.frontend, self.backend
-        # The connection monitors and the HTTP threads' PAIR are polled by their file
-        # descriptors (ZMQ_FD): a zmq socket in a poll costs two syscalls per wake-up, a
-        # descriptor none.  That is safe because whatever touches one of them either reads
-        # it until its EVENTS say nothing is left or finds nothing (`_on_backend_events`,
-        # `_on_frontend_events`, `_on_http`), so its descriptor signals again on the next
-        # message; they are read once now for the same reason.
+        # The two sockets are waited for by descriptor (wire.Waiter: EVENTS asked only of a
+        # socket that may have changed, where zmq_poll asks each before and after).  The
+        # connection monitors and the HTTP threads' PAIR are plain descriptors to it, never
+        # asked: whatever touches one of them reads it until its EVENTS say nothing is left
+        # or finds nothing (`_on_backend_events`, `_on_frontend_events`, `_on_http`), so its
+        # descriptor signals again on the next message; they are read once now for the same
+        # reason.
         events = self._backend_events.get(zmq.FD)
         fe_events = self._frontend_events.get(zmq.FD)
-        items = [(events, zmq.POLLIN), (be, zmq.POLLIN), (fe_events, zmq.POLLIN), (fe, zmq.POLLIN)]
+        waiter.add_fd(events)
+        waiter.add(be)
+        waiter.add_fd(fe_events)
+        waiter.add(fe)
         http = None
         if self._http_loop is not None:
             http = self._http_loop.get(zmq.FD)
-            items.append((http, zmq.POLLIN))
+            waiter.add_fd(http)
             self._on_http()
         self._on_backend_events()
         self._on_frontend_events()
-        poll = zmq.zmq_poll
+        wait = waiter.wait
         monotonic = time.monotonic
         sched = self.sched
         on_worker, on_client = self.on_worker, self.on_client
@@ -385,7 +396,7 @@ class Broker:
             timeout = 100 if wake is None else max(0, min(100, int((wake - now) * 1000.0 + 0.999)))
             if self._gone:  # a closed worker's verdict waits for its last messages: look again soon
                 timeout = min(timeout, 10)
-            for sock, _ in poll(items, timeout):
+            for sock in wait(timeout):  # the sockets (backend first), then the descriptors
                 # Workers first: a reply frees credit for the requests that follow.
                 if sock is be:
                     self._drain(be, on_worker)

@@ -1,4 +1,5 @@
-"""Blocking client: the core (core.py) driven by `zmq_poll` on the caller's own thread.
+"""Blocking client: the core (core.py) driven on the caller's own thread, which waits on its
+sockets' descriptors (`broker.protocol.wire.Waiter`).
 
 `Client` moves frames and waits; everything else (ids, packing, routing, slot lifetimes,
 deadlines, liveness decisions) is `ClientCore`'s.  It mirrors `AsyncClient` (aio.py) method
@@ -20,13 +21,14 @@ calls waits (`pump`), which is what the caller's blocking calls do.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from typing import Any, Mapping
 
 import zmq
 
 from broker import protocol as P
-from broker.protocol.wire import NOBLOCK, recv_frames, send_frames, sock_events
+from broker.protocol.wire import NOBLOCK, Waiter, recv_frames, send_frames, sock_events, touched
 
 from .base import ClientBase, ReplyStreamBase
 from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priority, resolve_transport
@@ -73,14 +75,19 @@ class Client(ClientBase):
         self._ctx = zmq.Context.instance()
         self._sock = dealer(self._ctx, endpoint, self._curve)
         self._inbox = ReplyInbox.open(self._ctx) if self._core.direct_reply else None
-        self._items = [(self._sock, _POLLIN)]
+        # Waited for by descriptor (wire.Waiter): the broker's socket, the inbox, a socket per lease.
+        self._waiter = Waiter()
+        self._waiter.add(self._sock)
+        # A client dropped without close(): its sockets are not held by the Waiter's marks
+        # (wire's module-wide sets) for the life of the process.
+        self._unwatch = weakref.finalize(self, self._waiter.close)
         self._pending: deque[list[Any]] = deque()  # REQUESTs (resends) and CANCELs the socket refused, in order
         # pin=True or a stream's service: a DEALER per lease, on its worker's direct socket (pins.py)
         self._pin_socks: dict[bytes, zmq.Socket] = {}
         self._pin_of: dict[zmq.Socket, Any] = {}
         if self._inbox is not None:
             self._core.reply_to = self._inbox.endpoint
-            self._items.append((self._inbox.sock, _POLLIN))
+            self._waiter.add(self._inbox.sock)
         hello = self._core.hello(time.monotonic())
         if hello is not None:
             self._send_soon(hello)
@@ -236,6 +243,7 @@ class Client(ClientBase):
         sock = self._sock
         if timeout != 0 and not sock_events(sock) & _POLLOUT:
             sock.poll(-1 if timeout is None else max(1, int(timeout * 1000)), zmq.POLLOUT)
+            touched(sock)
         now = time.monotonic()
         call.t_submit = call.t_submit or now
         frames = self._core.request_frames(call, now)
@@ -257,7 +265,8 @@ class Client(ClientBase):
     def pump(self, timeout: float | None = None) -> None:
         """Wait up to `timeout` seconds (None: until something arrives) for messages from the
         broker or a worker, and route each to its call's inbox.  Returns after the first
-        batch of traffic, and after at most one heartbeat interval.  While calls wait it also
+        batch of traffic, and after at most one heartbeat interval (and may return earlier
+        with nothing routed, on a wake-up that brought no message: loop on your own deadline).  While calls wait it also
         does what AsyncClient's heartbeat task does: sends a HEARTBEAT when one is due, and
         fails (in their inbox) the calls the broker has been silent on for too long."""
         self._pump(timeout, time.monotonic())
@@ -276,7 +285,7 @@ class Client(ClientBase):
                 # Silent that long, in our eyes: first read what has arrived meanwhile (a
                 # caller may come back late, and a drain may have stopped at its budget), so
                 # that a reply sitting in a socket is not failed as the broker's silence.
-                ready = zmq.zmq_poll(self._items, 0)
+                ready = self._waiter.wait(0)
                 if ready:
                     self._drain(ready, always_broker=True)  # the broker's word first, now
                     timeout = 0  # what it routed is for the callers now, not after a wait
@@ -290,8 +299,7 @@ class Client(ClientBase):
             ms = int(timeout * 1000 + 0.999)
             if ms < 0:
                 ms = 0
-        # zmq_poll directly: Socket.poll builds a Poller and a dict on every call.
-        ready = zmq.zmq_poll(self._items, ms)
+        ready = self._waiter.wait(ms)
         if ready:
             self._drain(ready)
 
@@ -313,6 +321,7 @@ class Client(ClientBase):
                     ) from None
                 wait = 1000 if deadline is None else max(1, int((deadline - now) * 1000))
                 sock.poll(wait, zmq.POLLOUT)
+                touched(sock)
 
     def _send_call(self, call: Call) -> None:
         core = self._core
@@ -376,11 +385,12 @@ class Client(ClientBase):
 
     def _drain(self, ready: list | None = None, always_broker: bool = False) -> None:
         # EVENTS rather than recv(NOBLOCK) until zmq.Again: an exception per wake-up costs
-        # more than the rest of the client's work on a small request.  `ready`: what the
-        # poll found readable (each socket asked costs a syscall pair); None: every socket.
-        # A socket zmq_poll found readable holds a whole message (the poll asked EVENTS
-        # itself), so the first read needs no question; it does not wait all the same, in
-        # case something read that socket meanwhile (a `notify` callback that pumps).
+        # more than the rest of the client's work on a small request.  `ready`: the sockets
+        # the Waiter found holding a message (each socket asked costs a syscall pair);
+        # None: every socket.  Those hold a whole message (the Waiter asked EVENTS), so the
+        # first read needs no question; it does not wait all the same, in case something
+        # read that socket meanwhile (a `notify` callback that pumps).  The last question
+        # of each socket (nothing left) leaves it quiet: the next wait need not ask again.
         # Every socket is read (up to a budget of 256 messages each), the broker's last: a
         # LEASE_END that says "resend" must find the replies that already came on its lease
         # routed (or it would send them again), so a pass in which a reply socket ran out
@@ -388,11 +398,11 @@ class Client(ClientBase):
         # the broker has seemed silent so long that its word cannot wait).
         core = self._core
         pins = self._pin_of
-        items = self._items if ready is None else ready
+        items = self._waiter.sockets() if ready is None else ready
         capped = False
-        if len(items) > 1 and items[0][0] is self._sock:
+        if len(items) > 1 and items[0] is self._sock:
             items = [*items[1:], items[0]]
-        for sock, _ in items:
+        for sock in items:
             direct = sock is not self._sock
             pin = pins.get(sock) if pins else None
             if capped and sock is self._sock and not always_broker:
@@ -411,7 +421,7 @@ class Client(ClientBase):
                 readable = False
             if not most and direct:
                 capped = True
-        if core.ops:  # after the loop: it may open and close sockets of `_items`
+        if core.ops:  # after the loop: it may open and close the sockets waited for
             self._run_ops()
 
     # ---------------------------------------------------------------- pinned streams
@@ -436,7 +446,7 @@ class Client(ClientBase):
                 sock = self._pin_socks.pop(op.pin.lease, None)
                 if sock is not None:
                     del self._pin_of[sock]
-                    self._items = [item for item in self._items if item[0] is not sock]
+                    self._waiter.remove(sock)
                     drop_socket(sock)
 
     def _pin_open(self, pin: Any, hello: list[Any]) -> None:
@@ -450,7 +460,7 @@ class Client(ClientBase):
             return
         self._pin_socks[pin.lease] = sock
         self._pin_of[sock] = pin
-        self._items.append((sock, _POLLIN))
+        self._waiter.add(sock)
 
     def _sock_for(self, call: Call) -> zmq.Socket:
         """The socket for a pinned call: its lease's, or the broker's when that one cannot
@@ -492,6 +502,7 @@ class Client(ClientBase):
             self._sock.send_multipart(P.client_disconnect(), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+        self._unwatch()
         self._sock.close(linger=CLOSE_LINGER_MS)
         if self._inbox is not None:
             self._inbox.close()

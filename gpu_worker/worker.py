@@ -57,7 +57,7 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol import logs
-from broker.protocol.wire import recv_frames, sock_events
+from broker.protocol.wire import Waiter, recv_frames, sock_events, touched
 from gpu_worker.batching import Batcher, Pending
 from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats
 from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signature
@@ -274,8 +274,8 @@ class Worker:
         self.heartbeat_liveness = cfg.heartbeat_liveness
         self.broker_instance: bytes | None = None
         self._offload: ComputeThread | None = None
-        self._poller: zmq.Poller | None = None  # the loop's, while it serves
-        self._monitor_fd: int | None = None     # the upstream monitor's descriptor, in that poller
+        self._poller: Waiter | None = None      # the loop's, while it serves
+        self._monitor_fd: int | None = None     # the upstream monitor's descriptor, in that waiter
         self._heartbeats: LoopHeartbeats | None = None  # while serving
         self._busy = False
         self._ready_cb = None         # serve's ready callback until it has run (once)
@@ -394,15 +394,16 @@ class Worker:
         self._ready_wait = READY_FALLBACK_INTERVALS * self.heartbeat_interval
         self._ready_deadline = time.monotonic() + self._ready_wait
         upstream = self.upstream
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        # The offload thread's completion socket is polled only while a batch is offloaded
-        # (_run registers it): each socket in a poll costs two syscalls per wake-up.
+        # Waited for by descriptor (wire.Waiter: EVENTS asked only of sockets that may have
+        # changed).  The offload thread's completion socket is watched only while a batch is
+        # offloaded (_run adds it).
+        poller = Waiter()
+        poller.add(self.sock)
         self._poller = poller
         self._watch_monitor(poller)
         direct = None if self.direct_socket is None else self.direct_socket.sock
         if direct is not None:
-            poller.register(direct, zmq.POLLIN)
+            poller.add(direct)
         next_housekeeping = time.monotonic() + self.heartbeat_interval
         self.lone_lane = True
         try:
@@ -420,8 +421,7 @@ class Worker:
                 done_ms = self.dones.wait_ms(now)
                 if done_ms is not None:
                     ms = min(ms, done_ms)
-                # zmq_poll on the poller's list (what Poller.poll does, less two calls).
-                events = dict(zmq.zmq_poll(poller.sockets, int(ms)))
+                events = poller.wait(int(ms))
                 if self._busy and self._offload.done in events:
                     self._finish_offloaded()
                 if self.sock in events:
@@ -481,6 +481,8 @@ class Worker:
         finally:
             self._heartbeats.close()
             self._offload.close()
+            poller.close()
+            self._poller = None
 
     def _wait_outputs_released(self) -> None:
         """Keep the output memory (unlinked by close) until every client released what it was
@@ -520,33 +522,32 @@ class Worker:
 
     # ------------------------------------------------------------------ receiving
 
-    def _reconnect(self, poller: zmq.Poller) -> None:
+    def _reconnect(self, poller: Waiter) -> None:
         """Drop what the old connection held and register afresh.  Only the loop calls this,
         between drains: the socket being read must never be closed under its reader."""
         why, self._reconnect_why = self._reconnect_why, None
         if self.broker_instance is not None:
             self.registered = False  # our broker: until its next WELCOME (a plain one sends none)
         self._busy_told = False  # the new connection's broker was told nothing (no BUSY off for it)
-        poller.unregister(self.sock)
+        poller.remove(self.sock)
         if self._monitor_fd is not None:
-            poller.unregister(self._monitor_fd)
+            poller.remove(self._monitor_fd)
             self._monitor_fd = None
         self._fail_pending(why)
         self._connect()
-        poller.register(self.sock, zmq.POLLIN)
+        poller.add(self.sock)
         self._watch_monitor(poller)
 
-    def _watch_monitor(self, poller: zmq.Poller) -> None:
-        """Poll the upstream's connection monitor by its file descriptor: a zmq socket in a
-        poll costs two syscalls per wake-up (libzmq asks its EVENTS before and after), its
-        descriptor none.  That is safe because nothing but `reconnected()` touches the
+    def _watch_monitor(self, poller: Waiter) -> None:
+        """Wait for the upstream's connection monitor by its file descriptor alone, never
+        asking its EVENTS.  That is safe because nothing but `reconnected()` touches the
         monitor, and it reads until the socket says nothing is left, so the descriptor
         signals again when the next event arrives; read once now, for the same reason."""
         monitor = self.upstream.monitor
         if monitor is None:
             return
         self._monitor_fd = monitor.get(zmq.FD)
-        poller.register(self._monitor_fd, zmq.POLLIN)
+        poller.add_fd(self._monitor_fd)
         if self.upstream.reconnected() and self._reconnect_why is None:
             self._reconnect_why = "broker connection re-established"
 
@@ -887,10 +888,14 @@ class Worker:
         if not self.lone_lane or self._busy or self.running or self._streaming:
             return False
         sock = self.sock
-        if sock is None or sock_events(sock) & _POLLIN:
+        if sock is None:
+            return False
+        waiter = self._poller  # serve's: one syscall for a quiet socket, not two
+        holds = _holds_message if waiter is None else waiter.has_message
+        if holds(sock):
             return False
         ds = self.direct_socket
-        if ds is not None and sock_events(ds.sock) & _POLLIN:
+        if ds is not None and holds(ds.sock):
             return False
         if self.cuda:  # the plane may have lowered the batch size since (MemoryWatch)
             self.batcher.max_batch = self.plane.batch_limit(self.max_batch)
@@ -936,7 +941,7 @@ class Worker:
         if offload:
             self._busy = True
             if self._poller is not None:
-                self._poller.register(self._offload.done, zmq.POLLIN)
+                self._poller.add(self._offload.done)
             self._offload.submit(jobs, started)
             return
         t0 = time.perf_counter()
@@ -962,7 +967,7 @@ class Worker:
         jobs, started, outputs, error, seconds = self._offload.result()
         self._busy = False
         if self._poller is not None:
-            self._poller.unregister(self._offload.done)
+            self._poller.remove(self._offload.done)
         self._complete(jobs, started, outputs, error, seconds)
 
     def _complete(self, jobs, started, outputs, error, seconds: float) -> None:
@@ -1465,23 +1470,31 @@ class Worker:
         """Wait up to ``seconds`` for the offloaded batch (draining), answering the direct
         socket meanwhile; whether the batch is done."""
         done = self._offload.done
-        if self.direct_socket is None:
-            return bool(done.poll(seconds * 1000.0))
-        poller = zmq.Poller()
-        poller.register(done, zmq.POLLIN)
-        poller.register(self.direct_socket.sock, zmq.POLLIN)
-        deadline = time.monotonic() + seconds
-        while True:
-            events = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000.0))
-            if done in events:
-                return True
-            if not events and time.monotonic() >= deadline:
-                return False
-            self._drain_direct()
+        try:
+            if self.direct_socket is None:
+                return bool(done.poll(seconds * 1000.0))
+            poller = zmq.Poller()
+            poller.register(done, zmq.POLLIN)
+            poller.register(self.direct_socket.sock, zmq.POLLIN)
+            deadline = time.monotonic() + seconds
+            while True:
+                events = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000.0))
+                if done in events:
+                    return True
+                if not events and time.monotonic() >= deadline:
+                    return False
+                self._drain_direct()
+        finally:  # pyzmq's polls, on sockets a Waiter may watch (see wire.Waiter)
+            touched(done)
+            if self.direct_socket is not None:
+                touched(self.direct_socket.sock)
 
     def _wait_direct(self, seconds: float) -> None:
         """Stopped: wait up to ``seconds``, answering the direct socket (503) meanwhile."""
-        if self.direct_socket.sock.poll(seconds * 1000.0):
+        sock = self.direct_socket.sock
+        ready = sock.poll(seconds * 1000.0)
+        touched(sock)  # a pyzmq poll (see wire.Waiter)
+        if ready:
             self._drain_direct()
 
     def _linger_direct(self) -> None:
@@ -1593,6 +1606,10 @@ class Worker:
 
 
 _END = object()  # the end of a streaming model's outputs
+
+
+def _holds_message(sock) -> bool:
+    return bool(sock_events(sock) & _POLLIN)
 
 
 def _is_direct_request(frames) -> bool:

@@ -1,4 +1,5 @@
-"""Multipart send and receive without pyzmq's per-frame Python layers.
+"""Multipart send and receive without pyzmq's per-frame Python layers, and a wait on
+sockets by their descriptors.
 
 `Socket.send_multipart` and `recv_multipart` go, for every frame, through the sugar
 `send`/`recv`, build `SNDMORE | flags` as an `IntFlag` (an enum construction each time) and
@@ -8,15 +9,21 @@ MDP request that costs 6.7 µs per send and 7.9 µs per receive on the test mach
 six such sends and receives in three processes, most of them on its critical path.  Semantics are those
 of `send_multipart(frames, flags, copy=False)` and `recv_multipart(copy=False)`: frames are
 sent zero-copy above pyzmq's copy threshold, and received as `zmq.Frame` objects.
+
+`Waiter` replaces `zmq_poll` in the loops (client, worker, broker): see its docstring.  It
+relies on this module's three calls keeping track of which of its sockets are *quiet*, so
+every send, receive or EVENTS on a socket a Waiter watches goes through them (or is
+followed by `touched`).
 """
 from __future__ import annotations
 
+import select
 from typing import Any, Sequence
 
 import zmq
 from zmq.backend import Socket as _Base
 
-__all__ = ["send_frames", "recv_frames", "sock_events", "NOBLOCK"]
+__all__ = ["send_frames", "recv_frames", "sock_events", "has_message", "touched", "Waiter", "NOBLOCK"]
 
 NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
@@ -24,12 +31,20 @@ _send = _Base.send
 _recv = _Base.recv
 _get = _Base.get
 _EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
+# Sockets some Waiter watches, and those of them that are quiet: the last libzmq call on it
+# was an EVENTS that found no message (see Waiter).  Module-wide because quiet is a property
+# of the socket, whoever asked: every call below keeps it true.
+_WATCHED: set = set()
+_QUIET: set = set()
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
     """`sock.send_multipart(frames, flags=flags, copy=False)`, faster.  `flags` is 0 or
     NOBLOCK; as with send_multipart, a full queue raises `zmq.Again` at the first frame
     (libzmq queues a multipart message whole or not at all)."""
+    _QUIET.discard(sock)  # a send may process the socket's commands (see Waiter)
     last = len(frames) - 1
     more = int(flags) | _SNDMORE
     for i, f in enumerate(frames):
@@ -38,6 +53,7 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None
 
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
     """`sock.recv_multipart(flags, copy=False)`, faster."""
+    _QUIET.discard(sock)
     f = _recv(sock, flags, False)
     parts = [f]
     while f.more:
@@ -49,4 +65,163 @@ def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
 def sock_events(sock: zmq.Socket) -> int:
     """`sock.get(zmq.EVENTS)` without the sugar layer's Python call (the loops ask this once
     per message and once more to find the queue empty)."""
-    return _get(sock, _EVENTS)
+    ev = _get(sock, _EVENTS)
+    if ev & _POLLIN:
+        _QUIET.discard(sock)
+    elif sock in _WATCHED:
+        _QUIET.add(sock)
+    return ev
+
+
+def has_message(sock: zmq.Socket) -> bool:
+    """Whether `sock` holds a message: EVENTS, unless the socket is quiet (then no: a
+    message would have signalled its descriptor, and a Waiter sees that), which costs no
+    syscall."""
+    return sock not in _QUIET and bool(sock_events(sock) & _POLLIN)
+
+
+def touched(sock: zmq.Socket) -> None:
+    """Say that a pyzmq call other than this module's (`Socket.poll`, `send_multipart`,
+    `recv`...) was made on `sock`: it may have taken the signal of a message that waits,
+    so a Waiter must ask EVENTS again before it sleeps."""
+    _QUIET.discard(sock)
+
+
+class Waiter:
+    """Waits for messages on zmq sockets, and for plain descriptors to be readable, asking a
+    socket its EVENTS only when the answer may have changed.
+
+    `zmq_poll` asks every socket its EVENTS (a getpid and a poll syscall in libzmq, about
+    2 µs from Python here) before it sleeps and again after it wakes, whichever socket
+    woke it: six questions for three sockets, around a wait that is usually for one
+    message on one of them.  A Waiter sleeps in `select.poll` on the sockets' descriptors
+    (ZMQ_FD) and asks only:
+      - before it sleeps, the sockets that are not *quiet*.  A socket is quiet when the last
+        libzmq call on it was an EVENTS (`sock_events`, `has_message`, this class) that
+        found no message: libzmq then signals its descriptor when the next message comes
+        (the descriptor is edge-triggered: it signals a change, not a state).  Any other
+        call (a send, a receive) may consume that signal while leaving a message queued,
+        so `send_frames` and `recv_frames` clear the mark, and other pyzmq calls on a
+        watched socket must be followed by `touched`;
+      - after it wakes, the sockets whose descriptor signalled.
+    So a loop that sends a request on one socket and waits for the reply asks EVENTS
+    twice per message (before it sleeps and on waking) instead of 2 x sockets, and its
+    drain's last question (the queue is empty) doubles as the next wait's.
+
+    `wait` returns the sockets that hold a message in the order they were added, then the
+    plain descriptors that are readable, in theirs (callers rely on the order: the client
+    reads the broker's socket after its reply sockets, the broker its workers first).  A
+    wake-up for a socket command that brought no message returns nothing before the
+    timeout, where zmq_poll would wait on: callers loop on their own deadlines.  Every call
+    looks at every descriptor (a poll without waiting when a socket is found ready first),
+    so a socket read in part by its caller never hides the others.  One thread per Waiter;
+    a socket watched by one Waiter only.
+    """
+
+    __slots__ = ("_poll", "_by_fd", "_fd_of", "_socks", "_fds", "_single")
+
+    def __init__(self) -> None:
+        self._poll = select.poll()
+        self._by_fd: dict[int, Any] = {}       # ZMQ_FD -> socket
+        self._fd_of: dict[Any, int] = {}       # socket -> ZMQ_FD
+        self._socks: list[Any] = []            # in the order they were added (the order `wait` lists them)
+        self._fds: list[int] = []              # plain descriptors
+        self._single: dict[Any, Any] = {}      # socket -> a poll of its descriptor alone (has_message)
+
+    def add(self, sock: zmq.Socket) -> None:
+        if sock in self._fd_of:
+            return
+        fd = sock.get(zmq.FD)  # no command processing: the socket stays as it is
+        self._poll.register(fd, select.POLLIN)
+        self._by_fd[fd] = sock
+        self._fd_of[sock] = fd
+        self._socks.append(sock)
+        _WATCHED.add(sock)
+        _QUIET.discard(sock)  # not known to be quiet: the first wait asks
+
+    def add_fd(self, fd: int) -> None:
+        self._poll.register(fd, select.POLLIN)
+        self._fds.append(fd)
+
+    def remove(self, what: Any) -> None:
+        """Stop watching a socket (before it is closed) or a plain descriptor."""
+        if isinstance(what, int):
+            if what in self._fds:
+                self._fds.remove(what)
+                self._poll.unregister(what)
+            return
+        fd = self._fd_of.pop(what, None)
+        if fd is None:
+            return
+        del self._by_fd[fd]
+        self._socks.remove(what)
+        self._single.pop(what, None)
+        self._poll.unregister(fd)
+        _WATCHED.discard(what)
+        _QUIET.discard(what)
+
+    def sockets(self) -> list[Any]:
+        """The sockets watched, in the order they were added."""
+        return list(self._socks)
+
+    def __contains__(self, what: Any) -> bool:
+        return what in self._fd_of if not isinstance(what, int) else what in self._fds
+
+    def close(self) -> None:
+        for sock in list(self._socks):
+            self.remove(sock)
+        for fd in list(self._fds):
+            self.remove(fd)
+
+    def has_message(self, sock: zmq.Socket) -> bool:
+        """Whether watched `sock` holds a message now: EVENTS, unless it is quiet and its
+        descriptor has not signalled since (one poll syscall instead of two; module-level
+        `has_message` trusts the mark alone, so it misses a message that arrived since the
+        last wait)."""
+        if sock in _QUIET:
+            single = self._single.get(sock)
+            if single is None:
+                single = self._single[sock] = select.poll()
+                single.register(self._fd_of[sock], select.POLLIN)
+            if not single.poll(0):
+                return False
+            _QUIET.discard(sock)
+        return bool(sock_events(sock) & _POLLIN)
+
+    def wait(self, ms: int) -> list[Any]:
+        """Wait up to `ms` milliseconds (negative: without a limit, 0: not at all); the
+        sockets holding a message and the readable plain descriptors."""
+        quiet = _QUIET
+        ready = [sock for sock in self._socks if sock not in quiet and sock_events(sock) & _POLLIN]
+        if ready:
+            # Not without looking at the rest, without waiting: a quiet socket whose
+            # descriptor signalled (and the plain descriptors) must not starve behind one
+            # that a caller reads only in part (a budget per pass).
+            ms = 0
+        signalled = self._poll.poll(ms)
+        if not signalled:
+            return ready
+        by_fd = self._by_fd
+        fds = None
+        for fd, _ in signalled:
+            sock = by_fd.get(fd)
+            if sock is None:
+                if fd in self._fds:
+                    if fds is None:
+                        fds = []
+                    fds.append(fd)
+            elif sock in quiet:
+                # quiet until now: its descriptor says something changed; ask
+                quiet.discard(sock)
+                if sock_events(sock) & _POLLIN:
+                    ready.append(sock)
+            elif sock not in ready and sock_events(sock) & _POLLIN:
+                ready.append(sock)
+        if len(ready) > 1:  # in the order added, however they were found
+            found = set(ready)
+            ready = [s for s in self._socks if s in found]
+        if fds is not None:
+            if len(fds) > 1:
+                fds = [fd for fd in self._fds if fd in fds]
+            ready += fds
+        return ready

@@ -22,6 +22,7 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol import ErrorCode, Priority
+from broker.protocol.wire import touched
 from client_sdk import Client, DeadlineExceeded, InferenceError, InvalidInput, errors
 from client_sdk import tensors as T
 from client_sdk.core import ClientCore
@@ -523,6 +524,10 @@ def test_a_resend_lease_end_finds_the_replies_already_on_the_lease_routed(pinned
     end = P.encode_header(P.LeaseEnd(lease=lease, reason="worker_failed", resend=True))
     broker.call(lambda: broker.sock.send_multipart([ident, *P.client_lease_end("echo", end)]))
     assert c._sock.poll(int(WAIT * 1000))
+    # Socket.poll is a pyzmq call behind the client's back: say so (wire.touched), as the
+    # client does after its own (they may take the descriptor's signal of a waiting message).
+    touched(lease_sock)
+    touched(c._sock)
     c.pump(0)
     for i, h in enumerate(handles):
         with h.result(timeout=0) as r:

@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from broker import protocol as P
+from broker.protocol.wire import Waiter
 from gpu_worker.worker import Worker, WorkerConfig
 from tests.gpu_worker.pair_link import PairLink
 
@@ -325,9 +326,12 @@ def test_busy_goes_only_to_our_broker_and_a_reconnect_forgets_it(worker, client)
     worker._maybe_tell_busy(time.monotonic())
     assert [(m.command, m.info) for m in map(P.parse_worker, worker.upstream.sent())] == [(P.W_BUSY, True)]
     worker._reconnect_why = "test"
-    poller = zmq.Poller()
-    poller.register(worker.sock, zmq.POLLIN)
-    worker._reconnect(poller)
+    poller = Waiter()
+    poller.add(worker.sock)
+    try:
+        worker._reconnect(poller)
+    finally:
+        poller.close()
     assert worker._busy_told is False and worker.registered is False
     worker.running = {}
     worker._batch_over()
