@@ -101,6 +101,8 @@ class Client(ClientBase):
         (PARTIALs) and ends with an empty FINAL raises `NotSupported`: use `infer_stream`."""
         # What `infer_stream(...).result()` in a `with` block does, without the handle: this
         # is the hot path of a caller that sends one request at a time.
+        if self._core.pins:
+            self._heed_lease_ends()
         call = self._core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
                                    traceparent=traceparent)
         self._send_call(call)
@@ -232,8 +234,21 @@ class Client(ClientBase):
         `copy_inline` makes inline frames private copies (the caller may then reuse its
         arrays at once).  A prepared call must end in `submit` or `give_up`: it may hold
         input slots."""
+        if self._core.pins:
+            self._heed_lease_ends()
         return self._core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta,
                                    reply=reply, copy_inline=copy_inline, traceparent=traceparent)
+
+    def _heed_lease_ends(self) -> None:
+        """Before a call picks its route: read what the broker sent meanwhile, if anything.
+        This client reads only while a call waits, so between calls a LEASE_END (the worker
+        stopping) can sit unread for as long as the caller likes, while the client still
+        counts itself pinned; a call sent on that lease after the worker has exited would wait
+        for its deadline (nobody is at the other end, and a stopping lease's calls are not
+        resent).  Free when the broker's socket is quiet and nothing came (one poll of its
+        descriptor; wire.Waiter)."""
+        if self._waiter.has_message(self._sock):
+            self._pump(0, time.monotonic())
 
     def submit(self, call: Call, timeout: float | None = 0.0) -> bool:
         """Register a prepared call and send its REQUEST, waiting at most `timeout` seconds

@@ -76,7 +76,8 @@ def sock_events(sock: zmq.Socket) -> int:
 def has_message(sock: zmq.Socket) -> bool:
     """Whether `sock` holds a message: EVENTS, unless the socket is quiet (then no: a
     message would have signalled its descriptor, and a Waiter sees that), which costs no
-    syscall."""
+    syscall.  Exact only right after a wait or a drain of that socket; `Waiter.has_message`
+    is exact at any time."""
     return sock not in _QUIET and bool(sock_events(sock) & _POLLIN)
 
 
@@ -132,6 +133,8 @@ class Waiter:
         if sock in self._fd_of:
             return
         fd = sock.get(zmq.FD)  # no command processing: the socket stays as it is
+        if fd in self._by_fd:  # a socket closed without remove(), its number reused
+            raise ValueError(f"descriptor {fd} is already watched: remove() a socket before closing it")
         self._poll.register(fd, select.POLLIN)
         self._by_fd[fd] = sock
         self._fd_of[sock] = fd
@@ -140,6 +143,8 @@ class Waiter:
         _QUIET.discard(sock)  # not known to be quiet: the first wait asks
 
     def add_fd(self, fd: int) -> None:
+        if fd in self._fds:
+            return
         self._poll.register(fd, select.POLLIN)
         self._fds.append(fd)
 

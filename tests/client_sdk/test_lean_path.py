@@ -61,7 +61,7 @@ def test_infer_deadline_raises_and_cancels(fake, endpoint):
 
 
 def _interrupt_main_thread_after(seconds: float) -> threading.Timer:
-    """KeyboardInterrupt in the main thread (which blocks in zmq_poll) after `seconds`."""
+    """KeyboardInterrupt in the main thread (which blocks in its Waiter's poll) after `seconds`."""
     main = threading.main_thread().ident
     timer = threading.Timer(seconds, signal.pthread_kill, (main, signal.SIGUSR1))
     timer.start()

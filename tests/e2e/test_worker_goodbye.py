@@ -167,6 +167,9 @@ def test_a_pinned_worker_that_says_goodbye_is_never_presumed_dead(cluster, gate,
             for key, x, h in handles:
                 _check(h, x, done, key)
             assert w.p.wait(TIMEOUT_S) == 0, f"round {k}: the stopping worker exited badly: {w.stderr()}"
+            # Its lease has ended (the broker's LEASE_END, or the client's own on a 503): the
+            # client hears of it by reading, and the next round pins afresh.
+            _pump_until(c, lambda: not c.pinned(SERVICE), f"round {k}: the end of the lease heard")
             stopped.append(w)
             _slurp(broker)
             _slurp(plain)
@@ -196,3 +199,40 @@ def test_a_pinned_worker_that_says_goodbye_is_never_presumed_dead(cluster, gate,
     twice = {rid: n for rid, n in mine.items() if n != 1}
     assert not twice, f"requests run more than once: {twice}"
     assert len(mine) == sent_in_all, f"{sent_in_all} requests sent, {len(mine)} ran"
+
+
+def test_a_call_after_an_unheard_stop_is_not_sent_to_the_gone_worker(cluster):
+    """A blocking client reads only while a call waits: between calls, its pinned worker may
+    stop and exit with the LEASE_END still unread in the client's socket.  The next call must
+    read it first and go through the broker, not on the lease to a worker that is gone (it
+    would wait for its deadline: a stopping lease's calls are not resent)."""
+    from broker.protocol.wire import touched
+
+    cluster.broker()
+    plain = cluster.worker("echo")  # takes what goes through the broker
+    direct = cluster.worker("echo", "--direct")
+    x = np.arange(4.0)
+    with Client(cluster.frontend, timeout=TIMEOUT_S, pin=True) as c:
+        wait_service(c, "echo")
+        deadline = time.monotonic() + TIMEOUT_S
+        while not c.pinned("echo"):
+            assert time.monotonic() < deadline, "not pinned"
+            with c.infer("echo", {"x": x}):
+                pass
+            c.pump(0.05)
+        before = c.pinned_replies
+        with c.infer("echo", {"x": x}) as r:
+            np.testing.assert_array_equal(r["x"], x)
+        assert c.pinned_replies == before + 1  # on the lease
+        direct.p.send_signal(signal.SIGTERM)
+        assert direct.p.wait(TIMEOUT_S) == 0
+        # The LEASE_END has reached the client's socket; the client has not read it.
+        assert c._sock.poll(int(TIMEOUT_S * 1000))
+        touched(c._sock)  # a pyzmq poll behind the client's back (wire.Waiter)
+        assert c.pinned("echo")  # as far as it knows
+        t0 = time.monotonic()
+        with c.infer("echo", {"x": x + 1}) as r:
+            np.testing.assert_array_equal(r["x"], x + 1)
+        assert time.monotonic() - t0 < TIMEOUT_S / 2
+        assert c.pinned_replies == before + 1  # through the broker, not the gone worker
+    assert plain.terminate() == 0
