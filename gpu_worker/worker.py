@@ -397,16 +397,15 @@ class Worker:
         # Waited for by descriptor (wire.Waiter: EVENTS asked only of sockets that may have
         # changed).  The offload thread's completion socket is watched only while a batch is
         # offloaded (_run adds it).
-        poller = Waiter()
-        poller.add(self.sock)
-        self._poller = poller
-        self._watch_monitor(poller)
-        direct = None if self.direct_socket is None else self.direct_socket.sock
-        if direct is not None:
-            poller.add(direct)
-        next_housekeeping = time.monotonic() + self.heartbeat_interval
-        self.lone_lane = True
+        poller = self._poller = Waiter()
         try:
+            poller.add(self.sock)
+            self._watch_monitor(poller)
+            direct = None if self.direct_socket is None else self.direct_socket.sock
+            if direct is not None:
+                poller.add(direct)
+            next_housekeeping = time.monotonic() + self.heartbeat_interval
+            self.lone_lane = True
             while not self._take_signals():
                 # Read each pass: a WELCOME may have brought the broker's settings.
                 interval = self.heartbeat_interval
@@ -479,10 +478,10 @@ class Worker:
             self._linger_direct()
             self._wait_outputs_released()
         finally:
+            poller.close()  # first: wire's marks let go of the sockets whatever follows
+            self._poller = None
             self._heartbeats.close()
             self._offload.close()
-            poller.close()
-            self._poller = None
 
     def _wait_outputs_released(self) -> None:
         """Keep the output memory (unlinked by close) until every client released what it was

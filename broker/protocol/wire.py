@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import zmq
 from zmq.backend import Socket as _Base
 
-__all__ = ["send_frames", "recv_frames", "sock_events", "has_message", "touched", "Waiter", "NOBLOCK"]
+__all__ = ["send_frames", "recv_frames", "sock_events", "touched", "Waiter", "NOBLOCK"]
 
 NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
@@ -73,14 +73,6 @@ def sock_events(sock: zmq.Socket) -> int:
     return ev
 
 
-def has_message(sock: zmq.Socket) -> bool:
-    """Whether `sock` holds a message: EVENTS, unless the socket is quiet (then no: a
-    message would have signalled its descriptor, and a Waiter sees that), which costs no
-    syscall.  Exact only right after a wait or a drain of that socket; `Waiter.has_message`
-    is exact at any time."""
-    return sock not in _QUIET and bool(sock_events(sock) & _POLLIN)
-
-
 def touched(sock: zmq.Socket) -> None:
     """Say that a pyzmq call other than this module's (`Socket.poll`, `send_multipart`,
     `recv`...) was made on `sock`: it may have taken the signal of a message that waits,
@@ -98,7 +90,7 @@ class Waiter:
     message on one of them.  A Waiter sleeps in `select.poll` on the sockets' descriptors
     (ZMQ_FD) and asks only:
       - before it sleeps, the sockets that are not *quiet*.  A socket is quiet when the last
-        libzmq call on it was an EVENTS (`sock_events`, `has_message`, this class) that
+        libzmq call on it was an EVENTS (`sock_events`, this class) that
         found no message: libzmq then signals its descriptor when the next message comes
         (the descriptor is edge-triggered: it signals a change, not a state).  Any other
         call (a send, a receive) may consume that signal while leaving a message queued,
@@ -180,9 +172,7 @@ class Waiter:
 
     def has_message(self, sock: zmq.Socket) -> bool:
         """Whether watched `sock` holds a message now: EVENTS, unless it is quiet and its
-        descriptor has not signalled since (one poll syscall instead of two; module-level
-        `has_message` trusts the mark alone, so it misses a message that arrived since the
-        last wait)."""
+        descriptor has not signalled since (one poll syscall instead of two)."""
         if sock in _QUIET:
             single = self._single.get(sock)
             if single is None:

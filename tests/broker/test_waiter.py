@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker.protocol import wire
-from broker.protocol.wire import Waiter, has_message, recv_frames, send_frames, sock_events, touched
+from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events, touched
 
 WAIT_MS = 5000
 
@@ -65,7 +65,8 @@ def test_a_message_is_reported_and_a_quiet_socket_is_not_asked(pairs, monkeypatc
         assert time.monotonic() - t0 < WAIT_MS / 2000
         assert asked == [b]  # only the one whose descriptor signalled
         assert [bytes(f) for f in recv_frames(b)] == [b"hello"]
-        assert not has_message(b)  # the drain's last question leaves it quiet again
+        assert not w.has_message(b)  # nothing left
+        assert b in wire._QUIET  # and that question left it quiet again
     finally:
         w.close()
     assert a not in wire._WATCHED and b not in wire._QUIET
@@ -202,8 +203,8 @@ def test_sockets_come_back_in_the_order_they_were_added(pairs, tmp_path):
 
 
 def test_has_message_sees_a_message_that_came_since_the_last_wait(pairs):
-    """Waiter.has_message is exact (a quiet socket's descriptor is looked at); the
-    module-level one trusts the mark (cheaper, for loops that just waited)."""
+    """Waiter.has_message is exact: a quiet socket's descriptor is looked at, so a message
+    that came since the last wait is seen."""
     (pa, a), _ = pairs
     w = Waiter()
     w.add(a)
@@ -302,7 +303,7 @@ def _run_ops(pairs, ops) -> None:
             elif what == "we_send":
                 send_frames(sock, [b"x"])
             elif what == "recv":
-                if has_message(sock):
+                if w.has_message(sock):
                     recv_frames(sock)
                     held[i] -= 1
             elif what == "events":

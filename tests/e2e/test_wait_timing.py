@@ -13,14 +13,14 @@ how long the test keeps the first request held, which it checks the second waite
 from __future__ import annotations
 
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from client_sdk import Client
+
+from .test_metrics import scrape, until, value
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,27 +32,6 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
-def _until(cond, what: str, timeout: float = WAIT):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout} s")
-        time.sleep(0.005)  # polling a file or an HTTP endpoint (a condition, not a delay)
-
-
-def _in_flight(base: str, service: str) -> float:
-    with urllib.request.urlopen(base + "/metrics", timeout=WAIT) as r:
-        body = r.read().decode()
-    for fam in text_string_to_metric_families(body):
-        for s in fam.samples:
-            if s.name == "zmq_infer_in_flight" and s.labels.get("service") == service:
-                return s.value
-    return 0.0
-
-
 def test_a_wait_behind_a_loop_thread_batch_shows_in_batch_wait_ms(cluster, tmp_path, gate):
     log = tmp_path / "runs.log"
     broker = cluster.broker("--http", "127.0.0.1:0")
@@ -61,12 +40,12 @@ def test_a_wait_behind_a_loop_thread_batch_shows_in_batch_wait_ms(cluster, tmp_p
     gate.open()
     with Client(cluster.frontend, timeout=WAIT) as c:
         first = c.infer_stream("held", {"x": np.array([-1.0])}, timeout=50.0)  # held until released
-        _until(lambda: len(_lines(log)) == 1, "the first request started")
+        until(lambda: len(_lines(log)) == 1, "the first request started")
         sent = time.monotonic()
         second = c.infer_stream("held", {"x": np.array([0.0])})
         assert c.mmi_service("held")  # a barrier: the broker has the second request
         # It went to the worker (credit 2), where it waits behind the first's batch.
-        _until(lambda: _in_flight(base, "held") == 2, "the second request dispatched to the busy worker")
+        until(lambda: value(scrape(base), "zmq_infer_in_flight", service="held") == 2, "the second request dispatched to the busy worker")
         with pytest.raises(TimeoutError):  # not answered while the first is held...
             second.result(timeout=HOLD)
         gate.release(1)
