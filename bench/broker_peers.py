@@ -187,6 +187,14 @@ class PinnedPeer(_BrokerPeer):
 
 
 @register
+class PinnedIpcPeer(PinnedPeer):
+    name = "pinned-ipc"
+    description = ("pinned with the worker's local link off (--no-link): the lease's requests cross the ipc "
+                   "direct socket, through libzmq's I/O threads (docs/protocol.md section 10.6)")
+    worker_args = ("--direct", "--no-link")
+
+
+@register
 class BrokerShmMetricsPeer(_BrokerPeer):
     name = "broker-shm-metrics"
     description = "broker-shm with the broker's metrics on (--http: counted, served on /metrics)"

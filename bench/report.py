@@ -56,6 +56,10 @@ RATIOS: dict[str, tuple[tuple[str, int], tuple[str, int], str]] = {
     "pinned_payload_independence_64mb": (
         ("pinned", BIG_BYTES), ("pinned", TINY_BYTES),
         "pinned p50 at 64 MiB / its p50 at 16 B"),
+    "pinned_link_vs_ipc_tiny": (
+        ("pinned", TINY_BYTES), ("pinned-ipc", TINY_BYTES),
+        "p50 at 16 B of the pinned path over the worker's local link / over its ipc direct socket "
+        "(pinned-ipc: --no-link)"),
     "grpc_vs_shm_6mb": (
         ("grpc", FRAME_BYTES), ("broker-shm", FRAME_BYTES),
         "grpc p50 / broker-shm p50 at 1080x1920x3 uint8 (6.2 MB)"),

@@ -75,6 +75,7 @@ class LeaseToClient:
     slots: int
     secret: bytes
     worker_host: str | None  # set only when the client may send shared-memory references
+    link: str | None = None  # the worker's local link, on a near lease only
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +210,8 @@ class LeaseEvents:
             self._counters["leases_granted"] += 1
             w = lease.worker
             out.append(LeaseToClient(lease.client, lease.ask_id, lease.svc.name, lease.id, w.direct,
-                                     lease.slots, lease.secret, w.host if lease.near else None))
+                                     lease.slots, lease.secret, w.host if lease.near else None,
+                                     w.link if lease.near else None))
             return out
         self._counters["leases_refused"] += 1
         self._forget(lease)

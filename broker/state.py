@@ -473,6 +473,7 @@ class _Worker:
         "is_deep",
         "busy",     # it said BUSY: a long batch with leased requests runs there (worker_busy)
         "direct",   # the worker's direct socket (Ready.direct): it takes leases
+        "link",     # its local link (Ready.link): near leaseholders connect there
         "leased",   # credit reserved by its leases (not for brokered dispatch)
         "leases",   # lease id -> broker.leases._Lease
         "stopped",  # lease id -> (client, service) of leases it ended by stopping (broker.leases)
@@ -567,13 +568,15 @@ class Scheduler(LeaseEvents):
         transports: frozenset = frozenset({"inline"}),
         recall: bool = False,
         direct: str | None = None,
+        link: str | None = None,
     ) -> list[Action]:
         """A worker announced itself for ``service`` with ``credit`` concurrent requests.
 
         ``transports`` must contain ``"shm"`` (and ``host`` be set) for it to take requests
         that carry shared-memory references.  ``recall``: it answers RECALL (requests it
         holds unstarted can be taken back for an idle worker).  ``direct``: the endpoint of
-        its direct socket, for leases (broker/leases.py).  A second READY from a registered worker
+        its direct socket, for leases (broker/leases.py), and ``link`` its local link (near
+        leaseholders connect there instead).  A second READY from a registered worker
         disconnects it; its in-flight work is retried elsewhere."""
         out: list[Action] = []
         known = self._workers.get(worker)
@@ -603,6 +606,7 @@ class Scheduler(LeaseEvents):
         w.is_idle = w.is_deep = False  # in svc.idle / svc.deep (kept by _reload)
         w.busy = False
         w.direct = direct or None
+        w.link = link if w.direct else None
         w.leased = 0
         w.leases = {}
         w.stopped = {}

@@ -35,6 +35,7 @@ import zmq
 import zmq.asyncio
 
 from broker import protocol as P
+from broker.protocol.link import LinkConn, LinkError
 from broker.protocol.wire import NOBLOCK, recv_frames, send_frames
 
 from .base import ClientBase, ReplyStreamBase
@@ -104,8 +105,11 @@ class AsyncClient(ClientBase):
         self._traffic: asyncio.Future | None = None  # resolved by the reader for pump()
         # pin=True or a stream's service: a DEALER per lease, on its worker's direct socket
         # (pins.py), read by the same callback
-        self._pin_socks: dict[bytes, zmq.Socket] = {}
-        self._pin_of: dict[zmq.Socket, Any] = {}
+        # (a near lease's is a LinkConn instead: the worker's local link, docs/protocol.md
+        # 10.6, with a reader of its own, `_drain_link`)
+        self._pin_socks: dict[bytes, Any] = {}
+        self._pin_of: dict[Any, Any] = {}
+        self._links: list[LinkConn] = []
         # `infer` calls waiting now (a dict as an ordered set), and the one timer that wakes
         # them at their deadlines: armed at `_deadline_at`, the earliest deadline known when
         # it was armed (see `_deadlines`)
@@ -124,6 +128,8 @@ class AsyncClient(ClientBase):
             loop = asyncio.get_running_loop()
             for sock in self._socks:
                 loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
+            for link in self._links:
+                loop.add_reader(link.fileno(), self._drain_link, link)
             self._loop = loop
             loop.call_soon(self._drain)  # the FD is edge-triggered: look once now
             hello = self._core.hello(time.monotonic())
@@ -156,6 +162,11 @@ class AsyncClient(ClientBase):
             else:
                 socks = (only,)
             capped = False
+            if only is None or only is self._sock:
+                for link in list(self._links):  # the leases' links first, as their sockets
+                    n = self._read_link(link, 256)
+                    handled += n
+                    capped = capped or n >= 256
             for sock in socks:
                 if capped and sock is self._sock:
                     continue  # a lease's replies are left to read: the broker's LEASE_END waits for them
@@ -193,6 +204,55 @@ class AsyncClient(ClientBase):
 
     # ---------------------------------------------------------------- pinned streams
 
+    def _drain_link(self, link: LinkConn) -> None:
+        """A lease's link is readable (its reader; the descriptor is level-triggered)."""
+        core = self._core
+        if core.closed or self._broken is not None:
+            return
+        handled = self._read_link(link, 1)  # its reader runs again for the rest (level-triggered)
+        if core.ops and not core.closed:
+            self._run_ops()
+        if self._traffic is not None and handled:
+            self._wake_pumps()
+
+    def _read_link(self, link: LinkConn, most: int) -> int:
+        """Route what a lease's link holds, ``most`` messages at most (its reader runs again
+        for the rest); how many were handled."""
+        core = self._core
+        pin = self._pin_of.get(link)
+        handled = 0
+        while handled < most:
+            try:
+                frames = link.recv()
+            except (EOFError, LinkError) as e:
+                # The worker closed it (it stopped, or died: the broker says which, and what to
+                # resend) or it broke: no more sends on it, they go through the broker.
+                if pin is not None and not pin.closed:
+                    log.info("the link to the leased worker of %r closed (%s)", pin.service, e)
+                self._link_drop(link)
+                break
+            if frames is None:
+                break
+            handled += 1
+            try:
+                outs = core.on_message(frames, time.monotonic(), True, pin)
+            except Exception:  # one bad message must not stop every other call
+                log.exception("error while handling a message from a leased worker")
+                continue
+            for out in outs:
+                self._send_soon(out)
+        return handled
+
+    def _link_drop(self, link: LinkConn) -> None:
+        if link in self._links:
+            self._links.remove(link)
+            if self._loop is not None and not link.closed:
+                try:
+                    self._loop.remove_reader(link.fileno())
+                except Exception:  # the loop may already be closed
+                    pass
+        link.close()
+
     def _run_ops(self) -> None:
         ops = self._core.ops
         while ops:
@@ -202,7 +262,9 @@ class AsyncClient(ClientBase):
                 self._send_soon(op)
             elif kind is PinSend:
                 sock = self._pin_socks.get(op.pin.lease)
-                if sock is not None:
+                if type(sock) is LinkConn:
+                    sock.send(op.frames)  # a CANCEL the worker cannot take: its FINAL still comes
+                elif sock is not None:
                     try:
                         send_frames(sock, op.frames, NOBLOCK)
                     except zmq.ZMQError:  # a CANCEL the worker cannot take: its FINAL still comes
@@ -212,10 +274,29 @@ class AsyncClient(ClientBase):
                 self._pin_open(op.pin, op.hello)
             elif kind is PinClose:
                 sock = self._pin_socks.pop(op.pin.lease, None)
-                if sock is not None:
+                if type(sock) is LinkConn:
+                    self._pin_of.pop(sock, None)
+                    sock.send(P.client_disconnect())
+                    self._link_drop(sock)
+                elif sock is not None:
                     self._pin_drop(sock)
 
     def _pin_open(self, pin: Any, hello: list[Any]) -> None:
+        if pin.link is not None:
+            try:
+                link = LinkConn(pin.link)
+            except OSError as e:
+                log.info("cannot connect to the local link of %r's leased worker (%s); using %s",
+                         pin.service, e, pin.endpoint)
+            else:
+                if link.send(hello):
+                    self._pin_socks[pin.lease] = link
+                    self._pin_of[link] = pin
+                    self._links.append(link)
+                    if self._loop is not None:
+                        self._loop.add_reader(link.fileno(), self._drain_link, link)
+                    return
+                link.close()
         try:
             sock = dealer(zmq.Context.instance(), pin.endpoint)
             send_frames(sock, hello, NOBLOCK)
@@ -248,7 +329,10 @@ class AsyncClient(ClientBase):
 
     def _send_pinned(self, call: Call, frames: list[Any]) -> None:
         sock = self._pin_socks.get(call.pin.lease)
-        if sock is not None:
+        if type(sock) is LinkConn:
+            if sock.send(frames):  # False: full, gone, or larger than a datagram
+                return
+        elif sock is not None:
             try:
                 send_frames(sock, frames, NOBLOCK)
                 self._look_again(sock)

@@ -20,6 +20,7 @@ calls waits (`pump`), which is what the caller's blocking calls do.
 """
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections import deque
@@ -28,6 +29,7 @@ from typing import Any, Mapping
 import zmq
 
 from broker import protocol as P
+from broker.protocol.link import LinkConn, LinkError
 from broker.protocol.wire import NOBLOCK, Waiter, recv_frames, send_frames, sock_events, touched
 
 from .base import ClientBase, ReplyStreamBase
@@ -43,6 +45,7 @@ __all__ = ["Client", "ReplyStream", "resolve_transport", "parse_priority"]
 
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
+log = logging.getLogger("client_sdk")
 
 
 class Client(ClientBase):
@@ -83,8 +86,10 @@ class Client(ClientBase):
         self._unwatch = weakref.finalize(self, self._waiter.close)
         self._pending: deque[list[Any]] = deque()  # REQUESTs (resends) and CANCELs the socket refused, in order
         # pin=True or a stream's service: a DEALER per lease, on its worker's direct socket (pins.py)
-        self._pin_socks: dict[bytes, zmq.Socket] = {}
-        self._pin_of: dict[zmq.Socket, Any] = {}
+        # (a near lease's is a LinkConn instead: the worker's local link, docs/protocol.md 10.6)
+        self._pin_socks: dict[bytes, Any] = {}
+        self._pin_of: dict[Any, Any] = {}
+        self._link_of: dict[int, LinkConn] = {}  # descriptor -> a lease's link, as the Waiter reports it
         if self._inbox is not None:
             self._core.reply_to = self._inbox.endpoint
             self._waiter.add(self._inbox.sock)
@@ -266,6 +271,12 @@ class Client(ClientBase):
             self._run_ops()
         if call.pin is not None:
             sock = self._sock_for(call)
+            if type(sock) is LinkConn:
+                if sock.send(frames):
+                    self._core.last_send = time.monotonic()
+                    return True
+                self._core.reroute(call)  # the link cannot take it now: the broker's
+                sock = self._sock
         try:
             send_frames(sock, frames, NOBLOCK)
         except zmq.Again:
@@ -350,7 +361,11 @@ class Client(ClientBase):
                 # `_sock_for` asks EVENTS for, learnt from the send itself): then the call is
                 # the broker's.
                 sock = self._pin_socks.get(pin.lease)
-                if sock is not None:
+                if type(sock) is LinkConn:
+                    if sock.send(frames):  # False: full, gone, or larger than a datagram
+                        core.last_send = time.monotonic()
+                        return
+                elif sock is not None:
                     try:
                         send_frames(sock, frames, NOBLOCK)
                         core.last_send = time.monotonic()
@@ -413,11 +428,16 @@ class Client(ClientBase):
         # the broker has seemed silent so long that its word cannot wait).
         core = self._core
         pins = self._pin_of
-        items = self._waiter.sockets() if ready is None else ready
+        items = [*self._waiter.sockets(), *self._link_of] if ready is None else ready
         capped = False
         if len(items) > 1 and items[0] is self._sock:
             items = [*items[1:], items[0]]
+        whole = ready is None or self._sock in items  # the broker's word comes after every reply
         for sock in items:
+            if type(sock) is int:  # a lease's local link (the Waiter's plain descriptors)
+                if not self._drain_link(sock, whole):
+                    capped = True
+                continue
             direct = sock is not self._sock
             pin = pins.get(sock) if pins else None
             if capped and sock is self._sock and not always_broker:
@@ -439,6 +459,37 @@ class Client(ClientBase):
         if core.ops:  # after the loop: it may open and close the sockets waited for
             self._run_ops()
 
+    def _drain_link(self, fd: int, whole: bool) -> bool:
+        """Read what a lease's link holds: everything (256 messages at most; False when that
+        budget ran out) when ``whole``, else one message (the next wait finds the rest: the
+        descriptor is level-triggered, and a read that finds nothing costs an exception)."""
+        link = self._link_of.get(fd)
+        if link is None:
+            return True
+        core = self._core
+        pin = self._pin_of.get(link)
+        for _ in range(256 if whole else 1):
+            try:
+                frames = link.recv()
+            except (EOFError, LinkError) as e:
+                # The worker closed it (it stopped, or died: the broker says which, and what
+                # to resend) or it broke: no more sends on it, they go through the broker.
+                if pin is not None and not pin.closed:
+                    log.info("the link to the leased worker of %r closed (%s)", pin.service, e)
+                self._link_closed(link)
+                return True
+            if frames is None:
+                return True
+            for out in core.on_message(frames, time.monotonic(), True, pin):
+                self._send_soon(out)
+        return False
+
+    def _link_closed(self, link: LinkConn) -> None:
+        fd = link.fileno()
+        if self._link_of.pop(fd, None) is not None:
+            self._waiter.remove(fd)
+        link.close()
+
     # ---------------------------------------------------------------- pinned streams
 
     def _run_ops(self) -> None:
@@ -450,7 +501,9 @@ class Client(ClientBase):
                 self._send_soon(op)
             elif kind is PinSend:
                 sock = self._pin_socks.get(op.pin.lease)
-                if sock is not None:
+                if type(sock) is LinkConn:
+                    sock.send(op.frames)  # a CANCEL the worker cannot take: its FINAL still comes
+                elif sock is not None:
                     try:
                         send_frames(sock, op.frames, NOBLOCK)
                     except zmq.ZMQError:  # a CANCEL the worker cannot take: its FINAL still comes
@@ -459,12 +512,30 @@ class Client(ClientBase):
                 self._pin_open(op.pin, op.hello)
             elif kind is PinClose:
                 sock = self._pin_socks.pop(op.pin.lease, None)
-                if sock is not None:
+                if type(sock) is LinkConn:
+                    del self._pin_of[sock]
+                    sock.send(P.client_disconnect())
+                    self._link_closed(sock)
+                elif sock is not None:
                     del self._pin_of[sock]
                     self._waiter.remove(sock)
                     drop_socket(sock)
 
     def _pin_open(self, pin: Any, hello: list[Any]) -> None:
+        if pin.link is not None:
+            try:
+                link = LinkConn(pin.link)
+            except OSError as e:
+                log.info("cannot connect to the local link of %r's leased worker (%s); using %s",
+                         pin.service, e, pin.endpoint)
+            else:
+                if link.send(hello):
+                    self._pin_socks[pin.lease] = link
+                    self._pin_of[link] = pin
+                    self._link_of[link.fileno()] = link
+                    self._waiter.add_fd(link.fileno())
+                    return
+                link.close()
         try:
             sock = dealer(self._ctx, pin.endpoint)
             send_frames(sock, hello, NOBLOCK)
@@ -481,7 +552,10 @@ class Client(ClientBase):
         """The socket for a pinned call: its lease's, or the broker's when that one cannot
         take it now (the call is then the broker's)."""
         sock = self._pin_socks.get(call.pin.lease)
-        if sock is not None and sock_events(sock) & _POLLOUT:
+        if type(sock) is LinkConn:
+            if not sock.closed:
+                return sock
+        elif sock is not None and sock_events(sock) & _POLLOUT:
             return sock
         self._core.reroute(call)
         return self._sock

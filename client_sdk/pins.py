@@ -100,13 +100,15 @@ def pin_slots(pin: Any) -> int:
 class Pin:
     """One lease held: where its worker listens, how many calls it takes, which are on it."""
 
-    __slots__ = ("service", "lease", "secret", "endpoint", "slots", "near", "calls", "ending", "closed")
+    __slots__ = ("service", "lease", "secret", "endpoint", "link", "slots", "near", "calls", "ending", "closed")
 
     def __init__(self, service: str, info: P.LeaseInfo, near: bool):
         self.service = service
         self.lease: bytes = info.lease
         self.secret: bytes = info.secret
         self.endpoint: str = info.endpoint
+        # the worker's local link (docs/protocol.md section 10.6): a near lease's faster way in
+        self.link: str | None = info.link if near else None
         self.slots: int = info.slots
         self.near = near            # shared-memory references may go on it
         self.calls: dict[int, Any] = {}  # id -> Call in flight on it

@@ -6,7 +6,7 @@ without them the worker exits 2 at once, saying so (docs/security.md).
 
 Loads and warms the model, registers with the broker (READY with its credit, host and
 transports), prints one line `READY service=<name> pid=<pid> device=<dev>` (then
-`health=...` and `direct=<endpoint>` when asked for) on stdout once
+`health=...` and `direct=<endpoint>` and `link=<path>` when asked for) on stdout once
 the broker acknowledged the registration (its WELCOME; from a broker that sends none, after
 two heartbeat intervals), and serves until SIGTERM, on which it finishes what it holds, sends DISCONNECT and exits 0.
 `--direct` makes it take leases (pinned streams: docs/protocol.md section 10) on a direct socket
@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--direct", action="store_true",
                     help="take leases (pinned streams, docs/protocol.md section 10): bind a direct socket in the "
                          "runtime directory, on which leaseholding clients send requests straight to this worker")
+    ap.add_argument("--no-link", action="store_true",
+                    help="with --direct: no local link beside the direct socket (docs/protocol.md section 10.6); "
+                         "clients on this host then use the ipc direct socket")
     ap.add_argument("--done-delay-ms", type=float, default=5.0,
                     help="longest a DONE for direct replies waits to gather more (docs/protocol.md section 8)")
     ap.add_argument("--server-key", default=None,
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         cuda_pool_capacity=args.cuda_pool_mb << 20,
         direct_reply=not args.no_direct_reply,
         direct=args.direct,
+        direct_link=not args.no_link,
         done_delay=args.done_delay_ms / 1000.0,
         drain_grace=args.drain_grace_s,
         server_key=args.server_key,
@@ -212,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = f" health={host_port(*health.address)}" if health is not None else ""
         if worker.direct_socket is not None:
             extra += f" direct={worker.direct_socket.endpoint}"
+            if worker.direct_socket.link is not None:
+                extra += f" link={worker.direct_socket.link.path}"
         print(f"READY service={worker.service} pid={worker.pid} device={worker.device}{extra}", flush=True)
 
     try:

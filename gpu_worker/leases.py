@@ -13,7 +13,11 @@ parts live here:
   forgets leases when they end (LEASE_END from the broker, or `stop` on SIGTERM).
 * `DirectSocket` - the ROUTER itself, bound to ``ipc://<runtime dir>/w-<pid>-<random>.ipc``
   (the runtime directory is mode 0700, the socket file 0600, as a client's reply socket:
-  only this user's processes can connect), unlinked at close.
+  only this user's processes can connect), unlinked at close; and beside it the *local link*
+  (``w-<pid>-<random>.link``, `broker.protocol.link.LinkServer`): the same sub-protocol over
+  a Unix SOCK_SEQPACKET socket, without libzmq's I/O threads, which near clients use instead.
+  Both read into the same loop: a link connection is one more routing id (9 bytes, the
+  first zero: never a ROUTER's).
 
 The worker loop (`gpu_worker.worker`) runs an admitted request like a brokered one (same
 checks, same batcher, same planes); only its replies take another route: on the direct
@@ -35,12 +39,14 @@ from typing import NamedTuple
 import zmq
 
 from broker import protocol as P
-from broker.protocol.wire import NOBLOCK, send_frames
+from broker.protocol.link import LinkServer
+from broker.protocol.wire import NOBLOCK, recv_frames, send_frames, sock_events, touched
 
 __all__ = ["Lease", "Refusal", "LeaseTable", "DirectSocket", "DirectSocketError", "direct_socket_path",
            "NOT_BOUND", "WORKER_STOPPING", "LONG_BATCH_S", "runs_long"]
 
 log = logging.getLogger("gpu_worker")
+_POLLIN = int(zmq.POLLIN)
 
 #: the start of the 400 a REQUEST on a connection without a lease gets
 NOT_BOUND = "not bound to a lease: send HELLO first"
@@ -269,7 +275,7 @@ class DirectSocket:
     #: replies queued per connection before further ones are dropped
     sndhwm = 10_000
 
-    def __init__(self, ctx: zmq.Context, *, path: str | None = None):
+    def __init__(self, ctx: zmq.Context, *, path: str | None = None, link: bool = True):
         try:
             path = path if path is not None else direct_socket_path()
         except OSError as e:  # the runtime directory (RuntimeDirError is one)
@@ -295,10 +301,24 @@ class DirectSocket:
         self.endpoint = "ipc://" + path   # what Ready.direct names
         self.dropped = 0                  # replies that could not be queued
         self._bad = P.RateLimitedLog(log)
+        self.link: LinkServer | None = None
+        if link:
+            link_path = (path[:-4] if path.endswith(".ipc") else path) + ".link"
+            try:
+                self.link = LinkServer(link_path)  # what Ready.link names
+            except OSError as e:
+                log.warning("no local link at %s (%s): near clients use the ipc direct socket", link_path, e)
 
     def send(self, frames) -> bool:
         """Queue one message (``[routing id, ...]``) without blocking; False when it was
         dropped (the connection is gone, or its queue is full)."""
+        route = frames[0]
+        if len(route) == 9 and self.link is not None:  # a link connection's (never a ROUTER's)
+            if self.link.send(route, frames[1:]):
+                return True
+            self.dropped += 1
+            self._bad.warning("a reply on the local link was dropped: its client is gone or not reading")
+            return False
         try:
             send_frames(self.sock, frames, NOBLOCK)
             return True
@@ -307,10 +327,46 @@ class DirectSocket:
             self._bad.warning("a reply on the direct socket was dropped (%s): its client is gone or not reading", e)
             return False
 
+    def next_message(self, router: bool = True, link: bool = True) -> list | None:
+        """One message read (``[routing id, ...]``) from the ROUTER or the link, without
+        waiting; None when neither holds one (``router``/``link``: which to look at)."""
+        if router and sock_events(self.sock) & _POLLIN:
+            return recv_frames(self.sock)
+        ln = self.link
+        if link and ln is not None:
+            inbox = ln.inbox
+            if inbox or ln.pump():
+                return inbox.popleft()
+        return None
+
+    def has_message(self, holds=None) -> bool:
+        """Whether a message waits on either (``holds(sock)``: how to ask the ROUTER, e.g. a
+        Waiter's `has_message`)."""
+        if holds(self.sock) if holds is not None else sock_events(self.sock) & _POLLIN:
+            return True
+        return self.link is not None and self.link.has_message()
+
+    def wait(self, ms: float) -> bool:
+        """Wait up to ``ms`` milliseconds for a message on either; whether one came."""
+        if self.link is not None and self.link.inbox:
+            return True
+        if self.link is None:
+            ready = bool(self.sock.poll(ms))
+        else:
+            poller = zmq.Poller()
+            poller.register(self.sock, zmq.POLLIN)
+            poller.register(self.link.fileno(), zmq.POLLIN)
+            ready = bool(poller.poll(ms))
+        touched(self.sock)  # a pyzmq poll (see wire.Waiter)
+        return ready
+
     def close(self, linger_ms: int = 0) -> None:
-        """Close (replies already queued keep ``linger_ms`` to leave) and unlink the file."""
+        """Close (replies already queued keep ``linger_ms`` to leave; the link's, what the
+        kernel takes now) and unlink the files."""
         self.sock.close(linger=linger_ms)
         _unlink_quietly(self.path)
+        if self.link is not None:
+            self.link.close()
 
 
 def _unlink_quietly(path: str) -> None:

@@ -128,6 +128,7 @@ class WorkerConfig:
     cuda_pool_slots: int = 1024
     direct_reply: bool = True         # send a same-host client's FINAL to its reply_to socket (docs/protocol.md section 8)
     direct_sockets: int = 64          # reply_to sockets kept open (least recently used closed first)
+    direct_link: bool = True          # with direct: a local link beside the direct socket (docs/protocol.md 10.6)
     done_delay: float = 0.005         # seconds a DONE may wait to gather more (never past a request's deadline)
     done_batch: int | None = None     # ... or until this many FINALs are pending (default credit // 4)
     drain_grace: float = 30.0         # on stop, seconds outputs stay readable for clients yet to release them
@@ -318,7 +319,7 @@ class Worker:
         self.keep_warm = self._open_keep_warm()
         if cfg.direct:
             try:
-                self.direct_socket = DirectSocket(self.ctx)  # DirectSocketError: the message says why
+                self.direct_socket = DirectSocket(self.ctx, link=cfg.direct_link)  # DirectSocketError: says why
             except Exception:
                 self.plane.close()
                 raise
@@ -358,6 +359,7 @@ class Worker:
             welcome=True,
             recall=True,
             direct=None if self.direct_socket is None else self.direct_socket.endpoint,
+            link=None if self.direct_socket is None or self.direct_socket.link is None else self.direct_socket.link.path,
             inputs=wire_signature(self._signature),
             outputs=wire_signature(self._outputs),
         )
@@ -404,6 +406,11 @@ class Worker:
             direct = None if self.direct_socket is None else self.direct_socket.sock
             if direct is not None:
                 poller.add(direct)
+            link_fd = -1
+            link = None if self.direct_socket is None else self.direct_socket.link
+            if link is not None:
+                link_fd = link.fileno()
+                poller.add_fd(link_fd)
             next_housekeeping = time.monotonic() + self.heartbeat_interval
             self.lone_lane = True
             while not self._take_signals():
@@ -420,14 +427,16 @@ class Worker:
                 done_ms = self.dones.wait_ms(now)
                 if done_ms is not None:
                     ms = min(ms, done_ms)
+                if link is not None and link.inbox:
+                    ms = 0  # read from the link already, not yet handled: its descriptor will not tell
                 events = poller.wait(int(ms))
                 if self._busy and self._offload.done in events:
                     self._finish_offloaded()
                 if self.sock in events:
                     self._drain()
                     self._last_heard = time.monotonic()
-                if direct in events:
-                    self._drain_direct()
+                if direct in events or link_fd in events or (link is not None and link.inbox):
+                    self._drain_direct(router=direct in events, link=True)
                 if self._busy and self.leases is not None and self.jobs:
                     self._bounce_pending()  # an offloaded batch that runs past its prediction
                 if self._monitor_fd in events and upstream.reconnected():
@@ -714,10 +723,11 @@ class Worker:
                 self._direct_judged = len(stash)
             if self.jobs:
                 self._bounce_queued(now)
-        sock = ds.sock
         most = _DIRECT_STASH_MAX - len(stash)  # a flood never starves the heartbeats
-        while most > 0 and sock_events(sock) & _POLLIN:
-            frames = recv_frames(sock)
+        while most > 0:
+            frames = ds.next_message()
+            if frames is None:
+                break
             now = time.monotonic()
             request = _is_direct_request(frames)
             if request:
@@ -889,12 +899,15 @@ class Worker:
         sock = self.sock
         if sock is None:
             return False
-        waiter = self._poller  # serve's: one syscall for a quiet socket, not two
-        holds = _holds_message if waiter is None else waiter.has_message
-        if holds(sock):
-            return False
+        waiter = self._poller
         ds = self.direct_socket
-        if ds is not None and holds(ds.sock):
+        if waiter is not None:
+            # serve's: one poll of every descriptor it waits on when its sockets are quiet
+            # (the broker's, the direct ROUTER, the link's); anything there, even a monitor
+            # event, sends this request the batcher's way, which runs it right after the drain
+            if (ds is not None and ds.link is not None and ds.link.inbox) or waiter.any_message():
+                return False
+        elif _holds_message(sock) or (ds is not None and ds.has_message()):
             return False
         if self.cuda:  # the plane may have lowered the batch size since (MemoryWatch)
             self.batcher.max_batch = self.plane.batch_limit(self.max_batch)
@@ -1250,17 +1263,19 @@ class Worker:
             self._linger_until = time.monotonic() + self.heartbeat_interval
             log.info("ended %d lease(s): the worker is stopping", len(ids))
 
-    def _drain_direct(self, most: int = 1000) -> None:
+    def _drain_direct(self, most: int = 1000, router: bool = True, link: bool = True) -> None:
         """Handle what waits on the direct socket (at most ``most`` messages: a flood of
         them never starves the broker's heartbeats)."""
         ds = self.direct_socket
         if ds is None:
             return
-        sock = ds.sock
         self._lane_ran = False
-        while most > 0 and not self._lane_ran and sock_events(sock) & _POLLIN:  # one lane batch, as `_drain`
+        while most > 0 and not self._lane_ran:  # one lane batch, as `_drain`
+            frames = ds.next_message(router, link)
+            if frames is None:
+                return
             most -= 1
-            self._on_direct_frames(recv_frames(sock), time.monotonic())
+            self._on_direct_frames(frames, time.monotonic())
 
     def _on_direct_frames(self, frames, now: float) -> None:
         """One message read from the direct socket at ``now`` (its arrival): handled, or
@@ -1475,8 +1490,13 @@ class Worker:
             poller = zmq.Poller()
             poller.register(done, zmq.POLLIN)
             poller.register(self.direct_socket.sock, zmq.POLLIN)
+            if self.direct_socket.link is not None:
+                poller.register(self.direct_socket.link.fileno(), zmq.POLLIN)
             deadline = time.monotonic() + seconds
+            link = self.direct_socket.link
             while True:
+                if link is not None and link.inbox:  # read already: its descriptor will not tell
+                    self._drain_direct()
                 events = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000.0))
                 if done in events:
                     return True
@@ -1490,10 +1510,7 @@ class Worker:
 
     def _wait_direct(self, seconds: float) -> None:
         """Stopped: wait up to ``seconds``, answering the direct socket (503) meanwhile."""
-        sock = self.direct_socket.sock
-        ready = sock.poll(seconds * 1000.0)
-        touched(sock)  # a pyzmq poll (see wire.Waiter)
-        if ready:
+        if self.direct_socket.wait(seconds * 1000.0):
             self._drain_direct()
 
     def _linger_direct(self) -> None:
@@ -1577,7 +1594,7 @@ class Worker:
             sock = self.sock
             if sock is not None and sock_events(sock) & _POLLIN:
                 return  # work is waiting in the socket: it goes first
-            if self.direct_socket is not None and sock_events(self.direct_socket.sock) & _POLLIN:
+            if self.direct_socket is not None and self.direct_socket.has_message():
                 return
             self.keep_warm.maybe_run(time.monotonic())
 

@@ -193,6 +193,7 @@ class Ready(msgspec.Struct, kw_only=True):
     welcome: bool = False   # the worker understands WELCOME (the broker then sends one)
     recall: bool = False    # the worker answers RECALL with RETURNED (the broker then sends it)
     direct: str | None = None  # the endpoint of the worker's direct socket: it takes leases (section 10)
+    link: str | None = None    # the path of its local link (a Unix SOCK_SEQPACKET socket, section 10.6)
     # The model's declared inputs, name -> [dtype or nil, shape (sizes or nil) or nil], for
     # the broker's model endpoint (docs/operations.md); nil when it declares none.
     inputs: dict[str, tuple[str | None, list[int | None] | None]] | None = None
@@ -245,6 +246,7 @@ class LeaseInfo(msgspec.Struct, kw_only=True):
     slots: int
     instance: bytes               # the broker's: a lease never outlives the broker that made it
     host: str | None = None       # the worker's shared-memory host (same as the client's: shm works)
+    link: str | None = None       # the worker's local link (section 10.6), on a near lease only
 
 
 class LeaseEnd(msgspec.Struct, kw_only=True):
@@ -474,7 +476,16 @@ def decode_ready(frame: Any) -> Ready:
         raise ProtocolError(f"unknown transports {sorted(bad)}; known: {sorted(TRANSPORTS)}")
     if r.direct is not None and not _endpoint_ok(r.direct):
         raise ProtocolError("ready direct must be an ipc:// or tcp:// endpoint of at most 255 characters")
+    if r.link is not None and not _link_ok(r.link):
+        raise ProtocolError("ready link must be an absolute path of at most 100 characters")
+    if r.link is not None and r.direct is None:
+        raise ProtocolError("ready link needs a direct socket as well")
     return r
+
+
+def _link_ok(path: Any) -> bool:
+    # sun_path holds 108 bytes
+    return isinstance(path, str) and path.startswith("/") and 1 < len(path.encode()) <= 100 and "\0" not in path
 
 
 def _endpoint_ok(ep: Any) -> bool:
@@ -511,6 +522,8 @@ def decode_lease_info(frame: Any) -> LeaseInfo:
     _check_lease_id(i.lease, "lease info")
     if len(i.secret) != 16 or not _endpoint_ok(i.endpoint) or not 1 <= i.slots <= 1 << 16:
         raise ProtocolError("lease info needs a 16-byte secret, an ipc:// or tcp:// endpoint and 1..65536 slots")
+    if i.link is not None and not _link_ok(i.link):
+        raise ProtocolError("lease info link must be an absolute path of at most 100 characters")
     return i
 
 

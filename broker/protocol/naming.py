@@ -86,9 +86,10 @@ def default_endpoints() -> tuple[str, str]:
 
 # A client's direct-reply socket (docs/protocol.md section 8): c-<pid>-<starttime>-<hex>.ipc
 # in the runtime directory, and a worker's direct socket for leases (section 10):
-# w-<pid>-<starttime>-<hex>.ipc; named like shared-memory segments so that a dead owner is
-# told from a live one even after its pid is reused (the broker sweeps both).
-_REPLY_SOCKET_RE = re.compile(r"[cw]-(\d+)-(\d+)-[0-9a-f]+\.ipc")
+# w-<pid>-<starttime>-<hex>.ipc, with its local link beside it (.link, broker/protocol/link.py);
+# named like shared-memory segments so that a dead owner is told from a live one even after
+# its pid is reused (the broker sweeps them all).
+_REPLY_SOCKET_RE = re.compile(r"[cw]-(\d+)-(\d+)-[0-9a-f]+\.(?:ipc|link)")
 
 
 def reply_socket_path() -> str:

@@ -183,6 +183,17 @@ class Waiter:
             _QUIET.discard(sock)
         return bool(sock_events(sock) & _POLLIN)
 
+    def any_message(self) -> bool:
+        """Whether any watched socket may hold a message or any plain descriptor is readable,
+        without waiting: EVENTS of the sockets that are not quiet, then one poll of every
+        descriptor (a quiet socket whose descriptor signalled counts, unasked).  May answer
+        True for nothing (a signal for a socket command); never False for a message."""
+        quiet = _QUIET
+        for sock in self._socks:
+            if sock not in quiet and sock_events(sock) & _POLLIN:
+                return True
+        return bool(self._poll.poll(0))
+
     def wait(self, ms: int) -> list[Any]:
         """Wait up to `ms` milliseconds (negative: without a limit, 0: not at all); the
         sockets holding a message and the readable plain descriptors."""

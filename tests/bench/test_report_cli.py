@@ -133,8 +133,10 @@ def _check_ratios_run(tmp_path, monkeypatch):
     monkeypatch.setitem(PEERS, "direct", fake_peer("direct", 1.0))
     monkeypatch.setitem(PEERS, "grpc", fake_peer("grpc", 4.0, per_mb_ms=2.0))
     monkeypatch.setitem(PEERS, "pinned", fake_peer("pinned", 3.5))
+    monkeypatch.setitem(PEERS, "pinned-ipc", fake_peer("pinned-ipc", 5.0))
     out = tmp_path / "q.json"  # main() creates the folder
-    rc = cli.main(["quick", "--peers", "broker-shm,proxy-sdk,proxy,direct,grpc,pinned", "--json", str(out), *FAST])
+    rc = cli.main(["quick", "--peers", "broker-shm,proxy-sdk,proxy,direct,grpc,pinned,pinned-ipc", "--json", str(out),
+                   *FAST])
     assert rc == 0
     rep = json.loads(out.read_text())
     assert rep["ratios_missing"] == {}
@@ -149,6 +151,7 @@ def _check_ratios_run(tmp_path, monkeypatch):
     assert r["broker_vs_proxy_floor_tiny"] == pytest.approx(p50("broker-shm", 16) / p50("proxy-sdk", 16), rel=1e-3)
     assert r["pinned_vs_direct_tiny"] == pytest.approx(p50("pinned", 16) / p50("direct", 16), rel=1e-3)
     assert r["pinned_vs_grpc_tiny"] == pytest.approx(p50("pinned", 16) / p50("grpc", 16), rel=1e-3)
+    assert r["pinned_link_vs_ipc_tiny"] == pytest.approx(p50("pinned", 16) / p50("pinned-ipc", 16), rel=1e-3)
     assert r["pinned_payload_independence_6mb"] == pytest.approx(p50("pinned", frame) / p50("pinned", 16), rel=1e-3)
     assert r["broker_vs_bare_proxy_tiny"] == pytest.approx(p50("broker-shm", 16) / p50("proxy", 16), rel=1e-3)
     assert r["proxy_sdk_vs_proxy_tiny"] == pytest.approx(p50("proxy-sdk", 16) / p50("proxy", 16), rel=1e-3)
@@ -187,7 +190,7 @@ def test_compute_ratios_exact_and_missing_reasons():
     assert ratios["grpc_vs_shm_6mb"] is None
     assert "port in use" in missing["grpc_vs_shm_6mb"]
     pinned = {"pinned_vs_direct_tiny", "pinned_vs_grpc_tiny", "pinned_payload_independence_6mb",
-              "pinned_payload_independence_64mb"}  # no pinned peer in this run
+              "pinned_payload_independence_64mb", "pinned_link_vs_ipc_tiny"}  # no pinned peer in this run
     assert set(ratios) == set(RATIOS) and set(missing) == {"payload_independence_64mb", "grpc_vs_shm_6mb"} | pinned
 
 

@@ -220,6 +220,32 @@ def test_has_message_sees_a_message_that_came_since_the_last_wait(pairs):
         w.close()
 
 
+def test_any_message_never_misses_one_that_waits(pairs):
+    """Waiter.any_message (the worker's lone-request check): False only when no watched
+    socket holds a message and no plain descriptor is readable; quiet sockets are not asked."""
+    (pa, a), (pb, b) = pairs
+    r, wfd = os.pipe()
+    w = Waiter()
+    w.add(a)
+    w.add(b)
+    w.add_fd(r)
+    try:
+        assert w.wait(0) == [] and not w.any_message()
+        send_frames(pb, [b"m"])
+        deadline = time.monotonic() + WAIT_MS / 1000
+        while not w.any_message():  # b is quiet: its descriptor tells
+            assert time.monotonic() < deadline, "a message that arrived was not seen"
+        assert w.wait(0) == [b]
+        recv_frames(b)  # not quiet now: any_message asks it
+        assert not w.any_message() and w.wait(0) == []
+        os.write(wfd, b"x")
+        assert w.any_message()
+    finally:
+        w.close()
+        os.close(r)
+        os.close(wfd)
+
+
 def test_no_marks_outlive_a_client(tmp_path):
     """A closed Client, or one dropped without close(), leaves no socket in wire's marks."""
     import gc

@@ -1277,10 +1277,13 @@ def test_sweep_removes_only_dead_clients_reply_sockets(tmp_path):
     other = tmp_path / "frontend.ipc"
     dead_worker = tmp_path / f"w-{p.pid}-12345-abc.ipc"  # a SIGKILLed worker's direct socket (leases)
     live_worker = tmp_path / f"w-{pid}-{start}-abc.ipc"
-    for f in (dead, reused, alive, other, dead_worker, live_worker):
+    dead_link = tmp_path / f"w-{p.pid}-12345-abc.link"  # ... and its local link
+    live_link = tmp_path / f"w-{pid}-{start}-abc.link"
+    for f in (dead, reused, alive, other, dead_worker, live_worker, dead_link, live_link):
         f.write_bytes(b"")
-    assert sorted(sweep_reply_sockets(str(tmp_path))) == sorted([dead.name, reused.name, dead_worker.name])
-    assert alive.exists() and other.exists() and live_worker.exists()
+    assert sorted(sweep_reply_sockets(str(tmp_path))) == sorted([dead.name, reused.name, dead_worker.name,
+                                                                 dead_link.name])
+    assert alive.exists() and other.exists() and live_worker.exists() and live_link.exists()
 
 
 def test_one_finals_message_resolves_each_call_it_carries(fake, endpoint):

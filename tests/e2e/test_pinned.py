@@ -135,10 +135,12 @@ def test_a_service_without_direct_workers_stays_brokered(cluster):
         assert c.pinned_replies == 0 and c.stray_replies == 0
 
 
-def test_sigkill_of_the_pinned_worker_with_64_in_flight_loses_and_duplicates_nothing(cluster, gate):
+@pytest.mark.parametrize("link", [True, False], ids=["link", "ipc"])  # the local link, or the ipc direct socket
+def test_sigkill_of_the_pinned_worker_with_64_in_flight_loses_and_duplicates_nothing(cluster, gate, link):
     cluster.broker()
+    no_link = () if link else ("--no-link",)
     doomed = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "80",
-                            "--no-warmup", "--direct", env=gate.env, wait=False)
+                            "--no-warmup", "--direct", *no_link, env=gate.env, wait=False)
     gate.open()
     doomed.wait_ready()
     with Client(cluster.frontend, timeout=30, pin=64) as c:
@@ -151,7 +153,7 @@ def test_sigkill_of_the_pinned_worker_with_64_in_flight_loses_and_duplicates_not
         # A second worker of the service (an echo, no gate), ready before the kill; the
         # client heartbeats meanwhile (idle for the broker's client window, it would lose
         # its lease: a blocking client sends heartbeats only from inside its calls).
-        _start_pumping(c, cluster.worker("echo", "--service", "gate", "--direct", wait=False))
+        _start_pumping(c, cluster.worker("echo", "--service", "gate", "--direct", *no_link, wait=False))
         xs = [np.full(5, i, np.int64) for i in range(64)]
         handles = [c.infer_stream("gate", {"x": x}) for x in xs]
         assert c.in_flight() == 64

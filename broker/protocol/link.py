@@ -1,0 +1,420 @@
+"""The local link: a worker's direct socket (docs/protocol.md section 10) for a client on the
+same host, over a Unix ``SOCK_SEQPACKET`` socket instead of a libzmq ipc connection.
+
+Why: every libzmq message crosses two I/O threads (the sender's and the receiver's), so a
+pinned round trip over ipc wakes six threads; over the link it wakes two (the client's and
+the worker's), each reading and writing the kernel socket itself.  A raw echo measured
+about 20 µs against about 77 µs for a DEALER/ROUTER pair on the test machine
+(BENCHMARKS.md, "The local link").
+
+What travels is exactly the direct socket's client sub-protocol (HELLO, REQUEST, CANCEL,
+HEARTBEAT, DISCONNECT; PARTIAL, FINAL, FINALS back), one multipart message at a time:
+
+    datagram = flags (1 byte: 0x00 the message ends here, 0x01 more datagrams follow)
+               + a piece of the message
+    message  = n (u16 LE), n frame sizes (u32 LE each), then the n frames back to back
+
+A message that fits one datagram (`LINK_DATAGRAM` bytes, flag byte included) is one
+datagram, written with one ``sendmsg`` of the frames as they are (no copy).  A client
+sends nothing larger (the SDK sends a bigger request through the broker); a worker's reply
+may span several datagrams, in order, the last one flagged 0x00.  SEQPACKET keeps
+datagram boundaries and order and is reliable, so there is no other framing.
+
+The worker's side (`LinkServer`) listens at ``<runtime dir>/w-<pid>-<start>-<hex>.link``
+beside its ipc direct socket (mode 0600 in the 0700 runtime directory), accepts only peers of
+its own uid (SO_PEERCRED), and gives every connection a routing id of 9 bytes starting with a
+zero byte: a libzmq ROUTER never makes one of that length and never accepts one a peer chose
+that starts with zero, so a link connection cannot be impersonated on the ipc direct socket.
+It reads into an inbox the frames a ROUTER would have returned (``[routing id, MDPC02,
+command, ...]``), and a connection that closes, or sends what is not a message, is ended with
+a DISCONNECT of its own in that inbox (the worker then unbinds it, as for a DISCONNECT).
+Sends never block: what the kernel does not take waits in the connection's outbox and
+leaves when the socket is writable (``max_queue`` messages at most, then replies are
+dropped as a ROUTER past its high-water mark drops them).  Everything the worker must wait
+for is behind one descriptor (`LinkServer.fileno`, an epoll set), readable whenever the
+link has something to do.
+
+The client's side (`LinkConn`) is one connection per lease; it reassembles multi-datagram
+replies.  Neither side has a thread.
+"""
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+from collections import deque
+from itertools import accumulate
+from typing import Any, Sequence
+
+from .frames import C_DISCONNECT, MDPC
+
+__all__ = ["LINK_DATAGRAM", "LinkError", "LinkConn", "LinkServer", "encode", "decode", "frame_size",
+           "link_route"]
+
+#: bytes of one datagram at most, its flag byte included (well under the default socket
+#: buffer of about 208 KiB, so one always fits an empty buffer)
+LINK_DATAGRAM = 65536
+#: frames of one message at most (an MDP request has 5 plus one per inline tensor)
+MAX_FRAMES = 4096
+_LAST = b"\x00"
+_MORE = b"\x01"
+_PREFIXES: dict[int, struct.Struct] = {}
+_SIZES: dict[int, struct.Struct] = {}
+_U16 = struct.Struct("<H")
+_ROUTE_LEN = 9
+_DONTWAIT = socket.MSG_DONTWAIT
+_PEERCRED = struct.Struct("3i")
+
+
+class LinkError(ValueError):
+    """A datagram that is not a link message (section 10, "the local link")."""
+
+
+def frame_size(f: Any) -> int:
+    """Bytes of one frame (bytes, memoryview, zmq.Frame, a contiguous numpy array...)."""
+    return len(f) if type(f) is bytes else memoryview(f).nbytes
+
+
+def _prefix(sizes: list[int]) -> bytes:
+    n = len(sizes)
+    st = _PREFIXES.get(n)
+    if st is None:
+        st = _PREFIXES[n] = struct.Struct(f"<cH{n}I")
+    return st.pack(_LAST, n, *sizes)
+
+
+def encode(frames: Sequence[Any]) -> list[Any]:
+    """The datagrams of one message: a list of one buffer list (a single datagram, for
+    ``sendmsg`` as it is) or of several bytes (the message cut in pieces)."""
+    sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]  # frame_size, inline
+    if len(sizes) > MAX_FRAMES:
+        raise LinkError(f"a link message holds at most {MAX_FRAMES} frames, not {len(sizes)}")
+    head = _prefix(sizes)
+    if len(head) + sum(sizes) <= LINK_DATAGRAM:
+        return [[head, *frames]]
+    whole = b"".join([head[1:], *(memoryview(f).cast("B") if type(f) is not bytes else f for f in frames)])
+    step = LINK_DATAGRAM - 1
+    pieces = [_MORE + whole[i:i + step] for i in range(0, len(whole), step)]
+    pieces[-1] = _LAST + pieces[-1][1:]
+    return pieces
+
+
+def decode(buf: bytes, start: int = 1) -> list[memoryview]:
+    """The frames of one whole message (``buf[start:]``), as views of ``buf``."""
+    end = len(buf)
+    if end - start < 2:
+        raise LinkError("a link message starts with its frame count (2 bytes)")
+    (n,) = _U16.unpack_from(buf, start)
+    at = start + 2 + 4 * n
+    if n > MAX_FRAMES or at > end:
+        raise LinkError(f"a link message of {n} frames needs {4 * n} bytes of sizes")
+    st = _SIZES.get(n)
+    if st is None:
+        st = _SIZES[n] = struct.Struct(f"<{n}I")
+    ends = list(accumulate(st.unpack_from(buf, start + 2), initial=at))
+    if ends[-1] != end:
+        raise LinkError(f"the frame sizes add up to {ends[-1] - at} bytes, the message holds {end - at}")
+    view = memoryview(buf)
+    return [view[a:b] for a, b in zip(ends, ends[1:])]
+
+
+def link_route(counter: int) -> bytes:
+    """The routing id of link connection number ``counter``: 9 bytes, the first zero."""
+    return b"\x00" + counter.to_bytes(8, "big")
+
+
+class LinkConn:
+    """A client's connection to a worker's link.  Not thread-safe (one per lease, used by the
+    thread that owns the client)."""
+
+    __slots__ = ("sock", "path", "closed", "_parts", "_fd")
+
+    def __init__(self, path: str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(1.0)  # a full backlog: refused or slow, never a hang
+            sock.connect(path)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+        self.path = path
+        self.closed = False
+        self._parts: list[bytes] | None = None
+        self._fd = sock.fileno()
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def send(self, frames: Sequence[Any]) -> bool:
+        """Send one message of a single datagram without blocking; False when it was not
+        sent (too large for one datagram, the socket full, or the connection gone)."""
+        if self.closed:
+            return False
+        sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]  # frame_size, inline
+        head = _prefix(sizes)
+        if len(head) + sum(sizes) > LINK_DATAGRAM:
+            return False
+        try:
+            self.sock.sendmsg([head, *frames], (), _DONTWAIT)
+            return True
+        except BlockingIOError:
+            return False
+        except OSError:  # EPIPE, ECONNRESET: the worker is gone
+            return False
+
+    def recv(self) -> list[memoryview] | None:
+        """One whole message, or None when none is there (yet).  Raises EOFError when the
+        worker closed the connection (or it broke), LinkError for what is not a message."""
+        while True:
+            try:
+                d = self.sock.recv(LINK_DATAGRAM)
+            except BlockingIOError:
+                return None
+            except OSError as e:
+                raise EOFError(f"the link connection broke ({e})") from None
+            if not d:
+                raise EOFError("the worker closed the link connection")
+            flag = d[0]
+            if flag == 0 and self._parts is None:
+                return decode(d)
+            if flag > 1:
+                raise LinkError(f"datagram flag {flag:#x}")
+            if self._parts is None:
+                self._parts = []
+            self._parts.append(d[1:])
+            if flag == 0:
+                whole = b"".join(self._parts)
+                self._parts = None
+                return decode(whole, 0)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close()
+
+
+class _Peer:
+    __slots__ = ("sock", "fd", "route", "outbox", "writing")
+
+    def __init__(self, sock: socket.socket, route: bytes):
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.route = route
+        self.outbox: deque = deque()  # datagrams (buffer lists or bytes) the kernel has not taken
+        self.writing = False          # EPOLLOUT asked
+
+
+class LinkServer:
+    """A worker's link listener and its connections (see the module docstring).  One thread
+    at a time (the worker's loop, or the heartbeat thread while it holds the sockets)."""
+
+    def __init__(self, path: str, *, max_conns: int = 1024, max_queue: int = 10_000, uid: int | None = None):
+        self.path = path
+        self.max_conns = max_conns
+        self.max_queue = max_queue
+        self.uid = os.geteuid() if uid is None else uid
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            lsock.bind(path)
+            os.chmod(path, 0o600)
+            lsock.listen(128)
+            lsock.setblocking(False)
+        except OSError:
+            lsock.close()
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            raise
+        self._lsock = lsock
+        self._lfd = lsock.fileno()
+        self._ep = select.epoll()
+        self._ep.register(self._lfd, select.EPOLLIN)
+        self._peers: dict[int, _Peer] = {}       # fd -> connection
+        self._routes: dict[bytes, _Peer] = {}    # routing id -> connection
+        self._count = 0
+        self.inbox: deque[list[Any]] = deque()   # [routing id, frames...] read and not yet taken
+        self.dropped = 0                         # replies dropped (connection gone, or its outbox full)
+        self.refused = 0                         # connections refused (another uid, too many)
+        self.malformed = 0                       # connections ended for sending what is not a message
+        self.closed = False
+
+    # ------------------------------------------------------------------ reading
+
+    def fileno(self) -> int:
+        """A descriptor readable whenever the link has something to do (`pump`)."""
+        return self._ep.fileno()
+
+    def __contains__(self, route: object) -> bool:
+        return route in self._routes
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def pump(self, most: int = 1) -> bool:
+        """Do what is ready without waiting (accept, read at most ``most`` messages from each
+        connection, write what waits); whether the inbox holds a message.  One message a
+        connection by default: the next pump finds the rest (epoll is level-triggered), and a
+        read that finds nothing costs an exception."""
+        if self.closed:
+            return False
+        for fd, ev in self._ep.poll(0):
+            if fd == self._lfd:
+                self._accept()
+                continue
+            peer = self._peers.get(fd)
+            if peer is None:
+                continue
+            if ev & select.EPOLLOUT:
+                self._flush(peer)
+            if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and peer.fd in self._peers:
+                self._read(peer, most)
+        return bool(self.inbox)
+
+    def has_message(self) -> bool:
+        return bool(self.inbox) or self.pump()
+
+    def recv(self) -> list[Any] | None:
+        """The next message read (``[routing id, frames...]``), or None."""
+        inbox = self.inbox
+        if inbox or self.pump():
+            return inbox.popleft()
+        return None
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # EMFILE and the like: what is queued waits for the next pump
+                return
+            try:
+                _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            except OSError:
+                uid = -1
+            if uid != self.uid or len(self._peers) >= self.max_conns:
+                self.refused += 1
+                sock.close()
+                continue
+            sock.setblocking(False)
+            self._count += 1
+            peer = _Peer(sock, link_route(self._count))
+            self._peers[peer.fd] = peer
+            self._routes[peer.route] = peer
+            self._ep.register(peer.fd, select.EPOLLIN)
+            self._read(peer, 1)  # a HELLO may be there already: epoll reports this connection next time only
+
+    def _read(self, peer: _Peer, most: int) -> None:
+        sock = peer.sock
+        inbox = self.inbox
+        for _ in range(most):
+            try:
+                d = sock.recv(LINK_DATAGRAM)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._end(peer)
+                return
+            if not d:
+                self._end(peer)
+                return
+            if d[0] != 0:  # a client sends single-datagram messages only
+                self.malformed += 1
+                self._end(peer)
+                return
+            try:
+                frames = decode(d)
+            except LinkError:
+                self.malformed += 1
+                self._end(peer)
+                return
+            frames.insert(0, peer.route)
+            inbox.append(frames)
+
+    def _end(self, peer: _Peer) -> None:
+        """The connection is over: forgotten, closed, and a DISCONNECT of its own queued."""
+        if self._peers.pop(peer.fd, None) is None:
+            return
+        del self._routes[peer.route]
+        try:
+            self._ep.unregister(peer.fd)
+        except OSError:
+            pass
+        peer.sock.close()
+        self.inbox.append([peer.route, MDPC, C_DISCONNECT])
+
+    # ------------------------------------------------------------------ writing
+
+    def send(self, route: bytes, frames: Sequence[Any]) -> bool:
+        """Queue one message to connection ``route`` without blocking; False when it was
+        dropped (the connection is gone, or its outbox is full)."""
+        peer = self._routes.get(route)
+        if peer is None:
+            self.dropped += 1
+            return False
+        if peer.outbox:
+            if len(peer.outbox) >= self.max_queue:
+                self.dropped += 1
+                return False
+            peer.outbox.extend(encode(frames))
+            return True
+        dgrams = encode(frames)
+        if len(dgrams) == 1:
+            try:
+                peer.sock.sendmsg(dgrams[0], (), _DONTWAIT)
+                return True
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                self.dropped += 1
+                self._end(peer)
+                return False
+        peer.outbox.extend(dgrams)
+        self._flush(peer)
+        return True
+
+    def _flush(self, peer: _Peer) -> None:
+        out = peer.outbox
+        sock = peer.sock
+        while out:
+            d = out[0]
+            try:
+                if type(d) is list:
+                    sock.sendmsg(d, (), _DONTWAIT)
+                else:
+                    sock.send(d, _DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self.dropped += 1
+                self._end(peer)
+                return
+            out.popleft()
+        want = bool(out)
+        if want != peer.writing:
+            peer.writing = want
+            self._ep.modify(peer.fd, select.EPOLLIN | (select.EPOLLOUT if want else 0))
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Close every connection and the listener; unlink the path."""
+        if self.closed:
+            return
+        self.closed = True
+        for peer in list(self._peers.values()):
+            if peer.outbox:
+                self._flush(peer)  # what the kernel takes now leaves
+            peer.sock.close()
+        self._peers.clear()
+        self._routes.clear()
+        self._ep.close()
+        self._lsock.close()
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass

@@ -1,0 +1,209 @@
+"""The local link (broker/protocol/link.py, docs/protocol.md section 10.6): its framing, and
+its server against peers that misbehave (garbage, a message in pieces, another uid, too many
+connections, a client that stops reading), with real Unix sockets and no worker."""
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import socket
+import tempfile
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker import protocol as P
+from broker.protocol.link import LINK_DATAGRAM, LinkConn, LinkError, LinkServer, decode, encode
+
+TIMEOUT_MS = 5000
+
+
+@pytest.fixture
+def path():
+    d = tempfile.mkdtemp(prefix="lk", dir="/tmp")  # short: sun_path holds 108 bytes
+    yield os.path.join(d, "w.link")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _readable(fd: int) -> bool:
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(TIMEOUT_MS))
+
+
+def _server_recv(server: LinkServer) -> list:
+    assert _readable(server.fileno()), "the link server saw nothing"
+    msg = server.recv()
+    while msg is None:  # an accept first, the datagram next
+        assert _readable(server.fileno()), "the link server saw nothing"
+        msg = server.recv()
+    return msg
+
+
+def _client_recv(conn: LinkConn, server: LinkServer | None = None) -> list:
+    """The client's next message; the server, as a worker's loop would, writes what waits in
+    its outboxes when its descriptor says the socket has room."""
+    p = select.poll()
+    p.register(conn.fileno(), select.POLLIN)
+    if server is not None:
+        p.register(server.fileno(), select.POLLIN)
+    while True:
+        if server is not None:
+            server.pump()
+        msg = conn.recv()
+        if msg is not None:
+            return msg
+        assert p.poll(TIMEOUT_MS), "the client got nothing"
+
+
+def _whole(m) -> bytes:
+    return b"".join(bytes(x) for x in m)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=300), min_size=0, max_size=12))
+def test_one_datagram_messages_decode_to_their_frames(frames):
+    [dgram] = encode(frames)
+    buf = b"".join(bytes(memoryview(b).cast("B")) if type(b) is not bytes else b for b in dgram)
+    assert [bytes(f) for f in decode(buf)] == frames
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=64), st.integers(0, 40))
+def test_truncated_or_padded_messages_are_refused(data, cut):
+    [dgram] = encode([data, b"abc"])
+    buf = b"".join(bytes(b) for b in dgram)
+    if cut:
+        with pytest.raises(LinkError):
+            decode(buf[:-cut] if cut < len(buf) else buf[:1])
+    with pytest.raises(LinkError):
+        decode(buf + b"x")
+
+
+def test_a_large_reply_comes_in_pieces_and_whole(path):
+    server = LinkServer(path)
+    conn = LinkConn(path)
+    try:
+        assert conn.send([P.MDPC, P.C_HEARTBEAT])
+        route = _server_recv(server)[0]
+        big = np.arange(300_000, dtype=np.uint8)
+        assert len(encode([b"h", big])) > 1
+        assert server.send(route, [P.MDPC, P.C_FINAL, b"svc", b"h", big])
+        assert server.send(route, [b"after"])  # order kept behind the pieces
+        m = _client_recv(conn, server)
+        assert [bytes(x) for x in m[:4]] == [P.MDPC, P.C_FINAL, b"svc", b"h"]
+        np.testing.assert_array_equal(np.frombuffer(m[4], np.uint8), big)
+        assert [bytes(x) for x in _client_recv(conn, server)] == [b"after"]
+        # A client sends nothing that does not fit one datagram (the SDK sends it through the broker).
+        assert not conn.send([np.zeros(LINK_DATAGRAM, np.uint8)])
+    finally:
+        conn.close()
+        server.close()
+    assert not os.path.exists(path)
+
+
+def test_a_peer_that_sends_garbage_is_cut_off_alone(path):
+    server = LinkServer(path)
+    good = LinkConn(path)
+    bad = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(4)]
+    try:
+        for s in bad:
+            s.connect(path)
+        bad[0].send(b"\x00\xff\xff")                    # 65535 frames, no sizes
+        bad[1].send(b"\x01" + b"\x00" * 40)             # "more follows": a client sends one datagram
+        bad[2].send(b"\x00\x01\x00\x10\x00\x00\x00ab")  # one frame of 16 bytes, 2 there
+        bad[3].send(b"")                                # an empty datagram
+        assert good.send([P.MDPC, P.C_HEARTBEAT, b"x" * 10])
+        got, ended = [], set()
+        while len(ended) < 4 or not got:
+            assert _readable(server.fileno()), "the server stopped reading"
+            while (m := server.recv()) is not None:
+                if bytes(m[2]) == P.C_DISCONNECT:
+                    ended.add(bytes(m[0]))
+                else:
+                    got.append(m)
+        assert [bytes(x) for x in got[0][1:]] == [P.MDPC, P.C_HEARTBEAT, b"x" * 10]
+        # (an empty datagram reads as the end of the connection: ended, not counted malformed)
+        assert bytes(got[0][0]) not in ended and server.malformed == 3 and len(server) == 1
+        for s in bad:  # each one's connection closed
+            s.settimeout(5)
+            assert s.recv(10) == b""
+        assert server.send(bytes(got[0][0]), [b"still here"])
+        assert [bytes(x) for x in _client_recv(good, server)] == [b"still here"]
+    finally:
+        for s in bad:
+            s.close()
+        good.close()
+        server.close()
+
+
+def test_another_uid_and_one_connection_too_many_are_refused(path):
+    other = LinkServer(path, uid=os.geteuid() + 1)
+    try:
+        conn = LinkConn(path)  # the kernel accepts; the server closes it at once
+        other.pump()
+        assert _readable(conn.fileno())
+        with pytest.raises(EOFError):
+            assert conn.recv() is None and False
+        conn.close()
+        assert other.refused == 1 and len(other) == 0
+    finally:
+        other.close()
+    server = LinkServer(path, max_conns=1)
+    a = LinkConn(path)
+    b = LinkConn(path)
+    try:
+        a.send([b"a"])
+        assert bytes(_server_recv(server)[1]) == b"a"
+        assert _readable(b.fileno())
+        with pytest.raises(EOFError):
+            b.recv()
+        assert server.refused == 1 and len(server) == 1
+    finally:
+        a.close()
+        b.close()
+        server.close()
+
+
+def test_replies_to_a_client_that_stops_reading_wait_then_leave_in_order(path):
+    server = LinkServer(path, max_queue=100_000)
+    conn = LinkConn(path)
+    try:
+        conn.send([b"hi"])
+        route = _server_recv(server)[0]
+        n = 0
+        while not server._routes[route].outbox:  # fill the kernel's buffer: the rest waits in the outbox
+            assert server.send(route, [n.to_bytes(4, "little"), b"y" * 1000])
+            n += 1
+            assert n < 100_000
+        for _ in range(50):
+            server.send(route, [n.to_bytes(4, "little"), b"y" * 1000])
+            n += 1
+        for i in range(n):  # every reply, in order, as the client reads
+            m = _client_recv(conn, server)
+            assert int.from_bytes(bytes(m[0]), "little") == i
+        assert server.dropped == 0
+        conn.close()
+        assert bytes(_server_recv(server)[2]) == P.C_DISCONNECT  # its end, as a DISCONNECT
+        assert not server.send(route, [b"gone"]) and server.dropped == 1
+    finally:
+        conn.close()
+        server.close()
+
+
+def test_a_full_outbox_drops_and_counts(path):
+    server = LinkServer(path, max_queue=3)
+    conn = LinkConn(path)
+    try:
+        conn.send([b"hi"])
+        route = _server_recv(server)[0]
+        sent = 0
+        while server.send(route, [b"z" * 4000]):
+            sent += 1
+            assert sent < 100_000
+        assert server.dropped == 1 and len(server._routes[route].outbox) == 3
+    finally:
+        conn.close()
+        server.close()

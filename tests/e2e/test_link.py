@@ -1,0 +1,164 @@
+"""The local link (docs/protocol.md section 10.6) end to end, with real broker and
+`python -m gpu_worker --direct` processes: a near pinned `Client` talks to its worker over the
+link (and over the ipc direct socket when the worker has none, `--no-link`), a stream and a
+request too large for one datagram on the same lease, and a hostile peer on the worker's link
+(garbage, a request without HELLO, another lease's secret) is cut off or refused alone while
+a pinned client's requests keep their results."""
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from broker import protocol as P
+from broker.protocol.link import LinkConn, decode, encode
+from client_sdk import AsyncClient, Client
+from tests.e2e.conftest import wait_service
+from tests.e2e.test_pinned import TIMEOUT_S, _echo, _until_pinned
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _lease_socket(c: Client, service: str):
+    """What the client holds for its lease of ``service``: a LinkConn or a zmq DEALER."""
+    pin = c._core.pins[service]
+    return c._pin_socks[pin.lease]
+
+
+def test_a_near_pinned_client_uses_the_link(cluster):
+    cluster.broker()
+    w = cluster.worker("echo", "--direct")
+    path = re.search(r" link=(\S+)", w.ready_line).group(1)
+    with Client(cluster.frontend, timeout=TIMEOUT_S, pin=True) as c:
+        wait_service(c, "echo")
+        _until_pinned(c, "echo")
+        assert type(_lease_socket(c, "echo")) is LinkConn and _lease_socket(c, "echo").path == path
+        before = c.pinned_replies
+        for i in range(20):
+            _echo(c, "echo", i)
+        # Larger tensors go by reference and stay on the link (800 kB, and a 6 MB frame);
+        # and so does a stream.
+        big = np.arange(100_000, dtype=np.int64)
+        with c.infer("echo", {"x": big}, timeout=TIMEOUT_S) as r:
+            np.testing.assert_array_equal(r["x"], big)
+        frame = c.alloc((1080, 1920, 3), np.uint8)
+        frame[...] = 7
+        with c.infer("echo", {"x": frame}, timeout=TIMEOUT_S) as r:
+            assert int(r["x"][1079, 1919, 2]) == 7
+        with c.stream("echo", latest_wins=False, max_in_flight=2) as st:
+            for i in range(6):
+                st.send({"x": np.full(3, i, np.int16)})
+            for i in range(6):
+                with st.recv(timeout=TIMEOUT_S) as r:
+                    np.testing.assert_array_equal(r["x"], np.full(3, i, np.int16))
+        assert c.pinned_replies == before + 28 and c.stray_replies == 0
+    # A request too large for one datagram (inline: its pool is too small for it) goes
+    # through the broker, and the lease stays.
+    with Client(cluster.frontend, timeout=TIMEOUT_S, pin=True, pool_capacity=1 << 20) as c:
+        _until_pinned(c, "echo")
+        assert type(_lease_socket(c, "echo")) is LinkConn
+        before = c.pinned_replies
+        big = np.arange(300_000, dtype=np.int64)  # 2.4 MB
+        with c.infer("echo", {"x": big}, timeout=TIMEOUT_S) as r:
+            np.testing.assert_array_equal(r["x"], big)
+        assert c.pinned_replies == before and c.pinned("echo")
+        _echo(c, "echo", 1)
+        assert c.pinned_replies == before + 1
+    # The worker's DISCONNECT-on-close unbinds the link connection; the worker lives on.
+    assert w.p.poll() is None
+
+
+def test_without_a_link_the_ipc_direct_socket_serves(cluster):
+    cluster.broker()
+    w = cluster.worker("echo", "--direct", "--no-link")
+    assert " link=" not in w.ready_line
+    with Client(cluster.frontend, timeout=TIMEOUT_S, pin=True) as c:
+        wait_service(c, "echo")
+        _until_pinned(c, "echo")
+        assert type(_lease_socket(c, "echo")) is not LinkConn
+        before = c.pinned_replies
+        for i in range(10):
+            _echo(c, "echo", i)
+        assert c.pinned_replies == before + 10
+
+
+def _raw(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(TIMEOUT_S)
+    s.connect(path)
+    return s
+
+
+def _send(s: socket.socket, frames) -> None:
+    [dgram] = encode(frames)
+    s.sendmsg(dgram)
+
+
+def _request(rid: int) -> list:
+    x = np.arange(4, dtype=np.int32)
+    head = P.Request(id=rid, tensors=[P.TensorRef(name="x", dtype=x.dtype.str, shape=[4], loc=P.InlineLoc(frame=0))])
+    return P.client_request("echo", [P.encode_header(head), x.tobytes()])
+
+
+def _final_error(s: socket.socket) -> P.ErrorInfo:
+    frames = decode(s.recv(1 << 16))
+    assert bytes(frames[1]) == P.C_FINAL
+    return P.decode_reply(frames[3]).error
+
+
+def test_a_hostile_peer_on_the_link_harms_only_itself(cluster):
+    cluster.broker()
+    w = cluster.worker("echo", "--direct")
+    path = re.search(r" link=(\S+)", w.ready_line).group(1)
+    with Client(cluster.frontend, timeout=TIMEOUT_S, pin=True) as c:
+        wait_service(c, "echo")
+        _until_pinned(c, "echo")
+        garbage, unbound, forger = _raw(path), _raw(path), _raw(path)
+        try:
+            garbage.send(b"\x00\xff\xff\x00")  # 65535 frames announced, none there
+            _send(unbound, _request(1))        # no HELLO: 400, nothing runs
+            err = _final_error(unbound)
+            assert err.code == P.ErrorCode.PROTOCOL_ERROR and "HELLO" in err.message
+            pin = c._core.pins["echo"]         # the real lease, a wrong secret: refused
+            _send(forger, [P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=pin.lease, secret=b"\x00" * 16))])
+            _send(forger, _request(2))
+            err = _final_error(forger)
+            assert err.code == P.ErrorCode.PROTOCOL_ERROR and "refused" in err.message
+            assert garbage.recv(16) == b""     # cut off
+            for i in range(20):                # the leaseholder never noticed
+                _echo(c, "echo", i)
+            assert type(_lease_socket(c, "echo")) is LinkConn and c.stray_replies == 0
+        finally:
+            for s in (garbage, unbound, forger):
+                s.close()
+    assert w.p.poll() is None
+
+
+def test_an_async_pinned_client_uses_the_link_too(cluster):
+    cluster.broker()
+    cluster.worker("echo", "--direct")
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=TIMEOUT_S, pin=True) as ac:
+            deadline = time.monotonic() + TIMEOUT_S
+            while not ac.pinned("echo"):
+                assert time.monotonic() < deadline, "the AsyncClient never pinned"
+                r = await ac.infer("echo", {"x": np.arange(4)})
+                r.release()
+                if not ac.pinned("echo"):
+                    await ac.pump(0.05)
+            assert type(ac._pin_socks[ac._core.pins["echo"].lease]) is LinkConn
+            before = ac.pinned_replies
+            for k in range(5):  # 8 at a time: the lease's slots
+                xs = [np.full(8, 100 * k + i, np.float32) for i in range(8)]
+                outs = await asyncio.gather(*(ac.infer("echo", {"x": x}) for x in xs))
+                for x, out in zip(xs, outs):
+                    np.testing.assert_array_equal(out["x"], x)
+                    out.release()
+            assert ac.pinned_replies - before == 40 and ac.stray_replies == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
