@@ -225,11 +225,12 @@ class AsyncClient(ClientBase):
             try:
                 frames = link.recv()
             except (EOFError, LinkError) as e:
-                # The worker closed it (it stopped, or died: the broker says which, and what to
-                # resend) or it broke: no more sends on it, they go through the broker.
-                if pin is not None and not pin.closed:
-                    log.info("the link to the leased worker of %r closed (%s)", pin.service, e)
+                # The worker closed it (it stopped or died) or it broke: what was on it goes
+                # through the broker (pins.py, pin_link_lost).
                 self._link_drop(link)
+                if pin is not None:
+                    for out in core.pin_link_lost(pin, time.monotonic(), str(e)):
+                        self._send_soon(out)
                 break
             if frames is None:
                 break

@@ -472,11 +472,12 @@ class Client(ClientBase):
             try:
                 frames = link.recv()
             except (EOFError, LinkError) as e:
-                # The worker closed it (it stopped, or died: the broker says which, and what
-                # to resend) or it broke: no more sends on it, they go through the broker.
-                if pin is not None and not pin.closed:
-                    log.info("the link to the leased worker of %r closed (%s)", pin.service, e)
+                # The worker closed it (it stopped or died) or it broke: what was on it goes
+                # through the broker (pins.py, pin_link_lost).
                 self._link_closed(link)
+                if pin is not None:
+                    for out in core.pin_link_lost(pin, time.monotonic(), str(e)):
+                        self._send_soon(out)
                 return True
             if frames is None:
                 return True
@@ -486,7 +487,8 @@ class Client(ClientBase):
 
     def _link_closed(self, link: LinkConn) -> None:
         fd = link.fileno()
-        if self._link_of.pop(fd, None) is not None:
+        if self._link_of.get(fd) is link:  # (a closed link's number may be another's by now)
+            del self._link_of[fd]
             self._waiter.remove(fd)
         link.close()
 

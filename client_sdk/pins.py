@@ -452,6 +452,22 @@ class PinEvents:
         self._close_pin(pin)
         self._pin_refused(pin.service, now)
 
+    def pin_link_lost(self, pin: Pin, now: float, why: str) -> list[list[Any]]:
+        """The lease's local link closed under us (docs/protocol.md section 10.6): its worker
+        stopped or died (the broker will say which), or closed the connection itself (too
+        many, a send that failed).  Nothing more comes on it, so the calls still on it go
+        through the broker now (their inputs are read-only in our memory: a retry is free,
+        and a late reply of theirs is dropped), and a lease still in use is handed back
+        (LEASE_END ``client_done``: the broker frees its slots, or ignores it if it ended
+        the lease itself).  Returns the REQUESTs to send to the broker."""
+        if pin.closed:
+            return []
+        if not pin.ending:
+            log.warning("the link to the leased worker of %r closed (%s); back to the broker", pin.service, why)
+            self.pins_ended += 1
+            self.ops.append(self._lease_end_frames(pin.service, pin.lease))
+        return self._end_pin(pin, now, resend=True)
+
     def pin_goodbye(self) -> None:
         """Closing: LEASE_END (client_done) for every lease in use, then every connection closed
         (queued in `ops`)."""

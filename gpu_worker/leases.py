@@ -300,10 +300,14 @@ class DirectSocket:
         self.path = path
         self.endpoint = "ipc://" + path   # what Ready.direct names
         self.dropped = 0                  # replies that could not be queued
+        self.impostors = 0                # ROUTER messages dropped for a link-shaped routing id
         self._bad = P.RateLimitedLog(log)
         self.link: LinkServer | None = None
-        if link:
-            link_path = (path[:-4] if path.endswith(".ipc") else path) + ".link"
+        link_path = (path[:-4] if path.endswith(".ipc") else path) + ".link"
+        if link and len(link_path.encode()) > _MAX_IPC_PATH:
+            log.warning("no local link: its path %r would be longer than %d bytes; near clients use the ipc direct "
+                        "socket (set XDG_RUNTIME_DIR to a shorter directory for it)", link_path, _MAX_IPC_PATH)
+        elif link:
             try:
                 self.link = LinkServer(link_path)  # what Ready.link names
             except OSError as e:
@@ -313,7 +317,7 @@ class DirectSocket:
         """Queue one message (``[routing id, ...]``) without blocking; False when it was
         dropped (the connection is gone, or its queue is full)."""
         route = frames[0]
-        if len(route) == 9 and self.link is not None:  # a link connection's (never a ROUTER's)
+        if len(route) == 9 and route[0] == 0:  # a link connection's (next_message keeps ROUTER peers off them)
             if self.link.send(route, frames[1:]):
                 return True
             self.dropped += 1
@@ -330,8 +334,16 @@ class DirectSocket:
     def next_message(self, router: bool = True, link: bool = True) -> list | None:
         """One message read (``[routing id, ...]``) from the ROUTER or the link, without
         waiting; None when neither holds one (``router``/``link``: which to look at)."""
-        if router and sock_events(self.sock) & _POLLIN:
-            return recv_frames(self.sock)
+        while router and sock_events(self.sock) & _POLLIN:
+            frames = recv_frames(self.sock)
+            route = frames[0]  # a zmq.Frame
+            if len(route) != 9 or bytes(route)[0] != 0:
+                return frames
+            # A ROUTER peer may choose its routing id (ZMQ_ROUTING_ID): one shaped like a
+            # link connection's would speak for it (its lease, its requests).  Dropped.
+            self.impostors += 1
+            self._bad.warning("dropped a message on the direct socket whose routing id is shaped like a local "
+                              "link connection's (a peer chose it)")
         ln = self.link
         if link and ln is not None:
             inbox = ln.inbox
@@ -363,10 +375,10 @@ class DirectSocket:
     def close(self, linger_ms: int = 0) -> None:
         """Close (replies already queued keep ``linger_ms`` to leave; the link's, what the
         kernel takes now) and unlink the files."""
+        if self.link is not None:
+            self.link.close(linger_ms)
         self.sock.close(linger=linger_ms)
         _unlink_quietly(self.path)
-        if self.link is not None:
-            self.link.close()
 
 
 def _unlink_quietly(path: str) -> None:

@@ -23,8 +23,9 @@ datagram boundaries and order and is reliable, so there is no other framing.
 The worker's side (`LinkServer`) listens at ``<runtime dir>/w-<pid>-<start>-<hex>.link``
 beside its ipc direct socket (mode 0600 in the 0700 runtime directory), accepts only peers of
 its own uid (SO_PEERCRED), and gives every connection a routing id of 9 bytes starting with a
-zero byte: a libzmq ROUTER never makes one of that length and never accepts one a peer chose
-that starts with zero, so a link connection cannot be impersonated on the ipc direct socket.
+zero byte, a shape a libzmq ROUTER never makes itself (the worker drops what a ROUTER peer
+sends under such an id it chose: gpu_worker.leases.DirectSocket), so a link connection
+cannot be impersonated on the ipc direct socket.
 It reads into an inbox the frames a ROUTER would have returned (``[routing id, MDPC02,
 command, ...]``), and a connection that closes, or sends what is not a message, is ended with
 a DISCONNECT of its own in that inbox (the worker then unbinds it, as for a DISCONNECT).
@@ -43,6 +44,7 @@ import os
 import select
 import socket
 import struct
+import time
 from collections import deque
 from itertools import accumulate
 from typing import Any, Sequence
@@ -133,9 +135,8 @@ class LinkConn:
     def __init__(self, path: str):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            sock.settimeout(1.0)  # a full backlog: refused or slow, never a hang
-            sock.connect(path)
             sock.setblocking(False)
+            sock.connect(path)  # a Unix socket connects at once, or fails (EAGAIN: its backlog is full)
         except OSError:
             sock.close()
             raise
@@ -211,7 +212,7 @@ class LinkServer:
     """A worker's link listener and its connections (see the module docstring).  One thread
     at a time (the worker's loop, or the heartbeat thread while it holds the sockets)."""
 
-    def __init__(self, path: str, *, max_conns: int = 1024, max_queue: int = 10_000, uid: int | None = None):
+    def __init__(self, path: str, *, max_conns: int = 256, max_queue: int = 10_000, uid: int | None = None):
         self.path = path
         self.max_conns = max_conns
         self.max_queue = max_queue
@@ -236,6 +237,7 @@ class LinkServer:
         self._peers: dict[int, _Peer] = {}       # fd -> connection
         self._routes: dict[bytes, _Peer] = {}    # routing id -> connection
         self._count = 0
+        self._spare: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # for EMFILE (`_accept`)
         self.inbox: deque[list[Any]] = deque()   # [routing id, frames...] read and not yet taken
         self.dropped = 0                         # replies dropped (connection gone, or its outbox full)
         self.refused = 0                         # connections refused (another uid, too many)
@@ -290,8 +292,31 @@ class LinkServer:
                 sock, _ = self._lsock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:  # EMFILE and the like: what is queued waits for the next pump
-                return
+            except OSError:
+                # EMFILE and the like: the queued connection cannot be taken, and a
+                # level-triggered listener would wake the loop at once, forever.  The spare
+                # descriptor kept for this takes it and closes it (its client sees the end,
+                # and goes through the broker), then is taken again.
+                # (With no descriptor free, accept says EMFILE whether or not one is queued.)
+                if self._spare is None:
+                    return
+                os.close(self._spare)
+                self._spare = None
+                took = False
+                try:
+                    sock, _ = self._lsock.accept()
+                    sock.close()
+                    took = True
+                    self.refused += 1
+                except OSError:  # nothing queued after all (EAGAIN)
+                    pass
+                try:
+                    self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    pass
+                if not took:
+                    return
+                continue
             try:
                 _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
             except OSError:
@@ -401,19 +426,35 @@ class LinkServer:
 
     # ------------------------------------------------------------------ closing
 
-    def close(self) -> None:
-        """Close every connection and the listener; unlink the path."""
+    def close(self, linger_ms: float = 0) -> None:
+        """Close every connection and the listener; unlink the path.  Replies still in the
+        outboxes get up to ``linger_ms`` to leave (as a zmq socket's linger: a client that
+        stopped reading does not hold the close up longer)."""
         if self.closed:
             return
+        deadline = time.monotonic() + max(0.0, linger_ms) / 1000.0
+        while True:
+            waiting = [peer for peer in self._peers.values() if peer.outbox]
+            for peer in waiting:
+                self._flush(peer)
+            waiting = [peer for peer in waiting if peer.outbox and peer.fd in self._peers]
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                break
+            p = select.poll()
+            for peer in waiting:
+                p.register(peer.fd, select.POLLOUT)
+            p.poll(left * 1000.0)
         self.closed = True
         for peer in list(self._peers.values()):
-            if peer.outbox:
-                self._flush(peer)  # what the kernel takes now leaves
             peer.sock.close()
         self._peers.clear()
         self._routes.clear()
         self._ep.close()
         self._lsock.close()
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
         try:
             os.unlink(self.path)
         except OSError:

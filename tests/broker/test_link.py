@@ -207,3 +207,92 @@ def test_a_full_outbox_drops_and_counts(path):
     finally:
         conn.close()
         server.close()
+
+
+def test_close_lets_replies_waiting_in_an_outbox_leave_within_the_linger(path):
+    import threading
+
+    server = LinkServer(path)
+    conn = LinkConn(path)
+    got: list = []
+    try:
+        conn.send([b"hi"])
+        route = _server_recv(server)[0]
+        big = np.arange(1 << 20, dtype=np.uint8)  # 16 datagrams: most wait in the outbox
+        assert server.send(route, [b"h", big]) and server._routes[route].outbox
+
+        def read():
+            p = select.poll()
+            p.register(conn.fileno(), select.POLLIN)
+            while True:
+                assert p.poll(TIMEOUT_MS)
+                try:
+                    m = conn.recv()
+                except EOFError:
+                    return
+                if m is not None:
+                    got.append(m)
+
+        t = threading.Thread(target=read)
+        t.start()
+        server.close(linger_ms=TIMEOUT_MS)  # returns once the outbox is empty
+        t.join(TIMEOUT_MS / 1000)
+        assert not t.is_alive()
+        [m] = got
+        np.testing.assert_array_equal(np.frombuffer(m[1], np.uint8), big)
+    finally:
+        conn.close()
+        server.close()
+
+
+def test_out_of_descriptors_the_listener_refuses_instead_of_spinning(path):
+    """EMFILE: the queued connection is taken with the spare descriptor and closed (its
+    client sees the end), so the level-triggered listener does not wake the loop forever.
+    In a child process: the descriptor limit is lowered for it alone."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, resource, select
+from broker.protocol.link import LinkConn, LinkServer
+server = LinkServer({path!r})
+conns = [LinkConn({path!r}) for _ in range(4)]
+used = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+server.pump()
+p = select.poll()
+p.register(server.fileno(), select.POLLIN)
+assert server.refused >= 1 and len(server) + server.refused == 4, (server.refused, len(server))
+assert not p.poll(0), "the listener still wakes the loop"
+assert not server.pump()  # and looking again does not spin either
+ended = 0
+for c in conns:
+    try:
+        c.recv()
+    except EOFError:
+        ended += 1
+assert ended == server.refused, (ended, server.refused)
+server.close()
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert r.stdout.strip() == "ok", r.stderr
+
+
+def test_a_direct_socket_whose_link_path_would_be_too_long_has_none(tmp_path, caplog):
+    import zmq
+
+    from gpu_worker.leases import DirectSocket
+
+    d = "/tmp/" + "d" * (100 - len("/tmp/") - len("/w.ipc"))
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    try:
+        ipc = os.path.join(d, "w.ipc")
+        assert len(ipc) == 100
+        ds = DirectSocket(zmq.Context.instance(), path=ipc)
+        try:
+            assert ds.link is None and "no local link" in caplog.text
+        finally:
+            ds.close()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -516,3 +516,29 @@ def test_a_stream_on_a_tcp_client_does_not_pin_by_default():
         assert c.stream_pins(None) is False and c.stream_pins(True) is True
     finally:
         c.close()
+
+
+def test_a_link_lost_under_a_lease_in_use_resends_its_calls_and_hands_the_lease_back(core):
+    """The worker's local link closed under the client (docs/protocol.md 10.6): what was on
+    it goes through the broker now, the broker is told the lease is over (its slots come
+    back), and a LEASE_END the broker sends after it finds nothing left to resend."""
+    first, pin = _pinned(core)
+    core.on_message(_final(first, np.int64([0])), 100.01)
+    assert _result(first) == 0
+    a, fa = _send(core, now=100.1)
+    b, fb = _send(core, now=100.1)
+    assert a.pin is pin and b.pin is pin
+    _ops(core)
+    out = core.pin_link_lost(pin, 100.2, "the worker closed the lane connection")
+    assert sorted(bytes(f[2]) for f in out) == [b"echo", b"echo"]
+    assert {P.decode_request(f[3]).id for f in out} == {a.id, b.id}  # the same ids, through the broker
+    ops = _ops(core)
+    [end] = [op for op in ops if type(op) is list and op[1] == P.C_LEASE_END]
+    assert P.decode_lease_end(end[3]).reason == "client_done"
+    assert any(type(op) is PinClose for op in ops)
+    assert a.pin is None and b.pin is None and not core.pinned("echo") and core.pins_ended == 1
+    assert core.on_message(_lease_end(True), 100.3) == []  # the broker's word, after: nothing twice
+    assert core.pin_link_lost(pin, 100.4, "again") == [] and not core.ops
+    core.on_message(_final(a, np.int64([1])), 100.5)
+    core.on_message(_final(b, np.int64([2])), 100.5)
+    assert _result(a) == 1 and _result(b) == 2

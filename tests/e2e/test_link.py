@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 
 from broker import protocol as P
 from broker.protocol.link import LinkConn, decode, encode
@@ -129,9 +130,26 @@ def test_a_hostile_peer_on_the_link_harms_only_itself(cluster):
             err = _final_error(forger)
             assert err.code == P.ErrorCode.PROTOCOL_ERROR and "refused" in err.message
             assert garbage.recv(16) == b""     # cut off
+            # A peer of the ipc direct socket that chose a routing id shaped like the client's
+            # link connection (ZMQ_ROUTING_ID) would speak for it: its DISCONNECT would unbind
+            # the lease's connection.  Dropped, every one of them.
+            direct = re.search(r" direct=(\S+)", w.ready_line).group(1)
+            impostors = []
+            for k in range(1, 4):
+                d = zmq.Context.instance().socket(zmq.DEALER)
+                d.linger = 0
+                d.setsockopt(zmq.ROUTING_ID, b"\x00" + k.to_bytes(8, "big"))
+                d.connect(direct)
+                d.send_multipart(P.client_disconnect())
+                impostors.append(d)
+            w.wait_log("shaped like a local link connection")  # read, and dropped
+            for d in impostors:
+                d.close(0)
+            before = c.pinned_replies
             for i in range(20):                # the leaseholder never noticed
                 _echo(c, "echo", i)
-            assert type(_lease_socket(c, "echo")) is LinkConn and c.stray_replies == 0
+            assert type(_lease_socket(c, "echo")) is LinkConn and c.pinned_replies == before + 20
+            assert c.stray_replies == 0
         finally:
             for s in (garbage, unbound, forger):
                 s.close()
