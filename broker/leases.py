@@ -76,6 +76,7 @@ class LeaseToClient:
     secret: bytes
     worker_host: str | None  # set only when the client may send shared-memory references
     link: str | None = None  # the worker's local link, on a near lease only
+    server_key: str | None = None  # the CurveZMQ public key of the worker's tcp direct socket
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +212,7 @@ class LeaseEvents:
             w = lease.worker
             out.append(LeaseToClient(lease.client, lease.ask_id, lease.svc.name, lease.id, w.direct,
                                      lease.slots, lease.secret, w.host if lease.near else None,
-                                     w.link if lease.near else None))
+                                     w.link if lease.near else None, w.direct_key))
             return out
         self._counters["leases_refused"] += 1
         self._forget(lease)

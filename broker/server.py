@@ -850,6 +850,7 @@ class Broker:
                     recall=r.recall,
                     direct=r.direct,
                     link=r.link,
+                    direct_key=r.direct_key,
                 )
                 refused = any(type(a) is DisconnectWorker and a.worker == ident for a in actions)
                 if not refused:
@@ -1024,7 +1025,8 @@ class Broker:
             self.send_to_worker(P.to_worker_lease(a.worker, P.encode_header(grant)))
         elif t is LeaseToClient:
             info = P.LeaseInfo(id=a.ask_id, lease=P.lease_id(a.lease), secret=a.secret, endpoint=a.endpoint,
-                               slots=a.slots, instance=self.instance, host=a.worker_host, link=a.link)
+                               slots=a.slots, instance=self.instance, host=a.worker_host, link=a.link,
+                               server_key=a.server_key)
             self._send_client(a.client, P.client_leased(a.service, [P.encode_header(info)]))
         elif t is LeaseRefused:
             self._send_client(a.client, P.client_leased(a.service, P.error_body(a.ask_id, a.code, a.message)))

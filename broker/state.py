@@ -474,6 +474,7 @@ class _Worker:
         "busy",     # it said BUSY: a long batch with leased requests runs there (worker_busy)
         "direct",   # the worker's direct socket (Ready.direct): it takes leases
         "link",     # its local link (Ready.link): near leaseholders connect there
+        "direct_key",  # a tcp direct socket's CurveZMQ public key (Ready.direct_key)
         "leased",   # credit reserved by its leases (not for brokered dispatch)
         "leases",   # lease id -> broker.leases._Lease
         "stopped",  # lease id -> (client, service) of leases it ended by stopping (broker.leases)
@@ -569,6 +570,7 @@ class Scheduler(LeaseEvents):
         recall: bool = False,
         direct: str | None = None,
         link: str | None = None,
+        direct_key: str | None = None,
     ) -> list[Action]:
         """A worker announced itself for ``service`` with ``credit`` concurrent requests.
 
@@ -607,6 +609,7 @@ class Scheduler(LeaseEvents):
         w.busy = False
         w.direct = direct or None
         w.link = link if w.direct else None
+        w.direct_key = direct_key if w.direct else None
         w.leased = 0
         w.leases = {}
         w.stopped = {}

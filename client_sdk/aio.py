@@ -43,7 +43,7 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply
 from .core import ClientCore
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PinClose, PinOpen, PinSend
-from .sockets import CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, tcp_options
+from .sockets import CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, lease_curve, tcp_options
 from .tensors import Result
 
 __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
@@ -299,7 +299,7 @@ class AsyncClient(ClientBase):
                     return
                 link.close()
         try:
-            sock = dealer(zmq.Context.instance(), pin.endpoint)
+            sock = dealer(zmq.Context.instance(), pin.endpoint, lease_curve(self._curve, pin.endpoint, pin.server_key))
             send_frames(sock, hello, NOBLOCK)
         except (InvalidInput, zmq.ZMQError) as e:
             self._core.pin_broken(pin, time.monotonic(), str(e))

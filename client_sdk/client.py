@@ -37,7 +37,7 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priorit
 from .core import LIVENESS, ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, InvalidInput
 from .pins import PinClose, PinOpen, PinSend
-from .sockets import CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, tcp_options
+from .sockets import CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, lease_curve, tcp_options
 from .tensors import Result
 
 # resolve_transport and parse_priority are re-exported: they were importable from here.
@@ -539,7 +539,7 @@ class Client(ClientBase):
                     return
                 link.close()
         try:
-            sock = dealer(self._ctx, pin.endpoint)
+            sock = dealer(self._ctx, pin.endpoint, lease_curve(self._curve, pin.endpoint, pin.server_key))
             send_frames(sock, hello, NOBLOCK)
         except (InvalidInput, zmq.ZMQError) as e:
             self._core.pin_broken(pin, time.monotonic(), str(e))

@@ -100,7 +100,8 @@ def pin_slots(pin: Any) -> int:
 class Pin:
     """One lease held: where its worker listens, how many calls it takes, which are on it."""
 
-    __slots__ = ("service", "lease", "secret", "endpoint", "link", "slots", "near", "calls", "ending", "closed")
+    __slots__ = ("service", "lease", "secret", "endpoint", "link", "server_key", "slots", "near", "calls", "ending",
+                 "closed")
 
     def __init__(self, service: str, info: P.LeaseInfo, near: bool):
         self.service = service
@@ -109,6 +110,7 @@ class Pin:
         self.endpoint: str = info.endpoint
         # the worker's local link (docs/protocol.md section 10.6): a near lease's faster way in
         self.link: str | None = info.link if near else None
+        self.server_key: str | None = info.server_key  # a tcp direct socket's CurveZMQ key
         self.slots: int = info.slots
         self.near = near            # shared-memory references may go on it
         self.calls: dict[int, Any] = {}  # id -> Call in flight on it
@@ -179,7 +181,9 @@ class PinEvents:
                                    "broker does not hear from loses its lease")
             return False
         if pin is None and self.endpoint.startswith("tcp://"):
-            return False  # no direct sockets over tcp yet: the broker refuses remote asks
+            # A remote client pins only when asked to (pin=True on the stream or the client):
+            # only workers with a tcp direct socket take its leases (--direct-tcp).
+            return False
         return True
 
     def pin_on_demand(self, service: str, max_in_flight: int) -> bool:
@@ -315,7 +319,10 @@ class PinEvents:
             self._pin_refused(svc, now)
             return []
         svc = self._ask_ids.get(info.id)
-        stale = (svc is None or self.closed or not info.endpoint.startswith("ipc://")
+        # ipc endpoints for a client of a local broker, tcp ones for a remote client (whose
+        # twin connects with its CurveZMQ keys and the lease's server_key)
+        usable = info.endpoint.startswith("tcp://" if self.endpoint.startswith("tcp://") else "ipc://")
+        stale = (svc is None or self.closed or not usable
                  or (self.broker_instance is not None and info.instance != self.broker_instance))
         if stale:
             # Not ours any more (a late answer to an ask given up on, a previous broker's, or

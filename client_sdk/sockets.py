@@ -73,6 +73,24 @@ def tcp_options(endpoint: Any, transport: str, direct_reply: bool) -> tuple[str,
     return ("inline" if transport == "auto" else transport), False
 
 
+def lease_curve(curve: C.PeerKeys | None, endpoint: str, server_key: str | None) -> C.PeerKeys | None:
+    """The CurveZMQ keys for a lease's tcp direct socket (docs/security.md): this client's own
+    pair, with the worker's public key from the lease (`LeaseInfo.server_key`); None for an
+    ipc one.  A client with keys never connects in plain tcp, nor one without keys to a
+    CurveZMQ worker: `InvalidInput` says which (the lease goes back to the broker)."""
+    if not C.is_tcp(endpoint):
+        return None
+    if curve is None and server_key is None:
+        return None  # --insecure on both sides
+    if curve is None:
+        raise InvalidInput(f"the leased worker at {endpoint} is a CurveZMQ server and this client has no keys "
+                           "(insecure=True)")
+    if server_key is None:
+        raise InvalidInput(f"the leased worker at {endpoint} is plain tcp (--insecure); this client uses CurveZMQ "
+                           "and does not send its requests in clear")
+    return C.PeerKeys(server=server_key.encode("ascii"), public=curve.public, secret=curve.secret)
+
+
 def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None) -> zmq.Socket:
     """A DEALER connected to `endpoint`; a CURVE client of it when `curve` is given."""
     sock = ctx.socket(zmq.DEALER)

@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--direct", action="store_true",
                     help="take leases (pinned streams, docs/protocol.md section 10): bind a direct socket in the "
                          "runtime directory, on which leaseholding clients send requests straight to this worker")
+    ap.add_argument("--direct-tcp", default=None, metavar="tcp://HOST:PORT",
+                    help="with --direct: the direct socket on this tcp address instead of the runtime directory, for "
+                         "remote leaseholders (a CurveZMQ server with --worker-key's key pair, admitting only "
+                         "clients that hold a lease here; docs/security.md); HOST must be one clients can reach, "
+                         "PORT may be 0 (any free port)")
     ap.add_argument("--no-link", action="store_true",
                     help="with --direct: no local link beside the direct socket (docs/protocol.md section 10.6); "
                          "clients on this host then use the ipc direct socket")
@@ -160,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         backend=args.backend,
         cuda_pool_capacity=args.cuda_pool_mb << 20,
         direct_reply=not args.no_direct_reply,
-        direct=args.direct,
+        direct=args.direct or args.direct_tcp is not None,
         direct_link=not args.no_link,
+        direct_tcp=args.direct_tcp,
         done_delay=args.done_delay_ms / 1000.0,
         drain_grace=args.drain_grace_s,
         server_key=args.server_key,

@@ -268,14 +268,17 @@ def direct_socket_path(runtime_dir: str | None = None) -> str:
 
 
 class DirectSocket:
-    """The worker's direct socket: a ROUTER on an ipc path only this user can reach.  Sends
+    """The worker's direct socket: a ROUTER on an ipc path only this user can reach, or on a
+    tcp address (``tcp``) as a CurveZMQ server that admits only the keys of the clients that
+    hold a lease of this worker (`allow`; ``curve`` None: plain tcp, ``--insecure``).  Sends
     never block: a reply to a connection that is gone, or that stopped reading, is dropped
     (and logged, rate-limited)."""
 
     #: replies queued per connection before further ones are dropped
     sndhwm = 10_000
 
-    def __init__(self, ctx: zmq.Context, *, path: str | None = None, link: bool = True):
+    def __init__(self, ctx: zmq.Context, *, path: str | None = None, link: bool = True, tcp: str | None = None,
+                 curve: tuple[bytes, bytes] | None = None):
         try:
             path = path if path is not None else direct_socket_path()
         except OSError as e:  # the runtime directory (RuntimeDirError is one)
@@ -289,19 +292,35 @@ class DirectSocket:
         sock.rcvhwm = 100_000
         sock.sndhwm = self.sndhwm
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable or full: an error we count, not a silent drop
+        self.tcp = tcp is not None
+        self.public_key: bytes | None = None  # ours, for Ready.direct_key (tcp with CurveZMQ)
+        self.allowed: frozenset[bytes] = frozenset()  # the leaseholders' public keys (z85), tcp with CurveZMQ
+        self._auth = None
+        self._bad = P.RateLimitedLog(log)
         try:
-            sock.bind("ipc://" + path)
-            os.chmod(path, 0o600)  # only this user's processes may connect (the directory is 0700 too)
+            if tcp is None:
+                sock.bind("ipc://" + path)
+                os.chmod(path, 0o600)  # only this user's processes may connect (the directory is 0700 too)
+            else:
+                if curve is not None:
+                    self._auth = _LeaseKeys.start(ctx, self)
+                    sock.curve_server = True
+                    sock.curve_publickey, sock.curve_secretkey = curve
+                    sock.zap_domain = _ZAP_DOMAIN.encode()
+                    self.public_key = curve[0]
+                sock.bind(tcp)
         except (zmq.ZMQError, OSError) as e:
             sock.close(linger=0)
+            if self._auth is not None:
+                self._auth.stop()
             _unlink_quietly(path)
-            raise DirectSocketError(f"cannot take leases (--direct): cannot bind {path}: {e}") from None
+            raise DirectSocketError(f"cannot take leases (--direct): cannot bind {tcp or path}: {e}") from None
         self.sock = sock
         self.path = path
-        self.endpoint = "ipc://" + path   # what Ready.direct names
+        # what Ready.direct names
+        self.endpoint = "ipc://" + path if tcp is None else sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.dropped = 0                  # replies that could not be queued
         self.impostors = 0                # ROUTER messages dropped for a link-shaped routing id
-        self._bad = P.RateLimitedLog(log)
         self.link: LinkServer | None = None
         link_path = (path[:-4] if path.endswith(".ipc") else path) + ".link"
         if link and len(link_path.encode()) > _MAX_IPC_PATH:
@@ -378,7 +397,46 @@ class DirectSocket:
         if self.link is not None:
             self.link.close(linger_ms)
         self.sock.close(linger=linger_ms)
-        _unlink_quietly(self.path)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if not self.tcp:
+            _unlink_quietly(self.path)
+
+    def allow(self, principals) -> None:
+        """The leases held now are those of ``principals`` (`LeaseGrant.principal`): a tcp
+        direct socket with CurveZMQ admits exactly their keys (``curve:<z85 key>``) at the
+        handshake; a connection already made keeps its lease's rules (an ended lease's
+        requests are answered 503)."""
+        self.allowed = frozenset(p[6:].encode() for p in principals if isinstance(p, str) and p.startswith("curve:"))
+
+
+_ZAP_DOMAIN = "direct"
+
+
+class _LeaseKeys:
+    """The ZAP handler of a tcp direct socket: admits a CurveZMQ client whose key holds a
+    lease of this worker (`DirectSocket.allowed`, a frozenset swapped whole by the loop: the
+    handler's thread only reads it)."""
+
+    def __init__(self, ds: "DirectSocket"):
+        self._ds = ds
+
+    @classmethod
+    def start(cls, ctx: zmq.Context, ds: "DirectSocket"):
+        from zmq.auth.thread import ThreadAuthenticator
+
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger("gpu_worker.zap"))
+        auth.start()
+        auth.configure_curve_callback(_ZAP_DOMAIN, cls(ds))
+        return auth
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self._ds.allowed:
+            return True
+        self._ds._bad.warning("refused a connection to the tcp direct socket: CURVE key %s holds no lease here",
+                              key.decode(errors="replace"))
+        return False
 
 
 def _unlink_quietly(path: str) -> None:

@@ -63,7 +63,7 @@ from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats
 from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signature
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
-from gpu_worker.leases import DirectSocket, LeaseTable, Refusal, runs_long
+from gpu_worker.leases import DirectSocket, DirectSocketError, LeaseTable, Refusal, runs_long
 from gpu_worker.planes import DataPlane, HostPlane
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
@@ -129,6 +129,7 @@ class WorkerConfig:
     direct_reply: bool = True         # send a same-host client's FINAL to its reply_to socket (docs/protocol.md section 8)
     direct_sockets: int = 64          # reply_to sockets kept open (least recently used closed first)
     direct_link: bool = True          # with direct: a local link beside the direct socket (docs/protocol.md 10.6)
+    direct_tcp: str | None = None     # with direct: the direct socket on this tcp address (CurveZMQ: worker_key)
     done_delay: float = 0.005         # seconds a DONE may wait to gather more (never past a request's deadline)
     done_batch: int | None = None     # ... or until this many FINALs are pending (default credit // 4)
     drain_grace: float = 30.0         # on stop, seconds outputs stay readable for clients yet to release them
@@ -319,11 +320,30 @@ class Worker:
         self.keep_warm = self._open_keep_warm()
         if cfg.direct:
             try:
-                self.direct_socket = DirectSocket(self.ctx, link=cfg.direct_link)  # DirectSocketError: says why
+                self.direct_socket = DirectSocket(self.ctx, link=cfg.direct_link, tcp=cfg.direct_tcp,
+                                                  curve=self._direct_keys())  # DirectSocketError: says why
             except Exception:
                 self.plane.close()
                 raise
             self.leases = LeaseTable()
+
+    def _direct_keys(self) -> tuple[bytes, bytes] | None:
+        """The CurveZMQ key pair of a tcp direct socket: the worker's own (``worker_key``,
+        the certificate it is known to the broker by); None on ipc, or plain tcp
+        (``insecure``)."""
+        cfg = self.cfg
+        if cfg.direct_tcp is None or cfg.insecure:
+            return None
+        if cfg.worker_key is None:
+            raise DirectSocketError(f"--direct-tcp {cfg.direct_tcp}: a tcp direct socket is a CurveZMQ server; give "
+                                    "this worker its key pair (--worker-key NAME.key_secret), or --insecure for plain "
+                                    "tcp (docs/security.md)")
+        from broker.protocol import curve as C
+
+        try:
+            return C.load_secret_cert(cfg.worker_key, "worker key")
+        except C.CurveKeyError as e:
+            raise DirectSocketError(f"--direct-tcp: {e}") from None
 
     def _open_plane(self) -> DataPlane:
         """The data plane, chosen once: everything CUDA exists only on a CUDA worker, so the
@@ -360,6 +380,8 @@ class Worker:
             recall=True,
             direct=None if self.direct_socket is None else self.direct_socket.endpoint,
             link=None if self.direct_socket is None or self.direct_socket.link is None else self.direct_socket.link.path,
+            direct_key=None if self.direct_socket is None or self.direct_socket.public_key is None
+            else self.direct_socket.public_key.decode(),
             inputs=wire_signature(self._signature),
             outputs=wire_signature(self._outputs),
         )
@@ -1213,8 +1235,15 @@ class Worker:
             # The broker presumes us gone (or is a new one): our leases are over, and their
             # clients send what they had in flight through the broker.
             self.leases.reset(why)
+            self._leaseholders_changed()
 
     # ------------------------------------------------------------------ leases (--direct)
+
+    def _leaseholders_changed(self) -> None:
+        """A tcp direct socket admits the keys of the clients holding a lease now."""
+        ds = self.direct_socket
+        if ds is not None and ds.public_key is not None:
+            ds.allow(lease.grant.principal for lease in self.leases.leases.values())
 
     def _on_lease(self, grant: P.LeaseGrant) -> None:
         """LEASE: take it (the client is told where to connect only after our LEASED)."""
@@ -1226,6 +1255,7 @@ class Worker:
             why = self.leases.grant(grant)
         if why is None:
             log.info("leased %d slot(s) to pid %s (lease %s)", grant.slots, grant.client_pid, grant.lease.hex())
+            self._leaseholders_changed()  # before LEASED: the client connects once it hears
             self._send(P.worker_leased(grant.lease))
         else:
             self._bad_direct.warning("refused lease %s: %s", grant.lease.hex(), why)
@@ -1238,6 +1268,7 @@ class Worker:
         lease = None if self.leases is None else self.leases.end(end.lease, end.reason)
         if lease is None:
             return
+        self._leaseholders_changed()
         log.info("lease %s ended (%s)", end.lease.hex(), end.reason)
         if end.reason != "client_gone" or not lease.in_flight:
             return
@@ -1256,6 +1287,7 @@ class Worker:
         if self.leases is None:
             return
         ids = self.leases.stop()
+        self._leaseholders_changed()
         for lid in ids:
             self._send(P.worker_lease_end(lid, P.encode_header(P.LeaseEnd(lease=lid, reason="worker_stopping"))))
         if ids:

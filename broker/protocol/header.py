@@ -194,6 +194,7 @@ class Ready(msgspec.Struct, kw_only=True):
     recall: bool = False    # the worker answers RECALL with RETURNED (the broker then sends it)
     direct: str | None = None  # the endpoint of the worker's direct socket: it takes leases (section 10)
     link: str | None = None    # the path of its local link (a Unix SOCK_SEQPACKET socket, section 10.6)
+    direct_key: str | None = None  # a tcp direct socket's CurveZMQ public key (z85): leaseholders check it
     # The model's declared inputs, name -> [dtype or nil, shape (sizes or nil) or nil], for
     # the broker's model endpoint (docs/operations.md); nil when it declares none.
     inputs: dict[str, tuple[str | None, list[int | None] | None]] | None = None
@@ -247,6 +248,7 @@ class LeaseInfo(msgspec.Struct, kw_only=True):
     instance: bytes               # the broker's: a lease never outlives the broker that made it
     host: str | None = None       # the worker's shared-memory host (same as the client's: shm works)
     link: str | None = None       # the worker's local link (section 10.6), on a near lease only
+    server_key: str | None = None  # the CurveZMQ public key (z85) of a tcp direct socket
 
 
 class LeaseEnd(msgspec.Struct, kw_only=True):
@@ -480,7 +482,21 @@ def decode_ready(frame: Any) -> Ready:
         raise ProtocolError("ready link must be an absolute path of at most 100 characters")
     if r.link is not None and r.direct is None:
         raise ProtocolError("ready link needs a direct socket as well")
+    if r.direct_key is not None and not (_z85_key_ok(r.direct_key) and r.direct is not None
+                                         and r.direct.startswith("tcp://")):
+        raise ProtocolError("ready direct_key must be a 40-character z85 key, with a tcp:// direct socket")
     return r
+
+
+def _z85_key_ok(key: Any) -> bool:
+    if not isinstance(key, str) or len(key) != 40:
+        return False
+    try:
+        from zmq.utils import z85
+
+        return len(z85.decode(key.encode("ascii"))) == 32
+    except Exception:
+        return False
 
 
 def _link_ok(path: Any) -> bool:
@@ -524,6 +540,8 @@ def decode_lease_info(frame: Any) -> LeaseInfo:
         raise ProtocolError("lease info needs a 16-byte secret, an ipc:// or tcp:// endpoint and 1..65536 slots")
     if i.link is not None and not _link_ok(i.link):
         raise ProtocolError("lease info link must be an absolute path of at most 100 characters")
+    if i.server_key is not None and not _z85_key_ok(i.server_key):
+        raise ProtocolError("lease info server_key must be a 40-character z85 key")
     return i
 
 

@@ -296,3 +296,35 @@ def test_a_direct_socket_whose_link_path_would_be_too_long_has_none(tmp_path, ca
             ds.close()
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_ready_and_lease_info_check_the_link_and_the_direct_key():
+    import zmq.utils.z85 as z85
+
+    from client_sdk.errors import InvalidInput
+    from client_sdk.sockets import lease_curve
+    from broker.protocol.curve import PeerKeys
+
+    key = z85.encode(bytes(range(32))).decode()
+    ok = P.Ready(direct="tcp://10.0.0.1:5557", direct_key=key, link="/run/x/w-1-2-ab.link")
+    assert P.decode_ready(P.encode_header(ok)).direct_key == key
+    for bad in (P.Ready(direct="ipc:///run/x/w.ipc", direct_key=key),   # a key without tcp
+                P.Ready(direct="tcp://10.0.0.1:5557", direct_key="short"),
+                P.Ready(link="/run/x/w.link"),                            # a link without a direct socket
+                P.Ready(direct="ipc:///run/x/w.ipc", link="relative/w.link"),
+                P.Ready(direct="ipc:///run/x/w.ipc", link="/" + "x" * 120)):
+        with pytest.raises(P.ProtocolError):
+            P.decode_ready(P.encode_header(bad))
+    info = P.LeaseInfo(id=1, lease=bytes(8), secret=bytes(16), endpoint="tcp://10.0.0.1:5557", slots=1,
+                       instance=bytes(8), server_key="not a key")
+    with pytest.raises(P.ProtocolError):
+        P.decode_lease_info(P.encode_header(info))
+    mine = PeerKeys(server=b"s" * 40, public=b"p" * 40, secret=b"q" * 40)
+    assert lease_curve(mine, "ipc:///run/x/w.ipc", None) is None
+    got = lease_curve(mine, "tcp://10.0.0.1:5557", key)
+    assert got.server == key.encode() and got.public == mine.public and got.secret == mine.secret
+    assert lease_curve(None, "tcp://10.0.0.1:5557", None) is None  # --insecure on both sides
+    with pytest.raises(InvalidInput):
+        lease_curve(mine, "tcp://10.0.0.1:5557", None)  # never in clear with keys
+    with pytest.raises(InvalidInput):
+        lease_curve(None, "tcp://10.0.0.1:5557", key)

@@ -13,6 +13,7 @@ refused handshake as an event), replies through polls with a timeout.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -50,12 +51,13 @@ def keys(tmp_path_factory):
     """Key pairs (server, client, worker, stranger) and the broker's two allow-lists."""
     root = tmp_path_factory.mktemp("curve")
     k = SimpleNamespace(root=root)
-    for name in ("server", "client", "worker", "stranger"):
+    for name in ("server", "client", "client2", "worker", "stranger"):
         pub, sec = S.make_keys(str(root / "keys"), name)
         setattr(k, name, SimpleNamespace(pub=pub, sec=sec, pair=zmq.auth.load_certificate(sec)))
-    for side, name in (("clients", "client"), ("workers", "worker")):
+    for side, names in (("clients", ("client", "client2")), ("workers", ("worker",))):
         (root / side).mkdir()
-        shutil.copy(getattr(k, name).pub, root / side)
+        for name in names:
+            shutil.copy(getattr(k, name).pub, root / side)
     k.broker_args = ["--curve-secret", k.server.sec, "--client-keys", str(root / "clients"),
                      "--worker-keys", str(root / "workers")]
     return k
@@ -164,6 +166,80 @@ def test_authenticated_client_and_worker_are_served(secure, keys):
                 out.release()
 
     run(main())
+
+
+def test_a_remote_client_pins_to_a_tcp_direct_worker_that_admits_only_leaseholders(secure, keys):
+    """Pinned streams over tcp (docs/protocol.md section 10.4): a worker with --direct-tcp is a
+    CurveZMQ server (its --worker-key pair, named to clients in LeaseInfo.server_key) that
+    admits at the handshake only the keys of the clients holding a lease of it: not another
+    client the broker serves, not a stranger, and no longer the leaseholder once its lease
+    ended."""
+    import re
+
+    w = _worker(secure.backend, "--server-key", keys.server.pub, "--worker-key", keys.worker.sec,
+                "--service", "tcp-pinned", "--direct-tcp", "tcp://127.0.0.1:0")
+    try:
+        direct = re.search(r" direct=(\S+)", w.ready_line).group(1)
+        assert direct.startswith("tcp://127.0.0.1:")
+        worker_pub = keys.worker.pair[0]
+        x = np.arange(16, dtype=np.int64)
+        with _good_client(secure, keys, pin=True, timeout=20) as c:
+            wait_service(c, "tcp-pinned")
+            deadline = time.monotonic() + 20
+            while not c.pinned("tcp-pinned"):
+                assert time.monotonic() < deadline, "the remote client never pinned"
+                with c.infer("tcp-pinned", {"x": x}) as out:
+                    np.testing.assert_array_equal(out["x"], x)
+                if not c.pinned("tcp-pinned"):
+                    c.pump(0.05)
+            before = c.pinned_replies
+            for i in range(20):
+                with c.infer("tcp-pinned", {"x": x + i}) as out:
+                    np.testing.assert_array_equal(out["x"], x + i)
+            assert c.pinned_replies == before + 20 and c.stray_replies == 0  # straight from the worker
+            for who, pair in (("another client of the broker", keys.client2.pair),
+                              ("a stranger", keys.stranger.pair)):
+                raw = Raw(direct, server=worker_pub, pair=pair)
+                try:
+                    assert raw.handshake() == "refused", f"{who} was let in without a lease"
+                finally:
+                    raw.close()
+            raw = Raw(direct, server=worker_pub, pair=keys.client.pair)  # the leaseholder's key: admitted
+            try:
+                assert raw.handshake() == "ok"
+            finally:
+                raw.close()
+
+        async def aio():  # the asyncio twin pins the same way
+            async with AsyncClient(secure.frontend, server_key=keys.server.pub, client_key=keys.client2.sec,
+                                   pin=True, timeout=20) as a:
+                deadline = time.monotonic() + 20
+                while not a.pinned("tcp-pinned"):
+                    assert time.monotonic() < deadline, "the remote AsyncClient never pinned"
+                    (await a.infer("tcp-pinned", {"x": x})).release()
+                    if not a.pinned("tcp-pinned"):
+                        await a.pump(0.05)
+                before = a.pinned_replies
+                outs = await asyncio.gather(*(a.infer("tcp-pinned", {"x": x + i}) for i in range(8)))
+                for i, out in enumerate(outs):
+                    np.testing.assert_array_equal(out["x"], x + i)
+                    out.release()
+                assert a.pinned_replies == before + 8
+
+        run(aio())
+        # The client's goodbye ends its lease (through the broker, to the worker): from then on
+        # its key is refused too.
+        deadline = time.monotonic() + 10
+        while True:
+            raw = Raw(direct, server=worker_pub, pair=keys.client.pair)
+            try:
+                if raw.handshake() == "refused":
+                    break
+            finally:
+                raw.close()
+            assert time.monotonic() < deadline, "a key whose lease ended is still admitted"
+    finally:
+        w.close()
 
 
 def test_unauthenticated_clients_get_no_service(secure, keys):
@@ -401,3 +477,10 @@ def test_another_user_cannot_connect_to_the_ipc_endpoints():
         if b is not None:
             b.close()
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_tcp_direct_socket_without_keys_refuses_to_start(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/none.ipc", "--model", "echo",
+                        "--no-warmup", "--direct-tcp", "tcp://127.0.0.1:0"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "--worker-key" in r.stderr and "--insecure" in r.stderr and "Traceback" not in r.stderr
