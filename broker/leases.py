@@ -167,8 +167,16 @@ class LeaseEvents:
         if room < 1:
             return refuse(f"this client's leases hold {self._max_client_requests} slots already "
                           f"(max_client_requests); requests go through the broker")
-        scheme = "tcp://" if remote else ("ipc://", "tcp://")
-        cands = [w for w in workers if w.direct and w.direct.startswith(scheme) and w.credit - w.leased > 1]
+        # A local client connects to ipc direct sockets (or their links); a remote one to tcp
+        # ones, CurveZMQ for a client that came with a key (its principal) and plain for one
+        # that came in clear (--insecure): what its SDK can connect to (client_sdk/sockets.py).
+        scheme = "tcp://" if remote else "ipc://"
+        curve = isinstance(principal, str) and principal.startswith("curve:")
+
+        def usable(w) -> bool:
+            return bool(w.direct) and w.direct.startswith(scheme) and (not remote or (w.direct_key is not None) == curve)
+
+        cands = [w for w in workers if usable(w) and w.credit - w.leased > 1]
         near = False
         if not remote and host is not None and "shm" in transports:
             close = [w for w in cands if w.host == host and "shm" in w.transports]
@@ -179,6 +187,11 @@ class LeaseEvents:
                 why = "no worker of it takes leases (none set a direct socket)"
             elif remote and not any(w.direct and w.direct.startswith("tcp://") for w in workers):
                 why = "no worker of it has a tcp direct socket for a remote client"
+            elif remote and not any(usable(w) for w in workers):
+                why = ("no worker of it has a tcp direct socket with CurveZMQ for a client with a key" if curve else
+                       "no worker of it has a plain tcp direct socket for a client without a key")
+            elif not remote and not any(usable(w) for w in workers):
+                why = "no worker of it has an ipc direct socket for a client of this host"
             else:
                 why = "every worker's credit is leased already"
             return refuse(f"service '{service}': {why}; requests go through the broker")

@@ -105,6 +105,22 @@ def _backend_failure(backend: str, model: str, message: str) -> str:
     return f"backend {backend!r} cannot run model {model!r}: {message}; {advice}"
 
 
+def direct_tcp_problem(endpoint: str, worker_key: str | None, insecure: bool) -> str | None:
+    """Why ``--direct-tcp endpoint`` cannot be used (None: it can): checked before the model
+    loads.  The endpoint is what leaseholders are told to connect to, so it names a host they
+    can reach, not a wildcard."""
+    if not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
+        return "give a tcp://HOST:PORT endpoint"
+    host = endpoint[6:].rsplit(":", 1)[0]
+    if host in ("*", "0.0.0.0", "::", "[::]", ""):
+        return (f"{host or 'an empty host'} is a wildcard, not an address clients can connect to; give this host's "
+                "address (it is what leaseholders are told)")
+    if worker_key is None and not insecure:
+        return ("a tcp direct socket is a CurveZMQ server: give this worker its key pair (--worker-key "
+                "NAME.key_secret), or --insecure for plain tcp (docs/security.md)")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from gpu_worker.worker import DIRECT_LINGER_MS, ConfigError, WarmupError, Worker, WorkerConfig, install_sigterm_drain
 
@@ -156,6 +172,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.insecure and broker.startswith("tcp://"):
         logging.getLogger("gpu_worker").warning("INSECURE: connecting to %s as plain tcp (--insecure)", broker)
+    if args.direct_tcp is not None:
+        why = direct_tcp_problem(args.direct_tcp, args.worker_key, args.insecure)
+        if why is not None:
+            print(f"python -m gpu_worker: --direct-tcp {args.direct_tcp}: {why}", file=sys.stderr, flush=True)
+            return 2
+        if args.insecure:
+            logging.getLogger("gpu_worker").warning("INSECURE: the direct socket %s is plain tcp (--insecure)",
+                                                    args.direct_tcp)
     cfg = WorkerConfig(
         broker=broker,
         **model_config(args),

@@ -279,6 +279,8 @@ class DirectSocket:
 
     def __init__(self, ctx: zmq.Context, *, path: str | None = None, link: bool = True, tcp: str | None = None,
                  curve: tuple[bytes, bytes] | None = None):
+        if tcp is not None:
+            path, link = "", False  # no file, and no local link: local clients are placed on ipc workers
         try:
             path = path if path is not None else direct_socket_path()
         except OSError as e:  # the runtime directory (RuntimeDirError is one)
@@ -297,23 +299,31 @@ class DirectSocket:
         self.allowed: frozenset[bytes] = frozenset()  # the leaseholders' public keys (z85), tcp with CurveZMQ
         self._auth = None
         self._bad = P.RateLimitedLog(log)
+        if tcp is not None and curve is not None:
+            try:
+                self._auth = _LeaseKeys.start(ctx, self)
+            except zmq.ZMQError as e:
+                sock.close(linger=0)
+                raise DirectSocketError(f"cannot take leases on {tcp}: cannot start the ZAP handler ({e}); another "
+                                        "CurveZMQ server in this process uses the same zmq.Context") from None
         try:
             if tcp is None:
                 sock.bind("ipc://" + path)
                 os.chmod(path, 0o600)  # only this user's processes may connect (the directory is 0700 too)
             else:
                 if curve is not None:
-                    self._auth = _LeaseKeys.start(ctx, self)
                     sock.curve_server = True
                     sock.curve_publickey, sock.curve_secretkey = curve
                     sock.zap_domain = _ZAP_DOMAIN.encode()
+                    sock.zap_enforce_domain = True  # never admit unchecked, even without a ZAP handler
                     self.public_key = curve[0]
                 sock.bind(tcp)
         except (zmq.ZMQError, OSError) as e:
             sock.close(linger=0)
             if self._auth is not None:
                 self._auth.stop()
-            _unlink_quietly(path)
+            if tcp is None:
+                _unlink_quietly(path)
             raise DirectSocketError(f"cannot take leases (--direct): cannot bind {tcp or path}: {e}") from None
         self.sock = sock
         self.path = path
@@ -421,20 +431,25 @@ class _LeaseKeys:
 
     def __init__(self, ds: "DirectSocket"):
         self._ds = ds
+        self._refused = P.RateLimitedLog(log)  # its own: a handshake flood must not silence the loop's warnings
 
     @classmethod
     def start(cls, ctx: zmq.Context, ds: "DirectSocket"):
         from zmq.auth.thread import ThreadAuthenticator
 
         auth = ThreadAuthenticator(ctx, log=logging.getLogger("gpu_worker.zap"))
-        auth.start()
+        try:
+            auth.start()
+        except zmq.ZMQError:
+            auth.stop()
+            raise
         auth.configure_curve_callback(_ZAP_DOMAIN, cls(ds))
         return auth
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self._ds.allowed:
             return True
-        self._ds._bad.warning("refused a connection to the tcp direct socket: CURVE key %s holds no lease here",
+        self._refused.warning("refused a connection to the tcp direct socket: CURVE key %s holds no lease here",
                               key.decode(errors="replace"))
         return False
 

@@ -245,6 +245,29 @@ def test_shared_memory_is_offered_only_when_the_lease_is_near_and_a_remote_clien
     assert to_w.worker == b"net" and to_w.client_host is None
 
 
+def test_each_client_is_placed_only_where_its_sdk_can_connect():
+    """Local clients on ipc direct sockets; remote ones on tcp ones, CurveZMQ (direct_key)
+    for a client with a key (principal curve:...), plain for one without."""
+    s = Scheduler()
+    key = "rQ]ew/6&pt%k7i1GqV@y1NSDMRmz)U0]vp/Dh7A7"
+    s.worker_ready(b"curve", "svc", 0.0, credit=8, direct="tcp://10.0.0.1:7000", direct_key=key)
+    r = only(lease(s, ask_id=1), LeaseRefused)  # a local client: no ipc direct socket
+    assert "ipc direct socket" in r.message
+    r = only(s.client_lease(C, None, 2, "svc", 0.0, secret=b"s" * 16, remote=True), LeaseRefused)
+    assert "plain tcp direct socket" in r.message  # came in clear: cannot speak CurveZMQ to it
+    to_w = only(s.client_lease(C, "curve:" + key, 3, "svc", 0.0, secret=b"s" * 16, remote=True), LeaseToWorker)
+    info = only(s.worker_leased(to_w.worker, to_w.lease, 0.0), LeaseToClient)
+    assert to_w.worker == b"curve" and info.server_key == key and info.link is None
+    s.worker_ready(b"plain", "svc", 0.0, credit=8, direct="tcp://10.0.0.2:7000")
+    to_w = only(s.client_lease(b"c2", None, 4, "svc", 0.0, secret=b"s" * 16, remote=True), LeaseToWorker)
+    assert to_w.worker == b"plain"
+    r = only(s.client_lease(b"c3", "curve:other", 5, "svc", 0.0, secret=b"s" * 16, remote=True,
+                            slots=1), LeaseToWorker)
+    assert r.worker == b"curve"  # never the plain one, however idle
+    s.worker_ready(b"local", "svc", 0.0, credit=8, direct=EP)
+    assert only(lease(s, ask_id=6), LeaseToWorker).worker == b"local"
+
+
 def test_a_principals_leases_are_capped_and_a_refused_ask_does_not_track_the_client():
     s = Scheduler(Config(max_client_requests=4, client_liveness=1.0))
     only(lease(s), LeaseRefused)

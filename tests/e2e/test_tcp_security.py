@@ -484,3 +484,7 @@ def test_a_tcp_direct_socket_without_keys_refuses_to_start(tmp_path):
                         "--no-warmup", "--direct-tcp", "tcp://127.0.0.1:0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert "--worker-key" in r.stderr and "--insecure" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/none.ipc", "--model", "echo",
+                        "--no-warmup", "--insecure", "--direct-tcp", "tcp://0.0.0.0:0"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "wildcard" in r.stderr and "Traceback" not in r.stderr, r.stderr
