@@ -43,7 +43,8 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply
 from .core import ClientCore
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PinClose, PinOpen, PinSend
-from .sockets import CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, lease_curve, tcp_options
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, lease_curve, open_link,
+                      tcp_options)
 from .tensors import Result
 
 __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
@@ -283,21 +284,14 @@ class AsyncClient(ClientBase):
                     self._pin_drop(sock)
 
     def _pin_open(self, pin: Any, hello: list[Any]) -> None:
-        if pin.link is not None:
-            try:
-                link = LinkConn(pin.link)
-            except OSError as e:
-                log.info("cannot connect to the local link of %r's leased worker (%s); using %s",
-                         pin.service, e, pin.endpoint)
-            else:
-                if link.send(hello):
-                    self._pin_socks[pin.lease] = link
-                    self._pin_of[link] = pin
-                    self._links.append(link)
-                    if self._loop is not None:
-                        self._loop.add_reader(link.fileno(), self._drain_link, link)
-                    return
-                link.close()
+        link = open_link(pin, hello)
+        if link is not None:
+            self._pin_socks[pin.lease] = link
+            self._pin_of[link] = pin
+            self._links.append(link)
+            if self._loop is not None:
+                self._loop.add_reader(link.fileno(), self._drain_link, link)
+            return
         try:
             sock = dealer(zmq.Context.instance(), pin.endpoint, lease_curve(self._curve, pin.endpoint, pin.server_key))
             send_frames(sock, hello, NOBLOCK)

@@ -37,7 +37,8 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priorit
 from .core import LIVENESS, ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, InvalidInput
 from .pins import PinClose, PinOpen, PinSend
-from .sockets import CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, lease_curve, tcp_options
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, lease_curve, open_link,
+                      tcp_options)
 from .tensors import Result
 
 # resolve_transport and parse_priority are re-exported: they were importable from here.
@@ -524,20 +525,13 @@ class Client(ClientBase):
                     drop_socket(sock)
 
     def _pin_open(self, pin: Any, hello: list[Any]) -> None:
-        if pin.link is not None:
-            try:
-                link = LinkConn(pin.link)
-            except OSError as e:
-                log.info("cannot connect to the local link of %r's leased worker (%s); using %s",
-                         pin.service, e, pin.endpoint)
-            else:
-                if link.send(hello):
-                    self._pin_socks[pin.lease] = link
-                    self._pin_of[link] = pin
-                    self._link_of[link.fileno()] = link
-                    self._waiter.add_fd(link.fileno())
-                    return
-                link.close()
+        link = open_link(pin, hello)
+        if link is not None:
+            self._pin_socks[pin.lease] = link
+            self._pin_of[link] = pin
+            self._link_of[link.fileno()] = link
+            self._waiter.add_fd(link.fileno())
+            return
         try:
             sock = dealer(self._ctx, pin.endpoint, lease_curve(self._curve, pin.endpoint, pin.server_key))
             send_frames(sock, hello, NOBLOCK)

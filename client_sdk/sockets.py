@@ -25,11 +25,12 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol import curve as C
+from broker.protocol.link import LinkConn
 
 from .errors import InvalidInput
 
 __all__ = ["CLOSE_LINGER_MS", "dealer", "drop_socket", "ReplyInbox", "curve_keys", "tcp_options",
-           "ENV_CLIENT_KEY"]
+           "ENV_CLIENT_KEY", "lease_curve", "open_link"]
 
 log = logging.getLogger("client_sdk")
 
@@ -89,6 +90,24 @@ def lease_curve(curve: C.PeerKeys | None, endpoint: str, server_key: str | None)
         raise InvalidInput(f"the leased worker at {endpoint} is plain tcp (--insecure); this client uses CurveZMQ "
                            "and does not send its requests in clear")
     return C.PeerKeys(server=server_key.encode("ascii"), public=curve.public, secret=curve.secret)
+
+
+def open_link(pin: Any, hello: list[Any]) -> LinkConn | None:
+    """A lease's local link (docs/protocol.md section 10.6), connected and its HELLO sent; None
+    when the lease offers none or it cannot be used now (the twin then connects a DEALER to
+    the lease's endpoint)."""
+    if pin.link is None:
+        return None
+    try:
+        link = LinkConn(pin.link)
+    except OSError as e:
+        log.info("cannot connect to the local link of %r's leased worker (%s); using %s", pin.service, e,
+                 pin.endpoint)
+        return None
+    if link.send(hello):
+        return link
+    link.close()
+    return None
 
 
 def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None) -> zmq.Socket:
