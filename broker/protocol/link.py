@@ -4,8 +4,8 @@ same host, over a Unix ``SOCK_SEQPACKET`` socket instead of a libzmq ipc connect
 Why: every libzmq message crosses two I/O threads (the sender's and the receiver's), so a
 pinned round trip over ipc wakes six threads; over the link it wakes two (the client's and
 the worker's), each reading and writing the kernel socket itself.  A raw echo measured
-about 20 µs against about 77 µs for a DEALER/ROUTER pair on the test machine
-(BENCHMARKS.md, "The local link").
+18.5 µs against 66-79 µs p50 for a DEALER/ROUTER pair on the test machine
+(`python -m bench.link_floor`; BENCHMARKS.md, "The local link").
 
 What travels is exactly the direct socket's client sub-protocol (HELLO, REQUEST, CANCEL,
 HEARTBEAT, DISCONNECT; PARTIAL, FINAL, FINALS back), one multipart message at a time:
