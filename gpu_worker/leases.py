@@ -380,10 +380,9 @@ class DirectSocket:
                 return inbox.popleft()
         return None
 
-    def has_message(self, holds=None) -> bool:
-        """Whether a message waits on either (``holds(sock)``: how to ask the ROUTER, e.g. a
-        Waiter's `has_message`)."""
-        if holds(self.sock) if holds is not None else sock_events(self.sock) & _POLLIN:
+    def has_message(self) -> bool:
+        """Whether a message waits on either."""
+        if sock_events(self.sock) & _POLLIN:
             return True
         return self.link is not None and self.link.has_message()
 

@@ -24,7 +24,7 @@ import zmq.auth
 from zmq.utils import z85
 
 __all__ = [
-    "CurveKeyError", "PeerKeys", "is_tcp", "load_public_key", "load_secret_cert", "peer_keys",
+    "CurveKeyError", "PeerKeys", "is_tcp", "z85_key", "load_public_key", "load_secret_cert", "peer_keys",
     "configure_peer", "ENV_SERVER_KEY",
 ]
 
@@ -59,7 +59,7 @@ def is_tcp(endpoint: Any) -> bool:
     return isinstance(endpoint, str) and endpoint.startswith("tcp://")
 
 
-def _z85(value: Any) -> bytes | None:
+def z85_key(value: Any) -> bytes | None:
     """`value` as a z85 key if it looks like one (40 characters that decode to 32 bytes)."""
     if isinstance(value, str):
         try:
@@ -83,7 +83,7 @@ def load_public_key(value: Any, what: str = "server key") -> bytes:
         value = os.fspath(value)
     if isinstance(value, str) and os.path.exists(value):
         return _read_cert(value, what)[0]
-    key = _z85(value)
+    key = z85_key(value)
     if key is not None:
         return key
     raise CurveKeyError(
@@ -116,7 +116,7 @@ def _read_cert(path: str, what: str) -> tuple[bytes, bytes | None]:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:
         raise CurveKeyError(f"cannot read the {what} certificate {path!r}: {e}") from None
-    if _z85(public) is None or (secret is not None and _z85(secret) is None):
+    if z85_key(public) is None or (secret is not None and z85_key(secret) is None):
         raise CurveKeyError(f"the {what} certificate {path!r} does not hold 40-character z85 keys")
     return public, secret
 

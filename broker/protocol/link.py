@@ -17,7 +17,9 @@ HEARTBEAT, DISCONNECT; PARTIAL, FINAL, FINALS back), one multipart message at a 
 A message that fits one datagram (`LINK_DATAGRAM` bytes, flag byte included) is one
 datagram, written with one ``sendmsg`` of the frames as they are (no copy).  A client
 sends nothing larger (the SDK sends a bigger request through the broker); a worker's reply
-may span several datagrams, in order, the last one flagged 0x00.  SEQPACKET keeps
+may span several datagrams, in order, the last one flagged 0x00: each written from views of
+the frames, and read by the client straight into one buffer of the message's length (which
+the first piece's size table gives), so a large inline tensor is copied by the kernel only.  SEQPACKET keeps
 datagram boundaries and order and is reliable, so there is no other framing.
 
 The worker's side (`LinkServer`) listens at ``<runtime dir>/w-<pid>-<start>-<hex>.link``
@@ -51,7 +53,7 @@ from typing import Any, Sequence
 
 from .frames import C_DISCONNECT, MDPC
 
-__all__ = ["LINK_DATAGRAM", "LinkError", "LinkConn", "LinkServer", "encode", "decode", "frame_size",
+__all__ = ["LINK_DATAGRAM", "LinkError", "LinkConn", "LinkServer", "encode", "decode",
            "link_route"]
 
 #: bytes of one datagram at most, its flag byte included (well under the default socket
@@ -64,7 +66,6 @@ _MORE = b"\x01"
 _PREFIXES: dict[int, struct.Struct] = {}
 _SIZES: dict[int, struct.Struct] = {}
 _U16 = struct.Struct("<H")
-_ROUTE_LEN = 9
 _DONTWAIT = socket.MSG_DONTWAIT
 _PEERCRED = struct.Struct("3i")
 
@@ -73,33 +74,45 @@ class LinkError(ValueError):
     """A datagram that is not a link message (section 10, "the local link")."""
 
 
-def frame_size(f: Any) -> int:
-    """Bytes of one frame (bytes, memoryview, zmq.Frame, a contiguous numpy array...)."""
-    return len(f) if type(f) is bytes else memoryview(f).nbytes
-
-
-def _prefix(sizes: list[int]) -> bytes:
+def _head(frames: Sequence[Any]) -> tuple[bytes, int]:
+    """A message's first bytes (the flag of a single datagram, the frame count and sizes)
+    and the whole datagram's length.  Frames: bytes, memoryview, zmq.Frame, contiguous
+    numpy arrays..."""
+    sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
     n = len(sizes)
+    if n > MAX_FRAMES:
+        raise LinkError(f"a link message holds at most {MAX_FRAMES} frames, not {n}")
     st = _PREFIXES.get(n)
     if st is None:
         st = _PREFIXES[n] = struct.Struct(f"<cH{n}I")
-    return st.pack(_LAST, n, *sizes)
+    return st.pack(_LAST, n, *sizes), st.size + sum(sizes)
 
 
-def encode(frames: Sequence[Any]) -> list[Any]:
-    """The datagrams of one message: a list of one buffer list (a single datagram, for
-    ``sendmsg`` as it is) or of several bytes (the message cut in pieces)."""
-    sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]  # frame_size, inline
-    if len(sizes) > MAX_FRAMES:
-        raise LinkError(f"a link message holds at most {MAX_FRAMES} frames, not {len(sizes)}")
-    head = _prefix(sizes)
-    if len(head) + sum(sizes) <= LINK_DATAGRAM:
+def encode(frames: Sequence[Any]) -> list[list[Any]]:
+    """The datagrams of one message, each a buffer list for ``sendmsg``: one datagram, the
+    frames as they are, when it fits; else the message cut in pieces, each a list of views
+    of the frames (nothing is copied either way)."""
+    head, total = _head(frames)
+    if total <= LINK_DATAGRAM:
         return [[head, *frames]]
-    whole = b"".join([head[1:], *(memoryview(f).cast("B") if type(f) is not bytes else f for f in frames)])
     step = LINK_DATAGRAM - 1
-    pieces = [_MORE + whole[i:i + step] for i in range(0, len(whole), step)]
-    pieces[-1] = _LAST + pieces[-1][1:]
-    return pieces
+    out: list[list[Any]] = []
+    piece: list[Any] = [_MORE]
+    room = step
+    for f in (memoryview(head)[1:], *frames):
+        v = f if type(f) is memoryview else memoryview(f)
+        v = v.cast("B") if v.format != "B" or v.ndim != 1 else v
+        while len(v):
+            if not room:
+                out.append(piece)
+                piece, room = [_MORE], step
+            take = v[:room]
+            piece.append(take)
+            room -= len(take)
+            v = v[len(take):]
+    piece[0] = _LAST
+    out.append(piece)
+    return out
 
 
 def decode(buf: bytes, start: int = 1) -> list[memoryview]:
@@ -130,7 +143,7 @@ class LinkConn:
     """A client's connection to a worker's link.  Not thread-safe (one per lease, used by the
     thread that owns the client)."""
 
-    __slots__ = ("sock", "path", "closed", "_parts", "_fd")
+    __slots__ = ("sock", "path", "closed", "_whole", "_at", "_fd")
 
     def __init__(self, path: str):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -143,7 +156,8 @@ class LinkConn:
         self.sock = sock
         self.path = path
         self.closed = False
-        self._parts: list[bytes] | None = None
+        self._whole: bytearray | None = None  # a message in pieces, as they come (one copy: the kernel's)
+        self._at = 0                          # ... filled up to here
         self._fd = sock.fileno()
 
     def fileno(self) -> int:
@@ -154,9 +168,8 @@ class LinkConn:
         sent (too large for one datagram, the socket full, or the connection gone)."""
         if self.closed:
             return False
-        sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]  # frame_size, inline
-        head = _prefix(sizes)
-        if len(head) + sum(sizes) > LINK_DATAGRAM:
+        head, total = _head(frames)
+        if total > LINK_DATAGRAM:
             return False
         try:
             self.sock.sendmsg([head, *frames], (), _DONTWAIT)
@@ -170,26 +183,67 @@ class LinkConn:
         """One whole message, or None when none is there (yet).  Raises EOFError when the
         worker closed the connection (or it broke), LinkError for what is not a message."""
         while True:
-            try:
-                d = self.sock.recv(LINK_DATAGRAM)
-            except BlockingIOError:
+            if self._whole is not None:  # a message in pieces: the next one straight into its buffer
+                done = self._recv_piece()
+                if done is None:
+                    return None
+                if done:
+                    whole, self._whole = self._whole, None
+                    return decode(whole, 0)
+                continue
+            d = self._recv(LINK_DATAGRAM)
+            if d is None:
                 return None
-            except OSError as e:
-                raise EOFError(f"the link connection broke ({e})") from None
-            if not d:
-                raise EOFError("the worker closed the link connection")
             flag = d[0]
-            if flag == 0 and self._parts is None:
-                return decode(d)
-            if flag > 1:
-                raise LinkError(f"datagram flag {flag:#x}")
-            if self._parts is None:
-                self._parts = []
-            self._parts.append(d[1:])
             if flag == 0:
-                whole = b"".join(self._parts)
-                self._parts = None
-                return decode(whole, 0)
+                return decode(d)
+            if flag != 1:
+                raise LinkError(f"datagram flag {flag:#x}")
+            # The first piece holds the frame count and sizes (at most 16 KiB), so the message's
+            # length: its buffer is made once, and each later piece is read into it (one copy,
+            # the kernel's).
+            (n,) = _U16.unpack_from(d, 1) if len(d) >= 3 else (-1,)
+            if not 0 <= n <= MAX_FRAMES or len(d) < 3 + 4 * n:
+                raise LinkError("a first piece without its frame count and sizes")
+            total = 2 + 4 * n + sum(struct.unpack_from(f"<{n}I", d, 3))
+            if total < len(d) - 1:
+                raise LinkError("a first piece longer than its message")
+            self._whole = bytearray(total)
+            self._whole[:len(d) - 1] = memoryview(d)[1:]
+            self._at = len(d) - 1
+
+    def _recv(self, n: int) -> bytes | None:
+        try:
+            d = self.sock.recv(n)
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            raise EOFError(f"the link connection broke ({e})") from None
+        if not d:
+            raise EOFError("the worker closed the link connection")
+        return d
+
+    def _recv_piece(self) -> bool | None:
+        """Read the next piece of the message in ``_whole`` into it: None when none is there
+        yet, True when it was the last one, False when more follow."""
+        whole = self._whole
+        flag = bytearray(1)
+        try:
+            nbytes, _, msg_flags, _ = self.sock.recvmsg_into([flag, memoryview(whole)[self._at:]])
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            raise EOFError(f"the link connection broke ({e})") from None
+        if nbytes == 0:
+            raise EOFError("the worker closed the link connection")
+        if msg_flags & socket.MSG_TRUNC or flag[0] > 1:
+            raise LinkError("a piece that runs past its message, or a bad flag")
+        self._at += nbytes - 1
+        if flag[0] == 1:
+            return False
+        if self._at != len(whole):
+            raise LinkError(f"a message in pieces ended at {self._at} of its {len(whole)} bytes")
+        return True
 
     def close(self) -> None:
         if not self.closed:
@@ -204,7 +258,7 @@ class _Peer:
         self.sock = sock
         self.fd = sock.fileno()
         self.route = route
-        self.outbox: deque = deque()  # datagrams (buffer lists or bytes) the kernel has not taken
+        self.outbox: deque = deque()  # datagrams (buffer lists, for sendmsg) the kernel has not taken
         self.writing = False          # EPOLLOUT asked
 
 
@@ -408,10 +462,7 @@ class LinkServer:
         while out:
             d = out[0]
             try:
-                if type(d) is list:
-                    sock.sendmsg(d, (), _DONTWAIT)
-                else:
-                    sock.send(d, _DONTWAIT)
+                sock.sendmsg(d, (), _DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:

@@ -96,6 +96,14 @@ def test_a_large_reply_comes_in_pieces_and_whole(path):
         assert [bytes(x) for x in m[:4]] == [P.MDPC, P.C_FINAL, b"svc", b"h"]
         np.testing.assert_array_equal(np.frombuffer(m[4], np.uint8), big)
         assert [bytes(x) for x in _client_recv(conn, server)] == [b"after"]
+        # Frames of any buffer shape, cut across their boundaries (a 2-D float array, a
+        # small frame between two large ones).
+        grid = np.arange(200_000, dtype=np.float32).reshape(400, 500)
+        assert server.send(route, [b"h", grid, b"mid", big])
+        m = _client_recv(conn, server)
+        np.testing.assert_array_equal(np.frombuffer(m[1], np.float32).reshape(400, 500), grid)
+        assert bytes(m[2]) == b"mid"
+        np.testing.assert_array_equal(np.frombuffer(m[3], np.uint8), big)
         # A client sends nothing that does not fit one datagram (the SDK sends it through the broker).
         assert not conn.send([np.zeros(LINK_DATAGRAM, np.uint8)])
     finally:
@@ -328,3 +336,31 @@ def test_ready_and_lease_info_check_the_link_and_the_direct_key():
         lease_curve(mine, "tcp://10.0.0.1:5557", None)  # never in clear with keys
     with pytest.raises(InvalidInput):
         lease_curve(None, "tcp://10.0.0.1:5557", key)
+
+
+def test_a_reply_in_pieces_that_lies_about_its_length_is_refused(path):
+    """The client reads a message in pieces into one buffer of the length its first piece
+    declares: a piece that would run past it, or a message that ends short, is an error."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    srv.listen(4)
+    try:
+        for pieces in ([b"\x01" + b"\x01\x00" + (4).to_bytes(4, "little") + b"ab",  # 4 bytes declared...
+                        b"\x00" + b"cdefgh"],                                        # ...6 more come
+                       [b"\x01" + b"\x01\x00" + (40).to_bytes(4, "little") + b"ab",  # 40 declared
+                        b"\x00" + b"cd"],                                            # ends at 4
+                       [b"\x02" + b"\x00\x00"]):                                     # a bad flag
+            conn = LinkConn(path)
+            s, _ = srv.accept()
+            try:
+                for p in pieces:
+                    s.send(p)
+                assert _readable(conn.fileno())
+                with pytest.raises(LinkError):
+                    while conn.recv() is None:
+                        assert _readable(conn.fileno())
+            finally:
+                s.close()
+                conn.close()
+    finally:
+        srv.close()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
-import time
 
 import numpy as np
 import pytest
@@ -17,9 +16,9 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol.link import LinkConn, decode, encode
-from client_sdk import AsyncClient, Client
+from client_sdk import Client
 from tests.e2e.conftest import wait_service
-from tests.e2e.test_pinned import TIMEOUT_S, _echo, _until_pinned
+from tests.e2e.test_pinned import TIMEOUT_S, _echo, _until_pinned, async_pinned_echoes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -160,23 +159,7 @@ def test_an_async_pinned_client_uses_the_link_too(cluster):
     cluster.broker()
     cluster.worker("echo", "--direct")
 
-    async def scenario():
-        async with AsyncClient(cluster.frontend, timeout=TIMEOUT_S, pin=True) as ac:
-            deadline = time.monotonic() + TIMEOUT_S
-            while not ac.pinned("echo"):
-                assert time.monotonic() < deadline, "the AsyncClient never pinned"
-                r = await ac.infer("echo", {"x": np.arange(4)})
-                r.release()
-                if not ac.pinned("echo"):
-                    await ac.pump(0.05)
-            assert type(ac._pin_socks[ac._core.pins["echo"].lease]) is LinkConn
-            before = ac.pinned_replies
-            for k in range(5):  # 8 at a time: the lease's slots
-                xs = [np.full(8, 100 * k + i, np.float32) for i in range(8)]
-                outs = await asyncio.gather(*(ac.infer("echo", {"x": x}) for x in xs))
-                for x, out in zip(xs, outs):
-                    np.testing.assert_array_equal(out["x"], x)
-                    out.release()
-            assert ac.pinned_replies - before == 40 and ac.stray_replies == 0
+    def on_the_link(ac):
+        assert type(ac._pin_socks[ac._core.pins["echo"].lease]) is LinkConn
 
-    asyncio.run(asyncio.wait_for(scenario(), 30))
+    asyncio.run(asyncio.wait_for(async_pinned_echoes(cluster.frontend, on_the_link), 30))

@@ -100,25 +100,30 @@ def test_pinned_clients_get_their_replies_straight_from_the_worker(cluster):
         _plain_echo(cluster.frontend, "echo", 5)
         assert c.stray_replies == 0
 
-    async def scenario():
-        async with AsyncClient(cluster.frontend, timeout=TIMEOUT_S, pin=True) as ac:
-            deadline = time.monotonic() + TIMEOUT_S
-            while not ac.pinned("echo"):
-                assert time.monotonic() < deadline, "the AsyncClient never pinned"
-                r = await ac.infer("echo", {"x": np.arange(4)})
-                r.release()
-                if not ac.pinned("echo"):
-                    await ac.pump(0.05)
-            before = ac.pinned_replies
-            for k in range(5):  # 8 at a time: the lease's slots
-                xs = [np.full(8, 100 * k + i, np.float32) for i in range(8)]
-                outs = await asyncio.gather(*(ac.infer("echo", {"x": x}) for x in xs))
-                for x, out in zip(xs, outs):
-                    np.testing.assert_array_equal(out["x"], x)
-                    out.release()
-            assert ac.pinned_replies - before == 40 and ac.stray_replies == 0
+    asyncio.run(asyncio.wait_for(async_pinned_echoes(cluster.frontend), 30))
 
-    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+async def async_pinned_echoes(frontend: str, on_pinned=None) -> None:
+    """An `AsyncClient(pin=True)` pins to "echo" (``on_pinned(client)`` then looks at it),
+    and 40 requests, 8 at a time (the lease's slots), all come straight from the worker."""
+    async with AsyncClient(frontend, timeout=TIMEOUT_S, pin=True) as ac:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ac.pinned("echo"):
+            assert time.monotonic() < deadline, "the AsyncClient never pinned"
+            r = await ac.infer("echo", {"x": np.arange(4)})
+            r.release()
+            if not ac.pinned("echo"):
+                await ac.pump(0.05)
+        if on_pinned is not None:
+            on_pinned(ac)
+        before = ac.pinned_replies
+        for k in range(5):
+            xs = [np.full(8, 100 * k + i, np.float32) for i in range(8)]
+            outs = await asyncio.gather(*(ac.infer("echo", {"x": x}) for x in xs))
+            for x, out in zip(xs, outs):
+                np.testing.assert_array_equal(out["x"], x)
+                out.release()
+        assert ac.pinned_replies - before == 40 and ac.stray_replies == 0
 
 
 def test_a_service_without_direct_workers_stays_brokered(cluster):
