@@ -42,9 +42,9 @@ from .base import ClientBase, ReplyStreamBase
 from .calls import Call, final_of_infer, mmi_answer, opaque_reply
 from .core import ClientCore
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
-from .pins import PinClose, PinOpen, PinSend
-from .sockets import (CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, lease_curve, open_link,
-                      tcp_options)
+from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_lease_dealer, drop_socket, lease_dealer,
+                      lease_events, open_link, tcp_options)
 from .tensors import Result
 
 __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
@@ -111,6 +111,7 @@ class AsyncClient(ClientBase):
         self._pin_socks: dict[bytes, Any] = {}
         self._pin_of: dict[Any, Any] = {}
         self._links: list[LinkConn] = []
+        self._monitors: dict[zmq.Socket, Any] = {}  # a tcp lease's connection monitor -> its Pin
         # `infer` calls waiting now (a dict as an ordered set), and the one timer that wakes
         # them at their deadlines: armed at `_deadline_at`, the earliest deadline known when
         # it was armed (see `_deadlines`)
@@ -131,6 +132,8 @@ class AsyncClient(ClientBase):
                 loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
             for link in self._links:
                 loop.add_reader(link.fileno(), self._drain_link, link)
+            for monitor in self._monitors:
+                loop.add_reader(monitor.getsockopt(zmq.FD), self._on_monitor, monitor)
             self._loop = loop
             loop.call_soon(self._drain)  # the FD is edge-triggered: look once now
             hello = self._core.hello(time.monotonic())
@@ -292,10 +295,14 @@ class AsyncClient(ClientBase):
             if self._loop is not None:
                 self._loop.add_reader(link.fileno(), self._drain_link, link)
             return
+        sock = monitor = None
         try:
-            sock = dealer(zmq.Context.instance(), pin.endpoint, lease_curve(self._curve, pin.endpoint, pin.server_key))
-            send_frames(sock, hello, NOBLOCK)
+            sock, monitor = lease_dealer(zmq.Context.instance(), pin, self._curve, PIN_CONNECT_S,
+                                         self._core.heartbeat_period)
+            send_frames(sock, hello, NOBLOCK)  # queued until connected: the first thing the worker reads
         except (InvalidInput, zmq.ZMQError) as e:
+            if sock is not None:
+                drop_lease_dealer(sock, monitor)
             self._core.pin_broken(pin, time.monotonic(), str(e))
             if self._core.ops:
                 self._run_ops()
@@ -303,19 +310,47 @@ class AsyncClient(ClientBase):
         self._pin_socks[pin.lease] = sock
         self._pin_of[sock] = pin
         self._socks = [*self._socks, sock]
+        if monitor is not None:
+            self._monitors[monitor] = pin
         if self._loop is not None:
             self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
             self._look_again(sock)
+            if monitor is not None:
+                self._loop.add_reader(monitor.getsockopt(zmq.FD), self._on_monitor, monitor)
+                self._loop.call_soon(self._on_monitor, monitor)  # edge-triggered: look once now
+
+    def _on_monitor(self, monitor: zmq.Socket) -> None:
+        """A tcp lease's connection reported (pins.py: pin_connected, pin_disconnected)."""
+        core = self._core
+        pin = self._monitors.get(monitor)
+        if pin is None or core.closed or monitor.closed:
+            return
+        for up, why in lease_events(monitor):
+            if pin.closed:
+                break
+            if up:
+                core.pin_connected(pin)
+            else:
+                for out in core.pin_disconnected(pin, time.monotonic(), why):
+                    self._send_soon(out)
+        if core.ops and not core.closed:
+            self._run_ops()
 
     def _pin_drop(self, sock: zmq.Socket) -> None:
-        self._pin_of.pop(sock, None)
+        pin = self._pin_of.pop(sock, None)
         self._socks = [s for s in self._socks if s is not sock]
+        monitor = next((m for m, p in self._monitors.items() if p is pin), None) if pin is not None else None
+        if monitor is not None:
+            del self._monitors[monitor]
         if self._loop is not None:
-            try:
-                self._loop.remove_reader(sock.getsockopt(zmq.FD))
-            except Exception:  # the loop may already be closed
-                pass
-        drop_socket(sock)
+            for s in (sock, monitor):
+                if s is None:
+                    continue
+                try:
+                    self._loop.remove_reader(s.getsockopt(zmq.FD))
+                except Exception:  # the loop may already be closed
+                    pass
+        drop_lease_dealer(sock, monitor)
 
     def _look_again(self, sock: zmq.Socket) -> None:
         # Sending can consume the FD's edge for a message that has already arrived.
@@ -356,6 +391,8 @@ class AsyncClient(ClientBase):
             now = time.monotonic()
             if core.heartbeat_due(now):
                 self._send_soon(core.heartbeat(now))
+                if core.ops and not core.closed:  # a tcp lease given back (pins_overdue)
+                    self._run_ops()
             core.fail_unreachable(now)
 
     def _send_soon(self, frames: list[Any] | None) -> None:

@@ -73,8 +73,9 @@ class ClientBase:
         return self._core.pinned_replies
 
     def pinned(self, service: str) -> bool:
-        """Whether this client holds a lease on `service` now, so that its next requests go
-        straight to the leased worker (with `pin=False`, only a stream's service can be)."""
+        """Whether this client holds a lease on `service` now and its connection is up (a tcp
+        lease's handshake succeeded), so that its next requests go straight to the leased
+        worker (with `pin=False`, only a stream's service can be)."""
         return self._core.pinned(service)
 
     def in_flight(self) -> int:

@@ -36,9 +36,9 @@ from .base import ClientBase, ReplyStreamBase
 from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priority, resolve_transport
 from .core import LIVENESS, ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, InvalidInput
-from .pins import PinClose, PinOpen, PinSend
-from .sockets import (CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_socket, lease_curve, open_link,
-                      tcp_options)
+from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_lease_dealer, drop_socket, lease_dealer,
+                      lease_events, open_link, tcp_options)
 from .tensors import Result
 
 # resolve_transport and parse_priority are re-exported: they were importable from here.
@@ -91,6 +91,7 @@ class Client(ClientBase):
         self._pin_socks: dict[bytes, Any] = {}
         self._pin_of: dict[Any, Any] = {}
         self._link_of: dict[int, LinkConn] = {}  # descriptor -> a lease's link, as the Waiter reports it
+        self._monitors: dict[zmq.Socket, Any] = {}  # a tcp lease's connection monitor -> its Pin
         if self._inbox is not None:
             self._core.reply_to = self._inbox.endpoint
             self._waiter.add(self._inbox.sock)
@@ -308,6 +309,8 @@ class Client(ClientBase):
             # The cheap tests first: heartbeat_due and fail_unreachable ask the same and more.
             if now - core.last_heartbeat >= hb and core.heartbeat_due(now):
                 self._send_soon(core.heartbeat(now))
+                if core.ops:  # a tcp lease given back (pins_overdue)
+                    self._run_ops()
             if now - core.last_recv > LIVENESS * hb:
                 # Silent that long, in our eyes: first read what has arrived meanwhile (a
                 # caller may come back late, and a drain may have stopped at its budget), so
@@ -429,6 +432,7 @@ class Client(ClientBase):
         # the broker has seemed silent so long that its word cannot wait).
         core = self._core
         pins = self._pin_of
+        monitors = self._monitors
         items = [*self._waiter.sockets(), *self._link_of] if ready is None else ready
         capped = False
         if len(items) > 1 and items[0] is self._sock:
@@ -438,6 +442,9 @@ class Client(ClientBase):
             if type(sock) is int:  # a lease's local link (the Waiter's plain descriptors)
                 if not self._drain_link(sock, whole):
                     capped = True
+                continue
+            if monitors and sock in monitors:  # a tcp lease's connection came up or went down
+                self._on_monitor(sock)
                 continue
             direct = sock is not self._sock
             pin = pins.get(sock) if pins else None
@@ -522,7 +529,29 @@ class Client(ClientBase):
                 elif sock is not None:
                     del self._pin_of[sock]
                     self._waiter.remove(sock)
-                    drop_socket(sock)
+                    monitor = self._monitor_of(op.pin)
+                    if monitor is not None:
+                        del self._monitors[monitor]
+                        self._waiter.remove(monitor)
+                    drop_lease_dealer(sock, monitor)
+
+    def _monitor_of(self, pin: Any) -> zmq.Socket | None:
+        for monitor, p in self._monitors.items():
+            if p is pin:
+                return monitor
+        return None
+
+    def _on_monitor(self, monitor: zmq.Socket) -> None:
+        """A tcp lease's connection reported (pins.py: pin_connected, pin_disconnected)."""
+        pin = self._monitors.get(monitor)
+        for up, why in lease_events(monitor):
+            if pin is None or pin.closed:
+                break
+            if up:
+                self._core.pin_connected(pin)
+            else:
+                for out in self._core.pin_disconnected(pin, time.monotonic(), why):
+                    self._send_soon(out)
 
     def _pin_open(self, pin: Any, hello: list[Any]) -> None:
         link = open_link(pin, hello)
@@ -532,10 +561,13 @@ class Client(ClientBase):
             self._link_of[link.fileno()] = link
             self._waiter.add_fd(link.fileno())
             return
+        sock = monitor = None
         try:
-            sock = dealer(self._ctx, pin.endpoint, lease_curve(self._curve, pin.endpoint, pin.server_key))
-            send_frames(sock, hello, NOBLOCK)
+            sock, monitor = lease_dealer(self._ctx, pin, self._curve, PIN_CONNECT_S, self._core.heartbeat_period)
+            send_frames(sock, hello, NOBLOCK)  # queued until connected: the first thing the worker reads
         except (InvalidInput, zmq.ZMQError) as e:
+            if sock is not None:
+                drop_lease_dealer(sock, monitor)
             self._core.pin_broken(pin, time.monotonic(), str(e))
             if self._core.ops:
                 self._run_ops()
@@ -543,6 +575,9 @@ class Client(ClientBase):
         self._pin_socks[pin.lease] = sock
         self._pin_of[sock] = pin
         self._waiter.add(sock)
+        if monitor is not None:
+            self._monitors[monitor] = pin
+            self._waiter.add(monitor)
 
     def _sock_for(self, call: Call) -> zmq.Socket:
         """The socket for a pinned call: its lease's, or the broker's when that one cannot

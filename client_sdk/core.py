@@ -791,8 +791,11 @@ class ClientCore(PinEvents):
         return min(hb, self.broker_window / 3)
 
     def heartbeat(self, now: float) -> list[bytes]:
-        """A HEARTBEAT to send now."""
+        """A HEARTBEAT to send now (and, while at it, give back a tcp lease whose handshake
+        is overdue: `pins_overdue`, whose ops the twin runs)."""
         self.last_heartbeat = now
+        if self.pins:
+            self.pins_overdue(now)
         return P.client_heartbeat()
 
     def hello(self, now: float) -> list[bytes] | None:

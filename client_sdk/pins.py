@@ -46,6 +46,12 @@ there, doubling up to `PIN_RETRY_MAX_S`):
   through the broker instead of being delivered, and a 503 or 400 ends the lease here too;
 - a broker restart (a new instance in a heartbeat answer): every lease ends (their calls
   are resent by the restart logic of core.py);
+- the lease's connection lost (`pin_link_lost`: the local link closed, or a tcp connection
+  dropped or silent past libzmq's heartbeats): its calls go through the broker now and the
+  lease goes back (LEASE_END ``client_done``);
+- a tcp lease whose handshake has not succeeded within `PIN_CONNECT_S` (an address this
+  client cannot reach, a firewall): the lease goes back (`pin_broken`); until the twin saw
+  that handshake succeed (`pin_connected`) the lease took no call;
 - `close()`: LEASE_END `client_done` for each lease held (`pin_goodbye`).
 
 Invariant: a call is on at most one lease (`call.pin`), listed in that lease's `calls`
@@ -63,7 +69,7 @@ from broker.protocol import ErrorCode
 from .errors import InvalidInput, error_from
 
 __all__ = ["Pin", "PinOpen", "PinSend", "PinClose", "PinEvents", "pin_slots", "PIN_SLOTS",
-           "PIN_RETRY_MIN_S", "PIN_RETRY_MAX_S", "ASK_TIMEOUT_S", "PIN_MAX_SLOTS"]
+           "PIN_RETRY_MIN_S", "PIN_RETRY_MAX_S", "ASK_TIMEOUT_S", "PIN_MAX_SLOTS", "PIN_CONNECT_S"]
 
 log = logging.getLogger("client_sdk")
 
@@ -79,6 +85,11 @@ PIN_RETRY_MAX_S = 30.0
 #: an ask unanswered this long is taken as lost (a broker that does not know LEASE, or a
 #: restart): refused, and asked again after the backoff
 ASK_TIMEOUT_S = 5.0
+#: a lease's tcp connection (--direct-tcp) whose handshake has not succeeded this long after
+#: the LEASED is given up: the lease goes back (`pin_broken`) and the service stays brokered
+#: for the backoff.  Until its handshake succeeds a tcp lease takes no call: they go through
+#: the broker, so an unreachable worker costs a remote client nothing but this lease.
+PIN_CONNECT_S = 3.0
 
 #: the direct FINALs that mean "this request did not run: send it through the broker"
 _BOUNCE_CODES = (int(ErrorCode.SERVICE_UNAVAILABLE), int(ErrorCode.QUEUE_FULL), int(ErrorCode.PROTOCOL_ERROR))
@@ -101,9 +112,9 @@ class Pin:
     """One lease held: where its worker listens, how many calls it takes, which are on it."""
 
     __slots__ = ("service", "lease", "secret", "endpoint", "link", "server_key", "slots", "near", "calls", "ending",
-                 "closed")
+                 "closed", "ready", "opened", "trouble")
 
-    def __init__(self, service: str, info: P.LeaseInfo, near: bool):
+    def __init__(self, service: str, info: P.LeaseInfo, near: bool, now: float = 0.0):
         self.service = service
         self.lease: bytes = info.lease
         self.secret: bytes = info.secret
@@ -116,10 +127,16 @@ class Pin:
         self.calls: dict[int, Any] = {}  # id -> Call in flight on it
         self.ending = False         # ended: takes no new call, closes after its last one
         self.closed = False         # PinClose queued
+        # Takes calls: at once over ipc and the link; over tcp once its twin saw the handshake
+        # succeed (`pin_connected`), which must happen within PIN_CONNECT_S of `opened`.
+        self.ready = not info.endpoint.startswith("tcp://")
+        self.opened = now
+        self.trouble = ""           # what the tcp connection last reported while not ready
 
     def __repr__(self) -> str:
         return (f"<Pin {self.service!r} lease={self.lease.hex()} slots={self.slots} in_flight={len(self.calls)}"
-                f"{' ending' if self.ending else ''}{' closed' if self.closed else ''}>")
+                f"{'' if self.ready else ' connecting'}{' ending' if self.ending else ''}"
+                f"{' closed' if self.closed else ''}>")
 
 
 class PinOpen(NamedTuple):
@@ -162,8 +179,10 @@ class PinEvents:
     # ------------------------------------------------------------------ queries
 
     def pinned(self, service: str) -> bool:
-        """Whether `service` is leased now (its next requests may go straight to its worker)."""
-        return service in self.pins
+        """Whether `service` is leased now and its connection is up (its next requests may go
+        straight to its worker)."""
+        pin = self.pins.get(service)
+        return pin is not None and pin.ready
 
     # ------------------------------------------------------------------ streams
 
@@ -229,6 +248,9 @@ class PinEvents:
         svc = call.service
         pin = self.pins.get(svc)
         if pin is not None:
+            if not pin.ready:  # a tcp connection still in its handshake: brokered meanwhile
+                self._pin_overdue(pin, now)
+                return
             if len(pin.calls) < pin.slots and (pin.near or _inline_only(call.packed)):
                 call.pin = pin
                 pin.calls[call.id] = call
@@ -336,7 +358,7 @@ class PinEvents:
         if old is not None:  # cannot happen (one ask per service at a time); keep the one in use
             return [self._lease_end_frames(service, info.lease)]
         near = self.use_shm and info.host is not None and info.host == P.local_host_id()
-        pin = Pin(svc, info, near)
+        pin = Pin(svc, info, near, now)
         self.pins[svc] = pin
         self.pin_all[pin.lease] = pin
         self._pin_backoff.pop(svc, None)
@@ -459,10 +481,45 @@ class PinEvents:
         self._close_pin(pin)
         self._pin_refused(pin.service, now)
 
+    def pin_connected(self, pin: Pin) -> None:
+        """The twin saw the handshake of a lease's tcp connection succeed: calls may go on it."""
+        if not pin.closed and not pin.ready:
+            pin.ready = True
+            log.info("connected to the leased worker of %r at %s", pin.service, pin.endpoint)
+
+    def pin_disconnected(self, pin: Pin, now: float, why: str) -> list[list[Any]]:
+        """The twin saw a lease's tcp connection fail (a refused connection or handshake, a
+        drop, a peer that stopped answering libzmq's heartbeats).  Before its handshake
+        succeeded that is noted (libzmq tries again; `PIN_CONNECT_S` bounds the wait, which
+        also covers a worker that had not yet heard of the lease when we knocked); after,
+        it is `pin_link_lost`: what was on it goes through the broker now.  Returns the
+        REQUESTs to send to the broker."""
+        if pin.closed:
+            return []
+        if not pin.ready:
+            pin.trouble = why
+            self._pin_overdue(pin, now)
+            return []
+        return self.pin_link_lost(pin, now, why)
+
+    def _pin_overdue(self, pin: Pin, now: float) -> None:
+        """Give a tcp lease back if its handshake has not succeeded within PIN_CONNECT_S."""
+        if not pin.ready and not pin.closed and now - pin.opened >= PIN_CONNECT_S:
+            self.pin_broken(pin, now, f"no handshake within {PIN_CONNECT_S:g} s"
+                            + (f"; last: {pin.trouble}" if pin.trouble else ""))
+
+    def pins_overdue(self, now: float) -> None:
+        """`_pin_overdue` for every lease still connecting (the twins call it with their
+        heartbeats, so a lease no call asks for is given back all the same)."""
+        for pin in list(self.pins.values()):
+            if not pin.ready:
+                self._pin_overdue(pin, now)
+
     def pin_link_lost(self, pin: Pin, now: float, why: str) -> list[list[Any]]:
-        """The lease's local link closed under us (docs/protocol.md section 10.6): its worker
-        stopped or died (the broker will say which), or closed the connection itself (too
-        many, a send that failed).  Nothing more comes on it, so the calls still on it go
+        """The lease's local link (docs/protocol.md section 10.6) or its tcp connection
+        (section 10.4, once its handshake had succeeded) closed under us: its worker stopped
+        or died (the broker will say which), closed the connection itself (too many, a send
+        that failed), or stopped answering libzmq's heartbeats (a network partition).  Nothing more comes on it, so the calls still on it go
         through the broker now (their inputs are read-only in our memory: a retry is free,
         and a late reply of theirs is dropped), and a lease still in use is handed back
         (LEASE_END ``client_done``: the broker frees its slots, or ignores it if it ended
@@ -470,7 +527,8 @@ class PinEvents:
         if pin.closed:
             return []
         if not pin.ending:
-            log.warning("the link to the leased worker of %r closed (%s); back to the broker", pin.service, why)
+            log.warning("the connection to the leased worker of %r closed (%s); back to the broker", pin.service,
+                        why)
             self.pins_ended += 1
             self.ops.append(self._lease_end_frames(pin.service, pin.lease))
         return self._end_pin(pin, now, resend=True)

@@ -7,6 +7,8 @@ Both twins use these; nothing here parses a reply or keeps request state (that i
 - `curve_keys(endpoint, server_key, client_key, insecure)`: the keys a client of a tcp broker
   needs, or `InvalidInput` naming the options to pass (docs/security.md); `tcp_options`: what a
   tcp broker lets a client send (tensors inline, no reply socket).
+- `lease_dealer`, `lease_events`, `drop_lease_dealer`: a lease's DEALER and, over tcp, the
+  monitor of its connection (what the twins tell `pin_connected` and `pin_disconnected`).
 - `drop_socket(sock)`: DISCONNECT, then close with a short linger.  For the short-lived
   socket of an opaque request: the DISCONNECT drops the request at the broker if it is
   still queued, so a late answer goes nowhere.
@@ -22,6 +24,7 @@ import weakref
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from broker import protocol as P
 from broker.protocol import curve as C
@@ -30,7 +33,7 @@ from broker.protocol.link import LinkConn
 from .errors import InvalidInput
 
 __all__ = ["CLOSE_LINGER_MS", "dealer", "drop_socket", "ReplyInbox", "curve_keys", "tcp_options",
-           "ENV_CLIENT_KEY", "lease_curve", "open_link"]
+           "ENV_CLIENT_KEY", "lease_curve", "open_link", "lease_dealer", "lease_events", "drop_lease_dealer"]
 
 log = logging.getLogger("client_sdk")
 
@@ -115,12 +118,95 @@ def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None) -> 
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     C.configure_peer(sock, curve)
+    _connect(sock, endpoint)
+    return sock
+
+
+def _connect(sock: zmq.Socket, endpoint: str) -> None:
     try:
         sock.connect(endpoint)
     except zmq.ZMQError as e:
         sock.close(linger=0)
         raise InvalidInput(f"cannot connect to {endpoint!r}: {e}; check the endpoint's spelling") from None
-    return sock
+
+
+#: what the monitor of a lease's tcp connection reports (`lease_dealer`, `lease_events`)
+_LEASE_UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
+_LEASE_DOWN = {
+    zmq.EVENT_CONNECT_RETRIED: "no connection yet (refused, unreachable or timed out)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed (protocol error)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the worker refused the handshake (its key, or ours)",
+    zmq.EVENT_DISCONNECTED: "the connection dropped (or its peer stopped answering heartbeats)",
+}
+_LEASE_EVENTS = _LEASE_UP
+for _e in _LEASE_DOWN:
+    _LEASE_EVENTS |= _e
+
+
+def lease_dealer(ctx: zmq.Context, pin: Any, curve: C.PeerKeys | None, connect_s: float,
+                 heartbeat_s: float | None) -> tuple[zmq.Socket, zmq.Socket | None]:
+    """The DEALER to a lease's worker (its HELLO not yet sent) and, when the lease is tcp
+    (docs/protocol.md section 10.4), a monitor of its connection: a PAIR socket whose
+    messages `lease_events` reads.  A tcp connection gives a connect or a handshake
+    `connect_s` seconds (then tries again, which the monitor reports), and pings its peer
+    every `heartbeat_s` (libzmq's own heartbeats, answered by any ZMTP 3.1 peer): one
+    silent for LIVENESS of them is dropped, so a partition shows as a lost connection
+    instead of calls that wait for their deadlines.  `InvalidInput` when it cannot be used
+    (`lease_curve`)."""
+    keys = lease_curve(curve, pin.endpoint, pin.server_key)
+    if not C.is_tcp(pin.endpoint):
+        return dealer(ctx, pin.endpoint, keys), None
+    from .core import LIVENESS
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    C.configure_peer(sock, keys)
+    ms = max(1, int(connect_s * 1000))
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, ms)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, ms)
+    if heartbeat_s:
+        hb = max(1, int(heartbeat_s * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, hb)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, LIVENESS * hb)
+    monitor = sock.get_monitor_socket(_LEASE_EVENTS)
+    try:
+        _connect(sock, pin.endpoint)
+    except InvalidInput:
+        monitor.close(linger=0)
+        raise
+    return sock, monitor
+
+
+def lease_events(monitor: zmq.Socket) -> list[tuple[bool, str]]:
+    """Everything a lease's monitor holds, oldest first: (True, "") for a handshake that
+    succeeded, (False, why) for a connection that failed or dropped.  Reads until it is empty
+    (its descriptor, like every ZeroMQ one, signals edges)."""
+    out: list[tuple[bool, str]] = []
+    while True:
+        try:
+            frames = monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.ZMQError:  # empty (or closed)
+            return out
+        try:
+            event = parse_monitor_message(frames)["event"]
+        except Exception:  # not a monitor message: nothing of ours
+            continue
+        if event == _LEASE_UP:
+            out.append((True, ""))
+        elif event in _LEASE_DOWN:
+            out.append((False, _LEASE_DOWN[event]))
+
+
+def drop_lease_dealer(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
+    """Close a lease's DEALER (DISCONNECT first) and its monitor."""
+    if monitor is not None:
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        monitor.close(linger=0)
+    drop_socket(sock)
 
 
 def drop_socket(sock: zmq.Socket) -> None:

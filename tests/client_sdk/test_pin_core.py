@@ -14,8 +14,8 @@ from broker import protocol as P
 from broker.protocol import ErrorCode
 from client_sdk import errors
 from client_sdk.core import ClientCore
-from client_sdk.pins import (ASK_TIMEOUT_S, PIN_RETRY_MAX_S, PIN_RETRY_MIN_S, PIN_SLOTS, PinClose, PinOpen, PinSend,
-                             pin_slots)
+from client_sdk.pins import (ASK_TIMEOUT_S, PIN_CONNECT_S, PIN_RETRY_MAX_S, PIN_RETRY_MIN_S, PIN_SLOTS, PinClose,
+                             PinOpen, PinSend, pin_slots)
 
 LEASE = bytes(7) + b"\x01"
 SECRET = bytes(range(16))
@@ -542,3 +542,95 @@ def test_a_link_lost_under_a_lease_in_use_resends_its_calls_and_hands_the_lease_
     core.on_message(_final(a, np.int64([1])), 100.5)
     core.on_message(_final(b, np.int64([2])), 100.5)
     assert _result(a) == 1 and _result(b) == 2
+
+
+TCP_ENDPOINT = "tcp://192.0.2.7:7001"
+
+
+def _tcp_pinned(now=100.0):
+    """A remote client (tcp broker) leased a worker's tcp direct socket: (client, first call, pin)."""
+    c = ClientCore("tcp://127.0.0.1:5555", transport="inline", heartbeat_interval=1.0, pin=2)
+    first, _ = _send(c, now=now)
+    ask = _ask_of(_ops(c))
+    assert c.on_message(_leased(ask.id, endpoint=TCP_ENDPOINT), now + 0.001) == []
+    [op] = _ops(c)
+    assert type(op) is PinOpen and op.pin.endpoint == TCP_ENDPOINT
+    return c, first, op.pin
+
+
+def test_a_tcp_lease_takes_calls_only_once_its_handshake_succeeded():
+    """docs/protocol.md 10.4: until the twin saw the connection's handshake succeed, the
+    lease's calls go through the broker (an address we cannot reach costs them nothing)."""
+    c, _, pin = _tcp_pinned()
+    try:
+        assert not pin.ready and not c.pinned("echo")
+        early, _ = _send(c, now=100.1)
+        assert early.pin is None and not _ops(c)  # brokered, and no second ask
+        assert c.pin_disconnected(pin, 100.2, "no connection yet") == []  # libzmq tries again
+        assert pin.trouble == "no connection yet" and not pin.closed
+        c.pin_connected(pin)
+        assert pin.ready and c.pinned("echo")
+        on, _ = _send(c, now=100.3)
+        assert on.pin is pin
+    finally:
+        c.close()
+
+
+def test_a_tcp_lease_without_a_handshake_in_time_goes_back_to_the_broker():
+    c, _, pin = _tcp_pinned()
+    try:
+        c.pin_disconnected(pin, 100.5, "the worker refused the handshake (its key, or ours)")
+        _send(c, now=100.0 + PIN_CONNECT_S - 0.01)
+        assert not _ops(c) and not pin.closed  # not yet
+        late, _ = _send(c, now=100.0 + PIN_CONNECT_S + 0.01)
+        assert late.pin is None
+        ops = _ops(c)
+        assert [type(op) for op in ops] == [list, PinClose] and ops[0][1] == P.C_LEASE_END
+        assert P.decode_lease_end(ops[0][3]).reason == "client_done"
+        assert pin.closed and c.pins_refused == 1 and not c.pins
+        # brokered for the backoff, then asked again
+        _send(c, now=100.0 + PIN_CONNECT_S + 0.5)
+        assert not _ops(c)
+        _send(c, now=100.0 + PIN_CONNECT_S + PIN_RETRY_MIN_S + 0.02)
+        assert _ask_of(_ops(c)).slots == 2
+    finally:
+        c.close()
+
+
+def test_a_heartbeat_gives_back_a_tcp_lease_no_call_asked_for():
+    c, _, pin = _tcp_pinned()
+    try:
+        c.heartbeat(100.0 + PIN_CONNECT_S / 2)
+        assert not _ops(c)
+        c.heartbeat(100.0 + PIN_CONNECT_S + 0.1)
+        assert [type(op) for op in _ops(c)] == [list, PinClose] and pin.closed
+        # a late handshake of the closed lease changes nothing
+        c.pin_connected(pin)
+        assert not pin.ready and not c.pinned("echo")
+    finally:
+        c.close()
+
+
+def test_a_tcp_connection_lost_after_its_handshake_resends_what_was_on_it():
+    """A drop (or a peer silent past libzmq's heartbeats: a partition) after the handshake is
+    a lost connection: the calls on it go through the broker now, the lease goes back."""
+    c, _, pin = _tcp_pinned()
+    try:
+        c.pin_connected(pin)
+        a, _ = _send(c, now=101.0)
+        b, _ = _send(c, now=101.0)
+        assert a.pin is pin and b.pin is pin
+        _ops(c)
+        out = c.pin_disconnected(pin, 101.5, "the connection dropped")
+        assert {P.decode_request(f[3]).id for f in out} == {a.id, b.id}
+        ops = _ops(c)
+        assert [type(op) for op in ops] == [list, PinClose] and ops[0][1] == P.C_LEASE_END
+        assert a.pin is None and b.pin is None and c.pins_ended == 1
+        assert c.pin_disconnected(pin, 101.6, "again") == [] and not c.ops
+    finally:
+        c.close()
+
+
+def test_ipc_and_link_leases_are_ready_at_once(core):
+    _, pin = _pinned(core)
+    assert pin.ready and core.pinned("echo")

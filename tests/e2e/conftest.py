@@ -20,7 +20,10 @@ ROOT = HERE.parent.parent
 
 
 class Proc:
-    def __init__(self, args: list[str], env: dict | None = None):
+    """``python *args`` (after ``prefix``: a command that execs it in place, keeping its pid,
+    as ``ip netns exec NAME`` does)."""
+
+    def __init__(self, args: list[str], env: dict | None = None, prefix: list[str] | tuple = ()):
         full_env = dict(os.environ)
         full_env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), full_env.get("PYTHONPATH", "")])
         full_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -28,7 +31,7 @@ class Proc:
             full_env.update(env)
         self.args = args
         self.p = subprocess.Popen(
-            [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=ROOT
+            [*prefix, sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=ROOT
         )
         self.ready_line = ""
         self._err = b""  # stderr already read by wait_log
@@ -115,9 +118,10 @@ class Cluster:
         p.wait_ready()
         return p
 
-    def worker(self, model: str = "echo", *extra: str, env: dict | None = None, wait: bool = True) -> Proc:
+    def worker(self, model: str = "echo", *extra: str, env: dict | None = None, wait: bool = True,
+               prefix: list[str] | tuple = ()) -> Proc:
         p = Proc(["-m", "gpu_worker", "--broker", self.backend, "--model", model,
-                  "--heartbeat-interval", "0.2", "--out-capacity-mb", "160", *extra], env=env)
+                  "--heartbeat-interval", "0.2", "--out-capacity-mb", "160", *extra], env=env, prefix=prefix)
         self.procs.append(p)
         if wait:
             p.wait_ready()

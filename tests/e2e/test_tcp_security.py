@@ -488,3 +488,167 @@ def test_a_tcp_direct_socket_without_keys_refuses_to_start(tmp_path):
                         "--no-warmup", "--insecure", "--direct-tcp", "tcp://0.0.0.0:0"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "wildcard" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------- a tcp lease's connection
+
+@pytest.fixture
+def netns():
+    """A network namespace of this test's own, joined to this one by a veth pair (10.231.K.1
+    on this side, 10.231.K.2 on that one): a worker started in it (``prefix``) reaches the
+    broker through its ipc backend (a file, not the network), and a client here reaches the
+    worker's tcp direct socket only through the pair, or not at all when it binds loopback
+    there.  Needs root and iproute2, as CI has; skipped otherwise."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to make a network namespace (CI runs as root)")
+    pid = os.getpid()
+    name, here, there = f"zinf-{pid}", f"zv{pid}a", f"zv{pid}b"
+    k = pid % 250
+    ns = SimpleNamespace(name=name, prefix=["ip", "netns", "exec", name], here=f"10.231.{k}.1",
+                         there=f"10.231.{k}.2")
+
+    def ip(*args: str, check: bool = True) -> None:
+        r = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
+        if check and r.returncode:
+            raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+    try:
+        try:
+            ip("netns", "add", name)
+            ip("link", "add", here, "type", "veth", "peer", "name", there)
+            ip("link", "set", there, "netns", name)
+            ip("addr", "add", f"{ns.here}/30", "dev", here)
+            ip("link", "set", here, "up")
+            ip("-n", name, "addr", "add", f"{ns.there}/30", "dev", there)
+            ip("-n", name, "link", "set", there, "up")
+            ip("-n", name, "link", "set", "lo", "up")
+        except RuntimeError as e:
+            pytest.skip(f"cannot make a network namespace here: {e}")
+        ns.cut = lambda: ip("link", "set", here, "down")  # packets between the two sides vanish
+        yield ns
+    finally:
+        ip("netns", "del", name, check=False)  # takes its end of the pair, and so the pair
+        ip("link", "del", here, check=False)
+
+
+def _broker_tcp_front(tmp_path, keys) -> Proc:
+    """A CurveZMQ broker whose clients come over tcp loopback and whose workers over ipc."""
+    b = Proc(["-m", "broker", "--frontend", LOOPBACK, "--backend", f"ipc://{tmp_path}/be.ipc",
+              "--heartbeat-interval", "0.2", *keys.broker_args])
+    try:
+        b.wait_ready()
+    except BaseException:
+        b.close()
+        raise
+    return b
+
+
+def test_a_leased_worker_the_client_cannot_reach_costs_its_calls_nothing(tmp_path, keys, netns):
+    """docs/protocol.md 10.4: the leased worker's tcp direct socket is out of the client's
+    reach (it listens on the loopback of another network namespace; the broker reaches the
+    worker over ipc).  No call goes on the lease while its handshake has not succeeded, so
+    every call is answered through the broker at once; the lease goes back to the broker
+    after PIN_CONNECT_S, and the service stays brokered.  Both twins."""
+    import re
+
+    from client_sdk.pins import PIN_CONNECT_S
+
+    b = _broker_tcp_front(tmp_path, keys)
+    w = None
+    try:
+        fe = b.field("frontend")
+        w = Proc(["-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model", "echo",
+                  "--heartbeat-interval", "0.2", "--out-capacity-mb", "16", "--service", "far",
+                  "--worker-key", keys.worker.sec, "--direct-tcp", "tcp://127.0.0.1:0"], prefix=netns.prefix)
+        w.wait_ready()
+        assert re.search(r" direct=tcp://127\.0\.0\.1:\d+", w.ready_line), w.ready_line
+        x = np.arange(16, dtype=np.int64)
+        with Client(fe, server_key=keys.server.pub, client_key=keys.client.sec, pin=True, timeout=20,
+                    heartbeat_interval=0.2) as c:
+            wait_service(c, "far")
+            slowest, i = 0.0, 0
+            deadline = time.monotonic() + PIN_CONNECT_S + 15
+            while not c._core.pins_refused:
+                assert time.monotonic() < deadline, "the unreachable lease was never given back"
+                t0 = time.monotonic()
+                with c.infer("far", {"x": x + i}) as out:
+                    np.testing.assert_array_equal(out["x"], x + i)
+                slowest = max(slowest, time.monotonic() - t0)
+                assert not c.pinned("far")
+                c.pump(0.05)
+                i += 1
+            assert c._core.pins_granted >= 1 and not c._core.pins and c.pinned_replies == 0
+            assert slowest < PIN_CONNECT_S / 2, f"a call waited {slowest:.2f} s for an unreachable worker"
+            with c.infer("far", {"x": x}) as out:  # brokered for the backoff
+                np.testing.assert_array_equal(out["x"], x)
+
+        async def aio():
+            async with AsyncClient(fe, server_key=keys.server.pub, client_key=keys.client2.sec, pin=True, timeout=20,
+                                   heartbeat_interval=0.2) as a:
+                deadline = time.monotonic() + PIN_CONNECT_S + 15
+                j = 0
+                while not a._core.pins_refused:
+                    assert time.monotonic() < deadline, "the unreachable lease was never given back (AsyncClient)"
+                    t0 = time.monotonic()
+                    outs = await asyncio.gather(*(a.infer("far", {"x": x + j + k}) for k in range(4)))
+                    assert time.monotonic() - t0 < PIN_CONNECT_S / 2
+                    for k, out in enumerate(outs):
+                        np.testing.assert_array_equal(out["x"], x + j + k)
+                        out.release()
+                    assert not a.pinned("far")
+                    await a.pump(0.05)
+                    j += 4
+                assert a._core.pins_granted >= 1 and not a._core.pins and a.pinned_replies == 0
+
+        run(aio())
+    finally:
+        if w is not None:
+            w.close()
+        b.close()
+
+
+def test_a_partition_between_client_and_leased_worker_moves_its_calls_to_the_broker(tmp_path, keys, netns, gate):
+    """The client reaches the leased worker over a veth pair, pins (its handshake
+    succeeded), and has 8 calls held at the worker when the pair goes down: nothing closes,
+    packets just vanish.  libzmq's heartbeats on the lease's connection notice the silence,
+    the client sends those 8 through the broker (which reaches the worker over ipc) and
+    hands the lease back; each of them completes exactly once, with its own result, none
+    from the cut connection."""
+    b = _broker_tcp_front(tmp_path, keys)
+    w = None
+    try:
+        fe = b.field("frontend")
+        w = Proc(["-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model", "gate_model:factory",
+                  "--heartbeat-interval", "0.2", "--out-capacity-mb", "16", "--service", "gate", "--max-batch", "1",
+                  "--credit", "32", "--no-warmup", "--worker-key", keys.worker.sec,
+                  "--direct-tcp", f"tcp://{netns.there}:0"], env=gate.env, prefix=netns.prefix)
+        gate.open()
+        w.wait_ready()
+        with Client(fe, server_key=keys.server.pub, client_key=keys.client.sec, pin=8, timeout=30,
+                    heartbeat_interval=0.2) as c:
+            first = c.infer_stream("gate", {"x": np.arange(3)})  # asks for the lease; brokered
+            deadline = time.monotonic() + 15
+            while not c.pinned("gate"):
+                assert time.monotonic() < deadline, "never connected to the leased worker over the pair"
+                c.pump(0.05)
+            gate.release(1)
+            with first.result(timeout=10) as r:
+                np.testing.assert_array_equal(r["x"], np.arange(3))
+            xs = [np.full(5, i, np.int64) for i in range(8)]
+            handles = [c.infer_stream("gate", {"x": x}) for x in xs]
+            assert c.in_flight() == 8 and c.pinned_replies == 0
+            netns.cut()
+            # The worker runs the 8 it holds (their replies go nowhere), then the same 8 again
+            # as they come through the broker.
+            gate.release(16)
+            done = {}
+            for i, h in enumerate(handles):
+                with h.result(timeout=15) as r:
+                    np.testing.assert_array_equal(r["x"], xs[i])
+                    done[i] = done.get(i, 0) + 1
+            assert done == {i: 1 for i in range(8)} and c.in_flight() == 0
+            assert c.pinned_replies == 0 and not c.pinned("gate") and c._core.pins_ended == 1
+    finally:
+        if w is not None:
+            w.close()
+        b.close()
