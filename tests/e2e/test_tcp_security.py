@@ -525,6 +525,7 @@ def netns():
         except RuntimeError as e:
             pytest.skip(f"cannot make a network namespace here: {e}")
         ns.cut = lambda: ip("link", "set", here, "down")  # packets between the two sides vanish
+        ns.heal = lambda: ip("link", "set", here, "up")
         yield ns
     finally:
         ip("netns", "del", name, check=False)  # takes its end of the pair, and so the pair
@@ -613,7 +614,8 @@ def test_a_partition_between_client_and_leased_worker_moves_its_calls_to_the_bro
     packets just vanish.  libzmq's heartbeats on the lease's connection notice the silence,
     the client sends those 8 through the broker (which reaches the worker over ipc) and
     hands the lease back; each of them completes exactly once, with its own result, none
-    from the cut connection."""
+    from the cut connection.  Then the pair comes back and the asyncio twin goes through the
+    same."""
     b = _broker_tcp_front(tmp_path, keys)
     w = None
     try:
@@ -648,6 +650,36 @@ def test_a_partition_between_client_and_leased_worker_moves_its_calls_to_the_bro
                     done[i] = done.get(i, 0) + 1
             assert done == {i: 1 for i in range(8)} and c.in_flight() == 0
             assert c.pinned_replies == 0 and not c.pinned("gate") and c._core.pins_ended == 1
+        netns.heal()
+
+        async def aio():
+            async with AsyncClient(fe, server_key=keys.server.pub, client_key=keys.client2.sec, pin=8, timeout=30,
+                                   heartbeat_interval=0.2) as a:
+                first = asyncio.ensure_future(a.infer("gate", {"x": np.arange(3)}))
+                deadline = time.monotonic() + 15
+                while not a.pinned("gate"):
+                    assert time.monotonic() < deadline, "the AsyncClient never connected over the healed pair"
+                    await a.pump(0.05)
+                gate.release(1)
+                (await asyncio.wait_for(first, 10)).release()
+                xs = [np.full(5, 100 + i, np.int64) for i in range(8)]
+                calls = [asyncio.ensure_future(a.infer("gate", {"x": x})) for x in xs]
+                for _ in range(100):  # let each task run up to its send (no waiting: sends do not block)
+                    if a.in_flight() == 8:
+                        break
+                    await asyncio.sleep(0)
+                assert a.in_flight() == 8 and len(a._core.pins["gate"].calls) == 8  # every one on the lease
+                assert a.pinned_replies == 0
+                netns.cut()
+                gate.release(16)
+                outs = await asyncio.wait_for(asyncio.gather(*calls), 15)
+                for x, out in zip(xs, outs):
+                    np.testing.assert_array_equal(out["x"], x)
+                    out.release()
+                assert a.in_flight() == 0 and a.pinned_replies == 0 and not a.pinned("gate")
+                assert a._core.pins_ended == 1
+
+        run(aio())
     finally:
         if w is not None:
             w.close()
