@@ -33,6 +33,7 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol import logs
+from broker.protocol import wire
 from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events
 from shm import gc as shm_gc
 from shm.segment import process_alive
@@ -224,6 +225,15 @@ class Broker:
         self.backend.rcvhwm = self.backend.sndhwm = 100_000
         self.frontend.rcvhwm = self.frontend.sndhwm = self.cfg.client_hwm
         self.frontend.router_mandatory = 1
+        # A tcp peer unreachable behind a partition (or with its host) is dropped after twice
+        # the window in which the broker presumes such a peer dead, DEAD_AFTER_BEATS
+        # heartbeats at least, with the replies queued to it: TCP alone keeps a half-open
+        # connection and its queue for many minutes (wire.tcp_liveness; docs/protocol.md).
+        hb = sc.heartbeat_interval
+        for sock, ep, window in ((self.frontend, self.frontend_ep, self.sched.client_window),
+                                 (self.backend, self.backend_ep, hb * sc.heartbeat_liveness)):
+            if ep.startswith("tcp://"):
+                wire.tcp_liveness(sock, max(2 * window, wire.DEAD_AFTER_BEATS * hb))
         self._curve = security.ServerCurve(self.ctx, self._curve_plan)
         try:
             self._curve.start()

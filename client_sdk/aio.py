@@ -325,16 +325,30 @@ class AsyncClient(ClientBase):
         pin = self._monitors.get(monitor)
         if pin is None or core.closed or monitor.closed:
             return
-        for up, why in lease_events(monitor):
+        for up, final, why in lease_events(monitor):
             if pin.closed:
                 break
             if up:
                 core.pin_connected(pin)
-            else:
-                for out in core.pin_disconnected(pin, time.monotonic(), why):
-                    self._send_soon(out)
+                continue
+            if pin.ready:
+                # Replies that arrived before the drop sit whole in the socket: they are
+                # those calls' answers, to route before the rest go through the broker.
+                sock = self._pin_socks.get(pin.lease)
+                while sock is not None and not sock.closed and sock.getsockopt(zmq.EVENTS) & _POLLIN:
+                    try:
+                        outs = core.on_message(recv_frames(sock), time.monotonic(), True, pin)
+                    except Exception:  # one bad message must not stop every other call
+                        log.exception("error while handling a message from a leased worker")
+                        continue
+                    for out in outs:
+                        self._send_soon(out)
+            for out in core.pin_disconnected(pin, time.monotonic(), why, final):
+                self._send_soon(out)
         if core.ops and not core.closed:
             self._run_ops()
+        if self._traffic is not None:
+            self._wake_pumps()
 
     def _pin_drop(self, sock: zmq.Socket) -> None:
         pin = self._pin_of.pop(sock, None)

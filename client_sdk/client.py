@@ -544,14 +544,22 @@ class Client(ClientBase):
     def _on_monitor(self, monitor: zmq.Socket) -> None:
         """A tcp lease's connection reported (pins.py: pin_connected, pin_disconnected)."""
         pin = self._monitors.get(monitor)
-        for up, why in lease_events(monitor):
+        core = self._core
+        for up, final, why in lease_events(monitor):
             if pin is None or pin.closed:
                 break
             if up:
-                self._core.pin_connected(pin)
-            else:
-                for out in self._core.pin_disconnected(pin, time.monotonic(), why):
-                    self._send_soon(out)
+                core.pin_connected(pin)
+                continue
+            if pin.ready:
+                # Replies that arrived before the drop sit whole in the socket: they are
+                # those calls' answers, to route before the rest go through the broker.
+                sock = self._pin_socks.get(pin.lease)
+                while sock is not None and not sock.closed and sock_events(sock) & _POLLIN:
+                    for out in core.on_message(recv_frames(sock, NOBLOCK), time.monotonic(), True, pin):
+                        self._send_soon(out)
+            for out in core.pin_disconnected(pin, time.monotonic(), why, final):
+                self._send_soon(out)
 
     def _pin_open(self, pin: Any, hello: list[Any]) -> None:
         link = open_link(pin, hello)

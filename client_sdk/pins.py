@@ -47,11 +47,12 @@ there, doubling up to `PIN_RETRY_MAX_S`):
 - a broker restart (a new instance in a heartbeat answer): every lease ends (their calls
   are resent by the restart logic of core.py);
 - the lease's connection lost (`pin_link_lost`: the local link closed, or a tcp connection
-  dropped or silent past libzmq's heartbeats): its calls go through the broker now and the
+  dropped, or its peer stopped acknowledging): its calls go through the broker now and the
   lease goes back (LEASE_END ``client_done``);
 - a tcp lease whose handshake has not succeeded within `PIN_CONNECT_S` (an address this
-  client cannot reach, a firewall): the lease goes back (`pin_broken`); until the twin saw
-  that handshake succeed (`pin_connected`) the lease took no call;
+  client cannot reach, a firewall), or was refused for good: the lease goes back
+  (`pin_broken`); until the twin saw that handshake succeed (`pin_connected`) the lease
+  took no call;
 - `close()`: LEASE_END `client_done` for each lease held (`pin_goodbye`).
 
 Invariant: a call is on at most one lease (`call.pin`), listed in that lease's `calls`
@@ -487,18 +488,23 @@ class PinEvents:
             pin.ready = True
             log.info("connected to the leased worker of %r at %s", pin.service, pin.endpoint)
 
-    def pin_disconnected(self, pin: Pin, now: float, why: str) -> list[list[Any]]:
-        """The twin saw a lease's tcp connection fail (a refused connection or handshake, a
-        drop, a peer that stopped answering libzmq's heartbeats).  Before its handshake
-        succeeded that is noted (libzmq tries again; `PIN_CONNECT_S` bounds the wait, which
-        also covers a worker that had not yet heard of the lease when we knocked); after,
-        it is `pin_link_lost`: what was on it goes through the broker now.  Returns the
-        REQUESTs to send to the broker."""
+    def pin_disconnected(self, pin: Pin, now: float, why: str, final: bool = False) -> list[list[Any]]:
+        """The twin saw a lease's tcp connection fail (a connection refused or timed out, a
+        handshake refused, a drop, a peer that stopped acknowledging: a partition).  Before
+        its handshake succeeded, that is noted when libzmq tries again (`PIN_CONNECT_S`
+        bounds the wait) and gives the lease back at once when it will not (``final``: the
+        worker refused our key, or one side is CurveZMQ and the other not).  After, it is
+        `pin_link_lost`: what was on it goes through the broker now (the twin first routes
+        the replies that reached its socket before the drop).  Returns the REQUESTs to send
+        to the broker."""
         if pin.closed:
             return []
         if not pin.ready:
             pin.trouble = why
-            self._pin_overdue(pin, now)
+            if final:
+                self.pin_broken(pin, now, why)
+            else:
+                self._pin_overdue(pin, now)
             return []
         return self.pin_link_lost(pin, now, why)
 
@@ -519,7 +525,7 @@ class PinEvents:
         """The lease's local link (docs/protocol.md section 10.6) or its tcp connection
         (section 10.4, once its handshake had succeeded) closed under us: its worker stopped
         or died (the broker will say which), closed the connection itself (too many, a send
-        that failed), or stopped answering libzmq's heartbeats (a network partition).  Nothing more comes on it, so the calls still on it go
+        that failed), or stopped acknowledging (a network partition: `wire.tcp_liveness`).  Nothing more comes on it, so the calls still on it go
         through the broker now (their inputs are read-only in our memory: a retry is free,
         and a late reply of theirs is dropped), and a lease still in use is handed back
         (LEASE_END ``client_done``: the broker frees its slots, or ignores it if it ended

@@ -18,6 +18,7 @@ Both twins use these; nothing here parses a reply or keeps request state (that i
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import weakref
@@ -29,6 +30,7 @@ from zmq.utils.monitor import parse_monitor_message
 from broker import protocol as P
 from broker.protocol import curve as C
 from broker.protocol.link import LinkConn
+from broker.protocol.wire import tcp_liveness
 
 from .errors import InvalidInput
 
@@ -130,18 +132,23 @@ def _connect(sock: zmq.Socket, endpoint: str) -> None:
         raise InvalidInput(f"cannot connect to {endpoint!r}: {e}; check the endpoint's spelling") from None
 
 
-#: what the monitor of a lease's tcp connection reports (`lease_dealer`, `lease_events`)
-_LEASE_UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
+#: what the monitor of a lease's tcp connection reports (`lease_dealer`, `lease_events`):
+#: event -> (final, why).  libzmq 4.3 tries a refused connection, a handshake that timed
+#: out and a dropped connection again by itself; a handshake the worker refused (its ZAP
+#: handler: our key is not a leaseholder's) or that failed on the protocol (one side
+#: CurveZMQ, the other not) ends the session for good.
+LEASE_UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _LEASE_DOWN = {
-    zmq.EVENT_CONNECT_RETRIED: "no connection yet (refused, unreachable or timed out)",
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed (protocol error)",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the worker refused the handshake (its key, or ours)",
-    zmq.EVENT_DISCONNECTED: "the connection dropped (or its peer stopped answering heartbeats)",
+    zmq.EVENT_CONNECT_RETRIED: (False, "no connection yet (refused, unreachable or timed out)"),
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: (False, "the handshake failed or timed out"),
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: (True, "the handshake failed (protocol error)"),
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: (True, "the worker refused the handshake (our key is not its leaseholder's)"),
+    zmq.EVENT_DISCONNECTED: (False, "the connection dropped (or its peer stopped acknowledging)"),
 }
-_LEASE_EVENTS = _LEASE_UP
+_LEASE_EVENTS = LEASE_UP
 for _e in _LEASE_DOWN:
     _LEASE_EVENTS |= _e
+_monitors = itertools.count()
 
 
 def lease_dealer(ctx: zmq.Context, pin: Any, curve: C.PeerKeys | None, connect_s: float,
@@ -149,40 +156,45 @@ def lease_dealer(ctx: zmq.Context, pin: Any, curve: C.PeerKeys | None, connect_s
     """The DEALER to a lease's worker (its HELLO not yet sent) and, when the lease is tcp
     (docs/protocol.md section 10.4), a monitor of its connection: a PAIR socket whose
     messages `lease_events` reads.  A tcp connection gives a connect or a handshake
-    `connect_s` seconds (then tries again, which the monitor reports), and pings its peer
-    every `heartbeat_s` (libzmq's own heartbeats, answered by any ZMTP 3.1 peer): one
-    silent for LIVENESS of them is dropped, so a partition shows as a lost connection
-    instead of calls that wait for their deadlines.  `InvalidInput` when it cannot be used
-    (`lease_curve`)."""
+    `connect_s` seconds (then tries again, which the monitor reports), and is closed when
+    its peer stops acknowledging for LIVENESS of `heartbeat_s` (`wire.tcp_liveness`), so a
+    partition shows as a lost connection instead of calls that wait for their deadlines.
+    `InvalidInput` when it cannot be used (`lease_curve`)."""
     keys = lease_curve(curve, pin.endpoint, pin.server_key)
     if not C.is_tcp(pin.endpoint):
         return dealer(ctx, pin.endpoint, keys), None
     from .core import LIVENESS
 
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    C.configure_peer(sock, keys)
-    ms = max(1, int(connect_s * 1000))
-    sock.setsockopt(zmq.CONNECT_TIMEOUT, ms)
-    sock.setsockopt(zmq.HANDSHAKE_IVL, ms)
-    if heartbeat_s:
-        hb = max(1, int(heartbeat_s * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_IVL, hb)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, LIVENESS * hb)
-    monitor = sock.get_monitor_socket(_LEASE_EVENTS)
+    monitor = None
     try:
-        _connect(sock, pin.endpoint)
-    except InvalidInput:
-        monitor.close(linger=0)
-        raise
+        sock.setsockopt(zmq.LINGER, 0)
+        C.configure_peer(sock, keys)
+        ms = max(1, int(connect_s * 1000))
+        sock.setsockopt(zmq.CONNECT_TIMEOUT, ms)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, ms)
+        if heartbeat_s:
+            tcp_liveness(sock, LIVENESS * heartbeat_s)
+        # an address of its own: pyzmq's default names the descriptor, which a socket
+        # closed a moment ago may still hold in libzmq's reaper
+        monitor = sock.get_monitor_socket(_LEASE_EVENTS, addr=f"inproc://client-sdk-lease-{os.getpid()}-"
+                                                               f"{next(_monitors)}")
+        sock.connect(pin.endpoint)
+    except zmq.ZMQError as e:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        sock.close(linger=0)
+        raise InvalidInput(f"cannot connect to the leased worker at {pin.endpoint!r}: {e}") from None
     return sock, monitor
 
 
-def lease_events(monitor: zmq.Socket) -> list[tuple[bool, str]]:
-    """Everything a lease's monitor holds, oldest first: (True, "") for a handshake that
-    succeeded, (False, why) for a connection that failed or dropped.  Reads until it is empty
-    (its descriptor, like every ZeroMQ one, signals edges)."""
-    out: list[tuple[bool, str]] = []
+def lease_events(monitor: zmq.Socket) -> list[tuple[bool, bool, str]]:
+    """Everything a lease's monitor holds, oldest first, as (up, final, why): (True, False,
+    "") for a handshake that succeeded, (False, final, why) for a connection that failed or
+    dropped (`final`: libzmq will not try again).  Reads until it is empty (its descriptor,
+    like every ZeroMQ one, signals edges)."""
+    out: list[tuple[bool, bool, str]] = []
     while True:
         try:
             frames = monitor.recv_multipart(zmq.NOBLOCK)
@@ -192,10 +204,10 @@ def lease_events(monitor: zmq.Socket) -> list[tuple[bool, str]]:
             event = parse_monitor_message(frames)["event"]
         except Exception:  # not a monitor message: nothing of ours
             continue
-        if event == _LEASE_UP:
-            out.append((True, ""))
+        if event == LEASE_UP:
+            out.append((True, False, ""))
         elif event in _LEASE_DOWN:
-            out.append((False, _LEASE_DOWN[event]))
+            out.append((False, *_LEASE_DOWN[event]))
 
 
 def drop_lease_dealer(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:

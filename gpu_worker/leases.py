@@ -40,7 +40,8 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol.link import LinkServer
-from broker.protocol.wire import NOBLOCK, recv_frames, send_frames, sock_events, touched
+from broker.protocol.wire import (DEAD_AFTER_BEATS, NOBLOCK, recv_frames, send_frames, sock_events, tcp_liveness,
+                                  touched)
 
 __all__ = ["Lease", "Refusal", "LeaseTable", "DirectSocket", "DirectSocketError", "direct_socket_path",
            "NOT_BOUND", "WORKER_STOPPING", "LONG_BATCH_S", "runs_long"]
@@ -278,7 +279,7 @@ class DirectSocket:
     sndhwm = 10_000
 
     def __init__(self, ctx: zmq.Context, *, path: str | None = None, link: bool = True, tcp: str | None = None,
-                 curve: tuple[bytes, bytes] | None = None):
+                 curve: tuple[bytes, bytes] | None = None, heartbeat_s: float | None = None):
         if tcp is not None:
             path, link = "", False  # no file, and no local link: local clients are placed on ipc workers
         try:
@@ -317,6 +318,12 @@ class DirectSocket:
                     sock.zap_domain = _ZAP_DOMAIN.encode()
                     sock.zap_enforce_domain = True  # never admit unchecked, even without a ZAP handler
                     self.public_key = curve[0]
+                if heartbeat_s:
+                    # A leaseholder unreachable (a partition, its host died) has its
+                    # connection closed after DEAD_AFTER_BEATS heartbeats, instead of holding
+                    # it and its queued replies for as long as TCP retries; by then the broker
+                    # has ended its lease (it heard nothing for its client window either).
+                    tcp_liveness(sock, DEAD_AFTER_BEATS * heartbeat_s)
                 sock.bind(tcp)
         except (zmq.ZMQError, OSError) as e:
             sock.close(linger=0)

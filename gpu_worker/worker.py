@@ -321,7 +321,8 @@ class Worker:
         if cfg.direct:
             try:
                 self.direct_socket = DirectSocket(self.ctx, link=cfg.direct_link, tcp=cfg.direct_tcp,
-                                                  curve=self._direct_keys())  # DirectSocketError: says why
+                                                  curve=self._direct_keys(),  # DirectSocketError: says why
+                                                  heartbeat_s=cfg.heartbeat_interval)
             except Exception:
                 self.plane.close()
                 raise

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import zmq
 from zmq.backend import Socket as _Base
 
-__all__ = ["send_frames", "recv_frames", "sock_events", "touched", "Waiter", "NOBLOCK"]
+__all__ = ["send_frames", "recv_frames", "sock_events", "touched", "Waiter", "NOBLOCK", "tcp_liveness", "DEAD_AFTER_BEATS"]
 
 NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
@@ -71,6 +71,32 @@ def sock_events(sock: zmq.Socket) -> int:
     elif sock in _WATCHED:
         _QUIET.add(sock)
     return ev
+
+
+#: heartbeat intervals a tcp peer may stay unreachable before `tcp_liveness(sock, ...)`, given
+#: no explicit span, drops its connection
+DEAD_AFTER_BEATS = 10
+
+
+def tcp_liveness(sock: zmq.Socket, dead_after_s: float) -> None:
+    """Close the tcp connections `sock` makes or accepts from now on whose peer stopped
+    acknowledging for about `dead_after_s` seconds, with the messages queued to them: TCP
+    keepalive probes on an idle connection (the first after a third of the span, then every
+    third, three of them) and TCP_USER_TIMEOUT (libzmq's ZMQ_TCP_MAXRT) on data or probes
+    left unacknowledged.  A peer behind a partition, or whose host died, otherwise holds a
+    half-open connection and its queue for as long as TCP retries, many minutes.
+
+    Acknowledgements come from the peer's kernel: an idle peer that is alive, one busy in
+    its own code, or a slow link moving a large frame all keep their connections (ZMTP's
+    own PING/PONG would not do: libzmq counts only whole frames as an answer, so one frame
+    that takes longer than the timeout to cross would cut a working connection).  No effect
+    on ipc, whose peer's death closes its connection by itself."""
+    third = max(1, round(dead_after_s / 3))  # keepalive takes whole seconds
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, third)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, third)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
+    sock.setsockopt(zmq.TCP_MAXRT, max(1000, int(dead_after_s * 1000)))
 
 
 def touched(sock: zmq.Socket) -> None:

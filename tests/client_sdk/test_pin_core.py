@@ -634,3 +634,16 @@ def test_a_tcp_connection_lost_after_its_handshake_resends_what_was_on_it():
 def test_ipc_and_link_leases_are_ready_at_once(core):
     _, pin = _pinned(core)
     assert pin.ready and core.pinned("echo")
+
+
+def test_a_tcp_handshake_refused_for_good_gives_the_lease_back_at_once():
+    """libzmq does not try again after a handshake the worker refused (or one that failed on
+    the protocol): waiting out PIN_CONNECT_S would only delay the broker getting its slots."""
+    c, _, pin = _tcp_pinned()
+    try:
+        assert c.pin_disconnected(pin, 100.1, "the worker refused the handshake", final=True) == []
+        ops = _ops(c)
+        assert [type(op) for op in ops] == [list, PinClose] and ops[0][1] == P.C_LEASE_END
+        assert pin.closed and c.pins_refused == 1 and not c.pins
+    finally:
+        c.close()

@@ -503,7 +503,11 @@ def netns():
         pytest.skip("needs root and iproute2 to make a network namespace (CI runs as root)")
     pid = os.getpid()
     name, here, there = f"zinf-{pid}", f"zv{pid}a", f"zv{pid}b"
-    k = pid % 250
+    # A subnet no interface here uses (a run killed before its cleanup may have left one).
+    used = subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True, timeout=10).stdout
+    k = next((k for k in ((pid + i) % 250 for i in range(250)) if f" 10.231.{k}." not in used), None)
+    if k is None:
+        pytest.skip("no free 10.231.K.0/30 subnet for a veth pair")
     ns = SimpleNamespace(name=name, prefix=["ip", "netns", "exec", name], here=f"10.231.{k}.1",
                          there=f"10.231.{k}.2")
 
@@ -514,6 +518,8 @@ def netns():
 
     try:
         try:
+            ip("netns", "del", name, check=False)  # ours (this pid), so stale if it exists
+            ip("link", "del", here, check=False)
             ip("netns", "add", name)
             ip("link", "add", here, "type", "veth", "peer", "name", there)
             ip("link", "set", there, "netns", name)
@@ -526,10 +532,36 @@ def netns():
             pytest.skip(f"cannot make a network namespace here: {e}")
         ns.cut = lambda: ip("link", "set", here, "down")  # packets between the two sides vanish
         ns.heal = lambda: ip("link", "set", here, "up")
+
+        def slow(rate: str) -> None:
+            """Traffic leaving the namespace crosses at `rate` (a token bucket)."""
+            r = subprocess.run([*ns.prefix, "tc", "qdisc", "add", "dev", there, "root", "tbf", "rate", rate, "burst",
+                                "64kb", "latency", "1s"], capture_output=True, text=True, timeout=10)
+            if r.returncode:
+                pytest.skip(f"cannot shape the veth pair (tc tbf): {r.stderr.strip()}")
+
+        ns.slow = slow
         yield ns
     finally:
         ip("netns", "del", name, check=False)  # takes its end of the pair, and so the pair
         ip("link", "del", here, check=False)
+
+
+def _established(port: int, prefix: list[str] | tuple = ()) -> int:
+    """TCP connections established to local `port` (in the namespace `prefix` runs in)."""
+    r = subprocess.run([*prefix, "ss", "-Htn", "state", "established", f"( sport = :{port} )"], capture_output=True,
+                       text=True, timeout=10)
+    assert r.returncode == 0, r.stderr
+    return len(r.stdout.splitlines())
+
+
+def _until(cond, what: str, timeout: float) -> float:
+    """Poll `cond` until true; how long it took (fails after `timeout`)."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"{what} did not happen within {timeout} s"
+        time.sleep(0.05)  # polling an outside condition (ss), not synchronising with a process
+    return time.monotonic() - t0
 
 
 def _broker_tcp_front(tmp_path, keys) -> Proc:
@@ -608,24 +640,57 @@ def test_a_leased_worker_the_client_cannot_reach_costs_its_calls_nothing(tmp_pat
         b.close()
 
 
-def test_a_partition_between_client_and_leased_worker_moves_its_calls_to_the_broker(tmp_path, keys, netns, gate):
+class _GatedFarWorker:
+    """A `gate_model` worker in `netns` with a tcp direct socket on its side of the pair,
+    serving `service`, with a FIFO of its own (a phase of a test never sees another's
+    leftover permits)."""
+
+    def __init__(self, tmp_path, keys, netns, service: str):
+        import re
+
+        fifo = tmp_path / f"{service}.fifo"
+        os.mkfifo(fifo)
+        self.proc = Proc(["-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model", "gate_model:factory",
+                          "--heartbeat-interval", "0.2", "--out-capacity-mb", "16", "--service", service,
+                          "--max-batch", "1", "--credit", "32", "--no-warmup", "--worker-key", keys.worker.sec,
+                          "--direct-tcp", f"tcp://{netns.there}:0"], env={"GATE_FIFO": str(fifo)},
+                         prefix=netns.prefix)
+        self.fd = None
+        deadline = time.monotonic() + 30
+        while self.fd is None:  # the worker opens the read end as it loads the model
+            try:
+                self.fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                assert self.proc.p.poll() is None, self.proc.stderr()
+                assert time.monotonic() < deadline, "the gated worker never opened its FIFO"
+                time.sleep(0.05)  # polling for another process's open(), no other signal exists
+        os.set_blocking(self.fd, True)
+        self.proc.wait_ready()
+        self.port = int(re.search(r" direct=tcp://[\d.]+:(\d+)", self.proc.ready_line).group(1))
+
+    def release(self, n: int) -> None:
+        os.write(self.fd, b"x" * n)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+        self.proc.close()
+
+
+def test_a_partition_between_client_and_leased_worker_moves_its_calls_to_the_broker(tmp_path, keys, netns):
     """The client reaches the leased worker over a veth pair, pins (its handshake
     succeeded), and has 8 calls held at the worker when the pair goes down: nothing closes,
-    packets just vanish.  libzmq's heartbeats on the lease's connection notice the silence,
-    the client sends those 8 through the broker (which reaches the worker over ipc) and
-    hands the lease back; each of them completes exactly once, with its own result, none
-    from the cut connection.  Then the pair comes back and the asyncio twin goes through the
-    same."""
+    packets just vanish.  TCP keepalive on the lease's connection finds the worker's host
+    silent, the client sends those 8 through the broker (which reaches the worker over ipc)
+    and hands the lease back; each completes exactly once, with its own result, none from
+    the cut connection; the worker drops its side of it too.  Then the pair comes back and
+    the asyncio twin goes through the same with a second worker."""
     b = _broker_tcp_front(tmp_path, keys)
-    w = None
+    workers = []
     try:
         fe = b.field("frontend")
-        w = Proc(["-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model", "gate_model:factory",
-                  "--heartbeat-interval", "0.2", "--out-capacity-mb", "16", "--service", "gate", "--max-batch", "1",
-                  "--credit", "32", "--no-warmup", "--worker-key", keys.worker.sec,
-                  "--direct-tcp", f"tcp://{netns.there}:0"], env=gate.env, prefix=netns.prefix)
-        gate.open()
-        w.wait_ready()
+        workers = [_GatedFarWorker(tmp_path, keys, netns, "gate"), _GatedFarWorker(tmp_path, keys, netns, "gate2")]
+        w, w2 = workers
         with Client(fe, server_key=keys.server.pub, client_key=keys.client.sec, pin=8, timeout=30,
                     heartbeat_interval=0.2) as c:
             first = c.infer_stream("gate", {"x": np.arange(3)})  # asks for the lease; brokered
@@ -633,16 +698,16 @@ def test_a_partition_between_client_and_leased_worker_moves_its_calls_to_the_bro
             while not c.pinned("gate"):
                 assert time.monotonic() < deadline, "never connected to the leased worker over the pair"
                 c.pump(0.05)
-            gate.release(1)
+            w.release(1)
             with first.result(timeout=10) as r:
                 np.testing.assert_array_equal(r["x"], np.arange(3))
             xs = [np.full(5, i, np.int64) for i in range(8)]
             handles = [c.infer_stream("gate", {"x": x}) for x in xs]
             assert c.in_flight() == 8 and c.pinned_replies == 0
             netns.cut()
-            # The worker runs the 8 it holds (their replies go nowhere), then the same 8 again
-            # as they come through the broker.
-            gate.release(16)
+            # The worker runs those of the 8 that reached it (their replies go nowhere), then
+            # the 8 again as they come through the broker: 16 permits cover every case.
+            w.release(16)
             done = {}
             for i, h in enumerate(handles):
                 with h.result(timeout=15) as r:
@@ -650,37 +715,107 @@ def test_a_partition_between_client_and_leased_worker_moves_its_calls_to_the_bro
                     done[i] = done.get(i, 0) + 1
             assert done == {i: 1 for i in range(8)} and c.in_flight() == 0
             assert c.pinned_replies == 0 and not c.pinned("gate") and c._core.pins_ended == 1
+        # The worker's side of the cut connection: dropped after ten of its heartbeat
+        # intervals without an acknowledgement (2 s here), not kept for as long as TCP retries.
+        _until(lambda: _established(w.port, netns.prefix) == 0, "the worker dropping the silent leaseholder", 15)
         netns.heal()
 
         async def aio():
             async with AsyncClient(fe, server_key=keys.server.pub, client_key=keys.client2.sec, pin=8, timeout=30,
                                    heartbeat_interval=0.2) as a:
-                first = asyncio.ensure_future(a.infer("gate", {"x": np.arange(3)}))
+                first = asyncio.ensure_future(a.infer("gate2", {"x": np.arange(3)}))
                 deadline = time.monotonic() + 15
-                while not a.pinned("gate"):
+                while not a.pinned("gate2"):
                     assert time.monotonic() < deadline, "the AsyncClient never connected over the healed pair"
                     await a.pump(0.05)
-                gate.release(1)
+                w2.release(1)
                 (await asyncio.wait_for(first, 10)).release()
                 xs = [np.full(5, 100 + i, np.int64) for i in range(8)]
-                calls = [asyncio.ensure_future(a.infer("gate", {"x": x})) for x in xs]
+                calls = [asyncio.ensure_future(a.infer("gate2", {"x": x})) for x in xs]
                 for _ in range(100):  # let each task run up to its send (no waiting: sends do not block)
                     if a.in_flight() == 8:
                         break
                     await asyncio.sleep(0)
-                assert a.in_flight() == 8 and len(a._core.pins["gate"].calls) == 8  # every one on the lease
+                assert a.in_flight() == 8 and len(a._core.pins["gate2"].calls) == 8  # every one on the lease
                 assert a.pinned_replies == 0
                 netns.cut()
-                gate.release(16)
+                w2.release(16)
                 outs = await asyncio.wait_for(asyncio.gather(*calls), 15)
                 for x, out in zip(xs, outs):
                     np.testing.assert_array_equal(out["x"], x)
                     out.release()
-                assert a.in_flight() == 0 and a.pinned_replies == 0 and not a.pinned("gate")
+                assert a.in_flight() == 0 and a.pinned_replies == 0 and not a.pinned("gate2")
                 assert a._core.pins_ended == 1
 
         run(aio())
     finally:
-        if w is not None:
+        for w in workers:
             w.close()
+        b.close()
+
+
+_IDLE_CLIENT = """
+import signal, sys, zmq
+from broker import protocol as P
+s = zmq.Context.instance().socket(zmq.DEALER)
+s.linger = 0
+s.connect(sys.argv[1])
+s.send_multipart(P.client_heartbeat())
+assert s.poll(20000), "no answer from the broker"
+s.recv_multipart()
+print("READY", flush=True)
+signal.pause()  # idle until the test's SIGTERM
+"""
+
+
+_SLOW_UPLOAD = """
+import sys, time, zmq
+from broker import protocol as P
+s = zmq.Context.instance().socket(zmq.DEALER)
+s.linger = 0
+s.connect(sys.argv[1])
+t0 = time.monotonic()
+s.send_multipart([P.MDPC, P.C_REQUEST, b"nobody", bytes(int(sys.argv[2]))])
+answered = s.poll(60000)
+print("READY", "answered" if answered else "unanswered", f"{time.monotonic() - t0:.2f}", flush=True)
+"""
+
+
+def test_the_broker_drops_a_tcp_client_gone_silent_behind_a_partition(tmp_path, netns):
+    """A client in another network namespace reaches a tcp broker over a veth pair, says
+    hello, and goes idle.  Alive, it keeps its connection past the time an unreachable one
+    gets (its kernel acknowledges the keepalive probes: 2 s here, twice the client window
+    and ten heartbeats at least).  The pair cut, the broker closes that connection soon
+    after, and with it whatever it had queued there, instead of holding them for as long
+    as TCP retries (many minutes)."""
+    b = Proc(["-m", "broker", "--frontend", f"tcp://{netns.here}:0", "--backend", f"ipc://{tmp_path}/be.ipc",
+              "--insecure", "--heartbeat-interval", "0.2"])
+    client = None
+    try:
+        b.wait_ready()
+        fe = b.field("frontend")
+        port = int(fe.rsplit(":", 1)[1])
+        client = Proc(["-c", _IDLE_CLIENT, fe], prefix=netns.prefix)
+        client.wait_ready()
+        _until(lambda: _established(port) == 1, "the client's connection", 10)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0:  # longer than a silent peer is given: an idle one stays
+            assert _established(port) == 1, "the broker dropped an idle client whose kernel acknowledges"
+            time.sleep(0.1)
+        # A frame that takes longer than that span to cross a slow link (16 MiB at 40 Mbit/s,
+        # about 3.4 s) is not cut either: acknowledgements keep flowing all along.
+        netns.slow("40mbit")
+        upload = Proc(["-c", _SLOW_UPLOAD, fe, str(16 << 20)], prefix=netns.prefix)
+        try:
+            _, answered, took = upload.wait_ready(timeout=90).split()
+        finally:
+            upload.close()
+        assert answered == "answered" and float(took) > 2.5, (answered, took)
+        assert _established(port) == 1
+        netns.cut()
+        _until(lambda: _established(port) == 0, "the broker dropping the silent client", 15)
+        assert b.p.poll() is None
+    finally:
+        if client is not None:
+            client.close()
         b.close()
