@@ -173,6 +173,10 @@ def lease_dealer(ctx: zmq.Context, pin: Any, curve: C.PeerKeys | None, connect_s
         ms = max(1, int(connect_s * 1000))
         sock.setsockopt(zmq.CONNECT_TIMEOUT, ms)
         sock.setsockopt(zmq.HANDSHAKE_IVL, ms)
+        # tries again after 0.1 s, doubling to 2 s: a client idle between calls gives a lease
+        # it cannot reach back only at its next call or heartbeat, and need not knock 10 times
+        # a second until then
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
         if heartbeat_s:
             tcp_liveness(sock, LIVENESS * heartbeat_s)
         # an address of its own: pyzmq's default names the descriptor, which a socket
