@@ -60,5 +60,9 @@ class WorkerConnections:
             self._fd_of.pop(worker, None)
         return worker
 
+    def fd_of(self, worker: bytes) -> int | None:
+        """The connection `worker` said READY on, if still open."""
+        return self._fd_of.get(worker)
+
     def __len__(self) -> int:
         return len(self._by_fd)

@@ -258,6 +258,11 @@ class Broker:
         # peers may not name shared memory, CUDA memory or a reply socket.  Only a frontend
         # that is not ipc can have any.
         self._tcp_frontend = not self.frontend_ep.startswith("ipc://")
+        # Peers silent by messages whose tcp connection still moves bytes (a large message
+        # crossing a slow link holds their heartbeats back) are alive: `_look_at_quiet`.
+        self._look_clients = self.frontend_ep.startswith("tcp://")
+        self._look_workers = self.backend_ep.startswith("tcp://")
+        self._watches: dict[tuple[str, bytes], wire.TcpWatch] = {}
         self._client_tcp: dict[bytes, bool] = {}
         # A worker whose connection closes is dead now, not after heartbeat_liveness silent
         # intervals (broker.connections): the backend's monitor says which connection closed.
@@ -389,8 +394,13 @@ class Broker:
         on_worker, on_client = self.on_worker, self.on_client
         wake = sched.next_wakeup(monotonic())
         next_gc = monotonic()
+        look_every = self.cfg.scheduler.heartbeat_interval / 2
+        next_look = monotonic() + look_every if self._look_clients or self._look_workers else math.inf
         while stop is None or not stop.is_set():
             now = self.last_pass = monotonic()
+            if now >= next_look:
+                self._look_at_quiet(now, look_every)
+                next_look = now + look_every
             if now >= next_gc:
                 # The broker outlives clients and workers on this host: it reaps the shared
                 # memory of those that died without cleaning up (SIGKILL, OOM).
@@ -422,6 +432,32 @@ class Broker:
                 self._settle_gone(monotonic())
             wake = sched.next_wakeup(monotonic())
         self._collect_shm()
+
+    def _look_at_quiet(self, now: float, quiet_for: float) -> None:
+        """Peers on tcp not heard from for `quiet_for` seconds whose connection moved bytes
+        since the previous look are heard from now: a message of theirs, or ours to them,
+        still crossing a slow link (their heartbeats wait behind it; wire.TcpWatch).  The
+        looks start at `quiet_for` and come every `quiet_for`, so a window of liveness
+        heartbeat intervals (3 by default) holds two of them before it ends."""
+        sched = self.sched
+        clients, workers = sched.quiet(now, quiet_for)
+        watches, kept = self._watches, {}
+        for kind, idents, fd_of, seen in (
+                ("c", clients if self._look_clients else (), self._client_conn.get, sched.client_seen),
+                ("w", workers if self._look_workers else (), self._worker_conns.fd_of, sched.worker_seen)):
+            for ident in idents:
+                fd = fd_of(ident)
+                if fd is None:
+                    continue
+                key = (kind, ident)
+                watch = watches.get(key)
+                if watch is None or watch.fd != fd:
+                    watch = wire.TcpWatch()
+                    watch.use(fd)
+                kept[key] = watch
+                if watch.look(now) >= now:
+                    self._act(seen(ident, now), now)
+        self._watches = kept  # only the peers still quiet: bounded by them
 
     def _on_http(self) -> None:
         """Answer the HTTP threads' questions (broker.http) with copies of the loop's state."""
@@ -528,6 +564,8 @@ class Broker:
             sched.client_seen(ident, now)
             self._on_request(ident, msg, now)
         elif cmd == P.C_HEARTBEAT:
+            if self._look_clients and ident not in self._client_conn:
+                self._client_pid(ident, frames[1])  # learns its connection, for `_look_at_quiet`
             self._act(sched.client_heartbeat(ident, now), now)
             self._send_client(ident, P.broker_heartbeat(self.instance, self._client_window_ms))
         elif cmd == P.C_CANCEL:

@@ -1082,6 +1082,15 @@ class Scheduler(LeaseEvents):
         """How many services have a live worker (O(services): for probes, not per request)."""
         return sum(1 for svc in self._services.values() if svc.any.live > 0)
 
+    def quiet(self, now: float, longer_than: float) -> tuple[list[bytes], list[bytes]]:
+        """The tracked clients and the live workers not heard from for more than
+        ``longer_than`` seconds: those whose connection the server looks at (bytes of a
+        message still crossing a slow link keep a peer alive: it then calls
+        :meth:`client_seen` or :meth:`worker_seen`)."""
+        since = now - longer_than
+        return ([c.ident for c in self._clients.values() if c.last_seen < since],
+                [w.ident for w in self._workers.values() if w.last_seen < since])
+
     def has_worker(self, worker: bytes) -> bool:
         """Whether ``worker`` is registered and alive."""
         return worker in self._workers

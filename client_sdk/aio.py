@@ -36,7 +36,7 @@ import zmq.asyncio
 
 from broker import protocol as P
 from broker.protocol.link import LinkConn, LinkError
-from broker.protocol.wire import NOBLOCK, recv_frames, send_frames
+from broker.protocol.wire import NOBLOCK, TcpWatch, recv_frames, send_frames
 
 from .base import ClientBase, ReplyStreamBase
 from .calls import Call, final_of_infer, mmi_answer, opaque_reply
@@ -92,6 +92,9 @@ class AsyncClient(ClientBase):
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
         self._sock = dealer(zmq.Context.instance(), endpoint, self._curve)
+        # Over tcp, bytes of the broker's that are on their way count as its word (a large
+        # message on a slow link: wire.TcpWatch).
+        self._tcp = TcpWatch() if endpoint.startswith("tcp://") else None
         # Replies straight from same-host workers (docs/protocol.md section 8); read by the
         # same callback as the broker socket.
         self._inbox = ReplyInbox.open(zmq.Context.instance()) if self._core.direct_reply else None
@@ -181,6 +184,8 @@ class AsyncClient(ClientBase):
                 # the core's ops): skip it rather than break the client on ENOTSOCK.
                 while not sock.closed and sock.getsockopt(zmq.EVENTS) & _POLLIN:
                     frames = recv_frames(sock)
+                    if not direct and self._tcp is not None:
+                        self._tcp.note(frames[0])  # the connection the broker's word comes on
                     try:
                         outs = core.on_message(frames, time.monotonic(), direct, pin)
                     except Exception:  # one bad message must not stop every other call
@@ -407,6 +412,8 @@ class AsyncClient(ClientBase):
                 self._send_soon(core.heartbeat(now))
                 if core.ops and not core.closed:  # a tcp lease given back (pins_overdue)
                     self._run_ops()
+            if self._tcp is not None and now - core.last_recv > core.heartbeat_period:
+                core.heard_bytes(self._tcp.look(now))  # a long message still crossing
             core.fail_unreachable(now)
 
     def _send_soon(self, frames: list[Any] | None) -> None:

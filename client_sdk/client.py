@@ -30,7 +30,7 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol.link import LinkConn, LinkError
-from broker.protocol.wire import NOBLOCK, Waiter, recv_frames, send_frames, sock_events, touched
+from broker.protocol.wire import NOBLOCK, TcpWatch, Waiter, recv_frames, send_frames, sock_events, touched
 
 from .base import ClientBase, ReplyStreamBase
 from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priority, resolve_transport
@@ -78,6 +78,9 @@ class Client(ClientBase):
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = zmq.Context.instance()
         self._sock = dealer(self._ctx, endpoint, self._curve)
+        # Over tcp, bytes of the broker's that are on their way count as its word (a large
+        # message on a slow link: wire.TcpWatch).
+        self._tcp = TcpWatch() if endpoint.startswith("tcp://") else None
         self._inbox = ReplyInbox.open(self._ctx) if self._core.direct_reply else None
         # Waited for by descriptor (wire.Waiter): the broker's socket, the inbox, a socket per lease.
         self._waiter = Waiter()
@@ -311,6 +314,8 @@ class Client(ClientBase):
                 self._send_soon(core.heartbeat(now))
                 if core.ops:  # a tcp lease given back (pins_overdue)
                     self._run_ops()
+            if now - core.last_recv > hb and self._tcp is not None:
+                core.heard_bytes(self._tcp.look(now))  # a long message still crossing
             if now - core.last_recv > LIVENESS * hb:
                 # Silent that long, in our eyes: first read what has arrived meanwhile (a
                 # caller may come back late, and a drain may have stopped at its budget), so
@@ -433,6 +438,7 @@ class Client(ClientBase):
         core = self._core
         pins = self._pin_of
         monitors = self._monitors
+        tcp = self._tcp
         items = [*self._waiter.sockets(), *self._link_of] if ready is None else ready
         capped = False
         if len(items) > 1 and items[0] is self._sock:
@@ -459,6 +465,8 @@ class Client(ClientBase):
                     frames = recv_frames(sock, NOBLOCK)
                 except zmq.Again:
                     break
+                if tcp is not None and not direct:
+                    tcp.note(frames[0])  # the connection the broker's word comes on
                 for out in core.on_message(frames, time.monotonic(), direct, pin):
                     self._send_soon(out)
                 readable = False

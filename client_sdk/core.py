@@ -742,6 +742,13 @@ class ClientCore(PinEvents):
         if call.pin is not None:
             self._unpin(call)
 
+    def heard_bytes(self, when: float) -> None:
+        """Bytes from the broker were seen on their way at `when` (its tcp connection moved:
+        wire.TcpWatch): a message that takes longer to cross than the liveness window, and
+        the heartbeat answers queued behind it, are not the broker's silence."""
+        if when > self.last_recv:
+            self.last_recv = when
+
     def silent_for(self, call: Call, now: float) -> float:
         return now - max(self.last_recv, call.t_sent)
 

@@ -57,7 +57,7 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol import logs
-from broker.protocol.wire import Waiter, recv_frames, sock_events, touched
+from broker.protocol.wire import TcpWatch, Waiter, recv_frames, sock_events, touched
 from gpu_worker.batching import Batcher, Pending
 from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats
 from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signature
@@ -285,6 +285,9 @@ class Worker:
         self._ready_wait = 0.0
         self._reconnect_why: str | None = None  # set by a DISCONNECT; the loop reconnects
         self._last_heard = 0.0
+        # Over tcp, bytes of the broker's on their way count as its word (a large request on
+        # a slow link holds its heartbeats back: wire.TcpWatch).
+        self._tcp = TcpWatch() if self.cfg.broker.startswith("tcp://") else None
         self._service_b = self.service.encode()
         self.tracing = tracing if tracing is not None else tracing_from_env(self.service)
         self._streaming = bool(getattr(self.model, "streaming", False))
@@ -485,6 +488,8 @@ class Worker:
                     self._send_stats()
                     next_housekeeping = now + interval
                 self.last_loop = now
+                if self._tcp is not None and now - self._last_heard > interval:
+                    self._last_heard = max(self._last_heard, self._tcp.look(now))  # a message still crossing
                 # Messages waiting in the socket (a long batch just ended) are not silence.
                 if (upstream.watch_liveness and now - self._last_heard > dead_after
                         and not sock_events(self.sock) & _POLLIN):
@@ -589,9 +594,12 @@ class Worker:
         self._lane_ran = False
         # After a batch run in the lane the loop's turn comes first (signals, the other
         # socket, DONEs, housekeeping): what else waits here is read on its next pass.
+        tcp = self._tcp
         while self._reconnect_why is None and not self._lane_ran and sock_events(sock) & _POLLIN:
             frames = recv_frames(sock)
             self._last_heard = time.monotonic()
+            if tcp is not None:
+                tcp.note(frames[0])  # the connection the broker's word comes on
             try:
                 self.on_message(frames)
             except Exception:

@@ -562,6 +562,27 @@ def test_silent_client_is_dropped_only_if_it_ever_sent_a_heartbeat():
     assert of(s.tick(50.0), CancelAtWorker) == []
 
 
+def test_quiet_lists_tracked_clients_and_workers_not_heard_from():
+    """What the server looks at the connections of (bytes of a long message on the way keep
+    a peer alive): tracked clients (they heartbeat) and live workers silent that long."""
+    s = Scheduler(Config(client_liveness=2.0, heartbeat_interval=1.0))
+    s.worker_ready(b"w1", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    s.client_heartbeat(C, 0.0)
+    s.client_heartbeat(b"other", 0.0)
+    req(s, 1, client=b"untracked")  # never heartbeats: never expired, never looked at
+    s.worker_seen(b"w2", 0.8)
+    s.client_seen(b"other", 0.8)
+    assert s.quiet(1.0, 0.5) == ([C], [b"w1"])
+    # Bytes seen moving count as the peer's word: its expiry moves with it.
+    s.client_seen(C, 1.9)
+    s.worker_seen(b"w1", 1.9)
+    assert s.quiet(2.0, 0.5) == ([b"other"], [b"w2"])
+    out = s.tick(3.0)  # "other" was due at 2.8; C, seen at 1.9, is due at 3.9
+    assert of(out, DisconnectWorker) == [] and s.stats()["clients"] == 1
+    assert s.quiet(3.0, 0.5) == ([C], [b"w1", b"w2"])
+
+
 def test_default_client_liveness_follows_heartbeats():
     s = Scheduler(Config(heartbeat_interval=0.5, heartbeat_liveness=4))
     s.client_heartbeat(C, 0.0)

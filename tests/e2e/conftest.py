@@ -23,7 +23,7 @@ class Proc:
     """``python *args`` (after ``prefix``: a command that execs it in place, keeping its pid,
     as ``ip netns exec NAME`` does)."""
 
-    def __init__(self, args: list[str], env: dict | None = None, prefix: list[str] | tuple = ()):
+    def __init__(self, args: list[str], env: dict | None = None, prefix: list[str] | tuple = (), stdin: bool = False):
         full_env = dict(os.environ)
         full_env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), full_env.get("PYTHONPATH", "")])
         full_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -31,7 +31,8 @@ class Proc:
             full_env.update(env)
         self.args = args
         self.p = subprocess.Popen(
-            [*prefix, sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=ROOT
+            [*prefix, sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=ROOT,
+            stdin=subprocess.PIPE if stdin else None,  # `stdin`: the test writes to it (p.stdin)
         )
         self.ready_line = ""
         self._err = b""  # stderr already read by wait_log
@@ -98,8 +99,9 @@ class Proc:
 
     def close(self) -> None:
         self.terminate()
-        for f in (self.p.stdout, self.p.stderr):
-            f.close()
+        for f in (self.p.stdin, self.p.stdout, self.p.stderr):
+            if f is not None:
+                f.close()
 
 
 class Cluster:

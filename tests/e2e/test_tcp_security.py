@@ -533,12 +533,14 @@ def netns():
         ns.cut = lambda: ip("link", "set", here, "down")  # packets between the two sides vanish
         ns.heal = lambda: ip("link", "set", here, "up")
 
-        def slow(rate: str) -> None:
-            """Traffic leaving the namespace crosses at `rate` (a token bucket)."""
-            r = subprocess.run([*ns.prefix, "tc", "qdisc", "add", "dev", there, "root", "tbf", "rate", rate, "burst",
-                                "64kb", "latency", "1s"], capture_output=True, text=True, timeout=10)
-            if r.returncode:
-                pytest.skip(f"cannot shape the veth pair (tc tbf): {r.stderr.strip()}")
+        def slow(rate: str, both: bool = False) -> None:
+            """Traffic leaving the namespace (`both`: and entering it) crosses at `rate` (a
+            token bucket on each side's end of the pair)."""
+            for prefix, dev in ((ns.prefix, there), *((((), here),) if both else ())):
+                r = subprocess.run([*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
+                                    "64kb", "latency", "1s"], capture_output=True, text=True, timeout=10)
+                if r.returncode:
+                    pytest.skip(f"cannot shape the veth pair (tc tbf): {r.stderr.strip()}")
 
         ns.slow = slow
         yield ns
@@ -819,3 +821,84 @@ def test_the_broker_drops_a_tcp_client_gone_silent_behind_a_partition(tmp_path, 
         if client is not None:
             client.close()
         b.close()
+
+
+_LONG_MESSAGES = """
+import asyncio, sys, time
+import numpy as np
+from client_sdk import AsyncClient, Client
+fe, twin, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+big = (np.arange(n, dtype=np.uint32) % 251).astype(np.uint8)
+small = np.arange(4, dtype=np.int64)
+opts = dict(insecure=True, transport="inline", timeout=60, heartbeat_interval=0.2)
+
+def report(took):
+    print("READY big=ok", f"took={took:.2f}", flush=True)
+    sys.stdin.readline()  # the test opened the gate
+
+if twin == "sync":
+    with Client(fe, **opts) as c:
+        held = c.infer_stream("gate", {"x": small})
+        t0 = time.monotonic()
+        with c.infer("echo", {"x": big}) as r:
+            assert np.array_equal(r["x"], big)
+        report(time.monotonic() - t0)
+        with held.result(timeout=30) as r:
+            assert np.array_equal(r["x"], small)
+else:
+    async def main():
+        async with AsyncClient(fe, **opts) as c:
+            held = asyncio.ensure_future(c.infer("gate", {"x": small}))
+            t0 = time.monotonic()
+            with await c.infer("echo", {"x": big}) as r:
+                assert np.array_equal(r["x"], big)
+            await asyncio.get_running_loop().run_in_executor(None, report, time.monotonic() - t0)
+            with await asyncio.wait_for(held, 30) as r:
+                assert np.array_equal(r["x"], small)
+    asyncio.run(main())
+print("READY held=ok", flush=True)
+"""
+
+
+def test_a_long_message_on_a_slow_link_is_not_silence(tmp_path, netns, gate):
+    """A client and an echo worker in another network namespace reach a tcp broker over a
+    veth pair shaped to 40 Mbit/s each way, with heartbeats every 0.2 s: the client is
+    presumed dead after 0.6 s without a word, the worker too, and the broker in the
+    client's and the worker's eyes after 1 s and 0.6 s.  An 8 MiB tensor takes about 1.7 s
+    to cross each of the four legs (client to broker, to worker, back, to the client), and
+    every heartbeat waits behind it.  The call completes with the right bytes, nobody is
+    presumed dead (wire.TcpWatch: bytes moving count as the peer's word), and a call the
+    client had held at a gated worker meanwhile completes too: the broker did not drop
+    that client.  Both twins."""
+    b = Proc(["-m", "broker", "--frontend", f"tcp://{netns.here}:0", "--backend", f"tcp://{netns.here}:0",
+              "--insecure", "--heartbeat-interval", "0.2"])
+    procs = [b]
+    try:
+        b.wait_ready()
+        fe, be = b.field("frontend"), b.field("backend")
+        held = Proc(["-m", "gpu_worker", "--broker", be, "--insecure", "--model", "gate_model:factory",
+                     "--service", "gate", "--no-warmup"], env=gate.env)
+        procs.append(held)
+        gate.open()
+        held.wait_ready()
+        echo = Proc(["-m", "gpu_worker", "--broker", be, "--insecure", "--model", "echo", "--no-warmup"],
+                    prefix=netns.prefix)
+        procs.append(echo)
+        echo.wait_ready()
+        netns.slow("40mbit", both=True)
+        for twin in ("sync", "asyncio"):
+            c = Proc(["-c", _LONG_MESSAGES, fe, twin, str(8 << 20)], prefix=netns.prefix, stdin=True)
+            procs.append(c)
+            line = c.wait_ready(timeout=60)
+            assert float(line.split("took=")[1]) > 4 * 1.0, line  # each leg longer than any window
+            gate.release()
+            c.p.stdin.write(b"go\n")
+            c.p.stdin.flush()
+            assert c.wait_ready(timeout=30) == "READY held=ok"
+            assert c.p.wait(10) == 0, c.stderr()
+        for p, silent in ((b, "presumed dead"), (echo, "reconnecting")):
+            p.terminate()
+            assert silent not in p.stderr(), p.stderr()
+    finally:
+        for p in reversed(procs):
+            p.close()

@@ -1,0 +1,159 @@
+"""wire.TcpWatch and wire.tcp_counts on real loopback connections: what counts as bytes
+moving (a peer's liveness while a long message crosses), and what does not."""
+from __future__ import annotations
+
+import os
+import select
+import socket
+
+import pytest
+import zmq
+
+from broker.protocol.wire import TcpWatch, tcp_counts
+
+
+@pytest.fixture
+def pair():
+    """A connected loopback TCP pair (client, server side), the server's receive buffer
+    small, so that a peer that does not read stops acknowledging soon."""
+    lst = socket.socket()
+    lst.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # inherited by the accepted socket
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+    c = socket.create_connection(lst.getsockname(), timeout=5)
+    s, _ = lst.accept()
+    lst.close()
+    yield c, s
+    c.close()
+    s.close()
+
+
+def _read(sock: socket.socket, n: int) -> None:
+    got = 0
+    while got < n:
+        assert select.select([sock], [], [], 5)[0], "nothing to read"
+        got += len(sock.recv(n - got))
+
+
+def test_bytes_received_are_movement(pair):
+    c, s = pair
+    w = TcpWatch()
+    w.use(s.fileno())
+    assert w.look(1.0) == float("-inf")  # the first look only counts
+    assert w.look(2.0) == float("-inf")  # nothing moved
+    c.sendall(b"x" * 1000)
+    _read(s, 1000)
+    assert w.look(3.0) == 3.0
+    assert w.look(4.0) == 3.0
+    acked, received, backlog = tcp_counts(s.fileno())
+    assert received >= 1000 and not backlog
+
+
+def test_acknowledgements_alone_are_not_movement_but_an_upload_under_way_is(pair):
+    """The peer's kernel acknowledges a heartbeat even when its process hangs: that is no
+    sign of life.  Bytes of ours acknowledged while more wait to go are an upload under
+    way; once the peer stops reading and its buffer is full, nothing moves any more."""
+    c, s = pair
+    w = TcpWatch()
+    w.use(c.fileno())
+    w.look(1.0)
+    c.sendall(b"h" * 20)  # a heartbeat to a peer that does not read
+    deadline = 50
+    while tcp_counts(c.fileno())[2] and deadline:  # wait for its acknowledgement (a condition)
+        select.select([], [], [], 0.01)
+        deadline -= 1
+    assert w.look(2.0) == float("-inf")
+    c.setblocking(False)
+    sent = 0
+    try:
+        while True:  # fill both buffers: the peer's process reads nothing
+            sent += c.send(b"u" * 65536)
+    except BlockingIOError:
+        pass
+    assert tcp_counts(c.fileno())[2]  # ours wait to go
+    _read(s, 65536)  # the peer reads some: acknowledgements, with ours still waiting
+    # The window reopens: ours move on (a moment), acknowledged while more wait.
+    for _ in range(100):
+        if w.look(3.0) == 3.0:
+            break
+        select.select([], [], [], 0.01)
+    assert w.moved_at == 3.0
+    # The peer reads nothing more: once its buffer is full again, no acknowledgement moves.
+    for _ in range(100):
+        before = tcp_counts(c.fileno())[0]
+        select.select([], [], [], 0.05)
+        if tcp_counts(c.fileno())[0] == before:
+            break
+    settled = w.look(4.0)
+    assert w.look(5.0) == settled
+
+
+def test_a_socket_that_is_not_tcp_is_never_looked_at_again(tmp_path):
+    a, b = socket.socketpair()
+    try:
+        assert tcp_counts(a.fileno()) is None
+        w = TcpWatch()
+        w.use(a.fileno())
+        assert w.look(1.0) == float("-inf")
+        b.sendall(b"x")
+        assert w.look(2.0) == float("-inf")
+    finally:
+        a.close()
+        b.close()
+    assert tcp_counts(10_000) is None  # no such descriptor
+
+
+def test_a_reused_descriptor_is_not_the_same_connection(pair):
+    """The descriptor noted closes and its number carries another connection: that one's
+    bytes say nothing of the first peer."""
+    c, s = pair
+    w = TcpWatch()
+    fd = c.fileno()
+    w.use(fd)
+    w.look(1.0)
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(1)
+    other = socket.socket()
+    c.close()
+    os.dup2(other.fileno(), fd)  # the number now names a socket to somewhere else
+    other.close()
+    try:
+        os.set_blocking(fd, True)
+        sock = socket.socket(fileno=fd)
+        sock.connect(lst.getsockname())
+        peer, _ = lst.accept()
+        peer.sendall(b"y" * 100)
+        _read(sock, 100)
+        assert w.look(2.0) == float("-inf")
+        peer.close()
+        sock.close()
+    finally:
+        lst.close()
+
+
+def test_note_takes_the_connection_a_message_came_on():
+    ctx = zmq.Context.instance()
+    r = ctx.socket(zmq.ROUTER)
+    d = ctx.socket(zmq.DEALER)
+    try:
+        for s in (r, d):
+            s.linger = 0
+        port = r.bind_to_random_port("tcp://127.0.0.1")
+        d.connect(f"tcp://127.0.0.1:{port}")
+        d.send(b"hello")
+        assert r.poll(5000)
+        frames = r.recv_multipart(copy=False)
+        w = TcpWatch()
+        w.note(frames[1])
+        assert w.fd >= 0 and tcp_counts(w.fd) is not None
+        w.look(1.0)
+        d.send(b"z" * 10_000)
+        assert r.poll(5000)
+        r.recv_multipart()
+        assert w.look(2.0) == 2.0
+        w.note(b"not a frame")  # no descriptor to learn: kept as it was
+        assert w.look(3.0) == 2.0
+    finally:
+        r.close()
+        d.close()
