@@ -45,13 +45,13 @@ TINY = 16
 def run_worker(connect: str) -> None:
     """The lean MDP worker behind a `zmq.proxy` backend: what a minimal echo that speaks our
     protocol does per request."""
-    from bench.echo_servers import _ready, die_with_parent
+    from bench.echo_servers import die_with_parent
 
     die_with_parent()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.linger = 0
     sock.connect(connect)
-    _ready()
+    print("READY", flush=True)  # what bench.peers' spawn waits for
     heartbeat = P.broker_heartbeat(b"\0" * P.INSTANCE_LEN, 3000)
     while True:
         f = recv_frames(sock)  # [client identity, MDPC02, command, service, header, inline...]
