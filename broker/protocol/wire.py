@@ -124,8 +124,13 @@ def tcp_counts(fd: int) -> tuple[int, int, bool] | None:
 def _tcp_state(fd: int) -> tuple[Any, tuple[int, int, bool]] | None:
     """(the peer's address, `tcp_counts`) of descriptor `fd`, through one duplicate."""
     try:
-        s = socket.socket(fileno=os.dup(fd))
+        dup = os.dup(fd)
     except OSError:
+        return None
+    try:
+        s = socket.socket(fileno=dup)
+    except OSError:  # not a socket
+        os.close(dup)
         return None
     try:
         if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:

@@ -101,6 +101,11 @@ def test_a_socket_that_is_not_tcp_is_never_looked_at_again(tmp_path):
         a.close()
         b.close()
     assert tcp_counts(10_000) is None  # no such descriptor
+    with open(tmp_path / "plain", "wb") as f:  # not a socket: its duplicate is closed again
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            assert tcp_counts(f.fileno()) is None
+        assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_a_reused_descriptor_is_not_the_same_connection(pair):
