@@ -83,8 +83,10 @@ def _peer_pid(frame: Any) -> int | None:
     """SO_PEERCRED's pid for the unix-domain connection a received frame came from."""
     try:
         fd = frame.get(zmq.SRCFD)
-        s = socket.socket(fileno=os.dup(fd))
-    except (zmq.ZMQError, AttributeError, OSError):
+    except (zmq.ZMQError, AttributeError):
+        return None
+    s = wire.dup_socket(fd)
+    if s is None:
         return None
     try:
         if s.family != socket.AF_UNIX:
@@ -394,12 +396,18 @@ class Broker:
         on_worker, on_client = self.on_worker, self.on_client
         wake = sched.next_wakeup(monotonic())
         next_gc = monotonic()
-        look_every = self.cfg.scheduler.heartbeat_interval / 2
+        # Two looks fit in the shortest window (a fresh watch needs one to count from).
+        sc = self.cfg.scheduler
+        look_every = min(sc.heartbeat_interval / 2, sc.heartbeat_interval * sc.heartbeat_liveness / 4,
+                         sched.client_window / 4)
         next_look = monotonic() + look_every if self._look_clients or self._look_workers else math.inf
         while stop is None or not stop.is_set():
             now = self.last_pass = monotonic()
             if now >= next_look:
-                self._look_at_quiet(now, look_every)
+                try:
+                    self._look_at_quiet(now, look_every)
+                except Exception:  # a look is an optimisation of liveness: never the loop's end
+                    self._oops.exception("looking at quiet peers' connections failed")
                 next_look = now + look_every
             if now >= next_gc:
                 # The broker outlives clients and workers on this host: it reaps the shared
@@ -414,6 +422,8 @@ class Broker:
                 # drain() may come from the launcher's thread: leases end here, on the loop.
                 self._act(sched.end_leases(DRAIN, now), now)
             timeout = 100 if wake is None else max(0, min(100, int((wake - now) * 1000.0 + 0.999)))
+            if next_look < math.inf:
+                timeout = max(0, min(timeout, int((next_look - now) * 1000.0 + 0.999)))
             if self._gone:  # a closed worker's verdict waits for its last messages: look again soon
                 timeout = min(timeout, 10)
             for sock in wait(timeout):  # the sockets (backend first), then the descriptors
@@ -437,10 +447,10 @@ class Broker:
         """Peers on tcp not heard from for `quiet_for` seconds whose connection moved bytes
         since the previous look are heard from now: a message of theirs, or ours to them,
         still crossing a slow link (their heartbeats wait behind it; wire.TcpWatch).  The
-        looks start at `quiet_for` and come every `quiet_for`, so a window of liveness
-        heartbeat intervals (3 by default) holds two of them before it ends."""
+        looks start at `quiet_for` and come every `quiet_for` (a quarter of the shortest
+        liveness window at most), so a window holds the two a fresh watch needs."""
         sched = self.sched
-        clients, workers = sched.quiet(now, quiet_for)
+        clients, workers = sched.quiet(now, quiet_for)  # both, cheap: a pass over the peers
         watches, kept = self._watches, {}
         for kind, idents, fd_of, seen in (
                 ("c", clients if self._look_clients else (), self._client_conn.get, sched.client_seen),

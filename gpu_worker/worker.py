@@ -562,6 +562,8 @@ class Worker:
         """Drop what the old connection held and register afresh.  Only the loop calls this,
         between drains: the socket being read must never be closed under its reader."""
         why, self._reconnect_why = self._reconnect_why, None
+        if self._tcp is not None:
+            self._tcp.use(-1)  # the new connection is learned from its first message
         if self.broker_instance is not None:
             self.registered = False  # our broker: until its next WELCOME (a plain one sends none)
         self._busy_told = False  # the new connection's broker was told nothing (no BUSY off for it)

@@ -107,6 +107,9 @@ def tcp_liveness(sock: zmq.Socket, dead_after_s: float) -> None:
 # struct tcp_info (linux/tcp.h): tcpi_unacked (u32) at 24; tcpi_bytes_acked and
 # tcpi_bytes_received (u64) at 120 and 128 (Linux 4.1); tcpi_notsent_bytes (u32) at 144 (4.6).
 _TCP_INFO_LEN = 160
+# Acknowledged bytes count as an upload under way only past this much since the previous
+# look: a hung peer's kernel still acknowledges our heartbeats (tens of bytes each).
+UPLOAD_MIN_BYTES = 16 << 10
 _SRCFD = int(zmq.SRCFD)
 
 
@@ -121,16 +124,24 @@ def tcp_counts(fd: int) -> tuple[int, int, bool] | None:
     return None if got is None else got[1]
 
 
-def _tcp_state(fd: int) -> tuple[Any, tuple[int, int, bool]] | None:
-    """(the peer's address, `tcp_counts`) of descriptor `fd`, through one duplicate."""
+def dup_socket(fd: int) -> socket.socket | None:
+    """A socket object on a duplicate of descriptor `fd` (close it: the original stays
+    open), or None when `fd` is not an open socket (no duplicate is left behind)."""
     try:
         dup = os.dup(fd)
     except OSError:
         return None
     try:
-        s = socket.socket(fileno=dup)
+        return socket.socket(fileno=dup)
     except OSError:  # not a socket
         os.close(dup)
+        return None
+
+
+def _tcp_state(fd: int) -> tuple[Any, tuple[int, int, bool]] | None:
+    """(the peer's address, `tcp_counts`) of descriptor `fd`, through one duplicate."""
+    s = dup_socket(fd)
+    if s is None:
         return None
     try:
         if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
@@ -158,9 +169,10 @@ class TcpWatch:
     nothing of its health.  The kernel counts bytes.  A look (`look`) reads the connection's
     counts (`tcp_counts`, a few µs) and, when they moved since the previous look, notes the
     time: bytes received from the peer, or bytes of ours it acknowledged while more of ours
-    waited to go (an upload under way; acknowledgements alone, of a heartbeat, would be
-    given by the kernel of a peer whose process hangs).  A hung peer's kernel moves bytes
-    for at most as long as its buffers take to fill or drain, so silence resumes after.
+    waited to go, more than heartbeats make (`UPLOAD_MIN_BYTES`: an upload under way; a
+    heartbeat's acknowledgement is given by the kernel of a peer whose process hangs too).
+    A hung peer's kernel moves bytes for at most as long as its buffers take to fill or
+    drain, so silence resumes after.  A message noted starts the next looks afresh.
 
     The connection is the one the last message noted (`note`: its ZMQ_SRCFD); a descriptor
     that now carries another connection (its number reused) or no TCP at all never moves."""
@@ -180,8 +192,10 @@ class TcpWatch:
             fd = frame.get(_SRCFD)
         except (zmq.ZMQError, AttributeError):
             return
-        if fd != self.fd:
-            self.use(fd)
+        if fd != self.fd or self._off:
+            self.use(fd)  # another connection, or one a look could not read (reconnected)
+        else:
+            self._counts = None  # a message came: the next silence's looks start afresh
 
     def use(self, fd: int) -> None:
         """Watch descriptor `fd` from now on (the counts start afresh)."""
@@ -207,7 +221,7 @@ class TcpWatch:
         acked, received, backlog = counts
         last = self._counts
         self._counts = (acked, received)
-        if last is not None and (received != last[1] or (acked != last[0] and backlog)):
+        if last is not None and (received != last[1] or (acked - last[0] >= UPLOAD_MIN_BYTES and backlog)):
             self.moved_at = now
         return self.moved_at
 

@@ -81,11 +81,67 @@ def test_acknowledgements_alone_are_not_movement_but_an_upload_under_way_is(pair
     # The peer reads nothing more: once its buffer is full again, no acknowledgement moves.
     for _ in range(100):
         before = tcp_counts(c.fileno())[0]
-        select.select([], [], [], 0.05)
+        select.select([], [], [], 0.05)  # polling kernel counts: no event says they settled
         if tcp_counts(c.fileno())[0] == before:
             break
     settled = w.look(4.0)
+    select.select([], [], [], 0.2)
     assert w.look(5.0) == settled
+
+
+def test_heartbeats_to_a_hung_peer_are_not_movement(pair):
+    """Ours acknowledged by the kernel of a peer whose process hangs, each look right after
+    a heartbeat (ours then still waits for its acknowledgement): never a sign of life."""
+    c, s = pair
+    for _ in range(30):  # a live exchange first
+        c.sendall(b"a" * 60)
+        _read(s, 60)
+        s.sendall(b"b" * 60)
+        _read(c, 60)
+    w = TcpWatch()
+    w.use(c.fileno())
+    w.look(0.0)
+    for i in range(1, 21):  # the peer hangs: it never reads or sends again
+        select.select([], [], [], 0.02)  # heartbeat spacing; the acknowledgement comes meanwhile
+        c.sendall(b"h" * 40)
+        assert w.look(float(i)) == float("-inf"), i
+
+
+def test_a_message_noted_starts_the_looks_afresh():
+    """Counts from before a message are no baseline for the next silence; and a watch a
+    look switched off (the connection was gone) comes back with the next message, even on
+    the same descriptor number."""
+    ctx = zmq.Context.instance()
+    r = ctx.socket(zmq.ROUTER)
+    d = ctx.socket(zmq.DEALER)
+    try:
+        for x in (r, d):
+            x.linger = 0
+        port = r.bind_to_random_port("tcp://127.0.0.1")
+        d.connect(f"tcp://127.0.0.1:{port}")
+        d.send(b"one")
+        assert r.poll(5000)
+        frames = r.recv_multipart(copy=False)
+        w = TcpWatch()
+        w.note(frames[1])
+        w.look(1.0)
+        d.send(b"two")
+        assert r.poll(5000)
+        frames = r.recv_multipart(copy=False)
+        w.note(frames[1])  # heard: the bytes of "two" are no movement for the next silence
+        assert w.look(2.0) == float("-inf")
+        w._off = True  # as after a look that found the connection gone
+        d.send(b"x" * 10_000)
+        assert r.poll(5000)
+        w.note(r.recv_multipart(copy=False)[1])
+        w.look(3.0)
+        d.send(b"y" * 10_000)
+        assert r.poll(5000)
+        r.recv_multipart()
+        assert w.look(4.0) == 4.0
+    finally:
+        r.close()
+        d.close()
 
 
 def test_a_socket_that_is_not_tcp_is_never_looked_at_again(tmp_path):
@@ -100,7 +156,9 @@ def test_a_socket_that_is_not_tcp_is_never_looked_at_again(tmp_path):
     finally:
         a.close()
         b.close()
-    assert tcp_counts(10_000) is None  # no such descriptor
+    gone = os.dup(0)
+    os.close(gone)
+    assert tcp_counts(gone) is None  # no such descriptor (just closed)
     with open(tmp_path / "plain", "wb") as f:  # not a socket: its duplicate is closed again
         before = len(os.listdir("/proc/self/fd"))
         for _ in range(20):
@@ -123,6 +181,7 @@ def test_a_reused_descriptor_is_not_the_same_connection(pair):
     c.close()
     os.dup2(other.fileno(), fd)  # the number now names a socket to somewhere else
     other.close()
+    sock = peer = None
     try:
         os.set_blocking(fd, True)
         sock = socket.socket(fileno=fd)
@@ -131,10 +190,10 @@ def test_a_reused_descriptor_is_not_the_same_connection(pair):
         peer.sendall(b"y" * 100)
         _read(sock, 100)
         assert w.look(2.0) == float("-inf")
-        peer.close()
-        sock.close()
     finally:
-        lst.close()
+        for x in (peer, sock, lst):
+            if x is not None:
+                x.close()
 
 
 def test_note_takes_the_connection_a_message_came_on():
