@@ -209,7 +209,12 @@ def test_an_interrupted_run_still_reports_the_levels_it_measured(cluster, tmp_pa
         [sys.executable, "-m", "bench", "run", "--endpoint", cluster.frontend, "--service", "echo",
          "--input", "x=16:uint8", "--concurrency-range", "1:50", *FAST, "--window-s", "0.3",
          "--json", str(tmp_path / "r.json")],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        # Ctrl-C as a terminal gives it: an ignored SIGINT is inherited, and in full runs this
+        # process was seen ignoring SIGINT and SIGQUIT at times (SigIgn 0x...1006: what
+        # libc's system() does while a child runs, from some library's thread).
+        preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            signal.signal(signal.SIGQUIT, signal.SIG_DFL)))
     try:
         deadline, buf = time.monotonic() + 60, b""
         while b"1 in flight:" not in buf:  # the first level's progress line
@@ -221,8 +226,7 @@ def test_an_interrupted_run_still_reports_the_levels_it_measured(cluster, tmp_pa
                 assert chunk, f"bench run exited early: {buf!r}"
                 buf += chunk
         # How the child holds SIGINT (masks in hex: bit 1 is SIGINT), for the message if it
-        # ignores the signal: seen twice in full runs (the whole range ran to its end), never
-        # alone or under CPU load; the cause is not known yet.
+        # ignores the signal.
         with open(f"/proc/{p.pid}/status") as f:
             masks = " ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
         p.send_signal(signal.SIGINT)
