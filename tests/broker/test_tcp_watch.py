@@ -28,6 +28,23 @@ def pair():
     s.close()
 
 
+@pytest.fixture
+def zmq_pair():
+    """A ROUTER bound on tcp loopback and a DEALER connected to it (router, dealer)."""
+    ctx = zmq.Context.instance()
+    r = ctx.socket(zmq.ROUTER)
+    d = ctx.socket(zmq.DEALER)
+    try:
+        for x in (r, d):
+            x.linger = 0
+        port = r.bind_to_random_port("tcp://127.0.0.1")
+        d.connect(f"tcp://127.0.0.1:{port}")
+        yield r, d
+    finally:
+        r.close()
+        d.close()
+
+
 def _read(sock: socket.socket, n: int) -> None:
     got = 0
     while got < n:
@@ -107,41 +124,31 @@ def test_heartbeats_to_a_hung_peer_are_not_movement(pair):
         assert w.look(float(i)) == float("-inf"), i
 
 
-def test_a_message_noted_starts_the_looks_afresh():
+def test_a_message_noted_starts_the_looks_afresh(zmq_pair):
     """Counts from before a message are no baseline for the next silence; and a watch a
     look switched off (the connection was gone) comes back with the next message, even on
     the same descriptor number."""
-    ctx = zmq.Context.instance()
-    r = ctx.socket(zmq.ROUTER)
-    d = ctx.socket(zmq.DEALER)
-    try:
-        for x in (r, d):
-            x.linger = 0
-        port = r.bind_to_random_port("tcp://127.0.0.1")
-        d.connect(f"tcp://127.0.0.1:{port}")
-        d.send(b"one")
-        assert r.poll(5000)
-        frames = r.recv_multipart(copy=False)
-        w = TcpWatch()
-        w.note(frames[1])
-        w.look(1.0)
-        d.send(b"two")
-        assert r.poll(5000)
-        frames = r.recv_multipart(copy=False)
-        w.note(frames[1])  # heard: the bytes of "two" are no movement for the next silence
-        assert w.look(2.0) == float("-inf")
-        w._off = True  # as after a look that found the connection gone
-        d.send(b"x" * 10_000)
-        assert r.poll(5000)
-        w.note(r.recv_multipart(copy=False)[1])
-        w.look(3.0)
-        d.send(b"y" * 10_000)
-        assert r.poll(5000)
-        r.recv_multipart()
-        assert w.look(4.0) == 4.0
-    finally:
-        r.close()
-        d.close()
+    r, d = zmq_pair
+    d.send(b"one")
+    assert r.poll(5000)
+    frames = r.recv_multipart(copy=False)
+    w = TcpWatch()
+    w.note(frames[1])
+    w.look(1.0)
+    d.send(b"two")
+    assert r.poll(5000)
+    frames = r.recv_multipart(copy=False)
+    w.note(frames[1])  # heard: the bytes of "two" are no movement for the next silence
+    assert w.look(2.0) == float("-inf")
+    w._off = True  # as after a look that found the connection gone
+    d.send(b"x" * 10_000)
+    assert r.poll(5000)
+    w.note(r.recv_multipart(copy=False)[1])
+    w.look(3.0)
+    d.send(b"y" * 10_000)
+    assert r.poll(5000)
+    r.recv_multipart()
+    assert w.look(4.0) == 4.0
 
 
 def test_a_socket_that_is_not_tcp_is_never_looked_at_again(tmp_path):
@@ -196,28 +203,18 @@ def test_a_reused_descriptor_is_not_the_same_connection(pair):
                 x.close()
 
 
-def test_note_takes_the_connection_a_message_came_on():
-    ctx = zmq.Context.instance()
-    r = ctx.socket(zmq.ROUTER)
-    d = ctx.socket(zmq.DEALER)
-    try:
-        for s in (r, d):
-            s.linger = 0
-        port = r.bind_to_random_port("tcp://127.0.0.1")
-        d.connect(f"tcp://127.0.0.1:{port}")
-        d.send(b"hello")
-        assert r.poll(5000)
-        frames = r.recv_multipart(copy=False)
-        w = TcpWatch()
-        w.note(frames[1])
-        assert w.fd >= 0 and tcp_counts(w.fd) is not None
-        w.look(1.0)
-        d.send(b"z" * 10_000)
-        assert r.poll(5000)
-        r.recv_multipart()
-        assert w.look(2.0) == 2.0
-        w.note(b"not a frame")  # no descriptor to learn: kept as it was
-        assert w.look(3.0) == 2.0
-    finally:
-        r.close()
-        d.close()
+def test_note_takes_the_connection_a_message_came_on(zmq_pair):
+    r, d = zmq_pair
+    d.send(b"hello")
+    assert r.poll(5000)
+    frames = r.recv_multipart(copy=False)
+    w = TcpWatch()
+    w.note(frames[1])
+    assert w.fd >= 0 and tcp_counts(w.fd) is not None
+    w.look(1.0)
+    d.send(b"z" * 10_000)
+    assert r.poll(5000)
+    r.recv_multipart()
+    assert w.look(2.0) == 2.0
+    w.note(b"not a frame")  # no descriptor to learn: kept as it was
+    assert w.look(3.0) == 2.0
