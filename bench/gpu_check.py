@@ -26,6 +26,9 @@ Sections, in order of what matters most if time runs out:
    TensorRT where importable; p50/p99 client round trip, and the model's raw compute time
    measured in the server process (device-resident input, synchronised), so the transport's
    overhead is the difference.
+5. ``product_latency``: ``python -m bench.gpu_product`` in a subprocess: the real broker,
+   ``gpu_worker --device cuda:0`` and the SDK, 16 B to 64 MiB, by CUDA IPC, by host shared
+   memory to the GPU worker, and to a CPU worker (payload independence of the product path).
 
 The transport is driven over a ZeroMQ PAIR socket with the project's own header frames
 (broker.protocol Request/Reply with ShmLoc / CudaLoc tensors): the broker hop itself is
@@ -54,7 +57,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 FRAME = (1080, 1920, 3)
 SCHEMA = 1
-CHECKS = ("gpu_tests", "ipc_roundtrip", "no_host_copy", "latency")
+CHECKS = ("gpu_tests", "ipc_roundtrip", "no_host_copy", "latency", "product_latency")
 
 
 # --------------------------------------------------------------------------------------------
@@ -210,6 +213,31 @@ def run_gpu_tests(report: Report) -> dict:
     # rc 5: no test collected (all deselected) - counts as a failure here, the tests exist.
     return {"status": "ok" if p.returncode == 0 else "failed", "rc": p.returncode, "summary": summary,
             "command": " ".join(cmd), "output_tail": out[-3000:]}
+
+
+# --------------------------------------------------------------------------------------------
+# Section 5: the product path, 16 B to 64 MiB (bench/gpu_product.py)
+
+def run_product_latency(report: Report) -> dict:
+    timeout = max(10.0, report.left() - 10.0)
+    with tempfile.TemporaryDirectory(prefix="gpu-product-") as tmp:
+        path = Path(tmp) / "gpu_product.json"
+        cmd = [sys.executable, "-m", "bench.gpu_product", "--json", str(path)]
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        report.children.append(p)
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            return {"status": "timeout", "command": " ".join(cmd), "timeout_s": timeout, "output_tail": out[-3000:]}
+        finally:
+            report.children.remove(p)
+        doc = json.loads(path.read_text()) if path.exists() else {}
+    status = "ok" if p.returncode == 0 and doc.get("ok") and not doc.get("skipped") else "failed"
+    return {"status": status, "rc": p.returncode, "command": " ".join(cmd), "output_tail": out[-3000:],
+            "summary": doc.get("summary"), "per_round": doc.get("per_round"), "n": doc.get("n"),
+            "rounds": doc.get("rounds"), "skipped": doc.get("skipped")}
 
 
 # --------------------------------------------------------------------------------------------
@@ -756,6 +784,8 @@ def main(argv: list[str] | None = None) -> int:
                 return latency(s, c, report, args.iters, runtimes, f["cuda"], f["shm"])
 
             report.section("latency", lat, min_left=30)
+        if "product_latency" not in skip:
+            report.section("product_latency", lambda: run_product_latency(report), min_left=30)
     finally:
         # Server first: it imports the client's pool, and an owner should outlive importers.
         if server is not None:

@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from shm.cuda.views import on_stream
+
 __all__ = [
     "Backend",
     "BackendError",
@@ -477,7 +479,7 @@ class TorchBackend(Backend):
             return [self.run_device([r], stream, [m])[0] for r, m in zip(requests, metas)]
         if metas is not None and not batchable:
             metas = metas[0]  # an unbatched model gets its one request's dict
-        ctx = torch.cuda.stream(stream) if (stream is not None and self._cuda) else contextlib.nullcontext()
+        ctx = on_stream(torch, stream) if (stream is not None and self._cuda) else contextlib.nullcontext()
         n = len(requests)
         with ctx:
             batch = {}

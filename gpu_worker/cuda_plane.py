@@ -34,6 +34,7 @@ from broker import protocol as P
 from gpu_worker.cuda_runtime import GpuMemoryPressure, HostRegistry, MemoryWatch
 from gpu_worker.job import Job
 from gpu_worker.planes import HostPlane, check_owner
+from shm.cuda.views import on_stream
 
 #: client segments up to this size are pinned (cudaHostRegister) for DMA uploads...
 PIN_MAX_BYTES = 4 << 30
@@ -138,7 +139,7 @@ class CudaPlane:
         arr = self.cache.view(t.loc, dt, tuple(t.shape), stream=self.stream)
         if not self.device_path:
             # A numpy model reads host memory: one copy, ordered after the producer.
-            with self.torch.cuda.stream(self.stream):
+            with on_stream(self.torch, self.stream):
                 host = arr.to("cpu", non_blocking=True)
             self.stream.synchronize()
             arr = host.numpy()
@@ -195,7 +196,7 @@ class CudaPlane:
         handed = []
         refs = []
         try:
-            with torch.cuda.stream(self.stream):
+            with on_stream(self.torch, self.stream):
                 for name, value in out.items():
                     src = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(value))
                     dt = self._np_dtype(src.dtype)
@@ -223,7 +224,7 @@ class CudaPlane:
     def _to_host(self, out: dict) -> dict:
         torch = self.torch
         fetched = {}
-        with torch.cuda.stream(self.stream):
+        with on_stream(self.torch, self.stream):
             for k, v in out.items():
                 fetched[k] = v.to("cpu", non_blocking=True) if isinstance(v, torch.Tensor) else v
         # Host outputs are complete before FINAL, which also orders our reads of CUDA inputs

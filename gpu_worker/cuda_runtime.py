@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 import numpy as np
 
 from shm.cuda import CudaUnavailable, require_cuda, runtime_api
+from shm.cuda.views import on_stream
 
 log = logging.getLogger("gpu_worker.cuda")
 
@@ -197,7 +198,7 @@ class CopyComputeOverlap:
     def upload(self, host: Mapping[str, Any]) -> Staged:
         """Enqueue H2D of pinned (or registered) host tensors on the copy stream."""
         torch = self._torch
-        with torch.cuda.stream(self.copy_stream):
+        with on_stream(torch, self.copy_stream):
             dev = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
             ev = torch.cuda.Event()
             ev.record(self.copy_stream)
@@ -207,7 +208,7 @@ class CopyComputeOverlap:
         """Run `fn` on the compute stream after the upload's event (a GPU-side wait)."""
         torch = self._torch
         self.compute_stream.wait_event(staged.ready)
-        with torch.cuda.stream(self.compute_stream):
+        with on_stream(torch, self.compute_stream):
             for t in staged.tensors.values():
                 # Allocated on the copy stream, read here: without this the caching
                 # allocator could hand the memory out again while compute still reads it.
@@ -223,7 +224,7 @@ class CopyComputeOverlap:
         torch = self._torch
         self.d2h_stream.wait_event(computed.done)
         host = {}
-        with torch.cuda.stream(self.d2h_stream):
+        with on_stream(torch, self.d2h_stream):
             for k, v in computed.outputs.items():
                 v.record_stream(self.d2h_stream)
                 if into is not None and k in into:
@@ -280,7 +281,7 @@ def _cuda_capture(fn: Callable[[dict], dict], static_in: dict) -> tuple[Callable
     # initialisation (cuDNN/cuBLAS handles, autotuning) must not happen inside the capture.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    with on_stream(torch, side):
         fn(static_in)
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()

@@ -55,7 +55,7 @@ _HOME = {
     "CudaRuntime": "runtime", "CudaUnavailable": "runtime", "TorchCuda": "runtime", "cuda_status": "runtime",
     "default_runtime": "runtime", "require_cuda": "runtime", "runtime_api": "runtime",
     "HostStateTable": "table", "PoolMeta": "table", "read_pool_meta": "table", "release_word": "table",
-    "tensor_at": "views",
+    "tensor_at": "views", "on_stream": "views",
 }
 
 __all__ = sorted(_HOME)

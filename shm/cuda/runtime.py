@@ -58,13 +58,24 @@ def cuda_status() -> tuple[bool, str]:
     return True, "ok"
 
 
+_USABLE: Any = None  # torch, once cuda_status() said yes in this process
+
+
 def require_cuda():
-    """torch, when CUDA is usable; CudaUnavailable (with the reason) otherwise."""
+    """torch, when CUDA is usable; CudaUnavailable (with the reason) otherwise.
+
+    A yes is kept for the process: the pools and views call this on every request, and
+    `cuda_status` asks the driver for the device count each time (``torch.cuda.is_available``
+    is not cached), which took tens of microseconds on the GPU machine."""
+    global _USABLE
+    if _USABLE is not None:
+        return _USABLE
     ok, why = cuda_status()
     if not ok:
         raise CudaUnavailable(why)
     import torch
 
+    _USABLE = torch
     return torch
 
 

@@ -309,6 +309,31 @@ def test_copy_compute_overlap(torch):
     assert torch.equal(out["y"], host["x"] * 2)
 
 
+def test_on_stream_swaps_and_restores_the_current_stream_as_torchs_context_does(torch):
+    from shm.cuda.views import on_stream
+
+    base = torch.cuda.current_stream()
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    with on_stream(torch, a) as got:
+        assert got == a and torch.cuda.current_stream() == a
+        with on_stream(torch, b):
+            assert torch.cuda.current_stream() == b
+        assert torch.cuda.current_stream() == a
+        with on_stream(torch, None):
+            assert torch.cuda.current_stream() == a
+    assert torch.cuda.current_stream() == base
+    with pytest.raises(KeyError), on_stream(torch, a):
+        raise KeyError("inside")
+    assert torch.cuda.current_stream() == base
+    # Work queued inside runs on the stream: the same result as under torch's own context.
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    with on_stream(torch, a):
+        a.wait_stream(base)
+        y = x * 2
+    a.synchronize()
+    assert torch.equal(y, x * 2)
+
+
 def test_memory_watch_on_the_device(torch):
     from gpu_worker.cuda_runtime import MemoryWatch
 

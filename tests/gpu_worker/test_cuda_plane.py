@@ -28,6 +28,8 @@ GiB = 1 << 30
 
 
 class Stream:
+    device_index = 0
+
     def __init__(self, log):
         self.log = log
         self.syncs = 0
@@ -38,11 +40,26 @@ class Stream:
 
 
 class _Cuda:
+    """The current-stream calls `shm.cuda.views.on_stream` makes, on one device."""
+
     OutOfMemoryError = torch.cuda.OutOfMemoryError
+    current = None
 
     @staticmethod
     def stream(s):
         return contextlib.nullcontext()
+
+    @staticmethod
+    def current_device():
+        return 0
+
+    @classmethod
+    def current_stream(cls, device=None):
+        return cls.current
+
+    @classmethod
+    def set_stream(cls, s):
+        cls.current = s
 
 
 class Torch:
