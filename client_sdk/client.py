@@ -125,9 +125,9 @@ class Client(ClientBase):
                     now = time.monotonic()
                     deadline = call.deadline
                     if deadline is None:
-                        self._pump(None, now)
+                        self._pump(None, now, inbox)
                     elif now < deadline:
-                        self._pump(deadline - now, now)
+                        self._pump(deadline - now, now, inbox)
                     else:
                         raise call.deadline_error()
                 kind, item = inbox.popleft()
@@ -302,8 +302,8 @@ class Client(ClientBase):
         fails (in their inbox) the calls the broker has been silent on for too long."""
         self._pump(timeout, time.monotonic())
 
-    def _pump(self, timeout: float | None, now: float) -> None:
-        """`pump` at `now`."""
+    def _pump(self, timeout: float | None, now: float, until: Any = None) -> None:
+        """`pump` at `now`; ``until``: `_drain`'s."""
         core = self._core
         if self._pending:
             self._flush_pending()
@@ -336,7 +336,7 @@ class Client(ClientBase):
                 ms = 0
         ready = self._waiter.wait(ms)
         if ready:
-            self._drain(ready)
+            self._drain(ready, until=until)
 
     # ---------------------------------------------------------------- socket work
 
@@ -422,7 +422,7 @@ class Client(ClientBase):
             pending.popleft()
             self._core.last_send = time.monotonic()
 
-    def _drain(self, ready: list | None = None, always_broker: bool = False) -> None:
+    def _drain(self, ready: list | None = None, always_broker: bool = False, until: Any = None) -> None:
         # EVENTS rather than recv(NOBLOCK) until zmq.Again: an exception per wake-up costs
         # more than the rest of the client's work on a small request.  `ready`: the sockets
         # the Waiter found holding a message (each socket asked costs a syscall pair);
@@ -435,6 +435,11 @@ class Client(ClientBase):
         # routed (or it would send them again), so a pass in which a reply socket ran out
         # of budget leaves the broker's socket for the next one (unless ``always_broker``:
         # the broker has seemed silent so long that its word cannot wait).
+        # ``until``: a caller's inbox (`infer`'s); once a message routed something into it
+        # the drain stops, without asking the socket whether more is queued: what is left is
+        # read by the next pass (the Waiter asks a socket read without a last question
+        # before it sleeps), and a caller that sends one request at a time saves a syscall
+        # pair per request.
         core = self._core
         pins = self._pin_of
         monitors = self._monitors
@@ -470,6 +475,10 @@ class Client(ClientBase):
                 for out in core.on_message(frames, time.monotonic(), direct, pin):
                     self._send_soon(out)
                 readable = False
+                if until:
+                    break
+            if until:
+                break
             if not most and direct:
                 capped = True
         if core.ops:  # after the loop: it may open and close the sockets waited for

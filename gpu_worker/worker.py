@@ -459,7 +459,7 @@ class Worker:
                 if self._busy and self._offload.done in events:
                     self._finish_offloaded()
                 if self.sock in events:
-                    self._drain()
+                    self._drain(ready=True)
                     self._last_heard = time.monotonic()
                 if direct in events or link_fd in events or (link is not None and link.inbox):
                     self._drain_direct(router=direct in events, link=True)
@@ -589,16 +589,22 @@ class Worker:
         if self.upstream.reconnected() and self._reconnect_why is None:
             self._reconnect_why = "broker connection re-established"
 
-    def _drain(self) -> None:
+    def _drain(self, ready: bool = False) -> None:
         # EVENTS instead of recv(NOBLOCK) + zmq.Again: no exception per wake-up.  A message
         # that asks for a reconnect ends the drain: the loop reconnects before reading again.
+        # ``ready``: the Waiter has just found a message here (it asked EVENTS, and nothing
+        # touched the socket since), so the first read needs no question.
         sock = self.sock
         self._lane_ran = False
         # After a batch run in the lane the loop's turn comes first (signals, the other
         # socket, DONEs, housekeeping): what else waits here is read on its next pass.
         tcp = self._tcp
-        while self._reconnect_why is None and not self._lane_ran and sock_events(sock) & _POLLIN:
-            frames = recv_frames(sock)
+        while self._reconnect_why is None and not self._lane_ran and (ready or sock_events(sock) & _POLLIN):
+            ready = False
+            try:
+                frames = recv_frames(sock, zmq.NOBLOCK)  # never waits, whatever read it meanwhile
+            except zmq.Again:
+                break
             self._last_heard = time.monotonic()
             if tcp is not None:
                 tcp.note(frames[0])  # the connection the broker's word comes on
@@ -935,10 +941,14 @@ class Worker:
         waiter = self._poller
         ds = self.direct_socket
         if waiter is not None:
-            # serve's: one poll of every descriptor it waits on when its sockets are quiet
-            # (the broker's, the direct ROUTER, the link's); anything there, even a monitor
-            # event, sends this request the batcher's way, which runs it right after the drain
-            if (ds is not None and ds.link is not None and ds.link.inbox) or waiter.any_message():
+            # serve's: EVENTS of its sockets (the broker's, the direct ROUTER), and a poll of
+            # the descriptors of those that are quiet and of the link's; a message there
+            # sends this request the batcher's way, which runs it right after the drain.  The
+            # monitor's descriptor does not count: a connection event has no request to
+            # join this one's batch or go first (and the poll syscall it would cost is a few
+            # percent of a small request).
+            link = ds.link if ds is not None else None
+            if (link is not None and link.inbox) or waiter.any_message(descriptors=link is not None):
                 return False
         elif _holds_message(sock) or (ds is not None and ds.has_message()):
             return False

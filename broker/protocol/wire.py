@@ -336,15 +336,25 @@ class Waiter:
             _QUIET.discard(sock)
         return bool(sock_events(sock) & _POLLIN)
 
-    def any_message(self) -> bool:
+    def any_message(self, descriptors: bool = True) -> bool:
         """Whether any watched socket may hold a message or any plain descriptor is readable,
         without waiting: EVENTS of the sockets that are not quiet, then one poll of every
         descriptor (a quiet socket whose descriptor signalled counts, unasked).  May answer
-        True for nothing (a signal for a socket command); never False for a message."""
+        True for nothing (a signal for a socket command); never False for a message.
+        ``descriptors=False``: the plain descriptors do not count, and when every socket was
+        asked (none quiet) the poll syscall is left out."""
         quiet = _QUIET
+        any_quiet = False
         for sock in self._socks:
-            if sock not in quiet and sock_events(sock) & _POLLIN:
+            if sock in quiet:
+                any_quiet = True
+            elif sock_events(sock) & _POLLIN:
                 return True
+        if not descriptors:
+            if not any_quiet:
+                return False
+            by_fd = self._by_fd
+            return any(fd in by_fd for fd, _ in self._poll.poll(0))
         return bool(self._poll.poll(0))
 
     def wait(self, ms: int) -> list[Any]:

@@ -246,6 +246,49 @@ def test_any_message_never_misses_one_that_waits(pairs):
         os.close(wfd)
 
 
+def test_any_message_without_descriptors_ignores_them_and_polls_only_for_quiet_sockets(pairs, monkeypatch):
+    """``any_message(descriptors=False)`` (the worker's check when no link is open): a
+    readable plain descriptor (the monitor's) does not count; a socket that was just asked
+    costs no poll syscall; a quiet socket's message is still seen through its descriptor."""
+    (pa, a), (pb, b) = pairs
+    r, wfd = os.pipe()
+    w = Waiter()
+    w.add(a)
+    w.add(b)
+    w.add_fd(r)
+    try:
+        assert w.wait(0) == []  # both quiet
+        os.write(wfd, b"x")
+        assert w.any_message() and not w.any_message(descriptors=False)
+        send_frames(pb, [b"m"])
+        deadline = time.monotonic() + WAIT_MS / 1000
+        while not w.any_message(descriptors=False):  # b is quiet: its descriptor tells
+            assert time.monotonic() < deadline, "a message that arrived was not seen"
+        assert w.wait(0) == [b, r]
+        recv_frames(b)
+        touched(a)  # neither quiet now: both are asked, and nothing is polled
+        polls = []
+        real = w._poll
+
+        class Counted:
+            def poll(self, ms):
+                polls.append(ms)
+                return real.poll(ms)
+
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+        monkeypatch.setattr(w, "_poll", Counted())
+        assert not w.any_message(descriptors=False) and polls == []
+        send_frames(pa, [b"n"])
+        _settled(a)
+        assert w.any_message(descriptors=False) and polls == []
+    finally:
+        w.close()
+        os.close(r)
+        os.close(wfd)
+
+
 def test_no_marks_outlive_a_client(tmp_path):
     """A closed Client, or one dropped without close(), leaves no socket in wire's marks."""
     import gc
