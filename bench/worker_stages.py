@@ -1,0 +1,211 @@
+"""Where a lone small request's time goes inside our worker, measured cold: stage timers.
+
+    python -m bench.worker_stages [--n 3000] [--json PATH]
+
+`bench.hotpath` times the worker's Python with its sockets stubbed, in a tight loop: warm
+caches, a few microseconds per stage.  In a real closed loop every request arrives after
+the worker slept, with its caches and branch predictors taken by the client, the relay and
+the kernel, and the same code runs several times slower.  This runs the worker as
+`proxy-sdk` does (`bench.proxied_worker`, echo, `--max-batch 1`, behind `zmq.proxy`), driven
+by `bench.lean_floor`'s lean client, with `time.perf_counter_ns` taken at the boundaries of
+the worker's own methods (wrapped at start: about a microsecond each), and reports the
+median of each stage over `--n` requests (the first 200 left out), beside the lean worker's
+receive-to-send time measured the same way (`bench.lean_floor worker`).
+
+Stages (wake: the loop's wait returned with the request; sent: the reply's frames handed to
+libzmq, the I/O thread woken):
+
+  wake -> drain       the loop's checks before it reads
+  drain -> admit      receive, upstream parse, header decode, the Job
+  admit -> run        model check, input views, the lone-request check, the batcher
+  run -> model        the batch's bookkeeping (compute-time predictions, heartbeat hand-off)
+  model               the model (the echo, through the backend)
+  model -> reply      compute-time and keep-warm records, timing, outputs, header encode
+  reply -> sent       the upstream's framing and the send
+  sent -> next wait   the rest of the loop pass, after the reply left (not on the latency
+                      path, but on a 2-vCPU machine it takes CPU from the client and relay)
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import statistics
+import sys
+import time
+
+STAGES = [("wake", "drain0", "wake -> drain"), ("drain0", "admit0", "drain -> admit"), ("admit0", "run0", "admit -> run"),
+          ("run0", "model0", "run -> model"), ("model0", "model1", "model"), ("model1", "reply0", "model -> reply"),
+          ("reply0", "sent", "reply -> sent"), ("wake", "sent", "wake -> sent"), ("sent", "next", "sent -> next wait"),
+          ("wake", "next", "wake -> next wait")]
+SKIP = 200
+
+
+def _instrumented_worker(argv: list[str]) -> int:
+    """`bench.proxied_worker` with the stage timers; writes the medians to $STAGES_OUT at exit."""
+    import broker.protocol.wire as W
+    import gpu_worker.worker as GW
+    from bench import proxied_worker as PW
+    from gpu_worker import planes
+
+    pc = time.perf_counter_ns
+    marks: dict[str, int] = {}
+    rows: list[dict] = []
+    wait = W.Waiter.wait
+
+    def timed_wait(self, ms):
+        t = pc()
+        if "wake" in marks and "sent" in marks:
+            marks["next"] = t
+            rows.append(dict(marks))
+        marks.clear()
+        ready = wait(self, ms)
+        if ms != 0 and ready:
+            marks["wake"] = pc()
+        return ready
+
+    def wrap(cls, name: str, key: str) -> None:
+        f = getattr(cls, name)
+
+        def timed(*a, **k):
+            if "wake" in marks and key + "0" not in marks:
+                marks[key + "0"] = pc()
+            try:
+                return f(*a, **k)
+            finally:
+                if "wake" in marks and key + "1" not in marks:
+                    marks[key + "1"] = pc()
+        setattr(cls, name, timed)
+
+    W.Waiter.wait = timed_wait
+    wrap(GW.Worker, "_drain", "drain")
+    wrap(GW.Worker, "_admit", "admit")
+    wrap(GW.Worker, "_run", "run")
+    wrap(GW.Worker, "_reply", "reply")
+    wrap(planes.HostPlane, "run", "model")
+    to_client = PW.ProxyLink._to_client
+
+    def timed_to_client(self, frames):
+        out = to_client(self, frames)
+        if "wake" in marks and "sent" not in marks:
+            marks["sent"] = pc()
+        return out
+
+    PW.ProxyLink._to_client = timed_to_client
+
+    def dump() -> None:
+        rs = rows[SKIP:]
+        res = {"n": len(rs)}
+        for a, b, name in STAGES:
+            v = [r[b] - r[a] for r in rs if a in r and b in r]
+            res[name] = round(statistics.median(v) / 1e3, 1) if v else None
+        with open(os.environ["STAGES_OUT"], "w") as f:
+            json.dump(res, f)
+
+    atexit.register(dump)
+    return PW.main(argv)
+
+
+def _instrumented_lean(connect: str) -> None:
+    """The lean worker with its receive-to-send time taken; medians to $STAGES_OUT at exit."""
+    import signal
+
+    import bench.lean_floor as L
+
+    pc = time.perf_counter_ns
+    rows: list[tuple[int, int]] = []
+    got: list[int] = [0]
+    recv, send = L.recv_frames, L.send_frames
+
+    def timed_recv(sock, *a):
+        f = recv(sock, *a)
+        got[0] = pc()
+        return f
+
+    def timed_send(sock, frames, *a):
+        send(sock, frames, *a)
+        rows.append((got[0], pc()))
+
+    L.recv_frames, L.send_frames = timed_recv, timed_send
+
+    def dump() -> None:
+        rs = rows[SKIP:]
+        with open(os.environ["STAGES_OUT"], "w") as f:
+            json.dump({"n": len(rs), "receive -> sent": round(statistics.median(b - a for a, b in rs) / 1e3, 1)
+                       if rs else None}, f)
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # exit through atexit
+    atexit.register(dump)
+    L.run_worker(connect)
+
+
+class _Staged:
+    """A `zmq.proxy` and one instrumented worker (``sub``: "serve", ours; "lean")."""
+
+    def __init__(self, sub: str, out: str):
+        from bench.peers import Peer
+
+        class Staged(Peer):
+            name = f"worker-stages-{sub}"
+
+            def start(self) -> None:
+                self.endpoint = self.ipc("front")
+                back = self.ipc("back")
+                self.spawn(self.python_module("bench.echo_servers", "proxy", "--front", self.endpoint, "--back", back))
+                args = ["--connect", back, "--model", "echo", "--max-batch", "1"] if sub == "serve" else [back]
+                self.spawn(self.python_module("bench.worker_stages", sub, *args), env=dict(os.environ, STAGES_OUT=out))
+
+        self.peer = Staged()
+
+
+def measure(n: int) -> dict:
+    import shutil
+    import tempfile
+
+    from bench.lean_floor import LeanClient
+
+    out: dict = {"n": n}
+    tmp = tempfile.mkdtemp(prefix="zstages-")
+    try:
+        for name, sub in (("ours", "serve"), ("lean", "lean")):
+            path = os.path.join(tmp, f"{name}.json")
+            with _Staged(sub, path).peer as peer:  # stop() ends the worker: it writes `path`
+                c = LeanClient(peer.endpoint)
+                try:
+                    for _ in range(n + SKIP):
+                        c.call()
+                finally:
+                    c.close()
+            with open(path) as f:
+                out[name] = json.load(f)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        return _instrumented_worker(argv[1:])
+    if argv and argv[0] == "lean":
+        _instrumented_lean(argv[1])
+        return 0
+    ap = argparse.ArgumentParser(prog="python -m bench.worker_stages", description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=3000, help="requests measured (after 200 warm-ups)")
+    ap.add_argument("--json", default=None, help="also write the report here")
+    args = ap.parse_args(argv)
+    from bench.report import machine_info
+
+    res = measure(args.n)
+    res["machine"] = machine_info()
+    text = json.dumps(res, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
