@@ -44,6 +44,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -180,8 +181,7 @@ class Report:
                     if c.get("status") in ("pending", "running"):
                         c["status"] = "timeout"
             for p in self.children:
-                with contextlib.suppress(Exception):
-                    p.kill()
+                _kill_group(p, signal.SIGKILL)
             self.write()
             os._exit(2)
 
@@ -191,6 +191,42 @@ class Report:
         return t
 
 
+def _kill_group(p: subprocess.Popen, sig: int) -> None:
+    """Signal a child and, if it leads a session of its own (`_run_group`'s), every process
+    in it; a child in ours gets the signal alone."""
+    with contextlib.suppress(OSError):
+        if os.getpgid(p.pid) == p.pid:
+            os.killpg(p.pid, sig)
+        else:
+            p.send_signal(sig)
+
+
+def _run_group(report: Report, cmd: list[str], timeout: float) -> tuple[int | None, str]:
+    """Run `cmd` in a session of its own, output captured; (returncode, output), or (None,
+    output) when it ran past `timeout`.  On a timeout the whole session goes: SIGTERM (our
+    processes drain and exit), SIGKILL what is left after 10 s.  The session matters: the
+    brokers and workers the child starts hold the output pipe, and killing the child alone
+    would leave them running and the read of its output waiting for them."""
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    report.children.append(p)
+    try:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+            return p.returncode, out
+        except subprocess.TimeoutExpired:
+            _kill_group(p, signal.SIGTERM)
+            try:
+                out, _ = p.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                _kill_group(p, signal.SIGKILL)
+                out, _ = p.communicate()
+            return None, out
+    finally:
+        _kill_group(p, signal.SIGKILL)  # anything of its session still there
+        report.children.remove(p)
+
+
 # --------------------------------------------------------------------------------------------
 # Section 1: the GPU tests
 
@@ -198,20 +234,13 @@ def run_gpu_tests(report: Report) -> dict:
     timeout = max(10.0, min(150.0, report.left() - 200.0))
     cmd = [sys.executable, "-m", "pytest", "tests/gpu", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
            "--timeout", "120"]
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    report.children.append(p)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
+    rc, out = _run_group(report, cmd, timeout)
+    if rc is None:
         return {"status": "timeout", "command": " ".join(cmd), "timeout_s": timeout, "output_tail": out[-3000:]}
-    finally:
-        report.children.remove(p)
     lines = [ln for ln in out.strip().splitlines() if ln.strip()]
     summary = lines[-1] if lines else ""
     # rc 5: no test collected (all deselected) - counts as a failure here, the tests exist.
-    return {"status": "ok" if p.returncode == 0 else "failed", "rc": p.returncode, "summary": summary,
+    return {"status": "ok" if rc == 0 else "failed", "rc": rc, "summary": summary,
             "command": " ".join(cmd), "output_tail": out[-3000:]}
 
 
@@ -223,19 +252,12 @@ def run_product_latency(report: Report) -> dict:
     with tempfile.TemporaryDirectory(prefix="gpu-product-") as tmp:
         path = Path(tmp) / "gpu_product.json"
         cmd = [sys.executable, "-m", "bench.gpu_product", "--json", str(path)]
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        report.children.append(p)
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
+        rc, out = _run_group(report, cmd, timeout)
+        if rc is None:
             return {"status": "timeout", "command": " ".join(cmd), "timeout_s": timeout, "output_tail": out[-3000:]}
-        finally:
-            report.children.remove(p)
         doc = json.loads(path.read_text()) if path.exists() else {}
-    status = "ok" if p.returncode == 0 and doc.get("ok") and not doc.get("skipped") else "failed"
-    return {"status": status, "rc": p.returncode, "command": " ".join(cmd), "output_tail": out[-3000:],
+    status = "ok" if rc == 0 and doc.get("ok") and not doc.get("skipped") else "failed"
+    return {"status": status, "rc": rc, "command": " ".join(cmd), "output_tail": out[-3000:],
             "summary": doc.get("summary"), "per_round": doc.get("per_round"), "n": doc.get("n"),
             "rounds": doc.get("rounds"), "skipped": doc.get("skipped")}
 

@@ -435,11 +435,12 @@ class Client(ClientBase):
         # routed (or it would send them again), so a pass in which a reply socket ran out
         # of budget leaves the broker's socket for the next one (unless ``always_broker``:
         # the broker has seemed silent so long that its word cannot wait).
-        # ``until``: a caller's inbox (`infer`'s); once a message routed something into it
-        # the drain stops, without asking the socket whether more is queued: what is left is
-        # read by the next pass (the Waiter asks a socket read without a last question
-        # before it sleeps), and a caller that sends one request at a time saves a syscall
-        # pair per request.
+        # ``until``: a caller's inbox (`infer`'s); once a message from the broker's socket
+        # routed something into it, that socket is not asked whether more is queued: what
+        # is left is read by the next pass (the Waiter asks a socket read without a last
+        # question before it sleeps), and a caller that sends one request at a time saves a
+        # syscall pair per request.  The broker's socket is read last, so the pass ends
+        # there; reply sockets are drained as always (their order before the broker's word).
         core = self._core
         pins = self._pin_of
         monitors = self._monitors
@@ -475,10 +476,8 @@ class Client(ClientBase):
                 for out in core.on_message(frames, time.monotonic(), direct, pin):
                     self._send_soon(out)
                 readable = False
-                if until:
+                if until and not direct:
                     break
-            if until:
-                break
             if not most and direct:
                 capped = True
         if core.ops:  # after the loop: it may open and close the sockets waited for

@@ -277,6 +277,7 @@ class Worker:
         self.broker_instance: bytes | None = None
         self._offload: ComputeThread | None = None
         self._poller: Waiter | None = None      # the loop's, while it serves
+        self._events: list = []                 # what its last wait found ready
         self._monitor_fd: int | None = None     # the upstream monitor's descriptor, in that waiter
         self._heartbeats: LoopHeartbeats | None = None  # while serving
         self._busy = False
@@ -455,7 +456,7 @@ class Worker:
                     ms = min(ms, done_ms)
                 if link is not None and link.inbox:
                     ms = 0  # read from the link already, not yet handled: its descriptor will not tell
-                events = poller.wait(int(ms))
+                events = self._events = poller.wait(int(ms))
                 if self._busy and self._offload.done in events:
                     self._finish_offloaded()
                 if self.sock in events:
@@ -949,6 +950,11 @@ class Worker:
             # percent of a small request).
             link = ds.link if ds is not None else None
             if (link is not None and link.inbox) or waiter.any_message(descriptors=link is not None):
+                return False
+            if self._monitor_fd in self._events:
+                # A connection event came in this same wake-up: if the connection came back,
+                # the reconnect that follows gives what we hold back to the broker, which
+                # retries it elsewhere; this request must not run here first.
                 return False
         elif _holds_message(sock) or (ds is not None and ds.has_message()):
             return False

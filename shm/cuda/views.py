@@ -71,7 +71,7 @@ class on_stream:
             return self._ctx.__enter__()
         self._prev = torch.cuda.current_stream(s.device_index)
         torch.cuda.set_stream(s)
-        return s
+        return None  # as torch's context
 
     def __exit__(self, *exc: Any) -> bool:
         ctx, self._ctx = self._ctx, None

@@ -58,3 +58,23 @@ def test_memcpy_counting_by_direction():
     c = memcpy_counts(Prof())
     assert (c["htod"], c["dtoh"], c["dtod"], c["other_memcpy"]) == (1, 1, 2, 0)
     assert c["names"]["cudaMemcpyAsync"] == 1
+
+
+def test_a_section_that_runs_past_its_time_takes_its_whole_process_tree_with_it(tmp_path):
+    """`_run_group`: a section's child whose own children hold the output pipe (the brokers
+    and workers of `gpu_product`, the pytest cluster) is stopped with all of them on a
+    timeout, and the read of its output does not wait for them."""
+    import time
+
+    from bench import gpu_check
+
+    report = gpu_check.Report(tmp_path / "gc.json", [], 60, False)
+    marker = f"gpu-check-orphan-{os.getpid()}"
+    cmd = [sys.executable, "-c", "import subprocess, sys, time; "
+           f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)', {marker!r}]); "
+           "print('started', flush=True); time.sleep(120)"]
+    t0 = time.monotonic()
+    rc, out = gpu_check._run_group(report, cmd, 1.0)
+    assert rc is None and out == "started\n" and time.monotonic() - t0 < 30
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+    assert left == "" and report.children == []

@@ -43,7 +43,7 @@ class _Cuda:
     """The current-stream calls `shm.cuda.views.on_stream` makes, on one device."""
 
     OutOfMemoryError = torch.cuda.OutOfMemoryError
-    current = None
+    default = current = "default stream"
 
     @staticmethod
     def stream(s):
@@ -297,6 +297,18 @@ def test_device_replies_stay_in_the_pool_handed_to_the_client(side):
     assert all(type(r.loc) is P.CudaLoc for r in refs) and refs[0].dtype == "<i2" and refs[1].dtype == "<f4"
     assert side.pool.handed == [(0, os.getpid()), (1, os.getpid())]
     torch.testing.assert_close(side.pool.live[0], torch.arange(3, dtype=torch.int16))
+    assert _Cuda.current == _Cuda.default  # the copies ran under on_stream, which put the stream back
+
+
+def test_on_stream_puts_the_previous_stream_back(side):
+    from shm.cuda.views import on_stream
+
+    with pytest.raises(KeyError), on_stream(Torch, side.stream):
+        assert _Cuda.current is side.stream
+        with on_stream(Torch, None):
+            assert _Cuda.current is side.stream
+        raise KeyError("inside")
+    assert _Cuda.current == _Cuda.default
 
 
 def test_a_full_device_pool_degrades_to_host_memory(side):
