@@ -17,7 +17,8 @@ Paths measured, each against one worker of a copying model (`y = x.clone()`, `--
 
 Rounds interleave the paths; each round measures every (path, size) with `--n` requests after
 warm-ups and checks the first output byte for byte.  The summary gives medians over rounds of
-p50 and p99, and for each path the payload ratio p50(size) / p50(16 B).  Without CUDA the
+p50 and p99, and for each path the payload ratio p50(size) / p50(smallest size, 16 B by
+default) (`p50_over_smallest`; the first runs, in bench/results/gpu/, named it `p50_over_16B`).  Without CUDA the
 cuda paths are skipped with the reason and the CPU path still runs (the harness is tested on
 the CPU this way).
 """
@@ -140,11 +141,20 @@ def run(devices: list[str], n: int, rounds: int, sizes=SIZES, warm: int = 30) ->
 
     have_cuda, why = cuda_status()
     skipped: dict[str, str] = {}
-    if not have_cuda:
-        for d in devices:
-            if d != "cpu":
-                skipped[d] = f"no CUDA device: {why}"
-        devices = [d for d in devices if d == "cpu"]
+    count = 0
+    if have_cuda:
+        import torch
+
+        count = torch.cuda.device_count()
+    for d in devices:
+        if d == "cpu":
+            continue
+        if not have_cuda:
+            skipped[d] = f"no CUDA device: {why}"
+        elif not d.startswith("cuda:") or not d[5:].isdigit() or int(d[5:]) >= count:
+            skipped[d] = f"no such device here ({count} CUDA device(s): cuda:0 .. cuda:{count - 1})"
+    devices = [d for d in devices if d not in skipped]
+    sizes = tuple(sorted(sizes))
     paths: list[tuple[str, str]] = []  # (path name, worker device)
     for d in devices:
         if d == "cpu":
@@ -181,7 +191,7 @@ def run(devices: list[str], n: int, rounds: int, sizes=SIZES, warm: int = 30) ->
             if base is None:
                 base = p50
             summary[key] = {"path": path, "bytes": size, "p50_ms": p50, "p99_ms": p99,
-                            "p50_over_16B": p50 / base,
+                            "p50_over_smallest": p50 / base,
                             "bit_exact": all(rd[key]["bit_exact"] for rd in per_round)}
     return {"paths": [p for p, _ in paths], "sizes": list(sizes), "n": n, "rounds": rounds,
             "skipped": skipped, "summary": summary, "per_round": per_round,
@@ -196,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma list of bytes")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.n < 1 or args.rounds < 1:
+        ap.error("--n and --rounds must be at least 1")
     t0 = time.monotonic()
     doc = run([d for d in args.devices.split(",") if d], args.n, args.rounds,
               tuple(int(s) for s in args.sizes.split(",") if s))
@@ -204,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                elapsed_s=round(time.monotonic() - t0, 1))
     for key, v in doc["summary"].items():
         print(f"{key:>22}  p50 {v['p50_ms']:8.3f} ms  p99 {v['p99_ms']:8.3f} ms  "
-              f"x16B {v['p50_over_16B']:5.2f}  {'exact' if v['bit_exact'] else 'WRONG'}")
+              f"x smallest {v['p50_over_smallest']:5.2f}  {'exact' if v['bit_exact'] else 'WRONG'}")
     for d, why in doc["skipped"].items():
         print(f"skipped {d}: {why}")
     if args.json:
