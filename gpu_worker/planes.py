@@ -218,6 +218,10 @@ def is_same_array(a: np.ndarray, b: np.ndarray) -> bool:
     return (
         a.shape == b.shape
         and a.dtype == b.dtype
-        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
         and a.flags.c_contiguous
+        # may_share_memory first (a bounds check in C, 0.3 µs): most outputs are new
+        # memory, and the addresses (a dict built per __array_interface__, 2 µs each) are
+        # asked only of those that overlap the input
+        and np.may_share_memory(a, b)
+        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
     )

@@ -163,3 +163,18 @@ def test_a_cpu_worker_never_loads_the_cuda_plane(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["HostPlane", "False", "False"]
+
+
+def test_is_same_array_is_the_whole_input_and_nothing_else():
+    from gpu_worker.planes import is_same_array
+
+    buf = np.arange(64, dtype=np.uint8)
+    x = buf[:16]
+    assert is_same_array(x.reshape(1, 16)[0], x)                    # a view of all of it: the identity
+    assert not is_same_array(buf[1:17], x)                           # overlapping, shifted
+    assert not is_same_array(x.copy(), x)                            # equal bytes, other memory
+    assert not is_same_array(x[:8], x)                               # a part
+    assert not is_same_array(x.view(np.int8), x)                     # another dtype
+    assert not is_same_array(buf[::4], buf[::4].copy())              # strided, other memory
+    y = np.arange(32, dtype=np.uint8).reshape(4, 8)
+    assert not is_same_array(y.T.T[:, ::2], y[:, ::2])               # the same non-contiguous view
