@@ -29,6 +29,9 @@ Sections, in order of what matters most if time runs out:
 5. ``product_latency``: ``python -m bench.gpu_product`` in a subprocess: the real broker,
    ``gpu_worker --device cuda:0`` and the SDK, 16 B to 64 MiB, by CUDA IPC, by host shared
    memory to the GPU worker, and to a CPU worker (payload independence of the product path).
+6. ``cuda_stages``: ``python -m bench.worker_stages --client sdk --device cuda:0`` with a
+   16 B input by CUDA IPC and by host shared memory: the GPU worker's stages timed in place,
+   to find where the CUDA path's fixed cost goes (BENCHMARKS.md, "GPU").
 
 The transport is driven over a ZeroMQ PAIR socket with the project's own header frames
 (broker.protocol Request/Reply with ShmLoc / CudaLoc tensors): the broker hop itself is
@@ -58,7 +61,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 FRAME = (1080, 1920, 3)
 SCHEMA = 1
-CHECKS = ("gpu_tests", "ipc_roundtrip", "no_host_copy", "latency", "product_latency")
+CHECKS = ("gpu_tests", "ipc_roundtrip", "no_host_copy", "latency", "product_latency", "cuda_stages")
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,6 +263,30 @@ def run_product_latency(report: Report) -> dict:
     return {"status": status, "rc": rc, "command": " ".join(cmd), "output_tail": out[-3000:],
             "summary": doc.get("summary"), "per_round": doc.get("per_round"), "n": doc.get("n"),
             "rounds": doc.get("rounds"), "skipped": doc.get("skipped")}
+
+
+# --------------------------------------------------------------------------------------------
+# Section 6: the GPU worker's stages (bench/worker_stages.py)
+
+def run_cuda_stages(report: Report) -> dict:
+    results, status = {}, "ok"
+    with tempfile.TemporaryDirectory(prefix="gpu-stages-") as tmp:
+        for transport in ("cuda", "shm"):
+            if report.left() < 40:
+                results[transport] = {"status": "skipped", "reason": "time budget exhausted"}
+                continue
+            path = Path(tmp) / f"{transport}.json"
+            cmd = [sys.executable, "-m", "bench.worker_stages", "--client", "sdk", "--device", "cuda:0",
+                   "--transport", transport, "--bytes", "16", "--n", "2000", "--json", str(path)]
+            rc, out = _run_group(report, cmd, max(10.0, min(120.0, report.left() - 20.0)))
+            if rc == 0 and path.exists():
+                doc = json.loads(path.read_text())
+                results[transport] = {"client_p50_us": doc.get("client_p50_us"), "worker": doc.get("ours")}
+            else:
+                status = "failed"
+                results[transport] = {"rc": rc, "command": " ".join(cmd), "output_tail": out[-2000:]}
+    return {"status": status, "results": results,
+            "units": "µs; client_p50_us: the Client's round trip; worker: medians of its stages (bench/worker_stages.py)"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -808,6 +835,8 @@ def main(argv: list[str] | None = None) -> int:
             report.section("latency", lat, min_left=30)
         if "product_latency" not in skip:
             report.section("product_latency", lambda: run_product_latency(report), min_left=30)
+        if "cuda_stages" not in skip:
+            report.section("cuda_stages", lambda: run_cuda_stages(report), min_left=40)
     finally:
         # Server first: it imports the client's pool, and an owner should outlive importers.
         if server is not None:

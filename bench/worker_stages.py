@@ -1,6 +1,13 @@
 """Where a lone small request's time goes inside our worker, measured cold: stage timers.
 
     python -m bench.worker_stages [--n 3000] [--json PATH]
+    python -m bench.worker_stages --client sdk --device cuda:0 --transport cuda --bytes 6220800
+
+The second form is for a GPU machine: our `Client` (its round trip timed too) sends an
+`alloc_cuda` tensor to a `--device cuda:0` worker of `bench.gpu_product`'s copying model
+and asks for the reply on the device; the stages then include the CUDA plane's input
+mapping (IPC handle, event wait) and output hand-off.  `--transport shm` sends an `alloc`
+buffer instead (host memory, to a CPU or a GPU worker).
 
 `bench.hotpath` times the worker's Python with its sockets stubbed, in a tight loop: warm
 caches, a few microseconds per stage.  In a real closed loop every request arrives after
@@ -38,6 +45,7 @@ import sys
 import time
 
 STAGES = [("wake", "drain0", "wake -> drain"), ("drain0", "admit0", "drain -> admit"), ("admit0", "run0", "admit -> run"),
+          ("map0", "map1", "  of which: map inputs"), ("out0", "out1", "  of which: write outputs"),
           ("run0", "model0", "run -> model"), ("model0", "model1", "model"), ("model1", "reply0", "model -> reply"),
           ("reply0", "sent", "reply -> sent"), ("wake", "sent", "wake -> sent"), ("recv", "sent", "received -> sent"), ("sent", "next", "sent -> next wait"),
           ("wake", "next", "wake -> next wait")]
@@ -95,6 +103,13 @@ def _instrumented_worker(argv: list[str]) -> int:
     wrap(GW.Worker, "_run", "run")
     wrap(GW.Worker, "_reply", "reply")
     wrap(planes.HostPlane, "run", "model")
+    wrap(planes.HostPlane, "map_inputs", "map")
+    wrap(planes.HostPlane, "write_outputs", "out")
+    from gpu_worker import cuda_plane  # imports no torch: the CUDA plane's own methods, for a cuda worker
+
+    wrap(cuda_plane.CudaPlane, "run", "model")
+    wrap(cuda_plane.CudaPlane, "map_inputs", "map")
+    wrap(cuda_plane.CudaPlane, "write_outputs", "out")
     to_client = PW.ProxyLink._to_client
 
     def timed_to_client(self, frames):
@@ -154,7 +169,7 @@ def _instrumented_lean(connect: str) -> None:
 class _Staged:
     """A `zmq.proxy` and one instrumented worker (``sub``: "serve", ours; "lean")."""
 
-    def __init__(self, sub: str, out: str):
+    def __init__(self, sub: str, out: str, worker_args: list[str]):
         from bench.peers import Peer
 
         class Staged(Peer):
@@ -164,30 +179,76 @@ class _Staged:
                 self.endpoint = self.ipc("front")
                 back = self.ipc("back")
                 self.spawn(self.python_module("bench.echo_servers", "proxy", "--front", self.endpoint, "--back", back))
-                args = ["--connect", back, "--model", "echo", "--max-batch", "1"] if sub == "serve" else [back]
-                self.spawn(self.python_module("bench.worker_stages", sub, *args), env=dict(os.environ, STAGES_OUT=out))
+                args = ["--connect", back, *worker_args] if sub == "serve" else [back]
+                self.spawn(self.python_module("bench.worker_stages", sub, *args), env=dict(os.environ, STAGES_OUT=out),
+                           ready_timeout=180.0)
 
         self.peer = Staged()
 
 
-def measure(n: int) -> dict:
+def _sdk_caller(endpoint: str, service: str, transport: str, nbytes: int, device: str):
+    """(call, close): our `Client` sending one `nbytes` uint8 tensor of ``transport``
+    ("shm": an `alloc` buffer, "cuda": an `alloc_cuda` one, the reply kept on the device)."""
+    import numpy as np
+
+    from client_sdk import Client
+
+    c = Client(endpoint, timeout=60, pool_capacity=max(256 << 20, 4 * nbytes))
+    deadline = time.monotonic() + 120
+    while not c.mmi_service(service):
+        if time.monotonic() > deadline:
+            c.close()
+            raise TimeoutError(f"{service!r} did not come up within 120 s")
+        time.sleep(0.05)
+    if transport == "cuda":
+        import torch
+
+        x = c.alloc_cuda((nbytes,), torch.uint8, device=device)
+        x.fill_(7)
+        stream = torch.cuda.current_stream(device)
+
+        def call():
+            with c.infer(service, {"x": x}, reply="cuda") as r:
+                r["y"]
+                stream.synchronize()  # the output is complete on the device
+    else:
+        x = c.alloc((nbytes,), np.uint8)
+        x[:] = 7
+
+        def call():
+            with c.infer(service, {"x": x}, reply="shm") as r:
+                r["y"]
+    return call, c.close
+
+
+def measure(n: int, client: str = "lean", device: str = "cpu", transport: str = "shm", nbytes: int = 16) -> dict:
     import shutil
     import tempfile
 
-    from bench.lean_floor import LeanClient
+    from bench.lean_floor import LeanClient, _p50_us
 
-    out: dict = {"n": n}
+    out: dict = {"n": n, "client": client, "device": device, "transport": transport, "bytes": nbytes}
+    if client == "lean":
+        runs = [("ours", "serve", ["--model", "echo", "--max-batch", "1"]), ("lean", "lean", [])]
+    else:
+        runs = [("ours", "serve", ["--model", "bench.gpu_product:make_copy", "--service", "copy", "--device", device,
+                                   "--max-batch", "1", *(["--cuda-pool-mb", "512"] if device != "cpu" else [])])]
     tmp = tempfile.mkdtemp(prefix="zstages-")
     try:
-        for name, sub in (("ours", "serve"), ("lean", "lean")):
+        for name, sub, args in runs:
             path = os.path.join(tmp, f"{name}.json")
-            with _Staged(sub, path).peer as peer:  # stop() ends the worker: it writes `path`
-                c = LeanClient(peer.endpoint)
+            with _Staged(sub, path, args).peer as peer:  # stop() ends the worker: it writes `path`
+                if client == "lean":
+                    c = LeanClient(peer.endpoint)
+                    call, close = c.call, c.close
+                else:
+                    call, close = _sdk_caller(peer.endpoint, "copy", transport, nbytes, device)
                 try:
-                    for _ in range(n + SKIP):
-                        c.call()
+                    for _ in range(SKIP):
+                        call()
+                    out["client_p50_us"] = round(_p50_us(call, n), 1)
                 finally:
-                    c.close()
+                    close()
             with open(path) as f:
                 out[name] = json.load(f)
     finally:
@@ -204,11 +265,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     ap = argparse.ArgumentParser(prog="python -m bench.worker_stages", description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=3000, help="requests measured (after 200 warm-ups)")
+    ap.add_argument("--client", choices=("lean", "sdk"), default="lean",
+                    help="lean: the lean client to our echo worker and to the lean worker (the CPU figures); "
+                         "sdk: our Client to a worker of gpu_product's copying model")
+    ap.add_argument("--device", default="cpu", help="the worker's device (with --client sdk)")
+    ap.add_argument("--transport", choices=("shm", "cuda"), default="shm", help="the input's memory (--client sdk)")
+    ap.add_argument("--bytes", type=int, default=16, help="the input's size (--client sdk)")
     ap.add_argument("--json", default=None, help="also write the report here")
     args = ap.parse_args(argv)
+    if args.n < 1 or args.bytes < 1:
+        ap.error("--n and --bytes must be at least 1")
+    if args.client == "lean" and (args.device, args.transport, args.bytes) != ("cpu", "shm", 16):
+        ap.error("--device, --transport and --bytes go with --client sdk")
+    if args.device != "cpu" or args.transport == "cuda":
+        from shm.cuda import cuda_status
+
+        ok, why = cuda_status()
+        if not ok:
+            print(f"worker_stages: skipped, no CUDA device: {why}", file=sys.stderr)
+            return 3
     from bench.report import machine_info
 
-    res = measure(args.n)
+    res = measure(args.n, args.client, args.device, args.transport, args.bytes)
     res["machine"] = machine_info()
     text = json.dumps(res, indent=1)
     print(text)

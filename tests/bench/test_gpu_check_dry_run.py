@@ -24,7 +24,8 @@ def test_dry_run_writes_json(tmp_path):
     assert doc["schema"] == 1 and doc["dry_run"] is True
     assert "bench.gpu_check --dry-run" in doc["command"]
     assert doc["versions"]["python"] and "torch" in doc["versions"]
-    assert set(doc["checks"]) == {"gpu_tests", "ipc_roundtrip", "no_host_copy", "latency", "product_latency"}
+    assert set(doc["checks"]) == {"gpu_tests", "ipc_roundtrip", "no_host_copy", "latency", "product_latency",
+                                  "cuda_stages"}
     ok, _ = cuda_status()
     for check in doc["checks"].values():
         assert check["status"] == "skipped"

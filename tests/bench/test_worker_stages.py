@@ -24,3 +24,22 @@ def test_worker_stages_reports_every_stage(tmp_path):
     # medians do not add exactly; their sum stays near the median of the whole
     assert 0.5 * ours["wake -> sent"] < sum(ours[k] for k in parts) < 2 * ours["wake -> sent"]
     assert lean["received -> sent"] > 0 and 0 < ours["received -> sent"] < ours["wake -> sent"]
+
+
+def test_worker_stages_with_our_client_and_its_gpu_form_without_cuda(tmp_path):
+    """`--client sdk`: our Client to a worker of gpu_product's copying model, its round trip
+    and the plane's stages reported; the CUDA form says why it cannot run without CUDA."""
+    from shm.cuda import cuda_status
+
+    out = tmp_path / "sdk.json"
+    p = subprocess.run([sys.executable, "-m", "bench.worker_stages", "--client", "sdk", "--n", "200",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(out.read_text())
+    assert doc["client_p50_us"] > 0 and "lean" not in doc
+    ours = doc["ours"]
+    assert ours["  of which: map inputs"] > 0 and ours["  of which: write outputs"] > 0 and ours["model"] > 0
+    if not cuda_status()[0]:
+        p = subprocess.run([sys.executable, "-m", "bench.worker_stages", "--client", "sdk", "--transport", "cuda"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 3 and "no CUDA device" in p.stderr and "Traceback" not in p.stderr
