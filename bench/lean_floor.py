@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
 import time
@@ -100,7 +99,7 @@ class LeanClient:
         self.sock.close(0)
 
 
-def _p50_us(call: Callable[[], object], n: int) -> float:
+def p50_us(call: Callable[[], object], n: int) -> float:
     lat = []
     for _ in range(n):
         t0 = time.perf_counter_ns()
@@ -156,7 +155,7 @@ def measure(n: int, repeats: int) -> dict:
             p50s: dict[str, list[float]] = {k: [] for k in paths}
             for _ in range(repeats):
                 for name, call in paths.items():
-                    p50s[name].append(_p50_us(call, n))
+                    p50s[name].append(p50_us(call, n))
         finally:
             for close in reversed(closers):
                 close()
@@ -182,16 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "worker":
         run_worker(args.connect)
         return 0
-    from bench.report import machine_info
+    from bench.report import print_and_save
 
-    res = measure(args.n, args.repeats)
-    res["machine"] = machine_info()
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    return 0
+    return print_and_save(measure(args.n, args.repeats), args.json)
 
 
 if __name__ == "__main__":

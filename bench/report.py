@@ -324,6 +324,16 @@ def write_json(report: dict[str, Any], path: str) -> None:
         f.write("\n")
 
 
+def print_and_save(res: dict[str, Any], path: str | None) -> int:
+    """A one-shot bench's result: the machine added, printed as JSON, also written to
+    ``path`` when given; 0, for the bench's exit status."""
+    res["machine"] = machine_info()
+    print(json.dumps(res, indent=1))
+    if path:
+        write_json(res, path)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------
 # Tables
 # ---------------------------------------------------------------------------------------

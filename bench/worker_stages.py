@@ -225,7 +225,7 @@ def measure(n: int, client: str = "lean", device: str = "cpu", transport: str = 
     import shutil
     import tempfile
 
-    from bench.lean_floor import LeanClient, _p50_us
+    from bench.lean_floor import LeanClient, p50_us
 
     out: dict = {"n": n, "client": client, "device": device, "transport": transport, "bytes": nbytes}
     if client == "lean":
@@ -246,7 +246,7 @@ def measure(n: int, client: str = "lean", device: str = "cpu", transport: str = 
                 try:
                     for _ in range(SKIP):
                         call()
-                    out["client_p50_us"] = round(_p50_us(call, n), 1)
+                    out["client_p50_us"] = round(p50_us(call, n), 1)
                 finally:
                     close()
             with open(path) as f:
@@ -284,16 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         if not ok:
             print(f"worker_stages: skipped, no CUDA device: {why}", file=sys.stderr)
             return 3
-    from bench.report import machine_info
+    from bench.report import print_and_save
 
-    res = measure(args.n, args.client, args.device, args.transport, args.bytes)
-    res["machine"] = machine_info()
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    return 0
+    return print_and_save(measure(args.n, args.client, args.device, args.transport, args.bytes), args.json)
 
 
 if __name__ == "__main__":

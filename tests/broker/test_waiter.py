@@ -41,6 +41,24 @@ def pairs(tmp_path):
         b.close(0)
 
 
+@pytest.fixture
+def two_and_a_pipe(pairs):
+    """A Waiter on both watched sockets of `pairs` and on the read end of a pipe:
+    (waiter, (peer a, a), (peer b, b), pipe's write end)."""
+    (pa, a), (pb, b) = pairs
+    r, wfd = os.pipe()
+    w = Waiter()
+    w.add(a)
+    w.add(b)
+    w.add_fd(r)
+    try:
+        yield w, (pa, a), (pb, b), wfd
+    finally:
+        w.close()
+        os.close(r)
+        os.close(wfd)
+
+
 def _settled(sock) -> None:
     """Wait until `sock` holds a message (outside any Waiter), then forget that we asked."""
     assert sock.poll(WAIT_MS)
@@ -220,73 +238,54 @@ def test_has_message_sees_a_message_that_came_since_the_last_wait(pairs):
         w.close()
 
 
-def test_any_message_never_misses_one_that_waits(pairs):
+def test_any_message_never_misses_one_that_waits(two_and_a_pipe):
     """Waiter.any_message (the worker's lone-request check): False only when no watched
     socket holds a message and no plain descriptor is readable; quiet sockets are not asked."""
-    (pa, a), (pb, b) = pairs
-    r, wfd = os.pipe()
-    w = Waiter()
-    w.add(a)
-    w.add(b)
-    w.add_fd(r)
-    try:
-        assert w.wait(0) == [] and not w.any_message()
-        send_frames(pb, [b"m"])
-        deadline = time.monotonic() + WAIT_MS / 1000
-        while not w.any_message():  # b is quiet: its descriptor tells
-            assert time.monotonic() < deadline, "a message that arrived was not seen"
-        assert w.wait(0) == [b]
-        recv_frames(b)  # not quiet now: any_message asks it
-        assert not w.any_message() and w.wait(0) == []
-        os.write(wfd, b"x")
-        assert w.any_message()
-    finally:
-        w.close()
-        os.close(r)
-        os.close(wfd)
+    w, (pa, a), (pb, b), wfd = two_and_a_pipe
+    assert w.wait(0) == [] and not w.any_message()
+    send_frames(pb, [b"m"])
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while not w.any_message():  # b is quiet: its descriptor tells
+        assert time.monotonic() < deadline, "a message that arrived was not seen"
+    assert w.wait(0) == [b]
+    recv_frames(b)  # not quiet now: any_message asks it
+    assert not w.any_message() and w.wait(0) == []
+    os.write(wfd, b"x")
+    assert w.any_message()
 
 
-def test_any_message_without_descriptors_ignores_them_and_polls_only_for_quiet_sockets(pairs, monkeypatch):
+def test_any_message_without_descriptors_ignores_them_and_polls_only_for_quiet_sockets(two_and_a_pipe, monkeypatch):
     """``any_message(descriptors=False)`` (the worker's check when no link is open): a
     readable plain descriptor (the monitor's) does not count; a socket that was just asked
     costs no poll syscall; a quiet socket's message is still seen through its descriptor."""
-    (pa, a), (pb, b) = pairs
-    r, wfd = os.pipe()
-    w = Waiter()
-    w.add(a)
-    w.add(b)
-    w.add_fd(r)
-    try:
-        assert w.wait(0) == []  # both quiet
-        os.write(wfd, b"x")
-        assert w.any_message() and not w.any_message(descriptors=False)
-        send_frames(pb, [b"m"])
-        deadline = time.monotonic() + WAIT_MS / 1000
-        while not w.any_message(descriptors=False):  # b is quiet: its descriptor tells
-            assert time.monotonic() < deadline, "a message that arrived was not seen"
-        assert w.wait(0) == [b, r]
-        recv_frames(b)
-        touched(a)  # neither quiet now: both are asked, and nothing is polled
-        polls = []
-        real = w._poll
+    w, (pa, a), (pb, b), wfd = two_and_a_pipe
+    assert w.wait(0) == []  # both quiet
+    os.write(wfd, b"x")
+    assert w.any_message() and not w.any_message(descriptors=False)
+    send_frames(pb, [b"m"])
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while not w.any_message(descriptors=False):  # b is quiet: its descriptor tells
+        assert time.monotonic() < deadline, "a message that arrived was not seen"
+    assert w.wait(0)[0] is b
+    recv_frames(b)
+    touched(a)  # neither quiet now: both are asked, and nothing is polled
+    polls = []
+    real = w._poll
 
-        class Counted:
-            def poll(self, ms):
-                polls.append(ms)
-                return real.poll(ms)
+    class Counted:
+        def poll(self, ms):
+            polls.append(ms)
+            return real.poll(ms)
 
-            def __getattr__(self, name):
-                return getattr(real, name)
+        def __getattr__(self, name):
+            return getattr(real, name)
 
-        monkeypatch.setattr(w, "_poll", Counted())
-        assert not w.any_message(descriptors=False) and polls == []
-        send_frames(pa, [b"n"])
-        _settled(a)
-        assert w.any_message(descriptors=False) and polls == []
-    finally:
-        w.close()
-        os.close(r)
-        os.close(wfd)
+    monkeypatch.setattr(w, "_poll", Counted())
+    assert not w.any_message(descriptors=False) and polls == []
+    send_frames(pa, [b"n"])
+    _settled(a)
+    assert w.any_message(descriptors=False) and polls == []
+    monkeypatch.undo()  # the fixture's close unregisters through the real poll object
 
 
 def test_no_marks_outlive_a_client(tmp_path):
