@@ -945,9 +945,9 @@ class Worker:
             # serve's: EVENTS of its sockets (the broker's, the direct ROUTER), and a poll of
             # the descriptors of those that are quiet and of the link's; a message there
             # sends this request the batcher's way, which runs it right after the drain.  The
-            # monitor's descriptor does not count: a connection event has no request to
-            # join this one's batch or go first (and the poll syscall it would cost is a few
-            # percent of a small request).
+            # monitor's descriptor is not polled for it (a connection event has no request
+            # to join this one's batch or go first, and the syscall is a few percent of a
+            # small request); one that this wake-up's wait found counts, below.
             link = ds.link if ds is not None else None
             if (link is not None and link.inbox) or waiter.any_message(descriptors=link is not None):
                 return False
