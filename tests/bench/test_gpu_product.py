@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from shm.cuda import cuda_status
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_product_runs_its_cpu_path_and_names_what_it_skipped(tmp_path):
+    pytest.importorskip("torch")  # the copying model is a torch module
     out = tmp_path / "gpu_product.json"
     p = subprocess.run([sys.executable, "-m", "bench.gpu_product", "--devices", "cuda:0,cpu", "--n", "5",
                         "--rounds", "2", "--sizes", "65536,16", "--json", str(out)],

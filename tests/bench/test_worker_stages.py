@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -29,6 +31,7 @@ def test_worker_stages_reports_every_stage(tmp_path):
 def test_worker_stages_with_our_client_and_its_gpu_form_without_cuda(tmp_path):
     """`--client sdk`: our Client to a worker of gpu_product's copying model, its round trip
     and the plane's stages reported; the CUDA form says why it cannot run without CUDA."""
+    pytest.importorskip("torch")  # the copying model is a torch module
     from shm.cuda import cuda_status
 
     out = tmp_path / "sdk.json"
