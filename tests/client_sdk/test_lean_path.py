@@ -534,3 +534,35 @@ def test_a_resend_lease_end_finds_the_replies_already_on_the_lease_routed(pinned
             np.testing.assert_array_equal(r["x"], np.arange(3) + i)
     assert len(broker.call(lambda: list(broker.requests))) == before  # nothing resent
     assert not c.pinned("echo")
+
+
+def test_infer_stops_at_its_reply_and_what_follows_is_read_on_the_next_pass(fake, endpoint):
+    """`infer`'s drain stops once the broker's socket routed its reply, without asking the
+    socket again: a FINAL of another call right behind it stays unread until the next pass
+    (the Waiter asks before it sleeps), and is delivered then, nothing lost."""
+    with Client(endpoint, timeout=WAIT) as c:
+        with c.infer("echo", {"x": np.arange(2)}):
+            pass
+        a = c.infer_stream("hold", {"x": np.arange(3)})
+        fake.held_q.get(timeout=WAIT)
+
+        def answer_b_then_a():
+            fake.held_q.get(timeout=WAIT)  # b (the infer below) is held too
+
+            def go():
+                held_a, held_b = fake.held.pop(0), fake.held.pop(0)
+                fake._echo(*held_b)  # b's FINAL, then a's right behind it, in one go
+                fake._echo(*held_a)
+            fake.call(go)
+
+        t = threading.Thread(target=answer_b_then_a)
+        t.start()
+        try:
+            with c.infer("hold", {"x": np.arange(5)}) as r:
+                np.testing.assert_array_equal(r["x"], np.arange(5))
+        finally:
+            t.join(WAIT)
+        assert not a._call.inbox  # not routed by b's drain, whenever it arrived
+        with a:
+            np.testing.assert_array_equal(a.result()["x"], np.arange(3))
+        assert c.in_flight() == 0
