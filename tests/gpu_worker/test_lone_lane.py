@@ -353,3 +353,35 @@ def test_an_object_array_output_is_an_error_not_pointers(tmp_path):
             plane.write_outputs(job, {"o": np.array([object(), "x"], dtype=object)})
     finally:
         w.close()
+
+
+def test_the_lane_polls_no_monitor_but_defers_to_one_this_wake_up_found(tmp_path):
+    """With serve's Waiter: a connection event still waiting in the monitor's descriptor does
+    not keep a lone request out of the lane (it is not polled for it), but one that this
+    wake-up's wait found does: the reconnect that may follow gives held work back first."""
+    from broker.protocol.wire import Waiter
+
+    w = _worker(tmp_path)
+    r, wfd = os.pipe()
+    waiter = Waiter()
+    try:
+        waiter.add(w.sock)
+        waiter.add_fd(r)
+        w._poller, w._monitor_fd = waiter, r
+        os.write(wfd, b"x")  # an event waits on the monitor's descriptor
+        w._events = [w.sock]  # ... which this wake-up did not report
+        w.up.request(1)
+        _read(w, 1)
+        assert not w.jobs and [x.id for x in w.up.finals(1)] == [1]  # the lane ran it
+        w._events = [w.sock, r]  # this one did
+        w.up.request(2)
+        _read(w, 1)
+        assert len(w.jobs) == 1  # the batcher's way, after the loop's turn
+        w.run_ready_batches()
+        assert [x.id for x in w.up.finals(1)] == [2]
+    finally:
+        w._poller = None
+        waiter.close()
+        w.close()
+        os.close(r)
+        os.close(wfd)
