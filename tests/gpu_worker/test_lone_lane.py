@@ -385,3 +385,14 @@ def test_the_lane_polls_no_monitor_but_defers_to_one_this_wake_up_found(tmp_path
         w.close()
         os.close(r)
         os.close(wfd)
+
+
+def test_a_drain_told_a_message_waits_never_blocks_when_none_does(worker):
+    """`_drain(ready=True)` (serve's, right after its Waiter found a message) reads without
+    waiting: were the message gone, it returns instead of blocking the loop."""
+    worker._drain(ready=True)
+    assert not worker.jobs and worker.served == 0
+    worker.up.request(1)
+    assert worker.sock.poll(5000)
+    worker._drain(ready=True)
+    assert [x.id for x in worker.up.finals(1)] == [1]
