@@ -45,6 +45,15 @@ def zmq_pair():
         d.close()
 
 
+def _carry(pair, data: bytes) -> list:
+    """Send `data` from the pair's DEALER and return the frames its ROUTER received
+    ([identity, data]; zmq.Frame, so that `TcpWatch.note` can ask where they came from)."""
+    r, d = pair
+    d.send(data)
+    assert r.poll(5000)
+    return r.recv_multipart(copy=False)
+
+
 def _read(sock: socket.socket, n: int) -> None:
     got = 0
     while got < n:
@@ -128,26 +137,17 @@ def test_a_message_noted_starts_the_looks_afresh(zmq_pair):
     """Counts from before a message are no baseline for the next silence; and a watch a
     look switched off (the connection was gone) comes back with the next message, even on
     the same descriptor number."""
-    r, d = zmq_pair
-    d.send(b"one")
-    assert r.poll(5000)
-    frames = r.recv_multipart(copy=False)
+    frames = _carry(zmq_pair, b"one")
     w = TcpWatch()
     w.note(frames[1])
     w.look(1.0)
-    d.send(b"two")
-    assert r.poll(5000)
-    frames = r.recv_multipart(copy=False)
+    frames = _carry(zmq_pair, b"two")
     w.note(frames[1])  # heard: the bytes of "two" are no movement for the next silence
     assert w.look(2.0) == float("-inf")
     w._off = True  # as after a look that found the connection gone
-    d.send(b"x" * 10_000)
-    assert r.poll(5000)
-    w.note(r.recv_multipart(copy=False)[1])
+    w.note(_carry(zmq_pair, b"x" * 10_000)[1])
     w.look(3.0)
-    d.send(b"y" * 10_000)
-    assert r.poll(5000)
-    r.recv_multipart()
+    _carry(zmq_pair, b"y" * 10_000)
     assert w.look(4.0) == 4.0
 
 
@@ -204,17 +204,12 @@ def test_a_reused_descriptor_is_not_the_same_connection(pair):
 
 
 def test_note_takes_the_connection_a_message_came_on(zmq_pair):
-    r, d = zmq_pair
-    d.send(b"hello")
-    assert r.poll(5000)
-    frames = r.recv_multipart(copy=False)
+    frames = _carry(zmq_pair, b"hello")
     w = TcpWatch()
     w.note(frames[1])
     assert w.fd >= 0 and tcp_counts(w.fd) is not None
     w.look(1.0)
-    d.send(b"z" * 10_000)
-    assert r.poll(5000)
-    r.recv_multipart()
+    _carry(zmq_pair, b"z" * 10_000)
     assert w.look(2.0) == 2.0
     w.note(b"not a frame")  # no descriptor to learn: kept as it was
     assert w.look(3.0) == 2.0
