@@ -281,12 +281,13 @@ def run_cuda_stages(report: Report) -> dict:
             rc, out = _run_group(report, cmd, max(10.0, min(120.0, report.left() - 20.0)))
             if rc == 0 and path.exists():
                 doc = json.loads(path.read_text())
-                results[transport] = {"client_p50_us": doc.get("client_p50_us"), "worker": doc.get("ours")}
+                results[transport] = {"client_p50_us": doc.get("client_p50_us"), "client": doc.get("client_stages"),
+                                      "worker": doc.get("ours")}
             else:
                 status = "failed"
                 results[transport] = {"rc": rc, "command": " ".join(cmd), "output_tail": out[-2000:]}
     return {"status": status, "results": results,
-            "units": "µs; client_p50_us: the Client's round trip; worker: medians of its stages (bench/worker_stages.py)"}
+            "units": "µs; client_p50_us: the Client's round trip; client, worker: medians of their stages (bench/worker_stages.py)"}
 
 
 # --------------------------------------------------------------------------------------------

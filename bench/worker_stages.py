@@ -187,11 +187,19 @@ class _Staged:
 
 
 def _sdk_caller(endpoint: str, service: str, transport: str, nbytes: int, device: str):
-    """(call, close): our `Client` sending one `nbytes` uint8 tensor of ``transport``
-    ("shm": an `alloc` buffer, "cuda": an `alloc_cuda` one, the reply kept on the device)."""
+    """(call, close, stages): our `Client` sending one `nbytes` uint8 tensor of ``transport``
+    ("shm": an `alloc` buffer, "cuda": an `alloc_cuda` one, the reply kept on the device).
+
+    ``stages()`` gives the medians (µs) of the client's own stages per call: ``pack`` (the
+    inputs into descriptors: for CUDA, the IPC handle and event record), ``unpack`` (the
+    reply's descriptors into views: for CUDA, the cached handle and the event wait),
+    ``infer`` (the whole `infer` call, both of those and the wait for the reply included),
+    ``use`` (reading the output, and for CUDA the stream synchronised) and ``release``
+    (the result's views given back)."""
     import numpy as np
 
     from client_sdk import Client
+    from client_sdk import tensors as T
 
     c = Client(endpoint, timeout=60, pool_capacity=max(256 << 20, 4 * nbytes))
     deadline = time.monotonic() + 120
@@ -200,25 +208,64 @@ def _sdk_caller(endpoint: str, service: str, transport: str, nbytes: int, device
             c.close()
             raise TimeoutError(f"{service!r} did not come up within 120 s")
         time.sleep(0.05)
+    clock = time.perf_counter_ns
+    times: dict[str, list[int]] = {k: [] for k in ("pack", "unpack", "infer", "use", "release")}
+    pack0, unpack0 = T.pack, T.unpack
+
+    def pack(*a, **kw):
+        t = clock()
+        try:
+            return pack0(*a, **kw)
+        finally:
+            times["pack"].append(clock() - t)
+
+    def unpack(*a, **kw):
+        t = clock()
+        try:
+            return unpack0(*a, **kw)
+        finally:
+            times["unpack"].append(clock() - t)
+
+    T.pack, T.unpack = pack, unpack
     if transport == "cuda":
         import torch
 
         x = c.alloc_cuda((nbytes,), torch.uint8, device=device)
         x.fill_(7)
         stream = torch.cuda.current_stream(device)
+        kind = "cuda"
 
-        def call():
-            with c.infer(service, {"x": x}, reply="cuda") as r:
-                r["y"]
-                stream.synchronize()  # the output is complete on the device
+        def use(r):
+            r["y"]
+            stream.synchronize()  # the output is complete on the device
     else:
         x = c.alloc((nbytes,), np.uint8)
         x[:] = 7
+        kind = "shm"
 
-        def call():
-            with c.infer(service, {"x": x}, reply="shm") as r:
-                r["y"]
-    return call, c.close
+        def use(r):
+            r["y"]
+
+    def call():
+        t0 = clock()
+        r = c.infer(service, {"x": x}, reply=kind)
+        t1 = clock()
+        use(r)
+        t2 = clock()
+        r.release()
+        t3 = clock()
+        times["infer"].append(t1 - t0)
+        times["use"].append(t2 - t1)
+        times["release"].append(t3 - t2)
+
+    def close():
+        T.pack, T.unpack = pack0, unpack0
+        c.close()
+
+    def stages() -> dict:
+        return {k: round(statistics.median(v[SKIP:] or v) / 1000, 1) for k, v in times.items() if v}
+
+    return call, close, stages
 
 
 def measure(n: int, client: str = "lean", device: str = "cpu", transport: str = "shm", nbytes: int = 16) -> dict:
@@ -240,13 +287,15 @@ def measure(n: int, client: str = "lean", device: str = "cpu", transport: str = 
             with _Staged(sub, path, args).peer as peer:  # stop() ends the worker: it writes `path`
                 if client == "lean":
                     c = LeanClient(peer.endpoint)
-                    call, close = c.call, c.close
+                    call, close, stages = c.call, c.close, None
                 else:
-                    call, close = _sdk_caller(peer.endpoint, "copy", transport, nbytes, device)
+                    call, close, stages = _sdk_caller(peer.endpoint, "copy", transport, nbytes, device)
                 try:
                     for _ in range(SKIP):
                         call()
                     out["client_p50_us"] = round(p50_us(call, n), 1)
+                    if client != "lean":
+                        out["client_stages"] = stages()
                 finally:
                     close()
             with open(path) as f:

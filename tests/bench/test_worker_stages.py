@@ -40,6 +40,9 @@ def test_worker_stages_with_our_client_and_its_gpu_form_without_cuda(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads(out.read_text())
     assert doc["client_p50_us"] > 0 and "lean" not in doc
+    cs = doc["client_stages"]  # the client's own stages, each timed per call
+    assert set(cs) == {"pack", "unpack", "infer", "use", "release"}
+    assert 0 < cs["pack"] < cs["infer"] and 0 < cs["unpack"] < cs["infer"]
     ours = doc["ours"]
     assert ours["  of which: map inputs"] > 0 and ours["  of which: write outputs"] > 0 and ours["model"] > 0
     if not cuda_status()[0]:
