@@ -31,7 +31,6 @@ ERROR_SAMPLES = 5  # distinct error messages kept per window, for the report
 # ---------------------------------------------------------------------------------------
 # Payloads
 # ---------------------------------------------------------------------------------------
-FRAME_SHAPE = (1080, 1920, 3)  # one 1080p RGB frame, 6,220,800 bytes
 _ALIASES = {
     "tiny": "16",
     "frame": "1080x1920x3",

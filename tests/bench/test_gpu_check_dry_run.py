@@ -79,3 +79,17 @@ def test_a_section_that_runs_past_its_time_takes_its_whole_process_tree_with_it(
     assert rc is None and out == "started\n" and time.monotonic() - t0 < 30
     left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
     assert left == "" and report.children == []
+
+
+def test_the_benches_gpu_check_runs_need_only_the_device_image(tmp_path):
+    """The GPU image has torch, numpy, pyzmq and msgspec carried, not hdrh: every bench a
+    `gpu_check` section runs (and the report helpers they write with) must import without
+    it, as `worker_stages` once did not (its two sections failed on the H200)."""
+    code = ("import sys; sys.modules['hdrh'] = None\n"  # an import of hdrh now raises ImportError
+            "import bench.report, bench.gpu_check, bench.gpu_product, bench.worker_stages, bench.lean_floor\n"
+            "bench.report.print_and_save({'ok': 1}, sys.argv[1])\n")
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 0, p.stderr
+    assert json.loads(out.read_text())["ok"] == 1
