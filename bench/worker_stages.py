@@ -268,6 +268,13 @@ def _sdk_caller(endpoint: str, service: str, transport: str, nbytes: int, device
     return call, close, stages
 
 
+def worker_args(client: str, device: str) -> list[str]:
+    """The instrumented worker's model options (`bench.proxied_worker`'s, after --connect)."""
+    if client == "lean":
+        return ["--model", "echo", "--max-batch", "1"]
+    return ["--model", "bench.gpu_product:make_copy", "--service", "copy", "--device", device, "--max-batch", "1"]
+
+
 def measure(n: int, client: str = "lean", device: str = "cpu", transport: str = "shm", nbytes: int = 16) -> dict:
     import shutil
     import tempfile
@@ -276,10 +283,9 @@ def measure(n: int, client: str = "lean", device: str = "cpu", transport: str = 
 
     out: dict = {"n": n, "client": client, "device": device, "transport": transport, "bytes": nbytes}
     if client == "lean":
-        runs = [("ours", "serve", ["--model", "echo", "--max-batch", "1"]), ("lean", "lean", [])]
+        runs = [("ours", "serve", worker_args(client, device)), ("lean", "lean", [])]
     else:
-        runs = [("ours", "serve", ["--model", "bench.gpu_product:make_copy", "--service", "copy", "--device", device,
-                                   "--max-batch", "1", *(["--cuda-pool-mb", "512"] if device != "cpu" else [])])]
+        runs = [("ours", "serve", worker_args(client, device))]
     tmp = tempfile.mkdtemp(prefix="zstages-")
     try:
         for name, sub, args in runs:

@@ -49,3 +49,19 @@ def test_worker_stages_with_our_client_and_its_gpu_form_without_cuda(tmp_path):
         p = subprocess.run([sys.executable, "-m", "bench.worker_stages", "--client", "sdk", "--transport", "cuda"],
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert p.returncode == 3 and "no CUDA device" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_the_worker_options_for_every_form_parse_as_the_proxied_worker_takes_them():
+    """The GPU form's options are only run on a GPU machine: parse them here, so an option
+    `bench.proxied_worker` does not take (as `--cuda-pool-mb` once was) fails on the CPU."""
+    import argparse
+
+    from bench.worker_stages import worker_args
+    from gpu_worker.__main__ import add_model_options
+
+    for client, device in (("lean", "cpu"), ("sdk", "cpu"), ("sdk", "cuda:0")):
+        ap = argparse.ArgumentParser(exit_on_error=False)
+        ap.add_argument("--connect", required=True)
+        add_model_options(ap)
+        args = ap.parse_args(["--connect", "ipc:///x", *worker_args(client, device)])
+        assert (args.device or "cpu") == device and args.max_batch == 1
