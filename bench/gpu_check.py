@@ -32,6 +32,9 @@ Sections, in order of what matters most if time runs out:
 6. ``cuda_stages``: ``python -m bench.worker_stages --client sdk --device cuda:0`` with a
    16 B input by CUDA IPC and by host shared memory: the GPU worker's stages timed in place,
    to find where the CUDA path's fixed cost goes (BENCHMARKS.md, "GPU").
+7. ``keep_warm``: ``python -m bench.keep_warm --device cuda:0``: the first ``convnet``
+   request after pauses of 0.2, 1 and 3 s, on a worker with keep-warm (the default) and one
+   without (docs/gpu.md, section 7).
 
 The transport is driven over a ZeroMQ PAIR socket with the project's own header frames
 (broker.protocol Request/Reply with ShmLoc / CudaLoc tensors): the broker hop itself is
@@ -61,7 +64,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 FRAME = (1080, 1920, 3)
 SCHEMA = 1
-CHECKS = ("gpu_tests", "ipc_roundtrip", "no_host_copy", "latency", "product_latency", "cuda_stages")
+CHECKS = ("gpu_tests", "ipc_roundtrip", "no_host_copy", "latency", "product_latency", "cuda_stages", "keep_warm")
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,6 +291,22 @@ def run_cuda_stages(report: Report) -> dict:
                 results[transport] = {"rc": rc, "command": " ".join(cmd), "output_tail": out[-2000:]}
     return {"status": status, "results": results,
             "units": "µs; client_p50_us: the Client's round trip; client, worker: medians of their stages (bench/worker_stages.py)"}
+
+
+# --------------------------------------------------------------------------------------------
+# Section 7: keep-warm and the first request after a pause (bench/keep_warm.py)
+
+def run_keep_warm(report: Report) -> dict:
+    with tempfile.TemporaryDirectory(prefix="gpu-keepwarm-") as tmp:
+        path = Path(tmp) / "keep_warm.json"
+        cmd = [sys.executable, "-m", "bench.keep_warm", "--device", "cuda:0", "--model", "convnet",
+               "--pauses", "0.2,1,3", "--rounds", "8", "--json", str(path)]
+        rc, out = _run_group(report, cmd, max(10.0, min(200.0, report.left() - 20.0)))
+        if rc == 0 and path.exists():
+            doc = json.loads(path.read_text())
+            return {"status": "ok", "steady_p50_ms": doc["steady_p50_ms"], "after_pause": doc["after_pause"],
+                    "units": "ms; kw-on: keep-warm on (the default), kw-off: --keep-warm-ms 0"}
+        return {"status": "failed", "rc": rc, "command": " ".join(cmd), "output_tail": out[-2000:]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -838,6 +857,8 @@ def main(argv: list[str] | None = None) -> int:
             report.section("product_latency", lambda: run_product_latency(report), min_left=30)
         if "cuda_stages" not in skip:
             report.section("cuda_stages", lambda: run_cuda_stages(report), min_left=40)
+        if "keep_warm" not in skip:
+            report.section("keep_warm", lambda: run_keep_warm(report), min_left=60)
     finally:
         # Server first: it imports the client's pool, and an owner should outlive importers.
         if server is not None:

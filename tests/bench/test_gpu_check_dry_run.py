@@ -25,7 +25,7 @@ def test_dry_run_writes_json(tmp_path):
     assert "bench.gpu_check --dry-run" in doc["command"]
     assert doc["versions"]["python"] and "torch" in doc["versions"]
     assert set(doc["checks"]) == {"gpu_tests", "ipc_roundtrip", "no_host_copy", "latency", "product_latency",
-                                  "cuda_stages"}
+                                  "cuda_stages", "keep_warm"}
     ok, _ = cuda_status()
     for check in doc["checks"].values():
         assert check["status"] == "skipped"
@@ -86,7 +86,7 @@ def test_the_benches_gpu_check_runs_need_only_the_device_image(tmp_path):
     `gpu_check` section runs (and the report helpers they write with) must import without
     it, as `worker_stages` once did not (its two sections failed on the H200)."""
     code = ("import sys; sys.modules['hdrh'] = None\n"  # an import of hdrh now raises ImportError
-            "import bench.report, bench.gpu_check, bench.gpu_product, bench.worker_stages, bench.lean_floor\n"
+            "import bench.report, bench.gpu_check, bench.gpu_product, bench.worker_stages, bench.lean_floor, bench.keep_warm\n"
             "bench.report.print_and_save({'ok': 1}, sys.argv[1])\n")
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, "-c", code, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=60,
