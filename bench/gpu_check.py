@@ -305,6 +305,7 @@ def run_keep_warm(report: Report) -> dict:
         if rc == 0 and path.exists():
             doc = json.loads(path.read_text())
             return {"status": "ok", "steady_p50_ms": doc["steady_p50_ms"], "after_pause": doc["after_pause"],
+                    "keep_warm_runs": doc.get("keep_warm_runs"),
                     "units": "ms; kw-on: keep-warm on (the default), kw-off: --keep-warm-ms 0"}
         return {"status": "failed", "rc": rc, "command": " ".join(cmd), "output_tail": out[-2000:]}
 

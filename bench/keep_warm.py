@@ -18,22 +18,26 @@ pause, `--rounds` rounds; in each, for both services in turn (the order alternat
 client sleeps the pause (the idle time is the variable here, not a wait for anything) and
 times the first request after it, then a second one right behind it.  Reported per pause
 and service: the medians of the first and second requests, and the first over the steady
-p50.  Without CUDA, ``--device cuda:N`` exits 3 saying why; ``--device cpu`` runs anywhere
+p50; and how many keep-warm units each service's worker ran (the broker's
+`zmq_infer_keep_warm_runs` counter, so the broker runs with `--http`).  Without CUDA, ``--device cuda:N`` exits 3 saying why; ``--device cpu`` runs anywhere
 (the test runs it so, with short pauses).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import time
+import urllib.request
 
 import numpy as np
 
-from bench.peers import Peer
+from bench.peers import Peer, _free_port
 
 SERVICES = ("kw-on", "kw-off")
+_RUNS = re.compile(r'^zmq_infer_keep_warm_runs_total\{[^}]*service="([^"]+)"[^}]*\}\s+(\S+)', re.M)
 
 
 class _Cluster(Peer):
@@ -48,7 +52,10 @@ class _Cluster(Peer):
         self.frontend = self.ipc("f.ipc")
         backend = self.ipc("b.ipc")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.spawn(self.python_module("broker", "--frontend", self.frontend, "--backend", backend), env=env)
+        # The broker's metrics count each service's keep-warm units (the workers' STATS).
+        self.metrics = f"http://127.0.0.1:{_free_port()}/metrics"
+        self.spawn(self.python_module("broker", "--frontend", self.frontend, "--backend", backend,
+                                      "--http", self.metrics.split("/")[2]), env=env)
         for service in SERVICES:
             args = ["--broker", backend, "--model", self.model, "--service", service, "--device", self.device]
             if service == "kw-off":
@@ -56,6 +63,13 @@ class _Cluster(Peer):
             elif self.device == "cpu":
                 args += ["--keep-warm-ms", "50"]  # off by default on the CPU
             self.spawn(self.python_module("gpu_worker", *args), env=env, ready_timeout=180.0)
+
+
+def keep_warm_runs(url: str) -> dict[str, int]:
+    """Keep-warm units per service, as the broker's /metrics last heard from the workers."""
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    return {svc: int(float(v)) for svc, v in _RUNS.findall(text)}
 
 
 def _inputs(model: str) -> dict[str, np.ndarray]:
@@ -112,6 +126,14 @@ def run(device: str, model: str, pauses: list[float], rounds: int, steady: int =
                                     "first_all_ms": [round(x, 4) for x in got[s]["first"]]}
                                 for s in SERVICES}
         out["after_pause"] = rows
+        # Units run, as of the workers' last STATS (sent each heartbeat interval when
+        # something changed): a lower bound; wait a while for kw-on's first report.
+        deadline = time.monotonic() + 15
+        runs = keep_warm_runs(cl.metrics)
+        while not runs.get("kw-on") and time.monotonic() < deadline:
+            time.sleep(0.2)
+            runs = keep_warm_runs(cl.metrics)
+        out["keep_warm_runs"] = {s: runs.get(s, 0) for s in SERVICES}
     return out
 
 
