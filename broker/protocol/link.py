@@ -32,8 +32,10 @@ It reads into an inbox the frames a ROUTER would have returned (``[routing id, M
 command, ...]``), and a connection that closes, or sends what is not a message, is ended with
 a DISCONNECT of its own in that inbox (the worker then unbinds it, as for a DISCONNECT).
 Sends never block: what the kernel does not take waits in the connection's outbox and
-leaves when the socket is writable (``max_queue`` messages at most, then replies are
-dropped as a ROUTER past its high-water mark drops them).  Everything the worker must wait
+leaves when the socket is writable (``max_queue`` messages and ``max_queue_bytes`` bytes at
+most, counted in whole messages, whatever the datagrams they span; past either, replies are
+dropped as a ROUTER past its high-water mark drops them; a message to an empty outbox
+always goes, however large, so no reply is too big to send).  Everything the worker must wait
 for is behind one descriptor (`LinkServer.fileno`, an epoll set), readable whenever the
 link has something to do.
 
@@ -132,6 +134,11 @@ def decode(buf: bytes, start: int = 1) -> list[memoryview]:
         raise LinkError(f"the frame sizes add up to {ends[-1] - at} bytes, the message holds {end - at}")
     view = memoryview(buf)
     return [view[a:b] for a, b in zip(ends, ends[1:])]
+
+
+def _bytes_of(dgrams: list[list[Any]]) -> int:
+    """The bytes of a message's datagrams (what its outbox entries hold)."""
+    return sum(len(b) if type(b) is bytes else memoryview(b).nbytes for d in dgrams for b in d)
 
 
 def link_route(counter: int) -> bytes:
@@ -251,25 +258,37 @@ class LinkConn:
             self.sock.close()
 
 
+#: bytes one connection's outbox may hold (`LinkServer`'s default ``max_queue_bytes``): a
+#: client that stops reading holds at most this much of the worker's memory, besides one
+#: message larger than it
+LINK_QUEUE_BYTES = 64 << 20
+
+
 class _Peer:
-    __slots__ = ("sock", "fd", "route", "outbox", "writing")
+    __slots__ = ("sock", "fd", "route", "outbox", "writing", "queued", "queued_bytes")
 
     def __init__(self, sock: socket.socket, route: bytes):
         self.sock = sock
         self.fd = sock.fileno()
         self.route = route
-        self.outbox: deque = deque()  # datagrams (buffer lists, for sendmsg) the kernel has not taken
+        # Datagrams the kernel has not taken: (buffer list for sendmsg, its bytes, whether
+        # it ends a message).
+        self.outbox: deque = deque()
         self.writing = False          # EPOLLOUT asked
+        self.queued = 0               # messages with a datagram in the outbox
+        self.queued_bytes = 0         # their bytes still there
 
 
 class LinkServer:
     """A worker's link listener and its connections (see the module docstring).  One thread
     at a time (the worker's loop, or the heartbeat thread while it holds the sockets)."""
 
-    def __init__(self, path: str, *, max_conns: int = 256, max_queue: int = 10_000, uid: int | None = None):
+    def __init__(self, path: str, *, max_conns: int = 256, max_queue: int = 10_000,
+                 max_queue_bytes: int = LINK_QUEUE_BYTES, uid: int | None = None):
         self.path = path
         self.max_conns = max_conns
         self.max_queue = max_queue
+        self.max_queue_bytes = max_queue_bytes
         self.uid = os.geteuid() if uid is None else uid
         lsock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -436,10 +455,14 @@ class LinkServer:
             self.dropped += 1
             return False
         if peer.outbox:
-            if len(peer.outbox) >= self.max_queue:
+            # Whole messages count, whatever datagrams they span; a message to an empty
+            # outbox always goes (below), so no reply is too large to send.
+            dgrams = encode(frames)
+            nbytes = _bytes_of(dgrams)
+            if peer.queued >= self.max_queue or peer.queued_bytes + nbytes > self.max_queue_bytes:
                 self.dropped += 1
                 return False
-            peer.outbox.extend(encode(frames))
+            self._queue(peer, dgrams, nbytes)
             return True
         dgrams = encode(frames)
         if len(dgrams) == 1:
@@ -452,15 +475,24 @@ class LinkServer:
                 self.dropped += 1
                 self._end(peer)
                 return False
-        peer.outbox.extend(dgrams)
+        self._queue(peer, dgrams, _bytes_of(dgrams))
         self._flush(peer)
         return True
+
+    @staticmethod
+    def _queue(peer: _Peer, dgrams: list[list[Any]], nbytes: int) -> None:
+        last = len(dgrams) - 1
+        out = peer.outbox
+        for i, d in enumerate(dgrams):
+            out.append((d, sum(map(len, d)) if last else nbytes, i == last))
+        peer.queued += 1
+        peer.queued_bytes += nbytes
 
     def _flush(self, peer: _Peer) -> None:
         out = peer.outbox
         sock = peer.sock
         while out:
-            d = out[0]
+            d, nbytes, ends = out[0]
             try:
                 sock.sendmsg(d, (), _DONTWAIT)
             except (BlockingIOError, InterruptedError):
@@ -470,6 +502,9 @@ class LinkServer:
                 self._end(peer)
                 return
             out.popleft()
+            peer.queued_bytes -= nbytes
+            if ends:
+                peer.queued -= 1
         want = bool(out)
         if want != peer.writing:
             peer.writing = want

@@ -217,6 +217,57 @@ def test_a_full_outbox_drops_and_counts(path):
         server.close()
 
 
+def test_the_outbox_cap_counts_whole_messages_not_their_datagrams(path):
+    """A reply of several datagrams is one message against ``max_queue``; every one of the
+    messages the cap lets in arrives whole and in order."""
+    server = LinkServer(path, max_queue=5)
+    conn = LinkConn(path)
+    try:
+        conn.send([b"hi"])
+        route = _server_recv(server)[0]
+        big = b"b" * (3 * LINK_DATAGRAM)  # four datagrams each
+        n = 0
+        while server.send(route, [n.to_bytes(4, "little"), big]):
+            n += 1
+            assert n < 10_000
+        peer = server._routes[route]
+        assert server.dropped == 1 and peer.queued == 5 and len(peer.outbox) > 5
+        for i in range(n):
+            m = _client_recv(conn, server)
+            assert int.from_bytes(bytes(m[0]), "little") == i and bytes(m[1]) == big
+        assert peer.queued == 0 and peer.queued_bytes == 0
+    finally:
+        conn.close()
+        server.close()
+
+
+def test_the_outbox_is_bounded_in_bytes_and_a_large_reply_still_goes_to_an_empty_one(path):
+    """A client that stops reading holds at most ``max_queue_bytes`` of the worker's memory
+    (plus the one message that found the outbox empty); a reply larger than the cap is not
+    refused for its size alone."""
+    cap = 1 << 20
+    server = LinkServer(path, max_queue_bytes=cap)
+    conn = LinkConn(path)
+    try:
+        conn.send([b"hi"])
+        route = _server_recv(server)[0]
+        peer = server._routes[route]
+        huge = np.zeros(3 * cap, np.uint8)  # larger than the cap, to an empty outbox: it goes
+        assert server.send(route, [b"h", huge]) and peer.outbox
+        assert not server.send(route, [b"h", b"x" * 1000]) and server.dropped == 1  # over the cap now
+        m = _client_recv(conn, server)
+        assert bytes(m[0]) == b"h" and len(m[1]) == huge.nbytes
+        assert peer.queued == 0 and peer.queued_bytes == 0
+        sent = 0
+        while server.send(route, [b"y" * 100_000]):  # fill the kernel's buffer, then the outbox
+            sent += 1
+            assert sent < 10_000
+        assert server.dropped == 2 and peer.queued_bytes <= cap
+    finally:
+        conn.close()
+        server.close()
+
+
 def test_close_lets_replies_waiting_in_an_outbox_leave_within_the_linger(path):
     import threading
 
