@@ -823,6 +823,78 @@ def test_the_broker_drops_a_tcp_client_gone_silent_behind_a_partition(tmp_path, 
         b.close()
 
 
+_FAR_CLIENT = """
+import asyncio, sys
+import numpy as np
+from client_sdk import AsyncClient, Client
+fe, twin = sys.argv[1], sys.argv[2]
+opts = dict(insecure=True, timeout=20, heartbeat_interval=0.2)
+x = np.arange(4)
+
+if twin == "sync":
+    with Client(fe, **opts) as c:
+        with c.infer("echo", {"x": x}) as r:
+            assert np.array_equal(r["x"], x)
+        print("READY first", flush=True)
+        sys.stdin.readline()  # the pair was cut, then healed
+        with c.infer("echo", {"x": x + 1}) as r:
+            assert np.array_equal(r["x"], x + 1)
+else:
+    async def main():
+        async with AsyncClient(fe, **opts) as c:
+            (await c.infer("echo", {"x": x})).release()
+            print("READY first", flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            with await c.infer("echo", {"x": x + 1}) as r:
+                assert np.array_equal(r["x"], x + 1)
+    asyncio.run(main())
+print("READY second", flush=True)
+"""
+
+
+def _to_port(port: int, prefix: list[str]) -> int:
+    """TCP connections established to remote `port` (in the namespace `prefix` runs in)."""
+    r = subprocess.run([*prefix, "ss", "-Htn", "state", "established", f"( dport = :{port} )"], capture_output=True,
+                       text=True, timeout=10)
+    assert r.returncode == 0, r.stderr
+    return len(r.stdout.splitlines())
+
+
+def test_a_client_lets_go_of_its_connection_to_a_broker_host_gone_silent(tmp_path, netns):
+    """A client in another network namespace calls a tcp broker over a veth pair, then goes
+    idle; the pair is cut.  The client's end of the connection is closed within a few of its
+    heartbeat intervals (TCP keepalive finds the broker's host silent), not kept half-open
+    for as long as TCP retries, many minutes, holding whatever is sent into it; once the pair
+    is back, its next call connects afresh and completes.  Both twins."""
+    b = Proc(["-m", "broker", "--frontend", f"tcp://{netns.here}:0", "--backend", f"ipc://{tmp_path}/be.ipc",
+              "--insecure", "--heartbeat-interval", "0.2"])
+    w = client = None
+    try:
+        b.wait_ready()
+        fe = b.field("frontend")
+        port = int(fe.rsplit(":", 1)[1])
+        w = Proc(["-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model", "echo", "--no-warmup"])
+        w.wait_ready()
+        for twin in ("sync", "async"):
+            client = Proc(["-c", _FAR_CLIENT, fe, twin], prefix=netns.prefix, stdin=True)
+            client.wait_ready(timeout=30)
+            assert _to_port(port, netns.prefix) == 1
+            netns.cut()
+            took = _until(lambda: _to_port(port, netns.prefix) == 0, f"the {twin} client closing its connection", 15)
+            netns.heal()
+            client.p.stdin.write(b"go\n")
+            client.p.stdin.flush()
+            assert client.wait_ready(timeout=30) == "READY second", twin
+            assert client.p.wait(timeout=10) == 0, client.stderr()
+            assert took < 10, took
+            client.close()
+            client = None
+    finally:
+        for p in (client, w, b):
+            if p is not None:
+                p.close()
+
+
 _LONG_MESSAGES = """
 import asyncio, sys, time
 import numpy as np
