@@ -103,10 +103,15 @@ class HostPlane:
             check_owner(req, loc.segment)
             return self.inputs.view(P.shm_ref(loc), dt, tuple(t.shape))
         if kind is P.InlineLoc:
-            buf = frames[loc.frame]
-            buf = buf.buffer if hasattr(buf, "buffer") else memoryview(buf)
-            arr = np.frombuffer(buf, dtype=dt).reshape(t.shape)  # parse_dtype refuses itemsize 0
-            arr.flags.writeable = False
+            # The frame itself (zmq.Frame, bytes, memoryview: all export their buffer); its
+            # size was checked against the shape when the header was decoded, so a 1-d
+            # tensor is the view as it comes.  Read-only, as a shared-memory input is: a
+            # model must not count on writing into its inputs on one transport only.
+            shape = t.shape
+            arr = np.frombuffer(frames[loc.frame], dtype=dt)  # parse_dtype refuses itemsize 0
+            if len(shape) != 1:
+                arr = arr.reshape(shape)
+            arr.setflags(write=False)
             return arr
         raise P.ProtocolError(CUDA_ON_CPU_WORKER)
 

@@ -1035,9 +1035,9 @@ class Worker:
         self.running = {}
         self._batch_over()
         n = len(jobs)
-        self.compute_times.observe(n, seconds)
-        self.keep_warm.busy(seconds, time.monotonic())
         if error is not None:
+            self.compute_times.observe(n, seconds)
+            self.keep_warm.busy(seconds, time.monotonic())
             # The batch's request ids ride along: at the errors-only level this is the one line
             # about these requests.
             log.error("model %s failed on a batch of %d: %r", self.model.name, n, error,
@@ -1049,8 +1049,6 @@ class Worker:
                 )
             return
         compute_ms = seconds * 1e3
-        if self.counts:
-            self._hist["batch"].observe(n)
         if gathers_finals(n):
             self.batch_finals = BatchFinals()
         try:
@@ -1058,6 +1056,12 @@ class Worker:
         finally:
             if self.batch_finals is not None:
                 self._send_batch_finals()
+            # The records the replies do not need, once they are on their way (the next
+            # batch's predictions and keep-warm's idle clock read them, nothing before).
+            self.compute_times.observe(n, seconds)
+            self.keep_warm.busy(seconds, time.monotonic())
+            if self.counts:
+                self._hist["batch"].observe(n)
         self.served += n
         if seconds >= self.dones.delay:
             # Gathering DONEs saves the broker wake-ups on small requests; after a batch this

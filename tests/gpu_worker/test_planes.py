@@ -59,6 +59,26 @@ def test_inputs_are_read_only_views_of_shared_memory_and_inline_frames(plane, cl
     assert job.cuda_in is False
 
 
+@pytest.mark.parametrize("shape", [[12], [3, 4], [2, 3, 2], []])
+@pytest.mark.parametrize("kind", ["zmq.Frame", "bytearray", "memoryview"])
+def test_an_inline_input_is_a_read_only_view_of_its_frame_in_its_shape(plane, kind, shape):
+    """A received frame is writable memory (zmq.Frame exports it so); the model still gets
+    a read-only view of it, with no copy, in the header's shape (1-d, n-d and 0-d)."""
+    import zmq
+
+    x = np.arange(int(np.prod(shape)), dtype=np.int16).reshape(shape) * 3 + 1
+    raw = x.tobytes()
+    frame = {"zmq.Frame": lambda: zmq.Frame(raw), "bytearray": lambda: bytearray(raw),
+             "memoryview": lambda: memoryview(bytearray(raw))}[kind]()
+    job = _job([P.TensorRef(name="a", dtype=x.dtype.str, shape=list(shape), loc=P.InlineLoc(frame=0))])
+    plane.map_inputs(job, [frame])
+    a = job.inputs["a"]
+    assert a.shape == tuple(shape) and a.dtype == x.dtype
+    np.testing.assert_array_equal(a, x)
+    assert not a.flags.writeable
+    assert np.shares_memory(a, np.frombuffer(frame, np.uint8))  # the frame's own bytes
+
+
 @pytest.mark.parametrize("case", ["other_host", "cuda"])
 def test_what_a_host_plane_refuses(plane, client_pool, case):
     if case == "other_host":
