@@ -212,21 +212,16 @@ def _sdk_caller(endpoint: str, service: str, transport: str, nbytes: int, device
     times: dict[str, list[int]] = {k: [] for k in ("pack", "unpack", "infer", "use", "release")}
     pack0, unpack0 = T.pack, T.unpack
 
-    def pack(*a, **kw):
-        t = clock()
-        try:
-            return pack0(*a, **kw)
-        finally:
-            times["pack"].append(clock() - t)
+    def timed(name: str, f):
+        def call(*a, **kw):
+            t = clock()
+            try:
+                return f(*a, **kw)
+            finally:
+                times[name].append(clock() - t)
+        return call
 
-    def unpack(*a, **kw):
-        t = clock()
-        try:
-            return unpack0(*a, **kw)
-        finally:
-            times["unpack"].append(clock() - t)
-
-    T.pack, T.unpack = pack, unpack
+    T.pack, T.unpack = timed("pack", pack0), timed("unpack", unpack0)
     if transport == "cuda":
         import torch
 
