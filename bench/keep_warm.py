@@ -34,7 +34,7 @@ import urllib.request
 
 import numpy as np
 
-from bench.peers import Peer, _free_port
+from bench.peers import Peer, free_port
 
 SERVICES = ("kw-on", "kw-off")
 _RUNS = re.compile(r'^zmq_infer_keep_warm_runs_total\{[^}]*service="([^"]+)"[^}]*\}\s+(\S+)', re.M)
@@ -53,7 +53,7 @@ class _Cluster(Peer):
         backend = self.ipc("b.ipc")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         # The broker's metrics count each service's keep-warm units (the workers' STATS).
-        self.metrics = f"http://127.0.0.1:{_free_port()}/metrics"
+        self.metrics = f"http://127.0.0.1:{free_port()}/metrics"
         self.spawn(self.python_module("broker", "--frontend", self.frontend, "--backend", backend,
                                       "--http", self.metrics.split("/")[2]), env=env)
         for service in SERVICES:

@@ -532,7 +532,8 @@ class GrpcPeer(Peer):
 # ---------------------------------------------------------------------------------------
 # Optional third-party peers (only where their packages are installed)
 # ---------------------------------------------------------------------------------------
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nothing listens on (for a peer told to bind it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -762,7 +763,7 @@ class RayServePeer(Peer):
         return True, ""
 
     def start(self) -> None:
-        port = _free_port()
+        port = free_port()
         # Ray's own start-up (GCS, raylet, proxy) takes tens of seconds on a small machine.
         self.spawn(_echo_argv("rayserve", "--port", str(port)), ready_timeout=300.0)
         self.port = port
