@@ -115,28 +115,11 @@ def open_link(pin: Any, hello: list[Any]) -> LinkConn | None:
     return None
 
 
-def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None,
-           heartbeat_s: float | None = None) -> zmq.Socket:
-    """A DEALER connected to `endpoint`; a CURVE client of it when `curve` is given.
-
-    Over tcp with `heartbeat_s` (the client's broker socket): its connection is closed once
-    the broker's host stops acknowledging for LIVENESS heartbeats (`wire.tcp_liveness`),
-    and libzmq connects again (the name resolved afresh).  Without it, a connection to a
-    host that vanished (a partition, a host that died, an address that moved) stays
-    half-open for as long as TCP retries, many minutes, and every request sent meanwhile
-    goes into it; and a connect tried meanwhile is given up after the same span."""
+def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None) -> zmq.Socket:
+    """A DEALER connected to `endpoint`; a CURVE client of it when `curve` is given."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     C.configure_peer(sock, curve)
-    if heartbeat_s and C.is_tcp(endpoint):
-        from .core import LIVENESS
-
-        span = LIVENESS * heartbeat_s
-        tcp_liveness(sock, span)
-        # A connect tried while the host is unreachable is given up after the same span
-        # and tried again, not left to TCP's SYN backoff (over a minute): the connection
-        # comes back within about that span of the host's return.
-        sock.setsockopt(zmq.CONNECT_TIMEOUT, max(1000, int(span * 1000)))
     _connect(sock, endpoint)
     return sock
 

@@ -325,7 +325,6 @@ class DirectSocket:
                     # has ended its lease (it heard nothing for its client window either).
                     tcp_liveness(sock, DEAD_AFTER_BEATS * heartbeat_s)
                 sock.bind(tcp)
-            self.heartbeat_s = heartbeat_s
         except (zmq.ZMQError, OSError) as e:
             sock.close(linger=0)
             if self._auth is not None:
@@ -349,16 +348,6 @@ class DirectSocket:
                 self.link = LinkServer(link_path)  # what Ready.link names
             except OSError as e:
                 log.warning("no local link at %s (%s): near clients use the ipc direct socket", link_path, e)
-
-    def follow_heartbeat(self, heartbeat_s: float | None) -> None:
-        """The broker's WELCOME set the worker's heartbeat interval: a tcp socket closes the
-        connections it accepts from now on after DEAD_AFTER_BEATS of the new one (those
-        already open keep the span they were accepted with: libzmq applies the options to
-        new connections only).  Nothing for ipc, or without heartbeats."""
-        if not self.tcp or not heartbeat_s or heartbeat_s == self.heartbeat_s:
-            return
-        tcp_liveness(self.sock, DEAD_AFTER_BEATS * heartbeat_s)
-        self.heartbeat_s = heartbeat_s
 
     def send(self, frames) -> bool:
         """Queue one message (``[routing id, ...]``) without blocking; False when it was

@@ -667,8 +667,6 @@ class Worker:
         self.compute_times.heartbeat_interval = w.heartbeat_interval
         if self._heartbeats is not None:
             self._heartbeats.interval = w.heartbeat_interval
-        if self.direct_socket is not None:
-            self.direct_socket.follow_heartbeat(w.heartbeat_interval)
         log.info("registered with broker %s", w.instance.hex())
         self._announce_ready()
 

@@ -32,10 +32,10 @@ It reads into an inbox the frames a ROUTER would have returned (``[routing id, M
 command, ...]``), and a connection that closes, or sends what is not a message, is ended with
 a DISCONNECT of its own in that inbox (the worker then unbinds it, as for a DISCONNECT).
 Sends never block: what the kernel does not take waits in the connection's outbox and
-leaves when the socket is writable (``max_queue`` messages and ``max_queue_bytes`` bytes at
-most, counted in whole messages, whatever the datagrams they span; past either, replies are
-dropped as a ROUTER past its high-water mark drops them; a message to an empty outbox
-always goes, however large, so no reply is too big to send).  Everything the worker must wait
+leaves when the socket is writable (``max_queue`` messages, counted whole whatever the
+datagrams they span, and ``max_queue_bytes`` bytes: once either is reached, replies are
+dropped as a ROUTER past its high-water mark drops them; below both, a reply goes however
+large, so the outbox holds at most the byte cap plus one message).  Everything the worker must wait
 for is behind one descriptor (`LinkServer.fileno`, an epoll set), readable whenever the
 link has something to do.
 
@@ -258,9 +258,9 @@ class LinkConn:
             self.sock.close()
 
 
-#: bytes one connection's outbox may hold (`LinkServer`'s default ``max_queue_bytes``): a
-#: client that stops reading holds at most this much of the worker's memory, besides one
-#: message larger than it
+#: bytes in one connection's outbox past which its replies are dropped (`LinkServer`'s
+#: default ``max_queue_bytes``): a client that stops reading holds at most this much of the
+#: worker's memory, plus one message
 LINK_QUEUE_BYTES = 64 << 20
 
 
@@ -455,14 +455,15 @@ class LinkServer:
             self.dropped += 1
             return False
         if peer.outbox:
-            # Whole messages count, whatever datagrams they span; a message to an empty
-            # outbox always goes (below), so no reply is too large to send.
-            dgrams = encode(frames)
-            nbytes = _bytes_of(dgrams)
-            if peer.queued >= self.max_queue or peer.queued_bytes + nbytes > self.max_queue_bytes:
+            # Whole messages count, whatever datagrams they span.  Dropped only once the
+            # backlog is at a cap already: a reader that keeps up never loses a reply for
+            # its size (two large ones in a row still both go), and memory stays bounded by
+            # the cap plus one message.
+            if peer.queued >= self.max_queue or peer.queued_bytes >= self.max_queue_bytes:
                 self.dropped += 1
                 return False
-            self._queue(peer, dgrams, nbytes)
+            dgrams = encode(frames)
+            self._queue(peer, dgrams, _bytes_of(dgrams))
             return True
         dgrams = encode(frames)
         if len(dgrams) == 1:

@@ -458,32 +458,3 @@ def test_a_failing_read_during_compute_does_not_cost_the_heartbeat():
         assert tried and beats.sent >= 1
     finally:
         beats.close()
-
-
-def test_a_tcp_direct_socket_follows_the_heartbeat_the_broker_sets(tmp_path):
-    """A tcp direct socket closes an unreachable leaseholder's connection after
-    DEAD_AFTER_BEATS heartbeats: of the interval the broker's WELCOME set, once it came (the
-    worker's own until then), for connections accepted from then on."""
-    from broker.protocol.wire import DEAD_AFTER_BEATS
-
-    up = PairLink(f"lease-up-tcp-{id(tmp_path)}")
-    w = Worker(WorkerConfig(broker="inproc://unused", model="echo", warmup=False, credit=8, direct=True,
-                            direct_tcp="tcp://127.0.0.1:0", insecure=True, heartbeat_interval=1.0), upstream=up)
-    try:
-        w._connect()
-        sock = w.direct_socket.sock
-        assert sock.getsockopt(zmq.TCP_MAXRT) == int(DEAD_AFTER_BEATS * 1.0 * 1000)
-        welcome = P.Welcome(instance=b"\x01" * 8, heartbeat_interval=0.2, heartbeat_liveness=3)
-        w.on_message(P.to_worker_welcome(b"", welcome)[1:])
-        assert w.heartbeat_interval == 0.2
-        assert sock.getsockopt(zmq.TCP_MAXRT) == int(DEAD_AFTER_BEATS * 0.2 * 1000)
-        assert sock.getsockopt(zmq.TCP_KEEPALIVE) == 1
-        assert sock.getsockopt(zmq.TCP_KEEPALIVE_IDLE) == max(1, round(DEAD_AFTER_BEATS * 0.2 / 3))
-    finally:
-        w.close()
-
-
-def test_an_ipc_direct_socket_has_no_tcp_liveness_to_follow(worker):
-    welcome = P.Welcome(instance=b"\x01" * 8, heartbeat_interval=0.2, heartbeat_liveness=3)
-    worker.on_message(P.to_worker_welcome(b"", welcome)[1:])
-    assert not worker.direct_socket.tcp and worker.direct_socket.sock.getsockopt(zmq.TCP_KEEPALIVE) == -1
