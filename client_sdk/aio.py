@@ -43,17 +43,14 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply
 from .core import ClientCore
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
-from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, broker_drops, curve_keys, dealer,
-                      drop_broker_monitor, drop_lease_dealer, drop_socket, lease_dealer, lease_events, open_link,
-                      tcp_options)
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_lease_dealer, drop_socket, lease_dealer,
+                      lease_events, open_link, tcp_options)
 from .tensors import Result
 
 __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
 
 log = logging.getLogger("client_sdk")
 _POLLIN = int(zmq.POLLIN)
-#: the broker connection's monitor in `_monitors` (the others are a lease's)
-_BROKER = object()
 _Future = asyncio.Future  # what loop.create_future() makes, without its Python call
 
 
@@ -94,9 +91,7 @@ class AsyncClient(ClientBase):
                                 direct_reply=direct_reply, restart_resends=restart_resends, pin=pin)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
-        # Over tcp, a monitor of the broker connection: a drop sends the brokered calls again.
-        self._sock, self._broker_monitor = broker_dealer(zmq.Context.instance(), endpoint, self._curve,
-                                                         self._core.heartbeat_interval)
+        self._sock = dealer(zmq.Context.instance(), endpoint, self._curve)
         # Over tcp, bytes of the broker's that are on their way count as its word (a large
         # message on a slow link: wire.TcpWatch).
         self._tcp = TcpWatch() if endpoint.startswith("tcp://") else None
@@ -120,8 +115,6 @@ class AsyncClient(ClientBase):
         self._pin_of: dict[Any, Any] = {}
         self._links: list[LinkConn] = []
         self._monitors: dict[zmq.Socket, Any] = {}  # a tcp lease's connection monitor -> its Pin
-        if self._broker_monitor is not None:  # ... and the broker connection's -> _BROKER
-            self._monitors[self._broker_monitor] = _BROKER
         # `infer` calls waiting now (a dict as an ordered set), and the one timer that wakes
         # them at their deadlines: armed at `_deadline_at`, the earliest deadline known when
         # it was armed (see `_deadlines`)
@@ -144,7 +137,6 @@ class AsyncClient(ClientBase):
                 loop.add_reader(link.fileno(), self._drain_link, link)
             for monitor in self._monitors:
                 loop.add_reader(monitor.getsockopt(zmq.FD), self._on_monitor, monitor)
-                loop.call_soon(self._on_monitor, monitor)  # edge-triggered: look once now
             self._loop = loop
             loop.call_soon(self._drain)  # the FD is edge-triggered: look once now
             hello = self._core.hello(time.monotonic())
@@ -333,18 +325,10 @@ class AsyncClient(ClientBase):
                 self._loop.call_soon(self._on_monitor, monitor)  # edge-triggered: look once now
 
     def _on_monitor(self, monitor: zmq.Socket) -> None:
-        """A tcp lease's connection reported (pins.py: pin_connected, pin_disconnected), or
-        the broker's dropped (`ClientCore.broker_dropped`)."""
+        """A tcp lease's connection reported (pins.py: pin_connected, pin_disconnected)."""
         core = self._core
         pin = self._monitors.get(monitor)
         if pin is None or core.closed or monitor.closed:
-            return
-        if pin is _BROKER:
-            if broker_drops(monitor):
-                for out in core.broker_dropped(time.monotonic()):
-                    self._send_soon(out)
-                if self._traffic is not None:
-                    self._wake_pumps()
             return
         for up, final, why in lease_events(monitor):
             if pin.closed:
@@ -739,7 +723,7 @@ class AsyncClient(ClientBase):
         for call in core.active():
             core.fail(call, err)
         if self._loop is not None:
-            for sock in [*self._socks, *([self._broker_monitor] if self._broker_monitor is not None else [])]:
+            for sock in self._socks:
                 try:
                     self._loop.remove_reader(sock.getsockopt(zmq.FD))
                 except Exception:  # the loop may already be closed
@@ -764,7 +748,6 @@ class AsyncClient(ClientBase):
         except (zmq.ZMQError, Exception):
             pass
         self._pending.clear()
-        drop_broker_monitor(self._sock, self._broker_monitor)
         self._sock.close(linger=CLOSE_LINGER_MS)
         if self._inbox is not None:
             self._inbox.close()

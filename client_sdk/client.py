@@ -37,9 +37,8 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priorit
 from .core import LIVENESS, ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
-from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, broker_drops, curve_keys, dealer,
-                      drop_broker_monitor, drop_lease_dealer, drop_socket, lease_dealer, lease_events, open_link,
-                      tcp_options)
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_lease_dealer, drop_socket, lease_dealer,
+                      lease_events, open_link, tcp_options)
 from .tensors import Result
 
 # resolve_transport and parse_priority are re-exported: they were importable from here.
@@ -48,8 +47,6 @@ __all__ = ["Client", "ReplyStream", "resolve_transport", "parse_priority"]
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 log = logging.getLogger("client_sdk")
-#: the broker connection's monitor in `_monitors` (the others are a lease's)
-_BROKER = object()
 
 
 class Client(ClientBase):
@@ -80,9 +77,7 @@ class Client(ClientBase):
                                 direct_reply=direct_reply, restart_resends=restart_resends, pin=pin)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = zmq.Context.instance()
-        # Over tcp, a monitor of the broker connection: a drop sends the brokered calls again.
-        self._sock, self._broker_monitor = broker_dealer(self._ctx, endpoint, self._curve,
-                                                         self._core.heartbeat_interval)
+        self._sock = dealer(self._ctx, endpoint, self._curve)
         # Over tcp, bytes of the broker's that are on their way count as its word (a large
         # message on a slow link: wire.TcpWatch).
         self._tcp = TcpWatch() if endpoint.startswith("tcp://") else None
@@ -100,9 +95,6 @@ class Client(ClientBase):
         self._pin_of: dict[Any, Any] = {}
         self._link_of: dict[int, LinkConn] = {}  # descriptor -> a lease's link, as the Waiter reports it
         self._monitors: dict[zmq.Socket, Any] = {}  # a tcp lease's connection monitor -> its Pin
-        if self._broker_monitor is not None:  # ... and the broker connection's -> _BROKER
-            self._monitors[self._broker_monitor] = _BROKER
-            self._waiter.add(self._broker_monitor)
         if self._inbox is not None:
             self._core.reply_to = self._inbox.endpoint
             self._waiter.add(self._inbox.sock)
@@ -566,15 +558,9 @@ class Client(ClientBase):
         return None
 
     def _on_monitor(self, monitor: zmq.Socket) -> None:
-        """A tcp lease's connection reported (pins.py: pin_connected, pin_disconnected), or
-        the broker's dropped (`ClientCore.broker_dropped`)."""
+        """A tcp lease's connection reported (pins.py: pin_connected, pin_disconnected)."""
         pin = self._monitors.get(monitor)
         core = self._core
-        if pin is _BROKER:
-            if broker_drops(monitor) and not core.closed:
-                for out in core.broker_dropped(time.monotonic()):
-                    self._send_soon(out)
-            return
         for up, final, why in lease_events(monitor):
             if pin is None or pin.closed:
                 break
@@ -661,7 +647,6 @@ class Client(ClientBase):
         except zmq.ZMQError:
             pass
         self._unwatch()
-        drop_broker_monitor(self._sock, self._broker_monitor)
         self._sock.close(linger=CLOSE_LINGER_MS)
         if self._inbox is not None:
             self._inbox.close()

@@ -42,7 +42,7 @@ import secrets
 import threading
 import weakref
 from collections import deque
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import msgspec
 import numpy as np
@@ -146,7 +146,6 @@ class ClientCore(PinEvents):
         self.broker_window: float | None = None    # ... and how long it waits for our heartbeats
         self.broker_restarts = 0
         self.restart_resends = max(0, int(restart_resends))
-        self.broker_drops = 0  # times the tcp connection to the broker dropped (broker_dropped)
         self.closed = False
         self.discarded = 0   # late or unknown replies dropped (for tests and debugging)
         self.direct_replies = 0  # replies that came straight from a worker (reply_to)
@@ -830,32 +829,10 @@ class ClientCore(PinEvents):
         self.broker_restarts += 1
         if self.pin_all or self._asking:
             self._pin_reset(now)  # a lease never outlives the broker that made it (pins.py)
-        # An old id (seen with its call), one sent to the new broker already, or one unsent,
-        # is not sent again.
-        return self._resend_brokered(now, "the broker restarted", cancel=True,
-                                     keep=lambda call: call.broker != instance)
-
-    def broker_dropped(self, now: float) -> list[list[Any]]:
-        """The client's tcp connection to the broker dropped (`sockets.broker_dealer`: its
-        host stopped acknowledging).  What was written into it is lost with it, and the
-        broker (the same process, when it is reachable again) answers on the next
-        connection only.  Each brokered call still waited for is sent again under a new id,
-        as after a restart (`_on_broker_instance`: at most `restart_resends` times, its old
-        id still answerable; a call that streamed PARTIALs fails); libzmq holds them until
-        it is connected again.  Calls on a lease have connections of their own."""
-        self.broker_drops += 1
-        return self._resend_brokered(now, "the connection to the broker dropped", cancel=False,
-                                     keep=lambda call: call.pin is None)
-
-    def _resend_brokered(self, now: float, what: str, *, cancel: bool, keep: Callable[[Call], bool]
-                         ) -> list[list[Any]]:
-        """The frames that send again the brokered calls `keep` selects (see the callers);
-        ``cancel``: a CANCEL of each old id first (a copy that reached a new broker, queued
-        during the outage, is dropped there rather than run twice)."""
         out = []
         for cid, call in list(self.calls.items()):
-            if cid != call.id or call.id == 0 or not keep(call):
-                continue
+            if cid != call.id or call.broker == instance or call.id == 0:
+                continue  # an old id (seen with its call), sent to the new broker already, or unsent
             if call.abandoned or call.done or (call.inbox and call.inbox[-1][0] == "error"):
                 self._forget(call)
                 self._finish_inputs(call)
@@ -866,13 +843,12 @@ class ClientCore(PinEvents):
                 self._forget(call)
                 self._finish_inputs(call)
                 self._deliver(call, ("error", BrokerUnreachable(
-                    f"{what} while request {call.id} to {call.service!r} was in flight, "
+                    f"the broker restarted while request {call.id} to {call.service!r} was in flight, "
                     f"and {why}", request_id=call.id)), True, now)
                 continue
-            log.info("%s; resending request %d to %r", what, call.id, call.service)
+            log.info("the broker restarted; resending request %d to %r", call.id, call.service)
             call.resends += 1
-            if cancel:
-                out.append(P.client_cancel(call.service, call.id))
+            out.append(P.client_cancel(call.service, call.id))
             call.old_ids.append(call.id)  # stays answerable: a worker may still reply to it directly
             out.append(self._brokered_request(call, now))
         return out

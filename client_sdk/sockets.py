@@ -124,69 +124,6 @@ def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None) -> 
     return sock
 
 
-def broker_dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None,
-                  heartbeat_s: float | None) -> tuple[zmq.Socket, zmq.Socket | None]:
-    """The client's DEALER to the broker and, over tcp with heartbeats, a monitor of its
-    connection (`broker_drops` reads it).
-
-    Over tcp the connection is closed once the broker's host stops acknowledging for half
-    the client's silence window (LIVENESS heartbeats; `wire.tcp_liveness`), and a connect
-    tried meanwhile is given up after as long, so libzmq connects again (the name resolved
-    afresh) within about that span of the host's return; without it, a connection to a
-    host that vanished stays half-open for as long as TCP retries, many minutes.  What was
-    written into a closed connection is lost with it: the monitor tells the client, which
-    sends its brokered calls again (`ClientCore.broker_dropped`), before any of them fails
-    for the broker's silence (the other half of the window)."""
-    if not (heartbeat_s and C.is_tcp(endpoint)):
-        return dealer(ctx, endpoint, curve), None
-    from .core import LIVENESS
-
-    span = LIVENESS * heartbeat_s / 2
-    sock = ctx.socket(zmq.DEALER)
-    monitor = None
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        C.configure_peer(sock, curve)
-        tcp_liveness(sock, span)
-        sock.setsockopt(zmq.CONNECT_TIMEOUT, max(1000, int(span * 1000)))
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED,
-                                          addr=f"inproc://client-sdk-broker-{os.getpid()}-{next(_monitors)}")
-        sock.connect(endpoint)
-    except zmq.ZMQError as e:
-        if monitor is not None:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-        sock.close(linger=0)
-        raise InvalidInput(f"cannot connect to {endpoint!r}: {e}; check the endpoint's spelling") from None
-    return sock, monitor
-
-
-def broker_drops(monitor: zmq.Socket) -> int:
-    """How many times the broker connection dropped, of what `monitor` holds (read empty)."""
-    n = 0
-    while True:
-        try:
-            frames = monitor.recv_multipart(zmq.NOBLOCK)
-        except zmq.ZMQError:  # empty (or closed)
-            return n
-        try:
-            if parse_monitor_message(frames)["event"] == zmq.EVENT_DISCONNECTED:
-                n += 1
-        except Exception:  # not a monitor message: nothing of ours
-            continue
-
-
-def drop_broker_monitor(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
-    """Stop and close the broker connection's monitor (before the socket is closed)."""
-    if monitor is None:
-        return
-    try:
-        sock.disable_monitor()
-    except zmq.ZMQError:
-        pass
-    monitor.close(linger=0)
-
-
 def _connect(sock: zmq.Socket, endpoint: str) -> None:
     try:
         sock.connect(endpoint)

@@ -261,41 +261,6 @@ def test_resends_after_restarts_are_bounded(core):
     assert core.in_flight() == 0  # forgotten: no FINAL comes for it from a dead broker
 
 
-def test_a_dropped_broker_connection_resends_the_brokered_calls_still_waited_for(core):
-    """What was written into a tcp connection that dropped may be lost with it, and the
-    broker (the same process) answers on the next connection only: each brokered call still
-    waited for is sent again under a new id (no CANCEL: the old copy, if it arrived, belongs
-    to the old connection), its old id still answerable; a streamed call fails, an abandoned
-    one is forgotten, a call on a lease is left to its own connection, and the resends are
-    bounded as after a restart."""
-    core.on_message(P.broker_heartbeat(b"\x01" * 8, 3000), 100.0)
-    lost, streamed, gone, leased = (_sent(core, now=100.1) for _ in range(4))
-    core.on_message(_final(streamed, np.int64([1]), final=False), 100.2)
-    core.give_up(gone)
-    leased.pin = object()  # in flight on a lease
-    old_id = lost.id
-    out = core.broker_dropped(101.0)
-    assert core.broker_drops == 1 and core.broker_restarts == 0
-    assert [f[1] for f in out] == [P.C_REQUEST]  # lost's resend, nothing else
-    hdr = P.decode_request(out[0][3], len(out[0]) - 4)
-    assert lost.id == hdr.id != old_id and lost.resends == 1 and lost.t_sent == 101.0
-    assert isinstance(streamed.inbox[-1][1], BrokerUnreachable) and "connection to the broker dropped" in str(
-        streamed.inbox[-1][1])
-    assert gone.id not in core.calls and streamed.id not in core.calls
-    assert leased.resends == 0 and leased.id in core.calls
-    # The old run's result still answers the call (a copy that did arrive may finish first).
-    lost.id, new_id = old_id, lost.id
-    reply = _final(lost, np.int64([5]))
-    lost.id = new_id
-    assert core.on_message(reply, 101.5) == [P.client_cancel("echo", new_id)]
-    assert [k for k, _ in lost.inbox] == ["final"]
-    # Bounded as restarts are: a call resent restart_resends times fails at the next drop.
-    core.restart_resends = 1
-    again = _sent(core, now=102.0)
-    assert len(core.broker_dropped(102.5)) == 1 and again.resends == 1
-    assert core.broker_dropped(103.0) == [] and isinstance(again.inbox[-1][1], BrokerUnreachable)
-
-
 def test_heartbeats_go_out_every_interval_while_calls_wait_whatever_else_is_sent(core):
     call = _sent(core, now=10.0)
     core.last_send = 10.9  # other traffic does not hold the heartbeat back
