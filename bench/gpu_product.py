@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -65,10 +64,8 @@ class _Cluster(Peer):
         self.devices = devices
 
     def start(self) -> None:
-        self.frontend = self.ipc("f.ipc")
-        backend = self.ipc("b.ipc")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.spawn(self.python_module("broker", "--frontend", self.frontend, "--backend", backend), env=env)
+        backend = self.spawn_broker()
+        env = self.unbuffered_env()
         for dev in self.devices:
             args = ["--broker", backend, "--model", "bench.gpu_product:make_copy", "--service", service_of(dev),
                     "--device", dev, "--max-batch", "1"]

@@ -48,10 +48,8 @@ class _Cluster(Peer):
         self.worker_prof = worker_prof
 
     def start(self) -> None:
-        self.frontend = self.ipc("f.ipc")
-        backend = self.ipc("b.ipc")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.spawn(self.python_module("broker", "--frontend", self.frontend, "--backend", backend), env=env)
+        backend = self.spawn_broker()
+        env = self.unbuffered_env()
         self.spawn([sys.executable, "-m", "cProfile", "-o", self.worker_prof, "-m", "gpu_worker", "--broker", backend,
                     "--model", "bench.gpu_product:make_copy", "--service", "copy", "--device", self.device,
                     "--max-batch", "1"], env=env, ready_timeout=180.0)

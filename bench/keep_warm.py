@@ -25,7 +25,6 @@ p50; and how many keep-warm units each service's worker ran (the broker's
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import sys
@@ -49,13 +48,11 @@ class _Cluster(Peer):
         self.model = model
 
     def start(self) -> None:
-        self.frontend = self.ipc("f.ipc")
-        backend = self.ipc("b.ipc")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         # The broker's metrics count each service's keep-warm units (the workers' STATS).
-        self.metrics = f"http://127.0.0.1:{free_port()}/metrics"
-        self.spawn(self.python_module("broker", "--frontend", self.frontend, "--backend", backend,
-                                      "--http", self.metrics.split("/")[2]), env=env)
+        port = free_port()
+        self.metrics = f"http://127.0.0.1:{port}/metrics"
+        backend = self.spawn_broker("--http", f"127.0.0.1:{port}")
+        env = self.unbuffered_env()
         for service in SERVICES:
             args = ["--broker", backend, "--model", self.model, "--service", service, "--device", self.device]
             if service == "kw-off":

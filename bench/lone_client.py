@@ -30,10 +30,8 @@ class _EchoCluster(Peer):
         self.batching = batching
 
     def start(self) -> None:
-        self.frontend = self.ipc("f.ipc")
-        backend = self.ipc("b.ipc")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.spawn(self.python_module("broker", "--frontend", self.frontend, "--backend", backend), env=env)
+        backend = self.spawn_broker()
+        env = self.unbuffered_env()
         self.spawn(self.python_module("gpu_worker", "--broker", backend, "--model", "echo",
                                       "--batching", self.batching), env=env)
 

@@ -193,6 +193,21 @@ class Peer:
     def python_module(module: str, *args: str) -> list[str]:
         return [sys.executable, "-m", module, *args]
 
+    @staticmethod
+    def unbuffered_env() -> dict:
+        """This environment with PYTHONUNBUFFERED=1: a spawned server's READY line is not held
+        in its stdout buffer."""
+        return dict(os.environ, PYTHONUNBUFFERED="1")
+
+    def spawn_broker(self, *broker_args: str) -> str:
+        """`python -m broker` on ipc endpoints of this peer's own (``self.frontend`` is set to
+        its frontend) with ``broker_args``; the backend endpoint, for the workers."""
+        self.frontend = self.ipc("f.ipc")
+        backend = self.ipc("b.ipc")
+        self.spawn(self.python_module("broker", "--frontend", self.frontend, "--backend", backend, *broker_args),
+                   env=self.unbuffered_env())
+        return backend
+
 
 def start_ready(args: list[str], env: dict | None = None, timeout: float = 120) -> subprocess.Popen:
     """`python ARGS` (one of our processes), returned once it printed its READY line."""

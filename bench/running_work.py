@@ -64,11 +64,8 @@ class _Cluster(Peer):
         self.model, self.workers, self.broker_args = model, workers, broker_args
 
     def start(self) -> None:
-        self.frontend = self.ipc("f.ipc")
-        backend = self.ipc("b.ipc")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.spawn(self.python_module("broker", "--frontend", self.frontend, "--backend", backend,
-                                      *self.broker_args), env=env)
+        backend = self.spawn_broker(*self.broker_args)
+        env = self.unbuffered_env()
         for _ in range(self.workers):
             self.spawn(self.python_module("gpu_worker", "--broker", backend, "--model",
                                           f"bench.running_work:{self.model}"), env=env)
