@@ -1035,32 +1035,31 @@ class Worker:
         self.running = {}
         self._batch_over()
         n = len(jobs)
-        if error is not None:
-            self.compute_times.observe(n, seconds)
-            self.keep_warm.busy(seconds, time.monotonic())
-            # The batch's request ids ride along: at the errors-only level this is the one line
-            # about these requests.
-            log.error("model %s failed on a batch of %d: %r", self.model.name, n, error,
-                      extra={"service": self.service,
-                             "rids": [logs.request_id(job.req) for job in jobs if job.req is not None]})
-            for job in jobs:
-                self._reply_error(
-                    job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {type(error).__name__}: {error}"
-                )
-            return
-        compute_ms = seconds * 1e3
-        if gathers_finals(n):
-            self.batch_finals = BatchFinals()
         try:
-            self._reply_batch(jobs, outputs, started, compute_ms, n)
+            if error is not None:
+                # The batch's request ids ride along: at the errors-only level this is the
+                # one line about these requests.
+                log.error("model %s failed on a batch of %d: %r", self.model.name, n, error,
+                          extra={"service": self.service,
+                                 "rids": [logs.request_id(job.req) for job in jobs if job.req is not None]})
+                for job in jobs:
+                    self._reply_error(
+                        job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {type(error).__name__}: {error}"
+                    )
+                return
+            if gathers_finals(n):
+                self.batch_finals = BatchFinals()
+            try:
+                self._reply_batch(jobs, outputs, started, seconds * 1e3, n)
+            finally:
+                if self.batch_finals is not None:
+                    self._send_batch_finals()
         finally:
-            if self.batch_finals is not None:
-                self._send_batch_finals()
             # The records the replies do not need, once they are on their way (the next
             # batch's predictions and keep-warm's idle clock read them, nothing before).
             self.compute_times.observe(n, seconds)
             self.keep_warm.busy(seconds, time.monotonic())
-            if self.counts:
+            if self.counts and error is None:
                 self._hist["batch"].observe(n)
         self.served += n
         if seconds >= self.dones.delay:
