@@ -19,6 +19,14 @@ interleaved, blocking clients, 16 B:
 
 Each repeat measures every path for `--n` requests in turn; the report is each path's
 median p50 over the repeats and, per repeat, its p50 over `proxy`'s (the median of those).
+
+On Linux it also reports the CPU each path costs per request, by process (`cpu_us`: the
+client, i.e. this process, the relay, and the server behind it; every thread counted, libzmq's
+I/O threads included; medians over the repeats), from the scheduler's own run-time counters.
+On this bench's 2-vCPU machine a closed loop of small requests is one chain of work handed
+from thread to thread, so the p50 is close to the sum of these (measured so: 2026-12-04), and
+they move far less between runs than the p50 does: a change to the client or the worker shows
+up in its own column, beside the lean one's, whatever the machine's noise did to the floor.
 The lean worker is `python -m bench.lean_floor worker --connect EP`: it answers REQUESTs
 (one inline tensor each way: the reply sends the request's own frame back), client
 HEARTBEATs (as a broker would, so that our `Client` can talk to it) and ignores the rest.
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import sys
 import time
@@ -39,6 +48,8 @@ from broker import protocol as P
 from broker.protocol.wire import recv_frames, send_frames
 
 TINY = 16
+#: the processes a path's CPU is counted in: this one (the client), the relay, the server
+ROLES = ("client", "relay", "server")
 
 
 def run_worker(connect: str) -> None:
@@ -99,6 +110,24 @@ class LeanClient:
         self.sock.close(0)
 
 
+def cpu_ns(pid: int) -> int | None:
+    """CPU time (ns) every thread of process `pid` has run so far (the first field of each
+    /proc/<pid>/task/<tid>/schedstat); None off Linux.  A thread that exits between two
+    readings takes its time with it (the processes here keep theirs)."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass  # gone meanwhile
+    return total
+
+
 def p50_us(call: Callable[[], object], n: int) -> float:
     lat = []
     for _ in range(n):
@@ -147,25 +176,41 @@ def measure(n: int, repeats: int) -> dict:
                 with c.infer("echo", {"x": b}):
                     pass
 
-            paths = {"proxy": lambda: echo.request_sync(x), "lean": lean_c.call, "lean->sdk-w": lean_to_sdk.call,
-                     "sdk->lean-w": sdk_to_lean, "proxy-sdk": sdk_call}
-            for call in paths.values():  # warm every path (imports, pools, first connections)
+            # each path: its call, and the (relay, server) processes behind it
+            paths = {"proxy": (lambda: echo.request_sync(x), raw), "lean": (lean_c.call, lean),
+                     "lean->sdk-w": (lean_to_sdk.call, sdk), "sdk->lean-w": (sdk_to_lean, lean),
+                     "proxy-sdk": (sdk_call, sdk)}
+            for call, _ in paths.values():  # warm every path (imports, pools, first connections)
                 for _ in range(300):
                     call()
             p50s: dict[str, list[float]] = {k: [] for k in paths}
+            cpus: dict[str, dict[str, list[float]]] = {k: {role: [] for role in ROLES} for k in paths}
             for _ in range(repeats):
-                for name, call in paths.items():
+                for name, (call, peer) in paths.items():
+                    pids = dict(zip(ROLES, [os.getpid(), *peer.pids]))
+                    before = {role: cpu_ns(pid) for role, pid in pids.items()}
                     p50s[name].append(p50_us(call, n))
+                    for role, pid in pids.items():
+                        after = cpu_ns(pid)
+                        if after is not None and before[role] is not None:
+                            cpus[name][role].append((after - before[role]) / n / 1e3)
         finally:
             for close in reversed(closers):
                 close()
     floor = p50s["proxy"]
+    cpu_us = {}
+    for name, roles in cpus.items():
+        if all(roles.values()):
+            per = {role: round(statistics.median(v), 1) for role, v in roles.items()}
+            per["total"] = round(statistics.median([sum(t) for t in zip(*roles.values())]), 1)
+            cpu_us[name] = per
     return {
         "n": n, "repeats": repeats, "payload_bytes": TINY,
         "p50_us": {k: round(statistics.median(v), 1) for k, v in p50s.items()},
         "over_proxy": {k: round(statistics.median([a / b for a, b in zip(v, floor)]), 3)
                        for k, v in p50s.items() if k != "proxy"},
         "runs_us": {k: [round(a, 1) for a in v] for k, v in p50s.items()},
+        "cpu_us": cpu_us,  # per request, by process; {} off Linux
     }
 
 
