@@ -577,7 +577,7 @@ class Broker:
             if self._look_clients and ident not in self._client_conn:
                 self._client_pid(ident, frames[1])  # learns its connection, for `_look_at_quiet`
             self._act(sched.client_heartbeat(ident, now), now)
-            self._send_client(ident, P.broker_heartbeat(self.instance, self._client_window_ms))
+            self._send_client(ident, P.broker_heartbeat(self.instance, self._client_window_ms, ident))
         elif cmd == P.C_CANCEL:
             sched.client_seen(ident, now)
             try:

@@ -66,6 +66,14 @@ class ClientBase:
         return self._core.broker_restarts
 
     @property
+    def broker_reconnects(self) -> int:
+        """Times this client's connection to the broker was replaced under it (the same broker
+        process knew it by a new identity: a reset, or a connection closed for silence); the
+        calls sent on the old one and still waited for were sent again (docs/client.md, "When
+        the connection to the broker is replaced")."""
+        return self._core.broker_reconnects
+
+    @property
     def pinned_replies(self) -> int:
         """Replies that came from a leased worker on its direct connection (`pin=True`, or a
         stream's service): requests that never crossed the broker (docs/client.md, "Pinned

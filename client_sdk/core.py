@@ -42,7 +42,7 @@ import secrets
 import threading
 import weakref
 from collections import deque
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import msgspec
 import numpy as np
@@ -57,13 +57,17 @@ from .errors import BrokerUnreachable, InferenceError, InvalidInput, PoolFull, P
 from .pins import PinEvents
 from .tensors import Result
 
-__all__ = ["ClientCore", "LIVENESS"]
+__all__ = ["ClientCore", "LIVENESS", "DROP_BEATS"]
 
 log = logging.getLogger("client_sdk")
 
 #: heartbeat intervals of silence (no reply, not even to a heartbeat) before the broker is
 #: declared unreachable for a waiting call
 LIVENESS = 5
+#: heartbeat intervals after which a tcp connection to the broker whose host stopped
+#: acknowledging is closed (and connected again, its calls sent again: `sockets.dealer`),
+#: well inside the LIVENESS window, so that a short outage costs no call
+DROP_BEATS = 2
 
 _MMI_SERVICE_B = MMI_SERVICE.encode()
 
@@ -116,6 +120,9 @@ class ClientCore(PinEvents):
         self.timeout = timeout
         self.pool_capacity = int(pool_capacity)
         self.heartbeat_interval = heartbeat_interval if heartbeat_interval and heartbeat_interval > 0 else None
+        # How long the broker's host may stop acknowledging before a tcp connection to it is
+        # closed (`sockets.dealer`); None without heartbeats (nothing would notice the new one)
+        self.drop_after = None if self.heartbeat_interval is None else DROP_BEATS * self.heartbeat_interval
         self.fallback_inline = fallback_inline
         # Direct replies need a broker (hence workers) that can reach an ipc socket of ours.
         self.direct_reply = bool(direct_reply) and endpoint_is_local(endpoint)
@@ -145,6 +152,11 @@ class ClientCore(PinEvents):
         self.broker_instance: bytes | None = None  # from the broker's heartbeat answers
         self.broker_window: float | None = None    # ... and how long it waits for our heartbeats
         self.broker_restarts = 0
+        # The identity the broker's ROUTER gave our connection, from its heartbeat answers: a
+        # new one (same instance) means libzmq connected again (a reset, a partition cut by
+        # keepalive, a broker that closed it), and what went to the old one is lost.
+        self.broker_route: bytes | None = None
+        self.broker_reconnects = 0
         self.restart_resends = max(0, int(restart_resends))
         self.closed = False
         self.discarded = 0   # late or unknown replies dropped (for tests and debugging)
@@ -333,6 +345,7 @@ class ClientCore(PinEvents):
             call.deadline = now + call.timeout
         call.t_sent = now
         call.broker = self.broker_instance
+        call.route = self.broker_route
         call.id = self._next_id
         self._next_id += 1
         self.calls[call.id] = call
@@ -477,9 +490,9 @@ class ClientCore(PinEvents):
         if msg.command == P.C_HEARTBEAT:
             if not msg.body:
                 return []  # a broker without the extension
-            instance, window_ms = msg.body
+            instance, window_ms, route = msg.body
             self.broker_window = window_ms / 1000.0
-            return self._on_broker_instance(instance, now)
+            return self._on_broker_instance(instance, now, route)
         if direct and pin is None:
             self.direct_replies += len(msg.body) if msg.command == P.C_FINALS else 1
         if msg.command == P.C_FINALS:
@@ -810,29 +823,59 @@ class ClientCore(PinEvents):
         its instance before any request can be lost to a restart (None with heartbeats off)."""
         return None if self.heartbeat_interval is None else self.heartbeat(now)
 
-    def _on_broker_instance(self, instance: bytes, now: float) -> list[list[Any]]:
-        """A heartbeat answer named the broker process.  When it is a new one, the calls sent
-        to its predecessor may be lost with it.  Each one still waited for is sent again
-        under a new id, at most `restart_resends` times, after a CANCEL of its old id (a copy
-        that reached the new broker, queued during the outage, is dropped there rather than
-        run twice).  The old id stays answerable: whichever run answers first with a result
-        is the call's, and anything later for it is dropped (see `_on_reply`).  A call that
-        streamed PARTIALs cannot be replayed and fails; calls nobody waits for any more
+    def _on_broker_instance(self, instance: bytes, now: float, route: bytes | None = None) -> list[list[Any]]:
+        """A heartbeat answer named the broker process (and, from a broker that says it, the
+        identity it knows our connection by: ``route``).
+
+        A new process: the calls sent to its predecessor may be lost with it.  The same
+        process under a new route: libzmq connected again (a connection reset, one closed for
+        silence: `sockets.broker_dealer`), and what was sent on the old connection may be lost
+        with it, as are the replies the broker still holds for it (its ROUTER has nowhere to
+        send them).  Either way each brokered call still waited for that was sent before
+        this answer came, to the predecessor or (`call.route`) on an older connection, is sent
+        again under a new id, at most `restart_resends` times, after a CANCEL of its old id (a
+        copy that reached the broker on the new connection, queued before the client knew, is
+        dropped there rather than run twice; one on the old connection is the broker's to
+        drop with it).  The old id stays answerable: whichever run answers first with a
+        result is the call's, and anything later for it is dropped (see `_on_reply`).  A call
+        that streamed PARTIALs cannot be replayed and fails; calls nobody waits for any more
         (abandoned, or already failed) are forgotten, their inputs freed: no FINAL will come
-        for them from a dead broker."""
+        for them.  Calls on a lease have connections of their own and are left alone.
+
+        A call sent on the new connection before the answer came is sent again too (nothing
+        tells the connections apart before it): it may then run twice, its caller still gets
+        one result.  A connection replaced before its first answer came goes unnoticed."""
         known, self.broker_instance = self.broker_instance, instance
+        known_route = self.broker_route
+        if route is not None:
+            self.broker_route = route
         if known is None or known == instance:
             if known is None:
                 for call in self.calls.values():
                     call.broker = call.broker or instance
-            return []
+                    call.route = call.route or route
+                return []
+            if route is None or known_route is None or route == known_route:
+                if known_route is None and route is not None:
+                    for call in self.calls.values():
+                        call.route = call.route or route
+                return []
+            self.broker_reconnects += 1
+            return self._resend_brokered(now, "the connection to the broker was replaced",
+                                         lambda call: call.pin is None and call.route != route)
         self.broker_restarts += 1
         if self.pin_all or self._asking:
             self._pin_reset(now)  # a lease never outlives the broker that made it (pins.py)
+        # An old id (seen with its call), one sent to the new broker already, or one unsent,
+        # is not sent again.
+        return self._resend_brokered(now, "the broker restarted", lambda call: call.broker != instance)
+
+    def _resend_brokered(self, now: float, what: str, stale: Callable[[Call], bool]) -> list[list[Any]]:
+        """The frames that send again the calls `stale` selects (see `_on_broker_instance`)."""
         out = []
         for cid, call in list(self.calls.items()):
-            if cid != call.id or call.broker == instance or call.id == 0:
-                continue  # an old id (seen with its call), sent to the new broker already, or unsent
+            if cid != call.id or call.id == 0 or not stale(call):
+                continue  # an old id (seen with its call), unsent, or not lost
             if call.abandoned or call.done or (call.inbox and call.inbox[-1][0] == "error"):
                 self._forget(call)
                 self._finish_inputs(call)
@@ -843,10 +886,10 @@ class ClientCore(PinEvents):
                 self._forget(call)
                 self._finish_inputs(call)
                 self._deliver(call, ("error", BrokerUnreachable(
-                    f"the broker restarted while request {call.id} to {call.service!r} was in flight, "
+                    f"{what} while request {call.id} to {call.service!r} was in flight, "
                     f"and {why}", request_id=call.id)), True, now)
                 continue
-            log.info("the broker restarted; resending request %d to %r", call.id, call.service)
+            log.info("%s; resending request %d to %r", what, call.id, call.service)
             call.resends += 1
             out.append(P.client_cancel(call.service, call.id))
             call.old_ids.append(call.id)  # stays answerable: a worker may still reply to it directly

@@ -434,6 +434,7 @@ class PinEvents:
                 f"{call.id} had streamed results", request_id=call.id)), True, now)
             return []
         call.broker = self.broker_instance
+        call.route = self.broker_route
         return [self._encode_request(call, now)]
 
     def _pin_bounce(self, call: Any, pin: Pin, err: Any, now: float) -> list[list[Any]] | None:

@@ -2,8 +2,9 @@
 
 Both twins use these; nothing here parses a reply or keeps request state (that is core.py).
 
-- `dealer(ctx, endpoint, curve)`: a DEALER connected to the broker (linger 0), with CurveZMQ
-  when `curve` holds keys.  Works for a plain and an asyncio context alike.
+- `dealer(ctx, endpoint, curve, liveness_s)`: a DEALER connected to the broker (linger 0), with
+  CurveZMQ when `curve` holds keys, and over tcp a connection closed when the broker's host
+  stops acknowledging.  Works for a plain and an asyncio context alike.
 - `curve_keys(endpoint, server_key, client_key, insecure)`: the keys a client of a tcp broker
   needs, or `InvalidInput` naming the options to pass (docs/security.md); `tcp_options`: what a
   tcp broker lets a client send (tensors inline, no reply socket).
@@ -115,12 +116,35 @@ def open_link(pin: Any, hello: list[Any]) -> LinkConn | None:
     return None
 
 
-def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None) -> zmq.Socket:
-    """A DEALER connected to `endpoint`; a CURVE client of it when `curve` is given."""
+#: the most a tcp connect to the broker may take before libzmq gives it up and tries again
+#: (100 ms later): a SYN lost to a partition is sent again soon after it heals, instead of
+#: after the kernel's backoff (1, 3, 7... s)
+BROKER_CONNECT_TIMEOUT_MS = 1000
+
+
+def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None,
+           liveness_s: float | None = None) -> zmq.Socket:
+    """A DEALER connected to `endpoint`; a CURVE client of it when `curve` is given.
+
+    ``liveness_s`` (the broker's DEALER, over tcp): the connection is closed once the
+    broker's host stops acknowledging for about that long (`wire.tcp_liveness`: a partition,
+    a host that died), and a connect not done within `BROKER_CONNECT_TIMEOUT_MS` is tried
+    again; libzmq then connects again by itself, the name resolved afresh.  Without it a
+    half-open connection holds the client for as long as TCP retries, many minutes after the
+    network healed.  What was on the old connection is lost with it: the broker's heartbeat
+    answers name the new one, and the client sends again what it still waits for (core.py,
+    `_on_broker_instance`)."""
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    C.configure_peer(sock, curve)
-    _connect(sock, endpoint)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        C.configure_peer(sock, curve)
+        if liveness_s and C.is_tcp(endpoint):
+            tcp_liveness(sock, liveness_s)
+            sock.setsockopt(zmq.CONNECT_TIMEOUT, BROKER_CONNECT_TIMEOUT_MS)
+        _connect(sock, endpoint)
+    except BaseException:
+        sock.close(linger=0)
+        raise
     return sock
 
 

@@ -86,6 +86,7 @@ W_LEASE_END = b"\x0f"  # both: lease id, LeaseEnd
 W_BUSY = b"\x10"       # W->B: a long batch with leased requests runs (1) / ended (0)
 
 INSTANCE_LEN = 8  # a broker's instance id: random, new at every start
+MAX_ROUTE_LEN = 255  # a ZeroMQ routing id: 1 to 255 bytes
 LEASE_ID_LEN = 8  # a lease id on the wire: big-endian, from the broker's counter
 
 
@@ -105,7 +106,8 @@ CLIENT_COMMANDS: tuple[Command, ...] = (
     Command("FINAL", C_FINAL, "B→C; W→C on `reply_to`", "service name, body (an error is a header with `error`)",
             "RFC 18"),
     Command("HEARTBEAT", C_HEARTBEAT, "C→B, B→C", "none; B→C: [instance id (8 bytes, new at every start), "
-            "client liveness window in ms (u32, big endian)]", "extension"),
+            "client liveness window in ms (u32, big endian) [, route: the connection's identity at the broker "
+            "(1 to 255 bytes)]]", "extension"),
     Command("CANCEL", C_CANCEL, "C→B", "service name, header `Cancel`", "extension"),
     Command("DISCONNECT", C_DISCONNECT, "C→B", "none", "extension"),
     Command("FINALS", C_FINALS, "W→C on `reply_to` only", "service name, header, header... (header-only FINALs)",
@@ -171,12 +173,17 @@ def client_heartbeat() -> list[bytes]:
     return [MDPC, C_HEARTBEAT]
 
 
-def broker_heartbeat(instance: bytes, client_window_ms: int) -> list[bytes]:
+def broker_heartbeat(instance: bytes, client_window_ms: int, route: bytes | None = None) -> list[bytes]:
     """The broker's answer to a client HEARTBEAT (docs/protocol.md section 2): its instance id,
     so that a client notices a restart even inside its liveness window, and how long it waits
     for a client with calls in flight before presuming it dead, so that the client heartbeats
-    often enough (one place, the broker's config, sets liveness)."""
-    return [MDPC, C_HEARTBEAT, instance, int(client_window_ms).to_bytes(4, "big")]
+    often enough (one place, the broker's config, sets liveness); and ``route``, the
+    identity the broker's ROUTER gave the connection the HEARTBEAT came on, so that a client
+    notices when its connection was replaced (what went to the old one is lost: client.md)."""
+    frames = [MDPC, C_HEARTBEAT, instance, int(client_window_ms).to_bytes(4, "big")]
+    if route is not None:
+        frames.append(route)
+    return frames
 
 
 def client_disconnect() -> list[bytes]:
@@ -452,9 +459,12 @@ def parse_broker_to_client(frames: Sequence[Any]) -> BrokerToClient:
     if cmd == C_HEARTBEAT:
         if len(frames) == 2:
             return BrokerToClient(cmd)
-        if len(frames) != 4 or len(frames[2]) != INSTANCE_LEN or len(frames[3]) != 4:
-            raise ProtocolError(f"HEARTBEAT is MDPC02, 0x04 [, {INSTANCE_LEN}-byte instance, 4-byte window in ms]")
-        return BrokerToClient(cmd, body=(bytes(frames[2]), int.from_bytes(bytes(frames[3]), "big")))
+        if (len(frames) not in (4, 5) or len(frames[2]) != INSTANCE_LEN or len(frames[3]) != 4
+                or (len(frames) == 5 and not 0 < len(frames[4]) <= MAX_ROUTE_LEN)):
+            raise ProtocolError(f"HEARTBEAT is MDPC02, 0x04 [, {INSTANCE_LEN}-byte instance, 4-byte window in ms "
+                                f"[, route (1 to {MAX_ROUTE_LEN} bytes)]]")
+        route = bytes(frames[4]) if len(frames) == 5 else None
+        return BrokerToClient(cmd, body=(bytes(frames[2]), int.from_bytes(bytes(frames[3]), "big"), route))
     raise ProtocolError(f"unknown command {cmd!r} from broker")
 
 

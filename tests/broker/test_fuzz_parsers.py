@@ -86,6 +86,7 @@ def _corpus() -> list[list[bytes]]:
         P.to_client(b"id", True, b"echo", P.error_body(4242, 400, "bad"))[1:],
         P.direct_finals(b"echo", [P.encode_header(P.Reply(id=i)) for i in (1, 2)]),
         P.broker_heartbeat(b"\x02" * 8, 3000),
+        P.broker_heartbeat(b"\x02" * 8, 3000, b"\0\x80\0\0\x01"),
     ]
 
 
@@ -170,7 +171,11 @@ def test_valid_frames_round_trip():
     b = P.parse_broker_to_worker(P.to_worker_welcome(b"id", P.Welcome(instance=b"\x01" * 8, heartbeat_interval=0.5,
                                                                        heartbeat_liveness=3))[1:])
     assert b.body[0].instance == b"\x01" * 8
-    assert P.parse_broker_to_client(P.broker_heartbeat(b"\x02" * 8, 3000)).body == (b"\x02" * 8, 3000)
+    assert P.parse_broker_to_client(P.broker_heartbeat(b"\x02" * 8, 3000)).body == (b"\x02" * 8, 3000, None)
+    assert P.parse_broker_to_client(P.broker_heartbeat(b"\x02" * 8, 3000, b"\0ab")).body == (b"\x02" * 8, 3000, b"\0ab")
+    for bad_route in (b"", b"r" * 256):  # a routing id is 1 to 255 bytes
+        with pytest.raises(P.ProtocolError):
+            P.parse_broker_to_client(P.broker_heartbeat(b"\x02" * 8, 3000, bad_route))
     for frames in _corpus():  # every valid message parses with at least one parser, and its headers re-encode
         ok = 0
         for parse in FRAME_PARSERS:

@@ -249,6 +249,71 @@ def test_after_a_restart_the_old_runs_result_wins_and_cancels_the_new_run(core):
     assert core.discarded == 1 and len(lost.inbox) == 1
 
 
+def test_a_replaced_connection_resends_the_brokered_calls_sent_before_it_was_known(core):
+    """The same broker knows our connection by a new identity (libzmq connected again): what
+    went on the old one, and the replies the broker holds for it, are lost.  Each brokered
+    call sent before the answer that says so is sent again (CANCEL of its old id first: a
+    copy on the new connection is dropped there), its old id still answerable; a call sent
+    once the new route was known is not; a streamed call fails, an abandoned one is
+    forgotten, a call on a lease is left to its own connection; the first route learnt, and
+    the same route again, change nothing."""
+    inst, a, b = b"\x01" * 8, b"\0\x80\0\0\x01", b"\0\x80\0\0\x02"
+    early = _sent(core, now=99.0)  # before the broker's first answer
+    assert core.on_message(P.broker_heartbeat(inst, 3000, a), 100.0) == []
+    assert early.route == a and core.broker_route == a
+    lost, streamed, gone, leased = (_sent(core, now=100.1) for _ in range(4))
+    assert lost.route == a
+    core.on_message(_final(streamed, np.int64([1]), final=False), 100.2)
+    core.give_up(gone)
+    leased.pin = object()  # in flight on a lease
+    assert core.on_message(P.broker_heartbeat(inst, 3000, a), 100.3) == []  # the same connection
+    old_ids = early.id, lost.id
+    out = core.on_message(P.broker_heartbeat(inst, 3000, b), 100.5)
+    assert core.broker_reconnects == 1 and core.broker_restarts == 0 and core.broker_route == b
+    assert [f[1] for f in out] == [P.C_CANCEL, P.C_REQUEST] * 2
+    assert [P.decode_cancel(f[3]).id for f in out[::2]] == list(old_ids)
+    resent = [P.decode_request(f[3], len(f) - 4).id for f in out[1::2]]
+    assert resent == [early.id, lost.id] and early.id not in old_ids and lost.id not in old_ids
+    assert early.resends == lost.resends == 1 and early.route == lost.route == b
+    assert isinstance(streamed.inbox[-1][1], BrokerUnreachable)
+    assert "connection to the broker was replaced" in str(streamed.inbox[-1][1])
+    assert streamed.id not in core.calls and gone.id not in core.calls
+    assert leased.resends == 0 and leased.id in core.calls
+    # Sent once the new route was known: the same connection, nothing to resend.
+    after = _sent(core, now=100.6)
+    assert core.on_message(P.broker_heartbeat(inst, 3000, b), 100.7) == [] and after.resends == 0
+    # The old run's result (it did arrive) still answers the call, once.
+    lost_new, lost.id = lost.id, old_ids[1]
+    reply = _final(lost, np.int64([5]))
+    lost.id = lost_new
+    assert core.on_message(reply, 100.8) == [P.client_cancel("echo", lost_new)]
+    assert [k for k, _ in lost.inbox] == ["final"]
+
+
+def test_a_restart_seen_with_a_new_route_resends_once(core):
+    """A new broker instance comes with a new route too: the restart path alone resends."""
+    core.on_message(P.broker_heartbeat(b"\x01" * 8, 3000, b"\0r1"), 100.0)
+    call = _sent(core, now=100.1)
+    out = core.on_message(P.broker_heartbeat(b"\x02" * 8, 3000, b"\0r1"), 100.5)  # ids restart with it
+    assert [f[1] for f in out] == [P.C_CANCEL, P.C_REQUEST] and call.resends == 1
+    assert core.broker_restarts == 1 and core.broker_reconnects == 0
+    assert core.on_message(P.broker_heartbeat(b"\x02" * 8, 3000, b"\0r1"), 100.6) == []
+    # and a broker that names no route (older, or a relay in front of it) changes nothing
+    assert core.on_message(P.broker_heartbeat(b"\x02" * 8, 3000), 100.7) == [] and core.broker_route == b"\0r1"
+
+
+def test_resends_after_reconnects_share_the_restart_bound(core):
+    core.restart_resends = 1
+    core.on_message(P.broker_heartbeat(b"a" * 8, 3000, b"\0r1"), 1.0)
+    call = _sent(core, now=1.0)
+    assert [f[1] for f in core.on_message(P.broker_heartbeat(b"a" * 8, 3000, b"\0r2"), 2.0)] == [P.C_CANCEL,
+                                                                                                  P.C_REQUEST]
+    assert core.on_message(P.broker_heartbeat(b"a" * 8, 3000, b"\0r3"), 3.0) == []
+    kind, err = call.inbox.popleft()
+    assert kind == "error" and isinstance(err, BrokerUnreachable) and "resent 1 times" in str(err)
+    assert core.in_flight() == 0 and core.broker_reconnects == 2
+
+
 def test_resends_after_restarts_are_bounded(core):
     core.restart_resends = 1
     core.on_message(P.broker_heartbeat(b"a" * 8, 3000), 1.0)

@@ -823,6 +823,88 @@ def test_the_broker_drops_a_tcp_client_gone_silent_behind_a_partition(tmp_path, 
         b.close()
 
 
+_FAR_CLIENT = """
+import asyncio, sys
+import numpy as np
+from client_sdk import AsyncClient, Client
+fe, twin = sys.argv[1], sys.argv[2]
+opts = dict(insecure=True, timeout=30, heartbeat_interval=1.5)
+x = np.arange(4)
+
+def second(c, r):
+    assert np.array_equal(r["x"], x + 1)
+    print(f"READY second reconnects={c.broker_reconnects} restarts={c.broker_restarts}", flush=True)
+
+if twin == "sync":
+    with Client(fe, **opts) as c:
+        with c.infer("echo", {"x": x}) as r:
+            assert np.array_equal(r["x"], x)
+        print("READY first", flush=True)
+        sys.stdin.readline()  # the pair is cut: this call is written into a dead connection
+        with c.infer("echo", {"x": x + 1}) as r:
+            second(c, r)
+else:
+    async def main():
+        async with AsyncClient(fe, **opts) as c:
+            (await c.infer("echo", {"x": x})).release()
+            print("READY first", flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            with await c.infer("echo", {"x": x + 1}) as r:
+                second(c, r)
+    asyncio.run(main())
+"""
+
+
+def _to_port(port: int, prefix: list[str]) -> int:
+    """TCP connections established to remote `port` (in the namespace `prefix` runs in)."""
+    r = subprocess.run([*prefix, "ss", "-Htn", "state", "established", f"( dport = :{port} )"], capture_output=True,
+                       text=True, timeout=10)
+    assert r.returncode == 0, r.stderr
+    return len(r.stdout.splitlines())
+
+
+def test_a_call_written_into_a_connection_cut_under_it_completes_once_the_network_heals(tmp_path, netns):
+    """A client in another network namespace reaches a tcp broker over a veth pair; the
+    pair is cut and a call goes into the connection, where nothing acknowledges it.  The
+    client closes that connection after two of its heartbeat intervals (TCP_USER_TIMEOUT:
+    not the many minutes TCP would retry); the pair back, libzmq connects again, the
+    broker's heartbeat answer names the new connection, and the client sends the call again:
+    it completes with its result, before the client's silence window (5 intervals) would
+    have failed it.  Without the close the connection stays half-open; without the resend
+    the call's bytes are lost with it and the broker, answering heartbeats on the new
+    connection, never sees it.  Both twins."""
+    b = Proc(["-m", "broker", "--frontend", f"tcp://{netns.here}:0", "--backend", f"ipc://{tmp_path}/be.ipc",
+              "--insecure"])
+    w = client = None
+    try:
+        b.wait_ready()
+        fe = b.field("frontend")
+        port = int(fe.rsplit(":", 1)[1])
+        w = Proc(["-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model", "echo", "--no-warmup"])
+        w.wait_ready()
+        for twin in ("sync", "async"):
+            client = Proc(["-c", _FAR_CLIENT, fe, twin], prefix=netns.prefix, stdin=True)
+            client.wait_ready(timeout=30)
+            assert _to_port(port, netns.prefix) == 1
+            netns.cut()
+            client.p.stdin.write(b"go\n")
+            client.p.stdin.flush()
+            took = _until(lambda: _to_port(port, netns.prefix) == 0, f"the {twin} client closing its connection", 15)
+            netns.heal()
+            line = client.wait_ready(timeout=30)
+            assert line.startswith("READY second"), (twin, line)
+            fields = dict(kv.split("=") for kv in line.split()[2:])
+            assert fields == {"reconnects": "1", "restarts": "0"}, (twin, line)
+            assert client.p.wait(timeout=10) == 0, client.stderr()
+            assert took < 5, took  # two 1.5 s intervals, and some slack
+            client.close()
+            client = None
+    finally:
+        for p in (client, w, b):
+            if p is not None:
+                p.close()
+
+
 _LONG_MESSAGES = """
 import asyncio, sys, time
 import numpy as np

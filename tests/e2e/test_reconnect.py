@@ -1,0 +1,235 @@
+"""End to end: a client's connection to the broker is replaced under it (a reset: a middlebox,
+a peer's crash, a connection closed for silence), with the same broker process behind it.
+
+What was on the old connection is lost with it, and so is every reply the broker still had
+to send on it (its ROUTER knows the client by the connection, and the new one has a new
+identity).  The broker's heartbeat answers name the connection they came on; a client that
+sees a new name sends again the calls it still waits for (docs/client.md, "When the
+connection to the broker is replaced").  Before, such a call waited for its deadline, or
+forever without one, while heartbeats went on being answered on the new connection.
+
+The cut is a TCP relay of the test's own between the client and the broker that resets
+every connection through it on demand (RST both ways) and keeps accepting new ones.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import selectors
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from broker import protocol as P
+from client_sdk import AsyncClient, Client
+
+from .conftest import Proc
+
+pytestmark = pytest.mark.timeout(120)
+
+WAIT = 30.0
+
+
+class Relay:
+    """127.0.0.1:<port> -> 127.0.0.1:<target>, one select loop on a thread; `cut()` resets
+    every connection through it (RST to both ends) and returns once that is done."""
+
+    def __init__(self, target: int):
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.accepted = 0
+        self._peer: dict[socket.socket, socket.socket] = {}
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._cut_asked = threading.Event()
+        self._cut_done = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="test-relay", daemon=True)
+        self._thread.start()
+
+    def cut(self, timeout: float = 10.0) -> None:
+        self._cut_done.clear()
+        self._cut_asked.set()
+        self._wake_w.send(b"c")
+        assert self._cut_done.wait(timeout), "the relay did not cut its connections"
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake_w.send(b"s")
+        self._thread.join(10)
+        for s in (self.listener, self._wake_r, self._wake_w, *self._peer):
+            s.close()
+
+    def _reset(self, sel: selectors.BaseSelector) -> None:
+        for s in list(self._peer):
+            sel.unregister(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
+            s.close()
+        self._peer.clear()
+
+    def _drop(self, sel: selectors.BaseSelector, s: socket.socket) -> None:
+        other = self._peer.pop(s, None)
+        for x in (s, other):
+            if x is not None:
+                sel.unregister(x)
+                self._peer.pop(x, None)
+                x.close()
+
+    def _run(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self.listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        try:
+            while not self._stop:
+                for key, _ in sel.select(1.0):
+                    s = key.fileobj
+                    if s is self._wake_r:
+                        s.recv(64)
+                        if self._cut_asked.is_set():
+                            self._cut_asked.clear()
+                            self._reset(sel)
+                            self._cut_done.set()
+                    elif s is self.listener:
+                        a, _ = self.listener.accept()
+                        b = socket.create_connection(("127.0.0.1", self.target), timeout=10)
+                        self._peer[a], self._peer[b] = b, a
+                        sel.register(a, selectors.EVENT_READ)
+                        sel.register(b, selectors.EVENT_READ)
+                        self.accepted += 1
+                    elif s in self._peer:
+                        try:
+                            data = s.recv(1 << 16)
+                        except OSError:
+                            data = b""
+                        if not data:
+                            self._drop(sel, s)
+                            continue
+                        try:
+                            self._peer[s].sendall(data)
+                        except OSError:
+                            self._drop(sel, s)
+        finally:
+            self._reset(sel)
+            sel.close()
+
+
+@pytest.fixture
+def tcp_broker(tmp_path):
+    """A plain-tcp broker (clients over loopback tcp, workers over ipc) and a `held` worker
+    (tests/e2e/gate_model.py: a call with x < 0 runs until the test releases it; each call
+    logs a line); yields (frontend port, log path, gate)."""
+    log = tmp_path / "runs.log"
+    fifo = tmp_path / "gate.fifo"
+    os.mkfifo(fifo)
+    b = Proc(["-m", "broker", "--frontend", "tcp://127.0.0.1:0", "--backend", f"ipc://{tmp_path}/be.ipc",
+              "--heartbeat-interval", "0.2", "--insecure"])
+    w = None
+    gate_fd = None
+    try:
+        b.wait_ready()
+        port = int(b.field("frontend").rsplit(":", 1)[1])
+        env = {"SLEEPY_LOG": str(log), "GATE_FIFO": str(fifo)}  # Proc puts gate_model's folder on the path
+        w = Proc(["-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model", "gate_model:held",
+                  "--heartbeat-interval", "0.2", "--credit", "1"], env=env)
+        w.wait_ready()
+        gate_fd = os.open(fifo, os.O_WRONLY)  # the worker holds it open read-write: never blocks
+        yield port, log, lambda n: os.write(gate_fd, b"x" * n)
+    finally:
+        if gate_fd is not None:
+            os.close(gate_fd)
+        for p in (w, b):
+            if p is not None:
+                p.close()
+
+
+def _runs(log: Path) -> int:
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def _until(cond, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(0.01)  # polling an outside condition (a file), not synchronising with a process
+
+
+def test_the_broker_names_the_connection_in_its_heartbeat_answers(tcp_broker):
+    """Each HEARTBEAT answer carries the identity the broker's ROUTER knows the connection
+    by: the one a DEALER set for itself, or the one libzmq made up for it."""
+    port = tcp_broker[0]
+    ctx = zmq.Context.instance()
+    named, anon = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        named.setsockopt(zmq.ROUTING_ID, b"me-1")
+        for s in (named, anon):
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(f"tcp://127.0.0.1:{port}")
+            s.send_multipart(P.client_heartbeat())
+        routes = []
+        for s in (named, anon):
+            assert s.poll(10_000), "no heartbeat answer"
+            msg = P.parse_broker_to_client(s.recv_multipart())
+            assert msg.command == P.C_HEARTBEAT
+            routes.append(msg.body[2])
+        assert routes[0] == b"me-1"
+        assert routes[1] and routes[1] != b"me-1"
+    finally:
+        named.close(0)
+        anon.close(0)
+
+
+def test_a_call_whose_connection_was_reset_while_it_ran_still_gets_its_result_sync(tcp_broker):
+    """The call runs at the worker; the relay resets the connection; the worker finishes,
+    and the broker has no connection to send the FINAL on (it went to the old one).  libzmq
+    connects again through the relay, the next heartbeat answer names the new connection,
+    and the client sends the call again: it completes, once, with its result."""
+    port, log, release = tcp_broker
+    relay = Relay(port)
+    try:
+        with Client(f"tcp://127.0.0.1:{relay.port}", insecure=True, timeout=WAIT, heartbeat_interval=0.2) as c:
+            x = np.array([-1.0, 7.0])
+            handle = c.infer_stream("held", {"x": x})
+            _until(lambda: _runs(log) == 1, "the call starting at the worker")
+            relay.cut()
+            release(2)  # the first run (its FINAL goes nowhere) and the one sent again
+            with handle.result(timeout=20) as r:
+                assert np.array_equal(r["x"], x)
+            assert c.broker_reconnects == 1 and c.broker_restarts == 0
+            assert _runs(log) == 2 and relay.accepted == 2
+            with c.infer("held", {"x": np.array([0.0])}) as r:  # and the client goes on as before
+                assert r["x"][0] == 0.0
+    finally:
+        relay.close()
+
+
+def test_a_call_whose_connection_was_reset_while_it_ran_still_gets_its_result_async(tcp_broker):
+    """As above, for AsyncClient (its heartbeat task reads the answers)."""
+    port, log, release = tcp_broker
+    relay = Relay(port)
+
+    async def main():
+        async with AsyncClient(f"tcp://127.0.0.1:{relay.port}", insecure=True, timeout=WAIT,
+                               heartbeat_interval=0.2) as c:
+            x = np.array([-1.0, 7.0])
+            task = asyncio.ensure_future(c.infer("held", {"x": x}))
+            deadline = time.monotonic() + 20
+            while _runs(log) < 1:
+                assert time.monotonic() < deadline and not task.done(), "the call did not start at the worker"
+                await asyncio.sleep(0.01)  # polling a file, not synchronising with a process
+            relay.cut()
+            release(2)
+            with await asyncio.wait_for(task, 20) as r:
+                assert np.array_equal(r["x"], x)
+            assert c.broker_reconnects == 1 and c.broker_restarts == 0
+            assert _runs(log) == 2 and relay.accepted == 2
+
+    try:
+        asyncio.run(main())
+    finally:
+        relay.close()
