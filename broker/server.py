@@ -17,6 +17,7 @@ request id, otherwise dropped; it never raises out of the loop.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -192,6 +193,7 @@ class Broker:
         # New at every start: clients see it in heartbeat answers and resend what a previous
         # broker process held (docs/protocol.md section 2).
         self.instance = secrets.token_bytes(P.INSTANCE_LEN)
+        self._route_key = secrets.token_bytes(16)  # names clients' connections (HEARTBEAT answers)
         # (The runtime directory is checked, and created, only when a default is used.)
         fe, be = ("", "") if self.cfg.frontend and self.cfg.backend else P.default_endpoints()
         self.frontend_ep = self.cfg.frontend or fe
@@ -577,7 +579,12 @@ class Broker:
             if self._look_clients and ident not in self._client_conn:
                 self._client_pid(ident, frames[1])  # learns its connection, for `_look_at_quiet`
             self._act(sched.client_heartbeat(ident, now), now)
-            self._send_client(ident, P.broker_heartbeat(self.instance, self._client_window_ms, ident))
+            route = None
+            if msg.body and msg.body[0][0] & P.HB_ASK_ROUTE:
+                # A name of the connection, not its identity: a keyed hash, so that what a
+                # client learns is "same or not", not how many connections came before it.
+                route = hashlib.blake2b(ident, digest_size=8, key=self._route_key).digest()
+            self._send_client(ident, P.broker_heartbeat(self.instance, self._client_window_ms, route))
         elif cmd == P.C_CANCEL:
             sched.client_seen(ident, now)
             try:

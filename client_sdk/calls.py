@@ -133,7 +133,7 @@ class Call:
 
     __slots__ = ("id", "service", "packed", "priority", "meta", "reply", "timeout",
                  "deadline", "t_sent", "t_submit", "t_done", "inbox", "done", "abandoned", "retried", "probe",
-                 "frame", "notify", "adopted", "broker", "route", "resends", "partials", "old_ids", "dropped",
+                 "frame", "notify", "adopted", "broker", "route", "mark", "resends", "partials", "old_ids", "dropped",
                  "traceparent", "pin", "no_pin", "__weakref__")
 
     def __init__(self, service: str, *, timeout: float | None):
@@ -159,7 +159,8 @@ class Call:
         self.notify: Callable[[], None] | None = None
         self.adopted: dict[int, T.Adopted] = {}  # input slots handed back as outputs
         self.broker: bytes | None = None  # instance id of the broker it was last sent to, as known then
-        self.route: bytes | None = None   # ... and the broker's identity of our connection then
+        self.route: bytes | None = None   # ... and the broker's name of our connection then
+        self.mark = 0            # the core's route mark at its last PARTIAL (core._on_broker_instance)
         self.resends = 0         # times sent again because the broker restarted or our connection was replaced
         self.partials = 0        # PARTIALs delivered (a streamed call is not resent)
         self.old_ids: list[int] = []  # ids it was sent under before a broker restart (still answerable)

@@ -57,17 +57,13 @@ from .errors import BrokerUnreachable, InferenceError, InvalidInput, PoolFull, P
 from .pins import PinEvents
 from .tensors import Result
 
-__all__ = ["ClientCore", "LIVENESS", "DROP_BEATS"]
+__all__ = ["ClientCore", "LIVENESS"]
 
 log = logging.getLogger("client_sdk")
 
 #: heartbeat intervals of silence (no reply, not even to a heartbeat) before the broker is
 #: declared unreachable for a waiting call
 LIVENESS = 5
-#: heartbeat intervals after which a tcp connection to the broker whose host stopped
-#: acknowledging is closed (and connected again, its calls sent again: `sockets.dealer`),
-#: well inside the LIVENESS window, so that a short outage costs no call
-DROP_BEATS = 2
 
 _MMI_SERVICE_B = MMI_SERVICE.encode()
 
@@ -121,8 +117,11 @@ class ClientCore(PinEvents):
         self.pool_capacity = int(pool_capacity)
         self.heartbeat_interval = heartbeat_interval if heartbeat_interval and heartbeat_interval > 0 else None
         # How long the broker's host may stop acknowledging before a tcp connection to it is
-        # closed (`sockets.dealer`); None without heartbeats (nothing would notice the new one)
-        self.drop_after = None if self.heartbeat_interval is None else DROP_BEATS * self.heartbeat_interval
+        # closed (`sockets.dealer`): the silence window, after which the calls waiting on it
+        # fail anyway (sooner, a broker that only stopped reading for a while, its receive
+        # window closed, would lose its connection: Linux counts that time too); None
+        # without heartbeats (nothing would notice the new connection)
+        self.drop_after = None if self.heartbeat_interval is None else LIVENESS * self.heartbeat_interval
         self.fallback_inline = fallback_inline
         # Direct replies need a broker (hence workers) that can reach an ipc socket of ours.
         self.direct_reply = bool(direct_reply) and endpoint_is_local(endpoint)
@@ -157,6 +156,9 @@ class ClientCore(PinEvents):
         # keepalive, a broker that closed it), and what went to the old one is lost.
         self.broker_route: bytes | None = None
         self.broker_reconnects = 0
+        # Counts the answers that confirmed the route (and every change): a PARTIAL stamped
+        # with the current value came after the last of them (`_on_broker_instance`).
+        self._route_mark = 0
         self.restart_resends = max(0, int(restart_resends))
         self.closed = False
         self.discarded = 0   # late or unknown replies dropped (for tests and debugging)
@@ -664,6 +666,7 @@ class ClientCore(PinEvents):
             res.timing.setdefault("client_ms", (now - call.t_sent) * 1000.0)
         if not final:
             call.partials += 1
+            call.mark = self._route_mark
         self._deliver(call, ("final" if final else "partial", res), final, now)
         return out
 
@@ -816,7 +819,7 @@ class ClientCore(PinEvents):
         self.last_heartbeat = now
         if self.pins:
             self.pins_overdue(now)
-        return P.client_heartbeat()
+        return P.client_heartbeat(ask_route=True)
 
     def hello(self, now: float) -> list[bytes] | None:
         """What a twin sends once connected: a HEARTBEAT, so that the broker's answer tells
@@ -824,27 +827,33 @@ class ClientCore(PinEvents):
         return None if self.heartbeat_interval is None else self.heartbeat(now)
 
     def _on_broker_instance(self, instance: bytes, now: float, route: bytes | None = None) -> list[list[Any]]:
-        """A heartbeat answer named the broker process (and, from a broker that says it, the
-        identity it knows our connection by: ``route``).
+        """A heartbeat answer named the broker process (and, when we asked, our connection:
+        ``route``, the same name for every answer on one connection).
 
         A new process: the calls sent to its predecessor may be lost with it.  The same
-        process under a new route: libzmq connected again (a connection reset, one closed for
-        silence: `sockets.broker_dealer`), and what was sent on the old connection may be lost
-        with it, as are the replies the broker still holds for it (its ROUTER has nowhere to
-        send them).  Either way each brokered call still waited for that was sent before
-        this answer came, to the predecessor or (`call.route`) on an older connection, is sent
-        again under a new id, at most `restart_resends` times, after a CANCEL of its old id (a
-        copy that reached the broker on the new connection, queued before the client knew, is
-        dropped there rather than run twice; one on the old connection is the broker's to
-        drop with it).  The old id stays answerable: whichever run answers first with a
-        result is the call's, and anything later for it is dropped (see `_on_reply`).  A call
-        that streamed PARTIALs cannot be replayed and fails; calls nobody waits for any more
-        (abandoned, or already failed) are forgotten, their inputs freed: no FINAL will come
-        for them.  Calls on a lease have connections of their own and are left alone.
+        process under a new route: libzmq connected again (a connection reset, or one closed
+        because the broker's host stopped acknowledging: `sockets.dealer`), and what was sent
+        on the old connection may be lost with it, as are the replies the broker still holds
+        for it (its ROUTER has nowhere to send them) and the leases it granted to it (the
+        broker ends them once it presumes the old connection's client gone).  Either way the
+        leases are void (`_pin_reset`: their calls are the broker's now), and each call still
+        waited for that was sent before this answer came, to the predecessor or
+        (`call.route`) on an older connection, is sent again under a new id, at most
+        `restart_resends` times, after a CANCEL of its old id (a copy that reached the broker
+        on the new connection, queued before the client knew, is dropped there rather than
+        run twice; one on the old connection is the broker's to drop with it).  The old id
+        stays answerable: whichever run answers first with a result is the call's, and
+        anything later for it is dropped (see `_on_reply`).  A call that streamed PARTIALs
+        cannot be replayed and fails; calls nobody waits for any more (abandoned, or already
+        failed) are forgotten, their inputs freed: no FINAL will come for them.
 
         A call sent on the new connection before the answer came is sent again too (nothing
-        tells the connections apart before it): it may then run twice, its caller still gets
-        one result.  A connection replaced before its first answer came goes unnoticed."""
+        tells the connections apart before it): it may then run twice, and its caller still
+        gets one result.  The exception is a brokered stream that received a PARTIAL since
+        the last answer on the old connection: that PARTIAL may have come on either, and a
+        stream cannot be replayed, so it is left to go on (or to its deadline, if it was the
+        old connection's).  A connection replaced before its first answer came goes
+        unnoticed."""
         known, self.broker_instance = self.broker_instance, instance
         known_route = self.broker_route
         if route is not None:
@@ -859,11 +868,18 @@ class ClientCore(PinEvents):
                 if known_route is None and route is not None:
                     for call in self.calls.values():
                         call.route = call.route or route
+                self._route_mark += 1  # every PARTIAL before this came on this connection
                 return []
             self.broker_reconnects += 1
-            return self._resend_brokered(now, "the connection to the broker was replaced",
-                                         lambda call: call.pin is None and call.route != route)
+            mark = self._route_mark
+            self._route_mark += 1
+            leased = self._pin_reset(now) if self.pin_all or self._asking else set()
+            return self._resend_brokered(
+                now, "the connection to the broker was replaced",
+                lambda call: call.route != route and not (call.partials and call.mark == mark
+                                                          and id(call) not in leased))
         self.broker_restarts += 1
+        self._route_mark += 1
         if self.pin_all or self._asking:
             self._pin_reset(now)  # a lease never outlives the broker that made it (pins.py)
         # An old id (seen with its call), one sent to the new broker already, or one unsent,

@@ -128,8 +128,10 @@ def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None,
 
     ``liveness_s`` (the broker's DEALER, over tcp): the connection is closed once the
     broker's host stops acknowledging for about that long (`wire.tcp_liveness`: a partition,
-    a host that died), and a connect not done within `BROKER_CONNECT_TIMEOUT_MS` is tried
-    again; libzmq then connects again by itself, the name resolved afresh.  Without it a
+    a host that died; since Linux 5.11 also a receive window closed that long, so it must be
+    no shorter than the client's silence window), and a connect not done within
+    `BROKER_CONNECT_TIMEOUT_MS` is tried again; libzmq then connects again by itself, the
+    name resolved afresh.  Without it a
     half-open connection holds the client for as long as TCP retries, many minutes after the
     network healed.  What was on the old connection is lost with it: the broker's heartbeat
     answers name the new one, and the client sends again what it still waits for (core.py,

@@ -36,7 +36,7 @@ from .header import (
 
 __all__ = ["Command", "CLIENT_COMMANDS", "WORKER_COMMANDS", "frame_table", "MDPC", "MDPW", "C_REQUEST", "C_PARTIAL", "C_FINAL", "C_HEARTBEAT", "C_CANCEL",
     "C_DISCONNECT", "C_FINALS", "W_READY", "W_REQUEST", "W_PARTIAL", "W_FINAL", "W_HEARTBEAT",
-    "W_DISCONNECT", "W_CANCEL", "W_DONE", "W_WELCOME", "W_RECALL", "W_RETURNED", "W_STATS", "worker_stats", "to_worker_recall", "worker_returned", "to_worker_welcome", "client_request", "client_cancel", "client_heartbeat", "broker_heartbeat", "INSTANCE_LEN",
+    "W_DISCONNECT", "W_CANCEL", "W_DONE", "W_WELCOME", "W_RECALL", "W_RETURNED", "W_STATS", "worker_stats", "to_worker_recall", "worker_returned", "to_worker_welcome", "client_request", "client_cancel", "client_heartbeat", "broker_heartbeat", "HB_ASK_ROUTE", "INSTANCE_LEN",
     "client_disconnect", "to_client", "error_body", "worker_ready", "worker_reply",
     "worker_done", "client_reply", "direct_finals", "worker_heartbeat", "worker_disconnect",
     "to_worker_request", "to_worker_cancel", "token_envelope", "envelope_token", "ClientMessage",
@@ -105,9 +105,9 @@ CLIENT_COMMANDS: tuple[Command, ...] = (
     Command("PARTIAL", C_PARTIAL, "B→C", "service name, body", "RFC 18"),
     Command("FINAL", C_FINAL, "B→C; W→C on `reply_to`", "service name, body (an error is a header with `error`)",
             "RFC 18"),
-    Command("HEARTBEAT", C_HEARTBEAT, "C→B, B→C", "none; B→C: [instance id (8 bytes, new at every start), "
-            "client liveness window in ms (u32, big endian) [, route: the connection's identity at the broker "
-            "(1 to 255 bytes)]]", "extension"),
+    Command("HEARTBEAT", C_HEARTBEAT, "C→B, B→C", "C→B: [flags (1 byte; 0x01: name my connection)]; "
+            "B→C: [instance id (8 bytes, new at every start), client liveness window in ms (u32, big endian) "
+            "[, route: a name of the client's connection (8 bytes; only when its flags asked)]]", "extension"),
     Command("CANCEL", C_CANCEL, "C→B", "service name, header `Cancel`", "extension"),
     Command("DISCONNECT", C_DISCONNECT, "C→B", "none", "extension"),
     Command("FINALS", C_FINALS, "W→C on `reply_to` only", "service name, header, header... (header-only FINALs)",
@@ -169,17 +169,25 @@ def client_cancel(service: str, request_id: int) -> list[Any]:
     return [MDPC, C_CANCEL, _service_bytes(service), encode_header(Cancel(id=request_id))]
 
 
-def client_heartbeat() -> list[bytes]:
-    return [MDPC, C_HEARTBEAT]
+#: a client HEARTBEAT's optional flags frame (one byte), bit 0: name my connection (the
+#: answer's `route`); other bits are ignored, and so is the frame by a broker that predates it
+HB_ASK_ROUTE = 0x01
+
+
+def client_heartbeat(ask_route: bool = False) -> list[bytes]:
+    """A client HEARTBEAT; ``ask_route``: with the flags frame that asks the broker to name
+    the connection in its answer (docs/protocol.md section 2)."""
+    return [MDPC, C_HEARTBEAT, bytes([HB_ASK_ROUTE])] if ask_route else [MDPC, C_HEARTBEAT]
 
 
 def broker_heartbeat(instance: bytes, client_window_ms: int, route: bytes | None = None) -> list[bytes]:
     """The broker's answer to a client HEARTBEAT (docs/protocol.md section 2): its instance id,
     so that a client notices a restart even inside its liveness window, and how long it waits
     for a client with calls in flight before presuming it dead, so that the client heartbeats
-    often enough (one place, the broker's config, sets liveness); and ``route``, the
-    identity the broker's ROUTER gave the connection the HEARTBEAT came on, so that a client
-    notices when its connection was replaced (what went to the old one is lost: client.md)."""
+    often enough (one place, the broker's config, sets liveness); and, to a client that asked
+    (`HB_ASK_ROUTE`), ``route``: a name of the connection the HEARTBEAT came on, the same for
+    every answer on it, so that a client notices when its connection was replaced (what went
+    to the old one is lost: client.md)."""
     frames = [MDPC, C_HEARTBEAT, instance, int(client_window_ms).to_bytes(4, "big")]
     if route is not None:
         frames.append(route)
@@ -346,7 +354,11 @@ def parse_client(frames: Sequence[Any]) -> ClientMessage:
         if not service or len(service) > MAX_SERVICE_LEN:
             raise ProtocolError(f"service name must be 1..{MAX_SERVICE_LEN} bytes")
         return ClientMessage(cmd, service, tuple(frames[3:]), lead)
-    if cmd in (C_HEARTBEAT, C_DISCONNECT):
+    if cmd == C_HEARTBEAT:
+        # The flags frame, if any (its first byte); frames past it are ignored.
+        flags = bytes(frames[2])[:1] if len(frames) > 2 else b""
+        return ClientMessage(cmd, b"", (flags,) if flags else (), lead)
+    if cmd == C_DISCONNECT:
         return ClientMessage(cmd, b"", (), lead)
     raise ProtocolError(f"unknown client command {cmd!r}")
 
@@ -459,11 +471,12 @@ def parse_broker_to_client(frames: Sequence[Any]) -> BrokerToClient:
     if cmd == C_HEARTBEAT:
         if len(frames) == 2:
             return BrokerToClient(cmd)
-        if (len(frames) not in (4, 5) or len(frames[2]) != INSTANCE_LEN or len(frames[3]) != 4
-                or (len(frames) == 5 and not 0 < len(frames[4]) <= MAX_ROUTE_LEN)):
+        # Frames past the route are ignored (a later extension's).
+        if (len(frames) < 4 or len(frames[2]) != INSTANCE_LEN or len(frames[3]) != 4
+                or (len(frames) > 4 and not 0 < len(frames[4]) <= MAX_ROUTE_LEN)):
             raise ProtocolError(f"HEARTBEAT is MDPC02, 0x04 [, {INSTANCE_LEN}-byte instance, 4-byte window in ms "
                                 f"[, route (1 to {MAX_ROUTE_LEN} bytes)]]")
-        route = bytes(frames[4]) if len(frames) == 5 else None
+        route = bytes(frames[4]) if len(frames) > 4 else None
         return BrokerToClient(cmd, body=(bytes(frames[2]), int.from_bytes(bytes(frames[3]), "big"), route))
     raise ProtocolError(f"unknown command {cmd!r} from broker")
 

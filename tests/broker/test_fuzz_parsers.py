@@ -71,6 +71,7 @@ def _corpus() -> list[list[bytes]]:
         P.client_request("mmi.service", [b"echo", b"tok"]),
         P.client_cancel("echo", 4242),
         P.client_heartbeat(),
+        P.client_heartbeat(ask_route=True),
         P.client_disconnect(),
         P.worker_ready("echo"),
         P.worker_ready("echo", ready),
@@ -173,7 +174,9 @@ def test_valid_frames_round_trip():
     assert b.body[0].instance == b"\x01" * 8
     assert P.parse_broker_to_client(P.broker_heartbeat(b"\x02" * 8, 3000)).body == (b"\x02" * 8, 3000, None)
     assert P.parse_broker_to_client(P.broker_heartbeat(b"\x02" * 8, 3000, b"\0ab")).body == (b"\x02" * 8, 3000, b"\0ab")
-    for bad_route in (b"", b"r" * 256):  # a routing id is 1 to 255 bytes
+    # frames past the route are a later extension's: ignored
+    assert P.parse_broker_to_client([*P.broker_heartbeat(b"\x02" * 8, 3000, b"r"), b"later"]).body[2] == b"r"
+    for bad_route in (b"", b"r" * 256):  # 1 to 255 bytes
         with pytest.raises(P.ProtocolError):
             P.parse_broker_to_client(P.broker_heartbeat(b"\x02" * 8, 3000, bad_route))
     for frames in _corpus():  # every valid message parses with at least one parser, and its headers re-encode

@@ -116,6 +116,11 @@ def test_parse_client_commands():
     m = P.parse_client([b"", *P.client_request("echo", [b"body"])])
     assert m.leading_empty and m.body == (b"body",)
     assert P.parse_client(P.client_heartbeat()).command == P.C_HEARTBEAT
+    # The flags frame (bit 0: name my connection): its first byte, whatever follows it.
+    assert P.parse_client(P.client_heartbeat(ask_route=True)).body == (bytes([P.HB_ASK_ROUTE]),)
+    assert P.parse_client(P.client_heartbeat()).body == ()
+    assert P.parse_client([P.MDPC, P.C_HEARTBEAT, b"\x03xyz", b"more"]).body == (b"\x03",)
+    assert P.parse_client([P.MDPC, P.C_HEARTBEAT, b""]).body == ()
     m = P.parse_client(P.client_cancel("echo", 9))
     assert P.decode_cancel(m.body[0]).id == 9
     with pytest.raises(P.ProtocolError, match="MDPC02"):

@@ -295,6 +295,30 @@ def test_a_broker_restart_ends_every_lease_and_resends_its_calls(core):
     assert _result(c1) == 1 and core.broker_restarts == 1
 
 
+def test_a_replaced_broker_connection_ends_every_lease_and_resends_its_calls(core):
+    """The broker granted the leases to the old connection, and ends them (without telling
+    anyone) once it presumes that connection's client gone; the worker then drops their
+    calls.  So a new route voids them as a restart does: the calls on them, a stream among
+    them, go through the broker (a stream that streamed on a lease fails: it cannot be
+    replayed), and the service may be pinned again later."""
+    hb = [P.MDPC, P.C_HEARTBEAT, INSTANCE, (3000).to_bytes(4, "big")]
+    core.on_message([*hb, b"route--a"], 99.0)
+    first, pin = _pinned(core)  # `first` went through the broker, on the old connection
+    c1, _ = _send(core, now=101.0)
+    c2, _ = _send(core, now=101.0)
+    assert c1.pin is pin and c2.pin is pin
+    core.on_message(_final(c2, np.int64([0]), final=False), 101.1)  # on the lease: lost with it
+    old = c1.id
+    out = core.on_message([*hb, b"route--b"], 102.0)
+    ops = _ops(core)
+    assert [type(op) for op in ops] == [PinClose] and not core.pinned("echo") and c1.pin is None
+    assert P.client_cancel("echo", old) in out and c1.id != old
+    assert [P.decode_request(f[3], n_inline=len(f) - 4).id for f in out if f[1] == P.C_REQUEST] == [first.id, c1.id]
+    assert isinstance(c2.inbox[-1][1], errors.BrokerUnreachable)
+    core.on_message(_final(c1, np.int64([1])), 102.1)
+    assert _result(c1) == 1 and core.broker_reconnects == 1 and core.broker_restarts == 0
+
+
 def test_close_says_client_done_for_each_lease_and_closes_its_connection(core):
     _, pin = _pinned(core)
     c1, _ = _send(core, now=101.0)

@@ -63,7 +63,8 @@ class Relay:
         self._stop = True
         self._wake_w.send(b"s")
         self._thread.join(10)
-        for s in (self.listener, self._wake_r, self._wake_w, *self._peer):
+        assert not self._thread.is_alive(), "the relay's thread did not stop"
+        for s in (self.listener, self._wake_r, self._wake_w):  # its connections: closed by the thread
             s.close()
 
     def _reset(self, sel: selectors.BaseSelector) -> None:
@@ -159,29 +160,35 @@ def _until(cond, what: str, timeout: float = 20.0) -> None:
         time.sleep(0.01)  # polling an outside condition (a file), not synchronising with a process
 
 
-def test_the_broker_names_the_connection_in_its_heartbeat_answers(tcp_broker):
-    """Each HEARTBEAT answer carries the identity the broker's ROUTER knows the connection
-    by: the one a DEALER set for itself, or the one libzmq made up for it."""
+def test_the_broker_names_the_connection_in_its_heartbeat_answers_when_asked(tcp_broker):
+    """A HEARTBEAT with the flag that asks for it gets an answer that names the connection
+    it came on: the same name on every answer on that connection, another on another, and
+    not the ROUTER's identity itself (a keyed hash of it: a client learns "the same or
+    not", not how many connections came before it).  Without the flag (an older SDK, a
+    plain MDP client), the answer is what it always was."""
     port = tcp_broker[0]
     ctx = zmq.Context.instance()
-    named, anon = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    named, anon, old = (ctx.socket(zmq.DEALER) for _ in range(3))
     try:
         named.setsockopt(zmq.ROUTING_ID, b"me-1")
-        for s in (named, anon):
+        for s in (named, anon, old):
             s.setsockopt(zmq.LINGER, 0)
             s.connect(f"tcp://127.0.0.1:{port}")
-            s.send_multipart(P.client_heartbeat())
-        routes = []
-        for s in (named, anon):
+
+        def answer(s, ask=True) -> list:
+            s.send_multipart(P.client_heartbeat(ask_route=ask))
             assert s.poll(10_000), "no heartbeat answer"
-            msg = P.parse_broker_to_client(s.recv_multipart())
-            assert msg.command == P.C_HEARTBEAT
-            routes.append(msg.body[2])
-        assert routes[0] == b"me-1"
-        assert routes[1] and routes[1] != b"me-1"
+            frames = s.recv_multipart()
+            assert P.parse_broker_to_client(frames).command == P.C_HEARTBEAT
+            return frames
+
+        first, again = answer(named)[4], answer(named)[4]
+        other = answer(anon)[4]
+        assert first == again and len(first) == 8 and other != first and b"me-1" not in first
+        assert len(answer(old, ask=False)) == 4  # instance and window only
     finally:
-        named.close(0)
-        anon.close(0)
+        for s in (named, anon, old):
+            s.close(0)
 
 
 def test_a_call_whose_connection_was_reset_while_it_ran_still_gets_its_result_sync(tcp_broker):
@@ -222,7 +229,7 @@ def test_a_call_whose_connection_was_reset_while_it_ran_still_gets_its_result_as
             while _runs(log) < 1:
                 assert time.monotonic() < deadline and not task.done(), "the call did not start at the worker"
                 await asyncio.sleep(0.01)  # polling a file, not synchronising with a process
-            relay.cut()
+            await asyncio.to_thread(relay.cut)
             release(2)
             with await asyncio.wait_for(task, 20) as r:
                 assert np.array_equal(r["x"], x)

@@ -827,8 +827,9 @@ _FAR_CLIENT = """
 import asyncio, sys
 import numpy as np
 from client_sdk import AsyncClient, Client
+from client_sdk.errors import BrokerUnreachable
 fe, twin = sys.argv[1], sys.argv[2]
-opts = dict(insecure=True, timeout=30, heartbeat_interval=1.5)
+opts = dict(insecure=True, timeout=30, heartbeat_interval=1.0)
 x = np.arange(4)
 
 def second(c, r):
@@ -840,7 +841,13 @@ if twin == "sync":
         with c.infer("echo", {"x": x}) as r:
             assert np.array_equal(r["x"], x)
         print("READY first", flush=True)
-        sys.stdin.readline()  # the pair is cut: this call is written into a dead connection
+        sys.stdin.readline()  # the pair is cut: this call goes into a connection nobody acknowledges
+        try:
+            c.infer("echo", {"x": x}).release()
+            print("READY answered?!", flush=True)
+        except BrokerUnreachable:
+            print("READY lost", flush=True)
+        sys.stdin.readline()  # the pair is back
         with c.infer("echo", {"x": x + 1}) as r:
             second(c, r)
 else:
@@ -848,7 +855,14 @@ else:
         async with AsyncClient(fe, **opts) as c:
             (await c.infer("echo", {"x": x})).release()
             print("READY first", flush=True)
-            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            read = lambda: asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            await read()
+            try:
+                (await c.infer("echo", {"x": x})).release()
+                print("READY answered?!", flush=True)
+            except BrokerUnreachable:
+                print("READY lost", flush=True)
+            await read()
             with await c.infer("echo", {"x": x + 1}) as r:
                 second(c, r)
     asyncio.run(main())
@@ -863,16 +877,15 @@ def _to_port(port: int, prefix: list[str]) -> int:
     return len(r.stdout.splitlines())
 
 
-def test_a_call_written_into_a_connection_cut_under_it_completes_once_the_network_heals(tmp_path, netns):
+def test_a_client_behind_a_partition_closes_its_broker_connection_and_connects_again_once_it_heals(tmp_path,
+                                                                                                  netns):
     """A client in another network namespace reaches a tcp broker over a veth pair; the
     pair is cut and a call goes into the connection, where nothing acknowledges it.  The
-    client closes that connection after two of its heartbeat intervals (TCP_USER_TIMEOUT:
-    not the many minutes TCP would retry); the pair back, libzmq connects again, the
-    broker's heartbeat answer names the new connection, and the client sends the call again:
-    it completes with its result, before the client's silence window (5 intervals) would
-    have failed it.  Without the close the connection stays half-open; without the resend
-    the call's bytes are lost with it and the broker, answering heartbeats on the new
-    connection, never sees it.  Both twins."""
+    call fails for the broker's silence (5 heartbeat intervals) and the client closes the
+    connection about then (TCP_USER_TIMEOUT and keepalive: not the many minutes TCP would
+    retry, with a half-open connection that only the peer's reset ends, long after the
+    network healed).  The pair back, libzmq connects again, the broker's heartbeat answer
+    names the new connection, and the next call completes.  Both twins."""
     b = Proc(["-m", "broker", "--frontend", f"tcp://{netns.here}:0", "--backend", f"ipc://{tmp_path}/be.ipc",
               "--insecure"])
     w = client = None
@@ -889,14 +902,19 @@ def test_a_call_written_into_a_connection_cut_under_it_completes_once_the_networ
             netns.cut()
             client.p.stdin.write(b"go\n")
             client.p.stdin.flush()
+            assert client.wait_ready(timeout=30) == "READY lost", twin
             took = _until(lambda: _to_port(port, netns.prefix) == 0, f"the {twin} client closing its connection", 15)
             netns.heal()
+            client.p.stdin.write(b"go\n")
+            client.p.stdin.flush()
             line = client.wait_ready(timeout=30)
             assert line.startswith("READY second"), (twin, line)
             fields = dict(kv.split("=") for kv in line.split()[2:])
-            assert fields == {"reconnects": "1", "restarts": "0"}, (twin, line)
+            # The call went on the new connection; the answer that names it comes with the next
+            # heartbeat, which a call this quick may not wait for (nothing was left to resend).
+            assert fields["restarts"] == "0" and fields["reconnects"] in ("0", "1"), (twin, line)
             assert client.p.wait(timeout=10) == 0, client.stderr()
-            assert took < 5, took  # two 1.5 s intervals, and some slack
+            assert took < 8, took  # five 1 s intervals from the call, and some slack
             client.close()
             client = None
     finally:
