@@ -156,9 +156,11 @@ class ClientCore(PinEvents):
         # keepalive, a broker that closed it), and what went to the old one is lost.
         self.broker_route: bytes | None = None
         self.broker_reconnects = 0
-        # Counts the answers that confirmed the route (and every change): a PARTIAL stamped
-        # with the current value came after the last of them (`_on_broker_instance`).
+        # Counts the answers that named the connection: a stream whose first PARTIAL is
+        # stamped with the current value got it after the last of them (`_on_broker_instance`)
         self._route_mark = 0
+        # streams that may have been lost with a replaced connection: id -> (call, since)
+        self._suspects: dict[int, tuple[Call, float]] = {}
         self.restart_resends = max(0, int(restart_resends))
         self.closed = False
         self.discarded = 0   # late or unknown replies dropped (for tests and debugging)
@@ -665,8 +667,9 @@ class ClientCore(PinEvents):
             self._finish_inputs(call, rep)
             res.timing.setdefault("client_ms", (now - call.t_sent) * 1000.0)
         if not final:
+            if not call.partials:
+                call.mark = self._route_mark  # when its first PARTIAL came (_on_broker_instance)
             call.partials += 1
-            call.mark = self._route_mark
         self._deliver(call, ("final" if final else "partial", res), final, now)
         return out
 
@@ -720,6 +723,8 @@ class ClientCore(PinEvents):
             self._cuda.free_temp(packed.cuda_temp, after=after)
 
     def _deliver(self, call: Call, item: tuple[str, Any], final: bool, now: float) -> None:
+        if self._suspects:
+            self._suspects.pop(id(call), None)  # heard of: on a live connection
         if final:
             call.done = True
             call.t_done = now
@@ -815,11 +820,27 @@ class ClientCore(PinEvents):
 
     def heartbeat(self, now: float) -> list[bytes]:
         """A HEARTBEAT to send now (and, while at it, give back a tcp lease whose handshake
-        is overdue: `pins_overdue`, whose ops the twin runs)."""
+        is overdue: `pins_overdue`, whose ops the twin runs; and fail the streams a replaced
+        connection took with it: `_expire_suspects`)."""
         self.last_heartbeat = now
         if self.pins:
             self.pins_overdue(now)
+        if self._suspects:
+            self._expire_suspects(now)
         return P.client_heartbeat(ask_route=True)
+
+    def _expire_suspects(self, now: float) -> None:
+        """Fail the streams nothing came for since the connection was replaced, LIVENESS
+        heartbeat intervals ago: they were the old connection's (`_on_broker_instance`)."""
+        window = LIVENESS * (self.heartbeat_interval or 0.0)
+        for key, (call, since) in list(self._suspects.items()):
+            if call.abandoned or call.done:
+                del self._suspects[key]
+            elif now - since > window:
+                del self._suspects[key]
+                self.fail(call, BrokerUnreachable(
+                    f"the connection to the broker was replaced while request {call.id} to {call.service!r} "
+                    f"was streaming, and nothing came for it on the new one for {window:g} s", request_id=call.id))
 
     def hello(self, now: float) -> list[bytes] | None:
         """What a twin sends once connected: a HEARTBEAT, so that the broker's answer tells
@@ -849,11 +870,15 @@ class ClientCore(PinEvents):
 
         A call sent on the new connection before the answer came is sent again too (nothing
         tells the connections apart before it): it may then run twice, and its caller still
-        gets one result.  The exception is a brokered stream that received a PARTIAL since
-        the last answer on the old connection: that PARTIAL may have come on either, and a
-        stream cannot be replayed, so it is left to go on (or to its deadline, if it was the
-        old connection's).  A connection replaced before its first answer came goes
-        unnoticed."""
+        gets one result.  The exception is a brokered stream whose first PARTIAL came after
+        the last answer on the old connection: a DEALER keeps the order of what it receives
+        across connections, so a stream with a PARTIAL before that answer was the old
+        connection's (and fails), but this one may be either's, and a stream cannot be
+        replayed.  It goes on while anything comes for it; if nothing does for LIVENESS
+        heartbeat intervals (it was the old connection's), it fails with `BrokerUnreachable`
+        (`_expire_suspects`).  Leases granted to the new connection before the answer came are
+        handed back too (LEASE_END; the broker ignores it for the old connection's, which it
+        ends itself).  A connection replaced before its first answer came goes unnoticed."""
         known, self.broker_instance = self.broker_instance, instance
         known_route = self.broker_route
         if route is not None:
@@ -863,6 +888,7 @@ class ClientCore(PinEvents):
                 for call in self.calls.values():
                     call.broker = call.broker or instance
                     call.route = call.route or route
+                self._route_mark += 1
                 return []
             if route is None or known_route is None or route == known_route:
                 if known_route is None and route is not None:
@@ -873,11 +899,18 @@ class ClientCore(PinEvents):
             self.broker_reconnects += 1
             mark = self._route_mark
             self._route_mark += 1
-            leased = self._pin_reset(now) if self.pin_all or self._asking else set()
-            return self._resend_brokered(
-                now, "the connection to the broker was replaced",
-                lambda call: call.route != route and not (call.partials and call.mark == mark
-                                                          and id(call) not in leased))
+            leased: set[int] = set()
+            if self.pin_all or self._asking:
+                for pin in list(self.pin_all.values()):  # one granted to the new connection stays otherwise
+                    self.ops.append(self._lease_end_frames(pin.service, pin.lease))
+                leased = self._pin_reset(now)
+            maybe_live = [call for call in self.active()
+                          if call.partials and call.mark == mark and id(call) not in leased]
+            for call in maybe_live:
+                self._suspects[id(call)] = (call, now)
+            spared = {id(call) for call in maybe_live}
+            return self._resend_brokered(now, "the connection to the broker was replaced",
+                                         lambda call: call.route != route and id(call) not in spared)
         self.broker_restarts += 1
         self._route_mark += 1
         if self.pin_all or self._asking:
@@ -922,6 +955,7 @@ class ClientCore(PinEvents):
             call.abandoned = True
             _drain_inbox(call)
         self.calls.clear()
+        self._suspects.clear()
         self.pins.clear()
         self.pin_all.clear()
         self.pin_services.clear()

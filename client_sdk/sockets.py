@@ -118,8 +118,9 @@ def open_link(pin: Any, hello: list[Any]) -> LinkConn | None:
 
 #: the most a tcp connect to the broker may take before libzmq gives it up and tries again
 #: (100 ms later): a SYN lost to a partition is sent again soon after it heals, instead of
-#: after the kernel's backoff (1, 3, 7... s)
-BROKER_CONNECT_TIMEOUT_MS = 1000
+#: after the kernel's backoff (1, 3, 7... s); long enough for a handshake over a link whose
+#: round trip takes most of a second (a satellite hop)
+BROKER_CONNECT_TIMEOUT_MS = 2000
 
 
 def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None,

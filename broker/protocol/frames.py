@@ -356,7 +356,7 @@ def parse_client(frames: Sequence[Any]) -> ClientMessage:
         return ClientMessage(cmd, service, tuple(frames[3:]), lead)
     if cmd == C_HEARTBEAT:
         # The flags frame, if any (its first byte); frames past it are ignored.
-        flags = bytes(frames[2])[:1] if len(frames) > 2 else b""
+        flags = memoryview(frames[2])[:1].tobytes() if len(frames) > 2 else b""  # not a copy of a large frame
         return ClientMessage(cmd, b"", (flags,) if flags else (), lead)
     if cmd == C_DISCONNECT:
         return ClientMessage(cmd, b"", (), lead)

@@ -289,21 +289,34 @@ def test_a_replaced_connection_resends_the_brokered_calls_sent_before_it_was_kno
     assert [k for k, _ in lost.inbox] == ["final"]
 
 
-def test_a_stream_that_streamed_since_the_last_answer_on_the_old_connection_goes_on(core):
-    """A PARTIAL that came after the last answer naming the old connection may have come on
-    the new one (a stream sent just after libzmq connected again): the stream cannot be
-    replayed, so it is neither failed nor resent, and its next PARTIAL and FINAL answer it."""
+def test_a_stream_whose_first_partial_came_after_the_last_answer_on_the_old_connection_goes_on(core):
+    """A DEALER keeps the order of what it receives across connections: a stream with a
+    PARTIAL before the last answer naming the old connection was that connection's (it
+    fails, however many PARTIALs came since), but one whose first PARTIAL came after it may
+    be the new one's (sent just after libzmq connected again).  That one cannot be replayed:
+    it is neither failed nor resent, goes on while PARTIALs come, and fails only once
+    nothing came for it for the silence window."""
+    core.heartbeat_interval = 1.0
     inst = b"\x01" * 8
     core.on_message(P.broker_heartbeat(inst, 3000, b"route--a"), 100.0)
-    stream = _sent(core, now=100.1)
-    core.on_message(_final(stream, np.int64([1]), final=False), 100.2)  # after the last answer on a
-    plain = _sent(core, now=100.3)
+    old_stream, live, lost = (_sent(core, now=100.1) for _ in range(3))
+    core.on_message(_final(old_stream, np.int64([1]), final=False), 100.2)
+    core.on_message(P.broker_heartbeat(inst, 3000, b"route--a"), 100.3)  # the last answer on a
+    core.on_message(_final(old_stream, np.int64([2]), final=False), 100.35)  # a fast stream: still a's
+    core.on_message(_final(live, np.int64([1]), final=False), 100.4)
+    core.on_message(_final(lost, np.int64([1]), final=False), 100.4)
+    plain = _sent(core, now=100.45)
     out = core.on_message(P.broker_heartbeat(inst, 3000, b"route--b"), 100.5)
     assert [P.decode_request(f[3], len(f) - 4).id for f in out if f[1] == P.C_REQUEST] == [plain.id]
-    assert stream.resends == 0 and stream.id in core.calls and [k for k, _ in stream.inbox] == ["partial"]
-    core.on_message(_final(stream, np.int64([2]), final=False), 100.6)
-    core.on_message(_final(stream, np.int64([3])), 100.7)
-    assert [k for k, _ in stream.inbox] == ["partial", "partial", "final"]
+    assert isinstance(old_stream.inbox[-1][1], BrokerUnreachable)
+    for s in (live, lost):
+        assert s.resends == 0 and s.id in core.calls and [k for k, _ in s.inbox] == ["partial"]
+    core.on_message(_final(live, np.int64([2]), final=False), 101.0)  # the new connection's
+    core.heartbeat(105.6)  # 5.1 s after the new route: `lost` heard nothing, `live` did
+    assert isinstance(lost.inbox[-1][1], BrokerUnreachable) and "streaming" in str(lost.inbox[-1][1])
+    assert [k for k, _ in live.inbox] == ["partial", "partial"]
+    core.on_message(_final(live, np.int64([3])), 105.7)
+    assert [k for k, _ in live.inbox] == ["partial", "partial", "final"]
 
 
 def test_a_restart_seen_with_a_new_route_resends_once(core):
