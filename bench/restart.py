@@ -16,6 +16,11 @@ a new broker on the same endpoints at once.  Reported per round and as medians:
   failover_s       a second measurement: SIGKILL of a local worker that holds a request ->
                    the request's result from the other worker (the broker presumes the dead
                    worker gone when its connection closes, not after heartbeat_liveness)
+  reset_s          a third: the client reaches a tcp broker through `bench.relay`, which
+                   resets its connection while a request runs at the worker -> the
+                   request's result (the broker's FINAL for it had nowhere to go; the client
+                   resends it once a heartbeat answer names the new connection, and it runs
+                   again: about one heartbeat interval plus the 0.3 s compute)
 """
 from __future__ import annotations
 
@@ -106,6 +111,38 @@ def failover_round(hb: float) -> float:
             _stop(p)
 
 
+def reset_round(hb: float) -> float:
+    from bench.peers import free_port
+    from bench.relay import Relay
+    from client_sdk import Client
+
+    d = tempfile.mkdtemp(prefix="zinf-reset-")
+    port, be = free_port(), f"ipc://{d}/be.ipc"
+    procs = [_start(["-m", "broker", "--frontend", f"tcp://127.0.0.1:{port}", "--backend", be, "--insecure",
+                     "--heartbeat-interval", str(hb)])]
+    procs.append(_start(["-m", "gpu_worker", "--broker", be, "--model", "bench.restart:slow_echo",
+                         "--heartbeat-interval", str(hb), "--no-warmup"]))
+    relay = Relay(port)
+    try:
+        with Client(f"tcp://127.0.0.1:{relay.port}", insecure=True, timeout=60, heartbeat_interval=hb) as c:
+            while not c.mmi_service("slow_echo"):
+                time.sleep(0.01)
+            x = np.arange(16, dtype=np.int32)
+            handle = c.infer_stream("slow_echo", {"x": x})
+            time.sleep(0.1)  # the request is at the worker (its compute takes 0.3 s)
+            relay.cut()
+            t0 = time.monotonic()
+            with handle.result(timeout=60) as r:
+                done = time.monotonic() - t0
+                if not np.array_equal(r["x"], x) or c.broker_reconnects != 1:
+                    return float("nan")
+            return done
+    finally:
+        relay.close()
+        for p in reversed(procs):
+            _stop(p)
+
+
 def slow_echo(device: str = "cpu"):
     """The worker's model here: echo after $SLOW_ECHO_S (default 0.3) seconds of "compute"."""
     delay = float(os.environ.get("SLOW_ECHO_S", "0.3"))
@@ -126,20 +163,24 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     rounds = [one_round(a.heartbeat_interval) for _ in range(a.rounds)]
     failovers = [failover_round(a.heartbeat_interval) for _ in range(a.rounds)]
+    resets = [reset_round(a.heartbeat_interval) for _ in range(a.rounds)]
     res = {
         "failover_s": failovers,
         "failover_s_median": statistics.median(failovers),
+        "reset_s": resets,
+        "reset_s_median": statistics.median(resets),
         "heartbeat_interval_s": a.heartbeat_interval,
         "rounds": rounds,
         "service_back_s_median": statistics.median(r["service_back_s"] for r in rounds),
         "request_done_s_median": statistics.median(r["request_done_s"] for r in rounds),
-        "all_requests_ok": all(r["request_ok"] for r in rounds),
+        "all_requests_ok": all(r["request_ok"] for r in rounds) and all(t == t for t in resets),  # NaN: wrong
     }
     for r in rounds:
         print(f"service back {r['service_back_s']:.3f} s   request done {r['request_done_s']:.3f} s   "
               f"ok={r['request_ok']}")
     print(f"median: service back {res['service_back_s_median']:.3f} s, "
-          f"request done {res['request_done_s_median']:.3f} s, worker fail-over {res['failover_s_median']:.3f} s "
+          f"request done {res['request_done_s_median']:.3f} s, worker fail-over {res['failover_s_median']:.3f} s, "
+          f"connection reset -> result {res['reset_s_median']:.3f} s "
           f"(heartbeat interval {a.heartbeat_interval} s; liveness {3 * a.heartbeat_interval:g} s)")
     if a.json:
         with open(a.json, "w") as f:

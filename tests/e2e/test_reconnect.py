@@ -8,17 +8,13 @@ sees a new name sends again the calls it still waits for (docs/client.md, "When 
 connection to the broker is replaced").  Before, such a call waited for its deadline, or
 forever without one, while heartbeats went on being answered on the new connection.
 
-The cut is a TCP relay of the test's own between the client and the broker that resets
-every connection through it on demand (RST both ways) and keeps accepting new ones.
+The cut is a TCP relay between the client and the broker (`bench.relay`) that resets every
+connection through it on demand (RST both ways) and keeps accepting new ones.
 """
 from __future__ import annotations
 
 import asyncio
 import os
-import selectors
-import socket
-import struct
-import threading
 import time
 from pathlib import Path
 
@@ -26,6 +22,7 @@ import numpy as np
 import pytest
 import zmq
 
+from bench.relay import Relay
 from broker import protocol as P
 from client_sdk import AsyncClient, Client
 
@@ -34,90 +31,6 @@ from .conftest import Proc
 pytestmark = pytest.mark.timeout(120)
 
 WAIT = 30.0
-
-
-class Relay:
-    """127.0.0.1:<port> -> 127.0.0.1:<target>, one select loop on a thread; `cut()` resets
-    every connection through it (RST to both ends) and returns once that is done."""
-
-    def __init__(self, target: int):
-        self.target = target
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.accepted = 0
-        self._peer: dict[socket.socket, socket.socket] = {}
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._cut_asked = threading.Event()
-        self._cut_done = threading.Event()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="test-relay", daemon=True)
-        self._thread.start()
-
-    def cut(self, timeout: float = 10.0) -> None:
-        self._cut_done.clear()
-        self._cut_asked.set()
-        self._wake_w.send(b"c")
-        assert self._cut_done.wait(timeout), "the relay did not cut its connections"
-
-    def close(self) -> None:
-        self._stop = True
-        self._wake_w.send(b"s")
-        self._thread.join(10)
-        assert not self._thread.is_alive(), "the relay's thread did not stop"
-        for s in (self.listener, self._wake_r, self._wake_w):  # its connections: closed by the thread
-            s.close()
-
-    def _reset(self, sel: selectors.BaseSelector) -> None:
-        for s in list(self._peer):
-            sel.unregister(s)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
-            s.close()
-        self._peer.clear()
-
-    def _drop(self, sel: selectors.BaseSelector, s: socket.socket) -> None:
-        other = self._peer.pop(s, None)
-        for x in (s, other):
-            if x is not None:
-                sel.unregister(x)
-                self._peer.pop(x, None)
-                x.close()
-
-    def _run(self) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self.listener, selectors.EVENT_READ)
-        sel.register(self._wake_r, selectors.EVENT_READ)
-        try:
-            while not self._stop:
-                for key, _ in sel.select(1.0):
-                    s = key.fileobj
-                    if s is self._wake_r:
-                        s.recv(64)
-                        if self._cut_asked.is_set():
-                            self._cut_asked.clear()
-                            self._reset(sel)
-                            self._cut_done.set()
-                    elif s is self.listener:
-                        a, _ = self.listener.accept()
-                        b = socket.create_connection(("127.0.0.1", self.target), timeout=10)
-                        self._peer[a], self._peer[b] = b, a
-                        sel.register(a, selectors.EVENT_READ)
-                        sel.register(b, selectors.EVENT_READ)
-                        self.accepted += 1
-                    elif s in self._peer:
-                        try:
-                            data = s.recv(1 << 16)
-                        except OSError:
-                            data = b""
-                        if not data:
-                            self._drop(sel, s)
-                            continue
-                        try:
-                            self._peer[s].sendall(data)
-                        except OSError:
-                            self._drop(sel, s)
-        finally:
-            self._reset(sel)
-            sel.close()
 
 
 @pytest.fixture
