@@ -14,6 +14,7 @@ connection through it on demand (RST both ways) and keeps accepting new ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -33,11 +34,11 @@ pytestmark = pytest.mark.timeout(120)
 WAIT = 30.0
 
 
-@pytest.fixture
-def tcp_broker(tmp_path):
+@contextlib.contextmanager
+def _tcp_cluster(tmp_path, *worker_args: str):
     """A plain-tcp broker (clients over loopback tcp, workers over ipc) and a `held` worker
     (tests/e2e/gate_model.py: a call with x < 0 runs until the test releases it; each call
-    logs a line); yields (frontend port, log path, gate)."""
+    logs a line); yields (frontend port, log path, release(n), the worker's Proc)."""
     log = tmp_path / "runs.log"
     fifo = tmp_path / "gate.fifo"
     os.mkfifo(fifo)
@@ -50,16 +51,22 @@ def tcp_broker(tmp_path):
         port = int(b.field("frontend").rsplit(":", 1)[1])
         env = {"SLEEPY_LOG": str(log), "GATE_FIFO": str(fifo)}  # Proc puts gate_model's folder on the path
         w = Proc(["-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model", "gate_model:held",
-                  "--heartbeat-interval", "0.2", "--credit", "1"], env=env)
+                  "--heartbeat-interval", "0.2", *worker_args], env=env)
         w.wait_ready()
         gate_fd = os.open(fifo, os.O_WRONLY)  # the worker holds it open read-write: never blocks
-        yield port, log, lambda n: os.write(gate_fd, b"x" * n)
+        yield port, log, lambda n: os.write(gate_fd, b"x" * n), w
     finally:
         if gate_fd is not None:
             os.close(gate_fd)
         for p in (w, b):
             if p is not None:
                 p.close()
+
+
+@pytest.fixture
+def tcp_broker(tmp_path):
+    with _tcp_cluster(tmp_path, "--credit", "1") as (port, log, release, _):
+        yield port, log, release
 
 
 def _runs(log: Path) -> int:
@@ -153,3 +160,37 @@ def test_a_call_whose_connection_was_reset_while_it_ran_still_gets_its_result_as
         asyncio.run(main())
     finally:
         relay.close()
+
+
+def test_a_call_on_a_lease_when_the_broker_connection_was_reset_still_gets_its_result(tmp_path):
+    """The broker granted the lease to the old connection and ends it once it presumes that
+    connection's client gone; the worker then drops the lease's calls.  So the client, seeing
+    the new route, gives the lease back and sends its call through the broker: a call held
+    at the worker on the lease when the connection to the broker was reset (the lease's own
+    connection, straight to the worker, untouched) still completes, once."""
+    with _tcp_cluster(tmp_path, "--credit", "2", "--direct-tcp", "tcp://127.0.0.1:0", "--insecure") as (
+            port, log, release, _), Relay(port) as relay:
+        with Client(f"tcp://127.0.0.1:{relay.port}", insecure=True, pin=True, timeout=WAIT,
+                    heartbeat_interval=0.2) as c:
+            deadline = time.monotonic() + 20
+            while not c.pinned("held"):
+                assert time.monotonic() < deadline, "the client never pinned"
+                c.infer("held", {"x": np.array([0.0])}).release()  # x = 0: not logged, not held
+                if not c.pinned("held"):
+                    c.pump(0.05)
+            before = c.pinned_replies
+            x = np.array([-1.0, 7.0])
+            handle = c.infer_stream("held", {"x": x})
+            _until(lambda: _runs(log) == 1, "the call starting at the worker, on the lease")
+            relay.cut()
+            deadline = time.monotonic() + 20
+            while not c.broker_reconnects:  # the next heartbeat answer names the new connection
+                assert time.monotonic() < deadline, "the client never saw its new connection"
+                c.pump(0.05)
+            assert not c.pinned("held")  # the lease is given back, its call sent through the broker
+            release(2)  # the lease's run (its FINAL goes to a closed connection) and the resent one
+            with handle.result(timeout=20) as r:
+                assert np.array_equal(r["x"], x)
+            assert c.broker_reconnects == 1 and c.broker_restarts == 0
+            assert c.pinned_replies == before  # through the broker
+            assert _runs(log) == 2
