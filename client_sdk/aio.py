@@ -43,13 +43,15 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply
 from .core import ClientCore
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
-from .sockets import (CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_lease_dealer, drop_socket, lease_dealer,
-                      lease_events, open_link, tcp_options)
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, curve_keys, dealer, drop_lease_dealer, drop_monitor,
+                      drop_socket, handshakes, lease_dealer, lease_events, open_link, tcp_options)
 from .tensors import Result
 
 __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
 
 log = logging.getLogger("client_sdk")
+#: the broker connection's monitor in `_monitors` (the others are a lease's)
+_BROKER = object()
 _POLLIN = int(zmq.POLLIN)
 _Future = asyncio.Future  # what loop.create_future() makes, without its Python call
 
@@ -115,6 +117,10 @@ class AsyncClient(ClientBase):
         self._pin_of: dict[Any, Any] = {}
         self._links: list[LinkConn] = []
         self._monitors: dict[zmq.Socket, Any] = {}  # a tcp lease's connection monitor -> its Pin
+        # Over tcp, the broker connection's handshakes (-> _BROKER): a new one heartbeats at once.
+        self._broker_monitor = broker_monitor(self._sock, endpoint, self._core.heartbeat_interval)
+        if self._broker_monitor is not None:
+            self._monitors[self._broker_monitor] = _BROKER
         # `infer` calls waiting now (a dict as an ordered set), and the one timer that wakes
         # them at their deadlines: armed at `_deadline_at`, the earliest deadline known when
         # it was armed (see `_deadlines`)
@@ -137,6 +143,7 @@ class AsyncClient(ClientBase):
                 loop.add_reader(link.fileno(), self._drain_link, link)
             for monitor in self._monitors:
                 loop.add_reader(monitor.getsockopt(zmq.FD), self._on_monitor, monitor)
+                loop.call_soon(self._on_monitor, monitor)  # edge-triggered: look once now
             self._loop = loop
             loop.call_soon(self._drain)  # the FD is edge-triggered: look once now
             hello = self._core.hello(time.monotonic())
@@ -325,10 +332,17 @@ class AsyncClient(ClientBase):
                 self._loop.call_soon(self._on_monitor, monitor)  # edge-triggered: look once now
 
     def _on_monitor(self, monitor: zmq.Socket) -> None:
-        """A tcp lease's connection reported (pins.py: pin_connected, pin_disconnected)."""
+        """A tcp lease's connection reported (pins.py: pin_connected, pin_disconnected), or
+        the broker's made a handshake (a new connection: its name is asked for at once)."""
         core = self._core
         pin = self._monitors.get(monitor)
         if pin is None or core.closed or monitor.closed:
+            return
+        if pin is _BROKER:
+            if handshakes(monitor) and core.heartbeat_interval is not None:
+                self._send_soon(core.heartbeat(time.monotonic()))
+                if core.ops:
+                    self._run_ops()
             return
         for up, final, why in lease_events(monitor):
             if pin.closed:
@@ -723,7 +737,7 @@ class AsyncClient(ClientBase):
         for call in core.active():
             core.fail(call, err)
         if self._loop is not None:
-            for sock in self._socks:
+            for sock in [*self._socks, *([self._broker_monitor] if self._broker_monitor is not None else [])]:
                 try:
                     self._loop.remove_reader(sock.getsockopt(zmq.FD))
                 except Exception:  # the loop may already be closed
@@ -748,6 +762,7 @@ class AsyncClient(ClientBase):
         except (zmq.ZMQError, Exception):
             pass
         self._pending.clear()
+        drop_monitor(self._sock, self._broker_monitor)
         self._sock.close(linger=CLOSE_LINGER_MS)
         if self._inbox is not None:
             self._inbox.close()

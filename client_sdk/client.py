@@ -37,8 +37,8 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priorit
 from .core import LIVENESS, ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
-from .sockets import (CLOSE_LINGER_MS, ReplyInbox, curve_keys, dealer, drop_lease_dealer, drop_socket, lease_dealer,
-                      lease_events, open_link, tcp_options)
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, curve_keys, dealer, drop_lease_dealer, drop_monitor,
+                      drop_socket, handshakes, lease_dealer, lease_events, open_link, tcp_options)
 from .tensors import Result
 
 # resolve_transport and parse_priority are re-exported: they were importable from here.
@@ -47,6 +47,8 @@ __all__ = ["Client", "ReplyStream", "resolve_transport", "parse_priority"]
 _POLLIN = int(zmq.POLLIN)
 _POLLOUT = int(zmq.POLLOUT)
 log = logging.getLogger("client_sdk")
+#: the broker connection's monitor in `_monitors` (the others are a lease's)
+_BROKER = object()
 
 
 class Client(ClientBase):
@@ -95,6 +97,11 @@ class Client(ClientBase):
         self._pin_of: dict[Any, Any] = {}
         self._link_of: dict[int, LinkConn] = {}  # descriptor -> a lease's link, as the Waiter reports it
         self._monitors: dict[zmq.Socket, Any] = {}  # a tcp lease's connection monitor -> its Pin
+        # Over tcp, the broker connection's handshakes (-> _BROKER): a new one heartbeats at once.
+        self._broker_monitor = broker_monitor(self._sock, endpoint, self._core.heartbeat_interval)
+        if self._broker_monitor is not None:
+            self._monitors[self._broker_monitor] = _BROKER
+            self._waiter.add(self._broker_monitor)
         if self._inbox is not None:
             self._core.reply_to = self._inbox.endpoint
             self._waiter.add(self._inbox.sock)
@@ -558,9 +565,14 @@ class Client(ClientBase):
         return None
 
     def _on_monitor(self, monitor: zmq.Socket) -> None:
-        """A tcp lease's connection reported (pins.py: pin_connected, pin_disconnected)."""
+        """A tcp lease's connection reported (pins.py: pin_connected, pin_disconnected), or
+        the broker's made a handshake (a new connection: its name is asked for at once)."""
         pin = self._monitors.get(monitor)
         core = self._core
+        if pin is _BROKER:
+            if handshakes(monitor) and not core.closed and core.heartbeat_interval is not None:
+                self._send_soon(core.heartbeat(time.monotonic()))
+            return
         for up, final, why in lease_events(monitor):
             if pin is None or pin.closed:
                 break
@@ -647,6 +659,7 @@ class Client(ClientBase):
         except zmq.ZMQError:
             pass
         self._unwatch()
+        drop_monitor(self._sock, self._broker_monitor)
         self._sock.close(linger=CLOSE_LINGER_MS)
         if self._inbox is not None:
             self._inbox.close()

@@ -35,7 +35,7 @@ from broker.protocol.wire import tcp_liveness
 
 from .errors import InvalidInput
 
-__all__ = ["CLOSE_LINGER_MS", "dealer", "drop_socket", "ReplyInbox", "curve_keys", "tcp_options",
+__all__ = ["CLOSE_LINGER_MS", "dealer", "broker_monitor", "handshakes", "drop_monitor", "drop_socket", "ReplyInbox", "curve_keys", "tcp_options",
            "ENV_CLIENT_KEY", "lease_curve", "open_link", "lease_dealer", "lease_events", "drop_lease_dealer"]
 
 log = logging.getLogger("client_sdk")
@@ -241,14 +241,37 @@ def lease_events(monitor: zmq.Socket) -> list[tuple[bool, bool, str]]:
             out.append((False, *_LEASE_DOWN[event]))
 
 
+def broker_monitor(sock: zmq.Socket, endpoint: str, heartbeat_s: float | None) -> zmq.Socket | None:
+    """Over tcp with heartbeats, a monitor of the broker DEALER's handshakes (`handshakes`
+    reads it): each one after the first is a new connection, and the twin heartbeats at
+    once, so that the answer naming it (core.py, `_on_broker_instance`) comes now instead
+    of a heartbeat interval later.  None otherwise (ipc: the broker's restart closes the
+    connection, and nothing else replaces it)."""
+    if not (heartbeat_s and C.is_tcp(endpoint)):
+        return None
+    return sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED,
+                                   addr=f"inproc://client-sdk-broker-{os.getpid()}-{next(_monitors)}")
+
+
+def handshakes(monitor: zmq.Socket) -> int:
+    """How many handshakes `monitor` (`broker_monitor`) reported, read until it is empty."""
+    return sum(1 for up, _, _ in lease_events(monitor) if up)
+
+
+def drop_monitor(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
+    """Stop `sock`'s monitor and close it (before `sock` itself is closed)."""
+    if monitor is None:
+        return
+    try:
+        sock.disable_monitor()
+    except zmq.ZMQError:
+        pass
+    monitor.close(linger=0)
+
+
 def drop_lease_dealer(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
     """Close a lease's DEALER (DISCONNECT first) and its monitor."""
-    if monitor is not None:
-        try:
-            sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        monitor.close(linger=0)
+    drop_monitor(sock, monitor)
     drop_socket(sock)
 
 

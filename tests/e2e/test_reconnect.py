@@ -35,7 +35,7 @@ WAIT = 30.0
 
 
 @contextlib.contextmanager
-def _tcp_cluster(tmp_path, *worker_args: str):
+def _tcp_cluster(tmp_path, *worker_args: str, broker_hb: float = 0.2):
     """A plain-tcp broker (clients over loopback tcp, workers over ipc) and a `held` worker
     (tests/e2e/gate_model.py: a call with x < 0 runs until the test releases it; each call
     logs a line); yields (frontend port, log path, release(n), the worker's Proc)."""
@@ -43,7 +43,7 @@ def _tcp_cluster(tmp_path, *worker_args: str):
     fifo = tmp_path / "gate.fifo"
     os.mkfifo(fifo)
     b = Proc(["-m", "broker", "--frontend", "tcp://127.0.0.1:0", "--backend", f"ipc://{tmp_path}/be.ipc",
-              "--heartbeat-interval", "0.2", "--insecure"])
+              "--heartbeat-interval", str(broker_hb), "--insecure"])
     w = None
     gate_fd = None
     try:
@@ -194,3 +194,48 @@ def test_a_call_on_a_lease_when_the_broker_connection_was_reset_still_gets_its_r
             assert c.broker_reconnects == 1 and c.broker_restarts == 0
             assert c.pinned_replies == before  # through the broker
             assert _runs(log) == 2
+
+
+@pytest.mark.parametrize("twin", ["sync", "async"])
+def test_a_new_connection_is_named_at_once_not_at_the_next_heartbeat(tmp_path, twin):
+    """The client watches its broker connection's handshakes (over tcp) and heartbeats at
+    each new one, so the answer naming the connection, and the resend, come within a round
+    trip of the reconnect rather than up to a heartbeat interval later: here the interval is
+    5 s (the broker's too, so the client does not shorten it), and the client sees its new
+    connection well inside it."""
+    hb = 5.0
+    with _tcp_cluster(tmp_path, "--credit", "1", broker_hb=hb) as (port, log, release, _), Relay(port) as relay:
+        ep = f"tcp://127.0.0.1:{relay.port}"
+        x = np.array([-1.0, 7.0])
+        if twin == "sync":
+            with Client(ep, insecure=True, timeout=WAIT, heartbeat_interval=hb) as c:
+                handle = c.infer_stream("held", {"x": x})
+                _until(lambda: _runs(log) == 1, "the call starting at the worker")
+                relay.cut()
+                t0 = time.monotonic()
+                while not c.broker_reconnects:
+                    assert time.monotonic() - t0 < hb / 2, "the new connection was named only by a later heartbeat"
+                    c.pump(0.05)
+                release(2)
+                with handle.result(timeout=20) as r:
+                    assert np.array_equal(r["x"], x)
+            return
+
+        async def main():
+            async with AsyncClient(ep, insecure=True, timeout=WAIT, heartbeat_interval=hb) as c:
+                task = asyncio.ensure_future(c.infer("held", {"x": x}))
+                deadline = time.monotonic() + 20
+                while _runs(log) < 1:
+                    assert time.monotonic() < deadline and not task.done(), "the call did not start at the worker"
+                    await asyncio.sleep(0.01)  # polling a file, not synchronising with a process
+                await asyncio.to_thread(relay.cut)
+                t0 = time.monotonic()
+                while not c.broker_reconnects:
+                    assert time.monotonic() - t0 < hb / 2, "the new connection was named only by a later heartbeat"
+                    await asyncio.sleep(0.01)  # the client's reader does the work; this only looks
+                release(2)
+                with await asyncio.wait_for(task, 20) as r:
+                    assert np.array_equal(r["x"], x)
+
+        asyncio.run(main())
+
