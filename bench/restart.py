@@ -19,8 +19,9 @@ a new broker on the same endpoints at once.  Reported per round and as medians:
   reset_s          a third: the client reaches a tcp broker through `bench.relay`, which
                    resets its connection while a request runs at the worker -> the
                    request's result (the broker's FINAL for it had nowhere to go; the client
-                   resends it once a heartbeat answer names the new connection, and it runs
-                   again: about one heartbeat interval plus the 0.3 s compute)
+                   heartbeats at its new connection's handshake, resends the request when
+                   the answer names the new connection, and it runs again after the first
+                   run: about the rest of that run plus 0.3 s)
 """
 from __future__ import annotations
 

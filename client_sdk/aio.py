@@ -116,7 +116,7 @@ class AsyncClient(ClientBase):
         self._pin_socks: dict[bytes, Any] = {}
         self._pin_of: dict[Any, Any] = {}
         self._links: list[LinkConn] = []
-        self._monitors: dict[zmq.Socket, Any] = {}  # a tcp lease's connection monitor -> its Pin
+        self._monitors: dict[zmq.Socket, Any] = {}  # a tcp lease's connection monitor -> its Pin (or _BROKER)
         # Over tcp, the broker connection's handshakes (-> _BROKER): a new one heartbeats at once.
         self._broker_monitor = broker_monitor(self._sock, endpoint, self._core.heartbeat_interval)
         if self._broker_monitor is not None:

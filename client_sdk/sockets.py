@@ -8,6 +8,8 @@ Both twins use these; nothing here parses a reply or keeps request state (that i
 - `curve_keys(endpoint, server_key, client_key, insecure)`: the keys a client of a tcp broker
   needs, or `InvalidInput` naming the options to pass (docs/security.md); `tcp_options`: what a
   tcp broker lets a client send (tensors inline, no reply socket).
+- `broker_monitor`, `handshakes`, `drop_monitor`: over tcp, a monitor of the broker DEALER's
+  handshakes (a new connection: the twins heartbeat at once).
 - `lease_dealer`, `lease_events`, `drop_lease_dealer`: a lease's DEALER and, over tcp, the
   monitor of its connection (what the twins tell `pin_connected` and `pin_disconnected`).
 - `drop_socket(sock)`: DISCONNECT, then close with a short linger.  For the short-lived
@@ -243,10 +245,11 @@ def lease_events(monitor: zmq.Socket) -> list[tuple[bool, bool, str]]:
 
 def broker_monitor(sock: zmq.Socket, endpoint: str, heartbeat_s: float | None) -> zmq.Socket | None:
     """Over tcp with heartbeats, a monitor of the broker DEALER's handshakes (`handshakes`
-    reads it): each one after the first is a new connection, and the twin heartbeats at
-    once, so that the answer naming it (core.py, `_on_broker_instance`) comes now instead
-    of a heartbeat interval later.  None otherwise (ipc: the broker's restart closes the
-    connection, and nothing else replaces it)."""
+    reads it): the twin heartbeats at each one, so that the answer naming a new connection
+    (core.py, `_on_broker_instance`) comes within a round trip instead of a heartbeat
+    interval later (the first handshake's heartbeat follows the hello's: one more answer at
+    start, nothing else).  None otherwise (ipc: the broker's restart closes the connection,
+    and nothing else replaces it)."""
     if not (heartbeat_s and C.is_tcp(endpoint)):
         return None
     return sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED,

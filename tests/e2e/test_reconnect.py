@@ -120,6 +120,7 @@ def test_a_call_whose_connection_was_reset_while_it_ran_still_gets_its_result_sy
     relay = Relay(port)
     try:
         with Client(f"tcp://127.0.0.1:{relay.port}", insecure=True, timeout=WAIT, heartbeat_interval=0.2) as c:
+            assert c.mmi_service("held")  # a round trip: the hello's answer named the connection before it
             x = np.array([-1.0, 7.0])
             handle = c.infer_stream("held", {"x": x})
             _until(lambda: _runs(log) == 1, "the call starting at the worker")
@@ -143,6 +144,7 @@ def test_a_call_whose_connection_was_reset_while_it_ran_still_gets_its_result_as
     async def main():
         async with AsyncClient(f"tcp://127.0.0.1:{relay.port}", insecure=True, timeout=WAIT,
                                heartbeat_interval=0.2) as c:
+            assert await c.mmi_service("held")  # the hello's answer named the connection before it
             x = np.array([-1.0, 7.0])
             task = asyncio.ensure_future(c.infer("held", {"x": x}))
             deadline = time.monotonic() + 20
@@ -209,6 +211,7 @@ def test_a_new_connection_is_named_at_once_not_at_the_next_heartbeat(tmp_path, t
         x = np.array([-1.0, 7.0])
         if twin == "sync":
             with Client(ep, insecure=True, timeout=WAIT, heartbeat_interval=hb) as c:
+                assert c.mmi_service("held")  # the hello's answer named the connection before it
                 handle = c.infer_stream("held", {"x": x})
                 _until(lambda: _runs(log) == 1, "the call starting at the worker")
                 relay.cut()
@@ -223,6 +226,7 @@ def test_a_new_connection_is_named_at_once_not_at_the_next_heartbeat(tmp_path, t
 
         async def main():
             async with AsyncClient(ep, insecure=True, timeout=WAIT, heartbeat_interval=hb) as c:
+                assert await c.mmi_service("held")  # the hello's answer named the connection before it
                 task = asyncio.ensure_future(c.infer("held", {"x": x}))
                 deadline = time.monotonic() + 20
                 while _runs(log) < 1:
