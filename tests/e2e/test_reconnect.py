@@ -80,6 +80,19 @@ def _until(cond, what: str, timeout: float = 20.0) -> None:
         time.sleep(0.01)  # polling an outside condition (a file), not synchronising with a process
 
 
+async def _held_then_cut(c: AsyncClient, x: np.ndarray, log: Path, relay: Relay) -> asyncio.Future:
+    """Start a held call on `c` (once the hello's answer named the connection: MMI is a round
+    trip behind it), wait until it runs at the worker, reset the connection; the call's task."""
+    assert await c.mmi_service("held")
+    task = asyncio.ensure_future(c.infer("held", {"x": x}))
+    deadline = time.monotonic() + 20
+    while _runs(log) < 1:
+        assert time.monotonic() < deadline and not task.done(), "the call did not start at the worker"
+        await asyncio.sleep(0.01)  # polling a file, not synchronising with a process
+    await asyncio.to_thread(relay.cut)
+    return task
+
+
 def test_the_broker_names_the_connection_in_its_heartbeat_answers_when_asked(tcp_broker):
     """A HEARTBEAT with the flag that asks for it gets an answer that names the connection
     it came on: the same name on every answer on that connection, another on another, and
@@ -144,14 +157,8 @@ def test_a_call_whose_connection_was_reset_while_it_ran_still_gets_its_result_as
     async def main():
         async with AsyncClient(f"tcp://127.0.0.1:{relay.port}", insecure=True, timeout=WAIT,
                                heartbeat_interval=0.2) as c:
-            assert await c.mmi_service("held")  # the hello's answer named the connection before it
             x = np.array([-1.0, 7.0])
-            task = asyncio.ensure_future(c.infer("held", {"x": x}))
-            deadline = time.monotonic() + 20
-            while _runs(log) < 1:
-                assert time.monotonic() < deadline and not task.done(), "the call did not start at the worker"
-                await asyncio.sleep(0.01)  # polling a file, not synchronising with a process
-            await asyncio.to_thread(relay.cut)
+            task = await _held_then_cut(c, x, log, relay)
             release(2)
             with await asyncio.wait_for(task, 20) as r:
                 assert np.array_equal(r["x"], x)
@@ -226,13 +233,7 @@ def test_a_new_connection_is_named_at_once_not_at_the_next_heartbeat(tmp_path, t
 
         async def main():
             async with AsyncClient(ep, insecure=True, timeout=WAIT, heartbeat_interval=hb) as c:
-                assert await c.mmi_service("held")  # the hello's answer named the connection before it
-                task = asyncio.ensure_future(c.infer("held", {"x": x}))
-                deadline = time.monotonic() + 20
-                while _runs(log) < 1:
-                    assert time.monotonic() < deadline and not task.done(), "the call did not start at the worker"
-                    await asyncio.sleep(0.01)  # polling a file, not synchronising with a process
-                await asyncio.to_thread(relay.cut)
+                task = await _held_then_cut(c, x, log, relay)
                 t0 = time.monotonic()
                 while not c.broker_reconnects:
                     assert time.monotonic() - t0 < hb / 2, "the new connection was named only by a later heartbeat"
