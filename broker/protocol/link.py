@@ -33,9 +33,14 @@ command, ...]``), and a connection that closes, or sends what is not a message, 
 a DISCONNECT of its own in that inbox (the worker then unbinds it, as for a DISCONNECT).
 Sends never block: what the kernel does not take waits in the connection's outbox and
 leaves when the socket is writable (``max_queue`` messages, counted whole whatever the
-datagrams they span, and ``max_queue_bytes`` bytes: once either is reached, replies are
-dropped as a ROUTER past its high-water mark drops them; below both, a reply goes however
-large, so the outbox holds at most the byte cap plus one message).  Everything the worker must wait
+datagrams they span, and ``max_queue_bytes`` bytes; below both, a reply goes however large,
+so the outbox holds at most the byte cap plus one message).  A reply that finds the outbox
+at a cap *retires* the connection, where a ROUTER past its high-water mark would drop it
+silently and leave its client waiting for a deadline: that reply and every later one are
+dropped, the worker reads nothing more from it and gets its DISCONNECT at once (it unbinds
+it), what the outbox holds still leaves, and then the connection closes, so the client reads
+the replies it was sent, then the end, and sends the calls still waiting through the broker
+(client_sdk.pins, `pin_link_lost`).  Everything the worker must wait
 for is behind one descriptor (`LinkServer.fileno`, an epoll set), readable whenever the
 link has something to do.
 
@@ -258,14 +263,14 @@ class LinkConn:
             self.sock.close()
 
 
-#: bytes in one connection's outbox past which its replies are dropped (`LinkServer`'s
-#: default ``max_queue_bytes``): a client that stops reading holds at most this much of the
-#: worker's memory, plus one message
+#: bytes in one connection's outbox past which it is retired (`LinkServer`'s default
+#: ``max_queue_bytes``, module docstring): a client that stops reading holds at most this
+#: much of the worker's memory, plus one message
 LINK_QUEUE_BYTES = 64 << 20
 
 
 class _Peer:
-    __slots__ = ("sock", "fd", "route", "outbox", "writing", "queued", "queued_bytes")
+    __slots__ = ("sock", "fd", "route", "outbox", "writing", "queued", "queued_bytes", "retiring")
 
     def __init__(self, sock: socket.socket, route: bytes):
         self.sock = sock
@@ -277,6 +282,18 @@ class _Peer:
         self.writing = False          # EPOLLOUT asked
         self.queued = 0               # messages with a datagram in the outbox
         self.queued_bytes = 0         # their bytes still there
+        self.retiring = False         # over a cap: its outbox leaves, then it closes (module docstring)
+
+
+def _discard_unread(sock: socket.socket, most: int = 100_000) -> None:
+    """Read and drop what the client sent and nobody will read: a unix socket closed with
+    unread data resets its peer, whose unread replies would then be lost with it."""
+    for _ in range(most):
+        try:
+            if not sock.recv(LINK_DATAGRAM):
+                return
+        except OSError:  # nothing more (EAGAIN), or the client is gone
+            return
 
 
 class LinkServer:
@@ -313,6 +330,7 @@ class LinkServer:
         self._spare: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # for EMFILE (`_accept`)
         self.inbox: deque[list[Any]] = deque()   # [routing id, frames...] read and not yet taken
         self.dropped = 0                         # replies dropped (connection gone, or its outbox full)
+        self.retired = 0                         # connections retired for an outbox at a cap
         self.refused = 0                         # connections refused (another uid, too many)
         self.malformed = 0                       # connections ended for sending what is not a message
         self.closed = False
@@ -346,6 +364,10 @@ class LinkServer:
             if ev & select.EPOLLOUT:
                 self._flush(peer)
             if ev & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) and peer.fd in self._peers:
+                if peer.retiring:
+                    if ev & (select.EPOLLHUP | select.EPOLLERR):
+                        self._end(peer)  # the client is gone: what waited for it with it
+                    continue
                 self._read(peer, most)
         return bool(self.inbox)
 
@@ -434,15 +456,33 @@ class LinkServer:
             inbox.append(frames)
 
     def _end(self, peer: _Peer) -> None:
-        """The connection is over: forgotten, closed, and a DISCONNECT of its own queued."""
+        """The connection is over: forgotten, closed, and a DISCONNECT of its own queued (a
+        retiring one's was queued when it began to retire)."""
         if self._peers.pop(peer.fd, None) is None:
             return
-        del self._routes[peer.route]
+        self._routes.pop(peer.route, None)
         try:
             self._ep.unregister(peer.fd)
         except OSError:
             pass
+        if peer.retiring:
+            _discard_unread(peer.sock)
         peer.sock.close()
+        if not peer.retiring:
+            self.inbox.append([peer.route, MDPC, C_DISCONNECT])
+
+    def _retire(self, peer: _Peer) -> None:
+        """A reply found ``peer``'s outbox at a cap (module docstring): no more replies go to
+        it and nothing more is read from it; the worker gets its DISCONNECT now; the outbox
+        still leaves (`_flush` closes it once empty)."""
+        peer.retiring = True
+        self.retired += 1
+        self._routes.pop(peer.route, None)
+        try:
+            self._ep.modify(peer.fd, select.EPOLLOUT)
+            peer.writing = True
+        except OSError:
+            pass
         self.inbox.append([peer.route, MDPC, C_DISCONNECT])
 
     # ------------------------------------------------------------------ writing
@@ -461,6 +501,7 @@ class LinkServer:
             # the cap plus one message.
             if peer.queued >= self.max_queue or peer.queued_bytes >= self.max_queue_bytes:
                 self.dropped += 1
+                self._retire(peer)
                 return False
             dgrams = encode(frames)
             self._queue(peer, dgrams, _bytes_of(dgrams))
@@ -506,6 +547,10 @@ class LinkServer:
             peer.queued_bytes -= nbytes
             if ends:
                 peer.queued -= 1
+        if peer.retiring:
+            if not out:
+                self._end(peer)  # all it was sent has left: now its client reads the end
+            return
         want = bool(out)
         if want != peer.writing:
             peer.writing = want

@@ -201,17 +201,39 @@ def test_replies_to_a_client_that_stops_reading_wait_then_leave_in_order(path):
         server.close()
 
 
-def test_a_full_outbox_drops_and_counts(path):
+def _until_end(conn: LinkConn, server: LinkServer) -> list:
+    """Every message the client reads until the worker's side ends the connection (EOFError),
+    the server writing its outboxes meanwhile as a worker's loop would."""
+    got = []
+    while True:
+        try:
+            got.append(_client_recv(conn, server))
+        except EOFError:
+            return got
+
+
+def test_a_reply_that_finds_the_outbox_full_retires_the_connection(path):
+    """Where a ROUTER past its high-water mark would drop the reply and leave its client
+    waiting for a deadline, the link retires the connection: that reply and every later one
+    are dropped and counted, the worker gets the connection's DISCONNECT at once, nothing
+    more is read from it, what the outbox held still arrives, in order, and then the client
+    reads the end (and sends what still waits through the broker: client_sdk.pins)."""
     server = LinkServer(path, max_queue=3)
     conn = LinkConn(path)
     try:
         conn.send([b"hi"])
         route = _server_recv(server)[0]
         sent = 0
-        while server.send(route, [b"z" * 4000]):
+        while server.send(route, [sent.to_bytes(4, "little"), b"z" * 4000]):
             sent += 1
             assert sent < 100_000
-        assert server.dropped == 1 and len(server._routes[route].outbox) == 3
+        assert server.dropped == 1 and server.retired == 1 and route not in server
+        assert server.inbox and list(map(bytes, server.inbox.popleft())) == [route, P.MDPC, P.C_DISCONNECT]
+        assert not server.send(route, [b"later"]) and server.dropped == 2
+        conn.send([b"ignored"])  # a retiring connection is not read any more
+        got = _until_end(conn, server)
+        assert [int.from_bytes(bytes(m[0]), "little") for m in got] == list(range(sent))
+        assert not server.inbox and len(server) == 0  # closed once its outbox left, no second DISCONNECT
     finally:
         conn.close()
         server.close()
@@ -219,22 +241,22 @@ def test_a_full_outbox_drops_and_counts(path):
 
 def test_the_outbox_cap_counts_whole_messages_not_their_datagrams(path):
     """A reply of several datagrams is one message against ``max_queue``; every one of the
-    messages the cap lets in arrives whole and in order."""
+    messages the cap lets in arrives whole and in order, before the end."""
     server = LinkServer(path, max_queue=5)
     conn = LinkConn(path)
     try:
         conn.send([b"hi"])
         route = _server_recv(server)[0]
+        peer = server._routes[route]
         big = b"b" * (3 * LINK_DATAGRAM)  # four datagrams each
         n = 0
         while server.send(route, [n.to_bytes(4, "little"), big]):
             n += 1
             assert n < 10_000
-        peer = server._routes[route]
         assert server.dropped == 1 and peer.queued == 5 and len(peer.outbox) > 5
-        for i in range(n):
-            m = _client_recv(conn, server)
-            assert int.from_bytes(bytes(m[0]), "little") == i and bytes(m[1]) == big
+        got = _until_end(conn, server)
+        assert [(int.from_bytes(bytes(m[0]), "little"), bytes(m[1]) == big) for m in got] == [(i, True)
+                                                                                             for i in range(n)]
         assert peer.queued == 0 and peer.queued_bytes == 0
     finally:
         conn.close()
@@ -244,7 +266,8 @@ def test_the_outbox_cap_counts_whole_messages_not_their_datagrams(path):
 def test_the_outbox_is_bounded_in_bytes_and_large_replies_are_not_refused_for_their_size(path):
     """A client that stops reading holds at most ``max_queue_bytes`` of the worker's memory,
     plus one message; below the cap a reply goes however large, so two replies each larger
-    than half the cap, back to back, both arrive (a reader that keeps up loses nothing)."""
+    than half the cap, back to back, both arrive (a reader that keeps up loses nothing).  A
+    client that reads never meets the cap."""
     cap = 1 << 20
     server = LinkServer(path, max_queue_bytes=cap)
     conn = LinkConn(path)
@@ -253,18 +276,17 @@ def test_the_outbox_is_bounded_in_bytes_and_large_replies_are_not_refused_for_th
         route = _server_recv(server)[0]
         peer = server._routes[route]
         big = np.full(cap * 3 // 4, 7, np.uint8)
+        for i in range(3):  # read as it comes: never retired
+            assert server.send(route, [b"%d" % i, big])
+            assert bytes(_client_recv(conn, server)[0]) == b"%d" % i
+        assert server.retired == 0 and route in server
         assert server.send(route, [b"1", big]) and peer.outbox  # most of it waits
         assert server.send(route, [b"2", big])  # 1.5 caps in all: the backlog was under the cap
-        assert not server.send(route, [b"3", b"x"]) and server.dropped == 1  # at the cap now
-        for tag in (b"1", b"2"):
-            m = _client_recv(conn, server)
-            assert bytes(m[0]) == tag and bytes(m[1]) == big.tobytes()
+        assert cap <= peer.queued_bytes < 2 * cap  # the cap plus one message at most
+        assert not server.send(route, [b"3", b"x"]) and server.dropped == 1 and server.retired == 1
+        got = _until_end(conn, server)
+        assert [bytes(m[0]) for m in got] == [b"1", b"2"] and all(bytes(m[1]) == big.tobytes() for m in got)
         assert peer.queued == 0 and peer.queued_bytes == 0
-        sent = 0
-        while server.send(route, [b"y" * 100_000]):  # fill the kernel's buffer, then the outbox
-            sent += 1
-            assert sent < 10_000
-        assert server.dropped == 2 and cap <= peer.queued_bytes < cap + 100_100
     finally:
         conn.close()
         server.close()
