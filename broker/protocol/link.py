@@ -37,10 +37,13 @@ datagrams they span, and ``max_queue_bytes`` bytes; below both, a reply goes how
 so the outbox holds at most the byte cap plus one message).  A reply that finds the outbox
 at a cap *retires* the connection, where a ROUTER past its high-water mark would drop it
 silently and leave its client waiting for a deadline: that reply and every later one are
-dropped, the worker reads nothing more from it and gets its DISCONNECT at once (it unbinds
-it), what the outbox holds still leaves, and then the connection closes, so the client reads
-the replies it was sent, then the end, and sends the calls still waiting through the broker
-(client_sdk.pins, `pin_link_lost`).  Everything the worker must wait
+dropped, the connection is shut for reading (the client's sends fail, so it sends through
+the broker), what it sent and the worker had not taken is dropped, the worker gets its
+DISCONNECT at once (it unbinds it), what the outbox holds still leaves, and then the
+connection closes (what the client sent and nobody read is discarded first: a unix socket
+closed with unread data resets its peer, which would lose its unread replies), so the
+client reads the replies it was sent, then the end, and sends the calls still waiting
+through the broker (client_sdk.pins, `pin_link_lost`).  Everything the worker must wait
 for is behind one descriptor (`LinkServer.fileno`, an epoll set), readable whenever the
 link has something to do.
 
@@ -49,6 +52,7 @@ replies.  Neither side has a thread.
 """
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
@@ -73,7 +77,10 @@ _MORE = b"\x01"
 _PREFIXES: dict[int, struct.Struct] = {}
 _SIZES: dict[int, struct.Struct] = {}
 _U16 = struct.Struct("<H")
-_DONTWAIT = socket.MSG_DONTWAIT
+# MSG_NOSIGNAL: a peer gone (or a retired connection, shut for reading) is EPIPE, not a
+# SIGPIPE that an embedding application may not ignore
+_DONTWAIT = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
+log = logging.getLogger("broker.protocol.link")
 _PEERCRED = struct.Struct("3i")
 
 
@@ -287,10 +294,17 @@ class _Peer:
 
 def _discard_unread(sock: socket.socket, most: int = 100_000) -> None:
     """Read and drop what the client sent and nobody will read: a unix socket closed with
-    unread data resets its peer, whose unread replies would then be lost with it."""
+    unread data resets its peer, whose unread replies would then be lost with it.  The
+    socket is shut for reading first, so the client cannot add more meanwhile (its sends
+    fail: it sends through the broker instead); one byte a read (SEQPACKET drops the rest of
+    a datagram)."""
+    try:
+        sock.shutdown(socket.SHUT_RD)
+    except OSError:
+        pass
     for _ in range(most):
         try:
-            if not sock.recv(LINK_DATAGRAM):
+            if not sock.recv(1):
                 return
         except OSError:  # nothing more (EAGAIN), or the client is gone
             return
@@ -477,19 +491,33 @@ class LinkServer:
         still leaves (`_flush` closes it once empty)."""
         peer.retiring = True
         self.retired += 1
-        self._routes.pop(peer.route, None)
+        route = peer.route
+        self._routes.pop(route, None)
         try:
             self._ep.modify(peer.fd, select.EPOLLOUT)
             peer.writing = True
+            # The client's sends fail from now on (it sends through the broker instead), and
+            # what it sent before is all there is to discard at the end (`_end`).
+            peer.sock.shutdown(socket.SHUT_RD)
         except OSError:
             pass
-        self.inbox.append([peer.route, MDPC, C_DISCONNECT])
+        log.warning("a link client stopped reading (%d replies, %d bytes waiting for it): its connection ends "
+                    "once they have left; its calls still waiting go through the broker",
+                    peer.queued, peer.queued_bytes)
+        # What it sent and the worker has not taken yet is not run here: the client sends it
+        # through the broker once it reads the end.
+        inbox = self.inbox
+        if any(m[0] == route for m in inbox):
+            keep = [m for m in inbox if m[0] != route]
+            inbox.clear()
+            inbox.extend(keep)
+        inbox.append([route, MDPC, C_DISCONNECT])
 
     # ------------------------------------------------------------------ writing
 
     def send(self, route: bytes, frames: Sequence[Any]) -> bool:
         """Queue one message to connection ``route`` without blocking; False when it was
-        dropped (the connection is gone, or its outbox is full)."""
+        dropped (the connection is gone, or retired: its outbox was at a cap)."""
         peer = self._routes.get(route)
         if peer is None:
             self.dropped += 1
@@ -579,6 +607,7 @@ class LinkServer:
             p.poll(left * 1000.0)
         self.closed = True
         for peer in list(self._peers.values()):
+            _discard_unread(peer.sock)  # a close with unread data would reset the client: its replies lost
             peer.sock.close()
         self._peers.clear()
         self._routes.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import select
+import time
 import shutil
 import socket
 import tempfile
@@ -223,6 +224,7 @@ def test_a_reply_that_finds_the_outbox_full_retires_the_connection(path):
     try:
         conn.send([b"hi"])
         route = _server_recv(server)[0]
+        assert conn.send([b"unread"])  # still in the socket when it retires: dropped, not a reset
         sent = 0
         while server.send(route, [sent.to_bytes(4, "little"), b"z" * 4000]):
             sent += 1
@@ -230,10 +232,90 @@ def test_a_reply_that_finds_the_outbox_full_retires_the_connection(path):
         assert server.dropped == 1 and server.retired == 1 and route not in server
         assert server.inbox and list(map(bytes, server.inbox.popleft())) == [route, P.MDPC, P.C_DISCONNECT]
         assert not server.send(route, [b"later"]) and server.dropped == 2
-        conn.send([b"ignored"])  # a retiring connection is not read any more
+        assert not conn.send([b"refused"])  # shut for reading: the client sends elsewhere
         got = _until_end(conn, server)
         assert [int.from_bytes(bytes(m[0]), "little") for m in got] == list(range(sent))
         assert not server.inbox and len(server) == 0  # closed once its outbox left, no second DISCONNECT
+    finally:
+        conn.close()
+        server.close()
+
+
+def test_what_a_retiring_connection_sent_and_the_worker_had_not_taken_is_dropped(path):
+    """Messages of the connection already read into the inbox, not yet taken by the worker,
+    do not run: the client sends them through the broker once it reads the end."""
+    server = LinkServer(path, max_queue=2)
+    conn, other = LinkConn(path), LinkConn(path)
+    try:
+        conn.send([b"hi"])
+        route = _server_recv(server)[0]
+        other.send([b"hello"])
+        other_route = _server_recv(server)[0]
+        assert conn.send([b"request"]) and other.send([b"theirs"])
+        while len(server.inbox) < 2:
+            assert _readable(server.fileno())
+            server.pump()
+        while server.send(route, [b"z" * 4000]):
+            pass
+        assert [bytes(m[0]) for m in server.inbox] == [other_route, route]  # theirs, then our DISCONNECT
+        assert bytes(server.inbox[-1][2]) == P.C_DISCONNECT and bytes(server.inbox[0][1]) == b"theirs"
+    finally:
+        conn.close()
+        other.close()
+        server.close()
+
+
+def test_a_retiring_connection_whose_client_goes_away_ends_without_a_second_disconnect(path):
+    server = LinkServer(path, max_queue=2)
+    conn = LinkConn(path)
+    try:
+        conn.send([b"hi"])
+        route = _server_recv(server)[0]
+        while server.send(route, [b"z" * 4000]):
+            pass
+        assert server.retired == 1 and len(server.inbox) == 1  # its DISCONNECT
+        server.inbox.clear()
+        conn.close()
+        deadline = time.monotonic() + 10
+        while len(server):
+            assert time.monotonic() < deadline, "the retiring connection was never ended"
+            assert _readable(server.fileno())
+            server.pump()
+        assert not server.inbox
+    finally:
+        conn.close()
+        server.close()
+
+
+def test_close_with_a_retiring_connection_lets_its_outbox_leave_then_ends_it(path):
+    server = LinkServer(path, max_queue=2)
+    conn = LinkConn(path)
+    try:
+        conn.send([b"hi"])
+        route = _server_recv(server)[0]
+        n = 0
+        while server.send(route, [n.to_bytes(4, "little"), b"z" * 4000]):
+            n += 1
+        import threading
+
+        got: list = []
+
+        def read():
+            try:
+                while True:
+                    m = conn.recv()
+                    if m is not None:
+                        got.append(int.from_bytes(bytes(m[0]), "little"))
+                    elif not _readable(conn.fileno()):
+                        return
+            except EOFError:
+                got.append("end")
+
+        t = threading.Thread(target=read)
+        t.start()
+        server.close(linger_ms=10_000)
+        t.join(10)
+        assert not t.is_alive() and got == [*range(n), "end"]
     finally:
         conn.close()
         server.close()
