@@ -3,12 +3,13 @@ its server against peers that misbehave (garbage, a message in pieces, another u
 connections, a client that stops reading), with real Unix sockets and no worker."""
 from __future__ import annotations
 
+import contextlib
 import os
 import select
-import time
 import shutil
 import socket
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -213,6 +214,29 @@ def _until_end(conn: LinkConn, server: LinkServer) -> list:
             return got
 
 
+@contextlib.contextmanager
+def _pair(path: str, **kw):
+    """A link server (``kw``: its caps) and one client connected to it: (server, conn, route)."""
+    server = LinkServer(path, **kw)
+    conn = LinkConn(path)
+    try:
+        conn.send([b"hi"])
+        yield server, conn, _server_recv(server)[0]
+    finally:
+        conn.close()
+        server.close()
+
+
+def _retire(server: LinkServer, route: bytes) -> int:
+    """Send to ``route`` until a reply finds its outbox at a cap (the connection retires);
+    how many replies went."""
+    n = 0
+    while server.send(route, [n.to_bytes(4, "little"), b"z" * 4000]):
+        n += 1
+        assert n < 100_000
+    return n
+
+
 def test_a_reply_that_finds_the_outbox_full_retires_the_connection(path):
     """Where a ROUTER past its high-water mark would drop the reply and leave its client
     waiting for a deadline, the link retires the connection: that reply and every later one
@@ -225,10 +249,7 @@ def test_a_reply_that_finds_the_outbox_full_retires_the_connection(path):
         conn.send([b"hi"])
         route = _server_recv(server)[0]
         assert conn.send([b"unread"])  # still in the socket when it retires: dropped, not a reset
-        sent = 0
-        while server.send(route, [sent.to_bytes(4, "little"), b"z" * 4000]):
-            sent += 1
-            assert sent < 100_000
+        sent = _retire(server, route)
         assert server.dropped == 1 and server.retired == 1 and route not in server
         assert server.inbox and list(map(bytes, server.inbox.popleft())) == [route, P.MDPC, P.C_DISCONNECT]
         assert not server.send(route, [b"later"]) and server.dropped == 2
@@ -255,8 +276,7 @@ def test_what_a_retiring_connection_sent_and_the_worker_had_not_taken_is_dropped
         while len(server.inbox) < 2:
             assert _readable(server.fileno())
             server.pump()
-        while server.send(route, [b"z" * 4000]):
-            pass
+        _retire(server, route)
         assert [bytes(m[0]) for m in server.inbox] == [other_route, route]  # theirs, then our DISCONNECT
         assert bytes(server.inbox[-1][2]) == P.C_DISCONNECT and bytes(server.inbox[0][1]) == b"theirs"
     finally:
@@ -266,13 +286,8 @@ def test_what_a_retiring_connection_sent_and_the_worker_had_not_taken_is_dropped
 
 
 def test_a_retiring_connection_whose_client_goes_away_ends_without_a_second_disconnect(path):
-    server = LinkServer(path, max_queue=2)
-    conn = LinkConn(path)
-    try:
-        conn.send([b"hi"])
-        route = _server_recv(server)[0]
-        while server.send(route, [b"z" * 4000]):
-            pass
+    with _pair(path, max_queue=2) as (server, conn, route):
+        _retire(server, route)
         assert server.retired == 1 and len(server.inbox) == 1  # its DISCONNECT
         server.inbox.clear()
         conn.close()
@@ -282,22 +297,13 @@ def test_a_retiring_connection_whose_client_goes_away_ends_without_a_second_disc
             assert _readable(server.fileno())
             server.pump()
         assert not server.inbox
-    finally:
-        conn.close()
-        server.close()
 
 
 def test_close_with_a_retiring_connection_lets_its_outbox_leave_then_ends_it(path):
-    server = LinkServer(path, max_queue=2)
-    conn = LinkConn(path)
-    try:
-        conn.send([b"hi"])
-        route = _server_recv(server)[0]
-        n = 0
-        while server.send(route, [n.to_bytes(4, "little"), b"z" * 4000]):
-            n += 1
-        import threading
+    import threading
 
+    with _pair(path, max_queue=2) as (server, conn, route):
+        n = _retire(server, route)
         got: list = []
 
         def read():
@@ -316,9 +322,6 @@ def test_close_with_a_retiring_connection_lets_its_outbox_leave_then_ends_it(pat
         server.close(linger_ms=10_000)
         t.join(10)
         assert not t.is_alive() and got == [*range(n), "end"]
-    finally:
-        conn.close()
-        server.close()
 
 
 def test_the_outbox_cap_counts_whole_messages_not_their_datagrams(path):
