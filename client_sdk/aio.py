@@ -93,7 +93,7 @@ class AsyncClient(ClientBase):
                                 direct_reply=direct_reply, restart_resends=restart_resends, pin=pin)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
-        self._sock = dealer(zmq.Context.instance(), endpoint, self._curve, self._core.drop_after)
+        self._sock = dealer(zmq.Context.instance(), endpoint, self._curve, self._core.heartbeat_interval)
         # Over tcp, bytes of the broker's that are on their way count as its word (a large
         # message on a slow link: wire.TcpWatch).
         self._tcp = TcpWatch() if endpoint.startswith("tcp://") else None

@@ -79,7 +79,7 @@ class Client(ClientBase):
                                 direct_reply=direct_reply, restart_resends=restart_resends, pin=pin)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = zmq.Context.instance()
-        self._sock = dealer(self._ctx, endpoint, self._curve, self._core.drop_after)
+        self._sock = dealer(self._ctx, endpoint, self._curve, self._core.heartbeat_interval)
         # Over tcp, bytes of the broker's that are on their way count as its word (a large
         # message on a slow link: wire.TcpWatch).
         self._tcp = TcpWatch() if endpoint.startswith("tcp://") else None

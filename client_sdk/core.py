@@ -116,12 +116,6 @@ class ClientCore(PinEvents):
         self.timeout = timeout
         self.pool_capacity = int(pool_capacity)
         self.heartbeat_interval = heartbeat_interval if heartbeat_interval and heartbeat_interval > 0 else None
-        # How long the broker's host may stop acknowledging before a tcp connection to it is
-        # closed (`sockets.dealer`): the silence window, after which the calls waiting on it
-        # fail anyway (sooner, a broker that only stopped reading for a while, its receive
-        # window closed, would lose its connection: Linux counts that time too); None
-        # without heartbeats (nothing would notice the new connection)
-        self.drop_after = None if self.heartbeat_interval is None else LIVENESS * self.heartbeat_interval
         self.fallback_inline = fallback_inline
         # Direct replies need a broker (hence workers) that can reach an ipc socket of ours.
         self.direct_reply = bool(direct_reply) and endpoint_is_local(endpoint)
@@ -883,41 +877,34 @@ class ClientCore(PinEvents):
         known_route = self.broker_route
         if route is not None:
             self.broker_route = route
-        if known is None or known == instance:
-            if known is None:
-                for call in self.calls.values():
-                    call.broker = call.broker or instance
-                    call.route = call.route or route
-                self._route_mark += 1
-                return []
-            if route is None or known_route is None or route == known_route:
-                if known_route is None and route is not None:
-                    for call in self.calls.values():
-                        call.route = call.route or route
-                self._route_mark += 1  # every PARTIAL before this came on this connection
-                return []
-            self.broker_reconnects += 1
-            mark = self._route_mark
-            self._route_mark += 1
-            leased: set[int] = set()
-            if self.pin_all or self._asking:
-                for pin in list(self.pin_all.values()):  # one granted to the new connection stays otherwise
-                    self.ops.append(self._lease_end_frames(pin.service, pin.lease))
-                leased = self._pin_reset(now)
-            maybe_live = [call for call in self.active()
-                          if call.partials and call.mark == mark and id(call) not in leased]
-            for call in maybe_live:
-                self._suspects[id(call)] = (call, now)
-            spared = {id(call) for call in maybe_live}
-            return self._resend_brokered(now, "the connection to the broker was replaced",
-                                         lambda call: call.route != route and id(call) not in spared)
-        self.broker_restarts += 1
+        mark = self._route_mark  # every PARTIAL stamped with it came before this answer
         self._route_mark += 1
+        if known is not None and known != instance:
+            self.broker_restarts += 1
+            if self.pin_all or self._asking:
+                self._pin_reset(now)  # a lease never outlives the broker that made it (pins.py)
+            # An old id (seen with its call), one sent to the new broker already, or one
+            # unsent, is not sent again.
+            return self._resend_brokered(now, "the broker restarted", lambda call: call.broker != instance)
+        if known is None or (known_route is None and route is not None):  # first learnt: what was sent went there
+            for call in self.calls.values():
+                call.broker = call.broker or instance
+                call.route = call.route or route
+            return []
+        if route is None or route == known_route:
+            return []
+        self.broker_reconnects += 1
+        # Brokered streams that may be the new connection's (the docstring): spared, watched.
+        spared = {id(call): call for call in self.active()
+                  if call.pin is None and call.partials and call.mark == mark}
+        for key, call in spared.items():
+            self._suspects[key] = (call, now)
         if self.pin_all or self._asking:
-            self._pin_reset(now)  # a lease never outlives the broker that made it (pins.py)
-        # An old id (seen with its call), one sent to the new broker already, or one unsent,
-        # is not sent again.
-        return self._resend_brokered(now, "the broker restarted", lambda call: call.broker != instance)
+            for pin in list(self.pin_all.values()):  # one granted to the new connection stays otherwise
+                self.ops.append(self._lease_end_frames(pin.service, pin.lease))
+            self._pin_reset(now)
+        return self._resend_brokered(now, "the connection to the broker was replaced",
+                                     lambda call: call.route != route and id(call) not in spared)
 
     def _resend_brokered(self, now: float, what: str, stale: Callable[[Call], bool]) -> list[list[Any]]:
         """The frames that send again the calls `stale` selects (see `_on_broker_instance`)."""

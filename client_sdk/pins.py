@@ -457,24 +457,20 @@ class PinEvents:
             self._end_pin(pin, now, resend=False)
         return self._to_broker(call, now, lost=False)
 
-    def _pin_reset(self, now: float) -> set[int]:
+    def _pin_reset(self, now: float) -> None:
         """A broker restart, or our connection to it replaced: every lease (and ask) is void.
-        The calls on them lose their lease; core.py's restart logic resends them.  Returns
-        the `id()`s of those calls."""
+        The calls on them lose their lease; core.py's restart logic resends them."""
         self._asking.clear()
         self._ask_ids.clear()
         services = {pin.service for pin in self.pin_all.values()} | set(self.pins)
-        leased = set()
         for pin in list(self.pin_all.values()):
             for call in list(pin.calls.values()):
                 call.pin = None
-                leased.add(id(call))
             pin.calls.clear()
             self._close_pin(pin)
         self.pins.clear()
         for svc in services:
             self._pin_retry[svc] = max(self._pin_retry.get(svc, -1.0), now + PIN_RETRY_MIN_S)
-        return leased
 
     def pin_broken(self, pin: Pin, now: float, why: str) -> None:
         """The twin could not connect to the lease's worker: the lease goes back to the

@@ -2,7 +2,7 @@
 
 Both twins use these; nothing here parses a reply or keeps request state (that is core.py).
 
-- `dealer(ctx, endpoint, curve, liveness_s)`: a DEALER connected to the broker (linger 0), with
+- `dealer(ctx, endpoint, curve, heartbeat_s)`: a DEALER connected to the broker (linger 0), with
   CurveZMQ when `curve` holds keys, and over tcp a connection closed when the broker's host
   stops acknowledging.  Works for a plain and an asyncio context alike.
 - `curve_keys(endpoint, server_key, client_key, insecure)`: the keys a client of a tcp broker
@@ -37,8 +37,9 @@ from broker.protocol.wire import tcp_liveness
 
 from .errors import InvalidInput
 
-__all__ = ["CLOSE_LINGER_MS", "dealer", "broker_monitor", "handshakes", "drop_monitor", "drop_socket", "ReplyInbox", "curve_keys", "tcp_options",
-           "ENV_CLIENT_KEY", "lease_curve", "open_link", "lease_dealer", "lease_events", "drop_lease_dealer"]
+__all__ = ["CLOSE_LINGER_MS", "dealer", "broker_monitor", "handshakes", "drop_monitor", "drop_socket", "ReplyInbox",
+           "curve_keys", "tcp_options", "ENV_CLIENT_KEY", "lease_curve", "open_link", "lease_dealer", "lease_events",
+           "drop_lease_dealer"]
 
 log = logging.getLogger("client_sdk")
 
@@ -126,25 +127,27 @@ BROKER_CONNECT_TIMEOUT_MS = 2000
 
 
 def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None,
-           liveness_s: float | None = None) -> zmq.Socket:
+           heartbeat_s: float | None = None) -> zmq.Socket:
     """A DEALER connected to `endpoint`; a CURVE client of it when `curve` is given.
 
-    ``liveness_s`` (the broker's DEALER, over tcp): the connection is closed once the
-    broker's host stops acknowledging for about that long (`wire.tcp_liveness`: a partition,
-    a host that died; since Linux 5.11 also a receive window closed that long, so it must be
-    no shorter than the client's silence window), and a connect not done within
+    Over tcp with `heartbeat_s` (the client's broker socket): the connection is closed once
+    the broker's host stops acknowledging for LIVENESS heartbeats, the client's silence
+    window (`wire.tcp_liveness`: a partition, a host that died; not sooner, since Linux
+    5.11 also counts a receive window closed that long, and a broker that only stopped
+    reading for a while must keep its clients), and a connect not done within
     `BROKER_CONNECT_TIMEOUT_MS` is tried again; libzmq then connects again by itself, the
-    name resolved afresh.  Without it a
-    half-open connection holds the client for as long as TCP retries, many minutes after the
-    network healed.  What was on the old connection is lost with it: the broker's heartbeat
-    answers name the new one, and the client sends again what it still waits for (core.py,
-    `_on_broker_instance`)."""
+    name resolved afresh.  Without it a half-open connection holds the client for as long
+    as TCP retries, many minutes after the network healed.  What was on the old connection
+    is lost with it: the broker's heartbeat answers name the new one, and the client sends
+    again what it still waits for (core.py, `_on_broker_instance`)."""
     sock = ctx.socket(zmq.DEALER)
     try:
         sock.setsockopt(zmq.LINGER, 0)
         C.configure_peer(sock, curve)
-        if liveness_s and C.is_tcp(endpoint):
-            tcp_liveness(sock, liveness_s)
+        if heartbeat_s and C.is_tcp(endpoint):
+            from .core import LIVENESS
+
+            tcp_liveness(sock, LIVENESS * heartbeat_s)
             sock.setsockopt(zmq.CONNECT_TIMEOUT, BROKER_CONNECT_TIMEOUT_MS)
         _connect(sock, endpoint)
     except BaseException:
