@@ -215,6 +215,8 @@ class ProxySdkPeer(_BrokerPeer):
     description = ("broker-shm's client and gpu_worker echo with zmq.proxy in place of the broker "
                    "(the brokered floor)")
     transport = "shm"
+    #: the worker's batch size: 1 as the issue's floor has it (`bench.lean_floor --max-batch`)
+    max_batch = 1
 
     def start(self) -> None:
         self.frontend = self.ipc("front.ipc")
@@ -223,7 +225,7 @@ class ProxySdkPeer(_BrokerPeer):
         self.spawn(self.python_module("bench.echo_servers", "proxy", "--front", self.frontend,
                                       "--back", backend), env=env)
         self.spawn(self.python_module("bench.proxied_worker", "--connect", backend, "--model", "echo",
-                                      "--max-batch", "1"), env=env)
+                                      "--max-batch", str(self.max_batch)), env=env)
         # READY means connect() was called; one round trip through the relay proves the path.
         from client_sdk import Client
 

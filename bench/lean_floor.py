@@ -1,6 +1,6 @@
 """How far Python can go behind the brokered floor's C relay: `proxy_sdk_vs_proxy_tiny`'s reach.
 
-    python -m bench.lean_floor [--n 2000] [--repeats 5] [--json PATH]
+    python -m bench.lean_floor [--n 2000] [--repeats 5] [--max-batch 1] [--json PATH]
 
 `proxy_sdk_vs_proxy_tiny` (issue 13, `bench.report`) holds our SDK client and `gpu_worker`
 behind `zmq.proxy` to a raw DEALER and a raw echo behind the same relay: at most 1.2x at
@@ -16,6 +16,9 @@ interleaved, blocking clients, 16 B:
                as `proxy-sdk` runs it): what our worker adds over a lean one
   sdk->lean-w  our `Client` -> zmq.proxy -> the lean worker: what our client adds
   proxy-sdk    our `Client` -> zmq.proxy -> our gpu_worker: the pair the ratio is about
+
+`--max-batch N` runs our worker with that batch size instead of `proxy-sdk`'s 1: with no
+broker in front to report a backlog, its batcher then goes by arrival rates, and probes.
 
 Each repeat measures every path for `--n` requests in turn; the report is each path's
 median p50 over the repeats and, per repeat, its p50 over `proxy`'s (the median of those).
@@ -138,10 +141,15 @@ def p50_us(call: Callable[[], object], n: int) -> float:
     return lat[len(lat) // 2] / 1e3
 
 
-def measure(n: int, repeats: int) -> dict:
+def measure(n: int, repeats: int, max_batch: int = 1) -> dict:
     from bench.broker_peers import ProxySdkPeer
     from bench.peers import Peer, ProxyPeer, ZmqEchoClient
     from client_sdk import Client
+
+    class SdkPeer(ProxySdkPeer):
+        pass
+
+    SdkPeer.max_batch = max_batch
 
     class LeanPeer(Peer):
         name = "lean-mdp"
@@ -153,7 +161,7 @@ def measure(n: int, repeats: int) -> dict:
             self.spawn(self.python_module("bench.lean_floor", "worker", "--connect", back))
 
     closers = []
-    with ProxyPeer() as raw, LeanPeer() as lean, ProxySdkPeer() as sdk:
+    with ProxyPeer() as raw, LeanPeer() as lean, SdkPeer() as sdk:
         try:
             echo = ZmqEchoClient(raw.endpoint)
             closers.append(echo.close)
@@ -205,7 +213,7 @@ def measure(n: int, repeats: int) -> dict:
             per["total"] = round(statistics.median([sum(t) for t in zip(*roles.values())]), 1)
             cpu_us[name] = per
     return {
-        "n": n, "repeats": repeats, "payload_bytes": TINY,
+        "n": n, "repeats": repeats, "max_batch": max_batch, "payload_bytes": TINY,
         "p50_us": {k: round(statistics.median(v), 1) for k, v in p50s.items()},
         "over_proxy": {k: round(statistics.median([a / b for a, b in zip(v, floor)]), 3)
                        for k, v in p50s.items() if k != "proxy"},
@@ -221,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--connect", required=True)
     ap.add_argument("--n", type=int, default=2000, help="requests per path per repeat")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-batch", type=int, default=1,
+                    help="our worker's --max-batch (1, as `proxy-sdk` runs it; more: its batcher in the loop)")
     ap.add_argument("--json", default=None, help="also write the report here")
     args = ap.parse_args(argv)
     if args.cmd == "worker":
@@ -228,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from bench.report import print_and_save
 
-    return print_and_save(measure(args.n, args.repeats), args.json)
+    return print_and_save(measure(args.n, args.repeats, args.max_batch), args.json)
 
 
 if __name__ == "__main__":

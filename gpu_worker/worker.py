@@ -456,7 +456,7 @@ class Worker:
                     ms = min(ms, done_ms)
                 if link is not None and link.inbox:
                     ms = 0  # read from the link already, not yet handled: its descriptor will not tell
-                events = self._events = poller.wait(int(ms))
+                events = self._events = poller.wait(ms)
                 if self._busy and self._offload.done in events:
                     self._finish_offloaded()
                 if self.sock in events:

@@ -392,3 +392,55 @@ def _run_ops(pairs, ops) -> None:
             assert due <= seen, f"slept past a waiting message: held={held}"
     finally:
         w.close()
+
+
+def test_a_wait_shorter_than_a_millisecond_sleeps_it_and_still_sees_a_message(two_and_a_pipe):
+    """`select.poll` counts whole milliseconds: a 0.6 ms wait given to it as 0 returns at
+    once, and a loop waiting for a batcher's window to end spins through it.  The Waiter
+    sleeps such a wait to the microsecond, and a message or a readable descriptor still
+    ends it."""
+    w, (pa, a), (pb, b), wfd = two_and_a_pipe
+    assert w.wait(0) == []  # both sockets quiet
+    for _ in range(5):
+        t0 = time.perf_counter()
+        assert w.wait(0.6) == []
+        assert time.perf_counter() - t0 >= 0.5e-3  # slept (a sleep never ends early)
+    send_frames(pb, [b"m"])
+    _settled_by(w, b)
+    assert [bytes(f) for f in recv_frames(b)] == [b"m"]
+    os.write(wfd, b"x")
+    assert w.wait(0.6) == [w._fds[0]]
+
+
+def _settled_by(w: Waiter, sock) -> None:
+    """Sub-millisecond waits, as a loop on a batcher's window makes them, until `sock` is
+    reported (a message is in flight until libzmq's I/O thread delivers it)."""
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while time.monotonic() < deadline:
+        got = w.wait(0.9)
+        if got:
+            assert got == [sock]
+            return
+    raise AssertionError("a sub-millisecond wait never reported the message")
+
+
+def test_a_sub_millisecond_wait_falls_back_to_a_whole_one_past_select_s_limit(pairs, monkeypatch):
+    """select() takes descriptors below FD_SETSIZE (1024) only; past that the wait is a
+    poll of one millisecond, never a spin and never an error."""
+    (pa, a), _ = pairs
+    w = Waiter()
+    w.add(a)
+    try:
+        assert w.wait(0) == []
+
+        def too_high(*args):
+            raise ValueError("filedescriptor out of range in select()")
+
+        monkeypatch.setattr(wire.select, "select", too_high)
+        t0 = time.perf_counter()
+        assert w.wait(0.3) == []
+        assert time.perf_counter() - t0 >= 0.9e-3
+        send_frames(pa, [b"m"])
+        _settled_by(w, a)
+    finally:
+        w.close()

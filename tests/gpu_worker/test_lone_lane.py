@@ -396,3 +396,44 @@ def test_a_drain_told_a_message_waits_never_blocks_when_none_does(worker):
     assert worker.sock.poll(5000)
     worker._drain(ready=True)
     assert [x.id for x in worker.up.finals(1)] == [1]
+
+
+def test_while_a_request_waits_for_company_the_loop_sleeps_instead_of_spinning(tmp_path, monkeypatch):
+    """`serve` in a thread: a request the batcher holds for company (a backlog at the broker,
+    requests seen often) waits out its window of a few milliseconds.  The loop's wait is in
+    whole milliseconds plus the sub-millisecond rest, each slept (`Waiter.wait`), never a
+    run of zero-timeout polls through the loop (which, on a small machine, takes the CPU
+    the clients it waits for need)."""
+    import threading
+
+    from broker.protocol import wire
+
+    up = _Pair(f"lane-serve-{id(tmp_path)}")
+    w = Worker(WorkerConfig(broker="inproc://unused", model="echo", warmup=False, credit=8, max_delay=0.0045),
+               upstream=up)
+    w.up = up  # serve() connects it (a PAIR pairs once)
+    waits: list[float] = []
+    real = wire.Waiter.wait
+
+    def counted(self, ms):
+        waits.append(ms)
+        return real(self, ms)
+
+    monkeypatch.setattr(wire.Waiter, "wait", counted)
+    t = threading.Thread(target=w.serve, daemon=True)
+    try:
+        t.start()
+        t0 = time.monotonic()
+        _seen(w.batcher, t0 - 0.002, t0 - 0.001)  # before the first request: no race with the loop
+        w.up.request(1, backlog=2)
+        [rep] = w.up.finals(1)
+        assert rep.error is None and rep.timing["batch_wait_ms"] >= 3.0  # it did wait for company
+        ran = list(waits)
+        zero = [ms for ms in ran if ms == 0]
+        assert len(zero) <= 3, f"the loop spun through its batch window: {len(zero)} zero waits of {len(ran)}"
+        assert any(0 < ms < 1 for ms in ran)  # the window's last fraction was slept
+    finally:
+        w.stop.set()
+        t.join(10)
+        assert not t.is_alive()
+        w.close()
