@@ -5,6 +5,11 @@ balancer or a peer's crash makes, on loopback, for the tests and `bench.restart`
 127.0.0.1:<target_port>, both ways, on one thread; `cut()` resets every connection through it
 (RST to both ends, as SO_LINGER 0 makes a close) and returns once that is done, and it keeps
 accepting new ones; `accepted` counts the connections it took; `close()` stops it.
+
+`cut_at(pattern)` arms a cut for the first read from the target side that holds `pattern`:
+that read is dropped, not forwarded, and every connection is reset then, so a reply the
+target sent is lost with its connection (a test names a string in the reply, e.g. its
+service; plain-text traffic only, and a pattern split across two reads is missed).
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ class Relay:
         self.port = self.listener.getsockname()[1]
         self.accepted = 0
         self._peer: dict[socket.socket, socket.socket] = {}
+        self._targets: set[socket.socket] = set()  # the connections to the target
+        self._cut_at: bytes | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._cut_asked = threading.Event()
         self._cut_done = threading.Event()
@@ -38,6 +45,10 @@ class Relay:
         self._wake_w.send(b"c")
         if not self._cut_done.wait(timeout):
             raise TimeoutError("the relay did not cut its connections")
+
+    def cut_at(self, pattern: bytes) -> None:
+        """Cut when the target next sends something that holds `pattern` (dropped, unsent)."""
+        self._cut_at = bytes(pattern)
 
     def __enter__(self) -> "Relay":
         return self
@@ -60,6 +71,7 @@ class Relay:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
             s.close()
         self._peer.clear()
+        self._targets.clear()
 
     def _drop(self, sel: selectors.BaseSelector, s: socket.socket) -> None:
         other = self._peer.pop(s, None)
@@ -67,6 +79,7 @@ class Relay:
             if x is not None:
                 sel.unregister(x)
                 self._peer.pop(x, None)
+                self._targets.discard(x)
                 x.close()
 
     def _run(self) -> None:
@@ -91,6 +104,7 @@ class Relay:
                             a.close()
                             continue
                         self._peer[a], self._peer[b] = b, a
+                        self._targets.add(b)
                         sel.register(a, selectors.EVENT_READ)
                         sel.register(b, selectors.EVENT_READ)
                         self.accepted += 1
@@ -101,6 +115,11 @@ class Relay:
                             data = b""
                         if not data:
                             self._drop(sel, s)
+                            continue
+                        at = self._cut_at
+                        if at is not None and s in self._targets and at in data:
+                            self._cut_at = None
+                            self._reset(sel)  # the read is dropped with its connection
                             continue
                         try:
                             self._peer[s].sendall(data)

@@ -872,7 +872,8 @@ class ClientCore(PinEvents):
         heartbeat intervals (it was the old connection's), it fails with `BrokerUnreachable`
         (`_expire_suspects`).  Leases granted to the new connection before the answer came are
         handed back too (LEASE_END; the broker ignores it for the old connection's, which it
-        ends itself).  A connection replaced before its first answer came goes unnoticed."""
+        ends itself).  MMI questions still waited for are asked again (`_reask_mmi`).  A
+        connection replaced before its first answer came goes unnoticed."""
         known, self.broker_instance = self.broker_instance, instance
         known_route = self.broker_route
         if route is not None:
@@ -885,7 +886,8 @@ class ClientCore(PinEvents):
                 self._pin_reset(now)  # a lease never outlives the broker that made it (pins.py)
             # An old id (seen with its call), one sent to the new broker already, or one
             # unsent, is not sent again.
-            return self._resend_brokered(now, "the broker restarted", lambda call: call.broker != instance)
+            return [*self._resend_brokered(now, "the broker restarted", lambda call: call.broker != instance),
+                    *self._reask_mmi()]
         if known is None or (known_route is None and route is not None):  # first learnt: what was sent went there
             for call in self.calls.values():
                 call.broker = call.broker or instance
@@ -903,8 +905,16 @@ class ClientCore(PinEvents):
             for pin in list(self.pin_all.values()):  # one granted to the new connection stays otherwise
                 self.ops.append(self._lease_end_frames(pin.service, pin.lease))
             self._pin_reset(now)
-        return self._resend_brokered(now, "the connection to the broker was replaced",
-                                     lambda call: call.route != route and id(call) not in spared)
+        return [*self._resend_brokered(now, "the connection to the broker was replaced",
+                                       lambda call: call.route != route and id(call) not in spared),
+                *self._reask_mmi()]
+
+    def _reask_mmi(self) -> list[list[Any]]:
+        """The MMI questions still waited for, asked again (`_on_broker_instance`): a question
+        or its answer may have been lost with the old broker or connection.  A question is
+        safe to ask twice: answers find their question by its token, and a second answer
+        finds nobody and is dropped."""
+        return [q.frames for q in self.mmi_waiters if not q.abandoned and q.answer is None]
 
     def _resend_brokered(self, now: float, what: str, stale: Callable[[Call], bool]) -> list[list[Any]]:
         """The frames that send again the calls `stale` selects (see `_on_broker_instance`)."""

@@ -129,6 +129,29 @@ def test_mmi_answers_find_their_question_by_token_when_one_was_lost(core):
     assert lost.answer is None and core.discarded == 1
 
 
+@pytest.mark.parametrize("change", ["restart", "new route"])
+def test_mmi_questions_still_waited_for_are_asked_again_after_a_restart_or_a_new_connection(core, change):
+    """A question or its answer may be lost with the old broker or connection: the ones
+    still waited for are asked again (abandoned and answered ones are not), and the answer
+    that comes second for one finds nobody."""
+    inst = b"\x01" * 8
+    core.on_message(P.broker_heartbeat(inst, 3000, b"route--a"), 100.0)
+    waiting = core.expect_mmi(core.mmi_question("echo"))
+    gone = core.expect_mmi(core.mmi_question("other"))
+    gone.abandoned = True
+    answered = core.expect_mmi(core.mmi_question("third"))
+    core.on_message(P.client_reply(True, MMI_SERVICE.encode(), [b"200", answered.token]), 100.1)
+    assert core.on_message(P.broker_heartbeat(inst, 3000, b"route--a"), 100.2) == []  # nothing changed
+    new = (b"\x02" * 8, b"route--a") if change == "restart" else (inst, b"route--b")
+    out = core.on_message(P.broker_heartbeat(new[0], 3000, new[1]), 100.5)
+    assert out == [waiting.frames]
+    core.on_message(P.client_reply(True, MMI_SERVICE.encode(), [b"200", waiting.token]), 100.6)
+    assert mmi_answer(waiting.answer, "echo") is True
+    discarded = core.discarded
+    core.on_message(P.client_reply(True, MMI_SERVICE.encode(), [b"200", waiting.token]), 100.7)  # the other copy
+    assert core.discarded == discarded + 1 and not core.mmi_waiters
+
+
 def test_opaque_reply_parsing():
     assert opaque_reply(P.client_reply(True, b"svc", [b"a", b"b"]), "svc") == (True, [b"a", b"b"])
     assert opaque_reply(P.client_reply(False, b"svc", [b"a"]), "svc") == (False, [])

@@ -244,3 +244,30 @@ def test_a_new_connection_is_named_at_once_not_at_the_next_heartbeat(tmp_path, t
 
         asyncio.run(main())
 
+
+
+@pytest.mark.parametrize("twin", ["sync", "async"])
+def test_an_mmi_question_whose_answer_was_lost_with_the_connection_is_asked_again(tcp_broker, twin):
+    """The broker answers `mmi.service`, and the relay drops that answer and resets the
+    connection with it (`Relay.cut_at`): the answer is lost.  The client, seeing its new
+    connection named, asks again what it still waits for, and `mmi_service` returns the
+    answer, where before it waited for its timeout (or forever without one)."""
+    port = tcp_broker[0]
+    with Relay(port) as relay:
+        ep = f"tcp://127.0.0.1:{relay.port}"
+        if twin == "sync":
+            with Client(ep, insecure=True, timeout=WAIT, heartbeat_interval=0.2) as c:
+                assert c.mmi_service("held")  # a round trip: the hello's answer named the connection
+                relay.cut_at(b"mmi.service")
+                assert c.mmi_service("held", timeout=10)
+                assert c.broker_reconnects == 1 and relay.accepted == 2
+            return
+
+        async def main():
+            async with AsyncClient(ep, insecure=True, timeout=WAIT, heartbeat_interval=0.2) as c:
+                assert await c.mmi_service("held")
+                relay.cut_at(b"mmi.service")
+                assert await c.mmi_service("held", timeout=10)
+                assert c.broker_reconnects == 1 and relay.accepted == 2
+
+        asyncio.run(main())
