@@ -486,6 +486,8 @@ class Worker:
                 self._maybe_keep_warm()
                 if now >= next_housekeeping:  # every interval, busy or not
                     self.plane.housekeeping()
+                    if link is not None:
+                        link.expire(now)  # connections retired for a client that stopped reading
                     self._send_stats()
                     next_housekeeping = now + interval
                 self.last_loop = now

@@ -43,7 +43,9 @@ DISCONNECT at once (it unbinds it), what the outbox holds still leaves, and then
 connection closes (what the client sent and nobody read is discarded first: a unix socket
 closed with unread data resets its peer, which would lose its unread replies), so the
 client reads the replies it was sent, then the end, and sends the calls still waiting
-through the broker (client_sdk.pins, `pin_link_lost`).  Everything the worker must wait
+through the broker (client_sdk.pins, `pin_link_lost`).  A client that reads nothing for
+`RETIRE_GRACE_S` after its connection retired has it ended with what was still waiting
+(`LinkServer.expire`, from the worker's housekeeping).  Everything the worker must wait
 for is behind one descriptor (`LinkServer.fileno`, an epoll set), readable whenever the
 link has something to do.
 
@@ -276,8 +278,14 @@ class LinkConn:
 LINK_QUEUE_BYTES = 64 << 20
 
 
+#: seconds a retired connection's outbox may take to leave before the connection is ended
+#: with what it still holds (`LinkServer.expire`): a client that never reads again must not
+#: keep the worker's memory and a descriptor for good; its calls go through the broker
+RETIRE_GRACE_S = 10.0
+
+
 class _Peer:
-    __slots__ = ("sock", "fd", "route", "outbox", "writing", "queued", "queued_bytes", "retiring")
+    __slots__ = ("sock", "fd", "route", "outbox", "writing", "queued", "queued_bytes", "retiring", "retired_at")
 
     def __init__(self, sock: socket.socket, route: bytes):
         self.sock = sock
@@ -290,6 +298,7 @@ class _Peer:
         self.queued = 0               # messages with a datagram in the outbox
         self.queued_bytes = 0         # their bytes still there
         self.retiring = False         # over a cap: its outbox leaves, then it closes (module docstring)
+        self.retired_at = 0.0         # when it began to retire (monotonic)
 
 
 def _discard_unread(sock: socket.socket, most: int = 100_000) -> None:
@@ -490,6 +499,7 @@ class LinkServer:
         it and nothing more is read from it; the worker gets its DISCONNECT now; the outbox
         still leaves (`_flush` closes it once empty)."""
         peer.retiring = True
+        peer.retired_at = time.monotonic()
         self.retired += 1
         route = peer.route
         self._routes.pop(route, None)
@@ -512,6 +522,25 @@ class LinkServer:
             inbox.clear()
             inbox.extend(keep)
         inbox.append([route, MDPC, C_DISCONNECT])
+
+    def expire(self, now: float | None = None, grace: float = RETIRE_GRACE_S) -> int:
+        """End the retiring connections whose outbox has not left within ``grace`` seconds
+        of their retirement, dropping what it still holds (counted in `dropped`): their
+        client stopped reading for good, or is too slow to be waited for.  It then reads
+        what reached its socket, then the end, and sends the calls still waiting through
+        the broker, as for any retired connection.  For the owner's housekeeping (the link
+        has no timers); the number ended."""
+        now = time.monotonic() if now is None else now
+        late = [peer for peer in self._peers.values() if peer.retiring and now - peer.retired_at >= grace]
+        for peer in late:
+            self.dropped += peer.queued
+            peer.outbox.clear()
+            peer.queued = peer.queued_bytes = 0
+            self._end(peer)
+        if late:
+            log.warning("%d link connection(s) ended: their client read nothing of what waited for it for %.0f s",
+                        len(late), grace)
+        return len(late)
 
     # ------------------------------------------------------------------ writing
 

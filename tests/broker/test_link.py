@@ -299,6 +299,26 @@ def test_a_retiring_connection_whose_client_goes_away_ends_without_a_second_disc
         assert not server.inbox
 
 
+def test_a_retiring_connection_whose_client_never_reads_again_is_ended_after_its_grace(path):
+    """A client that stopped reading for good must not keep the worker's memory (its outbox,
+    up to the cap) and a descriptor for ever: `expire`, from the worker's housekeeping,
+    ends the connection `grace` seconds after it retired, with what still waited (counted
+    as dropped).  The client then reads what had reached its socket, then the end."""
+    with _pair(path, max_queue=2) as (server, conn, route):
+        n = _retire(server, route)
+        retired_at = time.monotonic()
+        server.inbox.clear()  # its DISCONNECT, given at retirement
+        assert server.expire(retired_at + 5.0, grace=10.0) == 0 and len(server) == 1  # not yet
+        dropped = server.dropped
+        assert server.expire(retired_at + 10.5, grace=10.0) == 1
+        assert len(server) == 0 and not server.inbox  # no second DISCONNECT
+        assert server.dropped > dropped  # what its outbox still held
+        got = _until_end(conn, server)
+        assert [int.from_bytes(bytes(m[0]), "little") for m in got] == list(range(len(got)))
+        assert len(got) < n  # the rest was in the outbox, dropped
+        assert server.expire(retired_at + 100.0) == 0
+
+
 def test_close_with_a_retiring_connection_lets_its_outbox_leave_then_ends_it(path):
     import threading
 
