@@ -161,6 +161,7 @@ class ClientCore(PinEvents):
         self.direct_replies = 0  # replies that came straight from a worker (reply_to)
         self.mmi_waiters: deque[MmiQuery] = deque()  # MMI questions sent, oldest first
         self._mmi_seq = 0
+        self._mmi_in_order = False  # an MMI answer came without its token: answers go by order
         self._init_pins(pin)  # leases (pins.py); pin=False: asked for only on a stream's service
         if self.pin_slots and self.heartbeat_interval is None:
             raise InvalidInput("pin=True needs heartbeats (heartbeat_interval > 0): a leaseholder the broker "
@@ -398,6 +399,7 @@ class ClientCore(PinEvents):
         """The waiter an MMI answer belongs to, removed from the queue (None: nobody's)."""
         waiters = self.mmi_waiters
         if len(body) < 2:
+            self._mmi_in_order = True
             return waiters.popleft()  # no token echoed: answers come in question order
         token = bytes(body[1])
         for i, q in enumerate(waiters):
@@ -913,7 +915,10 @@ class ClientCore(PinEvents):
         """The MMI questions still waited for, asked again (`_on_broker_instance`): a question
         or its answer may have been lost with the old broker or connection.  A question is
         safe to ask twice: answers find their question by its token, and a second answer
-        finds nobody and is dropped."""
+        finds nobody and is dropped.  Not with a broker that answers without the token:
+        there answers go by order, and a second one would answer the next question."""
+        if self._mmi_in_order:
+            return []
         return [q.frames for q in self.mmi_waiters if not q.abandoned and q.answer is None]
 
     def _resend_brokered(self, now: float, what: str, stale: Callable[[Call], bool]) -> list[list[Any]]:

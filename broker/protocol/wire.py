@@ -358,24 +358,27 @@ class Waiter:
         return bool(self._poll.poll(0))
 
     def _select(self, ms: float) -> list[tuple[int, int]]:
-        """`self._poll.poll` for a wait shorter than a millisecond, to the microsecond."""
+        """`self._poll.poll(ms)` to the microsecond, for a wait with a fraction of a
+        millisecond (`wait`)."""
         fds = [*self._by_fd, *self._fds]
         try:
             readable, _, _ = select.select(fds, (), (), ms / 1000.0)
-        except ValueError:  # a descriptor beyond select's FD_SETSIZE: a whole millisecond
-            return self._poll.poll(1)
+        except (ValueError, OSError):
+            # A descriptor beyond select's FD_SETSIZE (ValueError, before any sleep), or one
+            # closed while watched (poll reports it; select raises): the whole milliseconds
+            # that cover the wait, as poll counts them.
+            return self._poll.poll(math.ceil(ms))
         return [(fd, select.POLLIN) for fd in readable]
 
     def wait(self, ms: float) -> list[Any]:
         """Wait up to `ms` milliseconds (negative: without a limit, 0: not at all); the
         sockets holding a message and the readable plain descriptors.
 
-        `select.poll` counts whole milliseconds.  A wait of more than one sleeps the whole
-        ones (the caller's next pass asks for the rest); a wait of less than one sleeps
-        exactly that long in `select.select`, whose timeout is in microseconds, instead of
-        returning at once: a batcher's window that ends 0.4 ms from now must not turn the
-        caller's loop into a spin (on a small machine the spin takes the CPU that the
-        clients it waits for need)."""
+        `select.poll` counts whole milliseconds, so a wait with a fraction of one (a
+        batcher's window that ends 0.4 or 4.3 ms from now) sleeps in `select.select`
+        instead, whose timeout is in microseconds: truncated, its last fraction would turn
+        the caller's loop into a spin (on a small machine the spin takes the CPU that the
+        clients it waits for need); rounded up, it would end late."""
         quiet = _QUIET
         ready = [sock for sock in self._socks if sock not in quiet and sock_events(sock) & _POLLIN]
         if ready:
@@ -383,10 +386,10 @@ class Waiter:
             # descriptor signalled (and the plain descriptors) must not starve behind one
             # that a caller reads only in part (a budget per pass).
             ms = 0
-        if 0 < ms < 1:
+        if ms > 0 and ms != int(ms):  # (int() of NaN or infinity raises below, as it always did)
             signalled = self._select(ms)
         else:
-            signalled = self._poll.poll(int(ms) if ms >= 0 else -1)
+            signalled = self._poll.poll(-1 if ms < 0 else int(ms))
         if not signalled:
             return ready
         by_fd = self._by_fd

@@ -394,53 +394,84 @@ def _run_ops(pairs, ops) -> None:
         w.close()
 
 
-def test_a_wait_shorter_than_a_millisecond_sleeps_it_and_still_sees_a_message(two_and_a_pipe):
-    """`select.poll` counts whole milliseconds: a 0.6 ms wait given to it as 0 returns at
-    once, and a loop waiting for a batcher's window to end spins through it.  The Waiter
-    sleeps such a wait to the microsecond, and a message or a readable descriptor still
-    ends it."""
+class _PollSpy:
+    """Stands in for a Waiter's `select.poll` object, recording the timeouts it is given."""
+
+    def __init__(self, real):
+        self.real = real
+        self.timeouts: list = []
+
+    def poll(self, ms=None):
+        self.timeouts.append(ms)
+        return self.real.poll(ms)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.fixture
+def selects(monkeypatch):
+    """The timeouts (seconds) `select.select` is called with, through wire."""
+    got: list = []
+    real = wire.select.select
+
+    def spy(r, w, x, timeout=None):
+        got.append(timeout)
+        return real(r, w, x, timeout)
+
+    monkeypatch.setattr(wire.select, "select", spy)
+    return got
+
+
+def test_a_wait_with_a_fraction_of_a_millisecond_sleeps_it_to_the_microsecond(two_and_a_pipe, selects):
+    """`select.poll` counts whole milliseconds: a 0.6 ms wait truncated to 0 returns at once
+    (a loop waiting for a batcher's window to end spins through it), and 4.3 ms rounded up
+    ends late.  The Waiter sleeps such waits in `select.select`, to the microsecond; whole
+    ones stay with poll; and a message or a readable descriptor still ends the wait."""
     w, (pa, a), (pb, b), wfd = two_and_a_pipe
     assert w.wait(0) == []  # both sockets quiet
-    for _ in range(5):
-        t0 = time.perf_counter()
-        assert w.wait(0.6) == []
-        assert time.perf_counter() - t0 >= 0.5e-3  # slept (a sleep never ends early)
+    spy = w._poll = _PollSpy(w._poll)
+    assert w.wait(0.6) == [] and w.wait(4.3) == []
+    assert selects == [pytest.approx(0.0006), pytest.approx(0.0043)] and spy.timeouts == []
+    assert w.wait(2) == [] and w.wait(0) == [] and spy.timeouts == [2, 0] and len(selects) == 2
     send_frames(pb, [b"m"])
-    _settled_by(w, b)
-    assert [bytes(f) for f in recv_frames(b)] == [b"m"]
+    deadline = time.monotonic() + WAIT_MS / 1000
+    got: list = []
+    while not got and time.monotonic() < deadline:  # the message crosses libzmq's I/O thread
+        got = w.wait(0.9)
+    assert got == [b] and [bytes(f) for f in recv_frames(b)] == [b"m"]
     os.write(wfd, b"x")
     assert w.wait(0.6) == [w._fds[0]]
 
 
-def _settled_by(w: Waiter, sock) -> None:
-    """Sub-millisecond waits, as a loop on a batcher's window makes them, until `sock` is
-    reported (a message is in flight until libzmq's I/O thread delivers it)."""
-    deadline = time.monotonic() + WAIT_MS / 1000
-    while time.monotonic() < deadline:
-        got = w.wait(0.9)
-        if got:
-            assert got == [sock]
-            return
-    raise AssertionError("a sub-millisecond wait never reported the message")
-
-
-def test_a_sub_millisecond_wait_falls_back_to_a_whole_one_past_select_s_limit(pairs, monkeypatch):
-    """select() takes descriptors below FD_SETSIZE (1024) only; past that the wait is a
-    poll of one millisecond, never a spin and never an error."""
+def test_a_fractional_wait_falls_back_to_whole_milliseconds_when_select_cannot_take_it(pairs, monkeypatch):
+    """select() takes descriptors below FD_SETSIZE (1024) only, and raises for one closed
+    while watched where poll reports it: then the wait is a poll of the whole milliseconds
+    that cover it, never a spin and never an error."""
     (pa, a), _ = pairs
     w = Waiter()
     w.add(a)
     try:
         assert w.wait(0) == []
+        for error in (ValueError("filedescriptor out of range in select()"), OSError(9, "Bad file descriptor")):
+            def fails(*args, error=error):
+                raise error
 
-        def too_high(*args):
-            raise ValueError("filedescriptor out of range in select()")
+            monkeypatch.setattr(wire.select, "select", fails)
+            spy = w._poll = _PollSpy(w._poll)
+            assert w.wait(0.3) == [] and w.wait(2.5) == []
+            assert spy.timeouts == [1, 3]
+            w._poll = spy.real
+    finally:
+        w.close()
 
-        monkeypatch.setattr(wire.select, "select", too_high)
-        t0 = time.perf_counter()
-        assert w.wait(0.3) == []
-        assert time.perf_counter() - t0 >= 0.9e-3
-        send_frames(pa, [b"m"])
-        _settled_by(w, a)
+
+def test_nan_is_no_timeout(pairs):
+    (pa, a), _ = pairs
+    w = Waiter()
+    w.add(a)
+    try:
+        with pytest.raises(ValueError):
+            w.wait(float("nan"))
     finally:
         w.close()

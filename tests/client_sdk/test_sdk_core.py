@@ -152,6 +152,18 @@ def test_mmi_questions_still_waited_for_are_asked_again_after_a_restart_or_a_new
     assert core.discarded == discarded + 1 and not core.mmi_waiters
 
 
+def test_mmi_questions_are_not_asked_twice_of_a_broker_that_answers_in_order(core):
+    """Without tokens an answer goes to the oldest question: a second answer to a question
+    asked again would answer the next one, so nothing is asked again."""
+    first = core.expect_mmi(core.mmi_question("echo"))
+    core.on_message(P.client_reply(True, MMI_SERVICE.encode(), [b"200"]), 100.0)  # no token
+    assert mmi_answer(first.answer, "echo") is True
+    core.on_message(P.broker_heartbeat(b"\x01" * 8, 3000, b"route--a"), 100.1)
+    waiting = core.expect_mmi(core.mmi_question("other"))
+    assert core.on_message(P.broker_heartbeat(b"\x01" * 8, 3000, b"route--b"), 100.5) == []
+    assert waiting.answer is None
+
+
 def test_opaque_reply_parsing():
     assert opaque_reply(P.client_reply(True, b"svc", [b"a", b"b"]), "svc") == (True, [b"a", b"b"])
     assert opaque_reply(P.client_reply(False, b"svc", [b"a"]), "svc") == (False, [])
