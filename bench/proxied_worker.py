@@ -37,6 +37,7 @@ import time
 import zmq
 
 from broker import protocol as P
+from broker.protocol.heap import freeze_startup_heap
 from broker.protocol.wire import send_frames
 from gpu_worker.__main__ import add_model_options, model_config
 from gpu_worker.upstream import BrokerLink
@@ -135,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # SIGTERM (a drain) if the harness dies
 
     cfg = make_config(args.connect, **model_config(args))
-    with make_worker(cfg) as w:
+    worker = make_worker(cfg)
+    freeze_startup_heap()  # as `python -m gpu_worker` does
+    with worker as w:
         install_sigterm_drain(w)
         w.serve(ready_cb=lambda: print(f"READY service={w.service} pid={w.pid} device={w.device}", flush=True))
     return 0

@@ -29,6 +29,7 @@ import sys
 from broker import protocol as P
 from broker.config import load_launcher
 from broker.launcher import Launcher
+from broker.protocol.heap import freeze_startup_heap
 from broker.protocol.logs import add_log_options, setup_logging
 from broker.protocol.naming import RuntimeDirError
 from broker.security import SecurityError, make_keys
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     # signals over (SIGTERM drains the pools, then sets `stop`; SIGHUP rolls them) and prints
     # READY itself once every pool's workers are ready.
     pools = Launcher(broker, deploy, stop) if deploy is not None else None
+    freeze_startup_heap()  # startup is over: keep full collections short (broker.protocol.heap)
     with broker, (pools if pools is not None else contextlib.nullcontext()):
         http = f" http={broker.http_address}" if broker.http is not None else ""
         if pools is None:

@@ -25,6 +25,7 @@ import logging
 import sys
 
 from broker import protocol as P
+from broker.protocol.heap import freeze_startup_heap
 from broker.protocol.logs import add_log_options, setup_logging
 
 
@@ -250,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
                 extra += f" link={worker.direct_socket.link.path}"
         print(f"READY service={worker.service} pid={worker.pid} device={worker.device}{extra}", flush=True)
 
+    # Startup is over (the model loaded and warmed up): what it made lives as long as we do.
+    freeze_startup_heap()
     try:
         with worker as w:
             install_sigterm_drain(w)

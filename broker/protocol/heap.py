@@ -1,0 +1,40 @@
+"""The startup heap out of the cyclic garbage collector's reach, for the processes we run.
+
+A worker that has imported torch and loaded its model holds about 170,000 objects that
+CPython's cyclic collector tracks; a full collection walks every one of them, and on the
+test machine takes 35-90 ms (`python -m bench.gc_pause`, BENCHMARKS.md "Garbage collector
+pauses").  CPython starts a full collection on its own once enough objects have survived
+into the oldest generation since the last one (a quarter of those it holds), so a worker
+whose model, caches or clients leave objects behind stops, now and then, for that long in
+the middle of a request: a frame of an AR stream is 33 ms.  The objects made before the
+worker served its first request (modules, the model, its warm-up) live as long as the
+process, so `freeze_startup_heap` collects once, then moves them all to the permanent
+generation (`gc.freeze`): later collections, full ones included, walk only what serving
+made.
+
+They are still freed by reference counting; what freezing gives up is the collection of a
+reference cycle among them that becomes garbage later, which startup objects do not form.
+Only for processes of our own (`python -m gpu_worker`, `python -m broker` and the bench's
+servers): a library must not freeze its host application's heap, so the client SDK never
+calls it.
+
+Must never: touch a socket or parse a frame.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+
+__all__ = ["freeze_startup_heap"]
+
+log = logging.getLogger("broker.protocol.heap")
+
+
+def freeze_startup_heap() -> int:
+    """Collect what startup left as garbage, then freeze every object alive now; returns how
+    many are frozen in all.  Call once, when startup is done, before serving."""
+    gc.collect()
+    gc.freeze()
+    n = gc.get_freeze_count()
+    log.info("startup heap frozen: %d objects out of the cyclic garbage collector's reach", n)
+    return n
