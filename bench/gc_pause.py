@@ -7,7 +7,8 @@ CPython's cyclic collector starts a full collection by itself once enough object
 survived into its oldest generation; the process stops for as long as the walk over every
 tracked object takes.  For each process this builds what its startup builds, in a process
 of its own (the broker: `Broker` on ipc endpoints; a worker: `Worker` with its model
-loaded and warmed up, for ``echo`` (numpy) and ``convnet`` (torch)), then times
+loaded and warmed up, for ``echo`` (a numpy model, with torch imported all the same to
+resolve the device) and ``convnet`` (torch)), then times
 `gc.collect()` `--repeats` times (the median, and the objects the collector tracks), then
 freezes the startup heap as `python -m broker` and `python -m gpu_worker` do and times it
 again.

@@ -14,4 +14,4 @@ def test_every_process_is_measured_before_and_after_the_freeze():
     assert set(res["processes"]) == set(gc_pause.TARGETS)
     for r in res["processes"].values():
         assert r["tracked"] > 1000 and r["frozen"] >= r["tracked"] * 0.9
-        assert r["full_ms"] > 0 and r["full_ms_frozen"] >= 0
+        assert 0 <= r["full_ms_frozen"] < r["full_ms"]

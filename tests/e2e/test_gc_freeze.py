@@ -15,6 +15,8 @@ def test_the_broker_and_the_worker_freeze_their_startup_heap_and_serve(cluster):
     b.wait_log("startup heap frozen")
     w = cluster.worker("echo", "--log-level", "INFO")
     w.wait_log("startup heap frozen")
+    log = w._err.decode(errors="replace")
+    assert log.index("warm-up of echo") < log.index("startup heap frozen")  # after the model warmed up
     with Client(cluster.frontend, timeout=10) as c:
         x = np.arange(8, dtype=np.float32)
         with c.infer("echo", {"x": x}) as r:
