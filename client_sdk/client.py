@@ -21,6 +21,7 @@ calls waits (`pump`), which is what the caller's blocking calls do.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from collections import deque
@@ -179,7 +180,9 @@ class Client(ClientBase):
         try:
             sock.send_multipart(out, copy=False)
             while True:
-                wait = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+                # Whole milliseconds, rounded up: truncated, the deadline's last fraction of
+                # one would be a poll(0), and the call would fail before its time.
+                wait = -1 if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
                 if not sock.poll(wait, zmq.POLLIN):
                     raise DeadlineExceeded(f"no reply from service {service!r} within {limit:g}s")
                 done, body = opaque_reply(sock.recv_multipart(), service)

@@ -909,6 +909,17 @@ def test_opaque_timeout_disconnects_its_socket(connect, fake, endpoint):
         assert c.request("opaque", [b"next"]) == [b"next"]  # ...never to the next request
 
 
+def test_an_opaque_timeout_shorter_than_a_millisecond_is_waited_out(connect, fake, endpoint):
+    """The wait is in whole milliseconds: rounded down, a 0.8 ms timeout was a poll of none
+    and failed at once, before its time."""
+    with connect(endpoint) as c:
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            c.request("opaque_hold", [b"late"], timeout=0.0008)
+        assert time.monotonic() - t0 >= 0.0008  # not before the deadline (a wait never ends early)
+        assert c.request("opaque", [b"next"]) == [b"next"]  # (whether "late" left before the close or not)
+
+
 async def test_async_opaque_out_of_order(fake, endpoint):
     async with AsyncClient(endpoint) as c:
         first = asyncio.create_task(c.request("opaque_hold", [b"1"]))
