@@ -1641,15 +1641,14 @@ class Worker:
         return kw
 
     def _keep_warm_timeout(self, now: float, timeout: float) -> float:
-        """The loop's poll timeout, shortened to when the next keep-warm unit is due (rounded
-        up to a whole millisecond, as the poll counts them: no spinning)."""
+        """The loop's poll timeout, shortened to when the next keep-warm unit is due (the
+        Waiter sleeps a fraction of a millisecond as such: no rounding, no spinning)."""
         if self._busy or len(self.batcher) or not self.keep_warm.enabled:
             return timeout
         at = self.keep_warm.next_at(now)
         if at is None:
             return timeout
-        whole_ms = -(-max(0.0, at - now) * 1e3 // 1)  # ceil
-        return max(0.0, min(timeout, whole_ms / 1e3 + 1e-7))
+        return max(0.0, min(timeout, at - now))
 
     def _maybe_keep_warm(self) -> None:
         """Run a keep-warm unit if one is due and the worker is idle (nothing computing,
