@@ -263,8 +263,12 @@ class Broker:
         # that is not ipc can have any.
         self._tcp_frontend = not self.frontend_ep.startswith("ipc://")
         # Peers silent by messages whose tcp connection still moves bytes (a large message
-        # crossing a slow link holds their heartbeats back) are alive: `_look_at_quiet`.
-        self._look_clients = self.frontend_ep.startswith("tcp://")
+        # crossing a slow link holds their heartbeats back) are alive: `_look_at_quiet`.  So
+        # is a client whose ipc connection is open: the kernel closes it when the process
+        # ends, however it ends, so silence there is a busy program (a blocking `Client` not
+        # called into), not a dead one.
+        self._ipc_frontend = self.frontend_ep.startswith("ipc://")
+        self._look_clients = self._ipc_frontend or self.frontend_ep.startswith("tcp://")
         self._look_workers = self.backend_ep.startswith("tcp://")
         self._watches: dict[tuple[str, bytes], wire.TcpWatch] = {}
         self._client_tcp: dict[bytes, bool] = {}
@@ -450,7 +454,13 @@ class Broker:
         since the previous look are heard from now: a message of theirs, or ours to them,
         still crossing a slow link (their heartbeats wait behind it; wire.TcpWatch).  The
         looks start at `quiet_for` and come every `quiet_for` (a quarter of the shortest
-        liveness window at most), so a window holds the two a fresh watch needs."""
+        liveness window at most), so a window holds the two a fresh watch needs.
+
+        On an ipc frontend, a quiet client whose connection is still open (the frontend's
+        monitor forgets it when it closes: `_on_frontend_events`) is heard from now: its
+        process lives.  A client presumed dead by silence alone would lose what it has
+        in flight to a pause of its own (a blocking `Client` heartbeats only from inside
+        its calls), and a process that died closed its connection."""
         sched = self.sched
         clients, workers = sched.quiet(now, quiet_for)  # both, cheap: a pass over the peers
         watches, kept = self._watches, {}
@@ -460,6 +470,9 @@ class Broker:
             for ident in idents:
                 fd = fd_of(ident)
                 if fd is None:
+                    continue
+                if kind == "c" and self._ipc_frontend:
+                    self._act(seen(ident, now), now)
                     continue
                 key = (kind, ident)
                 watch = watches.get(key)

@@ -16,7 +16,9 @@ its worker's direct socket (docs/protocol.md section 10; what goes where is deci
 core, pins.py).
 
 No thread: the client sends heartbeats and notices a silent broker only while one of its
-calls waits (`pump`), which is what the caller's blocking calls do.
+calls waits (`pump`), which is what the caller's blocking calls do.  An ipc broker does not
+count the silence in between against it (its connection is open: the process lives); a tcp
+one does, after its client liveness window (docs/client.md).
 """
 from __future__ import annotations
 

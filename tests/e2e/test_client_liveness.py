@@ -1,0 +1,71 @@
+"""A client on an ipc frontend is presumed dead when its process is gone, not because its
+program went quiet: a blocking `Client` heartbeats only from inside its calls, so a program
+that sends a request, does something else for longer than the broker's client liveness
+window, and then asks for the result must still get it (broker.server `_look_at_quiet`)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from client_sdk import Client
+
+from .conftest import Proc, wait_service
+from .test_metrics import scrape, until, value
+
+pytestmark = pytest.mark.timeout(120)
+
+# The cluster's broker heartbeats every 0.2 s: its client liveness window is 0.6 s.
+QUIET_S = 2.0
+
+
+def test_a_quiet_blocking_client_keeps_its_requests_in_flight_and_queued(cluster, gate):
+    cluster.broker()
+    w = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "1",
+                       "--no-warmup", env=gate.env, wait=False)
+    gate.open()
+    w.wait_ready()
+    with Client(cluster.frontend, timeout=60) as c:
+        wait_service(c, "gate")
+        xs = [np.full(4, i, np.int32) for i in (1, 2)]
+        calls = [c.infer_stream("gate", {"x": x}) for x in xs]  # one at the worker, one queued
+        assert c.mmi_service("gate")  # a barrier: the broker has both
+        # The program does something else, not calling into the client, for more than three
+        # client liveness windows: the scenario itself, not a synchronisation.
+        time.sleep(QUIET_S)
+        gate.release(2)
+        for x, call in zip(xs, calls):
+            with call.result() as r:
+                np.testing.assert_array_equal(r["x"], x)
+            call.close()
+        assert c.stray_replies == 0
+
+
+CLIENT = """
+import sys, numpy as np
+from client_sdk import Client
+c = Client(sys.argv[1], timeout=60)
+calls = [c.infer_stream("gate", {"x": np.zeros(4, np.int32)}) for _ in range(3)]
+assert c.mmi_service("gate")
+print("READY", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_clients_queued_requests_are_still_dropped(cluster, gate):
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    w = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "1",
+                       "--no-warmup", env=gate.env, wait=False)
+    gate.open()
+    w.wait_ready()
+    client = Proc(["-c", CLIENT, cluster.frontend], stdin=True)
+    cluster.procs.append(client)
+    client.wait_ready()
+    until(lambda: value(scrape(base), "zmq_infer_queue_depth", service="gate", priority="normal") == 2,
+          "two requests queued")
+    client.kill()  # its connection closes: silence from now on is death
+    until(lambda: value(scrape(base), "zmq_infer_queue_depth", service="gate", priority="normal") == 0,
+          "the dead client's queued requests dropped", timeout=10)
+    gate.release(1)  # the one at the worker finishes for nobody
