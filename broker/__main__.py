@@ -147,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-liveness", type=int, help="missed heartbeats before a peer is dead (default 3)")
     ap.add_argument("--max-queue", type=int, help="queued requests per service (default 1024)")
     ap.add_argument("--service-grace", type=float, help="seconds a request waits for a worker of its service")
+    ap.add_argument("--max-retries", type=int,
+                    help="times a request is dispatched again after its worker died before it fails with "
+                         "WORKER_FAILED (default 2)")
     ap.add_argument("--max-frame-mb", type=float,
                     help="largest frame a client may send, MiB (default 256); a larger one drops its connection")
     ap.add_argument("--client-hwm", type=int,
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.frontend = args.frontend
     if args.backend:
         cfg.backend = args.backend
-    for opt in ("heartbeat_interval", "heartbeat_liveness", "max_queue", "service_grace"):
+    for opt in ("heartbeat_interval", "heartbeat_liveness", "max_queue", "service_grace", "max_retries"):
         v = getattr(args, opt)
         if v is not None:
             setattr(cfg.scheduler, opt, v)

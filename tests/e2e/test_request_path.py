@@ -12,7 +12,7 @@ import zmq
 
 from broker import protocol as P
 from client_sdk import AsyncClient, Client
-from client_sdk.errors import DeadlineExceeded, NotLocal, QueueFull, ServiceUnavailable
+from client_sdk.errors import DeadlineExceeded, NotLocal, QueueFull, ServiceUnavailable, WorkerFailed
 
 from .conftest import wait_service
 
@@ -303,6 +303,25 @@ def test_worker_sigkill_requests_complete_once_elsewhere(cluster, gate):
             assert c.stray_replies == 0
 
     asyncio.run(scenario())
+
+
+def test_max_retries_from_the_command_line_bounds_the_retries_after_a_worker_death(cluster, gate):
+    """`python -m broker --max-retries 0`: the request of a worker that died is not dispatched
+    again; it fails with WORKER_FAILED at once (by default it would wait `service_grace` for
+    another worker, then fail with SERVICE_UNAVAILABLE)."""
+    cluster.broker("--max-retries", "0")
+    doomed = cluster.worker("gate_model:factory", "--service", "echo", "--max-batch", "1", "--no-warmup",
+                            env=gate.env, wait=False)
+    gate.open()
+    doomed.wait_ready()
+    with Client(cluster.frontend, timeout=60) as c:
+        wait_service(c, "echo")
+        call = c.infer_stream("echo", {"x": np.zeros(4, np.int32)})
+        assert c.mmi_service("echo")  # a barrier: the request is at the doomed worker
+        doomed.kill()
+        with pytest.raises(WorkerFailed, match="max_retries=0"):
+            call.result()
+        call.close()
 
 
 def test_shm_request_with_no_local_worker(cluster):
