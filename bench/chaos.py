@@ -1,0 +1,460 @@
+"""Faults under load: `python -m bench.chaos --seconds 60`.
+
+Every failure mode the project guards against has its own end-to-end test, one fault at a
+time.  This puts them together, the way production does: a broker and several `echo`
+workers (with `--direct`, so that pinned clients lease them) on ipc endpoints in a temp dir,
+clients of every kind sending without pause, and every `--every` seconds (jittered, from a
+seeded random schedule) one fault:
+
+  kill-worker     SIGKILL of a worker, a new one started in its place
+  drain-worker    SIGTERM of a worker (it drains and exits), a new one started in its place
+  hang-worker     SIGSTOP of a worker for `--hang-s` (longer than the broker's liveness
+                  window: it is presumed dead and its requests go elsewhere), then SIGCONT
+  restart-broker  SIGKILL of the broker, a new one on the same endpoints at once
+  outage          SIGKILL of the broker, a new one a third of `--hang-s` later (inside the
+                  clients' liveness window)
+  kill-workers    SIGKILL of every worker at once, as many new ones started (requests
+                  wait at the broker meanwhile)
+  hang-broker     SIGSTOP of the broker for a third of `--hang-s` (shorter than every
+                  liveness window: nobody may be presumed dead for it), then SIGCONT
+  kill-client     SIGKILL of a client process (`python -m bench.chaos --client`: pinned,
+                  its input in its shared memory, requests in flight), a new one started:
+                  its leases, requests and memory must be cleaned up by the others
+
+The clients, each a thread (or an asyncio task) of this process:
+
+  small     sync `Client`, 16 B inline, new random bytes every request
+  frame     sync `Client`, a 256 KiB input in its shared memory, refilled every request
+  pinned    sync `Client(pin=True)`, 16 B (leases, the worker's direct path, failover)
+  async     `AsyncClient`, 4 tasks, 16 B
+  pipelined sync `Client`, sends two requests, then does not call into the client for up
+            to three of the broker's client liveness windows (the program does something
+            else), then collects both results
+
+Every reply is checked against its request (the echo returns its input): a reply that
+differs is `wrong`, the one outcome that must never happen.  Every other outcome is counted
+by kind: `ok`, or the exception's class (with a request timeout of `--timeout` s, any error
+at all is a request lost to a fault, which the design says should not happen either: a
+worker's death, drain or hang is retried elsewhere, a broker restart resent by the client).
+After the last fault the clients keep going for `--settle-s` seconds, then everything stops
+(SIGTERM) and the run reports, per client, the outcomes, the p50 and the longest request,
+the faults in order, and the shared-memory files (`/dev/shm/zinf-*`) left behind.
+
+Two broker settings are the run's, not the defaults, because two faults go past what the
+defaults are for.  kill-workers leaves the service with no worker until the new ones have
+started (seconds: torch is imported), longer than the default `service_grace` (1 s, after
+which a request fails with SERVICE_UNAVAILABLE): `--service-grace 30` here, as a
+deployment whose workers restart on their own would set it.  And when several workers die
+at once, a request can be charged a death by each of them: its worker died, it was
+dispatched again at once to one that was dying too (the broker learns of each death
+separately, and cannot tell a request that killed its worker from one that was merely
+there), and so on; `max_retries` (default 2) counts deaths to stop a request that kills
+every worker it meets, so a pool whose workers can die together wants at least as many
+retries as it has workers: `--max-retries` is workers + 1 here (docs/operations.md).
+
+Exit status 0 when nothing was wrong, no request failed and nothing was left behind.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from bench.peers import PeerStartError, wait_ready
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "zinf-"
+FAULTS = ("kill-worker", "drain-worker", "hang-worker", "restart-broker", "outage", "kill-workers", "hang-broker",
+          "kill-client")
+
+
+def _shm_files() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
+    except FileNotFoundError:  # pragma: no cover - non-Linux
+        return set()
+
+
+class Fleet:
+    """The broker and the workers, on ipc endpoints in `d`, and the faults done to them."""
+
+    def __init__(self, d: str, heartbeat: float, workers: int, broker_args: tuple[str, ...] = (),
+                 model: str = "echo"):
+        self.fe, self.be = f"ipc://{d}/fe.ipc", f"ipc://{d}/be.ipc"
+        self.model = model
+        self.hb = heartbeat
+        self.broker_args = list(broker_args)
+        self.broker: subprocess.Popen | None = None
+        self.client: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen] = []
+        self.gone: list[subprocess.Popen] = []  # ended by a fault: reaped at close
+        try:
+            self.start_broker()
+            for _ in range(workers):
+                self.workers.append(self.start_worker())
+            self.client = self.start_client()
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self, args: list[str]) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            wait_ready(p, 120)
+        except PeerStartError:
+            p.kill()
+            p.wait(10)
+            raise
+        return p
+
+    def start_broker(self) -> None:
+        self.broker = self._spawn(["-m", "broker", "--frontend", self.fe, "--backend", self.be,
+                                   "--heartbeat-interval", str(self.hb), *self.broker_args])
+
+    def start_worker(self) -> subprocess.Popen:
+        return self._spawn(["-m", "gpu_worker", "--broker", self.be, "--model", self.model, "--service", "echo", "--direct",
+                            "--heartbeat-interval", str(self.hb)])
+
+    def start_client(self) -> subprocess.Popen:
+        """A client process (`--client`), once it has had a reply."""
+        return self._spawn(["-m", "bench.chaos", "--client", self.fe])
+
+    def fault(self, kind: str, rng: random.Random, hang_s: float) -> str:
+        """Do one fault; what was done, in words."""
+        if kind == "kill-client":
+            old = self.client
+            old.kill()
+            old.wait(10)
+            self.gone.append(old)
+            self.client = self.start_client()
+            return f"client {old.pid} killed, {self.client.pid} started"
+        if kind == "hang-broker":
+            self.broker.send_signal(signal.SIGSTOP)
+            time.sleep(hang_s / 3)  # the fault itself
+            self.broker.send_signal(signal.SIGCONT)
+            return f"broker {self.broker.pid} stopped for {hang_s / 3:g} s"
+        if kind in ("restart-broker", "outage"):
+            old = self.broker
+            old.kill()
+            old.wait(10)
+            self.gone.append(old)
+            if kind == "outage":
+                time.sleep(hang_s / 3)  # the fault itself: no broker this long
+            self.start_broker()
+            return f"broker {old.pid} killed, {self.broker.pid} started" + (
+                f" {hang_s / 3:g} s later" if kind == "outage" else "")
+        if kind == "kill-workers":
+            old = list(self.workers)
+            for w in old:
+                w.kill()
+            for w in old:
+                w.wait(10)
+            self.gone.extend(old)
+            self.workers = [self.start_worker() for _ in old]
+            return f"workers {' '.join(str(w.pid) for w in old)} killed, {len(old)} started"
+        i = rng.randrange(len(self.workers))
+        w = self.workers[i]
+        if kind == "hang-worker":
+            w.send_signal(signal.SIGSTOP)
+            time.sleep(hang_s)  # the fault itself: the process is stopped this long
+            w.send_signal(signal.SIGCONT)
+            return f"worker {w.pid} stopped for {hang_s:g} s"
+        if kind == "kill-worker":
+            w.kill()
+        else:
+            w.terminate()
+        try:
+            w.wait(30)
+        except subprocess.TimeoutExpired:
+            w.kill()
+            w.wait(10)
+            return f"worker {w.pid} did not exit in 30 s after SIGTERM: killed"
+        self.gone.append(w)
+        self.workers[i] = self.start_worker()
+        how = "killed" if kind == "kill-worker" else f"drained (exit {w.returncode})"
+        return f"worker {w.pid} {how}, {self.workers[i].pid} started"
+
+    def close(self) -> None:
+        # Workers first, so that they can say goodbye to a live broker.
+        for p in [self.client, *self.workers, self.broker]:
+            if p is not None and p.poll() is None:
+                p.terminate()
+        for p in [self.client, *self.workers, self.broker, *self.gone]:
+            if p is None:
+                continue
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+            if p.stdout is not None:
+                p.stdout.close()
+
+
+class Tally:
+    """One client's outcomes (a thread or tasks of one loop write it; reads come after)."""
+
+    def __init__(self) -> None:
+        self.outcomes: Counter = Counter()
+        self.samples: list[str] = []  # the first two error messages of each kind, for the report
+        self.latencies: list[float] = []
+
+    def done(self, t0: float, ok: bool) -> None:
+        self.latencies.append(time.monotonic() - t0)
+        self.outcomes["ok" if ok else "wrong"] += 1
+
+    def failed(self, e: BaseException) -> None:
+        self.outcomes[type(e).__name__] += 1
+        if self.outcomes[type(e).__name__] <= 2:
+            self.samples.append(f"{type(e).__name__}: {e}")
+
+    def report(self) -> dict:
+        lat = sorted(self.latencies)
+        return {"outcomes": dict(self.outcomes), "requests": sum(self.outcomes.values()),
+                "p50_ms": round(statistics.median(lat) * 1e3, 3) if lat else None,
+                "max_ms": round(lat[-1] * 1e3, 1) if lat else None, "error_samples": self.samples}
+
+
+def _wait_service(c, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not c.mmi_service("echo", timeout=5):
+        if time.monotonic() > deadline:
+            raise TimeoutError("no echo worker registered")
+        time.sleep(0.05)
+
+
+def _sync_client(fe: str, kind: str, tally: Tally, stop: threading.Event, timeout: float, seed: int,
+                 quiet_s: float = 0.0) -> None:
+    from client_sdk import Client
+
+    rng = np.random.default_rng(seed)
+    with Client(fe, timeout=timeout, pin=(kind == "pinned")) as c:
+        _wait_service(c)
+        frame = c.alloc((256, 1024), np.uint8) if kind == "frame" else None
+        n = 0
+        while not stop.is_set():
+            n += 1
+            if frame is not None:
+                value = n % 251
+                frame.fill(value)
+                x = frame
+            else:
+                x = rng.integers(0, 256, 16, dtype=np.uint8)
+            t0 = time.monotonic()
+            if kind == "pipelined":
+                _pipelined(c, x, tally, stop, rng, quiet_s)
+                continue
+            try:
+                with c.infer("echo", {"x": x}) as r:
+                    y = r["x"]
+                    ok = (y.shape == x.shape and int(y.min()) == value == int(y.max())) if frame is not None \
+                        else bool(np.array_equal(y, x))
+            except Exception as e:  # every kind of failure is counted, and the load goes on
+                tally.failed(e)
+                continue
+            tally.done(t0, ok)
+
+
+def _pipelined(c, x, tally: Tally, stop: threading.Event, rng, quiet_s: float) -> None:
+    """Two requests sent, a quiet spell with no call into the client, both collected."""
+    t0 = time.monotonic()
+    xs = [x, x[::-1].copy()]
+    calls = []
+    try:
+        for v in xs:
+            calls.append(c.infer_stream("echo", {"x": v}))
+        stop.wait(float(rng.uniform(0, quiet_s)))  # the program's own work: the scenario
+        for v, call in zip(xs, calls):
+            try:
+                with call.result() as r:
+                    ok = bool(np.array_equal(r["x"], v))
+            except Exception as e:
+                tally.failed(e)
+                continue
+            tally.done(t0, ok)
+    except Exception as e:  # the send itself
+        tally.failed(e)
+    finally:
+        for call in calls:
+            call.close()
+
+
+def _async_client(fe: str, tally: Tally, stop: threading.Event, timeout: float, seed: int, tasks: int) -> None:
+    from client_sdk import AsyncClient
+
+    async def one_task(c, rng) -> None:
+        while not stop.is_set():
+            x = rng.integers(0, 256, 16, dtype=np.uint8)
+            t0 = time.monotonic()
+            try:
+                r = await c.infer("echo", {"x": x})
+                try:
+                    ok = bool(np.array_equal(r["x"], x))
+                finally:
+                    r.release()
+            except Exception as e:
+                tally.failed(e)
+                continue
+            tally.done(t0, ok)
+
+    async def main() -> None:
+        async with AsyncClient(fe, timeout=timeout) as c:
+            deadline = time.monotonic() + 60
+            while not await c.mmi_service("echo", timeout=5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no echo worker registered")
+                await asyncio.sleep(0.05)
+            await asyncio.gather(*(one_task(c, np.random.default_rng(seed + i)) for i in range(tasks)))
+
+    asyncio.run(main())
+
+
+def schedule(seconds: float, every: float, seed: int, faults: tuple[str, ...] = FAULTS) -> list[tuple[float, str]]:
+    """The faults of a run, (offset in s, kind): one every `every` s, jittered by +-25 %,
+    kinds drawn at random but each at least once when the run holds that many."""
+    rng = random.Random(seed)
+    times, t = [], every
+    while t < seconds:
+        times.append(t)
+        t += every * rng.uniform(0.75, 1.25)
+    kinds = list(faults) * (len(times) // len(faults)) + rng.sample(list(faults), len(times) % len(faults))
+    rng.shuffle(kinds)
+    return list(zip(times, kinds))
+
+
+def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: int = 3, heartbeat: float = 0.2,
+        hang_s: float = 1.5, timeout: float = 30.0, settle_s: float = 3.0, async_tasks: int = 4,
+        service_grace: float = 30.0, max_retries: int | None = None, model: str = "echo",
+        plan: list[tuple[float, str]] | None = None, clients: tuple[str, ...] = ("small", "frame", "pinned", "async", "pipelined"),
+        log=print) -> dict:
+    """One chaos run (see the module docstring); `plan` replaces the random schedule, `model`
+    the workers' echo (served as `echo`: any model that returns its input)."""
+    plan = schedule(seconds, every, seed) if plan is None else plan
+    shm_before = _shm_files()
+    d = tempfile.mkdtemp(prefix="zinf-chaos-")
+    max_retries = workers + 1 if max_retries is None else max_retries
+    fleet = Fleet(d, heartbeat, workers, ("--service-grace", str(service_grace), "--max-retries", str(max_retries)),
+                  model)
+    stop = threading.Event()
+    tallies = {name: Tally() for name in clients}
+    threads = []
+    for i, name in enumerate(clients):
+        if name == "async":
+            target, args = _async_client, (fleet.fe, tallies[name], stop, timeout, seed * 100 + i, async_tasks)
+        else:
+            target, args = _sync_client, (fleet.fe, name, tallies[name], stop, timeout, seed * 100 + i,
+                                          3 * heartbeat * 3)  # three client liveness windows
+        threads.append(threading.Thread(target=target, args=args, name=f"chaos-{name}", daemon=True))
+    events: list[dict] = []
+    rng = random.Random(seed + 1)
+    t0 = time.monotonic()
+    try:
+        for t in threads:
+            t.start()
+        for at, kind in plan:
+            wait = t0 + at - time.monotonic()
+            if wait > 0:
+                stop.wait(wait)  # the schedule's pace, not a synchronisation
+            began = time.monotonic() - t0
+            what = fleet.fault(kind, rng, hang_s)
+            events.append({"t": round(began, 2), "fault": kind, "what": what})
+            log(f"{began:7.2f} s  {kind:15s} {what}")
+        stop.wait(settle_s)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout + 30)
+        stuck = [t.name for t in threads if t.is_alive()]
+        fleet.close()
+    elapsed = time.monotonic() - t0
+    shm_left = sorted(_shm_files() - shm_before)
+    per_client = {name: tally.report() for name, tally in tallies.items()}
+    wrong = sum(r["outcomes"].get("wrong", 0) for r in per_client.values())
+    failed = sum(n for r in per_client.values() for k, n in r["outcomes"].items() if k not in ("ok", "wrong"))
+    return {"seconds": round(elapsed, 1), "seed": seed, "every_s": every, "heartbeat_s": heartbeat, "hang_s": hang_s,
+            "timeout_s": timeout, "workers": workers, "service_grace_s": service_grace, "max_retries": max_retries, "faults": events, "clients": per_client,
+            "wrong": wrong, "failed": failed, "stuck_clients": stuck, "shm_left": shm_left,
+            "passed": wrong == 0 and failed == 0 and not stuck and not shm_left}
+
+
+def client_process(fe: str) -> int:
+    """`--client FE`: the client that kill-client kills.  Pinned, a 64 KiB input in its shared
+    memory refilled every request, READY after its first reply; exits 3 on a wrong reply,
+    0 on SIGTERM.  Its errors are not counted (nobody reads them): what it tests is what it
+    leaves behind when it dies."""
+    from client_sdk import Client
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with Client(fe, timeout=30, pin=True) as c:
+        _wait_service(c)
+        x = c.alloc((64, 1024), np.uint8)
+        n = 0
+        while not stop.is_set():
+            n += 1
+            value = n % 251
+            x.fill(value)
+            try:
+                with c.infer("echo", {"x": x}) as r:
+                    y = r["x"]
+                    if not (int(y.min()) == value == int(y.max())):
+                        return 3
+            except Exception:
+                continue
+            if n == 1:
+                print("READY chaos-client", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--client"]:
+        return client_process(argv[1])
+    ap = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=60.0, help="how long faults come (default 60)")
+    ap.add_argument("--every", type=float, default=3.0, help="mean seconds between faults (default 3)")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workers", type=int, default=3)
+    ap.add_argument("--heartbeat-interval", type=float, default=0.2, help="broker's and workers' (default 0.2)")
+    ap.add_argument("--hang-s", type=float, default=1.5, help="how long hang-worker stops a worker (default 1.5)")
+    ap.add_argument("--timeout", type=float, default=30.0, help="each request's timeout in s (default 30)")
+    ap.add_argument("--settle-s", type=float, default=3.0, help="load after the last fault (default 3)")
+    ap.add_argument("--service-grace", type=float, default=30.0,
+                    help="the broker's: longer than a worker takes to start (default 30)")
+    ap.add_argument("--max-retries", type=int, default=None,
+                    help="the broker's (default: workers + 1; see the module docstring)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    res = run(a.seconds, every=a.every, seed=a.seed, workers=a.workers, heartbeat=a.heartbeat_interval,
+              hang_s=a.hang_s, timeout=a.timeout, settle_s=a.settle_s, service_grace=a.service_grace,
+              max_retries=a.max_retries)
+    for name, r in res["clients"].items():
+        print(f"{name:8s} {r['requests']:7d} requests  p50 {r['p50_ms']} ms  longest {r['max_ms']} ms  {r['outcomes']}")
+        for s in r["error_samples"]:
+            print(f"           {s}")
+    print(f"faults {len(res['faults'])}, wrong {res['wrong']}, failed {res['failed']}, stuck clients "
+          f"{res['stuck_clients'] or 'none'}, shared memory left {res['shm_left'] or 'none'}: "
+          f"{'PASS' if res['passed'] else 'FAIL'}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0 if res["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

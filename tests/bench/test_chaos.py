@@ -1,0 +1,45 @@
+"""bench.chaos: every fault it knows, under load from every kind of client, loses no request
+and leaves nothing behind; and its check does catch a wrong reply."""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from bench import chaos
+
+pytestmark = pytest.mark.timeout(300)
+
+HERE = Path(__file__).parent
+
+
+def test_the_schedule_is_seeded_paced_and_holds_every_fault():
+    plan = chaos.schedule(30, 2.0, seed=7)
+    assert plan == chaos.schedule(30, 2.0, seed=7)
+    assert plan != chaos.schedule(30, 2.0, seed=8)
+    times = [t for t, _ in plan]
+    assert times[0] == 2.0 and times[-1] < 30
+    assert all(1.5 - 1e-9 <= b - a <= 2.5 + 1e-9 for a, b in zip(times, times[1:]))
+    kinds = Counter(k for _, k in plan)
+    assert set(kinds) == set(chaos.FAULTS)
+    assert max(kinds.values()) - min(kinds.values()) <= 1  # drawn evenly
+
+
+def test_every_fault_under_load_loses_no_request_and_leaves_nothing_behind():
+    plan = [(1.0 + 0.5 * i, kind) for i, kind in enumerate(chaos.FAULTS)]
+    res = chaos.run(plan=plan, workers=2, seed=3, hang_s=1.2, settle_s=1.5, log=lambda *_: None)
+    assert [e["fault"] for e in res["faults"]] == list(chaos.FAULTS)
+    assert res["passed"], res
+    for name, r in res["clients"].items():
+        # pipelined pauses up to 1.8 s per pair, on purpose
+        assert r["outcomes"].get("ok", 0) > (2 if name == "pipelined" else 50), (name, r)
+
+
+def test_a_wrong_reply_is_caught(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    res = chaos.run(plan=[], workers=1, seed=1, settle_s=1.0, model="corrupt_model:factory",
+                    clients=("small",), log=lambda *_: None)
+    assert res["wrong"] > 0 and res["failed"] == 0
+    assert not res["passed"]
