@@ -17,6 +17,8 @@ seeded random schedule) one fault:
                   wait at the broker meanwhile)
   hang-broker     SIGSTOP of the broker for a third of `--hang-s` (shorter than every
                   liveness window: nobody may be presumed dead for it), then SIGCONT
+  reset           (`--tcp` only) every client connection reset (RST both ways) by the relay
+                  the clients reach the broker through (`bench.relay`): a middlebox's cut
   kill-client     SIGKILL of a client process (`python -m bench.chaos --client`: pinned,
                   its input in its shared memory, requests in flight), a new one started:
                   its leases, requests and memory must be cleaned up by the others
@@ -29,7 +31,13 @@ The clients, each a thread (or an asyncio task) of this process:
   async     `AsyncClient`, 4 tasks, 16 B
   pipelined sync `Client`, sends two requests, then does not call into the client for up
             to three of the broker's client liveness windows (the program does something
-            else), then collects both results
+            else), then collects both results; with `--tcp`, up to 0.8 of one (over tcp
+            silence counts: docs/client.md)
+
+With `--tcp` the broker's frontend is tcp (`--insecure`: the run is about faults, not keys)
+and the clients reach it through `bench.relay`, which can reset their connections: inline
+tensors only, replies through the broker, no leases (pinned clients stay brokered), and the
+client liveness is the tcp one (silence counts, connections are replaced under the clients).
 
 Every reply is checked against its request (the echo returns its input): a reply that
 differs is `wrong`, the one outcome that must never happen.  Every other outcome is counted
@@ -79,6 +87,7 @@ SHM_DIR = "/dev/shm"
 SHM_PREFIX = "zinf-"
 FAULTS = ("kill-worker", "drain-worker", "hang-worker", "restart-broker", "outage", "kill-workers", "hang-broker",
           "kill-client")
+TCP_FAULTS = (*FAULTS, "reset")
 
 
 def _shm_files() -> set[str]:
@@ -92,8 +101,19 @@ class Fleet:
     """The broker and the workers, on ipc endpoints in `d`, and the faults done to them."""
 
     def __init__(self, d: str, heartbeat: float, workers: int, broker_args: tuple[str, ...] = (),
-                 model: str = "echo"):
+                 model: str = "echo", tcp: bool = False):
         self.fe, self.be = f"ipc://{d}/fe.ipc", f"ipc://{d}/be.ipc"
+        self.relay = None
+        self.client_ep = self.fe  # where the clients connect
+        if tcp:
+            from bench.peers import free_port
+            from bench.relay import Relay
+
+            port = free_port()
+            self.fe = f"tcp://127.0.0.1:{port}"
+            broker_args = (*broker_args, "--insecure")
+            self.relay = Relay(port)
+            self.client_ep = f"tcp://127.0.0.1:{self.relay.port}"
         self.model = model
         self.hb = heartbeat
         self.broker_args = list(broker_args)
@@ -131,10 +151,14 @@ class Fleet:
 
     def start_client(self) -> subprocess.Popen:
         """A client process (`--client`), once it has had a reply."""
-        return self._spawn(["-m", "bench.chaos", "--client", self.fe])
+        return self._spawn(["-m", "bench.chaos", "--client", self.client_ep])
 
     def fault(self, kind: str, rng: random.Random, hang_s: float) -> str:
         """Do one fault; what was done, in words."""
+        if kind == "reset":
+            n = self.relay.accepted
+            self.relay.cut()
+            return f"client connections reset ({n} accepted so far)"
         if kind == "kill-client":
             old = self.client
             old.kill()
@@ -203,6 +227,8 @@ class Fleet:
                 p.wait(10)
             if p.stdout is not None:
                 p.stdout.close()
+        if self.relay is not None:
+            self.relay.close()
 
 
 class Tally:
@@ -242,9 +268,12 @@ def _sync_client(fe: str, kind: str, tally: Tally, stop: threading.Event, timeou
     from client_sdk import Client
 
     rng = np.random.default_rng(seed)
-    with Client(fe, timeout=timeout, pin=(kind == "pinned")) as c:
+    tcp = fe.startswith("tcp://")
+    with Client(fe, timeout=timeout, pin=(kind == "pinned") and not tcp, insecure=tcp) as c:
         _wait_service(c)
-        frame = c.alloc((256, 1024), np.uint8) if kind == "frame" else None
+        frame = None
+        if kind == "frame":  # in the client's shared memory, or (tcp) sent inline
+            frame = np.empty((256, 1024), np.uint8) if tcp else c.alloc((256, 1024), np.uint8)
         n = 0
         while not stop.is_set():
             n += 1
@@ -312,7 +341,7 @@ def _async_client(fe: str, tally: Tally, stop: threading.Event, timeout: float, 
             tally.done(t0, ok)
 
     async def main() -> None:
-        async with AsyncClient(fe, timeout=timeout) as c:
+        async with AsyncClient(fe, timeout=timeout, insecure=fe.startswith("tcp://")) as c:
             deadline = time.monotonic() + 60
             while not await c.mmi_service("echo", timeout=5):
                 if time.monotonic() > deadline:
@@ -338,26 +367,27 @@ def schedule(seconds: float, every: float, seed: int, faults: tuple[str, ...] = 
 
 def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: int = 3, heartbeat: float = 0.2,
         hang_s: float = 1.5, timeout: float = 30.0, settle_s: float = 3.0, async_tasks: int = 4,
-        service_grace: float = 30.0, max_retries: int | None = None, model: str = "echo",
+        service_grace: float = 30.0, max_retries: int | None = None, model: str = "echo", tcp: bool = False,
         plan: list[tuple[float, str]] | None = None, clients: tuple[str, ...] = ("small", "frame", "pinned", "async", "pipelined"),
         log=print) -> dict:
     """One chaos run (see the module docstring); `plan` replaces the random schedule, `model`
     the workers' echo (served as `echo`: any model that returns its input)."""
-    plan = schedule(seconds, every, seed) if plan is None else plan
+    plan = schedule(seconds, every, seed, TCP_FAULTS if tcp else FAULTS) if plan is None else plan
     shm_before = _shm_files()
     d = tempfile.mkdtemp(prefix="zinf-chaos-")
     max_retries = workers + 1 if max_retries is None else max_retries
     fleet = Fleet(d, heartbeat, workers, ("--service-grace", str(service_grace), "--max-retries", str(max_retries)),
-                  model)
+                  model, tcp)
     stop = threading.Event()
     tallies = {name: Tally() for name in clients}
     threads = []
     for i, name in enumerate(clients):
         if name == "async":
-            target, args = _async_client, (fleet.fe, tallies[name], stop, timeout, seed * 100 + i, async_tasks)
+            target, args = _async_client, (fleet.client_ep, tallies[name], stop, timeout, seed * 100 + i, async_tasks)
         else:
-            target, args = _sync_client, (fleet.fe, name, tallies[name], stop, timeout, seed * 100 + i,
-                                          3 * heartbeat * 3)  # three client liveness windows
+            window = 3 * heartbeat  # the broker's client liveness window
+            target, args = _sync_client, (fleet.client_ep, name, tallies[name], stop, timeout, seed * 100 + i,
+                                          0.8 * window if tcp else 3 * window)
         threads.append(threading.Thread(target=target, args=args, name=f"chaos-{name}", daemon=True))
     events: list[dict] = []
     rng = random.Random(seed + 1)
@@ -386,7 +416,7 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
     wrong = sum(r["outcomes"].get("wrong", 0) for r in per_client.values())
     failed = sum(n for r in per_client.values() for k, n in r["outcomes"].items() if k not in ("ok", "wrong"))
     return {"seconds": round(elapsed, 1), "seed": seed, "every_s": every, "heartbeat_s": heartbeat, "hang_s": hang_s,
-            "timeout_s": timeout, "workers": workers, "service_grace_s": service_grace, "max_retries": max_retries, "faults": events, "clients": per_client,
+            "timeout_s": timeout, "workers": workers, "tcp": tcp, "service_grace_s": service_grace, "max_retries": max_retries, "faults": events, "clients": per_client,
             "wrong": wrong, "failed": failed, "stuck_clients": stuck, "shm_left": shm_left,
             "passed": wrong == 0 and failed == 0 and not stuck and not shm_left}
 
@@ -400,9 +430,10 @@ def client_process(fe: str) -> int:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with Client(fe, timeout=30, pin=True) as c:
+    tcp = fe.startswith("tcp://")
+    with Client(fe, timeout=30, pin=not tcp, insecure=tcp) as c:
         _wait_service(c)
-        x = c.alloc((64, 1024), np.uint8)
+        x = np.empty((64, 1024), np.uint8) if tcp else c.alloc((64, 1024), np.uint8)
         n = 0
         while not stop.is_set():
             n += 1
@@ -438,11 +469,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the broker's: longer than a worker takes to start (default 30)")
     ap.add_argument("--max-retries", type=int, default=None,
                     help="the broker's (default: workers + 1; see the module docstring)")
+    ap.add_argument("--tcp", action="store_true",
+                    help="clients on tcp through a relay that can reset their connections (adds the reset fault)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     res = run(a.seconds, every=a.every, seed=a.seed, workers=a.workers, heartbeat=a.heartbeat_interval,
               hang_s=a.hang_s, timeout=a.timeout, settle_s=a.settle_s, service_grace=a.service_grace,
-              max_retries=a.max_retries)
+              max_retries=a.max_retries, tcp=a.tcp)
     for name, r in res["clients"].items():
         print(f"{name:8s} {r['requests']:7d} requests  p50 {r['p50_ms']} ms  longest {r['max_ms']} ms  {r['outcomes']}")
         for s in r["error_samples"]:

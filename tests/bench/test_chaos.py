@@ -37,6 +37,16 @@ def test_every_fault_under_load_loses_no_request_and_leaves_nothing_behind():
         assert r["outcomes"].get("ok", 0) > (2 if name == "pipelined" else 50), (name, r)
 
 
+def test_over_tcp_a_reset_of_every_client_connection_loses_no_request():
+    plan = [(1.0, "reset"), (1.5, "restart-broker"), (2.0, "reset")]
+    res = chaos.run(plan=plan, workers=1, seed=4, settle_s=1.5, tcp=True, clients=("small", "async", "pipelined"),
+                    log=lambda *_: None)
+    assert res["tcp"] and [e["fault"] for e in res["faults"]] == ["reset", "restart-broker", "reset"]
+    assert res["passed"], res
+    for name, r in res["clients"].items():
+        assert r["outcomes"].get("ok", 0) > (2 if name == "pipelined" else 50), (name, r)
+
+
 def test_a_wrong_reply_is_caught(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     res = chaos.run(plan=[], workers=1, seed=1, settle_s=1.0, model="corrupt_model:factory",
