@@ -47,6 +47,7 @@ REQUESTs from then on get 503), finish what is held, send DISCONNECT, exit 0.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
@@ -1561,7 +1562,9 @@ class Worker:
             while True:
                 if link is not None and link.inbox:  # read already: its descriptor will not tell
                     self._drain_direct()
-                events = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000.0))
+                # Whole milliseconds, rounded up: truncated, the last fraction of one would
+                # be a run of polls that do not wait.
+                events = dict(poller.poll(math.ceil(max(0.0, deadline - time.monotonic()) * 1000.0)))
                 if done in events:
                     return True
                 if not events and time.monotonic() >= deadline:
