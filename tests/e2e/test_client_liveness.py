@@ -69,3 +69,32 @@ def test_a_killed_clients_queued_requests_are_still_dropped(cluster, gate):
     until(lambda: value(scrape(base), "zmq_infer_queue_depth", service="gate", priority="normal") == 0,
           "the dead client's queued requests dropped", timeout=10)
     gate.release(1)  # the one at the worker finishes for nobody
+
+
+def test_a_quiet_pinned_client_keeps_its_lease_and_its_requests(cluster, gate):
+    cluster.broker()
+    w = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--direct", "--no-warmup",
+                       env=gate.env, wait=False)
+    gate.open()
+    w.wait_ready()
+    with Client(cluster.frontend, timeout=60, pin=True) as c:
+        wait_service(c, "gate")
+        first = c.infer_stream("gate", {"x": np.zeros(4, np.int32)})  # asks for the lease (brokered)
+        deadline = time.monotonic() + 30
+        while not c.pinned("gate"):
+            assert time.monotonic() < deadline, "no lease within 30 s"
+            c.pump(0.05)
+        gate.release(1)
+        with first.result() as r:
+            assert r["x"].shape == (4,)
+        first.close()
+        before = c.pinned_replies
+        x = np.arange(4, dtype=np.int32)
+        call = c.infer_stream("gate", {"x": x})  # on the lease, held at the worker by the gate
+        time.sleep(QUIET_S)  # the program's own work, past three liveness windows: the scenario
+        gate.release(1)
+        with call.result() as r:
+            np.testing.assert_array_equal(r["x"], x)
+        call.close()
+        assert c.pinned("gate") and c.pinned_replies == before + 1  # the lease held: it came the pinned way
+        assert c.stray_replies == 0
