@@ -54,8 +54,8 @@ started (seconds: torch is imported), longer than the default `service_grace` (1
 which a request fails with SERVICE_UNAVAILABLE): `--service-grace 30` here, as a
 deployment whose workers restart on their own would set it.  And when several workers die
 at once, a request can be charged a death by each of them: its worker died, it was
-dispatched again at once to one that was dying too (the broker learns of each death
-separately, and cannot tell a request that killed its worker from one that was merely
+dispatched again at once to one that was dying too (one whose connection has not closed
+yet: the broker cannot tell a request that killed its worker from one that was merely
 there), and so on; `max_retries` (default 2) counts deaths to stop a request that kills
 every worker it meets, so a pool whose workers can die together wants at least as many
 retries as it has workers: `--max-retries` is workers + 1 here (docs/operations.md).

@@ -153,7 +153,7 @@ class LeaseEvents:
             return out
         slots = max(1, int(slots))
         svc = self._services.get(service)
-        workers = [w for w in svc.workers.values() if w.alive] if svc is not None else []
+        workers = [w for w in svc.workers.values() if w.alive and not w.closing] if svc is not None else []
 
         def refuse(why):
             self._counters["leases_refused"] += 1

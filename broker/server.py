@@ -1027,6 +1027,7 @@ class Broker:
             gone = self._worker_conns.closed(event["value"])
             if gone is not None:
                 self._gone.setdefault(gone, now)
+                self.sched.worker_closed(gone)  # nothing new for it meanwhile
 
     def _settle_gone(self, now: float) -> None:
         """The verdict on workers whose connection closed (`_on_backend_events`), once the

@@ -478,6 +478,7 @@ class _Worker:
         "leased",   # credit reserved by its leases (not for brokered dispatch)
         "leases",   # lease id -> broker.leases._Lease
         "stopped",  # lease id -> (client, service) of leases it ended by stopping (broker.leases)
+        "closing",  # its connection closed (worker_closed): no new work while its verdict waits
     )
 
 
@@ -613,6 +614,7 @@ class Scheduler(LeaseEvents):
         w.leased = 0
         w.leases = {}
         w.stopped = {}
+        w.closing = False
         pools = [svc.any]
         if host is not None:
             # One pool per same-host transport: shared-memory requests are keyed by the host,
@@ -801,6 +803,19 @@ class Scheduler(LeaseEvents):
                     self._on_direct(req.svc.name, code, req.enqueued_at, req.dispatched_at,
                                     max(req.dispatched_at, now - age), (req.client, req.request_id))
         self._retire(req)
+
+    def worker_closed(self, worker: bytes) -> list[Action]:
+        """The worker's connection closed (the server saw it): nothing new goes to it, while
+        the verdict (`worker_disconnect`) waits for the messages it sent before closing.
+        Without this, the requests of a worker that died were dispatched again at once to
+        a worker whose connection had closed too (workers that die together, a host, an OOM
+        kill) and were charged a second death, and a third: WORKER_FAILED for requests that
+        killed nobody.  Its replies still count; nothing else changes."""
+        w = self._workers.get(worker)
+        if w is not None and not w.closing:
+            w.closing = True
+            self._reload(w)  # out of the ready heaps and the idle and deep sets
+        return []
 
     def worker_disconnect(self, worker: bytes, now: float, *, failed: bool = True) -> list[Action]:
         """The worker is gone: retry its work.  ``failed=False``: it said DISCONNECT, so it
@@ -1349,6 +1364,14 @@ class Scheduler(LeaseEvents):
     def _reload(self, w):
         """Re-file ``w`` in its pools' ready heaps after its load changed."""
         w.version += 1
+        if w.closing:  # in no heap (the version made its entries stale), set or list
+            if w.is_idle:
+                del w.svc.idle[w]
+                w.is_idle = False
+            if w.is_deep:
+                del w.svc.deep[w]
+                w.is_deep = False
+            return
         n = len(w.in_flight)
         # Membership changes only when the count crosses 0 or 2 (or BUSY changes): flags
         # keep the common case (one request in, one out) to two attribute reads.

@@ -442,6 +442,38 @@ def test_no_retries_means_the_first_death_fails_the_request():
     assert of(out, Dispatch) == []
 
 
+def test_a_worker_whose_connection_closed_gets_no_retry_of_another_ones_work():
+    """Workers that die together: the server sees each connection close, and each verdict
+    waits for that worker's last messages.  A's requests must not go to B, whose connection
+    closed too (max_retries 1: a second death would fail the request)."""
+    s = Scheduler(Config(max_retries=1))
+    s.worker_ready(b"a", "svc", 0.0)
+    s.worker_ready(b"b", "svc", 0.0, credit=2)  # room for A's request
+    da, db = only(req(s, 1), Dispatch), only(req(s, 2), Dispatch)
+    assert {da.worker, db.worker} == {b"a", b"b"}
+    assert s.worker_closed(b"a") == [] and s.worker_closed(b"b") == []
+    out = s.worker_disconnect(b"a", 0.1)
+    assert of(out, Dispatch) == [] and of(out, ClientError) == []  # queued: no live worker
+    assert of(s.worker_disconnect(b"b", 0.1), Dispatch) == []
+    out = s.worker_ready(b"c", "svc", 0.2, credit=2)
+    assert sorted((d.request_id, d.attempt) for d in of(out, Dispatch)) == [(1, 1), (2, 1)]
+
+
+def test_a_closing_worker_takes_no_new_request_nor_lease_but_its_replies_count():
+    s = Scheduler()
+    s.worker_ready(b"a", "svc", 0.0, credit=4, direct="ipc:///tmp/a-direct")
+    d = only(req(s, 1), Dispatch)
+    s.worker_closed(b"a")
+    assert of(req(s, 2, 0.01), Dispatch) == []  # waits in the queue
+    refused = s.client_lease(C, None, 1, "svc", 0.02, slots=1)
+    assert [type(a).__name__ for a in refused] == ["LeaseRefused"]
+    fin = only(s.worker_final(b"a", d.token, 0.03, "r1"), ToClient)
+    assert fin.payload == "r1" and fin.final  # what it sent before closing still counts
+    assert of(s.worker_final(b"a", d.token, 0.03, "again"), Dispatch) == []
+    out = s.worker_ready(b"b", "svc", 0.04)
+    assert only(out, Dispatch).request_id == 2
+
+
 def test_retried_requests_keep_their_order_at_the_front():
     s = Scheduler()
     s.worker_ready(b"w1", "svc", 0.0, credit=2)

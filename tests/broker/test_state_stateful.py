@@ -107,6 +107,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if isinstance(a, Dispatch):
                 w = self.workers.get(a.worker)
                 assert w is not None, f"dispatch to a dead or unknown worker: {a}"
+                assert not w.get("closing"), f"dispatch to a worker whose connection closed: {a}"
                 assert w["service"] == a.service
                 assert len(w["tokens"]) < w["credit"], "credit exceeded"
                 assert a.deadline is None or a.deadline > self.now, "expired request dispatched"
@@ -204,6 +205,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = self.s.worker_disconnect(worker, self.now)
         self.workers.pop(worker, None)
         self.apply(out)
+
+    @rule(worker=st.sampled_from(WORKERS))
+    def worker_closed(self, worker):
+        # The server saw its connection close; the verdict (worker_disconnect) follows.
+        assert self.s.worker_closed(worker) == []
+        if worker in self.workers:
+            self.workers[worker]["closing"] = True
 
     @rule(worker=st.sampled_from(WORKERS))
     def worker_heartbeat(self, worker):
@@ -449,6 +457,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def recall_bookkeeping_agrees(self):
         for svc in self.s._services.values():
             for w in svc.workers.values():
+                if w.closing:  # takes nothing, gives nothing back: in neither
+                    assert w not in svc.idle and w not in svc.deep
+                    continue
                 assert (w in svc.idle) == (not w.in_flight and not w.busy)
                 assert (w in svc.deep) == (w.recall and (len(w.in_flight) >= 2 or bool(w.in_flight) and w.busy))
                 assert w.awaiting == sum(1 for o in self.s._workers.values()
@@ -488,7 +499,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             1 for p in PRINCIPAL_KEYS if self.usage(p)["outstanding"])
 
     def teardown(self):
-        # Workers stop dying: everyone stays audible and answers everything it holds.
+        # The verdict on those whose connection closed; then workers stop dying: everyone
+        # stays audible and answers everything it holds.
+        for ident, w in list(self.workers.items()):
+            if w.get("closing"):
+                out = self.s.worker_disconnect(ident, self.now)
+                self.workers.pop(ident, None)
+                self.apply(out)
         for _ in range(200):
             if not self.owed() and not any(w["tokens"] for w in self.workers.values()):
                 break
