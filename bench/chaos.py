@@ -29,6 +29,8 @@ The clients, each a thread (or an asyncio task) of this process:
   frame     sync `Client`, a 256 KiB input in its shared memory, refilled every request
   pinned    sync `Client(pin=True)`, 16 B (leases, the worker's direct path, failover)
   async     `AsyncClient`, 4 tasks, 16 B
+  stream    sync `Client.stream` (latest wins, 2 in flight; pinned by default), a 16 B
+            frame every 5 ms, results read as they come (a dropped frame is no failure)
   pipelined sync `Client`, sends two requests, then does not call into the client for up
             to three of the broker's client liveness windows (the program does something
             else), then collects both results; with `--tcp`, up to 0.8 of one (over tcp
@@ -250,7 +252,8 @@ class Tally:
 
     def report(self) -> dict:
         lat = sorted(self.latencies)
-        return {"outcomes": dict(self.outcomes), "requests": sum(self.outcomes.values()),
+        return {"outcomes": dict(self.outcomes),
+                "requests": sum(n for k, n in self.outcomes.items() if k != "dropped"),  # answered or failed
                 "p50_ms": round(statistics.median(lat) * 1e3, 3) if lat else None,
                 "max_ms": round(lat[-1] * 1e3, 1) if lat else None, "error_samples": self.samples}
 
@@ -296,6 +299,43 @@ def _sync_client(fe: str, kind: str, tally: Tally, stop: threading.Event, timeou
                 tally.failed(e)
                 continue
             tally.done(t0, ok)
+
+
+def _stream_client(fe: str, tally: Tally, stop: threading.Event, timeout: float, seed: int) -> None:
+    from client_sdk import Client, EndOfStream
+
+    tcp = fe.startswith("tcp://")
+    rng = np.random.default_rng(seed)
+    sent: dict[int, tuple[np.ndarray, float]] = {}
+
+    def take(r) -> None:
+        x, t0 = sent.pop(r.frame)
+        try:
+            tally.done(t0, bool(np.array_equal(r["x"], x)))
+        finally:
+            r.release()
+
+    with Client(fe, timeout=timeout, insecure=tcp) as c:
+        _wait_service(c)
+        with c.stream("echo", latest_wins=True, max_in_flight=2, timeout=timeout) as st:
+            while True:
+                if not stop.is_set():
+                    x = rng.integers(0, 256, 16, dtype=np.uint8)
+                    sent[st.send({"x": x})] = (x, time.monotonic())
+                while True:  # what has come back
+                    try:
+                        take(st.recv(timeout=0.0 if not stop.is_set() else timeout))
+                    except (TimeoutError, EndOfStream) as e:
+                        if isinstance(e, EndOfStream) or not stop.is_set():
+                            break
+                        tally.failed(e)  # a frame still out after the timeout, at the end
+                        break
+                    except Exception as e:  # the frame's own error
+                        tally.failed(e)
+                if stop.is_set():
+                    break
+                stop.wait(0.005)  # the camera's pace (200 fps), not a synchronisation
+            tally.outcomes["dropped"] += st.stats()["dropped"]
 
 
 def _pipelined(c, x, tally: Tally, stop: threading.Event, rng, quiet_s: float) -> None:
@@ -368,7 +408,7 @@ def schedule(seconds: float, every: float, seed: int, faults: tuple[str, ...] = 
 def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: int = 3, heartbeat: float = 0.2,
         hang_s: float = 1.5, timeout: float = 30.0, settle_s: float = 3.0, async_tasks: int = 4,
         service_grace: float = 30.0, max_retries: int | None = None, model: str = "echo", tcp: bool = False,
-        plan: list[tuple[float, str]] | None = None, clients: tuple[str, ...] = ("small", "frame", "pinned", "async", "pipelined"),
+        plan: list[tuple[float, str]] | None = None, clients: tuple[str, ...] = ("small", "frame", "pinned", "async", "pipelined", "stream"),
         log=print) -> dict:
     """One chaos run (see the module docstring); `plan` replaces the random schedule, `model`
     the workers' echo (served as `echo`: any model that returns its input)."""
@@ -382,7 +422,9 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
     tallies = {name: Tally() for name in clients}
     threads = []
     for i, name in enumerate(clients):
-        if name == "async":
+        if name == "stream":
+            target, args = _stream_client, (fleet.client_ep, tallies[name], stop, timeout, seed * 100 + i)
+        elif name == "async":
             target, args = _async_client, (fleet.client_ep, tallies[name], stop, timeout, seed * 100 + i, async_tasks)
         else:
             window = 3 * heartbeat  # the broker's client liveness window
@@ -414,7 +456,7 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
     shm_left = sorted(_shm_files() - shm_before)
     per_client = {name: tally.report() for name, tally in tallies.items()}
     wrong = sum(r["outcomes"].get("wrong", 0) for r in per_client.values())
-    failed = sum(n for r in per_client.values() for k, n in r["outcomes"].items() if k not in ("ok", "wrong"))
+    failed = sum(n for r in per_client.values() for k, n in r["outcomes"].items() if k not in ("ok", "wrong", "dropped"))
     return {"seconds": round(elapsed, 1), "seed": seed, "every_s": every, "heartbeat_s": heartbeat, "hang_s": hang_s,
             "timeout_s": timeout, "workers": workers, "tcp": tcp, "service_grace_s": service_grace, "max_retries": max_retries, "faults": events, "clients": per_client,
             "wrong": wrong, "failed": failed, "stuck_clients": stuck, "shm_left": shm_left,
