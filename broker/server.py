@@ -283,6 +283,10 @@ class Broker:
         # later connection reusing the id must not inherit the earlier one's pid.
         self._frontend_events = self.frontend.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._client_conn: dict[bytes, int] = {}  # client identity -> the fd it was learned on
+        # Identities whose connection closed -> when: a message of theirs read after the
+        # close (queued before it) must not learn the closed descriptor, or whatever
+        # connection reuses its number, as theirs (`_client_pid`).
+        self._closed_clients: dict[bytes, float] = {}
         self._conn_clients: dict[int, list[bytes]] = {}  # fd -> identities learned on it
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
         self._opaque_ids = 0
@@ -472,7 +476,7 @@ class Broker:
                 if fd is None:
                     continue
                 if kind == "c" and self._ipc_frontend:
-                    self._act(seen(ident, now), now)
+                    self._act(sched.client_kept(ident, now), now)
                     continue
                 key = (kind, ident)
                 watch = watches.get(key)
@@ -959,6 +963,11 @@ class Broker:
     def _client_pid(self, ident: bytes, frame: Any) -> int | None:
         """The pid of the process on the other end of this client's ipc connection (learned
         once per client), or None when the kernel cannot say (tcp, another pid namespace)."""
+        closed = self._closed_clients.get(ident)
+        if closed is not None:
+            if time.monotonic() - closed < self.sched.client_window:
+                return None  # a message its closed connection left behind: nothing to learn
+            del self._closed_clients[ident]  # a chosen identity on a new connection since
         pid = self._client_pids.get(ident, -1)
         learned = self._client_conn.get(ident, -1)
         fd = None
@@ -991,11 +1000,17 @@ class Broker:
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             fd = event["value"]
+            now = time.monotonic()
             for ident in self._conn_clients.pop(fd, ()):
                 if self._client_conn.get(ident) == fd:
                     del self._client_conn[ident]
                     self._client_pids.pop(ident, None)
                     self._client_tcp.pop(ident, None)
+                    closed = self._closed_clients
+                    closed.pop(ident, None)
+                    closed[ident] = now  # newest last: the oldest go first when full
+                    if len(closed) > _MAX_CLIENT_PIDS:
+                        del closed[next(iter(closed))]
 
     def _bind_connection(self, ident: bytes, frame: Any, now: float) -> None:
         if self._gone.pop(ident, None) is not None and self.sched.has_worker(ident):

@@ -212,6 +212,10 @@ class Config:
     max_retries: int = 2  # re-dispatches after worker deaths before WORKER_FAILED
     service_grace: float = 1.0  # wait for a live worker before SERVICE_UNAVAILABLE
     client_liveness: float | None = None  # default heartbeat_interval * heartbeat_liveness
+    # A client the server knows to be alive though silent (its ipc connection is open:
+    # client_kept) stays so this long after it was last heard; then its silence counts, so
+    # that a stopped or wedged process does not hold leases and queued work for ever.
+    quiet_client_max: float = 60.0
     # Per principal (a client process or user, all its connections together; see the module
     # docstring), across services: outstanding (queued, running or cancelling) requests, and
     # the sum of their ``size`` (inline payload bytes).  Over either: QUEUE_FULL.
@@ -483,11 +487,12 @@ class _Worker:
 
 
 class _Client:
-    __slots__ = ("ident", "last_seen")
+    __slots__ = ("ident", "last_seen", "heard")
 
     def __init__(self, ident, now):
         self.ident = ident
-        self.last_seen = now
+        self.last_seen = now  # what its liveness counts from
+        self.heard = now  # its last message (client_kept moves last_seen only)
 
 
 # ----------------------------------------------------------------------------- scheduler
@@ -518,6 +523,8 @@ class Scheduler(LeaseEvents):
             raise ValueError("max_retries must be >= 0")
         if cfg.service_grace < 0:
             raise ValueError("service_grace must be >= 0")
+        if cfg.quiet_client_max < 0:
+            raise ValueError("quiet_client_max must be >= 0")
         if cfg.max_client_requests < 1:
             raise ValueError("max_client_requests must be >= 1")
         if cfg.max_client_bytes < 0:
@@ -998,12 +1005,21 @@ class Scheduler(LeaseEvents):
             c = self._clients[client] = _Client(client, now)
             self._push_timer(now + self._client_ttl, _T_CLIENT, c)
         else:
-            c.last_seen = now
+            c.last_seen = c.heard = now
         return []
 
     def client_seen(self, client: bytes, now: float) -> list[Action]:
         """Any message from ``client``; refreshes liveness if the client is tracked."""
         self._touch_client(client, now)
+        return []
+
+    def client_kept(self, client: bytes, now: float) -> list[Action]:
+        """The server knows ``client`` is alive though it is silent (its process lives: an
+        ipc connection still open): its silence does not count, for at most
+        ``quiet_client_max`` seconds since its last message."""
+        c = self._clients.get(client)
+        if c is not None and now - c.heard <= self.config.quiet_client_max:
+            c.last_seen = now
         return []
 
     def client_disconnect(self, client: bytes, now: float) -> list[Action]:
@@ -1185,7 +1201,7 @@ class Scheduler(LeaseEvents):
     def _touch_client(self, client, now):
         c = self._clients.get(client)
         if c is not None:
-            c.last_seen = now
+            c.last_seen = c.heard = now
 
     def _held(self, worker, token, now):
         """The request ``worker`` holds as ``token``, or None (a late or duplicate reply)."""

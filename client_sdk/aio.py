@@ -422,6 +422,7 @@ class AsyncClient(ClientBase):
         while True:
             await asyncio.sleep(core.heartbeat_period / 2)
             now = time.monotonic()
+            core.looking(now)  # a loop held by its application for long: silence counts from now
             if core.heartbeat_due(now):
                 self._send_soon(core.heartbeat(now))
                 if core.ops and not core.closed:  # a tcp lease given back (pins_overdue)

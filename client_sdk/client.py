@@ -317,6 +317,7 @@ class Client(ClientBase):
     def _pump(self, timeout: float | None, now: float, until: Any = None) -> None:
         """`pump` at `now`; ``until``: `_drain`'s."""
         core = self._core
+        core.looking(now)
         if self._pending:
             self._flush_pending()
         hb = core.heartbeat_period

@@ -142,6 +142,11 @@ class ClientCore(PinEvents):
         self.last_recv = 0.0
         self.last_send = 0.0
         self.last_heartbeat = 0.0
+        # When the client last looked at its sockets (`looking`), and when it came back from
+        # an absence longer than a heartbeat period: silence is counted from then too, since
+        # nothing could be heard (or asked) while nobody looked.
+        self.last_look: float | None = None
+        self.resumed_at = 0.0
         self.broker_instance: bytes | None = None  # from the broker's heartbeat answers
         self.broker_window: float | None = None    # ... and how long it waits for our heartbeats
         self.broker_restarts = 0
@@ -766,8 +771,23 @@ class ClientCore(PinEvents):
         if when > self.last_recv:
             self.last_recv = when
 
+    def looking(self, now: float) -> None:
+        """The client is looking at its sockets (a blocking call waits, the asyncio
+        heartbeat task runs).  After an absence longer than two heartbeat periods (a
+        blocking client's program doing something else, an asyncio loop held by its
+        application; while a call waits, the client looks at least once a period), the
+        broker's silence is counted from now: the heartbeat that asks for its answer goes
+        out only now.  Silence is what the client heard nothing in while it listened."""
+        period = self.heartbeat_period
+        # Present at its last look or its last send (its first look may come only after a
+        # pause: an asyncio client's heartbeat task first wakes half a period in).
+        last = max(self.last_look or 0.0, self.last_send)
+        if last and period is not None and now - last > 2 * period:
+            self.resumed_at = now
+        self.last_look = now
+
     def silent_for(self, call: Call, now: float) -> float:
-        return now - max(self.last_recv, call.t_sent)
+        return now - max(self.last_recv, call.t_sent, self.resumed_at)
 
     def unreachable(self, call: Call, now: float) -> BrokerUnreachable | None:
         """The error for `call` if the broker has been silent for LIVENESS heartbeat
@@ -786,8 +806,8 @@ class ClientCore(PinEvents):
         """Fail every waiting call the broker has been silent on for too long; how many were
         newly failed (a call whose error is still unread is not counted again)."""
         hb = self.heartbeat_interval
-        if hb is None or now - self.last_recv <= LIVENESS * hb:
-            return 0  # heard from recently: no call can have been silent longer
+        if hb is None or now - max(self.last_recv, self.resumed_at) <= LIVENESS * hb:
+            return 0  # heard from (or back) recently: no call can have been silent longer
         n = 0
         for call in self.active():
             err = self.unreachable(call, now)

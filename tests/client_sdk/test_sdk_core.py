@@ -90,6 +90,32 @@ def test_liveness_is_decided_from_the_times_passed_in(core):
     assert [k for k, _ in call.inbox] == ["error"] and isinstance(call.inbox[0][1], BrokerUnreachable)
 
 
+def test_silence_is_counted_while_the_client_listens_not_while_its_caller_is_away(core):
+    """A blocking client looks at its sockets only while a call waits; the broker's silence
+    over a spell when nobody looked (the program did something else) is not the broker's."""
+    call = _sent(core, now=10.0)
+    core.looking(10.0)
+    core.looking(10.9)  # waiting: it looks at least once a heartbeat period
+    # The caller was away for 20 s; back, it sends its heartbeat only now.
+    core.looking(30.0)
+    assert core.unreachable(call, 30.1) is None and core.fail_unreachable(30.1) == 0
+    # ... and the silence counts again from there, while it listens.
+    for t in (31.0, 32.0, 33.0, 34.0, 35.0):
+        core.looking(t)
+    assert core.fail_unreachable(30.0 + LIVENESS * 1.0) == 0
+    assert core.fail_unreachable(30.0 + LIVENESS * 1.0 + 0.1) == 1
+
+
+def test_a_client_that_listens_without_pause_is_never_resumed(core):
+    call = _sent(core, now=10.0)
+    t = 10.0
+    while t < 10.0 + LIVENESS + 1:  # wake-ups a little late (a loaded machine): still listening
+        core.looking(t)
+        t += 1.0 * 1.5
+    assert core.resumed_at == 0.0
+    assert isinstance(core.unreachable(call, t), BrokerUnreachable)
+
+
 def test_heartbeat_due_only_while_calls_wait(core):
     assert not core.heartbeat_due(1000.0)
     call = _sent(core, now=10.0)

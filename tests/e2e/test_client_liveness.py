@@ -1,23 +1,29 @@
 """A client on an ipc frontend is presumed dead when its process is gone, not because its
 program went quiet: a blocking `Client` heartbeats only from inside its calls, so a program
 that sends a request, does something else for longer than the broker's client liveness
-window, and then asks for the result must still get it (broker.server `_look_at_quiet`)."""
+window, and then asks for the result must still get it (broker.server `_look_at_quiet`);
+nor does the client take the broker's silence over that spell, when it was not listening,
+for the broker's (ClientCore.looking)."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import numpy as np
 import pytest
 
-from client_sdk import Client
+from client_sdk import AsyncClient, Client
 
 from .conftest import Proc, wait_service
 from .test_metrics import scrape, until, value
 
 pytestmark = pytest.mark.timeout(120)
 
-# The cluster's broker heartbeats every 0.2 s: its client liveness window is 0.6 s.
+# The cluster's broker heartbeats every 0.2 s: its client liveness window is 0.6 s.  The
+# clients heartbeat every 0.2 s too: their own window (silence before a waiting call fails
+# with BrokerUnreachable) is 1 s.  The quiet spell is longer than both.
 QUIET_S = 2.0
+HB_S = 0.2
 
 
 def test_a_quiet_blocking_client_keeps_its_requests_in_flight_and_queued(cluster, gate):
@@ -26,7 +32,7 @@ def test_a_quiet_blocking_client_keeps_its_requests_in_flight_and_queued(cluster
                        "--no-warmup", env=gate.env, wait=False)
     gate.open()
     w.wait_ready()
-    with Client(cluster.frontend, timeout=60) as c:
+    with Client(cluster.frontend, timeout=60, heartbeat_interval=HB_S) as c:
         wait_service(c, "gate")
         xs = [np.full(4, i, np.int32) for i in (1, 2)]
         calls = [c.infer_stream("gate", {"x": x}) for x in xs]  # one at the worker, one queued
@@ -77,7 +83,7 @@ def test_a_quiet_pinned_client_keeps_its_lease_and_its_requests(cluster, gate):
                        env=gate.env, wait=False)
     gate.open()
     w.wait_ready()
-    with Client(cluster.frontend, timeout=60, pin=True) as c:
+    with Client(cluster.frontend, timeout=60, pin=True, heartbeat_interval=HB_S) as c:
         wait_service(c, "gate")
         first = c.infer_stream("gate", {"x": np.zeros(4, np.int32)})  # asks for the lease (brokered)
         deadline = time.monotonic() + 30
@@ -98,3 +104,30 @@ def test_a_quiet_pinned_client_keeps_its_lease_and_its_requests(cluster, gate):
         call.close()
         assert c.pinned("gate") and c.pinned_replies == before + 1  # the lease held: it came the pinned way
         assert c.stray_replies == 0
+
+
+def test_an_asyncio_client_whose_loop_was_held_keeps_its_request(cluster, gate):
+    """The asyncio twin: an application holds the event loop (a blocking call in a coroutine)
+    for longer than both liveness windows while a request waits at the worker."""
+    cluster.broker()
+    w = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--no-warmup",
+                       env=gate.env, wait=False)
+    gate.open()
+    w.wait_ready()
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=60, heartbeat_interval=HB_S) as c:
+            while not await c.mmi_service("gate"):
+                await asyncio.sleep(0.01)
+            x = np.arange(4, dtype=np.int32)
+            task = asyncio.create_task(c.infer("gate", {"x": x}))
+            while c.in_flight() < 1:
+                await asyncio.sleep(0)
+            assert await c.mmi_service("gate")  # a barrier: the request is at the worker
+            time.sleep(QUIET_S)  # the loop held by its application: the scenario itself
+            gate.release(1)
+            r = await asyncio.wait_for(task, 30)
+            np.testing.assert_array_equal(r["x"], x)
+            r.release()
+
+    asyncio.run(scenario())

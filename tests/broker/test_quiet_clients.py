@@ -1,0 +1,109 @@
+"""An ipc client whose connection is open is alive however quiet it is (broker.server
+`_look_at_quiet`), within bounds: not for a message its closed connection left behind, and
+not for longer than `quiet_client_max` since it was last heard.  Driven in-process, step by
+step, with an injected clock for everything time-driven."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from broker import protocol as P
+from broker.server import Broker, BrokerConfig
+from broker.state import Config, Scheduler
+
+
+def _drain_all(b: Broker, sock, handler) -> None:
+    while sock.poll(0):
+        b._drain(sock, handler)
+
+
+@pytest.fixture
+def broker(tmp_path):
+    cfg = BrokerConfig(frontend=f"ipc://{tmp_path}/fe.ipc", backend=f"ipc://{tmp_path}/be.ipc")
+    cfg.scheduler.heartbeat_interval = 0.2  # client window 0.6 s
+    cfg.scheduler.service_grace = 3600.0  # no worker: a request stays queued, the client's to lose
+    ctx = zmq.Context()
+    b = Broker(cfg, ctx=ctx)
+    socks = []
+    try:
+        yield b, cfg, ctx, socks
+    finally:
+        for s in socks:
+            s.close(0)
+        b.close()
+        ctx.term()
+
+
+def _client(b, cfg, ctx, socks):
+    c = ctx.socket(zmq.DEALER)
+    socks.append(c)
+    c.linger = 5000
+    c.connect(cfg.frontend)
+    c.send_multipart(P.client_heartbeat())
+    assert b.frontend.poll(5000)
+    _drain_all(b, b.frontend, b.on_client)
+    [ident] = b.sched._clients
+    return c, ident
+
+
+def _looks(b, start: float, seconds: float, step: float = 0.1):
+    """The loop's looks and ticks, on the injected clock, from `start` on."""
+    t = start
+    while t < start + seconds:
+        b._look_at_quiet(t, 0.15)
+        b._act(b.sched.tick(t), t)
+        t += step
+    return t
+
+
+def test_an_open_connection_keeps_a_quiet_client_and_its_request(broker):
+    b, cfg, ctx, socks = broker
+    c, ident = _client(b, cfg, ctx, socks)
+    c.send_multipart(P.client_request("slow", [b"x"]))
+    assert b.frontend.poll(5000)
+    _drain_all(b, b.frontend, b.on_client)
+    now = time.monotonic()
+    _looks(b, now, 5.0)  # eight windows of silence
+    assert ident in b.sched._clients and b.sched.stats()["requests"] == 1
+
+
+def test_a_message_left_behind_by_a_closed_connection_does_not_keep_its_client(broker):
+    b, cfg, ctx, socks = broker
+    c, ident = _client(b, cfg, ctx, socks)
+    c.send_multipart(P.client_request("slow", [b"x"]))  # still unread when the close is seen
+    socks.remove(c)
+    c.close()  # linger: the request goes out first, then the connection closes
+    assert b._frontend_events.poll(5000)
+    b._on_frontend_events()  # the close, applied before the message (as a drain cap can order them)
+    assert b.frontend.poll(5000)
+    _drain_all(b, b.frontend, b.on_client)  # the request: learns nothing about the closed connection
+    assert ident not in b._client_conn
+    _looks(b, time.monotonic(), 2.0)
+    assert ident not in b.sched._clients and b.sched.stats()["requests"] == 0
+
+
+def test_a_quiet_client_is_kept_no_longer_than_quiet_client_max(broker):
+    b, cfg, ctx, socks = broker
+    b.sched.config.quiet_client_max = 1.0
+    c, ident = _client(b, cfg, ctx, socks)
+    now = time.monotonic()
+    t = _looks(b, now, 0.9)
+    assert ident in b.sched._clients
+    _looks(b, t, 1.0)  # past 1 s since heard, and a window more
+    assert ident not in b.sched._clients
+
+
+def test_client_kept_moves_the_window_not_the_last_message():
+    s = Scheduler(Config(quiet_client_max=10.0))
+    s.client_heartbeat(b"c", 0.0)
+    for t in range(1, 11):
+        s.client_kept(b"c", float(t))
+        s.tick(float(t))
+    assert s.quiet(10.0, 0.5) == ([], [])  # kept: its window counts from the last keep
+    s.client_kept(b"c", 10.5)  # 10.5 s since heard: not kept any more
+    s.tick(13.0)
+    assert b"c" not in s._clients
+    with pytest.raises(ValueError):
+        Scheduler(Config(quiet_client_max=-1))
