@@ -63,7 +63,10 @@ there), and so on; `max_retries` (default 2) counts deaths to stop a request tha
 every worker it meets, so a pool whose workers can die together wants at least as many
 retries as it has workers: `--max-retries` is workers + 1 here (docs/operations.md).
 
-Exit status 0 when nothing was wrong, no request failed and nothing was left behind.
+Exit status 0 when nothing was wrong (the client process counts: it exits 3 on a wrong
+reply), no request failed, every client got replies and ended (a client that raised outside
+a request counts as `crashed`), every process ended as it should (a drained worker with 0),
+and nothing was left behind.
 """
 from __future__ import annotations
 
@@ -72,6 +75,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -91,6 +95,7 @@ SHM_PREFIX = "zinf-"
 FAULTS = ("kill-worker", "drain-worker", "hang-worker", "restart-broker", "outage", "kill-workers", "hang-broker",
           "kill-client")
 TCP_FAULTS = (*FAULTS, "reset")
+CLIENTS = ("small", "frame", "pinned", "async", "pipelined", "stream")
 
 
 def _shm_files() -> set[str]:
@@ -124,6 +129,8 @@ class Fleet:
         self.client: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
         self.gone: list[subprocess.Popen] = []  # ended by a fault: reaped at close
+        self.wrong = 0  # wrong replies the client process saw (its exit status 3)
+        self.failures: list[str] = []  # what went wrong with the processes themselves
         try:
             self.start_broker()
             for _ in range(workers):
@@ -138,9 +145,10 @@ class Fleet:
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
             wait_ready(p, 120)
-        except PeerStartError:
+        except BaseException:  # PeerStartError, or an interrupt while it starts: not left running
             p.kill()
             p.wait(10)
+            p.stdout.close()
             raise
         return p
 
@@ -164,6 +172,7 @@ class Fleet:
             return f"client connections reset ({n} accepted so far)"
         if kind == "kill-client":
             old = self.client
+            self.note_client_exit(old)
             old.kill()
             old.wait(10)
             self.gone.append(old)
@@ -171,8 +180,10 @@ class Fleet:
             return f"client {old.pid} killed, {self.client.pid} started"
         if kind == "hang-broker":
             self.broker.send_signal(signal.SIGSTOP)
-            time.sleep(hang_s / 3)  # the fault itself
-            self.broker.send_signal(signal.SIGCONT)
+            try:
+                time.sleep(hang_s / 3)  # the fault itself
+            finally:
+                self.broker.send_signal(signal.SIGCONT)
             return f"broker {self.broker.pid} stopped for {hang_s / 3:g} s"
         if kind in ("restart-broker", "outage"):
             old = self.broker
@@ -191,32 +202,51 @@ class Fleet:
             for w in old:
                 w.wait(10)
             self.gone.extend(old)
-            self.workers = [self.start_worker() for _ in old]
+            self.workers = []
+            for _ in old:  # each kept as it starts: a failed start leaves none unreaped
+                self.workers.append(self.start_worker())
             return f"workers {' '.join(str(w.pid) for w in old)} killed, {len(old)} started"
         i = rng.randrange(len(self.workers))
         w = self.workers[i]
         if kind == "hang-worker":
             w.send_signal(signal.SIGSTOP)
-            time.sleep(hang_s)  # the fault itself: the process is stopped this long
-            w.send_signal(signal.SIGCONT)
+            try:
+                time.sleep(hang_s)  # the fault itself: the process is stopped this long
+            finally:
+                w.send_signal(signal.SIGCONT)
             return f"worker {w.pid} stopped for {hang_s:g} s"
         if kind == "kill-worker":
             w.kill()
         else:
             w.terminate()
+        how = "killed" if kind == "kill-worker" else "drained"
         try:
             w.wait(30)
         except subprocess.TimeoutExpired:
             w.kill()
             w.wait(10)
-            return f"worker {w.pid} did not exit in 30 s after SIGTERM: killed"
+            how = "did not exit in 30 s after SIGTERM: killed"
+            self.failures.append(f"worker {w.pid} {how}")
+        else:
+            if kind == "drain-worker":
+                how += f" (exit {w.returncode})"
+                if w.returncode != 0:
+                    self.failures.append(f"worker {w.pid} drained with exit status {w.returncode}")
         self.gone.append(w)
         self.workers[i] = self.start_worker()
-        how = "killed" if kind == "kill-worker" else f"drained (exit {w.returncode})"
         return f"worker {w.pid} {how}, {self.workers[i].pid} started"
 
+    def note_client_exit(self, p: subprocess.Popen) -> None:
+        """The client process ends only when told (SIGTERM: 0) or killed; 3: a wrong reply."""
+        rc = p.poll()
+        if rc == 3:
+            self.wrong += 1
+        elif rc is not None:
+            self.failures.append(f"client process {p.pid} exited by itself with status {rc}")
+
     def close(self) -> None:
-        # Workers first, so that they can say goodbye to a live broker.
+        # All told at once (SIGTERM): the workers drain and say goodbye to a broker that is
+        # still there, since a broker drains too.
         for p in [self.client, *self.workers, self.broker]:
             if p is not None and p.poll() is None:
                 p.terminate()
@@ -230,6 +260,11 @@ class Fleet:
                 p.wait(10)
             if p.stdout is not None:
                 p.stdout.close()
+        if self.client is not None:  # SIGTERM: 0, unless it had ended by itself
+            if self.client.returncode == 3:
+                self.wrong += 1
+            elif self.client.returncode != 0:
+                self.failures.append(f"client process {self.client.pid} ended with status {self.client.returncode}")
         if self.relay is not None:
             self.relay.close()
 
@@ -245,6 +280,11 @@ class Tally:
     def done(self, t0: float, ok: bool) -> None:
         self.latencies.append(time.monotonic() - t0)
         self.outcomes["ok" if ok else "wrong"] += 1
+
+    def crashed(self, e: BaseException) -> None:
+        """The client itself failed (outside a request: making it, waiting for the service)."""
+        self.outcomes["crashed"] += 1
+        self.samples.append(f"crashed: {type(e).__name__}: {e}")
 
     def failed(self, e: BaseException) -> None:
         self.outcomes[type(e).__name__] += 1
@@ -341,14 +381,15 @@ def _stream_client(fe: str, tally: Tally, stop: threading.Event, timeout: float,
 
 
 def _pipelined(c, x, tally: Tally, stop: threading.Event, rng, quiet_s: float) -> None:
-    """Two requests sent, a quiet spell with no call into the client, both collected."""
-    t0 = time.monotonic()
+    """Two requests sent, a quiet spell with no call into the client, both collected (the
+    latency counted is the collection's, from the end of the spell)."""
     xs = [x, x[::-1].copy()]
     calls = []
     try:
         for v in xs:
             calls.append(c.infer_stream("echo", {"x": v}))
         stop.wait(float(rng.uniform(0, quiet_s)))  # the program's own work: the scenario
+        t0 = time.monotonic()
         for v, call in zip(xs, calls):
             try:
                 with call.result() as r:
@@ -357,8 +398,9 @@ def _pipelined(c, x, tally: Tally, stop: threading.Event, rng, quiet_s: float) -
                 tally.failed(e)
                 continue
             tally.done(t0, ok)
-    except Exception as e:  # the send itself
-        tally.failed(e)
+    except Exception as e:  # a send: it and the one after it never went
+        for _ in range(len(xs) - len(calls)):
+            tally.failed(e)
     finally:
         for call in calls:
             call.close()
@@ -394,6 +436,13 @@ def _async_client(fe: str, tally: Tally, stop: threading.Event, timeout: float, 
     asyncio.run(main())
 
 
+def _counting_crashes(target, tally: Tally, *args) -> None:
+    try:
+        target(*args)
+    except BaseException as e:  # the thread's end: counted, or the run would pass without it
+        tally.crashed(e)
+
+
 def schedule(seconds: float, every: float, seed: int, faults: tuple[str, ...] = FAULTS) -> list[tuple[float, str]]:
     """The faults of a run, (offset in s, kind): one every `every` s, jittered by +-25 %,
     kinds drawn at random but each at least once when the run holds that many."""
@@ -410,10 +459,13 @@ def schedule(seconds: float, every: float, seed: int, faults: tuple[str, ...] = 
 def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: int = 3, heartbeat: float = 0.2,
         hang_s: float = 1.5, timeout: float = 30.0, settle_s: float = 3.0, async_tasks: int = 4,
         service_grace: float = 30.0, max_retries: int | None = None, model: str = "echo", tcp: bool = False,
-        plan: list[tuple[float, str]] | None = None, clients: tuple[str, ...] = ("small", "frame", "pinned", "async", "pipelined", "stream"),
+        plan: list[tuple[float, str]] | None = None, clients: tuple[str, ...] = CLIENTS,
         log=print) -> dict:
     """One chaos run (see the module docstring); `plan` replaces the random schedule, `model`
     the workers' echo (served as `echo`: any model that returns its input)."""
+    unknown = set(clients) - set(CLIENTS)
+    if unknown:
+        raise ValueError(f"no such client kind: {', '.join(sorted(unknown))} (kinds: {', '.join(CLIENTS)})")
     plan = schedule(seconds, every, seed, TCP_FAULTS if tcp else FAULTS) if plan is None else plan
     shm_before = _shm_files()
     d = tempfile.mkdtemp(prefix="zinf-chaos-")
@@ -432,7 +484,8 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
             window = 3 * heartbeat  # the broker's client liveness window
             target, args = _sync_client, (fleet.client_ep, name, tallies[name], stop, timeout, seed * 100 + i,
                                           0.8 * window if tcp else 3.0)
-        threads.append(threading.Thread(target=target, args=args, name=f"chaos-{name}", daemon=True))
+        threads.append(threading.Thread(target=_counting_crashes, args=(target, tallies[name], *args),
+                                        name=f"chaos-{name}", daemon=True))
     events: list[dict] = []
     rng = random.Random(seed + 1)
     t0 = time.monotonic()
@@ -450,26 +503,32 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
         stop.wait(settle_s)
     finally:
         stop.set()
+        # One deadline for all: a request's timeout, and a margin to close the clients.
+        join_by = time.monotonic() + timeout + 30
         for t in threads:
-            t.join(timeout + 30)
+            t.join(max(0.0, join_by - time.monotonic()))
         stuck = [t.name for t in threads if t.is_alive()]
         fleet.close()
+        shutil.rmtree(d, ignore_errors=True)
     elapsed = time.monotonic() - t0
     shm_left = sorted(_shm_files() - shm_before)
     per_client = {name: tally.report() for name, tally in tallies.items()}
-    wrong = sum(r["outcomes"].get("wrong", 0) for r in per_client.values())
+    wrong = fleet.wrong + sum(r["outcomes"].get("wrong", 0) for r in per_client.values())
     failed = sum(n for r in per_client.values() for k, n in r["outcomes"].items() if k not in ("ok", "wrong", "dropped"))
+    idle = [name for name, r in per_client.items() if not r["outcomes"].get("ok")]  # never got a reply
     return {"seconds": round(elapsed, 1), "seed": seed, "every_s": every, "heartbeat_s": heartbeat, "hang_s": hang_s,
-            "timeout_s": timeout, "workers": workers, "tcp": tcp, "service_grace_s": service_grace, "max_retries": max_retries, "faults": events, "clients": per_client,
-            "wrong": wrong, "failed": failed, "stuck_clients": stuck, "shm_left": shm_left,
-            "passed": wrong == 0 and failed == 0 and not stuck and not shm_left}
+            "timeout_s": timeout, "workers": workers, "tcp": tcp, "service_grace_s": service_grace,
+            "max_retries": max_retries, "faults": events, "clients": per_client,
+            "wrong": wrong, "failed": failed, "stuck_clients": stuck, "idle_clients": idle,
+            "process_failures": fleet.failures, "shm_left": shm_left,
+            "passed": wrong == 0 and failed == 0 and not stuck and not idle and not fleet.failures and not shm_left}
 
 
 def client_process(fe: str) -> int:
     """`--client FE`: the client that kill-client kills.  Pinned, a 64 KiB input in its shared
-    memory refilled every request, READY after its first reply; exits 3 on a wrong reply,
-    0 on SIGTERM.  Its errors are not counted (nobody reads them): what it tests is what it
-    leaves behind when it dies."""
+    memory refilled every request, READY after its first reply; exits 3 on a wrong reply
+    (the harness counts it), 0 on SIGTERM.  Its failed requests are not counted: what it
+    tests is what it leaves behind when it dies."""
     from client_sdk import Client
 
     stop = threading.Event()
@@ -478,7 +537,7 @@ def client_process(fe: str) -> int:
     with Client(fe, timeout=30, pin=not tcp, insecure=tcp) as c:
         _wait_service(c)
         x = np.empty((64, 1024), np.uint8) if tcp else c.alloc((64, 1024), np.uint8)
-        n = 0
+        n, ready = 0, False
         while not stop.is_set():
             n += 1
             value = n % 251
@@ -490,8 +549,9 @@ def client_process(fe: str) -> int:
                         return 3
             except Exception:
                 continue
-            if n == 1:
+            if not ready:
                 print("READY chaos-client", flush=True)
+                ready = True
     return 0
 
 
@@ -524,8 +584,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:8s} {r['requests']:7d} requests  p50 {r['p50_ms']} ms  longest {r['max_ms']} ms  {r['outcomes']}")
         for s in r["error_samples"]:
             print(f"           {s}")
+    for f in res["process_failures"]:
+        print(f"process: {f}")
     print(f"faults {len(res['faults'])}, wrong {res['wrong']}, failed {res['failed']}, stuck clients "
-          f"{res['stuck_clients'] or 'none'}, shared memory left {res['shm_left'] or 'none'}: "
+          f"{res['stuck_clients'] or 'none'}, clients with no reply {res['idle_clients'] or 'none'}, "
+          f"shared memory left {res['shm_left'] or 'none'}: "
           f"{'PASS' if res['passed'] else 'FAIL'}")
     if a.json:
         with open(a.json, "w") as f:

@@ -53,3 +53,24 @@ def test_a_wrong_reply_is_caught(monkeypatch):
                     clients=("small",), log=lambda *_: None)
     assert res["wrong"] > 0 and res["failed"] == 0
     assert not res["passed"]
+
+
+def test_the_client_process_s_wrong_reply_is_counted_too(monkeypatch):
+    """Its only word is its exit status (3): the run must read it."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    res = chaos.run(plan=[], workers=1, seed=1, settle_s=1.0, model="corrupt_model:factory",
+                    clients=("pipelined",), log=lambda *_: None)
+    # pipelined sends 2 requests a spell (at most 3 s): the 50th wrong reply is the client process's
+    assert res["wrong"] >= 1 and not res["passed"]
+
+
+def test_a_client_that_crashes_fails_the_run(monkeypatch):
+    def broken(*_):
+        raise RuntimeError("no stream today")
+
+    monkeypatch.setattr(chaos, "_stream_client", broken)
+    res = chaos.run(plan=[], workers=1, seed=1, settle_s=0.5, clients=("small", "stream"), log=lambda *_: None)
+    assert res["clients"]["stream"]["outcomes"] == {"crashed": 1}
+    assert res["idle_clients"] == ["stream"] and not res["passed"]
+    with pytest.raises(ValueError, match="nonsense"):
+        chaos.run(plan=[], clients=("nonsense",))
