@@ -83,6 +83,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_retries=1,
             service_grace=1.0,
             client_liveness=2.0,
+            quiet_client_max=3.0,
             max_client_requests=MAX_CLIENT_REQUESTS,
             max_client_bytes=MAX_CLIENT_BYTES,
             recall_after=self.RECALL_AFTER,
@@ -97,7 +98,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.workers: dict[bytes, dict] = {}  # live, as the outside world sees it
         self.reqs: dict[tuple[bytes, int], _Req] = {}
         self.tokens_seen: set[int] = set()
-        self.tracked: dict[bytes, float] = {}  # clients that heartbeat: last time heard
+        self.tracked: dict[bytes, float] = {}  # clients that heartbeat: what liveness counts from
+        self.heard: dict[bytes, float] = {}  # ... and when each was last heard
         self.principal_of = dict(FIRST_PRINCIPAL)  # what the server would pass now
 
     # ---- checking every action
@@ -149,7 +151,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def touch(self, client):
         if client in self.tracked:
-            self.tracked[client] = self.now
+            self.tracked[client] = self.heard[client] = self.now
 
     def client_gone(self, client):
         self.tracked.pop(client, None)
@@ -407,7 +409,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(client=st.sampled_from(CLIENTS))
     def client_heartbeat(self, client):
         self.s.client_heartbeat(client, self.now)
-        self.tracked[client] = self.now
+        self.tracked[client] = self.heard[client] = self.now
+
+    @rule(client=st.sampled_from(CLIENTS))
+    def client_kept(self, client):
+        # The server's look: the client's ipc connection is open.
+        assert self.s.client_kept(client, self.now) == []
+        if client in self.tracked and self.now - self.heard[client] <= self.cfg.quiet_client_max:
+            self.tracked[client] = self.now
 
     @rule(client=st.sampled_from(CLIENTS))
     def client_seen(self, client):
