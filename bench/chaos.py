@@ -31,10 +31,11 @@ The clients, each a thread (or an asyncio task) of this process:
   async     `AsyncClient`, 4 tasks, 16 B
   stream    sync `Client.stream` (latest wins, 2 in flight; pinned by default), a 16 B
             frame every 5 ms, results read as they come (a dropped frame is no failure)
-  pipelined sync `Client` (heartbeats every 0.4 s: its own liveness window is 2 s),
-            sends two requests, then does not call into the client for up to 3 s (the
-            program does something else: longer than the broker's client liveness window
-            and than its own), then collects both results; with `--tcp`, up to 0.8 of the
+  pipelined sync `Client` (heartbeats every 0.6 s: its own liveness window is 3 s, more
+            than an outage and the new broker's start), sends two requests, then does not
+            call into the client for up to 4.5 s (the program does something else: longer
+            than the broker's client liveness window and than its own), then collects both
+            results; with `--tcp`, up to 0.8 of the
             broker's window (over tcp silence counts: docs/client.md)
 
 With `--tcp` the broker's frontend is tcp (`--insecure`: the run is about faults, not keys)
@@ -313,7 +314,7 @@ def _sync_client(fe: str, kind: str, tally: Tally, stop: threading.Event, timeou
 
     rng = np.random.default_rng(seed)
     tcp = fe.startswith("tcp://")
-    hb = 0.4 if kind == "pipelined" else 1.0
+    hb = 0.6 if kind == "pipelined" else 1.0
     with Client(fe, timeout=timeout, pin=(kind == "pinned") and not tcp, insecure=tcp, heartbeat_interval=hb) as c:
         _wait_service(c)
         frame = None
@@ -483,7 +484,7 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
         else:
             window = 3 * heartbeat  # the broker's client liveness window
             target, args = _sync_client, (fleet.client_ep, name, tallies[name], stop, timeout, seed * 100 + i,
-                                          0.8 * window if tcp else 3.0)
+                                          0.8 * window if tcp else 4.5)
         threads.append(threading.Thread(target=_counting_crashes, args=(target, tallies[name], *args),
                                         name=f"chaos-{name}", daemon=True))
     events: list[dict] = []
