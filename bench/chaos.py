@@ -31,8 +31,8 @@ The clients, each a thread (or an asyncio task) of this process:
   async     `AsyncClient`, 4 tasks, 16 B
   stream    sync `Client.stream` (latest wins, 2 in flight; pinned by default), a 16 B
             frame every 5 ms, results read as they come (a dropped frame is no failure)
-  pipelined sync `Client` (heartbeats every 0.6 s: its own liveness window is 3 s, more
-            than an outage and the new broker's start), sends two requests, then does not
+  pipelined sync `Client` (`heartbeat_interval=0.6`: its own liveness window is 3 s,
+            more than an outage and the new broker's start), sends two requests, then does not
             call into the client for up to 4.5 s (the program does something else: longer
             than the broker's client liveness window and than its own), then collects both
             results; with `--tcp`, up to 0.8 of the
@@ -248,6 +248,10 @@ class Fleet:
     def close(self) -> None:
         # All told at once (SIGTERM): the workers drain and say goodbye to a broker that is
         # still there, since a broker drains too.
+        for p in [*self.workers, self.broker]:
+            if p is not None and p.poll() is not None:  # ended by itself, mid-run
+                self.failures.append(f"{p.args[2]} {p.pid} had exited by itself (status {p.returncode})")
+        live = [p for p in [*self.workers, self.broker] if p is not None and p.poll() is None]
         for p in [self.client, *self.workers, self.broker]:
             if p is not None and p.poll() is None:
                 p.terminate()
@@ -261,6 +265,9 @@ class Fleet:
                 p.wait(10)
             if p.stdout is not None:
                 p.stdout.close()
+        for p in live:  # SIGTERM: they drain and exit 0
+            if p.returncode != 0:
+                self.failures.append(f"{p.args[2]} {p.pid} exited with status {p.returncode} on SIGTERM")
         if self.client is not None:  # SIGTERM: 0, unless it had ended by itself
             if self.client.returncode == 3:
                 self.wrong += 1
@@ -352,6 +359,8 @@ def _stream_client(fe: str, tally: Tally, stop: threading.Event, timeout: float,
     sent: dict[int, tuple[np.ndarray, float]] = {}
 
     def take(r) -> None:
+        for f in [f for f in sent if f < r.frame]:  # results come in send order: these were dropped
+            del sent[f]
         x, t0 = sent.pop(r.frame)
         try:
             tally.done(t0, bool(np.array_equal(r["x"], x)))
@@ -471,8 +480,12 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
     shm_before = _shm_files()
     d = tempfile.mkdtemp(prefix="zinf-chaos-")
     max_retries = workers + 1 if max_retries is None else max_retries
-    fleet = Fleet(d, heartbeat, workers, ("--service-grace", str(service_grace), "--max-retries", str(max_retries)),
-                  model, tcp)
+    try:
+        fleet = Fleet(d, heartbeat, workers, ("--service-grace", str(service_grace), "--max-retries", str(max_retries)),
+                      model, tcp)
+    except BaseException:
+        shutil.rmtree(d, ignore_errors=True)
+        raise
     stop = threading.Event()
     tallies = {name: Tally() for name in clients}
     threads = []
@@ -509,8 +522,10 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
         for t in threads:
             t.join(max(0.0, join_by - time.monotonic()))
         stuck = [t.name for t in threads if t.is_alive()]
-        fleet.close()
-        shutil.rmtree(d, ignore_errors=True)
+        try:
+            fleet.close()
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
     elapsed = time.monotonic() - t0
     shm_left = sorted(_shm_files() - shm_before)
     per_client = {name: tally.report() for name, tally in tallies.items()}
@@ -527,7 +542,7 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
 
 def client_process(fe: str) -> int:
     """`--client FE`: the client that kill-client kills.  Pinned, a 64 KiB input in its shared
-    memory refilled every request, READY after its first reply; exits 3 on a wrong reply
+    memory refilled every request, READY once the service is there; exits 3 on a wrong reply
     (the harness counts it), 0 on SIGTERM.  Its failed requests are not counted: what it
     tests is what it leaves behind when it dies."""
     from client_sdk import Client
@@ -538,7 +553,8 @@ def client_process(fe: str) -> int:
     with Client(fe, timeout=30, pin=not tcp, insecure=tcp) as c:
         _wait_service(c)
         x = np.empty((64, 1024), np.uint8) if tcp else c.alloc((64, 1024), np.uint8)
-        n, ready = 0, False
+        print("READY chaos-client", flush=True)
+        n = 0
         while not stop.is_set():
             n += 1
             value = n % 251
@@ -550,9 +566,6 @@ def client_process(fe: str) -> int:
                         return 3
             except Exception:
                 continue
-            if not ready:
-                print("READY chaos-client", flush=True)
-                ready = True
     return 0
 
 

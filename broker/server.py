@@ -283,9 +283,12 @@ class Broker:
         # later connection reusing the id must not inherit the earlier one's pid.
         self._frontend_events = self.frontend.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._client_conn: dict[bytes, int] = {}  # client identity -> the fd it was learned on
-        # Identities whose connection closed -> when: a message of theirs read after the
-        # close (queued before it) must not learn the closed descriptor, or whatever
-        # connection reuses its number, as theirs (`_client_pid`).
+        # Identities libzmq made (first byte 0: never given twice by a ROUTER) whose
+        # connection closed -> when: a message of theirs read after the close (queued before
+        # it) comes from no live connection, and must not learn the closed descriptor, or
+        # whatever connection reuses its number, as theirs (`_client_pid`).  A chosen
+        # identity can come back on a new connection, which must be learned: for those the
+        # bound is `quiet_client_max`.
         self._closed_clients: dict[bytes, float] = {}
         self._conn_clients: dict[int, list[bytes]] = {}  # fd -> identities learned on it
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
@@ -963,11 +966,8 @@ class Broker:
     def _client_pid(self, ident: bytes, frame: Any) -> int | None:
         """The pid of the process on the other end of this client's ipc connection (learned
         once per client), or None when the kernel cannot say (tcp, another pid namespace)."""
-        closed = self._closed_clients.get(ident)
-        if closed is not None:
-            if time.monotonic() - closed < self.sched.client_window:
-                return None  # a message its closed connection left behind: nothing to learn
-            del self._closed_clients[ident]  # a chosen identity on a new connection since
+        if ident in self._closed_clients:
+            return None  # a message its closed connection left behind: nothing to learn
         pid = self._client_pids.get(ident, -1)
         learned = self._client_conn.get(ident, -1)
         fd = None
@@ -1006,11 +1006,14 @@ class Broker:
                     del self._client_conn[ident]
                     self._client_pids.pop(ident, None)
                     self._client_tcp.pop(ident, None)
-                    closed = self._closed_clients
-                    closed.pop(ident, None)
-                    closed[ident] = now  # newest last: the oldest go first when full
-                    if len(closed) > _MAX_CLIENT_PIDS:
-                        del closed[next(iter(closed))]
+                    if ident[:1] == b"\0":
+                        self._closed_clients[ident] = now  # newest last
+            # Its left-behind messages are read within a window (the loop drains every
+            # pass): older marks go, oldest first.
+            closed = self._closed_clients
+            horizon = now - self.sched.client_window
+            while closed and (len(closed) > _MAX_CLIENT_PIDS or next(iter(closed.values())) < horizon):
+                del closed[next(iter(closed))]
 
     def _bind_connection(self, ident: bytes, frame: Any, now: float) -> None:
         if self._gone.pop(ident, None) is not None and self.sched.has_worker(ident):

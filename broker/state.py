@@ -759,7 +759,7 @@ class Scheduler(LeaseEvents):
                 self._counters["returned"] += 1
                 req.returned += 1
                 pool = req.svc.pools.get(req.local_host)
-                if (thief is not None and thief.alive and not thief.busy
+                if (thief is not None and thief.alive and not thief.busy and not thief.closing
                         and len(thief.in_flight) < thief.credit - thief.leased
                         and pool is not None and pool in thief.pools):
                     # It already had its turn: straight to the worker it was taken back for.

@@ -422,14 +422,15 @@ class AsyncClient(ClientBase):
         while True:
             await asyncio.sleep(core.heartbeat_period / 2)
             now = time.monotonic()
-            core.looking(now)  # a loop held by its application for long: silence counts from now
+            back = core.looking(now)  # from a loop held by its application: silence counts from now
             if core.heartbeat_due(now):
                 self._send_soon(core.heartbeat(now))
                 if core.ops and not core.closed:  # a tcp lease given back (pins_overdue)
                     self._run_ops()
             if self._tcp is not None and now - core.last_recv > core.heartbeat_period:
                 core.heard_bytes(self._tcp.look(now))  # a long message still crossing
-            core.fail_unreachable(now)
+            if not back:  # else the reader first reads what came meanwhile: judged next time
+                core.fail_unreachable(now)
 
     def _send_soon(self, frames: list[Any] | None) -> None:
         if frames is None or self._core.closed:

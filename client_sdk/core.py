@@ -771,20 +771,25 @@ class ClientCore(PinEvents):
         if when > self.last_recv:
             self.last_recv = when
 
-    def looking(self, now: float) -> None:
+    def looking(self, now: float) -> bool:
         """The client is looking at its sockets (a blocking call waits, the asyncio
-        heartbeat task runs).  After an absence longer than two heartbeat periods (a
-        blocking client's program doing something else, an asyncio loop held by its
-        application; while a call waits, the client looks at least once a period), the
-        broker's silence is counted from now: the heartbeat that asks for its answer goes
-        out only now.  Silence is what the client heard nothing in while it listened."""
+        heartbeat task runs); whether it comes back from an absence longer than two
+        heartbeat periods (a blocking client's program doing something else, an asyncio
+        loop held by its application; while a call waits, the client looks at least once a
+        period).  Then the broker's silence is counted from now, the heartbeat that asks for
+        its answer going out only now; but once per message heard: a program that keeps
+        coming back for a moment and leaving again, and hears nothing, learns at last that
+        the broker is silent."""
         period = self.heartbeat_period
         # Present at its last look or its last send (its first look may come only after a
         # pause: an asyncio client's heartbeat task first wakes half a period in).
         last = max(self.last_look or 0.0, self.last_send)
-        if last and period is not None and now - last > 2 * period:
-            self.resumed_at = now
         self.last_look = now
+        if not last or period is None or now - last <= 2 * period:
+            return False
+        if self.last_recv >= self.resumed_at:  # heard from since the last return
+            self.resumed_at = now
+        return True
 
     def silent_for(self, call: Call, now: float) -> float:
         return now - max(self.last_recv, call.t_sent, self.resumed_at)
@@ -852,7 +857,7 @@ class ClientCore(PinEvents):
         for key, (call, since) in list(self._suspects.items()):
             if call.abandoned or call.done:
                 del self._suspects[key]
-            elif now - since > window:
+            elif now - max(since, self.resumed_at) > window:  # counted while it listened
                 del self._suspects[key]
                 self.fail(call, BrokerUnreachable(
                     f"the connection to the broker was replaced while request {call.id} to {call.service!r} "

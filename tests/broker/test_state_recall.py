@@ -76,6 +76,24 @@ def test_the_1s_and_20ms_case_a_short_request_never_waits_behind_a_long_one():
     assert st["recalled"] == 1 and st["returned"] == 1 and st["completed"] == 3
 
 
+def test_a_request_taken_back_for_a_worker_whose_connection_closed_meanwhile_is_queued():
+    """The idle worker it was asked back for closed its connection before the busy one gave
+    it back: not sent there (it would be charged that worker's death), but queued."""
+    s = sched()
+    a = only(send(s, 1, 0.000), Dispatch)
+    b = only(send(s, 2, 0.001), Dispatch)
+    c = only(send(s, 3, 0.002), Dispatch)
+    long_w, short_w = a.worker, b.worker
+    rec = only(s.worker_final(short_w, b.token, 0.021, "B"), RecallAtWorker)
+    assert rec.tokens == (c.token,)
+    s.worker_closed(short_w)
+    out = s.worker_returned(long_w, [c.token], 0.0215)
+    assert [d.worker for d in of(out, Dispatch)] in ([], [long_w])  # queued, or back where it was
+    assert all(d.worker != short_w for d in of(out, Dispatch))
+    s.worker_disconnect(short_w, 0.03)
+    assert s.stats()["counters"]["worker_failed"] == 0
+
+
 def test_started_requests_finish_where_they_are():
     s = sched()
     a = only(send(s, 1, 0.0), Dispatch)

@@ -106,6 +106,33 @@ def test_silence_is_counted_while_the_client_listens_not_while_its_caller_is_awa
     assert core.fail_unreachable(30.0 + LIVENESS * 1.0 + 0.1) == 1
 
 
+def test_a_client_that_keeps_coming_back_for_a_moment_still_learns_the_broker_is_dead(core):
+    """Forgiven once per message heard: looks 2.5 s apart (each after an absence) and
+    nothing heard, the call fails LIVENESS intervals after the first return."""
+    call = _sent(core, now=10.0)
+    core.last_send = 10.0  # as the twins note it
+    failed_at = None
+    t = 10.0
+    while failed_at is None and t < 100.0:
+        t += 2.5
+        assert core.looking(t)  # each look is a return from an absence
+        if core.fail_unreachable(t):
+            failed_at = t
+    assert failed_at is not None and 12.5 + LIVENESS * 1.0 < failed_at <= 12.5 + LIVENESS * 1.0 + 2.5
+    assert isinstance(call.inbox[0][1], BrokerUnreachable)
+
+
+def test_a_heard_message_earns_the_next_absence_its_pardon(core):
+    call = _sent(core, now=10.0)
+    core.looking(10.0)
+    assert core.looking(20.0) and core.resumed_at == 20.0
+    core.on_message(P.client_heartbeat(), 20.1)  # the answer to the heartbeat of the return
+    assert core.looking(40.0) and core.resumed_at == 40.0
+    assert core.fail_unreachable(40.1) == 0 and not call.inbox
+    assert core.looking(60.0) and core.resumed_at == 40.0  # nothing heard since: no pardon
+    assert core.fail_unreachable(60.0) == 1
+
+
 def test_a_client_that_listens_without_pause_is_never_resumed(core):
     call = _sent(core, now=10.0)
     t = 10.0
