@@ -183,10 +183,14 @@ class Client(ClientBase):
             sock.send_multipart(out, copy=False)
             while True:
                 # Whole milliseconds, rounded up: truncated, the deadline's last fraction of
-                # one would be a poll(0), and the call would fail before its time.
-                wait = -1 if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
-                if not sock.poll(wait, zmq.POLLIN):
+                # one would be a poll(0), and the call would fail before its time.  And the
+                # clock is asked again after a poll that found nothing: libzmq's own is
+                # coarse, and its poll may end a little before the wait.
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     raise DeadlineExceeded(f"no reply from service {service!r} within {limit:g}s")
+                if not sock.poll(-1 if left is None else math.ceil(left * 1000), zmq.POLLIN):
+                    continue
                 done, body = opaque_reply(sock.recv_multipart(), service)
                 if done:
                     return body

@@ -144,7 +144,7 @@ class LeaseMachine(SchedulerMachine):
         self.departed.discard(client)  # it is back
         out = self.s.client_lease(client, None, ask, service, self.now, slots=slots, secret=b"x")
         if any(isinstance(a, LeaseToWorker) for a in out):
-            self.tracked[client] = self.now  # a leaseholder is tracked from the lease's placement
+            self.tracked[client] = self.heard[client] = self.now  # a leaseholder is tracked from the lease's placement
         self.current_ask = (client, ask)
         self.apply(out)
         self.current_ask = None

@@ -527,7 +527,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     self.apply(out)
             for client in self.tracked:
                 self.s.client_seen(client, self.now)
-                self.tracked[client] = self.now
+                self.tracked[client] = self.heard[client] = self.now
             self.apply(self.s.tick(self.now))
         assert self.owed() == [], "requests left without a final"
         # The metrics' view: every request counted exactly once, by the final the broker
