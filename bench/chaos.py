@@ -35,8 +35,8 @@ The clients, each a thread (or an asyncio task) of this process:
             more than an outage and the new broker's start), sends two requests, then does not
             call into the client for up to 4.5 s (the program does something else: longer
             than the broker's client liveness window and than its own), then collects both
-            results; with `--tcp`, up to 0.8 of the
-            broker's window (over tcp silence counts: docs/client.md)
+            results (with `--tcp` the broker forgets it meanwhile, and it sends them
+            again when it is back: docs/client.md)
 
 With `--tcp` the broker's frontend is tcp (`--insecure`: the run is about faults, not keys)
 and the clients reach it through `bench.relay`, which can reset their connections: inline
@@ -97,6 +97,7 @@ FAULTS = ("kill-worker", "drain-worker", "hang-worker", "restart-broker", "outag
           "kill-client")
 TCP_FAULTS = (*FAULTS, "reset")
 CLIENTS = ("small", "frame", "pinned", "async", "pipelined", "stream")
+PIPELINED_QUIET_S = 4.5  # the longest the pipelined client leaves its requests unattended
 
 
 def _shm_files() -> set[str]:
@@ -495,9 +496,8 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
         elif name == "async":
             target, args = _async_client, (fleet.client_ep, tallies[name], stop, timeout, seed * 100 + i, async_tasks)
         else:
-            window = 3 * heartbeat  # the broker's client liveness window
             target, args = _sync_client, (fleet.client_ep, name, tallies[name], stop, timeout, seed * 100 + i,
-                                          0.8 * window if tcp else 4.5)
+                                          PIPELINED_QUIET_S)
         threads.append(threading.Thread(target=_counting_crashes, args=(target, tallies[name], *args),
                                         name=f"chaos-{name}", daemon=True))
     events: list[dict] = []

@@ -601,9 +601,14 @@ class Broker:
             self._act(sched.client_heartbeat(ident, now), now)
             route = None
             if msg.body and msg.body[0][0] & P.HB_ASK_ROUTE:
-                # A name of the connection, not its identity: a keyed hash, so that what a
-                # client learns is "same or not", not how many connections came before it.
-                route = hashlib.blake2b(ident, digest_size=8, key=self._route_key).digest()
+                # A name of the connection, and of the broker's record of the client on it,
+                # not its identity: a keyed hash, so that what a client learns is "same or
+                # not", not how many connections came before it.  A client presumed gone and
+                # heard again (silent past its window: a program that did not call into a
+                # blocking client, over tcp) gets a new record, so a new name: it sends what
+                # it still waits for again, as after a new connection.
+                epoch = sched.client_epoch(ident) or 0
+                route = hashlib.blake2b(ident + epoch.to_bytes(8, "big"), digest_size=8, key=self._route_key).digest()
             self._send_client(ident, P.broker_heartbeat(self.instance, self._client_window_ms, route))
         elif cmd == P.C_CANCEL:
             sched.client_seen(ident, now)

@@ -487,12 +487,13 @@ class _Worker:
 
 
 class _Client:
-    __slots__ = ("ident", "last_seen", "heard")
+    __slots__ = ("ident", "last_seen", "heard", "epoch")
 
-    def __init__(self, ident, now):
+    def __init__(self, ident, now, epoch=0):
         self.ident = ident
         self.last_seen = now  # what its liveness counts from
         self.heard = now  # its last message (client_kept moves last_seen only)
+        self.epoch = epoch  # which record of the client this is (client_epoch)
 
 
 # ----------------------------------------------------------------------------- scheduler
@@ -1002,7 +1003,7 @@ class Scheduler(LeaseEvents):
         """From the first heartbeat on, the client is expected to stay audible."""
         c = self._clients.get(client)
         if c is None:
-            c = self._clients[client] = _Client(client, now)
+            c = self._clients[client] = _Client(client, now, next(self._epochs))
             self._push_timer(now + self._client_ttl, _T_CLIENT, c)
         else:
             c.last_seen = c.heard = now
@@ -1012,6 +1013,14 @@ class Scheduler(LeaseEvents):
         """Any message from ``client``; refreshes liveness if the client is tracked."""
         self._touch_client(client, now)
         return []
+
+    def client_epoch(self, client: bytes) -> int | None:
+        """Which record of a tracked client this is: a new number once the client was
+        presumed gone (its queued work dropped, its running work cancelled) and was heard
+        again.  The server names it in the client's heartbeat answers, so that the client
+        sends again what it still waits for (docs/protocol.md section 2)."""
+        c = self._clients.get(client)
+        return None if c is None else c.epoch
 
     def client_kept(self, client: bytes, now: float) -> list[Action]:
         """The server knows ``client`` is alive though it is silent (its process lives: an

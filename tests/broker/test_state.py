@@ -442,6 +442,20 @@ def test_no_retries_means_the_first_death_fails_the_request():
     assert of(out, Dispatch) == []
 
 
+def test_a_client_heard_again_after_it_was_presumed_gone_is_a_new_record():
+    s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3))  # client window 3 s
+    assert s.client_epoch(C) is None
+    s.client_heartbeat(C, 0.0)
+    first = s.client_epoch(C)
+    s.client_heartbeat(C, 2.0)
+    s.tick(2.0)
+    assert s.client_epoch(C) == first  # alive: the same record
+    s.tick(5.5)  # silent past its window: presumed gone
+    assert s.client_epoch(C) is None
+    s.client_heartbeat(C, 6.0)
+    assert s.client_epoch(C) not in (None, first)
+
+
 def test_a_worker_whose_connection_closed_gets_no_retry_of_another_ones_work():
     """Workers that die together: the server sees each connection close, and each verdict
     waits for that worker's last messages.  A's requests must not go to B, whose connection

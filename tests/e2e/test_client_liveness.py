@@ -131,3 +131,33 @@ def test_an_asyncio_client_whose_loop_was_held_keeps_its_request(cluster, gate):
             r.release()
 
     asyncio.run(scenario())
+
+
+def test_over_tcp_a_quiet_client_that_was_forgotten_sends_its_requests_again(cluster, gate):
+    """Over tcp silence counts: past the broker's window the quiet client's queued request
+    is dropped and its running one cancelled.  Heard again, it is a new record for the
+    broker, whose heartbeat answer names it anew: the client sends what it still waits for
+    again, as after a new connection, and gets its results."""
+    from bench.peers import free_port
+
+    frontend = f"tcp://127.0.0.1:{free_port()}"
+    broker = Proc(["-m", "broker", "--frontend", frontend, "--backend", cluster.backend,
+                   "--heartbeat-interval", "0.2", "--insecure"])
+    cluster.procs.append(broker)
+    broker.wait_ready()
+    w = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "1",
+                       "--no-warmup", env=gate.env, wait=False)
+    gate.open()
+    w.wait_ready()
+    with Client(frontend, timeout=60, heartbeat_interval=HB_S, insecure=True) as c:
+        wait_service(c, "gate")
+        xs = [np.full(4, i, np.int32) for i in (1, 2)]
+        calls = [c.infer_stream("gate", {"x": x}) for x in xs]  # one at the worker, one queued
+        assert c.mmi_service("gate")
+        time.sleep(QUIET_S)  # the program's own work, past the broker's window: the scenario
+        gate.release(3)  # the cancelled first run (it cannot stop), then the two sent again
+        for x, call in zip(xs, calls):
+            with call.result() as r:
+                np.testing.assert_array_equal(r["x"], x)
+            call.close()
+        assert c.broker_reconnects == 1  # the new name: as after a new connection
