@@ -86,6 +86,12 @@ def _peer_pid(frame: Any) -> int | None:
         fd = frame.get(zmq.SRCFD)
     except (zmq.ZMQError, AttributeError):
         return None
+    return _fd_peer_pid(fd)
+
+
+def _fd_peer_pid(fd: int) -> int | None:
+    """SO_PEERCRED's pid for the unix-domain connection on descriptor `fd` (None: closed,
+    not unix-domain, or a peer in a pid namespace we cannot see)."""
     s = wire.dup_socket(fd)
     if s is None:
         return None
@@ -283,13 +289,12 @@ class Broker:
         # later connection reusing the id must not inherit the earlier one's pid.
         self._frontend_events = self.frontend.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._client_conn: dict[bytes, int] = {}  # client identity -> the fd it was learned on
-        # Identities libzmq made (first byte 0: never given twice by a ROUTER) whose
-        # connection closed -> when: a message of theirs read after the close (queued before
-        # it) comes from no live connection, and must not learn the closed descriptor, or
-        # whatever connection reuses its number, as theirs (`_client_pid`).  A chosen
-        # identity can come back on a new connection, which must be learned: for those the
-        # bound is `quiet_client_max`.
-        self._closed_clients: dict[bytes, float] = {}
+        # Quiet ipc clients whose connection the look has checked (client -> descriptor):
+        # its peer is the pid learned for the client (`_look_at_quiet`).  A message its closed
+        # connection left behind, read after the close, learns the closed descriptor (or
+        # whatever connection reuses its number) as the client's; the check keeps that
+        # from keeping a dead client alive.  Forgotten with the connection.
+        self._kept_conns: dict[bytes, int] = {}
         self._conn_clients: dict[int, list[bytes]] = {}  # fd -> identities learned on it
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
         self._opaque_ids = 0
@@ -479,6 +484,11 @@ class Broker:
                 if fd is None:
                     continue
                 if kind == "c" and self._ipc_frontend:
+                    if self._kept_conns.get(ident) != fd:
+                        pid = self._client_pids.get(ident)
+                        if pid is None or _fd_peer_pid(fd) != pid:
+                            continue  # closed, or another process's now: its silence counts
+                        self._kept_conns[ident] = fd
                     self._act(sched.client_kept(ident, now), now)
                     continue
                 key = (kind, ident)
@@ -660,6 +670,7 @@ class Broker:
                                           secret=secrets.token_bytes(16), pid=pid, remote=remote), now)
 
     def _forget_client(self, ident: bytes) -> None:
+        self._kept_conns.pop(ident, None)
         self._client_pids.pop(ident, None)
         self._client_tcp.pop(ident, None)
         self._client_conn.pop(ident, None)
@@ -971,8 +982,6 @@ class Broker:
     def _client_pid(self, ident: bytes, frame: Any) -> int | None:
         """The pid of the process on the other end of this client's ipc connection (learned
         once per client), or None when the kernel cannot say (tcp, another pid namespace)."""
-        if ident in self._closed_clients:
-            return None  # a message its closed connection left behind: nothing to learn
         pid = self._client_pids.get(ident, -1)
         learned = self._client_conn.get(ident, -1)
         fd = None
@@ -991,6 +1000,7 @@ class Broker:
                 self._client_tcp.clear()
                 self._client_conn.clear()
                 self._conn_clients.clear()
+                self._kept_conns.clear()
             self._client_pids[ident] = pid
             self._client_tcp.pop(ident, None)
             self._client_conn[ident] = fd
@@ -1005,20 +1015,12 @@ class Broker:
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             fd = event["value"]
-            now = time.monotonic()
             for ident in self._conn_clients.pop(fd, ()):
                 if self._client_conn.get(ident) == fd:
                     del self._client_conn[ident]
                     self._client_pids.pop(ident, None)
                     self._client_tcp.pop(ident, None)
-                    if ident[:1] == b"\0":
-                        self._closed_clients[ident] = now  # newest last
-            # Its left-behind messages are read within a window (the loop drains every
-            # pass): older marks go, oldest first.
-            closed = self._closed_clients
-            horizon = now - self.sched.client_window
-            while closed and (len(closed) > _MAX_CLIENT_PIDS or next(iter(closed.values())) < horizon):
-                del closed[next(iter(closed))]
+                    self._kept_conns.pop(ident, None)
 
     def _bind_connection(self, ident: bytes, frame: Any, now: float) -> None:
         if self._gone.pop(ident, None) is not None and self.sched.has_worker(ident):

@@ -496,6 +496,10 @@ class _Client:
         self.epoch = epoch  # which record of the client this is (client_epoch)
 
 
+#: clients remembered as dropped while they held something (Scheduler.client_epoch)
+_MAX_RENAMED = 1 << 16
+
+
 # ----------------------------------------------------------------------------- scheduler
 
 
@@ -557,6 +561,9 @@ class Scheduler(LeaseEvents):
         self._tokens = itertools.count(1)
         self._uses = itertools.count()
         self._epochs = itertools.count(1)
+        # Clients dropped while they held something -> the number their next record gets
+        # (client_epoch); oldest first out past _MAX_RENAMED.
+        self._renamed: dict[bytes, int] = {}
         # Services whose queues or workers changed during the current event; a dict, not a
         # set, so the order of the resulting actions does not depend on object addresses.
         self._dirty: dict[_Service, None] = {}
@@ -1003,7 +1010,7 @@ class Scheduler(LeaseEvents):
         """From the first heartbeat on, the client is expected to stay audible."""
         c = self._clients.get(client)
         if c is None:
-            c = self._clients[client] = _Client(client, now, next(self._epochs))
+            c = self._clients[client] = _Client(client, now, self._renamed.get(client, 0))
             self._push_timer(now + self._client_ttl, _T_CLIENT, c)
         else:
             c.last_seen = c.heard = now
@@ -1015,10 +1022,13 @@ class Scheduler(LeaseEvents):
         return []
 
     def client_epoch(self, client: bytes) -> int | None:
-        """Which record of a tracked client this is: a new number once the client was
-        presumed gone (its queued work dropped, its running work cancelled) and was heard
-        again.  The server names it in the client's heartbeat answers, so that the client
-        sends again what it still waits for (docs/protocol.md section 2)."""
+        """Which record of a tracked client this is: a new number once the broker dropped
+        the client for its silence while it held something (queued or running requests,
+        leases) and heard it again; the same after a drop that lost nothing (an idle
+        client's silence), and a fresh start after its DISCONNECT (the server's drop of a
+        client that does not read its replies is one: it finds its calls unanswered).  The server names
+        it in the client's heartbeat answers, so that the client sends again what it still
+        waits for (docs/protocol.md section 2)."""
         c = self._clients.get(client)
         return None if c is None else c.epoch
 
@@ -1036,6 +1046,7 @@ class Scheduler(LeaseEvents):
         principal's other connections keep theirs)."""
         out: list[Action] = []
         self._drop_client(client, out, now)
+        self._renamed.pop(client, None)  # it said goodbye: nobody to name anew
         self._flush(now, out)
         return out
 
@@ -1656,6 +1667,14 @@ class Scheduler(LeaseEvents):
     def _drop_client(self, client, out, now):
         """The connection ``client`` went away (or fell silent): exactly its requests go;
         its principal's other connections keep theirs, and their counts."""
+        mine = self._requests.get(client)
+        if self._client_leases.get(client) or (mine and any(r.state in (_QUEUED, _RUNNING) for r in mine.values())):
+            # It loses something: heard again, it is a new record (client_epoch).
+            renamed = self._renamed
+            renamed.pop(client, None)
+            renamed[client] = next(self._epochs)
+            if len(renamed) > _MAX_RENAMED:
+                del renamed[next(iter(renamed))]
         self._end_client_leases(client, out)
         self._clients.pop(client, None)
         mine = self._requests.pop(client, None)

@@ -68,9 +68,10 @@ class ClientBase:
     @property
     def broker_reconnects(self) -> int:
         """Times this client's connection to the broker was replaced under it (the same broker
-        process knew it by a new identity: a reset, or a connection closed for silence); the
-        calls sent on the old one and still waited for were sent again (docs/client.md, "When
-        the connection to the broker is replaced")."""
+        process knew it by a new identity: a reset, or a connection closed for silence), or
+        the broker dropped its record of the client for its silence while it held work; the
+        calls sent before and still waited for were sent again (docs/client.md, "When the
+        connection to the broker is replaced")."""
         return self._core.broker_reconnects
 
     @property

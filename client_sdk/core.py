@@ -860,7 +860,7 @@ class ClientCore(PinEvents):
             elif now - max(since, self.resumed_at) > window:  # counted while it listened
                 del self._suspects[key]
                 self.fail(call, BrokerUnreachable(
-                    f"the connection to the broker was replaced while request {call.id} to {call.service!r} "
+                    f"the connection to the broker (or its record of this client) was replaced while request {call.id} to {call.service!r} "
                     f"was streaming, and nothing came for it on the new one for {window:g} s", request_id=call.id))
 
     def hello(self, now: float) -> list[bytes] | None:
@@ -932,7 +932,7 @@ class ClientCore(PinEvents):
             for pin in list(self.pin_all.values()):  # one granted to the new connection stays otherwise
                 self.ops.append(self._lease_end_frames(pin.service, pin.lease))
             self._pin_reset(now)
-        return [*self._resend_brokered(now, "the connection to the broker was replaced",
+        return [*self._resend_brokered(now, "the connection to the broker (or its record of this client) was replaced",
                                        lambda call: call.route != route and id(call) not in spared),
                 *self._reask_mmi()]
 

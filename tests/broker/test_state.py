@@ -442,18 +442,39 @@ def test_no_retries_means_the_first_death_fails_the_request():
     assert of(out, Dispatch) == []
 
 
-def test_a_client_heard_again_after_it_was_presumed_gone_is_a_new_record():
-    s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3))  # client window 3 s
+def test_a_client_dropped_while_it_held_work_is_a_new_record_when_heard_again():
+    s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3, service_grace=60))  # client window 3 s
     assert s.client_epoch(C) is None
     s.client_heartbeat(C, 0.0)
     first = s.client_epoch(C)
     s.client_heartbeat(C, 2.0)
     s.tick(2.0)
     assert s.client_epoch(C) == first  # alive: the same record
-    s.tick(5.5)  # silent past its window: presumed gone
-    assert s.client_epoch(C) is None
+    req(s, 1, 2.0)  # queued: no worker
+    s.tick(5.5)  # silent past its window: presumed gone, its request dropped
+    assert s.client_epoch(C) is None and s.stats()["requests"] == 0
     s.client_heartbeat(C, 6.0)
-    assert s.client_epoch(C) not in (None, first)
+    second = s.client_epoch(C)
+    assert second not in (None, first)
+    # Idle when it is dropped again: nothing lost, the same name when it is back.
+    s.tick(9.5)
+    assert s.client_epoch(C) is None
+    s.client_heartbeat(C, 10.0)
+    assert s.client_epoch(C) == second
+    # After its goodbye, a record of the same identity starts afresh.
+    s.client_disconnect(C, 11.0)
+    s.client_heartbeat(C, 12.0)
+    assert s.client_epoch(C) == first == 0
+
+
+def test_an_idle_client_dropped_for_its_silence_keeps_its_name():
+    s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3))
+    s.client_heartbeat(C, 0.0)
+    first = s.client_epoch(C)
+    s.tick(3.5)
+    assert s.client_epoch(C) is None
+    s.client_heartbeat(C, 4.0)
+    assert s.client_epoch(C) == first
 
 
 def test_a_worker_whose_connection_closed_gets_no_retry_of_another_ones_work():

@@ -133,11 +133,7 @@ def test_an_asyncio_client_whose_loop_was_held_keeps_its_request(cluster, gate):
     asyncio.run(scenario())
 
 
-def test_over_tcp_a_quiet_client_that_was_forgotten_sends_its_requests_again(cluster, gate):
-    """Over tcp silence counts: past the broker's window the quiet client's queued request
-    is dropped and its running one cancelled.  Heard again, it is a new record for the
-    broker, whose heartbeat answer names it anew: the client sends what it still waits for
-    again, as after a new connection, and gets its results."""
+def _tcp_broker(cluster) -> str:
     from bench.peers import free_port
 
     frontend = f"tcp://127.0.0.1:{free_port()}"
@@ -145,6 +141,36 @@ def test_over_tcp_a_quiet_client_that_was_forgotten_sends_its_requests_again(clu
                    "--heartbeat-interval", "0.2", "--insecure"])
     cluster.procs.append(broker)
     broker.wait_ready()
+    return frontend
+
+
+def test_over_tcp_an_idle_client_forgotten_for_its_silence_keeps_its_name(cluster, gate):
+    """Idle past the broker's window (nothing in flight: no heartbeats), the client loses
+    nothing when the broker drops its record: its next call is not sent twice."""
+    frontend = _tcp_broker(cluster)
+    w = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--no-warmup",
+                       env=gate.env, wait=False)
+    gate.open()
+    w.wait_ready()
+    with Client(frontend, timeout=60, heartbeat_interval=HB_S, insecure=True) as c:
+        wait_service(c, "gate")
+        time.sleep(QUIET_S)  # idle, past the broker's window: the scenario itself
+        x = np.arange(4, dtype=np.int32)
+        call = c.infer_stream("gate", {"x": x})
+        assert c.mmi_service("gate")  # a barrier: at the worker, and the heartbeat answered
+        gate.release(1)  # one run: a resend would wait at the gate for a second
+        with call.result() as r:
+            np.testing.assert_array_equal(r["x"], x)
+        call.close()
+        assert c.broker_reconnects == 0
+
+
+def test_over_tcp_a_quiet_client_that_was_forgotten_sends_its_requests_again(cluster, gate):
+    """Over tcp silence counts: past the broker's window the quiet client's queued request
+    is dropped and its running one cancelled.  Heard again, it is a new record for the
+    broker, whose heartbeat answer names it anew: the client sends what it still waits for
+    again, as after a new connection, and gets its results."""
+    frontend = _tcp_broker(cluster)
     w = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "1",
                        "--no-warmup", env=gate.env, wait=False)
     gate.open()
