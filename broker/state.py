@@ -1026,9 +1026,9 @@ class Scheduler(LeaseEvents):
         the client for its silence while it held something (queued or running requests,
         leases) and heard it again; the same after a drop that lost nothing (an idle
         client's silence), and a fresh start after its DISCONNECT (the server's drop of a
-        client that does not read its replies is one: it finds its calls unanswered).  The server names
-        it in the client's heartbeat answers, so that the client sends again what it still
-        waits for (docs/protocol.md section 2)."""
+        client that does not read its replies is one: it finds its calls unanswered).  The
+        server names it in the client's heartbeat answers, so that the client sends again
+        what it still waits for (docs/protocol.md section 2)."""
         c = self._clients.get(client)
         return None if c is None else c.epoch
 
@@ -1046,7 +1046,7 @@ class Scheduler(LeaseEvents):
         principal's other connections keep theirs)."""
         out: list[Action] = []
         self._drop_client(client, out, now)
-        self._renamed.pop(client, None)  # it said goodbye: nobody to name anew
+        self._renamed.pop(client, None)  # it said goodbye: a record of it later starts afresh
         self._flush(now, out)
         return out
 
@@ -1084,6 +1084,7 @@ class Scheduler(LeaseEvents):
                                f"(liveness {self._worker_ttl} s); presumed dead"))
                 self._kill_worker(obj, now, out)
             else:
+                self._rename_if_it_loses(obj.ident)
                 self._drop_client(obj.ident, out, now)
         self._flush(now, out)
         return out
@@ -1664,17 +1665,20 @@ class Scheduler(LeaseEvents):
             self._on_direct(req.svc.name, CLIENT_GONE, req.enqueued_at, req.dispatched_at, now,
                             (req.client, req.request_id))
 
-    def _drop_client(self, client, out, now):
-        """The connection ``client`` went away (or fell silent): exactly its requests go;
-        its principal's other connections keep theirs, and their counts."""
+    def _rename_if_it_loses(self, client):
+        """``client`` is dropped for its silence: if it holds something (queued or running
+        requests, leases), its next record gets a new number (client_epoch)."""
         mine = self._requests.get(client)
         if self._client_leases.get(client) or (mine and any(r.state in (_QUEUED, _RUNNING) for r in mine.values())):
-            # It loses something: heard again, it is a new record (client_epoch).
             renamed = self._renamed
             renamed.pop(client, None)
             renamed[client] = next(self._epochs)
             if len(renamed) > _MAX_RENAMED:
                 del renamed[next(iter(renamed))]
+
+    def _drop_client(self, client, out, now):
+        """The connection ``client`` went away (or fell silent): exactly its requests go;
+        its principal's other connections keep theirs, and their counts."""
         self._end_client_leases(client, out)
         self._clients.pop(client, None)
         mine = self._requests.pop(client, None)

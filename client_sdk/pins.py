@@ -512,7 +512,7 @@ class PinEvents:
     def _pin_overdue(self, pin: Pin, now: float) -> None:
         """Give a tcp lease back if its handshake has not succeeded within PIN_CONNECT_S."""
         # From the client's return, if it was away (ClientCore.looking): nobody watched.
-        if not pin.ready and not pin.closed and now - max(pin.opened, getattr(self, "resumed_at", 0.0)) >= PIN_CONNECT_S:
+        if not pin.ready and not pin.closed and now - max(pin.opened, self.resumed_at) >= PIN_CONNECT_S:
             self.pin_broken(pin, now, f"no handshake within {PIN_CONNECT_S:g} s"
                             + (f"; last: {pin.trouble}" if pin.trouble else ""))
 
