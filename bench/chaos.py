@@ -23,6 +23,12 @@ seeded random schedule) one fault:
                   its input in its shared memory, requests in flight), a new one started:
                   its leases, requests and memory must be cleaned up by the others
 
+With `--hostile`, a hostile peer runs through the whole run as a process of its own
+(`python -m bench.hostile`): mutated messages of every kind on its frontend connection,
+requests whose descriptors name the other clients' real segments (refused, or the run
+fails: status 4), floods of requests left unread, junk on the workers' direct sockets.
+Nothing it sends may fail another client's request or end a process.
+
 The clients, each a thread (or an asyncio task) of this process:
 
   small     sync `Client`, 16 B inline, new random bytes every request
@@ -107,11 +113,23 @@ def _shm_files() -> set[str]:
         return set()
 
 
+def _last_json(out: bytes) -> dict | None:
+    """The last line of `out` that is a JSON object (a process's report as it ended)."""
+    for line in reversed(out.decode(errors="replace").splitlines()):
+        try:
+            v = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(v, dict):
+            return v
+    return None
+
+
 class Fleet:
     """The broker and the workers, on ipc endpoints in `d`, and the faults done to them."""
 
     def __init__(self, d: str, heartbeat: float, workers: int, broker_args: tuple[str, ...] = (),
-                 model: str = "echo", tcp: bool = False):
+                 model: str = "echo", tcp: bool = False, hostile_seed: int | None = None):
         self.fe, self.be = f"ipc://{d}/fe.ipc", f"ipc://{d}/be.ipc"
         self.relay = None
         self.client_ep = self.fe  # where the clients connect
@@ -129,6 +147,8 @@ class Fleet:
         self.broker_args = list(broker_args)
         self.broker: subprocess.Popen | None = None
         self.client: subprocess.Popen | None = None
+        self.hostile: subprocess.Popen | None = None  # `bench.hostile`, with --hostile
+        self.hostile_report: dict | None = None  # what it printed as it ended
         self.workers: list[subprocess.Popen] = []
         self.gone: list[subprocess.Popen] = []  # ended by a fault: reaped at close
         self.wrong = 0  # wrong replies the client process saw (its exit status 3)
@@ -138,12 +158,17 @@ class Fleet:
             for _ in range(workers):
                 self.workers.append(self.start_worker())
             self.client = self.start_client()
+            if hostile_seed is not None:
+                self._hostile_log = os.path.join(d, "hostile.stderr")  # its traceback, should it fail
+                with open(self._hostile_log, "wb") as err:
+                    self.hostile = self._spawn(["-m", "bench.hostile", "--frontend", self.client_ep,
+                                                "--seed", str(hostile_seed)], stderr=err)
         except BaseException:
             self.close()
             raise
 
-    def _spawn(self, args: list[str]) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    def _spawn(self, args: list[str], stderr=subprocess.DEVNULL) -> subprocess.Popen:
+        p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=stderr,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
             wait_ready(p, 120)
@@ -253,10 +278,12 @@ class Fleet:
             if p is not None and p.poll() is not None:  # ended by itself, mid-run
                 self.failures.append(f"{p.args[2]} {p.pid} had exited by itself (status {p.returncode})")
         live = [p for p in [*self.workers, self.broker] if p is not None and p.poll() is None]
-        for p in [self.client, *self.workers, self.broker]:
+        if self.hostile is not None and self.hostile.poll() is not None:
+            self.failures.append(self._hostile_ended())
+        for p in [self.hostile, self.client, *self.workers, self.broker]:
             if p is not None and p.poll() is None:
                 p.terminate()
-        for p in [self.client, *self.workers, self.broker, *self.gone]:
+        for p in [self.hostile, self.client, *self.workers, self.broker, *self.gone]:
             if p is None:
                 continue
             try:
@@ -265,6 +292,8 @@ class Fleet:
                 p.kill()
                 p.wait(10)
             if p.stdout is not None:
+                if p is self.hostile:
+                    self.hostile_report = _last_json(p.stdout.read())
                 p.stdout.close()
         for p in live:  # SIGTERM: they drain and exit 0
             if p.returncode != 0:
@@ -274,8 +303,22 @@ class Fleet:
                 self.wrong += 1
             elif self.client.returncode != 0:
                 self.failures.append(f"client process {self.client.pid} ended with status {self.client.returncode}")
+        if self.hostile is not None and self.hostile.returncode != 0 and not any(
+                f.startswith("hostile") for f in self.failures):
+            self.failures.append(self._hostile_ended())
         if self.relay is not None:
             self.relay.close()
+
+    def _hostile_ended(self) -> str:
+        rc = self.hostile.returncode
+        if rc == 4:
+            return f"hostile process {self.hostile.pid}: a forged descriptor was served (status 4)"
+        try:
+            with open(self._hostile_log, "rb") as f:
+                tail = f.read()[-2000:].decode(errors="replace").strip()
+        except OSError:
+            tail = ""
+        return f"hostile process {self.hostile.pid} ended with status {rc}" + (f": {tail}" if tail else "")
 
 
 class Tally:
@@ -471,7 +514,7 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
         hang_s: float = 1.5, timeout: float = 30.0, settle_s: float = 3.0, async_tasks: int = 4,
         service_grace: float = 30.0, max_retries: int | None = None, model: str = "echo", tcp: bool = False,
         plan: list[tuple[float, str]] | None = None, clients: tuple[str, ...] = CLIENTS,
-        log=print) -> dict:
+        hostile: bool = False, log=print) -> dict:
     """One chaos run (see the module docstring); `plan` replaces the random schedule, `model`
     the workers' echo (served as `echo`: any model that returns its input)."""
     unknown = set(clients) - set(CLIENTS)
@@ -483,7 +526,7 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
     max_retries = workers + 1 if max_retries is None else max_retries
     try:
         fleet = Fleet(d, heartbeat, workers, ("--service-grace", str(service_grace), "--max-retries", str(max_retries)),
-                      model, tcp)
+                      model, tcp, hostile_seed=seed + 7 if hostile else None)
     except BaseException:
         shutil.rmtree(d, ignore_errors=True)
         raise
@@ -533,10 +576,10 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
     failed = sum(n for r in per_client.values() for k, n in r["outcomes"].items() if k not in ("ok", "wrong", "dropped"))
     idle = [name for name, r in per_client.items() if not r["outcomes"].get("ok")]  # never got a reply
     return {"seconds": round(elapsed, 1), "seed": seed, "every_s": every, "heartbeat_s": heartbeat, "hang_s": hang_s,
-            "timeout_s": timeout, "workers": workers, "tcp": tcp, "service_grace_s": service_grace,
+            "timeout_s": timeout, "workers": workers, "tcp": tcp, "hostile": hostile, "service_grace_s": service_grace,
             "max_retries": max_retries, "faults": events, "clients": per_client,
             "wrong": wrong, "failed": failed, "stuck_clients": stuck, "idle_clients": idle,
-            "process_failures": fleet.failures, "shm_left": shm_left,
+            "process_failures": fleet.failures, "hostile_report": fleet.hostile_report, "shm_left": shm_left,
             "passed": wrong == 0 and failed == 0 and not stuck and not idle and not fleet.failures and not shm_left}
 
 
@@ -589,15 +632,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="the broker's (default: workers + 1; see the module docstring)")
     ap.add_argument("--tcp", action="store_true",
                     help="clients on tcp through a relay that can reset their connections (adds the reset fault)")
+    ap.add_argument("--hostile", action="store_true",
+                    help="a hostile peer beside the clients (`bench.hostile`): mutated messages, forged "
+                         "descriptors, floods, junk on the workers' direct sockets")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     res = run(a.seconds, every=a.every, seed=a.seed, workers=a.workers, heartbeat=a.heartbeat_interval,
               hang_s=a.hang_s, timeout=a.timeout, settle_s=a.settle_s, service_grace=a.service_grace,
-              max_retries=a.max_retries, tcp=a.tcp)
+              max_retries=a.max_retries, tcp=a.tcp, hostile=a.hostile)
     for name, r in res["clients"].items():
         print(f"{name:8s} {r['requests']:7d} requests  p50 {r['p50_ms']} ms  longest {r['max_ms']} ms  {r['outcomes']}")
         for s in r["error_samples"]:
             print(f"           {s}")
+    if res["hostile_report"] is not None:
+        print(f"hostile: {res['hostile_report']}")
     for f in res["process_failures"]:
         print(f"process: {f}")
     print(f"faults {len(res['faults'])}, wrong {res['wrong']}, failed {res['failed']}, stuck clients "

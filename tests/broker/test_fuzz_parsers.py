@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from broker import protocol as P
+from bench.hostile import mutate_bytes, mutate_frames
 from broker.protocol import header as H
 
 SETTINGS = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -413,52 +414,7 @@ def test_lenient_request_id_never_raises():
 
 # ----------------------------------------------------------------------------- seeded mutation loop
 
-_INTERESTING = [b"\xc1", b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff",
-                b"\xc6\xff\xff\xff\xff", b"\xcf\xff\xff\xff\xff\xff\xff\xff\xff", b"\xd3\x80" + b"\x00" * 7,
-                b"\x91" * 2000, b"\x81\xa1k" * 600, b"\xa3|V0", b"\xa3|S0", b"\xa3<U0", b"\xcb\x7f\xf8" + b"\x00" * 6,
-                b"\xc7\x01\xff\x00", b"\xd6\xff\xff\xff\xff\xff", P.MAGIC, b"\x00", b"\xff"]
-
-
-def _mutate_bytes(rng: random.Random, b: bytes) -> bytes:
-    b = bytearray(b)
-    for _ in range(rng.randint(1, 4)):
-        op = rng.randrange(6)
-        if op == 0 and b:  # bit flip
-            i = rng.randrange(len(b))
-            b[i] ^= 1 << rng.randrange(8)
-        elif op == 1 and b:  # truncate
-            del b[rng.randrange(len(b)):]
-        elif op == 2:  # insert random bytes
-            i = rng.randrange(len(b) + 1)
-            b[i:i] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8)))
-        elif op == 3:  # insert or overwrite with an interesting token
-            i = rng.randrange(len(b) + 1)
-            tok = rng.choice(_INTERESTING)
-            b[i:i + (len(tok) if rng.random() < 0.5 else 0)] = tok
-        elif op == 4 and b:  # random byte
-            b[rng.randrange(len(b))] = rng.randrange(256)
-        elif b:  # duplicate a slice
-            i = rng.randrange(len(b))
-            j = min(len(b), i + rng.randint(1, 32))
-            b[j:j] = b[i:j]
-    return bytes(b)
-
-
-def _mutate_frames(rng: random.Random, corpus: list[list[bytes]]) -> list[bytes]:
-    frames = list(rng.choice(corpus))
-    for _ in range(rng.randint(1, 3)):
-        op = rng.randrange(5)
-        if op <= 1 and frames:
-            i = rng.randrange(len(frames))
-            frames[i] = _mutate_bytes(rng, frames[i])
-        elif op == 2 and frames:
-            del frames[rng.randrange(len(frames))]
-        elif op == 3:
-            frames.insert(rng.randrange(len(frames) + 1), rng.choice(rng.choice(corpus)))
-        else:
-            other = rng.choice(corpus)
-            frames = frames[:rng.randrange(len(frames) + 1)] + other[rng.randrange(len(other) + 1):]
-    return frames
+# The mutators are bench.hostile's (the chaos run's hostile peer uses them live).
 
 
 def test_seeded_mutation_loop_only_protocol_errors():
@@ -468,7 +424,7 @@ def test_seeded_mutation_loop_only_protocol_errors():
     deadline = time.monotonic() + 3.0
     n = 0
     while n < 30_000 and time.monotonic() < deadline:
-        _feed_frames(_mutate_frames(rng, corpus))
+        _feed_frames(mutate_frames(rng, corpus))
         n += 1
     assert n >= 500  # the loop really ran
 
@@ -484,7 +440,7 @@ def test_seeded_mutation_loop_on_headers_accepts_only_sane_ones():
     n = accepted = 0
     while n < 30_000 and time.monotonic() < deadline:
         head, rest = rng.choice(seeds)
-        frame = P.MAGIC + _mutate_bytes(rng, head[4:])
+        frame = P.MAGIC + mutate_bytes(rng, head[4:])
         for decode in (P.decode_request, P.decode_reply):
             try:
                 msg = decode(frame, len(rest))

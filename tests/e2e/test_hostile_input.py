@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import zmq
 
+from bench.hostile import mutate_frames
 from broker import protocol as P
 from client_sdk import Client
-from tests.broker.test_fuzz_parsers import _mutate_frames
 from tests.e2e.conftest import Proc, wait_service
 
 pytestmark = pytest.mark.timeout(60)
@@ -168,7 +168,7 @@ def test_mutated_messages_on_both_sockets_crash_nothing(cluster):
         deadline = time.monotonic() + 5.0
         while sent < 3000 and time.monotonic() < deadline:
             for sock, corpus in ((c, c_corpus), (w, w_corpus)):
-                frames = _mutate_frames(rng, corpus) or [b""]
+                frames = mutate_frames(rng, corpus) or [b""]
                 try:
                     sock.send_multipart(frames, zmq.NOBLOCK)
                 except zmq.Again:

@@ -1,0 +1,86 @@
+"""bench.hostile: beside faults and every kind of client, a hostile peer (mutated messages,
+forged descriptors into the clients' own segments, floods, junk on the workers' direct
+sockets and local links) fails no request and ends no process; and its check does catch a
+forged descriptor that is served."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from bench import chaos
+from bench.hostile import victim_segments
+from broker import protocol as P
+from shm import ShmPool
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_a_hostile_peer_beside_faults_and_clients_harms_nobody():
+    plan = [(2.0, "kill-worker"), (3.5, "restart-broker"), (5.0, "drain-worker"), (6.5, "kill-client")]
+    res = chaos.run(plan=plan, workers=2, seed=11, settle_s=3.0, hostile=True, log=lambda *_: None)
+    assert res["passed"], res
+    rep = res["hostile_report"]
+    assert rep is not None and rep["breaches"] == [], res
+    steps = rep["steps"]
+    for kind in ("mutate", "forge", "flood", "direct", "link", "reconnect"):
+        assert steps.get(kind, 0) > 0, steps  # each kind really aimed at something
+    assert rep["replies"] > 0
+    for name, r in res["clients"].items():
+        assert r["outcomes"].get("ok", 0) > (2 if name == "pipelined" else 20), (name, r)
+
+
+def test_victims_are_the_segments_a_process_owns():
+    pool = ShmPool(1 << 16)
+    try:
+        x = pool.alloc((16,), np.uint8)
+        found = victim_segments([os.getpid()])
+        assert (pool.ref_of(x).segment, os.getpid()) in found
+        assert all(pid != os.getpid() for _, pid in victim_segments())  # by default: the parent's and siblings'
+    finally:
+        pool.close()
+
+
+def test_a_served_forgery_is_caught():
+    """A 'broker' that answers every request with success: the hostile peer must see that
+    its forged descriptor was served, and say so with status 4."""
+    pool = ShmPool(1 << 16)  # a victim: a segment of this process
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    p = subprocess.Popen([sys.executable, "-m", "bench.hostile", "--frontend", f"tcp://127.0.0.1:{port}",
+                          "--rate", "1000", "--seed", "2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        ok = P.TensorRef(name="x", dtype="|u1", shape=[16], loc=P.InlineLoc(frame=0))
+        while p.poll() is None:
+            assert time.monotonic() < deadline, "the forgery was not caught"
+            if not router.poll(100):
+                continue
+            ident, *frames = router.recv_multipart()
+            try:
+                m = P.parse_client(frames)
+            except P.ProtocolError:
+                continue
+            if m.command != P.C_REQUEST or not m.body or not P.is_header(m.body[0]):
+                continue
+            rid = P.lenient_request_id(m.body[0])
+            head = P.encode_header(P.Reply(id=rid, tensors=[ok]))
+            router.send_multipart([ident, *P.client_reply(True, m.service, [head, np.zeros(16, np.uint8)])])
+        assert p.wait(10) == 4
+        report = json.loads(p.stdout.read().decode().strip().splitlines()[-1])
+        assert report["breaches"] and "a forged descriptor was served" in report["breaches"][0]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        p.stdout.close()
+        router.close(0)
+        pool.close()
