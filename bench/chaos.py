@@ -25,9 +25,11 @@ seeded random schedule) one fault:
 
 With `--hostile`, a hostile peer runs through the whole run as a process of its own
 (`python -m bench.hostile`): mutated messages of every kind on its frontend connection,
-requests whose descriptors name the other clients' real segments (refused, or the run
-fails: status 4), floods of requests left unread, junk on the workers' direct sockets.
-Nothing it sends may fail another client's request or end a process.
+requests whose descriptors copy slots in flight of the other processes' real segments
+(clients' inputs, workers' output rings: refused, or the run fails, status 4), floods,
+spells of not reading its replies, big inline requests, junk on the workers' direct
+sockets and local links.  Nothing it sends may fail another client's request or end a
+process.
 
 The clients, each a thread (or an asyncio task) of this process:
 

@@ -12,19 +12,23 @@ its own attested pid).  Each step, paced at `--rate` steps a second, is one of:
             truncation, inserted bytes and msgpack's dangerous ones, frames dropped,
             duplicated or spliced), on its frontend connection
   forge     a REQUEST whose shared-memory descriptor names a real segment of another
-            process (the chaos clients' own, found in their descriptor tables), at a random
-            slot, offset and generation, and claims that process's pid: it must be refused
+            process (our parent's and siblings': the chaos clients' inputs, the workers'
+            output rings; found in their descriptor tables), mostly an exact copy of one of
+            its slots in flight read from its slot table (so that only the ownership check
+            stands between it and the victim's bytes), else random fields, or the segment
+            named under our own pid: it must be refused
   flood     a burst of valid 16 B requests
   mute      its replies left unread for 0.5-3 s (a peer that stops reading), at most once
             every 5 s
   big       one valid request with a 1-4 MiB inline tensor
-  direct    a mutated message on a worker's direct socket (`w-<pid>-*.ipc` in the runtime
-            directory, for a sibling process's pid), on a connection opened for it
+  direct    mutated messages on a worker's direct socket (`w-<pid>-*.ipc` in the runtime
+            directory, for a sibling process's pid), on a connection kept to it
   link      junk on a worker's local link (`w-<pid>-*.link`, a unix SOCK_SEQPACKET socket):
             mutated messages in its framing, mutated framing, or random bytes
   reconnect the frontend connection closed and opened again (its requests abandoned)
 
-Replies are read as they come.  A successful reply to a forged request would mean the
+Replies are read as they come (but while muted).  `--only forge,mutate` limits the steps
+to those kinds.  A successful reply to a forged request would mean the
 worker read memory the sender does not own: the process prints it and exits with status 4
 (the chaos run counts it as a failure, as it does a crashed broker or worker).  SIGTERM ends
 it with status 0.  Prints `READY hostile` once connected and, as it ends, one JSON line: the
@@ -49,6 +53,8 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol import link
+from shm.segment import (HEADER_SIZE, IN_FLIGHT, Q_NBYTES, Q_OFFSET, Q_WORD, QS, SLOT_SIZE, U32, BadDescriptor,
+                         SegmentGone, open_checked, self_identity)
 
 FORGED_BASE = 1 << 48  # forged requests' ids count up from here: their replies must be errors
 _MEMFD_RE = re.compile(r"/memfd:(zinf-(\d+)-\d+-[0-9a-f]{16})(?: \(deleted\))?")
@@ -113,7 +119,7 @@ def client_corpus(service: str = "echo") -> list[list[bytes]]:
     inline = P.TensorRef(name="x", dtype="<i4", shape=[2, 2], loc=P.InlineLoc(frame=0))
     head = P.encode_header(P.Request(id=11, priority=2, timeout_ms=2000.0, tensors=[inline], meta={"a": [1, {"b": 2}]}))
     shm = P.encode_header(P.Request(id=12, host=host, tensors=[P.TensorRef(
-        name="y", dtype="<f4", shape=[4], loc=P.ShmLoc(segment="zinf-1-2-0123456789abcdef", offset=0, nbytes=16,
+        name="y", dtype="<f4", shape=[4], loc=P.ShmLoc(segment="zinf-1-2-0123456789abcdef-3", offset=0, nbytes=16,
                                                         slot=0, generation=1))]))
     ask = P.encode_header(P.LeaseAsk(id=13, slots=2, host=host, transports=["inline", "shm"]))
     return [
@@ -152,16 +158,50 @@ def victim_segments(pids: list[int] | None = None) -> list[tuple[str, int]]:
     return out
 
 
+def live_slots(segment: str, most: int = 64) -> list[tuple[int, int, int, int]]:
+    """(offset, nbytes, slot, generation) of the slots of `segment` that are in flight now,
+    read from its slot table (the same user may open another process's segment; a reader
+    of another uid could not), at most `most`; [] if it cannot be read."""
+    try:
+        fd, h = open_checked(segment, os.O_RDONLY)
+    except (SegmentGone, BadDescriptor, ValueError):
+        return []
+    try:
+        table = os.pread(fd, SLOT_SIZE * int(h["slot_count"]), HEADER_SIZE)
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
+    q = np.frombuffer(table, "<u8")
+    q = q[: len(q) // QS * QS].reshape(-1, QS)
+    words = q[:, Q_WORD]
+    found = np.nonzero((words & U32) == IN_FLIGHT)[0][:most]
+    return [(int(q[i, Q_OFFSET]), int(q[i, Q_NBYTES]), int(i), int(words[i] >> 32)) for i in found]
+
+
 def forged_request(rng: random.Random, rid: int, service: str = "echo") -> list[bytes] | None:
-    """A REQUEST whose descriptor names another process's segment and claims its pid; None
-    when no other process has one now."""
+    """A REQUEST whose descriptor names another process's segment; None when no other
+    process has one now.  Mostly an exact copy of one of its slots in flight (offset,
+    length, slot, generation: a descriptor that only the ownership check refuses); else
+    random fields; and half of those that are not exact name the segment under our own
+    pid and start time, with the owner's label and descriptor number (the worker would
+    fetch our descriptor of that number, whatever it is).  The header's pid claims the
+    owner's (the broker overwrites it with the one it attested)."""
     victims = victim_segments()
     if not victims:
         return None
     seg, pid = rng.choice(victims)
-    nbytes = rng.choice([16, 4096, 65536, 1 << 20])
-    loc = P.ShmLoc(segment=seg, offset=rng.choice([0, 4096, 65536, rng.randrange(1 << 20)]), nbytes=nbytes,
-                   slot=rng.randrange(64), generation=rng.randrange(1, 1 << 16))
+    exact = live_slots(seg) if rng.random() < 0.75 else []
+    if exact:
+        off, nbytes, slot, gen = rng.choice(exact)
+    else:
+        nbytes = rng.choice([16, 4096, 65536, 1 << 20])
+        off, slot, gen = rng.choice([0, 4096, 65536, rng.randrange(1 << 20)]), rng.randrange(64), rng.randrange(1 << 16)
+        if rng.random() < 0.5:
+            _, _, _, label, fd = seg.split("-")
+            me, start = self_identity()
+            seg = f"zinf-{me}-{start}-{label}-{fd}"
+    loc = P.ShmLoc(segment=seg, offset=off, nbytes=nbytes, slot=slot, generation=gen)
     req = P.Request(id=rid, host=P.local_host_id(), pid=pid,
                     tensors=[P.TensorRef(name="x", dtype="|u1", shape=[nbytes], loc=loc)])
     return P.client_request(service, [P.encode_header(req)])
@@ -204,7 +244,12 @@ class Hostile:
     MUTE_EVERY = 5.0  # seconds at least from the end of one mute to the next
     BIG = (1 << 20, 4 << 20)  # a big step's inline tensor, bytes (least, most)
 
-    def __init__(self, frontend: str, seed: int, *, service: str = "echo", ctx: zmq.Context | None = None):
+    def __init__(self, frontend: str, seed: int, *, service: str = "echo", only: tuple[str, ...] = (),
+                 ctx: zmq.Context | None = None):
+        unknown = set(only) - set(self.STEPS)
+        if unknown:
+            raise ValueError(f"no such step: {', '.join(sorted(unknown))} (steps: {', '.join(sorted(set(self.STEPS)))})")
+        self.steps = tuple(k for k in self.STEPS if k in only) if only else self.STEPS
         self.ctx = ctx or zmq.Context.instance()
         self.frontend = frontend
         self.rng = random.Random(seed)
@@ -218,6 +263,7 @@ class Hostile:
         self.replies = 0
         self.breaches: list[str] = []
         self.sock = self._open(frontend)
+        self.direct: dict[str, zmq.Socket] = {}  # worker direct socket -> our connection to it
 
     def _open(self, endpoint: str) -> zmq.Socket:
         s = self.ctx.socket(zmq.DEALER)
@@ -234,10 +280,20 @@ class Hostile:
         except zmq.Again:
             pass  # the peer is gone or slow: a hostile peer does not wait
 
+    def _direct_to(self, endpoint: str) -> zmq.Socket:
+        """A connection to a worker's direct socket, kept while its file is there (one closed
+        at once, linger 0, would drop what it queued before connecting)."""
+        for ep in [ep for ep in self.direct if not os.path.exists(ep[len("ipc://"):])]:
+            self.direct.pop(ep).close(0)  # that worker is gone
+        s = self.direct.get(endpoint)
+        if s is None:
+            s = self.direct[endpoint] = self._open(endpoint)
+        return s
+
     def step(self) -> str:
         """One step; its kind, or "idle" when it found nothing to aim at (no other
-        process's segment, no worker's direct socket)."""
-        kind = self._step(self.rng.choice(self.STEPS))
+        process's segment, no worker's direct socket) or a mute came too soon."""
+        kind = self._step(self.rng.choice(self.steps))
         self.counts[kind] = self.counts.get(kind, 0) + 1
         return kind
 
@@ -262,12 +318,9 @@ class Hostile:
             eps = direct_sockets(siblings())
             if not eps:
                 return "idle"
-            s = self._open(self.rng.choice(eps))
-            try:
-                for _ in range(self.rng.randint(1, 5)):
-                    self._send(s, mutate_frames(self.rng, self.corpus))
-            finally:
-                s.close(0)
+            s = self._direct_to(self.rng.choice(eps))
+            for _ in range(self.rng.randint(1, 5)):
+                self._send(s, mutate_frames(self.rng, self.corpus))
         elif kind == "link":
             paths = direct_sockets(siblings(), ".link")
             if not paths:
@@ -321,6 +374,9 @@ class Hostile:
 
     def close(self) -> None:
         self.sock.close(0)
+        for s in self.direct.values():
+            s.close(0)
+        self.direct.clear()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,11 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--rate", type=float, default=200.0, help="steps a second (default 200)")
     ap.add_argument("--service", default="echo")
+    ap.add_argument("--only", default="", help="these steps only, comma-separated (default: every kind)")
     a = ap.parse_args(argv)
     die_with_parent()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    h = Hostile(a.frontend, a.seed, service=a.service)
+    h = Hostile(a.frontend, a.seed, service=a.service, only=tuple(k for k in a.only.split(",") if k))
     print("READY hostile", flush=True)
     pause = 1.0 / a.rate
     try:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,8 @@ from broker import protocol as P
 from shm import ShmPool
 
 pytestmark = pytest.mark.timeout(300)
+
+HERE = Path(__file__).parent
 
 
 def test_a_hostile_peer_beside_faults_and_clients_harms_nobody():
@@ -49,14 +52,14 @@ def test_victims_are_the_segments_a_process_owns():
 
 def test_a_served_forgery_is_caught():
     """A 'broker' that answers every request with success: the hostile peer must see that
-    its forged descriptor was served, and say so with status 4."""
+    its forged descriptor was served, and say so with status 4 (its forge steps only)."""
     pool = ShmPool(1 << 16)  # a victim: a segment of this process
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     router.linger = 0
     port = router.bind_to_random_port("tcp://127.0.0.1")
     p = subprocess.Popen([sys.executable, "-m", "bench.hostile", "--frontend", f"tcp://127.0.0.1:{port}",
-                          "--rate", "1000", "--seed", "2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                          "--rate", "1000", "--seed", "2", "--only", "forge"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         ok = P.TensorRef(name="x", dtype="|u1", shape=[16], loc=P.InlineLoc(frame=0))
@@ -84,3 +87,14 @@ def test_a_served_forgery_is_caught():
         p.stdout.close()
         router.close(0)
         pool.close()
+
+
+def test_a_worker_without_its_ownership_check_fails_the_run(monkeypatch):
+    """The real thing: a worker that would serve another process's slot (its ownership
+    check switched off) is caught by the hostile peer's exact forgeries, end to end."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    res = chaos.run(plan=[], workers=1, seed=1, settle_s=6.0, model="trusting_model:factory", hostile=True,
+                    clients=("frame",), log=lambda *_: None)
+    assert not res["passed"]
+    assert any("a forged descriptor was served" in f for f in res["process_failures"]), res["process_failures"]
+    assert res["hostile_report"]["breaches"], res["hostile_report"]
