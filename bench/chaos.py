@@ -280,8 +280,7 @@ class Fleet:
             if p is not None and p.poll() is not None:  # ended by itself, mid-run
                 self.failures.append(f"{p.args[2]} {p.pid} had exited by itself (status {p.returncode})")
         live = [p for p in [*self.workers, self.broker] if p is not None and p.poll() is None]
-        if self.hostile is not None and self.hostile.poll() is not None:
-            self.failures.append(self._hostile_ended())
+        hostile_early = self.hostile is not None and self.hostile.poll() is not None  # it runs until told
         for p in [self.hostile, self.client, *self.workers, self.broker]:
             if p is not None and p.poll() is None:
                 p.terminate()
@@ -305,13 +304,12 @@ class Fleet:
                 self.wrong += 1
             elif self.client.returncode != 0:
                 self.failures.append(f"client process {self.client.pid} ended with status {self.client.returncode}")
-        if self.hostile is not None and self.hostile.returncode != 0 and not any(
-                f.startswith("hostile") for f in self.failures):
-            self.failures.append(self._hostile_ended())
+        if self.hostile is not None and (hostile_early or self.hostile.returncode != 0):
+            self.failures.append(self._hostile_ended(hostile_early))
         if self.relay is not None:
             self.relay.close()
 
-    def _hostile_ended(self) -> str:
+    def _hostile_ended(self, early: bool) -> str:
         rc = self.hostile.returncode
         if rc == 4:
             return f"hostile process {self.hostile.pid}: a forged descriptor was served (status 4)"
@@ -320,7 +318,8 @@ class Fleet:
                 tail = f.read()[-2000:].decode(errors="replace").strip()
         except OSError:
             tail = ""
-        return f"hostile process {self.hostile.pid} ended with status {rc}" + (f": {tail}" if tail else "")
+        how = "ended by itself" if early else "ended"
+        return f"hostile process {self.hostile.pid} {how} with status {rc}" + (f": {tail}" if tail else "")
 
 
 class Tally:
