@@ -93,8 +93,17 @@ class CudaPlane:
                    mem=MemoryWatch(max_batch, device=index), device_path=device_path)
 
     def _unpin(self, segment: str) -> None:
-        """The input cache's on_forget hook: unpin before the mapping goes."""
-        self._pinned.pop(segment, None)
+        """The input cache's on_forget hook: unpin before the mapping goes.
+
+        The hook runs on the loop's thread (LRU, the housekeeping sweep of dead owners)
+        while a batch may be running on the offload thread, its non-blocking uploads from
+        these very pages still queued on the stream: those must be done before the pages
+        are unregistered (a DMA from memory no longer pinned is undefined)."""
+        if self._pinned.pop(segment, None) is not None:
+            try:
+                self.stream.synchronize()
+            except Exception:
+                log.exception("could not synchronise the worker stream before unpinning %s", segment)
         self.pins.drop(segment)
 
     def admit(self) -> str | None:
@@ -126,8 +135,8 @@ class CudaPlane:
                     m = host.inputs.mapping(loc.segment)
                     if (m is not None and len(m) <= PIN_MAX_BYTES
                             and sum(self._pinned.values()) + len(m) <= PIN_BUDGET_BYTES):
-                        self.pins.ensure(loc.segment, m, readonly=True)
-                        self._pinned[loc.segment] = len(m)
+                        if self.pins.ensure(loc.segment, m, readonly=True):
+                            self._pinned[loc.segment] = len(m)  # a refused pin holds no budget
             inputs[t.name] = arr
             refs[t.name] = t
         job.inputs, job.refs = inputs, refs

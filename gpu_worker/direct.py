@@ -18,7 +18,10 @@ Three pure cores (no socket, no clock: time is passed in) and one socket cache:
   first.  An endpoint whose ipc path is not visible from here (another mount namespace, or
   the client is gone) gets no socket: a connect would queue replies forever.  A send never
   blocks: a full socket (the client stopped reading) or a failed one means the caller relays
-  this reply through the broker, which knows whether the client is still there.
+  this reply through the broker, which knows whether the client is still there.  `sweep`
+  (the worker's housekeeping) closes the sockets of clients that exited: each would
+  otherwise try to reconnect to a dead endpoint ten times a second until 64 newer
+  clients pushed it out.
 
 Invariant the worker must keep: an envelope enters `DoneGather` only after its FINAL was
 queued on a direct socket, and every envelope that entered is told to the broker (or dropped
@@ -36,6 +39,7 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol.wire import NOBLOCK, send_frames
+from shm.book import PidfdHolders
 
 __all__ = ["DIRECT_LINGER_MS", "direct_endpoint", "DoneGather", "gathers_finals", "BatchFinals", "DirectSockets"]
 
@@ -184,6 +188,8 @@ class DirectSockets:
         self.ctx = ctx
         self.capacity = max(1, int(capacity))
         self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()
+        self._owner: dict[str, tuple[int, int]] = {}  # endpoint -> its client's (pid, starttime)
+        self._holders = PidfdHolders()  # their liveness, one poll for all (sweep)
 
     def __len__(self) -> int:
         return len(self._socks)
@@ -216,10 +222,25 @@ class DirectSockets:
             log.warning("cannot connect to reply_to %s (%s); relaying through the broker", endpoint, e)
             return None
         self._socks[endpoint] = sock
+        owner = P.parse_reply_socket_name(endpoint.rpartition("/")[2])
+        if owner is not None:
+            self._owner[endpoint] = owner
+            self._holders.starttime(owner[0])  # a pidfd for sweep to poll, once per client
         while len(self._socks) > self.capacity:
-            _, old = self._socks.popitem(last=False)
+            name, old = self._socks.popitem(last=False)
+            self._owner.pop(name, None)
             old.close(linger=DIRECT_LINGER_MS)
         return sock
+
+    def sweep(self) -> list[str]:
+        """Close the sockets of clients that exited (their endpoints; the name states the
+        owner's pid and start time).  A reply still queued for one has nobody to read it."""
+        holders = self._holders
+        holders.prune()
+        gone = [ep for ep, owner in self._owner.items() if not holders.alive(*owner)]
+        for ep in gone:
+            self.drop(ep)
+        return gone
 
     def send(self, endpoint: str, frames, *, keep_failed: bool = False) -> bool:
         """Queue one message on ``endpoint``'s open socket without blocking; False when the
@@ -241,6 +262,7 @@ class DirectSockets:
         return True
 
     def drop(self, endpoint: str) -> None:
+        self._owner.pop(endpoint, None)
         sock = self._socks.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=0)
@@ -249,3 +271,5 @@ class DirectSockets:
         for sock in self._socks.values():
             sock.close(linger=DIRECT_LINGER_MS)
         self._socks.clear()
+        self._owner.clear()
+        self._holders.close()

@@ -177,6 +177,10 @@ class HostPlane:
         # now, not at the next allocation that finds the ring full.
         if self.out_pool is not None:
             self.out_pool.reclaim()
+        # Inputs of clients that died: a SIGKILL never marks a segment closed, and our
+        # mapping would keep its memory (and the owner's pid, were it reused) until 64
+        # other segments pushed it out.
+        self.inputs.sweep()
 
     def usage(self) -> dict:
         """Pool use for the worker's STATS (`P.WorkerStats` fields): output ring bytes."""

@@ -487,6 +487,7 @@ class Worker:
                 self._maybe_keep_warm()
                 if now >= next_housekeeping:  # every interval, busy or not
                     self.plane.housekeeping()
+                    self.direct.sweep()  # reply_to sockets of clients that exited
                     if link is not None:
                         link.expire(now)  # connections retired for a client that stopped reading
                     self._send_stats()

@@ -67,6 +67,9 @@ class ProcHolders:
     def alive(pid: int, starttime: int) -> bool:
         return starttime != 0 and process_alive(pid, starttime)
 
+    def prune(self) -> int:
+        return 0
+
     def close(self) -> None:
         pass
 
@@ -78,6 +81,11 @@ class PidfdHolders:
     pid.  A pidfd refers to one process forever, and polls readable once it exits, so
     while our pidfd for a pid is not readable that pid still names the process whose
     starttime we cached.
+
+    A pidfd is an open descriptor: one is kept per holder process while it lives, and
+    `prune` (the owner's housekeeping, through `SlotBook.reclaim`) closes those of the
+    processes that exited, whether or not anything of ours still names them: a client
+    that released its outputs and left is never looked up again.
     """
 
     MAX = 1024
@@ -85,11 +93,26 @@ class PidfdHolders:
     def __init__(self) -> None:
         self._cache: dict[int, tuple[int, int, select.poll]] = {}
         self._use_pidfd = hasattr(os, "pidfd_open")
+        self._pid_of: dict[int, int] = {}  # pidfd -> pid
+        self._exits = select.poll()  # every cached pidfd: readable once its process exited
 
     def _drop(self, pid: int) -> None:
         ent = self._cache.pop(pid, None)
         if ent is not None:
-            os.close(ent[1])
+            fd = ent[1]
+            del self._pid_of[fd]
+            self._exits.unregister(fd)
+            os.close(fd)
+
+    def prune(self) -> int:
+        """Close the pidfds of the cached processes that exited (one poll for all of them);
+        how many went."""
+        if not self._cache:
+            return 0
+        gone = [self._pid_of[fd] for fd, _ in self._exits.poll(0)]
+        for pid in gone:
+            self._drop(pid)
+        return len(gone)
 
     def starttime(self, pid: int) -> int:
         ent = self._cache.get(pid)
@@ -116,6 +139,8 @@ class PidfdHolders:
             poller = select.poll()
             poller.register(fd, select.POLLIN)
             self._cache[pid] = (st, fd, poller)
+            self._pid_of[fd] = pid
+            self._exits.register(fd, select.POLLIN)
         return st
 
     def alive(self, pid: int, starttime: int) -> bool:
@@ -144,6 +169,8 @@ class SlotBook:
     records must keep pointing at the state table's token data area, so it passes False.
     ``on_free(slot)``: runs on every return to FREE (free, a reader's release, a dead
     holder), after the book's own state is updated.
+    ``holders``: holder liveness, `ProcHolders` by default (`starttime(pid)`,
+    `alive(pid, starttime)`, `prune()` at each `reclaim`, `close()`).
 
     Methods take slot numbers the caller has already checked against a descriptor.
     Not thread-safe: one owner thread, or a lock around it.
@@ -304,7 +331,8 @@ class SlotBook:
         RELEASED states over a large table; by default every IN_FLIGHT slot.  Any candidate
         word other than the truth -- a late RELEASED for an older generation (possible only
         after the owner freed a slot still lent out), or garbage -- is overwritten with it.
-        Returns how many slots were freed.
+        Returns how many slots were freed.  Closes the cached pidfds of holders that
+        exited (`PidfdHolders.prune`).
         """
         n = 0
         w = self.words
@@ -319,6 +347,9 @@ class SlotBook:
                 n += 1
             elif word != (gen << 32) | pstate[s]:
                 w[b] = (gen << 32) | pstate[s]
+        # Holders that exited let go of their cached pidfds, including those that hold
+        # nothing of ours any more (they released everything, then left).
+        self._holders.prune()
         if self._holder_of:
             verdict: dict[tuple[int, int], bool] = {}
             for s, key in list(self._holder_of.items()):

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .segment import (
-    FREE, HEADER_DTYPE, HEADER_SIZE, LEGACY_NAME_RE, MAGIC, NAME_RE, PREFIX, SHM_DIR, SLOT_DTYPE,
+    FREE, HEADER_DTYPE, HEADER_SIZE, LEGACY_NAME_RE, MAGIC, MAX_SLOTS, NAME_RE, PREFIX, SHM_DIR, SLOT_DTYPE,
     SLOT_SIZE, mark_closed, pid_namespace, process_alive,
 )
 
@@ -45,8 +45,12 @@ def _header(fd: int):
     return h if bytes(h["magic"]) == MAGIC else None
 
 
-def _live_slots(fd: int, h) -> int | None:
+def _live_slots(fd: int, h, size: int) -> int | None:
+    """Slots not FREE, or None when the header's count does not fit the file (any process
+    of the user may make a memfd with our label and a header of its choosing)."""
     slots = int(h["slot_count"])
+    if not 0 < slots <= MAX_SLOTS or HEADER_SIZE + SLOT_SIZE * slots > size:
+        return None
     tab = os.pread(fd, SLOT_SIZE * slots, HEADER_SIZE)
     if len(tab) != SLOT_SIZE * slots:
         return None
@@ -97,7 +101,7 @@ def list_segments(count_slots: bool = True) -> list[SegmentInfo]:
             try:
                 size = os.fstat(fd).st_size
                 h = _header(fd)
-                live = _live_slots(fd, h) if h is not None and count_slots else None
+                live = _live_slots(fd, h, size) if h is not None and count_slots else None
             except OSError:
                 continue
             finally:

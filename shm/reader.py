@@ -10,11 +10,12 @@ from collections import OrderedDict
 
 import numpy as np
 
+from .book import PidfdHolders
 from .errors import BadDescriptor, SegmentGone, ShmError, StaleDescriptor
 from .fence import fence
 from .segment import (
     H32_CLOSED, IN_FLIGHT, MAX_MAPPED_SEGMENT, Q_NBYTES, Q_OFFSET, QS, RELEASED, STATE_NAMES, U32, Attached,
-    ShmRef, attach_segment, checked_dtype, detach, normalize_shape, parse_name, process_alive,
+    ShmRef, attach_segment, checked_dtype, detach, normalize_shape, parse_name,
 )
 
 
@@ -41,6 +42,8 @@ class SegmentCache:
         # reason (LRU, closed segment, sweep, close): a GPU worker unregisters its
         # cudaHostRegister pinning there, which must happen while the pages are mapped.
         self.on_forget = on_forget
+        # The owners' liveness, behind a pidfd each (sweep: one poll for all, no /proc read).
+        self._owners = PidfdHolders()
 
     def __enter__(self) -> SegmentCache:
         return self
@@ -71,6 +74,9 @@ class SegmentCache:
         self.sweep(check_owners=False)
         a = attach_segment(name, self._max_seg_bytes)  # validates the name before touching the filesystem
         self._segs[name] = a
+        ids = parse_name(name)
+        if ids is not None:
+            self._owners.starttime(ids[0])  # a pidfd for sweep to poll (once per owner)
         while len(self._segs) > self._max:
             self.forget(next(iter(self._segs)))
         return a
@@ -181,16 +187,20 @@ class SegmentCache:
     def sweep(self, check_owners: bool = True) -> list[str]:
         """Drop mappings of segments that were closed or, with check_owners, whose owner died.
 
-        Cheap without check_owners (one load per segment); with it, one /proc read each.
-        Workers should call it now and then (e.g. with the heartbeat), so the memory of
-        departed clients is returned.
+        Cheap without check_owners (one load per segment); with it, one poll of the owners'
+        pidfds and one per segment (a /proc read each where pidfds are not to be had).
+        Workers call it with the heartbeat (`HostPlane.housekeeping`): a client killed with
+        SIGKILL never marks its segment closed, and our mapping would keep its memory.
         """
         dropped = []
+        owners = self._owners
+        if check_owners:
+            owners.prune()
         for name, a in list(self._segs.items()):
             gone = bool(a.h32[H32_CLOSED])
             if not gone and check_owners:
                 ids = parse_name(name)
-                gone = ids is not None and not process_alive(*ids)
+                gone = ids is not None and not owners.alive(*ids)
             if gone:
                 self.forget(name)
                 dropped.append(name)
@@ -201,6 +211,7 @@ class SegmentCache:
         self._closed = True
         for name in list(self._segs):
             self.forget(name)
+        self._owners.close()
 
 
 __all__ = ["SegmentCache"]

@@ -535,13 +535,21 @@ def attach_segment(name: str, max_size: int = MAX_MAPPED_SEGMENT) -> Attached:
         slots = int(h["slot_count"])
         data_offset = int(h["data_offset"])
         data_size = int(h["data_size"])
-        table_mm = mmap.mmap(fd, data_offset, flags=mmap.MAP_SHARED, access=mmap.ACCESS_WRITE)
+        try:
+            # Writable: a reader stores RELEASED in its slot's word.  A segment sealed
+            # against writing (F_SEAL_WRITE, F_SEAL_FUTURE_WRITE: none of ours is) refuses
+            # this mapping, like any other the kernel will not make: the descriptor is bad.
+            table_mm = mmap.mmap(fd, data_offset, flags=mmap.MAP_SHARED, access=mmap.ACCESS_WRITE)
+        except OSError as e:
+            raise BadDescriptor(f"cannot map segment {name}'s slot table: {e.strerror}") from None
         try:
             # ACCESS_READ (not prot=PROT_READ) so the buffer *reports* read-only; otherwise
             # numpy would hand out writeable arrays over PROT_READ pages (a segfault).
             data_mm = mmap.mmap(fd, data_size, access=mmap.ACCESS_READ, offset=data_offset)
-        except BaseException:
+        except BaseException as e:
             table_mm.close()
+            if isinstance(e, OSError):
+                raise BadDescriptor(f"cannot map segment {name}'s data area: {e.strerror}") from None
             raise
     finally:
         os.close(fd)

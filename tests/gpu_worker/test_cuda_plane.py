@@ -238,8 +238,31 @@ def test_client_segments_are_pinned_read_only_once(side):
             refs.append(P.TensorRef(name=f"x{i}", dtype="|u1", shape=[4], loc=P.shm_loc(ref)))
         side.map_inputs(_job(refs), [])
         assert side.test_pinned == [None, True]
+        del side.test_log[:]
         side.host.inputs.forget(client.name)
-        assert "unpin 2" in side.test_log and side._pinned == {}
+        # Uploads from those pages still queued on the stream (a batch on the offload
+        # thread) are done before the pages are unregistered.
+        assert side.test_log == ["stream.synchronize", "unpin 2"] and side._pinned == {}
+
+
+def test_a_refused_pin_holds_no_budget(side):
+    import shm
+
+    def refuse(buf, readonly=None):
+        raise ValueError("the driver says no")
+
+    side.pins._register = refuse
+    with shm.ShmPool(1 << 20) as client:
+        a = client.alloc((4,), np.uint8)
+        ref = client.ref_of(a)
+        client.mark_in_flight(ref)
+        job = _job([P.TensorRef(name="x", dtype="|u1", shape=[4], loc=P.shm_loc(ref))])
+        side.map_inputs(job, [])
+        assert job.inputs["x"].tolist() == [0, 0, 0, 0] or job.inputs["x"].shape == (4,)  # read unpinned
+        assert side._pinned == {} and client.name in side.pins.failures()
+        del side.test_log[:]
+        side.host.inputs.forget(client.name)
+        assert "stream.synchronize" not in side.test_log  # nothing pinned: nothing to wait for
 
 
 def test_pinning_stops_at_its_budget(side, monkeypatch):

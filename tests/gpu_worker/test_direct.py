@@ -209,3 +209,37 @@ def test_a_failed_send_drops_the_socket_unless_told_to_keep_it(ctx, tmp_path):
     finally:
         socks.close()
         pull.close()
+
+
+def test_sweep_closes_the_sockets_of_clients_that_exited(ctx, tmp_path):
+    import subprocess
+    import sys
+
+    from shm.segment import proc_starttime, self_identity
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        start = proc_starttime(child.pid)
+        me, my_start = self_identity()
+        gone_ep = f"ipc://{tmp_path}/c-{child.pid}-{start}-00ab12.ipc"
+        live_ep = f"ipc://{tmp_path}/c-{me}-{my_start}-00cd34.ipc"
+        other_ep = f"ipc://{tmp_path}/other.ipc"  # a name stating no owner: LRU only
+        pulls = [_pull(ctx, ep[len("ipc://"):]) for ep in (gone_ep, live_ep, other_ep)]
+        socks = DirectSockets(ctx)
+        try:
+            for ep in (gone_ep, live_ep, other_ep):
+                assert socks.open(ep) is not None
+            assert socks.sweep() == []  # everyone alive
+            child.stdin.close()
+            child.wait(10)
+            assert socks.sweep() == [gone_ep]
+            assert gone_ep not in socks and live_ep in socks and other_ep in socks
+            assert socks._holders._cache.keys() == {me}  # the exited client's pidfd is closed
+        finally:
+            socks.close()
+            for p in pulls:
+                p.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(10)

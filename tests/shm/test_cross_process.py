@@ -199,6 +199,32 @@ def test_in_flight_slots_of_a_killed_reader_are_reclaimed():
         assert pool.in_use() == 0
 
 
+def test_a_holder_that_released_and_left_costs_the_owner_no_descriptor():
+    # The owner caches a pidfd per holder (how it tells the holder is still the same
+    # process); one that released everything and left is never asked about again, so
+    # reclaim closes the pidfds of the holders that exited.
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with ShmPool(1 << 16, slots=4) as pool:
+        before = fds()
+        for _ in range(3):
+            with Child(READER) as r:
+                assert r.read() == "ready"
+                a = pool.alloc(16, np.float32)
+                a[:] = 1.0
+                ref = pool.ref_of(a)
+                del a
+                pool.mark_in_flight(ref, holder_pid=r.pid)
+                r.send("release " + json.dumps(list(ref)))
+                assert r.read() == "16.0" and r.read() == "released"
+                assert pool.reclaim() == 1
+                assert list(pool._holders._cache) == [r.pid]  # its pidfd, while it lives (the last one's closed)
+                r.kill9()
+        pool.reclaim()
+        assert fds() == before and pool._holders._cache == {}
+
+
 OWNER = """
     import sys
     import numpy as np
@@ -263,6 +289,27 @@ def test_collect_removes_legacy_files_of_dead_owners_only():
                 os.unlink(p)
             except FileNotFoundError:
                 pass
+
+
+def test_listing_survives_a_segment_whose_header_lies():
+    # Any process of the user can make a memfd with our label and a header of its own:
+    # one claiming 2**32 - 1 slots in a 128-byte file is listed without a slot count,
+    # and the others are listed as before.
+    from shm.segment import HEADER_DTYPE, MAGIC, VERSION, self_identity
+
+    pid, start = self_identity()
+    label = f"zinf-{pid}-{start}-{'cd' * 8}"
+    fd = os.memfd_create(label, os.MFD_CLOEXEC)
+    try:
+        h = np.zeros((), HEADER_DTYPE)
+        h["magic"], h["version"], h["slot_count"] = MAGIC, VERSION, 0xFFFFFFFF
+        os.write(fd, h.tobytes())
+        with ShmPool(1 << 16, slots=4) as good:
+            rows = {info.name: info for info in list_segments()}
+            assert rows[f"{label}-{fd}"].live_slots is None
+            assert rows[good.name].live_slots == 0
+    finally:
+        os.close(fd)
 
 
 def test_cli_ls_and_gc():

@@ -206,6 +206,36 @@ def test_attach_rejects_files_that_are_not_segments(cache):
     assert len(cache) == 0
 
 
+@pytest.mark.parametrize("seal", ["F_SEAL_WRITE", "F_SEAL_FUTURE_WRITE"])
+def test_a_segment_sealed_against_writing_is_a_bad_descriptor(cache, seal):
+    # A well-formed header, the seals we ask for, and one more: the reader's writable
+    # mapping of the slot table (for its RELEASED store) is refused by the kernel, and that
+    # is a BadDescriptor like every other refusal, not an OSError, and leaks nothing.
+    import fcntl
+
+    from shm.segment import HEADER_DTYPE, MAGIC, SEALS, VERSION, pid_namespace, self_identity
+
+    pid, start = self_identity()
+    nonce = 0x1122334455667788
+    label = f"zinf-{pid}-{start}-{nonce:016x}"
+    fd = os.memfd_create(label, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 12288)
+        h = np.zeros((), HEADER_DTYPE)
+        for k, v in dict(version=VERSION, header_size=4096, slot_count=1, slot_size=64, data_offset=8192,
+                         data_size=4096, align=64, owner_pid=pid, owner_starttime=start,
+                         owner_pidns=pid_namespace(), total_size=12288, nonce=nonce, magic=MAGIC).items():
+            h[k] = v
+        os.pwrite(fd, h.tobytes(), 0)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | getattr(fcntl, seal, 0x0010))  # F_SEAL_FUTURE_WRITE: Linux 5.1
+        before = len(os.listdir("/proc/self/fd"))
+        with pytest.raises(BadDescriptor, match="cannot map"):
+            cache.view(ShmRef(f"{label}-{fd}", 8192, 0, 0, 0), np.uint8, 0)
+        assert len(os.listdir("/proc/self/fd")) == before and len(cache) == 0
+    finally:
+        os.close(fd)
+
+
 def test_fence_is_callable_and_reentrant_safe():
     for _ in range(3):
         fence()
