@@ -191,6 +191,22 @@ class _Payload(msgspec.Struct, array_like=True):
     body: tuple          # frames after the header (or the whole opaque body)
 
 
+def _ipc_served(path: str) -> bool:
+    """Whether a process accepts connections on the unix socket at ``path`` (a stale file
+    refuses them).  One we may not connect to is another user's: served, for our purposes."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(path)
+        return True
+    except PermissionError:
+        return True
+    except OSError:  # refused (nobody listens), not a socket, gone meanwhile
+        return False
+    finally:
+        s.close()
+
+
 class Broker:
     """MDP/0.2 broker.  `Broker(cfg).serve(stop_event)`; a context manager that closes sockets."""
 
@@ -335,14 +351,22 @@ class Broker:
 
     @staticmethod
     def _bind(sock: zmq.Socket, ep: str) -> None:
-        if ep.startswith("ipc://"):
+        """Bind ``ep``; RuntimeError with one line saying why not (a directory that does
+        not exist, an address in use, ...).  An ipc socket file left by a dead broker is
+        replaced; one that a running process still serves is not taken from it."""
+        if ep.startswith("ipc://") and not ep.startswith("ipc://@"):
             path = ep[len("ipc://") :]
-            if os.path.exists(path):  # a stale socket file from a dead broker
+            if os.path.exists(path):
+                if _ipc_served(path):
+                    raise RuntimeError(f"cannot bind {ep}: a running process serves it (another broker?)")
                 try:
-                    os.unlink(path)
+                    os.unlink(path)  # a stale socket file from a dead broker
                 except OSError:
                     pass
-        sock.bind(ep)
+        try:
+            sock.bind(ep)
+        except zmq.ZMQError as e:
+            raise RuntimeError(f"cannot bind {ep}: {e.strerror}") from None
         if ep.startswith("ipc://") and not ep.startswith("ipc://@"):
             # Only this user may connect (the runtime directory is 0700 as well; an explicit
             # path may be elsewhere).

@@ -170,6 +170,33 @@ def test_a_bad_key_or_value_is_one_line_and_exit_2(tmp_path, text, key):
     assert r.stdout == ""
 
 
+def test_an_endpoint_that_cannot_be_bound_is_one_line_and_exit_2(tmp_path):
+    import socket
+
+    # A directory that does not exist (as the example config's /run/zmq-infer on a host
+    # without it), and a tcp port in use.
+    r = run_broker("--frontend", f"ipc://{tmp_path}/nope/fe.ipc", "--backend", f"ipc://{tmp_path}/be.ipc")
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot bind ipc://{tmp_path}/nope/fe.ipc" in lines[0], r.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        r = run_broker("--frontend", f"tcp://127.0.0.1:{port}", "--backend", f"ipc://{tmp_path}/be.ipc",
+                       "--insecure")
+    assert r.returncode == 2 and f"cannot bind tcp://127.0.0.1:{port}" in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+def test_a_second_broker_does_not_take_a_running_ones_ipc_endpoint(cluster):
+    cluster.broker()
+    cluster.worker("echo")
+    r = run_broker("--frontend", cluster.frontend, "--backend", f"ipc://{cluster.tmp}/be2.ipc")
+    assert r.returncode == 2 and "a running process serves it" in r.stderr, r.stderr
+    with Client(cluster.frontend, timeout=10) as c:  # the first one still has it
+        assert c.infer("echo", {"x": np.arange(3)})["x"].tolist() == [0, 1, 2]
+
+
 def test_a_pool_whose_model_cannot_load_stops_the_launch_with_exit_2(tmp_path):
     path = tmp_path / "deploy.toml"
     path.write_text(f'frontend = "ipc://{tmp_path}/fe.ipc"\nbackend = "ipc://{tmp_path}/be.ipc"\n'
