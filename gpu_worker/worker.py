@@ -270,6 +270,10 @@ class Worker:
         # lock, since a signal may interrupt another handler or the loop inside an Event;
         # the loop turns the count into `stop` (1) and `hurry` (2) (`_take_signals`).
         self.signals = 0
+        # A pipe the signal handlers write to (`signal.set_wakeup_fd`), watched by the loop:
+        # a SIGTERM to an idle worker starts its drain now, not at its next wake-up (up to
+        # a heartbeat interval later, while its readiness probe still said 200).
+        self.signal_fd: int | None = None
         self.served = 0
         self.compute_times = ComputeTimes(cfg.heartbeat_interval)
         # Liveness settings: the command line's until the broker's WELCOME replaces them.
@@ -439,6 +443,9 @@ class Worker:
             if link is not None:
                 link_fd = link.fileno()
                 poller.add_fd(link_fd)
+            sig_fd = self.signal_fd
+            if sig_fd is not None:
+                poller.add_fd(sig_fd)
             next_housekeeping = time.monotonic() + self.heartbeat_interval
             self.lone_lane = True
             while not self._take_signals():
@@ -458,6 +465,8 @@ class Worker:
                 if link is not None and link.inbox:
                     ms = 0  # read from the link already, not yet handled: its descriptor will not tell
                 events = self._events = poller.wait(ms)
+                if sig_fd is not None and sig_fd in events:
+                    _drain_pipe(sig_fd)  # the handler counted it; `_take_signals` acts on it
                 if self._busy and self._offload.done in events:
                     self._finish_offloaded()
                 if self.sock in events:
@@ -503,6 +512,8 @@ class Worker:
                     self._reconnect(poller)
             # Drain: the leases end first (no new direct request runs), what the broker and
             # the leases already handed us is finished, then we say goodbye.
+            if sig_fd is not None:
+                poller.remove(sig_fd)  # a second signal is read by the waits that follow
             self.lone_lane = False
             self._end_leases()
             self._drain()
@@ -1712,3 +1723,22 @@ def install_sigterm_drain(worker: Worker) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    # The interpreter runs `on_signal` only once the loop's wait returns (PEP 475 restarts
+    # it after EINTR, timeout and all): the C-level handler also writes the signal's number
+    # to this pipe, which the loop watches (`Worker.signal_fd`).
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread: the loop notices at its next wake-up
+        os.close(r)
+        os.close(w)
+        return
+    worker.signal_fd = r
+
+
+def _drain_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 64):
+            pass
+    except BlockingIOError:
+        pass

@@ -78,3 +78,19 @@ def test_a_workers_readiness_waits_for_its_broker(cluster):
     assert w.terminate() == 0  # drains: DISCONNECT to a live broker
     # Checked last, so that what follows registration is checked whatever this says.
     assert before == (503, {"ready": False}), "ready with no broker running"
+
+
+def test_an_idle_worker_starts_its_drain_when_the_signal_comes(cluster):
+    """SIGTERM to a worker with nothing to do: its readiness turns 503 and it exits at once,
+    not at its next wake-up a heartbeat interval later (10 s here), during which it would
+    still take work an orchestrator had started to move elsewhere."""
+    import time
+
+    cluster.broker("--heartbeat-interval", "10")  # the workers adopt it (WELCOME)
+    w = cluster.worker("echo", "--health-port", "127.0.0.1:0", "--heartbeat-interval", "10")
+    base = "http://" + w.field("health")
+    until(lambda: get(base, "/v2/health/ready")[0] == 200, "the worker registered")
+    t0 = time.monotonic()
+    w.p.send_signal(signal.SIGTERM)
+    assert w.p.wait(30) == 0
+    assert time.monotonic() - t0 < 5.0, "the worker noticed the signal only at its next wake-up"
