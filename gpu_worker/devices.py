@@ -28,6 +28,22 @@ def _torch():
     return torch
 
 
+#: device nodes one of which a machine whose GPU torch could use has: NVIDIA's driver
+#: (its control node, or /proc/driver/nvidia where containers hide the node), WSL2's GPU
+#: paravirtualisation, AMD's ROCm (a HIP build of torch answers torch.cuda)
+_GPU_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
+
+
+def _no_gpu_here() -> bool:
+    """True when this machine has no GPU device node at all: no torch build could see a
+    device, so "auto" is "cpu" without importing torch (a second or two of a worker's
+    start, and some 170,000 objects, for a model that does not use it)."""
+    import os
+    import sys
+
+    return "torch" not in sys.modules and not any(os.path.exists(p) for p in _GPU_NODES)
+
+
 def cuda_available() -> bool:
     """True when torch is importable and sees at least one CUDA device; never raises."""
     torch = _torch()
@@ -62,14 +78,15 @@ def _why_no_cuda() -> str:
 def resolve_device(spec: str | None) -> str:
     """Normalise a device spec.
 
-    None, "" and "auto" pick "cuda:0" when CUDA is usable and "cpu" otherwise; "cuda" means
+    None, "" and "auto" pick "cuda:0" when CUDA is usable and "cpu" otherwise (without
+    importing torch on a machine with no GPU device node: `_no_gpu_here`); "cuda" means
     "cuda:0".  Asking for CUDA explicitly on a machine without it raises DeviceUnavailable
     rather than silently falling back, because a benchmark that quietly ran on the CPU is
     worse than one that did not run.
     """
     s = "auto" if spec is None else str(spec).strip().lower()
     if s in ("", "auto"):
-        return "cuda:0" if cuda_available() else "cpu"
+        return "cpu" if _no_gpu_here() or not cuda_available() else "cuda:0"
     if s == "cpu":
         return "cpu"
     m = _CUDA_RE.match(s)

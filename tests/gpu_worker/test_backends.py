@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -287,6 +288,33 @@ def test_cuda_available_never_raises(monkeypatch):
     with pytest.raises(DeviceUnavailable, match="torch is not installed"):
         resolve_device("cuda:0")
     assert resolve_device("auto") == "cpu"
+
+
+def test_auto_on_a_machine_without_a_gpu_does_not_import_torch(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    from gpu_worker import devices
+
+    # With a GPU device node present, "auto" asks torch (which may still say no).
+    node = tmp_path / "nvidiactl"
+    node.write_text("")
+    monkeypatch.setattr(devices, "_GPU_NODES", (str(node),))
+    asked = []
+    monkeypatch.setattr(devices, "cuda_available", lambda: asked.append(1) or False)
+    monkeypatch.delitem(sys.modules, "torch", raising=False)
+    assert resolve_device("auto") == "cpu" and asked == [1]
+    # Without one, it does not: in a fresh interpreter, torch is never imported.
+    monkeypatch.setattr(devices, "_GPU_NODES", (str(tmp_path / "none"),))
+    assert resolve_device("auto") == "cpu" and asked == [1]
+    monkeypatch.undo()
+    root = str(Path(__file__).resolve().parents[2])
+    code = ("import sys; from gpu_worker.devices import _no_gpu_here, resolve_device; "
+            "print(_no_gpu_here(), resolve_device('auto'), 'torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
+    no_gpu, device, imported = r.stdout.split()
+    if no_gpu == "True":  # this machine (CI's too) has no GPU device node
+        assert (device, imported) == ("cpu", "False"), r.stderr
 
 
 def test_tensorrt_is_unavailable_without_tensorrt():
