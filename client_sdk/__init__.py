@@ -16,6 +16,8 @@ and drops sockets;
 frame streams; `tensors` packing and results; `cuda` the CUDA side; `errors` every error
 class.  `__all__` below is pinned by tests/client_sdk/test_sdk_surface.py.
 """
+from broker.protocol import Priority
+
 from . import errors
 from .aio import AsyncClient, AsyncReplyStream, run
 from .client import Client, ReplyStream
@@ -63,4 +65,5 @@ __all__ = [
     "NotSupported",
     "InvalidInput",
     "PoolFull",
+    "Priority",
 ]

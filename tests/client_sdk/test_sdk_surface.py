@@ -12,6 +12,7 @@ import re
 import pytest
 
 import client_sdk
+from broker import protocol as P
 from client_sdk import AsyncClient, AsyncReplyStream, Client, ReplyStream, errors
 
 SDK = pathlib.Path(client_sdk.__file__).parent
@@ -64,8 +65,9 @@ def test_package_all_is_pinned():
         "Client", "AsyncClient", "Result", "ReplyStream", "AsyncReplyStream", "Stream", "AsyncStream",
         "StreamStats", "EndOfStream", "run", "errors", "InferenceError", "ServiceUnavailable",
         "DeadlineExceeded", "QueueFull", "Cancelled", "ProtocolError", "WorkerFailed", "NotLocal",
-        "BrokerUnreachable", "InternalError", "NotSupported", "InvalidInput", "PoolFull",
+        "BrokerUnreachable", "InternalError", "NotSupported", "InvalidInput", "PoolFull", "Priority",
     ]
+    assert client_sdk.Priority is P.Priority  # the protocol's: `infer(priority=Priority.URGENT)`
     for name in client_sdk.__all__:
         assert getattr(client_sdk, name) is not None, name
     public = {n for n in vars(client_sdk) if not n.startswith("_")}
