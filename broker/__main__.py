@@ -30,6 +30,7 @@ from broker import protocol as P
 from broker.config import load_launcher
 from broker.launcher import Launcher
 from broker.protocol.heap import freeze_startup_heap
+from broker.protocol.limits import raise_nofile_limit
 from broker.protocol.logs import add_log_options, setup_logging
 from broker.protocol.naming import RuntimeDirError
 from broker.security import SecurityError, make_keys
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.insecure:
         cfg.security.insecure = True
 
+    raise_nofile_limit()  # a descriptor per client connection (broker.protocol.limits)
     try:
         broker = Broker(cfg)
     except (SecurityError, RuntimeDirError, ValueError, RuntimeError) as e:

@@ -192,17 +192,20 @@ class _Payload(msgspec.Struct, array_like=True):
 
 
 def _ipc_served(path: str) -> bool:
-    """Whether a process accepts connections on the unix socket at ``path`` (a stale file
-    refuses them).  One we may not connect to is another user's: served, for our purposes."""
+    """Whether a process may still serve the unix socket at ``path``: only a refused
+    connection (nobody listens: a stale file, or not a socket) or a file gone meanwhile says
+    no.  Anything else says yes: a connection made, another user's socket, and a listener
+    whose backlog is full (EAGAIN at once: a broker stopped or stalled while clients
+    reconnect is still that broker)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(1.0)
     try:
         s.connect(path)
         return True
-    except PermissionError:
-        return True
-    except OSError:  # refused (nobody listens), not a socket, gone meanwhile
+    except (ConnectionRefusedError, FileNotFoundError):
         return False
+    except OSError:
+        return True
     finally:
         s.close()
 

@@ -26,6 +26,7 @@ import sys
 
 from broker import protocol as P
 from broker.protocol.heap import freeze_startup_heap
+from broker.protocol.limits import raise_nofile_limit
 from broker.protocol.logs import add_log_options, setup_logging
 
 
@@ -204,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_worker.leases import DirectSocketError
     from gpu_worker.models import ModelLoadError
 
+    raise_nofile_limit()  # a descriptor per client segment, pidfd and reply socket (broker.protocol.limits)
     try:
         worker = Worker(cfg)
     except ConfigError as e:  # checked before anything loads: the message names the option

@@ -58,6 +58,7 @@ class CudaPlane:
     def __init__(self, host: HostPlane, *, torch, stream, pool, cache, pins, mem, device_path: bool):
         self.host = host
         self.backend = host.backend
+        self.holders = host.holders
         self.torch = torch
         self.stream = stream
         self.pool = pool

@@ -29,9 +29,11 @@ def _torch():
 
 
 #: device nodes one of which a machine whose GPU torch could use has: NVIDIA's driver
-#: (its control node, or /proc/driver/nvidia where containers hide the node), WSL2's GPU
-#: paravirtualisation, AMD's ROCm (a HIP build of torch answers torch.cuda)
-_GPU_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
+#: (its control node, or /proc/driver/nvidia where containers hide the node), Jetson's
+#: integrated GPU (nvhost, nvmap), WSL2's GPU paravirtualisation, AMD's ROCm (a HIP build
+#: of torch answers torch.cuda)
+_GPU_NODES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/nvhost-ctrl-gpu", "/dev/nvmap", "/dev/dxg",
+              "/dev/kfd")
 
 
 def _no_gpu_here() -> bool:

@@ -184,12 +184,15 @@ class DirectSockets:
     #: replies a client that stops reading may have queued before the worker relays instead
     sndhwm = 1000
 
-    def __init__(self, ctx: zmq.Context, *, capacity: int = 64):
+    def __init__(self, ctx: zmq.Context, *, capacity: int = 64, holders: PidfdHolders | None = None):
         self.ctx = ctx
         self.capacity = max(1, int(capacity))
         self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()
         self._owner: dict[str, tuple[int, int]] = {}  # endpoint -> its client's (pid, starttime)
-        self._holders = PidfdHolders()  # their liveness, one poll for all (sweep)
+        # Their liveness, one poll for all (sweep): the worker's (`HostPlane.holders`, one
+        # pidfd per live client for everything it keeps of it), or our own.
+        self._own_holders = holders is None
+        self._holders = holders if holders is not None else PidfdHolders()
 
     def __len__(self) -> int:
         return len(self._socks)
@@ -233,11 +236,13 @@ class DirectSockets:
         return sock
 
     def sweep(self) -> list[str]:
-        """Close the sockets of clients that exited (their endpoints; the name states the
-        owner's pid and start time).  A reply still queued for one has nobody to read it."""
+        """Close the sockets of clients that exited (the name states the owner's pid and
+        start time) or closed theirs (its file is gone); a reply still queued there has
+        nobody to read it."""
         holders = self._holders
         holders.prune()
-        gone = [ep for ep, owner in self._owner.items() if not holders.alive(*owner)]
+        gone = [ep for ep, owner in self._owner.items()
+                if not holders.alive(*owner) or not os.path.exists(ep[len("ipc://"):])]
         for ep in gone:
             self.drop(ep)
         return gone
@@ -272,4 +277,5 @@ class DirectSockets:
             sock.close(linger=DIRECT_LINGER_MS)
         self._socks.clear()
         self._owner.clear()
-        self._holders.close()
+        if self._own_holders:
+            self._holders.close()

@@ -70,14 +70,19 @@ class HostPlane:
     def __init__(self, backend, *, host: str, transports=("inline", "shm"), out_capacity: int = 256 << 20,
                  out_slots: int = 4096):
         from shm import SegmentCache, ShmPool
+        from shm.book import PidfdHolders
 
         self.backend = backend
         self.host = host
         self.transports = tuple(transports)
+        #: which clients are alive: a pidfd per live client, shared by the input cache, the
+        #: output ring and the reply sockets (`DirectSockets`), closed once the client exits
+        self.holders = PidfdHolders()
         #: client segments, mapped read-only once each
-        self.inputs = SegmentCache()
+        self.inputs = SegmentCache(owners=self.holders)
         #: this worker's output ring (None without the "shm" transport)
-        self.out_pool = ShmPool(out_capacity, slots=out_slots) if "shm" in self.transports else None
+        self.out_pool = (ShmPool(out_capacity, slots=out_slots, holders=self.holders)
+                         if "shm" in self.transports else None)
 
     def admit(self) -> str | None:
         return None
@@ -200,6 +205,7 @@ class HostPlane:
         self.inputs.close()
         if self.out_pool is not None:
             self.out_pool.close()
+        self.holders.close()
 
 
 NOT_ATTESTED = ("shared-memory and CUDA references need a sender the broker can attest (a "

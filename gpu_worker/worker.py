@@ -301,7 +301,7 @@ class Worker:
         self._outputs = parse_inputs(getattr(self.model, "outputs", None), "outputs")
         # Direct reply: one PUSH socket per client reply_to endpoint; the envelopes of the
         # FINALs sent that way, gathered into DONEs for the broker.
-        self.direct = DirectSockets(self.ctx, capacity=cfg.direct_sockets)
+        self.direct = DirectSockets(self.ctx, capacity=cfg.direct_sockets, holders=getattr(self.plane, "holders", None))
         self.dones = DoneGather(delay=cfg.done_delay, max_pending=max(1, cfg.done_batch or self.credit // 4))
         self.dones.info = False  # until a counting broker's WELCOME
         # While a batch's replies are written: its header-only FINALs per reply_to, sent as

@@ -27,6 +27,7 @@ point into, and validate descriptors before passing slot numbers in.
 """
 from __future__ import annotations
 
+import errno
 import operator
 import os
 import select
@@ -128,8 +129,11 @@ class PidfdHolders:
                 fd = os.pidfd_open(pid)
             except ProcessLookupError:
                 return st
-            except OSError:  # ENOSYS / EPERM under seccomp: fall back to /proc reads
-                self._use_pidfd = False
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+                    # ENOSYS / EPERM under seccomp: /proc reads from now on.  Out of
+                    # descriptors is not forever: this pid goes uncached, that is all.
+                    self._use_pidfd = False
                 return st
             if proc_starttime(pid) != st:
                 # The pid was reused between the two reads: the pidfd is for a newer

@@ -53,7 +53,11 @@ class ShmPool:
     the process that created it; a forked child must not allocate from it.
     """
 
-    def __init__(self, capacity: int = 256 << 20, *, slots: int = 4096, align: int = 64):
+    def __init__(self, capacity: int = 256 << 20, *, slots: int = 4096, align: int = 64,
+                 holders: PidfdHolders | None = None):
+        """``holders``: where the liveness of the processes lent slots is cached (a worker
+        shares one with its input cache and reply sockets: one pidfd per live client); by
+        default the pool's own, closed with it."""
         self._closed = True  # so close()/finalisers are harmless if __init__ fails
         capacity, slots, align = check_geometry(capacity, slots, align)
         name, mm, geo, fd = create_segment(capacity, slots, align)
@@ -99,7 +103,8 @@ class ShmPool:
             refs[slot] = None
 
         book = self._book = SlotBook(
-            self.capacity, slots, align, self._q, base=self.data_offset, holders=PidfdHolders(), on_free=forget,
+            self.capacity, slots, align, self._q, base=self.data_offset,
+            holders=holders if holders is not None else PidfdHolders(), on_free=forget,
         )
         # The book's containers are mutated in place, never rebound, so these aliases stay
         # the truth and the hot paths skip one attribute lookup.
@@ -111,6 +116,7 @@ class ShmPool:
         self._ring = book._ring
         self._holder_of = book._holder_of
         self._holders = book._holders
+        self._own_holders = holders is None
         self._take = book.take  # close() swaps in one that raises ShmError
         self._free_slot = book.free_slot
         self._set_in_flight = book.set_in_flight
@@ -378,7 +384,8 @@ class ShmPool:
 
         self._take = take_closed
         self._finalizer()
-        self._holders.close()
+        if self._own_holders:
+            self._holders.close()
         self._by_raw.clear()
         self._by_arr.clear()
         # In place: the book's on_free closure holds these lists too, and must not keep

@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .book import PidfdHolders
+from .book import PidfdHolders, ProcHolders
 from .errors import BadDescriptor, SegmentGone, ShmError, StaleDescriptor
 from .fence import fence
 from .segment import (
@@ -30,7 +30,8 @@ class SegmentCache:
     Not thread-safe: one cache per thread, or guard it with a lock.
     """
 
-    def __init__(self, max_segments: int = 64, *, on_forget=None, max_segment_bytes: int = MAX_MAPPED_SEGMENT):
+    def __init__(self, max_segments: int = 64, *, on_forget=None, max_segment_bytes: int = MAX_MAPPED_SEGMENT,
+                 owners: PidfdHolders | None = None):
         if max_segments < 1:
             raise ValueError("max_segments must be >= 1")
         # At most max_segments x max_segment_bytes of address space, whatever clients send.
@@ -42,8 +43,13 @@ class SegmentCache:
         # reason (LRU, closed segment, sweep, close): a GPU worker unregisters its
         # cudaHostRegister pinning there, which must happen while the pages are mapped.
         self.on_forget = on_forget
-        # The owners' liveness, behind a pidfd each (sweep: one poll for all, no /proc read).
-        self._owners = PidfdHolders()
+        # The owners' liveness for sweep(check_owners=True): with ``owners`` (a worker's,
+        # shared with its output pool and reply sockets), a pidfd per owner, taken at
+        # attach and closed once the owner exits (one poll for all, no /proc read);
+        # without, a /proc read per segment at each such sweep, and no descriptor held
+        # (a client's caches, which never sweep by owner, keep none).
+        self._track = owners is not None
+        self._owners = owners if owners is not None else ProcHolders()
 
     def __enter__(self) -> SegmentCache:
         return self
@@ -74,9 +80,10 @@ class SegmentCache:
         self.sweep(check_owners=False)
         a = attach_segment(name, self._max_seg_bytes)  # validates the name before touching the filesystem
         self._segs[name] = a
-        ids = parse_name(name)
-        if ids is not None:
-            self._owners.starttime(ids[0])  # a pidfd for sweep to poll (once per owner)
+        if self._track:
+            ids = parse_name(name)
+            if ids is not None:
+                self._owners.starttime(ids[0])  # a pidfd for sweep to poll (once per owner)
         while len(self._segs) > self._max:
             self.forget(next(iter(self._segs)))
         return a
@@ -188,7 +195,8 @@ class SegmentCache:
         """Drop mappings of segments that were closed or, with check_owners, whose owner died.
 
         Cheap without check_owners (one load per segment); with it, one poll of the owners'
-        pidfds and one per segment (a /proc read each where pidfds are not to be had).
+        pidfds and one per segment (a /proc read each without ``owners``, or where pidfds
+        are not to be had).
         Workers call it with the heartbeat (`HostPlane.housekeeping`): a client killed with
         SIGKILL never marks its segment closed, and our mapping would keep its memory.
         """
@@ -211,7 +219,6 @@ class SegmentCache:
         self._closed = True
         for name in list(self._segs):
             self.forget(name)
-        self._owners.close()
 
 
 __all__ = ["SegmentCache"]

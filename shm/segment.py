@@ -538,9 +538,9 @@ def attach_segment(name: str, max_size: int = MAX_MAPPED_SEGMENT) -> Attached:
         try:
             # Writable: a reader stores RELEASED in its slot's word.  A segment sealed
             # against writing (F_SEAL_WRITE, F_SEAL_FUTURE_WRITE: none of ours is) refuses
-            # this mapping, like any other the kernel will not make: the descriptor is bad.
+            # this mapping (EPERM): the descriptor is bad.
             table_mm = mmap.mmap(fd, data_offset, flags=mmap.MAP_SHARED, access=mmap.ACCESS_WRITE)
-        except OSError as e:
+        except PermissionError as e:
             raise BadDescriptor(f"cannot map segment {name}'s slot table: {e.strerror}") from None
         try:
             # ACCESS_READ (not prot=PROT_READ) so the buffer *reports* read-only; otherwise
@@ -548,9 +548,9 @@ def attach_segment(name: str, max_size: int = MAX_MAPPED_SEGMENT) -> Attached:
             data_mm = mmap.mmap(fd, data_size, access=mmap.ACCESS_READ, offset=data_offset)
         except BaseException as e:
             table_mm.close()
-            if isinstance(e, OSError):
+            if isinstance(e, PermissionError):
                 raise BadDescriptor(f"cannot map segment {name}'s data area: {e.strerror}") from None
-            raise
+            raise  # ENOMEM and the like: this reader's resources, not the descriptor's fault
     finally:
         os.close(fd)
     root = memoryview(table_mm)

@@ -125,10 +125,15 @@ def test_a_worker_keeps_no_descriptor_for_clients_that_left(cluster):
             for f in (p.stdout, p.stderr):
                 f.close()
 
+    def pidfds() -> int:
+        return _fd_kinds(wpid).get("anon_inode:[pidfd]", 0)
+
     served(2)  # connections, reply routes and the like settle
+    # One pidfd per live client (shared by everything the worker keeps of it): none once
+    # its housekeeping (every heartbeat interval: 0.2 s here) has seen them go.
+    _until(lambda: pidfds() == 0, 10, f"the worker holds pidfds of clients that left: {_fd_kinds(wpid)}")
     base, kinds = _fds(wpid), _fd_kinds(wpid)
     served(6)
-    # A client that released its outputs and left costs the worker nothing, once its
-    # housekeeping has seen it go (every heartbeat interval: 0.2 s here).
-    _until(lambda: _fds(wpid) <= base, 10,
+    # A client that released its outputs and left costs the worker nothing.
+    _until(lambda: pidfds() == 0 and _fds(wpid) <= base, 10,
            f"the worker's descriptors grew from {base} ({kinds}) to {_fds(wpid)} ({_fd_kinds(wpid)})")

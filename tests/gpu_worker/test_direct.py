@@ -3,6 +3,8 @@ when a DONE goes and what it carries, which FINALs are gathered per client, and 
 socket cache (reachable, full, failed).  No worker, no clock: time is passed in."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import zmq
 
@@ -235,6 +237,11 @@ def test_sweep_closes_the_sockets_of_clients_that_exited(ctx, tmp_path):
             assert socks.sweep() == [gone_ep]
             assert gone_ep not in socks and live_ep in socks and other_ep in socks
             assert socks._holders._cache.keys() == {me}  # the exited client's pidfd is closed
+            # A live process whose client closed (its socket file unlinked): nobody will
+            # bind that name again.
+            pulls[1].close()
+            os.unlink(live_ep[len("ipc://"):]) if os.path.exists(live_ep[len("ipc://"):]) else None
+            assert socks.sweep() == [live_ep] and live_ep not in socks
         finally:
             socks.close()
             for p in pulls:

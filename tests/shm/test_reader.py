@@ -236,6 +236,36 @@ def test_a_segment_sealed_against_writing_is_a_bad_descriptor(cache, seal):
         os.close(fd)
 
 
+def test_only_a_cache_given_owners_holds_a_descriptor_per_owner():
+    # A worker's input cache tracks each owner behind a pidfd (its sweep polls them); a
+    # client's caches, which never sweep by owner, hold none.
+    from shm.book import PidfdHolders
+
+    def pidfds() -> int:
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
+            except OSError:
+                pass
+        return n
+
+    owners = PidfdHolders()
+    with ShmPool(1 << 16, slots=4) as pool:
+        a = pool.alloc(16, np.uint8)
+        ref = pool.ref_of(a)
+        pool.mark_in_flight(ref)
+        before = pidfds()
+        with SegmentCache() as plain:
+            plain.view(ref, np.uint8, 16)
+            assert pidfds() == before and plain.sweep() == []
+        with SegmentCache(owners=owners) as tracked:
+            tracked.view(ref, np.uint8, 16)
+            assert pidfds() == before + 1 and tracked.sweep() == []  # the owner (us) lives
+        owners.close()
+        assert pidfds() == before
+
+
 def test_fence_is_callable_and_reentrant_safe():
     for _ in range(3):
         fence()
