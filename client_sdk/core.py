@@ -848,7 +848,20 @@ class ClientCore(PinEvents):
             self.pins_overdue(now)
         if self._suspects:
             self._expire_suspects(now)
+        self._sweep_outputs()
         return P.client_heartbeat(ask_route=True)
+
+    def _sweep_outputs(self) -> None:
+        """The mappings of workers that are gone, dropped (once a heartbeat period, while
+        calls wait or leases are held): their output rings, and, with a CUDA side, their
+        device pools, whose IPC mappings hold GPU memory."""
+        self.leases.sweep()
+        side = self._cuda
+        if side is not None:
+            try:
+                side.cache.sweep()
+            except Exception:
+                log.exception("could not sweep the CUDA pools of departed workers")
 
     def _expire_suspects(self, now: float) -> None:
         """Fail the streams nothing came for since the connection was replaced, LIVENESS

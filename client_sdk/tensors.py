@@ -337,7 +337,9 @@ class OutputLeases:
     `client.close()` still give their slots back to the worker."""
 
     def __init__(self, factory: Callable[[], Any] | None = None):
-        self._factory = factory or (lambda: _shm.SegmentCache())
+        # Owners tracked (a pidfd per worker whose ring is mapped): `sweep` drops the rings
+        # of workers that died, whose SIGKILL never marked them closed.
+        self._factory = factory or (lambda: _shm.SegmentCache(track_owners=True))
         self._cache: Any = None
         self._lock = threading.RLock()
         self.own_segment: str | None = None  # the client's input pool: not an output ring
@@ -380,6 +382,20 @@ class OutputLeases:
             self._live -= 1
             if self._closing and self._live == 0:
                 self._close_cache()
+
+    def sweep(self) -> list[str]:
+        """Drop the mappings of output rings whose worker died or closed them (the client's
+        heartbeat: `ClientCore.heartbeat`).  Arrays still viewing one keep it mapped until
+        they go; without this, a SIGKILLed worker's ring (256 MiB by default) stayed mapped,
+        its memory held, until 64 newer segments pushed it out."""
+        with self._lock:
+            cache = self._cache
+            if cache is None:
+                return []
+            try:
+                return cache.sweep()
+            except Exception:  # housekeeping never fails a call
+                return []
 
     def release_unviewed(self, loc: P.ShmLoc) -> None:
         """Give back an output slot nobody will read (a discarded late reply)."""

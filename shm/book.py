@@ -31,6 +31,7 @@ import errno
 import operator
 import os
 import select
+import weakref
 from collections import deque
 from typing import Any, Callable, Iterable
 
@@ -75,6 +76,17 @@ class ProcHolders:
         pass
 
 
+def _close_pidfds(pid_of: dict[int, int], owner_pid: int) -> None:
+    if os.getpid() != owner_pid:
+        return  # a forked child's copies are its own to close (they are O_CLOEXEC)
+    for fd in list(pid_of):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    pid_of.clear()
+
+
 class PidfdHolders:
     """Starttimes of holder pids, cached behind a pidfd so a reused pid is never trusted.
 
@@ -96,6 +108,9 @@ class PidfdHolders:
         self._use_pidfd = hasattr(os, "pidfd_open")
         self._pid_of: dict[int, int] = {}  # pidfd -> pid
         self._exits = select.poll()  # every cached pidfd: readable once its process exited
+        # Dropped without close() (an owner never closed): the descriptors go with it.  A
+        # closure over the dict, not self: self would never be collected.
+        weakref.finalize(self, _close_pidfds, self._pid_of, os.getpid())
 
     def _drop(self, pid: int) -> None:
         ent = self._cache.pop(pid, None)

@@ -31,7 +31,7 @@ class SegmentCache:
     """
 
     def __init__(self, max_segments: int = 64, *, on_forget=None, max_segment_bytes: int = MAX_MAPPED_SEGMENT,
-                 owners: PidfdHolders | None = None):
+                 owners: PidfdHolders | None = None, track_owners: bool = False):
         if max_segments < 1:
             raise ValueError("max_segments must be >= 1")
         # At most max_segments x max_segment_bytes of address space, whatever clients send.
@@ -44,12 +44,14 @@ class SegmentCache:
         # cudaHostRegister pinning there, which must happen while the pages are mapped.
         self.on_forget = on_forget
         # The owners' liveness for sweep(check_owners=True): with ``owners`` (a worker's,
-        # shared with its output pool and reply sockets), a pidfd per owner, taken at
-        # attach and closed once the owner exits (one poll for all, no /proc read);
-        # without, a /proc read per segment at each such sweep, and no descriptor held
-        # (a client's caches, which never sweep by owner, keep none).
-        self._track = owners is not None
-        self._owners = owners if owners is not None else ProcHolders()
+        # shared with its output pool and reply sockets) or ``track_owners`` (our own), a
+        # pidfd per owner, taken at attach and closed once the owner exits, at the next
+        # owner sweep (one poll for all, no /proc read).  Without either, a /proc read per
+        # segment at each such sweep, and no descriptor held: a cache that never sweeps by
+        # owner must not keep one per owner it ever met.
+        self._track = owners is not None or track_owners
+        self._own_owners = owners is None and track_owners
+        self._owners = owners if owners is not None else PidfdHolders() if track_owners else ProcHolders()
 
     def __enter__(self) -> SegmentCache:
         return self
@@ -219,6 +221,8 @@ class SegmentCache:
         self._closed = True
         for name in list(self._segs):
             self.forget(name)
+        if self._own_owners:
+            self._owners.close()
 
 
 __all__ = ["SegmentCache"]

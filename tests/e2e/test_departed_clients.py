@@ -137,3 +137,35 @@ def test_a_worker_keeps_no_descriptor_for_clients_that_left(cluster):
     # A client that released its outputs and left costs the worker nothing.
     _until(lambda: pidfds() == 0 and _fds(wpid) <= base, 10,
            f"the worker's descriptors grew from {base} ({kinds}) to {_fds(wpid)} ({_fd_kinds(wpid)})")
+
+
+def test_a_long_lived_client_lets_go_of_a_sigkilled_workers_ring(cluster):
+    """The other way round: a client reads its outputs in place from the worker's ring.  A
+    worker killed by SIGKILL never marks the ring closed; the client drops its mapping at a
+    heartbeat (every 0.2 s here, while its calls wait), not once 64 newer segments pushed it
+    out, so the ring's memory goes with the worker."""
+    import numpy as np
+
+    from client_sdk import Client
+    from tests.e2e.conftest import wait_service
+
+    cluster.broker()
+    w1 = cluster.worker("bench.inline_crossover:make_copy")
+    x = np.full(1 << 16, 3, np.uint8)  # 64 KiB: the reply is a slot of the worker's ring
+    with Client(cluster.frontend, timeout=20, heartbeat_interval=0.2) as c:
+        wait_service(c, "copy")
+        with c.infer("copy", {"x": x}) as r:
+            assert int(r["x"][0]) == 3
+        me = os.getpid()
+        assert _maps_naming(me, w1.p.pid), "the client read the reply in place, from the worker's ring"
+        w2 = cluster.worker("bench.inline_crossover:make_copy")
+        w1.kill()
+        dead = w1.p.pid
+
+        def let_go() -> bool:
+            with c.infer("copy", {"x": x}) as r:  # calls go on (to the new worker): heartbeats with them
+                assert int(r["x"][0]) == 3
+            return not _maps_naming(me, dead)
+
+        _until(let_go, 10, "the client still maps the SIGKILLed worker's ring")
+        assert _maps_naming(me, w2.p.pid)
