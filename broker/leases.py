@@ -19,7 +19,7 @@ the worker always knows a lease before the client can use it), then ACTIVE until
   worker lives (the worker stopping, a drain, the client done) still has that worker owe
   its requests in flight their replies: should it die before it says DISCONNECT (it would
   have finished them first), the client is told again, ``worker_failed`` with ``resend``
-  (the worker keeps a note of such leases, ``stopped``);
+  (the worker keeps a note of such leases, ``stopped``: the latest ``MAX_STOPPED_NOTES``);
 - the broker drains (``end_leases``): both are told.
 
 Lease ids are the scheduler's own counter (unique for the broker's life; the server makes
@@ -44,6 +44,11 @@ CLIENT_DONE = "client_done"
 CLIENT_GONE = "client_gone"
 UNCONFIRMED = "worker_failed"  # the worker did not confirm in its liveness window: as if it had failed
 T_LEASE = 6  # the scheduler's timer kind for a lease not yet confirmed (state.py's own are 0..5)
+#: notes of leases a live worker ended (``stopped``) kept per worker, the oldest forgotten
+#: first: a worker that lives for months sees a lease end for every stream a client closed,
+#: and a note is needed only until the requests in flight on it are answered (the oldest
+#: long since); at its death every note left is a LEASE_END to send, a burst this bounds
+MAX_STOPPED_NOTES = 1024
 # What a worker may give as its reason to end a lease; anything else is taken as stopping.
 WORKER_REASONS = frozenset({WORKER_STOPPING, SCALE_DOWN, DRAIN})
 
@@ -310,7 +315,10 @@ class LeaseEvents:
             # Ended while its worker lives (stopping, drain, scale-down, the client done):
             # the worker still owes its requests in flight their replies, so should it die
             # before it says DISCONNECT, the client resends them (`_end_worker_leases`).
-            lease.worker.stopped[lease.id] = (lease.client, lease.svc.name)
+            notes = lease.worker.stopped
+            notes[lease.id] = (lease.client, lease.svc.name)
+            if len(notes) > MAX_STOPPED_NOTES:
+                del notes[next(iter(notes))]  # the oldest (dicts keep insertion order)
         self._counters["leases_ended"] += 1
         if tell_worker and lease.worker.alive:
             out.append(LeaseEndToWorker(lease.worker.ident, lease.id, reason))

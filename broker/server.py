@@ -461,6 +461,10 @@ class Broker:
                 next_gc = now + _GC_INTERVAL
                 self._log_levels()
             if wake is not None and now >= wake:
+                if sock_events(be) & _POLLIN:
+                    # After a stall (a long collection, a burst of sends): what the workers
+                    # sent meanwhile is read before the timers judge any of them silent.
+                    self._drain(be, on_worker)
                 self._act(sched.tick(now), now)
                 wake = sched.next_wakeup(now)
             if sched.has_leases and sched.draining:
@@ -626,7 +630,12 @@ class Broker:
             self._bad.warning("malformed client message from %r: %s", ident[:16], e)
             return
         if msg.leading_empty:
-            self._req_clients.add(ident)
+            if ident not in self._req_clients:
+                self._req_clients.add(ident)
+                if ident not in self._client_conn:
+                    # Its connection, learned: a REQ client never says DISCONNECT, so the
+                    # connection's close is when it is forgotten (`_on_frontend_events`).
+                    self._client_pid(ident, frames[1])
         sched = self.sched
         cmd = msg.command
         if cmd == P.C_REQUEST:
@@ -1048,6 +1057,7 @@ class Broker:
                     self._client_pids.pop(ident, None)
                     self._client_tcp.pop(ident, None)
                     self._kept_conns.pop(ident, None)
+                    self._req_clients.discard(ident)
 
     def _bind_connection(self, ident: bytes, frame: Any, now: float) -> None:
         if self._gone.pop(ident, None) is not None and self.sched.has_worker(ident):

@@ -1572,11 +1572,19 @@ class Scheduler(LeaseEvents):
             if pool.live == 0:
                 pool.gap_since = now
                 pool.gap_epoch = next(self._epochs)
+                waiting = False
                 for ring in svc.classes:
                     for fifo in ring.values():
                         for req in fifo:
                             if req.local_host == pool.key:
                                 self._push_grace(req, pool)
+                                waiting = True
+                if not waiting and pool is not svc.any:
+                    # A host's pool with no worker and nothing waiting for one: forgotten (a
+                    # service whose pods roll for months would keep one per pod's host, and
+                    # the dead workers its heap still names).  A request for that host later
+                    # makes it again, its gap counted from then: as its grace would be.
+                    del svc.pools[pool.key]
         self._dirty[svc] = None
 
     # ---- timers

@@ -107,3 +107,29 @@ def test_client_kept_moves_the_window_not_the_last_message():
     assert b"c" not in s._clients
     with pytest.raises(ValueError):
         Scheduler(Config(quiet_client_max=-1))
+
+
+def test_a_req_client_is_forgotten_when_its_connection_closes(broker):
+    # A plain MDP client on a REQ socket wants the empty delimiter back on every reply, and
+    # never says DISCONNECT: what the broker notes for it goes when its connection closes
+    # (one REQ probe every few seconds would otherwise grow the broker for ever).
+    b, cfg, ctx, socks = broker
+    idents = []
+    for i in range(3):
+        r = ctx.socket(zmq.REQ)
+        socks.append(r)
+        r.linger = 5000
+        r.connect(cfg.frontend)
+        r.send_multipart([P.MDPC, P.C_REQUEST, b"nobody", b"x"])  # REQ puts the empty frame first
+        assert b.frontend.poll(5000)
+        before = set(b._req_clients)
+        _drain_all(b, b.frontend, b.on_client)
+        [ident] = set(b._req_clients) - before
+        idents.append(ident)
+        socks.remove(r)
+        r.close()
+    deadline = time.monotonic() + 10
+    while set(idents) & b._req_clients:
+        assert time.monotonic() < deadline, b._req_clients
+        if b._frontend_events.poll(100):
+            b._on_frontend_events()

@@ -338,6 +338,24 @@ def test_shm_request_goes_only_to_a_same_host_shm_worker():
     assert only(req(s, 2), Dispatch).worker == b"wB"  # inline: any worker
 
 
+def test_a_hosts_pool_goes_with_its_last_worker_unless_a_request_waits_for_it():
+    # Pods roll for months, each on a host of its own: the service keeps a pool only for
+    # the hosts that have a worker, or a request waiting for one.
+    s = Scheduler()
+    shm = frozenset({"inline", "shm", "cuda"})
+    s.worker_ready(b"w0", "svc", 0.0, host="h0", transports=shm)
+    for i in range(1, 50):
+        s.worker_ready(b"w%d" % i, "svc", float(i), host=f"h{i}", transports=shm)
+        s.worker_disconnect(b"w%d" % (i - 1), float(i))
+    svc = s._services["svc"]
+    assert set(svc.pools) == {None, "h49", "h49#cuda"}, svc.pools
+    # A request waiting for a host keeps its pool (its grace is timed from the gap).
+    only(req(s, 1, now=50.0, local_host="h49"), Dispatch)
+    s.worker_disconnect(b"w49", 51.0)  # its request goes back to the queue, for h49
+    assert "h49" in svc.pools and not svc.pools["h49"].live
+    assert only(s.tick(51.0 + s.config.service_grace), ClientError).code == ErrorCode.SERVICE_UNAVAILABLE
+
+
 def test_shm_request_for_a_host_without_shm_worker_is_not_local():
     s = Scheduler()
     s.worker_ready(b"wA", "svc", 0.0, host="A")  # inline only

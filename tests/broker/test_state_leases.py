@@ -178,6 +178,25 @@ def test_a_worker_that_dies_after_ending_its_leases_by_stopping_has_their_client
         assert s.worker_disconnect(b"w", 2.1) == []  # told once: the worker is forgotten
 
 
+def test_a_long_lived_worker_keeps_notes_of_its_latest_ended_leases_only(monkeypatch):
+    """Every stream a client closes ends a lease while its worker lives, and leaves a note
+    (should the worker die before DISCONNECT, that client resends).  A worker that lives
+    for months would keep them all, and its death would send them all at once: the latest
+    MAX_STOPPED_NOTES are kept, the oldest (long since answered) forgotten."""
+    from broker import leases as L
+
+    monkeypatch.setattr(L, "MAX_STOPPED_NOTES", 3)
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
+    ids = []
+    for i in range(5):
+        to_w, _ = granted(s, float(i), ask_id=i)
+        ids.append(to_w.lease)
+        only(s.client_lease_end(C, to_w.lease, i + 0.5), LeaseEndToWorker)  # the stream closed
+    out = s.worker_disconnect(b"w", 10.0, failed=True)
+    assert [e.lease for e in of(out, LeaseEndToClient)] == ids[-3:]
+
+
 def test_a_lease_never_confirmed_leaves_no_note_when_its_worker_stops_then_dies():
     s = Scheduler()
     s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
