@@ -62,6 +62,9 @@ log = logging.getLogger("broker")
 # Messages drained from one socket before looking at the other and at the timers: large
 # enough to amortise the poll, small enough that a flood of clients cannot starve workers.
 _DRAIN = 64
+# Backend drains (of _DRAIN messages) before the timers run: a heartbeat of each of 1024
+# workers that a stall left unread.
+_TICK_DRAINS = 16
 # The longest a closed worker's verdict waits for the backend to hold nothing more (its last
 # messages read first): a flood from other workers must not keep a dead one alive.
 GONE_WAIT_S = 0.1
@@ -461,11 +464,7 @@ class Broker:
                 next_gc = now + _GC_INTERVAL
                 self._log_levels()
             if wake is not None and now >= wake:
-                if sock_events(be) & _POLLIN:
-                    # After a stall (a long collection, a burst of sends): what the workers
-                    # sent meanwhile is read before the timers judge any of them silent.
-                    self._drain(be, on_worker)
-                self._act(sched.tick(now), now)
+                self._run_timers(now)
                 wake = sched.next_wakeup(now)
             if sched.has_leases and sched.draining:
                 # drain() may come from the launcher's thread: leases end here, on the loop.
@@ -491,6 +490,18 @@ class Broker:
                 self._settle_gone(monotonic())
             wake = sched.next_wakeup(monotonic())
         self._collect_shm()
+
+    def _run_timers(self, now: float) -> None:
+        """The scheduler's timers that are due.  After a stall (a long collection, a burst
+        of sends), what the workers sent meanwhile is read first, before the timers judge
+        any of them silent: a heartbeat each, up to _TICK_DRAINS drains, so that a flood
+        cannot hold the timers back for long."""
+        be = self.backend
+        for _ in range(_TICK_DRAINS):
+            if not sock_events(be) & _POLLIN:
+                break
+            self._drain(be, self.on_worker)
+        self._act(self.sched.tick(now), now)
 
     def _look_at_quiet(self, now: float, quiet_for: float) -> None:
         """Peers on tcp not heard from for `quiet_for` seconds whose connection moved bytes
@@ -630,12 +641,15 @@ class Broker:
             self._bad.warning("malformed client message from %r: %s", ident[:16], e)
             return
         if msg.leading_empty:
-            if ident not in self._req_clients:
-                self._req_clients.add(ident)
-                if ident not in self._client_conn:
-                    # Its connection, learned: a REQ client never says DISCONNECT, so the
-                    # connection's close is when it is forgotten (`_on_frontend_events`).
-                    self._client_pid(ident, frames[1])
+            if ident[0] and sock_events(self._frontend_events) & _POLLIN:
+                # A chosen routing id may be a closed connection's whose close is not read
+                # yet: applied first, or it would forget this new connection's REQ-ness.
+                self._on_frontend_events()
+            self._req_clients.add(ident)
+            if ident not in self._client_conn:
+                # Its connection, learned: a REQ client never says DISCONNECT, so the
+                # connection's close is when it is forgotten (`_on_frontend_events`).
+                self._client_pid(ident, frames[1])
         sched = self.sched
         cmd = msg.command
         if cmd == P.C_REQUEST:

@@ -1216,8 +1216,19 @@ class Scheduler(LeaseEvents):
     def _pool(self, svc, key, now):
         pool = svc.pools.get(key)
         if pool is None:
+            if len(svc.pools) > 2 * len(svc.workers) + 64:
+                self._prune_pools(svc)
             pool = svc.pools[key] = _Pool(key, now, next(self._epochs))
         return pool
+
+    def _prune_pools(self, svc):
+        """Forget the host pools of ``svc`` with no worker that no queued request waits for
+        (requests for hosts that never had a worker make them too; a pool goes with its last
+        worker otherwise: `worker_disconnect`).  O(pools + queued), once the count passes
+        twice the workers plus 64: amortised over the pools made."""
+        wanted = {req.local_host for ring in svc.classes for fifo in ring.values() for req in fifo}
+        for key in [k for k, p in svc.pools.items() if k is not None and p.live == 0 and k not in wanted]:
+            del svc.pools[key]
 
     def _touch_client(self, client, now):
         c = self._clients.get(client)

@@ -344,6 +344,7 @@ class OutputLeases:
         self._lock = threading.RLock()
         self.own_segment: str | None = None  # the client's input pool: not an output ring
         self.cuda_cache: Any = None  # the client's CudaPoolCache, once it has a CUDA side
+        self._dead: set[str] = set()  # rings the last sweep found dead (dropped at the next)
         self._live = 0
         self._closing = False
 
@@ -385,15 +386,22 @@ class OutputLeases:
 
     def sweep(self) -> list[str]:
         """Drop the mappings of output rings whose worker died or closed them (the client's
-        heartbeat: `ClientCore.heartbeat`).  Arrays still viewing one keep it mapped until
-        they go; without this, a SIGKILLed worker's ring (256 MiB by default) stayed mapped,
-        its memory held, until 64 newer segments pushed it out."""
+        heartbeat: `ClientCore.heartbeat`), once seen so at two sweeps in a row: a reply
+        the worker sent just before it died may still be unread, and reads its outputs from
+        the mapping (the ring's file is gone with its owner).  Arrays still viewing one keep
+        it mapped until they go.  Without this, a SIGKILLed worker's ring (256 MiB by
+        default) stayed mapped, its memory held, until 64 newer segments pushed it out."""
         with self._lock:
             cache = self._cache
             if cache is None:
                 return []
             try:
-                return cache.sweep()
+                dead = cache.dead()
+                gone = [name for name in dead if name in self._dead]
+                for name in gone:
+                    cache.forget(name)
+                self._dead = set(dead) - set(gone)
+                return gone
             except Exception:  # housekeeping never fails a call
                 return []
 

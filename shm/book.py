@@ -110,7 +110,9 @@ class PidfdHolders:
         self._exits = select.poll()  # every cached pidfd: readable once its process exited
         # Dropped without close() (an owner never closed): the descriptors go with it.  A
         # closure over the dict, not self: self would never be collected.
-        weakref.finalize(self, _close_pidfds, self._pid_of, os.getpid())
+        # Not at interpreter exit (the descriptors go with the process), where it would
+        # leave a holder still in use by a daemon thread with closed descriptors.
+        weakref.finalize(self, _close_pidfds, self._pid_of, os.getpid()).atexit = False
 
     def _drop(self, pid: int) -> None:
         ent = self._cache.pop(pid, None)

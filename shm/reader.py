@@ -202,19 +202,26 @@ class SegmentCache:
         Workers call it with the heartbeat (`HostPlane.housekeeping`): a client killed with
         SIGKILL never marks its segment closed, and our mapping would keep its memory.
         """
-        dropped = []
+        dropped = self.dead(check_owners)
+        for name in dropped:
+            self.forget(name)
+        return dropped
+
+    def dead(self, check_owners: bool = True) -> list[str]:
+        """The segments `sweep` would drop now (closed, or with check_owners, their owner
+        died), left mapped: for a caller that drops them only once seen dead twice."""
+        out = []
         owners = self._owners
         if check_owners:
             owners.prune()
-        for name, a in list(self._segs.items()):
+        for name, a in self._segs.items():
             gone = bool(a.h32[H32_CLOSED])
             if not gone and check_owners:
                 ids = parse_name(name)
                 gone = ids is not None and not owners.alive(*ids)
             if gone:
-                self.forget(name)
-                dropped.append(name)
-        return dropped
+                out.append(name)
+        return out
 
     def close(self) -> None:
         """Drop every mapping.  Idempotent."""

@@ -354,6 +354,11 @@ def test_a_hosts_pool_goes_with_its_last_worker_unless_a_request_waits_for_it():
     s.worker_disconnect(b"w49", 51.0)  # its request goes back to the queue, for h49
     assert "h49" in svc.pools and not svc.pools["h49"].live
     assert only(s.tick(51.0 + s.config.service_grace), ClientError).code == ErrorCode.SERVICE_UNAVAILABLE
+    # Requests for hosts without a worker make pools too: they go once there are many.
+    for i in range(200):
+        out = req(s, 100 + i, now=60.0, local_host=f"elsewhere{i}")
+        s.client_cancel(C, 100 + i, 60.0) if not of(out, ClientError) else None
+    assert len(svc.pools) <= 2 * len(svc.workers) + 64 + 1, len(svc.pools)
 
 
 def test_shm_request_for_a_host_without_shm_worker_is_not_local():

@@ -143,3 +143,53 @@ def test_leases_close_waits_for_live_results(pool):
     r.release()
     assert pool.table["state"][slot] == shm.RELEASED  # still given back after close
     assert leases.live == 0
+
+
+def test_a_dead_workers_ring_is_dropped_at_the_second_sweep_that_finds_it_dead():
+    """The client's heartbeat sweeps its output rings by owner (a SIGKILLed worker never marks
+    its ring closed).  A reply the worker sent just before it died may still be unread and
+    reads its outputs from the cached mapping (the ring's file is gone with its owner), so a
+    ring found dead is dropped at the next sweep, not at once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    owner = subprocess.Popen([sys.executable, "-c", (
+        "import sys, numpy as np\n"
+        "from shm import ShmPool\n"
+        "pool = ShmPool(1 << 20, slots=8)\n"
+        "refs = []\n"
+        "for v in (1, 2):\n"
+        "    a = pool.alloc(16, np.uint8); a[:] = v; r = pool.ref_of(a); pool.mark_in_flight(r); refs.append(r)\n"
+        "print(' '.join(' '.join(map(str, r)) for r in refs), flush=True)\n"
+        "sys.stdin.read()\n")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    leases = T.OutputLeases()
+    try:
+        f = owner.stdout.readline().split()
+        seg = f[0]
+        locs = [P.ShmLoc(segment=f[i], offset=int(f[i + 1]), nbytes=int(f[i + 2]), slot=int(f[i + 3]),
+                         generation=int(f[i + 4])) for i in (0, 5)]
+        first, _ = leases.view(locs[0], np.dtype(np.uint8), (16,))
+        assert int(first[0]) == 1
+        del first
+        gc.collect()
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(10)
+        assert leases.sweep() == []  # seen dead once: kept
+        second, _ = leases.view(locs[1], np.dtype(np.uint8), (16,))  # the reply sent before it died
+        assert int(second[0]) == 2
+        del second
+        gc.collect()
+        assert leases.sweep() == [seg]  # dead twice: dropped
+        assert leases.sweep() == []
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait(10)
+        owner.stdin.close()
+        owner.stdout.close()
+        leases.close()
