@@ -47,7 +47,9 @@ T_LEASE = 6  # the scheduler's timer kind for a lease not yet confirmed (state.p
 #: notes of leases a live worker ended (``stopped``) kept per worker, the oldest forgotten
 #: first: a worker that lives for months sees a lease end for every stream a client closed,
 #: and a note is needed only until the requests in flight on it are answered (the oldest
-#: long since); at its death every note left is a LEASE_END to send, a burst this bounds
+#: long since); at its death every note left is a LEASE_END to send, a burst this bounds.
+#: The trade-off: a request still running on a lease that ended 1024 lease ends before its
+#: worker died without DISCONNECT gets no resend from here (its call waits for its deadline)
 MAX_STOPPED_NOTES = 1024
 # What a worker may give as its reason to end a lease; anything else is taken as stopping.
 WORKER_REASONS = frozenset({WORKER_STOPPING, SCALE_DOWN, DRAIN})
