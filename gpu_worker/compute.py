@@ -130,6 +130,10 @@ class ComputeThread:
             except Exception as e:
                 outputs, error = None, e
             self._out = (jobs, started, outputs, error, time.perf_counter() - t0)
+            # Not kept here until the next batch: its jobs view the clients' segments, whose
+            # mappings (and, of clients that left, memory) would live on with them, for
+            # good once nothing is offloaded any more (a fast model, every size timed).
+            del jobs, outputs, error
             self._tx.send(b"")
 
     def result(self):

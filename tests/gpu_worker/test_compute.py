@@ -78,6 +78,32 @@ def test_the_compute_thread_runs_a_batch_and_wakes_the_loop():
         ct.close()
 
 
+def test_the_compute_thread_keeps_nothing_of_a_batch_once_handed_over():
+    # A batch's jobs view the clients' segments: kept by the thread until its next batch
+    # (for good, once nothing is offloaded any more), they would keep the mappings, and of
+    # clients that left, their memory.
+    import gc
+    import weakref
+
+    class Job:
+        pass
+
+    ctx = zmq.Context.instance()
+    ct = ComputeThread(ctx, lambda jobs: [None for _ in jobs])
+    try:
+        job = Job()
+        ref = weakref.ref(job)
+        ct.submit([job], 0.0)
+        del job
+        assert ct.done.poll(5000)
+        out = ct.result()
+        del out
+        gc.collect()
+        assert ref() is None, gc.get_referrers(ref()) if ref() is not None else None
+    finally:
+        ct.close()
+
+
 def test_loop_heartbeats_go_out_only_while_the_loop_computes():
     import threading
 
