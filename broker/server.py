@@ -53,6 +53,7 @@ from broker.state import (
     Dispatch,
     HeartbeatWorker,
     Scheduler,
+    LateToClient,
     ToClient,
     cuda_key,
 )
@@ -870,6 +871,17 @@ class Broker:
             self._bad.warning("could not send to client %r: %s", ident[:16], e)
             doomed[ident] = None
 
+    def _send_late(self, ident: bytes, frames: list) -> None:
+        """A late reply (LateToClient): to a client still there and reading; one gone, or
+        not reading, is not worth a warning or a drop (it was answered already)."""
+        if ident in self._doomed:
+            return
+        head = [ident, b""] if ident in self._req_clients else [ident]
+        try:
+            self.send_to_client(head + frames)
+        except zmq.ZMQError:  # Again (not reading), EHOSTUNREACH (gone)
+            pass
+
     def _drop_doomed(self) -> None:
         """Drop the clients a send found stalled or gone.  Run after the actions being sent
         (never in the middle of them: a CANCEL must not overtake the REQUEST it cancels)."""
@@ -1138,6 +1150,10 @@ class Broker:
                 )
                 if a.final and self.metrics is not None:
                     self.metrics.final(a.service, a.code, a.enqueued_at, a.dispatched_at, now)
+            elif t is LateToClient:
+                body = a.payload
+                if body and P.is_header(body[0]):  # a reply with our header: its client reads ids
+                    self._send_late(a.client, P.client_reply(a.final, a.service.encode(), body))
             elif t is ClientError:
                 if self.metrics is not None:
                     self.metrics.final(a.service, a.code, a.enqueued_at, None, now)

@@ -182,6 +182,7 @@ __all__ = [
     "Config",
     "Dispatch",
     "ToClient",
+    "LateToClient",
     "ClientError",
     "CancelAtWorker",
     "RecallAtWorker",
@@ -261,6 +262,22 @@ class ToClient:
     enqueued_at: float
     dispatched_at: float
     code: int = 0  # a FINAL's outcome as the server read it (0: a result), for the metrics
+
+
+@dataclass(frozen=True, slots=True)
+class LateToClient:
+    """A worker's reply to a request its client was already answered for (its deadline
+    passed while the worker ran it), forwarded only so that the client gives back the
+    output slots the reply names: a slot lent to a live client is freed by it alone, and
+    one whose reply was dropped here stayed held for the client's life.  Our SDK releases
+    what a reply for nobody names; the server forwards only a reply with our header (a
+    plain MDP client would take an opaque one for an answer)."""
+
+    client: bytes
+    request_id: int
+    service: str
+    final: bool
+    payload: object
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,6 +389,7 @@ class _Request:
         "returned",
         "thief",
         "orphan",
+        "late",
     )
 
     def __init__(self, client, principal, request_id, svc, payload, priority, deadline,
@@ -397,6 +415,7 @@ class _Request:
         self.returned = 0      # times a busy worker gave it back unstarted
         self.thief = None      # the idle worker it was recalled for
         self.orphan = False    # its connection went away while a worker held it (no final sent)
+        self.late = False      # its deadline answered it while a worker ran it; its client is still here
 
 
 class _Pool:
@@ -688,6 +707,8 @@ class Scheduler(LeaseEvents):
             return []
         if req.state == _ABANDONED:
             self._counters["dropped_late"] += 1
+            if req.late:  # its client is still there
+                return [LateToClient(req.client, req.request_id, req.svc.name, False, payload)]
             return []
         return [ToClient(req.client, req.request_id, req.svc.name, False, payload,
                          req.enqueued_at, req.dispatched_at)]
@@ -801,6 +822,8 @@ class Scheduler(LeaseEvents):
         self._dirty[req.svc] = None
         if req.state == _ABANDONED:
             self._counters["dropped_late"] += 1
+            if relay and req.late:  # its client is still there
+                out.append(LateToClient(req.client, req.request_id, req.svc.name, True, payload))
             if req.orphan and self._on_direct is not None:
                 # Its client left before any final: the worker's answer is its only count
                 # (sent straight to the client, which may have read it before it left).
@@ -1655,6 +1678,7 @@ class Scheduler(LeaseEvents):
             out.append(CancelAtWorker(req.worker.ident, req.token))
         # The worker keeps the credit until its late final arrives or it dies.
         req.state = _ABANDONED
+        req.late = True  # what the worker still sends goes to the client (LateToClient)
         self._error(req, ErrorCode.DEADLINE_EXCEEDED,
                     f"deadline passed while a worker was running the request "
                     f"({now - req.dispatched_at:.3f} s in flight); allow more time or use a "
@@ -1720,6 +1744,7 @@ class Scheduler(LeaseEvents):
                 if req.state != _ABANDONED:
                     req.orphan = True
                 req.state = _ABANDONED
+                req.late = False  # nobody to send a late reply to
             # Never needed again (an abandoned request is not retried), and it may be large.
             req.payload = None
 

@@ -27,7 +27,7 @@ class Job:
     """One request held by the worker."""
 
     __slots__ = ("envelope", "req", "inputs", "opaque", "received", "deadline", "refs", "input_ms", "cuda_in",
-                 "cancelled", "code", "route")
+                 "cancelled", "code", "route", "stale")
 
     def __init__(self, envelope, req, inputs, opaque, received, deadline, refs, route=None):
         self.envelope = envelope
@@ -42,3 +42,6 @@ class Job:
         self.cancelled = False    # a CANCEL arrived while it ran: its result is not sent
         self.code = 0             # its FINAL's outcome: 0 (a result) or the error code sent
         self.route = route        # a leased request's direct connection (routing id); None: brokered
+        # Brokered, and the broker connection it came on was replaced while it ran: a reply
+        # through the (new) broker has nowhere to go (its token is unknown there)
+        self.stale = False

@@ -308,6 +308,7 @@ class Worker:
         # one FINALS message per client when the batch is done (None: send each at once).
         self.batch_finals: BatchFinals | None = None
         self.direct_sent = 0
+        self.stale_replies = 0  # replies not written: their broker connection had been replaced
         # Leases (--direct): the table and the direct socket (bound last, below); None when off.
         self.leases: LeaseTable | None = None
         self.direct_socket: DirectSocket | None = None
@@ -1154,6 +1155,27 @@ class Worker:
                 if self.leases is not None:
                     self._maybe_tell_busy(time.monotonic())
                     self._bounce_pending()
+                if job.route is None and not job.stale and (
+                        self._reconnect_why is not None
+                        or (self._monitor_fd is not None and self.upstream.reconnected())):
+                    # The broker connection was replaced under the stream (the loop registers
+                    # again once it ends): its PARTIALs would be dropped, their output slots
+                    # held by the client for good.  The client, told of the restart by its
+                    # heartbeat answers, fails the call (a stream cannot be replayed).
+                    if self._reconnect_why is None:
+                        self._reconnect_why = "broker connection re-established"
+                    job.stale = True
+                if job.stale:
+                    close = getattr(outs, "close", None)
+                    if close is not None:
+                        try:
+                            close()
+                        except Exception:
+                            self._oops.exception("closing a stream of %s failed", self.model.name)
+                    log.info("stream of request %d ended after %d partial(s): its broker connection was replaced",
+                             job.req.id, seq, extra=logs.request_fields(job.req))
+                    self.served += 1
+                    return
                 if job.cancelled:
                     close = getattr(outs, "close", None)
                     if close is not None:
@@ -1182,6 +1204,12 @@ class Worker:
     # ------------------------------------------------------------------ replying
 
     def _reply_tensors(self, job: Job, out: dict, timing: dict, *, final: bool, seq: int = 0) -> list:
+        if job.stale and self._relayed(job, final):
+            # Its broker connection was replaced: relayed, the reply would be dropped, and
+            # an output slot it names would stay lent to its (live) client.  Not written.
+            timing["output_ms"] = 0.0
+            self.stale_replies += 1
+            return []
         t0 = time.perf_counter()
         refs, frames = self.plane.write_outputs(job, out)
         timing["output_ms"] = (time.perf_counter() - t0) * 1e3
@@ -1199,6 +1227,14 @@ class Worker:
         self.plane.finish_reads(job)
         job.code = int(code)
         self._reply(job, True, P.error_body(rid, code, message))
+
+    def _relayed(self, job: Job, final: bool) -> bool:
+        """Whether a reply of ``job`` would go through the broker (not leased, not direct)."""
+        if job.route is not None:
+            return False
+        endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self.cfg.direct_reply,
+                                   streaming=self._streaming)
+        return endpoint is None or self.direct.open(endpoint) is None
 
     def _reply(self, job: Job, final: bool, body: list) -> None:
         """Send one reply: a FINAL straight to a same-host client that gave a reply_to
@@ -1272,7 +1308,13 @@ class Worker:
         self._send(P.worker_stats(P.WorkerStats(keep_warm_runs=warm, leased=leased or None, **fields, **usage)))
 
     def _fail_pending(self, why: str) -> None:
-        # The broker retries these elsewhere; our replies would carry dead tokens.
+        # The broker retries these elsewhere; our replies would carry dead tokens.  What
+        # runs now may still answer its client directly; through the broker, nothing of it
+        # is written (`_reply_tensors`): an output slot in a reply that is dropped would be
+        # lent to a live client for good.
+        for job in self.running.values():
+            if job.route is None:
+                job.stale = True
         self.batcher.drop(lambda p: True)
         self.jobs.clear()
         self.dones.clear()

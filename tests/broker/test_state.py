@@ -11,6 +11,7 @@ from broker.state import (
     Dispatch,
     ErrorCode,
     HeartbeatWorker,
+    LateToClient,
     Priority,
     Scheduler,
     ToClient,
@@ -239,10 +240,25 @@ def test_in_flight_deadline_errors_now_and_cancels_at_worker():
     assert req(s, 2, now=1.1) == []
     out = s.worker_final(b"w", d.token, 1.2, "late")
     assert of(out, ToClient) == []
+    # Its client was answered already; the late reply goes to it only so that it gives back
+    # the output slots the reply names (the server forwards it to tensor requests alone).
+    assert only(out, LateToClient) == LateToClient(C, 1, "svc", True, "late")
     assert only(out, Dispatch).request_id == 2
     assert s.stats()["counters"]["dropped_late"] == 1
     # The request id may be reused once its final has gone out.
     assert of(req(s, 1, now=1.3), ClientError) == []
+
+
+def test_late_replies_go_to_a_client_answered_by_its_deadline_only():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=4)
+    d = only(req(s, 1, deadline=1.0), Dispatch)
+    s.tick(1.0)
+    assert only(s.worker_partial(b"w", d.token, 1.1, "part"), LateToClient).final is False
+    # A request whose client left while it ran was never answered: nobody to send to.
+    e = only(req(s, 2, now=1.2, client=b"other"), Dispatch)
+    s.client_disconnect(b"other", 1.3)
+    assert of(s.worker_final(b"w", e.token, 1.4, "late"), LateToClient) == []
 
 
 def test_in_flight_deadline_then_worker_death_gives_no_second_final():

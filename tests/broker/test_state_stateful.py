@@ -37,6 +37,7 @@ from broker.state import (
     Priority,
     RecallAtWorker,
     Scheduler,
+    LateToClient,
     ToClient,
 )
 
@@ -133,6 +134,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                     r.finals = 1
                     self.final_n += 1
                     self.counted[(a.client, a.request_id)] = self.counted.get((a.client, a.request_id), 0) + 1
+            elif isinstance(a, LateToClient):
+                # Only for a request its client was answered for already, and still has.
+                r = self.reqs[(a.client, a.request_id)]
+                assert r.finals == 1 and not r.gone, f"late reply forwarded wrongly: {a}"
             elif isinstance(a, CancelAtWorker):
                 assert a.token in self.workers[a.worker]["tokens"]
             elif isinstance(a, RecallAtWorker):

@@ -121,3 +121,24 @@ def ticker(device: str = "cpu"):
     run.streaming = True
     run.example_inputs = lambda: {"x": np.array([1.0, 0.0])}
     return run
+
+
+def gated_stream(device: str = "cpu"):
+    """A streaming model whose partials the test lets out one by one: a call on more than one
+    element yields three partials, each a new array (x + i: a slot of the worker's output
+    ring once x is over 4 KiB) after one byte on $GATE_FIFO (opened read-write at load, as
+    `held` does).  Its warm-up (one element) yields at once."""
+    fd = os.open(os.environ["GATE_FIFO"], os.O_RDWR)
+
+    def run(inputs):
+        x = np.asarray(inputs["x"])
+        for i in range(3 if x.size > 1 else 1):
+            if x.size > 1:
+                os.read(fd, 1)
+            yield {"x": x + i}
+
+    run.name = "gstream"
+    run.batchable = False
+    run.streaming = True
+    run.example_inputs = lambda: {"x": np.zeros(1, np.float32)}
+    return run

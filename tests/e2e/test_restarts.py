@@ -247,3 +247,70 @@ def test_a_worker_registers_with_a_restarted_broker_at_once_not_at_its_next_hear
         _echo_round(c, 3)
     assert worker.p.poll() is None, worker.stderr()
     assert back_after < 2.5, back_after  # a heartbeat would take up to 5 s
+
+
+def test_a_stream_cut_by_a_broker_restart_leaves_no_output_slot_held(cluster, gate):
+    """A stream's PARTIALs go through the broker.  The broker is SIGKILLed and started again
+    mid-stream: the new one knows nothing of the stream, and drops what arrives for it.  The
+    worker learns of the restart (the new broker answers its heartbeats with DISCONNECT)
+    and ends the stream at its next partial without writing it: a PARTIAL written into its
+    output ring and dropped would leave the slot lent to the (live) client for good."""
+    from client_sdk import errors
+
+    broker = cluster.broker()
+    w = cluster.worker("gate_model:gated_stream", env=gate.env)
+    gate.open()
+    worker_pid = int(w.field("pid"))
+    x = np.zeros(1 << 14, np.float32)  # 64 KiB: each partial is a slot of the worker's ring
+    with Client(cluster.frontend, timeout=20) as c:
+        wait_service(c, "gstream")
+        call = c.infer_stream("gstream", {"x": x}, timeout=20)
+        gate.release()
+        first = next(call)
+        assert float(first["x"][0]) == 0.0
+        first.release()
+        broker.kill()
+        fresh = cluster.broker("--log-level", "INFO")
+        fresh.wait_log("disconnecting worker")  # it has told the worker it does not know it
+        gate.release()  # the next partial: computed, not written
+        try:
+            for part in call:  # it fails: a stream cannot be replayed after a restart
+                part.release()
+        except errors.InferenceError:
+            pass
+        t0 = time.monotonic()
+        while _live_slots(worker_pid) > 0:
+            assert time.monotonic() - t0 < 5.0, f"{_live_slots(worker_pid)} output slots still held"
+            c.mmi_service("gstream")  # the client reads (and would release) what reaches it
+            time.sleep(0.05)
+        gate.release()  # a third byte, should anything still wait for it
+        wait_service(c, "gstream")  # the worker registered with the new broker
+
+
+def test_replies_after_their_deadline_leave_no_output_slot_held(cluster):
+    """A request's deadline passes while its worker runs it: the client is answered
+    DEADLINE_EXCEEDED, and the worker's reply, if it comes, is late.  Through the broker
+    (no direct reply here), a late reply that names a slot of the worker's output ring is
+    still forwarded to its client, which gives the slot back: dropped, the slot stayed lent
+    to the live client for good.  Deadlines spread around the model's 50 ms, so that some
+    replies are written before the worker hears of the cancel."""
+    from client_sdk import errors
+
+    cluster.broker()
+    w = cluster.worker("tests.bench.slow_model:factory")
+    worker_pid = int(w.field("pid"))
+    x = np.zeros(1 << 14, np.float32)  # 64 KiB: the reply is a slot of the worker's ring
+    with Client(cluster.frontend, timeout=20, direct_reply=False) as c:
+        wait_service(c, "slow")
+        late = 0
+        for i in range(24):
+            try:
+                c.infer("slow", {"x": x}, timeout=0.035 + 0.002 * i, reply="shm").release()
+            except errors.DeadlineExceeded:
+                late += 1
+        assert late > 0
+        t0 = time.monotonic()
+        while _live_slots(worker_pid) > 0:
+            assert time.monotonic() - t0 < 5.0, f"{_live_slots(worker_pid)} output slots still held"
+            c.mmi_service("slow")  # the client reads (and releases) the late replies
+            time.sleep(0.05)
