@@ -195,6 +195,18 @@ class _Payload(msgspec.Struct, array_like=True):
     body: tuple          # frames after the header (or the whole opaque body)
 
 
+def _names_slots(body) -> bool:
+    """Whether a worker's reply body names slots lent to its client (shared memory, CUDA):
+    what a late reply is forwarded for (LateToClient).  Decoded on that rare path only."""
+    if not body or not P.is_header(body[0]):
+        return False
+    try:
+        rep = P.decode_reply(body[0], frames=body[1:])
+    except P.ProtocolError:
+        return False
+    return any(type(t.loc) is not P.InlineLoc for t in rep.tensors)
+
+
 def _ipc_served(path: str) -> bool:
     """Whether a process may still serve the unix socket at ``path``: only a refused
     connection (nobody listens: a stale file, or not a socket) or a file gone meanwhile says
@@ -873,12 +885,12 @@ class Broker:
 
     def _send_late(self, ident: bytes, frames: list) -> None:
         """A late reply (LateToClient): to a client still there and reading; one gone, or
-        not reading, is not worth a warning or a drop (it was answered already)."""
+        not reading, is not worth a warning or a drop (it was answered already).  Never to
+        a REQ socket (it would take it for the answer to its next request)."""
         if ident in self._doomed:
             return
-        head = [ident, b""] if ident in self._req_clients else [ident]
         try:
-            self.send_to_client(head + frames)
+            self.send_to_client([ident, *frames])
         except zmq.ZMQError:  # Again (not reading), EHOSTUNREACH (gone)
             pass
 
@@ -1151,9 +1163,8 @@ class Broker:
                 if a.final and self.metrics is not None:
                     self.metrics.final(a.service, a.code, a.enqueued_at, a.dispatched_at, now)
             elif t is LateToClient:
-                body = a.payload
-                if body and P.is_header(body[0]):  # a reply with our header: its client reads ids
-                    self._send_late(a.client, P.client_reply(a.final, a.service.encode(), body))
+                if a.client not in self._req_clients and _names_slots(a.payload):
+                    self._send_late(a.client, P.client_reply(a.final, a.service.encode(), a.payload))
             elif t is ClientError:
                 if self.metrics is not None:
                     self.metrics.final(a.service, a.code, a.enqueued_at, None, now)

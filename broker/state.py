@@ -415,7 +415,10 @@ class _Request:
         self.returned = 0      # times a busy worker gave it back unstarted
         self.thief = None      # the idle worker it was recalled for
         self.orphan = False    # its connection went away while a worker held it (no final sent)
-        self.late = False      # its deadline answered it while a worker ran it; its client is still here
+        # Its deadline answered it while a worker ran it: the client's record then (None for
+        # one that never heartbeats), to which the worker's late replies go while it is the
+        # client's record still (LateToClient)
+        self.late = None
 
 
 class _Pool:
@@ -707,7 +710,7 @@ class Scheduler(LeaseEvents):
             return []
         if req.state == _ABANDONED:
             self._counters["dropped_late"] += 1
-            if req.late:  # its client is still there
+            if self._late_to_client(req):
                 return [LateToClient(req.client, req.request_id, req.svc.name, False, payload)]
             return []
         return [ToClient(req.client, req.request_id, req.svc.name, False, payload,
@@ -822,7 +825,7 @@ class Scheduler(LeaseEvents):
         self._dirty[req.svc] = None
         if req.state == _ABANDONED:
             self._counters["dropped_late"] += 1
-            if relay and req.late:  # its client is still there
+            if relay and self._late_to_client(req):
                 out.append(LateToClient(req.client, req.request_id, req.svc.name, True, payload))
             if req.orphan and self._on_direct is not None:
                 # Its client left before any final: the worker's answer is its only count
@@ -1279,6 +1282,15 @@ class Scheduler(LeaseEvents):
 
     # ---- bookkeeping of one request
 
+    def _late_to_client(self, req) -> bool:
+        """Whether a late reply of ``req`` goes to its client: answered by its deadline, the
+        same client record still here (not dropped, not a new one under the id: one that
+        never heartbeats has none, and gets none), and the id not reused by a request of
+        its own since."""
+        late = req.late
+        return (late is not None and self._clients.get(req.client) is late
+                and req.request_id not in self._requests.get(req.client, ()))
+
     def _unlink(self, req):
         """The client has its final: forget the request under its connection's name and
         stop counting it against its principal."""
@@ -1678,7 +1690,7 @@ class Scheduler(LeaseEvents):
             out.append(CancelAtWorker(req.worker.ident, req.token))
         # The worker keeps the credit until its late final arrives or it dies.
         req.state = _ABANDONED
-        req.late = True  # what the worker still sends goes to the client (LateToClient)
+        req.late = self._clients.get(req.client)  # what the worker still sends goes to it (LateToClient)
         self._error(req, ErrorCode.DEADLINE_EXCEEDED,
                     f"deadline passed while a worker was running the request "
                     f"({now - req.dispatched_at:.3f} s in flight); allow more time or use a "
@@ -1744,7 +1756,6 @@ class Scheduler(LeaseEvents):
                 if req.state != _ABANDONED:
                     req.orphan = True
                 req.state = _ABANDONED
-                req.late = False  # nobody to send a late reply to
             # Never needed again (an abandoned request is not retried), and it may be large.
             req.payload = None
 

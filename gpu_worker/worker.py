@@ -465,6 +465,8 @@ class Worker:
                     ms = min(ms, done_ms)
                 if link is not None and link.inbox:
                     ms = 0  # read from the link already, not yet handled: its descriptor will not tell
+                if self._reconnect_why is not None:
+                    ms = 0  # learnt outside the wait (a stream, a batch): reconnect at once
                 events = self._events = poller.wait(ms)
                 if sig_fd is not None and sig_fd in events:
                     _drain_pipe(sig_fd)  # the handler counted it; `_take_signals` acts on it
@@ -985,6 +987,8 @@ class Worker:
         to drain), answering expired requests first; stops while a batch is offloaded."""
         batcher = self.batcher
         while not self._busy:
+            if self._reconnect_why is not None and not force:
+                return  # what is queued carries dead tokens: the loop reconnects (and drops it) first
             if not len(batcher):
                 batcher.idle()  # as an empty take(idle=True): the batcher is not busy any more
                 return
@@ -1036,6 +1040,10 @@ class Worker:
         seconds = time.perf_counter() - t0
         if self._stash or self._stash_direct or self._returned_early or self._bounced_early:
             self._after_compute()  # a CANCEL read meanwhile drops a result before it is written
+        if self._reconnect_why is not None or seconds > self.heartbeat_interval:
+            # A DISCONNECT read meanwhile, or long enough for a broker restart to matter (the
+            # monitor is asked only then: a syscall a batch on the lone request's path).
+            self._note_replaced()
         self._complete(jobs, started, outputs, error, seconds)
         if self._busy:  # a batch finished on the loop thread can't leave the flag set
             self._busy = False
@@ -1045,7 +1053,19 @@ class Worker:
         self._busy = False
         if self._poller is not None:
             self._poller.remove(self._offload.done)
+        self._note_replaced()  # before the drain and the monitor's check of this pass
         self._complete(jobs, started, outputs, error, seconds)
+
+    def _note_replaced(self) -> None:
+        """If the broker connection was replaced (a DISCONNECT read, or the monitor saw it
+        come back), the running brokered jobs' replies would go through a broker that does
+        not know them: marked stale (`_reply_tensors` writes nothing for them)."""
+        if self._reconnect_why is None and self._monitor_fd is not None and self.upstream.reconnected():
+            self._reconnect_why = "broker connection re-established"
+        if self._reconnect_why is not None:
+            for job in self.running.values():
+                if job.route is None:
+                    job.stale = True
 
     def _complete(self, jobs, started, outputs, error, seconds: float) -> None:
         self.running = {}
@@ -1155,16 +1175,12 @@ class Worker:
                 if self.leases is not None:
                     self._maybe_tell_busy(time.monotonic())
                     self._bounce_pending()
-                if job.route is None and not job.stale and (
-                        self._reconnect_why is not None
-                        or (self._monitor_fd is not None and self.upstream.reconnected())):
-                    # The broker connection was replaced under the stream (the loop registers
+                if job.route is None and not job.stale:
+                    # The broker connection replaced under the stream (the loop registers
                     # again once it ends): its PARTIALs would be dropped, their output slots
                     # held by the client for good.  The client, told of the restart by its
                     # heartbeat answers, fails the call (a stream cannot be replayed).
-                    if self._reconnect_why is None:
-                        self._reconnect_why = "broker connection re-established"
-                    job.stale = True
+                    self._note_replaced()
                 if job.stale:
                     close = getattr(outs, "close", None)
                     if close is not None:

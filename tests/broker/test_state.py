@@ -240,25 +240,36 @@ def test_in_flight_deadline_errors_now_and_cancels_at_worker():
     assert req(s, 2, now=1.1) == []
     out = s.worker_final(b"w", d.token, 1.2, "late")
     assert of(out, ToClient) == []
-    # Its client was answered already; the late reply goes to it only so that it gives back
-    # the output slots the reply names (the server forwards it to tensor requests alone).
-    assert only(out, LateToClient) == LateToClient(C, 1, "svc", True, "late")
+    assert of(out, LateToClient) == []  # a client with no heartbeat record gets no late reply
     assert only(out, Dispatch).request_id == 2
     assert s.stats()["counters"]["dropped_late"] == 1
     # The request id may be reused once its final has gone out.
     assert of(req(s, 1, now=1.3), ClientError) == []
 
 
-def test_late_replies_go_to_a_client_answered_by_its_deadline_only():
-    s = Scheduler()
-    s.worker_ready(b"w", "svc", 0.0, credit=4)
+def test_late_replies_go_to_the_client_its_deadline_answered_while_it_is_there():
+    """Its client was answered (504) while the worker ran it: what the worker still sends
+    goes to that client, only so that it gives back the output slots a reply names (the
+    server forwards only replies that name some, and never to a REQ socket); not once the
+    client left, nor after a new request of its own took the id."""
+    s = Scheduler(Config(client_liveness=100.0))
+    s.worker_ready(b"w", "svc", 0.0, credit=8)
+    s.client_heartbeat(C, 0.0)
     d = only(req(s, 1, deadline=1.0), Dispatch)
-    s.tick(1.0)
-    assert only(s.worker_partial(b"w", d.token, 1.1, "part"), LateToClient).final is False
-    # A request whose client left while it ran was never answered: nobody to send to.
-    e = only(req(s, 2, now=1.2, client=b"other"), Dispatch)
-    s.client_disconnect(b"other", 1.3)
-    assert of(s.worker_final(b"w", e.token, 1.4, "late"), LateToClient) == []
+    assert only(s.tick(1.0), ClientError).code == ErrorCode.DEADLINE_EXCEEDED
+    assert only(s.worker_partial(b"w", d.token, 1.1, "part"), LateToClient) == LateToClient(C, 1, "svc", False, "part")
+    assert only(s.worker_final(b"w", d.token, 1.2, "late"), LateToClient) == LateToClient(C, 1, "svc", True, "late")
+    # The id taken again by a live request: the old one's late reply is not sent.
+    d = only(req(s, 2, now=2.0, deadline=3.0), Dispatch)
+    s.tick(3.0)
+    only(req(s, 2, now=3.1), Dispatch)
+    assert of(s.worker_final(b"w", d.token, 3.2, "late"), LateToClient) == []
+    # The client gone (and back under its id: a new record): not sent.
+    d = only(req(s, 3, now=4.0, deadline=5.0), Dispatch)
+    s.tick(5.0)
+    s.client_disconnect(C, 5.1)
+    s.client_heartbeat(C, 5.2)
+    assert of(s.worker_final(b"w", d.token, 5.3, "late"), LateToClient) == []
 
 
 def test_in_flight_deadline_then_worker_death_gives_no_second_final():

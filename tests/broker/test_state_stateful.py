@@ -68,6 +68,8 @@ class _Req:
         self.local_host = local_host
         self.finals = 0
         self.gone = False  # its client went away: no final is owed any more
+        self.left = False  # its client went away, before or after its final
+        self.code = None  # its final's code (a ClientError's), once it had one
         self.counted = False  # (gone) its worker's answer was counted
 
 
@@ -132,12 +134,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert r.finals == 0, f"second final: {a}"
                 if isinstance(a, ClientError) or a.final:
                     r.finals = 1
+                    r.code = a.code if isinstance(a, ClientError) else None
                     self.final_n += 1
                     self.counted[(a.client, a.request_id)] = self.counted.get((a.client, a.request_id), 0) + 1
             elif isinstance(a, LateToClient):
-                # Only for a request its client was answered for already, and still has.
+                # Only for a request its deadline answered, to its client while it is here.
                 r = self.reqs[(a.client, a.request_id)]
-                assert r.finals == 1 and not r.gone, f"late reply forwarded wrongly: {a}"
+                assert r.finals == 1 and r.code == ErrorCode.DEADLINE_EXCEEDED and not r.left, \
+                    f"late reply forwarded wrongly: {a}"
             elif isinstance(a, CancelAtWorker):
                 assert a.token in self.workers[a.worker]["tokens"]
             elif isinstance(a, RecallAtWorker):
@@ -161,8 +165,10 @@ class SchedulerMachine(RuleBasedStateMachine):
     def client_gone(self, client):
         self.tracked.pop(client, None)
         for (c, _), r in self.reqs.items():
-            if c == client and r.finals == 0:
-                r.gone = True
+            if c == client:
+                r.left = True
+                if r.finals == 0:
+                    r.gone = True
 
     def owed(self):
         return [k for k, r in self.reqs.items() if r.finals == 0 and not r.gone]
