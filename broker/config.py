@@ -216,7 +216,7 @@ class LauncherConfig:
     (`drain_timeout_s`), how long a worker told to stop may take before SIGKILL
     (`stop_timeout_s`; default its drain grace + 10 s), and the restart backoff (the first
     restart after `restart_backoff_s`, doubling to `restart_backoff_max_s`, back to the first
-    once a worker stayed up `restart_reset_s`)."""
+    once a worker served `restart_reset_s` after its READY)."""
 
     pools: tuple[PoolConfig, ...]
     drain_timeout_s: float = 30.0

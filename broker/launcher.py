@@ -132,7 +132,8 @@ class Finished:
 @dataclass(frozen=True)
 class Backoff:
     """Restart delays: ``initial`` after the first crash, doubling to ``maximum``; a worker
-    that stayed up ``reset_after`` seconds counts as healthy (its crash is a first again)."""
+    that served ``reset_after`` seconds after its READY counts as healthy (its crash is a first
+    again; so is the first crash after a rolling restart of a slot that served that long)."""
 
     initial: float = 0.5
     maximum: float = 30.0
@@ -145,7 +146,7 @@ class Backoff:
 
 
 class _Run:
-    __slots__ = ("wid", "slot", "gen", "started_at", "ready", "stopping", "kill_at", "killed")
+    __slots__ = ("wid", "slot", "gen", "started_at", "ready", "ready_at", "stopping", "kill_at", "killed")
 
     def __init__(self, wid, slot, gen, now):
         self.wid = wid
@@ -153,6 +154,7 @@ class _Run:
         self.gen = gen
         self.started_at = now
         self.ready = False
+        self.ready_at = None  # when it said READY: how long it served counts, not how long it loaded
         self.stopping = False
         self.kill_at = None
         self.killed = False
@@ -242,6 +244,7 @@ class Supervisor:
         if run is None or run.ready:
             return []
         run.ready = True
+        run.ready_at = now
         slot = run.slot
         out: list = []
         slot.ready_once = True
@@ -262,6 +265,7 @@ class Supervisor:
         slot = run.slot
         slot.runs.pop(wid, None)
         out: list = []
+        served = None if run.ready_at is None else now - run.ready_at
         if run.stopping or self.phase in (STOPPING, STOPPED):
             out.append(WorkerGone(slot.pool, slot.index, wid, code, run.stopping, None))
             if self.phase == STOPPING:
@@ -278,8 +282,10 @@ class Supervisor:
             return out
         restart_in = None
         if run.gen == slot.gen:
-            # The slot's current worker crashed: a new one after the backoff.
-            if now - run.started_at >= self.backoff.reset_after:
+            # The slot's current worker crashed: a new one after the backoff.  Healthy is
+            # having served `reset_after` since its READY (a model that loads for minutes and
+            # crashes at once is not).
+            if served is not None and served >= self.backoff.reset_after:
                 slot.failures = 0
             slot.failures += 1
             restart_in = self.backoff.delay(slot.failures)
@@ -413,6 +419,11 @@ class Supervisor:
                     return
                 roll.current = roll.todo.popleft()
                 slot = self._pools[pool][roll.current]
+                if any(r.ready_at is not None and now - r.ready_at >= self.backoff.reset_after
+                       for r in slot.runs.values()):
+                    # It served long enough to count as healthy, whatever crashed before: a
+                    # replacement that crashes (a bad deploy) is a first crash again.
+                    slot.failures = 0
                 slot.gen += 1
                 slot.reason = "rolling restart"
                 self._reconcile(slot, now, out)

@@ -14,7 +14,9 @@ FINAL went (docs/operations.md, "Metrics").
 
 Label values are bounded: a `service` label is the name of a service some worker registered
 (`register`); requests for any other name count under ``_other``, so a client sending random
-service names cannot grow the exposition.  Per-worker gauges are dropped when the worker goes.
+service names cannot grow the exposition.  Per-worker gauges are dropped when the worker goes
+(`prune`, from the broker's housekeeping once a second, and at each scrape), whether or not
+anyone scrapes.
 """
 from __future__ import annotations
 
@@ -175,6 +177,11 @@ class Metrics:
 
     def worker_gone(self, worker: bytes) -> None:
         self.gauges.pop(worker, None)
+
+    def prune(self, alive) -> None:
+        """Drop the gauges of workers that are gone (``alive(worker)`` false)."""
+        for w in [w for w in self.gauges if not alive(w)]:
+            del self.gauges[w]
 
     def snapshot(self, alive=None) -> dict:
         """A copy for another thread to render; ``alive(worker)``: whether a worker still

@@ -476,6 +476,10 @@ class Broker:
                 self._collect_shm()
                 next_gc = now + _GC_INTERVAL
                 self._log_levels()
+                if self.metrics is not None:
+                    # Gauges of workers that went, whether or not anyone scrapes (a deployment
+                    # that uses --http for probes only would keep one set per worker ever seen).
+                    self.metrics.prune(sched.has_worker)
             if wake is not None and now >= wake:
                 self._run_timers(now)
                 wake = sched.next_wakeup(now)

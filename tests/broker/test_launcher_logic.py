@@ -91,6 +91,42 @@ def test_crash_restart_backoff_doubles_caps_and_resets_after_a_long_uptime():
     assert len(s.workers()) == 2  # the other slots untouched
 
 
+def test_healthy_is_serving_after_ready_not_loading():
+    # A model that loads for 70 s and crashes a second after its READY never served: its
+    # crashes count up (the backoff grows), however long each run lived.
+    s, wid = running(backoff=Backoff(0.5, 30.0, 60.0))
+    cur, t, delays = wid[("a", 0)], 0.0, []
+    for _ in range(4):
+        t += 1.0
+        gone = only(s.worker_exited(cur, 1, t), WorkerGone)[0]
+        delays.append(gone.restart_in)
+        t += gone.restart_in
+        (new,) = starts(s.tick(t))
+        cur = new.wid
+        t += 70.0
+        s.worker_ready(cur, t)
+    assert delays == [0.5, 1.0, 2.0, 4.0]
+
+
+def test_a_slot_that_served_long_enough_rolls_to_a_first_crash_again():
+    # Quick crashes, then two hours of service, then a rolling restart to a bad deploy:
+    # its first crash waits the first backoff, not the one the old crashes built up.
+    s, wid = running(pools=(("a", 1),), backoff=Backoff(0.5, 30.0, 60.0))
+    cur, t = wid[("a", 0)], 0.0
+    for _ in range(6):
+        t += 1.0
+        gone = only(s.worker_exited(cur, 1, t), WorkerGone)[0]
+        t += gone.restart_in
+        (new,) = starts(s.tick(t))
+        cur = new.wid
+        s.worker_ready(cur, t)
+    assert gone.restart_in == 16.0
+    t += 7200.0
+    (n,) = starts(s.roll(t))
+    out = s.worker_exited(n.wid, 1, t + 7.0)  # the new code crashes before its READY
+    assert only(out, WorkerGone)[0].restart_in == 0.5
+
+
 def test_zero_backoff_restarts_at_once():
     s, wid = running(backoff=Backoff(0.0, 0.0, 60.0))
     out = s.worker_exited(wid[("b", 0)], -9, 5.0)

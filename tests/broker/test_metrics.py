@@ -113,6 +113,10 @@ def test_gauges_of_workers_that_are_gone_are_dropped():
     text = exposition(render(m.snapshot(alive=lambda w: w == b"w2"), _sched({}), m.known)).decode()
     assert 'worker="1@other"' in text and 'worker="1@h"' not in text
     assert list(m.gauges) == [b"w2"]
+    # Without a scrape too: the broker's housekeeping prunes them once a second.
+    m.worker_stats(b"w3", "echo", "2@h", _stats())
+    m.prune(lambda w: w != b"w3")
+    assert list(m.gauges) == [b"w2"]
 
 
 def test_parse_address():
