@@ -216,7 +216,9 @@ class LauncherConfig:
     (`drain_timeout_s`), how long a worker told to stop may take before SIGKILL
     (`stop_timeout_s`; default its drain grace + 10 s), and the restart backoff (the first
     restart after `restart_backoff_s`, doubling to `restart_backoff_max_s`, back to the first
-    once a worker served `restart_reset_s` after its READY)."""
+    once a worker served `restart_reset_s` after its READY), and how long a worker may take to
+    its READY before it is SIGKILLed as hung (`ready_timeout_s`: a model load that never
+    ends would stall a rolling restart, or the start, for good)."""
 
     pools: tuple[PoolConfig, ...]
     drain_timeout_s: float = 30.0
@@ -224,6 +226,7 @@ class LauncherConfig:
     restart_backoff_s: float = 0.5
     restart_backoff_max_s: float = 30.0
     restart_reset_s: float = 60.0
+    ready_timeout_s: float = 600.0
     source: str = field(default="", compare=False)
 
     @property
@@ -245,6 +248,7 @@ LAUNCHER_KEYS: dict[str, tuple] = {
     "restart_backoff_s": _number_at_least(0),
     "restart_backoff_max_s": _number_at_least(0),
     "restart_reset_s": _number_at_least(0),
+    "ready_timeout_s": _number_at_least(1),
 }
 
 

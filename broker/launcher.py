@@ -199,10 +199,14 @@ class Supervisor:
     after the backoff."""
 
     def __init__(self, pools: Sequence[tuple[str, int]], *, backoff: Backoff = Backoff(),
-                 stop_timeout: float = 40.0, drain_timeout: float = 30.0):
+                 stop_timeout: float = 40.0, drain_timeout: float = 30.0, ready_timeout: float = 600.0):
         self.backoff = backoff
         self.stop_timeout = float(stop_timeout)
         self.drain_timeout = float(drain_timeout)
+        # A worker not READY this long after its start is hung (a model load that never
+        # ends): SIGKILLed, and its exit is a crash like any other (at start: the launch
+        # gives up).  Otherwise a rolling restart waiting for it would wait for good.
+        self.ready_timeout = float(ready_timeout)
         self.phase = NEW
         self.gave_up: GiveUp | None = None
         self._pools = {name: [_Slot(name, i) for i in range(count)] for name, count in pools}
@@ -358,6 +362,12 @@ class Supervisor:
                 out.append(Notice(logging.WARNING, f"pool {run.slot.pool} worker {run.slot.index} still there "
                                                    f"{self.stop_timeout:g} s after SIGTERM: SIGKILL"))
                 out.append(KillWorker(run.wid))
+            elif (not run.ready and not run.stopping and not run.killed
+                  and now >= run.started_at + self.ready_timeout):
+                run.killed = True
+                out.append(Notice(logging.WARNING, f"pool {run.slot.pool} worker {run.slot.index} not READY "
+                                                   f"{self.ready_timeout:g} s after its start: SIGKILL"))
+                out.append(KillWorker(run.wid))
         if self.phase in (STARTING, RUNNING, DRAINING):
             for slot in self._slots():
                 if slot.restart_at is not None and now >= slot.restart_at:
@@ -371,6 +381,8 @@ class Supervisor:
         if self.phase == DRAINING and self._drain_deadline is not None:
             times.append(self._drain_deadline)
         times.extend(r.kill_at for r in self._runs.values() if r.stopping and not r.killed and r.kill_at is not None)
+        times.extend(r.started_at + self.ready_timeout for r in self._runs.values()
+                     if not r.ready and not r.stopping and not r.killed)
         return min(times) if times else None
 
     # ---------------------------------------------------------------- internals
@@ -518,7 +530,8 @@ class Launcher:
         self.sup = Supervisor(
             [(p.name, p.count) for p in deploy.pools],
             backoff=Backoff(deploy.restart_backoff_s, deploy.restart_backoff_max_s, deploy.restart_reset_s),
-            stop_timeout=deploy.stop_timeout, drain_timeout=deploy.drain_timeout_s)
+            stop_timeout=deploy.stop_timeout, drain_timeout=deploy.drain_timeout_s,
+            ready_timeout=deploy.ready_timeout_s)
         for sig, ev in ((signal.SIGTERM, "term"), (signal.SIGINT, "term"), (signal.SIGHUP, "hup")):
             signal.signal(sig, lambda *_, ev=ev: self._events.put((ev,)))
 

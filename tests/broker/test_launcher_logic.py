@@ -175,6 +175,31 @@ def test_a_replacement_that_crashes_is_retried_and_the_old_worker_keeps_serving(
     assert s.worker_exited(wid[("a", 0)], 0, 4.0)[-1] == RollDone("a")
 
 
+def test_a_replacement_never_ready_is_killed_as_hung_and_retried():
+    # A model load that never ends (a hung device init) would hold the roll for good, and
+    # every later SIGHUP with it: past ready_timeout it is SIGKILLed, a crash like any other.
+    s, wid = running(pools=(("a", 1),), backoff=Backoff(0.5, 30, 60), ready_timeout=100.0)
+    (n,) = starts(s.roll(1.0))
+    assert s.next_wakeup() == pytest.approx(101.0)
+    assert only(s.tick(100.9), KillWorker) == []
+    out = s.tick(101.0)
+    assert only(out, KillWorker) == [KillWorker(n.wid)] and "not READY" in out[0].message
+    assert s.tick(102.0) == []  # once
+    out = s.worker_exited(n.wid, -9, 101.1)
+    assert only(out, StopWorker) == [] and only(out, WorkerGone)[0].restart_in == 0.5  # the old one serves on
+    (n2,) = starts(s.tick(101.6))
+    assert s.worker_ready(n2.wid, 110.0) == [StopWorker(wid[("a", 0)])]
+    assert s.worker_exited(wid[("a", 0)], 0, 111.0)[-1] == RollDone("a")
+
+
+def test_a_worker_never_ready_at_start_is_killed_and_the_launch_gives_up():
+    s = Supervisor([("a", 1)], ready_timeout=30.0)
+    (a,) = starts(s.start(0.0))
+    assert only(s.tick(30.0), KillWorker) == [KillWorker(a.wid)]
+    out = s.worker_exited(a.wid, -9, 30.1)
+    assert only(out, GiveUp) and s.phase == "stopped"  # nothing else was running
+
+
 def test_the_old_worker_crashing_mid_roll_needs_no_restart_of_its_own():
     s, wid = running(pools=(("a", 1),))
     (n,) = starts(s.roll(1.0))
