@@ -70,7 +70,8 @@ class StopWorker:
 
 @dataclass(frozen=True, slots=True)
 class KillWorker:
-    """SIGKILL worker ``wid``: it was told to stop ``stop_timeout`` ago and is still there."""
+    """SIGKILL worker ``wid``: it was told to stop ``stop_timeout`` ago and is still there, or
+    it is not READY ``ready_timeout`` after its start (hung)."""
 
     wid: int
 
@@ -245,8 +246,8 @@ class Supervisor:
 
     def worker_ready(self, wid: int, now: float) -> list:
         run = self._runs.get(wid)
-        if run is None or run.ready:
-            return []
+        if run is None or run.ready or run.killed:
+            return []  # (killed: a READY read after the hung-worker SIGKILL went out: it is dying)
         run.ready = True
         run.ready_at = now
         slot = run.slot

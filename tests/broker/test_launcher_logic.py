@@ -185,6 +185,7 @@ def test_a_replacement_never_ready_is_killed_as_hung_and_retried():
     out = s.tick(101.0)
     assert only(out, KillWorker) == [KillWorker(n.wid)] and "not READY" in out[0].message
     assert s.tick(102.0) == []  # once
+    assert s.worker_ready(n.wid, 101.05) == []  # a READY read after the SIGKILL went out: it is dying
     out = s.worker_exited(n.wid, -9, 101.1)
     assert only(out, StopWorker) == [] and only(out, WorkerGone)[0].restart_in == 0.5  # the old one serves on
     (n2,) = starts(s.tick(101.6))
