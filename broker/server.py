@@ -476,10 +476,7 @@ class Broker:
                 self._collect_shm()
                 next_gc = now + _GC_INTERVAL
                 self._log_levels()
-                if self.metrics is not None:
-                    # Gauges of workers that went, whether or not anyone scrapes (a deployment
-                    # that uses --http for probes only would keep one set per worker ever seen).
-                    self.metrics.prune(sched.has_worker)
+                self._prune_workers()
             if wake is not None and now >= wake:
                 self._run_timers(now)
                 wake = sched.next_wakeup(now)
@@ -507,6 +504,17 @@ class Broker:
                 self._settle_gone(monotonic())
             wake = sched.next_wakeup(monotonic())
         self._collect_shm()
+
+    def _prune_workers(self) -> None:
+        """Once a second: what is kept per worker, for the workers that are registered only
+        (a launcher that restarts and rolls workers for months would otherwise keep an entry
+        per worker ever seen): the metrics' gauges, whether or not anyone scrapes (with
+        --http for probes only), and what each READY said (`_worker_info`)."""
+        has = self.sched.has_worker
+        if self.metrics is not None:
+            self.metrics.prune(has)
+        if len(self._worker_info) > 64:
+            self._worker_info = {w: v for w, v in self._worker_info.items() if has(w)}
 
     def _run_timers(self, now: float) -> None:
         """The scheduler's timers that are due.  After a stall (a long collection, a burst

@@ -159,3 +159,21 @@ def test_a_req_client_back_under_the_same_id_keeps_its_delimiter(broker):
     F = zmq.Frame
     b.on_client([F(b"req-X"), F(b""), F(P.MDPC), F(P.C_REQUEST), F(b"nobody"), F(b"x")])  # queued: no worker
     assert b"req-X" in b._req_clients
+
+
+def test_what_the_broker_keeps_per_worker_is_for_registered_workers_only(broker):
+    # A launcher restarts and rolls workers for months: what each READY said, and the
+    # metrics' gauges, are kept for the registered workers only (pruned once a second).
+    b, cfg, ctx, socks = broker
+    w = ctx.socket(zmq.DEALER)
+    socks.append(w)
+    w.linger = 0
+    w.connect(cfg.backend)
+    w.send_multipart(P.worker_ready("svc"))
+    assert b.backend.poll(5000)
+    _drain_all(b, b.backend, b.on_worker)
+    [live] = b.sched._workers
+    for i in range(100):  # workers that registered once and are gone
+        b._worker_info[b"gone-%d" % i] = ("svc", 1000 + i, None, None, None)
+    b._prune_workers()
+    assert list(b._worker_info) == [live]
