@@ -187,8 +187,7 @@ class Metrics:
         """A copy for another thread to render; ``alive(worker)``: whether a worker still
         is (the gauges of those that are not are dropped now)."""
         if alive is not None:
-            for w in [w for w in self.gauges if not alive(w)]:
-                del self.gauges[w]
+            self.prune(alive)
         return {"services": {k: v.copy() for k, v in self.services.items()},
                 "gauges": list(self.gauges.values())}
 
