@@ -218,7 +218,9 @@ class LauncherConfig:
     restart after `restart_backoff_s`, doubling to `restart_backoff_max_s`, back to the first
     once a worker served `restart_reset_s` after its READY), and how long a worker may take to
     its READY before it is SIGKILLed as hung (`ready_timeout_s`: a model load that never
-    ends would stall a rolling restart, or the start, for good)."""
+    ends would stall a rolling restart, or the start, for good), and how long a READY worker
+    may be missing from the broker's registered workers before the same (`hang_timeout_s`;
+    0: never: a SIGSTOPped or wedged worker would hold its slot for good)."""
 
     pools: tuple[PoolConfig, ...]
     drain_timeout_s: float = 30.0
@@ -227,6 +229,7 @@ class LauncherConfig:
     restart_backoff_max_s: float = 30.0
     restart_reset_s: float = 60.0
     ready_timeout_s: float = 600.0
+    hang_timeout_s: float = 30.0
     source: str = field(default="", compare=False)
 
     @property
@@ -249,6 +252,7 @@ LAUNCHER_KEYS: dict[str, tuple] = {
     "restart_backoff_max_s": _number_at_least(0),
     "restart_reset_s": _number_at_least(0),
     "ready_timeout_s": _number_at_least(1),
+    "hang_timeout_s": _number_at_least(0),
 }
 
 

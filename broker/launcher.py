@@ -71,7 +71,8 @@ class StopWorker:
 @dataclass(frozen=True, slots=True)
 class KillWorker:
     """SIGKILL worker ``wid``: it was told to stop ``stop_timeout`` ago and is still there, or
-    it is not READY ``ready_timeout`` after its start (hung)."""
+    it is hung: not READY ``ready_timeout`` after its start, or READY but not registered with
+    the broker for ``hang_timeout`` (stopped, wedged with the GIL held, or refused)."""
 
     wid: int
 
@@ -147,7 +148,8 @@ class Backoff:
 
 
 class _Run:
-    __slots__ = ("wid", "slot", "gen", "started_at", "ready", "ready_at", "stopping", "kill_at", "killed")
+    __slots__ = ("wid", "slot", "gen", "started_at", "ready", "ready_at", "seen_at", "stopping", "kill_at",
+                 "killed")
 
     def __init__(self, wid, slot, gen, now):
         self.wid = wid
@@ -156,6 +158,7 @@ class _Run:
         self.started_at = now
         self.ready = False
         self.ready_at = None  # when it said READY: how long it served counts, not how long it loaded
+        self.seen_at = None  # the broker's clock when it last listed it as registered (READY: now)
         self.stopping = False
         self.kill_at = None
         self.killed = False
@@ -200,7 +203,8 @@ class Supervisor:
     after the backoff."""
 
     def __init__(self, pools: Sequence[tuple[str, int]], *, backoff: Backoff = Backoff(),
-                 stop_timeout: float = 40.0, drain_timeout: float = 30.0, ready_timeout: float = 600.0):
+                 stop_timeout: float = 40.0, drain_timeout: float = 30.0, ready_timeout: float = 600.0,
+                 hang_timeout: float = 30.0):
         self.backoff = backoff
         self.stop_timeout = float(stop_timeout)
         self.drain_timeout = float(drain_timeout)
@@ -208,6 +212,11 @@ class Supervisor:
         # ends): SIGKILLed, and its exit is a crash like any other (at start: the launch
         # gives up).  Otherwise a rolling restart waiting for it would wait for good.
         self.ready_timeout = float(ready_timeout)
+        # A READY worker the broker has not listed as registered for this long (0: never
+        # checked) is hung as well: SIGSTOPped, frozen, wedged in C with the GIL held (its
+        # heartbeat thread cannot run either), or refused by the broker.  The broker dropped
+        # it long ago and serves without it; only its exit gives its slot a new worker.
+        self.hang_timeout = float(hang_timeout)
         self.phase = NEW
         self.gave_up: GiveUp | None = None
         self._pools = {name: [_Slot(name, i) for i in range(count)] for name, count in pools}
@@ -250,6 +259,7 @@ class Supervisor:
             return []  # (killed: a READY read after the hung-worker SIGKILL went out: it is dying)
         run.ready = True
         run.ready_at = now
+        run.seen_at = now  # (READY is printed once registered: docs/operations.md)
         slot = run.slot
         out: list = []
         slot.ready_once = True
@@ -350,6 +360,35 @@ class Supervisor:
         if self.phase == DRAINING:
             self._begin_stop(now, out)
         return out
+
+    def broker_sees(self, wids, at: float) -> list:
+        """The broker's list of registered workers (``wids``: of ours), as of ``at`` on the
+        broker's clock (monotonic seconds, the clock ``now`` is on).  A READY worker not
+        stopping, absent from every list for ``hang_timeout``, is SIGKILLed: a crash, restarted
+        after the backoff.  Only the lists' own times count, so a broker loop that stalls
+        (and stops listing) gets nobody killed."""
+        out: list = []
+        if self.hang_timeout <= 0 or self.phase not in (STARTING, RUNNING, DRAINING):
+            return out
+        for run in self._runs.values():
+            if not run.ready or run.stopping or run.killed:
+                continue
+            if run.wid in wids:
+                run.seen_at = max(run.seen_at, at)
+            elif at - run.seen_at >= self.hang_timeout:
+                run.killed = True
+                out.append(Notice(logging.WARNING, f"pool {run.slot.pool} worker {run.slot.index} not registered "
+                                                   f"with the broker for {at - run.seen_at:.3g} s (stopped, hung, or "
+                                                   "refused: the broker says why): SIGKILL"))
+                out.append(KillWorker(run.wid))
+        return out
+
+    @property
+    def watching(self) -> bool:
+        """Whether :meth:`broker_sees` has anyone to judge (the caller then reads the
+        broker's list about once a second)."""
+        return self.hang_timeout > 0 and self.phase in (STARTING, RUNNING, DRAINING) and any(
+            r.ready and not r.stopping and not r.killed for r in self._runs.values())
 
     def tick(self, now: float) -> list:
         out: list = []
@@ -477,6 +516,7 @@ _PRELUDE = (
 _LINE = 8192  # longest line read from a child at once (a longer one arrives in pieces)
 _TAIL = 20  # stderr lines kept per child for the give-up message
 _DRAIN_POLL = 0.02  # seconds between looks at the broker's admitted requests while draining
+_WATCH_POLL = 1.0  # seconds between looks at the broker's list of registered workers
 _DRAIN_REASON = "the broker is shutting down (its launcher was told to stop); send the request elsewhere or later"
 
 
@@ -532,7 +572,8 @@ class Launcher:
             [(p.name, p.count) for p in deploy.pools],
             backoff=Backoff(deploy.restart_backoff_s, deploy.restart_backoff_max_s, deploy.restart_reset_s),
             stop_timeout=deploy.stop_timeout, drain_timeout=deploy.drain_timeout_s,
-            ready_timeout=deploy.ready_timeout_s)
+            ready_timeout=deploy.ready_timeout_s, hang_timeout=deploy.hang_timeout_s)
+        self._seen_at = None  # the time of the broker's last list of registered workers read
         for sig, ev in ((signal.SIGTERM, "term"), (signal.SIGINT, "term"), (signal.SIGHUP, "hup")):
             signal.signal(sig, lambda *_, ev=ev: self._events.put((ev,)))
 
@@ -574,6 +615,8 @@ class Launcher:
                 timeout = None if wake is None else max(0.0, wake - now)
                 if self.sup.phase == "draining":
                     timeout = _DRAIN_POLL if timeout is None else min(timeout, _DRAIN_POLL)
+                if self.sup.watching:  # the broker's list of registered workers: once a second
+                    timeout = _WATCH_POLL if timeout is None else min(timeout, _WATCH_POLL)
                 try:
                     ev = self._events.get(timeout=timeout)
                 except queue.Empty:
@@ -595,6 +638,7 @@ class Launcher:
                     self._do(self.sup.roll(now))
                 if self.sup.phase == "draining" and self.broker.sched.live == 0:
                     self._do(self.sup.broker_idle(now))
+                self._watch()
                 self._do(self.sup.tick(time.monotonic()))
             self._settle_broker()
         except BaseException:
@@ -604,6 +648,15 @@ class Launcher:
             raise
         finally:
             self.stop.set()
+
+    def _watch(self) -> None:
+        """Hand the supervisor the broker's latest list of registered workers (made on the
+        broker's loop once a second), if it is new, as the wids of our children in it."""
+        pids, at = self.broker.worker_pids
+        if at == self._seen_at or not self.sup.watching:
+            return
+        self._seen_at = at
+        self._do(self.sup.broker_sees({c.wid for c in self._children.values() if c.pid in pids}, at))
 
     def _settle_broker(self) -> None:
         """After the workers are gone: give requests the broker still holds (put back by a

@@ -252,7 +252,14 @@ class Broker:
         self.sched = Scheduler(self.cfg.scheduler,
                                on_direct=self.metrics.final if self.metrics is not None else None)
         self._seen_services: dict[str, None] = {}  # registered at some point (404 vs 503), bounded
-        self._worker_info: dict[bytes, tuple] = {}  # ident -> (service, pid, inputs, host, outputs)
+        # ident -> (service, pid, inputs, host, outputs, whether the kernel said the pid)
+        self._worker_info: dict[bytes, tuple] = {}
+        self._here = P.local_host_id()
+        # (pids of the registered workers on this host, the loop's clock then), remade once a
+        # second and replaced whole (a launcher reads it from its own thread): a launcher's
+        # worker missing from it for long is hung (broker.launcher).  The kernel's word for
+        # the pid on ipc, else the READY's, counted only when its host is this one.
+        self.worker_pids: tuple[frozenset, float] = (frozenset(), time.monotonic())
         self._client_window_ms = max(1, min(int(self.sched.client_window * 1000), (1 << 32) - 1))
         sc = self.cfg.scheduler
         self._welcome = P.Welcome(instance=self.instance, heartbeat_interval=sc.heartbeat_interval,
@@ -515,6 +522,9 @@ class Broker:
             self.metrics.prune(has)
         if len(self._worker_info) > 64:
             self._worker_info = {w: v for w, v in self._worker_info.items() if has(w)}
+        here = self._here
+        self.worker_pids = (frozenset(v[1] for w, v in self._worker_info.items()
+                                      if v[1] is not None and (v[5] or v[3] == here) and has(w)), time.monotonic())
 
     def _run_timers(self, now: float) -> None:
         """The scheduler's timers that are due.  After a stall (a long collection, a burst
@@ -603,7 +613,7 @@ class Broker:
                                                "in_flight": 0, "workers": []}
             workers, inputs, outputs = [], None, None
             for w in info["workers"]:
-                _, pid, sig, _, outs = self._worker_info.get(w["worker"], (arg, None, None, None, None))
+                _, pid, sig, _, outs, _ = self._worker_info.get(w["worker"], (arg, None, None, None, None, False))
                 inputs = inputs or sig
                 outputs = outputs or outs
                 workers.append({"pid": pid, "host": w["host"], "transports": w["transports"],
@@ -1025,7 +1035,7 @@ class Broker:
             if r is None:
                 actions = sched.worker_ready(ident, msg.service.decode(errors="replace"), now)
                 if not any(type(a) is DisconnectWorker and a.worker == ident for a in actions):
-                    self._note_worker(ident, msg.service.decode(errors="replace"), None)
+                    self._note_worker(ident, msg.service.decode(errors="replace"), None, frames[1])
             else:
                 actions = sched.worker_ready(
                     ident,
@@ -1041,7 +1051,7 @@ class Broker:
                 )
                 refused = any(type(a) is DisconnectWorker and a.worker == ident for a in actions)
                 if not refused:
-                    self._note_worker(ident, msg.service.decode(errors="replace"), r)
+                    self._note_worker(ident, msg.service.decode(errors="replace"), r, frames[1])
                 if r.welcome and not refused:
                     # Registered: say so, with this process's instance and the liveness
                     # settings both sides must use (one place configures them: here).
@@ -1050,9 +1060,11 @@ class Broker:
         elif cmd == P.W_DISCONNECT:  # said goodbye: it finished what it held
             self._act(sched.worker_disconnect(ident, now, failed=False), now)
 
-    def _note_worker(self, ident: bytes, service: str, ready) -> None:
+    def _note_worker(self, ident: bytes, service: str, ready, frame: Any = None) -> None:
         """What the HTTP endpoint and the metrics say about a worker: its service (now a
-        known name: 503, not 404, once it has no worker), pid, declared inputs and outputs."""
+        known name: 503, not 404, once it has no worker), pid, declared inputs and outputs.
+        The pid is the kernel's word for the connection ``frame`` came on where it has one
+        (ipc), else the READY's claim."""
         if service not in self._seen_services and len(self._seen_services) < _MAX_SERVICES:
             self._seen_services[service] = None
         if self.metrics is not None:
@@ -1060,10 +1072,11 @@ class Broker:
         if len(self._worker_info) >= _MAX_CLIENT_PIDS:
             live = {w: v for w, v in self._worker_info.items() if self.sched.has_worker(w)}
             self._worker_info = live
-        self._worker_info[ident] = (service, None if ready is None else ready.pid,
-                                    None if ready is None else ready.inputs,
+        attested = None if frame is None else _peer_pid(frame)
+        pid = attested if attested is not None else None if ready is None else ready.pid
+        self._worker_info[ident] = (service, pid, None if ready is None else ready.inputs,
                                     None if ready is None else ready.host,
-                                    None if ready is None else ready.outputs)
+                                    None if ready is None else ready.outputs, attested is not None)
 
     def _client_pid(self, ident: bytes, frame: Any) -> int | None:
         """The pid of the process on the other end of this client's ipc connection (learned

@@ -201,6 +201,54 @@ def test_a_worker_never_ready_at_start_is_killed_and_the_launch_gives_up():
     assert only(out, GiveUp) and s.phase == "stopped"  # nothing else was running
 
 
+def test_a_ready_worker_the_broker_no_longer_lists_is_killed_as_hung_and_restarted():
+    # SIGSTOPped, frozen, or wedged with the GIL held: the broker dropped it, but only its
+    # exit would give the slot a new worker.  Absent from the broker's list for hang_timeout.
+    s, wid = running(pools=(("a", 2),), backoff=Backoff(0.5, 30, 60), hang_timeout=10.0)
+    a0, a1 = wid[("a", 0)], wid[("a", 1)]
+    assert s.watching
+    assert s.broker_sees({a0, a1}, 5.0) == []
+    assert s.broker_sees({a1}, 14.9) == []  # 9.9 s since it was last listed
+    out = s.broker_sees({a1}, 15.0)
+    assert only(out, KillWorker) == [KillWorker(a0)] and "not registered with the broker for 10 s" in out[0].message
+    assert s.broker_sees({a1}, 30.0) == []  # once
+    out = s.worker_exited(a0, -9, 15.1)
+    assert only(out, WorkerGone)[0].restart_in == 0.5  # a crash like any other (it served 15 s < 60)
+    (n,) = starts(s.tick(15.6))
+    assert s.broker_sees({a1}, 16.0) == []  # not READY yet: ready_timeout's business
+    s.worker_ready(n.wid, 17.0)
+    assert s.broker_sees({a1}, 26.9) == []  # counted from its READY
+    assert only(s.broker_sees({a1}, 27.0), KillWorker) == [KillWorker(n.wid)]
+
+
+def test_only_the_brokers_own_clock_counts_and_listing_again_resets_it():
+    s, wid = running(pools=(("a", 1),), hang_timeout=10.0)
+    a0 = wid[("a", 0)]
+    # A broker loop that stalls makes no new list: the same list's time, read again, never
+    # reaches the timeout, however late it is read.
+    assert s.broker_sees(set(), 9.0) == [] and s.broker_sees(set(), 9.0) == []
+    assert s.broker_sees({a0}, 9.5) == []  # back (a reconnect after broker silence)
+    assert s.broker_sees(set(), 19.4) == []
+    assert only(s.broker_sees(set(), 19.5), KillWorker) == [KillWorker(a0)]
+    # An older list read late does not move the last sighting back.
+    s, wid = running(pools=(("a", 1),), hang_timeout=10.0)
+    s.broker_sees({wid[("a", 0)]}, 8.0)
+    assert s.broker_sees({wid[("a", 0)]}, 3.0) == [] and s.broker_sees(set(), 17.9) == []
+
+
+def test_stopping_workers_and_a_zero_timeout_are_not_watched():
+    s, wid = running(pools=(("a", 1),), hang_timeout=0)
+    assert not s.watching and s.broker_sees(set(), 1e9) == []
+    s, wid = running(pools=(("a", 1),), hang_timeout=10.0, stop_timeout=100.0)
+    (n,) = starts(s.roll(1.0))
+    s.worker_ready(n.wid, 2.0)  # the old one is told to stop: it leaves the broker first
+    assert s.broker_sees({n.wid}, 50.0) == []
+    s.worker_exited(wid[("a", 0)], 0, 51.0)
+    s.shutdown(52.0)
+    s.broker_idle(53.0)  # stopping: stop_timeout's business
+    assert not s.watching and s.broker_sees(set(), 100.0) == []
+
+
 def test_the_old_worker_crashing_mid_roll_needs_no_restart_of_its_own():
     s, wid = running(pools=(("a", 1),))
     (n,) = starts(s.roll(1.0))
@@ -274,6 +322,7 @@ def test_pool_tables_parse_and_map_to_worker_flags(tmp_path):
     path = write(tmp_path, """
         [launcher]
         drain_timeout_s = 5
+        hang_timeout_s = 0
         [[pool]]
         model = "echo"
         count = 2
@@ -294,6 +343,7 @@ def test_pool_tables_parse_and_map_to_worker_flags(tmp_path):
     d = C.load_launcher(path)
     assert [p.name for p in d.pools] == ["echo", "fast"] and d.workers == 3
     assert d.drain_timeout_s == 5.0 and d.stop_timeout == 40.0  # the echo pool's default grace (30) + 10
+    assert d.hang_timeout_s == 0 and d.ready_timeout_s == 600.0
     args = d.pools[1].worker_args("ipc:///b", heartbeat_interval=0.2, heartbeat_liveness=3, link=("--insecure",))
     assert args == ["--broker", "ipc:///b", "--model", "pkg.mod:factory", "--heartbeat-interval", "0.2",
                     "--heartbeat-liveness", "3", "--service", "svc", "--device", "cpu", "--max-batch", "4",

@@ -5,6 +5,7 @@ connection, read after the close, taught the broker, and not for longer than
 step, with an injected clock for everything time-driven."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -174,6 +175,37 @@ def test_what_the_broker_keeps_per_worker_is_for_registered_workers_only(broker)
     _drain_all(b, b.backend, b.on_worker)
     [live] = b.sched._workers
     for i in range(100):  # workers that registered once and are gone
-        b._worker_info[b"gone-%d" % i] = ("svc", 1000 + i, None, None, None)
+        b._worker_info[b"gone-%d" % i] = ("svc", 1000 + i, None, None, None, False)
     b._prune_workers()
     assert list(b._worker_info) == [live]
+
+
+def test_the_pids_of_registered_workers_are_the_kernels_word_on_ipc(broker, monkeypatch):
+    # What a launcher watches for hung workers (broker.launcher: Supervisor.broker_sees): the
+    # pid SO_PEERCRED gives for the worker's ipc connection, not its READY's claim; a worker
+    # no longer registered leaves the list at the next prune.
+    b, cfg, ctx, socks = broker
+    w = ctx.socket(zmq.DEALER)
+    socks.append(w)
+    w.linger = 0
+    w.connect(cfg.backend)
+    w.send_multipart(P.worker_ready("svc", P.Ready(pid=1, host="elsewhere")))  # a claim that lies
+    assert b.backend.poll(5000)
+    _drain_all(b, b.backend, b.on_worker)
+    _, at0 = b.worker_pids
+    b._prune_workers()
+    pids, at = b.worker_pids
+    assert pids == frozenset({os.getpid()}) and at >= at0
+    [ident] = b.sched._workers
+    b._act(b.sched.worker_disconnect(ident, at), at)
+    b._prune_workers()
+    assert b.worker_pids[0] == frozenset()
+    # A claim from another host (a tcp worker: no kernel's word) is not this host's pid.
+    b._worker_info.clear()
+    b._worker_info[b"tcp"] = ("svc", os.getpid(), None, "elsewhere", None, False)
+    monkeypatch.setattr(b.sched, "has_worker", lambda w: True)
+    b._prune_workers()
+    assert b.worker_pids[0] == frozenset()
+    b._worker_info[b"tcp"] = ("svc", 4242, None, b._here, None, False)
+    b._prune_workers()
+    assert b.worker_pids[0] == frozenset({4242})

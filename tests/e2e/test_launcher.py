@@ -334,3 +334,46 @@ def test_workers_exit_with_a_sigkilled_launcher(tmp_path, launchers):
     # Each worker drains (its loop's next pass, its threads joined, 2 s of linger for its
     # sockets): seconds, more on a loaded machine; the bound is generous.
     wait_gone(fds, 40.0)
+
+
+def test_a_stopped_worker_is_killed_as_hung_and_replaced_and_no_request_is_lost(tmp_path, launchers):
+    # SIGSTOP (a frozen cgroup, a debugger, a process wedged with the GIL held): the worker
+    # does not exit, so only the broker notices (it stops hearing it).  The launcher watches
+    # the broker's registered workers and SIGKILLs one missing hang_timeout_s.
+    la = launchers(tmp_path, "[launcher]\nhang_timeout_s = 1\n[[pool]]\nmodel = 'echo'\ncount = 2\n")
+    la.wait_for(r"every pool is ready")
+    victim, other = la.ready_pids()[("echo", 0)], la.ready_pids()[("echo", 1)]
+
+    async def scenario():
+        async with AsyncClient(la.frontend, timeout=20, heartbeat_interval=0.2) as c:
+            stop = asyncio.Event()
+            load = asyncio.create_task(traffic(c, "echo", stop))
+
+            def stop_and_wait():
+                mark = len(la._err)
+                os.kill(victim, signal.SIGSTOP)
+                la.wait_for(r"pool echo worker 0 not registered with the broker for [\d.]+ s .*: SIGKILL", mark)
+                la.wait_for(rf"pool echo worker 0 pid {victim} exited with code -9; restarting it in", mark)
+                return la.wait_for(r"pool echo worker 0 pid (\d+) ready", mark)
+
+            try:
+                m = await asyncio.to_thread(stop_and_wait)  # the load runs on meanwhile
+            finally:
+                stop.set()
+            return int(m.group(1)), await asyncio.wait_for(load, 30)
+
+    try:
+        new_pid, served = asyncio.run(scenario())
+    finally:
+        try:
+            os.kill(victim, signal.SIGCONT)  # (if the test failed before the SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert new_pid != victim and served > 0
+    # The worker the broker kept listing was left alone, the whole time.
+    assert la.ready_pids() == {("echo", 0): new_pid, ("echo", 1): other}
+    assert "worker 1 not registered" not in la._err.decode(errors="replace")
+    with Client(la.frontend, timeout=10) as c:
+        for _ in range(20):
+            with c.infer("echo", {"x": np.ones(4)}) as r:
+                np.testing.assert_array_equal(r["x"], np.ones(4))
