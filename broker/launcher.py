@@ -223,6 +223,7 @@ class Supervisor:
         self._runs: dict[int, _Run] = {}
         self._next_wid = 1
         self._rolls: dict[str, _Roll] = {}
+        self._queued: list[str] = []  # pools whose next roll waits (for the start, or for their roll)
         self._drain_deadline = None
 
     # ---------------------------------------------------------------- introspection
@@ -271,6 +272,9 @@ class Supervisor:
         if self.phase == STARTING and all(s.ready_once for s in self._slots()):
             self.phase = RUNNING
             out.append(AllReady(sum(1 for _ in self._slots())))
+            for name in [n for n in self._queued if n not in self._rolls]:
+                self._queued.remove(name)
+                self._start_roll(name, now, out)
         return out
 
     def worker_exited(self, wid: int, code: int, now: float) -> list:
@@ -316,21 +320,32 @@ class Supervisor:
 
     def roll(self, now: float, pools: Iterable[str] | None = None) -> list:
         """A rolling restart of ``pools`` (default: all), each one worker at a time; pools
-        roll side by side.  A pool already rolling is left to finish."""
-        if self.phase != RUNNING:
+        roll side by side.  Asked for while the launcher starts, or while the pool rolls
+        already, it is queued (one at most per pool): it runs once every pool is ready, or
+        once the roll under way is done.  Workers that roll loaded the files of their start,
+        and one already replaced may predate what the new request is for (a deploy that
+        changed the files twice)."""
+        if self.phase not in (STARTING, RUNNING):
             return [Notice(logging.WARNING, f"rolling restart ignored: the launcher is {self.phase}")]
         out: list = []
         names = list(self._pools) if pools is None else list(pools)
         for name in names:
             if name not in self._pools:
                 out.append(Notice(logging.WARNING, f"rolling restart: no pool named {name!r}"))
-            elif name in self._rolls:
-                out.append(Notice(logging.WARNING, f"pool {name}: a rolling restart is already under way"))
+            elif name in self._queued:
+                out.append(Notice(logging.INFO, f"pool {name}: a rolling restart is queued already"))
+            elif self.phase == STARTING or name in self._rolls:
+                self._queued.append(name)
+                why = "the launcher is starting" if self.phase == STARTING else "a rolling restart is under way"
+                out.append(Notice(logging.INFO, f"pool {name}: rolling restart queued ({why}; it follows)"))
             else:
-                out.append(Notice(logging.INFO, f"pool {name}: rolling restart of {len(self._pools[name])} workers"))
-                self._rolls[name] = _Roll(len(self._pools[name]))
-                self._advance(name, now, out)
+                self._start_roll(name, now, out)
         return out
+
+    def _start_roll(self, name: str, now: float, out: list) -> None:
+        out.append(Notice(logging.INFO, f"pool {name}: rolling restart of {len(self._pools[name])} workers"))
+        self._rolls[name] = _Roll(len(self._pools[name]))
+        self._advance(name, now, out)
 
     def shutdown(self, now: float) -> list:
         """SIGTERM or SIGINT.  The first: drain (the caller makes the broker refuse new
@@ -343,6 +358,7 @@ class Supervisor:
         elif self.phase in (STARTING, RUNNING):
             self.phase = DRAINING
             self._rolls.clear()
+            self._queued.clear()
             self._drain_deadline = now + self.drain_timeout
             out.append(Notice(logging.INFO, f"shutting down: finishing the requests already admitted "
                                             f"(at most {self.drain_timeout:g} s), then stopping the workers"))
@@ -468,6 +484,9 @@ class Supervisor:
                 if not roll.todo:
                     del self._rolls[pool]
                     out.append(RollDone(pool))
+                    if pool in self._queued and self.phase == RUNNING:
+                        self._queued.remove(pool)
+                        self._start_roll(pool, now, out)
                     return
                 roll.current = roll.todo.popleft()
                 slot = self._pools[pool][roll.current]
@@ -488,6 +507,7 @@ class Supervisor:
     def _begin_stop(self, now: float, out: list) -> None:
         self.phase = STOPPING
         self._rolls.clear()
+        self._queued.clear()
         for slot in self._slots():
             slot.restart_at = None
         for run in self._runs.values():

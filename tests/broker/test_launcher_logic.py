@@ -149,7 +149,6 @@ def test_rolling_restart_replaces_one_worker_at_a_time_new_before_old():
     assert s.rolling
     out = s.worker_ready(n0.wid, 11.0)  # the replacement serves: the old one drains
     assert out == [StopWorker(wid[("a", 0)])]
-    assert s.roll(11.0)[0].message.endswith("already under way")
     out = s.worker_exited(wid[("a", 0)], 0, 12.0)  # old gone: next slot
     assert only(out, WorkerGone)[0].expected
     (n1,) = starts(out)
@@ -257,10 +256,49 @@ def test_the_old_worker_crashing_mid_roll_needs_no_restart_of_its_own():
     assert s.worker_ready(n.wid, 2.0)[-1] == RollDone("a")
 
 
-def test_roll_is_refused_unless_running():
-    s = Supervisor([("a", 1)])
-    starts(s.start(0.0))
-    assert "starting" in s.roll(0.5)[0].message
+def test_a_sighup_while_starting_rolls_once_every_pool_is_ready():
+    # The workers READY before the SIGHUP may have loaded the files it is about.
+    s = Supervisor([("a", 1), ("b", 1)])
+    a, b = starts(s.start(0.0))
+    s.worker_ready(a.wid, 1.0)
+    out = s.roll(1.5)
+    assert starts(out) == [] and all("queued (the launcher is starting" in n.message for n in out)
+    assert "queued already" in s.roll(1.6)[0].message
+    out = s.worker_ready(b.wid, 2.0)
+    assert out[0] == AllReady(2)
+    assert [(n.pool, n.index, n.reason) for n in starts(out)] == [("a", 0, "rolling restart"),
+                                                                  ("b", 0, "rolling restart")]
+
+
+def test_a_sighup_during_a_roll_rolls_the_pool_again_after_it_once():
+    # A deploy that changed the files twice: the workers replaced before the second SIGHUP
+    # run the first change.  Queued, not dropped; two more SIGHUPs meanwhile are one roll.
+    s, wid = running(pools=(("a", 2),))
+    (n0,) = starts(s.roll(10.0))
+    out = s.roll(10.5)
+    assert starts(out) == [] and "queued (a rolling restart is under way" in out[0].message
+    assert "queued already" in s.roll(10.6)[0].message
+    s.worker_ready(n0.wid, 11.0)
+    (n1,) = starts(s.worker_exited(wid[("a", 0)], 0, 12.0))
+    s.worker_ready(n1.wid, 13.0)
+    out = s.worker_exited(wid[("a", 1)], 0, 14.0)
+    assert RollDone("a") in out and s.rolling  # and the queued one begins at once
+    (m0,) = starts(out)
+    assert (m0.index, m0.reason) == (0, "rolling restart")
+    assert s.worker_ready(m0.wid, 15.0) == [StopWorker(n0.wid)]
+    (m1,) = starts(s.worker_exited(n0.wid, 0, 16.0))
+    s.worker_ready(m1.wid, 17.0)
+    out = s.worker_exited(n1.wid, 0, 18.0)
+    assert out[-1] == RollDone("a") and not s.rolling and starts(out) == []  # once
+
+
+def test_roll_is_refused_while_shutting_down_and_a_queued_one_is_dropped():
+    s, wid = running(pools=(("a", 1),))
+    starts(s.roll(1.0))
+    s.roll(1.5)  # queued
+    s.shutdown(2.0)
+    assert s.roll(2.5)[0].message.endswith("draining")
+    assert not s.rolling and s._queued == []
 
 
 # ------------------------------------------------------------------------- shutdown
