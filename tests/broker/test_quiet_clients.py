@@ -209,3 +209,39 @@ def test_the_pids_of_registered_workers_are_the_kernels_word_on_ipc(broker, monk
     b._worker_info[b"tcp"] = ("svc", 4242, None, b._here, None, False)
     b._prune_workers()
     assert b.worker_pids[0] == frozenset({4242})
+
+
+def test_after_a_stall_what_workers_sent_is_read_before_the_timers_judge_them(broker, monkeypatch):
+    # A loop that stalled (a long collection, a burst of sends) past the liveness window
+    # finds the workers' heartbeats waiting in the backend: they are read before the
+    # timers run, so no live worker is presumed dead for the broker's own pause.
+    import broker.server as server
+
+    b, cfg, ctx, socks = broker
+    clock = [time.monotonic()]
+
+    class Clock:
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def monotonic():
+            return clock[0]
+
+    monkeypatch.setattr(server, "time", Clock())
+    w = ctx.socket(zmq.DEALER)
+    socks.append(w)
+    w.linger = 0
+    w.connect(cfg.backend)
+    w.send_multipart(P.worker_ready("svc"))
+    assert b.backend.poll(5000)
+    _drain_all(b, b.backend, b.on_worker)
+    [ident] = b.sched._workers
+    clock[0] += 10.0  # the stall: ten seconds against a 0.6 s window
+    w.send_multipart(P.worker_heartbeat())
+    assert b.backend.poll(5000)
+    b._run_timers(clock[0])
+    assert b.sched.has_worker(ident)
+    clock[0] += 10.0  # silent for real this time
+    b._run_timers(clock[0])
+    assert not b.sched.has_worker(ident)
