@@ -5,6 +5,10 @@ median ratio is the figure.  Then the microseconds per request the metrics add t
 broker's own Python work (`bench.hotpath`, sockets taken out), interleaved the same way.
 
     python -m bench.metrics_cost [--rounds 5] [--json bench/results/metrics_cost.json]
+
+`--render`: instead, the time one `/metrics` body takes to render (`broker.metrics.render`
+and `exposition`, what a scrape runs on the broker's HTTP thread, holding the interpreter
+the loop needs), by the number of services, median of 5.
 """
 from __future__ import annotations
 
@@ -30,12 +34,41 @@ def _p50s(order: list[str]) -> dict[str, float]:
     return {r["peer"]: r["latency_ms"]["p50"] for r in rows}
 
 
+def render_ms(services: int, repeats: int = 5) -> float:
+    """Median ms of one scrape's render with ``services`` services, each with a few answers."""
+    import time
+
+    from broker.metrics import Metrics, exposition, render
+
+    m = Metrics()
+    sched = {"services": {}, "counters": {"dispatched": 1, "retried": 0}}
+    for i in range(services):
+        name = f"svc{i}"
+        m.register(name)
+        for code in (0, 3, 4):
+            m.final(name, code, 0.0, 0.001, 0.002)
+        sched["services"][name] = {"queued": {"urgent": 0, "normal": 0, "background": 0}, "in_flight": 0,
+                                   "credit": 4, "hosts": {"h": 1}, "leases": 0, "leased_credit": 0}
+    times = []
+    for _ in range(repeats):
+        snap = m.snapshot()
+        t = time.perf_counter()
+        exposition(render(snap, sched, m.known))
+        times.append((time.perf_counter() - t) * 1000.0)
+    return statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.metrics_cost", description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--n", type=int, default=20000, help="hot-path iterations per measurement")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--render", action="store_true", help="time a scrape's render by service count, and exit")
     args = ap.parse_args(argv)
+    if args.render:
+        for n in (1, 8, 16, 128):
+            print(f"{n:4d} services: {render_ms(n):7.2f} ms per render")
+        return 0
     from bench.hotpath import broker_us
 
     rounds = []

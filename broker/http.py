@@ -8,8 +8,9 @@ KServe v2 / Open Inference Protocol health paths (docs/operations.md, "Metrics a
     GET /v2/models/{service}           JSON: workers, hosts, transports, credit, queue, inputs
 
 Threads: the server runs in its own threads (one per connection, at most `MAX_CONNECTIONS`
-at once: a new one evicts the oldest, so slow clients cannot lock probes out; a socket
-timeout per read; `broker.protocol.httpserve`).  It never reads the broker's
+at once: a new one evicts the oldest still sending its request, so slow clients cannot lock
+probes out; a socket timeout per read; a request head of 8 KiB at most;
+`broker.protocol.httpserve`).  Scrapes that arrive together share a render (`_Scrapes`).  It never reads the broker's
 state itself: each request asks the broker loop for a snapshot over an inproc PAIR
 (`LoopLink`), which the loop answers between two messages (`Broker._on_http`).  So the
 numbers are consistent and the loop keeps its single-thread invariants.  Liveness alone asks
@@ -22,12 +23,12 @@ import itertools
 import json
 import logging
 import threading
-from http.server import BaseHTTPRequestHandler
+import time
 from urllib.parse import unquote, urlsplit
 
 import zmq
 
-from broker.protocol.httpserve import MAX_CONNECTIONS, BoundedHTTPServer, host_port
+from broker.protocol.httpserve import MAX_CONNECTIONS, BoundedHandler, BoundedHTTPServer, host_port
 
 __all__ = ["HttpFront", "LoopLink", "parse_address", "MAX_CONNECTIONS", "host_port"]
 
@@ -88,9 +89,8 @@ class LoopLink:
             self._sock.close(linger=0)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedHandler):
     server_version = "zmq-infer"
-    timeout = 5.0  # a client that sends nothing for this long is dropped (its thread ends)
 
     def log_message(self, fmt, *args):  # access lines at DEBUG, not on stderr
         log.debug("http %s " + fmt, self.client_address[0], *args)
@@ -115,15 +115,12 @@ class _Handler(BaseHTTPRequestHandler):
         parts = [unquote(p) for p in raw.split("/")[1:]]  # split first: a name may hold %2F
         path = unquote(raw)
         if path == "/metrics":
-            snap = link.ask("metrics")
-            if snap is None:
+            body = self.server.scrape(link)
+            if body is None:
                 return self._json(503, {"error": "the broker loop did not answer"})
             from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-            from broker.metrics import exposition, render
-
-            # Rendered here, on this thread: the loop only copied its numbers.
-            return self._send(200, exposition(render(*snap)), CONTENT_TYPE_LATEST)
+            return self._send(200, body, CONTENT_TYPE_LATEST)
         if path == "/v2/health/live":
             ok = self.server.alive()
             return self._json(200 if ok else 503, {"live": ok})
@@ -150,6 +147,38 @@ class _Handler(BaseHTTPRequestHandler):
         return self._json(404, {"error": f"no such path {path!r}"})
 
 
+class _Scrapes:
+    """`/metrics` bodies, rendered one at a time and shared: a scrape is answered with the
+    first body whose snapshot the loop took after the scrape arrived, so scrapes that come
+    together cost one or two renders, not one each (a render holds the interpreter the
+    broker loop needs for milliseconds: about 0.7 ms a service here, `python -m
+    bench.metrics_cost --render`)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._body: bytes | None = None
+        self._at = -float("inf")  # when the snapshot under _body was asked for
+
+    def __call__(self, link: LoopLink) -> bytes | None:
+        arrived = time.monotonic()
+        if not self._lock.acquire(timeout=LOOP_TIMEOUT_S * 2):
+            return None
+        try:
+            if self._body is not None and self._at >= arrived:
+                return self._body
+            at = time.monotonic()
+            snap = link.ask("metrics")
+            if snap is None:
+                return None
+            from broker.metrics import exposition, render
+
+            # Rendered here, on this thread: the loop only copied its numbers.
+            self._body, self._at = exposition(render(*snap)), at
+            return self._body
+        finally:
+            self._lock.release()
+
+
 class HttpFront:
     """The HTTP server on its own threads; `close()` stops it."""
 
@@ -157,6 +186,7 @@ class HttpFront:
         self.server = BoundedHTTPServer(address, _Handler)
         self.server.link = link
         self.server.alive = alive
+        self.server.scrape = _Scrapes()
         self.link = link
         self.address = self.server.server_address[:2]
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},

@@ -16,10 +16,10 @@ import json
 import logging
 import threading
 import time
-from http.server import BaseHTTPRequestHandler
-
-from broker.protocol.httpserve import BoundedHTTPServer
 from typing import Callable
+from urllib.parse import urlsplit
+
+from broker.protocol.httpserve import BoundedHandler, BoundedHTTPServer
 
 __all__ = ["HealthServer", "parse_port"]
 
@@ -40,15 +40,17 @@ def parse_port(text: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", p
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(BoundedHandler):
     server_version = "zmq-infer-worker"
-    timeout = 5.0
 
     def log_message(self, fmt, *args):
         log.debug("health %s " + fmt, self.client_address[0], *args)
 
+    def do_HEAD(self):  # some load balancers probe with HEAD
+        self.do_GET()
+
     def do_GET(self):
-        path = self.path.split("?", 1)[0].rstrip("/")
+        path = urlsplit(self.path).path.rstrip("/")
         if path == "/v2/health/live":
             ok = self.server.live()
             body, status = {"live": ok}, 200 if ok else 503
@@ -62,7 +64,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
 
 class HealthServer:

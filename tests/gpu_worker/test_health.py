@@ -66,3 +66,24 @@ def test_parse_port():
     for bad in ("x", "h:x", "70000", "-1"):
         with pytest.raises(ValueError, match="--health-port"):
             parse_port(bad)
+
+
+def test_head_and_an_absolute_form_target_are_probes_like_any_other():
+    # Some load balancers probe with HEAD; a proxy may send the absolute form.  Both were 501
+    # and 404 here while the broker's port answered them.
+    import http.client
+
+    h = HealthServer(("127.0.0.1", 0), live=lambda: True, ready=lambda: True)
+    try:
+        conn = http.client.HTTPConnection(*h.address, timeout=10)
+        conn.request("HEAD", "/v2/health/live")
+        r = conn.getresponse()
+        assert r.status == 200 and r.read() == b"" and int(r.getheader("Content-Length")) > 0
+        conn.close()
+        conn = http.client.HTTPConnection(*h.address, timeout=10)
+        conn.request("GET", "http://%s:%d/v2/health/ready#x" % h.address)
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read()) == {"ready": True}
+        conn.close()
+    finally:
+        h.close()

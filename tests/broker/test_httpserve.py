@@ -1,0 +1,181 @@
+"""broker.protocol.httpserve (the HTTP server under the broker's `--http` and a worker's
+`--health-port`), in process with real sockets: what a hostile or clumsy HTTP peer can make
+its threads do is bounded, since they share the interpreter with a latency-critical loop.
+The shared `/metrics` render is broker.http's `_Scrapes`."""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from broker import http as H
+from broker.protocol.httpserve import MAX_CONNECTIONS, MAX_HEAD, BoundedHandler, BoundedHTTPServer
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _wait(cond, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s")
+        time.sleep(0.005)
+
+
+class _Gated(BoundedHandler):
+    """GET answers once the server's gate opens (bounded), writing `body_size` bytes."""
+
+    def log_message(self, fmt, *args):
+        pass
+
+    def do_GET(self):
+        self.server.gate.wait(10)
+        body = b"x" * self.server.body_size
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        for i in range(0, len(body), 65536):
+            self.wfile.write(body[i:i + 65536])
+
+
+@pytest.fixture
+def server():
+    s = BoundedHTTPServer(("127.0.0.1", 0), _Gated)
+    s.gate = threading.Event()
+    s.body_size = 2
+    t = threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    try:
+        yield s
+    finally:
+        s.gate.set()
+        s.shutdown()
+        s.server_close()
+        t.join(5)
+
+
+def _ask(server, head: bytes, timeout=10.0) -> bytes:
+    with socket.create_connection(server.server_address, timeout=timeout) as c:
+        c.sendall(head)
+        out = b""
+        while chunk := c.recv(65536):
+            out += chunk
+        return out
+
+
+def test_a_request_head_past_max_head_is_431_without_parsing_it(server):
+    server.gate.set()
+    small = b"GET / HTTP/1.0\r\n" + b"X-A: b\r\n" * 10 + b"\r\n"
+    assert _ask(server, small).startswith(b"HTTP/1.0 200")
+    # 99 headers of 64 KiB (6.4 MB) passed the standard parser's limits, costing tens of ms of
+    # the interpreter each; now the head is cut at MAX_HEAD bytes.
+    big = b"GET / HTTP/1.0\r\n" + (b"X-A: " + b"a" * 65000 + b"\r\n") * 99 + b"\r\n"
+    t = time.monotonic()
+    with socket.create_connection(server.server_address, timeout=10) as c:
+        try:
+            c.sendall(big)  # the server may close before it has all of it
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = c.recv(4096)
+    assert answer.startswith(b"HTTP/1.0 431"), answer[:200]
+    assert time.monotonic() - t < 5
+    line = b"GET /" + b"a" * MAX_HEAD + b" HTTP/1.0\r\n\r\n"  # one long request line: the same
+    assert _ask(server, line).startswith(b"HTTP/1.0 431")
+
+
+def test_a_connection_being_answered_is_evicted_after_every_idle_one(server):
+    # A full server made room by closing its oldest connection, even one mid-answer (a
+    # readiness probe cut by a burst of scrapes or idle connections).  Idle ones go first.
+    answered = {}
+
+    def probe():
+        answered["reply"] = _ask(server, b"GET /slow HTTP/1.0\r\n\r\n")
+
+    t = threading.Thread(target=probe)
+    t.start()
+    _wait(lambda: any(server._open.values()), what="the probe's head read")
+    idle = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 3):
+            idle.append(socket.create_connection(server.server_address, timeout=5))
+        # Every one accepted: the server holds MAX_CONNECTIONS, the probe among them.
+        _wait(lambda: len(server._open) == MAX_CONNECTIONS and sum(server._open.values()) == 1
+              and idle[-1].getsockname() in {r.getpeername() for r in list(server._open)},
+              what="the idle connections' accept")
+        server.gate.set()
+        t.join(10)
+        assert answered["reply"].startswith(b"HTTP/1.0 200") and answered["reply"].endswith(b"xx")
+        assert idle[0].recv(10) == b""  # evicted (the oldest idle one)
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_peer_that_resets_mid_answer_is_no_traceback(server, capfd):
+    server.body_size = 8 << 20  # more than the socket buffers hold
+    c = socket.create_connection(server.server_address, timeout=5)
+    c.sendall(b"GET / HTTP/1.0\r\n\r\n")
+    _wait(lambda: any(server._open.values()), what="the head read")
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    c.close()  # RST
+    server.gate.set()
+    _wait(lambda: not server._open, what="the handler's end")
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err
+
+
+def test_a_burst_of_connections_is_queued_not_dropped():
+    # The standard backlog (5) made the sixth simultaneous probe wait for a SYN retry (1 s).
+    assert BoundedHTTPServer.request_queue_size >= 128
+
+
+class _Link:
+    """A stand-in for the broker loop's link: the first question waits for `release`."""
+
+    def __init__(self):
+        self.asks = 0
+        self.release = threading.Event()
+
+    def ask(self, what, arg="", timeout=1.0):
+        self.asks += 1
+        if self.asks == 1:
+            self.release.wait(10)
+        from broker.metrics import Metrics
+
+        m = Metrics()
+        m.register("echo")
+        return m.snapshot(), {"services": {}, "counters": {}}, list(m.known)
+
+
+def test_scrapes_that_arrive_together_share_a_render(monkeypatch):
+    # A render holds the interpreter the broker loop needs (ms per scrape): eight scrapes at
+    # once cost two renders (the one under way, and one whose snapshot follows them all),
+    # and a scrape is never answered from a snapshot taken before it arrived.
+    calls = []
+
+    class Clock:
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def monotonic():
+            calls.append(None)
+            return float(len(calls))
+
+    monkeypatch.setattr(H, "time", Clock())
+    scrape, link = H._Scrapes(), _Link()
+    bodies = []
+    threads = [threading.Thread(target=lambda: bodies.append(scrape(link))) for _ in range(8)]
+    threads[0].start()
+    _wait(lambda: link.asks == 1, what="the first render's question")
+    for t in threads[1:]:
+        t.start()
+    _wait(lambda: len(calls) == 2 + 7, what="the other scrapes' arrival")  # (the first: arrival and snapshot)
+    link.release.set()
+    for t in threads:
+        t.join(10)
+    assert link.asks == 2 and len(bodies) == 8 and all(b and b"zmq_infer" in b for b in bodies)
+    assert scrape(link) is not None and link.asks == 3  # later: a fresh one
