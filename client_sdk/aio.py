@@ -517,8 +517,11 @@ class AsyncClient(ClientBase):
         call.notify = ev.set
         stop = None if limit is None else time.monotonic() + limit
         looked = False
+        core = self._core
         try:
             while not call.inbox:
+                if core.closed:  # close() failed it, and then let go of every call (its inbox too)
+                    raise InferenceError("the client was closed while this request was waiting", code=None)
                 now = time.monotonic()
                 ends = [t for t in (call.deadline, stop) if t is not None]
                 if call.deadline is not None and now >= call.deadline:
@@ -534,8 +537,11 @@ class AsyncClient(ClientBase):
                 looked = True
                 ev.clear()
                 if ends:
+                    # asyncio.timeout, not wait_for: on 3.11 wait_for returns the inner result
+                    # and drops the task's cancellation when both come at once.
                     try:
-                        await asyncio.wait_for(ev.wait(), min(ends) - now)
+                        async with asyncio.timeout(min(ends) - now):
+                            await ev.wait()
                     except TimeoutError:
                         pass
                 else:
@@ -629,7 +635,8 @@ class AsyncClient(ClientBase):
                         return body
 
             try:
-                return await asyncio.wait_for(final(), limit)
+                async with asyncio.timeout(limit):
+                    return await final()
             except TimeoutError:
                 raise DeadlineExceeded(f"no reply from service {service!r} within {limit:g}s") from None
         finally:
@@ -650,13 +657,16 @@ class AsyncClient(ClientBase):
         q.notify = lambda: fut.done() or fut.set_result(None)
         self._send_soon(q.frames)
         try:
-            await asyncio.wait_for(fut, limit)
+            async with asyncio.timeout(limit):
+                await fut
         except TimeoutError:
             raise DeadlineExceeded(f"no MMI answer from the broker within {limit:g}s") from None
         finally:
             q.notify = None
             if q.answer is None:
                 q.abandoned = True  # its late answer is consumed and dropped
+        if q.answer is None and core.closed:  # woken by close()
+            raise InferenceError("the client was closed while this question was waiting", code=None)
         return mmi_answer(q.answer, name)
 
     def stream(self, service: str, *, latest_wins: bool = True, max_in_flight: int = 2,
@@ -724,20 +734,26 @@ class AsyncClient(ClientBase):
         if self._traffic is None:
             self._traffic = self._loop.create_future()
         try:
-            await asyncio.wait_for(asyncio.shield(self._traffic), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._traffic)
         except TimeoutError:
             pass
 
     # ---------------------------------------------------------------- lifetime
 
     async def close(self) -> None:
-        """Wake every waiter with an error, say DISCONNECT, close the socket, unlink the pool."""
+        """Wake every waiter with an error, say DISCONNECT, close the socket, unlink the pool.
+        Everything is done before the one await (the heartbeat task's end), so a task
+        cancelled while it closes still closes, and its cancellation goes on."""
         core = self._core
         if core.closed:
             return
         err = InferenceError("the client was closed while this request was waiting", code=None)
         for call in core.active():
             core.fail(call, err)
+        for q in list(core.mmi_waiters):  # their mmi_service() raises (no answer, closed)
+            if q.notify is not None:
+                q.notify()
         if self._loop is not None:
             for sock in [*self._socks, *([self._broker_monitor] if self._broker_monitor is not None else [])]:
                 try:
@@ -750,12 +766,9 @@ class AsyncClient(ClientBase):
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
             self._deadline_timer = self._deadline_at = None
-        if self._heart is not None:
-            self._heart.cancel()
-            try:
-                await self._heart
-            except BaseException:
-                pass
+        heart, self._heart = self._heart, None
+        if heart is not None:
+            heart.cancel()
         if core.pin_slots or core.pin_services:
             core.pin_goodbye()  # LEASE_END for each lease, its connection closed
             self._run_ops()
@@ -770,6 +783,15 @@ class AsyncClient(ClientBase):
             self._inbox.close()
         core.close()
         self._wake_pumps()
+        if heart is not None:
+            try:
+                await heart
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # ours, not the heartbeat's: the caller was cancelled meanwhile
+            except Exception:
+                pass
 
     aclose = close
 

@@ -482,7 +482,9 @@ class ClientCore(PinEvents):
         try:
             msg = P.parse_broker_to_client(frames)
         except P.ProtocolError as e:
-            if (self.pin_slots or self.pin_services) and pin is None and not direct:
+            # Whether or not anything pins now: a LEASED that answers an ask given up on (a
+            # stream closed before it came) is ended, or its worker's credit stays held.
+            if pin is None and not direct:
                 out = self._on_lease_message(frames, now)  # LEASED, LEASE_END (pins.py)
                 if out is not None:
                     return out

@@ -303,11 +303,16 @@ class AsyncStream(_StreamCore):
                 raise self._expire_head()
             if stop is not None and now >= stop:
                 raise TimeoutError(f"no result within {timeout:g}s")
+            if self._client.closed:  # close() failed its calls, then let go of them
+                raise InferenceError("the client was closed while this stream was waiting", code=None)
             ends = [t for t in (head.deadline if head is not None else None, stop) if t is not None]
             self._event.clear()
             if ends:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for drops the task's
+                # cancellation when the event comes at the same moment.
                 try:
-                    await asyncio.wait_for(self._event.wait(), min(ends) - now)
+                    async with asyncio.timeout(min(ends) - now):
+                        await self._event.wait()
                 except TimeoutError:
                     pass
             else:

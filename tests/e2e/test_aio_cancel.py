@@ -1,0 +1,186 @@
+"""The asyncio client under what asyncio applications do to it: tasks cancelled at any point
+(`asyncio.wait_for`, `asyncio.timeout`, a TaskGroup cancelling siblings, shutdown), the
+client closed by one task while others wait on it, a stream closed before its lease came.
+Real broker and workers on ipc; every wait bounded."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from client_sdk import AsyncClient
+from client_sdk.errors import InferenceError
+
+pytestmark = pytest.mark.timeout(120)
+
+X = np.arange(16, dtype=np.float32)
+
+
+async def _until(cond, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s")
+        await asyncio.sleep(0.001)
+
+
+def test_a_cancelled_task_stops_whatever_it_awaits(cluster):
+    # On 3.11, `asyncio.wait_for` returns the inner result and drops the task's cancellation
+    # when both come at once; the SDK's waits used it (with a deadline, the default), so a
+    # task in a tight loop of calls ignored most cancels: 28-34 of 40 here.
+    cluster.broker()
+    cluster.worker("echo", "--direct")
+
+    async def results(c, n):
+        while True:
+            async with c.infer_stream("echo", {"x": X}) as h:
+                r = await h.result()
+            r.release()
+            n[0] += 1
+
+    async def iterated(c, n):
+        while True:
+            async with c.infer_stream("echo", {"x": X}) as h:
+                async for r in h:
+                    r.release()
+            n[0] += 1
+
+    async def streamed(c, n):
+        async with c.stream("echo") as s:
+            while True:
+                s.send({"x": X})
+                r = await s.recv()
+                r.release()
+                n[0] += 1
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=10) as c:
+            for loop in (results, iterated, streamed):
+                for trial in range(10):
+                    n = [0]
+                    t = asyncio.create_task(loop(c, n))
+                    await _until(lambda: n[0] >= 3 + trial % 4 or t.done(), what=f"{loop.__name__} calls")
+                    t.cancel()
+                    done, _ = await asyncio.wait([t], timeout=5)
+                    assert done and t.cancelled(), f"{loop.__name__}: not cancelled (trial {trial})"
+            with await c.infer("echo", {"x": X}) as r:  # and the client works on
+                np.testing.assert_array_equal(r["x"], X)
+
+    asyncio.run(scenario())
+
+
+def test_a_task_cancelled_while_it_closes_the_client_is_cancelled_and_the_client_closed(cluster):
+    cluster.broker()
+    cluster.worker("echo")
+
+    async def scenario():
+        c = AsyncClient(cluster.frontend, timeout=10)
+        with await c.infer("echo", {"x": X}) as r:  # started: its heartbeat task runs
+            pass
+        t = asyncio.create_task(c.close())
+        await asyncio.sleep(0)  # one step: close() runs up to its one await
+        t.cancel()
+        done, _ = await asyncio.wait([t], timeout=5)
+        assert done and t.cancelled()  # the cancellation went on (it was swallowed)
+        assert c.closed
+
+    asyncio.run(scenario())
+
+
+def test_close_wakes_every_task_that_waits_on_the_client(cluster, gate):
+    # close() failed each call and then let go of them, error included: `infer` noticed, a
+    # handle's result(), `async for`, a stream's recv() and mmi_service() waited for good
+    # (or until their deadline, with the wrong error).
+    cluster.broker()
+    w = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "8",
+                       "--no-warmup", env=gate.env, wait=False)
+    gate.open()
+    w.wait_ready()
+
+    async def result(c):
+        async with c.infer_stream("gate", {"x": X}) as h:
+            await h.result()
+
+    async def iterated(c):
+        async with c.infer_stream("gate", {"x": X}) as h:
+            async for _ in h:
+                pass
+
+    async def streamed(c):
+        async with c.stream("gate", pin=False) as s:
+            s.send({"x": X})
+            await s.recv()
+
+    async def scenario():
+        c = AsyncClient(cluster.frontend, timeout=None)
+        assert await c.mmi_service("gate")
+        tasks = [asyncio.create_task(f(c)) for f in (result, iterated, streamed)]
+        asked = asyncio.create_task(c.mmi_service("gate"))
+        await asyncio.sleep(0)  # each has sent and waits (or is about to)
+        await c.close()
+        done, pending = await asyncio.wait(tasks, timeout=5)
+        assert not pending, pending
+        for t in tasks:
+            assert isinstance(t.exception(), InferenceError) and "closed" in str(t.exception())
+        done, _ = await asyncio.wait([asked], timeout=5)
+        assert done  # answered before the close, or told it closed: never a hang
+        assert asked.exception() is None or isinstance(asked.exception(), InferenceError)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.release(8)  # the gated calls end, so the worker can drain
+
+
+def _events(base: str) -> dict:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        body = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(body):
+        for s in fam.samples:
+            if s.name == "zmq_infer_broker_events_total":
+                out[s.labels["event"]] = s.value
+    return out
+
+
+def test_a_stream_closed_before_its_lease_came_ends_that_lease(cluster):
+    # A stream that pins on demand, closed at once (a TaskGroup or a timeout cancelling its
+    # block): the LEASED that answers its ask came to a client that pinned nothing any more,
+    # which dropped it as malformed; the lease held the worker's credit for the client's life.
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    cluster.worker("echo", "--direct")
+    n = 5
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=10) as c:
+            assert await c.mmi_service("echo")
+            for _ in range(n):
+                async with c.stream("echo") as s:
+                    s.send({"x": X})
+            # Each ask answered (granted or refused), then each granted lease ended.
+            await asyncio.to_thread(_wait_events, base, lambda e: e.get("leases_granted", 0)
+                                    + e.get("leases_refused", 0) >= n, "every ask answered")
+            ev = await asyncio.to_thread(_wait_events, base, lambda e: e.get("leases_ended", 0)
+                                         >= e.get("leases_granted", 0), "every granted lease ended")
+            assert ev.get("leases_granted", 0) >= 1, ev
+            with await c.infer("echo", {"x": X}) as r:
+                np.testing.assert_array_equal(r["x"], X)
+
+    asyncio.run(scenario())
+
+
+def _wait_events(base, cond, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        ev = _events(base)
+        if cond(ev):
+            return ev
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s: {json.dumps(ev)}")
+        time.sleep(0.02)
