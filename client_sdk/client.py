@@ -22,8 +22,10 @@ one does, after its client liveness window (docs/client.md).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import threading
 import time
 import weakref
 from collections import deque
@@ -54,6 +56,32 @@ log = logging.getLogger("client_sdk")
 _BROKER = object()
 
 
+_SHARED = ("this Client is in use by another thread: a Client is not thread-safe (one socket, one "
+           "input pool); use one Client per thread, or one AsyncClient")
+_get_ident = threading.get_ident
+
+
+def _one_thread(method):
+    """A `Client` method that refuses (InvalidInput) a thread other than the one inside the
+    client now: two threads on one client interleave multipart messages on its socket and
+    lose calls and pool slots.  Nested calls of the same thread pass; the cost is a thread id
+    and two attribute writes."""
+    def run(self, *args, **kw):
+        tid = _get_ident()
+        user = self._user
+        if user == tid:
+            return method(self, *args, **kw)
+        if user:
+            raise InvalidInput(_SHARED)
+        self._user = tid
+        try:
+            return method(self, *args, **kw)
+        finally:
+            self._user = 0
+
+    return functools.update_wrapper(run, method)
+
+
 class Client(ClientBase):
     """Blocking client for the inference broker.
 
@@ -77,6 +105,7 @@ class Client(ClientBase):
                  pin: bool | int = False):
         # A tcp broker: CurveZMQ keys (or an explicit insecure=True), inline tensors only.
         transport, direct_reply = tcp_options(endpoint, transport, direct_reply)
+        self._user = 0  # the thread inside the client now (0: none): `_one_thread`
         self._core = ClientCore(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
                                 direct_reply=direct_reply, restart_resends=restart_resends, pin=pin)
@@ -120,7 +149,19 @@ class Client(ClientBase):
         """Run one request and return its FINAL outputs.  A service that streams its results
         (PARTIALs) and ends with an empty FINAL raises `NotSupported`: use `infer_stream`."""
         # What `infer_stream(...).result()` in a `with` block does, without the handle: this
-        # is the hot path of a caller that sends one request at a time.
+        # is the hot path of a caller that sends one request at a time.  `_one_thread`, inline.
+        tid = _get_ident()
+        user = self._user
+        if user != tid:
+            if user:
+                raise InvalidInput(_SHARED)
+            self._user = tid
+        try:
+            return self._infer(service, inputs, timeout, priority, meta, reply, traceparent)
+        finally:
+            self._user = user
+
+    def _infer(self, service, inputs, timeout, priority, meta, reply, traceparent) -> Result:
         if self._core.pins:
             self._heed_lease_ends()
         call = self._core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
@@ -154,6 +195,7 @@ class Client(ClientBase):
             raise
         return final_of_infer(service, item, partials) if partials else item
 
+    @_one_thread
     def infer_stream(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                      priority: Any = "normal", meta: Mapping[str, Any] | None = None,
                      reply: str = "auto", traceparent: str | None = None) -> "ReplyStream":
@@ -197,6 +239,7 @@ class Client(ClientBase):
         finally:
             drop_socket(sock)
 
+    @_one_thread
     def mmi_service(self, name: str, timeout: float | None = None) -> bool:
         """Whether the broker knows a worker for `name` (MMI, RFC 8).
 
@@ -220,6 +263,7 @@ class Client(ClientBase):
                 q.abandoned = True  # its late answer is consumed and dropped
         return mmi_answer(q.answer, name)
 
+    @_one_thread
     def stream(self, service: str, *, latest_wins: bool = True, max_in_flight: int = 2,
                timeout: float | None = None, priority: Any = "normal",
                meta: Mapping[str, Any] | None = None, reply: str = "auto", pin: bool | None = None):
@@ -240,6 +284,7 @@ class Client(ClientBase):
             st._pinned = self._core.pin_on_demand(service, st.max_in_flight)
         return st
 
+    @_one_thread
     def stream_closed(self, service: str) -> None:
         """A stream that pinned `service` closed (client_sdk.stream): after the last one its
         lease ends."""
@@ -253,6 +298,7 @@ class Client(ClientBase):
     # Small steps that `infer` is made of, for code that keeps several calls in flight on
     # one client (client_sdk.stream).  AsyncClient has the same four.
 
+    @_one_thread
     def prepare(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                 priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto",
                 copy_inline: bool = False, traceparent: str | None = None) -> Call:
@@ -276,6 +322,7 @@ class Client(ClientBase):
         if self._waiter.has_message(self._sock):
             self._pump(0, time.monotonic())
 
+    @_one_thread
     def submit(self, call: Call, timeout: float | None = 0.0) -> bool:
         """Register a prepared call and send its REQUEST, waiting at most `timeout` seconds
         (None: as long as it takes) for the socket to take it; its deadline starts now.
@@ -309,6 +356,7 @@ class Client(ClientBase):
         self._core.last_send = time.monotonic()
         return True
 
+    @_one_thread
     def pump(self, timeout: float | None = None) -> None:
         """Wait up to `timeout` seconds (None: until something arrives) for messages from the
         broker or a worker, and route each to its call's inbox.  Returns after the first
@@ -656,6 +704,7 @@ class Client(ClientBase):
 
     # ---------------------------------------------------------------- lifetime
 
+    @_one_thread
     def close(self) -> None:
         """Tell the broker we are leaving, close the socket, unlink the input pool.  Results
         still alive stay readable; their output slots go back as they are dropped."""
@@ -674,6 +723,11 @@ class Client(ClientBase):
         if self._inbox is not None:
             self._inbox.close()
         self._core.close()
+
+    give_up = _one_thread(ClientBase.give_up)
+    alloc = _one_thread(ClientBase.alloc)
+    alloc_cuda = _one_thread(ClientBase.alloc_cuda)
+    free = _one_thread(ClientBase.free)
 
     def __enter__(self) -> "Client":
         return self
