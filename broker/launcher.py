@@ -148,7 +148,7 @@ class Backoff:
 
 
 class _Run:
-    __slots__ = ("wid", "slot", "gen", "started_at", "ready", "ready_at", "seen_at", "stopping", "kill_at",
+    __slots__ = ("wid", "slot", "gen", "started_at", "ready", "ready_at", "missing_since", "stopping", "kill_at",
                  "killed")
 
     def __init__(self, wid, slot, gen, now):
@@ -158,7 +158,7 @@ class _Run:
         self.started_at = now
         self.ready = False
         self.ready_at = None  # when it said READY: how long it served counts, not how long it loaded
-        self.seen_at = None  # the broker's clock when it last listed it as registered (READY: now)
+        self.missing_since = None  # the time of the first list of the broker's that lacked it, in a row
         self.stopping = False
         self.kill_at = None
         self.killed = False
@@ -260,7 +260,6 @@ class Supervisor:
             return []  # (killed: a READY read after the hung-worker SIGKILL went out: it is dying)
         run.ready = True
         run.ready_at = now
-        run.seen_at = now  # (READY is printed once registered: docs/operations.md)
         slot = run.slot
         out: list = []
         slot.ready_once = True
@@ -377,33 +376,51 @@ class Supervisor:
             self._begin_stop(now, out)
         return out
 
-    def broker_sees(self, wids, at: float) -> list:
+    def broker_sees(self, wids, at: float, leaving=None) -> list:
         """The broker's list of registered workers (``wids``: of ours), as of ``at`` on the
-        broker's clock (monotonic seconds, the clock ``now`` is on).  A READY worker not
-        stopping, absent from every list for ``hang_timeout``, is SIGKILLed: a crash, restarted
-        after the backoff.  Only the lists' own times count, so a broker loop that stalls
-        (and stops listing) gets nobody killed."""
+        broker's clock (monotonic seconds, the clock ``now`` is on), and ``leaving``, {wid:
+        when} of ours that said goodbye (DISCONNECT) to it.
+
+        A READY worker not stopping, absent from the lists for ``hang_timeout`` (from the
+        first list that lacked it, every list since lacking it too), is SIGKILLed: a crash,
+        restarted after the backoff.  Only the lists' own times count, and lists made before
+        its READY do not, so a broker loop that stalls gets nobody killed.  A worker that said
+        goodbye since its READY leaves on its own (an operator's SIGTERM: it waits for its
+        outputs' release, up to its drain grace): it counts as stopping (SIGKILLed
+        ``stop_timeout`` later, as any) and its slot starts its successor now."""
         out: list = []
-        if self.hang_timeout <= 0 or self.phase not in (STARTING, RUNNING, DRAINING):
+        if self.phase not in (STARTING, RUNNING, DRAINING):
             return out
-        for run in self._runs.values():
-            if not run.ready or run.stopping or run.killed:
+        for run in list(self._runs.values()):
+            if not run.ready or run.stopping or run.killed or at < run.ready_at:
+                continue
+            left = None if leaving is None else leaving.get(run.wid)
+            if left is not None and left >= run.ready_at:
+                out.append(Notice(logging.INFO, f"pool {run.slot.pool} worker {run.slot.index} is leaving on its "
+                                                "own (it said goodbye to the broker); starting its successor"))
+                self._stop(run, at, out, signal=False)
+                self._reconcile(run.slot, at, out)
+                self._advance(run.slot.pool, at, out)
+                continue
+            if self.hang_timeout <= 0:
                 continue
             if run.wid in wids:
-                run.seen_at = max(run.seen_at, at)
-            elif at - run.seen_at >= self.hang_timeout:
+                run.missing_since = None
+            elif run.missing_since is None:
+                run.missing_since = at
+            elif at - run.missing_since >= self.hang_timeout:
                 run.killed = True
                 out.append(Notice(logging.WARNING, f"pool {run.slot.pool} worker {run.slot.index} not registered "
-                                                   f"with the broker for {at - run.seen_at:.3g} s (stopped, hung, or "
-                                                   "refused: the broker says why): SIGKILL"))
+                                                   f"with the broker for {at - run.missing_since:.3g} s (stopped, hung, "
+                                                   "or refused: the broker says why): SIGKILL"))
                 out.append(KillWorker(run.wid))
         return out
 
     @property
     def watching(self) -> bool:
         """Whether :meth:`broker_sees` has anyone to judge (the caller then reads the
-        broker's list about once a second)."""
-        return self.hang_timeout > 0 and self.phase in (STARTING, RUNNING, DRAINING) and any(
+        broker's lists about once a second)."""
+        return self.phase in (STARTING, RUNNING, DRAINING) and any(
             r.ready and not r.stopping and not r.killed for r in self._runs.values())
 
     def tick(self, now: float) -> list:
@@ -470,10 +487,11 @@ class Supervisor:
                 if r.gen != slot.gen:
                     self._stop(r, now, out)
 
-    def _stop(self, run: _Run, now: float, out: list) -> None:
+    def _stop(self, run: _Run, now: float, out: list, signal: bool = True) -> None:
         run.stopping = True
         run.kill_at = now + self.stop_timeout
-        out.append(StopWorker(run.wid))
+        if signal:  # (else it stops on its own)
+            out.append(StopWorker(run.wid))
 
     def _advance(self, pool: str, now: float, out: list) -> None:
         """Move a rolling restart of ``pool`` on: a slot is done when its only workers are of
@@ -670,13 +688,15 @@ class Launcher:
             self.stop.set()
 
     def _watch(self) -> None:
-        """Hand the supervisor the broker's latest list of registered workers (made on the
-        broker's loop once a second), if it is new, as the wids of our children in it."""
-        pids, at = self.broker.worker_pids
+        """Hand the supervisor the broker's latest lists of registered and leaving workers
+        (made on the broker's loop once a second), if they are new, as our children's wids."""
+        pids, leaving, at = self.broker.worker_pids
         if at == self._seen_at or not self.sup.watching:
             return
         self._seen_at = at
-        self._do(self.sup.broker_sees({c.wid for c in self._children.values() if c.pid in pids}, at))
+        kids = self._children.values()
+        self._do(self.sup.broker_sees({c.wid for c in kids if c.pid in pids}, at,
+                                      {c.wid: leaving[c.pid] for c in kids if c.pid in leaving}))
 
     def _settle_broker(self) -> None:
         """After the workers are gone: give requests the broker still holds (put back by a

@@ -71,6 +71,8 @@ _TICK_DRAINS = 16
 GONE_WAIT_S = 0.1
 # Seconds between sweeps for shared-memory segments of dead processes.
 _GC_INTERVAL = 1.0
+#: how long a worker that said DISCONNECT is listed as leaving (its drain grace and more)
+_LEAVING_KEPT_S = 600.0
 _POLLIN = int(zmq.POLLIN)
 _LEASE_ACTIONS = frozenset({LeaseToWorker, LeaseToClient, LeaseRefused, LeaseEndToClient, LeaseEndToWorker})
 _MAX_CLIENT_PIDS = 1 << 16
@@ -255,11 +257,13 @@ class Broker:
         # ident -> (service, pid, inputs, host, outputs, whether the kernel said the pid)
         self._worker_info: dict[bytes, tuple] = {}
         self._here = P.local_host_id()
-        # (pids of the registered workers on this host, the loop's clock then), remade once a
-        # second and replaced whole (a launcher reads it from its own thread): a launcher's
-        # worker missing from it for long is hung (broker.launcher).  The kernel's word for
-        # the pid on ipc, else the READY's, counted only when its host is this one.
-        self.worker_pids: tuple[frozenset, float] = (frozenset(), time.monotonic())
+        # (pids of the registered workers on this host, {pid: when} of those that said
+        # goodbye (DISCONNECT) lately, the loop's clock then), remade once a second and replaced whole
+        # (a launcher reads it from its own thread): a launcher's worker missing from the
+        # first for long is hung, one in the second is leaving on its own (broker.launcher).
+        # The kernel's word for the pid on ipc, else the READY's when its host is this one.
+        self.worker_pids: tuple[frozenset, dict, float] = (frozenset(), {}, time.monotonic())
+        self._leaving: dict[int, float] = {}  # pid -> when it said DISCONNECT
         self._client_window_ms = max(1, min(int(self.sched.client_window * 1000), (1 << 32) - 1))
         sc = self.cfg.scheduler
         self._welcome = P.Welcome(instance=self.instance, heartbeat_interval=sc.heartbeat_interval,
@@ -523,8 +527,12 @@ class Broker:
         if len(self._worker_info) > 64:
             self._worker_info = {w: v for w, v in self._worker_info.items() if has(w)}
         here = self._here
+        now = time.monotonic()
+        if self._leaving:
+            self._leaving = {pid: t for pid, t in self._leaving.items() if now - t < _LEAVING_KEPT_S}
         self.worker_pids = (frozenset(v[1] for w, v in self._worker_info.items()
-                                      if v[1] is not None and (v[5] or v[3] == here) and has(w)), time.monotonic())
+                                      if v[1] is not None and (v[5] or v[3] == here) and has(w)),
+                            dict(self._leaving), now)  # a copy: never changed once published
 
     def _run_timers(self, now: float) -> None:
         """The scheduler's timers that are due.  After a stall (a long collection, a burst
@@ -1058,6 +1066,10 @@ class Broker:
                     self.send_to_worker(P.to_worker_welcome(ident, self._welcome))
             self._act(actions, now)
         elif cmd == P.W_DISCONNECT:  # said goodbye: it finished what it held
+            known = self._worker_info.get(ident)
+            if (known is not None and known[1] is not None and (known[5] or known[3] == self._here)
+                    and sched.has_worker(ident) and len(self._leaving) < _MAX_CLIENT_PIDS):
+                self._leaving[known[1]] = now  # for a launcher: it leaves on its own, not hung
             self._act(sched.worker_disconnect(ident, now, failed=False), now)
 
     def _note_worker(self, ident: bytes, service: str, ready, frame: Any = None) -> None:

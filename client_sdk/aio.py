@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import deque
 from functools import partial
 from typing import Any, Mapping
@@ -105,6 +106,7 @@ class AsyncClient(ClientBase):
         self._socks = [self._sock] if self._inbox is None else [self._sock, self._inbox.sock]
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop our reader is on
         self._heart: asyncio.Task | None = None
+        self._streams: weakref.WeakSet = weakref.WeakSet()  # close() wakes their recv()s
         self._pending: deque = deque()  # frames the socket refused (high-water mark), in order
         self._retry: asyncio.TimerHandle | None = None
         self._broken: BaseException | None = None
@@ -683,6 +685,7 @@ class AsyncClient(ClientBase):
         if may_pin:
             # its service asks for a lease; a stream it counted ends that lease when it closes
             st._pinned = self._core.pin_on_demand(service, st.max_in_flight)
+        self._streams.add(st)
         return st
 
     def stream_closed(self, service: str) -> None:
@@ -754,6 +757,8 @@ class AsyncClient(ClientBase):
         for q in list(core.mmi_waiters):  # their mmi_service() raises (no answer, closed)
             if q.notify is not None:
                 q.notify()
+        for st in list(self._streams):  # a recv() with nothing in flight has no call to wake it
+            st.wake()
         if self._loop is not None:
             for sock in [*self._socks, *([self._broker_monitor] if self._broker_monitor is not None else [])]:
                 try:
@@ -784,11 +789,12 @@ class AsyncClient(ClientBase):
         core.close()
         self._wake_pumps()
         if heart is not None:
+            task = asyncio.current_task()
+            before = task.cancelling() if task is not None else 0  # (a cancellation it caught earlier)
             try:
                 await heart
             except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
+                if task is not None and task.cancelling() > before:
                     raise  # ours, not the heartbeat's: the caller was cancelled meanwhile
             except Exception:
                 pass

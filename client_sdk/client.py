@@ -64,20 +64,20 @@ _get_ident = threading.get_ident
 def _one_thread(method):
     """A `Client` method that refuses (InvalidInput) a thread other than the one inside the
     client now: two threads on one client interleave multipart messages on its socket and
-    lose calls and pool slots.  Nested calls of the same thread pass; the cost is a thread id
-    and two attribute writes."""
+    lose calls and pool slots.  Nested calls of the same thread pass.  The claim is one
+    `dict.setdefault` (atomic under the GIL: no two threads both get in); the cost, a thread
+    id and two dict operations."""
     def run(self, *args, **kw):
         tid = _get_ident()
         user = self._user
-        if user == tid:
+        if user.get(0) == tid:
             return method(self, *args, **kw)
-        if user:
+        if user.setdefault(0, tid) != tid:
             raise InvalidInput(_SHARED)
-        self._user = tid
         try:
             return method(self, *args, **kw)
         finally:
-            self._user = 0
+            del user[0]
 
     return functools.update_wrapper(run, method)
 
@@ -105,7 +105,7 @@ class Client(ClientBase):
                  pin: bool | int = False):
         # A tcp broker: CurveZMQ keys (or an explicit insecure=True), inline tensors only.
         transport, direct_reply = tcp_options(endpoint, transport, direct_reply)
-        self._user = 0  # the thread inside the client now (0: none): `_one_thread`
+        self._user: dict[int, int] = {}  # {0: the thread inside the client now}: `_one_thread`
         self._core = ClientCore(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
                                 direct_reply=direct_reply, restart_resends=restart_resends, pin=pin)
@@ -152,14 +152,14 @@ class Client(ClientBase):
         # is the hot path of a caller that sends one request at a time.  `_one_thread`, inline.
         tid = _get_ident()
         user = self._user
-        if user != tid:
-            if user:
-                raise InvalidInput(_SHARED)
-            self._user = tid
+        if user.get(0) == tid:  # nested (a stream's call, ...)
+            return self._infer(service, inputs, timeout, priority, meta, reply, traceparent)
+        if user.setdefault(0, tid) != tid:
+            raise InvalidInput(_SHARED)
         try:
             return self._infer(service, inputs, timeout, priority, meta, reply, traceparent)
         finally:
-            self._user = user
+            del user[0]
 
     def _infer(self, service, inputs, timeout, priority, meta, reply, traceparent) -> Result:
         if self._core.pins:

@@ -318,6 +318,10 @@ class AsyncStream(_StreamCore):
             else:
                 await self._event.wait()
 
+    def wake(self) -> None:
+        """Wake a `recv()` that waits (the client closed: it raises `InferenceError`)."""
+        self._event.set()
+
     def __aiter__(self) -> "AsyncStream":
         return self
 

@@ -1,9 +1,9 @@
 """The HTTP server under the broker's `/metrics` and health paths (broker.http) and a
 worker's health probe (gpu_worker.health): a thread per connection, at most
 ``max_connections`` at once, and a full server evicts a connection for a new one (closes
-its socket: its thread ends at its next read), the oldest of those still sending their
-request first, so clients that connect and then drip bytes or say nothing can never lock
-the probes out, nor cut the answers being written.  IPv6 when the host is one.
+its socket: its thread ends at its next read; `_victim` says which), so clients that connect
+and then drip bytes, say nothing or read nothing can never lock the probes out, nor cut the
+answers being written.  IPv6 when the host is one.
 
 These threads share the interpreter with a latency-critical loop, so what a peer can make
 them do is bounded: a request's head (request line and headers) is at most `MAX_HEAD`
@@ -14,10 +14,12 @@ of probes (the default 5 made the sixth simultaneous probe wait for a SYN retry,
 """
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import socket
 import threading
+import time
 from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -30,6 +32,11 @@ MAX_CONNECTIONS = 16
 #: Largest request head read (request line and headers, bytes): probes and scrapes send a few
 #: hundred.
 MAX_HEAD = 8192
+
+#: how long a new connection is spared while older idle ones are there (seconds)
+_YOUNG_S = 0.5
+#: errors of a peer that went away (reset, closed, evicted): no news
+_GONE = frozenset({errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN, errno.EBADF, errno.ECONNABORTED})
 
 log = logging.getLogger("broker.http")
 _errors = RateLimitedLog(log, 10.0)
@@ -48,6 +55,10 @@ class BoundedHandler(BaseHTTPRequestHandler):
     timeout = 5.0  # a client that sends nothing for this long is dropped (its thread ends)
 
     def handle_one_request(self):
+        raw = getattr(self, "_socket_rfile", None)
+        if raw is not None:  # a second request on the connection (HTTP/1.1 keep-alive): the socket again
+            self.rfile = raw
+            self.server.answering(self.request, False)
         try:
             head = self._read_head()
         except (TimeoutError, OSError):  # silent, or gone (evicted, reset): nothing to answer
@@ -58,7 +69,7 @@ class BoundedHandler(BaseHTTPRequestHandler):
             self.request_version, self.command, self.requestline = "HTTP/1.0", "", ""
             self.send_error(431, f"request head over {MAX_HEAD} bytes")
             return
-        self.server.answering(self.request)
+        self.server.answering(self.request, True)
         self._socket_rfile, self.rfile = self.rfile, io.BytesIO(head)
         super().handle_one_request()
 
@@ -98,25 +109,43 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
+        now = time.monotonic()
         with self._lock:
             while len(self._open) >= self.max_connections:
-                old = next((r for r, answering in self._open.items() if not answering), None)
-                if old is None:
-                    old, _ = self._open.popitem(last=False)
-                else:
-                    del self._open[old]
+                old = self._victim(now)
+                del self._open[old]
                 try:
                     old.shutdown(socket.SHUT_RDWR)  # its thread's next read or write fails: it ends
                 except OSError:
                     pass
-            self._open[request] = False
+            self._open[request] = [False, now]
         super().process_request(request, client_address)
 
-    def answering(self, request) -> None:
-        """``request``'s head is in: evict it only when every other connection is answered too."""
+    def _victim(self, now: float):
+        """The connection a full server closes, the oldest of the first kind there is: still
+        sending its request `_YOUNG_S` after it connected (a slow or silent client); answered
+        for that long (a client that does not read its answer: ours take milliseconds); still
+        sending its request; any.  So neither a probe that just connected nor one being
+        answered is what a flood of connections pushes out first."""
+        items = self._open.items()
+        for r, (answering, since) in items:
+            if not answering and now - since >= _YOUNG_S:
+                return r
+        for r, (answering, since) in items:
+            if answering and now - since >= _YOUNG_S:
+                return r
+        for r, (answering, _) in items:
+            if not answering:
+                return r
+        return next(iter(self._open))
+
+    def answering(self, request, yes: bool = True) -> None:
+        """Whether ``request``'s head is in (being answered, from now) or not (waiting for one)."""
+        now = time.monotonic()
         with self._lock:
-            if request in self._open:
-                self._open[request] = True
+            entry = self._open.get(request)
+            if entry is not None:
+                entry[0], entry[1] = yes, now
 
     def process_request_thread(self, request, client_address):
         try:
@@ -131,6 +160,6 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         import sys
 
         exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError)) or (isinstance(exc, OSError) and exc.errno is not None):
+        if isinstance(exc, (ConnectionError, TimeoutError)) or (isinstance(exc, OSError) and exc.errno in _GONE):
             return
         _errors.exception("HTTP request from %s failed", client_address[0] if client_address else "?")

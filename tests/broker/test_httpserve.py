@@ -86,9 +86,14 @@ def test_a_request_head_past_max_head_is_431_without_parsing_it(server):
     assert _ask(server, line).startswith(b"HTTP/1.0 431")
 
 
-def test_a_connection_being_answered_is_evicted_after_every_idle_one(server):
+def test_a_connection_being_answered_is_evicted_after_every_idle_one(server, monkeypatch):
     # A full server made room by closing its oldest connection, even one mid-answer (a
     # readiness probe cut by a burst of scrapes or idle connections).  Idle ones go first.
+    # (Every connection here counts as young, however slow the machine: the gated answer
+    # stands for a quick one.)
+    from broker.protocol import httpserve
+
+    monkeypatch.setattr(httpserve, "_YOUNG_S", 3600.0)
     answered = {}
 
     def probe():
@@ -96,13 +101,13 @@ def test_a_connection_being_answered_is_evicted_after_every_idle_one(server):
 
     t = threading.Thread(target=probe)
     t.start()
-    _wait(lambda: any(server._open.values()), what="the probe's head read")
+    _wait(lambda: any(v[0] for v in server._open.values()), what="the probe's head read")
     idle = []
     try:
         for _ in range(MAX_CONNECTIONS + 3):
             idle.append(socket.create_connection(server.server_address, timeout=5))
         # Every one accepted: the server holds MAX_CONNECTIONS, the probe among them.
-        _wait(lambda: len(server._open) == MAX_CONNECTIONS and sum(server._open.values()) == 1
+        _wait(lambda: len(server._open) == MAX_CONNECTIONS and sum(v[0] for v in server._open.values()) == 1
               and idle[-1].getsockname() in {r.getpeername() for r in list(server._open)},
               what="the idle connections' accept")
         server.gate.set()
@@ -118,13 +123,30 @@ def test_a_peer_that_resets_mid_answer_is_no_traceback(server, capfd):
     server.body_size = 8 << 20  # more than the socket buffers hold
     c = socket.create_connection(server.server_address, timeout=5)
     c.sendall(b"GET / HTTP/1.0\r\n\r\n")
-    _wait(lambda: any(server._open.values()), what="the head read")
+    _wait(lambda: any(v[0] for v in server._open.values()), what="the head read")
     c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     c.close()  # RST
     server.gate.set()
     _wait(lambda: not server._open, what="the handler's end")
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Exception occurred" not in err, err
+
+
+def test_who_a_full_server_closes_first():
+    # Slow or silent senders past their first half second, then answers stuck as long (a
+    # client that does not read), then young senders; a probe that just connected and one
+    # being answered are not what a flood pushes out first.
+    s = BoundedHTTPServer.__new__(BoundedHTTPServer)
+    from collections import OrderedDict
+
+    def pick(entries, now=10.0):
+        s._open = OrderedDict((name, list(v)) for name, v in entries)
+        return s._victim(now)
+
+    assert pick([("answered", (True, 9.99)), ("young", (False, 9.9)), ("silent", (False, 1.0))]) == "silent"
+    assert pick([("answered", (True, 9.99)), ("young", (False, 9.9)), ("stuck", (True, 2.0))]) == "stuck"
+    assert pick([("answered", (True, 9.99)), ("young", (False, 9.9)), ("young2", (False, 9.95))]) == "young"
+    assert pick([("a", (True, 9.99)), ("b", (True, 9.98))]) == "a"
 
 
 def test_a_burst_of_connections_is_queued_not_dropped():
@@ -179,3 +201,31 @@ def test_scrapes_that_arrive_together_share_a_render(monkeypatch):
         t.join(10)
     assert link.asks == 2 and len(bodies) == 8 and all(b and b"zmq_infer" in b for b in bodies)
     assert scrape(link) is not None and link.asks == 3  # later: a fresh one
+
+
+def test_a_keep_alive_connection_reads_each_request_from_the_socket():
+    # The handlers here speak HTTP/1.0 (one request a connection), but the bounded head is
+    # the handler's, for any subclass: a second request on a kept-alive connection was read
+    # from the first one's spent buffer (the connection closed without an answer).
+    class KeepAlive(_Gated):
+        protocol_version = "HTTP/1.1"
+
+    s = BoundedHTTPServer(("127.0.0.1", 0), KeepAlive)
+    s.gate = threading.Event()
+    s.gate.set()
+    s.body_size = 2
+    t = threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    try:
+        import http.client
+
+        conn = http.client.HTTPConnection(*s.server_address, timeout=10)
+        for _ in range(3):
+            conn.request("GET", "/")
+            r = conn.getresponse()
+            assert r.status == 200 and r.read() == b"xx"
+        conn.close()
+    finally:
+        s.shutdown()
+        s.server_close()
+        t.join(5)

@@ -202,46 +202,67 @@ def test_a_worker_never_ready_at_start_is_killed_and_the_launch_gives_up():
 
 def test_a_ready_worker_the_broker_no_longer_lists_is_killed_as_hung_and_restarted():
     # SIGSTOPped, frozen, or wedged with the GIL held: the broker dropped it, but only its
-    # exit would give the slot a new worker.  Absent from the broker's list for hang_timeout.
+    # exit would give the slot a new worker.  Absent from the broker's lists for hang_timeout.
     s, wid = running(pools=(("a", 2),), backoff=Backoff(0.5, 30, 60), hang_timeout=10.0)
     a0, a1 = wid[("a", 0)], wid[("a", 1)]
     assert s.watching
     assert s.broker_sees({a0, a1}, 5.0) == []
-    assert s.broker_sees({a1}, 14.9) == []  # 9.9 s since it was last listed
-    out = s.broker_sees({a1}, 15.0)
+    assert s.broker_sees({a1}, 6.0) == []  # first missing from a list at 6
+    assert s.broker_sees({a1}, 15.9) == []
+    out = s.broker_sees({a1}, 16.0)
     assert only(out, KillWorker) == [KillWorker(a0)] and "not registered with the broker for 10 s" in out[0].message
     assert s.broker_sees({a1}, 30.0) == []  # once
-    out = s.worker_exited(a0, -9, 15.1)
-    assert only(out, WorkerGone)[0].restart_in == 0.5  # a crash like any other (it served 15 s < 60)
-    (n,) = starts(s.tick(15.6))
-    assert s.broker_sees({a1}, 16.0) == []  # not READY yet: ready_timeout's business
-    s.worker_ready(n.wid, 17.0)
-    assert s.broker_sees({a1}, 26.9) == []  # counted from its READY
-    assert only(s.broker_sees({a1}, 27.0), KillWorker) == [KillWorker(n.wid)]
+    out = s.worker_exited(a0, -9, 16.1)
+    assert only(out, WorkerGone)[0].restart_in == 0.5  # a crash like any other (it served 16 s < 60)
+    (n,) = starts(s.tick(16.6))
+    assert s.broker_sees({a1}, 17.0) == []  # not READY yet: ready_timeout's business
+    s.worker_ready(n.wid, 17.5)
+    assert s.broker_sees({a1}, 17.2) == []  # a list made before its READY does not count
+    assert s.broker_sees({a1}, 18.0) == [] and s.broker_sees({a1}, 27.9) == []
+    assert only(s.broker_sees({a1}, 28.0), KillWorker) == [KillWorker(n.wid)]
 
 
 def test_only_the_brokers_own_clock_counts_and_listing_again_resets_it():
     s, wid = running(pools=(("a", 1),), hang_timeout=10.0)
     a0 = wid[("a", 0)]
-    # A broker loop that stalls makes no new list: the same list's time, read again, never
+    # A broker loop that stalls makes no new list: the same list, read again, never
     # reaches the timeout, however late it is read.
     assert s.broker_sees(set(), 9.0) == [] and s.broker_sees(set(), 9.0) == []
     assert s.broker_sees({a0}, 9.5) == []  # back (a reconnect after broker silence)
-    assert s.broker_sees(set(), 19.4) == []
-    assert only(s.broker_sees(set(), 19.5), KillWorker) == [KillWorker(a0)]
-    # An older list read late does not move the last sighting back.
+    assert s.broker_sees(set(), 19.4) == []  # the first list after a 10 s stall lacks it...
+    assert s.broker_sees({a0}, 20.4) == []  # ...its heartbeat read after it: listed again
+    assert s.broker_sees(set(), 21.0) == [] and s.broker_sees(set(), 30.9) == []
+    assert only(s.broker_sees(set(), 31.0), KillWorker) == [KillWorker(a0)]
+
+
+def test_a_worker_that_says_goodbye_on_its_own_is_stopping_and_its_successor_starts():
+    # An operator's SIGTERM: the worker drains, says DISCONNECT and then waits for its
+    # outputs' release (its drain grace), not registered: leaving, not hung.
+    s, wid = running(pools=(("a", 2),), hang_timeout=10.0, stop_timeout=40.0)
+    a0, a1 = wid[("a", 0)], wid[("a", 1)]
+    out = s.broker_sees({a1}, 5.0, {a0: 4.5})
+    assert "leaving on its own" in out[0].message and only(out, StopWorker) == []  # no signal of ours
+    (n,) = starts(out)
+    assert (n.pool, n.index) == ("a", 0)
+    assert s.broker_sees({a1}, 30.0, {a0: 4.5}) == []  # not hung: stopping
+    out = s.worker_exited(a0, 0, 31.0)
+    assert only(out, WorkerGone)[0].expected and starts(out) == []
+    # Past stop_timeout it is SIGKILLed, as any worker told to stop.
+    s, wid = running(pools=(("a", 1),), stop_timeout=40.0)
+    s.broker_sees(set(), 5.0, {wid[("a", 0)]: 4.0})
+    assert only(s.tick(45.0), KillWorker) == [KillWorker(wid[("a", 0)])]
+    # A goodbye said before its READY is another process's (its pid reused): not this one's.
     s, wid = running(pools=(("a", 1),), hang_timeout=10.0)
-    s.broker_sees({wid[("a", 0)]}, 8.0)
-    assert s.broker_sees({wid[("a", 0)]}, 3.0) == [] and s.broker_sees(set(), 17.9) == []
+    assert s.broker_sees({wid[("a", 0)]}, 5.0, {wid[("a", 0)]: -1.0}) == []
 
 
-def test_stopping_workers_and_a_zero_timeout_are_not_watched():
+def test_stopping_workers_and_a_zero_timeout_are_not_killed_as_hung():
     s, wid = running(pools=(("a", 1),), hang_timeout=0)
-    assert not s.watching and s.broker_sees(set(), 1e9) == []
+    assert s.broker_sees(set(), 1.0) == [] and s.broker_sees(set(), 1e9) == []
     s, wid = running(pools=(("a", 1),), hang_timeout=10.0, stop_timeout=100.0)
     (n,) = starts(s.roll(1.0))
     s.worker_ready(n.wid, 2.0)  # the old one is told to stop: it leaves the broker first
-    assert s.broker_sees({n.wid}, 50.0) == []
+    assert s.broker_sees({n.wid}, 3.0) == [] and s.broker_sees({n.wid}, 50.0) == []
     s.worker_exited(wid[("a", 0)], 0, 51.0)
     s.shutdown(52.0)
     s.broker_idle(53.0)  # stopping: stop_timeout's business

@@ -192,14 +192,24 @@ def test_the_pids_of_registered_workers_are_the_kernels_word_on_ipc(broker, monk
     w.send_multipart(P.worker_ready("svc", P.Ready(pid=1, host="elsewhere")))  # a claim that lies
     assert b.backend.poll(5000)
     _drain_all(b, b.backend, b.on_worker)
-    _, at0 = b.worker_pids
+    _, _, at0 = b.worker_pids
     b._prune_workers()
-    pids, at = b.worker_pids
-    assert pids == frozenset({os.getpid()}) and at >= at0
+    pids, leaving, at = b.worker_pids
+    assert pids == frozenset({os.getpid()}) and leaving == {} and at >= at0
     [ident] = b.sched._workers
-    b._act(b.sched.worker_disconnect(ident, at), at)
+    b._act(b.sched.worker_disconnect(ident, at), at)  # its connection closed: not a goodbye
     b._prune_workers()
-    assert b.worker_pids[0] == frozenset()
+    assert b.worker_pids[:2] == (frozenset(), {})
+    # One that says goodbye (DISCONNECT) is listed as leaving (on its own), with the time.
+    w.send_multipart(P.worker_ready("svc"))
+    assert b.backend.poll(5000)
+    _drain_all(b, b.backend, b.on_worker)
+    w.send_multipart(P.worker_disconnect())
+    assert b.backend.poll(5000)
+    _drain_all(b, b.backend, b.on_worker)
+    b._prune_workers()
+    pids, leaving, at = b.worker_pids
+    assert pids == frozenset() and list(leaving) == [os.getpid()] and leaving[os.getpid()] <= at
     # A claim from another host (a tcp worker: no kernel's word) is not this host's pid.
     b._worker_info.clear()
     b._worker_info[b"tcp"] = ("svc", os.getpid(), None, "elsewhere", None, False)

@@ -88,6 +88,24 @@ def test_a_task_cancelled_while_it_closes_the_client_is_cancelled_and_the_client
         done, _ = await asyncio.wait([t], timeout=5)
         assert done and t.cancelled()  # the cancellation went on (it was swallowed)
         assert c.closed
+        # A task that caught a cancellation earlier (cleanup code, without uncancel()) still
+        # closes a client without a CancelledError of its own.
+        c2 = AsyncClient(cluster.frontend, timeout=10)
+        with await c2.infer("echo", {"x": X}):
+            pass
+
+        async def caught_then_closes():
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                pass
+            await c2.close()
+            return "closed"
+
+        t = asyncio.create_task(caught_then_closes())
+        await asyncio.sleep(0)
+        t.cancel()
+        assert await asyncio.wait_for(t, 10) == "closed" and c2.closed
 
     asyncio.run(scenario())
 
@@ -116,10 +134,15 @@ def test_close_wakes_every_task_that_waits_on_the_client(cluster, gate):
             s.send({"x": X})
             await s.recv()
 
+    async def idle_stream(c):  # nothing in flight: no call of its own to be woken through
+        async with c.stream("gate", pin=False) as s:
+            async for _ in s:
+                pass
+
     async def scenario():
         c = AsyncClient(cluster.frontend, timeout=None)
         assert await c.mmi_service("gate")
-        tasks = [asyncio.create_task(f(c)) for f in (result, iterated, streamed)]
+        tasks = [asyncio.create_task(f(c)) for f in (result, iterated, streamed, idle_stream)]
         asked = asyncio.create_task(c.mmi_service("gate"))
         await asyncio.sleep(0)  # each has sent and waits (or is about to)
         await c.close()

@@ -24,7 +24,7 @@ def test_a_second_thread_is_refused_while_one_is_inside_the_client(cluster):
         inside = threading.Thread(target=c.pump, args=(3.0,))  # waits for traffic that never comes
         inside.start()
         deadline = time.monotonic() + 10
-        while not c._user:
+        while not c._user:  # (its thread claimed the client)
             assert time.monotonic() < deadline, "the pump never started"
             time.sleep(0.001)
         with pytest.raises(InvalidInput, match="another thread"):

@@ -377,3 +377,33 @@ def test_a_stopped_worker_is_killed_as_hung_and_replaced_and_no_request_is_lost(
         for _ in range(20):
             with c.infer("echo", {"x": np.ones(4)}) as r:
                 np.testing.assert_array_equal(r["x"], np.ones(4))
+
+
+def test_a_worker_stopped_by_someone_else_leaves_on_its_own_and_its_successor_starts(tmp_path, launchers):
+    # An operator's SIGTERM to one worker: it finishes, says goodbye to the broker and waits
+    # (its drain grace) for a client to release a result it still reads.  Not registered
+    # meanwhile, but not hung: the launcher starts its successor and lets it leave.
+    la = launchers(tmp_path, "[launcher]\nhang_timeout_s = 1\n[[pool]]\nmodel = 'bench_models:fixed'\n"
+                             "service = 'fixed'\ndrain_grace_s = 20\n", env={"FIXED_MS": "0"})
+    la.wait_for(r"every pool is ready")
+    old = la.ready_pids()[("fixed", 0)]
+    fds = pidfds([old])
+    x = np.arange(1 << 16, dtype=np.uint8)
+    with Client(la.frontend, timeout=20) as c:
+        held = c.infer("fixed", {"x": x})  # its output lives in the worker's ring: the drain waits for it
+        mark = len(la._err)
+        os.kill(old, signal.SIGTERM)
+        la.wait_for(r"pool fixed worker 0 is leaving on its own", mark)
+        m = la.wait_for(r"pool fixed worker 0 pid (\d+) ready", mark)
+        new = int(m.group(1))
+        assert new != old
+        with pytest.raises(TimeoutError):  # nobody is killed as hung (the watch lists every second)
+            la.wait_for(r"not registered with the broker", mark, timeout=2.5)
+        with c.infer("fixed", {"x": x}) as r:  # the successor serves
+            np.testing.assert_array_equal(r["x"], x)
+        np.testing.assert_array_equal(held["x"], x)  # still readable: the old worker kept its ring
+        held.release()
+        wait_gone(fds, 20.0)
+    la.wait_for(rf"pool fixed worker 0 pid {old} exited with code 0", mark)
+    log = la._err.decode(errors="replace")
+    assert "restarting it in" not in log[mark:] and la.ready_pids()[("fixed", 0)] == new
