@@ -127,8 +127,8 @@ class ComputeThread:
             t0 = time.perf_counter()
             try:
                 outputs, error = self._run(jobs), None
-            except Exception as e:
-                outputs, error = None, e
+            except BaseException as e:  # whatever it is, the loop must hear the batch ended
+                outputs, error = None, e if isinstance(e, Exception) else RuntimeError(f"{type(e).__name__}: {e}")
             self._out = (jobs, started, outputs, error, time.perf_counter() - t0)
             # Not kept here until the next batch: its jobs view the clients' segments, whose
             # mappings (and, of clients that left, memory) would live on with them, for

@@ -63,6 +63,33 @@ class DataPlane(Protocol):
     def close(self) -> None: ...
 
 
+def _within(arr: np.ndarray, inputs) -> bool:
+    """Whether ``arr``'s memory may lie in one of ``inputs`` (a bounds check, O(1) each)."""
+    if not inputs:
+        return False
+    for x in inputs.values():
+        if type(x) is np.ndarray and np.may_share_memory(arr, x):
+            return True
+    return False
+
+
+def check_outputs(out: Any) -> None:
+    """What a reply can carry, checked before anything is written: a dict of at most
+    `P.MAX_TENSORS` outputs named by strings, each at most `P.MAX_NDIM` dimensions (a model
+    that breaks this gets a clear error naming it, not a reply its client refuses as a
+    protocol bug)."""
+    if not isinstance(out, dict):
+        raise TypeError(f"the model returned {type(out).__name__} for a request; expected a dict of outputs")
+    if len(out) > P.MAX_TENSORS:
+        raise ValueError(f"the model returned {len(out)} outputs; a reply carries at most {P.MAX_TENSORS}")
+    for name, value in out.items():
+        if type(name) is not str:
+            raise TypeError(f"output names must be strings; the model returned {name!r}")
+        ndim = np.ndim(value)
+        if ndim > P.MAX_NDIM:
+            raise ValueError(f"output {name!r} has {ndim} dimensions; the limit is {P.MAX_NDIM}")
+
+
 class HostPlane:
     """Tensors in host memory: shared-memory views and inline frames in, the output ring or
     inline frames out.  Owns the input segment cache and the output ring."""
@@ -141,6 +168,17 @@ class HostPlane:
                     and req.reply != "inline")
         refs: list[P.TensorRef] = []
         frames: list[Any] = []
+        check_outputs(out)  # before any slot is taken: a model's mistake costs no slot
+        lent: list[Any] = []  # output slots taken for this reply: freed if it fails half way
+        try:
+            self._write(job, req, out, want_shm, refs, frames, lent)
+        except BaseException:
+            for ref in lent:
+                self.out_pool.free(ref)
+            raise
+        return refs, frames
+
+    def _write(self, job: Job, req, out: dict, want_shm: bool, refs: list, frames: list, lent: list) -> None:
         for name, value in out.items():
             arr = value if type(value) is np.ndarray else np.asarray(value)
             same = job.inputs.get(name) if job.inputs else None
@@ -153,8 +191,9 @@ class HostPlane:
             if want_shm and (arr.nbytes > P.SMALL_INLINE_BYTES or req.reply == "shm"):
                 buf = self.out_pool.try_alloc(arr.shape, arr.dtype)
                 if buf is not None:
-                    np.copyto(buf, arr)
                     ref = self.out_pool.ref_of(buf)
+                    lent.append(ref)
+                    np.copyto(buf, arr)
                     self.out_pool.mark_in_flight(ref, holder_pid=req.pid)
                     refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape),
                                             loc=P.shm_loc(ref)))
@@ -169,10 +208,15 @@ class HostPlane:
                 frames.append(arr.tobytes())
                 continue
             if not arr.flags.c_contiguous:
-                arr = np.ascontiguousarray(arr)
+                arr = np.ascontiguousarray(arr)  # a copy: ours
+            elif not _within(arr, job.inputs):
+                # The model's own memory (a buffer it keeps and fills again for the next
+                # batch, while libzmq may still be sending this one): a copy, or another
+                # client's data could go out under this reply.  Views of the request's own
+                # inputs (an echo) go as they are.
+                arr = arr.copy()
             # Raw bytes view: the buffer protocol refuses some dtypes (datetime64) as typed views.
             frames.append(arr.reshape(-1).view(np.uint8).data)
-        return refs, frames
 
     def finish_reads(self, job: Job) -> None:
         pass  # host reads are done when the model call returns

@@ -91,6 +91,25 @@ class LaneFault(BaseException):
     `run_ready_batches` does."""
 
 
+class ModelFailed:
+    """In a batch's outputs, in place of one request's: what the model raised on it."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def model_fault(e: BaseException) -> ModelFailed:
+    """What a model raised, as a failure of its request: any exception, SystemExit and
+    GeneratorExit included (a model's `sys.exit()` must not end the worker, nor, retried by
+    the broker, every worker of the service).  A KeyboardInterrupt on the main thread is a
+    Ctrl-C, not the model's: it goes on."""
+    if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+        raise e
+    return ModelFailed(e)
+
+
 class WarmupError(RuntimeError):
     """The model failed its warm-up on its example inputs (the message is the model's error)."""
 
@@ -418,7 +437,7 @@ class Worker:
     def serve(self, ready_cb=None) -> None:
         """Run until `self.stop` is set; then drain what is held and DISCONNECT."""
         self._connect()
-        self._offload = ComputeThread(self.ctx, self.plane.run)
+        self._offload = ComputeThread(self.ctx, self._run_model)
         self._heartbeats = LoopHeartbeats(lambda: self._send(P.worker_heartbeat()),
                                           lambda: self.upstream.last_sent, self.heartbeat_interval,
                                           during=self._read_while_computing)
@@ -1030,7 +1049,7 @@ class Worker:
         if beats is not None:
             beats.computing_begin()  # the upstream socket is the heartbeat thread's meanwhile
         try:
-            outputs = self.plane.run(jobs)
+            outputs = self._run_model(jobs)
             error = None
         except Exception as e:
             outputs, error = None, e
@@ -1047,6 +1066,26 @@ class Worker:
         self._complete(jobs, started, outputs, error, seconds)
         if self._busy:  # a batch finished on the loop thread can't leave the flag set
             self._busy = False
+
+    def _run_model(self, jobs: list) -> list:
+        """The model on a batch (the data plane's run), on the loop's thread or the compute
+        thread.  A batch that raises runs again one request at a time, so that one request
+        (one client's bad input) fails alone and the others get their results; each failed
+        request's place holds a `ModelFailed`.  (A model is a function of its inputs: a batch
+        that raised left nothing behind.)"""
+        try:
+            return self.plane.run(jobs)
+        except BaseException as e:
+            first = model_fault(e)
+        if len(jobs) == 1:
+            return [first]
+        outs = []
+        for job in jobs:
+            try:
+                outs.append(self.plane.run([job])[0])
+            except BaseException as e:
+                outs.append(model_fault(e))
+        return outs
 
     def _finish_offloaded(self) -> None:
         jobs, started, outputs, error, seconds = self._offload.result()
@@ -1109,10 +1148,23 @@ class Worker:
         tracing = self.tracing
         if tracing is not None:
             tracing.batch(started, compute_ms, n)
+        failed = [(job, out.error) for job, out in zip(jobs, outputs) if type(out) is ModelFailed]
+        if failed:
+            # One line a batch, with the failed requests' ids (at the errors-only level, the
+            # one line about them); the others in it were run again alone and served.
+            others = "" if len(failed) == n else f" ({len(failed)} of its requests; the others were served)"
+            log.error("model %s failed on a batch of %d: %r%s", self.model.name, n, failed[0][1], others,
+                      extra={"service": self.service,
+                             "rids": [logs.request_id(job.req) for job, _ in failed if job.req is not None]})
         for job, out in zip(jobs, outputs):
             if job.cancelled:
                 self._reply_error(job, P.ErrorCode.CANCELLED,
                                   "cancelled by the client while its batch ran; its result was dropped")
+                continue
+            if type(out) is ModelFailed:
+                e = out.error
+                self._reply_error(job, P.ErrorCode.INTERNAL,
+                                  f"model {self.model.name!r} raised {type(e).__name__}: {e}")
                 continue
             timing = {
                 "batch_wait_ms": (started - job.received) * 1e3,
@@ -1154,6 +1206,7 @@ class Worker:
             waits["queue_ms"] = job.req.queue_ms
         if job.req.returned:
             waits["returned"] = float(job.req.returned)
+        outs = None
         try:
             outs = iter(self.backend.run_stream(job.inputs, meta=job.req.meta))
             beats = self._heartbeats
@@ -1213,6 +1266,21 @@ class Worker:
             self.served += 1
             if log.isEnabledFor(logging.INFO):
                 log.info("request done", extra={**logs.done_fields(job.req, self.service, timing), "partials": seq})
+        except BaseException as e:
+            # The model raised (or yielded what cannot be sent): this request fails, after
+            # the partials it had; the worker and everyone else's requests go on.
+            failed = model_fault(e)  # (a Ctrl-C goes on)
+            close = getattr(outs, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except BaseException:
+                    pass
+            log.error("model %s failed on streaming request %d after %d partial(s): %r", self.model.name,
+                      job.req.id, seq, failed.error, extra=logs.request_fields(job.req))
+            self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised "
+                              f"{type(failed.error).__name__} after {seq} partial result(s): {failed.error}")
+            self.served += 1
         finally:
             self.running = {}
             self._batch_over()

@@ -1,0 +1,104 @@
+"""Models that misbehave on demand, for tests of what a model can do to the worker and to
+other clients' requests (tests/e2e/test_model_faults.py).  Loaded as `--model
+faulty_model:<factory>`, with this folder on PYTHONPATH.  Each request says what to do in its
+`meta` ("do"); anything else is served: y = x + 1.
+
+- `batched`: a batchable model.  do = "raise" (ValueError), "exit" (SystemExit), "genexit"
+  (GeneratorExit), "many" (300 outputs), "badname" (an output named 0), "deep" (a 41-d
+  output), "half" (a good first output, then an object array).
+- `keeper`: returns a view of one buffer it keeps and fills again on every call (the
+  preallocated `out=` pattern).
+- `streaming`: yields `x + i` for i < 4; do = "raise" raises after 2 partials, "badtype"
+  yields a list as its third partial.
+"""
+import numpy as np
+
+from gpu_worker.models import ModelBase
+
+
+class Batched(ModelBase):
+    name = "batched"
+    framework = "numpy"
+    batchable = True
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def __call__(self, batch, meta):
+        x = batch["x"]
+        n = len(x)
+        for m in meta:
+            do = m.get("do")
+            if do == "raise":
+                raise ValueError("faulty_model: told to raise")
+            if do == "exit":
+                raise SystemExit(3)
+            if do == "genexit":
+                raise GeneratorExit()
+            if do == "many" and n == 1:
+                return {f"o{i}": x.copy() for i in range(300)}
+            if do == "badname" and n == 1:
+                return {0: x.copy()}
+            if do == "deep" and n == 1:
+                return {"y": x.reshape((1,) * 41 + x.shape[1:])}
+            if do == "half" and n == 1:
+                return {"y": x + 1, "z": np.array([[object()]], dtype=object)}
+        return {"y": x + 1}
+
+    def example_inputs(self):
+        return {"x": np.zeros(4, np.float32)}
+
+
+def batched(device="cpu"):
+    return Batched(device)
+
+
+class Keeper(ModelBase):
+    name = "keeper"
+    framework = "numpy"
+    batchable = False
+
+    def __init__(self, device="cpu"):
+        self.device = device
+        self.buf = None
+
+    def __call__(self, batch):
+        x = batch["x"]
+        if self.buf is None or self.buf.shape != x.shape:
+            self.buf = np.empty_like(x)
+        np.copyto(self.buf, x)
+        return {"y": self.buf}
+
+    def example_inputs(self):
+        return {"x": np.zeros((1, 4), np.float32)}
+
+
+def keeper(device="cpu"):
+    return Keeper(device)
+
+
+class Streaming(ModelBase):
+    name = "streaming"
+    framework = "numpy"
+    batchable = False
+    streaming = True
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def __call__(self, batch, meta):
+        do = meta.get("do")
+        for i in range(4):
+            if do == "raise" and i == 2:
+                raise RuntimeError("faulty_model: stream told to raise")
+            if do == "badtype" and i == 2:
+                yield [1, 2, 3]
+                continue
+            yield {"y": batch["x"] + i}
+
+    def example_inputs(self):
+        return {"x": np.zeros(4, np.float32)}
+
+
+def streaming(device="cpu"):
+    return Streaming(device)

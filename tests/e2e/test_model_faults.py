@@ -1,0 +1,141 @@
+"""What a model (user code) can do to the worker and to other clients' requests
+(tests/e2e/faulty_model.py): a request that makes it raise fails alone, whatever it raises
+(SystemExit and GeneratorExit included, on the loop's thread or the compute thread); a
+streaming model that raises fails its own request; a model that reuses its output buffer
+never sends one client another's data; outputs that cannot be sent are a clear error and
+keep no output slot.  Real broker and workers on ipc; every wait bounded."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from client_sdk import AsyncClient, Client
+from client_sdk.errors import InternalError
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _mixed_load(frontend: str, bad: dict, n_good: int = 48, n_bad: int = 16) -> tuple[int, list]:
+    """Good and bad requests at once from two clients (so batches mix them): (good ones
+    answered right, the bad ones' errors)."""
+
+    async def scenario():
+        async with AsyncClient(frontend, timeout=30) as good_c, AsyncClient(frontend, timeout=30) as bad_c:
+            async def good(i):
+                x = np.full(4, float(i), np.float32)
+                with await good_c.infer("batched", {"x": x}) as r:
+                    np.testing.assert_array_equal(r["y"], x + 1)
+                return 1
+
+            async def poisoned(i):
+                try:
+                    with await bad_c.infer("batched", {"x": np.zeros(4, np.float32)}, meta=bad):
+                        return None
+                except InternalError as e:
+                    return e
+
+            res = await asyncio.gather(*[good(i) for i in range(n_good)], *[poisoned(i) for i in range(n_bad)])
+            return sum(res[:n_good]), res[n_good:]
+
+    return asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["loop-thread", "compute-thread"])
+@pytest.mark.parametrize("do", ["raise", "exit", "genexit"])
+def test_a_request_that_makes_the_model_raise_fails_alone(cluster, do, offload):
+    # A batch that raised failed every request in it (one client's bad input, everyone's
+    # error); SystemExit ended the worker (and, retried, every worker of the service), and on
+    # the compute thread it killed the thread: the worker hung for good, heartbeating.
+    cluster.broker()
+    w = cluster.worker("faulty_model:batched", "--service", "batched", "--max-batch", "8", "--max-delay-ms", "5",
+                       *(["--no-warmup"] if offload else []))  # untimed batch sizes go to the compute thread
+    served, errors = _mixed_load(cluster.frontend, {"do": do})
+    assert served == 48
+    assert all(isinstance(e, InternalError) for e in errors), errors
+    assert all(("ValueError" if do == "raise" else {"exit": "SystemExit", "genexit": "GeneratorExit"}[do])
+               in str(e) for e in errors), errors[0]
+    assert w.p.poll() is None  # the worker serves on
+    served, _ = _mixed_load(cluster.frontend, {}, n_bad=0)
+    assert served == 48
+
+
+def test_a_streaming_model_that_raises_fails_its_own_request_and_the_worker_serves_on(cluster):
+    # An exception out of a streaming model ended the worker (and, retried, every worker of
+    # the service): other clients' streams failed with it.
+    cluster.broker()
+    w = cluster.worker("faulty_model:streaming", "--service", "s")
+    x = np.arange(4, dtype=np.float32)
+    with Client(cluster.frontend, timeout=20) as c:
+        for do in ("raise", "badtype"):
+            got = []
+            with pytest.raises(InternalError, match="after 2 partial"):
+                with c.infer_stream("s", {"x": x}, meta={"do": do}) as h:
+                    for r in h:
+                        with r:
+                            if "y" in r:
+                                got.append(np.array(r["y"]))
+            assert len(got) == 2 and all((g == x + i).all() for i, g in enumerate(got))
+        with c.infer_stream("s", {"x": x}) as h:  # and a good one, after
+            parts = [np.array(r["y"]) for r in h if "y" in r]
+        assert len(parts) == 4 and all((p == x + i).all() for i, p in enumerate(parts))
+    assert w.p.poll() is None
+
+
+def test_a_model_that_reuses_its_output_buffer_never_sends_one_client_anothers_data(cluster):
+    # An inline reply was a zero-copy view of the model's own buffer: the next request
+    # refilled it while libzmq still sent the previous reply (90 of 200 wrong here).
+    cluster.broker()
+    cluster.worker("faulty_model:keeper", "--service", "keeper")
+    wrong, errors = [], []
+
+    def run(k):
+        try:
+            with Client(cluster.frontend, timeout=30, transport="inline") as c:
+                for i in range(40):
+                    x = np.full((1, 1 << 15), k * 1000 + i, np.float32)  # 128 KiB: above pyzmq's copy threshold
+                    with c.infer("keeper", {"x": x}) as r:
+                        if not np.array_equal(r["y"], x):
+                            wrong.append((k, i, float(r["y"].min()), float(r["y"].max())))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and not wrong, (errors, wrong[:5])
+
+
+@pytest.mark.parametrize("do,match", [("many", "at most 256"), ("badname", "must be strings"),
+                                      ("deep", "dimensions; the limit is 32"), ("half", "object")])
+def test_outputs_that_cannot_be_sent_are_a_clear_error_and_keep_no_slot(cluster, do, match):
+    # These were written slot by slot and failed half way, keeping the slots already taken
+    # (lent to the live client for good), or were sent as replies the client refused as a
+    # protocol bug.
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    w = cluster.worker("faulty_model:batched", "--service", "batched")
+    x = np.ones((1, 2048), np.float32)  # 8 KiB: above the small-inline size, into the ring
+    with Client(cluster.frontend, timeout=20) as c:
+        for _ in range(5):
+            with pytest.raises(InternalError, match=match):
+                with c.infer("batched", {"x": x}, meta={"do": do}, reply="shm"):
+                    pass
+        with c.infer("batched", {"x": x}, reply="shm") as r:
+            np.testing.assert_array_equal(r["y"], x + 1)
+    # The worker's output ring holds nothing: its STATS say so (every heartbeat interval).
+    from tests.e2e.test_metrics import scrape
+
+    deadline = time.monotonic() + 20
+    while True:
+        used = [v for (name, _), v in scrape(base).items() if name == "zmq_infer_shm_pool_used_bytes"]
+        if used and sum(used) == 0:
+            break
+        assert time.monotonic() < deadline, f"output ring still holds {used} bytes"
+        time.sleep(0.05)
+    assert w.p.poll() is None
