@@ -390,6 +390,7 @@ class _Request:
         "thief",
         "orphan",
         "late",
+        "streamed",
     )
 
     def __init__(self, client, principal, request_id, svc, payload, priority, deadline,
@@ -415,6 +416,7 @@ class _Request:
         self.returned = 0      # times a busy worker gave it back unstarted
         self.thief = None      # the idle worker it was recalled for
         self.orphan = False    # its connection went away while a worker held it (no final sent)
+        self.streamed = False  # a PARTIAL of it was relayed: it is never run again (its caller would see them twice)
         # Its deadline answered it while a worker ran it: the client's record then (None for
         # one that never heartbeats), to which the worker's late replies go while it is the
         # client's record still (LateToClient)
@@ -713,6 +715,7 @@ class Scheduler(LeaseEvents):
             if self._late_to_client(req):
                 return [LateToClient(req.client, req.request_id, req.svc.name, False, payload)]
             return []
+        req.streamed = True
         return [ToClient(req.client, req.request_id, req.svc.name, False, payload,
                          req.enqueued_at, req.dispatched_at)]
 
@@ -1588,7 +1591,16 @@ class Scheduler(LeaseEvents):
             if req.thief is not None:
                 self._unthief(req)
             if req.state == _RUNNING:
-                if req.attempt >= self.config.max_retries:
+                if req.streamed:
+                    # Its caller has partial results already: run again, it would see them
+                    # twice (docs/client.md).  It fails, as a stream cut by a broker restart does.
+                    self._counters["worker_failed"] += 1
+                    self._error(req, ErrorCode.WORKER_FAILED,
+                                f"the worker streaming this request died after some of its partial results "
+                                f"were sent; a stream is not run again (its caller would see them twice); "
+                                f"check the logs of the '{svc.name}' workers", out)
+                    self._retire(req)
+                elif req.attempt >= self.config.max_retries:
                     self._counters["worker_failed"] += 1
                     self._error(req, ErrorCode.WORKER_FAILED,
                                 f"the worker running this request died {req.attempt + 1} "

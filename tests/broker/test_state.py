@@ -482,6 +482,26 @@ def test_max_retries_then_worker_failed():
     assert s.stats()["counters"]["worker_failed"] == 1
 
 
+def test_a_request_that_streamed_is_not_run_again_when_its_worker_dies():
+    # Its caller has partial results: run again elsewhere, it would see them twice (a client
+    # printed partials [0, 1, 0, 1] then an error).  It fails at once; one that had not
+    # streamed is retried as before.
+    s = Scheduler()
+    s.worker_ready(b"w1", "svc", 0.0, credit=2)
+    s.worker_ready(b"w2", "svc", 0.0)
+    d1 = only(req(s, 1), Dispatch)
+    d2 = only(req(s, 2), Dispatch)
+    streamed = d1 if d1.worker == b"w1" else d2
+    plain = d2 if streamed is d1 else d1
+    s.worker_partial(streamed.worker, streamed.token, 0.1, "part")
+    out = s.worker_disconnect(streamed.worker, 0.2)
+    err = only(out, ClientError)
+    assert err.request_id == streamed.request_id and err.code == ErrorCode.WORKER_FAILED
+    assert "not run again" in err.message and of(out, Dispatch) == []
+    out = s.worker_disconnect(plain.worker, 0.3)  # the one that only computed: retried (no worker left: queued)
+    assert of(out, ClientError) == [] and s.stats()["counters"]["retried"] == 1
+
+
 def test_no_retries_means_the_first_death_fails_the_request():
     s = Scheduler(Config(max_retries=0))
     s.worker_ready(b"w1", "svc", 0.0)

@@ -9,8 +9,11 @@ faulty_model:<factory>`, with this folder on PYTHONPATH.  Each request says what
 - `keeper`: returns a view of one buffer it keeps and fills again on every call (the
   preallocated `out=` pattern).
 - `streaming`: yields `x + i` for i < 4; do = "raise" raises after 2 partials, "badtype"
-  yields a list as its third partial.
+  yields a list as its third partial, "die" ends the worker process after 2 partials.
 """
+import os
+import time
+
 import numpy as np
 
 from gpu_worker.models import ModelBase
@@ -94,6 +97,9 @@ class Streaming(ModelBase):
             if do == "badtype" and i == 2:
                 yield [1, 2, 3]
                 continue
+            if do == "die" and i == 2:
+                time.sleep(0.5)  # (its I/O thread sends the partials before)
+                os._exit(1)  # the worker process dies mid-stream
             yield {"y": batch["x"] + i}
 
     def example_inputs(self):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from client_sdk import AsyncClient, Client
-from client_sdk.errors import InternalError
+from client_sdk.errors import InternalError, WorkerFailed
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -139,3 +139,23 @@ def test_outputs_that_cannot_be_sent_are_a_clear_error_and_keep_no_slot(cluster,
         assert time.monotonic() < deadline, f"output ring still holds {used} bytes"
         time.sleep(0.05)
     assert w.p.poll() is None
+
+
+def test_a_stream_whose_worker_dies_is_not_run_again(cluster):
+    # The broker retried it on another worker: the caller saw partials [0, 1, 0, 1], then an
+    # error (docs/client.md: a call that streamed is not replayed).
+    cluster.broker()
+    for _ in range(2):
+        cluster.worker("faulty_model:streaming", "--service", "s")
+    x = np.arange(4, dtype=np.float32)
+    got = []
+    with Client(cluster.frontend, timeout=20) as c:
+        with pytest.raises(WorkerFailed, match="not run again"):
+            with c.infer_stream("s", {"x": x}, meta={"do": "die"}) as h:
+                for r in h:
+                    with r:
+                        if "y" in r:
+                            got.append(float(r["y"][0]))
+        assert got == [0.0, 1.0]
+        with c.infer_stream("s", {"x": x}) as h:  # the other worker serves on
+            assert len([1 for r in h if "y" in r]) == 4
