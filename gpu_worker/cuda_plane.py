@@ -33,7 +33,7 @@ import numpy as np
 from broker import protocol as P
 from gpu_worker.cuda_runtime import GpuMemoryPressure, HostRegistry, MemoryWatch
 from gpu_worker.job import Job
-from gpu_worker.planes import HostPlane, check_owner
+from gpu_worker.planes import HostPlane, check_outputs, check_owner
 from shm.cuda.views import on_stream
 
 #: client segments up to this size are pinned (cudaHostRegister) for DMA uploads...
@@ -183,6 +183,7 @@ class CudaPlane:
     # ------------------------------------------------------------------ outputs
 
     def write_outputs(self, job: Job, out: dict) -> tuple[list[P.TensorRef], list[Any]]:
+        check_outputs(out)  # before any device slot is handed off (as the host plane does)
         if self._wants_device(job):
             refs = self._device_outputs(job, out)
             if refs is not None:

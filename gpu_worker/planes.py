@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import numpy as np
+import zmq
 
 from broker import protocol as P
 from shm.segment import owner_of
@@ -209,7 +210,7 @@ class HostPlane:
                 continue
             if not arr.flags.c_contiguous:
                 arr = np.ascontiguousarray(arr)  # a copy: ours
-            elif not _within(arr, job.inputs):
+            elif nbytes >= zmq.COPY_THRESHOLD and not _within(arr, job.inputs):  # (pyzmq copies smaller frames)
                 # The model's own memory (a buffer it keeps and fills again for the next
                 # batch, while libzmq may still be sending this one): a copy, or another
                 # client's data could go out under this reply.  Views of the request's own

@@ -54,6 +54,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import zmq
 
 from broker import protocol as P
@@ -98,6 +99,17 @@ class ModelFailed:
 
     def __init__(self, error: BaseException):
         self.error = error
+
+
+def _detached(outs: list) -> list:
+    """Per-request outputs copied out of whatever memory the model keeps (see _isolate)."""
+    copied = []
+    for out in outs:
+        if isinstance(out, dict):
+            out = {k: (v.clone() if hasattr(v, "clone") and not isinstance(v, np.ndarray)
+                       else np.array(v, copy=True)) for k, v in out.items()}
+        copied.append(out)
+    return copied
 
 
 def model_fault(e: BaseException) -> ModelFailed:
@@ -1069,22 +1081,35 @@ class Worker:
 
     def _run_model(self, jobs: list) -> list:
         """The model on a batch (the data plane's run), on the loop's thread or the compute
-        thread.  A batch that raises runs again one request at a time, so that one request
-        (one client's bad input) fails alone and the others get their results; each failed
-        request's place holds a `ModelFailed`.  (A model is a function of its inputs: a batch
-        that raised left nothing behind.)"""
+        thread.  A batch that raises is run again in halves, down to single requests, so that
+        one request (one client's bad input) fails alone and the others get their results;
+        each failed request's place holds a `ModelFailed`.  (A model is a function of its
+        inputs: a batch that raised left nothing behind.)"""
         try:
             return self.plane.run(jobs)
         except BaseException as e:
             first = model_fault(e)
+        return self._isolate(jobs, first)
+
+    def _isolate(self, jobs: list, failed: ModelFailed) -> list:
+        """``jobs``, whose batch raised ``failed``: each half run again (cancelled and stale
+        requests are not), recursively.  What a run returns is copied before the next run: a
+        model may fill the same output buffer on every call, and these replies are written
+        only after the last run."""
         if len(jobs) == 1:
-            return [first]
-        outs = []
-        for job in jobs:
+            return [failed]
+        mid = len(jobs) // 2
+        outs: list = []
+        for half in (jobs[:mid], jobs[mid:]):
+            live = [j for j in half if not (j.cancelled or j.stale)]
+            if not live:
+                outs.extend(failed for _ in half)  # answered CANCELLED (or not at all) anyway
+                continue
             try:
-                outs.append(self.plane.run([job])[0])
+                got = iter(_detached(self.plane.run(live)))
             except BaseException as e:
-                outs.append(model_fault(e))
+                got = iter(self._isolate(live, model_fault(e)))
+            outs.extend(next(got) if not (j.cancelled or j.stale) else failed for j in half)
         return outs
 
     def _finish_offloaded(self) -> None:
@@ -1132,7 +1157,9 @@ class Worker:
         finally:
             # The records the replies do not need, once they are on their way (the next
             # batch's predictions and keep-warm's idle clock read them, nothing before).
-            self.compute_times.observe(n, seconds)
+            if error is None and not any(type(o) is ModelFailed for o in outputs):
+                # (a batch run again in parts says nothing of what a batch of n costs)
+                self.compute_times.observe(n, seconds)
             self.keep_warm.busy(seconds, time.monotonic())
             if self.counts and error is None:
                 self._hist["batch"].observe(n)
@@ -1148,7 +1175,8 @@ class Worker:
         tracing = self.tracing
         if tracing is not None:
             tracing.batch(started, compute_ms, n)
-        failed = [(job, out.error) for job, out in zip(jobs, outputs) if type(out) is ModelFailed]
+        failed = [(job, out.error) for job, out in zip(jobs, outputs)
+                  if type(out) is ModelFailed and not job.cancelled]
         if failed:
             # One line a batch, with the failed requests' ids (at the errors-only level, the
             # one line about them); the others in it were run again alone and served.
@@ -1208,18 +1236,26 @@ class Worker:
             waits["returned"] = float(job.req.returned)
         outs = None
         try:
-            outs = iter(self.backend.run_stream(job.inputs, meta=job.req.meta))
+            try:
+                outs = iter(self.backend.run_stream(job.inputs, meta=job.req.meta))
+            except BaseException as e:
+                return self._stream_failed(job, outs, model_fault(e), seq)
             beats = self._heartbeats
             while True:
                 # The model computes inside next(): heartbeats are the thread's meanwhile, the
                 # PARTIALs between are the loop's (the socket changes hands at each boundary).
                 if beats is not None:
                     beats.computing_begin()
+                fault = None
                 try:
                     out = next(outs, _END)
+                except BaseException as e:
+                    fault = model_fault(e)
                 finally:
                     if beats is not None:
                         beats.computing_end()
+                if fault is not None:  # (the socket is the loop's again)
+                    return self._stream_failed(job, outs, fault, seq)
                 # Between partials: what arrived meanwhile, then what is in the socket, so
                 # that a CANCEL stops the model here, at its next partial.
                 self._after_compute()
@@ -1258,32 +1294,35 @@ class Worker:
                     return
                 if out is _END:
                     break
-                self._reply_tensors(job, out, {**waits, "compute_ms": (time.perf_counter() - t0) * 1e3},
-                                    final=False, seq=seq)
+                try:
+                    self._reply_tensors(job, out, {**waits, "compute_ms": (time.perf_counter() - t0) * 1e3},
+                                        final=False, seq=seq)
+                except Exception as e:  # what it yielded cannot be sent (not a dict, too many outputs...)
+                    return self._stream_failed(job, outs, ModelFailed(e), seq)
                 seq += 1
             timing = {**waits, "compute_ms": (time.perf_counter() - t0) * 1e3}
             self._reply(job, True, [P.encode_header(P.Reply(id=job.req.id, seq=seq, timing=timing))])
             self.served += 1
             if log.isEnabledFor(logging.INFO):
                 log.info("request done", extra={**logs.done_fields(job.req, self.service, timing), "partials": seq})
-        except BaseException as e:
-            # The model raised (or yielded what cannot be sent): this request fails, after
-            # the partials it had; the worker and everyone else's requests go on.
-            failed = model_fault(e)  # (a Ctrl-C goes on)
-            close = getattr(outs, "close", None)
-            if close is not None:
-                try:
-                    close()
-                except BaseException:
-                    pass
-            log.error("model %s failed on streaming request %d after %d partial(s): %r", self.model.name,
-                      job.req.id, seq, failed.error, extra=logs.request_fields(job.req))
-            self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised "
-                              f"{type(failed.error).__name__} after {seq} partial result(s): {failed.error}")
-            self.served += 1
         finally:
             self.running = {}
             self._batch_over()
+
+    def _stream_failed(self, job: Job, outs, failed: ModelFailed, seq: int) -> None:
+        """The streaming model raised, or yielded what cannot be sent: its request fails
+        after the partials it had; the worker and everyone else's requests go on."""
+        close = getattr(outs, "close", None)
+        if close is not None:
+            try:
+                close()
+            except BaseException:
+                pass
+        log.error("model %s failed on streaming request %d after %d partial(s): %r", self.model.name,
+                  job.req.id, seq, failed.error, extra=logs.request_fields(job.req))
+        self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised "
+                          f"{type(failed.error).__name__} after {seq} partial result(s): {failed.error}")
+        self.served += 1
 
     # ------------------------------------------------------------------ replying
 

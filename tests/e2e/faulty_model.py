@@ -5,7 +5,8 @@ faulty_model:<factory>`, with this folder on PYTHONPATH.  Each request says what
 
 - `batched`: a batchable model.  do = "raise" (ValueError), "exit" (SystemExit), "genexit"
   (GeneratorExit), "many" (300 outputs), "badname" (an output named 0), "deep" (a 41-d
-  output), "half" (a good first output, then an object array).
+  output), "half" (a good first output, then an object array); slow = 1 makes the batch
+  take 0.15 s.  `batched_keeper`: the same, returning a view of one buffer it keeps.
 - `keeper`: returns a view of one buffer it keeps and fills again on every call (the
   preallocated `out=` pattern).
 - `streaming`: yields `x + i` for i < 4; do = "raise" raises after 2 partials, "badtype"
@@ -24,12 +25,16 @@ class Batched(ModelBase):
     framework = "numpy"
     batchable = True
 
-    def __init__(self, device="cpu"):
+    def __init__(self, device="cpu", keep=False):
         self.device = device
+        self.keep = keep
+        self.buf = None
 
     def __call__(self, batch, meta):
         x = batch["x"]
         n = len(x)
+        if any(m.get("slow") for m in meta):
+            time.sleep(0.15)  # predicted slow: every batch goes to the compute thread
         for m in meta:
             do = m.get("do")
             if do == "raise":
@@ -46,6 +51,11 @@ class Batched(ModelBase):
                 return {"y": x.reshape((1,) * 41 + x.shape[1:])}
             if do == "half" and n == 1:
                 return {"y": x + 1, "z": np.array([[object()]], dtype=object)}
+        if self.keep:  # one buffer, filled again on every call (the preallocated `out=` pattern)
+            if self.buf is None or self.buf.shape != x.shape:
+                self.buf = np.empty_like(x)
+            np.add(x, 1, out=self.buf)
+            return {"y": self.buf}
         return {"y": x + 1}
 
     def example_inputs(self):
@@ -54,6 +64,10 @@ class Batched(ModelBase):
 
 def batched(device="cpu"):
     return Batched(device)
+
+
+def batched_keeper(device="cpu"):
+    return Batched(device, keep=True)
 
 
 class Keeper(ModelBase):
