@@ -801,12 +801,8 @@ class Scheduler(LeaseEvents):
                     self._start(req, thief, now, out)
                     continue
             elif req.attempt >= self.config.max_retries:
-                self._counters["worker_failed"] += 1
-                self._error(req, ErrorCode.WORKER_FAILED,
-                            f"a worker gave this request back unasked {req.attempt + 1} "
-                            f"time(s) (max_retries={self.config.max_retries}); check the "
-                            f"logs of the '{req.svc.name}' workers", out)
-                self._retire(req)
+                self._worker_failed(req, f"a worker gave this request back unasked {req.attempt + 1} time(s) "
+                                         f"(max_retries={self.config.max_retries})", out)
                 continue
             else:
                 self._counters["retried"] += 1
@@ -1440,6 +1436,12 @@ class Scheduler(LeaseEvents):
                     best = req
         return best
 
+    def _worker_failed(self, req: _Request, why: str, out: list[Action]) -> None:
+        """``req`` ends with WORKER_FAILED: ``why``, and where to look."""
+        self._counters["worker_failed"] += 1
+        self._error(req, ErrorCode.WORKER_FAILED, f"{why}; check the logs of the '{req.svc.name}' workers", out)
+        self._retire(req)
+
     def _error(self, req, code, message, out):
         out.append(ClientError(req.client, req.request_id, req.svc.name, code, message,
                                req.payload, req.enqueued_at))
@@ -1594,19 +1596,12 @@ class Scheduler(LeaseEvents):
                 if req.streamed:
                     # Its caller has partial results already: run again, it would see them
                     # twice (docs/client.md).  It fails, as a stream cut by a broker restart does.
-                    self._counters["worker_failed"] += 1
-                    self._error(req, ErrorCode.WORKER_FAILED,
-                                f"the worker streaming this request died after some of its partial results "
-                                f"were sent; a stream is not run again (its caller would see them twice); "
-                                f"check the logs of the '{svc.name}' workers", out)
-                    self._retire(req)
+                    self._worker_failed(req, "the worker streaming this request died after some of its partial "
+                                             "results were sent; a stream is not run again (its caller would see "
+                                             "them twice)", out)
                 elif req.attempt >= self.config.max_retries:
-                    self._counters["worker_failed"] += 1
-                    self._error(req, ErrorCode.WORKER_FAILED,
-                                f"the worker running this request died {req.attempt + 1} "
-                                f"time(s) (max_retries={self.config.max_retries}); check "
-                                f"the logs of the '{svc.name}' workers", out)
-                    self._retire(req)
+                    self._worker_failed(req, f"the worker running this request died {req.attempt + 1} time(s) "
+                                             f"(max_retries={self.config.max_retries})", out)
                 else:
                     retry.append(req)
             elif req.state == _CANCELLING:

@@ -38,6 +38,18 @@ def broker(tmp_path):
         ctx.term()
 
 
+def _worker(b, cfg, ctx, socks, ready=None):
+    """A DEALER on the backend that said READY for "svc" (with ``ready``), read by the broker."""
+    w = ctx.socket(zmq.DEALER)
+    socks.append(w)
+    w.linger = 0
+    w.connect(cfg.backend)
+    w.send_multipart(P.worker_ready("svc", ready))
+    assert b.backend.poll(5000)
+    _drain_all(b, b.backend, b.on_worker)
+    return w
+
+
 def _client(b, cfg, ctx, socks):
     c = ctx.socket(zmq.DEALER)
     socks.append(c)
@@ -166,13 +178,7 @@ def test_what_the_broker_keeps_per_worker_is_for_registered_workers_only(broker)
     # A launcher restarts and rolls workers for months: what each READY said, and the
     # metrics' gauges, are kept for the registered workers only (pruned once a second).
     b, cfg, ctx, socks = broker
-    w = ctx.socket(zmq.DEALER)
-    socks.append(w)
-    w.linger = 0
-    w.connect(cfg.backend)
-    w.send_multipart(P.worker_ready("svc"))
-    assert b.backend.poll(5000)
-    _drain_all(b, b.backend, b.on_worker)
+    w = _worker(b, cfg, ctx, socks)
     [live] = b.sched._workers
     for i in range(100):  # workers that registered once and are gone
         b._worker_info[b"gone-%d" % i] = ("svc", 1000 + i, None, None, None, False)
@@ -185,13 +191,7 @@ def test_the_pids_of_registered_workers_are_the_kernels_word_on_ipc(broker, monk
     # pid SO_PEERCRED gives for the worker's ipc connection, not its READY's claim; a worker
     # no longer registered leaves the list at the next prune.
     b, cfg, ctx, socks = broker
-    w = ctx.socket(zmq.DEALER)
-    socks.append(w)
-    w.linger = 0
-    w.connect(cfg.backend)
-    w.send_multipart(P.worker_ready("svc", P.Ready(pid=1, host="elsewhere")))  # a claim that lies
-    assert b.backend.poll(5000)
-    _drain_all(b, b.backend, b.on_worker)
+    w = _worker(b, cfg, ctx, socks, P.Ready(pid=1, host="elsewhere"))  # a claim that lies
     _, _, at0 = b.worker_pids
     b._prune_workers()
     pids, leaving, at = b.worker_pids
@@ -239,13 +239,7 @@ def test_after_a_stall_what_workers_sent_is_read_before_the_timers_judge_them(br
             return clock[0]
 
     monkeypatch.setattr(server, "time", Clock())
-    w = ctx.socket(zmq.DEALER)
-    socks.append(w)
-    w.linger = 0
-    w.connect(cfg.backend)
-    w.send_multipart(P.worker_ready("svc"))
-    assert b.backend.poll(5000)
-    _drain_all(b, b.backend, b.on_worker)
+    w = _worker(b, cfg, ctx, socks)
     [ident] = b.sched._workers
     clock[0] += 10.0  # the stall: ten seconds against a 0.6 s window
     w.send_multipart(P.worker_heartbeat())
