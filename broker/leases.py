@@ -55,6 +55,14 @@ MAX_STOPPED_NOTES = 1024
 WORKER_REASONS = frozenset({WORKER_STOPPING, SCALE_DOWN, DRAIN})
 
 
+def _brokered_share(credit: int) -> int:
+    """Of a worker's credit, what leases never hold: half of it (at least one slot), so
+    brokered requests still form batches on a worker that holds leases (its default credit
+    is twice its largest batch), however little the leaseholders send.  A lease held idle
+    took all but one slot, and every brokered batch on that worker was a batch of one."""
+    return max(1, (credit + 1) // 2)
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseToWorker:
     """Send the worker a LEASE (LeaseGrant); it answers with `Scheduler.worker_leased`."""
@@ -183,7 +191,7 @@ class LeaseEvents:
         def usable(w) -> bool:
             return bool(w.direct) and w.direct.startswith(scheme) and (not remote or (w.direct_key is not None) == curve)
 
-        cands = [w for w in workers if usable(w) and w.credit - w.leased > 1]
+        cands = [w for w in workers if usable(w) and w.credit - w.leased > _brokered_share(w.credit)]
         near = False
         if not remote and host is not None and "shm" in transports:
             close = [w for w in cands if w.host == host and "shm" in w.transports]
@@ -203,7 +211,7 @@ class LeaseEvents:
                 why = "every worker's credit is leased already"
             return refuse(f"service '{service}': {why}; requests go through the broker")
         w = min(cands, key=lambda w: (w.busy, (len(w.in_flight) + w.leased) / w.credit, w.used))
-        grant = min(slots, w.credit - w.leased - 1, room)
+        grant = min(slots, w.credit - w.leased - _brokered_share(w.credit), room)
         self._lease_seq += 1
         lease = _Lease(self._lease_seq, client, principal, w.svc, w, grant, ask_id, secret, near)
         self._leases[lease.id] = lease

@@ -63,20 +63,30 @@ def test_a_lease_goes_to_the_worker_first_and_to_the_client_once_it_confirms():
 
 def test_leased_credit_is_not_handed_out_to_brokered_requests():
     s = Scheduler()
-    s.worker_ready(b"w", "svc", 0.0, credit=4, direct=EP)
+    s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
     granted(s, slots=3)
-    dispatched = [a for i in range(1, 4) for a in of(req(s, i), Dispatch)]
-    assert len(dispatched) == 1  # 4 credit - 3 leased
+    dispatched = [a for i in range(1, 8) for a in of(req(s, i), Dispatch)]
+    assert len(dispatched) == 5  # 8 credit - 3 leased
     assert s.stats()["services"]["svc"]["queued"]["normal"] == 2
 
 
-def test_a_worker_keeps_one_slot_for_the_broker_and_a_lease_gets_what_is_left():
+def test_a_worker_keeps_half_its_credit_for_the_broker_and_a_lease_gets_what_is_left():
+    # A lease held idle took all but one slot: every brokered batch on that worker was a
+    # batch of one (its default credit is twice its largest batch).  Half stays brokered.
     s = Scheduler()
-    s.worker_ready(b"w", "svc", 0.0, credit=4, direct=EP)
+    s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
     to_w, _ = granted(s, slots=10)
-    assert to_w.slots == 3
+    assert to_w.slots == 4
     refused = only(lease(s, ask_id=8), LeaseRefused)
     assert refused.code == ErrorCode.SERVICE_UNAVAILABLE and "leased already" in refused.message
+    dispatched = [a for i in range(1, 6) for a in of(req(s, i), Dispatch)]
+    assert len(dispatched) == 4  # a whole batch's worth for the broker
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=3, direct=EP)
+    assert granted(s, slots=10)[0].slots == 1  # odd credit: the broker's half rounds up
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=2, direct=EP)
+    assert granted(s, slots=10)[0].slots == 1  # a credit of 2 still leases one
 
 
 def test_placement_prefers_the_clients_host_then_the_least_loaded():
@@ -225,9 +235,10 @@ def test_the_client_ending_or_leaving_tells_the_worker():
 
 def test_slots_freed_by_an_ending_lease_go_to_queued_requests_at_once():
     s = Scheduler()
-    s.worker_ready(b"w", "svc", 0.0, credit=3, direct=EP)
+    s.worker_ready(b"w", "svc", 0.0, credit=4, direct=EP)
     to_w, _ = granted(s, slots=2)
     assert len(of(req(s, 1), Dispatch)) == 1
+    assert len(of(req(s, 3), Dispatch)) == 1
     assert of(req(s, 2), Dispatch) == []  # waits: the rest is leased
     out = s.client_lease_end(C, to_w.lease, 0.5)
     assert only(out, Dispatch).request_id == 2

@@ -256,7 +256,7 @@ def test_the_direct_socket_is_read_while_a_batch_computes_on_the_loop_thread(clu
     result."""
     log = tmp_path / "runs.log"
     cluster.broker()
-    w = cluster.worker("gate_model:held", "--direct", "--credit", "4", "--log-level", "debug",
+    w = cluster.worker("gate_model:held", "--direct", "--credit", "6", "--log-level", "debug",
                        env={"SLEEPY_LOG": str(log), **gate.env})
     gate.open()
     info = client.lease("held", 1, slots=3)
