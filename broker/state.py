@@ -992,7 +992,8 @@ class Scheduler(LeaseEvents):
                 out.append(ClientError(
                     client, request_id, service, ErrorCode.QUEUE_FULL,
                     f"the queue for '{service}' is full ({self.config.max_queue} waiting) and "
-                    f"this client process/principal holds the largest share of it ({n - 1} "
+                    f"this client process/principal holds the largest share of it, or as much as "
+                    f"any other ({n - 1} "
                     f"waiting, over all its connections); retry with backoff, lower the "
                     f"request rate or start more workers", payload))
             else:

@@ -652,6 +652,11 @@ class ClientCore(PinEvents):
                 T.release_reply(rep, self.leases)
             elif not final:
                 log.warning("ignoring an error in a PARTIAL for request %d", rep.id)
+            elif (rep.error.code == ErrorCode.CANCELLED and call.deadline is not None
+                  and now >= call.deadline):
+                # Not ours (a call we cancel is abandoned): the broker's deadline cancelled it
+                # at its worker, whose answer can beat the broker's own DEADLINE_EXCEEDED.
+                self._deliver(call, ("error", call.deadline_error()), True, now)
             else:
                 self._deliver(call, ("error", error_from(rep.error.code, rep.error.message, request_id=rep.id)),
                               True, now)

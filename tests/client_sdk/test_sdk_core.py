@@ -61,6 +61,20 @@ def test_error_reply_is_typed_and_finishes_the_call(core):
     assert call.done and not core.calls
 
 
+def test_a_cancel_we_did_not_ask_for_past_the_deadline_is_the_deadline(core):
+    # The broker's deadline cancels the request at its worker, whose 499 can arrive before
+    # the broker's own 504: an SLO caller was told "cancelled ... retry" (an AsyncStream's
+    # frames, 4 runs in 9).  Before the deadline a CANCELLED is what it says.
+    late = _sent(core, timeout=1.0, now=50.0)
+    core.on_message(P.client_reply(True, b"echo", P.error_body(late.id, ErrorCode.CANCELLED, "cancelled")), 51.002)
+    kind, err = late.inbox.popleft()
+    assert kind == "error" and isinstance(err, DeadlineExceeded) and err.request_id == late.id
+    early = _sent(core, timeout=1.0, now=50.0)
+    core.on_message(P.client_reply(True, b"echo", P.error_body(early.id, ErrorCode.CANCELLED, "cancelled")), 50.5)
+    kind, err = early.inbox.popleft()
+    assert kind == "error" and type(err) is errors.Cancelled
+
+
 def test_request_header_carries_the_remaining_deadline(core):
     call = _sent(core, timeout=2.0, now=50.0)
     assert call.deadline == 52.0 and call.remaining(51.5) == 0.5
