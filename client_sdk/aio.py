@@ -751,6 +751,9 @@ class AsyncClient(ClientBase):
         core = self._core
         if core.closed:
             return
+        if core.forked():  # a forked child's copy: the sockets and the loop's readers are the parent's
+            core.close()
+            return
         err = InferenceError("the client was closed while this request was waiting", code=None)
         for call in core.active():
             core.fail(call, err)

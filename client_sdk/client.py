@@ -707,8 +707,12 @@ class Client(ClientBase):
     @_one_thread
     def close(self) -> None:
         """Tell the broker we are leaving, close the socket, unlink the input pool.  Results
-        still alive stay readable; their output slots go back as they are dropped."""
+        still alive stay readable; their output slots go back as they are dropped.  In a
+        forked child, only this copy is let go of (the sockets are the parent's)."""
         if self._core.closed:
+            return
+        if self._core.forked():
+            self._core.close()
             return
         if self._core.pin_slots or self._core.pin_services:
             self._core.pin_goodbye()  # LEASE_END for each lease, its connection closed

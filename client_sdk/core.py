@@ -128,6 +128,8 @@ class ClientCore(PinEvents):
         self.leases = T.OutputLeases()
         self._user_bufs: dict[tuple[str, int, int], weakref.finalize] = {}
         self._owner_thread = threading.get_ident()
+        self._gen = T.fork_generation()  # a forked child's copy is refused, and gives nothing back
+        self._creator = os.getpid()
         self._deferred: deque[Any] = deque()
         # A random start: two clients of one process (or one made again) name different
         # requests in the logs' rid=<pid>:<id> (ids are per connection, any start works).
@@ -220,6 +222,8 @@ class ClientCore(PinEvents):
         return side.alloc(shape, dtype)
 
     def _buffer_dropped(self, key: tuple[str, int, int] | None, ref: Any) -> None:
+        if self._gen != T.fork_generation():
+            return  # a forked child's copy of a buffer or an adopted result: the parent's slot
         if key is not None:
             self._user_bufs.pop(key, None)
         if threading.get_ident() == self._owner_thread:
@@ -252,6 +256,15 @@ class ClientCore(PinEvents):
     def check_open(self) -> None:
         if self.closed:
             raise InferenceError("this client is closed; create a new one", code=None)
+        if self._gen != T.fork_generation():
+            # Its sockets are libzmq's in the parent (a child that used them spun forever),
+            # its slots and buffers the parent's.
+            raise InvalidInput(f"this client was made in process {self._creator}, which forked this one; "
+                               "make a new client in this process")
+
+    def forked(self) -> bool:
+        """Whether this is a forked child's copy of the client (unusable: `check_open`)."""
+        return self._gen != T.fork_generation()
 
     def timeout_of(self, timeout: float | None) -> float | None:
         """Seconds a request may take: `timeout`, else the client's default; None for no limit."""
@@ -271,7 +284,7 @@ class ClientCore(PinEvents):
         # and the Call's own defaults (normal priority, no meta, no traceparent) stand.
         plain = (meta is None and traceparent is None and reply == "auto" and type(priority) is str
                  and priority == "normal" and type(service) is str and service in self._service_b
-                 and not self.closed)
+                 and not self.closed and self._gen == T.fork_generation())
         if not plain:
             self.check_open()
             check_service(service)

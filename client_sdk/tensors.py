@@ -20,6 +20,7 @@ anyway).
 """
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Mapping
@@ -57,6 +58,28 @@ class _Lease:
         self._src = src
         self._owner = owner
         self.__array_interface__ = src.__array_interface__
+
+
+# Forks of this process since it started, in this process (0 in the first; each child
+# counts one more than its parent).  A client's slots and buffers are its creator's: what a
+# forked child drops or releases (its copies of the parent's Results, its copy of the
+# client) must not give them back, or the parent would go on reading a slot the worker has
+# handed to another request.
+_forks = 0
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
+def fork_generation() -> int:
+    """This process's `_forks`: an object made here with one value is a forked child's copy
+    wherever it reads another."""
+    return _forks
 
 
 def lease_array(src: np.ndarray, on_last_drop: Callable[..., Any], *args: Any,
@@ -347,6 +370,7 @@ class OutputLeases:
         self._dead: set[str] = set()  # rings the last sweep found dead (dropped at the next)
         self._live = 0
         self._closing = False
+        self._gen = _forks  # a forked child's copy gives nothing back (see `_forks`)
 
     @property
     def cache(self) -> Any:
@@ -361,6 +385,10 @@ class OutputLeases:
     def live(self) -> int:
         return self._live
 
+    def forked(self) -> bool:
+        """Whether this is a forked child's copy (it gives nothing back)."""
+        return self._gen != _forks
+
     def view(self, loc: P.ShmLoc, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, weakref.finalize]:
         ref = P.shm_ref(loc)
         with self._lock:
@@ -373,6 +401,8 @@ class OutputLeases:
             raise
 
     def _release(self, ref: Any) -> None:
+        if self._gen != _forks:
+            return  # a forked child's copy of a Result: the slot is its parent's to give back
         with self._lock:
             cache = self._cache
             try:
@@ -407,6 +437,8 @@ class OutputLeases:
 
     def release_unviewed(self, loc: P.ShmLoc) -> None:
         """Give back an output slot nobody will read (a discarded late reply)."""
+        if self._gen != _forks:
+            return
         with self._lock:
             if self._closing or loc.segment == self.own_segment:
                 # Never store RELEASED into our own pool: its owner-side reclaim would free
@@ -525,9 +557,10 @@ def unpack(reply: P.Reply, frames: list[Any], leases: OutputLeases, *, final: bo
                 except AttributeError:
                     buf = memoryview(fr)
                 # np.ndarray over the buffer: frombuffer().reshape() in one step (the sizes
-                # were checked against dtype and shape).
-                arr = np.ndarray(shape, dt, buf) if buf.nbytes else np.empty(shape, dt)
-                # Read-only like shared-memory outputs, so code never depends on the transport.
+                # were checked against dtype and shape).  Read-only like shared-memory
+                # outputs, so code never depends on the transport: over a read-only view,
+                # so that `flags.writeable = True` is refused too (as for a mapped slot).
+                arr = np.ndarray(shape, dt, buf.toreadonly()) if buf.nbytes else np.empty(shape, dt)
                 arr.flags.writeable = False
             elif type(loc) is P.ShmLoc:
                 if own is not None:
@@ -682,6 +715,8 @@ def release_reply(reply: P.Reply, leases: OutputLeases) -> None:
 
 
 def _release_cuda(leases: OutputLeases, loc: P.CudaLoc) -> None:
+    if leases.forked():
+        return
     cache = leases.cuda_cache
     if cache is not None:
         try:

@@ -383,6 +383,20 @@ def _reply(call, *, error: tuple | None = None, rid: int | None = None, delimite
     return [b"", *frames] if delimiter else frames
 
 
+def test_an_inline_output_cannot_be_made_writeable(core):
+    # "Output arrays are always read-only": a shared-memory slot's cannot be flipped back;
+    # an inline one could (`flags.writeable = True` and write), so code came to depend on
+    # the transport.
+    for delimiter in (False, True):  # the lean path and the general one
+        call = core.new_call("echo", {"x": np.arange(4, dtype=np.int16)})
+        core.request_frames(call, 10.0)
+        core.on_message(_reply(call, delimiter=delimiter), 10.5, direct=True)
+        _, res = call.inbox.popleft()
+        with pytest.raises(ValueError):
+            res["x"].flags.writeable = True
+        res.release()
+
+
 def test_the_usual_final_is_routed_as_the_general_path_routes_it(core):
     outcomes = []
     for delimiter in (False, True):  # an empty first frame takes the general path
@@ -428,25 +442,35 @@ def test_finals_the_lean_step_leaves_to_the_general_path(core):
     assert q.answer == [b"200"]
 
 
-def test_a_forked_child_names_its_own_pid(tmp_path):
-    # Inline only: the child touches no shared memory (it leaves with os._exit).
+def test_a_forked_child_refuses_its_parents_client_and_its_own_names_its_pid(tmp_path):
+    # Inline only: the child touches no shared memory (it leaves with os._exit).  The
+    # parent's client in a child: its sockets are the parent's libzmq's (a child that used
+    # them spun forever) and its slots the parent's, so it is refused; a client the child
+    # makes names the child's pid.
     core = ClientCore(f"ipc://{tmp_path}/none.sock", transport="inline", heartbeat_interval=None)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         try:
-            call = core.new_call("echo", {"x": np.arange(2)})
-            head = P.decode_request(core.request_frames(call, 1.0)[3], 1)
-            os.write(w, str(head.pid).encode())
+            try:
+                core.new_call("echo", {"x": np.arange(2)})
+                said = "accepted"
+            except InvalidInput as e:
+                said = "refused" if "forked" in str(e) and core.forked() else repr(e)
+            own = ClientCore(f"ipc://{tmp_path}/none.sock", transport="inline", heartbeat_interval=None)
+            call = own.new_call("echo", {"x": np.arange(2)})
+            head = P.decode_request(own.request_frames(call, 1.0)[3], 1)
+            os.write(w, f"{said} {head.pid}".encode())
         finally:
             os._exit(0)
     os.close(w)
     try:
-        got = os.read(r, 64)
+        got = os.read(r, 256).decode()
     finally:
         os.close(r)
         os.waitpid(pid, 0)
-    assert int(got) == pid
+    assert got == f"refused {pid}"
+    assert not core.forked()
     call = core.new_call("echo", {"x": np.arange(2)})
     assert P.decode_request(core.request_frames(call, 1.0)[3], 1).pid == os.getpid()
     core.close()

@@ -4,6 +4,7 @@ between them, fail most calls and leave calls and pool slots held for good.  Rea
 worker on ipc; every wait bounded."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -76,3 +77,52 @@ def test_threads_sharing_a_client_get_a_typed_error_and_lose_nothing(cluster):
         for i in range(50):  # and it serves on, from one thread
             with c.infer("echo", {"x": np.arange(i + 1)}) as r:
                 np.testing.assert_array_equal(r["x"], np.arange(i + 1))
+
+
+def _wait_child(pid: int, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"child {pid} still running after {timeout} s")
+        time.sleep(0.01)
+
+
+def test_a_forked_child_neither_uses_nor_gives_back_its_parents_client(cluster):
+    # A child that called the parent's client spun at 100 % CPU for good (libzmq's sockets
+    # are the parent's); one that released or dropped a Result it inherited gave the
+    # parent's output slot back to the worker, and the parent's arrays then showed other
+    # requests' data.
+    cluster.broker()
+    cluster.worker("faulty_model:batched", "--service", "batched", "--out-capacity-mb", "1")  # 64 such slots
+    x = np.full((1, 4096), 5.0, np.float32)  # 16 KiB: into the worker's output ring
+    with Client(cluster.frontend, timeout=20) as c:
+        held = c.infer("batched", {"x": x}, reply="shm")
+        y = held["y"]
+        assert held.zero_copy == {"y": True}
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                try:
+                    c.infer("batched", {"x": x})
+                except InvalidInput as e:
+                    code = 0 if "forked" in str(e) else 2
+                held.release()
+                del y
+                import gc
+
+                gc.collect()
+                c.close()  # lets go of its copy only
+            finally:
+                os._exit(code)
+        assert _wait_child(pid) == 0
+        for i in range(200):  # the ring goes round three times: a slot given back would be reused
+            with c.infer("batched", {"x": np.full((1, 4096), float(i), np.float32)}, reply="shm") as r:
+                np.testing.assert_array_equal(r["y"], i + 1.0)
+        np.testing.assert_array_equal(y, 6.0)  # still the parent's own result
+        held.release()
