@@ -7,7 +7,7 @@ and keeps the same rules: no I/O, no clock, every event returns actions).
 
 A lease reserves ``slots`` of one worker's credit: brokered dispatch treats that worker as
 having ``credit - leased`` (state.py's ``_reload``), so a slot is never handed out twice, and
-every worker keeps at least one slot for brokered requests.  A lease is PENDING from the
+every worker keeps half its credit (rounded up) for brokered requests.  A lease is PENDING from the
 client's ask until the worker confirms it (only then is the client told where to connect:
 the worker always knows a lease before the client can use it), then ACTIVE until it ends:
 

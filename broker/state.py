@@ -993,8 +993,8 @@ class Scheduler(LeaseEvents):
                     client, request_id, service, ErrorCode.QUEUE_FULL,
                     f"the queue for '{service}' is full ({self.config.max_queue} waiting) and "
                     f"this client process/principal holds the largest share of it, or as much as "
-                    f"any other ({n - 1} "
-                    f"waiting, over all its connections); retry with backoff, lower the "
+                    f"any other ({n - 1} waiting before this one, "
+                    f"over all its connections); retry with backoff, lower the "
                     f"request rate or start more workers", payload))
             else:
                 victim = self._newest(svc, heavy)

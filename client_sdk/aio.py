@@ -520,6 +520,8 @@ class AsyncClient(ClientBase):
         stop = None if limit is None else time.monotonic() + limit
         looked = False
         core = self._core
+        if core.forked():
+            core.check_open()  # a forked child's copy: InvalidInput
         try:
             while not call.inbox:
                 if core.closed:  # close() failed it, and then let go of every call (its inbox too)
@@ -752,7 +754,7 @@ class AsyncClient(ClientBase):
         if core.closed:
             return
         if core.forked():  # a forked child's copy: the sockets and the loop's readers are the parent's
-            core.close()
+            core.let_go()
             return
         err = InferenceError("the client was closed while this request was waiting", code=None)
         for call in core.active():

@@ -369,6 +369,8 @@ class Client(ClientBase):
     def _pump(self, timeout: float | None, now: float, until: Any = None) -> None:
         """`pump` at `now`; ``until``: `_drain`'s."""
         core = self._core
+        if core.forked():  # a forked child's copy: its sockets are the parent's (it would spin)
+            core.check_open()
         core.looking(now)
         if self._pending:
             self._flush_pending()
@@ -712,7 +714,7 @@ class Client(ClientBase):
         if self._core.closed:
             return
         if self._core.forked():
-            self._core.close()
+            self._core.let_go()
             return
         if self._core.pin_slots or self._core.pin_services:
             self._core.pin_goodbye()  # LEASE_END for each lease, its connection closed

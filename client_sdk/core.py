@@ -266,6 +266,19 @@ class ClientCore(PinEvents):
         """Whether this is a forked child's copy of the client (unusable: `check_open`)."""
         return self._gen != T.fork_generation()
 
+    def let_go(self) -> None:
+        """A forked child's `close`: this copy is closed and drops what it refers to, closing
+        nothing (the pool, the mappings, the CUDA side and their shared tables are the
+        parent's: closing the CUDA pool's would reclaim the parent's slots)."""
+        self.closed = True
+        self.calls.clear()
+        self.ops.clear()
+        for fin in list(self._user_bufs.values()):
+            fin.detach()
+        self._user_bufs.clear()
+        self._deferred.clear()
+        self._pool = self._cuda = None
+
     def timeout_of(self, timeout: float | None) -> float | None:
         """Seconds a request may take: `timeout`, else the client's default; None for no limit."""
         t = self.timeout if timeout is None else timeout
@@ -471,7 +484,11 @@ class ClientCore(PinEvents):
     def give_up(self, call: Call) -> list[Any] | None:
         """The caller is done with `call`, FINAL or not: a call never registered (id 0) is
         discarded and its inputs freed now; one in flight is abandoned (CANCEL frames
-        returned when useful, inputs kept until its FINAL)."""
+        returned when useful, inputs kept until its FINAL).  In a forked child (its copy of
+        the call): only marked so; its slots and its socket are the parent's."""
+        if self._gen != T.fork_generation():
+            call.abandoned = call.done = True
+            return None
         if call.id == 0 and not call.abandoned:
             self.discard_unsent(call)
             return None

@@ -301,8 +301,10 @@ class ReplyInbox:
         self.sock = sock
         self.path = path
         self.endpoint = "ipc://" + path   # what requests name as `reply_to`
-        # A client dropped without close() still removes its file (at collection or exit).
-        self._unlink = weakref.finalize(self, _unlink_quietly, path)
+        # A client dropped without close() still removes its file (at collection or exit),
+        # in the process that made it only: a forked child's copy must not take the
+        # parent's file away (workers would relay every reply through the broker).
+        self._unlink = weakref.finalize(self, _unlink_quietly, path, os.getpid())
 
     @classmethod
     def open(cls, ctx: zmq.Context) -> "ReplyInbox | None":
@@ -334,7 +336,9 @@ class ReplyInbox:
         self._unlink()
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(path: str, owner: int | None = None) -> None:
+    if owner is not None and os.getpid() != owner:
+        return
     try:
         os.unlink(path)
     except OSError:

@@ -560,7 +560,8 @@ def unpack(reply: P.Reply, frames: list[Any], leases: OutputLeases, *, final: bo
                 # were checked against dtype and shape).  Read-only like shared-memory
                 # outputs, so code never depends on the transport: over a read-only view,
                 # so that `flags.writeable = True` is refused too (as for a mapped slot).
-                arr = np.ndarray(shape, dt, buf.toreadonly()) if buf.nbytes else np.empty(shape, dt)
+                arr = (np.frombuffer(buf.toreadonly(), dt).reshape(shape) if buf.nbytes
+                       else np.empty(shape, dt))
                 arr.flags.writeable = False
             elif type(loc) is P.ShmLoc:
                 if own is not None:

@@ -387,11 +387,16 @@ def test_an_inline_output_cannot_be_made_writeable(core):
     # "Output arrays are always read-only": a shared-memory slot's cannot be flipped back;
     # an inline one could (`flags.writeable = True` and write), so code came to depend on
     # the transport.
+    import zmq
+
     for delimiter in (False, True):  # the lean path and the general one
         call = core.new_call("echo", {"x": np.arange(4, dtype=np.int16)})
         core.request_frames(call, 10.0)
-        core.on_message(_reply(call, delimiter=delimiter), 10.5, direct=True)
+        # As received: zmq.Frames, whose buffers are writable (bytes would prove nothing).
+        frames = [zmq.Frame(bytes(f)) for f in _reply(call, delimiter=delimiter)]
+        core.on_message(frames, 10.5, direct=True)
         _, res = call.inbox.popleft()
+        assert res["x"].tolist() == [0, 1, 2, 3]
         with pytest.raises(ValueError):
             res["x"].flags.writeable = True
         res.release()

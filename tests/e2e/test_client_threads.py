@@ -104,25 +104,37 @@ def test_a_forked_child_neither_uses_nor_gives_back_its_parents_client(cluster):
         held = c.infer("batched", {"x": x}, reply="shm")
         y = held["y"]
         assert held.zero_copy == {"y": True}
+        pending = c.infer_stream("batched", {"x": x})  # in flight across the fork
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
             code = 1
             try:
-                try:
-                    c.infer("batched", {"x": x})
-                except InvalidInput as e:
-                    code = 0 if "forked" in str(e) else 2
+                refused = 0
+                for use in (lambda: c.infer("batched", {"x": x}), lambda: c.pump(0.1), pending.result,
+                            lambda: c.stream("batched").send({"x": x}), lambda: c.mmi_service("batched")):
+                    try:
+                        use()
+                    except InvalidInput as e:
+                        refused += "forked" in str(e)
+                pending.close()  # gives nothing back, sends nothing
+                code = 0 if refused == 5 else 2
                 held.release()
                 del y
                 import gc
 
                 gc.collect()
                 c.close()  # lets go of its copy only
+                c._inbox._unlink()  # what the copy's collection would run: not the parent's file
             finally:
                 os._exit(code)
         assert _wait_child(pid) == 0
+        with pending.result() as r:  # the parent's call, untouched by the child's close
+            np.testing.assert_array_equal(r["y"], x + 1)
+        assert os.path.exists(c._inbox.path)  # its reply socket is still there
+        direct = c.direct_replies
         for i in range(200):  # the ring goes round three times: a slot given back would be reused
             with c.infer("batched", {"x": np.full((1, 4096), float(i), np.float32)}, reply="shm") as r:
                 np.testing.assert_array_equal(r["y"], i + 1.0)
         np.testing.assert_array_equal(y, 6.0)  # still the parent's own result
+        assert c.direct_replies > direct  # and its replies still come straight from the worker
         held.release()

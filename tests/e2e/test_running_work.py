@@ -179,7 +179,8 @@ def test_pinned_streams_and_brokered_work_are_not_parked_behind_a_long_leased_ba
     # leases of the clients the test is not waiting on.
     cfg.write_text("[scheduler]\nclient_liveness = 60.0\n")
     cluster.broker("--config", str(cfg))
-    w1 = cluster.worker("gate_model:held", "--direct", "--credit", "3", "--log-level", "debug", env=env)
+    # credit 4: leases hold at most half of it, one slot for each of A and B
+    w1 = cluster.worker("gate_model:held", "--direct", "--credit", "4", "--log-level", "debug", env=env)
     w2 = cluster.worker("gate_model:held", "--credit", "3", env=env)
     gate.open()
     pid1, pid2 = str(w1.p.pid), str(w2.p.pid)
