@@ -5,7 +5,8 @@ faulty_model:<factory>`, with this folder on PYTHONPATH.  Each request says what
 
 - `batched`: a batchable model.  do = "raise" (ValueError), "exit" (SystemExit), "genexit"
   (GeneratorExit), "many" (300 outputs), "badname" (an output named 0), "deep" (a 41-d
-  output), "half" (a good first output, then an object array); slow = 1 makes the batch
+  output), "half" (a good first output, then an object array), "v0" (a zero-size item
+  dtype); slow = 1 makes the batch
   take 0.15 s.  `batched_keeper`: the same, returning a view of one buffer it keeps.
 - `keeper`: returns a view of one buffer it keeps and fills again on every call (the
   preallocated `out=` pattern).
@@ -51,6 +52,8 @@ class Batched(ModelBase):
                 return {"y": x.reshape((1,) * 41 + x.shape[1:])}
             if do == "half" and n == 1:
                 return {"y": x + 1, "z": np.array([[object()]], dtype=object)}
+            if do == "v0" and n == 1:
+                return {"y": np.zeros((1, 3), dtype="V0")}
         if self.keep:  # one buffer, filled again on every call (the preallocated `out=` pattern)
             if self.buf is None or self.buf.shape != x.shape:
                 self.buf = np.empty_like(x)

@@ -134,7 +134,7 @@ def test_a_model_that_reuses_its_output_buffer_never_sends_one_client_anothers_d
 @pytest.mark.parametrize("do,match", [("many", "at most 256"), ("badname", "must be strings"),
                                       # (numpy 1 refuses the 42-d array in the model itself)
                                       ("deep", "dimensions; the limit is 32|maximum supported dimension"),
-                                      ("half", "object")])
+                                      ("half", "cannot be sent"), ("v0", "cannot be sent")])
 def test_outputs_that_cannot_be_sent_are_a_clear_error_and_keep_no_slot(cluster, do, match):
     # These were written slot by slot and failed half way, keeping the slots already taken
     # (lent to the live client for good), or were sent as replies the client refused as a
