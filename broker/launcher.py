@@ -131,6 +131,11 @@ class Finished:
 # ------------------------------------------------------------------------- supervisor
 
 
+#: a worker that exits 0 unasked after serving this long (seconds) left on its own: no crash
+#: (one that exits 0 at once, again and again, is a crash loop and backs off as one)
+_LEFT_AFTER = 1.0
+
+
 @dataclass(frozen=True)
 class Backoff:
     """Restart delays: ``initial`` after the first crash, doubling to ``maximum``; a worker
@@ -299,6 +304,19 @@ class Supervisor:
             self._begin_stop(now, out)
             return out
         restart_in = None
+        if run.gen == slot.gen and code == 0 and served is not None and served >= _LEFT_AFTER:
+            # Exit 0 unasked, after serving: it left on its own (an operator's SIGTERM to an idle
+            # worker drains and exits before the broker's list says it left).  Not a crash:
+            # its successor starts now, and the crash count stays as it was.
+            restart_in = 0.0
+            slot.restart_at = None
+            slot.reason = "its worker left on its own (exit 0)"
+            out.append(Notice(logging.INFO, f"pool {slot.pool} worker {slot.index} left on its own (exit 0); "
+                                            "starting its successor"))
+            out.append(WorkerGone(slot.pool, slot.index, wid, code, True, restart_in))
+            self._reconcile(slot, now, out)
+            self._advance(slot.pool, now, out)
+            return out
         if run.gen == slot.gen:
             # The slot's current worker crashed: a new one after the backoff.  Healthy is
             # having served `reset_after` since its READY (a model that loads for minutes and

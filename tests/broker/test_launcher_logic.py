@@ -256,6 +256,21 @@ def test_a_worker_that_says_goodbye_on_its_own_is_stopping_and_its_successor_sta
     assert s.broker_sees({wid[("a", 0)]}, 5.0, {wid[("a", 0)]: -1.0}) == []
 
 
+def test_a_worker_that_exits_0_unasked_after_serving_left_on_its_own():
+    # An operator's SIGTERM to an idle worker: it drains and exits 0 before the broker's
+    # list says it said goodbye.  Not a crash: its successor now, the crash count unchanged.
+    s, wid = running(pools=(("a", 1),), backoff=Backoff(0.5, 30, 60))
+    out = s.worker_exited(wid[("a", 0)], 0, 5.0)
+    [gone] = only(out, WorkerGone)
+    assert gone.expected and gone.restart_in == 0.0 and "left on its own" in out[0].message
+    (n,) = starts(out)
+    assert n.reason == "its worker left on its own (exit 0)"
+    s.worker_ready(n.wid, 6.0)
+    # One that exits 0 at once after its READY, again and again, is a crash loop: backoff.
+    out = s.worker_exited(n.wid, 0, 6.2)
+    assert only(out, WorkerGone)[0].restart_in == 0.5 and starts(out) == []
+
+
 def test_stopping_workers_and_a_zero_timeout_are_not_killed_as_hung():
     s, wid = running(pools=(("a", 1),), hang_timeout=0)
     assert s.broker_sees(set(), 1.0) == [] and s.broker_sees(set(), 1e9) == []

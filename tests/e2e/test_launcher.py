@@ -407,3 +407,35 @@ def test_a_worker_stopped_by_someone_else_leaves_on_its_own_and_its_successor_st
     la.wait_for(rf"pool fixed worker 0 pid {old} exited with code 0", mark)
     log = la._err.decode(errors="replace")
     assert "restarting it in" not in log[mark:] and la.ready_pids()[("fixed", 0)] == new
+
+
+def test_an_idle_worker_stopped_by_someone_else_is_replaced_at_once_not_as_a_crash(tmp_path, launchers):
+    # Idle, it drains and exits 0 before the broker's list of goodbyes is read: that exit
+    # was counted a crash (restarted after 0.5, 1, 2, 4 s... "crash N in a row").
+    la = launchers(tmp_path, "[[pool]]\nmodel = 'echo'\n")
+    la.wait_for(r"every pool is ready")
+    for _ in range(3):
+        old = la.ready_pids()[("echo", 0)]
+        # It serves a while first (a span measured, not a synchronisation): one that exits 0
+        # within a second of its READY, again and again, is a crash loop and backs off.
+        fd = la.p.stderr.fileno()
+        with Client(la.frontend, timeout=10) as c:
+            served = time.monotonic()
+            while time.monotonic() - served < 1.2:
+                with c.infer("echo", {"x": np.ones(4)}):
+                    pass
+                while select.select([fd], [], [], 0)[0]:  # its INFO lines: a full pipe would stall it
+                    chunk = os.read(fd, 65536)
+                    if not chunk:
+                        break
+                    la._err += chunk
+        mark = len(la._err)
+        os.kill(old, signal.SIGTERM)
+        la.wait_for(rf"pool echo worker 0 pid {old} exited with code 0", mark)
+        m = la.wait_for(r"pool echo worker 0 pid (\d+) ready", mark)
+        assert int(m.group(1)) != old
+        log = la._err.decode(errors="replace")[mark:]
+        assert "restarting it in" not in log and "crash" not in log, log
+    with Client(la.frontend, timeout=10) as c:
+        with c.infer("echo", {"x": np.ones(4)}) as r:
+            np.testing.assert_array_equal(r["x"], np.ones(4))
