@@ -215,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     stop = _SignalStop()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if deploy is None:
+        # SIGHUP rolls a launcher's pools; here there are none.  Its default action ended the
+        # broker at once, with no drain.
+        signal.signal(signal.SIGHUP, lambda *_: os.write(2, b"python -m broker: SIGHUP ignored (it rolls the "
+                                                        b"worker pools of a --config with [[pool]] tables; "
+                                                        b"this broker has none)\n"))
     # [[pool]] tables: this process is their launcher too (broker.launcher).  It takes the
     # signals over (SIGTERM drains the pools, then sets `stop`; SIGHUP rolls them) and prints
     # READY itself once every pool's workers are ready.

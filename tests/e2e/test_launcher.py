@@ -439,3 +439,17 @@ def test_an_idle_worker_stopped_by_someone_else_is_replaced_at_once_not_as_a_cra
     with Client(la.frontend, timeout=10) as c:
         with c.infer("echo", {"x": np.ones(4)}) as r:
             np.testing.assert_array_equal(r["x"], np.ones(4))
+
+
+def test_sighup_to_a_broker_without_pools_or_to_a_worker_is_said_and_ignored(cluster):
+    # SIGHUP rolls a launcher's pools; sent to a plain broker or a worker (the wrong pid, a
+    # closed terminal) its default action ended the process at once: no drain, requests lost.
+    broker = cluster.broker()
+    worker = cluster.worker("echo")
+    for proc, name in ((broker, "python -m broker"), (worker, "gpu_worker")):
+        proc.p.send_signal(signal.SIGHUP)
+        proc.wait_log(f"{name}: SIGHUP ignored")
+    with Client(cluster.frontend, timeout=10) as c:
+        with c.infer("echo", {"x": np.ones(4)}) as r:
+            np.testing.assert_array_equal(r["x"], np.ones(4))
+    assert broker.p.poll() is None and worker.p.poll() is None
