@@ -5,7 +5,8 @@ orchestrator that watches each process (a kubelet's liveness probe):
                            window, or a batch is computing: a model that computes is alive)
     GET /v2/health/ready   200 while the broker has it registered (from its WELCOME until the
                            connection is lost or it drains; behind a plain MDP broker, which
-                           sends no WELCOME, while connected once READY is announced)
+                           sends no WELCOME, while its heartbeats are heard once READY is
+                           announced)
 
 Served on one daemon thread (`ThreadingHTTPServer`, a socket timeout per connection); it
 only reads two attributes the loop writes (a float and a bool), never the loop's state.

@@ -322,6 +322,7 @@ class Worker:
         self._ready_wait = 0.0
         self._reconnect_why: str | None = None  # set by a DISCONNECT; the loop reconnects
         self._last_heard = 0.0
+        self._heard_at = -math.inf  # when a message from the broker was last read (readiness, plain MDP)
         # Over tcp, bytes of the broker's on their way count as its word (a large request on
         # a slow link holds its heartbeats back: wire.TcpWatch).
         self._tcp = TcpWatch() if self.cfg.broker.startswith("tcp://") else None
@@ -655,7 +656,7 @@ class Worker:
                 frames = recv_frames(sock, zmq.NOBLOCK)  # never waits, whatever read it meanwhile
             except zmq.Again:
                 break
-            self._last_heard = time.monotonic()
+            self._last_heard = self._heard_at = time.monotonic()
             if tcp is not None:
                 tcp.note(frames[0])  # the connection the broker's word comes on
             try:
@@ -733,7 +734,11 @@ class Worker:
         does not make a worker that nobody has registered."""
         if self.registered:
             return True
-        return self._plain_broker and bool(getattr(self.upstream, "connected", False))
+        # A plain MDP broker heartbeats its workers: one heard from within the liveness
+        # window.  A socket merely connected (to the broker's frontend by mistake, say)
+        # answered 200 for good.
+        return (self._plain_broker and bool(getattr(self.upstream, "connected", False))
+                and time.monotonic() - self._heard_at <= self.heartbeat_interval * self.heartbeat_liveness)
 
     def _on_recall(self, envelopes) -> None:
         """The broker wants these back for an idle worker: give back the ones still waiting

@@ -94,3 +94,18 @@ def test_an_idle_worker_starts_its_drain_when_the_signal_comes(cluster):
     w.p.send_signal(signal.SIGTERM)
     assert w.p.wait(30) == 0
     assert time.monotonic() - t0 < 5.0, "the worker noticed the signal only at its next wake-up"
+
+
+def test_a_worker_pointed_at_the_brokers_frontend_is_not_ready(cluster):
+    # The wrong endpoint, connected: no WELCOME comes, so READY is printed after the wait
+    # (the plain-MDP fallback), and the probe then said 200 for good.  A plain MDP broker
+    # heartbeats its workers; a frontend says nothing a worker can read.
+    cluster.broker()
+    w = Proc(["-m", "gpu_worker", "--broker", cluster.frontend, "--model", "echo", "--heartbeat-interval", "0.2",
+              "--health-port", "127.0.0.1:0"])
+    cluster.procs.append(w)
+    w.wait_ready()
+    base = "http://" + w.field("health")
+    w.wait_log("no WELCOME from the broker")
+    for _ in range(5):
+        assert get(base, "/v2/health/ready") == (503, b'{"ready": false}')
