@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("broker")
+_refusals = P.RateLimitedLog(log, 10.0)  # keys refused by the allow-lists (the ZAP thread's)
 
 #: ZAP domains of the two sockets: which allow-list a handshake is checked against
 FRONTEND_DOMAIN = "zmq-infer.clients"
@@ -229,7 +230,10 @@ class _AllowList:
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.keys:
             return True
-        log.info("refused a tcp peer: CURVE key %s is not in the %s allow-list", key.decode(errors="replace"), domain)
+        # WARNING (rate-limited): a worker or client refused here hears nothing but silence,
+        # so this line is the operator's one clue.
+        _refusals.warning("refused a tcp peer: CURVE key %s is not in the %s allow-list",
+                          key.decode(errors="replace"), domain)
         return False
 
 

@@ -64,6 +64,13 @@ log = logging.getLogger("gpu_worker")
 #: how long what is still queued to the broker may take to leave when the link closes for good
 CLOSE_LINGER_MS = 250
 
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_HANDSHAKE_WHY = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the broker refused this worker's key",
+                  zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "a protocol mismatch: CurveZMQ on one side only?",
+                  zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail: a wrong --server-key?"}
+
+
 class BrokerLink:
     """A DEALER to the broker at ``endpoint`` (see the module docstring)."""
 
@@ -90,7 +97,7 @@ class BrokerLink:
         # libzmq reconnects on its own when the broker goes away; the monitor tells us when
         # the connection came back, which means (most often) a new broker process that has
         # never heard of us: register again at once rather than at the next heartbeat.
-        self.monitor = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.monitor = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
         self._dropped = False
         self.connected = False
         C.configure_peer(s, self.curve)
@@ -111,6 +118,10 @@ class BrokerLink:
                 self.connected = True
                 if self._dropped:
                     came_back = True
+            elif event & _HANDSHAKE_FAILED:
+                self._bad.warning("the CurveZMQ handshake with the broker at %s failed (%s): check --server-key, "
+                                  "--worker-key (in the broker's --worker-keys?) or --insecure against how the "
+                                  "broker was started", self.endpoint, _HANDSHAKE_WHY.get(event, "no detail"))
         return came_back
 
     def connect(self, service: str, ready: P.Ready) -> zmq.Socket:
@@ -128,7 +139,15 @@ class BrokerLink:
             return None
 
     def send(self, frames) -> None:
-        send_frames(self.sock, frames)
+        # Never blocking: with no connection to queue on (a refused CurveZMQ handshake leaves
+        # none) a blocking send waited for good, deaf to SIGTERM.  What cannot be queued is
+        # dropped and said; the broker's liveness rules take it from there.
+        try:
+            send_frames(self.sock, frames, zmq.NOBLOCK)
+        except zmq.Again:
+            self._bad.warning("could not send to the broker at %s: no connection takes it (a refused "
+                              "handshake, a wrong endpoint, or 100,000 messages queued); dropped", self.endpoint)
+            return
         self.last_sent = time.monotonic()
 
     def _close_socket(self, linger_ms: int = 0) -> None:

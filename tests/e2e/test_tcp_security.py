@@ -1005,3 +1005,16 @@ def test_a_long_message_on_a_slow_link_is_not_silence(tmp_path, netns, gate):
     finally:
         for p in reversed(procs):
             p.close()
+
+
+def test_a_worker_refused_by_the_handshake_says_so_and_stops_on_sigterm(secure, keys):
+    # Plain tcp against a CurveZMQ backend: the refused handshake left the worker's DEALER
+    # with no connection, and its next blocking send to the broker waited for good, deaf to
+    # SIGTERM, saying nothing (only SIGKILL ended it).
+    w = Proc(["-m", "gpu_worker", "--broker", secure.backend, "--model", "echo", "--heartbeat-interval", "0.2",
+              "--out-capacity-mb", "16", "--insecure"])
+    try:
+        w.wait_log("the broker at " + secure.backend, timeout=20)  # a handshake or send warning naming it
+        assert w.terminate(timeout=15) == 0  # drains and exits
+    finally:
+        w.close()
