@@ -183,13 +183,13 @@ class CudaPlane:
     # ------------------------------------------------------------------ outputs
 
     def write_outputs(self, job: Job, out: dict) -> tuple[list[P.TensorRef], list[Any]]:
-        check_outputs(out)  # before any device slot is handed off (as the host plane does)
         if self._wants_device(job):
+            check_outputs(out)  # before any device slot is handed off (the host plane checks its own)
             refs = self._device_outputs(job, out)
             if refs is not None:
                 return refs, []
             # Device pool full (the client holds many results): degrade to host memory.
-        if any(isinstance(v, self.torch.Tensor) for v in out.values()):
+        if isinstance(out, dict) and any(isinstance(v, self.torch.Tensor) for v in out.values()):
             out = self._to_host(out)
         return self.host.write_outputs(job, out)
 

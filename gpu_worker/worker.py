@@ -1276,23 +1276,13 @@ class Worker:
                     # heartbeat answers, fails the call (a stream cannot be replayed).
                     self._note_replaced()
                 if job.stale:
-                    close = getattr(outs, "close", None)
-                    if close is not None:
-                        try:
-                            close()
-                        except Exception:
-                            self._oops.exception("closing a stream of %s failed", self.model.name)
+                    self._close_stream(outs)
                     log.info("stream of request %d ended after %d partial(s): its broker connection was replaced",
                              job.req.id, seq, extra=logs.request_fields(job.req))
                     self.served += 1
                     return
                 if job.cancelled:
-                    close = getattr(outs, "close", None)
-                    if close is not None:
-                        try:
-                            close()  # the generator's finally blocks run now
-                        except Exception:
-                            self._oops.exception("closing a cancelled stream of %s failed", self.model.name)
+                    self._close_stream(outs)
                     self._reply_error(job, P.ErrorCode.CANCELLED,
                                       f"cancelled by the client after {seq} partial result(s)")
                     self.served += 1
@@ -1314,15 +1304,21 @@ class Worker:
             self.running = {}
             self._batch_over()
 
-    def _stream_failed(self, job: Job, outs, failed: ModelFailed, seq: int) -> None:
-        """The streaming model raised, or yielded what cannot be sent: its request fails
-        after the partials it had; the worker and everyone else's requests go on."""
+    def _close_stream(self, outs) -> None:
+        """End a streaming model's generator now (its finally blocks run); what it raises
+        doing so is logged, never the loop's end."""
         close = getattr(outs, "close", None)
         if close is not None:
             try:
                 close()
-            except BaseException:
-                pass
+            except BaseException as e:
+                model_fault(e)  # (a Ctrl-C goes on)
+                self._oops.exception("closing a stream of %s failed", self.model.name)
+
+    def _stream_failed(self, job: Job, outs, failed: ModelFailed, seq: int) -> None:
+        """The streaming model raised, or yielded what cannot be sent: its request fails
+        after the partials it had; the worker and everyone else's requests go on."""
+        self._close_stream(outs)
         log.error("model %s failed on streaming request %d after %d partial(s): %r", self.model.name,
                   job.req.id, seq, failed.error, extra=logs.request_fields(job.req))
         self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised "
