@@ -160,7 +160,29 @@ A worker that dies (DISCONNECT, a second READY, or silence for ``heartbeat_liven
 intervals) loses its requests: RUNNING ones go back to the front of their principal's FIFO,
 and that principal to the front of its class's ring (they have already waited their turn), with
 ``attempt + 1`` until ``max_retries`` is spent (then WORKER_FAILED), CANCELLING ones finish
-as CANCELLED, ABANDONED ones simply vanish.  A request whose pool has had no live worker
+as CANCELLED, ABANDONED ones simply vanish.
+
+A request's last attempt (``attempt == max_retries``, after at least one failed attempt)
+runs alone (``_Request.alone``).  A request that kills the process running it (a crash in
+the model's native code, an abort, an out-of-memory kill on one input) takes every request
+its worker holds with it; retried together, they were batched together again, died with it
+again, and failed with it.  So a last attempt waits in its service's ``lone`` list as well
+as in its FIFO (where the walk above passes over it) and goes only to a worker of its pool
+that holds nothing; where no worker is empty, the least loaded one not set aside already is
+set aside for it (``_Worker.iso``): that worker gets no other brokered dispatch, is never
+idle (nothing is taken back for it) and none of its requests on a last attempt is taken
+back, until it is empty, has run that request and answered it.  So a request that dies on
+its last attempt died alone, and the others that died beside it before run without it: the
+killer takes one worker per attempt, as before, and nobody else fails.  Only the last
+attempt runs alone, so that workers that die together (a host, a deploy) are not made to
+retry everything one request at a time.  Leased requests reach a worker without the broker
+(broker/leases.py), so one may still share a batch with a last attempt; a leaseholder
+resends its lost requests through the broker when its worker dies.  A set-aside worker
+is freed when its request leaves the queue another way (cancel, deadline, its client gone)
+or goes elsewhere (the worker's connection closed); the cost is O(workers of the service)
+per request placed or set aside, paid only after worker deaths.
+
+A request whose pool has had no live worker
 for ``service_grace`` seconds fails with SERVICE_UNAVAILABLE (or NOT_LOCAL when the service
 lives on, but not on the request's host).  A client connection that disconnects or falls
 silent loses its queued requests silently and its running ones are cancelled at the worker;
@@ -365,6 +387,7 @@ _COUNTERS = (
     "leases_granted",            # leases a worker confirmed (broker/leases.py)
     "leases_refused",            # lease asks answered with an error
     "leases_ended",
+    "alone",                     # requests on their last attempt dispatched to run alone
 )
 
 
@@ -391,6 +414,8 @@ class _Request:
         "orphan",
         "late",
         "streamed",
+        "alone",
+        "iso",
     )
 
     def __init__(self, client, principal, request_id, svc, payload, priority, deadline,
@@ -417,6 +442,10 @@ class _Request:
         self.thief = None      # the idle worker it was recalled for
         self.orphan = False    # its connection went away while a worker held it (no final sent)
         self.streamed = False  # a PARTIAL of it was relayed: it is never run again (its caller would see them twice)
+        # Its last attempt: it runs alone on a worker that holds nothing else (see Failure
+        # handling), ``iso`` the worker set aside for it while it waits.
+        self.alone = False
+        self.iso = None
         # Its deadline answered it while a worker ran it: the client's record then (None for
         # one that never heartbeats), to which the worker's late replies go while it is the
         # client's record still (LateToClient)
@@ -441,7 +470,7 @@ class _Pool:
 
 class _Service:
     __slots__ = ("name", "classes", "queued", "tiers", "top", "workers", "pools", "any",
-                 "in_flight", "idle", "deep", "recall_at")
+                 "in_flight", "idle", "deep", "recall_at", "lone")
 
     def __init__(self, name, now, epoch):
         self.name = name
@@ -470,6 +499,9 @@ class _Service:
         self.idle = {}
         self.deep = {}
         self.recall_at = None  # when a _T_RECALL timer of this service is due, if one is
+        # Queued requests on their last attempt (``_Request.alone``), oldest retry first: each
+        # waits for a worker of its pool holding nothing, and runs there alone.
+        self.lone = OrderedDict()
 
     def count(self, principal):
         """How many requests ``principal`` has queued in this service (all classes): O(1)."""
@@ -507,6 +539,7 @@ class _Worker:
         "leases",   # lease id -> broker.leases._Lease
         "stopped",  # lease id -> (client, service) of leases it ended by stopping (broker.leases)
         "closing",  # its connection closed (worker_closed): no new work while its verdict waits
+        "iso",      # the request on its last attempt it is set aside for, or runs alone (else None)
     )
 
 
@@ -654,6 +687,7 @@ class Scheduler(LeaseEvents):
         w.leases = {}
         w.stopped = {}
         w.closing = False
+        w.iso = None
         pools = [svc.any]
         if host is not None:
             # One pool per same-host transport: shared-memory requests are keyed by the host,
@@ -772,6 +806,8 @@ class Scheduler(LeaseEvents):
             thief = req.thief
             if thief is not None:
                 self._unthief(req)
+            if req.iso is not None:
+                self._unlone(req, reload=False)
             self._reload(w)
             self._dirty[req.svc] = None
             if req.state == _RUNNING:
@@ -795,7 +831,7 @@ class Scheduler(LeaseEvents):
                 req.returned += 1
                 pool = req.svc.pools.get(req.local_host)
                 if (thief is not None and thief.alive and not thief.busy and not thief.closing
-                        and len(thief.in_flight) < thief.credit - thief.leased
+                        and thief.iso is None and len(thief.in_flight) < thief.credit - thief.leased
                         and pool is not None and pool in thief.pools):
                     # It already had its turn: straight to the worker it was taken back for.
                     self._start(req, thief, now, out)
@@ -805,8 +841,8 @@ class Scheduler(LeaseEvents):
                                          f"(max_retries={self.config.max_retries})", out)
                 continue
             else:
-                self._counters["retried"] += 1
-                req.attempt += 1
+                self._retry([req])
+                continue
             self._enqueue(req, front=True)
         self._flush(now, out)
         return out
@@ -820,6 +856,8 @@ class Scheduler(LeaseEvents):
         req.svc.in_flight -= 1
         if req.thief is not None:
             self._unthief(req)  # it had started before the RECALL arrived
+        if req.iso is not None:
+            self._unlone(req, reload=False)
         self._reload(w)
         self._dirty[req.svc] = None
         if req.state == _ABANDONED:
@@ -1365,6 +1403,10 @@ class Scheduler(LeaseEvents):
         ring = svc.classes[req.priority]
         fifo = ring[c]
         del fifo[req]
+        if req.alone:
+            svc.lone.pop(req, None)
+            if not served:
+                self._unlone(req)
         if not fifo:
             del ring[c]
         elif served:
@@ -1462,9 +1504,10 @@ class Scheduler(LeaseEvents):
                 w.is_deep = False
             return
         n = len(w.in_flight)
+        iso = w.iso
         # Membership changes only when the count crosses 0 or 2 (or BUSY changes): flags
         # keep the common case (one request in, one out) to two attribute reads.
-        if n == 0 and not w.busy:
+        if n == 0 and not w.busy and iso is None:
             if not w.is_idle:
                 w.svc.idle[w] = None
                 w.is_idle = True
@@ -1479,6 +1522,13 @@ class Scheduler(LeaseEvents):
         elif w.is_deep:
             del w.svc.deep[w]
             w.is_deep = False
+        if iso is not None:
+            # Set aside for a request's last attempt, or running it: no other brokered work
+            # (and, above, never idle: nothing is taken back for it).  Empty, it can take
+            # the one waiting for it: the service's next pass places it (_place_lone).
+            if n == 0 and iso.state == _QUEUED:
+                self._dirty[w.svc] = None
+            return
         if n >= w.credit - w.leased:  # leased credit is the leaseholders' (broker/leases.py)
             return
         # A busy worker (BUSY) last: what it is handed waits behind leased work.
@@ -1505,6 +1555,8 @@ class Scheduler(LeaseEvents):
         """Dispatch while some queued request has a worker with spare credit in its pool."""
         if not svc.queued:
             return
+        if svc.lone:
+            self._place_lone(svc, now, out)
         weights = self._weights
         aging = self.config.aging_s
         pools = svc.pools
@@ -1536,6 +1588,8 @@ class Scheduler(LeaseEvents):
                                 expired = []
                             expired.append(req)
                             continue
+                        if req.alone:
+                            continue  # it waits for a worker of its own (_place_lone)
                         pool = pools.get(req.local_host)
                         if pool is not None and ready(pool) is not None:
                             cand = req
@@ -1553,6 +1607,72 @@ class Scheduler(LeaseEvents):
                 return
             self._take(best, True)
             self._start(best, ready(pools[best.local_host]), now, out)
+
+    def _place_lone(self, svc, now, out):
+        """Hand each queued request on its last attempt to a worker of its pool that holds
+        nothing, to run alone; where none is empty, set one aside (the least loaded not set
+        aside already): it gets no other brokered work until it is empty and has run that
+        request.  O(workers of the service) per request placed or set aside; such requests
+        exist only after worker deaths."""
+        for req in list(svc.lone):
+            if req.deadline is not None and req.deadline <= now:
+                self._expire_deadline(req, now, out)
+                continue
+            w = req.iso
+            if w is not None and w.closing:
+                self._unlone(req, reload=False)  # its connection closed: it gets nothing new
+                w = None
+            if w is None:
+                pool = svc.pools.get(req.local_host)
+                if pool is None or not pool.live:
+                    continue  # its grace timer runs
+                best = None
+                for cand in svc.workers.values():
+                    if cand.iso is None and not cand.closing and pool in cand.pools:
+                        key = (len(cand.in_flight) + cand.leased, cand.busy)
+                        if best is None or key < best[0]:
+                            best = (key, cand)
+                            if not key[0]:
+                                break
+                if best is None:
+                    continue  # every worker of its pool is set aside already: it waits its turn
+                w = best[1]
+                w.iso = req
+                req.iso = w
+                self._reload(w)
+            if not w.in_flight:
+                self._take(req, True)
+                self._counters["alone"] += 1
+                self._start(req, w, now, out)
+
+    def _unlone(self, req, reload=True):
+        """``req`` no longer holds the worker set aside for it (it ended there, or left the
+        queue another way): that worker takes brokered work again (``reload``: re-filed
+        now; else the caller does it)."""
+        w = req.iso
+        req.iso = None
+        if w is not None and w.iso is req:
+            w.iso = None
+            if reload and w.alive:
+                self._reload(w)
+                self._dirty[w.svc] = None
+
+    def _retry(self, reqs):
+        """Queue ``reqs`` (oldest first) again after a failed attempt (their worker died, or
+        gave them back unasked), at the front of their principals' FIFOs in that order.  A
+        last attempt runs alone: it waits in its service's ``lone`` too, behind those that
+        were there already."""
+        for req in reversed(reqs):
+            self._counters["retried"] += 1
+            req.attempt += 1
+            req.state = _QUEUED
+            req.worker = None
+            self._enqueue(req, front=True)
+        last = self.config.max_retries
+        for req in reqs:
+            if req.attempt >= last:
+                req.alone = True
+                req.svc.lone[req] = None
 
     @staticmethod
     def _unthief(req):
@@ -1588,11 +1708,15 @@ class Scheduler(LeaseEvents):
         svc.idle.pop(w, None)
         svc.deep.pop(w, None)
         self._counters["worker_deaths"] += 1
+        kept_for = w.iso
+        if kept_for is not None and kept_for.iso is w:
+            kept_for.iso = None  # it was set aside for a queued one: that one looks again
         retry = []
         for req in w.in_flight.values():
             svc.in_flight -= 1
             if req.thief is not None:
                 self._unthief(req)
+            req.iso = None
             if req.state == _RUNNING:
                 if req.streamed:
                     # Its caller has partial results already: run again, it would see them
@@ -1601,8 +1725,15 @@ class Scheduler(LeaseEvents):
                                              "results were sent; a stream is not run again (its caller would see "
                                              "them twice)", out)
                 elif req.attempt >= self.config.max_retries:
-                    self._worker_failed(req, f"the worker running this request died {req.attempt + 1} time(s) "
-                                             f"(max_retries={self.config.max_retries})", out)
+                    if req.alone:
+                        why = (f"the workers running this request died {req.attempt + 1} times, the last one "
+                               f"while running it alone (max_retries={self.config.max_retries}): this input "
+                               f"may be what kills them (a crash in the model's native code, an abort, an "
+                               f"out-of-memory kill)")
+                    else:
+                        why = (f"the worker running this request died {req.attempt + 1} time(s) "
+                               f"(max_retries={self.config.max_retries})")
+                    self._worker_failed(req, why, out)
                 else:
                     retry.append(req)
             elif req.state == _CANCELLING:
@@ -1615,12 +1746,7 @@ class Scheduler(LeaseEvents):
         w.in_flight = {}
         # Front of their FIFOs, and their principals to the front of the rings, oldest first:
         # these requests have already waited their turn.
-        for req in reversed(retry):
-            self._counters["retried"] += 1
-            req.attempt += 1
-            req.state = _QUEUED
-            req.worker = None
-            self._enqueue(req, front=True)
+        self._retry(retry)
         for pool in w.pools:
             pool.live -= 1
             if pool.live == 0:
@@ -1819,7 +1945,7 @@ class Scheduler(LeaseEvents):
         started) that the thief's pools can take, at most half of those it still runs
         unasked and at most the thief's credit; each marked asked (once per dispatch).  From
         a busy victim (BUSY: leased work runs there, not these) all of them may be."""
-        mine = [r for r in victim.in_flight.values() if r.state == _RUNNING and not r.recalled]
+        mine = [r for r in victim.in_flight.values() if r.state == _RUNNING and not r.recalled and not r.alone]
         k = min(len(mine) if victim.busy else len(mine) // 2, thief.credit - thief.leased)
         if not k:
             return ()

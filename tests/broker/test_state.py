@@ -512,6 +512,95 @@ def test_no_retries_means_the_first_death_fails_the_request():
     assert of(out, Dispatch) == []
 
 
+# ---- a request's last attempt runs alone (a request that kills its worker)
+
+
+def _killed_with(s, worker, n, credit=4):
+    """``worker`` (credit ``credit``) takes requests 1..n and dies holding them."""
+    s.worker_ready(worker, "svc", 0.0, credit=credit)
+    for rid in range(1, n + 1):
+        only(req(s, rid), Dispatch)
+    assert s.worker_disconnect(worker, 0.1) == []  # no worker left: queued again
+
+
+def test_a_request_that_kills_its_worker_takes_no_other_request_with_it():
+    # Four requests die with their worker; one of them kills every worker it runs on (a model
+    # that crashes on that input).  Retried together, they were batched together again: the
+    # other three died with it every time, and failed with it.  On its last attempt each runs
+    # alone, so only the killer fails, and it takes one worker per attempt, as before.
+    s = Scheduler(Config(max_retries=1))
+    _killed_with(s, b"a", 4)
+    out = s.worker_ready(b"b", "svc", 0.2, credit=4)
+    d = only(out, Dispatch)  # one at a time, though B has room for four
+    assert d.attempt == 1
+    done = []
+    for t in range(10):
+        if d.request_id == 3:  # the killer
+            out = s.worker_disconnect(d.worker, 0.3 + t)
+            err = only(out, ClientError)
+            assert err.request_id == 3 and err.code == ErrorCode.WORKER_FAILED
+            assert "alone" in err.message and "max_retries=1" in err.message
+            out += s.worker_ready(b"c%d" % t, "svc", 0.3 + t, credit=4)
+        else:
+            done.append(d.request_id)
+            out = s.worker_final(d.worker, d.token, 0.3 + t)
+            assert only(out, ToClient).request_id == d.request_id
+        ds = of(out, Dispatch)
+        if not ds:
+            break
+        d = only(ds, Dispatch)
+        assert d.attempt == 1
+    assert sorted(done) == [1, 2, 4]
+    counters = s.stats()["counters"]
+    assert counters["alone"] == 4 and counters["worker_failed"] == 1 and counters["worker_deaths"] == 2
+
+
+def test_a_worker_set_aside_for_a_last_attempt_takes_nothing_else_until_it_has_run_it():
+    s = Scheduler(Config(max_retries=1))
+    _killed_with(s, b"a", 1)
+    d1 = only(s.worker_ready(b"b", "svc", 0.2, credit=2), Dispatch)  # request 1, alone on B
+    s.worker_ready(b"c", "svc", 0.2, credit=2)
+    # New work goes to C only; C dies holding it: 10 and 11 on their last attempt now, and
+    # no worker to set aside for them (B runs 1).  New work waits too: B takes nothing else.
+    assert {only(req(s, rid, 0.3), Dispatch).worker for rid in (10, 11)} == {b"c"}
+    assert s.worker_disconnect(b"c", 0.4) == []
+    assert req(s, 12, 0.5) == []
+    assert s.service_info("svc")["queued"]["normal"] == 3
+    # B finishes 1: it runs 10 alone, then 11 alone, then takes brokered work again.
+    d = only(s.worker_final(b"b", d1.token, 0.6), Dispatch)
+    assert (d.request_id, d.attempt) == (10, 1)
+    d = only(s.worker_final(b"b", d.token, 0.7), Dispatch)
+    assert (d.request_id, d.attempt) == (11, 1)
+    d = only(s.worker_final(b"b", d.token, 0.8), Dispatch)
+    assert (d.request_id, d.attempt) == (12, 0)
+    assert only(req(s, 13, 0.9), Dispatch).worker == b"b"  # beside 12: credit 2
+
+
+@pytest.mark.parametrize("leaves", ["cancelled", "worker dies"])
+def test_a_worker_set_aside_for_a_last_attempt_is_freed_when_that_request_goes_elsewhere(leaves):
+    s = Scheduler(Config(max_retries=1, service_grace=60))
+    s.worker_ready(b"a", "svc", 0.0)
+    only(req(s, 1), Dispatch)
+    s.worker_ready(b"b", "svc", 0.0, credit=3)
+    assert {only(req(s, rid), Dispatch).worker for rid in (2, 3)} == {b"b"}
+    # A dies: 1 is on its last attempt, and B (holding two) is set aside for it.
+    assert s.worker_disconnect(b"a", 0.1) == []
+    assert req(s, 4, 0.2) == []  # B has room, but is set aside
+    if leaves == "cancelled":
+        out = s.client_cancel(C, 1, 0.3)
+        assert only(out, ClientError).code == ErrorCode.CANCELLED
+        assert only(out, Dispatch).request_id == 4  # B takes brokered work again
+    else:
+        # B dies: 1 looks again and finds D empty; 2 and 3 (last attempts now) wait for
+        # workers of their own, and so does 4 behind them (D runs 1 alone).
+        out = s.worker_disconnect(b"b", 0.3)
+        out += s.worker_ready(b"d", "svc", 0.3, credit=3)
+        d = only(out, Dispatch)
+        assert (d.worker, d.request_id, d.attempt) == (b"d", 1, 1)
+        out = s.worker_final(b"d", d.token, 0.4)
+        assert only(out, Dispatch).request_id in (2, 3)
+
+
 def test_a_client_dropped_while_it_held_work_is_a_new_record_when_heard_again():
     s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3, service_grace=60))  # client window 3 s
     assert s.client_epoch(C) is None
@@ -561,7 +650,10 @@ def test_a_worker_whose_connection_closed_gets_no_retry_of_another_ones_work():
     assert of(out, Dispatch) == [] and of(out, ClientError) == []  # queued: no live worker
     assert of(s.worker_disconnect(b"b", 0.1), Dispatch) == []
     out = s.worker_ready(b"c", "svc", 0.2, credit=2)
-    assert sorted((d.request_id, d.attempt) for d in of(out, Dispatch)) == [(1, 1), (2, 1)]
+    # Each is on its last attempt, so each runs alone on C, one after the other.
+    first = only(out, Dispatch)
+    second = only(s.worker_final(b"c", first.token, 0.3), Dispatch)
+    assert sorted((d.request_id, d.attempt) for d in (first, second)) == [(1, 1), (2, 1)]
 
 
 def test_a_closing_worker_takes_no_new_request_nor_lease_but_its_replies_count():

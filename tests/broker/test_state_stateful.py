@@ -101,6 +101,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.workers: dict[bytes, dict] = {}  # live, as the outside world sees it
         self.reqs: dict[tuple[bytes, int], _Req] = {}
         self.tokens_seen: set[int] = set()
+        self.alone_tokens: set[int] = set()  # dispatches of last attempts (run alone)
         self.tracked: dict[bytes, float] = {}  # clients that heartbeat: what liveness counts from
         self.heard: dict[bytes, float] = {}  # ... and when each was last heard
         self.principal_of = dict(FIRST_PRINCIPAL)  # what the server would pass now
@@ -118,6 +119,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert a.deadline is None or a.deadline > self.now, "expired request dispatched"
                 assert a.token not in self.tokens_seen, "token reused"
                 assert 0 <= a.attempt <= self.cfg.max_retries
+                # A last attempt runs alone: its worker holds nothing else, and gets nothing
+                # else while it holds it.
+                assert not self.alone_tokens.intersection(w["tokens"]), f"work sent next to a last attempt: {a}"
+                if a.attempt and a.attempt == self.cfg.max_retries:
+                    assert not w["tokens"], f"a last attempt sent next to other work: {a}"
+                    self.alone_tokens.add(a.token)
                 r = self.reqs[(a.client, a.request_id)]
                 assert r.finals == 0 and not r.gone
                 assert r.service == a.service and r.deadline == a.deadline
@@ -480,10 +487,19 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if w.closing:  # takes nothing, gives nothing back: in neither
                     assert w not in svc.idle and w not in svc.deep
                     continue
-                assert (w in svc.idle) == (not w.in_flight and not w.busy)
+                assert (w in svc.idle) == (not w.in_flight and not w.busy and w.iso is None)
+                if w.iso is not None:  # set aside for a last attempt, or running it alone
+                    r = w.iso
+                    assert r.iso is w and r.alone
+                    if r.worker is w:
+                        assert list(w.in_flight.values()) == [r]
+                    else:
+                        assert r.state == 0 and r in svc.lone  # QUEUED, waiting for it
                 assert (w in svc.deep) == (w.recall and (len(w.in_flight) >= 2 or bool(w.in_flight) and w.busy))
                 assert w.awaiting == sum(1 for o in self.s._workers.values()
                                          for r in o.in_flight.values() if r.thief is w)
+            queued_alone = {r for ring in svc.classes for fifo in ring.values() for r in fifo if r.alone}
+            assert set(svc.lone) == queued_alone
             assert set(svc.idle) <= set(svc.workers.values())
             assert set(svc.deep) <= set(svc.workers.values())
 
@@ -579,7 +595,8 @@ def _progress_ok(s: Scheduler) -> None:
             if thief.in_flight or thief.awaiting:
                 continue
             for victim in svc.deep:
-                mine = [r for r in victim.in_flight.values() if r.state == 1 and not r.recalled]  # RUNNING
+                # RUNNING, not asked for yet, not on its last attempt (that one runs alone)
+                mine = [r for r in victim.in_flight.values() if r.state == 1 and not r.recalled and not r.alone]
                 if (len(mine) if victim.busy else len(mine) // 2) < 1:
                     continue
                 able = [r for r in mine if svc.pools.get(r.local_host) in thief.pools]

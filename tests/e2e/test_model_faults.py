@@ -186,3 +186,43 @@ def test_a_stream_whose_worker_dies_is_not_run_again(cluster):
         assert got == [0.0, 1.0]
         with c.infer_stream("s", {"x": x}) as h:  # the other worker serves on
             assert len([1 for r in h if "y" in r]) == 4
+
+
+def test_a_request_that_kills_its_worker_takes_no_other_request_with_it(cluster):
+    # A request that crashes the worker process (native code, an abort) dies with every
+    # request its worker held.  They were retried together and batched together again, so
+    # the others died with it again and failed with it (max_retries 1 here: the default 2
+    # takes one more round).  A last attempt runs alone on a worker holding nothing else: only
+    # the killer fails, and it takes one worker per attempt.
+    cluster.broker("--max-retries", "1")
+    workers = [cluster.worker("faulty_model:batched", "--service", "batched", "--max-batch", "8",
+                              "--max-delay-ms", "20") for _ in range(3)]
+    slow = {"slow": 1}  # batches of 0.15 s: the requests pile up at the workers
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=60) as good_c, \
+                AsyncClient(cluster.frontend, timeout=60) as bad_c:
+            async def good(i):
+                x = np.full(4, float(i), np.float32)
+                with await good_c.infer("batched", {"x": x}, meta=slow) as r:
+                    np.testing.assert_array_equal(r["y"], x + 1)
+                return i
+
+            async def killer():
+                with pytest.raises(WorkerFailed) as e:
+                    await bad_c.infer("batched", {"x": np.zeros(4, np.float32)}, meta={"do": "crash", **slow})
+                return e.value
+
+            calls = [asyncio.ensure_future(good(i)) for i in range(12)]
+            k = asyncio.ensure_future(killer())
+            calls += [asyncio.ensure_future(good(i)) for i in range(12, 36)]
+            return await asyncio.gather(*calls), await k
+
+    served, err = asyncio.run(scenario())
+    assert sorted(served) == list(range(36))
+    assert "alone" in str(err), err
+    dead = [w for w in workers if w.p.poll() is not None]
+    assert len(dead) == 2 and all(w.p.returncode == 70 for w in dead)
+    with Client(cluster.frontend, timeout=20) as c:  # the survivor serves on
+        with c.infer("batched", {"x": np.ones(4, np.float32)}) as r:
+            assert r["y"][0] == 2.0
