@@ -616,7 +616,7 @@ class Launcher:
         self.exit_code = 0
         self._out = out or sys.stdout
         self._err = err or sys.stderr
-        self._err_lock = threading.Lock()
+        self._writer = logs.line_writer(self._err)
         self._events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe from signal handlers
         self._children: dict[int, _Child] = {}
         self._pools = {p.name: p for p in deploy.pools}
@@ -864,12 +864,10 @@ class Launcher:
         self._say(f"[{child.pool}/{child.index} pid {child.pid}] {text}")
 
     def _say(self, line: str) -> None:
-        with self._err_lock:
-            try:
-                self._err.write(line + "\n")
-                self._err.flush()
-            except (OSError, ValueError):
-                pass
+        # Through the stream's writer thread, in one order with the log lines: a stderr that
+        # is not read (a pipe, a paused terminal) drops lines instead of blocking the
+        # threads that drain the workers' pipes (and, through them, the workers).
+        self._writer.put(line)
 
     def _signal(self, wid: int, sig: int) -> None:
         child = self._children.get(wid)

@@ -18,11 +18,20 @@ client's connection (``-`` over tcp) and the client's request id, which the brok
 worker both know; and ``trace_id`` when the client sent a W3C traceparent.  Everything a line
 passes in ``extra=`` becomes a JSON field (and ``key=value`` at the end of a text line).
 
+Lines reach stderr through a thread of their own (:class:`LineWriter`): the thread that
+logs (a latency loop among them) formats its line and queues it, and never waits for the
+stream.  A pipe nobody reads, a terminal paused with Ctrl-S or a log collector that stalls
+used to block the broker's loop in a write, with every request behind it; now, once
+``QUEUED_LINES`` lines wait, new lines are dropped and counted, and the next line written
+says how many.  At exit the lines still queued get ``FLUSH_S`` seconds to go out.
+
 Stdlib logging only; nothing here touches a socket.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
+import collections
 import datetime
 import json
 import logging
@@ -30,11 +39,12 @@ import math
 import os
 import sys
 import threading
+import time
 from typing import Any, Iterable
 
 from .header import CudaLoc, ShmLoc
 
-__all__ = ["LEVELS", "FORMATS", "setup_logging", "add_log_options", "configured_format", "request_fields",
+__all__ = ["LEVELS", "FORMATS", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
            "request_id", "trace_id", "done_fields", "tensor_fields", "describe_tensors", "TIMINGS",
            "tag_json_line", "TextFormatter", "JsonFormatter"]
 
@@ -44,6 +54,169 @@ FORMATS = ("text", "json")
 # The attributes every LogRecord has: anything else on a record came in `extra=`.
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
 _FORMAT = "text"  # what setup_logging configured (the launcher passes it on to its workers)
+QUEUED_LINES = 20_000  # lines waiting for a stalled stream before new ones are dropped
+FLUSH_S = 2.0  # at exit, how long the lines still queued may take to go out
+
+
+class LineWriter:
+    """Text lines written to ``stream`` by a daemon thread, in the order they were put.
+
+    ``put`` never blocks on the stream: it appends to a queue of at most ``capacity`` lines
+    and wakes the thread if it was waiting; with the queue full (the stream has stalled) the
+    line is dropped and counted, and the next batch written starts with ``notice(n)`` (a
+    line saying that ``n`` were dropped).  The thread writes whatever is queued in one write
+    and one flush.  ``flush(timeout)`` waits until what was put before it is written (or
+    given up on); ``close(timeout)`` does the same and ends the thread.  Errors writing
+    (a closed stream, EPIPE) drop the lines silently, as a stream handler would."""
+
+    def __init__(self, stream: Any, capacity: int = QUEUED_LINES, name: str = "log-writer"):
+        self.stream = stream
+        self.capacity = capacity
+        self.notice = lambda n: f"{n} log lines were dropped: the stream they go to was not read fast enough"
+        self._q: collections.deque = collections.deque()
+        self._cv = threading.Condition(threading.Lock())
+        self._dropped = 0
+        self._put = 0      # lines accepted
+        self._done = 0     # lines written or given up on
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def dropped(self) -> int:
+        """Lines dropped and not yet reported."""
+        return self._dropped
+
+    def put(self, line: str) -> bool:
+        """Queue ``line`` (no newline); False: dropped (the queue is full, or closed)."""
+        with self._cv:
+            if self._closed or len(self._q) >= self.capacity:
+                self._dropped += 1
+                return False
+            self._q.append(line)
+            self._put += 1
+            if len(self._q) == 1:
+                self._cv.notify()  # the thread waits only on an empty queue
+        return True
+
+    def flush(self, timeout: float = FLUSH_S) -> bool:
+        """Wait up to ``timeout`` s for the lines put so far to be written: True if they were.
+        At exit every wait ends by one deadline (FLUSH_S after the exit began: logging
+        flushes and closes each handler, and a stream that is not read must not hold the
+        exit up once per call)."""
+        with self._cv:
+            return self._wait(timeout)
+
+    def close(self, timeout: float = FLUSH_S) -> bool:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            done = self._wait(timeout)
+        if done:
+            self._thread.join(timeout)
+        return done
+
+    def _wait(self, timeout: float) -> bool:
+        target = self._put
+        if _EXIT_BY is not None:
+            timeout = min(timeout, max(0.0, _EXIT_BY - time.monotonic()))
+        return self._cv.wait_for(lambda: self._done >= target, timeout)
+
+    def _run(self) -> None:
+        q, cv = self._q, self._cv
+        while True:
+            with cv:
+                while not q and not self._closed:
+                    cv.wait()
+                if not q:
+                    return  # closed, and everything written
+                lines = list(q)
+                q.clear()
+                dropped, self._dropped = self._dropped, 0
+            n = len(lines)
+            if dropped:
+                try:
+                    lines.insert(0, self.notice(dropped))
+                except Exception:  # noqa: BLE001 - a notice is never worth the lines
+                    pass
+            try:
+                self.stream.write("\n".join(lines) + "\n")
+                self.stream.flush()
+            except (OSError, ValueError):
+                pass
+            with cv:
+                self._done += n
+                cv.notify_all()
+
+
+class QueuedHandler(logging.Handler):
+    """A handler that formats each record in the thread that logs it and hands the line to
+    a :class:`LineWriter`: logging never waits for the stream."""
+
+    def __init__(self, writer: LineWriter):
+        super().__init__()
+        self.writer = writer
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:  # noqa: BLE001 - as logging.StreamHandler does
+            self.handleError(record)
+            return
+        self.writer.put(line)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+        super().close()
+
+
+_WRITERS: dict[int, LineWriter] = {}  # id(stream) -> its writer (one thread per stream)
+_WRITERS_LOCK = threading.Lock()
+
+
+def line_writer(stream: Any) -> LineWriter:
+    """The one :class:`LineWriter` of ``stream`` in this process (made on first use), so
+    that the log lines and the lines the launcher forwards from its workers keep one order
+    on stderr."""
+    with _WRITERS_LOCK:
+        w = _WRITERS.get(id(stream))
+        if w is None or w.stream is not stream or w._closed:
+            w = _WRITERS[id(stream)] = LineWriter(stream)
+        return w
+
+
+_EXIT_BY: float | None = None  # at exit: when waits for the writers end
+
+
+@atexit.register
+def _close_writers() -> None:
+    # Exit hooks run last registered first: this one before logging.shutdown (logging was
+    # imported first), which flushes and closes the handlers too.  Together they give the
+    # lines still queued FLUSH_S to go out, so a process exits even if its stderr is never
+    # read.
+    global _EXIT_BY
+    _EXIT_BY = time.monotonic() + FLUSH_S
+    for w in list(_WRITERS.values()):
+        w.close()
+
+
+def _after_fork_in_child() -> None:
+    # The writer threads did not come with the fork: a child (a model that forks, say)
+    # starts its own, with nothing of the parent's queue (those lines are the parent's).
+    for w in _WRITERS.values():
+        w._q.clear()
+        w._cv = threading.Condition(threading.Lock())
+        w._put = w._done = w._dropped = 0
+
+        if not w._closed:
+            w._thread = threading.Thread(target=w._run, name=w._thread.name, daemon=True)
+            w._thread.start()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _extras(record: logging.LogRecord) -> dict[str, Any]:
@@ -123,7 +296,8 @@ def setup_logging(level: str | int = "WARNING", fmt: str = "text", process: str 
                   stream: Any = None) -> logging.Handler:
     """Configure the root logger: one handler on `stream` (stderr) writing `fmt` lines
     ("text" or "json") naming `process` (broker, worker, ...), at `level` (a name of LEVELS,
-    any case, or a number).  Replaces the root's handlers; returns the new one."""
+    any case, or a number), through the stream's :class:`LineWriter`.  Replaces the root's
+    handlers; returns the new one (its ``flush()`` waits for the lines logged so far)."""
     global _FORMAT
     if fmt not in FORMATS:
         raise ValueError(f"log format {fmt!r} must be one of {', '.join(FORMATS)}")
@@ -133,11 +307,23 @@ def setup_logging(level: str | int = "WARNING", fmt: str = "text", process: str 
             raise ValueError(f"log level {level!r} must be one of {', '.join(LEVELS)}")
         level = getattr(logging, name)
     process = process or os.path.basename(sys.argv[0] or "python")
-    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
-    handler.setFormatter(JsonFormatter(process) if fmt == "json" else TextFormatter(process))
+    writer = line_writer(sys.stderr if stream is None else stream)
+    handler = QueuedHandler(writer)
+    formatter = JsonFormatter(process) if fmt == "json" else TextFormatter(process)
+    handler.setFormatter(formatter)
+
+    def notice(n: int) -> str:
+        return formatter.format(logging.LogRecord(
+            __name__, logging.WARNING, __file__, 0,
+            "%d log lines were dropped: stderr was not read fast enough (a pipe nobody reads, a "
+            "paused terminal, a stalled log collector)", (n,), None))
+
+    writer.notice = notice
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
+        if isinstance(h, QueuedHandler) and h.writer is not writer:
+            h.close()  # its stream's writer thread ends
     root.addHandler(handler)
     root.setLevel(level)
     _FORMAT = fmt

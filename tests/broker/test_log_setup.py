@@ -8,6 +8,8 @@ import argparse
 import io
 import json
 import logging
+import os
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -29,6 +31,8 @@ def restore_root(monkeypatch):
     finally:
         for h in list(root.handlers):
             root.removeHandler(h)
+            if h not in handlers:
+                h.close()
         for h in handlers:
             root.addHandler(h)
         root.setLevel(level)
@@ -46,6 +50,7 @@ def test_text_lines_end_with_the_request_fields(restore_root):
     log.info("request done", extra=logs.done_fields(_req(traceparent=TP), "echo",
                                                     {"compute_ms": 0.12345, "batch": 2.0, "queue_ms": 0.5}))
     log.warning("plain")
+    assert logging.getLogger().handlers[0].flush() is None
     lines = out.getvalue().splitlines()
     assert len(lines) == 2
     assert lines[0].endswith(" worker INFO request done rid=4242:17 trace_id=4bf92f3577b34da6a3ce929d0e0e4736 "
@@ -64,6 +69,7 @@ def test_json_lines_parse_with_their_fields_and_tracebacks(restore_root):
         raise ValueError("boom")
     except ValueError:
         log.exception("failed %d", 3, extra={"rid": "-:1"})
+    logging.getLogger().handlers[0].flush()
     a, b = (json.loads(line) for line in out.getvalue().splitlines())
     assert {k: a[k] for k in ("level", "process", "logger", "msg", "rid")} == {
         "level": "DEBUG", "process": "broker", "logger": "broker.t", "msg": "request tensors", "rid": "4242:17"}
@@ -211,3 +217,51 @@ def test_errors_the_broker_and_the_worker_answer_are_one_info_line_each(restore_
     failed = [r for r in lines if r["msg"].startswith("request failed")]
     assert [(r["logger"], r["rid"], r["code"], r.get("trace_id")) for r in failed] == [
         ("broker", "-:9", 504, TP[3:35]), ("gpu_worker", "4242:11", 504, None)], lines
+
+
+# ---- lines reach the stream through a thread of their own (logs.LineWriter)
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_nobody_reads_never_blocks_the_thread_that_logs():
+    # A pipe nobody reads (a terminal paused with Ctrl-S, a stalled log collector) blocked
+    # the broker's loop in a write once its 64 KiB were full.  Lines now queue, then drop
+    # (counted), and the next line written says how many.
+    r, w = os.pipe()
+    stream = open(w, "w", encoding="utf-8")
+    writer = logs.LineWriter(stream, capacity=100)
+    try:
+        line = "x" * 1000
+        accepted = sum(writer.put(f"{i} {line}") for i in range(2000))  # ~2 MB: far over the pipe
+        assert 100 <= accepted < 2000 and writer.dropped == 2000 - accepted
+        assert writer.flush(0.2) is False      # the stream is stuck: a bounded wait says so
+        got = []
+
+        def drain():
+            with open(r, "rb") as f:
+                got.append(f.read())
+
+        t = threading.Thread(target=drain)
+        t.start()
+        assert writer.put("after")             # a line after the stall: it carries the notice
+        assert writer.close(10.0) is True
+        stream.close()
+        t.join(10)
+        lines = got[0].decode().splitlines()
+        numbers = [int(x.split()[0]) for x in lines if x.endswith(line)]
+        assert numbers == sorted(numbers) and len(numbers) == accepted  # in order, none lost
+        notice = [x for x in lines if "dropped" in x]
+        assert notice == [f"{2000 - accepted} log lines were dropped: the stream they go to was not read fast enough"]
+        assert lines[-1] == "after"  # the notice went out with the first batch after the drops
+    finally:
+        if not stream.closed:
+            stream.close()
+
+
+def test_the_notice_is_a_log_line_of_the_configured_format(restore_root):
+    out = io.StringIO()
+    handler = logs.setup_logging("INFO", "json", "broker", stream=out)
+    line = json.loads(handler.writer.notice(7))
+    assert line["level"] == "WARNING" and line["process"] == "broker"
+    assert line["msg"].startswith("7 log lines were dropped: stderr was not read fast enough")
+    assert logs.line_writer(out) is handler.writer  # the launcher's forwarded lines share it

@@ -453,3 +453,21 @@ def test_sighup_to_a_broker_without_pools_or_to_a_worker_is_said_and_ignored(clu
         with c.infer("echo", {"x": np.ones(4)}) as r:
             np.testing.assert_array_equal(r["x"], np.ones(4))
     assert broker.p.poll() is None and worker.p.poll() is None
+
+
+def test_a_stderr_nobody_reads_stalls_nothing_and_the_exit(tmp_path, launchers):
+    # At INFO the broker logs a line per request, and forwards its workers' lines.  With its
+    # stderr a pipe that nobody read (a paused terminal, a stalled log collector), the first
+    # 64 KiB filled it and the broker's loop blocked in a write, with every request behind
+    # it.  Lines now go out through a thread of their own (dropped and counted once too many
+    # wait), and a SIGTERM still ends it all in bounded time.
+    launcher = launchers(tmp_path, '[[pool]]\nmodel = "echo"\ncount = 1\n')
+    x = np.arange(4, dtype=np.float32)
+    with Client(launcher.frontend, timeout=10) as c:  # stderr is not read from here on
+        for _ in range(3000):  # well over a pipe's worth of log lines
+            with c.infer("echo", {"x": x}) as r:
+                assert r["x"][3] == 3.0
+    launcher.p.send_signal(signal.SIGTERM)
+    assert launcher.p.wait(30) == 0
+    # What it wrote before the pipe filled (the rest was dropped, or given up on at exit).
+    assert "broker INFO request dispatched" in launcher.read_all_stderr()
