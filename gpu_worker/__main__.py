@@ -123,9 +123,8 @@ def direct_tcp_problem(endpoint: str, worker_key: str | None, insecure: bool) ->
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    from gpu_worker.worker import DIRECT_LINGER_MS, ConfigError, WarmupError, Worker, WorkerConfig, install_sigterm_drain
-
+def build_parser() -> argparse.ArgumentParser:
+    """`python -m gpu_worker`'s options (the launcher checks a pool's `extra_args` with it)."""
     ap = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__.splitlines()[0])
     ap.add_argument("--broker", default=None, help="broker backend endpoint (default: the broker's ipc default)")
     add_model_options(ap)
@@ -161,7 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--health-port", metavar="[HOST:]PORT", default=None,
                     help="serve /v2/health/live and /v2/health/ready for probes of this process "
                          "(PORT alone: 127.0.0.1; a pod: 0.0.0.0:PORT)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gpu_worker.worker import DIRECT_LINGER_MS, ConfigError, WarmupError, Worker, WorkerConfig, install_sigterm_drain
+
+    args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format, "worker")
 
     broker = args.broker or P.default_endpoints()[1]

@@ -445,6 +445,15 @@ def test_a_file_without_pools_is_no_launcher(tmp_path):
     ("[[pool]]\nmodel = 'echo'\ntransports = ['tcp']\n", ["transports must be"]),
     ("[[pool]]\nmodel = 'echo'\nmax_delay_ms = -1\n", ["max_delay_ms must be a number >= 0"]),
     ("[[pool]]\nmodel = 'echo'\nextra_args = '--x'\n", ["extra_args must be a list of strings"]),
+    # What the launcher sets from the broker, or a key of the same table sets: a worker sent
+    # to another broker, or with other heartbeats, was never seen registered (killed as hung).
+    ("[[pool]]\nmodel = 'echo'\nextra_args = ['--broker', 'ipc:///x']\n",
+     ["extra_args may not set --broker ('--broker')", "this broker's backend"]),
+    ("[[pool]]\nmodel = 'echo'\nextra_args = ['--heartbeat-int=5']\n",
+     ["extra_args may not set --heartbeat-interval ('--heartbeat-int=5')", "[scheduler] heartbeat_interval"]),
+    ("[[pool]]\nmodel = 'echo'\nextra_args = ['--model', 'convnet']\n", ["may not set --model", "model key"]),
+    ("[[pool]]\nmodel = 'echo'\nmax_batch = 2\nextra_args = ['--max-batch', '4']\n",
+     ["may not set --max-batch ('--max-batch')", "the table's max_batch key sets it already"]),
     ("[[pool]]\nmodel = 'echo'\n[[pool]]\nmodel = 'echo'\n", ["[[pool]] #2", "name 'echo' is taken by [[pool]] #1"]),
     ("pool = 3\n", ["pool must be an array of tables"]),
     ("[launcher]\ndrain_timeout_s = 1\n", ["[launcher] without any [[pool]]"]),

@@ -189,7 +189,7 @@ def test_errors_the_broker_and_the_worker_answer_are_one_info_line_each(restore_
     from gpu_worker.worker import Worker, WorkerConfig
 
     out = io.StringIO()
-    logs.setup_logging("INFO", "json", "test", stream=out)
+    handler = logs.setup_logging("INFO", "json", "test", stream=out)
     F = zmq.Frame
 
     class Recording(Broker):
@@ -213,6 +213,7 @@ def test_errors_the_broker_and_the_worker_answer_are_one_info_line_each(restore_
         w.on_message([F(P.MDPW), F(P.W_REQUEST), F(b"e"), F(b""), F(head)])
     finally:
         w.close()
+    handler.flush()
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     failed = [r for r in lines if r["msg"].startswith("request failed")]
     assert [(r["logger"], r["rid"], r["code"], r.get("trace_id")) for r in failed] == [
