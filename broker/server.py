@@ -228,6 +228,16 @@ def _ipc_served(path: str) -> bool:
         s.close()
 
 
+def _unlink_ipc(endpoints) -> None:
+    """Remove the socket files of these endpoints (the ipc ones with a path)."""
+    for ep in endpoints:
+        if ep.startswith("ipc://") and not ep.startswith("ipc://@"):
+            try:
+                os.unlink(ep[len("ipc://") :])
+            except OSError:
+                pass
+
+
 class Broker:
     """MDP/0.2 broker.  `Broker(cfg).serve(stop_event)`; a context manager that closes sockets."""
 
@@ -291,16 +301,21 @@ class Broker:
             if ep.startswith("tcp://"):
                 wire.tcp_liveness(sock, max(2 * window, wire.DEAD_AFTER_BEATS * hb))
         self._curve = security.ServerCurve(self.ctx, self._curve_plan)
+        bound = []
         try:
             self._curve.start()
             self._curve.configure(self.frontend, "frontend")
             self._curve.configure(self.backend, "backend")
             self._bind(self.frontend, self.frontend_ep)
+            bound.append(self.frontend_ep)
             self._bind(self.backend, self.backend_ep)
         except BaseException:
             for s in (self.frontend, self.backend):
                 s.close(linger=0)
             self._curve.stop()
+            # The frontend's socket file, when only the backend failed: libzmq removes it
+            # from its I/O thread, which the exit that follows does not wait for.
+            _unlink_ipc(bound)
             raise
         # Resolve wildcard ports so callers (tests, bench) can connect.
         self.frontend_ep = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -425,12 +440,7 @@ class Broker:
         for s in (self.frontend, self.backend):
             s.close(linger=0)
         self._curve.stop()
-        for ep in (self.frontend_ep, self.backend_ep):
-            if ep.startswith("ipc://"):
-                try:
-                    os.unlink(ep[len("ipc://") :])
-                except OSError:
-                    pass
+        _unlink_ipc((self.frontend_ep, self.backend_ep))
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Run until `stop` is set (checked at least every 100 ms)."""

@@ -21,6 +21,7 @@ stderr saying what to change, and exit 2.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import sys
 
@@ -123,6 +124,25 @@ def direct_tcp_problem(endpoint: str, worker_key: str | None, insecure: bool) ->
     return None
 
 
+def _endpoint_problem(endpoint: str) -> str | None:
+    """Why libzmq refuses to connect to ``endpoint`` (an unknown scheme, an ipc path longer
+    than a socket address holds, a malformed tcp address), or None.  A connect is checked
+    at once and starts nothing that outlives the socket."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        if e.errno == errno.ENAMETOOLONG:
+            return (f"the ipc path is {len(endpoint) - len('ipc://')} bytes, and a socket path holds at most "
+                    f"107: use a shorter path")
+        return f"{e.strerror}; check the endpoint's spelling"
+    finally:
+        sock.close(linger=0)
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """`python -m gpu_worker`'s options (the launcher checks a pool's `extra_args` with it)."""
     ap = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__.splitlines()[0])
@@ -176,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         link_keys(broker, args.server_key, args.worker_key, args.insecure)
     except CurveKeyError as e:
         print(f"python -m gpu_worker: {e}", file=sys.stderr, flush=True)
+        return 2
+    why = _endpoint_problem(broker)
+    if why is not None:
+        print(f"python -m gpu_worker: cannot connect to --broker {broker}: {why}", file=sys.stderr, flush=True)
         return 2
     if args.insecure and broker.startswith("tcp://"):
         logging.getLogger("gpu_worker").warning("INSECURE: connecting to %s as plain tcp (--insecure)", broker)

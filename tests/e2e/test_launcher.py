@@ -186,6 +186,22 @@ def test_an_endpoint_that_cannot_be_bound_is_one_line_and_exit_2(tmp_path):
         r = run_broker("--frontend", f"tcp://127.0.0.1:{port}", "--backend", f"ipc://{tmp_path}/be.ipc",
                        "--insecure")
     assert r.returncode == 2 and f"cannot bind tcp://127.0.0.1:{port}" in r.stderr.strip().splitlines()[-1], r.stderr
+    # A backend that cannot be bound, after the frontend was: the frontend's socket file
+    # stayed behind.
+    r = run_broker("--frontend", f"ipc://{tmp_path}/fe.ipc", "--backend", f"ipc://{tmp_path}/nope/be.ipc")
+    assert r.returncode == 2 and f"cannot bind ipc://{tmp_path}/nope/be.ipc" in r.stderr, r.stderr
+    assert not (tmp_path / "fe.ipc").exists()
+
+
+def test_a_worker_with_a_broker_endpoint_it_cannot_connect_to_is_one_line_and_exit_2(tmp_path):
+    # An ipc path longer than a socket address holds was a traceback (after the model loaded).
+    long = f"ipc://{tmp_path}/{'x' * 120}.ipc"
+    for endpoint, words in ((long, "a socket path holds at most 107"), ("icp:///tmp/x", "check the endpoint's spelling")):
+        r = subprocess.run([sys.executable, "-m", "gpu_worker", "--broker", endpoint, "--model", "echo"],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert r.returncode == 2 and r.stdout == "", r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"cannot connect to --broker {endpoint}" in lines[0] and words in lines[0], r.stderr
 
 
 def test_a_second_broker_does_not_take_a_running_ones_ipc_endpoint(cluster):
