@@ -228,6 +228,20 @@ def _ipc_served(path: str) -> bool:
         s.close()
 
 
+def _signature(decl) -> tuple:
+    """A Ready's inputs or outputs declaration, hashable and in name order."""
+    if not decl:
+        return ()
+    return tuple(sorted((name, dt, None if shape is None else tuple(shape)) for name, (dt, shape) in decl.items()))
+
+
+def _show_sig(decl) -> str:
+    if not decl:
+        return "(none)"
+    return ", ".join(f"{name}:{dt or '*'}{list(shape) if shape is not None else '[*]'}"
+                     for name, (dt, shape) in sorted(decl.items()))
+
+
 def _unlink_ipc(endpoints) -> None:
     """Remove the socket files of these endpoints (the ipc ones with a path)."""
     for ep in endpoints:
@@ -266,6 +280,7 @@ class Broker:
         self._seen_services: dict[str, None] = {}  # registered at some point (404 vs 503), bounded
         # ident -> (service, pid, inputs, host, outputs, whether the kernel said the pid)
         self._worker_info: dict[bytes, tuple] = {}
+        self._sig_warned: set = set()  # (service, signature, signature) said (_check_signature)
         self._here = P.local_host_id()
         # (pids of the registered workers on this host, {pid: when} of those that said
         # goodbye (DISCONNECT) lately, the loop's clock then), remade once a second and replaced whole
@@ -1096,9 +1111,34 @@ class Broker:
             self._worker_info = live
         attested = None if frame is None else _peer_pid(frame)
         pid = attested if attested is not None else None if ready is None else ready.pid
+        if ready is not None and (ready.inputs or ready.outputs):
+            self._check_signature(ident, service, pid, ready)
         self._worker_info[ident] = (service, pid, None if ready is None else ready.inputs,
                                     None if ready is None else ready.host,
                                     None if ready is None else ready.outputs, attested is not None)
+
+    def _check_signature(self, ident: bytes, service: str, pid, ready) -> None:
+        """Warn (once per pair of signatures in a service) when a worker registers for a
+        service whose live workers declared other inputs or outputs: its clients get one
+        model or the other, whichever worker takes each request (two pools of one service
+        with different models; expected for the length of a rolling upgrade that changes
+        the model's signature).  O(workers) per READY."""
+        mine = (_signature(ready.inputs), _signature(ready.outputs))
+        for w, v in self._worker_info.items():
+            if w == ident or v[0] != service or not (v[2] or v[4]) or not self.sched.has_worker(w):
+                continue
+            theirs = (_signature(v[2]), _signature(v[4]))
+            if theirs == mine:
+                return  # like a live worker's: any mismatch was said when it came
+            key = (service, mine, theirs)
+            if key not in self._sig_warned and len(self._sig_warned) < _MAX_SERVICES:
+                self._sig_warned.add(key)
+                log.warning("a worker (pid %s) registered for '%s' declaring inputs %s and outputs %s, unlike "
+                            "a live worker of it (pid %s: inputs %s, outputs %s): each request of '%s' goes to "
+                            "one or the other (expected only while a rolling upgrade changes the model)",
+                            pid, service, _show_sig(ready.inputs), _show_sig(ready.outputs), v[1],
+                            _show_sig(v[2]), _show_sig(v[4]), service)
+            return
 
     def _client_pid(self, ident: bytes, frame: Any) -> int | None:
         """The pid of the process on the other end of this client's ipc connection (learned

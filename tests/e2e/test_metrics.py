@@ -287,3 +287,14 @@ def test_pinned_requests_are_counted_from_the_workers_stats(cluster):
             c.infer("declared", bad)
         assert c.pinned_replies - before == n + 1, "a request left the lease"
     until(lambda: counts() == (sent + n, 1, sent + n + 1), f"{n} pinned results and 1 pinned error counted")
+
+
+def test_a_worker_declaring_another_signature_than_its_service_has_is_a_warning(cluster):
+    # Two pools of one service with different models (or a worker of last week's model left
+    # running): each request went to either, silently, and the model's metadata showed
+    # whichever worker came first.  The broker says so once, naming both.
+    broker = cluster.broker()
+    cluster.worker("gate_model:declared", "--service", "s")
+    cluster.worker("convnet", "--service", "s", "--no-warmup")
+    broker.wait_log("unlike a live worker of it")
+    assert "outputs logits:<f4[1000]" in broker._err.decode() and "outputs image:|u1[None, None, 3]" in broker._err.decode()
