@@ -256,42 +256,32 @@ LAUNCHER_KEYS: dict[str, tuple] = {
 }
 
 
-#: gpu_worker options (argparse dests) the launcher sets from the broker itself: a pool's
-#: extra_args may not set them (a worker pointed at another broker, or with other heartbeats,
-#: would never be seen registered, and be killed as hung)
-_LAUNCHERS_OWN = {
-    "broker": "the launcher connects its workers to this broker's backend",
-    "model": "use the pool's model key",
-    "heartbeat_interval": "the launcher passes the broker's [scheduler] heartbeat_interval",
-    "heartbeat_liveness": "the launcher passes the broker's [scheduler] heartbeat_liveness",
-    "insecure": "the launcher passes it when the broker's backend is plain tcp",
-    "server_key": "the launcher passes the broker's own public key",
+#: `python -m gpu_worker` flags the launcher sets from the broker itself: a pool's extra_args
+#: may not set them (a worker pointed at another broker, or with other heartbeats, would
+#: never be seen registered, and be killed as hung).  The worker takes no abbreviations
+#: (tests/broker/test_launcher_logic.py checks these against its parser).
+LAUNCHERS_FLAGS = {
+    "--broker": "the launcher connects its workers to this broker's backend",
+    "--model": "use the pool's model key",
+    "--heartbeat-interval": "the launcher passes the broker's [scheduler] heartbeat_interval",
+    "--heartbeat-liveness": "the launcher passes the broker's [scheduler] heartbeat_liveness",
+    "--insecure": "the launcher passes it when the broker's backend is plain tcp",
+    "--server-key": "the launcher passes the broker's own public key",
 }
 
 
 def _check_extra_args(table: dict, where: str) -> None:
     """Refuse extra_args that set what the launcher sets, or what a key of the same table
-    sets (two values for one thing; argparse would take the last without a word).  Flags
-    are resolved as `python -m gpu_worker` resolves them: `--flag=value`, and abbreviations."""
-    from gpu_worker.__main__ import build_parser
-
-    options = build_parser()._option_string_actions
-    keyed = {flag.lstrip("-").replace("-", "_"): key for key, flag in _FLAGS if key in table}
+    sets (two values for one thing; argparse would take the last without a word), as
+    `--flag value` or `--flag=value`."""
+    keyed = {flag: key for key, flag in _FLAGS if key in table}
     for token in table.get("extra_args", ()):
-        if not token.startswith("--") or token == "--":
-            continue
-        name = token.split("=", 1)[0]
-        action = options.get(name)
-        if action is None:
-            hits = {a for o, a in options.items() if o.startswith(name)}
-            if len(hits) != 1:
-                continue  # unknown or ambiguous: the worker says so when it starts
-            action = hits.pop()
-        why = _LAUNCHERS_OWN.get(action.dest)
-        if why is None and action.dest in keyed:
-            why = f"the table's {keyed[action.dest]} key sets it already"
+        flag = token.split("=", 1)[0]
+        why = LAUNCHERS_FLAGS.get(flag)
+        if why is None and flag in keyed:
+            why = f"the table's {keyed[flag]} key sets it already"
         if why is not None:
-            raise ConfigError(f"{where}extra_args may not set {action.option_strings[0]} ({token!r}): {why}")
+            raise ConfigError(f"{where}extra_args may not set {flag} ({token!r}): {why}")
 
 
 def _pool(table: Any, where: str) -> PoolConfig:

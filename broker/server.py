@@ -706,6 +706,11 @@ class Broker:
             msg = P.parse_client(frames[1:])
         except P.ProtocolError as e:
             self.malformed += 1
+            if len(frames) > 1 and bytes(frames[1]) == P.MDPW:
+                self._bad.warning("a worker (MDPW02) sent to the frontend %s: workers connect to the backend %s "
+                                  "(python -m gpu_worker --broker %s)", self.frontend_ep, self.backend_ep,
+                                  self.backend_ep)
+                return
             self._bad.warning("malformed client message from %r: %s", ident[:16], e)
             return
         if msg.leading_empty:
@@ -981,7 +986,11 @@ class Broker:
             msg = P.parse_worker(frames[1:])
         except P.ProtocolError as e:
             self.malformed += 1
-            self._bad.warning("malformed worker message from %r: %s", ident[:16], e)
+            if len(frames) > 1 and bytes(frames[1]) == P.MDPC:
+                self._bad.warning("a client (MDPC02) sent to the backend %s: clients connect to the frontend %s",
+                                  self.backend_ep, self.frontend_ep)
+            else:
+                self._bad.warning("malformed worker message from %r: %s", ident[:16], e)
             sched.worker_seen(ident, now)
             return
         cmd = msg.command

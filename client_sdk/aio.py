@@ -529,7 +529,7 @@ class AsyncClient(ClientBase):
                 now = time.monotonic()
                 ends = [t for t in (call.deadline, stop) if t is not None]
                 if call.deadline is not None and now >= call.deadline:
-                    raise call.deadline_error()
+                    raise self._core.deadline_error(call)
                 if stop is not None and now >= stop:
                     if looked:
                         raise TimeoutError(f"no result within {limit:g}s; the request is still in flight")
@@ -584,7 +584,7 @@ class AsyncClient(ClientBase):
                     deadline = call.deadline
                     if deadline is not None:
                         if time.monotonic() >= deadline:
-                            raise call.deadline_error()
+                            raise self._core.deadline_error(call)
                         at = self._deadline_at
                         if at is None or deadline < at:
                             self._arm_deadlines(deadline)

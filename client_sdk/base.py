@@ -91,6 +91,11 @@ class ClientBase:
         """Requests sent and not yet answered with a FINAL."""
         return self._core.in_flight()
 
+    def deadline_error(self, call: Call) -> Exception:
+        """The DeadlineExceeded for `call`, past its deadline (with a word on the endpoint
+        when nothing at all has come from it)."""
+        return self._core.deadline_error(call)
+
     def give_up(self, call: Call) -> None:
         """Stop waiting for `call`: an unsent one is dropped and its input slots freed now; one
         in flight is cancelled at the broker, or at its leased worker (its slots are freed

@@ -171,12 +171,14 @@ class Call:
     def remaining(self, now: float) -> float | None:
         return None if self.deadline is None else self.deadline - now
 
-    def deadline_error(self) -> DeadlineExceeded:
-        """The error for a call that outlived its deadline (the twin cancels it)."""
-        return DeadlineExceeded(
-            f"no reply from service {self.service!r} within {self.timeout:g}s; the request was cancelled",
-            request_id=self.id or None,
-        )
+    def deadline_error(self, advice: str | None = None) -> DeadlineExceeded:
+        """The error for a call that outlived its deadline (the twin cancels it); ``advice``
+        in place of the class's usual hint."""
+        text = f"no reply from service {self.service!r} within {self.timeout:g}s; the request was cancelled"
+        err = DeadlineExceeded(text, request_id=self.id or None)
+        if advice is not None:
+            err.args = (f"{text}; {advice}",)
+        return err
 
 
 class MmiQuery:

@@ -180,7 +180,7 @@ class Client(ClientBase):
                     elif now < deadline:
                         self._pump(deadline - now, now, inbox)
                     else:
-                        raise call.deadline_error()
+                        raise self._core.deadline_error(call)
                 kind, item = inbox.popleft()
                 if kind == "final":
                     break
@@ -696,7 +696,7 @@ class Client(ClientBase):
         while not call.inbox:
             now = time.monotonic()
             if call.deadline is not None and now >= call.deadline:
-                raise call.deadline_error()
+                raise self._core.deadline_error(call)
             if stop is not None and now >= stop and looked:
                 raise TimeoutError(f"no result within {limit:g}s; the request is still in flight")
             ends = [t for t in (call.deadline, stop) if t is not None]

@@ -686,7 +686,7 @@ class ClientCore(PinEvents):
                   and now >= call.deadline):
                 # Not ours (a call we cancel is abandoned): the broker's deadline cancelled it
                 # at its worker, whose answer can beat the broker's own DEADLINE_EXCEEDED.
-                self._deliver(call, ("error", call.deadline_error()), True, now)
+                self._deliver(call, ("error", self.deadline_error(call)), True, now)
             else:
                 self._deliver(call, ("error", error_from(rep.error.code, rep.error.message, request_id=rep.id)),
                               True, now)
@@ -827,6 +827,19 @@ class ClientCore(PinEvents):
         if self.last_recv >= self.resumed_at:  # heard from since the last return
             self.resumed_at = now
         return True
+
+    def deadline_error(self, call: Call) -> "DeadlineExceeded":
+        """``call.deadline_error()``, with a word on the endpoint when nothing at all has
+        come from it since this client connected although the call waited long enough for
+        a heartbeat's answer: a wrong endpoint (a broker's backend, another program) answers
+        nothing, and "raise the timeout" was the wrong advice."""
+        hb = self.heartbeat_interval
+        if self.last_recv == 0.0 and hb is not None and call.timeout is not None and call.timeout > 1.5 * hb:
+            return call.deadline_error(
+                f"nothing at all has come from {self.endpoint} since this client connected, not even an "
+                f"answer to its heartbeats: check that it is the broker's frontend endpoint (not its "
+                f"backend), and that the broker runs")
+        return call.deadline_error()
 
     def silent_for(self, call: Call, now: float) -> float:
         return now - max(self.last_recv, call.t_sent, self.resumed_at)

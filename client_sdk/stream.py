@@ -170,7 +170,7 @@ class _StreamCore:
         head = self._outstanding.popleft()
         self._failed += 1
         self._client.give_up(head)
-        return head.deadline_error()
+        return self._client.deadline_error(head)
 
     def _shutdown(self) -> None:
         self._closed = True

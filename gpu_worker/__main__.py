@@ -145,7 +145,10 @@ def _endpoint_problem(endpoint: str) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     """`python -m gpu_worker`'s options (the launcher checks a pool's `extra_args` with it)."""
-    ap = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__.splitlines()[0])
+    # No abbreviations: a launcher refuses a pool's extra_args that set its own flags
+    # (broker.config.LAUNCHERS_FLAGS), and an abbreviation would slip past it.
+    ap = argparse.ArgumentParser(prog="python -m gpu_worker", description=__doc__.splitlines()[0],
+                                 allow_abbrev=False)
     ap.add_argument("--broker", default=None, help="broker backend endpoint (default: the broker's ipc default)")
     add_model_options(ap)
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "numpy", "tensorrt"),

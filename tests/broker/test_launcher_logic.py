@@ -449,8 +449,8 @@ def test_a_file_without_pools_is_no_launcher(tmp_path):
     # to another broker, or with other heartbeats, was never seen registered (killed as hung).
     ("[[pool]]\nmodel = 'echo'\nextra_args = ['--broker', 'ipc:///x']\n",
      ["extra_args may not set --broker ('--broker')", "this broker's backend"]),
-    ("[[pool]]\nmodel = 'echo'\nextra_args = ['--heartbeat-int=5']\n",
-     ["extra_args may not set --heartbeat-interval ('--heartbeat-int=5')", "[scheduler] heartbeat_interval"]),
+    ("[[pool]]\nmodel = 'echo'\nextra_args = ['--heartbeat-interval=5']\n",
+     ["extra_args may not set --heartbeat-interval ('--heartbeat-interval=5')", "[scheduler] heartbeat_interval"]),
     ("[[pool]]\nmodel = 'echo'\nextra_args = ['--model', 'convnet']\n", ["may not set --model", "model key"]),
     ("[[pool]]\nmodel = 'echo'\nmax_batch = 2\nextra_args = ['--max-batch', '4']\n",
      ["may not set --max-batch ('--max-batch')", "the table's max_batch key sets it already"]),
@@ -540,3 +540,13 @@ def test_the_shipped_sample_and_the_docs_sample_parse(tmp_path):
         d = C.load_launcher(path)
         assert d is not None and d.workers >= 2
         assert all(p.worker_args("ipc:///x")[:4] == ["--broker", "ipc:///x", "--model", p.model] for p in d.pools)
+
+
+def test_the_flags_extra_args_may_not_set_are_the_workers_and_take_no_abbreviation():
+    from gpu_worker.__main__ import build_parser
+
+    ap = build_parser()
+    options = ap._option_string_actions
+    assert set(C.LAUNCHERS_FLAGS) | {flag for _, flag in C._FLAGS} <= set(options)
+    with pytest.raises(SystemExit):  # an abbreviation would slip past the launcher's check
+        ap.parse_args(["--brok", "ipc:///x"])

@@ -73,3 +73,28 @@ def test_an_opaque_reply_to_a_tensor_call_is_a_typed_error_not_a_timeout(cluster
         if t.is_alive():
             t.join(5)
         w.close()
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["Client", "AsyncClient"])
+def test_a_client_pointed_at_the_brokers_backend_is_told_to_check_the_endpoint(cluster, blocking):
+    # The backend answers a client nothing: the call timed out advising "raise `timeout`,
+    # lower the load, or add workers", and the broker logged "malformed worker message".
+    import asyncio
+
+    from client_sdk import AsyncClient, DeadlineExceeded
+
+    broker = cluster.broker()  # 0.2 s heartbeats: the client's are 1 s, its timeout 2 s
+    x = {"x": np.zeros(3)}
+    with pytest.raises(DeadlineExceeded) as info:
+        if blocking:
+            with Client(cluster.backend, timeout=2) as c:
+                c.infer("echo", x)
+        else:
+            async def call():
+                async with AsyncClient(cluster.backend, timeout=2) as c:
+                    await c.infer("echo", x)
+
+            asyncio.run(call())
+    assert f"nothing at all has come from {cluster.backend}" in str(info.value)
+    assert "the broker's frontend endpoint" in str(info.value) and "raise `timeout`" not in str(info.value)
+    broker.wait_log(f"a client (MDPC02) sent to the backend {cluster.backend}: clients connect to the frontend")

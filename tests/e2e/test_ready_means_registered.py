@@ -58,6 +58,9 @@ class _FakeBroker:
                     return frames[0]
         raise TimeoutError("no READY from the worker")
 
+    def heartbeat(self, ident: bytes) -> None:
+        self.sock.send_multipart([ident, P.MDPW, P.W_HEARTBEAT])
+
     def welcome(self, ident: bytes, instance: bytes = b"\x01" * 8) -> None:
         self.sock.send_multipart(P.to_worker_welcome(
             ident, P.Welcome(instance=instance, heartbeat_interval=1.0, heartbeat_liveness=3)))
@@ -119,9 +122,23 @@ def test_ready_falls_back_after_a_bounded_wait_without_welcome(served):
     start, broker, calls = served
     interval = 0.1
     _, t0 = start(heartbeat_interval=interval)
-    broker.ready_identity()
-    _wait(lambda: calls)  # a plain MDP broker: no WELCOME ever
+    broker.heartbeat(broker.ready_identity())
+    _wait(lambda: calls)  # a plain MDP broker: no WELCOME ever, a heartbeat
     waited = calls[0] - t0
     assert READY_FALLBACK_INTERVALS * interval * 0.9 <= waited < READY_FALLBACK_INTERVALS * interval + 1.0, waited
     time.sleep(3 * interval)
     assert len(calls) == 1
+
+
+def test_no_ready_without_a_word_from_the_broker(served, caplog):
+    # A worker pointed at something that answers nothing (a broker's frontend, another
+    # program) announced READY after the fallback's wait all the same.  A plain MDP broker
+    # heartbeats its workers: with nothing at all heard, READY waits, and a warning says why.
+    start, broker, calls = served
+    interval = 0.05
+    start(heartbeat_interval=interval)
+    ident = broker.ready_identity()
+    _wait(lambda: "nothing heard from" in caplog.text)
+    assert calls == [] and "not its frontend" in caplog.text
+    broker.heartbeat(ident)  # a word from it: the fallback goes on
+    _wait(lambda: calls)
