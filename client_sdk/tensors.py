@@ -574,6 +574,10 @@ def unpack(reply: P.Reply, frames: list[Any], leases: OutputLeases, *, final: bo
                 except _shm.SegmentGone as e:
                     raise WorkerFailed(f"output {t.name!r}: the worker's segment is gone ({e}); "
                                        "the worker probably died, retry the request") from None
+                except _shm.OutOfResources as e:
+                    raise InferenceError(f"output {t.name!r}: this process cannot map it now ({e}): it is out of "
+                                         "descriptors or memory; raise its RLIMIT_NOFILE, or hold fewer results "
+                                         "and clients at once", code=None) from None
                 except _shm.ShmError as e:
                     raise ProtocolError(f"output {t.name!r}: bad shared-memory descriptor ({e})") from None
                 fins.append(fin)

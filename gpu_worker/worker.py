@@ -70,6 +70,7 @@ from gpu_worker.planes import DataPlane, HostPlane
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
+from shm.errors import OutOfResources
 
 __all__ = ["Worker", "WorkerConfig", "WarmupError", "ConfigError", "install_sigterm_drain", "DIRECT_LINGER_MS"]
 
@@ -961,6 +962,11 @@ class Worker:
             t0 = time.perf_counter()
             self.plane.map_inputs(job, rest)
             job.input_ms = (time.perf_counter() - t0) * 1e3
+        except OutOfResources as e:  # this worker's descriptors or memory, not the request's fault
+            self._reply_error(job, P.ErrorCode.INTERNAL,
+                              f"worker pid {os.getpid()} cannot map the request's inputs now ({e}): it is out of "
+                              f"descriptors or memory; raise its RLIMIT_NOFILE, or retry")
+            return
         except Exception as e:  # a stale/forged reference fails this request only
             self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR, f"cannot read inputs: {e}")
             return

@@ -35,13 +35,13 @@ import weakref
 from collections import deque
 from typing import Any, Callable, Iterable
 
-from .errors import StaleDescriptor
+from .errors import OutOfResources, StaleDescriptor
 from .segment import (
     FREE, IN_FLIGHT, MAX_ALIGN, MAX_SLOTS, Q_HOLDER_PID, Q_HOLDER_START, Q_NBYTES, Q_OFFSET, QS,
     RELEASED, U32, WRITING, proc_starttime, process_alive,
 )
 
-__all__ = ["SlotBook", "PidfdHolders", "ProcHolders", "check_geometry"]
+__all__ = ["SlotBook", "PidfdHolders", "ProcHolders", "check_geometry", "UNKNOWN_STARTTIME"]
 
 
 def check_geometry(capacity, slots, align, align_hint: str = "") -> tuple[int, int, int]:
@@ -58,15 +58,34 @@ def check_geometry(capacity, slots, align, align_hint: str = "") -> tuple[int, i
     return capacity, slots, align
 
 
+#: a holder's starttime when /proc could not be read (OutOfResources): alive until a later
+#: look finds the pid gone (its process is then not known, only that it exited or that the
+#: pid was reused: either way held until it exits, never taken for dead on a failed read)
+UNKNOWN_STARTTIME = -1
+
+
+def _unknown_alive(pid: int) -> bool:
+    """Whether a holder recorded with ``UNKNOWN_STARTTIME`` may still be alive."""
+    try:
+        return proc_starttime(pid) is not None
+    except OutOfResources:
+        return True
+
+
 class ProcHolders:
     """Holder liveness from /proc: (pid, starttime) names a process forever."""
 
     @staticmethod
     def starttime(pid: int) -> int:
-        return proc_starttime(pid) or 0
+        try:
+            return proc_starttime(pid) or 0
+        except OutOfResources:
+            return UNKNOWN_STARTTIME
 
     @staticmethod
     def alive(pid: int, starttime: int) -> bool:
+        if starttime == UNKNOWN_STARTTIME:
+            return _unknown_alive(pid)
         return starttime != 0 and process_alive(pid, starttime)
 
     def prune(self) -> int:
@@ -138,7 +157,10 @@ class PidfdHolders:
             if not ent[2].poll(0):
                 return ent[0]
             self._drop(pid)
-        st = proc_starttime(pid)
+        try:
+            st = proc_starttime(pid)
+        except OutOfResources:
+            return UNKNOWN_STARTTIME  # not "dead": out of descriptors says nothing of the holder
         if st is None:
             return 0  # already dead: the slot is reclaimable at once
         if self._use_pidfd and len(self._cache) < self.MAX:
@@ -152,7 +174,7 @@ class PidfdHolders:
                     # descriptors is not forever: this pid goes uncached, that is all.
                     self._use_pidfd = False
                 return st
-            if proc_starttime(pid) != st:
+            if process_alive(pid, st) is False:
                 # The pid was reused between the two reads: the pidfd is for a newer
                 # process than ``st`` describes.  Don't cache; ``st``'s process is dead.
                 os.close(fd)
@@ -167,6 +189,8 @@ class PidfdHolders:
     def alive(self, pid: int, starttime: int) -> bool:
         if starttime == 0:
             return False
+        if starttime == UNKNOWN_STARTTIME:
+            return _unknown_alive(pid)
         ent = self._cache.get(pid)
         if ent is not None and ent[0] == starttime:
             if not ent[2].poll(0):
@@ -299,7 +323,7 @@ class SlotBook:
                 raise ValueError(f"holder_pid must be a positive pid, got {holder_pid!r}")
             hs = self._holders.starttime(hp)
         w[b + Q_HOLDER_PID] = hp
-        w[b + Q_HOLDER_START] = hs
+        w[b + Q_HOLDER_START] = max(hs, 0)  # (informational: liveness reads _holder_of)
         self._pstate[slot] = IN_FLIGHT
         self._in_flight.add(slot)
         w[b] = (gen << 32) | IN_FLIGHT

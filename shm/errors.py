@@ -11,6 +11,10 @@ do next:
 - ``BadDescriptor``: the descriptor could never have been valid (forged, corrupted, wrong
   shape/dtype for its size).  A bug in the sender.
 - ``ShmFull``: the pool has no room; the message says how to give it some.
+- ``OutOfResources``: this process (or the host) is out of descriptors or memory, so it
+  cannot tell or do what was asked now; nothing is wrong with the value, and the same call
+  may succeed later.  Never read as "dead" or "bad": a liveness question it interrupts is
+  answered "alive".
 """
 from __future__ import annotations
 
@@ -35,4 +39,13 @@ class BadDescriptor(ShmError):
     """The descriptor is malformed or inconsistent with the segment it names."""
 
 
-__all__ = ["ShmError", "ShmFull", "SegmentGone", "StaleDescriptor", "BadDescriptor"]
+class OutOfResources(ShmError):
+    """Out of descriptors or memory (EMFILE, ENFILE, ENOMEM): not the value's fault; retry later."""
+
+
+#: errnos that mean "this process or host is out of a resource", not "no such thing"
+RESOURCE_ERRNOS = frozenset({24, 23, 12})  # EMFILE, ENFILE, ENOMEM
+
+
+__all__ = ["ShmError", "ShmFull", "SegmentGone", "StaleDescriptor", "BadDescriptor", "OutOfResources",
+           "RESOURCE_ERRNOS"]

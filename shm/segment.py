@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import BadDescriptor, SegmentGone, ShmError
+from .errors import RESOURCE_ERRNOS, BadDescriptor, OutOfResources, SegmentGone, ShmError
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     # The reader's one store packs (generation, state) into one little-endian u64.
@@ -237,17 +237,24 @@ def proc_starttime(pid: int) -> int | None:
     """Start time (clock ticks after boot, /proc/<pid>/stat field 22) of a running process.
 
     None when there is no such process or it is a zombie: a zombie has released its
-    mappings and will never touch a slot again, so for every use here it is dead.
+    mappings and will never touch a slot again, so for every use here it is dead.  Raises
+    ``OutOfResources`` when /proc cannot be read for want of descriptors or memory (EMFILE,
+    ENFILE, ENOMEM): that says nothing of the process, and read as "dead" it had a worker
+    reclaim the output slot of a live client that still held its result.
     """
     if pid <= 0:
         return None
     try:
         fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    except OSError as e:
+        if e.errno in RESOURCE_ERRNOS:
+            raise OutOfResources(f"cannot read /proc/{pid}/stat: {e.strerror}") from None
         return None
     try:
         data = os.read(fd, 4096)
-    except OSError:
+    except OSError as e:
+        if e.errno in RESOURCE_ERRNOS:
+            raise OutOfResources(f"cannot read /proc/{pid}/stat: {e.strerror}") from None
         return None
     finally:
         os.close(fd)
@@ -259,8 +266,13 @@ def proc_starttime(pid: int) -> int | None:
 
 
 def process_alive(pid: int, starttime: int) -> bool:
-    """True if ``pid`` is running and is the same process that had ``starttime``."""
-    st = proc_starttime(pid)
+    """True if ``pid`` is running and is the same process that had ``starttime``; also True
+    when that cannot be told now (``OutOfResources``): a live process taken for dead loses
+    what it holds, a dead one taken for alive only keeps it a while longer."""
+    try:
+        st = proc_starttime(pid)
+    except OutOfResources:
+        return True
     return st is not None and st == starttime
 
 
@@ -479,6 +491,8 @@ def open_checked(name: str, flags: int, what: str = "segment") -> tuple[int, np.
         raise BadDescriptor(f"cannot open {what} {name}: permission denied (segments are "
                             f"shared only between processes of one user)") from None
     except OSError as e:
+        if e.errno in RESOURCE_ERRNOS:
+            raise OutOfResources(f"cannot open {what} {name}: {e.strerror}") from None
         raise BadDescriptor(f"cannot open {what} {name}: {e.strerror}") from None
     if target != f"/memfd:{p.label} (deleted)":
         raise SegmentGone(gone)  # the descriptor was closed, its number reused
@@ -487,6 +501,8 @@ def open_checked(name: str, flags: int, what: str = "segment") -> tuple[int, np.
     except FileNotFoundError:
         raise SegmentGone(gone) from None
     except OSError as e:
+        if e.errno in RESOURCE_ERRNOS:
+            raise OutOfResources(f"cannot open {what} {name}: {e.strerror}") from None
         raise BadDescriptor(f"cannot open {what} {name}: {e.strerror}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -542,6 +558,10 @@ def attach_segment(name: str, max_size: int = MAX_MAPPED_SEGMENT) -> Attached:
             table_mm = mmap.mmap(fd, data_offset, flags=mmap.MAP_SHARED, access=mmap.ACCESS_WRITE)
         except PermissionError as e:
             raise BadDescriptor(f"cannot map segment {name}'s slot table: {e.strerror}") from None
+        except OSError as e:
+            if e.errno in RESOURCE_ERRNOS:
+                raise OutOfResources(f"cannot map segment {name}: {e.strerror}") from None
+            raise
         try:
             # ACCESS_READ (not prot=PROT_READ) so the buffer *reports* read-only; otherwise
             # numpy would hand out writeable arrays over PROT_READ pages (a segfault).
@@ -550,7 +570,10 @@ def attach_segment(name: str, max_size: int = MAX_MAPPED_SEGMENT) -> Attached:
             table_mm.close()
             if isinstance(e, PermissionError):
                 raise BadDescriptor(f"cannot map segment {name}'s data area: {e.strerror}") from None
-            raise  # ENOMEM and the like: this reader's resources, not the descriptor's fault
+            if isinstance(e, OSError) and e.errno in RESOURCE_ERRNOS:
+                # ENOMEM and the like: this reader's resources, not the descriptor's fault
+                raise OutOfResources(f"cannot map segment {name}: {e.strerror}") from None
+            raise
     finally:
         os.close(fd)
     root = memoryview(table_mm)

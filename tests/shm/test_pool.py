@@ -373,3 +373,44 @@ def test_stale_released_store_is_repaired_not_trusted():
         rec = record(pool, new.slot)
         assert rec["state"] == IN_FLIGHT and rec["generation"] == new.generation  # ...repaired
         assert cache.view(new, np.uint8, 8).nbytes == 8
+
+
+def test_a_holder_whose_liveness_cannot_be_read_is_alive_not_dead(monkeypatch):
+    # Out of descriptors, /proc/<pid>/stat could not be opened, and that read as "no such
+    # process": the worker reclaimed the output slot of a live client that still held its
+    # result, and the next request's output was written over it (seen at RLIMIT_NOFILE).
+    import errno
+
+    import shm.segment as segment
+
+    real_open = os.open
+    blocked = {"on": False}
+
+    def fake_open(path, *a, **kw):
+        if blocked["on"] and str(path).startswith("/proc/"):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        with ShmPool(1 << 16, slots=4) as pool:
+            unknown = pool.ref_of(pool.alloc(8, np.uint8))
+            known = pool.ref_of(pool.alloc(8, np.uint8))
+            pool.mark_in_flight(known, holder_pid=child.pid)  # its starttime read (and cached)
+            blocked["on"] = True
+            with pytest.raises(segment.OutOfResources):
+                proc_starttime(child.pid)
+            assert segment.process_alive(child.pid, 12345) is True  # cannot tell: alive
+            pool.mark_in_flight(unknown, holder_pid=child.pid)  # its starttime cannot be read
+            assert pool.reclaim() == 0
+            blocked["on"] = False
+            assert pool.reclaim() == 0  # readable again, and the holder lives
+            assert record(pool, unknown.slot)["state"] == IN_FLIGHT
+            child.stdin.close()
+            child.wait(timeout=30)
+            assert pool.reclaim() == 2  # it exited: both go
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
