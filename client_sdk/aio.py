@@ -756,14 +756,20 @@ class AsyncClient(ClientBase):
         if core.forked():  # a forked child's copy: the sockets and the loop's readers are the parent's
             core.let_go()
             return
-        err = InferenceError("the client was closed while this request was waiting", code=None)
-        for call in core.active():
-            core.fail(call, err)
-        for q in list(core.mmi_waiters):  # their mmi_service() raises (no answer, closed)
-            if q.notify is not None:
-                q.notify()
-        for st in list(self._streams):  # a recv() with nothing in flight has no call to wake it
-            st.wake()
+        # Its event loop closed (stopped with a call pending, then closed): nobody can wait on
+        # it any more, and waking its futures, its timers or its heartbeat task raises
+        # "Event loop is closed", which had left the client open for good.  The sockets, the
+        # inbox and the pool are let go of all the same.
+        dead = self._loop is not None and self._loop.is_closed()
+        if not dead:
+            err = InferenceError("the client was closed while this request was waiting", code=None)
+            for call in core.active():
+                core.fail(call, err)
+            for q in list(core.mmi_waiters):  # their mmi_service() raises (no answer, closed)
+                if q.notify is not None:
+                    q.notify()
+            for st in list(self._streams):  # a recv() with nothing in flight has no call to wake it
+                st.wake()
         if self._loop is not None:
             for sock in [*self._socks, *([self._broker_monitor] if self._broker_monitor is not None else [])]:
                 try:
@@ -777,6 +783,8 @@ class AsyncClient(ClientBase):
             self._deadline_timer.cancel()
             self._deadline_timer = self._deadline_at = None
         heart, self._heart = self._heart, None
+        if dead:
+            heart = None  # a task of the closed loop: nothing to cancel or wait for
         if heart is not None:
             heart.cancel()
         if core.pin_slots or core.pin_services:

@@ -716,19 +716,28 @@ class Client(ClientBase):
         if self._core.forked():
             self._core.let_go()
             return
-        if self._core.pin_slots or self._core.pin_services:
-            self._core.pin_goodbye()  # LEASE_END for each lease, its connection closed
-            self._run_ops()
+        # Each step in a finally of the one before: an exception from a signal handler
+        # (Ctrl-C, an alarm) in the middle left a half-closed client that said it was open,
+        # whose next call failed with a raw ZMQError or waited out its timeout.
         try:
-            self._sock.send_multipart(P.client_disconnect(), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
-        self._unwatch()
-        drop_monitor(self._sock, self._broker_monitor)
-        self._sock.close(linger=CLOSE_LINGER_MS)
-        if self._inbox is not None:
-            self._inbox.close()
-        self._core.close()
+            if self._core.pin_slots or self._core.pin_services:
+                self._core.pin_goodbye()  # LEASE_END for each lease, its connection closed
+                self._run_ops()
+            try:
+                self._sock.send_multipart(P.client_disconnect(), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        finally:
+            try:
+                self._unwatch()
+                drop_monitor(self._sock, self._broker_monitor)
+            finally:
+                try:
+                    self._sock.close(linger=CLOSE_LINGER_MS)
+                    if self._inbox is not None:
+                        self._inbox.close()
+                finally:
+                    self._core.close()
 
     give_up = _one_thread(ClientBase.give_up)
     alloc = _one_thread(ClientBase.alloc)

@@ -334,6 +334,12 @@ class SlotBook:
 
     def free_slot(self, s: int) -> None:
         """A live slot (any state) goes back to FREE; its generation goes up by one."""
+        # The owner forgets the slot's caches first: an exception from a signal handler
+        # (Ctrl-C, an alarm) anywhere below must not leave a slot on the free list that
+        # still has the old generation's descriptor cached (the next request on it was
+        # refused as stale).
+        if self._on_free is not None:
+            self._on_free(s)
         g = (self._gen[s] + 1) & U32
         self._gen[s] = g
         self._pstate[s] = FREE
@@ -366,8 +372,6 @@ class SlotBook:
                 ring.pop()
             # Empty: restart at 0 for the longest possible run.
             self._head = ring[-1][3] if ring else 0
-        if self._on_free is not None:
-            self._on_free(s)
 
     def reclaim(self, candidates: Iterable[int] | None = None) -> int:
         """Free IN_FLIGHT slots their reader released and those whose holder died.

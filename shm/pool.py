@@ -96,8 +96,8 @@ class ShmPool:
             # be a cycle, and the segment's unlink would wait for the cycle collector.
             raw = raws[slot]
             if raw is not None:
-                del by_raw[id(raw)]
-                del by_arr[id(arrs[slot])]
+                by_raw.pop(id(raw), None)  # (pop: a forget cut short by a signal may run again)
+                by_arr.pop(id(arrs[slot]), None)
                 raws[slot] = None
             arrs[slot] = None
             refs[slot] = None
@@ -204,6 +204,7 @@ class ShmPool:
         arr = raw if raw.shape == shape else raw.reshape(shape)
         self._raw[slot] = raw
         self._arr[slot] = arr
+        self._ref[slot] = None  # made on demand, for this generation (never a stale one)
         self._by_raw[id(raw)] = slot
         self._by_arr[id(arr)] = slot
         return arr

@@ -207,3 +207,23 @@ def _wait_events(base, cond, what, timeout=10.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"no {what} within {timeout} s: {json.dumps(ev)}")
         time.sleep(0.02)
+
+
+def test_a_client_whose_event_loop_was_closed_with_a_call_pending_still_closes(cluster):
+    # loop.stop() with an infer pending, then loop.close(): every close() raised "Event loop
+    # is closed" (waking the dead loop's futures first), and the socket, the reply inbox and
+    # the pool stayed open until the process exited.
+    cluster.broker("--service-grace", "60")  # no worker: the request waits at the broker
+    loop = asyncio.new_event_loop()
+    try:
+        async def make():
+            return AsyncClient(cluster.frontend, timeout=30)
+
+        c = loop.run_until_complete(make())
+        pending = loop.create_task(c.infer("nobody", {"x": np.zeros(3)}))
+        loop.run_until_complete(asyncio.sleep(0.2))
+        assert not pending.done()
+    finally:
+        loop.close()
+    asyncio.run(c.close())
+    assert c.closed

@@ -138,3 +138,27 @@ def test_a_forked_child_neither_uses_nor_gives_back_its_parents_client(cluster):
         np.testing.assert_array_equal(y, 6.0)  # still the parent's own result
         assert c.direct_replies > direct  # and its replies still come straight from the worker
         held.release()
+
+
+def test_a_close_cut_short_by_a_signal_still_closes(cluster):
+    # Ctrl-C (or an alarm's handler) raising in the middle of close(): the client said it
+    # was open, and its next call failed with a raw ZMQError or waited out its timeout.
+    from client_sdk.errors import InferenceError
+
+    cluster.broker()
+    cluster.worker("echo")
+    c = Client(cluster.frontend, timeout=10)
+    with c.infer("echo", {"x": np.arange(3)}) as r:
+        assert r["x"][2] == 2
+    real = c._unwatch
+
+    def interrupted():
+        real()
+        raise KeyboardInterrupt
+
+    c._unwatch = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        c.close()
+    assert c.closed
+    with pytest.raises(InferenceError, match="closed"):
+        c.infer("echo", {"x": np.arange(3)})

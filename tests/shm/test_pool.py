@@ -414,3 +414,27 @@ def test_a_holder_whose_liveness_cannot_be_read_is_alive_not_dead(monkeypatch):
         if child.poll() is None:
             child.kill()
             child.wait(timeout=30)
+
+
+def test_a_free_cut_short_by_a_signal_never_leaves_a_stale_descriptor_cached():
+    # Ctrl-C (or an alarm's handler) raising inside the free: the slot was already on the
+    # free list with the old generation's descriptor still cached, and the next allocation
+    # on it was refused as stale.  The caches are forgotten before the slot is published.
+    with ShmPool(1 << 16, slots=2) as pool:
+        first = pool.alloc(8, np.uint8)
+        old = pool.ref_of(first)  # cached
+        book = pool._book
+        real = book._on_free
+
+        def interrupted(slot):
+            raise KeyboardInterrupt  # as the handler runs, before the caches are forgotten
+
+        book._on_free = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            pool.free(old)
+        book._on_free = real
+        for _ in range(4):  # whichever slot each gets, its descriptor is live
+            arr = pool.alloc(8, np.uint8)
+            ref = pool.ref_of(arr)
+            pool.mark_in_flight(ref)
+            pool.free(ref)
