@@ -450,8 +450,14 @@ class Client(ClientBase):
                         pass
                 core.reroute(call)
             self._send(frames, call.deadline)
-        except BaseException:
-            core.discard_unsent(call)
+        except BaseException as e:
+            if getattr(e, "zinf_sent", False):
+                # A signal handler raised as the request went out (wire.send_frames finished
+                # it): it is in flight, so it is cancelled, and its inputs stay until its
+                # FINAL (a worker may be reading them).
+                self.give_up(call)
+            else:
+                core.discard_unsent(call)
             raise
 
     def _send_soon(self, frames: list[Any] | None) -> None:

@@ -32,6 +32,8 @@ __all__ = ["send_frames", "recv_frames", "sock_events", "touched", "Waiter", "NO
 
 NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
+_RCVMORE = int(zmq.RCVMORE)
 _send = _Base.send
 _recv = _Base.recv
 _get = _Base.get
@@ -48,23 +50,109 @@ _QUIET: set = set()
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
     """`sock.send_multipart(frames, flags=flags, copy=False)`, faster.  `flags` is 0 or
     NOBLOCK; as with send_multipart, a full queue raises `zmq.Again` at the first frame
-    (libzmq queues a multipart message whole or not at all)."""
+    (libzmq queues a multipart message whole or not at all).
+
+    Whole or nothing against signal handlers too.  pyzmq runs Python's signal handlers
+    after every frame it sends, so a handler that raises (Ctrl-C, an alarm-based timeout)
+    could stop a message half sent, and the socket's next message was glued onto it: an
+    innocent request lost, or garbage sent.  On such an exception the rest of the message
+    is sent first (libzmq takes every later frame once it took the first), and the
+    exception goes on with ``e.zinf_sent = True`` when the message went out whole."""
     _QUIET.discard(sock)  # a send may process the socket's commands (see Waiter)
     last = len(frames) - 1
     more = int(flags) | _SNDMORE
-    for i, f in enumerate(frames):
-        _send(sock, f, more if i < last else int(flags), False)
+    i = 0
+    try:
+        for i, f in enumerate(frames):
+            _send(sock, f, more if i < last else int(flags), False)
+    except zmq.ZMQError:
+        raise
+    except BaseException as e:
+        # Raised in pyzmq (its signal check after the C call): frame i went out, unless it
+        # was the first and was refused (full); see _raised_in_zmq.  Raised between two
+        # frames (a bytecode boundary here): frame i did not.
+        start = i + 1 if _raised_in_zmq(e) else i
+        if start == 0:
+            e.zinf_sent = False  # nothing went out
+        elif start > last:
+            e.zinf_sent = True if last else None  # a lone frame raised in pyzmq: unknown
+        else:
+            e.zinf_sent = _finish_message(sock, frames, start, more, int(flags))
+        raise
+
+
+def _raised_in_zmq(e: BaseException) -> bool:
+    """Whether ``e`` came out of a pyzmq call (its traceback passes through pyzmq's code
+    below send_frames), not from between two of them.  pyzmq checks for signals after the C
+    send (the frame went out) and, rarely, after preparing the message (it did not): taken
+    as sent, the worst case is a message missing a frame, which the broker refuses as
+    malformed: the interrupted request is lost, and no other."""
+    tb = e.__traceback__
+    below = False
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if below and (code.co_name.startswith("zmq.") or "zmq/backend" in code.co_filename):
+            return True
+        if code is send_frames.__code__:
+            below = True
+        tb = tb.tb_next
+    return False
+
+
+def _finish_message(sock: zmq.Socket, frames: Sequence[Any], start: int, more: int, flags: int) -> bool:
+    """Send frames[start:] of a message interrupted by a signal handler's exception after
+    frame start - 1, which went out unless it was the first and was refused as full: then
+    the next frame is refused too (NOBLOCK), and nothing was sent.  True: it went out whole."""
+    last = len(frames) - 1
+    j = start
+    while j <= last:
+        try:
+            _send(sock, frames[j], (more if j < last else flags) | _NOBLOCK, False)
+        except zmq.Again:
+            return False  # the first frame was not taken: nothing of the message went out
+        except zmq.ZMQError:
+            return False
+        except BaseException:  # noqa: BLE001 - another handler's exception: this frame went out too
+            pass
+        j += 1
+    return True
 
 
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
-    """`sock.recv_multipart(flags, copy=False)`, faster."""
+    """`sock.recv_multipart(flags, copy=False)`, faster.
+
+    A signal handler's exception (Ctrl-C, an alarm) in the middle of a message loses that
+    message (pyzmq runs the handlers after each frame it receives, and the frame it had
+    just read goes with the exception): the rest of it is read and dropped before the
+    exception goes on, so that the socket's next read starts a message (it had been read
+    as a malformed one of its own)."""
     _QUIET.discard(sock)
-    f = _recv(sock, flags, False)
-    parts = [f]
-    while f.more:
+    try:
         f = _recv(sock, flags, False)
-        parts.append(f)
+        parts = [f]
+        while f.more:
+            f = _recv(sock, flags, False)
+            parts.append(f)
+    except zmq.ZMQError:
+        raise
+    except BaseException:
+        _drop_rest(sock)  # (RCVMORE: whether the last frame read, or lost, had more after it)
+        raise
     return parts
+
+
+def _drop_rest(sock: zmq.Socket) -> None:
+    """Read and drop what is left of the message being received (libzmq delivers a
+    message's frames together: none of these reads waits)."""
+    for _ in range(1 << 16):
+        try:
+            if not _get(sock, _RCVMORE):
+                return
+            _recv(sock, _NOBLOCK, False)
+        except zmq.ZMQError:
+            return
+        except BaseException:  # noqa: BLE001 - another handler's exception: keep reading
+            pass
 
 
 def sock_events(sock: zmq.Socket) -> int:

@@ -162,3 +162,39 @@ def test_a_close_cut_short_by_a_signal_still_closes(cluster):
     assert c.closed
     with pytest.raises(InferenceError, match="closed"):
         c.infer("echo", {"x": np.arange(3)})
+
+
+@pytest.mark.parametrize("at", [1, 3])
+def test_a_request_cut_short_by_a_signal_as_it_is_sent_harms_no_other(cluster, monkeypatch, at):
+    # Ctrl-C landing between two frames of a REQUEST: the next request on the socket was
+    # glued onto the half-sent one, and an innocent call waited out its timeout.  The
+    # request now goes out whole, is cancelled, and gives everything back.
+    from broker.protocol import wire
+
+    cluster.broker()
+    cluster.worker("echo")
+    with Client(cluster.frontend, timeout=10) as c:
+        with c.infer("echo", {"x": np.arange(3)}) as r:
+            assert r["x"][2] == 2
+        real = wire._send
+        n = {"i": 0, "on": True}
+
+        def send(sock, f, flags, copy):
+            if n["on"]:
+                if n["i"] == at:
+                    n["on"] = False
+                    raise KeyboardInterrupt
+                n["i"] += 1
+            return real(sock, f, flags, copy)
+
+        monkeypatch.setattr(wire, "_send", send)
+        with pytest.raises(KeyboardInterrupt):
+            c.infer("echo", {"x": np.arange(5)})
+        monkeypatch.setattr(wire, "_send", real)
+        for i in range(3):
+            with c.infer("echo", {"x": np.full(4, i)}) as r:
+                assert r["x"].tolist() == [i] * 4
+        deadline = time.monotonic() + 10
+        while c.in_flight() and time.monotonic() < deadline:
+            c.pump(0.05)
+        assert c.in_flight() == 0 and c.pool.in_use() == 0
