@@ -17,6 +17,7 @@ request id, otherwise dropped; it never raises out of the loop.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import math
@@ -35,6 +36,7 @@ import zmq
 from broker import protocol as P
 from broker.protocol import logs
 from broker.protocol import wire
+from broker.protocol.limits import Headroom, nofile_limit
 from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events
 from shm import gc as shm_gc
 from shm.segment import process_alive
@@ -358,12 +360,17 @@ class Broker:
         # intervals (broker.connections): the backend's monitor says which connection closed.
         self._worker_conns = WorkerConnections()
         self._gone: dict[bytes, float] = {}  # workers whose connection closed -> when: their verdict waits (`_settle_gone`)
-        self._backend_events = self.backend.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._backend_events = self.backend.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
         self._client_pids: dict[bytes, int | None] = {}  # client identity -> attested pid
         # What is learned about a client's connection (its pid, whether it is tcp) is
         # forgotten when that connection closes: a client chooses its routing id, and a
         # later connection reusing the id must not inherit the earlier one's pid.
-        self._frontend_events = self.frontend.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._frontend_events = self.frontend.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
+        # Never out of descriptors: libzmq's ipc listener aborts the process when accept()
+        # fails with EMFILE (its tcp listener spins on it).  Near the limit the frontend stops
+        # listening until connections close (`_accepted`, `_headroom_tick`).
+        self._headroom = Headroom(nofile_limit())
+        self._hidden: str | None = None  # the frontend's socket file, moved aside (`_accepted`)
         self._client_conn: dict[bytes, int] = {}  # client identity -> the fd it was learned on
         # Quiet ipc clients whose connection the look has checked (client -> descriptor):
         # its peer is the pid learned for the client (`_look_at_quiet`).  A message its closed
@@ -377,6 +384,8 @@ class Broker:
         self._bad = P.RateLimitedLog(log)
         self._stall_log = P.RateLimitedLog(log)  # its own throttle: a flood of junk cannot hide it
         self._oops = P.RateLimitedLog(log)  # unexpected exceptions: a traceback a second at most
+        # The once-a-second collection that fails (out of descriptors, say): once a minute.
+        self._gc_oops = P.RateLimitedLog(log, every=60.0)
         self._doomed: dict[bytes, None] = {}  # clients a send found stalled or gone, to drop
         self._dropping = False
         self.malformed = 0
@@ -456,6 +465,8 @@ class Broker:
             s.close(linger=0)
         self._curve.stop()
         _unlink_ipc((self.frontend_ep, self.backend_ep))
+        if self._hidden is not None:
+            _unlink_ipc(("ipc://" + self._hidden,))
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Run until `stop` is set (checked at least every 100 ms)."""
@@ -513,6 +524,7 @@ class Broker:
                 next_gc = now + _GC_INTERVAL
                 self._log_levels()
                 self._prune_workers()
+                self._headroom_tick()
             if wake is not None and now >= wake:
                 self._run_timers(now)
                 wake = sched.next_wakeup(now)
@@ -679,7 +691,7 @@ class Broker:
             for name in sweep_reply_sockets():
                 log.info("unlinked the reply socket of a dead client: %s", name)
         except Exception:  # never let housekeeping stop the broker
-            log.exception("shared-memory garbage collection failed")
+            self._gc_oops.exception("shared-memory garbage collection failed")
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
         # Poll said a message is there; after it, ask EVENTS rather than catch zmq.Again
@@ -1182,6 +1194,9 @@ class Broker:
         """Forget what was learned about clients whose connection closed."""
         while sock_events(self._frontend_events) & _POLLIN:
             event = recv_monitor_message(self._frontend_events)
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._accepted()
+                continue
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             fd = event["value"]
@@ -1192,6 +1207,54 @@ class Broker:
                     self._client_tcp.pop(ident, None)
                     self._kept_conns.pop(ident, None)
                     self._req_clients.discard(ident)
+
+    def _accepted(self) -> None:
+        """A connection was accepted: near the descriptor limit, stop new clients from
+        reaching the frontend (see Headroom).  On an ipc path, its socket file is moved
+        aside: new clients find no broker there and keep trying (libzmq reconnects), while
+        the connections made are served as before (an unbind would close them all).  A tcp
+        or abstract frontend cannot be hidden that way: the warning is all."""
+        hr = self._headroom
+        if not hr.accepted():
+            return
+        path = self._ipc_path(self.frontend_ep)
+        hidden = None
+        if path is not None:
+            hidden = f"{path}.{os.getpid()}.paused"
+            try:
+                os.rename(path, hidden)
+            except OSError as e:
+                log.error("cannot move %s aside: %s", path, e)
+                hidden = None
+        self._hidden = hidden
+        log.warning("%d of this process's %d descriptors are in use: %s; at the limit libzmq would abort the "
+                    "broker.  Raise its descriptor limit (ulimit -n; LimitNOFILE= in a systemd unit; --ulimit "
+                    "nofile= for a container)", hr.used, hr.limit,
+                    "new clients cannot connect until some close (connected ones are served as before)"
+                    if hidden is not None else "new clients would take the last of them", )
+
+    @staticmethod
+    def _ipc_path(ep: str) -> str | None:
+        return ep[len("ipc://"):] if ep.startswith("ipc://") and not ep.startswith("ipc://@") else None
+
+    def _headroom_tick(self) -> None:
+        """Once a second while paused: let new clients reach the frontend again once
+        descriptors closed."""
+        hr = self._headroom
+        if not hr.paused or not hr.tick():
+            return
+        hidden, self._hidden = self._hidden, None
+        if hidden is not None:
+            path = self._ipc_path(self.frontend_ep)
+            try:
+                if os.path.exists(path):
+                    raise OSError(errno.EEXIST, "another socket took the path meanwhile")
+                os.rename(hidden, path)
+            except OSError as e:
+                log.error("cannot put %s back: %s; new clients cannot reach this broker", path, e)
+                return
+        log.warning("%d of %d descriptors in use: new clients can connect to %s again", hr.used, hr.limit,
+                    self.frontend_ep)
 
     def _bind_connection(self, ident: bytes, frame: Any, now: float) -> None:
         if self._gone.pop(ident, None) is not None and self.sched.has_worker(ident):
@@ -1218,6 +1281,9 @@ class Broker:
         now = time.monotonic()
         while sock_events(self._backend_events) & _POLLIN:
             event = recv_monitor_message(self._backend_events)
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._accepted()
+                continue
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             gone = self._worker_conns.closed(event["value"])

@@ -838,7 +838,8 @@ class ClientCore(PinEvents):
             return call.deadline_error(
                 f"nothing at all has come from {self.endpoint} since this client connected, not even an "
                 f"answer to its heartbeats: check that it is the broker's frontend endpoint (not its "
-                f"backend), and that the broker runs")
+                f"backend), that the broker runs, and its log (near its descriptor limit it takes no new "
+                f"clients)")
         return call.deadline_error()
 
     def silent_for(self, call: Call, now: float) -> float:

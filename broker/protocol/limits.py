@@ -10,13 +10,20 @@ Ours do not depend on it (`wire.Waiter` falls back to `poll` for such a descript
 start, as Go's runtime does for every program.  Only for processes of our own: a library
 must not change its host application's limits, so the client SDK never calls it.
 
+`Headroom` decides when a process that accepts connections stops and starts accepting,
+so that it never runs out of descriptors: libzmq 4.3's ipc listener aborts the whole process
+(an assertion) when accept() fails with EMFILE, and its tcp listener retries it in a busy
+loop.  The caller counts, unbinds and binds; this only decides.
+
 Must never: touch a socket or parse a frame.
 """
 from __future__ import annotations
 
+import os
 import resource
+from typing import Callable
 
-__all__ = ["raise_nofile_limit"]
+__all__ = ["raise_nofile_limit", "nofile_limit", "open_descriptors", "Headroom"]
 
 #: above this the kernel's own cap (fs.nr_open, 1048576 by default) applies anyway
 _MOST = 1 << 20
@@ -33,3 +40,68 @@ def raise_nofile_limit() -> tuple[int, int]:
         return resource.getrlimit(resource.RLIMIT_NOFILE)
     except (OSError, ValueError):
         return (-1, -1)
+
+
+def nofile_limit() -> int:
+    """The soft RLIMIT_NOFILE now (2**20 when unlimited or unknown)."""
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        return _MOST
+    return _MOST if soft == resource.RLIM_INFINITY else soft
+
+
+def open_descriptors() -> int:
+    """How many descriptors this process has open (a listing of /proc/self/fd: about 100 us
+    for a thousand; -1 when it cannot be listed, e.g. with none left to list it)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # (the listing's own)
+    except OSError:
+        return -1
+
+
+class Headroom:
+    """Whether to accept connections, for a process whose descriptor limit is ``limit``.
+
+    It pauses when the descriptors in use reach ``limit - reserve`` and resumes once they
+    are below ``limit - 2 * reserve``.  The count is an estimate between listings:
+    ``accepted()`` adds one per connection accepted, and the process's descriptors are
+    listed again (``count``) only once the estimate reaches the pause mark, and at each
+    ``tick()`` while paused, so a process far from its limit pays one addition per
+    connection.  The reserve (an eighth of the limit, 16 to 1024) covers the connections
+    libzmq accepts between its event and the pause, and the process's other descriptors.
+    """
+
+    def __init__(self, limit: int, count: Callable[[], int] = open_descriptors, reserve: int | None = None):
+        self.limit = limit
+        self.reserve = reserve if reserve is not None else max(16, min(1024, limit // 8))
+        self.count = count
+        self.paused = False
+        self.used = max(0, count())
+        self._pause_at = limit - self.reserve
+        self._resume_below = limit - 2 * self.reserve
+
+    def accepted(self, n: int = 1) -> bool:
+        """``n`` connections were accepted: True when accepting must pause now."""
+        self.used += n
+        if self.paused or self.used < self._pause_at:
+            return False
+        used = self.count()
+        self.used = used if used >= 0 else self.limit  # cannot even list: as full
+        if self.used >= self._pause_at:
+            self.paused = True
+            return True
+        return False
+
+    def tick(self) -> bool:
+        """A periodic look (about once a second): True when accepting may resume now."""
+        if not self.paused:
+            return False
+        used = self.count()
+        if used < 0:
+            return False
+        self.used = used
+        if used < self._resume_below:
+            self.paused = False
+            return True
+        return False

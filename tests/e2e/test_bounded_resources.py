@@ -359,3 +359,40 @@ def test_the_per_client_request_cap_refuses_exactly_what_is_over_it(cluster, gat
             assert rep.id == 9 and rep.error is None, rep
         finally:
             raw.close(0)
+
+
+def test_a_broker_near_its_descriptor_limit_takes_no_new_client_and_lives(cluster):
+    # At RLIMIT_NOFILE, libzmq's ipc listener aborts the process (an assertion on EMFILE in
+    # accept): every client of the broker lost it, and new ones could not connect.  Near the
+    # limit the broker moves its socket file aside, serves the clients it has, and lets new
+    # ones in again once connections close.
+    import os
+    import sys
+
+    from tests.e2e.conftest import Proc
+
+    limited = [sys.executable, "-c", "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+               "(64, 64)); os.execv(sys.argv[1], sys.argv[1:])"]
+    broker = Proc(["-m", "broker", "--frontend", cluster.frontend, "--backend", cluster.backend,
+                   "--heartbeat-interval", "0.2"], prefix=limited)
+    cluster.procs.append(broker)
+    broker.wait_ready()
+    cluster.worker("echo")
+    x = {"x": np.arange(4)}
+    with Client(cluster.frontend, timeout=20) as first:
+        wait_service(first, "echo")
+        more = [Client(cluster.frontend, timeout=20) for _ in range(60)]  # each a connection at the broker
+        try:
+            broker.wait_log("new clients cannot connect until some close", timeout=30)
+            assert broker.p.poll() is None
+            with first.infer("echo", x) as r:  # connected before: served as before
+                assert r["x"][3] == 3
+        finally:
+            for c in more:
+                c.close()
+        broker.wait_log("new clients can connect to", timeout=30)
+    with Client(cluster.frontend, timeout=20) as late:
+        with late.infer("echo", x) as r:
+            assert r["x"][3] == 3
+    assert not [f for f in os.listdir(cluster.tmp) if f.endswith(".paused")]
+    assert broker.terminate() == 0
