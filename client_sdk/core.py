@@ -185,9 +185,16 @@ class ClientCore(PinEvents):
                 self._pool = _shm.ShmPool(self.pool_capacity)
                 self.leases.own_segment = self._pool.name
             except (OSError, _shm.ShmError) as e:
-                if self.transport == "shm":
-                    raise InferenceError(f"cannot create a shared-memory pool ({e}); use transport='inline'",
-                                         code=None) from None
+                transient = isinstance(e, _shm.OutOfResources) or (
+                    isinstance(e, OSError) and e.errno in _shm.RESOURCE_ERRNOS)
+                if self.transport == "shm" or transient:
+                    # Out of descriptors or memory is this moment's, not the host's: the next
+                    # call tries again (the request path sends inline meanwhile), and alloc()
+                    # says so in a typed error.  Before, shared memory was off for good.
+                    raise InferenceError(
+                        f"cannot create a shared-memory pool ({e})" + (
+                            "; this process is out of descriptors or memory: raise its RLIMIT_NOFILE, or "
+                            "retry" if transient else "; use transport='inline'"), code=None) from None
                 log.warning("shared memory unavailable (%s); sending tensors inline", e)
                 self.use_shm = False
                 raise
@@ -332,7 +339,9 @@ class ClientCore(PinEvents):
             if pool is None:
                 try:
                     pool = self.pool  # created on first use
-                except (OSError, _shm.ShmError):
+                except (OSError, _shm.ShmError, InferenceError):
+                    if self.transport == "shm":
+                        raise
                     pool = None
                     if call.reply == "auto":
                         call.reply = "inline"

@@ -32,6 +32,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from broker import protocol as P
 from broker.protocol import curve as C
+from broker.protocol.limits import nofile_limit, open_descriptors
 from broker.protocol.link import LinkConn
 from broker.protocol.wire import tcp_liveness
 
@@ -308,8 +309,21 @@ class ReplyInbox:
 
     @classmethod
     def open(cls, ctx: zmq.Context) -> "ReplyInbox | None":
-        """Bind a fresh inbox; None (replies then come through the broker) when it cannot be."""
-        path = P.reply_socket_path()
+        """Bind a fresh inbox; None (replies then come through the broker) when it cannot be:
+        also when this process is near its descriptor limit, where the connection a worker
+        makes to it would have libzmq abort the process (its ipc listener asserts on EMFILE
+        in accept): a library must not take its host down."""
+        limit = nofile_limit()
+        used = open_descriptors()
+        if used < 0 or limit - used < max(64, limit // 8):
+            log.info("%s of this process's %d descriptors in use; replies go through the broker",
+                     "all" if used < 0 else used, limit)
+            return None
+        try:
+            path = P.reply_socket_path()
+        except (OSError, ValueError) as e:  # the runtime directory or /proc unreadable now
+            log.info("no reply socket (%s); replies go through the broker", e)
+            return None
         if len(path.encode()) > _MAX_IPC_PATH:
             log.info("runtime directory path too long for a reply socket; replies go through the broker")
             return None

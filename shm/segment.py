@@ -414,11 +414,15 @@ def _memfd(label: str) -> int:
     try:
         return os.memfd_create(label, flags | _MFD_NOEXEC_SEAL)
     except OSError as e:
+        if e.errno in RESOURCE_ERRNOS:
+            raise OutOfResources(f"memfd_create failed: {e.strerror}") from None
         if e.errno != 22:  # EINVAL: a kernel before 6.3 does not know MFD_NOEXEC_SEAL
             raise ShmError(f"memfd_create failed: {e.strerror}") from None
     try:
         return os.memfd_create(label, flags)
     except OSError as e:  # pragma: no cover - memfds exist since Linux 3.17
+        if e.errno in RESOURCE_ERRNOS:
+            raise OutOfResources(f"memfd_create failed: {e.strerror}") from None
         raise ShmError(f"memfd_create failed: {e.strerror}") from None
 
 

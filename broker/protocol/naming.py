@@ -7,6 +7,7 @@ here are the same for all three.  Nothing here opens a socket.
 from __future__ import annotations
 
 import functools
+import errno
 import hashlib
 import os
 import re
@@ -61,7 +62,9 @@ def default_runtime_dir() -> str:
     os.makedirs(path, mode=0o700, exist_ok=True)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError as e:  # a symlink (ELOOP) or not a directory (ENOTDIR)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise  # out of descriptors, say: nothing wrong with the directory (its advice would be wrong)
         raise RuntimeDirError(f"runtime directory {path} is not a plain directory ({e.strerror}); remove it, "
                               f"or set XDG_RUNTIME_DIR to a directory of your own") from None
     try:
