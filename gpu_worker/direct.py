@@ -185,6 +185,7 @@ class DirectSockets:
     sndhwm = 1000
 
     def __init__(self, ctx: zmq.Context, *, capacity: int = 64, holders: PidfdHolders | None = None):
+        self._bad = P.RateLimitedLog(log)  # a warning a second at most (out of descriptors: one per reply)
         self.ctx = ctx
         self.capacity = max(1, int(capacity))
         self._socks: OrderedDict[str, zmq.Socket] = OrderedDict()
@@ -222,7 +223,7 @@ class DirectSockets:
         except zmq.ZMQError as e:
             if sock is not None:
                 sock.close(linger=0)
-            log.warning("cannot connect to reply_to %s (%s); relaying through the broker", endpoint, e)
+            self._bad.warning("cannot connect to reply_to %s (%s); relaying through the broker", endpoint, e)
             return None
         self._socks[endpoint] = sock
         owner = P.parse_reply_socket_name(endpoint.rpartition("/")[2])

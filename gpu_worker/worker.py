@@ -70,6 +70,7 @@ from gpu_worker.planes import DataPlane, HostPlane
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
+from broker.protocol.limits import Headroom, nofile_limit
 from shm.errors import OutOfResources
 
 __all__ = ["Worker", "WorkerConfig", "WarmupError", "ConfigError", "install_sigterm_drain", "DIRECT_LINGER_MS"]
@@ -347,6 +348,7 @@ class Worker:
         # Leases (--direct): the table and the direct socket (bound last, below); None when off.
         self.leases: LeaseTable | None = None
         self.direct_socket: DirectSocket | None = None
+        self._fd_guard: Headroom | None = None  # an ipc direct socket's, near the descriptor limit
         self.leased_sent = 0          # FINALs sent on the direct socket
         self.leased_bounced = 0       # leased REQUESTs sent back to the broker's path (429): they would wait behind another's long batch
         self._lease_seq = 0           # the worker's own keys for leased requests
@@ -372,6 +374,8 @@ class Worker:
                 self.plane.close()
                 raise
             self.leases = LeaseTable()
+            if not self.direct_socket.tcp:
+                self._fd_guard = Headroom(nofile_limit())  # (_watch_descriptors)
 
     def _direct_keys(self) -> tuple[bytes, bytes] | None:
         """The CurveZMQ key pair of a tcp direct socket: the worker's own (``worker_key``,
@@ -438,6 +442,11 @@ class Worker:
         self._log_keep_warm()
         self.direct.close()
         if self.direct_socket is not None:
+            if self._fd_guard is not None and self._fd_guard.paused:  # its file moved aside (_watch_descriptors)
+                try:
+                    os.unlink(f"{self.direct_socket.path}.{os.getpid()}.paused")
+                except OSError:
+                    pass
             self.direct_socket.close(DIRECT_LINGER_MS)  # replies and 503s already queued still leave
             self.direct_socket = None
         self.upstream.close()
@@ -544,6 +553,7 @@ class Worker:
                     self._send(P.worker_heartbeat())
                 self._maybe_keep_warm()
                 if now >= next_housekeeping:  # every interval, busy or not
+                    self._watch_descriptors()
                     self.plane.housekeeping()
                     self.direct.sweep()  # reply_to sockets of clients that exited
                     if link is not None:
@@ -1481,6 +1491,9 @@ class Worker:
             why = "this worker takes no leases (it was started without --direct)"
         elif grant.service != self.service:
             why = f"this worker serves {self.service!r}, not {grant.service!r}"
+        elif self._fd_guard is not None and self._fd_guard.paused:
+            why = (f"this worker is near its descriptor limit ({self._fd_guard.used} of {self._fd_guard.limit} "
+                   f"in use): it takes no new leaseholder now")
         else:
             why = self.leases.grant(grant)
         if why is None:
@@ -1490,6 +1503,34 @@ class Worker:
         else:
             self._bad_direct.warning("refused lease %s: %s", grant.lease.hex(), why)
             self._send(P.worker_leased(grant.lease, P.error_body(0, P.ErrorCode.SERVICE_UNAVAILABLE, why)[0]))
+
+    def _watch_descriptors(self) -> None:
+        """Once a housekeeping interval, for a worker with an ipc direct socket: near its
+        descriptor limit, take no new lease and move the socket's file aside (libzmq's ipc
+        listener aborts the process when accept() fails with EMFILE; each client costs a
+        worker descriptors: its mapped segments, a pidfd, a reply socket); back once they
+        are under the mark again (broker.protocol.limits.Headroom)."""
+        guard = self._fd_guard
+        if guard is None:
+            return
+        change = guard.watch()
+        if change is None:
+            return
+        path = self.direct_socket.path
+        aside = f"{path}.{os.getpid()}.paused"
+        try:
+            if change == "pause":
+                os.rename(path, aside)
+            elif not os.path.exists(path):
+                os.rename(aside, path)
+        except OSError as e:
+            log.error("cannot move the direct socket's file %s: %s", path, e)
+        if change == "pause":
+            log.warning("%d of this worker's %d descriptors are in use: it takes no new lease, and new "
+                        "connections to its direct socket wait, until some close (at the limit libzmq would abort "
+                        "it); raise its descriptor limit", guard.used, guard.limit)
+        else:
+            log.warning("%d of %d descriptors in use: taking leases again", guard.used, guard.limit)
 
     def _on_lease_end(self, end: P.LeaseEnd) -> None:
         """LEASE_END from the broker: forget the lease.  Its client gone, its queued requests

@@ -93,6 +93,18 @@ class Headroom:
             return True
         return False
 
+    def watch(self) -> str | None:
+        """A periodic look for a process that does not see its connections come (no
+        accept events): lists its descriptors; "pause" or "resume" when that changes now."""
+        if self.paused:
+            return "resume" if self.tick() else None
+        used = self.count()
+        self.used = used if used >= 0 else self.limit
+        if self.used >= self._pause_at:
+            self.paused = True
+            return "pause"
+        return None
+
     def tick(self) -> bool:
         """A periodic look (about once a second): True when accepting may resume now."""
         if not self.paused:

@@ -458,3 +458,32 @@ def test_a_failing_read_during_compute_does_not_cost_the_heartbeat():
         assert tried and beats.sent >= 1
     finally:
         beats.close()
+
+
+def test_near_its_descriptor_limit_a_worker_takes_no_lease_and_hides_its_direct_socket(worker):
+    # Each client costs a worker descriptors (segments, a pidfd, a reply socket); at the
+    # limit libzmq's ipc listener aborted the worker on the next connection to its direct
+    # socket.  Near it, no new lease, and the socket's file is moved aside until they close.
+    guard = worker._fd_guard
+    assert guard is not None
+    fds = {"n": 10}
+    guard.count = lambda: fds["n"]
+    path = worker.direct_socket.path
+    worker._watch_descriptors()
+    assert os.path.exists(path) and not guard.paused
+    fds["n"] = guard.limit - 1
+    worker._watch_descriptors()
+    assert guard.paused and not os.path.exists(path)
+    worker.upstream.sent()
+    lease = P.lease_id(7)
+    worker.on_message(P.to_worker_lease(b"", P.encode_header(
+        P.LeaseGrant(lease=lease, secret=SECRET, service="echo", slots=1)))[1:])
+    (leased,) = [P.parse_worker(f) for f in worker.upstream.sent()]
+    assert leased.command == P.W_LEASED and leased.info  # refused: an error header
+    assert "near its descriptor limit" in P.decode_reply(leased.info).error.message
+    fds["n"] = 10
+    worker._watch_descriptors()
+    assert not guard.paused and os.path.exists(path)
+    _lease(worker, 8)
+    (leased,) = [P.parse_worker(f) for f in worker.upstream.sent()]
+    assert leased.command == P.W_LEASED and not leased.info  # taken
