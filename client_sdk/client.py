@@ -450,14 +450,13 @@ class Client(ClientBase):
                         pass
                 core.reroute(call)
             self._send(frames, call.deadline)
-        except BaseException as e:
-            if getattr(e, "zinf_sent", False):
-                # A signal handler raised as the request went out (wire.send_frames finished
-                # it): it is in flight, so it is cancelled, and its inputs stay until its
-                # FINAL (a worker may be reading them).
-                self.give_up(call)
-            else:
-                core.discard_unsent(call)
+        except BaseException:
+            # Also a signal handler's exception as the request went out (wire.send_frames
+            # left the socket at a message boundary; the request went out whole, short of a
+            # frame, or not at all): forgotten, its input slots freed.  Should it have gone
+            # out, a worker reading those slots finds them freed (their generation moved on)
+            # and its answer is a stray, released.
+            core.discard_unsent(call)
             raise
 
     def _send_soon(self, frames: list[Any] | None) -> None:

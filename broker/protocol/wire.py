@@ -52,12 +52,15 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None
     NOBLOCK; as with send_multipart, a full queue raises `zmq.Again` at the first frame
     (libzmq queues a multipart message whole or not at all).
 
-    Whole or nothing against signal handlers too.  pyzmq runs Python's signal handlers
-    after every frame it sends, so a handler that raises (Ctrl-C, an alarm-based timeout)
-    could stop a message half sent, and the socket's next message was glued onto it: an
-    innocent request lost, or garbage sent.  On such an exception the rest of the message
-    is sent first (libzmq takes every later frame once it took the first), and the
-    exception goes on with ``e.zinf_sent = True`` when the message went out whole."""
+    Never left open against signal handlers.  Python runs a handler between any two
+    bytecodes of the main thread and pyzmq runs them around each frame it sends, so one that
+    raises (Ctrl-C, an alarm-based timeout) could stop a message half sent, and the
+    socket's next message was glued onto it: an innocent request lost.  Whether the frame
+    it landed on went out cannot be told (pyzmq checks before and after the C send), so that
+    frame and the ones after it are sent again before the exception goes on: the interrupted
+    message goes out whole, or with that frame twice (then refused as malformed; the last
+    frame twice is a one-frame message after it, refused too), and the next message starts
+    a message of its own whatever happened."""
     _QUIET.discard(sock)  # a send may process the socket's commands (see Waiter)
     last = len(frames) - 1
     more = int(flags) | _SNDMORE
@@ -67,55 +70,26 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None
             _send(sock, f, more if i < last else int(flags), False)
     except zmq.ZMQError:
         raise
-    except BaseException as e:
-        # Raised in pyzmq (its signal check after the C call): frame i went out, unless it
-        # was the first and was refused (full); see _raised_in_zmq.  Raised between two
-        # frames (a bytecode boundary here): frame i did not.
-        start = i + 1 if _raised_in_zmq(e) else i
-        if start == 0:
-            e.zinf_sent = False  # nothing went out
-        elif start > last:
-            e.zinf_sent = True if last else None  # a lone frame raised in pyzmq: unknown
-        else:
-            e.zinf_sent = _finish_message(sock, frames, start, more, int(flags))
+    except BaseException:
+        _finish_message(sock, frames, i, more, int(flags))
         raise
 
 
-def _raised_in_zmq(e: BaseException) -> bool:
-    """Whether ``e`` came out of a pyzmq call (its traceback passes through pyzmq's code
-    below send_frames), not from between two of them.  pyzmq checks for signals after the C
-    send (the frame went out) and, rarely, after preparing the message (it did not): taken
-    as sent, the worst case is a message missing a frame, which the broker refuses as
-    malformed: the interrupted request is lost, and no other."""
-    tb = e.__traceback__
-    below = False
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if below and (code.co_name.startswith("zmq.") or "zmq/backend" in code.co_filename):
-            return True
-        if code is send_frames.__code__:
-            below = True
-        tb = tb.tb_next
-    return False
-
-
-def _finish_message(sock: zmq.Socket, frames: Sequence[Any], start: int, more: int, flags: int) -> bool:
-    """Send frames[start:] of a message interrupted by a signal handler's exception after
-    frame start - 1, which went out unless it was the first and was refused as full: then
-    the next frame is refused too (NOBLOCK), and nothing was sent.  True: it went out whole."""
+def _finish_message(sock: zmq.Socket, frames: Sequence[Any], start: int, more: int, flags: int) -> None:
+    """Send frames[start:] of a message a signal handler's exception interrupted.  libzmq
+    takes every later frame once it took the first; if the first was not taken (a full
+    queue), the next is refused too (NOBLOCK) and nothing of the message goes out.  A second
+    handler's exception meanwhile does not stop it (the first one goes on)."""
     last = len(frames) - 1
     j = start
     while j <= last:
         try:
             _send(sock, frames[j], (more if j < last else flags) | _NOBLOCK, False)
-        except zmq.Again:
-            return False  # the first frame was not taken: nothing of the message went out
         except zmq.ZMQError:
-            return False
-        except BaseException:  # noqa: BLE001 - another handler's exception: this frame went out too
+            return  # Again: the first frame was not taken, nothing went out
+        except BaseException:  # noqa: BLE001 - another handler's: this frame went out, go on
             pass
         j += 1
-    return True
 
 
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
