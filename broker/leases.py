@@ -189,7 +189,9 @@ class LeaseEvents:
         curve = isinstance(principal, str) and principal.startswith("curve:")
 
         def usable(w) -> bool:
-            return bool(w.direct) and w.direct.startswith(scheme) and (not remote or (w.direct_key is not None) == curve)
+            # Not a worker set aside for a request's last attempt (state.py: it runs alone).
+            return (bool(w.direct) and w.direct.startswith(scheme) and w.iso is None
+                    and (not remote or (w.direct_key is not None) == curve))
 
         cands = [w for w in workers if usable(w) and w.credit - w.leased > _brokered_share(w.credit)]
         near = False

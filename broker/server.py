@@ -324,7 +324,7 @@ class Broker:
             self._curve.configure(self.frontend, "frontend")
             self._curve.configure(self.backend, "backend")
             self._bind(self.frontend, self.frontend_ep)
-            bound.append(self.frontend_ep)
+            bound.append(self.frontend.getsockopt_string(zmq.LAST_ENDPOINT))  # (ipc://* is a path now)
             self._bind(self.backend, self.backend_ep)
         except BaseException:
             for s in (self.frontend, self.backend):
@@ -1243,16 +1243,19 @@ class Broker:
         hr = self._headroom
         if not hr.paused or not hr.tick():
             return
-        hidden, self._hidden = self._hidden, None
-        if hidden is not None:
-            path = self._ipc_path(self.frontend_ep)
-            try:
-                if os.path.exists(path):
-                    raise OSError(errno.EEXIST, "another socket took the path meanwhile")
-                os.rename(hidden, path)
-            except OSError as e:
-                log.error("cannot put %s back: %s; new clients cannot reach this broker", path, e)
-                return
+        hidden = self._hidden
+        if hidden is None:
+            return  # a tcp or abstract frontend: nothing was hidden
+        path = self._ipc_path(self.frontend_ep)
+        try:
+            if os.path.exists(path):
+                raise OSError(errno.EEXIST, "another socket took the path meanwhile")
+            os.rename(hidden, path)
+        except OSError as e:
+            hr.paused = True  # tried again at the next tick; the file stays ours to unlink
+            self._gc_oops.warning("cannot put %s back (%s): new clients cannot reach this broker", path, e)
+            return
+        self._hidden = None
         log.warning("%d of %d descriptors in use: new clients can connect to %s again", hr.used, hr.limit,
                     self.frontend_ep)
 

@@ -179,8 +179,10 @@ retry everything one request at a time.  Leased requests reach a worker without 
 (broker/leases.py), so one may still share a batch with a last attempt; a leaseholder
 resends its lost requests through the broker when its worker dies.  A set-aside worker
 is freed when its request leaves the queue another way (cancel, deadline, its client gone)
-or goes elsewhere (the worker's connection closed); the cost is O(workers of the service)
-per request placed or set aside, paid only after worker deaths.
+or goes elsewhere (the worker's connection closed, or another worker of its pool went idle
+while the one set aside still runs other work).  The cost (see _place_lone) is paid only
+after worker deaths.  With ``max_retries`` 1 the first retry is the last: workers that die
+together then have their requests retried one per worker at a time.
 
 A request whose pool has had no live worker
 for ``service_grace`` seconds fails with SERVICE_UNAVAILABLE (or NOT_LOCAL when the service
@@ -470,7 +472,7 @@ class _Pool:
 
 class _Service:
     __slots__ = ("name", "classes", "queued", "tiers", "top", "workers", "pools", "any",
-                 "in_flight", "idle", "deep", "recall_at", "lone")
+                 "in_flight", "idle", "deep", "recall_at", "lone", "aside", "isos")
 
     def __init__(self, name, now, epoch):
         self.name = name
@@ -499,9 +501,13 @@ class _Service:
         self.idle = {}
         self.deep = {}
         self.recall_at = None  # when a _T_RECALL timer of this service is due, if one is
-        # Queued requests on their last attempt (``_Request.alone``), oldest retry first: each
-        # waits for a worker of its pool holding nothing, and runs there alone.
+        # Queued requests on their last attempt (``_Request.alone``) that no worker is set
+        # aside for yet, oldest retry first; the workers set aside for queued ones (until
+        # they are empty: then each runs its request alone); and how many workers of the
+        # service are set aside or run one (``_Worker.iso``).  See _place_lone.
         self.lone = OrderedDict()
+        self.aside = {}
+        self.isos = 0
 
     def count(self, principal):
         """How many requests ``principal`` has queued in this service (all classes): O(1)."""
@@ -1555,7 +1561,7 @@ class Scheduler(LeaseEvents):
         """Dispatch while some queued request has a worker with spare credit in its pool."""
         if not svc.queued:
             return
-        if svc.lone:
+        if svc.lone or svc.aside:
             self._place_lone(svc, now, out)
         weights = self._weights
         aging = self.config.aging_s
@@ -1609,41 +1615,74 @@ class Scheduler(LeaseEvents):
             self._start(best, ready(pools[best.local_host]), now, out)
 
     def _place_lone(self, svc, now, out):
-        """Hand each queued request on its last attempt to a worker of its pool that holds
-        nothing, to run alone; where none is empty, set one aside (the least loaded not set
-        aside already): it gets no other brokered work until it is empty and has run that
-        request.  O(workers of the service) per request placed or set aside; such requests
-        exist only after worker deaths."""
-        for req in list(svc.lone):
-            if req.deadline is not None and req.deadline <= now:
-                self._expire_deadline(req, now, out)
-                continue
-            w = req.iso
-            if w is not None and w.closing:
-                self._unlone(req, reload=False)  # its connection closed: it gets nothing new
-                w = None
-            if w is None:
+        """Requests on their last attempt: each runs alone on a worker of its pool that
+        holds nothing (see Failure handling).
+
+        First the workers set aside: an empty one runs its request now; one still busy gives
+        it up to a worker of its pool gone idle meanwhile (it would otherwise wait behind
+        whatever the busy one runs, however long); a closing one gives it up.  Then the
+        requests still waiting: each gets the least loaded worker of its pool not set aside
+        (run now if empty, else set aside).  O(workers set aside) per pass, plus O(workers +
+        requests waiting) while some worker is not set aside; nothing when no worker died."""
+        if svc.aside:
+            for w in list(svc.aside):
+                req = w.iso
+                if req.deadline is not None and req.deadline <= now:
+                    self._expire_deadline(req, now, out)  # (_take, _unlone: w is free again)
+                    continue
+                if w.closing:
+                    self._unlone(req, reload=False)  # its connection closed: it gets nothing new
+                    svc.lone[req] = None
+                    svc.lone.move_to_end(req, last=False)
+                    continue
+                if w.in_flight and svc.idle:
+                    pool = svc.pools.get(req.local_host)
+                    for t in svc.idle:
+                        if pool in t.pools and not t.awaiting:
+                            self._unlone(req)
+                            self._set_aside(t, req)
+                            w = t
+                            break
+                if not w.in_flight:
+                    self._take(req, True)
+                    self._counters["alone"] += 1
+                    self._start(req, w, now, out)
+        if svc.lone and svc.isos < len(svc.workers):
+            free = [w for w in svc.workers.values() if w.iso is None and not w.closing]
+            for req in list(svc.lone):
+                if not free:
+                    break
+                if req.deadline is not None and req.deadline <= now:
+                    self._expire_deadline(req, now, out)
+                    continue
                 pool = svc.pools.get(req.local_host)
-                if pool is None or not pool.live:
+                if pool is None:
                     continue  # its grace timer runs
                 best = None
-                for cand in svc.workers.values():
-                    if cand.iso is None and not cand.closing and pool in cand.pools:
-                        key = (len(cand.in_flight) + cand.leased, cand.busy)
+                for i, w in enumerate(free):
+                    if pool in w.pools:
+                        key = (len(w.in_flight) + w.leased, w.busy)
                         if best is None or key < best[0]:
-                            best = (key, cand)
+                            best = (key, i)
                             if not key[0]:
                                 break
                 if best is None:
-                    continue  # every worker of its pool is set aside already: it waits its turn
-                w = best[1]
-                w.iso = req
-                req.iso = w
-                self._reload(w)
-            if not w.in_flight:
-                self._take(req, True)
-                self._counters["alone"] += 1
-                self._start(req, w, now, out)
+                    continue  # no worker of its pool is free: it waits its turn
+                w = free.pop(best[1])
+                self._set_aside(w, req)
+                if not w.in_flight:
+                    self._take(req, True)
+                    self._counters["alone"] += 1
+                    self._start(req, w, now, out)
+
+    def _set_aside(self, w, req):
+        """``w`` is ``req``'s until it has run it alone (``req`` is queued now)."""
+        w.iso = req
+        req.iso = w
+        w.svc.isos += 1
+        w.svc.lone.pop(req, None)
+        w.svc.aside[w] = None
+        self._reload(w)  # out of the heaps, not idle
 
     def _unlone(self, req, reload=True):
         """``req`` no longer holds the worker set aside for it (it ended there, or left the
@@ -1653,9 +1692,13 @@ class Scheduler(LeaseEvents):
         req.iso = None
         if w is not None and w.iso is req:
             w.iso = None
-            if reload and w.alive:
-                self._reload(w)
-                self._dirty[w.svc] = None
+            svc = w.svc
+            svc.aside.pop(w, None)
+            if w.alive:
+                svc.isos -= 1
+                if reload:
+                    self._reload(w)
+                    self._dirty[svc] = None
 
     def _retry(self, reqs):
         """Queue ``reqs`` (oldest first) again after a failed attempt (their worker died, or
@@ -1689,6 +1732,8 @@ class Scheduler(LeaseEvents):
         req.token = token
         req.dispatched_at = now
         req.recalled = False
+        if req.iso is not None:
+            w.svc.aside.pop(w, None)  # set aside for it, and now running it
         w.in_flight[token] = req
         svc.in_flight += 1
         w.used = next(self._uses)
@@ -1709,8 +1754,14 @@ class Scheduler(LeaseEvents):
         svc.deep.pop(w, None)
         self._counters["worker_deaths"] += 1
         kept_for = w.iso
-        if kept_for is not None and kept_for.iso is w:
-            kept_for.iso = None  # it was set aside for a queued one: that one looks again
+        if kept_for is not None:
+            svc.isos -= 1
+            svc.aside.pop(w, None)
+            if kept_for.iso is w:
+                kept_for.iso = None
+                if kept_for.state == _QUEUED:  # it was set aside for this one: it looks again
+                    svc.lone[kept_for] = None
+                    svc.lone.move_to_end(kept_for, last=False)
         retry = []
         for req in w.in_flight.values():
             svc.in_flight -= 1
@@ -1725,7 +1776,11 @@ class Scheduler(LeaseEvents):
                                              "results were sent; a stream is not run again (its caller would see "
                                              "them twice)", out)
                 elif req.attempt >= self.config.max_retries:
-                    if req.alone:
+                    if not failed:
+                        why = (f"the workers running this request died or left before answering it "
+                               f"{req.attempt + 1} times, the last one saying goodbye (DISCONNECT: a worker "
+                               f"stopped, or drained) (max_retries={self.config.max_retries})")
+                    elif req.alone:
                         why = (f"the workers running this request died {req.attempt + 1} times, the last one "
                                f"while running it alone (max_retries={self.config.max_retries}): this input "
                                f"may be what kills them (a crash in the model's native code, an abort, an "

@@ -776,6 +776,8 @@ class AsyncClient(ClientBase):
                     self._loop.remove_reader(sock.getsockopt(zmq.FD))
                 except Exception:  # the loop may already be closed
                     pass
+            if dead:
+                self._loop = None  # what follows (leases' goodbyes, sends, wake-ups) schedules nothing on it
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
@@ -800,7 +802,8 @@ class AsyncClient(ClientBase):
         if self._inbox is not None:
             self._inbox.close()
         core.close()
-        self._wake_pumps()
+        if not dead:
+            self._wake_pumps()
         if heart is not None:
             task = asyncio.current_task()
             before = task.cancelling() if task is not None else 0  # (a cancellation it caught earlier)

@@ -46,6 +46,7 @@ REQUESTs from then on get 503), finish what is held, send DISCONNECT, exit 0.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -349,6 +350,7 @@ class Worker:
         self.leases: LeaseTable | None = None
         self.direct_socket: DirectSocket | None = None
         self._fd_guard: Headroom | None = None  # an ipc direct socket's, near the descriptor limit
+        self._direct_aside: str | None = None  # where its file is while moved aside
         self.leased_sent = 0          # FINALs sent on the direct socket
         self.leased_bounced = 0       # leased REQUESTs sent back to the broker's path (429): they would wait behind another's long batch
         self._lease_seq = 0           # the worker's own keys for leased requests
@@ -442,9 +444,9 @@ class Worker:
         self._log_keep_warm()
         self.direct.close()
         if self.direct_socket is not None:
-            if self._fd_guard is not None and self._fd_guard.paused:  # its file moved aside (_watch_descriptors)
+            if self._direct_aside is not None:  # its file, moved aside (_watch_descriptors)
                 try:
-                    os.unlink(f"{self.direct_socket.path}.{os.getpid()}.paused")
+                    os.unlink(self._direct_aside)
                 except OSError:
                     pass
             self.direct_socket.close(DIRECT_LINGER_MS)  # replies and 503s already queued still leave
@@ -1517,20 +1519,27 @@ class Worker:
         if change is None:
             return
         path = self.direct_socket.path
-        aside = f"{path}.{os.getpid()}.paused"
-        try:
-            if change == "pause":
-                os.rename(path, aside)
-            elif not os.path.exists(path):
-                os.rename(aside, path)
-        except OSError as e:
-            log.error("cannot move the direct socket's file %s: %s", path, e)
         if change == "pause":
+            aside = f"{path}.{os.getpid()}.paused"
+            try:
+                os.rename(path, aside)
+                self._direct_aside = aside
+            except OSError as e:
+                log.error("cannot move the direct socket's file %s aside: %s", path, e)
             log.warning("%d of this worker's %d descriptors are in use: it takes no new lease, and new "
                         "connections to its direct socket wait, until some close (at the limit libzmq would abort "
                         "it); raise its descriptor limit", guard.used, guard.limit)
-        else:
-            log.warning("%d of %d descriptors in use: taking leases again", guard.used, guard.limit)
+            return
+        aside = self._direct_aside
+        if aside is not None:
+            try:
+                if os.path.exists(path):
+                    raise OSError(errno.EEXIST, "another socket took the path meanwhile")
+                os.rename(aside, path)
+                self._direct_aside = None
+            except OSError as e:
+                log.error("cannot put the direct socket's file %s back: %s", path, e)
+        log.warning("%d of %d descriptors in use: taking leases again", guard.used, guard.limit)
 
     def _on_lease_end(self, end: P.LeaseEnd) -> None:
         """LEASE_END from the broker: forget the lease.  Its client gone, its queued requests

@@ -142,7 +142,7 @@ class LineWriter:
             try:
                 self.stream.write("\n".join(lines) + "\n")
                 self.stream.flush()
-            except (OSError, ValueError):
+            except Exception:  # noqa: BLE001 - EPIPE, a closed stream, sys.stderr None: the thread goes on
                 pass
             with cv:
                 self._done += n
@@ -169,7 +169,9 @@ class QueuedHandler(logging.Handler):
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        # The writer is the stream's, shared (the launcher's forwarded lines use it too):
+        # flushed here, ended at exit (_close_writers) or by setup_logging for another stream.
+        self.writer.flush()
         super().close()
 
 
@@ -323,7 +325,7 @@ def setup_logging(level: str | int = "WARNING", fmt: str = "text", process: str 
     for h in list(root.handlers):
         root.removeHandler(h)
         if isinstance(h, QueuedHandler) and h.writer is not writer:
-            h.close()  # its stream's writer thread ends
+            h.writer.close()  # its stream's writer thread ends
     root.addHandler(handler)
     root.setLevel(level)
     _FORMAT = fmt

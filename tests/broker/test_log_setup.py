@@ -33,6 +33,8 @@ def restore_root(monkeypatch):
             root.removeHandler(h)
             if h not in handlers:
                 h.close()
+                if isinstance(h, logs.QueuedHandler):
+                    h.writer.close()  # (a test's own stream: its writer thread ends)
         for h in handlers:
             root.addHandler(h)
         root.setLevel(level)

@@ -991,3 +991,22 @@ def test_done_from_a_presumed_dead_worker_is_dropped_and_the_retry_stands():
     assert s.worker_done(b"w1", [d1.token], 1.1) == []
     assert of(s.worker_done(b"w2", [retry.token], 1.2), ToClient) == []
     assert s.stats()["counters"]["completed"] == 1
+
+
+def test_a_last_attempt_moves_from_a_busy_worker_set_aside_for_it_to_one_gone_idle():
+    # w1 set aside for A while it ran X; w2 emptied meanwhile and took new work, while A
+    # waited behind X (for ever behind a long stream).  Now A goes to w2.
+    s = Scheduler(Config(max_retries=1, service_grace=60))
+    s.worker_ready(b"a", "svc", 0.0)
+    only(req(s, 1), Dispatch)  # A: dies with its worker below
+    s.worker_ready(b"w1", "svc", 0.0, credit=2)
+    s.worker_ready(b"w2", "svc", 0.0, credit=2)
+    x, y = only(req(s, 2), Dispatch), only(req(s, 3), Dispatch)
+    assert {x.worker, y.worker} == {b"w1", b"w2"}
+    assert s.worker_disconnect(b"a", 0.1) == []  # A: its last attempt, a busy worker set aside for it
+    (aside,) = s._services["svc"].aside
+    other = y if aside.ident == x.worker else x
+    d = only(s.worker_final(other.worker, other.token, 0.2), Dispatch)  # the other one empties
+    assert (d.request_id, d.attempt, d.worker) == (1, 1, other.worker)
+    assert not s._services["svc"].aside and aside.iso is None  # the first takes work again
+    assert only(req(s, 4, 0.3), Dispatch).worker == aside.ident

@@ -492,14 +492,16 @@ class SchedulerMachine(RuleBasedStateMachine):
                     r = w.iso
                     assert r.iso is w and r.alone
                     if r.worker is w:
-                        assert list(w.in_flight.values()) == [r]
+                        assert list(w.in_flight.values()) == [r] and w not in svc.aside
                     else:
-                        assert r.state == 0 and r in svc.lone  # QUEUED, waiting for it
+                        assert r.state == 0 and w in svc.aside and r not in svc.lone  # QUEUED, waiting for it
                 assert (w in svc.deep) == (w.recall and (len(w.in_flight) >= 2 or bool(w.in_flight) and w.busy))
                 assert w.awaiting == sum(1 for o in self.s._workers.values()
                                          for r in o.in_flight.values() if r.thief is w)
             queued_alone = {r for ring in svc.classes for fifo in ring.values() for r in fifo if r.alone}
-            assert set(svc.lone) == queued_alone
+            assert set(svc.lone) == {r for r in queued_alone if r.iso is None}
+            assert {w.iso for w in svc.aside} == {r for r in queued_alone if r.iso is not None}
+            assert svc.isos == sum(1 for w in svc.workers.values() if w.iso is not None)
             assert set(svc.idle) <= set(svc.workers.values())
             assert set(svc.deep) <= set(svc.workers.values())
 
