@@ -323,8 +323,7 @@ class Worker:
         self._ready_cb = None         # serve's ready callback until it has run (once)
         self._ready_deadline = 0.0    # when it runs without a WELCOME
         self._ready_wait = 0.0
-        self._serving_since = 0.0     # when serve began (what the fallback's word from the broker must follow)
-        self._silence_said = False    # the fallback's "nothing heard" warning was logged
+        self._serving_since = 0.0     # when serve began (whether the fallback heard a word since)
         self._reconnect_why: str | None = None  # set by a DISCONNECT; the loop reconnects
         self._last_heard = 0.0
         self._heard_at = -math.inf  # when a message from the broker was last read (readiness, plain MDP)
@@ -475,7 +474,6 @@ class Worker:
         self._ready_wait = READY_FALLBACK_INTERVALS * self.heartbeat_interval
         self._serving_since = time.monotonic()
         self._ready_deadline = self._serving_since + self._ready_wait
-        self._silence_said = False
         upstream = self.upstream
         # Waited for by descriptor (wire.Waiter: EVENTS asked only of sockets that may have
         # changed).  The offload thread's completion socket is watched only while a batch is
@@ -539,16 +537,17 @@ class Worker:
                     if self._heard_at >= self._serving_since:
                         log.warning("no WELCOME from the broker within %.3g s (a plain MDP broker); "
                                     "announcing READY anyway", self._ready_wait)
-                        self._plain_broker = True  # ready (the probe's) while connected, from now on
-                        self._announce_ready()
-                    elif not self._silence_said:
-                        # A plain MDP broker heartbeats its workers; nothing at all is not a
-                        # broker's backend (a broker's frontend, another program, nobody):
-                        # READY waits for a word from it.
-                        self._silence_said = True
-                        log.warning("nothing heard from %s within %.3g s, no WELCOME and no heartbeat: not "
-                                    "ready; is it the broker's backend endpoint (not its frontend)?",
-                                    self.cfg.broker, self._ready_wait)
+                    else:
+                        # A plain MDP broker heartbeats its workers; nothing at all is a relay
+                        # that speaks only when a request comes (zmq.proxy), or no broker's
+                        # backend (its frontend, another program, nobody).  READY all the
+                        # same (a relay's workers need it), with the likely mistake said; the
+                        # probe stays 503 until a word comes (`ready`).
+                        log.warning("nothing heard from %s within %.3g s, no WELCOME and no heartbeat: announcing "
+                                    "READY anyway; if this is not a relay, is it the broker's backend endpoint "
+                                    "(not its frontend)?", self.cfg.broker, self._ready_wait)
+                    self._plain_broker = True  # ready (the probe's) while connected and heard, from now on
+                    self._announce_ready()
                 if self.dones.ready(now):
                     self._flush_done()
                 if now - upstream.last_sent >= interval:

@@ -6,7 +6,6 @@ a condition or reads a line, with a timeout."""
 from __future__ import annotations
 
 import json
-import select
 import signal
 import textwrap
 
@@ -61,27 +60,16 @@ def test_the_broker_is_not_ready_while_it_drains(tmp_path, gate):
         la.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_workers_readiness_waits_for_its_broker(cluster):
     """Ready (gpu_worker.health) means the broker has it registered: not before a broker is
-    there at all, and once one comes up, without restarting the worker.  Its READY line
-    says the same: it waits for the broker too."""
-    port = _free_port()
-    w = cluster.worker("echo", "--health-port", f"127.0.0.1:{port}", wait=False)
-    base = f"http://127.0.0.1:{port}"
-    w.wait_log("nothing heard from")  # no broker yet: not ready, and no READY line
+    there at all, and once one comes up, without restarting the worker."""
+    # No broker yet: the worker announces READY after its WELCOME wait, unregistered.
+    w = cluster.worker("echo", "--health-port", "127.0.0.1:0")
+    base = "http://" + w.field("health")
     assert get(base, "/v2/health/live")[0] == 200
     status, body = get(base, "/v2/health/ready")
     before = (status, json.loads(body))
     cluster.broker()
-    w.wait_ready()
     until(lambda: get(base, "/v2/health/ready")[0] == 200, "the worker registered")
     with Client(cluster.frontend, timeout=WAIT) as c:
         wait_service(c, "echo")
@@ -109,18 +97,17 @@ def test_an_idle_worker_starts_its_drain_when_the_signal_comes(cluster):
 
 
 def test_a_worker_pointed_at_the_brokers_frontend_is_not_ready(cluster):
-    # The wrong endpoint, connected: no WELCOME comes, so READY was printed after the wait
-    # (the plain-MDP fallback), and the probe then said 200 for good.  A plain MDP broker
-    # heartbeats its workers; a frontend says nothing a worker can read: no READY line, a
-    # warning that names the likely mistake, and the probe says 503.
+    # The wrong endpoint, connected: no WELCOME comes, so READY is printed after the wait
+    # (the plain-MDP fallback; a relay's workers need it), and the probe then said 200 for
+    # good.  A plain MDP broker heartbeats its workers; a frontend says nothing a worker can
+    # read: the probe says 503, and both sides name the likely mistake.
     broker = cluster.broker()
-    port = _free_port()
     w = Proc(["-m", "gpu_worker", "--broker", cluster.frontend, "--model", "echo", "--heartbeat-interval", "0.2",
-              "--health-port", f"127.0.0.1:{port}"])
+              "--health-port", "127.0.0.1:0"])
     cluster.procs.append(w)
-    base = f"http://127.0.0.1:{port}"
+    w.wait_ready()
+    base = "http://" + w.field("health")
     w.wait_log("is it the broker's backend endpoint (not its frontend)?")
-    broker.wait_log("connect to the backend")  # the broker names the mistake too
-    assert w.p.poll() is None and not select.select([w.p.stdout], [], [], 0)[0]  # no READY line
+    broker.wait_log("connect to the backend")
     for _ in range(5):
         assert get(base, "/v2/health/ready") == (503, b'{"ready": false}')

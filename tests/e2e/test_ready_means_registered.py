@@ -130,15 +130,13 @@ def test_ready_falls_back_after_a_bounded_wait_without_welcome(served):
     assert len(calls) == 1
 
 
-def test_no_ready_without_a_word_from_the_broker(served, caplog):
+def test_ready_without_a_word_from_the_broker_says_what_may_be_wrong(served, caplog):
     # A worker pointed at something that answers nothing (a broker's frontend, another
-    # program) announced READY after the fallback's wait all the same.  A plain MDP broker
-    # heartbeats its workers: with nothing at all heard, READY waits, and a warning says why.
+    # program; or a relay such as zmq.proxy, which speaks only when a request comes):
+    # READY after the wait all the same, with the likely mistake said.
     start, broker, calls = served
     interval = 0.05
     start(heartbeat_interval=interval)
-    ident = broker.ready_identity()
-    _wait(lambda: "nothing heard from" in caplog.text)
-    assert calls == [] and "not its frontend" in caplog.text
-    broker.heartbeat(ident)  # a word from it: the fallback goes on
+    broker.ready_identity()
     _wait(lambda: calls)
+    assert "nothing heard from" in caplog.text and "not its frontend" in caplog.text
