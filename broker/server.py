@@ -244,6 +244,16 @@ def _show_sig(decl) -> str:
                      for name, (dt, shape) in sorted(decl.items()))
 
 
+def _protocol_frame(frames) -> bytes:
+    """The MDP protocol frame of a message a ROUTER read (after the identity, and the empty
+    delimiter a REQ peer puts first), for telling a client from a worker; b"" if none."""
+    for f in frames[1:3]:
+        b = bytes(f)
+        if b:
+            return b
+    return b""
+
+
 def _unlink_ipc(endpoints) -> None:
     """Remove the socket files of these endpoints (the ipc ones with a path)."""
     for ep in endpoints:
@@ -718,7 +728,7 @@ class Broker:
             msg = P.parse_client(frames[1:])
         except P.ProtocolError as e:
             self.malformed += 1
-            if len(frames) > 1 and bytes(frames[1]) == P.MDPW:
+            if _protocol_frame(frames) == P.MDPW:
                 self._bad.warning("a worker (MDPW02) sent to the frontend %s: workers connect to the backend %s "
                                   "(python -m gpu_worker --broker %s)", self.frontend_ep, self.backend_ep,
                                   self.backend_ep)
@@ -998,7 +1008,7 @@ class Broker:
             msg = P.parse_worker(frames[1:])
         except P.ProtocolError as e:
             self.malformed += 1
-            if len(frames) > 1 and bytes(frames[1]) == P.MDPC:
+            if _protocol_frame(frames) == P.MDPC:
                 self._bad.warning("a client (MDPC02) sent to the backend %s: clients connect to the frontend %s",
                                   self.backend_ep, self.frontend_ep)
             else:

@@ -319,3 +319,13 @@ def test_busy_round_trips_and_a_bad_one_is_a_protocol_error():
     for bad in ([P.MDPW, P.W_BUSY], [P.MDPW, P.W_BUSY, b"\x02"], [P.MDPW, P.W_BUSY, b"\x01", b"x"]):
         with pytest.raises(P.ProtocolError, match="BUSY"):
             P.parse_worker(bad)
+
+
+def test_the_protocol_frame_is_found_after_a_req_peers_empty_delimiter():
+    # What tells a client on the backend (or a worker on the frontend) apart from garbage:
+    # a REQ-based MDP peer puts an empty frame before the protocol frame.
+    from broker.server import _protocol_frame
+
+    assert _protocol_frame([b"id", P.MDPC, b"\x02"]) == P.MDPC
+    assert _protocol_frame([b"id", b"", P.MDPW, b"\x01"]) == P.MDPW
+    assert _protocol_frame([b"id"]) == b"" and _protocol_frame([b"id", b"", b""]) == b""
