@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import os
 import signal
 import sys
@@ -172,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     add_log_options(ap)
     args = ap.parse_args(argv)
     setup_logging(args.log_level, args.log_format, "broker")
+    # A crash in native code (a model's extension on one input, libzmq's assertions): every
+    # thread's Python stack on stderr, written at once (log lines still queued for the
+    # writer thread may not get out).
+    faulthandler.enable(all_threads=True)
 
     try:
         cfg = BrokerConfig.from_toml(args.config) if args.config else BrokerConfig()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import faulthandler
 import logging
 import sys
 
@@ -191,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format, "worker")
+    # A crash in native code (a model's extension on one input, libzmq's assertions): every
+    # thread's Python stack on stderr, written at once (log lines still queued for the
+    # writer thread may not get out).
+    faulthandler.enable(all_threads=True)
 
     broker = args.broker or P.default_endpoints()[1]
     from gpu_worker.upstream import CurveKeyError, link_keys

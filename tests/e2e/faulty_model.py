@@ -6,7 +6,7 @@ faulty_model:<factory>`, with this folder on PYTHONPATH.  Each request says what
 - `batched`: a batchable model.  do = "raise" (ValueError), "exit" (SystemExit), "genexit"
   (GeneratorExit), "many" (300 outputs), "badname" (an output named 0), "deep" (a 41-d
   output), "half" (a good first output, then an object array), "v0" (a zero-size item
-  dtype), "crash" (the worker process dies at once, as in a crash in native code); slow = 1
+  dtype), "crash" (the worker process exits at once), "segv" (a segmentation fault in native code); slow = 1
   makes the batch
   take 0.15 s.  `batched_keeper`: the same, returning a view of one buffer it keeps.
 - `keeper`: returns a view of one buffer it keeps and fills again on every call (the
@@ -43,6 +43,10 @@ class Batched(ModelBase):
                 raise ValueError("faulty_model: told to raise")
             if do == "crash":
                 os._exit(70)
+            if do == "segv":
+                import ctypes
+
+                ctypes.string_at(0)  # a crash in native code: SIGSEGV
             if do == "exit":
                 raise SystemExit(3)
             if do == "genexit":

@@ -226,3 +226,16 @@ def test_a_request_that_kills_its_worker_takes_no_other_request_with_it(cluster)
     with Client(cluster.frontend, timeout=20) as c:  # the survivor serves on
         with c.infer("batched", {"x": np.ones(4, np.float32)}) as r:
             assert r["y"][0] == 2.0
+
+
+def test_a_model_that_crashes_in_native_code_leaves_its_stack_on_stderr(cluster):
+    # A segmentation fault in a model's extension ended the worker without a word: nothing
+    # said where.  The worker's stderr now holds every thread's Python stack at the fault.
+    cluster.broker("--max-retries", "0")
+    w = cluster.worker("faulty_model:batched", "--service", "batched")
+    with Client(cluster.frontend, timeout=30) as c:
+        with pytest.raises(WorkerFailed):
+            c.infer("batched", {"x": np.zeros(4, np.float32)}, meta={"do": "segv"})
+    assert w.p.wait(30) != 0
+    err = w.stderr()
+    assert "Fatal Python error: Segmentation fault" in err and "faulty_model.py" in err, err
