@@ -176,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     # A crash in native code (a model's extension on one input, libzmq's assertions): every
     # thread's Python stack on stderr, written at once (log lines still queued for the
     # writer thread may not get out).
-    faulthandler.enable(all_threads=True)
+    try:
+        faulthandler.enable(all_threads=True)
+    except (OSError, ValueError, AttributeError):  # a stderr without a descriptor (run in process)
+        pass
 
     try:
         cfg = BrokerConfig.from_toml(args.config) if args.config else BrokerConfig()

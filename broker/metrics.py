@@ -146,6 +146,8 @@ class Metrics:
                     raise ValueError("sum not a finite non-negative number")
             if not 0 <= st.keep_warm_runs < _MAX_COUNT:
                 raise ValueError("keep-warm runs out of range")
+            if type(st.leased_dropped) is not int or not 0 <= st.leased_dropped < _MAX_COUNT:
+                raise ValueError("leased dropped frames out of range")
             for field in _GAUGE_FIELDS:
                 v = getattr(st, field)
                 if v is not None and not 0 <= v < _MAX_COUNT:
@@ -156,6 +158,7 @@ class Metrics:
         for hist, delta in pairs:
             if delta is not None:
                 hist.add(delta[0], delta[1])
+        s.dropped += st.leased_dropped
         for code, n in leased.items():
             if n:
                 # A worker's code is never the broker's own (client_gone): negatives are odd.

@@ -390,6 +390,7 @@ _COUNTERS = (
     "leases_refused",            # lease asks answered with an error
     "leases_ended",
     "alone",                     # requests on their last attempt dispatched to run alone
+    "workers_left",              # workers that said DISCONNECT (a drain, a rolling restart): not deaths
 )
 
 
@@ -1752,7 +1753,7 @@ class Scheduler(LeaseEvents):
         del svc.workers[w.ident]
         svc.idle.pop(w, None)
         svc.deep.pop(w, None)
-        self._counters["worker_deaths"] += 1
+        self._counters["worker_deaths" if failed else "workers_left"] += 1
         kept_for = w.iso
         if kept_for is not None:
             svc.isos -= 1

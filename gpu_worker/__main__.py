@@ -195,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     # A crash in native code (a model's extension on one input, libzmq's assertions): every
     # thread's Python stack on stderr, written at once (log lines still queued for the
     # writer thread may not get out).
-    faulthandler.enable(all_threads=True)
+    try:
+        faulthandler.enable(all_threads=True)
+    except (OSError, ValueError, AttributeError):  # a stderr without a descriptor (run in process)
+        pass
 
     broker = args.broker or P.default_endpoints()[1]
     from gpu_worker.upstream import CurveKeyError, link_keys

@@ -291,6 +291,7 @@ class Worker:
                       "output": Histogram(LATENCY_BUCKETS), "batch": Histogram(BATCH_BUCKETS),
                       "leased_request": Histogram(LATENCY_BUCKETS)}
         self._leased_outcomes: dict[int, int] = {}  # outcome code (0: a result) -> FINALs since the last STATS
+        self._leased_dropped = 0  # frames leased latest-wins streams dropped, since the last STATS
         self._stats_warm = 0     # keep-warm runs already reported
         self._stats_usage = None  # pool use last reported
         self.counts = False        # the broker counts (its WELCOME said so): STATS, DONE outcomes
@@ -587,6 +588,7 @@ class Worker:
                     continue
                 self.run_ready_batches(force=True)
             self._flush_done()
+            self._send_stats()  # the last interval's counts and leased outcomes, before the goodbye
             self._send(P.worker_disconnect())
             self._linger_direct()
             self._wait_outputs_released()
@@ -1259,6 +1261,7 @@ class Worker:
 
     def _run_stream(self, job: Job) -> None:
         seq = 0
+        out_ms = 0.0  # the partials' output writing, for the histogram
         start = time.monotonic()
         t0 = time.perf_counter()
         self.running = {job.envelope: job}
@@ -1319,15 +1322,22 @@ class Worker:
                     return
                 if out is _END:
                     break
+                part = {**waits, "compute_ms": (time.perf_counter() - t0) * 1e3}
                 try:
-                    self._reply_tensors(job, out, {**waits, "compute_ms": (time.perf_counter() - t0) * 1e3},
-                                        final=False, seq=seq)
+                    self._reply_tensors(job, out, part, final=False, seq=seq)
                 except Exception as e:  # what it yielded cannot be sent (not a dict, too many outputs...)
                     return self._stream_failed(job, outs, ModelFailed(e), seq)
+                out_ms += part.get("output_ms", 0.0)
                 seq += 1
             timing = {**waits, "compute_ms": (time.perf_counter() - t0) * 1e3}
             self._reply(job, True, [P.encode_header(P.Reply(id=job.req.id, seq=seq, timing=timing))])
             self.served += 1
+            if self.counts:  # a stream is a batch of one: its whole run, and its partials' writing
+                hist = self._hist
+                hist["compute"].observe(timing["compute_ms"] / 1e3)
+                hist["input"].observe(job.input_ms / 1e3)
+                hist["output"].observe(out_ms / 1e3)
+                hist["batch"].observe(1)
             if log.isEnabledFor(logging.INFO):
                 log.info("request done", extra={**logs.done_fields(job.req, self.service, timing), "partials": seq})
         finally:
@@ -1452,14 +1462,17 @@ class Worker:
         warm = self.keep_warm.runs - self._stats_warm
         hist = self._hist
         leased = self._leased_outcomes
-        if not warm and not leased and usage == self._stats_usage and \
+        dropped = self._leased_dropped
+        if not warm and not leased and not dropped and usage == self._stats_usage and \
                 not any(h.sum or any(h.counts) for h in hist.values()):
             return
         fields = {name: h.take() for name, h in hist.items()}
         self._leased_outcomes = {}
+        self._leased_dropped = 0
         self._stats_warm += warm
         self._stats_usage = usage
-        self._send(P.worker_stats(P.WorkerStats(keep_warm_runs=warm, leased=leased or None, **fields, **usage)))
+        self._send(P.worker_stats(P.WorkerStats(keep_warm_runs=warm, leased=leased or None, leased_dropped=dropped,
+                                                **fields, **usage)))
 
     def _fail_pending(self, why: str) -> None:
         # The broker retries these elsewhere; our replies would carry dead tokens.  What
@@ -1675,6 +1688,10 @@ class Worker:
         req.reply_to = None                   # replies go back on this connection
         req.queue_ms = req.returned = None    # the broker's fields: nothing queued it
         req.backlog = 0                       # the lease's other requests are here already
+        if req.dropped and 0 < req.dropped < 1 << 32:
+            # Frames its latest-wins stream dropped before this one: the broker counts them
+            # for brokered requests; these it hears of in STATS.
+            self._leased_dropped += req.dropped
         self._admit(Job(key, req, None, None, now, None, None, route), rest, now)
 
     def _waits_behind_another(self, lease, now: float) -> float | None:

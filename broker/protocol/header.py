@@ -305,6 +305,7 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     # seconds from the worker's receipt of each REQUEST to its FINAL sent.
     leased: dict[int, int] | None = None
     leased_request: tuple[list[int], float] | None = None
+    leased_dropped: int = 0  # frames leased latest-wins streams dropped at their clients (Request.dropped)
 
 
 _UNKNOWN_CODE = 1 << 20  # an error code no version defines: counted as error_other

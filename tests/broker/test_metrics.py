@@ -93,6 +93,8 @@ def _stats(**kw):
     {"leased": {c: 1 for c in range(100)}},                            # more codes than any version has
     {"leased_request": ([1] * 3, 1.0)},
     {"leased_request": ([1] + [0] * len(LATENCY_BUCKETS), -1.0)},
+    {"leased_dropped": -1},
+    {"leased_dropped": 1 << 60},
 ])
 def test_stats_that_do_not_add_up_change_nothing(bad):
     m = Metrics()
@@ -324,3 +326,13 @@ def test_device_gauges_out_of_range_are_refused(field):
     assert not m.worker_stats(b"w", "gpu", "1@h", _stats(**{field: -1}))
     assert not m.worker_stats(b"w", "gpu", "1@h", _stats(**{field: 1 << 60}))
     assert m.bad_stats == 2 and m.gauges == {}
+
+
+def test_frames_leased_streams_dropped_add_to_the_services_dropped_frames():
+    # A pinned latest-wins stream's requests go straight to the worker: the frames its
+    # client dropped were never counted (the broker reads them from brokered requests only).
+    m = Metrics()
+    m.register("echo")
+    m.dropped("echo", 3)  # brokered
+    assert m.worker_stats(b"w", "echo", "1@h", _stats(leased_dropped=4))
+    assert m._svc("echo").dropped == 7

@@ -1010,3 +1010,14 @@ def test_a_last_attempt_moves_from_a_busy_worker_set_aside_for_it_to_one_gone_id
     assert (d.request_id, d.attempt, d.worker) == (1, 1, other.worker)
     assert not s._services["svc"].aside and aside.iso is None  # the first takes work again
     assert only(req(s, 4, 0.3), Dispatch).worker == aside.ident
+
+
+def test_a_worker_that_says_goodbye_is_counted_as_left_not_as_a_death():
+    # Every rolling restart showed as worker deaths: an alert on them fired on each.
+    s = Scheduler()
+    s.worker_ready(b"a", "svc", 0.0)
+    s.worker_ready(b"b", "svc", 0.0)
+    s.worker_disconnect(b"a", 0.1, failed=False)
+    s.worker_disconnect(b"b", 0.1)
+    c = s.stats()["counters"]
+    assert (c["workers_left"], c["worker_deaths"]) == (1, 1)

@@ -12,6 +12,7 @@ wait polls a condition with a timeout.
 from __future__ import annotations
 
 import json
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -298,3 +299,30 @@ def test_a_worker_declaring_another_signature_than_its_service_has_is_a_warning(
     cluster.worker("convnet", "--service", "s", "--no-warmup")
     broker.wait_log("unlike a live worker of it")
     assert "outputs logits:<f4[1000]" in broker._err.decode() and "outputs image:|u1[None, None, 3]" in broker._err.decode()
+
+
+def test_a_drained_worker_sends_its_last_counts_before_its_goodbye(cluster):
+    # A worker SIGTERMed within a heartbeat interval of its last STATS never sent the rest:
+    # its pinned results went uncounted (30 of 31), and its histograms lost that interval.
+    broker = cluster.broker("--http", "127.0.0.1:0", "--heartbeat-interval", "1.0")
+    base = "http://" + broker.field("http")
+    w = cluster.worker("echo", "--direct", "--heartbeat-interval", "1.0")
+    x = {"x": np.arange(4)}
+    with Client(cluster.frontend, timeout=WAIT, pin=True) as c:
+        wait_service(c, "echo")
+        deadline = time.monotonic() + WAIT
+        while not c.pinned("echo"):
+            assert time.monotonic() < deadline, "never pinned"
+            c.infer("echo", x).release()
+            c.pump(0.05)
+        until(lambda: value(scrape(base), "zmq_infer_requests_total", service="echo", outcome="ok") > 0,
+              "the requests before the lease counted")
+        n0 = value(scrape(base), "zmq_infer_requests_total", service="echo", outcome="ok")
+        before = c.pinned_replies
+        for _ in range(30):
+            c.infer("echo", x).release()
+        assert c.pinned_replies - before == 30
+        w.p.send_signal(signal.SIGTERM)  # at once: within the interval
+        assert w.p.wait(WAIT) == 0
+    until(lambda: value(scrape(base), "zmq_infer_requests_total", service="echo", outcome="ok") == n0 + 30,
+          "the drained worker's last pinned results counted")

@@ -74,3 +74,17 @@ def test_a_request_the_broker_never_queued_shows_no_broker_fields(worker):
     for _, rep in _replies(worker.up):
         assert "queue_ms" not in rep.timing and "returned" not in rep.timing, rep.timing
         assert rep.timing["batch_wait_ms"] >= 0.0
+
+
+def test_a_stream_is_counted_in_the_worker_histograms_as_a_batch_of_one(worker):
+    # A service whose model streams had empty compute, input, output and batch histograms
+    # (only the batch path observed them).
+    worker.counts = True  # as after our broker's WELCOME
+    x = np.array([2.0, 0.0])
+    head = P.Request(id=5, reply="inline", tensors=[P.TensorRef("x", "<f8", [2], P.InlineLoc(frame=0))])
+    frames = [P.MDPW, P.W_REQUEST, P.token_envelope(5), b"", P.encode_header(head), x.tobytes()]
+    worker._handle(P.parse_broker_to_worker(frames), time.monotonic())
+    worker.run_ready_batches(force=True)
+    _replies(worker.up)
+    hist = worker._hist
+    assert [sum(hist[k].counts) for k in ("compute", "input", "output", "batch")] == [1, 1, 1, 1]
