@@ -27,13 +27,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from broker.protocol import ErrorCode
+from broker.names import MAX_SERVICES as _MAX_SERVICES
+from broker.names import RETAIN_S, ServiceNames
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
 
-__all__ = ["Metrics", "render", "exposition", "outcome_name", "OTHER", "MAX_SERVICES", "CLIENT_GONE"]
+__all__ = ["Metrics", "render", "exposition", "outcome_name", "OTHER", "MAX_SERVICES", "CLIENT_GONE", "ServiceNames",
+           "RETAIN_S"]
 
 OTHER = "_other"
 #: Distinct service names the metrics keep labels for; more registered names count as OTHER.
-MAX_SERVICES = 1024
+MAX_SERVICES = _MAX_SERVICES  # the label bound (broker.names)
+
 
 _CODES = {int(c): c.name.lower() for c in ErrorCode}
 _MAX_COUNT = 1 << 53   # beyond this a count or a byte gauge is not a real one
@@ -88,7 +92,7 @@ class Metrics:
     """Counted on the broker's loop (not thread-safe: one thread updates, `snapshot` copies)."""
 
     def __init__(self):
-        self.known: dict[str, None] = {}        # service names workers registered
+        self.known = ServiceNames()              # service names workers registered (and not retired)
         self.services: dict[str, _Service] = {}
         self.gauges: dict[bytes, tuple[str, int | None, Any]] = {}  # worker -> (service, pid, WorkerStats)
         self.bad_stats = 0
@@ -98,8 +102,15 @@ class Metrics:
 
     def register(self, service: str) -> None:
         """A worker registered for ``service``: it gets its own label from now on."""
-        if service not in self.known and len(self.known) < MAX_SERVICES:
-            self.known[service] = None
+        gone = self.known.add(service)
+        if gone is not None:
+            self.services.pop(gone, None)
+
+    def sweep(self, live, now: float) -> None:
+        """Once a second: services without a live worker for `RETAIN_S` are forgotten, their
+        series with them (a scrape renders the live and the recently retired only)."""
+        for name in self.known.sweep(live, now):
+            self.services.pop(name, None)
 
     def _svc(self, service: str) -> _Service:
         name = self.label(service)

@@ -36,6 +36,7 @@ import zmq
 from broker import protocol as P
 from broker.protocol import logs
 from broker.protocol import wire
+from broker.names import ServiceNames
 from broker.protocol.limits import Headroom, nofile_limit
 from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events
 from shm import gc as shm_gc
@@ -289,7 +290,9 @@ class Broker:
             self.metrics = Metrics()
         self.sched = Scheduler(self.cfg.scheduler,
                                on_direct=self.metrics.final if self.metrics is not None else None)
-        self._seen_services: dict[str, None] = {}  # registered at some point (404 vs 503), bounded
+        # Registered at some point (404 vs 503), bounded, retired once without a worker for
+        # RETAIN_S (ServiceNames)
+        self._seen_services = ServiceNames(_MAX_SERVICES)
         # ident -> (service, pid, inputs, host, outputs, whether the kernel said the pid)
         self._worker_info: dict[bytes, tuple] = {}
         self._sig_warned: set = set()  # (service, signature, signature) said (_check_signature)
@@ -569,8 +572,11 @@ class Broker:
         per worker ever seen): the metrics' gauges, whether or not anyone scrapes (with
         --http for probes only), and what each READY said (`_worker_info`)."""
         has = self.sched.has_worker
+        now = time.monotonic()
+        self._seen_services.sweep(self.sched.has_service, now)
         if self.metrics is not None:
             self.metrics.prune(has)
+            self.metrics.sweep(self.sched.has_service, now)
         if len(self._worker_info) > 64:
             self._worker_info = {w: v for w, v in self._worker_info.items() if has(w)}
         here = self._here
@@ -1133,8 +1139,7 @@ class Broker:
         known name: 503, not 404, once it has no worker), pid, declared inputs and outputs.
         The pid is the kernel's word for the connection ``frame`` came on where it has one
         (ipc), else the READY's claim."""
-        if service not in self._seen_services and len(self._seen_services) < _MAX_SERVICES:
-            self._seen_services[service] = None
+        self._seen_services.add(service)
         if self.metrics is not None:
             self.metrics.register(service)
         if len(self._worker_info) >= _MAX_CLIENT_PIDS:
