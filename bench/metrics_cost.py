@@ -44,7 +44,7 @@ def render_ms(services: int, repeats: int = 5) -> float:
     sched = {"services": {}, "counters": {"dispatched": 1, "retried": 0}}
     for i in range(services):
         name = f"svc{i}"
-        m.register(name)
+        m.register(name, 0.0)
         for code in (0, 3, 4):
             m.final(name, code, 0.0, 0.001, 0.002)
         sched["services"][name] = {"queued": {"urgent": 0, "normal": 0, "background": 0}, "in_flight": 0,

@@ -98,11 +98,11 @@ class Metrics:
         self.bad_stats = 0
 
     def label(self, service: str) -> str:
-        return service if service in self.known else OTHER
+        return service if service in self.known.names else OTHER
 
-    def register(self, service: str) -> None:
+    def register(self, service: str, now: float) -> None:
         """A worker registered for ``service``: it gets its own label from now on."""
-        gone = self.known.add(service)
+        gone = self.known.add(service, now)
         if gone is not None:
             self.services.pop(gone, None)
 

@@ -7,6 +7,7 @@ __all__ = ["ServiceNames", "RETAIN_S", "MAX_SERVICES"]
 
 MAX_SERVICES = 1024
 RETAIN_S = 600.0  # a service with no live worker for this long is forgotten (ServiceNames.sweep)
+EVICT_AFTER_S = 60.0  # ... and one without for this long may make room for a newcomer when full
 
 
 class ServiceNames:
@@ -18,9 +19,10 @@ class ServiceNames:
     a 404 for its readiness, and every scrape rendered the dead.  Pure (no clock, no socket):
     the broker passes ``now`` and whether a name has a live worker."""
 
-    def __init__(self, cap: int = MAX_SERVICES, retain: float = RETAIN_S):
+    def __init__(self, cap: int = MAX_SERVICES, retain: float = RETAIN_S, evict_after: float = EVICT_AFTER_S):
         self.cap = cap
         self.retain = retain
+        self.evict_after = evict_after
         self.names: dict[str, None] = {}
         self.dead_since: dict[str, float] = {}  # names without a live worker: since when
 
@@ -33,9 +35,10 @@ class ServiceNames:
     def __len__(self) -> int:
         return len(self.names)
 
-    def add(self, name: str) -> str | None:
+    def add(self, name: str, now: float) -> str | None:
         """``name`` has a live worker (it registered): known from now on.  Returns a name
-        forgotten to make room for it, if one was."""
+        forgotten to make room for it, if one was: the one without a worker for longest,
+        if for ``evict_after`` at least (one in a restart's backoff keeps its place)."""
         if name in self.names:
             self.dead_since.pop(name, None)
             return None
@@ -44,6 +47,8 @@ class ServiceNames:
             if not self.dead_since:
                 return None  # all live: the newcomer counts under _other
             gone = min(self.dead_since, key=self.dead_since.__getitem__)  # O(names), only when full
+            if now - self.dead_since[gone] < self.evict_after:
+                return None  # none dead long enough: the newcomer counts under _other meanwhile
             self.forget(gone)
         self.names[name] = None
         return gone
@@ -53,8 +58,9 @@ class ServiceNames:
         self.dead_since.pop(name, None)
 
     def sweep(self, live, now: float) -> list[str]:
-        """Once a second: note which names have no live worker (``live(name)`` false) since
-        when, and forget those without one for ``retain`` seconds; the names forgotten."""
+        """Once a second: note which names have nothing (``live(name)`` false: no worker, no
+        request waiting for one) since when, and forget those without for ``retain``
+        seconds; the names forgotten."""
         dead = self.dead_since
         gone = []
         for name in self.names:

@@ -573,10 +573,12 @@ class Broker:
         --http for probes only), and what each READY said (`_worker_info`)."""
         has = self.sched.has_worker
         now = time.monotonic()
-        self._seen_services.sweep(self.sched.has_service, now)
+        gone = self._seen_services.sweep(self.sched.holds_service, now)
+        if gone:
+            self._sig_warned = {k for k in self._sig_warned if k[0] not in gone}
         if self.metrics is not None:
             self.metrics.prune(has)
-            self.metrics.sweep(self.sched.has_service, now)
+            self.metrics.sweep(self.sched.holds_service, now)
         if len(self._worker_info) > 64:
             self._worker_info = {w: v for w, v in self._worker_info.items() if has(w)}
         here = self._here
@@ -1139,9 +1141,10 @@ class Broker:
         known name: 503, not 404, once it has no worker), pid, declared inputs and outputs.
         The pid is the kernel's word for the connection ``frame`` came on where it has one
         (ipc), else the READY's claim."""
-        self._seen_services.add(service)
+        now = time.monotonic()
+        self._seen_services.add(service, now)
         if self.metrics is not None:
-            self.metrics.register(service)
+            self.metrics.register(service, now)
         if len(self._worker_info) >= _MAX_CLIENT_PIDS:
             live = {w: v for w, v in self._worker_info.items() if self.sched.has_worker(w)}
             self._worker_info = live

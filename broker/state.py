@@ -1222,6 +1222,11 @@ class Scheduler(LeaseEvents):
         svc = self._services.get(service)
         return svc is not None and svc.any.live > 0
 
+    def holds_service(self, service: str) -> bool:
+        """Whether ``service`` has a worker, or a request waiting for one (what its name
+        must be kept for: broker.names)."""
+        return service in self._services
+
     def stats(self) -> dict:
         services = {}
         for name, svc in self._services.items():

@@ -734,6 +734,7 @@ class Worker:
         """Registered with broker process `w.instance`, which sets the liveness settings."""
         self.broker_instance = w.instance
         self.registered = True
+        self._plain_broker = False  # ours after all (a READY announced before it came): WELCOMEs rule
         self.counts = self.dones.info = bool(w.metrics)
         if (w.heartbeat_interval, w.heartbeat_liveness) != (self.heartbeat_interval, self.heartbeat_liveness):
             log.info("the broker sets liveness: heartbeat every %.3g s, presumed dead after %d silent intervals "
@@ -1688,10 +1689,6 @@ class Worker:
         req.reply_to = None                   # replies go back on this connection
         req.queue_ms = req.returned = None    # the broker's fields: nothing queued it
         req.backlog = 0                       # the lease's other requests are here already
-        if req.dropped and 0 < req.dropped < 1 << 32:
-            # Frames its latest-wins stream dropped before this one: the broker counts them
-            # for brokered requests; these it hears of in STATS.
-            self._leased_dropped += req.dropped
         self._admit(Job(key, req, None, None, now, None, None, route), rest, now)
 
     def _waits_behind_another(self, lease, now: float) -> float | None:
@@ -1802,6 +1799,12 @@ class Worker:
         code = job.code
         self._leased_outcomes[code] = self._leased_outcomes.get(code, 0) + 1
         self._hist["leased_request"].observe(max(0.0, time.monotonic() - job.received))
+        dropped = job.req.dropped if job.req is not None else None
+        if dropped and 0 < dropped < 1 << 32 and code != P.ErrorCode.QUEUE_FULL:
+            # Frames its latest-wins stream dropped before this one (the broker counts them
+            # for brokered requests).  Counted here, with its FINAL: a request sent back
+            # (QUEUE_FULL: "resend it through the broker") is counted by the broker then.
+            self._leased_dropped += dropped
 
     def _direct_send(self, route: bytes, body: list, final: bool = True) -> None:
         """A FINAL (or PARTIAL) to connection ``route`` of the direct socket: the frames the

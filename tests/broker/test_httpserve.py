@@ -168,7 +168,7 @@ class _Link:
         from broker.metrics import Metrics
 
         m = Metrics()
-        m.register("echo")
+        m.register("echo", 0.0)
         return m.snapshot(), {"services": {}, "counters": {}}, list(m.known)
 
 

@@ -45,7 +45,7 @@ def test_outcome_names_are_bounded():
 
 def test_counts_labels_and_one_series_per_label_set():
     m = Metrics()
-    m.register("echo")
+    m.register("echo", 0.0)
     m.final("echo", 0, 1.0, 1.001, 1.004)
     m.final("echo", int(P.ErrorCode.DEADLINE_EXCEEDED), 1.0, None, 2.0)
     m.final("nobody", int(P.ErrorCode.SERVICE_UNAVAILABLE), 1.0, None, 2.0)
@@ -69,7 +69,7 @@ def test_counts_labels_and_one_series_per_label_set():
 def test_service_labels_are_capped():
     m = Metrics()
     for i in range(MAX_SERVICES + 10):
-        m.register(f"s{i}")
+        m.register(f"s{i}", 0.0)
     assert len(m.known) == MAX_SERVICES and m.label(f"s{MAX_SERVICES + 5}") == OTHER
 
 
@@ -98,7 +98,7 @@ def _stats(**kw):
 ])
 def test_stats_that_do_not_add_up_change_nothing(bad):
     m = Metrics()
-    m.register("echo")
+    m.register("echo", 0.0)
     assert m.worker_stats(b"w", "echo", "1@h", _stats())
     before = exposition(render(m.snapshot(), _sched({}), m.known))
     assert not m.worker_stats(b"w", "echo", "1@h", _stats(**bad))
@@ -109,7 +109,7 @@ def test_stats_that_do_not_add_up_change_nothing(bad):
 
 def test_gauges_of_workers_that_are_gone_are_dropped():
     m = Metrics()
-    m.register("echo")
+    m.register("echo", 0.0)
     m.worker_stats(b"w1", "echo", "1@h", _stats())
     m.worker_stats(b"w2", "echo", "1@other", _stats(shm_used=20))
     text = exposition(render(m.snapshot(alive=lambda w: w == b"w2"), _sched({}), m.known)).decode()
@@ -164,7 +164,7 @@ class _Loop:
 @pytest.fixture
 def front():
     m = Metrics()
-    m.register("echo")
+    m.register("echo", 0.0)
     m.final("echo", 0, 1.0, 1.0, 1.5)
     answers = {
         "ready": True,
@@ -259,7 +259,7 @@ def test_an_ipv6_address_is_served_and_named_in_brackets():
 
 def test_leases_are_gauges_per_service():
     m = Metrics()
-    m.register("echo")
+    m.register("echo", 0.0)
     sched = _sched({"echo": (0, 1)})
     sched["services"]["echo"].update(leases=2, leased_credit=5)
     got = {(n, lab): v for n, lab, v in _samples(exposition(render(m.snapshot(), sched, m.known)))}
@@ -271,7 +271,7 @@ def test_leased_requests_count_from_stats_as_outcomes_and_request_times():
     """Pinned requests never cross the broker: the worker's STATS carries their outcomes and
     receipt-to-FINAL times, which add to the same series as brokered requests."""
     m = Metrics()
-    m.register("echo")
+    m.register("echo", 0.0)
     m.final("echo", 0, 1.0, 1.001, 1.004)  # one brokered
     leased_request = ([3] + [0] * (len(LATENCY_BUCKETS) - 1) + [1], 0.0003 + 99.0)
     st = _stats(leased={0: 5, int(P.ErrorCode.QUEUE_FULL): 1, 999: 2, -3: 1}, leased_request=leased_request)
@@ -292,7 +292,7 @@ def test_cuda_pool_and_gpu_memory_gauges_per_worker():
     (gpu_worker.cuda_plane.CudaPlane.usage): one gauge series each, labelled with the worker;
     a CPU worker's (None: not applicable) shows none of them."""
     m = Metrics()
-    m.register("gpu")
+    m.register("gpu", 0.0)
     st = _stats(cuda_used=3 << 20, cuda_capacity=256 << 20, device_used=5 << 30, device_total=80 << 30)
     st = P.parse_worker(P.worker_stats(st)).info  # through the wire, as a worker sends it
     assert m.worker_stats(b"w1", "gpu", "41@h", st)
@@ -322,7 +322,7 @@ def test_cuda_pool_and_gpu_memory_gauges_per_worker():
 @pytest.mark.parametrize("field", ["cuda_used", "cuda_capacity", "device_used", "device_total"])
 def test_device_gauges_out_of_range_are_refused(field):
     m = Metrics()
-    m.register("gpu")
+    m.register("gpu", 0.0)
     assert not m.worker_stats(b"w", "gpu", "1@h", _stats(**{field: -1}))
     assert not m.worker_stats(b"w", "gpu", "1@h", _stats(**{field: 1 << 60}))
     assert m.bad_stats == 2 and m.gauges == {}
@@ -332,7 +332,7 @@ def test_frames_leased_streams_dropped_add_to_the_services_dropped_frames():
     # A pinned latest-wins stream's requests go straight to the worker: the frames its
     # client dropped were never counted (the broker reads them from brokered requests only).
     m = Metrics()
-    m.register("echo")
+    m.register("echo", 0.0)
     m.dropped("echo", 3)  # brokered
     assert m.worker_stats(b"w", "echo", "1@h", _stats(leased_dropped=4))
     assert m._svc("echo").dropped == 7

@@ -37,8 +37,8 @@ def _keep_warm(m: Metrics) -> dict[str, float]:
 
 def test_keep_warm_runs_of_two_workers_add_up_per_service():
     m = Metrics()
-    m.register("echo")
-    m.register("cartoon")
+    m.register("echo", 0.0)
+    m.register("cartoon", 0.0)
     assert m.worker_stats(b"w1", "echo", "11@h", _stats(3))
     assert m.worker_stats(b"w2", "echo", "12@h", _stats(4))
     assert _keep_warm(m) == {"echo": 7}
@@ -51,7 +51,7 @@ def test_keep_warm_runs_of_two_workers_add_up_per_service():
 
 def test_the_counter_outlives_its_workers_and_never_goes_down():
     m = Metrics()
-    m.register("echo")
+    m.register("echo", 0.0)
     assert m.worker_stats(b"w1", "echo", "11@h", _stats(6))
     # The worker went away: its gauges go, the service's counter stays.
     assert _keep_warm(m) == {"echo": 6}
@@ -63,7 +63,7 @@ def test_the_counter_outlives_its_workers_and_never_goes_down():
 
 def test_malformed_keep_warm_counts_are_not_added():
     m = Metrics()
-    m.register("echo")
+    m.register("echo", 0.0)
     assert m.worker_stats(b"w1", "echo", "11@h", _stats(2))
     assert not m.worker_stats(b"w1", "echo", "11@h", P.WorkerStats(keep_warm_runs=-1))
     assert not m.worker_stats(b"w1", "echo", "11@h", P.WorkerStats(keep_warm_runs=1 << 60))
@@ -73,6 +73,6 @@ def test_malformed_keep_warm_counts_are_not_added():
 
 def test_a_service_no_worker_registered_counts_under_other():
     m = Metrics()
-    m.register("echo")
+    m.register("echo", 0.0)
     assert m.worker_stats(b"w1", "stranger", "11@h", _stats(3))
     assert _keep_warm(m) == {OTHER: 3}
