@@ -17,7 +17,6 @@ request id, otherwise dropped; it never raises out of the loop.
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import logging
 import math
@@ -37,7 +36,7 @@ from broker import protocol as P
 from broker.protocol import logs
 from broker.protocol import wire
 from broker.names import ServiceNames
-from broker.protocol.limits import Headroom, nofile_limit
+from broker.protocol.limits import Headroom, move_aside, nofile_limit, put_back
 from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events
 from shm import gc as shm_gc
 from shm.segment import process_alive
@@ -1238,12 +1237,10 @@ class Broker:
         path = self._ipc_path(self.frontend_ep)
         hidden = None
         if path is not None:
-            hidden = f"{path}.{os.getpid()}.paused"
             try:
-                os.rename(path, hidden)
+                hidden = move_aside(path)
             except OSError as e:
                 log.error("cannot move %s aside: %s", path, e)
-                hidden = None
         self._hidden = hidden
         log.warning("%d of this process's %d descriptors are in use: %s; at the limit libzmq would abort the "
                     "broker.  Raise its descriptor limit (ulimit -n; LimitNOFILE= in a systemd unit; --ulimit "
@@ -1266,9 +1263,7 @@ class Broker:
             return  # a tcp or abstract frontend: nothing was hidden
         path = self._ipc_path(self.frontend_ep)
         try:
-            if os.path.exists(path):
-                raise OSError(errno.EEXIST, "another socket took the path meanwhile")
-            os.rename(hidden, path)
+            put_back(hidden, path)
         except OSError as e:
             hr.paused = True  # tried again at the next tick; the file stays ours to unlink
             self._gc_oops.warning("cannot put %s back (%s): new clients cannot reach this broker", path, e)

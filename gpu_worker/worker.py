@@ -46,7 +46,6 @@ REQUESTs from then on get 503), finish what is held, send DISCONNECT, exit 0.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import os
@@ -71,7 +70,7 @@ from gpu_worker.planes import DataPlane, HostPlane
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
-from broker.protocol.limits import Headroom, nofile_limit
+from broker.protocol.limits import Headroom, move_aside, nofile_limit, put_back
 from shm.errors import OutOfResources
 
 __all__ = ["Worker", "WorkerConfig", "WarmupError", "ConfigError", "install_sigterm_drain", "DIRECT_LINGER_MS"]
@@ -1533,10 +1532,8 @@ class Worker:
             return
         path = self.direct_socket.path
         if change == "pause":
-            aside = f"{path}.{os.getpid()}.paused"
             try:
-                os.rename(path, aside)
-                self._direct_aside = aside
+                self._direct_aside = move_aside(path)
             except OSError as e:
                 log.error("cannot move the direct socket's file %s aside: %s", path, e)
             log.warning("%d of this worker's %d descriptors are in use: it takes no new lease, and new "
@@ -1546,9 +1543,7 @@ class Worker:
         aside = self._direct_aside
         if aside is not None:
             try:
-                if os.path.exists(path):
-                    raise OSError(errno.EEXIST, "another socket took the path meanwhile")
-                os.rename(aside, path)
+                put_back(aside, path)
                 self._direct_aside = None
             except OSError as e:
                 log.error("cannot put the direct socket's file %s back: %s", path, e)

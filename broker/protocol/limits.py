@@ -19,11 +19,12 @@ Must never: touch a socket or parse a frame.
 """
 from __future__ import annotations
 
+import errno
 import os
 import resource
 from typing import Callable
 
-__all__ = ["raise_nofile_limit", "nofile_limit", "open_descriptors", "Headroom"]
+__all__ = ["raise_nofile_limit", "nofile_limit", "open_descriptors", "Headroom", "move_aside", "put_back"]
 
 #: above this the kernel's own cap (fs.nr_open, 1048576 by default) applies anyway
 _MOST = 1 << 20
@@ -117,3 +118,19 @@ class Headroom:
             self.paused = False
             return True
         return False
+
+
+def move_aside(path: str) -> str:
+    """Move a listening ipc socket's file out of the way (new connects find nothing there
+    and keep trying; the connections made go on); where it went.  OSError if it cannot."""
+    aside = f"{path}.{os.getpid()}.paused"
+    os.rename(path, aside)
+    return aside
+
+
+def put_back(aside: str, path: str) -> None:
+    """Undo `move_aside`; OSError (EEXIST) when another socket took the path meanwhile, the
+    file then left where it is (still ours to unlink)."""
+    if os.path.exists(path):
+        raise OSError(errno.EEXIST, "another socket took the path meanwhile")
+    os.rename(aside, path)
