@@ -56,10 +56,13 @@ class Proc:
         self.ready_line = line
         return line
 
-    def stderr(self) -> str:
+    def stderr(self, tail: int | None = 3000) -> str:
+        """What the process wrote to stderr, its last `tail` characters (None: all of it)."""
         if self.p.poll() is None:
             return "(still running)"
-        return (self._err + self.p.stderr.read()).decode(errors="replace")[-3000:]
+        self._err += self.p.stderr.read()
+        text = self._err.decode(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def wait_log(self, text: str, timeout: float = 15.0) -> None:
         """Read stderr until it contains `text` (a condition, not a sleep)."""

@@ -362,7 +362,7 @@ def test_insecure_serves_plain_tcp_and_warns(tmp_path):
                 np.testing.assert_array_equal(out["x"], np.arange(3))
         assert _shm_over_plain_tcp(fe) == S.TCP_REFS  # the tcp refusal holds without CURVE too
         b.terminate()
-        log = b.stderr()
+        log = b.stderr(tail=None)
         lines = [ln for ln in log.splitlines() if "INSECURE" in ln]
         assert len(lines) == 1 and "WARNING" in lines[0], log
         assert fe in lines[0] and be in lines[0]
