@@ -21,7 +21,9 @@ Three pure cores (no socket, no clock: time is passed in) and one socket cache:
   this reply through the broker, which knows whether the client is still there.  `sweep`
   (the worker's housekeeping) closes the sockets of clients that exited: each would
   otherwise try to reconnect to a dead endpoint ten times a second until 64 newer
-  clients pushed it out.
+  clients pushed it out.  Near the process's descriptor limit a new socket sends only once
+  its connection is made (the others are relayed): a connection that cannot be made for
+  want of descriptors would hold a reply until its client times out.
 
 Invariant the worker must keep: an envelope enters `DoneGather` only after its FINAL was
 queued on a direct socket, and every envelope that entered is told to the broker (or dropped
@@ -38,6 +40,7 @@ from collections import OrderedDict
 import zmq
 
 from broker import protocol as P
+from broker.protocol.limits import Headroom, nofile_limit
 from broker.protocol.wire import NOBLOCK, send_frames
 from shm.book import PidfdHolders
 
@@ -184,7 +187,8 @@ class DirectSockets:
     #: replies a client that stops reading may have queued before the worker relays instead
     sndhwm = 1000
 
-    def __init__(self, ctx: zmq.Context, *, capacity: int = 64, holders: PidfdHolders | None = None):
+    def __init__(self, ctx: zmq.Context, *, capacity: int = 64, holders: PidfdHolders | None = None,
+                 guard: Headroom | None = None):
         self._bad = P.RateLimitedLog(log)  # a warning a second at most (out of descriptors: one per reply)
         self.ctx = ctx
         self.capacity = max(1, int(capacity))
@@ -194,6 +198,8 @@ class DirectSockets:
         # pidfd per live client for everything it keeps of it), or our own.
         self._own_holders = holders is None
         self._holders = holders if holders is not None else PidfdHolders()
+        # This process's descriptors: near its limit, a new socket sends only once connected.
+        self._guard = guard if guard is not None else Headroom(nofile_limit())
 
     def __len__(self) -> int:
         return len(self._socks)
@@ -212,6 +218,8 @@ class DirectSockets:
             # Not visible from here (another mount namespace, or the client is gone): a
             # connect would queue replies forever, so relay instead.
             return None
+        guard = self._guard  # a socket's wake-up descriptor and its connection's
+        near_limit = guard.accepted(2) or guard.paused
         sock = None
         try:
             sock = self.ctx.socket(zmq.PUSH)
@@ -219,6 +227,14 @@ class DirectSockets:
             # A client that stops reading costs at most this many queued replies before
             # the worker falls back to relaying (and reconnects afresh).
             sock.sndhwm = self.sndhwm
+            if near_limit:
+                # Queue only on a connection that was made.  Otherwise a send queues on the
+                # pipe the connect creates at once, and a connection the I/O thread cannot
+                # make (this process out of descriptors) holds the reply until its client
+                # times out.  A send before the connection is up is refused (zmq.Again) and
+                # relayed.  Only near the limit: elsewhere a client's first replies would be
+                # relayed while its connection is made (about 3 here, +80 us each).
+                sock.immediate = True
             sock.connect(endpoint)
         except zmq.ZMQError as e:
             if sock is not None:
@@ -240,6 +256,7 @@ class DirectSockets:
         """Close the sockets of clients that exited (the name states the owner's pid and
         start time) or closed theirs (its file is gone); a reply still queued there has
         nobody to read it."""
+        self._guard.watch()  # the descriptors counted again: near the limit or not
         holders = self._holders
         holders.prune()
         gone = [ep for ep, owner in self._owner.items()

@@ -955,6 +955,11 @@ class Worker:
             job = Job(envelope, P.Request(id=P.lenient_request_id(body[0])), None, None, now, None, None)
             self._reply_error(job, e.code, str(e))
             return
+        if req.reply_to is not None:
+            endpoint = direct_endpoint(True, req, host=self.host, enabled=self.cfg.direct_reply,
+                                       streaming=self._streaming)
+            if endpoint is not None:  # connect now, so that the connection is up by the reply
+                self.direct.open(endpoint)  # (a reply sent before it is relayed: DirectSockets.open)
         self._admit(Job(envelope, req, None, None, now, None, None), rest, now)
 
     def _admit(self, job: Job, rest, now: float) -> None:

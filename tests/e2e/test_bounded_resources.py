@@ -25,7 +25,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from broker import protocol as P
-from client_sdk import Client
+from client_sdk import Client, DeadlineExceeded, InferenceError
 from tests.e2e.conftest import wait_service
 
 pytestmark = pytest.mark.timeout(60)
@@ -396,3 +396,34 @@ def test_a_broker_near_its_descriptor_limit_takes_no_new_client_and_lives(cluste
             assert r["x"][3] == 3
     assert not [f for f in os.listdir(cluster.tmp) if f.endswith(".paused")]
     assert broker.terminate() == 0
+
+
+def test_a_worker_out_of_descriptors_relays_a_reply_it_cannot_send_direct(cluster):
+    # A worker opens a socket to each local client's reply_to.  At its descriptor limit the
+    # socket could be made but not its connection (the I/O thread's connect failed on EMFILE
+    # and retried): the reply queued on a connection that never came, and its client waited
+    # out its timeout (one request in 40 here).  A reply now queues only on a connection made;
+    # any other is relayed through the broker.
+    import sys
+
+    cluster.broker()
+    limited = [sys.executable, "-c", "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+               "(64, 64)); os.execv(sys.argv[1], sys.argv[1:])"]
+    cluster.worker("echo", prefix=limited)
+    clients = []
+    try:
+        for i in range(40):  # each its own reply_to socket: a socket and a connection at the worker
+            c = Client(cluster.frontend, timeout=20)
+            clients.append(c)
+            if i == 0:
+                wait_service(c, "echo")
+            x = c.alloc((4,), np.float32)
+            x[:] = i
+            try:
+                with c.infer("echo", {"x": x}) as r:
+                    assert r["x"][0] == i
+            except InferenceError as e:  # typed, and said at once: never a silent wait
+                assert not isinstance(e, DeadlineExceeded), (i, e)
+    finally:
+        for c in clients:
+            c.close()

@@ -172,6 +172,7 @@ def test_sockets_are_reused_and_the_least_recently_used_closed(ctx, tmp_path):
         socks.open(eps[0])                 # eps[1] is now the least recently used
         socks.open(eps[2])
         assert eps[0] in socks and eps[2] in socks and eps[1] not in socks
+        assert a.poll(5000, zmq.POLLOUT)  # connected: only then does a send queue (immediate)
         assert socks.send(eps[0], [P.MDPC, P.C_FINAL, b"echo", b"h"])
         assert pulls[0].poll(5000) and pulls[0].recv_multipart() == [P.MDPC, P.C_FINAL, b"echo", b"h"]
         socks.drop(eps[0])
@@ -190,11 +191,61 @@ def test_a_full_socket_is_kept_and_the_reply_relayed(ctx, tmp_path):
     socks.sndhwm = 1
     try:
         ep = "ipc://" + path
-        assert socks.open(ep) is not None
+        sock = socks.open(ep)
+        assert sock is not None and sock.poll(5000, zmq.POLLOUT)
         # The client reads nothing: libzmq's queues and the kernel's buffers fill up.
         results = [socks.send(ep, [b"x" * (1 << 16)]) for _ in range(200)]
         assert results[0] is True and results[-1] is False, results
         assert ep in socks  # full is not failed: what is queued stays queued
+    finally:
+        socks.close()
+        pull.close()
+
+
+def test_a_reply_is_never_queued_on_a_connection_not_made(ctx, tmp_path):
+    # A worker out of descriptors could open the socket but its I/O thread could not make the
+    # connection: the reply queued on the pipe the connect had created and its client waited
+    # out its timeout.  Near the limit a socket without a connection refuses the send: the
+    # reply is relayed.
+    import socket
+
+    from broker.protocol.limits import Headroom
+
+    path = f"{tmp_path}/c.ipc"
+    ep = "ipc://" + path
+    deaf = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    deaf.bind(path)  # the file is there, nobody listens: every connect is refused
+    near = Headroom(64, count=lambda: 60)  # 60 of 64 descriptors in use
+    socks = DirectSockets(ctx, guard=near)
+    try:
+        assert socks.open(ep) is not None
+        assert socks.send(ep, [b"x"]) is False and ep in socks  # refused (kept: it may connect later)
+        deaf.close()
+        os.unlink(path)
+        again = _pull(ctx, path)  # the client is back: the socket connects and sends go direct
+        try:
+            assert socks.open(ep).poll(5000, zmq.POLLOUT)
+            assert socks.send(ep, [b"y"]) is True
+            assert again.poll(5000) and again.recv_multipart() == [b"y"]
+        finally:
+            again.close()
+    finally:
+        socks.close()
+        deaf.close()
+
+
+def test_far_from_the_limit_a_reply_queues_while_its_connection_is_made(ctx, tmp_path):
+    # Relaying until the connection is up would send a new client's first replies (about 3)
+    # through the broker; far from the descriptor limit they queue and go direct.
+    from broker.protocol.limits import Headroom
+
+    path = f"{tmp_path}/c.ipc"
+    pull = _pull(ctx, path)
+    socks = DirectSockets(ctx, guard=Headroom(1024, count=lambda: 10))
+    try:
+        ep = "ipc://" + path
+        assert socks.open(ep) is not None and socks.send(ep, [b"x"]) is True  # at once
+        assert pull.poll(5000) and pull.recv_multipart() == [b"x"]
     finally:
         socks.close()
         pull.close()
