@@ -11,6 +11,7 @@ the file impossible to shrink, so a mapped segment can never turn a read into SI
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import mmap
 import operator
@@ -476,13 +477,34 @@ class Attached(NamedTuple):
     data_addr: int  # virtual address of the data area in this process
 
 
+#: statfs's f_type of shmem, where memfd_create puts a memfd made without MFD_HUGETLB
+TMPFS_MAGIC = 0x01021994
+
+
+class _StatFs(ctypes.Structure):
+    # struct statfs: f_type is a long on 64-bit Linux, first; the rest is not read (room
+    # to spare: 120 bytes on x86-64 and aarch64).
+    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 256)]
+
+
+_fstatfs = ctypes.CDLL(None, use_errno=True).fstatfs
+
+
+def fs_magic(fd: int) -> int:
+    """The type of the filesystem ``fd``'s file lives on (statfs's f_type), -1 if unknown."""
+    buf = _StatFs()
+    if _fstatfs(fd, ctypes.byref(buf)) != 0:
+        return -1
+    return buf.f_type & 0xFFFFFFFF
+
+
 def open_checked(name: str, flags: int, what: str = "segment") -> tuple[int, np.void]:
     """Open a live segment through its owner's descriptor and read its header: (fd, header).
     The caller closes fd.  SegmentGone if it does not exist (any more) or its owner closed
     it; BadDescriptor otherwise.
 
     Race-free: whatever the owner's descriptor number refers to by the time we open it, the
-    checks run on the file we opened -- a regular file, sealed against shrinking, whose
+    checks run on the file we opened -- a regular file on shmem, sealed against shrinking, whose
     header names the same owner and nonce as ``name``."""
     p = name_parts(name)
     path = f"/proc/{p.pid}/fd/{p.fd}"
@@ -511,6 +533,13 @@ def open_checked(name: str, flags: int, what: str = "segment") -> tuple[int, np.
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise SegmentGone(gone)
+        fs = fs_magic(fd)
+        if fs != TMPFS_MAGIC:
+            # A hugetlbfs memfd takes seals too, but a hole punched in it (which the seals
+            # allow) loses its page for good: a reader's next touch is a SIGBUS, the reading
+            # process dead.  On shmem a punched page comes back, zeroed, at the next touch.
+            raise BadDescriptor(f"{what} {name} is not shmem (a memfd made with MFD_HUGETLB?: filesystem "
+                                f"0x{fs:x}); a reader of it can be killed, so it is never mapped")
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError:

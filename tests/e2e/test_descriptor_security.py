@@ -151,6 +151,36 @@ def test_nobody_can_shrink_a_segment_and_an_unsealed_one_is_never_mapped(cluster
     assert w.p.poll() is None  # the worker never faulted
 
 
+def test_a_hugetlb_memfd_is_refused_and_its_worker_lives(cluster):
+    # A client made its segment with MFD_HUGETLB and the seals asked for: once the worker
+    # had it mapped, the client punched a hole in it (allowed by the seals), took the freed
+    # huge page, and the worker's next read of that mapping was a SIGBUS: the worker died,
+    # and every client of its service with it.  Only shmem is mapped now.
+    cluster.broker()
+    w = cluster.worker("echo")
+    pid, start = seg.self_identity()
+    label = f"zinf-{pid}-{start}-{'ef' * 8}"
+    try:
+        fd = os.memfd_create(label, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC | os.MFD_HUGETLB)
+    except OSError as e:
+        pytest.skip(f"no hugetlb memfds here: {e}")
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seg.SEALS)
+        with Client(cluster.frontend, timeout=10) as c:
+            wait_service(c, "echo")
+        t = P.TensorRef(name="x", dtype="|u1", shape=[4096], loc=P.ShmLoc(f"{label}-{fd}", 0, 4096, 0, 1))
+        rep = _raw_call(cluster.frontend, P.Request(id=1, host=HOST, reply="inline", tensors=[t]))
+        assert rep.error is not None and rep.error.code == P.ErrorCode.PROTOCOL_ERROR
+        assert "not shmem" in rep.error.message, rep.error.message
+    finally:
+        os.close(fd)
+    with Client(cluster.frontend, timeout=10, transport="shm") as c:
+        x = np.arange(4096, dtype=np.uint8)
+        with c.infer("echo", {"x": x}) as r:
+            np.testing.assert_array_equal(r["x"], x)
+    assert w.p.poll() is None
+
+
 HOLDER = """
 import sys
 import numpy as np

@@ -206,6 +206,28 @@ def test_attach_rejects_files_that_are_not_segments(cache):
     assert len(cache) == 0
 
 
+def test_a_hugetlb_memfd_is_never_mapped(cache):
+    # Sealed as asked, but on hugetlbfs: a hole its owner punches (the seals allow it) loses
+    # its page for good, and a reader's next touch of a mapping it cached is a SIGBUS.
+    import fcntl
+
+    from shm.segment import SEALS, self_identity
+
+    pid, start = self_identity()
+    label = f"zinf-{pid}-{start}-{'cd' * 8}"
+    try:
+        fd = os.memfd_create(label, os.MFD_ALLOW_SEALING | os.MFD_CLOEXEC | os.MFD_HUGETLB)
+    except OSError as e:
+        pytest.skip(f"no hugetlb memfds here: {e}")
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        with pytest.raises(BadDescriptor, match="not shmem.*MFD_HUGETLB"):
+            cache.view(ShmRef(f"{label}-{fd}", 4096, 0, 0, 0), np.uint8, 0)
+    finally:
+        os.close(fd)
+    assert len(cache) == 0
+
+
 @pytest.mark.parametrize("seal", ["F_SEAL_WRITE", "F_SEAL_FUTURE_WRITE"])
 def test_a_segment_sealed_against_writing_is_a_bad_descriptor(cache, seal):
     # A well-formed header, the seals we ask for, and one more: the reader's writable
