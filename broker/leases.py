@@ -76,6 +76,7 @@ class LeaseToWorker:
     secret: bytes
     client_pid: int | None = None   # as the server attested it (the grant carries it)
     client_host: str | None = None  # the client's shared-memory host, when the lease is near it
+    client_start: int | None = None  # the attested process's start time, with client_pid
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +155,8 @@ class LeaseEvents:
 
     def client_lease(self, client: bytes, principal: object, ask_id: int, service: str, now: float, *,
                      slots: int = 1, host: str | None = None, transports=frozenset({"inline"}),
-                     secret: bytes = b"", pid: int | None = None, remote: bool = False) -> list:
+                     secret: bytes = b"", pid: int | None = None, start: int | None = None,
+                     remote: bool = False) -> list:
         """The client asks to be pinned to a worker of ``service`` for ``slots`` requests in
         flight.  ``remote``: it came over tcp (only a worker with a tcp direct socket will
         do, and never through shared memory).  A leaseholder is a tracked client (as after a
@@ -225,7 +227,7 @@ class LeaseEvents:
         # Unconfirmed within the worker's liveness window: the ask is refused, the slots return.
         self._push_timer(now + self._worker_ttl, T_LEASE, lease, now + self._worker_ttl)
         out.append(LeaseToWorker(w.ident, lease.id, service, grant, client, principal, secret,
-                                 pid, host if near else None))
+                                 pid, host if near else None, start if pid is not None else None))
         return out
 
     def worker_leased(self, worker: bytes, lease_id: int, now: float, *, ok: bool = True,

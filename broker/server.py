@@ -17,11 +17,13 @@ request id, otherwise dropped; it never raises out of the loop.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import math
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -39,7 +41,7 @@ from broker.names import ServiceNames
 from broker.protocol.limits import Headroom, move_aside, nofile_limit, put_back
 from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events
 from shm import gc as shm_gc
-from shm.segment import process_alive
+from shm.segment import OutOfResources, proc_starttime, process_alive
 from zmq.utils.monitor import recv_monitor_message
 
 from broker.connections import WorkerConnections
@@ -112,6 +114,59 @@ def _fd_peer_pid(fd: int) -> int | None:
         return None
     finally:
         s.close()
+
+
+#: getsockopt: a pidfd for the process that made a unix-domain connection (Linux 6.5)
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
+
+
+def _fd_peer(fd: int) -> tuple[int, int | None] | None:
+    """(pid, start time) of the process that made the unix-domain connection on descriptor
+    ``fd``; None when closed, not unix-domain, a peer in a pid namespace we cannot see, or
+    that process has exited.
+
+    SO_PEERCRED keeps the pid of the process that connected after it exits, and a connection
+    outlives it in a child it forked: once the pid is reused, a stale pid would let the
+    child's requests name the new process's memory.  The start time (the pid's
+    `proc_starttime`, read while a pidfd from SO_PEERPIDFD shows the connecting process
+    still alive, so it is that process's) goes with the pid to the worker, which checks
+    both.  Before Linux 6.5 (no SO_PEERPIDFD) the start time is read unconfirmed: a pid
+    reused between the two reads goes unnoticed.  None for the start time when it cannot be
+    read (out of descriptors): the worker then checks the pid alone, as before."""
+    s = wire.dup_socket(fd)
+    if s is None:
+        return None
+    pidfd = None
+    try:
+        if s.family != socket.AF_UNIX:
+            return None
+        pid = _PEERCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
+        if not pid:
+            return None  # 0: the peer is in a pid namespace we cannot see
+        try:
+            pidfd = s.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+        except OSError as e:
+            if e.errno == errno.ESRCH:
+                return None  # it has exited
+        try:
+            start = proc_starttime(pid)
+        except OutOfResources:
+            return pid, None
+        if start is None or (pidfd is not None and _exited(pidfd)):
+            return None
+        return pid, start
+    except OSError:
+        return None
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+        s.close()
+
+
+def _exited(pidfd: int) -> bool:
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 def _nbytes(frames) -> int:
@@ -373,7 +428,7 @@ class Broker:
         self._worker_conns = WorkerConnections()
         self._gone: dict[bytes, float] = {}  # workers whose connection closed -> when: their verdict waits (`_settle_gone`)
         self._backend_events = self.backend.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
-        self._client_pids: dict[bytes, int | None] = {}  # client identity -> attested pid
+        self._client_pids: dict[bytes, tuple | None] = {}  # client identity -> attested (pid, start)
         # What is learned about a client's connection (its pid, whether it is tcp) is
         # forgotten when that connection closes: a client chooses its routing id, and a
         # later connection reusing the id must not inherit the earlier one's pid.
@@ -624,8 +679,8 @@ class Broker:
                     continue
                 if kind == "c" and self._ipc_frontend:
                     if self._kept_conns.get(ident) != fd:
-                        pid = self._client_pids.get(ident)
-                        if pid is None or _fd_peer_pid(fd) != pid:
+                        who = self._client_pids.get(ident)
+                        if who is None or _fd_peer_pid(fd) != who[0]:
                             continue  # closed, or another process's now: its silence counts
                         self._kept_conns[ident] = fd
                     self._act(sched.client_kept(ident, now), now)
@@ -815,11 +870,13 @@ class Broker:
         remote = self._tcp_frontend and security.peer_is_tcp(first)
         if remote:
             host, transports = None, frozenset({"inline"})  # as its requests: inline only
-        pid = self._client_pid(ident, first)
+        who = self._client_pid(ident, first)
+        pid, start = who if who is not None else (None, None)
         principal = pid if pid is not None else self._tcp_principal(first)
         self._act(self.sched.client_lease(ident, principal, ask.id, service.decode(errors="replace"), now,
                                           slots=ask.slots, host=host, transports=transports,
-                                          secret=secrets.token_bytes(16), pid=pid, remote=remote), now)
+                                          secret=secrets.token_bytes(16), pid=pid, start=start,
+                                          remote=remote), now)
 
     def _forget_client(self, ident: bytes) -> None:
         self._kept_conns.pop(ident, None)
@@ -877,7 +934,11 @@ class Broker:
             # header's claim (a client could name another's pid and pin slots for good): for
             # an ipc client the kernel says whose connection it is; over tcp nobody can, and
             # such a client gets its outputs inline.
-            req.pid = pid = self._client_pid(ident, first)
+            who = self._client_pid(ident, first)
+            if who is None:
+                req.pid = pid = req.pid_start = None
+            else:
+                req.pid, req.pid_start = pid, _ = who
             if self._log_debug:
                 log.debug("request received", extra={**logs.tensor_fields(req), "service": service.decode(errors="replace"),
                                                      "priority": req.priority, "timeout_ms": req.timeout_ms})
@@ -909,7 +970,8 @@ class Broker:
             # A plain MDP/0.2 request: opaque body, relayed as is.  Its id lives in a
             # namespace (negative numbers) that no client id can collide with.
             self._opaque_ids += 1
-            pid = self._client_pid(ident, first)
+            who = self._client_pid(ident, first)
+            pid = None if who is None else who[0]
             actions = self.sched.client_request(
                 ident, -self._opaque_ids, service.decode(errors="replace"), now, payload=_Payload(None, body),
                 size=_nbytes(body), principal=pid if pid is not None else self._tcp_principal(first),
@@ -1178,21 +1240,22 @@ class Broker:
                             _show_sig(v[2]), _show_sig(v[4]), service)
             return
 
-    def _client_pid(self, ident: bytes, frame: Any) -> int | None:
-        """The pid of the process on the other end of this client's ipc connection (learned
-        once per client), or None when the kernel cannot say (tcp, another pid namespace)."""
-        pid = self._client_pids.get(ident, -1)
+    def _client_pid(self, ident: bytes, frame: Any) -> tuple | None:
+        """(pid, start time) of the process that made this client's ipc connection (learned
+        once per client; start None where it cannot be read), or None when the kernel cannot
+        say (tcp, another pid namespace) or that process has exited (`_fd_peer`)."""
+        who = self._client_pids.get(ident, -1)
         learned = self._client_conn.get(ident, -1)
         fd = None
-        if pid == -1 or learned is not None:  # None: learned from a frame without a descriptor
+        if who == -1 or learned is not None:  # None: learned from a frame without a descriptor
             try:
                 fd = frame.get(zmq.SRCFD)  # 0.1 us: the connection this message came on
             except (zmq.ZMQError, AttributeError):
                 fd = None
-            if pid != -1 and learned != fd:
-                pid = -1  # the identity arrives on another connection now: learn it afresh
-        if pid == -1:
-            pid = _peer_pid(frame)
+            if who != -1 and learned != fd:
+                who = -1  # the identity arrives on another connection now: learn it afresh
+        if who == -1:
+            who = None if fd is None else _fd_peer(fd)
             if len(self._client_pids) >= _MAX_CLIENT_PIDS:
                 # Bounded: the clients still here are learned again.
                 self._client_pids.clear()
@@ -1200,12 +1263,12 @@ class Broker:
                 self._client_conn.clear()
                 self._conn_clients.clear()
                 self._kept_conns.clear()
-            self._client_pids[ident] = pid
+            self._client_pids[ident] = who
             self._client_tcp.pop(ident, None)
             self._client_conn[ident] = fd
             if fd is not None:
                 self._conn_clients.setdefault(fd, []).append(ident)
-        return pid
+        return who
 
     def _on_frontend_events(self) -> None:
         """Forget what was learned about clients whose connection closed."""
@@ -1380,7 +1443,7 @@ class Broker:
         t = type(a)
         if t is LeaseToWorker:
             grant = P.LeaseGrant(lease=P.lease_id(a.lease), secret=a.secret, service=a.service, slots=a.slots,
-                                 client_host=a.client_host, client_pid=a.client_pid,
+                                 client_host=a.client_host, client_pid=a.client_pid, client_start=a.client_start,
                                  principal=None if a.principal is None else str(a.principal))
             self.send_to_worker(P.to_worker_lease(a.worker, P.encode_header(grant)))
         elif t is LeaseToClient:

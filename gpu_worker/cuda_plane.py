@@ -221,7 +221,8 @@ class CudaPlane:
                         return None
                     handed.append(dst)
                     dst.copy_(src, non_blocking=True)
-                    loc = P.cuda_loc(pool.hand_off(dst, stream=self.stream, holder_pid=job.req.pid))
+                    loc = P.cuda_loc(pool.hand_off(dst, stream=self.stream, holder_pid=job.req.pid,
+                                                   holder_start=job.req.pid_start))
                     refs.append(P.TensorRef(name=name, dtype=dt.str, shape=list(src.shape), loc=loc))
         except BaseException:
             for t in handed:

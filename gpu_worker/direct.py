@@ -73,7 +73,7 @@ def direct_endpoint(final: bool, req: P.Request | None, *, host: str, enabled: b
             if len(_owners) >= 4096:
                 _owners.clear()
             owner = _owners[rt] = P.parse_reply_socket_name(rt.rpartition("/")[2])
-        if owner is not None and owner[0] == req.pid:
+        if owner is not None and owner[0] == req.pid and (req.pid_start is None or owner[1] == req.pid_start):
             return rt
     return None
 

@@ -198,7 +198,7 @@ class HostPlane:
                     ref = self.out_pool.ref_of(buf)
                     lent.append(ref)
                     np.copyto(buf, arr)
-                    self.out_pool.mark_in_flight(ref, holder_pid=req.pid)
+                    self.out_pool.mark_in_flight(ref, holder_pid=req.pid, holder_start=req.pid_start)
                     refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape),
                                             loc=P.shm_loc(ref)))
                     continue
@@ -265,14 +265,18 @@ NOT_OWNED = ("a shared-memory or CUDA reference names memory that the sending pr
 def check_owner(req: P.Request, segment: str) -> None:
     """Refuse a reference into memory the requester does not own, before anything is opened.
 
-    The principal is the pid the broker attested for the request's connection (SO_PEERCRED,
-    rewritten into ``req.pid`` at dispatch; whatever the client wrote there is discarded);
-    the owner is the pid a segment's name states, which the reader checks against the
-    segment's header when it opens it.  The message is the same whatever the segment, so
+    The principal is the process the broker attested for the request's connection (its pid
+    from SO_PEERCRED and that process's start time, rewritten into ``req.pid`` and
+    ``req.pid_start`` at dispatch; whatever the client wrote there is discarded); the owner
+    is the pid and start time a segment's name states, which the reader checks against the
+    segment's header when it opens it.  The start time tells a reused pid from the process
+    that connected (it exited, a child it forked kept the connection); a broker that sends
+    none (an older one) is checked by pid alone.  The message is the same whatever the segment, so
     it tells the sender nothing about memory that is not its own."""
     if req.pid is None:
         raise P.ProtocolError(NOT_ATTESTED)
-    if owner_of(segment) != req.pid:
+    owner = owner_of(segment)
+    if owner is None or owner[0] != req.pid or (req.pid_start is not None and owner[1] != req.pid_start):
         raise P.ProtocolError(NOT_OWNED)
 
 

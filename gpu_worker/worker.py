@@ -1685,6 +1685,7 @@ class Worker:
                               "has no shared memory): send the tensors inline")
             return
         req.pid = grant.client_pid            # the kernel's word, through the broker: never the header's
+        req.pid_start = grant.client_start
         req.host = grant.client_host if near else None
         req.reply_to = None                   # replies go back on this connection
         req.queue_ms = req.returned = None    # the broker's fields: nothing queued it

@@ -304,11 +304,13 @@ class SlotBook:
         w[b] = (self._gen[slot] << 32) | WRITING
         return slot
 
-    def set_in_flight(self, slot: int, holder_pid: int | None = None) -> None:
+    def set_in_flight(self, slot: int, holder_pid: int | None = None, holder_start: int | None = None) -> None:
         """WRITING -> IN_FLIGHT of a live slot; re-marking (a retry) only updates the holder.
 
         ``holder_pid`` names the process that will release the slot; if it dies first,
-        reclaim() frees the slot.  None: the owner frees it itself.
+        reclaim() frees the slot.  None: the owner frees it itself.  ``holder_start``: that
+        process's start time as attested with its pid, when known: a pid now another
+        process's (it started at another time) is a holder gone already.
         """
         w = self.words
         b = slot * QS
@@ -322,6 +324,8 @@ class SlotBook:
             if not 0 < hp <= U32:
                 raise ValueError(f"holder_pid must be a positive pid, got {holder_pid!r}")
             hs = self._holders.starttime(hp)
+            if holder_start is not None and hs != holder_start and hs != UNKNOWN_STARTTIME:
+                hs = 0  # the attested process exited and its pid was reused: reclaimable at once
         w[b + Q_HOLDER_PID] = hp
         w[b + Q_HOLDER_START] = max(hs, 0)  # (informational: liveness reads _holder_of)
         self._pstate[slot] = IN_FLIGHT

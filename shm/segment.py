@@ -190,27 +190,26 @@ def parse_name(name: object) -> tuple[int, int] | None:
     return int(m.group(1)), int(m.group(2))
 
 
-_owners: dict[str, int] = {}
+_owners: dict[str, tuple[int, int]] = {}
 
 
-def owner_of(name: object) -> int | None:
-    """The owner pid a well-formed segment name states, else None.  A process serving
-    others (a worker) compares it with the pid the kernel attested for the requester
-    before it opens anything: nobody can have it read a segment of another process.
-    On the path of every request, so answers are remembered (a client names the same few
-    segments again and again; the memo is bounded)."""
+def owner_of(name: object) -> tuple[int, int] | None:
+    """The owner (pid, start time) a well-formed segment name states, else None.  A process
+    serving others (a worker) compares it with the process the kernel attested for the
+    requester before it opens anything: nobody can have it read a segment of another
+    process.  On the path of every request, so answers are remembered (a client names the
+    same few segments again and again; the memo is bounded)."""
     if type(name) is not str:
         return None
-    pid = _owners.get(name)
-    if pid is None:
-        ids = parse_name(name)
-        if ids is None:
+    owner = _owners.get(name)
+    if owner is None:
+        owner = parse_name(name)
+        if owner is None:
             return None  # not remembered: a hostile name may be a megabyte long
-        pid = ids[0]
         if len(_owners) >= 4096:
             _owners.clear()
-        _owners[name] = pid
-    return pid
+        _owners[name] = owner
+    return owner
 
 
 class _Parts(NamedTuple):

@@ -154,6 +154,7 @@ class Request(msgspec.Struct, kw_only=True):
     timeout_ms: float | None = None   # budget from the broker's receipt; the broker rewrites it to what is left at dispatch
     host: str | None = None           # sender's shared-memory host id; required with shm refs
     pid: int | None = None            # sender's pid, so a worker can reclaim output slots of a dead client
+    pid_start: int | None = None      # set by the broker with pid: that process's start time (a reused pid is another's)
     reply: str = "auto"               # "auto" | "shm" | "inline" | "cuda": how outputs come back
     tensors: list[TensorRef] = []
     meta: dict[str, Any] = {}         # free-form, for the model
@@ -233,6 +234,7 @@ class LeaseGrant(msgspec.Struct, kw_only=True):
     slots: int
     client_host: str | None = None
     client_pid: int | None = None  # the kernel's word for the client's ipc connection (SO_PEERCRED)
+    client_start: int | None = None  # that process's start time (/proc/<pid>/stat), with client_pid
     principal: str | None = None   # what the lease's requests count against
 
 

@@ -132,10 +132,11 @@ class DevicePoolBook(SlotBook):
                 f"{STATE_NAMES[self._pstate[slot]]} at generation {self._gen[slot]})")
         return slot
 
-    def mark_in_flight(self, slot: int, generation: int, holder_pid: int | None = None) -> None:
+    def mark_in_flight(self, slot: int, generation: int, holder_pid: int | None = None,
+                       holder_start: int | None = None) -> None:
         """WRITING -> IN_FLIGHT just before the descriptor is sent; re-marking (a retry)
         only updates the holder.  A holder that dies gets its slots reclaimed."""
-        self.set_in_flight(self.live_slot(slot, generation), holder_pid)
+        self.set_in_flight(self.live_slot(slot, generation), holder_pid, holder_start)
 
     def free(self, slot: int, generation: int) -> None:
         """The owner returns a live slot (any state) to FREE; its generation goes up."""

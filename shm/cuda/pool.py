@@ -219,7 +219,8 @@ class CudaPool:
             ev = self._events[slot] = self._torch.cuda.Event(interprocess=True)
         return ev
 
-    def hand_off(self, x, *, stream=None, holder_pid: int | None = None, include_handle: bool = True):
+    def hand_off(self, x, *, stream=None, holder_pid: int | None = None, holder_start: int | None = None,
+                 include_handle: bool = True):
         """Record the slot's IPC event after the writes queued so far on `stream` (default:
         the current stream), mark it IN_FLIGHT and return its `DeviceRef`, handle and event
         included.  No host wait."""
@@ -233,7 +234,7 @@ class CudaPool:
         h = self._event_handles[ref.slot]
         if not h:
             h = self._event_handles[ref.slot] = bytes(ev.ipc_handle())
-        self.book.mark_in_flight(ref.slot, ref.generation, holder_pid)
+        self.book.mark_in_flight(ref.slot, ref.generation, holder_pid, holder_start)
         return ref._replace(handle=self.handle if include_handle else b"", event=h)
 
     def free(self, x, *, after: Iterable[Any] = (), stream=None) -> None:

@@ -26,7 +26,7 @@ import shm
 import shm.segment as seg
 from broker import protocol as P
 from client_sdk import Client, InferenceError
-from gpu_worker.planes import NOT_OWNED
+from gpu_worker.planes import NOT_ATTESTED, NOT_OWNED
 from tests.e2e.conftest import ROOT, wait_service
 
 HOST = P.local_host_id()
@@ -179,6 +179,31 @@ def test_a_hugetlb_memfd_is_refused_and_its_worker_lives(cluster):
         with c.infer("echo", {"x": x}) as r:
             np.testing.assert_array_equal(r["x"], x)
     assert w.p.poll() is None
+
+
+def test_a_connection_outliving_the_process_that_made_it_reads_nobodys_memory(tmp_path):
+    # The broker attests the pid that made a client's ipc connection (SO_PEERCRED).  A process
+    # that connects, forks and exits leaves its child a connection the kernel still reports
+    # by the dead parent's pid: the broker attested that pid for the child's requests, and
+    # once another process had it, the child read that process's shared memory through the
+    # worker (found by the shared-memory hunt).  Now a connection whose maker has exited is
+    # not attested, and the attestation carries the process's start time, which the worker
+    # checks with the pid: a reused pid is another process.  Run in a pid namespace of its
+    # own, where a pid can be reused at once (tests/e2e/stale_pid.py).
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare(1) here")
+    probe = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a pid namespace here: {probe.stderr.decode(errors='replace').strip()}")
+    run = subprocess.run([unshare, "--pid", "--fork", "--mount-proc", sys.executable,
+                          os.path.join(ROOT, "tests", "e2e", "stale_pid.py"), str(tmp_path)],
+                         capture_output=True, timeout=120, cwd=ROOT)
+    out = run.stdout.decode()
+    assert run.returncode == 0, (out, run.stderr.decode(errors="replace")[-3000:])
+    got = dict(line.split(" ", 1) for line in out.splitlines())
+    assert got["late"] == f"refused 400 cannot read inputs: {NOT_ATTESTED}", got
+    assert got["reused"] == f"refused 400 cannot read inputs: {NOT_OWNED}", got
 
 
 HOLDER = """

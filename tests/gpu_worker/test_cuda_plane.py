@@ -99,7 +99,7 @@ class Pool:
         self.freed.append(t)
         self.live = [x for x in self.live if x is not t]
 
-    def hand_off(self, t, *, stream=None, holder_pid=None):
+    def hand_off(self, t, *, stream=None, holder_pid=None, holder_start=None):
         i = next(k for k, x in enumerate(self.live) if x is t)
         self.handed.append((i, holder_pid))
         return P.device_ref(P.CudaLoc(pool=self.name, offset=i * 4096, nbytes=t.numel() * t.element_size(),

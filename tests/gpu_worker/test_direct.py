@@ -36,6 +36,8 @@ def _req(**kw) -> P.Request:
 
 def test_a_same_host_final_with_reply_to_goes_direct():
     assert direct_endpoint(True, _req(), host=HOST, enabled=True, streaming=False) == EP
+    # With the start time the broker attested (an older broker sends none): the same.
+    assert direct_endpoint(True, _req(pid_start=77), host=HOST, enabled=True, streaming=False) == EP
 
 
 @pytest.mark.parametrize("final, req, enabled, streaming", [
@@ -47,6 +49,7 @@ def test_a_same_host_final_with_reply_to_goes_direct():
     (True, _req(), True, True),                       # a streaming model's FINAL
     (True, _req(pid=None), True, False),              # a sender the broker could not attest
     (True, _req(pid=PID + 1), True, False),           # another process's socket
+    (True, _req(pid_start=78), True, False),          # a process that had PID before: PID is reused
     (True, _req(reply_to="ipc:///tmp/x.ipc"), True, False),  # not a reply-socket name at all
 ])
 def test_everything_else_is_relayed(final, req, enabled, streaming):

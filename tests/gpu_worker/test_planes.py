@@ -198,3 +198,19 @@ def test_is_same_array_is_the_whole_input_and_nothing_else():
     assert not is_same_array(buf[::4], buf[::4].copy())              # strided, other memory
     y = np.arange(32, dtype=np.uint8).reshape(4, 8)
     assert not is_same_array(y.T.T[:, ::2], y[:, ::2])               # the same non-contiguous view
+
+
+def test_a_reference_is_checked_against_the_attested_pid_and_its_start_time():
+    # The start time tells a reused pid from the process the broker attested; an older
+    # broker sends none, and the pid alone is checked.
+    from gpu_worker.planes import NOT_ATTESTED, NOT_OWNED, check_owner
+
+    seg = "zinf-4242-77-00112233445566ff-9"
+    check_owner(P.Request(id=1, pid=4242, pid_start=77), seg)
+    check_owner(P.Request(id=1, pid=4242), seg)
+    for req, why in ((P.Request(id=1, pid=4242, pid_start=78), NOT_OWNED),
+                     (P.Request(id=1, pid=4243, pid_start=77), NOT_OWNED),
+                     (P.Request(id=1), NOT_ATTESTED)):
+        with pytest.raises(P.ProtocolError) as e:
+            check_owner(req, seg)
+        assert str(e.value) == why

@@ -184,6 +184,23 @@ def test_reader_process_releases_owner_reclaims():
         assert pool.in_use() == 0
 
 
+def test_a_slot_lent_to_a_process_whose_pid_is_now_anothers_is_reclaimed_at_once():
+    # The broker attested a pid and its start time; by the time the worker lends the slot the
+    # pid is another process's (the attested one exited): that holder is gone already.
+    from shm.segment import proc_starttime
+
+    with ShmPool(1 << 16, slots=4) as pool, Child(READER) as r:
+        assert r.read() == "ready"
+        start = proc_starttime(r.pid)
+        lent = []
+        for holder_start in (start, start - 1):  # the process that has the pid, and one before it
+            ref = pool.ref_of(pool.alloc(16, np.float32))
+            pool.mark_in_flight(ref, holder_pid=r.pid, holder_start=holder_start)
+            lent.append(ref)
+        assert pool.reclaim() == 1 and pool.in_use() == 1  # the live holder's slot stays
+        assert pool.table[lent[0].slot]["state"] == 2  # IN_FLIGHT
+
+
 def test_in_flight_slots_of_a_killed_reader_are_reclaimed():
     with ShmPool(1 << 16, slots=4) as pool, Child(READER) as r:
         assert r.read() == "ready"
