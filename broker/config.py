@@ -182,6 +182,10 @@ def _int_at_least(n):
     return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= n), f"an integer >= {n}"
 
 
+def _int_between(lo, hi):
+    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi), f"an integer from {lo} to {hi}"
+
+
 def _number_at_least(n, strict=False):
     if strict:
         return (lambda v: _is_number(v) and v > n), f"a number > {n}"
@@ -196,11 +200,12 @@ POOL_KEYS: dict[str, tuple] = {
     "count": _int_at_least(1),
     "device": (lambda v: isinstance(v, str) and _DEVICE.match(v.strip().lower()) is not None,
                "'auto', 'cpu', 'cuda' or 'cuda:N'"),
-    "service": (_name, "a non-empty string without spaces"),
-    "max_batch": _int_at_least(1),
+    "service": (lambda v: _name(v) and not v.startswith("mmi.") and len(v.encode()) <= 255,
+                "a non-empty string without spaces, of at most 255 bytes, not starting with 'mmi.' (the broker's)"),
+    "max_batch": _int_between(1, 1 << 16),
     "max_delay_ms": _number_at_least(0),
     "max_cost": _number_at_least(0, strict=True),
-    "credit": _int_at_least(1),
+    "credit": _int_between(1, 1 << 16),  # the broker refuses a READY with more
     "transports": (lambda v: isinstance(v, list) and v != [] and all(t in _TRANSPORTS for t in v),
                    f"a non-empty list of {', '.join(repr(t) for t in _TRANSPORTS)}"),
     "keep_warm_ms": _number_at_least(0),

@@ -309,6 +309,13 @@ def _protocol_frame(frames) -> bytes:
     return b""
 
 
+def _command_frame(frames) -> bytes:
+    """The command frame of a worker message a ROUTER read (after the identity, the empty
+    delimiter a REQ-era peer puts first, and MDPW02); b"" if none."""
+    i = 1 if len(frames) > 1 and len(frames[1]) else 2
+    return bytes(frames[i + 1]) if len(frames) > i + 1 else b""
+
+
 def _unlink_ipc(endpoints) -> None:
     """Remove the socket files of these endpoints (the ipc ones with a path)."""
     for ep in endpoints:
@@ -1080,11 +1087,25 @@ class Broker:
             if _protocol_frame(frames) == P.MDPC:
                 self._bad.warning("a client (MDPC02) sent to the backend %s: clients connect to the frontend %s",
                                   self.backend_ep, self.frontend_ep)
-            else:
-                self._bad.warning("malformed worker message from %r: %s", ident[:16], e)
-            sched.worker_seen(ident, now)
+                return
+            if _command_frame(frames) == P.W_READY:
+                # Refused, and told why: a worker of ours stops (exit 2) instead of sending
+                # its READY again at each DISCONNECT, refused each time, forever.
+                self._bad.warning("refused a READY from worker %r: %s", ident[:16], e)
+                self.send_to_worker([ident, *P.worker_disconnect(
+                    P.error_body(0, P.ErrorCode.PROTOCOL_ERROR, f"READY refused: {e}"))])
+                return
+            self._bad.warning("malformed worker message from %r: %s", ident[:16], e)
+            self._act(sched.worker_seen(ident, now), now)  # an unknown one: DISCONNECT, READY again
             return
         cmd = msg.command
+        if (cmd != P.W_HEARTBEAT and cmd != P.W_READY and cmd != P.W_DISCONNECT
+                and not sched.has_worker(ident)):
+            # MDP: a worker the broker does not know (presumed dead, or the broker restarted)
+            # is told to reconnect and send READY; what it sent is dropped (its requests are
+            # not its any more).
+            self._act(sched.worker_seen(ident, now), now)
+            return
         if cmd == P.W_FINAL or cmd == P.W_PARTIAL:
             token = P.envelope_token(msg.envelope)
             if token is None:

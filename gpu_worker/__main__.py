@@ -307,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     import zmq
 
     zmq.Context.instance().destroy(linger=DIRECT_LINGER_MS)
+    if worker.refused is not None:  # logged as an ERROR already; the exit says it again
+        print(f"python -m gpu_worker: the broker refused to register this worker: {worker.refused}",
+              file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

@@ -556,7 +556,7 @@ def name_problem(name: object, what: str = "model name") -> str | None:
     ``--service`` is given), or None: a non-empty string of at most `MAX_SERVICE_LEN` UTF-8
     bytes with no whitespace or control characters (they would not survive logs, metrics
     labels and URLs such as /v2/models/{service} unchanged)."""
-    from broker.protocol import MAX_SERVICE_LEN
+    from broker.protocol import MAX_SERVICE_LEN, MMI_PREFIX
 
     if not isinstance(name, str) or not name:
         return f"the {what} {name!r} is not a non-empty string"
@@ -564,6 +564,8 @@ def name_problem(name: object, what: str = "model name") -> str | None:
         return f"the {what} {name!r} has whitespace or control characters: remove them"
     if len(name.encode("utf-8", "surrogatepass")) > MAX_SERVICE_LEN:
         return f"the {what} {name[:40]!r}... is longer than {MAX_SERVICE_LEN} bytes"
+    if name.startswith(MMI_PREFIX):
+        return f"the {what} {name!r} starts with {MMI_PREFIX!r}, which the broker keeps for its own queries (MMI)"
     return None
 
 

@@ -183,14 +183,14 @@ class WorkerConfig:
                 via = f" ({flag})" if flag else ""
                 raise ConfigError(f"{option}{via} must be {what}, not {value!r}")
 
-        need(_whole(self.max_batch) and self.max_batch >= 1, "max_batch", "--max-batch", "an integer >= 1",
-             self.max_batch)
+        need(_whole(self.max_batch) and 1 <= self.max_batch <= P.MAX_CREDIT, "max_batch", "--max-batch",
+             f"an integer from 1 to {P.MAX_CREDIT}", self.max_batch)
         need(_number(self.max_delay) and 0 <= self.max_delay < float("inf"), "max_delay", "--max-delay-ms",
              "a finite number of seconds >= 0", self.max_delay)
         need(_number(self.max_cost) and self.max_cost > 0, "max_cost", "--max-cost", "a number > 0 (inf: no bound)",
              self.max_cost)
-        need(self.credit is None or (_whole(self.credit) and self.credit >= 1), "credit", "--credit",
-             "an integer >= 1 (or unset: 2 x max-batch)", self.credit)
+        need(self.credit is None or (_whole(self.credit) and 1 <= self.credit <= P.MAX_CREDIT), "credit",
+             "--credit", f"an integer from 1 to {P.MAX_CREDIT} (or unset: 2 x max-batch)", self.credit)
         need(_number(self.heartbeat_interval) and 0 < self.heartbeat_interval < float("inf"), "heartbeat_interval",
              "--heartbeat-interval", "a finite number of seconds > 0", self.heartbeat_interval)
         need(_whole(self.heartbeat_liveness) and self.heartbeat_liveness >= 1, "heartbeat_liveness",
@@ -228,6 +228,18 @@ class WorkerConfig:
                 raise ConfigError(f"--service: {why}")
 
 
+
+def _refusal(body) -> str | None:
+    """The reason a DISCONNECT carries (the broker refused our READY), or None: a plain one."""
+    if not body:
+        return None
+    try:
+        err = P.decode_reply(body[0]).error
+    except P.ProtocolError:
+        return "(a reason that does not parse)"
+    return None if err is None else err.message
+
+
 class Worker:
     """One model served to one broker.  ``upstream`` replaces the broker connection
     (`gpu_worker.upstream`; default `BrokerLink(cfg.broker)`); the worker closes it.
@@ -251,7 +263,7 @@ class Worker:
         self.batcher = Batcher(max_batch=max_batch, max_cost=cfg.max_cost, max_delay=cfg.max_delay,
                                latency_first=cfg.batching == "latency")
         self.max_batch = max_batch        # the batcher's cap when the plane does not lower it
-        self.credit = cfg.credit or max(2 * max_batch, 2)
+        self.credit = cfg.credit or min(max(2 * max_batch, 2), P.MAX_CREDIT)
         self.host = P.local_host_id()
         self.pid = os.getpid()
         self.cuda = self.device.startswith("cuda")
@@ -325,6 +337,7 @@ class Worker:
         self._ready_wait = 0.0
         self._serving_since = 0.0     # when serve began (whether the fallback heard a word since)
         self._reconnect_why: str | None = None  # set by a DISCONNECT; the loop reconnects
+        self.refused: str | None = None  # the broker's reason for refusing our READY: we stop
         self._last_heard = 0.0
         self._heard_at = -math.inf  # when a message from the broker was last read (readiness, plain MDP)
         # Over tcp, bytes of the broker's on their way count as its word (a large request on
@@ -707,6 +720,14 @@ class Worker:
         elif cmd == P.W_WELCOME:
             self._on_welcome(msg.body[0])
         elif cmd == P.W_DISCONNECT:
+            why = _refusal(msg.body)
+            if why is not None:
+                # Our READY was refused (a credit or a service name the broker does not
+                # take): registering again would be refused again, forever.
+                log.error("the broker refused this worker: %s", why)
+                self.refused = why
+                self.stop.set()
+                return
             log.info("broker asked us to reconnect")
             self._reconnect_why = "broker restarted"
         elif cmd == P.W_LEASE:

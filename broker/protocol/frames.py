@@ -124,7 +124,7 @@ WORKER_COMMANDS: tuple[Command, ...] = (
     Command("PARTIAL", W_PARTIAL, "W→B", "envelope, empty, body", "RFC 18"),
     Command("FINAL", W_FINAL, "W→B", "envelope, empty, body", "RFC 18"),
     Command("HEARTBEAT", W_HEARTBEAT, "both", "none", "RFC 18"),
-    Command("DISCONNECT", W_DISCONNECT, "both", "none", "RFC 18"),
+    Command("DISCONNECT", W_DISCONNECT, "both", "none; B→W may add a header `Reply` with `error`: the worker's READY was refused (section 3)", "RFC 18 (+ extension)"),
     Command("CANCEL", W_CANCEL, "B→W", "envelope", "extension"),
     Command("DONE", W_DONE, "W→B", f"envelope, envelope... (1 to {MAX_DONE}, one per frame) [, header `DoneInfo`]",
             "extension"),
@@ -250,8 +250,10 @@ def worker_heartbeat() -> list[bytes]:
     return [MDPW, W_HEARTBEAT]
 
 
-def worker_disconnect() -> list[bytes]:
-    return [MDPW, W_DISCONNECT]
+def worker_disconnect(refusal: list | None = None) -> list:
+    """DISCONNECT; to a worker whose READY the broker refused, ``refusal`` (`error_body`)
+    says why: a worker of ours stops there instead of registering again, refused again."""
+    return [MDPW, W_DISCONNECT, *(refusal or ())]
 
 
 def to_worker_request(identity: bytes, envelope: bytes, body: Iterable[Any]) -> list[Any]:
@@ -525,6 +527,8 @@ def parse_broker_to_worker(frames: Sequence[Any]) -> BrokerToWorker:
         if end.lease != lease:
             raise ProtocolError("LEASE_END's header names another lease than its id frame")
         return BrokerToWorker(cmd, lease, (end,))
-    if cmd in (W_HEARTBEAT, W_DISCONNECT):
+    if cmd == W_DISCONNECT:  # body: (a Reply header with the refusal,) or ()
+        return BrokerToWorker(cmd, body=(bytes(frames[2]),) if len(frames) == 3 else ())
+    if cmd == W_HEARTBEAT:
         return BrokerToWorker(cmd)
     raise ProtocolError(f"unknown command {cmd!r} from broker")

@@ -20,7 +20,7 @@ from typing import Any, Sequence, Union
 import msgspec
 import numpy as np
 
-__all__ = ["MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_ENVELOPE_LEN",
+__all__ = ["MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_CREDIT", "MAX_ENVELOPE_LEN",
     "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_REPLY_TO_LEN", "MAX_DONE", "MAX_MMI_TOKEN",
     "MAX_TENSOR_BYTES", "MAX_DEPTH", "MAX_DTYPE_LEN", "ErrorCode",
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
@@ -41,6 +41,7 @@ VERSION = 1
 MMI_PREFIX = "mmi."
 
 MAX_SERVICE_LEN = 255
+MAX_CREDIT = 1 << 16  # requests a worker may hold at once (Ready.credit)
 MAX_ENVELOPE_LEN = 255
 MAX_TENSORS = 256
 MAX_NDIM = 32
@@ -472,8 +473,8 @@ def reply_error_code(frame: Any) -> int:
 
 def decode_ready(frame: Any) -> Ready:
     r = _decode(frame, _DEC_READY, "ready")
-    if not 1 <= r.credit <= 1 << 16:
-        raise ProtocolError(f"credit {r.credit} must be between 1 and 65536")
+    if not 1 <= r.credit <= MAX_CREDIT:
+        raise ProtocolError(f"credit {r.credit} must be between 1 and {MAX_CREDIT}")
     if r.max_batch < 1:
         raise ProtocolError(f"max_batch {r.max_batch} must be at least 1")
     bad = set(r.transports) - TRANSPORTS

@@ -540,7 +540,10 @@ def test_a_model_whose_warmup_raises_is_one_line(factories, tmp_path):
 @pytest.mark.parametrize("model, extra, words", [
     ("mymodels.plain:nonsense_inputs", (), ("`inputs['x']` = 'nonsense'", "(dtype, shape)")),
     ("mymodels.plain:spaced_name", (), ("'my model'", "whitespace", "change the model's `name`")),
-    ("echo", ("--max-batch", "0"), ("max_batch (--max-batch) must be an integer >= 1, not 0",)),
+    ("echo", ("--max-batch", "0"), ("max_batch (--max-batch) must be an integer from 1 to 65536, not 0",)),
+    # what the broker would refuse in the READY (it was refused forever, the worker "ready")
+    ("echo", ("--credit", "70000"), ("credit (--credit) must be an integer from 1 to 65536", "70000")),
+    ("echo", ("--service", "mmi.x"), ("--service", "'mmi.x'", "starts with 'mmi.'")),
     ("echo", ("--heartbeat-interval", "0"), ("--heartbeat-interval", "> 0")),
     ("echo", ("--transports", "carrier-pigeon"), ("--transports", "carrier-pigeon")),
     ("echo", ("--service", "two words"), ("--service", "'two words'", "whitespace")),
