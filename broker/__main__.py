@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-interval", type=float, help="seconds (default 1.0)")
     ap.add_argument("--heartbeat-liveness", type=int, help="missed heartbeats before a peer is dead (default 3)")
     ap.add_argument("--max-queue", type=int, help="queued requests per service (default 1024)")
-    ap.add_argument("--service-grace", type=float, help="seconds a request waits for a worker of its service")
+    ap.add_argument("--service-grace", type=float, help="seconds a request waits for a worker of its service (default 1.0)")
     ap.add_argument("--max-retries", type=int,
                     help="times a request is dispatched again after its worker died before it fails with "
                          "WORKER_FAILED (default 2)")

@@ -747,7 +747,7 @@ class Broker:
                 "ready": bool(workers),
                 "platform": "zmq-infer",
                 "workers": workers,
-                "hosts": sorted({w["host"] or "" for w in workers}),
+                "hosts": sorted({w["host"] for w in workers if w["host"]}),
                 "transports": sorted({t for w in workers for t in w["transports"]}),
                 "credit": sum(w["credit"] for w in workers),
                 "in_flight": info["in_flight"],

@@ -308,6 +308,9 @@ class ClientCore(PinEvents):
         if not plain:
             self.check_open()
             check_service(service)
+            if service.startswith(P.MMI_PREFIX):
+                raise InvalidInput(f"{service!r} is a broker query (MMI, RFC 8), not a service: it takes no tensors; "
+                                   "use client.mmi_service(name), or client.request() for another mmi. query")
             if reply not in P.REPLY_MODES:
                 raise InvalidInput(f"reply {reply!r} must be one of {sorted(P.REPLY_MODES)}")
             if traceparent is not None and not isinstance(traceparent, str):

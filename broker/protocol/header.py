@@ -457,14 +457,18 @@ def decode_worker_stats(frame: Any) -> WorkerStats:
 def reply_error_code(frame: Any) -> int:
     """The error code of a reply's header frame, 0 for a result (or a frame that is not a
     header: an opaque MDP reply).  Reads only `error`, for the broker's outcome counts; a
-    malformed header counts as a result here (the client decodes and judges it)."""
+    header that does not decode, or whose `error` does not (a code that is not a number, no
+    message), is an error of unknown code: its client cannot take it for a result either."""
     try:
         mv = memoryview(frame)
         if bytes(mv[:4]) != MAGIC:
             return 0
-        e = _DEC_ERROR_ONLY.decode(mv[4:]).error
     except Exception:
         return 0
+    try:
+        e = _DEC_ERROR_ONLY.decode(mv[4:]).error
+    except Exception:
+        return _UNKNOWN_CODE
     if e is None:
         return 0
     code = int(e.code)

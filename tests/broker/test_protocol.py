@@ -329,3 +329,20 @@ def test_the_protocol_frame_is_found_after_a_req_peers_empty_delimiter():
     assert _protocol_frame([b"id", P.MDPC, b"\x02"]) == P.MDPC
     assert _protocol_frame([b"id", b"", P.MDPW, b"\x01"]) == P.MDPW
     assert _protocol_frame([b"id"]) == b"" and _protocol_frame([b"id", b"", b""]) == b""
+
+
+def test_a_reply_whose_error_does_not_parse_is_not_counted_as_a_result():
+    # The broker's outcome counts: a FINAL with a malformed `error` (its client raises on it)
+    # was counted as "ok" (found by the docs-as-contract hunt).
+    import msgspec
+
+    from broker.protocol.header import _UNKNOWN_CODE
+
+    enc = msgspec.msgpack.encode
+    assert P.reply_error_code(P.encode_header(P.Reply(id=1))) == 0
+    assert P.reply_error_code(P.error_body(1, 422, "no")[0]) == 422
+    assert P.reply_error_code(b"opaque") == 0
+    for bad in ({"v": 1, "id": 1, "error": {"code": "x", "message": "m"}},
+                {"v": 1, "id": 1, "error": {"code": 422}},
+                [1, 2, 3]):
+        assert P.reply_error_code(P.MAGIC + enc(bad)) == _UNKNOWN_CODE, bad

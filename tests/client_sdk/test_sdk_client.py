@@ -744,6 +744,10 @@ def test_argument_checks(connect, endpoint):
             c.infer("", {"x": np.zeros(1)})
         with pytest.raises(InvalidInput, match="service name"):
             c.request("x" * 256, [b""])
+        # An MMI name is a broker query, not a service: said as such (it was a ProtocolError
+        # blaming a plain MDP worker).
+        with pytest.raises(InvalidInput, match="broker query.*mmi_service"):
+            c.infer("mmi.service", {"x": np.zeros(1)})
         call = c.prepare("echo", {"x": np.zeros(1)}, timeout=math.inf)
         assert call.timeout is None
         c.give_up(call)
