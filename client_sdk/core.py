@@ -859,8 +859,15 @@ class ClientCore(PinEvents):
 
     def unreachable(self, call: Call, now: float) -> BrokerUnreachable | None:
         """The error for `call` if the broker has been silent for LIVENESS heartbeat
-        intervals since it was sent (None with heartbeats off)."""
+        intervals since it was sent (None with heartbeats off).  Never for a call on a lease
+        whose connection is up: its worker answers it, not the broker, and that connection
+        is watched on its own (`pin_link_lost`: closed, or no longer acknowledging); a
+        partition between this client and its broker alone must not fail it (the network
+        hunt saw pinned calls failed, then resent and run twice)."""
         if self.heartbeat_interval is None:
+            return None
+        pin = call.pin
+        if pin is not None and pin.ready and not pin.closed:
             return None
         silence = self.silent_for(call, now)
         if silence <= LIVENESS * self.heartbeat_interval:

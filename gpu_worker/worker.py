@@ -1576,9 +1576,16 @@ class Worker:
         log.warning("%d of %d descriptors in use: taking leases again", guard.used, guard.limit)
 
     def _on_lease_end(self, end: P.LeaseEnd) -> None:
-        """LEASE_END from the broker: forget the lease.  Its client gone, its queued requests
-        are dropped (nobody waits for their FINAL) and its running ones cancelled; otherwise
-        what it holds finishes and answers as usual."""
+        """LEASE_END from the broker: forget the lease; what it holds finishes and answers
+        as usual, except, its client gone, the requests not started: each is answered 503,
+        "resend it through the broker".
+
+        ``client_gone`` is the broker's word that it heard nothing from the client for its
+        liveness window, which a client cut off from the broker but not from us also earns:
+        its running requests still answer it on their connection (a dead client's is gone,
+        and a stream stops at its first partial that cannot be sent), and those not started
+        go back to it, cheaply, to be sent through the broker (they were cancelled, 499,
+        though the client had cancelled nothing: found by the network hunt)."""
         lease = None if self.leases is None else self.leases.end(end.lease, end.reason)
         if lease is None:
             return
@@ -1588,12 +1595,11 @@ class Worker:
             return
         keys = set(lease.in_flight)
         for p in self.batcher.drop(lambda p: p.item.envelope in keys):
-            self.jobs.pop(p.item.envelope, None)
-            self.plane.finish_reads(p.item)
-            self.leases.finish(p.item.envelope)
-        for key in keys:
-            if key in self.running:
-                self._cancel(key)
+            job = p.item
+            self.jobs.pop(job.envelope, None)
+            self._reply_error(job, P.ErrorCode.SERVICE_UNAVAILABLE,
+                              "this connection's lease ended (client_gone: the broker heard nothing from this client "
+                              "for its liveness window); resend this request through the broker (it did not run)")
 
     def _end_leases(self) -> None:
         """Stopping: end every lease at the broker (it tells their clients, who send new
@@ -1807,7 +1813,12 @@ class Worker:
 
     def _reply_leased(self, job: Job, final: bool, body: list) -> None:
         # `_direct_send`, inline: this is every leased reply's path.
-        self.direct_socket.send([job.route, P.MDPC, P.C_FINAL if final else P.C_PARTIAL, self._service_b, *body])
+        sent = self.direct_socket.send([job.route, P.MDPC, P.C_FINAL if final else P.C_PARTIAL, self._service_b,
+                                        *body])
+        if not sent and not final:
+            # Its connection is gone (or stopped reading): a stream for nobody stops at its
+            # next partial, as a cancelled one does.
+            job.cancelled = True
         if final:
             self.leases.finish(job.envelope)  # its slot is free (whether or not the send went)
             self.leased_sent += 1

@@ -676,3 +676,18 @@ def test_a_tcp_handshake_refused_for_good_gives_the_lease_back_at_once():
         assert pin.closed and c.pins_refused == 1 and not c.pins
     finally:
         c.close()
+
+
+def test_a_pinned_call_is_not_given_up_for_the_brokers_silence(core):
+    # Its worker answers it, on a connection watched on its own (pin_link_lost): a partition
+    # between the client and its broker alone failed it with BrokerUnreachable after five
+    # heartbeat intervals (found by the network hunt).  A brokered call still is.
+    first, pin = _pinned(core)
+    pin.ready = True  # the connection's handshake succeeded (what the twins report)
+    pinned, _ = _send(core, now=100.5)
+    assert pinned.pin is pin
+    later = 100.5 + 60.0  # the broker silent for a minute
+    assert core.unreachable(pinned, later) is None
+    assert isinstance(core.unreachable(first, later), errors.BrokerUnreachable)
+    assert core.fail_unreachable(later) == 1
+    assert not pinned.inbox and first.inbox[0][0] == "error"

@@ -1018,3 +1018,106 @@ def test_a_worker_refused_by_the_handshake_says_so_and_stops_on_sigterm(secure, 
         assert w.terminate(timeout=15) == 0  # drains and exits
     finally:
         w.close()
+
+
+_PINNED_FAR_CLIENT = """
+import asyncio, sys
+import numpy as np
+from client_sdk import AsyncClient, Client
+fe, twin = sys.argv[1], sys.argv[2]
+opts = dict(insecure=True, timeout=30, pin=True, heartbeat_interval=0.2)  # the broker silent 1 s: unreachable
+x = np.array([-1.0, 7.0])  # gate_model:held: held at the worker until the test releases it
+zero = np.array([0.0])
+slow = np.array([1.0])  # sleeps 1 s (logged): the running average of its calls passes half a heartbeat
+
+def outcome(fn):
+    try:
+        r = fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    with r:
+        return "ok" if np.array_equal(r["x"], x) else f"wrong {r['x']!r}"
+
+if twin == "sync":
+    with Client(fe, **opts) as c:
+        while not c.pinned("held"):
+            c.infer("held", {"x": zero}).release()
+            c.pump(0.05)
+        c.infer("held", {"x": slow}).release()  # the next call is predicted long: the worker offloads it
+        before = c.pinned_replies
+        handle = c.infer_stream("held", {"x": x})
+        print("READY sent", flush=True)
+        print(f"READY {outcome(lambda: handle.result(timeout=30))} pinned={c.pinned_replies - before}", flush=True)
+        sys.stdin.readline()  # the pair is back
+        with c.infer("held", {"x": zero}) as r:
+            print(f"READY after {r['x'][0]}", flush=True)
+else:
+    async def main():
+        async with AsyncClient(fe, **opts) as c:
+            while not c.pinned("held"):
+                (await c.infer("held", {"x": zero})).release()
+                await asyncio.sleep(0.05)
+            (await c.infer("held", {"x": slow})).release()
+            before = c.pinned_replies
+            task = asyncio.ensure_future(c.infer("held", {"x": x}))
+            print("READY sent", flush=True)
+            try:
+                res = await asyncio.wait_for(task, 30)
+                out = outcome(lambda: res)
+            except Exception as e:
+                out = f"{type(e).__name__}: {e}"
+            print(f"READY {out} pinned={c.pinned_replies - before}", flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+            with await c.infer("held", {"x": zero}) as r:
+                print(f"READY after {r['x'][0]}", flush=True)
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("twin", ["sync", "async"])
+def test_a_pinned_call_outlives_a_partition_between_its_client_and_the_broker(tmp_path, netns, twin):
+    """A pinned client and its worker in one network namespace, the broker across a veth pair
+    (the worker reaches it through its ipc backend): the pair cut, the broker hears nothing
+    from the client for its liveness window, presumes it gone and ends its lease
+    (`client_gone`), while the worker still reaches the client.  The worker cancelled the
+    lease's running call and answered 499, "cancelled by the client", though nobody had, and
+    the client failed the call itself after 5 heartbeat intervals of the broker's silence
+    (`BrokerUnreachable`), though its worker was there (found by the network hunt).  Now the
+    call answers on its connection, run once; the pair back, the client is served again."""
+    b = Proc(["-m", "broker", "--frontend", f"tcp://{netns.here}:0", "--backend", f"ipc://{tmp_path}/be.ipc",
+              "--insecure", "--heartbeat-interval", "0.2"])
+    log, fifo = tmp_path / "runs.log", tmp_path / "gate.fifo"
+    os.mkfifo(fifo)
+    w = client = gate = None
+    try:
+        b.wait_ready()
+        fe = b.field("frontend")
+        w = Proc(["-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model", "gate_model:held",
+                  "--heartbeat-interval", "0.2", "--direct-tcp", "tcp://127.0.0.1:0", "--insecure",
+                  "--log-level", "INFO"], env={"SLEEPY_LOG": str(log), "GATE_FIFO": str(fifo)}, prefix=netns.prefix)
+        w.wait_ready()
+        gate = os.open(fifo, os.O_WRONLY)  # the worker holds it open read-write: never blocks
+        client = Proc(["-c", _PINNED_FAR_CLIENT, fe, twin], prefix=netns.prefix, stdin=True)
+        assert client.wait_ready(timeout=30) == "READY sent"
+        _until(lambda: log.exists() and len(log.read_text().splitlines()) == 2, "the call starting", 20)
+        netns.cut()
+        cut_at = time.monotonic()
+        w.wait_log("ended (client_gone)", timeout=30)
+        # The partition outlasts the client's own window for its broker (5 intervals of 0.2 s):
+        # the pinned call is not given up for the broker's silence.
+        _until(lambda: time.monotonic() - cut_at > 2.0, "the partition lasting 2 s", 10)
+        os.write(gate, b"x")  # the call finishes after its lease ended
+        line = client.wait_ready(timeout=30)
+        assert line == "READY ok pinned=1", line  # its result, on its connection
+        assert len(log.read_text().splitlines()) == 2  # run once
+        netns.heal()
+        client.p.stdin.write(b"go\n")
+        client.p.stdin.flush()
+        assert client.wait_ready(timeout=30) == "READY after 0.0"
+        assert client.p.wait(timeout=10) == 0, client.stderr()
+    finally:
+        if gate is not None:
+            os.close(gate)
+        for p in (client, w, b):
+            if p is not None:
+                p.close()

@@ -3,8 +3,8 @@ in for the broker, a DEALER for the leaseholding client on the worker's real dir
 and the test drives the loop's steps (`on_message`, `_drain_direct`, `run_ready_batches`)
 one by one.  Checked: nothing of it exists without --direct (Ready.direct unset, leases
 refused); with it, the pid and host come from the grant, the replies go back on the direct
-socket and nothing about them to the broker; LEASE_END client_gone drops the lease's queued
-requests silently; a lost broker connection ends every lease."""
+socket and nothing about them to the broker; LEASE_END client_gone sends the lease's queued
+requests back (503: through the broker); a lost broker connection ends every lease."""
 from __future__ import annotations
 
 import os
@@ -140,7 +140,13 @@ def test_a_leased_request_runs_with_the_grants_pid_and_answers_on_the_direct_soc
     assert not os.path.exists(path)
 
 
-def test_client_gone_drops_the_leases_queued_requests(worker, client):
+def test_client_gone_sends_the_leases_queued_requests_back_through_the_broker(worker, client):
+    # "client_gone" is the broker's word that it heard nothing from the client for its
+    # liveness window: a client cut off from the broker but not from this worker earns it
+    # too.  Its queued requests were dropped without a word (its call waited out its
+    # timeout) and its running ones answered 499, though it had cancelled nothing (found by
+    # the network hunt).  Those not started are answered 503 "resend it through the broker"
+    # (the SDK does), and they did not run.
     lease = _lease(worker, slots=3)
     worker.upstream.sent()
     client.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=lease, secret=SECRET))])
@@ -150,8 +156,14 @@ def test_client_gone_drops_the_leases_queued_requests(worker, client):
     end = P.LeaseEnd(lease=lease, reason="client_gone")
     worker.on_message(P.to_worker_lease_end(b"", lease, P.encode_header(end))[1:])
     assert worker.jobs == {} and len(worker.batcher) == 0 and lease not in worker.leases
-    assert not client.poll(100)  # nobody waits for their FINALs
+    got = sorted((rep.id, rep.error.code) for rep, _ in (_reply(client), _reply(client)))
+    assert got == [(1, 503), (2, 503)]
+    assert not client.poll(100)
     assert worker.upstream.sent() == []
+    _request(client, 3, np.zeros(3))  # and the connection is told its lease ended
+    _take(worker, lambda: client.poll(0))
+    rep, _ = _reply(client)
+    assert rep.id == 3 and rep.error.code == 503 and "client_gone" in rep.error.message
 
 
 def test_a_lost_broker_connection_ends_every_lease(worker, client):
