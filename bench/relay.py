@@ -6,10 +6,6 @@ balancer or a peer's crash makes, on loopback, for the tests and `bench.restart`
 (RST to both ends, as SO_LINGER 0 makes a close) and returns once that is done, and it keeps
 accepting new ones; `accepted` counts the connections it took; `close()` stops it.
 
-`hold()` stops forwarding either way until `resume()`, the connections left open (a partition
-that drops every packet: what was sent waits in the kernel's buffers, and the peers hear
-nothing); new connections are accepted and held too.
-
 `cut_at(pattern)` arms a cut for the first read from the target side that holds `pattern`:
 that read is dropped, not forwarded, and every connection is reset then, so a reply the
 target sent is lost with its connection (a test names a string in the reply, e.g. its
@@ -39,8 +35,6 @@ class Relay:
         self._wake_r, self._wake_w = socket.socketpair()
         self._cut_asked = threading.Event()
         self._cut_done = threading.Event()
-        self._held = False
-        self._hold_done = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="bench-relay", daemon=True)
         self._thread.start()
@@ -51,20 +45,6 @@ class Relay:
         self._wake_w.send(b"c")
         if not self._cut_done.wait(timeout):
             raise TimeoutError("the relay did not cut its connections")
-
-    def hold(self, timeout: float = 10.0) -> None:
-        """Forward nothing, either way, until `resume()` (the connections stay open)."""
-        self._set_held(True, timeout)
-
-    def resume(self, timeout: float = 10.0) -> None:
-        self._set_held(False, timeout)
-
-    def _set_held(self, held: bool, timeout: float) -> None:
-        self._hold_done.clear()
-        self._held = held
-        self._wake_w.send(b"h")
-        if not self._hold_done.wait(timeout):
-            raise TimeoutError("the relay did not apply hold/resume")
 
     def cut_at(self, pattern: bytes) -> None:
         """Cut when the target next sends something that holds `pattern` (dropped, unsent)."""
@@ -87,8 +67,7 @@ class Relay:
 
     def _reset(self, sel: selectors.BaseSelector) -> None:
         for s in list(self._peer):
-            if s in sel.get_map():
-                sel.unregister(s)
+            sel.unregister(s)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST, not FIN
             s.close()
         self._peer.clear()
@@ -98,8 +77,7 @@ class Relay:
         other = self._peer.pop(s, None)
         for x in (s, other):
             if x is not None:
-                if x in sel.get_map():
-                    sel.unregister(x)
+                sel.unregister(x)
                 self._peer.pop(x, None)
                 self._targets.discard(x)
                 x.close()
@@ -118,13 +96,6 @@ class Relay:
                             self._cut_asked.clear()
                             self._reset(sel)
                             self._cut_done.set()
-                        for p in self._peer:  # hold: nothing is read; resume: all again
-                            registered = p in sel.get_map()
-                            if self._held and registered:
-                                sel.unregister(p)
-                            elif not self._held and not registered:
-                                sel.register(p, selectors.EVENT_READ)
-                        self._hold_done.set()
                     elif s is self.listener:
                         a, _ = self.listener.accept()
                         try:
@@ -134,9 +105,8 @@ class Relay:
                             continue
                         self._peer[a], self._peer[b] = b, a
                         self._targets.add(b)
-                        if not self._held:
-                            sel.register(a, selectors.EVENT_READ)
-                            sel.register(b, selectors.EVENT_READ)
+                        sel.register(a, selectors.EVENT_READ)
+                        sel.register(b, selectors.EVENT_READ)
                         self.accepted += 1
                     elif s in self._peer:
                         try:
