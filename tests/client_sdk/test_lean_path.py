@@ -447,6 +447,7 @@ def test_finals_the_lean_step_leaves_to_the_general_path(core):
     assert q.answer == [b"200"]
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")  # 3.12: forks on purpose
 def test_a_forked_child_refuses_its_parents_client_and_its_own_names_its_pid(tmp_path):
     # Inline only: the child touches no shared memory (it leaves with os._exit).  The
     # parent's client in a child: its sockets are the parent's libzmq's (a child that used

@@ -92,6 +92,7 @@ def _wait_child(pid: int, timeout: float = 20.0) -> int:
         time.sleep(0.01)
 
 
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")  # 3.12: forks on purpose
 def test_a_forked_child_neither_uses_nor_gives_back_its_parents_client(cluster):
     # A child that called the parent's client spun at 100 % CPU for good (libzmq's sockets
     # are the parent's); one that released or dropped a Result it inherited gave the
