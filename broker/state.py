@@ -458,7 +458,7 @@ class _Request:
 class _Pool:
     """The workers of one service able to take one class of request (see docstring)."""
 
-    __slots__ = ("key", "live", "ready", "gap_since", "gap_epoch")
+    __slots__ = ("key", "live", "ready", "gap_since", "gap_epoch", "lost_at")
 
     def __init__(self, key, now, epoch):
         self.key = key
@@ -469,6 +469,7 @@ class _Pool:
         # carry so a timer from an earlier gap cannot fire in a later one.
         self.gap_since = now
         self.gap_epoch = epoch
+        self.lost_at = None  # when its last live worker went (presumed dead, or left); None: never had one
 
 
 class _Service:
@@ -1139,7 +1140,7 @@ class Scheduler(LeaseEvents):
             if kind == _T_DEADLINE:
                 self._expire_deadline(obj, now, out)
             elif kind == _T_GRACE:
-                self._expire_grace(obj, out)
+                self._expire_grace(obj, out, now)
             elif kind == _T_HEARTBEAT:
                 out.append(HeartbeatWorker(obj.ident))
                 obj.last_heartbeat = now
@@ -1811,7 +1812,7 @@ class Scheduler(LeaseEvents):
         for pool in w.pools:
             pool.live -= 1
             if pool.live == 0:
-                pool.gap_since = now
+                pool.gap_since = pool.lost_at = now
                 pool.gap_epoch = next(self._epochs)
                 waiting = False
                 for ring in svc.classes:
@@ -1891,15 +1892,20 @@ class Scheduler(LeaseEvents):
                     f"({now - req.dispatched_at:.3f} s in flight); allow more time or use a "
                     f"faster worker", out)
 
-    def _expire_grace(self, req, out):
+    def _expire_grace(self, req, out, now):
         svc = req.svc
         grace = float(self.config.service_grace)
         self._unqueue(req)
         if svc.any.live == 0:
             self._counters["unavailable"] += 1
-            self._error(req, ErrorCode.SERVICE_UNAVAILABLE,
-                        f"no worker for '{svc.name}' registered within {grace} s; start one "
-                        f"with python -m gpu_worker --model {svc.name}", out)
+            lost = svc.any.lost_at
+            if lost is None:
+                why = (f"no worker for '{svc.name}' registered within {grace} s; start one "
+                       f"with python -m gpu_worker --model {svc.name}")
+            else:  # it had workers: "start one" would point the wrong way
+                why = (f"no live worker for '{svc.name}' within {grace} s: its last one went {now - lost:.1f} s "
+                       f"ago (presumed dead after silence, or stopped) and none has registered since")  # errors.py
+            self._error(req, ErrorCode.SERVICE_UNAVAILABLE, why, out)
         else:
             self._counters["not_local"] += 1
             self._error(req, ErrorCode.NOT_LOCAL,

@@ -77,6 +77,11 @@ class ServiceUnavailable(InferenceError):
     code = ErrorCode.SERVICE_UNAVAILABLE
     hint = "start a worker for the service, or check the service name (client.mmi_service(name))"
 
+    def __init__(self, message: str = "", **kw):
+        if "its last one went" in message:  # the broker's: the service had workers, and lost them
+            self.hint = "look at its workers: are they running, and do they reach the broker?"
+        super().__init__(message, **kw)
+
 
 class DeadlineExceeded(InferenceError, TimeoutError):
     """The request did not finish within its timeout."""

@@ -1021,3 +1021,20 @@ def test_a_worker_that_says_goodbye_is_counted_as_left_not_as_a_death():
     s.worker_disconnect(b"b", 0.1)
     c = s.stats()["counters"]
     assert (c["workers_left"], c["worker_deaths"]) == (1, 1)
+
+
+def test_a_service_that_lost_its_workers_says_so_instead_of_start_one():
+    # A request retried after its service's only worker was presumed dead waited out the
+    # grace and was told "no worker registered; start one" (found by the network hunt): the
+    # worker was there, cut off.  It says the last one went, and when.
+    s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3, service_grace=1.0, max_retries=2))
+    s.worker_ready(b"w", "svc", 0.0)
+    assert of(req(s, 1, 0.0, client=b"c"), Dispatch)
+    out = s.tick(3.5)  # presumed dead: the request waits for another worker
+    out = s.tick(4.6)  # the grace is over
+    [err] = [a for a in out if type(a) is ClientError]
+    assert err.code == ErrorCode.SERVICE_UNAVAILABLE
+    assert "its last one went" in err.message and "start one" not in err.message, err.message
+    req(s, 2, 5.0, service="never", client=b"c")
+    [err] = [a for a in s.tick(6.1) if type(a) is ClientError]
+    assert "start one" in err.message
