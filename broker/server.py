@@ -842,7 +842,7 @@ class Broker:
                 self.malformed += 1
                 self._bad.warning("bad CANCEL from %r: %s", ident[:16], e)
                 return
-            self._act(sched.client_cancel(ident, cancel.id, now), now)
+            self._act(sched.client_cancel(ident, cancel.id, now, cancel.queued_only), now)
         elif cmd == P.C_DISCONNECT:
             self._forget_client(ident)
             self._act(sched.client_disconnect(ident, now), now)

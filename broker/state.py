@@ -1057,12 +1057,14 @@ class Scheduler(LeaseEvents):
         self._flush(now, out)
         return out
 
-    def client_cancel(self, client: bytes, request_id: int, now: float) -> list[Action]:
+    def client_cancel(self, client: bytes, request_id: int, now: float, queued_only: bool = False) -> list[Action]:
         """Queued: CANCELLED now.  Running: CancelAtWorker, and the worker's own final is
-        forwarded when it comes.  Unknown or already final: ignored."""
+        forwarded when it comes, unless ``queued_only`` (a client resending a call it may
+        have sent twice: a copy that started is left to answer, whichever run answers
+        first is the call's).  Unknown or already final: ignored."""
         self._touch_client(client, now)
         req = self._requests.get(client, {}).get(request_id)
-        if req is None:
+        if req is None or (queued_only and req.state != _QUEUED):
             return []
         out: list[Action] = []
         if req.state == _QUEUED:

@@ -966,7 +966,8 @@ class ClientCore(PinEvents):
         (`call.route`) on an older connection, is sent again under a new id, at most
         `restart_resends` times, after a CANCEL of its old id (a copy that reached the broker
         on the new connection, queued before the client knew, is dropped there rather than
-        run twice; one on the old connection is the broker's to drop with it).  The old id
+        run twice, and one that started there is left to answer: `queued_only`; one on the
+        old connection is the broker's to drop with it).  The old id
         stays answerable: whichever run answers first with a result is the call's, and
         anything later for it is dropped (see `_on_reply`).  A call that streamed PARTIALs
         cannot be replayed and fails; calls nobody waits for any more (abandoned, or already
@@ -1050,7 +1051,10 @@ class ClientCore(PinEvents):
                 continue
             log.info("%s; resending request %d to %r", what, call.id, call.service)
             call.resends += 1
-            out.append(P.client_cancel(call.service, call.id))
+            # Only a copy still queued is dropped: one that started (it reached this
+            # connection before the client knew it was new) answers, maybe first; a CANCEL
+            # of it would throw its result away and leave the call to a second full run.
+            out.append(P.client_cancel(call.service, call.id, queued_only=True))
             call.old_ids.append(call.id)  # stays answerable: a worker may still reply to it directly
             out.append(self._brokered_request(call, now))
         return out

@@ -181,6 +181,7 @@ class Reply(msgspec.Struct, kw_only=True):
 class Cancel(msgspec.Struct, kw_only=True):
     v: int = VERSION
     id: int
+    queued_only: bool = False  # only while queued at the broker: a run that started goes on (a resend's CANCEL)
 
 
 class Ready(msgspec.Struct, kw_only=True):

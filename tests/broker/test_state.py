@@ -1038,3 +1038,16 @@ def test_a_service_that_lost_its_workers_says_so_instead_of_start_one():
     req(s, 2, 5.0, service="never", client=b"c")
     [err] = [a for a in s.tick(6.1) if type(a) is ClientError]
     assert "start one" in err.message
+
+
+def test_a_queued_only_cancel_leaves_a_running_request_alone():
+    # A client resending a call it may have sent twice (a new connection to the broker) asks
+    # for queued copies only: a copy already running answers (the network hunt saw a CANCEL
+    # throw such a result away and the call wait for a second full run).
+    s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3))
+    s.worker_ready(b"w", "svc", 0.0, credit=1)
+    only(req(s, 1, 0.0), Dispatch)
+    req(s, 2, 0.0)  # queued: the worker's credit is taken
+    assert s.client_cancel(C, 1, 0.1, queued_only=True) == []  # running: left alone
+    assert only(s.client_cancel(C, 2, 0.1, queued_only=True), ClientError).code == ErrorCode.CANCELLED
+    assert only(s.client_cancel(C, 1, 0.2), CancelAtWorker)  # a plain CANCEL still reaches the worker

@@ -291,7 +291,7 @@ def test_a_broker_restart_ends_every_lease_and_resends_its_calls(core):
     ops = _ops(core)
     assert [type(op) for op in ops] == [PinClose] and not core.pinned("echo") and c1.pin is None
     # core.py's restart logic: CANCEL the old id at the (new) broker, resend under a new one.
-    assert P.client_cancel("echo", old) in out and c1.id != old
+    assert P.client_cancel("echo", old, queued_only=True) in out and c1.id != old
     assert [P.decode_request(f[3], n_inline=len(f) - 4).id for f in out if f[1] == P.C_REQUEST][-1] == c1.id
     core.on_message(_final(c1, np.int64([1])), 102.1)
     assert _result(c1) == 1 and core.broker_restarts == 1
@@ -317,7 +317,7 @@ def test_a_replaced_broker_connection_ends_every_lease_and_resends_its_calls(cor
     # ignores it for the old connection's, which it ends itself)
     assert [type(op) for op in ops] == [list, PinClose] and not core.pinned("echo") and c1.pin is None
     assert ops[0][:3] == [P.MDPC, P.C_LEASE_END, b"echo"] and P.decode_lease_end(ops[0][3]).lease == LEASE
-    assert P.client_cancel("echo", old) in out and c1.id != old
+    assert P.client_cancel("echo", old, queued_only=True) in out and c1.id != old
     assert [P.decode_request(f[3], n_inline=len(f) - 4).id for f in out if f[1] == P.C_REQUEST] == [first.id, c1.id]
     assert isinstance(c2.inbox[-1][1], errors.BrokerUnreachable)
     core.on_message(_final(c1, np.int64([1])), 102.1)

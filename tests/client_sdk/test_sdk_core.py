@@ -321,7 +321,7 @@ def test_a_broker_restart_resends_what_was_in_flight_under_new_ids(core):
     old_id = lost.id
     out = core.on_message(P.broker_heartbeat(new, 3000), 100.5)
     # The old copy is cancelled (the new broker drops it if it got it), then sent anew.
-    assert out[0] == P.client_cancel("echo", old_id) and len(out) == 2 and core.broker_restarts == 1
+    assert out[0] == P.client_cancel("echo", old_id, queued_only=True) and len(out) == 2 and core.broker_restarts == 1
     hdr = P.decode_request(out[1][3], len(out[1]) - 4)
     assert lost.id == hdr.id != old_id and lost.resends == 1 and lost.broker == new
     assert [k for k, _ in streamed.inbox] == ["partial", "error"]  # a stream cannot be replayed
@@ -374,6 +374,7 @@ def test_a_replaced_connection_resends_the_brokered_calls_sent_before_it_was_kno
     assert core.broker_reconnects == 1 and core.broker_restarts == 0 and core.broker_route == b
     assert [f[1] for f in out] == [P.C_CANCEL, P.C_REQUEST] * 2
     assert [P.decode_cancel(f[3]).id for f in out[::2]] == list(old_ids)
+    assert all(P.decode_cancel(f[3]).queued_only for f in out[::2])  # a started copy answers
     resent = [P.decode_request(f[3], len(f) - 4).id for f in out[1::2]]
     assert resent == [early.id, lost.id] and early.id not in old_ids and lost.id not in old_ids
     assert early.resends == lost.resends == 1 and early.route == lost.route == b
