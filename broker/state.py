@@ -1781,9 +1781,10 @@ class Scheduler(LeaseEvents):
                 if req.streamed:
                     # Its caller has partial results already: run again, it would see them
                     # twice (docs/client.md).  It fails, as a stream cut by a broker restart does.
-                    self._worker_failed(req, "the worker streaming this request died after some of its partial "
-                                             "results were sent; a stream is not run again (its caller would see "
-                                             "them twice)", out)
+                    self._worker_failed(req, "the worker streaming this request died, or fell silent past its "
+                                             "liveness window (presumed dead: a stall does it too), after some of "
+                                             "its partial results were sent; a stream is not run again (its caller "
+                                             "would see them twice)", out)
                 elif req.attempt >= self.config.max_retries:
                     if not failed:
                         why = (f"the workers running this request died or left before answering it "
