@@ -456,6 +456,7 @@ class Broker:
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
         self._opaque_ids = 0
         self._bad = P.RateLimitedLog(log)
+        self._refused_at: dict[object, float] = {}  # a refused READY's peer -> when it was told why (_refuse_ready)
         self._stall_log = P.RateLimitedLog(log)  # its own throttle: a flood of junk cannot hide it
         self._oops = P.RateLimitedLog(log)  # unexpected exceptions: a traceback a second at most
         # The once-a-second collection that fails (out of descriptors, say): once a minute.
@@ -1089,11 +1090,7 @@ class Broker:
                                   self.backend_ep, self.frontend_ep)
                 return
             if _command_frame(frames) == P.W_READY:
-                # Refused, and told why: a worker of ours stops (exit 2) instead of sending
-                # its READY again at each DISCONNECT, refused each time, forever.
-                self._bad.warning("refused a READY from worker %r: %s", ident[:16], e)
-                self.send_to_worker([ident, *P.worker_disconnect(
-                    P.error_body(0, P.ErrorCode.PROTOCOL_ERROR, f"READY refused: {e}"))])
+                self._refuse_ready(ident, frames[1], str(e), now)
                 return
             self._bad.warning("malformed worker message from %r: %s", ident[:16], e)
             self._act(sched.worker_seen(ident, now), now)  # an unknown one: DISCONNECT, READY again
@@ -1217,6 +1214,33 @@ class Broker:
                     and sched.has_worker(ident) and len(self._leaving) < _MAX_CLIENT_PIDS):
                 self._leaving[known[1]] = now  # for a launcher: it leaves on its own, not hung
             self._act(sched.worker_disconnect(ident, now, failed=False), now)
+
+    def _refuse_ready(self, ident: bytes, frame: Any, why: str, now: float) -> None:
+        """A READY the broker cannot take: told why (DISCONNECT with the reason), so that a
+        worker of ours stops (exit 2) instead of registering again, refused each time.
+
+        At most once a heartbeat interval per peer (its process on ipc, its address over
+        tcp): a worker that takes the DISCONNECT for a plain one (a plain MDP worker, or
+        ours from before the reason was sent) reconnects at once, and answering each READY
+        made a loop of thousands a second that took half a core of the broker (found by the
+        version-skew hunt).  A READY inside the interval is dropped unanswered, as brokers
+        before did: the worker's next heartbeat is refused as an unknown worker's, at its
+        own pace."""
+        self._bad.warning("refused a READY from worker %r: %s", ident[:16], why)
+        key = _peer_pid(frame)
+        if key is None:
+            try:
+                key = frame.get("Peer-Address") or ident
+            except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+                key = ident
+        last = self._refused_at.get(key)
+        if last is not None and now - last < self.cfg.scheduler.heartbeat_interval:
+            return
+        if len(self._refused_at) >= _MAX_CLIENT_PIDS:
+            self._refused_at.clear()
+        self._refused_at[key] = now
+        self.send_to_worker([ident, *P.worker_disconnect(
+            P.error_body(0, P.ErrorCode.PROTOCOL_ERROR, f"READY refused: {why}"))])
 
     def _note_worker(self, ident: bytes, service: str, ready, frame: Any = None) -> None:
         """What the HTTP endpoint and the metrics say about a worker: its service (now a

@@ -11,6 +11,8 @@ section 3), with real processes (found by the docs-as-contract hunt).
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import zmq
 
@@ -89,3 +91,28 @@ def test_a_worker_whose_ready_is_refused_exits_2_without_saying_ready(cluster):
         assert b.p.poll() is None
     finally:
         w.close()
+
+
+def test_a_worker_that_reconnects_at_once_on_a_refusal_is_answered_at_most_once_an_interval(cluster):
+    # A worker that takes the refusal for a plain DISCONNECT (a plain MDP worker, or one of
+    # ours from before the reason was sent) reconnects at once and sends its READY again:
+    # answered each time, the pair looped thousands of times a second, half a core of the
+    # broker (found by the version-skew hunt).  The broker answers a peer's refused READY at
+    # most once a heartbeat interval (0.5 s here) and drops the others, as brokers before did.
+    cluster.procs.append(Proc(["-m", "broker", "--frontend", cluster.frontend, "--backend", cluster.backend,
+                               "--heartbeat-interval", "0.5"]))
+    cluster.procs[-1].wait_ready()
+    ready = P.worker_ready("echo", P.Ready(credit=70000))
+    answered = tries = 0
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.6:
+        s = _raw_worker(cluster.backend)
+        try:
+            s.send_multipart(ready)
+            tries += 1
+            if s.poll(100):
+                assert P.parse_broker_to_worker(s.recv_multipart()).command == P.W_DISCONNECT
+                answered += 1
+        finally:
+            s.close()
+    assert tries > answered and 1 <= answered <= 5, (tries, answered)
