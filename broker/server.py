@@ -120,19 +120,33 @@ def _fd_peer_pid(fd: int) -> int | None:
 SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 
 
-def _fd_peer(fd: int) -> tuple[int, int | None] | None:
+def _boot_ticks() -> int:
+    """Now, in the clock ticks after boot that /proc/<pid>/stat's start times count."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _CLK_TCK)
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: errors of SO_PEERPIDFD that mean the connecting process has exited: ESRCH, and EINVAL
+#: from Linux 6.5 to 6.15 (a reaped peer); 6.16 on gives a pidfd that polls as exited
+_PEER_EXITED = frozenset({errno.ESRCH, errno.EINVAL, errno.ENODATA})
+
+
+def _fd_peer(fd: int, accepted: int | None = None) -> tuple[int, int | None] | None:
     """(pid, start time) of the process that made the unix-domain connection on descriptor
     ``fd``; None when closed, not unix-domain, a peer in a pid namespace we cannot see, or
-    that process has exited.
+    that process has exited.  ``accepted``: when the connection was accepted (`_boot_ticks`),
+    if known.
 
     SO_PEERCRED keeps the pid of the process that connected after it exits, and a connection
     outlives it in a child it forked: once the pid is reused, a stale pid would let the
     child's requests name the new process's memory.  The start time (the pid's
     `proc_starttime`, read while a pidfd from SO_PEERPIDFD shows the connecting process
     still alive, so it is that process's) goes with the pid to the worker, which checks
-    both.  Before Linux 6.5 (no SO_PEERPIDFD) the start time is read unconfirmed: a pid
-    reused between the two reads goes unnoticed.  None for the start time when it cannot be
-    read (out of descriptors): the worker then checks the pid alone, as before."""
+    both.  Before Linux 6.5 (no SO_PEERPIDFD) the start time cannot be confirmed that way;
+    a process that started after the connection was accepted cannot have made it, which
+    ``accepted`` catches (the pid reused before the first message, whenever that is).  None
+    for the start time when it cannot be read (out of descriptors): the worker then checks
+    the pid alone, as before."""
     s = wire.dup_socket(fd)
     if s is None:
         return None
@@ -146,14 +160,18 @@ def _fd_peer(fd: int) -> tuple[int, int | None] | None:
         try:
             pidfd = s.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
         except OSError as e:
-            if e.errno == errno.ESRCH:
+            if e.errno in _PEER_EXITED:
                 return None  # it has exited
         try:
             start = proc_starttime(pid)
         except OutOfResources:
-            return pid, None
-        if start is None or (pidfd is not None and _exited(pidfd)):
+            start = -1
+        if pidfd is not None and _exited(pidfd):
             return None
+        if start == -1:
+            return pid, None
+        if start is None or (accepted is not None and start > accepted + 1):
+            return None  # gone, or a later process under its pid
         return pid, start
     except OSError:
         return None
@@ -445,6 +463,7 @@ class Broker:
         # listening until connections close (`_accepted`, `_headroom_tick`).
         self._headroom = Headroom(nofile_limit())
         self._hidden: str | None = None  # the frontend's socket file, moved aside (`_accepted`)
+        self._accept_ticks: dict[int, int] = {}  # a frontend connection's fd -> when it was accepted (_boot_ticks)
         self._client_conn: dict[bytes, int] = {}  # client identity -> the fd it was learned on
         # Quiet ipc clients whose connection the look has checked (client -> descriptor):
         # its peer is the pid learned for the client (`_look_at_quiet`).  A message its closed
@@ -457,6 +476,7 @@ class Broker:
         self._opaque_ids = 0
         self._bad = P.RateLimitedLog(log)
         self._refused_at: dict[object, float] = {}  # a refused READY's peer -> when it was told why (_refuse_ready)
+        self._told_unknown: dict[bytes, float] = {}  # an unknown worker -> when it was told to register (_tell_unknown)
         self._stall_log = P.RateLimitedLog(log)  # its own throttle: a flood of junk cannot hide it
         self._oops = P.RateLimitedLog(log)  # unexpected exceptions: a traceback a second at most
         # The once-a-second collection that fails (out of descriptors, say): once a minute.
@@ -1093,16 +1113,20 @@ class Broker:
                 self._refuse_ready(ident, frames[1], str(e), now)
                 return
             self._bad.warning("malformed worker message from %r: %s", ident[:16], e)
-            self._act(sched.worker_seen(ident, now), now)  # an unknown one: DISCONNECT, READY again
+            if sched.has_worker(ident):
+                sched.worker_seen(ident, now)
+            else:
+                self._tell_unknown(ident, now)  # DISCONNECT: reconnect, READY again
             return
         cmd = msg.command
         if (cmd != P.W_HEARTBEAT and cmd != P.W_READY and cmd != P.W_DISCONNECT
                 and not sched.has_worker(ident)):
             # MDP: a worker the broker does not know (presumed dead, or the broker restarted)
-            # is told to reconnect and send READY; what it sent is dropped (its requests are
-            # not its any more).
-            self._act(sched.worker_seen(ident, now), now)
-            return
+            # is told to reconnect and send READY.  Its replies go on to the scheduler,
+            # which drops them (counted as dropped_late); anything else is dropped here.
+            self._tell_unknown(ident, now)
+            if cmd != P.W_FINAL and cmd != P.W_PARTIAL and cmd != P.W_DONE:
+                return
         if cmd == P.W_FINAL or cmd == P.W_PARTIAL:
             token = P.envelope_token(msg.envelope)
             if token is None:
@@ -1215,6 +1239,18 @@ class Broker:
                 self._leaving[known[1]] = now  # for a launcher: it leaves on its own, not hung
             self._act(sched.worker_disconnect(ident, now, failed=False), now)
 
+    def _tell_unknown(self, ident: bytes, now: float) -> None:
+        """DISCONNECT to a worker the broker does not know (MDP: reconnect and send READY),
+        at most once a heartbeat interval per identity: a worker presumed dead after a
+        stall sends the replies it held all at once, and one DISCONNECT says it all."""
+        last = self._told_unknown.get(ident)
+        if last is not None and now - last < self.cfg.scheduler.heartbeat_interval:
+            return
+        if len(self._told_unknown) >= _MAX_CLIENT_PIDS:
+            self._told_unknown.clear()
+        self._told_unknown[ident] = now
+        self.send_to_worker([ident, *P.worker_disconnect()])
+
     def _refuse_ready(self, ident: bytes, frame: Any, why: str, now: float) -> None:
         """A READY the broker cannot take: told why (DISCONNECT with the reason), so that a
         worker of ours stops (exit 2) instead of registering again, refused each time.
@@ -1300,7 +1336,9 @@ class Broker:
             if who != -1 and learned != fd:
                 who = -1  # the identity arrives on another connection now: learn it afresh
         if who == -1:
-            who = None if fd is None else _fd_peer(fd)
+            if fd is not None and fd not in self._accept_ticks and sock_events(self._frontend_events) & _POLLIN:
+                self._on_frontend_events()  # its EVENT_ACCEPTED, queued: when it was accepted
+            who = None if fd is None else _fd_peer(fd, self._accept_ticks.get(fd))
             if len(self._client_pids) >= _MAX_CLIENT_PIDS:
                 # Bounded: the clients still here are learned again.
                 self._client_pids.clear()
@@ -1320,11 +1358,15 @@ class Broker:
         while sock_events(self._frontend_events) & _POLLIN:
             event = recv_monitor_message(self._frontend_events)
             if event["event"] == zmq.EVENT_ACCEPTED:
+                if len(self._accept_ticks) >= 4 * _MAX_CLIENT_PIDS:
+                    self._accept_ticks.clear()
+                self._accept_ticks[event["value"]] = _boot_ticks()
                 self._accepted()
                 continue
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             fd = event["value"]
+            self._accept_ticks.pop(fd, None)
             for ident in self._conn_clients.pop(fd, ()):
                 if self._client_conn.get(ident) == fd:
                     del self._client_conn[ident]

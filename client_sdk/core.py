@@ -672,6 +672,10 @@ class ClientCore(PinEvents):
             if not final or rep.error is not None:
                 self.discarded += 1
                 T.release_reply(rep, self.leases)
+                if not final:
+                    # A stream of the old run: it cannot win (its PARTIALs are not the
+                    # call's), and left alone it would stream on to its end for nobody.
+                    return [P.client_cancel(call.service, rep.id)]
                 return []
             if not call.abandoned and not call.done:
                 out.append(P.client_cancel(call.service, call.id))

@@ -1508,7 +1508,17 @@ class Worker:
         for job in self.running.values():
             if job.route is None:
                 job.stale = True
-        self.batcher.drop(lambda p: True)
+        for p in self.batcher.drop(lambda p: True):
+            job = p.item
+            if job.route is not None and self.leases is not None:
+                # A leased request not started: its client waits on a connection that
+                # stays up, and no LEASE_END will come (the broker is gone): told to resend
+                # it through the broker, where the broker's silence then fails it in time
+                # (dropped, it waited forever without a timeout: found by review).
+                self.jobs.pop(job.envelope, None)
+                self._reply_error(job, P.ErrorCode.SERVICE_UNAVAILABLE,
+                                  f"this connection's lease ended ({why}); resend this request through the broker "
+                                  "(it did not run)")
         self.jobs.clear()
         self.dones.clear()
         if self.leases is not None:

@@ -390,6 +390,13 @@ def test_a_replaced_connection_resends_the_brokered_calls_sent_before_it_was_kno
     lost.id = lost_new
     assert core.on_message(reply, 100.8) == [P.client_cancel("echo", lost_new)]
     assert [k for k, _ in lost.inbox] == ["final"]
+    # An old run that streams cannot win: its first PARTIAL cancels it (the resend's CANCEL
+    # asked for queued copies only, so it would stream on to its end for nobody).
+    early_new, early.id = early.id, old_ids[0]
+    partial = _final(early, np.int64([6]), final=False)
+    early.id = early_new
+    assert core.on_message(partial, 100.9) == [P.client_cancel("echo", old_ids[0])]
+    assert not early.inbox and early.id in core.calls  # the resent run still answers the call
 
 
 def test_a_stream_whose_first_partial_came_after_the_last_answer_on_the_old_connection_goes_on(core):

@@ -173,6 +173,10 @@ def test_a_lost_broker_connection_ends_every_lease(worker, client):
     _take(worker, lambda: len(worker.jobs) == 1)
     worker._fail_pending("broker connection lost")
     assert len(worker.leases) == 0 and worker.jobs == {}
+    # The request it held, not started, is sent back (it waited forever otherwise: its
+    # connection stays up and no LEASE_END can come from a broker that is gone).
+    rep, _ = _reply(client)
+    assert rep.id == 1 and rep.error.code == 503 and "through the broker" in rep.error.message
     _request(client, 2, np.zeros(3))
     _take(worker, lambda: client.poll(0))
     rep, _ = _reply(client)
