@@ -481,16 +481,22 @@ TMPFS_MAGIC = 0x01021994
 
 
 class _StatFs(ctypes.Structure):
-    # struct statfs: f_type is a long on 64-bit Linux, first; the rest is not read (room
-    # to spare: 120 bytes on x86-64 and aarch64).
-    _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 256)]
+    # struct statfs: f_type comes first, a long (an unsigned int on s390x); the rest is not
+    # read (room to spare: 120 bytes on x86-64 and aarch64).
+    _fields_ = [("f_type", ctypes.c_uint if os.uname().machine == "s390x" else ctypes.c_long),
+                ("_rest", ctypes.c_byte * 256)]
 
 
-_fstatfs = ctypes.CDLL(None, use_errno=True).fstatfs
+try:
+    _fstatfs = ctypes.CDLL(None, use_errno=True).fstatfs
+except (OSError, AttributeError):  # pragma: no cover - a libc without fstatfs
+    _fstatfs = None
 
 
 def fs_magic(fd: int) -> int:
     """The type of the filesystem ``fd``'s file lives on (statfs's f_type), -1 if unknown."""
+    if _fstatfs is None:
+        return -1
     buf = _StatFs()
     if _fstatfs(fd, ctypes.byref(buf)) != 0:
         return -1
@@ -533,7 +539,7 @@ def open_checked(name: str, flags: int, what: str = "segment") -> tuple[int, np.
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise SegmentGone(gone)
         fs = fs_magic(fd)
-        if fs != TMPFS_MAGIC:
+        if fs != TMPFS_MAGIC and fs != -1:  # -1: the type cannot be had here, the seals must do
             # A hugetlbfs memfd takes seals too, but a hole punched in it (which the seals
             # allow) loses its page for good: a reader's next touch is a SIGBUS, the reading
             # process dead.  On shmem a punched page comes back, zeroed, at the next touch.
