@@ -229,6 +229,9 @@ class WorkerConfig:
 
 
 
+#: `Job.cancelled` of a leased stream whose partial could not be sent (truthy: it stops)
+_UNSENDABLE = "unsendable"
+
 def _refusal(body) -> str | None:
     """The reason a DISCONNECT carries (the broker refused our READY), or None: a plain one."""
     if not body:
@@ -1342,8 +1345,15 @@ class Worker:
                     return
                 if job.cancelled:
                     self._close_stream(outs)
-                    self._reply_error(job, P.ErrorCode.CANCELLED,
-                                      f"cancelled by the client after {seq} partial result(s)")
+                    if job.cancelled is _UNSENDABLE:
+                        # Nobody to tell (its connection is gone or stopped reading): its
+                        # lease slot is freed, nothing is sent or counted as the client's.
+                        self.leases.finish(job.envelope)
+                        log.info("stream of leased request %d stopped after %d partial(s): its connection is gone "
+                                 "or not reading", job.req.id, seq, extra=logs.request_fields(job.req))
+                    else:
+                        self._reply_error(job, P.ErrorCode.CANCELLED,
+                                          f"cancelled by the client after {seq} partial result(s)")
                     self.served += 1
                     return
                 if out is _END:
@@ -1825,10 +1835,10 @@ class Worker:
         # `_direct_send`, inline: this is every leased reply's path.
         sent = self.direct_socket.send([job.route, P.MDPC, P.C_FINAL if final else P.C_PARTIAL, self._service_b,
                                         *body])
-        if not sent and not final:
+        if not sent and not final and not job.cancelled:
             # Its connection is gone (or stopped reading): a stream for nobody stops at its
-            # next partial, as a cancelled one does.
-            job.cancelled = True
+            # next partial, without an answer (see _run_stream).
+            job.cancelled = _UNSENDABLE
         if final:
             self.leases.finish(job.envelope)  # its slot is free (whether or not the send went)
             self.leased_sent += 1

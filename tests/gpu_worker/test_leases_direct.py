@@ -503,3 +503,14 @@ def test_near_its_descriptor_limit_a_worker_takes_no_lease_and_hides_its_direct_
     _lease(worker, 8)
     (leased,) = [P.parse_worker(f) for f in worker.upstream.sent()]
     assert leased.command == P.W_LEASED and not leased.info  # taken
+
+
+def test_a_partial_that_cannot_be_sent_stops_the_stream_without_an_answer(worker):
+    # A leased stream whose connection is gone (or stopped reading) ran on for nobody; then
+    # it was stopped as "cancelled by the client" and counted so (review).  It stops, quietly.
+    from gpu_worker.job import Job
+    from gpu_worker.worker import _UNSENDABLE
+
+    job = Job(b"L" + bytes(8), P.Request(id=3), None, None, time.monotonic(), None, None, b"\x00nobody-here")
+    worker._reply_leased(job, False, P.error_body(3, 500, "a partial"))  # EHOSTUNREACH: nobody has that route
+    assert job.cancelled is _UNSENDABLE
