@@ -362,3 +362,40 @@ def test_a_stream_against_workers_without_direct_stays_brokered(cluster):
             assert not ac.pinned("echo") and ac.pinned_replies == 0 and ac.stray_replies == 0
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_model_that_refills_its_output_buffer_never_sends_one_reply_with_anothers_data(cluster, tmp_path):
+    # A pinned client's replies go on the worker's local link, which keeps views of what the
+    # kernel has not taken yet (a client that is behind).  An output between pyzmq's copy
+    # threshold and the inline size, from a buffer the model fills again for its next batch,
+    # was sent as a view: queued replies carried a later request's values (found by the data
+    # hunt: 15 of 40 outputs of 60 KB).  A leased reply's model-owned output is copied.
+    log = tmp_path / "calls.log"
+    cluster.broker()
+    cluster.worker("reuse_model:factory", "--direct", env={"REUSE_LOG": str(log)})
+    n = 15000  # 60 KB of float32: over the inline-copy size, under pyzmq's copy threshold
+
+    def ran() -> int:
+        return len(log.read_text().splitlines()) if log.exists() else 0
+
+    bad = []
+    with Client(cluster.frontend, timeout=TIMEOUT_S, pin=True) as c:
+        wait_service(c, "reuse")
+        deadline = time.monotonic() + TIMEOUT_S
+        while not c.pinned("reuse"):
+            assert time.monotonic() < deadline, "never pinned"
+            c.infer("reuse", {"x": np.zeros(n, np.float32)}, reply="inline").release()
+            c.pump(0.05)
+        for rnd in range(4):
+            before = ran()
+            handles = [(rnd * 10 + i, c.infer_stream("reuse", {"x": np.full(n - i, rnd * 10 + i, np.float32)},
+                                                     reply="inline")) for i in range(8)]
+            deadline = time.monotonic() + 2.0
+            while ran() < before + 8 and time.monotonic() < deadline:
+                c.pump(0.02)  # sends what waits to go; the replies pile up at the worker meanwhile
+            for v, h in handles:
+                with h.result(timeout=TIMEOUT_S) as r:
+                    if not np.all(r["y"] == v):
+                        bad.append((v, np.unique(r["y"])[:4].tolist()))
+        assert c.pinned_replies >= 32
+    assert bad == []
