@@ -117,7 +117,19 @@ def _to_numpy(value, name: str) -> np.ndarray:
     if isinstance(value, np.ndarray):
         return value
     if type(value).__module__.startswith("torch"):
-        return value.detach().numpy()  # CPU tensors only here: CUDA outputs were fetched first
+        value = value.detach()  # CPU tensors only here: CUDA outputs were fetched first
+        # A lazily conjugated or negated view (t.conj(), some math on complex tensors): numpy
+        # cannot take it as it is, so its bits are applied first (it failed as the model's
+        # own error, "retrying may help": found by the data hunt).
+        if value.is_conj():
+            value = value.resolve_conj()
+        if value.is_neg():
+            value = value.resolve_neg()
+        try:
+            return value.numpy()
+        except TypeError as e:  # a dtype numpy lacks (bfloat16): the model must say which it means
+            raise BackendError(f"output {name!r} is a torch {str(value.dtype).removeprefix('torch.')} tensor, which "
+                               f"has no numpy dtype: convert it in the model (e.g. .float())") from e
     arr = np.asarray(value)
     if arr.dtype.hasobject:
         raise BackendError(f"output {name!r} is a {type(value).__name__}, not an array or tensor")

@@ -441,3 +441,17 @@ def test_torch_module_forward_declaring_meta():
     assert not plain.takes_meta
     (out,) = plain.run([{"x": x}], meta=[{"scale": 7}])
     assert out["output"].tolist() == [2.0, 2.0]
+
+
+def test_torch_outputs_with_lazy_conj_or_neg_bits_come_back_and_bfloat16_says_what_to_do():
+    # numpy cannot take a tensor whose conjugate or negative bit is set (t.conj(), some
+    # complex math): it failed as the model's own error, "retrying may help" (found by the
+    # data hunt).  bfloat16 has no numpy dtype: the model is told to convert it.
+    torch = pytest.importorskip("torch")
+    from gpu_worker.backends import BackendError, _to_numpy
+
+    t = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    np.testing.assert_array_equal(_to_numpy(t.conj(), "y"), np.array([1 - 2j, 3 + 4j], np.complex64))
+    np.testing.assert_array_equal(_to_numpy(torch._neg_view(t), "y"), -t.numpy())
+    with pytest.raises(BackendError, match="bfloat16.*no numpy dtype.*float"):
+        _to_numpy(torch.ones(2, dtype=torch.bfloat16), "y")
