@@ -102,13 +102,14 @@ class Client(ClientBase):
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
                  fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2,
                  server_key: str | bytes | None = None, client_key: str | None = None, insecure: bool = False,
-                 pin: bool | int = False):
+                 pin: bool | int = False, max_inline_mb: float = 256):
         # A tcp broker: CurveZMQ keys (or an explicit insecure=True), inline tensors only.
         transport, direct_reply = tcp_options(endpoint, transport, direct_reply)
         self._user: dict[int, int] = {}  # {0: the thread inside the client now}: `_one_thread`
         self._core = ClientCore(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
-                                direct_reply=direct_reply, restart_resends=restart_resends, pin=pin)
+                                direct_reply=direct_reply, restart_resends=restart_resends, pin=pin,
+                                max_inline_mb=max_inline_mb)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = zmq.Context.instance()
         self._sock = dealer(self._ctx, endpoint, self._curve, self._core.heartbeat_interval)

@@ -104,9 +104,15 @@ class ClientCore(PinEvents):
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
                  fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2,
-                 pin: Any = False):
+                 pin: Any = False, max_inline_mb: float = 256):
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise InvalidInput(f"endpoint {endpoint!r} must look like 'ipc:///tmp/broker.sock' or 'tcp://host:port'")
+        if (isinstance(max_inline_mb, bool) or not isinstance(max_inline_mb, (int, float))
+                or not 0 < max_inline_mb < float("inf")):
+            raise InvalidInput(f"max_inline_mb {max_inline_mb!r} must be a number of MiB > 0")
+        #: the largest tensor sent inline: a larger one the broker would drop with its
+        #: connection (its --max-frame-mb, 256 by default), seen here as a reconnect
+        self.max_inline_bytes = int(max_inline_mb * (1 << 20))
         self.endpoint = endpoint
         self.transport = transport
         self.use_shm = resolve_transport(transport, endpoint)
@@ -350,7 +356,8 @@ class ClientCore(PinEvents):
                         call.reply = "inline"
         # CUDA IPC only reaches workers on this host, exactly as shared memory does.
         call.packed = packed = T.pack(inputs, pool, copy_inline=copy_inline,
-                                      cuda=None if inline else self.cuda_side, inline_max=self.inline_max)
+                                      cuda=None if inline else self.cuda_side, inline_max=self.inline_max,
+                                      max_inline_bytes=self.max_inline_bytes)
         if asked == "auto" and call.reply == "auto" and self.transport == "shm" and pool is not None:
             # transport="shm": outputs in shared memory too, whatever their size; except
             # for CUDA inputs, whose outputs may stay on the device ("auto" there).

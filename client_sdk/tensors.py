@@ -189,7 +189,8 @@ def _inline(arr: np.ndarray, copy: bool, in_shm: bool) -> Any:
 
 
 def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = False,
-         cuda: Callable[[], Any] | None = None, inline_max: int = 0) -> Packed:
+         cuda: Callable[[], Any] | None = None, inline_max: int = 0,
+         max_inline_bytes: int | None = None) -> Packed:
     """Pack `inputs`.  `pool` None means inline only; with a pool, tensors of at most
     `inline_max` bytes still go inline (`P.SMALL_INLINE_BYTES`).  `copy_inline` makes inline frames
     private copies (for sends that return before the bytes leave, such as `Stream.send`).
@@ -270,6 +271,16 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
                         # changed since (a stream frame buffer), the slot has not.
                         out.arrays[name] = dst
             if loc is None:                      # 3. inline
+                if max_inline_bytes is not None and arr.nbytes > max_inline_bytes:
+                    # The broker would drop it with the connection (its --max-frame-mb), which
+                    # the client can only see as a reconnect, resent and dropped again
+                    # (found by the data hunt: BrokerUnreachable, "check the endpoint").
+                    where = ("no shared memory here" if pool is None else
+                             f"it does not fit the client's pool ({pool.capacity >> 20} MiB, pool_capacity)")
+                    raise InvalidInput(
+                        f"input {name!r} is {arr.nbytes / (1 << 20):.0f} MiB and would go inline ({where}), over "
+                        f"max_inline_mb ({max_inline_bytes / (1 << 20):g}: the broker's --max-frame-mb, 256 by "
+                        f"default); raise pool_capacity, or max_inline_mb to match a broker that takes more")
                 loc = P.InlineLoc(frame=len(out.frames))
                 # A small tensor of a client with shared memory is copied now (100 ns): it
                 # may lie in the pool (also wrapped by torch, where _lease_of cannot see

@@ -10,7 +10,7 @@ import pytest
 
 from broker import protocol as P
 from broker.protocol import ErrorCode
-from client_sdk import BrokerUnreachable, DeadlineExceeded, errors
+from client_sdk import BrokerUnreachable, DeadlineExceeded, InvalidInput, errors
 from client_sdk.calls import MMI_SERVICE, mmi_answer, opaque_reply
 from client_sdk.core import LIVENESS, ClientCore
 
@@ -587,3 +587,19 @@ def test_transport_shm_asks_shared_memory_outputs_except_for_cuda_inputs(monkeyp
         assert c.new_call("echo", {"x": np.zeros(4, np.float32)}, reply="inline").reply == "inline"
     finally:
         c.close()
+
+
+def test_an_input_too_large_for_the_pool_and_for_a_frame_is_invalid_input():
+    # It went inline, the broker dropped it with the connection (--max-frame-mb), and the
+    # client resent it twice before BrokerUnreachable said to check the endpoint (found by
+    # the data hunt).  It is refused before anything is sent, saying what to raise.
+    c = ClientCore("ipc:///tmp/zinf-core-test.sock", transport="inline", heartbeat_interval=1.0, max_inline_mb=1)
+    try:
+        with pytest.raises(InvalidInput, match=r"'x' is 2 MiB and would go inline.*max_inline_mb \(1"):
+            c.new_call("echo", {"x": np.zeros(2 << 20, np.uint8)})
+        c.new_call("echo", {"x": np.zeros(1 << 20, np.uint8)})  # at the limit: fine
+    finally:
+        c.close()
+    for bad in (0, -1, float("inf"), True, "256"):
+        with pytest.raises(InvalidInput, match="max_inline_mb"):
+            ClientCore("ipc:///tmp/zinf-core-test.sock", max_inline_mb=bad)
