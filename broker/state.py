@@ -358,6 +358,8 @@ _LIVE_FOR_CLIENT = (_QUEUED, _RUNNING, _CANCELLING)
 
 # Timer kinds.
 _T_DEADLINE, _T_GRACE, _T_HEARTBEAT, _T_WORKER, _T_CLIENT, _T_RECALL = range(6)
+#: timers one `Scheduler.tick` handles at most (about 50 ms of the broker's work at the most)
+TICK_MAX = 4096
 _T_LEASE = T_LEASE  # 6: a lease its worker has not confirmed yet (broker/leases.py)
 
 # How many queued requests a dispatch pass looks at to get past ones that cannot go anywhere
@@ -1127,11 +1129,17 @@ class Scheduler(LeaseEvents):
     # ------------------------------------------------------------------ time
 
     def tick(self, now: float) -> list[Action]:
-        """Fire everything due by ``now``: deadlines, service grace, heartbeats to workers,
-        worker and client liveness."""
+        """Fire what is due by ``now``: deadlines, service grace, heartbeats to workers,
+        worker and client liveness; at most `TICK_MAX` timers a call.  More may be due (a
+        big queue whose workers died: a grace timer each), and then `next_wakeup` is still
+        ``now``: the server reads its sockets between the calls.  All in one call, 300,000
+        queued requests held the broker's loop 4 s, and healthy workers, silent to it that
+        long, reconnected (a scale hunt)."""
         out: list[Action] = []
         timers = self._timers
-        while timers and timers[0][0] <= now:
+        budget = TICK_MAX
+        while timers and timers[0][0] <= now and budget:
+            budget -= 1
             _, _, kind, obj, epoch = heapq.heappop(timers)
             due = self._timer_due(kind, obj, epoch)
             if due is None:
@@ -1994,6 +2002,11 @@ class Scheduler(LeaseEvents):
                     wake = ready_at
             else:
                 ripe.append((oldest.dispatched_at, w))
+        # Only workers with something left to ask back: one whose held requests were all
+        # asked already (kept: they had started) gives nothing, and looking at it again for
+        # every idle worker at every event made this quadratic in the pool (a scale hunt:
+        # 750 µs a request at 80 workers, 4.5 ms at 200).
+        ripe = [e for e in ripe if self._askable(e[1])]
         if ripe:
             ripe.sort(key=lambda e: e[0])  # the longest-running batch first
             for thief in list(svc.idle):
@@ -2008,6 +2021,17 @@ class Scheduler(LeaseEvents):
         if wake is not None and (svc.recall_at is None or wake < svc.recall_at):
             svc.recall_at = wake
             self._push_timer(wake, _T_RECALL, svc, wake)
+
+    @staticmethod
+    def _askable(victim) -> bool:
+        """Whether `_recall_for` could take anything from ``victim`` (for some thief)."""
+        n = 0
+        for r in victim.in_flight.values():
+            if r.state == _RUNNING and not r.recalled and not r.alone:
+                n += 1
+                if n >= 2 or victim.busy:
+                    return True
+        return False
 
     @staticmethod
     def _recall_for(thief, victim) -> tuple:

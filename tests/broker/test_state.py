@@ -1051,3 +1051,21 @@ def test_a_queued_only_cancel_leaves_a_running_request_alone():
     assert s.client_cancel(C, 1, 0.1, queued_only=True) == []  # running: left alone
     assert only(s.client_cancel(C, 2, 0.1, queued_only=True), ClientError).code == ErrorCode.CANCELLED
     assert only(s.client_cancel(C, 1, 0.2), CancelAtWorker)  # a plain CANCEL still reaches the worker
+
+
+def test_a_tick_handles_a_bounded_number_of_timers_and_says_the_rest_are_due():
+    # 300,000 queued requests whose service lost its workers held the broker's loop 4 s in
+    # one tick (a grace timer each), and healthy workers, silent to it that long, took it
+    # for lost (a scale hunt).  A tick handles at most TICK_MAX; the rest stay due, so the
+    # server reads its sockets between the ticks.
+    from broker.state import TICK_MAX
+
+    s = Scheduler(Config(heartbeat_interval=100.0, max_queue=3 * TICK_MAX, max_client_requests=3 * TICK_MAX,
+                         service_grace=1.0))
+    n = TICK_MAX + 100
+    for i in range(n):
+        req(s, i, 0.0)  # no worker: each waits out the grace
+    first = of(s.tick(5.0), ClientError)
+    assert len(first) == TICK_MAX and s.next_wakeup(5.0) <= 5.0
+    rest = of(s.tick(5.0), ClientError)
+    assert len(rest) == 100 and {e.request_id for e in first + rest} == set(range(n))
