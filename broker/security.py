@@ -279,13 +279,19 @@ class ServerCurve:
 TCP_REFS = "tcp peers may not send shared-memory or CUDA references or reply_to; send tensors inline"
 
 
-def peer_is_tcp(frame: Any) -> bool:
-    """Whether a received frame came over a tcp connection (the family of its SRCFD); False
-    when that cannot be told (not a received frame, inproc)."""
+def peer_is_tcp(frame: Any, unknown: bool = False) -> bool:
+    """Whether a received frame came over a tcp connection (the family of its SRCFD);
+    ``unknown`` when that cannot be told (not a received frame, inproc, or no descriptor to
+    look with: a broker out of descriptors, where a tcp frontend must answer True, or its
+    refusal of shared-memory references over tcp fails open: found by the CURVE hunt)."""
     try:
-        s = socket.socket(fileno=os.dup(frame.get(zmq.SRCFD)))
-    except (zmq.ZMQError, AttributeError, OSError):
-        return False
+        fd = frame.get(zmq.SRCFD)
+    except (zmq.ZMQError, AttributeError):
+        return unknown
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return unknown
     try:
         return s.family in (socket.AF_INET, socket.AF_INET6)
     finally:

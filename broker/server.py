@@ -387,6 +387,7 @@ class Broker:
         sc = self.cfg.scheduler
         self._welcome = P.Welcome(instance=self.instance, heartbeat_interval=sc.heartbeat_interval,
                                   heartbeat_liveness=sc.heartbeat_liveness, metrics=bool(self.cfg.http))
+        wire.seed_routing_ids()  # libzmq's own ids for the peers: unpredictable
         self.frontend = self.ctx.socket(zmq.ROUTER)
         self.backend = self.ctx.socket(zmq.ROUTER)
         for s in (self.frontend, self.backend):
@@ -895,7 +896,7 @@ class Broker:
             self._send_client(ident, P.client_leased(service, P.error_body(P.lenient_request_id(first), e.code, str(e))))
             return
         host, transports = ask.host, frozenset(ask.transports)
-        remote = self._tcp_frontend and security.peer_is_tcp(first)
+        remote = self._tcp_frontend and security.peer_is_tcp(first, unknown=True)
         if remote:
             host, transports = None, frozenset({"inline"})  # as its requests: inline only
         who = self._client_pid(ident, first)
@@ -945,7 +946,11 @@ class Broker:
                 if tcp is None:  # learned once per client, as its pid is; bounded the same way
                     if len(self._client_tcp) >= _MAX_CLIENT_PIDS:
                         self._client_tcp.clear()
-                    tcp = self._client_tcp[ident] = security.peer_is_tcp(first)
+                    tcp = security.peer_is_tcp(first, unknown=None)
+                    if tcp is None:  # cannot tell now (out of descriptors): tcp, not remembered
+                        tcp = True
+                    else:
+                        self._client_tcp[ident] = tcp
                 if tcp and security.names_local_memory(req):
                     self._bad.warning("refused a request from tcp client %r: %s", ident[:16], security.TCP_REFS)
                     self._send_client(ident, P.client_reply(True, service, P.error_body(

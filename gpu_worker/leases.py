@@ -40,8 +40,8 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol.link import LinkServer
-from broker.protocol.wire import (DEAD_AFTER_BEATS, NOBLOCK, recv_frames, send_frames, sock_events, tcp_liveness,
-                                  touched)
+from broker.protocol.wire import (DEAD_AFTER_BEATS, NOBLOCK, recv_frames, seed_routing_ids, send_frames, sock_events,
+                                  tcp_liveness, touched)
 
 __all__ = ["Lease", "Refusal", "LeaseTable", "DirectSocket", "DirectSocketError", "direct_socket_path",
            "NOT_BOUND", "WORKER_STOPPING", "LONG_BATCH_S", "runs_long"]
@@ -254,6 +254,9 @@ class LeaseTable:
             table.popitem(last=False)
 
 
+#: largest frame the direct socket takes: the broker's default --max-frame-mb
+MAX_FRAME_BYTES = 256 << 20
+
 class DirectSocketError(RuntimeError):
     """The direct socket cannot be bound (the message says why and what to change)."""
 
@@ -290,11 +293,16 @@ class DirectSocket:
             raise DirectSocketError(f"cannot take leases (--direct): the direct socket's path {path!r} is longer "
                                     f"than an ipc path may be ({_MAX_IPC_PATH} bytes); set XDG_RUNTIME_DIR to a "
                                     "shorter directory of your own")
+        seed_routing_ids()  # libzmq's own ids for the peers: unpredictable (broker.protocol.wire)
         sock = ctx.socket(zmq.ROUTER)
         sock.linger = 0
         sock.rcvhwm = 100_000
         sock.sndhwm = self.sndhwm
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable or full: an error we count, not a silent drop
+        # A frame no larger than the broker takes by default (--max-frame-mb): a leaseholder
+        # reaches this socket without the broker, which bounds what reaches a worker
+        # otherwise (the CURVE hunt had one 512 MiB frame buffered whole, before any HELLO).
+        sock.maxmsgsize = MAX_FRAME_BYTES
         self.tcp = tcp is not None
         self.public_key: bytes | None = None  # ours, for Ready.direct_key (tcp with CurveZMQ)
         self.allowed: frozenset[bytes] = frozenset()  # the leaseholders' public keys (z85), tcp with CurveZMQ

@@ -17,8 +17,10 @@ followed by `touched`).
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import os
+import secrets
 import select
 import socket
 import struct
@@ -27,7 +29,7 @@ from typing import Any, Sequence
 import zmq
 from zmq.backend import Socket as _Base
 
-__all__ = ["send_frames", "recv_frames", "sock_events", "touched", "Waiter", "NOBLOCK", "tcp_liveness", "DEAD_AFTER_BEATS",
+__all__ = ["seed_routing_ids", "send_frames", "recv_frames", "sock_events", "touched", "Waiter", "NOBLOCK", "tcp_liveness", "DEAD_AFTER_BEATS",
            "tcp_counts", "TcpWatch"]
 
 NOBLOCK = int(zmq.NOBLOCK)
@@ -45,6 +47,19 @@ _POLLIN = int(zmq.POLLIN)
 # of the socket, whoever asked: every call below keeps it true.
 _WATCHED: set = set()
 _QUIET: set = set()
+
+
+def seed_routing_ids() -> None:
+    """Seed the C library's rand(), from which libzmq 4.3 draws the first routing id a ROUTER
+    gives its peers (the next ones count up from it).  Unseeded, it is the same in every
+    process (0x6b8b4567 with glibc): a peer that chose the ids coming next made libzmq abort
+    the process at the next ordinary connection (an assertion on a duplicate id), and could
+    take a dropped client's id, and with it that client's replies (found by the CURVE hunt).
+    Call before creating a ROUTER socket."""
+    try:
+        ctypes.CDLL(None).srand(secrets.randbits(32))
+    except (OSError, AttributeError):  # pragma: no cover - a libc without srand
+        pass
 
 
 def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:

@@ -55,3 +55,38 @@ def test_every_way_the_kernel_says_the_peer_exited_is_no_attestation(monkeypatch
     finally:
         a.close()
         b.close()
+
+
+_FIRST_ID = """
+import sys, zmq
+from broker.protocol import wire
+if sys.argv[1] == "seed":
+    wire.seed_routing_ids()
+ctx = zmq.Context()
+r = ctx.socket(zmq.ROUTER); r.linger = 0
+port = r.bind_to_random_port("tcp://127.0.0.1")
+d = ctx.socket(zmq.DEALER); d.linger = 0
+d.connect(f"tcp://127.0.0.1:{port}")
+d.send(b"x")
+assert r.poll(10000)
+print(r.recv_multipart()[0].hex())
+"""
+
+
+def test_the_routing_ids_libzmq_gives_peers_are_unpredictable():
+    # libzmq 4.3 starts a ROUTER's own ids from the C library's rand(), never seeded: the
+    # same ids in every process, so a peer could claim the next ones (the next ordinary
+    # connection then aborted the broker on a duplicate id) or a dropped client's (and get
+    # its replies): found by the CURVE hunt.  The broker and the worker seed it first.
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import ROOT
+
+    def first(mode: str) -> str:
+        return subprocess.run([sys.executable, "-c", _FIRST_ID, mode], capture_output=True, text=True, cwd=ROOT,
+                              timeout=60, check=True).stdout.strip()
+
+    plain = {first("plain") for _ in range(2)}  # unseeded: the same id every time with libzmq 4.3.5
+    seeded = {first("seed") for _ in range(3)}
+    assert len(seeded) == 3 and not seeded & plain
