@@ -514,3 +514,11 @@ def test_a_partial_that_cannot_be_sent_stops_the_stream_without_an_answer(worker
     job = Job(b"L" + bytes(8), P.Request(id=3), None, None, time.monotonic(), None, None, b"\x00nobody-here")
     worker._reply_leased(job, False, P.error_body(3, 500, "a partial"))  # EHOSTUNREACH: nobody has that route
     assert job.cancelled is _UNSENDABLE
+
+
+def test_the_direct_socket_takes_no_frame_larger_than_the_broker_does(worker):
+    # A leaseholder reaches it without the broker, which bounds frames elsewhere: one of
+    # 512 MiB was buffered whole before any HELLO (found by the CURVE hunt).
+    from gpu_worker.leases import MAX_FRAME_BYTES
+
+    assert worker.direct_socket.sock.maxmsgsize == MAX_FRAME_BYTES == 256 << 20
