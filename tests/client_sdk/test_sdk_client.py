@@ -999,6 +999,29 @@ def test_stream_latest_wins_drops_and_keeps_order(fake, endpoint):
         assert c.pool.in_use() == 0
 
 
+def test_a_result_not_yet_read_holds_its_place_so_a_late_reader_gets_fresh_frames(fake, endpoint):
+    # A result that had arrived but was not read freed its place: a reader behind kept the
+    # stream sending, latest_wins dropped nothing, and results piled up stale (a hunt saw a
+    # backlog of 103 frames, 3.4 s, and the worker's output ring full).  It holds its place.
+    with Client(endpoint, transport="inline") as c, c.stream("echo", max_in_flight=1) as s:
+        s.send({"x": np.full(2, 0)})
+        deadline = time.monotonic() + WAIT
+        while not s._outstanding[0].done:  # its result arrived; nobody read it
+            assert time.monotonic() < deadline
+            c.pump(0.01)
+        for i in (1, 2, 3):
+            s.send({"x": np.full(2, i)})
+        st = s.stats()
+        assert (st.sent, st.in_flight, st.pending, st.dropped) == (1, 1, 1, 2)  # 3 waits, 1 and 2 dropped
+        assert s.unfinished() == {0, 3}  # their inputs may still be read: do not write them
+        with s.recv(WAIT) as r0:
+            assert r0.frame == 0
+        with s.recv(WAIT) as r3:  # the newest frame, sent once 0 was read
+            assert r3.frame == 3 and int(r3["x"][0]) == 3
+        st = s.stats()
+        assert st.sent == st.completed + st.failed + st.in_flight + st.cancelled == 2
+
+
 def test_stream_keep_all_in_order(fake, endpoint):
     with Client(endpoint, transport="inline") as c:
         s = c.stream("echo", latest_wins=False, max_in_flight=3)
@@ -1028,6 +1051,8 @@ def test_stream_errors_and_close(fake, endpoint):
             s.send({"x": np.full(2, i)})
         ids = [fake.held_q.get(timeout=WAIT) for _ in range(2)]
         s.close()  # cancels both in flight, drops the pending one (its slot at once)
+        st = s.stats()  # every frame counted (the hunt saw three vanish at close)
+        assert (st.sent, st.cancelled, st.dropped, st.in_flight, st.pending) == (2, 2, 1, 0, 0)
         assert sorted(fake.cancels.get(timeout=WAIT) for _ in range(2)) == sorted(ids)
         assert c.pool.in_use() == 2  # until the CANCELLED finals arrive
         c.infer("echo", {"x": np.ones(1)}).release()
