@@ -71,7 +71,7 @@ from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
 from broker.protocol.limits import Headroom, move_aside, nofile_limit, put_back
-from shm.errors import OutOfResources
+from shm.errors import OutOfResources, SegmentGone
 
 __all__ = ["Worker", "WorkerConfig", "WarmupError", "ConfigError", "install_sigterm_drain", "DIRECT_LINGER_MS"]
 
@@ -1008,6 +1008,13 @@ class Worker:
             self._reply_error(job, P.ErrorCode.INTERNAL,
                               f"worker pid {os.getpid()} cannot map the request's inputs now ({e}): it is out of "
                               f"descriptors or memory; raise its RLIMIT_NOFILE, or retry")
+            return
+        except SegmentGone as e:
+            # Its own memory (the owner check passed), closed by its sender since it sent
+            # the request: a client closing with requests queued (the AR hunt saw each
+            # gateway shutdown counted as protocol errors).  Nobody reads the answer.
+            self._reply_error(job, P.ErrorCode.CANCELLED,
+                              f"cannot read inputs: {e}; taken as cancelled by its sender")
             return
         except Exception as e:  # a stale/forged reference fails this request only
             self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR, f"cannot read inputs: {e}")

@@ -34,3 +34,25 @@ def test_inputs_it_cannot_map_for_want_of_descriptors_are_a_500_that_says_so(wor
     worker.up.request(2)
     _settle(worker, lambda: P.token_envelope(2) in worker.jobs)
     assert 2 not in seen
+
+
+def test_inputs_their_sender_closed_are_a_cancel_not_a_protocol_error(worker, monkeypatch):  # noqa: F811
+    # A client that closes with requests queued at a worker closes their input segments: the
+    # worker answered 400 and the broker counted each gateway shutdown as protocol errors
+    # (found by the AR hunt).  Its own memory, closed by itself: a cancel (499).
+    from shm.errors import SegmentGone
+
+    def closed(job, rest):
+        raise SegmentGone("segment zinf-1-2-0123456789abcdef-5 was closed by its owner")
+
+    monkeypatch.setattr(worker.plane, "map_inputs", closed)
+    seen: dict = {}
+
+    def answered(token):
+        seen.update(_finals(worker.up))
+        return token in seen
+
+    worker.up.request(1)
+    _settle(worker, lambda: answered(1))
+    rep = seen[1][0]
+    assert rep.error.code == P.ErrorCode.CANCELLED and "closed by its owner" in rep.error.message
