@@ -1248,13 +1248,8 @@ class Broker:
         """DISCONNECT to a worker the broker does not know (MDP: reconnect and send READY),
         at most once a heartbeat interval per identity: a worker presumed dead after a
         stall sends the replies it held all at once, and one DISCONNECT says it all."""
-        last = self._told_unknown.get(ident)
-        if last is not None and now - last < self.cfg.scheduler.heartbeat_interval:
-            return
-        if len(self._told_unknown) >= _MAX_CLIENT_PIDS:
-            self._told_unknown.clear()
-        self._told_unknown[ident] = now
-        self.send_to_worker([ident, *P.worker_disconnect()])
+        if self._once_an_interval(self._told_unknown, ident, now):
+            self.send_to_worker([ident, *P.worker_disconnect()])
 
     def _refuse_ready(self, ident: bytes, frame: Any, why: str, now: float) -> None:
         """A READY the broker cannot take: told why (DISCONNECT with the reason), so that a
@@ -1274,14 +1269,20 @@ class Broker:
                 key = frame.get("Peer-Address") or ident
             except (zmq.ZMQError, AttributeError, TypeError, ValueError):
                 key = ident
-        last = self._refused_at.get(key)
+        if self._once_an_interval(self._refused_at, key, now):
+            self.send_to_worker([ident, *P.worker_disconnect(
+                P.error_body(0, P.ErrorCode.PROTOCOL_ERROR, f"READY refused: {why}"))])
+
+    def _once_an_interval(self, last_at: dict, key: object, now: float) -> bool:
+        """Whether ``key`` may be answered now: not within a heartbeat interval of the last
+        time (``last_at``, bounded: cleared when full), which becomes now."""
+        last = last_at.get(key)
         if last is not None and now - last < self.cfg.scheduler.heartbeat_interval:
-            return
-        if len(self._refused_at) >= _MAX_CLIENT_PIDS:
-            self._refused_at.clear()
-        self._refused_at[key] = now
-        self.send_to_worker([ident, *P.worker_disconnect(
-            P.error_body(0, P.ErrorCode.PROTOCOL_ERROR, f"READY refused: {why}"))])
+            return False
+        if len(last_at) >= _MAX_CLIENT_PIDS:
+            last_at.clear()
+        last_at[key] = now
+        return True
 
     def _note_worker(self, ident: bytes, service: str, ready, frame: Any = None) -> None:
         """What the HTTP endpoint and the metrics say about a worker: its service (now a
