@@ -213,16 +213,12 @@ class HostPlane:
                 continue
             if not arr.flags.c_contiguous:
                 arr = np.ascontiguousarray(arr)  # a copy: ours
-            elif (nbytes >= zmq.COPY_THRESHOLD or job.route is not None) and not _within(arr, job.inputs):
+            elif nbytes >= zmq.COPY_THRESHOLD and not _within(arr, job.inputs):  # (pyzmq copies smaller frames,
+                # and so does the local link: broker.protocol.link._kept)
                 # The model's own memory (a buffer it keeps and fills again for the next
                 # batch, while libzmq may still be sending this one): a copy, or another
                 # client's data could go out under this reply.  Views of the request's own
-                # inputs (an echo) go as they are.  pyzmq copies frames under
-                # COPY_THRESHOLD itself; a leased reply may go on the local link, which
-                # keeps views of what the kernel has not taken yet (a reader that is
-                # behind, a message of several datagrams), so it is copied whatever its
-                # size (the data hunt saw 15 of 40 pinned 60 KB outputs carry a later
-                # request's values).
+                # inputs (an echo) go as they are.
                 arr = arr.copy()
             # Raw bytes view: the buffer protocol refuses some dtypes (datetime64) as typed views.
             frames.append(arr.reshape(-1).view(np.uint8).data)

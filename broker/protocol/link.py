@@ -20,7 +20,10 @@ sends nothing larger (the SDK sends a bigger request through the broker); a work
 may span several datagrams, in order, the last one flagged 0x00: each written from views of
 the frames, and read by the client straight into one buffer of the message's length (which
 the first piece's size table gives), so a large inline tensor is copied by the kernel only.  SEQPACKET keeps
-datagram boundaries and order and is reliable, so there is no other framing.
+datagram boundaries and order and is reliable, so there is no other framing.  What the
+kernel does not take at once (a reader behind, a message of several datagrams) waits in
+the connection's outbox; its frames under pyzmq's copy threshold are copied first, as
+pyzmq copies them, so a sender may reuse those buffers once `send` returned (`_kept`).
 
 The worker's side (`LinkServer`) listens at ``<runtime dir>/w-<pid>-<start>-<hex>.link``
 beside its ipc direct socket (mode 0600 in the 0700 runtime directory), accepts only peers of
@@ -102,6 +105,19 @@ def _head(frames: Sequence[Any]) -> tuple[bytes, int]:
     if st is None:
         st = _PREFIXES[n] = struct.Struct(f"<cH{n}I")
     return st.pack(_LAST, n, *sizes), st.size + sum(sizes)
+
+
+#: pyzmq's: a frame under it is copied when queued, a larger one is the message's own (the
+#: sender hands it over, as to zmq.Socket.send(copy=False))
+COPY_THRESHOLD = 1 << 16
+
+
+def _kept(frames: Sequence[Any]) -> list[Any]:
+    """``frames`` as a message kept for later must hold them: what pyzmq would copy (frames
+    under COPY_THRESHOLD) copied, so the sender may reuse those buffers once `send`
+    returned, as it may with zmq (a model refilling its output buffer sent queued replies
+    with a later request's values: found by the data hunt); larger ones as they are."""
+    return [f if type(f) is bytes or memoryview(f).nbytes >= COPY_THRESHOLD else bytes(f) for f in frames]
 
 
 def encode(frames: Sequence[Any]) -> list[list[Any]]:
@@ -560,7 +576,7 @@ class LinkServer:
                 self.dropped += 1
                 self._retire(peer)
                 return False
-            dgrams = encode(frames)
+            dgrams = encode(_kept(frames))
             self._queue(peer, dgrams, _bytes_of(dgrams))
             return True
         dgrams = encode(frames)
@@ -574,6 +590,7 @@ class LinkServer:
                 self.dropped += 1
                 self._end(peer)
                 return False
+        dgrams = encode(_kept(frames))
         self._queue(peer, dgrams, _bytes_of(dgrams))
         self._flush(peer)
         return True
