@@ -8,7 +8,9 @@ broker's own Python work (`bench.hotpath`, sockets taken out), interleaved the s
 
 `--render`: instead, the time one `/metrics` body takes to render (`broker.metrics.render`
 and `exposition`, what a scrape runs on the broker's HTTP thread, holding the interpreter
-the loop needs), by the number of services, median of 5.
+the loop needs), by the number of services, median of 5; beside it, the same families
+through prometheus-client's own writer (`broker.metrics.reference`, byte for byte the same
+page), interleaved.  What a render does to the request path: `python -m bench.scrape_load`.
 """
 from __future__ import annotations
 
@@ -34,11 +36,12 @@ def _p50s(order: list[str]) -> dict[str, float]:
     return {r["peer"]: r["latency_ms"]["p50"] for r in rows}
 
 
-def render_ms(services: int, repeats: int = 5) -> float:
-    """Median ms of one scrape's render with ``services`` services, each with a few answers."""
+def render_ms(services: int, repeats: int = 5) -> tuple[float, float]:
+    """Median ms of one scrape's render with ``services`` services, each with a few answers:
+    ours, and through prometheus-client's writer."""
     import time
 
-    from broker.metrics import Metrics, exposition, render
+    from broker.metrics import Metrics, exposition, reference, render
 
     m = Metrics()
     sched = {"services": {}, "counters": {"dispatched": 1, "retried": 0}}
@@ -49,13 +52,14 @@ def render_ms(services: int, repeats: int = 5) -> float:
             m.final(name, code, 0.0, 0.001, 0.002)
         sched["services"][name] = {"queued": {"urgent": 0, "normal": 0, "background": 0}, "in_flight": 0,
                                    "credit": 4, "hosts": {"h": 1}, "leases": 0, "leased_credit": 0}
-    times = []
+    times: dict = {exposition: [], reference: []}
     for _ in range(repeats):
-        snap = m.snapshot()
-        t = time.perf_counter()
-        exposition(render(snap, sched, m.known))
-        times.append((time.perf_counter() - t) * 1000.0)
-    return statistics.median(times)
+        for write in times:
+            snap = m.snapshot()
+            t = time.perf_counter()
+            write(render(snap, sched, m.known))
+            times[write].append((time.perf_counter() - t) * 1000.0)
+    return statistics.median(times[exposition]), statistics.median(times[reference])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--render", action="store_true", help="time a scrape's render by service count, and exit")
     args = ap.parse_args(argv)
     if args.render:
-        for n in (1, 8, 16, 128):
-            print(f"{n:4d} services: {render_ms(n):7.2f} ms per render")
+        for n in (1, 8, 16, 128, 500):
+            ours, lib = render_ms(n)
+            print(f"{n:4d} services: {ours:7.2f} ms per render; through prometheus-client's writer {lib:7.2f} ms "
+                  f"({lib / ours:.1f}x)")
         return 0
     from bench.hotpath import broker_us
 

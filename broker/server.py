@@ -26,6 +26,7 @@ import secrets
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -81,6 +82,8 @@ _POLLIN = int(zmq.POLLIN)
 _LEASE_ACTIONS = frozenset({LeaseToWorker, LeaseToClient, LeaseRefused, LeaseEndToClient, LeaseEndToWorker})
 _MAX_CLIENT_PIDS = 1 << 16
 _MAX_SERVICES = 1024  # service names remembered for the HTTP endpoint (as broker.metrics.MAX_SERVICES)
+#: the interpreter's switch interval while the HTTP threads run (`_open_http`)
+HTTP_SWITCH_S = 0.0005
 _LIVE_WITHIN_S = 2.0  # live: the loop passed this recently (it passes at least every 100 ms)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _NOBLOCK = int(zmq.NOBLOCK)
@@ -503,6 +506,7 @@ class Broker:
         from broker.http import HttpFront, LoopLink, host_port, parse_address
 
         address = parse_address(self.cfg.http)
+        self._switch_was = sys.getswitchinterval()  # put back by close()
         name = f"inproc://broker-http-{id(self)}"
         self._http_loop = self.ctx.socket(zmq.PAIR)
         self._http_loop.linger = 0
@@ -513,6 +517,14 @@ class Broker:
         except OSError as e:
             raise RuntimeError(f"--http {self.cfg.http}: cannot listen: {e}") from None
         self.http_address = host_port(*self.http.address)
+        # The HTTP threads share the interpreter with this loop, and a scrape's render holds
+        # it for milliseconds (a page of ~120 lines a service).  CPython makes a thread that
+        # wants it wait up to the switch interval (5 ms by default) before asking the holder
+        # to let go: with the loop waking several times per request, a request met by a
+        # render waited that long at each wake-up.  A short interval bounds each wait
+        # (`python -m bench.scrape_load`); with no render running, nothing contends and
+        # nothing changes.
+        sys.setswitchinterval(HTTP_SWITCH_S)
 
     @staticmethod
     def _bind(sock: zmq.Socket, ep: str) -> None:
@@ -551,6 +563,7 @@ class Broker:
         self._closed = True
         if self.http is not None:
             self.http.close()
+            sys.setswitchinterval(self._switch_was)
         if self._http_loop is not None:
             self._http_loop.close(linger=0)
         self.backend.disable_monitor()

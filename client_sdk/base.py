@@ -13,6 +13,7 @@ up on it (CANCEL to the broker) when closed or dropped before its FINAL, `cancel
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -101,7 +102,7 @@ class ClientBase:
         in flight is cancelled at the broker, or at its leased worker (its slots are freed
         when its FINAL arrives).  Whatever still arrives for it is released unread."""
         core = self._core
-        frames = core.give_up(call)
+        frames = core.give_up(call, time.monotonic())
         if frames is not None and not core.closed:
             self._send_soon(frames)
         if core.ops and not core.closed:

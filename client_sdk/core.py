@@ -485,9 +485,10 @@ class ClientCore(PinEvents):
         call.done = True
         _drain_inbox(call)
 
-    def abandon(self, call: Call) -> list[Any] | None:
-        """The caller stopped waiting.  Returns CANCEL frames to send, if one is useful.
-        Inputs stay allocated until the FINAL arrives: a worker may be reading them now."""
+    def abandon(self, call: Call, now: float | None = None) -> list[Any] | None:
+        """The caller stopped waiting (at ``now``, on the clock of the calls' deadlines, if
+        known).  Returns CANCEL frames to send, if one is useful.  Inputs stay allocated
+        until the FINAL arrives: a worker may be reading them now."""
         if call.abandoned:
             return None
         call.abandoned = True
@@ -496,11 +497,14 @@ class ClientCore(PinEvents):
         if call.done or call.id == 0:
             return None
         if call.pin is not None:
-            self._pin_cancel(call)  # where it runs: on its lease's connection (in `ops`)
+            # Where it runs: on its lease's connection (in `ops`).
+            # (A timer may wake a hair early: a millisecond's slack.)
+            self._pin_cancel(call, expired=now is not None and call.deadline is not None
+                             and now >= call.deadline - 1e-3)
             return None
         return P.client_cancel(call.service, call.id)
 
-    def give_up(self, call: Call) -> list[Any] | None:
+    def give_up(self, call: Call, now: float | None = None) -> list[Any] | None:
         """The caller is done with `call`, FINAL or not: a call never registered (id 0) is
         discarded and its inputs freed now; one in flight is abandoned (CANCEL frames
         returned when useful, inputs kept until its FINAL).  In a forked child (its copy of
@@ -511,7 +515,7 @@ class ClientCore(PinEvents):
         if call.id == 0 and not call.abandoned:
             self.discard_unsent(call)
             return None
-        return self.abandon(call)
+        return self.abandon(call, now)
 
     # ---------------------------------------------------------------- incoming
 

@@ -287,9 +287,10 @@ class PinEvents:
         if pin.ending and not pin.calls:
             self._close_pin(pin)
 
-    def _pin_cancel(self, call: Any) -> None:
-        """CANCEL a pinned call where it runs: on its lease's connection."""
-        self.ops.append(PinSend(call.pin, P.client_cancel(call.service, call.id)))
+    def _pin_cancel(self, call: Any, expired: bool = False) -> None:
+        """CANCEL a pinned call where it runs: on its lease's connection; ``expired``: its
+        deadline passed (the worker answers and counts it as the deadline's, not a cancel)."""
+        self.ops.append(PinSend(call.pin, P.client_cancel(call.service, call.id, expired=expired)))
 
     # ------------------------------------------------------------------ the broker's answers
 

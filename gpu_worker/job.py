@@ -27,7 +27,7 @@ class Job:
     """One request held by the worker."""
 
     __slots__ = ("envelope", "req", "inputs", "opaque", "received", "deadline", "refs", "input_ms", "cuda_in",
-                 "cancelled", "code", "route", "stale")
+                 "cancelled", "code", "route", "stale", "resend")
 
     def __init__(self, envelope, req, inputs, opaque, received, deadline, refs, route=None):
         self.envelope = envelope
@@ -45,3 +45,6 @@ class Job:
         # Brokered, and the broker connection it came on was replaced while it ran: a reply
         # through the (new) broker has nowhere to go (its token is unknown there)
         self.stale = False
+        # Leased, and answered "resend it through the broker" (it did not run): the broker
+        # counts it when it comes there, so it is no leased outcome (`Worker._count_leased`)
+        self.resend = False

@@ -231,6 +231,9 @@ class WorkerConfig:
 
 #: `Job.cancelled` of a leased stream whose partial could not be sent (truthy: it stops)
 _UNSENDABLE = "unsendable"
+#: `Job.cancelled` by a CANCEL whose caller's deadline had passed (`Cancel.expired`): answered
+#: and counted as DEADLINE_EXCEEDED, as the broker counts a brokered request's
+_EXPIRED = "expired"
 
 def _refusal(body) -> str | None:
     """The reason a DISCONNECT carries (the broker refused our READY), or None: a plain one."""
@@ -738,20 +741,30 @@ class Worker:
         elif cmd == P.W_LEASE_END:
             self._on_lease_end(msg.body[0])
 
-    def _cancel(self, envelope: bytes) -> None:
-        """CANCEL (from the broker, or on the direct socket for a leased request)."""
+    def _cancel(self, envelope: bytes, expired: bool = False) -> None:
+        """CANCEL (from the broker, or on the direct socket for a leased request, which says
+        whether its caller's deadline had passed: ``expired``)."""
         job = self.jobs.get(envelope)
         if job is not None:
             self.batcher.drop(lambda p: p.item is job)
             del self.jobs[envelope]
-            self._reply_error(job, P.ErrorCode.CANCELLED, "cancelled by the client before it ran")
+            self._cancelled(job, _EXPIRED if expired else True, "before it ran")
             return
         job = self.running.get(envelope)
         if job is not None and not job.cancelled:
             # Running: a streaming model stops at its next partial; a batch cannot be
             # interrupted, so its result for this request is dropped (_reply_batch).
-            job.cancelled = True
+            job.cancelled = _EXPIRED if expired else True
             self.cancelled_running += 1
+
+    def _cancelled(self, job: Job, how, when: str) -> None:
+        """Answer a cancelled request (``how``: `Job.cancelled`'s value): 499, or, cancelled
+        because its caller's deadline passed, DEADLINE_EXCEEDED (a leased request is counted
+        by its answer's code: `_count_leased`)."""
+        if how is _EXPIRED:
+            self._reply_error(job, P.ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {when}; its caller gave up")
+        else:
+            self._reply_error(job, P.ErrorCode.CANCELLED, f"cancelled by the client {when}")
 
     def _on_welcome(self, w: P.Welcome) -> None:
         """Registered with broker process `w.instance`, which sets the liveness settings."""
@@ -1259,8 +1272,7 @@ class Worker:
                              "rids": [logs.request_id(job.req) for job, _ in failed if job.req is not None]})
         for job, out in zip(jobs, outputs):
             if job.cancelled:
-                self._reply_error(job, P.ErrorCode.CANCELLED,
-                                  "cancelled by the client while its batch ran; its result was dropped")
+                self._cancelled(job, job.cancelled, "while its batch ran; its result was dropped")
                 continue
             if type(out) is ModelFailed:
                 e = out.error
@@ -1354,13 +1366,14 @@ class Worker:
                     self._close_stream(outs)
                     if job.cancelled is _UNSENDABLE:
                         # Nobody to tell (its connection is gone or stopped reading): its
-                        # lease slot is freed, nothing is sent or counted as the client's.
+                        # lease slot is freed, nothing is sent, and it counts as client_gone.
                         self.leases.finish(job.envelope)
+                        if self.counts:
+                            self._count_leased(job, sent=False)
                         log.info("stream of leased request %d stopped after %d partial(s): its connection is gone "
                                  "or not reading", job.req.id, seq, extra=logs.request_fields(job.req))
                     else:
-                        self._reply_error(job, P.ErrorCode.CANCELLED,
-                                          f"cancelled by the client after {seq} partial result(s)")
+                        self._cancelled(job, job.cancelled, f"after {seq} partial result(s)")
                     self.served += 1
                     return
                 if out is _END:
@@ -1424,7 +1437,9 @@ class Worker:
         self._reply(job, final, [header, *frames])
         return refs
 
-    def _reply_error(self, job: Job, code: int, message: str) -> None:
+    def _reply_error(self, job: Job, code: int, message: str, resend: bool = False) -> None:
+        """Answer ``job`` with an error; ``resend``: a leased request told to resend it
+        through the broker (`Job.resend`)."""
         rid = job.req.id if job.req is not None else 0
         if job.req is not None and log.isEnabledFor(logging.INFO):
             log.info("request failed: %s", message, extra={**logs.request_fields(job.req), "service": self.service,
@@ -1433,6 +1448,7 @@ class Worker:
                 log.debug("request tensors", extra=logs.tensor_fields(job.req))
         self.plane.finish_reads(job)
         job.code = int(code)
+        job.resend = resend
         self._reply(job, True, P.error_body(rid, code, message))
 
     def _relayed(self, job: Job, final: bool) -> bool:
@@ -1535,7 +1551,7 @@ class Worker:
                 self.jobs.pop(job.envelope, None)
                 self._reply_error(job, P.ErrorCode.SERVICE_UNAVAILABLE,
                                   f"this connection's lease ended ({why}); resend this request through the broker "
-                                  "(it did not run)")
+                                  "(it did not run)", resend=True)
         self.jobs.clear()
         self.dones.clear()
         if self.leases is not None:
@@ -1626,7 +1642,8 @@ class Worker:
             self.jobs.pop(job.envelope, None)
             self._reply_error(job, P.ErrorCode.SERVICE_UNAVAILABLE,
                               "this connection's lease ended (client_gone: the broker heard nothing from this client "
-                              "for its liveness window); resend this request through the broker (it did not run)")
+                              "for its liveness window); resend this request through the broker (it did not run)",
+                              resend=True)
 
     def _end_leases(self) -> None:
         """Stopping: end every lease at the broker (it tells their clients, who send new
@@ -1688,9 +1705,10 @@ class Worker:
         if cmd == P.C_REQUEST:
             self._on_direct_request(route, msg.service, msg.body, now)
         elif cmd == P.C_CANCEL:
-            key = self.leases.find(route, P.decode_cancel(msg.body[0]).id)
+            cancel = P.decode_cancel(msg.body[0])
+            key = self.leases.find(route, cancel.id)
             if key is not None:
-                self._cancel(key)
+                self._cancel(key, cancel.expired)
         elif cmd == P.C_DISCONNECT:
             self.leases.unbind(route)
         elif cmd != P.C_HEARTBEAT:
@@ -1850,15 +1868,26 @@ class Worker:
             self.leases.finish(job.envelope)  # its slot is free (whether or not the send went)
             self.leased_sent += 1
             if self.counts:
-                self._count_leased(job)
+                self._count_leased(job, sent)
 
-    def _count_leased(self, job: Job) -> None:
+    def _count_leased(self, job: Job, sent: bool = True) -> None:
         """A leased request's FINAL was sent (a result, or the error `_reply_error` set in
         ``job.code``): the broker never sees it, so our next STATS counts it, with its time
-        from our receipt of the REQUEST to now."""
+        from our receipt of the REQUEST to now (to its deadline, for a request its caller
+        gave up on at the deadline: as long as the caller waited, as the broker counts a
+        brokered one).  A FINAL that found its client gone (``sent`` false) counts as
+        `LEASED_CLIENT_GONE`, as the broker counts a brokered request whose client left.
+        One told to resend it through the broker is the broker's to count when it comes."""
         code = job.code
+        if not sent:
+            code = P.LEASED_CLIENT_GONE
+        elif job.resend:
+            return
         self._leased_outcomes[code] = self._leased_outcomes.get(code, 0) + 1
-        self._hist["leased_request"].observe(max(0.0, time.monotonic() - job.received))
+        now = time.monotonic()
+        if code == P.ErrorCode.DEADLINE_EXCEEDED and job.deadline is not None:
+            now = min(now, job.deadline)
+        self._hist["leased_request"].observe(max(0.0, now - job.received))
         dropped = job.req.dropped if job.req is not None else None
         if dropped and 0 < dropped < 1 << 32 and code != P.ErrorCode.QUEUE_FULL:
             # Frames its latest-wins stream dropped before this one (the broker counts them

@@ -165,8 +165,11 @@ def client_request(service: str, body: Iterable[Any]) -> list[Any]:
     return [MDPC, C_REQUEST, _service_bytes(service), *body]
 
 
-def client_cancel(service: str, request_id: int, queued_only: bool = False) -> list[Any]:
-    head = Cancel(id=request_id, queued_only=True) if queued_only else Cancel(id=request_id)
+def client_cancel(service: str, request_id: int, queued_only: bool = False, expired: bool = False) -> list[Any]:
+    if queued_only or expired:
+        head = Cancel(id=request_id, queued_only=queued_only, expired=expired)
+    else:
+        head = Cancel(id=request_id)
     return [MDPC, C_CANCEL, _service_bytes(service), encode_header(head)]
 
 

@@ -20,7 +20,7 @@ from typing import Any, Sequence, Union
 import msgspec
 import numpy as np
 
-__all__ = ["MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_CREDIT", "MAX_ENVELOPE_LEN",
+__all__ = ["LEASED_CLIENT_GONE", "MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_CREDIT", "MAX_ENVELOPE_LEN",
     "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_REPLY_TO_LEN", "MAX_DONE", "MAX_MMI_TOKEN",
     "MAX_TENSOR_BYTES", "MAX_DEPTH", "MAX_DTYPE_LEN", "ErrorCode",
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
@@ -182,6 +182,7 @@ class Cancel(msgspec.Struct, kw_only=True):
     v: int = VERSION
     id: int
     queued_only: bool = False  # only while queued at the broker: a run that started goes on (a resend's CANCEL)
+    expired: bool = False  # the caller's deadline passed (a leased request's answer and count: DEADLINE_EXCEEDED)
 
 
 class Ready(msgspec.Struct, kw_only=True):
@@ -286,6 +287,11 @@ class DoneInfo(msgspec.Struct, kw_only=True):
     ages_ms: list[float] = []
 
 
+#: `WorkerStats.leased`'s outcome for a leased request that did not run and whose client was
+#: gone when told to resend it through the broker (nobody resends it): ``client_gone``
+LEASED_CLIENT_GONE = -1
+
+
 class WorkerStats(msgspec.Struct, kw_only=True):
     """Header of STATS (worker -> broker, at most once a heartbeat interval): what only the
     worker sees, since its last STATS.  Histograms are bucket counts over the bounds of
@@ -305,8 +311,9 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     device_used: int | None = None                    # device memory in use (cudaMemGetInfo)
     device_total: int | None = None
     # Leased requests (docs/protocol.md section 10), whose FINALs never cross the broker:
-    # FINALs sent on the direct socket per outcome (0: a result, else the error code), and
-    # seconds from the worker's receipt of each REQUEST to its FINAL sent.
+    # FINALs sent on the direct socket per outcome (0: a result, else the error code;
+    # LEASED_CLIENT_GONE: not run, its client gone), and seconds from the worker's receipt of
+    # each REQUEST to its FINAL sent.
     leased: dict[int, int] | None = None
     leased_request: tuple[list[int], float] | None = None
     leased_dropped: int = 0  # frames leased latest-wins streams dropped at their clients (Request.dropped)

@@ -274,15 +274,18 @@ def test_leased_requests_count_from_stats_as_outcomes_and_request_times():
     m.register("echo", 0.0)
     m.final("echo", 0, 1.0, 1.001, 1.004)  # one brokered
     leased_request = ([3] + [0] * (len(LATENCY_BUCKETS) - 1) + [1], 0.0003 + 99.0)
-    st = _stats(leased={0: 5, int(P.ErrorCode.QUEUE_FULL): 1, 999: 2, -3: 1}, leased_request=leased_request)
+    leased = {0: 5, int(P.ErrorCode.QUEUE_FULL): 1, 999: 2, -3: 1, P.LEASED_CLIENT_GONE: 2}
+    st = _stats(leased=leased, leased_request=leased_request)
     # Through the wire, as a worker sends it.
     st = P.parse_worker(P.worker_stats(st)).info
-    assert st.leased == {0: 5, int(P.ErrorCode.QUEUE_FULL): 1, 999: 2, -3: 1}
+    assert st.leased == leased
     assert m.worker_stats(b"w", "echo", "1@h", st)
     got = {(n, lab): v for n, lab, v in _samples(exposition(render(m.snapshot(), _sched({}), m.known)))}
     assert got[("zmq_infer_requests_total", (("outcome", "ok"), ("service", "echo")))] == 6
     assert got[("zmq_infer_requests_total", (("outcome", "queue_full"), ("service", "echo")))] == 1
     assert got[("zmq_infer_requests_total", (("outcome", "error_other"), ("service", "echo")))] == 3
+    # A leased request that did not run, its client gone: as a brokered one whose client left.
+    assert got[("zmq_infer_requests_total", (("outcome", "client_gone"), ("service", "echo")))] == 2
     assert got[("zmq_infer_request_seconds_count", (("service", "echo"),))] == 1 + 4
     assert got[("zmq_infer_request_seconds_bucket", (("le", "+Inf"), ("service", "echo")))] == 5
 
@@ -336,3 +339,58 @@ def test_frames_leased_streams_dropped_add_to_the_services_dropped_frames():
     m.dropped("echo", 3)  # brokered
     assert m.worker_stats(b"w", "echo", "1@h", _stats(leased_dropped=4))
     assert m._svc("echo").dropped == 7
+
+
+# ---- the writer: byte for byte what prometheus-client writes, faster
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from broker.metrics import Family, reference  # noqa: E402
+from broker.protocol.stats import Histogram  # noqa: E402
+
+_label_values = st.text(min_size=0, max_size=12)  # quotes, backslashes, newlines, any unicode
+_numbers = st.one_of(st.integers(min_value=0, max_value=1 << 60), st.floats(allow_nan=True, allow_infinity=True),
+                     st.integers(min_value=-(1 << 40), max_value=-1))
+
+
+@st.composite
+def _histograms(draw, bounds):
+    h = Histogram(bounds)
+    h.counts = draw(st.lists(st.integers(min_value=0, max_value=1 << 40), min_size=len(bounds) + 1,
+                             max_size=len(bounds) + 1))
+    h.sum = draw(st.floats(min_value=0, max_value=1e12))
+    return h
+
+
+@st.composite
+def _families(draw):
+    kind = draw(st.sampled_from(["gauge", "counter", "histogram"]))
+    # Label names on either side of `le` in sorted order, and none at all.
+    labels = tuple(draw(st.lists(st.sampled_from(["service", "event", "host", "a", "zz", "priority"]), unique=True,
+                                 max_size=3)))
+    doc = draw(st.text(max_size=30))
+    if kind == "histogram":
+        bounds = draw(st.sampled_from([LATENCY_BUCKETS, BATCH_BUCKETS, (0.5,)]))
+        values = _histograms(bounds)
+    else:
+        values = _numbers
+    rows = draw(st.lists(st.tuples(st.tuples(*[_label_values] * len(labels)), values), max_size=4,
+                         unique_by=lambda r: r[0]))
+    return Family(draw(st.sampled_from(["zmq_infer_x", "a_b"])), kind, doc, labels, rows)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_families(), max_size=4, unique_by=lambda f: (f.name, f.kind)))
+def test_the_writer_matches_prometheus_clients_byte_for_byte(families):
+    assert exposition(families) == reference(families)
+
+
+def test_a_real_scrape_matches_prometheus_clients_writer():
+    m = Metrics()
+    for name in ("echo", 'we"ird\\name\n', "ünï"):
+        m.register(name, 0.0)
+        for code in (0, 0, int(P.ErrorCode.QUEUE_FULL), CLIENT_GONE):
+            m.final(name, code, 1.0, 1.0004, 1.3)
+    fams = render(m.snapshot(), _sched({"echo": (2, 1), "x": (1, 0)}), m.known)
+    assert exposition(fams) == reference(fams)
+    assert _samples(exposition(fams))  # and it parses

@@ -327,3 +327,131 @@ def test_a_drained_worker_sends_its_last_counts_before_its_goodbye(cluster):
         assert w.p.wait(WAIT) == 0
     until(lambda: value(scrape(base), "zmq_infer_requests_total", service="echo", outcome="ok") == n0 + 30,
           "the drained worker's last pinned results counted")
+
+
+def _pin(c: Client, service: str, inputs: dict) -> int:
+    """Call until ``c`` holds a lease on ``service``; the number of calls made."""
+    deadline = time.monotonic() + WAIT
+    n = 0
+    while not c.pinned(service):  # the first request asks for the lease
+        assert time.monotonic() < deadline, "never pinned"
+        c.infer(service, inputs).release()
+        n += 1
+        if not c.pinned(service):
+            c.pump(0.05)  # a LEASED on its way is routed
+    return n
+
+
+def test_a_pinned_request_past_its_deadline_counts_as_the_deadlines(cluster, tmp_path, gate):
+    """A pinned request whose caller's deadline passes while it runs: the client's CANCEL
+    says so, and the worker counts it `deadline_exceeded` (it was `cancelled`, out of the
+    error-rate alert), with the time its caller waited (not its whole run), as the broker
+    counts a brokered one (found by the observability hunt)."""
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    cluster.worker("gate_model:held", "--direct", env={"SLEEPY_LOG": str(tmp_path / "runs.log"), **gate.env})
+    gate.open()
+    quick, held = {"x": np.zeros(1)}, {"x": np.array([-1.0])}
+
+    def counts():
+        s = scrape(base)
+        return {k: value(s, "zmq_infer_requests_total", service="held", outcome=k)
+                for k in ("ok", "deadline_exceeded", "cancelled")}, \
+            value(s, "zmq_infer_request_seconds_sum", service="held")
+
+    with Client(cluster.frontend, timeout=WAIT, pin=True) as c:
+        wait_service(c, "held")
+        n = _pin(c, "held", quick)
+        deadline = time.monotonic() + WAIT
+        while True:  # until one is answered on the lease (its connection is up)
+            before = c.pinned_replies
+            c.infer("held", quick).release()
+            n += 1
+            if c.pinned_replies > before:
+                break
+            assert time.monotonic() < deadline, "no reply on the lease"
+        until(lambda: counts()[0]["ok"] == n, "the requests so far counted")
+        outcomes0, seconds0 = counts()
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            c.infer("held", held, timeout=0.3)
+        # The batch goes on a while past the deadline (a span measured, not a synchronisation).
+        until(lambda: time.monotonic() - t0 >= 1.0, "a second passing")
+        gate.release(1)
+        c.infer("held", quick).release()  # the lease serves on
+    until(lambda: counts()[0]["deadline_exceeded"] == outcomes0["deadline_exceeded"] + 1, "the expiry counted")
+    outcomes, seconds = counts()
+    assert outcomes["cancelled"] == outcomes0["cancelled"], outcomes
+    assert outcomes["ok"] == outcomes0["ok"] + 1, outcomes
+    # The expired request's time is what its caller waited: at most its 0.3 s (the quick one
+    # adds milliseconds), not the second and more its batch ran.
+    assert seconds - seconds0 < 0.5, seconds - seconds0
+
+
+_PINNED_CHILD = """
+import sys, time
+import numpy as np
+from client_sdk import Client
+c = Client(sys.argv[1], timeout=20, pin=True)
+deadline = time.monotonic() + 10
+n = 0
+while True:  # until a request is answered on the lease
+    before = c.pinned_replies
+    c.infer("held", {"x": np.zeros(1)}).release()
+    n += 1
+    if c.pinned_replies > before:
+        break
+    assert time.monotonic() < deadline, "never pinned"
+    c.pump(0.05)
+held = [c.infer_stream("held", {"x": np.array([-1.0])}) for _ in range(3)]
+c.pump(0.1)
+print("SENT", n, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_dead_pinned_clients_requests_count_as_client_gone_once(cluster, tmp_path, gate):
+    """A pinned client SIGKILLed with three requests on its lease (one running, two waiting
+    at the worker): the broker ends the lease (client_gone), the running one answers and
+    the worker tells the two waiting ones to resend through the broker, and all three
+    answers find the client gone.  They count `client_gone`, once each, as a brokered
+    request whose client left; before, the two were counted as the service's own 503s
+    (phantom errors in the error-rate alert) and the third `ok` (the observability hunt)."""
+    import subprocess
+    import sys
+
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    runs = tmp_path / "runs.log"
+    # Credit 8: the lease gets 4 slots, room for the three.
+    cluster.worker("gate_model:held", "--direct", "--max-batch", "1", "--credit", "8",
+                   env={"SLEEPY_LOG": str(runs), **gate.env})
+    gate.open()
+
+    def outcomes():
+        s = scrape(base)
+        return {k: value(s, "zmq_infer_requests_total", service="held", outcome=k)
+                for k in ("ok", "client_gone", "service_unavailable", "cancelled")}
+
+    child = subprocess.Popen([sys.executable, "-c", _PINNED_CHILD, cluster.frontend], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        sent, n = child.stdout.readline().split()
+        assert sent == "SENT"
+        until(lambda: runs.exists() and runs.read_text().count("\n") == 1, "the first held request running")
+        child.kill()
+        child.wait(WAIT)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(WAIT)
+        child.stdout.close()
+    # The broker ends the lease once the client was silent for its liveness window (the
+    # worker, its loop busy with the held request, reads that after it); then the held
+    # request ends, and the worker answers it and the two waiting ones.
+    until(lambda: value(scrape(base), "zmq_infer_leases", service="held") == 0, "the lease ended")
+    gate.release(1)
+    # (The worker's STATS, its loop held, wait for the release too.)
+    want = {"ok": int(n), "client_gone": 3, "service_unavailable": 0, "cancelled": 0}
+    until(lambda: outcomes()["client_gone"] == 3, "the three requests counted client_gone")
+    assert outcomes() == want
