@@ -945,7 +945,8 @@ class Broker:
         if P.is_header(first):
             rest = body[1:]
             try:
-                req = P.decode_request(first, frames=rest)
+                # `meta` left as bytes: only the model reads it (P.RoutedRequest).
+                req = P.decode_request(first, frames=rest, routed=True)
             except P.ProtocolError as e:
                 self.malformed += 1
                 rid = P.lenient_request_id(first)
@@ -1009,7 +1010,8 @@ class Broker:
                 priority=req.priority,
                 deadline=deadline,
                 local_host=local,
-                size=_nbytes(rest) if rest else 0,
+                # The header counts too (its `meta` may fill its 1 MiB): what the broker holds.
+                size=len(first) + (_nbytes(rest) if rest else 0),
                 principal=pid if pid is not None else self._tcp_principal(first),
             )
         else:

@@ -96,6 +96,19 @@ def _drain_inbox(call: Call) -> None:
 #: longest wait before a client that fell back to inline tries shared memory again (seconds)
 NOT_LOCAL_RETRY_MAX_S = 30.0
 
+
+def _check_meta(meta: dict) -> None:
+    """InvalidInput for a ``meta`` the broker would refuse: not msgpack, or over
+    `MAX_META_BYTES` (parameters for the model; data goes in tensors)."""
+    try:
+        n = len(msgspec.msgpack.encode(meta))
+    except (TypeError, msgspec.EncodeError) as e:
+        raise InvalidInput(f"meta cannot be encoded as msgpack ({e}); use str/int/float/bool/list/dict values") from None
+    if n > P.MAX_META_BYTES:
+        raise InvalidInput(f"meta takes {n} bytes as msgpack; the limit is {P.MAX_META_BYTES}: it is for parameters, "
+                           f"send data as tensors")
+
+
 class ClientCore(PinEvents):
     """Ids, packing, the input pools, output leases, reply routing and delivery, the inline
     fallback, deadlines and liveness of one client (see the module docstring); pinned
@@ -330,6 +343,8 @@ class ClientCore(PinEvents):
         if not plain:
             call.priority = parse_priority(priority)
             call.meta = dict(meta or {})
+            if call.meta:
+                _check_meta(call.meta)
             call.traceparent = traceparent
             if len(self._service_b) < _SERVICE_CACHE:
                 self._service_b[service] = service.encode()  # checked: the next call may skip that

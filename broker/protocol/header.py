@@ -20,8 +20,8 @@ from typing import Any, Sequence, Union
 import msgspec
 import numpy as np
 
-__all__ = ["LEASED_CLIENT_GONE", "MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_CREDIT", "MAX_ENVELOPE_LEN",
-    "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_REPLY_TO_LEN", "MAX_DONE", "MAX_MMI_TOKEN",
+__all__ = ["LEASED_CLIENT_GONE", "RoutedRequest", "MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_CREDIT", "MAX_ENVELOPE_LEN",
+    "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_META_BYTES", "MAX_REPLY_TO_LEN", "MAX_DONE", "MAX_MMI_TOKEN",
     "MAX_TENSOR_BYTES", "MAX_DEPTH", "MAX_DTYPE_LEN", "ErrorCode",
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
     "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "DoneInfo", "WorkerStats", "TRANSPORTS", "REPLY_MODES", "SMALL_INLINE_BYTES", "is_header",
@@ -46,6 +46,10 @@ MAX_ENVELOPE_LEN = 255
 MAX_TENSORS = 256
 MAX_NDIM = 32
 MAX_HEADER_BYTES = 1 << 20
+#: The most bytes a request's `meta` may take, as msgpack: parameters for the model (data
+#: goes in tensors).  Decoded, 64 KiB of tiny values is at most ~5 MB of Python objects and
+#: ~10 ms; a whole 1 MiB header of them was 70 MB and 130 ms, for every such request queued.
+MAX_META_BYTES = 1 << 16
 MAX_REPLY_TO_LEN = 255
 MAX_DONE = 4096          # envelopes in one DONE
 MAX_MMI_TOKEN = 64       # bytes of the correlation token an MMI answer echoes
@@ -165,6 +169,18 @@ class Request(msgspec.Struct, kw_only=True):
     backlog: int | None = None        # set by the broker at dispatch: requests of the service it still has queued
     reply_to: str | None = None       # "ipc://..." bound by the client: a same-host worker may send the FINAL there
     traceparent: str | None = None    # W3C trace context of the client's span, passed through untouched; a malformed one is dropped
+
+
+class RoutedRequest(Request, kw_only=True):
+    """A `Request` as the broker reads it: ``meta``, which only the model reads, left as its
+    msgpack bytes (`msgspec.Raw`, a view of the frame) and written back as they came (the
+    worker decodes it: `decode_request`).  A 1 MiB header could hold a million tiny values
+    in ``meta`` (``[[]] * 10**6``): decoded, 70 MB of Python objects and a tenth of a second
+    of the broker's loop, for every such request it queued (found by the resource hunt: 40
+    of them took the broker to 2.8 GB).  ``meta`` is bounded now (`MAX_META_BYTES`), and the
+    broker does not decode it at all."""
+
+    meta: msgspec.Raw = msgspec.Raw(b"\x80")
 
 
 class Reply(msgspec.Struct, kw_only=True):
@@ -328,6 +344,8 @@ class _ErrorOnly(msgspec.Struct):
 
 _ENC = msgspec.msgpack.Encoder()
 _DEC_REQUEST = msgspec.msgpack.Decoder(Request)
+_DEC_ROUTED = msgspec.msgpack.Decoder(RoutedRequest)
+_MAP_TYPES = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))  # msgpack's first bytes of a map
 _DEC_REPLY = msgspec.msgpack.Decoder(Reply)
 _DEC_CANCEL = msgspec.msgpack.Decoder(Cancel)
 _DEC_READY = msgspec.msgpack.Decoder(Ready)
@@ -383,12 +401,25 @@ def _decode(frame: Any, decoder: msgspec.msgpack.Decoder, what: str):
     return msg
 
 
-def decode_request(frame: Any, n_inline: int | None = None, frames: Sequence[Any] | None = None) -> Request:
+def decode_request(frame: Any, n_inline: int | None = None, frames: Sequence[Any] | None = None,
+                   routed: bool = False) -> Request:
     """Decode and validate a request header.  `n_inline` is the number of frames after the
     header; when given, inline references are checked against it and their sizes later by
     `check_inline_sizes`.  With ``frames`` (the frames after the header) both are checked
-    here, in one pass over the tensors."""
-    req = _decode(frame, _DEC_REQUEST, "request")
+    here, in one pass over the tensors.  ``routed``: as the broker reads it, a
+    `RoutedRequest` (``meta`` undecoded: its size and first byte checked; its contents are
+    the worker's to check)."""
+    if routed:
+        req = _decode(frame, _DEC_ROUTED, "request")
+        _check_meta_size(req.meta)
+    else:
+        if len(frame) > MAX_META_BYTES:
+            # Only a header this long can hold a `meta` over its bound: measured first
+            # (as the broker reads it), before building any of it.
+            _check_meta_size(_decode(frame, _DEC_ROUTED, "request").meta)
+        req = _decode(frame, _DEC_REQUEST, "request")
+        if req.meta:
+            _check_depth(req.meta, "request")
     if not 0 <= req.id < 1 << 64:
         raise ProtocolError(f"request id {req.id} must be an unsigned 64-bit integer")
     if req.priority not in (0, 1, 2):
@@ -397,8 +428,6 @@ def decode_request(frame: Any, n_inline: int | None = None, frames: Sequence[Any
         raise ProtocolError("timeout_ms must be a number, not NaN")
     if req.reply not in REPLY_MODES:
         raise ProtocolError(f"reply mode {req.reply!r} must be one of {sorted(REPLY_MODES)}")
-    if req.meta:
-        _check_depth(req.meta, "request")
     by_ref = check_tensors(req.tensors, n_inline, frames)
     if by_ref and req.host is None and any(type(t.loc) is ShmLoc for t in req.tensors):
         raise ProtocolError("a request with shared-memory tensors must name its host (field 'host')")
@@ -570,6 +599,16 @@ def decode_lease_hello(frame: Any) -> LeaseHello:
     if len(h.secret) != 16:
         raise ProtocolError("lease hello needs the lease's 16-byte secret")
     return h
+
+
+def _check_meta_size(meta: msgspec.Raw) -> None:
+    """A `RoutedRequest`'s ``meta``: at most MAX_META_BYTES, and a map (its first byte)."""
+    raw = memoryview(meta)
+    if raw.nbytes > MAX_META_BYTES:
+        raise ProtocolError(f"the request's 'meta' is {raw.nbytes} bytes of msgpack; the limit is {MAX_META_BYTES} "
+                            f"(parameters for the model: send data as tensors)")
+    if raw.nbytes and raw[0] not in _MAP_TYPES:
+        raise ProtocolError("bad request header: 'meta' must be a map")
 
 
 _CONTAINERS = frozenset({dict, list, tuple})  # what msgspec builds for maps, arrays, array keys

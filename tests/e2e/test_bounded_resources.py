@@ -427,3 +427,55 @@ def test_a_worker_out_of_descriptors_relays_a_reply_it_cannot_send_direct(cluste
     finally:
         for c in clients:
             c.close()
+
+
+def test_request_meta_is_bounded_and_the_broker_never_builds_it(cluster, gate):  # noqa: F811
+    """A header's `meta` is the model's: the broker keeps it as bytes, and it is at most
+    MAX_META_BYTES.  Before, a 1 MiB header whose meta held a million empty arrays decoded to
+    70 MB of Python objects and a tenth of a second of the broker's loop, for every such
+    request queued: 40 of them took a broker to 2.8 GB, and others' requests past their
+    deadlines (the resource hunt)."""
+    broker = cluster.broker()
+    _gated_worker(cluster, gate)
+    pid = broker.p.pid
+    s = _dealer(cluster.frontend)
+    try:
+        with Client(cluster.frontend, timeout=10) as c:
+            wait_service(c, "gate")
+            # Over the bound: 400 from the broker, which the SDK refuses to send at all.
+            over = P.encode_header(P.Request(id=1, meta={"m": [[]] * (P.MAX_META_BYTES + 1)}))
+            s.send_multipart(P.client_request("gate", [over]))
+            assert s.poll(10_000), "no answer to an oversized meta"
+            rep = P.decode_reply(P.parse_broker_to_client(s.recv_multipart()).body[0])
+            assert rep.error.code == int(P.ErrorCode.PROTOCOL_ERROR) and "limit" in rep.error.message, rep.error
+            from client_sdk import InvalidInput
+
+            with pytest.raises(InvalidInput, match="meta takes"):
+                c.infer("gate", {"x": np.zeros(1)}, meta={"m": [[]] * (P.MAX_META_BYTES + 1)})
+            rss0 = _status_kib(pid, "VmRSS")
+            # Under it, 40 queued behind the gated worker: about 64 KiB of bytes each here,
+            # where decoded they were 4 MB of objects each (170 MB in all).
+            t = P.TensorRef(name="x", dtype="|u1", shape=[1], loc=P.InlineLoc(frame=0))
+            meta = {"m": [[]] * (P.MAX_META_BYTES - 64)}
+            for i in range(40):
+                head = P.encode_header(P.Request(id=100 + i, tensors=[t], meta=meta))
+                s.send_multipart(P.client_request("gate", [head, b"\x07"]))
+            # The broker has read them all once it answers a query sent after them on the
+            # same connection.
+            s.send_multipart(P.client_request("mmi.service", [b"gate"]))
+            deadline = time.monotonic() + 10
+            while True:
+                assert s.poll(max(0, int((deadline - time.monotonic()) * 1000))), "no MMI answer"
+                m = P.parse_broker_to_client(s.recv_multipart())
+                if m.service == b"mmi.service":
+                    break
+            rss1 = _status_kib(pid, "VmRSS")
+            print(f"\nmeta: broker VmRSS {rss0} -> {rss1} KiB (+{rss1 - rss0}) for 40 queued requests")
+            assert rss1 - rss0 < 32 * 1024, (rss0, rss1)
+            # The model gets the meta whole (the first one runs once released).
+            gate.release(41)
+            with c.infer("gate", {"x": np.arange(3)}) as r:
+                np.testing.assert_array_equal(r["x"], np.arange(3))
+    finally:
+        s.close(0)
+    assert broker.p.poll() is None, broker.stderr()
