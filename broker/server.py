@@ -18,6 +18,7 @@ request id, otherwise dropped; it never raises out of the loop.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import logging
 import math
@@ -27,6 +28,7 @@ import select
 import socket
 import struct
 import sys
+import termios
 import threading
 import time
 from dataclasses import dataclass, field
@@ -82,6 +84,9 @@ _POLLIN = int(zmq.POLLIN)
 _LEASE_ACTIONS = frozenset({LeaseToWorker, LeaseToClient, LeaseRefused, LeaseEndToClient, LeaseEndToWorker})
 _MAX_CLIENT_PIDS = 1 << 16
 _MAX_SERVICES = 1024  # service names remembered for the HTTP endpoint (as broker.metrics.MAX_SERVICES)
+#: bytes sent to a client before the broker looks whether its connection holds any unread
+#: (`_unread_bytes`: one ioctl): small replies cost an addition each
+_UNREAD_LOOK = 1 << 20
 #: the interpreter's switch interval while the HTTP threads run (`_open_http`)
 HTTP_SWITCH_S = 0.0005
 _LIVE_WITHIN_S = 2.0  # live: the loop passed this recently (it passes at least every 100 ms)
@@ -486,6 +491,10 @@ class Broker:
         # The once-a-second collection that fails (out of descriptors, say): once a minute.
         self._gc_oops = P.RateLimitedLog(log, every=60.0)
         self._doomed: dict[bytes, None] = {}  # clients a send found stalled or gone, to drop
+        # Bytes sent to each client since its connection was last seen with nothing unread
+        # (`_send_client`), and how many it may have waiting: its byte cap's worth.
+        self._unread: dict[bytes, int] = {}
+        self._max_unread = max(self.cfg.scheduler.max_client_bytes, _UNREAD_LOOK)
         self._dropping = False
         self.malformed = 0
         self._log_levels()  # whether request lines are logged (read again every _GC_INTERVAL)
@@ -921,6 +930,7 @@ class Broker:
                                           remote=remote), now)
 
     def _forget_client(self, ident: bytes) -> None:
+        self._unread.pop(ident, None)
         self._kept_conns.pop(ident, None)
         self._client_pids.pop(ident, None)
         self._client_tcp.pop(ident, None)
@@ -1071,16 +1081,61 @@ class Broker:
             self.send_to_client(head + frames)
         except zmq.Again:
             # client_hwm messages wait for it already: it does not read what it asked for.
-            # Drop it as if it had disconnected (its queued requests go, its running ones
-            # are cancelled at their workers), so it holds no more of our memory and nobody
-            # else waits behind it.  Were it to read again, it finds its calls unanswered.
-            self.stalled_clients += 1
-            self._stall_log.warning("client %r stopped reading its replies (%d waiting); dropped its requests",
-                                    ident[:16], self.cfg.client_hwm)
-            doomed[ident] = None
+            self._stalled(ident, f"{self.cfg.client_hwm} replies waiting")
+            return
         except zmq.ZMQError as e:  # EHOSTUNREACH: a client that went away: nothing to deliver to
             self._bad.warning("could not send to client %r: %s", ident[:16], e)
             doomed[ident] = None
+            return
+        # Bytes that may wait for it in libzmq's queue: bounded, whatever their count.
+        unread = self._unread
+        size = _nbytes(frames)
+        n = unread.get(ident, 0) + size
+        if n > _UNREAD_LOOK:
+            n = self._unread_bytes(ident, n, size)
+            if n > self._max_unread:
+                self._stalled(ident, f"{n >> 20} MiB of replies unread")
+                return
+        unread[ident] = n
+
+    def _unread_bytes(self, ident: bytes, n: int, size: int) -> int:
+        """``n`` bytes were sent to ``ident`` (``size`` of them just now) since its
+        connection was last seen with nothing unread: whether its kernel buffer still holds
+        some (the peer has not read everything sent: they add up) or not (it read all that
+        came before: only this message may wait).  On a Unix socket the kernel counts bytes
+        until the peer's process reads them; on tcp, until the peer's kernel has them."""
+        fd = self._client_conn.get(ident)
+        if fd is None:
+            return n
+        try:
+            queued = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        except OSError:
+            return n
+        return n if queued else size
+
+    def _stalled(self, ident: bytes, why: str) -> None:
+        """``ident`` does not read what it asked for.  Drop it as if it had disconnected
+        (its queued requests go, its running ones are cancelled at their workers), so that
+        nobody else waits behind it, and close its connection, so that what waits for it in
+        libzmq's queue (replies it will never read) is freed: libzmq keeps a connected
+        peer's queue until the connection ends.  Were it to read again, it finds its
+        calls unanswered (and our SDK, a new connection: it sends them again)."""
+        self.stalled_clients += 1
+        self._stall_log.warning("client %r stopped reading its replies (%s); dropped its requests and its "
+                                "connection", ident[:16], why)
+        self._doomed[ident] = None
+        if sock_events(self._frontend_events) & _POLLIN:
+            self._on_frontend_events()  # a close already queued: its number may be another's now
+        fd = self._client_conn.get(ident)
+        if fd is not None:
+            try:
+                # libzmq owns the descriptor (and closes it): only the connection is ended
+                # (through a copy of the descriptor), and its engine, seeing that, frees the
+                # queue.
+                with socket.socket(fileno=os.dup(fd)) as conn:
+                    conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def _send_late(self, ident: bytes, frames: list) -> None:
         """A late reply (LateToClient): to a client still there and reading; one gone, or

@@ -226,23 +226,28 @@ def test_a_client_that_stops_reading_costs_bounded_memory_and_nobody_else_notice
         # memory, so the process's byte cap, which the hog fills, does not touch it.)
         # It takes one message at a time and a small socket buffer, and never reads.  Its
         # sends wait while the previous one is still queued here, so that what it sent is
-        # what the broker has read (sndtimeo: each send fails after 10 s instead of hanging).
-        hog = _dealer(cluster.frontend, rcvhwm=1, rcvbuf=4096, sndhwm=1, sndbuf=65536)
+        # what the broker has read, until the broker closes its connection (a client that
+        # stopped reading): then a send waits for a connection its socket, not reading, does
+        # not notice is gone (sndtimeo: it fails after 2 s instead).
+        hog = _dealer(cluster.frontend, rcvhwm=1, rcvbuf=4096, sndhwm=1, sndbuf=65536, sndtimeo=2000)
         try:
             payload = bytes(size)
+            sent = 0
             for i in range(n_big):
                 # Zero-copy: every message references the same 1 MiB buffer of this process.
-                hog.send_multipart(_request("echo", i + 1, payload, "|u1", [size], reply="inline"), copy=False)
-                if i % 4 == 0:  # meanwhile, 50 small echoes of a well-behaved client
+                try:
+                    hog.send_multipart(_request("echo", i + 1, payload, "|u1", [size], reply="inline"), copy=False)
+                except zmq.Again:
+                    break
+                sent += 1
+                if i % 4 == 0:  # meanwhile, small echoes of a well-behaved client
                     _echo(good, np.full(64, i, np.int32))
-            # Each send returned once the one before had left this process (sndhwm 1, a small
-            # socket buffer): the broker has read all but the last of the 200 MiB.
             broker.wait_log(STALLED, timeout=20)
             _echo(good, np.arange(16, dtype=np.int64))  # still served, after all of it
             rss1 = _status_kib(pid, "VmRSS")
             hwm = _status_kib(pid, "VmHWM")
             print(f"\nstalled reader: broker VmRSS {rss0} -> {rss1} KiB (+{rss1 - rss0}), "
-                  f"peak VmHWM {hwm} KiB (+{hwm - rss0}) for {n_big * size >> 20} MiB sent")
+                  f"peak VmHWM {hwm} KiB (+{hwm - rss0}) for {sent * size >> 20} MiB sent")
             # What the broker may hold for the hog: its queued and running requests (32 MiB,
             # --max-client-mb), client_hwm (8) replies of 1 MiB waiting in its send queue, 8
             # requests of 1 MiB in its receive queue, the echo worker's replies in flight
@@ -478,4 +483,50 @@ def test_request_meta_is_bounded_and_the_broker_never_builds_it(cluster, gate): 
                 np.testing.assert_array_equal(r["x"], np.arange(3))
     finally:
         s.close(0)
+    assert broker.p.poll() is None, broker.stderr()
+
+
+def test_replies_a_client_does_not_read_are_bounded_in_bytes_not_only_in_count(cluster):
+    """With the default `client_hwm` (4096 messages), a client that asks for big inline
+    replies and never reads them made the broker hold them all: 100 of 16 MiB took it to 1.6
+    GB, and a memory limit killed it (the resource hunt).  Replies waiting for one client are
+    bounded in bytes too (its byte cap, `--max-client-mb`): past it the client is dropped as
+    one that stopped reading, and its connection closed, which frees libzmq's queue."""
+    broker = cluster.broker("--max-client-mb", "32")
+    cluster.worker("echo")
+    pid = broker.p.pid
+    size = 4 * MiB
+    with Client(cluster.frontend, timeout=10) as good:
+        wait_service(good, "echo")
+        _echo(good, np.arange(16, dtype=np.int64))
+        rss0 = _status_kib(pid, "VmRSS")
+        hog = _dealer(cluster.frontend, rcvhwm=1, rcvbuf=4096, sndhwm=1, sndbuf=65536, sndtimeo=2000)
+        try:
+            payload = bytes(size)
+            sent = 0
+            # Until the broker ends its connection (each send waits while the one before is
+            # still queued here; at most 60: 240 MiB, against a cap of 32; then a send times
+            # out: its socket, not reading, does not see the connection go).
+            while sent < 60:
+                try:
+                    hog.send_multipart(_request("echo", sent + 1, payload, "|u1", [size], reply="inline"), copy=False)
+                except zmq.Again:
+                    break
+                sent += 1
+                if sent % 8 == 0:
+                    _echo(good, np.full(64, sent, np.int32))
+            assert sent < 60, "the broker kept the connection of a client that read nothing"
+            broker.wait_log("MiB of replies unread", timeout=20)
+            rss1 = _status_kib(pid, "VmRSS")
+            hwm = _status_kib(pid, "VmHWM")
+            print(f"\nunread replies: broker VmRSS {rss0} -> {rss1} KiB (+{rss1 - rss0}), peak VmHWM {hwm} KiB "
+                  f"(+{hwm - rss0}) for {sent} requests of {size >> 20} MiB")
+            # Its cap of unread replies (32 MiB) and of requests (32 MiB), the echo worker's
+            # replies in flight, the kernel's buffers and allocator slack; unbounded, most of
+            # what was sent (4 MiB a request) stayed.
+            assert hwm - rss0 < 120 * 1024, (rss0, hwm)
+            assert rss1 - rss0 < 64 * 1024, (rss0, rss1)
+            _echo(good, np.arange(16, dtype=np.int64))  # the well-behaved client never noticed
+        finally:
+            hog.close(0)
     assert broker.p.poll() is None, broker.stderr()
