@@ -58,7 +58,13 @@ credit.  The walk looks at no more than ``_SCAN`` requests of one principal and
 now costs a constant per pass instead of the queue length; requests found expired on the way
 are failed, never dispatched.  Among the candidates the one with the highest effective
 priority ``weight[pri] * (1 + waited / aging_s)`` is dispatched: urgent work wins while
-fresh, and anything that waits long enough overtakes it, so no class starves.  Within a class
+fresh, and anything that waits long enough overtakes it, so no class starves.  ``waited``
+counts from the candidate's arrival or from its principal's previous dispatch in its class,
+whichever is later: a request behind its own principal's backlog is waiting for that
+backlog, not for the other classes.  (Counted from arrival, the head of one client's deep
+urgent backlog was always as old as the backlog took to drain, and outscored every normal
+request for as long as it was refilled.)  So a normal request waits about (3 - 1) x aging_s
+= 1 s at most behind one principal's flood of urgent requests, with the default weights.  Within a class
 this is round robin between principals: a principal with 50,000 queued requests (on one
 connection or on 50,000) gets one dispatch, then every other principal waiting in the class
 (with something placeable) gets one, before its next; a principal with one request at a time
@@ -1397,6 +1403,7 @@ class Scheduler(LeaseEvents):
         fifo = ring.get(c)
         if fifo is None:
             fifo = ring[c] = OrderedDict()
+            fifo.served = 0.0  # when this FIFO last had a request dispatched (_pump's aging)
         fifo[req] = None
         if front:
             fifo.move_to_end(req, last=False)
@@ -1594,7 +1601,7 @@ class Scheduler(LeaseEvents):
                 if not ring:
                     continue
                 expired = None
-                cand = None
+                cand = cand_fifo = None
                 left = _CLASS_SCAN
                 # Least recently served principal first; in its FIFO, the first request that
                 # can go somewhere now (see Dispatch in the module docstring).
@@ -1615,7 +1622,7 @@ class Scheduler(LeaseEvents):
                             continue  # it waits for a worker of its own (_place_lone)
                         pool = pools.get(req.local_host)
                         if pool is not None and ready(pool) is not None:
-                            cand = req
+                            cand, cand_fifo = req, fifo
                             break
                     if cand is not None or not left:
                         break
@@ -1623,11 +1630,18 @@ class Scheduler(LeaseEvents):
                     for req in expired:
                         self._expire_deadline(req, now, out)
                 if cand is not None:
-                    score = weights[pri] * (1.0 + (now - cand.enqueued_at) / aging)
+                    # Its wait: since it was queued, or since its principal's previous request
+                    # in this class was dispatched, whichever is later: a request behind its
+                    # own principal's backlog waits for that backlog, not for the other
+                    # classes (the head of a deep urgent backlog is always old, and scored by
+                    # its age it kept normal requests out for good: the resource hunt).
+                    start = cand.enqueued_at if cand.enqueued_at > cand_fifo.served else cand_fifo.served
+                    score = weights[pri] * (1.0 + (now - start) / aging)
                     if best is None or score > best_score:
-                        best, best_score = cand, score
+                        best, best_score, best_fifo = cand, score, cand_fifo
             if best is None:
                 return
+            best_fifo.served = now
             self._take(best, True)
             self._start(best, ready(pools[best.local_host]), now, out)
 

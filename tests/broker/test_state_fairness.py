@@ -178,6 +178,37 @@ def test_aging_still_lets_an_old_class_overtake():
     assert order == [(A, 1), (B, 1)]
 
 
+def test_a_deep_urgent_backlog_does_not_starve_another_class():
+    """One principal keeps 200 urgent requests queued (any client may claim urgent); another
+    sends one normal request.  Scored by the age of the urgent head, the deep backlog's head
+    was always about as old as the backlog took to drain, and the normal request waited
+    minutes (its client's 8 s deadlines all passed: the resource hunt).  A request's wait
+    counts from its principal's previous dispatch in its class, so the normal one goes
+    after about (3 - 1) x aging_s = 1 s (weights 3/1, aging 0.5 s)."""
+    s = Scheduler(Config(max_queue=10_000, max_client_requests=10_000))
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, X, 0), Dispatch).token
+    for i in range(200):
+        req(s, A, i + 1, now=0.0, priority=Priority.URGENT)
+    now, step = 0.0, 0.02  # each request takes 20 ms
+    for k in range(199):
+        now += step
+        if k == 100:  # two seconds in, the urgent head has waited 2 s
+            req(s, B, 1, now=now)
+            sent = now
+        d = only(s.worker_final(b"w", token, now, None), Dispatch)
+        token = d.token
+        if d.client == B:
+            break
+        if k == 100 + 90:
+            pytest.fail("the normal request waited 1.8 s behind a single principal's urgent backlog")
+    assert d.client == B
+    waited = now - sent
+    # Urgent work still wins while fresh: the normal request goes once 1 + waited/0.5 beats
+    # 3 x (1 + step/0.5), the urgent head having waited one step since the previous dispatch.
+    assert 1.0 <= waited <= 1.0 + 4 * step, waited
+
+
 # ----------------------------------------------------------------------------- locality
 
 

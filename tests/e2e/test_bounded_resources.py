@@ -530,3 +530,48 @@ def test_replies_a_client_does_not_read_are_bounded_in_bytes_not_only_in_count(c
         finally:
             hog.close(0)
     assert broker.p.poll() is None, broker.stderr()
+
+
+def test_a_client_that_marks_everything_urgent_does_not_starve_normal_ones(cluster, tmp_path):
+    """Any client may mark its requests urgent.  One (another process) that keeps 100 urgent
+    requests queued made every normal request of another client wait past its 8 s deadline:
+    the head of a deep backlog is about as old as the backlog takes to drain, and aging
+    scored it so (the resource hunt).  Now a normal request waits about (3 - 1) x aging_s =
+    1 s at most behind any flood of one principal's urgent requests (weights 3/1, 0.5 s)."""
+    cluster.broker()
+    cluster.worker("gate_model:sleepy", "--max-batch", "1", "--credit", "1",
+                   env={"SLEEPY_LOG": str(tmp_path / "runs.log")})
+    x = np.array([0.02])  # 20 ms a call
+    t = P.TensorRef(name="x", dtype=x.dtype.str, shape=[1], loc=P.InlineLoc(frame=0))
+
+    def urgent(rid: int) -> list:
+        return P.client_request("sleepy", [P.encode_header(P.Request(id=rid, priority=0, tensors=[t])), x.tobytes()])
+
+    greedy = _ChildDealer(cluster.frontend, tmp_path)
+    try:
+        with Client(cluster.frontend, timeout=10) as c:
+            wait_service(c, "sleepy")
+            rid = 0
+            for _ in range(100):
+                rid += 1
+                greedy.send_multipart(urgent(rid))
+            took = []
+            for _ in range(3):
+                with c.infer_stream("sleepy", {"x": np.array([0.0])}, timeout=8) as replies:
+                    t0 = time.monotonic()
+                    while True:  # keep the backlog 100 deep while the normal request waits
+                        while greedy.poll(0):
+                            greedy.recv_multipart()
+                            rid += 1
+                            greedy.send_multipart(urgent(rid))
+                        try:
+                            res = replies.result(timeout=0.005)
+                            break
+                        except TimeoutError:
+                            pass
+                    took.append(time.monotonic() - t0)
+                    res.release()
+            print(f"\nnormal requests behind an urgent flood: {[round(s, 2) for s in took]} s")
+            assert max(took) < 3.0, took
+    finally:
+        greedy.close()
