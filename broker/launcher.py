@@ -571,6 +571,7 @@ _PRELUDE = (
 )
 _LINE = 8192  # longest line read from a child at once (a longer one arrives in pieces)
 _TAIL = 20  # stderr lines kept per child for the give-up message
+_REAP_TIMEOUT = 5.0  # seconds to wait for the SIGKILLed child of a failed start to exit
 _DRAIN_POLL = 0.02  # seconds between looks at the broker's admitted requests while draining
 _WATCH_POLL = 1.0  # seconds between looks at the broker's list of registered workers
 _DRAIN_REASON = "the broker is shutting down (its launcher was told to stop); send the request elsewhere or later"
@@ -726,39 +727,48 @@ class Launcher:
             time.sleep(_DRAIN_POLL)
 
     def _do(self, actions) -> None:
+        # One action that fails (for one worker, or a line that cannot be written) is logged
+        # and the rest carried out: it stops no other worker.  (A failure of the supervisor
+        # itself, its state machine or the loop, still stops everything: _supervise.)
         for a in actions:
-            t = type(a)
-            if t is StartWorker:
-                self._start(a)
-            elif t is StopWorker:
-                self._signal(a.wid, signal.SIGTERM)
-            elif t is KillWorker:
-                self._signal(a.wid, signal.SIGKILL)
-            elif t is WorkerGone:
-                self._gone(a)
-            elif t is AllReady:
-                b = self.broker
-                http = f" http={b.http_address}" if getattr(b, "http", None) is not None else ""
-                print(f"READY frontend={b.frontend_ep} backend={b.backend_ep}{http} workers={a.workers}",
-                      file=self._out, flush=True)
-                log.info("every pool is ready: %s", ", ".join(f"{p.name} x{p.count}" for p in self.deploy.pools))
-            elif t is GiveUp:
-                child = self._children.get(a.wid)
-                said = child.tail[-1] if child is not None and child.tail else "(it wrote nothing on stderr)"
-                p = self._pools[a.pool]
-                self.exit_code = 2 if a.code == 2 else 1
-                line = (f"python -m broker: pool {a.pool!r} (model {p.model!r}) worker {a.index} exited with code "
-                        f"{a.code} before it was ready: {said}")
-                if logs.configured_format() == "json":
-                    log.error("%s", line)  # one JSON object, like every other line on stderr
-                else:
-                    self._say(line)
-            elif t is RollDone:
-                log.info("pool %s: rolling restart done", a.pool)
-            elif t is Notice:
-                log.log(a.level, "%s", a.message)
-            elif t is Finished:
-                log.info("every worker has exited")
+            try:
+                self._act(a)
+            except Exception:
+                log.exception("the launcher could not carry out %r; carrying on", a)
+
+    def _act(self, a) -> None:
+        t = type(a)
+        if t is StartWorker:
+            self._start(a)
+        elif t is StopWorker:
+            self._signal(a.wid, signal.SIGTERM)
+        elif t is KillWorker:
+            self._signal(a.wid, signal.SIGKILL)
+        elif t is WorkerGone:
+            self._gone(a)
+        elif t is AllReady:
+            b = self.broker
+            http = f" http={b.http_address}" if getattr(b, "http", None) is not None else ""
+            print(f"READY frontend={b.frontend_ep} backend={b.backend_ep}{http} workers={a.workers}",
+                  file=self._out, flush=True)
+            log.info("every pool is ready: %s", ", ".join(f"{p.name} x{p.count}" for p in self.deploy.pools))
+        elif t is GiveUp:
+            child = self._children.get(a.wid)
+            said = child.tail[-1] if child is not None and child.tail else "(it wrote nothing on stderr)"
+            p = self._pools[a.pool]
+            self.exit_code = 2 if a.code == 2 else 1
+            line = (f"python -m broker: pool {a.pool!r} (model {p.model!r}) worker {a.index} exited with code "
+                    f"{a.code} before it was ready: {said}")
+            if logs.configured_format() == "json":
+                log.error("%s", line)  # one JSON object, like every other line on stderr
+            else:
+                self._say(line)
+        elif t is RollDone:
+            log.info("pool %s: rolling restart done", a.pool)
+        elif t is Notice:
+            log.log(a.level, "%s", a.message)
+        elif t is Finished:
+            log.info("every worker has exited")
 
     def _on_exit(self, wid: int, code: int, now: float) -> None:
         self._do(self.sup.worker_exited(wid, code, now))
@@ -800,25 +810,58 @@ class Launcher:
         return [sys.executable, "-c", _PRELUDE, str(os.getpid()), "-m", "gpu_worker", *fmt, *args]
 
     def _start(self, a: StartWorker) -> None:
+        """Start worker ``a.wid``.  A start that fails (a fork or exec refused, a reader thread
+        that cannot start: a pids, memory or descriptor limit reached) is that worker's alone:
+        a child already forked is killed and reaped, and the supervisor hears at once of an
+        exit with code 127, a crash like any other (restarted after the pool's backoff; at the
+        launch, before its first READY, it gives up as a worker that cannot load does)."""
         pool = self._pools[a.pool]
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        popen = None
+        readers: list[threading.Thread] = []
         try:
             popen = subprocess.Popen(self._argv(pool), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, env=env, start_new_session=True, close_fds=True)
-        except OSError as e:
-            log.error("pool %s worker %d: cannot start python -m gpu_worker: %s", a.pool, a.index, e)
+            child = _Child(a.wid, a.pool, a.index, popen)
+            self._children[a.wid] = child
+            log.info("%s started%s", child.tag, "" if a.reason == "start" else f" ({a.reason})")
+            readers = [
+                threading.Thread(target=self._read_stdout, args=(child,), name=f"{a.pool}/{a.index}-out", daemon=True),
+                threading.Thread(target=self._read_stderr, args=(child,), name=f"{a.pool}/{a.index}-err", daemon=True),
+            ]
+            child.threads = readers
+            for t in readers:
+                t.start()
+            threading.Thread(target=self._wait, args=(child,), name=f"{a.pool}/{a.index}-wait", daemon=True).start()
+        except Exception as e:
+            self._children.pop(a.wid, None)
+            what = f"pool {a.pool} worker {a.index}" + ("" if popen is None else f" pid {popen.pid}")
+            if popen is not None:
+                self._discard(popen, readers)
+            # (a traceback only for what no exhausted resource explains: a bug)
+            log.error("%s: cannot start python -m gpu_worker: %s%s", what, str(e) or type(e).__name__,
+                      "" if popen is None else " (its process was killed)",
+                      exc_info=not isinstance(e, (OSError, RuntimeError, MemoryError)))
             self._events.put(("exited", a.wid, 127))
-            return
-        child = _Child(a.wid, a.pool, a.index, popen)
-        self._children[a.wid] = child
-        log.info("%s started%s", child.tag, "" if a.reason == "start" else f" ({a.reason})")
-        out = threading.Thread(target=self._read_stdout, args=(child,), name=f"{a.pool}/{a.index}-out", daemon=True)
-        err = threading.Thread(target=self._read_stderr, args=(child,), name=f"{a.pool}/{a.index}-err", daemon=True)
-        child.threads = [out, err]
-        for t in child.threads:
-            t.start()
-        threading.Thread(target=self._wait, args=(child,), name=f"{a.pool}/{a.index}-wait", daemon=True).start()
+
+    def _discard(self, popen: subprocess.Popen, readers: list[threading.Thread]) -> None:
+        """Kill and reap the child of a start that failed half-way, and close the pipes that
+        no reader took (a reader that did start closes its own at the child's exit)."""
+        try:
+            popen.kill()
+        except OSError:
+            pass
+        try:
+            popen.wait(_REAP_TIMEOUT)
+        except subprocess.TimeoutExpired:  # (subprocess reaps it at a later Popen)
+            log.warning("pid %d of a failed start still there %g s after SIGKILL", popen.pid, _REAP_TIMEOUT)
+        for i, f in enumerate((popen.stdout, popen.stderr)):
+            if i >= len(readers) or readers[i].ident is None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
 
     def _read_stdout(self, child: _Child) -> None:
         f = child.popen.stdout

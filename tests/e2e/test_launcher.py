@@ -36,12 +36,12 @@ READY_LOG = re.compile(r"pool (\S+) worker (\d+) pid (\d+) ready")
 class Launcher(Proc):
     """`python -m broker --config FILE` on ipc endpoints in `tmp`, with 0.2 s heartbeats."""
 
-    def __init__(self, tmp, pools: str, env: dict | None = None):
+    def __init__(self, tmp, pools: str, env: dict | None = None, prefix=()):
         self.frontend = f"ipc://{tmp}/fe.ipc"
         path = tmp / "deploy.toml"
         path.write_text(f'frontend = "{self.frontend}"\nbackend = "ipc://{tmp}/be.ipc"\n'
                         "[scheduler]\nheartbeat_interval = 0.2\n" + textwrap.dedent(pools))
-        super().__init__(["-m", "broker", "--config", str(path), "--log-level", "INFO"], env=env)
+        super().__init__(["-m", "broker", "--config", str(path), "--log-level", "INFO"], env=env, prefix=prefix)
 
     def wait_for(self, pattern: str, start: int = 0, timeout: float = 20.0) -> re.Match:
         """The first match of `pattern` in stderr past offset `start` (read as it comes)."""
@@ -77,8 +77,8 @@ class Launcher(Proc):
 def launchers():
     started = []
 
-    def start(tmp, pools, env=None, wait=True):
-        proc = Launcher(tmp, pools, env)
+    def start(tmp, pools, env=None, wait=True, prefix=()):
+        proc = Launcher(tmp, pools, env, prefix)
         started.append(proc)
         if wait:
             proc.wait_ready()
@@ -487,3 +487,122 @@ def test_a_stderr_nobody_reads_stalls_nothing_and_the_exit(tmp_path, launchers):
     assert launcher.p.wait(30) == 0
     # What it wrote before the pipe filled (the rest was dropped, or given up on at exit).
     assert "broker INFO request dispatched" in launcher.read_all_stderr()
+
+
+# ------------------------------------------------------------------------- resource limits
+
+
+def _pids_root() -> str | None:
+    """Where a pids cgroup can be made: the cgroup v1 `pids` hierarchy, or a cgroup v2 one
+    whose root hands the pids controller to its children."""
+    with open("/proc/mounts") as f:
+        mounts = [line.split()[1:4] for line in f]
+    for where, kind, opts in mounts:
+        if kind == "cgroup" and "pids" in opts.split(","):
+            return where
+    for where, kind, _ in mounts:
+        try:
+            with open(f"{where}/cgroup.subtree_control") as f:
+                if kind == "cgroup2" and "pids" in f.read().split():
+                    return where
+        except OSError:
+            pass
+    return None
+
+
+@pytest.fixture
+def pids_cgroup():
+    """A new pids cgroup (its pids.max `max`), removed at the end once its processes are
+    gone; skips without root or a pids controller.  Request it before `launchers`, so that
+    the launchers are stopped first."""
+    root = _pids_root()
+    if os.geteuid() != 0 or root is None:
+        pytest.skip("needs root and a cgroup pids controller (v1, or v2 enabled for the root's children)")
+    path = f"{root}/zinf-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        os.mkdir(path)
+    except OSError as e:
+        pytest.skip(f"cannot make a pids cgroup in {root}: {e}")
+    try:
+        yield path
+    finally:
+        with open(f"{path}/pids.max", "w") as f:
+            f.write("max")
+        with open(f"{path}/cgroup.procs") as f:
+            left = [int(p) for p in f.read().split()]
+        fds = {}
+        for pid in left:  # (only if the test failed before the launcher could stop them)
+            try:
+                fds[pid] = os.pidfd_open(pid)
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        wait_gone(fds, 20.0)
+        os.rmdir(path)
+        assert not left, f"processes left in the cgroup after the launcher's exit: {left}"
+
+
+def _children(pid: int) -> dict[int, str]:
+    """{pid: state} of every child of `pid` (a zombie's state is Z)."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out[int(name)] = fields[0]
+    return out
+
+
+def test_a_restart_that_cannot_start_its_threads_is_retried_and_stops_nothing_else(tmp_path, pids_cgroup, launchers):
+    # The launcher in a pids cgroup at its limit: a crashed worker's restart forked, then the
+    # launcher could not start the thread that reads the new worker's output (RuntimeError,
+    # not the OSError of a fork refused): the supervisor failed, every worker of both pools was
+    # stopped and the launcher exited 1, seconds before the limit was lifted.  Now that start
+    # fails alone: its child is killed and reaped, and it is retried after the backoff.
+    la = launchers(tmp_path, "[launcher]\nrestart_backoff_s = 2\nrestart_backoff_max_s = 2\n"
+                   + textwrap.dedent(TWO_POOLS),
+                   prefix=["sh", "-c", f'echo $$ > {pids_cgroup}/cgroup.procs && exec "$@"', "sh"])
+    la.wait_for(r"every pool is ready")
+    before = la.ready_pids()
+    victim = before[("echo", 0)]
+    others = {slot: pid for slot, pid in before.items() if slot != ("echo", 0)}
+    assert set(_children(la.p.pid)) == set(before.values())
+    mark = len(la._err)
+    os.kill(victim, signal.SIGKILL)
+    la.wait_for(rf"pool echo worker 0 pid {victim} exited with code -9; restarting it in 2 s", mark)
+    # Reaped: room for one more task than there are now (its restart forks, and no more).
+    with open(f"{pids_cgroup}/pids.current") as f:
+        limit = int(f.read()) + 1
+    try:
+        with open(f"{pids_cgroup}/pids.max", "w") as f:
+            f.write(str(limit))
+        m = la.wait_for(r"pool echo worker 0 pid (\d+)"
+                        r"(: cannot start python -m gpu_worker: .*\(its process was killed\)| ready)", mark)
+        assert m.group(2) != " ready", "the restart came before the limit was set (2 s of backoff)"
+        failed = int(m.group(1))
+        # Killed and reaped before that line: the launcher's children are the other workers,
+        # none a zombie; every other worker runs on.
+        kids = _children(la.p.pid)
+        assert set(kids) == set(others.values()) and "Z" not in kids.values(), kids
+        assert not os.path.exists(f"/proc/{failed}")
+        la.wait_for(r"pool echo worker 0 exited with code 127; restarting it in 2 s", mark)
+    finally:
+        with open(f"{pids_cgroup}/pids.max", "w") as f:
+            f.write("max")
+    m = la.wait_for(r"pool echo worker 0 pid (\d+) ready", mark, timeout=30)
+    assert int(m.group(1)) not in (victim, failed)
+    log = la._err.decode(errors="replace")[mark:]
+    assert "supervisor failed" not in log and "told to stop" not in log, log
+    assert {slot: pid for slot, pid in la.ready_pids().items() if slot != ("echo", 0)} == others
+    assert la.p.poll() is None
+    with Client(la.frontend, timeout=10) as c:  # both pools serve
+        for service in ("echo", "echo2"):
+            with c.infer(service, {"x": np.ones(4)}) as r:
+                np.testing.assert_array_equal(r["x"], np.ones(4))
+    la.p.send_signal(signal.SIGTERM)
+    assert la.p.wait(60) == 0
