@@ -57,6 +57,7 @@ from broker.state import (
     RecallAtWorker,
     Config,
     DisconnectWorker,
+    LAST_WORKER,
     Dispatch,
     HeartbeatWorker,
     Scheduler,
@@ -487,6 +488,8 @@ class Broker:
         self._refused_at: dict[object, float] = {}  # a refused READY's peer -> when it was told why (_refuse_ready)
         self._told_unknown: dict[bytes, float] = {}  # an unknown worker -> when it was told to register (_tell_unknown)
         self._stall_log = P.RateLimitedLog(log)  # its own throttle: a flood of junk cannot hide it
+        self._deaths = P.RateLimitedLog(log)  # workers presumed dead (their own throttle, as above)
+        self._lost = P.RateLimitedLog(log)  # ... the last live one of a service
         self._oops = P.RateLimitedLog(log)  # unexpected exceptions: a traceback a second at most
         # The once-a-second collection that fails (out of descriptors, say): once a minute.
         self._gc_oops = P.RateLimitedLog(log, every=60.0)
@@ -1502,16 +1505,14 @@ class Broker:
         if self._gone.pop(ident, None) is not None and self.sched.has_worker(ident):
             # A READY under the identity of a worker whose connection closed (a peer that
             # names itself): the old registration's verdict comes first, as the event's did.
-            log.info("worker %r closed its connection; presuming it dead", ident[:16])
-            self._act(self.sched.worker_disconnect(ident, now), now)
+            self._presume_dead(ident, "closed its connection", now)
         try:
             fd = frame.get(zmq.SRCFD)  # the connection libzmq read this READY from
         except (zmq.ZMQError, AttributeError):  # not a received frame, or no SRCFD here
             return
         gone = self._worker_conns.bind(fd, ident)
         if gone is not None:
-            log.info("worker %r lost its connection (its number was reused); presuming it dead", gone[:16])
-            self._act(self.sched.worker_disconnect(gone, now), now)
+            self._presume_dead(gone, "lost its connection (its number was reused)", now)
 
     def _on_backend_events(self) -> None:
         """Apply the backend's connection events: the descriptor bookkeeping now, and for a
@@ -1548,8 +1549,21 @@ class Broker:
             gone, self._gone = list(self._gone), {}
         for ident in gone:
             if self.sched.has_worker(ident):  # not if it said DISCONNECT meanwhile
-                log.info("worker %r closed its connection; presuming it dead", ident[:16])
-                self._act(self.sched.worker_disconnect(ident, now), now)
+                self._presume_dead(ident, "closed its connection without a DISCONNECT", now)
+
+    def _presume_dead(self, ident: bytes, how: str, now: float) -> None:
+        """A registered worker is gone without saying DISCONNECT: a WARNING (operators must
+        hear of a death, and of a service left without workers, at the default level;
+        throttled: a host's workers dying together are one line and a count), then the
+        scheduler's verdict."""
+        self._warn_death(ident, f"{how}; presumed dead{self.sched.death_note(ident)}")
+        self._act(self.sched.worker_disconnect(ident, now), now)
+
+    def _warn_death(self, ident: bytes, what: str) -> None:
+        info = self._worker_info.get(ident)
+        who = f"pid {info[1]}" if info is not None and info[1] is not None else repr(ident[:16])
+        # The last worker of a service has a throttle of its own: other deaths cannot hide it.
+        (self._lost if LAST_WORKER in what else self._deaths).warning("worker %s %s", who, what)
 
     # ------------------------------------------------------------------ actions
 
@@ -1595,7 +1609,10 @@ class Broker:
             elif t in _LEASE_ACTIONS:
                 self._lease_action(a)
             elif t is DisconnectWorker:
-                log.info("disconnecting worker %r: %s", a.worker[:16], a.reason)
+                if a.dead:
+                    self._warn_death(a.worker, a.reason)
+                else:
+                    log.info("disconnecting worker %r: %s", a.worker[:16], a.reason)
                 self.send_to_worker([a.worker, *P.worker_disconnect()])
                 # A worker presumed dead may have died for real: sweep what it left now.
                 self._collect_shm()

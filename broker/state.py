@@ -343,10 +343,15 @@ class HeartbeatWorker:
     worker: bytes
 
 
+#: words of `Scheduler.death_note` when the worker was its service's last live one
+LAST_WORKER = "the service's last live worker"
+
+
 @dataclass(frozen=True, slots=True)
 class DisconnectWorker:
     worker: bytes
     reason: str
+    dead: bool = False  # presumed dead for its silence (the server warns: operators must hear of it)
 
 
 Action = (Dispatch | ToClient | ClientError | CancelAtWorker | RecallAtWorker | HeartbeatWorker
@@ -1169,7 +1174,8 @@ class Scheduler(LeaseEvents):
             elif kind == _T_WORKER:
                 out.append(DisconnectWorker(
                     obj.ident, f"no message for {now - obj.last_seen:.3f} s "
-                               f"(liveness {self._worker_ttl} s); presumed dead"))
+                               f"(liveness {self._worker_ttl} s); presumed dead{self.death_note(obj.ident)}",
+                    dead=True))
                 self._kill_worker(obj, now, out)
             else:
                 self._rename_if_it_loses(obj.ident)
@@ -1234,6 +1240,20 @@ class Scheduler(LeaseEvents):
     def has_worker(self, worker: bytes) -> bool:
         """Whether ``worker`` is registered and alive."""
         return worker in self._workers
+
+    def death_note(self, worker: bytes) -> str:
+        """What the death of ``worker`` (registered) costs, for the log line that reports it:
+        the requests it holds (retried elsewhere, or failed past their retries), and whether
+        it is its service's last live worker; "" for a worker not registered."""
+        w = self._workers.get(worker)
+        if w is None:
+            return ""
+        svc = w.svc
+        note = f"; service '{svc.name}', {len(w.in_flight)} request(s) held (retried on another worker, or failed)"
+        if svc.any.live <= 1:
+            note += (f"; it was {LAST_WORKER}: its requests wait {self.config.service_grace:g} s "
+                     f"(--service-grace) for another, then fail SERVICE_UNAVAILABLE")
+        return note
 
     def has_service(self, service: str) -> bool:
         svc = self._services.get(service)

@@ -1040,6 +1040,25 @@ def test_a_service_that_lost_its_workers_says_so_instead_of_start_one():
     assert "start one" in err.message
 
 
+def test_a_worker_presumed_dead_for_its_silence_is_a_death_the_server_warns_of():
+    # The broker said nothing at its default level when a worker died (the observability
+    # hunt): the verdict is marked `dead`, with what it costs, for a WARNING.
+    s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3, service_grace=1.0))
+    s.worker_ready(b"w1", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    assert of(req(s, 1, 0.0, client=b"c"), Dispatch)
+    assert s.death_note(b"nobody") == ""
+    s.worker_seen(b"w2", 2.0)
+    [d] = [a for a in s.tick(3.5) if type(a) is DisconnectWorker]
+    assert d.dead and "presumed dead; service 'svc'" in d.reason, d
+    assert "request(s) held" in d.reason and "last live worker" not in d.reason, d.reason
+    [d] = [a for a in s.tick(5.5) if type(a) is DisconnectWorker]
+    assert d.dead and d.worker == b"w2" and "it was the service's last live worker" in d.reason, d.reason
+    # A DISCONNECT of another kind (an unknown worker) is no death.
+    [d] = [a for a in s.worker_seen(b"ghost", 6.0) if type(a) is DisconnectWorker]
+    assert not d.dead
+
+
 def test_a_queued_only_cancel_leaves_a_running_request_alone():
     # A client resending a call it may have sent twice (a new connection to the broker) asks
     # for queued copies only: a copy already running answers (the network hunt saw a CANCEL

@@ -218,3 +218,33 @@ def test_a_failing_models_error_line_in_json_has_its_rids(cluster):
     for text in (broker_err, worker_err):
         recs = [json.loads(line) for line in text.splitlines() if line.strip()]
         assert not [x for x in recs if x["level"] in ("INFO", "DEBUG") or x["msg"].startswith("request")], recs
+
+
+def test_a_worker_death_and_a_service_left_without_workers_are_warnings(cluster, tmp_path):
+    """At the default level (WARNING), a standalone broker said nothing when a worker died
+    holding requests, nor when a service lost its last worker: only INFO lines did (the
+    observability hunt).  Both are WARNINGs now, naming the pid, the service and what the
+    death costs; the first worker's death (another remains) is not the service's last."""
+    import signal
+
+    broker = cluster.broker()  # the default level
+    held = {"SLEEPY_LOG": str(tmp_path / "runs.log")}
+    one = cluster.worker("gate_model:sleepy", "--max-batch", "1", env=held)
+    two = cluster.worker("gate_model:sleepy", "--max-batch", "1", env=held)
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "sleepy")
+        c.infer("sleepy", {"x": np.zeros(1)}).release()
+    one.p.send_signal(signal.SIGKILL)
+    one.p.wait(10)
+    broker.wait_log(f"worker pid {one.p.pid} closed its connection without a DISCONNECT; presumed dead; "
+                    "service 'sleepy', ")
+    two.p.send_signal(signal.SIGKILL)
+    two.p.wait(10)
+    broker.wait_log("(retried on another worker, or failed); it was the service's last live worker: its requests "
+                    "wait 1 s (--service-grace) for another, then fail SERVICE_UNAVAILABLE")
+    assert broker.terminate() == 0
+    text = _stderr(broker)
+    first = _lines(text, f"worker pid {one.p.pid}")
+    assert len(first) == 1 and "WARNING" in first[0] and "last live worker" not in first[0], first
+    last = _lines(text, f"worker pid {two.p.pid}")
+    assert len(last) == 1 and "WARNING" in last[0] and "last live worker" in last[0], last
