@@ -1278,6 +1278,11 @@ class Broker:
             self._act(sched.worker_seen(ident, now), now)
         elif cmd == P.W_BUSY:
             self._act(sched.worker_busy(ident, msg.info, now), now)
+        elif cmd == P.W_STOPPING:
+            info = self._worker_info.get(ident)
+            log.info("worker %s is stopping (draining): nothing new goes to it",
+                     f"pid {info[1]}" if info is not None and info[1] is not None else repr(ident[:16]))
+            self._act(sched.worker_stopping(ident, now), now)
         elif cmd == P.W_READY:
             # Connection events first: libzmq queues a connection's DISCONNECTED before it
             # closes the descriptor, so an event for an earlier holder of this READY's

@@ -559,7 +559,8 @@ class _Worker:
         "leased",   # credit reserved by its leases (not for brokered dispatch)
         "leases",   # lease id -> broker.leases._Lease
         "stopped",  # lease id -> (client, service) of leases it ended by stopping (broker.leases)
-        "closing",  # its connection closed (worker_closed): no new work while its verdict waits
+        "closing",  # its connection closed (worker_closed), or it drains: no new work while its verdict waits
+        "stopping",  # it said STOPPING (worker_stopping): draining, no longer counted live in its pools
         "iso",      # the request on its last attempt it is set aside for, or runs alone (else None)
     )
 
@@ -708,6 +709,7 @@ class Scheduler(LeaseEvents):
         w.leases = {}
         w.stopped = {}
         w.closing = False
+        w.stopping = False
         w.iso = None
         pools = [svc.any]
         if host is not None:
@@ -915,6 +917,26 @@ class Scheduler(LeaseEvents):
             w.closing = True
             self._reload(w)  # out of the ready heaps and the idle and deep sets
         return []
+
+    def worker_stopping(self, worker: bytes, now: float) -> list[Action]:
+        """STOPPING from ``worker``: it drains (SIGTERM: it finishes what it holds, then says
+        DISCONNECT).  Nothing new goes to it, and it no longer counts as a live worker of
+        its service: readiness says so at once, and requests queued for a service left with
+        no other worker start their grace now (before, they waited for the drain to end,
+        then the grace: the observability hunt).  What it holds is settled at its
+        DISCONNECT, as before."""
+        w = self._workers.get(worker)
+        if w is None or w.stopping:
+            return []
+        w.last_seen = now
+        w.stopping = True
+        if not w.closing:
+            w.closing = True
+            self._reload(w)  # out of the ready heaps and the idle and deep sets
+        out: list[Action] = []
+        self._leave_pools(w, now)
+        self._flush(now, out)
+        return out
 
     def worker_disconnect(self, worker: bytes, now: float, *, failed: bool = True) -> list[Action]:
         """The worker is gone: retry its work.  ``failed=False``: it said DISCONNECT, so it
@@ -1292,6 +1314,8 @@ class Scheduler(LeaseEvents):
     def _hosts(svc) -> dict:
         hosts: dict = {}
         for w in svc.workers.values():
+            if w.stopping:
+                continue  # draining: not a live worker of the service any more
             key = w.host or ""
             hosts[key] = hosts.get(key, 0) + 1
         return hosts
@@ -1854,6 +1878,21 @@ class Scheduler(LeaseEvents):
         # Front of their FIFOs, and their principals to the front of the rings, oldest first:
         # these requests have already waited their turn.
         self._retry(retry)
+        if not w.stopping:
+            self._leave_pools(w, now)
+        else:
+            # It left its pools when it said STOPPING; what it held and did not answer (it
+            # died draining) waits for another worker, with a grace if there is none.
+            for req in retry:
+                pool = self._pool(svc, req.local_host, now)
+                if pool.live == 0:
+                    self._push_grace(req, pool)
+        self._dirty[svc] = None
+
+    def _leave_pools(self, w, now):
+        """``w`` no longer counts as live in its pools: a pool left with none starts the grace
+        of the requests waiting for it (and a host's pool nobody waits for is forgotten)."""
+        svc = w.svc
         for pool in w.pools:
             pool.live -= 1
             if pool.live == 0:
@@ -1872,7 +1911,6 @@ class Scheduler(LeaseEvents):
                     # the dead workers its heap still names).  A request for that host later
                     # makes it again, its gap counted from then: as its grace would be.
                     del svc.pools[pool.key]
-        self._dirty[svc] = None
 
     # ---- timers
 

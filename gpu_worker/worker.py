@@ -322,6 +322,7 @@ class Worker:
         # lock, since a signal may interrupt another handler or the loop inside an Event;
         # the loop turns the count into `stop` (1) and `hurry` (2) (`_take_signals`).
         self.signals = 0
+        self._stopping_told = False  # STOPPING sent (`_tell_stopping`)
         # A pipe the signal handlers write to (`signal.set_wakeup_fd`), watched by the loop:
         # a SIGTERM to an idle worker starts its drain now, not at its next wake-up (up to
         # a heartbeat interval later, while its readiness probe still said 200).
@@ -594,6 +595,7 @@ class Worker:
             if sig_fd is not None:
                 poller.remove(sig_fd)  # a second signal is read by the waits that follow
             self.lone_lane = False
+            self._tell_stopping()
             self._end_leases()
             self._drain()
             self._drain_direct()
@@ -828,6 +830,8 @@ class Worker:
         socket is read the same way (`_read_direct_while_computing`), and the broker is told
         BUSY once the batch runs long with leased requests in it."""
         self._read_direct_while_computing()
+        if self.signals and not self._stopping_told:
+            self._tell_stopping()  # SIGTERM during a long batch: the broker hears of it now
         if not self._busy_told and self._batch_at is not None:
             self._maybe_tell_busy(time.monotonic())
         sock = self.sock
@@ -1831,6 +1835,17 @@ class Worker:
                 f"this worker is running another's batch ({doomed[job.envelope]:.0f} ms so far) and would start "
                 "this request only after it; send this one through the broker, which can start it on an idle "
                 "worker (it did not run)"))
+
+    def _tell_stopping(self) -> None:
+        """Tell our broker STOPPING (once): send nothing new, and count this worker out of
+        its service now (readiness, the grace of requests that have no other worker), not
+        at the DISCONNECT after the drain.  The loop's thread at the drain, or the heartbeat
+        thread while a batch holds the loop (a SIGTERM during it).  Not to a plain broker:
+        it would take the command for garbage."""
+        if self._stopping_told or self.broker_instance is None or not self.registered:
+            return
+        self._stopping_told = True
+        self._send(P.worker_stopping())
 
     def _maybe_tell_busy(self, now: float) -> None:
         """Tell the broker BUSY (docs/protocol.md section 10.3) once the batch or stream

@@ -44,7 +44,7 @@ __all__ = ["Command", "CLIENT_COMMANDS", "WORKER_COMMANDS", "frame_table", "MDPC
     "BrokerToWorker", "parse_broker_to_worker",
     "C_LEASE", "C_LEASED", "C_LEASE_END", "C_HELLO", "W_LEASE", "W_LEASED", "W_LEASE_END", "LEASE_ID_LEN",
     "lease_id", "lease_number", "client_lease", "client_lease_end", "client_leased",
-    "to_worker_lease", "to_worker_lease_end", "worker_leased", "worker_lease_end", "W_BUSY", "worker_busy",
+    "to_worker_lease", "to_worker_lease_end", "worker_leased", "worker_lease_end", "W_BUSY", "worker_busy", "W_STOPPING", "worker_stopping",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -84,6 +84,7 @@ W_LEASE = b"\x0d"     # B->W: a lease on you (LeaseGrant)
 W_LEASED = b"\x0e"    # W->B: lease id [, error header: refused]
 W_LEASE_END = b"\x0f"  # both: lease id, LeaseEnd
 W_BUSY = b"\x10"       # W->B: a long batch with leased requests runs (1) / ended (0)
+W_STOPPING = b"\x11"   # W->B: draining: nothing new, what it holds is finished, then DISCONNECT
 
 INSTANCE_LEN = 8  # a broker's instance id: random, new at every start
 MAX_ROUTE_LEN = 255  # a ZeroMQ routing id: 1 to 255 bytes
@@ -140,6 +141,8 @@ WORKER_COMMANDS: tuple[Command, ...] = (
     Command("LEASE_END", W_LEASE_END, "B→W, W→B", "lease id (8 bytes), header `LeaseEnd`", "extension"),
     Command("BUSY", W_BUSY, "W→B", "one byte: `0x01` a long batch with leased requests runs (what the broker hands "
             "the worker meanwhile waits behind it; section 10.3), `0x00` it ended", "extension"),
+    Command("STOPPING", W_STOPPING, "W→B", "none: the worker drains (SIGTERM): it takes nothing new, finishes what "
+            "it holds, then says DISCONNECT (only to a broker that sent WELCOME)", "extension"),
 )
 
 
@@ -321,6 +324,11 @@ def worker_lease_end(lease: bytes, header: bytes) -> list[bytes]:
     return [MDPW, W_LEASE_END, lease, header]
 
 
+def worker_stopping() -> list[bytes]:
+    """STOPPING: this worker drains; what it holds is finished, then DISCONNECT."""
+    return [MDPW, W_STOPPING]
+
+
 def worker_busy(busy: bool) -> list[bytes]:
     """BUSY: a long batch holding leased requests runs here (True), or it ended (False)."""
     return [MDPW, W_BUSY, b"\x01" if busy else b"\x00"]
@@ -449,7 +457,7 @@ def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
         if len(frames) != 3 or bytes(frames[2]) not in (b"\x00", b"\x01"):
             raise ProtocolError("BUSY is MDPW02, 0x10, one byte (0x01 busy, 0x00 not)")
         return WorkerMessage(cmd, info=bytes(frames[2]) == b"\x01")
-    if cmd in (W_HEARTBEAT, W_DISCONNECT):
+    if cmd in (W_HEARTBEAT, W_DISCONNECT, W_STOPPING):
         return WorkerMessage(cmd)
     raise ProtocolError(f"unknown worker command {cmd!r}")
 

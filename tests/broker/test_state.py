@@ -1059,6 +1059,35 @@ def test_a_worker_presumed_dead_for_its_silence_is_a_death_the_server_warns_of()
     assert not d.dead
 
 
+def test_a_stopping_worker_gets_nothing_new_and_is_not_live_but_finishes_what_it_holds():
+    # STOPPING (a worker's SIGTERM): readiness and the grace of requests with no other worker
+    # see it gone at once, not at its DISCONNECT after the drain (the observability hunt).
+    s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3, service_grace=1.0))
+    s.worker_ready(b"w", "svc", 0.0, credit=2)
+    d = only(req(s, 1, 0.0), Dispatch)
+    assert s.worker_stopping(b"w", 0.5) == [] and s.worker_stopping(b"w", 0.5) == []
+    assert not s.has_service("svc") and s.live_services() == 0
+    assert s.stats()["services"]["svc"]["hosts"] == {}
+    assert of(req(s, 2, 0.6), Dispatch) == []  # credit to spare, but nothing new goes to it
+    [err] = of(s.tick(1.7), ClientError)  # the grace counts from the STOPPING
+    assert err.request_id == 2 and err.code == ErrorCode.SERVICE_UNAVAILABLE
+    # What it holds is its own: its FINAL is relayed, then its goodbye settles the rest.
+    assert of(s.worker_final(b"w", d.token, 1.8, None), ToClient)
+    s.worker_disconnect(b"w", 1.9, failed=False)
+    assert s.stats()["counters"]["workers_left"] == 1
+    # Another worker, stopping while it runs a request, then dying: the request is retried
+    # and waits a grace for a live worker.
+    s.worker_ready(b"v", "svc", 2.0)
+    d = only(req(s, 3, 2.0), Dispatch)
+    s.worker_stopping(b"v", 2.1)
+    out = s.worker_disconnect(b"v", 2.2)
+    assert of(out, Dispatch) == [] and of(out, ClientError) == []
+    [err] = of(s.tick(3.3), ClientError)
+    assert err.request_id == 3 and err.code == ErrorCode.SERVICE_UNAVAILABLE
+    s.worker_ready(b"u", "svc", 4.0)
+    assert s.has_service("svc")
+
+
 def test_a_queued_only_cancel_leaves_a_running_request_alone():
     # A client resending a call it may have sent twice (a new connection to the broker) asks
     # for queued copies only: a copy already running answers (the network hunt saw a CANCEL

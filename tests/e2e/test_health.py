@@ -111,3 +111,35 @@ def test_a_worker_pointed_at_the_brokers_frontend_is_not_ready(cluster):
     broker.wait_log("connect to the backend")
     for _ in range(5):
         assert get(base, "/v2/health/ready") == (503, b'{"ready": false}')
+
+
+def test_a_draining_worker_is_not_counted_live_while_it_finishes(cluster, tmp_path, gate):
+    """SIGTERM to a service's only worker while it runs a long request: it says STOPPING, and
+    at once the broker's readiness for the service is 503, `mmi.service` 404, and a new
+    request for it waits the service grace and fails ServiceUnavailable, instead of being
+    handed to the draining worker, held until the drain ends and then failed with "presumed
+    dead after silence" (the observability hunt).  The request it holds still completes."""
+    from client_sdk import ServiceUnavailable
+
+    broker = cluster.broker("--http", "127.0.0.1:0", "--service-grace", "0.3")
+    base = "http://" + broker.field("http")
+    w = cluster.worker("gate_model:held", "--max-batch", "1", env={**gate.env, "SLEEPY_LOG": str(tmp_path / "l")})
+    gate.open()
+    x = np.array([-1.0])  # held until the gate releases it
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, "held")
+        assert get(base, "/v2/models/held/ready")[0] == 200
+        call = c.infer_stream("held", {"x": x})
+        until(lambda: json.loads(get(base, "/v2/models/held")[1])["in_flight"] == 1, "the request at the worker")
+        w.p.send_signal(signal.SIGTERM)
+        until(lambda: get(base, "/v2/models/held/ready")[0] == 503, "the service unready while its worker drains")
+        assert not c.mmi_service("held")
+        with pytest.raises(ServiceUnavailable) as e:
+            c.infer("held", {"x": np.zeros(1)}, timeout=WAIT)
+        assert "no live worker" in str(e.value), e.value
+        assert w.p.poll() is None  # still draining: the held request is its
+        gate.release()
+        r = call.result(timeout=WAIT)
+        np.testing.assert_array_equal(r["x"], x)
+        r.release()
+    assert w.p.wait(WAIT) == 0
