@@ -260,6 +260,9 @@ class Worker:
         cfg.check()  # ConfigError: one line naming the option, before anything is loaded
         self.cfg = cfg
         self._oops = P.RateLimitedLog(log)  # a traceback a second at most, whatever a peer sends
+        # A broker that stays down: its first silence is a WARNING, the reconnects after it
+        # one line a minute with their count (one every liveness window filled the log).
+        self._silence_log = P.RateLimitedLog(log, every=60.0)
         self.device = resolve_device(cfg.device)
         self.model = load_model(cfg.model, self.device)
         self.service = cfg.service or self.model.name
@@ -587,7 +590,7 @@ class Worker:
                 # Messages waiting in the socket (a long batch just ended) are not silence.
                 if (upstream.watch_liveness and now - self._last_heard > dead_after
                         and not sock_events(self.sock) & _POLLIN):
-                    log.warning("broker silent for %.1f s; reconnecting", now - self._last_heard)
+                    self._silence_log.warning("broker silent for %.1f s; reconnecting", now - self._last_heard)
                     self._reconnect_why = "broker connection lost"
                     self._reconnect(poller)
             # Drain: the leases end first (no new direct request runs), what the broker and
