@@ -55,6 +55,12 @@ log = logging.getLogger("client_sdk")
 _BROKER = object()
 _POLLIN = int(zmq.POLLIN)
 _Future = asyncio.Future  # what loop.create_future() makes, without its Python call
+_running_loop = asyncio.events._get_running_loop  # (C; None outside a running loop)
+_OTHER_LOOP = ("this AsyncClient belongs to another event loop, which is still open ({}): one AsyncClient per "
+               "event loop (its reader, timers and futures live on that loop; a call from another one would be "
+               "sent and never answered).  Call it from a coroutine on its own loop "
+               "(asyncio.run_coroutine_threadsafe(..., loop) from another thread), or make a client on this loop; "
+               "once its loop is closed, the client moves to the next loop that calls it")
 
 
 def _resolve(fut: asyncio.Future) -> None:
@@ -134,10 +140,27 @@ class AsyncClient(ClientBase):
     # ---------------------------------------------------------------- background tasks
 
     def _start(self) -> None:
+        """Before a call that needs the event loop: refuses a closed or broken client, and a
+        running loop other than the client's while the client's is open (before anything is
+        sent: `_OTHER_LOOP`); binds the client to the running loop the first time, and again
+        once the loop it had is closed (`asyncio.run()` returned: `_left_loop`)."""
         self._core.check_open()
         if self._broken is not None:
             raise InferenceError(f"the client's reader stopped ({self._broken!r}); create a new client",
                                  code=None)
+        loop = self._loop
+        if loop is not None:
+            running = _running_loop()
+            if running is loop:
+                return
+            if not loop.is_closed():
+                if running is None:  # a plain method (a stream's send()) called outside any loop
+                    return
+                raise InvalidInput(_OTHER_LOOP.format(loop))
+            if running is None:
+                raise InvalidInput("this AsyncClient's event loop is closed: call it from a coroutine on a running "
+                                   "loop (the client moves to it)")
+            self._left_loop()
         if self._loop is None:
             loop = asyncio.get_running_loop()
             for sock in self._socks:
@@ -154,6 +177,43 @@ class AsyncClient(ClientBase):
                 self._send_soon(hello)
             if self._core.heartbeat_interval is not None:
                 self._heart = loop.create_task(self._heartbeat_loop(), name="client_sdk-heartbeat")
+
+    def _check_loop(self) -> None:
+        """`_start`'s loop check for a plain method that sends nothing itself (`stream`):
+        nothing when no loop runs, or when the client has none yet."""
+        loop = self._loop
+        if loop is not None:
+            running = _running_loop()
+            if running is not None and running is not loop and not loop.is_closed():
+                raise InvalidInput(_OTHER_LOOP.format(loop))
+
+    def _on_loop(self) -> None:
+        """`_start`'s loop check for a wait on a call sent before (a handle's): refused on
+        another open loop, moved to the running loop once the client's is closed."""
+        loop = self._loop
+        if loop is not None and _running_loop() is not loop and not self._core.closed:
+            self._start()
+
+    def _left_loop(self) -> None:
+        """The loop the client was on is closed (`asyncio.run()` returned, and a later one
+        calls): what lived on it is gone for good (its reader, its heartbeat task, which
+        `asyncio.run` cancelled, its timers, the futures of its waiters), so the client
+        forgets it and `_start` binds it to the running loop, its sockets, calls in flight and
+        pool as they were (a FINAL that came meanwhile is read by the new reader).  A call
+        whose waiter the loop dropped without running its `finally` (a loop closed with tasks
+        pending) is given up: nobody will take its result."""
+        self._loop = None
+        self._heart = None
+        self._retry = None
+        self._deadline_timer = self._deadline_at = None
+        self._traffic = None
+        orphans = list(self._waiters)
+        self._waiters.clear()
+        for call in orphans:
+            call.notify = None
+            frames = self._core.give_up(call, time.monotonic())
+            if frames is not None:
+                self._pending.append(frames)  # sent by the new loop's first drain, in order
 
     def _drain(self, only: zmq.Socket | None = None) -> int:
         """Route every message that has arrived (`only`: on that socket, whose FD the loop
@@ -566,7 +626,7 @@ class AsyncClient(ClientBase):
         # What `infer_stream(...).result()` under `async with` does, without the handle (as
         # `Client.infer`): the hot path of a caller that awaits one request at a time.
         core = self._core
-        if self._loop is None or self._broken is not None:
+        if self._loop is None or self._broken is not None or _running_loop() is not self._loop:
             self._start()  # `prepare`'s; a closed client is refused by new_call
         call = core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
                              traceparent=traceparent)
@@ -605,7 +665,7 @@ class AsyncClient(ClientBase):
             self.give_up(call)
             raise
         finally:
-            del waiters[call]
+            waiters.pop(call, None)  # (`_left_loop` may have dropped it)
         call.notify = None
         return final_of_infer(service, item, partials) if partials else item
 
@@ -682,6 +742,7 @@ class AsyncClient(ClientBase):
         on), `pin=False` never, `pin=True` always (InvalidInput with heartbeats off)."""
         from .stream import AsyncStream
 
+        self._check_loop()  # before it asks for a lease
         may_pin = self._core.stream_pins(pin)
         st = AsyncStream(self, service, latest_wins=latest_wins, max_in_flight=max_in_flight,
                          timeout=timeout, priority=priority, meta=meta, reply=reply, pin=may_pin)
@@ -757,6 +818,11 @@ class AsyncClient(ClientBase):
         if core.forked():  # a forked child's copy: the sockets and the loop's readers are the parent's
             core.let_go()
             return
+        loop = self._loop
+        if loop is not None and loop.is_running() and _running_loop() is not loop:
+            # Its loop runs in another thread: its readers, timers and waiters are that
+            # thread's to touch (asyncio.run_coroutine_threadsafe(client.close(), loop)).
+            raise InvalidInput(_OTHER_LOOP.format(loop))
         # Its event loop closed (stopped with a call pending, then closed): nobody can wait on
         # it any more, and waking its futures, its timers or its heartbeat task raises
         # "Event loop is closed", which had left the client open for good.  The sockets, the
@@ -853,6 +919,7 @@ class AsyncReplyStream(ReplyStreamBase):
                 return res
 
     async def _wait(self, limit: float | None, asked: float | None = None) -> tuple[str, Any]:
+        self._client._on_loop()  # another loop's task: refused before the handle is touched
         try:
             return await self._client._next(self._call, limit)
         except DeadlineExceeded:

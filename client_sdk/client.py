@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 import threading
 import time
 import weakref
@@ -40,7 +41,7 @@ from broker.protocol.wire import NOBLOCK, TcpWatch, Waiter, recv_frames, send_fr
 from .base import ClientBase, ReplyStreamBase
 from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priority, resolve_transport
 from .core import LIVENESS, ClientCore
-from .errors import BrokerUnreachable, DeadlineExceeded, InvalidInput
+from .errors import BrokerUnreachable, DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, curve_keys, dealer, drop_lease_dealer, drop_monitor,
                       drop_socket, handshakes, lease_dealer, lease_events, open_link, tcp_options)
@@ -58,28 +59,81 @@ _BROKER = object()
 
 _SHARED = ("this Client is in use by another thread: a Client is not thread-safe (one socket, one "
            "input pool); use one Client per thread, or one AsyncClient")
+_NESTED = ("this Client is already in a call on this thread (from a signal handler?): its calls do not nest "
+           "(the call interrupted is in the middle of its socket and its pool); in a handler, set a flag and act "
+           "on it after the call, or use another Client there.  close() (and a handle's cancel()) may be called "
+           "from a handler")
+_CLOSED_WAITING = "the client was closed while this call was waiting"
 _get_ident = threading.get_ident
 
 
 def _one_thread(method):
     """A `Client` method that refuses (InvalidInput) a thread other than the one inside the
     client now: two threads on one client interleave multipart messages on its socket and
-    lose calls and pool slots.  Nested calls of the same thread pass.  The claim is one
-    `dict.setdefault` (atomic under the GIL: no two threads both get in); the cost, a thread
-    id and two dict operations."""
+    lose calls and pool slots.  It refuses a nested call of that thread too (a signal handler
+    or a finalizer that runs while the thread is inside the client, in the middle of a send,
+    a receive or a pool operation): the client's own steps call each other's undecorated
+    parts.  The claim is one `dict.setdefault` (atomic under the GIL: no two threads both get
+    in); the cost, a thread id, three dict operations and one attribute check."""
     def run(self, *args, **kw):
         tid = _get_ident()
         user = self._user
         if user.get(0) == tid:
-            return method(self, *args, **kw)
+            raise InvalidInput(_NESTED)
         if user.setdefault(0, tid) != tid:
             raise InvalidInput(_SHARED)
         try:
             return method(self, *args, **kw)
         finally:
             del user[0]
+            if self._later:
+                self._run_later()
 
     return functools.update_wrapper(run, method)
+
+
+def _one_thread_or_later(method):
+    """`_one_thread`, except that a nested call (a signal handler's `close()`, a reply
+    handle's `cancel()` or one dropped by the garbage collector while the thread is inside
+    the client) is not refused: it is done by the call it interrupted, as soon as that one
+    is between two steps (`Client._later`), and a wait of it is woken to do so at once."""
+    def run(self, *args, **kw):
+        tid = _get_ident()
+        user = self._user
+        if user.get(0) == tid:
+            self._defer(functools.partial(method, self, *args, **kw))
+            return None
+        if user.setdefault(0, tid) != tid:
+            raise InvalidInput(_SHARED)
+        try:
+            return method(self, *args, **kw)
+        finally:
+            del user[0]
+            if self._later:
+                self._run_later()
+
+    return functools.update_wrapper(run, method)
+
+
+def _wake_fd() -> int | None:
+    """A descriptor a nested call writes to wake the client's wait (`Client._defer`); None
+    where none can be had (then a wait notices at its next heartbeat or its end)."""
+    try:
+        return os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    except (AttributeError, OSError):
+        return None
+
+
+def _let_go(waiter: Waiter, wake: list) -> None:
+    """`Client._unwatch`: stop watching its sockets (wire's module-wide marks) and close its
+    wake descriptor (`close()`, or a client dropped without it)."""
+    waiter.close()
+    fd = wake.pop() if wake else None
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 class Client(ClientBase):
@@ -120,9 +174,16 @@ class Client(ClientBase):
         # Waited for by descriptor (wire.Waiter): the broker's socket, the inbox, a socket per lease.
         self._waiter = Waiter()
         self._waiter.add(self._sock)
+        # What a nested call (a signal handler's close(), a handle dropped by the garbage
+        # collector) leaves to the call it interrupted (`_one_thread_or_later`), and the
+        # descriptor it writes to wake that call's wait.
+        self._later: deque[Any] = deque()
+        self._wake = _wake_fd()
+        if self._wake is not None:
+            self._waiter.add_fd(self._wake)
         # A client dropped without close(): its sockets are not held by the Waiter's marks
-        # (wire's module-wide sets) for the life of the process.
-        self._unwatch = weakref.finalize(self, self._waiter.close)
+        # (wire's module-wide sets) for the life of the process, nor its wake descriptor open.
+        self._unwatch = weakref.finalize(self, _let_go, self._waiter, [self._wake])
         self._pending: deque[list[Any]] = deque()  # REQUESTs (resends) and CANCELs the socket refused, in order
         # pin=True or a stream's service: a DEALER per lease, on its worker's direct socket (pins.py)
         # (a near lease's is a LinkConn instead: the worker's local link, docs/protocol.md 10.6)
@@ -153,14 +214,16 @@ class Client(ClientBase):
         # is the hot path of a caller that sends one request at a time.  `_one_thread`, inline.
         tid = _get_ident()
         user = self._user
-        if user.get(0) == tid:  # nested (a stream's call, ...)
-            return self._infer(service, inputs, timeout, priority, meta, reply, traceparent)
+        if user.get(0) == tid:  # a signal handler's, while this thread is inside the client
+            raise InvalidInput(_NESTED)
         if user.setdefault(0, tid) != tid:
             raise InvalidInput(_SHARED)
         try:
             return self._infer(service, inputs, timeout, priority, meta, reply, traceparent)
         finally:
             del user[0]
+            if self._later:
+                self._run_later()
 
     def _infer(self, service, inputs, timeout, priority, meta, reply, traceparent) -> Result:
         if self._core.pins:
@@ -192,7 +255,7 @@ class Client(ClientBase):
         except BaseException:
             # A deadline, a silent broker, a KeyboardInterrupt...: CANCEL is on its way to the
             # broker (or the leased worker) before the exception leaves.
-            self.give_up(call)
+            ClientBase.give_up(self, call)
             raise
         return final_of_infer(service, item, partials) if partials else item
 
@@ -208,8 +271,10 @@ class Client(ClientBase):
         `traceparent`: a W3C trace context (``00-<32 hex trace id>-<16 hex span id>-<2 hex
         flags>``) carried to the broker and the worker, whose log lines and spans name its
         trace id (docs/operations.md, "Logs and traces"); one that does not parse is ignored."""
-        call = self.prepare(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
-                            traceparent=traceparent)
+        if self._core.pins:  # `prepare`'s
+            self._heed_lease_ends()
+        call = self._core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
+                                   traceparent=traceparent)
         self._send_call(call)
         return ReplyStream(self, call)
 
@@ -258,7 +323,7 @@ class Client(ClientBase):
                 now = time.monotonic()
                 if stop is not None and now >= stop:
                     raise DeadlineExceeded(f"no MMI answer from the broker within {limit:g}s")
-                self.pump(None if stop is None else stop - now)
+                self._pump(None if stop is None else stop - now, now)
         finally:
             if q.answer is None:
                 q.abandoned = True  # its late answer is consumed and dropped
@@ -285,7 +350,7 @@ class Client(ClientBase):
             st._pinned = self._core.pin_on_demand(service, st.max_in_flight)
         return st
 
-    @_one_thread
+    @_one_thread_or_later
     def stream_closed(self, service: str) -> None:
         """A stream that pinned `service` closed (client_sdk.stream): after the last one its
         lease ends."""
@@ -370,7 +435,11 @@ class Client(ClientBase):
     def _pump(self, timeout: float | None, now: float, until: Any = None) -> None:
         """`pump` at `now`; ``until``: `_drain`'s."""
         core = self._core
-        if core.forked():  # a forked child's copy: its sockets are the parent's (it would spin)
+        if self._later:  # left by a nested call (a signal handler's close(), ...)
+            self._do_later()
+            if core.closed:
+                raise InferenceError(_CLOSED_WAITING, code=None)
+        if core.closed or core.forked():  # a forked child's copy: its sockets are the parent's (it would spin)
             core.check_open()
         core.looking(now)
         if self._pending:
@@ -403,8 +472,61 @@ class Client(ClientBase):
             if ms < 0:
                 ms = 0
         ready = self._waiter.wait(ms)
+        if self._later:  # a nested call came while it waited (and woke it: `_defer`)
+            self._do_later()
+            if core.closed:
+                raise InferenceError(_CLOSED_WAITING, code=None)
         if ready:
             self._drain(ready, until=until)
+
+    # ---------------------------------------------------------------- nested calls
+
+    def _defer(self, action: Any) -> None:
+        """A nested call (`_one_thread_or_later`): left to the call it interrupted, whose wait
+        (if it waits) is woken now.  A close of a closed client is nothing to do."""
+        if self._core.closed:
+            return
+        self._later.append(action)
+        wake = self._wake
+        if wake is not None:
+            try:
+                os.eventfd_write(wake, 1)
+            except OSError:  # (full: already woken)
+                pass
+
+    def _do_later(self) -> None:
+        """Do what nested calls left (the client is claimed by this thread).  The wake
+        descriptor is read before each look, so that it is never left signalled with nothing
+        to do (a wait would spin)."""
+        later = self._later
+        while True:
+            wake = self._wake
+            if wake is not None:
+                try:
+                    os.eventfd_read(wake)
+                except OSError:  # (nothing written: BlockingIOError)
+                    pass
+            if not later:
+                return
+            while later:
+                action = later.popleft()
+                try:
+                    action()
+                except Exception:  # the nested caller's (it returned long ago), not this call's
+                    log.exception("error in a client call deferred from a signal handler or a finalizer")
+
+    def _run_later(self) -> None:
+        """`_do_later` after the outermost call returned (what a nested call left after that
+        call's last wait, or in a call that does not wait): claims the client again, unless
+        another thread got in first (its call's end does it then)."""
+        tid = _get_ident()
+        user = self._user
+        if user.setdefault(0, tid) != tid:
+            return
+        try:
+            self._do_later()
+        finally:
+            del user[0]
 
     # ---------------------------------------------------------------- socket work
 
@@ -417,6 +539,10 @@ class Client(ClientBase):
                 return
             except zmq.Again:
                 # High-water mark reached: the broker is not reading.
+                if self._later:  # a signal handler's close() meanwhile: this send is moot
+                    self._do_later()
+                    if self._core.closed:
+                        raise InferenceError(_CLOSED_WAITING, code=None) from None
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     raise BrokerUnreachable(
@@ -501,8 +627,9 @@ class Client(ClientBase):
         # the Waiter found holding a message (each socket asked costs a syscall pair);
         # None: every socket.  Those hold a whole message (the Waiter asked EVENTS), so the
         # first read needs no question; it does not wait all the same, in case something
-        # read that socket meanwhile (a `notify` callback that pumps).  The last question
-        # of each socket (nothing left) leaves it quiet: the next wait need not ask again.
+        # read that socket meanwhile (cheap insurance: nested calls are refused now).  The
+        # last question of each socket (nothing left) leaves it quiet: the next wait need
+        # not ask again.
         # Every socket is read (up to a budget of 256 messages each), the broker's last: a
         # LEASE_END that says "resend" must find the replies that already came on its lease
         # routed (or it would send them again), so a pass in which a reply socket ran out
@@ -712,11 +839,16 @@ class Client(ClientBase):
 
     # ---------------------------------------------------------------- lifetime
 
-    @_one_thread
+    @_one_thread_or_later
     def close(self) -> None:
         """Tell the broker we are leaving, close the socket, unlink the input pool.  Results
         still alive stay readable; their output slots go back as they are dropped.  In a
-        forked child, only this copy is let go of (the sockets are the parent's)."""
+        forked child, only this copy is let go of (the sockets are the parent's).
+
+        From a signal handler that runs while this thread is inside a call of the client (a
+        SIGTERM handler, as servers have): the close is done by that call as soon as it is
+        between two steps (not in the middle of a send or a receive), at once when it waits,
+        and a call that waits raises `InferenceError` ("the client was closed...")."""
         if self._core.closed:
             return
         if self._core.forked():
@@ -735,6 +867,7 @@ class Client(ClientBase):
                 pass
         finally:
             try:
+                self._wake = None  # (closed by _unwatch: nothing may write to its number any more)
                 self._unwatch()
                 drop_monitor(self._sock, self._broker_monitor)
             finally:
@@ -745,7 +878,7 @@ class Client(ClientBase):
                 finally:
                     self._core.close()
 
-    give_up = _one_thread(ClientBase.give_up)
+    give_up = _one_thread_or_later(ClientBase.give_up)
     alloc = _one_thread(ClientBase.alloc)
     alloc_cuda = _one_thread(ClientBase.alloc_cuda)
     free = _one_thread(ClientBase.free)

@@ -271,6 +271,9 @@ class ClientCore(PinEvents):
             self._free_buffer(self._deferred.popleft())
 
     def free(self, arr: np.ndarray) -> None:
+        if self.closed:  # its pool went with it, alloc() buffers included: nothing to free
+            raise InferenceError("this client is closed: its alloc() buffers were freed with its pool by close() "
+                                 "(do not use them any more)", code=None)
         ref = T.ref_in_pool(self._pool, arr) if self._pool is not None and isinstance(arr, np.ndarray) else None
         fin = self._user_bufs.pop((ref.segment, ref.slot, ref.generation), None) if ref is not None else None
         if fin is None:
