@@ -44,8 +44,8 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply
 from .core import ClientCore
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
-from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, curve_keys, dealer, drop_lease_dealer, drop_monitor,
-                      drop_socket, handshakes, lease_dealer, lease_events, open_link, tcp_options)
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
+                      drop_monitor, drop_socket, handshakes, lease_dealer, lease_events, open_link, tcp_options)
 from .tensors import Result
 
 __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
@@ -101,7 +101,7 @@ class AsyncClient(ClientBase):
                                 max_inline_mb=max_inline_mb)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
-        self._sock = dealer(zmq.Context.instance(), endpoint, self._curve, self._core.heartbeat_interval)
+        self._sock = dealer(context(endpoint), endpoint, self._curve, self._core.heartbeat_interval)
         # Over tcp, bytes of the broker's that are on their way count as its word (a large
         # message on a slow link: wire.TcpWatch).
         self._tcp = TcpWatch() if endpoint.startswith("tcp://") else None
@@ -109,7 +109,7 @@ class AsyncClient(ClientBase):
         # same callback as the broker socket.
         self._inbox = ReplyInbox.open(zmq.Context.instance()) if self._core.direct_reply else None
         if self._inbox is not None:
-            self._core.reply_to = self._inbox.endpoint
+            self._core.use_inbox(self._inbox.endpoint, descriptor_room)
         self._socks = [self._sock] if self._inbox is None else [self._sock, self._inbox.sock]
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop our reader is on
         self._heart: asyncio.Task | None = None

@@ -43,8 +43,8 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priorit
 from .core import LIVENESS, ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
-from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, curve_keys, dealer, drop_lease_dealer, drop_monitor,
-                      drop_socket, handshakes, lease_dealer, lease_events, open_link, tcp_options)
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
+                      drop_monitor, drop_socket, handshakes, lease_dealer, lease_events, open_link, tcp_options)
 from .tensors import Result
 
 # resolve_transport and parse_priority are re-exported: they were importable from here.
@@ -165,7 +165,7 @@ class Client(ClientBase):
                                 direct_reply=direct_reply, restart_resends=restart_resends, pin=pin,
                                 max_inline_mb=max_inline_mb)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
-        self._ctx = zmq.Context.instance()
+        self._ctx = context(endpoint)
         self._sock = dealer(self._ctx, endpoint, self._curve, self._core.heartbeat_interval)
         # Over tcp, bytes of the broker's that are on their way count as its word (a large
         # message on a slow link: wire.TcpWatch).
@@ -197,7 +197,7 @@ class Client(ClientBase):
             self._monitors[self._broker_monitor] = _BROKER
             self._waiter.add(self._broker_monitor)
         if self._inbox is not None:
-            self._core.reply_to = self._inbox.endpoint
+            self._core.use_inbox(self._inbox.endpoint, descriptor_room)
             self._waiter.add(self._inbox.sock)
         hello = self._core.hello(time.monotonic())
         if hello is not None:

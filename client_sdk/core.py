@@ -93,6 +93,8 @@ def _drain_inbox(call: Call) -> None:
 
 # ------------------------------------------------------------------------------------ the core
 
+#: seconds between two looks at this process's descriptors while it names its reply inbox
+ROOM_LOOK_S = 1.0
 #: longest wait before a client that fell back to inline tries shared memory again (seconds)
 NOT_LOCAL_RETRY_MAX_S = 30.0
 
@@ -138,7 +140,10 @@ class ClientCore(PinEvents):
         self.fallback_inline = fallback_inline
         # Direct replies need a broker (hence workers) that can reach an ipc socket of ours.
         self.direct_reply = bool(direct_reply) and endpoint_is_local(endpoint)
-        self.reply_to: str | None = None  # set by the twin once its reply socket is bound
+        self.reply_to: str | None = None  # what requests name: the inbox, while descriptors allow (use_inbox)
+        self._inbox_ep: str | None = None
+        self._room: Callable[[], bool] | None = None
+        self._room_at = 0.0  # when to look at the descriptors again
         self._host = P.local_host_id()    # for every request header (constant per process)
         self._service_b: dict[str, bytes] = {}  # service names checked: their UTF-8 (_SERVICE_CACHE)
         self._bad = P.RateLimitedLog(log)  # a broken or hostile peer's replies: one line a second
@@ -407,7 +412,29 @@ class ClientCore(PinEvents):
             self._pin_route(call, now)
         return frames
 
+    def use_inbox(self, endpoint: str, room: Callable[[], bool]) -> None:
+        """The twin bound its reply inbox at ``endpoint``: requests name it as `reply_to`
+        while ``room()`` (this process has descriptors to spare: `sockets.descriptor_room`)
+        said so when last asked, at the first request and then once a second at most.  A
+        worker that replies straight to a client connects to its inbox, and at the
+        descriptor limit libzmq aborts the process in that accept (the application hunt: a
+        server that filled its descriptors after making its client); near it, replies come
+        through the broker instead, and straight again once descriptors are freed."""
+        self._inbox_ep = self.reply_to = endpoint
+        self._room = room
+        self._room_at = 0.0
+
+    def _look_at_room(self, now: float) -> None:
+        self._room_at = now + ROOM_LOOK_S
+        ok = self._room()
+        if ok != (self.reply_to is not None):
+            self.reply_to = self._inbox_ep if ok else None
+            if ok:
+                log.info("descriptors to spare again: replies come straight from workers")
+
     def _brokered_request(self, call: Call, now: float) -> list[Any]:
+        if self._room is not None and now >= self._room_at:
+            self._look_at_room(now)
         if call.deadline is None and call.timeout is not None:
             call.deadline = now + call.timeout
         call.t_sent = now

@@ -21,6 +21,7 @@ Both twins use these; nothing here parses a reply or keeps request state (that i
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -36,7 +37,7 @@ from broker.protocol.limits import nofile_limit, open_descriptors
 from broker.protocol.link import LinkConn
 from broker.protocol.wire import tcp_liveness
 
-from .errors import InvalidInput
+from .errors import InferenceError, InvalidInput
 
 __all__ = ["CLOSE_LINGER_MS", "dealer", "broker_monitor", "handshakes", "drop_monitor", "drop_socket", "ReplyInbox",
            "curve_keys", "tcp_options", "ENV_CLIENT_KEY", "lease_curve", "open_link", "lease_dealer", "lease_events",
@@ -127,6 +128,22 @@ def open_link(pin: Any, hello: list[Any]) -> LinkConn | None:
 BROKER_CONNECT_TIMEOUT_MS = 2000
 
 
+def _out_of_descriptors(e: zmq.ZMQError, endpoint: str) -> Exception:
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return InferenceError(f"cannot make a socket to {endpoint}: this process is out of descriptors ({e}); close "
+                              f"some, or raise its RLIMIT_NOFILE", code=None)
+    return e
+
+
+def context(endpoint: str) -> zmq.Context:
+    """pyzmq's process-wide context (`zmq.Context.instance()`; its first use makes it, which
+    takes descriptors: out of them, an `InferenceError` that says so)."""
+    try:
+        return zmq.Context.instance()
+    except zmq.ZMQError as e:
+        raise _out_of_descriptors(e, endpoint) from None
+
+
 def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None,
            heartbeat_s: float | None = None) -> zmq.Socket:
     """A DEALER connected to `endpoint`; a CURVE client of it when `curve` is given.
@@ -140,8 +157,12 @@ def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None,
     name resolved afresh.  Without it a half-open connection holds the client for as long
     as TCP retries, many minutes after the network healed.  What was on the old connection
     is lost with it: the broker's heartbeat answers name the new one, and the client sends
-    again what it still waits for (core.py, `_on_broker_instance`)."""
-    sock = ctx.socket(zmq.DEALER)
+    again what it still waits for (core.py, `_on_broker_instance`).  A process out of
+    descriptors gets an `InferenceError` that says so (libzmq's own was a raw ZMQError)."""
+    try:
+        sock = ctx.socket(zmq.DEALER)
+    except zmq.ZMQError as e:
+        raise _out_of_descriptors(e, endpoint) from None
     try:
         sock.setsockopt(zmq.LINGER, 0)
         C.configure_peer(sock, curve)
@@ -293,6 +314,20 @@ def drop_socket(sock: zmq.Socket) -> None:
     sock.close(linger=CLOSE_LINGER_MS)
 
 
+def descriptor_room() -> bool:
+    """Whether this process has descriptors to spare for connections a worker would make to
+    its reply inbox: at its limit, libzmq's ipc listener asserts on EMFILE in accept and
+    aborts the process.  A listing of /proc/self/fd (tens of microseconds): looked at when
+    an inbox is opened and then once a second at most (`ClientCore.use_inbox`)."""
+    limit = nofile_limit()
+    used = open_descriptors()
+    if used < 0 or limit - used < max(64, limit // 8):
+        log.info("%s of this process's %d descriptors in use; replies go through the broker",
+                 "all" if used < 0 else used, limit)
+        return False
+    return True
+
+
 class ReplyInbox:
     """The client's direct-reply socket: a PULL bound to an ipc path that only this user can
     reach (the runtime directory is mode 0700).  Workers on this host connect to it and send
@@ -313,11 +348,7 @@ class ReplyInbox:
         also when this process is near its descriptor limit, where the connection a worker
         makes to it would have libzmq abort the process (its ipc listener asserts on EMFILE
         in accept): a library must not take its host down."""
-        limit = nofile_limit()
-        used = open_descriptors()
-        if used < 0 or limit - used < max(64, limit // 8):
-            log.info("%s of this process's %d descriptors in use; replies go through the broker",
-                     "all" if used < 0 else used, limit)
+        if not descriptor_room():
             return None
         try:
             path = P.reply_socket_path()

@@ -68,3 +68,53 @@ def test_a_pool_that_cannot_be_made_for_want_of_descriptors_is_tried_again(monke
         del arr
     finally:
         core.close()
+
+
+def test_the_inbox_is_named_only_while_descriptors_allow_looked_at_once_a_second():
+    """A server that fills its descriptors after making its client: the first worker to reply
+    straight to it connected to its inbox, and libzmq aborted the process in that accept (the
+    application hunt).  The core names the inbox (`reply_to`) only while `room()` said so,
+    asked at the first request and then once a second at most."""
+    import numpy as np
+
+    from broker import protocol as P
+    from client_sdk.core import ROOM_LOOK_S, ClientCore
+
+    core = ClientCore("ipc:///nowhere", transport="inline")
+    room = {"ok": True, "asked": 0}
+
+    def ask():
+        room["asked"] += 1
+        return room["ok"]
+
+    core.use_inbox("ipc:///tmp/inbox", ask)
+    x = {"x": np.zeros(2)}
+
+    def reply_to(now):
+        frames = core.request_frames(core.new_call("svc", x), now)
+        return P.decode_request(frames[3]).reply_to
+
+    room["ok"] = False  # filled after the client was made: the first request looks
+    assert reply_to(100.0) is None and room["asked"] == 1
+    room["ok"] = True
+    assert reply_to(100.0 + ROOM_LOOK_S / 2) is None and room["asked"] == 1  # not asked again yet
+    assert reply_to(100.0 + ROOM_LOOK_S) == "ipc:///tmp/inbox" and room["asked"] == 2
+    core.close()
+
+
+@pytest.mark.parametrize("where", ["context", "socket"])
+def test_a_client_made_without_descriptors_left_says_so(monkeypatch, where):
+    """Out of descriptors, making a client raised libzmq's raw ZMQError (the application
+    hunt): an InferenceError that names the cause, whether the context or the socket could
+    not be made."""
+    from client_sdk import Client, InferenceError
+
+    def refuse(*a, **kw):
+        raise zmq.ZMQError(errno.EMFILE)
+
+    if where == "context":
+        monkeypatch.setattr(zmq.Context, "instance", classmethod(refuse))
+    else:
+        monkeypatch.setattr(zmq.Context, "socket", refuse)
+    with pytest.raises(InferenceError, match="out of descriptors"):
+        Client("ipc:///nowhere/fe.ipc")

@@ -575,3 +575,41 @@ def test_a_client_that_marks_everything_urgent_does_not_starve_normal_ones(clust
             assert max(took) < 3.0, took
     finally:
         greedy.close()
+
+
+_FILLS_ITS_DESCRIPTORS = """
+import os, resource, sys
+import numpy as np
+from client_sdk import Client
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+c = Client(sys.argv[1], timeout=20)  # few descriptors in use: its reply inbox is bound
+assert c._inbox is not None
+held = []
+try:
+    while True:  # then the server's own connections and files take them all
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+r = c.infer("echo", {"x": np.arange(4.0)})
+assert r["x"][3] == 3.0
+print("OK", c.direct_replies, flush=True)
+"""
+
+
+def test_a_client_whose_process_runs_out_of_descriptors_after_it_was_made_lives(cluster):
+    """A client made with descriptors to spare, in a process that then filled them (a server
+    and its own connections): its first reply straight from a worker made libzmq accept a
+    connection with none left, and abort the whole process (the application hunt).  Near
+    the limit, its requests stop naming the inbox, and replies come through the broker."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import ROOT
+
+    cluster.broker()
+    cluster.worker("echo")
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "echo")
+    p = subprocess.run([sys.executable, "-c", _FILLS_ITS_DESCRIPTORS, cluster.frontend], cwd=ROOT, timeout=60,
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.split() == ["OK", "0"], (p.returncode, p.stdout, p.stderr[-2000:])
