@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-client-requests", type=int,
                     help="outstanding requests per client, across services (default 4096)")
     ap.add_argument("--max-client-mb", type=float,
-                    help="MiB of request bodies one client may have queued or running (default 512)")
+                    help="MiB of requests (headers and inline tensors) one client may have queued or running, "
+                         "and of big replies waiting for it unread (default 512)")
     ap.add_argument("--http", metavar="HOST:PORT",
                     help="serve /metrics (Prometheus) and the /v2/health and /v2/models paths here "
                          "(PORT alone: 127.0.0.1); off by default, and then nothing is counted")

@@ -18,7 +18,6 @@ request id, otherwise dropped; it never raises out of the loop.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import logging
 import math
@@ -28,9 +27,9 @@ import select
 import socket
 import struct
 import sys
-import termios
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,9 +84,25 @@ _POLLIN = int(zmq.POLLIN)
 _LEASE_ACTIONS = frozenset({LeaseToWorker, LeaseToClient, LeaseRefused, LeaseEndToClient, LeaseEndToWorker})
 _MAX_CLIENT_PIDS = 1 << 16
 _MAX_SERVICES = 1024  # service names remembered for the HTTP endpoint (as broker.metrics.MAX_SERVICES)
-#: bytes sent to a client before the broker looks whether its connection holds any unread
-#: (`_unread_bytes`: one ioctl): small replies cost an addition each
-_UNREAD_LOOK = 1 << 20
+#: frames to a client at least this long are sent tracked (`_track_unread`): what libzmq
+#: holds of smaller ones is bounded by their count (`client_hwm`)
+_TRACK_BYTES = 64 << 10
+
+
+class _Unread:
+    """Big frames sent to one client that libzmq may still hold (`Broker._track_unread`)."""
+
+    __slots__ = ("q", "total")
+
+    def __init__(self):
+        self.q: deque = deque()  # (tracker, bytes), in the order sent
+        self.total = 0
+
+    def settle(self) -> None:
+        """Forget the frames libzmq let go of (in order: one connection writes in order)."""
+        q = self.q
+        while q and q[0][0].done:
+            self.total -= q.popleft()[1]
 #: the interpreter's switch interval while the HTTP threads run (`_open_http`)
 HTTP_SWITCH_S = 0.0005
 _LIVE_WITHIN_S = 2.0  # live: the loop passed this recently (it passes at least every 100 ms)
@@ -395,7 +410,8 @@ class Broker:
         self._client_window_ms = max(1, min(int(self.sched.client_window * 1000), (1 << 32) - 1))
         sc = self.cfg.scheduler
         self._welcome = P.Welcome(instance=self.instance, heartbeat_interval=sc.heartbeat_interval,
-                                  heartbeat_liveness=sc.heartbeat_liveness, metrics=bool(self.cfg.http))
+                                  heartbeat_liveness=sc.heartbeat_liveness, metrics=bool(self.cfg.http),
+                                  stopping=True)
         wire.seed_routing_ids()  # libzmq's own ids for the peers: unpredictable
         self.frontend = self.ctx.socket(zmq.ROUTER)
         self.backend = self.ctx.socket(zmq.ROUTER)
@@ -494,10 +510,10 @@ class Broker:
         # The once-a-second collection that fails (out of descriptors, say): once a minute.
         self._gc_oops = P.RateLimitedLog(log, every=60.0)
         self._doomed: dict[bytes, None] = {}  # clients a send found stalled or gone, to drop
-        # Bytes sent to each client since its connection was last seen with nothing unread
-        # (`_send_client`), and how many it may have waiting: its byte cap's worth.
-        self._unread: dict[bytes, int] = {}
-        self._max_unread = max(self.cfg.scheduler.max_client_bytes, _UNREAD_LOOK)
+        # Big frames sent to each client that libzmq may still hold (`_track_unread`), and how
+        # many bytes of them a client may have waiting: its byte cap's worth.
+        self._unread: dict[bytes, _Unread] = {}
+        self._max_unread = max(self.cfg.scheduler.max_client_bytes, 4 * _TRACK_BYTES)
         self._dropping = False
         self.malformed = 0
         self._log_levels()  # whether request lines are logged (read again every _GC_INTERVAL)
@@ -646,6 +662,7 @@ class Broker:
                 self._log_levels()
                 self._prune_workers()
                 self._headroom_tick()
+                self._settle_unread()
             if wake is not None and now >= wake:
                 self._run_timers(now)
                 wake = sched.next_wakeup(now)
@@ -673,6 +690,15 @@ class Broker:
                 self._settle_gone(monotonic())
             wake = sched.next_wakeup(monotonic())
         self._collect_shm()
+
+    def _settle_unread(self) -> None:
+        """Once a second: forget the clients whose big frames libzmq has all let go of (a
+        client that asked for nothing more since is not looked at otherwise)."""
+        unread = self._unread
+        for ident, u in list(unread.items()):
+            u.settle()
+            if not u.q:
+                del unread[ident]
 
     def _prune_workers(self) -> None:
         """Once a second: what is kept per worker, for the workers that are registered only
@@ -788,15 +814,16 @@ class Broker:
                 inputs = inputs or sig
                 outputs = outputs or outs
                 workers.append({"pid": pid, "host": w["host"], "transports": w["transports"],
-                                "credit": w["credit"], "in_flight": w["in_flight"]})
+                                "credit": w["credit"], "in_flight": w["in_flight"], "stopping": w["stopping"]})
+            live = [w for w in workers if not w["stopping"]]  # (draining ones finish, take nothing new)
             return {
                 "name": arg,
-                "ready": bool(workers),
+                "ready": bool(live),
                 "platform": "zmq-infer",
                 "workers": workers,
-                "hosts": sorted({w["host"] for w in workers if w["host"]}),
-                "transports": sorted({t for w in workers for t in w["transports"]}),
-                "credit": sum(w["credit"] for w in workers),
+                "hosts": sorted({w["host"] for w in live if w["host"]}),
+                "transports": sorted({t for w in live for t in w["transports"]}),
+                "credit": sum(w["credit"] for w in live),
                 "in_flight": info["in_flight"],
                 "queue": info["queued"],
                 "inputs": [{"name": k, "datatype": v[0], "shape": v[1]} for k, v in (inputs or {}).items()],
@@ -1080,6 +1107,17 @@ class Broker:
         if doomed and ident in doomed:
             return  # being dropped: nothing more goes to it
         head = [ident, b""] if ident in self._req_clients else [ident]
+        tracked = None
+        for i, f in enumerate(frames):
+            n = len(f)
+            if n >= _TRACK_BYTES:
+                # Sent through a tracked, zero-copy wrapper: we learn when libzmq let it go.
+                if tracked is None:
+                    frames = list(frames)
+                    tracked = []
+                t = zmq.Frame(f.buffer if type(f) is zmq.Frame else f, copy=False, track=True)
+                frames[i] = t
+                tracked.append((t.tracker, n))
         try:
             self.send_to_client(head + frames)
         except zmq.Again:
@@ -1090,31 +1128,28 @@ class Broker:
             self._bad.warning("could not send to client %r: %s", ident[:16], e)
             doomed[ident] = None
             return
-        # Bytes that may wait for it in libzmq's queue: bounded, whatever their count.
-        unread = self._unread
-        size = _nbytes(frames)
-        n = unread.get(ident, 0) + size
-        if n > _UNREAD_LOOK:
-            n = self._unread_bytes(ident, n, size)
-            if n > self._max_unread:
-                self._stalled(ident, f"{n >> 20} MiB of replies unread")
-                return
-        unread[ident] = n
+        if tracked is not None:
+            self._track_unread(ident, tracked)
 
-    def _unread_bytes(self, ident: bytes, n: int, size: int) -> int:
-        """``n`` bytes were sent to ``ident`` (``size`` of them just now) since its
-        connection was last seen with nothing unread: whether its kernel buffer still holds
-        some (the peer has not read everything sent: they add up) or not (it read all that
-        came before: only this message may wait).  On a Unix socket the kernel counts bytes
-        until the peer's process reads them; on tcp, until the peer's kernel has them."""
-        fd = self._client_conn.get(ident)
-        if fd is None:
-            return n
-        try:
-            queued = struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0]
-        except OSError:
-            return n
-        return n if queued else size
+    def _track_unread(self, ident: bytes, tracked: list) -> None:
+        """Big frames just sent to ``ident`` (their trackers, their sizes): what libzmq still
+        holds of its replies is the frames whose tracker is not done (libzmq lets a frame go
+        once it has written all of it to the connection), and a client that holds more than
+        its byte cap there is not reading them.  libzmq bounds a peer's queue in messages
+        only: 100 unread inline replies of 16 MiB held 1.6 GB within the default 4096 (the
+        resource hunt).  A client that reads, however much it pulls at line rate, keeps its
+        trackers finishing."""
+        u = self._unread.get(ident)
+        if u is None:
+            u = self._unread[ident] = _Unread()
+        for t in tracked:
+            u.q.append(t)
+            u.total += t[1]
+        u.settle()
+        if u.total > self._max_unread:
+            self._stalled(ident, f"{u.total >> 20} MiB of replies unread")
+        elif not u.q:
+            del self._unread[ident]
 
     def _stalled(self, ident: bytes, why: str) -> None:
         """``ident`` does not read what it asked for.  Drop it as if it had disconnected
@@ -1127,16 +1162,36 @@ class Broker:
         self._stall_log.warning("client %r stopped reading its replies (%s); dropped its requests and its "
                                 "connection", ident[:16], why)
         self._doomed[ident] = None
+        self._end_connection(ident)
+
+    def _end_connection(self, ident: bytes) -> None:
+        """Shut down the connection ``ident`` came on.  libzmq owns the descriptor (and
+        closes it): only the connection is ended, through a copy of the descriptor, and its
+        engine, seeing that, frees its queue.  The number may be another connection's by
+        then (libzmq's I/O thread closes and accepts on its own): a close queued is applied
+        first and again once the copy is made, and on ipc the copy's peer must be the
+        process attested for ``ident``; in doubt, nothing is shut down."""
         if sock_events(self._frontend_events) & _POLLIN:
-            self._on_frontend_events()  # a close already queued: its number may be another's now
+            self._on_frontend_events()
         fd = self._client_conn.get(ident)
-        if fd is not None:
+        if fd is None:
+            return
+        try:
+            conn = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return
+        with conn:
+            if sock_events(self._frontend_events) & _POLLIN:
+                self._on_frontend_events()
+                if self._client_conn.get(ident) != fd:
+                    return
+            who = self._client_pids.get(ident)
             try:
-                # libzmq owns the descriptor (and closes it): only the connection is ended
-                # (through a copy of the descriptor), and its engine, seeing that, frees the
-                # queue.
-                with socket.socket(fileno=os.dup(fd)) as conn:
-                    conn.shutdown(socket.SHUT_RDWR)
+                if who is not None and conn.family == socket.AF_UNIX:
+                    pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+                    if pid != who[0]:
+                        return
+                conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
@@ -1458,6 +1513,7 @@ class Broker:
                     self._client_tcp.pop(ident, None)
                     self._kept_conns.pop(ident, None)
                     self._req_clients.discard(ident)
+                    self._unread.pop(ident, None)
 
     def _accepted(self) -> None:
         """A connection was accepted: near the descriptor limit, stop new clients from

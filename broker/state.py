@@ -63,8 +63,9 @@ counts from the candidate's arrival or from its principal's previous dispatch in
 whichever is later: a request behind its own principal's backlog is waiting for that
 backlog, not for the other classes.  (Counted from arrival, the head of one client's deep
 urgent backlog was always as old as the backlog took to drain, and outscored every normal
-request for as long as it was refilled.)  So a normal request waits about (3 - 1) x aging_s
-= 1 s at most behind one principal's flood of urgent requests, with the default weights.  Within a class
+request for as long as it was refilled.)  So while one principal floods the urgent class,
+each principal with normal requests queued gets one of them dispatched about every (3 - 1)
+x aging_s = 1 s (default weights): urgent work still comes first, and nothing starves.  Within a class
 this is round robin between principals: a principal with 50,000 queued requests (on one
 connection or on 50,000) gets one dispatch, then every other principal waiting in the class
 (with something placeable) gets one, before its next; a principal with one request at a time
@@ -1272,7 +1273,7 @@ class Scheduler(LeaseEvents):
             return ""
         svc = w.svc
         note = f"; service '{svc.name}', {len(w.in_flight)} request(s) held (retried on another worker, or failed)"
-        if svc.any.live <= 1:
+        if svc.any.live - (0 if w.stopping else 1) <= 0:  # (a stopping worker is counted out already)
             note += (f"; it was {LAST_WORKER}: its requests wait {self.config.service_grace:g} s "
                      f"(--service-grace) for another, then fail SERVICE_UNAVAILABLE")
         return note
@@ -1290,14 +1291,15 @@ class Scheduler(LeaseEvents):
         services = {}
         for name, svc in self._services.items():
             u, n, b = (sum(map(len, ring.values())) for ring in svc.classes)
+            live = [w for w in svc.workers.values() if not w.stopping]  # (draining ones are not)
             services[name] = {
                 "queued": {"urgent": u, "normal": n, "background": b},
                 "in_flight": svc.in_flight,
-                "workers": len(svc.workers),
-                "credit": sum(w.credit for w in svc.workers.values()),
+                "workers": len(live),
+                "credit": sum(w.credit for w in live),
                 "hosts": self._hosts(svc),
-                "leases": sum(len(w.leases) for w in svc.workers.values()),
-                "leased_credit": sum(w.leased for w in svc.workers.values()),
+                "leases": sum(len(w.leases) for w in live),
+                "leased_credit": sum(w.leased for w in live),
             }
         return {
             "services": services,
@@ -1331,7 +1333,8 @@ class Scheduler(LeaseEvents):
             "queued": {"urgent": u, "normal": n, "background": b},
             "in_flight": svc.in_flight,
             "workers": [{"worker": w.ident, "host": w.host, "transports": sorted(w.transports),
-                         "credit": w.credit, "in_flight": len(w.in_flight)} for w in svc.workers.values()],
+                         "credit": w.credit, "in_flight": len(w.in_flight), "stopping": w.stopping}
+                        for w in svc.workers.values()],
         }
 
     def client_usage(self, principal: object) -> dict:
@@ -1882,11 +1885,16 @@ class Scheduler(LeaseEvents):
             self._leave_pools(w, now)
         else:
             # It left its pools when it said STOPPING; what it held and did not answer (it
-            # died draining) waits for another worker, with a grace if there is none.
+            # died draining) waits for another worker, a whole grace from now if there is
+            # none (counted from the STOPPING, a drain longer than the grace failed them at
+            # once, a replacement on its way or not: found by review).
+            empty = {}
             for req in retry:
                 pool = self._pool(svc, req.local_host, now)
                 if pool.live == 0:
-                    self._push_grace(req, pool)
+                    empty[id(pool)] = pool
+            for pool in empty.values():
+                self._open_gap(svc, pool, now)
         self._dirty[svc] = None
 
     def _leave_pools(self, w, now):
@@ -1896,21 +1904,27 @@ class Scheduler(LeaseEvents):
         for pool in w.pools:
             pool.live -= 1
             if pool.live == 0:
-                pool.gap_since = pool.lost_at = now
-                pool.gap_epoch = next(self._epochs)
-                waiting = False
-                for ring in svc.classes:
-                    for fifo in ring.values():
-                        for req in fifo:
-                            if req.local_host == pool.key:
-                                self._push_grace(req, pool)
-                                waiting = True
+                waiting = self._open_gap(svc, pool, now)
                 if not waiting and pool is not svc.any:
                     # A host's pool with no worker and nothing waiting for one: forgotten (a
                     # service whose pods roll for months would keep one per pod's host, and
                     # the dead workers its heap still names).  A request for that host later
                     # makes it again, its gap counted from then: as its grace would be.
                     del svc.pools[pool.key]
+
+    def _open_gap(self, svc, pool, now) -> bool:
+        """``pool`` has no live worker from ``now``: the requests waiting for it get their
+        grace (from now, or their arrival if later); whether any waits."""
+        pool.gap_since = pool.lost_at = now
+        pool.gap_epoch = next(self._epochs)
+        waiting = False
+        for ring in svc.classes:
+            for fifo in ring.values():
+                for req in fifo:
+                    if req.local_host == pool.key:
+                        self._push_grace(req, pool)
+                        waiting = True
+        return waiting
 
     # ---- timers
 

@@ -326,6 +326,7 @@ class Worker:
         # the loop turns the count into `stop` (1) and `hurry` (2) (`_take_signals`).
         self.signals = 0
         self._stopping_told = False  # STOPPING sent (`_tell_stopping`)
+        self._broker_stops = False  # our broker's WELCOME said it takes STOPPING
         # A pipe the signal handlers write to (`signal.set_wakeup_fd`), watched by the loop:
         # a SIGTERM to an idle worker starts its drain now, not at its next wake-up (up to
         # a heartbeat interval later, while its readiness probe still said 200).
@@ -777,6 +778,8 @@ class Worker:
         self.registered = True
         self._plain_broker = False  # ours after all (a READY announced before it came): WELCOMEs rule
         self.counts = self.dones.info = bool(w.metrics)
+        self._broker_stops = bool(w.stopping)  # it takes STOPPING (`_tell_stopping`)
+        self._silence_log.last = -math.inf  # heard again: its next silence is a line at once
         if (w.heartbeat_interval, w.heartbeat_liveness) != (self.heartbeat_interval, self.heartbeat_liveness):
             log.info("the broker sets liveness: heartbeat every %.3g s, presumed dead after %d silent intervals "
                      "(was %.3g s x %d)", w.heartbeat_interval, w.heartbeat_liveness,
@@ -1844,8 +1847,9 @@ class Worker:
         its service now (readiness, the grace of requests that have no other worker), not
         at the DISCONNECT after the drain.  The loop's thread at the drain, or the heartbeat
         thread while a batch holds the loop (a SIGTERM during it).  Not to a plain broker:
-        it would take the command for garbage."""
-        if self._stopping_told or self.broker_instance is None or not self.registered:
+        it would take the command for garbage, nor to one of ours too old to know it (its
+        WELCOME says whether it does)."""
+        if self._stopping_told or not self._broker_stops or not self.registered:
             return
         self._stopping_told = True
         self._send(P.worker_stopping())

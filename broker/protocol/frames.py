@@ -142,7 +142,7 @@ WORKER_COMMANDS: tuple[Command, ...] = (
     Command("BUSY", W_BUSY, "W→B", "one byte: `0x01` a long batch with leased requests runs (what the broker hands "
             "the worker meanwhile waits behind it; section 10.3), `0x00` it ended", "extension"),
     Command("STOPPING", W_STOPPING, "W→B", "none: the worker drains (SIGTERM): it takes nothing new, finishes what "
-            "it holds, then says DISCONNECT (only to a broker that sent WELCOME)", "extension"),
+            "it holds, then says DISCONNECT (only to a broker whose WELCOME set `stopping`)", "extension"),
 )
 
 

@@ -231,6 +231,7 @@ class Welcome(msgspec.Struct, kw_only=True):
     heartbeat_interval: float      # seconds; the worker heartbeats at this rate
     heartbeat_liveness: int        # missed intervals before either side presumes the other dead
     metrics: bool = False          # the broker counts (--http): send STATS and DONE outcomes
+    stopping: bool = False         # the broker takes STOPPING (an older one would log it as malformed)
 
 
 class LeaseAsk(msgspec.Struct, kw_only=True):
@@ -303,8 +304,8 @@ class DoneInfo(msgspec.Struct, kw_only=True):
     ages_ms: list[float] = []
 
 
-#: `WorkerStats.leased`'s outcome for a leased request that did not run and whose client was
-#: gone when told to resend it through the broker (nobody resends it): ``client_gone``
+#: `WorkerStats.leased`'s outcome for a leased request whose FINAL (or a stream's partial)
+#: found its client gone, whether it ran or was told to resend it: ``client_gone``
 LEASED_CLIENT_GONE = -1
 
 

@@ -893,7 +893,8 @@ def test_stats_shape():
     assert st["workers"] == 1 and st["requests"] == 3
     info = s.service_info("svc")
     assert info["queued"] == {"urgent": 0, "normal": 0, "background": 1} and info["in_flight"] == 2
-    assert info["workers"] == [{"worker": b"w", "host": None, "transports": ["inline"], "credit": 2, "in_flight": 2}]
+    assert info["workers"] == [{"worker": b"w", "host": None, "transports": ["inline"], "credit": 2, "in_flight": 2,
+                                "stopping": False}]
     assert s.service_info("nope") is None
     assert st["counters"]["dispatched"] == 2
     assert set(st["counters"]) >= {
@@ -1086,6 +1087,30 @@ def test_a_stopping_worker_gets_nothing_new_and_is_not_live_but_finishes_what_it
     assert err.request_id == 3 and err.code == ErrorCode.SERVICE_UNAVAILABLE
     s.worker_ready(b"u", "svc", 4.0)
     assert s.has_service("svc")
+
+
+def test_a_stopping_worker_is_out_of_the_counts_and_its_late_death_gives_a_whole_grace():
+    # Found by review: the death of a stopping worker said "the service's last live worker"
+    # while another lived; credit and service_info still counted it; and what it held, when
+    # it died after a drain longer than the grace, failed at once though a replacement came.
+    from broker.state import LAST_WORKER
+
+    s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=30, service_grace=2.0))
+    s.worker_ready(b"w1", "svc", 0.0, credit=4)
+    s.worker_ready(b"w2", "svc", 0.0, credit=2)
+    s.worker_stopping(b"w1", 0.1)
+    assert LAST_WORKER not in s.death_note(b"w1") and LAST_WORKER in s.death_note(b"w2")
+    st = s.stats()["services"]["svc"]
+    assert (st["workers"], st["credit"]) == (1, 2)
+    assert [w["stopping"] for w in s.service_info("svc")["workers"]] == [True, False]
+    s.worker_disconnect(b"w2", 0.2, failed=False)
+    s.worker_disconnect(b"w1", 0.2, failed=False)
+    s.worker_ready(b"v", "svc", 1.0)
+    only(req(s, 3, 1.0), Dispatch)
+    s.worker_stopping(b"v", 1.1)  # SIGTERM: a long batch drains
+    assert of(s.worker_disconnect(b"v", 10.0), ClientError) == []  # killed at 10 s
+    assert of(s.tick(10.01), ClientError) == []  # a whole grace from the death
+    assert of(s.worker_ready(b"u", "svc", 10.5), Dispatch)  # the replacement takes it
 
 
 def test_a_queued_only_cancel_leaves_a_running_request_alone():
