@@ -613,3 +613,40 @@ def test_a_client_whose_process_runs_out_of_descriptors_after_it_was_made_lives(
     p = subprocess.run([sys.executable, "-c", _FILLS_ITS_DESCRIPTORS, cluster.frontend], cwd=ROOT, timeout=60,
                        capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout.split() == ["OK", "0"], (p.returncode, p.stdout, p.stderr[-2000:])
+
+
+def test_a_client_that_reads_big_replies_as_fast_as_they_come_is_not_taken_for_a_stalled_one(cluster):
+    """The byte bound on unread replies counts what libzmq still holds for the client, so a
+    client that pulls one 4 MiB reply after another, always 4 in flight, is never dropped,
+    however many it reads past its byte cap (32 MiB here; found by review: a count of bytes
+    sent since its kernel queue was last seen empty dropped it after 32 MiB)."""
+    broker = cluster.broker("--max-client-mb", "32")
+    cluster.worker("echo")
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "echo")
+    s = _dealer(cluster.frontend)
+    size = 4 * MiB
+    payload = bytes(size)
+    try:
+        rid = 0
+        for _ in range(4):
+            rid += 1
+            s.send_multipart(_request("echo", rid, payload, "|u1", [size], reply="inline"), copy=False)
+        got = 0
+        while got < 40:  # 160 MiB read: five times the cap
+            assert s.poll(10_000), f"no reply after {got}"
+            m = P.parse_broker_to_client(s.recv_multipart())
+            if m.command != P.C_FINAL:
+                continue
+            rep = P.decode_reply(m.body[0])
+            assert rep.error is None, rep.error
+            got += 1
+            # The client's own work on each reply (a span, not a synchronisation): slower than
+            # the echo worker, so its connection is never seen with nothing queued.
+            time.sleep(0.03)
+            rid += 1
+            s.send_multipart(_request("echo", rid, payload, "|u1", [size], reply="inline"), copy=False)
+    finally:
+        s.close(0)
+    assert broker.terminate() == 0
+    assert STALLED not in broker.stderr(None)
