@@ -84,6 +84,9 @@ _POLLIN = int(zmq.POLLIN)
 _LEASE_ACTIONS = frozenset({LeaseToWorker, LeaseToClient, LeaseRefused, LeaseEndToClient, LeaseEndToWorker})
 _MAX_CLIENT_PIDS = 1 << 16
 _MAX_SERVICES = 1024  # service names remembered for the HTTP endpoint (as broker.metrics.MAX_SERVICES)
+#: a request header this long or shorter is not counted against its client's byte cap (the
+#: request count bounds what such headers hold: `max_client_requests` x 4 KiB)
+_SHORT_HEADER = 4096
 #: frames to a client at least this long are sent tracked (`_track_unread`): what libzmq
 #: holds of smaller ones is bounded by their count (`client_hwm`)
 _TRACK_BYTES = 64 << 10
@@ -1050,8 +1053,10 @@ class Broker:
                 priority=req.priority,
                 deadline=deadline,
                 local_host=local,
-                # The header counts too (its `meta` may fill its 1 MiB): what the broker holds.
-                size=len(first) + (_nbytes(rest) if rest else 0),
+                # A long header counts too (it may fill its 1 MiB, and the broker keeps it: `meta`
+                # is a view of it); short ones are bounded by the request count, and the
+                # usual shared-memory request counts nothing (no byte bookkeeping).
+                size=(len(first) if len(first) > _SHORT_HEADER else 0) + (_nbytes(rest) if rest else 0),
                 principal=pid if pid is not None else self._tcp_principal(first),
             )
         else:
@@ -1108,16 +1113,21 @@ class Broker:
             return  # being dropped: nothing more goes to it
         head = [ident, b""] if ident in self._req_clients else [ident]
         tracked = None
-        for i, f in enumerate(frames):
-            n = len(f)
-            if n >= _TRACK_BYTES:
-                # Sent through a tracked, zero-copy wrapper: we learn when libzmq let it go.
-                if tracked is None:
-                    frames = list(frames)
-                    tracked = []
-                t = zmq.Frame(f.buffer if type(f) is zmq.Frame else f, copy=False, track=True)
-                frames[i] = t
-                tracked.append((t.tracker, n))
+        last = len(frames)
+        if last > 4 or (last == 4 and len(frames[3]) >= _TRACK_BYTES):
+            # (MDPC02, the command and the service are short, and so is the one frame after
+            # them of most messages: a reply header, a heartbeat's window.)
+            for i in range(3, last):
+                f = frames[i]
+                n = len(f)
+                if n >= _TRACK_BYTES:
+                    # Sent through a tracked, zero-copy wrapper: we learn when libzmq let it go.
+                    if tracked is None:
+                        frames = list(frames)
+                        tracked = []
+                    t = zmq.Frame(f.buffer if type(f) is zmq.Frame else f, copy=False, track=True)
+                    frames[i] = t
+                    tracked.append((t.tracker, n))
         try:
             self.send_to_client(head + frames)
         except zmq.Again:

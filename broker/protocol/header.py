@@ -412,7 +412,8 @@ def decode_request(frame: Any, n_inline: int | None = None, frames: Sequence[Any
     the worker's to check)."""
     if routed:
         req = _decode(frame, _DEC_ROUTED, "request")
-        _check_meta_size(req.meta)
+        if req.meta != _EMPTY_META:  # (the usual case, at the cost of a comparison)
+            _check_meta_size(req.meta)
     else:
         if len(frame) > MAX_META_BYTES:
             # Only a header this long can hold a `meta` over its bound: measured first
@@ -600,6 +601,9 @@ def decode_lease_hello(frame: Any) -> LeaseHello:
     if len(h.secret) != 16:
         raise ProtocolError("lease hello needs the lease's 16-byte secret")
     return h
+
+
+_EMPTY_META = msgspec.Raw(b"\x80")
 
 
 def _check_meta_size(meta: msgspec.Raw) -> None:
