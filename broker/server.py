@@ -101,11 +101,15 @@ class _Unread:
         self.q: deque = deque()  # (tracker, bytes), in the order sent
         self.total = 0
 
-    def settle(self) -> None:
-        """Forget the frames libzmq let go of (in order: one connection writes in order)."""
+    def settle(self) -> int:
+        """Forget the frames libzmq let go of (in order: one connection writes in order); how
+        many."""
         q = self.q
+        n = 0
         while q and q[0][0].done:
             self.total -= q.popleft()[1]
+            n += 1
+        return n
 #: the interpreter's switch interval while the HTTP threads run (`_open_http`)
 HTTP_SWITCH_S = 0.0005
 _LIVE_WITHIN_S = 2.0  # live: the loop passed this recently (it passes at least every 100 ms)
@@ -1147,17 +1151,20 @@ class Broker:
         once it has written all of it to the connection), and a client that holds more than
         its byte cap there is not reading them.  libzmq bounds a peer's queue in messages
         only: 100 unread inline replies of 16 MiB held 1.6 GB within the default 4096 (the
-        resource hunt).  A client that reads, however much it pulls at line rate, keeps its
-        trackers finishing."""
+        resource hunt).  A client is taken for one that stopped reading only when what it had
+        been sent before is over its cap and none of it went since the previous look: a
+        client that reads keeps its trackers finishing, however much it pulls at once (one
+        reply over its cap, several in flight over it: found by review)."""
         u = self._unread.get(ident)
         if u is None:
             u = self._unread[ident] = _Unread()
+        went = u.settle()
+        held = u.total  # of what was sent before this message
         for t in tracked:
             u.q.append(t)
             u.total += t[1]
-        u.settle()
-        if u.total > self._max_unread:
-            self._stalled(ident, f"{u.total >> 20} MiB of replies unread")
+        if held > self._max_unread and not went:
+            self._stalled(ident, f"{held >> 20} MiB of replies unread")
         elif not u.q:
             del self._unread[ident]
 

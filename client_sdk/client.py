@@ -396,8 +396,7 @@ class Client(ClientBase):
         the call is then unsent again, to be submitted later or given up."""
         sock = self._sock
         if timeout != 0 and not sock_events(sock) & _POLLOUT:
-            sock.poll(-1 if timeout is None else max(1, int(timeout * 1000)), zmq.POLLOUT)
-            touched(sock)
+            self._wait_writable(sock, -1 if timeout is None else max(1, int(timeout * 1000)))
         now = time.monotonic()
         call.t_submit = call.t_submit or now
         frames = self._core.request_frames(call, now)
@@ -479,6 +478,20 @@ class Client(ClientBase):
         if ready:
             self._drain(ready, until=until)
 
+    def _wait_writable(self, sock: zmq.Socket, ms: int) -> None:
+        """Wait up to ``ms`` (-1: for good) for ``sock`` to take a message (its queue is full:
+        the broker does not read), or for a nested call (a signal handler's close()) that
+        woke us: that one is done now, and a close ends this call."""
+        items = [(sock, zmq.POLLOUT)]
+        if self._wake is not None:
+            items.append((self._wake, zmq.POLLIN))
+        zmq.zmq_poll(items, ms)
+        touched(sock)
+        if self._later:
+            self._do_later()
+            if self._core.closed:
+                raise InferenceError(_CLOSED_WAITING, code=None) from None
+
     # ---------------------------------------------------------------- nested calls
 
     def _defer(self, action: Any) -> None:
@@ -518,15 +531,17 @@ class Client(ClientBase):
     def _run_later(self) -> None:
         """`_do_later` after the outermost call returned (what a nested call left after that
         call's last wait, or in a call that does not wait): claims the client again, unless
-        another thread got in first (its call's end does it then)."""
+        another thread got in first (its call's end does it then).  Round again if a nested
+        call came between the last look and the release (found by review)."""
         tid = _get_ident()
         user = self._user
-        if user.setdefault(0, tid) != tid:
-            return
-        try:
-            self._do_later()
-        finally:
-            del user[0]
+        while self._later:
+            if user.setdefault(0, tid) != tid:
+                return
+            try:
+                self._do_later()
+            finally:
+                del user[0]
 
     # ---------------------------------------------------------------- socket work
 
@@ -549,8 +564,7 @@ class Client(ClientBase):
                         f"cannot send to the broker at {self.endpoint}: its queue is full"
                     ) from None
                 wait = 1000 if deadline is None else max(1, int((deadline - now) * 1000))
-                sock.poll(wait, zmq.POLLOUT)
-                touched(sock)
+                self._wait_writable(sock, wait)
 
     def _send_call(self, call: Call) -> None:
         core = self._core

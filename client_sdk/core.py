@@ -93,8 +93,10 @@ def _drain_inbox(call: Call) -> None:
 
 # ------------------------------------------------------------------------------------ the core
 
-#: seconds between two looks at this process's descriptors while it names its reply inbox
+#: seconds between two looks at this process's descriptors while it names its reply inbox:
+#: near its limit (under half of it free), and far from it
 ROOM_LOOK_S = 1.0
+ROOM_LOOK_FAR_S = 5.0
 #: longest wait before a client that fell back to inline tries shared memory again (seconds)
 NOT_LOCAL_RETRY_MAX_S = 30.0
 
@@ -412,10 +414,14 @@ class ClientCore(PinEvents):
             self._pin_route(call, now)
         return frames
 
-    def use_inbox(self, endpoint: str, room: Callable[[], bool]) -> None:
+    def use_inbox(self, endpoint: str, room: Callable[[], tuple[bool, bool]]) -> None:
         """The twin bound its reply inbox at ``endpoint``: requests name it as `reply_to`
-        while ``room()`` (this process has descriptors to spare: `sockets.descriptor_room`)
-        said so when last asked, at the first request and then once a second at most.  A
+        while ``room()`` (this process has descriptors to spare, and plenty:
+        `sockets.descriptor_room`) said so when last asked, at the first request and then
+        once a second while under half its limit is free, every five seconds otherwise (a
+        process that goes from half its descriptors free to none faster than that can still
+        meet the abort: the look costs a millisecond per two thousand descriptors, on the
+        request that makes it).  A
         worker that replies straight to a client connects to its inbox, and at the
         descriptor limit libzmq aborts the process in that accept (the application hunt: a
         server that filled its descriptors after making its client); near it, replies come
@@ -425,12 +431,14 @@ class ClientCore(PinEvents):
         self._room_at = 0.0
 
     def _look_at_room(self, now: float) -> None:
-        self._room_at = now + ROOM_LOOK_S
-        ok = self._room()
+        ok, plenty = self._room()
+        # (A process with half its descriptors free is looked at less often: the listing
+        # costs a millisecond per two thousand descriptors, on the request that does it.)
+        self._room_at = now + (ROOM_LOOK_FAR_S if plenty else ROOM_LOOK_S)
         if ok != (self.reply_to is not None):
             self.reply_to = self._inbox_ep if ok else None
-            if ok:
-                log.info("descriptors to spare again: replies come straight from workers")
+            log.info("descriptors to spare again: replies come straight from workers" if ok else
+                     "this process is near its descriptor limit: replies go through the broker")
 
     def _brokered_request(self, call: Call, now: float) -> list[Any]:
         if self._room is not None and now >= self._room_at:

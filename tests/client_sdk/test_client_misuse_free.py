@@ -47,3 +47,41 @@ def test_async_client_free_after_close_says_closed(tmp_path):
         assert not isinstance(info.value, InvalidInput)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("where", ["send", "submit"])
+def test_close_from_a_signal_handler_ends_a_call_waiting_for_the_socket_to_take_it(tmp_path, where):
+    """The broker does not read (nobody at the endpoint: the DEALER's queue fills): a call
+    waits for the socket to take its message.  A signal handler's close() ended it only at
+    its timeout (`infer`, 6 s) or never (`submit` with no timeout: a stream's recv); found by
+    review.  It ends at once now."""
+    import signal
+    import time
+
+    c = Client(f"ipc://{tmp_path}/nobody.sock", timeout=6.0, heartbeat_interval=None, transport="inline",
+               direct_reply=False)
+    x = {"x": np.zeros(4, np.float32)}
+    while True:  # fill the socket's queue
+        call = c.prepare("echo", x)
+        if not c.submit(call, timeout=0):
+            c.give_up(call)
+            break
+    closed_at = []
+
+    def handler(signum, frame):
+        c.close()
+        closed_at.append(time.monotonic())
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)  # the stimulus: a signal while the call waits
+    try:
+        with pytest.raises(InferenceError, match="closed while this call was waiting"):
+            if where == "send":
+                c.infer("echo", x)
+            else:
+                c.submit(c.prepare("echo", x), timeout=None)
+        assert closed_at and time.monotonic() - closed_at[0] < 1.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        c.close()

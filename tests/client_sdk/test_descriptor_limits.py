@@ -74,14 +74,14 @@ def test_the_inbox_is_named_only_while_descriptors_allow_looked_at_once_a_second
     """A server that fills its descriptors after making its client: the first worker to reply
     straight to it connected to its inbox, and libzmq aborted the process in that accept (the
     application hunt).  The core names the inbox (`reply_to`) only while `room()` said so,
-    asked at the first request and then once a second at most."""
+    asked at the first request and then once a second (every five while half are free)."""
     import numpy as np
 
     from broker import protocol as P
-    from client_sdk.core import ROOM_LOOK_S, ClientCore
+    from client_sdk.core import ROOM_LOOK_FAR_S, ROOM_LOOK_S, ClientCore
 
     core = ClientCore("ipc:///nowhere", transport="inline")
-    room = {"ok": True, "asked": 0}
+    room = {"ok": (True, True), "asked": 0}
 
     def ask():
         room["asked"] += 1
@@ -94,12 +94,27 @@ def test_the_inbox_is_named_only_while_descriptors_allow_looked_at_once_a_second
         frames = core.request_frames(core.new_call("svc", x), now)
         return P.decode_request(frames[3]).reply_to
 
-    room["ok"] = False  # filled after the client was made: the first request looks
+    room["ok"] = (False, False)  # filled after the client was made: the first request looks
     assert reply_to(100.0) is None and room["asked"] == 1
-    room["ok"] = True
+    room["ok"] = (True, True)
     assert reply_to(100.0 + ROOM_LOOK_S / 2) is None and room["asked"] == 1  # not asked again yet
     assert reply_to(100.0 + ROOM_LOOK_S) == "ipc:///tmp/inbox" and room["asked"] == 2
+    # Plenty free: the next look is further off.
+    assert reply_to(100.0 + 2 * ROOM_LOOK_S) == "ipc:///tmp/inbox" and room["asked"] == 2
+    assert reply_to(100.0 + ROOM_LOOK_S + ROOM_LOOK_FAR_S) == "ipc:///tmp/inbox" and room["asked"] == 3
     core.close()
+
+
+def test_descriptor_room_counts_them(monkeypatch):
+    monkeypatch.setattr(sockets, "nofile_limit", lambda: 1024)
+    monkeypatch.setattr(sockets, "open_descriptors", lambda: 1000)
+    assert sockets.descriptor_room() == (False, False)
+    monkeypatch.setattr(sockets, "open_descriptors", lambda: 700)
+    assert sockets.descriptor_room() == (True, False)
+    monkeypatch.setattr(sockets, "open_descriptors", lambda: 100)
+    assert sockets.descriptor_room() == (True, True)
+    monkeypatch.setattr(sockets, "open_descriptors", lambda: -1)
+    assert sockets.descriptor_room() == (False, False)
 
 
 @pytest.mark.parametrize("where", ["context", "socket"])

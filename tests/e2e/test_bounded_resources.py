@@ -584,6 +584,7 @@ from client_sdk import Client
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 c = Client(sys.argv[1], timeout=20)  # few descriptors in use: its reply inbox is bound
 assert c._inbox is not None
+assert c.mmi_service("echo")  # connected (libzmq needs a descriptor for that), no request yet
 held = []
 try:
     while True:  # then the server's own connections and files take them all
@@ -648,5 +649,22 @@ def test_a_client_that_reads_big_replies_as_fast_as_they_come_is_not_taken_for_a
             s.send_multipart(_request("echo", rid, payload, "|u1", [size], reply="inline"), copy=False)
     finally:
         s.close(0)
+    assert broker.terminate() == 0
+    assert STALLED not in broker.stderr(None)
+
+
+def test_a_reply_larger_than_the_byte_cap_reaches_a_client_that_reads(cluster):
+    """What counts against a client's cap is what it was sent before and has not taken since:
+    one inline reply larger than the cap (8 MiB here, 16 MiB replies to 8-byte requests) was
+    taken for a stalled client the moment it was sent, every time (found by review: the call
+    failed after its resends)."""
+    broker = cluster.broker("--max-client-mb", "8")
+    cluster.worker("grow_model:factory", "--service", "grow")
+    n = 16 * MiB
+    with Client(cluster.frontend, timeout=10, transport="inline", direct_reply=False) as c:
+        wait_service(c, "grow")
+        for _ in range(3):
+            with c.infer("grow", {"x": np.array([n], np.int64)}) as r:
+                assert r["y"].nbytes == n
     assert broker.terminate() == 0
     assert STALLED not in broker.stderr(None)
