@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import math
 import os
 import signal
 import sys
@@ -131,6 +132,38 @@ def pool_main(argv: list[str]) -> int:
     return 0  # pragma: no cover - execv does not return
 
 
+#: each numeric flag's range (the deploy file's keys have theirs: broker.state.Scheduler.check,
+#: broker.server.LIMITS): NaN, infinities and huge values passed and crashed the broker later,
+#: and silly small ones were clamped into something else (the command-line hunt)
+_RANGES = {
+    "heartbeat_interval": ("--heartbeat-interval", 0.001, 3600),
+    "heartbeat_liveness": ("--heartbeat-liveness", 1, 1000),
+    "max_queue": ("--max-queue", 0, 1 << 31),
+    "service_grace": ("--service-grace", 0, 86400),
+    "max_retries": ("--max-retries", 0, 100),
+    "max_frame_mb": ("--max-frame-mb", 0.0625, 1 << 20),
+    "client_hwm": ("--client-hwm", 1, (1 << 31) - 1),
+    "max_client_requests": ("--max-client-requests", 1, 1 << 31),
+    "max_client_mb": ("--max-client-mb", 0, 1 << 30),
+    "recall_after_ms": ("--recall-after-ms", -math.inf, 86400e3),
+}
+
+
+def _check_ranges(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A numeric flag out of its range, or not finite: one usage line naming it, exit 2."""
+    for key, (flag, lo, hi) in _RANGES.items():
+        v = getattr(args, key, None)
+        if v is None:
+            continue
+        if not (math.isfinite(v) or (v == -math.inf and lo == -math.inf)) or not lo <= v <= hi:
+            ap.error(f"{flag} must be from {_num(lo)} to {_num(hi)}, not {v}" if lo > -math.inf else
+                     f"{flag} must be a number up to {_num(hi)} (negative: never), not {v}")
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["keys"]:
@@ -173,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--insecure", action="store_true", help="serve tcp endpoints as plain tcp: no authentication, no encryption")
     add_log_options(ap)
     args = ap.parse_args(argv)
+    _check_ranges(ap, args)
     setup_logging(args.log_level, args.log_format, "broker")
     # A crash in native code (a model's extension on one input, libzmq's assertions): every
     # thread's Python stack on stderr, written at once (log lines still queued for the

@@ -178,12 +178,17 @@ def _name(v):
     return isinstance(v, str) and v.strip() == v and v != "" and not any(c.isspace() for c in v)
 
 
-def _int_at_least(n):
-    return (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= n), f"an integer >= {n}"
-
-
 def _int_between(lo, hi):
     return (lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi), f"an integer from {lo} to {hi}"
+
+
+#: the longest time a deploy file may set (about eleven days): longer ones overflowed the
+#: launcher's waits and stopped it (found by the command-line hunt)
+_LONGEST_S = 1e6
+
+
+def _number_between(lo, hi):
+    return (lambda v: _is_number(v) and lo <= v <= hi), f"a number from {lo:g} to {hi:g}"
 
 
 def _number_at_least(n, strict=False):
@@ -197,19 +202,19 @@ POOL_KEYS: dict[str, tuple] = {
     "name": (_name, "a non-empty string without spaces"),
     "model": (lambda v: isinstance(v, str) and v.strip() != "" and (":" not in v or all(v.split(":", 1))),
               "a shipped model name (echo, cartoon, convnet, chunks) or package.module:factory"),
-    "count": _int_at_least(1),
+    "count": _int_between(1, 1024),
     "device": (lambda v: isinstance(v, str) and _DEVICE.match(v.strip().lower()) is not None,
                "'auto', 'cpu', 'cuda' or 'cuda:N'"),
     "service": (lambda v: _name(v) and not v.startswith("mmi.") and len(v.encode()) <= 255,
                 "a non-empty string without spaces, of at most 255 bytes, not starting with 'mmi.' (the broker's)"),
     "max_batch": _int_between(1, 1 << 16),
-    "max_delay_ms": _number_at_least(0),
+    "max_delay_ms": _number_between(0, _LONGEST_S * 1000),
     "max_cost": _number_at_least(0, strict=True),
     "credit": _int_between(1, 1 << 16),  # the broker refuses a READY with more
     "transports": (lambda v: isinstance(v, list) and v != [] and all(t in _TRANSPORTS for t in v),
                    f"a non-empty list of {', '.join(repr(t) for t in _TRANSPORTS)}"),
-    "keep_warm_ms": _number_at_least(0),
-    "drain_grace_s": _number_at_least(0),
+    "keep_warm_ms": _number_between(0, _LONGEST_S * 1000),
+    "drain_grace_s": _number_between(0, _LONGEST_S),
     "extra_args": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
                    "a list of strings (python -m gpu_worker arguments)"),
 }
@@ -251,13 +256,13 @@ class LauncherConfig:
 
 #: every `[launcher]` key: (check, what it must be)
 LAUNCHER_KEYS: dict[str, tuple] = {
-    "drain_timeout_s": _number_at_least(0),
-    "stop_timeout_s": _number_at_least(0),
-    "restart_backoff_s": _number_at_least(0),
-    "restart_backoff_max_s": _number_at_least(0),
-    "restart_reset_s": _number_at_least(0),
-    "ready_timeout_s": _number_at_least(1),
-    "hang_timeout_s": _number_at_least(0),
+    "drain_timeout_s": _number_between(0, _LONGEST_S),
+    "stop_timeout_s": _number_between(0, _LONGEST_S),
+    "restart_backoff_s": _number_between(0, _LONGEST_S),
+    "restart_backoff_max_s": _number_between(0, _LONGEST_S),
+    "restart_reset_s": _number_between(0, _LONGEST_S),
+    "ready_timeout_s": _number_between(1, _LONGEST_S),
+    "hang_timeout_s": _number_between(0, _LONGEST_S),
 }
 
 

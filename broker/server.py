@@ -25,6 +25,7 @@ import os
 import secrets
 import select
 import socket
+import stat
 import struct
 import sys
 import threading
@@ -283,17 +284,26 @@ class BrokerConfig:
             setattr(sched, key, value)
         sec = security.SecurityConfig.from_table(b.get("security", {}), path, os.path.dirname(os.path.abspath(path)))
         limits = {}
-        for key in ("max_frame_bytes", "client_hwm"):
+        for key, (lo, hi) in LIMITS.items():
             if key in b:
-                if type(b[key]) is not int or b[key] < 1:
-                    raise ValueError(f"{path}: {key} must be a positive integer")
+                if type(b[key]) is not int or not lo <= b[key] <= hi:
+                    raise ValueError(f"{path}: {key} must be an integer from {lo} to {hi}")
                 limits[key] = b[key]
+        try:
+            Scheduler.check(sched)
+        except ValueError as e:
+            raise ValueError(f"{path}: [scheduler] {e}") from None
         if "http" in b:
             if not isinstance(b["http"], str):
                 raise ValueError(f"{path}: http must be a string, HOST:PORT")
             limits["http"] = b["http"]
         return cls(frontend=b.get("frontend", ""), backend=b.get("backend", ""), scheduler=sched, security=sec,
                    **limits)
+
+
+#: what a deploy file's [broker] limits may be: a frame limit under 64 KiB dropped every
+#: client; a queue of more than 2**31 messages overflowed libzmq's option (the command-line hunt)
+LIMITS = {"max_frame_bytes": (1 << 16, 1 << 40), "client_hwm": (1, (1 << 31) - 1)}
 
 
 class _Payload(msgspec.Struct, array_like=True):
@@ -566,9 +576,20 @@ class Broker:
         """Bind ``ep``; RuntimeError with one line saying why not (a directory that does
         not exist, an address in use, ...).  An ipc socket file left by a dead broker is
         replaced; one that a running process still serves is not taken from it."""
+        problem = P.tcp_port_problem(ep)
+        if problem is not None:
+            raise RuntimeError(f"cannot bind {problem}")
         if ep.startswith("ipc://") and not ep.startswith("ipc://@"):
             path = ep[len("ipc://") :]
-            if os.path.exists(path):
+            if os.path.lexists(path):
+                try:
+                    mode = os.lstat(path).st_mode
+                except OSError:
+                    mode = None
+                if mode is not None and not stat.S_ISSOCK(mode):
+                    # Never removed: an operator's typo must not delete a file (found by the
+                    # command-line hunt: a regular file at the path was unlinked).
+                    raise RuntimeError(f"cannot bind {ep}: {path} exists and is not a socket; choose another path")
                 if _ipc_served(path):
                     raise RuntimeError(f"cannot bind {ep}: a running process serves it (another broker?)")
                 try:

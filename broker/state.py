@@ -201,6 +201,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -586,6 +587,40 @@ _MAX_RENAMED = 1 << 16
 class Scheduler(LeaseEvents):
     """The broker's scheduling state.  Every event method returns a list of actions."""
 
+    @staticmethod
+    def check(cfg: Config) -> None:
+        """ValueError naming the first setting of ``cfg`` out of its range.  Every number is
+        looked at for NaN and infinity too: a NaN service_grace passed `< 0` and crashed the
+        running broker at its first grace timer (the command-line hunt); the heartbeat bounds
+        are what a WELCOME may carry (workers refuse others)."""
+        for name in ("heartbeat_interval", "aging_s", "service_grace", "quiet_client_max", "client_liveness",
+                     "recall_after"):
+            v = getattr(cfg, name)
+            if v is not None and not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, not {v}")
+        if not 0.001 <= cfg.heartbeat_interval <= 3600:
+            raise ValueError(f"heartbeat_interval must be from 0.001 to 3600 seconds, not {cfg.heartbeat_interval}")
+        if not 1 <= cfg.heartbeat_liveness <= 1000:
+            raise ValueError(f"heartbeat_liveness must be from 1 to 1000, not {cfg.heartbeat_liveness}")
+        if cfg.client_liveness is not None and not 0.001 <= cfg.client_liveness <= 86400:
+            raise ValueError(f"client_liveness must be from 0.001 to 86400 seconds, not {cfg.client_liveness}")
+        if not 0 <= cfg.max_queue <= 1 << 31:
+            raise ValueError(f"max_queue must be from 0 to {1 << 31}, not {cfg.max_queue}")
+        if len(cfg.priority_weights) != 3 or any(not (0 < w < math.inf) for w in cfg.priority_weights):
+            raise ValueError("priority_weights must be three positive numbers")
+        if cfg.aging_s <= 0:
+            raise ValueError("aging_s must be > 0 (it divides the waiting time)")
+        if not 0 <= cfg.max_retries <= 100:
+            raise ValueError(f"max_retries must be from 0 to 100, not {cfg.max_retries}")
+        if not 0 <= cfg.service_grace <= 86400:
+            raise ValueError(f"service_grace must be from 0 to 86400 seconds, not {cfg.service_grace}")
+        if not 0 <= cfg.quiet_client_max <= 86400 * 30:
+            raise ValueError(f"quiet_client_max must be from 0 to 2592000 seconds, not {cfg.quiet_client_max}")
+        if not 1 <= cfg.max_client_requests <= 1 << 31:
+            raise ValueError(f"max_client_requests must be from 1 to {1 << 31}, not {cfg.max_client_requests}")
+        if not 0 <= cfg.max_client_bytes <= 1 << 50:
+            raise ValueError(f"max_client_bytes must be from 0 to {1 << 50}, not {cfg.max_client_bytes}")
+
     def __init__(self, config: Config | None = None, *, on_direct=None):
         """``on_direct(service, code, enqueued_at, dispatched_at, finished_at, key)`` (``key``:
         the request's ``(client, request_id)``), if given, is
@@ -594,26 +629,7 @@ class Scheduler(LeaseEvents):
         for every request whose connection went away while a worker held it, when the
         worker's answer comes: the one count of each request the broker sends no final for."""
         cfg = config if config is not None else Config()
-        if cfg.heartbeat_interval <= 0:
-            raise ValueError("heartbeat_interval must be > 0")
-        if cfg.heartbeat_liveness < 1:
-            raise ValueError("heartbeat_liveness must be >= 1")
-        if cfg.max_queue < 0:
-            raise ValueError("max_queue must be >= 0")
-        if len(cfg.priority_weights) != 3 or any(w <= 0 for w in cfg.priority_weights):
-            raise ValueError("priority_weights must be three positive numbers")
-        if cfg.aging_s <= 0:
-            raise ValueError("aging_s must be > 0 (it divides the waiting time)")
-        if cfg.max_retries < 0:
-            raise ValueError("max_retries must be >= 0")
-        if cfg.service_grace < 0:
-            raise ValueError("service_grace must be >= 0")
-        if cfg.quiet_client_max < 0:
-            raise ValueError("quiet_client_max must be >= 0")
-        if cfg.max_client_requests < 1:
-            raise ValueError("max_client_requests must be >= 1")
-        if cfg.max_client_bytes < 0:
-            raise ValueError("max_client_bytes must be >= 0")
+        self.check(cfg)
         self.config = cfg
         self._max_client_requests = int(cfg.max_client_requests)
         self._max_client_bytes = int(cfg.max_client_bytes)

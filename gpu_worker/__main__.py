@@ -115,6 +115,9 @@ def direct_tcp_problem(endpoint: str, worker_key: str | None, insecure: bool) ->
     can reach, not a wildcard."""
     if not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
         return "give a tcp://HOST:PORT endpoint"
+    port = P.tcp_port_problem(endpoint)
+    if port is not None:
+        return port
     host = endpoint[6:].rsplit(":", 1)[0]
     if host in ("*", "0.0.0.0", "::", "[::]", ""):
         return (f"{host or 'an empty host'} is a wildcard, not an address clients can connect to; give this host's "
@@ -131,6 +134,9 @@ def _endpoint_problem(endpoint: str) -> str | None:
     at once and starts nothing that outlives the socket."""
     import zmq
 
+    port = P.tcp_port_problem(endpoint)
+    if port is not None:
+        return port
     sock = zmq.Context.instance().socket(zmq.DEALER)
     try:
         sock.connect(endpoint)

@@ -19,7 +19,7 @@ from shm.segment import self_identity
 
 __all__ = [
     "local_host_id", "default_runtime_dir", "RuntimeDirError", "default_endpoints", "reply_socket_path",
-    "parse_reply_socket_name", "direct_socket_path",
+    "parse_reply_socket_name", "direct_socket_path", "tcp_port_problem",
 ]
 
 # Host identity: two processes may exchange shm references only if they see the same /dev/shm.
@@ -113,3 +113,15 @@ def parse_reply_socket_name(name: str) -> tuple[int, int] | None:
     is not one."""
     m = _REPLY_SOCKET_RE.fullmatch(name)
     return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
+def tcp_port_problem(endpoint: str) -> str | None:
+    """Why a tcp:// endpoint's port is not one (libzmq takes 99999 and wraps it to 34463:
+    found by the command-line hunt), or None (not tcp, or a port from 0 to 65535, or a
+    service name libzmq resolves)."""
+    if not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
+        return None
+    port = endpoint.rsplit(":", 1)[1]
+    if port.isdigit() and not 0 <= int(port) <= 65535:
+        return f"{endpoint}: port {port} is not from 0 to 65535"
+    return None

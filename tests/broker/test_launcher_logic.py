@@ -436,14 +436,14 @@ def test_a_file_without_pools_is_no_launcher(tmp_path):
 
 @pytest.mark.parametrize("text, words", [
     ("[[pool]]\nmodel = 'echo'\ncuont = 2\n", ["[[pool]] #1: ", "'cuont'", "count"]),
-    ("[[pool]]\nname = 'p'\nmodel = 'echo'\ncount = 0\n", ["[[pool]] #1 (name 'p')", "count must be an integer >= 1"]),
+    ("[[pool]]\nname = 'p'\nmodel = 'echo'\ncount = 0\n", ["[[pool]] #1 (name 'p')", "count must be an integer from 1 to 1024"]),
     ("[[pool]]\nmodel = 'echo'\ncount = 'two'\n", ["count must be"]),
     ("[[pool]]\nmodel = 'echo'\ncount = true\n", ["count must be"]),
     ("[[pool]]\ncount = 1\n", ["model is missing"]),
     ("[[pool]]\nmodel = 'mod:'\n", ["model must be"]),
     ("[[pool]]\nmodel = 'echo'\ndevice = 'gpu'\n", ["device must be"]),
     ("[[pool]]\nmodel = 'echo'\ntransports = ['tcp']\n", ["transports must be"]),
-    ("[[pool]]\nmodel = 'echo'\nmax_delay_ms = -1\n", ["max_delay_ms must be a number >= 0"]),
+    ("[[pool]]\nmodel = 'echo'\nmax_delay_ms = -1\n", ["max_delay_ms must be a number from 0 to 1e+09"]),
     ("[[pool]]\nmodel = 'echo'\nextra_args = '--x'\n", ["extra_args must be a list of strings"]),
     # What the launcher sets from the broker, or a key of the same table sets: a worker sent
     # to another broker, or with other heartbeats, was never seen registered (killed as hung).

@@ -80,3 +80,55 @@ def test_a_worker_from_the_deploy_file_serves_and_later_flags_override_it(tmp_pa
     finally:
         for p in reversed(procs):
             p.close()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--service-grace", "nan"], "--service-grace must be from 0 to 86400"),  # crashed the running broker later
+    (["--heartbeat-interval", "inf"], "--heartbeat-interval must be from 0.001 to 3600"),  # a traceback
+    (["--heartbeat-interval", "1e-9"], "--heartbeat-interval must be from 0.001"),  # a busy loop
+    (["--max-frame-mb", "0"], "--max-frame-mb must be from"),  # clamped to 1 byte: every client dropped
+    (["--client-hwm", "99999999999"], "--client-hwm must be from 1 to 2147483647"),  # an OverflowError
+    (["--max-client-mb", "-1"], "--max-client-mb must be from 0"),  # clamped to 0
+    (["--frontend", "tcp://127.0.0.1:99999", "--insecure"], "port 99999 is not from 0 to 65535"),  # wrapped
+])
+def test_a_broker_flag_out_of_its_range_is_one_line_and_exit_2(tmp_path, args, words):
+    """Found by the command-line hunt: each of these started a broker that crashed, spun or
+    did something else than asked; now one line naming the flag, exit 2."""
+    base = ["--frontend", f"ipc://{tmp_path}/fe.ipc", "--backend", f"ipc://{tmp_path}/be.ipc"]
+    p = Proc(["-m", "broker", *base, *args])
+    try:
+        assert p.p.wait(60) == 2
+        assert words in p.stderr(), p.stderr()
+    finally:
+        p.close()
+
+
+def test_a_file_at_an_ipc_endpoint_path_is_never_removed(tmp_path):
+    """Found by the command-line hunt: a regular file at the frontend's path was unlinked as
+    if it were a stale socket."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("data")
+    p = Proc(["-m", "broker", "--frontend", f"ipc://{precious}", "--backend", f"ipc://{tmp_path}/be.ipc"])
+    try:
+        assert p.p.wait(60) == 2
+        assert "exists and is not a socket" in p.stderr(), p.stderr()
+    finally:
+        p.close()
+    assert precious.read_text() == "data"
+
+
+def test_a_deploy_file_value_out_of_its_range_names_the_file_and_is_exit_2(tmp_path):
+    for text, words in (("[scheduler]\nservice_grace = nan\n", "service_grace"),
+                        ("[scheduler]\nclient_liveness = 0\n", "[scheduler] client_liveness must be from 0.001"),
+                        ("client_hwm = 99999999999\n", "client_hwm must be an integer from 1 to 2147483647"),
+                        ("[[pool]]\nmodel = 'echo'\n[launcher]\nready_timeout_s = 1e308\n",
+                         "ready_timeout_s must be a number from 1 to 1e+06")):
+        path = tmp_path / "deploy.toml"
+        path.write_text(f'frontend = "ipc://{tmp_path}/fe.ipc"\nbackend = "ipc://{tmp_path}/be.ipc"\n' + text)
+        p = Proc(["-m", "broker", "--config", str(path)])
+        try:
+            assert p.p.wait(60) == 2
+            err = p.stderr()
+            assert words in err and str(path) in err, err
+        finally:
+            p.close()
