@@ -46,6 +46,8 @@ def read_toml(path: str) -> dict:
         raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8 (a byte-order mark is not allowed either)
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8") from None
 
 
 def _show(value: Any) -> str:

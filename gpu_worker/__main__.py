@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_worker.devices import DeviceError, DeviceUnavailable
     from gpu_worker.leases import DirectSocketError
     from gpu_worker.models import ModelLoadError
+    from shm.errors import ShmError
 
     raise_nofile_limit()  # a descriptor per client segment, pidfd and reply socket (broker.protocol.limits)
     try:
@@ -268,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except DirectSocketError as e:
         _fail(str(e))
+        return 2
+    except ShmError as e:  # its output ring cannot be made (--out-capacity-mb over what the host has)
+        _fail(f"{e}; give a smaller --out-capacity-mb")
         return 2
     except WarmupError as e:
         _fail(f"model {args.model!r} failed its warm-up on its example_inputs: {e}; "

@@ -191,10 +191,12 @@ class WorkerConfig:
              self.max_cost)
         need(self.credit is None or (_whole(self.credit) and 1 <= self.credit <= P.MAX_CREDIT), "credit",
              "--credit", f"an integer from 1 to {P.MAX_CREDIT} (or unset: 2 x max-batch)", self.credit)
-        need(_number(self.heartbeat_interval) and 0 < self.heartbeat_interval < float("inf"), "heartbeat_interval",
-             "--heartbeat-interval", "a finite number of seconds > 0", self.heartbeat_interval)
-        need(_whole(self.heartbeat_liveness) and self.heartbeat_liveness >= 1, "heartbeat_liveness",
-             "--heartbeat-liveness", "an integer >= 1", self.heartbeat_liveness)
+        # The broker's bounds, which a WELCOME carries (1e16 s overflowed the loop's wait after
+        # READY; 1e-9 s was a busy loop: the command-line hunt).
+        need(_number(self.heartbeat_interval) and 0.001 <= self.heartbeat_interval <= 3600, "heartbeat_interval",
+             "--heartbeat-interval", "a number of seconds from 0.001 to 3600", self.heartbeat_interval)
+        need(_whole(self.heartbeat_liveness) and 1 <= self.heartbeat_liveness <= 1000, "heartbeat_liveness",
+             "--heartbeat-liveness", "an integer from 1 to 1000", self.heartbeat_liveness)
         need(_whole(self.out_capacity) and self.out_capacity > 0, "out_capacity", "--out-capacity-mb",
              "a size > 0", self.out_capacity)
         need(_whole(self.out_slots) and self.out_slots >= 1, "out_slots", None, "an integer >= 1", self.out_slots)
@@ -214,8 +216,9 @@ class WorkerConfig:
              "an integer >= 1 (or unset)", self.done_batch)
         need(_number(self.drain_grace) and 0 <= self.drain_grace < float("inf"), "drain_grace", "--drain-grace-s",
              "a finite number of seconds >= 0", self.drain_grace)
-        need(self.keep_warm is None or (_number(self.keep_warm) and 0 <= self.keep_warm < float("inf")),
-             "keep_warm", "--keep-warm-ms", "a finite time >= 0 (0: off)", self.keep_warm)
+        need(self.keep_warm is None or (_number(self.keep_warm) and (self.keep_warm == 0 or 0.001 <= self.keep_warm
+                                                                     <= 86400)),
+             "keep_warm", "--keep-warm-ms", "0 (off), or from 1 ms to a day", self.keep_warm)
         need(_number(self.keep_warm_util) and 0 <= self.keep_warm_util <= 1, "keep_warm_util", "--keep-warm-util",
              "a fraction between 0 and 1", self.keep_warm_util)
         need(self.batching in ("latency", "throughput"), "batching", "--batching", "'latency' or 'throughput'",

@@ -57,9 +57,16 @@ def default_runtime_dir() -> str:
     to be a directory owned by this uid, and narrowed to 0700 if it is wider.  Anything else
     raises `RuntimeDirError`: in a shared /tmp, another user could have created it first."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    if not os.path.isabs(base):
+        raise RuntimeDirError(f"XDG_RUNTIME_DIR={base!r} is not an absolute path; set it to a directory of your own")
     uid = os.getuid()
     path = os.path.join(base, f"zmq-infer-{uid}")
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except (NotADirectoryError, FileExistsError, PermissionError, FileNotFoundError) as e:
+        # (XDG_RUNTIME_DIR a regular file was a traceback: the command-line hunt)
+        raise RuntimeDirError(f"cannot make the runtime directory {path}: {e.strerror}; set XDG_RUNTIME_DIR to a "
+                              f"directory of your own") from None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as e:

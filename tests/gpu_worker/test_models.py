@@ -544,7 +544,7 @@ def test_a_model_whose_warmup_raises_is_one_line(factories, tmp_path):
     # what the broker would refuse in the READY (it was refused forever, the worker "ready")
     ("echo", ("--credit", "70000"), ("credit (--credit) must be an integer from 1 to 65536", "70000")),
     ("echo", ("--service", "mmi.x"), ("--service", "'mmi.x'", "starts with 'mmi.'")),
-    ("echo", ("--heartbeat-interval", "0"), ("--heartbeat-interval", "> 0")),
+    ("echo", ("--heartbeat-interval", "0"), ("--heartbeat-interval", "from 0.001 to 3600")),
     ("echo", ("--transports", "carrier-pigeon"), ("--transports", "carrier-pigeon")),
     ("echo", ("--service", "two words"), ("--service", "'two words'", "whitespace")),
     # a backend that cannot run the model (BackendError while it is built): what to pass instead
