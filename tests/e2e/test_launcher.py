@@ -157,7 +157,7 @@ def run_broker(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess
 
 @pytest.mark.parametrize("text, key", [
     ("[[pool]]\nmodel = 'echo'\ncuont = 2\n", "'cuont'"),
-    ("[[pool]]\nmodel = 'echo'\ncount = 0\n", "count must be an integer >= 1"),
+    ("[[pool]]\nmodel = 'echo'\ncount = 0\n", "count must be an integer from 1 to 1024"),
     ("fronted = 'ipc:///tmp/x.ipc'\n[[pool]]\nmodel = 'echo'\n", "'fronted'"),
 ])
 def test_a_bad_key_or_value_is_one_line_and_exit_2(tmp_path, text, key):
