@@ -597,6 +597,7 @@ class Broker:
                 except OSError:
                     pass
         try:
+            P.ipv6_for(sock, ep)
             sock.bind(ep)
         except zmq.ZMQError as e:
             raise RuntimeError(f"cannot bind {ep}: {e.strerror}") from None

@@ -180,6 +180,7 @@ def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None,
 
 def _connect(sock: zmq.Socket, endpoint: str) -> None:
     try:
+        P.ipv6_for(sock, endpoint)
         sock.connect(endpoint)
     except zmq.ZMQError as e:
         sock.close(linger=0)

@@ -139,6 +139,7 @@ def _endpoint_problem(endpoint: str) -> str | None:
         return port
     sock = zmq.Context.instance().socket(zmq.DEALER)
     try:
+        P.ipv6_for(sock, endpoint)
         sock.connect(endpoint)
     except zmq.ZMQError as e:
         if e.errno == errno.ENAMETOOLONG:

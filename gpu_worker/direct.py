@@ -235,6 +235,7 @@ class DirectSockets:
                 # relayed.  Only near the limit: elsewhere a client's first replies would be
                 # relayed while its connection is made (about 3 here, +80 us each).
                 sock.immediate = True
+            P.ipv6_for(sock, endpoint)
             sock.connect(endpoint)
         except zmq.ZMQError as e:
             if sock is not None:

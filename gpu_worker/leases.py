@@ -332,6 +332,7 @@ class DirectSocket:
                     # it and its queued replies for as long as TCP retries; by then the broker
                     # has ended its lease (it heard nothing for its client window either).
                     tcp_liveness(sock, DEAD_AFTER_BEATS * heartbeat_s)
+                P.ipv6_for(sock, tcp)
                 sock.bind(tcp)
         except (zmq.ZMQError, OSError) as e:
             sock.close(linger=0)

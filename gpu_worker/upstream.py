@@ -101,6 +101,7 @@ class BrokerLink:
         self._dropped = False
         self.connected = False
         C.configure_peer(s, self.curve)
+        P.ipv6_for(s, self.endpoint)
         s.connect(self.endpoint)
         self.sock = s
         return s

@@ -19,7 +19,7 @@ from shm.segment import self_identity
 
 __all__ = [
     "local_host_id", "default_runtime_dir", "RuntimeDirError", "default_endpoints", "reply_socket_path",
-    "parse_reply_socket_name", "direct_socket_path", "tcp_port_problem",
+    "parse_reply_socket_name", "direct_socket_path", "tcp_port_problem", "ipv6_for",
 ]
 
 # Host identity: two processes may exchange shm references only if they see the same /dev/shm.
@@ -132,3 +132,13 @@ def tcp_port_problem(endpoint: str) -> str | None:
     if port.isdigit() and not 0 <= int(port) <= 65535:
         return f"{endpoint}: port {port} is not from 0 to 65535"
     return None
+
+
+def ipv6_for(sock, endpoint: str) -> None:
+    """Turn on IPv6 (ZMQ_IPV6) on ``sock`` for a bracketed tcp address (``tcp://[::1]:5555``):
+    libzmq leaves it off, and then fails such a bind ("No such device") and such a connect
+    silently (found by the command-line hunt).  Other endpoints are left as they are."""
+    if endpoint.startswith("tcp://["):
+        import zmq
+
+        sock.setsockopt(zmq.IPV6, 1)

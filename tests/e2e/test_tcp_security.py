@@ -1121,3 +1121,40 @@ def test_a_pinned_call_outlives_a_partition_between_its_client_and_the_broker(tm
         for p in (client, w, b):
             if p is not None:
                 p.close()
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback on this host")
+def test_an_ipv6_broker_worker_and_client_talk(tmp_path):
+    """`tcp://[::1]:...` endpoints: libzmq leaves IPv6 off on a socket, so the broker's bind
+    failed ("No such device") and a worker's connect went nowhere, silently (found by the
+    command-line hunt).  Plain tcp here (--insecure), as the transport is what is tested."""
+    broker = Proc(["-m", "broker", "--frontend", "tcp://[::1]:0", "--backend", "tcp://[::1]:0", "--insecure",
+                   "--heartbeat-interval", "0.2"])
+    worker = None
+    try:
+        broker.wait_ready()
+        fields = dict(f.split("=", 1) for f in broker.ready_line.split()[1:])
+        assert fields["frontend"].startswith("tcp://[::1]:"), fields
+        worker = Proc(["-m", "gpu_worker", "--broker", fields["backend"], "--insecure", "--model", "echo",
+                       "--heartbeat-interval", "0.2"])
+        worker.wait_ready()
+        with Client(fields["frontend"], insecure=True, timeout=10) as c:
+            deadline = time.monotonic() + 10
+            while not c.mmi_service("echo"):
+                assert time.monotonic() < deadline, "the worker never registered over IPv6"
+                time.sleep(0.02)  # polling a condition
+            with c.infer("echo", {"x": np.arange(4)}) as r:
+                np.testing.assert_array_equal(r["x"], np.arange(4))
+    finally:
+        for p in (worker, broker):
+            if p is not None:
+                p.close()
