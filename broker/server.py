@@ -458,6 +458,9 @@ class Broker:
             self._curve.start()
             self._curve.configure(self.frontend, "frontend")
             self._curve.configure(self.backend, "backend")
+            if self.frontend_ep == self.backend_ep and not self.frontend_ep.endswith((":0", "ipc://*")):
+                # (it said "a running process serves it (another broker?)": its own frontend)
+                raise RuntimeError(f"the frontend and the backend are both {self.frontend_ep}: give two endpoints")
             self._bind(self.frontend, self.frontend_ep)
             bound.append(self.frontend.getsockopt_string(zmq.LAST_ENDPOINT))  # (ipc://* is a path now)
             self._bind(self.backend, self.backend_ep)

@@ -90,11 +90,13 @@ def test_a_worker_from_the_deploy_file_serves_and_later_flags_override_it(tmp_pa
     (["--client-hwm", "99999999999"], "--client-hwm must be from 1 to 2147483647"),  # an OverflowError
     (["--max-client-mb", "-1"], "--max-client-mb must be from 0"),  # clamped to 0
     (["--frontend", "tcp://127.0.0.1:99999", "--insecure"], "port 99999 is not from 0 to 65535"),  # wrapped
+    (["--backend", "FRONTEND"], "the frontend and the backend are both"),  # "another broker?"
 ])
 def test_a_broker_flag_out_of_its_range_is_one_line_and_exit_2(tmp_path, args, words):
     """Found by the command-line hunt: each of these started a broker that crashed, spun or
     did something else than asked; now one line naming the flag, exit 2."""
     base = ["--frontend", f"ipc://{tmp_path}/fe.ipc", "--backend", f"ipc://{tmp_path}/be.ipc"]
+    args = [f"ipc://{tmp_path}/fe.ipc" if a == "FRONTEND" else a for a in args]
     p = Proc(["-m", "broker", *base, *args])
     try:
         assert p.p.wait(60) == 2
