@@ -231,13 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         if v is not None:
             setattr(cfg.scheduler, opt, v)
     if args.max_frame_mb is not None:
-        cfg.max_frame_bytes = max(1, int(args.max_frame_mb * (1 << 20)))
+        cfg.max_frame_bytes = int(args.max_frame_mb * (1 << 20))  # (in range: _check_ranges)
     if args.client_hwm is not None:
-        cfg.client_hwm = max(1, args.client_hwm)
+        cfg.client_hwm = args.client_hwm
     if args.max_client_requests is not None:
         cfg.scheduler.max_client_requests = args.max_client_requests
     if args.max_client_mb is not None:
-        cfg.scheduler.max_client_bytes = max(0, int(args.max_client_mb * (1 << 20)))
+        cfg.scheduler.max_client_bytes = int(args.max_client_mb * (1 << 20))
     if args.http is not None:
         cfg.http = args.http
     if args.recall_after_ms is not None:
