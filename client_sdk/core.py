@@ -102,12 +102,9 @@ NOT_LOCAL_RETRY_MAX_S = 30.0
 
 
 def _check_meta(meta: dict) -> None:
-    """InvalidInput for a ``meta`` the broker would refuse: not msgpack, or over
-    `MAX_META_BYTES` (parameters for the model; data goes in tensors)."""
-    try:
-        n = len(msgspec.msgpack.encode(meta))
-    except (TypeError, msgspec.EncodeError) as e:
-        raise InvalidInput(f"meta cannot be encoded as msgpack ({e}); use str/int/float/bool/list/dict values") from None
+    """InvalidInput for a ``meta`` over `MAX_META_BYTES` (parameters for the model; data goes
+    in tensors): encoded once more, only when the header it went into is that long."""
+    n = len(msgspec.msgpack.encode(meta))
     if n > P.MAX_META_BYTES:
         raise InvalidInput(f"meta takes {n} bytes as msgpack; the limit is {P.MAX_META_BYTES}: it is for parameters, "
                            f"send data as tensors")
@@ -353,8 +350,6 @@ class ClientCore(PinEvents):
         if not plain:
             call.priority = parse_priority(priority)
             call.meta = dict(meta or {})
-            if call.meta:
-                _check_meta(call.meta)
             call.traceparent = traceparent
             if len(self._service_b) < _SERVICE_CACHE:
                 self._service_b[service] = service.encode()  # checked: the next call may skip that
@@ -479,6 +474,12 @@ class ClientCore(PinEvents):
         except (TypeError, msgspec.EncodeError) as e:
             self.discard_unsent(call)
             raise InvalidInput(f"meta cannot be encoded as msgpack ({e}); use str/int/float/bool/list/dict values") from None
+        if len(head) > P.MAX_META_BYTES and call.meta:  # only so long a header can hold too big a meta
+            try:
+                _check_meta(call.meta)
+            except InvalidInput:
+                self.discard_unsent(call)
+                raise
         svc = self._service_b.get(call.service)
         if svc is None:
             return P.client_request(call.service, [head, *packed.frames])
