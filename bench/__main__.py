@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.command == "render":
         return cmd_render(a)
-    why = blocking_usage_error(a)
+    why = blocking_usage_error(a) or rep.output_problem({"--json": a.json, "--markdown": a.markdown},
+                                                        {"--plots": a.plots})
     if why:
         print(f"python -m bench {a.command}: error: {why}", file=sys.stderr)
         return 2

@@ -318,6 +318,44 @@ def build_report(*, command: str, argv: list[str], config: dict[str, Any],
     return report
 
 
+def _nearest_existing(path: str) -> str:
+    d = os.path.abspath(path)
+    while not os.path.exists(d):
+        parent = os.path.dirname(d)
+        if parent == d:
+            break
+        d = parent
+    return d
+
+
+def output_problem(files: dict[str, str | None], dirs: dict[str, str | None]) -> str | None:
+    """Why one of the outputs cannot be written (``files``: flag -> a file's path, ``dirs``:
+    flag -> a folder's), as one line naming the flag; None when each can.  Checked before a
+    run measures anything: a run of minutes lost at the end to a mistyped path is what this
+    saves."""
+    for flag, path in files.items():
+        if not path:
+            continue
+        if os.path.isdir(path):
+            return f"{flag} {path}: is a directory; give a file's path"
+        if os.path.exists(path) and not os.access(path, os.W_OK):
+            return f"{flag} {path}: not writable"
+        d = _nearest_existing(os.path.dirname(os.path.abspath(path)))
+        if not os.path.isdir(d):
+            return f"{flag} {path}: {d} is not a directory"
+        if not os.access(d, os.W_OK | os.X_OK):
+            return f"{flag} {path}: {d} is not writable"
+    for flag, path in dirs.items():
+        if not path:
+            continue
+        d = _nearest_existing(path)
+        if not os.path.isdir(d):
+            return f"{flag} {path}: {d} is not a directory"
+        if not os.access(d, os.W_OK | os.X_OK):
+            return f"{flag} {path}: {d} is not writable"
+    return None
+
+
 def write_json(report: dict[str, Any], path: str) -> None:
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)

@@ -715,6 +715,12 @@ def main(argv: list[str], argv_full: list[str] | None = None) -> int:
 
     argv_full = argv_full or [sys.executable, "-m", "bench", "run", *argv]
     a = build_parser().parse_args(argv)
+    from bench.report import output_problem
+
+    why = output_problem({"--json": a.json, "--csv": a.csv, "--markdown": a.markdown}, {"--plots": a.plots})
+    if why is not None:  # before the run: not after minutes of measuring
+        print(f"python -m bench run: error: {why}", file=sys.stderr)
+        return 2
     try:
         plan = make_plan(a)
         input_opts = dict(inputs=a.input, npz=a.npz, images=a.images, video=a.video,

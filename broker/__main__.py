@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         return keys_main(argv[1:])
     if any(a == "--pool" or a.startswith("--pool=") for a in argv[: argv.index("--") if "--" in argv else None]):
         return pool_main(argv)
-    ap = argparse.ArgumentParser(prog="python -m broker", description=__doc__.splitlines()[0],
+    # No abbreviations, as the worker takes none: `--front` for `--frontend` read as a typo
+    # in one and as the flag in the other (the command-line hunt).
+    ap = argparse.ArgumentParser(prog="python -m broker", description=__doc__.splitlines()[0], allow_abbrev=False,
                                  epilog="python -m broker keys DIR [--name NAME]: write a CurveZMQ key pair; "
                                         "python -m broker --config FILE --pool NAME [-- FLAGS]: run one worker "
                                         "of that [[pool]] (docs/operations.md)")

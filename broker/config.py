@@ -311,6 +311,8 @@ def _pool(table: Any, where: str) -> PoolConfig:
         raise ConfigError(f"{where}model is missing: a shipped model name (echo, cartoon, convnet, chunks) "
                           "or package.module:factory")
     _check_extra_args(table, where)
+    if "cuda" in table.get("transports", ()) and str(table.get("device", "")).strip().lower() == "cpu":
+        raise ConfigError(f"{where}transports has cuda, which a worker on device 'cpu' cannot take: leave it out")
     kw = dict(table)
     kw.setdefault("name", kw.get("service", kw["model"]))
     for key in ("transports", "extra_args"):
@@ -354,6 +356,11 @@ def launcher_from_data(data: Mapping[str, Any], path: str) -> LauncherConfig | N
             if not ok(value):
                 raise ConfigError(f"{path}: [launcher] {key} must be {want}, not {_show(value)}")
             kw[key] = float(value)
+    first, most = kw.get("restart_backoff_s", 0.5), kw.get("restart_backoff_max_s", 30.0)
+    if first > most:  # it was capped at the most without a word
+        raise ConfigError(f"{path}: [launcher] restart_backoff_s ({first:g}) is above restart_backoff_max_s "
+                          f"({most:g}): the first restart's wait cannot be longer than the longest; raise "
+                          "restart_backoff_max_s or lower restart_backoff_s")
     return LauncherConfig(pools=tuple(pools), source=path, **kw)
 
 

@@ -193,8 +193,18 @@ def plan(cfg: SecurityConfig, frontend: str, backend: str) -> CurvePlan:
             raise SecurityError("--insecure (security.insecure) asks for plain tcp, yet CURVE keys were given "
                                 "(--curve-secret, --client-keys, --worker-keys); pass one or the other")
         return CurvePlan(insecure=tuple(ep for _, ep, *_ in tcp))
+    # Keys for an endpoint that is not tcp are not needed, and were ignored without a word:
+    # an operator who meant tcp learns it here (the command-line hunt).
+    unused = [flag for _, ep, directory, flag, *_ in sides if directory and not C.is_tcp(ep)]
+    if cfg.curve_secret and not tcp:
+        unused.insert(0, "--curve-secret")
+    if unused:
+        log.warning("%s given, but %s: CurveZMQ guards tcp endpoints only (ipc:// is guarded by file "
+                    "permissions); not used", ", ".join(unused),
+                    " and ".join(f"the {role} {ep} is not tcp" for role, ep, directory, *_ in sides
+                                 if not C.is_tcp(ep) and (directory or not tcp)))
     if not tcp:
-        return CurvePlan()  # keys given for ipc endpoints are simply not needed
+        return CurvePlan()
     if not cfg.curve_secret:
         eps = " and ".join(f"{role} {ep}" for role, ep, *_ in tcp)
         raise SecurityError(f"refusing to serve {eps} without CurveZMQ: anyone who can reach a tcp endpoint "

@@ -44,7 +44,7 @@ def add_model_options(ap: argparse.ArgumentParser) -> None:
                          "(a lone client never waits); throughput: also on arrival-rate evidence alone "
                          "(docs/models.md, 'Batching policy')")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0)
-    ap.add_argument("--out-capacity-mb", type=int, default=256, help="output ring size")
+    ap.add_argument("--out-capacity-mb", type=_positive_int, default=256, help="output ring size, MiB")
     ap.add_argument("--transports", default="inline,shm")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--keep-warm-ms", type=_non_negative, default=None, metavar="MS",
@@ -78,6 +78,18 @@ def _non_negative(text: str) -> float:
     v = float(text)
     if not v >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, not {text!r}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    """A size in MiB: checked here, where the message can name what was typed (the config
+    holds bytes)."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of MiB >= 1, not {text!r}")
     return v
 
 
@@ -161,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(ap)
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "numpy", "tensorrt"),
                     help="auto follows the model's framework; tensorrt needs tensorrt, onnx and a GPU")
-    ap.add_argument("--cuda-pool-mb", type=int, default=256,
+    ap.add_argument("--cuda-pool-mb", type=_positive_int, default=256,
                     help="device pool for outputs kept on the GPU (CUDA workers only)")
     ap.add_argument("--max-cost", type=float, default=float("inf"), help="batch cost bound (model's cost units)")
     ap.add_argument("--credit", type=int, default=None, help="requests held at once (default 2*max-batch)")

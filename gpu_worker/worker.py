@@ -267,9 +267,21 @@ class Worker:
         # one line a minute with their count (one every liveness window filled the log).
         self._silence_log = P.RateLimitedLog(log, every=60.0)
         self.device = resolve_device(cfg.device)
+        if "cuda" in cfg.transports and not self.device.startswith("cuda"):
+            # READY would advertise it, and clients would send device descriptors a CPU
+            # worker cannot open (the command-line hunt).
+            raise ConfigError(f"transports (--transports) has cuda, which needs a CUDA device; this worker runs "
+                              f"on {self.device}: leave cuda out")
         self.model = load_model(cfg.model, self.device)
         self.service = cfg.service or self.model.name
         max_batch = cfg.max_batch if getattr(self.model, "batchable", False) else 1
+        if cfg.credit is not None and cfg.credit < max_batch:
+            # The broker never hands us more than our credit at once, so a batch of more
+            # could never fill: under a backlog each one would wait out max_delay for
+            # company that cannot come (the command-line hunt).
+            log.warning("--credit %d is below --max-batch %d: batches hold at most %d requests",
+                        cfg.credit, max_batch, cfg.credit)
+            max_batch = cfg.credit
         self.backend = make_backend(self.model, self.device, cfg.backend,
                                     **({"max_batch": max_batch} if cfg.backend == "tensorrt" else {}))
         self.batcher = Batcher(max_batch=max_batch, max_cost=cfg.max_cost, max_delay=cfg.max_delay,

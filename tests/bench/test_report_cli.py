@@ -233,6 +233,30 @@ def test_nothing_measured_is_an_error_exit(tmp_path, monkeypatch):
     assert rep["results"] == [] and rep["skipped"][0]["peer"] == "fake-off"
 
 
+def test_an_output_that_cannot_be_written_is_refused_before_measuring(tmp_path, monkeypatch, capsys):
+    """A mistyped --json or --plots was found only after the whole run had measured (the
+    command-line hunt): now before any peer starts, exit 2, one line naming the flag."""
+    started = []
+    monkeypatch.setitem(PEERS, "fake-a", fake_peer("fake-a", 1.0))
+    monkeypatch.setattr(PEERS["fake-a"], "start", lambda self: started.append(1))
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for extra, words in ((["--json", str(tmp_path)], ["--json", "is a directory"]),
+                         (["--json", str(a_file / "r.json")], ["--json", "is not a directory"]),
+                         (["--plots", str(a_file)], ["--plots", "is not a directory"]),
+                         (["--markdown", str(a_file / "x" / "t.md")], ["--markdown", "is not a directory"])):
+        assert cli.main(["latency", "--peers", "fake-a", *extra, *FAST]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        for w in words:
+            assert w in err, err
+    assert started == []
+    from bench import run
+
+    assert run.main(["--endpoint", "ipc:///nowhere.ipc", "--service", "echo", "--csv", str(tmp_path)]) == 2
+    assert "--csv" in capsys.readouterr().err
+
+
 def test_quick_smoke_subprocess_with_real_floor_peers(tmp_path):
     out = tmp_path / "quick.json"
     proc = subprocess.run(

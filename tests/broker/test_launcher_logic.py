@@ -459,6 +459,11 @@ def test_a_file_without_pools_is_no_launcher(tmp_path):
     ("[launcher]\ndrain_timeout_s = 1\n", ["[launcher] without any [[pool]]"]),
     ("[launcher]\nnope = 1\n[[pool]]\nmodel = 'echo'\n", ["[launcher] unknown key 'nope'"]),
     ("[launcher]\nstop_timeout_s = 'x'\n[[pool]]\nmodel = 'echo'\n", ["[launcher] stop_timeout_s must be"]),
+    # was capped at the most without a word
+    ("[launcher]\nrestart_backoff_s = 60\n[[pool]]\nmodel = 'echo'\n",
+     ["restart_backoff_s (60) is above restart_backoff_max_s (30)"]),
+    ("[[pool]]\nmodel = 'echo'\ndevice = 'cpu'\ntransports = ['inline', 'cuda']\n",
+     ["[[pool]] #1: transports has cuda", "device 'cpu'"]),
 ])
 def test_pool_errors_name_the_key_in_one_line(tmp_path, text, words):
     path = write(tmp_path, text)

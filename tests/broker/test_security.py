@@ -4,6 +4,7 @@ keys, the client's and the worker's key checks, the runtime directory's ownershi
 0600 socket files.  The attacks against a live broker are in tests/e2e/test_tcp_security.py."""
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import textwrap
@@ -119,6 +120,28 @@ def test_plan_refuses_tcp_without_keys_and_names_the_flags(keys):
     p = S.plan(S.SecurityConfig(curve_secret=k["server"][1], client_keys=str(root / "clients"),
                                 worker_keys=str(root / "workers")), "tcp://127.0.0.1:1", "ipc:///b")
     assert p.enabled and p.domain_of("frontend") == S.FRONTEND_DOMAIN and p.domain_of("backend") is None
+
+
+def test_keys_for_endpoints_that_are_not_tcp_are_a_warning(keys, caplog):
+    """They are not needed, and were ignored without a word: an operator who meant tcp
+    learns it from this line (the command-line hunt)."""
+    root, k = keys
+    with caplog.at_level(logging.WARNING, logger="broker"):
+        assert not S.plan(S.SecurityConfig(curve_secret=k["server"][1]), "ipc:///a", "ipc:///b").enabled
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("--curve-secret given") and "frontend ipc:///a is not tcp" in line, line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="broker"):
+        S.plan(S.SecurityConfig(curve_secret=k["server"][1], client_keys=str(root / "clients"),
+                                worker_keys=str(root / "workers")), "tcp://127.0.0.1:1", "ipc:///b")
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("--worker-keys given") and "the backend ipc:///b is not tcp" in line, line
+    assert "frontend" not in line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="broker"):
+        S.plan(S.SecurityConfig(curve_secret=k["server"][1], client_keys=str(root / "clients")),
+               "tcp://127.0.0.1:1", "ipc:///b")
+    assert caplog.records == []
 
 
 @pytest.mark.parametrize("ep", ["ipc://@zinf-abstract", "tipc://{5560,0,0}", "udp://127.0.0.1:5555"])

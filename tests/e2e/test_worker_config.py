@@ -91,6 +91,8 @@ def test_a_worker_from_the_deploy_file_serves_and_later_flags_override_it(tmp_pa
     (["--max-client-mb", "-1"], "--max-client-mb must be from 0"),  # clamped to 0
     (["--frontend", "tcp://127.0.0.1:99999", "--insecure"], "port 99999 is not from 0 to 65535"),  # wrapped
     (["--backend", "FRONTEND"], "the frontend and the backend are both"),  # "another broker?"
+    # abbreviations: taken by the broker, refused by the worker (now by both)
+    (["--heartbeat-int", "0.5"], "unrecognized arguments: --heartbeat-int"),
 ])
 def test_a_broker_flag_out_of_its_range_is_one_line_and_exit_2(tmp_path, args, words):
     """Found by the command-line hunt: each of these started a broker that crashed, spun or

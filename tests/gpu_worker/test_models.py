@@ -1,6 +1,7 @@
 """Shipped models and ``load_model``."""
 from __future__ import annotations
 
+import logging
 import re
 import sys
 import textwrap
@@ -546,6 +547,7 @@ def test_a_model_whose_warmup_raises_is_one_line(factories, tmp_path):
     ("echo", ("--service", "mmi.x"), ("--service", "'mmi.x'", "starts with 'mmi.'")),
     ("echo", ("--heartbeat-interval", "0"), ("--heartbeat-interval", "from 0.001 to 3600")),
     ("echo", ("--transports", "carrier-pigeon"), ("--transports", "carrier-pigeon")),
+    ("echo", ("--device", "cpu", "--transports", "inline,shm,cuda"), ("--transports", "needs a CUDA device", "cpu")),
     ("echo", ("--service", "two words"), ("--service", "'two words'", "whitespace")),
     # a backend that cannot run the model (BackendError while it is built): what to pass instead
     ("cartoon", ("--backend", "numpy", "--no-warmup"),
@@ -558,6 +560,29 @@ def test_bad_declarations_and_options_are_one_line_and_exit_2(factories, tmp_pat
     for w in words:
         assert w in line, line
     assert "make_backend" not in line  # the library's advice means nothing on the command line
+
+
+def test_a_size_in_mib_below_one_names_what_was_typed(factories, tmp_path):
+    """It named the bytes the MiB became (-1048576), not the -1 typed."""
+    proc = _start_worker("echo", str(tmp_path), "--out-capacity-mb", "-1")
+    assert proc.returncode == 2
+    assert "argument --out-capacity-mb: expected a whole number of MiB >= 1, not '-1'" in proc.stderr, proc.stderr
+
+
+def test_a_credit_below_max_batch_caps_the_batch(tmp_path, caplog):
+    """The broker never hands a worker more than its credit at once: a batch of more could
+    never fill, and under a backlog each would wait out max_delay for company that cannot
+    come.  The batch size is capped at the credit, with a WARNING."""
+    from gpu_worker.worker import Worker, WorkerConfig
+
+    with caplog.at_level(logging.WARNING, logger="gpu_worker"):
+        w = Worker(WorkerConfig(broker=f"ipc://{tmp_path}/none.ipc", model="echo", warmup=False, max_batch=8,
+                                credit=3))
+    try:
+        assert (w.credit, w.batcher.max_batch, w.max_batch) == (3, 3, 3)
+        assert any("--credit 3 is below --max-batch 8" in r.getMessage() for r in caplog.records)
+    finally:
+        w.close()
 
 
 def test_tensorrt_export_failures_are_backend_errors(factories, tmp_path, monkeypatch):
