@@ -594,10 +594,12 @@ class AsyncClient(ClientBase):
                 if stop is not None and now >= stop:
                     if looked:
                         raise TimeoutError(f"no result within {limit:g}s; the request is still in flight")
-                    # Once at least, even with no time left: the reader task routes a reply
-                    # already in the socket (as the blocking client's pump does).
+                    # Once at least, even with no time left: a reply already in the socket
+                    # is routed now (as the blocking client's pump does).  Not by yielding
+                    # to the reader: on plain asyncio a task woken by sleep(0) runs before
+                    # the loop polls the socket's descriptor (the asyncio hunt).
                     looked = True
-                    await asyncio.sleep(0)
+                    self._drain()
                     continue
                 looked = True
                 ev.clear()

@@ -301,6 +301,7 @@ class AsyncStream(_StreamCore):
         outstanding it waits for the next `send()`, unless the stream is finished or closed
         (EndOfStream)."""
         stop = None if timeout is None else time.monotonic() + timeout
+        looked = False
         while True:
             if self._closed:
                 raise EndOfStream("the stream is closed")
@@ -318,7 +319,15 @@ class AsyncStream(_StreamCore):
             if head is not None and head.deadline is not None and now >= head.deadline:
                 raise self._expire_head()
             if stop is not None and now >= stop:
-                raise TimeoutError(f"no result within {timeout:g}s")
+                if looked:
+                    raise TimeoutError(f"no result within {timeout:g}s")
+                # What already arrived counts, even with timeout=0 (as `Stream.recv`): the
+                # loop's reader may not have run since the reply came (the asyncio hunt).
+                looked = True
+                if not self._client.closed:
+                    await self._client.pump(0)  # routes what is in the sockets, and returns at once
+                continue
+            looked = True
             if self._client.closed:  # close() failed its calls, then let go of them
                 raise InferenceError("the client was closed while this stream was waiting", code=None)
             ends = [t for t in (head.deadline if head is not None else None, stop) if t is not None]

@@ -227,3 +227,41 @@ def test_a_client_whose_event_loop_was_closed_with_a_call_pending_still_closes(c
         loop.close()
     asyncio.run(c.close())
     assert c.closed
+
+
+def _arrived(c) -> None:
+    """Block the event loop's thread (no await: its reader cannot run) until a message is in
+    one of the client's sockets."""
+    import zmq
+
+    poller = zmq.Poller()
+    for sock in c._socks:
+        poller.register(sock, zmq.POLLIN)
+    assert poller.poll(10_000), "no reply within 10 s"
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_reply_that_arrived_counts_with_no_time_left(cluster, loop):
+    # Found by the asyncio hunt: `await s.recv(timeout=0)` never saw a reply already in the
+    # socket (0 of 20 on both loops), and `await h.result(timeout=0)` half the time on plain
+    # asyncio (its sleep(0) ran before the loop polled the socket): a polling AR gateway got
+    # each result a frame late.  The blocking twin's pump(0) always saw it.
+    cluster.broker()
+    cluster.worker("echo")
+
+    async def main():
+        async with AsyncClient(cluster.frontend, timeout=10) as c:
+            (await c.infer("echo", {"x": X})).release()  # its sockets and inbox made
+            for _ in range(5):
+                async with c.infer_stream("echo", {"x": X}) as h:
+                    _arrived(c)
+                    (await h.result(timeout=0)).release()
+            async with c.stream("echo", pin=False) as s:
+                for _ in range(5):
+                    s.send({"x": X})
+                    _arrived(c)
+                    r = await s.recv(timeout=0)
+                    np.testing.assert_array_equal(r["x"], X)
+                    r.release()
+
+    (__import__("uvloop").run if loop == "uvloop" else asyncio.run)(main())
