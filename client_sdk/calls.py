@@ -46,7 +46,10 @@ def check_service(service: Any) -> None:
     """Reject a bad service name before anything is packed or sent."""
     if not isinstance(service, str):
         raise InvalidInput(f"service must be a str, got {type(service).__name__}")
-    n = len(service.encode())
+    try:
+        n = len(service.encode())
+    except UnicodeEncodeError as e:  # a lone surrogate (os.fsdecode of a non-UTF-8 name)
+        raise InvalidInput(f"service name {service!r} is not valid UTF-8 ({e.reason})") from None
     if not 1 <= n <= P.MAX_SERVICE_LEN:
         raise InvalidInput(f"service name must be 1..{P.MAX_SERVICE_LEN} bytes of UTF-8, got {n}")
 

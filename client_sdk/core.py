@@ -110,6 +110,19 @@ def _check_meta(meta: dict) -> None:
                            f"send data as tensors")
 
 
+def _unencodable(call: Call, e: Exception) -> str:
+    """What in a request's header cannot be encoded, for `InvalidInput` (the error path only)."""
+    for t in call.packed.tensors:
+        try:
+            t.name.encode()
+        except UnicodeEncodeError as u:
+            return f"input name {t.name!r} is not valid UTF-8 ({u.reason})"
+        if type(t.name) is not str:  # a str subclass: msgspec takes str itself only
+            return f"input name {t.name!r} is a {type(t.name).__name__}; give a str"
+    return (f"meta cannot be encoded as msgpack ({type(e).__name__}: {e}); use str (valid UTF-8), int (within 64 "
+            "bits), float, bool, list and dict values, and str keys")
+
+
 class ClientCore(PinEvents):
     """Ids, packing, the input pools, output leases, reply routing and delivery, the inline
     fallback, deadlines and liveness of one client (see the module docstring); pinned
@@ -350,6 +363,9 @@ class ClientCore(PinEvents):
         if not plain:
             call.priority = parse_priority(priority)
             call.meta = dict(meta or {})
+            for key in call.meta:  # msgpack takes other keys; the worker refused them as a protocol error
+                if type(key) is not str:
+                    raise InvalidInput(f"meta keys must be str; got {key!r} ({type(key).__name__})")
             call.traceparent = traceparent
             if len(self._service_b) < _SERVICE_CACHE:
                 self._service_b[service] = service.encode()  # checked: the next call may skip that
@@ -471,12 +487,19 @@ class ClientCore(PinEvents):
         )
         try:
             head = P.encode_header(hdr)
-        except (TypeError, msgspec.EncodeError) as e:
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
+            # (ValueError: a lone surrogate in a string; OverflowError: an int over 64 bits.)
+            # The call was registered and its slots taken: both go, or each such call
+            # leaked one (the data hunt).
             self.discard_unsent(call)
-            raise InvalidInput(f"meta cannot be encoded as msgpack ({e}); use str/int/float/bool/list/dict values") from None
-        if len(head) > P.MAX_META_BYTES and call.meta:  # only so long a header can hold too big a meta
+            raise InvalidInput(_unencodable(call, e)) from None
+        if len(head) > P.MAX_META_BYTES:  # only so long a header can hold too big a meta, or too long names
             try:
-                _check_meta(call.meta)
+                if call.meta:
+                    _check_meta(call.meta)
+                if len(head) > P.MAX_HEADER_BYTES:  # the broker would refuse it
+                    raise InvalidInput(f"the request's header is {len(head)} bytes, over the {P.MAX_HEADER_BYTES} "
+                                       f"a header may take: its {len(packed.tensors)} input names are too long")
             except InvalidInput:
                 self.discard_unsent(call)
                 raise

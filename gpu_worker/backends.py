@@ -72,6 +72,11 @@ class BackendError(RuntimeError):
     """A batch could not be run: incompatible requests or malformed model outputs."""
 
 
+class UnsupportedInput(BackendError):
+    """A request's input the backend's framework cannot hold (a dtype torch lacks): the
+    request's fault, answered INVALID_INPUT, not the model's."""
+
+
 class BackendUnavailable(RuntimeError):
     """The backend cannot be used on this machine (a library or the hardware is missing)."""
 
@@ -82,7 +87,7 @@ class BackendUnavailable(RuntimeError):
 def numpy_to_torch(arr: np.ndarray):
     """A CPU tensor sharing ``arr``'s memory, also for read-only arrays, without a warning.
 
-    Raises BackendError for dtypes torch cannot represent (object, strings, ...).
+    Raises UnsupportedInput for dtypes torch cannot represent (object, strings, ...).
     """
     import torch
 
@@ -104,13 +109,13 @@ def numpy_to_torch(arr: np.ndarray):
             except (TypeError, ValueError):
                 pass
     if arr.dtype.hasobject or arr.dtype.kind in "USVO":
-        raise BackendError(f"input dtype {arr.dtype} has no torch equivalent")
+        raise UnsupportedInput(f"input dtype {arr.dtype} has no torch equivalent")
     # Layouts torch cannot alias (negative strides, byte-swapped data): a copy is the only
     # option, and it is the request's problem, not a hot path.
     try:
         return torch.from_numpy(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("=")))
     except TypeError as e:
-        raise BackendError(f"input dtype {arr.dtype} has no torch equivalent") from e
+        raise UnsupportedInput(f"input dtype {arr.dtype} has no torch equivalent") from e
 
 
 def _to_numpy(value, name: str) -> np.ndarray:

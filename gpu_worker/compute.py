@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 
 import zmq
 
-__all__ = ["ComputeTimes", "ComputeThread", "LoopHeartbeats", "READ_TICK", "IDLE_AFTER", "IDLE_TICK"]
+__all__ = ["raised", "ComputeTimes", "ComputeThread", "LoopHeartbeats", "READ_TICK", "IDLE_AFTER", "IDLE_TICK"]
 
 # Seconds between the heartbeat thread's looks at the socket while a batch computes on the
 # loop's thread: what arrives meanwhile is read (and a RECALL answered) at most this late.
@@ -39,6 +39,18 @@ IDLE_AFTER = 1.0
 IDLE_TICK = 0.05
 
 log = logging.getLogger("gpu_worker")
+
+
+
+def raised(e: BaseException) -> str:
+    """``TypeName: message`` of what a model (or anything) raised, for an error reply or a
+    log line; never raises itself: an exception whose ``__str__`` raises took the worker
+    down while its request's error was formatted (the data hunt)."""
+    try:
+        text = str(e)
+    except Exception as inner:
+        text = f"(its str() raised {type(inner).__name__})"
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class ComputeTimes:
@@ -128,7 +140,7 @@ class ComputeThread:
             try:
                 outputs, error = self._run(jobs), None
             except BaseException as e:  # whatever it is, the loop must hear the batch ended
-                outputs, error = None, e if isinstance(e, Exception) else RuntimeError(f"{type(e).__name__}: {e}")
+                outputs, error = None, e if isinstance(e, Exception) else RuntimeError(raised(e))
             self._out = (jobs, started, outputs, error, time.perf_counter() - t0)
             # Not kept here until the next batch: its jobs view the clients' segments, whose
             # mappings (and, of clients that left, memory) would live on with them, for

@@ -358,12 +358,14 @@ class DirectSocket:
             except OSError as e:
                 log.warning("no local link at %s (%s): near clients use the ipc direct socket", link_path, e)
 
-    def send(self, frames) -> bool:
+    def send(self, frames, wait: float = 0.0, tick=None) -> bool:
         """Queue one message (``[routing id, ...]``) without blocking; False when it was
-        dropped (the connection is gone, or its queue is full)."""
+        dropped (the connection is gone, or its queue is full).  ``wait``, ``tick``: on the
+        local link, how long it may block for the client to read its backlog below the cap,
+        and what runs meanwhile (`LinkServer.send`)."""
         route = frames[0]
         if len(route) == 9 and route[0] == 0:  # a link connection's (next_message keeps ROUTER peers off them)
-            if self.link.send(route, frames[1:]):
+            if self.link.send(route, frames[1:], wait, tick):
                 return True
             self.dropped += 1
             self._bad.warning("a reply on the local link was dropped: its client is gone or not reading")

@@ -74,24 +74,40 @@ def _within(arr: np.ndarray, inputs) -> bool:
     return False
 
 
+#: bytes of output names one reply may carry (UTF-8): half a header, the rest for shapes,
+#: dtypes, locations and timing, which are bounded by MAX_TENSORS and MAX_NDIM
+MAX_OUTPUT_NAMES = P.MAX_HEADER_BYTES // 2
+
+
 def check_outputs(out: Any) -> None:
     """What a reply can carry, checked before anything is written: a dict of at most
     `P.MAX_TENSORS` outputs named by strings, each at most `P.MAX_NDIM` dimensions (a model
     that breaks this gets a clear error naming it, not a reply its client refuses as a
-    protocol bug)."""
+    protocol bug), named in valid UTF-8 and at most `MAX_OUTPUT_NAMES` bytes of names."""
     if not isinstance(out, dict):
         raise TypeError(f"the model returned {type(out).__name__} for a request; expected a dict of outputs")
     if len(out) > P.MAX_TENSORS:
         raise ValueError(f"the model returned {len(out)} outputs; a reply carries at most {P.MAX_TENSORS}")
+    names = 0  # their UTF-8 bytes: a reply header over MAX_HEADER_BYTES is refused by its client
     for name, value in out.items():
         if type(name) is not str:
             raise TypeError(f"output names must be strings; the model returned {name!r}")
+        if name.isascii():
+            names += len(name)
+        else:
+            try:
+                names += len(name.encode())
+            except UnicodeEncodeError as e:  # checked here, before an output slot is taken
+                raise ValueError(f"output name {name!r} is not valid UTF-8 ({e.reason})") from None
         ndim = np.ndim(value)
         if ndim > P.MAX_NDIM:
             raise ValueError(f"output {name!r} has {ndim} dimensions; the limit is {P.MAX_NDIM}")
         if type(value) is np.ndarray and (value.dtype.hasobject or value.dtype.itemsize == 0):
             # (object arrays' bytes are pointers; a zero-size item a client cannot read)
             raise TypeError(f"output {name!r} has dtype {value.dtype.str!r}, which cannot be sent")
+    if names > MAX_OUTPUT_NAMES:
+        raise ValueError(f"the model's {len(out)} output names take {names} bytes; a reply's take at most "
+                         f"{MAX_OUTPUT_NAMES} (its header is at most {P.MAX_HEADER_BYTES})")
 
 
 class HostPlane:

@@ -61,7 +61,7 @@ from broker import protocol as P
 from broker.protocol import logs
 from broker.protocol.wire import TcpWatch, Waiter, recv_frames, sock_events, touched
 from gpu_worker.batching import Batcher, Pending
-from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats
+from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats, raised
 from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signature
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
@@ -231,6 +231,13 @@ class WorkerConfig:
                 raise ConfigError(f"--service: {why}")
 
 
+
+#: a leased stream's reply that finds the local link's backlog at its cap waits for its
+#: client to read it below (`LinkServer.send`): as long as some of it leaves every this many
+#: seconds, four times as long at most.  The stream goes at the pace its client reads; a
+#: client that reads nothing that long, or too slowly, loses its connection (its calls go
+#: through the broker), as before
+STREAM_WAIT_S = 0.5
 
 #: `Job.cancelled` of a leased stream whose partial could not be sent (truthy: it stops)
 _UNSENDABLE = "unsendable"
@@ -402,7 +409,7 @@ class Worker:
             try:
                 self._warmup()
             except Exception as e:  # the model's own error, on its own example inputs
-                raise WarmupError(f"{type(e).__name__}: {e}") from e
+                raise WarmupError(raised(e)) from e
         # Keep-warm (docs/gpu.md): a batch of one of the example inputs while idle.
         self.keep_warm = self._open_keep_warm()
         if cfg.direct:
@@ -1075,7 +1082,7 @@ class Worker:
                     # As from run_ready_batches: a fault of the worker's own, not of this
                     # message, ends the loop (the drains would log it and go on with a
                     # batch half done).
-                    raise LaneFault(f"{type(e).__name__}: {e}") from e
+                    raise LaneFault(raised(e)) from e
                 if not self._busy:  # it ran here (not offloaded): as run_ready_batches after it
                     self.batcher.idle()
                 return
@@ -1254,9 +1261,7 @@ class Worker:
                           extra={"service": self.service,
                                  "rids": [logs.request_id(job.req) for job in jobs if job.req is not None]})
                 for job in jobs:
-                    self._reply_error(
-                        job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {type(error).__name__}: {error}"
-                    )
+                    self._reply_model_error(job, error)
                 return
             if gathers_finals(n):
                 self.batch_finals = BatchFinals()
@@ -1300,9 +1305,7 @@ class Worker:
                 self._cancelled(job, job.cancelled, "while its batch ran; its result was dropped")
                 continue
             if type(out) is ModelFailed:
-                e = out.error
-                self._reply_error(job, P.ErrorCode.INTERNAL,
-                                  f"model {self.model.name!r} raised {type(e).__name__}: {e}")
+                self._reply_model_error(job, out.error)
                 continue
             timing = {
                 "batch_wait_ms": (started - job.received) * 1e3,
@@ -1323,7 +1326,7 @@ class Worker:
                     hist["output"].observe(timing["output_ms"] / 1e3)
             except Exception as e:  # one bad output must not take the worker (and its other requests) down
                 log.exception("could not send the outputs of request %d", job.req.id, extra=logs.request_fields(job.req))
-                self._reply_error(job, P.ErrorCode.INTERNAL, f"could not send outputs: {type(e).__name__}: {e}")
+                self._reply_error(job, P.ErrorCode.INTERNAL, f"could not send outputs: {raised(e)}")
                 continue
             if info:
                 log.info("request done", extra=logs.done_fields(job.req, self.service, timing))
@@ -1442,8 +1445,10 @@ class Worker:
         self._close_stream(outs)
         log.error("model %s failed on streaming request %d after %d partial(s): %r", self.model.name,
                   job.req.id, seq, failed.error, extra=logs.request_fields(job.req))
-        self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised "
-                          f"{type(failed.error).__name__} after {seq} partial result(s): {failed.error}")
+        text = raised(failed.error)
+        name, _, message = text.partition(": ")
+        self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {name} after {seq} partial "
+                          f"result(s): {message}")
         self.served += 1
 
     # ------------------------------------------------------------------ replying
@@ -1461,6 +1466,18 @@ class Worker:
         header = P.encode_header(P.Reply(id=job.req.id, tensors=refs, timing=timing, seq=seq))
         self._reply(job, final, [header, *frames])
         return refs
+
+    def _reply_model_error(self, job: Job, e: BaseException) -> None:
+        """What running the model on ``job`` raised: an input its framework cannot hold (a
+        dtype torch lacks) is the request's fault (INVALID_INPUT; it was an INTERNAL error,
+        "retrying may help": the data hunt); anything else the model's."""
+        from gpu_worker.backends import UnsupportedInput
+
+        if isinstance(e, UnsupportedInput):
+            self._reply_error(job, P.ErrorCode.INVALID_INPUT, f"model {self.model.name!r} cannot take this "
+                              f"request's inputs: {raised(e)}")
+        else:
+            self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {raised(e)}")
 
     def _reply_error(self, job: Job, code: int, message: str, resend: bool = False) -> None:
         """Answer ``job`` with an error; ``resend``: a leased request told to resend it
@@ -1895,8 +1912,15 @@ class Worker:
 
     def _reply_leased(self, job: Job, final: bool, body: list) -> None:
         # `_direct_send`, inline: this is every leased reply's path.
-        sent = self.direct_socket.send([job.route, P.MDPC, P.C_FINAL if final else P.C_PARTIAL, self._service_b,
-                                        *body])
+        frames = [job.route, P.MDPC, P.C_FINAL if final else P.C_PARTIAL, self._service_b, *body]
+        if final and not self._streaming:
+            sent = self.direct_socket.send(frames)
+        else:
+            # A stream's replies may come faster than a reading client takes them (large
+            # inline partials): over the local link's cap, the stream waits for its client
+            # while it reads (STREAM_WAIT_S), heartbeating meanwhile; the client was taken
+            # for one that stopped reading, and the stream failed (the data hunt).
+            sent = self.direct_socket.send(frames, STREAM_WAIT_S, self._heartbeat_if_due)
         if not sent and not final and not job.cancelled:
             # Its connection is gone (or stopped reading): a stream for nobody stops at its
             # next partial, without an answer (see _run_stream).
@@ -1906,6 +1930,12 @@ class Worker:
             self.leased_sent += 1
             if self.counts:
                 self._count_leased(job, sent)
+
+    def _heartbeat_if_due(self) -> None:
+        """A heartbeat to the broker if one is due (the loop's thread, holding the sockets,
+        while it waits on something other than them)."""
+        if time.monotonic() - self.upstream.last_sent >= self.heartbeat_interval:
+            self._send(P.worker_heartbeat())
 
     def _count_leased(self, job: Job, sent: bool = True) -> None:
         """A leased request's FINAL was sent (a result, or the error `_reply_error` set in
@@ -2022,7 +2052,7 @@ class Worker:
                     unit()
                     seconds = time.perf_counter() - t0
                 except Exception as e:
-                    why = f"its unit (a batch of one of the example inputs) raised {type(e).__name__}: {e}"
+                    why = f"its unit (a batch of one of the example inputs) raised {raised(e)}"
             if why is None and seconds > keepwarm.KEEP_WARM_MAX_UNIT:
                 why = (f"a batch of one takes {seconds * 1e3:.3g} ms, over the {keepwarm.KEEP_WARM_MAX_UNIT * 1e3:g} ms "
                        "a unit may take (a request arriving during one would wait for it)")

@@ -29,7 +29,7 @@ from typing import Any, Iterable, NamedTuple, Sequence
 import msgspec
 
 from .header import (
-    MAX_DONE, MAX_ENVELOPE_LEN, MAX_SERVICE_LEN, MMI_PREFIX, Cancel, ErrorInfo, ProtocolError,
+    MAX_DONE, MAX_ENVELOPE_LEN, MAX_ERROR_MESSAGE, MAX_SERVICE_LEN, MMI_PREFIX, Cancel, ErrorInfo, ProtocolError,
     DoneInfo, Ready, Reply, Welcome, WorkerStats, decode_done_info, decode_lease_end, decode_lease_grant,
     decode_ready, decode_welcome, decode_worker_stats, encode_header, is_header,
 )
@@ -211,7 +211,30 @@ def to_client(identity: bytes, final: bool, service: bytes, body: Iterable[Any])
 
 
 def error_body(request_id: int, code: int, message: str) -> list[bytes]:
-    return [encode_header(Reply(id=request_id, error=ErrorInfo(code=int(code), message=message)))]
+    """An error reply's header.  Whatever ``message`` holds, it encodes: a model's
+    exception text may carry lone surrogates (a file name from `os.fsdecode`), which
+    msgpack cannot take, or megabytes; encoding failed and took the worker down, and the
+    broker's retries then every other worker of the service (the data hunt).  Such
+    characters are escaped, and a message over `MAX_ERROR_MESSAGE` characters is cut."""
+    if type(message) is not str or len(message) > MAX_ERROR_MESSAGE:
+        message = _fit_message(message)
+    try:
+        return [encode_header(Reply(id=request_id, error=ErrorInfo(code=int(code), message=message)))]
+    except (UnicodeEncodeError, ValueError):
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return [encode_header(Reply(id=request_id, error=ErrorInfo(code=int(code), message=message)))]
+
+
+def _fit_message(message: Any) -> str:
+    if type(message) is not str:
+        try:
+            message = str(message)
+        except Exception as e:  # a __str__ that raises
+            message = f"(a message whose str() raised {type(e).__name__})"
+    if len(message) > MAX_ERROR_MESSAGE:
+        cut = len(message) - MAX_ERROR_MESSAGE
+        message = f"{message[:MAX_ERROR_MESSAGE]}... ({cut} more characters cut)"
+    return message
 
 
 def worker_ready(service: str, caps: Ready | None = None) -> list[bytes]:

@@ -21,7 +21,7 @@ import msgspec
 import numpy as np
 
 __all__ = ["LEASED_CLIENT_GONE", "RoutedRequest", "MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_CREDIT", "MAX_ENVELOPE_LEN",
-    "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_META_BYTES", "MAX_REPLY_TO_LEN", "MAX_DONE", "MAX_MMI_TOKEN",
+    "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_META_BYTES", "MAX_REPLY_TO_LEN", "MAX_ERROR_MESSAGE", "MAX_DONE", "MAX_MMI_TOKEN",
     "MAX_TENSOR_BYTES", "MAX_DEPTH", "MAX_DTYPE_LEN", "ErrorCode",
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
     "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "DoneInfo", "WorkerStats", "TRANSPORTS", "REPLY_MODES", "SMALL_INLINE_BYTES", "is_header",
@@ -51,6 +51,9 @@ MAX_HEADER_BYTES = 1 << 20
 #: ~10 ms; a whole 1 MiB header of them was 70 MB and 130 ms, for every such request queued.
 MAX_META_BYTES = 1 << 16
 MAX_REPLY_TO_LEN = 255
+#: characters of an error message a reply carries (longer ones are cut, saying so): a model's
+#: exception text ends up here, and one of megabytes made a reply header its client refused
+MAX_ERROR_MESSAGE = 16384
 MAX_DONE = 4096          # envelopes in one DONE
 MAX_MMI_TOKEN = 64       # bytes of the correlation token an MMI answer echoes
 #: The most bytes one tensor may describe, counting each 0 dimension as 1: itemsize x
@@ -839,15 +842,20 @@ def lenient_request_id(frame: Any) -> int:
     the right call on the client; 0 when even that is unreadable.  Never raises: msgspec
     decodes only `id` (other keys are skipped without building anything); when that fails
     too (a header nested too deep for msgspec, say), `_scan_id` reads the top-level keys
-    that precede `id` without recursing.  Nothing over MAX_HEADER_BYTES is looked at."""
+    that precede `id` without recursing; of a header over MAX_HEADER_BYTES, only that scan
+    of its first 4 KiB."""
     try:
         mv = memoryview(frame)
-        if mv.nbytes > MAX_HEADER_BYTES or mv.nbytes < 5:
+        if mv.nbytes < 5:
             return 0
         body = mv[4:]
         try:
+            if mv.nbytes > MAX_HEADER_BYTES:
+                raise ValueError  # not decoded: only its first bytes are read
             rid = _DEC_ID.decode(body).id
         except Exception:
+            # A header over the limit too: its id is among its first keys, and the refusal
+            # must reach the call that sent it (with 0, the call waited out its deadline).
             rid = _scan_id(bytes(body[:4096]))
         return rid if type(rid) is int and 0 <= rid < 1 << 64 else 0
     except Exception:

@@ -34,7 +34,8 @@ cannot be impersonated on the ipc direct socket.
 It reads into an inbox the frames a ROUTER would have returned (``[routing id, MDPC02,
 command, ...]``), and a connection that closes, or sends what is not a message, is ended with
 a DISCONNECT of its own in that inbox (the worker then unbinds it, as for a DISCONNECT).
-Sends never block: what the kernel does not take waits in the connection's outbox and
+Sends never block (but for a stream's replies at the cap, which wait while the client reads:
+`LinkServer.send`'s ``wait``): what the kernel does not take waits in the connection's outbox and
 leaves when the socket is writable (``max_queue`` messages, counted whole whatever the
 datagrams they span, and ``max_queue_bytes`` bytes; below both, a reply goes however large,
 so the outbox holds at most the byte cap plus one message).  A reply that finds the outbox
@@ -65,7 +66,7 @@ import struct
 import time
 from collections import deque
 from itertools import accumulate
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .frames import C_DISCONNECT, MDPC
 
@@ -560,9 +561,14 @@ class LinkServer:
 
     # ------------------------------------------------------------------ writing
 
-    def send(self, route: bytes, frames: Sequence[Any]) -> bool:
+    def send(self, route: bytes, frames: Sequence[Any], wait: float = 0.0,
+             tick: Callable[[], None] | None = None) -> bool:
         """Queue one message to connection ``route`` without blocking; False when it was
-        dropped (the connection is gone, or retired: its outbox was at a cap)."""
+        dropped (the connection is gone, or retired: its outbox was at a cap).  ``wait``: if
+        the outbox is at a cap, this send may block for the client to read it below, for as
+        long as some of it leaves every ``wait`` seconds, 4 x ``wait`` at most (a stream's
+        replies: the model may yield faster than a reading client takes them); `tick` runs
+        about every 0.1 s meanwhile."""
         peer = self._routes.get(route)
         if peer is None:
             self.dropped += 1
@@ -572,12 +578,15 @@ class LinkServer:
             # backlog is at a cap already: a reader that keeps up never loses a reply for
             # its size (two large ones in a row still both go), and memory stays bounded by
             # the cap plus one message.
-            if peer.queued >= self.max_queue or peer.queued_bytes >= self.max_queue_bytes:
+            if self._at_cap(peer) and not (wait > 0 and self._wait_below(peer, wait, tick)):
                 self.dropped += 1
-                self._retire(peer)
+                if self._routes.get(route) is peer:  # (not ended while it waited: its client left)
+                    self._retire(peer)
                 return False
             dgrams = encode(_kept(frames))
             self._queue(peer, dgrams, _bytes_of(dgrams))
+            if not peer.writing:  # a wait above wrote the whole outbox (and stopped asking for EPOLLOUT)
+                self._flush(peer)
             return True
         dgrams = encode(frames)
         if len(dgrams) == 1:
@@ -594,6 +603,32 @@ class LinkServer:
         self._queue(peer, dgrams, _bytes_of(dgrams))
         self._flush(peer)
         return True
+
+    def _at_cap(self, peer: _Peer) -> bool:
+        return peer.queued >= self.max_queue or peer.queued_bytes >= self.max_queue_bytes
+
+    def _wait_below(self, peer: _Peer, wait: float, tick: Callable[[], None] | None) -> bool:
+        """Block, writing ``peer``'s outbox as its client reads, until it is under the caps
+        again: True then; False when the connection ended, when nothing of the outbox left
+        for ``wait`` seconds (its client stopped reading), or after 4 x ``wait`` in all (it
+        reads too slowly to be waited for: the caller's other work waits meanwhile)."""
+        now = time.monotonic()
+        last_gone, most = now, now + 4 * wait
+        left_bytes = peer.queued_bytes
+        poller = select.poll()
+        poller.register(peer.fd, select.POLLOUT)
+        while self._at_cap(peer):
+            now = time.monotonic()
+            if peer.queued_bytes < left_bytes:
+                left_bytes, last_gone = peer.queued_bytes, now
+            ends = min(last_gone + wait, most)
+            if now >= ends or self._routes.get(peer.route) is not peer:
+                return False
+            if poller.poll(min(ends - now, 0.1) * 1000):
+                self._flush(peer)
+            if tick is not None:
+                tick()
+        return self._routes.get(peer.route) is peer
 
     @staticmethod
     def _queue(peer: _Peer, dgrams: list[list[Any]], nbytes: int) -> None:

@@ -9,6 +9,7 @@ import select
 import shutil
 import socket
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -395,6 +396,50 @@ def test_the_outbox_is_bounded_in_bytes_and_large_replies_are_not_refused_for_th
     finally:
         conn.close()
         server.close()
+
+
+def test_a_send_that_may_wait_goes_at_the_pace_of_a_reading_client_and_not_past_a_stopped_one(path):
+    """A stream's replies may come faster than a reading client takes them: at the cap, a
+    send given ``wait`` blocks while the client reads (its ``tick`` running meanwhile) and
+    the reply goes; without it the connection was retired though its client read (found by
+    the data hunt: five 20 MB partials at once).  A client that stops reading costs one such
+    wait, then the connection retires as before."""
+    cap = 1 << 20
+    server = LinkServer(path, max_queue_bytes=cap)
+    conn = LinkConn(path)
+    got, ticks = [], []
+    try:
+        conn.send([b"hi"])
+        route = _server_recv(server)[0]
+        big = np.full(cap * 3 // 4, 7, np.uint8)
+
+        def read(n):
+            for _ in range(n):
+                got.append(bytes(_client_recv(conn)[0]))
+
+        reader = threading.Thread(target=read, args=(8,))
+        reader.start()
+        for i in range(8):  # 6 MiB sent at once: eight times the cap's share
+            assert server.send(route, [b"%d" % i, big], wait=5.0, tick=lambda: ticks.append(1))
+        while server._routes[route].outbox:  # the rest leaves as the client reads (the loop's job)
+            assert _readable_out(server._routes[route].fd), "the client stopped reading"
+            server.pump()
+        reader.join(TIMEOUT_MS / 1000)
+        assert not reader.is_alive()
+        assert got == [b"%d" % i for i in range(8)] and server.retired == 0 and server.dropped == 0
+        # A client that reads no more: the first reply at the cap waits `wait`, then retires.
+        while server.send(route, [b"x", big], wait=0.3, tick=lambda: ticks.append(2)):
+            pass
+        assert server.retired == 1 and 2 in ticks
+    finally:
+        conn.close()
+        server.close()
+
+
+def _readable_out(fd: int) -> bool:
+    p = select.poll()
+    p.register(fd, select.POLLOUT)
+    return bool(p.poll(TIMEOUT_MS))
 
 
 def test_close_lets_replies_waiting_in_an_outbox_leave_within_the_linger(path):

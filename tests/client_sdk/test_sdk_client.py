@@ -19,6 +19,7 @@ import gc
 import inspect
 import os
 import queue
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -1341,3 +1342,27 @@ def test_one_finals_message_resolves_each_call_it_carries(fake, endpoint):
             assert c.direct_replies == 3 and c.stray_replies == 0
 
     run(main())
+
+
+def test_a_header_that_cannot_be_encoded_is_invalid_input_and_keeps_nothing(tmp_path):
+    # Found by the data hunt: a lone surrogate in an input name or a meta string, or a meta
+    # int over 64 bits, raised a bare UnicodeEncodeError/OverflowError with the call still
+    # registered and its input slot taken (until close()); input names adding up to more
+    # than a header holds were refused by the broker under request id 0, so the call waited
+    # out its deadline, its slot held.
+    x = np.ones(100_000, np.float32)  # 400 KB: a shared-memory slot
+    bad = os.fsdecode(b"n\xff")
+    cases = [({bad: x}, None, "input name 'n\\udcff' is not valid UTF-8"),
+             ({"x": x}, {"path": bad}, "meta cannot be encoded"),
+             ({"x": x}, {"n": 1 << 70}, "meta cannot be encoded"),
+             ({"x": x}, {1: "a"}, "meta keys must be str"),
+             ({"n" * (1 << 20): x}, None, "input names are too long"),
+             ({f"{i:04d}" + "n" * 5000: x[:10] for i in range(256)}, None, "input names are too long")]
+    with Client(f"ipc://{tmp_path}/nobody.ipc", timeout=5) as c:
+        for inputs, meta, words in cases:
+            with pytest.raises(InvalidInput, match=re.escape(words)):
+                c.infer("echo", inputs, meta=meta)
+            assert c.in_flight() == 0 and c.pool.live_bytes() == 0, words
+        with pytest.raises(InvalidInput, match="is not valid UTF-8"):
+            c.infer(bad, {"x": x})
+

@@ -603,3 +603,11 @@ def test_an_input_too_large_for_the_pool_and_for_a_frame_is_invalid_input():
     for bad in (0, -1, float("inf"), True, "256"):
         with pytest.raises(InvalidInput, match="max_inline_mb"):
             ClientCore("ipc:///tmp/zinf-core-test.sock", max_inline_mb=bad)
+
+
+def test_the_broker_reads_the_id_of_a_header_over_the_limit():
+    """So that its refusal reaches the call that sent it (a plain client, an older SDK)."""
+    head = P.encode_header(P.Request(id=4242, tensors=[P.TensorRef(name="n" * (P.MAX_HEADER_BYTES + 10), dtype="<f4",
+                                                                   shape=[1], loc=P.InlineLoc(frame=0))]))
+    assert len(head) > P.MAX_HEADER_BYTES
+    assert P.lenient_request_id(head) == 4242

@@ -6,12 +6,16 @@ faulty_model:<factory>`, with this folder on PYTHONPATH.  Each request says what
 - `batched`: a batchable model.  do = "raise" (ValueError), "exit" (SystemExit), "genexit"
   (GeneratorExit), "many" (300 outputs), "badname" (an output named 0), "deep" (a 41-d
   output), "half" (a good first output, then an object array), "v0" (a zero-size item
-  dtype), "crash" (the worker process exits at once), "segv" (a segmentation fault in native code); slow = 1
+  dtype), "crash" (the worker process exits at once), "segv" (a segmentation fault in native code),
+  "surrogate" (a message with a lone surrogate), "badstr" (an exception whose str() raises),
+  "longmsg" (a 2 MiB message), "longname" (an output named by 2 MiB), "surrname" (an output
+  name with a lone surrogate); slow = 1
   makes the batch
   take 0.15 s.  `batched_keeper`: the same, returning a view of one buffer it keeps.
 - `keeper`: returns a view of one buffer it keeps and fills again on every call (the
   preallocated `out=` pattern).
-- `streaming`: yields `x + i` for i < 4; do = "raise" raises after 2 partials, "badtype"
+- `streaming`: yields `x + i` for i < 4; do = "raise" raises after 2 partials ("surrogate":
+  with a lone surrogate in its message), "big" yields five 20 MB partials at once, "badtype"
   yields a list as its third partial, "die" ends the worker process after 2 partials.
 """
 import os
@@ -20,6 +24,11 @@ import time
 import numpy as np
 
 from gpu_worker.models import ModelBase
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no str for you")
 
 
 class Batched(ModelBase):
@@ -61,6 +70,16 @@ class Batched(ModelBase):
                 return {"y": x + 1, "z": np.array([[object()]], dtype=object)}
             if do == "v0" and n == 1:
                 return {"y": np.zeros((1, 3), dtype="V0")}
+            if do == "surrogate":  # a non-UTF-8 file name, as Python decodes it
+                raise ValueError("cannot open " + os.fsdecode(b"/data/\xff.bin"))
+            if do == "badstr":
+                raise Unprintable()
+            if do == "longmsg":
+                raise ValueError("x" * (2 << 20))
+            if do == "longname" and n == 1:
+                return {"n" * (2 << 20): x + 1}
+            if do == "surrname" and n == 1:
+                return {os.fsdecode(b"y\xff"): x + 1}
         if self.keep:  # one buffer, filled again on every call (the preallocated `out=` pattern)
             if self.buf is None or self.buf.shape != x.shape:
                 self.buf = np.empty_like(x)
@@ -115,9 +134,15 @@ class Streaming(ModelBase):
 
     def __call__(self, batch, meta):
         do = meta.get("do")
+        if do == "big":  # five 20 MB partials, at once
+            for i in range(5):
+                yield {"y": np.full((1, 5_000_000), i, np.float32)}
+            return
         for i in range(4):
             if do == "raise" and i == 2:
                 raise RuntimeError("faulty_model: stream told to raise")
+            if do == "surrogate" and i == 2:
+                raise RuntimeError("cannot open " + os.fsdecode(b"/data/\xff.bin"))
             if do == "badtype" and i == 2:
                 yield [1, 2, 3]
                 continue
@@ -132,3 +157,24 @@ class Streaming(ModelBase):
 
 def streaming(device="cpu"):
     return Streaming(device)
+
+
+class TorchAdd(ModelBase):
+    """A torch model with no declared inputs: y = x + 1, in torch."""
+
+    name = "torchadd"
+    framework = "torch"
+    batchable = True
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def __call__(self, batch):
+        return {"y": batch["x"] + 1}
+
+    def example_inputs(self):
+        return {"x": np.zeros(4, np.float32)}
+
+
+def torchadd(device="cpu"):
+    return TorchAdd(device)

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from client_sdk import AsyncClient, Client
+from broker import protocol as P
 from client_sdk.errors import InternalError, WorkerFailed
+from tests.e2e.conftest import wait_service
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -94,7 +96,7 @@ def test_a_streaming_model_that_raises_fails_its_own_request_and_the_worker_serv
     w = cluster.worker("faulty_model:streaming", "--service", "s")
     x = np.arange(4, dtype=np.float32)
     with Client(cluster.frontend, timeout=20) as c:
-        for do in ("raise", "badtype"):
+        for do in ("raise", "badtype", "surrogate"):  # (a lone surrogate in its message: the data hunt)
             got = []
             with pytest.raises(InternalError, match="after 2 partial"):
                 with c.infer_stream("s", {"x": x}, meta={"do": do}) as h:
@@ -138,7 +140,11 @@ def test_a_model_that_reuses_its_output_buffer_never_sends_one_client_anothers_d
 @pytest.mark.parametrize("do,match", [("many", "at most 256"), ("badname", "must be strings"),
                                       # (numpy 1 refuses the 42-d array in the model itself)
                                       ("deep", "dimensions; the limit is 32|maximum supported dimension"),
-                                      ("half", "cannot be sent"), ("v0", "cannot be sent")])
+                                      ("half", "cannot be sent"), ("v0", "cannot be sent"),
+                                      # (the data hunt: the first a reply header its client refused, the
+                                      # call waiting out its deadline; the second the worker's death)
+                                      ("longname", "output names take 2097152 bytes"),
+                                      ("surrname", "is not valid UTF-8")])
 def test_outputs_that_cannot_be_sent_are_a_clear_error_and_keep_no_slot(cluster, do, match):
     # These were written slot by slot and failed half way, keeping the slots already taken
     # (lent to the live client for good), or were sent as replies the client refused as a
@@ -169,6 +175,78 @@ def test_outputs_that_cannot_be_sent_are_a_clear_error_and_keep_no_slot(cluster,
             np.testing.assert_array_equal(r["y"], x + 1)
             assert ring_bytes_becomes(lambda b: b > 0, "in use") == x.nbytes
         ring_bytes_becomes(lambda b: b == 0, "empty")
+    assert w.p.poll() is None
+
+
+@pytest.mark.parametrize("do, words", [("surrogate", ["cannot open /data/\\udcff.bin"]),
+                                       ("badstr", ["Unprintable: (its str() raised RuntimeError)"]),
+                                       ("longmsg", ["xxxx", "more characters cut)"])])
+def test_an_error_message_that_cannot_go_as_it_is_fails_only_its_request(cluster, do, words):
+    # Found by the data hunt: a model's exception text with a lone surrogate (a non-UTF-8
+    # file name), or whose str() raised, took the worker down while its error reply was
+    # encoded, and the broker's retries then took the other worker of the service too; a
+    # 2 MiB message made a reply header the client refused (the call waited out its deadline).
+    cluster.broker()
+    workers = [cluster.worker("faulty_model:batched", "--service", "batched") for _ in range(2)]
+    x = np.ones((1, 4), np.float32)
+    with Client(cluster.frontend, timeout=20) as c:
+        wait_service(c, "batched")
+        with pytest.raises(InternalError) as e:
+            with c.infer("batched", {"x": x}, meta={"do": do}):
+                pass
+        for w in words:
+            assert w in str(e.value), str(e.value)[:300]
+        assert len(str(e.value)) < P.MAX_ERROR_MESSAGE + 300
+        assert c.in_flight() == 0 and c.pool.live_bytes() == 0
+        for _ in range(4):  # both workers serve on
+            with c.infer("batched", {"x": x}) as r:
+                np.testing.assert_array_equal(r["y"], x + 1)
+    assert all(w.p.poll() is None for w in workers)
+
+
+def test_an_input_dtype_torch_cannot_hold_is_the_requests_fault(cluster):
+    # Found by the data hunt: strings, datetimes or float128 sent to a torch model were the
+    # model's INTERNAL error ("retrying may help"); they are the request's.
+    pytest.importorskip("torch")
+    from client_sdk.errors import InvalidInput
+
+    cluster.broker()
+    w = cluster.worker("faulty_model:torchadd", "--service", "t")
+    with Client(cluster.frontend, timeout=20) as c:
+        wait_service(c, "t")
+        for bad in (np.array(["ab", "cd"]), np.array(["2026-12-05"], dtype="datetime64[D]"), np.zeros(2, "V8")):
+            with pytest.raises(InvalidInput, match="has no torch equivalent"):
+                with c.infer("t", {"x": bad}):
+                    pass
+        x = np.arange(4, dtype=np.float32)
+        with c.infer("t", {"x": x}) as r:
+            np.testing.assert_array_equal(r["y"], x + 1)
+    assert w.p.poll() is None
+
+
+def test_a_pinned_stream_of_large_partials_goes_at_the_pace_its_client_reads(cluster):
+    # Found by the data hunt: five 20 MB inline partials yielded at once went past the local
+    # link's 64 MiB cap before the (reading) client could take them; the link took the
+    # client for one that stopped reading and the stream failed (WorkerFailed).  Now the
+    # stream waits for its client at the cap.
+    cluster.broker()
+    w = cluster.worker("faulty_model:streaming", "--service", "s", "--direct")
+    x = np.zeros(4, np.float32)
+    with Client(cluster.frontend, timeout=30, pin=True) as c:
+        wait_service(c, "s")
+        with c.infer_stream("s", {"x": x}) as h:  # pinned by now
+            assert len([r.release() for r in h]) == 5
+        for _ in range(2):
+            got = []
+            with c.infer_stream("s", {"x": x}, meta={"do": "big"}, reply="inline") as h:
+                for r in h:
+                    with r:
+                        if "y" in r:
+                            assert r["y"].shape == (5_000_000,) and (r["y"] == len(got)).all()
+                            got.append(1)
+            assert len(got) == 5
+        assert c.pinned("s")
+    assert "stopped reading" not in w.stderr()
     assert w.p.poll() is None
 
 
