@@ -11,6 +11,12 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+try:  # the bench extra (hdrhistogram and the peers' clients): a line naming it, not a traceback
+    import hdrh  # noqa: F401
+except ImportError:
+    sys.exit("python -m bench: needs the bench extra: pip install 'zmq-infer[bench]' (from a clone: "
+             "pip install '.[bench]'; `make install` has it)")
+
 from bench import loadgen, report as rep
 from bench.loadgen import Measurement, PayloadSpec, RunConfig, Workload, parse_size
 from bench.peers import PEERS, Peer, PeerClient, availability, load_plugins, make_peer

@@ -1025,7 +1025,7 @@ class Worker:
             self._reply_error(job, e.code, str(e))
             return
         if req.reply_to is not None:
-            endpoint = direct_endpoint(True, req, host=self.host, enabled=self.cfg.direct_reply,
+            endpoint = direct_endpoint(True, req, host=self.host, enabled=self.cfg.direct_reply and self.registered,
                                        streaming=self._streaming)
             if endpoint is not None:  # connect now, so that the connection is up by the reply
                 self.direct.open(endpoint)  # (a reply sent before it is relayed: DirectSockets.open)
@@ -1497,7 +1497,7 @@ class Worker:
         """Whether a reply of ``job`` would go through the broker (not leased, not direct)."""
         if job.route is not None:
             return False
-        endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self.cfg.direct_reply,
+        endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self.cfg.direct_reply and self.registered,
                                    streaming=self._streaming)
         return endpoint is None or self.direct.open(endpoint) is None
 
@@ -1508,7 +1508,7 @@ class Worker:
         if job.route is not None:
             self._reply_leased(job, final, body)
             return
-        endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self.cfg.direct_reply,
+        endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self.cfg.direct_reply and self.registered,
                                    streaming=self._streaming)
         if endpoint is not None and self.direct.open(endpoint) is not None:
             if self.batch_finals is not None and len(body) == 1:

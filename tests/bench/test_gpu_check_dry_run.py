@@ -93,3 +93,14 @@ def test_the_benches_gpu_check_runs_need_only_the_device_image(tmp_path):
                        env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 0, p.stderr
     assert json.loads(out.read_text())["ok"] == 1
+
+
+def test_python_m_bench_without_the_bench_extra_is_one_line(tmp_path):
+    """Installed without the bench extra (as deploy.md installs), `python -m bench` was a
+    ModuleNotFoundError traceback (the version-skew hunt); now one line naming the extra."""
+    code = "import sys, runpy; sys.modules['hdrh'] = None; sys.argv = ['bench', '--help']; runpy.run_module('bench', run_name='__main__')"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip() == ("python -m bench: needs the bench extra: pip install 'zmq-infer[bench]' (from a clone: "
+                                "pip install '.[bench]'; `make install` has it)")

@@ -53,6 +53,7 @@ def worker(tmp_path):
     w = Worker(WorkerConfig(broker=f"ipc://{tmp_path}/none.ipc", model="echo", warmup=False, credit=16,
                             done_delay=0.005), upstream=rec)
     w.recorder = rec
+    w.registered = True  # as after our broker's WELCOME (a plain broker's worker replies through it)
     try:
         yield w
     finally:
