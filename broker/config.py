@@ -356,11 +356,15 @@ def launcher_from_data(data: Mapping[str, Any], path: str) -> LauncherConfig | N
             if not ok(value):
                 raise ConfigError(f"{path}: [launcher] {key} must be {want}, not {_show(value)}")
             kw[key] = float(value)
-    first, most = kw.get("restart_backoff_s", 0.5), kw.get("restart_backoff_max_s", 30.0)
+    first = kw.get("restart_backoff_s", LauncherConfig.restart_backoff_s)
+    most = kw.get("restart_backoff_max_s", LauncherConfig.restart_backoff_max_s)
     if first > most:  # it was capped at the most without a word
-        raise ConfigError(f"{path}: [launcher] restart_backoff_s ({first:g}) is above restart_backoff_max_s "
-                          f"({most:g}): the first restart's wait cannot be longer than the longest; raise "
-                          "restart_backoff_max_s or lower restart_backoff_s")
+        def shown(key: str, v: float) -> str:
+            return f"{key} ({v:g}{'' if key in kw else ', the default'})"
+
+        raise ConfigError(f"{path}: [launcher] {shown('restart_backoff_s', first)} is above "
+                          f"{shown('restart_backoff_max_s', most)}: the first restart's wait cannot be longer than the "
+                          "longest; set both")
     return LauncherConfig(pools=tuple(pools), source=path, **kw)
 
 

@@ -275,8 +275,9 @@ class DirectSocket:
     """The worker's direct socket: a ROUTER on an ipc path only this user can reach, or on a
     tcp address (``tcp``) as a CurveZMQ server that admits only the keys of the clients that
     hold a lease of this worker (`allow`; ``curve`` None: plain tcp, ``--insecure``).  Sends
-    never block: a reply to a connection that is gone, or that stopped reading, is dropped
-    (and logged, rate-limited)."""
+    never block (but a running stream's on the local link, at its cap: `send`'s ``wait``): a
+    reply to a connection that is gone, or that stopped reading, is dropped (and logged,
+    rate-limited)."""
 
     #: replies queued per connection before further ones are dropped
     sndhwm = 10_000
@@ -359,8 +360,8 @@ class DirectSocket:
                 log.warning("no local link at %s (%s): near clients use the ipc direct socket", link_path, e)
 
     def send(self, frames, wait: float = 0.0, tick=None) -> bool:
-        """Queue one message (``[routing id, ...]``) without blocking; False when it was
-        dropped (the connection is gone, or its queue is full).  ``wait``, ``tick``: on the
+        """Queue one message (``[routing id, ...]``); False when it was dropped (the
+        connection is gone, or its queue is full).  ``wait``, ``tick``: on the
         local link, how long it may block for the client to read its backlog below the cap,
         and what runs meanwhile (`LinkServer.send`)."""
         route = frames[0]

@@ -52,7 +52,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace as _replace
 
 import numpy as np
 import zmq
@@ -276,9 +276,14 @@ class Worker:
         self.device = resolve_device(cfg.device)
         if "cuda" in cfg.transports and not self.device.startswith("cuda"):
             # READY would advertise it, and clients would send device descriptors a CPU
-            # worker cannot open (the command-line hunt).
-            raise ConfigError(f"transports (--transports) has cuda, which needs a CUDA device; this worker runs "
-                              f"on {self.device}: leave cuda out")
+            # worker cannot open (the command-line hunt).  Asked of a device chosen here
+            # (auto: one pool's flags for hosts with and without a GPU), it is left out.
+            if cfg.device not in (None, "auto"):
+                raise ConfigError(f"transports (--transports) has cuda, which needs a CUDA device; this worker runs "
+                                  f"on {self.device}: leave cuda out")
+            log.warning("--transports has cuda, and no CUDA device is here (--device auto chose %s): left out",
+                        self.device)
+            cfg = self.cfg = _replace(cfg, transports=tuple(t for t in cfg.transports if t != "cuda"))
         self.model = load_model(cfg.model, self.device)
         self.service = cfg.service or self.model.name
         max_batch = cfg.max_batch if getattr(self.model, "batchable", False) else 1
@@ -359,6 +364,7 @@ class Worker:
         self.heartbeat_interval = cfg.heartbeat_interval
         self.heartbeat_liveness = cfg.heartbeat_liveness
         self.broker_instance: bytes | None = None
+        self._direct_ok = False  # direct replies: once a broker WELCOMEd us (and --no-direct-reply not given)
         self._offload: ComputeThread | None = None
         self._poller: Waiter | None = None      # the loop's, while it serves
         self._events: list = []                 # what its last wait found ready
@@ -797,6 +803,12 @@ class Worker:
     def _on_welcome(self, w: P.Welcome) -> None:
         """Registered with broker process `w.instance`, which sets the liveness settings."""
         self.broker_instance = w.instance
+        # Replies may go straight to their clients from now on (and DONEs tell the broker):
+        # a broker that WELCOMEs knows DONE; a plain MDP broker would hold this worker busy
+        # for good after its first direct reply (the version-skew hunt).  Kept across a
+        # reconnect, so that a batch finishing before the next WELCOME still answers its
+        # client directly (relayed, a stale one's reply would be dropped).
+        self._direct_ok = self.cfg.direct_reply
         self.registered = True
         self._plain_broker = False  # ours after all (a READY announced before it came): WELCOMEs rule
         self.counts = self.dones.info = bool(w.metrics)
@@ -1025,7 +1037,7 @@ class Worker:
             self._reply_error(job, e.code, str(e))
             return
         if req.reply_to is not None:
-            endpoint = direct_endpoint(True, req, host=self.host, enabled=self.cfg.direct_reply and self.registered,
+            endpoint = direct_endpoint(True, req, host=self.host, enabled=self._direct_ok,
                                        streaming=self._streaming)
             if endpoint is not None:  # connect now, so that the connection is up by the reply
                 self.direct.open(endpoint)  # (a reply sent before it is relayed: DirectSockets.open)
@@ -1445,10 +1457,15 @@ class Worker:
         self._close_stream(outs)
         log.error("model %s failed on streaming request %d after %d partial(s): %r", self.model.name,
                   job.req.id, seq, failed.error, extra=logs.request_fields(job.req))
-        text = raised(failed.error)
-        name, _, message = text.partition(": ")
-        self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {name} after {seq} partial "
-                          f"result(s): {message}")
+        from gpu_worker.backends import UnsupportedInput
+
+        if seq == 0 and isinstance(failed.error, UnsupportedInput):  # its inputs, before any partial
+            self._reply_model_error(job, failed.error)
+        else:
+            text = raised(failed.error)
+            name, _, message = text.partition(": ")
+            self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {name} after {seq} "
+                              f"partial result(s): {message}")
         self.served += 1
 
     # ------------------------------------------------------------------ replying
@@ -1497,7 +1514,7 @@ class Worker:
         """Whether a reply of ``job`` would go through the broker (not leased, not direct)."""
         if job.route is not None:
             return False
-        endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self.cfg.direct_reply and self.registered,
+        endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self._direct_ok,
                                    streaming=self._streaming)
         return endpoint is None or self.direct.open(endpoint) is None
 
@@ -1508,7 +1525,7 @@ class Worker:
         if job.route is not None:
             self._reply_leased(job, final, body)
             return
-        endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self.cfg.direct_reply and self.registered,
+        endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self._direct_ok,
                                    streaming=self._streaming)
         if endpoint is not None and self.direct.open(endpoint) is not None:
             if self.batch_finals is not None and len(body) == 1:
@@ -1913,13 +1930,14 @@ class Worker:
     def _reply_leased(self, job: Job, final: bool, body: list) -> None:
         # `_direct_send`, inline: this is every leased reply's path.
         frames = [job.route, P.MDPC, P.C_FINAL if final else P.C_PARTIAL, self._service_b, *body]
-        if final and not self._streaming:
+        if not self._streaming or self.running.get(job.envelope) is not job:
             sent = self.direct_socket.send(frames)
         else:
-            # A stream's replies may come faster than a reading client takes them (large
-            # inline partials): over the local link's cap, the stream waits for its client
-            # while it reads (STREAM_WAIT_S), heartbeating meanwhile; the client was taken
-            # for one that stopped reading, and the stream failed (the data hunt).
+            # The running stream's replies may come faster than a reading client takes them
+            # (large inline partials): over the local link's cap, the stream waits for its
+            # client while it reads (STREAM_WAIT_S), heartbeating meanwhile; the client was
+            # taken for one that stopped reading, and the stream failed (the data hunt).
+            # Nothing else waits (errors, cancels, resends: another client's stall).
             sent = self.direct_socket.send(frames, STREAM_WAIT_S, self._heartbeat_if_due)
         if not sent and not final and not job.cancelled:
             # Its connection is gone (or stopped reading): a stream for nobody stops at its

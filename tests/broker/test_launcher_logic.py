@@ -461,7 +461,9 @@ def test_a_file_without_pools_is_no_launcher(tmp_path):
     ("[launcher]\nstop_timeout_s = 'x'\n[[pool]]\nmodel = 'echo'\n", ["[launcher] stop_timeout_s must be"]),
     # was capped at the most without a word
     ("[launcher]\nrestart_backoff_s = 60\n[[pool]]\nmodel = 'echo'\n",
-     ["restart_backoff_s (60) is above restart_backoff_max_s (30)"]),
+     ["restart_backoff_s (60) is above restart_backoff_max_s (30, the default)"]),
+    ("[launcher]\nrestart_backoff_max_s = 0\n[[pool]]\nmodel = 'echo'\n",
+     ["restart_backoff_s (0.5, the default) is above restart_backoff_max_s (0)", "set both"]),
     ("[[pool]]\nmodel = 'echo'\ndevice = 'cpu'\ntransports = ['inline', 'cuda']\n",
      ["[[pool]] #1: transports has cuda", "device 'cpu'"]),
 ])

@@ -178,3 +178,19 @@ class TorchAdd(ModelBase):
 
 def torchadd(device="cpu"):
     return TorchAdd(device)
+
+
+class TorchStream(TorchAdd):
+    """The same, streamed: y = x + i for i < 2."""
+
+    name = "torchstream"
+    batchable = False
+    streaming = True
+
+    def __call__(self, batch):
+        for i in range(2):
+            yield {"y": batch["x"] + i}
+
+
+def torchstream(device="cpu"):
+    return TorchStream(device)

@@ -222,6 +222,15 @@ def test_an_input_dtype_torch_cannot_hold_is_the_requests_fault(cluster):
         with c.infer("t", {"x": x}) as r:
             np.testing.assert_array_equal(r["y"], x + 1)
     assert w.p.poll() is None
+    ws = cluster.worker("faulty_model:torchstream", "--service", "ts")  # and a streaming one
+    with Client(cluster.frontend, timeout=20) as c:
+        wait_service(c, "ts")
+        with pytest.raises(InvalidInput, match="has no torch equivalent"):
+            with c.infer_stream("ts", {"x": np.array(["ab"])}) as h:
+                list(h)
+        with c.infer_stream("ts", {"x": x}) as h:
+            assert len([r.release() for r in h]) == 3  # two partials, and the FINAL
+    assert ws.p.poll() is None
 
 
 def test_a_pinned_stream_of_large_partials_goes_at_the_pace_its_client_reads(cluster):

@@ -53,7 +53,7 @@ def worker(tmp_path):
     w = Worker(WorkerConfig(broker=f"ipc://{tmp_path}/none.ipc", model="echo", warmup=False, credit=16,
                             done_delay=0.005), upstream=rec)
     w.recorder = rec
-    w.registered = True  # as after our broker's WELCOME (a plain broker's worker replies through it)
+    w._direct_ok = True  # as after our broker's WELCOME (a plain broker's worker replies through it)
     try:
         yield w
     finally:
@@ -105,8 +105,8 @@ def test_everything_else_goes_through_the_broker(worker, inbox, tmp_path, case):
         "no_reply_to": _job(1, None),
         "disabled": _job(1, ep),
     }[case]
-    if case == "disabled":
-        worker.cfg.direct_reply = False
+    if case == "disabled":  # --no-direct-reply (taken at the WELCOME)
+        worker._direct_ok = False
     worker._reply(job, final, [b"body"])
     assert worker.recorder.sent == [P.worker_reply(P.token_envelope(1), final, [b"body"])]
     assert worker.dones.envelopes == [] and not sock.poll(0)

@@ -585,6 +585,24 @@ def test_a_credit_below_max_batch_caps_the_batch(tmp_path, caplog):
         w.close()
 
 
+def test_cuda_transports_with_an_auto_device_on_a_cpu_host_are_left_out(tmp_path, caplog):
+    """One pool's flags for hosts with and without a GPU: --device auto with cuda among the
+    transports starts on the CPU host without cuda (and says so); --device cpu refuses it."""
+    from gpu_worker.devices import resolve_device
+    from gpu_worker.worker import Worker, WorkerConfig
+
+    if resolve_device("auto") != "cpu":
+        pytest.skip("a CUDA device is here: auto chooses it")
+    with caplog.at_level(logging.WARNING, logger="gpu_worker"):
+        w = Worker(WorkerConfig(broker=f"ipc://{tmp_path}/none.ipc", model="echo", warmup=False, device="auto",
+                                transports=("inline", "shm", "cuda")))
+    try:
+        assert w.device == "cpu" and "cuda" not in w.transports and w.cfg.transports == ("inline", "shm")
+        assert any("no CUDA device is here" in r.getMessage() for r in caplog.records)
+    finally:
+        w.close()
+
+
 def test_tensorrt_export_failures_are_backend_errors(factories, tmp_path, monkeypatch):
     """What TrtBackend meets before the first TensorRT call (without onnx or a GPU here): a
     model without example inputs, or one that raises on them, is a BackendError saying so,
