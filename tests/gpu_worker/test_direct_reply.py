@@ -142,3 +142,17 @@ def test_a_lone_request_is_not_held_for_company(worker, inbox):
     worker._complete([_job(9, ep)], time.monotonic(), [{}], None, 0.001)
     assert sock.poll(5000)
     assert P.parse_broker_to_client(sock.recv_multipart()).command == P.C_FINAL
+
+
+def test_a_batch_running_across_a_reconnect_still_answers_its_client_directly(worker, inbox):
+    """Between a reconnect and the next WELCOME, a running batch's FINAL still goes straight
+    to its same-host client (relayed, a stale job's reply is dropped): direct replies hang
+    on a WELCOME ever received, not on the current connection's (found by a review)."""
+    sock, ep = inbox
+    job = _job(7, ep)
+    worker.running = {job.envelope: job}
+    worker.registered = False  # what _reconnect does, in order
+    worker._fail_pending("broker connection lost")
+    assert job.stale
+    worker._reply_tensors(job, {"y": np.ones(3, np.float32)}, {}, final=True)
+    assert sock.poll(5000) and worker.stale_replies == 0
