@@ -3,7 +3,8 @@ KServe v2 / Open Inference Protocol health paths (docs/operations.md, "Metrics a
 
     GET /metrics                       Prometheus text (broker.metrics)
     GET /v2/health/live                200 while the broker loop runs (it passed within 2 s), else 503
-    GET /v2/health/ready               200 when some service has a live worker, else 503
+    GET /v2/health/ready               200 when some service has a live worker (and a launcher's pools all
+                                       were ready once), else 503
     GET /v2/models/{service}/ready     200 live worker; 503 known service without one; 404 unknown
     GET /v2/models/{service}           JSON: workers, hosts, transports, credit, queue, inputs
 

@@ -612,6 +612,7 @@ class Launcher:
 
     def __init__(self, broker, deploy: LauncherConfig, stop: threading.Event, *, out=None, err=None):
         self.broker = broker
+        broker.pools_ready = False  # readiness waits for every pool (AllReady)
         self.deploy = deploy
         self.stop = stop
         self.exit_code = 0
@@ -748,6 +749,7 @@ class Launcher:
             self._gone(a)
         elif t is AllReady:
             b = self.broker
+            b.pools_ready = True
             http = f" http={b.http_address}" if getattr(b, "http", None) is not None else ""
             print(f"READY frontend={b.frontend_ep} backend={b.backend_ep}{http} workers={a.workers}",
                   file=self._out, flush=True)

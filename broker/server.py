@@ -413,6 +413,10 @@ class Broker:
         # Registered at some point (404 vs 503), bounded, retired once without a worker for
         # RETAIN_S (ServiceNames)
         self._seen_services = ServiceNames(_MAX_SERVICES)
+        # False while a launcher (broker.launcher) starts its pools: /v2/health/ready says
+        # 503 until every pool's workers were ready once (its READY line), not as soon as
+        # the fastest pool registered (the docs hunt: clients let in then met 503s).
+        self.pools_ready = True
         # ident -> (service, pid, inputs, host, outputs, whether the kernel said the pid)
         self._worker_info: dict[bytes, tuple] = {}
         self._sig_warned: set = set()  # (service, signature, signature) said (_check_signature)
@@ -827,8 +831,9 @@ class Broker:
         if what == "live":
             return True
         if what == "ready":
-            # Not while draining (SIGTERM to the launcher): new requests are refused then.
-            return not sched.draining and sched.live_services() > 0
+            # Not while draining (SIGTERM to the launcher): new requests are refused then;
+            # nor while a launcher starts its pools.
+            return not sched.draining and self.pools_ready and sched.live_services() > 0
         if what == "model_ready":
             if sched.draining:
                 return "unavailable"

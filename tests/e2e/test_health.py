@@ -60,6 +60,40 @@ def test_the_broker_is_not_ready_while_it_drains(tmp_path, gate):
         la.close()
 
 
+def test_the_broker_is_not_ready_until_every_pool_is(tmp_path, gate):
+    # Found by the docs hunt: readiness was 200 once the fastest pool registered, while the
+    # others still loaded (README waits on it before sending): requests let in met 503s.
+    from bench.peers import free_port
+
+    port = free_port()
+    path = tmp_path / "deploy.toml"
+    path.write_text(f'frontend = "ipc://{tmp_path}/fe.ipc"\nbackend = "ipc://{tmp_path}/be.ipc"\n'
+                    "[scheduler]\nheartbeat_interval = 0.2\n" + textwrap.dedent("""
+                        [[pool]]
+                        model = "echo"
+                        [[pool]]
+                        model = "gate_model:factory"
+                        service = "gate"
+                    """))
+    la = Proc(["-m", "broker", "--config", str(path), "--http", f"127.0.0.1:{port}"], env=gate.env)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        until(lambda: _status(base, "/v2/models/echo/ready") == 200, "the echo pool registered")
+        assert get(base, "/v2/health/ready")[0] == 503  # the gate pool still loads (its FIFO)
+        gate.open()  # the gate worker's load ends
+        la.wait_ready()
+        assert get(base, "/v2/health/ready")[0] == 200
+    finally:
+        la.close()
+
+
+def _status(base: str, path: str) -> int | None:
+    try:
+        return get(base, path)[0]
+    except OSError:  # not listening yet
+        return None
+
+
 def test_a_workers_readiness_waits_for_its_broker(cluster):
     """Ready (gpu_worker.health) means the broker has it registered: not before a broker is
     there at all, and once one comes up, without restarting the worker."""
