@@ -215,7 +215,9 @@ POOL_KEYS: dict[str, tuple] = {
     "credit": _int_between(1, 1 << 16),  # the broker refuses a READY with more
     "transports": (lambda v: isinstance(v, list) and v != [] and all(t in _TRANSPORTS for t in v),
                    f"a non-empty list of {', '.join(repr(t) for t in _TRANSPORTS)}"),
-    "keep_warm_ms": _number_between(0, _LONGEST_S * 1000),
+    # the worker's own bound (gpu_worker.worker.WorkerConfig.check): 0 (off), or 1 ms to a day
+    "keep_warm_ms": (lambda v: _is_number(v) and (v == 0 or 1 <= v <= 86_400_000),
+                     "0 (off), or a number of ms from 1 to 86400000 (a day)"),
     "drain_grace_s": _number_between(0, _LONGEST_S),
     "extra_args": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
                    "a list of strings (python -m gpu_worker arguments)"),

@@ -224,7 +224,7 @@ class ReplyStreamBase:
         releasing a PARTIAL."""
         res = self._item(kind, item)
         if res.final:
-            return final_of_infer(self._call.service, res, self._dropped)
+            return final_of_infer(self._call.service, res, self._dropped, "iterate the handle (not result())")
         self._dropped += 1
         res.release()
         return None

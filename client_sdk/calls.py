@@ -104,14 +104,14 @@ def opaque_reply(frames: list[Any], service: str) -> tuple[bool, list[bytes]]:
     return True, body
 
 
-def final_of_infer(service: str, res: Any, partials: int) -> Any:
+def final_of_infer(service: str, res: Any, partials: int, instead: str = "use infer_stream()") -> Any:
     """What `infer` returns for a FINAL that followed `partials` PARTIALs: the FINAL itself,
     unless the service streamed everything and the FINAL is empty (then the caller meant
-    `infer_stream`: a typed error rather than an empty result)."""
+    `infer_stream`: a typed error rather than an empty result; ``instead``: what to do)."""
     if partials and len(res) == 0:
         res.release()
         raise NotSupported(f"service {service!r} streams its results ({partials} PARTIALs, then an empty "
-                           f"FINAL); use infer_stream() to receive them")
+                           f"FINAL); {instead} to receive them")
     return res
 
 

@@ -137,6 +137,11 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not NaN
 
 
+def _ms(seconds):
+    """A duration the command line gave in ms, shown as typed (the config holds seconds)."""
+    return seconds * 1000 if _number(seconds) else seconds
+
+
 def _whole(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -186,7 +191,7 @@ class WorkerConfig:
         need(_whole(self.max_batch) and 1 <= self.max_batch <= P.MAX_CREDIT, "max_batch", "--max-batch",
              f"an integer from 1 to {P.MAX_CREDIT}", self.max_batch)
         need(_number(self.max_delay) and 0 <= self.max_delay < float("inf"), "max_delay", "--max-delay-ms",
-             "a finite number of seconds >= 0", self.max_delay)
+             "a finite number of ms >= 0", _ms(self.max_delay))
         need(_number(self.max_cost) and self.max_cost > 0, "max_cost", "--max-cost", "a number > 0 (inf: no bound)",
              self.max_cost)
         need(self.credit is None or (_whole(self.credit) and 1 <= self.credit <= P.MAX_CREDIT), "credit",
@@ -211,14 +216,15 @@ class WorkerConfig:
         need(_whole(self.direct_sockets) and self.direct_sockets >= 1, "direct_sockets", None, "an integer >= 1",
              self.direct_sockets)
         need(_number(self.done_delay) and 0 <= self.done_delay < float("inf"), "done_delay", "--done-delay-ms",
-             "a finite number of seconds >= 0", self.done_delay)
+             "a finite number of ms >= 0", _ms(self.done_delay))
         need(self.done_batch is None or (_whole(self.done_batch) and self.done_batch >= 1), "done_batch", None,
              "an integer >= 1 (or unset)", self.done_batch)
         need(_number(self.drain_grace) and 0 <= self.drain_grace < float("inf"), "drain_grace", "--drain-grace-s",
              "a finite number of seconds >= 0", self.drain_grace)
         need(self.keep_warm is None or (_number(self.keep_warm) and (self.keep_warm == 0 or 0.001 <= self.keep_warm
                                                                      <= 86400)),
-             "keep_warm", "--keep-warm-ms", "0 (off), or from 1 ms to a day", self.keep_warm)
+             "keep_warm", "--keep-warm-ms", "0 (off), or a number of ms from 1 to 86400000 (a day)",
+             _ms(self.keep_warm))
         need(_number(self.keep_warm_util) and 0 <= self.keep_warm_util <= 1, "keep_warm_util", "--keep-warm-util",
              "a fraction between 0 and 1", self.keep_warm_util)
         need(self.batching in ("latency", "throughput"), "batching", "--batching", "'latency' or 'throughput'",

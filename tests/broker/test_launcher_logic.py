@@ -444,6 +444,9 @@ def test_a_file_without_pools_is_no_launcher(tmp_path):
     ("[[pool]]\nmodel = 'echo'\ndevice = 'gpu'\n", ["device must be"]),
     ("[[pool]]\nmodel = 'echo'\ntransports = ['tcp']\n", ["transports must be"]),
     ("[[pool]]\nmodel = 'echo'\nmax_delay_ms = -1\n", ["max_delay_ms must be a number from 0 to 1e+09"]),
+    # the worker's own bound, checked with the file (the worker exited 2 after the broker bound)
+    ("[[pool]]\nmodel = 'echo'\nkeep_warm_ms = 0.5\n", ["keep_warm_ms must be 0 (off), or a number of ms from 1"]),
+    ("[[pool]]\nmodel = 'echo'\nkeep_warm_ms = 1e8\n", ["keep_warm_ms must be"]),
     ("[[pool]]\nmodel = 'echo'\nextra_args = '--x'\n", ["extra_args must be a list of strings"]),
     # What the launcher sets from the broker, or a key of the same table sets: a worker sent
     # to another broker, or with other heartbeats, was never seen registered (killed as hung).
