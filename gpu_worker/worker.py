@@ -325,6 +325,7 @@ class Worker:
         self._stash_requests: set[bytes] = set()
         self._returned_early: set[bytes] = set()
         self._stash_direct: list = []         # ... and what it read on the direct socket: (frames, arrival time)
+        self._lease_lost: set[bytes] = set()  # leased requests running when their lease ended (`_fail_pending`)
         self._direct_judged = 0               # its first entry read while the batch looked short (re-judged)
         # Leased requests waiting in the batcher that the heartbeat thread answered 429
         # while the batch became long (`_bounce_queued`): the loop drops them right after.
@@ -883,6 +884,13 @@ class Worker:
         sock = self.sock
         if sock is None or self._reconnect_why is not None:
             return
+        if self.dones.envelopes and self.dones.ready(time.monotonic()):
+            # FINALs that went straight to their clients before this batch: the broker
+            # settles them now, not after it (it counted them as still running, expired
+            # them at their deadlines, and, had this worker stopped meanwhile, ran them
+            # again elsewhere: the pause hunt).  The loop does not touch `dones` while it
+            # computes.
+            self._flush_done()
         while sock_events(sock) & _POLLIN:
             msg = self.upstream.receive(recv_frames(sock))
             if msg is None:
@@ -1606,6 +1614,14 @@ class Worker:
         for job in self.running.values():
             if job.route is None:
                 job.stale = True
+            elif self.leases is not None:
+                # Its lease ends below: its client sends it again through the broker, which
+                # counts it there; a FINAL of ours that finds it gone is not `client_gone`
+                # (one request counted twice: the pause hunt).  (Bounded: counted or not,
+                # at most the jobs of a few batches are ever here.)
+                if len(self._lease_lost) >= 4096:
+                    self._lease_lost.clear()
+                self._lease_lost.add(job.envelope)
         for p in self.batcher.drop(lambda p: True):
             job = p.item
             if job.route is not None and self.leases is not None:
@@ -1970,6 +1986,10 @@ class Worker:
         `LEASED_CLIENT_GONE`, as the broker counts a brokered request whose client left.
         One told to resend it through the broker is the broker's to count when it comes."""
         code = job.code
+        if self._lease_lost and job.envelope in self._lease_lost:
+            self._lease_lost.discard(job.envelope)
+            if not sent:
+                return  # its client resent it through the broker (`_fail_pending`)
         if not sent:
             code = P.LEASED_CLIENT_GONE
         elif job.resend:

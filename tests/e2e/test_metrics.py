@@ -388,6 +388,42 @@ def test_a_pinned_request_past_its_deadline_counts_as_the_deadlines(cluster, tmp
     assert seconds - seconds0 < 0.5, seconds - seconds0
 
 
+def test_a_direct_reply_is_settled_while_the_next_batch_runs(cluster, tmp_path, gate):
+    """A FINAL that went straight to its client is told to the broker (DONE) within its
+    gathering delay, also when the worker starts a long batch on its loop's thread right
+    after it: the DONE waited for that batch to end, so the broker counted the request as
+    still running, expired it at its deadline (`deadline_exceeded` for a request its client
+    had), and, had the worker stopped meanwhile, ran it again elsewhere (the pause hunt)."""
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    # DONEs gathered for up to 200 ms (or 8 // 4 of them): the long request surely starts within that
+    cluster.worker("gate_model:held", "--max-batch", "1", "--credit", "8", "--done-delay-ms", "200",
+                   env={"SLEEPY_LOG": str(tmp_path / "runs.log"), **gate.env})
+    gate.open()
+
+    def count(outcome):
+        return value(scrape(base), "zmq_infer_requests_total", service="held", outcome=outcome)
+
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, "held")
+        c.infer("held", {"x": np.zeros(1)}).release()
+        until(lambda: count("ok") == 1, "the first request counted")
+        direct = c.direct_replies
+        with Client(cluster.frontend, timeout=WAIT) as other:
+            other.mmi_service("held")  # connected
+            # Answered at once, straight to us; the long one, sent right after, starts on the
+            # worker's loop thread within the DONE's gathering delay.
+            c.infer("held", {"x": np.zeros(1)}, timeout=2.0).release()
+            long = other.infer_stream("held", {"x": np.array([-1.0])})
+            assert c.direct_replies == direct + 1
+            until(lambda: count("ok") == 2, "the direct reply settled while the long batch runs", timeout=1.5)
+            assert json.loads(get(base, "/v2/models/held")[1])["in_flight"] == 1
+            gate.release(1)
+            long.result(timeout=WAIT).release()
+    until(lambda: count("ok") == 3, "every request counted")
+    assert count("deadline_exceeded") == 0
+
+
 _PINNED_CHILD = """
 import sys, time
 import numpy as np

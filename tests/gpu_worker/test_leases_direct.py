@@ -360,6 +360,7 @@ def worker_job(worker):
 
     job = Job.__new__(Job)
     job.route = b"r"
+    job.envelope = b"x"
     return job
 
 
