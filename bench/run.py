@@ -467,6 +467,7 @@ class Level:
     timeouts: int = 0
     error_samples: list[str] = field(default_factory=list)
     measured_s: float = 0.0
+    served: int = 0  # successful replies that arrived during the windows (the tail's in the last)
     cpu_s: float = 0.0
     loop_cpu_s: float = 0.0
     loop_max: float = 0.0  # the busiest generator loop's CPU share in any window
@@ -504,6 +505,7 @@ class Level:
         self.hist.add(w)
         self.split.merge(split)
         self.ok += ok
+        self.served += served
         self.measured_s += elapsed
         self.window_pct.append(round(w.percentile_ms(percentile), 3) if w.count else None)
         # Served: replies that arrived during the window (streams: its frames' results).
@@ -532,7 +534,10 @@ def level_entry(mode: str, load: Any, lv: Level, a: argparse.Namespace, plan: Pl
         "requests": lv.ok, "errors": lv.errors, "timeouts": lv.timeouts,
         "error_samples": lv.error_samples,
         "measured_s": round(lv.measured_s, 3),
-        "throughput_rps": round(lv.ok / lv.measured_s, 2) if lv.measured_s > 0 else 0.0,
+        # What was served over the windows' time: replies that arrived then (the successes of
+        # the requests sent then read low under overload, the warm-up's backlog served in
+        # the windows' time: the bench hunt).
+        "throughput_rps": round(lv.served / lv.measured_s, 2) if lv.measured_s > 0 else 0.0,
         "latency_ms": lat,
         "percentile_ms": _r(h.percentile_ms(a.percentile)) if h.count else None,
         "window_percentile_ms": lv.window_pct,
