@@ -609,7 +609,8 @@ class Broker:
         self._http_loop.linger = 0
         self._http_loop.bind(name)
         try:
-            self.http = HttpFront(address, LoopLink(self.ctx, name),
+            self._http_link = LoopLink(self.ctx, name)
+            self.http = HttpFront(address, self._http_link,
                                   alive=lambda: time.monotonic() - self.last_pass < _LIVE_WITHIN_S)
         except OSError as e:
             raise RuntimeError(f"--http {self.cfg.http}: cannot listen: {e}") from None
@@ -867,10 +868,7 @@ class Broker:
             except Exception:
                 self._oops.exception("could not answer an HTTP question %r", what)
                 answer = None
-            try:
-                sock.send_pyobj((n, answer), flags=zmq.NOBLOCK)  # never wait for the HTTP side
-            except zmq.Again:
-                pass
+            self._http_link.answer(sock, n, answer)  # never waits for the HTTP side
 
     def _http_answer(self, what: str, arg: str):
         sched = self.sched

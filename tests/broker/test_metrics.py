@@ -141,6 +141,7 @@ class _Loop:
         self.sock.linger = 0
         self.sock.bind(self.addr)
         self.answers = answers
+        self.link = LoopLink(self.ctx, self.addr)  # the HTTP threads' side (the broker's `_http_link`)
         self.stuck = threading.Event()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
@@ -153,7 +154,7 @@ class _Loop:
                 continue
             n, what, arg = self.sock.recv_pyobj()
             a = self.answers.get(what)
-            self.sock.send_pyobj((n, a(arg) if callable(a) else a))
+            self.link.answer(self.sock, n, a(arg) if callable(a) else a)
 
     def close(self):
         self.stop.set()
@@ -174,7 +175,7 @@ def front():
     }
     loop = _Loop(answers)
     alive = {"ok": True}
-    f = HttpFront(("127.0.0.1", 0), LoopLink(loop.ctx, loop.addr), alive=lambda: alive["ok"])
+    f = HttpFront(("127.0.0.1", 0), loop.link, alive=lambda: alive["ok"])
     f.loop, f.alive_flag = loop, alive
     try:
         yield f
@@ -245,7 +246,7 @@ def test_an_ipv6_address_is_served_and_named_in_brackets():
         pytest.skip("no IPv6 on this machine")
     loop = _Loop({})
     try:
-        f = HttpFront(("::1", 0), LoopLink(loop.ctx, loop.addr))
+        f = HttpFront(("::1", 0), loop.link)
     except OSError as e:
         loop.close()
         pytest.skip(f"cannot bind ::1 here: {e}")
