@@ -68,10 +68,11 @@ class LatencyHistogram:
         p = min(max(p, 0.0), 100.0)
         target = max(1, math.ceil(p * n / 100.0 - 1e-9))
         acc = 0
-        for item in h.get_recorded_iterator():
-            acc += item.count_at_value_iterated_to
+        count_at = h.get_count_at_index
+        for i in range(h.counts_len):  # (as hdrh's own: an iterator's object per bucket cost 10x)
+            acc += count_at(i)
             if acc >= target:
-                v = item.value_iterated_to
+                v = h.get_value_from_index(i)
                 return (h.get_highest_equivalent_value(v) if p else h.get_lowest_equivalent_value(v)) / 1000.0
         return h.get_max_value() / 1000.0
 

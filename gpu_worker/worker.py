@@ -284,12 +284,13 @@ class Worker:
             # READY would advertise it, and clients would send device descriptors a CPU
             # worker cannot open (the command-line hunt).  Asked of a device chosen here
             # (auto: one pool's flags for hosts with and without a GPU), it is left out.
-            if cfg.device not in (None, "auto"):
+            left = tuple(t for t in cfg.transports if t != "cuda")
+            if str(cfg.device or "auto").strip().lower() != "auto" or not left:
                 raise ConfigError(f"transports (--transports) has cuda, which needs a CUDA device; this worker runs "
                                   f"on {self.device}: leave cuda out")
             log.warning("--transports has cuda, and no CUDA device is here (--device auto chose %s): left out",
                         self.device)
-            cfg = self.cfg = _replace(cfg, transports=tuple(t for t in cfg.transports if t != "cuda"))
+            cfg = self.cfg = _replace(cfg, transports=left)
         self.model = load_model(cfg.model, self.device)
         self.service = cfg.service or self.model.name
         max_batch = cfg.max_batch if getattr(self.model, "batchable", False) else 1
@@ -703,6 +704,9 @@ class Worker:
             self._tcp.use(-1)  # the new connection is learned from its first message
         if self.broker_instance is not None:
             self.registered = False  # our broker: until its next WELCOME (a plain one sends none)
+        # Direct replies, too, until the next WELCOME (the broker may be a plain one now);
+        # the jobs running across this reconnect still answer their clients directly (stale).
+        self._direct_ok = False
         self._busy_told = False  # the new connection's broker was told nothing (no BUSY off for it)
         poller.remove(self.sock)
         if self._monitor_fd is not None:
@@ -812,9 +816,9 @@ class Worker:
         self.broker_instance = w.instance
         # Replies may go straight to their clients from now on (and DONEs tell the broker):
         # a broker that WELCOMEs knows DONE; a plain MDP broker would hold this worker busy
-        # for good after its first direct reply (the version-skew hunt).  Kept across a
-        # reconnect, so that a batch finishing before the next WELCOME still answers its
-        # client directly (relayed, a stale one's reply would be dropped).
+        # for good after its first direct reply (the version-skew hunt).  Off again at a
+        # reconnect until the next WELCOME (`_reconnect`; a batch running across it still
+        # answers its clients directly: `job.stale`).
         self._direct_ok = self.cfg.direct_reply
         self.registered = True
         self._plain_broker = False  # ours after all (a READY announced before it came): WELCOMEs rule
@@ -1528,7 +1532,7 @@ class Worker:
         """Whether a reply of ``job`` would go through the broker (not leased, not direct)."""
         if job.route is not None:
             return False
-        endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self._direct_ok,
+        endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self._direct_ok or job.stale,
                                    streaming=self._streaming)
         return endpoint is None or self.direct.open(endpoint) is None
 
@@ -1539,7 +1543,7 @@ class Worker:
         if job.route is not None:
             self._reply_leased(job, final, body)
             return
-        endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self._direct_ok,
+        endpoint = direct_endpoint(final, job.req, host=self.host, enabled=self._direct_ok or job.stale,
                                    streaming=self._streaming)
         if endpoint is not None and self.direct.open(endpoint) is not None:
             if self.batch_finals is not None and len(body) == 1:
@@ -1572,7 +1576,11 @@ class Worker:
             self.direct_sent += len(items)
 
     def _note_done(self, job: Job) -> None:
-        """Remember that `job`'s FINAL went straight to its client (gpu_worker.direct)."""
+        """Remember that `job`'s FINAL went straight to its client (gpu_worker.direct); not
+        a stale one's (its token died with the connection it came on: the broker it would
+        go to counts it `dropped_late`)."""
+        if job.stale:
+            return
         self.dones.add(job.envelope, job.deadline, time.monotonic(), job.code)
 
     def _flush_done(self) -> None:

@@ -151,8 +151,17 @@ def test_a_batch_running_across_a_reconnect_still_answers_its_client_directly(wo
     sock, ep = inbox
     job = _job(7, ep)
     worker.running = {job.envelope: job}
-    worker.registered = False  # what _reconnect does, in order
+    worker.registered, worker._direct_ok = False, False  # what _reconnect does, in order
     worker._fail_pending("broker connection lost")
     assert job.stale
     worker._reply_tensors(job, {"y": np.ones(3, np.float32)}, {}, final=True)
     assert sock.poll(5000) and worker.stale_replies == 0
+    assert worker.dones.envelopes == []  # its token died with the old connection: no DONE
+    # A request of the new connection, before its WELCOME: through the broker (which may be a
+    # plain one now, knowing no DONE), not straight to its client.
+    sock.recv_multipart()
+    worker.recorder.sent.clear()
+    fresh = _job(8, ep)
+    worker._reply(fresh, True, [b"body"])
+    assert worker.recorder.sent == [P.worker_reply(P.token_envelope(8), True, [b"body"])]
+    assert not sock.poll(0) and worker.dones.envelopes == []
