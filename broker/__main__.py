@@ -33,7 +33,7 @@ from broker.config import load_launcher
 from broker.launcher import Launcher
 from broker.protocol.heap import freeze_startup_heap
 from broker.protocol.limits import raise_nofile_limit
-from broker.protocol.logs import add_log_options, setup_logging
+from broker.protocol.logs import add_log_options, announce, say, setup_logging
 from broker.protocol.naming import RuntimeDirError
 from broker.security import SecurityError, make_keys
 from broker.server import Broker, BrokerConfig
@@ -215,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     # writer thread may not get out).
     try:
         faulthandler.enable(all_threads=True)
-    except (OSError, ValueError, AttributeError):  # a stderr without a descriptor (run in process)
-        pass
+    except (OSError, ValueError, AttributeError, RuntimeError):  # a stderr without a descriptor (run in
+        pass  # process), or none at all (2>&-: RuntimeError; the process exited 1 at once)
 
     try:
         cfg = BrokerConfig.from_toml(args.config) if args.config else BrokerConfig()
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     if deploy is None:
         # SIGHUP rolls a launcher's pools; here there are none.  Its default action ended the
         # broker at once, with no drain.
-        signal.signal(signal.SIGHUP, lambda *_: os.write(2, b"python -m broker: SIGHUP ignored (it rolls the "
+        signal.signal(signal.SIGHUP, lambda *_: say(2, b"python -m broker: SIGHUP ignored (it rolls the "
                                                         b"worker pools of a --config with [[pool]] tables; "
                                                         b"this broker has none)\n"))
     # [[pool]] tables: this process is their launcher too (broker.launcher).  It takes the
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     with broker, (pools if pools is not None else contextlib.nullcontext()):
         http = f" http={broker.http_address}" if broker.http is not None else ""
         if pools is None:
-            print(f"READY frontend={broker.frontend_ep} backend={broker.backend_ep}{http}", flush=True)
+            announce(f"READY frontend={broker.frontend_ep} backend={broker.backend_ep}{http}")
         broker.serve(stop)
     return 0 if pools is None else pools.exit_code
 

@@ -29,7 +29,7 @@ import sys
 from broker import protocol as P
 from broker.protocol.heap import freeze_startup_heap
 from broker.protocol.limits import raise_nofile_limit
-from broker.protocol.logs import add_log_options, setup_logging
+from broker.protocol.logs import add_log_options, announce, setup_logging
 
 
 def add_model_options(ap: argparse.ArgumentParser) -> None:
@@ -216,10 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     # writer thread may not get out).
     try:
         faulthandler.enable(all_threads=True)
-    except (OSError, ValueError, AttributeError):  # a stderr without a descriptor (run in process)
-        pass
+    except (OSError, ValueError, AttributeError, RuntimeError):  # a stderr without a descriptor (run in
+        pass  # process), or none at all (2>&-: RuntimeError; the process exited 1 at once)
 
-    broker = args.broker or P.default_endpoints()[1]
+    try:
+        broker = args.broker or P.default_endpoints()[1]
+    except P.RuntimeDirError as e:  # the runtime directory cannot be made or is not ours
+        print(f"python -m gpu_worker: {e}", file=sys.stderr, flush=True)
+        return 2
     from gpu_worker.upstream import CurveKeyError, link_keys
 
     try:  # before the model loads: a worker that cannot connect says so at once
@@ -314,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             extra += f" direct={worker.direct_socket.endpoint}"
             if worker.direct_socket.link is not None:
                 extra += f" link={worker.direct_socket.link.path}"
-        print(f"READY service={worker.service} pid={worker.pid} device={worker.device}{extra}", flush=True)
+        announce(f"READY service={worker.service} pid={worker.pid} device={worker.device}{extra}")
 
     # Startup is over (the model loaded and warmed up): what it made lives as long as we do.
     freeze_startup_heap()

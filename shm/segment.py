@@ -262,7 +262,34 @@ def proc_starttime(pid: int) -> int | None:
     rest = data[data.rfind(b")") + 2 :].split()
     if len(rest) < 20 or rest[0] in (b"Z", b"X"):
         return None
-    return int(rest[19])
+    # The kernel shows it with the reader's time namespace's boottime offset added: taken
+    # off, every process reads the same number for one process (a worker in a namespace
+    # with an offset took every client for dead, and lent their output slots again while
+    # they held their results: the environment hunt).
+    return int(rest[19]) - _boot_offset_ticks()
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+_boot_offset: tuple[int, int] | None = None  # (pid, ticks): read once per process
+
+
+def _boot_offset_ticks() -> int:
+    """This process's time namespace's CLOCK_BOOTTIME offset, in clock ticks (0 without
+    time namespaces); read once per process (a child may be in another namespace)."""
+    global _boot_offset
+    pid = os.getpid()
+    if _boot_offset is None or _boot_offset[0] != pid:
+        ticks = 0
+        try:
+            with open("/proc/self/timens_offsets", "rb") as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) == 3 and parts[0] == b"boottime":
+                        ticks = (int(parts[1]) * 1_000_000_000 + int(parts[2])) * _CLK_TCK // 1_000_000_000
+        except (OSError, ValueError):
+            ticks = 0
+        _boot_offset = (pid, ticks)
+    return _boot_offset[1]
 
 
 def process_alive(pid: int, starttime: int) -> bool:

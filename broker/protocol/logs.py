@@ -44,7 +44,7 @@ from typing import Any, Iterable
 
 from .header import CudaLoc, ShmLoc
 
-__all__ = ["LEVELS", "FORMATS", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
+__all__ = ["LEVELS", "FORMATS", "say", "announce", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
            "request_id", "trace_id", "done_fields", "tensor_fields", "describe_tensors", "TIMINGS",
            "tag_json_line", "TextFormatter", "JsonFormatter"]
 
@@ -177,6 +177,26 @@ class QueuedHandler(logging.Handler):
 
 _WRITERS: dict[int, LineWriter] = {}  # id(stream) -> its writer (one thread per stream)
 _WRITERS_LOCK = threading.Lock()
+
+
+def say(fd: int, data: bytes) -> None:
+    """Write ``data`` to descriptor ``fd`` from a signal handler, never raising: a SIGHUP
+    comes when the terminal hung up, and its handler's write to the dead stderr (EIO; or
+    /dev/full, a closed pipe) raised into the main loop and ended the process (the
+    environment hunt)."""
+    try:
+        os.write(fd, data)
+    except OSError:
+        pass
+
+
+def announce(line: str) -> None:
+    """Print a process's READY line on stdout; an stdout that cannot take it (/dev/full, a
+    pipe nobody reads any more) is a WARNING, not the end of a serving process."""
+    try:
+        print(line, flush=True)
+    except (OSError, ValueError) as e:  # ValueError: stdout closed
+        logging.getLogger("broker.protocol.logs").warning("could not print %r on stdout: %s", line, e)
 
 
 def line_writer(stream: Any) -> LineWriter:

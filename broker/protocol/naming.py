@@ -54,7 +54,7 @@ def default_runtime_dir() -> str:
 
     The directory keeps other users away from the ipc sockets in it, so it must be ours: one
     that exists already is checked (through a descriptor opened without following a symlink)
-    to be a directory owned by this uid, and narrowed to 0700 if it is wider.  Anything else
+    to be a directory owned by this uid, and set to 0700 if it is not.  Anything else
     raises `RuntimeDirError`: in a shared /tmp, another user could have created it first."""
     base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     if not os.path.isabs(base):
@@ -62,9 +62,20 @@ def default_runtime_dir() -> str:
     uid = os.getuid()
     path = os.path.join(base, f"zmq-infer-{uid}")
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-    except (NotADirectoryError, FileExistsError, PermissionError, FileNotFoundError) as e:
-        # (XDG_RUNTIME_DIR a regular file was a traceback: the command-line hunt)
+        os.makedirs(base, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # whatever the umask (0777 made it 000, 0177 0600: the environment hunt)
+        except FileExistsError:
+            pass
+    except UnicodeEncodeError:
+        raise RuntimeDirError(f"XDG_RUNTIME_DIR={base!r} cannot be encoded for the file system in this locale; "
+                              "set it to a path this locale can name") from None
+    except OSError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOMEM):
+            raise  # nothing wrong with the directory (its advice would be wrong)
+        # (XDG_RUNTIME_DIR a regular file, a read-only or full file system: a traceback
+        # and exit 1, not one line: the command-line and environment hunts)
         raise RuntimeDirError(f"cannot make the runtime directory {path}: {e.strerror}; set XDG_RUNTIME_DIR to a "
                               f"directory of your own") from None
     try:
@@ -81,7 +92,7 @@ def default_runtime_dir() -> str:
                 f"runtime directory {path} belongs to uid {st.st_uid}, not to this user (uid {uid}): another "
                 f"user may have created it to reach or fake our sockets; remove it, or set XDG_RUNTIME_DIR "
                 f"to a directory of your own")
-        if st.st_mode & 0o077:
+        if st.st_mode & 0o777 != 0o700:
             os.fchmod(fd, 0o700)
     finally:
         os.close(fd)

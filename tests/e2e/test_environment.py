@@ -1,0 +1,128 @@
+"""The broker and the worker under hosts as operators have them (found by the environment
+hunt): a terminal that hung up (SIGHUP with a dead stderr), stderr closed, stdout that takes
+nothing, a runtime directory on a read-only file system, a worker in a time namespace with a
+boottime offset.  Real processes; every wait bounded."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from client_sdk import Client
+
+from .conftest import HERE, ROOT, wait_service
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _env(tmp_path) -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)]), "XDG_RUNTIME_DIR": str(tmp_path)}
+
+
+def _started(args, tmp_path, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=_env(tmp_path), **kw)
+
+
+def _stop(p: subprocess.Popen) -> int:
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+    try:
+        return p.wait(30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return p.wait(10)
+
+
+def _serving(frontend: str, service: str | None = None) -> None:
+    with Client(frontend, timeout=20) as c:
+        if service is None:
+            c.mmi_service("anything")  # answered: the broker's loop runs
+        else:
+            wait_service(c, service)
+            with c.infer(service, {"x": np.arange(4, dtype=np.float32)}) as r:
+                np.testing.assert_array_equal(r["x"], np.arange(4, dtype=np.float32))
+
+
+def test_sighup_with_a_dead_stderr_and_a_closed_stderr_are_survived(tmp_path):
+    # A SIGHUP comes when the terminal hung up: its handler's write to the dead stderr raised
+    # into the main loop (exit 1, no drain); with stderr closed (2>&-) faulthandler raised
+    # and the process exited 1 at once.
+    fe, be = f"ipc://{tmp_path}/fe.ipc", f"ipc://{tmp_path}/be.ipc"
+    with open("/dev/full", "w") as full:
+        broker = _started(["-m", "broker", "--frontend", fe, "--backend", be, "--heartbeat-interval", "0.2"],
+                          tmp_path, stderr=full, stdout=subprocess.DEVNULL)
+        worker = _started(["-m", "gpu_worker", "--broker", be, "--heartbeat-interval", "0.2"], tmp_path,
+                          stderr=full, stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(2))
+    try:
+        _serving(fe, "echo")
+        broker.send_signal(signal.SIGHUP)
+        worker.send_signal(signal.SIGHUP)
+        _serving(fe, "echo")
+        assert broker.poll() is None and worker.poll() is None
+    finally:
+        assert _stop(worker) == 0
+        assert _stop(broker) == 0
+
+
+def test_a_ready_line_that_stdout_cannot_take_is_a_warning(tmp_path):
+    # stdout /dev/full (or a pipe nobody reads any more): the broker died at its READY line.
+    fe, be = f"ipc://{tmp_path}/fe.ipc", f"ipc://{tmp_path}/be.ipc"
+    with open("/dev/full", "w") as full:
+        broker = _started(["-m", "broker", "--frontend", fe, "--backend", be], tmp_path, stdout=full,
+                          stderr=subprocess.PIPE)
+    try:
+        _serving(fe)
+        assert broker.poll() is None
+    finally:
+        assert _stop(broker) == 0
+    assert b"could not print" in broker.stderr.read()
+
+
+def test_a_runtime_directory_on_a_read_only_file_system_is_one_line(tmp_path):
+    # EROFS (and ENOSPC) were tracebacks and exit 1, for the broker and the worker alike.
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare (a private mount namespace)")
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    script = (f"mount -t tmpfs -o size=1m tmpfs {mnt} && mount -o remount,ro {mnt} && "
+              f"XDG_RUNTIME_DIR={mnt} {sys.executable} -m broker; echo rc=$?; "
+              f"XDG_RUNTIME_DIR={mnt} {sys.executable} -m gpu_worker --device cpu; echo rc=$?")
+    p = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], cwd=ROOT,
+                       env=_env(tmp_path), capture_output=True, text=True, timeout=90)
+    if "rc=" not in p.stdout:
+        pytest.skip(f"no private mount namespace here: {p.stderr[-300:]}")
+    assert p.stdout.count("rc=2") == 2, (p.stdout, p.stderr)
+    assert "Traceback" not in p.stderr, p.stderr
+    for who in ("python -m broker:", "python -m gpu_worker:"):
+        assert f"{who} cannot make the runtime directory" in p.stderr and "Read-only file system" in p.stderr
+
+
+def test_start_times_read_the_same_from_a_time_namespace(tmp_path):
+    # The kernel adds the reader's boottime offset to /proc/<pid>/stat's start time: a worker
+    # in such a namespace took every live client for dead and lent its output slots again
+    # while it held its results (their data changed under it).
+    from shm.segment import proc_starttime
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare")
+    code = "import sys; from shm.segment import proc_starttime; print(proc_starttime(int(sys.argv[1])))"
+    pid = os.getpid()
+    p = subprocess.run(["unshare", "-T", "--boottime", "100000", sys.executable, "-c", code, str(pid)], cwd=ROOT,
+                       env=_env(tmp_path), capture_output=True, text=True, timeout=60)
+    if p.returncode != 0:
+        pytest.skip(f"no time namespace here: {p.stderr[-300:]}")
+    assert int(p.stdout) == proc_starttime(pid)
+    # and the clock the broker compares them with
+    code = "from broker.server import _boot_ticks; print(_boot_ticks())"
+    t0 = time.clock_gettime(time.CLOCK_BOOTTIME)
+    p = subprocess.run(["unshare", "-T", "--boottime", "100000", sys.executable, "-c", code], cwd=ROOT,
+                       env=_env(tmp_path), capture_output=True, text=True, timeout=60)
+    t1 = time.clock_gettime(time.CLOCK_BOOTTIME)
+    tck = os.sysconf("SC_CLK_TCK")
+    assert int(t0 * tck) - 1 <= int(p.stdout) <= int(t1 * tck) + 1, (p.stdout, t0, t1)
