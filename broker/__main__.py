@@ -33,7 +33,7 @@ from broker.config import load_launcher
 from broker.launcher import Launcher
 from broker.protocol.heap import freeze_startup_heap
 from broker.protocol.limits import raise_nofile_limit
-from broker.protocol.logs import add_log_options, announce, say, setup_logging
+from broker.protocol.logs import add_log_options, announce, hold_std_descriptors, say, setup_logging
 from broker.protocol.naming import RuntimeDirError
 from broker.security import SecurityError, make_keys
 from broker.server import Broker, BrokerConfig
@@ -165,6 +165,7 @@ def _num(x: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold_std_descriptors()  # a closed stderr's number must not go to a socket we then write "stderr" into
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["keys"]:
         return keys_main(argv[1:])

@@ -352,7 +352,7 @@ class ClientCore(PinEvents):
                                    "use client.mmi_service(name), or client.request() for another mmi. query")
             if reply not in P.REPLY_MODES:
                 raise InvalidInput(f"reply {reply!r} must be one of {sorted(P.REPLY_MODES)}")
-            reply = str(reply)  # a str subclass (numpy's str_) equal to one: the header takes str itself
+            reply = str.__str__(reply)  # a str subclass (numpy's str_) equal to one: the header takes str itself
             if traceparent is not None and not isinstance(traceparent, str):
                 raise InvalidInput(f"traceparent must be a str ('00-<32 hex>-<16 hex>-<2 hex>') or None, "
                                    f"got {type(traceparent).__name__}")

@@ -29,7 +29,7 @@ import sys
 from broker import protocol as P
 from broker.protocol.heap import freeze_startup_heap
 from broker.protocol.limits import raise_nofile_limit
-from broker.protocol.logs import add_log_options, announce, setup_logging
+from broker.protocol.logs import add_log_options, announce, hold_std_descriptors, setup_logging
 
 
 def add_model_options(ap: argparse.ArgumentParser) -> None:
@@ -207,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold_std_descriptors()  # a closed stderr's number must not go to a socket we then write "stderr" into
     from gpu_worker.worker import DIRECT_LINGER_MS, ConfigError, WarmupError, Worker, WorkerConfig, install_sigterm_drain
 
     args = build_parser().parse_args(argv)

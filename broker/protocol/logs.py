@@ -44,7 +44,7 @@ from typing import Any, Iterable
 
 from .header import CudaLoc, ShmLoc
 
-__all__ = ["LEVELS", "FORMATS", "say", "announce", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
+__all__ = ["LEVELS", "FORMATS", "say", "announce", "hold_std_descriptors", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
            "request_id", "trace_id", "done_fields", "tensor_fields", "describe_tensors", "TIMINGS",
            "tag_json_line", "TextFormatter", "JsonFormatter"]
 
@@ -184,10 +184,29 @@ def say(fd: int, data: bytes) -> None:
     comes when the terminal hung up, and its handler's write to the dead stderr (EIO; or
     /dev/full, a closed pipe) raised into the main loop and ended the process (the
     environment hunt)."""
+    if fd == 2 and sys.stderr is None:
+        return  # stderr was closed when we started (2>&-): descriptor 2 may be a socket or a segment now
     try:
         os.write(fd, data)
     except OSError:
         pass
+
+
+def hold_std_descriptors() -> None:
+    """Point a closed stdin, stdout or stderr at /dev/null, at the very start of a main:
+    else the next file opened takes its number (libzmq's eventfd, a segment, a socket), and
+    whatever is written to "stderr" goes into it (the environment hunt's review)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            try:
+                null = os.open(os.devnull, os.O_RDWR)
+            except OSError:
+                return
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
 
 
 def announce(line: str) -> None:

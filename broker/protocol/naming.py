@@ -64,8 +64,7 @@ def default_runtime_dir() -> str:
     try:
         os.makedirs(base, exist_ok=True)
         try:
-            os.mkdir(path, 0o700)
-            os.chmod(path, 0o700)  # whatever the umask (0777 made it 000, 0177 0600: the environment hunt)
+            os.mkdir(path, 0o700)  # (the umask may take bits off: set to 0700 below, through a descriptor)
         except FileExistsError:
             pass
     except UnicodeEncodeError:
@@ -79,7 +78,9 @@ def default_runtime_dir() -> str:
         raise RuntimeDirError(f"cannot make the runtime directory {path}: {e.strerror}; set XDG_RUNTIME_DIR to a "
                               f"directory of your own") from None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        # O_PATH: no read permission needed (a directory of ours at mode 000, as a umask of
+        # 0777 makes it, was a traceback), and it follows no symlink.
+        fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as e:
         if e.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise  # out of descriptors, say: nothing wrong with the directory (its advice would be wrong)
@@ -93,7 +94,8 @@ def default_runtime_dir() -> str:
                 f"user may have created it to reach or fake our sockets; remove it, or set XDG_RUNTIME_DIR "
                 f"to a directory of your own")
         if st.st_mode & 0o777 != 0o700:
-            os.fchmod(fd, 0o700)
+            # (whatever the umask made it: 0777 made it 000, 0177 0600: the environment hunt)
+            os.chmod(f"/proc/self/fd/{fd}", 0o700)  # fchmod takes no O_PATH descriptor
     finally:
         os.close(fd)
     return path

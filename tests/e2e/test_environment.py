@@ -126,3 +126,4 @@ def test_start_times_read_the_same_from_a_time_namespace(tmp_path):
     t1 = time.clock_gettime(time.CLOCK_BOOTTIME)
     tck = os.sysconf("SC_CLK_TCK")
     assert int(t0 * tck) - 1 <= int(p.stdout) <= int(t1 * tck) + 1, (p.stdout, t0, t1)
+
