@@ -44,7 +44,7 @@ from broker.names import ServiceNames
 from broker.protocol.limits import Headroom, move_aside, nofile_limit, put_back
 from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events
 from shm import gc as shm_gc
-from shm.segment import OutOfResources, _boot_offset_ticks, proc_starttime, process_alive
+from shm.segment import OutOfResources, boot_offset_ticks, proc_starttime, process_alive
 from zmq.utils.monitor import recv_monitor_message
 
 from broker.connections import WorkerConnections
@@ -157,7 +157,7 @@ SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)
 def _boot_ticks() -> int:
     """Now, in the clock ticks after boot that /proc/<pid>/stat's start times count (as
     `proc_starttime` reads them: this process's time namespace's boottime offset off)."""
-    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _CLK_TCK) - _boot_offset_ticks()
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * _CLK_TCK) - boot_offset_ticks()
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")

@@ -266,14 +266,14 @@ def proc_starttime(pid: int) -> int | None:
     # off, every process reads the same number for one process (a worker in a namespace
     # with an offset took every client for dead, and lent their output slots again while
     # they held their results: the environment hunt).
-    return int(rest[19]) - _boot_offset_ticks()
+    return int(rest[19]) - boot_offset_ticks()
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _boot_offset: tuple[int, int] | None = None  # (pid, ticks): read once per process
 
 
-def _boot_offset_ticks() -> int:
+def boot_offset_ticks() -> int:
     """This process's time namespace's CLOCK_BOOTTIME offset, in clock ticks (0 without
     time namespaces); read once per process (a child may be in another namespace)."""
     global _boot_offset
@@ -674,7 +674,7 @@ def detach(a: Attached) -> None:
 __all__ = [
     "SHM_DIR", "PREFIX", "NAME_RE", "LEGACY_NAME_RE", "SEALS", "MAGIC", "VERSION", "HEADER_SIZE", "SLOT_SIZE",
     "FREE", "WRITING", "IN_FLIGHT", "RELEASED", "STATE_NAMES", "HEADER_DTYPE", "SLOT_DTYPE",
-    "ShmRef", "make_ref", "Geometry", "parse_name", "owner_of", "name_parts", "path_of", "proc_starttime", "process_alive",
+    "ShmRef", "make_ref", "Geometry", "parse_name", "owner_of", "name_parts", "path_of", "proc_starttime", "boot_offset_ticks", "process_alive",
     "self_identity", "pid_namespace", "create_segment", "attach_segment", "detach",
     "read_header", "normalize_shape", "checked_dtype", "mark_closed", "H32_CLOSED", "MAX_MAPPED_SEGMENT",
 ]
