@@ -333,6 +333,7 @@ def output_problem(files: dict[str, str | None], dirs: dict[str, str | None]) ->
     flag -> a folder's), as one line naming the flag; None when each can.  Checked before a
     run measures anything: a run of minutes lost at the end to a mistyped path is what this
     saves."""
+    wanted = []  # (flag, path, the folder it goes in)
     for flag, path in files.items():
         if not path:
             continue
@@ -340,15 +341,10 @@ def output_problem(files: dict[str, str | None], dirs: dict[str, str | None]) ->
             return f"{flag} {path}: is a directory; give a file's path"
         if os.path.exists(path) and not os.access(path, os.W_OK):
             return f"{flag} {path}: not writable"
-        d = _nearest_existing(os.path.dirname(os.path.abspath(path)))
-        if not os.path.isdir(d):
-            return f"{flag} {path}: {d} is not a directory"
-        if not os.access(d, os.W_OK | os.X_OK):
-            return f"{flag} {path}: {d} is not writable"
-    for flag, path in dirs.items():
-        if not path:
-            continue
-        d = _nearest_existing(path)
+        wanted.append((flag, path, os.path.dirname(os.path.abspath(path))))
+    wanted += [(flag, path, path) for flag, path in dirs.items() if path]
+    for flag, path, folder in wanted:
+        d = _nearest_existing(folder)
         if not os.path.isdir(d):
             return f"{flag} {path}: {d} is not a directory"
         if not os.access(d, os.W_OK | os.X_OK):

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 
 import zmq
 
-__all__ = ["raised", "ComputeTimes", "ComputeThread", "LoopHeartbeats", "READ_TICK", "IDLE_AFTER", "IDLE_TICK"]
+__all__ = ["raised", "message_of", "ComputeTimes", "ComputeThread", "LoopHeartbeats", "READ_TICK", "IDLE_AFTER", "IDLE_TICK"]
 
 # Seconds between the heartbeat thread's looks at the socket while a batch computes on the
 # loop's thread: what arrives meanwhile is read (and a RECALL answered) at most this late.
@@ -42,14 +42,19 @@ log = logging.getLogger("gpu_worker")
 
 
 
+def message_of(e: BaseException) -> str:
+    """``str(e)``, never raising: an exception whose ``__str__`` raises took the worker down
+    while its request's error was formatted (the data hunt)."""
+    try:
+        return str(e)
+    except Exception as inner:
+        return f"(its str() raised {type(inner).__name__})"
+
+
 def raised(e: BaseException) -> str:
     """``TypeName: message`` of what a model (or anything) raised, for an error reply or a
-    log line; never raises itself: an exception whose ``__str__`` raises took the worker
-    down while its request's error was formatted (the data hunt)."""
-    try:
-        text = str(e)
-    except Exception as inner:
-        text = f"(its str() raised {type(inner).__name__})"
+    log line; never raises itself (`message_of`)."""
+    text = message_of(e)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 

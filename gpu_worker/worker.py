@@ -61,7 +61,7 @@ from broker import protocol as P
 from broker.protocol import logs
 from broker.protocol.wire import TcpWatch, Waiter, recv_frames, sock_events, touched
 from gpu_worker.batching import Batcher, Pending
-from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats, raised
+from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats, message_of, raised
 from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signature
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
@@ -1480,10 +1480,9 @@ class Worker:
         if seq == 0 and isinstance(failed.error, UnsupportedInput):  # its inputs, before any partial
             self._reply_model_error(job, failed.error)
         else:
-            text = raised(failed.error)
-            name, _, message = text.partition(": ")
-            self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {name} after {seq} "
-                              f"partial result(s): {message}")
+            self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised "
+                              f"{type(failed.error).__name__} after {seq} partial result(s): "
+                              f"{message_of(failed.error)}")
         self.served += 1
 
     # ------------------------------------------------------------------ replying
