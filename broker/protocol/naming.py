@@ -26,10 +26,14 @@ __all__ = [
 
 @functools.lru_cache(maxsize=1)
 def local_host_id() -> str:
-    """Identity of this process's shared-memory domain: same boot, same /dev/shm mount.
+    """Identity of this process's shared-memory domain: same boot, same /dev/shm mount, same
+    pid namespace.
 
     The hostname alone is not enough (containers share it but not /dev/shm; a reboot keeps it
-    but empties /dev/shm)."""
+    but empties /dev/shm).  Nor is /dev/shm: a reader opens the owner's memfd as
+    `/proc/<pid>/fd/<fd>` by the pid the broker attested, which names the owner only within
+    one pid namespace (a container sharing /dev/shm but not `--pid` is another domain, served
+    inline)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -40,7 +44,12 @@ def local_host_id() -> str:
         mount = f"{st.st_dev}:{st.st_ino}"
     except OSError:  # pragma: no cover
         mount = "noshm"
-    digest = hashlib.blake2s(f"{boot}/{mount}".encode(), digest_size=8).hexdigest()
+    try:
+        st = os.stat("/proc/self/ns/pid")
+        pidns = f"{st.st_dev}:{st.st_ino}"
+    except OSError:  # pragma: no cover - no /proc
+        pidns = "nopidns"
+    digest = hashlib.blake2s(f"{boot}/{mount}/{pidns}".encode(), digest_size=8).hexdigest()
     return f"{socket.gethostname()}/{digest}"
 
 

@@ -127,3 +127,24 @@ def test_start_times_read_the_same_from_a_time_namespace(tmp_path):
     tck = os.sysconf("SC_CLK_TCK")
     assert int(t0 * tck) - 1 <= int(p.stdout) <= int(t1 * tck) + 1, (p.stdout, t0, t1)
 
+
+
+def test_a_worker_in_a_pid_namespace_of_its_own_is_served_inline(cluster):
+    # A worker in its own pid namespace (a container without `--pid` shared) but the same
+    # /dev/shm and runtime directory was taken as local: it cannot open a client's memfd by
+    # the client's pid, so shared-memory requests failed ("segment does not exist", a 400
+    # "this is a bug").  Its host identity now names its pid namespace: the broker answers
+    # NOT_LOCAL to shared-memory requests for it and the client resends them inline.
+    probe = subprocess.run([sys.executable, str(HERE / "own_pidns.py"), "true"], capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a pid namespace here: {probe.stderr.decode(errors='replace').strip()}")
+    cluster.broker()
+    w = cluster.worker("echo", prefix=[sys.executable, str(HERE / "own_pidns.py")])
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "echo")
+        for n in (16, 1 << 20):  # inline-sized and slot-sized
+            x = np.arange(n, dtype=np.uint8)
+            with c.infer("echo", {"x": x}) as r:
+                np.testing.assert_array_equal(r["x"], x)
+    assert w.p.poll() is None
+    assert w.terminate() == 0, w.stderr()
