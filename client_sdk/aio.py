@@ -25,6 +25,7 @@ request, or `asyncio.wait_for`'s task, would cost more than the rest of the wait
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import weakref
@@ -45,7 +46,8 @@ from .core import ClientCore
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
-                      drop_monitor, drop_socket, handshakes, lease_dealer, lease_events, open_link, tcp_options)
+                      drop_monitor, drop_socket, handshakes, ipc_problem, lease_dealer, lease_events, open_link,
+                      tcp_options)
 from .tensors import Result
 
 __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
@@ -99,6 +101,7 @@ class AsyncClient(ClientBase):
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
                                 direct_reply=direct_reply, restart_resends=restart_resends, pin=pin,
                                 max_inline_mb=max_inline_mb)
+        self._core.endpoint_problem = functools.partial(ipc_problem, endpoint)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
         self._sock = dealer(context(endpoint), endpoint, self._curve, self._core.heartbeat_interval)

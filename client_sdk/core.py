@@ -179,6 +179,9 @@ class ClientCore(PinEvents):
         # first message the call's own send time is the reference.
         self.last_recv = 0.0
         self.last_send = 0.0
+        # Set by a twin: why its endpoint cannot be connected to, asked only for the error of
+        # a call the broker never answered (`sockets.ipc_problem`; it looks at the file system).
+        self.endpoint_problem: Callable[[], str | None] | None = None
         self.last_heartbeat = 0.0
         # When the client last looked at its sockets (`looking`), and when it came back from
         # an absence longer than a heartbeat period: silence is counted from then too, since
@@ -939,6 +942,10 @@ class ClientCore(PinEvents):
         a heartbeat's answer: a wrong endpoint (a broker's backend, another program) answers
         nothing, and "raise the timeout" was the wrong advice."""
         hb = self.heartbeat_interval
+        if self.last_recv == 0.0:
+            why = self._endpoint_problem()
+            if why is not None:
+                return call.deadline_error(f"the broker never answered: {why}")
         if self.last_recv == 0.0 and hb is not None and call.timeout is not None and call.timeout > 1.5 * hb:
             return call.deadline_error(
                 f"nothing at all has come from {self.endpoint} since this client connected, not even an "
@@ -947,10 +954,20 @@ class ClientCore(PinEvents):
                 f"clients)")
         return call.deadline_error()
 
+    def _endpoint_problem(self) -> str | None:
+        ask = self.endpoint_problem
+        if ask is None:
+            return None
+        try:
+            return ask()
+        except Exception:  # a look at the file system must not replace the call's own error
+            log.debug("looking at the endpoint failed", exc_info=True)
+            return None
+
     def silent_for(self, call: Call, now: float) -> float:
         return now - max(self.last_recv, call.t_sent, self.resumed_at)
 
-    def unreachable(self, call: Call, now: float) -> BrokerUnreachable | None:
+    def unreachable(self, call: Call, now: float, why: str | None = None) -> BrokerUnreachable | None:
         """The error for `call` if the broker has been silent for LIVENESS heartbeat
         intervals since it was sent (None with heartbeats off).  Never for a call on a lease
         whose connection is up: its worker answers it, not the broker, and that connection
@@ -965,10 +982,11 @@ class ClientCore(PinEvents):
         silence = self.silent_for(call, now)
         if silence <= LIVENESS * self.heartbeat_interval:
             return None
-        return BrokerUnreachable(
-            f"the broker at {self.endpoint} has not answered anything, not even heartbeats, for "
-            f"{silence:.1f}s (request to {call.service!r} given up)", request_id=call.id or None
-        )
+        text = (f"the broker at {self.endpoint} has not answered anything, not even heartbeats, for "
+                f"{silence:.1f}s (request to {call.service!r} given up)")
+        if why is not None:
+            text = f"{text}: {why}"
+        return BrokerUnreachable(text, request_id=call.id or None)
 
     def fail_unreachable(self, now: float) -> int:
         """Fail every waiting call the broker has been silent on for too long; how many were
@@ -977,8 +995,13 @@ class ClientCore(PinEvents):
         if hb is None or now - max(self.last_recv, self.resumed_at) <= LIVENESS * hb:
             return 0  # heard from (or back) recently: no call can have been silent longer
         n = 0
+        why = looked = None
         for call in self.active():
-            err = self.unreachable(call, now)
+            if (call.inbox and call.inbox[-1][0] == "error") or self.unreachable(call, now) is None:
+                continue  # (already told: `fail` would not queue another)
+            if looked is None:  # once for all of them, and only when one is given up
+                why, looked = self._endpoint_problem(), True
+            err = self.unreachable(call, now, why)
             if err is not None and self.fail(call, err):
                 n += 1
         return n

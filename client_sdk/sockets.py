@@ -15,6 +15,8 @@ Both twins use these; nothing here parses a reply or keeps request state (that i
 - `drop_socket(sock)`: DISCONNECT, then close with a short linger.  For the short-lived
   socket of an opaque request: the DISCONNECT drops the request at the broker if it is
   still queued, so a late answer goes nowhere.
+- `ipc_problem(endpoint)`: why an ipc endpoint cannot be connected to (no socket file, another
+  user's, nothing listening), for the error of a call that never heard from the broker.
 - `ReplyInbox`: the PULL socket a client binds for direct replies (docs/protocol.md section
   8).  Its ipc file is unlinked by `close()`, or by a finalizer when the client is dropped
   without closing; the broker sweeps the files of clients that died (SIGKILL).
@@ -25,6 +27,8 @@ import errno
 import itertools
 import logging
 import os
+import socket
+import stat
 import weakref
 from typing import Any
 
@@ -41,7 +45,7 @@ from .errors import InferenceError, InvalidInput
 
 __all__ = ["CLOSE_LINGER_MS", "dealer", "broker_monitor", "handshakes", "drop_monitor", "drop_socket", "ReplyInbox",
            "curve_keys", "tcp_options", "ENV_CLIENT_KEY", "lease_curve", "open_link", "lease_dealer", "lease_events",
-           "drop_lease_dealer"]
+           "drop_lease_dealer", "ipc_problem"]
 
 log = logging.getLogger("client_sdk")
 
@@ -285,6 +289,46 @@ def broker_monitor(sock: zmq.Socket, endpoint: str, heartbeat_s: float | None) -
 def handshakes(monitor: zmq.Socket) -> int:
     """How many handshakes `monitor` (`broker_monitor`) reported, read until it is empty."""
     return sum(1 for up, _, _ in lease_events(monitor) if up)
+
+
+def ipc_problem(endpoint: str) -> str | None:
+    """Why an ipc `endpoint` cannot be connected to, as the kernel says it (None: nothing
+    seen, or not ipc).  libzmq retries a failing ipc connect in silence, so a call to a
+    broker that is not running, or runs as another user (its runtime directory is 0700),
+    only ran out of time; this names the cause in that error.  Asked only once a call
+    failed so (a stat and, where a socket file is there, one connect that is closed at
+    once): never on the request path."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint[len("ipc://"):]
+    if not path or path.startswith("@"):
+        return None  # the abstract namespace: no file to look at
+    me = os.getuid()
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return f"no socket at {path} (no broker is bound there: not started, or bound elsewhere)"
+    except PermissionError:
+        return (f"permission denied on {path} (its directory is another user's, this client runs as uid {me}: "
+                f"run it as the broker's user)")
+    except OSError as e:
+        return f"cannot reach {path}: {e.strerror}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except PermissionError:
+        return (f"permission denied on {path} (uid {st.st_uid}'s socket, this client runs as uid {me}: run it as "
+                f"the broker's user)")
+    except ConnectionRefusedError:
+        return f"nothing listens on {path} (the broker that bound it is gone and left the file)"
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None
 
 
 def drop_monitor(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:

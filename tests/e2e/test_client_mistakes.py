@@ -98,3 +98,61 @@ def test_a_client_pointed_at_the_brokers_backend_is_told_to_check_the_endpoint(c
     assert f"nothing at all has come from {cluster.backend}" in str(info.value)
     assert "the broker's frontend endpoint" in str(info.value) and "raise `timeout`" not in str(info.value)
     broker.wait_log(f"a client (MDPC02) sent to the backend {cluster.backend}: clients connect to the frontend")
+
+
+OTHER_USER = """
+import sys
+import numpy as np
+from client_sdk import Client, DeadlineExceeded
+try:
+    with Client(sys.argv[1], timeout=1) as c:
+        c.infer("echo", {"x": np.zeros(3)})
+except DeadlineExceeded as e:
+    print(e)
+"""
+
+
+def test_a_call_that_never_reached_a_broker_says_why(cluster, tmp_path):
+    # libzmq retries a failing ipc connect in silence: a client started before its broker, one
+    # left with the socket file of a broker that died, and one run as another user (the
+    # runtime directory is 0700) each ran out of time with "raise `timeout`, lower the load,
+    # or add workers" (the last two leftovers of earlier sessions' notes).
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from client_sdk import BrokerUnreachable, DeadlineExceeded
+
+    x = {"x": np.zeros(3)}
+    missing = tmp_path / "missing.ipc"
+    with Client(f"ipc://{missing}", timeout=0.5) as c:
+        with pytest.raises(DeadlineExceeded, match=re.escape(f"the broker never answered: no socket at {missing} "
+                                                             "(no broker is bound there")):
+            c.infer("echo", x)
+    stale = tmp_path / "stale.ipc"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(stale))  # closed: the file stays, nothing listens
+    with Client(f"ipc://{stale}", timeout=None, heartbeat_interval=0.1) as c:
+        with pytest.raises(BrokerUnreachable, match=re.escape(f"nothing listens on {stale} (the broker that bound "
+                                                              "it is gone")):
+            c.infer("echo", x)
+    # Another user's runtime directory: root without the capabilities that override file
+    # permissions (setpriv) stands in for that user (it is the directory's owner that counts).
+    import shutil
+
+    setpriv = shutil.which("setpriv")
+    if os.getuid() != 0 or setpriv is None:
+        pytest.skip("the other-user case needs root and setpriv(1)")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    cluster.frontend = f"ipc://{theirs}/fe.ipc"
+    cluster.broker()
+    p = subprocess.run([setpriv, "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-c", OTHER_USER,
+                        cluster.frontend], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"permission denied on {theirs}/fe.ipc (its directory is another user's" in p.stdout, (p.stdout,
+                                                                                                  p.stderr[-2000:])
+    assert "run it as the broker's user" in p.stdout and "raise `timeout`" not in p.stdout
