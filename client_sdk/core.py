@@ -353,7 +353,7 @@ class ClientCore(PinEvents):
             if service.startswith(P.MMI_PREFIX):
                 raise InvalidInput(f"{service!r} is a broker query (MMI, RFC 8), not a service: it takes no tensors; "
                                    "use client.mmi_service(name), or client.request() for another mmi. query")
-            if reply not in P.REPLY_MODES:
+            if not isinstance(reply, str) or reply not in P.REPLY_MODES:  # (a list: unhashable)
                 raise InvalidInput(f"reply {reply!r} must be one of {sorted(P.REPLY_MODES)}")
             reply = str.__str__(reply)  # a str subclass (numpy's str_) equal to one: the header takes str itself
             if traceparent is not None and not isinstance(traceparent, str):

@@ -157,6 +157,8 @@ def test_bad_arguments_are_refused_for_a_service_already_checked(fake, endpoint)
         x = {"x": np.arange(2)}
         with pytest.raises(InvalidInput, match="reply"):
             c.infer("echo", x, reply="bogus")
+        with pytest.raises(InvalidInput, match="reply"):  # unhashable: was a bare TypeError
+            c.infer("echo", x, reply=["shm"])
         with pytest.raises(InvalidInput, match="priority"):
             c.infer("echo", x, priority="bogus")
         with pytest.raises(InvalidInput, match="traceparent"):
