@@ -39,6 +39,7 @@ __all__ = [
     "ChunksModel",
     "ConvNetModel",
     "EchoModel",
+    "InvalidInput",
     "Model",
     "ModelBase",
     "ModelLoadError",
@@ -52,6 +53,14 @@ __all__ = [
 
 class ModelLoadError(Exception):
     """``load_model`` could not turn a spec into a Model; the message says what was expected."""
+
+
+class InvalidInput(ValueError):
+    """Raise it from a model for inputs it cannot take (an image too small, a value out of
+    range): the request's fault, answered ``422 INVALID_INPUT`` with this message (the client
+    raises ``client_sdk.InvalidInput``), where anything else a model raises is the model's
+    (``500 INTERNAL``).  In a batch, as any exception, it fails only the requests that raise it
+    when run alone (docs/models.md)."""
 
 
 @runtime_checkable
@@ -294,12 +303,12 @@ def cartoon_filter(**params):
 def _check_image(batch, model: str, min_side: int = 1):
     image = batch.get("image")
     if image is None:
-        raise ValueError(f"{model} needs an input named 'image' (uint8 HxWx3), got {sorted(batch)}")
+        raise InvalidInput(f"{model} needs an input named 'image' (uint8 HxWx3), got {sorted(batch)}")
     if image.ndim != 4 or image.shape[-1] != 3 or not str(image.dtype).endswith("uint8"):
         shape = tuple(image.shape[1:])
-        raise ValueError(f"{model} needs 'image' as uint8 HxWx3, got {image.dtype} {shape}")
+        raise InvalidInput(f"{model} needs 'image' as uint8 HxWx3, got {image.dtype} {shape}")
     if image.shape[1] < min_side or image.shape[2] < min_side:
-        raise ValueError(f"{model} needs images of at least {min_side}x{min_side}, got {tuple(image.shape[1:])}")
+        raise InvalidInput(f"{model} needs images of at least {min_side}x{min_side}, got {tuple(image.shape[1:])}")
     return image
 
 

@@ -87,6 +87,16 @@ READY_FALLBACK_INTERVALS = 2
 _DIRECT_STASH_MAX = 256
 
 
+def _request_faults() -> tuple:
+    """What a model's run may raise that is the request's fault, not the model's (INVALID_INPUT):
+    an input the backend's framework cannot hold, and what the model refused itself.  (Imported
+    here, on the error path: the worker module loads neither backends nor models at import.)"""
+    from gpu_worker.backends import UnsupportedInput
+    from gpu_worker.models import InvalidInput
+
+    return UnsupportedInput, InvalidInput
+
+
 class LaneFault(BaseException):
     """An unexpected error of the worker's own while it ran a batch in the lone-request lane
     (`Worker._admit`): raised past the drains' per-message handlers, which would drop it and
@@ -1475,9 +1485,7 @@ class Worker:
         self._close_stream(outs)
         log.error("model %s failed on streaming request %d after %d partial(s): %r", self.model.name,
                   job.req.id, seq, failed.error, extra=logs.request_fields(job.req))
-        from gpu_worker.backends import UnsupportedInput
-
-        if seq == 0 and isinstance(failed.error, UnsupportedInput):  # its inputs, before any partial
+        if seq == 0 and isinstance(failed.error, _request_faults()):  # its inputs, before any partial
             self._reply_model_error(job, failed.error)
         else:
             self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised "
@@ -1503,11 +1511,10 @@ class Worker:
 
     def _reply_model_error(self, job: Job, e: BaseException) -> None:
         """What running the model on ``job`` raised: an input its framework cannot hold (a
-        dtype torch lacks) is the request's fault (INVALID_INPUT; it was an INTERNAL error,
-        "retrying may help": the data hunt); anything else the model's."""
-        from gpu_worker.backends import UnsupportedInput
-
-        if isinstance(e, UnsupportedInput):
+        dtype torch lacks) or the model refused (`models.InvalidInput`) is the request's fault
+        (INVALID_INPUT; it was an INTERNAL error, "retrying may help": the data hunt); anything
+        else the model's."""
+        if isinstance(e, _request_faults()):
             self._reply_error(job, P.ErrorCode.INVALID_INPUT, f"model {self.model.name!r} cannot take this "
                               f"request's inputs: {raised(e)}")
         else:

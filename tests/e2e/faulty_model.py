@@ -3,7 +3,7 @@ other clients' requests (tests/e2e/test_model_faults.py).  Loaded as `--model
 faulty_model:<factory>`, with this folder on PYTHONPATH.  Each request says what to do in its
 `meta` ("do"); anything else is served: y = x + 1.
 
-- `batched`: a batchable model.  do = "raise" (ValueError), "exit" (SystemExit), "genexit"
+- `batched`: a batchable model.  do = "raise" (ValueError), "refuse" (`models.InvalidInput`), "exit" (SystemExit), "genexit"
   (GeneratorExit), "many" (300 outputs), "badname" (an output named 0), "deep" (a 41-d
   output), "half" (a good first output, then an object array), "v0" (a zero-size item
   dtype), "crash" (the worker process exits at once), "segv" (a segmentation fault in native code),
@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from gpu_worker.models import ModelBase
+from gpu_worker.models import InvalidInput, ModelBase
 
 
 class Unprintable(Exception):
@@ -50,6 +50,8 @@ class Batched(ModelBase):
             do = m.get("do")
             if do == "raise":
                 raise ValueError("faulty_model: told to raise")
+            if do == "refuse":
+                raise InvalidInput("faulty_model: this request's x is refused")
             if do == "crash":
                 os._exit(70)
             if do == "segv":

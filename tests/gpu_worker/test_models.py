@@ -146,10 +146,12 @@ def test_convnet_is_deterministic_across_loads(convnet):
 
 
 def test_image_models_reject_bad_inputs_with_a_clear_message(cartoon, convnet):
-    with pytest.raises(ValueError, match="at least 32x32"):
+    from gpu_worker.models import InvalidInput
+
+    with pytest.raises(InvalidInput, match="at least 32x32"):  # the request's 422, not a 500
         run(convnet, image=np.zeros((1, 16, 16, 3), np.uint8))
     for m in (cartoon, convnet):
-        with pytest.raises(ValueError, match="uint8 HxWx3"):
+        with pytest.raises(InvalidInput, match="uint8 HxWx3"):
             run(m, image=np.zeros((1, 40, 40, 3), np.float32))
         with pytest.raises(ValueError, match="uint8 HxWx3"):
             run(m, image=np.zeros((1, 40, 40), np.uint8))
