@@ -1296,10 +1296,12 @@ class Worker:
         try:
             if error is not None:
                 # The batch's request ids ride along: at the errors-only level this is the
-                # one line about these requests.
-                log.error("model %s failed on a batch of %d: %r", self.model.name, n, error,
-                          extra={"service": self.service,
-                                 "rids": [logs.request_id(job.req) for job in jobs if job.req is not None]})
+                # one line about these requests.  (Not for the requests' own fault: each is
+                # an INFO "request failed", as a 422 before the model ran.)
+                if not isinstance(error, _request_faults()):
+                        log.error("model %s failed on a batch of %d: %r", self.model.name, n, error,
+                              extra={"service": self.service,
+                                     "rids": [logs.request_id(job.req) for job in jobs if job.req is not None]})
                 for job in jobs:
                     self._reply_model_error(job, error)
                 return
@@ -1333,6 +1335,9 @@ class Worker:
             tracing.batch(started, compute_ms, n)
         failed = [(job, out.error) for job, out in zip(jobs, outputs)
                   if type(out) is ModelFailed and not job.cancelled]
+        if failed:  # (inputs the model refused are their requests' fault: INFO lines of their own)
+            faults = _request_faults()
+            failed = [(job, e) for job, e in failed if not isinstance(e, faults)]
         if failed:
             # One line a batch, with the failed requests' ids (at the errors-only level, the
             # one line about them); the others in it were run again alone and served.
@@ -1483,11 +1488,11 @@ class Worker:
         """The streaming model raised, or yielded what cannot be sent: its request fails
         after the partials it had; the worker and everyone else's requests go on."""
         self._close_stream(outs)
-        log.error("model %s failed on streaming request %d after %d partial(s): %r", self.model.name,
-                  job.req.id, seq, failed.error, extra=logs.request_fields(job.req))
         if seq == 0 and isinstance(failed.error, _request_faults()):  # its inputs, before any partial
-            self._reply_model_error(job, failed.error)
+            self._reply_model_error(job, failed.error)  # (the request's fault: an INFO line)
         else:
+            log.error("model %s failed on streaming request %d after %d partial(s): %r", self.model.name,
+                      job.req.id, seq, failed.error, extra=logs.request_fields(job.req))
             self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised "
                               f"{type(failed.error).__name__} after {seq} partial result(s): "
                               f"{message_of(failed.error)}")
