@@ -1002,7 +1002,7 @@ class Broker:
                 self.malformed += 1
                 self._bad.warning("bad CANCEL from %r: %s", ident[:16], e)
                 return
-            self._act(sched.client_cancel(ident, cancel.id, now, cancel.queued_only), now)
+            self._act(sched.client_cancel(ident, cancel.id, now, cancel.queued_only, cancel.expired), now)
         elif cmd == P.C_DISCONNECT:
             self._forget_client(ident)
             self._act(sched.client_disconnect(ident, now), now)
@@ -1754,7 +1754,11 @@ class Broker:
             elif t is HeartbeatWorker:
                 self.send_to_worker([a.worker, *P.worker_heartbeat()])
             elif t is CancelAtWorker:
-                self.send_to_worker(P.to_worker_cancel(a.worker, P.token_envelope(a.token)))
+                self.send_to_worker(P.to_worker_cancel(a.worker, P.token_envelope(a.token), a.why))
+                if a.why == P.CANCEL_CLIENT_GONE and self._log_info:
+                    known = self._worker_info.get(a.worker)
+                    log.info("a client left while a worker held one of its requests: cancelled there (the worker's "
+                             "line names it)", extra={"worker_pid": known[1] if known is not None else None})
             elif t is RecallAtWorker:
                 if self.metrics is not None:
                     known = self._worker_info.get(a.worker)

@@ -206,7 +206,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from broker.leases import T_LEASE, LeaseAction, LeaseEvents
-from broker.protocol import ErrorCode, Priority  # noqa: F401  (re-exported)
+from broker.protocol import CANCEL_CLIENT_GONE, CANCEL_EXPIRED, ErrorCode, Priority  # noqa: F401  (re-exported)
 
 __all__ = [
     "Priority",
@@ -329,6 +329,7 @@ class ClientError:
 class CancelAtWorker:
     worker: bytes
     token: int
+    why: int = 0  # 0: the client asked; CANCEL_EXPIRED: its deadline passed; CANCEL_CLIENT_GONE
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,7 +459,8 @@ class _Request:
         self.recalled = False  # a RECALL was sent for the current token
         self.returned = 0      # times a busy worker gave it back unstarted
         self.thief = None      # the idle worker it was recalled for
-        self.orphan = False    # its connection went away while a worker held it (no final sent)
+        self.orphan = False    # its connection went away while a worker held it (no final sent):
+        #                        True, or "cancelling" when its client had cancelled it first
         self.streamed = False  # a PARTIAL of it was relayed: it is never run again (its caller would see them twice)
         # Its last attempt: it runs alone on a worker that holds nothing else (see Failure
         # handling), ``iso`` the worker set aside for it while it waits.
@@ -905,10 +907,15 @@ class Scheduler(LeaseEvents):
             if relay and self._late_to_client(req):
                 out.append(LateToClient(req.client, req.request_id, req.svc.name, True, payload))
             if req.orphan and self._on_direct is not None:
-                # Its client left before any final: the worker's answer is its only count
-                # (sent straight to the client, which may have read it before it left).
-                self._on_direct(req.svc.name, code, req.enqueued_at, req.dispatched_at,
-                                max(req.dispatched_at, now - age), (req.client, req.request_id))
+                # Its client left before any final: the worker's answer is its only count.
+                # Through the broker, it came too late for anyone (`client_gone`, as the
+                # cancellation the broker asked for when the client left); sent straight to
+                # the client, it may have been read before the client left (its own code:
+                # the DONE's age cannot tell, a close races it).
+                finished = max(req.dispatched_at, now - age)
+                gone = req.orphan is True and (relay or code == ErrorCode.CANCELLED)
+                self._on_direct(req.svc.name, CLIENT_GONE if gone else code,
+                                req.enqueued_at, req.dispatched_at, finished, (req.client, req.request_id))
         else:
             self._unlink(req)
             self._counters["completed"] += 1
@@ -1109,17 +1116,24 @@ class Scheduler(LeaseEvents):
         self._flush(now, out)
         return out
 
-    def client_cancel(self, client: bytes, request_id: int, now: float, queued_only: bool = False) -> list[Action]:
+    def client_cancel(self, client: bytes, request_id: int, now: float, queued_only: bool = False,
+                      expired: bool = False) -> list[Action]:
         """Queued: CANCELLED now.  Running: CancelAtWorker, and the worker's own final is
         forwarded when it comes, unless ``queued_only`` (a client resending a call it may
         have sent twice: a copy that started is left to answer, whichever run answers
-        first is the call's).  Unknown or already final: ignored."""
+        first is the call's).  ``expired``: the client gave up at the request's deadline,
+        a hair before the broker's own timer would have: the request expires as at that
+        timer (DEADLINE_EXCEEDED, counted `expired`; it was counted `cancelled`, most
+        timeouts, since the client's timer usually fires first).  Unknown or already final:
+        ignored."""
         self._touch_client(client, now)
         req = self._requests.get(client, {}).get(request_id)
         if req is None or (queued_only and req.state != _QUEUED):
             return []
         out: list[Action] = []
-        if req.state == _QUEUED:
+        if expired and req.state in (_QUEUED, _RUNNING):
+            self._expire_deadline(req, now, out)
+        elif req.state == _QUEUED:
             self._counters["cancelled"] += 1
             self._unqueue(req)
             self._error(req, ErrorCode.CANCELLED, "cancelled by the client", out)
@@ -1996,7 +2010,7 @@ class Scheduler(LeaseEvents):
             self._retire(req)
             return
         if req.state == _RUNNING:
-            out.append(CancelAtWorker(req.worker.ident, req.token))
+            out.append(CancelAtWorker(req.worker.ident, req.token, CANCEL_EXPIRED))
         # The worker keeps the credit until its late final arrives or it dies.
         req.state = _ABANDONED
         req.late = self._clients.get(req.client)  # what the worker still sends goes to it (LateToClient)
@@ -2066,9 +2080,11 @@ class Scheduler(LeaseEvents):
                 self._retire(req)
             else:
                 if req.state == _RUNNING:
-                    out.append(CancelAtWorker(req.worker.ident, req.token))
+                    out.append(CancelAtWorker(req.worker.ident, req.token, CANCEL_CLIENT_GONE))
                 if req.state != _ABANDONED:
-                    req.orphan = True
+                    # (truthy either way; a client that had cancelled it gets its 499 counted
+                    # `cancelled`, as it asked, not `client_gone`: `_settle`)
+                    req.orphan = True if req.state == _RUNNING else "cancelling"
                 req.state = _ABANDONED
             # Never needed again (an abandoned request is not retried), and it may be large.
             req.payload = None

@@ -577,13 +577,15 @@ class ClientCore(PinEvents):
         _drain_inbox(call)
         if call.done or call.id == 0:
             return None
+        # (A timer may wake a hair early: a millisecond's slack.)
+        expired = now is not None and call.deadline is not None and now >= call.deadline - 1e-3
         if call.pin is not None:
             # Where it runs: on its lease's connection (in `ops`).
-            # (A timer may wake a hair early: a millisecond's slack.)
-            self._pin_cancel(call, expired=now is not None and call.deadline is not None
-                             and now >= call.deadline - 1e-3)
+            self._pin_cancel(call, expired=expired)
             return None
-        return P.client_cancel(call.service, call.id)
+        # Expired: the broker counts it `deadline_exceeded`, as at its own timer (which the
+        # client's usually beats), not `cancelled`.
+        return P.client_cancel(call.service, call.id, expired=expired)
 
     def give_up(self, call: Call, now: float | None = None) -> list[Any] | None:
         """The caller is done with `call`, FINAL or not: a call never registered (id 0) is

@@ -260,6 +260,8 @@ _UNSENDABLE = "unsendable"
 #: `Job.cancelled` by a CANCEL whose caller's deadline had passed (`Cancel.expired`): answered
 #: and counted as DEADLINE_EXCEEDED, as the broker counts a brokered request's
 _EXPIRED = "expired"
+#: `Job.cancelled` by the broker because its client left (a worker CANCEL's reason)
+_GONE = "client gone"
 
 def _refusal(body) -> str | None:
     """The reason a DISCONNECT carries (the broker refused our READY), or None: a plain one."""
@@ -775,7 +777,8 @@ class Worker:
         if cmd == P.W_REQUEST:
             self._on_request(msg.envelope, msg.body, received)
         elif cmd == P.W_CANCEL:
-            self._cancel(msg.envelope)
+            why = msg.body[0] if msg.body else 0
+            self._cancel(msg.envelope, why == P.CANCEL_EXPIRED, why == P.CANCEL_CLIENT_GONE)
         elif cmd == P.W_RECALL:
             self._on_recall(msg.body)
         elif cmd == P.W_WELCOME:
@@ -796,20 +799,22 @@ class Worker:
         elif cmd == P.W_LEASE_END:
             self._on_lease_end(msg.body[0])
 
-    def _cancel(self, envelope: bytes, expired: bool = False) -> None:
-        """CANCEL (from the broker, or on the direct socket for a leased request, which says
-        whether its caller's deadline had passed: ``expired``)."""
+    def _cancel(self, envelope: bytes, expired: bool = False, gone: bool = False) -> None:
+        """CANCEL (from the broker, which says why when it is not the client's asking: the
+        deadline passed, ``expired``, or the client left, ``gone``; or on the direct socket
+        for a leased request, which says whether its caller's deadline had passed)."""
+        how = _EXPIRED if expired else _GONE if gone else True
         job = self.jobs.get(envelope)
         if job is not None:
             self.batcher.drop(lambda p: p.item is job)
             del self.jobs[envelope]
-            self._cancelled(job, _EXPIRED if expired else True, "before it ran")
+            self._cancelled(job, how, "before it ran")
             return
         job = self.running.get(envelope)
         if job is not None and not job.cancelled:
             # Running: a streaming model stops at its next partial; a batch cannot be
             # interrupted, so its result for this request is dropped (_reply_batch).
-            job.cancelled = _EXPIRED if expired else True
+            job.cancelled = how
             self.cancelled_running += 1
 
     def _cancelled(self, job: Job, how, when: str) -> None:
@@ -818,6 +823,8 @@ class Worker:
         by its answer's code: `_count_leased`)."""
         if how is _EXPIRED:
             self._reply_error(job, P.ErrorCode.DEADLINE_EXCEEDED, f"deadline passed {when}; its caller gave up")
+        elif how is _GONE:
+            self._reply_error(job, P.ErrorCode.CANCELLED, f"cancelled {when}: its client left")
         else:
             self._reply_error(job, P.ErrorCode.CANCELLED, f"cancelled by the client {when}")
 

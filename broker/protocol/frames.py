@@ -36,7 +36,7 @@ from .header import (
 
 __all__ = ["Command", "CLIENT_COMMANDS", "WORKER_COMMANDS", "frame_table", "MDPC", "MDPW", "C_REQUEST", "C_PARTIAL", "C_FINAL", "C_HEARTBEAT", "C_CANCEL",
     "C_DISCONNECT", "C_FINALS", "W_READY", "W_REQUEST", "W_PARTIAL", "W_FINAL", "W_HEARTBEAT",
-    "W_DISCONNECT", "W_CANCEL", "W_DONE", "W_WELCOME", "W_RECALL", "W_RETURNED", "W_STATS", "worker_stats", "to_worker_recall", "worker_returned", "to_worker_welcome", "client_request", "client_cancel", "client_heartbeat", "broker_heartbeat", "HB_ASK_ROUTE", "INSTANCE_LEN",
+    "W_DISCONNECT", "W_CANCEL", "CANCEL_EXPIRED", "CANCEL_CLIENT_GONE", "W_DONE", "W_WELCOME", "W_RECALL", "W_RETURNED", "W_STATS", "worker_stats", "to_worker_recall", "worker_returned", "to_worker_welcome", "client_request", "client_cancel", "client_heartbeat", "broker_heartbeat", "HB_ASK_ROUTE", "INSTANCE_LEN",
     "client_disconnect", "to_client", "error_body", "worker_ready", "worker_reply",
     "worker_done", "client_reply", "direct_finals", "worker_heartbeat", "worker_disconnect",
     "to_worker_request", "to_worker_cancel", "token_envelope", "envelope_token", "ClientMessage",
@@ -295,7 +295,16 @@ def to_worker_welcome(identity: bytes, welcome: Welcome) -> list[bytes]:
     return [identity, MDPW, W_WELCOME, encode_header(welcome)]
 
 
-def to_worker_cancel(identity: bytes, envelope: bytes) -> list[bytes]:
+#: a worker CANCEL's optional reason, one byte in a frame after the envelope (docs/protocol.md
+#: section 3): the request's deadline passed (the worker answers 504), or its client left.
+#: Without it, the client asked.  A worker that predates it reads the envelope only.
+CANCEL_EXPIRED = 1
+CANCEL_CLIENT_GONE = 2
+
+
+def to_worker_cancel(identity: bytes, envelope: bytes, why: int = 0) -> list[bytes]:
+    if why:
+        return [identity, MDPW, W_CANCEL, envelope, bytes((why,))]
     return [identity, MDPW, W_CANCEL, envelope]
 
 
@@ -521,7 +530,8 @@ def parse_broker_to_client(frames: Sequence[Any]) -> BrokerToClient:
 class BrokerToWorker(msgspec.Struct, frozen=True):
     command: bytes
     envelope: bytes = b""   # REQUEST, CANCEL: the envelope; LEASE, LEASE_END: the lease id
-    body: tuple = ()        # REQUEST: body frames; RECALL: envelopes; WELCOME, LEASE, LEASE_END: the decoded header
+    body: tuple = ()        # REQUEST: body frames; RECALL: envelopes; WELCOME, LEASE, LEASE_END: the decoded header;
+    #                         CANCEL: (its reason: CANCEL_EXPIRED, CANCEL_CLIENT_GONE or 0,)
 
 
 def parse_broker_to_worker(frames: Sequence[Any]) -> BrokerToWorker:
@@ -536,8 +546,9 @@ def parse_broker_to_worker(frames: Sequence[Any]) -> BrokerToWorker:
         return BrokerToWorker(cmd, bytes(frames[2]), tuple(frames[4:]))
     if cmd == W_CANCEL:
         if len(frames) < 3:
-            raise ProtocolError("CANCEL is MDPW02, 0x07, envelope")
-        return BrokerToWorker(cmd, bytes(frames[2]))
+            raise ProtocolError("CANCEL is MDPW02, 0x07, envelope[, reason]")
+        why = bytes(frames[3]) if len(frames) > 3 else b""
+        return BrokerToWorker(cmd, bytes(frames[2]), (why[0] if len(why) == 1 else 0,))
     if cmd == W_RECALL:
         n = len(frames) - 2
         if not 1 <= n <= MAX_DONE:

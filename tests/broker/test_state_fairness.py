@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from broker.protocol import CANCEL_CLIENT_GONE
 from broker.state import (
     CancelAtWorker,
     ClientError,
@@ -612,7 +613,7 @@ def test_disconnecting_one_connection_releases_exactly_its_requests():
     assert s.client_usage(PID) == {"outstanding": 5, "bytes": 72}
     assert only(req(s, C, 1, principal=PID), ClientError).code == ErrorCode.QUEUE_FULL
     out = s.client_disconnect(A, 0.1)
-    assert out == [CancelAtWorker(b"w", da.token)]
+    assert out == [CancelAtWorker(b"w", da.token, CANCEL_CLIENT_GONE)]
     assert s.client_usage(PID) == {"outstanding": 2, "bytes": 12}
     assert s.stats()["services"]["svc"]["queued"]["normal"] == 1
     ring = s._services["svc"].classes[Priority.NORMAL]

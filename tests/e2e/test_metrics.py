@@ -494,3 +494,72 @@ def test_a_dead_pinned_clients_requests_count_as_client_gone_once(cluster, tmp_p
     want = {"ok": int(n), "client_gone": 3, "service_unavailable": 0, "cancelled": 0}
     until(lambda: outcomes()["client_gone"] == 3, "the three requests counted client_gone")
     assert outcomes() == want
+
+
+_BROKERED_CHILD = """
+import sys, time
+import numpy as np
+from client_sdk import Client
+c = Client(sys.argv[1], timeout=20, direct_reply=False)  # its FINAL through the broker: late for sure
+h = c.infer_stream("held", {"x": np.array([-1.0])})
+c.pump(0.1)
+print("SENT", flush=True)
+time.sleep(60)
+"""
+
+
+def test_timeouts_count_as_deadlines_and_a_dead_clients_request_as_client_gone(cluster, tmp_path, gate):
+    """The metrics hunt: calls that timed out were mostly counted `cancelled` (the client's
+    timer beats the broker's by a hair, and its CANCEL said nothing of the deadline: 16 of
+    20 queued ones, 7 of 10 running ones), out of any deadline alert; and a brokered request
+    running when its client was SIGKILLed was `cancelled` too (the broker's own CANCEL's
+    answer), where a pinned one is `client_gone`.  The worker said "cancelled by the
+    client" for both."""
+    import subprocess
+    import sys
+
+    broker = cluster.broker("--http", "127.0.0.1:0", "--log-level", "INFO")
+    base = "http://" + broker.field("http")
+    runs = tmp_path / "runs.log"
+    w = cluster.worker("gate_model:held", "--max-batch", "1", "--credit", "1", "--log-level", "INFO",
+                       env={"SLEEPY_LOG": str(runs), **gate.env})
+    gate.open()
+
+    def outcomes():
+        s = scrape(base)
+        return {k: value(s, "zmq_infer_requests_total", service="held", outcome=k)
+                for k in ("ok", "deadline_exceeded", "cancelled", "client_gone")}
+
+    held, quick = {"x": np.array([-1.0])}, {"x": np.zeros(1)}
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, "held")
+        c.infer("held", quick).release()
+        running = c.infer_stream("held", held, timeout=0.3)  # runs, held past its deadline
+        c.pump(0.05)
+        queued = [c.infer_stream("held", quick, timeout=0.3) for _ in range(4)]  # wait behind it
+        for h in [running, *queued]:
+            with pytest.raises(DeadlineExceeded):
+                h.result()
+        gate.release(1)
+        c.infer("held", quick).release()
+        # (settled before the client closes: a close racing its last DONE is another story)
+        until(lambda: outcomes()["ok"] == 2 and outcomes()["deadline_exceeded"] == 5, "the requests counted")
+    assert outcomes() == {"ok": 2, "deadline_exceeded": 5, "cancelled": 0, "client_gone": 0}
+    w.wait_log("deadline passed while its batch ran; its result was dropped; its caller gave up")
+
+    child = subprocess.Popen([sys.executable, "-c", _BROKERED_CHILD, cluster.frontend], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().split() == ["SENT"]
+        until(lambda: runs.exists() and runs.read_text().count("\n") == 2, "the child's request running")
+        child.kill()
+        child.wait(WAIT)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(WAIT)
+        child.stdout.close()
+    broker.wait_log("a client left while a worker held one of its requests: cancelled there")
+    gate.release(1)
+    until(lambda: outcomes()["client_gone"] == 1, "the dead client's request counted")
+    assert outcomes() == {"ok": 2, "deadline_exceeded": 5, "cancelled": 0, "client_gone": 1}
