@@ -50,8 +50,10 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, replace as _replace
 
 import numpy as np
@@ -124,11 +126,43 @@ def _detached(outs: list) -> list:
     return copied
 
 
+#: The serving worker's pid (`Worker.__init__`).  A model that forks (a helper process) and
+#: whose child raises, `sys.exit()` included, or returns, leaves that child in the worker's
+#: own code, over the parent's sockets: it spun at full CPU, ignored SIGTERM and outlived the
+#: worker (the fork hunt).  Such a child ends there, as Python would end it.
+_SERVING_PID = [0]
+
+
+def end_forked_child(e: BaseException | None = None) -> None:
+    """In a process a model forked from the worker (not the worker itself): exit now, with
+    what ``e`` says (`SystemExit`'s code; 1 and the traceback on stderr for another
+    exception; 0 when the model's call returned).  Nothing of the worker's runs in it."""
+    pid = _SERVING_PID[0]
+    if not pid or os.getpid() == pid:
+        return
+    code = 0
+    try:
+        if isinstance(e, SystemExit):
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int) and e.code is not None:
+                print(e.code, file=sys.stderr)
+        elif e is not None:
+            code = 1
+            traceback.print_exception(e)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:  # nothing may keep it from exiting
+        pass
+    os._exit(code & 0xFF)
+
+
 def model_fault(e: BaseException) -> ModelFailed:
     """What a model raised, as a failure of its request: any exception, SystemExit and
     GeneratorExit included (a model's `sys.exit()` must not end the worker, nor, retried by
     the broker, every worker of the service).  A KeyboardInterrupt on the main thread is a
-    Ctrl-C, not the model's: it goes on."""
+    Ctrl-C, not the model's: it goes on.  In a child the model forked, it ends the child
+    (`end_forked_child`)."""
+    end_forked_child(e)
     if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
         raise e
     return ModelFailed(e)
@@ -320,7 +354,7 @@ class Worker:
         self.max_batch = max_batch        # the batcher's cap when the plane does not lower it
         self.credit = cfg.credit or min(max(2 * max_batch, 2), P.MAX_CREDIT)
         self.host = P.local_host_id()
-        self.pid = os.getpid()
+        self.pid = _SERVING_PID[0] = os.getpid()
         self.cuda = self.device.startswith("cuda")
         self.plane: DataPlane = self._open_plane()
         self.transports = self.plane.transports
@@ -1251,9 +1285,13 @@ class Worker:
         each failed request's place holds a `ModelFailed`.  (A model is a function of its
         inputs: a batch that raised left nothing behind.)"""
         try:
-            return self.plane.run(jobs)
+            outs = self.plane.run(jobs)
         except BaseException as e:
             first = model_fault(e)
+        else:
+            if os.getpid() != self.pid:  # a child the model forked returned here (a syscall a batch)
+                end_forked_child()
+            return outs
         return self._isolate(jobs, first)
 
     def _isolate(self, jobs: list, failed: ModelFailed) -> list:

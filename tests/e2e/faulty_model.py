@@ -196,3 +196,47 @@ class TorchStream(TorchAdd):
 
 def torchstream(device="cpu"):
     return TorchStream(device)
+
+
+class Forking(ModelBase):
+    """Forks a helper that computes y = x + 1 and sends it back through a pipe, then leaves
+    as `meta["do"]` says: "exit" (`sys.exit(0)`: the common mistake, `os._exit` is right in
+    a forked child), "raise" (a ValueError), "return" (returns to its caller)."""
+
+    name = "forking"
+    framework = "numpy"
+    batchable = False
+
+    def __init__(self, device="cpu"):
+        self.device = device
+
+    def __call__(self, batch, meta):
+        import sys
+
+        x = np.asarray(batch["x"]).copy()
+        do = meta.get("do", "exit")  # (not batchable: its request's own dict)
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(rfd)
+            os.write(wfd, (x + 1).tobytes())
+            os.close(wfd)
+            if do == "exit":
+                sys.exit(0)
+            if do == "raise":
+                raise ValueError("forking: the child raised")
+            return {"y": x}
+        os.close(wfd)
+        data = b""
+        while True:
+            chunk = os.read(rfd, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+        os.close(rfd)
+        _, status = os.waitpid(pid, 0)
+        return {"y": np.frombuffer(data, x.dtype).reshape(x.shape), "status": np.array([status])}
+
+
+def forking(device="cpu"):
+    return Forking(device)

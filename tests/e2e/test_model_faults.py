@@ -7,6 +7,7 @@ keep no output slot.  Real broker and workers on ipc; every wait bounded."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -347,3 +348,26 @@ def test_a_model_that_crashes_in_native_code_leaves_its_stack_on_stderr(cluster)
     assert w.p.wait(30) != 0
     err = w.stderr(tail=None)  # the whole of it: the stack runs past any tail on a long path
     assert "Fatal Python error: Segmentation fault" in err and "faulty_model.py" in err, err[-3000:]
+
+
+@pytest.mark.parametrize("do", ["exit", "raise", "return"])
+def test_a_child_the_model_forked_ends_where_it_leaves_the_model(cluster, do):
+    # Found by the fork hunt: a model forking a helper whose child ended with sys.exit() (or
+    # raised, or returned) left that child in the worker's own code, over the parent's
+    # sockets: it spun at full CPU, the parent waited for it for good (the request timed
+    # out), and it ignored SIGTERM and outlived the worker.  Now the child exits there, as
+    # Python would end it (the leak fixture checks that none is left).
+    cluster.broker()
+    w = cluster.worker("faulty_model:forking", "--service", "forking")
+    with Client(cluster.frontend, timeout=20) as c:
+        wait_service(c, "forking")
+        for i in range(3):
+            x = np.full(4, float(i), np.float32)
+            with c.infer("forking", {"x": x}, meta={"do": do}) as r:
+                np.testing.assert_array_equal(r["y"], x + 1)
+                want = 0 if do in ("exit", "return") else 1
+                assert os.waitstatus_to_exitcode(int(r["status"])) == want
+    assert w.p.poll() is None
+    assert w.terminate() == 0, w.stderr()
+    if do == "raise":
+        assert "forking: the child raised" in w.stderr(None)  # the child's traceback, as Python prints it
