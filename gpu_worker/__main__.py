@@ -307,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                 live=lambda: loop_alive(lambda: worker.last_loop,
                                         lambda: worker.heartbeat_interval * worker.heartbeat_liveness,
                                         lambda: bool(worker.running)),
-                ready=lambda: worker.ready and not worker.stop.is_set())
+                # (`signals`: a SIGTERM counted during a batch, before the loop sets `stop`:
+                # draining from that moment, as the broker already sees it)
+                ready=lambda: worker.ready and not worker.stop.is_set() and not worker.signals)
         except (ValueError, OSError) as e:
             worker.close()
             print(f"python -m gpu_worker: --health-port {args.health_port}: {e}", file=sys.stderr, flush=True)

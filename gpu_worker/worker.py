@@ -874,6 +874,10 @@ class Worker:
         self.registered = True
         self._plain_broker = False  # ours after all (a READY announced before it came): WELCOMEs rule
         self.counts = self.dones.info = bool(w.metrics)
+        # A new registration (a restarted broker, or a reconnect after a stall) knows none of
+        # the pools' gauges: the next STATS carries them, changed or not (the metrics hunt:
+        # they were missing from a restarted broker until traffic moved them).
+        self._stats_usage = None
         self._broker_stops = bool(w.stopping)  # it takes STOPPING (`_tell_stopping`)
         self._silence_log.last = -math.inf  # heard again: its next silence is a line at once
         if (w.heartbeat_interval, w.heartbeat_liveness) != (self.heartbeat_interval, self.heartbeat_liveness):

@@ -177,3 +177,25 @@ def test_a_draining_worker_is_not_counted_live_while_it_finishes(cluster, tmp_pa
         np.testing.assert_array_equal(r["x"], x)
         r.release()
     assert w.p.wait(WAIT) == 0
+
+
+def test_a_worker_is_not_ready_once_signalled_during_a_batch(cluster, gate, tmp_path):
+    """The metrics hunt: SIGTERM during a long batch left the worker's own readiness 200
+    until the batch ended (its loop sets `stop` after it), while the broker, told STOPPING
+    by the heartbeat thread, had taken it out at once."""
+    cluster.broker()
+    runs = tmp_path / "runs.log"
+    w = cluster.worker("gate_model:held", "--health-port", "127.0.0.1:0", env={"SLEEPY_LOG": str(runs), **gate.env})
+    gate.open()
+    base = "http://" + w.field("health")
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, "held")
+        until(lambda: get(base, "/v2/health/ready")[0] == 200, "the worker registered")
+        h = c.infer_stream("held", {"x": np.array([-1.0])})  # held until released
+        until(lambda: runs.exists() and runs.read_text().count("\n") == 1, "the held request running")
+        w.p.send_signal(signal.SIGTERM)
+        until(lambda: get(base, "/v2/health/ready")[0] == 503, "not ready while it drains")
+        assert get(base, "/v2/health/live")[0] == 200
+        gate.release(1)
+        h.result(timeout=WAIT).release()  # the batch it held still answers
+    assert w.p.wait(WAIT) == 0

@@ -563,3 +563,21 @@ def test_timeouts_count_as_deadlines_and_a_dead_clients_request_as_client_gone(c
     gate.release(1)
     until(lambda: outcomes()["client_gone"] == 1, "the dead client's request counted")
     assert outcomes() == {"ok": 2, "deadline_exceeded": 5, "cancelled": 0, "client_gone": 1}
+
+
+def test_a_restarted_broker_gets_the_pools_gauges_without_traffic(cluster):
+    """The metrics hunt: a worker sends its pools' use only when it changed since its last
+    STATS, which went to the broker that died: a restarted broker showed no
+    `zmq_infer_shm_pool_capacity_bytes` for the worker until traffic moved the numbers."""
+    def capacity(base):
+        return [v for (name, labels), v in scrape(base).items()
+                if name == "zmq_infer_shm_pool_capacity_bytes" and ("service", "echo") in labels]
+
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    w = cluster.worker("echo")
+    until(lambda: capacity("http://" + broker.field("http")), "the first broker's gauge")
+    broker.kill()  # SIGKILL: the worker registers with the next one
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    got = until(lambda: capacity("http://" + broker.field("http")), "the restarted broker's gauge")
+    assert got == [160 << 20]  # the worker's --out-capacity-mb
+    assert w.p.poll() is None
