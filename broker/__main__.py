@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import logging
 import math
 import os
 import signal
@@ -32,7 +33,7 @@ from broker import protocol as P
 from broker.config import load_launcher
 from broker.launcher import Launcher
 from broker.protocol.heap import freeze_startup_heap
-from broker.protocol.limits import raise_nofile_limit
+from broker.protocol.limits import MIN_NOFILE, raise_nofile_limit
 from broker.protocol.logs import add_log_options, announce, hold_std_descriptors, say, setup_logging
 from broker.protocol.naming import RuntimeDirError
 from broker.security import SecurityError, make_keys
@@ -252,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.insecure:
         cfg.security.insecure = True
 
-    raise_nofile_limit()  # a descriptor per client connection (broker.protocol.limits)
+    soft, _ = raise_nofile_limit()  # a descriptor per client connection (broker.protocol.limits)
+    if 0 < soft < MIN_NOFILE:
+        logging.getLogger("broker").warning(
+            "the descriptor limit is %d (its hard limit too): under %d, clients connecting all at once (after a "
+            "restart, say) can take the last descriptors before the broker stops accepting, and libzmq then "
+            "aborts it; raise it (ulimit -n; LimitNOFILE= in a systemd unit; --ulimit nofile= for a container)",
+            soft, MIN_NOFILE)
     try:
         broker = Broker(cfg)
     except (SecurityError, RuntimeDirError, ValueError, RuntimeError) as e:

@@ -41,7 +41,7 @@ from broker import protocol as P
 from broker.protocol import logs
 from broker.protocol import wire
 from broker.names import ServiceNames
-from broker.protocol.limits import Headroom, move_aside, nofile_limit, put_back
+from broker.protocol.limits import Headroom, default_reserve, listen_backlog, move_aside, nofile_limit, put_back
 from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events
 from shm import gc as shm_gc
 from shm.segment import OutOfResources, boot_offset_ticks, proc_starttime, process_alive
@@ -493,6 +493,10 @@ class Broker:
         self.backend.rcvhwm = self.backend.sndhwm = 100_000
         self.frontend.rcvhwm = self.frontend.sndhwm = self.cfg.client_hwm
         self.frontend.router_mandatory = 1
+        # Connections the kernel queued before the frontend pauses (`_accepted`) are accepted
+        # all the same: at most half the descriptors' reserve (libzmq's default of 100 is
+        # more than the whole reserve under a limit of 800 or so).
+        self.frontend.backlog = listen_backlog(default_reserve(nofile_limit()))
         # A tcp peer unreachable behind a partition (or with its host) is dropped after twice
         # the window in which the broker presumes such a peer dead, DEAD_AFTER_BEATS
         # heartbeats at least, with the replies queued to it: TCP alone keeps a half-open

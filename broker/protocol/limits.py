@@ -24,10 +24,15 @@ import os
 import resource
 from typing import Callable
 
-__all__ = ["raise_nofile_limit", "nofile_limit", "open_descriptors", "Headroom", "move_aside", "put_back"]
+__all__ = ["MIN_NOFILE", "raise_nofile_limit", "nofile_limit", "open_descriptors", "Headroom", "default_reserve", "listen_backlog",
+           "move_aside", "put_back"]
 
 #: above this the kernel's own cap (fs.nr_open, 1048576 by default) applies anyway
 _MOST = 1 << 20
+#: the least descriptor limit a broker takes a burst of connections with (`default_reserve`:
+#: at 256 the resource hunt's 800 clients connecting at once were held off in time, at 128
+#: not): under it `python -m broker` warns at start
+MIN_NOFILE = 1024
 
 
 def raise_nofile_limit() -> tuple[int, int]:
@@ -61,6 +66,22 @@ def open_descriptors() -> int:
         return -1
 
 
+def default_reserve(limit: int) -> int:
+    """The descriptors `Headroom` keeps free under ``limit``: an eighth of it, but a third
+    up to 256 (low limits: a burst of connections that libzmq's I/O thread accepts before
+    the pause takes effect must still fit: the resource hunt aborted a broker at 256 and
+    384 with 800 clients connecting at once), 16 to 1024.  (At most a third: accepting
+    resumes under ``limit - 2 * reserve``.)"""
+    return max(16, min(1024, max(limit // 8, min(limit // 3, 256))))
+
+
+def listen_backlog(reserve: int) -> int:
+    """The listen backlog for a socket whose accepting a `Headroom` of ``reserve`` pauses:
+    connections already queued in the kernel when it pauses are still accepted, so they
+    must fit in half the reserve (libzmq's default is 100)."""
+    return max(8, min(100, reserve // 2))
+
+
 class Headroom:
     """Whether to accept connections, for a process whose descriptor limit is ``limit``.
 
@@ -69,13 +90,13 @@ class Headroom:
     ``accepted()`` adds one per connection accepted, and the process's descriptors are
     listed again (``count``) only once the estimate reaches the pause mark, and at each
     ``tick()`` while paused, so a process far from its limit pays one addition per
-    connection.  The reserve (an eighth of the limit, 16 to 1024) covers the connections
+    connection.  The reserve (`default_reserve`) covers the connections
     libzmq accepts between its event and the pause, and the process's other descriptors.
     """
 
     def __init__(self, limit: int, count: Callable[[], int] = open_descriptors, reserve: int | None = None):
         self.limit = limit
-        self.reserve = reserve if reserve is not None else max(16, min(1024, limit // 8))
+        self.reserve = reserve if reserve is not None else default_reserve(limit)
         self.count = count
         self.paused = False
         self.used = max(0, count())
