@@ -46,7 +46,14 @@ def test_a_process_that_cannot_list_its_descriptors_is_taken_as_full():
 
 
 def test_the_reserve_scales_with_the_limit_and_the_count_is_real():
-    assert Headroom(64, count=lambda: 0).reserve == 16
+    from broker.protocol.limits import listen_backlog
+
+    # A third of a low limit (a burst accepted before the pause must fit), an eighth of a high one.
+    assert Headroom(32, count=lambda: 0).reserve == 16
+    assert Headroom(64, count=lambda: 0).reserve == 21
+    assert Headroom(256, count=lambda: 0).reserve == 85
+    assert Headroom(1024, count=lambda: 0).reserve == 256
     assert Headroom(4096, count=lambda: 0).reserve == 512
+    assert [listen_backlog(r) for r in (16, 85, 256, 1024)] == [8, 42, 100, 100]
     assert Headroom(1 << 20, count=lambda: 0).reserve == 1024
     assert open_descriptors() > 2
