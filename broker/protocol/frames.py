@@ -126,7 +126,7 @@ WORKER_COMMANDS: tuple[Command, ...] = (
     Command("FINAL", W_FINAL, "W→B", "envelope, empty, body", "RFC 18"),
     Command("HEARTBEAT", W_HEARTBEAT, "both", "none", "RFC 18"),
     Command("DISCONNECT", W_DISCONNECT, "both", "none; B→W may add a header `Reply` with `error`: the worker's READY was refused (section 3)", "RFC 18 (+ extension)"),
-    Command("CANCEL", W_CANCEL, "B→W", "envelope", "extension"),
+    Command("CANCEL", W_CANCEL, "B→W", "envelope [, reason: one byte]", "extension"),
     Command("DONE", W_DONE, "W→B", f"envelope, envelope... (1 to {MAX_DONE}, one per frame) [, header `DoneInfo`]",
             "extension"),
     Command("WELCOME", W_WELCOME, "B→W", "header `Welcome` (only to a worker whose `Ready` asked for it)",
