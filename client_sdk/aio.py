@@ -21,12 +21,19 @@ refuses (high-water mark) wait in `_pending`, in order, and go out before anythi
 plain future through `call.notify`, and one client-wide timer, armed at the earliest
 deadline of the `infer` calls waiting, wakes those whose deadline has passed (a timer per
 request, or `asyncio.wait_for`'s task, would cost more than the rest of the wait).
+
+Only the loop's thread touches the client: the loop is claimed under a lock (`_bind`), and a
+plain method called from another thread while the loop runs is done on the loop (`give_up`
+handed to it without waiting, the rest waited for: `_on_its_loop`, `_run_on_loop`;
+docs/client.md, "Threads").
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
+import threading
 import time
 import weakref
 from collections import deque
@@ -63,6 +70,26 @@ _OTHER_LOOP = ("this AsyncClient belongs to another event loop, which is still o
                "sent and never answered).  Call it from a coroutine on its own loop "
                "(asyncio.run_coroutine_threadsafe(..., loop) from another thread), or make a client on this loop; "
                "once its loop is closed, the client moves to the next loop that calls it")
+_OTHER_THREAD = ("this AsyncClient's event loop runs in another thread ({}): its socket, reader and timers are "
+                 "that thread's.  Call its coroutines there (asyncio.run_coroutine_threadsafe(..., loop)); its plain "
+                 "methods (a handle's cancel(), a stream's send()) are handed to that loop by themselves")
+#: how long a plain method called from another thread waits for the client's loop to run it
+#: (`AsyncClient._run_on_loop`): one turn of a loop that is not blocked
+HANDOFF_S = 10.0
+
+
+def _on_its_loop(method):
+    """A plain `AsyncClient` method that touches the client (its socket, its pool, its calls):
+    called from another thread while the client's loop runs, it is run on that loop and waited
+    for (`AsyncClient._run_on_loop`); otherwise here, as it is.  On the loop's own thread the
+    cost is one function call and one compare."""
+    def run(self, *args, **kw):
+        loop = self._loop
+        if loop is None or _running_loop() is loop or not loop.is_running():
+            return method(self, *args, **kw)
+        return self._wait_on_loop(loop, functools.partial(method, self, *args, **kw))
+
+    return functools.update_wrapper(run, method)
 
 
 def _resolve(fut: asyncio.Future) -> None:
@@ -115,6 +142,9 @@ class AsyncClient(ClientBase):
             self._core.use_inbox(self._inbox.endpoint, descriptor_room)
         self._socks = [self._sock] if self._inbox is None else [self._sock, self._inbox.sock]
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop our reader is on
+        # Held while a loop claims the client (`_bind`): two threads' loops whose first calls
+        # came at the same moment had both bound it, both reading its socket.
+        self._binding = threading.Lock()
         self._heart: asyncio.Task | None = None
         self._streams: weakref.WeakSet = weakref.WeakSet()  # close() wakes their recv()s
         self._pending: deque = deque()  # frames the socket refused (high-water mark), in order
@@ -157,29 +187,106 @@ class AsyncClient(ClientBase):
             if running is loop:
                 return
             if not loop.is_closed():
-                if running is None:  # a plain method (a stream's send()) called outside any loop
+                if running is None:  # a plain method called outside any loop
+                    if loop.is_running():  # (`_on_its_loop` hands those to it: not one of them)
+                        raise InvalidInput(_OTHER_THREAD.format(loop))
                     return
                 raise InvalidInput(_OTHER_LOOP.format(loop))
             if running is None:
                 raise InvalidInput("this AsyncClient's event loop is closed: call it from a coroutine on a running "
                                    "loop (the client moves to it)")
-            self._left_loop()
-        if self._loop is None:
-            loop = asyncio.get_running_loop()
-            for sock in self._socks:
-                loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
-            for link in self._links:
-                loop.add_reader(link.fileno(), self._drain_link, link)
-            for monitor in self._monitors:
-                loop.add_reader(monitor.getsockopt(zmq.FD), self._on_monitor, monitor)
-                loop.call_soon(self._on_monitor, monitor)  # edge-triggered: look once now
+        running = _running_loop()
+        if running is None:  # (was asyncio's RuntimeError "no running event loop")
+            raise InvalidInput("this AsyncClient is on no event loop yet: its first call must come from a coroutine "
+                               "on the loop that is to serve it (`async with client`, or any await of it); from then "
+                               "on, other threads may call its plain methods (docs/client.md, \"Threads\")")
+        self._bind(running)
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Make `loop` (running, in this thread) the client's: claimed under `_binding`, so
+        that of two loops whose first calls come at once one gets it and the other is refused
+        (`_OTHER_LOOP`), before either adds a reader; the claim comes first, so a call of
+        another loop that does not wait for the lock is refused too."""
+        with self._binding:
+            held = self._loop
+            if held is loop:
+                return
+            if held is not None:
+                if not held.is_closed():
+                    raise InvalidInput(_OTHER_LOOP.format(held))  # another thread's loop got it first
+                self._left_loop()
             self._loop = loop
+            added = []
+            try:
+                for sock in self._socks:
+                    fd = sock.getsockopt(zmq.FD)
+                    loop.add_reader(fd, self._drain, sock)
+                    added.append(fd)
+                for link in self._links:
+                    loop.add_reader(link.fileno(), self._drain_link, link)
+                    added.append(link.fileno())
+                for monitor in self._monitors:
+                    fd = monitor.getsockopt(zmq.FD)
+                    loop.add_reader(fd, self._on_monitor, monitor)
+                    added.append(fd)
+                    loop.call_soon(self._on_monitor, monitor)  # edge-triggered: look once now
+            except BaseException:
+                for fd in added:
+                    loop.remove_reader(fd)
+                self._loop = None
+                raise
             loop.call_soon(self._drain)  # the FD is edge-triggered: look once now
             hello = self._core.hello(time.monotonic())
             if hello is not None:
                 self._send_soon(hello)
             if self._core.heartbeat_interval is not None:
                 self._heart = loop.create_task(self._heartbeat_loop(), name="client_sdk-heartbeat")
+
+    def _run_on_loop(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, on the client's loop when called from another thread while that loop
+        runs (`_wait_on_loop`), else here.  A stream's hand-off (`AsyncStream`'s `via`)."""
+        loop = self._loop
+        if loop is None or _running_loop() is loop or not loop.is_running():
+            return fn(*args)
+        return self._wait_on_loop(loop, functools.partial(fn, *args))
+
+    def _wait_on_loop(self, loop: asyncio.AbstractEventLoop, fn: Any) -> Any:
+        """Run ``fn()`` on ``loop`` (the client's, running in another thread) and return what it
+        returns, or raise what it raises, in this thread: the socket, the pool and the calls
+        are touched by the loop's thread only (a plain method run from another thread tore the
+        messages of the loop's own calls).  Waits for the loop to get to it, `HANDOFF_S` at
+        most (then InferenceError, and it is not run).  From a coroutine of another loop:
+        `_OTHER_LOOP` (its thread would wait on another loop).  In a forked child (whose copy
+        of the loop says it runs, and never will), ``fn()`` here: it refuses the child."""
+        if self._core.forked():
+            return fn()
+        if _running_loop() is not None:
+            raise InvalidInput(_OTHER_LOOP.format(loop))
+        done: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            if not done.set_running_or_notify_cancel():
+                return  # its caller stopped waiting
+            try:
+                out = fn()
+            except BaseException as e:
+                done.set_exception(e)
+                if not isinstance(e, Exception):
+                    raise
+            else:
+                done.set_result(out)
+
+        try:
+            loop.call_soon_threadsafe(run)
+        except RuntimeError:  # the loop closed meanwhile: nobody else is on the client now
+            return fn()
+        try:
+            return done.result(HANDOFF_S)
+        except concurrent.futures.TimeoutError:
+            if not done.cancel():  # it runs now (it does not wait): its outcome
+                return done.result(HANDOFF_S)
+            raise InferenceError(f"this AsyncClient's event loop ({loop}) did not run this call within {HANDOFF_S:g}s "
+                                 "(blocked, or stopped?); nothing was done", code=None) from None
 
     def _check_loop(self) -> None:
         """`_start`'s loop check for a plain method that sends nothing itself (`stream`):
@@ -256,7 +363,10 @@ class AsyncClient(ClientBase):
                 # A lease's socket may be closed meanwhile (a stream woken by a FINAL ran
                 # the core's ops): skip it rather than break the client on ENOTSOCK.
                 while not sock.closed and sock.getsockopt(zmq.EVENTS) & _POLLIN:
-                    frames = recv_frames(sock)
+                    try:
+                        frames = recv_frames(sock, NOBLOCK)  # never waits on the loop
+                    except zmq.Again:  # (nothing after all)
+                        break
                     if not direct and self._tcp is not None:
                         self._tcp.note(frames[0])  # the connection the broker's word comes on
                     try:
@@ -422,7 +532,9 @@ class AsyncClient(ClientBase):
                 sock = self._pin_socks.get(pin.lease)
                 while sock is not None and not sock.closed and sock.getsockopt(zmq.EVENTS) & _POLLIN:
                     try:
-                        outs = core.on_message(recv_frames(sock), time.monotonic(), True, pin)
+                        outs = core.on_message(recv_frames(sock, NOBLOCK), time.monotonic(), True, pin)
+                    except zmq.Again:  # (nothing after all)
+                        break
                     except Exception:  # one bad message must not stop every other call
                         log.exception("error while handling a message from a leased worker")
                         continue
@@ -635,7 +747,7 @@ class AsyncClient(ClientBase):
             self._start()  # `prepare`'s; a closed client is refused by new_call
         call = core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
                              traceparent=traceparent)
-        self.submit(call)
+        self._submit(call)
         loop = self._loop
         inbox = call.inbox
         waiters = self._waiters
@@ -674,6 +786,7 @@ class AsyncClient(ClientBase):
         call.notify = None
         return final_of_infer(service, item, partials) if partials else item
 
+    @_on_its_loop
     def infer_stream(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                      priority: Any = "normal", meta: Mapping[str, Any] | None = None,
                      reply: str = "auto", traceparent: str | None = None) -> "AsyncReplyStream":
@@ -686,7 +799,7 @@ class AsyncClient(ClientBase):
         trace id (docs/operations.md, "Logs and traces"); one that does not parse is ignored."""
         call = self.prepare(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
                             traceparent=traceparent)
-        self.submit(call)
+        self._submit(call)
         return AsyncReplyStream(self, call)
 
     async def request(self, service: str, frames: list[bytes], timeout: float | None = None) -> list[bytes]:
@@ -739,6 +852,7 @@ class AsyncClient(ClientBase):
             raise InferenceError("the client was closed while this question was waiting", code=None)
         return mmi_answer(q.answer, name)
 
+    @_on_its_loop
     def stream(self, service: str, *, latest_wins: bool = True, max_in_flight: int = 2,
                timeout: float | None = None, priority: Any = "normal",
                meta: Mapping[str, Any] | None = None, reply: str = "auto", pin: bool | None = None):
@@ -750,13 +864,15 @@ class AsyncClient(ClientBase):
         self._check_loop()  # before it asks for a lease
         may_pin = self._core.stream_pins(pin)
         st = AsyncStream(self, service, latest_wins=latest_wins, max_in_flight=max_in_flight,
-                         timeout=timeout, priority=priority, meta=meta, reply=reply, pin=may_pin)
+                         timeout=timeout, priority=priority, meta=meta, reply=reply, pin=may_pin,
+                         via=self._run_on_loop)
         if may_pin:
             # its service asks for a lease; a stream it counted ends that lease when it closes
             st._pinned = self._core.pin_on_demand(service, st.max_in_flight)
         self._streams.add(st)
         return st
 
+    @_on_its_loop
     def stream_closed(self, service: str) -> None:
         """A stream that pinned `service` closed (client_sdk.stream): after the last one its
         lease ends."""
@@ -767,8 +883,11 @@ class AsyncClient(ClientBase):
             self._run_ops()
 
     # ---------------------------------------------------------------- seams for streams
-    # The same four as Client's (see there); none of them blocks the loop.
+    # The same four as Client's (see there); none of them blocks the loop.  Called from
+    # another thread while the client's loop runs, each is done on the loop (`_on_its_loop`;
+    # `give_up` without waiting for it).
 
+    @_on_its_loop
     def prepare(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                 priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto",
                 copy_inline: bool = False, traceparent: str | None = None) -> Call:
@@ -779,10 +898,14 @@ class AsyncClient(ClientBase):
         return self._core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta,
                                    reply=reply, copy_inline=copy_inline, traceparent=traceparent)
 
+    @_on_its_loop
     def submit(self, call: Call, timeout: float | None = 0.0) -> bool:
         """Register a prepared call and queue its REQUEST; its deadline starts now.  Never
         waits and always True: frames the socket refuses wait in the client's own queue, in
         order (`timeout` is there for `Client.submit`'s sake)."""
+        return self._submit(call)
+
+    def _submit(self, call: Call) -> bool:
         now = time.monotonic()
         call.t_submit = call.t_submit or now
         core = self._core
@@ -794,6 +917,29 @@ class AsyncClient(ClientBase):
         else:
             self._send_pinned(call, frames)
         return True
+
+    def give_up(self, call: Call) -> None:
+        """`ClientBase.give_up`; called from another thread while the client's loop runs (a
+        handle cancelled by a watchdog thread, or dropped there: its `__del__`), it is handed
+        to the loop and returns at once: the CANCEL goes out on the loop's thread (sent from
+        the caller's, it tore the loop's own messages on the socket)."""
+        loop = self._loop
+        if (loop is not None and _running_loop() is not loop and loop.is_running()
+                and not self._core.forked()):  # (a forked child's copy: only marks the call)
+            try:
+                loop.call_soon_threadsafe(self._give_up_now, call)
+                return
+            except RuntimeError:  # its loop closed meanwhile: nothing runs there any more
+                pass
+        ClientBase.give_up(self, call)
+
+    def _give_up_now(self, call: Call) -> None:
+        if not self._core.closed:  # (close() let go of every call)
+            ClientBase.give_up(self, call)
+
+    alloc = _on_its_loop(ClientBase.alloc)
+    alloc_cuda = _on_its_loop(ClientBase.alloc_cuda)
+    free = _on_its_loop(ClientBase.free)
 
     async def pump(self, timeout: float | None = None) -> None:
         """Route what has arrived; if nothing had, wait up to `timeout` seconds (None: until

@@ -182,16 +182,19 @@ class ReplyStreamBase:
             return True
         if self._finished or self._call.done:
             return False
+        # The handle is marked once the client took the give-up (a `Client` in use by another
+        # thread refuses it: the handle stays as it was, and a later cancel() does it; marked
+        # first, that one did nothing and result() raised Cancelled for a request that ran).
+        self._client.give_up(self._call)
         self._cancelled = True
         self._finished = True
-        self._client.give_up(self._call)
         return True
 
     def close(self) -> None:
         """Stop listening; cancels the request if its FINAL has not arrived."""
         if not self._finished:
+            self._client.give_up(self._call)  # (refused: not closed, as cancel())
             self._finished = True
-            self._client.give_up(self._call)
 
     # ---------------------------------------------------------------- for the twins
 

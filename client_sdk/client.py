@@ -75,13 +75,16 @@ def _one_thread(method):
     or a finalizer that runs while the thread is inside the client, in the middle of a send,
     a receive or a pool operation): the client's own steps call each other's undecorated
     parts.  The claim is one `dict.setdefault` (atomic under the GIL: no two threads both get
-    in); the cost, a thread id, three dict operations and one attribute check."""
+    in); the cost, a thread id, three dict operations and one attribute check.  A refusal
+    asks first whether this is a forked child's copy (`Client._forked_claim`)."""
     def run(self, *args, **kw):
         tid = _get_ident()
         user = self._user
         if user.get(0) == tid:
+            self._forked_claim()
             raise InvalidInput(_NESTED)
         if user.setdefault(0, tid) != tid:
+            self._forked_claim()
             raise InvalidInput(_SHARED)
         try:
             return method(self, *args, **kw)
@@ -101,11 +104,16 @@ def _one_thread_or_later(method):
     def run(self, *args, **kw):
         tid = _get_ident()
         user = self._user
-        if user.get(0) == tid:
+        if user.get(0) == tid or user.setdefault(0, tid) != tid:
+            if self._core.forked():
+                # A forked child's copy, claimed by a thread of the parent's that was inside
+                # it at the fork (and is not in this process): close() lets go of the copy,
+                # a handle's give-up only marks its call, as in any forked child.
+                return method(self, *args, **kw)
+            if user.get(0) != tid:
+                raise InvalidInput(_SHARED)
             self._defer(functools.partial(method, self, *args, **kw))
             return None
-        if user.setdefault(0, tid) != tid:
-            raise InvalidInput(_SHARED)
         try:
             return method(self, *args, **kw)
         finally:
@@ -217,8 +225,10 @@ class Client(ClientBase):
         tid = _get_ident()
         user = self._user
         if user.get(0) == tid:  # a signal handler's, while this thread is inside the client
+            self._forked_claim()
             raise InvalidInput(_NESTED)
         if user.setdefault(0, tid) != tid:
+            self._forked_claim()
             raise InvalidInput(_SHARED)
         try:
             return self._infer(service, inputs, timeout, priority, meta, reply, traceparent)
@@ -495,6 +505,15 @@ class Client(ClientBase):
                 raise InferenceError(_CLOSED_WAITING, code=None) from None
 
     # ---------------------------------------------------------------- nested calls
+
+    def _forked_claim(self) -> None:
+        """Before refusing a call as nested or as another thread's: in a forked child, the
+        claim found is a thread of the parent's that was inside the client at the fork (only
+        the forking thread lives on in the child), and the call is refused as any call on a
+        forked child's copy is (`check_open`: InvalidInput, "... which forked this one").
+        Asked only on a refusal: a call that gets in pays nothing more."""
+        if self._core.forked():
+            self._core.check_open()
 
     def _defer(self, action: Any) -> None:
         """A nested call (`_one_thread_or_later`): left to the call it interrupted, whose wait

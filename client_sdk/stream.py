@@ -30,7 +30,7 @@ import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .errors import EndOfStream, InferenceError, InvalidInput
 from .tensors import Result
@@ -267,12 +267,22 @@ class Stream(_StreamCore):
 
 class AsyncStream(_StreamCore):
     """asyncio frame stream (`AsyncClient.stream`).  `send()` is a plain method (it never
-    waits); results come from `await s.recv()` or `async for r in s`, which ends after
-    `finish()` once everything sent has a result, or at `close()`."""
+    waits for the broker); results come from `await s.recv()` or `async for r in s`, which
+    ends after `finish()` once everything sent has a result, or at `close()`.
 
-    def __init__(self, *args: Any, **kw: Any):
+    `send()`, `finish()` and `close()` may be called from another thread (a camera's) while
+    the client's loop runs: each is then done on the loop, the caller waiting for it (one
+    turn of the loop; `via`, the client's hand-off, passed by `AsyncClient.stream`), so the
+    stream, the client's socket and its pool are only ever touched by the loop's thread.
+    Done in the caller's thread, a frame went out on the socket while the loop sent its own,
+    and the two messages tore."""
+
+    def __init__(self, *args: Any, via: Callable[..., Any] | None = None, **kw: Any):
         super().__init__(*args, **kw)
         self._event = asyncio.Event()
+        # ``via(fn, *args)``: fn(*args), on the client's loop from another thread while it
+        # runs (and waited for), else here (None: always here)
+        self._via = via
 
     def _wake(self) -> None:
         # Called by the client's reader for every reply to one of our frames: a finished
@@ -283,7 +293,15 @@ class AsyncStream(_StreamCore):
         self._event.set()
 
     def send(self, inputs: Mapping[str, Any]) -> int:
-        """Queue one frame and return its number (0, 1, ...).  Never waits."""
+        """Queue one frame and return its number (0, 1, ...).  Never waits for the broker
+        (from another thread: for the client's loop to take it; the inputs are packed, and an
+        ordinary array copied, before it returns)."""
+        via = self._via
+        if via is not None:
+            return via(self._send, inputs)
+        return self._send(inputs)
+
+    def _send(self, inputs: Mapping[str, Any]) -> int:
         call = self._make(inputs)
         call.notify = self._wake
         self._admit(call)
@@ -293,6 +311,12 @@ class AsyncStream(_StreamCore):
 
     def finish(self) -> None:
         """No more frames will be sent: iteration ends once the outstanding ones are in."""
+        if self._via is not None:
+            self._via(self._finish)
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
         self._finishing = True
         self._event.set()
 
@@ -358,6 +382,12 @@ class AsyncStream(_StreamCore):
 
     def close(self) -> None:
         """Cancel outstanding frames, drop pending ones, end iteration."""
+        if self._via is not None:
+            self._via(self._close)
+        else:
+            self._close()
+
+    def _close(self) -> None:
         if not self._closed:
             self._shutdown()
             self._event.set()

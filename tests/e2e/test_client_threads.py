@@ -5,6 +5,7 @@ worker on ipc; every wait bounded."""
 from __future__ import annotations
 
 import os
+import select
 import threading
 import time
 
@@ -13,6 +14,8 @@ import pytest
 
 from client_sdk import Client
 from client_sdk.errors import InvalidInput
+
+from .conftest import wait_service
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -198,4 +201,136 @@ def test_a_request_cut_short_by_a_signal_as_it_is_sent_harms_no_other(cluster, m
         deadline = time.monotonic() + 10
         while c.in_flight() and time.monotonic() < deadline:
             c.pump(0.05)
+        assert c.in_flight() == 0 and c.pool.in_use() == 0
+
+
+# ----------------------------------------------------------------------------- gated: a thread held inside
+
+GATE_WAIT = 10.0  # bound of every blocking wait below, and the requests' own deadline
+
+
+@pytest.fixture
+def gated(cluster, gate):
+    """A broker and one gate worker (tests/e2e/gate_model.py) that holds one request at a time:
+    a thread in `infer` on it stays inside the client until the test writes a byte."""
+    cluster.broker()
+    p = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "1",
+                       "--no-warmup", env=gate.env, wait=False)
+    gate.open()
+    p.wait_ready()
+    return cluster
+
+
+def _gx(v: float) -> dict:
+    return {"x": np.full(2048, v, np.float32)}  # above the inline limit: a temporary input slot
+
+
+def _read_until_closed(fd: int, timeout: float = GATE_WAIT) -> str:
+    """What a child writes to its pipe, until it closes its end (exits), bounded."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"the child did not finish within {timeout} s: {data!r}"
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    return data.decode()
+                data += chunk
+    finally:
+        os.close(fd)
+
+
+def _held_inside(c: Client, t: threading.Thread) -> None:
+    """Until thread `t` is inside the client (its claim), bounded."""
+    deadline = time.monotonic() + GATE_WAIT
+    while c._user.get(0) != t.ident:
+        assert t.is_alive() and time.monotonic() < deadline, "the thread never got inside the client"
+        time.sleep(0.001)
+
+
+def test_a_cancel_refused_for_another_threads_use_leaves_the_handle_as_it_was(gated, gate):
+    # cancel() (and close()) from a second thread while one was inside the client raised
+    # InvalidInput, as documented, but marked the handle first: `cancelled` said True, a
+    # second cancel() did nothing (no CANCEL ever went out), and result() raised Cancelled
+    # for a request that ran and answered (the fork/threads hunt, t2_cancel_other_thread).
+    with Client(gated.frontend, timeout=GATE_WAIT) as c:
+        wait_service(c, "gate")
+        h = c.infer_stream("gate", _gx(1))  # runs first, held by the gate
+        out = {}
+        inside = threading.Thread(target=lambda: out.setdefault("r", c.infer("gate", _gx(2))))
+        inside.start()  # its request queues behind h's: it stays inside until two bytes
+        try:
+            _held_inside(c, inside)
+            with pytest.raises(InvalidInput, match="another thread"):
+                h.cancel()
+            assert not h.cancelled
+            with pytest.raises(InvalidInput, match="another thread"):
+                h.close()
+        finally:
+            gate.release(2)  # h's byte, then the inside thread's
+            inside.join(GATE_WAIT)
+        assert not inside.is_alive()
+        with out["r"] as r:
+            np.testing.assert_array_equal(r["x"], _gx(2)["x"])
+        with h.result(timeout=GATE_WAIT) as r:  # it ran, and its answer is the caller's
+            np.testing.assert_array_equal(r["x"], _gx(1)["x"])
+        assert not h.cancelled and h.cancel() is False  # nothing left to cancel
+        assert c.in_flight() == 0 and c.pool.in_use() == 0
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")  # 3.12: forks on purpose
+def test_a_child_forked_while_another_thread_was_inside_the_client_gets_the_fork_error(gated, gate):
+    # The child inherited the other thread's claim on the client (that thread does not exist
+    # there): every call, close() included, raised "in use by another thread" instead of the
+    # documented fork error, and close() could not let go of the child's copy (the fork/threads
+    # hunt, t16_fork_while_thread_inside).
+    with Client(gated.frontend, timeout=GATE_WAIT) as c:
+        wait_service(c, "gate")
+        out = {}
+        inside = threading.Thread(target=lambda: out.setdefault("r", c.infer("gate", _gx(1))))
+        inside.start()
+        try:
+            _held_inside(c, inside)
+            r_fd, w_fd = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                code = 1
+                try:
+                    os.close(r_fd)
+                    said = []
+                    for name, use in (("infer", lambda: c.infer("gate", _gx(3))),
+                                      ("infer_stream", lambda: c.infer_stream("gate", _gx(3))),
+                                      ("mmi_service", lambda: c.mmi_service("gate"))):
+                        try:
+                            use()
+                            said.append(f"{name}: returned")
+                        except InvalidInput as e:
+                            said.append(f"{name}: " + ("fork" if "forked this one" in str(e) else str(e)))
+                    try:
+                        c.close()  # lets go of the child's copy
+                        c.close()
+                        said.append(f"close: closed={c.closed}")
+                    except Exception as e:
+                        said.append(f"close: {e!r}")
+                    os.write(w_fd, "\n".join(said).encode())
+                    code = 0
+                finally:
+                    os._exit(code)
+            os.close(w_fd)
+            said = _read_until_closed(r_fd)
+            assert _wait_child(pid) == 0
+            assert said.splitlines() == ["infer: fork", "infer_stream: fork", "mmi_service: fork",
+                                         "close: closed=True"], said
+        finally:
+            gate.release(1)
+            inside.join(GATE_WAIT)
+        assert not inside.is_alive()
+        with out["r"] as r:  # the parent's call, untouched by the child
+            np.testing.assert_array_equal(r["x"], _gx(1)["x"])
+        assert not c.closed
+        gate.release(1)
+        with c.infer("gate", _gx(4)) as r:  # and the parent's client serves on
+            np.testing.assert_array_equal(r["x"], _gx(4)["x"])
         assert c.in_flight() == 0 and c.pool.in_use() == 0
