@@ -583,6 +583,7 @@ class Broker:
         self._oops = P.RateLimitedLog(log)  # unexpected exceptions: a traceback a second at most
         # The once-a-second collection that fails (out of descriptors, say): once a minute.
         self._gc_oops = P.RateLimitedLog(log, every=60.0)
+        self._throttles = (self._bad, self._stall_log, self._deaths, self._lost, self._oops, self._gc_oops)
         self._doomed: dict[bytes, None] = {}  # clients a send found stalled or gone, to drop
         # Big frames sent to each client that libzmq may still hold (`_track_unread`), and how
         # many bytes of them a client may have waiting: its byte cap's worth.
@@ -751,6 +752,8 @@ class Broker:
                 self._prune_workers()
                 self._headroom_tick()
                 self._settle_unread()
+                for throttle in self._throttles:
+                    throttle.flush()  # what a burst held back is said within a second or so
             if wake is not None and now >= wake:
                 self._run_timers(now)
                 wake = sched.next_wakeup(now)

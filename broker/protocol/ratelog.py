@@ -15,34 +15,61 @@ import time
 __all__ = ["RateLimitedLog"]
 
 
+#: suppressed messages a `RateLimitedLog.flush` line shows (the first ones held back)
+SHOWN = 3
+
+
 class RateLimitedLog:
-    """``warning``/``exception`` at most once per ``every`` seconds; the rest are counted."""
+    """``warning``/``exception`` at most once per ``every`` seconds; the rest are counted,
+    the first `SHOWN` of them kept (unformatted: a flood costs no formatting) for `flush`."""
 
     def __init__(self, logger: logging.Logger, every: float = 1.0):
         self.log = logger
         self.every = every
         self.last = -float("inf")
         self.suppressed = 0
+        self._held: list = []  # (msg, args) of the first suppressed ones since the last line
 
-    def _due(self) -> bool:
+    def _due(self, msg: str, args: tuple) -> bool:
         now = time.monotonic()
         if now - self.last >= self.every:
             self.last = now
             return True
         self.suppressed += 1
+        if len(self._held) < SHOWN:
+            self._held.append((msg, args))
         return False
 
     def _tail(self, msg: str) -> str:
         if self.suppressed:
             msg += f" ({self.suppressed} similar messages suppressed)"
             self.suppressed = 0
+            self._held = []
         return msg
 
     def warning(self, msg: str, *args) -> None:
-        if self._due():
+        if self._due(msg, args):
             self.log.warning(self._tail(msg), *args)
 
     def exception(self, msg: str, *args) -> None:
         """Like `logging.Logger.exception` (the traceback included), throttled."""
-        if self._due():
+        if self._due(msg, args):
             self.log.exception(self._tail(msg), *args)
+
+    def flush(self) -> None:
+        """Once the interval is over, write what was held back since the last line, if any
+        (the first few, and how many in all): a burst's tail was said only with the next
+        line, that is never when none came (the metrics hunt: two of four worker deaths at
+        once were in no line at all).  Call it periodically (the broker: once a second)."""
+        if not self.suppressed or time.monotonic() - self.last < self.every:
+            return
+        shown = []
+        for msg, args in self._held:
+            try:
+                shown.append(msg % args if args else msg)
+            except Exception:  # (a message that does not format is shown as it is)
+                shown.append(msg)
+        n, self.suppressed, self._held = self.suppressed, 0, []
+        self.last = time.monotonic()
+        more = f"; and {n - len(shown)} more" if n > len(shown) else ""
+        self.log.warning("%d similar messages held back in the last %gs: %s%s", n, self.every, "; ".join(shown), more)
