@@ -54,7 +54,7 @@ from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
                       drop_monitor, drop_socket, handshakes, ipc_problem, lease_dealer, lease_events, open_link,
-                      tcp_options)
+                      send_failure, tcp_options)
 from .tensors import Result
 
 __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
@@ -130,8 +130,9 @@ class AsyncClient(ClientBase):
                                 max_inline_mb=max_inline_mb)
         self._core.endpoint_problem = functools.partial(ipc_problem, endpoint)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
+        ctx = context(endpoint)  # first: it sees that libzmq's threads can start
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
-        self._sock = dealer(context(endpoint), endpoint, self._curve, self._core.heartbeat_interval)
+        self._sock = dealer(ctx, endpoint, self._curve, self._core.heartbeat_interval)
         # Over tcp, bytes of the broker's that are on their way count as its word (a large
         # message on a slow link: wire.TcpWatch).
         self._tcp = TcpWatch() if endpoint.startswith("tcp://") else None
@@ -578,14 +579,16 @@ class AsyncClient(ClientBase):
                 send_frames(sock, frames, NOBLOCK)
                 self._look_again(sock)
                 return
-            except zmq.ZMQError:  # full or gone: the broker takes it
+            except Exception as e:  # full or gone (or out of memory or threads): the broker takes it
+                if not isinstance(e, zmq.ZMQError) and send_failure(e, self.endpoint) is None:
+                    raise
                 if not sock.closed:
                     try:
                         self._look_again(sock)  # a failed send may have consumed its edge too
                     except zmq.ZMQError:
                         pass
         self._core.reroute(call)
-        self._send_soon(frames)
+        self._send_soon(frames, call)
 
     def _wake_pumps(self) -> None:
         fut, self._traffic = self._traffic, None
@@ -610,7 +613,11 @@ class AsyncClient(ClientBase):
             if not back:  # else the reader first reads what came meanwhile: judged next time
                 core.fail_unreachable(now)
 
-    def _send_soon(self, frames: list[Any] | None) -> None:
+    def _send_soon(self, frames: list[Any] | None, call: Call | None = None) -> None:
+        """Send `frames` now, or queue them behind those the socket refused.  `call`: the
+        request they are, which a process out of descriptors, memory or threads cannot send
+        (wire.send_frames left the socket at a message boundary): forgotten, and a typed
+        error raised to its submitter.  Anything else that cannot be sent is dropped, said."""
         if frames is None or self._core.closed:
             return
         if self._pending:  # keep the order: earlier frames are still waiting
@@ -623,8 +630,14 @@ class AsyncClient(ClientBase):
             self._pending.append(frames)
             self._schedule_retry()
             return
-        except zmq.ZMQError as e:
-            log.warning("could not send to the broker: %s", e)
+        except Exception as e:
+            typed = send_failure(e, self.endpoint)
+            if typed is None and not isinstance(e, zmq.ZMQError):
+                raise
+            if typed is not None and call is not None:
+                self._core.discard_unsent(call)
+                raise typed from None
+            log.warning("could not send to the broker: %s: %s", type(e).__name__, e)
             return
         self._core.last_send = time.monotonic()
         # Sending can consume the FD's edge for a message that has already arrived.
@@ -639,8 +652,10 @@ class AsyncClient(ClientBase):
             except zmq.Again:
                 self._schedule_retry()
                 return
-            except zmq.ZMQError as e:
-                log.warning("could not send to the broker: %s", e)
+            except Exception as e:  # gone, or out of memory or threads: dropped
+                if not isinstance(e, zmq.ZMQError) and send_failure(e, self.endpoint) is None:
+                    raise
+                log.warning("could not send to the broker: %s: %s", type(e).__name__, e)
             self._pending.popleft()
             self._core.last_send = time.monotonic()
 
@@ -913,7 +928,7 @@ class AsyncClient(ClientBase):
         if core.ops:
             self._run_ops()
         if call.pin is None:
-            self._send_soon(frames)
+            self._send_soon(frames, call)
         else:
             self._send_pinned(call, frames)
         return True

@@ -45,7 +45,7 @@ from .errors import BrokerUnreachable, DeadlineExceeded, InferenceError, Invalid
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
                       drop_monitor, drop_socket, handshakes, ipc_problem, lease_dealer, lease_events, open_link,
-                      tcp_options)
+                      send_failure, tcp_options)
 from .tensors import Result
 
 # resolve_transport and parse_priority are re-exported: they were importable from here.
@@ -427,8 +427,11 @@ class Client(ClientBase):
         except zmq.Again:
             self._core.unregister(call)
             return False
-        except BaseException:
+        except BaseException as e:
             self._core.discard_unsent(call)
+            typed = send_failure(e, self.endpoint)  # out of descriptors, memory or threads
+            if typed is not None:
+                raise typed from None
             raise
         self._core.last_send = time.monotonic()
         return True
@@ -612,13 +615,17 @@ class Client(ClientBase):
                         pass
                 core.reroute(call)
             self._send(frames, call.deadline)
-        except BaseException:
+        except BaseException as e:
             # Also a signal handler's exception as the request went out (wire.send_frames
             # left the socket at a message boundary; the request went out whole, short of a
             # frame, or not at all): forgotten, its input slots freed.  Should it have gone
             # out, a worker reading those slots finds them freed (their generation moved on)
-            # and its answer is a stray, released.
+            # and its answer is a stray, released.  Out of descriptors, memory or threads
+            # (even for a copy of its frames): a typed error that says so.
             core.discard_unsent(call)
+            typed = send_failure(e, self.endpoint)
+            if typed is not None:
+                raise typed from None
             raise
 
     def _send_soon(self, frames: list[Any] | None) -> None:
@@ -640,8 +647,16 @@ class Client(ClientBase):
             # client), or is made moot by close()'s DISCONNECT; a heartbeat may be dropped.
             if keep:
                 self._pending.append(frames)
-        except zmq.ZMQError:  # closed: nothing will be delivered anyway
-            pass
+        except zmq.ZMQError as e:  # closed: nothing will be delivered anyway
+            if send_failure(e, self.endpoint) is not None:
+                log.warning("could not send to the broker: %s (this process is out of descriptors or memory)", e)
+        except Exception as e:
+            # Out of memory or threads (wire.send_frames left the socket at a message
+            # boundary): dropped, as a closed socket's; a call it was for waits for its deadline.
+            if send_failure(e, self.endpoint) is None:
+                raise
+            log.warning("could not send to the broker: %s: %s (this process is out of memory or threads)",
+                        type(e).__name__, e)
 
     def _flush_pending(self) -> None:
         pending = self._pending
@@ -653,6 +668,11 @@ class Client(ClientBase):
             except zmq.ZMQError:
                 pending.clear()
                 return
+            except Exception as e:  # out of memory or threads: dropped (see _send_soon)
+                if send_failure(e, self.endpoint) is None:
+                    raise
+                log.warning("could not send to the broker: %s: %s (this process is out of memory or threads)",
+                            type(e).__name__, e)
             pending.popleft()
             self._core.last_send = time.monotonic()
 

@@ -2,6 +2,10 @@
 
 Both twins use these; nothing here parses a reply or keeps request state (that is core.py).
 
+- `context(endpoint)`: pyzmq's process-wide context; the first time, a check that libzmq's
+  threads can start (it aborts the process when they cannot) and pyzmq's zero-copy sends
+  started early.  `send_failure(e, endpoint)`: the typed error of a request that could not be
+  sent for want of descriptors, memory or threads.
 - `dealer(ctx, endpoint, curve, heartbeat_s)`: a DEALER connected to the broker (linger 0), with
   CurveZMQ when `curve` holds keys, and over tcp a connection closed when the broker's host
   stops acknowledging.  Works for a plain and an asyncio context alike.
@@ -29,23 +33,25 @@ import logging
 import os
 import socket
 import stat
+import threading
 import weakref
 from typing import Any
 
 import zmq
+from zmq.utils.garbage import gc as zero_copy_gc
 from zmq.utils.monitor import parse_monitor_message
 
 from broker import protocol as P
 from broker.protocol import curve as C
 from broker.protocol.limits import nofile_limit, open_descriptors
 from broker.protocol.link import LinkConn
-from broker.protocol.wire import tcp_liveness
+from broker.protocol.wire import out_of_resources, tcp_liveness, warm_zero_copy
 
 from .errors import InferenceError, InvalidInput
 
 __all__ = ["CLOSE_LINGER_MS", "dealer", "broker_monitor", "handshakes", "drop_monitor", "drop_socket", "ReplyInbox",
            "curve_keys", "tcp_options", "ENV_CLIENT_KEY", "lease_curve", "open_link", "lease_dealer", "lease_events",
-           "drop_lease_dealer", "ipc_problem"]
+           "drop_lease_dealer", "ipc_problem", "send_failure"]
 
 log = logging.getLogger("client_sdk")
 
@@ -139,9 +145,79 @@ def _out_of_descriptors(e: zmq.ZMQError, endpoint: str) -> Exception:
     return e
 
 
+def send_failure(e: BaseException, endpoint: str) -> InferenceError | None:
+    """The error for a request that could not be sent because this process is out of
+    descriptors, memory or threads (`wire.out_of_resources`; the socket was left at a
+    message boundary, and nothing of the request was taken for a request), or None for any
+    other exception."""
+    if not out_of_resources(e):
+        return None
+    why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    return InferenceError(f"cannot send a request to {endpoint}: this process is out of descriptors, memory or "
+                          f"threads ({why}); the request was not sent: free some, or raise its limits "
+                          f"(RLIMIT_NOFILE, RLIMIT_AS, the cgroup's pids.max), and retry", code=None)
+
+
+#: threads libzmq starts for a context at its first socket (its reaper and one I/O thread),
+#: and those pyzmq's zero-copy sends need (its garbage-collector thread, and that one's own
+#: context's two): `context` sees that they can be started before anything starts them
+_ZMQ_THREADS = 2
+_ZERO_COPY_THREADS = 3
+#: the process whose first client found room for those threads (a forked child asks again:
+#: its pyzmq context and garbage collector are new)
+_checked_in: int | None = None
+
+
+def _startable_threads(n: int) -> int:
+    """How many of `n` threads this process can have running at once now (started together,
+    each waiting on one event, then let go and joined)."""
+    gate = threading.Event()
+    started: list[threading.Thread] = []
+    try:
+        for _ in range(n):
+            t = threading.Thread(target=gate.wait, args=(10.0,), name="client-sdk-thread-room", daemon=True)
+            t.start()
+            started.append(t)
+    except RuntimeError:  # "can't start new thread": a pids limit (cgroup pids.max, RLIMIT_NPROC) reached
+        pass
+    finally:
+        gate.set()
+        for t in started:
+            t.join(10.0)
+    return len(started)
+
+
+def _check_threads(endpoint: str) -> None:
+    """Once per process, before its first client makes the context's first socket: libzmq
+    starts two threads then, and aborts the whole process when it cannot (an assertion in
+    its thread.cpp), so a process at its pids limit got SIGABRT from a Client constructor.
+    `InferenceError` instead.  With room for pyzmq's zero-copy machinery too, that is
+    started now (`wire.warm_zero_copy`), while descriptors and threads are likely to be
+    there, rather than at the first tensor of 64 KiB or more sent inline."""
+    global _checked_in
+    pid = os.getpid()
+    if _checked_in == pid:
+        return
+    warm = not zero_copy_gc.is_alive()
+    room = _startable_threads(_ZMQ_THREADS + (_ZERO_COPY_THREADS if warm else 0))
+    if room < _ZMQ_THREADS:
+        raise InferenceError(f"cannot connect to {endpoint}: this process cannot start threads (ZeroMQ needs "
+                             f"{_ZMQ_THREADS}, and aborts the whole process without them): raise its pids limit "
+                             f"(the cgroup's pids.max, RLIMIT_NPROC) or end some threads, and retry", code=None)
+    if warm and room == _ZMQ_THREADS + _ZERO_COPY_THREADS:
+        try:
+            warm_zero_copy()
+        except Exception as e:  # (pyzmq's thread may have printed why): large inline frames are then copied
+            log.debug("pyzmq's zero-copy sends could not be started now (%s)", e)
+    _checked_in = pid
+
+
 def context(endpoint: str) -> zmq.Context:
     """pyzmq's process-wide context (`zmq.Context.instance()`; its first use makes it, which
-    takes descriptors: out of them, an `InferenceError` that says so)."""
+    takes descriptors: out of them, an `InferenceError` that says so).  The first time in a
+    process, also sees that the threads libzmq starts with the context's first socket can
+    be started (`InferenceError` when not: libzmq would abort the process)."""
+    _check_threads(endpoint)
     try:
         return zmq.Context.instance()
     except zmq.ZMQError as e:

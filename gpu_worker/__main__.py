@@ -271,6 +271,16 @@ def main(argv: list[str] | None = None) -> int:
     from shm.errors import ShmError
 
     raise_nofile_limit()  # a descriptor per client segment, pidfd and reply socket (broker.protocol.limits)
+    from broker.protocol.wire import warm_zero_copy
+
+    try:
+        # pyzmq's zero-copy sends (an output of 64 KiB or more sent inline) need a thread and
+        # descriptors of their own: started now, not at the first such reply, when they may
+        # be gone (wire.send_frames then copies the reply: it still goes out whole).
+        warm_zero_copy()
+    except Exception as e:
+        logging.getLogger("gpu_worker").warning("pyzmq's zero-copy sends could not be started (%s: %s); large "
+                                                "inline replies are copied", type(e).__name__, e)
     try:
         worker = Worker(cfg)
     except ConfigError as e:  # checked before anything loads: the message names the option

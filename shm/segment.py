@@ -413,7 +413,10 @@ def create_segment(capacity: int, slots: int, align: int) -> tuple[str, mmap.mma
         mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except OSError as e:
         os.close(fd)
-        raise ShmError(f"cannot create a {total >> 20} MiB shared-memory segment: {e.strerror}") from None
+        # Out of memory (mmap under RLIMIT_AS) or descriptors (mmap's duplicate of the file)
+        # is this moment's, as at memfd_create: the caller may try again later.
+        cls = OutOfResources if e.errno in RESOURCE_ERRNOS else ShmError
+        raise cls(f"cannot create a {total >> 20} MiB shared-memory segment: {e.strerror}") from None
     except BaseException:
         os.close(fd)
         raise

@@ -18,6 +18,7 @@ followed by `touched`).
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import os
 import secrets
@@ -30,7 +31,7 @@ import zmq
 from zmq.backend import Socket as _Base
 
 __all__ = ["seed_routing_ids", "send_frames", "recv_frames", "sock_events", "touched", "Waiter", "NOBLOCK", "tcp_liveness", "DEAD_AFTER_BEATS",
-           "tcp_counts", "TcpWatch"]
+           "tcp_counts", "TcpWatch", "out_of_resources", "warm_zero_copy"]
 
 NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
@@ -67,15 +68,27 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None
     NOBLOCK; as with send_multipart, a full queue raises `zmq.Again` at the first frame
     (libzmq queues a multipart message whole or not at all).
 
-    Never left open against signal handlers.  Python runs a handler between any two
-    bytecodes of the main thread and pyzmq runs them around each frame it sends, so one that
-    raises (Ctrl-C, an alarm-based timeout) could stop a message half sent, and the
-    socket's next message was glued onto it: an innocent request lost.  Whether the frame
-    it landed on went out cannot be told (pyzmq checks before and after the C send), so that
-    frame and the ones after it are sent again before the exception goes on: the interrupted
-    message goes out whole, or with that frame twice (then refused as malformed; the last
-    frame twice is a one-frame message after it, refused too), and the next message starts
-    a message of its own whatever happened."""
+    Never leaves the socket inside a message: a send that fails or is interrupted after its
+    first frame went out still ends that message before the exception goes on, or the
+    socket's next message was glued onto it (an innocent request lost, a worker's error
+    reply read as part of the reply it followed).
+
+    - A frame at or above pyzmq's copy threshold (64 KiB) is sent zero-copy, which needs
+      pyzmq's garbage-collector thread, its context's two I/O threads, a few descriptors and
+      its module (`warm_zero_copy` starts them; else the first such frame in the process
+      does).  Out of descriptors, memory or threads at that moment (`out_of_resources`),
+      that frame and the ones after it are sent copied, which needs none of that: the
+      message goes out whole and nothing is raised.  Only if the copy fails too (out of
+      memory) is the error raised, the message ended with an empty frame that no receiver
+      takes for a whole one.
+    - A signal handler's exception (Ctrl-C, an alarm-based timeout): Python runs the
+      handler between any two bytecodes of the main thread and pyzmq runs them around each
+      frame it sends.  Whether the frame it landed on went out cannot be told (pyzmq checks
+      before and after the C send), so that frame and the ones after it are sent again
+      (copied) before the exception goes on: the interrupted message goes out whole, or with
+      that frame twice (then refused as malformed; the last frame twice is a one-frame
+      message after it, refused too), and the next message starts a message of its own
+      whatever happened."""
     _QUIET.discard(sock)  # a send may process the socket's commands (see Waiter)
     last = len(frames) - 1
     more = int(flags) | _SNDMORE
@@ -83,28 +96,87 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None
     try:
         for i, f in enumerate(frames):
             _send(sock, f, more if i < last else int(flags), False)
-    except zmq.ZMQError:
-        raise
-    except BaseException:
-        _finish_message(sock, frames, i, more, int(flags))
-        raise
+    except zmq.ZMQError as e:
+        if e.errno not in _RESOURCE_ERRNOS:
+            if i:  # libzmq took the first frame: a socket closed under it, most likely
+                _finish_message(sock, frames, i, int(flags))
+            raise  # at the first frame (a full queue: Again), nothing of the message went out
+        if not _finish_message(sock, frames, i, int(flags)):
+            raise
+    except BaseException as e:
+        if not _finish_message(sock, frames, i, int(flags)) or not out_of_resources(e):
+            raise
 
 
-def _finish_message(sock: zmq.Socket, frames: Sequence[Any], start: int, more: int, flags: int) -> None:
-    """Send frames[start:] of a message a signal handler's exception interrupted.  libzmq
-    takes every later frame once it took the first; if the first was not taken (a full
-    queue), the next is refused too (NOBLOCK) and nothing of the message goes out.  A second
-    handler's exception meanwhile does not stop it (the first one goes on)."""
+#: errno values that mean "this process or host is out of descriptors or memory"
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM})
+
+
+def out_of_resources(e: BaseException) -> bool:
+    """Whether `e` says that this process is out of descriptors, memory or threads (EMFILE,
+    ENFILE, ENOMEM from libzmq or the OS, MemoryError, the RuntimeError of a thread that
+    cannot start): this moment's condition, not the value's fault."""
+    if isinstance(e, (zmq.ZMQError, OSError)):
+        return e.errno in _RESOURCE_ERRNOS
+    if isinstance(e, MemoryError):
+        return True
+    return isinstance(e, RuntimeError) and "can't start new thread" in str(e)
+
+
+#: times `_finish_message` sends one frame again that signal handlers' exceptions keep
+#: interrupting, before it goes on to the next
+_RETRIES = 8
+
+
+def _finish_message(sock: zmq.Socket, frames: Sequence[Any], start: int, flags: int) -> bool:
+    """Send frames[start:] of a message a failure or a signal handler's exception cut short,
+    copied (a copy needs neither pyzmq's garbage-collector thread nor its socket), without
+    blocking; whether they all went out.  libzmq takes every later frame once it took the
+    first; if the first was not taken (a full queue), it is refused again, and nothing of
+    the message went out.  A frame that cannot be sent (out of memory for its copy, a socket
+    closed) ends the message with an empty frame instead: the socket is at a message
+    boundary whatever happened, and what went out is malformed, refused by its receiver.
+    Another handler's exception meanwhile does not stop it (the first one goes on): the
+    frame it landed on is sent again (twice, perhaps: refused as malformed)."""
     last = len(frames) - 1
+    more = flags | _SNDMORE | _NOBLOCK
     j = start
+    tries = 0
     while j <= last:
         try:
-            _send(sock, frames[j], (more if j < last else flags) | _NOBLOCK, False)
+            _send(sock, frames[j], more if j < last else flags | _NOBLOCK, True)
         except zmq.ZMQError:
-            return  # Again: the first frame was not taken, nothing went out
-        except BaseException:  # noqa: BLE001 - another handler's: this frame went out, go on
-            pass
+            if j == 0:
+                return False  # the first frame was not taken: nothing went out
+            break
+        except BaseException as e:  # noqa: BLE001 - a handler's exception, or no memory for the copy
+            if out_of_resources(e):
+                break
+            tries += 1
+            if tries < _RETRIES:
+                continue  # a handler's: the frame may not have gone out, send it again
         j += 1
+        tries = 0
+    else:
+        return True
+    for _ in range(_RETRIES):
+        try:
+            _send(sock, b"", flags | _NOBLOCK, True)
+            break
+        except zmq.ZMQError:
+            break  # a closed socket: nothing will be delivered anyway
+        except BaseException:  # noqa: BLE001 - a handler's exception: end the message all the same
+            pass
+    return False
+
+
+def warm_zero_copy() -> None:
+    """Start what pyzmq's zero-copy sends need (its garbage-collector thread, that thread's
+    context with its two I/O threads and its sockets), now rather than at the first frame of
+    64 KiB or more, when the process may be out of descriptors or threads (`send_frames`
+    then copies such frames instead).  Raises what starting them raises (ZMQError or OSError
+    EMFILE, RuntimeError: no thread); next to nothing once they run (a check and a frame)."""
+    zmq.Frame(b"\0", copy=False)  # made zero-copy whatever its size, and dropped at once
 
 
 def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:

@@ -133,3 +133,34 @@ def test_a_client_made_without_descriptors_left_says_so(monkeypatch, where):
         monkeypatch.setattr(zmq.Context, "socket", refuse)
     with pytest.raises(InferenceError, match="out of descriptors"):
         Client("ipc:///nowhere/fe.ipc")
+
+
+def test_a_pool_that_cannot_be_mapped_for_want_of_memory_is_tried_again(monkeypatch):
+    # memfd_create succeeded, mmap failed (ENOMEM under RLIMIT_AS, or EMFILE for its
+    # duplicate of the file): a plain ShmError, taken for the host's want of shared memory,
+    # and the client sent every later tensor inline for its life.
+    import mmap
+
+    import numpy as np
+
+    from client_sdk.core import ClientCore
+    from client_sdk.errors import InferenceError
+    from shm import segment
+
+    real = mmap.mmap
+
+    def starved(*a, **kw):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    core = ClientCore("ipc:///tmp/zinf-test-nobody.ipc")
+    try:
+        monkeypatch.setattr(segment.mmap, "mmap", starved)
+        with pytest.raises(InferenceError, match="out of descriptors or memory"):
+            core.alloc((4,), np.float32)
+        assert core.use_shm
+        monkeypatch.setattr(segment.mmap, "mmap", real)
+        arr = core.alloc((4,), np.float32)  # memory back: shared memory again
+        assert arr.shape == (4,) and core.pool is not None
+        del arr
+    finally:
+        core.close()
