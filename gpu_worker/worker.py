@@ -289,6 +289,10 @@ class WorkerConfig:
 #: through the broker), as before
 STREAM_WAIT_S = 0.5
 
+#: seconds a leased request's outcome waits for the STATS that counts it, at most while the
+#: loop runs (the broker never sees a leased FINAL: a worker's death loses what waits)
+LEASED_STATS_S = 0.05
+
 #: `Job.cancelled` of a leased stream whose partial could not be sent (truthy: it stops)
 _UNSENDABLE = "unsendable"
 #: `Job.cancelled` by a CANCEL whose caller's deadline had passed (`Cancel.expired`): answered
@@ -392,6 +396,11 @@ class Worker:
                       "output": Histogram(LATENCY_BUCKETS), "batch": Histogram(BATCH_BUCKETS),
                       "leased_request": Histogram(LATENCY_BUCKETS)}
         self._leased_outcomes: dict[int, int] = {}  # outcome code (0: a result) -> FINALs since the last STATS
+        # When the first of them came: a STATS goes out LEASED_STATS_S after it, not at the
+        # next housekeeping (a heartbeat interval): a worker that dies takes with it only the
+        # counts of its last moments (the metrics hunt: 10 pinned requests of the second
+        # before a SIGKILL were in no count).
+        self._leased_since: float | None = None
         self._leased_dropped = 0  # frames leased latest-wins streams dropped, since the last STATS
         self._stats_warm = 0     # keep-warm runs already reported
         self._stats_usage = None  # pool use last reported
@@ -615,6 +624,8 @@ class Worker:
                 done_ms = self.dones.wait_ms(now)
                 if done_ms is not None:
                     ms = min(ms, done_ms)
+                if self._leased_since is not None:
+                    ms = min(ms, max(0.0, (self._leased_since + LEASED_STATS_S - now) * 1000.0))
                 if link is not None and link.inbox:
                     ms = 0  # read from the link already, not yet handled: its descriptor will not tell
                 if self._reconnect_why is not None:
@@ -656,6 +667,8 @@ class Worker:
                     self._announce_ready()
                 if self.dones.ready(now):
                     self._flush_done()
+                if self._leased_since is not None and now - self._leased_since >= LEASED_STATS_S:
+                    self._send_stats()
                 if now - upstream.last_sent >= interval:
                     self._send(P.worker_heartbeat())
                 self._maybe_keep_warm()
@@ -1668,6 +1681,7 @@ class Worker:
             return
         fields = {name: h.take() for name, h in hist.items()}
         self._leased_outcomes = {}
+        self._leased_since = None
         self._leased_dropped = 0
         self._stats_warm += warm
         self._stats_usage = usage
@@ -2064,6 +2078,8 @@ class Worker:
             return
         self._leased_outcomes[code] = self._leased_outcomes.get(code, 0) + 1
         now = time.monotonic()
+        if self._leased_since is None and self.counts:  # (a broker that counts nothing gets no STATS)
+            self._leased_since = now
         if code == P.ErrorCode.DEADLINE_EXCEEDED and job.deadline is not None:
             now = min(now, job.deadline)
         self._hist["leased_request"].observe(max(0.0, now - job.received))

@@ -581,3 +581,36 @@ def test_a_restarted_broker_gets_the_pools_gauges_without_traffic(cluster):
     got = until(lambda: capacity("http://" + broker.field("http")), "the restarted broker's gauge")
     assert got == [160 << 20]  # the worker's --out-capacity-mb
     assert w.p.poll() is None
+
+
+def test_pinned_requests_are_counted_within_moments_not_at_the_next_heartbeat(cluster):
+    """The metrics hunt: a worker's STATS carried its leased outcomes once a heartbeat
+    interval, so a worker SIGKILLed took the counts of its last interval with it (10 pinned
+    requests in no count).  They go out LEASED_STATS_S (50 ms) after the first of them now:
+    with 5 s heartbeats, they are in within 2 s, before the worker is killed."""
+    broker = cluster.broker("--http", "127.0.0.1:0", "--heartbeat-interval", "5")
+    base = "http://" + broker.field("http")
+    w = cluster.worker("echo", "--direct", "--heartbeat-interval", "5")
+    x = {"x": np.arange(4)}
+
+    def ok():
+        return value(scrape(base), "zmq_infer_requests_total", service="echo", outcome="ok")
+
+    with Client(cluster.frontend, timeout=WAIT, pin=True) as c:
+        wait_service(c, "echo")
+        sent = 0
+        deadline = time.monotonic() + WAIT
+        while not c.pinned("echo"):
+            assert time.monotonic() < deadline, "never pinned"
+            c.infer("echo", x).release()
+            sent += 1
+            if not c.pinned("echo"):
+                c.pump(0.05)
+        until(lambda: ok() == sent, "the requests before the lease counted", timeout=WAIT)
+        before = c.pinned_replies
+        for _ in range(10):
+            c.infer("echo", x).release()
+        assert c.pinned_replies - before == 10
+        until(lambda: ok() == sent + 10, "the pinned requests counted", timeout=2.0)
+    w.kill()
+    assert ok() == sent + 10
