@@ -23,7 +23,11 @@ Three pure cores (no socket, no clock: time is passed in) and one socket cache:
   otherwise try to reconnect to a dead endpoint ten times a second until 64 newer
   clients pushed it out.  Near the process's descriptor limit a new socket sends only once
   its connection is made (the others are relayed): a connection that cannot be made for
-  want of descriptors would hold a reply until its client times out.
+  want of descriptors would hold a reply until its client times out.  Whether it is near
+  is an estimate that counts what a new client costs this worker (`NEW_CLIENT_FDS`),
+  listed again when a socket is made within the reserve of the mark; a socket made to queue
+  before its connection is closed at the next `sweep` that finds the process near its
+  limit (its connection may never come), and the next one made for its client waits.
 
 Invariant the worker must keep: an envelope enters `DoneGather` only after its FINAL was
 queued on a direct socket, and every envelope that entered is told to the broker (or dropped
@@ -51,6 +55,11 @@ log = logging.getLogger("gpu_worker")
 # Milliseconds a closed reply_to socket keeps delivering what it has queued: a FINAL already
 # told to the broker as DONE must still reach its client (close() itself does not wait).
 DIRECT_LINGER_MS = 2000
+
+#: descriptors a new client costs this worker: its reply socket and that socket's connection,
+#: a pidfd, and the two of its segment's mapping (only the socket's are this cache's own: the
+#: others are counted here so that the estimate does not lag behind them)
+NEW_CLIENT_FDS = 5
 
 
 def direct_endpoint(final: bool, req: P.Request | None, *, host: str, enabled: bool, streaming: bool) -> str | None:
@@ -200,6 +209,9 @@ class DirectSockets:
         self._holders = holders if holders is not None else PidfdHolders()
         # This process's descriptors: near its limit, a new socket sends only once connected.
         self._guard = guard if guard is not None else Headroom(nofile_limit())
+        # Sockets made to queue before their connection (far from the limit), since the last
+        # sweep that found the process far from it: `sweep` closes them if it is near now.
+        self._eager: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._socks)
@@ -218,8 +230,7 @@ class DirectSockets:
             # Not visible from here (another mount namespace, or the client is gone): a
             # connect would queue replies forever, so relay instead.
             return None
-        guard = self._guard  # a socket's wake-up descriptor and its connection's
-        near_limit = guard.accepted(2) or guard.paused
+        near_limit = self._near_limit()
         sock = None
         try:
             sock = self.ctx.socket(zmq.PUSH)
@@ -243,6 +254,8 @@ class DirectSockets:
             self._bad.warning("cannot connect to reply_to %s (%s); relaying through the broker", endpoint, e)
             return None
         self._socks[endpoint] = sock
+        if not near_limit:
+            self._eager.add(endpoint)
         owner = P.parse_reply_socket_name(endpoint.rpartition("/")[2])
         if owner is not None:
             self._owner[endpoint] = owner
@@ -250,14 +263,41 @@ class DirectSockets:
         while len(self._socks) > self.capacity:
             name, old = self._socks.popitem(last=False)
             self._owner.pop(name, None)
+            self._eager.discard(name)
             old.close(linger=DIRECT_LINGER_MS)
         return sock
+
+    def _near_limit(self) -> bool:
+        """Whether a new socket must wait for its connection before it queues a reply.
+
+        The estimate between listings adds what a new client costs the worker
+        (`NEW_CLIENT_FDS`); within the reserve of the pause mark (and at the mark:
+        `Headroom.accepted`) the descriptors are listed again, since others (a client's
+        second segment, libzmq's) are not in it.  Far from the limit, nothing is listed."""
+        guard = self._guard
+        if guard.accepted(NEW_CLIENT_FDS) or guard.paused:
+            return True
+        if guard.used >= guard.limit - 2 * guard.reserve:
+            guard.watch()
+        return guard.paused
 
     def sweep(self) -> list[str]:
         """Close the sockets of clients that exited (the name states the owner's pid and
         start time) or closed theirs (its file is gone); a reply still queued there has
         nobody to read it."""
-        self._guard.watch()  # the descriptors counted again: near the limit or not
+        guard = self._guard
+        guard.watch()  # the descriptors counted again: near the limit or not
+        eager, self._eager = self._eager, set()
+        if guard.paused:
+            # Made to queue before their connection, while far from the limit: a connection
+            # that failed for want of descriptors may never come, and its socket would hold
+            # its client's replies for good.  Closed (what a connection made in the linger
+            # delivers still goes); its client's next reply opens one that waits.
+            for ep in eager:
+                self._owner.pop(ep, None)
+                sock = self._socks.pop(ep, None)
+                if sock is not None:
+                    sock.close(linger=DIRECT_LINGER_MS)
         holders = self._holders
         holders.prune()
         gone = [ep for ep, owner in self._owner.items()
@@ -287,6 +327,7 @@ class DirectSockets:
 
     def drop(self, endpoint: str) -> None:
         self._owner.pop(endpoint, None)
+        self._eager.discard(endpoint)
         sock = self._socks.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=0)
@@ -296,5 +337,6 @@ class DirectSockets:
             sock.close(linger=DIRECT_LINGER_MS)
         self._socks.clear()
         self._owner.clear()
+        self._eager.clear()
         if self._own_holders:
             self._holders.close()

@@ -237,6 +237,76 @@ def test_a_reply_is_never_queued_on_a_connection_not_made(ctx, tmp_path):
         deaf.close()
 
 
+def _deaf(path: str):
+    """A file at ``path`` that nobody listens on: every connect to it is refused."""
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    return s
+
+
+def test_near_the_mark_a_new_socket_counts_the_descriptors_it_did_not_open(ctx, tmp_path):
+    # The estimate counted this cache's sockets alone, while each new client also costs the
+    # worker a pidfd and its segment's two mappings: a worker at its limit took itself for
+    # far from it, and made a socket that queued a reply on a connection that failed on
+    # EMFILE (the resource hunt: one client in 40 waited out its timeout on every request).
+    from broker.protocol.limits import Headroom
+
+    used = [40]
+    guard = Headroom(128, count=lambda: used[0])  # mark at 86, listed again from 44
+    socks = DirectSockets(ctx, guard=guard)
+    path = f"{tmp_path}/c.ipc"
+    deaf = _deaf(path)
+    try:
+        used[0] = 120  # segments and pidfds of new clients, which only a listing sees
+        ep = "ipc://" + path
+        assert socks.open(ep) is not None
+        assert guard.paused and guard.used == 120
+        assert socks.send(ep, [b"x"]) is False  # not queued on a connection not made: relayed
+    finally:
+        socks.close()
+        deaf.close()
+
+
+def test_a_socket_made_to_queue_is_closed_once_the_worker_is_found_near_its_limit(ctx, tmp_path):
+    # Made far from the limit (it queues while its connection is made), but the connection
+    # failed for want of descriptors: what it queued, and every later reply to its client,
+    # waited for a connection that never came.  The sweep that finds the worker near its
+    # limit closes the sockets made to queue since the last sweep that found it far (libzmq
+    # retries a connection, and it had descriptors to make it with then); the next socket
+    # for the client queues only once connected.
+    from broker.protocol.limits import Headroom
+
+    used = [10]
+    guard = Headroom(128, count=lambda: used[0])
+    socks = DirectSockets(ctx, guard=guard)
+    old_path, new_path, ok_path = f"{tmp_path}/old.ipc", f"{tmp_path}/new.ipc", f"{tmp_path}/ok.ipc"
+    old, new, ok = _deaf(old_path), _deaf(new_path), _pull(ctx, ok_path)
+    old_ep, new_ep, ok_ep = "ipc://" + old_path, "ipc://" + new_path, "ipc://" + ok_path
+    try:
+        assert socks.open(old_ep) is not None
+        socks.sweep()  # far from the limit: kept
+        assert old_ep in socks and not guard.paused
+        assert socks.open(new_ep) is not None and socks.send(new_ep, [b"x"]) is True  # queued
+        assert socks.open(ok_ep) is not None
+        used[0] = 120
+        socks.sweep()
+        assert guard.paused and new_ep not in socks and ok_ep not in socks and old_ep in socks
+        assert socks.open(new_ep) is not None
+        assert socks.send(new_ep, [b"y"]) is False and new_ep in socks  # relayed, socket kept
+        sock = socks.open(ok_ep)  # a client whose connection is made: direct again once it is
+        assert sock.poll(5000, zmq.POLLOUT) and socks.send(ok_ep, [b"z"]) is True
+        assert ok.poll(5000) and ok.recv_multipart() == [b"z"]
+        socks.sweep()  # made while near: not closed again
+        assert new_ep in socks and ok_ep in socks
+    finally:
+        socks.close()
+        old.close()
+        new.close()
+        ok.close()
+
+
 def test_far_from_the_limit_a_reply_queues_while_its_connection_is_made(ctx, tmp_path):
     # Relaying until the connection is up would send a new client's first replies (about 3)
     # through the broker; far from the descriptor limit they queue and go direct.
