@@ -368,7 +368,12 @@ class OutputLeases:
 
     Finalizers can run in any thread and at any allocation (garbage collection), hence the
     re-entrant lock.  Closing waits for the last live lease, so that results dropped after
-    `client.close()` still give their slots back to the worker."""
+    `client.close()` still give their slots back to the worker.
+
+    A release stores RELEASED into the ring's slot table, so it needs the ring mapped: one
+    that cannot be mapped now (this process out of descriptors or memory) is kept and tried
+    again at the next output viewed, at each `sweep` and at close.  Otherwise the worker,
+    seeing its holder alive, kept the slot for the client's life."""
 
     def __init__(self, factory: Callable[[], Any] | None = None):
         # Owners tracked (a pidfd per worker whose ring is mapped): `sweep` drops the rings
@@ -379,6 +384,7 @@ class OutputLeases:
         self.own_segment: str | None = None  # the client's input pool: not an output ring
         self.cuda_cache: Any = None  # the client's CudaPoolCache, once it has a CUDA side
         self._dead: set[str] = set()  # rings the last sweep found dead (dropped at the next)
+        self._unreleased: set[Any] = set()  # refs whose ring could not be mapped to release them
         self._live = 0
         self._closing = False
         self._gen = _forks  # a forked child's copy gives nothing back (see `_forks`)
@@ -405,6 +411,8 @@ class OutputLeases:
         with self._lock:
             src = self.cache.view(ref, dtype, shape)
             self._live += 1
+            if self._unreleased:  # descriptors to map a ring again: give back what waits
+                self._retry_releases()
         try:
             return lease_array(src, self._release, ref)
         except BaseException:
@@ -419,11 +427,35 @@ class OutputLeases:
             try:
                 if cache is not None:
                     cache.release(ref)
+            except _shm.OutOfResources:  # its ring dropped and not to be mapped again now: later
+                self._unreleased.add(ref)
             except Exception:  # segment gone (worker died) or cache closed: nothing to give back
                 pass
             self._live -= 1
             if self._closing and self._live == 0:
                 self._close_cache()
+
+    def _give_back(self, cache: Any, ref: Any) -> bool:
+        """Release ``ref``: False when its ring cannot be mapped now (kept for later)."""
+        try:
+            cache.release(ref)
+        except _shm.OutOfResources:  # no descriptor or memory to map the ring: later
+            self._unreleased.add(ref)
+            return False
+        except Exception:  # segment gone (worker died), stale or cache closed: nothing to give back
+            pass
+        self._unreleased.discard(ref)
+        return True
+
+    def _retry_releases(self) -> None:
+        """Release the slots whose ring could not be mapped before (under the lock)."""
+        cache = self._cache
+        if cache is None or self._gen != _forks:
+            return
+        stuck = set()  # rings that cannot be mapped now: their other slots are not tried
+        for ref in list(self._unreleased):
+            if ref[0] not in stuck and not self._give_back(cache, ref):
+                stuck.add(ref[0])
 
     def sweep(self) -> list[str]:
         """Drop the mappings of output rings whose worker died or closed them (the client's
@@ -437,6 +469,8 @@ class OutputLeases:
             if cache is None:
                 return []
             try:
+                if self._unreleased:
+                    self._retry_releases()
                 dead = cache.dead()
                 gone = [name for name in dead if name in self._dead]
                 for name in gone:
@@ -456,9 +490,11 @@ class OutputLeases:
                 # a slot we still use (an input buffer a worker echoed back).
                 return
             try:
-                self.cache.release(P.shm_ref(loc))
-            except Exception:
-                pass
+                ref = P.shm_ref(loc)
+                cache = self.cache
+            except Exception:  # a malformed descriptor, or the cache cannot be made
+                return
+            self._give_back(cache, ref)
 
     def close(self) -> None:
         with self._lock:
@@ -467,6 +503,9 @@ class OutputLeases:
                 self._close_cache()
 
     def _close_cache(self) -> None:
+        if self._unreleased:
+            self._retry_releases()  # descriptors freed since, or held for the mapping till now
+            self._unreleased.clear()  # what still cannot be: the worker frees it when we exit
         cache, self._cache = self._cache, None
         if cache is not None:
             try:
@@ -556,6 +595,7 @@ def unpack(reply: P.Reply, frames: list[Any], leases: OutputLeases, *, final: bo
     resolves them: it returns (array, finalizer), or None for a segment that is not ours."""
     arrays: dict[str, np.ndarray] = {}
     fins: list[weakref.finalize] = []
+    t = None
     try:
         for t in reply.tensors:
             dt = P.parse_dtype(t.dtype)
@@ -612,8 +652,11 @@ def unpack(reply: P.Reply, frames: list[Any], leases: OutputLeases, *, final: bo
     except BaseException:
         for f in fins:
             f()
-        # Slots after the failing one were never viewed; give them back too.
-        for t in reply.tensors[len(arrays) + 1:]:
+        # The failing slot (the loop's `t`) and those after it were never viewed: give them
+        # back too (one whose ring cannot be mapped now is given back later: `OutputLeases`).
+        tensors = reply.tensors
+        at = next((k for k, u in enumerate(tensors) if u is t), len(tensors))
+        for t in tensors[at:]:
             if type(t.loc) is P.ShmLoc:
                 leases.release_unviewed(t.loc)
             elif type(t.loc) is P.CudaLoc:

@@ -726,6 +726,85 @@ def test_a_client_whose_process_runs_out_of_descriptors_after_it_was_made_lives(
     assert p.returncode == 0 and p.stdout.split() == ["OK", "0"], (p.returncode, p.stdout, p.stderr[-2000:])
 
 
+_CANNOT_MAP_ITS_OUTPUTS = """
+import os, resource, sys
+import numpy as np
+from client_sdk import Client, InferenceError
+from shm.gc import list_segments
+from shm.segment import HEADER_DTYPE, HEADER_SIZE, IN_FLIGHT, SLOT_DTYPE, SLOT_SIZE
+
+def lent_to_me(worker):  # the worker's output slots this process holds
+    n = 0
+    for s in list_segments(count_slots=False):
+        if s.owner_pid == worker:
+            fd = os.open(f"/proc/{worker}/fd/{s.name.rpartition('-')[2]}", os.O_RDONLY)
+            try:
+                slots = int(np.frombuffer(os.pread(fd, HEADER_DTYPE.itemsize, 0), HEADER_DTYPE)[0]["slot_count"])
+                tab = np.frombuffer(os.pread(fd, SLOT_SIZE * slots, HEADER_SIZE), SLOT_DTYPE)
+            finally:
+                os.close(fd)
+            n += int(np.count_nonzero((tab["state"] == IN_FLIGHT) & (tab["holder_pid"] == os.getpid())))
+    return n
+
+endpoint, worker, then = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+c = Client(endpoint, timeout=20)
+assert c.mmi_service("batched")  # connected (libzmq needs a descriptor for that)
+x = np.full(1 << 16, 1, np.float32)  # 256 KiB in, 256 KiB out through the worker's ring
+a = c.alloc(x.shape, x.dtype)
+a[:] = x
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 256), hard))
+held = []
+try:
+    while True:  # no descriptor left when the worker's first output arrives
+        held.append(os.open(os.devnull, os.O_RDONLY))
+except OSError:
+    pass
+unmapped = 0
+for _ in range(3):
+    try:
+        c.infer("batched", {"x": a}).release()
+        raise SystemExit("an output was mapped with no descriptor left")
+    except InferenceError as e:
+        unmapped += "cannot map it now" in str(e)
+        print(type(e).__name__, e, file=sys.stderr)
+assert unmapped, "no output went unmapped"
+for fd in held:
+    os.close(fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+if then == "call":  # the next output mapped gives back those that could not be
+    with c.infer("batched", {"x": a}) as r:
+        assert r["y"][0] == 2.0
+    print("LENT", lent_to_me(worker), flush=True)
+    c.close()
+else:  # close() does
+    c.close()
+    print("LENT", lent_to_me(worker), flush=True)
+"""
+
+
+def test_output_slots_a_client_could_not_map_go_back_to_the_worker_once_it_can(cluster):
+    """A client out of descriptors when a worker's first output arrived got "cannot map it
+    now", and those output slots stayed lent to it for its life, even after close(): the
+    worker, seeing its holder alive, never took them back, and once its ring was full every
+    client of it got its outputs inline (the resource hunt: 3 of 3).  Once the client has
+    descriptors again its next output, or its close(), gives them back."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import ROOT
+
+    cluster.broker()
+    worker = cluster.worker("faulty_model:batched", "--service", "batched")
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "batched")
+    for then in ("call", "close"):
+        p = subprocess.run([sys.executable, "-c", _CANNOT_MAP_ITS_OUTPUTS, cluster.frontend, str(worker.p.pid), then],
+                           cwd=ROOT, timeout=60, capture_output=True, text=True)
+        assert p.returncode == 0 and p.stdout.split() == ["LENT", "0"], (then, p.returncode, p.stdout,
+                                                                           p.stderr[-2000:])
+
+
 def test_a_client_that_reads_big_replies_as_fast_as_they_come_is_not_taken_for_a_stalled_one(cluster):
     """The byte bound on unread replies counts what libzmq still holds for the client, so a
     client that pulls one 4 MiB reply after another, always 4 in flight, is never dropped,
