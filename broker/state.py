@@ -908,12 +908,13 @@ class Scheduler(LeaseEvents):
                 out.append(LateToClient(req.client, req.request_id, req.svc.name, True, payload))
             if req.orphan and self._on_direct is not None:
                 # Its client left before any final: the worker's answer is its only count.
-                # Through the broker, it came too late for anyone (`client_gone`, as the
-                # cancellation the broker asked for when the client left); sent straight to
-                # the client, it may have been read before the client left (its own code:
-                # the DONE's age cannot tell, a close races it).
+                # The cancellation the broker asked for when the client left, and a result
+                # relayed after it (it reached nobody) are `client_gone`; a result sent
+                # straight to the client may have been read before the client left (the
+                # DONE's age cannot tell, a close races it), and an error is the service's
+                # own (a model's 500 must not hide behind a client that left).
                 finished = max(req.dispatched_at, now - age)
-                gone = req.orphan is True and (relay or code == ErrorCode.CANCELLED)
+                gone = req.orphan is True and (code == ErrorCode.CANCELLED or (relay and code == 0))
                 self._on_direct(req.svc.name, CLIENT_GONE if gone else code,
                                 req.enqueued_at, req.dispatched_at, finished, (req.client, req.request_id))
         else:

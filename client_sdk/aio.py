@@ -53,7 +53,7 @@ from .core import ClientCore
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
-                      drop_monitor, drop_socket, handshakes, ipc_problem, lease_dealer, lease_events, open_link,
+                      drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link,
                       send_failure, tcp_options)
 from .tensors import Result
 
@@ -89,7 +89,11 @@ def _on_its_loop(method):
             return method(self, *args, **kw)
         return self._wait_on_loop(loop, functools.partial(method, self, *args, **kw))
 
-    return functools.update_wrapper(run, method)
+    run = functools.update_wrapper(run, method)
+    if run.__name__.endswith("_here"):  # (`prepare = _on_its_loop(_prepare_here)`: named as called)
+        run.__name__ = run.__name__[1:-len("_here")]
+        run.__qualname__ = run.__qualname__.replace("._", ".", 1).removesuffix("_here")
+    return run
 
 
 def _resolve(fut: asyncio.Future) -> None:
@@ -128,7 +132,7 @@ class AsyncClient(ClientBase):
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
                                 direct_reply=direct_reply, restart_resends=restart_resends, pin=pin,
                                 max_inline_mb=max_inline_mb)
-        self._core.endpoint_problem = functools.partial(ipc_problem, endpoint)
+        self._core.endpoint_problem = IpcDiagnosis(endpoint)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         ctx = context(endpoint)  # first: it sees that libzmq's threads can start
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
@@ -285,7 +289,11 @@ class AsyncClient(ClientBase):
             return done.result(HANDOFF_S)
         except concurrent.futures.TimeoutError:
             if not done.cancel():  # it runs now (it does not wait): its outcome
-                return done.result(HANDOFF_S)
+                try:
+                    return done.result(HANDOFF_S)
+                except concurrent.futures.TimeoutError:
+                    raise InferenceError(f"this AsyncClient's event loop ({loop}) took this call and did not finish "
+                                         f"it within {2 * HANDOFF_S:g}s", code=None) from None
             raise InferenceError(f"this AsyncClient's event loop ({loop}) did not run this call within {HANDOFF_S:g}s "
                                  "(blocked, or stopped?); nothing was done", code=None) from None
 
@@ -812,8 +820,8 @@ class AsyncClient(ClientBase):
         `traceparent`: a W3C trace context (``00-<32 hex trace id>-<16 hex span id>-<2 hex
         flags>``) carried to the broker and the worker, whose log lines and spans name its
         trace id (docs/operations.md, "Logs and traces"); one that does not parse is ignored."""
-        call = self.prepare(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
-                            traceparent=traceparent)
+        call = self._prepare_here(service, inputs, timeout=timeout, priority=priority, meta=meta, reply=reply,
+                                  traceparent=traceparent)
         self._submit(call)
         return AsyncReplyStream(self, call)
 
@@ -902,10 +910,9 @@ class AsyncClient(ClientBase):
     # another thread while the client's loop runs, each is done on the loop (`_on_its_loop`;
     # `give_up` without waiting for it).
 
-    @_on_its_loop
-    def prepare(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
-                priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto",
-                copy_inline: bool = False, traceparent: str | None = None) -> Call:
+    def _prepare_here(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
+                      priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto",
+                      copy_inline: bool = False, traceparent: str | None = None) -> Call:
         """Check the arguments and pack the inputs into a `Call`, without sending it (the
         reader starts on the running loop if it has not yet).  A prepared call must end in
         `submit` or `give_up`: it may hold input slots."""
@@ -913,12 +920,16 @@ class AsyncClient(ClientBase):
         return self._core.new_call(service, inputs, timeout=timeout, priority=priority, meta=meta,
                                    reply=reply, copy_inline=copy_inline, traceparent=traceparent)
 
-    @_on_its_loop
-    def submit(self, call: Call, timeout: float | None = 0.0) -> bool:
+    def _submit_here(self, call: Call, timeout: float | None = 0.0) -> bool:
         """Register a prepared call and queue its REQUEST; its deadline starts now.  Never
         waits and always True: frames the socket refuses wait in the client's own queue, in
         order (`timeout` is there for `Client.submit`'s sake)."""
         return self._submit(call)
+
+    # The public seams check the thread; `infer_stream` and a stream's own steps (already on
+    # the loop: `send` is handed over whole) call the `_here` ones (a check per frame, not three).
+    prepare = _on_its_loop(_prepare_here)
+    submit = _on_its_loop(_submit_here)
 
     def _submit(self, call: Call) -> bool:
         now = time.monotonic()

@@ -44,7 +44,7 @@ from .core import LIVENESS, ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
-                      drop_monitor, drop_socket, handshakes, ipc_problem, lease_dealer, lease_events, open_link,
+                      drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link,
                       send_failure, tcp_options)
 from .tensors import Result
 
@@ -173,7 +173,7 @@ class Client(ClientBase):
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
                                 direct_reply=direct_reply, restart_resends=restart_resends, pin=pin,
                                 max_inline_mb=max_inline_mb)
-        self._core.endpoint_problem = functools.partial(ipc_problem, endpoint)
+        self._core.endpoint_problem = IpcDiagnosis(endpoint)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = context(endpoint)
         self._sock = dealer(self._ctx, endpoint, self._curve, self._core.heartbeat_interval)

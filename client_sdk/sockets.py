@@ -20,7 +20,8 @@ Both twins use these; nothing here parses a reply or keeps request state (that i
   socket of an opaque request: the DISCONNECT drops the request at the broker if it is
   still queued, so a late answer goes nowhere.
 - `ipc_problem(endpoint)`: why an ipc endpoint cannot be connected to (no socket file, another
-  user's, nothing listening), for the error of a call that never heard from the broker.
+  user's, nothing listening, a broker near its descriptor limit), for the error of a call that
+  never heard from the broker; `IpcDiagnosis`, the same asked at most once a second.
 - `ReplyInbox`: the PULL socket a client binds for direct replies (docs/protocol.md section
   8).  Its ipc file is unlinked by `close()`, or by a finalizer when the client is dropped
   without closing; the broker sweeps the files of clients that died (SIGKILL).
@@ -28,12 +29,15 @@ Both twins use these; nothing here parses a reply or keeps request state (that i
 from __future__ import annotations
 
 import errno
+import glob
 import itertools
 import logging
+import math
 import os
 import socket
 import stat
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -51,7 +55,7 @@ from .errors import InferenceError, InvalidInput
 
 __all__ = ["CLOSE_LINGER_MS", "dealer", "broker_monitor", "handshakes", "drop_monitor", "drop_socket", "ReplyInbox",
            "curve_keys", "tcp_options", "ENV_CLIENT_KEY", "lease_curve", "open_link", "lease_dealer", "lease_events",
-           "drop_lease_dealer", "ipc_problem", "send_failure"]
+           "drop_lease_dealer", "ipc_problem", "IpcDiagnosis", "send_failure"]
 
 log = logging.getLogger("client_sdk")
 
@@ -367,6 +371,25 @@ def handshakes(monitor: zmq.Socket) -> int:
     return sum(1 for up, _, _ in lease_events(monitor) if up)
 
 
+class IpcDiagnosis:
+    """`ipc_problem` for one client's endpoint, asked at most once a second: every call that
+    times out asks (200 calls at once made 200 connections to a broker that was there but did
+    not answer: found by review)."""
+
+    def __init__(self, endpoint: str, every: float = 1.0):
+        self.endpoint = endpoint
+        self.every = every
+        self._at = -math.inf
+        self._said: str | None = None
+
+    def __call__(self) -> str | None:
+        now = time.monotonic()
+        if now - self._at >= self.every:
+            self._said = ipc_problem(self.endpoint)
+            self._at = now
+        return self._said
+
+
 def ipc_problem(endpoint: str) -> str | None:
     """Why an ipc `endpoint` cannot be connected to, as the kernel says it (None: nothing
     seen, or not ipc).  libzmq retries a failing ipc connect in silence, so a call to a
@@ -383,6 +406,9 @@ def ipc_problem(endpoint: str) -> str | None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
+        if glob.glob(glob.escape(path) + ".*.paused"):  # (broker.protocol.limits.move_aside)
+            return (f"the broker at {path} takes no new clients now: it is near its descriptor limit (its log "
+                    f"says so; raise its limit)")
         return f"no socket at {path} (no broker is bound there: not started, or bound elsewhere)"
     except PermissionError:
         return (f"permission denied on {path} (its directory is another user's, this client runs as uid {me}: "

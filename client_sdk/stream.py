@@ -69,6 +69,10 @@ class _StreamCore:
         if int(max_in_flight) < 1:
             raise InvalidInput(f"max_in_flight must be at least 1, got {max_in_flight}")
         self._client = client
+        # The client's seams: an AsyncClient's own steps without its thread check (a stream's
+        # `send` is on the loop already, handed over whole), else its public ones.
+        self._prepare = getattr(client, "_prepare_here", None) or client.prepare
+        self._submit_call = getattr(client, "_submit_here", None) or client.submit
         self.service = service
         self.latest_wins = bool(latest_wins)
         self.max_in_flight = int(max_in_flight)
@@ -122,7 +126,7 @@ class _StreamCore:
     def _make(self, inputs: Mapping[str, Any]) -> Any:
         if self._closed or self._finishing:
             raise InferenceError("this stream is closed; open a new one with client.stream()", code=None)
-        call = self._client.prepare(self.service, inputs, copy_inline=True, **self._opts)
+        call = self._prepare(self.service, inputs, copy_inline=True, **self._opts)
         call.frame = self._frames
         call.t_submit = time.monotonic()
         call.no_pin = not self.pin
@@ -153,7 +157,7 @@ class _StreamCore:
         """Submit one frame; the frames dropped since the last one sent ride on it (the
         broker counts them: `zmq_infer_stream_dropped_frames_total`)."""
         call.dropped = self._dropped - self._told
-        if not self._client.submit(call, timeout):
+        if not self._submit_call(call, timeout):
             return False
         self._told = self._dropped
         return True

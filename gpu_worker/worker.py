@@ -131,6 +131,10 @@ def _detached(outs: list) -> list:
 #: own code, over the parent's sockets: it spun at full CPU, ignored SIGTERM and outlived the
 #: worker (the fork hunt).  Such a child ends there, as Python would end it.
 _SERVING_PID = [0]
+#: set in a child forked from this process (`os.register_at_fork`): the per-batch look at the
+#: pid (`_run_model`) is a flag test, not a syscall
+_FORKED = [False]
+os.register_at_fork(after_in_child=lambda: _FORKED.__setitem__(0, True))
 
 
 def end_forked_child(e: BaseException | None = None) -> None:
@@ -1306,7 +1310,7 @@ class Worker:
         except BaseException as e:
             first = model_fault(e)
         else:
-            if os.getpid() != self.pid:  # a child the model forked returned here (a syscall a batch)
+            if _FORKED[0] and os.getpid() != self.pid:  # a child the model forked returned here
                 end_forked_child()
             return outs
         return self._isolate(jobs, first)

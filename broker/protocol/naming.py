@@ -24,6 +24,10 @@ __all__ = [
 
 # Host identity: two processes may exchange shm references only if they see the same /dev/shm.
 
+#: the inode of the host's initial pid namespace (the kernel's PROC_PID_INIT_INO, fixed)
+_INIT_PID_NS = 0xEFFFFFFC
+
+
 @functools.lru_cache(maxsize=1)
 def local_host_id() -> str:
     """Identity of this process's shared-memory domain: same boot, same /dev/shm mount, same
@@ -44,12 +48,17 @@ def local_host_id() -> str:
         mount = f"{st.st_dev}:{st.st_ino}"
     except OSError:  # pragma: no cover
         mount = "noshm"
+    key = f"{boot}/{mount}"
     try:
-        st = os.stat("/proc/self/ns/pid")
-        pidns = f"{st.st_dev}:{st.st_ino}"
+        ino = os.stat("/proc/self/ns/pid").st_ino
     except OSError:  # pragma: no cover - no /proc
-        pidns = "nopidns"
-    digest = hashlib.blake2s(f"{boot}/{mount}/{pidns}".encode(), digest_size=8).hexdigest()
+        ino = _INIT_PID_NS
+    if ino != _INIT_PID_NS:
+        # Only outside the host's own pid namespace, so that a host whose processes all run
+        # in it keeps the identity versions before this one computed (a rolling upgrade of
+        # such a host keeps its shared memory); inside containers it changed once.
+        key = f"{key}/pidns:{ino}"
+    digest = hashlib.blake2s(key.encode(), digest_size=8).hexdigest()
     return f"{socket.gethostname()}/{digest}"
 
 

@@ -98,9 +98,12 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None
             _send(sock, f, more if i < last else int(flags), False)
     except zmq.ZMQError as e:
         if e.errno not in _RESOURCE_ERRNOS:
-            if i:  # libzmq took the first frame: a socket closed under it, most likely
+            # Again: at the first frame nothing went out (a full queue); at a later one libzmq
+            # has ended or is dropping the message itself (a pipe that filled mid-message):
+            # a frame sent now would start a stray message (found by review).
+            if i and e.errno != zmq.EAGAIN:  # libzmq took the first frame: a socket closed under it
                 _finish_message(sock, frames, i, int(flags))
-            raise  # at the first frame (a full queue: Again), nothing of the message went out
+            raise
         if not _finish_message(sock, frames, i, int(flags)):
             raise
     except BaseException as e:
@@ -151,6 +154,8 @@ def _finish_message(sock: zmq.Socket, frames: Sequence[Any], start: int, flags: 
             break
         except BaseException as e:  # noqa: BLE001 - a handler's exception, or no memory for the copy
             if out_of_resources(e):
+                if j == 0:
+                    return False  # nothing of the message went out: nothing to end
                 break
             tries += 1
             if tries < _RETRIES:

@@ -1192,8 +1192,11 @@ def test_a_request_whose_client_left_is_counted_client_gone_when_its_worker_answ
     s.worker_done(b"w", [d2.token], 0.2, [0], [0.0])
     s.worker_final(b"w", d3.token, 0.2, "its 499", code=ErrorCode.CANCELLED)
     assert counted == [CLIENT_GONE, 0, ErrorCode.CANCELLED]
-    # A result relayed through the broker after its client left reached nobody.
+    # A result relayed through the broker after its client left reached nobody; a model's
+    # error is the service's own, whoever was there to see it.
     d4 = only(req(s, 4, client=b"c2"), Dispatch)
+    d5 = only(req(s, 5, client=b"c2"), Dispatch)
     s.client_disconnect(b"c2", 0.3)
     s.worker_final(b"w", d4.token, 0.4, "a result for nobody", code=0)
-    assert counted[-1] == CLIENT_GONE
+    s.worker_final(b"w", d5.token, 0.4, "the model crashed", code=ErrorCode.INTERNAL)
+    assert counted[-2:] == [CLIENT_GONE, ErrorCode.INTERNAL]
