@@ -390,6 +390,16 @@ class IpcDiagnosis:
         return self._said
 
 
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, OverflowError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def ipc_problem(endpoint: str) -> str | None:
     """Why an ipc `endpoint` cannot be connected to, as the kernel says it (None: nothing
     seen, or not ipc).  libzmq retries a failing ipc connect in silence, so a call to a
@@ -406,7 +416,8 @@ def ipc_problem(endpoint: str) -> str | None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        if glob.glob(glob.escape(path) + ".*.paused"):  # (broker.protocol.limits.move_aside)
+        if any(_alive(aside.rsplit(".", 2)[-2]) for aside in glob.glob(glob.escape(path) + ".*.paused")):
+            # (broker.protocol.limits.move_aside: PATH.PID.paused, of a broker that is still there)
             return (f"the broker at {path} takes no new clients now: it is near its descriptor limit (its log "
                     f"says so; raise its limit)")
         return f"no socket at {path} (no broker is bound there: not started, or bound elsewhere)"

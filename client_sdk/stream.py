@@ -71,8 +71,8 @@ class _StreamCore:
         self._client = client
         # The client's seams: an AsyncClient's own steps without its thread check (a stream's
         # `send` is on the loop already, handed over whole), else its public ones.
-        self._prepare = getattr(client, "_prepare_here", None) or client.prepare
-        self._submit_call = getattr(client, "_submit_here", None) or client.submit
+        seams = getattr(client, "_stream_seams", None)
+        self._prepare, self._submit_call = seams() if seams is not None else (client.prepare, client.submit)
         self.service = service
         self.latest_wins = bool(latest_wins)
         self.max_in_flight = int(max_in_flight)

@@ -131,10 +131,6 @@ def _detached(outs: list) -> list:
 #: own code, over the parent's sockets: it spun at full CPU, ignored SIGTERM and outlived the
 #: worker (the fork hunt).  Such a child ends there, as Python would end it.
 _SERVING_PID = [0]
-#: set in a child forked from this process (`os.register_at_fork`): the per-batch look at the
-#: pid (`_run_model`) is a flag test, not a syscall
-_FORKED = [False]
-os.register_at_fork(after_in_child=lambda: _FORKED.__setitem__(0, True))
 
 
 def end_forked_child(e: BaseException | None = None) -> None:
@@ -1310,8 +1306,8 @@ class Worker:
         except BaseException as e:
             first = model_fault(e)
         else:
-            if _FORKED[0] and os.getpid() != self.pid:  # a child the model forked returned here
-                end_forked_child()
+            if os.getpid() != self.pid:  # a child the model forked returned here (a syscall a batch:
+                end_forked_child()       # a flag set at fork would miss a fork made in C)
             return outs
         return self._isolate(jobs, first)
 
@@ -1670,6 +1666,9 @@ class Worker:
         command): the histograms' counts since the last one, keep-warm runs, pool use; only
         when something changed."""
         if not self.counts:
+            # (a broker that counts nothing, maybe since a WELCOME just now: what waited goes,
+            # or the loop's wait for it would stay at 0 ms for good: found by review)
+            self._leased_outcomes, self._leased_since = {}, None
             return
         try:
             usage = self.plane.usage()

@@ -98,10 +98,12 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None
             _send(sock, f, more if i < last else int(flags), False)
     except zmq.ZMQError as e:
         if e.errno not in _RESOURCE_ERRNOS:
-            # Again: at the first frame nothing went out (a full queue); at a later one libzmq
-            # has ended or is dropping the message itself (a pipe that filled mid-message):
-            # a frame sent now would start a stray message (found by review).
-            if i and e.errno != zmq.EAGAIN:  # libzmq took the first frame: a socket closed under it
+            # Again at the first frame: nothing went out (a full queue).  At a later one the
+            # peer's pipe went away mid-message: libzmq now drops frames until the message's
+            # last, so the rest is sent (dropped) to end it, or the next message would be
+            # dropped in its place; at the last frame libzmq ended the message itself, and a
+            # frame sent now would start a stray one (both found by review).
+            if i and (e.errno != zmq.EAGAIN or i < len(frames) - 1):
                 _finish_message(sock, frames, i, int(flags))
             raise
         if not _finish_message(sock, frames, i, int(flags)):

@@ -88,3 +88,15 @@ def test_a_stream_is_counted_in_the_worker_histograms_as_a_batch_of_one(worker):
     _replies(worker.up)
     hist = worker._hist
     assert [sum(hist[k].counts) for k in ("compute", "input", "output", "batch")] == [1, 1, 1, 1]
+
+
+def test_leased_outcomes_waiting_for_a_broker_that_stopped_counting_do_not_spin_the_loop(worker):
+    # Review: leased outcomes wait LEASED_STATS_S for their STATS, and the loop's wait is cut
+    # to that; a WELCOME of a broker that counts nothing (restarted without --http) left them
+    # waiting for good, `_send_stats` returning at once: a 0 ms wait, a worker at 100% CPU.
+    worker.counts = True
+    worker._leased_outcomes = {0: 3}
+    worker._leased_since = time.monotonic() - 1.0
+    worker.counts = False  # a WELCOME without `metrics`
+    worker._send_stats()
+    assert worker._leased_since is None and worker._leased_outcomes == {}
