@@ -54,7 +54,7 @@ from broker.protocol import ErrorCode
 from . import tensors as T
 from .calls import MMI_SERVICE, Call, MmiQuery, check_service, endpoint_is_local, parse_priority, resolve_transport
 from .errors import BrokerUnreachable, InferenceError, InvalidInput, PoolFull, ProtocolError, error_from
-from .pins import PinEvents
+from .pins import PinEvents, forget_stale
 from .tensors import Result
 
 __all__ = ["ClientCore", "LIVENESS"]
@@ -850,6 +850,7 @@ class ClientCore(PinEvents):
         backoff = min(2.0 * self._not_local_backoff.get(call.service, 0.5), NOT_LOCAL_RETRY_MAX_S)
         self._not_local_backoff[call.service] = backoff
         self.not_local[call.service] = now + backoff
+        forget_stale(self.not_local, self._not_local_backoff, now, NOT_LOCAL_RETRY_MAX_S)
         call.retried = True
         call.probe = False  # its inline answer says nothing about shared memory
         old = call.packed

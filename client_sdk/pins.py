@@ -83,6 +83,27 @@ PIN_MAX_SLOTS = 1 << 16
 #: with each refusal up to PIN_RETRY_MAX_S
 PIN_RETRY_MIN_S = 1.0
 PIN_RETRY_MAX_S = 30.0
+#: services a backoff is remembered for before the stale ones go (`forget_stale`)
+BACKOFF_MEMO = 256
+
+
+def forget_stale(retry: dict, backoff: dict, now: float, idle_s: float, most: int = BACKOFF_MEMO) -> None:
+    """Bound the per-service backoff memos ``retry`` (service -> no try before) and ``backoff``
+    (service -> its last backoff): past ``most`` entries, those whose time came ``idle_s``
+    ago are forgotten (their next refusal starts the backoff over), then the oldest.  A
+    long-lived client calling services that come and go (a name per model version) kept one
+    entry per name for good (the soak hunt).  Costs nothing until the memo is full."""
+    if len(retry) <= most and len(backoff) <= most:
+        return
+    for memo in (retry, backoff):
+        for svc in [k for k in memo if retry.get(k, -1.0) + idle_s < now]:
+            retry.pop(svc, None)
+            backoff.pop(svc, None)
+    for memo in (retry, backoff):
+        while len(memo) > most:
+            svc = next(iter(memo))
+            retry.pop(svc, None)
+            backoff.pop(svc, None)
 #: an ask unanswered this long is taken as lost (a broker that does not know LEASE, or a
 #: restart): refused, and asked again after the backoff
 ASK_TIMEOUT_S = 5.0
@@ -381,6 +402,7 @@ class PinEvents:
         backoff = min(2.0 * self._pin_backoff.get(svc, PIN_RETRY_MIN_S / 2), PIN_RETRY_MAX_S)
         self._pin_backoff[svc] = backoff
         self._pin_retry[svc] = now + backoff
+        forget_stale(self._pin_retry, self._pin_backoff, now, PIN_RETRY_MAX_S)
 
     @staticmethod
     def _lease_end_frames(service: Any, lease: bytes) -> list[Any]:
@@ -395,6 +417,7 @@ class PinEvents:
         if self.pins.get(pin.service) is pin:
             del self.pins[pin.service]
             self._pin_retry[pin.service] = max(self._pin_retry.get(pin.service, -1.0), now + PIN_RETRY_MIN_S)
+            forget_stale(self._pin_retry, self._pin_backoff, now, PIN_RETRY_MAX_S)
         pin.ending = True
         out: list[list[Any]] = []
         if resend:
