@@ -35,6 +35,7 @@ import functools
 import logging
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from functools import partial
@@ -113,6 +114,132 @@ def run(coro: Any) -> Any:
     return uvloop.run(coro)
 
 
+def _weakly(client: "AsyncClient", name: str) -> Any:
+    """A callback for the client's loop (a reader, a timer) that calls the client's method
+    `name` while the client is alive and does nothing once it is gone: what the loop holds
+    must not hold the client, or a client dropped without close() lived as long as its loop
+    (`_let_go`).  A closure over a weak reference and the plain function: one function call
+    more per wake-up than the bound method."""
+    ref = weakref.ref(client)
+    func = getattr(type(client), name)
+
+    def call(*args: Any) -> Any:
+        c = ref()
+        if c is not None:
+            return func(c, *args)
+        return None
+
+    call.__qualname__ = call.__name__ = f"weakly_{name}"
+    return call
+
+
+async def _heartbeat(ref: "weakref.ref[AsyncClient]") -> None:
+    """The client's heartbeat task (`AsyncClient._beat`, every half period): it holds the
+    client only while it beats, never across its sleep, so a client dropped without close()
+    is not kept alive by it (its finalizer cancels it)."""
+    client = ref()
+    while client is not None:
+        # A periodic timer, not synchronisation: half the period keeps the gap between two
+        # heartbeats under one period whatever the phase (the period shortens once the
+        # broker has said how long it waits for us).
+        half = client._core.heartbeat_period / 2
+        client = None
+        await asyncio.sleep(half)
+        client = ref()
+        if client is not None:
+            client._beat()
+
+
+def _let_go(state: dict) -> None:
+    """`AsyncClient._unwatch`: the finalizer of a client dropped without close(), given the
+    client's attributes (its `__dict__`, which does not hold the client itself).  Its readers
+    come off its loop and its timers and heartbeat task are cancelled, then its sockets (the
+    broker's, the reply inbox, the leases' and their monitors) are closed, the inbox's file
+    unlinked and the pool closed: done on the loop's thread (handed to it when the loop runs
+    in another thread: finalizers run wherever the collector does), here when the loop is
+    not running or closed.  Nothing is sent (a dropped `Client` says nothing either: the
+    broker sees the connection close).  Warns as the sync client's sockets do (ResourceWarning),
+    except at interpreter exit; never raises."""
+    try:
+        core = state.get("_core")
+        if core is None or core.closed:
+            return
+        if threading.main_thread().is_alive():  # (not at interpreter exit: not collected, only left open)
+            warnings.warn(f"unclosed AsyncClient ({core.endpoint}): close it (await client.close(), "
+                          "or async with)", ResourceWarning, stacklevel=3)
+        loop = state.get("_loop")
+        if loop is not None and _running_loop() is not loop and loop.is_running() and not core.forked():
+            try:
+                loop.call_soon_threadsafe(_release, state)
+                return
+            except RuntimeError:  # its loop closed meanwhile
+                pass
+        _release(state)
+    except Exception:  # pragma: no cover - a finalizer must not raise
+        log.debug("error while letting go of a dropped AsyncClient", exc_info=True)
+
+
+def _release(state: dict) -> None:
+    """`_let_go`'s work, on the loop's thread (or with no loop running)."""
+    try:
+        core = state["_core"]
+        if core.closed:
+            return
+        if core.forked():  # a forked child's copy: the sockets and the loop's readers are the parent's
+            core.let_go()
+            return
+        loop = state.get("_loop")
+        live = loop is not None and not loop.is_closed()
+        socks = [*state.get("_socks", ()), *state.get("_monitors", ())]
+        links = list(state.get("_links", ()))
+        if live:
+            for sock in socks:
+                try:
+                    if not sock.closed:
+                        loop.remove_reader(sock.getsockopt(zmq.FD))
+                except Exception:
+                    pass
+            for link in links:
+                try:
+                    if not link.closed:
+                        loop.remove_reader(link.fileno())
+                except Exception:
+                    pass
+            for name in ("_retry", "_deadline_timer", "_heart"):
+                handle = state.get(name)
+                if handle is not None:
+                    try:
+                        handle.cancel()
+                    except Exception:
+                        pass
+        state["_pending"].clear()
+        lease_monitors = {pin: m for m, pin in state.get("_monitors", {}).items() if pin is not _BROKER}
+        for sock, pin in list(state.get("_pin_of", {}).items()):
+            try:
+                if type(sock) is LinkConn:
+                    sock.close()
+                else:
+                    drop_monitor(sock, lease_monitors.get(pin))
+                    sock.close(linger=0)
+            except Exception:
+                pass
+        sock = state["_sock"]
+        try:
+            drop_monitor(sock, state.get("_broker_monitor"))
+            sock.close(linger=CLOSE_LINGER_MS)
+        except Exception:
+            pass
+        inbox = state.get("_inbox")
+        if inbox is not None:
+            try:
+                inbox.close()
+            except Exception:
+                pass
+        core.close()
+    except Exception:  # pragma: no cover - a finalizer must not raise
+        log.debug("error while letting go of a dropped AsyncClient", exc_info=True)
+
+
 class AsyncClient(ClientBase):
     """asyncio twin of `Client`, with the same options (CurveZMQ keys for tcp included) and
     the same Result lifetime rules.
@@ -174,6 +301,14 @@ class AsyncClient(ClientBase):
         self._waiters: dict[Call, None] = {}
         self._deadline_at: float | None = None
         self._deadline_timer: asyncio.TimerHandle | None = None
+        # What the loop holds (readers, timers) holds the client weakly, and a client dropped
+        # without close() is let go of by its finalizer, as a `Client` is (`_let_go`).
+        self._w_drain = _weakly(self, "_drain")
+        self._w_drain_link = _weakly(self, "_drain_link")
+        self._w_on_monitor = _weakly(self, "_on_monitor")
+        self._w_deadlines = _weakly(self, "_deadlines")
+        self._w_retry = _weakly(self, "_retry_now")
+        self._unwatch = weakref.finalize(self, _let_go, self.__dict__)
 
     # ---------------------------------------------------------------- background tasks
 
@@ -225,14 +360,14 @@ class AsyncClient(ClientBase):
             try:
                 for sock in self._socks:
                     fd = sock.getsockopt(zmq.FD)
-                    loop.add_reader(fd, self._drain, sock)
+                    loop.add_reader(fd, self._w_drain, sock)
                     added.append(fd)
                 for link in self._links:
-                    loop.add_reader(link.fileno(), self._drain_link, link)
+                    loop.add_reader(link.fileno(), self._w_drain_link, link)
                     added.append(link.fileno())
                 for monitor in self._monitors:
                     fd = monitor.getsockopt(zmq.FD)
-                    loop.add_reader(fd, self._on_monitor, monitor)
+                    loop.add_reader(fd, self._w_on_monitor, monitor)
                     added.append(fd)
                     loop.call_soon(self._on_monitor, monitor)  # edge-triggered: look once now
             except BaseException:
@@ -245,7 +380,7 @@ class AsyncClient(ClientBase):
             if hello is not None:
                 self._send_soon(hello)
             if self._core.heartbeat_interval is not None:
-                self._heart = loop.create_task(self._heartbeat_loop(), name="client_sdk-heartbeat")
+                self._heart = loop.create_task(_heartbeat(weakref.ref(self)), name="client_sdk-heartbeat")
 
     def _run_on_loop(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)``, on the client's loop when called from another thread while that loop
@@ -486,7 +621,7 @@ class AsyncClient(ClientBase):
             self._pin_of[link] = pin
             self._links.append(link)
             if self._loop is not None:
-                self._loop.add_reader(link.fileno(), self._drain_link, link)
+                self._loop.add_reader(link.fileno(), self._w_drain_link, link)
             return
         sock = monitor = None
         try:
@@ -506,10 +641,10 @@ class AsyncClient(ClientBase):
         if monitor is not None:
             self._monitors[monitor] = pin
         if self._loop is not None:
-            self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
+            self._loop.add_reader(sock.getsockopt(zmq.FD), self._w_drain, sock)
             self._look_again(sock)
             if monitor is not None:
-                self._loop.add_reader(monitor.getsockopt(zmq.FD), self._on_monitor, monitor)
+                self._loop.add_reader(monitor.getsockopt(zmq.FD), self._w_on_monitor, monitor)
                 self._loop.call_soon(self._on_monitor, monitor)  # edge-triggered: look once now
 
     def _on_monitor(self, monitor: zmq.Socket) -> None:
@@ -599,23 +734,19 @@ class AsyncClient(ClientBase):
         if fut is not None and not fut.done():
             fut.set_result(None)
 
-    async def _heartbeat_loop(self) -> None:
+    def _beat(self) -> None:
+        """One turn of the heartbeat task (`_heartbeat`, every half period)."""
         core = self._core
-        # A periodic timer, not synchronisation: half the period keeps the gap between two
-        # heartbeats under one period whatever the phase (the period shortens once the broker
-        # has said how long it waits for us).
-        while True:
-            await asyncio.sleep(core.heartbeat_period / 2)
-            now = time.monotonic()
-            back = core.looking(now)  # from a loop held by its application: silence counts from now
-            if core.heartbeat_due(now):
-                self._send_soon(core.heartbeat(now))
-                if core.ops and not core.closed:  # a tcp lease given back (pins_overdue)
-                    self._run_ops()
-            if self._tcp is not None and now - core.last_recv > core.heartbeat_period:
-                core.heard_bytes(self._tcp.look(now))  # a long message still crossing
-            if not back:  # else the reader first reads what came meanwhile: judged next time
-                core.fail_unreachable(now)
+        now = time.monotonic()
+        back = core.looking(now)  # from a loop held by its application: silence counts from now
+        if core.heartbeat_due(now):
+            self._send_soon(core.heartbeat(now))
+            if core.ops and not core.closed:  # a tcp lease given back (pins_overdue)
+                self._run_ops()
+        if self._tcp is not None and now - core.last_recv > core.heartbeat_period:
+            core.heard_bytes(self._tcp.look(now))  # a long message still crossing
+        if not back:  # else the reader first reads what came meanwhile: judged next time
+            core.fail_unreachable(now)
 
     def _send_soon(self, frames: list[Any] | None, call: Call | None = None) -> None:
         """Send `frames` now, or queue them behind those the socket refused.  `call`: the
@@ -666,11 +797,11 @@ class AsyncClient(ClientBase):
     def _schedule_retry(self) -> None:
         # The broker is not reading (high-water mark): try again shortly rather than spin.
         if self._loop is not None and self._retry is None:
-            def again():
-                self._retry = None
-                self._drain()
+            self._retry = self._loop.call_later(0.001, self._w_retry)
 
-            self._retry = self._loop.call_later(0.001, again)
+    def _retry_now(self) -> None:
+        self._retry = None
+        self._drain()
 
     # ---------------------------------------------------------------- waiting
 
@@ -680,7 +811,7 @@ class AsyncClient(ClientBase):
         if timer is not None:
             timer.cancel()
         self._deadline_at = at
-        self._deadline_timer = self._loop.call_later(max(0.0, at - time.monotonic()), self._deadlines)
+        self._deadline_timer = self._loop.call_later(max(0.0, at - time.monotonic()), self._w_deadlines)
 
     def _deadlines(self) -> None:
         """The deadline timer: wake each waiting `infer` whose deadline has passed (it raises
@@ -1004,6 +1135,7 @@ class AsyncClient(ClientBase):
             # Its loop runs in another thread: its readers, timers and waiters are that
             # thread's to touch (asyncio.run_coroutine_threadsafe(client.close(), loop)).
             raise InvalidInput(_OTHER_LOOP.format(loop))
+        self._unwatch.detach()  # (closed here: nothing for the finalizer to do)
         # Its event loop closed (stopped with a call pending, then closed): nobody can wait on
         # it any more, and waking its futures, its timers or its heartbeat task raises
         # "Event loop is closed", which had left the client open for good.  The sockets, the
