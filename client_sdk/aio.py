@@ -164,6 +164,9 @@ def _let_go(state: dict) -> None:
         core = state.get("_core")
         if core is None or core.closed:
             return
+        if core.forked():  # a forked child's copy: only let go of it (no warning: nothing was left open)
+            _release(state)
+            return
         if threading.main_thread().is_alive():  # (not at interpreter exit: not collected, only left open)
             warnings.warn(f"unclosed AsyncClient ({core.endpoint}): close it (await client.close(), "
                           "or async with)", ResourceWarning, stacklevel=3)

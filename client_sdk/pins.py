@@ -60,6 +60,7 @@ until its FINAL (`ClientCore._forget`) or until it is moved to the broker.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import deque
 from typing import Any, NamedTuple
@@ -90,7 +91,8 @@ BACKOFF_MEMO = 256
 def forget_stale(retry: dict, backoff: dict, now: float, idle_s: float, most: int = BACKOFF_MEMO) -> None:
     """Bound the per-service backoff memos ``retry`` (service -> no try before) and ``backoff``
     (service -> its last backoff): past ``most`` entries, those whose time came ``idle_s``
-    ago are forgotten (their next refusal starts the backoff over), then the oldest.  A
+    ago are forgotten (their next refusal starts the backoff over), then those whose time
+    comes soonest.  A
     long-lived client calling services that come and go (a name per model version) kept one
     entry per name for good (the soak hunt).  Costs nothing until the memo is full."""
     if len(retry) <= most and len(backoff) <= most:
@@ -99,9 +101,10 @@ def forget_stale(retry: dict, backoff: dict, now: float, idle_s: float, most: in
         for svc in [k for k in memo if retry.get(k, -1.0) + idle_s < now]:
             retry.pop(svc, None)
             backoff.pop(svc, None)
-    for memo in (retry, backoff):
-        while len(memo) > most:
-            svc = next(iter(memo))
+    over = max(len(retry), len(backoff)) - most
+    if over > 0:  # all live: those whose retry comes soonest go (review: not the oldest entry,
+        # often the busiest service at the longest backoff, asked again at once)
+        for svc in heapq.nsmallest(over, set(retry) | set(backoff), key=lambda k: retry.get(k, -1.0)):
             retry.pop(svc, None)
             backoff.pop(svc, None)
 #: an ask unanswered this long is taken as lost (a broker that does not know LEASE, or a
