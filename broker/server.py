@@ -1771,7 +1771,8 @@ class Broker:
                 if a.why == P.CANCEL_CLIENT_GONE and self._log_info:
                     known = self._worker_info.get(a.worker)
                     log.info("a client left while a worker held one of its requests: cancelled there (the worker's "
-                             "line names it)", extra={"worker_pid": known[1] if known is not None else None})
+                             "line names it; a result it sent straight to the client may have crossed this)",
+                             extra={"worker_pid": known[1] if known is not None else None})
             elif t is RecallAtWorker:
                 if self.metrics is not None:
                     known = self._worker_info.get(a.worker)
