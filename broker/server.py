@@ -44,7 +44,7 @@ from broker.names import ServiceNames
 from broker.protocol.limits import Headroom, default_reserve, listen_backlog, move_aside, nofile_limit, put_back
 from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events
 from shm import gc as shm_gc
-from shm.segment import OutOfResources, boot_offset_ticks, proc_starttime, process_alive
+from shm.segment import OutOfResources, boot_offset_ticks, pid_exists, proc_starttime, process_alive
 from zmq.utils.monitor import recv_monitor_message
 
 from broker.connections import WorkerConnections
@@ -236,16 +236,6 @@ def sweep_reply_sockets(directory: str | None = None) -> list[str]:
     return ReplySocketSweep().sweep(directory)
 
 
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: another user's process, alive
-        return True
-    return True
-
-
 class ReplySocketSweep:
     """`sweep_reply_sockets`, remembering the owners it found alive: a file whose owner was
     seen alive (pid and start time, from /proc) is looked at again by its pid alone (one
@@ -276,7 +266,7 @@ class ReplySocketSweep:
                 continue
             checked = seen.get(name)
             if checked is not None and now - checked < self.RECHECK_S:
-                if _pid_exists(owner[0]):
+                if pid_exists(owner[0]):
                     alive[name] = checked
                     continue
             elif process_alive(*owner):

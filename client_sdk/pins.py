@@ -92,21 +92,21 @@ def forget_stale(retry: dict, backoff: dict, now: float, idle_s: float, most: in
     """Bound the per-service backoff memos ``retry`` (service -> no try before) and ``backoff``
     (service -> its last backoff): past ``most`` entries, those whose time came ``idle_s``
     ago are forgotten (their next refusal starts the backoff over), then those whose time
-    comes soonest.  A
-    long-lived client calling services that come and go (a name per model version) kept one
-    entry per name for good (the soak hunt).  Costs nothing until the memo is full."""
+    comes soonest (not the oldest entry: often the busiest service at its longest backoff).
+    A long-lived client calling services that come and go (a name per model version) kept
+    one entry per name for good (the soak hunt).  Costs nothing until the memo is full."""
     if len(retry) <= most and len(backoff) <= most:
         return
-    for memo in (retry, backoff):
-        for svc in [k for k in memo if retry.get(k, -1.0) + idle_s < now]:
-            retry.pop(svc, None)
-            backoff.pop(svc, None)
-    over = max(len(retry), len(backoff)) - most
-    if over > 0:  # all live: those whose retry comes soonest go (review: not the oldest entry,
-        # often the busiest service at the longest backoff, asked again at once)
-        for svc in heapq.nsmallest(over, set(retry) | set(backoff), key=lambda k: retry.get(k, -1.0)):
-            retry.pop(svc, None)
-            backoff.pop(svc, None)
+    services = set(retry) | set(backoff)
+    stale = {k for k in services if retry.get(k, -1.0) + idle_s < now}
+    services -= stale
+    if len(services) > most:
+        stale.update(heapq.nsmallest(len(services) - most, services, key=lambda k: retry.get(k, -1.0)))
+    for svc in stale:
+        retry.pop(svc, None)
+        backoff.pop(svc, None)
+
+
 #: an ask unanswered this long is taken as lost (a broker that does not know LEASE, or a
 #: restart): refused, and asked again after the backoff
 ASK_TIMEOUT_S = 5.0

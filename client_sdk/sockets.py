@@ -29,7 +29,6 @@ Both twins use these; nothing here parses a reply or keeps request state (that i
 from __future__ import annotations
 
 import errno
-import glob
 import itertools
 import logging
 import math
@@ -47,9 +46,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from broker import protocol as P
 from broker.protocol import curve as C
-from broker.protocol.limits import nofile_limit, open_descriptors
+from broker.protocol.limits import nofile_limit, open_descriptors, paused_by
 from broker.protocol.link import LinkConn
 from broker.protocol.wire import out_of_resources, tcp_liveness, warm_zero_copy
+from shm.segment import pid_exists
 
 from .errors import InferenceError, InvalidInput
 
@@ -390,16 +390,6 @@ class IpcDiagnosis:
         return self._said
 
 
-def _alive(pid: str) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, OverflowError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def ipc_problem(endpoint: str) -> str | None:
     """Why an ipc `endpoint` cannot be connected to, as the kernel says it (None: nothing
     seen, or not ipc).  libzmq retries a failing ipc connect in silence, so a call to a
@@ -416,8 +406,7 @@ def ipc_problem(endpoint: str) -> str | None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        if any(_alive(aside.rsplit(".", 2)[-2]) for aside in glob.glob(glob.escape(path) + ".*.paused")):
-            # (broker.protocol.limits.move_aside: PATH.PID.paused, of a broker that is still there)
+        if any(pid_exists(pid) for pid in paused_by(path)):  # (moved aside by a broker still there)
             return (f"the broker at {path} takes no new clients now: it is near its descriptor limit (its log "
                     f"says so; raise its limit)")
         return f"no socket at {path} (no broker is bound there: not started, or bound elsewhere)"

@@ -20,12 +20,13 @@ Must never: touch a socket or parse a frame.
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import resource
 from typing import Callable
 
 __all__ = ["MIN_NOFILE", "raise_nofile_limit", "nofile_limit", "open_descriptors", "Headroom", "default_reserve", "listen_backlog",
-           "move_aside", "put_back"]
+           "move_aside", "paused_by", "put_back"]
 
 #: above this the kernel's own cap (fs.nr_open, 1048576 by default) applies anyway
 _MOST = 1 << 20
@@ -147,6 +148,17 @@ def move_aside(path: str) -> str:
     aside = f"{path}.{os.getpid()}.paused"
     os.rename(path, aside)
     return aside
+
+
+def paused_by(path: str) -> list[int]:
+    """The pids of the processes that moved ``path`` aside (`move_aside`) and left it there:
+    its socket files ``PATH.PID.paused``."""
+    pids = []
+    for aside in glob.glob(glob.escape(path) + ".*.paused"):
+        pid = aside[len(path) + 1:-len(".paused")]
+        if pid.isdigit():
+            pids.append(int(pid))
+    return pids
 
 
 def put_back(aside: str, path: str) -> None:
