@@ -162,7 +162,10 @@ def test_a_model_that_reuses_its_output_buffer_never_sends_one_client_anothers_d
                                       # (the data hunt: the first a reply header its client refused, the
                                       # call waiting out its deadline; the second the worker's death)
                                       ("longname", "output names take 2097152 bytes"),
-                                      ("surrname", "is not valid UTF-8")])
+                                      ("surrname", "is not valid UTF-8"),
+                                      # (the edge hunt: an empty output whose shape no header
+                                      # may carry was refused by its client as a protocol bug)
+                                      ("emptyhuge", "describe more than 1099511627776 bytes")])
 def test_outputs_that_cannot_be_sent_are_a_clear_error_and_keep_no_slot(cluster, do, match):
     # These were written slot by slot and failed half way, keeping the slots already taken
     # (lent to the live client for good), or were sent as replies the client refused as a
