@@ -97,6 +97,15 @@ def test_input_validation():
     for dt in ("V0", np.dtype([])):  # items of no size: refused here, not by the broker's 400
         with pytest.raises(InvalidInput, match="no size"):
             T.pack({"x": np.empty((1 << 20,), dt)}, None)
+    # Empty, but with a shape every peer refuses (over MAX_TENSOR_BYTES, 0 dimensions
+    # counted as 1): refused here, on the lean path too, not by the broker's 400 (a
+    # ProtocolError that blamed mismatched versions).  At the limit it is sent.
+    empty_huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (0, 1 << 40), (0, 0))
+    for inputs in ({"x": empty_huge}, {"x": empty_huge, "y": np.zeros(1)}):
+        with pytest.raises(InvalidInput, match="describe more than"):
+            T.pack(inputs, None)
+    at_limit = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), (0, P.MAX_TENSOR_BYTES), (0, 0))
+    assert T.pack({"x": at_limit}, None).tensors[0].shape == [0, P.MAX_TENSOR_BYTES]
     p = T.pack({"l": [[1, 2], [3, 4]]}, None)  # array-likes are accepted
     assert p.tensors[0].shape == [2, 2]
 
