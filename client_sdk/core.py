@@ -123,6 +123,24 @@ def _unencodable(call: Call, e: Exception) -> str:
             "bits), float, bool, list and dict values, and str keys")
 
 
+def _seconds(t: Any) -> float | None:
+    """A timeout in seconds: None for none (None or math.inf), else a positive float;
+    `InvalidInput` naming the value for anything else (0, negative, NaN, a str)."""
+    if t is None:
+        return None
+    try:
+        if isinstance(t, (str, bytes)):
+            raise TypeError
+        if t == math.inf:
+            return None  # wait as long as it takes
+        f = float(t)
+    except (TypeError, ValueError, OverflowError):
+        f = math.nan
+    if not f > 0:
+        raise InvalidInput(f"timeout must be a positive number of seconds (or None or math.inf), got {t!r}")
+    return f
+
+
 class ClientCore(PinEvents):
     """Ids, packing, the input pools, output leases, reply routing and delivery, the inline
     fallback, deadlines and liveness of one client (see the module docstring); pinned
@@ -146,8 +164,15 @@ class ClientCore(PinEvents):
         # transport="shm" means every tensor by reference; "auto" sends small ones inline
         # (P.SMALL_INLINE_BYTES), and lets the worker answer small outputs inline too.
         self.inline_max = 0 if transport == "shm" else P.SMALL_INLINE_BYTES
+        _seconds(timeout)  # checked now: every call would otherwise raise for the default
         self.timeout = timeout
-        self.pool_capacity = int(pool_capacity)
+        try:
+            capacity = int(pool_capacity)
+        except (TypeError, ValueError, OverflowError):
+            capacity = 0
+        if isinstance(pool_capacity, bool) or not 1 <= capacity < 1 << 62:
+            raise InvalidInput(f"pool_capacity {pool_capacity!r} must be a number of bytes >= 1 (256 << 20 by default)")
+        self.pool_capacity = capacity
         self.heartbeat_interval = heartbeat_interval if heartbeat_interval and heartbeat_interval > 0 else None
         self.fallback_inline = fallback_inline
         # Direct replies need a broker (hence workers) that can reach an ipc socket of ours.
@@ -245,6 +270,11 @@ class ClientCore(PinEvents):
             src = self.pool.alloc(shape, dtype)
         except _shm.ShmFull as e:
             raise PoolFull(str(e)) from None
+        except InferenceError:
+            raise
+        except (TypeError, ValueError, OverflowError) as e:  # a bad shape or dtype (object, no size, ...)
+            raise InvalidInput(f"alloc({shape!r}, {dtype!r}): {e}; give a shape of ints >= 0 and a numeric, "
+                               "bool, string or datetime dtype") from None
         ref = self._pool.ref_of(src)
         key = (ref.segment, ref.slot, ref.generation)
         arr, fin = T.lease_array(src, self._buffer_dropped, key, ref)
@@ -295,6 +325,9 @@ class ClientCore(PinEvents):
             raise InferenceError("this client is closed: its alloc() buffers were freed with its pool by close() "
                                  "(do not use them any more)", code=None)
         ref = T.ref_in_pool(self._pool, arr) if self._pool is not None and isinstance(arr, np.ndarray) else None
+        if ref is None and self._pool is not None and isinstance(arr, np.ndarray):
+            src = T.alloc_source(arr)  # an empty buffer: no bytes for ref_in_pool to find
+            ref = self._pool.ref_of(src) if src is not None else None
         fin = self._user_bufs.pop((ref.segment, ref.slot, ref.generation), None) if ref is not None else None
         if fin is None:
             raise InvalidInput("free() takes an array returned by alloc() that was not freed yet")
@@ -330,13 +363,7 @@ class ClientCore(PinEvents):
 
     def timeout_of(self, timeout: float | None) -> float | None:
         """Seconds a request may take: `timeout`, else the client's default; None for no limit."""
-        t = self.timeout if timeout is None else timeout
-        if t is None or t == math.inf:
-            return None  # wait as long as it takes
-        t = float(t)
-        if not t > 0:
-            raise InvalidInput(f"timeout must be a positive number of seconds (or math.inf), got {timeout!r}")
-        return t
+        return _seconds(self.timeout if timeout is None else timeout)
 
     def new_call(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                  priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto",
@@ -366,6 +393,8 @@ class ClientCore(PinEvents):
         call = Call(service, timeout=self.timeout_of(timeout))
         if not plain:
             call.priority = parse_priority(priority)
+            if meta is not None and not isinstance(meta, Mapping):
+                raise InvalidInput(f"meta must be a dict of str keys, got {type(meta).__name__}")
             call.meta = dict(meta or {})
             for key in call.meta:  # msgpack takes other keys; the worker refused them as a protocol error
                 if type(key) is not str:

@@ -37,7 +37,7 @@ from . import cuda as _cuda
 from .errors import InferenceError, InvalidInput, NotSupported, ProtocolError, WorkerFailed
 
 __all__ = ["Result", "Packed", "pack", "unpack", "to_numpy", "OutputLeases", "lease_array",
-           "ref_in_pool", "free_temp", "local_output", "Adopted", "release_reply"]
+           "ref_in_pool", "free_temp", "local_output", "Adopted", "release_reply", "alloc_source"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,6 +314,13 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
             cuda().free_temp(out.cuda_temp)
         raise
     return out
+
+
+def alloc_source(arr: np.ndarray) -> np.ndarray | None:
+    """The pool array behind ``arr`` when ``arr`` is what `lease_array` returned (a
+    `client.alloc` buffer itself, not a view of it), else None."""
+    lease = arr.base
+    return lease._src if type(lease) is _Lease else None
 
 
 def _lease_of(arr: np.ndarray) -> _Lease | None:

@@ -756,6 +756,31 @@ def test_argument_checks(connect, endpoint):
             c.stream("echo", max_in_flight=0)
 
 
+def test_edge_values_of_arguments_are_invalid_input(connect, endpoint):
+    # Found by the edge hunt: each of these raised a bare TypeError, ValueError or
+    # OverflowError, or (a bad default timeout) was taken, and then every call raised
+    # "timeout must be a positive number ..., got None".
+    for bad in (0, -1, float("nan"), "1"):
+        with pytest.raises(InvalidInput, match=f"timeout .*got {bad!r}"):
+            connect(endpoint, timeout=bad)
+    for bad in (0, -1, float("nan"), None, 1 << 64):
+        with pytest.raises(InvalidInput, match="pool_capacity"):
+            connect(endpoint, pool_capacity=bad)
+    with connect(endpoint) as c:
+        with pytest.raises(InvalidInput, match="timeout .*got 'x'"):
+            c.infer("echo", {"x": np.zeros(1)}, timeout="x")
+        for bad in ([1], "x"):
+            with pytest.raises(InvalidInput, match="meta must be a dict"):
+                c.infer("echo", {"x": np.zeros(1)}, meta=bad)
+        for shape, dtype in (((-1,), np.float32), (5.5, np.float32), (("a",), np.float32), ((2,), object),
+                             ((2,), "V0")):
+            with pytest.raises(InvalidInput, match="alloc"):
+                c.alloc(shape, dtype)
+        empty = c.alloc((0, 5), np.float32)
+        c.free(empty)  # was refused: "free() takes an array returned by alloc()"
+        assert c.pool.in_use() == 0
+
+
 def test_unknown_service(connect, fake, endpoint):
     with connect(endpoint) as c:
         with pytest.raises(errors.ServiceUnavailable, match="mmi_service"):
