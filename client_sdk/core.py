@@ -442,8 +442,16 @@ class ClientCore(PinEvents):
         """REQUEST frames of a plain MDP request (checked, not sent)."""
         self.check_open()
         check_service(service)
+        if not isinstance(frames, (list, tuple)):
+            raise InvalidInput(f"frames must be a list of bytes-like body frames, got {type(frames).__name__}")
         if not frames:
             raise InvalidInput("an MDP request needs at least one body frame")
+        for f in frames:
+            if not isinstance(f, (bytes, bytearray, memoryview)):
+                try:
+                    memoryview(f)
+                except TypeError:
+                    raise InvalidInput(f"body frames must be bytes-like, got {type(f).__name__}") from None
         if P.is_header(frames[0]):
             raise InvalidInput("an opaque body must not start with the tensor header magic; use infer()")
         return P.client_request(service, list(frames))
@@ -546,9 +554,15 @@ class ClientCore(PinEvents):
     def mmi_question(self, name: str) -> MmiQuery:
         """An `mmi.service` question about `name`: its REQUEST frames (checked, not sent) with
         a fresh token."""
+        if not isinstance(name, str):
+            raise InvalidInput(f"mmi_service takes a service name (str), got {type(name).__name__}")
+        try:
+            encoded = name.encode()
+        except UnicodeEncodeError as e:  # a lone surrogate
+            raise InvalidInput(f"service name {name!r} is not valid UTF-8 ({e.reason})") from None
         self._mmi_seq += 1
         token = self._mmi_seq.to_bytes(8, "big")
-        return MmiQuery(name, token, self.opaque_frames(MMI_SERVICE, [name.encode(), token]))
+        return MmiQuery(name, token, self.opaque_frames(MMI_SERVICE, [encoded, token]))
 
     def expect_mmi(self, q: MmiQuery) -> MmiQuery:
         """Register the waiter of an MMI question sent (or queued) on the main socket."""

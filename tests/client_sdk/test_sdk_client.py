@@ -779,6 +779,12 @@ def test_edge_values_of_arguments_are_invalid_input(connect, endpoint):
         empty = c.alloc((0, 5), np.float32)
         c.free(empty)  # was refused: "free() takes an array returned by alloc()"
         assert c.pool.in_use() == 0
+        for bad in ("\ud800", None, b"echo"):
+            with pytest.raises(InvalidInput, match="service name|str"):
+                c.mmi_service(bad)
+        for bad in (["str"], [None], b"abc"):
+            with pytest.raises(InvalidInput, match="frames"):
+                c.request("echo", bad)
 
 
 def test_unknown_service(connect, fake, endpoint):
