@@ -66,8 +66,12 @@ class _StreamCore:
     def __init__(self, client: Any, service: str, *, latest_wins: bool, max_in_flight: int,
                  timeout: float | None, priority: Any, meta: Mapping[str, Any] | None, reply: str,
                  pin: bool = True):
-        if int(max_in_flight) < 1:
-            raise InvalidInput(f"max_in_flight must be at least 1, got {max_in_flight}")
+        try:
+            n = int(max_in_flight)
+        except (TypeError, ValueError, OverflowError):  # None, NaN, inf, a str
+            n = 0
+        if n < 1 or isinstance(max_in_flight, bool):
+            raise InvalidInput(f"max_in_flight must be at least 1, got {max_in_flight!r}")
         self._client = client
         # The client's seams: an AsyncClient's own steps without its thread check (a stream's
         # `send` is on the loop already, handed over whole), else its public ones.
@@ -75,7 +79,7 @@ class _StreamCore:
         self._prepare, self._submit_call = seams() if seams is not None else (client.prepare, client.submit)
         self.service = service
         self.latest_wins = bool(latest_wins)
-        self.max_in_flight = int(max_in_flight)
+        self.max_in_flight = n
         self.pin = bool(pin)  # its frames may go on a lease (False: every one through the broker)
         self._pinned = False  # counted by the client's pin_on_demand (set by client.stream)
         self._opts = dict(timeout=timeout, priority=priority, meta=meta, reply=reply)

@@ -752,8 +752,10 @@ def test_argument_checks(connect, endpoint):
         call = c.prepare("echo", {"x": np.zeros(1)}, timeout=math.inf)
         assert call.timeout is None
         c.give_up(call)
-        with pytest.raises(ValueError, match="max_in_flight"):
-            c.stream("echo", max_in_flight=0)
+        # (None, NaN and inf raised a bare TypeError/ValueError/OverflowError: the edge hunt)
+        for bad in (0, None, float("nan"), float("inf"), "x"):
+            with pytest.raises(InvalidInput, match="max_in_flight"):
+                c.stream("echo", max_in_flight=bad)
 
 
 def test_edge_values_of_arguments_are_invalid_input(connect, endpoint):
