@@ -119,8 +119,13 @@ def numpy_to_torch(arr: np.ndarray):
 
 
 def _to_numpy(value, name: str) -> np.ndarray:
-    if isinstance(value, np.ndarray):
+    if type(value) is np.ndarray:
         return value
+    if isinstance(value, np.ndarray):
+        # A subclass (np.matrix, a masked array, a recarray) as its plain array: np.matrix
+        # stays 2-d when indexed, so a request's output of an (n, 3) matrix came out (1, 3)
+        # instead of (3,) (found by the edge hunt).
+        return np.asarray(value)
     if type(value).__module__.startswith("torch"):
         value = value.detach()  # CPU tensors only here: CUDA outputs were fetched first
         # A lazily conjugated or negated view (t.conj(), some math on complex tensors): numpy

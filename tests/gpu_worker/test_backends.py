@@ -201,6 +201,24 @@ def test_output_without_batch_axis_is_an_error():
         make_backend(Bad(), "cpu").run([{"x": np.zeros(1)}] * 2)
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_ndarray_subclass_output_splits_as_a_plain_array(n):
+    # np.matrix stays 2-d when indexed: each request's (3,) output came out (1, 3).
+    class Matrix(ModelBase):
+        name = "matrix"
+        framework = "numpy"
+
+        def __call__(self, batch):
+            return {"y": np.asmatrix(np.arange(3 * n, dtype=np.float64).reshape(n, 3)),
+                    "r": np.rec.array(np.zeros(n, [("a", "<i4")]))}
+
+    outs = make_backend(Matrix(), "cpu").run([{"x": np.zeros(1)}] * n)
+    for i, out in enumerate(outs):
+        assert type(out["y"]) is np.ndarray and out["y"].shape == (3,), out["y"]
+        assert out["y"].tolist() == [3.0 * i, 3.0 * i + 1, 3.0 * i + 2]
+        assert out["r"].shape == () and out["r"].dtype.itemsize == 4
+
+
 def test_non_batchable_model_runs_once_per_request():
     spy = Spy()
     spy.batchable = False
