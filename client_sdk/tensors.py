@@ -127,7 +127,7 @@ def to_numpy(name: str, x: Any) -> np.ndarray:
         )
     if arr.ndim > P.MAX_NDIM:
         raise InvalidInput(f"input {name!r} has {arr.ndim} dimensions; the protocol allows at most {P.MAX_NDIM}")
-    if not arr.size and _empty_too_big(arr):
+    if not arr.size and P.claimed_nbytes(arr.shape, arr.dtype.itemsize) > P.MAX_TENSOR_BYTES:
         # Zero bytes, but a header the broker refuses (`P.tensor_nbytes`), which the client
         # raised as a ProtocolError blaming mismatched versions (found by the edge hunt).
         raise InvalidInput(
@@ -136,15 +136,6 @@ def to_numpy(name: str, x: Any) -> np.ndarray:
             "send it with a smaller shape (e.g. np.empty((0,), dtype))"
         )
     return arr
-
-
-def _empty_too_big(arr: np.ndarray) -> bool:
-    """Whether an empty array's dtype and shape describe more than `P.MAX_TENSOR_BYTES`, each
-    0 dimension counted as 1, as every peer counts them (`P.tensor_nbytes`)."""
-    n = arr.dtype.itemsize
-    for d in arr.shape:
-        n *= d or 1
-    return n > P.MAX_TENSOR_BYTES
 
 
 def _torch_to_numpy(name: str, t: Any) -> np.ndarray:
@@ -225,7 +216,7 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
             if nbytes <= (P.SMALL_INLINE_BYTES if pool is None else inline_max):
                 dt = x.dtype
                 if (not dt.hasobject and dt.itemsize and x.ndim <= P.MAX_NDIM
-                        and (nbytes or not _empty_too_big(x))):
+                        and (nbytes or P.claimed_nbytes(x.shape, dt.itemsize) <= P.MAX_TENSOR_BYTES)):
                     return Packed([P.TensorRef(name=name, dtype=dt.str, shape=list(x.shape), loc=_FIRST_FRAME)],
                                   [x.tobytes()], {name: x})
             elif pool is not None and type(x.base) is _Lease:

@@ -106,7 +106,7 @@ def check_outputs(out: Any) -> None:
             if value.dtype.hasobject or value.dtype.itemsize == 0:
                 # (object arrays' bytes are pointers; a zero-size item a client cannot read)
                 raise TypeError(f"output {name!r} has dtype {value.dtype.str!r}, which cannot be sent")
-            if not value.size and _claimed_bytes(value.shape, value.dtype.itemsize) > P.MAX_TENSOR_BYTES:
+            if not value.size and P.claimed_nbytes(value.shape, value.dtype.itemsize) > P.MAX_TENSOR_BYTES:
                 # An empty array with an absurd shape ((0, 1 << 40) float32): zero bytes, but
                 # every peer refuses its header (`P.tensor_nbytes`), so its client raised a
                 # ProtocolError blaming mismatched versions (found by the edge hunt).
@@ -114,22 +114,13 @@ def check_outputs(out: Any) -> None:
                                  f"{value.dtype.str!r} describe more than {P.MAX_TENSOR_BYTES} bytes "
                                  "(counting 0 dimensions as 1), which no peer accepts")
         elif (type(value).__module__.startswith("torch") and hasattr(value, "element_size")
-              and not value.numel() and _claimed_bytes(value.shape, value.element_size()) > P.MAX_TENSOR_BYTES):
+              and not value.numel() and P.claimed_nbytes(value.shape, value.element_size()) > P.MAX_TENSOR_BYTES):
             raise ValueError(f"output {name!r} is empty but its shape {tuple(value.shape)} and dtype {value.dtype} "
                              f"describe more than {P.MAX_TENSOR_BYTES} bytes (counting 0 dimensions as 1), "
                              "which no peer accepts")
     if names > MAX_OUTPUT_NAMES:
         raise ValueError(f"the model's {len(out)} output names take {names} bytes; a reply's take at most "
                          f"{MAX_OUTPUT_NAMES} (its header is at most {P.MAX_HEADER_BYTES})")
-
-
-def _claimed_bytes(shape, itemsize: int) -> int:
-    """The bytes a header with this shape and item size describes, each 0 dimension counted
-    as 1 (as `P.tensor_nbytes` counts them)."""
-    n = itemsize
-    for d in shape:
-        n *= d or 1
-    return n
 
 
 class HostPlane:

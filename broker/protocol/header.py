@@ -27,7 +27,7 @@ __all__ = ["LEASED_CLIENT_GONE", "RoutedRequest", "MAGIC", "VERSION", "MMI_PREFI
     "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "DoneInfo", "WorkerStats", "TRANSPORTS", "REPLY_MODES", "SMALL_INLINE_BYTES", "is_header",
     "encode_header", "decode_request", "decode_reply", "decode_cancel", "decode_ready", "decode_welcome",
     "decode_done_info", "decode_worker_stats", "reply_error_code",
-    "parse_dtype", "dtype_str", "tensor_nbytes", "check_tensors", "check_inline_sizes", "lenient_request_id",
+    "parse_dtype", "dtype_str", "tensor_nbytes", "claimed_nbytes", "check_tensors", "check_inline_sizes", "lenient_request_id",
     "valid_traceparent",
     "LeaseAsk", "LeaseGrant", "LeaseInfo", "LeaseEnd", "LeaseHello", "LEASE_REASONS", "decode_lease_ask",
     "decode_lease_grant", "decode_lease_info", "decode_lease_end", "decode_lease_hello",
@@ -700,6 +700,16 @@ def tensor_nbytes(ref: TensorRef) -> int:
                 f"{MAX_TENSOR_BYTES} bytes (counting 0 dimensions as 1); the limit is {MAX_TENSOR_BYTES}"
             )
     return 0 if empty else n
+
+
+def claimed_nbytes(shape: Sequence[int], itemsize: int) -> int:
+    """The bytes a header with this shape and item size describes, each 0 dimension counted
+    as 1, as `tensor_nbytes` counts them against MAX_TENSOR_BYTES: an empty array whose
+    claim is over the limit has a header every peer refuses (a sender checks this first)."""
+    n = itemsize
+    for d in shape:
+        n *= d or 1
+    return n
 
 
 def _short(shape: Sequence[int]) -> str:
