@@ -11,6 +11,7 @@ the core (core.py) and both twins share.  Nothing here sends, waits or reads the
 from __future__ import annotations
 
 import ipaddress
+import operator
 from collections import deque
 from typing import Any, Callable
 
@@ -37,7 +38,9 @@ def parse_priority(p: Any) -> Priority:
         except KeyError:
             raise InvalidInput(f"priority {p!r} must be 'urgent', 'normal' or 'background'") from None
     try:
-        return Priority(int(p))
+        if isinstance(p, bool):
+            raise TypeError  # True is not a priority
+        return Priority(operator.index(p))  # an int (numpy's too), not a float that int() would cut
     except (TypeError, ValueError):
         raise InvalidInput(f"priority {p!r} must be 0 (urgent), 1 (normal), 2 (background) or one of their names") from None
 

@@ -129,7 +129,7 @@ def _seconds(t: Any) -> float | None:
     if t is None:
         return None
     try:
-        if isinstance(t, (str, bytes)):
+        if isinstance(t, (str, bytes, bool)):
             raise TypeError
         if t == math.inf:
             return None  # wait as long as it takes
@@ -138,6 +138,29 @@ def _seconds(t: Any) -> float | None:
         f = math.nan
     if not f > 0:
         raise InvalidInput(f"timeout must be a positive number of seconds (or None or math.inf), got {t!r}")
+    return f
+
+
+#: The shortest client heartbeat interval taken: below it the liveness window (5 intervals)
+#: is shorter than a broker's round trip under load, and every call failed at once with
+#: BrokerUnreachable ("has not answered for 0.0s", found by the edge hunt).
+MIN_HEARTBEAT_S = 0.001
+
+
+def _heartbeat_interval(hb: Any) -> float | None:
+    """`heartbeat_interval` as the core keeps it: None (or 0) for no heartbeats, else a
+    float of at least MIN_HEARTBEAT_S; `InvalidInput` for anything else (negative, NaN, a str)."""
+    if hb is None or (hb == 0 and not isinstance(hb, bool)):
+        return None
+    try:
+        if isinstance(hb, (str, bytes, bool)):
+            raise TypeError
+        f = float(hb)
+    except (TypeError, ValueError, OverflowError):
+        f = math.nan
+    if not MIN_HEARTBEAT_S <= f < math.inf:
+        raise InvalidInput(f"heartbeat_interval must be None (no heartbeats) or a number of seconds from "
+                           f"{MIN_HEARTBEAT_S} up, got {hb!r}")
     return f
 
 
@@ -173,7 +196,7 @@ class ClientCore(PinEvents):
         if isinstance(pool_capacity, bool) or not 1 <= capacity < 1 << 62:
             raise InvalidInput(f"pool_capacity {pool_capacity!r} must be a number of bytes >= 1 (256 << 20 by default)")
         self.pool_capacity = capacity
-        self.heartbeat_interval = heartbeat_interval if heartbeat_interval and heartbeat_interval > 0 else None
+        self.heartbeat_interval = _heartbeat_interval(heartbeat_interval)
         self.fallback_inline = fallback_inline
         # Direct replies need a broker (hence workers) that can reach an ipc socket of ours.
         self.direct_reply = bool(direct_reply) and endpoint_is_local(endpoint)

@@ -787,6 +787,22 @@ def test_edge_values_of_arguments_are_invalid_input(connect, endpoint):
         for bad in (["str"], [None], b"abc"):
             with pytest.raises(InvalidInput, match="frames"):
                 c.request("echo", bad)
+        # Coerced before: int() cut 1.5 to normal, True was urgent... or normal; a bool
+        # timeout was a second.
+        for bad in (1.5, True, "1"):
+            with pytest.raises(InvalidInput, match="priority"):
+                c.infer("echo", {"x": np.zeros(1)}, priority=bad)
+        with pytest.raises(InvalidInput, match="timeout"):
+            c.infer("echo", {"x": np.zeros(1)}, timeout=True)
+        c.give_up(c.prepare("echo", {"x": np.zeros(1)}, priority=np.int64(2)))  # numpy's ints are ints
+    # A negative or NaN interval turned heartbeats off without a word, and one of 1e-6 failed
+    # every call at once with BrokerUnreachable ("has not answered for 0.0s").
+    for bad in (-1, float("nan"), 1e-6, "1", True, float("inf")):
+        with pytest.raises(InvalidInput, match="heartbeat_interval"):
+            connect(endpoint, heartbeat_interval=bad)
+    for off in (None, 0):
+        with connect(endpoint, heartbeat_interval=off) as c:
+            assert c._core.heartbeat_interval is None
 
 
 def test_unknown_service(connect, fake, endpoint):
