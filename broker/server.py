@@ -1541,10 +1541,14 @@ class Broker:
         service whose live workers declared other inputs or outputs: its clients get one
         model or the other, whichever worker takes each request (two pools of one service
         with different models; expected for the length of a rolling upgrade that changes
-        the model's signature).  O(workers) per READY."""
+        the model's signature).  O(the service's workers) per READY: it looked at every
+        worker's, and a restart's storm of READYs was quadratic (the scale hunt: 8000
+        workers of as many services took 1.6 s of the loop, 0.2 ms the last READYs)."""
         mine = (_signature(ready.inputs), _signature(ready.outputs))
-        for w, v in self._worker_info.items():
-            if w == ident or v[0] != service or not (v[2] or v[4]) or not self.sched.has_worker(w):
+        info = self._worker_info
+        for w in self.sched.workers_of(service):
+            v = info.get(w)
+            if w == ident or v is None or v[0] != service or not (v[2] or v[4]):
                 continue
             theirs = (_signature(v[2]), _signature(v[4]))
             if theirs == mine:

@@ -1313,6 +1313,12 @@ class Scheduler(LeaseEvents):
         svc = self._services.get(service)
         return svc is not None and svc.any.live > 0
 
+    def workers_of(self, service: str) -> list[bytes]:
+        """The registered workers of ``service``, in the order they registered (O(its
+        workers), not O(all workers))."""
+        svc = self._services.get(service)
+        return [] if svc is None else list(svc.workers)
+
     def holds_service(self, service: str) -> bool:
         """Whether ``service`` has a worker, or a request waiting for one (what its name
         must be kept for: broker.names)."""
