@@ -169,3 +169,49 @@ def test_a_long_lived_client_lets_go_of_a_sigkilled_workers_ring(cluster):
 
         _until(let_go, 10, "the client still maps the SIGKILLed worker's ring")
         assert _maps_naming(me, w2.p.pid)
+
+
+def test_a_plain_clients_requests_go_when_its_connection_closes(cluster, gate):
+    """A plain MDP client has no heartbeats, so nothing presumes it dead: the requests it
+    queued and left behind stayed (memory, and a worker's time for each later, for nobody;
+    found by a scale hunt).  Its connection's close ends them: the queued ones dropped as
+    `client_gone`, the running one cancelled at the worker, and the next client's request is
+    the next to run."""
+    import zmq
+
+    from broker import protocol as P
+    from tests.e2e.test_metrics import scrape, until, value
+
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "1", "--no-warmup",
+                   env=gate.env, wait=False)
+    gate.open()
+    ctx = zmq.Context.instance()
+
+    def plain(n: int):
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 5000
+        s.connect(cluster.frontend)
+        for i in range(n):
+            head = P.Request(id=i + 1, tensors=[P.TensorRef(name="x", dtype="<i4", shape=[1], loc=P.InlineLoc(frame=0))])
+            s.send_multipart(P.client_request("gate", [P.encode_header(head), (i).to_bytes(4, "little")]))
+        return s
+
+    def depth():
+        return value(scrape(base), "zmq_infer_queue_depth", service="gate", priority="normal")
+
+    a = plain(5)  # one runs (held at the gate), four wait
+    until(lambda: depth() == 4, "four of the plain client's requests queued")
+    a.close()
+    until(lambda: depth() == 0, "the closed client's queued requests dropped")
+    assert value(scrape(base), "zmq_infer_requests_total", service="gate", outcome="client_gone") >= 4
+    b = plain(1)
+    try:
+        gate.release(2)  # the closed client's running request, then b's (not one the closed client left)
+        assert b.poll(10_000), "the next client's request waited behind a closed client's"
+        msg = P.parse_broker_to_client(b.recv_multipart())
+        rep = P.decode_reply(msg.body[0], n_inline=len(msg.body) - 1)
+        assert rep.error is None and rep.id == 1, rep.error
+    finally:
+        b.close(0)
