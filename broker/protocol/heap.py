@@ -29,10 +29,12 @@ Must never: touch a socket or parse a frame.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import logging
 
-__all__ = ["freeze_startup_heap"]
+__all__ = ["freeze_startup_heap", "trim_heap"]
 
 log = logging.getLogger("broker.protocol.heap")
 
@@ -45,3 +47,26 @@ def freeze_startup_heap() -> int:
     n = gc.get_freeze_count()
     log.info("startup heap frozen: %d objects out of the cyclic garbage collector's reach", n)
     return n
+
+
+_libc = None  # loaded on first use: False where there is no malloc_trim (not glibc)
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free memory back to the kernel (glibc's ``malloc_trim(0)``); False
+    where the C library has none (musl, macOS).  libzmq keeps ~40 KB of buffers per
+    connection in glibc's heap, and a broker that 3,000 connections came to and left held
+    90 MB more after each such round until it restarted (a scale hunt: Python's own heap
+    stayed flat); the broker calls this in its once-a-second housekeeping after many
+    connections closed (on a thread: freeing 80 MB took 12 ms here, 1.5-2 ms with nothing to give back)."""
+    global _libc
+    if _libc is None:
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc = lib if hasattr(lib, "malloc_trim") else False
+        except OSError:
+            _libc = False
+    if not _libc:
+        return False
+    _libc.malloc_trim(0)
+    return True
