@@ -975,7 +975,7 @@ class AsyncClient(ClientBase):
                 async with asyncio.timeout(limit):
                     return await final()
             except TimeoutError:
-                raise DeadlineExceeded(f"no reply from service {service!r} within {limit:g}s") from None
+                raise self._core.opaque_deadline_error(service, limit) from None
         finally:
             drop_socket(sock)
 
@@ -997,7 +997,7 @@ class AsyncClient(ClientBase):
             async with asyncio.timeout(limit):
                 await fut
         except TimeoutError:
-            raise DeadlineExceeded(f"no MMI answer from the broker within {limit:g}s") from None
+            raise self._core.mmi_deadline_error(limit) from None
         finally:
             q.notify = None
             if q.answer is None:

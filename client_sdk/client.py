@@ -308,7 +308,7 @@ class Client(ClientBase):
                 # coarse, and its poll may end a little before the wait.
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise DeadlineExceeded(f"no reply from service {service!r} within {limit:g}s")
+                    raise self._core.opaque_deadline_error(service, limit)
                 if not sock.poll(-1 if left is None else math.ceil(left * 1000), zmq.POLLIN):
                     continue
                 done, body = opaque_reply(sock.recv_multipart(), service)
@@ -334,7 +334,7 @@ class Client(ClientBase):
             while q.answer is None:
                 now = time.monotonic()
                 if stop is not None and now >= stop:
-                    raise DeadlineExceeded(f"no MMI answer from the broker within {limit:g}s")
+                    raise self._core.mmi_deadline_error(limit)
                 self._pump(None if stop is None else stop - now, now)
         finally:
             if q.answer is None:

@@ -53,7 +53,7 @@ from broker.protocol import ErrorCode
 
 from . import tensors as T
 from .calls import MMI_SERVICE, Call, MmiQuery, check_service, endpoint_is_local, parse_priority, resolve_transport
-from .errors import BrokerUnreachable, InferenceError, InvalidInput, PoolFull, ProtocolError, error_from
+from .errors import BrokerUnreachable, DeadlineExceeded, InferenceError, InvalidInput, PoolFull, ProtocolError, error_from
 from .pins import PinEvents, forget_stale
 from .tensors import Result
 
@@ -162,6 +162,15 @@ def _heartbeat_interval(hb: Any) -> float | None:
         raise InvalidInput(f"heartbeat_interval must be None (no heartbeats) or a number of seconds from "
                            f"{MIN_HEARTBEAT_S} up, got {hb!r}")
     return f
+
+
+def _deadline(text: str, advice: str | None) -> DeadlineExceeded:
+    """A `DeadlineExceeded` saying ``text``, then ``advice`` in place of the class's usual hint
+    ("raise the timeout, lower the load ..."), when there is one."""
+    err = DeadlineExceeded(text)
+    if advice is not None:
+        err.args = (f"{text}; {advice}",)
+    return err
 
 
 class ClientCore(PinEvents):
@@ -1010,18 +1019,38 @@ class ClientCore(PinEvents):
         come from it since this client connected although the call waited long enough for
         a heartbeat's answer: a wrong endpoint (a broker's backend, another program) answers
         nothing, and "raise the timeout" was the wrong advice."""
+        return call.deadline_error(self.silence_advice(call.timeout))
+
+    def silence_advice(self, timeout: float | None, *, heard: bool = True) -> str | None:
+        """What a call's `DeadlineExceeded` says instead of "raise the timeout" when the
+        broker never answered this client: what the kernel says of an ipc endpoint's socket
+        file (none there, nobody listening, another user's), else, for a call that waited
+        long enough for a heartbeat's answer, that nothing at all came from the endpoint.
+        ``heard=False`` for a call on a socket of its own (`request`), whose silence the
+        client's own socket cannot speak for: the socket file alone then."""
+        if self.last_recv != 0.0 and heard:
+            return None
+        why = self._endpoint_problem()
+        if why is not None:
+            return f"the broker never answered: {why}"
         hb = self.heartbeat_interval
-        if self.last_recv == 0.0:
-            why = self._endpoint_problem()
-            if why is not None:
-                return call.deadline_error(f"the broker never answered: {why}")
-        if self.last_recv == 0.0 and hb is not None and call.timeout is not None and call.timeout > 1.5 * hb:
-            return call.deadline_error(
-                f"nothing at all has come from {self.endpoint} since this client connected, not even an "
-                f"answer to its heartbeats: check that it is the broker's frontend endpoint (not its "
-                f"backend), that the broker runs, and its log (near its descriptor limit it takes no new "
-                f"clients)")
-        return call.deadline_error()
+        if heard and hb is not None and timeout is not None and timeout > 1.5 * hb:
+            return (f"nothing at all has come from {self.endpoint} since this client connected, not even an "
+                    f"answer to its heartbeats: check that it is the broker's frontend endpoint (not its "
+                    f"backend), that the broker runs, and its log (near its descriptor limit it takes no new "
+                    f"clients)")
+        return None
+
+    def mmi_deadline_error(self, timeout: float | None) -> "DeadlineExceeded":
+        """The error of an `mmi.service` question unanswered within ``timeout``: the same word
+        on the endpoint as a call's (`silence_advice`), instead of "lower the load"."""
+        return _deadline(f"no MMI answer from the broker within {timeout:g}s", self.silence_advice(timeout))
+
+    def opaque_deadline_error(self, service: str, timeout: float | None) -> "DeadlineExceeded":
+        """The error of a plain MDP `request` unanswered within ``timeout`` (on a socket of its
+        own): what the kernel says of an ipc endpoint's socket file, when it says anything."""
+        return _deadline(f"no reply from service {service!r} within {timeout:g}s",
+                         self.silence_advice(timeout, heard=False))
 
     def _endpoint_problem(self) -> str | None:
         ask = self.endpoint_problem

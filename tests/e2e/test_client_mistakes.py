@@ -100,6 +100,35 @@ def test_a_client_pointed_at_the_brokers_backend_is_told_to_check_the_endpoint(c
     broker.wait_log(f"a client (MDPC02) sent to the backend {cluster.backend}: clients connect to the frontend")
 
 
+async def _async_mmi_and_request(endpoint):
+    from client_sdk import AsyncClient, DeadlineExceeded
+
+    async with AsyncClient(endpoint, timeout=0.5) as c:
+        for ask in (lambda: c.mmi_service("echo", timeout=0.5), lambda: c.request("echo", [b"hi"], timeout=0.5)):
+            with pytest.raises(DeadlineExceeded) as info:
+                await ask()
+            assert f"the broker never answered: no socket at {endpoint[len('ipc://'):]}" in str(info.value)
+            assert "lower the load" not in str(info.value)
+
+
+def test_mmi_and_opaque_requests_that_never_reached_a_broker_say_why(tmp_path):
+    # client.md ("Errors"): a DeadlineExceeded of a client that never heard from its broker
+    # says what the kernel says of the socket file.  Infer did; `mmi_service` (what
+    # `python -m bench run` asks first) and `request` said "lower the load, or add workers".
+    import asyncio
+
+    from client_sdk import DeadlineExceeded
+
+    endpoint = f"ipc://{tmp_path / 'missing.ipc'}"
+    with Client(endpoint, timeout=0.5) as c:
+        for ask in (lambda: c.mmi_service("echo", timeout=0.5), lambda: c.request("echo", [b"hi"], timeout=0.5)):
+            with pytest.raises(DeadlineExceeded) as info:
+                ask()
+            assert f"the broker never answered: no socket at {tmp_path / 'missing.ipc'}" in str(info.value)
+            assert "lower the load" not in str(info.value)
+    asyncio.run(_async_mmi_and_request(endpoint))
+
+
 OTHER_USER = """
 import sys
 import numpy as np
