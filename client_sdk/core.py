@@ -300,8 +300,9 @@ class ClientCore(PinEvents):
         self.run_deferred()
         try:
             src = self.pool.alloc(shape, dtype)
-        except _shm.ShmFull as e:
-            raise PoolFull(str(e)) from None
+        except _shm.ShmFull as e:  # its message names the pool's own argument, capacity=: the client's is pool_capacity=
+            raise PoolFull(f"alloc: {e} (the client's pool holds pool_capacity bytes: pass a larger pool_capacity, "
+                           "or free alloc() buffers and release results sooner)") from None
         except InferenceError:
             raise
         except (TypeError, ValueError, OverflowError) as e:  # a bad shape or dtype (object, no size, ...)

@@ -491,7 +491,9 @@ def test_alloc_in_a_full_pool_is_an_inference_error_and_still_a_shm_full():
 
     core = ClientCore("ipc:///tmp/zinf-core-test.sock", transport="shm", pool_capacity=1 << 16)
     try:
-        with pytest.raises(PoolFull, match="capacity") as e:
+        # The client's own argument is named (client.md: "a larger `pool_capacity`"), not only
+        # the pool's `capacity=`.
+        with pytest.raises(PoolFull, match="pass a larger pool_capacity") as e:
             core.alloc((1 << 20,), np.uint8)
         assert isinstance(e.value, InferenceError) and isinstance(e.value, shm.ShmFull)
     finally:
