@@ -382,6 +382,10 @@ _T_LEASE = T_LEASE  # 6: a lease its worker has not confirmed yet (broker/leases
 _SCAN = 16
 _CLASS_SCAN = 4 * _SCAN
 
+#: services whose record went (no worker, nothing queued) remembered by when their last live
+#: worker went, so that a request for one later is told so, not "start one" (`_expire_grace`)
+_GONE_SERVICES = 1024
+
 _COUNTERS = (
     "dispatched",
     "completed",
@@ -645,6 +649,9 @@ class Scheduler(LeaseEvents):
             cfg.client_liveness if cfg.client_liveness is not None else self._worker_ttl
         )
         self._services: dict[str, _Service] = {}
+        # name -> when its last live worker went, for services whose record was dropped
+        # (`_flush`), oldest first, at most _GONE_SERVICES
+        self._lost_services: dict[str, float] = {}
         self._workers: dict[bytes, _Worker] = {}
         self._clients: dict[bytes, _Client] = {}  # only clients that sent a heartbeat
         # Requests live for their client, per connection (routing, duplicate ids, cancel,
@@ -1396,6 +1403,9 @@ class Scheduler(LeaseEvents):
         svc = self._services.get(name)
         if svc is None:
             svc = self._services[name] = _Service(name, now, next(self._epochs))
+            lost = self._lost_services.pop(name, None)
+            if lost is not None:  # it had workers before its record went: its grace's error says so
+                svc.any.lost_at = lost
         return svc
 
     def _pool(self, svc, key, now):
@@ -2118,6 +2128,12 @@ class Scheduler(LeaseEvents):
                 self._recall(svc, now, out)
             if not svc.workers and not svc.queued:
                 del self._services[svc.name]
+                if svc.any.lost_at is not None:
+                    gone = self._lost_services
+                    gone.pop(svc.name, None)
+                    if len(gone) >= _GONE_SERVICES:
+                        del gone[next(iter(gone))]
+                    gone[svc.name] = svc.any.lost_at
 
     def _recall(self, svc, now, out):
         """Take back requests parked behind busy workers' running batches for the workers

@@ -1042,6 +1042,32 @@ def test_a_service_that_lost_its_workers_says_so_instead_of_start_one():
     assert "start one" in err.message
 
 
+def test_a_request_after_the_last_worker_left_says_it_went_too():
+    # operations.md ("A worker is stopped"): requests that arrive once the service's last
+    # worker went fail after the grace with a message saying when it went.  Only one already
+    # queued when it went did: with nothing queued the service's record was dropped, and a
+    # later request was told "no worker registered; start one" (the docs hunt).
+    s = Scheduler(Config(service_grace=1.0))
+    s.worker_ready(b"w", "svc", 0.0)
+    s.worker_disconnect(b"w", 2.0, failed=False)  # a drain (SIGTERM): nothing was queued
+    assert "svc" not in s._services  # its record went with its last worker
+    req(s, 1, 10.0, client=b"c")
+    [err] = [a for a in s.tick(11.1) if type(a) is ClientError]
+    assert err.code == ErrorCode.SERVICE_UNAVAILABLE
+    assert "its last one went 9.1 s ago" in err.message and "start one" not in err.message, err.message
+    req(s, 2, 12.0, service="never", client=b"c")
+    [err] = [a for a in s.tick(13.1) if type(a) is ClientError]
+    assert "start one" in err.message
+    # A bounded memory: the oldest names go first.
+    from broker import state as S
+
+    for i in range(S._GONE_SERVICES + 1):
+        s.worker_ready(b"x%d" % i, f"s{i}", 20.0)
+        s.worker_disconnect(b"x%d" % i, 21.0)
+    lost = s._lost_services
+    assert len(lost) == S._GONE_SERVICES and "s0" not in lost and f"s{S._GONE_SERVICES}" in lost
+
+
 def test_a_worker_presumed_dead_for_its_silence_is_a_death_the_server_warns_of():
     # The broker said nothing at its default level when a worker died (the observability
     # hunt): the verdict is marked `dead`, with what it costs, for a WARNING.
