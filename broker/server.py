@@ -760,9 +760,10 @@ class Broker:
                 for throttle in self._throttles:
                     throttle.flush()  # what a burst held back is said within a second or so
                 if self._closed_conns >= TRIM_AFTER_CLOSES and not (self._trimming and self._trimming.is_alive()):
-                    # libzmq's buffers of the connections that left, back to the kernel: on a
-                    # thread of its own (ctypes lets go of the GIL), as freeing 80 MB takes
-                    # 12 ms, a stall the loop must not take.
+                    # libzmq's buffers of the connections that left, back to the kernel, on a
+                    # thread of its own (ctypes lets go of the GIL): freeing 80 MB took 12 ms,
+                    # during which the loop runs, though a malloc of its own from the arena
+                    # being trimmed waits for it (glibc holds the arena's lock meanwhile).
                     self._closed_conns = 0
                     self._trimming = threading.Thread(target=trim_heap, name="trim-heap", daemon=True)
                     self._trimming.start()

@@ -102,7 +102,7 @@ def check_outputs(out: Any) -> None:
         ndim = np.ndim(value)
         if ndim > P.MAX_NDIM:
             raise ValueError(f"output {name!r} has {ndim} dimensions; the limit is {P.MAX_NDIM}")
-        if type(value) is np.ndarray:
+        if isinstance(value, np.ndarray):  # (a subclass too: np.ma, np.matrix, sent as its plain array)
             if value.dtype.hasobject or value.dtype.itemsize == 0:
                 # (object arrays' bytes are pointers; a zero-size item a client cannot read)
                 raise TypeError(f"output {name!r} has dtype {value.dtype.str!r}, which cannot be sent")

@@ -30,7 +30,6 @@ Must never: touch a socket or parse a frame.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import logging
 
@@ -58,11 +57,12 @@ def trim_heap() -> bool:
     connection in glibc's heap, and a broker that 3,000 connections came to and left held
     90 MB more after each such round until it restarted (a scale hunt: Python's own heap
     stayed flat); the broker calls this in its once-a-second housekeeping after many
-    connections closed (on a thread: freeing 80 MB took 12 ms here, 1.5-2 ms with nothing to give back)."""
+    connections closed, on a thread (freeing 80 MB took 12 ms here, 1.5-2 ms with little to give
+    back; glibc holds each arena's lock as it trims it, so a malloc from that arena waits)."""
     global _libc
     if _libc is None:
         try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            lib = ctypes.CDLL("libc.so.6")  # (find_library may run ldconfig or a compiler)
             _libc = lib if hasattr(lib, "malloc_trim") else False
         except OSError:
             _libc = False

@@ -214,3 +214,15 @@ def test_a_reference_is_checked_against_the_attested_pid_and_its_start_time():
         with pytest.raises(P.ProtocolError) as e:
             check_owner(req, seg)
         assert str(e.value) == why
+
+
+def test_an_empty_output_whose_header_no_peer_takes_is_refused_for_a_subclass_too():
+    """An empty (0, 1 << 40) float32 output describes more bytes than any header may (0
+    dimensions counted as 1): refused before it is sent, a plain array as a masked one
+    (which went through as a header its client refused, a ProtocolError)."""
+    from gpu_worker.planes import check_outputs
+
+    for value in (np.zeros((0, 1 << 40), np.float32), np.ma.zeros((0, 1 << 40), np.float32)):
+        with pytest.raises(ValueError, match="describe more than"):
+            check_outputs({"y": value})
+    check_outputs({"y": np.ma.zeros((0, 4), np.float32)})  # an ordinary empty one is fine
