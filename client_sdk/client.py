@@ -609,10 +609,13 @@ class Client(ClientBase):
 
     def _send_call(self, call: Call) -> None:
         core = self._core
-        frames = core.request_frames(call, time.monotonic())
-        if core.ops:
-            self._run_ops()
         try:
+            # (In the try: a KeyboardInterrupt while the frames are made, or a LEASE sent,
+            # left the call registered and never sent, in flight for good with its input
+            # slot and, pinned, a lease slot: the interruption hunt.)
+            frames = core.request_frames(call, time.monotonic())
+            if core.ops:
+                self._run_ops()
             pin = call.pin
             if pin is not None:
                 # On its lease's connection, unless that one cannot take it now (what

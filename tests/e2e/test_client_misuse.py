@@ -358,3 +358,26 @@ def test_a_claim_left_by_an_interrupt_before_its_try_is_taken_over(signalled):
         assert c.closed  # not deferred to a call that will never come
     finally:
         c.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_while_a_request_is_made_leaves_nothing_in_flight(signalled):
+    """A KeyboardInterrupt while a call's REQUEST frames were made (after the call was
+    registered) left it in flight for good, with its input slot (the interruption hunt)."""
+    from client_sdk import Client
+
+    with Client(signalled.frontend, timeout=WAIT) as c:
+        _wait_service(c, "echo")
+        real = c._core._encode_request
+
+        def interrupted(call, now):
+            c._core._encode_request = real
+            raise KeyboardInterrupt
+
+        c._core._encode_request = interrupted
+        big = {"x": np.arange(1 << 16, dtype=np.float32)}  # by shared memory: a slot of the pool
+        with pytest.raises(KeyboardInterrupt):
+            c.infer("echo", big)
+        assert c.in_flight() == 0 and c.pool.in_use() == 0
+        with c.infer("echo", big) as r:
+            np.testing.assert_array_equal(r["x"], big["x"])
