@@ -25,8 +25,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import inspect
 import os
-import sys
 import threading
 import time
 import weakref
@@ -77,7 +77,7 @@ def _inside(client) -> bool:
     is this thread's, so the call takes it over.  Such a claim made every later call a
     "nested" refusal and close() a deferred no-op, for good (an interruption hunt: 99 in
     162,404 random Ctrl-Cs during small calls)."""
-    f = sys._getframe(2)
+    f = inspect.currentframe().f_back.f_back  # past this and the wrapper asking
     while f is not None:
         if f.f_code in _CLAIMING and f.f_locals.get("self") is client:
             return True
