@@ -207,6 +207,18 @@ class _StreamCore:
             self._client.stream_closed(self.service)  # the last stream of a service ends its lease
 
 
+    def __del__(self) -> None:
+        # Dropped unclosed (an application's error before close(), no `with`): closed as a
+        # reply handle is, or a stream that pinned its service kept the lease, and the
+        # worker's credit it holds, for the client's life, and the client's plain calls to
+        # that service went on it (the interruption hunt).
+        try:
+            if not self._closed:
+                self.close()
+        except Exception:
+            pass
+
+
 class Stream(_StreamCore):
     """Blocking frame stream (`Client.stream`).  Not thread-safe, like the client."""
 

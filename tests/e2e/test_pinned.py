@@ -403,3 +403,53 @@ def test_a_model_that_refills_its_output_buffer_never_sends_one_reply_with_anoth
                         bad.append((v, np.unique(r["y"])[:4].tolist()))
         assert c.pinned_replies >= 32
     assert bad == []
+
+
+def test_a_stream_dropped_unclosed_ends_its_lease(cluster):
+    """A stream the application drops without close() (its own error first, no `with`)
+    kept its service pinned for the client's life: the lease and the worker's credit it
+    holds stayed, and the client's plain calls to the service went on it (the interruption
+    hunt).  Dropped, it closes as a reply handle does."""
+    cluster.broker()
+    cluster.worker("echo", "--direct")
+    with Client(cluster.frontend, timeout=TIMEOUT_S) as c:
+        wait_service(c, "echo")
+
+        def frames():
+            st = c.stream("echo", latest_wins=False)
+            for i in range(3):
+                st.send({"x": np.full(3, i, np.int16)})
+                with st.recv(timeout=TIMEOUT_S) as r:
+                    np.testing.assert_array_equal(r["x"], np.full(3, i, np.int16))
+            _pump_until(c, lambda: c.pinned("echo"), "the stream's lease")
+            raise RuntimeError("the application's own error, before close()")
+
+        with pytest.raises(RuntimeError):
+            frames()
+        _pump_until(c, lambda: not c.pinned("echo"), "the dropped stream's lease ending")
+        before = c.pinned_replies
+        for i in range(5):
+            _echo(c, "echo", i)
+        assert c.pinned_replies == before  # a client made without pin: through the broker
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=TIMEOUT_S) as ac:
+            async def frames():
+                st = ac.stream("echo", latest_wins=False)
+                for i in range(3):
+                    st.send({"x": np.full(3, i, np.int16)})
+                    (await st.recv(timeout=TIMEOUT_S)).release()
+                deadline = time.monotonic() + TIMEOUT_S
+                while not ac.pinned("echo"):
+                    assert time.monotonic() < deadline, "the stream never pinned"
+                    await ac.pump(0.05)
+                raise RuntimeError("boom")
+
+            with pytest.raises(RuntimeError):
+                await frames()
+            deadline = time.monotonic() + TIMEOUT_S
+            while ac.pinned("echo"):
+                assert time.monotonic() < deadline, "the dropped stream's lease never ended"
+                await ac.pump(0.05)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
