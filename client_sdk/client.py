@@ -428,18 +428,20 @@ class Client(ClientBase):
             self._wait_writable(sock, -1 if timeout is None else max(1, int(timeout * 1000)))
         now = time.monotonic()
         call.t_submit = call.t_submit or now
-        frames = self._core.request_frames(call, now)
-        if self._core.ops:
-            self._run_ops()
-        if call.pin is not None:
-            sock = self._sock_for(call)
-            if type(sock) is LinkConn:
-                if sock.send(frames):
-                    self._core.last_send = time.monotonic()
-                    return True
-                self._core.reroute(call)  # the link cannot take it now: the broker's
-                sock = self._sock
         try:
+            # (In the try, as `_send_call`'s: an interrupt while the frames were made left the
+            # call registered and never sent, for good.)
+            frames = self._core.request_frames(call, now)
+            if self._core.ops:
+                self._run_ops()
+            if call.pin is not None:
+                sock = self._sock_for(call)
+                if type(sock) is LinkConn:
+                    if sock.send(frames):
+                        self._core.last_send = time.monotonic()
+                        return True
+                    self._core.reroute(call)  # the link cannot take it now: the broker's
+                    sock = self._sock
             send_frames(sock, frames, NOBLOCK)
         except zmq.Again:
             self._core.unregister(call)

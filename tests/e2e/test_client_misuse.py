@@ -381,3 +381,28 @@ def test_an_interrupt_while_a_request_is_made_leaves_nothing_in_flight(signalled
         assert c.in_flight() == 0 and c.pool.in_use() == 0
         with c.infer("echo", big) as r:
             np.testing.assert_array_equal(r["x"], big["x"])
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_while_a_prepared_call_is_submitted_leaves_nothing_in_flight(signalled):
+    """`submit` had the window `infer` had: a KeyboardInterrupt while its REQUEST was made
+    left the call registered and never sent (the interruption hunt)."""
+    from client_sdk import Client
+
+    with Client(signalled.frontend, timeout=WAIT) as c:
+        _wait_service(c, "echo")
+        real = c._core._encode_request
+
+        def interrupted(call, now):
+            c._core._encode_request = real
+            raise KeyboardInterrupt
+
+        big = {"x": np.arange(1 << 16, dtype=np.float32)}
+        call = c.prepare("echo", big)
+        c._core._encode_request = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            c.submit(call)
+        c.give_up(call)
+        assert c.in_flight() == 0 and c.pool.in_use() == 0
+        with c.infer("echo", big) as r:
+            np.testing.assert_array_equal(r["x"], big["x"])
