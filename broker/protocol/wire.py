@@ -30,6 +30,8 @@ from typing import Any, Sequence
 import zmq
 from zmq.backend import Socket as _Base
 
+from .frames import MDPC
+
 __all__ = ["seed_routing_ids", "send_frames", "recv_frames", "sock_events", "touched", "Waiter", "NOBLOCK", "tcp_liveness", "DEAD_AFTER_BEATS",
            "tcp_counts", "TcpWatch", "out_of_resources", "warm_zero_copy"]
 
@@ -109,8 +111,25 @@ def send_frames(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None
         if not _finish_message(sock, frames, i, int(flags)):
             raise
     except BaseException as e:
-        if not _finish_message(sock, frames, i, int(flags)) or not out_of_resources(e):
+        if 0 < i < 3 and frames[0] is _MDPC and not out_of_resources(e):
+            # A client's message cut at its command or service frame: that frame twice
+            # shifted the header out of its place, and the message was a valid opaque one
+            # (a REQUEST to the service with the service name as its body, which an echo
+            # answered and the client took as a plain worker's answer, failing another call
+            # of that service: the interruption hunt).  Ended with a frame that makes it
+            # malformed whether or not the frame it landed on went out instead.
+            finished = _finish_message(sock, (_POISON,), 0, int(flags))
+        else:
+            finished = _finish_message(sock, frames, i, int(flags))
+        if not finished or not out_of_resources(e):
             raise
+
+
+#: What ends a client's message cut short at its command or service frame: as a command,
+#: unknown; as a service name, too long (over 255 bytes); as a body, a header (the magic of
+#: header.MAGIC) that does not decode (0xc1 is never used in msgpack), with no request id.
+_POISON = b"\xc1ZNF" + b"\xc1" * 256
+_MDPC = MDPC
 
 
 #: errno values that mean "this process or host is out of descriptors or memory"

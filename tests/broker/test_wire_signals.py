@@ -138,3 +138,46 @@ def test_a_receive_cut_short_by_a_signal_drops_that_message_not_the_next(pair, m
         wire.recv_frames(b)
     monkeypatch.setattr(wire, "_recv", real)
     assert [bytes(f) for f in wire.recv_frames(b, zmq.NOBLOCK)] == NEXT
+
+
+@pytest.mark.parametrize("at", [1, 2], ids=["command", "service"])
+@pytest.mark.parametrize("after", [False, True], ids=["before-the-frame", "after-the-frame"])
+def test_a_client_request_cut_at_its_command_or_service_frame_is_refused_not_opaque(pair, monkeypatch, at, after):
+    """Sent again from the frame it landed on, a REQUEST cut at its service frame carried it
+    twice: a valid opaque request to that service (its name as the body), which an echo
+    answered and the client took as a plain worker's answer to another call of that
+    service (the interruption hunt).  Whatever went out now is refused by the broker."""
+    from broker import protocol as P
+
+    a, b = pair
+    head = P.encode_header(P.Request(id=5, tensors=[P.TensorRef(name="x", dtype="<i4", shape=[1],
+                                                                 loc=P.InlineLoc(frame=0))]))
+    msg = P.client_request("echo", [head, b"\x01\x00\x00\x00"])
+    real = wire._send
+    n = {"i": 0}
+
+    def send(sock, f, flags, copy):
+        i = n["i"]
+        n["i"] += 1
+        if i == at and not after:
+            raise KeyboardInterrupt
+        real(sock, f, flags, copy)
+        if i == at and after:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(wire, "_send", send)
+    with pytest.raises(KeyboardInterrupt):
+        wire.send_frames(a, msg)
+    monkeypatch.setattr(wire, "_send", real)
+    wire.send_frames(a, NEXT)
+    got = _read_all(b)
+    assert got[-1] == NEXT and len(got) == 2
+    try:
+        parsed = P.parse_client(got[0])
+    except P.ProtocolError:
+        return  # refused as it arrived
+    # Parsed as a REQUEST: its body is a header the broker refuses (not an opaque body).
+    assert parsed.command == P.C_REQUEST and P.is_header(parsed.body[0])
+    with pytest.raises(P.ProtocolError):
+        P.decode_request(parsed.body[0], frames=parsed.body[1:], routed=True)
+    assert not P.lenient_request_id(parsed.body[0])  # answered to no call of the client's
