@@ -23,9 +23,9 @@ one does, after its client liveness window (docs/client.md).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
-import inspect
 import os
 import threading
 import time
