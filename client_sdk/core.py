@@ -657,7 +657,7 @@ class ClientCore(PinEvents):
         expired = now is not None and call.deadline is not None and now >= call.deadline - 1e-3
         if call.pin is not None:
             # Where it runs: on its lease's connection (in `ops`).
-            self._pin_cancel(call, expired=expired)
+            self._pin_cancel(call, expired=expired, now=now)
             return None
         # Expired: the broker counts it `deadline_exceeded`, as at its own timer (which the
         # client's usually beats), not `cancelled`.
@@ -1131,6 +1131,7 @@ class ClientCore(PinEvents):
         self.last_heartbeat = now
         if self.pins:
             self.pins_overdue(now)
+            self.free_given_up(now, LIVENESS * (self.heartbeat_interval or 0.0))
         if self._suspects:
             self._expire_suspects(now)
         self._sweep_outputs()

@@ -137,7 +137,7 @@ class Pin:
     """One lease held: where its worker listens, how many calls it takes, which are on it."""
 
     __slots__ = ("service", "lease", "secret", "endpoint", "link", "server_key", "slots", "near", "calls", "ending",
-                 "closed", "ready", "opened", "trouble")
+                 "closed", "ready", "opened", "trouble", "given_up")
 
     def __init__(self, service: str, info: P.LeaseInfo, near: bool, now: float = 0.0):
         self.service = service
@@ -157,6 +157,7 @@ class Pin:
         self.ready = not info.endpoint.startswith("tcp://")
         self.opened = now
         self.trouble = ""           # what the tcp connection last reported while not ready
+        self.given_up: dict[int, float | None] = {}  # id -> when its caller gave it up (CANCEL sent): `free_given_up`
 
     def __repr__(self) -> str:
         return (f"<Pin {self.service!r} lease={self.lease.hex()} slots={self.slots} in_flight={len(self.calls)}"
@@ -311,10 +312,36 @@ class PinEvents:
         if pin.ending and not pin.calls:
             self._close_pin(pin)
 
-    def _pin_cancel(self, call: Any, expired: bool = False) -> None:
+    def _pin_cancel(self, call: Any, expired: bool = False, now: float | None = None) -> None:
         """CANCEL a pinned call where it runs: on its lease's connection; ``expired``: its
         deadline passed (the worker answers and counts it as the deadline's, not a cancel)."""
-        self.ops.append(PinSend(call.pin, P.client_cancel(call.service, call.id, expired=expired)))
+        pin = call.pin
+        self.ops.append(PinSend(pin, P.client_cancel(call.service, call.id, expired=expired)))
+        pin.given_up[call.id] = now  # None (no clock given): timed from the next sweep
+
+    def free_given_up(self, now: float, window: float) -> None:
+        """Lease slots of calls given up ``window`` seconds ago that no FINAL answered are free
+        again.  A worker answers a CANCEL of what it still holds; one whose reply was lost (a
+        Ctrl-C in the receive) knows nothing of it, and its slot stayed taken for the lease's
+        life: after as many as it had, every call went through the broker (the interruption
+        hunt: 8 of 8 after 300 Ctrl-Cs).  The call itself stays, its inputs with it, until a
+        FINAL comes or the client closes; one still running takes one slot more than the
+        lease has, which the worker answers 429 and the client sends through the broker."""
+        for pin in list(self.pins.values()):
+            given = pin.given_up
+            if not given:
+                continue
+            for cid, at in list(given.items()):
+                call = pin.calls.get(cid)
+                if call is None or call.done:
+                    del given[cid]
+                elif at is None:
+                    given[cid] = now
+                elif now - at > window:
+                    del given[cid]
+                    del pin.calls[cid]
+            if pin.ending and not pin.calls:
+                self._close_pin(pin)
 
     # ------------------------------------------------------------------ the broker's answers
 

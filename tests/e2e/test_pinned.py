@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from broker import protocol as P
-from client_sdk import AsyncClient, Client
+from client_sdk import AsyncClient, Client, DeadlineExceeded
 from tests.e2e.conftest import wait_service
 
 pytestmark = pytest.mark.timeout(60)
@@ -453,3 +453,37 @@ def test_a_stream_dropped_unclosed_ends_its_lease(cluster):
                 await ac.pump(0.05)
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_lease_slot_of_a_call_whose_reply_was_lost_is_free_again(cluster):
+    """A reply lost on the client's side (a Ctrl-C in the receive) left its call's lease
+    slot taken for the lease's life: the worker knows nothing of the CANCEL the call's
+    deadline sends, so no FINAL ever frees it, and once every slot was so taken each call
+    went through the broker (the interruption hunt: 8 of 8 after 300 Ctrl-Cs).  A slot
+    given up that long ago (the liveness window) is free again."""
+    cluster.broker()
+    cluster.worker("echo", "--direct")
+    with Client(cluster.frontend, timeout=TIMEOUT_S, pin=1, heartbeat_interval=0.1) as c:
+        wait_service(c, "echo")
+        _until_pinned(c, "echo")
+        core = c._core
+        real = core.on_message
+        lost = []
+
+        def losing(frames, now, direct=False, pin=None):
+            if pin is not None and not lost:
+                lost.append(frames)  # the pinned call's FINAL, dropped as an interrupt would
+                return []
+            return real(frames, now, direct, pin)
+
+        core.on_message = losing
+        with pytest.raises(DeadlineExceeded):
+            c.infer("echo", {"x": np.arange(4)}, timeout=0.3)
+        assert lost
+        core.on_message = real
+        before = c.pinned_replies
+        deadline = time.monotonic() + TIMEOUT_S
+        while c.pinned_replies == before:  # brokered while the slot is taken, then pinned again
+            assert time.monotonic() < deadline, "the lease's one slot stayed taken"
+            _echo(c, "echo", 1)
+        assert c.pinned("echo")
