@@ -26,17 +26,18 @@ from collections.abc import Callable, Mapping
 
 import zmq
 
-__all__ = ["raised", "message_of", "ComputeTimes", "ComputeThread", "LoopHeartbeats", "READ_TICK", "IDLE_AFTER", "IDLE_TICK"]
+__all__ = ["raised", "message_of", "ComputeTimes", "ComputeThread", "LoopHeartbeats", "READ_TICK", "IDLE_AFTER"]
 
 # Seconds between the heartbeat thread's looks at the socket while a batch computes on the
 # loop's thread: what arrives meanwhile is read (and a RECALL answered) at most this late.
-# Outside compute each look is a failed lock attempt (see IDLE_TICK for an idle worker).
+# Outside compute each look is a failed lock attempt (see IDLE_AFTER for an idle worker).
 READ_TICK = 0.01
-#: with no batch begun on the loop's thread for IDLE_AFTER seconds, `LoopHeartbeats` looks
-#: every IDLE_TICK instead of every READ_TICK: an idle worker's thread otherwise woke 100
-#: times a second for nothing (16 ms of CPU per second measured on the 2-vCPU VM)
+#: with no batch begun on the loop's thread for IDLE_AFTER seconds, `LoopHeartbeats` sleeps
+#: until the next `computing_begin()` wakes it (or half a heartbeat interval passes) instead
+#: of looking every READ_TICK: an idle worker's thread otherwise woke 100 times a second for
+#: nothing (16 ms of CPU per second measured on the 2-vCPU VM), and at a fixed 50 ms tick
+#: still 20 times (2 ms of CPU a second, most of an idle worker's: the idle hunt)
 IDLE_AFTER = 1.0
-IDLE_TICK = 0.05
 
 log = logging.getLogger("gpu_worker")
 
@@ -190,10 +191,10 @@ class LoopHeartbeats:
     every `READ_TICK` seconds while the loop computes: so a request that arrives during a
     batch predicted fast but long (a misprediction) has its arrival time, and a RECALL for
     it is answered while the batch runs instead of after it.  After `IDLE_AFTER` seconds
-    with no batch begun it looks every `IDLE_TICK` only, until it sees one: the first such
-    read of a batch that follows a quiet spell may come that much later.  Counting the
-    batches is the loop's only cost for it (no syscall: a signal to this thread would cost
-    every request a wake-up).
+    with no batch begun it says it is idle and sleeps until `computing_begin()` wakes it
+    (half a heartbeat interval at most): only the first batch after a quiet spell pays that
+    wake-up (an Event's set); the others cost the loop a counter and an attribute read (no
+    syscall: a signal to this thread at every batch would cost every request a wake-up).
     """
 
     def __init__(self, send_heartbeat: Callable[[], None], last_sent: Callable[[], float], interval: float,
@@ -208,12 +209,19 @@ class LoopHeartbeats:
         self.sent = 0
         self.begun = 0   # batches begun on the loop's thread (the loop writes it, this thread reads)
         self.looks = 0   # times this thread woke
+        # Idle: set by this thread before it sleeps on `_wake`, read by `computing_begin`
+        # after it counted its batch (so either the loop sees it and sets `_wake`, or this
+        # thread sees the count move before it sleeps: no batch is missed).
+        self._idle = False
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="gpu_worker-heartbeats", daemon=True)
         self._thread.start()
 
     def computing_begin(self) -> None:
         self.begun += 1
         self._socket.release()
+        if self._idle:
+            self._wake.set()  # the first batch after a quiet spell: look now
 
     def computing_end(self) -> None:
         self._socket.acquire()
@@ -224,16 +232,29 @@ class LoopHeartbeats:
     def _loop(self) -> None:
         seen, quiet_since = self.begun, time.monotonic()
         wait = self._tick()
-        while not self._stop.wait(wait):
+        idle = False
+        while True:
+            if idle:
+                self._wake.clear()
+                self._idle = True
+                if self.begun == seen:
+                    self._wake.wait(wait)
+                self._idle = False
+                if self._stop.is_set():
+                    break
+            elif self._stop.wait(wait):
+                break
             self.looks += 1
             wait = self._tick()
+            idle = False
             if not self._socket.acquire(blocking=False):
                 # the loop has the socket: it heartbeats itself
                 now = time.monotonic()
                 if self.begun != seen:
                     seen, quiet_since = self.begun, now
                 elif now - quiet_since >= IDLE_AFTER:
-                    wait = max(wait, min(self.interval / 2, IDLE_TICK))
+                    # nothing to do until a batch begins: `computing_begin` wakes us
+                    wait, idle = self.interval / 2, True
                 continue
             seen, quiet_since = self.begun, time.monotonic()
             try:
@@ -252,4 +273,5 @@ class LoopHeartbeats:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(5)
