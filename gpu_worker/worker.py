@@ -949,8 +949,14 @@ class Worker:
         socket is read the same way (`_read_direct_while_computing`), and the broker is told
         BUSY once the batch runs long with leased requests in it."""
         self._read_direct_while_computing()
-        if self.signals and not self._stopping_told:
-            self._tell_stopping()  # SIGTERM during a long batch: the broker hears of it now
+        if self.signals and (not self._stopping_told or (self.leases is not None and not self.leases.stopping)):
+            # SIGTERM during a long batch: the broker hears of it now, and so do the
+            # leaseholders (LEASE_END, relayed by the broker): their next requests go through
+            # the broker to another worker instead of waiting here for this batch, then the
+            # drain (the idle hunt).  The loop is inside the model call and touches neither
+            # the lease table nor the sockets meanwhile.
+            self._tell_stopping()
+            self._end_leases()
         if not self._busy_told and self._batch_at is not None:
             self._maybe_tell_busy(time.monotonic())
         sock = self.sock

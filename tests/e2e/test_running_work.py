@@ -15,6 +15,7 @@ would take without the behaviour under test.  No sleeps as synchronisation.
 """
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
@@ -210,3 +211,42 @@ def test_pinned_streams_and_brokered_work_are_not_parked_behind_a_long_leased_ba
         res_e.release()
         gate.release(1)  # only now does A's batch end
         ha.result(timeout=WAIT).release()
+
+
+def test_a_sigterm_during_a_long_leased_batch_ends_the_worker_leases_at_once(cluster, tmp_path, gate):
+    """A worker stopped (SIGTERM) while a leased request runs long on its loop thread ends
+    its leases at once, as it says STOPPING at once (from its heartbeat thread), not after
+    that batch: its leaseholder hears LEASE_END and sends its next request through the
+    broker to the other worker, instead of on the lease, where it waited behind the batch at
+    a worker that was leaving (docs/operations.md, "A worker is stopped"; the idle hunt).
+    The held request still finishes exactly once, and the worker exits 0."""
+    log = tmp_path / "runs.log"
+    env = {"SLEEPY_LOG": str(log), **gate.env}
+    cfg = tmp_path / "broker.toml"
+    # A blocking client heartbeats only while it waits: a long client liveness keeps its lease.
+    cfg.write_text("[scheduler]\nclient_liveness = 60.0\n")
+    cluster.broker("--config", str(cfg))
+    # credit 4: the lease holds 2 slots, so the second request would fit on it
+    w1 = cluster.worker("gate_model:held", "--direct", "--credit", "4", env=env)
+    w2 = cluster.worker("gate_model:held", env=env)
+    gate.open()
+    pid1, pid2 = str(w1.p.pid), str(w2.p.pid)
+    with Client(cluster.frontend, timeout=WAIT, pin=2) as c:
+        _until_pinned(c, "held")
+        ha = c.infer_stream("held", {"x": np.array([-1.0])}, timeout=50.0)  # held until released
+        _wait_for(lambda: len(_lines(log)) == 1, what="A started")
+        assert _lines(log) == [pid1]  # on the lease
+        w1.p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + WAIT
+        while c.pinned("held"):  # LEASE_END comes while A is still held
+            assert time.monotonic() < deadline, "the lease lasted as long as the batch, past the worker's STOPPING"
+            c.pump(0.05)
+        res_b = c.infer("held", {"x": np.array([0.02])}, timeout=WAIT)  # done while A is held
+        assert _lines(log) == [pid1, pid2]
+        res_b.release()
+        gate.release(1)  # only now does A's batch end
+        res_a = ha.result(timeout=WAIT)
+        assert float(res_a["x"][0]) == -1.0
+        res_a.release()
+    assert w1.p.wait(WAIT) == 0
+    assert _lines(log) == [pid1, pid2]  # each ran once
