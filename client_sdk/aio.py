@@ -139,6 +139,20 @@ async def _heartbeat(ref: "weakref.ref[AsyncClient]") -> None:
     is not kept alive by it (its finalizer cancels it)."""
     client = ref()
     while client is not None:
+        core = client._core
+        if not core.pins and not core.active():
+            # Nothing waits and no lease is held: no heartbeat is due (`heartbeat_due`), so
+            # the task waits for the next request (`_submit` sets the event) instead of
+            # waking every half period for nothing (the idle hunt: 50 idle clients, 95
+            # wake-ups and 13 ms of CPU a second).
+            wake = client._hb_wake
+            wake.clear()
+            client._hb_parked = True
+            client = None
+            await wake.wait()
+            client = ref()
+            if client is None:
+                break
         # A periodic timer, not synchronisation: half the period keeps the gap between two
         # heartbeats under one period whatever the phase (the period shortens once the
         # broker has said how long it waits for us).
@@ -281,6 +295,8 @@ class AsyncClient(ClientBase):
         # came at the same moment had both bound it, both reading its socket.
         self._binding = threading.Lock()
         self._heart: asyncio.Task | None = None
+        self._hb_wake = asyncio.Event()  # wakes a parked heartbeat task (`_heartbeat`)
+        self._hb_parked = False
         self._streams: weakref.WeakSet = weakref.WeakSet()  # close() wakes their recv()s
         self._pending: deque = deque()  # frames the socket refused (high-water mark), in order
         self._retry: asyncio.TimerHandle | None = None
@@ -1073,6 +1089,9 @@ class AsyncClient(ClientBase):
         now = time.monotonic()
         call.t_submit = call.t_submit or now
         core = self._core
+        if self._hb_parked:  # the first request after a quiet spell: heartbeats again
+            self._hb_parked = False
+            self._hb_wake.set()
         frames = core.request_frames(call, now)
         if core.ops:
             self._run_ops()
