@@ -1947,6 +1947,20 @@ class Worker:
         running = self.running
         if any(key in running for key in lease.in_flight):
             return None
+        grant = lease.grant
+        if grant.client_pid is not None:
+            # A brokered request of its client's process is not another's either: a stream
+            # with more frames in flight than its lease has slots sends the rest through the
+            # broker, which may hand them here; each pinned frame behind one was bounced,
+            # went through the broker too, and the stream came off its lease (11 of 30
+            # frames pinned with one worker: the pause hunt).  (By process: another client
+            # of that process, brokered, counts as its own too; another lease's batch never.)
+            pid, start = grant.client_pid, grant.client_start
+            for job in running.values():
+                req = job.req
+                if (job.route is None and req is not None and req.pid == pid
+                        and (start is None or req.pid_start in (None, start))):
+                    return None
         elapsed = now - at
         return elapsed * 1e3 if runs_long(elapsed, self._batch_predicted) else None
 

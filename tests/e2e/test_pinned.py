@@ -487,3 +487,42 @@ def test_a_lease_slot_of_a_call_whose_reply_was_lost_is_free_again(cluster):
             assert time.monotonic() < deadline, "the lease's one slot stayed taken"
             _echo(c, "echo", 1)
         assert c.pinned("echo")
+
+
+def test_a_streams_pinned_frames_wait_behind_its_own_brokered_ones(cluster, monkeypatch, tmp_path):
+    """A stream with more frames in flight than its lease has slots (a worker of a model that
+    does not batch grants one) sends the rest through the broker, which may hand them to
+    the leased worker; a pinned frame arriving behind one was bounced (429, "another's
+    batch") as if it were another client's, went through the broker as well, and most of
+    the stream came off its lease (the pause hunt: 11 of 30 frames pinned).  Its client's
+    own request is not another's: the frame waits, as behind the lease's own."""
+    from client_sdk import pins
+
+    cluster.broker()
+    cluster.worker("gate_model:sleepy", "--direct", "--service", "sleepy", env={"SLEEPY_LOG": str(tmp_path / "runs")})
+    bounced = []
+    real = pins.PinEvents._pin_bounce
+
+    def counted(self, call, pin, err, now):
+        bounced.append(err.code)
+        return real(self, call, pin, err, now)
+
+    monkeypatch.setattr(pins.PinEvents, "_pin_bounce", counted)
+    with Client(cluster.frontend, timeout=TIMEOUT_S) as c:
+        wait_service(c, "sleepy")
+        with c.stream("sleepy", latest_wins=False, max_in_flight=4) as st:
+            deadline = time.monotonic() + TIMEOUT_S
+            while not c.pinned("sleepy"):
+                assert time.monotonic() < deadline, "the stream never pinned"
+                st.send({"x": np.zeros(2)})
+                st.recv(timeout=TIMEOUT_S).release()
+                c.pump(0.05)
+            sent = got = 0
+            while got < 16:
+                while sent < 16 and sent - got < 4:
+                    st.send({"x": np.array([0.03, sent])})
+                    sent += 1
+                with st.recv(timeout=TIMEOUT_S) as r:
+                    assert r["x"][1] == got
+                got += 1
+    assert bounced == []
