@@ -40,10 +40,9 @@ def _read_all(sock) -> list[list[bytes]]:
     return out
 
 
-@pytest.mark.parametrize("at", [0, 1, 2, 4])
-@pytest.mark.parametrize("after", [False, True], ids=["before-the-frame", "after-the-frame"])
-def test_a_send_cut_short_by_a_signal_leaves_the_next_message_intact(pair, monkeypatch, at, after):
-    a, b = pair
+def _send_cut(monkeypatch, sock, frames, at: int, after: bool) -> None:
+    """`wire.send_frames(sock, frames)` with a KeyboardInterrupt at frame ``at``: before its
+    send, or (``after``) once it went out."""
     real = wire._send
     n = {"i": 0}
 
@@ -58,8 +57,15 @@ def test_a_send_cut_short_by_a_signal_leaves_the_next_message_intact(pair, monke
 
     monkeypatch.setattr(wire, "_send", send)
     with pytest.raises(KeyboardInterrupt):
-        wire.send_frames(a, MSG)
+        wire.send_frames(sock, frames)
     monkeypatch.setattr(wire, "_send", real)
+
+
+@pytest.mark.parametrize("at", [0, 1, 2, 4])
+@pytest.mark.parametrize("after", [False, True], ids=["before-the-frame", "after-the-frame"])
+def test_a_send_cut_short_by_a_signal_leaves_the_next_message_intact(pair, monkeypatch, at, after):
+    a, b = pair
+    _send_cut(monkeypatch, a, MSG, at, after)
     wire.send_frames(a, NEXT)
     got = _read_all(b)
     assert got[-1] == NEXT  # never glued onto the interrupted one
@@ -153,22 +159,7 @@ def test_a_client_request_cut_at_its_command_or_service_frame_is_refused_not_opa
     head = P.encode_header(P.Request(id=5, tensors=[P.TensorRef(name="x", dtype="<i4", shape=[1],
                                                                  loc=P.InlineLoc(frame=0))]))
     msg = P.client_request("echo", [head, b"\x01\x00\x00\x00"])
-    real = wire._send
-    n = {"i": 0}
-
-    def send(sock, f, flags, copy):
-        i = n["i"]
-        n["i"] += 1
-        if i == at and not after:
-            raise KeyboardInterrupt
-        real(sock, f, flags, copy)
-        if i == at and after:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(wire, "_send", send)
-    with pytest.raises(KeyboardInterrupt):
-        wire.send_frames(a, msg)
-    monkeypatch.setattr(wire, "_send", real)
+    _send_cut(monkeypatch, a, msg, at, after)
     wire.send_frames(a, NEXT)
     got = _read_all(b)
     assert got[-1] == NEXT and len(got) == 2

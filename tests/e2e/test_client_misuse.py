@@ -360,6 +360,18 @@ def test_a_claim_left_by_an_interrupt_before_its_try_is_taken_over(signalled):
         c.close()
 
 
+def _interrupt_the_next_request(c) -> None:
+    """The next REQUEST `c` makes raises KeyboardInterrupt once the call is registered, as a
+    Ctrl-C landing while its frames are made."""
+    real = c._core._encode_request
+
+    def interrupted(call, now):
+        c._core._encode_request = real
+        raise KeyboardInterrupt
+
+    c._core._encode_request = interrupted
+
+
 @pytest.mark.timeout(60)
 def test_an_interrupt_while_a_request_is_made_leaves_nothing_in_flight(signalled):
     """A KeyboardInterrupt while a call's REQUEST frames were made (after the call was
@@ -368,13 +380,7 @@ def test_an_interrupt_while_a_request_is_made_leaves_nothing_in_flight(signalled
 
     with Client(signalled.frontend, timeout=WAIT) as c:
         _wait_service(c, "echo")
-        real = c._core._encode_request
-
-        def interrupted(call, now):
-            c._core._encode_request = real
-            raise KeyboardInterrupt
-
-        c._core._encode_request = interrupted
+        _interrupt_the_next_request(c)
         big = {"x": np.arange(1 << 16, dtype=np.float32)}  # by shared memory: a slot of the pool
         with pytest.raises(KeyboardInterrupt):
             c.infer("echo", big)
@@ -391,15 +397,9 @@ def test_an_interrupt_while_a_prepared_call_is_submitted_leaves_nothing_in_fligh
 
     with Client(signalled.frontend, timeout=WAIT) as c:
         _wait_service(c, "echo")
-        real = c._core._encode_request
-
-        def interrupted(call, now):
-            c._core._encode_request = real
-            raise KeyboardInterrupt
-
         big = {"x": np.arange(1 << 16, dtype=np.float32)}
         call = c.prepare("echo", big)
-        c._core._encode_request = interrupted
+        _interrupt_the_next_request(c)
         with pytest.raises(KeyboardInterrupt):
             c.submit(call)
         c.give_up(call)
