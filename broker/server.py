@@ -53,7 +53,6 @@ from broker import security
 
 from broker.leases import DRAIN, LeaseEndToClient, LeaseEndToWorker, LeaseRefused, LeaseToClient, LeaseToWorker
 from broker.state import (
-    CLIENT_GONE,
     ClientError,
     CancelAtWorker,
     RecallAtWorker,
@@ -551,10 +550,6 @@ class Broker:
         # Untracked clients (no heartbeats: plain MDP) whose connection closed -> when: their
         # requests go once their last messages are read (`_settle_gone_clients`).
         self._gone_clients: dict[bytes, float] = {}
-        # Those settled, oldest first (bounded): a message of theirs still read later (the
-        # frontend was busy past GONE_WAIT_S: libzmq holds up to client_hwm of a closed
-        # connection's messages) is dropped, not queued for nobody.  libzmq never reuses its ids.
-        self._closed_clients: dict[bytes, None] = {}
         self._closed_conns = 0  # connections closed since the C heap was last trimmed (`trim_heap`)
         self._trimming: threading.Thread | None = None
         self._backend_events = self.backend.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
@@ -998,11 +993,6 @@ class Broker:
                 self._client_pid(ident, frames[1])
         sched = self.sched
         cmd = msg.command
-        if self._closed_clients and ident in self._closed_clients:
-            # A closed connection's late message (`_settle_gone_clients`): nobody to answer.
-            if cmd == P.C_REQUEST and self.metrics is not None and not msg.service.startswith(b"mmi."):
-                self.metrics.final(msg.service.decode(errors="replace"), CLIENT_GONE, None, None, now)
-            return
         if cmd == P.C_REQUEST:
             sched.client_seen(ident, now)
             self._on_request(ident, msg, now)
@@ -1668,14 +1658,9 @@ class Broker:
         else:
             gone, self._gone_clients = list(self._gone_clients), {}
         sched = self.sched
-        closed = self._closed_clients
         for ident in gone:
-            if not sched.tracks_client(ident):
-                if len(closed) >= _MAX_CLIENT_PIDS:
-                    del closed[next(iter(closed))]
-                closed[ident] = None
-                if sched.holds_for(ident):
-                    self._act(sched.client_disconnect(ident, now), now)
+            if not sched.tracks_client(ident) and sched.holds_for(ident):
+                self._act(sched.client_disconnect(ident, now), now)
 
     def _accepted(self) -> None:
         """A connection was accepted: near the descriptor limit, stop new clients from
