@@ -547,9 +547,6 @@ class Broker:
         # intervals (broker.connections): the backend's monitor says which connection closed.
         self._worker_conns = WorkerConnections()
         self._gone: dict[bytes, float] = {}  # workers whose connection closed -> when: their verdict waits (`_settle_gone`)
-        # Untracked clients (no heartbeats: plain MDP) whose connection closed -> when: their
-        # requests go once their last messages are read (`_settle_gone_clients`).
-        self._gone_clients: dict[bytes, float] = {}
         self._closed_conns = 0  # connections closed since the C heap was last trimmed (`trim_heap`)
         self._trimming: threading.Thread | None = None
         self._backend_events = self.backend.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
@@ -771,7 +768,7 @@ class Broker:
             timeout = 100 if wake is None else max(0, min(100, int((wake - now) * 1000.0 + 0.999)))
             if next_look < math.inf:
                 timeout = max(0, min(timeout, int((next_look - now) * 1000.0 + 0.999)))
-            if self._gone or self._gone_clients:  # a verdict waits for the last messages: look again soon
+            if self._gone:  # a closed worker's verdict waits for its last messages: look again soon
                 timeout = min(timeout, 10)
             for sock in wait(timeout):  # the sockets (backend first), then the descriptors
                 # Workers first: a reply frees credit for the requests that follow.
@@ -787,8 +784,6 @@ class Broker:
                     self._on_http()
             if self._gone:
                 self._settle_gone(monotonic())
-            if self._gone_clients:
-                self._settle_gone_clients(monotonic())
             wake = sched.next_wakeup(monotonic())
         self._collect_shm()
 
@@ -1638,29 +1633,6 @@ class Broker:
                     self._kept_conns.pop(ident, None)
                     self._req_clients.discard(ident)
                     self._unread.pop(ident, None)
-                    if not ident[0]:
-                        # libzmq's own id: never another connection's, so its requests can
-                        # never be answered now (`_settle_gone_clients`).
-                        self._gone_clients[ident] = time.monotonic()
-
-    def _settle_gone_clients(self, now: float) -> None:
-        """The requests of clients without heartbeats (plain MDP ones, or ours with
-        `heartbeat_interval=None`) whose connection closed go, queued ones dropped and
-        running ones cancelled, once the frontend holds nothing more (their last messages
-        were read) or after GONE_WAIT_S.  Nothing else ends them: such a client is never
-        presumed dead, so a plain client that queued 50,000 requests and left kept them (40
-        MB) and had the workers run each for nobody (found by a scale hunt).  A client with
-        heartbeats is left to its liveness window, as before."""
-        if sock_events(self.frontend) & _POLLIN:
-            gone = [ident for ident, t in self._gone_clients.items() if now - t >= GONE_WAIT_S]
-            for ident in gone:
-                del self._gone_clients[ident]
-        else:
-            gone, self._gone_clients = list(self._gone_clients), {}
-        sched = self.sched
-        for ident in gone:
-            if not sched.tracks_client(ident) and sched.holds_for(ident):
-                self._act(sched.client_disconnect(ident, now), now)
 
     def _accepted(self) -> None:
         """A connection was accepted: near the descriptor limit, stop new clients from

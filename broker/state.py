@@ -1169,14 +1169,6 @@ class Scheduler(LeaseEvents):
         self._touch_client(client, now)
         return []
 
-    def tracks_client(self, client: bytes) -> bool:
-        """Whether ``client`` heartbeats (its silence ends it, not its connection's close)."""
-        return client in self._clients
-
-    def holds_for(self, client: bytes) -> bool:
-        """Whether any request of ``client`` is still here (queued, running or cancelling)."""
-        return bool(self._requests.get(client))
-
     def client_epoch(self, client: bytes) -> int | None:
         """Which record of a tracked client this is: a new number once the broker dropped
         the client for its silence while it held something (queued or running requests,
