@@ -180,11 +180,17 @@ class Call:
     def deadline_error(self, advice: str | None = None) -> DeadlineExceeded:
         """The error for a call that outlived its deadline (the twin cancels it); ``advice``
         in place of the class's usual hint."""
-        text = f"no reply from service {self.service!r} within {self.timeout:g}s; the request was cancelled"
-        err = DeadlineExceeded(text, request_id=self.id or None)
-        if advice is not None:
-            err.args = (f"{text}; {advice}",)
-        return err
+        return deadline_exceeded(f"no reply from service {self.service!r} within {self.timeout:g}s; "
+                                 "the request was cancelled", advice, self.id or None)
+
+
+def deadline_exceeded(text: str, advice: str | None = None, request_id: int | None = None) -> DeadlineExceeded:
+    """A `DeadlineExceeded` saying ``text``, then ``advice`` in place of the class's usual hint
+    ("raise the timeout, lower the load ..."), when there is one."""
+    err = DeadlineExceeded(text, request_id=request_id)
+    if advice is not None:
+        err.args = (f"{text}; {advice}",)
+    return err
 
 
 class MmiQuery:

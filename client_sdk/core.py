@@ -52,8 +52,9 @@ from broker import protocol as P
 from broker.protocol import ErrorCode
 
 from . import tensors as T
-from .calls import MMI_SERVICE, Call, MmiQuery, check_service, endpoint_is_local, parse_priority, resolve_transport
-from .errors import BrokerUnreachable, DeadlineExceeded, InferenceError, InvalidInput, PoolFull, ProtocolError, error_from
+from .calls import (MMI_SERVICE, Call, MmiQuery, check_service, deadline_exceeded, endpoint_is_local, parse_priority,
+                    resolve_transport)
+from .errors import BrokerUnreachable, InferenceError, InvalidInput, PoolFull, ProtocolError, error_from
 from .pins import PinEvents, forget_stale
 from .tensors import Result
 
@@ -123,19 +124,24 @@ def _unencodable(call: Call, e: Exception) -> str:
             "bits), float, bool, list and dict values, and str keys")
 
 
+def _number(x: Any) -> float:
+    """``x`` as a float, NaN for what is not a number (a str, a bool, None, an object)."""
+    if isinstance(x, (str, bytes, bool)):
+        return math.nan
+    try:
+        return float(x)
+    except (TypeError, ValueError, OverflowError):
+        return math.nan
+
+
 def _seconds(t: Any) -> float | None:
     """A timeout in seconds: None for none (None or math.inf), else a positive float;
     `InvalidInput` naming the value for anything else (0, negative, NaN, a str)."""
     if t is None:
         return None
-    try:
-        if isinstance(t, (str, bytes, bool)):
-            raise TypeError
-        if t == math.inf:
-            return None  # wait as long as it takes
-        f = float(t)
-    except (TypeError, ValueError, OverflowError):
-        f = math.nan
+    f = _number(t)
+    if f == math.inf:
+        return None  # wait as long as it takes
     if not f > 0:
         raise InvalidInput(f"timeout must be a positive number of seconds (or None or math.inf), got {t!r}")
     return f
@@ -150,27 +156,15 @@ MIN_HEARTBEAT_S = 0.001
 def _heartbeat_interval(hb: Any) -> float | None:
     """`heartbeat_interval` as the core keeps it: None (or 0) for no heartbeats, else a
     float of at least MIN_HEARTBEAT_S; `InvalidInput` for anything else (negative, NaN, a str)."""
-    if hb is None or (hb == 0 and not isinstance(hb, bool)):
+    if hb is None:
         return None
-    try:
-        if isinstance(hb, (str, bytes, bool)):
-            raise TypeError
-        f = float(hb)
-    except (TypeError, ValueError, OverflowError):
-        f = math.nan
+    f = _number(hb)
+    if f == 0:
+        return None
     if not MIN_HEARTBEAT_S <= f < math.inf:
         raise InvalidInput(f"heartbeat_interval must be None (no heartbeats) or a number of seconds from "
                            f"{MIN_HEARTBEAT_S} up, got {hb!r}")
     return f
-
-
-def _deadline(text: str, advice: str | None) -> DeadlineExceeded:
-    """A `DeadlineExceeded` saying ``text``, then ``advice`` in place of the class's usual hint
-    ("raise the timeout, lower the load ..."), when there is one."""
-    err = DeadlineExceeded(text)
-    if advice is not None:
-        err.args = (f"{text}; {advice}",)
-    return err
 
 
 class ClientCore(PinEvents):
@@ -1045,12 +1039,12 @@ class ClientCore(PinEvents):
     def mmi_deadline_error(self, timeout: float | None) -> "DeadlineExceeded":
         """The error of an `mmi.service` question unanswered within ``timeout``: the same word
         on the endpoint as a call's (`silence_advice`), instead of "lower the load"."""
-        return _deadline(f"no MMI answer from the broker within {timeout:g}s", self.silence_advice(timeout))
+        return deadline_exceeded(f"no MMI answer from the broker within {timeout:g}s", self.silence_advice(timeout))
 
     def opaque_deadline_error(self, service: str, timeout: float | None) -> "DeadlineExceeded":
         """The error of a plain MDP `request` unanswered within ``timeout`` (on a socket of its
         own): what the kernel says of an ipc endpoint's socket file, when it says anything."""
-        return _deadline(f"no reply from service {service!r} within {timeout:g}s",
+        return deadline_exceeded(f"no reply from service {service!r} within {timeout:g}s",
                          self.silence_advice(timeout, heard=False))
 
     def _endpoint_problem(self) -> str | None:

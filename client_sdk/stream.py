@@ -206,7 +206,6 @@ class _StreamCore:
             self._pinned = False
             self._client.stream_closed(self.service)  # the last stream of a service ends its lease
 
-
     def __del__(self) -> None:
         # Dropped unclosed (an application's error before close(), no `with`): closed as a
         # reply handle is, or a stream that pinned its service kept the lease, and the

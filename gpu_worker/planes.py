@@ -102,19 +102,19 @@ def check_outputs(out: Any) -> None:
         ndim = np.ndim(value)
         if ndim > P.MAX_NDIM:
             raise ValueError(f"output {name!r} has {ndim} dimensions; the limit is {P.MAX_NDIM}")
+        itemsize = None
         if isinstance(value, np.ndarray):  # (a subclass too: np.ma, np.matrix, sent as its plain array)
             if value.dtype.hasobject or value.dtype.itemsize == 0:
                 # (object arrays' bytes are pointers; a zero-size item a client cannot read)
                 raise TypeError(f"output {name!r} has dtype {value.dtype.str!r}, which cannot be sent")
-            if not value.size and P.claimed_nbytes(value.shape, value.dtype.itemsize) > P.MAX_TENSOR_BYTES:
-                # An empty array with an absurd shape ((0, 1 << 40) float32): zero bytes, but
-                # every peer refuses its header (`P.tensor_nbytes`), so its client raised a
-                # ProtocolError blaming mismatched versions (found by the edge hunt).
-                raise ValueError(f"output {name!r} is empty but its shape {value.shape} and dtype "
-                                 f"{value.dtype.str!r} describe more than {P.MAX_TENSOR_BYTES} bytes "
-                                 "(counting 0 dimensions as 1), which no peer accepts")
-        elif (type(value).__module__.startswith("torch") and hasattr(value, "element_size")
-              and not value.numel() and P.claimed_nbytes(value.shape, value.element_size()) > P.MAX_TENSOR_BYTES):
+            if not value.size:
+                itemsize = value.dtype.itemsize
+        elif type(value).__module__.startswith("torch") and hasattr(value, "element_size") and not value.numel():
+            itemsize = value.element_size()
+        if itemsize is not None and P.claimed_nbytes(value.shape, itemsize) > P.MAX_TENSOR_BYTES:
+            # An empty array with an absurd shape ((0, 1 << 40) float32): zero bytes, but
+            # every peer refuses its header (`P.tensor_nbytes`), so its client raised a
+            # ProtocolError blaming mismatched versions (found by the edge hunt).
             raise ValueError(f"output {name!r} is empty but its shape {tuple(value.shape)} and dtype {value.dtype} "
                              f"describe more than {P.MAX_TENSOR_BYTES} bytes (counting 0 dimensions as 1), "
                              "which no peer accepts")
