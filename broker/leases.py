@@ -126,7 +126,8 @@ LeaseAction = LeaseToWorker | LeaseToClient | LeaseRefused | LeaseEndToClient | 
 
 
 class _Lease:
-    __slots__ = ("id", "client", "principal", "svc", "worker", "slots", "ask_id", "secret", "state", "near")
+    __slots__ = ("id", "client", "principal", "svc", "worker", "slots", "ask_id", "secret", "state", "near",
+                 "confirm_by")
 
     def __init__(self, lid, client, principal, svc, worker, slots, ask_id, secret, near=False):
         self.id = lid
@@ -139,6 +140,7 @@ class _Lease:
         self.secret = secret
         self.state = PENDING
         self.near = near  # same host, shared memory on both sides: the client may send references
+        self.confirm_by = 0.0  # when an unconfirmed lease is refused (the T_LEASE timer's due time)
 
 
 class LeaseEvents:
@@ -225,7 +227,8 @@ class LeaseEvents:
         self._reserve(w, grant)
         self.client_heartbeat(client, now)
         # Unconfirmed within the worker's liveness window: the ask is refused, the slots return.
-        self._push_timer(now + self._worker_ttl, T_LEASE, lease, now + self._worker_ttl)
+        lease.confirm_by = now + self._worker_ttl
+        self._push_timer(lease.confirm_by, T_LEASE, lease)
         out.append(LeaseToWorker(w.ident, lease.id, service, grant, client, principal, secret,
                                  pid, host if near else None, start if pid is not None else None))
         return out
@@ -354,6 +357,13 @@ class LeaseEvents:
         if failed:
             for lid, (client, service) in stopped.items():
                 out.append(LeaseEndToClient(client, service, lid, WORKER_FAILED, True))
+
+    def _leases_resumed(self, lost: float, now: float) -> None:
+        """The broker did not run for ``lost`` seconds (`Scheduler.resumed`): a lease its
+        worker has not confirmed yet waits that much longer for the confirmation."""
+        for lease in self._leases.values():
+            if lease.state == PENDING:
+                lease.confirm_by = min(now + self._worker_ttl, lease.confirm_by + lost)
 
     def _lease_unconfirmed(self, lease, out: list) -> None:
         """The worker never confirmed (a worker that set a direct socket but does not speak

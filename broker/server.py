@@ -84,6 +84,9 @@ GONE_WAIT_S = 0.1
 TRIM_AFTER_CLOSES = 256
 # Seconds between sweeps for shared-memory segments of dead processes.
 _GC_INTERVAL = 1.0
+#: a loop pass this many seconds later than its wait allowed means the broker did not run
+#: (stopped, frozen, starved): its peers' silence meanwhile is not counted (`_resumed`)
+_PAUSED_S = 0.25
 #: the soonest a sweep asked for by a worker's disconnect follows the one before (seconds)
 _SWEEP_SOON_S = 0.1
 #: how long a worker that said DISCONNECT is listed as leaving (its drain grace and more)
@@ -580,7 +583,9 @@ class Broker:
         self._oops = P.RateLimitedLog(log)  # unexpected exceptions: a traceback a second at most
         # The once-a-second collection that fails (out of descriptors, say): once a minute.
         self._gc_oops = P.RateLimitedLog(log, every=60.0)
-        self._throttles = (self._bad, self._stall_log, self._deaths, self._lost, self._oops, self._gc_oops)
+        self._paused_log = P.RateLimitedLog(log)  # the broker's own stops (`_resumed`)
+        self._throttles = (self._bad, self._stall_log, self._deaths, self._lost, self._oops, self._gc_oops,
+                           self._paused_log)
         self._doomed: dict[bytes, None] = {}  # clients a send found stalled or gone, to drop
         # Big frames sent to each client that libzmq may still hold (`_track_unread`), and how
         # many bytes of them a client may have waiting: its byte cap's worth.
@@ -731,8 +736,14 @@ class Broker:
         look_every = min(sc.heartbeat_interval / 2, sc.heartbeat_interval * sc.heartbeat_liveness / 4,
                          sched.client_window / 4)
         next_look = monotonic() + look_every if self._look_clients or self._look_workers else math.inf
+        # A pass that begins this much later than its wait allowed: the broker did not run
+        # meanwhile (`_resumed`).  A quarter of the shortest liveness window at most.
+        paused_after = min(_PAUSED_S, sc.heartbeat_interval * sc.heartbeat_liveness / 4, sched.client_window / 4)
+        due = monotonic()  # when this pass was to begin at the latest
         while stop is None or not stop.is_set():
             now = self.last_pass = monotonic()
+            if now - due > paused_after:
+                self._resumed(now - due, now)
             if now >= next_look:
                 try:
                     self._look_at_quiet(now, look_every)
@@ -770,6 +781,7 @@ class Broker:
                 timeout = max(0, min(timeout, int((next_look - now) * 1000.0 + 0.999)))
             if self._gone:  # a closed worker's verdict waits for its last messages: look again soon
                 timeout = min(timeout, 10)
+            due = monotonic() + timeout / 1000.0
             for sock in wait(timeout):  # the sockets (backend first), then the descriptors
                 # Workers first: a reply frees credit for the requests that follow.
                 if sock is be:
@@ -786,6 +798,16 @@ class Broker:
                 self._settle_gone(monotonic())
             wake = sched.next_wakeup(monotonic())
         self._collect_shm()
+
+    def _resumed(self, lost: float, now: float) -> None:
+        """The loop began a pass ``lost`` seconds later than its wait allowed: the process
+        was stopped (SIGSTOP, a job-control stop, a frozen container), starved of CPU, or
+        held by one long step.  The peers' silence meanwhile does not count against them
+        (`Scheduler.resumed`): those stopped with the broker sent nothing, and would all be
+        presumed dead at the thaw."""
+        self._paused_log.warning("the broker did not run for %.3f s (its process was stopped, or starved of CPU); "
+                                 "its peers' silence meanwhile does not count against them", lost)
+        self._act(self.sched.resumed(lost, now), now)
 
     def _settle_unread(self) -> None:
         """Once a second: forget the clients whose big frames libzmq has all let go of (a

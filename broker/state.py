@@ -411,6 +411,7 @@ _COUNTERS = (
     "leases_ended",
     "alone",                     # requests on their last attempt dispatched to run alone
     "workers_left",              # workers that said DISCONNECT (a drain, a rolling restart): not deaths
+    "paused",                    # the broker itself did not run for a while (stopped, frozen): `resumed`
 )
 
 
@@ -1199,6 +1200,26 @@ class Scheduler(LeaseEvents):
         return out
 
     # ------------------------------------------------------------------ time
+
+    def resumed(self, lost: float, now: float) -> list[Action]:
+        """The broker itself did not run for ``lost`` seconds, up to ``now``: its process was
+        stopped (SIGSTOP, a job-control stop of the launcher's process group, a frozen
+        container) or starved of CPU.  What its peers sent meanwhile is read before any timer
+        judges them (the server drains its backend first), but peers stopped with it (one
+        ``docker pause`` for the stack, one Ctrl-Z in a terminal) sent nothing, and would all
+        be presumed dead at once on the thaw: their requests retried, their leases ended,
+        for a silence that was the broker's own.  So every liveness window (workers',
+        clients', unconfirmed leases') is moved on by ``lost``, never past ``now``: a peer
+        that is really gone is found ``lost`` later.  Deadlines are not moved: a request's
+        caller lived through the same time."""
+        self._counters["paused"] += 1
+        for w in self._workers.values():
+            w.last_seen = min(now, w.last_seen + lost)
+        for c in self._clients.values():
+            c.last_seen = min(now, c.last_seen + lost)
+        self._leases_resumed(lost, now)
+        return []
+
 
     def tick(self, now: float) -> list[Action]:
         """Fire what is due by ``now``: deadlines, service grace, heartbeats to workers,
@@ -2006,7 +2027,7 @@ class Scheduler(LeaseEvents):
         if kind == _T_WORKER:
             return obj.last_seen + self._worker_ttl if obj.alive else None
         if kind == _T_LEASE:  # a lease the worker has not confirmed (broker/leases.py)
-            return epoch if self._leases.get(obj.id) is obj and obj.state == "pending" else None
+            return obj.confirm_by if self._leases.get(obj.id) is obj and obj.state == "pending" else None
         if kind == _T_RECALL:
             # One live timer per service: the one whose time it keeps in ``recall_at``.
             if self._services.get(obj.name) is not obj or obj.recall_at != epoch:

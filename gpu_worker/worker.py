@@ -288,6 +288,10 @@ class WorkerConfig:
 #: client that reads nothing that long, or too slowly, loses its connection (its calls go
 #: through the broker), as before
 STREAM_WAIT_S = 0.5
+#: a loop pass this many seconds later than its wait allowed (a quarter of the broker's
+#: liveness window at most) means the worker did not run: stopped, frozen, starved
+#: (`Worker._resumed`)
+PAUSED_S = 0.25
 
 #: seconds a leased request's outcome waits for the STATS that counts it, at most while the
 #: loop runs (the broker never sees a leased FINAL: a worker's death loses what waits)
@@ -610,6 +614,7 @@ class Worker:
                 poller.add_fd(sig_fd)
             next_housekeeping = time.monotonic() + self.heartbeat_interval
             self.lone_lane = True
+            looked = time.monotonic()  # the last wait's end (`_resumed`)
             while not self._take_signals():
                 # Read each pass: a WELCOME may have brought the broker's settings.
                 interval = self.heartbeat_interval
@@ -631,6 +636,12 @@ class Worker:
                 if self._reconnect_why is not None:
                     ms = 0  # learnt outside the wait (a stream, a batch): reconnect at once
                 events = self._events = poller.wait(ms)
+                # Later than the wait allowed: this process did not run (`_resumed`); the
+                # pass's own work since the last look counts too.
+                woke = time.monotonic()
+                if woke - looked - ms / 1000.0 > min(PAUSED_S, dead_after / 4):
+                    self._resumed(woke - looked - ms / 1000.0, woke)
+                looked = woke
                 if sig_fd is not None and sig_fd in events:
                     _drain_pipe(sig_fd)  # the handler counted it; `_take_signals` acts on it
                 if self._busy and self._offload.done in events:
@@ -2017,6 +2028,18 @@ class Worker:
                 f"this worker is running another's batch ({doomed[job.envelope]:.0f} ms so far) and would start "
                 "this request only after it; send this one through the broker, which can start it on an idle "
                 "worker (it did not run)"))
+
+    def _resumed(self, lost: float, now: float) -> None:
+        """The loop began a pass ``lost`` seconds later than its wait allowed: this process
+        was stopped (SIGSTOP, a job-control stop of the launcher's process group, a frozen
+        container), starved of CPU, or held by a long step.  A broker stopped with it sent
+        nothing meanwhile, and would be presumed gone at the thaw (a reconnect, its leases
+        ended, its requests sent again by the broker); so the broker's silence counts from
+        ``lost`` later, never past now.  A broker that ran meanwhile left its heartbeats
+        in the socket, which the silence check reads first."""
+        log.info("the worker did not run for %.3f s (stopped, or starved of CPU); the broker's silence "
+                 "meanwhile does not count", lost)
+        self._last_heard = min(now, self._last_heard + lost)
 
     def _tell_stopping(self) -> None:
         """Tell our broker STOPPING (once): send nothing new, and count this worker out of

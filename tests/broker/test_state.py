@@ -1226,3 +1226,34 @@ def test_a_request_whose_client_left_is_counted_client_gone_when_its_worker_answ
     s.worker_final(b"w", d4.token, 0.4, "a result for nobody", code=0)
     s.worker_final(b"w", d5.token, 0.4, "the model crashed", code=ErrorCode.INTERNAL)
     assert counted[-2:] == [CLIENT_GONE, ErrorCode.INTERNAL]
+
+
+def test_a_pause_of_the_broker_itself_does_not_count_against_its_peers():
+    """`resumed`: the broker did not run for a while (stopped with its peers: one `docker
+    pause`, a Ctrl-Z of the launcher's group).  Liveness windows move on by the lost time,
+    never past now; deadlines do not move; a peer really gone is found that much later."""
+    s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3, client_liveness=3.0))
+    s.worker_ready(b"w1", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    s.client_heartbeat(C, 0.0)
+    d = only(req(s, 1, deadline=8.0), Dispatch)
+    s.worker_seen(b"w1", 1.0)
+    s.worker_seen(b"w2", 1.0)
+    s.client_seen(C, 1.0)
+    # Stopped from 1.5 to 11.5: every window (due at 4.0) passed meanwhile, and the deadline.
+    assert s.resumed(10.0, 11.5) == []
+    out = s.tick(11.5)
+    assert of(out, DisconnectWorker) == [] and s.stats()["clients"] == 1
+    assert only(out, ClientError).code == ErrorCode.DEADLINE_EXCEEDED  # the caller lived through it
+    assert only(out, CancelAtWorker).token == d.token
+    assert s.stats()["counters"]["paused"] == 1
+    # Windows counted from 11.0 (1.0 + 10, capped at now): w1 speaks, w2 and the client do not.
+    s.worker_seen(b"w1", 13.9)
+    assert of(s.tick(13.9), DisconnectWorker) == []
+    out = s.tick(14.0)
+    assert only(out, DisconnectWorker).worker == b"w2"
+    assert s.stats()["clients"] == 0
+    # Never past now: a pause longer than the silence before it leaves the window whole.
+    s.resumed(100.0, 20.0)  # w1 last heard at 13.9: counted from 20.0, not 113.9
+    assert of(s.tick(22.9), DisconnectWorker) == []
+    assert only(s.tick(23.0), DisconnectWorker).worker == b"w1"

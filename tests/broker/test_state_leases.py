@@ -318,3 +318,25 @@ def test_a_worker_cannot_end_a_lease_as_the_client_or_as_failed():
     to_w, _ = granted(s)
     end = only(s.worker_lease_end(b"w", to_w.lease, 1.0, reason="worker_failed"), LeaseEndToClient)
     assert end.reason == WORKER_STOPPING and end.resend is False
+
+
+def test_an_unconfirmed_lease_waits_for_its_confirmation_as_long_again_after_a_pause():
+    """The broker stopped with the worker it asked (`Scheduler.resumed`): the confirmation
+    window moves on by the lost time, at most a whole window from now."""
+    s = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3))
+    s.worker_ready(b"w", "svc", 0.0, credit=4, direct=EP)
+    to_w = only(lease(s, slots=3), LeaseToWorker)  # due at 3.0
+    s.client_heartbeat(C, 0.0)
+    s.resumed(5.0, 5.5)  # stopped from 0.5 to 5.5: due at 8.0 now
+    assert of(s.tick(5.5), LeaseRefused) == []
+    to_c = only(s.worker_leased(b"w", to_w.lease, 5.6), LeaseToClient)
+    assert to_c.lease == to_w.lease
+    s2 = Scheduler(Config(heartbeat_interval=1.0, heartbeat_liveness=3))
+    s2.worker_ready(b"w", "svc", 0.0, credit=4, direct=EP)
+    only(lease(s2, slots=3), LeaseToWorker)
+    s2.client_heartbeat(C, 0.0)
+    s2.resumed(50.0, 1.0)  # capped: due at 4.0, not 53.0
+    s2.worker_seen(b"w", 3.9)
+    s2.client_seen(C, 3.9)
+    assert of(s2.tick(3.9), LeaseRefused) == []
+    assert only(s2.tick(4.0), LeaseRefused).ask_id == 7

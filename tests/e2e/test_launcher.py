@@ -457,6 +457,31 @@ def test_an_idle_worker_stopped_by_someone_else_is_replaced_at_once_not_as_a_cra
             np.testing.assert_array_equal(r["x"], np.ones(4))
 
 
+def test_a_stop_of_the_whole_launch_ctrl_z_then_fg_kills_and_restarts_nothing(tmp_path, launchers):
+    # Ctrl-Z in the terminal stops the launcher's process group: the broker (in the launcher)
+    # and every worker at once, for as long as the operator takes to type `fg`.  At the
+    # thaw each side found the other silent past its liveness window: a worker reconnected
+    # and the broker presumed it dead (the launcher's hang watch could follow).
+    la = launchers(tmp_path, "[launcher]\nhang_timeout_s = 1\n[[pool]]\nmodel = 'echo'\ncount = 2\n")
+    la.wait_for(r"every pool is ready")
+    pids = [la.p.pid, *la.ready_pids().values()]
+    mark = len(la._err)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(2.5)  # the stimulus: stopped past every liveness window (0.6 s) and the hang watch's
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
+    la.wait_for(r"the broker did not run for [\d.]+ s", mark)
+    with Client(la.frontend, timeout=10) as c:
+        for _ in range(20):
+            with c.infer("echo", {"x": np.ones(4)}) as r:
+                np.testing.assert_array_equal(r["x"], np.ones(4))
+    log = la._err.decode(errors="replace")[mark:]
+    for bad in ("presumed dead", "reconnecting", "SIGKILL", "restarting", "not registered"):
+        assert bad not in log, log
+    assert set(la.ready_pids().values()) == set(pids[1:])  # the same two workers
+
+
 def test_sighup_to_a_broker_without_pools_or_to_a_worker_is_said_and_ignored(cluster):
     # SIGHUP rolls a launcher's pools; sent to a plain broker or a worker (the wrong pid, a
     # closed terminal) its default action ended the process at once: no drain, requests lost.
