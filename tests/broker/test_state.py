@@ -1257,3 +1257,22 @@ def test_a_pause_of_the_broker_itself_does_not_count_against_its_peers():
     s.resumed(100.0, 20.0)  # w1 last heard at 13.9: counted from 20.0, not 113.9
     assert of(s.tick(22.9), DisconnectWorker) == []
     assert only(s.tick(23.0), DisconnectWorker).worker == b"w1"
+
+
+def test_a_direct_done_after_its_client_left_is_not_a_dropped_late_reply():
+    """The worker answered the client straight, the client read it and left (DISCONNECT)
+    before the worker's DONE reached the broker: nothing was dropped.  A relayed final for
+    a client gone, and a direct DONE after the deadline was answered, still count."""
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=4)
+    d1 = only(req(s, 1), Dispatch)
+    d2 = only(req(s, 2), Dispatch)
+    d3 = only(req(s, 3, client=b"other", deadline=1.0), Dispatch)
+    s.client_disconnect(C, 0.2)
+    s.worker_done(b"w", [d1.token], 0.3)
+    assert s.stats()["counters"]["dropped_late"] == 0
+    s.worker_final(b"w", d2.token, 0.3, "relayed to nobody")
+    assert s.stats()["counters"]["dropped_late"] == 1
+    s.tick(1.0)  # d3's deadline answered
+    s.worker_done(b"w", [d3.token], 1.1)
+    assert s.stats()["counters"]["dropped_late"] == 2

@@ -614,3 +614,23 @@ def test_pinned_requests_are_counted_within_moments_not_at_the_next_heartbeat(cl
         until(lambda: ok() == sent + 10, "the pinned requests counted", timeout=2.0)
     w.kill()
     assert ok() == sent + 10
+
+
+def test_a_script_that_leaves_after_its_last_result_drops_nothing_late(cluster):
+    # `with Client(): infer` and exit: the worker's FINAL went straight to the client, which
+    # read it and said DISCONNECT before the worker's DONE reached the broker.  Those DONEs
+    # were counted `dropped_late` (23 of 30), though nothing was dropped or late.
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    cluster.worker("echo")
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, "echo")
+    for _ in range(20):
+        with Client(cluster.frontend, timeout=WAIT) as c:
+            c.infer("echo", {"x": np.ones(1000, np.float32)}).release()
+    def counted():
+        m = scrape(base)
+        return m if value(m, "zmq_infer_requests_total", service="echo", outcome="ok") == 20 else None
+
+    m = until(counted, "20 requests counted")
+    assert value(m, "zmq_infer_broker_events_total", event="dropped_late") == 0
