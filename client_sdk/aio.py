@@ -50,7 +50,7 @@ from broker.protocol.wire import NOBLOCK, TcpWatch, recv_frames, send_frames
 
 from .base import ClientBase, ReplyStreamBase
 from .calls import Call, final_of_infer, mmi_answer, opaque_reply
-from .core import ClientCore
+from .core import LAST_LOOK_S, PAUSED_S, ClientCore
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
@@ -855,6 +855,21 @@ class AsyncClient(ClientBase):
         if ahead is not None:
             self._arm_deadlines(ahead)
 
+    async def _last_look(self, call: Call, ev: asyncio.Event) -> None:
+        """A call's deadline passed while this process was not running (core.PAUSED_S):
+        what has arrived is routed, and a reply still inside libzmq's I/O thread (it runs
+        again only now) waited for, `LAST_LOOK_S` at most (``ev``: set by the call's
+        notify)."""
+        ev.clear()
+        self._drain()
+        if call.inbox:
+            return
+        try:
+            async with asyncio.timeout(LAST_LOOK_S):
+                await ev.wait()
+        except TimeoutError:
+            pass
+
     async def _next(self, call: Call, limit: float | None = None) -> tuple[str, Any]:
         """Next item for `call`.  Raises DeadlineExceeded at the call's deadline and
         TimeoutError after `limit` seconds (the call stays in flight)."""
@@ -864,6 +879,7 @@ class AsyncClient(ClientBase):
         call.notify = ev.set
         stop = None if limit is None else time.monotonic() + limit
         looked = False
+        last_look = False
         core = self._core
         if core.forked():
             core.check_open()  # a forked child's copy: InvalidInput
@@ -874,6 +890,10 @@ class AsyncClient(ClientBase):
                 now = time.monotonic()
                 ends = [t for t in (call.deadline, stop) if t is not None]
                 if call.deadline is not None and now >= call.deadline:
+                    if now - call.deadline > PAUSED_S and not last_look:
+                        last_look = True  # (core.PAUSED_S: we did not run when it passed)
+                        await self._last_look(call, ev)
+                        continue
                     raise self._core.deadline_error(call)
                 if stop is not None and now >= stop:
                     if looked:
@@ -922,6 +942,7 @@ class AsyncClient(ClientBase):
         waiters = self._waiters
         waiters[call] = None
         partials = 0
+        last_look = False
         try:
             while True:
                 while not inbox:
@@ -930,7 +951,14 @@ class AsyncClient(ClientBase):
                         raise InferenceError("the client was closed while this request was waiting", code=None)
                     deadline = call.deadline
                     if deadline is not None:
-                        if time.monotonic() >= deadline:
+                        now = time.monotonic()
+                        if now >= deadline:
+                            if now - deadline > PAUSED_S and not last_look:
+                                last_look = True  # (core.PAUSED_S: we did not run when it passed)
+                                ev = asyncio.Event()
+                                call.notify = ev.set
+                                await self._last_look(call, ev)
+                                continue
                             raise self._core.deadline_error(call)
                         at = self._deadline_at
                         if at is None or deadline < at:

@@ -41,7 +41,7 @@ from broker.protocol.wire import NOBLOCK, TcpWatch, Waiter, recv_frames, send_fr
 
 from .base import ClientBase, ReplyStreamBase
 from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priority, resolve_transport
-from .core import LIVENESS, ClientCore
+from .core import LAST_LOOK_S, LIVENESS, PAUSED_S, ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
@@ -262,6 +262,7 @@ class Client(ClientBase):
         self._send_call(call)
         partials = 0
         inbox = call.inbox
+        last_look = False
         try:
             while True:
                 # `_wait` without a limit
@@ -272,6 +273,9 @@ class Client(ClientBase):
                         self._pump(None, now, inbox)
                     elif now < deadline:
                         self._pump(deadline - now, now, inbox)
+                    elif now - deadline > PAUSED_S and not last_look:
+                        last_look = True  # (core.PAUSED_S: we did not run when it passed)
+                        self._pump(LAST_LOOK_S, now, inbox)
                     else:
                         raise self._core.deadline_error(call)
                 kind, item = inbox.popleft()
@@ -903,9 +907,14 @@ class Client(ClientBase):
         arrives as an error item (see `pump`)."""
         stop = None if limit is None else time.monotonic() + limit
         looked = False  # a limit of 0 still routes what has already arrived
+        last_look = False
         while not call.inbox:
             now = time.monotonic()
             if call.deadline is not None and now >= call.deadline:
+                if now - call.deadline > PAUSED_S and not last_look:
+                    last_look = True  # (core.PAUSED_S: we did not run when it passed)
+                    self.pump(LAST_LOOK_S)
+                    continue
                 raise self._core.deadline_error(call)
             if stop is not None and now >= stop and looked:
                 raise TimeoutError(f"no result within {limit:g}s; the request is still in flight")

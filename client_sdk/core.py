@@ -100,6 +100,13 @@ ROOM_LOOK_S = 1.0
 ROOM_LOOK_FAR_S = 5.0
 #: longest wait before a client that fell back to inline tries shared memory again (seconds)
 NOT_LOCAL_RETRY_MAX_S = 30.0
+#: A call's deadline found passed by more than this: the process was not running when it
+#: passed (stopped, starved), and a reply that came meanwhile may still be on its way through
+#: libzmq's I/O thread, which runs again only now.  Such a call looks at its sockets once
+#: more, for up to `LAST_LOOK_S`, before it raises DeadlineExceeded: a client stopped past a
+#: call's timeout while its result came got the result or the error by a race of threads.
+PAUSED_S = 0.02
+LAST_LOOK_S = 0.1
 
 
 def _check_meta(meta: dict) -> None:
