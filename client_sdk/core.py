@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import secrets
 import threading
@@ -206,6 +207,13 @@ class ClientCore(PinEvents):
         if isinstance(pool_capacity, bool) or not 1 <= capacity < 1 << 62:
             raise InvalidInput(f"pool_capacity {pool_capacity!r} must be a number of bytes >= 1 (256 << 20 by default)")
         self.pool_capacity = capacity
+        try:
+            resends = operator.index(restart_resends)  # (1.5, "2": not a count)
+        except TypeError:
+            resends = -1
+        if isinstance(restart_resends, bool) or resends < 0:
+            raise InvalidInput(f"restart_resends {restart_resends!r} must be a whole number >= 0 (2 by default)")
+        self.restart_resends = resends
         self.heartbeat_interval = _heartbeat_interval(heartbeat_interval)
         self.fallback_inline = fallback_inline
         # Direct replies need a broker (hence workers) that can reach an ipc socket of ours.
@@ -259,7 +267,6 @@ class ClientCore(PinEvents):
         self._route_mark = 0
         # streams that may have been lost with a replaced connection: id -> (call, since)
         self._suspects: dict[int, tuple[Call, float]] = {}
-        self.restart_resends = max(0, int(restart_resends))
         self.closed = False
         self.discarded = 0   # late or unknown replies dropped (for tests and debugging)
         self.direct_replies = 0  # replies that came straight from a worker (reply_to)

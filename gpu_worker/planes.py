@@ -90,8 +90,8 @@ def check_outputs(out: Any) -> None:
         raise ValueError(f"the model returned {len(out)} outputs; a reply carries at most {P.MAX_TENSORS}")
     names = 0  # their UTF-8 bytes: a reply header over MAX_HEADER_BYTES is refused by its client
     for name, value in out.items():
-        if type(name) is not str:
-            raise TypeError(f"output names must be strings; the model returned {name!r}")
+        if type(name) is not str or not name:  # ("" as a client's input name is refused too)
+            raise TypeError(f"output names must be non-empty strings; the model returned {name!r}")
         if name.isascii():
             names += len(name)
         else:

@@ -768,6 +768,9 @@ def test_edge_values_of_arguments_are_invalid_input(connect, endpoint):
     for bad in (0, -1, float("nan"), None, 1 << 64):
         with pytest.raises(InvalidInput, match="pool_capacity"):
             connect(endpoint, pool_capacity=bad)
+    for bad in (-1, 1.5, "2", None, True):  # (-1 was taken as 0, 1.5 as 1)
+        with pytest.raises(InvalidInput, match="restart_resends"):
+            connect(endpoint, restart_resends=bad)
     with connect(endpoint) as c:
         with pytest.raises(InvalidInput, match="timeout .*got 'x'"):
             c.infer("echo", {"x": np.zeros(1)}, timeout="x")

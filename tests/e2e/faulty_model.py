@@ -67,6 +67,8 @@ class Batched(ModelBase):
                 return {f"o{i}": x.copy() for i in range(300)}
             if do == "badname" and n == 1:
                 return {0: x.copy()}
+            if do == "emptyname" and n == 1:
+                return {"": x.copy()}
             if do == "deep" and n == 1:
                 return {"y": x.reshape((1,) * 41 + x.shape[1:])}
             if do == "half" and n == 1:

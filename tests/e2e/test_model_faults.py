@@ -155,7 +155,8 @@ def test_a_model_that_reuses_its_output_buffer_never_sends_one_client_anothers_d
     assert not errors and not wrong, (errors, wrong[:5])
 
 
-@pytest.mark.parametrize("do,match", [("many", "at most 256"), ("badname", "must be strings"),
+@pytest.mark.parametrize("do,match", [("many", "at most 256"), ("badname", "must be non-empty strings"),
+                                      ("emptyname", "must be non-empty strings"),  # (an input may not be "")
                                       # (numpy 1 refuses the 42-d array in the model itself)
                                       ("deep", "dimensions; the limit is 32|maximum supported dimension"),
                                       ("half", "cannot be sent"), ("v0", "cannot be sent"),
