@@ -306,6 +306,9 @@ class ClientCore(PinEvents):
 
     def alloc(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
         self.run_deferred()
+        if shape is True or shape is False or (type(shape) in (tuple, list) and bool in map(type, shape)):
+            # (shm's fast path takes a bool for 0 or 1, as Python's arithmetic does)
+            raise InvalidInput(f"alloc({shape!r}, {dtype!r}): a dimension is a bool; give a shape of ints >= 0")
         try:
             src = self.pool.alloc(shape, dtype)
         except _shm.ShmFull as e:  # its message names the pool's own argument, capacity=: the client's is pool_capacity=

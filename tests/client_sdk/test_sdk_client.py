@@ -778,7 +778,7 @@ def test_edge_values_of_arguments_are_invalid_input(connect, endpoint):
             with pytest.raises(InvalidInput, match="meta must be a dict"):
                 c.infer("echo", {"x": np.zeros(1)}, meta=bad)
         for shape, dtype in (((-1,), np.float32), (5.5, np.float32), (("a",), np.float32), ((2,), object),
-                             ((2,), "V0")):
+                             ((2,), "V0"), ((True, 3), np.float32), ([2, False], np.float32), (True, np.uint8)):
             with pytest.raises(InvalidInput, match="alloc"):
                 c.alloc(shape, dtype)
         empty = c.alloc((0, 5), np.float32)
