@@ -30,9 +30,11 @@ is compared in constant time.
 """
 from __future__ import annotations
 
+import enum
 import hmac
 import logging
 import os
+import time
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -43,11 +45,12 @@ from broker.protocol.link import LinkServer
 from broker.protocol.wire import (DEAD_AFTER_BEATS, NOBLOCK, recv_frames, seed_routing_ids, send_frames, sock_events,
                                   tcp_liveness, touched)
 
-__all__ = ["Lease", "Refusal", "LeaseTable", "DirectSocket", "DirectSocketError", "direct_socket_path",
+__all__ = ["Lease", "Refusal", "LeaseTable", "DirectSocket", "DirectSocketError", "direct_socket_path", "Unsent",
            "NOT_BOUND", "WORKER_STOPPING", "LONG_BATCH_S", "runs_long"]
 
 log = logging.getLogger("gpu_worker")
 _POLLIN = int(zmq.POLLIN)
+_EAGAIN = zmq.EAGAIN
 
 #: the start of the 400 a REQUEST on a connection without a lease gets
 NOT_BOUND = "not bound to a lease: send HELLO first"
@@ -257,6 +260,20 @@ class LeaseTable:
 #: largest frame the direct socket takes: the broker's default --max-frame-mb
 MAX_FRAME_BYTES = 256 << 20
 
+class Unsent(enum.Enum):
+    """Why `DirectSocket.send` did not queue a reply.  Falsy, as the False it replaces, so
+    that ``if not sent`` still reads "it did not go"."""
+
+    #: the connection is gone (EHOSTUNREACH; a link connection ended, or retired at its cap):
+    #: nothing will ever reach its client on it
+    GONE = "gone"
+    #: the connection's queue is full (EAGAIN): its client is alive but not reading now
+    FULL = "full"
+
+    def __bool__(self) -> bool:
+        return False
+
+
 class DirectSocketError(RuntimeError):
     """The direct socket cannot be bound (the message says why and what to change)."""
 
@@ -359,25 +376,56 @@ class DirectSocket:
             except OSError as e:
                 log.warning("no local link at %s (%s): near clients use the ipc direct socket", link_path, e)
 
-    def send(self, frames, wait: float = 0.0, tick=None) -> bool:
-        """Queue one message (``[routing id, ...]``); False when it was dropped (the
-        connection is gone, or its queue is full).  ``wait``, ``tick``: on the
-        local link, how long it may block for the client to read its backlog below the cap,
-        and what runs meanwhile (`LinkServer.send`)."""
+    def send(self, frames, wait: float = 0.0, tick=None) -> "bool | Unsent":
+        """Queue one message (``[routing id, ...]``); True when queued, else why not:
+        `Unsent.GONE` (the connection is gone; dropped) or `Unsent.FULL` (its queue is full:
+        the client is alive but not reading; the caller decides whether to keep the reply
+        for later).  ``wait``: how long it may block for the client to read, and ``tick``
+        what runs about every 0.1 s meanwhile: on the local link, for as long as some of its
+        backlog leaves every ``wait`` seconds (`LinkServer.send`); on the ROUTER, which says
+        nothing of a connection's progress, ``wait`` seconds in all."""
         route = frames[0]
         if len(route) == 9 and route[0] == 0:  # a link connection's (next_message keeps ROUTER peers off them)
             if self.link.send(route, frames[1:], wait, tick):
                 return True
             self.dropped += 1
             self._bad.warning("a reply on the local link was dropped: its client is gone or not reading")
-            return False
+            return Unsent.GONE  # (at its cap the link retires the connection: gone too)
         try:
             send_frames(self.sock, frames, NOBLOCK)
             return True
-        except zmq.ZMQError as e:  # EHOSTUNREACH: gone; EAGAIN: not reading
+        except zmq.ZMQError as e:
+            sent = Unsent.FULL if e.errno == _EAGAIN else Unsent.GONE
+        if sent is Unsent.FULL and wait > 0:
+            sent = self._wait_room(frames, wait, tick)
+        if sent is Unsent.GONE:
             self.dropped += 1
-            self._bad.warning("a reply on the direct socket was dropped (%s): its client is gone or not reading", e)
-            return False
+            self._bad.warning("a reply on the direct socket was dropped: its client is gone")
+        return sent
+
+    def _wait_room(self, frames, wait: float, tick) -> "bool | Unsent":
+        """Send ``frames`` blocking, for up to ``wait`` seconds in all: libzmq wakes a
+        blocked send when the connection's queue has room again (its reader took a batch of
+        messages), so this waits on that, not on a timer.  Tries of 0.1 s at most, running
+        ``tick`` between (the worker's heartbeats).  True when it went, else as `send`."""
+        sock = self.sock
+        end = time.monotonic() + wait
+        try:
+            while True:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return Unsent.FULL
+                sock.sndtimeo = max(1, int(min(left, 0.1) * 1000))
+                try:
+                    send_frames(sock, frames, 0)
+                    return True
+                except zmq.ZMQError as e:
+                    if e.errno != _EAGAIN:
+                        return Unsent.GONE
+                if tick is not None:
+                    tick()
+        finally:
+            sock.sndtimeo = -1
 
     def next_message(self, router: bool = True, link: bool = True) -> list | None:
         """One message read (``[routing id, ...]``) from the ROUTER or the link, without

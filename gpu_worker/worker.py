@@ -67,7 +67,7 @@ from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats, mess
 from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signature
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
-from gpu_worker.leases import DirectSocket, DirectSocketError, LeaseTable, Refusal, runs_long
+from gpu_worker.leases import DirectSocket, DirectSocketError, LeaseTable, Refusal, Unsent, runs_long
 from gpu_worker.planes import DataPlane, HostPlane
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
@@ -299,6 +299,18 @@ LEASED_STATS_S = 0.05
 
 #: `Job.cancelled` of a leased stream whose partial could not be sent (truthy: it stops)
 _UNSENDABLE = "unsendable"
+#: `Job.cancelled` of a leased stream whose client stopped reading its replies on the direct
+#: socket (its queue stayed full for STREAM_WAIT_S): it stops with an error FINAL, held for
+#: the client (`_held`)
+_UNREAD = "unread"
+
+#: a leased FINAL that met its connection's full queue on the direct socket (its client
+#: alive, not reading) is held and tried again on each pass of the loop, which then waits at
+#: most this long (libzmq says nothing when that one connection has room again)
+HELD_RETRY_S = 0.01
+#: refusals (FINALs of requests that never ran: 400, 429, 503) held at most, all
+#: connections together; a leased request's own FINAL is bounded by its lease's slots
+HELD_REFUSALS = 1024
 #: `Job.cancelled` by a CANCEL whose caller's deadline had passed (`Cancel.expired`): answered
 #: and counted as DEADLINE_EXCEEDED, as the broker counts a brokered request's
 _EXPIRED = "expired"
@@ -470,6 +482,11 @@ class Worker:
         self._fd_guard: Headroom | None = None  # an ipc direct socket's, near the descriptor limit
         self._direct_aside: str | None = None  # where its file is while moved aside
         self.leased_sent = 0          # FINALs sent on the direct socket
+        # FINALs on the direct socket that met their connection's full queue (its client
+        # alive, not reading): key -> (frames, job: None for a refusal), sent again until they
+        # go, the connection is gone or the lease ends for a client presumed dead (`_send_held`).
+        self._held: dict = {}
+        self._held_seq = 0            # keys of held refusals (a job's is its envelope)
         self.leased_bounced = 0       # leased REQUESTs sent back to the broker's path (429): they would wait behind another's long batch
         self._lease_seq = 0           # the worker's own keys for leased requests
         self._linger_until = 0.0      # when stopping with leases: answer direct REQUESTs (503) until then
@@ -635,6 +652,10 @@ class Worker:
                     ms = 0  # read from the link already, not yet handled: its descriptor will not tell
                 if self._reconnect_why is not None:
                     ms = 0  # learnt outside the wait (a stream, a batch): reconnect at once
+                if self._held:  # FINALs for clients not reading: tried again each pass
+                    self._send_held()
+                    if self._held:
+                        ms = min(ms, HELD_RETRY_S * 1000.0)
                 events = self._events = poller.wait(ms)
                 # Later than the wait allowed: this process did not run (`_resumed`); the
                 # pass's own work since the last look counts too.
@@ -1502,6 +1523,8 @@ class Worker:
                 if self.leases is not None:
                     self._maybe_tell_busy(time.monotonic())
                     self._bounce_pending()
+                    if self._held:
+                        self._send_held()
                 if job.route is None and not job.stale:
                     # The broker connection replaced under the stream (the loop registers
                     # again once it ends): its PARTIALs would be dropped, their output slots
@@ -1522,8 +1545,22 @@ class Worker:
                         self.leases.finish(job.envelope)
                         if self.counts:
                             self._count_leased(job, sent=False)
-                        log.info("stream of leased request %d stopped after %d partial(s): its connection is gone "
-                                 "or not reading", job.req.id, seq, extra=logs.request_fields(job.req))
+                        log.info("stream of leased request %d stopped after %d partial(s): its connection is gone",
+                                 job.req.id, seq, extra=logs.request_fields(job.req))
+                    elif job.cancelled is _UNREAD:
+                        # Its client is alive but read nothing for STREAM_WAIT_S: the stream
+                        # cannot wait for it longer (everything else on this worker waits
+                        # meanwhile), so it ends with an error, which the client gets after
+                        # the partials queued for it (the last one counted did not go), as
+                        # on the local link, where such a client's connection is retired.
+                        sent = seq - 1
+                        log.warning("stream of leased request %d cut after %d partial(s): its client is not reading "
+                                    "its replies on the direct socket", job.req.id, sent,
+                                    extra=logs.request_fields(job.req))
+                        self._reply_error(job, P.ErrorCode.WORKER_FAILED, (
+                            f"the stream was cut after {sent} partial result(s): this client read none of its replies "
+                            f"for {STREAM_WAIT_S:g} s while {self.direct_socket.sndhwm} waited for it on the worker's "
+                            "direct socket (a stream cannot wait longer for one client, nor be run again)"))
                     else:
                         self._cancelled(job, job.cancelled, f"after {seq} partial result(s)")
                     self.served += 1
@@ -1742,6 +1779,9 @@ class Worker:
             # clients send what they had in flight through the broker.
             self.leases.reset(why)
             self._leaseholders_changed()
+            # Their clients send what they had in flight through the broker (told so by it),
+            # which counts it then; a FINAL held for them would be a stray.
+            self._held.clear()
 
     # ------------------------------------------------------------------ leases (--direct)
 
@@ -1812,11 +1852,15 @@ class Worker:
         and a stream stops at its first partial that cannot be sent), and those not started
         go back to it, cheaply, to be sent through the broker (they were cancelled, 499,
         though the client had cancelled nothing: found by the network hunt)."""
+        held = self.leases is not None and bool(self._held) and end.reason == "client_gone"
+        routes = set(self.leases.leases[end.lease].routes) if held and end.lease in self.leases else ()
         lease = None if self.leases is None else self.leases.end(end.lease, end.reason)
         if lease is None:
             return
         self._leaseholders_changed()
         log.info("lease %s ended (%s)", end.lease.hex(), end.reason)
+        if held:
+            self._drop_held(lease.in_flight, routes)
         if end.reason != "client_gone" or not lease.in_flight:
             return
         keys = set(lease.in_flight)
@@ -2080,24 +2124,75 @@ class Worker:
     def _reply_leased(self, job: Job, final: bool, body: list) -> None:
         # `_direct_send`, inline: this is every leased reply's path.
         frames = [job.route, P.MDPC, P.C_FINAL if final else P.C_PARTIAL, self._service_b, *body]
-        if not self._streaming or self.running.get(job.envelope) is not job:
+        if not self._streaming or job.cancelled or self.running.get(job.envelope) is not job:
             sent = self.direct_socket.send(frames)
         else:
             # The running stream's replies may come faster than a reading client takes them
-            # (large inline partials): over the local link's cap, the stream waits for its
-            # client while it reads (STREAM_WAIT_S), heartbeating meanwhile; the client was
-            # taken for one that stopped reading, and the stream failed (the data hunt).
-            # Nothing else waits (errors, cancels, resends: another client's stall).
+            # (large inline partials): at the local link's cap, or the direct socket's full
+            # queue, the stream waits for its client while it reads (STREAM_WAIT_S),
+            # heartbeating meanwhile; the client was taken for one that stopped reading, and
+            # the stream failed (the data hunt).  Nothing else waits (errors, cancels,
+            # resends: another client's stall).
             sent = self.direct_socket.send(frames, STREAM_WAIT_S, self._heartbeat_if_due)
-        if not sent and not final and not job.cancelled:
-            # Its connection is gone (or stopped reading): a stream for nobody stops at its
-            # next partial, without an answer (see _run_stream).
-            job.cancelled = _UNSENDABLE
-        if final:
-            self.leases.finish(job.envelope)  # its slot is free (whether or not the send went)
-            self.leased_sent += 1
-            if self.counts:
-                self._count_leased(job, sent)
+        if sent is True:
+            if final:
+                self._final_done(job, True)
+            return
+        if not final:
+            if not job.cancelled:
+                # Its connection is gone: a stream for nobody stops at its next partial,
+                # without an answer; its client alive but not reading: it stops with an
+                # error (see _run_stream).
+                job.cancelled = _UNREAD if sent is Unsent.FULL else _UNSENDABLE
+            return
+        if sent is Unsent.FULL:
+            # Its client is alive and not reading: the FINAL waits for it (dropped, the client
+            # waited for its deadline, or for ever), its lease slot taken until it goes.
+            self._hold(job.envelope, frames, job)
+            return
+        self._final_done(job, False)
+
+    def _final_done(self, job: Job, sent: bool) -> None:
+        """A leased request's FINAL went (``sent``), or was dropped: its client is gone."""
+        self.leases.finish(job.envelope)  # its slot is free (whether or not the send went)
+        self.leased_sent += 1
+        if self.counts:
+            self._count_leased(job, sent)
+
+    def _hold(self, key, frames: list, job: Job | None) -> None:
+        """Keep a FINAL its connection's full queue did not take, to send again (`_send_held`)."""
+        if job is None and len(self._held) >= HELD_REFUSALS:
+            self._bad_direct.warning("a refusal on the direct socket was dropped: its client is not reading, and "
+                                     "%d replies wait already for clients that are not", len(self._held))
+            return
+        self._bad_direct.warning("a client on the direct socket is not reading its replies: its answers wait for it")
+        self._held[key] = (frames, job)
+
+    def _send_held(self) -> None:
+        """Send again the FINALs held for clients that were not reading: those that go now,
+        or whose connection is gone (dropped: counted as their client gone), are done."""
+        send = self.direct_socket.send
+        full = set()  # connections found full on this pass: their other FINALs wait too
+        for key, (frames, job) in list(self._held.items()):
+            route = frames[0]
+            if route in full:
+                continue
+            sent = send(frames)
+            if sent is Unsent.FULL:
+                full.add(route)
+                continue
+            del self._held[key]
+            if job is not None:
+                self._final_done(job, sent is True)
+
+    def _drop_held(self, keys, routes) -> None:
+        """The broker presumed a client dead (its lease ended, ``client_gone``): the FINALs
+        held for its requests (``keys``) and connections (``routes``) are dropped."""
+        for key, (frames, job) in list(self._held.items()):
+            if key in keys or frames[0] in routes:
+                del self._held[key]
+                if job is not None:
+                    self._final_done(job, False)
 
     def _heartbeat_if_due(self) -> None:
         """A heartbeat to the broker if one is due (the loop's thread, holding the sockets,
@@ -2138,8 +2233,12 @@ class Worker:
 
     def _direct_send(self, route: bytes, body: list, final: bool = True) -> None:
         """A FINAL (or PARTIAL) to connection ``route`` of the direct socket: the frames the
-        broker would relay, after the routing id."""
-        self.direct_socket.send([route, *P.client_reply(final, self._service_b, body)])
+        broker would relay, after the routing id.  A FINAL that meets a full queue is held
+        (`_hold`): its client waits for it."""
+        frames = [route, *P.client_reply(final, self._service_b, body)]
+        if self.direct_socket.send(frames) is Unsent.FULL and final:
+            self._held_seq += 1
+            self._hold(self._held_seq, frames, None)
 
     def _wait_offloaded(self, seconds: float) -> bool:
         """Wait up to ``seconds`` for the offloaded batch (draining), answering the direct
@@ -2183,10 +2282,15 @@ class Worker:
         if self.direct_socket is None:
             return
         while not (self._take_signals() and self.hurry.is_set()):
+            if self._held:  # FINALs held for clients that were not reading: their last chance
+                self._send_held()
             left = self._linger_until - time.monotonic()
             if left <= 0:
-                return
-            self._wait_direct(min(left, 0.05))
+                break
+            self._wait_direct(min(left, HELD_RETRY_S if self._held else 0.05))
+        if self._held:
+            log.warning("%d FINAL(s) held for leaseholders that were not reading are dropped: the worker stops",
+                        len(self._held))
 
     # ------------------------------------------------------------------ keep-warm
 

@@ -17,7 +17,8 @@ faulty_model:<factory>`, with this folder on PYTHONPATH.  Each request says what
   preallocated `out=` pattern).
 - `streaming`: yields `x + i` for i < 4; do = "raise" raises after 2 partials ("surrogate":
   with a lone surrogate in its message), "big" yields five 20 MB partials at once, "badtype"
-  yields a list as its third partial, "die" ends the worker process after 2 partials.
+  yields a list as its third partial, "die" ends the worker process after 2 partials,
+  "many" yields meta["n"] small partials (y = [i]) as fast as it can.
 """
 import os
 import time
@@ -144,6 +145,10 @@ class Streaming(ModelBase):
         if do == "big":  # five 20 MB partials, at once
             for i in range(5):
                 yield {"y": np.full((1, 5_000_000), i, np.float32)}
+            return
+        if do == "many":  # more partials than a client that stopped reading has room for
+            for i in range(int(meta["n"])):
+                yield {"y": np.array([i], np.int64)}
             return
         for i in range(4):
             if do == "raise" and i == 2:
