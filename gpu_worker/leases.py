@@ -292,9 +292,10 @@ class DirectSocket:
     """The worker's direct socket: a ROUTER on an ipc path only this user can reach, or on a
     tcp address (``tcp``) as a CurveZMQ server that admits only the keys of the clients that
     hold a lease of this worker (`allow`; ``curve`` None: plain tcp, ``--insecure``).  Sends
-    never block (but a running stream's on the local link, at its cap: `send`'s ``wait``): a
-    reply to a connection that is gone, or that stopped reading, is dropped (and logged,
-    rate-limited)."""
+    never block (but a running stream's, for its client to read: `send`'s ``wait``): a
+    reply to a connection that is gone is dropped (and logged, rate-limited); one that
+    finds a connection's queue full is not queued, and `send` says so (`Unsent.FULL`): the
+    worker holds a FINAL for such a client (docs/protocol.md section 10.3)."""
 
     #: replies queued per connection before further ones are dropped
     sndhwm = 10_000

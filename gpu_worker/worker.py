@@ -2124,7 +2124,7 @@ class Worker:
     def _reply_leased(self, job: Job, final: bool, body: list) -> None:
         # `_direct_send`, inline: this is every leased reply's path.
         frames = [job.route, P.MDPC, P.C_FINAL if final else P.C_PARTIAL, self._service_b, *body]
-        if not self._streaming or job.cancelled or self.running.get(job.envelope) is not job:
+        if not self._streaming or self.running.get(job.envelope) is not job or job.cancelled is _UNREAD:
             sent = self.direct_socket.send(frames)
         else:
             # The running stream's replies may come faster than a reading client takes them
@@ -2132,7 +2132,8 @@ class Worker:
             # queue, the stream waits for its client while it reads (STREAM_WAIT_S),
             # heartbeating meanwhile; the client was taken for one that stopped reading, and
             # the stream failed (the data hunt).  Nothing else waits (errors, cancels,
-            # resends: another client's stall).
+            # resends: another client's stall), nor the error ending a stream whose client
+            # did not read for that long (its queue is full: it is held at once).
             sent = self.direct_socket.send(frames, STREAM_WAIT_S, self._heartbeat_if_due)
         if sent is True:
             if final:
