@@ -805,8 +805,9 @@ class Broker:
         held by one long step.  The peers' silence meanwhile does not count against them
         (`Scheduler.resumed`): those stopped with the broker sent nothing, and would all be
         presumed dead at the thaw."""
-        self._paused_log.warning("the broker did not run for %.3f s (its process was stopped, or starved of CPU); "
-                                 "its peers' silence meanwhile does not count against them", lost)
+        self._paused_log.warning("the broker did not run for %.3f s (its process was stopped or starved of CPU, or "
+                                 "one step of its loop took that long); its peers' silence meanwhile does not count "
+                                 "against them", lost)
         self._act(self.sched.resumed(lost, now), now)
 
     def _settle_unread(self) -> None:
