@@ -32,6 +32,7 @@ Host plane invariants:
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
 import numpy as np
@@ -143,6 +144,8 @@ class HostPlane:
         #: this worker's output ring (None without the "shm" transport)
         self.out_pool = (ShmPool(out_capacity, slots=out_slots, holders=self.holders)
                          if "shm" in self.transports else None)
+        #: whether an attested client may open the output ring, by (pid, start time)
+        self._readers: dict[tuple, bool] = {}
 
     def admit(self) -> str | None:
         return None
@@ -198,7 +201,7 @@ class HostPlane:
         # releasing it or by dying; a request without one (tcp, another pid namespace) would
         # pin the slot for good, so it gets its outputs inline, whatever it asked for.
         want_shm = (self.out_pool is not None and req.pid is not None and req.host == self.host
-                    and req.reply != "inline")
+                    and req.reply != "inline" and self._may_read(req))
         refs: list[P.TensorRef] = []
         frames: list[Any] = []
         check_outputs(out)  # before any slot is taken: a model's mistake costs no slot
@@ -210,6 +213,26 @@ class HostPlane:
                 self.out_pool.free(ref)
             raise
         return refs, frames
+
+    def _may_read(self, req: P.Request) -> bool:
+        """Whether the attested client can open this worker's output ring.  The kernel opens
+        `/proc/<pid>/fd` only for a process of the owner's user and group (or one with
+        CAP_SYS_PTRACE): a client of another uid (a root client of a service user's
+        worker, or the reverse) was handed shared-memory outputs it could not open, and its
+        call failed with a ProtocolError.  Such a client gets its outputs inline.  Asked
+        once per client process (its /proc directory is owned by its effective ids)."""
+        key = (req.pid, req.pid_start)
+        ok = self._readers.get(key)
+        if ok is None:
+            try:
+                st = os.stat(f"/proc/{req.pid}")
+            except OSError:  # gone (its answer goes nowhere) or unreadable: as before
+                return True
+            ok = st.st_uid == os.geteuid() and st.st_gid == os.getegid()
+            if len(self._readers) >= 4096:
+                self._readers.clear()
+            self._readers[key] = ok
+        return ok
 
     def _write(self, job: Job, req, out: dict, want_shm: bool, refs: list, frames: list, lent: list) -> None:
         for name, value in out.items():

@@ -73,7 +73,7 @@ from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
 from broker.protocol.limits import Headroom, move_aside, nofile_limit, put_back
-from shm.errors import OutOfResources, SegmentGone
+from shm.errors import NotShared, OutOfResources, SegmentGone
 
 __all__ = ["Worker", "WorkerConfig", "WarmupError", "ConfigError", "install_sigterm_drain", "DIRECT_LINGER_MS"]
 
@@ -1189,6 +1189,14 @@ class Worker:
             self._reply_error(job, P.ErrorCode.INTERNAL,
                               f"worker pid {os.getpid()} cannot map the request's inputs now ({e}): it is out of "
                               f"descriptors or memory; raise its RLIMIT_NOFILE, or retry")
+            return
+        except NotShared as e:
+            # The sender runs as another user (or is not dumpable): the kernel keeps its
+            # memory from this worker.  NOT_LOCAL, as for a worker on another host: the
+            # client sends the same inputs again inline (docs/deploy.md, "Layout").
+            self._reply_error(job, P.ErrorCode.NOT_LOCAL,
+                              f"worker pid {os.getpid()} (uid {os.geteuid()}) cannot open the sender's shared "
+                              f"memory ({e}); send the tensors inline, or run client and worker as one user")
             return
         except SegmentGone as e:
             # Its own memory (the owner check passed), closed by its sender since it sent

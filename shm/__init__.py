@@ -75,7 +75,7 @@ after loading RELEASED, and its reuse is control-dependent on that load.
 from __future__ import annotations
 
 from . import gc
-from .errors import RESOURCE_ERRNOS, BadDescriptor, OutOfResources, SegmentGone, ShmError, ShmFull, StaleDescriptor
+from .errors import RESOURCE_ERRNOS, BadDescriptor, NotShared, OutOfResources, SegmentGone, ShmError, ShmFull, StaleDescriptor
 from .fence import fence
 from .gc import collect
 from .pool import ShmPool
@@ -84,6 +84,6 @@ from .segment import FREE, IN_FLIGHT, RELEASED, WRITING, ShmRef
 
 __all__ = [
     "ShmRef", "ShmPool", "SegmentCache", "collect", "fence", "gc",
-    "ShmError", "ShmFull", "SegmentGone", "StaleDescriptor", "BadDescriptor", "OutOfResources", "RESOURCE_ERRNOS",
+    "ShmError", "ShmFull", "SegmentGone", "StaleDescriptor", "BadDescriptor", "NotShared", "OutOfResources", "RESOURCE_ERRNOS",
     "FREE", "WRITING", "IN_FLIGHT", "RELEASED",
 ]

@@ -10,6 +10,9 @@ do next:
   the data it named no longer exists.  Usually a late or duplicated message.
 - ``BadDescriptor``: the descriptor could never have been valid (forged, corrupted, wrong
   shape/dtype for its size).  A bug in the sender.
+- ``NotShared`` (a ``BadDescriptor``): the kernel refused this process the owner's
+  descriptors (``/proc/<pid>/fd``: another user, or an owner that is not dumpable).  The
+  value may be fine; the two processes cannot share memory, so send the bytes instead.
 - ``ShmFull``: the pool has no room; the message says how to give it some.
 - ``OutOfResources``: this process (or the host) is out of descriptors or memory, so it
   cannot tell or do what was asked now; nothing is wrong with the value, and the same call
@@ -39,6 +42,11 @@ class BadDescriptor(ShmError):
     """The descriptor is malformed or inconsistent with the segment it names."""
 
 
+class NotShared(BadDescriptor):
+    """The owner's descriptors are closed to this process (EACCES on ``/proc/<pid>/fd``): it
+    runs as another user, or is not dumpable.  Nothing can be shared with it; copy instead."""
+
+
 class OutOfResources(ShmError):
     """Out of descriptors or memory (EMFILE, ENFILE, ENOMEM): not the value's fault; retry later."""
 
@@ -47,5 +55,5 @@ class OutOfResources(ShmError):
 RESOURCE_ERRNOS = frozenset({24, 23, 12})  # EMFILE, ENFILE, ENOMEM
 
 
-__all__ = ["ShmError", "ShmFull", "SegmentGone", "StaleDescriptor", "BadDescriptor", "OutOfResources",
+__all__ = ["ShmError", "ShmFull", "SegmentGone", "StaleDescriptor", "BadDescriptor", "NotShared", "OutOfResources",
            "RESOURCE_ERRNOS"]

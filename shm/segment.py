@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import RESOURCE_ERRNOS, BadDescriptor, OutOfResources, SegmentGone, ShmError
+from .errors import RESOURCE_ERRNOS, BadDescriptor, NotShared, OutOfResources, SegmentGone, ShmError
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian CI
     # The reader's one store packs (generation, state) into one little-endian u64.
@@ -561,8 +561,8 @@ def open_checked(name: str, flags: int, what: str = "segment") -> tuple[int, np.
     except FileNotFoundError:
         raise SegmentGone(gone) from None
     except PermissionError:
-        raise BadDescriptor(f"cannot open {what} {name}: permission denied (segments are "
-                            f"shared only between processes of one user)") from None
+        raise NotShared(f"cannot open {what} {name}: permission denied (segments are "
+                        f"shared only between processes of one user)") from None
     except OSError as e:
         if e.errno in RESOURCE_ERRNOS:
             raise OutOfResources(f"cannot open {what} {name}: {e.strerror}") from None

@@ -1,0 +1,91 @@
+"""Deployments an operator gets subtly wrong: processes of one host that cannot share memory
+because they run as different users.  Each must keep working (by copying) or fail in one
+clear line; none may fail a call with an error that blames a protocol bug."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+
+from client_sdk import Client
+
+from .conftest import ROOT, Proc
+
+NOBODY = 65534
+SETPRIV = shutil.which("setpriv")
+AS_NOBODY = [SETPRIV or "setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+
+needs_root = pytest.mark.skipif(os.getuid() != 0 or SETPRIV is None, reason="needs root and setpriv(1)")
+
+
+@pytest.fixture
+def nobody_dir():
+    """A directory uid 65534 owns, outside pytest's 0700 tree, with a runtime directory in it."""
+    d = tempfile.mkdtemp(prefix="zinf-op-")
+    os.chmod(d, 0o755)
+    os.chown(d, NOBODY, NOBODY)
+    rt = os.path.join(d, "rt")
+    os.mkdir(rt, 0o700)
+    os.chown(rt, NOBODY, NOBODY)
+    procs: list[Proc] = []
+    try:
+        yield d, procs
+    finally:
+        for p in reversed(procs):  # workers first, then the broker
+            p.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _start(procs, args, *, nobody: bool, rt: str) -> Proc:
+    p = Proc(args, env={"XDG_RUNTIME_DIR": rt}, prefix=AS_NOBODY if nobody else ())
+    procs.append(p)
+    p.wait_ready()
+    return p
+
+
+NOBODY_CLIENT = """
+import sys
+import numpy as np
+from client_sdk import Client
+with Client(sys.argv[1], timeout=10) as c:
+    out = c.infer("grow", {"x": np.array([1 << 20])})
+    print("shape", out["y"].shape, int(out["y"].sum()))
+"""
+
+
+@needs_root
+def test_a_client_of_another_user_than_its_worker_is_served_by_copies(nobody_dir):
+    # Shared memory between processes of two users: the kernel opens /proc/<pid>/fd only for
+    # the owner's user.  A root client of a service user's worker had its 1 MiB call fail
+    # with "ProtocolError: cannot read inputs: ... permission denied (... this is a bug if
+    # they do)", and a client of another user than a root worker the same for the worker's
+    # outputs.  Now the worker answers NOT_LOCAL to inputs it may not open (the client sends
+    # them again inline) and writes outputs inline for a client of another user.
+    d, procs = nobody_dir
+    rt = os.path.join(d, "rt")
+    fe, be = f"ipc://{d}/fe.ipc", f"ipc://{d}/be.ipc"
+    hb = ("--heartbeat-interval", "0.2")
+    _start(procs, ["-m", "broker", "--frontend", fe, "--backend", be, *hb], nobody=True, rt=rt)
+    echo = _start(procs, ["-m", "gpu_worker", "--broker", be, "--model", "echo", *hb, "--out-capacity-mb", "16"],
+                  nobody=True, rt=rt)
+    # 1. A root client (root's runtime directory, root's segments) of nobody's worker.
+    x = np.arange(1 << 20, dtype=np.uint32)
+    with Client(fe, timeout=10) as c:
+        for _ in range(2):  # the second goes inline from the start (NOT_LOCAL remembered)
+            out = c.infer("echo", {"x": x})
+            assert np.array_equal(out["x"], x)
+            out.release()
+    echo.close()
+    # 2. A client of nobody's (the broker's user) of a root worker, whose outputs it cannot open.
+    _start(procs, ["-m", "gpu_worker", "--broker", be, "--model", "grow_model:factory", "--service", "grow", *hb,
+                   "--out-capacity-mb", "16"], nobody=False, rt=rt)
+    env = dict(os.environ, XDG_RUNTIME_DIR=rt, PYTHONPATH=str(ROOT))
+    r = subprocess.run([*AS_NOBODY, sys.executable, "-c", NOBODY_CLIENT, fe], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["shape", f"({1 << 20},)", "0"], (r.stdout, r.stderr[-2000:])
