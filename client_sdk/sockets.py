@@ -385,9 +385,33 @@ class IpcDiagnosis:
     def __call__(self) -> str | None:
         now = time.monotonic()
         if now - self._at >= self.every:
-            self._said = ipc_problem(self.endpoint)
+            try:
+                said = ipc_problem(self.endpoint)
+            except OSError:  # its probe socket, when this process is out of descriptors
+                said = None
+            self._said = said or descriptors_problem(self.endpoint)
             self._at = now
         return self._said
+
+
+#: descriptors within which of its limit a process counts as out of them (libzmq's
+#: connection needs one, and the listing that counts them another)
+OWN_FD_MARGIN = 2
+
+
+def descriptors_problem(endpoint: str) -> str | None:
+    """Why this process cannot connect to `endpoint` when it is out of descriptors, or None.
+    libzmq's I/O thread makes the connection, and retries in silence when the socket call
+    fails with EMFILE: a client whose process sat at its RLIMIT_NOFILE (a low `ulimit -n`,
+    or an application that had used them up) had every call wait out its deadline with
+    advice about the broker's endpoint and the broker's limit.  Any endpoint, tcp too."""
+    limit = nofile_limit()
+    used = open_descriptors()
+    if 0 <= used < limit - OWN_FD_MARGIN:
+        return None
+    held = "all" if used < 0 else str(used)
+    return (f"this process has {held} of its {limit} descriptors open (RLIMIT_NOFILE), so ZeroMQ cannot make its "
+            f"connection to {endpoint}: close some, or raise the limit (ulimit -n)")
 
 
 def ipc_problem(endpoint: str) -> str | None:

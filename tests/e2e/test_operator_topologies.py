@@ -89,3 +89,52 @@ def test_a_client_of_another_user_than_its_worker_is_served_by_copies(nobody_dir
                        timeout=60, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["shape", f"({1 << 20},)", "0"], (r.stdout, r.stderr[-2000:])
+
+
+FULL_CLIENT = """
+import os, resource, sys
+import numpy as np
+from client_sdk import Client, DeadlineExceeded
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+c = Client(sys.argv[1], timeout=2)
+held = []
+while True:  # the application uses up every descriptor left
+    try:
+        held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        break
+print("full", flush=True)
+sys.stdin.readline()  # the broker is up now
+try:
+    c.infer("echo", {"x": np.zeros(3)})
+    said = "served"
+except DeadlineExceeded as e:
+    said = str(e)
+for fd in held:
+    os.close(fd)
+c.close()
+print(said, flush=True)
+"""
+
+
+def test_a_client_out_of_descriptors_is_told_so_not_to_check_the_broker(cluster):
+    # libzmq's I/O thread makes the connection and retries in silence when it gets EMFILE:
+    # a client at its own RLIMIT_NOFILE waited out every call, told to check the broker's
+    # endpoint and the broker's descriptor limit.
+    p = subprocess.Popen([sys.executable, "-c", FULL_CLIENT, cluster.frontend], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        assert p.stdout.readline().strip() == "full", p.stderr.read()[-2000:] if p.poll() is not None else ""
+        cluster.broker()  # the socket file appears only now: the client cannot have connected
+        cluster.worker("echo")
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err[-2000:]
+    assert "this process has all of its 256 descriptors open (RLIMIT_NOFILE)" in out, (out, err[-2000:])
+    assert "raise the limit" in out and "check that it is the broker's frontend" not in out, out
