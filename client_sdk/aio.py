@@ -674,7 +674,10 @@ class AsyncClient(ClientBase):
         if pin is None or core.closed or monitor.closed:
             return
         if pin is _BROKER:
-            if handshakes(monitor) and core.heartbeat_interval is not None:
+            ups, last = handshakes(monitor)
+            if last is not None:
+                core.refused = last or None
+            if ups and core.heartbeat_interval is not None:
                 self._send_soon(core.heartbeat(time.monotonic()))
                 if core.ops:
                     self._run_ops()

@@ -844,7 +844,10 @@ class Client(ClientBase):
         pin = self._monitors.get(monitor)
         core = self._core
         if pin is _BROKER:
-            if handshakes(monitor) and not core.closed and core.heartbeat_interval is not None:
+            ups, last = handshakes(monitor)
+            if last is not None:
+                core.refused = last or None
+            if ups and not core.closed and core.heartbeat_interval is not None:
                 self._send_soon(core.heartbeat(time.monotonic()))
             return
         for up, final, why in lease_events(monitor):

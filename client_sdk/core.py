@@ -248,6 +248,8 @@ class ClientCore(PinEvents):
         # Set by a twin: why its endpoint cannot be connected to, asked only for the error of
         # a call the broker never answered (`sockets.ipc_problem`; it looks at the file system).
         self.endpoint_problem: Callable[[], str | None] | None = None
+        #: why the broker refused this client's latest tcp handshake (None: it did not)
+        self.refused: str | None = None
         self.last_heartbeat = 0.0
         # When the client last looked at its sockets (`looking`), and when it came back from
         # an absence longer than a heartbeat period: silence is counted from then too, since
@@ -1040,6 +1042,8 @@ class ClientCore(PinEvents):
         long enough for a heartbeat's answer, that nothing at all came from the endpoint.
         ``heard=False`` for a call on a socket of its own (`request`), whose silence the
         client's own socket cannot speak for: the socket file alone then."""
+        if self.refused is not None:  # (heard before: a broker restarted with other keys)
+            return f"the broker at {self.endpoint} refuses this client's handshake: {self.refused}"
         if self.last_recv != 0.0 and heard:
             return None
         why = self._endpoint_problem()
@@ -1065,6 +1069,8 @@ class ClientCore(PinEvents):
                          self.silence_advice(timeout, heard=False))
 
     def _endpoint_problem(self) -> str | None:
+        if self.refused is not None:
+            return f"the broker at {self.endpoint} refuses this client's handshake: {self.refused}"
         ask = self.endpoint_problem
         if ask is None:
             return None

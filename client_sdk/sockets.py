@@ -358,17 +358,46 @@ def broker_monitor(sock: zmq.Socket, endpoint: str, heartbeat_s: float | None) -
     reads it): the twin heartbeats at each one, so that the answer naming a new connection
     (core.py, `_on_broker_instance`) comes within a round trip instead of a heartbeat
     interval later (the first handshake's heartbeat follows the hello's: one more answer at
-    start, nothing else).  None otherwise (ipc: the broker's restart closes the connection,
-    and nothing else replaces it)."""
+    start, nothing else), and the handshakes the broker refused (a call that times out
+    says why).  None otherwise (ipc: the broker's restart closes the connection, and
+    nothing else replaces it)."""
     if not (heartbeat_s and C.is_tcp(endpoint)):
         return None
-    return sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED,
-                                   addr=f"inproc://client-sdk-broker-{os.getpid()}-{next(_monitors)}")
+    events = zmq.EVENT_HANDSHAKE_SUCCEEDED
+    for e in _BROKER_REFUSED:
+        events |= e
+    return sock.get_monitor_socket(events, addr=f"inproc://client-sdk-broker-{os.getpid()}-{next(_monitors)}")
 
 
-def handshakes(monitor: zmq.Socket) -> int:
-    """How many handshakes `monitor` (`broker_monitor`) reported, read until it is empty."""
-    return sum(1 for up, _, _ in lease_events(monitor) if up)
+#: the broker's refusals of a handshake, and what to do about each: libzmq tries again and
+#: again, in silence, so calls waited out their deadlines told to raise them
+_BROKER_REFUSED = {
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: ("one side speaks CurveZMQ and the other plain tcp (`insecure=True` against a "
+                                          "broker with keys, or keys against an --insecure one: was the broker "
+                                          "restarted with other security settings?)"),
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: ("it refused this client's key (its public certificate is not in the broker's "
+                                      "--client-keys directory)"),
+}
+
+
+def handshakes(monitor: zmq.Socket) -> tuple[int, str | None]:
+    """What `monitor` (`broker_monitor`) reported, read until it is empty: how many
+    handshakes succeeded, and the last word on the connection: None when nothing was
+    reported, "" when the latest handshake succeeded, else why the broker refused it."""
+    ups, last = 0, None
+    while True:
+        try:
+            frames = monitor.recv_multipart(zmq.NOBLOCK)
+        except zmq.ZMQError:  # empty (or closed)
+            return ups, last
+        try:
+            event = parse_monitor_message(frames)["event"]
+        except Exception:  # not a monitor message: nothing of ours
+            continue
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            ups, last = ups + 1, ""
+        elif event in _BROKER_REFUSED:
+            last = _BROKER_REFUSED[event]
 
 
 class IpcDiagnosis:

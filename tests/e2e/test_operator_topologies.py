@@ -138,3 +138,80 @@ def test_a_client_out_of_descriptors_is_told_so_not_to_check_the_broker(cluster)
     assert p.returncode == 0, err[-2000:]
     assert "this process has all of its 256 descriptors open (RLIMIT_NOFILE)" in out, (out, err[-2000:])
     assert "raise the limit" in out and "check that it is the broker's frontend" not in out, out
+
+
+async def _async_call(endpoint: str, x) -> None:
+    from client_sdk import AsyncClient
+
+    async with AsyncClient(endpoint, insecure=True, timeout=2) as c:
+        assert (await c.infer("echo", x))["x"].tolist() == [0, 1, 2]
+        await _restarted.wait_for_it()  # the broker comes back with keys
+        await c.infer("echo", x)
+
+
+class _Restart:
+    """The test's hook between a client's two calls (for the asyncio twin)."""
+
+    def __init__(self):
+        self.do = None
+
+    async def wait_for_it(self):
+        import asyncio
+
+        await asyncio.get_running_loop().run_in_executor(None, self.do)
+
+
+_restarted = _Restart()
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["Client", "AsyncClient"])
+def test_a_broker_restarted_with_curvezmq_tells_its_plain_clients_why_it_refuses_them(tmp_path, blocking):
+    # An operator turns CurveZMQ on and restarts the broker; clients that ran plain tcp
+    # (insecure=True) stay up.  libzmq's handshake fails (one side CURVE, the other NULL)
+    # and is tried again in silence: every call timed out advising "raise `timeout`, lower
+    # the load, or add workers", as the client had heard from a broker at that address before.
+    import asyncio
+
+    from broker.security import make_keys
+    from client_sdk import DeadlineExceeded
+
+    make_keys(str(tmp_path / "keys"), "server")
+    make_keys(str(tmp_path / "clients"), "alice")  # (the allow-list: some other client)
+    hb = ("--heartbeat-interval", "0.2")
+    be = f"ipc://{tmp_path}/be.ipc"
+    procs: list[Proc] = []
+
+    def broker(frontend, *security):
+        p = Proc(["-m", "broker", "--frontend", frontend, "--backend", be, *hb, *security])
+        procs.append(p)
+        p.wait_ready()
+        return p
+
+    try:
+        plain = broker("tcp://127.0.0.1:0", "--insecure")
+        fe = plain.field("frontend")
+        w = Proc(["-m", "gpu_worker", "--broker", be, "--model", "echo", *hb])
+        procs.insert(0, w)
+        w.wait_ready()
+
+        def restart():
+            plain.close()
+            broker(fe, "--curve-secret", str(tmp_path / "keys" / "server.key_secret"),
+                   "--client-keys", str(tmp_path / "clients"))
+
+        x = {"x": np.arange(3)}
+        with pytest.raises(DeadlineExceeded) as info:
+            if blocking:
+                with Client(fe, insecure=True, timeout=2) as c:
+                    assert c.infer("echo", x)["x"].tolist() == [0, 1, 2]
+                    restart()
+                    c.infer("echo", x)
+            else:
+                _restarted.do = restart
+                asyncio.run(_async_call(fe, x))
+        said = str(info.value)
+        assert f"the broker at {fe} refuses this client's handshake: one side speaks CurveZMQ" in said, said
+        assert "raise `timeout`" not in said, said
+    finally:
+        for p in procs:
+            p.close()
