@@ -53,6 +53,7 @@ from broker import security
 
 from broker.leases import DRAIN, LeaseEndToClient, LeaseEndToWorker, LeaseRefused, LeaseToClient, LeaseToWorker
 from broker.state import (
+    CLIENT_GONE,
     ClientError,
     CancelAtWorker,
     RecallAtWorker,
@@ -572,6 +573,17 @@ class Broker:
         # from keeping a dead client alive.  Forgotten with the connection.
         self._kept_conns: dict[bytes, int] = {}
         self._conn_clients: dict[int, list[bytes]] = {}  # fd -> identities learned on it
+        # Each frontend descriptor's latest event, numbered: positive when accepted, negative
+        # when closed (`_on_frontend_events`).  A message's descriptor number tells which
+        # connection it came on only together with these: libzmq reuses the number of a
+        # closed connection for the next one it accepts.  Bounded by the descriptor limit.
+        self._fd_state: dict[int, int] = {}
+        self._fd_events = 0
+        # Clients whose connection's close ended their requests (`_conn_closed`) -> the
+        # descriptor and its closed state then, oldest first (bounded): a message of theirs
+        # read later is one the closed connection left in libzmq's queue, for nobody
+        # (`_from_closed`).
+        self._closed_clients: dict[bytes, tuple[int, int]] = {}
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
         self._opaque_ids = 0
         self._bad = P.RateLimitedLog(log)
@@ -792,6 +804,8 @@ class Broker:
                     self._on_backend_events()
                 elif sock == fe_events:
                     self._on_frontend_events()
+                    if self._doomed:  # clients whose connection's close ended their requests
+                        self._drop_doomed()
                 elif sock == http:
                     self._on_http()
             if self._gone:
@@ -999,11 +1013,25 @@ class Broker:
                 return
             self._bad.warning("malformed client message from %r: %s", ident[:16], e)
             return
+        if ident[0] and sock_events(self._frontend_events) & _POLLIN:
+            # A routing id the client chose may have been another connection's, even one on
+            # the same descriptor number (`_client_pid` catches a different one).  libzmq
+            # queues a connection's DISCONNECTED before it closes the descriptor, and attaches
+            # a new connection under a taken id only once the old one's last message was read,
+            # so that earlier connection's close is already here: apply it before trusting
+            # what was learned under the id (its pid, its REQ-ness, its requests).  (libzmq's
+            # own ids start with a zero byte and count up from a random start; a client that
+            # names one of those could only guess it.)
+            self._on_frontend_events()
+            if self._doomed:  # that close ended the id's requests: before this message
+                self._drop_doomed()
+        closed = self._closed_clients
+        if closed and ident in closed and self._from_closed(ident, frames[1]):
+            # A message a closed connection left behind: nobody reads its answer.
+            if msg.command == P.C_REQUEST and self.metrics is not None and not msg.service.startswith(b"mmi."):
+                self.metrics.final(msg.service.decode(errors="replace"), CLIENT_GONE, None, None, now)
+            return
         if msg.leading_empty:
-            if ident[0] and sock_events(self._frontend_events) & _POLLIN:
-                # A chosen routing id may be a closed connection's whose close is not read
-                # yet: applied first, or it would forget this new connection's REQ-ness.
-                self._on_frontend_events()
             self._req_clients.add(ident)
             if ident not in self._client_conn:
                 # Its connection, learned: a REQ client never says DISCONNECT, so the
@@ -1057,8 +1085,6 @@ class Broker:
         """A client asks to be pinned to a worker (docs/protocol.md section 10): the scheduler
         places it; the grant carries what only the broker knows of the client (the kernel's
         pid of its connection, its principal) and a secret made here."""
-        if ident[0] and sock_events(self._frontend_events) & _POLLIN:
-            self._on_frontend_events()  # as for a request: a reused routing id's old connection first
         first = msg.body[0]
         service = msg.service
         try:
@@ -1089,14 +1115,6 @@ class Broker:
         self._req_clients.discard(ident)
 
     def _on_request(self, ident: bytes, msg: P.ClientMessage, now: float) -> None:
-        if ident[0] and sock_events(self._frontend_events) & _POLLIN:
-            # A routing id the client chose may have been another connection's, even one on
-            # the same descriptor number (`_client_pid` catches a different one).  libzmq
-            # queues a connection's DISCONNECTED before it closes the descriptor, so that
-            # earlier connection's close is already here: apply it before trusting what was
-            # learned under the id.  (libzmq's own ids start with a zero byte and count up
-            # from a random start; a client that names one of those could only guess it.)
-            self._on_frontend_events()
         service = msg.service
         body = msg.body
         if service.startswith(b"mmi."):
@@ -1616,8 +1634,15 @@ class Broker:
             if who != -1 and learned != fd:
                 who = -1  # the identity arrives on another connection now: learn it afresh
         if who == -1:
-            if fd is not None and fd not in self._accept_ticks and sock_events(self._frontend_events) & _POLLIN:
-                self._on_frontend_events()  # its EVENT_ACCEPTED, queued: when it was accepted
+            if fd is not None and sock_events(self._frontend_events) & _POLLIN:
+                # The events queued are applied before the identity is filed under `fd`:
+                # its EVENT_ACCEPTED (when it was accepted), and the close of an earlier
+                # connection on the same number.  libzmq queues that close before it closes
+                # the descriptor, so before any later connection on it can send: unread, it
+                # would be taken for this connection's and end this client's requests (a
+                # fresh client's request, read before the close of the connection whose
+                # number it got, was never answered).
+                self._on_frontend_events()
             who = None if fd is None else _fd_peer(fd, self._accept_ticks.get(fd))
             if len(self._client_pids) >= _MAX_CLIENT_PIDS:
                 # Bounded: the clients still here are learned again.
@@ -1630,7 +1655,13 @@ class Broker:
             self._client_tcp.pop(ident, None)
             self._client_conn[ident] = fd
             if fd is not None:
-                self._conn_clients.setdefault(fd, []).append(ident)
+                state = self._fd_state.get(fd, 0)
+                if state < 0:
+                    # The connection it came on has closed already (its close read before
+                    # this, its first message read): what it sent is for nobody.
+                    self._conn_closed(ident, fd, state)
+                else:
+                    self._conn_clients.setdefault(fd, []).append(ident)
         return who
 
     def _on_frontend_events(self) -> None:
@@ -1640,6 +1671,8 @@ class Broker:
             if event["event"] == zmq.EVENT_ACCEPTED:
                 if len(self._accept_ticks) >= 4 * _MAX_CLIENT_PIDS:
                     self._accept_ticks.clear()
+                self._fd_events += 1
+                self._fd_state[event["value"]] = self._fd_events
                 self._accept_ticks[event["value"]] = _boot_ticks()
                 self._accepted()
                 continue
@@ -1647,6 +1680,8 @@ class Broker:
                 continue
             self._closed_conns += 1
             fd = event["value"]
+            self._fd_events += 1
+            state = self._fd_state[fd] = -self._fd_events
             self._accept_ticks.pop(fd, None)
             for ident in self._conn_clients.pop(fd, ()):
                 if self._client_conn.get(ident) == fd:
@@ -1656,6 +1691,47 @@ class Broker:
                     self._kept_conns.pop(ident, None)
                     self._req_clients.discard(ident)
                     self._unread.pop(ident, None)
+                    self._conn_closed(ident, fd, state)
+
+    def _conn_closed(self, ident: bytes, fd: int, state: int) -> None:
+        """The connection of client ``ident`` (descriptor ``fd``, closed as ``state``) has
+        closed.  A client without heartbeats (a plain MDP one) is dropped as at a DISCONNECT,
+        its queued requests dropped (`client_gone`) and its running ones cancelled at their
+        worker: nothing else would end them, and a plain client that queued 50,000 and left
+        kept them (40 MB) and had the workers run them for nobody (the scale hunt).  Through
+        `_doomed`, so after the actions being sent.  A client that heartbeats is left to its
+        liveness window (`Scheduler.ends_with_connection`).
+
+        Filed only once the events queued before its message were read (`_client_pid`), so
+        a close is never taken for the connection that reused its number."""
+        if not self.sched.ends_with_connection(ident):
+            return
+        closed = self._closed_clients
+        closed.pop(ident, None)
+        if len(closed) >= _MAX_CLIENT_PIDS:
+            del closed[next(iter(closed))]
+        closed[ident] = (fd, state)
+        self._doomed[ident] = None
+
+    def _from_closed(self, ident: bytes, frame: Any) -> bool:
+        """Whether a message of ``ident``, a client whose connection's close ended its
+        requests (`_conn_closed`), came on that closed connection: libzmq holds up to
+        client_hwm of a connection's messages, read after its close.  libzmq's own routing
+        ids (a zero byte first) are never given to another connection of the socket: yes.
+        A chosen id may connect again: yes only if the message came on the closed descriptor
+        and nothing was accepted on that number since (events read: `on_client`); else it is
+        the id's new connection, served afresh."""
+        if not ident[0]:
+            return True
+        fd, state = self._closed_clients[ident]
+        try:
+            src = frame.get(zmq.SRCFD)
+        except (zmq.ZMQError, AttributeError):
+            src = None
+        if src == fd and self._fd_state.get(fd) == state:
+            return True
+        del self._closed_clients[ident]
+        return False
 
     def _accepted(self) -> None:
         """A connection was accepted: near the descriptor limit, stop new clients from

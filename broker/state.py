@@ -1174,6 +1174,14 @@ class Scheduler(LeaseEvents):
         self._touch_client(client, now)
         return []
 
+    def ends_with_connection(self, client: bytes) -> bool:
+        """Whether the close of ``client``'s connection ends its requests (the server then
+        drops it as at a DISCONNECT: `client_disconnect`).  A client that heartbeats is left
+        to its liveness window, as before; one that never did (a plain MDP client, or ours
+        with heartbeats off) is never presumed dead, so its connection's close is the only
+        sign that nobody waits for its requests any more."""
+        return client not in self._clients
+
     def client_epoch(self, client: bytes) -> int | None:
         """Which record of a tracked client this is: a new number once the broker dropped
         the client for its silence while it held something (queued or running requests,
