@@ -102,25 +102,37 @@ def test_a_plain_clients_requests_end_when_its_connection_closes(cluster, gate, 
 
 
 def test_a_connection_reusing_a_closed_ones_descriptor_is_answered(cluster):
-    """A raw DEALER is answered, closes, and a new one sends at once: it gets the closed
-    one's descriptor number, and its request may be read before that close is.  Each must
-    be answered (the close is never taken for the new connection's)."""
+    """A raw DEALER is answered and closes, and a new one sends at once, while the broker is
+    busy reading another client's burst: the new one gets the closed one's descriptor
+    number, and its request is read before that close is.  Each must be answered (the
+    close is never taken for the new connection's)."""
     cluster.broker()
     cluster.worker("echo")
     from client_sdk import Client
 
     with Client(cluster.frontend, timeout=WAIT) as c:
         wait_service(c, "echo")
+    burst = 1000  # MMI questions: the broker answers each itself, in order
+    busy = _dealer(cluster.frontend)
     old = _dealer(cluster.frontend)
     try:
-        for i in range(60):
+        for i in range(20):
             old.send_multipart(P.client_request("echo", _request(i + 1, float(i))))
             rep = _reply(old)
             assert rep.error is None and rep.id == i + 1, rep.error
+            for _ in range(burst):
+                busy.send_multipart(P.client_request("mmi.service", [b"echo"]))
             old.close(0)
-            old = _dealer(cluster.frontend)  # the request goes as soon as it connects
+            old = _dealer(cluster.frontend)
+            old.send_multipart(P.client_request("echo", _request(1000 + i, float(i))))
+            rep = _reply(old)
+            assert rep.error is None and rep.id == 1000 + i, rep.error
+            for _ in range(burst):
+                assert busy.poll(int(WAIT * 1000)), "the burst's answers"
+                busy.recv_multipart()
     finally:
         old.close(0)
+        busy.close(0)
 
 
 def test_a_plain_client_reconnecting_under_its_own_routing_id_is_served(cluster, gate, tmp_path):
