@@ -774,6 +774,20 @@ def test_client_disconnect_drops_queued_and_cancels_running():
     assert s.stats()["counters"]["client_dropped"] == 1
 
 
+def test_only_a_client_without_heartbeats_ends_with_its_connection():
+    # A plain client is never presumed dead: its connection's close is what ends its
+    # requests (the server then drops it as at DISCONNECT).  One that heartbeats keeps its
+    # liveness window; dropped for its silence, it has no record left, and nothing to keep.
+    s = Scheduler(Config(client_liveness=2.0, heartbeat_interval=100.0))
+    assert s.ends_with_connection(b"plain")
+    req(s, 1, client=b"plain")
+    assert s.ends_with_connection(b"plain")
+    s.client_heartbeat(C, 0.0)
+    assert not s.ends_with_connection(C)
+    s.tick(3.0)  # silent past its window
+    assert s.ends_with_connection(C)
+
+
 def test_silent_client_is_dropped_only_if_it_ever_sent_a_heartbeat():
     s = Scheduler(Config(client_liveness=2.0, heartbeat_interval=100.0))
     s.worker_ready(b"w", "svc", 0.0)

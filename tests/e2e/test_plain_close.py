@@ -1,5 +1,5 @@
 """A plain MDP client (no heartbeats: a raw zmq DEALER here) is never presumed dead, so its
-connection's close is what ends its requests (docs/protocol.md, "Liveness"): the queued ones
+connection's close is what ends its requests (docs/protocol.md section 2, HEARTBEAT): the queued ones
 dropped as `client_gone`, the running one cancelled at its worker.  Before, a plain client
 that queued 50,000 requests and closed left them queued (40 MB), each run later for nobody
 (the scale hunt).
