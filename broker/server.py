@@ -1655,13 +1655,12 @@ class Broker:
             self._client_tcp.pop(ident, None)
             self._client_conn[ident] = fd
             if fd is not None:
+                self._conn_clients.setdefault(fd, []).append(ident)
                 state = self._fd_state.get(fd, 0)
                 if state < 0:
                     # The connection it came on has closed already (its close read before
                     # this, its first message read): what it sent is for nobody.
                     self._conn_closed(ident, fd, state)
-                else:
-                    self._conn_clients.setdefault(fd, []).append(ident)
         return who
 
     def _on_frontend_events(self) -> None:

@@ -173,21 +173,23 @@ def test_a_plain_client_reconnecting_under_its_own_routing_id_is_served(cluster,
             s.close(0)
 
 
-def test_late_messages_of_a_closed_plain_client_are_dropped_and_counted(cluster, gate, tmp_path):
+@pytest.mark.parametrize("routing_id", [None, b"plain-late"])
+def test_late_messages_of_a_closed_plain_client_are_dropped_and_counted(cluster, gate, tmp_path, routing_id):
     """Many requests sent and the socket closed at once: whatever libzmq still held of them
-    when the close was read is dropped as it is read, never queued for nobody."""
-    broker = cluster.broker("--http", "127.0.0.1:0")
+    when the close was read is dropped as it is read, never queued for nobody (with a
+    routing id of the client's own too: they came on the closed connection)."""
+    n = 3000
+    broker = cluster.broker("--http", "127.0.0.1:0", "--max-queue", str(2 * n))  # all queued, none refused
     base = "http://" + broker.field("http")
     runs = tmp_path / "runs"
     cluster.worker("gate_model:held", "--max-batch", "1", "--credit", "1",
                    env={**gate.env, "SLEEPY_LOG": str(runs)})
     gate.open()
-    n = 3000
-    s = _dealer(cluster.frontend)
+    s = _dealer(cluster.frontend, routing_id)
     try:
         for i in range(n):
             s.send_multipart(P.client_request("held", _request(i + 1, -1.0)))
-        s.close(linger=WAIT * 1000)  # returns once all are handed to the broker's side
+        s.close(linger=int(WAIT * 1000))  # libzmq sends what it still holds, then closes
 
         def settled():
             m = scrape(base)
