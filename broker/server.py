@@ -553,12 +553,14 @@ class Broker:
         self._gone: dict[bytes, float] = {}  # workers whose connection closed -> when: their verdict waits (`_settle_gone`)
         self._closed_conns = 0  # connections closed since the C heap was last trimmed (`trim_heap`)
         self._trimming: threading.Thread | None = None
-        self._backend_events = self.backend.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
+        self._backend_events = self.backend.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         self._client_pids: dict[bytes, tuple | None] = {}  # client identity -> attested (pid, start)
         # What is learned about a client's connection (its pid, whether it is tcp) is
         # forgotten when that connection closes: a client chooses its routing id, and a
         # later connection reusing the id must not inherit the earlier one's pid.
-        self._frontend_events = self.frontend.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED)
+        self._frontend_events = self.frontend.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         # Never out of descriptors: libzmq's ipc listener aborts the process when accept()
         # fails with EMFILE (its tcp listener spins on it).  Near the limit the frontend stops
         # listening until connections close (`_accepted`, `_headroom_tick`).
@@ -596,8 +598,10 @@ class Broker:
         # The once-a-second collection that fails (out of descriptors, say): once a minute.
         self._gc_oops = P.RateLimitedLog(log, every=60.0)
         self._paused_log = P.RateLimitedLog(log)  # the broker's own stops (`_resumed`)
+        # failed tcp handshakes (`_mismatch`), clients' and workers' apart: libzmq retries them 10 times a second
+        self._handshakes = {"client": P.RateLimitedLog(log, every=10.0), "worker": P.RateLimitedLog(log, every=10.0)}
         self._throttles = (self._bad, self._stall_log, self._deaths, self._lost, self._oops, self._gc_oops,
-                           self._paused_log)
+                           self._paused_log, *self._handshakes.values())
         self._doomed: dict[bytes, None] = {}  # clients a send found stalled or gone, to drop
         # Big frames sent to each client that libzmq may still hold (`_track_unread`), and how
         # many bytes of them a client may have waiting: its byte cap's worth.
@@ -1667,6 +1671,9 @@ class Broker:
         """Forget what was learned about clients whose connection closed."""
         while sock_events(self._frontend_events) & _POLLIN:
             event = recv_monitor_message(self._frontend_events)
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                self._mismatch("client", event)
+                continue
             if event["event"] == zmq.EVENT_ACCEPTED:
                 if len(self._accept_ticks) >= 4 * _MAX_CLIENT_PIDS:
                     self._accept_ticks.clear()
@@ -1792,6 +1799,19 @@ class Broker:
         if gone is not None:
             self._presume_dead(gone, "lost its connection (its number was reused)", now)
 
+    def _mismatch(self, peer: str, event: dict) -> None:
+        """A peer's tcp handshake failed for its protocol: most often CurveZMQ on one side
+        only (a plain client against a frontend with keys: a broker restarted with security
+        on while its clients stayed up, or the reverse).  libzmq drops the connection and the
+        peer's libzmq tries again in silence, so this line is the operator's one clue (a
+        key refused by the allow-lists is logged by the ZAP handler)."""
+        where = event.get("endpoint", b"")
+        where = where.decode(errors="replace") if isinstance(where, bytes) else str(where)
+        self._handshakes[peer].warning(
+            "a %s's handshake on %s failed (ZMTP protocol error 0x%x): most likely it and this endpoint disagree "
+            "on CurveZMQ (a peer without the broker's public key against --curve-secret, or one with keys against "
+            "--insecure); libzmq retries it in silence", peer, where, event.get("value", 0) or 0)
+
     def _on_backend_events(self) -> None:
         """Apply the backend's connection events: the descriptor bookkeeping now, and for a
         worker whose connection closed, the verdict (presumed dead) once what it sent before
@@ -1804,6 +1824,9 @@ class Broker:
             event = recv_monitor_message(self._backend_events)
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._accepted()
+                continue
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                self._mismatch("worker", event)
                 continue
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue

@@ -267,6 +267,25 @@ def test_unauthenticated_clients_get_no_service(secure, keys):
             np.testing.assert_array_equal(out["x"], x)
 
 
+def test_a_peer_without_curvezmq_is_named_in_the_brokers_log(keys):
+    # A broker restarted with keys while its plain clients stayed up: each handshake fails,
+    # libzmq drops the connection and the peer's libzmq retries in silence.  The broker said
+    # nothing; now one line (throttled) says which side and what most likely differs.
+    b = Proc(["-m", "broker", "--frontend", LOOPBACK, "--backend", LOOPBACK, *keys.broker_args])
+    try:
+        b.wait_ready()
+        for side, endpoint in (("client", b.field("frontend")), ("worker", b.field("backend"))):
+            raw = Raw(endpoint)  # no keys: plain ZMTP (NULL)
+            try:
+                assert raw.handshake() == "refused"
+            finally:
+                raw.close()
+            b.wait_log(f"a {side}'s handshake on {endpoint} failed")
+        assert "disagree on CurveZMQ" in b._err.decode(errors="replace")
+    finally:
+        b.close()
+
+
 def test_rogue_workers_never_receive_a_request(secure, keys):
     ready = P.worker_ready("echo", P.Ready(credit=1000, max_batch=1, welcome=True))
     rogues = {
