@@ -85,6 +85,15 @@ GONE_WAIT_S = 0.1
 TRIM_AFTER_CLOSES = 256
 # Seconds between sweeps for shared-memory segments of dead processes.
 _GC_INTERVAL = 1.0
+#: what a tcp handshake's protocol error most likely means (`Broker._mismatch`)
+_HANDSHAKE_ERRORS = {
+    zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: (
+        "it and this endpoint disagree on CurveZMQ (a peer without the broker's public key against "
+        "--curve-secret, or one with keys against --insecure)"),
+    zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: (
+        "its CurveZMQ hello does not decrypt: it was given another server key than this broker's "
+        "(server_key=, --server-key)"),
+}
 #: a loop pass this many seconds later than its wait allowed means the broker did not run
 #: (stopped, frozen, starved): its peers' silence meanwhile is not counted (`_resumed`)
 _PAUSED_S = 0.25
@@ -598,8 +607,9 @@ class Broker:
         # The once-a-second collection that fails (out of descriptors, say): once a minute.
         self._gc_oops = P.RateLimitedLog(log, every=60.0)
         self._paused_log = P.RateLimitedLog(log)  # the broker's own stops (`_resumed`)
-        # failed tcp handshakes (`_mismatch`), clients' and workers' apart: libzmq retries them 10 times a second
-        self._handshakes = {"client": P.RateLimitedLog(log, every=10.0), "worker": P.RateLimitedLog(log, every=10.0)}
+        # failed tcp handshakes (`_mismatch`), by side and cause: libzmq retries each 10 times a second
+        self._handshakes = {(peer, code): P.RateLimitedLog(log, every=10.0)
+                            for peer in ("client", "worker") for code in (*_HANDSHAKE_ERRORS, None)}
         self._throttles = (self._bad, self._stall_log, self._deaths, self._lost, self._oops, self._gc_oops,
                            self._paused_log, *self._handshakes.values())
         self._doomed: dict[bytes, None] = {}  # clients a send found stalled or gone, to drop
@@ -1802,15 +1812,16 @@ class Broker:
     def _mismatch(self, peer: str, event: dict) -> None:
         """A peer's tcp handshake failed for its protocol: most often CurveZMQ on one side
         only (a plain client against a frontend with keys: a broker restarted with security
-        on while its clients stayed up, or the reverse).  libzmq drops the connection and the
-        peer's libzmq tries again in silence, so this line is the operator's one clue (a
-        key refused by the allow-lists is logged by the ZAP handler)."""
+        on while its clients stayed up, or the reverse), or a peer given another server key.
+        libzmq drops the connection and the peer's libzmq tries again in silence, so this
+        line is the operator's one clue (a key refused by the allow-lists is logged by the
+        ZAP handler)."""
         where = event.get("endpoint", b"")
         where = where.decode(errors="replace") if isinstance(where, bytes) else str(where)
-        self._handshakes[peer].warning(
-            "a %s's handshake on %s failed (ZMTP protocol error 0x%x): most likely it and this endpoint disagree "
-            "on CurveZMQ (a peer without the broker's public key against --curve-secret, or one with keys against "
-            "--insecure); libzmq retries it in silence", peer, where, event.get("value", 0) or 0)
+        code = event.get("value", 0) or 0
+        why = _HANDSHAKE_ERRORS.get(code) or f"ZMTP protocol error 0x{code:x}"
+        throttle = self._handshakes[peer, code if code in _HANDSHAKE_ERRORS else None]
+        throttle.warning("a %s's handshake on %s failed: %s; libzmq retries it in silence", peer, where, why)
 
     def _on_backend_events(self) -> None:
         """Apply the backend's connection events: the descriptor bookkeeping now, and for a

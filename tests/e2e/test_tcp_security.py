@@ -282,6 +282,13 @@ def test_a_peer_without_curvezmq_is_named_in_the_brokers_log(keys):
                 raw.close()
             b.wait_log(f"a {side}'s handshake on {endpoint} failed")
         assert "disagree on CurveZMQ" in b._err.decode(errors="replace")
+        # Another server key than the broker's: its hello does not decrypt.
+        raw = Raw(b.field("frontend"), keys.stranger.pair[0], keys.client.pair)
+        try:
+            assert raw.handshake() == "refused"
+        finally:
+            raw.close()
+        b.wait_log("does not decrypt: it was given another server key")
     finally:
         b.close()
 
