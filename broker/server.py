@@ -807,7 +807,11 @@ class Broker:
                 timeout = max(0, min(timeout, int((next_look - now) * 1000.0 + 0.999)))
             if self._gone:  # a closed worker's verdict waits for its last messages: look again soon
                 timeout = min(timeout, 10)
-            due = monotonic() + timeout / 1000.0
+            # Counted from the pass's start, so that a stop anywhere in the pass is seen: from
+            # the wait's own start, a stop that came before it (in a timer run, say: the
+            # moment a request was just handled) went unseen, and the peers stopped with the
+            # broker were presumed dead at the next timer run.
+            due = now + timeout / 1000.0
             for sock in wait(timeout):  # the sockets (backend first), then the descriptors
                 # Workers first: a reply frees credit for the requests that follow.
                 if sock is be:

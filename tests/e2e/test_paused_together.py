@@ -18,7 +18,7 @@ import pytest
 
 from client_sdk import Client
 
-from .conftest import wait_service
+from .conftest import HERE, Proc, wait_service
 from .test_metrics import scrape, value
 
 pytestmark = pytest.mark.timeout(90)
@@ -62,5 +62,47 @@ def test_a_broker_and_worker_stopped_together_keep_each_other_and_the_running_re
     assert value(m, "zmq_infer_broker_events_total", event="retried") == 0
     worker.terminate()
     assert "reconnecting" not in worker.stderr(None)
+    broker.terminate()
+    assert "presumed dead" not in broker.stderr(None)
+
+
+def _until_stopped(pid: int) -> None:
+    deadline = time.monotonic() + 20.0
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.005)  # polling /proc (a condition, not a delay)
+
+
+def test_a_broker_stopped_between_a_pass_start_and_its_wait_still_counts_the_gap(cluster, tmp_path):
+    """The stop lands after the loop took its time for the pass and before its wait (in a
+    timer run here, every time; a SIGSTOP from outside lands there when it comes while the
+    broker is busy, as right after a request).  The gap was measured from the wait's start,
+    taken after the thaw: the pause went unseen, and the worker stopped with the broker was
+    presumed dead at the next timer run."""
+    stop = tmp_path / "broker-stop"
+    broker = Proc([str(HERE / "self_stopping_broker.py"), "--frontend", cluster.frontend, "--backend",
+                   cluster.backend, "--heartbeat-interval", "0.2", "--heartbeat-liveness", "10",  # a 2 s window
+                   "--http", "127.0.0.1:0"], env={"BROKER_STOP_FILE": str(stop)})
+    cluster.procs.append(broker)
+    broker.wait_ready()
+    base = "http://" + broker.field("http")
+    worker = cluster.worker("echo")
+    x = np.arange(4, dtype=np.float32)
+    with Client(cluster.frontend, timeout=20) as c:
+        wait_service(c, "echo")
+        os.kill(worker.p.pid, signal.SIGSTOP)  # first: nothing of its reaches the broker after
+        stop.touch()  # the broker stops itself at its next timer run
+        _until_stopped(broker.p.pid)
+        time.sleep(3.0)  # the stimulus: both stopped, longer than the window
+        os.kill(broker.p.pid, signal.SIGCONT)
+        time.sleep(0.5)  # the stimulus: the worker still stopped this long, well within the window
+        os.kill(worker.p.pid, signal.SIGCONT)
+        assert np.array_equal(c.infer("echo", {"x": x})["x"], x)
+    m = scrape(base)
+    assert value(m, "zmq_infer_broker_events_total", event="worker_deaths") == 0
+    assert value(m, "zmq_infer_broker_events_total", event="paused") >= 1
     broker.terminate()
     assert "presumed dead" not in broker.stderr(None)
