@@ -762,8 +762,9 @@ class Broker:
         look_every = min(sc.heartbeat_interval / 2, sc.heartbeat_interval * sc.heartbeat_liveness / 4,
                          sched.client_window / 4)
         next_look = monotonic() + look_every if self._look_clients or self._look_workers else math.inf
-        # A pass that begins this much later than its wait allowed: the broker did not run
-        # meanwhile (`_resumed`).  A quarter of the shortest liveness window at most.
+        # A pass that begins this much later than the one before it began plus its wait: the
+        # broker did not run meanwhile (`_resumed`).  A quarter of the shortest liveness
+        # window at most.
         paused_after = min(_PAUSED_S, sc.heartbeat_interval * sc.heartbeat_liveness / 4, sched.client_window / 4)
         due = monotonic()  # when this pass was to begin at the latest
         while stop is None or not stop.is_set():
@@ -832,11 +833,11 @@ class Broker:
         self._collect_shm()
 
     def _resumed(self, lost: float, now: float) -> None:
-        """The loop began a pass ``lost`` seconds later than its wait allowed: the process
-        was stopped (SIGSTOP, a job-control stop, a frozen container), starved of CPU, or
-        held by one long step.  The peers' silence meanwhile does not count against them
-        (`Scheduler.resumed`): those stopped with the broker sent nothing, and would all be
-        presumed dead at the thaw."""
+        """The loop began a pass ``lost`` seconds later than the pass before it began plus
+        its wait: the process was stopped (SIGSTOP, a job-control stop, a frozen container),
+        starved of CPU, or held by one long step.  The peers' silence meanwhile does not
+        count against them (`Scheduler.resumed`): those stopped with the broker sent
+        nothing, and would all be presumed dead at the thaw."""
         self._paused_log.warning("the broker did not run for %.3f s (its process was stopped or starved of CPU, or "
                                  "one step of its loop took that long); its peers' silence meanwhile does not count "
                                  "against them", lost)
