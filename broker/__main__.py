@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-frame-mb", type=float,
                     help="largest frame a client may send, MiB (default 256); a larger one drops its connection")
     ap.add_argument("--client-hwm", type=int,
-                    help="messages queued towards one client before it counts as not reading and is dropped (default 4096)")
+                    help="messages queued towards one client before it counts as not reading and is dropped "
+                         "(default: --max-client-requests, at least 4096)")
     ap.add_argument("--max-client-requests", type=int,
                     help="outstanding requests per client, across services (default 4096)")
     ap.add_argument("--max-client-mb", type=float,

@@ -311,8 +311,10 @@ class BrokerConfig:
     #: cap refuses it once read.  Workers (few, authenticated) are not limited.
     max_frame_bytes: int = DEFAULT_MAX_FRAME
     #: messages the broker queues towards one client; a client whose queue is full has
-    #: stopped reading: its requests are dropped as if it had disconnected
-    client_hwm: int = DEFAULT_CLIENT_HWM
+    #: stopped reading: its requests are dropped as if it had disconnected.  None: the
+    #: request cap (``max_client_requests``), and at least `DEFAULT_CLIENT_HWM`, so that a
+    #: client that pipelines within its cap is never taken for one that stopped reading
+    client_hwm: int | None = None
     #: ``HOST:PORT`` (or ``PORT``: loopback) of the HTTP endpoint for /metrics and the health
     #: paths (broker.http); empty: none, and nothing is counted
     http: str = ""
@@ -441,6 +443,10 @@ class Broker:
 
     def __init__(self, cfg: BrokerConfig | None = None, *, ctx: zmq.Context | None = None):
         self.cfg = cfg or BrokerConfig()
+        # Raising the request cap alone left this at 4096: a client with 30,000 requests in
+        # flight, answered together while its loop was busy, was dropped (the second scale hunt).
+        self._client_hwm = (self.cfg.client_hwm if self.cfg.client_hwm is not None
+                            else max(DEFAULT_CLIENT_HWM, self.cfg.scheduler.max_client_requests))
         # New at every start: clients see it in heartbeat answers and resend what a previous
         # broker process held (docs/protocol.md section 2).
         self.instance = secrets.token_bytes(P.INSTANCE_LEN)
@@ -499,7 +505,7 @@ class Broker:
         # messages each way, and a client that lets its replies pile up to that is told
         # apart (ROUTER_MANDATORY turns "queue full" into EAGAIN instead of a silent drop).
         self.backend.rcvhwm = self.backend.sndhwm = 100_000
-        self.frontend.rcvhwm = self.frontend.sndhwm = self.cfg.client_hwm
+        self.frontend.rcvhwm = self.frontend.sndhwm = self._client_hwm
         self.frontend.router_mandatory = 1
         # Connections the kernel queued before the frontend pauses (`_accepted`) are accepted
         # all the same: at most half the descriptors' reserve (libzmq's default of 100 is
@@ -1287,7 +1293,7 @@ class Broker:
             self.send_to_client(head + frames)
         except zmq.Again:
             # client_hwm messages wait for it already: it does not read what it asked for.
-            self._stalled(ident, f"{self.cfg.client_hwm} replies waiting")
+            self._stalled(ident, f"{self._client_hwm} replies waiting")
             return
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:

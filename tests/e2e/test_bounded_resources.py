@@ -916,3 +916,59 @@ def test_the_broker_gives_back_the_memory_of_connections_that_left(cluster):
         assert time.monotonic() < deadline, (
             f"the broker holds {now - base} KiB over its start 15 s after {n} connections left ({grew} KiB with them)")
         time.sleep(0.1)  # polling /proc (a condition, not a delay)
+
+
+def test_a_client_within_a_raised_request_cap_is_not_taken_for_one_that_stopped_reading(cluster):
+    """`--client-hwm` defaults to the request cap, so that a client that pipelines within it
+    is never taken for one that stopped reading.  Raising `--max-client-requests` alone left
+    the queue at 4096: an AsyncClient with 30,000 requests in flight whose deadlines passed
+    together (the broker answered each while the client's loop was busy raising them) was
+    dropped, and its other requests with it, which it then sent again (the second scale
+    hunt).  Here a client sends 6,000 requests, within its raised cap, and reads nothing
+    until the broker has answered them all: it then reads all 6,000 replies."""
+    from tests.e2e.test_metrics import scrape, value
+
+    n = 6000
+    broker = cluster.broker("--max-client-requests", str(n + 100), "--max-queue", str(n + 100),
+                            "--http", "127.0.0.1:0")
+    cluster.worker("echo")
+    base = "http://" + broker.field("http")
+    with Client(cluster.frontend, timeout=10) as good:
+        wait_service(good, "echo")
+    # Small kernel buffers and a receive queue of one: what waits is in the broker's queue.
+    s = _dealer(cluster.frontend, rcvhwm=1, rcvbuf=4096, sndhwm=n + 100)
+    try:
+        payload = bytes(1024)
+        for rid in range(1, n + 1):
+            s.send_multipart(_request("echo", rid, payload, "|u1", [1024]))
+        deadline = time.monotonic() + 30
+        while value(scrape(base), "zmq_infer_requests_total", service="echo", outcome="ok") < n:
+            assert STALLED not in _log_so_far(broker), "the client was taken for one that stopped reading"
+            assert time.monotonic() < deadline, "the broker did not answer the requests within 30 s"
+            time.sleep(0.05)  # polling an HTTP endpoint (a condition, not a delay)
+        got = set()
+        while len(got) < n:
+            assert s.poll(10_000), f"{len(got)} of {n} replies read, then nothing"
+            msg = P.parse_broker_to_client(s.recv_multipart())
+            rep = P.decode_reply(msg.body[0], n_inline=len(msg.body) - 1)
+            assert rep.error is None, rep.error
+            got.add(rep.id)
+        assert got == set(range(1, n + 1))
+    finally:
+        s.close(0)
+    assert STALLED not in _log_so_far(broker)
+    assert broker.p.poll() is None
+
+
+def _log_so_far(proc) -> str:
+    """What `proc` has written to stderr so far (read without waiting)."""
+    import os
+    import select
+
+    fd = proc.p.stderr.fileno()
+    while select.select([fd], [], [], 0)[0]:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            break
+        proc._err += chunk
+    return proc._err.decode(errors="replace")
