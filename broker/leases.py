@@ -231,6 +231,10 @@ class LeaseEvents:
         self._push_timer(lease.confirm_by, T_LEASE, lease)
         out.append(LeaseToWorker(w.ident, lease.id, service, grant, client, principal, secret,
                                  pid, host if near else None, start if pid is not None else None))
+        # What the reservation changed (the worker's spare credit: a recall now due, say) is
+        # acted on now, as at the end of every event, not at whatever event comes next (a
+        # stale reply's answer carried a RecallAtWorker: the stateful test's find).
+        self._flush(now, out)
         return out
 
     def worker_leased(self, worker: bytes, lease_id: int, now: float, *, ok: bool = True,

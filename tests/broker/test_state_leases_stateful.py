@@ -31,7 +31,7 @@ from broker.leases import (
     WORKER_FAILED,
 )
 from broker.protocol import ErrorCode
-from broker.state import CancelAtWorker, ClientError, Dispatch, DisconnectWorker
+from broker.state import CancelAtWorker, ClientError, Dispatch, DisconnectWorker, RecallAtWorker
 from tests.broker.test_state_stateful import CLIENTS, SERVICES, SchedulerMachine
 
 DIRECT = {b"w0", b"w1"}  # the workers with a direct socket
@@ -40,9 +40,11 @@ EP = "ipc:///run/direct.ipc"
 
 
 def _flush_output(a) -> bool:
-    """What any scheduling pass may emit: a dispatch, or a deadline's expiry (its error
-    FINAL, and the CANCEL of a running request)."""
-    return (isinstance(a, (Dispatch, CancelAtWorker))
+    """What any scheduling pass may emit: a dispatch, a recall (requests parked behind a
+    busy worker asked back for an idle one, once their time came: `advance_without_tick`
+    lets it come before a tick), or a deadline's expiry (its error FINAL, and the CANCEL of
+    a running request)."""
+    return (isinstance(a, (Dispatch, CancelAtWorker, RecallAtWorker))
             or (isinstance(a, ClientError) and a.code == ErrorCode.DEADLINE_EXCEEDED))
 
 class LeaseMachine(SchedulerMachine):
