@@ -863,15 +863,18 @@ class AsyncClient(ClientBase):
         what has arrived is routed, and a reply still inside libzmq's I/O thread (it runs
         again only now) waited for, `LAST_LOOK_S` at most (``ev``: set by the call's
         notify)."""
-        ev.clear()
+        end = time.monotonic() + LAST_LOOK_S
         self._drain()
-        if call.inbox:
-            return
-        try:
-            async with asyncio.timeout(LAST_LOOK_S):
-                await ev.wait()
-        except TimeoutError:
-            pass
+        while not call.inbox:  # (another call's deadline may set ``ev`` meanwhile)
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            ev.clear()
+            try:
+                async with asyncio.timeout(left):
+                    await ev.wait()
+            except TimeoutError:
+                return
 
     async def _next(self, call: Call, limit: float | None = None) -> tuple[str, Any]:
         """Next item for `call`.  Raises DeadlineExceeded at the call's deadline and

@@ -275,7 +275,7 @@ class Client(ClientBase):
                         self._pump(deadline - now, now, inbox)
                     elif now - deadline > PAUSED_S and not last_look:
                         last_look = True  # (core.PAUSED_S: we did not run when it passed)
-                        self._pump(LAST_LOOK_S, now, inbox)
+                        self._last_look(inbox, now)
                     else:
                         raise self._core.deadline_error(call)
                 kind, item = inbox.popleft()
@@ -468,6 +468,18 @@ class Client(ClientBase):
         does what AsyncClient's heartbeat task does: sends a HEARTBEAT when one is due, and
         fails (in their inbox) the calls the broker has been silent on for too long."""
         self._pump(timeout, time.monotonic())
+
+    def _last_look(self, inbox: Any, now: float) -> None:
+        """A call's deadline passed while this process was not running (core.PAUSED_S):
+        its sockets are looked at for up to `LAST_LOOK_S`, until ``inbox`` (the call's)
+        holds something; a reply still inside libzmq's I/O thread, which runs again only
+        now, is routed (another call's reply or a heartbeat answer may come first)."""
+        end = now + LAST_LOOK_S
+        while not inbox:
+            now = time.monotonic()
+            if now >= end:
+                return
+            self._pump(end - now, now, inbox)
 
     def _pump(self, timeout: float | None, now: float, until: Any = None) -> None:
         """`pump` at `now`; ``until``: `_drain`'s."""
@@ -916,7 +928,7 @@ class Client(ClientBase):
             if call.deadline is not None and now >= call.deadline:
                 if now - call.deadline > PAUSED_S and not last_look:
                     last_look = True  # (core.PAUSED_S: we did not run when it passed)
-                    self.pump(LAST_LOOK_S)
+                    self._last_look(call.inbox, now)
                     continue
                 raise self._core.deadline_error(call)
             if stop is not None and now >= stop and looked:

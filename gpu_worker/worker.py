@@ -2089,8 +2089,11 @@ class Worker:
         ended, its requests sent again by the broker); so the broker's silence counts from
         ``lost`` later, never past now.  A broker that ran meanwhile left its heartbeats
         in the socket, which the silence check reads first."""
-        log.info("the worker's loop did not run for %.3f s (a long batch on its thread, or the process was stopped "
-                 "or starved of CPU); the broker's silence meanwhile does not count", lost)
+        # INFO only for a gap that would have cost something (half the broker's window): a
+        # long batch or stream on the loop's thread makes one at every end, said at DEBUG.
+        log.log(logging.INFO if lost > self.heartbeat_interval * self.heartbeat_liveness / 2 else logging.DEBUG,
+                "the worker's loop did not run for %.3f s (a long batch on its thread, or the process was stopped "
+                "or starved of CPU); the broker's silence meanwhile does not count", lost)
         self._last_heard = min(now, self._last_heard + lost)
 
     def _tell_stopping(self) -> None:
