@@ -259,6 +259,14 @@ class LeaseTable:
 
 #: largest frame the direct socket takes: the broker's default --max-frame-mb
 MAX_FRAME_BYTES = 256 << 20
+#: the local link's connections at once, at least (`link_conns`): the worker asks for
+#: twice its credit when that is more, since the broker grants it at most one lease per slot
+#: of its credit, and each leaseholder on its host holds one connection (and may leave one
+#: retiring): 300 near leaseholders of one lease slot each, and the link closed every
+#: connection past the 256th at once; those clients churned (a lease, a reset, the lease
+#: given back, a backoff: 47 resets, 29 still unpinned after 60 s) while the ipc direct
+#: socket beside it had room (the second scale hunt)
+LINK_CONNS = 256
 
 class Unsent(enum.Enum):
     """Why `DirectSocket.send` did not queue a reply.  Falsy, as the False it replaces, so
@@ -301,7 +309,8 @@ class DirectSocket:
     sndhwm = 10_000
 
     def __init__(self, ctx: zmq.Context, *, path: str | None = None, link: bool = True, tcp: str | None = None,
-                 curve: tuple[bytes, bytes] | None = None, heartbeat_s: float | None = None):
+                 curve: tuple[bytes, bytes] | None = None, heartbeat_s: float | None = None,
+                 link_conns: int = LINK_CONNS):
         if tcp is not None:
             path, link = "", False  # no file, and no local link: local clients are placed on ipc workers
         try:
@@ -373,7 +382,7 @@ class DirectSocket:
                         "socket (set XDG_RUNTIME_DIR to a shorter directory for it)", link_path, _MAX_IPC_PATH)
         elif link:
             try:
-                self.link = LinkServer(link_path)  # what Ready.link names
+                self.link = LinkServer(link_path, max_conns=link_conns)  # what Ready.link names
             except OSError as e:
                 log.warning("no local link at %s (%s): near clients use the ipc direct socket", link_path, e)
 

@@ -67,7 +67,7 @@ from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats, mess
 from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signature
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
-from gpu_worker.leases import DirectSocket, DirectSocketError, LeaseTable, Refusal, Unsent, runs_long
+from gpu_worker.leases import LINK_CONNS, DirectSocket, DirectSocketError, LeaseTable, Refusal, Unsent, runs_long
 from gpu_worker.planes import DataPlane, HostPlane
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
@@ -506,7 +506,8 @@ class Worker:
             try:
                 self.direct_socket = DirectSocket(self.ctx, link=cfg.direct_link, tcp=cfg.direct_tcp,
                                                   curve=self._direct_keys(),  # DirectSocketError: says why
-                                                  heartbeat_s=cfg.heartbeat_interval)
+                                                  heartbeat_s=cfg.heartbeat_interval,
+                                                  link_conns=max(LINK_CONNS, 2 * self.credit))
             except Exception:
                 self.plane.close()
                 raise

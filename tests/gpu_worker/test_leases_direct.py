@@ -523,3 +523,19 @@ def test_the_direct_socket_takes_no_frame_larger_than_the_broker_does(worker):
     from gpu_worker.leases import MAX_FRAME_BYTES
 
     assert worker.direct_socket.sock.maxmsgsize == MAX_FRAME_BYTES == 256 << 20
+
+
+@pytest.mark.parametrize("credit,conns", [(8, 256), (600, 1200)])
+def test_the_local_link_takes_a_connection_for_every_lease_the_credit_allows(tmp_path, credit, conns):
+    # The broker grants a worker at most one lease per slot of its credit; the link took 256
+    # connections whatever the credit: of 300 near leaseholders, those past the 256th had
+    # their connection closed at once and churned (lease, reset, lease given back, backoff:
+    # 29 still unpinned after 60 s) while the ipc direct socket had room (the scale hunt).
+    up = PairLink(f"lease-link-{id(tmp_path)}-{credit}")
+    w = Worker(WorkerConfig(broker="inproc://unused", model="echo", warmup=False, credit=credit, direct=True),
+               upstream=up)
+    w._connect()
+    try:
+        assert w.direct_socket.link is not None and w.direct_socket.link.max_conns == conns
+    finally:
+        w.close()
