@@ -21,17 +21,24 @@ ROOT = HERE.parent.parent
 
 class Proc:
     """``python *args`` (after ``prefix``: a command that execs it in place, keeping its pid,
-    as ``ip netns exec NAME`` does)."""
+    as ``ip netns exec NAME`` does).  ``tree``: the checkout whose code it runs (an older
+    release's, from `old_tree`), instead of this one: its folder and its tests/e2e alone
+    are on the path, and it is the working directory (``-m`` looks there first)."""
 
-    def __init__(self, args: list[str], env: dict | None = None, prefix: list[str] | tuple = (), stdin: bool = False):
+    def __init__(self, args: list[str], env: dict | None = None, prefix: list[str] | tuple = (), stdin: bool = False,
+                 tree: Path | None = None):
         full_env = dict(os.environ)
-        full_env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), full_env.get("PYTHONPATH", "")])
+        root = ROOT if tree is None else tree
+        if tree is None:
+            full_env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), full_env.get("PYTHONPATH", "")])
+        else:
+            full_env["PYTHONPATH"] = os.pathsep.join([str(tree / "tests" / "e2e"), str(tree)])
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         if env:
             full_env.update(env)
         self.args = args
         self.p = subprocess.Popen(
-            [*prefix, sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=ROOT,
+            [*prefix, sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=full_env, cwd=root,
             stdin=subprocess.PIPE if stdin else None,  # `stdin`: the test writes to it (p.stdin)
         )
         self.ready_line = ""
@@ -116,17 +123,18 @@ class Cluster:
         self.frontend = f"ipc://{tmp}/fe.ipc"
         self.backend = f"ipc://{tmp}/be.ipc"
 
-    def broker(self, *extra: str) -> Proc:
+    def broker(self, *extra: str, tree: Path | None = None) -> Proc:
         p = Proc(["-m", "broker", "--frontend", self.frontend, "--backend", self.backend,
-                  "--heartbeat-interval", "0.2", *extra])
+                  "--heartbeat-interval", "0.2", *extra], tree=tree)
         self.procs.append(p)
         p.wait_ready()
         return p
 
     def worker(self, model: str = "echo", *extra: str, env: dict | None = None, wait: bool = True,
-               prefix: list[str] | tuple = ()) -> Proc:
+               prefix: list[str] | tuple = (), tree: Path | None = None) -> Proc:
         p = Proc(["-m", "gpu_worker", "--broker", self.backend, "--model", model,
-                  "--heartbeat-interval", "0.2", "--out-capacity-mb", "160", *extra], env=env, prefix=prefix)
+                  "--heartbeat-interval", "0.2", "--out-capacity-mb", "160", *extra], env=env, prefix=prefix,
+                 tree=tree)
         self.procs.append(p)
         if wait:
             p.wait_ready()
@@ -136,6 +144,37 @@ class Cluster:
         # Workers first, so they can DISCONNECT from a live broker.
         for p in reversed(self.procs):
             p.close()
+
+
+@pytest.fixture(scope="session")
+def old_tree(tmp_path_factory):
+    """``old_tree(commit)``: a checkout of an earlier commit of this repository (a release
+    users still run), for tests of mixed versions: a git worktree in a temp folder, made once
+    a session per commit and removed at its end (`git worktree remove --force`).  Skips the
+    test when git or the commit is missing (a shallow clone, an exported tarball)."""
+    made: dict[str, Path] = {}
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=60)
+
+    def tree(commit: str) -> Path:
+        if commit not in made:
+            try:
+                found = git("cat-file", "-e", f"{commit}^{{commit}}")
+            except (OSError, subprocess.TimeoutExpired) as e:
+                pytest.skip(f"no git to check out {commit}: {e}")
+            if found.returncode != 0:
+                pytest.skip(f"commit {commit} is not in this clone (shallow?): {found.stderr.strip()}")
+            path = tmp_path_factory.mktemp("old") / commit
+            added = git("worktree", "add", "--detach", str(path), commit)
+            if added.returncode != 0:
+                pytest.skip(f"cannot check out {commit}: {added.stderr.strip()}")
+            made[commit] = path
+        return made[commit]
+
+    yield tree
+    for path in made.values():
+        git("worktree", "remove", "--force", str(path))
 
 
 @pytest.fixture
