@@ -2076,7 +2076,13 @@ class Scheduler(LeaseEvents):
         if svc.any.live == 0:
             self._counters["unavailable"] += 1
             lost = svc.any.lost_at
-            if lost is None:
+            if self._draining is not None and lost is not None:
+                # A second signal to the launcher stopped the workers before this admitted
+                # request ran: say so, not "look at the workers" (they were told to go).
+                why = (f"'{svc.name}' has no live worker left to run it: {self._draining.split(';')[0]}, "
+                       f"and its last worker went {now - lost:.1f} s ago (a second signal stops the workers "
+                       f"before the admitted requests have run)")
+            elif lost is None:
                 why = (f"no worker for '{svc.name}' registered within {grace} s; start one "
                        f"with python -m gpu_worker --model {svc.name}")
             else:  # it had workers: "start one" would point the wrong way

@@ -1056,6 +1056,21 @@ def test_a_service_that_lost_its_workers_says_so_instead_of_start_one():
     assert "start one" in err.message
 
 
+def test_a_request_left_queued_by_a_shutdown_that_stopped_the_workers_says_so():
+    # A second signal to the launcher stops the workers while admitted requests still
+    # queue (docs/operations.md, "One launcher"): they failed with "its last one went ...",
+    # and the client's hint said to look at the workers, which the operator had stopped.
+    s = Scheduler(Config(service_grace=1.0))
+    s.worker_ready(b"w", "svc", 0.0, credit=1)
+    assert of(req(s, 1, 0.0, client=b"c"), Dispatch)
+    assert not [a for a in req(s, 2, 0.0, client=b"c") if type(a) is Dispatch]  # queued
+    s.drain("the broker is shutting down (its launcher was told to stop); send the request elsewhere or later")
+    s.worker_stopping(b"w", 0.5)
+    [err] = [a for a in s.tick(1.6) if type(a) is ClientError]
+    assert err.code == ErrorCode.SERVICE_UNAVAILABLE and err.request_id == 2
+    assert "the broker is shutting down" in err.message and "its last one went" not in err.message, err.message
+
+
 def test_a_request_after_the_last_worker_left_says_it_went_too():
     # operations.md ("A worker is stopped"): requests that arrive once the service's last
     # worker went fail after the grace with a message saying when it went.  Only one already

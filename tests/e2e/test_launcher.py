@@ -310,6 +310,51 @@ def test_sigterm_finishes_every_admitted_request_then_exits_0(tmp_path, launcher
     wait_gone(fds, 5.0)  # its worker went with it
 
 
+def test_a_second_sigterm_fails_the_queued_requests_as_a_shutdown_and_finishes_the_running_one(tmp_path, launchers, gate):
+    # A second signal stops the workers before the admitted requests have run: those still
+    # queued failed after the service grace with "its last one went ... look at its workers:
+    # are they running?", as if a worker had died, while the operator had stopped them.
+    la = launchers(tmp_path, """
+        [[pool]]
+        model = "gate_model:factory"
+        service = "gate"
+        max_batch = 1
+        credit = 1
+        extra_args = ["--no-warmup"]
+    """, env=gate.env, wait=False)
+    gate.open()
+    la.wait_ready()
+    la.wait_for(r"every pool is ready")
+    (pid,) = la.ready_pids().values()
+    fds = pidfds([pid])
+
+    async def scenario():
+        async with AsyncClient(la.frontend, timeout=30, heartbeat_interval=0.2) as c:
+            xs = [np.full(4, i, np.int32) for i in range(4)]
+            calls = [asyncio.create_task(c.infer("gate", {"x": x})) for x in xs]
+            while c.in_flight() < len(xs):
+                await asyncio.sleep(0)
+            assert await c.mmi_service("gate")  # all four at the broker: one at the worker, three queued
+            la.p.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(la.wait_for, r"shutting down")
+            la.p.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(la.wait_for, r"second signal")
+            queued = await asyncio.wait_for(asyncio.gather(*calls[1:], return_exceptions=True), 20)
+            for e in queued:
+                assert isinstance(e, ServiceUnavailable), e
+                assert "shutting down" in str(e) and "are they running" not in str(e), e
+            gate.release(1)  # the one the worker held still finishes: its drain is not cut
+            r = await asyncio.wait_for(calls[0], 20)
+            np.testing.assert_array_equal(r["x"], xs[0])
+            r.release()
+
+    asyncio.run(scenario())
+    err = la.read_all_stderr()
+    assert la.p.returncode == 0, err
+    assert f"pool gate worker 0 pid {pid} exited with code 0" in err, err
+    wait_gone(fds, 5.0)
+
+
 def test_sighup_rolls_a_pool_under_traffic_and_loses_nothing(tmp_path, launchers):
     la = launchers(tmp_path, "[[pool]]\nmodel = 'echo'\ncount = 2\n")
     la.wait_for(r"every pool is ready")
