@@ -30,7 +30,7 @@ import signal
 import sys
 
 from broker import protocol as P
-from broker.config import load_launcher
+from broker.config import check_launch, load_launcher
 from broker.launcher import Launcher
 from broker.protocol.heap import freeze_startup_heap
 from broker.protocol.limits import MIN_NOFILE, raise_nofile_limit
@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = BrokerConfig.from_toml(args.config) if args.config else BrokerConfig()
         deploy = load_launcher(args.config) if args.config else None  # [[pool]] tables, if any
+        if deploy is not None:
+            check_launch(deploy)  # what only the launcher cannot run (a fixed port in extra_args)
     except (SecurityError, ValueError) as e:  # config.ConfigError too: one line naming the key
         print(f"python -m broker: {e}", file=sys.stderr, flush=True)
         return 2

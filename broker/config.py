@@ -15,7 +15,7 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 __all__ = [
     "ConfigError", "PROCESS_TABLES", "POOL_KEYS", "LAUNCHER_KEYS", "PoolConfig", "LauncherConfig",
@@ -368,6 +368,42 @@ def launcher_from_data(data: Mapping[str, Any], path: str) -> LauncherConfig | N
                           f"{shown('restart_backoff_max_s', most)}: the first restart's wait cannot be longer than the "
                           "longest; set both")
     return LauncherConfig(pools=tuple(pools), source=path, **kw)
+
+
+#: `python -m gpu_worker` flags that bind a port of their own: a fixed one (not 0) in a pool's
+#: extra_args cannot be shared by the workers the launcher runs side by side
+_PORT_FLAGS = ("--health-port", "--direct-tcp")
+
+
+def _flag_values(args: Sequence[str], flag: str) -> list[str]:
+    """The values `args` gives `flag`, as `--flag value` or `--flag=value`."""
+    out = []
+    for i, token in enumerate(args):
+        if token == flag and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif token.startswith(flag + "="):
+            out.append(token[len(flag) + 1:])
+    return out
+
+
+def check_launch(deploy: LauncherConfig) -> None:
+    """What only the launcher cannot run (a worker started with `--pool NAME` on its own can):
+    a pool whose extra_args set a fixed port.  The launcher runs the pool's workers side by
+    side, and a worker beside its replacement in every rolling restart (SIGHUP): only the
+    first bound the port, and the others exited and were restarted with backoff for good
+    (the roll never ended; with count > 1 the start failed).  ConfigError, one line."""
+    for p in deploy.pools:
+        for flag in _PORT_FLAGS:
+            for value in _flag_values(p.extra_args, flag):
+                port = value.rpartition(":")[2].strip("[]/")
+                if port.isdigit() and int(port) != 0:
+                    side = f"its {p.count} workers, and a worker and " if p.count > 1 else "a worker and "
+                    raise ConfigError(
+                        f"{deploy.source}: [[pool]] {p.name!r}: extra_args gives {flag} the fixed port {port} "
+                        f"({value!r}), but the launcher runs {side}its replacement in a rolling restart (SIGHUP) "
+                        f"side by side, and only one can bind it: use port 0 (each worker's READY line names its "
+                        f"own), or give a fixed port to a worker run on its own "
+                        f"(--pool {p.name} -- {flag} {value})")
 
 
 def load_launcher(path: str) -> LauncherConfig | None:

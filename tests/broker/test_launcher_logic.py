@@ -560,3 +560,24 @@ def test_the_flags_extra_args_may_not_set_are_the_workers_and_take_no_abbreviati
     assert set(C.LAUNCHERS_FLAGS) | {flag for _, flag in C._FLAGS} <= set(options)
     with pytest.raises(SystemExit):  # an abbreviation would slip past the launcher's check
         ap.parse_args(["--brok", "ipc:///x"])
+
+
+@pytest.mark.parametrize("args, refused", [
+    (["--health-port", "8003"], "--health-port the fixed port 8003"),
+    (["--health-port=0.0.0.0:8003"], "--health-port the fixed port 8003"),
+    (["--direct", "--direct-tcp", "tcp://10.0.0.5:5600"], "--direct-tcp the fixed port 5600"),
+    (["--health-port", "0.0.0.0:0", "--direct-tcp=tcp://10.0.0.5:0"], None),
+    (["--health-port"], None),  # no value: the worker's own parser says so
+])
+def test_a_fixed_port_in_extra_args_is_refused_for_the_launcher_only(tmp_path, args, refused):
+    # The launcher runs a pool's workers side by side (a worker beside its replacement in a
+    # rolling restart): only one binds a fixed port.  A worker run with --pool may have one.
+    path = tmp_path / "deploy.toml"
+    path.write_text(f"[[pool]]\nmodel = 'echo'\nextra_args = {args!r}\n".replace("'", '"'))
+    d = C.load_launcher(str(path))
+    if refused is None:
+        C.check_launch(d)
+        return
+    with pytest.raises(C.ConfigError, match="rolling restart") as e:
+        C.check_launch(d)
+    assert refused in str(e.value) and f"{path}: [[pool]] 'echo'" in str(e.value), e.value

@@ -225,6 +225,26 @@ def test_a_pool_whose_model_cannot_load_stops_the_launch_with_exit_2(tmp_path):
     assert not r.stdout.startswith("READY")
 
 
+def test_a_fixed_port_in_a_pools_extra_args_is_one_line_and_exit_2(tmp_path, launchers):
+    # `--health-port 8003` in extra_args: the launcher started the pool, and every rolling
+    # restart (SIGHUP) then started a replacement beside the old worker, which could not bind
+    # the port, exited 2 and was restarted with backoff for good; the roll never ended.
+    la = launchers(tmp_path, """
+        [[pool]]
+        model = "echo"
+        extra_args = ["--no-warmup", "--health-port", "127.0.0.1:18933"]
+    """, wait=False)
+    with pytest.raises(RuntimeError, match="exited with 2"):
+        la.wait_ready()  # refused before anything starts
+    lines = la.read_all_stderr().strip().splitlines()
+    assert len(lines) == 1, lines
+    assert ("[[pool]] 'echo'" in lines[0] and "--health-port the fixed port 18933" in lines[0]
+            and "rolling restart" in lines[0] and "--pool echo -- --health-port 127.0.0.1:18933" in lines[0]), lines
+    # The same file still serves a worker run on its own with that port (--pool).
+    r = run_broker("--config", str(tmp_path / "deploy.toml"), "--pool", "echo", "--", "--help")
+    assert r.returncode == 0 and "--health-port" in r.stdout, r.stderr
+
+
 # ------------------------------------------------------------------------- serving
 
 
