@@ -150,6 +150,24 @@ class PoolConfig:
     drain_grace_s: float | None = None
     extra_args: tuple[str, ...] = ()
 
+    @property
+    def grace(self) -> float:
+        """The drain grace its workers get: the `drain_grace_s` key, else a `--drain-grace-s`
+        in extra_args (the last one, as the worker's parser takes it), else the worker's
+        default, 30 s.  The launcher's default stop timeout follows it: it read the key only,
+        and SIGKILLed a worker given a longer grace in extra_args 40 s after its SIGTERM."""
+        if self.drain_grace_s is not None:
+            return float(self.drain_grace_s)
+        for value in reversed(_flag_values(self.extra_args, "--drain-grace-s")):
+            try:
+                v = float(value)
+            except ValueError:
+                break  # the worker refuses it and says so
+            if 0 <= v <= _LONGEST_S:
+                return v
+            break
+        return 30.0
+
     def worker_args(self, backend: str, *, heartbeat_interval: float | None = None,
                     heartbeat_liveness: int | None = None, link: tuple[str, ...] = ()) -> list[str]:
         """`python -m gpu_worker` arguments for one worker of this pool (after `-m gpu_worker`).
@@ -228,7 +246,7 @@ POOL_KEYS: dict[str, tuple] = {
 class LauncherConfig:
     """The pools and the `[launcher]` table: how long a shutdown waits for admitted requests
     (`drain_timeout_s`), how long a worker told to stop may take before SIGKILL
-    (`stop_timeout_s`; default its drain grace + 10 s), and the restart backoff (the first
+    (`stop_timeout_s`; default the largest drain grace + 10 s: `PoolConfig.grace`), and the restart backoff (the first
     restart after `restart_backoff_s`, doubling to `restart_backoff_max_s`, back to the first
     once a worker served `restart_reset_s` after its READY), and how long a worker may take to
     its READY before it is SIGKILLed as hung (`ready_timeout_s`: a model load that never
@@ -250,8 +268,7 @@ class LauncherConfig:
     def stop_timeout(self) -> float:
         if self.stop_timeout_s is not None:
             return self.stop_timeout_s
-        grace = max((30.0 if p.drain_grace_s is None else p.drain_grace_s) for p in self.pools)
-        return grace + 10.0
+        return max(p.grace for p in self.pools) + 10.0
 
     @property
     def workers(self) -> int:

@@ -378,7 +378,8 @@ class Supervisor:
             self._queued.clear()
             self._drain_deadline = now + self.drain_timeout
             out.append(Notice(logging.INFO, f"shutting down: finishing the requests already admitted "
-                                            f"(at most {self.drain_timeout:g} s), then stopping the workers"))
+                                            f"(at most {self.drain_timeout:g} s), then stopping the workers "
+                                            f"(SIGKILL to any still there {self.stop_timeout:g} s after its SIGTERM)"))
         elif self.phase == DRAINING:
             out.append(Notice(logging.WARNING, "second signal: stopping the workers now"))
             self._begin_stop(now, out)

@@ -581,3 +581,15 @@ def test_a_fixed_port_in_extra_args_is_refused_for_the_launcher_only(tmp_path, a
     with pytest.raises(C.ConfigError, match="rolling restart") as e:
         C.check_launch(d)
     assert refused in str(e.value) and f"{path}: [[pool]] 'echo'" in str(e.value), e.value
+
+
+@pytest.mark.parametrize("pool, stop", [
+    ("extra_args = ['--drain-grace-s', '60']", 70.0),
+    ("extra_args = ['--drain-grace-s=5', '--drain-grace-s', '90']", 100.0),  # the last one, as argparse takes it
+    ("drain_grace_s = 2\nextra_args = ['--no-warmup']", 12.0),
+    ("extra_args = ['--drain-grace-s', 'soon']", 40.0),  # the worker refuses it
+])
+def test_the_stop_timeout_follows_a_drain_grace_given_in_extra_args(tmp_path, pool, stop):
+    path = tmp_path / "deploy.toml"
+    path.write_text(f"[[pool]]\nmodel = 'echo'\n{pool}\n")
+    assert C.load_launcher(str(path)).stop_timeout == stop

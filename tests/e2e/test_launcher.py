@@ -330,6 +330,26 @@ def test_sigterm_finishes_every_admitted_request_then_exits_0(tmp_path, launcher
     wait_gone(fds, 5.0)  # its worker went with it
 
 
+def test_a_drain_grace_given_in_extra_args_sets_the_stop_timeout(tmp_path, launchers):
+    # `extra_args = ["--drain-grace-s", "60"]`: the worker waits up to 60 s for its clients to
+    # release their results, but the launcher's stop timeout read only the drain_grace_s key
+    # (30 s by default) and SIGKILLed it 40 s after its SIGTERM.
+    la = launchers(tmp_path, """
+        [[pool]]
+        model = "echo"
+        extra_args = ["--no-warmup", "--drain-grace-s", "60"]
+    """)
+    la.wait_for(r"every pool is ready")
+    (pid,) = la.ready_pids().values()
+    fds = pidfds([pid])
+    la.p.send_signal(signal.SIGTERM)
+    line = la.wait_for(r"shutting down: .*").group(0)
+    assert "SIGKILL to any still there 70 s after its SIGTERM" in line, line
+    err = la.read_all_stderr()
+    assert la.p.returncode == 0 and f"pid {pid} exited with code 0" in err, err
+    wait_gone(fds, 5.0)
+
+
 def test_a_second_sigterm_fails_the_queued_requests_as_a_shutdown_and_finishes_the_running_one(tmp_path, launchers, gate):
     # A second signal stops the workers before the admitted requests have run: those still
     # queued failed after the service grace with "its last one went ... look at its workers:
