@@ -345,6 +345,22 @@ def _pool(table: Any, where: str) -> PoolConfig:
     return PoolConfig(**kw)
 
 
+#: the shipped models (`python -m gpu_worker --model NAME`): each registers under its own name
+_SHIPPED = ("echo", "cartoon", "convnet", "chunks")
+
+
+def _known_service(p: PoolConfig) -> str | None:
+    """The service a pool's workers register, where the file says it: its `service` key, a
+    `--service` in its extra_args, or a shipped model's name (a factory's model names itself
+    when it loads: None)."""
+    if p.service is not None:
+        return p.service
+    given = _flag_values(p.extra_args, "--service")
+    if given:
+        return given[-1]
+    return p.model if p.model in _SHIPPED else None
+
+
 def launcher_from_data(data: Mapping[str, Any], path: str) -> LauncherConfig | None:
     """The launcher's part of a parsed deploy file, or None when it has no `[[pool]]`."""
     pools_data = data.get("pool")
@@ -357,12 +373,24 @@ def launcher_from_data(data: Mapping[str, Any], path: str) -> LauncherConfig | N
         raise ConfigError(f"{path}: pool must be an array of tables ([[pool]]), not {_show(pools_data)}")
     pools = []
     seen: dict[str, int] = {}
+    served: dict[str, tuple[int, PoolConfig]] = {}  # service -> the first pool that serves it
     for i, table in enumerate(pools_data, 1):
         p = _pool(table, f"{path}: [[pool]] #{i}: ")
         if p.name in seen:
             raise ConfigError(f"{path}: [[pool]] #{i}: name {p.name!r} is taken by [[pool]] #{seen[p.name]}; "
                               "give each pool its own name")
         seen[p.name] = i
+        service = _known_service(p)
+        if service is not None:
+            j, q = served.setdefault(service, (i, p))
+            if q.model != p.model:
+                # The broker sends each request of a service to any of its workers: the two
+                # models' answers were mixed without a word (a warning only where both
+                # declared signatures, and they differed).
+                raise ConfigError(f"{path}: [[pool]] #{i} (name {p.name!r}): service {service!r} is served by "
+                                  f"[[pool]] #{j} (name {q.name!r}) with another model ({q.model!r}, here "
+                                  f"{p.model!r}), and each request would go to one model or the other; give each "
+                                  f"pool its own service (pools of one service run one model)")
         pools.append(p)
     kw = {}
     if extra is not None:

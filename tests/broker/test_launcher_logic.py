@@ -593,3 +593,22 @@ def test_the_stop_timeout_follows_a_drain_grace_given_in_extra_args(tmp_path, po
     path = tmp_path / "deploy.toml"
     path.write_text(f"[[pool]]\nmodel = 'echo'\n{pool}\n")
     assert C.load_launcher(str(path)).stop_timeout == stop
+
+
+@pytest.mark.parametrize("pools, refused", [
+    ("model = 'echo'\nservice = 's'\n[[pool]]\nname = 'b'\nmodel = 'pkg.m:f'\nservice = 's'", "service 's'"),
+    ("model = 'echo'\n[[pool]]\nname = 'b'\nmodel = 'pkg.m:f'\nservice = 'echo'", "service 'echo'"),
+    ("model = 'pkg.m:f'\nextra_args = ['--service', 'x']\n[[pool]]\nname = 'b'\nmodel = 'pkg.m:g'\nservice = 'x'",
+     "service 'x'"),
+    ("model = 'echo'\ndevice = 'cpu'\n[[pool]]\nname = 'b'\nmodel = 'echo'\ndevice = 'cuda:0'", None),  # one model
+    ("model = 'pkg.m:f'\n[[pool]]\nname = 'b'\nmodel = 'pkg.m:g'", None),  # services the file does not say
+])
+def test_pools_of_one_service_run_one_model(tmp_path, pools, refused):
+    path = tmp_path / "deploy.toml"
+    path.write_text(f"[[pool]]\n{pools}\n")
+    if refused is None:
+        assert len(C.load_launcher(str(path)).pools) == 2
+        return
+    with pytest.raises(C.ConfigError, match="with another model") as e:
+        C.load_launcher(str(path))
+    assert refused in str(e.value) and "[[pool]] #2 (name 'b')" in str(e.value), e.value

@@ -245,6 +245,26 @@ def test_a_fixed_port_in_a_pools_extra_args_is_one_line_and_exit_2(tmp_path, lau
     assert r.returncode == 0 and "--health-port" in r.stdout, r.stderr
 
 
+def test_two_pools_of_one_service_with_other_models_are_one_line_and_exit_2(tmp_path, launchers):
+    # Each request of the service went to either pool's model, and neither declares a
+    # signature, so nothing said so: the same call came back with 1.0 or 3.0.
+    la = launchers(tmp_path, """
+        [[pool]]
+        model = "echo"
+        service = "s"
+        [[pool]]
+        name = "scaled"
+        model = "meta_model:factory"
+        service = "s"
+    """, wait=False)
+    with pytest.raises(RuntimeError, match="exited with 2"):
+        la.wait_ready()  # refused before anything starts
+    lines = la.read_all_stderr().strip().splitlines()
+    assert len(lines) == 1, lines
+    assert ("[[pool]] #2 (name 'scaled'): service 's' is served by [[pool]] #1 (name 's') with another model"
+            in lines[0]), lines
+
+
 # ------------------------------------------------------------------------- serving
 
 
