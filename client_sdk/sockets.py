@@ -33,8 +33,6 @@ import itertools
 import logging
 import math
 import os
-import socket
-import stat
 import threading
 import time
 import weakref
@@ -46,10 +44,10 @@ from zmq.utils.monitor import parse_monitor_message
 
 from broker import protocol as P
 from broker.protocol import curve as C
-from broker.protocol.limits import nofile_limit, open_descriptors, paused_by
+from broker.protocol.limits import nofile_limit, open_descriptors
+from broker.protocol.naming import ipc_problem
 from broker.protocol.link import LinkConn
 from broker.protocol.wire import out_of_resources, tcp_liveness, warm_zero_copy
-from shm.segment import pid_exists
 
 from .errors import InferenceError, InvalidInput
 
@@ -441,49 +439,6 @@ def descriptors_problem(endpoint: str) -> str | None:
     held = "all" if used < 0 else str(used)
     return (f"this process has {held} of its {limit} descriptors open (RLIMIT_NOFILE), so ZeroMQ cannot make its "
             f"connection to {endpoint}: close some, or raise the limit (ulimit -n)")
-
-
-def ipc_problem(endpoint: str) -> str | None:
-    """Why an ipc `endpoint` cannot be connected to, as the kernel says it (None: nothing
-    seen, or not ipc).  libzmq retries a failing ipc connect in silence, so a call to a
-    broker that is not running, or runs as another user (its runtime directory is 0700),
-    only ran out of time; this names the cause in that error.  Asked only once a call
-    failed so (a stat and, where a socket file is there, one connect that is closed at
-    once): never on the request path."""
-    if not endpoint.startswith("ipc://"):
-        return None
-    path = endpoint[len("ipc://"):]
-    if not path or path.startswith("@"):
-        return None  # the abstract namespace: no file to look at
-    me = os.getuid()
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        if any(pid_exists(pid) for pid in paused_by(path)):  # (moved aside by a broker still there)
-            return (f"the broker at {path} takes no new clients now: it is near its descriptor limit (its log "
-                    f"says so; raise its limit)")
-        return f"no socket at {path} (no broker is bound there: not started, or bound elsewhere)"
-    except PermissionError:
-        return (f"permission denied on {path} (its directory is another user's, this client runs as uid {me}: "
-                f"run it as the broker's user)")
-    except OSError as e:
-        return f"cannot reach {path}: {e.strerror}"
-    if not stat.S_ISSOCK(st.st_mode):
-        return f"{path} is not a socket"
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.settimeout(1.0)
-        probe.connect(path)
-    except PermissionError:
-        return (f"permission denied on {path} (uid {st.st_uid}'s socket, this client runs as uid {me}: run it as "
-                f"the broker's user)")
-    except ConnectionRefusedError:
-        return f"nothing listens on {path} (the broker that bound it is gone and left the file)"
-    except OSError:
-        return None
-    finally:
-        probe.close()
-    return None
 
 
 def drop_monitor(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:

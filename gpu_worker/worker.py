@@ -73,6 +73,7 @@ from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
 from broker.protocol.limits import Headroom, move_aside, nofile_limit, put_back
+from broker.protocol.naming import ipc_problem
 from shm.errors import NotShared, OutOfResources, SegmentGone
 
 __all__ = ["Worker", "WorkerConfig", "WarmupError", "ConfigError", "install_sigterm_drain", "DIRECT_LINGER_MS"]
@@ -693,9 +694,11 @@ class Worker:
                         # backend (its frontend, another program, nobody).  READY all the
                         # same (a relay's workers need it), with the likely mistake said; the
                         # probe stays 503 until a word comes (`ready`).
+                        why = ipc_problem(self.cfg.broker, "this worker")
                         log.warning("nothing heard from %s within %.3g s, no WELCOME and no heartbeat: announcing "
-                                    "READY anyway; if this is not a relay, is it the broker's backend endpoint "
-                                    "(not its frontend)?", self.cfg.broker, self._ready_wait)
+                                    "READY anyway; %s", self.cfg.broker, self._ready_wait,
+                                    why if why is not None else "if this is not a relay, is it the broker's backend "
+                                    "endpoint (not its frontend)?")
                     self._plain_broker = True  # ready (the probe's) while connected and heard, from now on
                     self._announce_ready()
                 if self.dones.ready(now):
@@ -719,7 +722,11 @@ class Worker:
                 # Messages waiting in the socket (a long batch just ended) are not silence.
                 if (upstream.watch_liveness and now - self._last_heard > dead_after
                         and not sock_events(self.sock) & _POLLIN):
-                    self._silence_log.warning("broker silent for %.1f s; reconnecting", now - self._last_heard)
+                    # The kernel's word on an ipc endpoint: a broker started again on another
+                    # backend left this worker saying only "silent" once a minute.
+                    why = ipc_problem(self.cfg.broker, "this worker")
+                    self._silence_log.warning("broker silent for %.1f s; reconnecting%s", now - self._last_heard,
+                                              "" if why is None else f" ({why})")
                     self._reconnect_why = "broker connection lost"
                     self._reconnect(poller)
             # Drain: the leases end first (no new direct request runs), what the broker and

@@ -13,13 +13,15 @@ import os
 import re
 import secrets
 import socket
+import stat
 import tempfile
 
-from shm.segment import self_identity
+from broker.protocol.limits import paused_by
+from shm.segment import pid_exists, self_identity
 
 __all__ = [
     "local_host_id", "default_runtime_dir", "RuntimeDirError", "default_endpoints", "reply_socket_path",
-    "parse_reply_socket_name", "direct_socket_path", "tcp_port_problem", "ipv6_for",
+    "parse_reply_socket_name", "direct_socket_path", "tcp_port_problem", "ipv6_for", "ipc_problem",
 ]
 
 # Host identity: two processes may exchange shm references only if they see the same /dev/shm.
@@ -173,3 +175,47 @@ def ipv6_for(sock, endpoint: str) -> None:
         import zmq
 
         sock.setsockopt(zmq.IPV6, 1)
+
+
+def ipc_problem(endpoint: str, who: str = "this client") -> str | None:
+    """Why an ipc `endpoint` cannot be connected to, as the kernel says it (None: nothing
+    seen, or not ipc).  libzmq retries a failing ipc connect in silence, so a call to a
+    broker that is not running, or runs as another user (its runtime directory is 0700),
+    only ran out of time, and a worker whose broker came back on another backend endpoint
+    only said the broker was silent; this names the cause.  Asked only once a call failed so,
+    or a worker heard nothing (a stat and, where a socket file is there, one connect that is
+    closed at once): never on the request path.  `who` names the asking process."""
+    if not endpoint.startswith("ipc://"):
+        return None
+    path = endpoint[len("ipc://"):]
+    if not path or path.startswith("@"):
+        return None  # the abstract namespace: no file to look at
+    me = os.getuid()
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        if any(pid_exists(pid) for pid in paused_by(path)):  # (moved aside by a broker still there)
+            return (f"the broker at {path} takes no new clients now: it is near its descriptor limit (its log "
+                    f"says so; raise its limit)")
+        return f"no socket at {path} (no broker is bound there: not started, or bound elsewhere)"
+    except PermissionError:
+        return (f"permission denied on {path} (its directory is another user's, {who} runs as uid {me}: "
+                f"run it as the broker's user)")
+    except OSError as e:
+        return f"cannot reach {path}: {e.strerror}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket"
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except PermissionError:
+        return (f"permission denied on {path} (uid {st.st_uid}'s socket, {who} runs as uid {me}: run it as "
+                f"the broker's user)")
+    except ConnectionRefusedError:
+        return f"nothing listens on {path} (the broker that bound it is gone and left the file)"
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None

@@ -215,3 +215,18 @@ def test_a_broker_restarted_with_curvezmq_tells_its_plain_clients_why_it_refuses
     finally:
         for p in procs:
             p.close()
+
+
+def test_a_worker_whose_broker_came_back_on_another_backend_says_what_is_at_the_old_one(cluster):
+    # The broker was started again with another --backend; a worker left on the old one said
+    # only "broker silent for 0.6 s; reconnecting", once a minute, whatever the kernel said
+    # of the endpoint it retried (libzmq retries an ipc connect in silence).
+    old = cluster.broker()
+    w = cluster.worker("echo")
+    old.kill()  # SIGKILL: its socket file stays, with nothing listening on it
+    moved = Proc(["-m", "broker", "--frontend", cluster.frontend, "--backend", f"ipc://{cluster.tmp}/be2.ipc",
+                  "--heartbeat-interval", "0.2"])
+    cluster.procs.append(moved)
+    moved.wait_ready()
+    w.wait_log(f"nothing listens on {cluster.tmp}/be.ipc (the broker that bound it is gone and left the file)",
+               timeout=10)
