@@ -34,7 +34,7 @@ from broker.config import check_launch, load_launcher
 from broker.launcher import Launcher
 from broker.protocol.heap import freeze_startup_heap
 from broker.protocol.limits import MIN_NOFILE, raise_nofile_limit
-from broker.protocol.logs import add_log_options, announce, hold_std_descriptors, say, setup_logging
+from broker.protocol.logs import add_log_options, announce, hold_std_descriptors, ignore_stop_signals, say, setup_logging
 from broker.protocol.naming import RuntimeDirError
 from broker.security import SecurityError, make_keys
 from broker.server import Broker, BrokerConfig
@@ -287,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         if pools is None:
             announce(f"READY frontend={broker.frontend_ep} backend={broker.backend_ep}{http}")
         broker.serve(stop)
+    # Stopped (and the pools' workers gone): a signal from now on has nothing left to hurry.
+    # Ignored, because the interpreter's exit puts the default actions back, and a SIGTERM
+    # during it (a second one sent just after the first) ended the process with -15, not 0.
+    ignore_stop_signals()
     return 0 if pools is None else pools.exit_code
 
 

@@ -29,7 +29,7 @@ import sys
 from broker import protocol as P
 from broker.protocol.heap import freeze_startup_heap
 from broker.protocol.limits import raise_nofile_limit
-from broker.protocol.logs import add_log_options, announce, hold_std_descriptors, setup_logging
+from broker.protocol.logs import add_log_options, announce, hold_std_descriptors, ignore_stop_signals, setup_logging
 
 
 def add_model_options(ap: argparse.ArgumentParser) -> None:
@@ -342,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if health is not None:
             health.close()
+    # Drained: a signal from now on has nothing left to hurry.  Ignored, because the
+    # interpreter's exit puts the default actions back, and a SIGTERM during it (tens of ms:
+    # a second one sent just after the first) ended the worker with -15 instead of its 0.
+    ignore_stop_signals()
     # Closed sockets may still hold replies sent straight to clients (and the DISCONNECT):
     # give them a moment to leave before the process does.
     import zmq

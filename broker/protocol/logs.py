@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -44,7 +45,7 @@ from typing import Any, Iterable
 
 from .header import CudaLoc, ShmLoc
 
-__all__ = ["LEVELS", "FORMATS", "say", "announce", "hold_std_descriptors", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
+__all__ = ["LEVELS", "FORMATS", "say", "announce", "ignore_stop_signals", "hold_std_descriptors", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
            "request_id", "trace_id", "done_fields", "tensor_fields", "describe_tensors", "TIMINGS",
            "tag_json_line", "TextFormatter", "JsonFormatter"]
 
@@ -207,6 +208,18 @@ def hold_std_descriptors() -> None:
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
+
+
+def ignore_stop_signals() -> None:
+    """SIGTERM and SIGINT ignored from now on: for a process that has finished its drain and
+    only exits.  The interpreter's exit puts the default action back for every signal it
+    had a handler for, so a signal during it (tens of milliseconds; more with large modules
+    loaded) ended the process by that signal instead of with its exit code; an ignored one
+    stays ignored.  Main thread only (as `signal.signal`); elsewhere it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def announce(line: str) -> None:

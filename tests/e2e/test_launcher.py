@@ -370,6 +370,41 @@ def test_a_drain_grace_given_in_extra_args_sets_the_stop_timeout(tmp_path, launc
     wait_gone(fds, 5.0)
 
 
+def _signal_until_gone(p: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+    """Send `sig` every millisecond until the process exits (a supervisor that insists, or an
+    operator's second Ctrl-C); its exit status."""
+    deadline = time.monotonic() + timeout
+    while p.poll() is None:
+        assert time.monotonic() < deadline, f"still running {timeout} s into the signals"
+        try:
+            p.send_signal(sig)
+        except ProcessLookupError:
+            pass
+        time.sleep(0.001)  # pacing, not waiting for anything
+    return p.returncode
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_sent_again_while_a_process_exits_leave_its_exit_status_0(tmp_path, cluster, launchers, sig):
+    # A second SIGTERM that came once the drain was over, while the interpreter exited (it
+    # puts the default actions back), ended a worker, a broker and a launcher with -15.
+    broker = cluster.broker()
+    worker = cluster.worker("echo", "--no-warmup")
+    assert _signal_until_gone(worker.p, sig) == 0, worker.stderr()
+    assert _signal_until_gone(broker.p, sig) == 0, broker.stderr()
+    la = launchers(tmp_path, """
+        [[pool]]
+        model = "echo"
+        extra_args = ["--no-warmup"]
+    """)
+    la.wait_for(r"every pool is ready")
+    (pid,) = la.ready_pids().values()
+    fds = pidfds([pid])
+    assert _signal_until_gone(la.p, sig) == 0, la.read_all_stderr()
+    assert re.search(rf"pid {pid} exited with code 0\n", la.read_all_stderr()), la.read_all_stderr()
+    wait_gone(fds, 5.0)
+
+
 def test_a_second_sigterm_fails_the_queued_requests_as_a_shutdown_and_finishes_the_running_one(tmp_path, launchers, gate):
     # A second signal stops the workers before the admitted requests have run: those still
     # queued failed after the service grace with "its last one went ... look at its workers:
