@@ -24,12 +24,25 @@ import argparse
 import errno
 import faulthandler
 import logging
+import signal
 import sys
 
-from broker import protocol as P
-from broker.protocol.heap import freeze_startup_heap
-from broker.protocol.limits import raise_nofile_limit
-from broker.protocol.logs import add_log_options, announce, hold_std_descriptors, ignore_stop_signals, setup_logging
+# Threads inherit the signal mask of the thread that starts them.  Those the imports below
+# start (numpy's BLAS pool) are started with SIGTERM, SIGINT and SIGHUP blocked, so that
+# the kernel hands these to the main thread, and its handler runs at once even while that
+# thread waits in a model's system call (broker.protocol.logs.block_stop_signals says why);
+# the main thread takes them again once the imports are done.
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+_MASK = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+
+from broker import protocol as P  # noqa: E402
+from broker.protocol.heap import freeze_startup_heap  # noqa: E402
+from broker.protocol.limits import raise_nofile_limit  # noqa: E402
+from broker.protocol.logs import (  # noqa: E402
+    add_log_options, announce, hold_std_descriptors, ignore_stop_signals, setup_logging,
+)
+
+signal.pthread_sigmask(signal.SIG_SETMASK, _MASK)
 
 
 def add_model_options(ap: argparse.ArgumentParser) -> None:
@@ -277,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         # pyzmq's zero-copy sends (an output of 64 KiB or more sent inline) need a thread and
         # descriptors of their own: started now, not at the first such reply, when they may
         # be gone (wire.send_frames then copies the reply: it still goes out whole).
-        warm_zero_copy()
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)  # its thread, as the imports' (above)
+        try:
+            warm_zero_copy()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     except Exception as e:
         logging.getLogger("gpu_worker").warning("pyzmq's zero-copy sends could not be started (%s: %s); large "
                                                 "inline replies are copied", type(e).__name__, e)

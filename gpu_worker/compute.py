@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping
 
 import zmq
 
+from broker.protocol.logs import block_stop_signals
+
 __all__ = ["raised", "message_of", "ComputeTimes", "ComputeThread", "LoopHeartbeats", "READ_TICK", "IDLE_AFTER"]
 
 # Seconds between the heartbeat thread's looks at the socket while a batch computes on the
@@ -134,6 +136,7 @@ class ComputeThread:
             self._cv.notify()
 
     def _loop(self) -> None:
+        block_stop_signals()  # the loop's thread takes them, even while it waits in a model call
         while True:
             with self._cv:
                 while self._job is None and not self._closing:
@@ -230,6 +233,7 @@ class LoopHeartbeats:
         return self.interval / 2 if self._during is None else min(self.interval / 2, READ_TICK)
 
     def _loop(self) -> None:
+        block_stop_signals()  # the loop's thread takes them, even while it waits in a model call
         seen, quiet_since = self.begun, time.monotonic()
         wait = self._tick()
         idle = False

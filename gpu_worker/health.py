@@ -21,6 +21,7 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from broker.protocol.httpserve import BoundedHandler, BoundedHTTPServer
+from broker.protocol.logs import block_stop_signals
 
 __all__ = ["HealthServer", "parse_port"]
 
@@ -76,9 +77,12 @@ class HealthServer:
         self.server.live = live
         self.server.ready = ready
         self.address = self.server.server_address[:2]
-        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="gpu_worker-health", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="gpu_worker-health", daemon=True)
         self._thread.start()
+
+    def _serve(self) -> None:
+        block_stop_signals()  # the worker's loop thread takes them (its request threads inherit this)
+        self.server.serve_forever(poll_interval=0.2)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -45,7 +45,7 @@ from typing import Any, Iterable
 
 from .header import CudaLoc, ShmLoc
 
-__all__ = ["LEVELS", "FORMATS", "say", "announce", "ignore_stop_signals", "hold_std_descriptors", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
+__all__ = ["LEVELS", "FORMATS", "say", "announce", "ignore_stop_signals", "block_stop_signals", "hold_std_descriptors", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
            "request_id", "trace_id", "done_fields", "tensor_fields", "describe_tensors", "TIMINGS",
            "tag_json_line", "TextFormatter", "JsonFormatter"]
 
@@ -124,6 +124,7 @@ class LineWriter:
         return self._cv.wait_for(lambda: self._done >= target, timeout)
 
     def _run(self) -> None:
+        block_stop_signals()  # the main thread's to take (block_stop_signals)
         q, cv = self._q, self._cv
         while True:
             with cv:
@@ -208,6 +209,21 @@ def hold_std_descriptors() -> None:
             if null != fd:
                 os.dup2(null, fd)
                 os.close(null)
+
+
+def block_stop_signals() -> None:
+    """Keep SIGTERM, SIGINT and SIGHUP off the calling thread (call it first thing in a
+    thread of ours).  The kernel hands a process's signal to any thread that does not block
+    it, and the interpreter runs the handler on the main thread only once that thread comes
+    back to Python: a signal that landed on a helper thread while the main thread waited in
+    a system call (a model's read during a batch on a worker's loop thread) was not seen
+    until the call returned, and a worker drained late (its probe ready, no STOPPING sent).
+    Blocked here, it goes to the main thread, whose call is interrupted (EINTR) and whose
+    handler runs at once."""
+    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+    except (AttributeError, OSError, ValueError):  # no pthread_sigmask here
+        pass
 
 
 def ignore_stop_signals() -> None:
