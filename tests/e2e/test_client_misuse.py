@@ -109,8 +109,10 @@ def signalled(cluster, gate):
     """A broker, the `signalling` model as service "sig" (one request at a time) and an echo
     worker."""
     cluster.broker()
+    # (--drain-grace-s: a result it holds for a client that closed, the test's own process, is
+    # not waited for at teardown: that took the fixture's 15 s bound and a SIGKILL)
     cluster.worker("test_client_misuse:signalling", "--service", "sig", "--max-batch", "1", "--credit", "1",
-                   env={"SIGNAL_PID": str(os.getpid()), **gate.env})
+                   "--drain-grace-s", "0.5", env={"SIGNAL_PID": str(os.getpid()), **gate.env})
     gate.open()  # the worker holds the read end already: returns at once
     cluster.worker("echo")
     return cluster

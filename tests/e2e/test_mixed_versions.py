@@ -15,7 +15,7 @@ from broker import protocol as P
 from .conftest import Proc
 from .test_direct_full import CALLS, STREAM_CLIENT, WAIT_S, _gated_worker, _Lines, _stopped_with_finals_waiting
 from .test_metrics import scrape, until, value
-from .test_plain_close import _dealer, _reply, _request
+from .test_plain_close import _dealer, _held, _reply, _request
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -156,17 +156,7 @@ def test_a_closed_plain_clients_running_request_is_cancelled_at_an_old_worker_an
     worker's answer to it is counted `client_gone` once, and the next client is served."""
     broker = cluster.broker("--http", "127.0.0.1:0")
     base = "http://" + broker.field("http")
-    runs = tmp_path / "runs"
-    w = cluster.worker("gate_model:held", "--max-batch", "1", "--credit", "1",
-                       env={**gate.env, "SLEEPY_LOG": str(runs)}, tree=old_tree(release))
-    gate.open()
-
-    def depth():
-        return value(scrape(base), "zmq_infer_queue_depth", service="held", priority="normal")
-
-    def ran() -> int:
-        return len(runs.read_text().splitlines()) if runs.exists() else 0
-
+    depth, ran, w = _held(cluster, gate, tmp_path, base, tree=old_tree(release))
     gone, live = _dealer(cluster.frontend), _dealer(cluster.frontend)
     try:
         for i in range(5):

@@ -67,15 +67,17 @@ def test_a_request_that_makes_the_model_raise_fails_alone(cluster, do, offload):
     cluster.broker()
     w = cluster.worker("faulty_model:batched", "--service", "batched", "--max-batch", "8", "--max-delay-ms", "5")
     slow = {"slow": 1} if offload else {}  # a batch predicted slow runs on the compute thread
-    served, errors = _mixed_load(cluster.frontend, {"do": do}, extra=slow)
-    assert served == 48 and len(errors) == 16
+    # (Half the load there: each batch sleeps 0.15 s, and the full one took 15 s a run.)
+    good, bad = (24, 8) if offload else (48, 16)
+    served, errors = _mixed_load(cluster.frontend, {"do": do}, n_good=good, n_bad=bad, extra=slow)
+    assert served == good and len(errors) == bad
     assert all(isinstance(e, InternalError) for e in errors), errors
     assert all(("ValueError" if do == "raise" else {"exit": "SystemExit", "genexit": "GeneratorExit"}[do])
                in str(e) for e in errors), errors[0]
     w.wait_log("the others were served")  # batches did mix good and bad requests
     assert w.p.poll() is None  # the worker serves on
-    served, _ = _mixed_load(cluster.frontend, {}, n_bad=0, extra=slow)
-    assert served == 48
+    served, _ = _mixed_load(cluster.frontend, {}, n_good=good, n_bad=0, extra=slow)
+    assert served == good
 
 
 def test_inputs_a_model_refuses_are_the_requests_fault(cluster):

@@ -48,6 +48,24 @@ def _reply(s: zmq.Socket) -> P.Reply:
     return P.decode_reply(msg.body[0], n_inline=len(msg.body) - 1)
 
 
+def _held(cluster, gate, tmp_path, base: str, tree=None):
+    """A worker of `gate_model:held` (one request at a time, each held until the gate lets
+    it go, each run written to a log), the gate opened: its broker's queue depth, how many
+    requests it started, and the worker."""
+    runs = tmp_path / "runs"
+    w = cluster.worker("gate_model:held", "--max-batch", "1", "--credit", "1",
+                   env={**gate.env, "SLEEPY_LOG": str(runs)}, tree=tree)
+    gate.open()
+
+    def depth() -> float:
+        return value(scrape(base), "zmq_infer_queue_depth", service="held", priority="normal")
+
+    def ran() -> int:
+        return len(runs.read_text().splitlines()) if runs.exists() else 0
+
+    return depth, ran, w
+
+
 def _tcp_broker(cluster) -> tuple[str, Proc]:
     from bench.peers import free_port
 
@@ -70,17 +88,7 @@ def test_a_plain_clients_requests_end_when_its_connection_closes(cluster, gate, 
     else:
         frontend, broker = cluster.frontend, cluster.broker("--http", "127.0.0.1:0")
     base = "http://" + broker.field("http")
-    runs = tmp_path / "runs"
-    cluster.worker("gate_model:held", "--max-batch", "1", "--credit", "1",
-                   env={**gate.env, "SLEEPY_LOG": str(runs)})
-    gate.open()
-
-    def depth():
-        return value(scrape(base), "zmq_infer_queue_depth", service="held", priority="normal")
-
-    def ran() -> int:
-        return len(runs.read_text().splitlines()) if runs.exists() else 0
-
+    depth, ran, _ = _held(cluster, gate, tmp_path, base)
     gone = _dealer(frontend, routing_id)
     live = _dealer(frontend)
     try:
@@ -143,14 +151,7 @@ def test_a_plain_client_reconnecting_under_its_own_routing_id_is_served(cluster,
     close: libzmq ignores a connection under an id another connection still holds.)"""
     broker = cluster.broker("--http", "127.0.0.1:0")
     base = "http://" + broker.field("http")
-    runs = tmp_path / "runs"
-    cluster.worker("gate_model:held", "--max-batch", "1", "--credit", "1",
-                   env={**gate.env, "SLEEPY_LOG": str(runs)})
-    gate.open()
-
-    def depth():
-        return value(scrape(base), "zmq_infer_queue_depth", service="held", priority="normal")
-
+    depth, ran, _ = _held(cluster, gate, tmp_path, base)
     s = None
     try:
         for n in range(3):
@@ -167,7 +168,7 @@ def test_a_plain_client_reconnecting_under_its_own_routing_id_is_served(cluster,
         assert rep.error is None and rep.id == 100, rep.error
         m = scrape(base)
         assert value(m, "zmq_infer_requests_total", service="held", outcome="client_gone") == 9, m
-        assert len(runs.read_text().splitlines()) == 4
+        assert ran() == 4
     finally:
         if s is not None:
             s.close(0)
