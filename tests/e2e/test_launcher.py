@@ -311,7 +311,9 @@ def test_a_sigkilled_worker_is_restarted_and_no_request_is_lost(tmp_path, launch
                 np.testing.assert_array_equal(r["x"], np.ones(4))
 
 
-def test_sigterm_finishes_every_admitted_request_then_exits_0(tmp_path, launchers, gate):
+def _gated_launch(tmp_path, launchers, gate) -> Launcher:
+    """A launcher with one pool of the gated model (service "gate", one request at a time),
+    ready."""
     la = launchers(tmp_path, """
         [[pool]]
         model = "gate_model:factory"
@@ -323,6 +325,11 @@ def test_sigterm_finishes_every_admitted_request_then_exits_0(tmp_path, launcher
     gate.open()  # the gated model opens its FIFO as it loads
     la.wait_ready()
     la.wait_for(r"every pool is ready")
+    return la
+
+
+def test_sigterm_finishes_every_admitted_request_then_exits_0(tmp_path, launchers, gate):
+    la = _gated_launch(tmp_path, launchers, gate)
     (pid,) = la.ready_pids().values()
     fds = pidfds([pid])
 
@@ -409,17 +416,7 @@ def test_a_second_sigterm_fails_the_queued_requests_as_a_shutdown_and_finishes_t
     # A second signal stops the workers before the admitted requests have run: those still
     # queued failed after the service grace with "its last one went ... look at its workers:
     # are they running?", as if a worker had died, while the operator had stopped them.
-    la = launchers(tmp_path, """
-        [[pool]]
-        model = "gate_model:factory"
-        service = "gate"
-        max_batch = 1
-        credit = 1
-        extra_args = ["--no-warmup"]
-    """, env=gate.env, wait=False)
-    gate.open()
-    la.wait_ready()
-    la.wait_for(r"every pool is ready")
+    la = _gated_launch(tmp_path, launchers, gate)
     (pid,) = la.ready_pids().values()
     fds = pidfds([pid])
 
