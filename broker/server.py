@@ -1824,15 +1824,18 @@ class Broker:
         """A peer's tcp handshake failed for its protocol: most often CurveZMQ on one side
         only (a plain client against a frontend with keys: a broker restarted with security
         on while its clients stayed up, or the reverse), or a peer given another server key.
-        libzmq drops the connection and the peer's libzmq tries again in silence, so this
-        line is the operator's one clue (a key refused by the allow-lists is logged by the
-        ZAP handler)."""
+        libzmq drops the connection and tells the peer nothing it could act on (a libzmq 4.3
+        peer gives the endpoint up for good once it sees the failure itself; this SDK's
+        clients dial again each second), so this line is the operator's one clue (a key
+        refused by the allow-lists is logged by the ZAP handler).  Best effort: a peer whose
+        libzmq saw the mismatch first closes before sending its mechanism, and the broker's
+        libzmq reports a bare close then (a loaded broker, often)."""
         where = event.get("endpoint", b"")
         where = where.decode(errors="replace") if isinstance(where, bytes) else str(where)
         code = event.get("value", 0) or 0
         why = _HANDSHAKE_ERRORS.get(code) or f"ZMTP protocol error 0x{code:x}"
         throttle = self._handshakes[peer, code if code in _HANDSHAKE_ERRORS else None]
-        throttle.warning("a %s's handshake on %s failed: %s; libzmq retries it in silence", peer, where, why)
+        throttle.warning("a %s's handshake on %s failed: %s; the peer is told nothing", peer, where, why)
 
     def _on_backend_events(self) -> None:
         """Apply the backend's connection events: the descriptor bookkeeping now, and for a

@@ -54,7 +54,7 @@ from .core import LAST_LOOK_S, PAUSED_S, ClientCore
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
-                      drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link,
+                      drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link, redial,
                       send_failure, tcp_options)
 from .tensors import Result
 
@@ -222,7 +222,7 @@ def _release(state: dict) -> None:
                         loop.remove_reader(link.fileno())
                 except Exception:
                     pass
-            for name in ("_retry", "_deadline_timer", "_heart"):
+            for name in ("_retry", "_redial_timer", "_deadline_timer", "_heart"):
                 handle = state.get(name)
                 if handle is not None:
                     try:
@@ -327,6 +327,8 @@ class AsyncClient(ClientBase):
         self._w_on_monitor = _weakly(self, "_on_monitor")
         self._w_deadlines = _weakly(self, "_deadlines")
         self._w_retry = _weakly(self, "_retry_now")
+        self._w_redial = _weakly(self, "_redial")
+        self._redial_timer: asyncio.TimerHandle | None = None
         self._unwatch = weakref.finalize(self, _let_go, self.__dict__)
 
     # ---------------------------------------------------------------- background tasks
@@ -675,8 +677,11 @@ class AsyncClient(ClientBase):
             return
         if pin is _BROKER:
             ups, last = handshakes(monitor)
-            if last is not None:
-                core.refused = last or None
+            core.broker_said(last, time.monotonic())
+            if core.redial_at is not None and self._redial_timer is None:
+                # libzmq gave the endpoint up at a refused handshake (core.REDIAL_S)
+                self._redial_timer = self._loop.call_later(max(0.0, core.redial_at - time.monotonic()),
+                                                           self._w_redial)
             if ups and core.heartbeat_interval is not None:
                 self._send_soon(core.heartbeat(time.monotonic()))
                 if core.ops:
@@ -815,6 +820,23 @@ class AsyncClient(ClientBase):
                 log.warning("could not send to the broker: %s: %s", type(e).__name__, e)
             self._pending.popleft()
             self._core.last_send = time.monotonic()
+
+    def _redial(self) -> None:
+        """Dial the broker again (core.REDIAL_S); what waits in `_pending` goes on the new
+        connection, and the calls whose messages the lost one took are sent again once the
+        broker's answer names it (core.py, `_on_broker_instance`)."""
+        self._redial_timer = None
+        core = self._core
+        if core.closed or core.redial_at is None:
+            return
+        core.redialed(time.monotonic())
+        try:
+            redial(self._sock, self.endpoint)
+        except zmq.ZMQError as e:  # out of descriptors, say: tried again at the next refusal
+            log.warning("could not dial the broker at %s again: %s", self.endpoint, e)
+            return
+        if self._pending:
+            self._flush()
 
     def _schedule_retry(self) -> None:
         # The broker is not reading (high-water mark): try again shortly rather than spin.
@@ -1217,6 +1239,9 @@ class AsyncClient(ClientBase):
         if self._retry is not None:
             self._retry.cancel()
             self._retry = None
+        if self._redial_timer is not None:
+            self._redial_timer.cancel()
+            self._redial_timer = None
         if self._deadline_timer is not None:
             self._deadline_timer.cancel()
             self._deadline_timer = self._deadline_at = None

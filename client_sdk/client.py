@@ -45,7 +45,7 @@ from .core import LAST_LOOK_S, LIVENESS, PAUSED_S, ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
-                      drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link,
+                      drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link, redial,
                       send_failure, tcp_options)
 from .tensors import Result
 
@@ -491,6 +491,8 @@ class Client(ClientBase):
         if core.closed or core.forked():  # a forked child's copy: its sockets are the parent's (it would spin)
             core.check_open()
         core.looking(now)
+        if core.redial_at is not None and now >= core.redial_at:
+            self._redial(now)
         if self._pending:
             self._flush_pending()
         hb = core.heartbeat_period
@@ -514,6 +516,8 @@ class Client(ClientBase):
                     timeout = 0  # their callers must hear it now
             if timeout is None or timeout > hb:
                 timeout = hb
+        if core.redial_at is not None and (timeout is None or now + timeout > core.redial_at):
+            timeout = core.redial_at - now
         if timeout is None:
             ms = -1
         else:
@@ -612,17 +616,27 @@ class Client(ClientBase):
                 self._core.last_send = time.monotonic()
                 return
             except zmq.Again:
-                # High-water mark reached: the broker is not reading.
+                # High-water mark reached: the broker is not reading, or (tcp) there is no
+                # connection: libzmq gave it up at a refused handshake (`_redial`).
                 if self._later:  # a signal handler's close() meanwhile: this send is moot
                     self._do_later()
                     if self._core.closed:
                         raise InferenceError(_CLOSED_WAITING, code=None) from None
+                core = self._core
+                if sock is self._sock and self._broker_monitor is not None:
+                    self._on_monitor(self._broker_monitor)  # a refusal not read yet: dialled again
+                    touched(self._broker_monitor)
                 now = time.monotonic()
+                if core.redial_at is not None and now >= core.redial_at:
+                    self._redial(now)
+                    continue
                 if deadline is not None and now >= deadline:
-                    raise BrokerUnreachable(
-                        f"cannot send to the broker at {self.endpoint}: its queue is full"
-                    ) from None
+                    why = (f"it refuses this client's handshake: {core.refused}" if core.refused
+                           else "its queue is full")
+                    raise BrokerUnreachable(f"cannot send to the broker at {self.endpoint}: {why}") from None
                 wait = 1000 if deadline is None else max(1, int((deadline - now) * 1000))
+                if core.redial_at is not None:
+                    wait = max(1, min(wait, int((core.redial_at - now) * 1000 + 0.999)))
                 self._wait_writable(sock, wait)
 
     def _send_call(self, call: Call) -> None:
@@ -844,6 +858,17 @@ class Client(ClientBase):
                         self._waiter.remove(monitor)
                     drop_lease_dealer(sock, monitor)
 
+    def _redial(self, now: float) -> None:
+        """Dial the broker again: libzmq gave its endpoint up at a refused handshake
+        (core.REDIAL_S).  What was queued on the lost connection went with it; the broker's
+        answer to the next heartbeat names the new one, and the calls still waiting are sent
+        again (core.py, `_on_broker_instance`)."""
+        self._core.redialed(now)
+        try:
+            redial(self._sock, self.endpoint)
+        except zmq.ZMQError as e:  # out of descriptors, say: tried again at the next refusal or call
+            log.warning("could not dial the broker at %s again: %s", self.endpoint, e)
+
     def _monitor_of(self, pin: Any) -> zmq.Socket | None:
         for monitor, p in self._monitors.items():
             if p is pin:
@@ -857,10 +882,12 @@ class Client(ClientBase):
         core = self._core
         if pin is _BROKER:
             ups, last = handshakes(monitor)
-            if last is not None:
-                core.refused = last or None
+            now = time.monotonic()
+            core.broker_said(last, now)
+            if core.redial_at is not None and now >= core.redial_at:
+                self._redial(now)
             if ups and not core.closed and core.heartbeat_interval is not None:
-                self._send_soon(core.heartbeat(time.monotonic()))
+                self._send_soon(core.heartbeat(now))
             return
         for up, final, why in lease_events(monitor):
             if pin is None or pin.closed:

@@ -108,6 +108,14 @@ NOT_LOCAL_RETRY_MAX_S = 30.0
 #: call's timeout while its result came got the result or the error by a race of threads.
 PAUSED_S = 0.02
 LAST_LOOK_S = 0.1
+#: A tcp broker that refused this client's handshake for its protocol (CurveZMQ on one side
+#: only) or its key (ZAP): libzmq 4.3 gives the endpoint up for good at either (a protocol
+#: error ends its connecting session; only refused, timed-out and dropped connections are
+#: tried again), so a client that met a broker restarted with other security settings
+#: stayed unconnected once the broker was put right, every call "its queue is full".  The
+#: client dials again itself (`sockets.redial`): at once at the first refusal heard, then at
+#: most once per `REDIAL_S` while the broker refuses.
+REDIAL_S = 1.0
 
 
 def _check_meta(meta: dict) -> None:
@@ -250,6 +258,10 @@ class ClientCore(PinEvents):
         self.endpoint_problem: Callable[[], str | None] | None = None
         #: why the broker refused this client's latest tcp handshake (None: it did not)
         self.refused: str | None = None
+        #: when to dial the broker again, libzmq having given its endpoint up at a refused
+        #: handshake (None: not needed; `broker_refused`, `redialed`)
+        self.redial_at: float | None = None
+        self._redialed = -math.inf
         self.last_heartbeat = 0.0
         # When the client last looked at its sockets (`looking`), and when it came back from
         # an absence longer than a heartbeat period: silence is counted from then too, since
@@ -1034,6 +1046,21 @@ class ClientCore(PinEvents):
         a heartbeat's answer: a wrong endpoint (a broker's backend, another program) answers
         nothing, and "raise the timeout" was the wrong advice."""
         return call.deadline_error(self.silence_advice(call.timeout))
+
+    def broker_said(self, last: str | None, now: float) -> None:
+        """The broker connection's monitor's last word (`sockets.handshakes`): "" a handshake
+        succeeded, a reason the broker refused it (libzmq has then given the endpoint up: it
+        is dialled again at once, or `REDIAL_S` after the dial before), None nothing new."""
+        if last is None:
+            return
+        self.refused = last or None
+        if last and self.redial_at is None and not self.closed:
+            self.redial_at = max(now, self._redialed + REDIAL_S)
+
+    def redialed(self, now: float) -> None:
+        """The client dialled the broker again (`sockets.redial`)."""
+        self.redial_at = None
+        self._redialed = now
 
     def silence_advice(self, timeout: float | None, *, heard: bool = True) -> str | None:
         """What a call's `DeadlineExceeded` says instead of "raise the timeout" when the

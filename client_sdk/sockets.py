@@ -47,11 +47,11 @@ from broker.protocol import curve as C
 from broker.protocol.limits import nofile_limit, open_descriptors
 from broker.protocol.naming import ipc_problem
 from broker.protocol.link import LinkConn
-from broker.protocol.wire import out_of_resources, tcp_liveness, warm_zero_copy
+from broker.protocol.wire import out_of_resources, tcp_liveness, touched, warm_zero_copy
 
 from .errors import InferenceError, InvalidInput
 
-__all__ = ["CLOSE_LINGER_MS", "dealer", "broker_monitor", "handshakes", "drop_monitor", "drop_socket", "ReplyInbox",
+__all__ = ["CLOSE_LINGER_MS", "dealer", "broker_monitor", "handshakes", "redial", "drop_monitor", "drop_socket", "ReplyInbox",
            "curve_keys", "tcp_options", "ENV_CLIENT_KEY", "lease_curve", "open_link", "lease_dealer", "lease_events",
            "drop_lease_dealer", "ipc_problem", "IpcDiagnosis", "send_failure"]
 
@@ -367,8 +367,9 @@ def broker_monitor(sock: zmq.Socket, endpoint: str, heartbeat_s: float | None) -
     return sock.get_monitor_socket(events, addr=f"inproc://client-sdk-broker-{os.getpid()}-{next(_monitors)}")
 
 
-#: the broker's refusals of a handshake, and what to do about each: libzmq tries again and
-#: again, in silence, so calls waited out their deadlines told to raise them
+#: the broker's refusals of a handshake, and what to do about each.  libzmq gives the
+#: endpoint up at either (core.REDIAL_S: the client dials again, `redial`), and says nothing:
+#: calls waited out their deadlines told to raise them.
 _BROKER_REFUSED = {
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: ("one side speaks CurveZMQ and the other plain tcp (`insecure=True` against a "
                                           "broker with keys, or keys against an --insecure one: was the broker "
@@ -376,6 +377,18 @@ _BROKER_REFUSED = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: ("it refused this client's key (its public certificate is not in the broker's "
                                       "--client-keys directory)"),
 }
+
+
+def redial(sock: zmq.Socket, endpoint: str) -> None:
+    """Connect `sock` to `endpoint` again, libzmq having given it up at a refused handshake
+    (`_BROKER_REFUSED`): what is left of the old connection's entry goes first, so that
+    dials do not pile up.  The socket's options (keys, timeouts) hold for the new one."""
+    try:
+        sock.disconnect(endpoint)
+    except zmq.ZMQError:  # nothing left of it (ENOENT)
+        pass
+    sock.connect(endpoint)
+    touched(sock)
 
 
 def handshakes(monitor: zmq.Socket) -> tuple[int, str | None]:

@@ -12,7 +12,7 @@ from broker import protocol as P
 from broker.protocol import ErrorCode
 from client_sdk import BrokerUnreachable, DeadlineExceeded, InvalidInput, errors
 from client_sdk.calls import MMI_SERVICE, mmi_answer, opaque_reply
-from client_sdk.core import LIVENESS, ClientCore
+from client_sdk.core import LIVENESS, REDIAL_S, ClientCore
 
 
 @pytest.fixture
@@ -164,6 +164,26 @@ def test_heartbeat_due_only_while_calls_wait(core):
     assert not core.heartbeat_due(10.5) and core.heartbeat_due(11.0)
     core.give_up(call)
     assert not core.heartbeat_due(11.0)
+
+
+def test_a_refused_handshake_dials_again_at_once_then_at_most_once_per_redial_interval(core):
+    # libzmq gives a tcp endpoint up at a refused handshake: the client dials again itself.
+    core.broker_said(None, 10.0)  # nothing reported
+    assert core.redial_at is None and core.refused is None
+    core.broker_said("it refused this client's key", 10.0)
+    assert core.redial_at == 10.0 and core.refused == "it refused this client's key"
+    core.broker_said("it refused this client's key", 10.2)  # (a second word before the dial)
+    assert core.redial_at == 10.0
+    core.redialed(10.3)
+    assert core.redial_at is None
+    core.broker_said("it refused this client's key", 10.4)  # refused again: not before a second on
+    assert core.redial_at == pytest.approx(10.3 + REDIAL_S)
+    core.redialed(11.3)
+    core.broker_said("", 11.4)  # the handshake succeeded: nothing to dial, nothing refused
+    assert core.redial_at is None and core.refused is None
+    core.close()
+    core.broker_said("it refused this client's key", 20.0)  # a closed client dials nothing
+    assert core.redial_at is None
 
 
 def test_mmi_answers_without_a_token_match_questions_in_order(core):
