@@ -881,9 +881,9 @@ class Client(ClientBase):
         pin = self._monitors.get(monitor)
         core = self._core
         if pin is _BROKER:
-            ups, last = handshakes(monitor)
+            ups, last, final = handshakes(monitor)
             now = time.monotonic()
-            core.broker_said(last, now)
+            core.broker_said(last, now, final)
             if core.redial_at is not None and now >= core.redial_at:
                 self._redial(now)
             if ups and not core.closed and core.heartbeat_interval is not None:

@@ -1047,14 +1047,15 @@ class ClientCore(PinEvents):
         nothing, and "raise the timeout" was the wrong advice."""
         return call.deadline_error(self.silence_advice(call.timeout))
 
-    def broker_said(self, last: str | None, now: float) -> None:
-        """The broker connection's monitor's last word (`sockets.handshakes`): "" a handshake
-        succeeded, a reason the broker refused it (libzmq has then given the endpoint up: it
-        is dialled again at once, or `REDIAL_S` after the dial before), None nothing new."""
+    def broker_said(self, last: str | None, now: float, final: bool = False) -> None:
+        """The broker connection's monitor's word (`sockets.handshakes`): ``last`` "" a
+        handshake succeeded, a reason the broker refused it, None nothing new; ``final``:
+        libzmq gave the endpoint up at a refusal, so it is dialled again at once, or
+        `REDIAL_S` after the dial before."""
         if last is None:
             return
         self.refused = last or None
-        if last and self.redial_at is None and not self.closed:
+        if final and self.redial_at is None and not self.closed:
             self.redial_at = max(now, self._redialed + REDIAL_S)
 
     def redialed(self, now: float) -> None:

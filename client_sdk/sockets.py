@@ -367,15 +367,21 @@ def broker_monitor(sock: zmq.Socket, endpoint: str, heartbeat_s: float | None) -
     return sock.get_monitor_socket(events, addr=f"inproc://client-sdk-broker-{os.getpid()}-{next(_monitors)}")
 
 
-#: the broker's refusals of a handshake, and what to do about each.  libzmq gives the
-#: endpoint up at either (core.REDIAL_S: the client dials again, `redial`), and says nothing:
-#: calls waited out their deadlines told to raise them.
+#: the broker's refusals of a handshake: event -> (final, what to do about it).  libzmq gives
+#: the endpoint up at a final one (core.REDIAL_S: the client dials again, `redial`) and tries
+#: again by itself after the others; it says nothing either way: calls waited out their
+#: deadlines told to raise them.  A handshake that fails without detail is most often a
+#: hello the broker could not decrypt (the broker logs that cause); a broker that died
+#: during a handshake is the other case, said until the next handshake succeeds.
 _BROKER_REFUSED = {
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: ("one side speaks CurveZMQ and the other plain tcp (`insecure=True` against a "
-                                          "broker with keys, or keys against an --insecure one: was the broker "
-                                          "restarted with other security settings?)"),
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: ("it refused this client's key (its public certificate is not in the broker's "
-                                      "--client-keys directory)"),
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: (True, "one side speaks CurveZMQ and the other plain tcp (`insecure=True` "
+                                          "against a broker with keys, or keys against an --insecure one: was the "
+                                          "broker restarted with other security settings?)"),
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: (True, "it refused this client's key (its public certificate is not in the "
+                                      "broker's --client-keys directory)"),
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: (False, "no detail given; most likely `server_key` (or "
+                                           "$ZMQ_INFER_SERVER_KEY) is not that broker's public certificate (the "
+                                           "broker's log says the cause)"),
 }
 
 
@@ -391,24 +397,26 @@ def redial(sock: zmq.Socket, endpoint: str) -> None:
     touched(sock)
 
 
-def handshakes(monitor: zmq.Socket) -> tuple[int, str | None]:
+def handshakes(monitor: zmq.Socket) -> tuple[int, str | None, bool]:
     """What `monitor` (`broker_monitor`) reported, read until it is empty: how many
-    handshakes succeeded, and the last word on the connection: None when nothing was
-    reported, "" when the latest handshake succeeded, else why the broker refused it."""
-    ups, last = 0, None
+    handshakes succeeded, the last word on the connection (None when nothing was reported,
+    "" when the latest handshake succeeded, else why the broker refused it), and whether a
+    refusal since the last success made libzmq give the endpoint up (dial again)."""
+    ups, last, final = 0, None, False
     while True:
         try:
             frames = monitor.recv_multipart(zmq.NOBLOCK)
         except zmq.ZMQError:  # empty (or closed)
-            return ups, last
+            return ups, last, final
         try:
             event = parse_monitor_message(frames)["event"]
         except Exception:  # not a monitor message: nothing of ours
             continue
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            ups, last = ups + 1, ""
+            ups, last, final = ups + 1, "", False
         elif event in _BROKER_REFUSED:
-            last = _BROKER_REFUSED[event]
+            gone, last = _BROKER_REFUSED[event]
+            final = final or gone
 
 
 class IpcDiagnosis:

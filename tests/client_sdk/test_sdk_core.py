@@ -167,22 +167,26 @@ def test_heartbeat_due_only_while_calls_wait(core):
 
 
 def test_a_refused_handshake_dials_again_at_once_then_at_most_once_per_redial_interval(core):
-    # libzmq gives a tcp endpoint up at a refused handshake: the client dials again itself.
-    core.broker_said(None, 10.0)  # nothing reported
+    # libzmq gives a tcp endpoint up at a refused handshake (final): the client dials again
+    # itself.  A failure libzmq tries again by itself is only said.
+    key = "it refused this client's key"
+    core.broker_said(None, 10.0, False)  # nothing reported
     assert core.redial_at is None and core.refused is None
-    core.broker_said("it refused this client's key", 10.0)
-    assert core.redial_at == 10.0 and core.refused == "it refused this client's key"
-    core.broker_said("it refused this client's key", 10.2)  # (a second word before the dial)
+    core.broker_said("no detail given", 10.0, False)
+    assert core.redial_at is None and core.refused == "no detail given"
+    core.broker_said(key, 10.0, True)
+    assert core.redial_at == 10.0 and core.refused == key
+    core.broker_said(key, 10.2, True)  # (a second word before the dial)
     assert core.redial_at == 10.0
     core.redialed(10.3)
     assert core.redial_at is None
-    core.broker_said("it refused this client's key", 10.4)  # refused again: not before a second on
+    core.broker_said(key, 10.4, True)  # refused again: not before a second on
     assert core.redial_at == pytest.approx(10.3 + REDIAL_S)
     core.redialed(11.3)
-    core.broker_said("", 11.4)  # the handshake succeeded: nothing to dial, nothing refused
+    core.broker_said("", 11.4, False)  # the handshake succeeded: nothing to dial, nothing refused
     assert core.redial_at is None and core.refused is None
     core.close()
-    core.broker_said("it refused this client's key", 20.0)  # a closed client dials nothing
+    core.broker_said(key, 20.0, True)  # a closed client dials nothing
     assert core.redial_at is None
 
 

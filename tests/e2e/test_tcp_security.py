@@ -252,9 +252,14 @@ def test_unauthenticated_clients_get_no_service(secure, keys):
     }
     for why, opts in bad.items():
         with Client(secure.frontend, timeout=1.0, **opts) as c:
-            with pytest.raises((DeadlineExceeded, BrokerUnreachable)):
+            with pytest.raises((DeadlineExceeded, BrokerUnreachable)) as e:
                 c.infer("echo", {"x": x})
                 pytest.fail(f"a client with {why} was served")
+        # Each is named in the call's error (the wrong server key only as the likely cause:
+        # the broker closes such a handshake without a word libzmq could pass on).
+        said = {"plain tcp": "one side speaks CurveZMQ", "the wrong server key": "most likely `server_key`"}
+        assert "refuses this client's handshake" in str(e.value), (why, str(e.value))
+        assert said.get(why, "refused this client's key") in str(e.value), (why, str(e.value))
     # The handshakes were refused (not merely slow), and the broker still serves the good client.
     for server, pair in ((_server_pub(keys), keys.stranger.pair), (keys.stranger.pair[0], keys.client.pair)):
         raw = Raw(secure.frontend, server, pair)
