@@ -85,6 +85,11 @@ class BrokerLink:
         self.monitor: zmq.Socket | None = None  # the socket's connection events (PAIR), for the loop to poll
         self.connected = False  # as the monitor last said (read by `reconnected`)
         self.last_sent = 0.0
+        #: why the broker refused this worker's latest CurveZMQ handshake, as libzmq reports it
+        #: (None: none refused since the last one that succeeded).  The worker's lines about
+        #: the broker's silence name it: the silence of a refused handshake is no wrong
+        #: endpoint, and "could not send" alone left the cause to a line a minute old.
+        self.refused: str | None = None
         self._dropped = False
         self._bad = P.RateLimitedLog(log)
 
@@ -97,7 +102,8 @@ class BrokerLink:
         # libzmq reconnects on its own when the broker goes away; the monitor tells us when
         # the connection came back, which means (most often) a new broker process that has
         # never heard of us: register again at once rather than at the next heartbeat.
-        self.monitor = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
+        self.monitor = s.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+                                            | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._dropped = False
         self.connected = False
         C.configure_peer(s, self.curve)
@@ -119,7 +125,10 @@ class BrokerLink:
                 self.connected = True
                 if self._dropped:
                     came_back = True
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.refused = None
             elif event & _HANDSHAKE_FAILED:
+                self.refused = _HANDSHAKE_WHY.get(event, "no detail")
                 self._bad.warning("the CurveZMQ handshake with the broker at %s failed (%s): check --server-key, "
                                   "--worker-key (in the broker's --worker-keys?) or --insecure against how the "
                                   "broker was started", self.endpoint, _HANDSHAKE_WHY.get(event, "no detail"))
@@ -146,8 +155,11 @@ class BrokerLink:
         try:
             send_frames(self.sock, frames, zmq.NOBLOCK)
         except zmq.Again:
-            self._bad.warning("could not send to the broker at %s: no connection takes it (a refused "
-                              "handshake, a wrong endpoint, or 100,000 messages queued); dropped", self.endpoint)
+            if self.refused is not None:
+                self._bad.warning("could not send to the broker at %s: its handshake failed (%s); dropped", self.endpoint, self.refused)
+            else:
+                self._bad.warning("could not send to the broker at %s: no connection takes it (a refused "
+                                  "handshake, a wrong endpoint, or 100,000 messages queued); dropped", self.endpoint)
             return
         self.last_sent = time.monotonic()
 

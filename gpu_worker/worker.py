@@ -695,6 +695,13 @@ class Worker:
                         # same (a relay's workers need it), with the likely mistake said; the
                         # probe stays 503 until a word comes (`ready`).
                         why = ipc_problem(self.cfg.broker, "this worker")
+                        refused = getattr(upstream, "refused", None)
+                        if refused is not None:
+                            # The handshake failed, which says more than any guess at the
+                            # endpoint: the worker's keys (or --insecure) against the broker's.
+                            why = (f"this worker's handshake with it failed ({refused}): check --server-key, "
+                                   f"--worker-key (in the broker's --worker-keys?) or --insecure against how the "
+                                   f"broker was started")
                         log.warning("nothing heard from %s within %.3g s, no WELCOME and no heartbeat: announcing "
                                     "READY anyway; %s", self.cfg.broker, self._ready_wait,
                                     why if why is not None else "if this is not a relay, is it the broker's backend "
@@ -725,6 +732,9 @@ class Worker:
                     # The kernel's word on an ipc endpoint: a broker started again on another
                     # backend left this worker saying only "silent" once a minute.
                     why = ipc_problem(self.cfg.broker, "this worker")
+                    refused = getattr(upstream, "refused", None)
+                    if refused is not None:
+                        why = f"its handshake failed: {refused}"
                     self._silence_log.warning("broker silent for %.1f s; reconnecting%s", now - self._last_heard,
                                               "" if why is None else f" ({why})")
                     self._reconnect_why = "broker connection lost"

@@ -1166,6 +1166,27 @@ def test_a_worker_refused_by_the_handshake_says_so_and_stops_on_sigterm(secure, 
         w.close()
 
 
+def test_a_worker_whose_key_the_broker_refuses_is_told_so_not_that_its_endpoint_is_wrong(secure, keys):
+    # A worker whose key is not (or no longer: a broker restarted with another allow-list) in
+    # the broker's --worker-keys logged the refusal once, then, every time it looked again,
+    # a guess: "nothing heard ... is it the broker's backend endpoint (not its frontend)?",
+    # "broker silent; reconnecting", and each second "could not send ... (a refused
+    # handshake, a wrong endpoint, or 100,000 messages queued)", the one line left once the
+    # first had scrolled by.  Each names the refused handshake now.
+    w = Proc(["-m", "gpu_worker", "--broker", secure.backend, "--model", "echo", "--heartbeat-interval", "0.2",
+              "--out-capacity-mb", "16", "--server-key", keys.server.pub, "--worker-key", keys.stranger.sec])
+    try:
+        w.wait_log("broker silent for", timeout=20)
+        lines = w._err.decode(errors="replace").splitlines()
+        refused = "the broker refused this worker's key"
+        for start in ("nothing heard from", "broker silent for"):
+            line = next(x for x in lines if start in x)
+            assert refused in line and "not its frontend" not in line, line
+        assert w.terminate(timeout=15) == 0
+    finally:
+        w.close()
+
+
 _PINNED_FAR_CLIENT = """
 import asyncio, sys
 import numpy as np
