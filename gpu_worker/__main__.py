@@ -153,11 +153,14 @@ def direct_tcp_problem(endpoint: str, worker_key: str | None, insecure: bool) ->
     return None
 
 
-def _endpoint_problem(endpoint: str) -> str | None:
+def _endpoint_problem(endpoint: str, curve=None) -> str | None:
     """Why libzmq refuses to connect to ``endpoint`` (an unknown scheme, an ipc path longer
     than a socket address holds, a malformed tcp address), or None.  A connect is checked
-    at once and starts nothing that outlives the socket."""
+    at once and starts nothing that outlives the socket.  ``curve``: the link's CURVE keys
+    (`upstream.link_keys`), which the probe speaks with too."""
     import zmq
+
+    from broker.protocol import curve as C
 
     port = P.tcp_port_problem(endpoint)
     if port is not None:
@@ -165,6 +168,13 @@ def _endpoint_problem(endpoint: str) -> str | None:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     try:
         P.ipv6_for(sock, endpoint)
+        # libzmq checks the address at once but connects in its I/O thread, which often
+        # dials before the close below reaches it, and now and then gets as far as the
+        # greeting: a plain one made a broker with keys log "a worker's handshake failed:
+        # it and this endpoint disagree on CurveZMQ" for a worker whose keys were right
+        # (and took that line's 10 s throttle from a real mismatch).  With the link's keys
+        # the probe, if it gets that far, is the worker's own handshake.
+        C.configure_peer(sock, curve)
         sock.connect(endpoint)
     except zmq.ZMQError as e:
         if e.errno == errno.ENAMETOOLONG:
@@ -241,11 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_worker.upstream import CurveKeyError, link_keys
 
     try:  # before the model loads: a worker that cannot connect says so at once
-        link_keys(broker, args.server_key, args.worker_key, args.insecure)
+        curve = link_keys(broker, args.server_key, args.worker_key, args.insecure)
     except CurveKeyError as e:
         print(f"python -m gpu_worker: {e}", file=sys.stderr, flush=True)
         return 2
-    why = _endpoint_problem(broker)
+    why = _endpoint_problem(broker, curve)
     if why is not None:
         print(f"python -m gpu_worker: cannot connect to --broker {broker}: {why}", file=sys.stderr, flush=True)
         return 2

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -316,6 +317,48 @@ def test_a_peer_without_curvezmq_is_named_in_the_brokers_log(keys):
         finally:
             raw.close()
         b.wait_log("does not decrypt: it was given another server key")
+    finally:
+        b.close()
+
+
+_PROBES = """
+import sys
+import zmq
+from gpu_worker.__main__ import _endpoint_problem
+from gpu_worker.upstream import link_keys
+endpoint, server_key, worker_key, n = sys.argv[1:5]
+curve = link_keys(endpoint, server_key, worker_key)
+for _ in range(int(n)):
+    zmq.Context._instance = None  # a fresh context each time, as at a worker's start
+    ctx = zmq.Context.instance()
+    assert _endpoint_problem(endpoint, curve) is None
+    ctx.term()
+"""
+
+
+def test_a_worker_with_the_right_keys_is_not_logged_as_a_plain_peer_at_start(keys):
+    # `python -m gpu_worker` checks its --broker endpoint with libzmq before the model loads:
+    # a connect on a throwaway socket, closed at once.  libzmq dials in its I/O thread, and
+    # now and then (2 of 50 starts here) got as far as the greeting before the close: a
+    # plain one, so a broker with keys logged "a worker's handshake ... failed: it and this
+    # endpoint disagree on CurveZMQ" for a worker whose keys were right, and that line's
+    # 10 s throttle held back a real mismatch after it.  The probe speaks with the link's
+    # keys now.  Many probes, each in a fresh context as at a start; then a handshake that
+    # fails for another cause, whose line says the broker has read what came before.
+    b = Proc(["-m", "broker", "--frontend", LOOPBACK, "--backend", LOOPBACK, *keys.broker_args])
+    try:
+        b.wait_ready()
+        backend = b.field("backend")
+        subprocess.run([sys.executable, "-c", _PROBES, backend, keys.server.pub, keys.worker.sec, "300"],
+                       check=True, timeout=60, cwd=str(Path(__file__).parents[2]),
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+        raw = Raw(backend, keys.stranger.pair[0], keys.worker.pair)  # another server key
+        try:
+            assert raw.handshake() == "refused"
+        finally:
+            raw.close()
+        b.wait_log("does not decrypt: it was given another server key")
+        assert "disagree on CurveZMQ" not in b._err.decode(errors="replace"), b._err.decode(errors="replace")
     finally:
         b.close()
 
