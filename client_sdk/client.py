@@ -329,6 +329,7 @@ class Client(ClientBase):
                 # coarse, and its poll may end a little before the wait.
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
+                    self._heed_broker_monitor()
                     raise self._core.opaque_deadline_error(service, limit)
                 if not sock.poll(-1 if left is None else math.ceil(left * 1000), zmq.POLLIN):
                     continue
@@ -337,6 +338,24 @@ class Client(ClientBase):
                     return body
         finally:
             drop_socket(sock)
+
+    def _heed_broker_monitor(self) -> None:
+        """Read what the broker connection's monitor said (a refused handshake), for the error
+        of a call that did not wait on the client's own socket (`request`): that socket's
+        refusal is this one's, and unread it said "raise `timeout`, lower the load" to a
+        client the broker refuses.  Only by the thread that can claim the client: another
+        thread's call leaves the monitor alone."""
+        monitor = self._broker_monitor
+        if monitor is None or self._core.closed:
+            return
+        user, tid = self._user, _get_ident()
+        if 0 in user or user.setdefault(0, tid) != tid:
+            return
+        try:
+            self._on_monitor(monitor)
+            touched(monitor)
+        finally:
+            del user[0]
 
     @_one_thread
     def mmi_service(self, name: str, timeout: float | None = None) -> bool:

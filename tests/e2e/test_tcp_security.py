@@ -273,6 +273,19 @@ def test_unauthenticated_clients_get_no_service(secure, keys):
             np.testing.assert_array_equal(out["x"], x)
 
 
+def test_a_plain_mdp_request_the_broker_refuses_says_so(secure, keys):
+    # `Client.request` (opaque frames, on a socket of its own) from a client the broker
+    # refuses said "raise `timeout`, lower the load, or add workers", every time: the refusal
+    # sat unread in the client's own connection's monitor.  The AsyncClient's reader had
+    # read it; the blocking client reads it for the error now.
+    for why, opts in (("one side speaks CurveZMQ", dict(insecure=True)),
+                      ("refused this client's key", dict(server_key=keys.server.pub, client_key=keys.stranger.sec))):
+        with Client(secure.frontend, timeout=1.0, **opts) as c:
+            with pytest.raises(DeadlineExceeded) as e:
+                c.request("echo", [b"opaque"])
+        assert "refuses this client's handshake" in str(e.value) and why in str(e.value), str(e.value)
+
+
 #: a plain ZMTP 3.0 peer's greeting, whole: signature, version, mechanism NULL, as-server 0, filler
 _NULL_GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32)
 
