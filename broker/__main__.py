@@ -34,7 +34,7 @@ from broker.config import check_launch, load_launcher
 from broker.launcher import Launcher
 from broker.protocol.heap import freeze_startup_heap
 from broker.protocol.limits import MIN_NOFILE, raise_nofile_limit
-from broker.protocol.logs import add_log_options, announce, hold_std_descriptors, ignore_stop_signals, say, setup_logging
+from broker.protocol.logs import add_log_options, announce, hold_std_descriptors, ignore_stop_signals, setup_logging, warn_from_signal
 from broker.protocol.naming import RuntimeDirError
 from broker.security import SecurityError, make_keys
 from broker.server import Broker, BrokerConfig
@@ -274,9 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     if deploy is None:
         # SIGHUP rolls a launcher's pools; here there are none.  Its default action ended the
         # broker at once, with no drain.
-        signal.signal(signal.SIGHUP, lambda *_: say(2, b"python -m broker: SIGHUP ignored (it rolls the "
-                                                        b"worker pools of a --config with [[pool]] tables; "
-                                                        b"this broker has none)\n"))
+        # Said through the log's writer thread: a handler that wrote to stderr itself
+        # blocked the loop for good when stderr was a pipe nobody read.
+        signal.signal(signal.SIGHUP, lambda *_: warn_from_signal(
+            "broker", "SIGHUP ignored (it rolls the worker pools of a --config with [[pool]] tables; this broker "
+                      "has none)"))
     # [[pool]] tables: this process is their launcher too (broker.launcher).  It takes the
     # signals over (SIGTERM drains the pools, then sets `stop`; SIGHUP rolls them) and prints
     # READY itself once every pool's workers are ready.

@@ -2443,8 +2443,10 @@ def install_sigterm_drain(worker: Worker) -> None:
     signal.signal(signal.SIGINT, on_signal)
     # SIGHUP's default action ended the worker at once, with no drain (an operator who sent it
     # meant a launcher's rolling restart, or a terminal closed): said, and ignored.
-    signal.signal(signal.SIGHUP, lambda *_: logs.say(2, b"gpu_worker: SIGHUP ignored (SIGTERM drains and stops "
-                                                     b"a worker; SIGHUP to the launcher rolls its pools)\n"))
+    # Said through the log's writer thread (logs.warn_from_signal): written here, to a stderr
+    # pipe nobody read, it blocked the loop for good, and the broker presumed the worker dead.
+    signal.signal(signal.SIGHUP, lambda *_: logs.warn_from_signal(
+        "gpu_worker", "SIGHUP ignored (SIGTERM drains and stops a worker; SIGHUP to the launcher rolls its pools)"))
     # The interpreter runs `on_signal` only once the loop's wait returns (PEP 475 restarts
     # it after EINTR, timeout and all): the C-level handler also writes the signal's number
     # to this pipe, which the loop watches (`Worker.signal_fd`).

@@ -45,7 +45,7 @@ from typing import Any, Iterable
 
 from .header import CudaLoc, ShmLoc
 
-__all__ = ["LEVELS", "FORMATS", "say", "announce", "ignore_stop_signals", "block_stop_signals", "hold_std_descriptors", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
+__all__ = ["LEVELS", "FORMATS", "say", "warn_from_signal", "announce", "ignore_stop_signals", "block_stop_signals", "hold_std_descriptors", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
            "request_id", "trace_id", "done_fields", "tensor_fields", "describe_tensors", "TIMINGS",
            "tag_json_line", "TextFormatter", "JsonFormatter"]
 
@@ -57,6 +57,7 @@ _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"m
 _FORMAT = "text"  # what setup_logging configured (the launcher passes it on to its workers)
 QUEUED_LINES = 20_000  # lines waiting for a stalled stream before new ones are dropped
 FLUSH_S = 2.0  # at exit, how long the lines still queued may take to go out
+SIGNAL_WAIT_S = 0.05  # how long a signal handler may wait for a writer's lock before its line is dropped
 
 
 class LineWriter:
@@ -98,6 +99,26 @@ class LineWriter:
             self._put += 1
             if len(self._q) == 1:
                 self._cv.notify()  # the thread waits only on an empty queue
+        return True
+
+    def put_from_signal(self, line: str, wait: float = SIGNAL_WAIT_S) -> bool:
+        """``put`` for a signal handler: the handler may have interrupted the main thread
+        inside ``put``, holding the lock it would wait for for ever, so it waits at most
+        ``wait`` seconds and then drops the line (counted; without the lock, a count that
+        may miss one)."""
+        if not self._cv.acquire(timeout=wait):
+            self._dropped += 1
+            return False
+        try:
+            if self._closed or len(self._q) >= self.capacity:
+                self._dropped += 1
+                return False
+            self._q.append(line)
+            self._put += 1
+            if len(self._q) == 1:
+                self._cv.notify()
+        finally:
+            self._cv.release()
         return True
 
     def flush(self, timeout: float = FLUSH_S) -> bool:
@@ -192,6 +213,30 @@ def say(fd: int, data: bytes) -> None:
         os.write(fd, data)
     except OSError:
         pass
+
+
+def warn_from_signal(name: str, message: str) -> None:
+    """Log ``message`` as a WARNING of logger ``name`` from a signal handler, through the
+    root's :class:`QueuedHandler` (formatted here, written by its writer thread), so that
+    it never waits for stderr: a handler that wrote to descriptor 2 itself (:func:`say`)
+    blocked the main thread for good on a stderr nobody reads (a full pipe, a stalled log
+    collector), and with it the broker's loop (every request, heartbeats to the workers,
+    SIGTERM) or the worker's (its broker presumed it dead).  Logger, handler and module
+    locks are not taken (the handler may have interrupted their holder); a line formatted
+    like every other keeps ``--log-format json`` one JSON object a line.  Without a queued
+    handler (before ``setup_logging``) the line goes to descriptor 2 as :func:`say` has it."""
+    root = logging.getLogger()
+    if root.level > logging.WARNING:
+        return
+    for h in root.handlers:
+        if isinstance(h, QueuedHandler):
+            try:
+                line = h.format(logging.LogRecord(name, logging.WARNING, __file__, 0, message, None, None))
+            except Exception:  # noqa: BLE001 - a signal handler must not raise into the loop
+                return
+            h.writer.put_from_signal(line)
+            return
+    say(2, message.encode(errors="backslashreplace") + b"\n")
 
 
 def hold_std_descriptors() -> None:

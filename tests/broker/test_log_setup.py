@@ -268,3 +268,22 @@ def test_the_notice_is_a_log_line_of_the_configured_format(restore_root):
     assert line["level"] == "WARNING" and line["process"] == "broker"
     assert line["msg"].startswith("7 log lines were dropped: stderr was not read fast enough")
     assert logs.line_writer(out) is handler.writer  # the launcher's forwarded lines share it
+
+
+def test_a_signal_handlers_line_is_a_log_line_and_never_waits_for_the_lock(restore_root):
+    # The SIGHUP handlers wrote to descriptor 2 themselves: on a stderr nobody read, the main
+    # thread blocked there for good.  warn_from_signal queues a formatted line instead, and a
+    # handler that interrupted the main thread inside put (the writer's lock held) gives its
+    # line up after SIGNAL_WAIT_S rather than wait for itself.
+    out = io.StringIO()
+    handler = logs.setup_logging("WARNING", "json", "broker", stream=out)
+    logs.warn_from_signal("broker", "SIGHUP ignored")
+    assert handler.writer.flush(5.0)
+    line = json.loads(out.getvalue().splitlines()[-1])
+    assert (line["level"], line["logger"], line["msg"]) == ("WARNING", "broker", "SIGHUP ignored")
+    with handler.writer._cv:  # as if the signal came inside put()
+        assert handler.writer.put_from_signal("held", wait=0.01) is False
+    assert handler.writer.dropped == 1
+    logging.getLogger().setLevel(logging.ERROR)  # --log-level ERROR: warnings are not wanted
+    logs.warn_from_signal("broker", "not said")
+    assert handler.writer.flush(5.0) and "not said" not in out.getvalue()

@@ -4,11 +4,14 @@ nothing, a runtime directory on a read-only file system, a worker in a time name
 boottime offset.  Real processes; every wait bounded."""
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -68,6 +71,70 @@ def test_sighup_with_a_dead_stderr_and_a_closed_stderr_are_survived(tmp_path):
     finally:
         assert _stop(worker) == 0
         assert _stop(broker) == 0
+
+
+def _full_pipe() -> tuple[int, int]:
+    """A pipe whose buffer is full (of empty lines): nothing more can be written until its
+    reader reads, as with a log collector that stalled."""
+    r, w = os.pipe()
+    flags = fcntl.fcntl(w, fcntl.F_GETFL)
+    fcntl.fcntl(w, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    try:
+        while True:
+            os.write(w, b"\n" * 4096)
+    except BlockingIOError:
+        pass
+    fcntl.fcntl(w, fcntl.F_SETFL, flags)  # the processes get it blocking, as a shell gives it
+    return r, w
+
+
+def test_sighup_with_a_stderr_nobody_reads_stalls_nothing(tmp_path):
+    # The SIGHUP handler wrote its "ignored" line to descriptor 2 itself: with stderr a pipe
+    # nobody read (a stalled log collector), the write blocked the main thread for good.  The
+    # broker served nothing more and ignored SIGTERM (its workers reconnected in a loop); the
+    # worker went silent and was presumed dead.  The line now goes through the log's writer
+    # thread, as a log line (one JSON object with --log-format json).
+    fe, be = f"ipc://{tmp_path}/fe.ipc", f"ipc://{tmp_path}/be.ipc"
+    r, w = _full_pipe()
+    got = bytearray()
+    try:
+        broker = _started(["-m", "broker", "--frontend", fe, "--backend", be, "--heartbeat-interval", "0.2",
+                           "--log-format", "json"], tmp_path, stderr=w, stdout=subprocess.DEVNULL)
+        worker = _started(["-m", "gpu_worker", "--broker", be, "--heartbeat-interval", "0.2", "--log-format", "json"],
+                          tmp_path, stderr=w, stdout=subprocess.DEVNULL)
+        os.close(w)
+        w = -1
+        try:
+            with Client(fe, timeout=5) as c:
+                wait_service(c, "echo")
+                broker.send_signal(signal.SIGHUP)
+                worker.send_signal(signal.SIGHUP)
+                for _ in range(3):  # past the worker's liveness (0.6 s) and the broker's
+                    with c.infer("echo", {"x": np.arange(4, dtype=np.float32)}, timeout=1.5) as res:
+                        np.testing.assert_array_equal(res["x"], np.arange(4, dtype=np.float32))
+                    t = time.monotonic() + 0.5
+                    while time.monotonic() < t:
+                        c.mmi_service("echo")  # a request a few times a second for half a second
+            assert broker.poll() is None and worker.poll() is None
+        finally:
+            # The collector catches up (until both processes exit: EOF), so that the exits
+            # need not wait out their lines' FLUSH_S.
+            def collect() -> None:
+                for chunk in iter(lambda: os.read(r, 65536), b""):
+                    got.extend(chunk)
+
+            reader = threading.Thread(target=collect, daemon=True)
+            reader.start()
+            assert _stop(worker) == 0
+            assert _stop(broker) == 0
+            reader.join(10)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+    said = [json.loads(line) for line in got.decode(errors="replace").splitlines() if "SIGHUP ignored" in line]
+    assert sorted(d["process"] for d in said) == ["broker", "worker"], got[-3000:]
+    assert all(d["level"] == "WARNING" for d in said), said
 
 
 def test_a_ready_line_that_stdout_cannot_take_is_a_warning(tmp_path):
