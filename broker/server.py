@@ -669,7 +669,7 @@ class Broker:
         """Bind ``ep``; RuntimeError with one line saying why not (a directory that does
         not exist, an address in use, ...).  An ipc socket file left by a dead broker is
         replaced; one that a running process still serves is not taken from it."""
-        problem = P.tcp_port_problem(ep)
+        problem = P.tcp_port_problem(ep) or P.endpoint_text_problem(ep)
         if problem is not None:
             raise RuntimeError(f"cannot bind {problem}")
         if ep.startswith("ipc://") and not ep.startswith("ipc://@"):

@@ -261,6 +261,10 @@ def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None,
 
 
 def _connect(sock: zmq.Socket, endpoint: str) -> None:
+    problem = P.endpoint_text_problem(endpoint)
+    if problem is not None:
+        sock.close(linger=0)
+        raise InvalidInput(f"cannot connect to {problem}")
     try:
         P.ipv6_for(sock, endpoint)
         sock.connect(endpoint)

@@ -162,7 +162,7 @@ def _endpoint_problem(endpoint: str, curve=None) -> str | None:
 
     from broker.protocol import curve as C
 
-    port = P.tcp_port_problem(endpoint)
+    port = P.tcp_port_problem(endpoint) or P.endpoint_text_problem(endpoint)
     if port is not None:
         return port
     sock = zmq.Context.instance().socket(zmq.DEALER)

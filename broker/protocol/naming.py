@@ -21,7 +21,8 @@ from shm.segment import pid_exists, self_identity
 
 __all__ = [
     "local_host_id", "default_runtime_dir", "RuntimeDirError", "default_endpoints", "reply_socket_path",
-    "parse_reply_socket_name", "direct_socket_path", "tcp_port_problem", "ipv6_for", "ipc_problem",
+    "parse_reply_socket_name", "direct_socket_path", "tcp_port_problem", "endpoint_text_problem", "ipv6_for",
+    "ipc_problem",
 ]
 
 # Host identity: two processes may exchange shm references only if they see the same /dev/shm.
@@ -164,6 +165,27 @@ def tcp_port_problem(endpoint: str) -> str | None:
     port = endpoint.rsplit(":", 1)[1]
     if port.isdigit() and not 0 <= int(port) <= 65535:
         return f"{endpoint}: port {port} is not from 0 to 65535"
+    return None
+
+
+def endpoint_text_problem(endpoint: str) -> str | None:
+    """Why libzmq cannot be given ``endpoint`` as text (None: it can).  libzmq takes UTF-8
+    endpoints, and the interpreter turns the bytes of an argument or variable that are not
+    UTF-8 (a directory named in Latin-1; any non-ASCII byte under a locale that is not
+    UTF-8, PYTHONUTF8=0 LC_ALL=C) into lone surrogates that pyzmq cannot encode: the broker
+    said only "'utf-8' codec can't encode character '\\udce9' in position 17", the worker
+    ended in a traceback, and a client's connect raised UnicodeEncodeError (the
+    streams hunt).  The endpoint is shown with those bytes escaped (``caf\\xe9``)."""
+    try:
+        endpoint.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            shown = os.fsencode(endpoint).decode("utf-8", "backslashreplace")
+        except UnicodeError:
+            shown = endpoint.encode("utf-8", "backslashreplace").decode("ascii")
+        return (f"{shown}: the endpoint holds bytes that are not UTF-8 (a name made in another encoding, or a "
+                f"locale that is not UTF-8), and ZeroMQ takes UTF-8 endpoints; rename the directory, or run under "
+                f"a UTF-8 locale (LANG=C.UTF-8)")
     return None
 
 

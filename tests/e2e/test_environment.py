@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from client_sdk import Client
+from client_sdk.errors import InvalidInput
 
 from .conftest import HERE, ROOT, wait_service
 
@@ -135,6 +136,31 @@ def test_sighup_with_a_stderr_nobody_reads_stalls_nothing(tmp_path):
     said = [json.loads(line) for line in got.decode(errors="replace").splitlines() if "SIGHUP ignored" in line]
     assert sorted(d["process"] for d in said) == ["broker", "worker"], got[-3000:]
     assert all(d["level"] == "WARNING" for d in said), said
+
+
+def test_an_ipc_path_that_is_not_utf8_is_one_line_for_each_process(tmp_path):
+    # A directory named in Latin-1 (or any non-ASCII name under PYTHONUTF8=0 LC_ALL=C): the
+    # interpreter hands such bytes on as lone surrogates, which pyzmq cannot encode.  The
+    # broker said only "'utf-8' codec can't encode character '\\udce9' in position N", the
+    # worker exited 1 with a traceback, and a client's connect raised UnicodeEncodeError.
+    d = os.fsencode(tmp_path) + b"/caf\xe9"
+    os.mkdir(d)
+    d_text = os.fsdecode(d)
+    fe, be = f"ipc://{d_text}/fe.ipc", f"ipc://{d_text}/be.ipc"
+    for args in (["-m", "broker", "--frontend", fe, "--backend", f"ipc://{tmp_path}/be.ipc"],
+                 ["-m", "gpu_worker", "--broker", be]):
+        p = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(tmp_path), capture_output=True,
+                           timeout=60)
+        err = p.stderr.decode(errors="replace")
+        assert p.returncode == 2, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+        assert "caf\\xe9/" in err and "not UTF-8" in err, err
+    p = subprocess.run([sys.executable, "-m", "broker"], cwd=ROOT, env={**_env(tmp_path), "XDG_RUNTIME_DIR": d_text},
+                       capture_output=True, timeout=60)
+    assert p.returncode == 2 and b"not UTF-8" in p.stderr and b"Traceback" not in p.stderr, p.stderr
+    with pytest.raises(InvalidInput, match="not UTF-8"):
+        Client(fe)
+    assert sorted(os.listdir(d)) in ([], [b"zmq-infer-%d" % os.getuid()])  # no socket file made
 
 
 def test_a_ready_line_that_stdout_cannot_take_is_a_warning(tmp_path):
