@@ -279,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGHUP, lambda *_: warn_from_signal(
             "broker", "SIGHUP ignored (it rolls the worker pools of a --config with [[pool]] tables; this broker "
                       "has none)"))
+    # SIGUSR1 and SIGUSR2 (a logrotate postrotate habit, an operator after a stack dump):
+    # their default action ended the broker at once, with no drain and no line on stderr,
+    # and with it every request in flight.  Logs go to stderr, so there is nothing to reopen.
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda n, _f: warn_from_signal(
+            "broker", f"{signal.Signals(n).name} ignored (logs go to stderr: there is no log file to reopen; "
+                      "SIGTERM drains and stops the broker, SIGHUP rolls a launcher's pools)"))
     # [[pool]] tables: this process is their launcher too (broker.launcher).  It takes the
     # signals over (SIGTERM drains the pools, then sets `stop`; SIGHUP rolls them) and prints
     # READY itself once every pool's workers are ready.

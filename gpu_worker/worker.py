@@ -2447,6 +2447,12 @@ def install_sigterm_drain(worker: Worker) -> None:
     # pipe nobody read, it blocked the loop for good, and the broker presumed the worker dead.
     signal.signal(signal.SIGHUP, lambda *_: logs.warn_from_signal(
         "gpu_worker", "SIGHUP ignored (SIGTERM drains and stops a worker; SIGHUP to the launcher rolls its pools)"))
+    # SIGUSR1 and SIGUSR2 (a logrotate habit): their default action ended the worker at once,
+    # its batch lost and its requests retried elsewhere; logs go to stderr, nothing to reopen.
+    for sig in (signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, lambda n, _f: logs.warn_from_signal(
+            "gpu_worker", f"{signal.Signals(n).name} ignored (logs go to stderr: there is no log file to reopen; "
+                          "SIGTERM drains and stops a worker)"))
     # The interpreter runs `on_signal` only once the loop's wait returns (PEP 475 restarts
     # it after EINTR, timeout and all): the C-level handler also writes the signal's number
     # to this pipe, which the loop watches (`Worker.signal_fd`).

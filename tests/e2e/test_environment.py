@@ -163,6 +163,19 @@ def test_an_ipc_path_that_is_not_utf8_is_one_line_for_each_process(tmp_path):
     assert sorted(os.listdir(d)) in ([], [b"zmq-infer-%d" % os.getuid()])  # no socket file made
 
 
+def test_sigusr1_and_sigusr2_are_said_and_ignored(cluster):
+    # A logrotate postrotate `kill -USR1` (or an operator after a stack dump): the default
+    # action ended the broker or the worker at once, no drain, nothing on stderr (exit -10).
+    broker = cluster.broker()
+    worker = cluster.worker("echo")
+    for proc in (broker, worker):
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            proc.p.send_signal(sig)
+            proc.wait_log(f"WARNING {sig.name} ignored")
+    _serving(cluster.frontend, "echo")
+    assert worker.terminate() == 0 and broker.terminate() == 0
+
+
 def test_a_ready_line_that_stdout_cannot_take_is_a_warning(tmp_path):
     # stdout /dev/full (or a pipe nobody reads any more): the broker died at its READY line.
     fe, be = f"ipc://{tmp_path}/fe.ipc", f"ipc://{tmp_path}/be.ipc"
