@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import faulthandler
 import logging
 import math
 import os
@@ -34,7 +33,10 @@ from broker.config import check_launch, load_launcher
 from broker.launcher import Launcher
 from broker.protocol.heap import freeze_startup_heap
 from broker.protocol.limits import MIN_NOFILE, raise_nofile_limit
-from broker.protocol.logs import add_log_options, announce, hold_std_descriptors, ignore_stop_signals, setup_logging, warn_from_signal
+from broker.protocol.logs import (
+    add_log_options, announce, enable_crash_dumps, hold_std_descriptors, ignore_stop_signals, setup_logging,
+    warn_from_signal,
+)
 from broker.protocol.naming import RuntimeDirError
 from broker.security import SecurityError, make_keys
 from broker.server import Broker, BrokerConfig
@@ -215,11 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_format, "broker")
     # A crash in native code (a model's extension on one input, libzmq's assertions): every
     # thread's Python stack on stderr, written at once (log lines still queued for the
-    # writer thread may not get out).
-    try:
-        faulthandler.enable(all_threads=True)
-    except (OSError, ValueError, AttributeError, RuntimeError):  # a stderr without a descriptor (run in
-        pass  # process), or none at all (2>&-: RuntimeError; the process exited 1 at once)
+    # writer thread may not get out), and never blocked by a stderr nobody reads.
+    enable_crash_dumps()
 
     try:
         cfg = BrokerConfig.from_toml(args.config) if args.config else BrokerConfig()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import faulthandler
 import logging
 import signal
 import sys
@@ -39,7 +38,7 @@ from broker import protocol as P  # noqa: E402
 from broker.protocol.heap import freeze_startup_heap  # noqa: E402
 from broker.protocol.limits import raise_nofile_limit  # noqa: E402
 from broker.protocol.logs import (  # noqa: E402
-    add_log_options, announce, hold_std_descriptors, ignore_stop_signals, setup_logging,
+    add_log_options, announce, enable_crash_dumps, hold_std_descriptors, ignore_stop_signals, setup_logging,
 )
 
 signal.pthread_sigmask(signal.SIG_SETMASK, _MASK)
@@ -237,11 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(args.log_level, args.log_format, "worker")
     # A crash in native code (a model's extension on one input, libzmq's assertions): every
     # thread's Python stack on stderr, written at once (log lines still queued for the
-    # writer thread may not get out).
-    try:
-        faulthandler.enable(all_threads=True)
-    except (OSError, ValueError, AttributeError, RuntimeError):  # a stderr without a descriptor (run in
-        pass  # process), or none at all (2>&-: RuntimeError; the process exited 1 at once)
+    # writer thread may not get out), and never blocked by a stderr nobody reads.
+    enable_crash_dumps()
 
     try:
         broker = args.broker or P.default_endpoints()[1]

@@ -33,11 +33,13 @@ import argparse
 import atexit
 import collections
 import datetime
+import faulthandler
 import json
 import logging
 import math
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -45,7 +47,7 @@ from typing import Any, Iterable
 
 from .header import CudaLoc, ShmLoc
 
-__all__ = ["LEVELS", "FORMATS", "say", "warn_from_signal", "announce", "ignore_stop_signals", "block_stop_signals", "hold_std_descriptors", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
+__all__ = ["LEVELS", "FORMATS", "say", "warn_from_signal", "enable_crash_dumps", "announce", "ignore_stop_signals", "block_stop_signals", "hold_std_descriptors", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
            "request_id", "trace_id", "done_fields", "tensor_fields", "describe_tensors", "TIMINGS",
            "tag_json_line", "TextFormatter", "JsonFormatter"]
 
@@ -237,6 +239,32 @@ def warn_from_signal(name: str, message: str) -> None:
             h.writer.put_from_signal(line)
             return
     say(2, message.encode(errors="backslashreplace") + b"\n")
+
+
+def enable_crash_dumps() -> None:
+    """faulthandler on (a crash in native code, a model's extension or libzmq's assertions,
+    leaves every thread's Python stack on stderr), writing through a non-blocking
+    description of stderr where stderr is a pipe or a terminal.  faulthandler writes from
+    the fatal signal's handler and only then lets the signal end the process: on a stderr
+    pipe nobody read (a stalled log collector) that write blocked for good, and a worker
+    that crashed never exited (its supervisor saw no exit to restart it; found by the
+    streams hunt).  Its own description (``/proc/self/fd/2`` opened again) keeps
+    ``O_NONBLOCK`` off descriptor 2, which other processes and the writer thread share: a
+    stack that does not fit is cut, and the process ends.  Regular files never block for
+    good and a socket cannot be opened again: those keep stderr itself."""
+    target: Any = sys.stderr
+    try:
+        if sys.stderr is not None and sys.stderr.fileno() == 2:
+            mode = os.fstat(2).st_mode
+            if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode):
+                target = os.open("/proc/self/fd/2",
+                                 os.O_WRONLY | os.O_NONBLOCK | os.O_APPEND | os.O_NOCTTY | os.O_CLOEXEC)
+    except (OSError, ValueError, AttributeError):  # no /proc, a pipe without a reader (ENXIO), no descriptor
+        pass
+    try:
+        faulthandler.enable(file=target, all_threads=True)
+    except (OSError, ValueError, AttributeError, RuntimeError):  # a stderr without a descriptor (run in
+        pass  # process), or none at all (2>&-: RuntimeError; the process exited 1 at once)
 
 
 def hold_std_descriptors() -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from client_sdk import Client
-from client_sdk.errors import InvalidInput
+from client_sdk.errors import InvalidInput, WorkerFailed
 
 from .conftest import HERE, ROOT, wait_service
 
@@ -174,6 +174,37 @@ def test_sigusr1_and_sigusr2_are_said_and_ignored(cluster):
             proc.wait_log(f"WARNING {sig.name} ignored")
     _serving(cluster.frontend, "echo")
     assert worker.terminate() == 0 and broker.terminate() == 0
+
+
+def test_a_crash_with_a_stderr_nobody_reads_still_ends_the_worker(tmp_path):
+    # faulthandler writes every thread's stack from the fatal signal's handler, and only then
+    # lets the signal end the process.  To a stderr pipe nobody read, that write blocked for
+    # good: the crashed worker never exited (its supervisor or restart policy saw nothing to
+    # restart).  It now writes through a non-blocking description of the pipe.
+    fe, be = f"ipc://{tmp_path}/fe.ipc", f"ipc://{tmp_path}/be.ipc"
+    broker = _started(["-m", "broker", "--frontend", fe, "--backend", be, "--heartbeat-interval", "0.2",
+                       "--max-retries", "0"], tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    r, w = _full_pipe()
+    try:
+        worker = _started(["-m", "gpu_worker", "--broker", be, "--model", "faulty_model:batched", "--service",
+                           "batched", "--heartbeat-interval", "0.2"], tmp_path, stdout=subprocess.DEVNULL, stderr=w)
+        os.close(w)
+        w = -1
+        try:
+            with Client(fe, timeout=20) as c:
+                wait_service(c, "batched")
+                with pytest.raises(WorkerFailed):
+                    c.infer("batched", {"x": np.zeros(4, np.float32)}, meta={"do": "segv"})
+            assert worker.wait(10) == -signal.SIGSEGV
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait(10)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+        assert _stop(broker) == 0
 
 
 def test_a_ready_line_that_stdout_cannot_take_is_a_warning(tmp_path):
