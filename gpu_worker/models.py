@@ -569,6 +569,12 @@ def name_problem(name: object, what: str = "model name") -> str | None:
 
     if not isinstance(name, str) or not name:
         return f"the {what} {name!r} is not a non-empty string"
+    if any("\ud800" <= c <= "\udfff" for c in name):
+        # Bytes of an argument that are not UTF-8 (a name typed in Latin-1, any non-ASCII
+        # name under PYTHONUTF8=0 LC_ALL=C) arrive as lone surrogates, which are not
+        # printable: they were called "whitespace or control characters" (the streams hunt).
+        return (f"the {what} {name!r} holds bytes that are not UTF-8 (typed in another encoding, or under a "
+                f"locale that is not UTF-8): give it in UTF-8, or run under a UTF-8 locale (LANG=C.UTF-8)")
     if any(c.isspace() or not c.isprintable() for c in name):
         return f"the {what} {name!r} has whitespace or control characters: remove them"
     if len(name.encode("utf-8", "surrogatepass")) > MAX_SERVICE_LEN:

@@ -207,6 +207,18 @@ def test_a_crash_with_a_stderr_nobody_reads_still_ends_the_worker(tmp_path):
         assert _stop(broker) == 0
 
 
+def test_a_service_name_that_is_not_utf8_is_called_so(tmp_path):
+    # `--service` with a byte that is not UTF-8 (typed in Latin-1, or any non-ASCII name
+    # under PYTHONUTF8=0 LC_ALL=C) arrives as a lone surrogate: the worker said the name
+    # had "whitespace or control characters".
+    p = subprocess.run([os.fsencode(sys.executable), b"-m", b"gpu_worker", b"--broker",
+                        os.fsencode(f"ipc://{tmp_path}/be.ipc"), b"--service", b"caf\xe9"],
+                       cwd=ROOT, env=_env(tmp_path), capture_output=True, timeout=60)
+    err = p.stderr.decode(errors="replace")
+    assert p.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert "not UTF-8" in err and "whitespace" not in err, err
+
+
 def test_a_ready_line_that_stdout_cannot_take_is_a_warning(tmp_path):
     # stdout /dev/full (or a pipe nobody reads any more): the broker died at its READY line.
     fe, be = f"ipc://{tmp_path}/fe.ipc", f"ipc://{tmp_path}/be.ipc"
