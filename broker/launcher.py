@@ -752,11 +752,10 @@ class Launcher:
             b = self.broker
             b.pools_ready = True
             http = f" http={b.http_address}" if getattr(b, "http", None) is not None else ""
-            try:
-                print(f"READY frontend={b.frontend_ep} backend={b.backend_ep}{http} workers={a.workers}",
-                      file=self._out, flush=True)
-            except (OSError, ValueError) as e:  # stdout /dev/full, a pipe nobody reads any more, closed
-                log.warning("could not print the READY line on stdout: %s", e)
+            # (stdout /dev/full, a pipe nobody reads any more, closed: a WARNING; UTF-8
+            # whatever the locale, as the workers' READY lines)
+            logs.announce(f"READY frontend={b.frontend_ep} backend={b.backend_ep}{http} workers={a.workers}",
+                          self._out, log)
             log.info("every pool is ready: %s", ", ".join(f"{p.name} x{p.count}" for p in self.deploy.pools))
         elif t is GiveUp:
             child = self._children.get(a.wid)

@@ -311,13 +311,26 @@ def ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def announce(line: str) -> None:
-    """Print a process's READY line on stdout; an stdout that cannot take it (/dev/full, a
-    pipe nobody reads any more) is a WARNING, not the end of a serving process."""
+def announce(line: str, stream: Any = None, log: logging.Logger | None = None) -> None:
+    """Print a process's READY line on ``stream`` (stdout), in UTF-8 whatever the locale;
+    an stdout that cannot take it (/dev/full, a pipe nobody reads any more) is a WARNING,
+    not the end of a serving process.  UTF-8 because the line is read by programs (the
+    launcher decodes its workers' lines as UTF-8): a non-ASCII service name or path under a
+    locale that is not UTF-8 (PYTHONUTF8=0 LC_ALL=C: an ASCII stdout) could not be encoded,
+    no READY came out, and the launcher killed the worker as hung at its ready timeout
+    (the streams hunt).  ``log``: the logger of the WARNING (this module's by default)."""
+    out = sys.stdout if stream is None else stream
     try:
-        print(line, flush=True)
-    except (OSError, ValueError) as e:  # ValueError: stdout closed
-        logging.getLogger("broker.protocol.logs").warning("could not print %r on stdout: %s", line, e)
+        raw = getattr(out, "buffer", None)
+        if raw is None:  # a text stream without bytes under it (io.StringIO)
+            print(line, file=out, flush=True)
+        else:
+            out.flush()  # what the text layer still holds goes first
+            raw.write((line + "\n").encode("utf-8", "backslashreplace"))
+            raw.flush()
+    except (OSError, ValueError, AttributeError) as e:  # ValueError: stdout closed; AttributeError: None (2>&-)
+        (log or logging.getLogger("broker.protocol.logs")).warning(
+            "could not print the READY line on stdout (%r): %s", line, e)
 
 
 def line_writer(stream: Any) -> LineWriter:

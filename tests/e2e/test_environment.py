@@ -20,7 +20,7 @@ import pytest
 from client_sdk import Client
 from client_sdk.errors import InvalidInput, WorkerFailed
 
-from .conftest import HERE, ROOT, wait_service
+from .conftest import HERE, ROOT, Proc, wait_service
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -217,6 +217,41 @@ def test_a_service_name_that_is_not_utf8_is_called_so(tmp_path):
     err = p.stderr.decode(errors="replace")
     assert p.returncode == 2 and len(err.strip().splitlines()) == 1, err
     assert "not UTF-8" in err and "whitespace" not in err, err
+
+
+_CAFE = """
+import numpy as np
+
+def factory(device="cpu"):
+    def run(batch, meta):
+        return {"y": batch["x"] + 1}
+    run.name = "caf\\u00e9"
+    run.example_inputs = lambda: {"x": np.ones(4, np.float32)}
+    return run
+"""
+
+
+def test_ready_lines_are_utf8_under_an_ascii_locale(tmp_path):
+    # A model named in UTF-8 (here "café") under a locale that is not UTF-8 (PYTHONUTF8=0
+    # LC_ALL=C: stdout is ASCII): the worker's READY line could not be encoded, only a
+    # WARNING came out, and its launcher waited for READY until its ready timeout, killed it
+    # as hung and gave the launch up.  READY lines are now written in UTF-8 whatever the locale.
+    (tmp_path / "cafe_model.py").write_text(_CAFE)
+    fe, be = f"ipc://{tmp_path}/fe.ipc", f"ipc://{tmp_path}/be.ipc"
+    (tmp_path / "deploy.toml").write_text(
+        f'frontend = "{fe}"\nbackend = "{be}"\n[scheduler]\nheartbeat_interval = 0.2\n'
+        f'[launcher]\nready_timeout_s = 20\n[[pool]]\nmodel = "cafe_model:factory"\ncount = 1\ndevice = "cpu"\n')
+    env = {"PYTHONUTF8": "0", "LC_ALL": "C", "XDG_RUNTIME_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(HERE), str(ROOT)])}
+    la = Proc(["-m", "broker", "--config", str(tmp_path / "deploy.toml")], env=env)
+    try:
+        assert la.wait_ready(30).endswith("workers=1")
+        with Client(fe, timeout=20) as c:
+            with c.infer("caf\u00e9", {"x": np.zeros(4, np.float32)}) as r:
+                np.testing.assert_array_equal(r["y"], np.ones(4, np.float32))
+        assert la.terminate() == 0
+    finally:
+        la.close()
 
 
 def test_a_ready_line_that_stdout_cannot_take_is_a_warning(tmp_path):
