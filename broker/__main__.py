@@ -224,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = BrokerConfig.from_toml(args.config) if args.config else BrokerConfig()
         deploy = load_launcher(args.config) if args.config else None  # [[pool]] tables, if any
         if deploy is not None:
-            check_launch(deploy)  # what only the launcher cannot run (a fixed port in extra_args)
+            # what only the launcher cannot run (a fixed port in extra_args, flags the locale cannot pass)
+            check_launch(deploy, cfg.backend or "")
     except (SecurityError, ValueError) as e:  # config.ConfigError too: one line naming the key
         print(f"python -m broker: {e}", file=sys.stderr, flush=True)
         return 2

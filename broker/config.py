@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -431,13 +433,26 @@ def _flag_values(args: Sequence[str], flag: str) -> list[str]:
     return out
 
 
-def check_launch(deploy: LauncherConfig) -> None:
+def check_launch(deploy: LauncherConfig, backend: str = "") -> None:
     """What only the launcher cannot run (a worker started with `--pool NAME` on its own can):
     a pool whose extra_args set a fixed port.  The launcher runs the pool's workers side by
     side, and a worker beside its replacement in every rolling restart (SIGHUP): only the
     first bound the port, and the others exited and were restarted with backoff for good
-    (the roll never ended; with count > 1 the start failed).  ConfigError, one line."""
+    (the roll never ended; with count > 1 the start failed).  And a worker flag (a service
+    name, a model path, ``backend``) that this locale cannot pass to a process: under an
+    ASCII one (PYTHONUTF8=0 LC_ALL=C) a ``service = "café"`` was a traceback at every
+    start and "exited with code 127 before it was ready: (it wrote nothing on stderr)"
+    (the streams hunt).  ConfigError, one line."""
     for p in deploy.pools:
+        for arg in p.worker_args(backend):
+            try:
+                os.fsencode(arg)
+            except UnicodeEncodeError:
+                raise ConfigError(
+                    f"{deploy.source}: [[pool]] {p.name!r}: the worker flag {arg!r} cannot be passed to a process "
+                    f"under this locale (its encoding is {sys.getfilesystemencoding()}): run the launcher under a "
+                    f"UTF-8 locale (LANG=C.UTF-8, without PYTHONUTF8=0), or keep the pool's names and paths ASCII"
+                ) from None
         for flag in _PORT_FLAGS:
             for value in _flag_values(p.extra_args, flag):
                 port = value.rpartition(":")[2].strip("[]/")

@@ -254,6 +254,21 @@ def test_ready_lines_are_utf8_under_an_ascii_locale(tmp_path):
         la.close()
 
 
+def test_pool_flags_an_ascii_locale_cannot_pass_are_one_line(tmp_path):
+    # `service = "café"` in a deploy file, the launcher under PYTHONUTF8=0 LC_ALL=C: every
+    # start of the worker was a traceback (the argument could not be encoded), then "exited
+    # with code 127 before it was ready: (it wrote nothing on stderr)", and exit 1.
+    (tmp_path / "deploy.toml").write_text(
+        f'frontend = "ipc://{tmp_path}/fe.ipc"\nbackend = "ipc://{tmp_path}/be.ipc"\n'
+        '[[pool]]\nmodel = "echo"\nservice = "caf\u00e9"\ncount = 1\ndevice = "cpu"\n', encoding="utf-8")
+    p = subprocess.run([sys.executable, "-m", "broker", "--config", str(tmp_path / "deploy.toml")], cwd=ROOT,
+                       env={**_env(tmp_path), "PYTHONUTF8": "0", "LC_ALL": "C"}, capture_output=True, timeout=60)
+    err = p.stderr.decode(errors="replace")
+    assert p.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert "cannot be passed to a process under this locale" in err and "UTF-8 locale" in err, err
+    assert not (tmp_path / "fe.ipc").exists()  # refused before anything was bound
+
+
 def test_a_ready_line_that_stdout_cannot_take_is_a_warning(tmp_path):
     # stdout /dev/full (or a pipe nobody reads any more): the broker died at its READY line.
     fe, be = f"ipc://{tmp_path}/fe.ipc", f"ipc://{tmp_path}/be.ipc"
