@@ -46,6 +46,7 @@ REQUESTs from then on get 503), finish what is held, send DISCONNECT, exit 0.
 """
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import os
@@ -88,6 +89,11 @@ READY_FALLBACK_INTERVALS = 2
 # and `_after_compute` never has more than this to handle at once.  A lease's own traffic
 # is bounded by its slots: this is far beyond what all leases send during one batch.
 _DIRECT_STASH_MAX = 256
+
+
+def _arrival(entry: tuple) -> float:
+    """What `_after_compute` orders the heartbeat thread's reads by: their arrival time."""
+    return entry[0]
 
 
 def _request_faults() -> tuple:
@@ -1125,8 +1131,8 @@ class Worker:
 
     def _after_compute(self) -> None:
         """Right after a batch computed on the loop's thread: handle what the heartbeat
-        thread read meanwhile, in order, less what it gave back; then what it read on the
-        direct socket."""
+        thread read meanwhile, from the broker and on the direct socket, in the order it was
+        read, less what it gave back."""
         if not self._stash and not self._returned_early and not self._stash_direct and not self._bounced_early:
             return
         direct, self._stash_direct = self._stash_direct, []
@@ -1145,7 +1151,22 @@ class Worker:
             for p in self.batcher.drop(lambda p: p.item.envelope in early):
                 self.jobs.pop(p.item.envelope, None)
                 self.plane.finish_reads(p.item)
-        for msg, received in stash:
+        # One sequence, by arrival (each stash is in arrival order already; the broker's
+        # message first at a tie).  When the broker's messages were all handled first, a
+        # LEASE_END read late in a long batch was handled before the leased REQUESTs read
+        # early in it: they were refused as if sent after the end (503, resend through the
+        # broker), which counts nothing, so those of a dead client were counted nowhere
+        # (the gone hunt).
+        if stash and direct:
+            todo = heapq.merge(((t, m, None) for m, t in stash), ((t, None, f) for f, t in direct), key=_arrival)
+        elif stash:
+            todo = ((t, m, None) for m, t in stash)
+        else:
+            todo = ((t, None, f) for f, t in direct)
+        for received, msg, frames in todo:
+            if msg is None:
+                self._on_direct_frames(frames, received)
+                continue
             if msg.command == P.W_REQUEST and msg.envelope in early:
                 continue  # given back before we ever looked at it
             try:
@@ -1154,8 +1175,6 @@ class Worker:
                 self._oops.exception("unexpected error while handling a message from the broker; dropped it")
         if stash:
             self._last_heard = time.monotonic()
-        for frames, received in direct:
-            self._on_direct_frames(frames, received)
 
     def _on_request(self, envelope: bytes, body: tuple, now: float | None = None) -> None:
         if now is None:

@@ -273,6 +273,66 @@ def test_while_a_batch_computes_the_heartbeat_thread_reads_the_direct_socket(wor
         other.close()
 
 
+def test_requests_read_during_a_batch_are_handled_before_a_lease_end_read_after_them(worker):
+    """What the heartbeat thread read during a batch is handled after it in the order it
+    arrived, the broker's messages and the direct socket's together.  A pinned client SIGKILLed
+    with a request running and two sent right behind it, read during that batch: the broker
+    ends its lease (client_gone) while the batch still runs.  The loop handled the broker's
+    LEASE_END first, so the two requests, which came while the lease held, were refused as
+    if sent after it (503, "resend it through the broker"): a refusal counts nothing (the
+    client resends it through the broker, which counts it then), and this client was dead,
+    so they were never counted (1 run in 3 of tests/e2e/test_metrics.py's
+    test_a_dead_pinned_clients_requests_count_as_client_gone_once under load: the gone hunt).
+    In arrival order they are the lease's, waiting, when the LEASE_END comes: told to resend,
+    and, that answer finding their client gone, counted `client_gone` once each."""
+    from broker.protocol.link import LinkConn
+
+    welcome = P.Welcome(instance=b"\x01" * 8, heartbeat_interval=1.0, heartbeat_liveness=3, metrics=True)
+    worker.on_message(P.to_worker_welcome(b"", welcome)[1:])
+    lease = _lease(worker, slots=3)
+    worker.upstream.sent()
+    ds = worker.direct_socket
+    link = LinkConn(ds.link.path)  # a near client's local link, as in the e2e test
+    try:
+        assert link.send([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=lease, secret=SECRET))])
+
+        def request(rid):
+            x = np.zeros(3)
+            head = P.Request(id=rid, tensors=[P.TensorRef("x", x.dtype.str, [3], P.InlineLoc(frame=0))])
+            assert link.send(P.client_request("echo", [P.encode_header(head), x.tobytes()]))
+
+        def read(until, step):
+            deadline = time.monotonic() + 5
+            while not until():
+                assert time.monotonic() < deadline, "the worker did not read it in time"
+                ds.wait(50)
+                step()
+
+        request(1)
+        read(lambda: len(worker.jobs) == 1, worker._drain_direct)
+        # The loop takes request 1 and computes it (as `_run` does, up to computing_begin), a
+        # batch that is not long (its lease's own requests wait behind it anyway).
+        [p] = worker.batcher.take(time.monotonic(), idle=True, force=True)
+        running = worker.jobs.pop(p.item.envelope)
+        worker.running = {running.envelope: running}
+        worker._batch_at, worker._batch_predicted = time.monotonic(), 10.0
+        request(2)
+        request(3)
+        link.close()  # the client dies
+        read(lambda: len(worker._stash_direct) == 3, worker._read_direct_while_computing)
+        assert [bytes(f[2]) for f, _ in worker._stash_direct] == [P.C_REQUEST, P.C_REQUEST, P.C_DISCONNECT]
+        # Then the broker, having heard nothing from the client, ends its lease.
+        end = P.LeaseEnd(lease=lease, reason="client_gone")
+        worker.upstream.to_worker(P.to_worker_lease_end(b"", lease, P.encode_header(end))[1:])
+        read(lambda: len(worker._stash) == 1, worker._read_while_computing)
+        worker._after_compute()
+    finally:
+        link.close()
+    assert lease not in worker.leases and worker.jobs == {} and len(worker.batcher) == 0
+    assert worker._leased_outcomes == {P.LEASED_CLIENT_GONE: 2}, worker._leased_outcomes
+    assert set(worker.leases._keys) == {running.envelope}  # their slots are free: only the running one holds one
+
+
 def test_a_batch_that_becomes_long_on_the_loop_thread_bounces_another_leases_queued_request(worker, client,
                                                                                              monkeypatch):
     """Lease A's batch is predicted short (0.1 ms: it runs on the loop's thread, and lease
