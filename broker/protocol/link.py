@@ -255,6 +255,10 @@ class LinkConn:
             d = self.sock.recv(n)
         except BlockingIOError:
             return None
+        except ConnectionResetError:
+            # A worker that exited with requests of ours unread resets the connection: said
+            # once, before the replies it sent, which are still queued (`_reset_then`).
+            return self._reset_then(lambda: self.sock.recv(n))
         except OSError as e:
             raise EOFError(f"the link connection broke ({e})") from None
         if not d:
@@ -270,6 +274,9 @@ class LinkConn:
             nbytes, _, msg_flags, _ = self.sock.recvmsg_into([flag, memoryview(whole)[self._at:]])
         except BlockingIOError:
             return None
+        except ConnectionResetError:
+            nbytes, _, msg_flags, _ = self._reset_then(
+                lambda: self.sock.recvmsg_into([flag, memoryview(whole)[self._at:]]))
         except OSError as e:
             raise EOFError(f"the link connection broke ({e})") from None
         if nbytes == 0:
@@ -282,6 +289,16 @@ class LinkConn:
         if self._at != len(whole):
             raise LinkError(f"a message in pieces ended at {self._at} of its {len(whole)} bytes")
         return True
+
+    def _reset_then(self, read: Any) -> Any:
+        """``read`` once more after the kernel said the connection was reset (it says so once):
+        what the worker sent before its end, or its end of file.  Its answers were lost with
+        the reset before: the calls went through the broker again, run twice, and a stream's
+        partials were cut."""
+        try:
+            return read()
+        except OSError as e:  # (a reset socket reads its queue, then end of file)
+            raise EOFError(f"the link connection broke ({e})") from None
 
     def close(self) -> None:
         if not self.closed:
@@ -471,11 +488,21 @@ class LinkServer:
     def _read(self, peer: _Peer, most: int) -> None:
         sock = peer.sock
         inbox = self.inbox
+        reset = False
         for _ in range(most):
             try:
                 d = sock.recv(LINK_DATAGRAM)
             except (BlockingIOError, InterruptedError):
+                if reset:  # (a reset socket reads its queue, then end of file: never this)
+                    self._end(peer)
                 return
+            except ConnectionResetError:
+                # A client that closed with replies it had not read resets the connection:
+                # the kernel says so once, at the next read, and the requests it sent before
+                # are still queued behind that.  Read on to its end of file: ending here
+                # lost them uncounted (they were neither run nor answered as client_gone).
+                reset = True
+                continue
             except OSError:
                 self._end(peer)
                 return

@@ -589,3 +589,53 @@ def test_a_reply_in_pieces_that_lies_about_its_length_is_refused(path):
                 conn.close()
     finally:
         srv.close()
+
+
+def test_a_client_that_closed_with_replies_unread_still_has_its_requests_read(path):
+    # Its close resets the connection: the kernel says ECONNRESET once, at the worker's next
+    # read, and the requests the client sent before are queued behind it.  The server ended
+    # the connection at the error: those requests were lost, run by nobody and counted
+    # nowhere (the gone hunt found it beside a pinned client SIGKILLed with replies unread).
+    server = LinkServer(path)
+    conn = LinkConn(path)
+    try:
+        assert conn.send([P.MDPC, P.C_HEARTBEAT])
+        route = _server_recv(server)[0]
+        assert server.send(route, [P.MDPC, P.C_FINAL, b"svc", b"h", b"never read"])
+        server.pump()
+        assert conn.send([b"req", b"1"]) and conn.send([b"req", b"2"])
+        conn.close()  # with the reply unread: a reset, not a plain end of file
+        got = [_server_recv(server) for _ in range(3)]
+        assert [[bytes(f) for f in m] for m in got] == [
+            [route, b"req", b"1"], [route, b"req", b"2"], [route, P.MDPC, P.C_DISCONNECT]]
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("size", [100, 100_000])  # one datagram, and a reply in two pieces (within a send buffer)
+def test_a_worker_that_closed_with_requests_unread_still_has_its_replies_read(path, size):
+    # The same from the client's side: a worker that exited with requests of ours unread
+    # resets the connection, and the replies it sent before are queued behind the error.
+    # The client dropped them with the connection: their calls went through the broker again
+    # (run twice), a stream's partials were cut.
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    conn = LinkConn(path)
+    worker, _ = listener.accept()
+    try:
+        reply = [P.MDPC, P.C_FINAL, b"svc", b"h", np.arange(size, dtype=np.uint8)]
+        for datagram in encode(reply):
+            worker.sendmsg(datagram)
+        assert conn.send([b"req"])  # never read by the worker
+        worker.close()
+        m = _client_recv(conn)
+        assert [bytes(x) for x in m[:4]] == [P.MDPC, P.C_FINAL, b"svc", b"h"]
+        np.testing.assert_array_equal(np.frombuffer(m[4], np.uint8), reply[4])
+        with pytest.raises(EOFError):
+            _client_recv(conn)
+    finally:
+        conn.close()
+        worker.close()
+        listener.close()
+        os.unlink(path)
