@@ -258,7 +258,9 @@ class LinkConn:
         except ConnectionResetError:
             # A worker that exited with requests of ours unread resets the connection: said
             # once, before the replies it sent, which are still queued (`_reset_then`).
-            return self._reset_then(lambda: self.sock.recv(n))
+            d = self._reset_then(lambda: self.sock.recv(n))
+            if d is None:  # (a reset socket reads its queue, then end of file: never this)
+                raise EOFError("the link connection was reset") from None
         except OSError as e:
             raise EOFError(f"the link connection broke ({e})") from None
         if not d:
@@ -275,8 +277,10 @@ class LinkConn:
         except BlockingIOError:
             return None
         except ConnectionResetError:
-            nbytes, _, msg_flags, _ = self._reset_then(
-                lambda: self.sock.recvmsg_into([flag, memoryview(whole)[self._at:]]))
+            got = self._reset_then(lambda: self.sock.recvmsg_into([flag, memoryview(whole)[self._at:]]))
+            if got is None:  # (a reset socket reads its queue, then end of file: never this)
+                raise EOFError("the link connection was reset") from None
+            nbytes, _, msg_flags, _ = got
         except OSError as e:
             raise EOFError(f"the link connection broke ({e})") from None
         if nbytes == 0:
@@ -297,7 +301,9 @@ class LinkConn:
         partials were cut."""
         try:
             return read()
-        except OSError as e:  # (a reset socket reads its queue, then end of file)
+        except BlockingIOError:
+            return None
+        except OSError as e:
             raise EOFError(f"the link connection broke ({e})") from None
 
     def close(self) -> None:

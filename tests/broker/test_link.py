@@ -639,3 +639,23 @@ def test_a_worker_that_closed_with_requests_unread_still_has_its_replies_read(pa
         worker.close()
         listener.close()
         os.unlink(path)
+
+
+def test_a_worker_that_closed_with_requests_unread_and_nothing_sent_is_an_end_of_file(path):
+    # The reset said, nothing queued behind it: the connection's end (EOFError), as a plain
+    # close is (the first version read on and handed an empty datagram to the decoder).
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    conn = LinkConn(path)
+    worker, _ = listener.accept()
+    try:
+        assert conn.send([b"req"])  # never read by the worker
+        worker.close()
+        with pytest.raises(EOFError):
+            _client_recv(conn)
+    finally:
+        conn.close()
+        worker.close()
+        listener.close()
+        os.unlink(path)
