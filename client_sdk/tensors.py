@@ -284,12 +284,18 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
                     # The broker would drop it with the connection (its --max-frame-mb), which
                     # the client can only see as a reconnect, resent and dropped again
                     # (found by the data hunt: BrokerUnreachable, "check the endpoint").
-                    where = ("no shared memory here" if pool is None else
-                             f"it does not fit the client's pool ({pool.capacity >> 20} MiB, pool_capacity)")
+                    # What to raise depends on why it is inline: a client without shared memory
+                    # (tcp, transport="inline") has no pool_capacity that could help.
+                    if pool is None:
+                        where = "no shared memory here"
+                        fix = "send it through shared memory (an ipc:// endpoint, transport 'auto' or 'shm'), or raise"
+                    else:
+                        where = f"it does not fit the client's pool ({pool.capacity >> 20} MiB, pool_capacity)"
+                        fix = "raise pool_capacity, or"
                     raise InvalidInput(
                         f"input {name!r} is {arr.nbytes / (1 << 20):.0f} MiB and would go inline ({where}), over "
                         f"max_inline_mb ({max_inline_bytes / (1 << 20):g}: the broker's --max-frame-mb, 256 by "
-                        f"default); raise pool_capacity, or max_inline_mb to match a broker that takes more")
+                        f"default); {fix} max_inline_mb to match a broker that takes more")
                 loc = P.InlineLoc(frame=len(out.frames))
                 # A small tensor of a client with shared memory is copied now (100 ns): it
                 # may lie in the pool (also wrapped by torch, where _lease_of cannot see

@@ -621,9 +621,18 @@ def test_an_input_too_large_for_the_pool_and_for_a_frame_is_invalid_input():
     # the data hunt).  It is refused before anything is sent, saying what to raise.
     c = ClientCore("ipc:///tmp/zinf-core-test.sock", transport="inline", heartbeat_interval=1.0, max_inline_mb=1)
     try:
-        with pytest.raises(InvalidInput, match=r"'x' is 2 MiB and would go inline.*max_inline_mb \(1"):
+        with pytest.raises(InvalidInput, match=r"'x' is 2 MiB and would go inline.*max_inline_mb \(1") as e:
             c.new_call("echo", {"x": np.zeros(2 << 20, np.uint8)})
+        # No shared memory here: a larger pool_capacity would not help, so it is not suggested.
+        assert "pool_capacity" not in str(e.value) and "shared memory (an ipc://" in str(e.value)
         c.new_call("echo", {"x": np.zeros(1 << 20, np.uint8)})  # at the limit: fine
+    finally:
+        c.close()
+    c = ClientCore("ipc:///tmp/zinf-core-test.sock", transport="auto", heartbeat_interval=1.0, max_inline_mb=1,
+                   pool_capacity=1 << 20)
+    try:
+        with pytest.raises(InvalidInput, match=r"the client's pool.*raise pool_capacity, or max_inline_mb"):
+            c.new_call("echo", {"x": np.zeros(2 << 20, np.uint8)})
     finally:
         c.close()
     for bad in (0, -1, float("inf"), True, "256"):
