@@ -1,5 +1,6 @@
-"""`free()` after `close()`: the error says that the client is closed (it used to say that the
-array was not one `alloc()` returned, which it was).  No broker: the pool is the client's own."""
+"""`free()` and `stream()` after `close()`: the error says that the client is closed (`free()`
+used to say that the array was not one `alloc()` returned, which it was; `stream()` returned
+a stream that failed at its first send).  No broker: the pool is the client's own."""
 from __future__ import annotations
 
 import asyncio
@@ -45,6 +46,23 @@ def test_async_client_free_after_close_says_closed(tmp_path):
         with pytest.raises(InferenceError, match="closed") as info:
             c.free(a)
         assert not isinstance(info.value, InvalidInput)
+
+    asyncio.run(main())
+
+
+def test_stream_after_close_says_closed(tmp_path):
+    """`stream()` on a closed client returned a stream whose first `send()` raised; its twin
+    `infer_stream()` raised at once (found by the docs hunt).  Both raise now, on both twins."""
+    c = Client(f"ipc://{tmp_path}/b.sock", heartbeat_interval=None)
+    c.close()
+    with pytest.raises(InferenceError, match="closed"):
+        c.stream("echo")
+
+    async def main():
+        a = AsyncClient(f"ipc://{tmp_path}/b.sock", heartbeat_interval=None)
+        await a.close()
+        with pytest.raises(InferenceError, match="closed"):
+            a.stream("echo")
 
     asyncio.run(main())
 
