@@ -1,6 +1,11 @@
 """Tables that docs/ shows but code owns: each is rendered from its source of truth between
 `<!-- generated: NAME -->` and `<!-- end generated -->`, and this test fails when a page and
 its source drift apart.  `python -m tests.test_docs` rewrites the blocks in place.
+
+Also what docs/client.md states about the SDK's surface that a user copies (the `Client`
+signature with its defaults, the errors table's classes, bases and codes), and that the
+Python examples of README.md and docs/client.md at least compile.  The examples themselves
+were run against a broker and workers by the docs hunt; the e2e tests hold their behaviour.
 """
 from __future__ import annotations
 
@@ -57,6 +62,58 @@ def test_the_frame_table_covers_every_command():
         assert sorted(c.code for c in table) == sorted(codes)
         for c in table:
             assert getattr(F, prefix + c.name) == c.code
+
+
+CLIENT_MD = DOCS / "client.md"
+
+
+def test_the_client_signature_in_client_md_is_the_code_s():
+    """docs/client.md spells out `Client(endpoint, *, option=default, ...)`: every option and
+    its default as `inspect.signature` has them (a user copies the defaults from there)."""
+    import inspect
+
+    from client_sdk import AsyncClient, Client
+
+    m = re.search(r"`Client\((endpoint, \*, .*?)\)` and `AsyncClient", CLIENT_MD.read_text(), re.S)
+    assert m, "docs/client.md: the Client(endpoint, *, ...) signature line is gone"
+    documented = {}
+    for part in re.split(r",\s*", m.group(1))[2:]:
+        name, default = part.split("=", 1)
+        documented[name.strip()] = eval(default)  # literals only: "auto", 256 << 20, None, ...
+    for cls in (Client, AsyncClient):
+        params = dict(inspect.signature(cls).parameters)
+        params.pop("endpoint")
+        assert {k: p.default for k, p in params.items()} == documented, cls.__name__
+
+
+def test_the_error_table_in_client_md_is_the_code_s():
+    """Each row of the errors table: the class is importable from client_sdk, derives from
+    InferenceError and from what the row says it is also, and carries the row's code."""
+    import builtins
+
+    import broker.protocol
+    import client_sdk
+    import shm
+
+    section = CLIENT_MD.read_text().split("\n## Errors\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)`(?: \(also (?:a )?`([\w.]+)`\))? \| ([^|]+) \|", section, re.M)
+    assert len(rows) == 13, rows
+    for name, also, code in rows:
+        cls = getattr(client_sdk, name)
+        assert issubclass(cls, client_sdk.InferenceError), name
+        if also:
+            mod, _, attr = also.rpartition(".")
+            where = {"broker.protocol": broker.protocol, "shm": shm}[mod] if mod else builtins
+            base = getattr(where, attr)
+            assert issubclass(cls, base), (name, also)
+        codes = {None if c.strip() == "–" else int(c) for c in code.split(",")}  # "422, –": either
+        assert cls.code in codes, (name, cls.code, code)
+
+
+def test_the_python_examples_in_readme_and_client_md_compile():
+    for page in (DOCS.parent / "README.md", CLIENT_MD):
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", page.read_text(), re.S)):
+            compile(block, f"{page.name} python block {i}", "exec")
 
 
 def main() -> None:
