@@ -94,14 +94,7 @@ class LineWriter:
     def put(self, line: str) -> bool:
         """Queue ``line`` (no newline); False: dropped (the queue is full, or closed)."""
         with self._cv:
-            if self._closed or len(self._q) >= self.capacity:
-                self._dropped += 1
-                return False
-            self._q.append(line)
-            self._put += 1
-            if len(self._q) == 1:
-                self._cv.notify()  # the thread waits only on an empty queue
-        return True
+            return self._queue(line)
 
     def put_from_signal(self, line: str, wait: float = SIGNAL_WAIT_S) -> bool:
         """``put`` for a signal handler: the handler may have interrupted the main thread
@@ -112,15 +105,19 @@ class LineWriter:
             self._dropped += 1
             return False
         try:
-            if self._closed or len(self._q) >= self.capacity:
-                self._dropped += 1
-                return False
-            self._q.append(line)
-            self._put += 1
-            if len(self._q) == 1:
-                self._cv.notify()
+            return self._queue(line)
         finally:
             self._cv.release()
+
+    def _queue(self, line: str) -> bool:
+        """`put`'s work, the lock held."""
+        if self._closed or len(self._q) >= self.capacity:
+            self._dropped += 1
+            return False
+        self._q.append(line)
+        self._put += 1
+        if len(self._q) == 1:
+            self._cv.notify()  # the thread waits only on an empty queue
         return True
 
     def flush(self, timeout: float = FLUSH_S) -> bool:

@@ -612,18 +612,31 @@ def test_a_client_that_closed_with_replies_unread_still_has_its_requests_read(pa
         server.close()
 
 
-@pytest.mark.parametrize("size", [100, 100_000])  # one datagram, and a reply in two pieces (within a send buffer)
-def test_a_worker_that_closed_with_requests_unread_still_has_its_replies_read(path, size):
-    # The same from the client's side: a worker that exited with requests of ours unread
-    # resets the connection, and the replies it sent before are queued behind the error.
-    # The client dropped them with the connection: their calls went through the broker again
-    # (run twice), a stream's partials were cut.
+@contextlib.contextmanager
+def _bare_worker(path):
+    """A client's LinkConn and the worker's end of its connection, a bare socket (no LinkServer
+    to read what the client sends)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(1)
     conn = LinkConn(path)
     worker, _ = listener.accept()
     try:
+        yield conn, worker
+    finally:
+        conn.close()
+        worker.close()
+        listener.close()
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("size", [100, 100_000])  # one datagram, and a reply in two pieces (within a send buffer)
+def test_a_worker_that_closed_with_requests_unread_still_has_its_replies_read(path, size):
+    # The same from the client's side: a worker that exited with requests of ours unread
+    # resets the connection, and the replies it sent before are queued behind the error.
+    # The client dropped them with the connection: their calls went through the broker again
+    # (run twice), a stream's partials were cut.
+    with _bare_worker(path) as (conn, worker):
         reply = [P.MDPC, P.C_FINAL, b"svc", b"h", np.arange(size, dtype=np.uint8)]
         for datagram in encode(reply):
             worker.sendmsg(datagram)
@@ -634,28 +647,13 @@ def test_a_worker_that_closed_with_requests_unread_still_has_its_replies_read(pa
         np.testing.assert_array_equal(np.frombuffer(m[4], np.uint8), reply[4])
         with pytest.raises(EOFError):
             _client_recv(conn)
-    finally:
-        conn.close()
-        worker.close()
-        listener.close()
-        os.unlink(path)
 
 
 def test_a_worker_that_closed_with_requests_unread_and_nothing_sent_is_an_end_of_file(path):
     # The reset said, nothing queued behind it: the connection's end (EOFError), as a plain
     # close is (the first version read on and handed an empty datagram to the decoder).
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
-    listener.listen(1)
-    conn = LinkConn(path)
-    worker, _ = listener.accept()
-    try:
+    with _bare_worker(path) as (conn, worker):
         assert conn.send([b"req"])  # never read by the worker
         worker.close()
         with pytest.raises(EOFError):
             _client_recv(conn)
-    finally:
-        conn.close()
-        worker.close()
-        listener.close()
-        os.unlink(path)
