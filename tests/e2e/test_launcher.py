@@ -328,6 +328,18 @@ def _gated_launch(tmp_path, launchers, gate) -> Launcher:
     return la
 
 
+async def _four_at_the_broker(c) -> tuple[list, list]:
+    """Four gated calls to "gate" (inputs, tasks), all at the broker: the MMI question asked
+    after them on the same connection is answered after they were dispatched (one at the
+    worker, three queued behind it)."""
+    xs = [np.full(4, i, np.int32) for i in range(4)]
+    calls = [asyncio.create_task(c.infer("gate", {"x": x})) for x in xs]
+    while c.in_flight() < len(xs):
+        await asyncio.sleep(0)
+    assert await c.mmi_service("gate")
+    return xs, calls
+
+
 def test_sigterm_finishes_every_admitted_request_then_exits_0(tmp_path, launchers, gate):
     la = _gated_launch(tmp_path, launchers, gate)
     (pid,) = la.ready_pids().values()
@@ -335,11 +347,7 @@ def test_sigterm_finishes_every_admitted_request_then_exits_0(tmp_path, launcher
 
     async def scenario():
         async with AsyncClient(la.frontend, timeout=30, heartbeat_interval=0.2) as c:
-            xs = [np.full(4, i, np.int32) for i in range(4)]
-            calls = [asyncio.create_task(c.infer("gate", {"x": x})) for x in xs]
-            while c.in_flight() < len(xs):
-                await asyncio.sleep(0)
-            assert await c.mmi_service("gate")  # after the four on the same connection: all at the broker
+            xs, calls = await _four_at_the_broker(c)
             la.p.send_signal(signal.SIGTERM)  # one at the worker, three queued behind it
             await asyncio.to_thread(la.wait_for, r"shutting down")
             with pytest.raises(ServiceUnavailable, match="shutting down"):
@@ -422,11 +430,7 @@ def test_a_second_sigterm_fails_the_queued_requests_as_a_shutdown_and_finishes_t
 
     async def scenario():
         async with AsyncClient(la.frontend, timeout=30, heartbeat_interval=0.2) as c:
-            xs = [np.full(4, i, np.int32) for i in range(4)]
-            calls = [asyncio.create_task(c.infer("gate", {"x": x})) for x in xs]
-            while c.in_flight() < len(xs):
-                await asyncio.sleep(0)
-            assert await c.mmi_service("gate")  # all four at the broker: one at the worker, three queued
+            xs, calls = await _four_at_the_broker(c)
             la.p.send_signal(signal.SIGTERM)
             await asyncio.to_thread(la.wait_for, r"shutting down")
             la.p.send_signal(signal.SIGTERM)
