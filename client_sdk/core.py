@@ -259,7 +259,7 @@ class ClientCore(PinEvents):
         #: why the broker refused this client's latest tcp handshake (None: it did not)
         self.refused: str | None = None
         #: when to dial the broker again, libzmq having given its endpoint up at a refused
-        #: handshake (None: not needed; `broker_refused`, `redialed`)
+        #: handshake (None: not needed; `broker_said`, `redialed`)
         self.redial_at: float | None = None
         self._redialed = -math.inf
         self.last_heartbeat = 0.0
