@@ -270,6 +270,10 @@ def _connect(sock: zmq.Socket, endpoint: str) -> None:
         sock.connect(endpoint)
     except zmq.ZMQError as e:
         sock.close(linger=0)
+        if e.errno == errno.ENAMETOOLONG and endpoint.startswith("ipc://"):  # spelt right, maybe, but too long
+            raise InvalidInput(f"cannot connect to {endpoint!r}: its path is {len(endpoint.encode()) - 6} bytes, "
+                               f"and a socket's path holds at most 107: the broker must listen on a shorter "
+                               f"one") from None
         raise InvalidInput(f"cannot connect to {endpoint!r}: {e}; check the endpoint's spelling") from None
 
 

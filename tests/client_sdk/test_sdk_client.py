@@ -735,6 +735,8 @@ def test_argument_checks(connect, endpoint):
         connect("tcp://no-port-here", insecure=True)
     with pytest.raises(InvalidInput, match="endpoint"):
         connect("/tmp/not-an-endpoint")
+    with pytest.raises(InvalidInput, match="its path is 125 bytes, and a socket's path holds at most 107"):
+        connect("ipc:///tmp/" + "a" * 120)  # spelt right: too long (it said "check the endpoint's spelling")
     with connect(endpoint, transport="inline") as c:
         for bad in (0, -1, float("nan")):
             with pytest.raises(InvalidInput, match="timeout"):
