@@ -53,7 +53,7 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply
 from .core import LAST_LOOK_S, PAUSED_S, ClientCore
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
-from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
                       drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link, redial,
                       send_failure, tcp_options)
 from .tensors import Result
@@ -280,7 +280,8 @@ class AsyncClient(ClientBase):
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         ctx = context(endpoint)  # first: it sees that libzmq's threads can start
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
-        self._sock = dealer(ctx, endpoint, self._curve, self._core.heartbeat_interval)
+        # with the monitor of its handshakes over tcp, attached before it connected
+        self._sock, self._broker_monitor = broker_dealer(ctx, endpoint, self._curve, self._core.heartbeat_interval)
         # Over tcp, bytes of the broker's that are on their way count as its word (a large
         # message on a slow link: wire.TcpWatch).
         self._tcp = TcpWatch() if endpoint.startswith("tcp://") else None
@@ -311,7 +312,6 @@ class AsyncClient(ClientBase):
         self._links: list[LinkConn] = []
         self._monitors: dict[zmq.Socket, Any] = {}  # a tcp lease's connection monitor -> its Pin (or _BROKER)
         # Over tcp, the broker connection's handshakes (-> _BROKER): a new one heartbeats at once.
-        self._broker_monitor = broker_monitor(self._sock, endpoint, self._core.heartbeat_interval)
         if self._broker_monitor is not None:
             self._monitors[self._broker_monitor] = _BROKER
         # `infer` calls waiting now (a dict as an ordered set), and the one timer that wakes

@@ -44,7 +44,7 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priorit
 from .core import LAST_LOOK_S, LIVENESS, PAUSED_S, ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
-from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_monitor, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
                       drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link, redial,
                       send_failure, tcp_options)
 from .tensors import Result
@@ -193,7 +193,8 @@ class Client(ClientBase):
         self._core.endpoint_problem = IpcDiagnosis(endpoint)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = context(endpoint)
-        self._sock = dealer(self._ctx, endpoint, self._curve, self._core.heartbeat_interval)
+        # with the monitor of its handshakes over tcp, attached before it connected
+        self._sock, self._broker_monitor = broker_dealer(self._ctx, endpoint, self._curve, self._core.heartbeat_interval)
         # Over tcp, bytes of the broker's that are on their way count as its word (a large
         # message on a slow link: wire.TcpWatch).
         self._tcp = TcpWatch() if endpoint.startswith("tcp://") else None
@@ -219,7 +220,6 @@ class Client(ClientBase):
         self._link_of: dict[int, LinkConn] = {}  # descriptor -> a lease's link, as the Waiter reports it
         self._monitors: dict[zmq.Socket, Any] = {}  # a tcp lease's connection monitor -> its Pin (or _BROKER)
         # Over tcp, the broker connection's handshakes (-> _BROKER): a new one heartbeats at once.
-        self._broker_monitor = broker_monitor(self._sock, endpoint, self._core.heartbeat_interval)
         if self._broker_monitor is not None:
             self._monitors[self._broker_monitor] = _BROKER
             self._waiter.add(self._broker_monitor)

@@ -116,6 +116,9 @@ LAST_LOOK_S = 0.1
 #: client dials again itself (`sockets.redial`): at once at the first refusal heard, then at
 #: most once per `REDIAL_S` while the broker refuses.
 REDIAL_S = 1.0
+#: How the word on a handshake the broker failed without detail begins (`sockets.handshakes`):
+#: a refusal with detail is not replaced by it (`broker_said`).
+NO_DETAIL = "no detail given"
 
 
 def _check_meta(meta: dict) -> None:
@@ -1054,7 +1057,11 @@ class ClientCore(PinEvents):
         `REDIAL_S` after the dial before."""
         if last is None:
             return
-        self.refused = last or None
+        # A refusal without detail does not replace one with: a plain tcp client of a broker
+        # with keys hears both (the one whose greeting the broker cut short, as a loaded
+        # broker often does, is told nothing), and "most likely `server_key`" misleads it.
+        if not (last.startswith(NO_DETAIL) and self.refused and not self.refused.startswith(NO_DETAIL)):
+            self.refused = last or None
         if final and self.redial_at is None and not self.closed:
             self.redial_at = max(now, self._redialed + REDIAL_S)
 

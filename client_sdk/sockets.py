@@ -12,8 +12,9 @@ Both twins use these; nothing here parses a reply or keeps request state (that i
 - `curve_keys(endpoint, server_key, client_key, insecure)`: the keys a client of a tcp broker
   needs, or `InvalidInput` naming the options to pass (docs/security.md); `tcp_options`: what a
   tcp broker lets a client send (tensors inline, no reply socket).
-- `broker_monitor`, `handshakes`, `drop_monitor`: over tcp, a monitor of the broker DEALER's
-  handshakes (a new connection: the twins heartbeat at once).
+- `broker_dealer`: `dealer` and, over tcp, the monitor of its handshakes (`broker_monitor`),
+  attached before it connects; `handshakes`, `drop_monitor`: what that monitor reported (a
+  new connection: the twins heartbeat at once), and dropping it.
 - `lease_dealer`, `lease_events`, `drop_lease_dealer`: a lease's DEALER and, over tcp, the
   monitor of its connection (what the twins tell `pin_connected` and `pin_disconnected`).
 - `drop_socket(sock)`: DISCONNECT, then close with a short linger.  For the short-lived
@@ -51,7 +52,7 @@ from broker.protocol.wire import out_of_resources, tcp_liveness, touched, warm_z
 
 from .errors import InferenceError, InvalidInput
 
-__all__ = ["CLOSE_LINGER_MS", "dealer", "broker_monitor", "handshakes", "redial", "drop_monitor", "drop_socket", "ReplyInbox",
+__all__ = ["CLOSE_LINGER_MS", "dealer", "broker_dealer", "broker_monitor", "handshakes", "redial", "drop_monitor", "drop_socket", "ReplyInbox",
            "curve_keys", "tcp_options", "ENV_CLIENT_KEY", "lease_curve", "open_link", "lease_dealer", "lease_events",
            "drop_lease_dealer", "ipc_problem", "IpcDiagnosis", "send_failure"]
 
@@ -241,10 +242,27 @@ def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None,
     is lost with it: the broker's heartbeat answers name the new one, and the client sends
     again what it still waits for (core.py, `_on_broker_instance`).  A process out of
     descriptors gets an `InferenceError` that says so (libzmq's own was a raw ZMQError)."""
+    return _dealer(ctx, endpoint, curve, heartbeat_s, False)[0]
+
+
+def broker_dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None,
+                  heartbeat_s: float | None) -> tuple[zmq.Socket, zmq.Socket | None]:
+    """A client's DEALER to its broker (`dealer`) and, over tcp with heartbeats, the monitor
+    of its handshakes (`broker_monitor`), attached before it connects: a monitor hears only
+    what happens after it is attached, and a first handshake the broker refused for good
+    (libzmq then never dials again) before the monitor was there was never heard at all: a
+    loaded client, descheduled between its connect and its monitor, was never told it was
+    refused and never dialled again once the broker was put right."""
+    return _dealer(ctx, endpoint, curve, heartbeat_s, True)
+
+
+def _dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None, heartbeat_s: float | None,
+            watch: bool) -> tuple[zmq.Socket, zmq.Socket | None]:
     try:
         sock = ctx.socket(zmq.DEALER)
     except zmq.ZMQError as e:
         raise _out_of_descriptors(e, endpoint) from None
+    monitor = None
     try:
         sock.setsockopt(zmq.LINGER, 0)
         C.configure_peer(sock, curve)
@@ -253,11 +271,15 @@ def dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None = None,
 
             tcp_liveness(sock, LIVENESS * heartbeat_s)
             sock.setsockopt(zmq.CONNECT_TIMEOUT, BROKER_CONNECT_TIMEOUT_MS)
+        if watch:
+            monitor = broker_monitor(sock, endpoint, heartbeat_s)
         _connect(sock, endpoint)
     except BaseException:
+        if monitor is not None:
+            monitor.close(linger=0)
         sock.close(linger=0)
         raise
-    return sock
+    return sock, monitor
 
 
 def _connect(sock: zmq.Socket, endpoint: str) -> None:
@@ -360,7 +382,7 @@ def lease_events(monitor: zmq.Socket) -> list[tuple[bool, bool, str]]:
 
 
 def broker_monitor(sock: zmq.Socket, endpoint: str, heartbeat_s: float | None) -> zmq.Socket | None:
-    """Over tcp with heartbeats, a monitor of the broker DEALER's handshakes (`handshakes`
+    """Over tcp with heartbeats, a monitor (attached before the socket connects: `broker_dealer`) of the broker DEALER's handshakes (`handshakes`
     reads it): the twin heartbeats at each one, so that the answer naming a new connection
     (core.py, `_on_broker_instance`) comes within a round trip instead of a heartbeat
     interval later (the first handshake's heartbeat follows the hello's: one more answer at
@@ -387,7 +409,7 @@ _BROKER_REFUSED = {
                                           "broker restarted with other security settings?)"),
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: (True, "it refused this client's key (its public certificate is not in the "
                                       "broker's --client-keys directory)"),
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: (False, "no detail given; most likely `server_key` (or "
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: (False, "no detail given; most likely `server_key` (or "  # (core.NO_DETAIL)
                                            "$ZMQ_INFER_SERVER_KEY) is not that broker's public certificate (the "
                                            "broker's log says the cause)"),
 }
@@ -423,8 +445,10 @@ def handshakes(monitor: zmq.Socket) -> tuple[int, str | None, bool]:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             ups, last, final = ups + 1, "", False
         elif event in _BROKER_REFUSED:
-            gone, last = _BROKER_REFUSED[event]
+            gone, why = _BROKER_REFUSED[event]
             final = final or gone
+            if not (last and event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):  # (core.broker_said)
+                last = why
 
 
 class IpcDiagnosis:

@@ -178,6 +178,8 @@ def test_a_refused_handshake_dials_again_at_once_then_at_most_once_per_redial_in
     assert core.redial_at == 10.0 and core.refused == key
     core.broker_said(key, 10.2, True)  # (a second word before the dial)
     assert core.redial_at == 10.0
+    core.broker_said("no detail given; most likely `server_key`", 10.25, False)
+    assert core.refused == key  # a refusal without detail does not replace one with
     core.redialed(10.3)
     assert core.redial_at is None
     core.broker_said(key, 10.4, True)  # refused again: not before a second on
