@@ -198,13 +198,31 @@ def wait_service(client, service: str, timeout: float = 20.0) -> None:
 @pytest.fixture
 def gate(tmp_path):
     """A FIFO for tests/e2e/gate_model.py: `open()` once the worker started (it returns
-    when the worker opened the read end), then each byte `release()`s one gated call."""
+    when the worker opened the read end), then each byte `release()`s one gated call.
+    `wait_entered(n)`: until n calls of `gate_model:factory` or `:copying` reached the gate
+    ($GATE_ENTERED), the proof that a worker holds a request (see its docstring)."""
     path = tmp_path / "gate.fifo"
+    entered_log = tmp_path / "gate.entered"
     os.mkfifo(path)
 
     class Gate:
-        env = {"GATE_FIFO": str(path)}
+        env = {"GATE_FIFO": str(path), "GATE_ENTERED": str(entered_log)}
         fd = None
+
+        def entered(self) -> int:
+            """How many gated calls reached the gate so far."""
+            return entered_log.read_text().count("\n") if entered_log.exists() else 0
+
+        def wait_entered(self, n: int = 1, timeout: float = 20.0) -> None:
+            """Until `n` gated calls reached the gate: the worker read them and runs them.
+            Wait for this, not for the broker's word, before a signal meant to find a request
+            held at the worker: an MMI answer, the broker's in_flight or a busy worker prove
+            only that the broker dispatched it, and under load the worker read it after the
+            signal (a stopping worker sends a request it reads then back to the broker, 503)."""
+            deadline = time.monotonic() + timeout
+            while self.entered() < n:
+                assert time.monotonic() < deadline, f"{self.entered()} of {n} gated calls reached the gate"
+                time.sleep(0.005)  # polling a file (a condition, not a delay)
 
         def open(self):
             # Opening the write end blocks until the worker opened the read end.

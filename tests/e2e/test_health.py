@@ -187,14 +187,17 @@ def test_a_draining_worker_is_not_counted_live_while_it_finishes(cluster, tmp_pa
 
     broker = cluster.broker("--http", "127.0.0.1:0", "--service-grace", "0.3")
     base = "http://" + broker.field("http")
-    w = cluster.worker("gate_model:held", "--max-batch", "1", env={**gate.env, "SLEEPY_LOG": str(tmp_path / "l")})
+    runs = tmp_path / "l"
+    w = cluster.worker("gate_model:held", "--max-batch", "1", env={**gate.env, "SLEEPY_LOG": str(runs)})
     gate.open()
     x = np.array([-1.0])  # held until the gate releases it
     with Client(cluster.frontend, timeout=WAIT) as c:
         wait_service(c, "held")
         assert get(base, "/v2/models/held/ready")[0] == 200
         call = c.infer_stream("held", {"x": x})
-        until(lambda: json.loads(get(base, "/v2/models/held")[1])["in_flight"] == 1, "the request at the worker")
+        # Running in the model (its line in $SLEEPY_LOG), not only dispatched (the broker's
+        # in_flight): a worker that reads it after its SIGTERM sends it back (503).
+        until(lambda: runs.exists() and runs.read_text().count("\n") == 1, "the request running at the worker")
         w.p.send_signal(signal.SIGTERM)
         until(lambda: get(base, "/v2/models/held/ready")[0] == 503, "the service unready while its worker drains")
         assert not c.mmi_service("held")

@@ -431,6 +431,9 @@ def test_a_second_sigterm_fails_the_queued_requests_as_a_shutdown_and_finishes_t
     async def scenario():
         async with AsyncClient(la.frontend, timeout=30, heartbeat_interval=0.2) as c:
             xs, calls = await _four_at_the_broker(c)
+            # The worker holds the first: the MMI answer proves only the broker's dispatch, and
+            # a worker that reads a request after its SIGTERM sends it back (503).
+            await asyncio.to_thread(gate.wait_entered)
             la.p.send_signal(signal.SIGTERM)
             await asyncio.to_thread(la.wait_for, r"shutting down")
             la.p.send_signal(signal.SIGTERM)

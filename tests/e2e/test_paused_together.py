@@ -49,6 +49,7 @@ def test_a_broker_and_worker_stopped_together_keep_each_other_and_the_running_re
         wait_service(c, "gate")
         for n, (first, then) in enumerate(((worker, broker), (broker, worker))):
             h = c.infer_stream("gate", {"x": x + n})  # held at the gate while both are stopped
+            gate.wait_entered(n + 1)  # at the worker: the pause could find it still at the broker
             _pause_together((broker, worker), first, then)
             gate.release()
             assert np.array_equal(h.result(timeout=20)["x"], x + n)

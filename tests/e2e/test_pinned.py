@@ -266,6 +266,9 @@ def test_a_worker_sigkilled_while_it_drains_its_ended_lease_loses_no_request(clu
             held = [asyncio.ensure_future(c.infer("gate", {"x": x})) for x in xs]  # on the lease
             await asyncio.sleep(0)
             assert c.in_flight() == 6
+            # One of them at the gate (the first call was the other): without this the SIGTERM
+            # could come before the worker read any of them, and the test see no held request.
+            await asyncio.to_thread(gate.wait_entered, 2)
             doomed.p.send_signal(15)  # SIGTERM: the lease ends; the worker waits at its gate
             deadline = time.monotonic() + TIMEOUT_S
             while c.pinned("gate"):

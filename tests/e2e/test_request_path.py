@@ -204,20 +204,9 @@ def test_unknown_service_fails_fast(cluster):
         assert time.monotonic() - t0 < 5.0
 
 
-def _wait_entered(entered, n: int = 1) -> None:
-    """Until ``n`` calls reached the gate (gate_model's $GATE_ENTERED file), before a SIGTERM
-    meant to find them held: under load the worker had not read the request yet once (the
-    client's MMI answer proves only the broker's dispatch), and a stopping worker sends a
-    request it reads after the signal back to the broker (503), to no other worker here."""
-    deadline = time.monotonic() + 20
-    while not (entered.exists() and entered.read_text().count("\n") >= n):
-        assert time.monotonic() < deadline, "the request never reached the gate"
-        time.sleep(0.01)
-
-
-def _gated_worker(cluster, gate, *extra, model="gate_model:factory", env=None):
+def _gated_worker(cluster, gate, *extra, model="gate_model:factory"):
     p = cluster.worker(model, "--service", "gate", "--max-batch", "1", "--credit", "1",
-                       "--no-warmup", *extra, env={**gate.env, **(env or {})}, wait=False)
+                       "--no-warmup", *extra, env=gate.env, wait=False)
     gate.open()
     p.wait_ready()
     return p
@@ -374,10 +363,9 @@ def test_small_tensors_go_inline_and_large_ones_by_shared_memory_from_a_local_cl
         assert c.pool.in_use() == 0
 
 
-def test_sigterm_drains_and_exits_zero(cluster, gate, tmp_path):
+def test_sigterm_drains_and_exits_zero(cluster, gate):
     cluster.broker()
-    entered = tmp_path / "entered.log"
-    w = _gated_worker(cluster, gate, env={"GATE_ENTERED": str(entered)})
+    w = _gated_worker(cluster, gate)
 
     async def scenario():
         async with AsyncClient(cluster.frontend, timeout=30) as c:
@@ -386,7 +374,7 @@ def test_sigterm_drains_and_exits_zero(cluster, gate, tmp_path):
             task = asyncio.create_task(c.infer("gate", {"x": np.arange(3)}))
             while c.in_flight() < 1:
                 await asyncio.sleep(0)
-            _wait_entered(entered)
+            await asyncio.to_thread(gate.wait_entered)  # the worker holds it (MMI proves only the dispatch)
             w.p.terminate()  # SIGTERM while the request is held
             gate.release(1)
             out = await asyncio.wait_for(task, 30)
@@ -398,13 +386,11 @@ def test_sigterm_drains_and_exits_zero(cluster, gate, tmp_path):
 
 
 @pytest.mark.parametrize("extra", [(), ("--no-direct-reply",)], ids=["direct", "relayed"])
-def test_sigterm_keeps_outputs_readable_until_the_client_releases_them(cluster, gate, extra, tmp_path):
+def test_sigterm_keeps_outputs_readable_until_the_client_releases_them(cluster, gate, extra):
     """A rolling restart: the stopping worker's results live in its output ring, which it
     keeps until the client is done with them (docs/operations.md)."""
     cluster.broker()
-    entered = tmp_path / "entered.log"
-    w = _gated_worker(cluster, gate, "--log-level", "INFO", *extra, model="gate_model:copying",
-                      env={"GATE_ENTERED": str(entered)})
+    w = _gated_worker(cluster, gate, "--log-level", "INFO", *extra, model="gate_model:copying")
 
     async def scenario():
         async with AsyncClient(cluster.frontend, timeout=30) as c:
@@ -414,7 +400,7 @@ def test_sigterm_keeps_outputs_readable_until_the_client_releases_them(cluster, 
             task = asyncio.create_task(c.infer("gate", {"x": x}, reply="shm"))
             while c.in_flight() < 1:
                 await asyncio.sleep(0)
-            _wait_entered(entered)
+            await asyncio.to_thread(gate.wait_entered)  # the worker holds it (MMI proves only the dispatch)
             w.p.terminate()  # SIGTERM while the request is held
             gate.release(1)
             # Block the event loop, so the reply is not unpacked (its segment not mapped) until
