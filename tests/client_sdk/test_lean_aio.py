@@ -60,7 +60,9 @@ async def test_infer_deadline_raises_and_cancels(fake, endpoint, no_handle):
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceeded) as ei:
             await c.infer("hold", {"x": np.arange(4)}, timeout=0.2)
-        assert 0.15 < time.monotonic() - t0 < 0.2 + WAIT / 4
+        # Not before its deadline, and on its own 0.2 s, not the client's timeout (WAIT): no
+        # tighter bound, which would measure the machine's load.
+        assert 0.15 < time.monotonic() - t0 < WAIT
         rid = await _get(fake.held_q)
         assert ei.value.request_id == rid
         assert await _get(fake.cancels) == rid  # CANCEL went out before the error left
