@@ -421,9 +421,47 @@ def _protocol_frame(frames) -> bytes:
     return b""
 
 
+#: MDP/0.1 (ZeroMQ RFC 7, the zguide's Majordomo examples): their protocol frames
+_MDP01 = (b"MDPC01", b"MDPW01")
+
+
+def _foreign(frames) -> str | None:
+    """What a message a ROUTER read speaks, when it is not MDP/0.2 but something an operator
+    can act on: MDP/0.1, or zeromq/majordomo's zproto encoding; None otherwise."""
+    proto = _protocol_frame(frames)
+    if proto in _MDP01:
+        return (f"an MDP/0.1 message ({proto.decode()}, ZeroMQ RFC 7, the zguide's Majordomo examples): "
+                f"this broker speaks MDP/0.2 (RFC 18: MDPC02, MDPW02) only; not answered")
+    if proto[:1] == b"\xaa" and len(proto) > 2 and proto[1] & 0xF0 == 0xA0:
+        return ("a zproto-encoded message (zeromq/majordomo's libmajordomo packs MDP into one binary "
+                "frame): this broker speaks RFC 18's frames (MDPC02, MDPW02) only; not answered")
+    return None
+
+
+class _Peer:
+    """Names the peer a received frame came from, in a log line: its pid on ipc, its address
+    over tcp, else its routing id.  Looked up only if the line is written (a throttled one
+    may not be)."""
+
+    __slots__ = ("frame", "ident")
+
+    def __init__(self, frame: Any, ident: bytes):
+        self.frame, self.ident = frame, ident
+
+    def __str__(self) -> str:
+        pid = _peer_pid(self.frame)
+        if pid is not None:
+            return f"pid {pid}"
+        try:
+            addr = self.frame.get("Peer-Address")
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+            addr = None
+        return f"{addr}" if addr else repr(self.ident[:16])
+
+
 def _command_frame(frames) -> bytes:
-    """The command frame of a worker message a ROUTER read (after the identity, the empty
-    delimiter a REQ-era peer puts first, and MDPW02); b"" if none."""
+    """The command frame of a message a ROUTER read (after the identity, the empty delimiter
+    a REQ-era peer puts first, and the protocol frame); b"" if none."""
     i = 1 if len(frames) > 1 and len(frames[1]) else 2
     return bytes(frames[i + 1]) if len(frames) > i + 1 else b""
 
@@ -1036,6 +1074,14 @@ class Broker:
                                   "(python -m gpu_worker --broker %s)", self.frontend_ep, self.backend_ep,
                                   self.backend_ep)
                 return
+            foreign = _foreign(frames)
+            if foreign is not None:
+                self._bad.warning("a client (%s) on %s sent %s", _Peer(frames[1], ident), self.frontend_ep,
+                                  foreign)
+                return
+            if _protocol_frame(frames) == P.MDPC and _command_frame(frames) == P.C_PARTIAL:
+                e = P.ProtocolError(f"{e}: 0x02 is PARTIAL, which only a broker sends; a client's REQUEST "
+                                    f"is 0x01 (RFC 18; majortomo's Client numbers client commands as worker ones)")
             self._bad.warning("malformed client message from %r: %s", ident[:16], e)
             return
         if ident[0] and sock_events(self._frontend_events) & _POLLIN:
@@ -1421,6 +1467,15 @@ class Broker:
             if _protocol_frame(frames) == P.MDPC:
                 self._bad.warning("a client (MDPC02) sent to the backend %s: clients connect to the frontend %s",
                                   self.backend_ep, self.frontend_ep)
+                return
+            foreign = _foreign(frames)
+            if foreign is not None:
+                # Not even a DISCONNECT: an MDP/0.1 worker reads every message as "", MDPW01,
+                # command... and the zguide's asserts it (its mdwrkapi.py: `assert len(msg) >= 3`,
+                # `assert empty == ''`), so ours crashed it; silence, and it reconnects on its
+                # own heartbeat schedule (RFC 18: drop invalid messages).
+                self._bad.warning("a worker (%s) on %s sent %s", _Peer(frames[1], ident), self.backend_ep,
+                                  foreign)
                 return
             if _command_frame(frames) == P.W_READY:
                 self._refuse_ready(ident, frames[1], str(e), now)

@@ -1,0 +1,82 @@
+"""Our broker with MDP peers we did not write, as they put frames on the wire (docs/protocol.md,
+"Interoperability").  The peers are raw pyzmq sockets that send exactly what the third-party
+code sends, each mirroring a named file (the packages are not test dependencies):
+
+- majortomo 0.2.0 (PyPI, Python, "MDP/0.2"): its Worker puts MDP/0.1's empty delimiter before
+  every command and drops any message without one (majortomo/worker.py, `_send`:
+  ``send_multipart((b'', WORKER_HEADER, message_type) + args)``; `_verify_message`:
+  ``if message.pop(0) != b''`` raises ProtocolError); its Client adds the delimiter too and
+  numbers client commands as worker ones (majortomo/client.py, `send`: REQUEST is 0x02).
+- the zguide's Majordomo examples (MDP/0.1, RFC 7): a worker sends ``"", "MDPW01", 0x01,
+  service`` and asserts that what it reads is at least 3 frames starting with an empty one
+  (examples/Python/mdwrkapi.py, `recv`); an asynchronous client sends ``"", "MDPC01",
+  service, body`` on a DEALER (mdcliapi2.py).  Both heartbeat only while they wait for work,
+  and their broker (mdbroker) expires only waiting workers.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+import broker.protocol as P
+
+pytestmark = pytest.mark.timeout(60)
+
+MDPC, MDPW = b"MDPC02", b"MDPW02"
+
+
+def _dealer(endpoint: str) -> zmq.Socket:
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.linger = 0
+    s.connect(endpoint)
+    return s
+
+
+def _recv(s: zmq.Socket, timeout: float = 10.0) -> list[bytes]:
+    assert s.poll(int(timeout * 1000)), f"nothing came within {timeout} s"
+    return s.recv_multipart()
+
+
+def _mmi(client: zmq.Socket, service: bytes, want: bytes, timeout: float = 10.0) -> None:
+    """Ask `mmi.service` on a raw client socket until the answer is `want` (a condition)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        client.send_multipart([MDPC, P.C_REQUEST, b"mmi.service", service])
+        reply = _recv(client)
+        assert reply[:3] == [MDPC, P.C_FINAL, b"mmi.service"], reply
+        if reply[3] == want:
+            return
+        assert time.monotonic() < deadline, f"mmi.service {service!r} still {reply[3]!r}, not {want!r}"
+        time.sleep(0.01)
+
+
+
+def test_mdp01_peers_are_named_in_the_log_and_left_unanswered(cluster):
+    # Found with the zguide's MDP/0.1 worker: the broker answered its READY with an MDP/0.2
+    # DISCONNECT (2 or 3 frames, no delimiter), on which that worker asserts and dies
+    # (`assert len(msg) >= 3`, `assert empty == ''`); the log said "refused a READY ...
+    # must start with MDPW02, got b'MDPW01'".  An MDP/0.1 peer is now not answered at all
+    # (RFC 18: drop invalid messages; the zguide's worker reconnects on its own silence
+    # timer), and the line names MDP/0.1 and what the broker speaks.
+    broker = cluster.broker()
+    w, c = _dealer(cluster.backend), _dealer(cluster.frontend)
+    try:
+        w.send_multipart([b"", b"MDPW01", b"\x01", b"old"])  # mdwrkapi: READY
+        w.send_multipart([b"", b"MDPW01", b"\x04"])  # mdwrkapi: HEARTBEAT
+        c.send_multipart([b"", b"MDPC01", b"old", b"hello"])  # mdcliapi2: a request
+        # zeromq/majordomo's libmajordomo (zproto): one packed frame (src/mdp_client_msg.c)
+        c.send_multipart([b"\xaa\xa4\x01\x06MDPC02\x01\x03old", b"hello"])
+        # Barriers: the broker handles one connection's messages in order, so anything it
+        # answered to those would come before the answer to these.
+        w.send_multipart([MDPW, P.W_HEARTBEAT])  # an unknown MDP/0.2 worker: DISCONNECT
+        assert _recv(w) == [MDPW, P.W_DISCONNECT]
+        c.send_multipart([MDPC, P.C_REQUEST, b"mmi.service", b"old"])
+        assert _recv(c) == [MDPC, P.C_FINAL, b"mmi.service", b"404"]
+        broker.wait_log("sent an MDP/0.1 message (MDPW01, ZeroMQ RFC 7")
+        broker.wait_log("sent an MDP/0.1 message (MDPC01, ZeroMQ RFC 7")
+        broker.wait_log("sent a zproto-encoded message")
+    finally:
+        w.close()
+        c.close()
