@@ -640,6 +640,10 @@ class Broker:
         # (`_from_closed`).
         self._closed_clients: dict[bytes, tuple[int, int]] = {}
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
+        # Workers that lead their messages with an empty frame (MDP/0.1's delimiter, which some
+        # MDP/0.2 workers kept: majortomo's) and read only messages that do: what goes to them
+        # gets one too (`send_to_worker`).  Bounded: pruned to registered workers when full.
+        self._delimited: set[bytes] = set()
         self._opaque_ids = 0
         self._bad = P.RateLimitedLog(log)
         self._refused_at: dict[object, float] = {}  # a refused READY's peer -> when it was told why (_refuse_ready)
@@ -1310,7 +1314,10 @@ class Broker:
         send_frames(self.frontend, frames, _NOBLOCK)
 
     def send_to_worker(self, frames: list) -> None:
-        """Send one message on the backend; `frames` start with the worker's identity."""
+        """Send one message on the backend; `frames` start with the worker's identity (and
+        the empty delimiter goes after it to a worker that sends one)."""
+        if self._delimited and frames[0] in self._delimited:
+            frames = [frames[0], b"", *frames[1:]]
         send_frames(self.backend, frames)
 
     def _send_client(self, ident: bytes, frames: list) -> None:
@@ -1460,6 +1467,10 @@ class Broker:
         ident = frames[0].bytes
         now = time.monotonic()
         sched = self.sched
+        if len(frames) > 1 and not len(frames[1]):
+            self._delimit(ident)
+        elif self._delimited:
+            self._delimited.discard(ident)
         try:
             msg = P.parse_worker(frames[1:])
         except P.ProtocolError as e:
@@ -1611,6 +1622,18 @@ class Broker:
                     and sched.has_worker(ident) and len(self._leaving) < _MAX_CLIENT_PIDS):
                 self._leaving[known[1]] = now  # for a launcher: it leaves on its own, not hung
             self._act(sched.worker_disconnect(ident, now, failed=False), now)
+
+    def _delimit(self, ident: bytes) -> None:
+        """``ident`` leads its messages with an empty frame: so do ours to it.  RFC 18 took
+        that frame out of MDP/0.2 ("removal of empty frames at start of commands"), but a
+        worker that kept it (majortomo 0.2.0, whose worker.py sends and expects it on every
+        command) reads nothing without it: it registered, and dropped each REQUEST and
+        HEARTBEAT as malformed, a black hole for its service's requests."""
+        delimited = self._delimited
+        if ident not in delimited:
+            if len(delimited) >= _MAX_CLIENT_PIDS:
+                self._delimited = delimited = {w for w in delimited if self.sched.has_worker(w)}
+            delimited.add(ident)
 
     def _tell_unknown(self, ident: bytes, now: float) -> None:
         """DISCONNECT to a worker the broker does not know (MDP: reconnect and send READY),

@@ -52,6 +52,54 @@ def _mmi(client: zmq.Socket, service: bytes, want: bytes, timeout: float = 10.0)
         time.sleep(0.01)
 
 
+def test_a_worker_that_keeps_mdp01s_empty_delimiter_gets_it_back(cluster):
+    # Found running majortomo 0.2.0's Worker against our broker: the broker took its READY
+    # (it tolerates the delimiter), `mmi.service` said 200, and every REQUEST and HEARTBEAT
+    # then went without the delimiter, which majortomo drops as malformed ("Expecting first
+    # message frame to be empty"): each request to its service waited out its deadline,
+    # retried on the same worker after each of its silent-broker reconnects.  The broker
+    # now sends a worker that leads with the empty frame one before each message.
+    broker = cluster.broker()
+    w, c = _dealer(cluster.backend), _dealer(cluster.frontend)
+    try:
+        # Unknown to the broker (a broker restart, for majortomo): told DISCONNECT, delimited.
+        w.send_multipart([b"", MDPW, P.W_HEARTBEAT])
+        assert _recv(w) == [b"", MDPW, P.W_DISCONNECT]
+        w.close()
+        w = _dealer(cluster.backend)
+        w.send_multipart([b"", MDPW, P.W_READY, b"mt"])
+        _mmi(c, b"mt", b"200")
+        big = bytes(range(256)) * (16 << 10)  # 4 MiB
+        bodies = [[b"one"], [b"a", b"", b"c"], [big, b"tail"]]
+        for i, body in enumerate(bodies):
+            c.send_multipart([MDPC, P.C_REQUEST, b"mt", *body])
+            while True:
+                msg = _recv(w)
+                assert msg[0] == b"", f"a message to a delimited worker without the delimiter: {msg[:3]}"
+                assert msg[1] == MDPW, msg[:3]
+                if msg[2] == P.W_HEARTBEAT:
+                    w.send_multipart([b"", MDPW, P.W_HEARTBEAT])
+                    continue
+                assert msg[2] == P.W_REQUEST and msg[4] == b"", msg[:5]
+                break
+            env, got = msg[3], msg[5:]
+            assert got == body
+            if i == 1:  # majortomo's send_reply_partial, then its final
+                w.send_multipart([b"", MDPW, P.W_PARTIAL, env, b"", b"part"])
+                assert _recv(c) == [MDPC, P.C_PARTIAL, b"mt", b"part"]
+            w.send_multipart([b"", MDPW, P.W_FINAL, env, b"", *got])
+            assert _recv(c) == [MDPC, P.C_FINAL, b"mt", *body]
+        # majortomo's close(): DISCONNECT, delimited; the service is gone at once.
+        w.send_multipart([b"", MDPW, P.W_DISCONNECT])
+        _mmi(c, b"mt", b"404")
+        # Its Client is not RFC 18 (REQUEST numbered 0x02, as a worker's): not served, and
+        # the broker's line says what is wrong.
+        c.send_multipart([b"", MDPC, b"\x02", b"mt", b"x"])
+        broker.wait_log("a client's REQUEST is 0x01")
+    finally:
+        w.close()
+        c.close()
+
 
 def test_mdp01_peers_are_named_in_the_log_and_left_unanswered(cluster):
     # Found with the zguide's MDP/0.1 worker: the broker answered its READY with an MDP/0.2
