@@ -1591,8 +1591,8 @@ class Broker:
             self._on_backend_events()
             self._bind_connection(ident, frames[1], now)
             r = msg.ready
-            if r is None:
-                actions = sched.worker_ready(ident, msg.service.decode(errors="replace"), now)
+            if r is None:  # a plain MDP worker: it may be silent while it runs a request
+                actions = sched.worker_ready(ident, msg.service.decode(errors="replace"), now, quiet_busy=True)
                 if not any(type(a) is DisconnectWorker and a.worker == ident for a in actions):
                     self._note_worker(ident, msg.service.decode(errors="replace"), None, frames[1])
             else:

@@ -571,6 +571,7 @@ class _Worker:
         "closing",  # its connection closed (worker_closed), or it drains: no new work while its verdict waits
         "stopping",  # it said STOPPING (worker_stopping): draining, no longer counted live in its pools
         "iso",      # the request on its last attempt it is set aside for, or runs alone (else None)
+        "quiet_busy",  # a plain MDP worker (bare READY): silent while it runs a request (worker_ready)
     )
 
 
@@ -693,6 +694,7 @@ class Scheduler(LeaseEvents):
         direct: str | None = None,
         link: str | None = None,
         direct_key: str | None = None,
+        quiet_busy: bool = False,
     ) -> list[Action]:
         """A worker announced itself for ``service`` with ``credit`` concurrent requests.
 
@@ -700,8 +702,12 @@ class Scheduler(LeaseEvents):
         that carry shared-memory references.  ``recall``: it answers RECALL (requests it
         holds unstarted can be taken back for an idle worker).  ``direct``: the endpoint of
         its direct socket, for leases (broker/leases.py), and ``link`` its local link (near
-        leaseholders connect there instead).  A second READY from a registered worker
-        disconnects it; its in-flight work is retried elsewhere."""
+        leaseholders connect there instead).  ``quiet_busy``: a plain MDP worker, which may
+        be silent while it runs a request (the zguide's worker API and majortomo's heartbeat
+        only while they wait for work, and the brokers they come with never expire a busy
+        worker): its silence counts only while it runs nothing a client still waits for.
+        A second READY from a registered worker disconnects it; its in-flight work is
+        retried elsewhere."""
         out: list[Action] = []
         known = self._workers.get(worker)
         if known is not None:
@@ -738,6 +744,7 @@ class Scheduler(LeaseEvents):
         w.closing = False
         w.stopping = False
         w.iso = None
+        w.quiet_busy = bool(quiet_busy)
         pools = [svc.any]
         if host is not None:
             # One pool per same-host transport: shared-memory requests are keyed by the host,
@@ -1266,6 +1273,12 @@ class Scheduler(LeaseEvents):
             elif kind == _T_LEASE:
                 self._lease_unconfirmed(obj, out)
             elif kind == _T_WORKER:
+                if obj.quiet_busy and any(r.state == _RUNNING for r in obj.in_flight.values()):
+                    # A plain worker busy for a client: its silence is its work (worker_ready).
+                    # Its death still shows as its connection's close; looked at again a
+                    # window later, and counted once nothing it runs has a client waiting.
+                    self._push_timer(now + self._worker_ttl, _T_WORKER, obj)
+                    continue
                 out.append(DisconnectWorker(
                     obj.ident, f"no message for {now - obj.last_seen:.3f} s "
                                f"(liveness {self._worker_ttl} s); presumed dead{self.death_note(obj.ident)}",

@@ -470,6 +470,34 @@ def test_silent_worker_is_expired_by_tick_and_its_work_moves():
     assert s.worker_final(b"w1", 1, 3.2, "stale") == []
 
 
+def test_a_quiet_busy_worker_is_silent_while_a_client_waits_then_counted_again():
+    # A plain MDP worker (bare READY) heartbeats only while it waits for work: its silence
+    # while it runs a request is not its death; once nobody waits for what it runs, it is.
+    s = Scheduler()  # liveness window 3 s
+    s.worker_ready(b"w", "svc", 0.0, quiet_busy=True)
+    assert only(req(s, 1, 0.5), Dispatch).worker == b"w"
+    s.worker_ready(b"v", "svc", 2.0)  # idle: a request wrongly failed at w would move to it
+    s.worker_seen(b"v", 5.0)
+    s.worker_seen(b"v", 8.0)
+    out = s.tick(9.0)  # w silent 9 s: three windows
+    assert of(out, DisconnectWorker) == [] and of(out, Dispatch) == []
+    assert s.has_worker(b"w")
+    s.worker_seen(b"v", 11.0)
+    out = s.client_disconnect(C, 11.5)  # its client went: the request is cancelled at w
+    assert only(out, CancelAtWorker).worker == b"w"
+    out = s.tick(12.5)  # looked at again a window after 9.0: silent, nothing waited for
+    assert only(out, DisconnectWorker).worker == b"w"
+    assert not s.has_worker(b"w")
+
+
+def test_a_worker_that_is_not_quiet_busy_is_presumed_dead_however_busy():
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    only(req(s, 1, 0.5), Dispatch)
+    out = s.tick(3.0)
+    assert only(out, DisconnectWorker).worker == b"w"
+
+
 def test_max_retries_then_worker_failed():
     s = Scheduler(Config(max_retries=1))
     s.worker_ready(b"w1", "svc", 0.0)

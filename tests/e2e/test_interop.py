@@ -128,3 +128,45 @@ def test_mdp01_peers_are_named_in_the_log_and_left_unanswered(cluster):
     finally:
         w.close()
         c.close()
+
+
+def test_a_plain_worker_silent_while_it_runs_a_request_is_not_presumed_dead(cluster):
+    # Found with majortomo's Worker (and so would the zguide's): it heartbeats only while it
+    # waits for work, and the brokers it comes with never expire a busy worker.  Ours
+    # presumed it dead after heartbeat_interval x heartbeat_liveness (0.6 s here; 3 s by
+    # default) of running one request: the request ran again elsewhere (max_retries), then
+    # failed, and the worker was told DISCONNECT (majortomo's then exits).  A worker that
+    # registered with a bare READY may now be silent while it runs a request a client
+    # waits for; its silence counts again once nothing it runs has a client waiting.
+    cluster.broker()
+    w, c = _dealer(cluster.backend), _dealer(cluster.frontend)
+    try:
+        w.send_multipart([MDPW, P.W_READY, b"slow"])
+        _mmi(c, b"slow", b"200")
+        c.send_multipart([MDPC, P.C_REQUEST, b"slow", b"job"])
+        while (msg := _recv(w))[1] == P.W_HEARTBEAT:
+            w.send_multipart([MDPW, P.W_HEARTBEAT])  # idle: it heartbeats
+        assert msg[1] == P.W_REQUEST, msg
+        env = msg[2]
+        # Busy: silent while the broker heartbeats it ten times (two seconds of the
+        # broker's own clock, three liveness windows).
+        beats = 0
+        while beats < 10:
+            msg = _recv(w)
+            assert msg == [MDPW, P.W_HEARTBEAT], f"after {beats} heartbeats: {msg}"
+            beats += 1
+        w.send_multipart([MDPW, P.W_FINAL, env, b"", b"done"])
+        assert _recv(c) == [MDPC, P.C_FINAL, b"slow", b"done"]
+        # Still registered: the next request comes to it.
+        c.send_multipart([MDPC, P.C_REQUEST, b"slow", b"again"])
+        while (msg := _recv(w))[1] == P.W_HEARTBEAT:
+            pass
+        assert msg[1] == P.W_REQUEST and msg[4] == b"again", msg
+        # Its client goes: nothing it runs has a client waiting, so its silence counts
+        # again (a hung plain worker is still found).
+        c.send_multipart([MDPC, P.C_DISCONNECT])
+        while (msg := _recv(w))[1] != P.W_DISCONNECT:
+            assert msg[1] in (P.W_HEARTBEAT, P.W_CANCEL), msg
+    finally:
+        w.close()
+        c.close()
