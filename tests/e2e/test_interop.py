@@ -59,7 +59,7 @@ def test_a_worker_that_keeps_mdp01s_empty_delimiter_gets_it_back(cluster):
     # message frame to be empty"): each request to its service waited out its deadline,
     # retried on the same worker after each of its silent-broker reconnects.  The broker
     # now sends a worker that leads with the empty frame one before each message.
-    broker = cluster.broker()
+    broker = cluster.broker("--heartbeat-interval", "0.5")  # (a loaded test process keeps its worker)
     w, c = _dealer(cluster.backend), _dealer(cluster.frontend)
     try:
         # Unknown to the broker (a broker restart, for majortomo): told DISCONNECT, delimited.
@@ -133,12 +133,12 @@ def test_mdp01_peers_are_named_in_the_log_and_left_unanswered(cluster):
 def test_a_plain_worker_silent_while_it_runs_a_request_is_not_presumed_dead(cluster):
     # Found with majortomo's Worker (and so would the zguide's): it heartbeats only while it
     # waits for work, and the brokers it comes with never expire a busy worker.  Ours
-    # presumed it dead after heartbeat_interval x heartbeat_liveness (0.6 s here; 3 s by
+    # presumed it dead after heartbeat_interval x heartbeat_liveness (0.9 s here; 3 s by
     # default) of running one request: the request ran again elsewhere (max_retries), then
     # failed, and the worker was told DISCONNECT (majortomo's then exits).  A worker that
     # registered with a bare READY may now be silent while it runs a request a client
     # waits for; its silence counts again once nothing it runs has a client waiting.
-    cluster.broker()
+    cluster.broker("--heartbeat-interval", "0.3")  # liveness window 0.9 s
     w, c = _dealer(cluster.backend), _dealer(cluster.frontend)
     try:
         w.send_multipart([MDPW, P.W_READY, b"slow"])
@@ -148,10 +148,10 @@ def test_a_plain_worker_silent_while_it_runs_a_request_is_not_presumed_dead(clus
             w.send_multipart([MDPW, P.W_HEARTBEAT])  # idle: it heartbeats
         assert msg[1] == P.W_REQUEST, msg
         env = msg[2]
-        # Busy: silent while the broker heartbeats it ten times (two seconds of the
-        # broker's own clock, three liveness windows).
+        # Busy: silent while the broker heartbeats it nine times (2.4 s at least of the
+        # broker's own clock: three liveness windows).
         beats = 0
-        while beats < 10:
+        while beats < 9:
             msg = _recv(w)
             assert msg == [MDPW, P.W_HEARTBEAT], f"after {beats} heartbeats: {msg}"
             beats += 1
