@@ -160,12 +160,14 @@ class LeaseTable:
 
     def reset(self, why: str) -> None:
         """The broker connection was lost (the worker reconnects and drops what it held):
-        every lease is over, since its broker presumes this worker gone; nothing is in
-        flight any more as far as the table is concerned."""
+        every lease is over, since its broker presumes this worker gone or is a new one
+        that never granted it.  As at `end`, the requests in flight stay until `finish`:
+        their clients keep waiting on their connections for those this worker still runs
+        (after a broker restart nobody else will answer them), and a CANCEL still finds
+        them (`find`); those it drops unstarted it answers 503 (the worker's
+        `_fail_pending`)."""
         for lid in list(self.leases):
             self.end(lid, why)
-        self._keys.clear()
-        self._requests.clear()
 
     # ------------------------------------------------------------------ the client's side
 

@@ -1799,10 +1799,11 @@ class Worker:
             if job.route is None:
                 job.stale = True
             elif self.leases is not None:
-                # Its lease ends below: its client sends it again through the broker, which
-                # counts it there; a FINAL of ours that finds it gone is not `client_gone`
-                # (one request counted twice: the pause hunt).  (Bounded: counted or not,
-                # at most the jobs of a few batches are ever here.)
+                # Its lease ends below, and its FINAL still goes on its connection (counted
+                # here when it does).  One that finds the connection gone is not
+                # `client_gone`: its client sent it through the broker, which counts it
+                # there (one request counted twice: the pause hunt).  (Bounded: counted or
+                # not, at most the jobs of a few batches are ever here.)
                 if len(self._lease_lost) >= 4096:
                     self._lease_lost.clear()
                 self._lease_lost.add(job.envelope)
@@ -1820,13 +1821,13 @@ class Worker:
         self.jobs.clear()
         self.dones.clear()
         if self.leases is not None:
-            # The broker presumes us gone (or is a new one): our leases are over, and their
-            # clients send what they had in flight through the broker.
+            # The broker presumes us gone (or is a new one): our leases are over.  Their
+            # clients send new calls through the broker; those on their connections wait
+            # for what we still run (a new broker tells them nothing: docs/protocol.md
+            # section 10.7), so a FINAL held for a client not reading now still goes
+            # (`_send_held`; dropped, its call waited for its deadline, or for ever).
             self.leases.reset(why)
             self._leaseholders_changed()
-            # Their clients send what they had in flight through the broker (told so by it),
-            # which counts it then; a FINAL held for them would be a stray.
-            self._held.clear()
 
     # ------------------------------------------------------------------ leases (--direct)
 

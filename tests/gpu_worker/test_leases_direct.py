@@ -184,6 +184,35 @@ def test_a_lost_broker_connection_ends_every_lease(worker, client):
     assert "broker connection lost" in rep.error.message
 
 
+def test_a_lost_broker_connection_keeps_what_the_worker_still_owes_its_leaseholders(worker, client, monkeypatch):
+    """After a broker restart the client keeps waiting on its lease's connection for what
+    the worker had taken (nobody else will answer it: docs/protocol.md section 10.3, End):
+    a FINAL held for it (its queue was full) still goes once it reads, and a request
+    running across the reconnect stays known to the lease table (a CANCEL finds it, its
+    FINAL frees its slot).  Before, the held FINAL was dropped without a word at the
+    reconnect (its call waited for its deadline, or for ever) and a CANCEL found nothing."""
+    from gpu_worker.leases import Unsent
+
+    lease = _lease(worker, slots=3)
+    client.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=lease, secret=SECRET))])
+    _request(client, 1, np.arange(3.0))
+    _take(worker, lambda: len(worker.jobs) == 1)
+    [job] = worker.jobs.values()
+    real_send = worker.direct_socket.send
+    monkeypatch.setattr(worker.direct_socket, "send", lambda frames, *a, **k: Unsent.FULL)
+    worker.run_ready_batches(force=True)  # its FINAL finds the queue full: held
+    assert len(worker._held) == 1 and worker.leases.find(job.route, 1) == job.envelope
+    monkeypatch.setattr(worker.direct_socket, "send", real_send)
+    worker._fail_pending("broker connection re-established")
+    assert len(worker.leases) == 0 and len(worker._held) == 1
+    assert worker.leases.find(job.route, 1) == job.envelope  # still in flight: a CANCEL finds it
+    worker._send_held()
+    rep, frames = _reply(client)
+    assert rep.id == 1 and rep.error is None
+    assert np.array_equal(np.frombuffer(frames[rep.tensors[0].loc.frame]), np.arange(3.0))
+    assert not worker._held and worker.leases.find(job.route, 1) is None
+
+
 def test_a_long_batch_sends_other_leases_waiting_requests_to_the_broker_and_says_busy(worker, client):
     """The head-of-line rule of leases (docs/protocol.md section 10.3), at the start of a
     batch predicted long (1 s): lease B's request waiting in the batcher is answered 429
