@@ -415,6 +415,7 @@ class ClientCore(PinEvents):
         parent's: closing the CUDA pool's would reclaim the parent's slots)."""
         self.closed = True
         self.calls.clear()
+        self._parked.clear()
         self.ops.clear()
         for fin in list(self._user_bufs.values()):
             fin.detach()
@@ -679,8 +680,8 @@ class ClientCore(PinEvents):
         call.abandoned = True
         call.notify = None
         _drain_inbox(call)
-        if call.done or call.id == 0:
-            return None
+        if call.done or call.id == 0 or call.id in self._parked:
+            return None  # (a parked call was never sent: `unpark` forgets it)
         # (A timer may wake a hair early: a millisecond's slack.)
         expired = now is not None and call.deadline is not None and now >= call.deadline - 1e-3
         if call.pin is not None:
@@ -736,10 +737,13 @@ class ClientCore(PinEvents):
             return []
         if msg.command == P.C_HEARTBEAT:
             if not msg.body:
-                return []  # a broker without the extension
+                return self.unpark(now) if self._parked else []  # a broker without the extension
             instance, window_ms, route = msg.body
             self.broker_window = window_ms / 1000.0
-            return self._on_broker_instance(instance, now, route)
+            out = self._on_broker_instance(instance, now, route)
+            if self._parked:  # pinned calls off their leases: to this broker now (pins.py, `_park`)
+                out = [*out, *self.unpark(now)]
+            return out
         if direct and pin is None:
             self.direct_replies += len(msg.body) if msg.command == P.C_FINALS else 1
         if msg.command == P.C_FINALS:
@@ -1229,7 +1233,10 @@ class ClientCore(PinEvents):
         on the old connection may be lost with it, as are the replies the broker still holds
         for it (its ROUTER has nowhere to send them) and the leases it granted to it (the
         broker ends them once it presumes the old connection's client gone).  Either way the
-        leases are void (`_pin_reset`: their calls are the broker's now), and each call still
+        leases end as by a drain (`_pin_reset`): no new call goes on them, and the calls on
+        them stay with their workers, which the broker never held them for (they answer on
+        the lease's connection, or refuse or lose them, which sends them through the broker
+        once: pins.py, `_park`).  Each brokered call still
         waited for that was sent before this answer came, to the predecessor or
         (`call.route`) on an older connection, is sent again under a new id, at most
         `restart_resends` times, after a CANCEL of its old id (a copy that reached the broker
@@ -1262,7 +1269,7 @@ class ClientCore(PinEvents):
         if known is not None and known != instance:
             self.broker_restarts += 1
             if self.pin_all or self._asking:
-                self._pin_reset(now)  # a lease never outlives the broker that made it (pins.py)
+                self._pin_reset(now)  # no new call on a lease of the old broker (pins.py)
             # An old id (seen with its call), one sent to the new broker already, or one
             # unsent, is not sent again.
             return [*self._resend_brokered(now, "the broker restarted", lambda call: call.broker != instance),
@@ -1302,8 +1309,10 @@ class ClientCore(PinEvents):
         """The frames that send again the calls `stale` selects (see `_on_broker_instance`)."""
         out = []
         for cid, call in list(self.calls.items()):
-            if cid != call.id or call.id == 0 or not stale(call):
-                continue  # an old id (seen with its call), unsent, or not lost
+            if cid != call.id or call.id == 0 or call.pin is not None or cid in self._parked or not stale(call):
+                # An old id (seen with its call), unsent, on a lease (its worker's: pins.py,
+                # `_pin_reset`), waiting for this very answer (`_park`), or not lost.
+                continue
             if call.abandoned or call.done or (call.inbox and call.inbox[-1][0] == "error"):
                 self._forget(call)
                 self._finish_inputs(call)
@@ -1338,6 +1347,7 @@ class ClientCore(PinEvents):
             _drain_inbox(call)
         self.calls.clear()
         self._suspects.clear()
+        self._parked.clear()
         self.pins.clear()
         self.pin_all.clear()
         self.pin_services.clear()

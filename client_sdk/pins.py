@@ -43,12 +43,16 @@ there, doubling up to `PIN_RETRY_MAX_S`):
   the broker, those in flight finish on the DEALER (which closes after the last one);
 - a direct FINAL that says the request did not run and asks to be sent through the broker
   (503 after the lease ended, 429 beyond the lease's slots, 400 "not bound"): it is sent
-  through the broker instead of being delivered, and a 503 or 400 ends the lease here too;
-- a broker restart (a new instance in a heartbeat answer): every lease ends (their calls
-  are resent by the restart logic of core.py);
+  through the broker instead of being delivered (a 429 at once; a 503 or 400 after the
+  broker's next heartbeat answer, `_park`), and a 503 or 400 ends the lease here too;
+- a broker restart, or our connection to it replaced (a new instance, or a new route, in a
+  heartbeat answer): every lease ends as by a drain (`_pin_reset`): new calls go through the
+  broker, those in flight stay on the connection, where their worker, alive, finishes them
+  (one it refuses or loses goes through the broker as above and below, once); core.py's
+  restart logic resends none of them;
 - the lease's connection lost (`pin_link_lost`: the local link closed, or a tcp connection
-  dropped, or its peer stopped acknowledging): its calls go through the broker now and the
-  lease goes back (LEASE_END ``client_done``);
+  dropped, or its peer stopped acknowledging): its calls go through the broker after its
+  next heartbeat answer (`_park`) and the lease goes back (LEASE_END ``client_done``);
 - a tcp lease whose handshake has not succeeded within `PIN_CONNECT_S` (an address this
   client cannot reach, a firewall), or was refused for good: the lease goes back
   (`pin_broken`); until the twin saw that handshake succeed (`pin_connected`) the lease
@@ -56,7 +60,8 @@ there, doubling up to `PIN_RETRY_MAX_S`):
 - `close()`: LEASE_END `client_done` for each lease held (`pin_goodbye`).
 
 Invariant: a call is on at most one lease (`call.pin`), listed in that lease's `calls`
-until its FINAL (`ClientCore._forget`) or until it is moved to the broker.
+until its FINAL (`ClientCore._forget`) or until it is moved to the broker (or parked for
+it: `_parked`, a call on no lease that the broker has not been sent yet).
 """
 from __future__ import annotations
 
@@ -197,6 +202,8 @@ class PinEvents:
         self._ask_ids: dict[int, str] = {}       # ask id -> service
         self._pin_retry: dict[str, float] = {}   # service -> no ask before this time
         self._pin_backoff: dict[str, float] = {}  # service -> the last refusal's backoff
+        self._parked: dict[int, Any] = {}        # id -> a call off its lease, for the broker's next answer (`_park`)
+        self._park_asked = False                 # a heartbeat went out for them (`_park`)
         self.pinned_replies = 0                  # replies that came on a lease's connection
         self.pins_granted = 0
         self.pins_refused = 0
@@ -440,10 +447,11 @@ class PinEvents:
 
     # ------------------------------------------------------------------ ends
 
-    def _end_pin(self, pin: Pin, now: float, *, resend: bool) -> list[list[Any]]:
+    def _end_pin(self, pin: Pin, now: float, *, resend: bool, park: bool = False) -> list[list[Any]]:
         """The lease is over: new calls go through the broker (a new lease is asked for
-        after the backoff).  With `resend` its calls in flight go through the broker now and
-        its connection closes; without, they finish on it."""
+        after the backoff).  With `resend` its calls in flight go through the broker (now,
+        or ``park``: after the broker's next answer, `_park`) and its connection closes;
+        without, they finish on it."""
         if self.pins.get(pin.service) is pin:
             del self.pins[pin.service]
             self._pin_retry[pin.service] = max(self._pin_retry.get(pin.service, -1.0), now + PIN_RETRY_MIN_S)
@@ -452,7 +460,7 @@ class PinEvents:
         out: list[list[Any]] = []
         if resend:
             for call in list(pin.calls.values()):
-                out += self._to_broker(call, now, lost=True)
+                out += self._to_broker(call, now, lost=True, park=park)
         if not pin.calls:
             self._close_pin(pin)
         return out
@@ -467,11 +475,12 @@ class PinEvents:
             del self.pins[pin.service]
         self.ops.append(PinClose(pin))
 
-    def _to_broker(self, call: Any, now: float, *, lost: bool) -> list[list[Any]]:
-        """Move a pinned call to the broker: its REQUEST again, same id.  `lost`: its worker
-        will not answer (presumed dead); an abandoned call is then forgotten (nobody waits,
-        nothing will reply) and a call that streamed PARTIALs fails (its caller would see
-        them twice)."""
+    def _to_broker(self, call: Any, now: float, *, lost: bool, park: bool = False) -> list[list[Any]]:
+        """Move a pinned call to the broker: its REQUEST again, same id (now, or ``park``:
+        after the broker's next heartbeat answer, `_park`).  `lost`: its worker will not
+        answer (presumed dead); an abandoned call is then forgotten (nobody waits, nothing
+        will reply) and a call that streamed PARTIALs fails (its caller would see them
+        twice)."""
         self._unpin(call)
         if call.done:
             return []
@@ -487,6 +496,8 @@ class PinEvents:
                 int(ErrorCode.WORKER_FAILED), f"the pinned worker of {call.service!r} failed after request "
                 f"{call.id} had streamed results", request_id=call.id)), True, now)
             return []
+        if park:
+            return self._park(call)
         call.broker = self.broker_instance
         call.route = self.broker_route
         return [self._encode_request(call, now)]
@@ -509,20 +520,65 @@ class PinEvents:
             # unknown lease, if it ended the lease itself meanwhile).
             self.ops.append(self._lease_end_frames(pin.service, pin.lease))
             self._end_pin(pin, now, resend=False)
-        return self._to_broker(call, now, lost=False)
+        # (A 429 is this worker's load, with its broker as it was: through the broker at once.)
+        return self._to_broker(call, now, lost=False, park=code != int(ErrorCode.QUEUE_FULL))
+
+    def _park(self, call: Any) -> list[list[Any]]:
+        """`call`, off its lease (its worker refused it, 503 or 400, or the connection was
+        lost), goes through the broker only after the broker's next heartbeat answer
+        (`unpark`), which a heartbeat asks for now (one for all the calls parked until it
+        comes).  Such an end most often comes from a restart: a worker that lost its broker
+        ends its leases and refuses what it had not started, and the worker may hear of a new
+        broker before this client does.  Sent at once, the call reached the new broker and
+        started there; the heartbeat answer that named the new broker a moment later had it
+        sent again (core.py's `_resend_brokered`: what went out before that answer may have
+        been lost with the old broker), and it ran twice.  Parked, it is sent once that
+        answer has said where it goes: one round trip later.  Meanwhile it is a brokered call
+        (the broker's silence fails it, `unreachable`) with no CANCEL to send."""
+        call.broker = call.route = None
+        self._parked[call.id] = call
+        if self._park_asked:
+            return []
+        self._park_asked = True
+        return [P.client_heartbeat(ask_route=True)]
+
+    def unpark(self, now: float) -> list[list[Any]]:
+        """The broker answered a heartbeat (and core.py took in what the answer says: a
+        restart, a new connection): the REQUESTs of the parked calls, to send to it now,
+        under their own ids (`_park`); those given up meanwhile are forgotten."""
+        self._park_asked = False
+        parked, self._parked = self._parked, {}
+        out: list[list[Any]] = []
+        for call in parked.values():
+            if call.done:
+                continue
+            if call.abandoned or (call.inbox and call.inbox[-1][0] == "error"):
+                self._forget(call)  # (nobody waits: the worker never ran it, nothing will answer)
+                self._finish_inputs(call)
+                call.done = call.done or call.abandoned
+                continue
+            call.broker = self.broker_instance
+            call.route = self.broker_route
+            out.append(self._encode_request(call, now))
+        return out
 
     def _pin_reset(self, now: float) -> None:
-        """A broker restart, or our connection to it replaced: every lease (and ask) is void.
-        The calls on them lose their lease; core.py's restart logic resends them."""
+        """A broker restart, or our connection to it replaced: every lease is ended here as
+        by a drain (LEASE_END without resend), and every ask is void.  No new call goes on an
+        old lease (they go through the broker, and the service is pinned again, no sooner
+        than PIN_RETRY_MIN_S from now); the calls already on one stay on its connection,
+        which is up and whose worker (alive, and registered with the new broker or soon to
+        be) still runs them and answers there, and the connection closes after the last one.
+        A call leaves it only as any call on an ended lease does: refused by its worker (503
+        "resend through the broker": one it held unstarted when it lost its broker, or one
+        sent after) or lost with the connection (`pin_link_lost`), then through the broker
+        once (`_park`).  core.py's restart logic resends none of them: resent through the
+        new broker (which never held them), those still running at their worker ran twice."""
         self._asking.clear()
         self._ask_ids.clear()
         services = {pin.service for pin in self.pin_all.values()} | set(self.pins)
-        for pin in list(self.pin_all.values()):
-            for call in list(pin.calls.values()):
-                call.pin = None
-            pin.calls.clear()
-            self._close_pin(pin)
-        self.pins.clear()
+        for pin in list(self.pins.values()):
+            self._end_pin(pin, now, resend=False)
         for svc in services:
             self._pin_retry[svc] = max(self._pin_retry.get(svc, -1.0), now + PIN_RETRY_MIN_S)
 
@@ -549,9 +605,9 @@ class PinEvents:
         its handshake succeeded, that is noted when libzmq tries again (`PIN_CONNECT_S`
         bounds the wait) and gives the lease back at once when it will not (``final``: the
         worker refused our key, or one side is CurveZMQ and the other not).  After, it is
-        `pin_link_lost`: what was on it goes through the broker now (the twin first routes
-        the replies that reached its socket before the drop).  Returns the REQUESTs to send
-        to the broker."""
+        `pin_link_lost`: what was on it goes through the broker (the twin first routes
+        the replies that reached its socket before the drop).  Returns frames to send to the
+        broker."""
         if pin.closed:
             return []
         if not pin.ready:
@@ -581,11 +637,13 @@ class PinEvents:
         """The lease's local link (docs/protocol.md section 10.6) or its tcp connection
         (section 10.4, once its handshake had succeeded) closed under us: its worker stopped
         or died (the broker will say which), closed the connection itself (too many, a send
-        that failed), or stopped acknowledging (a network partition: `wire.tcp_liveness`).  Nothing more comes on it, so the calls still on it go
-        through the broker now (their inputs are read-only in our memory: a retry is free,
-        and a late reply of theirs is dropped), and a lease still in use is handed back
+        that failed), or stopped acknowledging (a network partition: `wire.tcp_liveness`).  Nothing
+        more comes on it, so the calls still on it go through the broker, after the broker's
+        next heartbeat answer (`_park`: the worker's end may be a restart's, of which the
+        broker's answer tells; their inputs are read-only in our memory: a retry is free, and
+        a late reply of theirs is dropped), and a lease still in use is handed back
         (LEASE_END ``client_done``: the broker frees its slots, or ignores it if it ended
-        the lease itself).  Returns the REQUESTs to send to the broker."""
+        the lease itself).  Returns frames to send to the broker (a heartbeat)."""
         if pin.closed:
             return []
         if not pin.ending:
@@ -593,7 +651,7 @@ class PinEvents:
                         why)
             self.pins_ended += 1
             self.ops.append(self._lease_end_frames(pin.service, pin.lease))
-        return self._end_pin(pin, now, resend=True)
+        return self._end_pin(pin, now, resend=True, park=True)
 
     def pin_goodbye(self) -> None:
         """Closing: LEASE_END (client_done) for every lease in use, then every connection closed

@@ -82,6 +82,20 @@ def _pinned(core, now=100.0, slots=2):
     return first, op.pin
 
 
+def _hb(instance=INSTANCE, route=None) -> list:
+    """The broker's answer to a heartbeat (its instance, its client window, our route)."""
+    return [P.MDPC, P.C_HEARTBEAT, instance, (3000).to_bytes(4, "big"), *([route] if route is not None else [])]
+
+
+def _ids(out) -> list[int]:
+    """The ids of the REQUESTs among frames to send to the broker."""
+    return [P.decode_request(f[3], n_inline=len(f) - 4).id for f in out if f[1] == P.C_REQUEST]
+
+
+def _asks_heartbeat(out) -> bool:
+    return out == [P.client_heartbeat(ask_route=True)]
+
+
 def _result(call):
     kind, res = call.inbox.popleft()
     assert kind == "final", res
@@ -215,8 +229,10 @@ def test_a_direct_503_asking_to_resend_goes_through_the_broker_instead(core):
     c2, _ = _send(core, now=101.0)
     msg = "this connection's lease ended (client_gone); resend this request through the broker (it did not run)"
     out = core.on_message(_error(c1, ErrorCode.SERVICE_UNAVAILABLE, msg), 101.5, pin=pin)
-    assert [P.decode_request(f[3], n_inline=len(f) - 4).id for f in out] == [c1.id]
+    # Parked for the broker's next answer (its heartbeat asked for now), then sent, same id.
+    assert _asks_heartbeat(out) and c1.id in core._parked
     assert not c1.inbox and not c1.done and c1.pin is None and c1.id in core.calls
+    assert _ids(core.on_message(_hb(), 101.55)) == [c1.id] and not core._parked
     assert not core.pinned("echo") and pin.ending  # c2 still on the connection
     # The broker is told the lease is over (it still counts the lease's slots otherwise).
     [end] = list(core.ops)
@@ -282,46 +298,240 @@ def test_a_lease_of_another_broker_instance_is_handed_back(core):
     assert P.decode_lease_end(out[0][3]).reason == "client_done" and not core.pinned("echo")
 
 
-def test_a_broker_restart_ends_every_lease_and_resends_its_calls(core):
-    core.on_message([P.MDPC, P.C_HEARTBEAT, INSTANCE, (3000).to_bytes(4, "big")], 99.0)
-    _, pin = _pinned(core)
-    c1, _ = _send(core, now=101.0)
-    old = c1.id
-    out = core.on_message([P.MDPC, P.C_HEARTBEAT, b"broker02", (3000).to_bytes(4, "big")], 102.0)
-    ops = _ops(core)
-    assert [type(op) for op in ops] == [PinClose] and not core.pinned("echo") and c1.pin is None
-    # core.py's restart logic: CANCEL the old id at the (new) broker, resend under a new one.
-    assert P.client_cancel("echo", old, queued_only=True) in out and c1.id != old
-    assert [P.decode_request(f[3], n_inline=len(f) - 4).id for f in out if f[1] == P.C_REQUEST][-1] == c1.id
-    core.on_message(_final(c1, np.int64([1])), 102.1)
-    assert _result(c1) == 1 and core.broker_restarts == 1
+def _old_lease(core, *, route=None, slots=2):
+    """A client that knows broker INSTANCE (and, with ``route``, its connection), pinned, with
+    `first` brokered (the lease's ask) and a, b in flight on the lease."""
+    core.on_message(_hb(route=route), 99.0)
+    first, pin = _pinned(core, slots=slots)
+    a, _ = _send(core, now=101.0)
+    b, _ = _send(core, now=101.0)
+    assert a.pin is pin and b.pin is pin and first.pin is None
+    _ops(core)
+    return first, pin, a, b
 
 
-def test_a_replaced_broker_connection_ends_every_lease_and_resends_its_calls(core):
-    """The broker granted the leases to the old connection, and ends them (without telling
-    anyone) once it presumes that connection's client gone; the worker then drops their
-    calls.  So a new route voids them as a restart does: the calls on them, a stream among
-    them, go through the broker (a stream that streamed on a lease fails: it cannot be
-    replayed), and the service may be pinned again later."""
-    hb = [P.MDPC, P.C_HEARTBEAT, INSTANCE, (3000).to_bytes(4, "big")]
-    core.on_message([*hb, b"route--a"], 99.0)
-    first, pin = _pinned(core)  # `first` went through the broker, on the old connection
-    c1, _ = _send(core, now=101.0)
-    c2, _ = _send(core, now=101.0)
-    assert c1.pin is pin and c2.pin is pin
-    core.on_message(_final(c2, np.int64([0]), final=False), 101.1)  # on the lease: lost with it
-    old = c1.id
-    out = core.on_message([*hb, b"route--b"], 102.0)
+def test_a_broker_restart_ends_every_lease_as_a_drain_and_its_calls_finish_on_it(core):
+    """The worker, alive, still runs the calls on the lease and answers them on its
+    connection: the new broker never held them, so they are not resent (before, every one
+    was, and those still running at the worker ran twice).  Brokered calls are resent as
+    before (CANCEL of the old id, a new id)."""
+    first, pin, a, b = _old_lease(core)
+    old_first, old_a, old_b = first.id, a.id, b.id
+    out = core.on_message(_hb(b"broker02"), 102.0)
+    assert core.broker_restarts == 1
+    assert P.client_cancel("echo", old_first, queued_only=True) in out and first.id != old_first
+    assert _ids(out) == [first.id]  # the brokered call alone
+    assert (a.id, b.id) == (old_a, old_b) and a.pin is pin and b.pin is pin
+    assert not core.ops  # no LEASE_END (the new broker never granted it), the connection stays
+    assert pin.ending and not pin.closed and not core.pinned("echo") and pin.lease in core.pin_all
+    # A new call goes through the broker; the service is asked for again after the backoff.
+    c, _ = _send(core, now=102.1)
+    assert c.pin is None and not core.ops
+    # The old lease's answers are the calls' answers.
+    assert core.on_message(_final(a, np.int64([1])), 102.2, pin=pin) == []
+    assert _result(a) == 1 and not core.ops
+    assert core.on_message(_final(b, np.int64([2])), 102.3, pin=pin) == []
+    assert _result(b) == 2
+    [op] = _ops(core)  # after the last one, the connection closes
+    assert type(op) is PinClose and op.pin is pin and pin.lease not in core.pin_all
+    assert core.pinned_replies == 2 and core.discarded == 0
+    _send(core, now=102.0 + PIN_RETRY_MIN_S + 0.01)
+    ask = _ask_of(_ops(core))  # pinned again, by the new broker
+    core.on_message(_leased(ask.id, lease=bytes(7) + b"\x02", instance=b"broker02"), 103.1)
+    assert core.pinned("echo")
+
+
+def test_a_broker_restart_leaves_an_idle_lease_closed_and_an_ask_void(core):
+    core.on_message(_hb(), 99.0)
+    first, pin = _pinned(core)
+    out = core.on_message(_hb(b"broker02"), 100.5)
+    assert _ids(out) == [first.id]
+    [op] = _ops(core)
+    assert type(op) is PinClose and op.pin is pin and not core.pin_all
+    # An ask of the old broker unanswered: void, asked of the new one at the next call.
+    core2 = ClientCore("ipc:///tmp/zinf-pin-core-test.sock", transport="inline", heartbeat_interval=1.0, pin=2)
+    try:
+        core2.on_message(_hb(), 99.0)
+        _send(core2)
+        _ask_of(_ops(core2))
+        core2.on_message(_hb(b"broker02"), 100.1)
+        assert not core2._asking
+        _send(core2, now=100.2)
+        _ask_of(_ops(core2))
+    finally:
+        core2.close()
+
+
+def test_a_call_its_worker_refuses_after_the_restart_goes_through_the_new_broker_once(core):
+    """The worker, reconnecting to the new broker, ended its leases and answers 503
+    "resend through the broker" for what it had not started: sent once, same id, after the
+    broker's next heartbeat answer; the other call finishes on the lease."""
+    first, pin, a, b = _old_lease(core)
+    core.on_message(_hb(b"broker02"), 102.0)
+    old_a = a.id
+    msg = "this connection's lease ended (broker connection re-established); resend this request through the broker"
+    out = core.on_message(_error(a, ErrorCode.SERVICE_UNAVAILABLE, msg), 102.1, pin=pin)
+    assert _asks_heartbeat(out) and not core.ops  # no LEASE_END: the lease was over already
+    assert a.pin is None and a.id == old_a and not a.inbox and set(pin.calls) == {b.id}
+    out = core.on_message(_hb(b"broker02"), 102.2)
+    assert _ids(out) == [old_a] and len(out) == 1  # no CANCEL, no new id
+    assert a.broker == b"broker02"
+    assert core.on_message(_hb(b"broker02"), 102.3) == []  # nothing twice
+    core.on_message(_final(a, np.int64([1])), 102.4)
+    core.on_message(_final(b, np.int64([2])), 102.5, pin=pin)
+    assert _result(a) == 1 and _result(b) == 2 and a.resends == 0
+    assert core.discarded == 0 and core.pinned_replies == 1
+
+
+def test_a_call_refused_before_the_client_knows_of_the_restart_is_sent_once(core):
+    """The worker may hear of the new broker first: its 503 comes before the heartbeat
+    answer that names the new broker.  Sent through the broker at once, the call reached the
+    new broker and started; the answer, a moment later, had it sent again under a new id (a
+    call sent before it may have been lost with the old broker), and it ran twice (the
+    earlier attempt's "last call ran twice").  Parked, it waits for that answer."""
+    first, pin, a, b = _old_lease(core)
+    old_first, old_a = first.id, a.id
+    msg = "this connection's lease ended (broker connection re-established); resend this request through the broker"
+    out = core.on_message(_error(a, ErrorCode.SERVICE_UNAVAILABLE, msg), 101.5, pin=pin)
+    assert _asks_heartbeat(out) and a.id in core._parked
+    [end] = _ops(core)  # the client had not ended the lease: it says so (a new broker ignores it)
+    assert end[1] == P.C_LEASE_END
+    # A second refusal before the answer: parked too, no second heartbeat.
+    assert core.on_message(_error(b, ErrorCode.SERVICE_UNAVAILABLE, msg), 101.6, pin=pin) == []
+    [op] = _ops(core)
+    assert type(op) is PinClose
+    out = core.on_message(_hb(b"broker02"), 102.0)
+    assert core.broker_restarts == 1
+    requests = _ids(out)
+    assert sorted(requests) == sorted([first.id, old_a, b.id]) and len(requests) == 3
+    assert first.id != old_first and P.client_cancel("echo", old_first, queued_only=True) in out
+    assert [f for f in out if f[1] == P.C_CANCEL and f != P.client_cancel("echo", old_first, queued_only=True)] == []
+    assert a.id == old_a and a.resends == 0 and b.resends == 0
+    assert core.on_message(_hb(b"broker02"), 102.1) == []
+    for c, v in ((a, 1), (b, 2), (first, 0)):
+        core.on_message(_final(c, np.int64([v])), 102.2)
+        assert _result(c) == v
+    assert core.discarded == 0 and core.in_flight() == 0
+
+
+def test_the_connection_lost_after_a_restart_sends_its_calls_through_the_broker_once(core):
+    """The old lease's worker died too (its local link closed): its calls go through the
+    broker once, after its next answer; a late reply on the old connection is a stray."""
+    first, pin, a, b = _old_lease(core)
+    core.on_message(_hb(b"broker02"), 102.0)
+    ended = core.pins_ended
+    out = core.pin_link_lost(pin, 102.1, "the worker closed the lane connection")
+    assert _asks_heartbeat(out) and core.pins_ended == ended
     ops = _ops(core)
-    # LEASE_END first: a lease granted to the new connection would stay otherwise (the broker
-    # ignores it for the old connection's, which it ends itself)
-    assert [type(op) for op in ops] == [list, PinClose] and not core.pinned("echo") and c1.pin is None
-    assert ops[0][:3] == [P.MDPC, P.C_LEASE_END, b"echo"] and P.decode_lease_end(ops[0][3]).lease == LEASE
-    assert P.client_cancel("echo", old, queued_only=True) in out and c1.id != old
-    assert [P.decode_request(f[3], n_inline=len(f) - 4).id for f in out if f[1] == P.C_REQUEST] == [first.id, c1.id]
-    assert isinstance(c2.inbox[-1][1], errors.BrokerUnreachable)
-    core.on_message(_final(c1, np.int64([1])), 102.1)
-    assert _result(c1) == 1 and core.broker_reconnects == 1 and core.broker_restarts == 0
+    assert [type(op) for op in ops] == [PinClose]  # no LEASE_END: over already
+    assert core.pin_link_lost(pin, 102.2, "again") == []
+    out = core.on_message(_hb(b"broker02"), 102.3)
+    assert sorted(_ids(out)) == sorted([a.id, b.id]) and len(out) == 2
+    core.on_message(_final(a, np.int64([9])), 102.4, pin=pin)  # late, on the old connection
+    assert not a.inbox and core.discarded == 1
+    core.on_message(_final(a, np.int64([1])), 102.5)
+    core.on_message(_final(b, np.int64([2])), 102.5)
+    assert _result(a) == 1 and _result(b) == 2
+
+
+def test_two_restarts_leave_the_old_leases_calls_where_they_are(core):
+    first, pin, a, b = _old_lease(core)
+    core.on_message(_hb(b"broker02"), 102.0)
+    msg = "this connection's lease ended (broker restarted); resend this request through the broker"
+    core.on_message(_error(a, ErrorCode.SERVICE_UNAVAILABLE, msg), 102.1, pin=pin)  # parked
+    out = core.on_message(_hb(b"broker03"), 102.2)  # a second restart: its answer sends it there
+    assert core.broker_restarts == 2 and b.pin is pin and b.resends == 0
+    assert _ids(out).count(a.id) == 1 and b.id not in _ids(out) and a.broker == b"broker03"
+    core.on_message(_final(b, np.int64([2])), 102.3, pin=pin)
+    assert _result(b) == 2
+
+
+def test_a_stream_on_a_lease_streams_on_across_a_restart(core):
+    first, pin, a, b = _old_lease(core)
+    core.on_message(_final(a, np.int64([0]), final=False), 101.5, pin=pin)
+    core.on_message(_hb(b"broker02"), 102.0)
+    assert a.pin is pin and a.inbox[-1][0] == "partial"  # not failed (it was: it cannot be replayed)
+    core.on_message(_final(a, np.int64([1]), final=False), 102.1, pin=pin)
+    core.on_message(_final(a, np.int64([2])), 102.2, pin=pin)
+    kinds = [k for k, _ in a.inbox]
+    assert kinds == ["partial", "partial", "final"]
+    for _, r in a.inbox:
+        r.release()
+
+
+def test_calls_given_up_on_an_old_lease_or_while_parked(core):
+    """A call on the old lease is cancelled where it runs; a parked one has nothing to
+    cancel and is forgotten at the answer (never sent); the client's close ends the old
+    connection without a LEASE_END."""
+    first, pin, a, b = _old_lease(core)
+    core.on_message(_hb(b"broker02"), 102.0)
+    assert core.give_up(a, 102.1) is None
+    [op] = _ops(core)
+    assert type(op) is PinSend and op.frames == P.client_cancel("echo", a.id)
+    msg = "this connection's lease ended (broker restarted); resend this request through the broker"
+    core.on_message(_error(b, ErrorCode.SERVICE_UNAVAILABLE, msg), 102.2, pin=pin)
+    assert core.give_up(b, 102.3) is None  # no CANCEL: the broker never had it
+    assert _ids(core.on_message(_hb(b"broker02"), 102.4)) == [] and b.id not in core.calls and b.done
+    core.on_message(_error(a, ErrorCode.CANCELLED, "cancelled"), 102.5, pin=pin)
+    assert a.done and not a.inbox
+    [op] = _ops(core)
+    assert type(op) is PinClose
+
+
+def test_a_parked_call_is_failed_by_the_brokers_silence_and_never_sent(core):
+    first, pin, a, b = _old_lease(core)
+    core.on_message(_hb(b"broker02"), 102.0)
+    msg = "this connection's lease ended (broker restarted); resend this request through the broker"
+    core.on_message(_error(a, ErrorCode.SERVICE_UNAVAILABLE, msg), 102.1, pin=pin)
+    later = 102.1 + 60.0  # the broker silent for a minute: b is on its lease, a waits for the broker
+    assert core.fail_unreachable(later) >= 1
+    assert isinstance(a.inbox[-1][1], errors.BrokerUnreachable) and not b.inbox
+    assert _ids(core.on_message(_hb(b"broker02"), later + 1)) == []
+    assert a.id not in core.calls
+
+
+def test_close_with_calls_on_an_old_lease_closes_its_connection(core):
+    first, pin, a, b = _old_lease(core)
+    core.on_message(_hb(b"broker02"), 102.0)
+    core.pin_goodbye()
+    assert [type(op) for op in _ops(core)] == [PinClose]  # no LEASE_END: nobody holds it
+
+
+def test_a_replaced_broker_connection_ends_every_lease_as_a_drain(core):
+    """The broker granted the lease to the old connection (it ends it, client_gone, once it
+    presumes that connection's client gone, and ignores a LEASE_END from the new one): the
+    calls on it, a stream among them, finish on the lease's connection; the brokered ones
+    are sent again on the new connection."""
+    first, pin, a, b = _old_lease(core, route=b"route--a")
+    core.on_message(_final(b, np.int64([0]), final=False), 101.1, pin=pin)
+    old = first.id
+    out = core.on_message(_hb(route=b"route--b"), 102.0)
+    ops = _ops(core)
+    # LEASE_END: a lease granted to the new connection would stay otherwise (the broker
+    # ignores it for the old connection's); the connection stays, for a and b
+    assert [type(op) for op in ops] == [list] and ops[0][1] == P.C_LEASE_END
+    assert P.decode_lease_end(ops[0][3]).lease == LEASE
+    assert P.client_cancel("echo", old, queued_only=True) in out and _ids(out) == [first.id]
+    assert a.pin is pin and b.pin is pin and not b.inbox[-1][0] == "error" and not core.pinned("echo")
+    core.on_message(_final(a, np.int64([1])), 102.1, pin=pin)
+    core.on_message(_final(b, np.int64([2])), 102.2, pin=pin)
+    assert _result(a) == 1 and [k for k, _ in b.inbox] == ["partial", "final"]
+    for _, r in b.inbox:
+        r.release()
+    assert [type(op) for op in _ops(core)] == [PinClose]
+    assert core.broker_reconnects == 1 and core.broker_restarts == 0 and core.discarded == 0
+    # Should the broker's LEASE_END with resend reach this client after all (its worker
+    # died), what is left on the lease goes through the broker, once.
+
+
+def test_a_lease_end_with_resend_for_an_old_lease_sends_what_is_left_once(core):
+    first, pin, a, b = _old_lease(core, route=b"route--a")
+    core.on_message(_hb(route=b"route--b"), 102.0)
+    _ops(core)
+    out = core.on_message(_lease_end(True), 102.1)
+    assert sorted(_ids(out)) == sorted([a.id, b.id])
+    assert core.on_message(_lease_end(True), 102.2) == []
+    assert core.pin_link_lost(pin, 102.3, "closed") == []
 
 
 def test_close_says_client_done_for_each_lease_and_closes_its_connection(core):
@@ -559,6 +769,8 @@ def test_a_link_lost_under_a_lease_in_use_resends_its_calls_and_hands_the_lease_
     assert a.pin is pin and b.pin is pin
     _ops(core)
     out = core.pin_link_lost(pin, 100.2, "the worker closed the lane connection")
+    assert _asks_heartbeat(out)  # parked until the broker's next answer (pins.py, `_park`)
+    out = core.on_message(_hb(), 100.25)
     assert sorted(bytes(f[2]) for f in out) == [b"echo", b"echo"]
     assert {P.decode_request(f[3]).id for f in out} == {a.id, b.id}  # the same ids, through the broker
     ops = _ops(core)
@@ -650,7 +862,8 @@ def test_a_tcp_connection_lost_after_its_handshake_resends_what_was_on_it():
         b, _ = _send(c, now=101.0)
         assert a.pin is pin and b.pin is pin
         _ops(c)
-        out = c.pin_disconnected(pin, 101.5, "the connection dropped")
+        assert _asks_heartbeat(c.pin_disconnected(pin, 101.5, "the connection dropped"))
+        out = c.on_message(_hb(), 101.55)
         assert {P.decode_request(f[3]).id for f in out} == {a.id, b.id}
         ops = _ops(c)
         assert [type(op) for op in ops] == [list, PinClose] and ops[0][1] == P.C_LEASE_END

@@ -146,3 +146,26 @@ def gated_stream(device: str = "cpu"):
     run.streaming = True
     run.example_inputs = lambda: {"x": np.zeros(1, np.float32)}
     return run
+
+
+def counted(device: str = "cpu"):
+    """Echoes; a call with x[0] >= 0 first appends "<pid> <x[0]>" to $RUN_LOG (a test counts
+    each request's runs by the tag it chose), then waits for one byte on $GATE_FIFO
+    (opened read-write at load, as `held` does, so several workers may share it).  Its
+    warm-up (x = -1) does neither."""
+    log = os.environ["RUN_LOG"]
+    fd = os.open(os.environ["GATE_FIFO"], os.O_RDWR)
+
+    def run(inputs):
+        x = np.asarray(inputs["x"])
+        tag = int(x.flat[0])
+        if tag >= 0:
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()} {tag}\n")
+            os.read(fd, 1)
+        return {"x": np.array(x, copy=True)}
+
+    run.name = "counted"
+    run.batchable = False
+    run.example_inputs = lambda: {"x": np.full(1, -1, np.int64)}
+    return run

@@ -284,6 +284,129 @@ def test_a_worker_sigkilled_while_it_drains_its_ended_lease_loses_no_request(clu
     asyncio.run(asyncio.wait_for(scenario(), 40))
 
 
+# ------------------------------------------------------------------ a broker restart under pinned calls
+
+N_HELD = 12
+
+
+def _runs(log) -> dict[int, int]:
+    """tag -> how many times the `counted` model ran it (tests/e2e/gate_model.py)."""
+    runs: dict[int, int] = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            tag = int(line.split()[1])
+            runs[tag] = runs.get(tag, 0) + 1
+    return runs
+
+
+def _counted_workers(cluster, gate, log, n: int, *extra: str) -> list:
+    env = {**gate.env, "RUN_LOG": str(log)}
+    # Credit 40: a lease holds at most half of it, so all N_HELD fit on the lease.
+    workers = [cluster.worker("gate_model:counted", "--service", "gate", "--max-batch", "1", "--credit", "40",
+                              "--direct", *extra, env=env) for _ in range(n)]
+    gate.open()  # (the workers opened the FIFO read-write at load: this returns at once)
+    return workers
+
+
+def _restart_broker(cluster, old, *extra: str) -> None:
+    old.kill()  # SIGKILL: no goodbye to anyone; the worker and the client's direct link live on
+    cluster.broker(*extra)  # the same endpoints
+
+
+@pytest.mark.parametrize("link", [True, False], ids=["link", "ipc"])  # the local link, or the ipc direct socket
+def test_a_broker_restart_runs_each_pinned_call_once_on_its_live_worker(cluster, gate, tmp_path, link):
+    """SIGKILL the broker while a pinned client has N_HELD calls in flight on a live worker
+    (one running at the gate, the rest queued there), start a new one on the same
+    endpoints, and let the client learn of it before the gate opens: every call gets its
+    own result once, and each ran once.  Before, the client voided its lease at the restart
+    and sent every call again through the new broker while the worker (alive, its direct
+    connection up) still ran them: the one running ran twice (every run here)."""
+    log = tmp_path / "runs.log"
+    broker = cluster.broker()
+    _counted_workers(cluster, gate, log, 1, *(() if link else ("--no-link",)))
+    with Client(cluster.frontend, timeout=30, pin=N_HELD) as c:
+        first = c.infer_stream("gate", {"x": np.full(5, 1000, np.int64)})  # asks for the lease
+        _pump_until(c, lambda: c.pinned("gate"), "the lease")
+        gate.release(1)
+        with first.result(timeout=TIMEOUT_S) as r:
+            assert int(r["x"][0]) == 1000
+        xs = [np.full(5, i, np.int64) for i in range(N_HELD)]
+        handles = [c.infer_stream("gate", {"x": x}) for x in xs]
+        assert c.in_flight() == N_HELD and c.pinned("gate")
+        _pump_until(c, lambda: 0 in _runs(log), "the first held call at the gate")
+        _restart_broker(cluster, broker)
+        _pump_until(c, lambda: c.broker_restarts == 1, "the client hearing of the restart")
+        gate.release(2 * N_HELD)  # room for a second run of each: one would show in the log
+        for i, h in enumerate(handles):
+            with h.result(timeout=TIMEOUT_S) as r:
+                np.testing.assert_array_equal(r["x"], xs[i])  # its own result
+        # A call through the new broker after them all: the worker reads its sockets in
+        # order, so a second run of one of them sent before it would be in the log by now.
+        with c.infer("gate", {"x": np.full(5, 2000, np.int64)}, timeout=TIMEOUT_S) as r:
+            assert int(r["x"][0]) == 2000
+        runs = _runs(log)
+        assert runs == {1000: 1, 2000: 1, **{i: 1 for i in range(N_HELD)}}, runs
+        assert c.in_flight() == 0 and c.stray_replies == 0 and c.pinned_replies >= 1
+
+
+def test_a_broker_restart_runs_each_pinned_call_of_an_async_client_once_with_two_workers(cluster, gate, tmp_path):
+    """The AsyncClient, two workers of the service (what its worker refuses may run on
+    either), and the running call let through as soon as the new broker is up, before the
+    client heard of it (it heartbeats every 3 s, which the brokers' 20 s client window
+    allows): its result comes on the lease; the worker, which heard of the new broker
+    first, then refuses what it held unstarted (503: it lost its broker), and each of those
+    goes through the broker once, after the broker's next heartbeat answer.  Before, sent
+    at once, it reached the new broker and started; the answer naming the new broker a
+    moment later had it sent again, and it ran twice."""
+    log = tmp_path / "runs.log"
+    window = ("--heartbeat-liveness", "100")  # 0.2 s x 100: the client heartbeats at its own pace
+    broker = cluster.broker(*window)
+    _counted_workers(cluster, gate, log, 2)
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=30, pin=N_HELD, heartbeat_interval=3.0) as c:
+            first = c.infer_stream("gate", {"x": np.full(5, 1000, np.int64)})
+            deadline = time.monotonic() + TIMEOUT_S
+            while not c.pinned("gate"):
+                assert time.monotonic() < deadline, "never pinned"
+                await c.pump(0.05)
+            gate.release(1)
+            (await first.result(timeout=TIMEOUT_S)).release()
+            xs = [np.full(5, i, np.int64) for i in range(N_HELD)]
+            held = [asyncio.ensure_future(c.infer("gate", {"x": x})) for x in xs]
+            await asyncio.sleep(0)
+            assert c.in_flight() == N_HELD
+            deadline = time.monotonic() + TIMEOUT_S
+            while 0 not in _runs(log):
+                assert time.monotonic() < deadline, "no held call reached the gate"
+                await c.pump(0.05)
+            await asyncio.to_thread(_restart_broker, cluster, broker, *window)
+            gate.release(1)  # the running one
+            out = await asyncio.wait_for(held[0], TIMEOUT_S)
+            np.testing.assert_array_equal(out["x"], xs[0])
+            out.release()
+            # Until the client has heard of the new broker and the refused calls reach a
+            # gate again (through it): a second copy of one would be sent by then.
+            deadline = time.monotonic() + TIMEOUT_S
+            while c.broker_restarts < 1 or not set(_runs(log)) - {0, 1000}:
+                assert time.monotonic() < deadline, ("no restart heard, or no refused call through the new broker",
+                                                     c.broker_restarts, _runs(log))
+                await c.pump(0.05)
+            gate.release(2 * N_HELD)
+            for x, fut in zip(xs[1:], held[1:]):
+                out = await asyncio.wait_for(fut, TIMEOUT_S)
+                np.testing.assert_array_equal(out["x"], x)
+                out.release()
+            for tag in (2000, 2001):  # after them all, through the new broker, on each worker
+                (await c.infer("gate", {"x": np.full(5, tag, np.int64)}, timeout=TIMEOUT_S)).release()
+            return c.in_flight(), c.stray_replies, c.pinned_replies
+
+    in_flight, strays, pinned = asyncio.run(asyncio.wait_for(scenario(), 40))
+    runs = _runs(log)
+    assert {t: n for t, n in runs.items() if t < 1000} == {i: 1 for i in range(N_HELD)}, runs
+    assert runs[1000] == 1 and in_flight == 0 and strays == 0 and pinned >= 1
+
+
 # ------------------------------------------------------------------ streams pin by default (issue 13)
 
 def _frame(i: int) -> dict:
