@@ -407,6 +407,45 @@ def test_a_broker_restart_runs_each_pinned_call_of_an_async_client_once_with_two
     assert runs[1000] == 1 and in_flight == 0 and strays == 0 and pinned >= 1
 
 
+@pytest.mark.parametrize("link", [True, False], ids=["link", "ipc"])
+def test_a_pinned_worker_killed_with_the_broker_has_its_calls_sent_through_the_new_one(cluster, gate, tmp_path,
+                                                                                        link):
+    """The broker and the leased worker SIGKILLed together (a host's processes restarted),
+    a new broker started: no broker is left to say the worker died (the new one never knew
+    the lease), so the client watches the lease's connection itself (the link's close; on
+    the ipc direct socket, a monitor of the DEALER's connection): the calls on it go through
+    the new broker, to the other worker, once each (the one the dead worker was running may
+    have run there too).  Without the ipc monitor they waited for their deadlines."""
+    log = tmp_path / "runs.log"
+    no_link = () if link else ("--no-link",)
+    broker = cluster.broker()
+    [doomed] = _counted_workers(cluster, gate, log, 1, *no_link)
+    with Client(cluster.frontend, timeout=30, pin=N_HELD) as c:
+        first = c.infer_stream("gate", {"x": np.full(5, 1000, np.int64)})
+        _pump_until(c, lambda: c.pinned("gate"), "the lease")
+        gate.release(1)
+        with first.result(timeout=TIMEOUT_S) as r:
+            assert int(r["x"][0]) == 1000
+        # The other worker (counted too, at the same gate), ready before the kills.
+        env = {**gate.env, "RUN_LOG": str(log)}
+        _start_pumping(c, cluster.worker("gate_model:counted", "--service", "gate", "--max-batch", "1", "--credit",
+                                         "40", "--direct", *no_link, env=env, wait=False))
+        xs = [np.full(5, i, np.int64) for i in range(N_HELD)]
+        handles = [c.infer_stream("gate", {"x": x}) for x in xs]
+        assert c.in_flight() == N_HELD and c.pinned("gate")
+        _pump_until(c, lambda: 0 in _runs(log), "the first held call at the gate")
+        broker.kill()  # first: the old broker must not see the worker's end (it would say so)
+        doomed.kill()
+        cluster.broker()
+        gate.release(2 * N_HELD)
+        for i, h in enumerate(handles):
+            with h.result(timeout=TIMEOUT_S) as r:
+                np.testing.assert_array_equal(r["x"], xs[i])
+        runs = _runs(log)
+        assert {t: n for t, n in runs.items() if 0 < t < 1000} == {i: 1 for i in range(1, N_HELD)}, runs
+        assert 1 <= runs[0] <= 2 and c.in_flight() == 0 and c.broker_restarts == 1
+
+
 # ------------------------------------------------------------------ streams pin by default (issue 13)
 
 def _frame(i: int) -> dict:
