@@ -319,37 +319,43 @@ _monitors = itertools.count()
 
 
 def lease_dealer(ctx: zmq.Context, pin: Any, curve: C.PeerKeys | None, connect_s: float,
-                 heartbeat_s: float | None) -> tuple[zmq.Socket, zmq.Socket | None]:
+                 heartbeat_s: float | None) -> tuple[zmq.Socket, zmq.Socket]:
     """The DEALER to a lease's worker (its HELLO not yet sent) and a monitor of its
-    connection: a PAIR socket whose messages `lease_events` reads (over ipc, its drops
-    alone: `_ipc_lease_dealer`).  A tcp connection (docs/protocol.md section 10.4) gives a
-    connect or a handshake `connect_s` seconds (then tries again, which the monitor reports), and is closed when
-    its peer stops acknowledging for LIVENESS of `heartbeat_s` (`wire.tcp_liveness`), so a
-    partition shows as a lost connection instead of calls that wait for their deadlines.
-    `InvalidInput` when it cannot be used (`lease_curve`)."""
+    connection: a PAIR socket whose messages `lease_events` reads.  A tcp connection
+    (docs/protocol.md section 10.4) gives a connect or a handshake `connect_s` seconds (then
+    tries again, which the monitor reports), and is closed when its peer stops acknowledging
+    for LIVENESS of `heartbeat_s` (`wire.tcp_liveness`), so a partition shows as a lost
+    connection instead of calls that wait for their deadlines.  Over ipc the monitor reports
+    drops alone (EVENT_DISCONNECTED: the worker's process ended, or closed its socket): while
+    a broker holds the lease, it tells the client of a dead worker (LEASE_END with resend),
+    but a lease whose broker restarted is known to nobody else, and its calls, which stay on
+    it until their worker answers (pins.py, `_pin_reset`), waited for their deadlines when
+    that worker died too.  (A connect that fails is left to libzmq's retries there: a worker
+    near its descriptor limit moves its socket's file aside for a while.)  `InvalidInput`
+    when it cannot be used (`lease_curve`)."""
     keys = lease_curve(curve, pin.endpoint, pin.server_key)
-    if not C.is_tcp(pin.endpoint):
-        return _ipc_lease_dealer(ctx, pin.endpoint, keys)
-    from .core import LIVENESS
-
+    tcp = C.is_tcp(pin.endpoint)
     sock = ctx.socket(zmq.DEALER)
     monitor = None
     try:
         sock.setsockopt(zmq.LINGER, 0)
         C.configure_peer(sock, keys)
-        ms = max(1, int(connect_s * 1000))
-        sock.setsockopt(zmq.CONNECT_TIMEOUT, ms)
-        sock.setsockopt(zmq.HANDSHAKE_IVL, ms)
-        # tries again after 0.1 s, doubling to 2 s: a client idle between calls gives a lease
-        # it cannot reach back only at its next call or heartbeat, and need not knock 10 times
-        # a second until then
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-        if heartbeat_s:
-            tcp_liveness(sock, LIVENESS * heartbeat_s)
+        if tcp:
+            from .core import LIVENESS
+
+            ms = max(1, int(connect_s * 1000))
+            sock.setsockopt(zmq.CONNECT_TIMEOUT, ms)
+            sock.setsockopt(zmq.HANDSHAKE_IVL, ms)
+            # tries again after 0.1 s, doubling to 2 s: a client idle between calls gives a
+            # lease it cannot reach back only at its next call or heartbeat, and need not
+            # knock 10 times a second until then
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            if heartbeat_s:
+                tcp_liveness(sock, LIVENESS * heartbeat_s)
         # an address of its own: pyzmq's default names the descriptor, which a socket
         # closed a moment ago may still hold in libzmq's reaper
-        monitor = sock.get_monitor_socket(_LEASE_EVENTS, addr=f"inproc://client-sdk-lease-{os.getpid()}-"
-                                                               f"{next(_monitors)}")
+        monitor = sock.get_monitor_socket(_LEASE_EVENTS if tcp else zmq.EVENT_DISCONNECTED,
+                                          addr=f"inproc://client-sdk-lease-{os.getpid()}-{next(_monitors)}")
         sock.connect(pin.endpoint)
     except zmq.ZMQError as e:
         if monitor is not None:
@@ -357,32 +363,6 @@ def lease_dealer(ctx: zmq.Context, pin: Any, curve: C.PeerKeys | None, connect_s
             monitor.close(linger=0)
         sock.close(linger=0)
         raise InvalidInput(f"cannot connect to the leased worker at {pin.endpoint!r}: {e}") from None
-    return sock, monitor
-
-
-def _ipc_lease_dealer(ctx: zmq.Context, endpoint: str, keys: Any) -> tuple[zmq.Socket, zmq.Socket]:
-    """A lease's DEALER on an ipc direct socket, and a monitor of its connection's drops
-    alone (EVENT_DISCONNECTED: the worker's process ended, or closed its socket), which the
-    twins read as they read a tcp lease's (`lease_events`; `pin_link_lost`).  While a broker
-    holds the lease, it tells the client of a dead worker (LEASE_END with resend); a lease
-    whose broker restarted is known to nobody else, and its calls, which stay on it until
-    their worker answers (pins.py, `_pin_reset`), waited for their deadlines when that
-    worker died too.  (A connect that fails is left to libzmq's retries, as before: a
-    worker near its descriptor limit moves its socket's file aside for a while.)"""
-    sock = ctx.socket(zmq.DEALER)
-    monitor = None
-    try:
-        sock.setsockopt(zmq.LINGER, 0)
-        C.configure_peer(sock, keys)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED, addr=f"inproc://client-sdk-lease-{os.getpid()}-"
-                                                                       f"{next(_monitors)}")
-        sock.connect(endpoint)
-    except zmq.ZMQError as e:
-        if monitor is not None:
-            sock.disable_monitor()
-            monitor.close(linger=0)
-        sock.close(linger=0)
-        raise InvalidInput(f"cannot connect to the leased worker at {endpoint!r}: {e}") from None
     return sock, monitor
 
 
