@@ -130,12 +130,16 @@ class Metrics:
     def final(self, service: str, code: int, enqueued_at: float | None, dispatched_at: float | None,
               finished_at: float, key: object = None) -> None:
         """One request's FINAL reached (or was sent towards) its client: outcome, the time
-        from the broker's receipt to it, and the time it queued before its (last) dispatch."""
+        from the broker's receipt to it (a result's only: a fast error, a model that raised
+        at once, a refusal, passed for a fast answer in the latency histogram and hid a
+        failing service's latency; errors are in the outcome counts), and the time it
+        queued before its (last) dispatch."""
         s = self._svc(service)
         name = outcome_name(code)
         s.outcomes[name] = s.outcomes.get(name, 0) + 1
         if enqueued_at is not None:
-            s.request.observe(max(0.0, finished_at - enqueued_at))
+            if not code:
+                s.request.observe(max(0.0, finished_at - enqueued_at))
             if dispatched_at is not None:
                 s.queue_wait.observe(max(0.0, dispatched_at - enqueued_at))
 
@@ -284,7 +288,8 @@ def render(metrics: dict | None, sched: dict, known: Iterable[str]) -> list:
     fams.append(requests)
     fams.append(_histogram("zmq_infer_queue_wait_seconds", "Time from the broker's receipt to the dispatch "
                            "that ran the request", ((n, s.queue_wait) for n, s in svcs)))
-    fams.append(_histogram("zmq_infer_request_seconds", "Time from the broker's receipt to the FINAL",
+    fams.append(_histogram("zmq_infer_request_seconds", "Time from the broker's receipt to the FINAL, of "
+                           "the requests answered with a result (outcome ok)",
                            ((n, s.request) for n, s in svcs)))
     fams.append(_histogram("zmq_infer_compute_seconds", "Model time of each request's batch (worker-side)",
                            ((n, s.compute) for n, s in svcs)))

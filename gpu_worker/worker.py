@@ -2252,10 +2252,9 @@ class Worker:
 
     def _count_leased(self, job: Job, sent: bool = True) -> None:
         """A leased request's FINAL was sent (a result, or the error `_reply_error` set in
-        ``job.code``): the broker never sees it, so our next STATS counts it, with its time
-        from our receipt of the REQUEST to now (to its deadline, for a request its caller
-        gave up on at the deadline: as long as the caller waited, as the broker counts a
-        brokered one).  A FINAL that found its client gone (``sent`` false) counts as
+        ``job.code``): the broker never sees it, so our next STATS counts it, and a result
+        its time from our receipt of the REQUEST to now (`zmq_infer_request_seconds` holds
+        results only, as the broker counts a brokered one: a fast error is no fast answer).  A FINAL that found its client gone (``sent`` false) counts as
         `LEASED_CLIENT_GONE`, as the broker counts a brokered request whose client left.
         One told to resend it through the broker is the broker's to count when it comes."""
         code = job.code
@@ -2271,9 +2270,8 @@ class Worker:
         now = time.monotonic()
         if self._leased_since is None and self.counts:  # (a broker that counts nothing gets no STATS)
             self._leased_since = now
-        if code == P.ErrorCode.DEADLINE_EXCEEDED and job.deadline is not None:
-            now = min(now, job.deadline)
-        self._hist["leased_request"].observe(max(0.0, now - job.received))
+        if not code:
+            self._hist["leased_request"].observe(max(0.0, now - job.received))
         dropped = job.req.dropped if job.req is not None else None
         if dropped and 0 < dropped < 1 << 32 and code != P.ErrorCode.QUEUE_FULL:
             # Frames its latest-wins stream dropped before this one (the broker counts them
