@@ -651,6 +651,7 @@ class Broker:
         self._stall_log = P.RateLimitedLog(log)  # its own throttle: a flood of junk cannot hide it
         self._deaths = P.RateLimitedLog(log)  # workers presumed dead (their own throttle, as above)
         self._lost = P.RateLimitedLog(log)  # ... the last live one of a service
+        self._worker_failed = P.RateLimitedLog(log)  # requests failed WORKER_FAILED (their own throttle too)
         self._oops = P.RateLimitedLog(log)  # unexpected exceptions: a traceback a second at most
         # The once-a-second collection that fails (out of descriptors, say): once a minute.
         self._gc_oops = P.RateLimitedLog(log, every=60.0)
@@ -658,8 +659,8 @@ class Broker:
         # failed tcp handshakes (`_mismatch`), by side and cause: libzmq retries each 10 times a second
         self._handshakes = {(peer, code): P.RateLimitedLog(log, every=10.0)
                             for peer in ("client", "worker") for code in (*_HANDSHAKE_ERRORS, None)}
-        self._throttles = (self._bad, self._stall_log, self._deaths, self._lost, self._oops, self._gc_oops,
-                           self._paused_log, *self._handshakes.values())
+        self._throttles = (self._bad, self._stall_log, self._deaths, self._lost, self._worker_failed, self._oops,
+                           self._gc_oops, self._paused_log, *self._handshakes.values())
         self._doomed: dict[bytes, None] = {}  # clients a send found stalled or gone, to drop
         # Big frames sent to each client that libzmq may still hold (`_track_unread`), and how
         # many bytes of them a client may have waiting: its byte cap's worth.
@@ -1991,7 +1992,14 @@ class Broker:
             elif t is ClientError:
                 if self.metrics is not None:
                     self.metrics.final(a.service, a.code, a.enqueued_at, None, now)
-                if self._log_info:
+                if a.code == P.ErrorCode.WORKER_FAILED:
+                    # The service failed a request (its workers died under it: a request
+                    # that kills every worker it meets, a stream cut): a WARNING at the
+                    # default level, naming it, as a model that raised is an ERROR naming its
+                    # batch; the deaths' own WARNINGs do not say which request it was.
+                    self._worker_failed.warning("request failed: " + a.message, extra={
+                        **self._request_head(a.payload, a.request_id), "service": a.service, "code": int(a.code)})
+                elif self._log_info:
                     self._log_request("request failed: " + a.message, a.payload, a.request_id,
                                       service=a.service, code=int(a.code))
                 rid = a.request_id if a.request_id >= 0 else 0
@@ -2087,10 +2095,13 @@ class Broker:
 
     def _log_request(self, msg: str, payload: Any, request_id: int, **fields: Any) -> None:
         """One INFO line about a request, naming it (rid, trace_id) as the worker does."""
+        log.info(msg, extra={**self._request_head(payload, request_id), **fields})
+
+    @staticmethod
+    def _request_head(payload: Any, request_id: int) -> dict:
+        """The fields that name a request in a log line (rid, trace_id), as the worker's do."""
         req = getattr(payload, "header", None)
         if req is not None:
-            head = logs.request_fields(req)
-        else:  # a plain MDP request: ids of its own (negative), unknown to workers
-            head = {"rid": f"mdp:{-request_id}"}
-        log.info(msg, extra={**head, **fields})
+            return logs.request_fields(req)
+        return {"rid": f"mdp:{-request_id}"}  # a plain MDP request: ids of its own (negative), unknown to workers
 

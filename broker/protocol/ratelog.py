@@ -30,14 +30,16 @@ class RateLimitedLog:
         self.suppressed = 0
         self._held: list = []  # (msg, args) of the first suppressed ones since the last line
 
-    def _due(self, msg: str, args: tuple) -> bool:
+    def _due(self, msg: str, args: tuple, extra: dict | None = None) -> bool:
         now = time.monotonic()
         if now - self.last >= self.every:
             self.last = now
             return True
         self.suppressed += 1
         if len(self._held) < SHOWN:
-            self._held.append((msg, args))
+            rid = extra.get("rid") if extra else None
+            # A held line about a request keeps its rid in the summary (grep finds it there).
+            self._held.append((msg + " rid=%s", (*args, rid)) if rid is not None else (msg, args))
         return False
 
     def _tail(self, msg: str) -> str:
@@ -47,9 +49,10 @@ class RateLimitedLog:
             self._held = []
         return msg
 
-    def warning(self, msg: str, *args) -> None:
-        if self._due(msg, args):
-            self.log.warning(self._tail(msg), *args)
+    def warning(self, msg: str, *args, extra: dict | None = None) -> None:
+        """``extra``: the line's fields (a request's ``rid``: kept in `flush`'s summary too)."""
+        if self._due(msg, args, extra):
+            self.log.warning(self._tail(msg), *args, extra=extra)
 
     def exception(self, msg: str, *args) -> None:
         """Like `logging.Logger.exception` (the traceback included), throttled."""

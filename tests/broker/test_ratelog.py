@@ -45,3 +45,19 @@ def test_a_burst_is_one_line_then_its_tail_within_the_next_interval(monkeypatch,
         clock.t += 5.0
         log.flush()
         assert len(caplog.records) == 4  # and the flush has nothing left to say
+
+
+def test_a_line_about_a_request_keeps_its_rid_held_back_or_not(monkeypatch, caplog):
+    # A throttled line naming a request (WORKER_FAILED at the broker): its rid is a field of
+    # the line it writes, and part of the summary that says what a burst held back.
+    clock = Clock()
+    monkeypatch.setattr(ratelog.time, "monotonic", clock)
+    log = RateLimitedLog(logging.getLogger("test-ratelog"), every=1.0)
+    with caplog.at_level(logging.WARNING, logger="test-ratelog"):
+        for i in (1, 2):
+            log.warning("request failed: %s", "its workers died", extra={"rid": f"7:{i}", "code": 502})
+        assert caplog.records[0].rid == "7:1" and caplog.records[0].code == 502
+        clock.t += 1.0
+        log.flush()
+        assert caplog.records[-1].getMessage() == (
+            "1 similar messages held back in the last 1s: request failed: its workers died rid=7:2")

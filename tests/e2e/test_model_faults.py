@@ -308,8 +308,10 @@ def test_a_request_that_kills_its_worker_takes_no_other_request_with_it(cluster)
     # request its worker held.  They were retried together and batched together again, so
     # the others died with it again and failed with it (max_retries 1 here: the default 2
     # takes one more round).  A last attempt runs alone on a worker holding nothing else: only
-    # the killer fails, and it takes one worker per attempt.
-    cluster.broker("--max-retries", "1")
+    # the killer fails, and it takes one worker per attempt.  The broker says which request
+    # it was at its default level (the counts hunt: only the deaths were WARNINGs, and the
+    # failed request's rid was in an INFO line alone).
+    broker = cluster.broker("--max-retries", "1")
     workers = [cluster.worker("faulty_model:batched", "--service", "batched", "--max-batch", "8",
                               "--max-delay-ms", "20") for _ in range(3)]
     slow = {"slow": 1}  # batches of 0.15 s: the requests pile up at the workers
@@ -336,6 +338,10 @@ def test_a_request_that_kills_its_worker_takes_no_other_request_with_it(cluster)
     served, err = asyncio.run(scenario())
     assert sorted(served) == list(range(36))
     assert "alone" in str(err), err
+    rid = f"rid={os.getpid()}:{err.request_id}"
+    broker.wait_log(rid)
+    lines = [ln for ln in broker._err.decode().splitlines() if rid in ln]
+    assert len(lines) == 1 and " WARNING request failed: " in lines[0] and "code=502" in lines[0], lines
     dead = [w for w in workers if w.p.poll() is not None]
     assert len(dead) == 2 and all(w.p.returncode == 70 for w in dead)
     with Client(cluster.frontend, timeout=20) as c:  # the survivor serves on
