@@ -2013,9 +2013,11 @@ class Broker:
                 self.send_to_worker(P.to_worker_cancel(a.worker, P.token_envelope(a.token), a.why))
                 if a.why == P.CANCEL_CLIENT_GONE and self._log_info:
                     known = self._worker_info.get(a.worker)
-                    log.info("a client left while a worker held one of its requests: cancelled there (the worker's "
-                             "line names it; a result it sent straight to the client may have crossed this)",
-                             extra={"worker_pid": known[1] if known is not None else None})
+                    # Its rid, as the worker's line has it (the counts hunt: this line had
+                    # none, and an operator could not match the two).
+                    self._log_request("a client left while a worker held one of its requests: cancelled there (a "
+                                      "result it sent straight to the client may have crossed this)", a.payload,
+                                      a.request_id, worker_pid=known[1] if known is not None else None)
             elif t is RecallAtWorker:
                 if self.metrics is not None:
                     known = self._worker_info.get(a.worker)

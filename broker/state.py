@@ -203,7 +203,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from broker.leases import T_LEASE, LeaseAction, LeaseEvents
 from broker.protocol import CANCEL_CLIENT_GONE, CANCEL_EXPIRED, ErrorCode, Priority  # noqa: F401  (re-exported)
@@ -330,6 +330,9 @@ class CancelAtWorker:
     worker: bytes
     token: int
     why: int = 0  # 0: the client asked; CANCEL_EXPIRED: its deadline passed; CANCEL_CLIENT_GONE
+    # The request, for a log line that names it as the worker's does (rid): not compared.
+    request_id: int = field(default=0, compare=False)
+    payload: object = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -2149,7 +2152,8 @@ class Scheduler(LeaseEvents):
                 self._retire(req)
             else:
                 if req.state == _RUNNING:
-                    out.append(CancelAtWorker(req.worker.ident, req.token, CANCEL_CLIENT_GONE))
+                    out.append(CancelAtWorker(req.worker.ident, req.token, CANCEL_CLIENT_GONE,
+                                              req.request_id, req.payload))
                 if req.state != _ABANDONED:
                     # (truthy either way; a client that had cancelled it gets its 499 counted
                     # `cancelled`, as it asked, not `client_gone`: `_settle`)

@@ -568,10 +568,18 @@ def test_timeouts_count_as_deadlines_and_a_dead_clients_request_as_client_gone(c
             child.kill()
             child.wait(WAIT)
         child.stdout.close()
-    broker.wait_log("a client left while a worker held one of its requests: cancelled there")
+    left = "a client left while a worker held one of its requests: cancelled there"
+    broker.wait_log(left)
     gate.release(1)
     until(lambda: outcomes()["client_gone"] == 1, "the dead client's request counted")
     assert outcomes() == {"ok": 2, "deadline_exceeded": 5, "cancelled": 0, "client_gone": 1}
+    # The broker's line names the request as the worker's does (its "request done", or its
+    # "cancelled ...: its client left" when it read the CANCEL before the batch ended), so
+    # that one grep finds it in both logs (the counts hunt: the broker's had no rid).
+    w.wait_log(f"rid={child.pid}:")
+    rid = w._err.decode().split(f"rid={child.pid}:")[1].split()[0]
+    assert [ln for ln in broker._err.decode().splitlines() if left in ln][0].split("rid=")[1].split()[0] == \
+        f"{child.pid}:{rid}"
 
 
 def test_a_restarted_broker_gets_the_pools_gauges_without_traffic(cluster):
