@@ -1321,11 +1321,12 @@ class Broker:
             frames = [frames[0], b"", *frames[1:]]
         send_frames(self.backend, frames)
 
-    def _send_client(self, ident: bytes, frames: list) -> None:
-        """`frames` start at MDPC02; the identity (and a REQ client's delimiter) go first."""
+    def _send_client(self, ident: bytes, frames: list) -> bool:
+        """`frames` start at MDPC02; the identity (and a REQ client's delimiter) go first.
+        False: nothing went (the client's connection is gone, or being dropped)."""
         doomed = self._doomed
         if doomed and ident in doomed:
-            return  # being dropped: nothing more goes to it
+            return False  # being dropped: nothing more goes to it
         head = [ident, b""] if ident in self._req_clients else [ident]
         tracked = None
         last = len(frames)
@@ -1348,7 +1349,7 @@ class Broker:
         except zmq.Again:
             # client_hwm messages wait for it already: it does not read what it asked for.
             self._stalled(ident, f"{self._client_hwm} replies waiting")
-            return
+            return False
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:
                 # A client that went away: nothing to deliver to, and nothing wrong (a client
@@ -1358,9 +1359,10 @@ class Broker:
             else:
                 self._bad.warning("could not send to client %r: %s", ident[:16], e)
             doomed[ident] = None
-            return
+            return False
         if tracked is not None:
             self._track_unread(ident, tracked)
+        return True
 
     def _track_unread(self, ident: bytes, tracked: list) -> None:
         """Big frames just sent to ``ident`` (their trackers, their sizes): what libzmq still
@@ -1981,11 +1983,16 @@ class Broker:
             if t is Dispatch:
                 self._dispatch(a, now)
             elif t is ToClient:
-                self._send_client(
+                sent = self._send_client(
                     a.client, P.client_reply(a.final, a.service.encode(), a.payload)
                 )
                 if a.final and self.metrics is not None:
-                    self.metrics.final(a.service, a.code, a.enqueued_at, a.dispatched_at, now)
+                    # A result that could not go (its client's connection closed: a client
+                    # killed while its request ran, before its liveness window dropped it)
+                    # reached nobody: `client_gone`, as one relayed after the client left
+                    # (counted `ok` before: the counts hunt); an error is the service's own.
+                    self.metrics.final(a.service, CLIENT_GONE if not sent and not a.code else a.code,
+                                       a.enqueued_at, a.dispatched_at, now)
             elif t is LateToClient:
                 if a.client not in self._req_clients and _names_slots(a.payload):
                     self._send_late(a.client, P.client_reply(a.final, a.service.encode(), a.payload))

@@ -556,18 +556,22 @@ def test_timeouts_count_as_deadlines_and_a_dead_clients_request_as_client_gone(c
     assert outcomes() == {"ok": 2, "deadline_exceeded": 5, "cancelled": 0, "client_gone": 0}
     w.wait_log("deadline passed while its batch ran; its result was dropped; its caller gave up")
 
-    child = subprocess.Popen([sys.executable, "-c", _BROKERED_CHILD, cluster.frontend], stdout=subprocess.PIPE,
-                             text=True)
-    try:
-        assert child.stdout.readline().split() == ["SENT"]
-        until(lambda: runs.exists() and runs.read_text().count("\n") == 2, "the child's request running")
-        child.kill()
-        child.wait(WAIT)
-    finally:
-        if child.poll() is None:
+    def killed_while_its_request_runs(n_runs):
+        child = subprocess.Popen([sys.executable, "-c", _BROKERED_CHILD, cluster.frontend],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout.readline().split() == ["SENT"]
+            until(lambda: runs.exists() and runs.read_text().count("\n") == n_runs, "the child's request running")
             child.kill()
             child.wait(WAIT)
-        child.stdout.close()
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(WAIT)
+            child.stdout.close()
+        return child
+
+    child = killed_while_its_request_runs(2)
     left = "a client left while a worker held one of its requests: cancelled there"
     broker.wait_log(left)
     gate.release(1)
@@ -580,6 +584,17 @@ def test_timeouts_count_as_deadlines_and_a_dead_clients_request_as_client_gone(c
     rid = w._err.decode().split(f"rid={child.pid}:")[1].split()[0]
     assert [ln for ln in broker._err.decode().splitlines() if left in ln][0].split("rid=")[1].split()[0] == \
         f"{child.pid}:{rid}"
+
+    # Its result comes before the broker dropped the client (its liveness window): the
+    # broker's send finds the connection closed, and the result reached nobody: client_gone
+    # too (the counts hunt: `ok`, 4 of 4 such kills, for a client that got nothing).
+    killed_while_its_request_runs(3)
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        c.mmi_service("held")  # a round trip after the kill: the broker's I/O thread saw the close
+    gate.release(1)
+    until(lambda: sum(outcomes().values()) == 9, "the second dead client's request counted")
+    assert outcomes() == {"ok": 2, "deadline_exceeded": 5, "cancelled": 0, "client_gone": 2}
+    assert broker._err.decode().count(left) == 1  # not dropped yet when its result came
 
 
 def test_a_restarted_broker_gets_the_pools_gauges_without_traffic(cluster):
