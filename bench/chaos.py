@@ -72,6 +72,17 @@ there), and so on; `max_retries` (default 2) counts deaths to stop a request tha
 every worker it meets, so a pool whose workers can die together wants at least as many
 retries as it has workers: `--max-retries` is workers + 1 here (docs/operations.md).
 
+With `--counts` each broker instance runs with `--http` and its `/metrics` is scraped at the
+end of its life (just before a restart's SIGKILL, and at the close once every client has
+stopped and the workers' last STATS are in), and the sum over instances of
+`zmq_infer_requests_total{service="echo"}` is held to what the clients got: no more ok than
+the clients' ok replies plus the calls they sent again (`resent_calls`: a resend may be
+counted by each broker or connection that saw it), the stream frames they skipped and the
+client processes killed (a direct reply may have gone before the kill); no error outcome
+beyond those resends and kills (every call succeeded); and, when no broker or worker was
+SIGKILLed (a killed one takes with it what it counted after its last scrape, or its last
+STATS), no fewer ok than the clients got.  A mismatch fails the run.
+
 Exit status 0 when nothing was wrong (the client process counts: it exits 3 on a wrong
 reply), no request failed, every client got replies and ended (a client that raised outside
 a request counts as `crashed`), every process ended as it should (a drained worker with 0),
@@ -115,6 +126,22 @@ def _shm_files() -> set[str]:
         return set()
 
 
+def _requests_total(http: str) -> dict[str, int]:
+    """zmq_infer_requests_total{service="echo"} by outcome, from the broker's /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
+        body = r.read().decode()
+    out: dict[str, int] = {}
+    for fam in text_string_to_metric_families(body):
+        for smp in fam.samples:
+            if smp.name == "zmq_infer_requests_total" and smp.labels.get("service") == "echo":
+                out[smp.labels["outcome"]] = int(smp.value)
+    return out
+
+
 def _last_json(out: bytes) -> dict | None:
     """The last line of `out` that is a JSON object (a process's report as it ended)."""
     for line in reversed(out.decode(errors="replace").splitlines()):
@@ -131,7 +158,7 @@ class Fleet:
     """The broker and the workers, on ipc endpoints in `d`, and the faults done to them."""
 
     def __init__(self, d: str, heartbeat: float, workers: int, broker_args: tuple[str, ...] = (),
-                 model: str = "echo", tcp: bool = False, hostile_seed: int | None = None):
+                 model: str = "echo", tcp: bool = False, hostile_seed: int | None = None, counts: bool = False):
         self.fe, self.be = f"ipc://{d}/fe.ipc", f"ipc://{d}/be.ipc"
         self.relay = None
         self.client_ep = self.fe  # where the clients connect
@@ -146,7 +173,16 @@ class Fleet:
             self.client_ep = f"tcp://127.0.0.1:{self.relay.port}"
         self.model = model
         self.hb = heartbeat
+        self.d = d
         self.broker_args = list(broker_args)
+        # --counts: each broker instance's zmq_infer_requests_total{service="echo"} by outcome,
+        # scraped at the end of its life (a restart resets them): [{pid, why, outcomes}]
+        self.counts = counts
+        self.broker_http: str | None = None
+        self.scrapes: list[dict] = []
+        self.client_files: list[str] = []  # each client process's count of its ok replies
+        if counts:
+            self.broker_args += ["--http", "127.0.0.1:0"]
         self.broker: subprocess.Popen | None = None
         self.client: subprocess.Popen | None = None
         self.hostile: subprocess.Popen | None = None  # `bench.hostile`, with --hostile
@@ -173,7 +209,7 @@ class Fleet:
         p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=stderr,
                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
         try:
-            wait_ready(p, 120)
+            p.ready_line = wait_ready(p, 120)
         except BaseException:  # PeerStartError, or an interrupt while it starts: not left running
             p.kill()
             p.wait(10)
@@ -184,6 +220,30 @@ class Fleet:
     def start_broker(self) -> None:
         self.broker = self._spawn(["-m", "broker", "--frontend", self.fe, "--backend", self.be,
                                    "--heartbeat-interval", str(self.hb), *self.broker_args])
+        if self.counts:
+            self.broker_http = next(f.split("=", 1)[1] for f in self.broker.ready_line.split() if f.startswith("http="))
+
+    def scrape(self, why: str, settle: bool = False) -> None:
+        """With --counts: the broker's requests_total for `echo`, by outcome, kept as this
+        instance's last word (just before a planned kill or the close).  `settle`: until two
+        scrapes a few heartbeat intervals apart agree (pinned requests come in the workers'
+        STATS; direct replies' counts in their DONEs), once nothing is sent any more."""
+        if not self.counts or self.broker is None or self.broker.poll() is not None:
+            return
+        try:
+            got = _requests_total(self.broker_http)
+            if settle:
+                deadline = time.monotonic() + 10
+                while time.monotonic() < deadline:
+                    time.sleep(3 * self.hb)  # STATS come once an interval: a pace, not a synchronisation
+                    again = _requests_total(self.broker_http)
+                    if again == got:
+                        break
+                    got = again
+        except OSError as e:
+            self.failures.append(f"broker {self.broker.pid}: /metrics could not be scraped ({why}): {e}")
+            return
+        self.scrapes.append({"pid": self.broker.pid, "why": why, "outcomes": got})
 
     def start_worker(self) -> subprocess.Popen:
         return self._spawn(["-m", "gpu_worker", "--broker", self.be, "--model", self.model, "--service", "echo", "--direct",
@@ -191,7 +251,9 @@ class Fleet:
 
     def start_client(self) -> subprocess.Popen:
         """A client process (`--client`), once it has had a reply."""
-        return self._spawn(["-m", "bench.chaos", "--client", self.client_ep])
+        f = os.path.join(self.d, f"client-{len(self.client_files)}.count")
+        self.client_files.append(f)
+        return self._spawn(["-m", "bench.chaos", "--client", self.client_ep, f])
 
     def fault(self, kind: str, rng: random.Random, hang_s: float) -> str:
         """Do one fault; what was done, in words."""
@@ -215,6 +277,7 @@ class Fleet:
                 self.broker.send_signal(signal.SIGCONT)
             return f"broker {self.broker.pid} stopped for {hang_s / 3:g} s"
         if kind in ("restart-broker", "outage"):
+            self.scrape(kind)  # its last word: the kill follows at once
             old = self.broker
             old.kill()
             old.wait(10)
@@ -274,6 +337,15 @@ class Fleet:
             self.failures.append(f"client process {p.pid} exited by itself with status {rc}")
 
     def close(self) -> None:
+        if self.counts and self.client is not None and self.client.poll() is None:
+            # The last instance's word once nothing sends (the threads have stopped): the
+            # client process first, so that its calls are all in.
+            self.client.terminate()
+            try:
+                self.client.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+            self.scrape("close", settle=True)
         # All told at once (SIGTERM): the workers drain and say goodbye to a broker that is
         # still there, since a broker drains too.
         for p in [*self.workers, self.broker]:
@@ -329,6 +401,13 @@ class Tally:
         self.outcomes: Counter = Counter()
         self.samples: list[str] = []  # the first two error messages of each kind, for the report
         self.latencies: list[float] = []
+        self.client_stats: Counter = Counter()  # the clients' own counters, as they closed
+
+    def note_client(self, c) -> None:
+        """What a client did beyond its calls: resends (a restart, a replaced connection),
+        replies it dropped (late copies), restarts and reconnects it saw."""
+        for k in ("resent_calls", "stray_replies", "broker_restarts", "broker_reconnects"):
+            self.client_stats[k] += getattr(c, k)
 
     def done(self, t0: float, ok: bool) -> None:
         self.latencies.append(time.monotonic() - t0)
@@ -349,7 +428,8 @@ class Tally:
         return {"outcomes": dict(self.outcomes),
                 "requests": sum(n for k, n in self.outcomes.items() if k != "dropped"),  # answered or failed
                 "p50_ms": round(statistics.median(lat) * 1e3, 3) if lat else None,
-                "max_ms": round(lat[-1] * 1e3, 1) if lat else None, "error_samples": self.samples}
+                "max_ms": round(lat[-1] * 1e3, 1) if lat else None, "error_samples": self.samples,
+                "client_stats": dict(self.client_stats)}
 
 
 def _wait_service(c, timeout: float = 60.0) -> None:
@@ -394,6 +474,7 @@ def _sync_client(fe: str, kind: str, tally: Tally, stop: threading.Event, timeou
                 tally.failed(e)
                 continue
             tally.done(t0, ok)
+        tally.note_client(c)
 
 
 def _stream_client(fe: str, tally: Tally, stop: threading.Event, timeout: float, seed: int) -> None:
@@ -406,6 +487,7 @@ def _stream_client(fe: str, tally: Tally, stop: threading.Event, timeout: float,
     def take(r) -> None:
         for f in [f for f in sent if f < r.frame]:  # results come in send order: these were dropped
             del sent[f]
+            tally.client_stats["stream_skipped"] += 1
         x, t0 = sent.pop(r.frame)
         try:
             tally.done(t0, bool(np.array_equal(r["x"], x)))
@@ -433,6 +515,7 @@ def _stream_client(fe: str, tally: Tally, stop: threading.Event, timeout: float,
                     break
                 stop.wait(0.005)  # the camera's pace (200 fps), not a synchronisation
             tally.outcomes["dropped"] += st.stats()["dropped"]
+        tally.note_client(c)
 
 
 def _pipelined(c, x, tally: Tally, stop: threading.Event, rng, quiet_s: float) -> None:
@@ -487,6 +570,7 @@ def _async_client(fe: str, tally: Tally, stop: threading.Event, timeout: float, 
                     raise TimeoutError("no echo worker registered")
                 await asyncio.sleep(0.05)
             await asyncio.gather(*(one_task(c, np.random.default_rng(seed + i)) for i in range(tasks)))
+            tally.note_client(c)
 
     asyncio.run(main())
 
@@ -515,7 +599,7 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
         hang_s: float = 1.5, timeout: float = 30.0, settle_s: float = 3.0, async_tasks: int = 4,
         service_grace: float = 30.0, max_retries: int | None = None, model: str = "echo", tcp: bool = False,
         plan: list[tuple[float, str]] | None = None, clients: tuple[str, ...] = CLIENTS,
-        hostile: bool = False, log=print) -> dict:
+        hostile: bool = False, counts: bool = False, log=print) -> dict:
     """One chaos run (see the module docstring); `plan` replaces the random schedule, `model`
     the workers' echo (served as `echo`: any model that returns its input)."""
     unknown = set(clients) - set(CLIENTS)
@@ -527,7 +611,7 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
     max_retries = workers + 1 if max_retries is None else max_retries
     try:
         fleet = Fleet(d, heartbeat, workers, ("--service-grace", str(service_grace), "--max-retries", str(max_retries)),
-                      model, tcp, hostile_seed=seed + 7 if hostile else None)
+                      model, tcp, hostile_seed=seed + 7 if hostile else None, counts=counts)
     except BaseException:
         shutil.rmtree(d, ignore_errors=True)
         raise
@@ -566,8 +650,18 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
         for t in threads:
             t.join(max(0.0, join_by - time.monotonic()))
         stuck = [t.name for t in threads if t.is_alive()]
+        process_ok = process_resent = 0
         try:
             fleet.close()
+            for f in fleet.client_files:
+                try:
+                    with open(f, "rb") as fh:
+                        got = fh.read().split()
+                    if got:
+                        process_ok += int(got[0])
+                        process_resent += int(got[1])
+                except FileNotFoundError:  # it never had a reply
+                    pass
         finally:
             shutil.rmtree(d, ignore_errors=True)
     elapsed = time.monotonic() - t0
@@ -576,15 +670,60 @@ def run(seconds: float = 60.0, *, every: float = 3.0, seed: int = 1, workers: in
     wrong = fleet.wrong + sum(r["outcomes"].get("wrong", 0) for r in per_client.values())
     failed = sum(n for r in per_client.values() for k, n in r["outcomes"].items() if k not in ("ok", "wrong", "dropped"))
     idle = [name for name, r in per_client.items() if not r["outcomes"].get("ok")]  # never got a reply
+    count_check = check_counts(fleet.scrapes, per_client, process_ok, process_resent, events) if counts else None
     return {"seconds": round(elapsed, 1), "seed": seed, "every_s": every, "heartbeat_s": heartbeat, "hang_s": hang_s,
             "timeout_s": timeout, "workers": workers, "tcp": tcp, "hostile": hostile, "service_grace_s": service_grace,
             "max_retries": max_retries, "faults": events, "clients": per_client,
             "wrong": wrong, "failed": failed, "stuck_clients": stuck, "idle_clients": idle,
             "process_failures": fleet.failures, "hostile_report": fleet.hostile_report, "shm_left": shm_left,
-            "passed": wrong == 0 and failed == 0 and not stuck and not idle and not fleet.failures and not shm_left}
+            "counts": count_check,
+            "passed": wrong == 0 and failed == 0 and not stuck and not idle and not fleet.failures and not shm_left
+            and (count_check is None or not count_check["mismatches"])}
 
 
-def client_process(fe: str) -> int:
+def check_counts(scrapes: list[dict], per_client: dict, process_ok: int, process_resent: int,
+                 events: list[dict]) -> dict:
+    """The brokers' zmq_infer_requests_total for `echo` (summed over instances) against what
+    the clients got (see `--counts` in the module docstring)."""
+    brokers: Counter = Counter()
+    for sc in scrapes:
+        brokers.update(sc["outcomes"])
+    stats: Counter = Counter()
+    for r in per_client.values():
+        stats.update(r.get("client_stats", {}))
+    clients_ok = sum(r["outcomes"].get("ok", 0) + r["outcomes"].get("wrong", 0) for r in per_client.values()) \
+        + process_ok
+    mismatches: list[str] = []
+    # Each call the clients sent again (a broker restart, a replaced connection) may be
+    # counted twice, once by each broker (or connection) that saw it; a latest-wins stream's
+    # frame skipped at the client was answered all the same; nothing else may add a count.
+    stats["resent_calls"] += process_resent
+    resent = stats["resent_calls"]
+    errors = {k: n for k, n in brokers.items() if k != "ok"}
+    # A killed client process's call in flight: client_gone, or ok when its worker's direct
+    # reply went before the death (docs/operations.md: nobody can tell whether it was read).
+    kills = sum(1 for e in events if e["fault"] == "kill-client")
+    extra = resent + stats["stream_skipped"] + kills
+    if brokers["ok"] > clients_ok + extra:
+        mismatches.append(f"the brokers counted {brokers['ok']} ok, the clients got {clients_ok}, and sent "
+                          f"{resent} again ({stats['stream_skipped']} stream frames skipped, {kills} client(s) killed): "
+                          f"{brokers['ok'] - clients_ok - extra} ok too many")
+    if sum(errors.values()) > resent + kills:
+        mismatches.append(f"the brokers counted {errors} for calls that all succeeded at their clients; "
+                          f"{resent} resends and {kills} killed client(s) explain {resent + kills}")
+    # A SIGKILLed broker or worker takes with it the counts of its last moments (pinned
+    # requests' counts travel in the worker's STATS; what a broker counted after its last
+    # scrape): with none, every ok a client got was counted.
+    killing = {"restart-broker", "outage", "kill-worker", "kill-workers"} & {e["fault"] for e in events}
+    if not killing and brokers["ok"] < clients_ok:
+        mismatches.append(f"the brokers counted {brokers['ok']} ok, the clients got {clients_ok}: "
+                          f"{clients_ok - brokers['ok']} uncounted")
+    return {"uncounted": max(0, clients_ok - brokers["ok"]), "exact": not killing,
+            "brokers": dict(brokers), "clients_ok": clients_ok, "process_ok": process_ok,
+            "client_stats": dict(stats), "instances": scrapes, "mismatches": mismatches}
+
+
+def client_process(fe: str, count_file: str | None = None) -> int:
     """`--client FE`: the client that kill-client kills.  Pinned, a 64 KiB input in its shared
     memory refilled every request, READY once the service is there; exits 3 on a wrong reply
     (the harness counts it), 0 on SIGTERM.  Its failed requests are not counted: what it
@@ -598,7 +737,8 @@ def client_process(fe: str) -> int:
         _wait_service(c)
         x = np.empty((64, 1024), np.uint8) if tcp else c.alloc((64, 1024), np.uint8)
         print("READY chaos-client", flush=True)
-        n = 0
+        n = ok = 0
+        fd = os.open(count_file, os.O_WRONLY | os.O_CREAT, 0o600) if count_file else None
         while not stop.is_set():
             n += 1
             value = n % 251
@@ -610,6 +750,9 @@ def client_process(fe: str) -> int:
                         return 3
             except Exception:
                 continue
+            ok += 1
+            if fd is not None:  # its ok replies so far, for --counts (it may be killed at any time)
+                os.pwrite(fd, b"%20d %20d" % (ok, c.resent_calls), 0)
     return 0
 
 
@@ -617,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["--client"]:
-        return client_process(argv[1])
+        return client_process(argv[1], argv[2] if len(argv) > 2 else None)
     ap = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="how long faults come (default 60)")
     ap.add_argument("--every", type=float, default=3.0, help="mean seconds between faults (default 3)")
@@ -636,11 +779,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hostile", action="store_true",
                     help="a hostile peer beside the clients (`bench.hostile`): mutated messages, forged "
                          "descriptors, floods, junk on the workers' direct sockets")
+    ap.add_argument("--counts", action="store_true",
+                    help="scrape each broker instance's /metrics at the end of its life and hold "
+                         "zmq_infer_requests_total to what the clients got")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     res = run(a.seconds, every=a.every, seed=a.seed, workers=a.workers, heartbeat=a.heartbeat_interval,
               hang_s=a.hang_s, timeout=a.timeout, settle_s=a.settle_s, service_grace=a.service_grace,
-              max_retries=a.max_retries, tcp=a.tcp, hostile=a.hostile)
+              max_retries=a.max_retries, tcp=a.tcp, hostile=a.hostile, counts=a.counts)
     for name, r in res["clients"].items():
         print(f"{name:8s} {r['requests']:7d} requests  p50 {r['p50_ms']} ms  longest {r['max_ms']} ms  {r['outcomes']}")
         for s in r["error_samples"]:
@@ -649,6 +795,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hostile: {res['hostile_report']}")
     for f in res["process_failures"]:
         print(f"process: {f}")
+    if res["counts"] is not None:
+        c = res["counts"]
+        print(f"counts: brokers {c['brokers']}, clients ok {c['clients_ok']} (client process {c['process_ok']}), "
+              f"clients {c['client_stats']}")
+        for m in c["mismatches"]:
+            print(f"counts: MISMATCH {m}")
     print(f"faults {len(res['faults'])}, wrong {res['wrong']}, failed {res['failed']}, stuck clients "
           f"{res['stuck_clients'] or 'none'}, clients with no reply {res['idle_clients'] or 'none'}, "
           f"shared memory left {res['shm_left'] or 'none'}: "

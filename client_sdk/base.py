@@ -76,6 +76,12 @@ class ClientBase:
         return self._core.broker_reconnects
 
     @property
+    def resent_calls(self) -> int:
+        """Brokered calls this client sent again because the broker restarted or its
+        connection was replaced (each once per resend; the broker may count both copies)."""
+        return self._core.resent
+
+    @property
     def pinned_replies(self) -> int:
         """Replies that came from a leased worker on its direct connection (`pin=True`, or a
         stream's service): requests that never crossed the broker (docs/client.md, "Pinned

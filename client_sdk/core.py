@@ -279,6 +279,7 @@ class ClientCore(PinEvents):
         # keepalive, a broker that closed it), and what went to the old one is lost.
         self.broker_route: bytes | None = None
         self.broker_reconnects = 0
+        self.resent = 0  # brokered calls sent again after a restart or a replaced connection
         # Counts the answers that named the connection: a stream whose first PARTIAL is
         # stamped with the current value got it after the last of them (`_on_broker_instance`)
         self._route_mark = 0
@@ -1328,6 +1329,7 @@ class ClientCore(PinEvents):
                 continue
             log.info("%s; resending request %d to %r", what, call.id, call.service)
             call.resends += 1
+            self.resent += 1
             # Only a copy still queued is dropped: one that started (it reached this
             # connection before the client knew it was new) answers, maybe first; a CANCEL
             # of it would throw its result away and leave the call to a second full run.

@@ -29,7 +29,7 @@ def test_the_schedule_is_seeded_paced_and_holds_every_fault():
 
 def test_every_fault_under_load_loses_no_request_and_leaves_nothing_behind():
     plan = [(1.0 + 0.5 * i, kind) for i, kind in enumerate(chaos.FAULTS)]
-    res = chaos.run(plan=plan, workers=2, seed=3, hang_s=1.2, settle_s=1.5, log=lambda *_: None)
+    res = chaos.run(plan=plan, workers=2, seed=3, hang_s=1.2, settle_s=1.5, counts=True, log=lambda *_: None)
     assert [e["fault"] for e in res["faults"]] == list(chaos.FAULTS)
     assert res["passed"], res
     for name, r in res["clients"].items():
@@ -40,7 +40,7 @@ def test_every_fault_under_load_loses_no_request_and_leaves_nothing_behind():
 def test_over_tcp_a_reset_of_every_client_connection_loses_no_request():
     plan = [(1.0, "reset"), (1.5, "restart-broker"), (2.0, "reset")]
     res = chaos.run(plan=plan, workers=1, seed=4, settle_s=1.5, tcp=True, clients=("small", "async", "pipelined"),
-                    log=lambda *_: None)
+                    counts=True, log=lambda *_: None)
     assert res["tcp"] and [e["fault"] for e in res["faults"]] == ["reset", "restart-broker", "reset"]
     assert res["passed"], res
     for name, r in res["clients"].items():
@@ -73,3 +73,14 @@ def test_a_client_that_crashes_fails_the_run(monkeypatch):
     assert res["idle_clients"] == ["stream"] and not res["passed"]
     with pytest.raises(ValueError, match="nonsense"):
         chaos.run(plan=[], clients=("nonsense",))
+
+
+def test_without_a_killed_broker_or_worker_the_brokers_count_every_ok_and_no_more():
+    """--counts: no process that counts is SIGKILLed, so each ok a client got is one count."""
+    plan = [(1.0, "drain-worker"), (1.5, "hang-broker"), (2.0, "kill-client")]
+    res = chaos.run(plan=plan, workers=2, seed=5, hang_s=0.9, settle_s=1.0, counts=True,
+                    clients=("small", "pinned", "async"), log=lambda *_: None)
+    c = res["counts"]
+    assert c["exact"] and not c["mismatches"], c
+    assert c["brokers"]["ok"] >= c["clients_ok"] > 100, c
+    assert res["passed"], res
