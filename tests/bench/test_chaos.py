@@ -84,3 +84,13 @@ def test_without_a_killed_broker_or_worker_the_brokers_count_every_ok_and_no_mor
     assert c["exact"] and not c["mismatches"], c
     assert c["brokers"]["ok"] >= c["clients_ok"] > 100, c
     assert res["passed"], res
+
+
+def test_the_count_check_names_each_kind_of_mismatch():
+    ok = {"small": {"outcomes": {"ok": 10}, "client_stats": {"resent_calls": 2}}}
+    fine = chaos.check_counts([{"outcomes": {"ok": 11, "client_gone": 1}}], ok, 0, 0, [{"fault": "restart-broker"}])
+    assert fine["mismatches"] == [] and not fine["exact"]
+    bad = chaos.check_counts([{"outcomes": {"ok": 13, "cancelled": 3}}], ok, 0, 0, [])
+    assert len(bad["mismatches"]) == 2 and "1 ok too many" in bad["mismatches"][0], bad
+    short = chaos.check_counts([{"outcomes": {"ok": 9}}], ok, 0, 0, [{"fault": "drain-worker"}])
+    assert short["mismatches"] == ["the brokers counted 9 ok, the clients got 10: 1 uncounted"], short
