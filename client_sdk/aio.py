@@ -280,7 +280,7 @@ class AsyncClient(ClientBase):
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         ctx = context(endpoint)  # first: it sees that libzmq's threads can start
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
-        # with the monitor of its handshakes over tcp, attached before it connected
+        # with the monitor of its handshakes (heartbeats on), attached before it connected
         self._sock, self._broker_monitor = broker_dealer(ctx, endpoint, self._curve, self._core.heartbeat_interval)
         # Over tcp, bytes of the broker's that are on their way count as its word (a large
         # message on a slow link: wire.TcpWatch).
@@ -311,7 +311,7 @@ class AsyncClient(ClientBase):
         self._pin_of: dict[Any, Any] = {}
         self._links: list[LinkConn] = []
         self._monitors: dict[zmq.Socket, Any] = {}  # a tcp lease's connection monitor -> its Pin (or _BROKER)
-        # Over tcp, the broker connection's handshakes (-> _BROKER): a new one heartbeats at once.
+        # The broker connection's handshakes (-> _BROKER): a new one heartbeats at once.
         if self._broker_monitor is not None:
             self._monitors[self._broker_monitor] = _BROKER
         # `infer` calls waiting now (a dict as an ordered set), and the one timer that wakes

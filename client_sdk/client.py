@@ -193,7 +193,7 @@ class Client(ClientBase):
         self._core.endpoint_problem = IpcDiagnosis(endpoint)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = context(endpoint)
-        # with the monitor of its handshakes over tcp, attached before it connected
+        # with the monitor of its handshakes (heartbeats on), attached before it connected
         self._sock, self._broker_monitor = broker_dealer(self._ctx, endpoint, self._curve, self._core.heartbeat_interval)
         # Over tcp, bytes of the broker's that are on their way count as its word (a large
         # message on a slow link: wire.TcpWatch).
@@ -219,7 +219,7 @@ class Client(ClientBase):
         self._pin_of: dict[Any, Any] = {}
         self._link_of: dict[int, LinkConn] = {}  # descriptor -> a lease's link, as the Waiter reports it
         self._monitors: dict[zmq.Socket, Any] = {}  # a tcp lease's connection monitor -> its Pin (or _BROKER)
-        # Over tcp, the broker connection's handshakes (-> _BROKER): a new one heartbeats at once.
+        # The broker connection's handshakes (-> _BROKER): a new one heartbeats at once.
         if self._broker_monitor is not None:
             self._monitors[self._broker_monitor] = _BROKER
             self._waiter.add(self._broker_monitor)

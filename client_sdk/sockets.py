@@ -388,14 +388,17 @@ def lease_events(monitor: zmq.Socket) -> list[tuple[bool, bool, str]]:
 
 
 def broker_monitor(sock: zmq.Socket, endpoint: str, heartbeat_s: float | None) -> zmq.Socket | None:
-    """Over tcp with heartbeats, a monitor (attached before the socket connects: `broker_dealer`) of the broker DEALER's handshakes (`handshakes`
-    reads it): the twin heartbeats at each one, so that the answer naming a new connection
-    (core.py, `_on_broker_instance`) comes within a round trip instead of a heartbeat
-    interval later (the first handshake's heartbeat follows the hello's: one more answer at
-    start, nothing else), and the handshakes the broker refused (a call that times out
-    says why).  None otherwise (ipc: the broker's restart closes the connection, and
-    nothing else replaces it)."""
-    if not (heartbeat_s and C.is_tcp(endpoint)):
+    """With heartbeats, a monitor (attached before the socket connects: `broker_dealer`) of
+    the broker DEALER's handshakes (`handshakes` reads it): the twin heartbeats at each one,
+    so that the answer naming a new broker (core.py, `_on_broker_instance`) or a new
+    connection comes within a round trip instead of a heartbeat interval later (the first
+    handshake's heartbeat follows the hello's: one more answer at start, nothing else), and,
+    over tcp, the handshakes the broker refused (a call that times out says why).  Over ipc
+    too: a broker restarted on the same endpoint is a new connection, and a call the dead
+    broker held was sent again only at the next heartbeat, up to an interval after the
+    new broker was up (1 s by default: a blocking client's call stalled that long, the
+    stalls hunt).  None without heartbeats."""
+    if not heartbeat_s:
         return None
     events = zmq.EVENT_HANDSHAKE_SUCCEEDED
     for e in _BROKER_REFUSED:
