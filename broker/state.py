@@ -110,11 +110,11 @@ an idle worker waits for at most one round trip before it may look elsewhere.  T
 O(1) when there is nothing to take back, and O(idle x deep + credit) otherwise.
 
 Leased work (pinned streams, broker/leases.py) runs at a worker without the broker seeing
-it, so a worker whose running batch holds leased requests and runs long says BUSY
+it, so a worker that takes leases and whose running batch runs long says BUSY
 (``worker_busy``), and says so again when it ends.  A busy worker is never idle (nothing
 is taken back for it), comes last in its pools' heaps (dispatch hands it work only when
 every other worker of the pool is full or busy too), and is deep from one request held:
-everything it holds is parked behind the leased batch, so all of it (not half) may be taken
+everything it holds is parked behind the long batch, so all of it (not half) may be taken
 back for an idle worker.
 
 Each pool keeps a lazy min-heap of its workers with spare credit, keyed by
@@ -564,7 +564,7 @@ class _Worker:
         "awaiting",
         "is_idle",
         "is_deep",
-        "busy",     # it said BUSY: a long batch with leased requests runs there (worker_busy)
+        "busy",     # it said BUSY: a long batch runs there (worker_busy)
         "direct",   # the worker's direct socket (Ready.direct): it takes leases
         "link",     # its local link (Ready.link): near leaseholders connect there
         "direct_key",  # a tcp direct socket's CurveZMQ public key (Ready.direct_key)
@@ -781,13 +781,15 @@ class Scheduler(LeaseEvents):
         return []
 
     def worker_busy(self, worker: bytes, busy: bool, now: float) -> list[Action]:
-        """BUSY from ``worker`` (docs/protocol.md section 10.3): a long batch with leased
-        requests runs there (``busy``), which the broker cannot see, or it ended.  While
+        """BUSY from ``worker`` (docs/protocol.md section 10.3): a long batch runs there
+        (``busy``: leased work the broker cannot see, or a brokered batch it cannot time),
+        or it ended.  While
         busy the worker is never idle (nothing is taken back for it), is the last choice for
         dispatch, and counts as deep from one request it holds: every request it holds
         unasked may be taken back for an idle worker ("Taking work back").  Ignored from a
-        worker without a direct socket: it takes no leases, so it has no leased work to say
-        BUSY about (and must not keep itself out of dispatch and recall with it)."""
+        worker without a direct socket: our workers send it only when they take leases (older
+        ones only for leased work), and a plain one must not keep itself out of dispatch
+        and recall with it."""
         out = self.worker_seen(worker, now)
         w = self._workers.get(worker)
         if w is None or w.direct is None or w.busy == bool(busy):

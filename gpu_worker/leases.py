@@ -68,7 +68,7 @@ def runs_long(elapsed: float, predicted: float | None, long: float = LONG_BATCH_
     batch that has run ``elapsed`` seconds of the ``predicted`` ones (None: unknown, as a
     stream's) keeps what waits behind it for long: at least ``long`` more by its prediction,
     or already past both its prediction and ``long`` (mispredicted: nothing says it ends
-    soon).  The worker then tells the broker BUSY (if the batch holds leased requests) and
+    soon).  The worker then tells the broker BUSY (leased requests in the batch or not) and
     sends another lease's requests that would wait behind it through the broker."""
     if predicted is None:
         return elapsed >= long

@@ -18,8 +18,8 @@ at once, so batches grow with load and a lone request under light load is never 
 sends a lease's request that would wait behind another's long batch through the broker.)
 
 Head of line with leases (docs/protocol.md section 10.3): a batch or stream that runs long
-(`leases.runs_long`) with leased requests in it is told to the broker (BUSY on, then off),
-since the broker cannot see leased work; a leased request that would wait behind a long
+(`leases.runs_long`) is told to the broker (BUSY on, then off), since the broker cannot
+see leased work, nor how long a brokered batch runs; a leased request that would wait behind a long
 batch holding none of its lease's requests is answered 429 "send it through the broker".
 
 This module is the loop and nothing else; each decision it acts on lives with its job:
@@ -1003,7 +1003,7 @@ class Worker:
         Everything but the RECALL is left for the loop (`_after_compute`); the loop thread
         does not touch `jobs` while it computes, so reading it here is safe.  The direct
         socket is read the same way (`_read_direct_while_computing`), and the broker is told
-        BUSY once the batch runs long with leased requests in it."""
+        BUSY once the batch runs long."""
         self._read_direct_while_computing()
         if self.signals and (not self._stopping_told or (self.leases is not None and not self.leases.stopping)):
             # SIGTERM during a long batch: the broker hears of it now, and so do the
@@ -2148,20 +2148,24 @@ class Worker:
 
     def _maybe_tell_busy(self, now: float) -> None:
         """Tell the broker BUSY (docs/protocol.md section 10.3) once the batch or stream
-        running now runs long with leased requests in it: the broker cannot see those, and
-        would otherwise take this worker for idle, or hand it requests that wait behind
-        them.  The loop's thread, or the heartbeat thread while it holds the sockets."""
+        running now runs long: the broker cannot see leased work, nor how long a brokered
+        batch runs, and would otherwise take this worker for idle (leased work), or hand it
+        requests that wait behind the batch and take back only half of those parked (the
+        stalls hunt: a pinned stream's frame, bounced behind a 2 s brokered request, went
+        back to that worker, the least loaded by credit, and sat there 1-2 s while newer
+        requests were taken back ahead of it; the stream's later results waited for it).
+        The loop's thread, or the heartbeat thread while it holds the sockets."""
         at = self._batch_at
         # Only our broker knows BUSY (a plain MDP one would drop it as unknown): registered
-        # with a WELCOME on this connection.
+        # with a WELCOME on this connection; and only from a worker that takes leases (the
+        # broker ignores it from any other).
         if (self._busy_told or at is None or self.leases is None
                 or self.broker_instance is None or not self.registered
-                or not runs_long(now - at, self._batch_predicted)
-                or not any(job.route is not None for job in self.running.values())):
+                or not runs_long(now - at, self._batch_predicted)):
             return
         self._busy_told = True
         self._send(P.worker_busy(True))
-        log.debug("told the broker BUSY: a batch of %d with leased requests runs long", len(self.running))
+        log.debug("told the broker BUSY: a batch of %d runs long", len(self.running))
 
     def _batch_over(self) -> None:
         """The batch or stream that ran is over (the loop's thread): BUSY off if it was on."""

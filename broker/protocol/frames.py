@@ -83,7 +83,7 @@ W_STATS = b"\x0c"     # W->B: what only the worker sees (timings, batch sizes, p
 W_LEASE = b"\x0d"     # B->W: a lease on you (LeaseGrant)
 W_LEASED = b"\x0e"    # W->B: lease id [, error header: refused]
 W_LEASE_END = b"\x0f"  # both: lease id, LeaseEnd
-W_BUSY = b"\x10"       # W->B: a long batch with leased requests runs (1) / ended (0)
+W_BUSY = b"\x10"       # W->B: a long batch runs (1) / ended (0)
 W_STOPPING = b"\x11"   # W->B: draining: nothing new, what it holds is finished, then DISCONNECT
 
 INSTANCE_LEN = 8  # a broker's instance id: random, new at every start
@@ -139,7 +139,7 @@ WORKER_COMMANDS: tuple[Command, ...] = (
     Command("LEASE", W_LEASE, "B→W", "header `LeaseGrant` (only to a worker whose `Ready` set `direct`)", "extension"),
     Command("LEASED", W_LEASED, "W→B", "lease id (8 bytes) [, a header with `error`: refused]", "extension"),
     Command("LEASE_END", W_LEASE_END, "B→W, W→B", "lease id (8 bytes), header `LeaseEnd`", "extension"),
-    Command("BUSY", W_BUSY, "W→B", "one byte: `0x01` a long batch with leased requests runs (what the broker hands "
+    Command("BUSY", W_BUSY, "W→B", "one byte: `0x01` a long batch runs (what the broker hands "
             "the worker meanwhile waits behind it; section 10.3), `0x00` it ended", "extension"),
     Command("STOPPING", W_STOPPING, "W→B", "none: the worker drains (SIGTERM): it takes nothing new, finishes what "
             "it holds, then says DISCONNECT (only to a broker whose WELCOME set `stopping`)", "extension"),

@@ -250,3 +250,39 @@ def test_a_sigterm_during_a_long_leased_batch_ends_the_worker_leases_at_once(clu
         res_a.release()
     assert w1.p.wait(WAIT) == 0
     assert _lines(log) == [pid1, pid2]  # each ran once
+
+
+def test_brokered_work_is_not_parked_behind_a_long_brokered_batch(cluster, tmp_path, gate):
+    """The head-of-line rule for a brokered batch that runs long at a worker that takes
+    leases (the stalls hunt: a pinned AR stream's frame, bounced behind a 2 s brokered
+    request, went back through the broker to that same worker, the least loaded by credit,
+    and sat there 1-2 s while newer requests were taken back ahead of it; the stream's
+    results, in order, all waited for it).  W2 holds a pinned client's lease (2 of its 4
+    slots), so by credit it looks busier than W1; W1 runs a brokered request held at the
+    gate (predicted fast: on its loop thread).  W1 tells the broker BUSY though no leased
+    request is in its batch, so the two requests sent meanwhile go to W2 at once, never
+    parked at W1 to be taken back (their timing has no `returned`)."""
+    log = tmp_path / "runs.log"
+    env = {"SLEEPY_LOG": str(log), **gate.env}
+    cfg = tmp_path / "broker.toml"
+    # A blocking client heartbeats only while it waits: a long client liveness keeps its lease.
+    cfg.write_text("[scheduler]\nclient_liveness = 60.0\n")
+    cluster.broker("--config", str(cfg))
+    w2 = cluster.worker("gate_model:held", "--direct", "--credit", "4", env=env)
+    gate.open()
+    with Client(cluster.frontend, timeout=WAIT, pin=2) as p, Client(cluster.frontend, timeout=WAIT) as plain:
+        _until_pinned(p, "held")  # on W2, the only worker yet
+        w1 = cluster.worker("gate_model:held", "--direct", "--credit", "4", "--log-level", "debug", env=env)
+        pid1, pid2 = str(w1.p.pid), str(w2.p.pid)
+        ha = plain.infer_stream("held", {"x": np.array([-1.0])}, timeout=50.0)  # held until released
+        _wait_for(lambda: len(_lines(log)) == 1, what="A started")
+        assert _lines(log) == [pid1]  # the least loaded by credit
+        w1.wait_log("told the broker BUSY", timeout=5.0)
+        d = [plain.infer_stream("held", {"x": np.array([0.05])}) for _ in range(2)]
+        res = [h.result(timeout=WAIT) for h in d]  # done while A is still held
+        assert _lines(log)[1:] == [pid2, pid2], _lines(log)
+        assert [r.timing.get("returned") for r in res] == [None, None], [r.timing for r in res]
+        for r in res:
+            r.release()
+        gate.release(1)  # only now does A's batch end
+        ha.result(timeout=WAIT).release()
