@@ -320,18 +320,18 @@ def test_a_call_the_dead_broker_held_is_sent_again_once_the_new_one_connects_not
     """A blocking client's call held by a broker that is SIGKILLed and started again on the
     same ipc endpoint is sent again as soon as the client's connection to the new broker is
     up (its monitor says so: the twin heartbeats at once, and the answer names the new
-    broker), not at its next heartbeat: 10 s here, past the call's 8 s deadline, so without
-    that wake-up the call fails.  (With the default 1 s a call stalled up to a second after
+    broker), not at its next heartbeat: 30 s here, past the call's 25 s deadline (room for a
+    loaded machine to start a broker and a worker), so without that wake-up the call fails.  (With the default 1 s a call stalled up to a second after
     the broker was back: the stalls hunt, python -m bench.stalls --events broker.)"""
-    slow = ("--heartbeat-interval", "10")
+    slow = ("--heartbeat-interval", "30")
     broker = cluster.broker(*slow, "--service-grace", "60", "--log-level", "DEBUG")
     x = np.arange(16, dtype=np.int32)
-    with Client(cluster.frontend, timeout=30, heartbeat_interval=10) as c:
-        handle = c.infer_stream("echo", {"x": x}, timeout=8)  # no worker yet: it waits in the broker's queue
+    with Client(cluster.frontend, timeout=60, heartbeat_interval=30) as c:
+        handle = c.infer_stream("echo", {"x": x}, timeout=25)  # no worker yet: it waits in the broker's queue
         broker.wait_log("request received")
         broker.kill()
         cluster.broker(*slow)
         cluster.worker("echo", *slow)
-        with handle.result(timeout=10) as r:
+        with handle.result(timeout=30) as r:
             np.testing.assert_array_equal(r["x"], x)
         assert c.broker_restarts == 1
