@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -340,6 +341,17 @@ def one_round(event: str, kinds: tuple[str, ...], hb: float, after_s: float) -> 
         st.close()
 
 
+def _strict(x):
+    """``x`` as strict JSON holds it: a re-pin that never came (``inf``) is null there."""
+    if isinstance(x, dict):
+        return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_strict(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.stalls", description=__doc__.splitlines()[0])
     ap.add_argument("--events", default="all", help=f"comma-separated, of {', '.join(EVENTS)} (default all)")
@@ -358,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(a.rounds):
             r = one_round(ev, kinds, a.heartbeat_interval, a.after_s)
             rounds.append(r)
-            print(json.dumps(r), flush=True)
+            print(json.dumps(_strict(r)), flush=True)
         out["rounds"][ev] = rounds
         med = {}
         for k in kinds:
@@ -370,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{k}: gap {m['gap_ms']:.0f} ms (steady {m['steady_ms']:.0f}) failed {m['failed']:g}"
             + ("" if m["repin_s"] is None else f" repin {m['repin_s']:.2f} s") for k, m in med.items()), flush=True)
     if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=2))
+        Path(a.json).write_text(json.dumps(_strict(out), indent=2, allow_nan=False))
     return 0
 
 
