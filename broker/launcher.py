@@ -139,8 +139,9 @@ _LEFT_AFTER = 1.0
 @dataclass(frozen=True)
 class Backoff:
     """Restart delays: ``initial`` after the first crash, doubling to ``maximum``; a worker
-    that served ``reset_after`` seconds after its READY counts as healthy (its crash is a first
-    again; so is the first crash after a rolling restart of a slot that served that long)."""
+    that served ``reset_after`` seconds after its READY counts as healthy (it is replaced at
+    once, and the next crash is a first again; so is the first crash after a rolling restart
+    of a slot that served that long)."""
 
     initial: float = 0.5
     maximum: float = 30.0
@@ -318,16 +319,23 @@ class Supervisor:
             self._advance(slot.pool, now, out)
             return out
         if run.gen == slot.gen:
-            # The slot's current worker crashed: a new one after the backoff.  Healthy is
-            # having served `reset_after` since its READY (a model that loads for minutes and
-            # crashes at once is not).
+            # The slot's current worker crashed.  A healthy one (it served `reset_after`
+            # since its READY: a model that loads for minutes and crashes at once is not)
+            # is replaced at once: its crash is most likely a one-off (a request that killed
+            # it, a fault of the moment), and the pool's capacity is short meanwhile (a pool
+            # of one is out: its service's requests fail once `--service-grace` passes, and
+            # the first backoff made that outage 0.5 s longer, the stalls hunt).  A crash in
+            # a row after that waits the backoff, as a crash of a worker that never served.
             if served is not None and served >= self.backoff.reset_after:
                 slot.failures = 0
-            slot.failures += 1
-            restart_in = self.backoff.delay(slot.failures)
+                restart_in = 0.0
+                slot.reason = f"restart after exit code {code} (at once: it had served {served:.0f} s)"
+            else:
+                slot.failures += 1
+                restart_in = self.backoff.delay(slot.failures)
+                slot.reason = (f"restart after exit code {code} (crash {slot.failures} in a row, "
+                               f"after {restart_in:g} s)")
             slot.restart_at = now + restart_in
-            slot.reason = (f"restart after exit code {code} (crash {slot.failures} in a row, "
-                           f"after {restart_in:g} s)")
         # else: a worker of an older generation (being rolled out) crashed: its successor
         # is starting or serving already.
         out.append(WorkerGone(slot.pool, slot.index, wid, code, False, restart_in))

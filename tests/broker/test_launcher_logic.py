@@ -86,9 +86,16 @@ def test_crash_restart_backoff_doubles_caps_and_resets_after_a_long_uptime():
         cur = new.wid
     assert delays == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
     s.worker_ready(cur, t)
-    out = s.worker_exited(cur, -11, t + 61.0)  # it stayed up past reset_after: a first crash again
-    assert only(out, WorkerGone)[0].restart_in == 0.5
-    assert len(s.workers()) == 2  # the other slots untouched
+    # It served past reset_after: replaced at once (a pool short of it waits for nothing but
+    # a start), and a crash in a row after that is a first crash again.
+    t += 61.0
+    out = s.worker_exited(cur, -11, t)
+    assert only(out, WorkerGone)[0].restart_in == 0.0
+    (new,) = starts(out)
+    assert (new.pool, new.index) == ("a", 0) and "at once: it had served 61 s" in new.reason
+    out = s.worker_exited(new.wid, 1, t + 1.0)
+    assert only(out, WorkerGone)[0].restart_in == 0.5 and starts(out) == []
+    assert len(s.workers()) == 2  # the other slots untouched (slot 0 waits its backoff)
 
 
 def test_healthy_is_serving_after_ready_not_loading():

@@ -283,9 +283,12 @@ def test_two_pools_start_with_one_command_and_serve(tmp_path, launchers):
 
 
 def test_a_sigkilled_worker_is_restarted_and_no_request_is_lost(tmp_path, launchers):
-    la = launchers(tmp_path, TWO_POOLS)
+    # A worker that served restart_reset_s (here 0.3 s) since its READY is replaced at once,
+    # without the first backoff (0.5 s): its pool is short of it until then.
+    la = launchers(tmp_path, "[launcher]\nrestart_reset_s = 0.3\n" + TWO_POOLS)
     la.wait_for(r"every pool is ready")
     victim = la.ready_pids()[("echo", 0)]
+    served = time.monotonic() + 0.3  # (the launcher saw its READY before it said every pool is)
 
     async def scenario():
         async with AsyncClient(la.frontend, timeout=20, heartbeat_interval=0.2) as c:
@@ -293,9 +296,11 @@ def test_a_sigkilled_worker_is_restarted_and_no_request_is_lost(tmp_path, launch
             load = asyncio.create_task(traffic(c, "echo", stop))
 
             def kill_and_wait():
+                while time.monotonic() < served:  # the condition: it served restart_reset_s
+                    time.sleep(0.01)
                 mark = len(la._err)
                 os.kill(victim, signal.SIGKILL)
-                la.wait_for(rf"pool echo worker 0 pid {victim} exited with code -9; restarting it in", mark)
+                la.wait_for(rf"pool echo worker 0 pid {victim} exited with code -9; restarting it in 0 s", mark)
                 return la.wait_for(r"pool echo worker 0 pid (\d+) ready", mark)
 
             m = await asyncio.to_thread(kill_and_wait)  # the load runs on meanwhile
