@@ -128,18 +128,10 @@ def _shm_files() -> set[str]:
 
 def _requests_total(http: str) -> dict[str, int]:
     """zmq_infer_requests_total{service="echo"} by outcome, from the broker's /metrics."""
-    import urllib.request
+    from bench.scrape import fetch, snapshot
 
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
-        body = r.read().decode()
-    out: dict[str, int] = {}
-    for fam in text_string_to_metric_families(body):
-        for smp in fam.samples:
-            if smp.name == "zmq_infer_requests_total" and smp.labels.get("service") == "echo":
-                out[smp.labels["outcome"]] = int(smp.value)
-    return out
+    snap = snapshot(fetch(f"http://{http}/metrics", timeout_s=10.0), "echo")
+    return {k.split(":", 1)[1]: int(v) for k, v in snap.items() if k.startswith("requests:")}
 
 
 def _last_json(out: bytes) -> dict | None:

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.peers import wait_ready
+from bench.peers import stop_process, wait_ready
 
 SERVICE = "tick"
 EVENTS = ("rolling", "kill", "broker", "launcher", "scale", "slow", "order")
@@ -120,17 +120,12 @@ class Stack:
         return pids
 
     def close(self) -> None:
-        for p in [*self.workers, self.broker]:
-            if p is not None and p.poll() is None:
+        procs = [p for p in (*self.workers, self.broker) if p is not None]
+        for p in procs:  # all told at once: they drain side by side
+            if p.poll() is None:
                 p.terminate()
-        for p in [*self.workers, self.broker]:
-            if p is None:
-                continue
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
+        for p in procs:
+            stop_process(p)
             p.stdout.close()
 
 

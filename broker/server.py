@@ -438,10 +438,22 @@ def _foreign(frames) -> str | None:
     return None
 
 
+def _peer_key(frame: Any, ident: bytes) -> int | str | bytes:
+    """Who sent ``frame``: its process's pid on ipc, its address over tcp, else its routing
+    id (`_Peer`, and `_refuse_ready`'s once-an-interval key)."""
+    pid = _peer_pid(frame)
+    if pid is not None:
+        return pid
+    try:
+        addr = frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        addr = None
+    return addr or ident
+
+
 class _Peer:
-    """Names the peer a received frame came from, in a log line: its pid on ipc, its address
-    over tcp, else its routing id.  Looked up only if the line is written (a throttled one
-    may not be)."""
+    """Names the peer a received frame came from, in a log line (`_peer_key`).  Looked up
+    only if the line is written (a throttled one may not be)."""
 
     __slots__ = ("frame", "ident")
 
@@ -449,14 +461,10 @@ class _Peer:
         self.frame, self.ident = frame, ident
 
     def __str__(self) -> str:
-        pid = _peer_pid(self.frame)
-        if pid is not None:
-            return f"pid {pid}"
-        try:
-            addr = self.frame.get("Peer-Address")
-        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
-            addr = None
-        return f"{addr}" if addr else repr(self.ident[:16])
+        key = _peer_key(self.frame, self.ident)
+        if isinstance(key, int):
+            return f"pid {key}"
+        return key if isinstance(key, str) else repr(key[:16])
 
 
 def _command_frame(frames) -> bytes:
@@ -1657,13 +1665,7 @@ class Broker:
         before did: the worker's next heartbeat is refused as an unknown worker's, at its
         own pace."""
         self._bad.warning("refused a READY from worker %r: %s", ident[:16], why)
-        key = _peer_pid(frame)
-        if key is None:
-            try:
-                key = frame.get("Peer-Address") or ident
-            except (zmq.ZMQError, AttributeError, TypeError, ValueError):
-                key = ident
-        if self._once_an_interval(self._refused_at, key, now):
+        if self._once_an_interval(self._refused_at, _peer_key(frame, ident), now):
             self.send_to_worker([ident, *P.worker_disconnect(
                 P.error_body(0, P.ErrorCode.PROTOCOL_ERROR, f"READY refused: {why}"))])
 
