@@ -567,6 +567,12 @@ class Broker:
             if ep.startswith("tcp://"):
                 wire.tcp_liveness(sock, max(2 * window, wire.DEAD_AFTER_BEATS * hb))
         self._curve = security.ServerCurve(self.ctx, self._curve_plan)
+        # The connection monitors are attached before the bind: a peer that connects at once
+        # (workers and clients redialling a restarted broker) must not have its ACCEPTED
+        # event lost (the headroom's count, a connection's accept time for attestation).
+        events = zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        self._backend_events = self.backend.get_monitor_socket(events)
+        self._frontend_events = self.frontend.get_monitor_socket(events)
         bound = []
         try:
             self._curve.start()
@@ -579,7 +585,9 @@ class Broker:
             bound.append(self.frontend.getsockopt_string(zmq.LAST_ENDPOINT))  # (ipc://* is a path now)
             self._bind(self.backend, self.backend_ep)
         except BaseException:
-            for s in (self.frontend, self.backend):
+            for s, events in ((self.frontend, self._frontend_events), (self.backend, self._backend_events)):
+                s.disable_monitor()
+                events.close(linger=0)
                 s.close(linger=0)
             self._curve.stop()
             # The frontend's socket file, when only the backend failed: libzmq removes it
@@ -614,14 +622,11 @@ class Broker:
         self._gone: dict[bytes, float] = {}  # workers whose connection closed -> when: their verdict waits (`_settle_gone`)
         self._closed_conns = 0  # connections closed since the C heap was last trimmed (`trim_heap`)
         self._trimming: threading.Thread | None = None
-        self._backend_events = self.backend.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         self._client_pids: dict[bytes, tuple | None] = {}  # client identity -> attested (pid, start)
         # What is learned about a client's connection (its pid, whether it is tcp) is
         # forgotten when that connection closes: a client chooses its routing id, and a
-        # later connection reusing the id must not inherit the earlier one's pid.
-        self._frontend_events = self.frontend.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        # later connection reusing the id must not inherit the earlier one's pid (the
+        # frontend's monitor, attached before the bind).
         # Never out of descriptors: libzmq's ipc listener aborts the process when accept()
         # fails with EMFILE (its tcp listener spins on it).  Near the limit the frontend stops
         # listening until connections close (`_accepted`, `_headroom_tick`).

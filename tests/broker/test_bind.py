@@ -95,3 +95,48 @@ def test_raise_nofile_limit_in_a_child():
                        preexec_fn=_lowered(256))
     soft, hard = map(int, r.stdout.split())
     assert soft == (min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20)
+
+
+def test_a_peer_that_connects_as_the_broker_binds_is_seen(tmp_path, monkeypatch):
+    """The connection monitors are attached before the bind: a worker and a client that
+    connect the moment the endpoints exist (redialling a restarted broker) have their
+    ACCEPTED events heard, so the descriptor headroom counts them and a client's
+    connection has its accept time.  Attached after, as before, both events were lost."""
+    import zmq
+
+    from broker import server as S
+
+    ctx = zmq.Context.instance()
+    peers = []
+    real_bind = S.Broker._bind  # a staticmethod
+
+    def bind_then_connect(sock, ep):
+        real_bind(sock, ep)
+        # A peer connects now, and the test waits until its handshake is done: the broker's
+        # libzmq has accepted it before the constructor goes on.
+        peer = ctx.socket(zmq.DEALER)
+        peers.append(peer)
+        mon = peer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            peer.connect(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+            assert mon.poll(10_000), f"no handshake with {ep}"
+        finally:
+            peer.disable_monitor()
+            mon.close(0)
+
+    monkeypatch.setattr(S.Broker, "_bind", staticmethod(bind_then_connect))
+    broker = S.Broker(S.BrokerConfig(frontend=f"ipc://{tmp_path}/fe.ipc", backend=f"ipc://{tmp_path}/be.ipc"),
+                      ctx=ctx)
+    accepted = []
+    monkeypatch.setattr(broker, "_accepted", lambda: accepted.append(1))
+    try:
+        assert len(peers) == 2
+        for events, read in ((broker._frontend_events, broker._on_frontend_events),
+                             (broker._backend_events, broker._on_backend_events)):
+            assert events.poll(10_000), "the accepted connection's event was lost"
+            read()
+        assert len(accepted) == 2 and len(broker._accept_ticks) == 1
+    finally:
+        for p in peers:
+            p.close(0)
+        broker.close()
