@@ -421,21 +421,21 @@ def _protocol_frame(frames) -> bytes:
     return b""
 
 
-#: MDP/0.1 (ZeroMQ RFC 7, the zguide's Majordomo examples): their protocol frames
-_MDP01 = (b"MDPC01", b"MDPW01")
-
-
 def _foreign(frames) -> str | None:
-    """What a message a ROUTER read speaks, when it is not MDP/0.2 but something an operator
-    can act on: MDP/0.1, or zeromq/majordomo's zproto encoding; None otherwise."""
+    """What a message a ROUTER read speaks, when it is not MDP but something an operator can
+    act on: zeromq/majordomo's zproto encoding; None otherwise.  (MDP/0.1 is served: its
+    messages parse, docs/protocol.md section 12.1.)"""
     proto = _protocol_frame(frames)
-    if proto in _MDP01:
-        return (f"an MDP/0.1 message ({proto.decode()}, ZeroMQ RFC 7, the zguide's Majordomo examples): "
-                f"this broker speaks MDP/0.2 (RFC 18: MDPC02, MDPW02) only; not answered")
     if proto[:1] == b"\xaa" and len(proto) > 2 and proto[1] & 0xF0 == 0xA0:
         return ("a zproto-encoded message (zeromq/majordomo's libmajordomo packs MDP into one binary "
-                "frame): this broker speaks RFC 18's frames (MDPC02, MDPW02) only; not answered")
+                "frame): this broker speaks RFC 18's frames (MDPC02, MDPW02) and RFC 7's (MDPC01, MDPW01); "
+                "not answered")
     return None
+
+
+#: the protocol frames of each side, for naming a peer on the wrong socket
+_CLIENT_PROTOCOLS = (P.MDPC, P.MDPC01)
+_WORKER_PROTOCOLS = (P.MDPW, P.MDPW01)
 
 
 def _peer_key(frame: Any, ident: bytes) -> int | str | bytes:
@@ -653,10 +653,17 @@ class Broker:
         # (`_from_closed`).
         self._closed_clients: dict[bytes, tuple[int, int]] = {}
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
+        # Clients that sent an MDP/0.1 request (docs/protocol.md section 12.1): what goes to
+        # them is written in MDP/0.1 (`_send_client`).  A subset of `_req_clients` (a 0.1
+        # message leads with the empty frame), forgotten with it.
+        self._v01_clients: set[bytes] = set()
         # Workers that lead their messages with an empty frame (MDP/0.1's delimiter, which some
         # MDP/0.2 workers kept: majortomo's) and read only messages that do: what goes to them
         # gets one too (`send_to_worker`).  Bounded: pruned to registered workers when full.
         self._delimited: set[bytes] = set()
+        # Of those, workers that speak MDP/0.1 (`_framing01`): what goes to them is written in
+        # MDP/0.1 (`send_to_worker`).  A subset of `_delimited`, pruned with it.
+        self._v01_workers: set[bytes] = set()
         self._opaque_ids = 0
         self._bad = P.RateLimitedLog(log)
         self._refused_at: dict[object, float] = {}  # a refused READY's peer -> when it was told why (_refuse_ready)
@@ -1087,8 +1094,8 @@ class Broker:
             msg = P.parse_client(frames[1:])
         except P.ProtocolError as e:
             self.malformed += 1
-            if _protocol_frame(frames) == P.MDPW:
-                self._bad.warning("a worker (MDPW02) sent to the frontend %s: workers connect to the backend %s "
+            if _protocol_frame(frames) in _WORKER_PROTOCOLS:
+                self._bad.warning("a worker (MDPW02 or MDPW01) sent to the frontend %s: workers connect to the backend %s "
                                   "(python -m gpu_worker --broker %s)", self.frontend_ep, self.backend_ep,
                                   self.backend_ep)
                 return
@@ -1122,6 +1129,8 @@ class Broker:
             return
         if msg.leading_empty:
             self._req_clients.add(ident)
+            if _protocol_frame(frames) == P.MDPC01:
+                self._v01_clients.add(ident)  # answered in MDP/0.1 from now on
             if ident not in self._client_conn:
                 # Its connection, learned: a REQ client never says DISCONNECT, so the
                 # connection's close is when it is forgotten (`_on_frontend_events`).
@@ -1202,6 +1211,7 @@ class Broker:
         self._client_tcp.pop(ident, None)
         self._client_conn.pop(ident, None)
         self._req_clients.discard(ident)
+        self._v01_clients.discard(ident)
 
     def _on_request(self, ident: bytes, msg: P.ClientMessage, now: float) -> None:
         service = msg.service
@@ -1331,7 +1341,12 @@ class Broker:
         """Send one message on the backend; `frames` start with the worker's identity (and
         the empty delimiter goes after it to a worker that sends one)."""
         if self._delimited and frames[0] in self._delimited:
-            frames = [frames[0], b"", *frames[1:]]
+            if frames[0] in self._v01_workers:
+                frames = P.to_worker01(frames)
+                if frames is None:  # a command MDP/0.1 does not have (CANCEL)
+                    return
+            else:
+                frames = [frames[0], b"", *frames[1:]]
         send_frames(self.backend, frames)
 
     def _send_client(self, ident: bytes, frames: list) -> bool:
@@ -1340,7 +1355,18 @@ class Broker:
         doomed = self._doomed
         if doomed and ident in doomed:
             return False  # being dropped: nothing more goes to it
-        head = [ident, b""] if ident in self._req_clients else [ident]
+        if ident in self._req_clients:
+            if ident in self._v01_clients:
+                # An MDP/0.1 client: its one reply, the FINAL, from the empty frame on (so the
+                # body starts at frame 3 here too); nothing else goes to it.
+                frames = P.to_client01(frames)
+                if frames is None:
+                    return True
+                head = [ident]
+            else:
+                head = [ident, b""]
+        else:
+            head = [ident]
         tracked = None
         last = len(frames)
         if last > 4 or (last == 4 and len(frames[3]) >= _TRACK_BYTES):
@@ -1485,22 +1511,25 @@ class Broker:
         sched = self.sched
         if len(frames) > 1 and not len(frames[1]):
             self._delimit(ident)
+            v01 = _protocol_frame(frames) == P.MDPW01
+            if (v01 or self._v01_workers) and not self._framing01(ident, v01, frames, now):
+                return
         elif self._delimited:
+            if self._v01_workers and not self._framing01(ident, False, frames, now):
+                return
             self._delimited.discard(ident)
         try:
             msg = P.parse_worker(frames[1:])
         except P.ProtocolError as e:
             self.malformed += 1
-            if _protocol_frame(frames) == P.MDPC:
-                self._bad.warning("a client (MDPC02) sent to the backend %s: clients connect to the frontend %s",
+            if _protocol_frame(frames) in _CLIENT_PROTOCOLS:
+                self._bad.warning("a client (MDPC02 or MDPC01) sent to the backend %s: clients connect to the frontend %s",
                                   self.backend_ep, self.frontend_ep)
                 return
             foreign = _foreign(frames)
             if foreign is not None:
-                # Not even a DISCONNECT: an MDP/0.1 worker reads every message as "", MDPW01,
-                # command... and the zguide's asserts it (its mdwrkapi.py: `assert len(msg) >= 3`,
-                # `assert empty == ''`), so ours crashed it; silence, and it reconnects on its
-                # own heartbeat schedule (RFC 18: drop invalid messages).
+                # Not even a DISCONNECT, which such a worker could not read (RFC 18: drop
+                # invalid messages).
                 self._bad.warning("a worker (%s) on %s sent %s", _Peer(frames[1], ident), self.backend_ep,
                                   foreign)
                 return
@@ -1639,6 +1668,28 @@ class Broker:
                 self._leaving[known[1]] = now  # for a launcher: it leaves on its own, not hung
             self._act(sched.worker_disconnect(ident, now, failed=False), now)
 
+    def _framing01(self, ident: bytes, v01: bool, frames: list, now: float) -> bool:
+        """The framing ``ident`` speaks, MDP/0.1 (``v01``, this message's) or MDP/0.2: kept in
+        `_v01_workers` for what the broker sends it.  A registered worker's is the one it
+        registered in: a message in the other framing is dropped (False), never read, for
+        0.1's REPLY and HEARTBEAT are 0.2's PARTIAL and FINAL (docs/protocol.md section
+        12.1).  An unknown worker's follows its latest message, so that the DISCONNECT or
+        the refusal that answers it is one it can read."""
+        workers = self._v01_workers
+        if v01 == (ident in workers):
+            return True
+        if self.sched.has_worker(ident):
+            self.malformed += 1
+            self._bad.warning("worker %s registered in MDP/%s and sent an MDP/%s message; dropped it",
+                              _Peer(frames[1], ident), "0.2" if v01 else "0.1", "0.1" if v01 else "0.2")
+            self.sched.worker_seen(ident, now)
+            return False
+        if v01:
+            workers.add(ident)  # bounded: a subset of `_delimited` (`_delimit` prunes both)
+        else:
+            workers.discard(ident)
+        return True
+
     def _delimit(self, ident: bytes) -> None:
         """``ident`` leads its messages with an empty frame: so do ours to it.  RFC 18 took
         that frame out of MDP/0.2 ("removal of empty frames at start of commands"), but a
@@ -1649,6 +1700,7 @@ class Broker:
         if ident not in delimited:
             if len(delimited) >= _MAX_CLIENT_PIDS:
                 self._delimited = delimited = {w for w in delimited if self.sched.has_worker(w)}
+                self._v01_workers &= delimited
             delimited.add(ident)
 
     def _tell_unknown(self, ident: bytes, now: float) -> None:

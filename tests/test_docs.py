@@ -30,6 +30,8 @@ def _generators():
             lambda: F.frame_table(F.MDPC, F.CLIENT_COMMANDS),
         "frame_table(MDPW, WORKER_COMMANDS) in broker/protocol/frames.py":
             lambda: F.frame_table(F.MDPW, F.WORKER_COMMANDS),
+        "frame_table01(MDP01_COMMANDS) in broker/protocol/frames.py":
+            lambda: F.frame_table01(F.MDP01_COMMANDS),
     }
 
 
@@ -62,6 +64,12 @@ def test_the_frame_table_covers_every_command():
         assert sorted(c.code for c in table) == sorted(codes)
         for c in table:
             assert getattr(F, prefix + c.name) == c.code
+    # MDP/0.1 (section 12.1): every worker command once, each in its own frames' text
+    codes = {v for k, v in vars(F).items() if k.startswith("W01_")}
+    rows = [c for c in F.MDP01_COMMANDS if c.code]
+    assert sorted(c.code for c in rows) == sorted(codes)
+    for c in rows:
+        assert getattr(F, "W01_" + c.name) == c.code and f"`0x{c.code.hex()}`" in c.frames
 
 
 CLIENT_MD = DOCS / "client.md"

@@ -31,7 +31,7 @@ import msgspec
 from .header import (
     MAX_DONE, MAX_ENVELOPE_LEN, MAX_ERROR_MESSAGE, MAX_SERVICE_LEN, MMI_PREFIX, Cancel, ErrorInfo, ProtocolError,
     DoneInfo, Ready, Reply, Welcome, WorkerStats, decode_done_info, decode_lease_end, decode_lease_grant,
-    decode_ready, decode_welcome, decode_worker_stats, encode_header, is_header,
+    decode_ready, decode_welcome, decode_worker_stats, encode_header, is_header, reply_error_text,
 )
 
 __all__ = ["Command", "CLIENT_COMMANDS", "WORKER_COMMANDS", "frame_table", "MDPC", "MDPW", "C_REQUEST", "C_PARTIAL", "C_FINAL", "C_HEARTBEAT", "C_CANCEL",
@@ -45,6 +45,8 @@ __all__ = ["Command", "CLIENT_COMMANDS", "WORKER_COMMANDS", "frame_table", "MDPC
     "C_LEASE", "C_LEASED", "C_LEASE_END", "C_HELLO", "W_LEASE", "W_LEASED", "W_LEASE_END", "LEASE_ID_LEN",
     "lease_id", "lease_number", "client_lease", "client_lease_end", "client_leased",
     "to_worker_lease", "to_worker_lease_end", "worker_leased", "worker_lease_end", "W_BUSY", "worker_busy", "W_STOPPING", "worker_stopping",
+    "MDPC01", "MDPW01", "W01_READY", "W01_REQUEST", "W01_REPLY", "W01_HEARTBEAT", "W01_DISCONNECT", "Command01",
+    "MDP01_COMMANDS", "frame_table01", "to_client01", "to_worker01",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -85,6 +87,19 @@ W_LEASED = b"\x0e"    # W->B: lease id [, error header: refused]
 W_LEASE_END = b"\x0f"  # both: lease id, LeaseEnd
 W_BUSY = b"\x10"       # W->B: a long batch runs (1) / ended (0)
 W_STOPPING = b"\x11"   # W->B: draining: nothing new, what it holds is finished, then DISCONNECT
+
+# MDP/0.1 (ZeroMQ RFC 7, the zguide's Majordomo examples), which the broker also serves
+# (docs/protocol.md section 12.1).  Every 0.1 message starts with an empty frame, then its
+# protocol frame; a client's has no command frame (its one command is REQUEST, answered by
+# one REPLY).  0.1's worker REPLY (3) and HEARTBEAT (4) are 0.2's PARTIAL and FINAL: a
+# message is only ever read in the framing its protocol frame names.
+MDPC01 = b"MDPC01"
+MDPW01 = b"MDPW01"
+W01_READY = b"\x01"
+W01_REQUEST = b"\x02"
+W01_REPLY = b"\x03"
+W01_HEARTBEAT = b"\x04"
+W01_DISCONNECT = b"\x05"
 
 INSTANCE_LEN = 8  # a broker's instance id: random, new at every start
 MAX_ROUTE_LEN = 255  # a ZeroMQ routing id: 1 to 255 bytes
@@ -144,6 +159,38 @@ WORKER_COMMANDS: tuple[Command, ...] = (
     Command("STOPPING", W_STOPPING, "W→B", "none: the worker drains (SIGTERM): it takes nothing new, finishes what "
             "it holds, then says DISCONNECT (only to a broker whose WELCOME set `stopping`)", "extension"),
 )
+
+
+class Command01(NamedTuple):
+    """One row of the MDP/0.1 frame table: its frames whole (after the ROUTER's identity),
+    and the MDP/0.2 command the broker reads it as, or writes it from."""
+
+    name: str
+    code: bytes      # the command frame (b"" for a client's, which has none)
+    direction: str
+    frames: str
+    as02: str
+
+
+MDP01_COMMANDS: tuple[Command01, ...] = (
+    Command01("REQUEST", b"", "C→B", "empty, `MDPC01`, service name, body (1 frame or more)", "client REQUEST"),
+    Command01("REPLY", b"", "B→C", "empty, `MDPC01`, service name, body (1 frame or more; an error: the error "
+              "header, then its text)", "client FINAL (PARTIALs are not sent)"),
+    Command01("READY", W01_READY, "W→B", "empty, `MDPW01`, `0x01`, service name", "READY, bare"),
+    Command01("REQUEST", W01_REQUEST, "B→W", "empty, `MDPW01`, `0x02`, envelope, empty, body", "REQUEST"),
+    Command01("REPLY", W01_REPLY, "W→B", "empty, `MDPW01`, `0x03`, envelope, empty, body", "FINAL"),
+    Command01("HEARTBEAT", W01_HEARTBEAT, "both", "empty, `MDPW01`, `0x04`", "HEARTBEAT"),
+    Command01("DISCONNECT", W01_DISCONNECT, "both", "empty, `MDPW01`, `0x05` (nothing more, either way)",
+              "DISCONNECT"),
+)
+
+
+def frame_table01(commands: Sequence[Command01]) -> str:
+    """The markdown table of MDP/0.1's commands, as docs/protocol.md section 12.1 shows it."""
+    rows = ["| command | dir | frames (RFC 7) | read as, or written from (MDP/0.2) |", "|---|---|---|---|"]
+    for c in commands:
+        rows.append(f"| {c.name} | {c.direction} | {c.frames} | {c.as02} |")
+    return "\n".join(rows) + "\n"
 
 
 def frame_table(protocol: bytes, commands: Sequence[Command]) -> str:
@@ -391,6 +438,8 @@ def parse_client(frames: Sequence[Any]) -> ClientMessage:
     if len(frames) < 2:
         raise ProtocolError(f"client message has {len(frames)} frames; expected at least 2 (MDPC02, command)")
     if bytes(frames[0]) != MDPC:
+        if bytes(frames[0]) == MDPC01:
+            return _parse_client01(frames, lead)
         raise ProtocolError(f"client message must start with MDPC02, got {bytes(frames[0])[:16]!r}")
     cmd = bytes(frames[1])
     if cmd in (C_REQUEST, C_CANCEL, C_LEASE, C_LEASE_END):
@@ -409,6 +458,38 @@ def parse_client(frames: Sequence[Any]) -> ClientMessage:
     raise ProtocolError(f"unknown client command {cmd!r}")
 
 
+def _parse_client01(frames: Sequence[Any], lead: bool) -> ClientMessage:
+    """An MDP/0.1 client message (``frames`` from MDPC01 on): a REQUEST, read as 0.2's."""
+    if not lead:
+        raise ProtocolError("an MDP/0.1 client message starts with an empty frame (RFC 7's frame 0; a REQ socket "
+                            "adds it, a DEALER must send it)")
+    if len(frames) < 3:
+        raise ProtocolError("an MDP/0.1 REQUEST is empty, MDPC01, service, body (at least one frame)")
+    service = bytes(frames[1])
+    if not service or len(service) > MAX_SERVICE_LEN:
+        raise ProtocolError(f"service name must be 1..{MAX_SERVICE_LEN} bytes")
+    return ClientMessage(C_REQUEST, service, tuple(frames[2:]), True)
+
+
+def to_client01(frames: Sequence[Any]) -> list[Any] | None:
+    """A message for a client, as `client_reply` writes it (from MDPC02 on), written for an
+    MDP/0.1 client instead: ``["", MDPC01, service, body...]`` (the empty frame is RFC 7's
+    frame 0; a REQ socket takes it off).  Only a FINAL goes: a 0.1 client takes one reply per
+    request, and the FINAL is the outcome (None for anything else: a PARTIAL is dropped).  An
+    empty body goes as one empty frame (RFC 7: at least one); an error header is followed by
+    its text, ``<code> <NAME>: <message>``, for a client without msgpack."""
+    if len(frames) < 3 or bytes(frames[1]) != C_FINAL:
+        return None
+    body = list(frames[3:])
+    if not body:
+        body.append(b"")
+    else:
+        text = reply_error_text(body[0])
+        if text is not None:
+            body.append(text.encode("utf-8", "backslashreplace"))
+    return [b"", MDPC01, frames[2], *body]
+
+
 class WorkerMessage(msgspec.Struct, frozen=True):
     command: bytes
     service: bytes = b""        # READY
@@ -419,12 +500,17 @@ class WorkerMessage(msgspec.Struct, frozen=True):
 
 
 def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
-    """Parse frames from a worker (identity already removed)."""
+    """Parse frames from a worker (identity already removed).  An MDP/0.1 message (MDPW01)
+    comes back as the MDP/0.2 command it means (`_parse_worker01`)."""
+    lead = False
     if frames and len(frames[0]) == 0:  # tolerate a REQ-era empty delimiter
+        lead = True
         frames = frames[1:]
     if len(frames) < 2:
         raise ProtocolError(f"worker message has {len(frames)} frames; expected at least 2 (MDPW02, command)")
     if bytes(frames[0]) != MDPW:
+        if bytes(frames[0]) == MDPW01:
+            return _parse_worker01(frames, lead)
         raise ProtocolError(f"worker message must start with MDPW02, got {bytes(frames[0])[:16]!r}")
     cmd = bytes(frames[1])
     if cmd == W_READY:
@@ -492,6 +578,52 @@ def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
     if cmd in (W_HEARTBEAT, W_DISCONNECT, W_STOPPING):
         return WorkerMessage(cmd)
     raise ProtocolError(f"unknown worker command {cmd!r}")
+
+
+def _parse_worker01(frames: Sequence[Any], lead: bool) -> WorkerMessage:
+    """An MDP/0.1 worker message (``frames`` from MDPW01 on), as the MDP/0.2 command it
+    means: READY as a bare READY, REPLY as FINAL, HEARTBEAT, DISCONNECT."""
+    if not lead:
+        raise ProtocolError("an MDP/0.1 worker message starts with an empty frame (RFC 7)")
+    cmd = bytes(frames[1])
+    if cmd == W01_READY:
+        if len(frames) != 3:
+            raise ProtocolError("an MDP/0.1 READY is empty, MDPW01, 0x01, service (nothing more)")
+        service = bytes(frames[2])
+        if not service or len(service) > MAX_SERVICE_LEN:
+            raise ProtocolError(f"service name must be 1..{MAX_SERVICE_LEN} bytes")
+        if service.startswith(MMI_PREFIX.encode()):
+            raise ProtocolError("service names starting with 'mmi.' are reserved for the broker")
+        return WorkerMessage(W_READY, service=service)
+    if cmd == W01_REPLY:
+        if len(frames) < 4 or len(frames[3]) != 0:
+            raise ProtocolError("an MDP/0.1 REPLY is empty, MDPW01, 0x03, client address, empty, body...")
+        env = bytes(frames[2])
+        if len(env) > MAX_ENVELOPE_LEN:
+            raise ProtocolError("envelope longer than 255 bytes")
+        return WorkerMessage(W_FINAL, envelope=env, body=tuple(frames[4:]))
+    if cmd == W01_HEARTBEAT:
+        return WorkerMessage(W_HEARTBEAT)
+    if cmd == W01_DISCONNECT:
+        return WorkerMessage(W_DISCONNECT)
+    if cmd == W01_REQUEST:
+        raise ProtocolError("MDP/0.1 command 0x02 is REQUEST, which only a broker sends")
+    raise ProtocolError(f"unknown MDP/0.1 worker command {cmd[:16]!r}")
+
+
+def to_worker01(frames: Sequence[Any]) -> list[Any] | None:
+    """A message for a worker, as the broker writes it (its identity, MDPW02, command...),
+    written for an MDP/0.1 worker instead, exactly as RFC 7 has it (the zguide's worker
+    asserts on anything else): REQUEST, HEARTBEAT, DISCONNECT (without a refusal's reason).
+    None for the commands MDP/0.1 does not have (CANCEL: the worker's REPLY still comes)."""
+    cmd = bytes(frames[2])
+    if cmd == W_REQUEST:
+        return [frames[0], b"", MDPW01, W01_REQUEST, *frames[3:]]
+    if cmd == W_HEARTBEAT:
+        return [frames[0], b"", MDPW01, W01_HEARTBEAT]
+    if cmd == W_DISCONNECT:
+        return [frames[0], b"", MDPW01, W01_DISCONNECT]
+    return None
 
 
 class BrokerToClient(msgspec.Struct, frozen=True):

@@ -26,7 +26,7 @@ __all__ = ["LEASED_CLIENT_GONE", "RoutedRequest", "MAGIC", "VERSION", "MMI_PREFI
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
     "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "DoneInfo", "WorkerStats", "TRANSPORTS", "REPLY_MODES", "SMALL_INLINE_BYTES", "is_header",
     "encode_header", "decode_request", "decode_reply", "decode_cancel", "decode_ready", "decode_welcome",
-    "decode_done_info", "decode_worker_stats", "reply_error_code",
+    "decode_done_info", "decode_worker_stats", "reply_error_code", "reply_error_text",
     "parse_dtype", "dtype_str", "tensor_nbytes", "claimed_nbytes", "check_tensors", "check_inline_sizes", "lenient_request_id",
     "valid_traceparent",
     "LeaseAsk", "LeaseGrant", "LeaseInfo", "LeaseEnd", "LeaseHello", "LEASE_REASONS", "decode_lease_ask",
@@ -515,6 +515,26 @@ def reply_error_code(frame: Any) -> int:
         return 0
     code = int(e.code)
     return code if code > 0 else _UNKNOWN_CODE  # never 0 (a result) nor a negative (the broker's own)
+
+
+def reply_error_text(frame: Any) -> str | None:
+    """``<code> <NAME>: <message>`` of an error reply's header frame, for a reader without
+    msgpack (an MDP/0.1 client: docs/protocol.md section 12.1); None for a result, a frame
+    that is not a header, or one that does not decode."""
+    try:
+        mv = memoryview(frame)
+        if bytes(mv[:4]) != MAGIC:
+            return None
+        e = _DEC_ERROR_ONLY.decode(mv[4:]).error
+    except Exception:
+        return None
+    if e is None:
+        return None
+    try:
+        name = ErrorCode(e.code).name
+    except ValueError:
+        name = "ERROR"
+    return f"{e.code} {name}: {e.message}"
 
 
 def decode_ready(frame: Any) -> Ready:

@@ -89,6 +89,13 @@ def _corpus() -> list[list[bytes]]:
         P.direct_finals(b"echo", [P.encode_header(P.Reply(id=i)) for i in (1, 2)]),
         P.broker_heartbeat(b"\x02" * 8, 3000),
         P.broker_heartbeat(b"\x02" * 8, 3000, b"\0\x80\0\0\x01"),
+        # MDP/0.1 (RFC 7, docs/protocol.md section 12.1), as the zguide's clients and workers send them
+        [b"", b"MDPC01", b"echo", rh, *inl],
+        [b"", b"MDPC01", b"mmi.service", b"echo"],
+        [b"", b"MDPW01", b"\x01", b"echo"],
+        [b"", b"MDPW01", b"\x03", env, b"", ph, *rinl],
+        [b"", b"MDPW01", b"\x04"],
+        [b"", b"MDPW01", b"\x05"],
     ]
 
 
@@ -102,6 +109,10 @@ def _feed_frames(frames) -> None:
             parse(frames)
         except P.ProtocolError:
             pass
+    # What the broker writes for an MDP/0.1 client from a worker's FINAL (its body is the
+    # worker's: it reads the error header, if any, for its text)
+    out = P.to_client01(frames)
+    assert out is None or (out[:2] == [b"", P.MDPC01] and len(out) >= 4)
     for i, f in enumerate(frames):
         _feed_header(f, frames[i + 1:])
 
@@ -132,6 +143,8 @@ def _feed_header(frame, rest=()) -> None:
     tok = P.envelope_token(frame)
     assert tok is None or 0 <= tok < 1 << 64
     assert P.is_header(frame) in (True, False)
+    text = P.reply_error_text(frame)
+    assert text is None or type(text) is str
 
 
 def _depth(x, d=1) -> int:

@@ -128,11 +128,63 @@ def test_parse_client_commands():
     m = P.parse_client(P.client_cancel("echo", 9))
     assert P.decode_cancel(m.body[0]).id == 9
     with pytest.raises(P.ProtocolError, match="MDPC02"):
-        P.parse_client([b"MDPC01", b"\x01", b"echo", b"x"])
+        P.parse_client([b"MDPC03", b"\x01", b"echo", b"x"])
+    with pytest.raises(P.ProtocolError, match="starts with an empty frame"):  # MDP/0.1 without RFC 7's frame 0
+        P.parse_client([b"MDPC01", b"echo", b"x"])
     with pytest.raises(P.ProtocolError, match="unknown client command"):
         P.parse_client([b"MDPC02", b"\x09"])
     with pytest.raises(P.ProtocolError, match="body frame"):
         P.parse_client([b"MDPC02", b"\x01", b"echo"])
+
+
+def test_mdp01_messages_are_read_as_the_mdp02_commands_they_mean():
+    # docs/protocol.md section 12.1: a client's REQUEST (from a REQ socket, or a DEALER that
+    # sends RFC 7's frame 0 itself); a worker's READY, REPLY, HEARTBEAT, DISCONNECT.
+    m = P.parse_client([b"", b"MDPC01", b"echo", b"a", b"b"])
+    assert (m.command, m.service, m.body, m.leading_empty) == (P.C_REQUEST, b"echo", (b"a", b"b"), True)
+    for bad, match in (([b"", b"MDPC01", b"echo"], "at least one"), ([b"", b"MDPC01", b"", b"x"], "service name"),
+                       ([b"", b"MDPC01", b"s" * 256, b"x"], "service name"), ([b"", b"MDPC01"], "at least 2")):
+        with pytest.raises(P.ProtocolError, match=match):
+            P.parse_client(bad)
+    m = P.parse_worker([b"", b"MDPW01", b"\x01", b"echo"])
+    assert (m.command, m.service, m.ready) == (P.W_READY, b"echo", None)  # a bare READY
+    m = P.parse_worker([b"", b"MDPW01", b"\x03", b"env", b"", b"r1", b"r2"])
+    assert (m.command, m.envelope, m.body) == (P.W_FINAL, b"env", (b"r1", b"r2"))  # 0x03 is 0.2's PARTIAL
+    assert P.parse_worker([b"", b"MDPW01", b"\x04"]).command == P.W_HEARTBEAT  # 0x04 is 0.2's FINAL
+    assert P.parse_worker([b"", b"MDPW01", b"\x05"]).command == P.W_DISCONNECT
+    for bad, match in (([b"MDPW01", b"\x01", b"echo"], "empty frame"),
+                       ([b"", b"MDPW01", b"\x01", b"echo", P.encode_header(P.Ready())], "nothing more"),
+                       ([b"", b"MDPW01", b"\x01", b"mmi.x"], "reserved"),
+                       ([b"", b"MDPW01", b"\x02", b"env", b"", b"x"], "only a broker sends"),
+                       ([b"", b"MDPW01", b"\x03", b"env", b"x"], "REPLY"),
+                       ([b"", b"MDPW01", b"\x03", b"e" * 256, b""], "255"),
+                       ([b"", b"MDPW01", b"\x06"], "unknown MDP/0.1")):
+        with pytest.raises(P.ProtocolError, match=match):
+            P.parse_worker(bad)
+
+
+def test_mdp01_peers_get_what_the_broker_sends_in_rfc7_framing():
+    # To a worker: REQUEST, HEARTBEAT and DISCONNECT exactly as RFC 7 writes them (no refusal
+    # reason: the zguide's worker asserts on more); nothing for CANCEL, which 0.1 lacks.
+    assert P.to_worker01(P.to_worker_request(b"id", b"env", [b"x", b"y"])) == [
+        b"id", b"", b"MDPW01", b"\x02", b"env", b"", b"x", b"y"]
+    assert P.to_worker01([b"id", *P.worker_heartbeat()]) == [b"id", b"", b"MDPW01", b"\x04"]
+    refusal = P.error_body(0, P.ErrorCode.PROTOCOL_ERROR, "READY refused")
+    assert P.to_worker01([b"id", *P.worker_disconnect(refusal)]) == [b"id", b"", b"MDPW01", b"\x05"]
+    assert P.to_worker01(P.to_worker_cancel(b"id", b"env", P.CANCEL_EXPIRED)) is None
+    # To a client: the FINAL only, from RFC 7's frame 0 on; an empty body as one empty frame;
+    # an error as its header, then its text.
+    assert P.to_client01(P.client_reply(True, b"echo", [b"a", b"b"])) == [b"", b"MDPC01", b"echo", b"a", b"b"]
+    assert P.to_client01(P.client_reply(False, b"echo", [b"a"])) is None
+    assert P.to_client01(P.client_reply(True, b"echo", [])) == [b"", b"MDPC01", b"echo", b""]
+    assert P.to_client01(P.broker_heartbeat(b"i" * 8, 3000)) is None
+    err = P.error_body(7, P.ErrorCode.SERVICE_UNAVAILABLE, "no live worker for 'x'")
+    assert P.to_client01(P.client_reply(True, b"x", err)) == [
+        b"", b"MDPC01", b"x", err[0], b"503 SERVICE_UNAVAILABLE: no live worker for 'x'"]
+    result = P.encode_header(P.Reply(id=7))
+    assert P.to_client01(P.client_reply(True, b"x", [result, b"t"])) == [b"", b"MDPC01", b"x", result, b"t"]
+    assert P.reply_error_text(P.error_body(1, 777, "odd")[0]) == "777 ERROR: odd"
+    assert P.reply_error_text(P.MAGIC + b"\xc1") is None and P.reply_error_text(b"503") is None
 
 
 def test_parse_worker_commands():

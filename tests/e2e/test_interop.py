@@ -15,12 +15,17 @@ code sends, each mirroring a named file (the packages are not test dependencies)
 """
 from __future__ import annotations
 
+import random
 import time
 
+import numpy as np
 import pytest
 import zmq
 
 import broker.protocol as P
+from bench.hostile import mutate_frames
+from client_sdk import Client
+from tests.e2e.conftest import Proc, wait_service
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,32 +106,19 @@ def test_a_worker_that_keeps_mdp01s_empty_delimiter_gets_it_back(cluster):
         c.close()
 
 
-def test_mdp01_peers_are_named_in_the_log_and_left_unanswered(cluster):
-    # Found with the zguide's MDP/0.1 worker: the broker answered its READY with an MDP/0.2
-    # DISCONNECT (2 or 3 frames, no delimiter), on which that worker asserts and dies
-    # (`assert len(msg) >= 3`, `assert empty == ''`); the log said "refused a READY ...
-    # must start with MDPW02, got b'MDPW01'".  An MDP/0.1 peer is now not answered at all
-    # (RFC 18: drop invalid messages; the zguide's worker reconnects on its own silence
-    # timer), and the line names MDP/0.1 and what the broker speaks.
+def test_a_zproto_peer_is_named_in_the_log_and_left_unanswered(cluster):
+    # zeromq/majordomo's libmajordomo (zproto) packs the protocol, command and service into
+    # one binary frame (src/mdp_client_msg.c): not RFC 18's frames, nor RFC 7's.  Not
+    # answered; the line says what it is.
     broker = cluster.broker()
-    w, c = _dealer(cluster.backend), _dealer(cluster.frontend)
+    c = _dealer(cluster.frontend)
     try:
-        w.send_multipart([b"", b"MDPW01", b"\x01", b"old"])  # mdwrkapi: READY
-        w.send_multipart([b"", b"MDPW01", b"\x04"])  # mdwrkapi: HEARTBEAT
-        c.send_multipart([b"", b"MDPC01", b"old", b"hello"])  # mdcliapi2: a request
-        # zeromq/majordomo's libmajordomo (zproto): one packed frame (src/mdp_client_msg.c)
         c.send_multipart([b"\xaa\xa4\x01\x06MDPC02\x01\x03old", b"hello"])
-        # Barriers: the broker handles one connection's messages in order, so anything it
-        # answered to those would come before the answer to these.
-        w.send_multipart([MDPW, P.W_HEARTBEAT])  # an unknown MDP/0.2 worker: DISCONNECT
-        assert _recv(w) == [MDPW, P.W_DISCONNECT]
+        # Barrier: the broker handles one connection's messages in order.
         c.send_multipart([MDPC, P.C_REQUEST, b"mmi.service", b"old"])
         assert _recv(c) == [MDPC, P.C_FINAL, b"mmi.service", b"404"]
-        broker.wait_log("sent an MDP/0.1 message (MDPW01, ZeroMQ RFC 7")
-        broker.wait_log("sent an MDP/0.1 message (MDPC01, ZeroMQ RFC 7")
         broker.wait_log("sent a zproto-encoded message")
     finally:
-        w.close()
         c.close()
 
 
@@ -170,3 +162,276 @@ def test_a_plain_worker_silent_while_it_runs_a_request_is_not_presumed_dead(clus
     finally:
         w.close()
         c.close()
+
+
+# ------------------------------------------------------------------ MDP/0.1 (RFC 7, section 12.1)
+#
+# Before section 12.1, the broker never answered an MDP/0.1 peer (it logged one line): each
+# test below waited out its first answer there (shown on the commit before it).
+
+MDPC01, MDPW01 = b"MDPC01", b"MDPW01"
+
+
+def _req(endpoint: str) -> zmq.Socket:
+    """The zguide's mdcliapi: a REQ socket (it adds RFC 7's empty frame 0 and takes it off)."""
+    s = zmq.Context.instance().socket(zmq.REQ)
+    s.linger = 0
+    s.connect(endpoint)
+    return s
+
+
+def _wait_mmi01(client: zmq.Socket, service: bytes, want: bytes, timeout: float = 10.0) -> None:
+    """`mmi.service` in MDP/0.1 framing (the zguide's mmiecho) until the answer is `want`."""
+    req = client.type == zmq.REQ
+    head = [] if req else [b""]
+    deadline = time.monotonic() + timeout
+    while True:
+        client.send_multipart([*head, MDPC01, b"mmi.service", service])
+        reply = _recv(client)
+        assert reply[:len(head) + 2] == [*head, MDPC01, b"mmi.service"], reply
+        if reply[-1] == want:
+            return
+        assert time.monotonic() < deadline, f"mmi.service {service!r} still {reply[-1]!r}, not {want!r}"
+        time.sleep(0.01)
+
+
+def _worker_request(w: zmq.Socket) -> list[bytes]:
+    """The next REQUEST to a raw MDP/0.2 worker (heartbeats answered): [envelope, body...]."""
+    while True:
+        msg = _recv(w)
+        if msg[:2] == [MDPW, P.W_HEARTBEAT]:
+            w.send_multipart([MDPW, P.W_HEARTBEAT])
+            continue
+        assert msg[:2] == [MDPW, P.W_REQUEST] and msg[3] == b"", msg
+        return [msg[2], *msg[4:]]
+
+
+def _nothing(s: zmq.Socket, what: str) -> None:
+    assert not s.poll(0), f"{what}: {s.recv_multipart()}"
+
+
+def test_mdp01_clients_on_req_and_dealer_sockets_get_one_reply_per_request(cluster):
+    # The zguide's mdcliapi (REQ) and mdcliapi2 (DEALER) against an MDP/0.2 worker, beside
+    # an MDP/0.2 client of the same worker: each 0.1 request gets one reply, the FINAL (a
+    # streaming worker's PARTIALs are not sent to it), an empty body as one empty frame,
+    # and errors as the header plus its text.
+    cluster.broker("--service-grace", "0.3")
+    w, c2 = _dealer(cluster.backend), _dealer(cluster.frontend)
+    r, d = _req(cluster.frontend), _dealer(cluster.frontend)
+    try:
+        w.send_multipart([MDPW, P.W_READY, b"svc"])
+        _mmi(c2, b"svc", b"200")
+        r.send_multipart([MDPC01, b"mmi.service", b"svc"])  # mmiecho, on a REQ socket
+        assert _recv(r) == [MDPC01, b"mmi.service", b"200"]
+        r.send_multipart([MDPC01, b"mmi.service", b"nobody"])
+        assert _recv(r) == [MDPC01, b"mmi.service", b"404"]
+
+        # REQ: the worker streams; the client gets the FINAL alone.
+        r.send_multipart([MDPC01, b"svc", b"hello", b"two"])
+        env, *body = _worker_request(w)
+        assert body == [b"hello", b"two"]
+        w.send_multipart([MDPW, P.W_PARTIAL, env, b"", b"part"])
+        w.send_multipart([MDPW, P.W_FINAL, env, b"", b"done"])
+        assert _recv(r) == [MDPC01, b"svc", b"done"]
+        # An empty FINAL: one empty body frame (RFC 7's REPLY has at least one).
+        r.send_multipart([MDPC01, b"svc", b"again"])
+        env, *body = _worker_request(w)
+        w.send_multipart([MDPW, P.W_FINAL, env, b""])
+        assert _recv(r) == [MDPC01, b"svc", b""]
+
+        # DEALER (mdcliapi2): RFC 7's frame 0 sent and answered; an MDP/0.2 client's stream
+        # through the same worker meanwhile is untouched.
+        d.send_multipart([b"", MDPC01, b"svc", b"x"])
+        env1, *body = _worker_request(w)
+        assert body == [b"x"]
+        c2.send_multipart([MDPC, P.C_REQUEST, b"svc", b"y"])
+        w.send_multipart([MDPW, P.W_PARTIAL, env1, b"", b"x-part"])
+        w.send_multipart([MDPW, P.W_FINAL, env1, b"", b"x-done"])
+        env2, *body = _worker_request(w)
+        assert body == [b"y"]
+        w.send_multipart([MDPW, P.W_PARTIAL, env2, b"", b"y-part"])
+        w.send_multipart([MDPW, P.W_FINAL, env2, b"", b"y-done"])
+        assert _recv(c2) == [MDPC, P.C_PARTIAL, b"svc", b"y-part"]
+        assert _recv(c2) == [MDPC, P.C_FINAL, b"svc", b"y-done"]
+        assert _recv(d) == [b"", MDPC01, b"svc", b"x-done"]
+
+        # Errors: the broker's 503 (no worker within the service grace), its 400 (a header
+        # that does not parse): the typed header, then its text.
+        d.send_multipart([b"", MDPC01, b"nobody", b"x"])
+        reply = _recv(d)
+        assert reply[:3] == [b"", MDPC01, b"nobody"] and len(reply) == 5, reply
+        assert P.reply_error_code(reply[3]) == 503 and reply[4].startswith(b"503 SERVICE_UNAVAILABLE: "), reply
+        r.send_multipart([MDPC01, b"svc", P.MAGIC + b"\x81\xa1v\x01"])  # a header without its id
+        reply = _recv(r)
+        assert reply[:2] == [MDPC01, b"svc"] and P.reply_error_code(reply[2]) == 400, reply
+        assert reply[3].startswith(b"400 PROTOCOL_ERROR: "), reply
+        # Nothing more came to anyone (the PARTIALs were not sent late).
+        d.send_multipart([b"", MDPC01, b"mmi.service", b"svc"])
+        assert _recv(d) == [b"", MDPC01, b"mmi.service", b"200"]
+        _nothing(r, "the REQ client")
+    finally:
+        for s in (w, c2, r, d):
+            s.close()
+
+
+def _mdp01_worker(cluster, service: str, *extra: str) -> Proc:
+    p = Proc(["-m", "mdp01_worker", cluster.backend, service, *extra])
+    cluster.procs.append(p)
+    p.wait_ready()
+    return p
+
+
+def test_a_zguide_mdp01_worker_heartbeats_and_serves_mdp02_and_mdp01_clients(cluster):
+    # tests/e2e/mdp01_worker.py does what the zguide's mdwrkapi does, asserts included.  It
+    # stays registered across many liveness windows of heartbeats both ways, and serves an
+    # MDP/0.2 client and both kinds of MDP/0.1 client.
+    cluster.broker()  # heartbeat 0.2 s: a 0.6 s window
+    worker = _mdp01_worker(cluster, "zg", "--heartbeat-ms", "150")
+    c2, r = _dealer(cluster.frontend), _req(cluster.frontend)
+    try:
+        _mmi(c2, b"zg", b"200")
+        worker.wait_log("HEARTBEAT 12\n")  # >= 2.4 s of the broker's heartbeats: four windows
+        _mmi(c2, b"zg", b"200")
+        c2.send_multipart([MDPC, P.C_REQUEST, b"zg", b"from", b"0.2"])
+        assert _recv(c2) == [MDPC, P.C_FINAL, b"zg", b"from", b"0.2"]
+        r.send_multipart([MDPC01, b"zg", b"from 0.1"])
+        assert _recv(r) == [MDPC01, b"zg", b"from 0.1"]
+        worker.wait_log("REQUEST 2 [b'from 0.1']")
+        assert worker.p.poll() is None
+        assert b"RECONNECT" not in worker._err and b"DISCONNECT" not in worker._err, worker._err
+    finally:
+        c2.close()
+        r.close()
+
+
+def test_a_sigkilled_mdp01_worker_s_request_runs_on_another(cluster):
+    # The zguide's worker is silent while it works (a bare READY: not presumed dead for
+    # that, section 3); killed, its request goes to the next worker of the service.
+    cluster.broker()
+    first = _mdp01_worker(cluster, "zg", "--heartbeat-ms", "150", "--hang")
+    d = _dealer(cluster.frontend)
+    try:
+        _wait_mmi01(d, b"zg", b"200")
+        d.send_multipart([b"", MDPC01, b"zg", b"job"])
+        first.wait_log("REQUEST 1 [b'job']")
+        second = _mdp01_worker(cluster, "zg", "--heartbeat-ms", "150")
+        first.kill()
+        assert _recv(d) == [b"", MDPC01, b"zg", b"job"]
+        second.wait_log("REQUEST 1 [b'job']")
+    finally:
+        d.close()
+
+
+def test_an_mdp01_worker_is_told_disconnect_in_rfc7_framing_and_registers_again(cluster):
+    # After a broker restart the worker's first HEARTBEAT reaches a broker that does not
+    # know it: DISCONNECT, exactly RFC 7's three frames (an MDP/0.2 one would trip the
+    # zguide's asserts), and it registers again.  Its own silence timer is long here, so
+    # that only the DISCONNECT can bring it back.  Raw sockets: a refused READY (an `mmi.`
+    # name) and a worker's message in the framing it did not register in.
+    broker = cluster.broker()
+    worker = _mdp01_worker(cluster, "zg", "--heartbeat-ms", "150", "--liveness", "400")
+    r = _req(cluster.frontend)
+    w = _dealer(cluster.backend)
+    try:
+        _wait_mmi01(r, b"zg", b"200")
+        broker.terminate()
+        cluster.broker()
+        worker.wait_log("DISCONNECT 1 [b'', b'MDPW01', b'\\x05']")
+        _wait_mmi01(r, b"zg", b"200")
+        r.send_multipart([MDPC01, b"zg", b"after"])
+        assert _recv(r) == [MDPC01, b"zg", b"after"]
+        assert worker.p.poll() is None and b"RECONNECT" not in worker._err, worker._err
+
+        w.send_multipart([b"", MDPW01, b"\x01", b"mmi.x"])  # refused: a reserved name
+        assert _recv(w) == [b"", MDPW01, b"\x05"]
+        w.close()
+        w = _dealer(cluster.backend)
+        w.send_multipart([b"", MDPW01, b"\x01", b"raw"])
+        _wait_mmi01(r, b"raw", b"200")
+        r.send_multipart([MDPC01, b"raw", b"q"])
+        msg = _recv(w)
+        while msg == [b"", MDPW01, b"\x04"]:  # heartbeats meanwhile
+            msg = _recv(w)
+        assert msg[:3] == [b"", MDPW01, b"\x02"] and msg[4:] == [b"", b"q"], msg
+        env = msg[3]
+        # MDP/0.2's FINAL (0x04, 0.1's HEARTBEAT) from a 0.1 worker: dropped, never relayed.
+        w.send_multipart([MDPW, P.W_FINAL, env, b"", b"wrong framing"])
+        w.send_multipart([b"", MDPW01, b"\x03", env, b"", b"right"])
+        assert _recv(r) == [MDPC01, b"raw", b"right"]
+        w.send_multipart([b"", MDPW01, b"\x01", b"raw"])  # a second READY: DISCONNECT
+        msg = _recv(w)
+        while msg == [b"", MDPW01, b"\x04"]:
+            msg = _recv(w)
+        assert msg == [b"", MDPW01, b"\x05"]
+        _wait_mmi01(r, b"raw", b"404")
+    finally:
+        r.close()
+        w.close()
+
+
+def test_an_mdp01_client_against_our_gpu_worker(cluster):
+    # Our worker with the `echo` model takes opaque bodies and sends them back; a request
+    # it refuses itself (a shared-memory reference to a segment nobody has) comes back as
+    # its typed error, with the text.
+    cluster.broker()
+    cluster.worker("echo")
+    r = _req(cluster.frontend)
+    try:
+        _wait_mmi01(r, b"echo", b"200", timeout=20)
+        r.send_multipart([MDPC01, b"echo", b"opaque", b"", b"\xc1 not ours"])
+        assert _recv(r) == [MDPC01, b"echo", b"opaque", b"", b"\xc1 not ours"]
+        ref = P.TensorRef(name="x", dtype="<f4", shape=[4], loc=P.ShmLoc(
+            segment="zinf-1-2-0123456789abcdef-3", offset=0, nbytes=16, slot=0, generation=1))
+        head = P.encode_header(P.Request(id=77, host=P.local_host_id(), tensors=[ref], timeout_ms=5000.0))
+        r.send_multipart([MDPC01, b"echo", head])
+        reply = _recv(r)
+        assert reply[:2] == [MDPC01, b"echo"] and len(reply) == 4, reply
+        rep = P.decode_reply(reply[2])
+        assert rep.id == 77 and rep.error is not None and rep.error.code == 400, rep
+        assert reply[3] == f"400 PROTOCOL_ERROR: {rep.error.message}".encode(), reply
+    finally:
+        r.close()
+
+
+def test_malformed_mdp01_input_harms_no_mdp02_client(cluster):
+    # Mutated MDP/0.1 messages on both sockets (bench.hostile's mutators, the corpus
+    # written to the zguide's framing) while an MDP/0.2 client's requests run through our
+    # worker: every one of them answered right, the broker alive, and a well-formed 0.1
+    # question still answered after each burst.
+    broker = cluster.broker()
+    cluster.worker("echo")
+    rng = random.Random(2026_12_06)
+    env = (7).to_bytes(8, "big")
+    c_corpus = [[b"", MDPC01, b"fz", b"body"], [b"", MDPC01, b"mmi.service", b"fz"],
+                [b"", MDPC01, b"fz", P.encode_header(P.Request(id=5)), b"x"]]
+    w_corpus = [[b"", MDPW01, b"\x01", b"fz"], [b"", MDPW01, b"\x03", env, b"", b"r"], [b"", MDPW01, b"\x04"],
+                [b"", MDPW01, b"\x05"]]
+    fc, fw, q = _dealer(cluster.frontend), _dealer(cluster.backend), _dealer(cluster.frontend)
+    x = np.arange(64, dtype=np.float32)
+    try:
+        with Client(cluster.frontend, timeout=10) as client:
+            wait_service(client, "echo")
+            deadline = time.monotonic() + 3.0
+            sent = rounds = 0
+            while time.monotonic() < deadline or rounds < 3:
+                for _ in range(100):
+                    for sock, corpus in ((fc, c_corpus), (fw, w_corpus)):
+                        try:
+                            sock.send_multipart(mutate_frames(rng, corpus) or [b""], zmq.NOBLOCK)
+                        except zmq.Again:
+                            pass
+                    sent += 1
+                with client.infer("echo", {"x": x + rounds}, timeout=10) as out:
+                    np.testing.assert_array_equal(out["x"], x + rounds)
+                q.send_multipart([b"", MDPC01, b"mmi.service", b"echo"])
+                assert _recv(q) == [b"", MDPC01, b"mmi.service", b"200"]
+                for sock in (fc, fw):
+                    while sock.poll(0):
+                        sock.recv_multipart()
+                rounds += 1
+        assert sent >= 300
+        broker.wait_log("malformed worker message")
+        assert broker.p.poll() is None
+    finally:
+        for s in (fc, fw, q):
+            s.close()
