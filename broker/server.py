@@ -1094,17 +1094,18 @@ class Broker:
             msg = P.parse_client(frames[1:])
         except P.ProtocolError as e:
             self.malformed += 1
-            if _protocol_frame(frames) in _WORKER_PROTOCOLS:
-                self._bad.warning("a worker (MDPW02 or MDPW01) sent to the frontend %s: workers connect to the backend %s "
-                                  "(python -m gpu_worker --broker %s)", self.frontend_ep, self.backend_ep,
-                                  self.backend_ep)
+            proto = _protocol_frame(frames)
+            if proto in _WORKER_PROTOCOLS:
+                self._bad.warning("a worker (%s) sent to the frontend %s: workers connect to the backend %s "
+                                  "(python -m gpu_worker --broker %s)", proto.decode(), self.frontend_ep,
+                                  self.backend_ep, self.backend_ep)
                 return
             foreign = _foreign(frames)
             if foreign is not None:
                 self._bad.warning("a client (%s) on %s sent %s", _Peer(frames[1], ident), self.frontend_ep,
                                   foreign)
                 return
-            if _protocol_frame(frames) == P.MDPC and _command_frame(frames) == P.C_PARTIAL:
+            if proto == P.MDPC and _command_frame(frames) == P.C_PARTIAL:
                 e = P.ProtocolError(f"{e}: 0x02 is PARTIAL, which only a broker sends; a client's REQUEST "
                                     f"is 0x01 (RFC 18; majortomo's Client numbers client commands as worker ones)")
             self._bad.warning("malformed client message from %r: %s", ident[:16], e)
@@ -1522,9 +1523,10 @@ class Broker:
             msg = P.parse_worker(frames[1:])
         except P.ProtocolError as e:
             self.malformed += 1
-            if _protocol_frame(frames) in _CLIENT_PROTOCOLS:
-                self._bad.warning("a client (MDPC02 or MDPC01) sent to the backend %s: clients connect to the frontend %s",
-                                  self.backend_ep, self.frontend_ep)
+            proto = _protocol_frame(frames)
+            if proto in _CLIENT_PROTOCOLS:
+                self._bad.warning("a client (%s) sent to the backend %s: clients connect to the frontend %s",
+                                  proto.decode(), self.backend_ep, self.frontend_ep)
                 return
             foreign = _foreign(frames)
             if foreign is not None:
@@ -1857,6 +1859,7 @@ class Broker:
                     self._client_tcp.pop(ident, None)
                     self._kept_conns.pop(ident, None)
                     self._req_clients.discard(ident)
+                    self._v01_clients.discard(ident)
                     self._unread.pop(ident, None)
                     self._conn_closed(ident, fd, state)
 

@@ -1,7 +1,7 @@
 """The wire protocol, as a leaf package: every process imports it, and it imports nothing of
 the project but `shm`.
 
-- `frames`: every MDP/0.2 command, built and parsed (the frame table is data there);
+- `frames`: every MDP/0.2 command, built and parsed, and MDP/0.1's read and written (the frame tables are data there);
 - `header`: the msgpack header frames, their schema, decoding and validation;
 - `refs`: `ShmLoc`/`CudaLoc` on the wire <-> `shm.ShmRef`/`shm.cuda.DeviceRef`;
 - `naming`: host identity, runtime directory, default endpoints, reply-socket files;

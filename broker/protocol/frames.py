@@ -1,4 +1,4 @@
-"""Frames: every MDP/0.2 (RFC 18) command we send or accept, built and parsed in one place.
+"""Frames: every MDP/0.2 (RFC 18) command we send or accept, built and parsed in one place (and MDP/0.1's).
 
 Clients, the broker and workers all build and parse frames through this module; nothing else
 in the project does.  It touches no socket and reads no clock.  Everything a peer sends is
@@ -12,6 +12,12 @@ emits.  The frame table is `CLIENT_COMMANDS` and `WORKER_COMMANDS` below: it is 
 truth, docs/protocol.md sections 2 and 3 are rendered from it (`frame_table`), and a test
 keeps the two equal.  ROUTER sockets prepend the peer identity; the parsers here see frames
 with it already stripped.
+
+MDP/0.1 (RFC 7, the zguide's Majordomo examples) is served too (docs/protocol.md section
+12.1, its table rendered from `MDP01_COMMANDS`): `parse_client` and `parse_worker` read a 0.1
+message as the MDP/0.2 command it means, and `to_client01`/`to_worker01` write what the
+broker sends a 0.1 peer in RFC 7's framing.  Which framing a message is in is only ever read
+from its protocol frame: 0.1's worker REPLY and HEARTBEAT carry 0.2's PARTIAL and FINAL codes.
 
 Invariants a maintainer must keep:
 - `envelope` (RFC 18's client address) is opaque, at most 255 bytes, returned unchanged by a

@@ -269,6 +269,14 @@ def test_mdp01_clients_on_req_and_dealer_sockets_get_one_reply_per_request(clust
         d.send_multipart([b"", MDPC01, b"mmi.service", b"svc"])
         assert _recv(d) == [b"", MDPC01, b"mmi.service", b"200"]
         _nothing(r, "the REQ client")
+        # mdcliapi gives up on a slow reply by closing its socket (then sends again on a new
+        # one): the close ends the request, cancelled at its worker (client gone).
+        r.send_multipart([MDPC01, b"svc", b"slow"])
+        env, *body = _worker_request(w)
+        r.close()
+        while (msg := _recv(w))[:2] == [MDPW, P.W_HEARTBEAT]:
+            pass
+        assert msg == [MDPW, P.W_CANCEL, env, bytes([P.CANCEL_CLIENT_GONE])], msg
     finally:
         for s in (w, c2, r, d):
             s.close()
