@@ -1513,10 +1513,10 @@ class Broker:
         if len(frames) > 1 and not len(frames[1]):
             self._delimit(ident)
             v01 = _protocol_frame(frames) == P.MDPW01
-            if (v01 or self._v01_workers) and not self._framing01(ident, v01, frames, now):
+            if (v01 or ident in self._v01_workers) and not self._framing01(ident, v01, frames, now):
                 return
         elif self._delimited:
-            if self._v01_workers and not self._framing01(ident, False, frames, now):
+            if ident in self._v01_workers and not self._framing01(ident, False, frames, now):
                 return
             self._delimited.discard(ident)
         try:
