@@ -1409,10 +1409,15 @@ class Worker:
                 outs.extend(failed for _ in half)  # answered CANCELLED (or not at all) anyway
                 continue
             try:
-                got = iter(_detached(self.plane.run(live)))
+                got = _detached(self.plane.run(live))
             except BaseException as e:
-                got = iter(self._isolate(live, model_fault(e)))
-            outs.extend(next(got) if not (j.cancelled or j.stale) else failed for j in half)
+                got = self._isolate(live, model_fault(e))
+            # Matched to `live` as it was run, not by asking again which are cancelled: on
+            # the compute thread the loop marks a CANCEL meanwhile, and the request after
+            # the cancelled one took its output (the fidelity hunt).  A request cancelled
+            # since gets its output here and is answered CANCELLED (`_reply_batch`).
+            ran = {id(j): out for j, out in zip(live, got)}
+            outs.extend(ran.get(id(j), failed) for j in half)
         return outs
 
     def _finish_offloaded(self) -> None:

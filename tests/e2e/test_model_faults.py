@@ -16,7 +16,7 @@ import pytest
 
 from client_sdk import AsyncClient, Client
 from broker import protocol as P
-from client_sdk.errors import InternalError, WorkerFailed
+from client_sdk.errors import Cancelled, InternalError, InvalidInput, WorkerFailed
 from tests.e2e.conftest import wait_service
 
 pytestmark = pytest.mark.timeout(180)
@@ -107,6 +107,48 @@ def test_a_batch_run_again_in_parts_does_not_hand_one_request_anothers_outputs(c
     served, errors = _mixed_load(cluster.frontend, {"do": "raise"}, service="keeper")
     assert served == 48 and len(errors) == 16  # (the good ones' values are checked one by one)
     w.wait_log("the others were served")
+
+
+def test_a_request_cancelled_while_its_batch_runs_again_does_not_shift_the_others_outputs(cluster, gate):
+    # A batch that raised runs again in halves on the compute thread; a CANCEL read by the
+    # loop meanwhile marks a request of the running half cancelled, and the halves' outputs
+    # were matched to their requests by reading that mark again after the run: the request
+    # after the cancelled one got its output (x = [2, 2, 2] came back [1, 1, 1], the
+    # fidelity hunt), and the ones after it each their neighbour's.
+    cluster.broker()
+    cluster.worker("rows_model:factory", "--max-batch", "4", "--max-delay-ms", "200", "--no-warmup", env=gate.env)
+    gate.open()
+
+    def barrier(c):
+        # Refused by the worker loop at once, even while a batch computes: once answered,
+        # the worker has read everything the broker sent it before (one connection, in order).
+        with pytest.raises(InvalidInput):
+            c.infer("rows", {"x": np.zeros(3, np.float32)})
+
+    with Client(cluster.frontend, timeout=30) as c:
+        wait_service(c, "rows")
+        first = c.infer_stream("rows", {"x": np.full(3, 9, np.int64)})
+        gate.wait_entered(1)                 # runs alone (a batch size never seen: compute thread)
+        tags = (1, 2, 3, -4)                 # -4: its batch raises
+        calls = [c.infer_stream("rows", {"x": np.full(3, t, np.int64)}) for t in tags]
+        barrier(c)                           # the four wait at the worker: one batch after `first`
+        gate.release()
+        np.testing.assert_array_equal(first.result(timeout=20)["x"], [9, 9, 9])
+        gate.wait_entered(2)                 # the batch of four
+        gate.release()                       # raises: run again as [1, 2] and [3, -4]
+        gate.wait_entered(3)                 # [1, 2] runs
+        calls[0].cancel()
+        barrier(c)                           # the worker read the CANCEL while [1, 2] runs
+        gate.release(4)                      # [1, 2], [3, -4], [3], [-4]
+        with pytest.raises(Cancelled):
+            calls[0].result(timeout=20)
+        for t, call in zip(tags[1:3], calls[1:3]):
+            r = call.result(timeout=20)
+            assert r.timing["batch"] == 4
+            np.testing.assert_array_equal(r["x"], [t, t, t])
+        with pytest.raises(InternalError, match="a row asked to fail"):
+            calls[3].result(timeout=20)
+        assert gate.entered() == 6
 
 
 def test_a_streaming_model_that_raises_fails_its_own_request_and_the_worker_serves_on(cluster):
