@@ -104,6 +104,15 @@ def to_numpy(name: str, x: Any) -> np.ndarray:
     """`x` as a numpy array sharing its memory when it can (torch CPU tensors, ndarrays)."""
     if isinstance(x, np.ndarray):
         arr = x
+        if type(x) is not np.ndarray and isinstance(x, np.ma.MaskedArray) and np.ma.is_masked(x):
+            # Its bytes go, not its mask: the model would compute on the values the mask
+            # hides, and the result would look right (the fidelity hunt).  A subclass
+            # otherwise travels as its plain array (np.matrix, a masked array hiding nothing).
+            raise InvalidInput(
+                f"input {name!r} is a masked array with {int(np.ma.count_masked(x))} masked element(s); "
+                "a mask cannot be sent: send x.filled(value), and np.ma.getmaskarray(x) as another "
+                "input if the model needs it"
+            )
     elif type(x).__module__.startswith("torch") and hasattr(x, "numpy") and hasattr(x, "device"):
         arr = _torch_to_numpy(name, x)
     else:
@@ -144,6 +153,9 @@ def _torch_to_numpy(name: str, t: Any) -> np.ndarray:
             f"input {name!r} is a torch tensor on {t.device}; of GPU tensors only CUDA ones can be "
             "passed directly (by CUDA IPC): call .cpu() on it first"
         )
+    if t.is_nested:  # (a strided nested tensor has no numpy view: torch raised RuntimeError)
+        raise InvalidInput(f"input {name!r} is a nested torch tensor; send each of its tensors as an input "
+                           "of its own, or one padded tensor (.to_padded_tensor(0))")
     if str(t.layout) != "torch.strided":
         raise InvalidInput(f"input {name!r} is a {t.layout} torch tensor; call .to_dense() on it first")
     t = t.detach()
@@ -244,6 +256,8 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
         for name, x in inputs.items():
             if not isinstance(name, str) or not name:
                 raise InvalidInput(f"input names must be non-empty strings, got {name!r}")
+            if name in out.arrays:  # a Mapping that is not a dict may name one twice
+                raise InvalidInput(f"input name {name!r} appears twice in the inputs; give each input a name of its own")
             if type(x) is not np.ndarray and _cuda.is_cuda_tensor(x):
                 if cuda is not None:
                     side = cuda()

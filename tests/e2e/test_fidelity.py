@@ -8,6 +8,8 @@ the input) arrive as the model computed them.  Real broker and worker processes,
 from __future__ import annotations
 
 import asyncio
+import warnings
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from broker import protocol as P
-from client_sdk import AsyncClient, Client
+from client_sdk import AsyncClient, Client, InvalidInput
 
 from .conftest import wait_service
 from .layouts_model import expected as layouts_expected
@@ -220,3 +222,52 @@ def test_a_batching_worker_gives_every_client_its_own_rows(cluster):
 
     sizes = asyncio.run(scenario())
     assert max(sizes) > 1, "no batch formed"
+
+
+class _TwiceNamed(Mapping):
+    """A Mapping (not a dict) that names one input twice."""
+
+    def __init__(self, items):
+        self._items = items
+
+    def __getitem__(self, key):
+        return dict(self._items)[key]
+
+    def __iter__(self):
+        return (k for k, _ in self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+@pytest.mark.parametrize("transport", ["inline", "auto"])
+def test_inputs_that_cannot_round_trip_are_refused_before_anything_is_sent(cluster, transport):
+    """What would not come back as it was sent raises `InvalidInput` before a byte is sent,
+    holds no slot, and the client serves on: a masked array hiding values (its bytes went,
+    not its mask: the model computed on the hidden values), a nested torch tensor (raised
+    torch's RuntimeError), one name twice (sent, and refused by the broker as a protocol
+    error "if client, broker and worker run the same version, this is a bug").  What does
+    come back: a masked array that hides nothing and an np.matrix, as their plain arrays."""
+    torch = pytest.importorskip("torch")
+    cluster.broker()
+    cluster.worker("echo")
+    with Client(cluster.frontend, timeout=20, transport=transport) as c:
+        wait_service(c, "echo")
+        big = np.arange(5000, dtype=np.float32)  # a temporary slot, with shared memory
+        with pytest.raises(InvalidInput, match="masked array with 1 masked"):
+            c.infer("echo", {"big": big, "m": np.ma.array([1.0, 2.0, 3.0], mask=[0, 1, 0])})
+        with warnings.catch_warnings():  # (torch's "prototype stage", numpy's "not the recommended way")
+            warnings.simplefilter("ignore")
+            nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+            mat = np.asmatrix(np.arange(6).reshape(2, 3))
+        with pytest.raises(InvalidInput, match="nested torch tensor"):
+            c.infer("echo", {"big": big, "n": nested})
+        with pytest.raises(InvalidInput, match="'a' appears twice"):
+            c.infer("echo", _TwiceNamed([("a", big), ("a", np.zeros(3))]))
+        if c.uses_shm:
+            assert c.pool.in_use() == 0
+        plain = {"m": np.ma.array([1.0, 2.0], mask=[0, 0]), "mat": mat}
+        with c.infer("echo", plain) as r:
+            _assert_same(r["m"], np.asarray(plain["m"]), "m")
+            _assert_same(r["mat"], np.asarray(plain["mat"]), "mat")
+            assert type(r["mat"]) is np.ndarray
