@@ -91,29 +91,38 @@ def numpy_to_torch(arr: np.ndarray):
     """
     import torch
 
+    t = None
     if arr.flags.writeable:
         try:
-            return torch.from_numpy(arr)
+            t = torch.from_numpy(arr)
         except (TypeError, ValueError):
             pass  # e.g. negative strides or a non-native byte order: handled below
     else:
         try:
-            return torch.from_dlpack(arr)
+            t = torch.from_dlpack(arr)
         except (BufferError, TypeError, ValueError, RuntimeError):
             # numpy < 2.1 refuses to export read-only arrays over DLPack.  from_numpy still
             # shares memory; its warning is about exactly the case we accept on purpose.
             try:
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                    return torch.from_numpy(arr)
+                    t = torch.from_numpy(arr)
             except (TypeError, ValueError):
                 pass
-    if arr.dtype.hasobject or arr.dtype.kind in "USVO":
+    if t is not None:
+        if not t.data_ptr() % t.element_size():
+            return t
+        # torch takes its items to be aligned to their size, numpy does not: an inline
+        # input starts wherever its frame lies in libzmq's receive buffer (or a link
+        # datagram), and a complex128 one 8 bytes off a 16-byte boundary crashed the worker
+        # in torch's kernels (SIGSEGV; the broker retried it on the next worker, which
+        # crashed too: the fidelity hunt).  A copy is aligned (0.15 us to ask).
+    elif arr.dtype.hasobject or arr.dtype.kind in "USVO":
         raise UnsupportedInput(f"input dtype {arr.dtype} has no torch equivalent")
-    # Layouts torch cannot alias (negative strides, byte-swapped data): a copy is the only
-    # option, and it is the request's problem, not a hot path.
+    # Layouts torch cannot alias (negative strides, byte-swapped data, misaligned items): a
+    # copy is the only option, and it is the request's problem, not a hot path.
     try:
-        return torch.from_numpy(np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("=")))
+        return torch.from_numpy(np.array(arr, dtype=arr.dtype.newbyteorder("="), order="C", copy=True))
     except TypeError as e:
         raise UnsupportedInput(f"input dtype {arr.dtype} has no torch equivalent") from e
 

@@ -36,3 +36,18 @@ def factory(device: str = "cpu"):
     run.name = "layouts"
     run.example_inputs = lambda: {"x": np.ones(4, np.float32)}
     return run
+
+
+def torch_clone(device: str = "cpu"):
+    """A torch model (it gets torch tensors): ``x`` copied, and doubled (``two``), of the
+    dtype it came in (native byte order)."""
+    import torch
+
+    class Clone(torch.nn.Module):
+        def forward(self, x):
+            return {"x": x.clone(), "two": x * 2}
+
+    m = Clone()
+    m.name = "tclone"
+    m.example_inputs = lambda: {"x": np.ones(4, np.complex128)}
+    return m

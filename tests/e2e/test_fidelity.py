@@ -271,3 +271,30 @@ def test_inputs_that_cannot_round_trip_are_refused_before_anything_is_sent(clust
             _assert_same(r["m"], np.asarray(plain["m"]), "m")
             _assert_same(r["mat"], np.asarray(plain["mat"]), "mat")
             assert type(r["mat"]) is np.ndarray
+
+
+def test_a_torch_model_takes_inputs_wherever_their_bytes_lie(cluster):
+    """torch takes a tensor's items to be aligned to their size; numpy does not, and an
+    inline input starts wherever its frame lies in the receive buffer (a reference into a
+    client's slot, wherever the client's view starts).  A small complex128 tensor, 8 bytes
+    off a 16-byte boundary there, crashed a torch worker (SIGSEGV), and the broker's retry
+    the next one: `np.ones(3, np.complex128)` took the whole service down.  Now it is
+    copied where torch wants it, on every path, and the workers serve on."""
+    pytest.importorskip("torch")
+    cluster.broker()
+    workers = [cluster.worker("layouts_model:torch_clone", "--direct") for _ in range(2)]
+    for kw in (dict(), dict(transport="inline"), dict(transport="shm"), dict(pin=True)):
+        with Client(cluster.frontend, timeout=20, **kw) as c:
+            wait_service(c, "tclone")
+            cases = [np.ones(3, np.complex128), np.arange(5, dtype=">c16") * 1j, np.arange(7, dtype=np.float64)]
+            if c.uses_shm:  # by reference, 8 bytes into a slot
+                buf = c.alloc((64 + 48,), np.uint8)
+                view = buf[8:8 + 48].view(np.complex128)
+                view[...] = [1 + 2j, 3 - 4j, 5j]
+                cases.append(view)
+            for x in cases:
+                with c.infer("tclone", {"x": x}) as r:
+                    want = x.astype(x.dtype.newbyteorder("="))
+                    _assert_same(r["x"], want, f"{kw} {x.dtype}{x.shape} x")
+                    _assert_same(r["two"], want * 2, f"{kw} {x.dtype}{x.shape} two")
+    assert [w.p.poll() for w in workers] == [None, None]
