@@ -656,6 +656,12 @@ def unpack(reply: P.Reply, frames: list[Any], leases: OutputLeases, *, final: bo
                 # so that `flags.writeable = True` is refused too (as for a mapped slot).
                 arr = (np.frombuffer(buf.toreadonly(), dt).reshape(shape) if buf.nbytes
                        else np.empty(shape, dt))
+                if dt.kind == "c" and arr.__array_interface__["data"][0] % min(dt.itemsize, 16):
+                    # A frame lies anywhere in libzmq's receive buffer; numpy takes complex
+                    # items 8 bytes off a 16-byte boundary as aligned, torch does not, and
+                    # torch.from_numpy(out).clone() crashed the process (SIGSEGV: the
+                    # fidelity hunt).  Such an output is copied (complex dtypes only).
+                    arr = arr.copy()
                 arr.flags.writeable = False
             elif type(loc) is P.ShmLoc:
                 if own is not None:

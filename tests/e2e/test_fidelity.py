@@ -279,7 +279,8 @@ def test_a_torch_model_takes_inputs_wherever_their_bytes_lie(cluster):
     client's slot, wherever the client's view starts).  A small complex128 tensor, 8 bytes
     off a 16-byte boundary there, crashed a torch worker (SIGSEGV), and the broker's retry
     the next one: `np.ones(3, np.complex128)` took the whole service down.  Now it is
-    copied where torch wants it, on every path, and the workers serve on."""
+    copied where torch wants it, on every path, and the workers serve on; and so are the
+    client's complex outputs."""
     pytest.importorskip("torch")
     cluster.broker()
     workers = [cluster.worker("layouts_model:torch_clone", "--direct") for _ in range(2)]
@@ -297,4 +298,10 @@ def test_a_torch_model_takes_inputs_wherever_their_bytes_lie(cluster):
                     want = x.astype(x.dtype.newbyteorder("="))
                     _assert_same(r["x"], want, f"{kw} {x.dtype}{x.shape} x")
                     _assert_same(r["two"], want * 2, f"{kw} {x.dtype}{x.shape} two")
+                    for name in ("x", "two"):
+                        # The client's side of it: an inline output lies anywhere in the
+                        # frame it came in, and torch.from_numpy(out).clone() of a complex
+                        # one 8 bytes off crashed the client (its outputs are copied then).
+                        if r[name].dtype.kind == "c":
+                            assert r[name].ctypes.data % r[name].dtype.itemsize == 0, (kw, name)
     assert [w.p.poll() for w in workers] == [None, None]
