@@ -1395,18 +1395,21 @@ class Worker:
         return self._isolate(jobs, first)
 
     def _isolate(self, jobs: list, failed: ModelFailed) -> list:
-        """``jobs``, whose batch raised ``failed``: each half run again (cancelled and stale
-        requests are not), recursively.  What a run returns is copied before the next run: a
-        model may fill the same output buffer on every call, and these replies are written
-        only after the last run."""
+        """``jobs``, whose batch raised ``failed``: each half run again (cancelled requests
+        are not), recursively.  What a run returns is copied before the next run: a model
+        may fill the same output buffer on every call, and these replies are written only
+        after the last run.  A stale request (its broker connection replaced meanwhile) runs
+        again: as after a batch that did not raise, its result may still go straight to its
+        client (`_reply_tensors`); skipped, it was answered with the other request's error
+        (a good request failed 500 naming another's bad input: the races hunt)."""
         if len(jobs) == 1:
             return [failed]
         mid = len(jobs) // 2
         outs: list = []
         for half in (jobs[:mid], jobs[mid:]):
-            live = [j for j in half if not (j.cancelled or j.stale)]
+            live = [j for j in half if not j.cancelled]
             if not live:
-                outs.extend(failed for _ in half)  # answered CANCELLED (or not at all) anyway
+                outs.extend(failed for _ in half)  # answered CANCELLED anyway
                 continue
             try:
                 got = _detached(self.plane.run(live))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 import time
 
@@ -149,6 +150,42 @@ def test_a_request_cancelled_while_its_batch_runs_again_does_not_shift_the_other
         with pytest.raises(InternalError, match="a row asked to fail"):
             calls[3].result(timeout=20)
         assert gate.entered() == 6
+
+
+def test_a_good_request_whose_broker_connection_was_replaced_while_its_batch_ran_is_not_failed_by_anothers_error(
+        cluster, gate):
+    # A batch that raised runs again in halves, but a request marked stale meanwhile (the
+    # broker went silent and the loop reconnected while the compute thread ran the batch)
+    # was skipped and answered with the batch's error: its FINAL goes straight to its
+    # client (reply_to), which raised InternalError naming another request's bad input for
+    # a request that was fine (the races hunt).  Run again, it gets its result directly.
+    broker = cluster.broker()
+    w = cluster.worker("rows_model:factory", "--max-batch", "4", "--max-delay-ms", "200", "--no-warmup", env=gate.env)
+    gate.open()
+    # (a client heartbeat far off: it does not notice the broker's pause, nor resend)
+    with Client(cluster.frontend, timeout=30, heartbeat_interval=30) as c:
+        wait_service(c, "rows")
+        first = c.infer_stream("rows", {"x": np.full(3, 9, np.int64)})
+        gate.wait_entered(1)                 # runs alone on the compute thread
+        good = c.infer_stream("rows", {"x": np.full(3, 5, np.int64)})
+        bad = c.infer_stream("rows", {"x": np.full(3, -6, np.int64)})
+        with pytest.raises(InvalidInput):    # the barrier: both wait at the worker, behind `first`
+            c.infer("rows", {"x": np.zeros(3, np.float32)})
+        gate.release()
+        np.testing.assert_array_equal(first.result(timeout=20)["x"], [9, 9, 9])
+        gate.wait_entered(2)                 # [5, -6] runs on the compute thread
+        broker.p.send_signal(signal.SIGSTOP)
+        try:
+            w.wait_log("reconnecting")       # silent past the liveness window: both marked stale
+            gate.release(3)                  # [5, -6] raises; [5] and [-6] run again
+            with good.result(timeout=20) as r:
+                np.testing.assert_array_equal(r["x"], [5, 5, 5])
+                assert r.timing["batch"] == 2
+            with pytest.raises(InternalError, match="a row asked to fail"):
+                bad.result(timeout=20)
+        finally:
+            broker.p.send_signal(signal.SIGCONT)
+    assert gate.entered() == 4
 
 
 def test_a_streaming_model_that_raises_fails_its_own_request_and_the_worker_serves_on(cluster):
