@@ -377,6 +377,10 @@ class AsyncClient(ClientBase):
                     raise InvalidInput(_OTHER_LOOP.format(held))  # another thread's loop got it first
                 self._left_loop()
             self._loop = loop
+            # The loop's thread is the client's own from now on: a buffer dropped in any other
+            # thread (the one that made the client, say) is freed here at the next call, not
+            # there, in the pool this loop uses (the races hunt).
+            self._core._owner_thread = threading.get_ident()
             added = []
             try:
                 for sock in self._socks:

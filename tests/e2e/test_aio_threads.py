@@ -238,3 +238,46 @@ def test_a_child_forked_while_the_loop_runs_in_another_thread_is_refused_at_once
         own.call_soon_threadsafe(own.stop)
         th.join(WAIT)
         own.close()
+
+
+def test_a_buffer_dropped_in_the_thread_that_made_the_client_is_freed_on_its_loop(cluster, threads_of):
+    """An AsyncClient made in one thread and served by a loop in another (the loop is the
+    client's thread from its first call on): a `client.alloc` buffer the making thread drops
+    is freed on the loop, not where it was dropped.  The client took its making thread for
+    its own for good, and freed such a buffer there, in the pool the loop was using (the
+    races hunt: about 86,000 frees a side in 30 s)."""
+    cluster.broker()
+    cluster.worker("echo")
+    seen, watch = threads_of
+    c = AsyncClient(cluster.frontend, timeout=WAIT)  # made here: this thread is not its loop's
+    watch(c)
+    c._core._free_buffer = _noted = (lambda fn: lambda ref: (seen.add(threading.get_ident()), fn(ref)))(
+        c._core._free_buffer)
+    loop = asyncio.new_event_loop()
+    t = threading.Thread(target=loop.run_forever, name="client-loop")
+    t.start()
+
+    def on_loop(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(3 * WAIT)
+
+    try:
+        on_loop(_served(c, "echo"))
+        buf = c.alloc((2048,), np.float32)  # from this thread: made on the loop
+        buf[:] = 5.0
+        del buf  # the last reference, in this thread: freed on the loop at its next call
+
+        async def next_call() -> int:
+            with await c.infer("echo", _x(6)) as r:
+                np.testing.assert_array_equal(r["x"], _x(6)["x"])
+            assert c.pool.in_use() == 0  # the dropped buffer's slot is back
+            return threading.get_ident()
+
+        loop_thread = on_loop(next_call())
+        assert _noted is c._core._free_buffer
+        assert seen == {loop_thread}, "the pool was touched outside the loop's thread"
+    finally:
+        if t.is_alive():
+            on_loop(c.close())
+        loop.call_soon_threadsafe(loop.stop)
+        t.join(WAIT)
+        loop.close()
