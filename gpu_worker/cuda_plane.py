@@ -168,7 +168,17 @@ class CudaPlane:
             # Request meta only for a model that declares it (fixed when the backend is made).
             extra = {"meta": [j.req.meta for j in jobs]} if getattr(self.backend, "takes_meta", False) else {}
             if self.device_path and any(j.cuda_in or self._wants_device(j) for j in jobs):
-                return self.backend.run_device([j.inputs for j in jobs], stream=self.stream, **extra)
+                outs = self.backend.run_device([j.inputs for j in jobs], stream=self.stream, **extra)
+                if not all(self._wants_device(j) for j in jobs):
+                    # Some outputs go back through host memory, which waits for the model
+                    # anyway: wait here, inside the batch's compute window (the heartbeat
+                    # thread speaks for the worker meanwhile, and the batch is timed as the
+                    # model's run), not later in `_to_host` on the loop's thread, where a GPU
+                    # batch longer than the liveness window went without heartbeats (the
+                    # worker presumed dead, its requests run again elsewhere) and was timed
+                    # as its launch alone (the races hunt; untested on a GPU).
+                    self.stream.synchronize()
+                return outs
             return self.backend.run([j.inputs for j in jobs], **extra)
         except self.torch.cuda.OutOfMemoryError:
             self.mem.on_oom()

@@ -287,10 +287,27 @@ def test_a_batch_with_cuda_inputs_or_device_replies_runs_on_the_device(side):
     wants_device = _job([], reply="cuda")
     wants_device.inputs = {"x": np.ones(2, np.int32)}
     side.run([on_host, wants_device])
-    assert side.test_log[-2:] == ["run", "run_device"]
+    # (on_host's outputs go through host memory: the run waits for the model)
+    assert side.test_log[-3:] == ["run", "run_device", "stream.synchronize"]
     side.device_path = False
     side.run([wants_device])
     assert side.test_log[-1] == "run"
+
+
+def test_a_device_batch_with_host_replies_waits_for_the_model_inside_its_run(side):
+    """`run` is the batch's compute window (heartbeats go from their own thread meanwhile):
+    a device batch whose outputs go back through host memory waits for its kernels there,
+    not later on the loop's thread in `_to_host`, heartbeat-less.  One whose replies all stay
+    on the device does not wait at all."""
+    x = np.ones(2, np.int32)
+    on_device = _job([_cuda_ref(side, x)], reply="cuda")
+    to_host = _job([_cuda_ref(side, x, offset=4096)], reply="inline")
+    for job in (on_device, to_host):
+        side.map_inputs(job, [])
+    side.run([on_device])
+    assert side.test_log[-1] == "run_device" and side.stream.syncs == 0
+    side.run([on_device, to_host])
+    assert side.test_log[-2:] == ["run_device", "stream.synchronize"] and side.stream.syncs == 1
 
 
 def test_an_out_of_memory_batch_halves_the_batch_cap(side):
