@@ -53,7 +53,7 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply
 from .core import LAST_LOOK_S, PAUSED_S, ClientCore
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
-from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, context, curve_keys, dealer, descriptor_room, drain_unread, drop_lease_dealer,
                       drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link, redial,
                       send_failure, tcp_options)
 from .tensors import Result
@@ -230,6 +230,8 @@ def _release(state: dict) -> None:
                     except Exception:
                         pass
         state["_pending"].clear()
+        # Replies that came and will not be read: their output slots go back (`Client.close`).
+        drain_unread([*state.get("_socks", ()), *links], core.release_unread)
         lease_monitors = {pin: m for m, pin in state.get("_monitors", {}).items() if pin is not _BROKER}
         for sock, pin in list(state.get("_pin_of", {}).items()):
             try:
@@ -1255,6 +1257,8 @@ class AsyncClient(ClientBase):
             heart = None  # a task of the closed loop: nothing to cancel or wait for
         if heart is not None:
             heart.cancel()
+        # Replies that came and will not be read: their output slots go back (`Client.close`).
+        drain_unread([*self._socks, *self._links], core.release_unread)
         if core.pin_slots or core.pin_services:
             core.pin_goodbye()  # LEASE_END for each lease, its connection closed
             self._run_ops()

@@ -44,7 +44,7 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priorit
 from .core import LAST_LOOK_S, LIVENESS, PAUSED_S, ClientCore
 from .errors import BrokerUnreachable, DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
-from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, context, curve_keys, dealer, descriptor_room, drop_lease_dealer,
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, context, curve_keys, dealer, descriptor_room, drain_unread, drop_lease_dealer,
                       drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link, redial,
                       send_failure, tcp_options)
 from .tensors import Result
@@ -150,9 +150,17 @@ def _wake_fd() -> int | None:
         return None
 
 
-def _let_go(waiter: Waiter, wake: list) -> None:
+def _let_go(waiter: Waiter, wake: list, core: ClientCore | None = None, socks: tuple = (),
+            pins: dict | None = None) -> None:
     """`Client._unwatch`: stop watching its sockets (wire's module-wide marks) and close its
-    wake descriptor (`close()`, or a client dropped without it)."""
+    wake descriptor (`close()`, or a client dropped without it).  A client dropped unclosed
+    gives back the output slots of the replies its sockets still hold, as `close()` does
+    (`core`, its broker socket and inbox `socks`, its leases' sockets `pins`)."""
+    if core is not None and not core.closed and not core.forked():
+        try:
+            drain_unread([*socks, *(pins.values() if pins else ())], core.release_unread)
+        except Exception:  # a finalizer never raises
+            pass
     waiter.close()
     fd = wake.pop() if wake else None
     if fd is not None:
@@ -211,11 +219,14 @@ class Client(ClientBase):
             self._waiter.add_fd(self._wake)
         # A client dropped without close(): its sockets are not held by the Waiter's marks
         # (wire's module-wide sets) for the life of the process, nor its wake descriptor open.
-        self._unwatch = weakref.finalize(self, _let_go, self._waiter, [self._wake])
+        self._pin_socks: dict[bytes, Any] = {}
+        self._unwatch = weakref.finalize(self, _let_go, self._waiter, [self._wake], self._core,
+                                         (self._sock, self._inbox.sock if self._inbox is not None else None),
+                                         self._pin_socks)
         self._pending: deque[list[Any]] = deque()  # REQUESTs (resends) and CANCELs the socket refused, in order
         # pin=True or a stream's service: a DEALER per lease, on its worker's direct socket (pins.py)
-        # (a near lease's is a LinkConn instead: the worker's local link, docs/protocol.md 10.6)
-        self._pin_socks: dict[bytes, Any] = {}
+        # (a near lease's is a LinkConn instead: the worker's local link, docs/protocol.md 10.6):
+        # self._pin_socks, above (the finalizer's)
         self._pin_of: dict[Any, Any] = {}
         self._link_of: dict[int, LinkConn] = {}  # descriptor -> a lease's link, as the Waiter reports it
         self._monitors: dict[zmq.Socket, Any] = {}  # a tcp lease's connection monitor -> its Pin (or _BROKER)
@@ -1006,6 +1017,10 @@ class Client(ClientBase):
         # (Ctrl-C, an alarm) in the middle left a half-closed client that said it was open,
         # whose next call failed with a raw ZMQError or waited out its timeout.
         try:
+            # Replies that came and will not be read (a stream's last frames, a handle not
+            # waited on): their output slots go back before the sockets go.
+            drain_unread([self._sock, self._inbox.sock if self._inbox is not None else None,
+                          *self._pin_socks.values()], self._core.release_unread)
             if self._core.pin_slots or self._core.pin_services:
                 self._core.pin_goodbye()  # LEASE_END for each lease, its connection closed
                 self._run_ops()

@@ -1340,6 +1340,33 @@ class ClientCore(PinEvents):
 
     # ---------------------------------------------------------------- shutdown
 
+    def release_unread(self, frames: list[Any]) -> None:
+        """A message left in a socket that is being closed (`close()`, or a client let go
+        of unclosed), which nobody will read: the output slots a reply in it names go back
+        to their worker.  The worker lent them to this process, which gives them back by
+        releasing them or by exiting: a reply dropped unread kept them lent for the
+        process's life, and its ring filled (a `with c.stream(...)` whose last frames'
+        results were not read leaked one slot or two per session).  Nothing else is done
+        with it (its call is failed by the close)."""
+        try:
+            msg = P.parse_broker_to_client(frames)
+        except P.ProtocolError:
+            return
+        if msg.command == P.C_FINALS:
+            bodies = [(head,) for head in msg.body]
+        elif msg.command in (P.C_FINAL, P.C_PARTIAL):
+            bodies = [msg.body]
+        else:
+            return
+        for body in bodies:
+            if not body or not P.is_header(body[0]):
+                continue
+            try:
+                rep = P.decode_reply(body[0], frames=body[1:])
+            except P.ProtocolError:
+                continue
+            T.release_reply(rep, self.leases)
+
     def close(self) -> None:
         if self.closed:
             return

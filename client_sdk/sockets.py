@@ -48,13 +48,13 @@ from broker.protocol import curve as C
 from broker.protocol.limits import nofile_limit, open_descriptors
 from broker.protocol.naming import ipc_problem
 from broker.protocol.link import LinkConn
-from broker.protocol.wire import out_of_resources, tcp_liveness, touched, warm_zero_copy
+from broker.protocol.wire import out_of_resources, recv_frames, tcp_liveness, touched, warm_zero_copy
 
 from .errors import InferenceError, InvalidInput
 
 __all__ = ["CLOSE_LINGER_MS", "dealer", "broker_dealer", "broker_monitor", "handshakes", "redial", "drop_monitor", "drop_socket", "ReplyInbox",
            "curve_keys", "tcp_options", "ENV_CLIENT_KEY", "lease_curve", "open_link", "lease_dealer", "lease_events",
-           "drop_lease_dealer", "ipc_problem", "IpcDiagnosis", "send_failure"]
+           "drop_lease_dealer", "ipc_problem", "IpcDiagnosis", "send_failure", "drain_unread"]
 
 log = logging.getLogger("client_sdk")
 
@@ -518,6 +518,29 @@ def drop_lease_dealer(sock: zmq.Socket, monitor: zmq.Socket | None) -> None:
     """Close a lease's DEALER (DISCONNECT first) and its monitor."""
     drop_monitor(sock, monitor)
     drop_socket(sock)
+
+
+#: the most messages read from one socket as a client closes it (`drain_unread`)
+UNREAD_MAX = 4096
+
+
+def drain_unread(socks: Any, release: Any) -> None:
+    """What a closing client's sockets still hold, read without waiting, each message handed
+    to ``release`` (`ClientCore.release_unread`: the output slots its replies name go back).
+    ``socks``: zmq sockets and lease links (`LinkConn`); closed ones are skipped.  Never
+    raises a socket's error (a socket that cannot be read has nothing to give back)."""
+    for sock in socks:
+        if sock is None or sock.closed:
+            continue
+        link = type(sock) is LinkConn
+        for _ in range(UNREAD_MAX):
+            try:
+                frames = sock.recv() if link else recv_frames(sock, zmq.NOBLOCK)
+            except Exception:  # zmq.Again (nothing left), a closed or broken connection
+                break
+            if frames is None:
+                break
+            release(frames)
 
 
 def drop_socket(sock: zmq.Socket) -> None:
