@@ -648,3 +648,27 @@ def test_the_broker_reads_the_id_of_a_header_over_the_limit():
                                                                    shape=[1], loc=P.InlineLoc(frame=0))]))
     assert len(head) > P.MAX_HEADER_BYTES
     assert P.lenient_request_id(head) == 4242
+
+
+def test_release_unread_gives_back_every_slot_a_left_reply_names(core):
+    """What a closing client's sockets still hold (`ClientCore.release_unread`): each output
+    slot named by a FINAL, a PARTIAL or a worker's FINALS batch goes back once; anything else
+    (heartbeats, errors, opaque bodies, garbage) gives nothing back and raises nothing."""
+    given = []
+    core.leases.release_unviewed = given.append
+
+    def loc(slot):
+        return P.ShmLoc(segment="zinf-1-1-0000000000000000-3", offset=4096 + 64 * slot, nbytes=8, slot=slot,
+                        generation=1)
+
+    def head(rid, *slots):
+        return P.encode_header(P.Reply(id=rid, tensors=[
+            P.TensorRef(name=f"y{s}", dtype="<f8", shape=[1], loc=loc(s)) for s in slots]))
+
+    core.release_unread(P.client_reply(True, b"svc", [head(7, 0, 1)]))
+    core.release_unread(P.client_reply(False, b"svc", [head(8, 2)]))
+    core.release_unread([P.MDPC, P.C_FINALS, b"svc", head(9, 3), head(10, 4)])
+    for other in (P.client_reply(True, b"svc", P.error_body(11, ErrorCode.CANCELLED, "x")),
+                  P.client_reply(True, b"svc", [b"opaque"]), [P.MDPC, P.C_HEARTBEAT], [b"junk"], []):
+        core.release_unread(other)
+    assert [g.slot for g in given] == [0, 1, 2, 3, 4]
