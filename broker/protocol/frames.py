@@ -451,10 +451,7 @@ def parse_client(frames: Sequence[Any]) -> ClientMessage:
     if cmd in (C_REQUEST, C_CANCEL, C_LEASE, C_LEASE_END):
         if len(frames) < 4:
             raise ProtocolError("REQUEST/CANCEL/LEASE/LEASE_END needs a service name and at least one body frame")
-        service = bytes(frames[2])
-        if not service or len(service) > MAX_SERVICE_LEN:
-            raise ProtocolError(f"service name must be 1..{MAX_SERVICE_LEN} bytes")
-        return ClientMessage(cmd, service, tuple(frames[3:]), lead)
+        return ClientMessage(cmd, _service(frames[2]), tuple(frames[3:]), lead)
     if cmd == C_HEARTBEAT:
         # The flags frame, if any (its first byte); frames past it are ignored.
         flags = memoryview(frames[2])[:1].tobytes() if len(frames) > 2 else b""  # not a copy of a large frame
@@ -464,6 +461,22 @@ def parse_client(frames: Sequence[Any]) -> ClientMessage:
     raise ProtocolError(f"unknown client command {cmd!r}")
 
 
+def _service(frame: Any) -> bytes:
+    """A service name frame: 1..MAX_SERVICE_LEN bytes, else ProtocolError."""
+    service = bytes(frame)
+    if not service or len(service) > MAX_SERVICE_LEN:
+        raise ProtocolError(f"service name must be 1..{MAX_SERVICE_LEN} bytes")
+    return service
+
+
+def _worker_service(frame: Any) -> bytes:
+    """A READY's service name: as `_service`, and not one of the broker's own (``mmi.``)."""
+    service = _service(frame)
+    if service.startswith(MMI_PREFIX.encode()):
+        raise ProtocolError("service names starting with 'mmi.' are reserved for the broker")
+    return service
+
+
 def _parse_client01(frames: Sequence[Any], lead: bool) -> ClientMessage:
     """An MDP/0.1 client message (``frames`` from MDPC01 on): a REQUEST, read as 0.2's."""
     if not lead:
@@ -471,10 +484,7 @@ def _parse_client01(frames: Sequence[Any], lead: bool) -> ClientMessage:
                             "adds it, a DEALER must send it)")
     if len(frames) < 3:
         raise ProtocolError("an MDP/0.1 REQUEST is empty, MDPC01, service, body (at least one frame)")
-    service = bytes(frames[1])
-    if not service or len(service) > MAX_SERVICE_LEN:
-        raise ProtocolError(f"service name must be 1..{MAX_SERVICE_LEN} bytes")
-    return ClientMessage(C_REQUEST, service, tuple(frames[2:]), True)
+    return ClientMessage(C_REQUEST, _service(frames[1]), tuple(frames[2:]), True)
 
 
 def to_client01(frames: Sequence[Any]) -> list[Any] | None:
@@ -522,11 +532,7 @@ def parse_worker(frames: Sequence[Any]) -> WorkerMessage:
     if cmd == W_READY:
         if len(frames) not in (3, 4):
             raise ProtocolError("READY is MDPW02, 0x01, service [, capabilities]")
-        service = bytes(frames[2])
-        if not service or len(service) > MAX_SERVICE_LEN:
-            raise ProtocolError(f"service name must be 1..{MAX_SERVICE_LEN} bytes")
-        if service.startswith(MMI_PREFIX.encode()):
-            raise ProtocolError("service names starting with 'mmi.' are reserved for the broker")
+        service = _worker_service(frames[2])
         ready = decode_ready(frames[3]) if len(frames) == 4 else None
         return WorkerMessage(cmd, service=service, ready=ready)
     if cmd in (W_PARTIAL, W_FINAL):
@@ -595,11 +601,7 @@ def _parse_worker01(frames: Sequence[Any], lead: bool) -> WorkerMessage:
     if cmd == W01_READY:
         if len(frames) != 3:
             raise ProtocolError("an MDP/0.1 READY is empty, MDPW01, 0x01, service (nothing more)")
-        service = bytes(frames[2])
-        if not service or len(service) > MAX_SERVICE_LEN:
-            raise ProtocolError(f"service name must be 1..{MAX_SERVICE_LEN} bytes")
-        if service.startswith(MMI_PREFIX.encode()):
-            raise ProtocolError("service names starting with 'mmi.' are reserved for the broker")
+        service = _worker_service(frames[2])
         return WorkerMessage(W_READY, service=service)
     if cmd == W01_REPLY:
         if len(frames) < 4 or len(frames[3]) != 0:
