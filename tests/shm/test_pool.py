@@ -331,6 +331,9 @@ def test_garbage_collected_pool_unlinks_its_segment():
     assert not os.path.exists(p)
 
 
+# 3.12: forks on purpose; alone the process has one thread, in a full run earlier tests' process-wide
+# threads (pyzmq's zero-copy garbage collector, the log writer, libzmq's) are there to warn about.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_forked_child_does_not_unlink_the_parents_segment():
     with ShmPool(1 << 16, slots=4) as pool:
         pid = os.fork()
