@@ -184,6 +184,16 @@ class CudaPlane:
             self.mem.on_oom()
             raise
 
+    def detach(self, outs: list) -> list:
+        """The host plane's copies, queued on the worker stream: device outputs were made
+        there by kernels that may still run, and their memory is the worker stream's in
+        torch's caching allocator.  A copy on the thread's default stream (another stream,
+        with no event between) could read them before they were written, and once an
+        original was dropped, the next run's kernels could reuse its memory before the copy
+        read it (`Worker._isolate`, the GPU read-through)."""
+        with on_stream(self.torch, self.stream):
+            return self.host.detach(outs)
+
     def _wants_device(self, job: Job) -> bool:
         req = job.req
         # Lent to the attested process only (see HostPlane.write_outputs).

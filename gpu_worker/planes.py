@@ -9,6 +9,7 @@ plane, chosen once when the worker starts: `HostPlane` (this module) on a CPU wo
     map_inputs(job, frames)      job.inputs, job.refs: views of the request's tensors
     batch_limit(max_batch) -> n  the largest batch to form now
     run(jobs) -> outputs         one dict name -> array per job, in order
+    detach(outputs) -> outputs   copies of run's outputs that outlive the model's next run
     write_outputs(job, out) -> (tensor refs, inline frames)   for the reply header and body
     finish_reads(job)            before an error FINAL: reads of the job's inputs are done
     housekeeping()               every heartbeat interval
@@ -57,6 +58,7 @@ class DataPlane(Protocol):
     def map_inputs(self, job: Job, frames) -> None: ...
     def batch_limit(self, max_batch: int) -> int: ...
     def run(self, jobs: list[Job]) -> list: ...
+    def detach(self, outs: list) -> list: ...
     def write_outputs(self, job: Job, out: dict) -> tuple[list[P.TensorRef], list]: ...
     def finish_reads(self, job: Job) -> None: ...
     def housekeeping(self) -> None: ...
@@ -192,6 +194,18 @@ class HostPlane:
         if getattr(self.backend, "takes_meta", False):  # fixed when the backend is made: no per-request cost otherwise
             return self.backend.run([j.inputs for j in jobs], meta=[j.req.meta for j in jobs])
         return self.backend.run([j.inputs for j in jobs])
+
+    def detach(self, outs: list) -> list:
+        """``run``'s per-request outputs copied out of whatever memory the model keeps (it
+        may fill the same buffer on every call): what `Worker._isolate` keeps of one half
+        while it runs the next."""
+        copied = []
+        for out in outs:
+            if isinstance(out, dict):
+                out = {k: (v.clone() if hasattr(v, "clone") and not isinstance(v, np.ndarray)
+                           else np.array(v, copy=True)) for k, v in out.items()}
+            copied.append(out)
+        return copied
 
     # ------------------------------------------------------------------ outputs
 

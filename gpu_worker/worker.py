@@ -57,7 +57,6 @@ import time
 import traceback
 from dataclasses import dataclass, replace as _replace
 
-import numpy as np
 import zmq
 
 from broker import protocol as P
@@ -120,17 +119,6 @@ class ModelFailed:
 
     def __init__(self, error: BaseException):
         self.error = error
-
-
-def _detached(outs: list) -> list:
-    """Per-request outputs copied out of whatever memory the model keeps (see _isolate)."""
-    copied = []
-    for out in outs:
-        if isinstance(out, dict):
-            out = {k: (v.clone() if hasattr(v, "clone") and not isinstance(v, np.ndarray)
-                       else np.array(v, copy=True)) for k, v in out.items()}
-        copied.append(out)
-    return copied
 
 
 #: The serving worker's pid (`Worker.__init__`).  A model that forks (a helper process) and
@@ -1401,7 +1389,11 @@ class Worker:
         after the last run.  A stale request (its broker connection replaced meanwhile) runs
         again: as after a batch that did not raise, its result may still go straight to its
         client (`_reply_tensors`); skipped, it was answered with the other request's error
-        (a good request failed 500 naming another's bad input: the races hunt)."""
+        (a good request failed 500 naming another's bad input: the races hunt).  The copy is
+        the plane's (`detach`): a CUDA plane's is queued on the worker stream, after the
+        kernels that made the outputs (a copy on the thread's default stream could read
+        them before they were written, or after the next half's kernels reused their
+        memory: the GPU read-through)."""
         if len(jobs) == 1:
             return [failed]
         mid = len(jobs) // 2
@@ -1412,7 +1404,7 @@ class Worker:
                 outs.extend(failed for _ in half)  # answered CANCELLED anyway
                 continue
             try:
-                got = _detached(self.plane.run(live))
+                got = self.plane.detach(self.plane.run(live))
             except BaseException as e:
                 got = self._isolate(live, model_fault(e))
             # Matched to `live` as it was run, not by asking again which are cancelled: on

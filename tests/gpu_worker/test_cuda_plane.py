@@ -430,3 +430,56 @@ def test_usage_reports_the_device_pool_and_device_memory(side):
     side.admit()
     out = side.usage()
     assert out["cuda_used"] == 0 and out["device_used"] == 4 * GiB
+
+
+class _OnWhichStream(torch.Tensor):
+    """A device output (a CPU tensor here) whose copies note the stream current when they
+    were queued (`_Cuda.current`, which `on_stream` sets)."""
+
+    copied_on: list = []
+
+    def clone(self, *args, **kwargs):
+        _OnWhichStream.copied_on.append(_Cuda.current)
+        return super().clone(*args, **kwargs)
+
+
+def test_a_failed_batch_run_again_in_halves_copies_each_halfs_outputs_on_the_worker_stream(side):
+    """`Worker._isolate` keeps a copy of each half's outputs while it runs the next half.
+    Device outputs were made on the worker stream (non-blocking, no event): a copy queued
+    on the thread's default stream could read them before their kernels wrote them, or
+    after the next half's kernels reused their memory (the original dropped).  The copy is
+    the plane's `detach`, on the worker stream.  (It was `clone()` outside on_stream: this
+    test saw ["default stream", "default stream"].)"""
+    from types import SimpleNamespace
+
+    from gpu_worker.worker import ModelFailed, Worker
+
+    class HalvesBackend:
+        def run_device(self, batch, stream=None):
+            if len(batch) > 1:
+                raise ValueError("one of them is bad")
+            return [{"y": (torch.as_tensor(np.asarray(x["x"])) + 1).as_subclass(_OnWhichStream)} for x in batch]
+
+    side.backend = HalvesBackend()
+    jobs = []
+    for i in range(2):
+        job = _job([], reply="cuda")
+        job.inputs = {"x": np.full(2, i, np.int32)}
+        jobs.append(job)
+    me = SimpleNamespace(plane=side)
+    me._isolate = lambda jobs, failed: Worker._isolate(me, jobs, failed)
+    _OnWhichStream.copied_on = []
+    outs = me._isolate(jobs, ModelFailed(ValueError("one of them is bad")))
+    assert [o["y"].tolist() for o in outs] == [[1, 1], [2, 2]]
+    assert _OnWhichStream.copied_on == [side.stream, side.stream]
+    assert _Cuda.current == _Cuda.default  # put back after each copy
+
+
+def test_the_host_planes_detach_copies_arrays_and_tensors(side):
+    buf = np.arange(3)
+    t = torch.arange(3)
+    (out,) = side.host.detach([{"a": buf, "t": t}])
+    buf[:] = 7
+    t[:] = 7
+    assert out["a"].tolist() == [0, 1, 2] and out["t"].tolist() == [0, 1, 2]
+    assert side.host.detach([None]) == [None]  # a failed request's place as it is
