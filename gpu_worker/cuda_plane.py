@@ -168,8 +168,10 @@ class CudaPlane:
             # Request meta only for a model that declares it (fixed when the backend is made).
             extra = {"meta": [j.req.meta for j in jobs]} if getattr(self.backend, "takes_meta", False) else {}
             if self.device_path and any(j.cuda_in or self._wants_device(j) for j in jobs):
+                for j in jobs:
+                    j.device_ran = True  # its inputs are read by work queued on the stream
                 outs = self.backend.run_device([j.inputs for j in jobs], stream=self.stream, **extra)
-                if not all(self._wants_device(j) for j in jobs):
+                if not all(self._wants_device(j) for j in jobs) or self._reads_pinned(jobs):
                     # Some outputs go back through host memory, which waits for the model
                     # anyway: wait here, inside the batch's compute window (the heartbeat
                     # thread speaks for the worker meanwhile, and the batch is timed as the
@@ -177,6 +179,11 @@ class CudaPlane:
                     # batch longer than the liveness window went without heartbeats (the
                     # worker presumed dead, its requests run again elsewhere) and was timed
                     # as its launch alone (the races hunt; untested on a GPU).
+                    # Likewise when an input lies in a client segment we pinned: its upload
+                    # is a DMA queued on the stream (behind earlier batches), straight from
+                    # the client's slot, which the client reuses once told FINAL; a reply
+                    # kept on the device was sent before that DMA ran, and the request
+                    # read the client's next data (the GPU read-through).
                     self.stream.synchronize()
                 return outs
             return self.backend.run([j.inputs for j in jobs], **extra)
@@ -193,6 +200,21 @@ class CudaPlane:
         read it (`Worker._isolate`, the GPU read-through)."""
         with on_stream(self.torch, self.stream):
             return self.host.detach(outs)
+
+    def _reads_pinned(self, jobs: list[Job]) -> bool:
+        """Whether a job of a device batch has an input in a client segment we pinned (an
+        asynchronous upload from client memory; an unpinned one is staged by the driver
+        before the copy call returns, an inline frame is ours, a CUDA input is ordered by
+        the reply's events)."""
+        pinned = self._pinned
+        if not pinned:
+            return False
+        for j in jobs:
+            for t in j.refs.values() if j.refs else ():
+                loc = t.loc
+                if type(loc) is P.ShmLoc and loc.segment in pinned:
+                    return True
+        return False
 
     def _wants_device(self, job: Job) -> bool:
         req = job.req
@@ -265,8 +287,15 @@ class CudaPlane:
         return {k: (v.numpy() if isinstance(v, torch.Tensor) else v) for k, v in fetched.items()}
 
     def finish_reads(self, job: Job) -> None:
-        if job.cuda_in:
+        if job.cuda_in and job.device_ran:
             # The client frees its input slots at FINAL: our queued reads must be done.
+            # Only a job that was part of a device run has any: mapping a CUDA input
+            # queues an event wait, no read (a numpy model's host copy was waited for).
+            # A job answered without running (a 429 bounce, a RECALL, a deadline, while
+            # another's batch runs on the compute thread) was made to wait for that whole
+            # batch here, on the loop's thread: no heartbeats, and the answer that was to
+            # free the request for an idle worker came only after the batch (the GPU
+            # read-through).
             try:
                 self.stream.synchronize()
             except Exception:

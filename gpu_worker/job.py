@@ -13,6 +13,8 @@ A `Job` is plain data shared by the worker loop (`gpu_worker.worker`), the data 
 * ``cuda_in`` is True once a CUDA IPC input was viewed on the worker's stream (set even if
   a later input of the same request then failed to map): the reads queued for it must be
   finished before the client is told FINAL, which frees the inputs.
+* ``device_ran`` is True once the job was part of a batch run on the device (the CUDA
+  plane's `run`): only then are reads of its inputs queued on the worker stream.
 * ``route`` is None for a request the broker handed over; for one that came on the worker's
   direct socket under a lease (docs/protocol.md section 10) it is the connection's routing
   id, every reply goes back there, and ``envelope`` is the worker's own key for it (never
@@ -27,7 +29,7 @@ class Job:
     """One request held by the worker."""
 
     __slots__ = ("envelope", "req", "inputs", "opaque", "received", "deadline", "refs", "input_ms", "cuda_in",
-                 "cancelled", "code", "route", "stale", "resend")
+                 "device_ran", "cancelled", "code", "route", "stale", "resend")
 
     def __init__(self, envelope, req, inputs, opaque, received, deadline, refs, route=None):
         self.envelope = envelope
@@ -39,6 +41,7 @@ class Job:
         self.refs = refs          # name -> TensorRef of the input (for identity pass-through)
         self.input_ms = 0.0       # mapping the inputs (shm views, inline frames)
         self.cuda_in = False      # some input is a CUDA IPC view (the worker stream reads it)
+        self.device_ran = False   # part of a batch run on the device: reads of its inputs were queued
         self.cancelled = False    # a CANCEL arrived while it ran: its result is not sent
         self.code = 0             # its FINAL's outcome: 0 (a result) or the error code sent
         self.route = route        # a leased request's direct connection (routing id); None: brokered

@@ -146,7 +146,8 @@ class Backend:
         self.log.append("run_device")
         if self.fail:
             raise self.fail
-        return [{"y": torch.as_tensor(np.asarray(inputs["x"])) + 1} for inputs in batch]
+        return [{"y": (x.clone() if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x))) + 1}
+                for x in (inputs["x"] for inputs in batch)]
 
 
 @pytest.fixture
@@ -310,6 +311,33 @@ def test_a_device_batch_with_host_replies_waits_for_the_model_inside_its_run(sid
     assert side.test_log[-2:] == ["run_device", "stream.synchronize"] and side.stream.syncs == 1
 
 
+def test_a_device_batch_reading_a_pinned_client_segment_waits_for_its_upload_inside_its_run(side):
+    """An input in a client segment we pinned is uploaded by a DMA queued on the worker
+    stream, straight from the client's slot, which the client reuses once told FINAL: a
+    batch whose replies all stay on the device waits for it inside its run (the compute
+    window).  It did not: FINAL went before the DMA (queued behind earlier batches) ran,
+    and the request read the client's next data (this test saw no synchronise)."""
+    import shm
+
+    with shm.ShmPool(1 << 20) as client:
+        a = client.alloc((2,), np.int32)
+        ref = client.ref_of(a)
+        client.mark_in_flight(ref)
+        job = _job([P.TensorRef(name="x", dtype="<i4", shape=[2], loc=P.shm_loc(ref))], reply="cuda")
+        side.map_inputs(job, [])
+        assert client.name in side._pinned
+        side.run([job])
+        assert side.test_log[-2:] == ["run_device", "stream.synchronize"] and side.stream.syncs == 1
+        # Not for CUDA inputs (ordered by the reply's events), nor for an unpinned segment
+        # (the driver stages a pageable upload before the copy call returns).
+        on_device = _job([_cuda_ref(side, np.ones(2, np.int32))], reply="cuda")
+        side.map_inputs(on_device, [])
+        side.run([on_device])
+        side._pinned.clear()
+        side.run([job])
+        assert side.stream.syncs == 1
+
+
 def test_an_out_of_memory_batch_halves_the_batch_cap(side):
     side.backend.fail = torch.cuda.OutOfMemoryError("CUDA out of memory")
     job = _job([])
@@ -377,7 +405,23 @@ def test_an_error_reply_waits_for_queued_reads_of_cuda_inputs_only(side):
     job = _job([])
     side.finish_reads(job)
     assert side.stream.syncs == 0
-    job.cuda_in = True
+    job.cuda_in = job.device_ran = True
+    side.finish_reads(job)
+    assert side.stream.syncs == 1
+
+
+def test_an_error_reply_of_a_request_that_never_ran_does_not_wait_for_the_stream(side):
+    """Mapping a CUDA input queues an event wait on the worker stream, no read: a request
+    answered before it ran (a 429 bounce, a RECALL, a deadline, while another's batch runs
+    on the compute thread) has nothing to wait for.  It waited for the whole running batch,
+    on the loop's thread, heartbeat-less (this test saw one synchronise before the run)."""
+    job = _job([_cuda_ref(side, np.ones(2, np.int32))], reply="cuda")
+    side.map_inputs(job, [])
+    side.finish_reads(job)
+    assert job.cuda_in and side.stream.syncs == 0
+    side.backend.fail = RuntimeError("the model failed")
+    with pytest.raises(RuntimeError):
+        side.run([job])  # its reads were queued before the model raised
     side.finish_reads(job)
     assert side.stream.syncs == 1
 
