@@ -186,7 +186,13 @@ class CudaPlane:
                     # read the client's next data (the GPU read-through).
                     self.stream.synchronize()
                 return outs
-            return self.backend.run([j.inputs for j in jobs], **extra)
+            # On the worker stream too (the backend waits for it before returning): on the
+            # thread's default stream, with no event between, this batch's kernels were
+            # unordered with an earlier device batch's still queued there, and a model that
+            # fills the same device buffer every call (a captured graph's outputs)
+            # overwrote it before that batch's outputs were copied out (the GPU read-through).
+            with on_stream(self.torch, self.stream):
+                return self.backend.run([j.inputs for j in jobs], **extra)
         except self.torch.cuda.OutOfMemoryError:
             self.mem.on_oom()
             raise

@@ -9,7 +9,10 @@ which stream was current and when the stream was synchronised.
   kernels that make them ran;
 - a device batch reading a pinned client segment has uploaded it when `run` returns: the
   client reuses its slot once told FINAL;
-- an error FINAL of a request that never ran does not wait for the stream.
+- an error FINAL of a request that never ran does not wait for the stream;
+- a host batch (`backend.run`) is queued on the worker stream too: a model that fills the
+  same device buffer every call must not overwrite a device batch's outputs before they
+  are copied into the pool.
 """
 from __future__ import annotations
 
@@ -125,3 +128,46 @@ def test_an_error_reply_of_a_request_that_never_ran_does_not_wait_for_the_stream
     del job
     plane.pool.free(t)
 
+
+
+class _Reuses(_PlusOne):
+    """Fills one device buffer every call (as a captured graph's outputs), then keeps the
+    stream busy, so that what follows it on the stream runs late."""
+
+    name = "reuses"
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.buf = None
+
+    def __call__(self, batch):
+        x = batch["x"]
+        if self.buf is None or self.buf.shape != x.shape:
+            self.buf = self.torch.empty_like(x)
+        self.buf.copy_(x + 1)
+        self.torch.cuda._sleep(BACKLOG_CYCLES)
+        return {"y": self.buf}
+
+
+def test_a_host_batch_does_not_overwrite_a_device_batchs_outputs_before_they_are_copied(torch, plane):
+    from broker import protocol as P
+    from shm.cuda.refs import check_ref
+
+    model = _Reuses(torch)
+    plane.backend.model = model
+    plane.host.backend.model = model
+    on_device, on_host = _job([], reply="cuda"), _job([], reply="inline")
+    on_device.inputs, on_device.refs = {"x": np.full(1024, 1, np.int32)}, {}
+    on_host.inputs, on_host.refs = {"x": np.full(1024, 5, np.int32)}, {}
+    (out,) = plane.run([on_device])              # queued: buf = 2, then a long kernel
+    refs, _ = plane.write_outputs(on_device, out)  # the copy into the pool, after it
+    del out
+    (host_out,) = plane.run([on_host])           # buf = 6: must not run before that copy
+    plane.stream.synchronize()
+    torch.cuda.synchronize()
+    assert np.asarray(host_out["y"]).tolist() == [6] * 1024
+    ref = check_ref(refs[0].loc)
+    got = plane.pool.view(ref, np.int32, (1024,))
+    assert got.cpu().tolist() == [2] * 1024, "the device batch's output was overwritten before it was copied"
+    del got
+    plane.pool.free(ref)

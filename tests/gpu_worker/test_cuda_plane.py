@@ -295,6 +295,27 @@ def test_a_batch_with_cuda_inputs_or_device_replies_runs_on_the_device(side):
     assert side.test_log[-1] == "run"
 
 
+def test_a_host_batch_runs_on_the_worker_stream_too(side):
+    """A batch without CUDA inputs or device replies (`backend.run`, which waits for its own
+    kernels) is queued on the worker stream as well: on the thread's default stream it was
+    unordered with a device batch still queued on the worker stream (no event between),
+    and a model that fills the same device buffer every call overwrote that batch's outputs
+    before they were copied out.  (It ran on "default stream": this test failed so.)"""
+    seen = []
+    real = side.backend.run
+
+    def run(batch):
+        seen.append(_Cuda.current)
+        return real(batch)
+
+    side.backend.run = run
+    job = _job([])
+    job.inputs = {"x": np.ones(2, np.int32)}
+    (out,) = side.run([job])
+    assert seen == [side.stream] and _Cuda.current == _Cuda.default
+    assert out["y"].tolist() == [2, 2]
+
+
 def test_a_device_batch_with_host_replies_waits_for_the_model_inside_its_run(side):
     """`run` is the batch's compute window (heartbeats go from their own thread meanwhile):
     a device batch whose outputs go back through host memory waits for its kernels there,
