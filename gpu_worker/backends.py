@@ -512,19 +512,24 @@ class TorchBackend(Backend):
             metas = metas[0]  # an unbatched model gets its one request's dict
         ctx = on_stream(torch, stream) if (stream is not None and self._cuda) else contextlib.nullcontext()
         n = len(requests)
+        out = {}
         with ctx:
             batch = {}
             for name in requests[0]:
                 parts = [self._device_tensor(r[name]) for r in requests]
                 batch[name] = parts[0].unsqueeze(0) if n == 1 else torch.stack(parts)
             outputs = self._invoke(model, batch, metas)
-        out = {}
-        for k, v in outputs.items():
-            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v), device=self._tdevice)
-            if t.dim() == 0 or t.shape[0] != n:
-                raise BackendError(f"model {model.name!r} output {k!r} has shape {tuple(t.shape)}; "
-                                   f"expected a leading batch axis of {n}")
-            out[k] = t
+            for k, v in outputs.items():
+                # Inside `ctx` (the worker stream): an output that is not a tensor is uploaded
+                # here, and outside it took memory from the default stream's pool of torch's
+                # caching allocator, then read on the worker stream with no record_stream (the
+                # allocator could hand that memory out again while the stream still read it;
+                # found by reading; untested on a GPU).
+                t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v), device=self._tdevice)
+                if t.dim() == 0 or t.shape[0] != n:
+                    raise BackendError(f"model {model.name!r} output {k!r} has shape {tuple(t.shape)}; "
+                                       f"expected a leading batch axis of {n}")
+                out[k] = t
         return [{k: t[i] for k, t in out.items()} for i in range(n)]
 
     def _device_tensor(self, x):

@@ -548,3 +548,47 @@ def test_the_host_planes_detach_copies_arrays_and_tensors(side):
     t[:] = 7
     assert out["a"].tolist() == [0, 1, 2] and out["t"].tolist() == [0, 1, 2]
     assert side.host.detach([None]) == [None]  # a failed request's place as it is
+
+
+class _TorchOnAStream:
+    """torch, with the `cuda` namespace of these tests, whose `as_tensor` notes the stream
+    current when it runs (`on_stream` sets `_Cuda.current`)."""
+
+    cuda = _Cuda
+    uploads: list = []
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def as_tensor(self, *args, **kwargs):
+        _TorchOnAStream.uploads.append(_Cuda.current)
+        return torch.as_tensor(*args, **kwargs)
+
+
+def test_run_device_uploads_an_output_that_is_not_a_tensor_on_the_given_stream():
+    """`TorchBackend.run_device` turns a model's non-tensor output into a device tensor; it
+    did so after the `on_stream` block, on the thread's default stream, so its memory came
+    from the default stream's pool of torch's caching allocator and was read on the worker
+    stream without record_stream.  (This test saw ["default stream"].)"""
+    from gpu_worker.backends import TorchBackend
+
+    class Lists:
+        name = "lists"
+        framework = "torch"
+        batchable = True
+        streaming = False
+        inputs = outputs = None
+
+        def __call__(self, batch):
+            return {"y": (batch["x"] + 1).tolist(), "z": batch["x"] * 2}
+
+        def example_inputs(self):
+            return {"x": np.ones(2, np.int32)}
+
+    be = TorchBackend(Lists(), "cpu")
+    be._torch, be._cuda = _TorchOnAStream(), True  # a CUDA backend, on CPU tensors
+    stream = Stream([])
+    _TorchOnAStream.uploads = []
+    (out,) = be.run_device([{"x": np.arange(3, dtype=np.int32)}], stream=stream)
+    assert _TorchOnAStream.uploads == [stream] and _Cuda.current == _Cuda.default
+    assert out["y"].tolist() == [1, 2, 3] and out["z"].tolist() == [0, 2, 4]
