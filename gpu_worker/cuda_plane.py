@@ -21,16 +21,26 @@ Invariants a maintainer must keep:
   are DMA; a segment is unpinned before its mapping goes (`SegmentCache.on_forget`).
 * `close()` synchronises, closes the IPC cache, unpins, then closes the pools (pins first:
   they must go while the pages they pin are still mapped).
+* The worker's device is current on every thread that does device work (`_bind_thread`):
+  the loop's (when the plane is made) and the compute thread's (at its first batch).
+* A CUDA error that leaves the context unusable (an illegal memory access, a device-side
+  assert: every later call fails the same way) ends the worker (`_check_context`,
+  `CUDA_CONTEXT_LOST_EXIT`), so that it is restarted and its requests run elsewhere; an
+  out-of-memory error and a model's own exceptions are failures of their batch only.
 * Only public names of `shm.cuda` and `gpu_worker.cuda_runtime` are used here.
 """
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import threading
 from typing import Any
 
 import numpy as np
 
 from broker import protocol as P
+from gpu_worker.compute import message_of, raised
 from gpu_worker.cuda_runtime import GpuMemoryPressure, HostRegistry, MemoryWatch
 from gpu_worker.job import Job
 from gpu_worker.planes import HostPlane, check_outputs, check_owner
@@ -41,9 +51,29 @@ PIN_MAX_BYTES = 4 << 30
 #: ...and at most this much of them at once (64 cached segments could be 256 GiB otherwise)
 PIN_BUDGET_BYTES = 8 << 30
 
-__all__ = ["CudaPlane"]
+#: The worker's exit status when its CUDA context is lost (`lost_context`): a crash to the
+#: launcher, which restarts it (EX_SOFTWARE).
+CUDA_CONTEXT_LOST_EXIT = 70
+
+__all__ = ["CudaPlane", "CUDA_CONTEXT_LOST_EXIT", "lost_context"]
 
 log = logging.getLogger("gpu_worker")
+
+
+def lost_context(e: BaseException) -> None:
+    """End the worker now: its CUDA context is unusable (``e`` says why).  Logged first,
+    and the log handlers flushed (the process ends with `os._exit`: from the compute thread
+    too, and past the worker's handlers of a model's errors)."""
+    try:
+        log.critical("CUDA context lost (%s): this worker cannot run anything on its device any more; exiting "
+                     "with status %d so that it is restarted (its requests are retried by the broker)",
+                     raised(e), CUDA_CONTEXT_LOST_EXIT)
+        for h in (*log.handlers, *logging.getLogger().handlers):
+            h.flush()
+        sys.stderr.flush()
+    except BaseException:  # nothing may keep it from exiting
+        pass
+    os._exit(CUDA_CONTEXT_LOST_EXIT)
 
 
 class CudaPlane:
@@ -55,7 +85,8 @@ class CudaPlane:
     `gpu_worker.cuda_runtime.MemoryWatch`; ``device_path``: the backend runs torch models on
     device tensors (`run_device`), so CUDA inputs need no host copy."""
 
-    def __init__(self, host: HostPlane, *, torch, stream, pool, cache, pins, mem, device_path: bool):
+    def __init__(self, host: HostPlane, *, torch, stream, pool, cache, pins, mem, device_path: bool,
+                 device_index: int = 0):
         self.host = host
         self.backend = host.backend
         self.holders = host.holders
@@ -66,6 +97,11 @@ class CudaPlane:
         self.pins = pins
         self.mem = mem
         self.device_path = device_path
+        self.device_index = device_index
+        #: what ends the worker when its CUDA context is lost (`_check_context`)
+        self.lost_context = lost_context
+        self._bound = threading.local()  # .device: set on a thread whose current device is ours
+        self._bind_thread()  # the loop's thread (it makes the plane)
         self._np_dtypes: dict[Any, np.dtype] = {}
         self.transports = host.transports if "cuda" in host.transports else (*host.transports, "cuda")
         # Unpin a client segment before its mapping goes (LRU, sweep, close).
@@ -84,6 +120,12 @@ class CudaPlane:
 
         tdevice = torch.device(device)
         index = tdevice.index or 0
+        # Our device current before anything touches the driver: shm.cuda's runtime switches
+        # to a pool's device around each call and back to the thread's previous one with a
+        # raw cudaSetDevice, and that was device 0 (never set): a worker on cuda:N (N > 0)
+        # made a context on GPU 0 (hundreds of MiB) at the pool's cudaMalloc and at each IPC
+        # open (found by reading; untested on a GPU with several devices).
+        torch.cuda.set_device(index)
         # One stream for IPC waits, compute, output copies and hand-off events: the GPU
         # orders them, the host never waits on the request path.
         stream = torch.cuda.Stream(device=tdevice)
@@ -91,7 +133,42 @@ class CudaPlane:
         cache = CudaPoolCache(local={pool.name: pool})
         device_path = getattr(model, "framework", "torch") == "torch" and hasattr(host.backend, "run_device")
         return cls(host, torch=torch, stream=stream, pool=pool, cache=cache, pins=HostRegistry(),
-                   mem=MemoryWatch(max_batch, device=index), device_path=device_path)
+                   mem=MemoryWatch(max_batch, device=index), device_path=device_path, device_index=index)
+
+    def _bind_thread(self) -> None:
+        """Make the worker's device current on this thread, once per thread (see `open`): the
+        current device is per thread, and the compute thread's was device 0."""
+        if not getattr(self._bound, "device", False):
+            self.torch.cuda.set_device(self.device_index)
+            self._bound.device = True
+
+    def _check_context(self, e: BaseException) -> None:
+        """End the worker (`lost_context`) if ``e`` is a CUDA error after which its context is
+        unusable; return otherwise (the caller re-raises ``e``).
+
+        An illegal memory access or a device-side assert is sticky: every later CUDA call
+        fails the same way.  The worker went on heartbeating and answered every request 500
+        (after `_isolate` ran each again in halves): a black hole its service's broker kept
+        routing to (found by reading; untested on a GPU).  torch reports CUDA errors as
+        `torch.AcceleratorError` (a RuntimeError with the ``error_code``; its message starts
+        "CUDA error: "; older torch raised a plain RuntimeError with that message), and
+        shm.cuda's runtime as "cudaX failed: CUDA error N (...)".  Such an error is fatal only
+        when the context really is gone: one more synchronise of the worker stream fails too.
+        A non-sticky one (an invalid launch configuration from one input's shape) leaves it
+        usable, and must fail its request, not the worker (the broker would run that input
+        again on another worker, and another).  Out of memory is the batch's (the cap
+        halves), and a model's own exceptions are never CUDA errors."""
+        torch = self.torch
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            return
+        accel = getattr(torch, "AcceleratorError", None)
+        if not ((accel is not None and isinstance(e, accel))
+                or (isinstance(e, RuntimeError) and "CUDA error" in message_of(e))):
+            return
+        try:
+            self.stream.synchronize()
+        except Exception:
+            self.lost_context(e)
 
     def _unpin(self, segment: str) -> None:
         """The input cache's on_forget hook: unpin before the mapping goes.
@@ -103,7 +180,8 @@ class CudaPlane:
         if self._pinned.pop(segment, None) is not None:
             try:
                 self.stream.synchronize()
-            except Exception:
+            except Exception as e:
+                self._check_context(e)
                 log.exception("could not synchronise the worker stream before unpinning %s", segment)
         self.pins.drop(segment)
 
@@ -149,9 +227,13 @@ class CudaPlane:
         arr = self.cache.view(t.loc, dt, tuple(t.shape), stream=self.stream)
         if not self.device_path:
             # A numpy model reads host memory: one copy, ordered after the producer.
-            with on_stream(self.torch, self.stream):
-                host = arr.to("cpu", non_blocking=True)
-            self.stream.synchronize()
+            try:
+                with on_stream(self.torch, self.stream):
+                    host = arr.to("cpu", non_blocking=True)
+                self.stream.synchronize()
+            except Exception as e:
+                self._check_context(e)
+                raise
             arr = host.numpy()
             arr.flags.writeable = False
         return arr
@@ -164,6 +246,7 @@ class CudaPlane:
         return min(max_batch, self.mem.limit())
 
     def run(self, jobs: list[Job]) -> list:
+        self._bind_thread()  # the compute thread's first batch
         try:
             # Request meta only for a model that declares it (fixed when the backend is made).
             extra = {"meta": [j.req.meta for j in jobs]} if getattr(self.backend, "takes_meta", False) else {}
@@ -196,6 +279,9 @@ class CudaPlane:
         except self.torch.cuda.OutOfMemoryError:
             self.mem.on_oom()
             raise
+        except Exception as e:
+            self._check_context(e)
+            raise
 
     def detach(self, outs: list) -> list:
         """The host plane's copies, queued on the worker stream: device outputs were made
@@ -204,8 +290,27 @@ class CudaPlane:
         with no event between) could read them before they were written, and once an
         original was dropped, the next run's kernels could reuse its memory before the copy
         read it (`Worker._isolate`, the GPU read-through)."""
-        with on_stream(self.torch, self.stream):
-            return self.host.detach(outs)
+        try:
+            with on_stream(self.torch, self.stream):
+                return self.host.detach(outs)
+        except Exception as e:
+            self._check_context(e)
+            raise
+
+    def warm(self, inputs) -> None:
+        """A keep-warm unit, on the worker stream: on the loop thread's default stream it was
+        unordered with a device batch still queued on the worker stream (one whose replies
+        stay on the device is not waited for), so a TensorRT engine's one execution context
+        ran on two streams at once, and a model that fills one device buffer every call
+        could overwrite that batch's outputs before they were copied into the pool (found by
+        reading; untested on a GPU).  The backend waits for the stream, so a unit also waits
+        for such a batch."""
+        try:
+            with on_stream(self.torch, self.stream):
+                self.backend.run([inputs])
+        except Exception as e:
+            self._check_context(e)
+            raise
 
     def _reads_pinned(self, jobs: list[Job]) -> bool:
         """Whether a job of a device batch has an input in a client segment we pinned (an
@@ -231,14 +336,20 @@ class CudaPlane:
     # ------------------------------------------------------------------ outputs
 
     def write_outputs(self, job: Job, out: dict) -> tuple[list[P.TensorRef], list[Any]]:
-        if self._wants_device(job):
-            check_outputs(out)  # before any device slot is handed off (the host plane checks its own)
-            refs = self._device_outputs(job, out)
-            if refs is not None:
-                return refs, []
-            # Device pool full (the client holds many results): degrade to host memory.
-        if isinstance(out, dict) and any(isinstance(v, self.torch.Tensor) for v in out.values()):
-            out = self._to_host(out)
+        try:
+            if self._wants_device(job):
+                check_outputs(out)  # before any device slot is handed off (the host plane checks its own)
+                refs = self._device_outputs(job, out)
+                if refs is not None:
+                    return refs, []
+                # Device pool full (the client holds many results): degrade to host memory.
+            if isinstance(out, dict) and any(isinstance(v, self.torch.Tensor) for v in out.values()):
+                out = self._to_host(out)
+        except Exception as e:
+            # A device batch's kernels are not waited for: their fault shows here, at the
+            # copy into the pool, the hand-off's event or the download.
+            self._check_context(e)
+            raise
         return self.host.write_outputs(job, out)
 
     def _np_dtype(self, tdtype) -> np.dtype:
@@ -304,7 +415,8 @@ class CudaPlane:
             # read-through).
             try:
                 self.stream.synchronize()
-            except Exception:
+            except Exception as e:
+                self._check_context(e)
                 log.exception("could not synchronise the worker stream before an error reply")
 
     # ------------------------------------------------------------------ upkeep
@@ -315,7 +427,8 @@ class CudaPlane:
             self.cache.poll()
             self.cache.sweep()
             self.pool.reclaim()
-        except Exception:
+        except Exception as e:
+            self._check_context(e)  # an idle worker's lost context shows here first
             log.exception("CUDA pool housekeeping failed")
 
     def usage(self) -> dict:

@@ -10,6 +10,7 @@ plane, chosen once when the worker starts: `HostPlane` (this module) on a CPU wo
     batch_limit(max_batch) -> n  the largest batch to form now
     run(jobs) -> outputs         one dict name -> array per job, in order
     detach(outputs) -> outputs   copies of run's outputs that outlive the model's next run
+    warm(inputs)                 one keep-warm unit: a batch of one, outputs dropped
     write_outputs(job, out) -> (tensor refs, inline frames)   for the reply header and body
     finish_reads(job)            before an error FINAL: reads of the job's inputs are done
     housekeeping()               every heartbeat interval
@@ -59,6 +60,7 @@ class DataPlane(Protocol):
     def batch_limit(self, max_batch: int) -> int: ...
     def run(self, jobs: list[Job]) -> list: ...
     def detach(self, outs: list) -> list: ...
+    def warm(self, inputs) -> None: ...
     def write_outputs(self, job: Job, out: dict) -> tuple[list[P.TensorRef], list]: ...
     def finish_reads(self, job: Job) -> None: ...
     def housekeeping(self) -> None: ...
@@ -206,6 +208,11 @@ class HostPlane:
                            else np.array(v, copy=True)) for k, v in out.items()}
             copied.append(out)
         return copied
+
+    def warm(self, inputs) -> None:
+        """A keep-warm unit (`gpu_worker.keepwarm`): ``inputs`` (the model's example) as a
+        batch of one; its outputs are dropped."""
+        self.backend.run([inputs])
 
     # ------------------------------------------------------------------ outputs
 

@@ -2348,8 +2348,8 @@ class Worker:
 
     def _open_keep_warm(self):
         """The keep-warm decision and its unit: one batch of one of the model's example
-        inputs (built here, once), run on the loop's thread while the worker is idle
-        (gpu_worker.keepwarm.KeepWarm).  A model whose batch of one takes longer than
+        inputs (built here, once), run by the plane (`warm`) on the loop's thread while the
+        worker is idle (gpu_worker.keepwarm.KeepWarm).  A model whose batch of one takes longer than
         KEEP_WARM_MAX_UNIT is not kept warm: a request that arrives during a unit waits for
         it, so a unit must be small."""
         from gpu_worker import keepwarm
@@ -2369,10 +2369,13 @@ class Worker:
             except NotImplementedError:
                 why = "the model has no example_inputs()"
         if why is None:
-            backend = self.backend
+            plane = self.plane
 
             def unit() -> None:
-                backend.run([example])
+                # Through the plane: a CUDA plane runs it on the worker stream (on the loop
+                # thread's default stream it was unordered with a device batch still queued;
+                # found by reading, untested on a GPU).
+                plane.warm(example)
 
             seconds = self.compute_times.predict(1)  # the warm-up's steady-state time
             if seconds is None:  # no warm-up ran: time the unit (its second run; the first pays lazy init)

@@ -33,10 +33,13 @@ class Stream:
     def __init__(self, log):
         self.log = log
         self.syncs = 0
+        self.fail = None  # raised by each synchronise (a lost CUDA context)
 
     def synchronize(self):
         self.syncs += 1
         self.log.append("stream.synchronize")
+        if self.fail is not None:
+            raise self.fail
 
 
 class _Cuda:
@@ -44,6 +47,13 @@ class _Cuda:
 
     OutOfMemoryError = torch.cuda.OutOfMemoryError
     default = current = "default stream"
+    devices_set: list = []  # (device, thread name) of each set_device
+
+    @classmethod
+    def set_device(cls, device):
+        import threading
+
+        cls.devices_set.append((device, threading.current_thread().name))
 
     @staticmethod
     def stream(s):
@@ -66,6 +76,7 @@ class Torch:
     """torch with its `cuda` namespace replaced (CPU tensors stand in for device ones)."""
 
     Tensor = torch.Tensor
+    AcceleratorError = torch.AcceleratorError
     from_numpy = staticmethod(torch.from_numpy)
     empty = staticmethod(torch.empty)
     cuda = _Cuda
@@ -548,6 +559,234 @@ def test_the_host_planes_detach_copies_arrays_and_tensors(side):
     t[:] = 7
     assert out["a"].tolist() == [0, 1, 2] and out["t"].tolist() == [0, 1, 2]
     assert side.host.detach([None]) == [None]  # a failed request's place as it is
+
+
+# ------------------------------------------------------------------ the review's open points
+
+def test_a_keep_warm_unit_runs_on_the_worker_stream(side):
+    """A keep-warm unit (`plane.warm`) is queued on the worker stream: on the loop thread's
+    default stream it was unordered with a device batch still queued there (not waited
+    for), so a TensorRT engine's one context ran on two streams at once and a model that
+    fills one device buffer every call could overwrite that batch's outputs.  (Before the
+    fix the worker called `backend.run` itself, on "default stream".)"""
+    seen = []
+    real = side.backend.run
+
+    def run(batch):
+        seen.append((_Cuda.current, len(batch)))
+        return real(batch)
+
+    side.backend.run = run
+    assert side.warm({"x": np.ones(2, np.int32)}) is None
+    assert seen == [(side.stream, 1)] and _Cuda.current == _Cuda.default
+
+
+def _accelerator_error(code=700, text="an illegal memory access was encountered"):
+    e = torch.AcceleratorError(f"CUDA error: {text}\nSearch for `cudaErrorIllegalAddress' ...")
+    e.error_code = code
+    return e
+
+
+class _Lost(Exception):
+    """What the stand-in for `lost_context` raises (the real one never returns)."""
+
+
+@pytest.fixture
+def lost(side):
+    calls = []
+
+    def fake(e):
+        calls.append(e)
+        raise _Lost(e)
+
+    side.lost_context = fake
+    return calls
+
+
+def _host_job():
+    job = _job([])
+    job.inputs, job.refs = {"x": np.ones(2, np.int32)}, {}
+    return job
+
+
+def test_a_sticky_cuda_error_in_a_batch_ends_the_worker(side, lost):
+    """An illegal memory access or a device-side assert leaves the CUDA context unusable:
+    the worker went on heartbeating and answered every request 500 after `_isolate`'s
+    reruns, a black hole for its service.  Now `run` ends the worker (`lost_context`,
+    exit status CUDA_CONTEXT_LOST_EXIT) when torch's CUDA error comes with a stream that
+    cannot be synchronised either.  (Before: the error was re-raised, `lost` stayed empty.)"""
+    err = _accelerator_error()
+    side.backend.fail = err
+    side.stream.fail = _accelerator_error()  # every later call fails the same way
+    with pytest.raises(_Lost):
+        side.run([_host_job()])
+    assert lost == [err] and side.mem.cap == 8
+    side.cache.poll = lambda: _raise(RuntimeError("cudaEventQuery failed: CUDA error 700 (an illegal memory access)"))
+    # Where device work is waited for: a device batch's fault shows at its outputs' copy or
+    # download, an error reply's wait, a keep-warm unit, housekeeping.
+    for step in (lambda: side.write_outputs(_job([], reply="inline"), {"y": torch.ones(2)}),
+                 lambda: side.warm({"x": np.ones(2, np.int32)}),
+                 lambda: side.detach([{"y": _Raising(2)}]),
+                 lambda: side.finish_reads(_ran_with_cuda_inputs()),
+                 side.housekeeping):
+        with pytest.raises(_Lost):
+            step()
+    assert len(lost) == 6
+
+
+def _raise(e):
+    raise e
+
+
+class _Raising(torch.Tensor):
+    def clone(self, *args, **kwargs):
+        raise _accelerator_error(710, "device-side assert triggered")
+
+
+def _ran_with_cuda_inputs():
+    job = _job([])
+    job.cuda_in = job.device_ran = True
+    return job
+
+
+def test_the_sticky_error_is_also_read_from_torchs_older_runtime_error_and_shm_cudas(side, lost):
+    side.stream.fail = RuntimeError("CUDA error: an illegal memory access was encountered")
+    for err in (RuntimeError("CUDA error: an illegal memory access was encountered"),
+                RuntimeError("cudaEventRecord failed: CUDA error 700 (an illegal memory access was encountered)")):
+        side.backend.fail = err
+        with pytest.raises(_Lost):
+            side.run([_host_job()])
+    assert len(lost) == 2
+
+
+@pytest.mark.parametrize("err", [
+    ValueError("CUDA error: a model's own words"),          # not a RuntimeError
+    RuntimeError("the model failed"),                      # a model's own RuntimeError
+    KeyError("x"),
+    torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+], ids=["value-error", "runtime-error", "key-error", "oom"])
+def test_a_models_own_errors_and_out_of_memory_are_the_batchs_only(side, lost, err):
+    """Never mistaken for a lost context: no probe of the stream, no exit; the error goes to
+    the worker (`_isolate`, 500) as before, and out of memory still halves the cap."""
+    side.backend.fail = err
+    side.stream.fail = _accelerator_error()  # would say "lost" if it were asked
+    with pytest.raises(type(err)):
+        side.run([_host_job()])
+    assert lost == [] and side.stream.syncs == 0
+    assert side.mem.cap == (4 if isinstance(err, torch.cuda.OutOfMemoryError) else 8)
+
+
+def test_a_cuda_error_that_leaves_the_context_usable_fails_its_batch_only(side, lost):
+    """A non-sticky CUDA error (an invalid launch configuration from one input's shape):
+    the stream still synchronises, so the request fails alone (500) and the worker stays.
+    Ending the worker there would let one input take a worker on every retry."""
+    side.backend.fail = _accelerator_error(9, "invalid configuration argument")
+    with pytest.raises(torch.AcceleratorError):
+        side.run([_host_job()])
+    assert lost == [] and side.stream.syncs == 1  # asked once: it answered
+
+
+LOST_CHILD = r"""
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from broker import protocol as P
+import gpu_worker.cuda_plane as cp
+from broker.protocol.logs import setup_logging
+from tests.gpu_worker import test_cuda_plane as t
+
+setup_logging("WARNING", "text", "worker")
+log = []
+host = cp.HostPlane(t.Backend(log, fail=t._accelerator_error()), host=t.HOST, transports=("inline",))
+stream = t.Stream(log)
+stream.fail = t._accelerator_error()
+plane = cp.CudaPlane(host, torch=t.Torch, stream=stream, pool=t.Pool(log), cache=t.Cache(log),
+                     pins=cp.HostRegistry(register=lambda b, readonly=None: None),
+                     mem=cp.MemoryWatch(8, mem_info=lambda: (1 << 33, 1 << 34)), device_path=True)
+job = t._job([])
+job.inputs, job.refs = {"x": np.ones(2, np.int32)}, {}
+try:
+    plane.run([job])
+except BaseException as e:
+    print("survived:", repr(e), flush=True)
+sys.exit(0)
+"""
+
+
+def test_a_lost_context_ends_the_process_with_its_status_and_says_why(tmp_path):
+    """The real `lost_context`, in a process of its own: exit status 70 (a crash to the
+    launcher, which restarts the worker), the reason on stderr, nothing after it runs."""
+    import subprocess
+    import sys
+
+    from gpu_worker.cuda_plane import CUDA_CONTEXT_LOST_EXIT
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, "-c", LOST_CHILD, root], capture_output=True, text=True, timeout=60,
+                       cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert p.returncode == CUDA_CONTEXT_LOST_EXIT == 70, (p.returncode, p.stdout, p.stderr)
+    assert "survived" not in p.stdout
+    assert "CUDA context lost (AcceleratorError: CUDA error: an illegal memory access" in p.stderr
+    assert "exiting with status 70" in p.stderr
+
+
+def test_the_workers_device_is_made_current_on_each_thread_that_runs_a_batch(side):
+    """shm.cuda's runtime switches to a pool's device and back to the thread's previous one
+    with a raw cudaSetDevice: with no device set that was 0, so a worker on cuda:N made a
+    context on GPU 0 at each pool call.  The plane makes its device current on the thread
+    that makes it (the loop's) and on the compute thread at its first batch, once each.
+    (Before: set_device was never called.)"""
+    import threading
+
+    _Cuda.devices_set = []
+    plane = CudaPlane(side.host, torch=Torch, stream=side.stream, pool=side.pool, cache=side.cache,
+                      pins=side.pins, mem=side.mem, device_path=True, device_index=3)
+    here = threading.current_thread().name
+    assert _Cuda.devices_set == [(3, here)]
+    plane.run([_host_job()])
+    assert _Cuda.devices_set == [(3, here)]  # once a thread
+    t = threading.Thread(target=lambda: [plane.run([_host_job()]) for _ in range(2)], name="compute")
+    t.start()
+    t.join(10)
+    assert not t.is_alive() and _Cuda.devices_set == [(3, here), (3, "compute")]
+
+
+def test_open_makes_the_device_current_before_the_pool_is_made(monkeypatch):
+    """`CudaPlane.open` (real torch and shm.cuda, their device calls replaced): set_device
+    with the configured index comes before the pool's cudaMalloc."""
+    import shm.cuda
+
+    order = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: order.append(("set_device", i)))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: order.append(("stream", device)) or Stream([]))
+
+    class FakePool:
+        name = "zinf-fake"
+
+        def __init__(self, capacity, device=0, slots=0):
+            order.append(("pool", device))
+
+        def close(self):
+            pass
+
+    class FakeCache:
+        def __init__(self, local=None):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(shm.cuda, "CudaPool", FakePool)
+    monkeypatch.setattr(shm.cuda, "CudaPoolCache", FakeCache)
+    host = HostPlane(Backend([]), host=HOST, transports=("inline",))
+    model = type("M", (), {"framework": "numpy"})()
+    plane = CudaPlane.open(host, model, device="cuda:2", max_batch=4)
+    try:
+        assert order[0] == ("set_device", 2) and ("pool", 2) in order
+        assert plane.device_index == 2
+    finally:
+        plane.pins.close()
+        host.close()
 
 
 class _TorchOnAStream:

@@ -194,6 +194,7 @@ def _cuda_like_plane(host, model, *, device, max_batch, **_):
 
     class Part:
         name = "zinf-2-2-fedcba9876543210-5"
+        device_index = 0
 
         def synchronize(self):
             pass
@@ -205,7 +206,30 @@ def _cuda_like_plane(host, model, *, device, max_batch, **_):
         def unregister(self):
             pass
 
-    return CudaPlane(host, torch=None, stream=Part(), pool=Part(), cache=Part(),
+    class Cuda:  # what the plane asks of torch.cuda: its device made current, the current stream
+        OutOfMemoryError = MemoryError
+        current = None
+
+        @staticmethod
+        def set_device(index):
+            pass
+
+        @staticmethod
+        def current_device():
+            return 0
+
+        @classmethod
+        def current_stream(cls, device=None):
+            return cls.current
+
+        @classmethod
+        def set_stream(cls, s):
+            cls.current = s
+
+    class Torch:
+        cuda = Cuda
+
+    return CudaPlane(host, torch=Torch, stream=Part(), pool=Part(), cache=Part(),
                      pins=HostRegistry(register=lambda buf, readonly=None: Pinned()),
                      mem=MemoryWatch(max_batch, mem_info=lambda: (8 << 30, 16 << 30)), device_path=False)
 

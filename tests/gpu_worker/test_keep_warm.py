@@ -330,3 +330,19 @@ def test_a_streaming_model_is_not_kept_warm():
         assert not w.keep_warm.enabled and "streaming" in w.keep_warm.off_reason
     finally:
         w.close()
+
+
+def test_a_unit_runs_through_the_data_plane():
+    """The unit is the plane's `warm` (a CUDA plane queues it on the worker stream, with the
+    device batches), not `backend.run` called by the worker on the loop thread's default
+    stream, unordered with a device batch still queued.  (Before: `warm` was never called.)"""
+    w = Worker(WorkerConfig(broker="inproc://unused", model="echo", device="cpu", transports=("inline",),
+                            keep_warm=0.01), upstream=_Pipe(zmq.Context.instance(), "keep-warm-plane"))
+    try:
+        assert w.keep_warm.enabled
+        seen = []
+        w.plane.warm = lambda inputs: seen.append(sorted(inputs))
+        w.keep_warm.warm()
+        assert seen == [sorted(w.model.example_inputs())]
+    finally:
+        w.close()
