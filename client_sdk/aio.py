@@ -140,7 +140,7 @@ async def _heartbeat(ref: "weakref.ref[AsyncClient]") -> None:
     client = ref()
     while client is not None:
         core = client._core
-        if not core.pins and not core.active():
+        if not core.pins and not core.active() and not core.mmi_waiting():
             # Nothing waits and no lease is held: no heartbeat is due (`heartbeat_due`), so
             # the task waits for the next request (`_submit` sets the event) instead of
             # waking every half period for nothing (the idle hunt: 50 idle clients, 95
@@ -1067,10 +1067,11 @@ class AsyncClient(ClientBase):
         core = self._core
         q = core.mmi_question(name)
         limit = core.timeout_of(timeout)
-        core.expect_mmi(q)
+        core.expect_mmi(q, time.monotonic())
         fut = self._loop.create_future()
         q.notify = lambda: fut.done() or fut.set_result(None)
         self._send_soon(q.frames)
+        self._wake_heartbeat()  # its liveness check (`_beat`) fails the question if the broker stays silent
         try:
             async with asyncio.timeout(limit):
                 await fut
@@ -1082,6 +1083,8 @@ class AsyncClient(ClientBase):
                 q.abandoned = True  # its late answer is consumed and dropped
         if q.answer is None and core.closed:  # woken by close()
             raise InferenceError("the client was closed while this question was waiting", code=None)
+        if q.answer is None and q.error is not None:  # the broker's silence (core.fail_unreachable)
+            raise q.error
         return mmi_answer(q.answer, name)
 
     @_on_its_loop
@@ -1147,6 +1150,13 @@ class AsyncClient(ClientBase):
         cls = type(self)
         return (self._prepare_here if cls.prepare is AsyncClient.prepare else self.prepare,
                 self._submit_here if cls.submit is AsyncClient.submit else self.submit)
+
+    def _wake_heartbeat(self) -> None:
+        """Wake a parked heartbeat task (`_heartbeat`): something waits on the broker again
+        (`_submit` does the same inline)."""
+        if self._hb_parked:
+            self._hb_parked = False
+            self._hb_wake.set()
 
     def _submit(self, call: Call) -> bool:
         now = time.monotonic()

@@ -200,7 +200,7 @@ class MmiQuery:
     (docs/protocol.md section 4), so an answer finds its own question even when an earlier
     answer was lost."""
 
-    __slots__ = ("name", "token", "frames", "answer", "abandoned", "notify")
+    __slots__ = ("name", "token", "frames", "answer", "abandoned", "notify", "t_sent", "error")
 
     def __init__(self, name: str, token: bytes, frames: list[Any]):
         self.name = name
@@ -209,3 +209,5 @@ class MmiQuery:
         self.answer: list[bytes] | None = None
         self.abandoned = False   # the asker timed out: the answer is consumed and dropped
         self.notify: Callable[[], None] | None = None
+        self.t_sent = 0.0        # when it was asked (`ClientCore.expect_mmi`): its silence counts from then
+        self.error: BaseException | None = None  # the broker's silence (`ClientCore.fail_unreachable`)

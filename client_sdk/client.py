@@ -380,9 +380,11 @@ class Client(ClientBase):
         limit = core.timeout_of(timeout)
         stop = None if limit is None else time.monotonic() + limit
         self._send(q.frames, stop)
-        core.expect_mmi(q)
+        core.expect_mmi(q, time.monotonic())
         try:
             while q.answer is None:
+                if q.error is not None:  # the broker's silence (core.fail_unreachable)
+                    raise q.error
                 now = time.monotonic()
                 if stop is not None and now >= stop:
                     raise self._core.mmi_deadline_error(limit)
@@ -641,6 +643,7 @@ class Client(ClientBase):
 
     def _send(self, frames: list[Any], deadline: float | None, sock: zmq.Socket | None = None) -> None:
         sock = self._sock if sock is None else sock
+        start = None  # when the socket first refused it
         while True:
             try:
                 send_frames(sock, frames, NOBLOCK)
@@ -661,11 +664,33 @@ class Client(ClientBase):
                 if core.redial_at is not None and now >= core.redial_at:
                     self._redial(now)
                     continue
+                if start is None:
+                    start = now
+                why = (f"it refuses this client's handshake: {core.refused}" if core.refused
+                       else "its queue is full")
                 if deadline is not None and now >= deadline:
-                    why = (f"it refuses this client's handshake: {core.refused}" if core.refused
-                           else "its queue is full")
                     raise BrokerUnreachable(f"cannot send to the broker at {self.endpoint}: {why}") from None
                 wait = 1000 if deadline is None else max(1, int((deadline - now) * 1000))
+                hb = core.heartbeat_interval
+                if hb is not None and sock is self._sock:
+                    # The broker's liveness window holds here too, as for a call that waits
+                    # for its reply (`_pump`): a call whose REQUEST the socket would not take
+                    # waited for its whole timeout, and for ever with none (the timeouts
+                    # hunt; AsyncClient queues it and fails it at the window).  What the
+                    # broker said meanwhile is read first: its word counts.
+                    core.looking(now)
+                    window = LIVENESS * hb
+                    if now - max(core.last_recv, start, core.resumed_at) > window:
+                        ready = self._waiter.wait(0)
+                        if ready:
+                            self._drain(ready, always_broker=True)
+                        silence = now - max(core.last_recv, start, core.resumed_at)
+                        if silence > window:
+                            raise BrokerUnreachable(
+                                f"cannot send to the broker at {self.endpoint}: {why}, and it has not answered "
+                                f"anything, not even heartbeats, for {silence:.1f}s") from None
+                    left = max(core.last_recv, start, core.resumed_at) + window - now
+                    wait = max(1, min(wait, math.ceil(left * 1000), math.ceil(core.heartbeat_period * 1000)))
                 if core.redial_at is not None:
                     wait = max(1, min(wait, int((core.redial_at - now) * 1000 + 0.999)))
                 self._wait_writable(sock, wait)

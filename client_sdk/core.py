@@ -9,13 +9,14 @@ an event loop or the clock.  What a twin does with it:
     outs = core.on_message(frames, now, direct)   route one reply; `outs` are frames to send
                                                   (the inline resend after NOT_LOCAL)
     frames = core.give_up(call)                   the caller stopped waiting: CANCEL, or None
-    core.fail_unreachable(now)                    liveness: fail calls whose broker fell silent
-    q = core.mmi_question(name); send q.frames; core.expect_mmi(q)   an MMI question
+    core.fail_unreachable(now)                    liveness: fail calls (and MMI questions) whose broker fell silent
+    q = core.mmi_question(name); send q.frames; core.expect_mmi(q, now)   an MMI question
 
 Delivery.  A reply is put in its call's `inbox` (("partial" | "final", Result) or
 ("error", InferenceError)), then `call.notify()` runs if the twin set one (an asyncio event,
 a stream's wake-up).  An MMI answer goes to its `MmiQuery` the same way.  The core holds no
-future: the blocking twin just looks at the inbox after each pump.
+future: the blocking twin just looks at the inbox after each pump.  A question the broker
+stays silent on is failed as a call is (`MmiQuery.error`, then its `notify()`).
 
 Invariants a maintainer must keep:
 
@@ -627,10 +628,17 @@ class ClientCore(PinEvents):
         token = self._mmi_seq.to_bytes(8, "big")
         return MmiQuery(name, token, self.opaque_frames(MMI_SERVICE, [encoded, token]))
 
-    def expect_mmi(self, q: MmiQuery) -> MmiQuery:
-        """Register the waiter of an MMI question sent (or queued) on the main socket."""
+    def expect_mmi(self, q: MmiQuery, now: float = 0.0) -> MmiQuery:
+        """Register the waiter of an MMI question sent (or queued) on the main socket at
+        `now` (`time.monotonic()`): the broker's silence on it counts from then, or from
+        the last word heard, whichever is later (`fail_unreachable`)."""
+        q.t_sent = now
         self.mmi_waiters.append(q)
         return q
+
+    def mmi_waiting(self) -> bool:
+        """Whether an MMI question is waited for: asked, not answered, failed nor given up."""
+        return any(q.answer is None and q.error is None and not q.abandoned for q in self.mmi_waiters)
 
     def _take_mmi_waiter(self, body: tuple) -> MmiQuery | None:
         """The waiter an MMI answer belongs to, removed from the queue (None: nobody's)."""
@@ -1138,11 +1146,14 @@ class ClientCore(PinEvents):
         silence = self.silent_for(call, now)
         if silence <= LIVENESS * self.heartbeat_interval:
             return None
+        return self._silent(silence, f"request to {call.service!r}", why, call.id or None)
+
+    def _silent(self, silence: float, what: str, why: str | None, request_id: int | None = None) -> BrokerUnreachable:
         text = (f"the broker at {self.endpoint} has not answered anything, not even heartbeats, for "
-                f"{silence:.1f}s (request to {call.service!r} given up)")
+                f"{silence:.1f}s ({what} given up)")
         if why is not None:
             text = f"{text}: {why}"
-        return BrokerUnreachable(text, request_id=call.id or None)
+        return BrokerUnreachable(text, request_id=request_id)
 
     def fail_unreachable(self, now: float) -> int:
         """Fail every waiting call the broker has been silent on for too long; how many were
@@ -1160,6 +1171,21 @@ class ClientCore(PinEvents):
             err = self.unreachable(call, now, why)
             if err is not None and self.fail(call, err):
                 n += 1
+        # An MMI question waits on the broker's word as a call does: without this, its asker
+        # waited for its timeout (DeadlineExceeded, for a broker that answered nothing), or
+        # for ever with none, heartbeats on (the timeouts hunt).
+        for q in self.mmi_waiters:
+            if q.answer is not None or q.error is not None or q.abandoned:
+                continue
+            silence = now - max(self.last_recv, q.t_sent, self.resumed_at)
+            if silence <= LIVENESS * hb:
+                continue
+            if looked is None:
+                why, looked = self._endpoint_problem(), True
+            q.error = self._silent(silence, f"mmi.service question about {q.name!r}", why)
+            if q.notify is not None:
+                q.notify()
+            n += 1
         return n
 
     def heartbeat_due(self, now: float) -> bool:
