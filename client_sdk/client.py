@@ -37,7 +37,7 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol.link import LinkConn, LinkError
-from broker.protocol.wire import NOBLOCK, TcpWatch, Waiter, recv_frames, send_frames, sock_events, touched
+from broker.protocol.wire import NOBLOCK, TcpWatch, Waiter, recv_frames, send_frames, sock_events, touched, wait_ms
 
 from .base import ClientBase, ReplyStreamBase
 from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priority, resolve_transport
@@ -342,7 +342,7 @@ class Client(ClientBase):
                 if left is not None and left <= 0:
                     self._heed_broker_monitor()
                     raise self._core.opaque_deadline_error(service, limit)
-                if not sock.poll(-1 if left is None else math.ceil(left * 1000), zmq.POLLIN):
+                if not sock.poll(wait_ms(left), zmq.POLLIN):
                     continue
                 done, body = opaque_reply(sock.recv_multipart(), service)
                 if done:
@@ -462,7 +462,7 @@ class Client(ClientBase):
         the call is then unsent again, to be submitted later or given up."""
         sock = self._sock
         if timeout != 0 and not sock_events(sock) & _POLLOUT:
-            self._wait_writable(sock, -1 if timeout is None else max(1, int(timeout * 1000)))
+            self._wait_writable(sock, max(1, wait_ms(timeout)) if timeout is not None else -1)
         now = time.monotonic()
         call.t_submit = call.t_submit or now
         try:
@@ -670,7 +670,7 @@ class Client(ClientBase):
                        else "its queue is full")
                 if deadline is not None and now >= deadline:
                     raise BrokerUnreachable(f"cannot send to the broker at {self.endpoint}: {why}") from None
-                wait = 1000 if deadline is None else max(1, int((deadline - now) * 1000))
+                wait = 1000 if deadline is None else max(1, min(wait_ms(deadline - now), 1000))
                 hb = core.heartbeat_interval
                 if hb is not None and sock is self._sock:
                     # The broker's liveness window holds here too, as for a call that waits

@@ -33,7 +33,7 @@ from zmq.backend import Socket as _Base
 from .frames import MDPC
 
 __all__ = ["seed_routing_ids", "send_frames", "recv_frames", "sock_events", "touched", "Waiter", "NOBLOCK", "tcp_liveness", "DEAD_AFTER_BEATS",
-           "tcp_counts", "TcpWatch", "out_of_resources", "warm_zero_copy"]
+           "tcp_counts", "TcpWatch", "out_of_resources", "warm_zero_copy", "MAX_WAIT_MS", "wait_ms"]
 
 NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
@@ -50,6 +50,24 @@ _POLLIN = int(zmq.POLLIN)
 # of the socket, whoever asked: every call below keeps it true.
 _WATCHED: set = set()
 _QUIET: set = set()
+
+
+#: The longest single wait handed to a poll, in milliseconds: `select.poll` and pyzmq's
+#: `poll` take a C int of them (about 24.8 days), and a longer one raised OverflowError after
+#: the request had gone out (a blocking client with `timeout=30 * 86400`, the timeouts hunt).
+#: Every caller loops on its own deadline, so a longer wait is several of these.
+MAX_WAIT_MS = 2**31 - 1
+
+
+def wait_ms(seconds: float | None) -> int:
+    """A wait of `seconds` (None: without a limit) as a poll's timeout: whole milliseconds,
+    rounded up (truncated, the last fraction of one is a poll(0), and a loop on a deadline
+    spins or ends early); -1 for None; at most `MAX_WAIT_MS`; 0 for none left."""
+    if seconds is None:
+        return -1
+    if seconds <= 0:
+        return 0
+    return MAX_WAIT_MS if seconds >= MAX_WAIT_MS / 1000 else math.ceil(seconds * 1000)
 
 
 def seed_routing_ids() -> None:
@@ -547,13 +565,16 @@ class Waiter:
 
     def wait(self, ms: float) -> list[Any]:
         """Wait up to `ms` milliseconds (negative: without a limit, 0: not at all); the
-        sockets holding a message and the readable plain descriptors.
+        sockets holding a message and the readable plain descriptors.  At most
+        `MAX_WAIT_MS` at once, whatever `ms` says.
 
         `select.poll` counts whole milliseconds, so a wait with a fraction of one (a
         batcher's window that ends 0.4 or 4.3 ms from now) sleeps in `select.select`
         instead, whose timeout is in microseconds: truncated, its last fraction would turn
         the caller's loop into a spin (on a small machine the spin takes the CPU that the
         clients it waits for need); rounded up, it would end late."""
+        if ms > MAX_WAIT_MS:  # (a poll's C int: the caller loops on its deadline)
+            ms = MAX_WAIT_MS
         quiet = _QUIET
         ready = [sock for sock in self._socks if sock not in quiet and sock_events(sock) & _POLLIN]
         if ready:

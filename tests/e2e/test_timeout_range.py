@@ -1,0 +1,55 @@
+"""Every timeout a client takes is a wait it can make, however long: a month (`timeout=30 *
+86400`, "no limit in practice") raised OverflowError from the blocking `Client`, after the
+request had gone out, wherever a wait went to a poll in whole milliseconds (a C int of them:
+about 24.8 days): every call with heartbeats off, and `request()` (its own socket, no
+heartbeats) with them on (the timeouts hunt).  `AsyncClient` waited with asyncio's timers
+and was not affected.  Each wait is now at most `wire.MAX_WAIT_MS`, and the caller loops on
+its deadline.  Real processes; each call returns at once (an echo)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from broker.protocol.wire import MAX_WAIT_MS, wait_ms
+from client_sdk import Client
+
+from .conftest import wait_service
+
+pytestmark = pytest.mark.timeout(60)
+
+MONTH = 30 * 86400.0
+HUGE = 1e300
+
+
+def test_wait_ms():
+    assert wait_ms(None) == -1
+    assert wait_ms(0) == 0 and wait_ms(-3.0) == 0
+    assert wait_ms(0.0004) == 1 and wait_ms(0.25) == 250 and wait_ms(1.0001) == 1001  # rounded up
+    assert wait_ms(MONTH) == MAX_WAIT_MS == wait_ms(HUGE)
+
+
+@pytest.mark.parametrize("timeout", [MONTH, HUGE])
+@pytest.mark.parametrize("heartbeat", [None, 1.0])
+def test_a_blocking_client_takes_a_timeout_of_a_month_or_more(cluster, timeout, heartbeat):
+    cluster.broker()
+    cluster.worker("echo")
+    x = np.arange(4, dtype=np.float32)
+    with Client(cluster.frontend, timeout=10, heartbeat_interval=heartbeat) as c:
+        wait_service(c, "echo")
+        with c.infer("echo", {"x": x}, timeout=timeout) as r:
+            np.testing.assert_array_equal(r["x"], x)
+        assert c.mmi_service("echo", timeout=timeout)
+        assert c.request("mmi.service", [b"echo"], timeout=timeout)[0] == b"200"
+        with c.infer_stream("echo", {"x": x}, timeout=timeout) as h:
+            with h.result(timeout=timeout) as r:
+                np.testing.assert_array_equal(r["x"], x)
+        with c.stream("echo", timeout=timeout, pin=False) as s:
+            s.send({"x": x})
+            with s.recv(timeout=timeout) as r:
+                np.testing.assert_array_equal(r["x"], x)
+        call = c.prepare("echo", {"x": x}, timeout=timeout)
+        assert c.submit(call, timeout=timeout)
+        while not call.inbox:
+            c.pump(timeout)
+        assert c.in_flight() == 0
+    assert c.closed
