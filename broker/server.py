@@ -45,7 +45,7 @@ from broker.protocol.heap import trim_heap
 from broker.protocol.limits import Headroom, default_reserve, listen_backlog, move_aside, nofile_limit, put_back
 from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events
 from shm import gc as shm_gc
-from shm.segment import OutOfResources, boot_offset_ticks, pid_exists, proc_starttime, process_alive
+from shm.segment import OutOfResources, boot_offset_ticks, monotonic_offset_ns, pid_exists, proc_starttime, process_alive
 from zmq.utils.monitor import recv_monitor_message
 
 from broker.connections import WorkerConnections
@@ -623,6 +623,9 @@ class Broker:
         self._closed_conns = 0  # connections closed since the C heap was last trimmed (`trim_heap`)
         self._trimming: threading.Thread | None = None
         self._client_pids: dict[bytes, tuple | None] = {}  # client identity -> attested (pid, start)
+        # attested (pid, start) -> whether that process reads our CLOCK_MONOTONIC (`_on_our_clock`)
+        self._same_clock: dict[tuple, bool] = {}
+        self._clock_offset = monotonic_offset_ns()
         # What is learned about a client's connection (its pid, whether it is tcp) is
         # forgotten when that connection closes: a client chooses its routing id, and a
         # later connection reusing the id must not inherit the earlier one's pid (the
@@ -1278,6 +1281,12 @@ class Broker:
                     if kind is P.ShmLoc:
                         local = req.host
             deadline = None if req.timeout_ms is None else now + req.timeout_ms / 1000.0
+            at = req.deadline_at
+            if at is not None and deadline is not None and at < deadline and who is not None and self._on_our_clock(who):
+                # A client on our clock: its deadline as it is, not its budget again from our
+                # receipt, which came late when this loop was stalled (a request that waited
+                # in our input past its deadline ran for a caller long gone: the timeouts hunt).
+                deadline = at
             if req.dropped and self.metrics is not None:
                 self.metrics.dropped(service.decode(errors="replace"), req.dropped)
             actions = self.sched.client_request(
@@ -1786,6 +1795,17 @@ class Broker:
                             _show_sig(v[2]), _show_sig(v[4]), service)
             return
 
+    def _on_our_clock(self, who: tuple) -> bool:
+        """Whether the client process ``who`` ((pid, start time), `_client_pid`'s) reads our
+        CLOCK_MONOTONIC: the same time namespace offset (learned once per process)."""
+        same = self._same_clock.get(who)
+        if same is None:
+            if len(self._same_clock) >= _MAX_CLIENT_PIDS:
+                self._same_clock.clear()
+            theirs = monotonic_offset_ns(who[0])
+            same = self._same_clock[who] = theirs is not None and theirs == self._clock_offset
+        return same
+
     def _client_pid(self, ident: bytes, frame: Any) -> tuple | None:
         """(pid, start time) of the process that made this client's ipc connection (learned
         once per client; start None where it cannot be read), or None when the kernel cannot
@@ -1811,6 +1831,8 @@ class Broker:
                 # number it got, was never answered).
                 self._on_frontend_events()
             who = None if fd is None else _fd_peer(fd, self._accept_ticks.get(fd))
+            if who is not None:
+                self._on_our_clock(who)  # while the process is there to ask (a request may outlive it)
             if len(self._client_pids) >= _MAX_CLIENT_PIDS:
                 # Bounded: the clients still here are learned again.
                 self._client_pids.clear()

@@ -581,6 +581,7 @@ class ClientCore(PinEvents):
             id=call.id,
             priority=call.priority,  # an IntEnum: msgspec writes its int
             timeout_ms=timeout_ms,
+            deadline_at=call.deadline,  # (time.monotonic(): a broker on our clock counts from our send)
             host=self._host,
             pid=_pid,
             reply=call.reply,

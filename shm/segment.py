@@ -292,6 +292,29 @@ def boot_offset_ticks() -> int:
     return _boot_offset[1]
 
 
+#: whether this kernel has time namespaces (Linux 5.6): without them every process reads
+#: one CLOCK_MONOTONIC
+_TIMENS = os.path.exists("/proc/self/timens_offsets")
+
+
+def monotonic_offset_ns(pid: int | None = None) -> int | None:
+    """The CLOCK_MONOTONIC offset of process ``pid``'s time namespace (None: this process's),
+    in nanoseconds: two processes with the same offset read the same `time.monotonic()`.
+    0 on a kernel without time namespaces; None when it cannot be read (the process has
+    exited, or its /proc is not ours to read)."""
+    if not _TIMENS:
+        return 0
+    try:
+        with open("/proc/self/timens_offsets" if pid is None else f"/proc/{int(pid)}/timens_offsets", "rb") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) == 3 and parts[0] == b"monotonic":
+                    return int(parts[1]) * 1_000_000_000 + int(parts[2])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def pid_exists(pid: int) -> bool:
     """Whether a process ``pid`` exists (another user's included): one `kill(pid, 0)`, about a
     microsecond; says nothing of which process it is (`process_alive` does)."""

@@ -160,6 +160,7 @@ class Request(msgspec.Struct, kw_only=True):
     id: int
     priority: int = Priority.NORMAL
     timeout_ms: float | None = None   # budget from the broker's receipt; the broker rewrites it to what is left at dispatch
+    deadline_at: float | None = None  # the sender's deadline on its CLOCK_MONOTONIC, seconds: a broker on the same clock ends it there
     host: str | None = None           # sender's shared-memory host id; required with shm refs
     pid: int | None = None            # sender's pid, so a worker can reclaim output slots of a dead client
     pid_start: int | None = None      # set by the broker with pid: that process's start time (a reused pid is another's)
