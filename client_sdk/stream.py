@@ -32,7 +32,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .errors import EndOfStream, InferenceError, InvalidInput
+from .calls import final_of_infer
+from .errors import EndOfStream, InferenceError, InvalidInput, NotSupported
 from .tensors import Result
 
 # EndOfStream lives in errors.py; it stays importable from here, where it used to be.
@@ -176,6 +177,14 @@ class _StreamCore:
                 return None
             kind, item = head.inbox.popleft()
             self._outstanding.popleft()
+            if head.partials and kind == "final":
+                # A streaming model's frame: its PARTIALs went unread, and an empty FINAL is
+                # no result (what `infer` says too, rather than hand out an empty Result).
+                try:
+                    item = final_of_infer(self.service, item, head.partials,
+                                          instead="use client.infer_stream() for each frame")
+                except NotSupported as e:
+                    kind, item = "error", e
             if kind == "error":
                 self._failed += 1
                 if not head.done:  # a client-side failure: tell the broker to stop
