@@ -169,3 +169,38 @@ def counted(device: str = "cpu"):
     run.batchable = False
     run.example_inputs = lambda: {"x": np.full(1, -1, np.int64)}
     return run
+
+
+def tagged(device: str = "cpu"):
+    """For stream tests: x = [tag, what, ...] (int64) comes back as it is, with the worker's
+    pid in `pid`, so every result names the frame it answers and who ran it.  what = 1:
+    first wait for one byte on $GATE_FIFO (opened read-write at load, as `held` does, so
+    several workers may share it); what = 2: raise RuntimeError.  A call with tag >= 0
+    first appends "<pid> <tag>" to $RUN_LOG, if set (and to $GATE_ENTERED, if set, before it
+    waits).  Its warm-up (tag = -1) does none of it."""
+    log = os.environ.get("RUN_LOG")
+    entered = os.environ.get("GATE_ENTERED")
+    path = os.environ.get("GATE_FIFO")
+    fd = os.open(path, os.O_RDWR) if path else None
+    pid = np.array([os.getpid()], np.int64)
+
+    def run(inputs):
+        x = np.asarray(inputs["x"])
+        tag, what = int(x.flat[0]), int(x.flat[1])
+        if tag >= 0:
+            if log:
+                with open(log, "a") as f:
+                    f.write(f"{os.getpid()} {tag}\n")
+            if what == 1:
+                if entered:
+                    with open(entered, "a") as f:
+                        f.write("entered\n")
+                os.read(fd, 1)
+            elif what == 2:
+                raise RuntimeError(f"tagged: told to fail on frame {tag}")
+        return {"x": np.array(x, copy=True), "pid": pid}
+
+    run.name = "tagged"
+    run.batchable = False
+    run.example_inputs = lambda: {"x": np.array([-1, 0], np.int64)}
+    return run

@@ -124,3 +124,253 @@ def test_a_stream_on_a_service_that_streams_says_so_instead_of_empty_results(clu
             st.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+# ------------------------------------------------------------------ the worker or the broker goes mid-stream
+
+@pytest.mark.parametrize("how", ["kill", "term"])
+def test_a_pinned_stream_whose_worker_dies_or_drains_answers_each_frame_once(cluster, gate, tmp_path, how):
+    """Four frames on the lease, one held at its worker, when that worker is SIGKILLed (the
+    frames go through the broker to the other worker) or SIGTERMed (it finishes what it
+    holds, refusals come through the broker): each frame gets its own result, in order."""
+    log = tmp_path / "runs"
+    cluster.broker()
+    doomed = _worker(cluster, gate, log, "--direct")
+    gate.open()
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, SERVICE)
+        with c.stream(SERVICE, latest_wins=False, max_in_flight=4) as st:
+            b = _pin(c, st)
+            _start_pumping(c, _worker(cluster, gate, log, "--direct", wait=False))
+            for i in range(b, b + 4):
+                assert st.send(_f(i, 1)) == i
+            _pump_until(c, lambda: gate.entered() >= 1, "a frame at the gate")
+            if how == "kill":
+                doomed.kill()
+            else:
+                doomed.p.send_signal(15)
+            gate.release(16)
+            assert [_got(st.recv(timeout=WAIT)) for _ in range(4)] == [(i, i) for i in range(b, b + 4)]
+            for i in range(b + 4, b + 8):  # and the stream goes on
+                assert st.send(_f(i)) == i
+                assert _got(st.recv(timeout=WAIT)) == (i, i)
+            _balanced(st.stats())
+            with pytest.raises(EndOfStream):
+                st.recv(timeout=0)
+        assert c.in_flight() == 0 and c.stray_replies == 0
+        assert c.pool is None or c.pool.in_use() == 0
+
+
+def test_a_broker_restart_mid_stream_answers_each_frame_once(cluster, gate, tmp_path):
+    log = tmp_path / "runs"
+    broker = cluster.broker()
+    _worker(cluster, gate, log, "--direct")
+    gate.open()
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, SERVICE)
+        with c.stream(SERVICE, latest_wins=False, max_in_flight=4) as st:
+            b = _pin(c, st)
+            for i in range(b, b + 4):
+                assert st.send(_f(i, 1)) == i
+            _pump_until(c, lambda: gate.entered() >= 1, "a frame at the gate")
+            broker.kill()
+            cluster.broker()
+            _pump_until(c, lambda: c.broker_restarts == 1, "the restart heard")
+            gate.release(16)
+            assert [_got(st.recv(timeout=WAIT)) for _ in range(4)] == [(i, i) for i in range(b, b + 4)]
+            for i in range(b + 4, b + 8):
+                assert st.send(_f(i)) == i
+                assert _got(st.recv(timeout=WAIT)) == (i, i)
+            _balanced(st.stats())
+        assert c.in_flight() == 0
+        assert sorted(int(line.split()[1]) for line in log.read_text().splitlines()) == list(range(b + 8))  # each ran once
+        assert c.pool is None or c.pool.in_use() == 0
+
+
+# ------------------------------------------------------------------ one frame's trouble is its own
+
+def test_a_frame_the_model_fails_or_that_expires_fails_alone(cluster, gate, tmp_path):
+    log = tmp_path / "runs"
+    cluster.broker()
+    _worker(cluster, gate, log, "--direct")
+    gate.open()
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, SERVICE)
+        for pin in (False, None):
+            with c.stream(SERVICE, latest_wins=False, max_in_flight=3, pin=pin) as st:
+                b = _pin(c, st) if pin is None else 0
+                for i in range(b, b + 6):
+                    assert st.send(_f(i, 2 if i == b + 2 else 0)) == i
+                out = []
+                for _ in range(6):
+                    try:
+                        out.append(_got(st.recv(timeout=WAIT)))
+                    except InferenceError as e:
+                        out.append(type(e).__name__)
+                assert out == [(b, b), (b + 1, b + 1), "InternalError", *((i, i) for i in range(b + 3, b + 6))], out
+                assert st.stats().failed == 1
+                _balanced(st.stats())
+        # The head frame outlives its deadline (held at the worker): DeadlineExceeded for it,
+        # and each frame behind it gets its own result or its own deadline, never another's.
+        # (Outputs inline: the held frame's result comes after its caller gave up, and may
+        # come after the client closed, which leaves a shared-memory output lent for the
+        # process's life; the worker's stop then waits --drain-grace-s for it.)
+        with c.stream(SERVICE, latest_wins=False, max_in_flight=3, pin=False, timeout=0.3, reply="inline") as st:
+            for i, what in enumerate((1, 0, 0)):
+                st.send(_f(i, what))
+            with pytest.raises(DeadlineExceeded):
+                st.recv(timeout=WAIT)
+            gate.release(1)
+            for i in (1, 2):
+                try:
+                    assert _got(st.recv(timeout=WAIT)) == (i, i)
+                except DeadlineExceeded:
+                    pass
+            _balanced(st.stats())
+        # the expired frame's input slot goes at its FINAL (the worker could not stop it)
+        _pump_until(c, lambda: c.pool is None or c.pool.in_use() == 0, "every input slot freed")
+
+
+def test_latest_wins_with_a_slow_model_answers_the_newest_frames_and_counts_the_rest(cluster, gate, tmp_path):
+    log = tmp_path / "runs"
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    _worker(cluster, gate, log)
+    gate.open()
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, SERVICE)
+        with c.stream(SERVICE, latest_wins=True, max_in_flight=2, pin=False) as st:
+            for i in range(10):
+                assert st.send(_f(i, 1)) == i
+            s = st.stats()
+            assert (s.sent, s.pending, s.dropped) == (2, 1, 7), s
+            gate.release(1)
+            assert _got(st.recv(timeout=WAIT)) == (0, 0)  # frame 9, the newest, goes out now
+            for i in range(10, 15):
+                st.send(_f(i, 1))
+            gate.release(16)
+            assert [_got(r) for r in st] == [(1, 1), (9, 9), (14, 14)]
+            s = st.stats()
+            assert (s.dropped, s.completed) == (11, 4), s
+            _balanced(s)
+        assert sorted(int(line.split()[1]) for line in log.read_text().splitlines()) == [0, 1, 9, 14]
+        # the broker counted every drop (each told by the next frame sent)
+        assert value(scrape(base), "zmq_infer_stream_dropped_frames_total", service=SERVICE) == 11
+
+
+# ------------------------------------------------------------------ many streams, two at once, another thread
+
+def test_200_short_streams_leave_no_slot_lease_or_request_held(cluster, gate, tmp_path):
+    """Short streams on a lease that a long one keeps, each closed with frames in flight or
+    answered and unread (output slots of a 1 MB ring), then short brokered ones: every
+    result its own frame's, and afterwards nothing is held anywhere: the client's slots,
+    its calls, the broker's in-flight count, leases, leased credit, the worker's ring."""
+    log = tmp_path / "runs"
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    _worker(cluster, gate, log, "--direct", "--out-capacity-mb", "1")
+    gate.open()
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, SERVICE)
+        keeper = c.stream(SERVICE, latest_wins=False, max_in_flight=8)
+        n = _pin(c, keeper)
+
+        def short_streams(ks, pin):
+            for k in ks:
+                with c.stream(SERVICE, latest_wins=bool(k % 2), max_in_flight=1 + k % 4, pin=pin) as st:
+                    for i in range(5):
+                        st.send(_f(100 * k + i))
+                    r = st.recv(timeout=WAIT)
+                    assert _tag(r) == 100 * k + r.frame
+                    if k % 3 == 0:
+                        r = st.recv(timeout=WAIT)
+                        assert _tag(r) == 100 * k + r.frame
+                _balanced(st.stats())
+            _pump_until(c, lambda: c.in_flight() == 0 and (c.pool is None or c.pool.in_use() == 0),
+                        "every call answered")
+
+        short_streams(range(100), None)  # on the keeper's lease
+        before = c.pinned_replies
+        for i in range(n, n + 8):
+            keeper.send(_f(i))
+        assert [_got(keeper.recv(timeout=WAIT)) for _ in range(8)] == [(i, i) for i in range(n, n + 8)]
+        assert c.pinned_replies - before == 8  # the lease's slots are all free
+        keeper.close()
+        short_streams(range(100, 200), False)  # through the broker
+
+        def held() -> list:
+            m = scrape(base)
+            return [value(m, name, service=SERVICE) for name in ("zmq_infer_in_flight", "zmq_infer_leases",
+                                                                  "zmq_infer_leased_credit")] + [
+                v for (name, _), v in m.items() if name == "zmq_infer_shm_pool_used_bytes"]
+
+        _pump_until(c, lambda: not any(held()), "nothing held at the broker or the worker")
+
+
+def test_two_streams_of_an_async_client_one_fed_from_a_thread_through_a_worker_death(cluster, gate, tmp_path):
+    """Two streams of one AsyncClient to one service, one of them latest_wins and fed by a
+    camera thread, while the leased worker is SIGKILLed: no cross-talk, each stream's
+    results in its own order, every one its own frame's.  A recv() task cancelled while it
+    waits leaves its frame for the next recv()."""
+    log = tmp_path / "runs"
+    cluster.broker()
+    doomed = _worker(cluster, gate, log, "--direct")
+    gate.open()
+    _worker(cluster, gate, log, "--direct")
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=WAIT) as c:
+            a = c.stream(SERVICE, latest_wins=False, max_in_flight=3)
+            b = c.stream(SERVICE, latest_wins=True, max_in_flight=2)
+            a.send(_f(0, 1))
+            waiting = asyncio.ensure_future(a.recv())
+            while gate.entered() < 1:
+                await asyncio.sleep(0.005)  # polls a file
+            waiting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+            gate.release(1)
+            assert _got(await a.recv(WAIT)) == (0, 0)
+            deadline = time.monotonic() + WAIT
+            while not c.pinned(SERVICE):
+                assert time.monotonic() < deadline, "never pinned"
+                await c.pump(0.05)
+
+            def camera():  # b's frames, tagged 100000 + their number
+                for i in range(60):
+                    assert b.send(_f(100_000 + i, 1 if i % 3 == 0 else 0)) == i
+                b.finish()
+
+            async def take(st, base):
+                return [(r.frame, _tag(r) - base) async for r in st]
+
+            async def feed_a():
+                for i in range(1, 61):
+                    assert a.send(_f(i, 1 if i % 3 == 0 else 0)) == i
+                    await asyncio.sleep(0)
+                a.finish()
+                return await take(a, 0)
+
+            async def killer():
+                # a frame of a or b at a gate (the first held frame of either may wait behind
+                # the other's at the same worker: both streams are on one lease)
+                while gate.entered() < 2:
+                    await asyncio.sleep(0.005)
+                doomed.kill()
+                gate.release(200)
+
+            th = threading.Thread(target=camera)
+            th.start()
+            got_a, got_b, _ = await asyncio.gather(feed_a(), take(b, 100_000), killer())
+            await asyncio.to_thread(th.join, WAIT)
+            assert got_a == [(i, i) for i in range(1, 61)]
+            assert all(f == t for f, t in got_b) and [f for f, _ in got_b] == sorted({f for f, _ in got_b}), got_b
+            assert got_b[-1][0] == 59  # the newest frame is answered
+            for st in (a, b):
+                _balanced(st.stats())
+                st.close()
+            s = b.stats()
+            assert s.completed + s.dropped == 60, s
+            assert c.in_flight() == 0 and c.stray_replies == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
