@@ -109,6 +109,20 @@ attempt.  The worker answers every RECALL, also for the requests it keeps (start
 an idle worker waits for at most one round trip before it may look elsewhere.  The check is
 O(1) when there is nothing to take back, and O(idle x deep + credit) otherwise.
 
+Urgent work.  The same parking delays an urgent request: a background flood fills every
+worker's credit (a batch runs, the next waits at the worker), so an urgent request queued
+at the broker got the first credit freed, and then waited at the worker behind the batch
+already formed from the parked background requests: one whole batch more than the running
+one (measured end to end: 5 background requests ran before it at a worker of batch 4 and
+credit 8).  So an urgent request that is queued on arrival (every worker of its pool full)
+asks one deep worker of its pool that answers RECALL for its newest request of a lower
+class not asked for yet (``_make_room``: at most ``_SCAN`` requests looked at; nothing when
+``recall_after`` is negative).  Given back unstarted, that request goes to the front of its
+principal's FIFO (``returned`` counted, not an attempt) and the credit it frees goes to the
+urgent request, which outscores it; at the worker the urgent request then joins the batch
+after the running one (the batcher orders by class).  A request already started is kept
+and nothing moves.  One urgent request asks for one; normal work takes nothing back.
+
 Leased work (pinned streams, broker/leases.py) runs at a worker without the broker seeing
 it, so a worker that takes leases and whose running batch runs long says BUSY
 (``worker_busy``), and says so again when it ends.  A busy worker is never idle (nothing
@@ -407,7 +421,7 @@ _COUNTERS = (
     "evicted",                   # queued requests of the heaviest principal refused for a newcomer
     "rejected_client_requests",  # over max_client_requests
     "rejected_client_bytes",     # over max_client_bytes
-    "recalled",                  # requests asked back from a busy worker for an idle one
+    "recalled",                  # requests asked back from a busy worker for an idle one, or for an urgent one
     "returned",                  # ... and given back unstarted (then run by another worker)
     "leases_granted",            # leases a worker confirmed (broker/leases.py)
     "leases_refused",            # lease asks answered with an error
@@ -1138,6 +1152,9 @@ class Scheduler(LeaseEvents):
                             f"client's; retry with backoff or send fewer requests at a "
                             f"time", out)
                 self._retire(victim)
+        if (req.state == _QUEUED and not priority and svc.deep and self._recall_after is not None
+                and not req.alone):
+            self._make_room(req, out)
         self._flush(now, out)
         return out
 
@@ -2236,6 +2253,28 @@ class Scheduler(LeaseEvents):
         if wake is not None and (svc.recall_at is None or wake < svc.recall_at):
             svc.recall_at = wake
             self._push_timer(wake, _T_RECALL, svc, wake)
+
+    def _make_room(self, req, out):
+        """An urgent ``req`` was queued because every worker of its pool is full: ask one of
+        them back for its newest request of a lower class that may still be parked there
+        (see "Urgent work" in the module docstring).  It comes back to the front of its
+        principal's FIFO, and the credit it frees goes to ``req``, which outscores it."""
+        pool = req.svc.pools.get(req.local_host)
+        if pool is None:
+            return
+        left = _SCAN
+        for w in req.svc.deep:
+            if w.iso is not None or pool not in w.pools:
+                continue
+            for r in reversed(w.in_flight.values()):
+                if r.state == _RUNNING and not r.recalled and not r.alone and r.priority > req.priority:
+                    r.recalled = True
+                    self._counters["recalled"] += 1
+                    out.append(RecallAtWorker(w.ident, (r.token,)))
+                    return
+                left -= 1
+                if not left:
+                    return
 
     @staticmethod
     def _askable(victim) -> bool:

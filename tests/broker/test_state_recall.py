@@ -386,3 +386,64 @@ def test_idle_workers_of_another_host_are_not_paired_with_every_victim_at_every_
     # A worker of host a that joins idle still takes work back (half of a victim's four).
     rec = only(s.worker_ready(b"a9", "svc", 1.2, credit=4, recall=True, host="a", transports=shm), RecallAtWorker)
     assert rec.worker in deep and len(rec.tokens) == 2 and calls
+
+
+# ---- urgent work: a parked request of a lower class is taken back to make room for it
+
+
+def full_worker(recall=True, credit=8, pri=2, **kw):
+    """One worker of credit 8 holding 8 requests of class ``pri`` (ids 1..8) and two more
+    of them queued (9, 10)."""
+    s = Scheduler(Config(**kw))
+    s.worker_ready(W1, "svc", 0.0, credit=credit, recall=recall)
+    held = [only(s.client_request(C, i, "svc", 0.0, payload=i, priority=pri), Dispatch) for i in range(1, credit + 1)]
+    for i in (credit + 1, credit + 2):
+        assert s.client_request(C, i, "svc", 0.0, payload=i, priority=pri) == []
+    return s, held
+
+
+def test_an_urgent_request_queued_at_a_full_worker_takes_back_its_newest_background_one():
+    s, held = full_worker()
+    out = s.client_request(b"slo", 1, "svc", 0.01, payload="u", priority=0)
+    rec = only(out, RecallAtWorker)
+    assert rec.worker == W1 and rec.tokens == (held[-1].token,)
+    assert not of(out, Dispatch)
+    # The worker had not started it: the credit it frees goes to the urgent request, and
+    # the background one goes back to the front of its FIFO (next in its class).
+    out = s.worker_returned(W1, [held[-1].token], 0.011)
+    d = only(out, Dispatch)
+    assert (d.client, d.request_id) == (b"slo", 1)
+    out = s.worker_final(W1, held[0].token, 0.02, "r1")
+    assert only(out, Dispatch).request_id == 8  # taken back, so first again
+    st = s.stats()["counters"]
+    assert st["recalled"] == 1 and st["returned"] == 1
+
+
+def test_each_urgent_request_asks_for_one_and_started_ones_are_kept():
+    s, held = full_worker(pri=1)  # normal work is taken back for urgent work too
+    r1 = only(s.client_request(b"slo", 1, "svc", 0.01, payload="u1", priority=0), RecallAtWorker)
+    r2 = only(s.client_request(b"slo", 2, "svc", 0.01, payload="u2", priority=0), RecallAtWorker)
+    assert (r1.tokens, r2.tokens) == ((held[-1].token,), (held[-2].token,))
+    # Started (in the running batch): kept, nothing moves; the urgent ones go at the next
+    # freed credit, before the queued normal ones.
+    assert s.worker_returned(W1, [], 0.012, kept=r1.tokens + r2.tokens) == []
+    out = s.worker_final(W1, held[0].token, 0.02, "r1")
+    assert [(d.client, d.request_id) for d in of(out, Dispatch)] == [(b"slo", 1)]
+    # Asked once per dispatch: a third urgent request asks for the next one, not those.
+    r3 = only(s.client_request(b"slo", 3, "svc", 0.03, payload="u3", priority=0), RecallAtWorker)
+    assert r3.tokens == (held[-3].token,)
+
+
+def test_nothing_is_taken_back_for_urgent_work_when_it_cannot_help():
+    # What the worker holds is urgent too: urgent work is not taken back for urgent work.
+    s, _ = full_worker(pri=0)
+    assert s.client_request(b"slo", 1, "svc", 0.01, payload="u", priority=0) == []
+    # A normal request never takes anything back (only urgent work does).
+    s, _ = full_worker(pri=2)
+    assert s.client_request(b"slo", 1, "svc", 0.01, payload="n", priority=1) == []
+    # A worker that does not answer RECALL, or recall turned off.
+    s, _ = full_worker(recall=False)
+    assert s.client_request(b"slo", 1, "svc", 0.01, payload="u", priority=0) == []
+    s, _ = full_worker(recall_after=-1)
+    assert s.client_request(b"slo", 1, "svc", 0.01, payload="u", priority=0) == []
+    assert s.stats()["counters"]["recalled"] == 0

@@ -246,6 +246,55 @@ def test_priorities_under_load(cluster, gate):
     assert sorted(order[4:]) == ["bg0", "bg1", "bg2"]
 
 
+def test_an_urgent_request_does_not_wait_behind_background_work_parked_at_a_full_worker(cluster, gate):
+    """A background flood fills the worker's credit (a batch of 4 runs, 7 more wait in its
+    batcher, credit 8) and the rest queues at the broker; then one urgent request comes.  It
+    must run in the next batch, not behind the background batch parked at the worker: the
+    broker takes one parked background request back (RECALL) to make room for it (broker/state.py,
+    "Urgent work").  Before, it ran one whole batch later (5 background requests before it)."""
+    from .test_metrics import scrape, until, value
+
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    p = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "4", "--credit", "8",
+                       "--no-warmup", env=gate.env, wait=False)
+    gate.open()
+    p.wait_ready()
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=30) as bulk, \
+                AsyncClient(cluster.frontend, timeout=30) as slo:
+            while not await bulk.mmi_service("gate"):
+                await asyncio.sleep(0.01)
+            order: list[str] = []
+
+            async def call(c, tag, priority):
+                await c.infer("gate", {"x": np.zeros(1)}, priority=priority)
+                order.append(tag)
+
+            tasks = [asyncio.create_task(call(bulk, "bg0", "background"))]
+            await asyncio.to_thread(gate.wait_entered, 1)  # bg0 runs alone: a known first batch
+            tasks += [asyncio.create_task(call(bulk, f"bg{i}", "background")) for i in range(1, 16)]
+            await asyncio.sleep(0)
+            assert await bulk.mmi_service("gate")  # barrier: all of them queued or dispatched
+            tasks.append(asyncio.create_task(call(slo, "URGENT", "urgent")))
+            await asyncio.sleep(0)
+            assert await slo.mmi_service("gate")
+            # The worker gave one background request back and the urgent one went in its place.
+            await asyncio.to_thread(until, lambda: (
+                value(s := scrape(base), "zmq_infer_broker_events_total", event="returned") == 1
+                and value(s, "zmq_infer_queue_depth", service="gate", priority="urgent") == 0),
+                "the urgent request dispatched in place of a background one")
+            gate.release(16)
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            return order
+
+    order = asyncio.run(scenario())
+    # bg0's batch, then the next one (URGENT with 3 parked background requests): at most 4
+    # background requests before it (5 or more when a parked batch ran first).
+    assert order.index("URGENT") <= 4, order
+
+
 def test_deadline_and_queue_full(cluster, gate):
     cluster.broker("--max-queue", "2")
     _gated_worker(cluster, gate)
