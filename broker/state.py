@@ -117,7 +117,8 @@ one (measured end to end: 5 background requests ran before it at a worker of bat
 credit 8).  So an urgent request that is queued on arrival (every worker of its pool full)
 asks one deep worker of its pool that answers RECALL for its newest request of a lower
 class not asked for yet (``_make_room``: at most ``_SCAN`` requests looked at; nothing when
-``recall_after`` is negative).  Given back unstarted, that request goes to the front of its
+``recall_after`` is negative; from a worker holding more than its brokered credit, after a
+lease took some of it, as many as bring it one under, or none).  Given back unstarted, that request goes to the front of its
 principal's FIFO (``returned`` counted, not an attempt) and the credit it frees goes to the
 urgent request, which outscores it; at the worker the urgent request then joins the batch
 after the running one (the batcher orders by class).  A request already started is kept
@@ -2266,15 +2267,25 @@ class Scheduler(LeaseEvents):
         for w in req.svc.deep:
             if w.iso is not None or pool not in w.pools:
                 continue
+            # As many as take it under its brokered credit: one, but more just after a
+            # lease took some of that credit (brokered work it held then stays).
+            k = len(w.in_flight) - (w.credit - w.leased) + 1
+            found = []
             for r in reversed(w.in_flight.values()):
                 if r.state == _RUNNING and not r.recalled and not r.alone and r.priority > req.priority:
-                    r.recalled = True
-                    self._counters["recalled"] += 1
-                    out.append(RecallAtWorker(w.ident, (r.token,)))
-                    return
+                    found.append(r)
+                    if len(found) == k:
+                        break
                 left -= 1
                 if not left:
                     return
+            if len(found) == k:
+                for r in found:
+                    r.recalled = True
+                self._counters["recalled"] += k
+                # Oldest first: given back, they go to the front of their FIFO in that order.
+                out.append(RecallAtWorker(w.ident, tuple(r.token for r in reversed(found))))
+                return
 
     @staticmethod
     def _askable(victim) -> bool:

@@ -2,6 +2,7 @@
 (broker.state, "Taking work back"), event by event with an injected clock."""
 from __future__ import annotations
 
+from broker.leases import LeaseToWorker
 from broker.state import (
     CancelAtWorker,
     ClientError,
@@ -447,3 +448,29 @@ def test_nothing_is_taken_back_for_urgent_work_when_it_cannot_help():
     s, _ = full_worker(recall_after=-1)
     assert s.client_request(b"slo", 1, "svc", 0.01, payload="u", priority=0) == []
     assert s.stats()["counters"]["recalled"] == 0
+
+
+def test_a_worker_over_its_brokered_credit_after_a_lease_gives_back_enough_or_nothing():
+    """A lease took half the credit of a worker holding 8 brokered background requests: one
+    given back would not make room, so an urgent request asks for 5 (8 held - 4 brokered
+    credit + 1), oldest first (they go back to the front of their FIFO in order); a worker
+    with fewer of a lower class than that is asked nothing."""
+    s = Scheduler(Config())
+    s.worker_ready(W1, "svc", 0.0, credit=8, recall=True, direct=EP)
+    held = [only(s.client_request(C, i, "svc", 0.0, payload=i, priority=2), Dispatch) for i in range(1, 9)]
+    to_w = only(s.client_lease(b"pin", None, 1, "svc", 0.0, slots=4, secret=b"s" * 16), LeaseToWorker)
+    s.worker_leased(W1, to_w.lease, 0.0)
+    rec = only(s.client_request(b"slo", 1, "svc", 0.01, payload="u", priority=0), RecallAtWorker)
+    assert rec.tokens == tuple(d.token for d in held[3:])
+    d = only(s.worker_returned(W1, list(rec.tokens), 0.011), Dispatch)
+    assert (d.client, d.request_id) == (b"slo", 1)
+    # The worker runs one of the three left: the next free credit goes to the oldest given back.
+    assert only(s.worker_final(W1, held[0].token, 0.02, "r1"), Dispatch).request_id == 4
+    # Only urgent work left to give back: nothing is asked.
+    s = Scheduler(Config())
+    s.worker_ready(W1, "svc", 0.0, credit=8, recall=True, direct=EP)
+    for i in range(1, 9):
+        s.client_request(C, i, "svc", 0.0, payload=i, priority=0 if i < 5 else 2)
+    to_w = only(s.client_lease(b"pin", None, 1, "svc", 0.0, slots=4, secret=b"s" * 16), LeaseToWorker)
+    s.worker_leased(W1, to_w.lease, 0.0)
+    assert s.client_request(b"slo", 1, "svc", 0.01, payload="u", priority=0) == []
