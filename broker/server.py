@@ -2165,6 +2165,8 @@ class Broker:
             req.queue_ms = (now - a.enqueued_at) * 1000.0
             req.returned = a.returned or None
             req.backlog = a.backlog  # 0 tells a latency-first batcher that nothing is on its way
+            if a.priority is not None:
+                req.priority = a.priority  # a class it outscored by aging (broker/state.py, "Dispatch")
             body = (P.encode_header(req), *p.body)
         try:
             self.send_to_worker(P.to_worker_request(a.worker, P.token_envelope(a.token), body))

@@ -65,7 +65,13 @@ backlog, not for the other classes.  (Counted from arrival, the head of one clie
 urgent backlog was always as old as the backlog took to drain, and outscored every normal
 request for as long as it was refilled.)  So while one principal floods the urgent class,
 each principal with normal requests queued gets one of them dispatched about every (3 - 1)
-x aging_s = 1 s (default weights): urgent work still comes first, and nothing starves.  Within a class
+x aging_s = 1 s (default weights): urgent work still comes first, and nothing starves.  A
+request dispatched ahead of a more urgent class's candidate (aging won it its turn) is
+dispatched as of that class (``Dispatch.priority``, the header's ``priority`` the worker
+sees): the worker's batcher scores what it holds the same way from each request's arrival
+there, and it made such a request wait behind the urgent ones parked there until it had aged
+once more (end to end, at a worker of credit 8: 2 s for a normal request behind an urgent
+flood, 5 s for a background one; now 1 and 2.5 s, plus what the worker held).  Within a class
 this is round robin between principals: a principal with 50,000 queued requests (on one
 connection or on 50,000) gets one dispatch, then every other principal waiting in the class
 (with something placeable) gets one, before its next; a principal with one request at a time
@@ -295,6 +301,10 @@ class Dispatch:
     attempt: int
     returned: int = 0  # times a busy worker gave this request back unstarted (RecallAtWorker)
     backlog: int = 0   # requests of the service still queued here after this dispatch
+    #: the class the worker is told (the header's ``priority``): the request's own, or the
+    #: more urgent class it outscored by aging ("Dispatch" in the module docstring); None:
+    #: the header's is left as it is
+    priority: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,6 +468,7 @@ class _Request:
         "streamed",
         "alone",
         "iso",
+        "shown",
     )
 
     def __init__(self, client, principal, request_id, svc, payload, priority, deadline,
@@ -470,6 +481,7 @@ class _Request:
         self.svc = svc
         self.payload = payload
         self.priority = priority
+        self.shown = priority  # the class its current dispatch told the worker (Dispatch.priority)
         self.deadline = deadline
         self.local_host = local_host
         self.enqueued_at = now
@@ -1759,6 +1771,7 @@ class Scheduler(LeaseEvents):
         while ready(svc.any) is not None:
             best = None
             best_score = 0.0
+            top = None  # the most urgent class with a candidate
             for pri in (0, 1, 2):
                 ring = classes[pri]
                 if not ring:
@@ -1800,13 +1813,17 @@ class Scheduler(LeaseEvents):
                     # its age it kept normal requests out for good: the resource hunt).
                     start = cand.enqueued_at if cand.enqueued_at > cand_fifo.served else cand_fifo.served
                     score = weights[pri] * (1.0 + (now - start) / aging)
+                    if top is None:
+                        top = pri
                     if best is None or score > best_score:
                         best, best_score, best_fifo = cand, score, cand_fifo
             if best is None:
                 return
             best_fifo.served = now
             self._take(best, True)
-            self._start(best, ready(pools[best.local_host]), now, out)
+            # Aging won it its turn over a more urgent class: the worker is told that class,
+            # so its batcher does not make it wait for its turn a second time.
+            self._start(best, ready(pools[best.local_host]), now, out, top)
 
     def _place_lone(self, svc, now, out):
         """Requests on their last attempt: each runs alone on a worker of its pool that
@@ -1917,8 +1934,9 @@ class Scheduler(LeaseEvents):
         req.thief.awaiting -= 1
         req.thief = None
 
-    def _start(self, req, w, now, out):
-        """Hand a request that is in no queue to ``w``."""
+    def _start(self, req, w, now, out, shown=None):
+        """Hand a request that is in no queue to ``w``; ``shown``: the class to tell the worker
+        (a more urgent one it outscored by aging), else its own."""
         svc = req.svc
         token = next(self._tokens)
         req.state = _RUNNING
@@ -1926,6 +1944,7 @@ class Scheduler(LeaseEvents):
         req.token = token
         req.dispatched_at = now
         req.recalled = False
+        req.shown = shown = req.priority if shown is None else shown
         if req.iso is not None:
             w.svc.aside.pop(w, None)  # set aside for it, and now running it
         w.in_flight[token] = req
@@ -1934,7 +1953,7 @@ class Scheduler(LeaseEvents):
         self._reload(w)
         self._counters["dispatched"] += 1
         out.append(Dispatch(w.ident, token, req.client, req.request_id, svc.name, req.payload,
-                            req.enqueued_at, req.deadline, req.attempt, req.returned, svc.queued))
+                            req.enqueued_at, req.deadline, req.attempt, req.returned, svc.queued, shown))
 
     def _kill_worker(self, w, now, out, failed: bool = True):
         """Forget a dead worker and settle everything it held (``failed``: it did not say
@@ -2272,7 +2291,7 @@ class Scheduler(LeaseEvents):
             k = len(w.in_flight) - (w.credit - w.leased) + 1
             found = []
             for r in reversed(w.in_flight.values()):
-                if r.state == _RUNNING and not r.recalled and not r.alone and r.priority > req.priority:
+                if r.state == _RUNNING and not r.recalled and not r.alone and r.shown > req.priority:
                     found.append(r)
                     if len(found) == k:
                         break

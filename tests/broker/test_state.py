@@ -192,6 +192,42 @@ def test_background_is_served_under_a_steady_urgent_load():
     assert 2.0 < served_at < 10.0
 
 
+def test_the_worker_is_told_the_class_a_request_outscored_by_aging():
+    """The worker's batcher scores what it holds as the broker does, from each request's
+    arrival there: a background request that aging got dispatched ahead of urgent ones
+    started over at the worker, behind the urgent ones it held, and waited its turn a second
+    time (2.5 s at the broker, then as long again: the fairness hunt, with a worker of credit
+    8).  Dispatch.priority (the header's at dispatch) is the class it outscored."""
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, 0, priority=Priority.URGENT), Dispatch).token
+    req(s, 1, priority=Priority.BACKGROUND)
+    req(s, 2, priority=Priority.NORMAL)
+    shown = {}
+    now, rid = 0.0, 3
+    while len(shown) < 2 and now < 10.0:
+        now += 0.1
+        req(s, rid, now=now, priority=Priority.URGENT)
+        rid += 1
+        d = only(s.worker_final(b"w", token, now, None), Dispatch)
+        token = d.token
+        if d.request_id in (1, 2):
+            shown[d.request_id] = d.priority
+        else:
+            assert d.priority == Priority.URGENT
+    assert shown == {1: Priority.URGENT, 2: Priority.URGENT}
+    # Otherwise each is shown its own class: straight to a free worker, or first in line.
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, 0, priority=Priority.BACKGROUND), Dispatch)
+    assert d.priority == Priority.BACKGROUND
+    req(s, 1, priority=Priority.BACKGROUND)
+    req(s, 2, priority=Priority.NORMAL)
+    d = only(s.worker_final(b"w", d.token, 0.1, None), Dispatch)
+    assert (d.request_id, d.priority) == (2, Priority.NORMAL)
+    assert only(s.worker_final(b"w", d.token, 0.2, None), Dispatch).priority == Priority.BACKGROUND
+
+
 # ----------------------------------------------------------------------------- deadlines
 
 

@@ -474,3 +474,20 @@ def test_a_worker_over_its_brokered_credit_after_a_lease_gives_back_enough_or_no
     to_w = only(s.client_lease(b"pin", None, 1, "svc", 0.0, slots=4, secret=b"s" * 16), LeaseToWorker)
     s.worker_leased(W1, to_w.lease, 0.0)
     assert s.client_request(b"slo", 1, "svc", 0.01, payload="u", priority=0) == []
+
+
+def test_a_request_that_aging_dispatched_ahead_of_urgent_ones_is_not_taken_back_for_one():
+    """Taken back, it would lose the turn its wait won (its FIFO was served at dispatch)."""
+    s = Scheduler(Config())
+    s.worker_ready(W1, "svc", 0.0, credit=2, recall=True)
+    u1 = only(s.client_request(b"u", 1, "svc", 0.0, payload=1, priority=0), Dispatch)
+    only(s.client_request(b"u", 2, "svc", 0.0, payload=2, priority=0), Dispatch)
+    assert s.client_request(C, 1, "svc", 0.0, payload="bg", priority=2) == []  # full: queued
+    # 3 s later a fresh urgent request is queued too; when u1 ends, the background one has
+    # waited long enough to outscore it, and the worker is told so.
+    assert s.client_request(b"u", 3, "svc", 3.0, payload=3, priority=0) == []
+    d = only(s.worker_final(W1, u1.token, 3.0, "r"), Dispatch)
+    assert (d.client, d.priority) == (C, 0)
+    # The worker now holds urgent 2 and it: a new urgent request takes nothing back.
+    assert s.client_request(b"u", 4, "svc", 3.0, payload=4, priority=0) == []
+    assert s.stats()["counters"]["recalled"] == 0

@@ -658,14 +658,18 @@ def test_replies_a_client_does_not_read_are_bounded_in_bytes_not_only_in_count(c
     assert broker.p.poll() is None, broker.stderr()
 
 
-def test_a_client_that_marks_everything_urgent_does_not_starve_normal_ones(cluster, tmp_path):
+@pytest.mark.parametrize("credit", ["1", "8"])
+def test_a_client_that_marks_everything_urgent_does_not_starve_normal_ones(cluster, tmp_path, credit):
     """Any client may mark its requests urgent.  One (another process) that keeps 100 urgent
     requests queued made every normal request of another client wait past its 8 s deadline:
     the head of a deep backlog is about as old as the backlog takes to drain, and aging
     scored it so (the resource hunt).  Now a normal request waits about (3 - 1) x aging_s =
-    1 s at most behind any flood of one principal's urgent requests (weights 3/1, 0.5 s)."""
+    1 s at most behind any flood of one principal's urgent requests (weights 3/1, 0.5 s).
+    Credit 8: the worker holds 7 more urgent requests when the normal one comes, and its
+    batcher aged it from its arrival there, again: 2 s in all (the fairness hunt), until the
+    broker told the worker the class it had outscored (broker/state.py, "Dispatch")."""
     cluster.broker()
-    cluster.worker("gate_model:sleepy", "--max-batch", "1", "--credit", "1",
+    cluster.worker("gate_model:sleepy", "--max-batch", "1", "--credit", credit,
                    env={"SLEEPY_LOG": str(tmp_path / "runs.log")})
     x = np.array([0.02])  # 20 ms a call
     t = P.TensorRef(name="x", dtype=x.dtype.str, shape=[1], loc=P.InlineLoc(frame=0))
@@ -681,8 +685,18 @@ def test_a_client_that_marks_everything_urgent_does_not_starve_normal_ones(clust
             for _ in range(100):
                 rid += 1
                 greedy.send_multipart(urgent(rid))
+            # Barrier: the broker handles one connection's messages in order, so once its MMI
+            # answer is back the flood is queued (without it the first normal request could
+            # come first and measure nothing).
+            greedy.send_multipart(P.client_request("mmi.service", [b"sleepy"]))
+            while True:
+                assert greedy.poll(10_000), "no MMI answer"
+                if b"mmi.service" in greedy.recv_multipart():
+                    break
+                rid += 1
+                greedy.send_multipart(urgent(rid))
             took = []
-            for _ in range(3):
+            for _ in range(3 if credit == "1" else 2):
                 with c.infer_stream("sleepy", {"x": np.array([0.0])}, timeout=8) as replies:
                     t0 = time.monotonic()
                     while True:  # keep the backlog 100 deep while the normal request waits
@@ -698,7 +712,9 @@ def test_a_client_that_marks_everything_urgent_does_not_starve_normal_ones(clust
                     took.append(time.monotonic() - t0)
                     res.release()
             print(f"\nnormal requests behind an urgent flood: {[round(s, 2) for s in took]} s")
-            assert max(took) < 3.0, took
+            # About 1 s of aging at the broker, then at most the 7 urgent calls of 20 ms the
+            # worker already held (credit 8; before: 1 s more of aging in its batcher).
+            assert max(took) < (3.0 if credit == "1" else 1.7), took
     finally:
         greedy.close()
 
