@@ -2289,6 +2289,8 @@ class Scheduler(LeaseEvents):
             # As many as take it under its brokered credit: one, but more just after a
             # lease took some of that credit (brokered work it held then stays).
             k = len(w.in_flight) - (w.credit - w.leased) + 1
+            if k < 1:  # (room there already: nothing to ask for, and never an empty RECALL)
+                continue
             found = []
             for r in reversed(w.in_flight.values()):
                 if r.state == _RUNNING and not r.recalled and not r.alone and r.shown > req.priority:
