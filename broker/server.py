@@ -45,7 +45,7 @@ from broker.protocol.heap import trim_heap
 from broker.protocol.limits import Headroom, default_reserve, listen_backlog, move_aside, nofile_limit, put_back
 from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events
 from shm import gc as shm_gc
-from shm.segment import OutOfResources, boot_offset_ticks, monotonic_offset_ns, pid_exists, proc_starttime, process_alive
+from shm.segment import ClockPeers, OutOfResources, boot_offset_ticks, pid_exists, proc_starttime, process_alive
 from zmq.utils.monitor import recv_monitor_message
 
 from broker.connections import WorkerConnections
@@ -624,8 +624,7 @@ class Broker:
         self._trimming: threading.Thread | None = None
         self._client_pids: dict[bytes, tuple | None] = {}  # client identity -> attested (pid, start)
         # attested (pid, start) -> whether that process reads our CLOCK_MONOTONIC (`_on_our_clock`)
-        self._same_clock: dict[tuple, bool] = {}
-        self._clock_offset = monotonic_offset_ns()
+        self._clock_peers = ClockPeers(_MAX_CLIENT_PIDS)
         # What is learned about a client's connection (its pid, whether it is tcp) is
         # forgotten when that connection closes: a client chooses its routing id, and a
         # later connection reusing the id must not inherit the earlier one's pid (the
@@ -1797,14 +1796,8 @@ class Broker:
 
     def _on_our_clock(self, who: tuple) -> bool:
         """Whether the client process ``who`` ((pid, start time), `_client_pid`'s) reads our
-        CLOCK_MONOTONIC: the same time namespace offset (learned once per process)."""
-        same = self._same_clock.get(who)
-        if same is None:
-            if len(self._same_clock) >= _MAX_CLIENT_PIDS:
-                self._same_clock.clear()
-            theirs = monotonic_offset_ns(who[0])
-            same = self._same_clock[who] = theirs is not None and theirs == self._clock_offset
-        return same
+        CLOCK_MONOTONIC (learned once per process)."""
+        return self._clock_peers.same(*who)
 
     def _client_pid(self, ident: bytes, frame: Any) -> tuple | None:
         """(pid, start time) of the process that made this client's ipc connection (learned

@@ -75,6 +75,7 @@ from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
 from broker.protocol.limits import Headroom, move_aside, nofile_limit, put_back
 from broker.protocol.naming import ipc_problem
 from shm.errors import NotShared, OutOfResources, SegmentGone
+from shm.segment import ClockPeers
 
 __all__ = ["Worker", "WorkerConfig", "WarmupError", "ConfigError", "install_sigterm_drain", "DIRECT_LINGER_MS"]
 
@@ -420,6 +421,8 @@ class Worker:
         self._plain_broker = False  # no WELCOME came within the wait: a plain MDP broker, or none
         self.last_loop = time.monotonic()  # the loop's last pass (the health endpoint's liveness)
         self.cancelled_running = 0            # requests cancelled while their batch ran
+        # attested client (pid, start) -> whether it reads our CLOCK_MONOTONIC (`_admit`: deadline_at)
+        self._clock_peers = ClockPeers()
         self.stop = threading.Event()
         self.hurry = threading.Event()  # stop without waiting for clients to release outputs
         # SIGTERM/SIGINT received (install_sigterm_drain): the handler only counts, with no
@@ -1235,7 +1238,16 @@ class Worker:
             return
         if req.timeout_ms is not None:
             job.deadline = now + req.timeout_ms / 1000.0
-            if req.timeout_ms <= 0:
+            at = req.deadline_at
+            if (at is not None and at < job.deadline and req.pid is not None
+                    and self._clock_peers.same(req.pid, req.pid_start)):
+                # A client on our clock (its pid the kernel's word, through the broker): its
+                # deadline as it is, not its budget again from our receipt, which came late
+                # when this loop was stalled (a leased request read after its deadline ran
+                # for a caller long gone, its CANCEL right behind it: the broker's rule, for
+                # the requests no broker times: docs/protocol.md, the header table).
+                job.deadline = at
+            if req.timeout_ms <= 0 or job.deadline <= now:
                 self._reply_error(job, P.ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the worker got the request")
                 return
         key = tuple([(t.name, t.dtype, tuple(t.shape)) for t in req.tensors])

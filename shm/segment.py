@@ -315,6 +315,30 @@ def monotonic_offset_ns(pid: int | None = None) -> int | None:
     return None
 
 
+class ClockPeers:
+    """Which processes read this process's CLOCK_MONOTONIC (the same time-namespace offset),
+    so that a deadline one of them sends as a time on its clock (`deadline_at`) can be taken
+    as it is: asked of /proc once per process (pid and start time), the answers of at most
+    ``limit`` processes kept (then forgotten at once, and asked again)."""
+
+    def __init__(self, limit: int = 1 << 16):
+        self.mine = monotonic_offset_ns()
+        self._known: dict[tuple, bool] = {}
+        self._limit = limit
+
+    def same(self, pid: int, start: Any = None) -> bool:
+        """Whether process ``pid`` (started at ``start``, when known) reads our clock; False
+        when that cannot be read (the process has exited, its /proc is not ours)."""
+        key = (pid, start)
+        same = self._known.get(key)
+        if same is None:
+            if len(self._known) >= self._limit:
+                self._known.clear()
+            theirs = monotonic_offset_ns(pid)
+            same = self._known[key] = theirs is not None and theirs == self.mine
+        return same
+
+
 def pid_exists(pid: int) -> bool:
     """Whether a process ``pid`` exists (another user's included): one `kill(pid, 0)`, about a
     microsecond; says nothing of which process it is (`process_alive` does)."""
