@@ -50,7 +50,7 @@ from broker.protocol.wire import NOBLOCK, TcpWatch, recv_frames, send_frames
 
 from .base import ClientBase, ReplyStreamBase
 from .calls import Call, final_of_infer, mmi_answer, opaque_reply
-from .core import LAST_LOOK_S, PAUSED_S, ClientCore
+from .core import CLOSE_LINGER_S, LAST_LOOK_S, PAUSED_S, ClientCore, close_linger, wait_limit
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, context, curve_keys, dealer, descriptor_room, drain_unread, drop_lease_dealer,
@@ -271,13 +271,13 @@ class AsyncClient(ClientBase):
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
                  fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2,
                  server_key: str | bytes | None = None, client_key: str | None = None, insecure: bool = False,
-                 pin: bool | int = False, max_inline_mb: float = 256):
+                 pin: bool | int = False, max_inline_mb: float = 256, linger: float = CLOSE_LINGER_S):
         # A tcp broker: CurveZMQ keys (or an explicit insecure=True), inline tensors only.
         transport, direct_reply = tcp_options(endpoint, transport, direct_reply)
         self._core = ClientCore(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
                                 direct_reply=direct_reply, restart_resends=restart_resends, pin=pin,
-                                max_inline_mb=max_inline_mb)
+                                max_inline_mb=max_inline_mb, linger=linger)
         self._core.endpoint_problem = IpcDiagnosis(endpoint)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         ctx = context(endpoint)  # first: it sees that libzmq's threads can start
@@ -1202,6 +1202,7 @@ class AsyncClient(ClientBase):
         something arrives) for the next message, which the reader routes before this
         returns.  The reader and the heartbeat task do the routing and the liveness work by
         themselves; this is for code that waits for traffic rather than for one call."""
+        timeout = wait_limit(timeout)
         self._start()
         if self._drain() or (timeout is not None and timeout <= 0):
             return
@@ -1215,10 +1216,12 @@ class AsyncClient(ClientBase):
 
     # ---------------------------------------------------------------- lifetime
 
-    async def close(self) -> None:
-        """Wake every waiter with an error, say DISCONNECT, close the socket, unlink the pool.
-        Everything is done before the one await (the heartbeat task's end), so a task
-        cancelled while it closes still closes, and its cancellation goes on."""
+    async def close(self, linger: float | None = None) -> None:
+        """Wake every waiter with an error, cancel what is in flight and wait up to `linger`
+        seconds (None: the client's own, 1 s by default) for the answers that may name
+        output slots, releasing them (docs/client.md, "Closing with requests in flight");
+        then say DISCONNECT, close the socket, unlink the pool.  A task cancelled while it
+        waits still closes the client, and its cancellation goes on."""
         core = self._core
         if core.closed:
             return
@@ -1230,7 +1233,7 @@ class AsyncClient(ClientBase):
             # Its loop runs in another thread: its readers, timers and waiters are that
             # thread's to touch (asyncio.run_coroutine_threadsafe(client.close(), loop)).
             raise InvalidInput(_OTHER_LOOP.format(loop))
-        self._unwatch.detach()  # (closed here: nothing for the finalizer to do)
+        wait = core.linger if linger is None else close_linger(linger)
         # Its event loop closed (stopped with a call pending, then closed): nobody can wait on
         # it any more, and waking its futures, its timers or its heartbeat task raises
         # "Event loop is closed", which had left the client open for good.  The sockets, the
@@ -1245,6 +1248,19 @@ class AsyncClient(ClientBase):
                     q.notify()
             for st in list(self._streams):  # a recv() with nothing in flight has no call to wake it
                 st.wake()
+        stopped: BaseException | None = None  # this task's cancellation, met while it waited
+        if wait > 0 and not dead and self._loop is not None:
+            try:
+                await self._linger(wait)
+            except asyncio.CancelledError as e:
+                stopped = e
+            except Exception:  # nothing the wait meets stops the close
+                log.debug("close(): the wait for the answers in flight ended early", exc_info=True)
+            if core.closed:  # another task's close() finished it meanwhile
+                if stopped is not None:
+                    raise stopped
+                return
+        self._unwatch.detach()  # (closed here: nothing for the finalizer to do)
         if self._loop is not None:
             for sock in [*self._socks, *([self._broker_monitor] if self._broker_monitor is not None else [])]:
                 try:
@@ -1284,6 +1300,15 @@ class AsyncClient(ClientBase):
         core.close()
         if not dead:
             self._wake_pumps()
+            if wait > 0:
+                # Woken before the wait, they found the client still open and waited again.
+                for q in list(core.mmi_waiters):
+                    if q.notify is not None:
+                        q.notify()
+                for st in list(self._streams):
+                    st.wake()
+        if stopped is not None:
+            raise stopped  # (the heartbeat task was cancelled; nobody waits for its end)
         if heart is not None:
             task = asyncio.current_task()
             before = task.cancelling() if task is not None else 0  # (a cancellation it caught earlier)
@@ -1294,6 +1319,24 @@ class AsyncClient(ClientBase):
                     raise  # ours, not the heartbeat's: the caller was cancelled meanwhile
             except Exception:
                 pass
+
+    async def _linger(self, wait: float) -> None:
+        """`close()`'s wait (`Client._linger`): the requests in flight that may be answered in
+        shared memory are cancelled, and their answers read by the loop's readers (each
+        released: nobody will) for up to ``wait`` seconds, or until none can still come."""
+        core = self._core
+        now = time.monotonic()
+        calls, frames = core.close_cancel(now)
+        if not calls:
+            return
+        for msg in frames:
+            self._send_soon(msg)
+        if core.ops:
+            self._run_ops()
+        end = now + wait
+        while core.lingering(calls, now) and now < end:
+            await self.pump(end - now)
+            now = time.monotonic()
 
     aclose = close
 
@@ -1324,7 +1367,8 @@ class AsyncReplyStream(ReplyStreamBase):
         stays in flight), `Cancelled` at once after `cancel()`.  Cancelling the task that
         awaits it cancels the request."""
         self._ended(False)
-        stop = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+        timeout = wait_limit(timeout)
+        stop = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if stop is None else max(0.0, stop - time.monotonic())
             res = self._final(*await self._wait(left, timeout))

@@ -41,7 +41,7 @@ from broker.protocol.wire import NOBLOCK, TcpWatch, Waiter, recv_frames, send_fr
 
 from .base import ClientBase, ReplyStreamBase
 from .calls import Call, final_of_infer, mmi_answer, opaque_reply, parse_priority, resolve_transport
-from .core import LAST_LOOK_S, LIVENESS, PAUSED_S, ClientCore
+from .core import CLOSE_LINGER_S, LAST_LOOK_S, LIVENESS, PAUSED_S, ClientCore, close_linger, wait_limit
 from .errors import BrokerUnreachable, DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, context, curve_keys, dealer, descriptor_room, drain_unread, drop_lease_dealer,
@@ -190,14 +190,14 @@ class Client(ClientBase):
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
                  fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2,
                  server_key: str | bytes | None = None, client_key: str | None = None, insecure: bool = False,
-                 pin: bool | int = False, max_inline_mb: float = 256):
+                 pin: bool | int = False, max_inline_mb: float = 256, linger: float = CLOSE_LINGER_S):
         # A tcp broker: CurveZMQ keys (or an explicit insecure=True), inline tensors only.
         transport, direct_reply = tcp_options(endpoint, transport, direct_reply)
         self._user: dict[int, int] = {}  # {0: the thread inside the client now}: `_one_thread`
         self._core = ClientCore(endpoint, transport=transport, timeout=timeout, pool_capacity=pool_capacity,
                                 heartbeat_interval=heartbeat_interval, fallback_inline=fallback_inline,
                                 direct_reply=direct_reply, restart_resends=restart_resends, pin=pin,
-                                max_inline_mb=max_inline_mb)
+                                max_inline_mb=max_inline_mb, linger=linger)
         self._core.endpoint_problem = IpcDiagnosis(endpoint)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._ctx = context(endpoint)
@@ -214,6 +214,7 @@ class Client(ClientBase):
         # collector) leaves to the call it interrupted (`_one_thread_or_later`), and the
         # descriptor it writes to wake that call's wait.
         self._later: deque[Any] = deque()
+        self._nested = False  # doing what a nested call left (`_do_later`)
         self._wake = _wake_fd()
         if self._wake is not None:
             self._waiter.add_fd(self._wake)
@@ -500,7 +501,7 @@ class Client(ClientBase):
         with nothing routed, on a wake-up that brought no message: loop on your own deadline).  While calls wait it also
         does what AsyncClient's heartbeat task does: sends a HEARTBEAT when one is due, and
         fails (in their inbox) the calls the broker has been silent on for too long."""
-        self._pump(timeout, time.monotonic())
+        self._pump(wait_limit(timeout), time.monotonic())
 
     def _last_look(self, inbox: Any, now: float) -> None:
         """A call's deadline passed while this process was not running (core.PAUSED_S):
@@ -619,10 +620,13 @@ class Client(ClientBase):
                 return
             while later:
                 action = later.popleft()
+                self._nested = True  # (a deferred close() does not linger: `close`)
                 try:
                     action()
                 except Exception:  # the nested caller's (it returned long ago), not this call's
                     log.exception("error in a client call deferred from a signal handler or a finalizer")
+                finally:
+                    self._nested = False
 
     def _run_later(self) -> None:
         """`_do_later` after the outermost call returned (what a nested call left after that
@@ -1024,20 +1028,55 @@ class Client(ClientBase):
     # ---------------------------------------------------------------- lifetime
 
     @_one_thread_or_later
-    def close(self) -> None:
-        """Tell the broker we are leaving, close the socket, unlink the input pool.  Results
-        still alive stay readable; their output slots go back as they are dropped.  In a
-        forked child, only this copy is let go of (the sockets are the parent's).
+    def close(self, linger: float | None = None) -> None:
+        """Cancel what is in flight and wait up to `linger` seconds (None: the client's own,
+        1 s by default) for the answers that may name output slots, releasing them; then tell
+        the broker we are leaving, close the sockets, unlink the input pool (docs/client.md,
+        "Closing with requests in flight").  Results still alive stay readable; their output
+        slots go back as they are dropped.  In a forked child, only this copy is let go of
+        (the sockets are the parent's).
 
         From a signal handler that runs while this thread is inside a call of the client (a
         SIGTERM handler, as servers have): the close is done by that call as soon as it is
         between two steps (not in the middle of a send or a receive), at once when it waits,
-        and a call that waits raises `InferenceError` ("the client was closed...")."""
+        without lingering, and a call that waits raises `InferenceError` ("the client was
+        closed...")."""
         if self._core.closed:
             return
         if self._core.forked():
             self._core.let_go()
             return
+        wait = self._core.linger if linger is None else close_linger(linger)
+        try:
+            if wait > 0 and not self._nested:
+                self._linger(wait)
+        except Exception:  # nothing the linger meets stops the close (a broken socket, ...)
+            log.debug("close(): the wait for the answers in flight ended early", exc_info=True)
+        finally:
+            # (Also after a KeyboardInterrupt in the wait: the client is closed all the same.)
+            if not self._core.closed:  # (a nested close() done meanwhile closed it)
+                self._close_now()
+
+    def _linger(self, wait: float) -> None:
+        """`close()`'s wait: the requests in flight that may be answered in shared memory are
+        cancelled, and their answers read (each released: nobody will) for up to ``wait``
+        seconds, or until none can still come."""
+        core = self._core
+        now = time.monotonic()
+        calls, frames = core.close_cancel(now)
+        if not calls:
+            return
+        for msg in frames:
+            self._send_soon(msg)
+        if core.ops:
+            self._run_ops()
+        end = now + wait
+        while core.lingering(calls, now) and now < end:
+            self._pump(end - now, now)
+            now = time.monotonic()
+
+    def _close_now(self) -> None:
+        """The close itself, nothing waited for."""
         # Each step in a finally of the one before: an exception from a signal handler
         # (Ctrl-C, an alarm) in the middle left a half-closed client that said it was open,
         # whose next call failed with a raw ZMQError or waited out its timeout.
@@ -1099,7 +1138,8 @@ class ReplyStream(ReplyStreamBase):
         in flight (call `result()` again, or `cancel()`).  Raises `Cancelled` at once after
         `cancel()`, and `EndOfStream` once the FINAL was taken or the handle closed."""
         self._ended(False)
-        stop = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+        timeout = wait_limit(timeout)
+        stop = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if stop is None else max(0.0, stop - time.monotonic())
             res = self._final(*self._wait(left, timeout))

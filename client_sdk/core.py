@@ -173,6 +173,33 @@ def _seconds(t: Any) -> float | None:
 MIN_HEARTBEAT_S = 0.001
 
 
+def wait_limit(timeout: Any) -> float | None:
+    """A `timeout=` that bounds one wait (`recv`, `result`, `pump`): None (or math.inf) for
+    none, else a float >= 0 (a negative one is 0: look once, do not wait); `InvalidInput`
+    for NaN or what is not a number (NaN had meant "for ever" to one call and "at once" to
+    another)."""
+    if timeout is None:
+        return None
+    f = _number(timeout)
+    if f != f:
+        raise InvalidInput(f"timeout must be None or a number of seconds, got {timeout!r}")
+    return None if f == math.inf else max(0.0, f)
+
+
+#: seconds `close()` waits, by default, for the answers of the requests it cancels (`linger`)
+CLOSE_LINGER_S = 1.0
+
+
+def close_linger(linger: Any) -> float:
+    """`linger` (a client's, or one `close()`'s) as a float of seconds >= 0; `InvalidInput`
+    for anything else (negative, NaN, infinite, a str)."""
+    f = _number(linger)
+    if not 0 <= f < math.inf:
+        raise InvalidInput(f"linger must be a number of seconds >= 0 (close() waits that long at most "
+                           f"for the answers of requests in flight; {CLOSE_LINGER_S:g} by default), got {linger!r}")
+    return f
+
+
 def _heartbeat_interval(hb: Any) -> float | None:
     """`heartbeat_interval` as the core keeps it: None (or 0) for no heartbeats, else a
     float of at least MIN_HEARTBEAT_S; `InvalidInput` for anything else (negative, NaN, a str)."""
@@ -195,7 +222,7 @@ class ClientCore(PinEvents):
     def __init__(self, endpoint: str, *, transport: str = "auto", timeout: float | None = 10.0,
                  pool_capacity: int = 256 << 20, heartbeat_interval: float | None = 1.0,
                  fallback_inline: bool = True, direct_reply: bool = True, restart_resends: int = 2,
-                 pin: Any = False, max_inline_mb: float = 256):
+                 pin: Any = False, max_inline_mb: float = 256, linger: float = CLOSE_LINGER_S):
         if not isinstance(endpoint, str) or "://" not in endpoint:
             raise InvalidInput(f"endpoint {endpoint!r} must look like 'ipc:///tmp/broker.sock' or 'tcp://host:port'")
         if (isinstance(max_inline_mb, bool) or not isinstance(max_inline_mb, (int, float))
@@ -227,6 +254,7 @@ class ClientCore(PinEvents):
             raise InvalidInput(f"restart_resends {restart_resends!r} must be a whole number >= 0 (2 by default)")
         self.restart_resends = resends
         self.heartbeat_interval = _heartbeat_interval(heartbeat_interval)
+        self.linger = close_linger(linger)
         self.fallback_inline = fallback_inline
         # Direct replies need a broker (hence workers) that can reach an ipc socket of ours.
         self.direct_reply = bool(direct_reply) and endpoint_is_local(endpoint)
@@ -1366,6 +1394,42 @@ class ClientCore(PinEvents):
         return out
 
     # ---------------------------------------------------------------- shutdown
+
+    def close_cancel(self, now: float) -> tuple[list[Call], list[list[Any]]]:
+        """The start of a `close()` that lingers (docs/client.md, "Closing with requests in
+        flight"): every request in flight whose answer may name output slots (its reply not
+        asked inline) is cancelled, and given up (what still comes for it is released, not
+        delivered; an item already in its inbox stays for its caller, who may be woken by
+        the close's error).  Returns those calls, for `lingering`, and the CANCEL frames to
+        send to the broker; a leased call's CANCEL is queued in `ops` for its lease's
+        connection.  A worker drops the result of a request cancelled while it runs, so
+        what can still name slots is an answer sent before the CANCEL reached it: on its
+        way, it arrives within a round trip; the others end with a 499 when their batch
+        ends (or the broker's answer at once, for a queued one)."""
+        if self.closed or self._gen != T.fork_generation():
+            return [], []
+        calls = [c for k, c in self.calls.items()
+                 if k == c.id and not c.done and c.reply != "inline" and k not in self._parked]
+        out: list[list[Any]] = []
+        for call in calls:
+            if call.abandoned:
+                continue  # its CANCEL went when its caller gave up
+            call.abandoned = True
+            call.notify = None
+            expired = call.deadline is not None and now >= call.deadline - 1e-3
+            if call.pin is not None:
+                self._pin_cancel(call, expired=expired, now=now)
+            else:
+                out.append(P.client_cancel(call.service, call.id, expired=expired))
+        return calls, out
+
+    def lingering(self, calls: list[Call], now: float) -> bool:
+        """Whether a closing client should still wait for one of ``calls`` (`close_cancel`'s):
+        its answer has not come, and its path can still bring it (a call through the broker
+        is not waited for once the broker has been silent for the liveness window)."""
+        hb = self.heartbeat_interval
+        silent = hb is not None and now - max(self.last_recv, self.resumed_at) > LIVENESS * hb
+        return any(self.calls.get(c.id) is c and not (silent and c.pin is None) for c in calls)
 
     def release_unread(self, frames: list[Any]) -> None:
         """A message left in a socket that is being closed (`close()`, or a client let go

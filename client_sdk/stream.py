@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .calls import final_of_infer
+from .core import wait_limit
 from .errors import EndOfStream, InferenceError, InvalidInput, NotSupported
 from .tensors import Result
 
@@ -243,6 +244,7 @@ class Stream(_StreamCore):
         DeadlineExceeded if the frame outlived its timeout, TimeoutError after `timeout`
         seconds (the frame stays in flight), EndOfStream when nothing is outstanding."""
         client = self._client
+        timeout = wait_limit(timeout)
         stop = None if timeout is None else time.monotonic() + timeout
         client.pump(0)  # what already arrived counts, even with timeout=0
         while True:
@@ -352,6 +354,7 @@ class AsyncStream(_StreamCore):
         """The next result in send order; same errors as `Stream.recv`.  With nothing
         outstanding it waits for the next `send()`, unless the stream is finished or closed
         (EndOfStream)."""
+        timeout = wait_limit(timeout)
         stop = None if timeout is None else time.monotonic() + timeout
         looked = False
         while True:

@@ -672,3 +672,41 @@ def test_release_unread_gives_back_every_slot_a_left_reply_names(core):
                   P.client_reply(True, b"svc", [b"opaque"]), [P.MDPC, P.C_HEARTBEAT], [b"junk"], []):
         core.release_unread(other)
     assert [g.slot for g in given] == [0, 1, 2, 3, 4]
+
+
+def test_close_cancels_what_may_come_back_in_shared_memory_and_lingers_until_it_is_answered(core):
+    """`close()`'s wait, decided here (docs/client.md, "Closing with requests in flight"):
+    every call in flight whose answer may name output slots is cancelled and given up; an
+    inline one is not waited for; the wait ends as each is answered, or at once for a call
+    through a broker silent for the liveness window."""
+    shm_a = _sent(core, reply="shm")
+    inline, auto = _sent(core, reply="inline"), _sent(core, reply="auto")  # (auto: inline on an inline client)
+    given = _sent(core, reply="shm")
+    assert core.give_up(given, 100.0) is not None  # its CANCEL went when its caller gave up
+    core.last_recv = 100.0
+    calls, frames = core.close_cancel(100.0)
+    assert [c.id for c in calls] == [shm_a.id, given.id]
+    assert not inline.abandoned and not auto.abandoned
+    cancelled = {P.decode_cancel(f[3]).id for f in frames}
+    assert cancelled == {c.id for c in calls if c is not given}  # one CANCEL each, none again
+    assert all(c.abandoned and c.notify is None for c in calls)
+    assert core.lingering(calls, 100.1)
+    for c in calls:  # each answered: a result (released unread) or the worker's 499
+        core.on_message(_final(c, np.int64([1])), 100.2)
+    assert not core.lingering(calls, 100.2) and core.discarded == len(calls)
+    assert all(not c.inbox for c in calls)  # nothing delivered to anyone
+    # Through a silent broker: not waited for (its answer cannot come).
+    late = _sent(core, reply="shm", now=100.3)
+    calls, _ = core.close_cancel(100.3)
+    assert calls == [late] and core.lingering(calls, 100.4)
+    assert not core.lingering(calls, 100.0 + 6 * core.heartbeat_interval)
+
+
+def test_linger_is_a_number_of_seconds_from_zero():
+    for ok in (0, 0.5, 3):
+        c = ClientCore("ipc:///tmp/zinf-core-test.sock", linger=ok)
+        assert c.linger == ok
+        c.close()
+    for bad in (-1, float("nan"), float("inf"), True, "1", None):
+        with pytest.raises(InvalidInput, match="linger must be a number of seconds >= 0"):
+            ClientCore("ipc:///tmp/zinf-core-test.sock", linger=bad)

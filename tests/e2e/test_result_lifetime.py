@@ -10,6 +10,10 @@ that it wraps around within a few dozen requests.
   client's process, which gives it back by releasing it or by exiting, and such a reply,
   dropped with the socket, kept it lent for the process's life (ten `with c.stream(...)`
   sessions left 8 of the 16 slots lent for good).
+- A reply still on its way when its client closes gives its slot back too: `close()` cancels
+  what is in flight and waits (up to its `linger`) for the answers that may name slots (five
+  `with c.stream(...)` sessions closed with three frames in flight each had left 4 slots lent
+  through the broker, 10 on a lease).
 
 Real processes (broker, worker), ipc endpoints; every wait is a poll with a deadline.
 """
@@ -18,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -148,3 +154,78 @@ def test_replies_left_unread_give_their_slots_back_when_the_client_goes(ring):
     # The ring is whole: a client holding nothing gets every output through it.
     with Client(cluster.frontend, timeout=20) as c:
         _cycle(c, 20)
+
+
+def test_close_waits_for_a_reply_on_its_way_and_releases_it(cluster, gate):
+    """The answer was sent before the close and reaches the broker only after it began (the
+    broker stopped meanwhile): the close cancels the call and waits for that answer, then
+    gives its slot back.  (It had closed at once: the answer, relayed to a closed socket or
+    dropped for a departed client, kept its slot lent for the process's life.)"""
+    broker = cluster.broker()
+    w = cluster.worker("gate_model:copying", "--out-capacity-mb", "1", env=gate.env, wait=False)
+    gate.open()  # (the model opens its end as it loads)
+    w.wait_ready()
+    c = Client(cluster.frontend, timeout=20, direct_reply=False)  # every answer through the broker
+    wait_service(c, "gate")
+    h = c.infer_stream("gate", {"x": _x(1)})
+    gate.wait_entered(1)
+    closer = threading.Thread(target=c.close, name="closer")
+    os.kill(broker.p.pid, signal.SIGSTOP)
+    try:
+        gate.release()
+        _until(lambda: _lent(w.p.pid) == 1, "the worker wrote its answer into its ring and sent it")
+        closer.start()
+        _until(lambda: h._call.abandoned, "close() gave the call up")
+    finally:
+        os.kill(broker.p.pid, signal.SIGCONT)
+    closer.join(20)
+    assert not closer.is_alive()
+    assert c.closed
+    _until(lambda: _lent(w.p.pid) == 0, "the answer that came after close() began kept its slot lent")
+
+
+def test_close_with_frames_in_flight_gives_every_slot_back(ring):
+    """A gateway's session: a stream with frames in flight, closed without reading them, then
+    its client; on a lease (a stream's default), through the broker, and with AsyncClient."""
+    cluster, w = ring
+    wpid = w.p.pid
+    _until(lambda: _lent(wpid) == 0, "the ring is free")
+    for pin in (None, False):
+        for k in range(5):
+            with Client(cluster.frontend, timeout=20) as c, c.stream("copy", pin=pin, max_in_flight=3) as s:
+                for j in range(3):
+                    s.send({"x": _x(k + j)})
+        _until(lambda: _lent(wpid) == 0, f"closing with frames in flight (pin={pin}) kept slots lent")
+
+    async def sessions() -> None:
+        for k in range(3):
+            async with AsyncClient(cluster.frontend, timeout=20) as ac:
+                s = ac.stream("copy", max_in_flight=3)
+                for j in range(3):
+                    s.send({"x": _x(k + j)})
+
+    asyncio.run(sessions())
+    _until(lambda: _lent(wpid) == 0, "AsyncClient closed with frames in flight kept slots lent")
+
+
+def test_close_waits_no_longer_than_its_linger(cluster, gate):
+    """A request whose batch does not end: close() waits its linger and no more, and the
+    cancel it sent reaches the worker, which drops the result when the batch ends (nothing
+    lent)."""
+    cluster.broker()
+    w = cluster.worker("gate_model:copying", "--out-capacity-mb", "1", env=gate.env, wait=False)
+    gate.open()  # (the model opens its end as it loads)
+    w.wait_ready()
+    c = Client(cluster.frontend, timeout=20)
+    wait_service(c, "gate")
+    h = c.infer_stream("gate", {"x": _x(1)})  # (kept: a handle dropped is given up)
+    gate.wait_entered(1)
+    t0 = time.monotonic()
+    c.close(linger=0.3)
+    took = time.monotonic() - t0
+    assert 0.3 <= took < 5, took  # (an upper bound for a loaded machine, not a timing claim)
+    assert h._call.abandoned
+    gate.release(2)  # the held call's batch ends; then another client's call runs after it
+    with Client(cluster.frontend, timeout=20) as c2, c2.infer("gate", {"x": _x(2)}) as r:
+        assert r.zero_copy["x"], "the output came through the ring"
+    _until(lambda: _lent(w.p.pid) == 0, "the cancelled call's result was sent, and kept its slot lent")

@@ -53,3 +53,51 @@ def test_a_blocking_client_takes_a_timeout_of_a_month_or_more(cluster, timeout, 
             c.pump(timeout)
         assert c.in_flight() == 0
     assert c.closed
+
+
+def test_a_wait_refuses_nan_and_takes_inf_as_none(cluster):
+    """`recv`, `result` and `pump` took NaN as "for ever" (a stream's recv) or "at once" (a
+    handle's result): now `InvalidInput`, on both twins, and the call stays in flight;
+    `math.inf` is no limit, as None (the timeouts hunt's left-over)."""
+    import asyncio
+    import math
+
+    from client_sdk import AsyncClient, InvalidInput
+
+    cluster.broker()
+    cluster.worker("echo")
+    x = np.arange(4, dtype=np.float32)
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "echo")
+        with c.infer_stream("echo", {"x": x}) as h:
+            with pytest.raises(InvalidInput, match="timeout must be None or a number"):
+                h.result(timeout=math.nan)
+            with h.result(timeout=math.inf) as r:
+                np.testing.assert_array_equal(r["x"], x)
+        with c.stream("echo", pin=False) as s:
+            s.send({"x": x})
+            with pytest.raises(InvalidInput, match="timeout must be None or a number"):
+                s.recv(timeout=math.nan)
+            with s.recv(timeout=math.inf) as r:
+                np.testing.assert_array_equal(r["x"], x)
+        with pytest.raises(InvalidInput, match="timeout must be None or a number"):
+            c.pump(math.nan)
+
+    async def twin() -> None:
+        async with AsyncClient(cluster.frontend, timeout=10) as ac:
+            h = ac.infer_stream("echo", {"x": x})
+            with pytest.raises(InvalidInput, match="timeout must be None or a number"):
+                await h.result(timeout=math.nan)
+            with await h.result(timeout=math.inf) as r:
+                np.testing.assert_array_equal(r["x"], x)
+            s = ac.stream("echo", pin=False)
+            s.send({"x": x})
+            with pytest.raises(InvalidInput, match="timeout must be None or a number"):
+                await s.recv(timeout=math.nan)
+            with await s.recv(timeout=math.inf) as r:
+                np.testing.assert_array_equal(r["x"], x)
+            with pytest.raises(InvalidInput, match="timeout must be None or a number"):
+                await ac.pump(math.nan)
+            s.close()
+
+    asyncio.run(twin())
