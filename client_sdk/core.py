@@ -1426,10 +1426,17 @@ class ClientCore(PinEvents):
     def lingering(self, calls: list[Call], now: float) -> bool:
         """Whether a closing client should still wait for one of ``calls`` (`close_cancel`'s):
         its answer has not come, and its path can still bring it (a call through the broker
-        is not waited for once the broker has been silent for the liveness window)."""
+        is not waited for once the broker has been silent for the liveness window since it
+        was sent)."""
         hb = self.heartbeat_interval
-        silent = hb is not None and now - max(self.last_recv, self.resumed_at) > LIVENESS * hb
-        return any(self.calls.get(c.id) is c and not (silent and c.pin is None) for c in calls)
+        heard = max(self.last_recv, self.resumed_at)
+        for c in calls:
+            if self.calls.get(c.id) is not c:
+                continue  # answered
+            if c.pin is None and hb is not None and now - max(heard, c.t_sent) > LIVENESS * hb:
+                continue  # a silent broker
+            return True
+        return False
 
     def release_unread(self, frames: list[Any]) -> None:
         """A message left in a socket that is being closed (`close()`, or a client let go

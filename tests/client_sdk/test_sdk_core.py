@@ -695,11 +695,15 @@ def test_close_cancels_what_may_come_back_in_shared_memory_and_lingers_until_it_
         core.on_message(_final(c, np.int64([1])), 100.2)
     assert not core.lingering(calls, 100.2) and core.discarded == len(calls)
     assert all(not c.inbox for c in calls)  # nothing delivered to anyone
-    # Through a silent broker: not waited for (its answer cannot come).
+    # Through a silent broker: not waited for (its answer cannot come), counted from the
+    # send: a client that has not heard from the broker yet (a session's first frames)
+    # waits (the AsyncClient hunt: its close had waited for nothing).
     late = _sent(core, reply="shm", now=100.3)
     calls, _ = core.close_cancel(100.3)
     assert calls == [late] and core.lingering(calls, 100.4)
-    assert not core.lingering(calls, 100.0 + 6 * core.heartbeat_interval)
+    assert not core.lingering(calls, 100.3 + 6 * core.heartbeat_interval)
+    core.last_recv = 0.0  # never heard
+    assert core.lingering(calls, 100.4)
 
 
 def test_linger_is_a_number_of_seconds_from_zero():
