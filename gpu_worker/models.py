@@ -414,6 +414,10 @@ def _wants_mapping(sig: inspect.Signature) -> bool:
     return False
 
 
+#: sets of input names whose binding to a forward a torch model remembers (`TorchModuleModel._style`)
+MAX_CALL_STYLES = 64
+
+
 class TorchModuleModel(ModelBase):
     """Wraps an ``nn.Module`` returned by a ``package.module:factory``.
 
@@ -457,7 +461,13 @@ class TorchModuleModel(ModelBase):
                     style = "dict"
                     if len(names) == 1 and _binds_one_positional(sig) and not _wants_mapping(sig):
                         style = "positional"
-            self._call_style[names] = style
+            memo = self._call_style
+            if len(memo) >= MAX_CALL_STYLES:
+                # Names are the client's choice (a model that declares no inputs takes any):
+                # bounded, so that names per session or per frame cannot grow a worker that
+                # lives for weeks.  The sets in use are remembered again at their next call.
+                memo.clear()
+            memo[names] = style
         return style
 
     def __call__(self, batch):

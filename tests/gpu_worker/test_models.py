@@ -643,3 +643,20 @@ def test_a_tensorrt_build_failure_is_one_line_and_exit_2(factories, tmp_path, mo
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("python -m gpu_worker: backend 'tensorrt' cannot run model"), lines[0]
     assert "has no example_inputs()" in lines[0] and "give the model example_inputs()" in lines[0], lines[0]
+
+
+def test_the_call_style_memo_is_bounded_whatever_names_clients_send(factories):
+    """A torch model that declares no inputs takes any tensor names, and the worker remembers
+    how each set of names binds to its forward (`TorchModuleModel._style`).  Names are the
+    client's choice: a client naming its tensors per session or per frame (or a hostile one)
+    made a worker that lives for weeks keep one entry per set of names ever sent (each up to
+    a header's worth of names).  The memo is bounded; every call still binds right."""
+    from gpu_worker.models import MAX_CALL_STYLES
+
+    m = load_model(f"{factories}:make_seq", "cpu")
+    x = np.ones((1, 4), np.float32)
+    want = run(m, x=x)["output"]
+    for i in range(MAX_CALL_STYLES * 4):
+        assert np.allclose(run(m, **{f"frame_{i}": x})["output"], want)
+        assert len(m._call_style) <= MAX_CALL_STYLES, f"{len(m._call_style)} entries after {i + 1} name sets"
+    assert np.allclose(run(m, x=x)["output"], want)  # an entry made again after a reset binds as before
