@@ -645,7 +645,7 @@ class Worker:
                 done_ms = self.dones.wait_ms(now)
                 if done_ms is not None:
                     ms = min(ms, done_ms)
-                if self._leased_since is not None:
+                if self._leased_since is not None and self._stats_open():
                     ms = min(ms, max(0.0, (self._leased_since + LEASED_STATS_S - now) * 1000.0))
                 if link is not None and link.inbox:
                     ms = 0  # read from the link already, not yet handled: its descriptor will not tell
@@ -1781,6 +1781,12 @@ class Worker:
             # or the loop's wait for it would stay at 0 ms for good: found by review)
             self._leased_outcomes, self._leased_since = {}, None
             return
+        if not self._stats_open():
+            # No broker to count them now (ours died, or we are registering with its
+            # successor, which drops a stranger's STATS): kept, and sent once one has
+            # registered us.  Pinned requests run on a lease while the broker was down went
+            # uncounted at the restarted broker (the counts hunt).
+            return
         try:
             usage = self.plane.usage()
         except Exception:
@@ -1801,6 +1807,12 @@ class Worker:
         self._stats_usage = usage
         self._send(P.worker_stats(P.WorkerStats(keep_warm_runs=warm, leased=leased or None, leased_dropped=dropped,
                                                 **fields, **usage)))
+
+    def _stats_open(self) -> bool:
+        """Whether a STATS sent now reaches a broker that has registered us: a WELCOME since
+        the last (re)connect, and the connection not seen closed since (the monitor's
+        word).  What goes before that is lost, or dropped by a broker that does not know us."""
+        return self.registered and getattr(self.upstream, "connected", True)
 
     def _fail_pending(self, why: str) -> None:
         # The broker retries these elsewhere; our replies would carry dead tokens.  What
