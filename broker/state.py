@@ -966,11 +966,21 @@ class Scheduler(LeaseEvents):
                 # own (a model's 500 must not hide behind a client that left).
                 finished = max(req.dispatched_at, now - age)
                 gone = req.orphan is True and (code == ErrorCode.CANCELLED or (relay and code == 0))
+                if req.orphan == "cancelling" and code == 0:
+                    code = ErrorCode.CANCELLED  # its client cancelled it, then left: see below
                 self._on_direct(req.svc.name, CLIENT_GONE if gone else code,
                                 req.enqueued_at, req.dispatched_at, finished, (req.client, req.request_id))
         else:
             self._unlink(req)
             self._counters["completed"] += 1
+            if req.state == _CANCELLING and code == 0:
+                # A result that crossed its CANCEL (the batch ran to its end, or the FINAL
+                # went straight to the client before the CANCEL reached the worker): the
+                # client's call ended `Cancelled` when it sent it, and what comes for it now is
+                # thrown away (its slots released).  It counts as the client saw it (it was
+                # `ok`, an answer nobody read: the counts hunt).  A result that reached the
+                # broker before the CANCEL was the client's: `ok`.
+                code = ErrorCode.CANCELLED
             if relay:
                 out.append(ToClient(req.client, req.request_id, req.svc.name, True, payload,
                                     req.enqueued_at, req.dispatched_at, code))

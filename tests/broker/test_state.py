@@ -1369,3 +1369,28 @@ def test_a_direct_done_after_its_client_left_is_not_a_dropped_late_reply():
     s.tick(1.0)  # d3's deadline answered
     s.worker_done(b"w", [d3.token], 1.1)
     assert s.stats()["counters"]["dropped_late"] == 2
+
+
+def test_a_result_for_a_request_its_client_cancelled_counts_as_cancelled():
+    """The CANCEL reached the broker first; the worker had already sent its result (a
+    batch runs to its end): relayed (the SDK drops it) or straight to the client (its
+    DONE), it counts `cancelled`, as the client saw it.  Also when the client left after
+    cancelling.  A result that came before the CANCEL is the client's: `ok`."""
+    counted = []
+    s = Scheduler(on_direct=lambda service, code, *rest: counted.append(code))
+    s.worker_ready(b"w", "svc", 0.0, credit=4)
+    d1 = only(req(s, 1), Dispatch)
+    d2 = only(req(s, 2), Dispatch)
+    d3 = only(req(s, 3), Dispatch)
+    for rid in (1, 2, 3):
+        s.client_cancel(C, rid, 0.1)
+    out = s.worker_final(b"w", d1.token, 0.2, "a result", code=0)
+    assert only(out, ToClient).code == ErrorCode.CANCELLED  # still relayed: its slots are released
+    s.worker_done(b"w", [d2.token], 0.2, [0], [0.0])
+    s.client_disconnect(C, 0.25)
+    s.worker_done(b"w", [d3.token], 0.3, [0], [0.0])
+    assert counted == [ErrorCode.CANCELLED, ErrorCode.CANCELLED]
+    d5 = only(req(s, 5, client=b"c2"), Dispatch)
+    s.worker_done(b"w", [d5.token], 0.4, [0], [0.0])
+    s.client_cancel(b"c2", 5, 0.5)  # too late: answered already
+    assert counted[-1] == 0

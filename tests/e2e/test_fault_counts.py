@@ -46,3 +46,35 @@ def test_pinned_requests_run_while_the_broker_was_down_count_at_its_successor(cl
               timeout=3.0)
     assert w.p.poll() is None
     assert _outcomes(base, "echo") == {"ok": 10}
+
+
+def test_a_result_that_crosses_its_cancel_counts_as_the_cancellation_its_client_saw(cluster, tmp_path, gate):
+    """The worker sent a result straight to its client (direct reply) just before the client
+    cancelled the call: the client's call ends `Cancelled` and the result is thrown away
+    (its slots released), but the worker's DONE, which comes after the CANCEL, said `ok`,
+    and the broker counted `ok`, an answer nobody saw.  A result that reaches the broker
+    for a request its client cancelled counts `cancelled` now (relayed or direct); one that
+    came before the CANCEL is the client's, and `ok`."""
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    # DONEs gathered for up to 5 s, or 2 of them (credit 8 // 4): the test decides when it goes.
+    w = cluster.worker("gate_model:held", "--max-batch", "1", "--credit", "8", "--done-delay-ms", "5000",
+                       "--log-level", "INFO", env={"SLEEPY_LOG": str(tmp_path / "runs.log"), **gate.env})
+    gate.open()
+
+    def cancels():
+        return value(scrape(base), "zmq_infer_broker_events_total", event="cancelled")
+
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, "held")
+        h = c.infer_stream("held", {"x": np.array([-1.0])})
+        until(lambda: (tmp_path / "runs.log").exists(), "the call running at the worker")
+        gate.release(1)
+        w.wait_log("request done")  # its FINAL went straight to the client; its DONE waits
+        assert h.cancel()  # the client has not read it: its call ends Cancelled
+        until(cancels, "the broker holding the CANCEL")
+        assert _outcomes(base, "held") == {}, "the DONE came before the CANCEL: no race to test"
+        c.infer("held", {"x": np.zeros(1)}).release()  # a second FINAL: both DONEs go now
+        until(lambda: sum(_outcomes(base, "held").values()) == 2, "both requests counted")
+        assert h.cancelled
+    assert _outcomes(base, "held") == {"ok": 1, "cancelled": 1}
