@@ -1005,6 +1005,7 @@ class ClientCore(PinEvents):
         self._free_inputs(call, old)
         if call.reply in ("auto", "shm"):
             call.reply = "inline"
+        call.dropped = 0  # the broker counted the stream's drops with the first (`_resend_brokered`)
         return self._brokered_request(call, now)
 
     def _free_inputs(self, call: Call, packed: T.Packed | None = None, reply: P.Reply | None = None) -> None:
@@ -1328,7 +1329,8 @@ class ClientCore(PinEvents):
                 self._pin_reset(now)  # no new call on a lease of the old broker (pins.py)
             # An old id (seen with its call), one sent to the new broker already, or one
             # unsent, is not sent again.
-            return [*self._resend_brokered(now, "the broker restarted", lambda call: call.broker != instance),
+            return [*self._resend_brokered(now, "the broker restarted", lambda call: call.broker != instance,
+                                           same_broker=False),
                     *self._reask_mmi()]
         if known is None or (known_route is None and route is not None):  # first learnt: what was sent went there
             for call in self.calls.values():
@@ -1361,8 +1363,12 @@ class ClientCore(PinEvents):
             return []
         return [q.frames for q in self.mmi_waiters if not q.abandoned and q.answer is None]
 
-    def _resend_brokered(self, now: float, what: str, stale: Callable[[Call], bool]) -> list[list[Any]]:
-        """The frames that send again the calls `stale` selects (see `_on_broker_instance`)."""
+    def _resend_brokered(self, now: float, what: str, stale: Callable[[Call], bool],
+                         same_broker: bool = True) -> list[list[Any]]:
+        """The frames that send again the calls `stale` selects (see `_on_broker_instance`).
+        ``same_broker``: the process that saw them before (a replaced connection), which
+        counted a stream frame's drops when its first copy came (what was lost with the old
+        connection is a frame or two's): the copy carries none, or they counted twice."""
         out = []
         for cid, call in list(self.calls.items()):
             if cid != call.id or call.id == 0 or call.pin is not None or cid in self._parked or not stale(call):
@@ -1390,6 +1396,8 @@ class ClientCore(PinEvents):
             # of it would throw its result away and leave the call to a second full run.
             out.append(P.client_cancel(call.service, call.id, queued_only=True))
             call.old_ids.append(call.id)  # stays answerable: a worker may still reply to it directly
+            if same_broker:
+                call.dropped = 0
             out.append(self._brokered_request(call, now))
         return out
 

@@ -268,14 +268,17 @@ def test_not_local_resends_the_same_inputs_inline_under_a_new_id():
     core = ClientCore("ipc:///tmp/zinf-core-test.sock", transport="shm")
     try:
         call = core.new_call("remote", {"x": np.arange(4.0)})
-        core.request_frames(call, 5.0)
+        call.dropped = 3  # a latest-wins stream's frame, telling of its drops
+        frames = core.request_frames(call, 5.0)
         first = call.id
+        assert P.decode_request(frames[3], len(frames) - 4).dropped == 3
         assert call.packed.uses_shm and core.pool.in_use() == 1
         outs = core.on_message(P.client_reply(True, b"remote", P.error_body(first, ErrorCode.NOT_LOCAL, "far")), 5.1)
         assert core.pool.in_use() == 0 and "remote" in core.not_local  # the slot went at that FINAL
         (resend,) = outs
         req = P.decode_request(resend[3], len(resend) - 4)
         assert req.id == call.id != first and req.reply == "inline"
+        assert not req.dropped  # counted by the broker with the first copy, which it answered
         assert type(req.tensors[0].loc) is P.InlineLoc
         assert np.frombuffer(bytes(resend[4]), np.float64).tolist() == [0.0, 1.0, 2.0, 3.0]
         assert not call.inbox and not call.done  # the caller never saw the NOT_LOCAL

@@ -78,3 +78,61 @@ def test_a_result_that_crosses_its_cancel_counts_as_the_cancellation_its_client_
         until(lambda: sum(_outcomes(base, "held").values()) == 2, "both requests counted")
         assert h.cancelled
     assert _outcomes(base, "held") == {"ok": 1, "cancelled": 1}
+
+
+def test_a_stream_frame_sent_again_on_a_new_connection_reports_its_drops_once(tmp_path):
+    """A latest-wins stream over tcp: a frame that carries the count of frames dropped before
+    it is running when the connection to the broker is reset; the client sends it again on
+    the new connection, and the copy carried the same count: the broker counted those drops
+    twice (its first copy reached it).  A call sent again (a replaced connection, NOT_LOCAL's
+    inline resend) now says nothing of its drops: they are counted once, with the first."""
+    import os
+
+    from bench.relay import Relay
+
+    from .conftest import Proc
+
+    runs, fifo = tmp_path / "runs.log", tmp_path / "gate.fifo"
+    os.mkfifo(fifo)
+    b = Proc(["-m", "broker", "--frontend", "tcp://127.0.0.1:0", "--backend", f"ipc://{tmp_path}/be.ipc",
+              "--heartbeat-interval", "0.2", "--insecure", "--http", "127.0.0.1:0"])
+    w = relay = gate = None
+    try:
+        b.wait_ready()
+        base = "http://" + b.field("http")
+        w = Proc(["-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model", "gate_model:held",
+                  "--heartbeat-interval", "0.2", "--credit", "4"], env={"SLEEPY_LOG": str(runs), "GATE_FIFO": str(fifo)})
+        w.wait_ready()
+        gate = os.open(fifo, os.O_WRONLY)
+        relay = Relay(int(b.field("frontend").rsplit(":", 1)[1]))
+        held = {"x": np.array([-1.0])}
+
+        def running(n):
+            until(lambda: runs.exists() and runs.read_text().count("\n") == n, f"{n} held frame(s) run")
+
+        with Client(f"tcp://127.0.0.1:{relay.port}", insecure=True, timeout=WAIT, heartbeat_interval=0.2) as c:
+            assert c.mmi_service("held")  # the hello's answer named the connection
+            with c.stream("held", latest_wins=True, max_in_flight=1, pin=False) as st:
+                st.send(held)
+                running(1)
+                for _ in range(4):  # three replaced by the fourth, which waits for the first
+                    st.send(held)
+                os.write(gate, b"x")
+                st.recv(timeout=WAIT).release()  # the fourth goes now, telling of 3 drops
+                running(2)
+                relay.cut()  # while it runs: sent again on the new connection
+                os.write(gate, b"xx")  # its first run (answered into the old connection) and its second
+                st.recv(timeout=WAIT).release()
+                assert c.broker_reconnects == 1 and c.resent_calls == 1
+                dropped = st.stats().dropped
+        assert dropped == 3
+        until(lambda: sum(_outcomes(base, "held").values()) == 3, "the frames counted")
+        assert value(scrape(base), "zmq_infer_stream_dropped_frames_total", service="held") == dropped
+    finally:
+        if relay is not None:
+            relay.close()
+        if gate is not None:
+            os.close(gate)
+        for p in (w, b):
+            if p is not None:
+                p.close()
