@@ -136,3 +136,57 @@ def test_a_stream_frame_sent_again_on_a_new_connection_reports_its_drops_once(tm
         for p in (w, b):
             if p is not None:
                 p.close()
+
+
+def test_calls_sent_again_on_a_replaced_connection_count_once_per_copy(tmp_path):
+    """A client's tcp connection is reset with one call running and one queued behind it:
+    the old connection's copies reach nobody (`client_gone`, once each: the running one's
+    result finds the connection gone, the queued one is dropped with its client or runs for
+    nobody), the client's resends are `ok`, once each, and the gauges come back to 0."""
+    import os
+
+    from bench.relay import Relay
+
+    from .conftest import Proc
+
+    runs, fifo = tmp_path / "runs.log", tmp_path / "gate.fifo"
+    os.mkfifo(fifo)
+    b = Proc(["-m", "broker", "--frontend", "tcp://127.0.0.1:0", "--backend", f"ipc://{tmp_path}/be.ipc",
+              "--heartbeat-interval", "0.2", "--insecure", "--http", "127.0.0.1:0"])
+    w = relay = gate = None
+    try:
+        b.wait_ready()
+        base = "http://" + b.field("http")
+        w = Proc(["-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model", "gate_model:held",
+                  "--heartbeat-interval", "0.2", "--credit", "1"], env={"SLEEPY_LOG": str(runs), "GATE_FIFO": str(fifo)})
+        w.wait_ready()
+        gate = os.open(fifo, os.O_WRONLY)
+        relay = Relay(int(b.field("frontend").rsplit(":", 1)[1]))
+        with Client(f"tcp://127.0.0.1:{relay.port}", insecure=True, timeout=WAIT, heartbeat_interval=0.2) as c:
+            assert c.mmi_service("held")
+            hs = [c.infer_stream("held", {"x": np.array([-1.0])}) for _ in range(2)]
+            until(lambda: runs.exists() and runs.read_text().count("\n") == 1, "the first call running")
+            until(lambda: value(scrape(base), "zmq_infer_queue_depth", service="held", priority="normal") == 1,
+                  "the second queued")
+            relay.cut()
+            os.write(gate, b"x" * 4)  # up to two runs each: the old copies' and the resends'
+            for h in hs:
+                h.result(timeout=WAIT).release()
+            assert c.broker_reconnects == 1 and c.resent_calls == 2
+
+        def settled():
+            s = scrape(base)
+            return (value(s, "zmq_infer_in_flight", service="held") == 0
+                    and value(s, "zmq_infer_queue_depth", service="held", priority="normal") == 0
+                    and sum(_outcomes(base, "held").values()) == 4)
+
+        until(settled, "every copy counted, nothing held")
+        assert _outcomes(base, "held") == {"ok": 2, "client_gone": 2}
+    finally:
+        if relay is not None:
+            relay.close()
+        if gate is not None:
+            os.close(gate)
+        for p in (w, b):
+            if p is not None:
+                p.close()
