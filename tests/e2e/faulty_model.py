@@ -12,7 +12,8 @@ faulty_model:<factory>`, with this folder on PYTHONPATH.  Each request says what
   name with a lone surrogate), "emptyhuge" (an empty output of shape (0, 1 << 40) float32);
   slow = 1
   makes the batch
-  take 0.15 s.  `batched_keeper`: the same, returning a view of one buffer it keeps.
+  take 0.15 s (slow = 0.03: 0.03 s; any time over `leases.LONG_BATCH_S` makes it a batch
+  predicted long, run on the compute thread).  `batched_keeper`: the same, returning a view of one buffer it keeps.
 - `keeper`: returns a view of one buffer it keeps and fills again on every call (the
   preallocated `out=` pattern).
 - `streaming`: yields `x + i` for i < 4; do = "raise" raises after 2 partials ("surrogate":
@@ -46,8 +47,10 @@ class Batched(ModelBase):
     def __call__(self, batch, meta):
         x = batch["x"]
         n = len(x)
-        if any(m.get("slow") for m in meta):
-            time.sleep(0.15)  # predicted slow: every batch goes to the compute thread
+        slow = [m["slow"] for m in meta if m.get("slow")]
+        if slow:
+            # predicted slow: every batch goes to the compute thread
+            time.sleep(0.15 if max(slow) is True or max(slow) == 1 else float(max(slow)))
         for m in meta:
             do = m.get("do")
             if do == "raise":

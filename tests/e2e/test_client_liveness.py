@@ -21,9 +21,9 @@ pytestmark = pytest.mark.timeout(120)
 
 # The cluster's broker heartbeats every 0.2 s: its client liveness window is 0.6 s.  The
 # clients' own window (silence before a waiting call fails with BrokerUnreachable) is 5
-# heartbeat intervals: 2 s here.  The quiet spell is longer than both.
-QUIET_S = 3.0
-HB_S = 0.4
+# heartbeat intervals: 1.5 s here.  The quiet spell is longer than both.
+QUIET_S = 2.0
+HB_S = 0.3
 
 
 def test_a_quiet_blocking_client_keeps_its_requests_in_flight_and_queued(cluster, gate):

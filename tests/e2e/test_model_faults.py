@@ -67,8 +67,9 @@ def test_a_request_that_makes_the_model_raise_fails_alone(cluster, do, offload):
     # the compute thread it killed the thread: the worker hung for good, heartbeating.
     cluster.broker()
     w = cluster.worker("faulty_model:batched", "--service", "batched", "--max-batch", "8", "--max-delay-ms", "5")
-    slow = {"slow": 1} if offload else {}  # a batch predicted slow runs on the compute thread
-    # (Half the load there: each batch sleeps 0.15 s, and the full one took 15 s a run.)
+    # A batch predicted slow runs on the compute thread: 30 ms is six times the line
+    # (`leases.LONG_BATCH_S`); half the load there (each batch sleeps, the halves too).
+    slow = {"slow": 0.03} if offload else {}
     good, bad = (24, 8) if offload else (48, 16)
     served, errors = _mixed_load(cluster.frontend, {"do": do}, n_good=good, n_bad=bad, extra=slow)
     assert served == good and len(errors) == bad
