@@ -1435,14 +1435,21 @@ class ClientCore(PinEvents):
         """Whether a closing client should still wait for one of ``calls`` (`close_cancel`'s):
         its answer has not come, and its path can still bring it (a call through the broker
         is not waited for once the broker has been silent for the liveness window since it
-        was sent)."""
+        was sent, nor when nothing was ever heard from it and its endpoint has a problem
+        that says why: no socket file, nothing listening, a refused handshake)."""
         hb = self.heartbeat_interval
         heard = max(self.last_recv, self.resumed_at)
+        nobody: bool | None = None  # (asked once, and only if it matters)
         for c in calls:
             if self.calls.get(c.id) is not c:
                 continue  # answered
-            if c.pin is None and hb is not None and now - max(heard, c.t_sent) > LIVENESS * hb:
-                continue  # a silent broker
+            if c.pin is None:
+                if hb is not None and now - max(heard, c.t_sent) > LIVENESS * hb:
+                    continue  # a silent broker
+                if nobody is None:
+                    nobody = self.last_recv == 0.0 and self._endpoint_problem() is not None
+                if nobody:
+                    continue  # no broker ever answered: nothing it was sent reached a worker
             return True
         return False
 

@@ -707,6 +707,12 @@ def test_close_cancels_what_may_come_back_in_shared_memory_and_lingers_until_it_
     assert not core.lingering(calls, 100.3 + 6 * core.heartbeat_interval)
     core.last_recv = 0.0  # never heard
     assert core.lingering(calls, 100.4)
+    # ... unless its endpoint says why nothing came (no socket file, nothing listening):
+    # a client pointed at no broker closes at once.
+    core.endpoint_problem = lambda: "no socket at /tmp/nowhere.ipc"
+    assert not core.lingering(calls, 100.4)
+    core.last_recv = 100.35  # heard once: the broker was there, its answer may still come
+    assert core.lingering(calls, 100.4)
 
 
 def test_linger_is_a_number_of_seconds_from_zero():
