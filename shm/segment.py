@@ -328,10 +328,18 @@ class ClockPeers:
 
     def same(self, pid: int, start: Any = None) -> bool:
         """Whether process ``pid`` (started at ``start``, when known) reads our clock; False
-        when that cannot be read (the process has exited, its /proc is not ours)."""
+        when that cannot be told: the process has exited, its /proc is not ours, or the
+        process /proc shows under that pid did not start at ``start`` (a pid attested in
+        another pid namespace, or reused: its clock says nothing of the client's)."""
         key = (pid, start)
         same = self._known.get(key)
         if same is None:
+            if start is not None:
+                try:
+                    if proc_starttime(pid) != start:
+                        return False
+                except OutOfResources:
+                    return False  # (not kept: asked again at the next request)
             if len(self._known) >= self._limit:
                 self._known.clear()
             theirs = monotonic_offset_ns(pid)

@@ -63,3 +63,22 @@ def test_a_segment_that_cannot_be_mapped_now_is_out_of_resources():
         assert p.returncode == 0 and p.stdout.splitlines() == [
             "OutOfResources", "descriptors left behind: 0", "then: made"], \
             (mode, p.returncode, p.stdout, p.stderr[-3000:])
+
+
+def test_clock_peers_trust_a_pid_only_for_the_process_that_started_when_attested():
+    """`ClockPeers.same`: a process on our clock is (this one, and its pid with its start
+    time); a pid whose process did not start at the attested time (attested in another pid
+    namespace, or reused) says nothing of the client's clock, nor one that does not exist."""
+    import os
+
+    from shm.segment import ClockPeers, proc_starttime
+
+    peers = ClockPeers(limit=2)
+    me = os.getpid()
+    start = proc_starttime(me)
+    assert peers.same(me) and peers.same(me, start)
+    assert not peers.same(me, start + 1)
+    assert not peers.same(2 ** 22 + 12345)  # above pid_max's default: no such process
+    for k in range(5):  # bounded: forgotten at the limit, asked again
+        peers.same(me, start) if k % 2 else peers.same(me)
+    assert len(peers._known) <= 2
