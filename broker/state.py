@@ -2115,6 +2115,17 @@ class Scheduler(LeaseEvents):
         return obj.last_seen + self._client_ttl
 
     def _expire_deadline(self, req, now, out):
+        if req.state == _CANCELLING:
+            # Its client cancelled it (its call ended `Cancelled` then) and its worker has not
+            # confirmed: the deadline ends it, as it would a running one, but as what its
+            # client saw: `cancelled` (it counted `deadline_exceeded`, and `expired`: the
+            # counts hunt).  The worker was told already; its late answer is dropped.
+            req.state = _ABANDONED
+            req.late = self._clients.get(req.client)
+            self._error(req, ErrorCode.CANCELLED,
+                        f"cancelled by the client; its worker had not confirmed by the request's deadline "
+                        f"({now - req.dispatched_at:.3f} s in flight)", out)
+            return
         self._counters["expired"] += 1
         if req.state == _QUEUED:
             self._unqueue(req)

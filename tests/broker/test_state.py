@@ -1394,3 +1394,24 @@ def test_a_result_for_a_request_its_client_cancelled_counts_as_cancelled():
     s.worker_done(b"w", [d5.token], 0.4, [0], [0.0])
     s.client_cancel(b"c2", 5, 0.5)  # too late: answered already
     assert counted[-1] == 0
+
+
+def test_a_cancelled_request_whose_deadline_passes_before_its_worker_confirms_counts_cancelled():
+    """The client cancelled a running request (its call ended `Cancelled` then); its worker
+    did not confirm before the request's deadline (a batch runs to its end), and the
+    deadline answered it: it counted `deadline_exceeded` (and `expired`), an outcome its
+    client never saw.  It ends `cancelled` now, at the deadline as before (its slots and
+    its client's counts freed), and the worker's late answer changes nothing."""
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, 1, deadline=1.0), Dispatch)
+    s.client_cancel(C, 1, 0.1)
+    out = s.tick(1.0)
+    err = only(out, ClientError)
+    assert err.code == ErrorCode.CANCELLED, err
+    assert of(out, CancelAtWorker) == []  # told once already
+    counters = s.stats()["counters"]
+    assert counters["expired"] == 0 and counters["cancelled"] == 1
+    assert s.worker_final(b"w", d.token, 1.2, "late", code=0) == []
+    assert s.stats()["counters"]["dropped_late"] == 1
+    assert of(req(s, 1, now=1.3), ClientError) == []  # its id is free again

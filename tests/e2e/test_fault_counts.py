@@ -190,3 +190,30 @@ def test_calls_sent_again_on_a_replaced_connection_count_once_per_copy(tmp_path)
         for p in (w, b):
             if p is not None:
                 p.close()
+
+
+def test_a_cancelled_call_whose_deadline_passes_before_its_worker_confirms_counts_cancelled(cluster, gate):
+    """A running call is cancelled by its client (its call ends `Cancelled`); its worker is in
+    a batch that runs to its end, so the cancellation is not confirmed before the call's
+    deadline, which answered it: `deadline_exceeded` (and the `expired` event), an outcome
+    its client never saw.  It counts `cancelled`, once: the worker's late answer is dropped."""
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    cluster.worker("gate_model:factory", "--service", "gate", env=gate.env, wait=False)
+    gate.open()
+
+    def event(name):
+        return value(scrape(base), "zmq_infer_broker_events_total", event=name)
+
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, "gate")
+        h = c.infer_stream("gate", {"x": np.zeros(1)}, timeout=0.5)
+        gate.wait_entered(1)
+        assert h.cancel()
+        until(lambda: sum(_outcomes(base, "gate").values()), "the call answered at its deadline")
+        gate.release(1)
+        until(lambda: event("dropped_late"), "the worker's late answer")
+        assert h.cancelled
+    assert _outcomes(base, "gate") == {"cancelled": 1}
+    assert event("expired") == 0 and event("cancelled") == 1
+    assert value(scrape(base), "zmq_infer_in_flight", service="gate") == 0
