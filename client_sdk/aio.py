@@ -1240,14 +1240,7 @@ class AsyncClient(ClientBase):
         # inbox and the pool are let go of all the same.
         dead = self._loop is not None and self._loop.is_closed()
         if not dead:
-            err = InferenceError("the client was closed while this request was waiting", code=None)
-            for call in core.active():
-                core.fail(call, err)
-            for q in list(core.mmi_waiters):  # their mmi_service() raises (no answer, closed)
-                if q.notify is not None:
-                    q.notify()
-            for st in list(self._streams):  # a recv() with nothing in flight has no call to wake it
-                st.wake()
+            self._tell_closed()
         stopped: BaseException | None = None  # this task's cancellation, met while it waited
         if wait > 0 and not dead and self._loop is not None:
             try:
@@ -1260,6 +1253,9 @@ class AsyncClient(ClientBase):
                 if stopped is not None:
                     raise stopped
                 return
+            # Other tasks ran while it waited: a call or a question they made meanwhile is
+            # let go of below (its inbox too), so it is told now, or it waited for good.
+            self._tell_closed()
         self._unwatch.detach()  # (closed here: nothing for the finalizer to do)
         if self._loop is not None:
             for sock in [*self._socks, *([self._broker_monitor] if self._broker_monitor is not None else [])]:
@@ -1301,10 +1297,8 @@ class AsyncClient(ClientBase):
         if not dead:
             self._wake_pumps()
             if wait > 0:
-                # Woken before the wait, they found the client still open and waited again.
-                for q in list(core.mmi_waiters):
-                    if q.notify is not None:
-                        q.notify()
+                # Woken before the wait, a recv() with nothing in flight found the client
+                # still open and waited again.
                 for st in list(self._streams):
                     st.wake()
         if stopped is not None:
@@ -1319,6 +1313,24 @@ class AsyncClient(ClientBase):
                     raise  # ours, not the heartbeat's: the caller was cancelled meanwhile
             except Exception:
                 pass
+
+    def _tell_closed(self) -> None:
+        """`close()`: every task waiting on the client is woken with its error: each call
+        still waited for, each MMI question not answered (its `mmi_service()` raises that
+        error even while the close still waits for answers: woken with none and the client
+        open, it had taken the silence for the broker's answer, a ProtocolError), each
+        stream's `recv()` (one with nothing in flight has no call to wake it)."""
+        core = self._core
+        err = InferenceError("the client was closed while this request was waiting", code=None)
+        for call in core.active():
+            core.fail(call, err)
+        for q in list(core.mmi_waiters):
+            if q.answer is None and q.error is None and not q.abandoned:
+                q.error = InferenceError("the client was closed while this question was waiting", code=None)
+            if q.notify is not None:
+                q.notify()
+        for st in list(self._streams):
+            st.wake()
 
     async def _linger(self, wait: float) -> None:
         """`close()`'s wait (`Client._linger`): the requests in flight that may be answered in

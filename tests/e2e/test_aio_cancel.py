@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import urllib.request
 
@@ -158,6 +160,76 @@ def test_close_wakes_every_task_that_waits_on_the_client(cluster, gate):
         asyncio.run(scenario())
     finally:
         gate.release(8)  # the gated calls end, so the worker can drain
+
+
+def _gate_worker(cluster, gate):
+    w = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "8",
+                       "--no-warmup", env=gate.env, wait=False)
+    gate.open()
+    w.wait_ready()
+
+
+def test_a_call_made_while_close_waits_is_woken_by_the_close(cluster, gate):
+    """close() waits (its linger) for the answers of what it cancelled; another task's call
+    made meanwhile was sent, then let go of by the close without a word: its `infer`, its
+    handle's `result()` waited for good (the close cancels the deadline timer too)."""
+    cluster.broker()
+    _gate_worker(cluster, gate)
+
+    async def handle(c):
+        async with c.infer_stream("gate", {"x": X}) as h:
+            await h.result()
+
+    async def scenario():
+        c = AsyncClient(cluster.frontend, timeout=None, linger=0.5)
+        assert await c.mmi_service("gate")
+        held = c.infer_stream("gate", {"x": X})  # at the gate: close() waits for its answer
+        await _until(lambda: gate.entered() >= 1, what="the gated call at its worker")
+        closing = asyncio.create_task(c.close())
+        await _until(lambda: held._call.abandoned, what="close() giving the held call up")
+        assert not c.closed  # it waits
+        late = [asyncio.create_task(c.infer("gate", {"x": X})), asyncio.create_task(handle(c))]
+        await asyncio.wait_for(closing, 10)
+        assert c.closed
+        done, pending = await asyncio.wait(late, timeout=5)
+        assert not pending, "a call made while close() waited was never woken"
+        for t in late:
+            assert isinstance(t.exception(), InferenceError) and "closed" in str(t.exception()), t.exception()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.release(8)
+
+
+def test_an_mmi_question_pending_while_close_waits_is_told_the_client_closed(cluster, gate):
+    """close() woke the tasks waiting on the client before its wait; an mmi_service() woken
+    with no answer and the client still open took the missing answer for the broker's:
+    ProtocolError ("mmi.service answered b''"), not "the client was closed"."""
+    broker = cluster.broker()
+    _gate_worker(cluster, gate)
+
+    async def scenario():
+        c = AsyncClient(cluster.frontend, timeout=None, linger=0.5)
+        assert await c.mmi_service("gate")
+        held = c.infer_stream("gate", {"x": X})  # noqa: F841 (close() waits for its answer)
+        await _until(lambda: gate.entered() >= 1, what="the gated call at its worker")
+        os.kill(broker.p.pid, signal.SIGSTOP)  # the question stays unanswered
+        try:
+            asked = asyncio.create_task(c.mmi_service("gate"))
+            await _until(c._core.mmi_waiting, what="the question asked")
+            await asyncio.wait_for(c.close(), 10)
+            done, _ = await asyncio.wait([asked], timeout=5)
+            assert done
+            e = asked.exception()
+            assert isinstance(e, InferenceError) and "closed" in str(e), repr(e)
+        finally:
+            os.kill(broker.p.pid, signal.SIGCONT)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.release(8)
 
 
 def _events(base: str) -> dict:
