@@ -1416,6 +1416,13 @@ class ClientCore(PinEvents):
         ends (or the broker's answer at once, for a queued one)."""
         if self.closed or self._gen != T.fork_generation():
             return [], []
+        for call in self._parked.values():
+            # Off its lease, waiting for the broker's next heartbeat answer (pins.py, `_park`):
+            # it never ran and nothing answers it.  Given up, `unpark` forgets it at that
+            # answer, which the close's wait may read; else it went out then, through the
+            # broker, run for nobody (its reply after the close kept its slot lent).
+            call.abandoned = True
+            call.notify = None
         calls = [c for k, c in self.calls.items()
                  if k == c.id and not c.done and c.reply != "inline" and k not in self._parked]
         out: list[list[Any]] = []

@@ -904,3 +904,27 @@ def test_a_pinned_call_is_not_given_up_for_the_brokers_silence(core):
     assert isinstance(core.unreachable(first, later), errors.BrokerUnreachable)
     assert core.fail_unreachable(later) == 1
     assert not pinned.inbox and first.inbox[0][0] == "error"
+
+
+def test_close_gives_up_a_parked_call_which_is_then_never_sent():
+    """A call off its lease, parked until the broker's next heartbeat answer (`_park`), when
+    close() begins: it never ran and nothing will answer it, so close() does not wait for
+    it, and it is not sent through the broker at that answer, which the close's wait reads
+    (it went out as a new request of a client about to leave: run for nobody, and its reply
+    in shared memory, coming after the close, kept its slot lent)."""
+    core = ClientCore("ipc:///tmp/zinf-pin-core-test.sock", transport="auto", heartbeat_interval=1.0, pin=2)
+    try:
+        core.on_message(_hb(), 99.0)
+        first, pin = _pinned(core)
+        a, _ = _send(core, now=101.0, reply="shm")  # (its answer may name output slots)
+        assert a.pin is pin
+        msg = "this connection's lease ended (client_gone); resend this request through the broker (it did not run)"
+        assert _asks_heartbeat(core.on_message(_error(a, ErrorCode.SERVICE_UNAVAILABLE, msg), 101.5, pin=pin))
+        assert a.id in core._parked
+        calls, _ = core.close_cancel(101.6)
+        assert first in calls and a not in calls
+        assert a.abandoned
+        assert _ids(core.on_message(_hb(), 101.7)) == [], "the parked call was sent during close()'s wait"
+        assert a.id not in core.calls and a.done
+    finally:
+        core.close()
