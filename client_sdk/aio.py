@@ -1347,7 +1347,11 @@ class AsyncClient(ClientBase):
             self._run_ops()
         end = now + wait
         while core.lingering(calls, now) and now < end:
-            await self.pump(end - now)
+            # A look at least once a heartbeat period (as the blocking twin's `_pump`): the
+            # broker's silence ends the wait without anything arriving (a stopped broker held
+            # the close for its whole linger).
+            hb = core.heartbeat_period
+            await self.pump(end - now if hb is None else min(end - now, hb))
             now = time.monotonic()
 
     aclose = close

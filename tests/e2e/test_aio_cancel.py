@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from client_sdk import AsyncClient
+from client_sdk import AsyncClient, Client
 from client_sdk.errors import InferenceError
 
 pytestmark = pytest.mark.timeout(120)
@@ -228,6 +228,50 @@ def test_an_mmi_question_pending_while_close_waits_is_told_the_client_closed(clu
 
     try:
         asyncio.run(scenario())
+    finally:
+        gate.release(8)
+
+
+def test_close_does_not_wait_on_a_silent_broker_past_its_window(cluster, gate):
+    """close() does not wait for an answer through a broker silent for the liveness window
+    (docs/client.md, "Closing with requests in flight"), on either twin: the asyncio one
+    judged the silence only when something arrived, so a stopped broker held its close for
+    the whole linger (the blocking one looks every heartbeat period)."""
+    broker = cluster.broker()
+    _gate_worker(cluster, gate)
+    hb = 0.05  # the window: 5 intervals
+
+    async def scenario():
+        c = AsyncClient(cluster.frontend, timeout=None, heartbeat_interval=hb, linger=6)
+        assert await c.mmi_service("gate")
+        held = c.infer_stream("gate", {"x": X})  # noqa: F841 (close() waits for its answer)
+        await _until(lambda: gate.entered() >= 1, what="the gated call at its worker")
+        os.kill(broker.p.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            await asyncio.wait_for(c.close(), 20)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(broker.p.pid, signal.SIGCONT)
+        assert c.closed and took < 3, f"close() waited {took:.1f}s on a broker silent after {5 * hb:g}s"
+
+    try:
+        asyncio.run(scenario())
+        gate.release(1)  # the twin's turn: its call reaches the gate
+        c = Client(cluster.frontend, timeout=None, heartbeat_interval=hb, linger=6)
+        held = c.infer_stream("gate", {"x": X})  # noqa: F841
+        deadline = time.monotonic() + 10
+        while gate.entered() < 2:
+            assert time.monotonic() < deadline, "the gated call at its worker"
+            time.sleep(0.005)  # polling a condition
+        os.kill(broker.p.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            c.close()
+            took = time.monotonic() - t0
+        finally:
+            os.kill(broker.p.pid, signal.SIGCONT)
+        assert c.closed and took < 3, f"Client.close() waited {took:.1f}s on a broker silent after {5 * hb:g}s"
     finally:
         gate.release(8)
 
