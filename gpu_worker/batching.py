@@ -10,18 +10,36 @@ Policy
   builds one from an input dict.
 * Size.  A batch holds at most ``max_batch`` requests and at most ``max_cost`` total cost;
   a single request whose cost alone exceeds ``max_cost`` still runs, alone.  Requests of a
-  group are taken in add order and a batch stops at the first one that does not fit (no
-  overtaking inside a group), but for priorities:
+  group are taken in order (add order, but for turns and priorities, below) and a batch
+  stops at the first one that does not fit (no overtaking inside a group).
+* Turns.  Requests of several principals (``Pending.principal``: the client the broker
+  attested) in one group take turns: a batch takes one request of each principal, then a
+  second of each that has one, and so on, each principal's own in add order.  The
+  principals go least recently served first: one joins the turns at their back with its
+  first pending request of the group (so, until one is served, in the order their oldest
+  pending requests arrived), and one served in a batch goes to the back (the one served
+  last at the very back), so turns go on across batches, even batches of one.  So a
+  flood of one principal parked at a worker (up to its credit, or a lease's slots) makes
+  another principal's lone request of its class wait for at most one request of each
+  principal ahead of it in the turns (and the batch running), not for the flood: with a
+  batch of two or more it goes in the next batch.  With one principal nothing changes
+  (and costs nothing: the group is the plain queue it always was, and becomes one again
+  once a single principal is left in it).  A request without a principal (None) is one
+  principal like any other.  The wait bounds below stay the group's oldest request's,
+  whichever turn it is.
 * Priorities (``priority``: 0 urgent, 1 normal, 2 background, as in the request header).
   While requests of one class only are pending, nothing changes.  With several, each
   request scores as the broker scores its queues, ``priority_weights[priority] x (1 +
   waited / aging_s)`` (3 / 1 / 0.5 and 0.5 s, the broker's defaults): inside a group the
   higher scores go first (ties by add order), and the group whose best request scores
-  highest goes first.  Urgent work wins while the rest waits only so long (no starvation);
-  on a pinned stream (docs/protocol.md section 10) the worker's batcher is the only queue a
+  highest goes first.  With several principals in a group, the slots of a batch go to the
+  classes as they would with one (by score), and a class's slots to its principals in
+  turn.  Urgent work wins while the rest waits only so long (no starvation); on a pinned
+  stream (docs/protocol.md section 10) the worker's batcher is the only queue a
   request meets, so this is where its priority holds.
-* Fairness.  Among requests of one class, the group holding the oldest pending request (by
-  ``arrived``, ties by add order) goes first, even while a younger group's batch is fuller.
+* Fairness between groups.  Among requests of one class, the group holding the oldest
+  pending request (by ``arrived``, ties by add order) goes first, even while a younger
+  group's batch is fuller (whichever principal's turn that batch begins with).
 * Deadlines.  A request whose ``deadline`` has passed (``deadline <= now``) is never put
   in a batch: ``take()`` sets it aside and ``expire(now)`` hands it to the caller (which
   owes its client an error).  ``expire`` also collects any that passed since.
@@ -67,8 +85,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import islice
 
 __all__ = ["Batcher", "Pending", "batch_key"]
 
@@ -87,6 +106,10 @@ class Pending:
     backlog: int | None = None
     #: 0 urgent, 1 normal, 2 background (the request header's): lower goes first
     priority: int = 1
+    #: whose request it is (the worker passes the client the broker attested: its pid, or a
+    #: lease's principal); requests of several principals in one group take turns (see
+    #: "Turns" in the module docstring).  None, like any other value, is one principal.
+    principal: Hashable = None
 
 
 def batch_key(inputs: Mapping[str, object]) -> Hashable:
@@ -102,6 +125,122 @@ def batch_key(inputs: Mapping[str, object]) -> Hashable:
 class _Entry:
     seq: int
     p: Pending
+
+
+def _rounds(queues: Iterable[Iterable[_Entry]]) -> Iterator[_Entry]:
+    """Round robin: the first entry of each queue (in the order given), then the second of
+    each that has one, and so on.  Lazy: the first ``n`` cost O(n) whatever the queues hold."""
+    its = []
+    for q in queues:
+        it = iter(q)
+        e = next(it, None)
+        if e is not None:
+            yield e
+            its.append(it)
+    while its:
+        more = []
+        for it in its:
+            e = next(it, None)
+            if e is not None:
+                yield e
+                more.append(it)
+        its = more
+
+
+class _Turns:
+    """The requests of one group that several principals hold: each principal's in its own
+    queue (add order), and the principals in the order of their turns (``ring``: least
+    recently served first; one joins at the back with its first pending request)."""
+
+    __slots__ = ("queues", "ring", "mixed", "_oldest")
+
+    def __init__(self, group: deque, e: _Entry):
+        first = group[0].p.principal
+        self.queues: dict[Hashable, deque[_Entry]] = {first: group}
+        self.ring: deque[Hashable] = deque((first,))
+        #: the batch order while several classes are pending (`Batcher._best_scored_key`)
+        self.mixed: list[_Entry] | None = None
+        self._oldest: _Entry | None = None
+        self.add(e)
+
+    def add(self, e: _Entry) -> None:
+        pr = e.p.principal
+        q = self.queues.get(pr)
+        if q is None:
+            self.queues[pr] = deque((e,))
+            self.ring.append(pr)
+        else:
+            q.append(e)
+        o = self._oldest
+        if o is not None and (e.p.arrived, e.seq) < (o.p.arrived, o.seq):
+            self._oldest = e
+
+    def oldest(self) -> _Entry:
+        """The pending request that arrived first (ties: added first)."""
+        o = self._oldest
+        if o is None:
+            o = self._oldest = min((q[0] for q in self.queues.values()), key=lambda e: (e.p.arrived, e.seq))
+        return o
+
+    def order(self) -> Iterator[_Entry]:
+        """The batch order while one class is pending: one request of each principal in
+        turn, round after round."""
+        queues = self.queues
+        return _rounds(queues[pr] for pr in self.ring)
+
+    def order_mixed(self, score: Callable[[_Entry], float]) -> _Entry:
+        """Set ``mixed``, the batch order while several classes are pending, and return the
+        best-scored request.  The slots go to the classes as they would with one principal
+        (by score, highest first, ties by add order); a class's slots go to its principals in
+        turn (in ``ring`` order), each principal's requests of the class by score."""
+        ranked = sorted((e for q in self.queues.values() for e in q), key=lambda e: (-score(e), e.seq))
+        per_class: dict[int, dict[Hashable, list[_Entry]]] = {}
+        for e in ranked:
+            per_class.setdefault(e.p.priority, {}).setdefault(e.p.principal, []).append(e)
+        place = {pr: i for i, pr in enumerate(self.ring)}
+        turns = {c: _rounds(sorted(held.values(), key=lambda es: place[es[0].p.principal]))
+                 for c, held in per_class.items()}
+        self.mixed = [next(turns[e.p.priority]) for e in ranked]
+        return ranked[0]
+
+    def settle(self, taken: list[_Entry]) -> None:
+        """``taken`` (in batch order) went: out of their queues, and the principals served
+        to the back of the ring, the one served last at the very back."""
+        last: dict[Hashable, int] = {}
+        queues = self.queues
+        for i, e in enumerate(taken):
+            pr = e.p.principal
+            q = queues[pr]
+            if q[0] is e:
+                q.popleft()
+            else:  # several classes: a principal's more urgent request went first
+                q.remove(e)
+            last[pr] = i
+        ring = self.ring
+        k = len(last)
+        if all(pr in last for pr in islice(ring, k)):  # round robin serves a prefix of the ring
+            for _ in range(k):
+                ring.popleft()
+        else:
+            self.ring = ring = deque(pr for pr in ring if pr not in last)
+        for pr in sorted(last, key=last.__getitem__):
+            if queues[pr]:
+                ring.append(pr)
+            else:
+                del queues[pr]
+        self.mixed = self._oldest = None
+
+    def remove(self, seqs: set[int]) -> None:
+        queues = self.queues
+        for pr in [pr for pr, q in queues.items() if any(e.seq in seqs for e in q)]:
+            q = deque(e for e in queues[pr] if e.seq not in seqs)
+            if q:
+                queues[pr] = q
+            else:
+                del queues[pr]
+        if len(self.ring) != len(queues):
+            self.ring = deque(pr for pr in self.ring if pr in queues)
+        self.mixed = self._oldest = None
 
 
 @dataclass(slots=True)
@@ -147,7 +286,8 @@ class Batcher:
         # Samples are capped so that one long silence does not make the estimate "light
         # traffic" for the next hundred arrivals; anything above max_delay reads as light.
         self._gap_cap = 16.0 * self.max_delay
-        self._groups: dict[Hashable, deque[_Entry]] = {}
+        # per key: its requests in batch order (one principal), or its principals' turns
+        self._groups: dict[Hashable, deque[_Entry] | _Turns] = {}
         self._live: dict[int, _Entry] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap; stale entries skipped lazily
         self._expired: list[Pending] = []
@@ -184,7 +324,16 @@ class Batcher:
         elif p.priority != self._priority:
             self._mixed = True
         self._live[e.seq] = e
-        self._groups.setdefault(p.key, deque()).append(e)
+        group = self._groups.get(p.key)
+        if group is None:
+            self._groups[p.key] = deque((e,))
+        elif type(group) is deque:
+            if group[0].p.principal == p.principal:  # one principal: the common case
+                group.append(e)
+            else:
+                self._groups[p.key] = _Turns(group, e)
+        else:
+            group.add(e)
         if p.deadline is not None:
             heapq.heappush(self._deadlines, (p.deadline, e.seq))
 
@@ -340,7 +489,7 @@ class Batcher:
         best = None
         best_key = None
         for key, group in self._groups.items():
-            head = group[0]
+            head = group[0] if type(group) is deque else group.oldest()
             rank = (head.p.arrived, head.seq)
             if best is None or rank < best:
                 best, best_key = rank, key
@@ -358,10 +507,13 @@ class Batcher:
         best = None
         best_key = None
         for key, group in self._groups.items():
-            ranked = sorted(group, key=lambda e: (-score(e), e.seq))
-            if ranked != list(group):
-                self._groups[key] = group = deque(ranked)
-            head = group[0]
+            if type(group) is deque:
+                ranked = sorted(group, key=lambda e: (-score(e), e.seq))
+                if ranked != list(group):
+                    self._groups[key] = group = deque(ranked)
+                head = group[0]
+            else:
+                head = group.order_mixed(score)
             rank = (-score(head), head.p.arrived, head.seq)
             if best is None or rank < best:
                 best, best_key = rank, key
@@ -369,10 +521,9 @@ class Batcher:
 
     def _plan(self, key: Hashable) -> tuple[int, bool]:
         """(items in the next batch of ``key``, whether that batch is full)."""
-        group = self._groups[key]
         total = 0.0
         n = 0
-        for e in group:
+        for e in self._order(key):
             if n == self.max_batch:
                 return n, True
             c = e.p.cost
@@ -407,10 +558,10 @@ class Batcher:
             # group (once it is reached, the best-scored group goes, and the rest follow).
             t = min(e.p.arrived for e in self._live.values()) + self.max_delay
         else:
-            t = group[0].p.arrived + self.max_delay
+            t = (group[0] if type(group) is deque else group.oldest()).p.arrived + self.max_delay
         missing = self.max_batch - n
         if math.isfinite(self.max_cost):
-            used = sum(e.p.cost for _, e in zip(range(n), group))
+            used = sum(e.p.cost for e in islice(self._order(key), n))
             if used > 0:
                 room = (self.max_cost - used) / (used / n)  # items of average cost that still fit
                 if room < missing:  # (also keeps a huge room from tiny costs out of int())
@@ -425,10 +576,17 @@ class Batcher:
         """Whether the broker said, for each of the next ``n`` requests of ``key``, that it
         had nothing of the service queued when it dispatched them (so any company would
         have to be a request not sent yet)."""
-        for _, e in zip(range(n), self._groups[key]):
+        for e in islice(self._order(key), n):
             if e.p.backlog is None or e.p.backlog > 0:
                 return False
         return True
+
+    def _order(self, key: Hashable) -> Iterable[_Entry]:
+        """The requests of ``key`` in the order they go into batches."""
+        group = self._groups[key]
+        if type(group) is deque:
+            return group
+        return group.mixed if self._mixed else group.order()
 
     def _first_deadline(self) -> float | None:
         heap = self._deadlines
@@ -454,11 +612,16 @@ class Batcher:
 
     def _remove(self, seqs: set[int]) -> None:
         for key in {self._live[s].p.key for s in seqs}:
-            group = deque(e for e in self._groups[key] if e.seq not in seqs)
-            if group:
-                self._groups[key] = group
+            group = self._groups[key]
+            if type(group) is deque:
+                group = deque(e for e in group if e.seq not in seqs)
+                if group:
+                    self._groups[key] = group
+                else:
+                    del self._groups[key]
             else:
-                del self._groups[key]
+                group.remove(seqs)
+                self._settle_turns(key, group)
         for s in seqs:
             del self._live[s]
         if not self._live:
@@ -467,13 +630,31 @@ class Batcher:
     def _pop(self, key: Hashable, n: int) -> list[Pending]:
         group = self._groups[key]
         batch = []
-        for _ in range(n):
-            e = group.popleft()
-            del self._live[e.seq]
-            batch.append(e.p)
-        if not group:
-            del self._groups[key]
+        if type(group) is deque:
+            for _ in range(n):
+                e = group.popleft()
+                del self._live[e.seq]
+                batch.append(e.p)
+            if not group:
+                del self._groups[key]
+        else:
+            taken = list(islice(self._order(key), n))
+            group.settle(taken)
+            for e in taken:
+                del self._live[e.seq]
+                batch.append(e.p)
+            self._settle_turns(key, group)
         if not self._live:
             self._mixed = False
         self._busy = True
         return batch
+
+    def _settle_turns(self, key: Hashable, group: _Turns) -> None:
+        """After some of a shared group's requests went: with one principal left, its queue
+        is the group again (the fast path); with none, the group is gone."""
+        if len(group.queues) > 1:
+            return
+        if group.queues:
+            self._groups[key] = next(iter(group.queues.values()))
+        else:
+            del self._groups[key]

@@ -251,21 +251,27 @@ def test_bad_parameters_rejected():
 
 op = st.one_of(
     st.tuples(st.just("add"), st.sampled_from("abc"), st.floats(0.0, 5.0), st.none() | st.floats(0.0, 0.01),
-              st.floats(0.0, 0.003)),
+              st.floats(0.0, 0.003), st.sampled_from([None, "P", "Q"]), st.sampled_from([1, 1, 1, 0, 2])),
+    # a principal's flood: several requests at once (normal, no deadline)
+    st.tuples(st.just("burst"), st.sampled_from("ab"), st.sampled_from([None, "P", "Q"]), st.integers(1, 6)),
     st.tuples(st.just("take"), st.booleans(), st.floats(0.0, 0.003)),
     st.tuples(st.just("drop"), st.integers(0, 6)),
     st.tuples(st.just("expire"), st.floats(0.0, 0.003)),
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(ops=st.lists(op, max_size=60), max_batch=st.integers(1, 5), max_cost=st.sampled_from([3.0, 6.0, float("inf")]),
        max_delay=st.sampled_from([0.0, 0.001, 0.002]))
 def test_every_request_is_returned_exactly_once(ops, max_batch, max_cost, max_delay):
+    """Also with several principals and classes: each principal's requests of one class and
+    key come out of `take` in add order, and within a class of a batch no principal has a
+    second request while another principal's request of that class and key waits (turns)."""
     b = Batcher(max_batch=max_batch, max_cost=max_cost, max_delay=max_delay, deadline_margin=0.0005)
     now = 0.0
     added: dict[int, Pending] = {}
     returned: list[int] = []
+    last_taken: dict[tuple, int] = {}  # (principal, key, priority) -> the last item take returned
 
     def check_batch(batch, t):
         if not batch:
@@ -274,15 +280,34 @@ def test_every_request_is_returned_exactly_once(ops, max_batch, max_cost, max_de
         assert len({p.key for p in batch}) == 1
         assert len(batch) == 1 or sum(p.cost for p in batch) <= max_cost
         assert all(p.deadline is None or p.deadline > t for p in batch)
+        done = set(returned)
+        for p in batch:
+            who = (p.principal, p.key, p.priority)
+            assert p.item > last_taken.get(who, -1), f"{who}: {p.item} after {last_taken.get(who)}"
+            last_taken[who] = p.item
+            done.add(p.item)
+        for c in {p.priority for p in batch}:
+            mine = [p.principal for p in batch if p.priority == c]
+            waiting = {p.principal for i, p in added.items() if i not in done and p.key == batch[0].key
+                       and p.priority == c and (p.deadline is None or p.deadline > t)}
+            if waiting - set(mine):
+                assert len(mine) == len(set(mine)), (c, mine, waiting)
         returned.extend(p.item for p in batch)
 
     for o in ops:
         if o[0] == "add":
-            _, key, cost, ttl, dt = o
+            _, key, cost, ttl, dt, principal, priority = o
             now += dt
             i = len(added)
-            added[i] = req(i, now, key=key, cost=cost, deadline=None if ttl is None else now + ttl)
+            added[i] = Pending(key=key, cost=cost, item=i, arrived=now, deadline=None if ttl is None else now + ttl,
+                               principal=principal, priority=priority)
             b.add(added[i], now)
+        elif o[0] == "burst":
+            _, key, principal, n = o
+            for _ in range(n):
+                i = len(added)
+                added[i] = Pending(key=key, cost=1.0, item=i, arrived=now, principal=principal)
+                b.add(added[i], now)
         elif o[0] == "take":
             _, idle, dt = o
             now += dt

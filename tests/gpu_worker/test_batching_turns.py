@@ -1,0 +1,141 @@
+"""Turns between principals inside a group of the dynamic batcher (module docstring,
+"Turns"): a flood of one principal parked at a worker does not go ahead of another's lone
+request of the same class.  Driven by an injected clock, as tests/gpu_worker/test_batching.py."""
+from __future__ import annotations
+
+from collections import deque
+
+from gpu_worker.batching import Batcher, Pending
+
+
+def _p(item, arrived, principal=None, priority=1, key="k", cost=1.0, deadline=None):
+    return Pending(key=key, cost=cost, item=item, arrived=arrived, priority=priority, principal=principal,
+                   deadline=deadline)
+
+
+def _drain(b: Batcher, now: float = 5.0) -> list[list]:
+    out = []
+    while len(b):
+        batch = b.take(now, idle=True, force=True)
+        assert batch
+        out.append([p.item for p in batch])
+    return out
+
+
+def _flood(b: Batcher, n: int, principal="A", t0: float = 1.0) -> float:
+    t = t0
+    for i in range(n):
+        b.add(_p(f"{principal}{i}", t, principal), t)
+        t += 0.001
+    return t
+
+
+def test_a_second_principals_lone_request_goes_in_the_next_batch_not_behind_a_flood():
+    """The measured case (docs/security.md, "Fair sharing"): batch 4, 8 of a flood parked
+    (the worker's credit), then another client's one request.  Before: 8 ran first."""
+    b = Batcher(max_batch=4, max_delay=0.0)
+    t = _flood(b, 8)
+    b.add(_p("B0", t, "B"), t)
+    assert _drain(b) == [["A0", "B0", "A1", "A2"], ["A3", "A4", "A5", "A6"], ["A7"]]
+
+
+def test_turns_last_across_batches_even_of_one():
+    b = Batcher(max_batch=1, max_delay=0.0)
+    t = _flood(b, 4)
+    b.add(_p("B0", t, "B"), t)
+    b.add(_p("B1", t + 0.001, "B"), t + 0.001)
+    b.add(_p("C0", t + 0.002, "C"), t + 0.002)
+    assert _drain(b) == [["A0"], ["B0"], ["C0"], ["A1"], ["B1"], ["A2"], ["A3"]]
+
+
+def test_a_principal_served_goes_to_the_back_of_the_turns():
+    """Round robin, not "oldest head first": after A and B had a turn each in a batch of 3,
+    B (served less recently) goes first in the next, though A's next request is older."""
+    b = Batcher(max_batch=3, max_delay=0.0)
+    t = _flood(b, 4)
+    for i in range(4):
+        b.add(_p(f"B{i}", t, "B"), t)
+        t += 0.001
+    assert _drain(b) == [["A0", "B0", "A1"], ["B1", "A2", "B2"], ["A3", "B3"]]
+
+
+def test_each_principals_requests_keep_their_add_order_and_newcomers_join_at_the_back():
+    b = Batcher(max_batch=8, max_delay=0.0)
+    b.add(_p("A0", 1.0, "A"), 1.0)
+    b.add(_p("C0", 1.1, "C"), 1.1)
+    b.add(_p("A1", 1.2, "A"), 1.2)
+    b.add(_p("B0", 1.3, "B"), 1.3)
+    b.add(_p("C1", 1.4, "C"), 1.4)
+    b.add(_p("A2", 1.5, "A"), 1.5)
+    assert _drain(b) == [["A0", "C0", "B0", "A1", "C1", "A2"]]
+
+
+def test_one_principal_keeps_the_plain_queue():
+    """The common case stays the fast path: one principal's group is a plain deque, and a
+    group that had several goes back to one once a single principal is left."""
+    b = Batcher(max_batch=2, max_delay=0.0)
+    t = _flood(b, 4)
+    assert type(b._groups["k"]) is deque
+    b.add(_p("B0", t, "B"), t)
+    assert type(b._groups["k"]) is not deque
+    assert [p.item for p in b.take(5.0, idle=True)] == ["A0", "B0"]
+    assert type(b._groups["k"]) is deque
+    assert _drain(b) == [["A1", "A2"], ["A3"]]
+
+
+def test_priorities_still_win_across_classes_and_turns_hold_inside_each():
+    b = Batcher(max_batch=3, max_delay=0.0)
+    t = 1.0
+    for i in range(3):
+        b.add(_p(f"An{i}", t, "A"), t)
+        t += 0.001
+    b.add(_p("Bn0", t, "B"), t)
+    b.add(_p("Bu0", t, "B", priority=0), t)
+    b.add(_p("Au0", t, "A", priority=0), t)
+    b.add(_p("Au1", t, "A", priority=0), t)
+    # Urgent first, in turns (A's first request came first, so A has the first turn), then
+    # the normal ones in turns: B first, as A had the last turn.
+    assert _drain(b, now=t) == [["Au0", "Bu0", "Au1"], ["Bn0", "An0", "An1"], ["An2"]]
+
+
+def test_aging_still_beats_a_fresh_urgent_flood():
+    b = Batcher(max_batch=1, max_delay=0.0)
+    b.add(_p("bg", 0.0, "B", priority=2), 0.0)
+    for i in range(3):
+        b.add(_p(f"u{i}", 9.9, "A", priority=0), 9.9)
+    assert [p.item for p in b.take(10.0, idle=True)] == ["bg"]
+
+
+def test_max_cost_stops_at_the_first_request_in_turn_order_that_does_not_fit():
+    b = Batcher(max_batch=8, max_cost=4.0, max_delay=0.0)
+    b.add(_p("A0", 1.0, "A", cost=1.0), 1.0)
+    b.add(_p("A1", 1.1, "A", cost=1.0), 1.1)
+    b.add(_p("B0", 1.2, "B", cost=3.0), 1.2)
+    b.add(_p("B1", 1.3, "B", cost=1.0), 1.3)
+    assert _drain(b) == [["A0", "B0"], ["A1", "B1"]]
+
+
+def test_drop_and_expire_in_a_shared_group():
+    b = Batcher(max_batch=4, max_delay=0.0)
+    b.add(_p("A0", 1.0, "A"), 1.0)
+    b.add(_p("A1", 1.0, "A", deadline=1.5), 1.0)
+    b.add(_p("B0", 1.0, "B"), 1.0)
+    b.add(_p("C0", 1.0, "C"), 1.0)
+    b.add(_p("A2", 1.0, "A"), 1.0)
+    assert [p.item for p in b.drop(lambda p: p.item == "B0")] == ["B0"]
+    assert [p.item for p in b.take(2.0, idle=True)] == ["A0", "C0", "A2"]
+    assert [p.item for p in b.expire(2.0)] == ["A1"]
+    assert len(b) == 0
+
+
+def test_the_wait_bound_is_the_groups_oldest_request_whatever_its_turn():
+    b = Batcher(max_batch=8, max_delay=0.002)
+    for t in (0.0, 0.0005, 0.001):  # a known short gap: the batcher waits for company
+        b.add(Pending(key="k", cost=1.0, item=t, arrived=t, backlog=3), t)
+        b.take(t, idle=True, force=True)
+        b.idle()
+    b.add(Pending(key="k", cost=1.0, item="A0", arrived=0.0015, backlog=3, principal="A"), 0.0015)
+    b.add(Pending(key="k", cost=1.0, item="B0", arrived=0.002, backlog=3, principal="B"), 0.002)
+    assert b.wake_at(0.002) == 0.0015 + 0.002  # A0's bound (the expected fill is later)
+    assert b.take(0.003, idle=True) == []
+    assert [p.item for p in b.take(0.0035, idle=True)] == ["A0", "B0"]
