@@ -1195,9 +1195,16 @@ class Worker:
                 self.direct.open(endpoint)  # (a reply sent before it is relayed: DirectSockets.open)
         self._admit(Job(envelope, req, None, None, now, None, None), rest, now)
 
-    def _admit(self, job: Job, rest, now: float) -> None:
+    def _admit(self, job: Job, rest, now: float, principal=None) -> None:
         """A decoded request (brokered or leased): checked against the model, its inputs
-        mapped, then into the batcher; or answered with the error that stops it."""
+        mapped, then into the batcher; or answered with the error that stops it.
+
+        Its principal in the batcher, whose requests take turns with other principals'
+        (gpu_worker/batching.py, "Turns"): the client the broker attested, as the broker
+        counts it (broker/state.py, "Connections and principals"): its pid (``req.pid``,
+        the broker's word, never the header's), else ``principal`` (a lease's, e.g. the
+        CurveZMQ key of a tcp leaseholder), else None (the brokered requests of clients
+        nobody could attest, tcp ones included, are one principal here)."""
         req = job.req
         if self._signature is not None:
             why = mismatch(self._signature, req.tensors)
@@ -1274,7 +1281,8 @@ class Worker:
             cost = 1.0
         self.jobs[job.envelope] = job
         self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline,
-                                 backlog=req.backlog, priority=req.priority), now, observed=observed)
+                                 backlog=req.backlog, priority=req.priority,
+                                 principal=req.pid if req.pid is not None else principal), now, observed=observed)
 
     def _lone_ready(self) -> bool:
         """Whether the worker may run a request it just admitted at once, if the batcher
@@ -2059,7 +2067,7 @@ class Worker:
         req.reply_to = None                   # replies go back on this connection
         req.queue_ms = req.returned = None    # the broker's fields: nothing queued it
         req.backlog = 0                       # the lease's other requests are here already
-        self._admit(Job(key, req, None, None, now, None, None, route), rest, now)
+        self._admit(Job(key, req, None, None, now, None, None, route), rest, now, grant.principal)
 
     def _waits_behind_another(self, lease, now: float) -> float | None:
         """The head-of-line rule of leases (docs/protocol.md section 10.3): how long (ms) the

@@ -171,6 +171,28 @@ def counted(device: str = "cpu"):
     return run
 
 
+def counted_batch(device: str = "cpu"):
+    """As `counted`, but batchable: a batch first appends "<pid> <tag>" to $RUN_LOG for each
+    of its requests in batch order (x = [tag], int64), then waits for one byte on
+    $GATE_FIFO (one per batch; opened read-write at load, as `held` does).  So a test reads
+    the exact run order, batch by batch.  Its warm-up (tag -1) does neither."""
+    log = os.environ["RUN_LOG"]
+    fd = os.open(os.environ["GATE_FIFO"], os.O_RDWR)
+
+    def run(inputs):
+        x = np.asarray(inputs["x"])
+        tags = [int(row.flat[0]) for row in x]
+        if tags[0] >= 0:
+            with open(log, "a") as f:
+                f.write("".join(f"{os.getpid()} {tag}\n" for tag in tags))
+            os.read(fd, 1)
+        return {"x": np.array(x, copy=True)}
+
+    run.name = "counted_batch"
+    run.example_inputs = lambda: {"x": np.full(1, -1, np.int64)}
+    return run
+
+
 def tagged(device: str = "cpu"):
     """For stream tests: x = [tag, what, ...] (int64) comes back as it is, with the worker's
     pid in `pid`, so every result names the frame it answers and who ran it.  what = 1:

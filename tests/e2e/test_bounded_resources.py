@@ -130,10 +130,10 @@ def _recv_final(sock: zmq.Socket, timeout_ms: int = 10_000) -> tuple[P.Reply, li
     return P.decode_reply(m.body[0], n_inline=len(m.body) - 1), list(m.body[1:])
 
 
-def _barrier(sock: zmq.Socket) -> None:
+def _barrier(sock: zmq.Socket, service: str = "gate") -> None:
     """An MMI question on `sock`, answered: the broker handles one connection's messages in
     order, so it has handled everything sent on `sock` before."""
-    sock.send_multipart(P.client_request("mmi.service", [b"gate"]))
+    sock.send_multipart(P.client_request("mmi.service", [service.encode()]))
     assert sock.poll(10_000), "no MMI answer"
     m = P.parse_broker_to_client(sock.recv_multipart())
     assert m.service == b"mmi.service" and m.body[0] == b"200", m
@@ -717,6 +717,63 @@ def test_a_client_that_marks_everything_urgent_does_not_starve_normal_ones(clust
             assert max(took) < (3.0 if credit == "1" else 1.7), took
     finally:
         greedy.close()
+
+
+def test_another_clients_lone_request_does_not_wait_behind_a_flood_parked_at_the_worker(cluster, gate, tmp_path):
+    """One client (another process) has 15 requests held by a worker of batch 4 and credit
+    16: one runs (gated), 14 wait in its batcher.  Then another client sends one request
+    (the worker's last credit: it is dispatched at once, and parks behind the flood).  The
+    batcher takes turns between principals (gpu_worker/batching.py, "Turns"), so it goes in
+    the next batch, not behind the whole flood.  Before, it ran last: the 15 of the flood
+    ran first, in four batches."""
+    cluster.broker()
+    runs = tmp_path / "runs.log"
+    p = cluster.worker("gate_model:counted_batch", "--service", "cb", "--max-batch", "4", "--credit", "16",
+                       "--no-warmup", env={**gate.env, "RUN_LOG": str(runs)}, wait=False)
+    gate.open()  # returns at once: the model holds the FIFO open for reading and writing
+    p.wait_ready()
+
+    def run_order() -> list[int]:
+        return [int(line.split()[1]) for line in runs.read_text().splitlines()] if runs.exists() else []
+
+    def until_runs(n: int) -> None:
+        deadline = time.monotonic() + 20
+        while len(run_order()) < n:
+            assert time.monotonic() < deadline, f"{run_order()}: waited for {n} runs"
+            time.sleep(0.005)  # polling a file (a condition, not a delay)
+
+    def tagged(rid: int, tag: int) -> list:
+        return _request("cb", rid, np.array([tag], np.int64).tobytes(), "<i8", [1])
+
+    flood = _ChildDealer(cluster.frontend, tmp_path)
+    try:
+        with Client(cluster.frontend, timeout=20) as c:
+            wait_service(c, "cb")
+            flood.send_multipart(tagged(1, 0))
+            until_runs(1)  # the flood's first request runs alone, held at the gate
+            for tag in range(1, 15):
+                flood.send_multipart(tagged(tag + 1, tag))
+            _barrier(flood, "cb")  # all 14 dispatched to the worker (credit 16)
+            with c.infer_stream("cb", {"x": np.array([100], np.int64)}, timeout=20) as mine:
+                assert c.mmi_service("cb", timeout=10)  # dispatched too: the last credit
+                for n in (5, 9, 13, 16):  # one batch at a time
+                    gate.release(1)
+                    until_runs(n)
+                gate.release(1)
+                res = next(mine)
+                assert res.final and res["x"].tolist() == [100]
+                res.release()
+            for _ in range(15):
+                rep, _ = _recv_final(flood)
+                assert rep.error is None, rep
+    finally:
+        flood.close(0)
+    order = run_order()
+    print(f"\nrun order (100: the other client's): {order}")
+    assert [t for t in order if t != 100] == list(range(15)), order  # the flood's own order stays
+    # Normally in the batch right after the flood's first (index 1 to 4); a batch later if
+    # the worker read it only after taking that one.  Behind the flood: index 15.
+    assert order.index(100) <= 8, order
 
 
 _FILLS_ITS_DESCRIPTORS = """
