@@ -333,8 +333,14 @@ class DirectSockets:
             sock.close(linger=0)
 
     def close(self) -> None:
-        for sock in self._socks.values():
-            sock.close(linger=DIRECT_LINGER_MS)
+        """Close every socket: those of live clients linger (`DIRECT_LINGER_MS`: FINALs told
+        to the broker as DONE still reach them); one whose client closed its socket (its file
+        is gone) or exited has nobody to deliver to, and closes at once (a reply queued to a
+        client that had closed held the worker's exit for the whole linger, 2 s)."""
+        for ep, sock in self._socks.items():
+            owner = self._owner.get(ep)
+            gone = not os.path.exists(ep[len("ipc://"):]) or (owner is not None and not self._holders.alive(*owner))
+            sock.close(linger=0 if gone else DIRECT_LINGER_MS)
         self._socks.clear()
         self._owner.clear()
         self._eager.clear()

@@ -236,3 +236,37 @@ def test_a_call_after_an_unheard_stop_is_not_sent_to_the_gone_worker(cluster):
         assert time.monotonic() - t0 < TIMEOUT_S / 2
         assert c.pinned_replies == before + 1  # through the broker, not the gone worker
     assert plain.terminate() == 0
+
+
+def test_a_reply_queued_for_a_client_that_closed_does_not_hold_the_workers_exit(cluster, gate):
+    """A direct reply queued on the socket to a client's reply inbox after that client closed
+    (its file gone, nobody will read it): the worker's exit lingered the whole
+    `DIRECT_LINGER_MS` (2 s) on it, on every SIGTERM after such a close.  It closes at once
+    now; sockets of live clients still linger for what they hold."""
+    broker = cluster.broker()
+    w = cluster.worker("gate_model:copying", "--service", "gate", "--max-batch", "1", env=gate.env, wait=False)
+    gate.open()
+    w.wait_ready()
+    c = Client(cluster.frontend, timeout=20)
+    try:
+        wait_service(c, "gate")
+        gate.release()
+        with c.infer("gate", {"x": np.ones(4)}):  # a direct reply: the worker's socket to the inbox is up
+            pass
+        assert c.direct_replies == 1
+        h = c.infer_stream("gate", {"x": np.ones(4)})
+        gate.wait_entered(2)
+        # The broker stopped: the close's DISCONNECT (and so the cancel at the worker) waits
+        # in its socket, and the answer goes straight to the inbox the close is about to shut.
+        os.kill(broker.p.pid, signal.SIGSTOP)
+    finally:
+        c.close(linger=0)  # its inbox closed and unlinked, the call still at the gate
+    try:
+        gate.release()  # its answer goes to the closed inbox's socket
+        t0 = time.monotonic()
+        assert w.terminate(timeout=15) == 0
+        took = time.monotonic() - t0
+    finally:
+        os.kill(broker.p.pid, signal.SIGCONT)
+    assert took < 1.5, f"the worker's exit took {took:.2f} s"  # (2 s and more before: the linger)
+    del h
