@@ -620,8 +620,8 @@ class Client(ClientBase):
                 return
             while later:
                 action = later.popleft()
-                self._nested = True  # (a deferred close() does not linger: `close`)
                 try:
+                    self._nested = True  # (a deferred close() does not linger: `close`)
                     action()
                 except Exception:  # the nested caller's (it returned long ago), not this call's
                     log.exception("error in a client call deferred from a signal handler or a finalizer")
