@@ -1096,7 +1096,9 @@ class AsyncClient(ClientBase):
         on), `pin=False` never, `pin=True` always (InvalidInput with heartbeats off)."""
         from .stream import AsyncStream
 
-        self._core.check_open()  # as infer_stream: a closed (or forked) client says so here, not at send()
+        # As infer_stream: a closed (or forked) client, and options its frames could not
+        # carry, say so here, not at every send().
+        self._core.check_stream_options(service, timeout=timeout, priority=priority, meta=meta, reply=reply)
         self._check_loop()  # before it asks for a lease
         may_pin = self._core.stream_pins(pin)
         st = AsyncStream(self, service, latest_wins=latest_wins, max_in_flight=max_in_flight,

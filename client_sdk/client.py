@@ -408,7 +408,9 @@ class Client(ClientBase):
         pins every service anyway."""
         from .stream import Stream
 
-        self._core.check_open()  # as infer_stream: a closed (or forked) client says so here, not at send()
+        # As infer_stream: a closed (or forked) client, and options its frames could not
+        # carry, say so here, not at every send().
+        self._core.check_stream_options(service, timeout=timeout, priority=priority, meta=meta, reply=reply)
         may_pin = self._core.stream_pins(pin)
         st = Stream(self, service, latest_wins=latest_wins, max_in_flight=max_in_flight,
                     timeout=timeout, priority=priority, meta=meta, reply=reply, pin=may_pin)

@@ -131,6 +131,37 @@ def _check_meta(meta: dict) -> None:
                            f"send data as tensors")
 
 
+def _checked_route(service: Any, reply: Any, traceparent: Any) -> str:
+    """`service`, `reply` and `traceparent` of a request checked (InvalidInput); `reply` as a
+    plain str."""
+    check_service(service)
+    if service.startswith(P.MMI_PREFIX):
+        raise InvalidInput(f"{service!r} is a broker query (MMI, RFC 8), not a service: it takes no tensors; "
+                           "use client.mmi_service(name), or client.request() for another mmi. query")
+    if not isinstance(reply, str) or reply not in P.REPLY_MODES:  # (a list: unhashable)
+        raise InvalidInput(f"reply {reply!r} must be one of {sorted(P.REPLY_MODES)}")
+    if traceparent is not None and not isinstance(traceparent, str):
+        raise InvalidInput(f"traceparent must be a str ('00-<32 hex>-<16 hex>-<2 hex>') or None, "
+                           f"got {type(traceparent).__name__}")
+    return str.__str__(reply)  # a str subclass (numpy's str_) equal to one: the header takes str itself
+
+
+def _meta_dict(meta: Any) -> dict:
+    """A request's ``meta`` as a dict of str keys (InvalidInput otherwise)."""
+    if meta is not None and not isinstance(meta, Mapping):
+        raise InvalidInput(f"meta must be a dict of str keys, got {type(meta).__name__}")
+    out = dict(meta or {})
+    for key in out:  # msgpack takes other keys; the worker refused them as a protocol error
+        if type(key) is not str:
+            raise InvalidInput(f"meta keys must be str; got {key!r} ({type(key).__name__})")
+    return out
+
+
+def _unencodable_meta(e: Exception) -> str:
+    return (f"meta cannot be encoded as msgpack ({type(e).__name__}: {e}); use str (valid UTF-8), int (within 64 "
+            "bits), float, bool, list and dict values, and str keys")
+
+
 def _unencodable(call: Call, e: Exception) -> str:
     """What in a request's header cannot be encoded, for `InvalidInput` (the error path only)."""
     for t in call.packed.tensors:
@@ -140,8 +171,7 @@ def _unencodable(call: Call, e: Exception) -> str:
             return f"input name {t.name!r} is not valid UTF-8 ({u.reason})"
         if type(t.name) is not str:  # a str subclass: msgspec takes str itself only
             return f"input name {t.name!r} is a {type(t.name).__name__}; give a str"
-    return (f"meta cannot be encoded as msgpack ({type(e).__name__}: {e}); use str (valid UTF-8), int (within 64 "
-            "bits), float, bool, list and dict values, and str keys")
+    return _unencodable_meta(e)
 
 
 def _number(x: Any) -> float:
@@ -457,6 +487,23 @@ class ClientCore(PinEvents):
         """Seconds a request may take: `timeout`, else the client's default; None for no limit."""
         return _seconds(self.timeout if timeout is None else timeout)
 
+    def check_stream_options(self, service: str, *, timeout: float | None, priority: Any,
+                             meta: Mapping[str, Any] | None, reply: str) -> None:
+        """What `stream()` checks when it opens: the options each of its frames will carry,
+        refused as `new_call` (and the header) would refuse them, so that a bad one raises
+        `InvalidInput` here rather than at every `send()`."""
+        self.check_open()
+        _checked_route(service, reply, None)
+        self.timeout_of(timeout)
+        parse_priority(priority)
+        meta = _meta_dict(meta)
+        if meta:
+            try:
+                msgspec.msgpack.encode(meta)
+            except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
+                raise InvalidInput(_unencodable_meta(e)) from None
+            _check_meta(meta)
+
     def new_call(self, service: str, inputs: Mapping[str, Any], *, timeout: float | None = None,
                  priority: Any = "normal", meta: Mapping[str, Any] | None = None, reply: str = "auto",
                  copy_inline: bool = False, traceparent: str | None = None) -> Call:
@@ -468,16 +515,7 @@ class ClientCore(PinEvents):
                  and not self.closed and self._gen == T.fork_generation())
         if not plain:
             self.check_open()
-            check_service(service)
-            if service.startswith(P.MMI_PREFIX):
-                raise InvalidInput(f"{service!r} is a broker query (MMI, RFC 8), not a service: it takes no tensors; "
-                                   "use client.mmi_service(name), or client.request() for another mmi. query")
-            if not isinstance(reply, str) or reply not in P.REPLY_MODES:  # (a list: unhashable)
-                raise InvalidInput(f"reply {reply!r} must be one of {sorted(P.REPLY_MODES)}")
-            reply = str.__str__(reply)  # a str subclass (numpy's str_) equal to one: the header takes str itself
-            if traceparent is not None and not isinstance(traceparent, str):
-                raise InvalidInput(f"traceparent must be a str ('00-<32 hex>-<16 hex>-<2 hex>') or None, "
-                                   f"got {type(traceparent).__name__}")
+            reply = _checked_route(service, reply, traceparent)
         if self._deferred:
             self.run_deferred()
         if self._cuda is not None:
@@ -485,12 +523,7 @@ class ClientCore(PinEvents):
         call = Call(service, timeout=self.timeout_of(timeout))
         if not plain:
             call.priority = parse_priority(priority)
-            if meta is not None and not isinstance(meta, Mapping):
-                raise InvalidInput(f"meta must be a dict of str keys, got {type(meta).__name__}")
-            call.meta = dict(meta or {})
-            for key in call.meta:  # msgpack takes other keys; the worker refused them as a protocol error
-                if type(key) is not str:
-                    raise InvalidInput(f"meta keys must be str; got {key!r} ({type(key).__name__})")
+            call.meta = _meta_dict(meta)
             call.traceparent = traceparent
             if len(self._service_b) < _SERVICE_CACHE:
                 self._service_b[service] = service.encode()  # checked: the next call may skip that
