@@ -231,7 +231,8 @@ POOL_KEYS: dict[str, tuple] = {
                 "a non-empty string without spaces, of at most 255 bytes, not starting with 'mmi.' (the broker's)"),
     "max_batch": _int_between(1, 1 << 16),
     "max_delay_ms": _number_between(0, _LONGEST_S * 1000),
-    "max_cost": _number_at_least(0, strict=True),
+    # inf: no bound (the worker's default, and what its --max-cost takes)
+    "max_cost": (lambda v: (_is_number(v) or v == math.inf) and v > 0, "a number > 0 (inf: no bound)"),
     "credit": _int_between(1, 1 << 16),  # the broker refuses a READY with more
     "transports": (lambda v: isinstance(v, list) and v != [] and all(t in _TRANSPORTS for t in v),
                    f"a non-empty list of {', '.join(repr(t) for t in _TRANSPORTS)}"),

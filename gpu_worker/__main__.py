@@ -46,18 +46,21 @@ signal.pthread_sigmask(signal.SIG_SETMASK, _MASK)
 
 def add_model_options(ap: argparse.ArgumentParser) -> None:
     """The options of any process that runs our Worker loop (also `bench.proxied_worker`)."""
-    ap.add_argument("--model", default="echo", help="shipped model name or package.module:factory")
+    ap.add_argument("--model", default="echo", help="shipped model name or package.module:factory (default echo)")
     ap.add_argument("--service", default=None, help="service name to register (default: the model's name)")
-    ap.add_argument("--device", default=None, help="cpu, cuda:N or auto (default auto)")
-    ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--max-delay-ms", type=float, default=2.0, help="longest a batch waits for company")
+    ap.add_argument("--device", default=None,
+                    help="auto (default: cuda:0 when there is one, else cpu), cpu, cuda or cuda:N")
+    ap.add_argument("--max-batch", type=int, default=8, help="requests per batch at most (default 8)")
+    ap.add_argument("--max-delay-ms", type=float, default=2.0, help="longest a batch waits for company (default 2)")
     ap.add_argument("--batching", choices=("latency", "throughput"), default="latency",
                     help="latency (default): a batch waits for company only while the broker has a backlog "
                          "(a lone client never waits); throughput: also on arrival-rate evidence alone "
                          "(docs/models.md, 'Batching policy')")
-    ap.add_argument("--heartbeat-interval", type=float, default=1.0)
-    ap.add_argument("--out-capacity-mb", type=_positive_int, default=256, help="output ring size, MiB")
-    ap.add_argument("--transports", default="inline,shm")
+    ap.add_argument("--heartbeat-interval", type=float, default=1.0,
+                    help="seconds, until the broker's WELCOME gives its own (default 1.0)")
+    ap.add_argument("--out-capacity-mb", type=_positive_int, default=256, help="output ring size, MiB (default 256)")
+    ap.add_argument("--transports", default="inline,shm",
+                    help="comma-separated: inline, shm, cuda (default inline,shm)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--keep-warm-ms", type=_non_negative, default=None, metavar="MS",
                     help="while idle, run a batch of one every MS ms without work, to keep the device's clocks "
@@ -196,14 +199,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "numpy", "tensorrt"),
                     help="auto follows the model's framework; tensorrt needs tensorrt, onnx and a GPU")
     ap.add_argument("--cuda-pool-mb", type=_positive_int, default=256,
-                    help="device pool for outputs kept on the GPU (CUDA workers only)")
-    ap.add_argument("--max-cost", type=float, default=float("inf"), help="batch cost bound (model's cost units)")
+                    help="device pool for outputs kept on the GPU, MiB (CUDA workers only; default 256)")
+    ap.add_argument("--max-cost", type=float, default=float("inf"),
+                    help="batch cost bound (model's cost units; default: no bound)")
     ap.add_argument("--credit", type=int, default=None, help="requests held at once (default 2*max-batch)")
-    ap.add_argument("--heartbeat-liveness", type=int, default=3)
+    ap.add_argument("--heartbeat-liveness", type=int, default=3,
+                    help="silent intervals before the broker is presumed lost, until its WELCOME gives its own "
+                         "(default 3)")
     ap.add_argument("--no-direct-reply", action="store_true",
                     help="send every reply through the broker, even to clients on this host")
     ap.add_argument("--drain-grace-s", type=float, default=30.0,
-                    help="on SIGTERM, how long results stay readable for clients that have not released them")
+                    help="on SIGTERM, seconds results stay readable for clients that have not released them "
+                         "(default 30)")
     ap.add_argument("--direct", action="store_true",
                     help="take leases (pinned streams, docs/protocol.md section 10): bind a direct socket in the "
                          "runtime directory, on which leaseholding clients send requests straight to this worker")
@@ -216,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --direct: no local link beside the direct socket (docs/protocol.md section 10.6); "
                          "clients on this host then use the ipc direct socket")
     ap.add_argument("--done-delay-ms", type=float, default=5.0,
-                    help="longest a DONE for direct replies waits to gather more (docs/protocol.md section 8)")
+                    help="longest a DONE for direct replies waits to gather more "
+                         "(default 5; docs/protocol.md section 8)")
     ap.add_argument("--server-key", default=None,
                     help="tcp broker: its public certificate (server.key) or z85 key; default $ZMQ_INFER_SERVER_KEY")
     ap.add_argument("--worker-key", default=None,
@@ -230,15 +238,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     hold_std_descriptors()  # a closed stderr's number must not go to a socket we then write "stderr" into
-    from gpu_worker.worker import DIRECT_LINGER_MS, ConfigError, WarmupError, Worker, WorkerConfig, install_sigterm_drain
+    from gpu_worker.worker import (
+        DIRECT_LINGER_MS, ConfigError, WarmupError, Worker, WorkerConfig, ignore_other_signals, install_sigterm_drain,
+    )
 
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format, "worker")
+    # Until it serves (its model loading and warming up: minutes for a large one), a worker
+    # has nothing to drain: SIGTERM and SIGINT end it at once, as their default actions do
+    # (Python's own SIGINT handler raised KeyboardInterrupt in the model's code: a traceback
+    # on stderr), and SIGHUP, SIGUSR1 and SIGUSR2 are said and ignored, as once it serves
+    # (their default action ended it with no line; docs/operations.md).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    ignore_other_signals()
     # A crash in native code (a model's extension on one input, libzmq's assertions): every
     # thread's Python stack on stderr, written at once (log lines still queued for the
     # writer thread may not get out), and never blocked by a stderr nobody reads.
     enable_crash_dumps()
 
+    health_at = None
+    if args.health_port is not None:  # checked before the model loads (minutes, for a large one)
+        from gpu_worker.health import parse_port
+
+        try:
+            health_at = parse_port(args.health_port)
+        except ValueError as e:  # the message names the flag and what it takes
+            print(f"python -m gpu_worker: {e}", file=sys.stderr, flush=True)
+            return 2
     try:
         broker = args.broker or P.default_endpoints()[1]
     except P.RuntimeDirError as e:  # the runtime directory cannot be made or is not ours
@@ -330,20 +356,20 @@ def main(argv: list[str] | None = None) -> int:
               "fix the model, or start with --no-warmup (docs/models.md)")
         return 2
     health = None
-    if args.health_port is not None:
+    if health_at is not None:
         from broker.protocol.httpserve import host_port
-        from gpu_worker.health import HealthServer, loop_alive, parse_port
+        from gpu_worker.health import HealthServer, loop_alive
 
         try:
             health = HealthServer(
-                parse_port(args.health_port),
+                health_at,
                 live=lambda: loop_alive(lambda: worker.last_loop,
                                         lambda: worker.heartbeat_interval * worker.heartbeat_liveness,
                                         lambda: bool(worker.running)),
                 # (`signals`: a SIGTERM counted during a batch, before the loop sets `stop`:
                 # draining from that moment, as the broker already sees it)
                 ready=lambda: worker.ready and not worker.stop.is_set() and not worker.signals)
-        except (ValueError, OSError) as e:
+        except (ValueError, OSError) as e:  # it cannot listen there (taken, not this host's address)
             worker.close()
             print(f"python -m gpu_worker: --health-port {args.health_port}: {e}", file=sys.stderr, flush=True)
             return 2

@@ -77,7 +77,8 @@ from broker.protocol.naming import ipc_problem
 from shm.errors import NotShared, OutOfResources, SegmentGone
 from shm.segment import ClockPeers
 
-__all__ = ["Worker", "WorkerConfig", "WarmupError", "ConfigError", "install_sigterm_drain", "DIRECT_LINGER_MS"]
+__all__ = ["Worker", "WorkerConfig", "WarmupError", "ConfigError", "install_sigterm_drain", "ignore_other_signals",
+           "DIRECT_LINGER_MS"]
 
 log = logging.getLogger("gpu_worker")
 _POLLIN = int(zmq.POLLIN)
@@ -2487,17 +2488,11 @@ def _is_direct_request(frames) -> bool:
     return len(frames) >= 5 and bytes(frames[1]) == P.MDPC and bytes(frames[2]) == P.C_REQUEST
 
 
-def install_sigterm_drain(worker: Worker) -> None:
-    """SIGTERM or SIGINT: finish what is held, DISCONNECT, keep outputs readable until they
-    are released (or the grace passes); a second signal skips that wait."""
-
-    def on_signal(*_) -> None:
-        # Nothing that takes a lock: a second signal may arrive while this handler, or the
-        # loop, is inside an Event's lock (a deadlock, seen with a SIGKILLed launcher).
-        worker.signals += 1
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+def ignore_other_signals() -> None:
+    """SIGHUP, SIGUSR1 and SIGUSR2: a WARNING saying each is ignored, and the worker carries
+    on.  Installed from the worker's start (`python -m gpu_worker` calls it before its model
+    loads), not only once it serves: their default action ended a worker still loading or
+    warming up its model at once, with no line on stderr."""
     # SIGHUP's default action ended the worker at once, with no drain (an operator who sent it
     # meant a launcher's rolling restart, or a terminal closed): said, and ignored.
     # Said through the log's writer thread (logs.warn_from_signal): written here, to a stderr
@@ -2510,6 +2505,20 @@ def install_sigterm_drain(worker: Worker) -> None:
         signal.signal(sig, lambda n, _f: logs.warn_from_signal(
             "gpu_worker", f"{signal.Signals(n).name} ignored (logs go to stderr: there is no log file to reopen; "
                           "SIGTERM drains and stops a worker)"))
+
+
+def install_sigterm_drain(worker: Worker) -> None:
+    """SIGTERM or SIGINT: finish what is held, DISCONNECT, keep outputs readable until they
+    are released (or the grace passes); a second signal skips that wait."""
+
+    def on_signal(*_) -> None:
+        # Nothing that takes a lock: a second signal may arrive while this handler, or the
+        # loop, is inside an Event's lock (a deadlock, seen with a SIGKILLed launcher).
+        worker.signals += 1
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    ignore_other_signals()
     # The interpreter runs `on_signal` only once the loop's wait returns (PEP 475 restarts
     # it after EINTR, timeout and all): the C-level handler also writes the signal's number
     # to this pipe, which the loop watches (`Worker.signal_fd`).
