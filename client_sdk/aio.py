@@ -1339,15 +1339,11 @@ class AsyncClient(ClientBase):
         shared memory are cancelled, and their answers read by the loop's readers (each
         released: nobody will) for up to ``wait`` seconds, or until none can still come."""
         core = self._core
-        now = time.monotonic()
-        calls, frames = core.close_cancel(now)
-        if not calls:
+        started = self._close_cancel(wait)
+        if started is None:
             return
-        for msg in frames:
-            self._send_soon(msg)
-        if core.ops:
-            self._run_ops()
-        end = now + wait
+        calls, end = started
+        now = time.monotonic()
         while core.lingering(calls, now) and now < end:
             # A look at least once a heartbeat period (as the blocking twin's `_pump`): the
             # broker's silence ends the wait without anything arriving (a stopped broker held

@@ -114,6 +114,22 @@ class ClientBase:
         if core.ops and not core.closed:
             self._run_ops()
 
+    def _close_cancel(self, wait: float) -> tuple[list[Call], float] | None:
+        """The start of `close()`'s wait, the same on both twins: the requests in flight that
+        may be answered in shared memory are cancelled (`ClientCore.close_cancel`; the
+        CANCELs sent, a leased call's on its lease's connection).  Returns those calls and
+        when the wait ends, or None when there is nothing to wait for."""
+        core = self._core
+        now = time.monotonic()
+        calls, frames = core.close_cancel(now)
+        if not calls:
+            return None
+        for msg in frames:
+            self._send_soon(msg)
+        if core.ops:
+            self._run_ops()
+        return calls, now + wait
+
     def _send_soon(self, frames: list[Any]) -> None:
         """Send one message without waiting (each twin's own: the blocking client keeps a
         REQUEST or CANCEL that a full socket refuses for its next pump, in order, and drops a

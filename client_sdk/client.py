@@ -1064,15 +1064,11 @@ class Client(ClientBase):
         cancelled, and their answers read (each released: nobody will) for up to ``wait``
         seconds, or until none can still come."""
         core = self._core
-        now = time.monotonic()
-        calls, frames = core.close_cancel(now)
-        if not calls:
+        started = self._close_cancel(wait)
+        if started is None:
             return
-        for msg in frames:
-            self._send_soon(msg)
-        if core.ops:
-            self._run_ops()
-        end = now + wait
+        calls, end = started
+        now = time.monotonic()
         while core.lingering(calls, now) and now < end:
             self._pump(end - now, now)
             now = time.monotonic()

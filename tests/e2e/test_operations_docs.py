@@ -26,6 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import HERE, ROOT, Proc
+from .test_metrics import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -60,17 +61,6 @@ def _run_all(commands: list[list[str]], timeout: float = 30.0, env: dict | None 
                 p.kill()
                 p.wait(10)
     return done
-
-
-def _until(cond, what: str, timeout: float = WAIT):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout} s")
-        time.sleep(0.02)  # polling a file or a process (a condition, not a delay)
 
 
 def _get(base: str, path: str) -> tuple[int, bytes]:
@@ -201,7 +191,7 @@ def test_a_worker_loading_its_model_ignores_hup_and_usr_and_ends_at_once_on_int(
               "--out-capacity-mb", "16"],
              env={"LOADING_FILE": str(loading), "LOADING_RELEASE": str(tmp_path / "never")})
     try:
-        _until(loading.exists, "the worker loading its model")
+        until(loading.exists, "the worker loading its model")
         for sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
             w.p.send_signal(sig)
             w.wait_log(f"{sig.name} ignored", timeout=WAIT)
@@ -280,7 +270,7 @@ def test_default_endpoints_ready_lines_models_metrics_and_files_as_documented():
             return got if any(s.labels == {"service": "echo", "outcome": "ok"} and s.value == 1
                               for s in got["zmq_infer_requests"][2]) else None
 
-        families = _until(served, "the request counted ok")
+        families = until(served, "the request counted ok")
         for doc in ("operations.md", "deploy.md"):
             for name, (kind, labels) in _doc_metrics(doc).items():
                 family = name[: -len("_total")] if kind == "counter" and name.endswith("_total") else name
@@ -298,7 +288,7 @@ def test_default_endpoints_ready_lines_models_metrics_and_files_as_documented():
         # A SIGKILLed client and worker: the broker's sweep unlinks their files.
         c.kill()
         w.kill()
-        _until(lambda: not (direct.exists() or link.exists() or (run / reply).exists()),
+        until(lambda: not (direct.exists() or link.exists() or (run / reply).exists()),
                f"the dead processes' files swept: {os.listdir(run)}")
 
         b.p.send_signal(signal.SIGINT)  # "exits 0 on SIGTERM or SIGINT"
