@@ -87,7 +87,22 @@ _MODEL_ATTRS = ("name", "batchable", "streaming", "cost", "example_inputs")
 
 
 def _is_model(obj: object) -> bool:
-    return callable(obj) and all(hasattr(obj, a) for a in _MODEL_ATTRS)
+    """Whether a factory's result is a Model, used as is: an object with every attribute of
+    the interface.  A plain function, or an ``nn.Module`` called through ``nn.Module``'s own
+    ``__call__`` (its ``forward``), is not one even when it carries all of them: those are
+    the optional attributes docs/models.md lists for a wrapped module or function, which
+    stays a numpy callable (`CallableModel`) or a module called with keyword arguments in
+    eval mode on its device (`TorchModuleModel`); it was used as is (the model-docs hunt)."""
+    if not callable(obj) or not all(hasattr(obj, a) for a in _MODEL_ATTRS):
+        return False
+    if isinstance(obj, ModelBase):
+        return True
+    if inspect.isfunction(obj) or inspect.ismethod(obj) or inspect.isbuiltin(obj) or isinstance(obj, functools.partial):
+        return False
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        return type(obj).__call__ is not torch.nn.Module.__call__  # a module that overrides it takes the dict
+    return True
 
 
 def _nbytes(inputs: Mapping[str, Any]) -> float:
