@@ -163,6 +163,15 @@ ZOO = textwrap.dedent(
         return lambda batch: {"y": batch["x"]}
 
 
+    def _scaled(batch, k):
+        return {"y": batch["x"] * k}
+
+
+    def partial():                                  # anonymous too: named after the factory
+        import functools
+        return functools.partial(_scaled, k=2)
+
+
     def bad_examples():
         f = lambda batch: {"y": batch["x"].reshape(len(batch["x"]), 2, 2)}
         f.example_inputs = {"x": np.ones(3, np.float32)}   # 3 cannot be 2x2
@@ -301,6 +310,7 @@ def test_model_base_defaults():
 def test_a_callable_objects_name_is_its_class_name_lowercased(zoo):
     m = load_model(f"{zoo}:callable_object", "cpu")
     assert isinstance(m, CallableModel) and m.name == "doubler"
+    assert load_model(f"{zoo}:partial", "cpu").name == "partial"  # anonymous: the factory's name
 
 
 def test_a_module_that_does_not_import_chains_the_original_exception(zoo, tmp_path):
