@@ -224,15 +224,11 @@ def test_the_documented_defaults():
     assert c["max_segments"].default == 64 and c["max_segment_bytes"].default == 64 << 30
     from broker.protocol.header import SMALL_INLINE_BYTES
     from gpu_worker import cuda_plane
-    from gpu_worker.planes import HostPlane
     from gpu_worker.worker import WorkerConfig
 
     assert (cuda_plane.PIN_MAX_BYTES, cuda_plane.PIN_BUDGET_BYTES) == (4 << 30, 8 << 30)
     assert SMALL_INLINE_BYTES == 4096
     assert WorkerConfig.__dataclass_fields__["direct_sockets"].default == 64
-    # The worker's input cache takes those defaults (no other bound is passed).
-    src = inspect.getsource(HostPlane.__init__)
-    assert re.search(r"self\.inputs = SegmentCache\(owners=self\.holders\)", src), src
 
 
 def test_a_reader_maps_a_64_gib_segment_but_not_one_page_more():
@@ -315,7 +311,7 @@ def test_the_documented_broker_bounds_and_header_limits():
     `MAX_TENSOR_BYTES` 2**40, `MAX_META_BYTES` 64 KiB), and the client's redial at most once a
     second (`REDIAL_S`)."""
     from broker.protocol import header
-    from broker.server import Broker, BrokerConfig
+    from broker.server import BrokerConfig
     from broker.state import Config as SchedulerConfig
     from client_sdk import core
     from gpu_worker import leases
@@ -327,8 +323,6 @@ def test_the_documented_broker_bounds_and_header_limits():
     assert leases.MAX_FRAME_BYTES == 256 << 20
     assert (header.MAX_NDIM, header.MAX_TENSOR_BYTES, header.MAX_META_BYTES) == (32, 1 << 40, 64 << 10)
     assert core.REDIAL_S == 1.0
-    src = inspect.getsource(Broker.__init__)
-    assert "max(DEFAULT_CLIENT_HWM, self.cfg.scheduler.max_client_requests)" in src
     from broker.server import DEFAULT_CLIENT_HWM
     assert DEFAULT_CLIENT_HWM == 4096
 
