@@ -265,10 +265,14 @@ def test_default_endpoints_ready_lines_models_metrics_and_files_as_documented():
             return {fam.name: (fam.type, {k for s in fam.samples for k in s.labels} - {"le"}, fam.samples)
                     for fam in text_string_to_metric_families(body.decode())}
 
-        def served() -> dict | None:  # a direct reply is counted when the worker's DONE arrives
+        def served() -> dict | None:
+            # A direct reply is counted when the worker's DONE arrives, and the worker's pool
+            # use with its next STATS (its housekeeping): both, before the families are read.
             got = scrape()
-            return got if any(s.labels == {"service": "echo", "outcome": "ok"} and s.value == 1
-                              for s in got["zmq_infer_requests"][2]) else None
+            ok = any(s.labels == {"service": "echo", "outcome": "ok"} and s.value == 1
+                     for s in got["zmq_infer_requests"][2])
+            pool = "zmq_infer_shm_pool_used_bytes" in got and got["zmq_infer_shm_pool_used_bytes"][2]
+            return got if ok and pool else None
 
         families = until(served, "the request counted ok")
         for doc in ("operations.md", "deploy.md"):
