@@ -3,6 +3,8 @@ client saw, when a broker restarts under pinned traffic, a CANCEL races a result
 client's connection is replaced.  Real processes; every wait polls a condition."""
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 
 import numpy as np
@@ -80,14 +82,11 @@ def test_a_result_that_crosses_its_cancel_counts_as_the_cancellation_its_client_
     assert _outcomes(base, "held") == {"ok": 1, "cancelled": 1}
 
 
-def test_a_stream_frame_sent_again_on_a_new_connection_reports_its_drops_once(tmp_path):
-    """A latest-wins stream over tcp: a frame that carries the count of frames dropped before
-    it is running when the connection to the broker is reset; the client sends it again on
-    the new connection, and the copy carried the same count: the broker counted those drops
-    twice (its first copy reached it).  A call sent again (a replaced connection, NOT_LOCAL's
-    inline resend) now says nothing of its drops: they are counted once, with the first."""
-    import os
-
+@contextlib.contextmanager
+def _relayed_held(tmp_path, credit: int):
+    """A broker on tcp (metrics on) behind a `bench.relay.Relay` the test can cut, and one
+    `gate_model:held` worker of ``credit``: yields (metrics base URL, the model's run log,
+    the gate FIFO's write end, the relay); everything closed after."""
     from bench.relay import Relay
 
     from .conftest import Proc
@@ -99,12 +98,30 @@ def test_a_stream_frame_sent_again_on_a_new_connection_reports_its_drops_once(tm
     w = relay = gate = None
     try:
         b.wait_ready()
-        base = "http://" + b.field("http")
         w = Proc(["-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model", "gate_model:held",
-                  "--heartbeat-interval", "0.2", "--credit", "4"], env={"SLEEPY_LOG": str(runs), "GATE_FIFO": str(fifo)})
+                  "--heartbeat-interval", "0.2", "--credit", str(credit)],
+                 env={"SLEEPY_LOG": str(runs), "GATE_FIFO": str(fifo)})
         w.wait_ready()
         gate = os.open(fifo, os.O_WRONLY)
         relay = Relay(int(b.field("frontend").rsplit(":", 1)[1]))
+        yield "http://" + b.field("http"), runs, gate, relay
+    finally:
+        if relay is not None:
+            relay.close()
+        if gate is not None:
+            os.close(gate)
+        for p in (w, b):
+            if p is not None:
+                p.close()
+
+
+def test_a_stream_frame_sent_again_on_a_new_connection_reports_its_drops_once(tmp_path):
+    """A latest-wins stream over tcp: a frame that carries the count of frames dropped before
+    it is running when the connection to the broker is reset; the client sends it again on
+    the new connection, and the copy carried the same count: the broker counted those drops
+    twice (its first copy reached it).  A call sent again (a replaced connection, NOT_LOCAL's
+    inline resend) now says nothing of its drops: they are counted once, with the first."""
+    with _relayed_held(tmp_path, credit=4) as (base, runs, gate, relay):
         held = {"x": np.array([-1.0])}
 
         def running(n):
@@ -128,14 +145,6 @@ def test_a_stream_frame_sent_again_on_a_new_connection_reports_its_drops_once(tm
         assert dropped == 3
         until(lambda: sum(_outcomes(base, "held").values()) == 3, "the frames counted")
         assert value(scrape(base), "zmq_infer_stream_dropped_frames_total", service="held") == dropped
-    finally:
-        if relay is not None:
-            relay.close()
-        if gate is not None:
-            os.close(gate)
-        for p in (w, b):
-            if p is not None:
-                p.close()
 
 
 def test_calls_sent_again_on_a_replaced_connection_count_once_per_copy(tmp_path):
@@ -143,25 +152,7 @@ def test_calls_sent_again_on_a_replaced_connection_count_once_per_copy(tmp_path)
     the old connection's copies reach nobody (`client_gone`, once each: the running one's
     result finds the connection gone, the queued one is dropped with its client or runs for
     nobody), the client's resends are `ok`, once each, and the gauges come back to 0."""
-    import os
-
-    from bench.relay import Relay
-
-    from .conftest import Proc
-
-    runs, fifo = tmp_path / "runs.log", tmp_path / "gate.fifo"
-    os.mkfifo(fifo)
-    b = Proc(["-m", "broker", "--frontend", "tcp://127.0.0.1:0", "--backend", f"ipc://{tmp_path}/be.ipc",
-              "--heartbeat-interval", "0.2", "--insecure", "--http", "127.0.0.1:0"])
-    w = relay = gate = None
-    try:
-        b.wait_ready()
-        base = "http://" + b.field("http")
-        w = Proc(["-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model", "gate_model:held",
-                  "--heartbeat-interval", "0.2", "--credit", "1"], env={"SLEEPY_LOG": str(runs), "GATE_FIFO": str(fifo)})
-        w.wait_ready()
-        gate = os.open(fifo, os.O_WRONLY)
-        relay = Relay(int(b.field("frontend").rsplit(":", 1)[1]))
+    with _relayed_held(tmp_path, credit=1) as (base, runs, gate, relay):
         with Client(f"tcp://127.0.0.1:{relay.port}", insecure=True, timeout=WAIT, heartbeat_interval=0.2) as c:
             assert c.mmi_service("held")
             hs = [c.infer_stream("held", {"x": np.array([-1.0])}) for _ in range(2)]
@@ -182,14 +173,6 @@ def test_calls_sent_again_on_a_replaced_connection_count_once_per_copy(tmp_path)
 
         until(settled, "every copy counted, nothing held")
         assert _outcomes(base, "held") == {"ok": 2, "client_gone": 2}
-    finally:
-        if relay is not None:
-            relay.close()
-        if gate is not None:
-            os.close(gate)
-        for p in (w, b):
-            if p is not None:
-                p.close()
 
 
 def test_a_cancelled_call_whose_deadline_passes_before_its_worker_confirms_counts_cancelled(cluster, gate):

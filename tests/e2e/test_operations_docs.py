@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import HERE, ROOT, Proc
-from .test_metrics import until
+from .test_metrics import get, until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,14 +61,6 @@ def _run_all(commands: list[list[str]], timeout: float = 30.0, env: dict | None 
                 p.kill()
                 p.wait(10)
     return done
-
-
-def _get(base: str, path: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(base + path, timeout=WAIT) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 # ---------------------------------------------------------------------------- the docs' tables
@@ -248,7 +240,7 @@ def test_default_endpoints_ready_lines_models_metrics_and_files_as_documented():
 
         base = "http://" + b.field("http")
         # /v2/models/{service}: the fields docs/operations.md lists.
-        status, body = _get(base, "/v2/models/echo")
+        status, body = get(base, "/v2/models/echo")
         info = json.loads(body)
         assert status == 200, body
         assert {"name", "ready", "workers", "hosts", "transports", "credit", "in_flight", "queue", "inputs",
@@ -260,7 +252,7 @@ def test_default_endpoints_ready_lines_models_metrics_and_files_as_documented():
 
         # /metrics: every metric of both docs' tables, with their type and labels.
         def scrape() -> dict:
-            status, body = _get(base, "/metrics")
+            status, body = get(base, "/metrics")
             assert status == 200
             return {fam.name: (fam.type, {k for s in fam.samples for k in s.labels} - {"le"}, fam.samples)
                     for fam in text_string_to_metric_families(body.decode())}
