@@ -298,13 +298,17 @@ class DirectSockets:
                 sock = self._socks.pop(ep, None)
                 if sock is not None:
                     sock.close(linger=DIRECT_LINGER_MS)
-        holders = self._holders
-        holders.prune()
-        gone = [ep for ep, owner in self._owner.items()
-                if not holders.alive(*owner) or not os.path.exists(ep[len("ipc://"):])]
+        self._holders.prune()
+        gone = [ep for ep in self._owner if self._gone(ep)]
         for ep in gone:
             self.drop(ep)
         return gone
+
+    def _gone(self, endpoint: str) -> bool:
+        """Whether nobody can read what goes to ``endpoint``: its client closed its socket (the
+        file is gone) or exited (the pid and start time its name states)."""
+        owner = self._owner.get(endpoint)
+        return not os.path.exists(endpoint[len("ipc://"):]) or (owner is not None and not self._holders.alive(*owner))
 
     def send(self, endpoint: str, frames, *, keep_failed: bool = False) -> bool:
         """Queue one message on ``endpoint``'s open socket without blocking; False when the
@@ -338,9 +342,7 @@ class DirectSockets:
         is gone) or exited has nobody to deliver to, and closes at once (a reply queued to a
         client that had closed held the worker's exit for the whole linger, 2 s)."""
         for ep, sock in self._socks.items():
-            owner = self._owner.get(ep)
-            gone = not os.path.exists(ep[len("ipc://"):]) or (owner is not None and not self._holders.alive(*owner))
-            sock.close(linger=0 if gone else DIRECT_LINGER_MS)
+            sock.close(linger=0 if self._gone(ep) else DIRECT_LINGER_MS)
         self._socks.clear()
         self._owner.clear()
         self._eager.clear()
