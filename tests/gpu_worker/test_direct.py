@@ -198,7 +198,9 @@ def test_a_full_socket_is_kept_and_the_reply_relayed(ctx, tmp_path):
         assert sock is not None and sock.poll(5000, zmq.POLLOUT)
         # The client reads nothing: libzmq's queues and the kernel's buffers fill up.
         results = [socks.send(ep, [b"x" * (1 << 16)]) for _ in range(200)]
-        assert results[0] is True and results[-1] is False, results
+        # Refused once full (libzmq's I/O thread may still move one into the kernel between
+        # two sends, so a later one can pass again: not the last, necessarily, that fails).
+        assert results[0] is True and False in results, results
         assert ep in socks  # full is not failed: what is queued stays queued
     finally:
         socks.close()
