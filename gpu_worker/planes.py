@@ -44,7 +44,7 @@ from broker import protocol as P
 from shm.segment import owner_of
 from gpu_worker.job import Job
 
-__all__ = ["DataPlane", "HostPlane", "check_owner", "is_same_array"]
+__all__ = ["DataPlane", "HostPlane", "NotAttested", "check_owner", "is_same_array"]
 
 CUDA_ON_CPU_WORKER = ("CUDA IPC tensors need a worker on a CUDA device (start it with "
                       "python -m gpu_worker --device cuda:N); this worker runs on the CPU")
@@ -332,6 +332,13 @@ class HostPlane:
 
 NOT_ATTESTED = ("shared-memory and CUDA references need a sender the broker can attest (a "
                 "local ipc connection in this pid namespace); send the tensors inline")
+
+
+class NotAttested(P.ProtocolError):
+    """A shared-memory or CUDA reference from a sender the broker did not attest: answered
+    NOT_LOCAL (421), not 400, since the same tensors sent inline are served (our SDK resends
+    them so at once).  Such a sender is a connection whose maker has exited (a forked child
+    kept it), or one an older broker did not attest in time (docs/security.md)."""
 NOT_OWNED = ("a shared-memory or CUDA reference names memory that the sending process does not "
              "own; send tensors from the process that allocated them, or inline")
 
@@ -348,7 +355,7 @@ def check_owner(req: P.Request, segment: str) -> None:
     none (an older one) is checked by pid alone.  The message is the same whatever the segment, so
     it tells the sender nothing about memory that is not its own."""
     if req.pid is None:
-        raise P.ProtocolError(NOT_ATTESTED)
+        raise NotAttested(NOT_ATTESTED)
     owner = owner_of(segment)
     if owner is None or owner[0] != req.pid or (req.pid_start is not None and owner[1] != req.pid_start):
         raise P.ProtocolError(NOT_OWNED)

@@ -68,7 +68,7 @@ from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signatur
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
 from gpu_worker.leases import LINK_CONNS, DirectSocket, DirectSocketError, LeaseTable, Refusal, Unsent, runs_long
-from gpu_worker.planes import DataPlane, HostPlane
+from gpu_worker.planes import DataPlane, HostPlane, NotAttested
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
@@ -1233,6 +1233,13 @@ class Worker:
             self._reply_error(job, P.ErrorCode.NOT_LOCAL,
                               f"worker pid {os.getpid()} (uid {os.geteuid()}) cannot open the sender's shared "
                               f"memory ({e}); send the tensors inline, or run client and worker as one user")
+            return
+        except NotAttested as e:
+            # The broker could not say which process sent it (a connection whose maker has
+            # exited, or an older broker that had not attested it yet): its memory cannot be
+            # read, but the same tensors inline can.  NOT_LOCAL, so that the client resends
+            # them inline rather than failing the call.
+            self._reply_error(job, P.ErrorCode.NOT_LOCAL, f"worker pid {os.getpid()} cannot read the inputs: {e}")
             return
         except SegmentGone as e:
             # Its own memory (the owner check passed), closed by its sender since it sent

@@ -12,6 +12,9 @@ learns the connection's pid, A's, from SO_PEERCRED.  Two cases, each a line on s
   for V's segment.
 
 Each line says what B got: ``refused <code> <message>`` or ``read <hex>``.
+
+- ``sdk``: A exits before B, which uses our `Client` over the connection, sends a tensor
+  large enough to go by shared memory: the line says what the call returned.
 """
 from __future__ import annotations
 
@@ -114,6 +117,42 @@ def _victim(ref_path: str, done_path: str) -> None:
     pool.close()
 
 
+def _sdk(d: str) -> str:
+    """The ``sdk`` case: B's `Client` on a connection whose maker (A) has exited."""
+    out_path = f"{d}/sdk.out"
+    a = os.fork()
+    if a == 0:  # A
+        try:
+            raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            raw.connect(f"{d}/fe.ipc")
+            if os.fork() == 0:  # B
+                try:
+                    import numpy as np
+
+                    from client_sdk import Client
+
+                    relay = f"{d}/relay-sdk.sock"
+                    _relay(raw, relay)
+                    _wait(lambda: os.getppid() == 1, "A never exited")  # B is pid 1's now
+                    x = np.arange(1 << 14, dtype=np.float32)  # 64 KiB: shared memory
+                    with Client(f"ipc://{relay}", timeout=WAIT) as c:
+                        try:
+                            y = c.infer("echo", {"x": x})["x"]
+                            got = "same" if np.array_equal(x, y) else "wrong"
+                        except Exception as e:
+                            got = f"{type(e).__name__} {e}"
+                    with open(out_path + ".tmp", "w") as f:
+                        f.write(got)
+                    os.rename(out_path + ".tmp", out_path)
+                finally:
+                    os._exit(0)
+        finally:
+            os._exit(0)
+    os.waitpid(a, 0)
+    _wait(lambda: os.path.exists(out_path), "B never answered")
+    return open(out_path).read()
+
+
 def _case(d: str, case: str) -> str:
     ref_path, out_path = f"{d}/{case}.ref", f"{d}/{case}.out"
     go_r, go_w = os.pipe()  # B -> A: the broker has learned the connection
@@ -161,6 +200,7 @@ def main() -> None:
         assert r and procs[1].stdout.readline().startswith(b"READY"), "no worker"
         for case in ("late", "reused"):
             print(case, _case(d, case), flush=True)
+        print("sdk", _sdk(d), flush=True)
     finally:
         for p in procs[::-1]:
             p.terminate()

@@ -203,7 +203,7 @@ def test_is_same_array_is_the_whole_input_and_nothing_else():
 def test_a_reference_is_checked_against_the_attested_pid_and_its_start_time():
     # The start time tells a reused pid from the process the broker attested; an older
     # broker sends none, and the pid alone is checked.
-    from gpu_worker.planes import NOT_ATTESTED, NOT_OWNED, check_owner
+    from gpu_worker.planes import NOT_ATTESTED, NOT_OWNED, NotAttested, check_owner
 
     seg = "zinf-4242-77-00112233445566ff-9"
     check_owner(P.Request(id=1, pid=4242, pid_start=77), seg)
@@ -214,6 +214,7 @@ def test_a_reference_is_checked_against_the_attested_pid_and_its_start_time():
         with pytest.raises(P.ProtocolError) as e:
             check_owner(req, seg)
         assert str(e.value) == why
+        assert isinstance(e.value, NotAttested) == (why is NOT_ATTESTED)  # answered NOT_LOCAL
 
 
 def test_an_empty_output_whose_header_no_peer_takes_is_refused_for_a_subclass_too():
