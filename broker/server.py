@@ -2160,7 +2160,7 @@ class Broker:
             req.backlog = a.backlog  # 0 tells a latency-first batcher that nothing is on its way
             if a.priority is not None:
                 req.priority = a.priority  # a class it outscored by aging (broker/state.py, "Dispatch")
-            body = (P.encode_header(req), *p.body)
+            body = (P.encode_routed(req), *p.body)  # with the keys it did not know, as they came
         try:
             self.send_to_worker(P.to_worker_request(a.worker, P.token_envelope(a.token), body))
         except zmq.ZMQError as e:

@@ -22,10 +22,10 @@ import numpy as np
 
 __all__ = ["LEASED_CLIENT_GONE", "RoutedRequest", "MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_CREDIT", "MAX_ENVELOPE_LEN",
     "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_META_BYTES", "MAX_REPLY_TO_LEN", "MAX_ERROR_MESSAGE", "MAX_DONE", "MAX_MMI_TOKEN",
-    "MAX_TENSOR_BYTES", "MAX_DEPTH", "MAX_DTYPE_LEN", "ErrorCode",
+    "MAX_TENSOR_BYTES", "MAX_DEPTH", "MAX_DTYPE_LEN", "MAX_FORWARD_KEYS", "MAX_FORWARD_BYTES", "ErrorCode",
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
     "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "DoneInfo", "WorkerStats", "TRANSPORTS", "REPLY_MODES", "SMALL_INLINE_BYTES", "is_header",
-    "encode_header", "decode_request", "decode_reply", "decode_cancel", "decode_ready", "decode_welcome",
+    "encode_header", "encode_routed", "decode_request", "decode_reply", "decode_cancel", "decode_ready", "decode_welcome",
     "decode_done_info", "decode_worker_stats", "reply_error_code", "reply_error_text",
     "parse_dtype", "dtype_str", "tensor_nbytes", "claimed_nbytes", "check_tensors", "check_inline_sizes", "lenient_request_id",
     "valid_traceparent",
@@ -70,9 +70,17 @@ SMALL_INLINE_BYTES = 4096
 #: How deep a header's values may nest: the header map is level 1, `meta` level 2, a map or
 #: array inside `meta` level 3, and so on (the typed fields stop at level 4: tensors, a
 #: TensorRef, its loc or shape).  `meta` is checked after decoding (`_check_depth`); values
-#: of unknown keys are skipped by msgspec without building anything, and anything nested
-#: past msgspec's own recursion budget (about 1000 levels) is refused as too deep as well.
+#: of unknown keys are skipped by msgspec without building anything (a broker forwards a
+#: request's as their bytes: `MAX_FORWARD_KEYS`), and anything nested past msgspec's own
+#: recursion budget (about 1000 levels) is refused as too deep as well.
 MAX_DEPTH = 32
+#: A request header's top-level keys that this version does not know (a newer client's
+#: options for a newer worker) cross the broker unchanged, as their msgpack bytes, never
+#: decoded (docs/protocol.md section 5): at most this many of them ...
+MAX_FORWARD_KEYS = 64
+#: ... in at most this many bytes of msgpack, keys and values (`meta`'s bound: options, not
+#: data).  Past either, the request is a 400: silently dropping them is what the rule is against.
+MAX_FORWARD_BYTES = MAX_META_BYTES
 MAX_DTYPE_LEN = 32       # characters of a dtype string (numpy's longest, e.g. '<m8[100000as]', is far shorter)
 
 
@@ -175,16 +183,27 @@ class Request(msgspec.Struct, kw_only=True):
     traceparent: str | None = None    # W3C trace context of the client's span, passed through untouched; a malformed one is dropped
 
 
-class RoutedRequest(Request, kw_only=True):
+class RoutedRequest(Request, kw_only=True, forbid_unknown_fields=True):
     """A `Request` as the broker reads it: ``meta``, which only the model reads, left as its
     msgpack bytes (`msgspec.Raw`, a view of the frame) and written back as they came (the
     worker decodes it: `decode_request`).  A 1 MiB header could hold a million tiny values
     in ``meta`` (``[[]] * 10**6``): decoded, 70 MB of Python objects and a tenth of a second
     of the broker's loop, for every such request it queued (found by the resource hunt: 40
     of them took the broker to 2.8 GB).  ``meta`` is bounded now (`MAX_META_BYTES`), and the
-    broker does not decode it at all."""
+    broker does not decode it at all.
+
+    Only the keys this version knows: a header with any other is read as a `_Forwarding`
+    instead, which carries them to the worker (`decode_request`, `encode_routed`)."""
 
     meta: msgspec.Raw = msgspec.Raw(b"\x80")
+
+
+class _Forwarding(RoutedRequest, kw_only=True, forbid_unknown_fields=False, dict=True):
+    """A `RoutedRequest` whose header had top-level keys this version does not know: read as
+    one (they are skipped), then given ``forwarded``, ``(count, bytes)``: those keys and their
+    values as msgpack map entries, the values as the bytes that came (`_unknown_entries`),
+    which `encode_routed` writes after the known keys.  (An attribute, not a field: never
+    encoded as a key of its own.)"""
 
 
 class Reply(msgspec.Struct, kw_only=True):
@@ -349,7 +368,11 @@ class _ErrorOnly(msgspec.Struct):
 
 _ENC = msgspec.msgpack.Encoder()
 _DEC_REQUEST = msgspec.msgpack.Decoder(Request)
-_DEC_ROUTED = msgspec.msgpack.Decoder(RoutedRequest)
+_DEC_ROUTED = msgspec.msgpack.Decoder(RoutedRequest)  # only known keys: the usual header
+_DEC_FORWARDING = msgspec.msgpack.Decoder(_Forwarding)  # any keys (the unknown ones skipped)
+_DEC_ENTRIES = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])  # a map's values left as bytes
+_KNOWN_KEYS = frozenset(RoutedRequest.__struct_encode_fields__)
+_UNKNOWN_FIELD = "Object contains unknown field"  # msgspec's words for `forbid_unknown_fields`
 _MAP_TYPES = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))  # msgpack's first bytes of a map
 _DEC_REPLY = msgspec.msgpack.Decoder(Reply)
 _DEC_CANCEL = msgspec.msgpack.Decoder(Cancel)
@@ -380,6 +403,69 @@ def encode_header(msg: msgspec.Struct) -> bytes:
     return MAGIC + _ENC.encode(msg)
 
 
+def encode_routed(req: RoutedRequest) -> bytes:
+    """A request header as the broker dispatches it: the known keys (with what the broker
+    rewrote in them), then the keys it did not know, as they came (`_Forwarding`).  Each key
+    once: a forwarded key is never a known one, so the broker's own values are the only ones."""
+    if type(req) is not _Forwarding:
+        return MAGIC + _ENC.encode(req)
+    n, entries = req.forwarded
+    known = _ENC.encode(req)
+    k, at = _map_head(known)
+    return b"".join((MAGIC, _map_prefix(k + n), memoryview(known)[at:], entries))
+
+
+def _map_head(b: Any) -> tuple[int, int]:
+    """(entries, bytes of the map's header) of the msgpack map that `b` starts with."""
+    t = b[0]
+    if 0x80 <= t <= 0x8F:
+        return t & 0x0F, 1
+    if t == 0xDE:
+        return int.from_bytes(b[1:3], "big"), 3
+    if t == 0xDF:
+        return int.from_bytes(b[1:5], "big"), 5
+    raise ProtocolError("bad request header: not a map")
+
+
+def _map_prefix(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x80 | n,))
+    return b"\xde" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdf" + n.to_bytes(4, "big")
+
+
+class _UnknownKey(Exception):
+    """`_DEC_ROUTED` met a key this version does not know: read the header again, keeping them."""
+
+
+def _unknown_entries(body: memoryview) -> tuple[int, memoryview]:
+    """The top-level entries of a request header (its map after MAGIC, already decoded as a
+    `_Forwarding`) whose keys this version does not know: (how many, their msgpack entries),
+    each value the bytes that came (never decoded into objects).  Bounded first by the map's
+    entry count (read from its first bytes), then exactly: `MAX_FORWARD_KEYS`,
+    `MAX_FORWARD_BYTES`."""
+    n, _ = _map_head(body)
+    if n > len(_KNOWN_KEYS) + MAX_FORWARD_KEYS:  # before building a str for each key
+        raise ProtocolError(f"the request header has {n} keys; a broker forwards at most {MAX_FORWARD_KEYS} "
+                            f"that it does not know (and knows {len(_KNOWN_KEYS)})")
+    try:
+        entries = _DEC_ENTRIES.decode(body)
+    except msgspec.DecodeError as e:  # a key that is not UTF-8 (the struct skipped it unread)
+        raise ProtocolError(f"bad request header: {e}") from None
+    except RecursionError:
+        raise ProtocolError(f"bad request header: it nests deeper than {MAX_DEPTH} levels") from None
+    unknown = {k: v for k, v in entries.items() if k not in _KNOWN_KEYS}
+    if len(unknown) > MAX_FORWARD_KEYS:
+        raise ProtocolError(f"the request header has {len(unknown)} keys this broker does not know; "
+                            f"it forwards at most {MAX_FORWARD_KEYS}")
+    packed = _ENC.encode(unknown)
+    _, at = _map_head(packed)
+    if len(packed) - at > MAX_FORWARD_BYTES:
+        raise ProtocolError(f"the request header's keys this broker does not know take {len(packed) - at} bytes "
+                            f"of msgpack; the limit is {MAX_FORWARD_BYTES} (options for the worker: send data as "
+                            f"tensors)")
+    return len(unknown), memoryview(packed)[at:]  # (not copied again)
+
+
 def _decode(frame: Any, decoder: msgspec.msgpack.Decoder, what: str):
     try:
         mv = memoryview(frame)
@@ -392,6 +478,8 @@ def _decode(frame: Any, decoder: msgspec.msgpack.Decoder, what: str):
     try:
         msg = decoder.decode(mv[4:])
     except msgspec.DecodeError as e:  # covers ValidationError
+        if decoder is _DEC_ROUTED and str(e).startswith(_UNKNOWN_FIELD):
+            raise _UnknownKey from None  # (a header with keys only a newer version knows)
         raise ProtocolError(f"bad {what} header: {e}") from None
     except RecursionError:
         # msgspec bounds its recursion by the interpreter's (about 1000 levels, less the
@@ -413,16 +501,22 @@ def decode_request(frame: Any, n_inline: int | None = None, frames: Sequence[Any
     `check_inline_sizes`.  With ``frames`` (the frames after the header) both are checked
     here, in one pass over the tensors.  ``routed``: as the broker reads it, a
     `RoutedRequest` (``meta`` undecoded: its size and first byte checked; its contents are
-    the worker's to check)."""
+    the worker's to check), and top-level keys this version does not know kept, as their
+    bytes, for `encode_routed` to forward (a `_Forwarding`; a receiver that is not routing,
+    a worker, ignores them)."""
     if routed:
-        req = _decode(frame, _DEC_ROUTED, "request")
+        try:
+            req = _decode(frame, _DEC_ROUTED, "request")
+        except _UnknownKey:
+            req = _decode(frame, _DEC_FORWARDING, "request")  # every check as for the usual header
+            req.forwarded = _unknown_entries(memoryview(frame)[4:])
         if req.meta != _EMPTY_META:  # (the usual case, at the cost of a comparison)
             _check_meta_size(req.meta)
     else:
         if len(frame) > MAX_META_BYTES:
             # Only a header this long can hold a `meta` over its bound: measured first
             # (as the broker reads it), before building any of it.
-            _check_meta_size(_decode(frame, _DEC_ROUTED, "request").meta)
+            _check_meta_size(_decode(frame, _DEC_FORWARDING, "request").meta)
         req = _decode(frame, _DEC_REQUEST, "request")
         if req.meta:
             _check_depth(req.meta, "request")

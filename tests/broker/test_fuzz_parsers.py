@@ -133,6 +133,14 @@ def _feed_header(frame, rest=()) -> None:
             P.check_inline_sizes(msg.tensors, [])  # a caller that forgot n_inline
         except P.ProtocolError:
             pass
+    try:
+        routed = P.decode_request(frame, len(rest), routed=True)
+    except P.ProtocolError:
+        pass
+    else:
+        # What the broker dispatches (with the keys it does not know) reads the same again.
+        out = P.encode_routed(routed)
+        assert P.encode_routed(P.decode_request(out, len(rest), routed=True)) == out
     for decode in (P.decode_cancel, P.decode_ready, P.decode_welcome):
         try:
             decode(frame)

@@ -424,3 +424,109 @@ def test_a_reply_whose_error_does_not_parse_is_not_counted_as_a_result():
                 {"v": 1, "id": 1, "error": {"code": 422}},
                 [1, 2, 3]):
         assert P.reply_error_code(P.MAGIC + enc(bad)) == _UNKNOWN_CODE, bad
+
+
+# ----------------------------------------------------------------------------- unknown keys
+
+
+def _routed_dispatch(frame: bytes) -> bytes:
+    """What the broker's dispatch sends the worker for `frame`: decoded as the broker reads
+    it, the keys it owns rewritten (broker/server.py, `_on_request` and `_dispatch`), and
+    encoded again."""
+    req = P.decode_request(frame, routed=True)
+    req.pid, req.pid_start, req.host = 4242, 77, None
+    req.timeout_ms, req.queue_ms, req.returned, req.backlog, req.priority = 12.5, 0.25, 2, 0, 0
+    return P.encode_routed(req)
+
+
+def test_a_broker_forwards_header_keys_it_does_not_know_and_its_own_keys_win():
+    """A newer client's option for a newer worker (a top-level key this version does not
+    know) crosses the broker unchanged, as the msgpack bytes it came in; the keys the broker
+    writes are the broker's, whatever the client put there (docs/protocol.md section 5)."""
+    enc = msgspec.msgpack.encode
+    future = {"a": [1, 2.5, {"b": b"\x00\xff"}], "c": None}
+    frame = P.MAGIC + enc({"v": 1, "id": 9, "future_option": future, "pid": 1, "pid_start": 5, "host": "h",
+                           "queue_ms": 1e9, "backlog": 99, "returned": 7, "timeout_ms": 5000.0, "priority": 2,
+                           "meta": {"k": 1}, "zz": "last"})
+    out = _routed_dispatch(frame)
+    got = msgspec.msgpack.decode(out[4:])
+    raw = msgspec.msgpack.Decoder(dict[str, msgspec.Raw]).decode(out[4:])
+    assert got["future_option"] == future and got["zz"] == "last", got
+    assert bytes(raw["future_option"]) == enc(future)  # the bytes as they came
+    assert (got["pid"], got["pid_start"], got["host"]) == (4242, 77, None), got
+    assert (got["timeout_ms"], got["queue_ms"], got["returned"], got["backlog"], got["priority"]) == (
+        12.5, 0.25, 2, 0, 0), got
+    assert got["meta"] == {"k": 1} and got["id"] == 9, got
+    # Each key once (a map with a key twice is read differently by different decoders).
+    assert out[4] == 0xDE and int.from_bytes(out[5:7], "big") == len(raw)
+    assert sorted(raw) == sorted(set(P.RoutedRequest.__struct_encode_fields__) | {"future_option", "zz"})
+    # The worker reads it as any request, ignoring what it does not know.
+    req = P.decode_request(out)
+    assert req.id == 9 and req.pid == 4242 and req.meta == {"k": 1}
+    # Forwarded again (a RECALL, a retry on another worker): the same keys.
+    again = P.decode_request(frame, routed=True)
+    assert P.encode_routed(again)[4:].count(b"future_option") == 1
+
+
+def test_the_known_keys_path_is_unchanged():
+    """A header with only keys this version knows: the plain RoutedRequest, encoded as
+    before (nothing to forward)."""
+    frame = P.encode_header(P.Request(id=3, priority=0, timeout_ms=10.0, meta={"k": [1]}))
+    routed = P.decode_request(frame, routed=True)
+    assert type(routed) is P.RoutedRequest
+    assert P.encode_routed(routed) == P.encode_header(routed) == frame
+
+
+def _map_of(entries: list[bytes]) -> bytes:
+    n = len(entries)
+    head = bytes([0x80 | n]) if n < 16 else (b"\xde" + n.to_bytes(2, "big") if n < 1 << 16
+                                              else b"\xdf" + n.to_bytes(4, "big"))
+    return P.MAGIC + head + b"".join(entries)
+
+
+def _kv(key: bytes, value: bytes) -> bytes:
+    return bytes([0xA0 | len(key)]) + key + value
+
+
+def test_hostile_unknown_keys_are_a_400_or_forwarded_bounded():
+    head = [_kv(b"v", b"\x01"), _kv(b"id", b"\x2a")]
+    # Thousands of unknown keys: refused without building them, the id still readable.
+    many = _map_of(head + [_kv(b"k%d" % i, b"\xc0") for i in range(5000)])
+    with pytest.raises(P.ProtocolError, match=f"at most {P.MAX_FORWARD_KEYS}"):
+        P.decode_request(many, routed=True)
+    assert P.lenient_request_id(many) == 42
+    assert P.decode_request(many).id == 42  # a worker (a leaseholder's) ignores them, as before
+    fits = _map_of(head + [_kv(b"k%d" % i, b"\xc0") for i in range(P.MAX_FORWARD_KEYS)])
+    assert msgspec.msgpack.decode(_routed_dispatch(fits)[4:])["k63"] is None
+    over = _map_of(head + [_kv(b"k%d" % i, b"\xc0") for i in range(P.MAX_FORWARD_KEYS + 1)])
+    with pytest.raises(P.ProtocolError, match=f"at most {P.MAX_FORWARD_KEYS}"):
+        P.decode_request(over, routed=True)
+    # Bytes: at most MAX_FORWARD_BYTES of them, keys and values.
+    big = b"\xc6" + (P.MAX_FORWARD_BYTES).to_bytes(4, "big") + b"x" * P.MAX_FORWARD_BYTES
+    with pytest.raises(P.ProtocolError, match=f"the limit is {P.MAX_FORWARD_BYTES}"):
+        P.decode_request(_map_of(head + [_kv(b"blob", big)]), routed=True)
+    ok = b"\xc6" + (P.MAX_FORWARD_BYTES - 64).to_bytes(4, "big") + b"x" * (P.MAX_FORWARD_BYTES - 64)
+    assert len(msgspec.msgpack.decode(_routed_dispatch(_map_of(head + [_kv(b"blob", ok)]))[4:])["blob"]) == (
+        P.MAX_FORWARD_BYTES - 64)
+    # Deep nesting in an unknown key's value: skipped unread and forwarded as its bytes, up to
+    # the decoder's recursion limit (docs/protocol.md section 5, "Nesting"); past it, a 400.
+    shallow = b"\x91" * 40 + b"\x01"
+    assert msgspec.msgpack.Decoder(dict[str, msgspec.Raw]).decode(
+        _routed_dispatch(_map_of(head + [_kv(b"deep", shallow)]))[4:])["deep"] == msgspec.Raw(shallow)
+    with pytest.raises(P.ProtocolError, match="nests deeper than 32 levels"):
+        P.decode_request(_map_of(head + [_kv(b"deep", b"\x91" * 20_000 + b"\x01")]), routed=True)
+    # A key that is not a string, or not UTF-8: 400 (section 5: string keys).
+    for bad in (_map_of(head + [b"\x01\x02"]), _map_of(head + [b"\xa2\xff\xfe\x01"]),
+                _map_of(head + [b"\xa1x\x01", b"\xc4\x01x\x01"])):
+        with pytest.raises(P.ProtocolError, match="bad request header"):
+            P.decode_request(bad, routed=True)
+    # A key twice: a known one's last value is read (and the broker's own overwrite it); an
+    # unknown one goes once, its last value.  Never a key twice in what the worker gets.
+    dup = _map_of(head + [_kv(b"pid", b"\x01"), _kv(b"x", b"\x01"), _kv(b"pid", b"\x02"), _kv(b"x", b"\x02"),
+                          _kv(b"priority", b"\x02"), _kv(b"priority", b"\x00")])
+    routed = P.decode_request(dup, routed=True)
+    assert routed.priority == 0 and routed.pid == 2
+    out = _routed_dispatch(dup)
+    pairs = msgspec.msgpack.Decoder(dict[str, msgspec.Raw]).decode(out[4:])
+    assert out[4] == 0xDE and int.from_bytes(out[5:7], "big") == len(pairs)  # no key twice
+    assert msgspec.msgpack.decode(out[4:])["x"] == 2 and P.decode_request(out).pid == 4242
