@@ -32,7 +32,7 @@ from zmq.backend import Socket as _Base
 
 from .frames import MDPC
 
-__all__ = ["seed_routing_ids", "send_frames", "recv_frames", "sock_events", "touched", "Waiter", "NOBLOCK", "tcp_liveness", "DEAD_AFTER_BEATS",
+__all__ = ["seed_routing_ids", "send_frames", "recv_frames", "sock_events", "touched", "Waiter", "NOBLOCK", "tcp_liveness", "keepalive_plan", "DEAD_AFTER_BEATS",
            "tcp_counts", "TcpWatch", "out_of_resources", "warm_zero_copy", "MAX_WAIT_MS", "wait_ms"]
 
 NOBLOCK = int(zmq.NOBLOCK)
@@ -280,7 +280,8 @@ def tcp_liveness(sock: zmq.Socket, dead_after_s: float) -> None:
     """Close the tcp connections `sock` makes or accepts from now on whose peer stopped
     acknowledging for about `dead_after_s` seconds, with the messages queued to them: TCP
     keepalive probes on an idle connection (the first after a third of the span, then every
-    third, three of them) and TCP_USER_TIMEOUT (libzmq's ZMQ_TCP_MAXRT) on data or probes
+    third, three of them; more of them, further apart, on a span of over a day:
+    `keepalive_plan`) and TCP_USER_TIMEOUT (libzmq's ZMQ_TCP_MAXRT) on data or probes
     left unacknowledged.  A peer behind a partition, or whose host died, otherwise holds a
     half-open connection and its queue for as long as TCP retries, many minutes.
 
@@ -289,12 +290,37 @@ def tcp_liveness(sock: zmq.Socket, dead_after_s: float) -> None:
     own PING/PONG would not do: libzmq counts only whole frames as an answer, so one frame
     that takes longer than the timeout to cross would cut a working connection).  No effect
     on ipc, whose peer's death closes its connection by itself."""
-    third = max(1, round(dead_after_s / 3))  # keepalive takes whole seconds
+    idle, probes, maxrt = keepalive_plan(dead_after_s)
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, third)
-    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, third)
-    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
-    sock.setsockopt(zmq.TCP_MAXRT, max(1000, int(dead_after_s * 1000)))
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, idle)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, idle)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, probes)
+    sock.setsockopt(zmq.TCP_MAXRT, maxrt)
+
+
+#: Linux's bounds (include/net/tcp.h): TCP_KEEPIDLE and TCP_KEEPINTVL take at most 32767 s,
+#: TCP_KEEPCNT at most 127 probes.  libzmq applies them to each connection it accepts or
+#: makes, and one it cannot set (EINVAL) is closed at once: past them, no tcp connection of
+#: the socket ever came up, and nothing said why.
+MAX_KEEPALIVE_S = 32767
+MAX_KEEPALIVE_PROBES = 127
+
+
+def keepalive_plan(dead_after_s: float) -> tuple[int, int, int]:
+    """`tcp_liveness`'s settings for a span: (seconds idle before the first probe, which is
+    also the interval between probes; probes; TCP_MAXRT in ms).  A third of the span each
+    and three probes; a span too long for a third of it to be a probe interval Linux takes
+    (over about 27 hours: a client liveness window of more than half a day, doubled; a
+    client's heartbeat interval of more than 5.5 hours, times 5) is covered by more probes
+    at the longest interval (up to about 48 days), and TCP_MAXRT, a C int of milliseconds,
+    is at most `MAX_WAIT_MS` (about 24.8 days; more raised OverflowError)."""
+    span = min(float(dead_after_s), 1e9)  # (finite: a NaN or an infinity is the longest)
+    if not span >= 0:
+        span = 1e9
+    third = max(1, round(span / 3))  # keepalive takes whole seconds
+    idle = min(third, MAX_KEEPALIVE_S)
+    probes = min(MAX_KEEPALIVE_PROBES, max(3, math.ceil((span - idle) / idle)))
+    return idle, probes, min(MAX_WAIT_MS, max(1000, int(span * 1000)))
 
 
 # struct tcp_info (linux/tcp.h): tcpi_unacked (u32) at 24; tcpi_bytes_acked and

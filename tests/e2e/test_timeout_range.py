@@ -13,7 +13,7 @@ import pytest
 from broker.protocol.wire import MAX_WAIT_MS, wait_ms
 from client_sdk import Client
 
-from .conftest import wait_service
+from .conftest import Proc, wait_service
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -101,3 +101,31 @@ def test_a_wait_refuses_nan_and_takes_inf_as_none(cluster):
             s.close()
 
     asyncio.run(twin())
+
+
+def test_tcp_peers_connect_under_liveness_spans_of_days(tmp_path):
+    """Liveness spans the flags allow, on tcp: a broker with heartbeats an hour apart and a
+    liveness of 300 (its client window 12.5 days: the frontend's span, doubled, is over 24.8
+    days of milliseconds) died at its start with OverflowError; its backend's span (12.5
+    days) made every worker connection fail in libzmq (a keepalive interval over Linux's
+    32767 s: EINVAL, the connection closed at once, nothing said); so did a client's broker
+    connection with a heartbeat interval of 30,000 s, and one of 10^6 s raised OverflowError
+    from the constructor (`wire.keepalive_plan`; the long-uptime hunt)."""
+    b = Proc(["-m", "broker", "--frontend", "tcp://127.0.0.1:0", "--backend", "tcp://127.0.0.1:0", "--insecure",
+              "--heartbeat-interval", "3600", "--heartbeat-liveness", "300"])
+    w = None
+    try:
+        b.wait_ready()
+        w = Proc(["-m", "gpu_worker", "--broker", b.field("backend"), "--model", "echo", "--insecure",
+                  "--heartbeat-interval", "3600", "--heartbeat-liveness", "300"])
+        w.wait_ready()
+        x = np.arange(4, dtype=np.float32)
+        for hb in (30_000.0, 1e6):
+            with Client(b.field("frontend"), insecure=True, timeout=10, heartbeat_interval=hb) as c:
+                wait_service(c, "echo")
+                with c.infer("echo", {"x": x}) as r:
+                    np.testing.assert_array_equal(r["x"], x)
+    finally:
+        for p in (w, b):
+            if p is not None:
+                p.close()
