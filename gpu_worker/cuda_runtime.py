@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import mmap
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import numpy as np
@@ -407,6 +407,10 @@ class GpuMemoryPressure(RuntimeError):
     code = 429
 
 
+#: the latest of `MemoryWatch`'s cap changes it keeps (``events``)
+MEMORY_EVENTS_KEPT = 64
+
+
 class MemoryWatch:
     """Batch cap from free device memory, with hysteresis.
 
@@ -440,7 +444,12 @@ class MemoryWatch:
         self._next = float("-inf")
         self.shedding = False
         self.free = self.total = None
-        self.events: list[tuple[str, int, int]] = []  # (what, free, cap): for logs and tests
+        # (what, free, cap) of the latest changes, for logs and tests: the last
+        # MEMORY_EVENTS_KEPT only (a list of every one grew for the worker's life: a device
+        # whose free memory swings across the thresholds, as another process's cache
+        # grows and shrinks, adds one at each reading that crosses one: up to 20 a second,
+        # readings being `interval` apart; the long-uptime hunt)
+        self.events: deque[tuple[str, int, int]] = deque(maxlen=MEMORY_EVENTS_KEPT)
 
     @staticmethod
     def _torch_mem_info(device: int):

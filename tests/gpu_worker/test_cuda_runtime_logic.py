@@ -182,6 +182,22 @@ def test_memory_watch_shrinks_sheds_and_recovers():
     assert [e[0] for e in w.events] == ["shrink", "shrink", "shrink", "shed", "resume", "grow", "grow", "grow"]
 
 
+def test_memory_watch_keeps_a_bounded_record_of_its_changes():
+    """A device whose free memory swings across the thresholds for weeks (another process's
+    cache growing and shrinking) changes the cap at every other reading: the record of
+    changes kept the last few, not every one (a list of them grew for the worker's life,
+    up to 20 a second: the long-uptime hunt)."""
+    mem, clock = Mem(1_000 * MiB), Clock()
+    w = MemoryWatch(8, min_free_bytes=4_000 * MiB, mem_info=mem, clock=clock)
+    for i in range(20_000):  # a swing per reading: shed, then resume and grow
+        mem.free = 1_000 * MiB if i % 2 else 9_000 * MiB
+        clock.t += 1.0
+        w.limit()
+    assert mem.reads == 20_000
+    assert len(w.events) <= 64, f"{len(w.events)} cap changes kept after 20,000 readings"
+    assert w.events[-1][0] in ("shed", "grow", "shrink", "resume")
+
+
 def test_memory_watch_fraction_threshold_and_oom():
     mem, clock = Mem(3_000 * MiB, total=100_000 * MiB), Clock()
     w = MemoryWatch(16, min_free_fraction=0.05, mem_info=mem, clock=clock)
