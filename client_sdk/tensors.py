@@ -424,6 +424,10 @@ class OutputLeases:
         self._live = 0
         self._closing = False
         self._gen = _forks  # a forked child's copy gives nothing back (see `_forks`)
+        # A worker lends each output slot to the process the broker attested for the request
+        # (its `holder_pid`): a slot lent to anyone else, or to nobody (a request's input,
+        # ours or another process's), is never viewed or released here.
+        self._pid = os.getpid()
 
     @property
     def cache(self) -> Any:
@@ -445,7 +449,7 @@ class OutputLeases:
     def view(self, loc: P.ShmLoc, dtype: np.dtype, shape: tuple[int, ...]) -> tuple[np.ndarray, weakref.finalize]:
         ref = P.shm_ref(loc)
         with self._lock:
-            src = self.cache.view(ref, dtype, shape)
+            src = self.cache.view(ref, dtype, shape, self._pid)
             self._live += 1
             if self._unreleased:  # descriptors to map a ring again: give back what waits
                 self._retry_releases()
@@ -462,7 +466,7 @@ class OutputLeases:
             cache = self._cache
             try:
                 if cache is not None:
-                    cache.release(ref)
+                    cache.release(ref, self._pid)
             except _shm.OutOfResources:  # its ring dropped and not to be mapped again now: later
                 self._unreleased.add(ref)
             except Exception:  # segment gone (worker died) or cache closed: nothing to give back
@@ -474,7 +478,7 @@ class OutputLeases:
     def _give_back(self, cache: Any, ref: Any) -> bool:
         """Release ``ref``: False when its ring cannot be mapped now (kept for later)."""
         try:
-            cache.release(ref)
+            cache.release(ref, self._pid)
         except _shm.OutOfResources:  # no descriptor or memory to map the ring: later
             self._unreleased.add(ref)
             return False

@@ -14,7 +14,7 @@ from .book import PidfdHolders, ProcHolders
 from .errors import BadDescriptor, SegmentGone, ShmError, StaleDescriptor
 from .fence import fence
 from .segment import (
-    H32_CLOSED, IN_FLIGHT, MAX_MAPPED_SEGMENT, Q_NBYTES, Q_OFFSET, QS, RELEASED, STATE_NAMES, U32, Attached,
+    H32_CLOSED, IN_FLIGHT, MAX_MAPPED_SEGMENT, Q_HOLDER_PID, Q_NBYTES, Q_OFFSET, QS, RELEASED, STATE_NAMES, U32, Attached,
     ShmRef, attach_segment, checked_dtype, detach, normalize_shape, parse_name,
 )
 
@@ -90,11 +90,12 @@ class SegmentCache:
             self.forget(next(iter(self._segs)))
         return a
 
-    def _check(self, ref, released_ok: bool = False) -> tuple[Attached, int, int]:
+    def _check(self, ref, released_ok: bool = False, holder: int | None = None) -> tuple[Attached, int, int]:
         """Validate ``ref`` against its slot record.  (mapping, slot index, state word).
 
         The returned word is -1 when ``released_ok`` and the slot is already RELEASED at
-        the descriptor's generation.
+        the descriptor's generation.  ``holder``: the pid the owner must have lent the slot
+        to (`ShmPool.mark_in_flight`'s ``holder_pid``), else BadDescriptor.
         """
         try:
             name, off, nb, slot, gen = ref
@@ -124,6 +125,15 @@ class SegmentCache:
                 f"descriptor for slot {slot} generation {gen} of {name} is stale: the slot is "
                 f"{STATE_NAMES.get(state, state)} at generation {w >> 32}"
             )
+        if holder is not None and q[b + Q_HOLDER_PID] & U32 != holder:
+            # Not lent to this reader: a request's input (its owner frees it, and a RELEASED
+            # stored by us would free it under that request), or a slot lent to another
+            # process (whose view of it would be overwritten once we released it).
+            lent = q[b + Q_HOLDER_PID] & U32
+            raise BadDescriptor(
+                f"slot {slot} of {name} is not lent to this process (pid {holder}): "
+                + (f"it is lent to pid {lent}" if lent else "it is lent to no reader (an input of a request?)")
+            )
         so = q[b + Q_OFFSET]
         sn = q[b + Q_NBYTES]
         if off < so or off + nb > so + sn:
@@ -137,8 +147,11 @@ class SegmentCache:
         return a, b, w
 
     # ------------------------------------------------------------------ public API
-    def view(self, ref: ShmRef, dtype, shape) -> np.ndarray:
-        """A read-only ndarray over the descriptor's bytes, without copying them."""
+    def view(self, ref: ShmRef, dtype, shape, holder: int | None = None) -> np.ndarray:
+        """A read-only ndarray over the descriptor's bytes, without copying them.
+        ``holder``: refuse (BadDescriptor) a slot its owner did not lend to that pid (a
+        client viewing outputs passes its own: an input of a request, which nobody may
+        release, has no holder)."""
         try:
             dt = checked_dtype(dtype)
         except TypeError as e:
@@ -147,7 +160,7 @@ class SegmentCache:
             shape, n = normalize_shape(shape)
         except (TypeError, ValueError) as e:
             raise BadDescriptor(f"bad shape {shape!r}: {e}") from None
-        a, _, _ = self._check(ref)
+        a, _, _ = self._check(ref, holder=holder)
         nb = ref[2]
         if n * dt.itemsize != nb:
             raise BadDescriptor(
@@ -159,14 +172,15 @@ class SegmentCache:
         arr = np.frombuffer(a.data_mm, dt, n, ref[1] - a.data_offset)
         return arr if arr.shape == shape else arr.reshape(shape)
 
-    def release(self, ref: ShmRef) -> None:
+    def release(self, ref: ShmRef, holder: int | None = None) -> None:
         """Tell the owner this reader is done with the slot (IN_FLIGHT -> RELEASED).
 
         Call it only after every read of the slot's bytes has finished, including
         asynchronous ones (a non-blocking device copy).  Releasing twice is a no-op while
         the owner has not reclaimed the slot; afterwards it raises StaleDescriptor.
+        ``holder``: as for `view`, nothing is stored into a slot not lent to that pid.
         """
-        a, b, w = self._check(ref, released_ok=True)
+        a, b, w = self._check(ref, released_ok=True, holder=holder)
         if w < 0:
             return
         # Our loads of the tensor (done by the caller before this call) must be complete

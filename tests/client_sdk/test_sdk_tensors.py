@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -24,7 +25,12 @@ def _bytes_of(frame) -> bytes:
     return bytes(memoryview(frame).cast("B")) if not isinstance(frame, bytes) else frame
 
 
-def _roundtrip(packed: T.Packed, leases: T.OutputLeases) -> Result:
+def _roundtrip(packed: T.Packed, leases: T.OutputLeases, pool=None) -> Result:
+    """`packed` sent back as a reply; its slots of `pool` lent to this process first, as a
+    worker lends its outputs to the client (the client views only slots lent to it)."""
+    if pool is not None:
+        for ref in packed.temp:
+            pool.mark_in_flight(ref, holder_pid=os.getpid())
     return T.unpack(P.Reply(id=1, tensors=packed.tensors), packed.frames, leases, final=True)
 
 
@@ -72,7 +78,7 @@ def test_shm_packing_and_views(pool):
     assert p.uses_shm and len(p.temp) == 2 and pool.in_use() == 2
     assert all(pool.table["state"][r.slot] == shm.IN_FLIGHT for r in p.temp)  # readable by workers
     # The client's own pool is readable through a SegmentCache (same process here).
-    r = _roundtrip(p, leases)
+    r = _roundtrip(p, leases, pool)
     np.testing.assert_array_equal(r["t"], x.transpose(2, 0, 1))
     assert r.zero_copy == {"x": True, "t": True}
     r.release()
@@ -145,7 +151,7 @@ def test_lease_finalizer_waits_for_every_view():
 def test_leases_close_waits_for_live_results(pool):
     leases = T.OutputLeases()
     p = T.pack({"x": np.arange(8.0)}, pool)
-    r = _roundtrip(p, leases)
+    r = _roundtrip(p, leases, pool)
     leases.close()  # the client closed; the result is still in use
     assert leases.live == 1 and r["x"][7] == 7.0
     slot = p.temp[0].slot
@@ -171,7 +177,8 @@ def test_a_dead_workers_ring_is_dropped_at_the_second_sweep_that_finds_it_dead()
         "pool = ShmPool(1 << 20, slots=8)\n"
         "refs = []\n"
         "for v in (1, 2):\n"
-        "    a = pool.alloc(16, np.uint8); a[:] = v; r = pool.ref_of(a); pool.mark_in_flight(r); refs.append(r)\n"
+        "    a = pool.alloc(16, np.uint8); a[:] = v; r = pool.ref_of(a)\n"
+        f"    pool.mark_in_flight(r, holder_pid={os.getpid()}); refs.append(r)\n"
         "print(' '.join(' '.join(map(str, r)) for r in refs), flush=True)\n"
         "sys.stdin.read()\n")],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2],
@@ -232,7 +239,7 @@ def test_output_slots_that_could_not_be_mapped_are_given_back_once_they_can(pool
     assert len(slots) == 2 and all(pool.table["state"][s] == shm.IN_FLIGHT for s in slots)
     fed = _starve_attach(monkeypatch)
     with pytest.raises(errors.InferenceError, match="cannot map it now"):
-        _roundtrip(p, leases)
+        _roundtrip(p, leases, pool)
     leases.sweep()  # still out of descriptors: kept for later
     assert all(pool.table["state"][s] == shm.IN_FLIGHT for s in slots)
     fed()
@@ -241,7 +248,7 @@ def test_output_slots_that_could_not_be_mapped_are_given_back_once_they_can(pool
             leases.sweep()
         elif later == "view":
             q = T.pack({"z": np.arange(16.0)}, pool)
-            with _roundtrip(q, leases) as r:
+            with _roundtrip(q, leases, pool) as r:
                 assert r["z"][15] == 15.0
         else:
             leases.close()
@@ -256,7 +263,7 @@ def test_a_release_that_cannot_map_its_ring_is_tried_again(pool, monkeypatch):
     leases = T.OutputLeases()
     p = T.pack({"x": np.arange(8.0)}, pool)
     slot = p.temp[0].slot
-    r = _roundtrip(p, leases)
+    r = _roundtrip(p, leases, pool)
     leases.cache.forget(p.tensors[0].loc.segment)  # views stay valid, the mapping is gone
     fed = _starve_attach(monkeypatch)
     r.release()

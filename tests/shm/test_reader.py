@@ -141,6 +141,27 @@ def test_release_stores_released_and_owner_reclaims(pool, cache):
     assert pool.reclaim() == 1 and pool.in_use() == 0
 
 
+def test_a_reader_naming_its_pid_views_and_releases_only_slots_lent_to_it(pool, cache):
+    # An output is lent to its reader (`holder_pid`); an input is lent to nobody, and one
+    # lent to another process is that process's.  A client passes its pid, so that a reply
+    # naming either is refused before it reads a byte or stores RELEASED there.
+    me = os.getpid()
+    _, unlent = sent(pool)
+    b = pool.alloc(16, np.uint8)
+    other = pool.ref_of(b)
+    pool.mark_in_flight(other, holder_pid=1)
+    for ref, why in ((unlent, "lent to no reader"), (other, "lent to pid 1")):
+        with pytest.raises(BadDescriptor, match=f"not lent to this process .*{why}"):
+            cache.view(ref, np.uint8, (ref.nbytes,), holder=me)
+        with pytest.raises(BadDescriptor, match="not lent to this process"):
+            cache.release(ref, holder=me)
+        assert pool.table[ref.slot]["state"] == IN_FLIGHT
+    pool.mark_in_flight(unlent, holder_pid=me)  # lent to us now
+    assert (cache.view(unlent, np.float32, (4, 4), holder=me) == 3.0).all()
+    cache.release(unlent, holder=me)
+    assert pool.table[unlent.slot]["state"] == RELEASED and pool.reclaim() == 1
+
+
 def test_segment_gone_after_owner_closes(cache):
     with ShmPool(1 << 16, slots=4) as p:
         _, ref = sent(p)

@@ -1,0 +1,142 @@
+"""A buggy worker (a model's bug, or a worker another team wrote in another language) against
+our real broker and SDK clients: a raw DEALER speaks MDP/0.2 as that worker.  The broker
+trusts a worker with a valid key to compute results (docs/security.md), but what such a
+worker sends must never make a client read memory nobody lent it, free memory it does not
+own, or take one request's answer for another's.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+import shm
+from broker import protocol as P
+from client_sdk import Client, ProtocolError
+from tests.e2e.conftest import ROOT
+
+HOST = P.local_host_id()
+
+
+class RawWorker:
+    """A DEALER that registered ``service`` with a `Ready` header (shared memory on this host)."""
+
+    def __init__(self, backend: str, service: str = "bad", credit: int = 8):
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.connect(backend)
+        self.sock.send_multipart(P.worker_ready(service, P.Ready(
+            credit=credit, host=HOST, transports=["inline", "shm"], pid=os.getpid(), welcome=True)))
+        msg = self._recv()
+        assert msg[:2] == [P.MDPW, P.W_WELCOME], msg
+
+    def _recv(self, timeout: float = 10.0) -> list[bytes]:
+        assert self.sock.poll(int(timeout * 1000)), "the broker sent the worker nothing"
+        return self.sock.recv_multipart()
+
+    def request(self, timeout: float = 10.0) -> tuple[bytes, P.Request]:
+        """The next REQUEST: its envelope and its header (heartbeats answered meanwhile)."""
+        end = time.monotonic() + timeout
+        while True:
+            msg = self._recv(max(0.01, end - time.monotonic()))
+            if msg[:2] == [P.MDPW, P.W_HEARTBEAT]:
+                self.sock.send_multipart(P.worker_heartbeat())
+                continue
+            if msg[:2] == [P.MDPW, P.W_REQUEST]:
+                return msg[2], P.decode_request(msg[4], frames=msg[5:])
+            raise AssertionError(f"the worker got {msg[:2]}")
+
+    def final(self, envelope: bytes, reply: P.Reply, frames=()) -> None:
+        self.sock.send_multipart(P.worker_reply(envelope, True, [P.encode_header(reply), *frames]))
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@pytest.fixture
+def bad(cluster):
+    # A long liveness window: the raw worker answers heartbeats only when it reads.
+    cluster.broker("--heartbeat-liveness", "50")
+    w = RawWorker(cluster.backend)
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def _shm_out(name: str, loc: P.ShmLoc) -> P.TensorRef:
+    return P.TensorRef(name=name, dtype="|u1", shape=[loc.nbytes], loc=loc)
+
+
+VICTIM = """
+import sys
+import numpy as np
+from shm import ShmPool, IN_FLIGHT
+pool = ShmPool(1 << 20, slots=8)
+buf = pool.alloc(8192, np.uint8)
+buf[:] = 0x5A
+ref = pool.ref_of(buf)
+pool.mark_in_flight(ref)   # an input of a request of this process: not lent to any reader
+print(*ref, flush=True)
+for _ in sys.stdin:        # each line: free what readers released, and say what is left of `buf`
+    print(pool.reclaim(), int(pool.table["state"][ref.slot]) == IN_FLIGHT, flush=True)
+"""
+
+
+def test_a_reply_naming_memory_nobody_lent_the_client_is_refused_and_frees_nothing(cluster, bad):
+    """A worker that answers with a slot of the client's own input pool (here a `client.alloc`
+    buffer another call of it sent, answering a call whose inputs went inline) or of another
+    process's segment (an input of that process's request) made the client view that memory
+    as its output, and its release store RELEASED there: the owner's next reclaim freed a
+    slot still in use (the client's own buffer was handed out again by the next alloc while
+    the caller still held it; the other process lost its request's input).  The client now
+    takes as output only slots lent to it (the slot's holder is this process)."""
+    victim = subprocess.Popen([sys.executable, "-c", VICTIM], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    ring = shm.ShmPool(1 << 20, slots=8)
+    try:
+        name, off, nb, slot, gen = victim.stdout.readline().split()
+        theirs = P.ShmLoc(segment=name, offset=int(off), nbytes=int(nb), slot=int(slot), generation=int(gen))
+        with Client(cluster.frontend, timeout=5, direct_reply=False) as c:
+            buf = c.alloc((8192,), np.uint8)
+            buf[:] = 7
+            first = c.infer_stream("bad", {"x": buf})  # by reference: the buffer's slot is in flight
+            env1, req1 = bad.request()
+            mine = req1.tensors[0].loc
+            assert type(mine) is P.ShmLoc and mine.segment == c.pool.name
+            for loc in (mine, theirs):
+                call = c.infer_stream("bad", {"y": np.zeros(4, np.uint8)})  # inline: nothing of ours lent
+                env, req = bad.request()
+                bad.final(env, P.Reply(id=req.id, tensors=[_shm_out("out", loc)]))
+                with pytest.raises(ProtocolError, match="not lent to this process"):
+                    call.result()
+            gc.collect()
+            assert c.pool.table["state"][mine.slot] == shm.IN_FLIGHT, "the client released its own buffer's slot"
+            assert c.pool.reclaim() == 0
+            again = c.alloc((8192,), np.uint8)
+            assert not np.shares_memory(again, buf), "alloc() handed out a buffer the caller still holds"
+            victim.stdin.write("reclaim\n")
+            victim.stdin.flush()
+            assert victim.stdout.readline().split() == ["0", "True"], "the other process's input slot was freed"
+            # The worker's own ring, lent to this client, still goes through (and back).
+            out = ring.alloc(8192, np.uint8)
+            out[:] = 3
+            ref = ring.ref_of(out)
+            ring.mark_in_flight(ref, holder_pid=os.getpid())
+            bad.final(env1, P.Reply(id=req1.id, tensors=[_shm_out("out", P.shm_loc(ref))]))
+            with first.result() as r:
+                assert r.zero_copy == {"out": True} and int(r["out"][0]) == 3
+            assert ring.reclaim() == 1
+    finally:
+        ring.close()
+        if victim.poll() is None:
+            victim.kill()
+        victim.wait(10)
+        victim.stdin.close()
+        victim.stdout.close()
