@@ -2060,18 +2060,27 @@ class Broker:
             if t is Dispatch:
                 self._dispatch(a, now)
             elif t is ToClient:
+                payload, code = a.payload, a.code
+                if a.request_id >= 0 and payload:
+                    got = P.header_id(payload[0])
+                    if got is not None and got != a.request_id:
+                        payload = self._misaddressed(a, got)
+                        if payload is None:
+                            continue  # a PARTIAL: dropped
+                        code = P.ErrorCode.PROTOCOL_ERROR
                 sent = self._send_client(
-                    a.client, P.client_reply(a.final, a.service.encode(), a.payload)
+                    a.client, P.client_reply(a.final, a.service.encode(), payload)
                 )
                 if a.final and self.metrics is not None:
                     # A result that could not go (its client's connection closed: a client
                     # killed while its request ran, before its liveness window dropped it)
                     # reached nobody: `client_gone`, as one relayed after the client left
                     # (counted `ok` before: the counts hunt); an error is the service's own.
-                    self.metrics.final(a.service, CLIENT_GONE if not sent and not a.code else a.code,
+                    self.metrics.final(a.service, CLIENT_GONE if not sent and not code else code,
                                        a.enqueued_at, a.dispatched_at, now)
             elif t is LateToClient:
-                if a.client not in self._req_clients and _names_slots(a.payload):
+                if (a.client not in self._req_clients and _names_slots(a.payload)
+                        and P.header_id(a.payload[0]) == a.request_id):
                     self._send_late(a.client, P.client_reply(a.final, a.service.encode(), a.payload))
             elif t is ClientError:
                 if self.metrics is not None:
@@ -2124,6 +2133,22 @@ class Broker:
                 self._sweep_soon = True
         if self._doomed:
             self._drop_doomed()
+
+    def _misaddressed(self, a: ToClient, got: int) -> list | None:
+        """A worker's reply to request ``a.request_id`` whose header names request ``got``
+        (a worker's bug): relayed, the client took it for the answer to its call ``got``
+        (another request's result, perhaps of another service, delivered as right) and left
+        this one waiting for its deadline.  A FINAL becomes a 400 for the request it answers
+        (its body, what it names included, is dropped); a PARTIAL is dropped (None)."""
+        self.malformed += 1
+        self._bad.warning("a worker of %r answered request %d with a %s for request id %d; %s", a.service,
+                          a.request_id, "FINAL" if a.final else "PARTIAL", got,
+                          "its client gets a 400 instead" if a.final else "dropped it")
+        if not a.final:
+            return None
+        return P.error_body(a.request_id, P.ErrorCode.PROTOCOL_ERROR,
+                            f"the worker answered this request with a reply for request id {got} (a bug in "
+                            f"a worker of service {a.service!r}: it must echo the request's id); its reply was dropped")
 
     def _lease_action(self, a) -> None:
         t = type(a)

@@ -27,7 +27,7 @@ __all__ = ["LEASED_CLIENT_GONE", "RoutedRequest", "MAGIC", "VERSION", "MMI_PREFI
     "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "DoneInfo", "WorkerStats", "TRANSPORTS", "REPLY_MODES", "SMALL_INLINE_BYTES", "is_header",
     "encode_header", "encode_routed", "decode_request", "decode_reply", "decode_cancel", "decode_ready", "decode_welcome",
     "decode_done_info", "decode_worker_stats", "reply_error_code", "reply_error_text",
-    "parse_dtype", "dtype_str", "tensor_nbytes", "claimed_nbytes", "check_tensors", "check_inline_sizes", "lenient_request_id",
+    "parse_dtype", "dtype_str", "tensor_nbytes", "claimed_nbytes", "check_tensors", "check_inline_sizes", "lenient_request_id", "header_id",
     "valid_traceparent",
     "LeaseAsk", "LeaseGrant", "LeaseInfo", "LeaseEnd", "LeaseHello", "LEASE_REASONS", "decode_lease_ask",
     "decode_lease_grant", "decode_lease_info", "decode_lease_end", "decode_lease_hello",
@@ -960,6 +960,33 @@ def _scan_id(b: bytes) -> int:
         else:
             return 0  # a container (or 0xC1): give up rather than recurse
     return 0
+
+
+# What our encoder writes first in every header (msgspec keeps the fields' order): a map,
+# then `v` = 1 and the key `id`.
+_V1_ID = b"\xa1v\x01\xa2id"
+_UINT_WIDTH = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+
+
+def header_id(frame: Any) -> int | None:
+    """`id` of a header frame as its sender wrote it, for a relay that checks whose answer a
+    reply is without decoding it (the broker, at each reply it relays): a few bytes read when
+    the header starts as ours do (`v`, then `id`), else as `lenient_request_id` reads it (0
+    when it cannot be read).  None for a frame that is not a header."""
+    try:
+        head = bytes(memoryview(frame)[:20])
+    except Exception:
+        return None
+    if head[:4] != MAGIC:
+        return None
+    if 0x80 <= head[4] <= 0x8F and head[5:11] == _V1_ID:
+        t = head[11]
+        if t <= 0x7F:
+            return t
+        w = _UINT_WIDTH.get(t)
+        if w is not None and len(head) >= 12 + w:
+            return int.from_bytes(head[12:12 + w], "big")
+    return lenient_request_id(frame)
 
 
 def lenient_request_id(frame: Any) -> int:

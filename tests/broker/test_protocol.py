@@ -362,6 +362,17 @@ def test_deep_meta_is_a_protocol_error_with_the_id_still_readable():
     assert P.decode_request(P.encode_header(ok)) == ok
 
 
+def test_header_id_reads_the_id_a_relay_checks_a_reply_against():
+    for rid in (0, 5, 127, 128, 65535, 1 << 32, (1 << 64) - 1):
+        assert P.header_id(P.encode_header(P.Reply(id=rid, error=P.ErrorInfo(code=500, message="x")))) == rid
+    # Another encoder's key order, a header without an id or one that does not decode (0:
+    # what `lenient_request_id` reads), and frames that are not headers (None).
+    assert P.header_id(P.MAGIC + msgspec.msgpack.encode({"seq": 3, "id": 77, "v": 1})) == 77
+    assert P.header_id(P.MAGIC + msgspec.msgpack.encode({"v": 1})) == 0
+    assert P.header_id(P.MAGIC + b"\xff\xff") == 0
+    assert P.header_id(b"opaque body") is None and P.header_id(b"") is None
+
+
 def test_meta_is_bounded_and_the_broker_never_decodes_it():
     """A 1 MiB header could hold a million empty arrays in `meta`: 70 MB of Python objects
     and a tenth of a second decoded, per queued request (the resource hunt took a broker to
