@@ -802,9 +802,12 @@ class ClientCore(PinEvents):
                     return out
             log.warning("dropping a malformed message from the broker: %s", e)
             return []
-        if pin is not None and msg.command == P.C_HEARTBEAT:
-            # Only the broker speaks for the broker: a worker's HEARTBEAT could fake a restart.
-            log.warning("dropping a HEARTBEAT from the leased worker of %r", pin.service)
+        if direct and msg.command == P.C_HEARTBEAT:
+            # Only the broker speaks for the broker: a worker's HEARTBEAT, on a lease's
+            # connection or on the reply socket, could fake a restart (another instance), and
+            # every call in flight was sent again.
+            self._bad.warning("dropping a HEARTBEAT from %s", "a worker on the reply socket" if pin is None
+                              else f"the leased worker of {pin.service!r}")
             return []
         if msg.command == P.C_HEARTBEAT:
             if not msg.body:

@@ -164,3 +164,31 @@ def test_a_reply_carrying_another_requests_id_answers_neither_wrongly(cluster, b
         assert time.monotonic() - t0 < 2.5, "the call waited for its deadline"
         bad.final(env2, P.Reply(id=req2.id, tensors=[one]), [b"\x02"])
         assert [int(r["y"][0]) for r in second] == [2]  # its own FINAL, and no PARTIAL before it
+
+
+def test_a_heartbeat_on_the_reply_socket_is_not_the_brokers(cluster, bad):
+    """Only the broker speaks for the broker.  A worker that sent a HEARTBEAT to a client's
+    direct-reply socket with another instance id made the client believe the broker had
+    restarted: it sent every call in flight again (the worker ran this one twice).  A
+    HEARTBEAT there is dropped, as one on a lease's connection already was."""
+    with Client(cluster.frontend, timeout=5) as c:
+        call = c.infer_stream("bad", {"x": np.full(4, 1, np.uint8)})
+        env, req = bad.request()
+        assert req.reply_to is not None
+        end = time.monotonic() + 5
+        while c._core.broker_instance is None:  # the broker's own heartbeat answer came
+            assert time.monotonic() < end, "the broker never answered a heartbeat"
+            c.pump(0.1)
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        push.linger = 0
+        try:
+            push.connect(req.reply_to)
+            push.send_multipart([P.MDPC, P.C_HEARTBEAT, b"\x01" * 8, (3000).to_bytes(4, "big")])
+            one = P.TensorRef(name="y", dtype="|u1", shape=[1], loc=P.InlineLoc(frame=0))
+            push.send_multipart([P.MDPC, P.C_FINAL, b"bad", P.encode_header(P.Reply(id=req.id, tensors=[one])),
+                                 b"\x07"])  # after the HEARTBEAT, on the same connection
+            bad.sock.send_multipart(P.worker_done([env]))
+            assert int(call.result()["y"][0]) == 7
+        finally:
+            push.close(0)
+        assert c._core.broker_restarts == 0 and c._core.resent == 0, "the client took a worker for the broker"
