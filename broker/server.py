@@ -2138,17 +2138,24 @@ class Broker:
         """A worker's reply to request ``a.request_id`` whose header names request ``got``
         (a worker's bug): relayed, the client took it for the answer to its call ``got``
         (another request's result, perhaps of another service, delivered as right) and left
-        this one waiting for its deadline.  A FINAL becomes a 400 for the request it answers
-        (its body, what it names included, is dropped); a PARTIAL is dropped (None)."""
+        this one waiting for its deadline.  A FINAL becomes a 400 for the request it answers,
+        naming the output slots the reply named (the client gives them back; inline frames
+        are dropped); a PARTIAL is dropped (None)."""
         self.malformed += 1
         self._bad.warning("a worker of %r answered request %d with a %s for request id %d; %s", a.service,
                           a.request_id, "FINAL" if a.final else "PARTIAL", got,
                           "its client gets a 400 instead" if a.final else "dropped it")
         if not a.final:
             return None
-        return P.error_body(a.request_id, P.ErrorCode.PROTOCOL_ERROR,
-                            f"the worker answered this request with a reply for request id {got} (a bug in "
-                            f"a worker of service {a.service!r}: it must echo the request's id); its reply was dropped")
+        lent = []
+        try:
+            lent = [t for t in P.decode_reply(a.payload[0]).tensors if type(t.loc) is not P.InlineLoc]
+        except P.ProtocolError:
+            pass
+        return [P.encode_header(P.Reply(id=a.request_id, tensors=lent, error=P.ErrorInfo(
+            code=P.ErrorCode.PROTOCOL_ERROR,
+            message=f"the worker answered this request with a reply for request id {got} (a bug in a worker of "
+                    f"service {a.service!r}: it must echo the request's id); its reply was dropped")))]
 
     def _lease_action(self, a) -> None:
         t = type(a)

@@ -972,7 +972,13 @@ class ClientCore(PinEvents):
                     call.done = True
                 self.discarded += 1
                 T.release_reply(rep, self.leases)
-            elif not final:
+                return []
+            if rep.tensors:
+                # An error that names output slots (a worker's bug, or the broker's 400 for a
+                # reply it did not relay): nobody views them, so they go back now, or they
+                # stayed lent for this process's life.
+                T.release_reply(rep, self.leases)
+            if not final:
                 log.warning("ignoring an error in a PARTIAL for request %d", rep.id)
             elif (rep.error.code == ErrorCode.CANCELLED and call.deadline is not None
                   and now >= call.deadline):

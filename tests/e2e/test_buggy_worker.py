@@ -148,22 +148,31 @@ def test_a_reply_carrying_another_requests_id_answers_neither_wrongly(cluster, b
     took it for the other call's answer (a result delivered as right, to the wrong call,
     perhaps of another service) and the request it answered waited for its deadline.  The
     broker checks the id of each reply it relays against the request it answers: a FINAL that
-    names another id becomes a 400 for its own request, a PARTIAL is dropped."""
-    with Client(cluster.frontend, timeout=5) as c:
-        first = c.infer_stream("bad", {"x": np.full(4, 1, np.uint8)})
-        env1, req1 = bad.request()
-        second = c.infer_stream("bad", {"x": np.full(4, 2, np.uint8)})
-        env2, req2 = bad.request()
-        one = P.TensorRef(name="y", dtype="|u1", shape=[1], loc=P.InlineLoc(frame=0))
-        t0 = time.monotonic()
-        bad.sock.send_multipart(P.worker_reply(env2, False, [P.encode_header(P.Reply(id=req1.id, tensors=[one])),
-                                                               b"\x01"]))
-        bad.final(env1, P.Reply(id=req2.id, tensors=[one]), [b"\x01"])
-        with pytest.raises(ProtocolError, match=f"a reply for request id {req2.id}"):
-            first.result()
-        assert time.monotonic() - t0 < 2.5, "the call waited for its deadline"
-        bad.final(env2, P.Reply(id=req2.id, tensors=[one]), [b"\x02"])
-        assert [int(r["y"][0]) for r in second] == [2]  # its own FINAL, and no PARTIAL before it
+    names another id becomes a 400 for its own request (the client gives back the output
+    slots it named), a PARTIAL is dropped."""
+    ring = shm.ShmPool(1 << 20, slots=8)
+    try:
+        with Client(cluster.frontend, timeout=5) as c:
+            first = c.infer_stream("bad", {"x": np.full(4, 1, np.uint8)})
+            env1, req1 = bad.request()
+            second = c.infer_stream("bad", {"x": np.full(4, 2, np.uint8)})
+            env2, req2 = bad.request()
+            one = P.TensorRef(name="y", dtype="|u1", shape=[1], loc=P.InlineLoc(frame=0))
+            out = ring.alloc(8192, np.uint8)
+            ref = ring.ref_of(out)
+            ring.mark_in_flight(ref, holder_pid=os.getpid())
+            t0 = time.monotonic()
+            bad.sock.send_multipart(P.worker_reply(env2, False, [
+                P.encode_header(P.Reply(id=req1.id, tensors=[one])), b"\x01"]))
+            bad.final(env1, P.Reply(id=req2.id, tensors=[one, _shm_out("z", P.shm_loc(ref))]), [b"\x01"])
+            with pytest.raises(ProtocolError, match=f"a reply for request id {req2.id}"):
+                first.result()
+            assert time.monotonic() - t0 < 2.5, "the call waited for its deadline"
+            assert ring.reclaim() == 1, "the output slot the dropped reply named stayed lent"
+            bad.final(env2, P.Reply(id=req2.id, tensors=[one]), [b"\x02"])
+            assert [int(r["y"][0]) for r in second] == [2]  # its own FINAL, and no PARTIAL before it
+    finally:
+        ring.close()
 
 
 def test_a_heartbeat_on_the_reply_socket_is_not_the_brokers(cluster, bad):
