@@ -15,6 +15,7 @@ plane (docs/gpu.md, sections 3 and 4):
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from typing import Any
@@ -54,7 +55,9 @@ class CudaSide:
         except CudaUnavailable as e:
             raise NotSupported(unavailable_message(str(e))) from None
         self.device = self.pool.device
-        self.cache = CudaPoolCache(local={self.pool.name: self.pool}, runtime=self.runtime)
+        # Outputs are leased only where lent to this process (a worker's reply naming another
+        # process's slot is refused, and never released).
+        self.cache = CudaPoolCache(local={self.pool.name: self.pool}, runtime=self.runtime, holder=os.getpid())
         self._np_dtypes: dict[Any, np.dtype] = {}
         self._user: dict[tuple[int, int], Any] = {}  # (slot, generation) -> finalizer
         self._owner_thread = threading.get_ident()

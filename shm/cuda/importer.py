@@ -63,7 +63,12 @@ class CudaPoolCache:
     """
 
     def __init__(self, *, local: dict[str, CudaPool] | None = None, max_events: int = 4096,
-                 runtime: CudaRuntime | None = None):
+                 runtime: CudaRuntime | None = None, holder: int | None = None):
+        # ``holder``: a reader of outputs (a client) passes its pid, and `lease` and
+        # `release` then take only slots lent to it (`SegmentCache.view`'s ``holder``): a
+        # worker's reply naming another process's input, or an output lent to another
+        # process, is refused before anything is read or RELEASED stored there.
+        self._holder = holder
         self._rt = runtime if runtime is not None else default_runtime()
         self._local = local if local is not None else {}
         self._pools: dict[str, _Imported] = {}
@@ -145,8 +150,9 @@ class CudaPoolCache:
         p = self._open(ref, loc.handle)
         if ref.offset + ref.nbytes > p.capacity:
             raise BadDescriptor(f"bytes [{ref.offset}, +{ref.nbytes}) lie outside pool {ref.pool} ({p.capacity} bytes)")
-        # Validation on the host: the slot is IN_FLIGHT at this generation (else stale).
-        self.states.view(host_ref(ref, p.data_offset), np.uint8, (0,))
+        # Validation on the host: the slot is IN_FLIGHT at this generation (else stale),
+        # and, leased by a reader that names its pid, lent to it.
+        self.states.view(host_ref(ref, p.data_offset), np.uint8, (0,), self._holder if release else None)
         if stream is None:
             stream = torch.cuda.current_stream(p.device)
         if loc.event:
@@ -215,7 +221,7 @@ class CudaPoolCache:
             return 0
         p.live -= 1
         try:
-            self.states.release(host_ref(ref, p.data_offset))
+            self.states.release(host_ref(ref, p.data_offset), self._holder)
             return 1
         except ShmError:  # the owner closed or died: nothing to give back
             return 0

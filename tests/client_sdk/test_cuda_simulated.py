@@ -126,3 +126,29 @@ def test_alloc_cuda_on_a_full_device_pool_is_pool_full(sim, monkeypatch, tmp_pat
             while len(held) < 10_000:
                 held.append(c.alloc_cuda((16,), np.float32))
         del held, t
+
+
+def test_a_cuda_output_not_lent_to_this_process_is_refused_and_never_released(side, sim):  # noqa: F811
+    """A worker's reply naming a device slot not lent to this client (another process's
+    input, handed off without a holder, or an output lent to another process): leased,
+    its release freed that slot under its owner's request.  As for shared memory, the client
+    takes as output only a slot whose holder is its own pid."""
+    from client_sdk import ProtocolError
+
+    other = CudaPool(1 << 20, device=0, slots=8, runtime=sim)  # another client's input pool, say
+    try:
+        leases = T.OutputLeases()
+        leases.cuda_cache = side.cache
+        for holder in (None, 1):  # an input; an output lent to another process (pid 1: alive)
+            x = other.alloc((3,), np.float32)
+            loc = P.cuda_loc(other.hand_off(x, holder_pid=holder))
+            rep = P.Reply(id=3, tensors=[P.TensorRef(name="y", dtype="<f4", shape=[3], loc=loc)])
+            with pytest.raises(ProtocolError, match="not lent to this process"):
+                T.unpack(rep, [], leases, final=True)
+            T.release_reply(rep, leases)  # as for a reply nobody reads: nothing either
+            gc.collect()
+            side.poll()
+            assert other.reclaim() == 0 and other.in_use() >= 1, "the client released a slot not lent to it"
+        leases.close()
+    finally:
+        other.close()
