@@ -428,6 +428,10 @@ class OutputLeases:
         # (its `holder_pid`): a slot lent to anyone else, or to nobody (a request's input,
         # ours or another process's), is never viewed or released here.
         self._pid = os.getpid()
+        # (segment, slot, generation) -> views of it alive: a slot goes back when its last
+        # view goes.  A worker names a slot once; one named twice (two outputs, two replies, a
+        # FINAL sent both ways) went back at the first release while a result still viewed it.
+        self._views: dict[tuple[str, int, int], int] = {}
 
     @property
     def cache(self) -> Any:
@@ -451,6 +455,8 @@ class OutputLeases:
         with self._lock:
             src = self.cache.view(ref, dtype, shape, self._pid)
             self._live += 1
+            key = (ref[0], ref[3], ref[4])
+            self._views[key] = self._views.get(key, 0) + 1
             if self._unreleased:  # descriptors to map a ring again: give back what waits
                 self._retry_releases()
         try:
@@ -464,6 +470,11 @@ class OutputLeases:
             return  # a forked child's copy of a Result: the slot is its parent's to give back
         with self._lock:
             cache = self._cache
+            key = (ref[0], ref[3], ref[4])
+            views = self._views.pop(key, 1) - 1
+            if views > 0:
+                self._views[key] = views  # viewed elsewhere still: the last view gives it back
+                cache = None
             try:
                 if cache is not None:
                     cache.release(ref, self._pid)
@@ -529,6 +540,8 @@ class OutputLeases:
                 # Never store RELEASED into our own pool: its owner-side reclaim would free
                 # a slot we still use (an input buffer a worker echoed back).
                 return
+            if (loc.segment, loc.slot, loc.generation) in self._views:
+                return  # a result views it (a duplicate reply): its last view gives it back
             try:
                 ref = P.shm_ref(loc)
                 cache = self.cache

@@ -201,3 +201,46 @@ def test_a_heartbeat_on_the_reply_socket_is_not_the_brokers(cluster, bad):
         finally:
             push.close(0)
         assert c._core.broker_restarts == 0 and c._core.resent == 0, "the client took a worker for the broker"
+
+
+def test_a_slot_named_twice_goes_back_only_when_no_result_views_it(cluster, bad):
+    """A worker that names one output slot twice (two outputs of a reply, two requests' replies,
+    or the same FINAL sent straight to the client and through the broker): the client's
+    release of one copy, or its discarding of a duplicate, stored RELEASED while a result
+    still viewed the slot, and the worker wrote its next output there, under that result.
+    The client gives a slot back once nothing of it views the slot any more."""
+    ring = shm.ShmPool(1 << 20, slots=8)
+    try:
+        with Client(cluster.frontend, timeout=5) as c:
+            out = ring.alloc(8192, np.uint8)
+            out[:] = 3
+            ref = ring.ref_of(out)
+            ring.mark_in_flight(ref, holder_pid=os.getpid())
+            loc = P.shm_loc(ref)
+            calls = [c.infer_stream("bad", {"x": np.full(4, i, np.uint8)}) for i in range(2)]
+            work = [bad.request() for _ in calls]
+            push = zmq.Context.instance().socket(zmq.PUSH)
+            push.linger = 0
+            try:
+                push.connect(work[0][1].reply_to)
+                # The first call's FINAL both ways, with the slot under two names; the second
+                # call's naming it too.
+                head = P.encode_header(P.Reply(id=work[0][1].id, tensors=[_shm_out("a", loc), _shm_out("b", loc)]))
+                push.send_multipart([P.MDPC, P.C_FINAL, b"bad", head])
+                first = calls[0].result()
+                bad.final(work[0][0], P.Reply(id=work[0][1].id, tensors=[_shm_out("a", loc), _shm_out("b", loc)]))
+                bad.final(work[1][0], P.Reply(id=work[1][1].id, tensors=[_shm_out("c", loc)]))
+                second = calls[1].result()  # after the relayed duplicate: both came through the broker
+            finally:
+                push.close(0)
+            assert c._core.discarded == 1  # the relayed duplicate
+            assert ring.reclaim() == 0, "the slot went back while results viewed it"
+            second.release()
+            del second
+            gc.collect()
+            assert ring.reclaim() == 0, "the slot went back while a result viewed it"
+            assert int(first["a"][0]) == int(first["b"][0]) == 3
+            first.release()
+            assert ring.reclaim() == 1
+    finally:
+        ring.close()
