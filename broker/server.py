@@ -1585,10 +1585,15 @@ class Broker:
             codes = ages = None
             if info is not None:
                 codes, ages = [], []
+            undelivered = None
             for i, env in enumerate(msg.body):
                 token = P.envelope_token(env)
                 if token is None:
                     self._bad.warning("worker %r sent DONE with an envelope that is not ours", ident[:16])
+                elif not self._may_reply_direct(ident, sched.held_payload(ident, token)):
+                    if undelivered is None:
+                        undelivered = []
+                    undelivered.append(token)
                 else:
                     tokens.append(token)
                     if info is not None:
@@ -1597,6 +1602,8 @@ class Broker:
                         age = info.ages_ms[i]
                         ages.append(age / 1000.0 if math.isfinite(age) and 0.0 <= age < 3.6e6 else 0.0)
             self._act(sched.worker_done(ident, tokens, now, codes, ages), now)
+            if undelivered:
+                self._undelivered(ident, undelivered, now)
         elif cmd == P.W_STATS:
             sched.worker_seen(ident, now)
             known = self._worker_info.get(ident)
@@ -2133,6 +2140,36 @@ class Broker:
                 self._sweep_soon = True
         if self._doomed:
             self._drop_doomed()
+
+    def _may_reply_direct(self, ident: bytes, payload: Any) -> bool:
+        """Whether worker ``ident`` can have sent the FINAL of the request it holds with
+        ``payload`` straight to its client, as a DONE says: the request named a reply socket
+        (`reply_to`) on the worker's host.  True for a request it does not hold (the DONE is
+        late: the scheduler drops it)."""
+        if payload is None:
+            return True
+        head = payload.header
+        if head is None or head.reply_to is None:
+            return False
+        known = self._worker_info.get(ident)
+        return known is None or known[3] == head.host
+
+    def _undelivered(self, ident: bytes, tokens: list, now: float) -> None:
+        """A DONE for requests whose client has no reply socket the worker could reach (a
+        worker's bug): settled as it was, they left their clients waiting for a FINAL that
+        never came (our SDK until its deadline; a plain client without one, for good).  Each
+        is answered 400 instead."""
+        self.malformed += 1
+        self._bad.warning("worker %r sent DONE for %d request(s) that named no reply socket on its host; "
+                          "their clients get a 400", ident[:16], len(tokens))
+        for token in tokens:
+            payload = self.sched.held_payload(ident, token)
+            rid = payload.header.id if payload is not None and payload.header is not None else 0
+            self._act(self.sched.worker_final(ident, token, now, P.error_body(
+                rid, P.ErrorCode.PROTOCOL_ERROR,
+                "the worker said it sent this request's answer straight to the client (DONE), but the request "
+                "named no reply socket on its host: a bug in the worker; nothing reached the client"),
+                P.ErrorCode.PROTOCOL_ERROR), now)
 
     def _misaddressed(self, a: ToClient, got: int) -> list | None:
         """A worker's reply to request ``a.request_id`` whose header names request ``got``

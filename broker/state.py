@@ -1513,6 +1513,12 @@ class Scheduler(LeaseEvents):
         if c is not None:
             c.last_seen = c.heard = now
 
+    def held_payload(self, worker: bytes, token: int) -> object:
+        """The payload of the request ``worker`` holds as ``token``; None when it holds none."""
+        w = self._workers.get(worker)
+        req = w.in_flight.get(token) if w is not None else None
+        return None if req is None else req.payload
+
     def _held(self, worker, token, now):
         """The request ``worker`` holds as ``token``, or None (a late or duplicate reply)."""
         w = self._workers.get(worker)

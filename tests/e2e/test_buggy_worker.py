@@ -40,17 +40,21 @@ class RawWorker:
         assert self.sock.poll(int(timeout * 1000)), "the broker sent the worker nothing"
         return self.sock.recv_multipart()
 
-    def request(self, timeout: float = 10.0) -> tuple[bytes, P.Request]:
-        """The next REQUEST: its envelope and its header (heartbeats answered meanwhile)."""
+    def work(self, timeout: float = 10.0) -> list[bytes]:
+        """The next REQUEST's frames (heartbeats answered meanwhile)."""
         end = time.monotonic() + timeout
         while True:
             msg = self._recv(max(0.01, end - time.monotonic()))
             if msg[:2] == [P.MDPW, P.W_HEARTBEAT]:
                 self.sock.send_multipart(P.worker_heartbeat())
                 continue
-            if msg[:2] == [P.MDPW, P.W_REQUEST]:
-                return msg[2], P.decode_request(msg[4], frames=msg[5:])
-            raise AssertionError(f"the worker got {msg[:2]}")
+            assert msg[:2] == [P.MDPW, P.W_REQUEST], f"the worker got {msg[:2]}"
+            return msg
+
+    def request(self, timeout: float = 10.0) -> tuple[bytes, P.Request]:
+        """The next REQUEST: its envelope and its header."""
+        msg = self.work(timeout)
+        return msg[2], P.decode_request(msg[4], frames=msg[5:])
 
     def final(self, envelope: bytes, reply: P.Reply, frames=()) -> None:
         self.sock.send_multipart(P.worker_reply(envelope, True, [P.encode_header(reply), *frames]))
@@ -244,3 +248,32 @@ def test_a_slot_named_twice_goes_back_only_when_no_result_views_it(cluster, bad)
             assert ring.reclaim() == 1
     finally:
         ring.close()
+
+
+def test_a_done_for_a_request_with_no_reply_socket_answers_its_client(cluster, bad):
+    """DONE says "I sent this FINAL straight to the client".  A worker that said it for a
+    request that named no reply socket (a client with direct replies off, a plain MDP client)
+    had it settled with nothing sent: our client waited for its deadline, a plain client
+    without one for good.  Such a request is answered 400 instead."""
+    with Client(cluster.frontend, timeout=5, direct_reply=False) as c:
+        call = c.infer_stream("bad", {"x": np.ones(4, np.uint8)})
+        env, req = bad.request()
+        assert req.reply_to is None
+        t0 = time.monotonic()
+        bad.sock.send_multipart(P.worker_done([env]))
+        with pytest.raises(ProtocolError, match="no reply socket"):
+            call.result()
+        assert time.monotonic() - t0 < 2.5, "the call waited for its deadline"
+    plain = zmq.Context.instance().socket(zmq.DEALER)
+    plain.linger = 0
+    try:
+        plain.connect(cluster.frontend)
+        plain.send_multipart([P.MDPC, P.C_REQUEST, b"bad", b"opaque"])
+        msg = bad.work()
+        assert msg[4:] == [b"opaque"], msg
+        bad.sock.send_multipart(P.worker_done([msg[2]]))
+        assert plain.poll(5000), "the plain client got no answer"
+        got = plain.recv_multipart()
+        assert got[:3] == [P.MDPC, P.C_FINAL, b"bad"] and P.decode_reply(got[3]).error.code == 400, got
+    finally:
+        plain.close(0)
