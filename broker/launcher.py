@@ -587,7 +587,7 @@ _DRAIN_REASON = "the broker is shutting down (its launcher was told to stop); se
 
 
 class _Child:
-    __slots__ = ("wid", "pool", "index", "popen", "pid", "tail", "threads")
+    __slots__ = ("wid", "pool", "index", "popen", "pid", "tail", "threads", "lock", "exited")
 
     def __init__(self, wid, pool, index, popen):
         self.wid = wid
@@ -597,6 +597,10 @@ class _Child:
         self.pid = popen.pid
         self.tail = collections.deque(maxlen=_TAIL)
         self.threads: list[threading.Thread] = []
+        # Signals and the reaping take turns under it: a signal goes only to a process not
+        # yet reaped, whose pid (and process group id) is still its own.
+        self.lock = threading.Lock()
+        self.exited = False
 
     @property
     def tag(self) -> str:
@@ -906,7 +910,21 @@ class Launcher:
             f.close()
 
     def _wait(self, child: _Child) -> None:
-        code = child.popen.wait()
+        try:  # until it exits, without reaping it: its pid and process group id stay its own
+            os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+            unreaped = True
+        except (ChildProcessError, AttributeError):  # (reaped already; no waitid here)
+            unreaped = False
+        with child.lock:
+            if unreaped:
+                # What it leaves in its process group (each worker leads one: a session of
+                # its own) goes with it: its model's processes, a helper holding device
+                # memory, a shell pipeline, that would otherwise outlive it, reparented
+                # away, one set more at each crash or restart.  (`killpg` while the exited
+                # worker is a zombie not yet reaped: the group's id cannot name anyone else's.)
+                _kill_group(child.pid)
+            child.exited = True
+            code = child.popen.wait()
         # Its last lines (READY first of all) are reported before its exit; a grandchild that
         # kept the pipes open does not hold the exit up for long.
         for t in child.threads:
@@ -927,16 +945,38 @@ class Launcher:
 
     def _signal(self, wid: int, sig: int) -> None:
         child = self._children.get(wid)
-        if child is None:
-            return
-        try:
-            child.popen.send_signal(sig)
-        except OSError:
-            pass
+        if child is not None:
+            self._send(child, sig)
+
+    @staticmethod
+    def _send(child: _Child, sig: int) -> None:
+        """``sig`` to a worker not reaped yet; SIGKILL (hung, or past its stop timeout) to its
+        whole process group, what its model started included."""
+        with child.lock:
+            if child.exited:
+                return
+            try:
+                if sig == signal.SIGKILL:
+                    _kill_group(child.pid)
+                else:
+                    os.kill(child.pid, sig)
+            except OSError:
+                pass
 
     def _terminate_all(self) -> None:
         for child in list(self._children.values()):
-            try:
-                child.popen.send_signal(signal.SIGTERM)
-            except OSError:
-                pass
+            self._send(child, signal.SIGTERM)
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL process group ``pgid`` (a worker's: it leads it), or the process alone when it
+    leads none (a group of its own could not be made)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    except OSError:
+        try:
+            os.kill(pgid, signal.SIGKILL)
+        except OSError:
+            pass

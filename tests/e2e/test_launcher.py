@@ -501,6 +501,40 @@ def test_workers_exit_with_a_sigkilled_launcher(tmp_path, launchers):
     wait_gone(fds, 40.0)
 
 
+def test_what_a_worker_leaves_in_its_process_group_goes_with_it(tmp_path, launchers):
+    # A model's own process (a helper, a compile pool, a pipeline) that does not stop with its
+    # worker outlived it, reparented away: one more after each crash or restart (holding
+    # memory, a GPU's included), and all of them after the launcher's exit.  The launcher
+    # now kills the rest of a worker's process group once the worker has exited.
+    helpers = tmp_path / "helpers"
+    la = launchers(tmp_path, "[[pool]]\nname = 'helper'\nmodel = 'children_model:helper'\nextra_args = ['--no-warmup']\n",
+                   env={"HELPER_PIDS": str(helpers)})
+
+    def helper_pids() -> list[int]:
+        return [int(x) for x in helpers.read_text().split()] if helpers.exists() else []
+
+    try:
+        la.wait_for(r"every pool is ready")
+        (first,) = helper_pids()
+        worker = la.ready_pids()[("helper", 0)]
+        mark = len(la._err)
+        os.kill(worker, signal.SIGKILL)  # a crash: the launcher restarts it
+        la.wait_for(rf"pool helper worker 0 pid {worker} exited with code -9", mark)
+        wait_gone(pidfds([first]), 5.0)
+        la.wait_for(r"pool helper worker 0 pid \d+ ready", mark)
+        second = helper_pids()[-1]
+        assert second != first and os.path.exists(f"/proc/{second}")
+        fds = pidfds([second])
+        assert la.terminate(30) == 0, la.read_all_stderr()  # the worker drains and exits 0
+        wait_gone(fds, 5.0)
+    finally:
+        for pid in helper_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_a_stopped_worker_is_killed_as_hung_and_replaced_and_no_request_is_lost(tmp_path, launchers):
     # SIGSTOP (a frozen cgroup, a debugger, a process wedged with the GIL held): the worker
     # does not exit, so only the broker notices (it stops hearing it).  The launcher watches
