@@ -38,6 +38,7 @@ from broker.protocol.logs import (
     warn_from_signal,
 )
 from broker.protocol.naming import RuntimeDirError
+from broker.protocol.pid1 import become_init_if_pid1
 from broker.security import SecurityError, make_keys
 from broker.server import Broker, BrokerConfig
 
@@ -168,6 +169,10 @@ def _num(x: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        # pid 1 of a container: a default signal action does nothing there, and orphans are
+        # ours to reap; an init takes that place and runs us again as pid 2 (pid1.py)
+        become_init_if_pid1()
     hold_std_descriptors()  # a closed stderr's number must not go to a socket we then write "stderr" into
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["keys"]:

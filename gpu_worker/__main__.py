@@ -40,6 +40,7 @@ from broker.protocol.limits import raise_nofile_limit  # noqa: E402
 from broker.protocol.logs import (  # noqa: E402
     add_log_options, announce, enable_crash_dumps, hold_std_descriptors, ignore_stop_signals, setup_logging,
 )
+from broker.protocol.pid1 import become_init_if_pid1  # noqa: E402
 
 signal.pthread_sigmask(signal.SIG_SETMASK, _MASK)
 
@@ -237,6 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        # pid 1 of a container: SIGTERM at its default action (a worker loading its model)
+        # does nothing there, and orphans are ours to reap; an init takes that place and
+        # runs us again as pid 2 (broker.protocol.pid1)
+        become_init_if_pid1()
     hold_std_descriptors()  # a closed stderr's number must not go to a socket we then write "stderr" into
     from gpu_worker.worker import (
         DIRECT_LINGER_MS, ConfigError, WarmupError, Worker, WorkerConfig, ignore_other_signals, install_sigterm_drain,
