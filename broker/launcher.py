@@ -171,7 +171,7 @@ class _Run:
 
 
 class _Slot:
-    __slots__ = ("pool", "index", "gen", "runs", "failures", "restart_at", "reason", "ready_once")
+    __slots__ = ("pool", "index", "gen", "runs", "failures", "restart_at", "reason", "ready_once", "vacated")
 
     def __init__(self, pool, index):
         self.pool = pool
@@ -182,6 +182,7 @@ class _Slot:
         self.restart_at = None  # a crashed worker's successor starts then
         self.reason = "start"
         self.ready_once = False
+        self.vacated = False  # its worker left on its own during the shutdown's drain: no successor
 
 
 class _Roll:
@@ -305,6 +306,15 @@ class Supervisor:
             self._begin_stop(now, out)
             return out
         restart_in = None
+        if run.gen == slot.gen and code == 0 and served is not None and served >= _LEFT_AFTER \
+                and self.phase == DRAINING:
+            # Stopped by someone else while we drain: a stop of the whole service signals
+            # every process at once (systemd's KillMode=control-group, a pod's deletion with
+            # a shared pid namespace).  A successor would only start, take memory (a GPU's)
+            # beside workers still finishing admitted requests, and be stopped.
+            self._vacate(slot, out)
+            out.append(WorkerGone(slot.pool, slot.index, wid, code, True, None))
+            return out
         if run.gen == slot.gen and code == 0 and served is not None and served >= _LEFT_AFTER:
             # Exit 0 unasked, after serving: it left on its own (an operator's SIGTERM to an idle
             # worker drains and exits before the broker's list says it left).  Not a crash:
@@ -423,8 +433,11 @@ class Supervisor:
                 continue
             left = None if leaving is None else leaving.get(run.wid)
             if left is not None and left >= run.ready_at:
-                out.append(Notice(logging.INFO, f"pool {run.slot.pool} worker {run.slot.index} is leaving on its "
-                                                "own (it said goodbye to the broker); starting its successor"))
+                if self.phase == DRAINING and run.gen == run.slot.gen:
+                    self._vacate(run.slot, out)
+                else:
+                    out.append(Notice(logging.INFO, f"pool {run.slot.pool} worker {run.slot.index} is leaving on "
+                                                    "its own (it said goodbye to the broker); starting its successor"))
                 self._stop(run, at, out, signal=False)
                 self._reconcile(run.slot, at, out)
                 self._advance(run.slot.pool, at, out)
@@ -499,6 +512,8 @@ class Supervisor:
         live = [r for r in slot.runs.values() if not r.stopping]
         current = [r for r in live if r.gen == slot.gen]
         if not current:
+            if slot.vacated:
+                return
             if slot.restart_at is None or now >= slot.restart_at:
                 slot.restart_at = None
                 wid = self._next_wid
@@ -513,6 +528,14 @@ class Supervisor:
             for r in live:
                 if r.gen != slot.gen:
                     self._stop(r, now, out)
+
+    def _vacate(self, slot: _Slot, out: list) -> None:
+        """The slot's worker left on its own while the shutdown drains: no successor."""
+        if not slot.vacated:
+            slot.vacated = True
+            slot.restart_at = None
+            out.append(Notice(logging.INFO, f"pool {slot.pool} worker {slot.index} is leaving on its own during the "
+                                            "shutdown; not replaced"))
 
     def _stop(self, run: _Run, now: float, out: list, signal: bool = True) -> None:
         run.stopping = True

@@ -2159,11 +2159,13 @@ class Scheduler(LeaseEvents):
             self._counters["unavailable"] += 1
             lost = svc.any.lost_at
             if self._draining is not None and lost is not None:
-                # A second signal to the launcher stopped the workers before this admitted
-                # request ran: say so, not "look at the workers" (they were told to go).
+                # The workers were stopped before this admitted request ran (a second signal to
+                # the launcher, or a stop of the whole service, which signals the workers
+                # too): say so, not "look at the workers" (they were told to go).
                 why = (f"'{svc.name}' has no live worker left to run it: {self._draining.split(';')[0]}, "
-                       f"and its last worker went {now - lost:.1f} s ago (a second signal stops the workers "
-                       f"before the admitted requests have run)")
+                       f"and its last worker went {now - lost:.1f} s ago (its workers were stopped before the "
+                       f"admitted requests had run: a second signal to the launcher, or a stop of the whole "
+                       f"service, which signals them too)")
             elif lost is None:
                 why = (f"no worker for '{svc.name}' registered within {grace} s; start one "
                        f"with python -m gpu_worker --model {svc.name}")

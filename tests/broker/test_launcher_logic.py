@@ -9,7 +9,7 @@ import pytest
 
 from broker import config as C
 from broker.launcher import (
-    AllReady, Backoff, Finished, GiveUp, KillWorker, RollDone, StartWorker, StopWorker, Supervisor, WorkerGone,
+    AllReady, Backoff, Finished, GiveUp, KillWorker, Notice, RollDone, StartWorker, StopWorker, Supervisor, WorkerGone,
 )
 
 
@@ -363,6 +363,26 @@ def test_shutdown_drains_then_stops_every_worker_then_finishes():
     for w in (wid[("a", 0)], wid[("b", 0)]):
         out += s.worker_exited(w, 0, 3.0)
     assert out[-1] == Finished() and s.finished and s.next_wakeup() is None
+
+
+def test_a_worker_that_leaves_on_its_own_while_draining_is_not_replaced():
+    # A stop of the whole service (systemd's KillMode=control-group) signals every worker with
+    # the launcher: one that drained and exited 0, or said goodbye, while the broker still
+    # finished admitted requests got a successor, which started (memory, a GPU's, beside the
+    # workers still running requests) only to be stopped.
+    s, wid = running(pools=(("a", 2),), stop_timeout=5.0)
+    s.shutdown(1.0)
+    out = s.worker_exited(wid[("a", 0)], 0, 2.0)
+    assert starts(out) == [] and only(out, WorkerGone)[0].expected, out
+    assert "not replaced" in only(out, Notice)[0].message
+    out = s.broker_sees(set(), 2.5, {wid[("a", 1)]: 2.2})  # the other said goodbye
+    assert starts(out) == [] and only(out, StopWorker) == [], out
+    assert starts(s.tick(3.0)) == []
+    out = s.broker_idle(3.0) + s.worker_exited(wid[("a", 1)], 0, 3.1)
+    assert only(out, StopWorker) == [] and out[-1] == Finished(), out
+    # Outside a shutdown it is replaced, as before (test_a_worker_that_exits_0_unasked_...).
+    s, wid = running(pools=(("a", 1),))
+    assert starts(s.worker_exited(wid[("a", 0)], 0, 5.0))
 
 
 def test_drain_timeout_then_sigkill_after_stop_timeout():

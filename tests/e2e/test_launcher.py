@@ -370,6 +370,54 @@ def test_sigterm_finishes_every_admitted_request_then_exits_0(tmp_path, launcher
     wait_gone(fds, 5.0)  # its worker went with it
 
 
+def test_a_stop_of_the_whole_service_at_once_answers_every_request_and_replaces_no_worker(tmp_path, launchers, gate):
+    # systemd's stop (KillMode=control-group) signals the launcher and every worker at the
+    # same moment.  Each worker finishes what it holds and leaves; the requests still queued
+    # have no worker left and fail, typed, saying why; the launcher exits 0.  A worker that
+    # left while another still ran a request got a successor, which started only to be
+    # stopped, and the queued requests' message blamed a second signal nobody sent.
+    la = launchers(tmp_path, """
+        [[pool]]
+        model = "gate_model:factory"
+        service = "gate"
+        count = 2
+        max_batch = 1
+        credit = 1
+        extra_args = ["--no-warmup"]
+    """, env=gate.env, wait=False)
+    gate.open()
+    la.wait_ready()
+    la.wait_for(r"every pool is ready")
+    pids = list(la.ready_pids().values())
+    fds = pidfds(pids)
+
+    async def scenario():
+        async with AsyncClient(la.frontend, timeout=30, heartbeat_interval=0.2) as c:
+            xs, calls = await _four_at_the_broker(c)  # one at each worker, two queued
+            await asyncio.to_thread(gate.wait_entered, 2)
+            for pid in (la.p.pid, *pids):
+                os.kill(pid, signal.SIGTERM)
+            queued = await asyncio.wait_for(asyncio.gather(*calls[2:], return_exceptions=True), 20)
+            for e in queued:
+                assert isinstance(e, ServiceUnavailable) and "shutting down" in str(e), e
+                assert "a second signal stops" not in str(e), e
+            mark = len(la._err)
+            gate.release(1)  # one worker finishes and leaves, the other still runs its request
+            await asyncio.to_thread(la.wait_for, r"pool gate worker \d pid \d+ exited with code 0", mark)
+            gate.release(1)
+            done = await asyncio.wait_for(asyncio.gather(*calls[:2]), 20)
+            for r in done:
+                r.release()
+
+    asyncio.run(scenario())
+    err = la.read_all_stderr()
+    assert la.p.returncode == 0, err
+    after = err[err.index("shutting down"):]
+    assert "successor" not in after and " started" not in after, after
+    assert after.count("exited with code 0") == 2, after
+    wait_gone(fds, 5.0)
+
+
 def test_a_drain_grace_given_in_extra_args_sets_the_stop_timeout(tmp_path, launchers):
     # `extra_args = ["--drain-grace-s", "60"]`: the worker waits up to 60 s for its clients to
     # release their results, but the launcher's stop timeout read only the drain_grace_s key
