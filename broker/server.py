@@ -474,12 +474,31 @@ def _command_frame(frames) -> bytes:
     return bytes(frames[i + 1]) if len(frames) > i + 1 else b""
 
 
-def _unlink_ipc(endpoints) -> None:
-    """Remove the socket files of these endpoints (the ipc ones with a path)."""
+def _ipc_file(path: str | None) -> tuple[int, int, int] | None:
+    """What tells one socket file from another made later at the same path: (device, inode,
+    change time); None for no file.  (An inode number alone does not: ext4 gives a new file
+    the number of one just removed.)"""
+    if path is None:
+        return None
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def _unlink_ipc(endpoints, ours: dict) -> None:
+    """Remove the socket files of these endpoints (the ipc ones with a path) that are still
+    ``ours`` (path -> `_ipc_file` of the file this broker bound there): a broker started on the
+    same paths the moment this one's sockets closed (a supervisor's overlapping restart, a
+    handover) has bound files of its own there, which removing by path took from it (no
+    client could connect to it again, and nothing said why)."""
     for ep in endpoints:
-        if ep.startswith("ipc://") and not ep.startswith("ipc://@"):
+        path = ep[len("ipc://") :] if ep.startswith("ipc://") and not ep.startswith("ipc://@") else None
+        got = _ipc_file(path)
+        if got is not None and got == ours.get(path):
             try:
-                os.unlink(ep[len("ipc://") :])
+                os.unlink(path)
             except OSError:
                 pass
 
@@ -574,6 +593,9 @@ class Broker:
         self._backend_events = self.backend.get_monitor_socket(events)
         self._frontend_events = self.frontend.get_monitor_socket(events)
         bound = []
+        #: path -> `_ipc_file` of the socket files bound here (or moved aside): removed at
+        #: close only while they are still these (`_unlink_ipc`)
+        self._ipc_files: dict[str, tuple] = {}
         try:
             self._curve.start()
             self._curve.configure(self.frontend, "frontend")
@@ -583,7 +605,9 @@ class Broker:
                 raise RuntimeError(f"the frontend and the backend are both {self.frontend_ep}: give two endpoints")
             self._bind(self.frontend, self.frontend_ep)
             bound.append(self.frontend.getsockopt_string(zmq.LAST_ENDPOINT))  # (ipc://* is a path now)
+            self._own_ipc(bound[-1])
             self._bind(self.backend, self.backend_ep)
+            self._own_ipc(self.backend.getsockopt_string(zmq.LAST_ENDPOINT))
         except BaseException:
             for s, events in ((self.frontend, self._frontend_events), (self.backend, self._backend_events)):
                 s.disable_monitor()
@@ -592,7 +616,7 @@ class Broker:
             self._curve.stop()
             # The frontend's socket file, when only the backend failed: libzmq removes it
             # from its I/O thread, which the exit that follows does not wait for.
-            _unlink_ipc(bound)
+            _unlink_ipc(bound, self._ipc_files)
             raise
         # Resolve wildcard ports so callers (tests, bench) can connect.
         self.frontend_ep = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -788,9 +812,9 @@ class Broker:
         for s in (self.frontend, self.backend):
             s.close(linger=0)
         self._curve.stop()
-        _unlink_ipc((self.frontend_ep, self.backend_ep))
+        _unlink_ipc((self.frontend_ep, self.backend_ep), self._ipc_files)
         if self._hidden is not None:
-            _unlink_ipc(("ipc://" + self._hidden,))
+            _unlink_ipc(("ipc://" + self._hidden,), self._ipc_files)
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Run until `stop` is set (checked at least every 100 ms)."""
@@ -1941,12 +1965,24 @@ class Broker:
                 hidden = move_aside(path)
             except OSError as e:
                 log.error("cannot move %s aside: %s", path, e)
+            else:
+                self._own_ipc("ipc://" + hidden, was=path)
         self._hidden = hidden
         log.warning("%d of this process's %d descriptors are in use: %s; at the limit libzmq would abort the "
                     "broker.  Raise its descriptor limit (ulimit -n; LimitNOFILE= in a systemd unit; --ulimit "
                     "nofile= for a container)", hr.used, hr.limit,
                     "new clients cannot connect until some close (connected ones are served as before)"
                     if hidden is not None else "new clients would take the last of them", )
+
+    def _own_ipc(self, ep: str, was: str | None = None) -> None:
+        """The socket file at ``ep``'s path is this broker's now (bound, or moved there from
+        ``was``, which is no longer)."""
+        path = self._ipc_path(ep)
+        if was is not None:
+            self._ipc_files.pop(was, None)
+        got = _ipc_file(path)
+        if got is not None:
+            self._ipc_files[path] = got
 
     @staticmethod
     def _ipc_path(ep: str) -> str | None:
@@ -1969,6 +2005,7 @@ class Broker:
             self._gc_oops.warning("cannot put %s back (%s): new clients cannot reach this broker", path, e)
             return
         self._hidden = None
+        self._own_ipc(self.frontend_ep, was=hidden)
         log.warning("%d of %d descriptors in use: new clients can connect to %s again", hr.used, hr.limit,
                     self.frontend_ep)
 

@@ -140,3 +140,44 @@ def test_a_peer_that_connects_as_the_broker_binds_is_seen(tmp_path, monkeypatch)
         for p in peers:
             p.close(0)
         broker.close()
+
+
+def test_a_closing_broker_leaves_the_socket_files_of_its_successor(tmp_path, monkeypatch):
+    """A broker started on the same paths the moment an old one's sockets closed (a
+    supervisor's overlapping restart, a handover) binds files of its own there; the old
+    one's close then removed them by path: the new broker served on, but no client or
+    worker could connect to it again, and nothing said why.  Now a broker removes only the
+    files it bound (their inode)."""
+    import time
+
+    import zmq
+
+    from broker import server as S
+
+    ctx = zmq.Context.instance()
+    cfg = S.BrokerConfig(frontend=f"ipc://{tmp_path}/fe.ipc", backend=f"ipc://{tmp_path}/be.ipc")
+    paths = [str(tmp_path / "fe.ipc"), str(tmp_path / "be.ipc")]
+    old = S.Broker(cfg, ctx=ctx)
+    new = []
+    stop_curve = old._curve.stop
+
+    def successor_binds():
+        # Between the old broker's sockets closing and its removal of the files: the
+        # successor finds them served by nobody and binds its own.
+        stop_curve()
+        deadline = time.monotonic() + 10
+        while any(S._ipc_served(p) for p in paths):
+            assert time.monotonic() < deadline, "the old broker's listeners never closed"
+            time.sleep(0.005)
+        new.append(S.Broker(cfg, ctx=ctx))
+
+    monkeypatch.setattr(old._curve, "stop", successor_binds)
+    old.close()
+    try:
+        assert len(new) == 1
+        for p in paths:
+            assert os.path.exists(p) and S._ipc_served(p), f"the closing broker removed its successor's {p}"
+    finally:
+        for b in new:
+            b.close()
+    assert not any(os.path.exists(p) for p in paths)  # the successor removes its own
