@@ -117,9 +117,9 @@ def _victim(ref_path: str, done_path: str) -> None:
     pool.close()
 
 
-def _sdk(d: str) -> str:
-    """The ``sdk`` case: B's `Client` on a connection whose maker (A) has exited."""
-    out_path = f"{d}/sdk.out"
+def _a_then_b(d: str, b, go_r: int | None = None) -> int:
+    """Fork A, which connects a plain unix socket to the broker's frontend, forks B to run
+    ``b(raw)`` over it, and exits (once B writes to ``go_r``, when given).  A's pid."""
     a = os.fork()
     if a == 0:  # A
         try:
@@ -127,28 +127,40 @@ def _sdk(d: str) -> str:
             raw.connect(f"{d}/fe.ipc")
             if os.fork() == 0:  # B
                 try:
-                    import numpy as np
-
-                    from client_sdk import Client
-
-                    relay = f"{d}/relay-sdk.sock"
-                    _relay(raw, relay)
-                    _wait(lambda: os.getppid() == 1, "A never exited")  # B is pid 1's now
-                    x = np.arange(1 << 14, dtype=np.float32)  # 64 KiB: shared memory
-                    with Client(f"ipc://{relay}", timeout=WAIT) as c:
-                        try:
-                            y = c.infer("echo", {"x": x})["x"]
-                            got = "same" if np.array_equal(x, y) else "wrong"
-                        except Exception as e:
-                            got = f"{type(e).__name__} {e}"
-                    with open(out_path + ".tmp", "w") as f:
-                        f.write(got)
-                    os.rename(out_path + ".tmp", out_path)
+                    b(raw)
                 finally:
                     os._exit(0)
+            if go_r is not None:
+                select.select([go_r], [], [], WAIT)
         finally:
             os._exit(0)
-    os.waitpid(a, 0)
+    return a
+
+
+def _sdk_b(raw: socket.socket, d: str, out_path: str) -> None:
+    """B of the ``sdk`` case: our `Client` on a connection whose maker (A) has exited."""
+    import numpy as np
+
+    from client_sdk import Client
+
+    relay = f"{d}/relay-sdk.sock"
+    _relay(raw, relay)
+    _wait(lambda: os.getppid() == 1, "A never exited")  # B is pid 1's now
+    x = np.arange(1 << 14, dtype=np.float32)  # 64 KiB: shared memory
+    with Client(f"ipc://{relay}", timeout=WAIT) as c:
+        try:
+            y = c.infer("echo", {"x": x})["x"]
+            got = "same" if np.array_equal(x, y) else "wrong"
+        except Exception as e:
+            got = f"{type(e).__name__} {e}"
+    with open(out_path + ".tmp", "w") as f:
+        f.write(got)
+    os.rename(out_path + ".tmp", out_path)
+
+
+def _sdk(d: str) -> str:
+    out_path = f"{d}/sdk.out"
+    os.waitpid(_a_then_b(d, lambda raw: _sdk_b(raw, d, out_path)), 0)
     _wait(lambda: os.path.exists(out_path), "B never answered")
     return open(out_path).read()
 
@@ -156,20 +168,7 @@ def _sdk(d: str) -> str:
 def _case(d: str, case: str) -> str:
     ref_path, out_path = f"{d}/{case}.ref", f"{d}/{case}.out"
     go_r, go_w = os.pipe()  # B -> A: the broker has learned the connection
-    a = os.fork()
-    if a == 0:  # A
-        try:
-            raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            raw.connect(f"{d}/fe.ipc")
-            if os.fork() == 0:  # B
-                try:
-                    _b(raw, d, case, go_w, ref_path, out_path)
-                finally:
-                    os._exit(0)
-            if case == "reused":
-                select.select([go_r], [], [], WAIT)
-        finally:
-            os._exit(0)
+    a = _a_then_b(d, lambda raw: _b(raw, d, case, go_w, ref_path, out_path), go_r if case == "reused" else None)
     os.waitpid(a, 0)  # A is gone, and reaped: its pid is free
     with open("/proc/sys/kernel/ns_last_pid", "w") as f:
         f.write(str(a - 1))  # the next process gets A's pid

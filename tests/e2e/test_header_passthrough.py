@@ -19,6 +19,8 @@ import zmq
 
 from broker import protocol as P
 
+from .test_protocol_docs import _recv, _work
+
 pytestmark = pytest.mark.timeout(60)
 
 MDPC, MDPW = P.MDPC, P.MDPW
@@ -32,22 +34,6 @@ def _sock(endpoint: str) -> zmq.Socket:
     s.linger = 0
     s.connect(endpoint)
     return s
-
-
-def _recv(s: zmq.Socket, timeout: float = WAIT) -> list[bytes]:
-    assert s.poll(int(timeout * 1000)), f"nothing came within {timeout} s"
-    return s.recv_multipart()
-
-
-def _work(w: zmq.Socket) -> list[bytes]:
-    """The next message to the raw worker that is not a HEARTBEAT (those are answered)."""
-    deadline = time.monotonic() + WAIT
-    while True:
-        msg = _recv(w, max(0.0, deadline - time.monotonic()))
-        if msg == [MDPW, P.W_HEARTBEAT]:
-            w.send_multipart([MDPW, P.W_HEARTBEAT])
-            continue
-        return msg
 
 
 def _wait_service(c: zmq.Socket, service: bytes) -> None:

@@ -316,13 +316,14 @@ def test_a_sigkilled_worker_is_restarted_and_no_request_is_lost(tmp_path, launch
                 np.testing.assert_array_equal(r["x"], np.ones(4))
 
 
-def _gated_launch(tmp_path, launchers, gate) -> Launcher:
-    """A launcher with one pool of the gated model (service "gate", one request at a time),
-    ready."""
-    la = launchers(tmp_path, """
+def _gated_launch(tmp_path, launchers, gate, count: int = 1) -> Launcher:
+    """A launcher with one pool of ``count`` workers of the gated model (service "gate", one
+    request at a time each), ready."""
+    la = launchers(tmp_path, f"""
         [[pool]]
         model = "gate_model:factory"
         service = "gate"
+        count = {count}
         max_batch = 1
         credit = 1
         extra_args = ["--no-warmup"]
@@ -376,18 +377,7 @@ def test_a_stop_of_the_whole_service_at_once_answers_every_request_and_replaces_
     # have no worker left and fail, typed, saying why; the launcher exits 0.  A worker that
     # left while another still ran a request got a successor, which started only to be
     # stopped, and the queued requests' message blamed a second signal nobody sent.
-    la = launchers(tmp_path, """
-        [[pool]]
-        model = "gate_model:factory"
-        service = "gate"
-        count = 2
-        max_batch = 1
-        credit = 1
-        extra_args = ["--no-warmup"]
-    """, env=gate.env, wait=False)
-    gate.open()
-    la.wait_ready()
-    la.wait_for(r"every pool is ready")
+    la = _gated_launch(tmp_path, launchers, gate, count=2)
     pids = list(la.ready_pids().values())
     fds = pidfds(pids)
 
