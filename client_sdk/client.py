@@ -380,7 +380,7 @@ class Client(ClientBase):
         q = core.mmi_question(name)
         limit = core.timeout_of(timeout)
         stop = None if limit is None else time.monotonic() + limit
-        self._send(q.frames, stop)
+        self._send(q.frames, stop, limit=limit)
         core.expect_mmi(q, time.monotonic())
         try:
             while q.answer is None:
@@ -647,8 +647,14 @@ class Client(ClientBase):
 
     # ---------------------------------------------------------------- socket work
 
-    def _send(self, frames: list[Any], deadline: float | None, sock: zmq.Socket | None = None) -> None:
-        sock = self._sock if sock is None else sock
+    def _send(self, frames: list[Any], deadline: float | None, call: Call | None = None,
+              limit: float | None = None) -> None:
+        """Send on the broker's socket, waiting while its queue is full (the broker does not
+        read, or refuses our handshake), up to ``deadline``: then `DeadlineExceeded` for
+        ``call`` (else for an MMI question of timeout ``limit``), as `AsyncClient` raises for
+        a message it queued; `BrokerUnreachable` at the broker's liveness window before
+        that, as `AsyncClient` does (docs/client.md, "Errors")."""
+        sock = self._sock
         start = None  # when the socket first refused it
         while True:
             try:
@@ -663,7 +669,7 @@ class Client(ClientBase):
                     if self._core.closed:
                         raise InferenceError(_CLOSED_WAITING, code=None) from None
                 core = self._core
-                if sock is self._sock and self._broker_monitor is not None:
+                if self._broker_monitor is not None:
                     self._on_monitor(self._broker_monitor)  # a refusal not read yet: dialled again
                     touched(self._broker_monitor)
                 now = time.monotonic()
@@ -675,10 +681,13 @@ class Client(ClientBase):
                 why = (f"it refuses this client's handshake: {core.refused}" if core.refused
                        else "its queue is full")
                 if deadline is not None and now >= deadline:
-                    raise BrokerUnreachable(f"cannot send to the broker at {self.endpoint}: {why}") from None
+                    if call is not None:
+                        raise core.unsent_deadline_error(f"no reply from service {call.service!r}", call.timeout,
+                                                         not core.refused, call.id or None) from None
+                    raise core.unsent_deadline_error("no MMI answer from the broker", limit, not core.refused) from None
                 wait = 1000 if deadline is None else max(1, min(wait_ms(deadline - now), 1000))
                 hb = core.heartbeat_interval
-                if hb is not None and sock is self._sock:
+                if hb is not None:
                     # The broker's liveness window holds here too, as for a call that waits
                     # for its reply (`_pump`): a call whose REQUEST the socket would not take
                     # waited for its whole timeout, and for ever with none (the timeouts
@@ -728,7 +737,7 @@ class Client(ClientBase):
                     except zmq.Again:
                         pass
                 core.reroute(call)
-            self._send(frames, call.deadline)
+            self._send(frames, call.deadline, call)
         except BaseException as e:
             # Also a signal handler's exception as the request went out (wire.send_frames
             # left the socket at a message boundary; the request went out whole, short of a

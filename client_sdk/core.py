@@ -1182,6 +1182,21 @@ class ClientCore(PinEvents):
         on the endpoint as a call's (`silence_advice`), instead of "lower the load"."""
         return deadline_exceeded(f"no MMI answer from the broker within {timeout:g}s", self.silence_advice(timeout))
 
+    def unsent_deadline_error(self, what: str, timeout: float | None, full: bool,
+                              request_id: int | None = None) -> "DeadlineExceeded":
+        """The error of a call (``what``: "no reply from service 'x'", ...) whose message the
+        client's socket did not take by its deadline (the blocking twin waits in its send:
+        the broker does not read, or ``full`` False: it refuses this client's handshake).
+        `DeadlineExceeded`, as the asyncio twin's, which queues the message and meets its
+        deadline waiting for the reply; the broker's silence for the liveness window is
+        `BrokerUnreachable` on both."""
+        text = f"{what} within {timeout:g}s; nothing was sent"
+        if full:
+            text += f": the client's queue to the broker at {self.endpoint} is full (the broker does not read it)"
+        advice = self.silence_advice(timeout) or ("check that the broker runs and is not stopped, and its log; "
+                                                  "or raise `timeout`")
+        return deadline_exceeded(text, advice, request_id)
+
     def opaque_deadline_error(self, service: str, timeout: float | None) -> "DeadlineExceeded":
         """The error of a plain MDP `request` unanswered within ``timeout`` (on a socket of its
         own): what the kernel says of an ipc endpoint's socket file, when it says anything."""

@@ -7,6 +7,12 @@ returned or raised (class and code) must be the same on both: options and argume
 types, NaN, inf, negatives), a closed client, handles, calls' deadlines and errors, streams,
 pinning, no broker, a stopped one, a restarted one, a socket that takes nothing.
 (`TWIN_SHOW=1 pytest -s` prints every step's outcome and what each twin raised.)
+
+Differences this found, each failed here before its fix: a request the socket did not take
+by its deadline (`Client`: BrokerUnreachable, `AsyncClient`: DeadlineExceeded).
+
+This module is also its worker's model (`--model test_twin_parity:twin`, tests/e2e on the
+worker's PYTHONPATH): it imports nothing from the test package at import time.
 """
 from __future__ import annotations
 
@@ -585,3 +591,27 @@ def test_both_twins_across_a_broker_restart(cluster):
         return out
 
     on_both(cluster.frontend, scenario, timeout=WAIT, heartbeat_interval=HB)
+
+
+def test_both_twins_when_the_socket_takes_nothing(tmp_path):
+    """Nobody at the endpoint: the socket's queue fills, and a call whose request it will
+    not take ends at its deadline (docs/client.md, `timeout`)."""
+    nobody = f"ipc://{tmp_path}/nobody.ipc"
+
+    async def scenario(c):
+        call = None
+        for _ in range(100_000):  # fill the socket
+            call = c.prepare("echo", X, timeout=WAIT)
+            if not c.submit(call) or (not isinstance(c, Blocking) and c._pending):
+                break
+        else:
+            pytest.fail("the socket took 100000 requests")
+        out = [await step(lambda: c.infer("echo", X))]
+        out.append(await step(lambda: c.mmi_service("echo")))
+        return out
+
+    got = on_both(nobody, scenario, timeout=SHORT, heartbeat_interval=None, transport="inline", direct_reply=False)
+    # DeadlineExceeded, as for a broker that takes the request and never answers (the
+    # blocking twin raised BrokerUnreachable at the deadline; at the liveness window both
+    # do: tests/e2e/test_silent_broker.py)
+    assert [o[0] for o in got] == ["DeadlineExceeded", "DeadlineExceeded"], got
