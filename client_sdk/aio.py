@@ -1138,7 +1138,11 @@ class AsyncClient(ClientBase):
     def _submit_here(self, call: Call, timeout: float | None = 0.0) -> bool:
         """Register a prepared call and queue its REQUEST; its deadline starts now.  Never
         waits and always True: frames the socket refuses wait in the client's own queue, in
-        order (`timeout` is there for `Client.submit`'s sake)."""
+        order (`timeout` is there for `Client.submit`'s sake).  A closed client refuses it
+        (InferenceError), as `Client.submit` does (it was registered there, and never
+        answered), and the loop is checked as `prepare` checks it."""
+        if self._core.closed or self._loop is None or _running_loop() is not self._loop:
+            self._start()
         return self._submit(call)
 
     # The public seams check the thread; `infer_stream` and a stream's own steps (already on

@@ -463,6 +463,9 @@ class Client(ClientBase):
         (None: as long as it takes) for the socket to take it; its deadline starts now.
         False when the socket did not take it (the broker is not reading: high-water mark);
         the call is then unsent again, to be submitted later or given up."""
+        core = self._core
+        if core.closed or core.forked():  # (its socket is closed, or the parent's)
+            core.check_open()
         sock = self._sock
         if timeout != 0 and not sock_events(sock) & _POLLOUT:
             self._wait_writable(sock, max(1, wait_ms(timeout)) if timeout is not None else -1)
@@ -1118,6 +1121,7 @@ class Client(ClientBase):
     free = _one_thread(ClientBase.free)
 
     def __enter__(self) -> "Client":
+        self._core.check_open()  # a closed one (or a forked child's copy) is refused, as `async with` refuses it
         return self
 
     def __exit__(self, *exc: Any) -> None:

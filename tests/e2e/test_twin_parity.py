@@ -9,7 +9,9 @@ pinning, no broker, a stopped one, a restarted one, a socket that takes nothing.
 (`TWIN_SHOW=1 pytest -s` prints every step's outcome and what each twin raised.)
 
 Differences this found, each failed here before its fix: a request the socket did not take
-by its deadline (`Client`: BrokerUnreachable, `AsyncClient`: DeadlineExceeded).
+by its deadline (`Client`: BrokerUnreachable, `AsyncClient`: DeadlineExceeded); `submit` on
+a closed client (a raw ZMQError, and True with the call registered for good) and `with` on
+one (entered).
 
 This module is also its worker's model (`--model test_twin_parity:twin`, tests/e2e on the
 worker's PYTHONPATH): it imports nothing from the test package at import time.
@@ -362,6 +364,46 @@ def test_both_twins_take_and_refuse_the_same_arguments(cl):
         return out
 
     on_both(cl.frontend, scenario, timeout=WAIT)
+
+
+# ----------------------------------------------------------------------------- a closed client
+
+def test_both_twins_refuse_the_same_calls_once_closed(cl):
+    async def scenario(c):
+        alloc = c.alloc((4,), np.float32)
+        made = c.prepare("echo", X)
+        await c.close()
+        out = [c.closed]
+        out.append(await step(lambda: c.infer("echo", X)))
+        out.append(await step(lambda: c.infer_stream("echo", X)))
+        out.append(await step(lambda: c.stream("echo")))
+        out.append(await step(lambda: c.request("echo", [b"hi"])))
+        out.append(await step(lambda: c.mmi_service("echo")))
+        out.append(await step(lambda: c.prepare("echo", X)))
+        out.append(await step(lambda: c.submit(made)))
+        out.append(await step(lambda: c.give_up(made)))
+        out.append(await step(lambda: c.pump(0)))
+        out.append(await step(lambda: c.alloc((2,))))
+        out.append(await step(lambda: c.free(alloc)))
+        out.append(await step(lambda: c.pinned("echo")))
+        out.append(await step(lambda: c.in_flight()))
+        out.append(await step(lambda: c.close()))
+        out.append(await step(lambda: c.close(linger=-1)))
+
+        async def again():
+            async with c:
+                return "entered"
+        out.append(await step(again))
+        return out
+
+    got = on_both(cl.frontend, scenario, timeout=WAIT)
+    # Every call refused before anything is sent (`submit` had raised a raw ZMQError on the
+    # blocking twin, and returned True on the asyncio one, its call registered for good),
+    # `with` included (the blocking twin entered); give_up, pinned, in_flight and close do
+    # nothing.
+    refused = [i for i, o in enumerate(got) if isinstance(o, tuple) and o[0] == "InferenceError"]
+    assert refused == [1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 16], got
+    assert got[8] is None and got[12] is False and got[13] == 0, got
 
 
 # ----------------------------------------------------------------------------- handles
