@@ -147,8 +147,11 @@ class _StreamCore:
         self._pending.append(call)
 
     def _flush(self) -> None:
-        """Send pending frames while fewer than max_in_flight are outstanding."""
+        """Send pending frames while fewer than max_in_flight are outstanding (none once the
+        client is closed: `recv` still hands out what had arrived, then says so)."""
         room = self.max_in_flight - self._in_flight()
+        if room <= 0 or not self._pending or self._client.closed:
+            return
         while self._pending and room > 0:
             call = self._pending.popleft()
             if not self._submit(call, 0.0):
@@ -242,11 +245,14 @@ class Stream(_StreamCore):
     def recv(self, timeout: float | None = None) -> Result:
         """The next result in send order.  Raises the frame's error if it failed,
         DeadlineExceeded if the frame outlived its timeout, TimeoutError after `timeout`
-        seconds (the frame stays in flight), EndOfStream when nothing is outstanding."""
+        seconds (the frame stays in flight), EndOfStream when nothing is outstanding.
+        After the client was closed, the results that had arrived before, then
+        InferenceError, as `AsyncStream.recv` (and a handle's `result()`)."""
         client = self._client
         timeout = wait_limit(timeout)
         stop = None if timeout is None else time.monotonic() + timeout
-        client.pump(0)  # what already arrived counts, even with timeout=0
+        if not client.closed:
+            client.pump(0)  # what already arrived counts, even with timeout=0
         while True:
             self._flush()
             got = self._pop_head()
@@ -255,6 +261,8 @@ class Stream(_StreamCore):
                 if kind == "error":
                     raise item
                 return item
+            if client.closed and not self._closed:  # close() failed its calls, then let go of them
+                raise InferenceError("the client was closed while this stream was waiting", code=None)
             now = time.monotonic()
             if not self._outstanding:
                 if not self._pending:
@@ -369,22 +377,22 @@ class AsyncStream(_StreamCore):
                 return item
             if not self._outstanding and not self._pending and self._finishing:
                 raise EndOfStream("the stream is finished and every frame has its result")
+            if self._client.closed:  # close() failed its calls, then let go of them
+                raise InferenceError("the client was closed while this stream was waiting", code=None)
             now = time.monotonic()
             head = self._outstanding[0] if self._outstanding else None
             if head is not None and head.deadline is not None and now >= head.deadline:
                 raise self._expire_head()
             if stop is not None and now >= stop:
                 if looked:
-                    raise TimeoutError(f"no result within {timeout:g}s")
+                    raise TimeoutError(f"no result within {timeout:g}s; "
+                                       + ("the frame is still in flight" if head is not None else "no frame in flight"))
                 # What already arrived counts, even with timeout=0 (as `Stream.recv`): the
                 # loop's reader may not have run since the reply came (the asyncio hunt).
                 looked = True
-                if not self._client.closed:
-                    await self._client.pump(0)  # routes what is in the sockets, and returns at once
+                await self._client.pump(0)  # routes what is in the sockets, and returns at once
                 continue
             looked = True
-            if self._client.closed:  # close() failed its calls, then let go of them
-                raise InferenceError("the client was closed while this stream was waiting", code=None)
             ends = [t for t in (head.deadline if head is not None else None, stop) if t is not None]
             self._event.clear()
             if ends:

@@ -11,7 +11,8 @@ pinning, no broker, a stopped one, a restarted one, a socket that takes nothing.
 Differences this found, each failed here before its fix: a request the socket did not take
 by its deadline (`Client`: BrokerUnreachable, `AsyncClient`: DeadlineExceeded); `submit` on
 a closed client (a raw ZMQError, and True with the call registered for good) and `with` on
-one (entered).
+one (entered); a stream's `recv()` after its client closed (`Stream` raised at once where
+`AsyncStream`, and both twins' handles, hand out what had arrived).
 
 This module is also its worker's model (`--model test_twin_parity:twin`, tests/e2e on the
 worker's PYTHONPATH): it imports nothing from the test package at import time.
@@ -537,6 +538,29 @@ def test_both_twins_streams_behave_alike(cl):
 
     on_both(cl.frontend, scenario, timeout=WAIT)
 
+
+def test_both_twins_streams_after_their_client_closed(cl):
+    async def scenario(c):
+        out = []
+        s = c.stream("echo", latest_wins=False, pin=False)
+        s.send(X)
+        deadline = time.monotonic() + WAIT
+        while c.in_flight():  # its result routed
+            assert time.monotonic() < deadline
+            await c.pump(0.01)
+        s.send(slow())  # (echo answers it at once: in flight or arrived)
+        await c.close()
+        out.append(await step(lambda: s.recv(timeout=WAIT)))
+        out.append(await step(lambda: s.recv(timeout=WAIT)))
+        out.append(await step(lambda: s.send(X)))
+        s.close()
+        out.append(await step(lambda: s.recv(timeout=WAIT)))
+        return out
+
+    got = on_both(cl.frontend, scenario, timeout=WAIT)
+    # what had arrived, then "the client was closed" (the blocking twin raised at once), and
+    # the stream's own close says EndOfStream
+    assert [o[0] for o in got] == ["Result", "InferenceError", "InferenceError", "EndOfStream"], got
 
 
 # ----------------------------------------------------------------------------- pinned
