@@ -204,10 +204,13 @@ def cl(tmp_path_factory):
                     time.sleep(0.01)  # polling a condition
         yield c
     finally:
-        if spare is not None:
-            os.kill(spare.p.pid, signal.SIGCONT)
-            spare.close()
-        c.close()
+        try:
+            if spare is not None:
+                if spare.p.poll() is None:
+                    os.kill(spare.p.pid, signal.SIGCONT)  # (a test stopped it)
+                spare.close()
+        finally:
+            c.close()
 
 
 X = {"x": np.arange(4, dtype=np.float32)}
