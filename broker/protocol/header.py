@@ -979,7 +979,7 @@ def header_id(frame: Any) -> int | None:
         return None
     if head[:4] != MAGIC:
         return None
-    if 0x80 <= head[4] <= 0x8F and head[5:11] == _V1_ID:
+    if len(head) > 11 and 0x80 <= head[4] <= 0x8F and head[5:11] == _V1_ID:  # (a frame cut short: lenient)
         t = head[11]
         if t <= 0x7F:
             return t

@@ -371,6 +371,11 @@ def test_header_id_reads_the_id_a_relay_checks_a_reply_against():
     assert P.header_id(P.MAGIC + msgspec.msgpack.encode({"v": 1})) == 0
     assert P.header_id(P.MAGIC + b"\xff\xff") == 0
     assert P.header_id(b"opaque body") is None and P.header_id(b"") is None
+    # Every prefix of our header, cut anywhere (a worker's bug): an id or 0, never an
+    # exception (the broker reads it in the middle of its actions).
+    whole = P.encode_header(P.Reply(id=300, error=P.ErrorInfo(code=500, message="x")))
+    for n in range(len(whole) + 1):
+        assert P.header_id(whole[:n]) in (None, 0, 300), n
 
 
 def test_meta_is_bounded_and_the_broker_never_decodes_it():

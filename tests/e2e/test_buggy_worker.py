@@ -277,3 +277,30 @@ def test_a_done_for_a_request_with_no_reply_socket_answers_its_client(cluster, b
         assert got[:3] == [P.MDPC, P.C_FINAL, b"bad"] and P.decode_reply(got[3]).error.code == 400, got
     finally:
         plain.close(0)
+
+
+@pytest.mark.parametrize("head", [P.MAGIC, P.MAGIC + b"\x85\xa1v\x01\xa2id"], ids=["magic-only", "cut-at-id"])
+def test_a_reply_whose_header_is_cut_short_harms_no_other_request(cluster, head):
+    """A worker's FINAL whose first frame is our header's magic and no more (or is cut right
+    after `id`'s key): reading its id for the relay check raised IndexError in the middle of
+    the broker's actions, so what came after that action in the same step was never done:
+    the next queued request, dispatched to the worker in the scheduler's books, never left
+    the broker (its client waited for its deadline), and the answered one got nothing.  Such
+    a reply is a 400 for its own request, and the next request reaches the worker."""
+    cluster.broker("--heartbeat-liveness", "50")
+    w = RawWorker(cluster.backend, credit=1)
+    try:
+        with Client(cluster.frontend, timeout=5) as c:
+            first = c.infer_stream("bad", {"x": np.full(4, 1, np.uint8)})
+            env1, req1 = w.request()
+            second = c.infer_stream("bad", {"x": np.full(4, 2, np.uint8)})  # queued: the worker's credit is 1
+            w.sock.send_multipart(P.worker_reply(env1, True, [head]))
+            env2, req2 = w.request(timeout=3)  # dispatched once the FINAL freed the credit
+            assert req2.id != req1.id
+            with pytest.raises(ProtocolError, match="the worker answered this request"):
+                first.result()
+            one = P.TensorRef(name="y", dtype="|u1", shape=[1], loc=P.InlineLoc(frame=0))
+            w.final(env2, P.Reply(id=req2.id, tensors=[one]), [b"\x02"])
+            assert int(second.result()["y"][0]) == 2
+    finally:
+        w.close()
