@@ -76,6 +76,10 @@ class CudaPoolCache:
         self._max_events = max_events
         self._dropped: deque = deque()  # (pool name, ref, stream) from finalizers
         self._pending: list[tuple[Any, DeviceRef]] = []
+        # (pool, slot, generation) -> its leases and releases not yet given back: a slot a
+        # worker named twice (two outputs, two replies, a duplicate FINAL) goes back at the
+        # last of them, not at the first while a result still leases it.
+        self._held: dict[tuple[str, int, int], int] = {}
         self._states = None
         self._closed = False
 
@@ -158,11 +162,15 @@ class CudaPoolCache:
         if loc.event:
             stream.wait_event(self._event(bytes(loc.event), p.device))
         p.live += 1
+        if release:
+            self._hold(ref)
         try:
             t, fin = self._rt.tensor_at(p.ptr + ref.offset, shape, dt, p.device, p, self._on_drop,
                                         (ref, stream if release else None))
         except BaseException:
             p.live -= 1
+            if release:
+                self._unhold(ref)
             raise
         if fin is None:  # an empty tensor views nothing: account for it now
             self._on_drop(ref, stream if release else None)
@@ -196,6 +204,8 @@ class CudaPoolCache:
             ref, stream = self._dropped.popleft()
             p = self._pools.get(ref.pool)
             if p is None:  # already closed
+                if stream is not None:
+                    self._unhold(ref)
                 continue
             if stream is None:  # a borrow: the owner frees it, we only stop counting it
                 p.live -= 1
@@ -215,11 +225,26 @@ class CudaPoolCache:
         self._close_doomed()
         return done
 
+    def _hold(self, ref: DeviceRef) -> None:
+        k = (ref.pool, ref.slot, ref.generation)
+        self._held[k] = self._held.get(k, 0) + 1
+
+    def _unhold(self, ref: DeviceRef) -> bool:
+        """One lease or release of the slot done: True when it was the last."""
+        k = (ref.pool, ref.slot, ref.generation)
+        n = self._held.pop(k, 1) - 1
+        if n > 0:
+            self._held[k] = n
+        return n <= 0
+
     def _release_now(self, ref: DeviceRef) -> int:
+        last = self._unhold(ref)
         p = self._pools.get(ref.pool)
         if p is None:
             return 0
         p.live -= 1
+        if not last:  # leased or named again meanwhile: the last one gives it back
+            return 0
         try:
             self.states.release(host_ref(ref, p.data_offset), self._holder)
             return 1
@@ -237,6 +262,7 @@ class CudaPoolCache:
             except ShmError:
                 return
         p.live += 1
+        self._hold(ref)
         self._dropped.append((ref, stream if stream is not None else torch.cuda.current_stream(p.device)))
         self.poll()
 

@@ -152,3 +152,34 @@ def test_a_cuda_output_not_lent_to_this_process_is_refused_and_never_released(si
         leases.close()
     finally:
         other.close()
+
+
+def test_a_cuda_slot_named_twice_goes_back_only_when_no_result_leases_it(side, sim):  # noqa: F811
+    """As for shared memory (tests/e2e/test_buggy_worker.py): a worker that names one device
+    slot twice (two outputs of a reply, two replies, a duplicate FINAL discarded) made the
+    client store RELEASED at the first drop, or at the duplicate's release, while a result
+    still leased the slot: the worker wrote its next output there, under that result.  The
+    slot goes back once nothing leases it any more."""
+    worker = CudaPool(1 << 20, device=0, slots=8, runtime=sim)
+    try:
+        y = worker.alloc((3,), np.float32)
+        loc = P.cuda_loc(worker.hand_off(y, holder_pid=os.getpid()))
+        ref = P.TensorRef(name="a", dtype="<f4", shape=[3], loc=loc)
+        leases = T.OutputLeases()
+        leases.cuda_cache = side.cache
+        first = T.unpack(P.Reply(id=1, tensors=[ref, P.TensorRef(name="b", dtype="<f4", shape=[3], loc=loc)]),
+                         [], leases, final=True)
+        second = T.unpack(P.Reply(id=2, tensors=[ref]), [], leases, final=True)
+        T.release_reply(P.Reply(id=1, tensors=[ref]), leases)  # a duplicate FINAL, discarded
+        second.release()
+        del second
+        gc.collect()
+        side.poll()
+        assert worker.reclaim() == 0, "the slot went back while a result leased it"
+        assert torch.equal(first["a"], first["b"])
+        first.release()
+        side.poll()
+        assert worker.reclaim() == 1 and worker.in_use() == 0
+        leases.close()
+    finally:
+        worker.close()
