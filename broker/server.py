@@ -2110,7 +2110,7 @@ class Broker:
                     if got is not None and got != a.request_id:
                         payload = self._misaddressed(a, got)
                         if payload is None:
-                            continue  # a PARTIAL: dropped
+                            continue  # a PARTIAL that names no slot: dropped
                         code = P.ErrorCode.PROTOCOL_ERROR
                 sent = self._send_client(
                     a.client, P.client_reply(a.final, a.service.encode(), payload)
@@ -2123,9 +2123,13 @@ class Broker:
                     self.metrics.final(a.service, CLIENT_GONE if not sent and not code else code,
                                        a.enqueued_at, a.dispatched_at, now)
             elif t is LateToClient:
-                if (a.client not in self._req_clients and _names_slots(a.payload)
-                        and P.header_id(a.payload[0]) == a.request_id):
-                    self._send_late(a.client, P.client_reply(a.final, a.service.encode(), a.payload))
+                if a.client not in self._req_clients and _names_slots(a.payload):
+                    payload = a.payload
+                    got = P.header_id(payload[0])
+                    if got != a.request_id:  # its slots still go back, under this request's id
+                        payload = self._misaddressed(a, got)
+                    if payload is not None:
+                        self._send_late(a.client, P.client_reply(a.final, a.service.encode(), payload))
             elif t is ClientError:
                 if self.metrics is not None:
                     self.metrics.final(a.service, a.code, a.enqueued_at, None, now)
@@ -2208,24 +2212,27 @@ class Broker:
                 "named no reply socket on its host: a bug in the worker; nothing reached the client"),
                 P.ErrorCode.PROTOCOL_ERROR), now)
 
-    def _misaddressed(self, a: ToClient, got: int) -> list | None:
+    def _misaddressed(self, a: ToClient | LateToClient, got: int) -> list | None:
         """A worker's reply to request ``a.request_id`` whose header names request ``got``
         (a worker's bug): relayed, the client took it for the answer to its call ``got``
         (another request's result, perhaps of another service, delivered as right) and left
         this one waiting for its deadline.  A FINAL becomes a 400 for the request it answers,
         naming the output slots the reply named (the client gives them back; inline frames
-        are dropped); a PARTIAL is dropped (None)."""
+        are dropped); a PARTIAL is dropped (None), unless it names output slots: they are
+        lent to the client, which alone gives them back, so it gets them named in an error
+        PARTIAL of its own request (which it ignores, once it gave them back)."""
         self.malformed += 1
-        self._bad.warning("a worker of %r answered request %d with a %s for request id %d; %s", a.service,
-                          a.request_id, "FINAL" if a.final else "PARTIAL", got,
-                          "its client gets a 400 instead" if a.final else "dropped it")
-        if not a.final:
-            return None
         lent = []
         try:
             lent = [t for t in P.decode_reply(a.payload[0]).tensors if type(t.loc) is not P.InlineLoc]
         except P.ProtocolError:
             pass
+        self._bad.warning("a worker of %r answered request %d with a %s for request id %d; %s", a.service,
+                          a.request_id, "FINAL" if a.final else "PARTIAL", got,
+                          "its client gets a 400 instead" if a.final else
+                          "dropped it" + (", giving its client the output slots it named" if lent else ""))
+        if not a.final and not lent:
+            return None
         return [P.encode_header(P.Reply(id=a.request_id, tensors=lent, error=P.ErrorInfo(
             code=P.ErrorCode.PROTOCOL_ERROR,
             message=f"the worker answered this request with a reply for request id {got} (a bug in a worker of "

@@ -304,3 +304,54 @@ def test_a_reply_whose_header_is_cut_short_harms_no_other_request(cluster, head)
             assert int(second.result()["y"][0]) == 2
     finally:
         w.close()
+
+
+def test_a_partial_carrying_another_requests_id_gives_its_slots_back(cluster, bad):
+    """A misaddressed PARTIAL is not relayed (the client would take it for that other call's),
+    but the output slots it names are lent to the client, which alone gives them back: dropped
+    whole, they stayed lent for the client's life (the worker's ring filled, one slot per such
+    PARTIAL).  The client gets them named in an error PARTIAL under its own request's id,
+    which it ignores after giving them back; its call goes on."""
+    ring = shm.ShmPool(1 << 20, slots=8)
+    try:
+        with Client(cluster.frontend, timeout=5) as c:
+            call = c.infer_stream("bad", {"x": np.full(4, 1, np.uint8)})
+            env, req = bad.request()
+            out = ring.alloc(8192, np.uint8)
+            ref = ring.ref_of(out)
+            ring.mark_in_flight(ref, holder_pid=os.getpid())
+            bad.sock.send_multipart(P.worker_reply(env, False, [
+                P.encode_header(P.Reply(id=req.id + 1000, tensors=[_shm_out("z", P.shm_loc(ref))]))]))
+            one = P.TensorRef(name="y", dtype="|u1", shape=[1], loc=P.InlineLoc(frame=0))
+            bad.final(env, P.Reply(id=req.id, tensors=[one]), [b"\x05"])
+            assert [int(r["y"][0]) for r in call] == [5]  # its own FINAL, and no PARTIAL before it
+            assert ring.reclaim() == 1, "the output slot the dropped PARTIAL named stayed lent"
+    finally:
+        ring.close()
+
+
+def test_a_late_reply_carrying_another_requests_id_gives_its_slots_back(cluster, bad):
+    """A reply that comes after its request's deadline is forwarded for the output slots it
+    names (the client alone gives them back).  One naming another request's id was dropped
+    whole, and its slots stayed lent for the client's life; the client gets them under its
+    own request's id (a 400 for a call already answered, which it discards after giving
+    them back)."""
+    from client_sdk import DeadlineExceeded
+
+    ring = shm.ShmPool(1 << 20, slots=8)
+    try:
+        with Client(cluster.frontend, timeout=0.3, direct_reply=False) as c:
+            call = c.infer_stream("bad", {"x": np.full(4, 1, np.uint8)})
+            env, req = bad.request()
+            with pytest.raises(DeadlineExceeded):
+                call.result()
+            out = ring.alloc(8192, np.uint8)
+            ref = ring.ref_of(out)
+            ring.mark_in_flight(ref, holder_pid=os.getpid())
+            bad.final(env, P.Reply(id=req.id + 1000, tensors=[_shm_out("z", P.shm_loc(ref))]))
+            end = time.monotonic() + 5
+            while ring.reclaim() == 0:
+                assert time.monotonic() < end, "the output slot the late reply named stayed lent"
+                c.pump(0.02)  # (a blocking client reads inside its calls)
+    finally:
+        ring.close()
