@@ -165,13 +165,12 @@ def test_a_reply_carrying_another_requests_id_answers_neither_wrongly(cluster, b
             out = ring.alloc(8192, np.uint8)
             ref = ring.ref_of(out)
             ring.mark_in_flight(ref, holder_pid=os.getpid())
-            t0 = time.monotonic()
             bad.sock.send_multipart(P.worker_reply(env2, False, [
                 P.encode_header(P.Reply(id=req1.id, tensors=[one])), b"\x01"]))
             bad.final(env1, P.Reply(id=req2.id, tensors=[one, _shm_out("z", P.shm_loc(ref))]), [b"\x01"])
+            # (a ProtocolError: had it waited for its deadline, a DeadlineExceeded)
             with pytest.raises(ProtocolError, match=f"a reply for request id {req2.id}"):
                 first.result()
-            assert time.monotonic() - t0 < 2.5, "the call waited for its deadline"
             assert ring.reclaim() == 1, "the output slot the dropped reply named stayed lent"
             bad.final(env2, P.Reply(id=req2.id, tensors=[one]), [b"\x02"])
             assert [int(r["y"][0]) for r in second] == [2]  # its own FINAL, and no PARTIAL before it
@@ -259,11 +258,9 @@ def test_a_done_for_a_request_with_no_reply_socket_answers_its_client(cluster, b
         call = c.infer_stream("bad", {"x": np.ones(4, np.uint8)})
         env, req = bad.request()
         assert req.reply_to is None
-        t0 = time.monotonic()
         bad.sock.send_multipart(P.worker_done([env]))
         with pytest.raises(ProtocolError, match="no reply socket"):
             call.result()
-        assert time.monotonic() - t0 < 2.5, "the call waited for its deadline"
     plain = zmq.Context.instance().socket(zmq.DEALER)
     plain.linger = 0
     try:
