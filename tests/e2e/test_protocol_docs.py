@@ -15,7 +15,8 @@ What is held here, by section:
 - 3: WELCOME only to a `Ready` that asked, with the broker's settings; a bare READY is
   credit 1 (a second request waits for the FINAL); envelopes are 8 bytes, new per dispatch; a
   registered worker's unknown command, foreign envelope or unknown DONE is dropped and it
-  stays registered; DONE settles a request (nothing relayed, the credit back); a second
+  stays registered; DONE settles a request with a reply socket on the worker's host (nothing
+  relayed, the credit back); a second
   READY is answered DISCONNECT; an empty service name is refused with the reason; STOPPING
   takes the worker out of `mmi.service` at once, its held request still relayed.
 - 4: `mmi.*` other than `mmi.service` answers "501", a token echoed.
@@ -134,7 +135,8 @@ def test_a_plain_peer_meets_the_frames_sections_2_to_6_promise(cluster, tmp_path
                          _sock(zmq.DEALER, fe), _sock(zmq.DEALER, fe), _sock(zmq.REQ, fe))
     try:
         # ---- 3: WELCOME to a Ready that asked, with the broker's settings
-        w.send_multipart(P.worker_ready("svc", P.Ready(credit=1, welcome=True)))
+        # (its host: a DONE is plausible only for a request with a reply socket on it)
+        w.send_multipart(P.worker_ready("svc", P.Ready(credit=1, welcome=True, host=P.local_host_id())))
         msg = _recv(w)
         assert msg[:2] == [MDPW, P.W_WELCOME] and len(msg) == 3, msg
         welcome = msgspec.msgpack.decode(msg[2][4:])
@@ -264,13 +266,16 @@ def test_a_plain_peer_meets_the_frames_sections_2_to_6_promise(cluster, tmp_path
         _barrier(d)  # nothing came to the client that said DISCONNECT
         _barrier(c)
         # ... and its connection is served afresh after it.
-        d.send_multipart([MDPC, P.C_REQUEST, b"svc", _head(id=29, timeout_ms=WAIT * 1000)])
+        d.send_multipart([MDPC, P.C_REQUEST, b"svc", _head(id=29, timeout_ms=WAIT * 1000, host=P.local_host_id(),
+                                                            reply_to=f"ipc://{tmp_path}/d-reply.ipc")])
         run29 = _work(w)
         assert msgspec.msgpack.decode(run29[4][4:])["id"] == 29, run29
         # ---- 5: a CANCEL header of another version has no answer: logged, dropped, the request runs on
         d.send_multipart([MDPC, P.C_CANCEL, b"svc", P.MAGIC + msgspec.msgpack.encode({"v": 2, "id": 29})])
         _barrier(d)
-        # ---- 3: DONE settles a request: nothing relayed, the credit back (and no CANCEL came)
+        # ---- 3: DONE settles a request that named a reply socket on the worker's host: nothing
+        # relayed, the credit back (and no CANCEL came); one that named none is a 400
+        # (tests/e2e/test_buggy_worker.py)
         w.send_multipart(P.worker_done([run29[2]]))
         c.send_multipart([MDPC, P.C_REQUEST, b"svc", _head(id=32, timeout_ms=WAIT * 1000)])
         msg = _work(w)
