@@ -2099,86 +2099,98 @@ class Broker:
     def _act(self, actions, now: float) -> None:
         if not actions:
             return
-        for a in actions:
-            t = type(a)
-            if t is Dispatch:
-                self._dispatch(a, now)
-            elif t is ToClient:
-                payload, code = a.payload, a.code
-                if a.request_id >= 0 and payload:
-                    got = P.header_id(payload[0])
-                    if got is not None and got != a.request_id:
-                        payload = self._misaddressed(a, got)
-                        if payload is None:
-                            continue  # a PARTIAL that names no slot: dropped
-                        code = P.ErrorCode.PROTOCOL_ERROR
-                sent = self._send_client(
-                    a.client, P.client_reply(a.final, a.service.encode(), payload)
-                )
-                if a.final and self.metrics is not None:
-                    # A result that could not go (its client's connection closed: a client
-                    # killed while its request ran, before its liveness window dropped it)
-                    # reached nobody: `client_gone`, as one relayed after the client left
-                    # (counted `ok` before: the counts hunt); an error is the service's own.
-                    self.metrics.final(a.service, CLIENT_GONE if not sent and not code else code,
-                                       a.enqueued_at, a.dispatched_at, now)
-            elif t is LateToClient:
-                if a.client not in self._req_clients and _names_slots(a.payload):
-                    payload = a.payload
-                    got = P.header_id(payload[0])
-                    if got != a.request_id:  # its slots still go back, under this request's id
-                        payload = self._misaddressed(a, got)
-                    if payload is not None:
-                        self._send_late(a.client, P.client_reply(a.final, a.service.encode(), payload))
-            elif t is ClientError:
-                if self.metrics is not None:
-                    self.metrics.final(a.service, a.code, a.enqueued_at, None, now)
-                if a.code == P.ErrorCode.WORKER_FAILED:
-                    # The service failed a request (its workers died under it: a request
-                    # that kills every worker it meets, a stream cut): a WARNING at the
-                    # default level, naming it, as a model that raised is an ERROR naming its
-                    # batch; the deaths' own WARNINGs do not say which request it was.
-                    self._worker_failed.warning("request failed: " + a.message, extra={
-                        **self._request_head(a.payload, a.request_id), "service": a.service, "code": int(a.code)})
-                elif self._log_info:
-                    self._log_request("request failed: " + a.message, a.payload, a.request_id,
-                                      service=a.service, code=int(a.code))
-                rid = a.request_id if a.request_id >= 0 else 0
-                self._send_client(
-                    a.client,
-                    P.client_reply(True, a.service.encode(), P.error_body(rid, a.code, a.message)),
-                )
-            elif t is HeartbeatWorker:
-                self.send_to_worker([a.worker, *P.worker_heartbeat()])
-            elif t is CancelAtWorker:
-                self.send_to_worker(P.to_worker_cancel(a.worker, P.token_envelope(a.token), a.why))
-                if a.why == P.CANCEL_CLIENT_GONE and self._log_info:
-                    known = self._worker_info.get(a.worker)
-                    # Its rid, as the worker's line has it (the counts hunt: this line had
-                    # none, and an operator could not match the two).
-                    self._log_request("a client left while a worker held one of its requests: cancelled there (a "
-                                      "result it sent straight to the client may have crossed this)", a.payload,
-                                      a.request_id, worker_pid=known[1] if known is not None else None)
-            elif t is RecallAtWorker:
-                if self.metrics is not None:
-                    known = self._worker_info.get(a.worker)
-                    if known is not None:
-                        self.metrics.recalled(known[0], len(a.tokens))
-                envs = [P.token_envelope(t) for t in a.tokens]
-                for i in range(0, len(envs), P.MAX_DONE):
-                    self.send_to_worker(P.to_worker_recall(a.worker, envs[i:i + P.MAX_DONE]))
-            elif t in _LEASE_ACTIONS:
-                self._lease_action(a)
-            elif t is DisconnectWorker:
-                if a.dead:
-                    self._warn_death(a.worker, a.reason)
-                else:
-                    log.info("disconnecting worker %r: %s", a.worker[:16], a.reason)
-                self.send_to_worker([a.worker, *P.worker_disconnect()])
-                # A worker presumed dead may have died for real: sweep what it left soon
-                # (the loop: at most every _SWEEP_SOON_S; a flood of unknown workers' messages
-                # each disconnected swept every client's file every time: the scale hunt).
-                self._sweep_soon = True
+        # One action that raises (a peer's message no check foresaw) must not cost the
+        # others theirs: the scheduler has already moved on, so a Dispatch skipped after it
+        # left a request counted at its worker that never left the broker (the review of
+        # the buggy-worker hunt).  The rest are carried out; the failed one is logged.
+        it = iter(actions)
+        while True:
+            try:
+                for a in it:
+                    t = type(a)
+                    if t is Dispatch:
+                        self._dispatch(a, now)
+                    elif t is ToClient:
+                        payload, code = a.payload, a.code
+                        if a.request_id >= 0 and payload:
+                            got = P.header_id(payload[0])
+                            if got is not None and got != a.request_id:
+                                payload = self._misaddressed(a, got)
+                                if payload is None:
+                                    continue  # a PARTIAL that names no slot: dropped
+                                code = P.ErrorCode.PROTOCOL_ERROR
+                        sent = self._send_client(
+                            a.client, P.client_reply(a.final, a.service.encode(), payload)
+                        )
+                        if a.final and self.metrics is not None:
+                            # A result that could not go (its client's connection closed: a client
+                            # killed while its request ran, before its liveness window dropped it)
+                            # reached nobody: `client_gone`, as one relayed after the client left
+                            # (counted `ok` before: the counts hunt); an error is the service's own.
+                            self.metrics.final(a.service, CLIENT_GONE if not sent and not code else code,
+                                               a.enqueued_at, a.dispatched_at, now)
+                    elif t is LateToClient:
+                        if a.client not in self._req_clients and _names_slots(a.payload):
+                            payload = a.payload
+                            got = P.header_id(payload[0])
+                            if got != a.request_id:  # its slots still go back, under this request's id
+                                payload = self._misaddressed(a, got)
+                            if payload is not None:
+                                self._send_late(a.client, P.client_reply(a.final, a.service.encode(), payload))
+                    elif t is ClientError:
+                        if self.metrics is not None:
+                            self.metrics.final(a.service, a.code, a.enqueued_at, None, now)
+                        if a.code == P.ErrorCode.WORKER_FAILED:
+                            # The service failed a request (its workers died under it: a request
+                            # that kills every worker it meets, a stream cut): a WARNING at the
+                            # default level, naming it, as a model that raised is an ERROR naming its
+                            # batch; the deaths' own WARNINGs do not say which request it was.
+                            self._worker_failed.warning("request failed: " + a.message, extra={
+                                **self._request_head(a.payload, a.request_id), "service": a.service, "code": int(a.code)})
+                        elif self._log_info:
+                            self._log_request("request failed: " + a.message, a.payload, a.request_id,
+                                              service=a.service, code=int(a.code))
+                        rid = a.request_id if a.request_id >= 0 else 0
+                        self._send_client(
+                            a.client,
+                            P.client_reply(True, a.service.encode(), P.error_body(rid, a.code, a.message)),
+                        )
+                    elif t is HeartbeatWorker:
+                        self.send_to_worker([a.worker, *P.worker_heartbeat()])
+                    elif t is CancelAtWorker:
+                        self.send_to_worker(P.to_worker_cancel(a.worker, P.token_envelope(a.token), a.why))
+                        if a.why == P.CANCEL_CLIENT_GONE and self._log_info:
+                            known = self._worker_info.get(a.worker)
+                            # Its rid, as the worker's line has it (the counts hunt: this line had
+                            # none, and an operator could not match the two).
+                            self._log_request("a client left while a worker held one of its requests: cancelled there (a "
+                                              "result it sent straight to the client may have crossed this)", a.payload,
+                                              a.request_id, worker_pid=known[1] if known is not None else None)
+                    elif t is RecallAtWorker:
+                        if self.metrics is not None:
+                            known = self._worker_info.get(a.worker)
+                            if known is not None:
+                                self.metrics.recalled(known[0], len(a.tokens))
+                        envs = [P.token_envelope(t) for t in a.tokens]
+                        for i in range(0, len(envs), P.MAX_DONE):
+                            self.send_to_worker(P.to_worker_recall(a.worker, envs[i:i + P.MAX_DONE]))
+                    elif t in _LEASE_ACTIONS:
+                        self._lease_action(a)
+                    elif t is DisconnectWorker:
+                        if a.dead:
+                            self._warn_death(a.worker, a.reason)
+                        else:
+                            log.info("disconnecting worker %r: %s", a.worker[:16], a.reason)
+                        self.send_to_worker([a.worker, *P.worker_disconnect()])
+                        # A worker presumed dead may have died for real: sweep what it left soon
+                        # (the loop: at most every _SWEEP_SOON_S; a flood of unknown workers' messages
+                        # each disconnected swept every client's file every time: the scale hunt).
+                        self._sweep_soon = True
+                break
+            except Exception:
+                self.malformed += 1
+                self._oops.exception("unexpected error while carrying out %s; went on with the rest",
+                                     type(a).__name__)
         if self._doomed:
             self._drop_doomed()
 

@@ -1,6 +1,7 @@
 """Where the broker binds: an ipc socket file a dead broker left is replaced, one a running
 process serves is not taken from it (broker.server._ipc_served), and the descriptor limit a
-broker and a worker raise at start (broker.protocol.limits)."""
+broker and a worker raise at start (broker.protocol.limits); at close, only its own files go;
+and an in-process broker's actions each carried out whatever another raises."""
 from __future__ import annotations
 
 import os
@@ -181,3 +182,32 @@ def test_a_closing_broker_leaves_the_socket_files_of_its_successor(tmp_path, mon
         for b in new:
             b.close()
     assert not any(os.path.exists(p) for p in paths)  # the successor removes its own
+
+
+def test_an_action_that_raises_costs_the_others_nothing(tmp_path, monkeypatch, caplog):
+    """The scheduler's actions of one event are carried out whatever one of them raises (a
+    peer's message no check foresaw): a Dispatch after it was skipped, and its request,
+    counted at its worker, never left the broker (the review of the buggy-worker hunt)."""
+    import zmq
+
+    from broker import server as S
+    from broker.state import Dispatch
+
+    broker = S.Broker(S.BrokerConfig(frontend=f"ipc://{tmp_path}/fe.ipc", backend=f"ipc://{tmp_path}/be.ipc"),
+                      ctx=zmq.Context.instance())
+    sent = []
+
+    def dispatch(a, now):
+        if a.token == 1:
+            raise IndexError("a header no check foresaw")
+        sent.append(a.token)
+
+    monkeypatch.setattr(broker, "_dispatch", dispatch)
+    try:
+        acts = [Dispatch(b"w", token, b"c", token, "svc", None, 0.0, None, 0) for token in (1, 2, 3)]
+        with caplog.at_level("ERROR", logger="broker"):
+            broker._act(acts, 1.0)
+        assert sent == [2, 3]
+        assert broker.malformed == 1 and "went on with the rest" in caplog.text
+    finally:
+        broker.close()
