@@ -517,7 +517,9 @@ def test_both_twins_streams_behave_alike(cl):
         out.append(await step(lambda: s.recv(timeout=0)))
         # latest wins: a slow model gets the newest frame next
         async with c.stream("twin", max_in_flight=1, pin=False, timeout=WAIT) as s:
-            out.append([s.send(slow(0.2 + i / 100)) for i in range(5)])
+            # (the first frame runs for 0.5 s: the recv(timeout=0) below must find it in flight
+            # even on a loaded machine)
+            out.append([s.send(slow(0.5 + i / 100)) for i in range(5)])
             out.append(s.dropped)
             out.append(await step(lambda: s.recv(timeout=0)))  # the frame stays in flight
             out.append([await step(lambda: s.recv(timeout=WAIT)) for _ in range(2)])
