@@ -1598,6 +1598,12 @@ class Worker:
                     self._bounce_pending()
                     if self._held:
                         self._send_held()
+                    # A leased stream's partials go on the direct socket, not to the broker,
+                    # and the heartbeat thread holds the socket only inside next(): a model
+                    # that yields fast left the broker hearing nothing for the whole stream,
+                    # and past its liveness window it presumed the worker dead, ended its
+                    # leases (the stream failed at its client) and retried what it held.
+                    self._heartbeat_if_due()
                 if job.route is None and not job.stale:
                     # The broker connection replaced under the stream (the loop registers
                     # again once it ends): its PARTIALs would be dropped, their output slots

@@ -19,7 +19,8 @@ faulty_model:<factory>`, with this folder on PYTHONPATH.  Each request says what
 - `streaming`: yields `x + i` for i < 4; do = "raise" raises after 2 partials ("surrogate":
   with a lone surrogate in its message), "big" yields five 20 MB partials at once, "badtype"
   yields a list as its third partial, "die" ends the worker process after 2 partials,
-  "many" yields meta["n"] small partials (y = [i]) as fast as it can.
+  "many" yields meta["n"] small partials (y = [i]) as fast as it can, "for" one small
+  partial after another, as fast as it can, for meta["s"] seconds.
 """
 import os
 import time
@@ -152,6 +153,11 @@ class Streaming(ModelBase):
         if do == "many":  # more partials than a client that stopped reading has room for
             for i in range(int(meta["n"])):
                 yield {"y": np.array([i], np.int64)}
+            return
+        if do == "for":  # a stream of a given length whose model takes no time
+            one, end = np.ones(1, np.int64), time.monotonic() + float(meta["s"])
+            while time.monotonic() < end:
+                yield {"y": one}
             return
         for i in range(4):
             if do == "raise" and i == 2:
