@@ -38,6 +38,7 @@ class _Lines:
 
     def __init__(self, proc: Proc):
         self.proc, self.buf = proc, b""
+        self.skipped: list[str] = []  # lines `until` passed over (named when a wait fails)
 
     def next(self, timeout: float = WAIT_S) -> str:
         deadline = time.monotonic() + timeout
@@ -47,7 +48,8 @@ class _Lines:
             assert left > 0, f"no line from {self.proc.args[:1]} within {timeout} s"
             if select.select([fd], [], [], left)[0]:
                 chunk = os.read(fd, 65536)
-                assert chunk, f"the client exited ({self.proc.p.wait(5)}): {self.proc.stderr()}"
+                assert chunk, (f"the client exited ({self.proc.p.wait(5)}) after the lines {self.skipped[-5:]}: "
+                               f"{self.proc.stderr()}")
                 self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         return line.decode()
@@ -57,6 +59,7 @@ class _Lines:
             line = self.next(timeout)
             if line.startswith(want):
                 return line
+            self.skipped.append(line)
 
 
 def _stopped(pid: int) -> bool:
