@@ -1143,6 +1143,7 @@ class AsyncClient(ClientBase):
         answered), and the loop is checked as `prepare` checks it."""
         if self._core.closed or self._loop is None or _running_loop() is not self._loop:
             self._start()
+        self._core.check_submittable(call)
         return self._submit(call)
 
     # The public seams check the thread; `infer_stream` and a stream's own steps (already on
@@ -1185,6 +1186,8 @@ class AsyncClient(ClientBase):
         handle cancelled by a watchdog thread, or dropped there: its `__del__`), it is handed
         to the loop and returns at once: the CANCEL goes out on the loop's thread (sent from
         the caller's, it tore the loop's own messages on the socket)."""
+        if type(call) is not Call:  # (said here, not in the loop's callback)
+            raise InvalidInput(f"give_up() takes a call made by prepare(), got {type(call).__name__}")
         loop = self._loop
         if (loop is not None and _running_loop() is not loop and loop.is_running()
                 and not self._core.forked()):  # (a forked child's copy: only marks the call)

@@ -466,6 +466,7 @@ class Client(ClientBase):
         core = self._core
         if core.closed or core.forked():  # (its socket is closed, or the parent's)
             core.check_open()
+        core.check_submittable(call)
         sock = self._sock
         if timeout != 0 and not sock_events(sock) & _POLLOUT:
             self._wait_writable(sock, max(1, wait_ms(timeout)) if timeout is not None else -1)

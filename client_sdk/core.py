@@ -581,6 +581,18 @@ class ClientCore(PinEvents):
             raise InvalidInput("an opaque body must not start with the tensor header magic; use infer()")
         return P.client_request(service, list(frames))
 
+    @staticmethod
+    def check_submittable(call: Any) -> None:
+        """`submit` takes a call that `prepare` made and nothing has sent yet (InvalidInput
+        before anything is touched): one in flight, answered or given up, submitted again,
+        named input slots that were freed at its FINAL (another call's by then: the worker
+        read that call's tensors) or left the first run's answer to the second's caller."""
+        if type(call) is not Call:
+            raise InvalidInput(f"submit() takes a call made by prepare(), got {type(call).__name__}")
+        if call.id or call.done or call.abandoned:
+            raise InvalidInput("this call was submitted already (in flight, answered or given up): "
+                               "prepare() a new one for each request")
+
     def request_frames(self, call: Call, now: float) -> list[Any]:
         """Assign an id, register the call and return its REQUEST frames.  On a pinning
         client (or to a service pinned on demand by a stream) `call.pin` then says where to
@@ -768,6 +780,8 @@ class ClientCore(PinEvents):
         discarded and its inputs freed now; one in flight is abandoned (CANCEL frames
         returned when useful, inputs kept until its FINAL).  In a forked child (its copy of
         the call): only marked so; its slots and its socket are the parent's."""
+        if type(call) is not Call:
+            raise InvalidInput(f"give_up() takes a call made by prepare(), got {type(call).__name__}")
         if self._gen != T.fork_generation():
             call.abandoned = call.done = True
             return None

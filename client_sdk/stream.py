@@ -27,6 +27,7 @@ marks its frames `call.no_pin`, so that none goes on a lease, on any client.
 from __future__ import annotations
 
 import asyncio
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -69,8 +70,8 @@ class _StreamCore:
                  timeout: float | None, priority: Any, meta: Mapping[str, Any] | None, reply: str,
                  pin: bool = True):
         try:
-            n = int(max_in_flight)
-        except (TypeError, ValueError, OverflowError):  # None, NaN, inf, a str
+            n = operator.index(max_in_flight)  # an int (numpy's too); not 1.5, "2", NaN or None
+        except TypeError:
             n = 0
         if n < 1 or isinstance(max_in_flight, bool):
             raise InvalidInput(f"max_in_flight must be at least 1, got {max_in_flight!r}")

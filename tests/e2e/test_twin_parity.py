@@ -686,3 +686,35 @@ def test_both_twins_when_the_socket_takes_nothing(tmp_path):
     # blocking twin raised BrokerUnreachable at the deadline; at the liveness window both
     # do: tests/e2e/test_silent_broker.py)
     assert [o[0] for o in got] == ["DeadlineExceeded", "DeadlineExceeded"], got
+
+
+def test_both_twins_refuse_a_call_submitted_again_or_not_a_call(cl):
+    """`submit` takes a call `prepare` made and nothing has sent: one submitted again (in
+    flight, answered, given up) named input slots freed at its first FINAL, another call's
+    by then, so the worker read that call's tensors (both twins accepted it).  Nor do
+    `submit` and `give_up` take what is not a call (a raw AttributeError), nor a stream a
+    `max_in_flight` that is not an int (1.5 and "2" were taken, as int())."""
+    async def scenario(c):
+        out = []
+        call = c.prepare("echo", X, timeout=WAIT)
+        out.append(await step(lambda: c.submit(call)))
+        out.append(await step(lambda: c.submit(call)))  # in flight
+        deadline = time.monotonic() + WAIT
+        while not call.done:
+            assert time.monotonic() < deadline, "no answer"
+            await step(lambda: c.pump(0.05))
+        out.append(await step(lambda: c.submit(call)))  # answered
+        call.inbox.popleft()[1].release()
+        gone = c.prepare("echo", X, timeout=WAIT)
+        out.append(await step(lambda: c.give_up(gone)))
+        out.append(await step(lambda: c.submit(gone)))  # given up
+        for v in (None, "x"):
+            out.append(await step(lambda: c.submit(v)))
+            out.append(await step(lambda: c.give_up(v)))
+        out.append(await step(lambda: c.stream("echo", max_in_flight=np.int64(2))))
+        out.append(await step(lambda: c.infer("echo", X)))  # it serves on
+        return out
+
+    got = on_both(cl.frontend, scenario, timeout=WAIT)
+    assert got[0] is True and got[3] is None and got[-2] == "Stream" and got[-1][0] == "Result", got
+    assert {o[0] for o in got[1:3] + got[4:9]} == {"InvalidInput"}, got
