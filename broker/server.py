@@ -2112,10 +2112,11 @@ class Broker:
                         self._dispatch(a, now)
                     elif t is ToClient:
                         payload, code = a.payload, a.code
-                        if a.request_id >= 0 and payload:
-                            got = P.header_id(payload[0])
-                            if got is not None and got != a.request_id:
-                                payload = self._misaddressed(a, got)
+                        if a.request_id >= 0:  # a tensor request (an opaque one's id is negative)
+                            got = P.header_id(payload[0]) if payload else None
+                            if got != a.request_id:
+                                payload = (self._misaddressed(a, got) if got is not None
+                                           else self._opaque_answer(a))
                                 if payload is None:
                                     continue  # a PARTIAL that names no slot: dropped
                                 code = P.ErrorCode.PROTOCOL_ERROR
@@ -2249,6 +2250,23 @@ class Broker:
             code=P.ErrorCode.PROTOCOL_ERROR,
             message=f"the worker answered this request with a reply for request id {got} (a bug in a worker of "
                     f"service {a.service!r}: it must echo the request's id); its reply was dropped")))]
+
+    def _opaque_answer(self, a: ToClient) -> list | None:
+        """A worker's reply to tensor request ``a.request_id`` whose body is no header (a
+        plain MDP worker that does not speak our tensors, or one that answers with nothing):
+        relayed, it carried no id, and the client could only fail the oldest call it had
+        waiting on that service.  A FINAL becomes a 400 for the request it answers; a
+        PARTIAL is dropped (None)."""
+        self.malformed += 1
+        self._bad.warning("a worker of %r answered tensor request %d with a %s that is not a header (a plain MDP "
+                          "worker?); %s", a.service, a.request_id, "FINAL" if a.final else "PARTIAL",
+                          "its client gets a 400 instead" if a.final else "dropped it")
+        if not a.final:
+            return None
+        return [P.encode_header(P.Reply(id=a.request_id, error=P.ErrorInfo(
+            code=P.ErrorCode.PROTOCOL_ERROR,
+            message=f"service {a.service!r} answered a tensor request with an opaque body (a plain MDP worker?); "
+                    f"use client.request() for opaque services")))]
 
     def _lease_action(self, a) -> None:
         t = type(a)

@@ -352,3 +352,21 @@ def test_a_late_reply_carrying_another_requests_id_gives_its_slots_back(cluster,
                 c.pump(0.02)  # (a blocking client reads inside its calls)
     finally:
         ring.close()
+
+
+def test_an_opaque_answer_to_a_tensor_request_fails_that_request(cluster, bad):
+    """A worker that answers a tensor request with a body that is no header (a plain MDP
+    worker that does not speak our tensors) carried no id: the client could only fail the
+    oldest call it had waiting on that service, here another request than the one answered,
+    whose own answer then found no call.  The broker knows which request a reply answers:
+    it makes such a FINAL a 400 for that request."""
+    with Client(cluster.frontend, timeout=5, direct_reply=False) as c:
+        old = c.infer_stream("bad", {"x": np.zeros(4, np.uint8)})
+        env_old, req_old = bad.request()
+        new = c.infer_stream("bad", {"x": np.ones(4, np.uint8)})
+        env_new, req_new = bad.request()
+        bad.sock.send_multipart(P.worker_reply(env_new, True, [b"plain bytes"]))
+        with pytest.raises(ProtocolError, match="opaque body .* use client.request"):
+            new.result(timeout=5)
+        bad.final(env_old, P.Reply(id=req_old.id))  # the older call's own answer: no outputs
+        assert old.result(timeout=5) is not None
