@@ -105,8 +105,8 @@ class WindowResult:
     elapsed_s: float = 0.0
     server: ServerTiming = field(default_factory=ServerTiming)
     error_samples: list[str] = field(default_factory=list)
-    # Open loop only: how late the generator itself launched requests (its own health):
-    # the worst, and every request's lateness (launch - intended send time).
+    # Open loop only: how late the generator itself sent requests (its own health): the
+    # worst, and every request's lateness (when it went out - its intended send time).
     max_send_lag_ms: float = 0.0
     lateness: LatencyHistogram | None = None
     split: ServerSplit | None = None  # bench run: queue/batch wait/.../batch sizes
@@ -131,7 +131,10 @@ async def _one(request: RequestFn, payload: Any, start_ns: int, res: WindowResul
     its task was created: in a burst of catch-up launches the last ones start latest).
     True when it succeeded (and was recorded)."""
     if res.lateness is not None:
-        res.lateness.record_ns(time.perf_counter_ns() - start_ns)
+        lag = time.perf_counter_ns() - start_ns
+        res.lateness.record_ns(lag)
+        # The worst too, from the same moment (it read the task's creation: the bench math hunt).
+        res.max_send_lag_ms = max(res.max_send_lag_ms, lag / 1e6)
     try:
         if timeout_s is None:
             reply = await request(payload)
@@ -281,8 +284,7 @@ async def _sleep_until(t_ns: int) -> None:
 async def open_loop(request: RequestFn, payload: Any, *, rate: float, duration_s: float,
                     arrival: str = "constant", seed: int = 0,
                     timeout_s: float | None = None, spin_us: float = 1000.0,
-                    t0_ns: int | None = None, part: tuple[int, int] = (0, 1),
-                    lateness: bool = False) -> WindowResult:
+                    t0_ns: int | None = None, part: tuple[int, int] = (0, 1)) -> WindowResult:
     """Launch request i as its own task at t0 + offset_i (or as soon as possible after, if
     the loop was late) and record completion - (t0 + offset_i).
 
@@ -290,21 +292,18 @@ async def open_loop(request: RequestFn, payload: Any, *, rate: float, duration_s
     than by a timer, trading CPU for send-time precision (0: timers only).  `t0_ns`
     (perf_counter_ns; default now) and `part=(j, n)`: this generator sends requests j, j+n,
     j+2n, ... of the schedule, so n processes given the same t0 share one schedule exactly.
-    With `lateness`, every request's lateness goes into the result's `lateness`."""
-    res = WindowResult(LatencyHistogram(), lateness=LatencyHistogram() if lateness else None)
+    Every request's lateness (the moment it really went out, less its intended time) goes
+    into the result's `lateness`, the worst into `max_send_lag_ms`."""
+    res = WindowResult(LatencyHistogram(), lateness=LatencyHistogram())
     offsets = _part(intended_offsets_ns(rate, duration_s, arrival, seed), part)
     t0 = time.perf_counter_ns() if t0_ns is None else t0_ns
-    max_lag = 0
 
     def launch(off: int, now: int):
-        nonlocal max_lag
-        max_lag = max(max_lag, now - t0 - off)
         return _one(request, payload, t0 + off, res, timeout_s)
 
     await _follow_schedule(offsets, t0, int(spin_us * 1000), launch)
     end = time.perf_counter_ns()
     res.elapsed_s = max((end - t0) / 1e9, duration_s)
-    res.max_send_lag_ms = max_lag / 1e6
     return res
 
 
@@ -420,8 +419,6 @@ async def open_loop_windows(request: RequestFn, payload: Any, *, rate: float, wa
     def launch(off: int, now: int):
         k = _window_of(off, warm_ns, win_ns, windows)
         res = warm if k < 0 else results[k]
-        if k >= 0:
-            res.max_send_lag_ms = max(res.max_send_lag_ms, (now - t0 - off) / 1e6)
         return _counted(request, payload, t0 + off, res, timeout_s, results, t0 + warm_ns, win_ns, tail=True)
 
     await _follow_schedule(offsets, t0, int(spin_us * 1000), launch)

@@ -372,3 +372,31 @@ def test_closed_loop_windows_run_without_a_pause(monkeypatch):
     assert [r.ok for r in rs] == [40, 40]
     assert took == pytest.approx(0.25, abs=0.0051)  # warm-up + 2 windows (+ the last request's end)
     assert all(r.lateness is None for r in rs)
+
+
+def test_open_loop_send_lag_is_when_each_request_went_out_not_when_its_task_was_made(monkeypatch):
+    """A client whose send costs 5 ms of CPU (virtual: each call moves the clock) offered
+    1000 req/s: a late scheduler makes the due requests' tasks together, and they go out one
+    after another, the last of a burst latest.  `max_send_lag_ms` (compare's and rate's
+    report of the generator's health) read each task's creation time: 24 ms when request 9
+    went out 36 ms after its due time, the lateness the latencies were charged."""
+    from bench.loadgen import open_loop_windows
+
+    async def main(fn):
+        loop = asyncio.get_running_loop()
+
+        async def send(_):
+            loop.clock[0] += 0.005  # the client's own CPU, before its first await
+            return None
+
+        return await fn(send)
+
+    res = _run_virtual(monkeypatch, lambda: main(
+        lambda send: open_loop(send, None, rate=1000, duration_s=0.01, spin_us=0)))
+    assert res.ok == 10
+    assert res.max_send_lag_ms == pytest.approx(36.0, abs=0.01), res.max_send_lag_ms
+    assert res.lateness is not None and res.lateness.max_ms() == pytest.approx(36.0, abs=0.05)
+    rs = _run_virtual(monkeypatch, lambda: main(
+        lambda send: open_loop_windows(send, None, rate=1000, warmup_s=0.0, window_s=0.01, windows=1,
+                                       spin_us=0)))
+    assert rs[0].max_send_lag_ms == pytest.approx(36.0, abs=0.01), rs[0].max_send_lag_ms
