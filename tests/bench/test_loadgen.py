@@ -400,3 +400,21 @@ def test_open_loop_send_lag_is_when_each_request_went_out_not_when_its_task_was_
         lambda send: open_loop_windows(send, None, rate=1000, warmup_s=0.0, window_s=0.01, windows=1,
                                        spin_us=0)))
     assert rs[0].max_send_lag_ms == pytest.approx(36.0, abs=0.01), rs[0].max_send_lag_ms
+
+
+def test_a_sample_is_never_read_below_what_it_took():
+    """Nanoseconds were floored to microseconds: 1,000.9 us was recorded as 1,000, so a
+    sample over a 1 ms SLO counted within it, and below 2 ms (1 us buckets) a percentile,
+    read as its bucket's highest value, was up to 1 us under the samples it stood for (a
+    few % of a loopback p50).  Rounded up, a bucket's highest value bounds every sample in it."""
+    h = LatencyHistogram()
+    h.record_ns(1_000_900)
+    assert h.count_at_or_below_ms(1.0) == 0, h.count_at_or_below_ms(1.0)
+    assert h.percentile_ms(50) >= 1.0009 and h.max_ms() >= 1.0009, h.percentile_ms(50)
+    tiny = LatencyHistogram()
+    for ns in (60_100, 60_500, 60_999):
+        tiny.record_ns(ns)
+    assert tiny.percentile_ms(50) >= 0.0605, tiny.percentile_ms(50)
+    exact = LatencyHistogram()
+    exact.record_ns(1_500_000)  # a whole microsecond stays itself
+    assert exact.percentile_ms(50) == 1.5 and exact.count_at_or_below_ms(1.5) == 1
