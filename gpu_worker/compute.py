@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 
 import zmq
 
-from broker.protocol.logs import block_stop_signals
+from broker.protocol.logs import block_stop_signals, unblock_stop_signals
 
 __all__ = ["raised", "message_of", "ComputeTimes", "ComputeThread", "LoopHeartbeats", "READ_TICK", "IDLE_AFTER"]
 
@@ -146,10 +146,17 @@ class ComputeThread:
                 jobs, started = self._job
                 self._job = None
             t0 = time.perf_counter()
+            # Not while the model runs: what it starts (a process, a thread) inherits this
+            # thread's mask, and a pool's workers or a helper with SIGTERM blocked never
+            # ended (unblock_stop_signals).  One that lands here meanwhile still wakes the
+            # loop at once (the C handler writes the wakeup pipe the loop polls).
+            unblock_stop_signals()
             try:
                 outputs, error = self._run(jobs), None
             except BaseException as e:  # whatever it is, the loop must hear the batch ended
                 outputs, error = None, e if isinstance(e, Exception) else RuntimeError(raised(e))
+            finally:
+                block_stop_signals()
             self._out = (jobs, started, outputs, error, time.perf_counter() - t0)
             # Not kept here until the next batch: its jobs view the clients' segments, whose
             # mappings (and, of clients that left, memory) would live on with them, for

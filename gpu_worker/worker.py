@@ -2501,6 +2501,41 @@ def _is_direct_request(frames) -> bool:
     return len(frames) >= 5 and bytes(frames[1]) == P.MDPC and bytes(frames[2]) == P.C_REQUEST
 
 
+#: The signal handlers the worker installed (`ignore_other_signals`, `install_sigterm_drain`)
+#: and its wakeup pipe's write end: what a process the model forks must not keep.
+_OUR_HANDLERS: dict = {}
+_WAKEUP_FD = [-1]
+
+
+def _install(sig: int, handler) -> None:
+    _OUR_HANDLERS[sig] = handler
+    signal.signal(sig, handler)
+
+
+def _after_fork_in_child() -> None:
+    """In a process forked from the worker (a model's `os.fork()`, a `multiprocessing` pool
+    with the fork start method): the signals as a plain Python process has them.  It
+    inherited the worker's handlers, which only count a SIGTERM or SIGINT for a drain loop
+    it does not run (and say SIGHUP, SIGUSR1 and SIGUSR2 are ignored), and the mask of the
+    thread that forked (the compute thread blocks the stop signals): SIGTERM did nothing, so
+    `Pool.terminate()`, a `with Pool()`'s exit and multiprocessing's own at exit, waited
+    for its workers for good, and a helper stopped with SIGTERM ran on (the fork hunt)."""
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+            if sig in _OUR_HANDLERS and signal.getsignal(sig) is _OUR_HANDLERS[sig]:
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        if _WAKEUP_FD[0] >= 0:  # the child's signals are not the worker's loop's to hear
+            fd = signal.set_wakeup_fd(-1)
+            if fd != _WAKEUP_FD[0]:
+                signal.set_wakeup_fd(fd)  # not ours: the model's own, put back
+        logs.unblock_stop_signals()
+    except (ValueError, OSError):  # (signal.signal outside the main thread: not after a fork)
+        pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def ignore_other_signals() -> None:
     """SIGHUP, SIGUSR1 and SIGUSR2: a WARNING saying each is ignored, and the worker carries
     on.  Installed from the worker's start (`python -m gpu_worker` calls it before its model
@@ -2510,12 +2545,12 @@ def ignore_other_signals() -> None:
     # meant a launcher's rolling restart, or a terminal closed): said, and ignored.
     # Said through the log's writer thread (logs.warn_from_signal): written here, to a stderr
     # pipe nobody read, it blocked the loop for good, and the broker presumed the worker dead.
-    signal.signal(signal.SIGHUP, lambda *_: logs.warn_from_signal(
+    _install(signal.SIGHUP, lambda *_: logs.warn_from_signal(
         "gpu_worker", "SIGHUP ignored (SIGTERM drains and stops a worker; SIGHUP to the launcher rolls its pools)"))
     # SIGUSR1 and SIGUSR2 (a logrotate habit): their default action ended the worker at once,
     # its batch lost and its requests retried elsewhere; logs go to stderr, nothing to reopen.
     for sig in (signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, lambda n, _f: logs.warn_from_signal(
+        _install(sig, lambda n, _f: logs.warn_from_signal(
             "gpu_worker", f"{signal.Signals(n).name} ignored (logs go to stderr: there is no log file to reopen; "
                           "SIGTERM drains and stops a worker)"))
 
@@ -2529,8 +2564,8 @@ def install_sigterm_drain(worker: Worker) -> None:
         # loop, is inside an Event's lock (a deadlock, seen with a SIGKILLed launcher).
         worker.signals += 1
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    _install(signal.SIGTERM, on_signal)
+    _install(signal.SIGINT, on_signal)
     ignore_other_signals()
     # The interpreter runs `on_signal` only once the loop's wait returns (PEP 475 restarts
     # it after EINTR, timeout and all): the C-level handler also writes the signal's number
@@ -2538,6 +2573,7 @@ def install_sigterm_drain(worker: Worker) -> None:
     r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        _WAKEUP_FD[0] = w
     except ValueError:  # not the main thread: the loop notices at its next wake-up
         os.close(r)
         os.close(w)

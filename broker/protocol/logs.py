@@ -47,7 +47,7 @@ from typing import Any, Iterable
 
 from .header import CudaLoc, ShmLoc
 
-__all__ = ["LEVELS", "FORMATS", "say", "warn_from_signal", "enable_crash_dumps", "announce", "ignore_stop_signals", "block_stop_signals", "hold_std_descriptors", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
+__all__ = ["LEVELS", "FORMATS", "say", "warn_from_signal", "enable_crash_dumps", "announce", "ignore_stop_signals", "block_stop_signals", "unblock_stop_signals", "hold_std_descriptors", "setup_logging", "LineWriter", "line_writer", "QueuedHandler", "add_log_options", "configured_format", "request_fields",
            "request_id", "trace_id", "done_fields", "tensor_fields", "describe_tensors", "TIMINGS",
            "tag_json_line", "TextFormatter", "JsonFormatter"]
 
@@ -293,6 +293,18 @@ def block_stop_signals() -> None:
     try:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
     except (AttributeError, OSError, ValueError):  # no pthread_sigmask here
+        pass
+
+
+def unblock_stop_signals() -> None:
+    """Undo `block_stop_signals` on the calling thread: for a thread of ours about to run a
+    model's code, since what that code starts inherits the mask (a thread, a forked process,
+    and an exec'd one too: `multiprocessing`'s spawn and forkserver, `subprocess`).  Left
+    blocked, SIGTERM never reached such a process: `Pool.terminate()` (a `with Pool()`'s
+    exit) waited for its workers for good, and a helper's `terminate()` did nothing."""
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+    except (AttributeError, OSError, ValueError):
         pass
 
 
