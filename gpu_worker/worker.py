@@ -354,7 +354,16 @@ class Worker:
             log.warning("--transports has cuda, and no CUDA device is here (--device auto chose %s): left out",
                         self.device)
             cfg = self.cfg = _replace(cfg, transports=left)
-        self.model = load_model(cfg.model, self.device)
+        # From here on, a child the model forks (in its factory, its warm-up, a keep-warm
+        # unit: not only in a batch) ends where it leaves the model's code, instead of going
+        # on as a second worker over the same broker and output ring (`end_forked_child`).
+        _SERVING_PID[0] = os.getpid()
+        try:
+            self.model = load_model(cfg.model, self.device)
+        except BaseException as e:
+            end_forked_child(e)
+            raise
+        end_forked_child()
         self.service = cfg.service or self.model.name
         max_batch = cfg.max_batch if getattr(self.model, "batchable", False) else 1
         if cfg.credit is not None and cfg.credit < max_batch:
@@ -497,8 +506,12 @@ class Worker:
         if cfg.warmup:
             try:
                 self._warmup()
-            except Exception as e:  # the model's own error, on its own example inputs
-                raise WarmupError(raised(e)) from e
+            except BaseException as e:
+                end_forked_child(e)
+                if not isinstance(e, Exception):
+                    raise
+                raise WarmupError(raised(e)) from e  # the model's own error, on its own example inputs
+            end_forked_child()
         # Keep-warm (docs/gpu.md): a batch of one of the example inputs while idle.
         self.keep_warm = self._open_keep_warm()
         if cfg.direct:
@@ -2464,6 +2477,7 @@ class Worker:
             if self.direct_socket is not None and self.direct_socket.has_message():
                 return
             self.keep_warm.maybe_run(time.monotonic())
+            end_forked_child()  # (a child the model forked in the unit ends there)
 
     @property
     def keep_warm_runs(self) -> int:

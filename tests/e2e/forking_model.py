@@ -6,6 +6,7 @@ sending it back.  Loaded as `--model forking_model:NAME`, with this folder on PY
   the start method is $FORK_METHOD (default: the platform's, fork on Linux).
 - `pool_kept`: one pool made by the factory and kept for the worker's life (its daemonic
   workers are terminated by multiprocessing at the worker's exit).
+- `factory_fork`: the factory forks a child that returns (or `sys.exit()`s).
 - `sigterm_child`: a helper (`os.fork()` or `subprocess`) that waits, stopped with SIGTERM:
   it must end by that signal.
 """
@@ -118,3 +119,18 @@ def pool_kept(device="cpu"):
 
 def sigterm_child(device="cpu"):
     return SigtermChild(device)
+
+
+def factory_fork(device="cpu"):
+    """Forks in the factory, as a model that starts a helper while it loads; the child
+    leaves as $CHILD says: "return" (returns the model to the factory's caller, the
+    mistake), "exit" (`sys.exit(0)`).  The parent waits for it, then loads as usual."""
+    import sys
+
+    pid = os.fork()
+    if pid == 0:
+        if os.environ.get("CHILD") == "exit":
+            sys.exit(0)
+        return PoolKept(device)  # the child's copy of the worker goes on from here
+    os.waitpid(pid, 0)
+    return PoolKept(device)

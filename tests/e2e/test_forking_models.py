@@ -71,3 +71,18 @@ def test_a_helper_the_model_starts_ends_on_sigterm(cluster, how, thread):
                 assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
     assert w.p.poll() is None
     assert w.terminate() == 0, w.stderr()
+
+
+@pytest.mark.parametrize("child", ["return", "exit"])
+def test_a_child_forked_by_the_factory_ends_where_it_leaves_the_model(cluster, child):
+    # Found by the fork hunt: a child the model's factory forked (or its warm-up, or a
+    # keep-warm unit) that returned went on as a second worker (before, only a batch's
+    # child ended there): it warmed up, printed its own READY and served as the worker,
+    # while the worker itself waited for it in the factory and never served.
+    cluster.broker()
+    w = cluster.worker("forking_model:factory_fork", "--service", "factory_fork", env={"CHILD": child})
+    assert int(w.field("pid")) == w.p.pid, f"READY came from {w.field('pid')}, not the worker (pid {w.p.pid})"
+    with Client(cluster.frontend, timeout=15) as c:
+        wait_service(c, "factory_fork")
+        _serve_three(c, "factory_fork")
+    assert w.terminate() == 0, w.stderr()
