@@ -51,6 +51,8 @@ import logging
 import math
 import os
 import signal
+import socket
+import stat
 import sys
 import threading
 import time
@@ -385,6 +387,7 @@ class Worker:
         self.plane: DataPlane = self._open_plane()
         self.transports = self.plane.transports
         self.ctx = ctx or zmq.Context.instance()
+        _own_endpoint(cfg.broker)
         self.upstream = upstream if upstream is not None else BrokerLink(
             cfg.broker, self.ctx, server_key=cfg.server_key, worker_key=cfg.worker_key, insecure=cfg.insecure)
         self.sock: zmq.Socket | None = None   # the upstream socket the loop polls (while serving)
@@ -524,6 +527,9 @@ class Worker:
                 self.plane.close()
                 raise
             self.leases = LeaseTable()
+            _own_endpoint(self.direct_socket.endpoint)
+            if self.direct_socket.link is not None:
+                _own_endpoint(self.direct_socket.link.path)
             if not self.direct_socket.tcp:
                 self._fd_guard = Headroom(nofile_limit())  # (_watch_descriptors)
 
@@ -2547,7 +2553,73 @@ def _after_fork_in_child() -> None:
         pass
 
 
+#: Where the worker's own connections are (its broker's address, its direct socket's and
+#: link's): unix paths and (ip, port) pairs, for `_close_our_connections`.
+_OUR_ENDPOINTS: set = set()
+
+
+def _own_endpoint(endpoint: str | None) -> None:
+    """Note a zmq endpoint the worker connects to or binds (resolved now: not in a child)."""
+    if not endpoint:
+        return
+    if endpoint.startswith("ipc://"):
+        _OUR_ENDPOINTS.add(endpoint[len("ipc://"):])
+    elif endpoint.startswith("tcp://"):
+        host, _, port = endpoint[len("tcp://"):].rpartition(":")
+        try:
+            for ai in socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM):
+                _OUR_ENDPOINTS.add(tuple(ai[4][:2]))
+        except (OSError, ValueError):
+            pass
+    else:  # a plain path (a link's)
+        _OUR_ENDPOINTS.add(endpoint)
+
+
+def _close_our_connections() -> None:
+    """In a forked child: close its copies of the worker's connections (libzmq's
+    descriptors: nothing in the child uses them).  Kept open, a helper the model forked
+    during a batch held the worker's connection to its broker after the worker died: the
+    broker, which hears a worker's crash from its connection closing, waited out the
+    worker's heartbeat liveness instead (3 s by default) before it ran its requests
+    elsewhere; and clients could still connect to a dead worker's direct socket."""
+    if not _OUR_ENDPOINTS:
+        return
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        try:
+            fd = int(name)
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            s = socket.socket(fileno=fd)
+        except (ValueError, OSError):
+            continue
+        try:
+            ours = False
+            for get in (s.getpeername, s.getsockname):
+                try:
+                    addr = get()
+                except OSError:
+                    continue
+                if isinstance(addr, tuple):
+                    addr = tuple(addr[:2])
+                elif isinstance(addr, bytes):
+                    addr = addr.decode("utf-8", "surrogateescape")
+                if addr and addr in _OUR_ENDPOINTS:
+                    ours = True
+        finally:
+            s.detach()
+        if ours:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_close_our_connections)
 
 
 def ignore_other_signals() -> None:
