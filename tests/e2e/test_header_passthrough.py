@@ -10,7 +10,6 @@ Every wait is a poll with a timeout."""
 from __future__ import annotations
 
 import os
-import time
 
 import msgspec
 import numpy as np
@@ -18,7 +17,9 @@ import pytest
 import zmq
 
 from broker import protocol as P
+from shm.segment import self_identity
 
+from .test_interop import _mmi
 from .test_protocol_docs import _recv, _work
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,22 +35,6 @@ def _sock(endpoint: str) -> zmq.Socket:
     s.linger = 0
     s.connect(endpoint)
     return s
-
-
-def _wait_service(c: zmq.Socket, service: bytes) -> None:
-    deadline = time.monotonic() + 20.0
-    while True:
-        c.send_multipart([MDPC, P.C_REQUEST, b"mmi.service", service])
-        got = _recv(c)
-        if got[3] == b"200":
-            return
-        assert time.monotonic() < deadline, f"no worker for {service!r}: {got}"
-        time.sleep(0.01)
-
-
-def _starttime() -> int:
-    with open("/proc/self/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22
 
 
 def _keys_once(header: bytes) -> bool:
@@ -73,7 +58,7 @@ def test_unknown_header_keys_reach_the_worker_and_the_brokers_own_keys_win(clust
     try:
         w.send_multipart(P.worker_ready("svc", P.Ready(credit=1, welcome=True)))
         assert _recv(w)[:2] == [MDPW, P.W_WELCOME]
-        _wait_service(c, b"svc")
+        _mmi(c, b"svc", b"200", 20.0)
         future = {"mode": "fast", "knobs": [1, 2.5, {"deep": b"\x00\xff"}]}
         head = P.MAGIC + enc({"v": 1, "id": 1, "timeout_ms": 5000.0, "pid": 1, "pid_start": 5, "queue_ms": 1e9,
                               "backlog": 99, "returned": 7, "future_option": future, "meta": {"k": 1},
@@ -86,7 +71,7 @@ def test_unknown_header_keys_reach_the_worker_and_the_brokers_own_keys_win(clust
         assert bytes(raw["future_option"]) == enc(future) and bytes(raw["future_flag"]) == b"\xc3"
         got = msgspec.msgpack.decode(msg[4][4:])
         # The broker's keys: the kernel's pid, what is left of the budget, its own counts.
-        assert got["pid"] == os.getpid() and got["pid_start"] == _starttime(), got
+        assert got["pid"] == os.getpid() and got["pid_start"] == self_identity()[1], got
         assert 0 < got["timeout_ms"] <= 5000 and 0 <= got["queue_ms"] < 1e9, got
         assert got["backlog"] == 0 and got.get("returned") is None and got["meta"] == {"k": 1}, got
         assert P.decode_request(msg[4]).id == 1  # a worker reads it, ignoring what it does not know
@@ -114,7 +99,7 @@ def test_unknown_header_keys_reach_the_worker_and_the_brokers_own_keys_win(clust
         assert P.decode_reply(_recv(c)[3]).id == 4
 
         # A real worker ignores the key and answers.
-        _wait_service(c, b"echo")
+        _mmi(c, b"echo", b"200", 20.0)
         x = np.arange(4, dtype="<f4")
         head = P.MAGIC + enc({"v": 1, "id": 5, "timeout_ms": 5000.0, "future_option": future, "tensors": [
             {"name": "x", "dtype": "<f4", "shape": [4], "loc": {"kind": "inline", "frame": 0}}]})

@@ -44,6 +44,8 @@ import zmq
 
 from broker import protocol as P
 
+from .test_interop import _mmi
+
 pytestmark = pytest.mark.timeout(60)
 
 MDPC, MDPW = P.MDPC, P.MDPW
@@ -93,18 +95,6 @@ def _barrier(c: zmq.Socket) -> None:
     c.send_multipart([MDPC, P.C_REQUEST, b"mmi.service", b"x", token])
     got = _recv(c)
     assert got == [MDPC, P.C_FINAL, b"mmi.service", b"404", token], f"before the barrier's answer: {got}"
-
-
-def _mmi(c: zmq.Socket, service: bytes, want: bytes) -> None:
-    deadline = time.monotonic() + WAIT
-    while True:
-        c.send_multipart([MDPC, P.C_REQUEST, b"mmi.service", service])
-        got = _recv(c)
-        assert got[:3] == [MDPC, P.C_FINAL, b"mmi.service"], got
-        if got[3] == want:
-            return
-        assert time.monotonic() < deadline, f"mmi.service {service!r}: {got[3]!r}, not {want!r}"
-        time.sleep(0.01)
 
 
 def _head(**fields) -> bytes:
