@@ -329,7 +329,7 @@ class LeaseEvents:
             w.leased -= lease.slots
 
     def _end(self, lease, reason: str, out: list, *, tell_worker: bool = True, tell_client: bool = True,
-             resend: bool = False) -> None:
+             resend: bool = False, why: str = "") -> None:
         pending = lease.state == PENDING
         self._forget(lease)
         if not pending and lease.worker.alive and reason != CLIENT_GONE:
@@ -347,7 +347,7 @@ class LeaseEvents:
             if pending:  # the client was never told of it: its ask gets an answer
                 out.append(LeaseRefused(lease.client, lease.ask_id, lease.svc.name,
                                         ErrorCode.SERVICE_UNAVAILABLE,
-                                        f"the lease ended before the worker confirmed it ({reason})"))
+                                        why or f"the lease ended before the worker confirmed it ({reason})"))
             else:
                 out.append(LeaseEndToClient(lease.client, lease.svc.name, lease.id, reason, resend))
 
@@ -373,7 +373,11 @@ class LeaseEvents:
         """The worker never confirmed (a worker that set a direct socket but does not speak
         leases, or a lost message): the ask is refused and the worker told to forget it."""
         self._counters["leases_refused"] += 1
-        self._end(lease, UNCONFIRMED, out)
+        # Said as it is: a worker whose heartbeats still arrive is alive (its loop busy in a
+        # long batch, say), and the client, told "worker_failed", looked for a fault.
+        self._end(lease, UNCONFIRMED, out,
+                  why=f"the worker did not confirm the lease within its liveness window ({self._worker_ttl:g} s; "
+                      f"alive but busy, or it does not speak leases); requests go through the broker")
         self._dirty[lease.svc] = None
 
     def _end_client_leases(self, client: bytes, out: list) -> None:

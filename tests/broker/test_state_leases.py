@@ -254,6 +254,9 @@ def test_an_unconfirmed_lease_is_refused_after_the_workers_liveness_window():
     out = s.tick(3.0)  # a worker that set a direct socket but never answers LEASE
     r = only(out, LeaseRefused)
     assert r.ask_id == 7 and r.code == ErrorCode.SERVICE_UNAVAILABLE
+    # Not "worker_failed": the worker's heartbeats still came (a long batch on its loop).
+    assert "did not confirm the lease within its liveness window (3 s" in r.message, r.message
+    assert "worker_failed" not in r.message
     assert only(out, LeaseEndToWorker).lease == to_w.lease
     assert s.stats()["services"]["svc"]["leased_credit"] == 0
     assert s.worker_leased(b"w", to_w.lease, 3.1) == []  # too late
