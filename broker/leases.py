@@ -42,6 +42,7 @@ DRAIN = "drain"
 SCALE_DOWN = "scale_down"
 CLIENT_DONE = "client_done"
 CLIENT_GONE = "client_gone"
+REVOKED = "revoked"  # the client's CurveZMQ key left the broker's allow-list (to the client only)
 UNCONFIRMED = "worker_failed"  # the worker did not confirm in its liveness window: as if it had failed
 T_LEASE = 6  # the scheduler's timer kind for a lease not yet confirmed (state.py's own are 0..5)
 #: notes of leases a live worker ended (``stopped``) kept per worker, the oldest forgotten
@@ -289,6 +290,27 @@ class LeaseEvents:
         for lease in list(self._leases.values()):
             self._end(lease, reason, out)
         self._flush(now, out)
+        return out
+
+    def principal_revoked(self, principal: object, now: float, why: str) -> list:
+        """``principal`` (a tcp client's CurveZMQ key) was removed from the broker's allow-list:
+        its leases end, as when a client ends one (``client_done`` to the worker: what it
+        holds of them it answers, as the broker answers the brokered requests that came
+        before the removal; a later REQUEST on them is sent back through the broker, which
+        refuses it 403).  The client is told ``revoked``, without ``resend``: a client that
+        does not know the reason drops the message, and its next pinned call comes back
+        through the broker all the same.  An ask not yet confirmed is refused 403."""
+        out: list = []
+        for lease in [lease for lease in self._leases.values() if lease.principal == principal]:
+            pending = lease.state == PENDING
+            self._end(lease, CLIENT_DONE, out, tell_client=False)
+            if pending:
+                self._counters["leases_refused"] += 1
+                out.append(LeaseRefused(lease.client, lease.ask_id, lease.svc.name, ErrorCode.FORBIDDEN, why))
+            else:
+                out.append(LeaseEndToClient(lease.client, lease.svc.name, lease.id, REVOKED, False))
+        if out:
+            self._flush(now, out)
         return out
 
     # ------------------------------------------------------------------ queries

@@ -21,10 +21,12 @@ its ipc hot path do not see it.  Everything here but `ServerCurve.start` and
 """
 from __future__ import annotations
 
+import collections
 import glob
 import logging
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,11 +40,14 @@ from broker.protocol import curve as C
 __all__ = [
     "SecurityError", "SecurityConfig", "FRONTEND_DOMAIN", "BACKEND_DOMAIN", "make_keys",
     "load_allow_list", "load_server_secret", "plan", "CurvePlan", "configure_server", "ServerCurve",
-    "TCP_REFS", "peer_is_tcp", "names_local_memory",
+    "TCP_REFS", "peer_is_tcp", "names_local_memory", "allow_list_state", "RELOAD_PERIOD_S",
 ]
 
 log = logging.getLogger("broker")
 _refusals = P.RateLimitedLog(log, 10.0)  # keys refused by the allow-lists (the ZAP thread's)
+
+#: how often the allow-list directories are looked at for added and removed keys (seconds)
+RELOAD_PERIOD_S = 1.0
 
 #: ZAP domains of the two sockets: which allow-list a handshake is checked against
 FRONTEND_DOMAIN = "zmq-infer.clients"
@@ -139,6 +144,29 @@ def load_allow_list(directory: str, what: str) -> frozenset[bytes]:
     return frozenset(keys)
 
 
+def allow_list_state(directory: str) -> tuple:
+    """What a reload watches of an allow-list directory: each ``*.key`` entry's name and,
+    links followed, its inode, size, modification and change times, sorted; a directory that cannot
+    be listed is its error.  Two equal states hold the same keys: a copy, a removal, a
+    rename, an editor's rewrite and a Kubernetes Secret volume's swap of ``..data`` (a new
+    inode behind the same name) each change it."""
+    try:
+        with os.scandir(directory) as it:
+            entries = [e for e in it if e.name.endswith(".key") and not e.name.startswith(".")]
+    except OSError as e:
+        return (("error", e.errno),)
+    state = []
+    for e in entries:
+        try:
+            st = e.stat()  # follows links, as the reload's open does
+        except OSError as err:
+            state.append((e.name, "error", err.errno))
+        else:
+            state.append((e.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    state.sort()
+    return tuple(state)
+
+
 # ------------------------------------------------------------------------------------ the plan
 
 @dataclass(frozen=True)
@@ -150,6 +178,7 @@ class CurvePlan:
     secret: bytes | None = None
     allow: tuple[tuple[str, str, frozenset], ...] = ()   # (role, domain, keys) for each CURVE socket
     insecure: tuple[str, ...] = ()
+    sources: tuple[tuple[str, str], ...] = ()   # (role, directory) the keys of each were read from
 
     def domain_of(self, role: str) -> str | None:
         for r, domain, _ in self.allow:
@@ -210,13 +239,14 @@ def plan(cfg: SecurityConfig, frontend: str, backend: str) -> CurvePlan:
         raise SecurityError(f"refusing to serve {eps} without CurveZMQ: anyone who can reach a tcp endpoint "
                             f"could act as a client or a worker; {_FIX}")
     public, secret = load_server_secret(cfg.curve_secret)
-    allow = []
+    allow, sources = [], []
     for role, ep, directory, flag, who, domain in tcp:
         if not directory:
             raise SecurityError(f"the {role} {ep} is tcp, so it needs the allow-list of {who} keys: pass {flag} DIR "
                                 f"(a directory of the allowed {who}s' public *.key certificates)")
         allow.append((role, domain, load_allow_list(directory, who)))
-    return CurvePlan(public=public, secret=secret, allow=tuple(allow))
+        sources.append((role, directory))
+    return CurvePlan(public=public, secret=secret, allow=tuple(allow), sources=tuple(sources))
 
 
 # ------------------------------------------------------------------------------------ sockets
@@ -231,11 +261,44 @@ def configure_server(sock: zmq.Socket, secret: bytes, domain: str) -> None:
 configure_client = C.configure_peer  # the connecting side (clients, workers, tests)
 
 
-class _AllowList:
-    """A `zmq.auth` credentials provider: the public keys one ZAP domain accepts."""
+_WHO = {"frontend": "client", "backend": "worker"}
 
-    def __init__(self, keys: frozenset[bytes]):
+
+class _AllowList:
+    """A `zmq.auth` credentials provider: the public keys one ZAP domain accepts.  ``keys``
+    is replaced whole by a reload (the ZAP thread reads one set or the other, never half)."""
+
+    def __init__(self, keys: frozenset[bytes], role: str = "", directory: str = ""):
         self.keys = keys
+        self.role = role
+        self.directory = directory
+        self.state = allow_list_state(directory) if directory else ()
+        self.failed: tuple | None = None  # the state a reload refused (said once)
+
+    def reload(self) -> tuple[frozenset, frozenset] | None:
+        """Read the directory again if it changed: (added, removed) when a new list was
+        taken, None when nothing changed or the new one fails the checks of the start (an
+        ERROR, once per state: the previous list stays in force)."""
+        state = allow_list_state(self.directory)
+        if state == self.state or state == self.failed:
+            return None
+        who = _WHO.get(self.role, self.role)
+        try:
+            keys = load_allow_list(self.directory, who)
+        except SecurityError as e:
+            self.failed = state
+            log.error("the %s allow-list changed but cannot be taken (%s); the previous one, %d key(s), stays in "
+                      "force", who, e, len(self.keys))
+            return None
+        # The state read before the keys: a change between the two is seen at the next look.
+        self.state, self.failed = state, None
+        added, removed = keys - self.keys, self.keys - keys
+        self.keys = keys
+        # A WARNING, as the refusals are: who may connect changed, a line worth having in a
+        # log kept at the default level (INFO is a line per request).
+        log.warning("%s allow-list %s reloaded: %d key(s), %d added, %d removed", who, self.directory, len(keys),
+                    len(added), len(removed))
+        return added, removed
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key in self.keys:
@@ -251,10 +314,20 @@ class ServerCurve:
     """The ZAP handler of one broker: `start()` before binding the CURVE sockets, `stop()`
     after closing them.  One per zmq.Context (ZAP has one address per context)."""
 
-    def __init__(self, ctx: zmq.Context, plan: CurvePlan):
+    def __init__(self, ctx: zmq.Context, plan: CurvePlan, reload_period: float = RELOAD_PERIOD_S):
         self.plan = plan
         self.ctx = ctx
         self.auth: ThreadAuthenticator | None = None
+        self.lists: dict[str, _AllowList] = {}   # role -> its allow-list
+        #: (role, removed keys) of each reload that removed some, for the broker's loop to
+        #: act on (`Broker._apply_revocations`); appended by the watcher thread
+        self.removals: collections.deque = collections.deque()
+        #: whether any key was ever removed: until then every connection's key is on its list
+        #: (the handshake checked it), so the loop need not look
+        self.revoked = False
+        self._reload_period = reload_period
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def start(self) -> None:
         if not self.plan.enabled:
@@ -266,11 +339,42 @@ class ServerCurve:
             auth.stop()
             raise SecurityError(f"cannot start the ZAP handler ({e}): another CURVE broker uses this "
                                 f"zmq.Context; give each broker a context of its own") from None
-        for _, domain, keys in self.plan.allow:
+        dirs = dict(self.plan.sources)
+        for role, domain, keys in self.plan.allow:
             # Keys loaded and checked here (configure_curve only logs a directory it cannot
             # read); a domain with no list is refused by the authenticator.
-            auth.configure_curve_callback(domain, _AllowList(keys))
+            lst = self.lists[role] = _AllowList(keys, role, dirs.get(role, ""))
+            auth.configure_curve_callback(domain, lst)
         self.auth = auth
+        if any(lst.directory for lst in self.lists.values()) and self._reload_period > 0:
+            self._watcher = threading.Thread(target=self._watch, name="allow-lists", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._reload_period):
+            try:
+                self.reload()
+            except Exception:  # a look that failed is tried again at the next; never the thread's end
+                log.exception("looking at the allow-lists failed")
+
+    def reload(self) -> None:
+        """Look at each allow-list directory now (the watcher does, every `RELOAD_PERIOD_S`)."""
+        for role, lst in self.lists.items():
+            if not lst.directory:
+                continue
+            change = lst.reload()
+            if change is not None and change[1]:
+                self.revoked = True
+                self.removals.append((role, change[1]))
+
+    def allowed(self, role: str, user_id: str | bytes) -> bool:
+        """Whether a connection's key (its ZAP User-Id, the z85 key) is on ``role``'s list
+        now; True for a role without one."""
+        lst = self.lists.get(role)
+        if lst is None:
+            return True
+        key = user_id.encode() if isinstance(user_id, str) else bytes(user_id)
+        return key in lst.keys
 
     def configure(self, sock: zmq.Socket, role: str) -> None:
         domain = self.plan.domain_of(role)
@@ -278,6 +382,10 @@ class ServerCurve:
             configure_server(sock, self.plan.secret, domain)
 
     def stop(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=10)
+            self._watcher = None
         if self.auth is not None:
             self.auth.stop()
             self.auth = None

@@ -108,6 +108,11 @@ _MAX_SERVICES = 1024  # service names remembered for the HTTP endpoint (as broke
 #: a request header this long or shorter is not counted against its client's byte cap (the
 #: request count bounds what such headers hold: `max_client_requests` x 4 KiB)
 _SHORT_HEADER = 4096
+#: what a client and a worker whose CurveZMQ key left its allow-list are told (403)
+_FORBIDDEN = ("this client's CurveZMQ key was removed from the broker's client allow-list (--client-keys): "
+              "it is not served any more")
+_FORBIDDEN_WORKER = ("this worker's CurveZMQ key was removed from the broker's worker allow-list (--worker-keys): "
+                     "it is not served any more")
 #: frames to a client at least this long are sent tracked (`_track_unread`): what libzmq
 #: holds of smaller ones is bounded by their count (`client_hwm`)
 _TRACK_BYTES = 64 << 10
@@ -630,6 +635,13 @@ class Broker:
         # peers may not name shared memory, CUDA memory or a reply socket.  Only a frontend
         # that is not ipc can have any.
         self._tcp_frontend = not self.frontend_ep.startswith("ipc://")
+        #: a key left an allow-list (`_apply_revocations`): tcp clients' REQUESTs and LEASEs,
+        #: and workers' READYs, are looked up in it from then on (never before: until a key
+        #: leaves, every connection's key is on its list, the handshake checked it)
+        self._revoking = False
+        self._curve_backend = self._curve_plan.domain_of("backend") is not None
+        #: a tcp worker's CurveZMQ key (its ZAP User-Id), learned at its READY, for a removal
+        self._worker_keys: dict[bytes, str] = {}
         # Peers silent by messages whose tcp connection still moves bytes (a large message
         # crossing a slow link holds their heartbeats back) are alive: `_look_at_quiet`.  So
         # is a client whose ipc connection is open: the kernel closes it when the process
@@ -850,6 +862,7 @@ class Broker:
         monotonic = time.monotonic
         sched = self.sched
         on_worker, on_client = self.on_worker, self.on_client
+        removals = self._curve.removals
         wake = sched.next_wakeup(monotonic())
         next_gc = monotonic()
         # Two looks fit in the shortest window (a fresh watch needs one to count from).
@@ -895,6 +908,8 @@ class Broker:
             if wake is not None and now >= wake:
                 self._run_timers(now)
                 wake = sched.next_wakeup(now)
+            if removals:  # keys left an allow-list (the allow-list watcher's find)
+                self._apply_revocations(now)
             if sched.has_leases and sched.draining:
                 # drain() may come from the launcher's thread: leases end here, on the loop.
                 self._act(sched.end_leases(DRAIN, now), now)
@@ -962,6 +977,8 @@ class Broker:
             self.metrics.sweep(self.sched.holds_service, now)
         if len(self._worker_info) > 64:
             self._worker_info = {w: v for w, v in self._worker_info.items() if has(w)}
+        if len(self._worker_keys) > 64:
+            self._worker_keys = {w: k for w, k in self._worker_keys.items() if has(w)}
         here = self._here
         now = time.monotonic()
         if self._leaving:
@@ -1166,6 +1183,9 @@ class Broker:
         cmd = msg.command
         if cmd == P.C_REQUEST:
             sched.client_seen(ident, now)
+            if self._revoking and self._key_removed(frames[1]):
+                self._forbid(ident, msg, now)
+                return
             self._on_request(ident, msg, now)
         elif cmd == P.C_HEARTBEAT:
             if self._look_clients and ident not in self._client_conn:
@@ -1195,6 +1215,9 @@ class Broker:
             self._forget_client(ident)
             self._act(sched.client_disconnect(ident, now), now)
         elif cmd == P.C_LEASE:
+            if self._revoking and self._key_removed(frames[1]):
+                self._forbid(ident, msg, now)
+                return
             self._on_lease(ident, msg, now)
         elif cmd == P.C_LEASE_END:
             sched.client_seen(ident, now)
@@ -1205,6 +1228,62 @@ class Broker:
                 self._bad.warning("bad LEASE_END from %r: %s", ident[:16], e)
                 return
             self._act(sched.client_lease_end(ident, P.lease_number(end.lease), now), now)
+
+    def _key_removed(self, frame: Any) -> bool:
+        """Whether a client message came on a tcp connection whose CurveZMQ key has left the
+        client allow-list since its handshake."""
+        try:
+            uid = frame.get("User-Id")
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+            return False
+        return bool(uid) and not self._curve.allowed("frontend", uid)
+
+    def _forbid(self, ident: bytes, msg: P.ClientMessage, now: float) -> None:
+        """Refuse a REQUEST (MMI included) or LEASE of a client whose key was removed: 403."""
+        service = msg.service
+        self._bad.warning("refused a %s from tcp client %r: its CurveZMQ key was removed from the client "
+                          "allow-list", "LEASE" if msg.command == P.C_LEASE else "request", ident[:16])
+        first = msg.body[0] if msg.body else b""
+        rid = P.lenient_request_id(first) if first and P.is_header(first) else 0
+        body = P.error_body(rid, P.ErrorCode.FORBIDDEN, _FORBIDDEN)
+        if msg.command == P.C_LEASE:
+            self._send_client(ident, P.client_leased(service, body))
+            return
+        if service.startswith(b"mmi."):
+            b = msg.body
+            token = [bytes(b[1])] if len(b) == 2 and len(b[1]) <= P.MAX_MMI_TOKEN else []  # as `_mmi`
+            self._send_client(ident, P.client_reply(True, service, [b"403", *token]))
+            return
+        self._send_client(ident, P.client_reply(True, service, body))
+        if self.metrics is not None:
+            self.metrics.final(service.decode(errors="replace"), int(P.ErrorCode.FORBIDDEN), None, None, now)
+
+    def _apply_revocations(self, now: float) -> None:
+        """Keys left an allow-list (`security.ServerCurve`'s watcher): a handshake is checked
+        once, so what a removed key's connection holds is ended here.  A client's leases end
+        (its calls on them come back through the broker, refused); a worker is told why and
+        forgotten, its requests going to the service's other workers as at its death.  From
+        now on a client's REQUEST and LEASE, and a worker's READY, are looked up."""
+        self._revoking = True
+        removals = self._curve.removals
+        while removals:
+            role, keys = removals.popleft()
+            if role == "frontend":
+                for key in keys:
+                    self._act(self.sched.principal_revoked(f"curve:{key.decode()}", now, _FORBIDDEN), now)
+                continue
+            gone = {k.decode() for k in keys}
+            for ident, uid in list(self._worker_keys.items()):
+                if uid not in gone:
+                    continue
+                del self._worker_keys[ident]
+                if not self.sched.has_worker(ident):
+                    continue
+                log.warning("disconnecting worker %r: its CurveZMQ key was removed from the worker allow-list",
+                            ident[:16])
+                self.send_to_worker([ident, *P.worker_disconnect(
+                    P.error_body(0, P.ErrorCode.FORBIDDEN, _FORBIDDEN_WORKER))])
+                self._act(self.sched.worker_disconnect(ident, now), now)
 
     def _on_lease(self, ident: bytes, msg: P.ClientMessage, now: float) -> None:
         """A client asks to be pinned to a worker (docs/protocol.md section 10): the scheduler
@@ -1675,6 +1754,18 @@ class Broker:
             # closes the descriptor, so an event for an earlier holder of this READY's
             # descriptor is already waiting and must be applied before the new binding.
             self._on_backend_events()
+            if self._curve_backend:
+                try:
+                    uid = frames[1].get("User-Id")
+                except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+                    uid = None
+                if uid:
+                    if self._revoking and not self._curve.allowed("backend", uid):
+                        self._refuse_ready(ident, frames[1], _FORBIDDEN_WORKER, now)
+                        return
+                    if len(self._worker_keys) >= _MAX_CLIENT_PIDS:
+                        self._worker_keys = {w: k for w, k in self._worker_keys.items() if sched.has_worker(w)}
+                    self._worker_keys[ident] = uid
             self._bind_connection(ident, frames[1], now)
             r = msg.ready
             if r is None:  # a plain MDP worker: it may be silent while it runs a request

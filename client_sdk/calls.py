@@ -16,7 +16,7 @@ from collections import deque
 from typing import Any, Callable
 
 from broker import protocol as P
-from broker.protocol import Priority
+from broker.protocol import ErrorCode, Priority
 
 from . import tensors as T
 from .errors import DeadlineExceeded, InvalidInput, NotSupported, ProtocolError, error_from
@@ -125,6 +125,9 @@ def mmi_answer(body: list[bytes], name: str) -> bool:
         return True
     if code == b"404":
         return False
+    if code == b"403":  # the broker no longer serves this client's key (docs/security.md)
+        raise error_from(ErrorCode.FORBIDDEN, f"mmi.service for {name!r}: this client's CurveZMQ key was removed "
+                                              f"from the broker's client allow-list")
     raise ProtocolError(f"mmi.service answered {code!r} for {name!r}; expected b'200' or b'404'")
 
 

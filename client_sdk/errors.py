@@ -22,6 +22,7 @@ ValueError, ...) so that code catching the builtin keeps working.
 #     │                                           400  the wire protocol was broken
 #     ├── WorkerFailed                            502  the worker failed or died
 #     ├── NotLocal                                421  shm tensors reached another host
+#     ├── Forbidden       (+ PermissionError)     403  this client's CurveZMQ key was removed from the allow-list
 #     ├── InternalError                           500  broker or worker bug
 #     ├── BrokerUnreachable                       503  no answer, not even heartbeats (client-side)
 #     ├── NotSupported    (+ NotImplementedError) None e.g. CUDA tensors without a CUDA side
@@ -43,6 +44,7 @@ __all__ = [
     "ProtocolError",
     "WorkerFailed",
     "NotLocal",
+    "Forbidden",
     "BrokerUnreachable",
     "InternalError",
     "NotSupported",
@@ -118,6 +120,14 @@ class WorkerFailed(InferenceError):
     hint = "see the worker's log; the request may be retried if the model is deterministic"
 
 
+class Forbidden(InferenceError, PermissionError):
+    """The broker no longer serves this client's CurveZMQ key: it was removed from the
+    broker's client allow-list while the client was connected (docs/security.md)."""
+
+    code = ErrorCode.FORBIDDEN
+    hint = "ask the broker's operator to put this client's public key back in --client-keys"
+
+
 class NotLocal(InferenceError):
     """Shared-memory tensors were sent to a worker on another host."""
 
@@ -175,6 +185,7 @@ class PoolFull(InferenceError, _ShmFull):
 
 _BY_CODE: dict[int, type[InferenceError]] = {
     ErrorCode.PROTOCOL_ERROR: ProtocolError,
+    ErrorCode.FORBIDDEN: Forbidden,
     ErrorCode.NOT_LOCAL: NotLocal,
     ErrorCode.INVALID_INPUT: InvalidInput,
     ErrorCode.QUEUE_FULL: QueueFull,

@@ -53,7 +53,7 @@ HISTOGRAMS = {"zmq_infer_queue_wait_seconds", "zmq_infer_request_seconds", "zmq_
               "zmq_infer_input_seconds", "zmq_infer_output_seconds", "zmq_infer_batch_size"}
 SERIES = COUNTERS | GAUGES | {h + s for h in HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
 OUTCOMES = {"ok", "cancelled", "deadline_exceeded", "queue_full", "invalid_input", "protocol_error",
-            "not_local", "internal", "worker_failed", "service_unavailable"}
+            "not_local", "forbidden", "internal", "worker_failed", "service_unavailable"}
 METRIC_LABELS = {"service", "outcome", "priority", "host", "worker", "le"}
 # Labels Prometheus (and the Prometheus Operator's PodMonitor) add to every scraped series.
 TARGET_LABELS = {"namespace", "pod", "container", "job", "instance", "endpoint"}

@@ -89,6 +89,7 @@ class ErrorCode(IntEnum):
     that a human reading a packet capture guesses right."""
 
     PROTOCOL_ERROR = 400
+    FORBIDDEN = 403       # a tcp client whose CurveZMQ key the broker's allow-list no longer holds
     NOT_LOCAL = 421
     INVALID_INPUT = 422   # the request's tensors do not match what the model declared
     QUEUE_FULL = 429
@@ -314,7 +315,7 @@ class LeaseHello(msgspec.Struct, kw_only=True):
 
 
 LEASE_REASONS = frozenset({"worker_failed", "drain", "scale_down", "worker_stopping", "client_gone",
-                           "client_done", "broker_restart"})
+                           "client_done", "broker_restart", "revoked"})
 
 
 class DoneInfo(msgspec.Struct, kw_only=True):

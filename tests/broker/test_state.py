@@ -42,6 +42,7 @@ def req(s, rid, now=0.0, service="svc", client=C, **kw):
 def test_error_codes_are_fixed_on_the_wire():
     assert {c.name: int(c) for c in ErrorCode} == {
         "PROTOCOL_ERROR": 400,
+        "FORBIDDEN": 403,
         "NOT_LOCAL": 421,
         "INVALID_INPUT": 422,
         "QUEUE_FULL": 429,

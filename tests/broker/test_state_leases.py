@@ -343,3 +343,34 @@ def test_an_unconfirmed_lease_waits_for_its_confirmation_as_long_again_after_a_p
     s2.client_seen(C, 3.9)
     assert of(s2.tick(3.9), LeaseRefused) == []
     assert only(s2.tick(4.0), LeaseRefused).ask_id == 7
+
+
+def test_a_revoked_principals_leases_end_and_others_keep_theirs():
+    """A tcp client's key left the allow-list (docs/security.md): its leases end as when it
+    ends one itself (`client_done`: the worker answers what it holds), the client hears
+    `revoked` without resend, an ask not yet confirmed is refused 403; another key's lease
+    stands, and the slots come back."""
+    from broker.leases import CLIENT_DONE, REVOKED
+
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=16, direct="tcp://10.0.0.1:7000", direct_key="k")
+
+    def ask(client, key, ask_id):
+        return only(s.client_lease(client, key, ask_id, "svc", 0.0, remote=True, secret=b"s" * 16), LeaseToWorker)
+
+    a = ask(b"c1", "curve:AAA", 1)
+    only(s.worker_leased(b"w", a.lease, 0.0), LeaseToClient)
+    p = ask(b"c1", "curve:AAA", 2)  # not yet confirmed
+    o = ask(b"c2", "curve:BBB", 3)
+    only(s.worker_leased(b"w", o.lease, 0.0), LeaseToClient)
+    leased = s.stats()["services"]["svc"]["leased_credit"]
+    out = s.principal_revoked("curve:AAA", 1.0, "removed")
+    ends = of(out, LeaseEndToWorker)
+    assert sorted(e.lease for e in ends) == sorted([a.lease, p.lease]) and {e.reason for e in ends} == {CLIENT_DONE}
+    assert only(out, LeaseEndToClient) == LeaseEndToClient(b"c1", "svc", a.lease, REVOKED, False)
+    r = only(out, LeaseRefused)
+    assert (r.client, r.ask_id, r.code, r.message) == (b"c1", 2, ErrorCode.FORBIDDEN, "removed")
+    assert s.stats()["services"]["svc"]["leased_credit"] == leased - a.slots - p.slots
+    assert s.principal_revoked("curve:AAA", 1.1, "removed") == []  # nothing left of it
+    assert s.leases_of("svc") == 1  # the other key's lease stands
+    assert s.worker_leased(b"w", p.lease, 1.2) == []  # the worker's late confirmation changes nothing

@@ -64,7 +64,7 @@ def test_package_all_is_pinned():
     assert client_sdk.__all__ == [
         "Client", "AsyncClient", "Result", "ReplyStream", "AsyncReplyStream", "Stream", "AsyncStream",
         "StreamStats", "EndOfStream", "run", "errors", "InferenceError", "ServiceUnavailable",
-        "DeadlineExceeded", "QueueFull", "Cancelled", "ProtocolError", "WorkerFailed", "NotLocal",
+        "DeadlineExceeded", "QueueFull", "Cancelled", "ProtocolError", "WorkerFailed", "NotLocal", "Forbidden",
         "BrokerUnreachable", "InternalError", "NotSupported", "InvalidInput", "PoolFull", "Priority",
     ]
     assert client_sdk.Priority is P.Priority  # the protocol's: `infer(priority=Priority.URGENT)`
@@ -78,7 +78,7 @@ def test_package_all_is_pinned():
 def test_errors_public_names_are_pinned():
     assert errors.__all__ == [
         "InferenceError", "ServiceUnavailable", "DeadlineExceeded", "QueueFull", "Cancelled",
-        "ProtocolError", "WorkerFailed", "NotLocal", "BrokerUnreachable", "InternalError",
+        "ProtocolError", "WorkerFailed", "NotLocal", "Forbidden", "BrokerUnreachable", "InternalError",
         "NotSupported", "InvalidInput", "EndOfStream", "PoolFull", "error_from",
     ]
     classes = {n for n, v in vars(errors).items() if isinstance(v, type) and issubclass(v, BaseException)

@@ -71,11 +71,12 @@ class Proc:
         text = self._err.decode(errors="replace")
         return text if tail is None else text[-tail:]
 
-    def wait_log(self, text: str, timeout: float = 15.0) -> None:
-        """Read stderr until it contains `text` (a condition, not a sleep)."""
+    def wait_log(self, text: str, timeout: float = 15.0, after: int = 0) -> None:
+        """Read stderr until it contains `text` (a condition, not a sleep), from its
+        `after`th byte on (`logged`: what was read so far, to wait for a line logged again)."""
         deadline = time.monotonic() + timeout
         fd = self.p.stderr.fileno()
-        while text.encode() not in self._err:
+        while text.encode() not in self._err[after:]:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"{self.args} did not log {text!r} within {timeout} s: {self._err[-2000:]!r}")
@@ -86,6 +87,11 @@ class Proc:
                     raise RuntimeError(f"{self.args} exited with {self.p.wait(5)} before logging {text!r}: "
                                        f"{self._err[-2000:]!r}")
                 self._err += chunk
+
+    @property
+    def logged(self) -> int:
+        """How much of stderr `wait_log` has read."""
+        return len(self._err)
 
     def field(self, name: str) -> str:
         for part in self.ready_line.split():

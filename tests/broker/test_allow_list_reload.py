@@ -1,0 +1,134 @@
+"""The broker's allow-lists read again while it runs (broker/security.py, docs/security.md
+"Adding and revoking keys while the broker runs"): what a reload takes, what it refuses,
+and what it tells the broker's loop.  Each look is called by hand (`ServerCurve.reload`);
+the watcher thread that calls it once a second is the e2e tests' (test_key_reload.py)."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import pytest
+import zmq
+
+from broker import security as S
+
+
+def _z85(public_cert) -> bytes:
+    return zmq.auth.load_certificate(str(public_cert))[0]
+
+
+@pytest.fixture
+def setup(tmp_path):
+    """Keys a, b, c and a client allow-list holding a; a ServerCurve on it (no watcher)."""
+    made = {n: S.make_keys(str(tmp_path / "keys"), n)[0] for n in ("server", "a", "b", "c")}
+    clients = tmp_path / "clients"
+    clients.mkdir()
+    shutil.copy(made["a"], clients)
+    cfg = S.SecurityConfig(curve_secret=str(tmp_path / "keys" / "server.key_secret"), client_keys=str(clients))
+    plan = S.plan(cfg, "tcp://127.0.0.1:0", "ipc:///nowhere/backend.ipc")
+    ctx = zmq.Context()
+    curve = S.ServerCurve(ctx, plan, reload_period=0)
+    curve.start()
+    try:
+        yield curve, clients, made
+    finally:
+        curve.stop()
+        ctx.term()
+
+
+def test_a_key_copied_in_is_taken_and_one_removed_is_reported(setup):
+    curve, clients, made = setup
+    a, b = _z85(made["a"]), _z85(made["b"])
+    assert curve.allowed("frontend", a) and not curve.allowed("frontend", b)
+    curve.reload()  # nothing changed: nothing to do
+    assert not curve.removals and not curve.revoked
+    shutil.copy(made["b"], clients)
+    curve.reload()
+    assert curve.allowed("frontend", b.decode()) and curve.allowed("frontend", a)  # the User-Id is a str
+    assert not curve.removals and not curve.revoked  # an addition revokes nothing
+    os.unlink(clients / "a.key")
+    curve.reload()
+    assert not curve.allowed("frontend", a) and curve.allowed("frontend", b)
+    assert list(curve.removals) == [("frontend", frozenset({a}))] and curve.revoked
+    assert curve.allowed("backend", a)  # a role without a list (an ipc backend) takes anyone
+
+
+def test_a_list_that_fails_its_checks_is_not_taken_and_said_once(setup, caplog):
+    curve, clients, made = setup
+    a, b = _z85(made["a"]), _z85(made["b"])
+    caplog.set_level(logging.ERROR, logger="broker")
+    # A certificate copied half-way (or not one at all): the previous list stays in force.
+    (clients / "b.key").write_text("metadata\ncurve\n    public-key = \"trunc")
+    curve.reload()
+    curve.reload()
+    errors = [r for r in caplog.records if "cannot be taken" in r.getMessage()]
+    assert len(errors) == 1, caplog.text
+    assert "b.key" in errors[0].getMessage() and "1 key(s)" in errors[0].getMessage()
+    assert curve.allowed("frontend", a) and not curve.allowed("frontend", b)
+    shutil.copy(made["b"], clients / "b.key")  # the copy finished
+    curve.reload()
+    assert curve.allowed("frontend", a) and curve.allowed("frontend", b)
+    # Emptied (every key moved out at once) or gone: never "refuse everyone".
+    for f in os.listdir(clients):
+        os.unlink(clients / f)
+    curve.reload()
+    assert curve.allowed("frontend", a) and curve.allowed("frontend", b) and not curve.removals
+    os.rmdir(clients)
+    curve.reload()
+    assert curve.allowed("frontend", a) and not curve.removals
+    assert len([r for r in caplog.records if "cannot be taken" in r.getMessage()]) == 3
+
+
+def test_a_kubernetes_secret_volume_swap_is_seen(tmp_path):
+    """A Secret volume: each file is a link through ``..data``, itself a link to a dated
+    directory that the kubelet replaces whole (a new directory, the link renamed over):
+    the same names, new files behind them."""
+    made = {n: S.make_keys(str(tmp_path / "keys"), n)[0] for n in ("server", "a", "b")}
+    vol = tmp_path / "vol"
+    (vol / "..2026_12_06_1").mkdir(parents=True)
+    shutil.copy(made["a"], vol / "..2026_12_06_1" / "client.key")
+    os.symlink("..2026_12_06_1", vol / "..data")
+    os.symlink("..data/client.key", vol / "client.key")
+    cfg = S.SecurityConfig(curve_secret=str(tmp_path / "keys" / "server.key_secret"), client_keys=str(vol))
+    ctx = zmq.Context()
+    curve = S.ServerCurve(ctx, S.plan(cfg, "tcp://127.0.0.1:0", "ipc:///nowhere/b.ipc"), reload_period=0)
+    curve.start()
+    try:
+        a, b = _z85(made["a"]), _z85(made["b"])
+        assert curve.allowed("frontend", a)
+        (vol / "..2026_12_06_2").mkdir()
+        shutil.copy(made["b"], vol / "..2026_12_06_2" / "client.key")  # the same name, another key
+        os.symlink("..2026_12_06_2", vol / "..data_tmp")
+        os.rename(vol / "..data_tmp", vol / "..data")
+        curve.reload()
+        assert curve.allowed("frontend", b) and not curve.allowed("frontend", a)
+        assert list(curve.removals) == [("frontend", frozenset({a}))]
+    finally:
+        curve.stop()
+        ctx.term()
+
+
+def test_a_key_rewritten_in_place_is_seen(setup):
+    curve, clients, made = setup
+    a, c = _z85(made["a"]), _z85(made["c"])
+    st = os.stat(clients / "a.key")
+    with open(clients / "a.key", "wb") as f:  # the same inode and size: an editor that writes in place
+        f.write(open(made["c"], "rb").read())
+    assert os.stat(clients / "a.key").st_ino == st.st_ino
+    os.utime(clients / "a.key", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # a later write
+    curve.reload()
+    assert curve.allowed("frontend", c) and not curve.allowed("frontend", a)
+
+
+def test_the_state_names_each_key_file(tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "x.key").write_text("x")
+    (d / "x.key_secret").write_text("secret")  # not a public certificate: not looked at
+    (d / "notes.txt").write_text("n")
+    os.symlink("gone.key", d / "dangling.key")
+    state = S.allow_list_state(str(d))
+    assert [e[0] for e in state] == ["dangling.key", "x.key"]
+    assert state[0][1] == "error"  # a dangling link is a fault the reload will name
+    assert S.allow_list_state(str(tmp_path / "missing"))[0][0] == "error"
