@@ -42,7 +42,21 @@ Policy
   group's batch is fuller (whichever principal's turn that batch begins with).
 * Deadlines.  A request whose ``deadline`` has passed (``deadline <= now``) is never put
   in a batch: ``take()`` sets it aside and ``expire(now)`` hands it to the caller (which
-  owes its client an error).  ``expire`` also collects any that passed since.
+  owes its client an error).  ``expire`` also collects any that passed since.  Nor is one
+  that can no longer finish in time because it waited, with less than ``deadline_margin``
+  left (``deadline - deadline_margin <= now``; the worker sets the margin to the shortest
+  time its recent batches took) of a budget that had room for it (``deadline - since >=
+  deadline_margin``): run, it would only finish after its caller gave up, taking a batch's
+  place from requests that can still make theirs (under overload every request reached
+  the model with its budget nearly spent, and almost none of them got a result).  It is
+  set aside the same way, except when nothing competes for the worker: it is the only
+  request pending and the broker had no other request of the service queued when it
+  dispatched it (``backlog`` 0, or not said).  Then it runs (nothing is taken from anyone,
+  and the margin, a prediction, gets a new measurement).  A request whose whole budget is
+  under the margin is this worker's too slow for it, not late: it runs as before (set
+  aside at once, it freed the worker's credit for the next such one, and a worker slower
+  than the others of its service answered the broker's queue with errors that a quicker
+  worker would have served).
 * Waiting, when the worker is idle.  The batcher keeps, per key, an EWMA of the
   inter-arrival time.  If the expected gap is larger than ``max_delay`` (light traffic, or
   no estimate yet) nothing is gained by waiting and the batch - a lone request included -
@@ -110,6 +124,9 @@ class Pending:
     #: lease's principal); requests of several principals in one group take turns (see
     #: "Turns" in the module docstring).  None, like any other value, is one principal.
     principal: Hashable = None
+    #: when its time began (the broker's receipt, on this clock: ``arrived`` less the time
+    #: it queued there); None: ``arrived``.  See "Deadlines" in the module docstring.
+    since: float | None = None
 
 
 def batch_key(inputs: Mapping[str, object]) -> Hashable:
@@ -281,7 +298,8 @@ class Batcher:
         self.max_delay = float(max_delay)
         self.latency_first = bool(latency_first)
         #: time a batch needs to run: a request is dispatched no later than its deadline
-        #: minus this.  The worker may update it from measured batch latency.
+        #: minus this, and one with less left is not run while others compete ("Deadlines").
+        #: The worker sets it from measured batch times (`ComputeTimes.floor`).
         self.deadline_margin = float(deadline_margin)
         # Samples are capped so that one long silence does not make the estimate "light
         # traffic" for the next hundred arrivals; anything above max_delay reads as light.
@@ -386,7 +404,7 @@ class Batcher:
         return []
 
     def goes_alone(self, key: Hashable, arrived: float, backlog: int | None,
-                   deadline: float | None = None) -> bool:
+                   deadline: float | None = None, since: float | None = None) -> bool:
         """Whether a request of ``key`` arriving at ``arrived`` (the current time) with
         ``backlog`` (the broker's word) and ``deadline`` would be a batch of one at once:
         nothing is pending, and `take(arrived, idle=True)` after `add` would return it now
@@ -398,10 +416,16 @@ class Batcher:
         calls `idle` once it ran.  False: the caller must `add` it with ``observed=True``
         (its arrival is counted already) and `take` decides, as always; so too for a
         finite ``max_cost`` (the cost rules need it queued), unless one of the first three
-        reasons holds.  Not for a request already past its deadline (`add` sets it aside)."""
+        reasons holds.  Not for a request already past its deadline (`add` sets it aside),
+        nor for one that can no longer finish in time while the broker has others queued
+        (``backlog`` > 0; ``since``, as `Pending.since`: `expire` sets it aside,
+        "Deadlines")."""
         self._observe_arrival(key, arrived)
         if self._live or self._expired:
             return False
+        if (deadline is not None and deadline - self.deadline_margin <= arrived
+                and self._late(Pending(key, 0.0, None, arrived, deadline, backlog, since=since), True)):
+            return False  # it cannot finish in time and others wait: `add`, then `expire`
         if not (self.max_batch == 1 or self._busy
                 or (self.latency_first and backlog is not None and backlog <= 0)):  # as `_no_backlog`
             if self.max_cost != math.inf:
@@ -460,7 +484,8 @@ class Batcher:
 
     def expire(self, now: float) -> list[Pending]:
         """Remove and return every request whose deadline has passed (``deadline <= now``),
-        including those ``take`` set aside."""
+        or that can no longer finish in time while others compete (``deadline -
+        deadline_margin <= now``, "Deadlines"), including those ``take`` set aside."""
         self._set_aside_expired(now)
         out, self._expired = self._expired, []
         return out
@@ -597,11 +622,24 @@ class Batcher:
     def _set_aside_expired(self, now: float) -> None:
         heap = self._deadlines
         gone = set()
-        while heap and (heap[0][1] not in self._live or heap[0][0] <= now):
-            _, seq = heapq.heappop(heap)
+        # A request with less than ``deadline_margin`` left cannot finish in time (see
+        # "Deadlines"): set aside as its deadline had passed, unless nothing competes for
+        # the worker (it is the only request here, and the broker had nothing else queued).
+        margin = self.deadline_margin
+        cut = now + margin
+        kept = []
+        while heap and (heap[0][1] not in self._live or heap[0][0] <= cut):
+            entry = heapq.heappop(heap)
+            seq = entry[1]
             if seq in self._live and seq not in gone:
+                p = self._live[seq].p
+                if entry[0] > now and not self._late(p, len(self._live) == 1):
+                    kept.append(entry)  # it may still finish, or nothing else would use the worker
+                    continue
                 gone.add(seq)
-                self._expired.append(self._live[seq].p)
+                self._expired.append(p)
+        for entry in kept:
+            heapq.heappush(heap, entry)
         if gone:
             self._remove(gone)
         if len(heap) > 64 and len(heap) > 4 * len(self._live):
@@ -609,6 +647,15 @@ class Batcher:
             # dominate so a long deadline horizon cannot grow the heap without bound.
             self._deadlines = [(d, s) for d, s in heap if s in self._live]
             heapq.heapify(self._deadlines)
+
+    def _late(self, p: Pending, alone: bool) -> bool:
+        """Whether ``p``, with less than the margin left, is set aside ("Deadlines"): its
+        budget had room for a batch (it is late for its wait, not for this worker's speed),
+        and something competes for the worker (``alone``: it is the only one pending)."""
+        since = p.arrived if p.since is None else p.since
+        if p.deadline - since < self.deadline_margin:
+            return False
+        return not alone or (p.backlog is not None and p.backlog > 0)
 
     def _remove(self, seqs: set[int]) -> None:
         for key in {self._live[s].p.key for s in seqs}:

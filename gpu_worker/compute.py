@@ -92,6 +92,19 @@ class ComputeTimes:
             return avg
         return min(avg, last[0], last[1])
 
+    def floor(self) -> float:
+        """The shortest time a batch may be expected to take (`recent` of the quickest
+        batch size; 0 before any ran): the batcher's ``deadline_margin``, below which a
+        request cannot finish before its deadline (gpu_worker/batching.py, "Deadlines").
+        A floor, so that a request is refused only when even the quickest recent batch
+        would end past its deadline."""
+        best = 0.0
+        for n in self._seconds:
+            t = self.recent(n)
+            if t is not None and (not best or t < best):
+                best = t
+        return best
+
     def observe(self, n: int, seconds: float) -> None:
         prev = self._seconds.get(n)
         self._seconds[n] = seconds if prev is None else 0.8 * prev + 0.2 * seconds

@@ -573,7 +573,15 @@ class Worker:
         sizes = sorted({1, self.batcher.max_batch})
         warmup(self.backend, self.model, sizes)           # lazy init: allocator, kernels, CUDA context
         self.compute_times.seed(warmup(self.backend, self.model, sizes))  # steady-state times
+        self._set_margin()
         log.info("warm-up of %s on %s took %.1f ms", self.model.name, self.device, (time.perf_counter() - t0) * 1e3)
+
+    def _set_margin(self) -> None:
+        """The batcher refuses to run a request with less time left than the quickest
+        recent batch took, while other work competes for the worker (gpu_worker/batching.py,
+        "Deadlines").  Not for a streaming model: a stream's time is not a batch's."""
+        if not self._streaming:
+            self.batcher.deadline_margin = self.compute_times.floor()
 
     def _connect(self) -> None:
         caps = P.Ready(
@@ -1285,9 +1293,11 @@ class Worker:
                 self._reply_error(job, P.ErrorCode.DEADLINE_EXCEEDED, "deadline passed before the worker got the request")
                 return
         key = tuple([(t.name, t.dtype, tuple(t.shape)) for t in req.tensors])
+        # When its time began: the broker's receipt (it queued there for queue_ms).
+        since = job.received - req.queue_ms / 1e3 if req.queue_ms and req.queue_ms > 0 else None
         observed = False
         if self._lone_ready():
-            if self.batcher.goes_alone(key, now, req.backlog, job.deadline):
+            if self.batcher.goes_alone(key, now, req.backlog, job.deadline, since):
                 # The lone-request lane: what run_ready_batches would run right after this
                 # drain, a batch of one, runs now, without the batcher's queue around it.
                 self._lane_ran = True
@@ -1309,7 +1319,8 @@ class Worker:
         self.jobs[job.envelope] = job
         self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline,
                                  backlog=req.backlog, priority=req.priority,
-                                 principal=req.pid if req.pid is not None else principal), now, observed=observed)
+                                 principal=req.pid if req.pid is not None else principal, since=since),
+                           now, observed=observed)
 
     def _lone_ready(self) -> bool:
         """Whether the worker may run a request it just admitted at once, if the batcher
@@ -1360,7 +1371,7 @@ class Worker:
             now = time.monotonic()
             for p in self.batcher.expire(now):
                 self.jobs.pop(p.item.envelope, None)
-                self._reply_error(p.item, P.ErrorCode.DEADLINE_EXCEEDED, "deadline passed while waiting for a batch")
+                self._reply_error(p.item, P.ErrorCode.DEADLINE_EXCEEDED, self._expired_why(p, now))
             self.batcher.max_batch = self.plane.batch_limit(self.max_batch)
             batch = self.batcher.take(now, idle=True, force=force)
             if not batch:
@@ -1369,6 +1380,13 @@ class Worker:
             for job in jobs:
                 self.jobs.pop(job.envelope, None)
             self._run(jobs, now)
+
+    def _expired_why(self, p: Pending, now: float) -> str:
+        if p.deadline is not None and p.deadline > now:
+            return (f"not run: {(p.deadline - now) * 1e3:.1f} ms were left before its deadline, and a "
+                    f"batch of this model takes at least {self.batcher.deadline_margin * 1e3:.1f} ms "
+                    f"here while other requests wait; allow more time, or lower the load")
+        return "deadline passed while waiting for a batch"
 
     def _run(self, jobs: list[Job], started: float) -> None:
         if self._streaming:
@@ -1510,6 +1528,7 @@ class Worker:
             if error is None and not any(type(o) is ModelFailed for o in outputs):
                 # (a batch run again in parts says nothing of what a batch of n costs)
                 self.compute_times.observe(n, seconds)
+                self._set_margin()
             self.keep_warm.busy(seconds, time.monotonic())
             if self.counts and error is None:
                 self._hist["batch"].observe(n)

@@ -322,7 +322,10 @@ def test_every_request_is_returned_exactly_once(ops, max_batch, max_cost, max_de
             returned.extend(items(b.drop(lambda p, m=o[1]: p.item % 7 == m)))
         else:
             now += o[1]
-            returned.extend(p.item for p in b.expire(now) if p.deadline <= now)
+            gone = b.expire(now)
+            # Past its deadline, or with less than the margin left (it cannot finish in time).
+            assert all(p.deadline is not None and p.deadline - b.deadline_margin <= now for p in gone)
+            returned.extend(p.item for p in gone)
         w = b.wake_at(now)
         assert w is None or w >= now
         assert len(b) == len(added) - len(returned)
