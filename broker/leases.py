@@ -326,6 +326,7 @@ class LeaseEvents:
 
     def _reserve(self, w, slots: int) -> None:
         w.leased += slots
+        w.svc.recall_stale = True  # what it may take back as an idle worker changed
         self._reload(w)  # its spare credit for brokered dispatch changed
         self._dirty[w.svc] = None
 

@@ -113,7 +113,12 @@ parked).  The ones already started finish as usual.  A request is asked for at m
 dispatch; a worker that returns one unasked is refusing work, and that counts as a failed
 attempt.  The worker answers every RECALL, also for the requests it keeps (started), so
 an idle worker waits for at most one round trip before it may look elsewhere.  The check is
-O(1) when there is nothing to take back, and O(idle x deep + credit) otherwise.
+O(1) when no worker is idle or none is deep.  With both, the full look (O(deep x credit +
+idle)) is made only at an event that may have given an idle worker something to take: a
+worker newly deep or newly idle, an idle worker's RECALL answered, a lease, the timer of a
+batch grown old enough; an event that only changed what some deep workers hold (a request
+dispatched to one, one answered) looks at those workers alone (``_recall_touched``).  An
+event that gives an idle worker nothing new costs no look, however many workers are deep.
 
 Urgent work.  The same parking delays an urgent request: a background flood fills every
 worker's credit (a batch runs, the next waits at the worker), so an urgent request queued
@@ -526,7 +531,8 @@ class _Pool:
 
 class _Service:
     __slots__ = ("name", "classes", "queued", "tiers", "top", "workers", "pools", "any",
-                 "in_flight", "idle", "deep", "recall_at", "lone", "aside", "isos")
+                 "in_flight", "idle", "deep", "recall_at", "lone", "aside", "isos",
+                 "recall_stale", "recall_hot", "recall_takers", "recall_touched")
 
     def __init__(self, name, now, epoch):
         self.name = name
@@ -555,6 +561,16 @@ class _Service:
         self.idle = {}
         self.deep = {}
         self.recall_at = None  # when a _T_RECALL timer of this service is due, if one is
+        # What the last look for work to take back left behind (Scheduler._recall), so that
+        # an event that changed nothing an idle worker could take from costs no look
+        # (Scheduler._flush): whether the next one must look at everything; the pools of
+        # the requests that deep workers whose batch ran long enough could give back, and
+        # the pools of the idle workers that could take them (both supersets); and the
+        # deep workers whose requests changed since (their batch's age, what they hold).
+        self.recall_stale = True
+        self.recall_hot = set()
+        self.recall_takers = set()
+        self.recall_touched = {}
         # Queued requests on their last attempt (``_Request.alone``) that no worker is set
         # aside for yet, oldest retry first; the workers set aside for queued ones (until
         # they are empty: then each runs its request alone); and how many workers of the
@@ -1314,6 +1330,7 @@ class Scheduler(LeaseEvents):
                 self._push_timer(now + self.config.heartbeat_interval, _T_HEARTBEAT, obj)
             elif kind == _T_RECALL:
                 obj.recall_at = None
+                obj.recall_stale = True  # a batch ran long enough since the last look
                 self._dirty[obj] = None  # _flush looks for work to take back
             elif kind == _T_LEASE:
                 self._lease_unconfirmed(obj, out)
@@ -1730,8 +1747,14 @@ class Scheduler(LeaseEvents):
         # keep the common case (one request in, one out) to two attribute reads.
         if n == 0 and not w.busy and iso is None:
             if not w.is_idle:
-                w.svc.idle[w] = None
+                svc = w.svc
+                svc.idle[w] = None
                 w.is_idle = True
+                if svc.deep and not svc.recall_stale:
+                    if len(svc.idle) == 1:
+                        svc.recall_stale = True  # (none was idle: nothing was looked at meanwhile)
+                    elif not w.awaiting:
+                        self._thief_free(w)
         elif w.is_idle:
             del w.svc.idle[w]
             w.is_idle = False
@@ -1739,7 +1762,10 @@ class Scheduler(LeaseEvents):
             if not w.is_deep:
                 w.svc.deep[w] = None
                 w.is_deep = True
+                w.svc.recall_stale = True
                 self._dirty[w.svc] = None  # an idle worker may take from it (see _flush)
+            elif w.svc.idle and not w.svc.recall_stale:
+                w.svc.recall_touched[w] = None  # what it holds changed (see _flush)
         elif w.is_deep:
             del w.svc.deep[w]
             w.is_deep = False
@@ -1944,11 +1970,28 @@ class Scheduler(LeaseEvents):
                 req.alone = True
                 req.svc.lone[req] = None
 
-    @staticmethod
-    def _unthief(req):
+    @classmethod
+    def _unthief(cls, req):
         """``req`` is no longer on its way to the idle worker it was recalled for."""
-        req.thief.awaiting -= 1
+        thief = req.thief
+        thief.awaiting -= 1
         req.thief = None
+        if not thief.awaiting and thief.is_idle:
+            cls._thief_free(thief)
+
+    @staticmethod
+    def _thief_free(w):
+        """``w`` is idle and waits for no RECALL's answer: it may take work back.  The next
+        look is made in full if it could take from what the last one saw (`_flush`)."""
+        svc = w.svc
+        if svc.recall_stale or w.credit - w.leased <= 0:
+            return
+        hot = svc.recall_hot
+        takers = svc.recall_takers
+        for pool in w.pools:
+            takers.add(pool)
+            if pool in hot:
+                svc.recall_stale = True
 
     def _start(self, req, w, now, out, shown=None):
         """Hand a request that is in no queue to ``w``; ``shown``: the class to tell the worker
@@ -2241,7 +2284,13 @@ class Scheduler(LeaseEvents):
                 continue
             self._pump(svc, now, out)
             if svc.idle and svc.deep and self._recall_after is not None:
-                self._recall(svc, now, out)
+                # The full look only when something an idle worker could take may have
+                # appeared since the last one (see _recall_touched); a timer it set may be
+                # due and not fired yet (no tick() since).
+                if svc.recall_stale or (svc.recall_at is not None and svc.recall_at <= now):
+                    self._recall(svc, now, out)
+                elif svc.recall_touched:
+                    self._recall_touched(svc, now, out)
             if not svc.workers and not svc.queued:
                 del self._services[svc.name]
                 if svc.any.lost_at is not None:
@@ -2253,7 +2302,14 @@ class Scheduler(LeaseEvents):
 
     def _recall(self, svc, now, out):
         """Take back requests parked behind busy workers' running batches for the workers
-        of ``svc`` that hold nothing (see "Taking work back" in the module docstring)."""
+        of ``svc`` that hold nothing (see "Taking work back" in the module docstring).
+
+        A look at everything: O(deep workers x credit + idle workers).  It also notes what
+        lets `_recall_touched` tell, at the events that follow, whether a look would find
+        anything (``recall_hot``, ``recall_takers``), and the time the next look is due
+        (the timer)."""
+        svc.recall_stale = False
+        svc.recall_touched = {}
         after = self._recall_after
         wake = None
         ripe = []
@@ -2272,6 +2328,12 @@ class Scheduler(LeaseEvents):
         # every idle worker at every event made this quadratic in the pool (a scale hunt:
         # 750 µs a request at 80 workers, 4.5 ms at 200).
         ripe = [e for e in ripe if self._askable(e[1])]
+        svc.recall_hot = hot = set()
+        by_key = svc.pools
+        for _, v in ripe:
+            for r in v.in_flight.values():
+                if r.state == _RUNNING and not r.recalled and not r.alone:
+                    hot.add(by_key.get(r.local_host))
         if ripe:
             ripe.sort(key=lambda e: e[0])  # the longest-running batch first
             victims = [v for _, v in ripe]
@@ -2299,6 +2361,49 @@ class Scheduler(LeaseEvents):
                         del cands[i]  # nothing left there for these pools: not asked again now
                     else:
                         i += 1
+        svc.recall_takers = {pool for t in svc.idle if not t.awaiting and t.credit - t.leased > 0
+                             for pool in t.pools}
+        if wake is not None and (svc.recall_at is None or wake < svc.recall_at):
+            svc.recall_at = wake
+            self._push_timer(wake, _T_RECALL, svc, wake)
+
+    def _recall_touched(self, svc, now, out):
+        """An event changed only what some deep workers of ``svc`` hold (a request dispatched
+        to one, one answered or given back) since the last look found nothing more to take
+        back: whether a look would find something now is a question about those workers
+        alone.  Nothing changed that could give an idle worker something elsewhere: a
+        worker newly deep or idle (`_reload`), an idle worker's RECALL answered
+        (`_thief_free`), a BUSY, a lease, a batch grown old enough (the timer, whose time
+        `recall_at` keeps the earliest of) each make the next look a full one
+        (``recall_stale``).  So one of these workers whose batch ran long enough (the
+        timer's business otherwise) and that has requests to give back (`_askable`) sends
+        for the full look when one of them is in the pools of an idle worker that could
+        take it; else what it holds is noted (``recall_hot``), and the timer comes to the
+        earliest time one of them ripens, as the full look would set it (the other deep
+        workers' times are not earlier than the timer's).  O(those workers x credit)."""
+        touched = svc.recall_touched
+        svc.recall_touched = {}
+        after = self._recall_after
+        hot = svc.recall_hot
+        takers = svc.recall_takers
+        by_key = svc.pools
+        wake = None
+        for w in touched:
+            if not w.is_deep:
+                continue
+            ready_at = next(iter(w.in_flight.values())).dispatched_at + after
+            if ready_at > now:
+                if wake is None or ready_at < wake:
+                    wake = ready_at
+                continue
+            mine = [by_key.get(r.local_host) for r in w.in_flight.values()
+                    if r.state == _RUNNING and not r.recalled and not r.alone]
+            if len(mine) >= 2 or (mine and w.busy):
+                for pool in mine:
+                    if pool in takers:
+                        self._recall(svc, now, out)
+                        return
+                    hot.add(pool)
         if wake is not None and (svc.recall_at is None or wake < svc.recall_at):
             svc.recall_at = wake
             self._push_timer(wake, _T_RECALL, svc, wake)

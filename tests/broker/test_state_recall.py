@@ -491,3 +491,83 @@ def test_a_request_that_aging_dispatched_ahead_of_urgent_ones_is_not_taken_back_
     # The worker now holds urgent 2 and it: a new urgent request takes nothing back.
     assert s.client_request(b"u", 4, "svc", 3.0, payload=4, priority=0) == []
     assert s.stats()["counters"]["recalled"] == 0
+
+
+class _Looked(dict):
+    """A service's ``deep`` set that counts the workers looked at through it."""
+
+    n = 0
+
+    def __iter__(self):
+        for w in super().__iter__():
+            _Looked.n += 1
+            yield w
+
+
+def _deep_looked_at(s, events) -> int:
+    for svc in s._services.values():
+        svc.deep = _Looked(svc.deep)
+    _Looked.n = 0
+    events()
+    return _Looked.n
+
+
+def _cross_host(deep_workers):
+    """Workers of host a, each full of host a's shared-memory requests (more queued), and
+    idle workers of host b (they cannot map them); every request has run long."""
+    s = Scheduler(Config(max_queue=1 << 20, max_client_requests=1 << 20))
+    shm = frozenset({"inline", "shm"})
+    for i in range(deep_workers):
+        s.worker_ready(b"a%d" % i, "svc", 0.0, credit=4, recall=True, host="a", transports=shm)
+    held = []
+    for i in range(5 * deep_workers):
+        held += of(s.client_request(C, i, "svc", 0.0, payload=i, local_host="a"), Dispatch)
+    for i in range(4):
+        s.worker_ready(b"b%d" % i, "svc", 0.0, credit=4, recall=True, host="b", transports=shm)
+    assert not of(s.tick(1.0), RecallAtWorker)
+
+    def events():  # each result of host a makes room for a queued request there
+        for i in range(20):
+            d = held.pop(0)
+            out = s.worker_final(d.worker, d.token, 1.1 + i * 0.001, "r")
+            assert only(out, ToClient) and not of(out, RecallAtWorker)
+            held.append(only(out, Dispatch))
+            s.client_request(C, 10_000 + i, "svc", 1.1 + i * 0.001, payload=i, local_host="a")
+    return s, events
+
+
+def _kept(deep_workers):
+    """Workers running started batches (asked back once, kept), and as many idle ones
+    serving a trickle of requests."""
+    s = Scheduler(Config())
+    for i in range(deep_workers):
+        s.worker_ready(b"b%d" % i, "svc", 0.0, credit=2, recall=True)
+    for i in range(2 * deep_workers):
+        send(s, i, 0.0)
+    for i in range(deep_workers):
+        s.worker_ready(b"i%d" % i, "svc", 0.0, credit=2, recall=True)
+    for rec in of(s.tick(1.0), RecallAtWorker):
+        s.worker_returned(rec.worker, [], 1.0, kept=rec.tokens)
+
+    def events():
+        for i in range(20):
+            d = only(send(s, 10_000 + i, 2.0 + i * 0.001), Dispatch)
+            assert not of(s.worker_final(d.worker, d.token, 2.0005 + i * 0.001, "r"), RecallAtWorker)
+    return s, events
+
+
+def test_an_event_with_nothing_new_to_take_back_looks_at_no_deep_worker():
+    # Found by the complexity hunt: with an idle worker beside deep ones, every event of the
+    # service walked every deep worker and each one's requests, though nothing had changed
+    # that could give an idle worker something: O(deep workers x credit) per event, 87 µs at
+    # 100 deep workers, 325 µs at 400 (idle workers of another host, whose pools cannot
+    # take the deep ones' shared-memory requests; or a pool's batches asked back and kept).
+    # Now the look is made again only when something an idle worker could take may have
+    # appeared (a worker newly deep or idle, a request dispatched to a deep one, the recall
+    # timer), and a request that lands at a deep worker costs a look at that worker alone.
+    for scenario in (_cross_host, _kept):
+        looked = []
+        for n in (8, 40):
+            s, events = scenario(n)
+            looked.append(_deep_looked_at(s, events))
+        assert looked[0] == looked[1], (scenario.__name__, looked)
