@@ -19,23 +19,43 @@ from .segment import (
 )
 
 
+#: segments a reader keeps mapped by default: more than the clients a worker serves in turn
+MAX_SEGMENTS = 256
+#: bytes a reader keeps mapped in all by default (address space: a sparse memfd costs its
+#: owner nothing): what 64 segments of the largest size mapped (`MAX_MAPPED_SEGMENT`) came to
+MAX_MAPPED_BYTES = 64 * MAX_MAPPED_SEGMENT
+
+
+def _mapped_bytes(a: Attached) -> int:
+    return len(a.table_mm) + len(a.data_mm)
+
+
 class SegmentCache:
     """Mappings of other processes' segments (data area read-only), one per segment, reused.
 
     Attaching costs a few syscalls and two mmaps; every later view() is a dictionary
-    lookup plus validation.  At most ``max_segments`` stay mapped (least recently used
-    goes first).  Segments whose owner closed them are dropped the next time they are
+    lookup plus validation.  At most ``max_segments`` stay mapped, of at most
+    ``max_mapped_bytes`` in all (least recently used goes first): a worker keeps one
+    segment per client it serves, so the count must cover the clients that take turns
+    (with 64, a worker serving more clients than that mapped a segment again at every
+    request), while the bytes bound what a client's sparse memfds can make it map.  Segments whose owner closed them are dropped the next time they are
     touched, and by sweep(), so an unlinked segment's memory is not kept alive by us.
 
     Not thread-safe: one cache per thread, or guard it with a lock.
     """
 
-    def __init__(self, max_segments: int = 64, *, on_forget=None, max_segment_bytes: int = MAX_MAPPED_SEGMENT,
+    def __init__(self, max_segments: int = MAX_SEGMENTS, *, on_forget=None,
+                 max_segment_bytes: int = MAX_MAPPED_SEGMENT, max_mapped_bytes: int = MAX_MAPPED_BYTES,
                  owners: PidfdHolders | None = None, track_owners: bool = False):
         if max_segments < 1:
             raise ValueError("max_segments must be >= 1")
-        # At most max_segments x max_segment_bytes of address space, whatever clients send.
+        if max_mapped_bytes < 1:
+            raise ValueError("max_mapped_bytes must be >= 1")
+        # At most max_mapped_bytes of address space, whatever clients send (and one
+        # segment of at most max_segment_bytes over it, the one just mapped).
         self._max_seg_bytes = max_segment_bytes
+        self._max_bytes = max_mapped_bytes
+        self._mapped = 0  # bytes of the mappings in _segs
         self._segs: OrderedDict[str, Attached] = OrderedDict()
         self._max = max_segments
         self._closed = False
@@ -82,11 +102,12 @@ class SegmentCache:
         self.sweep(check_owners=False)
         a = attach_segment(name, self._max_seg_bytes)  # validates the name before touching the filesystem
         self._segs[name] = a
+        self._mapped += _mapped_bytes(a)
         if self._track:
             ids = parse_name(name)
             if ids is not None:
                 self._owners.starttime(ids[0])  # a pidfd for sweep to poll (once per owner)
-        while len(self._segs) > self._max:
+        while len(self._segs) > self._max or (self._mapped > self._max_bytes and len(self._segs) > 1):
             self.forget(next(iter(self._segs)))
         return a
 
@@ -199,6 +220,7 @@ class SegmentCache:
         """Drop the mapping of ``segment`` (views already handed out stay valid)."""
         a = self._segs.pop(segment, None)
         if a is not None:
+            self._mapped -= _mapped_bytes(a)
             hook = self.on_forget
             if hook is not None:
                 try:
@@ -246,4 +268,4 @@ class SegmentCache:
             self._owners.close()
 
 
-__all__ = ["SegmentCache"]
+__all__ = ["SegmentCache", "MAX_SEGMENTS", "MAX_MAPPED_BYTES"]

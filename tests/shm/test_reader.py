@@ -324,3 +324,51 @@ def test_a_reader_maps_no_segment_larger_than_its_bound():
         with pytest.raises(BadDescriptor, match="more than this reader maps"):
             cache.view(ref, np.uint8, 16)
         assert len(cache) == 0
+
+
+def test_a_worker_serving_a_hundred_clients_in_turn_maps_each_once(monkeypatch):
+    # Found by the complexity hunt: the cache kept 64 segments, so a worker serving more
+    # clients than that in turn (a gateway's hundreds of connections, one segment each)
+    # missed on every request: each view mapped its client's segment again and unmapped
+    # another (about 70 µs a request instead of 2).
+    import shm.reader as reader
+
+    attached = []
+    real = reader.attach_segment
+    monkeypatch.setattr(reader, "attach_segment", lambda *a, **kw: attached.append(a[0]) or real(*a, **kw))
+    pools = [ShmPool(1 << 16, slots=2) for _ in range(100)]
+    try:
+        refs = []
+        for p in pools:
+            a = p.alloc(16, np.uint8)
+            refs.append(p.ref_of(a))
+            p.mark_in_flight(refs[-1])
+        with SegmentCache() as cache:
+            for _ in range(2):
+                for ref in refs:
+                    cache.view(ref, np.uint8, 16)
+            assert len(attached) == 100, f"{len(attached)} mappings made for 100 segments"
+    finally:
+        for p in pools:
+            p.close()
+
+
+def test_a_reader_maps_no_more_bytes_in_all_than_its_bound():
+    # What a client can make a worker map is bounded in all, not only per segment: the
+    # least recently used mappings go first past max_mapped_bytes.
+    pools = [ShmPool(1 << 20, slots=2) for _ in range(3)]
+    try:
+        refs = []
+        for p in pools:
+            a = p.alloc(16, np.uint8)
+            refs.append(p.ref_of(a))
+            p.mark_in_flight(refs[-1])
+        with SegmentCache(max_mapped_bytes=(2 << 20) + (1 << 19)) as cache:
+            for ref in refs:
+                cache.view(ref, np.uint8, 16)
+            assert [ref.segment in cache for ref in refs] == [False, True, True]
+            with pytest.raises(ValueError):
+                SegmentCache(max_mapped_bytes=0)
+    finally:
+        for p in pools:
+            p.close()

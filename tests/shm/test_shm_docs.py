@@ -213,15 +213,16 @@ def test_a_cache_miss_first_drops_mappings_of_closed_segments():
 
 
 def test_the_documented_defaults():
-    """`ShmPool(capacity=256 << 20, *, slots=4096, align=64)`; `SegmentCache(max_segments=64)`;
-    "A reader maps at most 64 GiB of one segment"; a worker maps "at most `max_segments`
-    (64) client segments" and keeps "one reply socket per live client (at most 64)"; "GPU
+    """`ShmPool(capacity=256 << 20, *, slots=4096, align=64)`; `SegmentCache(max_segments=256,
+    max_mapped_bytes=4 TiB)`; "A reader maps at most 64 GiB of one segment" "and 4 TiB in
+    all"; a worker maps "at most `max_segments` (256) client segments" and keeps "one reply socket per live client (at most 64)"; "GPU
     workers pin client segments of up to 4 GiB each and 8 GiB in all"; tensors of at most
     4 KiB (`SMALL_INLINE_BYTES`) go inline."""
     p = inspect.signature(ShmPool).parameters
     assert (p["capacity"].default, p["slots"].default, p["align"].default) == (256 << 20, 4096, 64)
     c = inspect.signature(SegmentCache).parameters
-    assert c["max_segments"].default == 64 and c["max_segment_bytes"].default == 64 << 30
+    assert c["max_segments"].default == 256 and c["max_segment_bytes"].default == 64 << 30
+    assert c["max_mapped_bytes"].default == 4 << 40
     from broker.protocol.header import SMALL_INLINE_BYTES
     from gpu_worker import cuda_plane
     from gpu_worker.worker import WorkerConfig
@@ -232,7 +233,7 @@ def test_the_documented_defaults():
 
 
 def test_a_reader_maps_a_64_gib_segment_but_not_one_page_more():
-    """"a reader maps at most 64 GiB of one segment and 64 segments" (a sparse memfd costs its
+    """"a reader maps at most 64 GiB of one segment and 4 TiB in all" (a sparse memfd costs its
     owner nothing, so the bound is the reader's)."""
     page = os.sysconf("SC_PAGE_SIZE")
     data_offset = seg.round_up(seg.HEADER_SIZE + seg.SLOT_SIZE, page)
