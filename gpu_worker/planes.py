@@ -44,6 +44,32 @@ from broker import protocol as P
 from shm.segment import owner_of
 from gpu_worker.job import Job
 
+
+def input_segments(limit: int | None = None) -> int:
+    """How many client segments a worker keeps mapped: `shm.reader.MAX_SEGMENTS`, fewer
+    where this process may open few descriptors (each mapped segment holds two: Python's
+    mmap keeps a duplicate per mapping, and a segment is two), so that the cache leaves
+    room for the reply sockets, the clients' pidfds and the connections (a hard limit of
+    1024 gets 96; 2304 or more, the whole 256)."""
+    from broker.protocol.limits import nofile_limit
+    from shm.reader import MAX_SEGMENTS
+
+    limit = nofile_limit() if limit is None else limit
+    return max(16, min(MAX_SEGMENTS, (limit - 256) // 8))
+
+
+def reply_sockets(limit: int | None = None) -> int:
+    """How many reply sockets (`DirectSockets`, one per client process a worker answers
+    directly) stay open: 256, fewer under a low descriptor limit (each holds two: its
+    connection and its mailbox), never fewer than the 64 kept before.  A client process
+    past them was answered on a new connection each time (about 65 µs more a reply, and
+    an accept at the client): a host of a hundred game-server processes calling one
+    worker in turn."""
+    from broker.protocol.limits import nofile_limit
+
+    limit = nofile_limit() if limit is None else limit
+    return max(64, min(256, (limit - 256) // 8))
+
 __all__ = ["DataPlane", "HostPlane", "NotAttested", "check_owner", "is_same_array"]
 
 CUDA_ON_CPU_WORKER = ("CUDA IPC tensors need a worker on a CUDA device (start it with "
@@ -144,7 +170,7 @@ class HostPlane:
         #: output ring and the reply sockets (`DirectSockets`), closed once the client exits
         self.holders = PidfdHolders()
         #: client segments, mapped read-only once each
-        self.inputs = SegmentCache(owners=self.holders)
+        self.inputs = SegmentCache(owners=self.holders, max_segments=input_segments())
         #: this worker's output ring (None without the "shm" transport)
         self.out_pool = (ShmPool(out_capacity, slots=out_slots, holders=self.holders)
                          if "shm" in self.transports else None)

@@ -70,7 +70,7 @@ from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signatur
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
 from gpu_worker.leases import LINK_CONNS, DirectSocket, DirectSocketError, LeaseTable, Refusal, Unsent, runs_long
-from gpu_worker.planes import DataPlane, HostPlane, NotAttested
+from gpu_worker.planes import DataPlane, HostPlane, NotAttested, reply_sockets
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
@@ -209,7 +209,10 @@ class WorkerConfig:
     cuda_pool_capacity: int = 256 << 20   # device pool for outputs kept on the GPU (cuda only)
     cuda_pool_slots: int = 1024
     direct_reply: bool = True         # send a same-host client's FINAL to its reply_to socket (docs/protocol.md section 8)
-    direct_sockets: int = 64          # reply_to sockets kept open (least recently used closed first)
+    #: reply_to sockets kept open, one per client process (least recently used closed first);
+    #: None: as many as the descriptor limit leaves room for (`planes.reply_sockets`: 256,
+    #: or 96 under a hard limit of 1024).  A client past them got a new connection per reply
+    direct_sockets: int | None = None
     direct_link: bool = True          # with direct: a local link beside the direct socket (docs/protocol.md 10.6)
     direct_tcp: str | None = None     # with direct: the direct socket on this tcp address (CurveZMQ: worker_key)
     done_delay: float = 0.005         # seconds a DONE may wait to gather more (never past a request's deadline)
@@ -256,8 +259,8 @@ class WorkerConfig:
              "a size > 0", self.cuda_pool_capacity)
         need(_whole(self.cuda_pool_slots) and self.cuda_pool_slots >= 1, "cuda_pool_slots", None,
              "an integer >= 1", self.cuda_pool_slots)
-        need(_whole(self.direct_sockets) and self.direct_sockets >= 1, "direct_sockets", None, "an integer >= 1",
-             self.direct_sockets)
+        need(self.direct_sockets is None or (_whole(self.direct_sockets) and self.direct_sockets >= 1),
+             "direct_sockets", None, "an integer >= 1 (or None)", self.direct_sockets)
         need(_number(self.done_delay) and 0 <= self.done_delay < float("inf"), "done_delay", "--done-delay-ms",
              "a finite number of ms >= 0", _ms(self.done_delay))
         need(self.done_batch is None or (_whole(self.done_batch) and self.done_batch >= 1), "done_batch", None,
@@ -479,7 +482,8 @@ class Worker:
         self._outputs = parse_inputs(getattr(self.model, "outputs", None), "outputs")
         # Direct reply: one PUSH socket per client reply_to endpoint; the envelopes of the
         # FINALs sent that way, gathered into DONEs for the broker.
-        self.direct = DirectSockets(self.ctx, capacity=cfg.direct_sockets, holders=getattr(self.plane, "holders", None))
+        self.direct = DirectSockets(self.ctx, capacity=cfg.direct_sockets if cfg.direct_sockets is not None
+                                    else reply_sockets(), holders=getattr(self.plane, "holders", None))
         self.dones = DoneGather(delay=cfg.done_delay, max_pending=max(1, cfg.done_batch or self.credit // 4))
         self.dones.info = False  # until a counting broker's WELCOME
         # While a batch's replies are written: its header-only FINALs per reply_to, sent as

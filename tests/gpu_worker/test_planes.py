@@ -227,3 +227,25 @@ def test_an_empty_output_whose_header_no_peer_takes_is_refused_for_a_subclass_to
         with pytest.raises(ValueError, match="describe more than"):
             check_outputs({"y": value})
     check_outputs({"y": np.ma.zeros((0, 4), np.float32)})  # an ordinary empty one is fine
+
+
+def test_the_input_cache_leaves_room_under_a_low_descriptor_limit():
+    """Each mapped client segment holds two descriptors: under a hard limit of 1024 the cache
+    keeps fewer (the complexity hunt raised it from 64 to 256 segments, 512 descriptors)."""
+    from gpu_worker.planes import input_segments
+    from shm.reader import MAX_SEGMENTS
+
+    assert input_segments(1024) == 96 and input_segments(1 << 20) == MAX_SEGMENTS == 256
+    assert input_segments(300) == 16  # never fewer than a handful
+    assert 2 * input_segments(1024) < 1024 // 4
+
+
+def test_reply_sockets_are_as_many_as_the_descriptor_limit_leaves_room_for():
+    """A worker answered each client process past its 64th on a new connection per reply (the
+    complexity hunt: about 65 µs more): now 256 stay open where descriptors allow."""
+    from gpu_worker.planes import reply_sockets
+    from gpu_worker.worker import WorkerConfig
+
+    assert reply_sockets(1 << 20) == 256 and reply_sockets(1024) == 96 and reply_sockets(300) == 64
+    assert WorkerConfig("ipc:///x/b.ipc", model="echo").direct_sockets is None  # None: reply_sockets()
+    WorkerConfig("ipc:///x/b.ipc", model="echo", direct_sockets=8)  # still settable

@@ -215,7 +215,8 @@ def test_a_cache_miss_first_drops_mappings_of_closed_segments():
 def test_the_documented_defaults():
     """`ShmPool(capacity=256 << 20, *, slots=4096, align=64)`; `SegmentCache(max_segments=256,
     max_mapped_bytes=4 TiB)`; "A reader maps at most 64 GiB of one segment" "and 4 TiB in
-    all"; a worker maps "at most `max_segments` (256) client segments" and keeps "one reply socket per live client (at most 64)"; "GPU
+    all"; a worker maps "at most `max_segments` (256) client segments" and keeps "one reply socket per live client (at most 256", fewer under a
+    low descriptor limit; "GPU
     workers pin client segments of up to 4 GiB each and 8 GiB in all"; tensors of at most
     4 KiB (`SMALL_INLINE_BYTES`) go inline."""
     p = inspect.signature(ShmPool).parameters
@@ -229,7 +230,11 @@ def test_the_documented_defaults():
 
     assert (cuda_plane.PIN_MAX_BYTES, cuda_plane.PIN_BUDGET_BYTES) == (4 << 30, 8 << 30)
     assert SMALL_INLINE_BYTES == 4096
-    assert WorkerConfig.__dataclass_fields__["direct_sockets"].default == 64
+    from gpu_worker.planes import input_segments, reply_sockets
+
+    assert WorkerConfig.__dataclass_fields__["direct_sockets"].default is None  # reply_sockets()
+    assert reply_sockets(1 << 20) == input_segments(1 << 20) == 256
+    assert reply_sockets(1024) == input_segments(1024) == 96
 
 
 def test_a_reader_maps_a_64_gib_segment_but_not_one_page_more():
