@@ -270,11 +270,13 @@ class ClientCore(PinEvents):
         _seconds(timeout)  # checked now: every call would otherwise raise for the default
         self.timeout = timeout
         try:
-            capacity = int(pool_capacity)
-        except (TypeError, ValueError, OverflowError):
+            # A whole number (numpy's too): int() took 1.5 as 1 and "256" as a pool of 256
+            # bytes (the configuration hunt; restart_resends refused them already).
+            capacity = operator.index(pool_capacity)
+        except TypeError:
             capacity = 0
         if isinstance(pool_capacity, bool) or not 1 <= capacity < 1 << 62:
-            raise InvalidInput(f"pool_capacity {pool_capacity!r} must be a number of bytes >= 1 (256 << 20 by default)")
+            raise InvalidInput(f"pool_capacity {pool_capacity!r} must be a whole number of bytes >= 1 (256 << 20 by default)")
         self.pool_capacity = capacity
         try:
             resends = operator.index(restart_resends)  # (1.5, "2": not a count)

@@ -77,7 +77,12 @@ def curve_keys(endpoint: Any, server_key: Any, client_key: Any, insecure: bool) 
     `server_key` is the broker's public certificate (a path, e.g. `keys/server.key`) or its
     40-character z85 key; `client_key` the path of this client's secret certificate
     (`NAME.key_secret`, made by `python -m broker keys DIR --name NAME`).  Missing ones are
-    taken from $ZMQ_INFER_SERVER_KEY and $ZMQ_INFER_CLIENT_KEY."""
+    taken from $ZMQ_INFER_SERVER_KEY and $ZMQ_INFER_CLIENT_KEY.  `insecure` is a bool (or 0
+    or 1): a str was taken for its truth, and `insecure="false"` (a value read from the
+    environment, say) connected in plain tcp, leaving the keys of the environment unused
+    (the configuration hunt)."""
+    if not (isinstance(insecure, int) and insecure in (0, 1)):  # (bool is an int)
+        raise InvalidInput(f"insecure must be True or False, got {insecure!r}")
     try:
         return C.peer_keys(endpoint, server_key, client_key, insecure=bool(insecure), server_opt="server_key=",
                            own_opt="client_key=", insecure_opt="insecure=True", own_name="client",
@@ -283,7 +288,10 @@ def _dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None, heartbeat
 
 
 def _connect(sock: zmq.Socket, endpoint: str) -> None:
-    problem = P.endpoint_text_problem(endpoint)
+    # A tcp port over 65535: libzmq wraps it (99999 is 34463) and connects there, to
+    # whatever listens on it, without a word (the broker and the worker refused it already;
+    # the client took it: the configuration hunt).
+    problem = P.tcp_port_problem(endpoint) or P.endpoint_text_problem(endpoint)
     if problem is not None:
         sock.close(linger=0)
         raise InvalidInput(f"cannot connect to {problem}")

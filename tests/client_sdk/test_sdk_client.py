@@ -737,6 +737,11 @@ def test_argument_checks(connect, endpoint):
         connect("/tmp/not-an-endpoint")
     with pytest.raises(InvalidInput, match="its path is 125 bytes, and a socket's path holds at most 107"):
         connect("ipc:///tmp/" + "a" * 120)  # spelt right: too long (it said "check the endpoint's spelling")
+    # libzmq wraps a port over 65535 (99999 is 34463) and connected there without a word
+    # (the configuration hunt; the broker and the worker refused it already).
+    for port in (65536, 99999):
+        with pytest.raises(InvalidInput, match=f"port {port} is not from 0 to 65535"):
+            connect(f"tcp://127.0.0.1:{port}", insecure=True)
     with connect(endpoint, transport="inline") as c:
         for bad in (0, -1, float("nan")):
             with pytest.raises(InvalidInput, match="timeout"):
@@ -767,9 +772,14 @@ def test_edge_values_of_arguments_are_invalid_input(connect, endpoint):
     for bad in (0, -1, float("nan"), "1"):
         with pytest.raises(InvalidInput, match=f"timeout .*got {bad!r}"):
             connect(endpoint, timeout=bad)
-    for bad in (0, -1, float("nan"), None, 1 << 64):
+    for bad in (0, -1, float("nan"), None, 1 << 64, 1.5, "256", 256e6):  # (1.5 was a pool of 1 byte, "256" of 256)
         with pytest.raises(InvalidInput, match="pool_capacity"):
             connect(endpoint, pool_capacity=bad)
+    # A str is true whatever it says: insecure="false" connected in plain tcp (and left the
+    # keys of $ZMQ_INFER_* unused); the configuration hunt.
+    for bad in ("false", "0", None, 2, 1.0):
+        with pytest.raises(InvalidInput, match=f"insecure must be True or False, got {bad!r}"):
+            connect("tcp://127.0.0.1:5555", insecure=bad)
     for bad in (-1, 1.5, "2", None, True):  # (-1 was taken as 0, 1.5 as 1)
         with pytest.raises(InvalidInput, match="restart_resends"):
             connect(endpoint, restart_resends=bad)
