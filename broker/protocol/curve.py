@@ -136,10 +136,16 @@ def peer_keys(endpoint: str, server_key: Any, own_key: Any, *, insecure: bool, s
             raise CurveKeyError(f"{insecure_opt} asks for plain tcp, yet keys were given ({server_opt}, "
                                 f"{own_opt}); pass one or the other")
         return None
+    # Where a key came from, for its error: one read from the environment was named as if
+    # it had been passed ("server key 'garbage' is neither ..."), and an operator who passed
+    # nothing could not tell where it came from (the configuration hunt).
+    server_from = own_from = ""
     if server_key is None:
         server_key = os.environ.get(ENV_SERVER_KEY) or None
+        server_from = f" (from ${ENV_SERVER_KEY}; {server_opt} overrides it)" if server_key is not None else ""
     if own_key is None and env_own is not None:
         own_key = os.environ.get(env_own) or None
+        own_from = f" (from ${env_own}; {own_opt} overrides it)" if own_key is not None else ""
     if server_key is None or own_key is None:
         missing = [opt for opt, v in ((server_opt, server_key), (own_opt, own_key)) if v is None]
         raise CurveKeyError(
@@ -147,8 +153,14 @@ def peer_keys(endpoint: str, server_key: Any, own_key: Any, *, insecure: bool, s
             f"({server_opt}: the broker's public certificate, e.g. keys/server.key; {own_opt}: this "
             f"{own_name}'s secret certificate, made by `python -m broker keys DIR --name {own_name}`, whose "
             f"public half is in the broker's allow-list), or {insecure_opt} for plain, unauthenticated tcp")
-    server = load_public_key(server_key, "server key")
-    public, secret = load_secret_cert(own_key, f"{own_name} key")
+    try:
+        server = load_public_key(server_key, "server key")
+    except CurveKeyError as e:
+        raise CurveKeyError(f"{e}{server_from}") from None
+    try:
+        public, secret = load_secret_cert(own_key, f"{own_name} key")
+    except CurveKeyError as e:
+        raise CurveKeyError(f"{e}{own_from}") from None
     return PeerKeys(server=server, public=public, secret=secret)
 
 

@@ -283,6 +283,36 @@ def test_client_curve_options(keys, monkeypatch):
         assert c._sock.mechanism == zmq.CURVE and c._inbox is None
 
 
+@pytest.mark.parametrize("who", ["client", "worker"])
+def test_a_bad_key_from_the_environment_is_named_so(who, keys, monkeypatch, tmp_path):
+    """A key read from $ZMQ_INFER_* that cannot be used names the variable (and the option that
+    overrides it): the message named it as if it had been passed, and an operator who passed
+    none could not tell where it came from (the configuration hunt)."""
+    _, k = keys
+    own_env, own_opt, server_opt = (("ZMQ_INFER_CLIENT_KEY", "client_key=", "server_key=") if who == "client" else
+                                    ("ZMQ_INFER_WORKER_KEY", "--worker-key", "--server-key"))
+    own = k[who][1]
+
+    def keys_of(**kw):
+        if who == "client":
+            return curve_keys("tcp://127.0.0.1:1", kw.get("server"), kw.get("own"), False)
+        return link_keys("tcp://127.0.0.1:1", kw.get("server"), kw.get("own"))
+
+    error = InvalidInput if who == "client" else CurveKeyError
+    monkeypatch.setenv(C.ENV_SERVER_KEY, "garbage")
+    with pytest.raises(error, match=rf"'garbage' is neither .* \(from \$ZMQ_INFER_SERVER_KEY; {server_opt} "
+                                    r"overrides it\)$"):
+        keys_of(own=own)
+    with pytest.raises(error) as e:
+        keys_of(own=own, server="garbage")  # passed: no variable named
+    assert "ZMQ_INFER_SERVER_KEY" not in str(e.value)
+    monkeypatch.setenv(C.ENV_SERVER_KEY, k["server"][0])
+    monkeypatch.setenv(own_env, str(tmp_path / "gone.key_secret"))
+    with pytest.raises(error, match=rf"gone.key_secret.* \(from \${own_env}; {own_opt} overrides it\)$"):
+        keys_of()
+    assert keys_of(own=own).public == zmq.auth.load_certificate(own)[0]  # the option overrides it
+
+
 def test_worker_refuses_tcp_without_keys(keys, monkeypatch, capsys):
     monkeypatch.delenv(C.ENV_SERVER_KEY, raising=False)
     monkeypatch.delenv("ZMQ_INFER_WORKER_KEY", raising=False)
