@@ -148,6 +148,7 @@ _RANGES = {
     "max_frame_mb": ("--max-frame-mb", 0.0625, 1 << 20),
     "client_hwm": ("--client-hwm", 1, (1 << 31) - 1),
     "max_client_requests": ("--max-client-requests", 1, 1 << 31),
+    # (more than 0: a byte at least, _check_ranges)
     "max_client_mb": ("--max-client-mb", 0, 1 << 30),
     "recall_after_ms": ("--recall-after-ms", -math.inf, 86400e3),
 }
@@ -162,6 +163,12 @@ def _check_ranges(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None
         if not (math.isfinite(v) or (v == -math.inf and lo == -math.inf)) or not lo <= v <= hi:
             ap.error(f"{flag} must be from {_num(lo)} to {_num(hi)}, not {v}" if lo > -math.inf else
                      f"{flag} must be a number up to {_num(hi)} (negative: never), not {v}")
+    mb = getattr(args, "max_client_mb", None)
+    if mb is not None and int(mb * (1 << 20)) < 1:
+        # 0 is not "no limit": it refused every request with an inline tensor (the small ones
+        # a shared-memory client sends inline too) with "wait for results" (the configuration hunt)
+        ap.error(f"--max-client-mb must be more than 0, at most {_num(_RANGES['max_client_mb'][2])} (0 is not "
+                 f"'no limit': it would refuse every request with an inline tensor), not {mb}")
 
 
 def _num(x: float) -> str:

@@ -672,8 +672,12 @@ class Scheduler(LeaseEvents):
             raise ValueError(f"quiet_client_max must be from 0 to 2592000 seconds, not {cfg.quiet_client_max}")
         if not 1 <= cfg.max_client_requests <= 1 << 31:
             raise ValueError(f"max_client_requests must be from 1 to {1 << 31}, not {cfg.max_client_requests}")
-        if not 0 <= cfg.max_client_bytes <= 1 << 50:
-            raise ValueError(f"max_client_bytes must be from 0 to {1 << 50}, not {cfg.max_client_bytes}")
+        # 0 is not "no limit": it refused every request with an inline tensor, the small ones
+        # a shared-memory client sends inline too, with "wait for results" (the
+        # configuration hunt)
+        if not 1 <= cfg.max_client_bytes <= 1 << 50:
+            raise ValueError(f"max_client_bytes must be from 1 to {1 << 50} (0 is not 'no limit': it would refuse "
+                             f"every request with an inline tensor), not {cfg.max_client_bytes}")
 
     def __init__(self, config: Config | None = None, *, on_direct=None):
         """``on_direct(service, code, enqueued_at, dispatched_at, finished_at, key)`` (``key``:
@@ -1122,6 +1126,15 @@ class Scheduler(LeaseEvents):
                           f"results before sending more")
         if size:
             held = self._bytes.get(principal, 0)
+            if size > self._max_client_bytes:
+                # Alone over the cap: waiting for results, as the message below says, would
+                # never let it in (the configuration hunt).
+                cnt["rejected_client_bytes"] += 1
+                return reject(ErrorCode.QUEUE_FULL,
+                              f"this request's {size} payload bytes are over the limit per client "
+                              f"(max_client_bytes={self._max_client_bytes}) by themselves: it can never be "
+                              f"admitted; pass its large tensors in shared memory, split it, or raise the "
+                              f"broker's --max-client-mb")
             if held + size > self._max_client_bytes:
                 cnt["rejected_client_bytes"] += 1
                 return reject(ErrorCode.QUEUE_FULL,

@@ -331,10 +331,27 @@ def test_eviction_is_per_service():
 # ----------------------------------------------------------------------------- caps
 
 
-@pytest.mark.parametrize("kw", [{"max_client_requests": 0}, {"max_client_bytes": -1}])
+@pytest.mark.parametrize("kw", [{"max_client_requests": 0}, {"max_client_bytes": -1},
+                                {"max_client_bytes": 0}])  # (0 refused every inline tensor: not "no limit")
 def test_bad_caps_are_refused(kw):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=next(iter(kw))):
         Scheduler(Config(**kw))
+
+
+def test_a_request_over_the_byte_cap_by_itself_is_not_told_to_wait():
+    """A request whose own bytes are over the cap can never be admitted: it was told to
+    "wait for results before sending more", with nothing outstanding (the configuration hunt)."""
+    s = Scheduler(Config(max_client_bytes=100))
+    s.worker_ready(b"w", "svc", 0.0)
+    err = only(req(s, A, 1, size=101), ClientError)
+    assert err.code == ErrorCode.QUEUE_FULL and "max_client_bytes=100" in err.message
+    assert "by themselves" in err.message and "never" in err.message, err.message
+    assert "wait for results" not in err.message, err.message
+    assert s.stats()["counters"]["rejected_client_bytes"] == 1
+    assert s.client_usage(A) == {"outstanding": 0, "bytes": 0}
+    assert only(req(s, A, 2, size=100), Dispatch).request_id == 2  # at the cap: admitted
+    err = only(req(s, A, 3, size=1), ClientError)  # over it with what is outstanding: wait
+    assert "wait for results" in err.message, err.message
 
 
 def test_defaults():

@@ -1,0 +1,33 @@
+"""The operator's configuration surface, checked without starting anything: a flag or a
+deploy-file key that cannot work is refused at the start, one line naming it (the
+configuration hunt).  The processes' own e2e checks are in tests/e2e/test_worker_config.py."""
+from __future__ import annotations
+
+import pytest
+
+from broker import __main__ as broker_main
+from broker.server import BrokerConfig
+
+
+def _endpoints(tmp_path, monkeypatch) -> list[str]:
+    """Endpoints of its own for a broker that a regression would start (not the shared default)."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    return ["--frontend", f"ipc://{tmp_path}/fe.ipc", "--backend", f"ipc://{tmp_path}/be.ipc"]
+
+
+@pytest.mark.parametrize("value", ["0", "0.0000001"])
+def test_a_zero_client_byte_cap_is_refused_on_the_command_line(value, capsys, tmp_path, monkeypatch):
+    # 0 is not "no limit": every request with an inline tensor (a shared-memory client sends
+    # its small ones inline) was refused, QUEUE_FULL, "wait for results before sending more".
+    with pytest.raises(SystemExit) as e:
+        broker_main.main([*_endpoints(tmp_path, monkeypatch), "--max-client-mb", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-client-mb must be more than 0" in err and "not 'no limit'" in err, err
+
+
+def test_a_zero_client_byte_cap_is_refused_in_the_deploy_file(tmp_path):
+    path = tmp_path / "deploy.toml"
+    path.write_text("[scheduler]\nmax_client_bytes = 0\n")
+    with pytest.raises(ValueError, match=r"deploy.toml: \[scheduler\] max_client_bytes must be from 1 .*not 'no limit'"):
+        BrokerConfig.from_toml(str(path))
