@@ -39,6 +39,7 @@ SCHEMA = "zinf-bench-run/1"
 KINDS = {"closed": "concurrency", "open": "rate", "streams": "streams"}
 STAGE_LIMIT = 512 << 20  # samples staged into shared memory once, up to this many bytes
 CONNECT_TIMEOUT_S = 10.0
+_DAY_S = 86400.0  # the longest window, warm-up or timeout taken
 
 
 class TargetError(RuntimeError):
@@ -133,6 +134,17 @@ def make_plan(a: argparse.Namespace) -> Plan:
         mode, text, integer = "streams", a.streams_range, True
     else:
         mode, text, integer = "closed", a.concurrency_range or "1", True
+    # Finite, and in range: NaN passed every comparison (--warmup-s nan failed the generator
+    # with "cannot convert float NaN to integer", --timeout-s nan meant no timeout, --max-lateness-ms
+    # nan turned the lateness check off), an infinite --window-s failed it with an
+    # OverflowError, a negative --max-lateness-ms marked every level INVALID (the
+    # configuration hunt).
+    for name, v, lo, hi in (("--window-s", a.window_s, 0, _DAY_S), ("--warmup-s", a.warmup_s, 0, _DAY_S),
+                            ("--timeout-s", a.timeout_s, 0, _DAY_S), ("--fps", a.fps, 0, 1e6),
+                            ("--slo-ms", a.slo_ms, 0, _DAY_S * 1e3), ("--spin-us", a.spin_us, 0, 1e6),
+                            ("--max-lateness-ms", a.max_lateness_ms, 0, _DAY_S * 1e3)):
+        if v is not None and not (math.isfinite(v) and lo <= v <= hi):
+            raise ValueError(f"{name} must be a number from {lo:g} to {hi:g}, got {v}")
     for name, v in (("--window-s", a.window_s), ("--fps", a.fps), ("--slo-ms", a.slo_ms)):
         if not v > 0:
             raise ValueError(f"{name} must be positive, got {v}")
