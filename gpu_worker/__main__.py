@@ -90,8 +90,17 @@ def model_config(args: argparse.Namespace) -> dict:
     )
 
 
+def _number(text: str, want: str) -> float:
+    """`text` as a float; what it must be otherwise (argparse named the type function:
+    "invalid _non_negative value: 'abc'", the configuration hunt)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {want}, not {text!r}") from None
+
+
 def _non_negative(text: str) -> float:
-    v = float(text)
+    v = _number(text, "a number >= 0")
     if not v >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, not {text!r}")
     return v
@@ -110,7 +119,7 @@ def _positive_int(text: str) -> int:
 
 
 def _fraction(text: str) -> float:
-    v = float(text)
+    v = _number(text, "a fraction between 0 and 1")
     if not 0 <= v <= 1:
         raise argparse.ArgumentTypeError(f"expected a fraction between 0 and 1, not {text!r}")
     return v

@@ -31,3 +31,17 @@ def test_a_zero_client_byte_cap_is_refused_in_the_deploy_file(tmp_path):
     path.write_text("[scheduler]\nmax_client_bytes = 0\n")
     with pytest.raises(ValueError, match=r"deploy.toml: \[scheduler\] max_client_bytes must be from 1 .*not 'no limit'"):
         BrokerConfig.from_toml(str(path))
+
+
+@pytest.mark.parametrize("flag, want", [("--keep-warm-ms", "a number >= 0"),
+                                        ("--keep-warm-util", "a fraction between 0 and 1"),
+                                        ("--out-capacity-mb", "a whole number of MiB >= 1")])
+def test_a_worker_flag_that_is_not_a_number_says_what_it_takes(flag, want, capsys):
+    # argparse named the type function: "invalid _non_negative value: 'abc'"
+    from gpu_worker.__main__ import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([flag, "abc"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: expected {want}, not 'abc'" in err, err
