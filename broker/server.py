@@ -354,6 +354,15 @@ class BrokerConfig:
         if "http" in b:
             if not isinstance(b["http"], str):
                 raise ValueError(f"{path}: http must be a string, HOST:PORT")
+            if b["http"]:
+                # Checked here, naming the file: the check at the bind said "--http 'abc': ...",
+                # a flag nobody had passed (the configuration hunt).
+                from broker.http import parse_address
+
+                try:
+                    parse_address(b["http"])
+                except ValueError as e:
+                    raise ValueError(f"{path}: http {str(e).partition(' ')[2]}") from None
             limits["http"] = b["http"]
         return cls(frontend=b.get("frontend", ""), backend=b.get("backend", ""), scheduler=sched, security=sec,
                    **limits)

@@ -45,3 +45,13 @@ def test_a_worker_flag_that_is_not_a_number_says_what_it_takes(flag, want, capsy
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: expected {want}, not 'abc'" in err, err
+
+
+@pytest.mark.parametrize("value, words", [("abc", "expected HOST:PORT or PORT"), ("99999", "port 99999 out of range")])
+def test_a_bad_http_address_in_the_deploy_file_names_the_file(tmp_path, value, words):
+    # It said "--http 'abc': ...", naming a flag nobody had passed, and not the file.
+    path = tmp_path / "deploy.toml"
+    path.write_text(f'http = "{value}"\n')
+    with pytest.raises(ValueError) as e:
+        BrokerConfig.from_toml(str(path))
+    assert str(e.value) == f"{path}: http '{value}': {words}"
