@@ -122,7 +122,7 @@ def make_keys(directory: str, name: str, *, overwrite: bool = False) -> tuple[st
 def load_server_secret(path: str) -> tuple[bytes, bytes]:
     """The server's (public, secret) key pair from its secret certificate."""
     try:
-        return C.load_secret_cert(path, "server (--curve-secret)")
+        return C.load_secret_cert(path, "server (--curve-secret, [security] curve_secret)")
     except C.CurveKeyError as e:
         raise SecurityError(str(e)) from None
 

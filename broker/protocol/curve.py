@@ -112,6 +112,11 @@ def load_secret_cert(path: Any, what: str = "key") -> tuple[bytes, bytes]:
 
 
 def _read_cert(path: str, what: str) -> tuple[bytes, bytes | None]:
+    if not os.path.exists(path):
+        # pyzmq says "Invalid certificate file" for a file that is not there: read as a
+        # corrupt key, where a secret not mounted or a path misspelt was the cause (the
+        # configuration hunt)
+        raise CurveKeyError(f"cannot read the {what} certificate {path!r}: there is no such file")
     try:
         public, secret = zmq.auth.load_certificate(path)
     except (OSError, ValueError) as e:

@@ -55,3 +55,20 @@ def test_a_bad_http_address_in_the_deploy_file_names_the_file(tmp_path, value, w
     with pytest.raises(ValueError) as e:
         BrokerConfig.from_toml(str(path))
     assert str(e.value) == f"{path}: http '{value}': {words}"
+
+
+def test_a_key_file_that_is_not_there_is_said_so(tmp_path):
+    # pyzmq's "Invalid certificate file" read as a corrupt key, where the file was missing (a
+    # secret not mounted, a path misspelt); the broker's named only --curve-secret, also
+    # when the path came from the deploy file's [security] curve_secret.
+    from broker.protocol.curve import CurveKeyError
+    from broker.security import SecurityError, load_server_secret
+    from gpu_worker.upstream import link_keys
+
+    gone = str(tmp_path / "gone.key_secret")
+    with pytest.raises(SecurityError) as e:
+        load_server_secret(gone)
+    assert str(e.value) == (f"cannot read the server (--curve-secret, [security] curve_secret) certificate "
+                            f"{gone!r}: there is no such file")
+    with pytest.raises(CurveKeyError, match=f"worker key certificate {gone!r}: there is no such file"):
+        link_keys("tcp://127.0.0.1:1", "0" * 40, gone)
