@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-import zmq.auth
 from zmq.utils import z85
 
 __all__ = [
@@ -111,16 +110,52 @@ def load_secret_cert(path: Any, what: str = "key") -> tuple[bytes, bytes]:
     return public, secret
 
 
+#: the most of a certificate file read (one `zmq.auth.create_certificates` writes is a few
+#: hundred bytes): a larger file is not a certificate, and is not read whole
+MAX_CERT_BYTES = 64 << 10
+
+
 def _read_cert(path: str, what: str) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) of the certificate at ``path``, in the format
+    `zmq.auth.create_certificates` writes.  Only a regular file (links followed) of at most
+    `MAX_CERT_BYTES` is read, opened without waiting: a FIFO named ``x.key`` blocked the
+    open for good, and a link to /dev/zero was read until memory ran out (the broker reads
+    its allow-lists again while it runs, on a thread that such a read stopped)."""
     if not os.path.exists(path):
         # pyzmq says "Invalid certificate file" for a file that is not there: read as a
         # corrupt key, where a secret not mounted or a path misspelt was the cause (the
         # configuration hunt)
         raise CurveKeyError(f"cannot read the {what} certificate {path!r}: there is no such file")
     try:
-        public, secret = zmq.auth.load_certificate(path)
-    except (OSError, ValueError) as e:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CurveKeyError(f"cannot read the {what} certificate {path!r}: it is not a regular file")
+            if st.st_size > MAX_CERT_BYTES:
+                raise CurveKeyError(f"cannot read the {what} certificate {path!r}: {st.st_size} bytes is too large "
+                                    f"for a certificate (at most {MAX_CERT_BYTES})")
+            data = os.read(fd, MAX_CERT_BYTES + 1)
+        finally:
+            os.close(fd)
+    except OSError as e:
         raise CurveKeyError(f"cannot read the {what} certificate {path!r}: {e}") from None
+    public = secret = None
+    for line in data.splitlines():
+        line = line.strip()
+        if line.startswith(b"#"):
+            continue
+        for name in (b"public-key", b"secret-key"):
+            if line.startswith(name) and b"=" in line:
+                value = line.split(b"=", 1)[1].strip(b" \t'\"")
+                if name == b"public-key":
+                    public = value
+                else:
+                    secret = value
+        if public and secret:
+            break
+    if public is None:
+        raise CurveKeyError(f"cannot read the {what} certificate {path!r}: no public key found in it")
     if z85_key(public) is None or (secret is not None and z85_key(secret) is None):
         raise CurveKeyError(f"the {what} certificate {path!r} does not hold 40-character z85 keys")
     return public, secret

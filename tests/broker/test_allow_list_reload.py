@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import zmq
@@ -132,3 +134,37 @@ def test_the_state_names_each_key_file(tmp_path):
     assert [e[0] for e in state] == ["dangling.key", "x.key"]
     assert state[0][1] == "error"  # a dangling link is a fault the reload will name
     assert S.allow_list_state(str(tmp_path / "missing"))[0][0] == "error"
+
+
+_HOSTILE = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # a read that never ends fails here, not the host
+from broker import security as S
+try:
+    S.load_allow_list(sys.argv[1], "client")
+except S.SecurityError as e:
+    print("REFUSED", e)
+"""
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero"])
+def test_an_entry_that_is_no_file_is_refused_without_reading_it(tmp_path, kind):
+    """A FIFO named x.key, or a link to /dev/zero: the watcher's (or the start's) read of it
+    blocked for good (a FIFO: the watcher hung, the broker's close waited 10 s for it) or read
+    until memory ran out (/dev/zero, again at each look).  Now a clear refusal, at once."""
+    made = S.make_keys(str(tmp_path / "keys"), "a")[0]
+    d = tmp_path / "clients"
+    d.mkdir()
+    shutil.copy(made, d)
+    if kind == "fifo":
+        os.mkfifo(d / "x.key")
+    else:
+        os.symlink("/dev/zero", d / "x.key")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        p = subprocess.run([sys.executable, "-c", _HOSTILE, str(d)], capture_output=True, text=True, timeout=20,
+                           env={**os.environ, "PYTHONPATH": root})
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"reading the allow-list with {kind} in it did not end within 20 s") from None
+    assert p.returncode == 0 and "REFUSED" in p.stdout, (p.returncode, p.stdout, p.stderr[-2000:])
+    assert "x.key" in p.stdout and "not a regular file" in p.stdout, p.stdout
