@@ -644,10 +644,14 @@ class Broker:
         # peers may not name shared memory, CUDA memory or a reply socket.  Only a frontend
         # that is not ipc can have any.
         self._tcp_frontend = not self.frontend_ep.startswith("ipc://")
-        #: a key left an allow-list (`_apply_revocations`): tcp clients' REQUESTs and LEASEs,
-        #: and workers' READYs, are looked up in it from then on (never before: until a key
-        #: leaves, every connection's key is on its list, the handshake checked it)
+        #: a key left the client allow-list (`_apply_revocations`): tcp clients' REQUESTs and
+        #: LEASEs are looked up in it from then on (never before: until a key leaves, every
+        #: connection's key is on its list, the handshake checked it).  One for each list: a
+        #: worker's key removed adds nothing to the clients' messages (an ipc frontend's
+        #: have no key to look up, and asking cost each REQUEST an exception)
         self._revoking = False
+        #: the same for the worker allow-list: workers' READYs are looked up
+        self._revoking_workers = False
         self._curve_backend = self._curve_plan.domain_of("backend") is not None
         #: a tcp worker's CurveZMQ key (its ZAP User-Id), learned at its READY, for a removal
         self._worker_keys: dict[bytes, str] = {}
@@ -1272,15 +1276,17 @@ class Broker:
         once, so what a removed key's connection holds is ended here.  A client's leases end
         (its calls on them come back through the broker, refused); a worker is told why and
         forgotten, its requests going to the service's other workers as at its death.  From
-        now on a client's REQUEST and LEASE, and a worker's READY, are looked up."""
-        self._revoking = True
+        now on a client's REQUEST and LEASE (a client key removed), or a worker's READY (a
+        worker key removed), are looked up."""
         removals = self._curve.removals
         while removals:
             role, keys = removals.popleft()
             if role == "frontend":
+                self._revoking = True
                 for key in keys:
                     self._act(self.sched.principal_revoked(f"curve:{key.decode()}", now, _FORBIDDEN), now)
                 continue
+            self._revoking_workers = True
             gone = {k.decode() for k in keys}
             for ident, uid in list(self._worker_keys.items()):
                 if uid not in gone:
@@ -1769,7 +1775,7 @@ class Broker:
                 except (zmq.ZMQError, AttributeError, TypeError, ValueError):
                     uid = None
                 if uid:
-                    if self._revoking and not self._curve.allowed("backend", uid):
+                    if self._revoking_workers and not self._curve.allowed("backend", uid):
                         self._refuse_ready(ident, frames[1], _FORBIDDEN_WORKER, now)
                         return
                     if len(self._worker_keys) >= _MAX_CLIENT_PIDS:

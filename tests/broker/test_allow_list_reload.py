@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import zmq
@@ -168,3 +169,47 @@ def test_an_entry_that_is_no_file_is_refused_without_reading_it(tmp_path, kind):
         raise AssertionError(f"reading the allow-list with {kind} in it did not end within 20 s") from None
     assert p.returncode == 0 and "REFUSED" in p.stdout, (p.returncode, p.stdout, p.stderr[-2000:])
     assert "x.key" in p.stdout and "not a regular file" in p.stdout, p.stdout
+
+
+def test_a_worker_key_removed_adds_nothing_to_an_ipc_clients_requests(tmp_path, monkeypatch):
+    """An ipc frontend with a CurveZMQ tcp backend (workers on other hosts): a worker's key
+    removed once made every ipc client REQUEST from then on ask its frame for a ZAP
+    User-Id, which an ipc connection has not (an exception raised and caught, a few us of
+    the hot path, for good).  Only a client key removed makes client messages looked up."""
+    from broker import protocol as P
+    from broker.server import Broker, BrokerConfig
+
+    made = {n: S.make_keys(str(tmp_path / "keys"), n)[0] for n in ("server", "w1", "w2")}
+    workers = tmp_path / "workers"
+    workers.mkdir()
+    for w in ("w1", "w2"):
+        shutil.copy(made[w], workers)
+    cfg = BrokerConfig(frontend=f"ipc://{tmp_path}/fe.ipc", backend="tcp://127.0.0.1:0",
+                       security=S.SecurityConfig(curve_secret=str(tmp_path / "keys" / "server.key_secret"),
+                                                 worker_keys=str(workers)))
+    ctx = zmq.Context()
+    b = Broker(cfg, ctx=ctx)
+    c = ctx.socket(zmq.DEALER)
+    c.linger = 0
+    try:
+        os.unlink(workers / "w2.key")
+        deadline = time.monotonic() + 10
+        while not b._curve.removals:  # the watcher's look (once a second)
+            assert time.monotonic() < deadline, "the watcher never saw w2.key removed"
+            time.sleep(0.02)
+        b._apply_revocations(time.monotonic())  # what the loop does next
+        looked = []
+        real = b._key_removed
+        monkeypatch.setattr(b, "_key_removed", lambda frame: looked.append(frame) or real(frame))
+        c.connect(cfg.frontend)
+        c.send_multipart(P.client_request("mmi.service", [b"svc"]))
+        assert b.frontend.poll(5000)
+        while b.frontend.poll(0):
+            b._drain(b.frontend, b.on_client)
+        assert c.poll(5000), "the ipc client's question was not answered"
+        assert c.recv_multipart()[-1] == b"404"
+        assert not looked, "an ipc client's REQUEST was looked up for a removed key (a worker's key was removed)"
+    finally:
+        c.close(0)
+        b.close()
+        ctx.term()
