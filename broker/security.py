@@ -27,6 +27,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ from broker.protocol import curve as C
 __all__ = [
     "SecurityError", "SecurityConfig", "FRONTEND_DOMAIN", "BACKEND_DOMAIN", "make_keys",
     "load_allow_list", "load_server_secret", "plan", "CurvePlan", "configure_server", "ServerCurve",
-    "TCP_REFS", "peer_is_tcp", "names_local_memory", "allow_list_state", "RELOAD_PERIOD_S",
+    "TCP_REFS", "peer_is_tcp", "names_local_memory", "allow_list_state", "RELOAD_PERIOD_S", "LOOK_SHARE",
 ]
 
 log = logging.getLogger("broker")
@@ -48,6 +49,9 @@ _refusals = P.RateLimitedLog(log, 10.0)  # keys refused by the allow-lists (the 
 
 #: how often the allow-list directories are looked at for added and removed keys (seconds)
 RELOAD_PERIOD_S = 1.0
+#: a look that takes long (a huge directory, a slow file system) is followed by a wait this
+#: many times as long: the watcher takes at most about 1/LOOK_SHARE of a core
+LOOK_SHARE = 20
 
 #: ZAP domains of the two sockets: which allow-list a handshake is checked against
 FRONTEND_DOMAIN = "zmq-infer.clients"
@@ -351,11 +355,17 @@ class ServerCurve:
             self._watcher.start()
 
     def _watch(self) -> None:
-        while not self._stop.wait(self._reload_period):
+        wait = self._reload_period
+        while not self._stop.wait(wait):
+            began = time.monotonic()
             try:
                 self.reload()
             except Exception:  # a look that failed is tried again at the next; never the thread's end
                 log.exception("looking at the allow-lists failed")
+            # A look is a stat of each entry, partly under the GIL the broker's loop needs: a
+            # directory of 100,000 keys took 0.6 s, which once a second was more than half a
+            # core for good.  One that takes long waits `LOOK_SHARE` times as long for the next.
+            wait = max(self._reload_period, LOOK_SHARE * (time.monotonic() - began))
 
     def reload(self) -> None:
         """Look at each allow-list directory now (the watcher does, every `RELOAD_PERIOD_S`)."""

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -213,3 +214,33 @@ def test_a_worker_key_removed_adds_nothing_to_an_ipc_clients_requests(tmp_path, 
         c.close(0)
         b.close()
         ctx.term()
+
+
+def test_a_slow_look_makes_the_watcher_look_less_often(setup, monkeypatch):
+    """A directory of 100,000 keys took 0.5-0.7 s to look at (a stat of each entry), once a
+    second: the broker's process spent more than half a core on it, for good, beside its
+    loop (the GIL).  A look that takes long is followed by a wait 20 times as long."""
+    curve, clients, made = setup
+    looks = []
+    real = S.allow_list_state
+
+    def slow(directory):
+        began = time.monotonic()
+        time.sleep(0.03)  # the cost of a large directory's look
+        state = real(directory)
+        if threading.current_thread().name == "allow-lists":  # the watcher's (not the list's first, at start)
+            looks.append((began, time.monotonic()))
+        return state
+
+    monkeypatch.setattr(S, "allow_list_state", slow)
+    watcher = S.ServerCurve(zmq.Context.instance(), curve.plan, reload_period=0.005)
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(looks) < 2:
+            assert time.monotonic() < deadline, "the watcher did not look twice within 10 s"
+            time.sleep(0.01)
+    finally:
+        watcher.stop()
+    (b0, e0), (b1, _) = looks[0], looks[1]
+    assert b1 - e0 >= 10 * (e0 - b0), f"the next look came {b1 - e0:.3f} s after one that took {e0 - b0:.3f} s"
