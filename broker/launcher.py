@@ -839,7 +839,9 @@ class Launcher:
         from broker.security import load_server_secret
 
         public, _ = load_server_secret(sec.curve_secret)
-        return ("--server-key", public.decode())
+        # One argument, "--server-key=KEY": a z85 key may start with '-' (one in 85 do),
+        # which as a separate argument the worker's parser took for an option (exit 2).
+        return ("--server-key=" + public.decode(),)
 
     def _argv(self, pool: PoolConfig) -> list[str]:
         args = pool.worker_args(self.broker.backend_ep, heartbeat_interval=self._hb[0],

@@ -639,3 +639,27 @@ def test_pools_of_one_service_run_one_model(tmp_path, pools, refused):
     with pytest.raises(C.ConfigError, match="with another model") as e:
         C.load_launcher(str(path))
     assert refused in str(e.value) and "[[pool]] #2 (name 'b')" in str(e.value), e.value
+
+
+def test_the_broker_key_the_launcher_passes_its_workers_may_start_with_a_dash(tmp_path):
+    """z85 has '-' among its 85 characters, so about one server key in 85 starts with one:
+    passed as ``--server-key KEY``, the worker's parser took the key for an option, and every
+    launched worker exited 2 ("argument --server-key: expected one argument") over a
+    CurveZMQ tcp backend."""
+    from types import SimpleNamespace
+
+    from broker import security as S
+    from broker.launcher import Launcher
+    from gpu_worker.__main__ import build_parser
+
+    for i in range(5000):  # one key in 85 on average
+        public, secret = S.make_keys(str(tmp_path), "server", overwrite=True)
+        if S.load_server_secret(secret)[0].startswith(b"-"):
+            break
+    else:
+        pytest.fail("no key starting with '-' in 5000")
+    me = SimpleNamespace(broker=SimpleNamespace(backend_ep="tcp://127.0.0.1:5556",
+                                                cfg=SimpleNamespace(security=S.SecurityConfig(curve_secret=secret))))
+    link = Launcher._link_args(me)
+    args = build_parser().parse_args(["--broker", "tcp://127.0.0.1:5556", "--model", "echo", *link])
+    assert args.server_key == S.load_server_secret(secret)[0].decode(), link
