@@ -182,7 +182,8 @@ class CurvePlan:
     secret: bytes | None = None
     allow: tuple[tuple[str, str, frozenset], ...] = ()   # (role, domain, keys) for each CURVE socket
     insecure: tuple[str, ...] = ()
-    sources: tuple[tuple[str, str], ...] = ()   # (role, directory) the keys of each were read from
+    #: (role, directory, its `allow_list_state` read just before the keys) of each list
+    sources: tuple[tuple[str, str, tuple], ...] = ()
 
     def domain_of(self, role: str) -> str | None:
         for r, domain, _ in self.allow:
@@ -248,8 +249,11 @@ def plan(cfg: SecurityConfig, frontend: str, backend: str) -> CurvePlan:
         if not directory:
             raise SecurityError(f"the {role} {ep} is tcp, so it needs the allow-list of {who} keys: pass {flag} DIR "
                                 f"(a directory of the allowed {who}s' public *.key certificates)")
+        # The directory's state before its keys, as a reload reads them: a change in between
+        # is seen at the watcher's first look (read after, at its start, it was never seen).
+        state = allow_list_state(directory)
         allow.append((role, domain, load_allow_list(directory, who)))
-        sources.append((role, directory))
+        sources.append((role, directory, state))
     return CurvePlan(public=public, secret=secret, allow=tuple(allow), sources=tuple(sources))
 
 
@@ -272,11 +276,12 @@ class _AllowList:
     """A `zmq.auth` credentials provider: the public keys one ZAP domain accepts.  ``keys``
     is replaced whole by a reload (the ZAP thread reads one set or the other, never half)."""
 
-    def __init__(self, keys: frozenset[bytes], role: str = "", directory: str = ""):
+    def __init__(self, keys: frozenset[bytes], role: str = "", directory: str = "", state: tuple | None = None):
         self.keys = keys
         self.role = role
         self.directory = directory
-        self.state = allow_list_state(directory) if directory else ()
+        #: the directory's state when ``keys`` were read (read before them)
+        self.state = state if state is not None else allow_list_state(directory) if directory else ()
         self.failed: tuple | None = None  # the state a reload refused (said once)
 
     def reload(self) -> tuple[frozenset, frozenset] | None:
@@ -343,11 +348,12 @@ class ServerCurve:
             auth.stop()
             raise SecurityError(f"cannot start the ZAP handler ({e}): another CURVE broker uses this "
                                 f"zmq.Context; give each broker a context of its own") from None
-        dirs = dict(self.plan.sources)
+        dirs = {role: (directory, state) for role, directory, state in self.plan.sources}
         for role, domain, keys in self.plan.allow:
             # Keys loaded and checked here (configure_curve only logs a directory it cannot
             # read); a domain with no list is refused by the authenticator.
-            lst = self.lists[role] = _AllowList(keys, role, dirs.get(role, ""))
+            directory, state = dirs.get(role, ("", None))
+            lst = self.lists[role] = _AllowList(keys, role, directory, state)
             auth.configure_curve_callback(domain, lst)
         self.auth = auth
         if any(lst.directory for lst in self.lists.values()) and self._reload_period > 0:

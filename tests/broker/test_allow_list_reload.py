@@ -244,3 +244,36 @@ def test_a_slow_look_makes_the_watcher_look_less_often(setup, monkeypatch):
         watcher.stop()
     (b0, e0), (b1, _) = looks[0], looks[1]
     assert b1 - e0 >= 10 * (e0 - b0), f"the next look came {b1 - e0:.3f} s after one that took {e0 - b0:.3f} s"
+
+
+def test_a_change_between_the_start_s_read_and_its_watch_is_seen(tmp_path, monkeypatch):
+    """The keys are read when the broker is made (`plan`), the directory's state when its
+    ZAP handler starts: a key removed (or added) in between was in neither's difference,
+    so no look ever saw it (until the next change).  The state is read before the keys."""
+    made = {n: S.make_keys(str(tmp_path / "keys"), n)[0] for n in ("server", "a", "b")}
+    clients = tmp_path / "clients"
+    clients.mkdir()
+    for n in ("a", "b"):
+        shutil.copy(made[n], clients)
+    real = S.load_allow_list
+
+    def then_removed(directory, what):
+        keys = real(directory, what)
+        os.unlink(clients / "a.key")  # removed just after the start read the list
+        return keys
+
+    monkeypatch.setattr(S, "load_allow_list", then_removed)
+    cfg = S.SecurityConfig(curve_secret=str(tmp_path / "keys" / "server.key_secret"), client_keys=str(clients))
+    plan = S.plan(cfg, "tcp://127.0.0.1:0", "ipc:///nowhere/b.ipc")
+    monkeypatch.setattr(S, "load_allow_list", real)
+    ctx = zmq.Context()
+    curve = S.ServerCurve(ctx, plan, reload_period=0)
+    curve.start()
+    try:
+        a = _z85(made["a"])
+        assert curve.allowed("frontend", a)  # the list read at the start
+        curve.reload()
+        assert not curve.allowed("frontend", a), "a key removed as the broker started was never refused"
+    finally:
+        curve.stop()
+        ctx.term()
