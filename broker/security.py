@@ -22,7 +22,6 @@ its ipc hot path do not see it.  Everything here but `ServerCurve.start` and
 from __future__ import annotations
 
 import collections
-import glob
 import logging
 import os
 import socket
@@ -136,8 +135,15 @@ def load_allow_list(directory: str, what: str) -> frozenset[bytes]:
     missing or empty is an error (it would refuse everyone, which is never what was meant)."""
     if not directory or not os.path.isdir(directory):
         raise SecurityError(f"{what} allow-list {directory!r} is not a directory of public certificates (*.key)")
+    try:
+        # Listed here, not by glob, which takes a directory it may not list for an empty
+        # one: permissions taken away read as "holds no public certificate".
+        with os.scandir(directory) as it:
+            names = sorted(e.name for e in it if e.name.endswith(".key") and not e.name.startswith("."))
+    except OSError as e:
+        raise SecurityError(f"cannot list the {what} allow-list {directory!r}: {e.strerror or e}") from None
     keys = set()
-    for path in sorted(glob.glob(os.path.join(glob.escape(directory), "*.key"))):
+    for path in (os.path.join(directory, name) for name in names):
         try:
             keys.add(C.load_public_key(path, f"{what} allow-list"))
         except C.CurveKeyError as e:

@@ -277,3 +277,24 @@ def test_a_change_between_the_start_s_read_and_its_watch_is_seen(tmp_path, monke
     finally:
         curve.stop()
         ctx.term()
+
+
+def test_a_directory_that_cannot_be_listed_is_said_so(tmp_path, monkeypatch, caplog):
+    """Permissions taken away (chmod 000, another owner): the previous list stays, and the
+    ERROR says the directory cannot be listed; glob swallowed the error, and the line said
+    it "holds no public certificate (*.key); copy the NAME.key file ... in there"."""
+    made = S.make_keys(str(tmp_path / "keys"), "a")[0]
+    d = tmp_path / "clients"
+    d.mkdir()
+    shutil.copy(made, d)
+    real = os.scandir
+
+    def refused(path="."):
+        if os.fspath(path).rstrip("/") == str(d):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", refused)  # what a directory of mode 000 does to a non-root broker
+    with pytest.raises(S.SecurityError) as e:
+        S.load_allow_list(str(d), "client")
+    assert "Permission denied" in str(e.value) and "no public certificate" not in str(e.value), str(e.value)
