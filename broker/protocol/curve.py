@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
+import zmq.auth
 from zmq.utils import z85
 
 __all__ = [
@@ -135,27 +136,13 @@ def _read_cert(path: str, what: str) -> tuple[bytes, bytes | None]:
             if st.st_size > MAX_CERT_BYTES:
                 raise CurveKeyError(f"cannot read the {what} certificate {path!r}: {st.st_size} bytes is too large "
                                     f"for a certificate (at most {MAX_CERT_BYTES})")
-            data = os.read(fd, MAX_CERT_BYTES + 1)
+            # pyzmq's reader, on the file checked here (its descriptor's path: the same
+            # file, whatever has been renamed over the name since)
+            public, secret = zmq.auth.load_certificate(f"/proc/self/fd/{fd}")
         finally:
             os.close(fd)
-    except OSError as e:
+    except (OSError, ValueError) as e:
         raise CurveKeyError(f"cannot read the {what} certificate {path!r}: {e}") from None
-    public = secret = None
-    for line in data.splitlines():
-        line = line.strip()
-        if line.startswith(b"#"):
-            continue
-        for name in (b"public-key", b"secret-key"):
-            if line.startswith(name) and b"=" in line:
-                value = line.split(b"=", 1)[1].strip(b" \t'\"")
-                if name == b"public-key":
-                    public = value
-                else:
-                    secret = value
-        if public and secret:
-            break
-    if public is None:
-        raise CurveKeyError(f"cannot read the {what} certificate {path!r}: no public key found in it")
     if z85_key(public) is None or (secret is not None and z85_key(secret) is None):
         raise CurveKeyError(f"the {what} certificate {path!r} does not hold 40-character z85 keys")
     return public, secret
