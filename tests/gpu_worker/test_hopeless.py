@@ -147,3 +147,16 @@ def test_the_worker_does_not_run_what_cannot_finish_in_time_while_others_wait(wo
         assert err is not None and err.code == P.ErrorCode.DEADLINE_EXCEEDED, (rid, err)
         assert "not run" in err.message, err.message
     assert worker.runs() == 3  # the first, and the two that were not late
+
+
+def test_the_kept_margin_is_what_a_look_at_every_size_gives():
+    """`floor()` is kept as batches are observed (it is read after every batch): the same as
+    the least `recent` over the sizes, whatever the order of the measurements."""
+    import random
+
+    rng = random.Random(7)
+    t = ComputeTimes(heartbeat_interval=1.0)
+    t.seed({1: 0.02, 4: 0.05})
+    for _ in range(500):
+        t.observe(rng.choice((1, 2, 4, 8)), rng.uniform(0.001, 0.2))
+        assert t.floor() == min(t.recent(n) for n in (1, 2, 4, 8) if t.recent(n) is not None)
