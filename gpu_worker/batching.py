@@ -60,12 +60,13 @@ Policy
 * Waiting, when the worker is idle.  The batcher keeps, per key, an EWMA of the
   inter-arrival time.  If the expected gap is larger than ``max_delay`` (light traffic, or
   no estimate yet) nothing is gained by waiting and the batch - a lone request included -
-  goes at once.  Otherwise it waits until the earliest of
+  goes at once.  Otherwise it waits until the earlier of
     - the oldest request's ``arrived + max_delay`` (the hard bound on added latency),
     - the expected time the batch fills up (last arrival + missing items x expected gap),
-    - any pending request's ``deadline - deadline_margin`` (time to still run it),
-  and a full batch (``max_batch`` items, or the next item would exceed ``max_cost``) goes
-  at once.
+  and not at all when a pending request's ``deadline - deadline_margin`` comes first (a
+  wait that ended there ended as that request could no longer finish in time: "Deadlines"
+  set it aside then, a 504 for what would have made its deadline had it gone at once); a
+  full batch (``max_batch`` items, or the next item would exceed ``max_cost``) goes at once.
 * Waiting must pay off.  A short inter-arrival time does not prove that company is coming:
   a closed-loop client that sends its next request only after the reply arrives has short
   gaps and never sends anything while we wait.  So the batcher keeps, per key, an EWMA of
@@ -438,8 +439,8 @@ class Batcher:
                 # The wait would end at the earliest of max_delay, the expected fill, and
                 # the deadline's margin; one that ends now is no wait (gap 0, or the deadline).
                 t = min(arrived + self.max_delay, r.last + (self.max_batch - 1) * r.gap)
-                if deadline is not None:
-                    t = min(t, deadline - self.deadline_margin)
+                if deadline is not None and deadline - self.deadline_margin <= t:
+                    t = arrived  # it could not wait and still finish in time (`_ready_at`)
                 if t > arrived:
                     if not (r.waited_from is None and r.gain < self.min_gain and r.skips < self.probe_every):
                         return False  # it would wait for company
@@ -593,8 +594,10 @@ class Batcher:
                     missing = max(1, int(room))
         t = min(t, r.last + missing * gap)
         first_deadline = self._first_deadline()
-        if first_deadline is not None:
-            t = min(t, first_deadline - self.deadline_margin)
+        if first_deadline is not None and first_deadline - self.deadline_margin <= t:
+            # A wait that ends when a request has only the margin left ends when it can no
+            # longer finish in time ("Deadlines": set aside then): no wait at all.
+            return now
         return t
 
     def _no_backlog(self, key: Hashable, n: int) -> bool:

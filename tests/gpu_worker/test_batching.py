@@ -190,13 +190,23 @@ def test_expired_requests_are_not_batched_and_are_returned_by_expire():
     assert len(b) == 0 and b.expire(2.0) == []
 
 
-def test_wait_never_passes_a_deadline_margin():
+def test_wait_never_reaches_a_deadline_margin():
+    # The wait for company ends at 0.7 ms (the expected fill); a deadline 1.5 ms away
+    # leaves room after it.
     b = Batcher(max_batch=8, max_delay=2 * MS, deadline_margin=0.3 * MS)
     t = idle_worker_after_heavy_traffic(b)
-    b.add(req("x", t, deadline=t + 1 * MS), t)
-    assert b.wake_at(t) == pytest.approx(t + 0.7 * MS)
+    b.add(req("x", t, deadline=t + 1.5 * MS), t)
+    wake = b.wake_at(t)
+    assert wake == pytest.approx(t + 0.7 * MS)
     assert b.take(t + 0.6 * MS, idle=True) == []
-    assert items(b.take(t + 0.7 * MS, idle=True)) == ["x"]
+    assert items(b.take(wake, idle=True)) == ["x"]
+    # One 1 ms away would have only the margin left when the wait ends (it could no longer
+    # finish in time: batching.py "Deadlines"): no wait.
+    b = Batcher(max_batch=8, max_delay=2 * MS, deadline_margin=0.3 * MS)
+    t = idle_worker_after_heavy_traffic(b)
+    b.add(req("y", t, deadline=t + 1 * MS), t)
+    assert b.wake_at(t) == t
+    assert items(b.take(t, idle=True)) == ["y"]
 
 
 def test_wake_at_reports_deadlines_for_expiry():

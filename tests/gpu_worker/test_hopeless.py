@@ -54,7 +54,8 @@ def test_alone_with_nothing_queued_at_the_broker_it_still_runs():
     assert [p.item for p in b.expire(1.0)] == ["a"]
     # The margin wakes an idle worker in time to run what can still make it.
     b.add(_p("b", 2.0, 3, arrived=1.0), 1.0)
-    assert b.wake_at(1.0) <= 2.0 - 0.05
+    wake = b.wake_at(1.0)
+    assert wake <= 2.0 - 0.05 and [p.item for p in b.take(wake, idle=True)] == ["b"]
 
 
 def test_a_budget_too_short_for_this_worker_is_not_late_and_runs():
@@ -160,3 +161,38 @@ def test_the_kept_margin_is_what_a_look_at_every_size_gives():
     for _ in range(500):
         t.observe(rng.choice((1, 2, 4, 8)), rng.uniform(0.001, 0.2))
         assert t.floor() == min(t.recent(n) for n in (1, 2, 4, 8) if t.recent(n) is not None)
+
+
+def _busy_key(b: Batcher, t: float) -> float:
+    """Arrivals 0.5 ms apart with more queued at the broker: the waiting rules apply (an
+    idle worker waits up to max_delay for company).  Returns the time after them."""
+    for i in range(20):
+        b.add(_p(("warm", i), None, 3, arrived=t, since=None), t)
+        b.take(t, idle=True, force=True)
+        t += 0.0005
+    b.take(t, idle=True)  # nothing pending: idle again
+    return t
+
+
+def test_a_wait_for_company_does_not_last_until_a_request_cannot_finish():
+    # 6 ms left of a 10 ms budget, batches take 5 ms, company expected within 2 ms: run at
+    # once it finishes in time.  The wait used to end at its deadline less the margin, the
+    # very moment the rule above sets it aside: it waited 1 ms, then was answered 504.
+    b = Batcher(max_batch=8, max_delay=0.002, deadline_margin=0.005)
+    now = _busy_key(b, 10.0)
+    b.add(_p("x", now + 0.006, 3, arrived=now, since=now - 0.004), now)
+    went = b.take(now, idle=True)
+    if not went:
+        wake = b.wake_at(now)
+        assert not b.expire(wake), f"waited {(wake - now) * 1e3:.1f} ms for company, then set it aside"
+        went = b.take(wake, idle=True)
+    assert [p.item for p in went] == ["x"]
+    # The lone-request lane decides the same: it goes at once.
+    lane = Batcher(max_batch=8, max_delay=0.002, deadline_margin=0.005)
+    now = _busy_key(lane, 10.0)
+    assert lane.goes_alone(KEY, now, 3, now + 0.006, now - 0.004)
+    # With time to spare after the wait, the wait is as it was.
+    b = Batcher(max_batch=8, max_delay=0.002, deadline_margin=0.005)
+    now = _busy_key(b, 10.0)
+    b.add(_p("y", now + 0.5, 3, arrived=now, since=now), now)
+    assert b.take(now, idle=True) == [] and b.wake_at(now) > now
