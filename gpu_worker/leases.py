@@ -46,7 +46,7 @@ from broker.protocol.wire import (DEAD_AFTER_BEATS, NOBLOCK, recv_frames, seed_r
                                   tcp_liveness, touched)
 
 __all__ = ["Lease", "Refusal", "LeaseTable", "DirectSocket", "DirectSocketError", "direct_socket_path", "Unsent",
-           "NOT_BOUND", "WORKER_STOPPING", "LONG_BATCH_S", "runs_long"]
+           "NOT_BOUND", "WORKER_STOPPING", "LONG_BATCH_S", "MAX_ROUTES", "runs_long"]
 
 log = logging.getLogger("gpu_worker")
 _POLLIN = int(zmq.POLLIN)
@@ -61,6 +61,12 @@ CLIENT_GONE = "client_gone"
 #: seconds a request would still wait behind a running batch (or stream) beyond which a
 #: round trip elsewhere is the cheaper choice: the broker's default ``recall_after``
 LONG_BATCH_S = 0.005
+#: connections bound to one lease at once, the latest kept: a ROUTER never says that a
+#: connection closed, so a bound one is forgotten only at its lease's end, or when the
+#: lease's connections pass this (the oldest is unbound).  Our SDK binds one connection per
+#: lease; a leaseholder that opened connections in a loop, each saying HELLO, grew the table
+#: by one entry each for as long as it held its lease (the churn hunt)
+MAX_ROUTES = 64
 
 
 def runs_long(elapsed: float, predicted: float | None, long: float = LONG_BATCH_S) -> bool:
@@ -83,7 +89,7 @@ class Lease:
 
     def __init__(self, grant: P.LeaseGrant):
         self.grant = grant
-        self.routes: set[bytes] = set()
+        self.routes: dict[bytes, None] = {}  # oldest first (at most MAX_ROUTES)
         self.in_flight: set[bytes] = set()
 
     @property
@@ -145,7 +151,7 @@ class LeaseTable:
             if self._routes.get(route) is lease:
                 del self._routes[route]
                 self._remember_route(self._ended, route, reason)
-        lease.routes = set()
+        lease.routes = {}
         return lease
 
     def stop(self) -> list[bytes]:
@@ -178,7 +184,7 @@ class LeaseTable:
         ok = lease is not None and hmac.compare_digest(lease.grant.secret, bytes(secret))
         old = self._routes.pop(route, None)
         if old is not None:
-            old.routes.discard(route)
+            old.routes.pop(route, None)
         if not ok:
             self._remember_route(self._refused, route, None)
             if self.stopping:
@@ -187,14 +193,19 @@ class LeaseTable:
         self._refused.pop(route, None)
         self._ended.pop(route, None)
         self._routes[route] = lease
-        lease.routes.add(route)
+        routes = lease.routes
+        routes[route] = None  # the newest (popped above if it was bound already)
+        if len(routes) > MAX_ROUTES:
+            oldest = next(iter(routes))
+            del routes[oldest]
+            del self._routes[oldest]  # unbound: its next REQUEST is told to say HELLO
         return None
 
     def unbind(self, route: bytes) -> None:
         """Connection ``route`` said DISCONNECT: it is bound to nothing."""
         lease = self._routes.pop(route, None)
         if lease is not None:
-            lease.routes.discard(route)
+            lease.routes.pop(route, None)
 
     def lease_of(self, route: bytes) -> Lease | None:
         return self._routes.get(route)

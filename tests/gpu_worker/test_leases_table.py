@@ -152,3 +152,36 @@ def test_the_worker_parses_the_brokers_lease_and_lease_end():
     for frames in bad:
         with pytest.raises(P.ProtocolError):
             P.parse_broker_to_worker(frames)
+
+
+def test_a_leaseholder_that_churns_connections_holds_a_bounded_table():
+    """A ROUTER never says that a connection closed, so a bound connection was forgotten only
+    at its lease's end: a leaseholder that opened connections in a loop, each saying HELLO,
+    grew the worker's table by one entry each for as long as it held the lease (3,000
+    connections: 3,000 entries and 0.35 MiB of the worker's memory; the churn hunt).  A
+    lease keeps its latest `MAX_ROUTES` connections; the oldest one past them is unbound (its
+    next REQUEST is told to say HELLO), and what it has in flight still finishes."""
+    from gpu_worker.leases import MAX_ROUTES
+
+    t = LeaseTable()
+    t.grant(_grant(slots=2))
+    lid = P.lease_id(1)
+    t.hello(b"first", lid, SECRET)
+    assert not isinstance(t.admit(b"first", 1, b"k1"), Refusal)
+    for n in range(10 * MAX_ROUTES):
+        assert t.hello(n.to_bytes(5, "big"), lid, SECRET) is None
+    lease = t.leases[lid]
+    assert len(lease.routes) == MAX_ROUTES and len(t._routes) == MAX_ROUTES, (
+        f"{len(lease.routes)} connections bound to one lease after {10 * MAX_ROUTES} HELLOs")
+    newest = (10 * MAX_ROUTES - 1).to_bytes(5, "big")
+    assert t.lease_of(newest) is lease and t.lease_of(b"first") is None
+    assert t.admit(b"first", 2, b"k2").message == NOT_BOUND
+    assert t.find(b"first", 1) == b"k1" and t.finish(b"k1")  # its request in flight still finishes
+    # A connection that says HELLO again is the newest: it stays bound.
+    t.hello(b"again", lid, SECRET)
+    for n in range(MAX_ROUTES - 1):
+        t.hello(b"again", lid, SECRET)
+        t.hello(b"x" + n.to_bytes(4, "big"), lid, SECRET)
+    assert t.lease_of(b"again") is lease
+    t.end(lid, "client_done")
+    assert not t._routes and not lease.routes
