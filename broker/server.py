@@ -41,7 +41,7 @@ from broker import protocol as P
 from broker.protocol import logs
 from broker.protocol import wire
 from broker.names import ServiceNames
-from broker.protocol.heap import trim_heap
+from broker.protocol.heap import TRIM_AFTER_CLOSES, trim_heap
 from broker.protocol.limits import Headroom, default_reserve, listen_backlog, move_aside, nofile_limit, put_back
 from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events
 from shm import gc as shm_gc
@@ -79,10 +79,8 @@ _TICK_DRAINS = 16
 # The longest a closed worker's verdict waits for the backend to hold nothing more (its last
 # messages read first): a flood from other workers must not keep a dead one alive.
 GONE_WAIT_S = 0.1
-#: Connections closed (clients and workers) after which the once-a-second housekeeping gives
-#: the C heap's free memory back (`heap.trim_heap`): libzmq's ~40 KB a connection otherwise
-#: stayed with glibc, 90 MB more after each round of 3,000 connections (a scale hunt).
-TRIM_AFTER_CLOSES = 256
+# TRIM_AFTER_CLOSES (broker.protocol.heap): connections closed (clients and workers) after
+# which the once-a-second housekeeping gives the C heap's free memory back (`heap.trim_heap`).
 # Seconds between sweeps for shared-memory segments of dead processes.
 _GC_INTERVAL = 1.0
 #: what a tcp handshake's protocol error most likely means (`Broker._mismatch`)

@@ -74,7 +74,8 @@ from gpu_worker.planes import DataPlane, HostPlane, NotAttested, reply_sockets
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
-from broker.protocol.limits import Headroom, move_aside, nofile_limit, put_back
+from broker.protocol.heap import ClosesSeen, trim_heap
+from broker.protocol.limits import Headroom, move_aside, nofile_limit, open_descriptors, put_back
 from broker.protocol.naming import ipc_problem
 from shm.errors import NotShared, OutOfResources, SegmentGone
 from shm.segment import ClockPeers
@@ -495,6 +496,9 @@ class Worker:
         self.leases: LeaseTable | None = None
         self.direct_socket: DirectSocket | None = None
         self._fd_guard: Headroom | None = None  # an ipc direct socket's, near the descriptor limit
+        # Descriptors closed since the C heap was last trimmed (`_trim_after_closes`), and the trim's thread
+        self._closes = ClosesSeen()
+        self._trimming: threading.Thread | None = None
         self._direct_aside: str | None = None  # where its file is while moved aside
         self.leased_sent = 0          # FINALs sent on the direct socket
         # FINALs on the direct socket that met their connection's full queue (its client
@@ -746,6 +750,7 @@ class Worker:
                 self._maybe_keep_warm()
                 if now >= next_housekeeping:  # every interval, busy or not
                     self._watch_descriptors()
+                    self._trim_after_closes()
                     self.plane.housekeeping()
                     self.direct.sweep()  # reply_to sockets of clients that exited
                     if link is not None:
@@ -1974,6 +1979,23 @@ class Worker:
             except OSError as e:
                 log.error("cannot put the direct socket's file %s back: %s", path, e)
         log.warning("%d of %d descriptors in use: taking leases again", guard.used, guard.limit)
+
+    def _trim_after_closes(self) -> None:
+        """Once a housekeeping interval, for a worker with a direct socket: libzmq keeps each
+        connection's buffers (~40 KB) in the C heap, and glibc kept them after the connection
+        closed (1,500 leaseholder connections that came and left together: 30-45 MB more for
+        good; the churn hunt).  After many of the worker's descriptors closed, the heap's free
+        memory goes back to the kernel, on a thread (ctypes lets go of the GIL; a malloc from
+        the arena being trimmed waits for it, as in the broker's housekeeping)."""
+        if self.direct_socket is None:
+            return
+        guard = self._fd_guard
+        used = guard.used if guard is not None else open_descriptors()  # (the guard has just listed them)
+        if not self._closes.look(used) or (self._trimming is not None and self._trimming.is_alive()):
+            return
+        self._closes.trimmed()
+        self._trimming = threading.Thread(target=trim_heap, name="trim-heap", daemon=True)
+        self._trimming.start()
 
     def _on_lease_end(self, end: P.LeaseEnd) -> None:
         """LEASE_END from the broker: forget the lease; what it holds finishes and answers

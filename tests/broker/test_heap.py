@@ -48,3 +48,19 @@ def test_the_client_sdk_never_freezes_its_host_applications_heap():
         mods = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert "freeze_startup_heap" not in names and "freeze" not in names, path
         assert "broker.protocol.heap" not in mods, path
+
+
+def test_descriptors_closed_between_looks_add_up_to_a_trim():
+    """`ClosesSeen` (a worker's housekeeping): each fall of the descriptor count between two
+    looks counts, rises do not undo it, and a trim is due once `TRIM_AFTER_CLOSES` closed."""
+    from broker.protocol.heap import TRIM_AFTER_CLOSES, ClosesSeen
+
+    c = ClosesSeen()
+    assert not c.look(2000)  # the first look: nothing to compare with
+    assert not c.look(2000 - TRIM_AFTER_CLOSES // 2)
+    assert not c.look(3000)  # a crowd came: nothing closed
+    assert not c.look(-1)  # could not list: no change
+    assert c.look(3000 - TRIM_AFTER_CLOSES // 2)
+    assert c.look(3000 - TRIM_AFTER_CLOSES // 2)  # still due until trimmed
+    c.trimmed()
+    assert not c.look(3000 - TRIM_AFTER_CLOSES // 2 - 1)  # counted afresh after a trim
