@@ -34,6 +34,7 @@ import enum
 import hmac
 import logging
 import os
+import socket
 import time
 from collections import OrderedDict
 from typing import NamedTuple
@@ -257,6 +258,12 @@ class LeaseTable:
         self._requests.pop((route, rid), None)
         return True
 
+    def holds(self, route: bytes) -> bool:
+        """Whether connection ``route`` has a request in flight (whether or not its lease
+        ended since): its client waits on it for that answer.  O(requests in flight), which
+        the leases' slots bound: for a rare path (a connection found not reading)."""
+        return any(entry[1] == route for entry in self._keys.values())
+
     def in_flight(self, lease_id: bytes) -> int:
         lease = self.leases.get(lease_id)
         return 0 if lease is None else len(lease.in_flight)
@@ -320,6 +327,13 @@ class DirectSocket:
 
     #: replies queued per connection before further ones are dropped
     sndhwm = 10_000
+    #: messages read ahead from one connection before libzmq stops reading it (backpressure):
+    #: a leaseholder has at most its lease's slots in flight (more are refused), and a peer
+    #: sending faster than the worker refuses it held 100,000 of its requests (about 120 MB)
+    #: per connection (the churn hunt); the broker's default for its clients
+    rcvhwm = 4096
+    #: connections remembered by `note_refused` and `end_connection`
+    REMEMBER = 4096
 
     def __init__(self, ctx: zmq.Context, *, path: str | None = None, link: bool = True, tcp: str | None = None,
                  curve: tuple[bytes, bytes] | None = None, heartbeat_s: float | None = None,
@@ -337,7 +351,7 @@ class DirectSocket:
         seed_routing_ids()  # libzmq's own ids for the peers: unpredictable (broker.protocol.wire)
         sock = ctx.socket(zmq.ROUTER)
         sock.linger = 0
-        sock.rcvhwm = 100_000
+        sock.rcvhwm = self.rcvhwm
         sock.sndhwm = self.sndhwm
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable or full: an error we count, not a silent drop
         # A frame no larger than the broker takes by default (--max-frame-mb): a leaseholder
@@ -388,6 +402,9 @@ class DirectSocket:
         self.endpoint = "ipc://" + path if tcp is None else sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.dropped = 0                  # replies that could not be queued
         self.impostors = 0                # ROUTER messages dropped for a link-shaped routing id
+        self.ended = 0                    # connections ended for not reading their replies (`end_connection`)
+        self._refused_conns: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # route -> (fd, inode)
+        self._ended_routes: OrderedDict[bytes, None] = OrderedDict()
         self.link: LinkServer | None = None
         link_path = (path[:-4] if path.endswith(".ipc") else path) + ".link"
         if link and len(link_path.encode()) > _MAX_IPC_PATH:
@@ -425,6 +442,60 @@ class DirectSocket:
             self.dropped += 1
             self._bad.warning("a reply on the direct socket was dropped: its client is gone")
         return sent
+
+    def note_refused(self, route: bytes, frame) -> None:
+        """A request on ROUTER connection ``route`` was refused (it never ran); ``frame``: a
+        frame of it, read just now.  The first time, the connection's descriptor and socket
+        inode are noted, for `end_connection` (a frame of the local link, which retires its
+        own connections, notes nothing).  Bounded: the latest `REMEMBER` connections."""
+        known = self._refused_conns
+        if route in known or route in self._ended_routes:
+            return
+        try:
+            fd = frame.get(zmq.SRCFD)
+            ino = os.fstat(fd).st_ino if fd is not None and fd >= 0 else None
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError, OSError):
+            return
+        if ino is None:
+            return
+        known[route] = (fd, ino)
+        while len(known) > self.REMEMBER:
+            known.popitem(last=False)
+
+    def end_connection(self, route: bytes) -> bool:
+        """Shut down ROUTER connection ``route``, whose queue was just found full, and
+        whose descriptor `note_refused` noted: libzmq sees it end, closes it and frees what
+        waits in its queue (it keeps a connected peer's queue until the connection ends), as
+        the broker ends a client's that stopped reading.  libzmq owns the descriptor: only
+        the connection is ended, through a copy of it, and only if it is still the socket
+        noted (same inode: libzmq reuses a closed connection's number for the next it
+        accepts).  Whether it was; a connection is ended once (what it sent before, read
+        after, finds it ended: `ended_route`)."""
+        noted = self._refused_conns.pop(route, None)
+        if noted is None:
+            return False
+        fd, ino = noted
+        try:
+            conn = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            return False
+        with conn:
+            try:
+                if os.fstat(conn.fileno()).st_ino != ino:
+                    return False
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                return False
+        ended = self._ended_routes
+        ended[route] = None
+        while len(ended) > self.REMEMBER:
+            ended.popitem(last=False)
+        self.ended += 1
+        return True
+
+    def ended_route(self, route: bytes) -> bool:
+        """Whether `end_connection` ended ``route`` (its latest `REMEMBER`)."""
+        return route in self._ended_routes
 
     def _wait_room(self, frames, wait: float, tick) -> "bool | Unsent":
         """Send ``frames`` blocking, for up to ``wait`` seconds in all: libzmq wakes a

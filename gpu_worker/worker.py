@@ -2118,7 +2118,7 @@ class Worker:
         key = b"L" + self._lease_seq.to_bytes(8, "big")  # 9 bytes: never a broker token
         lease = self.leases.admit(route, rid, key)
         if type(lease) is Refusal:
-            self._direct_send(route, P.error_body(rid, lease.code, lease.message))
+            self._direct_send(route, P.error_body(rid, lease.code, lease.message), source=head)
             return
         if service != self._service_b or req is None or error is not None:
             job = Job(key, P.Request(id=rid), None, None, now, None, None, route)
@@ -2193,7 +2193,8 @@ class Worker:
         self._direct_send(route, P.error_body(
             rid, P.ErrorCode.QUEUE_FULL,
             f"this worker is running another's batch ({ran_ms:.0f} ms so far) and would start this request only "
-            "after it; send this one through the broker, which can start it on an idle worker (it did not run)"))
+            "after it; send this one through the broker, which can start it on an idle worker (it did not run)"),
+            source=head or None)
         return True
 
     def _bounce_pending(self) -> None:
@@ -2393,12 +2394,28 @@ class Worker:
             # (QUEUE_FULL: "resend it through the broker") is counted by the broker then.
             self._leased_dropped += dropped
 
-    def _direct_send(self, route: bytes, body: list, final: bool = True) -> None:
+    def _direct_send(self, route: bytes, body: list, final: bool = True, source=None) -> None:
         """A FINAL (or PARTIAL) to connection ``route`` of the direct socket: the frames the
         broker would relay, after the routing id.  A FINAL that meets a full queue is held
-        (`_hold`): its client waits for it."""
+        (`_hold`): its client waits for it.  ``source``: a frame of the message this FINAL
+        refuses (a request that never ran), read just now: a full queue then ends the
+        connection instead (`DirectSocket.end_connection`) when nothing is in flight on it:
+        its client has 10,000 answers unread and waits for none, and a peer that sent
+        requests without reading held that much of the worker's memory per connection, on
+        as many connections as it made (the churn hunt).  A connection with a request in
+        flight (a client paused in a stream, say) keeps its answers held: what the leases'
+        slots bound."""
         frames = [route, *P.client_reply(final, self._service_b, body)]
-        if self.direct_socket.send(frames) is Unsent.FULL and final:
+        ds = self.direct_socket
+        if source is not None:
+            if ds.ended_route(route):
+                return  # sent before its connection was ended, read after: for nobody
+            ds.note_refused(route, source)
+        if ds.send(frames) is Unsent.FULL and final:
+            if source is not None and not self.leases.holds(route) and ds.end_connection(route):
+                self._bad_direct.warning("ended a connection to the direct socket that does not read its replies "
+                                         "(%d wait for it); what waited is dropped", ds.sndhwm)
+                return
             self._held_seq += 1
             self._hold(self._held_seq, frames, None)
 

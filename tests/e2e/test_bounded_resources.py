@@ -1052,6 +1052,126 @@ def test_a_worker_gives_back_the_memory_of_direct_connections_that_left(cluster)
         holder.close(0)
 
 
+def test_a_connection_that_does_not_read_its_refusals_on_a_direct_socket_is_ended(cluster):
+    """A REQUEST on a worker's direct socket that may not run (no HELLO, the lease's slots
+    all in flight, its lease ended) is answered at once (400, 429, 503), and libzmq queues up
+    to 10,000 answers for a connection (`DirectSocket.sndhwm`).  A peer that sent requests
+    without reading held that much of the worker's memory per connection, with no bound on
+    its connections: five such connections of 12,000 requests grew the worker by 70 MB (the
+    churn hunt).  A refusal that finds its connection's queue full, nothing in flight on it,
+    now ends that connection (its client stopped reading: 10,000 answers wait for it), as
+    the broker drops a client that stopped reading, and libzmq frees what waited for it;
+    the worker serves on."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    cluster.broker()
+    worker = cluster.worker("echo", "--direct", "--no-link")
+    holder = _dealer(cluster.frontend)
+    ctx = zmq.Context()
+    socks = []
+    mon = None
+    try:
+        holder.send_multipart(P.client_heartbeat())
+        holder.send_multipart(P.client_lease("echo", P.encode_header(P.LeaseAsk(id=1, slots=2))))
+        info = None
+        while info is None:
+            assert holder.poll(10_000), "no LEASED"
+            frames = holder.recv_multipart()
+            if frames[1] == P.C_LEASED:
+                info = P.decode_lease_info(frames[3])
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        s.rcvhwm = 1  # what waits is the worker's
+        s.sndhwm = 0
+        socks.append(s)
+        mon = s.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        s.connect(info.endpoint)
+        request = _request("echo", 1, b"\0" * 16, "|u1", [16])
+        for _ in range(15_000):  # no HELLO: each is answered 400, and none is read
+            s.send_multipart(request)
+        worker.wait_log("ended a connection to the direct socket that does not read its replies")
+        # Now it reads: what reached it before the end, then the end (a DEALER that reads
+        # nothing never looks at its connection: it sees the end only now).
+        deadline, read = time.monotonic() + 10, 0
+        while not mon.poll(0):
+            assert time.monotonic() < deadline, f"the connection did not end; {read} answers read"
+            while s.poll(50):
+                s.recv_multipart()
+                read += 1
+        assert recv_monitor_message(mon)["event"] == zmq.EVENT_DISCONNECTED
+        assert read < 10_000, f"{read} answers came: what waited for the connection was not dropped"
+        # The worker serves on: a leaseholder's request, on a connection of its own.
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        socks.append(s)
+        s.connect(info.endpoint)
+        s.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=info.lease, secret=info.secret))])
+        s.send_multipart(_request("echo", 2, b"\1" * 16, "|u1", [16]))
+        assert s.poll(10_000), "no answer on the direct socket"
+        head = P.decode_reply(P.parse_broker_to_client(s.recv_multipart()).body[0])
+        assert head.id == 2 and head.error is None, head
+    finally:
+        if mon is not None:
+            mon.close(0)
+        for s in socks:
+            s.close(0)
+        ctx.term()
+        holder.close(0)
+
+
+def test_a_worker_reads_a_bounded_backlog_from_one_direct_connection(cluster, gate, tmp_path):  # noqa: F811
+    """While the worker's loop runs a long batch, libzmq reads ahead what a connection to its
+    direct socket sends, up to the socket's receive high-water mark, into the worker's
+    memory.  It was 100,000 messages per connection (the broker link's): a peer sending
+    faster than the worker refuses it held that many of its requests in the worker, per
+    connection (20 connections: 390 MB at peak; the churn hunt).  A leaseholder never has
+    more than its lease's slots in flight, so the socket now reads at most
+    `DirectSocket.rcvhwm` (4,096) ahead of the worker: past it, the peer's sends wait."""
+    from gpu_worker.leases import DirectSocket
+
+    cluster.broker()
+    cluster.worker("gate_model:held", "--direct", "--no-link",
+                   env={**gate.env, "SLEEPY_LOG": str(tmp_path / "runs.log")})
+    gate.open()
+    holder = _dealer(cluster.frontend)
+    flood = None
+    try:
+        holder.send_multipart(P.client_heartbeat())
+        holder.send_multipart(P.client_lease("held", P.encode_header(P.LeaseAsk(id=1, slots=1))))
+        info = None
+        while info is None:
+            assert holder.poll(10_000), "no LEASED"
+            frames = holder.recv_multipart()
+            if frames[1] == P.C_LEASED:
+                info = P.decode_lease_info(frames[3])
+        x = np.array([-1.0])  # held until the gate opens: the worker's loop is busy meanwhile
+        holder.send_multipart(_request("held", 7, x.tobytes(), x.dtype.str, [1]))
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "runs.log").exists():
+            assert time.monotonic() < deadline, "the held call never started"
+            time.sleep(0.005)  # polling a file (a condition, not a delay)
+        flood = zmq.Context.instance().socket(zmq.DEALER)
+        flood.linger = 0
+        flood.sndhwm = 1000
+        flood.connect(info.endpoint)
+        request = _request("held", 1, b"\0" * 1024, "|u1", [1024])  # no HELLO: never runs
+        sent, most = 0, 10 * DirectSocket.rcvhwm
+        while sent < most:
+            try:
+                flood.send_multipart(request, zmq.NOBLOCK)
+                sent += 1
+            except zmq.Again:
+                if not flood.poll(300, zmq.POLLOUT):  # the worker's side stopped reading it
+                    break
+        assert sent < 3 * DirectSocket.rcvhwm, (
+            f"the worker took {sent} messages from one connection while its loop was busy")
+    finally:
+        gate.release()
+        if flood is not None:
+            flood.close(0)
+        holder.close(0)
+
+
 def test_a_client_within_a_raised_request_cap_is_not_taken_for_one_that_stopped_reading(cluster):
     """`--client-hwm` defaults to the request cap, so that a client that pipelines within it
     is never taken for one that stopped reading.  Raising `--max-client-requests` alone left

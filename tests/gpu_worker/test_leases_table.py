@@ -185,3 +185,18 @@ def test_a_leaseholder_that_churns_connections_holds_a_bounded_table():
     assert t.lease_of(b"again") is lease
     t.end(lid, "client_done")
     assert not t._routes and not lease.routes
+
+
+def test_holds_says_whether_a_connection_has_a_request_in_flight(table):
+    """`holds` (a refusal that meets a full queue ends the connection only when it holds
+    nothing: the worker's `_direct_send`), whether or not the lease ended since."""
+    lid = P.lease_id(1)
+    table.hello(A, lid, SECRET)
+    table.hello(B, lid, SECRET)
+    assert not table.holds(A) and not table.holds(b"stranger")
+    table.admit(A, 1, b"k1")
+    assert table.holds(A) and not table.holds(B)
+    table.end(lid, "drain")
+    assert table.holds(A)  # its answer is still owed on it
+    table.finish(b"k1")
+    assert not table.holds(A)
