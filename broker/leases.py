@@ -19,7 +19,8 @@ the worker always knows a lease before the client can use it), then ACTIVE until
   worker lives (the worker stopping, a drain, the client done) still has that worker owe
   its requests in flight their replies: should it die before it says DISCONNECT (it would
   have finished them first), the client is told again, ``worker_failed`` with ``resend``
-  (the worker keeps a note of such leases, ``stopped``: the latest ``MAX_STOPPED_NOTES``);
+  (the worker keeps a note of such leases, ``stopped``: the latest ``MAX_STOPPED_NOTES``, of
+  them the latest ``MAX_CLIENT_NOTES`` of a principal, forgotten with their client);
 - the broker drains (``end_leases``): both are told.
 
 Lease ids are the scheduler's own counter (unique for the broker's life; the server makes
@@ -52,6 +53,11 @@ T_LEASE = 6  # the scheduler's timer kind for a lease not yet confirmed (state.p
 #: The trade-off: a request still running on a lease that ended 1024 lease ends before its
 #: worker died without DISCONNECT gets no resend from here (its call waits for its deadline)
 MAX_STOPPED_NOTES = 1024
+#: of those notes, one principal's kept at most, all workers together, its oldest forgotten
+#: first: a client that asked for a lease and gave it back in a loop pushed every other
+#: client's notes out of a worker's MAX_STOPPED_NOTES (a client that gave a lease back with a
+#: call on it then waited for the call's deadline when the worker died; the churn hunt)
+MAX_CLIENT_NOTES = 256
 # What a worker may give as its reason to end a lease; anything else is taken as stopping.
 WORKER_REASONS = frozenset({WORKER_STOPPING, SCALE_DOWN, DRAIN})
 
@@ -152,6 +158,11 @@ class LeaseEvents:
         self._leases: dict[int, _Lease] = {}
         self._client_leases: dict[bytes, dict[int, _Lease]] = {}
         self._principal_leased: dict[object, int] = {}  # slots leased, per principal (capped)
+        # The notes of ended leases (``_Worker.stopped``, `_note`) by principal, oldest first
+        # (lease id -> its worker), and each noted client's principal: a principal keeps
+        # MAX_CLIENT_NOTES, and a client's go with it (`_end_client_leases`).
+        self._notes: dict[object, dict[int, object]] = {}
+        self._note_key: dict[bytes, object] = {}
         self._lease_seq = 0
 
     # ------------------------------------------------------------------ events
@@ -359,10 +370,7 @@ class LeaseEvents:
             # Ended while its worker lives (stopping, drain, scale-down, the client done):
             # the worker still owes its requests in flight their replies, so should it die
             # before it says DISCONNECT, the client resends them (`_end_worker_leases`).
-            notes = lease.worker.stopped
-            notes[lease.id] = (lease.client, lease.svc.name)
-            if len(notes) > MAX_STOPPED_NOTES:
-                del notes[next(iter(notes))]  # the oldest (dicts keep insertion order)
+            self._note(lease)
         self._counters["leases_ended"] += 1
         if tell_worker and lease.worker.alive:
             out.append(LeaseEndToWorker(lease.worker.ident, lease.id, reason))
@@ -381,8 +389,9 @@ class LeaseEvents:
         for lease in list(w.leases.values()):
             self._end(lease, WORKER_FAILED, out, tell_worker=False, resend=True)
         stopped, w.stopped = w.stopped, {}
-        if failed:
-            for lid, (client, service) in stopped.items():
+        for lid, (client, service, key) in stopped.items():
+            self._unnote(key, lid)
+            if failed:
                 out.append(LeaseEndToClient(client, service, lid, WORKER_FAILED, True))
 
     def _leases_resumed(self, lost: float, now: float) -> None:
@@ -404,6 +413,47 @@ class LeaseEvents:
         self._dirty[lease.svc] = None
 
     def _end_client_leases(self, client: bytes, out: list) -> None:
-        """``client`` went away: its workers drop its leases."""
+        """``client`` went away: its workers drop its leases, and the notes of those it
+        ended (nobody is left to tell)."""
         for lease in list(self._client_leases.get(client, {}).values()):
             self._end(lease, CLIENT_GONE, out, tell_client=False)
+        key = self._note_key.pop(client, None)
+        mine = self._notes.get(key) if key is not None else None
+        if mine:
+            for lid, w in list(mine.items()):
+                note = w.stopped.get(lid)
+                if note is not None and note[0] == client:
+                    del w.stopped[lid]
+                    del mine[lid]
+            if not mine:
+                del self._notes[key]
+
+    def _noted(self, client: bytes) -> bool:
+        """Whether a note of a lease ``client`` ended is kept (`_note`)."""
+        key = self._note_key.get(client)
+        mine = self._notes.get(key) if key is not None else None
+        return bool(mine) and any(w.stopped.get(lid, (None,))[0] == client for lid, w in mine.items())
+
+    def _note(self, lease) -> None:
+        """Note a lease ended while its worker lives (``_Worker.stopped``): the latest
+        MAX_STOPPED_NOTES of the worker, and the latest MAX_CLIENT_NOTES of the principal."""
+        w = lease.worker
+        key = lease.client if lease.principal is None else lease.principal
+        notes = w.stopped
+        notes[lease.id] = (lease.client, lease.svc.name, key)
+        mine = self._notes.setdefault(key, {})
+        mine[lease.id] = w
+        self._note_key[lease.client] = key
+        if len(mine) > MAX_CLIENT_NOTES:
+            lid = next(iter(mine))  # its oldest (dicts keep insertion order)
+            mine.pop(lid).stopped.pop(lid, None)
+        if len(notes) > MAX_STOPPED_NOTES:
+            lid = next(iter(notes))  # the worker's oldest
+            self._unnote(notes.pop(lid)[2], lid)
+
+    def _unnote(self, key, lid: int) -> None:
+        mine = self._notes.get(key)
+        if mine is not None:
+            mine.pop(lid, None)
+            if not mine:
+                del self._notes[key]

@@ -2248,7 +2248,8 @@ class Scheduler(LeaseEvents):
         """``client`` is dropped for its silence: if it holds something (queued or running
         requests, leases), its next record gets a new number (client_epoch)."""
         mine = self._requests.get(client)
-        if self._client_leases.get(client) or (mine and any(r.state in (_QUEUED, _RUNNING) for r in mine.values())):
+        if (self._client_leases.get(client) or self._noted(client)
+                or (mine and any(r.state in (_QUEUED, _RUNNING) for r in mine.values()))):
             renamed = self._renamed
             renamed.pop(client, None)
             renamed[client] = next(self._epochs)

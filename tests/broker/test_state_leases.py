@@ -374,3 +374,32 @@ def test_a_revoked_principals_leases_end_and_others_keep_theirs():
     assert s.principal_revoked("curve:AAA", 1.1, "removed") == []  # nothing left of it
     assert s.leases_of("svc") == 1  # the other key's lease stands
     assert s.worker_leased(b"w", p.lease, 1.2) == []  # the worker's late confirmation changes nothing
+
+
+def test_a_client_churning_leases_pushes_out_no_other_clients_note_and_leaves_none_behind():
+    """A note of a lease ended while its worker lives (the client told to resend, should the
+    worker die before DISCONNECT) is per worker, the latest MAX_STOPPED_NOTES kept: a client
+    that asked for a lease and gave it back in a loop pushed every other client's note out
+    (a client that gave its lease back with a call on it then waited for that call's
+    deadline when the worker died), and its own notes stayed after it left (the churn hunt).
+    One principal's notes are the latest MAX_CLIENT_NOTES, and go with the client."""
+    from broker import leases as L
+
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0, credit=8, direct=EP)
+    mine, _ = granted(s, client=b"honest", ask_id=1)
+    only(s.client_lease_end(b"honest", mine.lease, 0.5), LeaseEndToWorker)  # given back, a call on it
+    for i in range(L.MAX_STOPPED_NOTES + 10):
+        to_w, _ = granted(s, 1.0, client=b"churner", ask_id=i)
+        s.client_lease_end(b"churner", to_w.lease, 1.0)
+    w = s._workers[b"w"]
+    assert any(c == b"honest" for c, *_ in w.stopped.values()), (
+        f"{L.MAX_STOPPED_NOTES + 10} leases given back by another client pushed out the note of this one")
+    assert sum(1 for c, *_ in w.stopped.values() if c == b"churner") == L.MAX_CLIENT_NOTES
+    s.client_disconnect(b"churner", 2.0)
+    assert [c for c, *_ in w.stopped.values()] == [b"honest"], "the churner's notes stayed after it left"
+    assert not s._notes.get(b"churner") and b"churner" not in s._note_key
+    out = s.worker_disconnect(b"w", 3.0, failed=True)
+    assert of(out, LeaseEndToClient) == [LeaseEndToClient(b"honest", "svc", mine.lease, WORKER_FAILED, True)]
+    s.client_disconnect(b"honest", 4.0)
+    assert not s._notes and not s._note_key

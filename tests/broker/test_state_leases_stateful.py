@@ -127,6 +127,8 @@ class LeaseMachine(SchedulerMachine):
     def client_gone(self, client):
         super().client_gone(client)
         self.departed.add(client)
+        # The notes of the leases it ended go with it: nobody is left to tell.
+        self.noted = {lid: le for lid, le in self.noted.items() if le["client"] != client}
         for key in self.asks:  # a client that went away is owed no answer
             if key[0] == client:
                 self.asks[key] = 1
