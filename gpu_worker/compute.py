@@ -69,15 +69,16 @@ class ComputeTimes:
         self.heartbeat_interval = float(heartbeat_interval)
         self._seconds: dict[int, float] = {}
         self._last: dict[int, tuple[float, float]] = {}  # n -> the last two measurements
-        self._floor = 0.0      # `floor()`, kept as batches are observed (read after every batch)
-        self._floor_n = None   # the batch size it is of
+        self._recent: dict[int, float] = {}  # n -> `recent(n)`, kept as batches are observed
+        self._floor = 0.0  # `floor()`: the least of them (read after every batch)
 
     def seed(self, timings: Mapping[int, float]) -> None:
         """Take warm-up timings (batch size -> seconds) as the current estimates."""
         self._seconds.update(timings)
         for n, seconds in timings.items():
             self._last[n] = (seconds, seconds)
-        self._refloor()
+            self._recent[n] = self._seconds[n]
+        self._floor = min(self._recent.values()) if self._recent else 0.0
 
     def predict(self, n: int) -> float | None:
         """Expected seconds for a batch of ``n``; None when no batch of that size ran yet."""
@@ -103,25 +104,16 @@ class ComputeTimes:
         would end past its deadline."""
         return self._floor
 
-    def _refloor(self) -> None:
-        best, best_n = 0.0, None
-        for n in self._seconds:
-            t = self.recent(n)
-            if t is not None and (best_n is None or t < best):
-                best, best_n = t, n
-        self._floor, self._floor_n = best, best_n
-
     def observe(self, n: int, seconds: float) -> None:
         prev = self._seconds.get(n)
-        self._seconds[n] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
+        avg = self._seconds[n] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
         last = self._last.get(n)
-        self._last[n] = (seconds, seconds if last is None else last[0])
-        # The floor, kept: a look at every size only when the quickest one got slower.
-        t = self.recent(n)
-        if self._floor_n is None or t < self._floor:
-            self._floor, self._floor_n = t, n
-        elif n == self._floor_n:
-            self._refloor()
+        before = seconds if last is None else last[0]
+        self._last[n] = (seconds, before)
+        # `recent(n)` and the floor, kept (the least over the sizes: a few, in C)
+        recent = self._recent
+        recent[n] = min(avg, seconds, before)
+        self._floor = min(recent.values())
 
     def offload(self, n: int) -> bool:
         """Whether a batch of ``n`` goes to the compute thread: its time is unknown or

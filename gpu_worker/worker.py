@@ -1536,8 +1536,10 @@ class Worker:
             # batch's predictions and keep-warm's idle clock read them, nothing before).
             if error is None and not any(type(o) is ModelFailed for o in outputs):
                 # (a batch run again in parts says nothing of what a batch of n costs)
-                self.compute_times.observe(n, seconds)
-                self._set_margin()
+                ct = self.compute_times
+                ct.observe(n, seconds)
+                if not self._streaming:  # `_set_margin`, inline: after every batch
+                    self.batcher.deadline_margin = ct._floor
             self.keep_warm.busy(seconds, time.monotonic())
             if self.counts and error is None:
                 self._hist["batch"].observe(n)
