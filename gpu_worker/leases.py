@@ -35,6 +35,7 @@ import hmac
 import logging
 import os
 import socket
+import struct
 import time
 from collections import OrderedDict
 from typing import NamedTuple
@@ -400,6 +401,7 @@ class DirectSocket:
         self.path = path
         # what Ready.direct names
         self.endpoint = "ipc://" + path if tcp is None else sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._port = None if tcp is None else int(self.endpoint.rsplit(":", 1)[1])  # (`_same_peer`)
         self.dropped = 0                  # replies that could not be queued
         self.impostors = 0                # ROUTER messages dropped for a link-shaped routing id
         self.ended = 0                    # connections ended for not reading their replies (`end_connection`)
@@ -447,20 +449,55 @@ class DirectSocket:
         """A request on ROUTER connection ``route`` was refused (it never ran); ``frame``: a
         frame of it, read just now.  The first time, the connection's descriptor and socket
         inode are noted, for `end_connection` (a frame of the local link, which retires its
-        own connections, notes nothing).  Bounded: the latest `REMEMBER` connections."""
+        own connections, notes nothing).  Bounded: the latest `REMEMBER` connections.
+
+        libzmq hands over what a connection sent before it closed after it closed its
+        descriptor, whose number the process may have given to something else meanwhile
+        (the lowest free one): the socket under that number is noted only if it is a
+        connection to this socket, of the peer libzmq recorded for the message
+        (`_same_peer`); else nothing is, and the connection is never ended by us."""
         known = self._refused_conns
         if route in known or route in self._ended_routes:
             return
         try:
             fd = frame.get(zmq.SRCFD)
-            ino = os.fstat(fd).st_ino if fd is not None and fd >= 0 else None
-        except (zmq.ZMQError, AttributeError, TypeError, ValueError, OSError):
+            peer = frame.get("Peer-Address")
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
             return
-        if ino is None:
+        if fd is None or fd < 0:
             return
+        try:
+            conn = socket.socket(fileno=os.dup(fd))
+        except OSError:  # closed, or not a socket
+            return
+        with conn:
+            try:
+                if not self._same_peer(conn, peer):
+                    return
+                ino = os.fstat(conn.fileno()).st_ino
+            except OSError:
+                return
         known[route] = (fd, ino)
         while len(known) > self.REMEMBER:
             known.popitem(last=False)
+
+    def _same_peer(self, conn: socket.socket, peer: str) -> bool:
+        """Whether ``conn`` is a connection accepted by this socket (its local address the
+        socket's own, not listening) from ``peer``, libzmq's Peer-Address of a message: an
+        ipc peer's "host:uid:gid:pid" (the same process: the kernel's word), a tcp one's
+        address (the same host: libzmq records no port, so another connection from that
+        address that took the number in between passes).  OSError from the socket calls."""
+        if conn.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return False
+        if not self.tcp:
+            if conn.family != socket.AF_UNIX or conn.getsockname() != self.path:
+                return False
+            pid, uid, gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                               struct.calcsize("3i")))
+            return peer.split(":")[-3:] == [str(uid), str(gid), str(pid)]
+        if conn.family not in (socket.AF_INET, socket.AF_INET6) or conn.getsockname()[1] != self._port:
+            return False
+        return conn.getpeername()[0] == peer
 
     def end_connection(self, route: bytes) -> bool:
         """Shut down ROUTER connection ``route``, whose queue was just found full, and
@@ -469,8 +506,9 @@ class DirectSocket:
         the broker ends a client's that stopped reading.  libzmq owns the descriptor: only
         the connection is ended, through a copy of it, and only if it is still the socket
         noted (same inode: libzmq reuses a closed connection's number for the next it
-        accepts).  Whether it was; a connection is ended once (what it sent before, read
-        after, finds it ended: `ended_route`)."""
+        accepts), itself checked to be a connection of the peer that sent the refused
+        request when it was noted.  Whether it was; a connection is ended once (what it sent
+        before, read after, finds it ended: `ended_route`)."""
         noted = self._refused_conns.pop(route, None)
         if noted is None:
             return False

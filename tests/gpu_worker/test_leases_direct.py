@@ -628,3 +628,192 @@ def test_the_local_link_takes_a_connection_for_every_lease_the_credit_allows(tmp
         assert w.direct_socket.link is not None and w.direct_socket.link.max_conns == conns
     finally:
         w.close()
+
+
+def _gone(fd: int, ino: int) -> None:
+    """Wait until descriptor ``fd`` no longer holds socket ``ino`` (libzmq closed it)."""
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            if os.fstat(fd).st_ino != ino:
+                return
+        except OSError:
+            return
+        assert time.monotonic() < deadline, "libzmq did not close the connection's descriptor"
+        time.sleep(0.005)  # polling a condition (the I/O thread's close), not a delay
+
+
+def test_a_refusal_read_after_its_connection_closed_never_ends_the_socket_that_took_its_descriptor(worker):
+    """A refusal that finds its connection's queue full, nothing in flight on it, ends that
+    connection through the descriptor libzmq read its first refused request from
+    (`DirectSocket.end_connection`).  libzmq still hands over what a connection sent before
+    it closed, after it closed its descriptor, and the process may have opened something
+    else under that number meanwhile (the lowest free one): noted then, that socket, the
+    worker's own (its broker connection, a local link connection, ...), was shut down in
+    place of the connection that had left (the review of the churn hunt)."""
+    import socket
+
+    ds = worker.direct_socket
+    h = _dealer(worker)
+    h.rcvhwm = 1  # what waits for it is the worker's
+    h.send_multipart(P.client_heartbeat())  # taken silently: nothing refused, nothing noted
+    assert ds.sock.poll(5000), "nothing reached the direct socket"
+    frames = ds.next_message(link=False)
+    route, fd = bytes(frames[0]), frames[1].get(zmq.SRCFD)
+    ino = os.fstat(fd).st_ino
+    worker._on_direct_frames(frames, time.monotonic())
+    # Its queue fills, as with its lease's FINALs (nothing refused so far), ...
+    reply = [route, *P.client_reply(True, b"echo", P.error_body(1, 500, "filler"))]
+    while ds.send(reply) is True:
+        pass
+    # ... it sends a request that will be refused (no HELLO), and leaves.
+    _request(h, 9, np.zeros(4, dtype=np.uint8))
+    h.linger = 5000  # (sent before it closes)
+    h.close()
+    _gone(fd, ino)
+    a, b = socket.socketpair()  # a socket of the worker's own takes the number
+    os.dup2(a.fileno(), fd)
+    try:
+        refused = len(worker._held)
+        _take(worker, lambda: ds.ended or len(worker._held) > refused)
+        b.settimeout(5)
+        a.settimeout(5)
+        try:
+            b.sendall(b"ping")
+            got = a.recv(4)
+        except OSError as e:
+            got = repr(e)
+        assert got == b"ping" and ds.ended == 0, (
+            f"a socket that took the descriptor of a connection that had left was shut down ({got!r}, "
+            f"{ds.ended} ended)")
+    finally:
+        os.close(fd)
+        a.close()
+        b.close()
+
+
+_LEAVER = """
+import sys, zmq
+from broker import protocol as P
+s = zmq.Context.instance().socket(zmq.DEALER)
+s.rcvhwm = 1
+s.connect(sys.argv[1])
+s.send_multipart(P.client_heartbeat())
+sys.stdin.readline()
+s.send_multipart(P.client_request("echo", [b"no header, no HELLO"]))
+s.linger = 5000
+s.close()
+zmq.Context.instance().term()
+"""
+
+
+def test_a_refusal_read_after_its_connection_closed_never_ends_another_process_connection(worker):
+    """As above, the number taken by another client's connection to the direct socket (the
+    lowest free number: what a busy worker accepts next): that client's connection was shut
+    down for a peer that had left."""
+    import socket
+    import subprocess
+    import sys
+
+    ds = worker.direct_socket
+    leaver = subprocess.Popen([sys.executable, "-c", _LEAVER, ds.endpoint], stdin=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": os.getcwd()})
+    c = None
+    held: list[int] = []
+    try:
+        assert ds.sock.poll(10_000), "nothing reached the direct socket"
+        frames = ds.next_message(link=False)
+        route, fd = bytes(frames[0]), frames[1].get(zmq.SRCFD)
+        ino = os.fstat(fd).st_ino
+        worker._on_direct_frames(frames, time.monotonic())
+        reply = [route, *P.client_reply(True, b"echo", P.error_body(1, 500, "filler"))]
+        while ds.send(reply) is True:  # its queue fills (as with its lease's FINALs)
+            pass
+        leaver.communicate(b"go\n", timeout=10)  # it sends a request that will be refused, and leaves
+        _gone(fd, ino)
+        # Another client connects: its connection takes the lowest free number, the leaver's.
+        null = os.open(os.devnull, os.O_RDONLY)
+        held.append(null)
+        for n in range(fd + 1):
+            try:
+                os.fstat(n)
+            except OSError:
+                held.append(os.dup2(null, n))
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # (its own number is not that one)
+        os.close(fd)
+        held.remove(fd)
+        c.connect(ds.path)
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                with socket.socket(fileno=os.dup(fd)) as conn:
+                    if conn.getsockname() == ds.path:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the new connection did not take the leaver's number"
+            time.sleep(0.005)  # polling a condition (libzmq's accept), not a delay
+        for n in held:
+            os.close(n)
+        held.clear()
+        refused = len(worker._held)
+        _take(worker, lambda: ds.ended or len(worker._held) > refused)
+        c.setblocking(False)
+        end = None
+        try:
+            while c.recv(4096):  # libzmq's greeting, then the end if it was shut down
+                pass
+            end = "shut down"
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            end = repr(e)
+        assert end is None and ds.ended == 0, (
+            f"another client's connection, which took the number of one that had left, was {end} "
+            f"({ds.ended} ended)")
+    finally:
+        for n in held:
+            os.close(n)
+        if c is not None:
+            c.close()
+        if leaver.poll() is None:
+            leaver.kill()
+        leaver.wait(5)
+
+
+@pytest.mark.parametrize("tcp", [False, True])
+def test_a_connection_that_does_not_read_is_ended_over_ipc_and_tcp(tmp_path, tcp):
+    """What the two tests above must not lose: a live connection whose queue is full, its
+    descriptor noted at a refusal, is ended (`DirectSocket.end_connection`), over ipc and
+    over tcp (the peer checks of `note_refused` pass for it), and its peer sees the end."""
+    from gpu_worker.leases import DirectSocket, Unsent
+
+    ctx = zmq.Context()
+    ds = DirectSocket(ctx, path=str(tmp_path / "w.ipc"), link=False, tcp="tcp://127.0.0.1:*" if tcp else None)
+    h = ctx.socket(zmq.DEALER)
+    h.linger = 0
+    h.rcvhwm = 1
+    mon = h.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        h.connect(ds.endpoint)
+        h.send_multipart(P.client_heartbeat())
+        assert ds.sock.poll(5000), "nothing reached the direct socket"
+        frames = ds.next_message(link=False)
+        route = bytes(frames[0])
+        ds.note_refused(route, frames[1])
+        reply = [route, *P.client_reply(True, b"echo", P.error_body(1, 400, "refused"))]
+        while ds.send(reply) is True:
+            pass
+        assert ds.send(reply) is Unsent.FULL
+        assert ds.end_connection(route) and ds.ended == 1 and ds.ended_route(route)
+        deadline = time.monotonic() + 5
+        while not mon.poll(0):
+            assert time.monotonic() < deadline, "the connection did not end"
+            while h.poll(20):
+                h.recv_multipart()
+    finally:
+        h.disable_monitor()
+        mon.close(0)
+        h.close(0)
+        ds.close()
+        ctx.term()
