@@ -317,6 +317,21 @@ def direct_socket_path(runtime_dir: str | None = None) -> str:
     return P.direct_socket_path(runtime_dir)
 
 
+def _socket_copy(fd: int) -> socket.socket | None:
+    """A socket object on a copy of descriptor ``fd`` (the caller closes it), or None when
+    ``fd`` is closed or not a socket (its copy closed: `socket.socket` keeps a descriptor it
+    refuses open, and each refusal of a connection whose number a file took leaked one)."""
+    try:
+        copy = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        return socket.socket(fileno=copy)
+    except OSError:
+        os.close(copy)
+        return None
+
+
 class DirectSocket:
     """The worker's direct socket: a ROUTER on an ipc path only this user can reach, or on a
     tcp address (``tcp``) as a CurveZMQ server that admits only the keys of the clients that
@@ -466,9 +481,8 @@ class DirectSocket:
             return
         if fd is None or fd < 0:
             return
-        try:
-            conn = socket.socket(fileno=os.dup(fd))
-        except OSError:  # closed, or not a socket
+        conn = _socket_copy(fd)
+        if conn is None:
             return
         with conn:
             try:
@@ -513,9 +527,8 @@ class DirectSocket:
         if noted is None:
             return False
         fd, ino = noted
-        try:
-            conn = socket.socket(fileno=os.dup(fd))
-        except OSError:
+        conn = _socket_copy(fd)
+        if conn is None:
             return False
         with conn:
             try:

@@ -817,3 +817,53 @@ def test_a_connection_that_does_not_read_is_ended_over_ipc_and_tcp(tmp_path, tcp
         h.close(0)
         ds.close()
         ctx.term()
+
+
+def test_a_noted_number_that_a_file_took_leaks_no_descriptor(tmp_path):
+    """`note_refused` and `end_connection` look at the socket under a noted number through a
+    copy of it; when the number holds a file by then (the connection left, and the worker
+    opened something else), `socket.socket` refused the copy and kept it open: a descriptor
+    leaked per refusal of such a connection (the review of the churn hunt)."""
+    from gpu_worker.leases import DirectSocket
+
+    def nulls() -> int:
+        n = 0
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{name}") == os.devnull
+            except OSError:
+                pass
+        return n
+
+    ctx = zmq.Context()
+    ds = DirectSocket(ctx, path=str(tmp_path / "w.ipc"), link=False)
+    h = ctx.socket(zmq.DEALER)
+    h.linger = 0
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        h.connect(ds.endpoint)
+        h.send_multipart(P.client_heartbeat())
+        assert ds.sock.poll(5000), "nothing reached the direct socket"
+        frames = ds.next_message(link=False)
+        route, fd, peer = bytes(frames[0]), frames[1].get(zmq.SRCFD), frames[1].get("Peer-Address")
+        ino = os.fstat(fd).st_ino
+        ds.note_refused(route, frames[1])  # noted: a live connection
+        h.close(0)
+        _gone(fd, ino)
+        os.dup2(null, fd)  # a file takes its number
+
+        class Frame:  # a later request of the route that left, read now
+            def get(self, what):
+                return fd if what == zmq.SRCFD else peer
+
+        before = nulls()
+        assert not ds.end_connection(route)
+        ds.note_refused(b"another", Frame())
+        ds.note_refused(b"another", Frame())
+        assert nulls() == before, f"{nulls() - before} descriptors leaked"
+        os.close(fd)
+    finally:
+        os.close(null)
+        h.close(0)
+        ds.close()
+        ctx.term()
