@@ -44,8 +44,8 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol.link import LinkServer
-from broker.protocol.wire import (DEAD_AFTER_BEATS, NOBLOCK, recv_frames, seed_routing_ids, send_frames, sock_events,
-                                  tcp_liveness, touched)
+from broker.protocol.wire import (DEAD_AFTER_BEATS, NOBLOCK, dup_socket, recv_frames, seed_routing_ids, send_frames,
+                                  sock_events, tcp_liveness, touched)
 
 __all__ = ["Lease", "Refusal", "LeaseTable", "DirectSocket", "DirectSocketError", "direct_socket_path", "Unsent",
            "NOT_BOUND", "WORKER_STOPPING", "LONG_BATCH_S", "MAX_ROUTES", "runs_long"]
@@ -317,21 +317,6 @@ def direct_socket_path(runtime_dir: str | None = None) -> str:
     return P.direct_socket_path(runtime_dir)
 
 
-def _socket_copy(fd: int) -> socket.socket | None:
-    """A socket object on a copy of descriptor ``fd`` (the caller closes it), or None when
-    ``fd`` is closed or not a socket (its copy closed: `socket.socket` keeps a descriptor it
-    refuses open, and each refusal of a connection whose number a file took leaked one)."""
-    try:
-        copy = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        return socket.socket(fileno=copy)
-    except OSError:
-        os.close(copy)
-        return None
-
-
 class DirectSocket:
     """The worker's direct socket: a ROUTER on an ipc path only this user can reach, or on a
     tcp address (``tcp``) as a CurveZMQ server that admits only the keys of the clients that
@@ -481,7 +466,7 @@ class DirectSocket:
             return
         if fd is None or fd < 0:
             return
-        conn = _socket_copy(fd)
+        conn = dup_socket(fd)
         if conn is None:
             return
         with conn:
@@ -527,7 +512,7 @@ class DirectSocket:
         if noted is None:
             return False
         fd, ino = noted
-        conn = _socket_copy(fd)
+        conn = dup_socket(fd)
         if conn is None:
             return False
         with conn:
