@@ -36,6 +36,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from broker import protocol as P
 from broker.protocol import curve as C
+from broker.protocol.wire import dup_socket
 
 __all__ = [
     "SecurityError", "SecurityConfig", "FRONTEND_DOMAIN", "BACKEND_DOMAIN", "make_keys",
@@ -428,9 +429,8 @@ def peer_is_tcp(frame: Any, unknown: bool = False) -> bool:
         fd = frame.get(zmq.SRCFD)
     except (zmq.ZMQError, AttributeError):
         return unknown
-    try:
-        s = socket.socket(fileno=os.dup(fd))
-    except OSError:
+    s = dup_socket(fd)
+    if s is None:  # closed, or not a socket (a file's by now: no copy left open)
         return unknown
     try:
         return s.family in (socket.AF_INET, socket.AF_INET6)

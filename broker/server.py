@@ -1576,9 +1576,8 @@ class Broker:
         fd = self._client_conn.get(ident)
         if fd is None:
             return
-        try:
-            conn = socket.socket(fileno=os.dup(fd))
-        except OSError:
+        conn = wire.dup_socket(fd)  # (None: closed, or a file's by now: no copy left open)
+        if conn is None:
             return
         with conn:
             if sock_events(self._frontend_events) & _POLLIN:

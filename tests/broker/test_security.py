@@ -380,3 +380,39 @@ def test_a_tcp_clients_principal_is_its_key_across_connections(keys):
             t.join(10)
             for s in socks:
                 s.close(0)
+
+
+def _devnull_fds() -> int:
+    n = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{name}") == os.devnull
+        except OSError:
+            pass
+    return n
+
+
+def test_a_look_at_a_frames_descriptor_that_a_file_took_leaks_no_descriptor(tmp_path):
+    """A frame's SRCFD names the number its connection had; read after that connection
+    closed, the number may be a file's.  `peer_is_tcp` and the broker's end of a client that
+    stopped reading (`Broker._end_connection`) look at it through a copy, which
+    `socket.socket` refused and kept open: a descriptor leaked per look (the review of the
+    churn hunt).  Neither leaves one now."""
+    from broker.server import Broker, BrokerConfig
+
+    null = os.open(os.devnull, os.O_RDONLY)
+
+    class Frame:
+        def get(self, what):
+            return null
+
+    cfg = BrokerConfig(frontend=f"ipc://{tmp_path}/fe.ipc", backend=f"ipc://{tmp_path}/be.ipc")
+    try:
+        with Broker(cfg) as b:
+            before = _devnull_fds()
+            assert S.peer_is_tcp(Frame(), unknown=None) is None
+            b._client_conn[b"C"] = null
+            b._end_connection(b"C")
+            assert _devnull_fds() == before, f"{_devnull_fds() - before} descriptors leaked"
+    finally:
+        os.close(null)
