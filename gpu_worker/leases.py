@@ -398,6 +398,9 @@ class DirectSocket:
                 _unlink_quietly(path)
             raise DirectSocketError(f"cannot take leases (--direct): cannot bind {tcp or path}: {e}") from None
         self.sock = sock
+        # Its connections' ends, counted at housekeeping (`closed_connections`): a ROUTER says
+        # nothing of them, and libzmq keeps each one's buffers in the C heap (`heap.ClosesSeen`).
+        self._ends = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.path = path
         # what Ready.direct names
         self.endpoint = "ipc://" + path if tcp is None else sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -529,6 +532,18 @@ class DirectSocket:
         self.ended += 1
         return True
 
+    def closed_connections(self) -> int:
+        """Connections to the ROUTER that ended since the last call: its monitor's DISCONNECTED
+        events, read without waiting (never polled: a housekeeping look reads what came).
+        A crowd past what the monitor's queue holds (about 2,000 events) counts as that many."""
+        ends, n = self._ends, 0
+        while True:
+            try:
+                ends.recv_multipart(NOBLOCK)
+            except zmq.Again:
+                return n
+            n += 1
+
     def ended_route(self, route: bytes) -> bool:
         """Whether `end_connection` ended ``route`` (its latest `REMEMBER`)."""
         return route in self._ended_routes
@@ -602,6 +617,9 @@ class DirectSocket:
         kernel takes now) and unlink the files."""
         if self.link is not None:
             self.link.close(linger_ms)
+        if not self._ends.closed:
+            self.sock.disable_monitor()
+            self._ends.close(linger=0)
         self.sock.close(linger=linger_ms)
         if self._auth is not None:
             self._auth.stop()

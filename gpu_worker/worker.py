@@ -1993,7 +1993,10 @@ class Worker:
             return
         guard = self._fd_guard
         used = guard.used if guard is not None else open_descriptors()  # (the guard has just listed them)
-        if not self._closes.look(used) or (self._trimming is not None and self._trimming.is_alive()):
+        # Its connections that ended count too: a crowd that came and left between two looks
+        # leaves no fall in the descriptors to see.
+        if (not self._closes.look(used, self.direct_socket.closed_connections())
+                or (self._trimming is not None and self._trimming.is_alive())):
             return
         self._closes.trimmed()
         self._trimming = threading.Thread(target=trim_heap, name="trim-heap", daemon=True)

@@ -81,12 +81,14 @@ TRIM_AFTER_CLOSES = 256
 
 
 class ClosesSeen:
-    """Descriptors closed since the C heap was last trimmed, for a process that does not see
-    its connections close (a worker's direct socket: a ROUTER says nothing of them), from
-    looks at how many descriptors it has open (its housekeeping's): each fall between two
-    looks counts.  Connections that came and left between two looks are not counted; those
-    reuse the same buffers (30,000 one after another grew a worker by 2.5 MB), while a crowd
-    that left together shows as a fall.  Pure: the caller counts and trims."""
+    """Descriptors closed since the C heap was last trimmed, for a process whose housekeeping
+    looks at how many descriptors it has open (a worker): each fall between two looks
+    counts, and so do the connections its caller saw end meanwhile (a worker's direct
+    socket: its monitor's DISCONNECTED events), whichever is more.  A fall alone missed a
+    crowd that came and left between two looks (1,500 leaseholder connections within the
+    worker's first second, or any interval longer than the crowd's stay: 30-45 MB kept for
+    good); connections that come and go one after another reuse the same buffers (30,000
+    in turn grew a worker by 2.5 MB).  Pure: the caller counts and trims."""
 
     __slots__ = ("last", "closed")
 
@@ -94,14 +96,16 @@ class ClosesSeen:
         self.last: int | None = None
         self.closed = 0
 
-    def look(self, used: int) -> bool:
-        """``used`` descriptors are open now (negative: unknown); whether enough closed
-        since the last `trimmed` for a trim to be worth it."""
-        if used < 0:
-            return False
-        if self.last is not None and used < self.last:
-            self.closed += self.last - used
-        self.last = used
+    def look(self, used: int, ended: int = 0) -> bool:
+        """``used`` descriptors are open now (negative: unknown), and ``ended`` connections
+        were seen to end since the last look; whether enough closed since the last
+        `trimmed` for a trim to be worth it."""
+        fall = 0
+        if used >= 0:
+            if self.last is not None and used < self.last:
+                fall = self.last - used
+            self.last = used
+        self.closed += max(fall, ended)
         return self.closed >= TRIM_AFTER_CLOSES
 
     def trimmed(self) -> None:

@@ -64,3 +64,19 @@ def test_descriptors_closed_between_looks_add_up_to_a_trim():
     assert c.look(3000 - TRIM_AFTER_CLOSES // 2)  # still due until trimmed
     c.trimmed()
     assert not c.look(3000 - TRIM_AFTER_CLOSES // 2 - 1)  # counted afresh after a trim
+
+
+def test_connections_seen_to_end_count_where_no_fall_shows():
+    """A crowd that came and left between two looks leaves the descriptor count where it was:
+    the ends its caller saw count (`ClosesSeen.look`'s ``ended``), whichever is more of the
+    two for the same interval (a fall and the ends it shows are the same closes)."""
+    from broker.protocol.heap import TRIM_AFTER_CLOSES, ClosesSeen
+
+    c = ClosesSeen()
+    half = TRIM_AFTER_CLOSES // 2
+    assert not c.look(1000)
+    assert c.look(1000, TRIM_AFTER_CLOSES)  # no fall, every one of them ended
+    c.trimmed()
+    assert not c.look(1000 - half, half)  # one crowd, seen both ways: counted once
+    assert not c.look(-1, 10)  # could not list: the ends still count
+    assert c.look(1000 - 2 * half + 10)  # a fall from the last listing

@@ -867,3 +867,42 @@ def test_a_noted_number_that_a_file_took_leaks_no_descriptor(tmp_path):
         h.close(0)
         ds.close()
         ctx.term()
+
+
+def test_direct_connections_that_came_and_left_between_two_looks_count_toward_a_trim(worker, monkeypatch):
+    """libzmq keeps each direct connection's buffers (~40 KB) in the C heap; the worker gives
+    that memory back after many closed (`_trim_after_closes`, once a housekeeping interval).
+    It counted only a fall in its open descriptors between two looks: a crowd that came and
+    left between two looks (1,500 leaseholder connections within the worker's first second,
+    or within any interval) showed none, and its 44 MB stayed for good.  The direct socket's
+    ends are counted as they come (its monitor), whenever the looks are."""
+    from broker.protocol.heap import TRIM_AFTER_CLOSES
+    from gpu_worker import worker as worker_mod
+
+    trims = []
+    monkeypatch.setattr(worker_mod, "trim_heap", lambda: trims.append(1))
+    worker._trim_after_closes()  # the look before the crowd
+    ctx = zmq.Context()
+    router = worker.direct_socket.sock
+    try:
+        crowd = []
+        for _ in range(TRIM_AFTER_CLOSES + 8):
+            s = ctx.socket(zmq.DEALER)
+            s.linger = 0
+            s.connect(worker.direct_socket.endpoint)
+            s.send(b"hi")
+            crowd.append(s)
+        for _ in crowd:  # each one accepted, and read
+            assert router.poll(5000), "a connection of the crowd never reached the direct socket"
+            router.recv_multipart()
+    finally:
+        ctx.destroy(linger=0)  # the crowd leaves, before the next look
+    deadline = time.monotonic() + 10
+    while True:  # the worker sees the ends as libzmq does (its I/O thread, soon after)
+        worker._trim_after_closes()
+        if worker._trimming is not None:
+            break
+        assert time.monotonic() < deadline, "no trim after a crowd of direct connections came and left"
+        time.sleep(0.01)  # (polling a condition, not a delay)
+    worker._trimming.join(5)
+    assert trims == [1]
