@@ -117,9 +117,11 @@ def test_keys_added_and_removed_while_the_broker_runs(broker, made):
                 _echo(b, "echo", x)  # the others are served as before
                 assert b.mmi_service("echo")
 
-                # A list that fails its checks is not taken: b stays, a stays out.
+                # A list that fails its checks is not taken: b stays, a stays out.  (Its line
+                # after the mark: a look that met a key half copied above said it too.)
+                mark = broker.proc.logged
                 (broker.clients / "junk.key").write_text("not a certificate\n")
-                broker.proc.wait_log("cannot be taken")
+                broker.proc.wait_log("cannot be taken", after=mark)
                 _echo(b, "echo", x)
                 with pytest.raises(Forbidden):
                     _echo(a, "echo", x)
