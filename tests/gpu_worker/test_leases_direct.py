@@ -906,3 +906,38 @@ def test_direct_connections_that_came_and_left_between_two_looks_count_toward_a_
         time.sleep(0.01)  # (polling a condition, not a delay)
     worker._trimming.join(5)
     assert trims == [1]
+
+
+def test_many_direct_connections_ending_between_two_looks_never_stop_the_socket(worker):
+    """Their ends wait for the next housekeeping look in the socket monitor's queue, which
+    has no bound: libzmq's I/O thread waits on a full one, and with it every connection of
+    the direct socket (past 2,000 ends between two looks it took no message more)."""
+    ctx = zmq.Context()
+    router = worker.direct_socket.sock
+    ep = worker.direct_socket.endpoint
+    crowd = [ctx.socket(zmq.DEALER) for _ in range(200)]  # under any descriptor limit a test runs with
+    ended = 0
+    try:
+        for s in crowd:
+            s.linger = 0
+            s.connect(ep)
+        while True:
+            for s in crowd:
+                s.send(b"hi")
+            for _ in crowd:  # each connection made and read
+                assert router.poll(5000), f"the direct socket took no message more after {ended} connections ended"
+                router.recv_multipart()
+            if ended >= 2200:
+                break
+            for s in crowd:  # each one ends; a new one comes in its place
+                s.disconnect(ep)
+                s.connect(ep)
+            ended += len(crowd)
+    finally:
+        ctx.destroy(linger=0)
+    ended += len(crowd)
+    deadline, seen = time.monotonic() + 10, 0
+    while seen < ended:  # every end counted, at the look
+        seen += worker.direct_socket.closed_connections()
+        assert time.monotonic() < deadline, f"{seen} of {ended} ends seen"
+        time.sleep(0.01)  # (polling a condition, not a delay)
