@@ -68,7 +68,7 @@ class ComputeTimes:
     def __init__(self, heartbeat_interval: float):
         self.heartbeat_interval = float(heartbeat_interval)
         self._seconds: dict[int, float] = {}
-        self._last: dict[int, tuple[float, float]] = {}  # n -> the last two measurements
+        self._last: dict[int, float] = {}  # n -> the last measurement
         self._recent: dict[int, float] = {}  # n -> `recent(n)`, kept as batches are observed
         self._floor = 0.0  # `floor()`: the least of them (read after every batch)
 
@@ -76,8 +76,8 @@ class ComputeTimes:
         """Take warm-up timings (batch size -> seconds) as the current estimates."""
         self._seconds.update(timings)
         for n, seconds in timings.items():
-            self._last[n] = (seconds, seconds)
-            self._recent[n] = self._seconds[n]
+            self._last[n] = seconds
+            self._recent[n] = seconds
         self._floor = min(self._recent.values()) if self._recent else 0.0
 
     def predict(self, n: int) -> float | None:
@@ -89,12 +89,9 @@ class ComputeTimes:
         ``n``: the least of the average and the last two measurements, so one slow outlier
         (which lifts the average for many batches) does not make the following batches
         "long" (BUSY and bounces for nothing), while two slow ones in a row do; a batch that
-        does run long is caught by the rule's "past its prediction" arm anyway."""
-        avg = self._seconds.get(n)
-        last = self._last.get(n)
-        if avg is None or last is None:
-            return avg
-        return min(avg, last[0], last[1])
+        does run long is caught by the rule's "past its prediction" arm anyway.  Kept by
+        `observe` and `seed`."""
+        return self._recent.get(n)
 
     def floor(self) -> float:
         """The shortest time a batch may be expected to take (`recent` of the quickest
@@ -107,9 +104,8 @@ class ComputeTimes:
     def observe(self, n: int, seconds: float) -> None:
         prev = self._seconds.get(n)
         avg = self._seconds[n] = seconds if prev is None else 0.8 * prev + 0.2 * seconds
-        last = self._last.get(n)
-        before = seconds if last is None else last[0]
-        self._last[n] = (seconds, before)
+        before = self._last.get(n, seconds)
+        self._last[n] = seconds
         # `recent(n)` and the floor, kept (the least over the sizes: a few, in C)
         recent = self._recent
         recent[n] = min(avg, seconds, before)
