@@ -1261,9 +1261,7 @@ class Broker:
             self._send_client(ident, P.client_leased(service, body))
             return
         if service.startswith(b"mmi."):
-            b = msg.body
-            token = [bytes(b[1])] if len(b) == 2 and len(b[1]) <= P.MAX_MMI_TOKEN else []  # as `_mmi`
-            self._send_client(ident, P.client_reply(True, service, [b"403", *token]))
+            self._mmi(ident, service, msg.body, b"403")
             return
         self._send_client(ident, P.client_reply(True, service, body))
         if self.metrics is not None:
@@ -1443,11 +1441,12 @@ class Broker:
             return None
         return f"curve:{uid}" if uid else None
 
-    def _mmi(self, ident: bytes, service: bytes, body: tuple) -> None:
-        if service == b"mmi.service":
+    def _mmi(self, ident: bytes, service: bytes, body: tuple, code: bytes | None = None) -> None:
+        """Answer an MMI question (RFC 8); ``code``: the answer decided already (403)."""
+        if code is None and service == b"mmi.service":
             name = bytes(body[0]).decode(errors="replace")
             code = b"200" if self.sched.has_service(name) else b"404"
-        else:
+        elif code is None:
             code = b"501"
         # A second frame of up to 64 bytes is the asker's correlation token: echoed after the
         # code (docs/protocol.md section 4), so answers cannot be mistaken for one another.
