@@ -131,6 +131,12 @@ def load_server_secret(path: str) -> tuple[bytes, bytes]:
         raise SecurityError(str(e)) from None
 
 
+def _certificates(entries):
+    """The entries of an allow-list directory that are read as public certificates: ``*.key``,
+    not hidden (the start's read and the reload's watch take the same ones)."""
+    return [e for e in entries if e.name.endswith(".key") and not e.name.startswith(".")]
+
+
 def load_allow_list(directory: str, what: str) -> frozenset[bytes]:
     """The z85 public keys of the `*.key` certificates in `directory`; an allow-list that is
     missing or empty is an error (it would refuse everyone, which is never what was meant)."""
@@ -140,7 +146,7 @@ def load_allow_list(directory: str, what: str) -> frozenset[bytes]:
         # Listed here, not by glob, which takes a directory it may not list for an empty
         # one: permissions taken away read as "holds no public certificate".
         with os.scandir(directory) as it:
-            names = sorted(e.name for e in it if e.name.endswith(".key") and not e.name.startswith("."))
+            names = sorted(e.name for e in _certificates(it))
     except OSError as e:
         raise SecurityError(f"cannot list the {what} allow-list {directory!r}: {e.strerror or e}") from None
     keys = set()
@@ -163,7 +169,7 @@ def allow_list_state(directory: str) -> tuple:
     inode behind the same name) each change it."""
     try:
         with os.scandir(directory) as it:
-            entries = [e for e in it if e.name.endswith(".key") and not e.name.startswith(".")]
+            entries = _certificates(it)
     except OSError as e:
         return (("error", e.errno),)
     state = []
