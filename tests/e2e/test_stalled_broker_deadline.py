@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 import pytest
+import zmq
 
 from client_sdk import Client
 
@@ -42,7 +43,15 @@ c.infer("s", {"x": np.array([0.0])}).release()  # a client that has sent before 
 print("ready", flush=True)
 sys.stdin.readline()
 h = c.infer_stream("s", {"x": np.array([0.05])}, timeout=float(sys.argv[2]))
-print("sent", flush=True)
+# "sent" through libzmq's I/O thread (the context's one), behind the request: it reaches the
+# test only once that thread has handled the request's queueing, and so written it to the
+# broker's connection.  (Printed instead, it raced the thread: killed then, the child had
+# sent nothing, and the broker had nothing to answer: under load, 3 runs in 8.)
+import zmq
+out = zmq.Context.instance().socket(zmq.PUSH)
+out.linger = 0
+out.connect(sys.argv[3])
+out.send(b"sent")
 sys.stdin.readline()
 """
 
@@ -66,7 +75,7 @@ def _expired(base: str) -> bool:
     return value(scrape(base), "zmq_infer_requests_total", service="s", outcome="deadline_exceeded") >= 1
 
 
-def test_a_dead_clients_request_read_after_its_deadline_never_runs(cluster, held):
+def test_a_dead_clients_request_read_after_its_deadline_never_runs(cluster, held, tmp_path):
     """No CANCEL at all: the client, which had sent a request before (the broker learns a
     client's process, and so its clock, at its first request, while it is there to ask),
     was killed while the broker was stopped.  (A client
@@ -76,15 +85,19 @@ def test_a_dead_clients_request_read_after_its_deadline_never_runs(cluster, held
     broker, log = held
     base = "http://" + broker.field("http")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT)]))
-    child = subprocess.Popen([sys.executable, "-c", CHILD, cluster.frontend, str(TIMEOUT)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, env=env, text=True)
+    sent = zmq.Context.instance().socket(zmq.PULL)
+    sent.linger = 0
+    sent.bind(f"ipc://{tmp_path}/sent.ipc")
+    child = subprocess.Popen([sys.executable, "-c", CHILD, cluster.frontend, str(TIMEOUT), f"ipc://{tmp_path}/sent.ipc"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
         os.kill(broker.p.pid, signal.SIGSTOP)
         t0 = time.monotonic()
         child.stdin.write("\n")
         child.stdin.flush()
-        assert child.stdout.readline().strip() == "sent"
+        assert sent.poll(20_000), "the child's request sent"
+        assert sent.recv() == b"sent"
         child.kill()
         child.wait(10)
         time.sleep(max(0.0, t0 + STALL - time.monotonic()))  # the stimulus: the stall's length
@@ -101,6 +114,7 @@ def test_a_dead_clients_request_read_after_its_deadline_never_runs(cluster, held
             child.wait(10)
         child.stdin.close()
         child.stdout.close()
+        sent.close()
 
 
 ON_ANOTHER_CLOCK = """
