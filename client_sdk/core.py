@@ -184,6 +184,21 @@ def _number(x: Any) -> float:
         return math.nan
 
 
+def flag(name: str, value: Any) -> bool:
+    """An on/off option: a bool (or 0 or 1, numpy's too); `InvalidInput` naming it for
+    anything else.  A str was taken for its truth: ``fallback_inline="false"`` (a value read
+    from the environment, say) turned the fallback on."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    try:
+        v = operator.index(value)
+    except TypeError:
+        v = -1
+    if v not in (0, 1):
+        raise InvalidInput(f"{name} must be True or False, got {value!r}")
+    return bool(v)
+
+
 def _seconds(t: Any) -> float | None:
     """A timeout in seconds: None for none (None or math.inf), else a positive float;
     `InvalidInput` naming the value for anything else (0, negative, NaN, a str)."""
@@ -287,9 +302,9 @@ class ClientCore(PinEvents):
         self.restart_resends = resends
         self.heartbeat_interval = _heartbeat_interval(heartbeat_interval)
         self.linger = close_linger(linger)
-        self.fallback_inline = fallback_inline
+        self.fallback_inline = flag("fallback_inline", fallback_inline)
         # Direct replies need a broker (hence workers) that can reach an ipc socket of ours.
-        self.direct_reply = bool(direct_reply) and endpoint_is_local(endpoint)
+        self.direct_reply = flag("direct_reply", direct_reply) and endpoint_is_local(endpoint)
         self.reply_to: str | None = None  # what requests name: the inbox, while descriptors allow (use_inbox)
         self._inbox_ep: str | None = None
         self._room: Callable[[], bool] | None = None

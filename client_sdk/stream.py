@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from .calls import final_of_infer
-from .core import wait_limit
+from .core import flag, wait_limit
 from .errors import EndOfStream, InferenceError, InvalidInput, NotSupported
 from .tensors import Result
 
@@ -81,7 +81,7 @@ class _StreamCore:
         seams = getattr(client, "_stream_seams", None)
         self._prepare, self._submit_call = seams() if seams is not None else (client.prepare, client.submit)
         self.service = service
-        self.latest_wins = bool(latest_wins)
+        self.latest_wins = flag("latest_wins", latest_wins)
         self.max_in_flight = n
         self.pin = bool(pin)  # its frames may go on a lease (False: every one through the broker)
         self._pinned = False  # counted by the client's pin_on_demand (set by client.stream)

@@ -783,7 +783,17 @@ def test_edge_values_of_arguments_are_invalid_input(connect, endpoint):
     for bad in (-1, 1.5, "2", None, True):  # (-1 was taken as 0, 1.5 as 1)
         with pytest.raises(InvalidInput, match="restart_resends"):
             connect(endpoint, restart_resends=bad)
+    # The other switches likewise: fallback_inline="false" turned the fallback on (review
+    # of the configuration hunt).
+    for opt in ("fallback_inline", "direct_reply"):
+        for bad in ("false", "0", None, 2, 1.0):
+            with pytest.raises(InvalidInput, match=f"{opt} must be True or False, got {bad!r}"):
+                connect(endpoint, **{opt: bad})
+        connect(endpoint, **{opt: np.False_}).close()
     with connect(endpoint) as c:
+        for bad in ("false", None, 2):
+            with pytest.raises(InvalidInput, match=f"latest_wins must be True or False, got {bad!r}"):
+                c.stream("echo", latest_wins=bad)
         with pytest.raises(InvalidInput, match="timeout .*got 'x'"):
             c.infer("echo", {"x": np.zeros(1)}, timeout="x")
         for bad in ([1], "x"):
