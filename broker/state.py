@@ -77,7 +77,7 @@ connection or on 50,000) gets one dispatch, then every other principal waiting i
 (with something placeable) gets one, before its next; a principal with one request at a time
 waits for at most one dispatch from each other principal queued in its class, however long
 their queues are and however many connections they use.  With a single principal the order
-is plain FIFO, as before.
+is plain FIFO, as before, while the queue drains (see Congestion for when it does not).
 
 A request carrying shared-memory references (``local_host`` set) may only go to a worker of
 its service on that host that speaks ``shm``; the workers able to take a given request form a
@@ -88,6 +88,28 @@ the front of the ring (it was not served) and is served as soon as its pool free
 
 When nothing is queued in the service, a new request goes straight to the least-loaded
 worker of its pool (no order to decide; this is the common case under light load).
+
+Congestion
+----------
+First in, first out is the right order while the queue drains, and the wrong one when it
+does not: under sustained overload every request waits behind all the others, reaches a
+worker with its budget nearly spent, and finishes late or barely in time (each caller
+waits nearly its whole timeout for a success), while the newest requests, the ones whose
+callers will wait longest, wait most.  So once a service's queue has not been empty for
+``lifo_after`` seconds (0.1; ``_Service.since``: when it last went from empty to not), it
+is *congested*, and the walk takes each principal's FIFO from its newest end (adaptive
+LIFO, as Facebook's "Fail at scale" describes it): what is dispatched then has most of its
+time left, and the oldest, whose callers are about to give up, wait on and are failed by
+their deadlines here, never dispatched.  Everything else stays as above: round robin
+between principals, the classes and their aging (a principal's wait is counted from its
+oldest queued request of the class, or its previous dispatch there, as before: the young
+candidate does not make an urgent flood starve the other classes).  Requests put back at
+the front of their FIFO (retries, requests given back) are still served first: a FIFO that
+starts with one is walked in order.  Admission is unchanged (a full queue refuses the
+heaviest principal's newest, the newcomer if that is its own: immediate backpressure; what
+stays too long leaves by its deadline).  The queue is FIFO again the moment it empties.
+``newest_first`` counts the dispatches made while congested.  Cost: one comparison per
+pass.
 
 Taking work back
 ----------------
@@ -284,6 +306,10 @@ class Config:
     # busy worker's running batch once that worker's oldest request has run this long
     # (seconds; None: never).  See "Taking work back" in the module docstring.
     recall_after: float | None = 0.005
+    # Overload: once a service's queue has not been empty for this long (seconds; None or
+    # negative: never), each principal's queued requests are served newest first.  See
+    # "Congestion" in the module docstring.
+    lifo_after: float | None = 0.1
 
 
 # ----------------------------------------------------------------------------- actions
@@ -445,6 +471,7 @@ _COUNTERS = (
     "alone",                     # requests on their last attempt dispatched to run alone
     "workers_left",              # workers that said DISCONNECT (a drain, a rolling restart): not deaths
     "paused",                    # the broker itself did not run for a while (stopped, frozen): `resumed`
+    "newest_first",              # dispatches made while the service's queue was congested (newest first)
 )
 
 
@@ -474,6 +501,7 @@ class _Request:
         "alone",
         "iso",
         "shown",
+        "front",
     )
 
     def __init__(self, client, principal, request_id, svc, payload, priority, deadline,
@@ -487,6 +515,7 @@ class _Request:
         self.payload = payload
         self.priority = priority
         self.shown = priority  # the class its current dispatch told the worker (Dispatch.priority)
+        self.front = False  # queued at the front of its FIFO (a retry, or given back): served in order
         self.deadline = deadline
         self.local_host = local_host
         self.enqueued_at = now
@@ -530,7 +559,7 @@ class _Pool:
 
 
 class _Service:
-    __slots__ = ("name", "classes", "queued", "tiers", "top", "workers", "pools", "any",
+    __slots__ = ("name", "classes", "queued", "since", "tiers", "top", "workers", "pools", "any",
                  "in_flight", "idle", "deep", "recall_at", "lone", "aside", "isos",
                  "recall_stale", "recall_hot", "recall_takers", "recall_touched")
 
@@ -544,6 +573,7 @@ class _Service:
         # themselves; no FIFO in a ring is ever empty.
         self.classes = (OrderedDict(), OrderedDict(), OrderedDict())
         self.queued = 0
+        self.since = 0.0  # when the queue last went from empty to not (meaningful while queued)
         # How many requests a principal has queued here is the length of its FIFOs (at
         # most three: _Service.count).  While the queue is long (see Scheduler._heaviest),
         # the principals are also bucketed by that count (count -> {principal: None}; no
@@ -648,7 +678,7 @@ class Scheduler(LeaseEvents):
         running broker at its first grace timer (the command-line hunt); the heartbeat bounds
         are what a WELCOME may carry (workers refuse others)."""
         for name in ("heartbeat_interval", "aging_s", "service_grace", "quiet_client_max", "client_liveness",
-                     "recall_after"):
+                     "recall_after", "lifo_after"):
             v = getattr(cfg, name)
             if v is not None and not math.isfinite(v):
                 raise ValueError(f"{name} must be a finite number, not {v}")
@@ -694,6 +724,8 @@ class Scheduler(LeaseEvents):
         # Negative: never (a TOML file has no null to say so).
         self._recall_after = (None if cfg.recall_after is None or cfg.recall_after < 0
                               else float(cfg.recall_after))
+        self._lifo_after = (None if cfg.lifo_after is None or cfg.lifo_after < 0
+                            else float(cfg.lifo_after))
         self._tiers_off = int(cfg.max_queue) // 2  # see _heaviest
         self._weights = tuple(float(w) for w in cfg.priority_weights)
         self._worker_ttl = cfg.heartbeat_interval * cfg.heartbeat_liveness
@@ -932,7 +964,7 @@ class Scheduler(LeaseEvents):
             req.worker = None
             if req.deadline is not None and req.deadline <= now:
                 # Never dispatched expired, even if tick() has not run yet.
-                self._enqueue(req)
+                self._enqueue(req, now)
                 self._expire_deadline(req, now, out)
                 continue
             if req.recalled:
@@ -950,9 +982,9 @@ class Scheduler(LeaseEvents):
                                          f"(max_retries={self.config.max_retries})", out)
                 continue
             else:
-                self._retry([req])
+                self._retry([req], now)
                 continue
-            self._enqueue(req, front=True)
+            self._enqueue(req, now, front=True)
         self._flush(now, out)
         return out
 
@@ -1170,9 +1202,9 @@ class Scheduler(LeaseEvents):
                 self._start(req, w, now, out)
                 self._flush(now, out)
                 return out
-            self._enqueue(req)
+            self._enqueue(req, now)
         else:
-            self._enqueue(req)
+            self._enqueue(req, now)
             self._pump(svc, now, out)
         # Full is judged after dispatching, so a free worker is never left idle by a queue
         # clogged with requests it cannot take.
@@ -1615,10 +1647,12 @@ class Scheduler(LeaseEvents):
         self._live -= 1
 
     @staticmethod
-    def _enqueue(req, front=False):
+    def _enqueue(req, now, front=False):
         """Queue ``req`` at the back of its principal's FIFO in its class (a retry: at the
         front of the FIFO, and its principal at the front of the ring)."""
         svc = req.svc
+        if not svc.queued:
+            svc.since = now
         c = req.principal
         ring = svc.classes[req.priority]
         fifo = ring.get(c)
@@ -1626,6 +1660,7 @@ class Scheduler(LeaseEvents):
             fifo = ring[c] = OrderedDict()
             fifo.served = 0.0  # when this FIFO last had a request dispatched (_pump's aging)
         fifo[req] = None
+        req.front = front
         if front:
             fifo.move_to_end(req, last=False)
             ring.move_to_end(c, last=False)
@@ -1716,6 +1751,10 @@ class Scheduler(LeaseEvents):
         eviction, its connection gone)."""
         self._take(req, False)
         self._dirty[req.svc] = None
+
+    def _congested(self, svc, now):
+        """Whether ``svc``'s queue has not been empty for ``lifo_after`` (Congestion)."""
+        return bool(svc.queued) and self._lifo_after is not None and now - svc.since >= self._lifo_after
 
     @staticmethod
     def _newest(svc, principal):
@@ -1823,6 +1862,9 @@ class Scheduler(LeaseEvents):
         ready = self._ready_worker
         classes = svc.classes
         scan = _SCAN
+        # Congested (the queue has not been empty for lifo_after): newest first within each
+        # principal's FIFO (see Congestion in the module docstring).
+        lifo = self._congested(svc, now)
         while ready(svc.any) is not None:
             best = None
             best_score = 0.0
@@ -1838,7 +1880,8 @@ class Scheduler(LeaseEvents):
                 # can go somewhere now (see Dispatch in the module docstring).
                 for fifo in ring.values():
                     n = scan if scan < left else left
-                    for req in fifo:
+                    head = next(iter(fifo))
+                    for req in (reversed(fifo) if lifo and not head.front else fifo):
                         if not n:
                             break
                         n -= 1
@@ -1866,7 +1909,10 @@ class Scheduler(LeaseEvents):
                     # own principal's backlog waits for that backlog, not for the other
                     # classes (the head of a deep urgent backlog is always old, and scored by
                     # its age it kept normal requests out for good: the resource hunt).
-                    start = cand.enqueued_at if cand.enqueued_at > cand_fifo.served else cand_fifo.served
+                    # (Newest first, the candidate is young: its principal has waited since
+                    # its oldest request came, and that is what ages.)
+                    first = next(iter(cand_fifo)) if lifo else cand
+                    start = first.enqueued_at if first.enqueued_at > cand_fifo.served else cand_fifo.served
                     score = weights[pri] * (1.0 + (now - start) / aging)
                     if top is None:
                         top = pri
@@ -1875,6 +1921,8 @@ class Scheduler(LeaseEvents):
             if best is None:
                 return
             best_fifo.served = now
+            if lifo:
+                self._counters["newest_first"] += 1
             self._take(best, True)
             # Aging won it its turn over a more urgent class: the worker is told that class,
             # so its batcher does not make it wait for its turn a second time.
@@ -1966,7 +2014,7 @@ class Scheduler(LeaseEvents):
                     self._reload(w)
                     self._dirty[svc] = None
 
-    def _retry(self, reqs):
+    def _retry(self, reqs, now):
         """Queue ``reqs`` (oldest first) again after a failed attempt (their worker died, or
         gave them back unasked), at the front of their principals' FIFOs in that order.  A
         last attempt runs alone: it waits in its service's ``lone`` too, behind those that
@@ -1976,7 +2024,7 @@ class Scheduler(LeaseEvents):
             req.attempt += 1
             req.state = _QUEUED
             req.worker = None
-            self._enqueue(req, front=True)
+            self._enqueue(req, now, front=True)
         last = self.config.max_retries
         for req in reqs:
             if req.attempt >= last:
@@ -2087,7 +2135,7 @@ class Scheduler(LeaseEvents):
         w.in_flight = {}
         # Front of their FIFOs, and their principals to the front of the rings, oldest first:
         # these requests have already waited their turn.
-        self._retry(retry)
+        self._retry(retry, now)
         if not w.stopping:
             self._leave_pools(w, now)
         else:

@@ -3,7 +3,9 @@
 All on the pure state machine with an injected clock (see the module docstring of
 broker.state, sections Connections and principals, Dispatch and Admission).  The tests that
 pass no ``principal`` use connections that are their own principal; the section at the end
-has principals with many connections.
+has principals with many connections.  Every scheduler here has ``lifo_after=None``: these
+are the rules of a queue that drains (first in, first out within a principal); the order
+and eviction of a congested one are test_state_congestion.py's.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ def assert_nothing_held(s):
 
 
 def test_a_burst_of_50000_does_not_delay_or_refuse_another_client():
-    s = Scheduler(Config(max_queue=100_000, max_client_requests=100_000))
+    s = Scheduler(Config(lifo_after=None, max_queue=100_000, max_client_requests=100_000))
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, A, 0), Dispatch).token
     for rid in range(1, 50_001):
@@ -73,7 +75,7 @@ def test_a_burst_of_50000_does_not_delay_or_refuse_another_client():
 
 
 def test_a_burst_that_fills_the_queue_makes_room_for_another_client():
-    s = Scheduler(Config(max_queue=1024, max_client_requests=100_000))
+    s = Scheduler(Config(lifo_after=None, max_queue=1024, max_client_requests=100_000))
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, A, 0), Dispatch).token
     refused = 0
@@ -101,7 +103,7 @@ def test_a_burst_that_fills_the_queue_makes_room_for_another_client():
 
 
 def test_round_robin_between_three_clients_in_one_class():
-    s = Scheduler()
+    s = Scheduler(Config(lifo_after=None))
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, X, 0), Dispatch).token
     for client in (A, B, C):
@@ -112,7 +114,7 @@ def test_round_robin_between_three_clients_in_one_class():
 
 
 def test_a_client_that_joins_goes_to_the_back_of_the_ring():
-    s = Scheduler()
+    s = Scheduler(Config(lifo_after=None))
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, X, 0), Dispatch).token
     for client in (A, B, C):
@@ -126,7 +128,7 @@ def test_a_client_that_joins_goes_to_the_back_of_the_ring():
 
 
 def test_one_client_alone_is_plain_fifo():
-    s = Scheduler()
+    s = Scheduler(Config(lifo_after=None))
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, A, 0), Dispatch).token
     for rid in range(1, 6):
@@ -138,7 +140,7 @@ def test_one_client_alone_is_plain_fifo():
 def test_a_trickling_client_is_served_every_other_dispatch():
     # A keeps many queued; B always has exactly one queued (it sends the next when it gets
     # a result).  B is never more than one dispatch away.
-    s = Scheduler(Config(max_queue=10_000))
+    s = Scheduler(Config(lifo_after=None, max_queue=10_000))
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, A, 0), Dispatch).token
     for rid in range(1, 1001):
@@ -157,7 +159,7 @@ def test_a_trickling_client_is_served_every_other_dispatch():
 
 
 def test_priorities_still_win_across_classes():
-    s = Scheduler()
+    s = Scheduler(Config(lifo_after=None))
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, X, 0), Dispatch).token
     for rid in range(1, 4):
@@ -170,7 +172,7 @@ def test_priorities_still_win_across_classes():
 
 
 def test_aging_still_lets_an_old_class_overtake():
-    s = Scheduler()  # weights 3/1, aging 0.5 s
+    s = Scheduler(Config(lifo_after=None))  # weights 3/1, aging 0.5 s
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, X, 0), Dispatch).token
     req(s, A, 1, now=0.0)
@@ -186,7 +188,7 @@ def test_a_deep_urgent_backlog_does_not_starve_another_class():
     minutes (its client's 8 s deadlines all passed: the resource hunt).  A request's wait
     counts from its principal's previous dispatch in its class, so the normal one goes
     after about (3 - 1) x aging_s = 1 s (weights 3/1, aging 0.5 s)."""
-    s = Scheduler(Config(max_queue=10_000, max_client_requests=10_000))
+    s = Scheduler(Config(lifo_after=None, max_queue=10_000, max_client_requests=10_000))
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, X, 0), Dispatch).token
     for i in range(200):
@@ -214,7 +216,7 @@ def test_a_deep_urgent_backlog_does_not_starve_another_class():
 
 
 def test_locality_skip_works_across_and_within_client_fifos():
-    s = Scheduler()
+    s = Scheduler(Config(lifo_after=None))
     shm = frozenset({"shm"})
     s.worker_ready(b"wA", "svc", 0.0, host="h", transports=shm)
     s.worker_ready(b"wB", "svc", 0.0, host="other")
@@ -233,7 +235,7 @@ def test_locality_skip_works_across_and_within_client_fifos():
 
 
 def test_a_client_with_a_pile_of_unplaceable_requests_does_not_block_others():
-    s = Scheduler()
+    s = Scheduler(Config(lifo_after=None))
     shm = frozenset({"shm"})
     s.worker_ready(b"wA", "svc", 0.0, host="h", transports=shm)
     s.worker_ready(b"wB", "svc", 0.0, host="other")
@@ -250,7 +252,7 @@ def test_a_client_with_a_pile_of_unplaceable_requests_does_not_block_others():
 
 
 def test_retries_go_back_to_the_front_of_their_clients_and_the_ring():
-    s = Scheduler()
+    s = Scheduler(Config(lifo_after=None))
     s.worker_ready(b"w1", "svc", 0.0, credit=2)
     only(req(s, A, 1), Dispatch)
     only(req(s, B, 1), Dispatch)
@@ -268,7 +270,7 @@ def test_retries_go_back_to_the_front_of_their_clients_and_the_ring():
 
 
 def test_eviction_takes_the_newest_request_of_the_heaviest_client():
-    s = Scheduler(Config(max_queue=4))
+    s = Scheduler(Config(lifo_after=None, max_queue=4))
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, X, 0), Dispatch).token
     for rid in (1, 2, 3):
@@ -294,7 +296,7 @@ def test_eviction_takes_the_newest_request_of_the_heaviest_client():
 
 
 def test_eviction_takes_the_newest_across_classes_and_the_least_urgent_on_a_tie():
-    s = Scheduler(Config(max_queue=3))
+    s = Scheduler(Config(lifo_after=None, max_queue=3))
     s.worker_ready(b"w", "svc", 0.0)
     only(req(s, X, 0), Dispatch)
     req(s, A, 1, now=0.0, priority=Priority.BACKGROUND)
@@ -304,7 +306,7 @@ def test_eviction_takes_the_newest_across_classes_and_the_least_urgent_on_a_tie(
     assert err.request_id == 2  # the newest, though urgent
     err = only(req(s, A, 4, now=0.3, priority=Priority.URGENT), ClientError)
     assert err.request_id == 4  # A holds 3 with this one, B 1: the newcomer is refused
-    s2 = Scheduler(Config(max_queue=2))
+    s2 = Scheduler(Config(lifo_after=None, max_queue=2))
     s2.worker_ready(b"w", "svc", 0.0)
     only(req(s2, X, 0), Dispatch)
     req(s2, A, 1, priority=Priority.URGENT)
@@ -314,7 +316,7 @@ def test_eviction_takes_the_newest_across_classes_and_the_least_urgent_on_a_tie(
 
 
 def test_eviction_is_per_service():
-    s = Scheduler(Config(max_queue=2))
+    s = Scheduler(Config(lifo_after=None, max_queue=2))
     s.worker_ready(b"w1", "one", 0.0)
     s.worker_ready(b"w2", "two", 0.0)
     only(req(s, X, 0, service="one"), Dispatch)
@@ -335,13 +337,13 @@ def test_eviction_is_per_service():
                                 {"max_client_bytes": 0}])  # (0 refused every inline tensor: not "no limit")
 def test_bad_caps_are_refused(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
-        Scheduler(Config(**kw))
+        Scheduler(Config(lifo_after=None, **kw))
 
 
 def test_a_request_over_the_byte_cap_by_itself_is_not_told_to_wait():
     """A request whose own bytes are over the cap can never be admitted: it was told to
     "wait for results before sending more", with nothing outstanding (the configuration hunt)."""
-    s = Scheduler(Config(max_client_bytes=100))
+    s = Scheduler(Config(lifo_after=None, max_client_bytes=100))
     s.worker_ready(b"w", "svc", 0.0)
     err = only(req(s, A, 1, size=101), ClientError)
     assert err.code == ErrorCode.QUEUE_FULL and "max_client_bytes=100" in err.message
@@ -360,7 +362,7 @@ def test_defaults():
 
 
 def test_cap_on_outstanding_requests_counts_every_service_and_state():
-    s = Scheduler(Config(max_client_requests=3))
+    s = Scheduler(Config(lifo_after=None, max_client_requests=3))
     s.worker_ready(b"w1", "one", 0.0)
     s.worker_ready(b"w2", "two", 0.0)
     d = only(req(s, A, 1, service="one"), Dispatch)  # running
@@ -381,7 +383,7 @@ def test_cap_on_outstanding_requests_counts_every_service_and_state():
 
 
 def test_cap_on_bytes():
-    s = Scheduler(Config(max_client_bytes=100))
+    s = Scheduler(Config(lifo_after=None, max_client_bytes=100))
     s.worker_ready(b"w", "svc", 0.0)
     d = only(req(s, A, 1, size=60), Dispatch)
     err = only(req(s, A, 2, size=50), ClientError)
@@ -400,7 +402,7 @@ def test_cap_on_bytes():
 
 
 def test_bytes_are_released_on_every_path():
-    s = Scheduler(Config(max_retries=1, max_queue=3, service_grace=1.0))
+    s = Scheduler(Config(lifo_after=None, max_retries=1, max_queue=3, service_grace=1.0))
     s.worker_ready(b"w1", "svc", 0.0, credit=2)
     s.worker_ready(b"w2", "svc", 0.0, credit=2)
     now = 0.0
@@ -462,7 +464,7 @@ def test_bytes_are_released_on_every_path():
 
 
 def test_bytes_are_released_when_a_queued_request_expires_and_when_running_one_does():
-    s = Scheduler()
+    s = Scheduler(Config(lifo_after=None))
     s.worker_ready(b"w", "svc", 0.0)
     d = only(req(s, A, 1, size=100, deadline=1.0), Dispatch)
     req(s, A, 2, size=50, deadline=0.5)
@@ -476,7 +478,7 @@ def test_bytes_are_released_when_a_queued_request_expires_and_when_running_one_d
 
 
 def test_bytes_stay_counted_across_a_retry_then_go():
-    s = Scheduler()
+    s = Scheduler(Config(lifo_after=None))
     s.worker_ready(b"w1", "svc", 0.0)
     only(req(s, A, 1, size=64), Dispatch)
     assert s.worker_disconnect(b"w1", 0.1) == []  # back in the queue, no worker
@@ -497,7 +499,7 @@ def conns(n, prefix=b"p"):
 
 
 def test_a_principal_with_100_connections_gets_one_share_of_the_ring():
-    s = Scheduler()
+    s = Scheduler(Config(lifo_after=None))
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, X, 0), Dispatch).token
     many = conns(100)
@@ -508,7 +510,7 @@ def test_a_principal_with_100_connections_gets_one_share_of_the_ring():
     assert (B, 1) in order[:2], order
     assert order == [(many[0], 1), (B, 1), (many[1], 1)]  # routed to each connection
     # The same 100 connections as their own principals: B waits behind all of them.
-    s = Scheduler()
+    s = Scheduler(Config(lifo_after=None))
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, X, 0), Dispatch).token
     for c in many:
@@ -519,7 +521,7 @@ def test_a_principal_with_100_connections_gets_one_share_of_the_ring():
 
 
 def test_one_principal_on_many_connections_is_fifo_across_them():
-    s = Scheduler()
+    s = Scheduler(Config(lifo_after=None))
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, X, 0), Dispatch).token
     sent = [(c, rid) for rid in (1, 2) for c in (A, B, C)]
@@ -530,7 +532,7 @@ def test_one_principal_on_many_connections_is_fifo_across_them():
 
 
 def test_request_cap_counts_every_connection_of_a_principal():
-    s = Scheduler(Config(max_client_requests=3))
+    s = Scheduler(Config(lifo_after=None, max_client_requests=3))
     s.worker_ready(b"w", "svc", 0.0)
     d = only(req(s, A, 1, principal=PID), Dispatch)  # running
     assert req(s, B, 1, principal=PID) == []  # queued
@@ -552,7 +554,7 @@ def test_request_cap_counts_every_connection_of_a_principal():
 
 
 def test_byte_cap_counts_every_connection_of_a_principal():
-    s = Scheduler(Config(max_client_bytes=100))
+    s = Scheduler(Config(lifo_after=None, max_client_bytes=100))
     s.worker_ready(b"w", "svc", 0.0)
     d = only(req(s, A, 1, size=60, principal=PID), Dispatch)
     err = only(req(s, B, 1, size=50, principal=PID), ClientError)
@@ -573,7 +575,7 @@ def test_byte_cap_counts_every_connection_of_a_principal():
 
 
 def test_1024_one_request_connections_fill_the_queue_and_yield_to_another_principal():
-    s = Scheduler(Config(max_queue=1024))
+    s = Scheduler(Config(lifo_after=None, max_queue=1024))
     s.worker_ready(b"w", "svc", 0.0)
     token = only(req(s, X, 0), Dispatch).token
     many = conns(1024)
@@ -596,7 +598,7 @@ def test_1024_one_request_connections_fill_the_queue_and_yield_to_another_princi
     order, _ = drain(s, b"w", token, 2, now=0.4)
     assert order == [(many[0], 1), (B, 1)]
     # Without principals each connection holds one, ties with the newcomer: it is refused.
-    s = Scheduler(Config(max_queue=1024))
+    s = Scheduler(Config(lifo_after=None, max_queue=1024))
     s.worker_ready(b"w", "svc", 0.0)
     only(req(s, X, 0), Dispatch)
     for c in many:
@@ -606,7 +608,7 @@ def test_1024_one_request_connections_fill_the_queue_and_yield_to_another_princi
 
 
 def test_a_tie_between_principals_refuses_the_newcomer():
-    s = Scheduler(Config(max_queue=4))
+    s = Scheduler(Config(lifo_after=None, max_queue=4))
     s.worker_ready(b"w", "svc", 0.0)
     only(req(s, X, 0), Dispatch)
     req(s, A, 1, now=0.1, principal=PID)
@@ -620,7 +622,7 @@ def test_a_tie_between_principals_refuses_the_newcomer():
 
 
 def test_disconnecting_one_connection_releases_exactly_its_requests():
-    s = Scheduler(Config(max_client_requests=5, max_client_bytes=100))
+    s = Scheduler(Config(lifo_after=None, max_client_requests=5, max_client_bytes=100))
     s.worker_ready(b"w", "svc", 0.0, credit=2)
     da = only(req(s, A, 1, size=10, principal=PID), Dispatch)  # running
     db = only(req(s, B, 1, size=5, principal=PID), Dispatch)  # running
@@ -657,7 +659,7 @@ def test_disconnecting_one_connection_releases_exactly_its_requests():
 
 
 def test_a_silent_connection_drops_only_its_own_requests():
-    s = Scheduler(Config(client_liveness=2.0))
+    s = Scheduler(Config(lifo_after=None, client_liveness=2.0))
     s.worker_ready(b"w", "svc", 0.0)
     only(req(s, X, 0), Dispatch)
     s.client_heartbeat(A, 0.0)
@@ -675,7 +677,7 @@ def test_a_silent_connection_drops_only_its_own_requests():
 def test_a_requests_principal_is_fixed_at_admission():
     # One identity, two principals (e.g. a reconnect that reuses the identity): each request
     # stays counted where it was admitted, and leaves from there.
-    s = Scheduler()
+    s = Scheduler(Config(lifo_after=None))
     s.worker_ready(b"w", "svc", 0.0)
     d = only(req(s, A, 1, size=10, principal=PID), Dispatch)
     req(s, A, 2, size=20, principal=USER)

@@ -268,7 +268,9 @@ def test_a_client_that_stops_reading_costs_bounded_memory_and_nobody_else_notice
 
 
 def test_a_burst_from_one_client_never_pushes_another_into_queue_full(cluster, gate, tmp_path):  # noqa: F811
-    cluster.broker("--max-queue", "64")
+    # (First in first out within the burster, for the ids below: this queue never empties,
+    # and congested it would serve the burster's newest first: test_state_congestion.py)
+    cluster.broker("--max-queue", "64", "--lifo-after-ms", "-1")
     _gated_worker(cluster, gate)
     n_burst = 2000
     with Client(cluster.frontend, timeout=10) as c:

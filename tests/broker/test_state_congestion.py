@@ -1,0 +1,172 @@
+"""broker.state under congestion (adaptive LIFO): a queue that has not emptied for
+``lifo_after`` serves each principal's newest requests first ("Congestion" in
+broker/state.py's docstring).  Event by event, injected clock."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from broker.state import ClientError, Config, Dispatch, ErrorCode, Priority, Scheduler
+
+A, B = b"client-a", b"client-b"
+
+
+def of(actions, cls):
+    return [a for a in actions if isinstance(a, cls)]
+
+
+def only(actions, cls):
+    found = of(actions, cls)
+    assert len(found) == 1, actions
+    return found[0]
+
+
+def req(s, rid, now, client=A, **kw):
+    return s.client_request(client, rid, "svc", now, payload=f"p{rid}", **kw)
+
+
+def busy_worker(**cfg):
+    """A scheduler with one worker of credit 1, busy with request 0 (sent at 0)."""
+    s = Scheduler(Config(**cfg))
+    s.worker_ready(b"w", "svc", 0.0)
+    return s, only(req(s, 0, 0.0), Dispatch).token
+
+
+def drain(s, token, now, n, step=0.0):
+    """Let the worker finish ``n`` requests, one after the other: the ids dispatched."""
+    order = []
+    for _ in range(n):
+        d = of(s.worker_final(b"w", token, now, None), Dispatch)
+        if not d:
+            break
+        order.append(d[0].request_id)
+        token = d[0].token
+        now += step
+    return order, token
+
+
+def test_a_queue_that_drains_in_time_is_first_in_first_out():
+    s, token = busy_worker()
+    for rid in (1, 2, 3):
+        req(s, rid, 0.0)
+    assert drain(s, token, 0.05, 3)[0] == [1, 2, 3]
+    assert s.stats()["counters"]["newest_first"] == 0
+
+
+def test_a_queue_that_has_not_emptied_for_lifo_after_serves_the_newest_first():
+    s, token = busy_worker()
+    for rid in (1, 2, 3):
+        req(s, rid, 0.0)
+    req(s, 4, 0.08)
+    # 0.1 s (the default lifo_after) since the queue last went from empty to not
+    assert drain(s, token, 0.1, 4)[0] == [4, 3, 2, 1]
+    assert s.stats()["counters"]["newest_first"] == 4
+
+
+def test_the_queue_is_first_in_first_out_again_once_it_has_emptied():
+    s, token = busy_worker()
+    req(s, 1, 0.0)
+    req(s, 2, 0.0)
+    order, token = drain(s, token, 0.5, 2)
+    assert order == [2, 1]
+    # Emptied at 0.5; a new burst at 0.55 drains first in first out for 0.1 s...
+    for rid in (3, 4, 5):
+        req(s, rid, 0.55)
+    order, token = drain(s, token, 0.6, 1)
+    assert order == [3]
+    # ...and newest first after it (the queue has not emptied since 0.55).
+    assert drain(s, token, 0.7, 2)[0] == [5, 4]
+
+
+def test_a_negative_lifo_after_means_first_in_first_out_always():
+    s, token = busy_worker(lifo_after=-1.0)
+    for rid in (1, 2, 3):
+        req(s, rid, 0.0)
+    assert drain(s, token, 10.0, 3)[0] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_lifo_after_must_be_finite(bad):
+    with pytest.raises(ValueError, match="lifo_after"):
+        Scheduler(Config(lifo_after=bad))
+
+
+def test_retries_are_still_served_first_when_congested():
+    """A request whose worker died goes back to the front of its FIFO: it has waited its
+    turn already, and is served before the newest."""
+    s = Scheduler()
+    s.worker_ready(b"w1", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    only(req(s, 1, 0.0), Dispatch)  # on w1
+    d2 = only(req(s, 2, 0.0), Dispatch)  # on w2
+    for rid in (3, 4, 5):
+        req(s, rid, 0.0)
+    assert s.worker_disconnect(b"w1", 0.2) == []  # 1 back at the front
+    order = []
+    token = d2.token
+    now = 0.3
+    for _ in range(4):
+        d = only(s.worker_final(b"w2", token, now, None), Dispatch)
+        order.append((d.request_id, d.attempt))
+        token = d.token
+    assert order == [(1, 1), (5, 0), (4, 0), (3, 0)]
+
+
+def test_principals_still_take_turns_when_congested():
+    s, token = busy_worker()
+    for rid in range(1, 6):
+        req(s, rid, 0.0)
+    req(s, 11, 0.0, client=B)
+    req(s, 12, 0.01, client=B)
+    assert drain(s, token, 0.2, 7)[0] == [5, 12, 4, 11, 3, 2, 1]
+
+
+def test_a_steady_normal_stream_is_not_starved_by_an_urgent_flood_when_congested():
+    """Newest first, the normal candidate is always young; its principal's wait still counts
+    from its oldest queued request, so aging serves it about every (3 - 1) x aging_s, as
+    without congestion (counted from the young candidate, it was never served)."""
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, 0, 0.0, priority=Priority.URGENT), Dispatch).token
+    rid = 1
+    now = 0.0
+    normal_served = []
+    while now < 10.0:
+        now += 0.1
+        for client, pri in ((A, Priority.URGENT), (B, Priority.NORMAL)):
+            req(s, rid, now, client=client, priority=pri)
+            rid += 1
+        d = only(s.worker_final(b"w", token, now, None), Dispatch)
+        token = d.token
+        if d.client == B:
+            normal_served.append(now)
+    assert s.stats()["counters"]["newest_first"] > 50
+    assert len(normal_served) >= 5, normal_served
+    gaps = [b - a for a, b in zip(normal_served, normal_served[1:])]
+    assert max(gaps) < 2.0, gaps
+
+
+def test_a_full_congested_queue_refuses_as_one_that_drains():
+    """Admission is unchanged: the newcomer of the heaviest principal is refused at once (its
+    backpressure), another principal's newcomer takes the place of the heaviest's newest."""
+    s, token = busy_worker(max_queue=3)
+    for rid in (1, 2, 3):
+        req(s, rid, 0.0)
+    err = only(req(s, 4, 0.2), ClientError)
+    assert (err.request_id, err.code) == (4, ErrorCode.QUEUE_FULL)
+    err = only(req(s, 11, 0.3, client=B), ClientError)
+    assert (err.client, err.request_id, err.code) == (A, 3, ErrorCode.QUEUE_FULL)
+    assert "its newest request made room for another client's" in err.message
+    assert drain(s, token, 0.4, 3)[0] == [2, 11, 1]
+
+
+def test_the_oldest_wait_on_and_are_failed_by_their_deadlines_never_dispatched():
+    s, token = busy_worker()
+    req(s, 1, 0.0, deadline=0.25)
+    req(s, 2, 0.0, deadline=5.0)
+    req(s, 3, 0.2, deadline=5.0)
+    assert s.next_wakeup(0.2) == 0.25
+    err = only(s.tick(0.25), ClientError)
+    assert (err.request_id, err.code) == (1, ErrorCode.DEADLINE_EXCEEDED)
+    assert drain(s, token, 0.3, 2)[0] == [3, 2]
