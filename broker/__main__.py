@@ -156,7 +156,13 @@ _RANGES = {
 
 
 def _check_ranges(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """A numeric flag out of its range, or not finite: one usage line naming it, exit 2."""
+    """A numeric flag out of its range, or not finite: one usage line naming it, exit 2.
+    An empty endpoint too: `--frontend "$FE"` with FE unset bound the default endpoint, where
+    another broker of the user may serve."""
+    for flag in ("frontend", "backend"):
+        v = getattr(args, flag, None)
+        if v is not None and not v.strip():
+            ap.error(f"--{flag} is empty (leave it out for the default endpoint)")
     for key, (flag, lo, hi) in _RANGES.items():
         v = getattr(args, key, None)
         if v is None:

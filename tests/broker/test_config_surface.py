@@ -26,6 +26,26 @@ def test_a_zero_client_byte_cap_is_refused_on_the_command_line(value, capsys, tm
     assert "--max-client-mb must be more than 0" in err and "not 'no limit'" in err, err
 
 
+@pytest.mark.parametrize("value", ["", " "])
+@pytest.mark.parametrize("flag", ["--frontend", "--backend"])
+def test_an_empty_endpoint_is_refused_not_taken_for_the_default(flag, value, capsys, tmp_path, monkeypatch):
+    # `--frontend "$FE"` with FE unset bound the default endpoint (another broker's, maybe).
+    args = _endpoints(tmp_path, monkeypatch)
+    args[args.index(flag) + 1] = value
+    with pytest.raises(SystemExit) as e:
+        broker_main.main(args)
+    assert e.value.code == 2
+    assert f"{flag} is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_lifo_after_must_be_a_number(value, capsys, tmp_path, monkeypatch):
+    with pytest.raises(SystemExit) as e:
+        broker_main.main([*_endpoints(tmp_path, monkeypatch), "--lifo-after-ms", value])
+    assert e.value.code == 2
+    assert "--lifo-after-ms must be a number" in capsys.readouterr().err
+
+
 def test_a_zero_client_byte_cap_is_refused_in_the_deploy_file(tmp_path):
     path = tmp_path / "deploy.toml"
     path.write_text("[scheduler]\nmax_client_bytes = 0\n")
