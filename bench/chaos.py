@@ -490,20 +490,24 @@ def _stream_client(fe: str, tally: Tally, stop: threading.Event, timeout: float,
         _wait_service(c)
         with c.stream("echo", latest_wins=True, max_in_flight=2, timeout=timeout) as st:
             while True:
-                if not stop.is_set():
+                # Read once a round: the run may stop between a look that found a frame still
+                # out (TimeoutError) and a second reading, which took that frame for one still
+                # out after the timeout, and never collected it.
+                stopping = stop.is_set()
+                if not stopping:
                     x = rng.integers(0, 256, 16, dtype=np.uint8)
                     sent[st.send({"x": x})] = (x, time.monotonic())
                 while True:  # what has come back
                     try:
-                        take(st.recv(timeout=0.0 if not stop.is_set() else timeout))
+                        take(st.recv(timeout=timeout if stopping else 0.0))
                     except (TimeoutError, EndOfStream) as e:
-                        if isinstance(e, EndOfStream) or not stop.is_set():
+                        if isinstance(e, EndOfStream) or not stopping:
                             break
                         tally.failed(e)  # a frame still out after the timeout, at the end
                         break
                     except Exception as e:  # the frame's own error
                         tally.failed(e)
-                if stop.is_set():
+                if stopping:
                     break
                 stop.wait(0.005)  # the camera's pace (200 fps), not a synchronisation
             tally.outcomes["dropped"] += st.stats()["dropped"]
