@@ -93,9 +93,11 @@ def test_a_served_forgery_is_caught():
 
 def test_a_worker_without_its_ownership_check_fails_the_run(monkeypatch):
     """The real thing: a worker that would serve another process's slot (its ownership
-    check switched off) is caught by the hostile peer's exact forgeries, end to end."""
+    check switched off) is caught by the hostile peer's exact forgeries, end to end.  With
+    seed 2 (the hostile peer's 9) one of its first forgeries is served, a fraction of a second
+    into the run (about 2 s with seed 1): 3 s of load leave room for later ones too."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    res = chaos.run(plan=[], workers=1, seed=1, settle_s=6.0, model="trusting_model:factory", hostile=True,
+    res = chaos.run(plan=[], workers=1, seed=2, settle_s=3.0, model="trusting_model:factory", hostile=True,
                     clients=("frame",), log=lambda *_: None)
     assert not res["passed"]
     assert any("a forged descriptor was served" in f for f in res["process_failures"]), res["process_failures"]
