@@ -771,10 +771,15 @@ def netns():
 
 def _established(port: int, prefix: list[str] | tuple = ()) -> int:
     """TCP connections established to local `port` (in the namespace `prefix` runs in)."""
+    return len(_peers(port, prefix))
+
+
+def _peers(port: int, prefix: list[str] | tuple = ()) -> list[str]:
+    """The peers (address:port) of the TCP connections established to local `port`."""
     r = subprocess.run([*prefix, "ss", "-Htn", "state", "established", f"( sport = :{port} )"], capture_output=True,
                        text=True, timeout=10)
     assert r.returncode == 0, r.stderr
-    return len(r.stdout.splitlines())
+    return [line.split()[-1] for line in r.stdout.splitlines()]
 
 
 def _until(cond, what: str, timeout: float) -> float:
@@ -1007,9 +1012,10 @@ def test_the_broker_drops_a_tcp_client_gone_silent_behind_a_partition(tmp_path, 
     """A client in another network namespace reaches a tcp broker over a veth pair, says
     hello, and goes idle.  Alive, it keeps its connection past the time an unreachable one
     gets (its kernel acknowledges the keepalive probes: 2 s here, twice the client window
-    and ten heartbeats at least).  The pair cut, the broker closes that connection soon
-    after, and with it whatever it had queued there, instead of holding them for as long
-    as TCP retries (many minutes)."""
+    and ten heartbeats at least), all the while a second client's upload crosses the link
+    (shaped) for longer than that too, and is not cut either.  The pair cut, the broker
+    closes the idle connection soon after, and with it whatever it had queued there,
+    instead of holding them for as long as TCP retries (many minutes)."""
     b = Proc(["-m", "broker", "--frontend", f"tcp://{netns.here}:0", "--backend", f"ipc://{tmp_path}/be.ipc",
               "--insecure", "--heartbeat-interval", "0.2"])
     client = None
@@ -1020,20 +1026,25 @@ def test_the_broker_drops_a_tcp_client_gone_silent_behind_a_partition(tmp_path, 
         client = Proc(["-c", _IDLE_CLIENT, fe], prefix=netns.prefix)
         client.wait_ready()
         _until(lambda: _established(port) == 1, "the client's connection", 10)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 3.0:  # longer than a silent peer is given: an idle one stays
-            assert _established(port) == 1, "the broker dropped an idle client whose kernel acknowledges"
-            time.sleep(0.1)
+        (idle,) = _peers(port)
         # A frame that takes longer than that span to cross a slow link (16 MiB at 40 Mbit/s,
-        # about 3.4 s) is not cut either: acknowledgements keep flowing all along.
+        # about 3.4 s) is not cut either: acknowledgements keep flowing all along.  The idle
+        # connection is watched meanwhile: longer than a silent peer is given, it stays.
         netns.slow("40mbit")
         upload = Proc(["-c", _SLOW_UPLOAD, fe, str(16 << 20)], prefix=netns.prefix)
         try:
-            _, answered, took = upload.wait_ready(timeout=90).split()
+            t0 = time.monotonic()
+            while upload.p.poll() is None:
+                assert idle in _peers(port), "the broker dropped an idle client whose kernel acknowledges"
+                assert time.monotonic() - t0 < 90, "the upload did not end"
+                time.sleep(0.1)  # polling an outside condition (ss), not synchronising with a process
+            watched = time.monotonic() - t0
+            _, answered, took = upload.wait_ready(timeout=10).split()
         finally:
             upload.close()
         assert answered == "answered" and float(took) > 2.5, (answered, took)
-        assert _established(port) == 1
+        assert watched > 3.0, watched  # the idle connection outlived the span (2 s), and slack
+        assert _peers(port) == [idle]
         netns.cut()
         _until(lambda: _established(port) == 0, "the broker dropping the silent client", 15)
         assert b.p.poll() is None
