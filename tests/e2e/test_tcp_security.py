@@ -803,15 +803,19 @@ def _broker_tcp_front(tmp_path, keys) -> Proc:
     return b
 
 
-def test_a_leased_worker_the_client_cannot_reach_costs_its_calls_nothing(tmp_path, keys, netns):
+def test_a_leased_worker_the_client_cannot_reach_costs_its_calls_nothing(tmp_path, keys, netns, monkeypatch):
     """docs/protocol.md 10.4: the leased worker's tcp direct socket is out of the client's
     reach (it listens on the loopback of another network namespace; the broker reaches the
     worker over ipc).  No call goes on the lease while its handshake has not succeeded, so
     every call is answered through the broker at once; the lease goes back to the broker
-    after PIN_CONNECT_S, and the service stays brokered.  Both twins."""
+    after PIN_CONNECT_S, and the service stays brokered.  Both twins.  PIN_CONNECT_S is
+    1.5 s in this test's clients (3 s by default, which each twin waited out)."""
     import re
 
-    from client_sdk.pins import PIN_CONNECT_S
+    from client_sdk import pins
+
+    monkeypatch.setattr(pins, "PIN_CONNECT_S", 1.5)  # read there when a lease is overdue
+    PIN_CONNECT_S = pins.PIN_CONNECT_S
 
     b = _broker_tcp_front(tmp_path, keys)
     w = None
