@@ -809,8 +809,9 @@ def test_a_restart_that_cannot_start_its_threads_is_retried_and_stops_nothing_el
     # launcher could not start the thread that reads the new worker's output (RuntimeError,
     # not the OSError of a fork refused): the supervisor failed, every worker of both pools was
     # stopped and the launcher exited 1, seconds before the limit was lifted.  Now that start
-    # fails alone: its child is killed and reaped, and it is retried after the backoff.
-    la = launchers(tmp_path, "[launcher]\nrestart_backoff_s = 2\nrestart_backoff_max_s = 2\n"
+    # fails alone: its child is killed and reaped, and it is retried after the backoff (1 s:
+    # the time the test has to set the limit, a few file writes, and waits out twice).
+    la = launchers(tmp_path, "[launcher]\nrestart_backoff_s = 1\nrestart_backoff_max_s = 1\n"
                    + textwrap.dedent(TWO_POOLS),
                    prefix=["sh", "-c", f'echo $$ > {pids_cgroup}/cgroup.procs && exec "$@"', "sh"])
     la.wait_for(r"every pool is ready")
@@ -820,7 +821,7 @@ def test_a_restart_that_cannot_start_its_threads_is_retried_and_stops_nothing_el
     assert set(_children(la.p.pid)) == set(before.values())
     mark = len(la._err)
     os.kill(victim, signal.SIGKILL)
-    la.wait_for(rf"pool echo worker 0 pid {victim} exited with code -9; restarting it in 2 s", mark)
+    la.wait_for(rf"pool echo worker 0 pid {victim} exited with code -9; restarting it in 1 s", mark)
     # Reaped: room for one more task than there are now (its restart forks, and no more).
     with open(f"{pids_cgroup}/pids.current") as f:
         limit = int(f.read()) + 1
@@ -829,14 +830,14 @@ def test_a_restart_that_cannot_start_its_threads_is_retried_and_stops_nothing_el
             f.write(str(limit))
         m = la.wait_for(r"pool echo worker 0 pid (\d+)"
                         r"(: cannot start python -m gpu_worker: .*\(its process was killed\)| ready)", mark)
-        assert m.group(2) != " ready", "the restart came before the limit was set (2 s of backoff)"
+        assert m.group(2) != " ready", "the restart came before the limit was set (1 s of backoff)"
         failed = int(m.group(1))
         # Killed and reaped before that line: the launcher's children are the other workers,
         # none a zombie; every other worker runs on.
         kids = _children(la.p.pid)
         assert set(kids) == set(others.values()) and "Z" not in kids.values(), kids
         assert not os.path.exists(f"/proc/{failed}")
-        la.wait_for(r"pool echo worker 0 exited with code 127; restarting it in 2 s", mark)
+        la.wait_for(r"pool echo worker 0 exited with code 127; restarting it in 1 s", mark)
     finally:
         with open(f"{pids_cgroup}/pids.max", "w") as f:
             f.write("max")
