@@ -105,7 +105,11 @@ between principals, the classes and their aging (a principal's wait is counted f
 oldest queued request of the class, or its previous dispatch there, as before: the young
 candidate does not make an urgent flood starve the other classes).  Requests put back at
 the front of their FIFO (retries, requests given back) are still served first: a FIFO that
-starts with one is walked in order.  Admission is unchanged (a full queue refuses the
+starts with one is walked in order.  So is a FIFO whose oldest request has no deadline:
+newest first is safe only for requests that leave by their deadline, and one without (a
+batch job's call with no timeout) waited, behind a client that kept its pipeline full, for
+as long as that client sent more; walked in order from it, every request is served or
+leaves by its deadline, as before.  Admission is unchanged (a full queue refuses the
 heaviest principal's newest, the newcomer if that is its own: immediate backpressure; what
 stays too long leaves by its deadline).  The queue is FIFO again the moment it empties.
 ``newest_first`` counts the dispatches made while congested.  Cost: one comparison per
@@ -1880,8 +1884,15 @@ class Scheduler(LeaseEvents):
                 # can go somewhere now (see Dispatch in the module docstring).
                 for fifo in ring.values():
                     n = scan if scan < left else left
-                    head = next(iter(fifo))
-                    for req in (reversed(fifo) if lifo and not head.front else fifo):
+                    walk = fifo
+                    if lifo:
+                        # In order while its head must go first: a request put back at the
+                        # front, or one without a deadline (nothing else ever takes it out;
+                        # newest first, it waited for as long as its principal sent more).
+                        head = next(iter(fifo))
+                        if not head.front and head.deadline is not None:
+                            walk = reversed(fifo)
+                    for req in walk:
                         if not n:
                             break
                         n -= 1

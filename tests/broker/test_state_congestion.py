@@ -23,6 +23,8 @@ def only(actions, cls):
 
 
 def req(s, rid, now, client=A, **kw):
+    # Newest first is for requests that leave by their deadline: each has one, unless said.
+    kw.setdefault("deadline", 1000.0)
     return s.client_request(client, rid, "svc", now, payload=f"p{rid}", **kw)
 
 
@@ -170,3 +172,25 @@ def test_the_oldest_wait_on_and_are_failed_by_their_deadlines_never_dispatched()
     err = only(s.tick(0.25), ClientError)
     assert (err.request_id, err.code) == (1, ErrorCode.DEADLINE_EXCEEDED)
     assert drain(s, token, 0.3, 2)[0] == [3, 2]
+
+
+def test_a_request_without_a_deadline_is_not_starved_by_newer_ones_when_congested():
+    """Newest first is safe only for requests that leave by their deadline: one without a
+    deadline (a batch job's call with timeout=None) waited, behind a client that keeps its
+    pipeline full, for as long as it kept sending (for ever).  A FIFO whose head has no
+    deadline is walked in order; the requests with one are still served newest first."""
+    s, token = busy_worker()
+    req(s, 1, 0.0, deadline=None)
+    req(s, 2, 0.0, deadline=60.0)
+    served = []
+    now, rid = 0.1, 3
+    for _ in range(40):  # one new request per completion: the queue never empties
+        req(s, rid, now, deadline=now + 60.0)
+        rid += 1
+        d = only(s.worker_final(b"w", token, now, None), Dispatch)
+        served.append(d.request_id)
+        token = d.token
+        now += 0.05
+    assert 1 in served, f"the request without a deadline was never served: {served}"
+    assert served[:3] == [1, 4, 5], served
+    assert s.stats()["counters"]["newest_first"] >= 40
