@@ -133,7 +133,9 @@ class Metrics:
         from the broker's receipt to it (a result's only: a fast error, a model that raised
         at once, a refusal, passed for a fast answer in the latency histogram and hid a
         failing service's latency; errors are in the outcome counts), and the time it
-        queued before its (last) dispatch."""
+        queued before its (last) dispatch, or before its deadline took it out of the queue
+        (``dispatched_at``: then when it left; under overload that is where the queue's wait
+        is, broker/state.py "Congestion")."""
         s = self._svc(service)
         name = outcome_name(code)
         s.outcomes[name] = s.outcomes.get(name, 0) + 1

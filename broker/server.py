@@ -2242,7 +2242,8 @@ class Broker:
                                 self._send_late(a.client, P.client_reply(a.final, a.service.encode(), payload))
                     elif t is ClientError:
                         if self.metrics is not None:
-                            self.metrics.final(a.service, a.code, a.enqueued_at, None, now)
+                            # (left_queue: its deadline took it out of the queue, and that wait counts)
+                            self.metrics.final(a.service, a.code, a.enqueued_at, a.left_queue, now)
                         if a.code == P.ErrorCode.WORKER_FAILED:
                             # The service failed a request (its workers died under it: a request
                             # that kills every worker it meets, a stream cut): a WARNING at the

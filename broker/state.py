@@ -383,6 +383,10 @@ class ClientError:
     message: str
     payload: object
     enqueued_at: float | None = None  # None: refused at admission (it never queued)
+    #: a request its deadline took out of the queue, never dispatched: when (its wait there
+    #: counts in the queue-wait histogram as a dispatched one's does; newest first, under
+    #: overload, that is where the queue's wait is: "Congestion")
+    left_queue: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1779,9 +1783,9 @@ class Scheduler(LeaseEvents):
         self._error(req, ErrorCode.WORKER_FAILED, f"{why}; check the logs of the '{req.svc.name}' workers", out)
         self._retire(req)
 
-    def _error(self, req, code, message, out):
+    def _error(self, req, code, message, out, left_queue=None):
         out.append(ClientError(req.client, req.request_id, req.svc.name, code, message,
-                               req.payload, req.enqueued_at))
+                               req.payload, req.enqueued_at, left_queue))
         self._unlink(req)
 
     # ---- workers and dispatch
@@ -2253,7 +2257,7 @@ class Scheduler(LeaseEvents):
             self._error(req, ErrorCode.DEADLINE_EXCEEDED,
                         f"deadline passed after {now - req.enqueued_at:.3f} s waiting for a "
                         f"free '{req.svc.name}' worker; allow more time, lower the load or "
-                        f"start more workers", out)
+                        f"start more workers", out, now)
             self._retire(req)
             return
         if req.state == _RUNNING:

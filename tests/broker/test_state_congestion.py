@@ -194,3 +194,40 @@ def test_a_request_without_a_deadline_is_not_starved_by_newer_ones_when_congeste
     assert 1 in served, f"the request without a deadline was never served: {served}"
     assert served[:3] == [1, 4, 5], served
     assert s.stats()["counters"]["newest_first"] >= 40
+
+
+def test_the_queue_wait_under_overload_counts_the_requests_their_deadline_took_from_it():
+    """Newest first, what is dispatched waited little and the queue's wait is in what its
+    deadline takes out of it, never dispatched.  Counted from dispatches alone, the p99 queue
+    wait (the autoscaler's signal and ZmqInferQueueWaitHigh's, docs/deploy.md) fell as the
+    overload grew: here (5x a worker's capacity, four calls in five failing) it was 4 ms,
+    under the autoscaler's 20 ms target and ZmqInferQueueWaitHigh's 50 ms (docs/deploy.md).  A request its deadline took out of the queue says when
+    (``ClientError.left_queue``) and the server counts that wait too."""
+    s = Scheduler()
+    s.worker_ready(b"w", "svc", 0.0)
+    waits = []
+    running = []  # (token, finishes at)
+    now, rid = 0.0, 0
+
+    def seen(actions, now):
+        for a in actions:
+            if isinstance(a, Dispatch):
+                waits.append(now - a.enqueued_at)
+                running.append((a.token, now + 0.02))  # a 20 ms model
+            elif isinstance(a, ClientError) and a.code == ErrorCode.DEADLINE_EXCEEDED:
+                left = getattr(a, "left_queue", None)
+                if left is not None:
+                    waits.append(left - a.enqueued_at)
+
+    while now < 10.0:  # a request every 4 ms, each with a 100 ms timeout: 5x what it serves
+        rid += 1
+        seen(req(s, rid, now, deadline=now + 0.1), now)
+        seen(s.tick(now), now)
+        now = round(now + 0.004, 6)
+        while running and running[0][1] <= now:
+            token, at = running.pop(0)
+            seen(s.worker_final(b"w", token, at, None), at)
+    assert s.stats()["counters"]["newest_first"] > 100
+    waits.sort()
+    p99 = waits[int(0.99 * (len(waits) - 1))]
+    assert p99 >= 0.09, f"p99 queue wait {p99 * 1e3:.1f} ms at 5x overload ({len(waits)} waits)"

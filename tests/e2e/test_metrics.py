@@ -219,6 +219,9 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
     assert value(s, "zmq_infer_requests_total", service="gate", outcome="cancelled") == 1 - expired0
     assert value(s, "zmq_infer_request_seconds_count", service="echo") == n_echo
     assert value(s, "zmq_infer_queue_wait_seconds_count", service="echo") == n_echo
+    # The gate's: each that ran, and each whose deadline took it out of the queue (the raw
+    # client's, and the SDK's when the broker's deadline won): they waited there too.
+    assert value(s, "zmq_infer_queue_wait_seconds_count", service="gate") == len(batches) + 1 + expired0
     # The latency histogram holds the results alone: the gate's two expiries and its
     # cancellation or third expiry were in it (as fast answers, for a refusal or a model
     # that fails at once), beside its len(batches) results (the counts hunt).
