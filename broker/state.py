@@ -2244,7 +2244,9 @@ class Scheduler(LeaseEvents):
             # Its client cancelled it (its call ended `Cancelled` then) and its worker has not
             # confirmed: the deadline ends it, as it would a running one, but as what its
             # client saw: `cancelled` (it counted `deadline_exceeded`, and `expired`: the
-            # counts hunt).  The worker was told already; its late answer is dropped.
+            # counts hunt).  The worker was told already; its late answer goes to the client
+            # (LateToClient), as a running request's does when its deadline answers it, so
+            # that the client frees what it names.
             req.state = _ABANDONED
             req.late = self._clients.get(req.client)
             self._error(req, ErrorCode.CANCELLED,

@@ -146,10 +146,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                     self.final_n += 1
                     self.counted[(a.client, a.request_id)] = self.counted.get((a.client, a.request_id), 0) + 1
             elif isinstance(a, LateToClient):
-                # Only for a request its deadline answered, to its client while it is here.
+                # Only for a request its deadline answered (one its client had cancelled, its
+                # worker not confirming by then, ends `cancelled`: _expire_deadline), to its
+                # client while it is here.
                 r = self.reqs[(a.client, a.request_id)]
-                assert r.finals == 1 and r.code == ErrorCode.DEADLINE_EXCEEDED and not r.left, \
-                    f"late reply forwarded wrongly: {a}"
+                assert r.finals == 1 and r.code in (ErrorCode.DEADLINE_EXCEEDED, ErrorCode.CANCELLED) \
+                    and not r.left, f"late reply forwarded wrongly: {a}"
             elif isinstance(a, CancelAtWorker):
                 assert a.token in self.workers[a.worker]["tokens"]
             elif isinstance(a, RecallAtWorker):
