@@ -9,17 +9,9 @@ import pytest
 
 from broker.state import ClientError, Config, Dispatch, ErrorCode, Priority, Scheduler
 
+from tests.broker.test_state import of, only
+
 A, B = b"client-a", b"client-b"
-
-
-def of(actions, cls):
-    return [a for a in actions if isinstance(a, cls)]
-
-
-def only(actions, cls):
-    found = of(actions, cls)
-    assert len(found) == 1, actions
-    return found[0]
 
 
 def req(s, rid, now, client=A, **kw):

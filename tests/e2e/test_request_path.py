@@ -212,10 +212,10 @@ def _gated_worker(cluster, gate, *extra, model="gate_model:factory"):
     return p
 
 
-def test_priorities_under_load(cluster, gate):
-    # First in first out within a class, as a queue that drains is (congested, newest first:
-    # the next test; a slow machine may keep this queue from emptying for 100 ms)
-    cluster.broker("--lifo-after-ms", "-1")
+def _finishing_order(cluster, gate, lifo_after_ms: str) -> list[str]:
+    """One request held at a gated worker, then 3 background and 3 urgent queued behind it
+    at a broker run with ``--lifo-after-ms``: the order they finish in."""
+    cluster.broker("--lifo-after-ms", lifo_after_ms)
     _gated_worker(cluster, gate)
 
     async def scenario():
@@ -242,7 +242,13 @@ def test_priorities_under_load(cluster, gate):
             await asyncio.wait_for(asyncio.gather(first, *tasks), 30)
             return order
 
-    order = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_priorities_under_load(cluster, gate):
+    # First in first out within a class, as a queue that drains is (congested, newest first:
+    # the next test; a slow machine may keep this queue from emptying for 100 ms)
+    order = _finishing_order(cluster, gate, "-1")
     assert order[0] == "first"
     assert order[1:4] == ["urgent0", "urgent1", "urgent2"], order
     assert sorted(order[4:]) == ["bg0", "bg1", "bg2"]
@@ -252,31 +258,7 @@ def test_a_congested_queue_serves_the_newest_first_within_each_class(cluster, ga
     """broker/state.py, "Congestion": with --lifo-after-ms 0 a queue is congested as soon as
     it holds anything, so the order is deterministic: the urgent ones newest first, then
     the background ones newest first."""
-    cluster.broker("--lifo-after-ms", "0")
-    _gated_worker(cluster, gate)
-
-    async def scenario():
-        async with AsyncClient(cluster.frontend, timeout=30) as c:
-            while not await c.mmi_service("gate"):
-                await asyncio.sleep(0.01)
-            order: list[str] = []
-
-            async def call(tag, priority):
-                await c.infer("gate", {"x": np.array([len(order)])}, priority=priority)
-                order.append(tag)
-
-            first = asyncio.create_task(call("first", "normal"))
-            while c.in_flight() < 1:
-                await asyncio.sleep(0)
-            tasks = [asyncio.create_task(call(f"bg{i}", "background")) for i in range(3)]
-            tasks += [asyncio.create_task(call(f"urgent{i}", "urgent")) for i in range(3)]
-            await asyncio.sleep(0)
-            assert await c.mmi_service("gate")  # (every request above is queued: see above)
-            gate.release(7)
-            await asyncio.wait_for(asyncio.gather(first, *tasks), 30)
-            return order
-
-    assert asyncio.run(scenario()) == ["first", "urgent2", "urgent1", "urgent0", "bg2", "bg1", "bg0"]
+    assert _finishing_order(cluster, gate, "0") == ["first", "urgent2", "urgent1", "urgent0", "bg2", "bg1", "bg0"]
 
 
 @pytest.mark.parametrize("pin", [False, True])
