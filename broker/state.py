@@ -48,7 +48,13 @@ Each service has three priority classes.  A class holds one FIFO per principal (
 requests of all its connections) and keeps those principals in a ring, least recently
 served first: a principal joins the ring at its back when it queues something in the class
 while having nothing there, a principal that is served moves to the back, and one whose FIFO
-empties leaves.  A principal's FIFO is in arrival order (across its connections), except
+empties leaves.  A principal that rejoins after its last request was dispatched (its FIFO
+emptied then) goes to the front instead when the principal there was served after it
+(``_Service.left`` remembers when, for the last 1024 per class): a client sending one
+request at a time beside a flood waited, at the back, for one more of the flood's
+dispatches than it had to, every time (the flood had been served since; the overload hunt).
+A principal never served in the class (or forgotten) joins at the back: a new name gets no
+earlier turn.  A principal's FIFO is in arrival order (across its connections), except
 that retries go back to its front (see Failure handling).
 
 When a worker has spare credit, each non-empty class proposes one *candidate*: walking the
@@ -448,6 +454,9 @@ _T_LEASE = T_LEASE  # 6: a lease its worker has not confirmed yet (broker/leases
 # Bounded so a pile of unplaceable requests costs a constant per pass, not the queue length.
 _SCAN = 16
 _CLASS_SCAN = 4 * _SCAN
+#: principals per service and class whose last dispatch is remembered after their FIFO
+#: emptied (_Service.left): beyond it the oldest are forgotten (they rejoin at the back)
+_LEFT_MEMO = 1024
 
 #: services whose record went (no worker, nothing queued) remembered by when their last live
 #: worker went, so that a request for one later is told so, not "start one" (`_expire_grace`)
@@ -567,7 +576,7 @@ class _Pool:
 
 
 class _Service:
-    __slots__ = ("name", "classes", "queued", "since", "tiers", "top", "workers", "pools", "any",
+    __slots__ = ("name", "classes", "left", "queued", "since", "tiers", "top", "workers", "pools", "any",
                  "in_flight", "idle", "deep", "recall_at", "lone", "aside", "isos",
                  "recall_stale", "recall_hot", "recall_takers", "recall_touched")
 
@@ -580,6 +589,11 @@ class _Service:
         # principal to the back, a retry to the front).  FIFO keys are the requests
         # themselves; no FIFO in a ring is ever empty.
         self.classes = (OrderedDict(), OrderedDict(), OrderedDict())
+        # Per class, the principals whose FIFO emptied as its last request was dispatched:
+        # principal -> when (its FIFO's ``served``), oldest first, at most _LEFT_MEMO.  One
+        # that queues again goes to the front of the ring if the principal there was served
+        # after it (least recently served first), not behind a flood served since (_enqueue).
+        self.left = (OrderedDict(), OrderedDict(), OrderedDict())
         self.queued = 0
         self.since = 0.0  # when the queue last went from empty to not (meaningful while queued)
         # How many requests a principal has queued here is the length of its FIFOs (at
@@ -1665,8 +1679,18 @@ class Scheduler(LeaseEvents):
         ring = svc.classes[req.priority]
         fifo = ring.get(c)
         if fifo is None:
+            ahead = False
+            if ring:
+                # Least recently served first: a principal served before the ring's front
+                # one was (its last request dispatched, its FIFO emptied) goes ahead of it.
+                # One never served here, or forgotten, joins at the back (new names do
+                # not jump the queue).
+                last = svc.left[req.priority].pop(c, None)
+                ahead = last is not None and last < ring[next(iter(ring))].served
             fifo = ring[c] = OrderedDict()
             fifo.served = 0.0  # when this FIFO last had a request dispatched (_pump's aging)
+            if ahead:
+                ring.move_to_end(c, last=False)
         fifo[req] = None
         req.front = front
         if front:
@@ -1703,6 +1727,12 @@ class Scheduler(LeaseEvents):
                 self._unlone(req)
         if not fifo:
             del ring[c]
+            if served and fifo.served:
+                left = svc.left[req.priority]
+                left[c] = fifo.served
+                left.move_to_end(c)
+                if len(left) > _LEFT_MEMO:
+                    left.popitem(last=False)
         elif served:
             ring.move_to_end(c)
         svc.queued -= 1

@@ -1,0 +1,87 @@
+"""broker.state: a light principal (one request at a time) beside a flooding one.  The ring
+is least recently served first: a principal whose FIFO emptied when its last request was
+dispatched, and that queues again, goes ahead of a principal dispatched since, instead of
+behind it ("Dispatch" in broker/state.py's docstring).  Event by event, injected clock."""
+from __future__ import annotations
+
+from broker.state import Config, Dispatch, Scheduler
+
+H, L, N = b"heavy", b"light", b"newcomer"
+
+
+def of(actions, cls):
+    return [a for a in actions if isinstance(a, cls)]
+
+
+def req(s, client, rid, now):
+    return s.client_request(client, rid, "svc", now, payload=rid, deadline=now + 100.0)
+
+
+def test_a_light_client_is_not_put_behind_a_flood_served_since_its_last_request():
+    s = Scheduler(Config())
+    s.worker_ready(b"w", "svc", 0.0)  # credit 1
+    token = of(req(s, H, 0, 0.0), Dispatch)[0].token
+    for i in range(1, 50):
+        req(s, H, i, 0.0)  # the flood: its FIFO never empties
+    now = 0.0
+    light_waits = []
+    for round_ in range(5):
+        for k in range(3):  # the flood runs on (its principal goes to the back of the ring)...
+            now += 0.02
+            token = of(s.worker_final(b"w", token, now, None), Dispatch)[0].token
+            req(s, H, 1000 * (round_ + 1) + k, now)
+        # ...and the light client's next request arrives while the worker runs one of them.
+        now += 0.01
+        req(s, L, 10 ** 6 + round_, now)
+        dispatched = []
+        while True:
+            now += 0.02
+            d = of(s.worker_final(b"w", token, now, None), Dispatch)[0]
+            token = d.token
+            dispatched.append(d.client)
+            if d.client == L:
+                break
+            req(s, H, 100 * (round_ + 1) + len(dispatched), now)  # the flood keeps coming
+        light_waits.append(len(dispatched) - 1)
+    # Round robin says the light client waits for at most one dispatch of the flood; least
+    # recently served first, it waits for none: the flood was served after it, every time.
+    assert light_waits[1:] == [0] * 4, f"flood dispatches ahead of the light client's request: {light_waits}"
+
+
+def test_a_principal_never_served_still_joins_at_the_back():
+    s = Scheduler(Config())
+    s.worker_ready(b"w", "svc", 0.0)
+    token = of(req(s, H, 0, 0.0), Dispatch)[0].token
+    req(s, H, 1, 0.0)
+    req(s, N, 2, 0.01)  # new: behind the flood's queued one, as before (no jumping in with new names)
+    order = []
+    for i in range(2):
+        d = of(s.worker_final(b"w", token, 0.02 * (i + 1), None), Dispatch)[0]
+        token = d.token
+        order.append(d.client)
+    assert order == [H, N]
+
+
+def test_a_principal_served_after_the_front_one_joins_at_the_back():
+    # L served last: it rejoins behind H (H waited longer since its last dispatch).
+    s = Scheduler(Config())
+    s.worker_ready(b"w", "svc", 0.0)
+    token = of(req(s, H, 0, 0.0), Dispatch)[0].token
+    req(s, H, 1, 0.0)
+    req(s, L, 2, 0.0)
+    req(s, H, 3, 0.0)
+    order = []
+    now = 0.0
+    for i in range(2):
+        now += 0.02
+        d = of(s.worker_final(b"w", token, now, None), Dispatch)[0]
+        token = d.token
+        order.append(d.client)
+    assert order == [H, L]  # H (1) then L (2): L was served after H
+    req(s, L, 4, now)  # L rejoins: H (3) was last served before L
+    for i in range(2):
+        now += 0.02
+        d = of(s.worker_final(b"w", token, now, None), Dispatch)[0]
+        token = d.token
+        order.append(d.client)
+    assert order == [H, L, H, L]
