@@ -122,6 +122,10 @@ def check_broker_keys(data: Mapping[str, Any], path: str, broker_cls) -> None:
         if key == "security":
             continue
         _check_like(where, key, value, fields[key])
+        if key in ("frontend", "backend") and not value.strip():
+            # Leave it out for the default: a templated `frontend = "$FE"` with FE unset bound
+            # the default endpoint, where another broker of the user may serve (as the flag did).
+            raise ConfigError(f"{where}{key} is empty (leave it out for the default endpoint)")
         if key == "scheduler":
             sched = _defaults(type(fields[key]))
             for k, v in value.items():

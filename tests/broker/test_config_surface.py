@@ -38,6 +38,16 @@ def test_an_empty_endpoint_is_refused_not_taken_for_the_default(flag, value, cap
     assert f"{flag} is empty" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ['""', '" "'])
+@pytest.mark.parametrize("key", ["frontend", "backend"])
+def test_an_empty_endpoint_in_the_deploy_file_is_refused_not_taken_for_the_default(key, value, tmp_path):
+    # A templated file (`frontend = "$FE"`, FE unset) bound the default endpoint, as the flag did.
+    path = tmp_path / "deploy.toml"
+    path.write_text(f"{key} = {value}\n")
+    with pytest.raises(ValueError, match=rf"deploy.toml: {key} is empty"):
+        BrokerConfig.from_toml(str(path))
+
+
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_lifo_after_must_be_a_number(value, capsys, tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:
