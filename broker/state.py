@@ -49,8 +49,9 @@ requests of all its connections) and keeps those principals in a ring, least rec
 served first: a principal joins the ring at its back when it queues something in the class
 while having nothing there, a principal that is served moves to the back, and one whose FIFO
 empties leaves.  A principal that rejoins after its last request was dispatched (its FIFO
-emptied then) goes to the front instead when the principal there was served after it
-(``_Service.left`` remembers when, for the last 1024 per class): a client sending one
+emptied then) goes instead ahead of the first principal in the ring served after it (among
+the first 16, none of them never served; ``_Service.left`` remembers when, for the last
+1024 per class; two light clients rejoining keep their order): a client sending one
 request at a time beside a flood waited, at the back, for one more of the flood's
 dispatches than it had to, every time (the flood had been served since; the overload hunt).
 A principal never served in the class (or forgotten) joins at the back: a new name gets no
@@ -591,8 +592,8 @@ class _Service:
         self.classes = (OrderedDict(), OrderedDict(), OrderedDict())
         # Per class, the principals whose FIFO emptied as its last request was dispatched:
         # principal -> when (its FIFO's ``served``), oldest first, at most _LEFT_MEMO.  One
-        # that queues again goes to the front of the ring if the principal there was served
-        # after it (least recently served first), not behind a flood served since (_enqueue).
+        # that queues again goes ahead of the first principal in the ring served after it
+        # (least recently served first), not behind a flood served since (_enqueue).
         self.left = (OrderedDict(), OrderedDict(), OrderedDict())
         self.queued = 0
         self.since = 0.0  # when the queue last went from empty to not (meaningful while queued)
@@ -1679,18 +1680,28 @@ class Scheduler(LeaseEvents):
         ring = svc.classes[req.priority]
         fifo = ring.get(c)
         if fifo is None:
-            ahead = False
-            if ring:
-                # Least recently served first: a principal served before the ring's front
-                # one was (its last request dispatched, its FIFO emptied) goes ahead of it.
-                # One never served here, or forgotten, joins at the back (new names do
-                # not jump the queue).
-                last = svc.left[req.priority].pop(c, None)
-                ahead = last is not None and last < ring[next(iter(ring))].served
+            last = svc.left[req.priority].pop(c, None) if ring else None
             fifo = ring[c] = OrderedDict()
-            fifo.served = 0.0  # when this FIFO last had a request dispatched (_pump's aging)
-            if ahead:
-                ring.move_to_end(c, last=False)
+            # When this FIFO last had a request dispatched (_pump's aging: a rejoining
+            # principal's last dispatch is older than its request, so it ages as before).
+            fifo.served = 0.0 if last is None else last
+            if last is not None:
+                # Least recently served first: a principal served before one in the ring was
+                # (its last request dispatched, its FIFO emptied) goes ahead of the first
+                # such, among the first _SCAN; behind those served before it (another light
+                # client rejoined just now: its served is restored above).  One never served
+                # here, or forgotten, joins at the back (new names do not jump the queue), and
+                # so does one that would pass a principal never served (it waits its turn).
+                before = []
+                for p, f in ring.items():
+                    if f is fifo or not f.served or len(before) == _SCAN:
+                        break
+                    if f.served > last:
+                        ring.move_to_end(c, last=False)
+                        for p in reversed(before):
+                            ring.move_to_end(p, last=False)
+                        break
+                    before.append(p)
         fifo[req] = None
         req.front = front
         if front:

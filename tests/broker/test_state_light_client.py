@@ -85,3 +85,35 @@ def test_a_principal_served_after_the_front_one_joins_at_the_back():
         token = d.token
         order.append(d.client)
     assert order == [H, L, H, L]
+
+
+def test_two_light_clients_are_not_put_behind_a_flood_served_since_their_last_requests():
+    # The second light client compared itself with the first (just rejoined, its FIFO new:
+    # "never served") and went behind the flood, every round.
+    L2 = b"light2"
+    s = Scheduler(Config())
+    s.worker_ready(b"w", "svc", 0.0)
+    token = of(req(s, H, 0, 0.0), Dispatch)[0].token
+    for i in range(1, 50):
+        req(s, H, i, 0.0)
+    now, rid, rounds = 0.0, 10 ** 6, []
+    for round_ in range(5):
+        for k in range(3):
+            now += 0.02
+            token = of(s.worker_final(b"w", token, now, None), Dispatch)[0].token
+            req(s, H, 1000 * (round_ + 1) + k, now)
+        now += 0.01
+        for c in (L, L2):
+            rid += 1
+            req(s, c, rid, now)
+        order = []
+        while L not in order or L2 not in order:
+            now += 0.02
+            d = of(s.worker_final(b"w", token, now, None), Dispatch)[0]
+            token = d.token
+            order.append(d.client)
+            if d.client == H:
+                rid += 1
+                req(s, H, 10 ** 7 + rid, now)
+        rounds.append(order)
+    assert rounds[1:] == [[L, L2]] * 4, f"dispatch order after each pair of light requests: {rounds}"
