@@ -50,6 +50,7 @@ from broker.protocol.naming import ipc_problem
 from broker.protocol.link import LinkConn
 from broker.protocol.wire import out_of_resources, recv_frames, tcp_liveness, touched, warm_zero_copy
 
+from .core import flag
 from .errors import InferenceError, InvalidInput
 
 __all__ = ["CLOSE_LINGER_MS", "dealer", "broker_dealer", "broker_monitor", "handshakes", "redial", "drop_monitor", "drop_socket", "ReplyInbox",
@@ -94,7 +95,9 @@ def curve_keys(endpoint: Any, server_key: Any, client_key: Any, insecure: bool) 
 def tcp_options(endpoint: Any, transport: str, direct_reply: bool) -> tuple[str, bool]:
     """(transport, direct_reply) as a broker at `endpoint` takes them: a tcp broker refuses
     shared-memory and CUDA references and reply sockets from its tcp peers, loopback or not,
-    so inputs go inline and replies come back through it."""
+    so inputs go inline and replies come back through it.  `direct_reply` is checked either
+    way (a tcp endpoint's `direct_reply="false"` was never looked at)."""
+    direct_reply = flag("direct_reply", direct_reply)
     if not C.is_tcp(endpoint):
         return transport, direct_reply
     if transport == "shm":

@@ -790,6 +790,10 @@ def test_edge_values_of_arguments_are_invalid_input(connect, endpoint):
             with pytest.raises(InvalidInput, match=f"{opt} must be True or False, got {bad!r}"):
                 connect(endpoint, **{opt: bad})
         connect(endpoint, **{opt: np.False_}).close()
+    # A tcp endpoint turns direct replies off: what direct_reply said was never looked at.
+    for bad in ("false", None, 2):
+        with pytest.raises(InvalidInput, match=f"direct_reply must be True or False, got {bad!r}"):
+            connect("tcp://127.0.0.1:5555", insecure=True, direct_reply=bad)
     with connect(endpoint) as c:
         for bad in ("false", None, 2):
             with pytest.raises(InvalidInput, match=f"latest_wins must be True or False, got {bad!r}"):
