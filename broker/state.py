@@ -1698,8 +1698,8 @@ class Scheduler(LeaseEvents):
                         break
                     if f.served > last:
                         ring.move_to_end(c, last=False)
-                        for p in reversed(before):
-                            ring.move_to_end(p, last=False)
+                        for q in reversed(before):
+                            ring.move_to_end(q, last=False)
                         break
                     before.append(p)
         fifo[req] = None
