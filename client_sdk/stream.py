@@ -7,8 +7,11 @@ dropped and counted in `dropped`).  So a slow model shows the newest frame next 
 working through stale ones.  With `latest_wins=False` every frame is kept and sent in order
 as capacity frees up.
 
-Each frame is its own request with its own deadline (`timeout`, counted from when it is
-actually sent).  Ordinary arrays are copied at `send()` time (into a shared-memory slot, or
+Each frame is its own request with its own deadline: `timeout`, counted from `send()`, so a
+result is never older than that.  A frame still waiting for room when its deadline passes
+is never sent: it fails with DeadlineExceeded in its turn (counted in `expired`).  With
+`latest_wins=False` under a model that cannot keep up, that is what bounds the backlog
+(without a timeout, every frame waits its turn, as asked).  Ordinary arrays are copied at `send()` time (into a shared-memory slot, or
 into a private inline buffer), so the caller may reuse its frame buffer immediately.  A
 buffer from `client.alloc` is sent by reference instead (that is its point): do not
 overwrite it until its frame has a result or was dropped; a ring of `max_in_flight + 2`
@@ -33,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from .calls import final_of_infer
+from .calls import deadline_exceeded, final_of_infer
 from .core import flag, wait_limit
 from .errors import EndOfStream, InferenceError, InvalidInput, NotSupported
 from .tensors import Result
@@ -51,6 +54,7 @@ class StreamStats:
     in_flight: int = 0     # sent, result not received yet (arrived or not)
     pending: int = 0       # waiting to be sent
     cancelled: int = 0     # sent, given up by close() before their result was received
+    expired: int = 0       # never sent: their deadline passed while they waited for room
     latencies_ms: list[float] = field(default_factory=list)  # send() to result, per completed frame
 
     @property
@@ -59,6 +63,11 @@ class StreamStats:
 
     def __getitem__(self, key: str) -> Any:
         return getattr(self, key)
+
+
+def _deadline_of(call: Any) -> float | None:
+    """A frame's deadline: its timeout counted from its `send()`."""
+    return None if call.timeout is None else call.t_submit + call.timeout
 
 
 class _StreamCore:
@@ -95,6 +104,10 @@ class _StreamCore:
         self._dropped = 0
         self._cancelled = 0
         self._told = 0  # of the dropped, how many a request sent so far told the broker about
+        self._expired = 0
+        # Frames in `_outstanding` that were never sent (their deadline passed while they
+        # waited for room): each holds its DeadlineExceeded for its turn, and no room.
+        self._lapsed: set[int] = set()
         self._lat: deque[float] = deque(maxlen=self.LATENCY_WINDOW)
         self._closed = False
         self._finishing = False
@@ -117,25 +130,27 @@ class _StreamCore:
         # result waiting to be read holds its place (and its output slot), so a reader that
         # falls behind makes latest_wins drop frames instead of piling up stale results
         # (a hunt saw 103 frames, 3.4 s, of backlog, and the worker's output ring full).
-        return len(self._outstanding)
+        return len(self._outstanding) - len(self._lapsed)
 
     def unfinished(self) -> frozenset[int]:
         """The numbers of the frames whose inputs may still be read: sent or waiting to be
         sent, outcome not received (a dropped frame is not one).  A `client.alloc` buffer of
         a frame in here must not be written yet (docs/client.md, "Streams")."""
-        return frozenset([c.frame for c in self._outstanding] + [c.frame for c in self._pending])
+        lapsed = self._lapsed
+        return frozenset([c.frame for c in self._outstanding if c.frame not in lapsed]
+                         + [c.frame for c in self._pending])
 
     def stats(self) -> StreamStats:
         return StreamStats(sent=self._sent, completed=self._completed, failed=self._failed,
                            dropped=self._dropped, in_flight=self._in_flight(), pending=len(self._pending),
-                           cancelled=self._cancelled, latencies_ms=list(self._lat))
+                           cancelled=self._cancelled, expired=self._expired, latencies_ms=list(self._lat))
 
     def _make(self, inputs: Mapping[str, Any]) -> Any:
         if self._closed or self._finishing:
             raise InferenceError("this stream is closed; open a new one with client.stream()", code=None)
         call = self._prepare(self.service, inputs, copy_inline=True, **self._opts)
         call.frame = self._frames
-        call.t_submit = time.monotonic()
+        call.t_submit = time.monotonic()  # its deadline counts from here (`_submit`)
         call.no_pin = not self.pin
         self._frames += 1
         return call
@@ -149,7 +164,10 @@ class _StreamCore:
 
     def _flush(self) -> None:
         """Send pending frames while fewer than max_in_flight are outstanding (none once the
-        client is closed: `recv` still hands out what had arrived, then says so)."""
+        client is closed: `recv` still hands out what had arrived, then says so); those
+        whose deadline passed first are never sent (`_lapse`)."""
+        if self._pending and self._pending[0].timeout is not None:
+            self._lapse(time.monotonic())
         room = self.max_in_flight - self._in_flight()
         if room <= 0 or not self._pending or self._client.closed:
             return
@@ -163,9 +181,37 @@ class _StreamCore:
             self._sent += 1
             room -= 1
 
+    def _lapse(self, now: float) -> None:
+        """Pending frames whose deadline has passed (the oldest first: one timeout for all,
+        so their deadlines are in send order) are never sent: their slots go now, and each
+        takes its place among the outcomes with its DeadlineExceeded.  Sent at the last
+        moment, a frame would reach the broker with nothing left of its budget; kept,
+        `latest_wins=False` under a slow model built a backlog without end (a hunt saw 105
+        frames pending, and results 1.06 s after `send()` with a 0.1 s timeout)."""
+        pending = self._pending
+        while pending:
+            call = pending[0]
+            deadline = _deadline_of(call)
+            if deadline is None or now < deadline:
+                return
+            pending.popleft()
+            self._client.give_up(call)  # never registered: discarded, its inputs freed
+            waited = now - call.t_submit
+            call.inbox.append(("error", deadline_exceeded(
+                f"frame {call.frame} of the stream to {self.service!r} waited {waited:.3g}s for room "
+                f"(max_in_flight={self.max_in_flight}) and outlived its timeout of {call.timeout:g}s; "
+                "it was never sent",
+                "the model is slower than the frames come: raise max_in_flight (or add workers), "
+                "send fewer frames, or use latest_wins=True to keep only the newest")))
+            self._lapsed.add(call.frame)
+            self._outstanding.append(call)
+            self._expired += 1
+
     def _submit(self, call: Any, timeout: float | None) -> bool:
-        """Submit one frame; the frames dropped since the last one sent ride on it (the
-        broker counts them: `zmq_infer_stream_dropped_frames_total`)."""
+        """Submit one frame, its deadline counted from its `send()`; the frames dropped since
+        the last one sent ride on it (the broker counts them:
+        `zmq_infer_stream_dropped_frames_total`)."""
+        call.deadline = _deadline_of(call)  # (set again each try: an unsent call loses it)
         call.dropped = self._dropped - self._told
         if not self._submit_call(call, timeout):
             return False
@@ -182,6 +228,11 @@ class _StreamCore:
                 return None
             kind, item = head.inbox.popleft()
             self._outstanding.popleft()
+            if self._lapsed and head.frame in self._lapsed:  # never sent (`_lapse`): counted there
+                self._lapsed.discard(head.frame)
+                if not self._closed:
+                    self._flush()
+                return kind, item
             if head.partials and kind == "final":
                 # A streaming model's frame: its PARTIALs went unread, and an empty FINAL is
                 # no result (what `infer` says too, rather than hand out an empty Result).
@@ -214,8 +265,12 @@ class _StreamCore:
             self._client.give_up(self._pending.popleft())
             self._dropped += 1
         while self._outstanding:
-            self._client.give_up(self._outstanding.popleft())
+            call = self._outstanding.popleft()
+            if call.frame in self._lapsed:  # never sent, given up already (counted in expired)
+                continue
+            self._client.give_up(call)
             self._cancelled += 1
+        self._lapsed.clear()
         if self._pinned:
             self._pinned = False
             self._client.stream_closed(self.service)  # the last stream of a service ends its lease
@@ -272,7 +327,11 @@ class Stream(_StreamCore):
                 if stop is not None and now >= stop:
                     raise TimeoutError(f"no result within {timeout:g}s; the broker is not reading")
                 call = self._pending.popleft()
-                if self._submit(call, None if stop is None else stop - now):
+                limit = stop
+                deadline = _deadline_of(call)
+                if deadline is not None and (limit is None or deadline < limit):
+                    limit = deadline  # (past it, the next `_flush` lapses it)
+                if self._submit(call, None if limit is None else max(limit - now, 1e-3)):
                     self._outstanding.append(call)
                     self._sent += 1
                 else:

@@ -258,6 +258,78 @@ def test_latest_wins_with_a_slow_model_answers_the_newest_frames_and_counts_the_
         assert value(scrape(base), "zmq_infer_stream_dropped_frames_total", service=SERVICE) == 11
 
 
+def test_a_frame_that_waits_for_room_past_its_deadline_is_never_sent(cluster, gate, tmp_path):
+    """A frame's timeout counts from its `send()`: one still waiting for room when it passes
+    is never sent and fails in its turn (`expired`), so `latest_wins=False` under a model
+    that cannot keep up builds no backlog past the timeout; one sent late keeps only what is
+    left of its budget.  (Before: each was sent once room came, with a whole timeout from
+    then, and results came long after their deadline.)"""
+    log = tmp_path / "runs"
+    cluster.broker()
+    _worker(cluster, gate, log)
+    gate.open()
+
+    async def on_the_loop():  # the asyncio stream, the same
+        async with AsyncClient(cluster.frontend, timeout=WAIT) as ac:
+            st = ac.stream(SERVICE, latest_wins=False, max_in_flight=1, pin=False, timeout=0.3, reply="inline")
+            for i, what in enumerate((1, 0)):
+                st.send(_f(7 + i, what))
+            with pytest.raises(DeadlineExceeded, match="no reply"):
+                await st.recv(timeout=WAIT)
+            with pytest.raises(DeadlineExceeded, match="frame 1 .*never sent"):
+                await st.recv(timeout=WAIT)
+            s = st.stats()
+            assert (s.sent, s.failed, s.expired) == (1, 1, 1), s
+            st.close()
+            gate.release(1)
+
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, SERVICE)
+        with c.stream(SERVICE, latest_wins=False, max_in_flight=1, pin=False, timeout=0.3, reply="inline") as st:
+            st.send(_f(0, 1))  # held at the worker
+            for i in (1, 2, 3):
+                st.send(_f(i))
+            assert (st.stats().sent, st.stats().pending) == (1, 3)
+            assert st.unfinished() == {0, 1, 2, 3}
+            with pytest.raises(DeadlineExceeded, match="no reply"):
+                st.recv(timeout=WAIT)  # frame 0, sent: its deadline
+            for i in (1, 2, 3):
+                with pytest.raises(DeadlineExceeded, match=f"frame {i} .*never sent"):
+                    st.recv(timeout=WAIT)
+            s = st.stats()
+            assert (s.sent, s.failed, s.expired, s.pending, s.in_flight) == (1, 1, 3, 0, 0), s
+            _balanced(s)
+            assert st.unfinished() == frozenset()
+            with pytest.raises(EndOfStream):
+                st.recv(timeout=0)
+            gate.release(1)
+            # the next frame goes at once, with its own whole timeout
+            st.send(_f(4))
+            assert _got(st.recv(timeout=WAIT)) == (4, 4)
+        # A frame sent late keeps what is left of its timeout: frame 6 waits behind frame 5
+        # (held) for most of its 1 s, then is sent and held: it fails at 1 s from its send(),
+        # not 1 s from when it was sent.
+        with c.stream(SERVICE, latest_wins=False, max_in_flight=1, pin=False, timeout=1.0, reply="inline") as st:
+            st.send(_f(5, 1))
+            t6 = time.monotonic()
+            st.send(_f(6, 1))
+            _pump_until(c, lambda: time.monotonic() >= t6 + 0.7, "0.7 s")  # (waiting out the clock is the point)
+            gate.release(1)
+            assert _got(st.recv(timeout=WAIT)) == (0, 5)  # (a new stream numbers from 0)
+            assert st.stats().sent == 2  # frame 6 went when frame 5's result was taken
+            with pytest.raises(DeadlineExceeded, match="no reply"):
+                st.recv(timeout=WAIT)
+            assert time.monotonic() - t6 < 1.6, "frame 6's deadline counted from when it was sent"
+            gate.release(1)
+        _pump_until(c, lambda: c.pool is None or c.pool.in_use() == 0, "every input slot freed")
+    asyncio.run(on_the_loop())
+    # the worker ran frames 0, 4, 5, 6 and 7 only; 1, 2, 3 and 8 never left their client
+    deadline = time.monotonic() + WAIT
+    while sorted(int(line.split()[1]) for line in log.read_text().splitlines()) != [0, 4, 5, 6, 7]:
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.01)  # polling a file (a condition, not a delay)
+
+
 # ------------------------------------------------------------------ many streams, two at once, another thread
 
 def test_200_short_streams_leave_no_slot_lease_or_request_held(cluster, gate, tmp_path):
