@@ -117,8 +117,10 @@ newest first is safe only for requests that leave by their deadline, and one wit
 batch job's call with no timeout) waited, behind a client that kept its pipeline full, for
 as long as that client sent more; walked in order from it, every request is served or
 leaves by its deadline, as before.  Admission is unchanged (a full queue refuses the
-heaviest principal's newest, the newcomer if that is its own: immediate backpressure; what
-stays too long leaves by its deadline).  The queue is FIFO again the moment it empties.
+newcomer if its principal is the heaviest: immediate backpressure; what stays too long
+leaves by its deadline), but an eviction for another principal's newcomer takes what the
+heaviest's walk would serve last: from a FIFO walked newest first, its oldest, not the
+newest it would serve next (see Admission).  The queue is FIFO again the moment it empties.
 ``newest_first`` counts the dispatches made while congested.  Cost: one comparison per
 pass.
 
@@ -198,11 +200,16 @@ keeps them counted.  Both are O(1) dict entries per principal (no zero entries),
 request by request, so they stay exact as the principal's connections come and go.
 
 ``max_queue`` bounds the requests queued in one service.  When the queue is over it after
-dispatching and the newcomer is still queued, one request is refused: the newest (latest
-``enqueued_at``; on a tie, the least urgent) queued request of the principal holding the most
-queued requests in that service, whichever of its connections sent it (the QUEUE_FULL goes to
-that connection).  If that is the newcomer's own principal (ties included), the newcomer is
-refused; otherwise the evicted request gets its QUEUE_FULL final now and the newcomer stays.
+dispatching and the newcomer is still queued, one request of the principal holding the most
+queued requests in that service is refused.  If that is the newcomer's own principal (ties
+included), the newcomer is refused; otherwise one of that principal's queued requests,
+whichever of its connections sent it, gets its QUEUE_FULL final now (on that connection) and
+the newcomer stays.  That one is what the principal's walk would serve last: its newest
+(latest ``enqueued_at``; on a tie, the least urgent), or, where one of its FIFOs is walked
+newest first (Congestion), the oldest of such a FIFO (the oldest of them; on a tie, the
+least urgent), which waits on for its deadline anyway; never a request put back at the front
+of its FIFO (a retry, or given back) while the principal has another queued
+(``Scheduler._victim``: at most three FIFOs looked at).
 So a principal can only ever push itself into QUEUE_FULL, and a principal's burst, on any
 number of connections, fills the queue at no one else's expense.  (Retries after a worker
 death may take a queue over ``max_queue``; they refuse nothing.)  A principal's queued count
@@ -1248,14 +1255,16 @@ class Scheduler(LeaseEvents):
                     f"over all its connections); retry with backoff, lower the "
                     f"request rate or start more workers", payload))
             else:
-                victim = self._newest(svc, heavy)
+                victim, oldest = self._victim(svc, heavy, now)
                 cnt["evicted"] += 1
                 self._unqueue(victim)
+                which = ("its oldest request (served last: the queue is congested, newest "
+                         "first)" if oldest else "its newest request")
                 self._error(victim, ErrorCode.QUEUE_FULL,
                             f"the queue for '{service}' is full ({self.config.max_queue} "
                             f"waiting) and this client process/principal holds the "
                             f"largest share of it ({top} waiting, over all its "
-                            f"connections): its newest request made room for another "
+                            f"connections): {which} made room for another "
                             f"client's; retry with backoff or send fewer requests at a "
                             f"time", out)
                 self._retire(victim)
@@ -1805,18 +1814,36 @@ class Scheduler(LeaseEvents):
         """Whether ``svc``'s queue has not been empty for ``lifo_after`` (Congestion)."""
         return bool(svc.queued) and self._lifo_after is not None and now - svc.since >= self._lifo_after
 
-    @staticmethod
-    def _newest(svc, principal):
-        """The newest request ``principal`` has queued in ``svc``, from whichever of its
-        connections (on a tie, the least urgent)."""
-        best = None
+    def _victim(self, svc, principal, now):
+        """The queued request of ``principal`` in ``svc`` that an eviction takes, from
+        whichever of its connections, and whether it is its oldest (see Admission): in each
+        of its (at most three) FIFOs, the one that FIFO's walk would serve last, its oldest
+        when it is walked newest first (congested, its head neither put back at the front nor
+        without a deadline: then no request in it is at the front), else its newest.  Of
+        those, never one put back at the front (a retry, or given back) while another
+        remains; then one from a FIFO walked newest first, the oldest (it waits on for its
+        deadline: its caller is about to give up); else the newest; on a tie, the least
+        urgent.  O(1)."""
+        lifo = self._congested(svc, now)
+        old = new = back = None
         for pri in (2, 1, 0):
             fifo = svc.classes[pri].get(principal)
-            if fifo:
-                req = next(reversed(fifo))
-                if best is None or req.enqueued_at > best.enqueued_at:
-                    best = req
-        return best
+            if not fifo:
+                continue
+            head = next(iter(fifo))
+            if lifo and not head.front and head.deadline is not None:
+                if old is None or head.enqueued_at < old.enqueued_at:
+                    old = head
+                continue
+            req = next(reversed(fifo))  # at the front only if all of its FIFO is
+            if req.front:
+                if back is None or req.enqueued_at > back.enqueued_at:
+                    back = req
+            elif new is None or req.enqueued_at > new.enqueued_at:
+                new = req
+        if old is not None:
+            return old, True
+        return (new if new is not None else back), False
 
     def _worker_failed(self, req: _Request, why: str, out: list[Action]) -> None:
         """``req`` ends with WORKER_FAILED: ``why``, and where to look."""

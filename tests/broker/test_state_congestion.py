@@ -141,18 +141,110 @@ def test_a_steady_normal_stream_is_not_starved_by_an_urgent_flood_when_congested
     assert max(gaps) < 2.0, gaps
 
 
-def test_a_full_congested_queue_refuses_as_one_that_drains():
+def test_a_full_congested_queue_evicts_what_the_heaviest_would_have_served_last():
     """Admission is unchanged: the newcomer of the heaviest principal is refused at once (its
-    backpressure), another principal's newcomer takes the place of the heaviest's newest."""
+    backpressure).  Another principal's newcomer takes the place of the heaviest's request
+    its walk would serve last: newest first, that is its oldest (doomed anyway, its caller
+    about to give up), not its newest, which it would have served next."""
     s, token = busy_worker(max_queue=3)
     for rid in (1, 2, 3):
         req(s, rid, 0.0)
     err = only(req(s, 4, 0.2), ClientError)
     assert (err.request_id, err.code) == (4, ErrorCode.QUEUE_FULL)
     err = only(req(s, 11, 0.3, client=B), ClientError)
-    assert (err.client, err.request_id, err.code) == (A, 3, ErrorCode.QUEUE_FULL)
+    assert (err.client, err.request_id, err.code) == (A, 1, ErrorCode.QUEUE_FULL), (
+        f"evicted A's {err.request_id}: the walk serves A's newest first, so its oldest (1) "
+        f"is the one it would serve last")
+    assert "its oldest request" in err.message and "made room for another client's" in err.message
+    assert "largest share" in err.message
+    assert s.stats()["counters"]["evicted"] == 1
+    assert s.stats()["counters"]["rejected_full"] == 1
+    assert drain(s, token, 0.4, 3)[0] == [3, 11, 2]
+
+
+def test_a_full_queue_that_drains_still_evicts_the_heaviest_s_newest():
+    s, token = busy_worker(max_queue=3)
+    for rid in (1, 2, 3):
+        req(s, rid, 0.0)
+    err = only(req(s, 11, 0.05, client=B), ClientError)  # 0.05 < lifo_after: not congested
+    assert (err.client, err.request_id) == (A, 3)
     assert "its newest request made room for another client's" in err.message
-    assert drain(s, token, 0.4, 3)[0] == [2, 11, 1]
+    assert drain(s, token, 0.06, 3)[0] == [1, 11, 2]
+
+
+def test_eviction_from_a_congested_fifo_walked_in_order_takes_its_newest():
+    """A FIFO whose head has no deadline is walked in order when congested: its newest is
+    served last, and is the one evicted (as in a queue that drains)."""
+    s, token = busy_worker(max_queue=3)
+    req(s, 1, 0.0, deadline=None)
+    req(s, 2, 0.0)
+    req(s, 3, 0.0)
+    err = only(req(s, 11, 0.3, client=B), ClientError)
+    assert (err.client, err.request_id) == (A, 3)
+    assert drain(s, token, 0.4, 3)[0] == [1, 11, 2]
+
+
+def test_eviction_never_takes_a_retry_from_a_congested_queue():
+    """A request put back at the front of its FIFO (its worker died) has had its turn; its
+    FIFO is walked in order, so its newest goes, never the retry."""
+    s = Scheduler(Config(max_queue=4))
+    s.worker_ready(b"w1", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    only(req(s, 1, 0.0), Dispatch)  # on w1
+    d = only(req(s, 0, 0.0, client=B), Dispatch)  # on w2
+    for rid in (2, 3, 4):
+        req(s, rid, 0.0)
+    assert s.worker_disconnect(b"w1", 0.2) == []  # 1 back at the front of A's FIFO
+    err = only(req(s, 11, 0.3, client=b"client-c"), ClientError)
+    assert (err.client, err.request_id) == (A, 4)
+    order = []
+    token = d.token
+    for _ in range(4):
+        d = only(s.worker_final(b"w2", token, 0.4, None), Dispatch)
+        order.append(d.request_id)
+        token = d.token
+    assert order == [1, 11, 3, 2]
+
+
+@pytest.mark.parametrize("lifo_after", [None, 0.1])
+def test_eviction_takes_another_class_s_request_before_a_retry(lifo_after):
+    """The heaviest's newest request is a retry (at the front of its FIFO, alone there): the
+    eviction takes one of its requests of another class instead, the one that class's walk
+    would serve last (congested: the oldest; draining: the newest)."""
+    s = Scheduler(Config(max_queue=3, lifo_after=lifo_after))
+    s.worker_ready(b"w1", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    t1 = only(req(s, 0, 0.0, client=B), Dispatch).token  # on w1
+    only(req(s, 20, 0.0, client=B), Dispatch)  # on w2
+    bg = Priority.BACKGROUND
+    req(s, 1, 0.0, priority=bg)
+    req(s, 2, 0.01, priority=bg)
+    req(s, 3, 0.1)  # normal: w1's next
+    d = only(s.worker_final(b"w1", t1, 0.15, None), Dispatch)
+    assert d.request_id == 3
+    assert s.worker_disconnect(b"w1", 0.2) == []  # 3 back at the front of A's normal FIFO
+    err = only(req(s, 11, 0.3, client=b"client-c"), ClientError)
+    assert err.client == A and err.request_id != 3, "a retry was evicted"
+    assert err.request_id == (2 if lifo_after is None else 1)
+
+
+def test_congested_eviction_across_classes_takes_the_oldest_walked_newest_first():
+    """Each class has its own FIFO: among those walked newest first, the oldest goes (on a
+    tie, the least urgent), before the newest of one walked in order."""
+    s, token = busy_worker(max_queue=6)
+    req(s, 1, 0.0, deadline=None)  # A's normal FIFO: walked in order
+    req(s, 2, 0.08)
+    for rid, now in ((3, 0.01), (4, 0.02)):
+        req(s, rid, now, priority=Priority.URGENT)
+    for rid, now in ((5, 0.01), (6, 0.02)):
+        req(s, rid, now, priority=Priority.BACKGROUND)
+    evicted = []
+    for k, now in enumerate((0.3, 0.31, 0.32, 0.33, 0.34)):
+        err = only(req(s, 100 + k, now, client=b"other-%d" % k), ClientError)
+        assert err.client == A
+        evicted.append(err.request_id)
+    # (Taking the newest, as in a queue that drains: 2, 6, 4, 5, 3.)
+    assert evicted == [5, 3, 6, 4, 2], evicted
 
 
 def test_the_oldest_wait_on_and_are_failed_by_their_deadlines_never_dispatched():
