@@ -8,7 +8,9 @@ whether or not it reads, and nothing it does makes another client wait or fail.
 - A client that stops reading its replies is dropped once ``--client-hwm`` replies wait for
   it, at a bounded cost in broker memory, while a well-behaved client is served throughout.
 - A burst from one client fills a service's queue only at its own expense: another client
-  is never refused with QUEUE_FULL and is served round robin, not behind the burst.
+  is never refused with QUEUE_FULL and is served round robin, not behind the burst; once
+  the queue is congested (served newest first), what it evicts for another client is the
+  burster's oldest queued request, not the newest it would serve next.
 - ``--max-client-requests`` refuses exactly the requests over the cap, and nobody else's.
 
 The slow service is the gate model (tests/e2e/gate_model.py): each request finishes when the
@@ -326,6 +328,44 @@ def test_a_burst_from_one_client_never_pushes_another_into_queue_full(cluster, g
         finally:
             burster.close(0)
         # Its queue is gone: the running one (cancelled, still gated) and then ours.
+        _gated_call(c, gate, np.array([7.0]), 2)
+
+
+def test_a_congested_full_queue_evicts_the_oldest_of_the_heaviest_client(cluster, gate, tmp_path):  # noqa: F811
+    # Congested at once (--lifo-after-ms 0), each client's newest go first: another client's
+    # newcomer takes the place of the burster's oldest queued request (served last, its
+    # caller about to give up), not of its newest (served next): test_state_congestion.py.
+    cluster.broker("--max-queue", "4", "--lifo-after-ms", "0")
+    _gated_worker(cluster, gate)
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "gate")
+        burster = _ChildDealer(cluster.frontend, tmp_path)
+        try:
+            for rid in range(1, 6):  # 1 runs, 2 to 5 queue; each with a deadline
+                x = np.array([rid], np.float64)
+                t = P.TensorRef(name="x", dtype="<f8", shape=[1], loc=P.InlineLoc(frame=0))
+                head = P.encode_header(P.Request(id=rid, timeout_ms=30_000, tensors=[t]))
+                burster.send_multipart(P.client_request("gate", [head, x.tobytes()]))
+            _barrier(burster)
+            x = np.array([1000.0])
+            with c.infer_stream("gate", {"x": x}, timeout=10) as replies:
+                assert c.mmi_service("gate", timeout=10)  # queued: the queue was full
+                rep, _ = _recv_final(burster)
+                assert rep.error is not None and rep.error.code == P.ErrorCode.QUEUE_FULL, rep
+                assert rep.id == 2, f"evicted the burster's {rep.id}, not its oldest queued (2)"
+                assert "its oldest request" in rep.error.message, rep.error.message
+                assert "made room for another client's" in rep.error.message
+                # The one running, the burster's newest, then ours (round robin).
+                gate.release(3)
+                res = next(replies)
+                np.testing.assert_array_equal(res["x"], x)
+                res.release()
+            got = [_recv_final(burster) for _ in range(2)]
+            assert [(r.id, r.error) for r, _ in got] == [(1, None), (5, None)], got
+            burster.send_multipart(P.client_disconnect())  # 3 and 4 go (4 running, gated)
+            _barrier(burster)
+        finally:
+            burster.close(0)
         _gated_call(c, gate, np.array([7.0]), 2)
 
 
