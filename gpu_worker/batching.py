@@ -18,15 +18,25 @@ Policy
   principals go least recently served first: one joins the turns at their back with its
   first pending request of the group (so, until one is served, in the order their oldest
   pending requests arrived), and one served in a batch goes to the back (the one served
-  last at the very back), so turns go on across batches, even batches of one.  So a
+  last at the very back), so turns go on across batches, even batches of one.  One that
+  rejoins, its requests of the group having run out as they were served, goes instead
+  ahead of the first principal in the turns served since its last turn, behind those
+  served before it (the broker's rule, broker/state.py "Dispatch": among the first
+  ``_SCAN``, none of them never served here; the last ``_LEFT_MEMO`` that left are
+  remembered).  Where a turn went unseen (a principal served alone, its queue the plain
+  one below, after its queue was gone and back) the principal counts as never served, and
+  a rejoiner goes behind it (at the back, as before): a client sending one request at a
+  time beside a flood otherwise waited, at the back, for one more of the flood's requests
+  every time (with a batch of one; with more it goes in the next batch anyway).  So a
   flood of one principal parked at a worker (up to its credit, or a lease's slots) makes
   another principal's lone request of its class wait for at most one request of each
   principal ahead of it in the turns (and the batch running), not for the flood: with a
   batch of two or more it goes in the next batch.  With one principal nothing changes
   (and costs nothing: the group is the plain queue it always was, and becomes one again
-  once a single principal is left in it).  A request without a principal (None) is one
-  principal like any other.  The wait bounds below stay the group's oldest request's,
-  whichever turn it is.
+  once a single principal is left in it; whether that one was served since is read off
+  its queue's head when another joins, so the plain queue's path does no extra work).  A
+  request without a principal (None) is one principal like any other.  The wait bounds
+  below stay the group's oldest request's, whichever turn it is.
 * Priorities (``priority``: 0 urgent, 1 normal, 2 background, as in the request header).
   While requests of one class only are pending, nothing changes.  With several, each
   request scores as the broker scores its queues, ``priority_weights[priority] x (1 +
@@ -106,6 +116,14 @@ from itertools import islice
 
 __all__ = ["Batcher", "Pending", "batch_key"]
 
+#: principals whose last turn is remembered after their requests of a group ran out
+#: (`Batcher._left`, all groups together): beyond it the oldest are forgotten (they rejoin
+#: at the back), as the broker's ``_LEFT_MEMO``
+_LEFT_MEMO = 1024
+#: principals of the turns a rejoining one is compared with, from the front (as the
+#: broker's ``_SCAN``): past them it joins at the back
+_SCAN = 16
+
 
 @dataclass(slots=True)
 class Pending:
@@ -165,17 +183,42 @@ def _rounds(queues: Iterable[Iterable[_Entry]]) -> Iterator[_Entry]:
         its = more
 
 
+class _Solo:
+    """What a group's turns knew of its last principal when it became a plain queue again
+    (`Batcher._settle_turns`): whether that principal was served since, and when before.
+    Kept without any work on the plain queue's path: served since is its head gone."""
+
+    __slots__ = ("group", "seq", "served")
+
+    def __init__(self, group: deque, served: int):
+        self.group = group  # the plain queue (a rebuild that serves nothing carries this on)
+        self.seq = group[0].seq  # its head then; 0: served since (a popleft took the head)
+        self.served = served  # the principal's last turn then (`Batcher._tick`)
+
+
 class _Turns:
     """The requests of one group that several principals hold: each principal's in its own
     queue (add order), and the principals in the order of their turns (``ring``: least
-    recently served first; one joins at the back with its first pending request)."""
+    recently served first; one joins at the back with its first pending request, or, back
+    after its requests ran out, ahead of the first principal served since)."""
 
-    __slots__ = ("queues", "ring", "mixed", "_oldest")
+    __slots__ = ("queues", "ring", "served", "mixed", "_oldest", "_key", "_left")
 
-    def __init__(self, group: deque, e: _Entry):
+    def __init__(self, key: Hashable, left: OrderedDict, group: deque, served: int | None, e: _Entry):
         first = group[0].p.principal
+        self._key = key
+        #: the batcher's: (key, principal) -> its last turn, for principals whose requests of
+        #: a group ran out as they were served (oldest first)
+        self._left = left
         self.queues: dict[Hashable, deque[_Entry]] = {first: group}
         self.ring: deque[Hashable] = deque((first,))
+        #: principal -> its last turn (`Batcher._tick`), for those of the ring that had one
+        #: (here, or before they rejoined); one without is "never served" and not passed
+        self.served: dict[Hashable, int] = {}
+        if served is not None:
+            self.served[first] = served
+        if left:
+            left.pop((key, first), None)  # it may have been served alone since, unseen: stale
         #: the batch order while several classes are pending (`Batcher._best_scored_key`)
         self.mixed: list[_Entry] | None = None
         self._oldest: _Entry | None = None
@@ -186,7 +229,27 @@ class _Turns:
         q = self.queues.get(pr)
         if q is None:
             self.queues[pr] = deque((e,))
-            self.ring.append(pr)
+            ring = self.ring
+            last = self._left.pop((self._key, pr), None) if self._left else None
+            if last is None:
+                ring.append(pr)  # new here (or forgotten): no earlier turn for a new name
+            else:
+                # Rejoining: least recently served first, so ahead of the first principal in
+                # the turns served since its last turn, behind those served before (another
+                # rejoiner keeps its place); behind one never served, and past _SCAN of them,
+                # at the back.
+                served = self.served
+                served[pr] = last
+                for i, r in enumerate(ring):
+                    s = served.get(r)
+                    if s is None or i == _SCAN:
+                        ring.append(pr)
+                        break
+                    if s > last:
+                        ring.insert(i, pr)
+                        break
+                else:
+                    ring.append(pr)
         else:
             q.append(e)
         o = self._oldest
@@ -221,9 +284,11 @@ class _Turns:
         self.mixed = [next(turns[e.p.priority]) for e in ranked]
         return ranked[0]
 
-    def settle(self, taken: list[_Entry]) -> None:
+    def settle(self, taken: list[_Entry], tick: int) -> None:
         """``taken`` (in batch order) went: out of their queues, and the principals served
-        to the back of the ring, the one served last at the very back."""
+        to the back of the ring, the one served last at the very back.  Their turns are
+        ``tick`` on (the i-th of the batch ``tick + i``); one whose queue ran out leaves,
+        remembered in ``_left``."""
         last: dict[Hashable, int] = {}
         queues = self.queues
         for i, e in enumerate(taken):
@@ -241,11 +306,21 @@ class _Turns:
                 ring.popleft()
         else:
             self.ring = ring = deque(pr for pr in ring if pr not in last)
+        served = self.served
         for pr in sorted(last, key=last.__getitem__):
+            turn = tick + last[pr]
             if queues[pr]:
                 ring.append(pr)
+                served[pr] = turn
             else:
                 del queues[pr]
+                served.pop(pr, None)
+                left = self._left
+                k = (self._key, pr)
+                left[k] = turn
+                left.move_to_end(k)
+                if len(left) > _LEFT_MEMO:
+                    left.popitem(last=False)
         self.mixed = self._oldest = None
 
     def remove(self, seqs: set[int]) -> None:
@@ -258,6 +333,9 @@ class _Turns:
                 del queues[pr]
         if len(self.ring) != len(queues):
             self.ring = deque(pr for pr in self.ring if pr in queues)
+            served = self.served
+            for pr in [pr for pr in served if pr not in queues]:
+                del served[pr]
         self.mixed = self._oldest = None
 
 
@@ -312,6 +390,13 @@ class Batcher:
         self._expired: list[Pending] = []
         self._rates: OrderedDict[Hashable, _Rate] = OrderedDict()
         self._seq = 0
+        # Turns ("Turns" in the module docstring): a clock of turns (it moves on only while
+        # several principals share a group), the principals whose requests ran out (see
+        # `_Turns._left`), and per plain queue that had turns, what they knew of its
+        # principal (`_Solo`; gone with the queue, so at most one per group).
+        self._tick = 0
+        self._left: OrderedDict[tuple, int] = OrderedDict()
+        self._solo: dict[Hashable, _Solo] = {}
         self._busy = False
         if len(priority_weights) != 3 or not all(w > 0 for w in priority_weights):
             raise ValueError("priority_weights must be three positive numbers")
@@ -350,7 +435,7 @@ class Batcher:
             if group[0].p.principal == p.principal:  # one principal: the common case
                 group.append(e)
             else:
-                self._groups[p.key] = _Turns(group, e)
+                self._groups[p.key] = _Turns(p.key, self._left, group, self._solo_served(p.key, group), e)
         else:
             group.add(e)
         if p.deadline is not None:
@@ -536,7 +621,10 @@ class Batcher:
             if type(group) is deque:
                 ranked = sorted(group, key=lambda e: (-score(e), e.seq))
                 if ranked != list(group):
-                    self._groups[key] = group = deque(ranked)
+                    new = deque(ranked)
+                    if self._solo:
+                        self._rebuilt(key, group, new)
+                    self._groups[key] = group = new
                 head = group[0]
             else:
                 head = group.order_mixed(score)
@@ -664,7 +752,9 @@ class Batcher:
         for key in {self._live[s].p.key for s in seqs}:
             group = self._groups[key]
             if type(group) is deque:
-                group = deque(e for e in group if e.seq not in seqs)
+                old, group = group, deque(e for e in group if e.seq not in seqs)
+                if self._solo:
+                    self._rebuilt(key, old, group)
                 if group:
                     self._groups[key] = group
                 else:
@@ -687,9 +777,12 @@ class Batcher:
                 batch.append(e.p)
             if not group:
                 del self._groups[key]
+                if self._solo:
+                    self._solo.pop(key, None)  # a new queue of the key knows nothing of it
         else:
             taken = list(islice(self._order(key), n))
-            group.settle(taken)
+            group.settle(taken, self._tick + 1)
+            self._tick += len(taken)
             for e in taken:
                 del self._live[e.seq]
                 batch.append(e.p)
@@ -701,10 +794,43 @@ class Batcher:
 
     def _settle_turns(self, key: Hashable, group: _Turns) -> None:
         """After some of a shared group's requests went: with one principal left, its queue
-        is the group again (the fast path); with none, the group is gone."""
+        is the group again (the fast path; `_Solo` keeps its last turn); with none, the
+        group is gone."""
         if len(group.queues) > 1:
             return
         if group.queues:
-            self._groups[key] = next(iter(group.queues.values()))
+            pr, q = next(iter(group.queues.items()))
+            self._groups[key] = q
+            served = group.served.get(pr)
+            if served is not None:
+                self._solo[key] = _Solo(q, served)
         else:
             del self._groups[key]
+
+    def _solo_served(self, key: Hashable, group: deque) -> int | None:
+        """The last turn of the principal of ``group``, a plain queue another principal now
+        joins: as its turns left it (`_Solo`), or now if it was served since (a newer turn
+        than any remembered); None if unknown (never in turns, or its queue ran out since:
+        it is "never served", and nobody passes it)."""
+        s = self._solo.pop(key, None) if self._solo else None
+        if s is None or s.group is not group:
+            return None
+        if s.seq == group[0].seq:
+            return s.served
+        self._tick += 1
+        return self._tick
+
+    def _rebuilt(self, key: Hashable, old: deque, new: deque) -> None:
+        """A plain queue was rebuilt without serving anything (a removal, a reorder): its
+        `_Solo` goes on with the new one (served since or not, as before)."""
+        s = self._solo.get(key)
+        if s is None or s.group is not old:
+            return
+        if not new:
+            del self._solo[key]
+            return
+        s.group = new
+        if s.seq and s.seq == old[0].seq:  # not served since: the new head is the mark
+            s.seq = new[0].seq
+        else:
+            s.seq = 0

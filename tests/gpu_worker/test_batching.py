@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from collections import deque
 
 import pytest
 from hypothesis import given, settings
@@ -338,6 +339,14 @@ def test_every_request_is_returned_exactly_once(ops, max_batch, max_cost, max_de
             returned.extend(p.item for p in gone)
         w = b.wake_at(now)
         assert w is None or w >= now
+        # The turns' bookkeeping follows the groups: each ring holds its queues' principals,
+        # a last turn only for those, and a plain queue's `_Solo` is that very queue's.
+        for key, group in b._groups.items():
+            if type(group) is not deque:
+                assert len(group.ring) == len(group.queues) == len(set(group.ring)) and set(group.ring) == set(group.queues)
+                assert set(group.served) <= set(group.queues)
+        for key, solo in b._solo.items():
+            assert b._groups.get(key) is solo.group and solo.group
         assert len(b) == len(added) - len(returned)
 
     # Drain: an idle worker that sleeps until wake_at always makes progress.

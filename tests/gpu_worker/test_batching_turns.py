@@ -139,3 +139,86 @@ def test_the_wait_bound_is_the_groups_oldest_request_whatever_its_turn():
     assert b.wake_at(0.002) == 0.0015 + 0.002  # A0's bound (the expected fill is later)
     assert b.take(0.003, idle=True) == []
     assert [p.item for p in b.take(0.0035, idle=True)] == ["A0", "B0"]
+
+
+def _take1(b: Batcher, now: float = 5.0) -> str:
+    batch = b.take(now, idle=True, force=True)
+    assert len(batch) == 1
+    return batch[0].item
+
+
+def test_a_principal_that_rejoins_goes_ahead_of_one_served_since_its_last_request():
+    """Least recently served first, also for a principal whose requests ran out in between
+    (a client sending one request at a time beside a flood, ``--max-batch 1``): B's next
+    request goes ahead of the flood, served since B0 went; before, B rejoined at the back
+    and waited for one more of the flood's requests every time."""
+    b = Batcher(max_batch=1, max_delay=0.0)
+    t = _flood(b, 6)
+    b.add(_p("B0", t, "B"), t)
+    assert [_take1(b), _take1(b), _take1(b)] == ["A0", "B0", "A1"]  # A went after B0
+    b.add(_p("B1", t + 0.01, "B"), t + 0.01)
+    assert _take1(b) == "B1", "B rejoined behind A, served after B's last request"
+    # A not served since B1: B rejoins behind A, whose turn it is.
+    b.add(_p("B2", t + 0.02, "B"), t + 0.02)
+    assert _drain(b) == [["A2"], ["B2"], ["A3"], ["A4"], ["A5"]]
+
+
+def test_a_rejoining_principal_goes_ahead_only_of_those_served_after_it_and_a_new_one_at_the_back():
+    """Three principals, two of them floods: B (one request at a time) rejoins ahead of the
+    first one in the turns served after its last request, behind those served before it; a
+    principal never served here (D) joins at the back, and no rejoiner passes it."""
+    b = Batcher(max_batch=1, max_delay=0.0)
+    t = _flood(b, 6, "A")
+    t = _flood(b, 6, "C", t)
+    b.add(_p("B0", t, "B"), t)
+    assert [_take1(b), _take1(b), _take1(b)] == ["A0", "C0", "B0"]
+    assert _take1(b) == "A1"  # then C's turn; A was served after B0
+    b.add(_p("B1", t, "B"), t)
+    assert [_take1(b), _take1(b), _take1(b)] == ["C1", "B1", "A2"], "B behind C only (served before B0)"
+    assert _take1(b) == "C2"  # turns: A, then C, both served after B1
+    b.add(_p("D0", t, "D"), t)  # at the back: A, C, D
+    assert [_take1(b), _take1(b)] == ["A3", "C3"]
+    b.add(_p("B2", t, "B"), t)  # D, never served, is first: B does not pass it
+    assert [_take1(b), _take1(b), _take1(b), _take1(b)] == ["D0", "A4", "C4", "B2"]
+
+
+def test_two_principals_rejoining_keep_their_order():
+    b = Batcher(max_batch=1, max_delay=0.0)
+    t = _flood(b, 6)
+    b.add(_p("B0", t, "B"), t)
+    b.add(_p("C0", t, "C"), t)
+    assert [_take1(b), _take1(b), _take1(b), _take1(b)] == ["A0", "B0", "C0", "A1"]
+    b.add(_p("C1", t, "C"), t)
+    b.add(_p("B1", t, "B"), t)
+    assert _drain(b)[:3] == [["B1"], ["C1"], ["A2"]]
+
+
+def test_a_principal_that_rejoins_after_its_group_was_gone_joins_at_the_back():
+    """What went unseen is not guessed at: B's last turn beside A, then A's last request,
+    then B served alone (its own group), then A's new requests; B joins at the back (A, not
+    served since B1, goes first), though A was served after B's last turn beside it."""
+    b = Batcher(max_batch=1, max_delay=0.0)
+    t = _flood(b, 2)
+    b.add(_p("B0", t, "B"), t)
+    assert _drain(b) == [["A0"], ["B0"], ["A1"]]
+    b.add(_p("B1", 2.0, "B"), 2.0)
+    assert _drain(b) == [["B1"]]
+    t = _flood(b, 2, t0=3.0)
+    b.add(_p("B2", t, "B"), t)
+    assert _drain(b) == [["A0"], ["B2"], ["A1"]]
+
+
+def test_a_cancelled_request_is_not_a_turn_for_the_rejoin():
+    """Beside a rejoining principal, a request dropped (cancelled, expired) from the other's
+    queue is not a turn it had: B goes behind A; once A is served, ahead."""
+    b = Batcher(max_batch=1, max_delay=0.0)
+    t = _flood(b, 6)
+    b.add(_p("B0", t, "B"), t)
+    assert [_take1(b), _take1(b)] == ["A0", "B0"]
+    assert [p.item for p in b.drop(lambda p: p.item == "A1")] == ["A1"]
+    b.add(_p("B1", t, "B"), t)
+    assert [_take1(b), _take1(b)] == ["A2", "B1"]
+    assert [p.item for p in b.drop(lambda p: p.item == "A3")] == ["A3"]
+    assert _take1(b) == "A4"  # served since B1, after a drop
+    b.add(_p("B2", t, "B"), t)
+    assert _drain(b) == [["B2"], ["A5"]]
