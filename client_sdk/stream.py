@@ -8,10 +8,12 @@ working through stale ones.  With `latest_wins=False` every frame is kept and se
 as capacity frees up.
 
 Each frame is its own request with its own deadline: `timeout`, counted from `send()`, so a
-result is never older than that.  A frame still waiting for room when its deadline passes
-is never sent: it fails with DeadlineExceeded in its turn (counted in `expired`).  With
-`latest_wins=False` under a model that cannot keep up, that is what bounds the backlog
-(without a timeout, every frame waits its turn, as asked).  Ordinary arrays are copied at `send()` time (into a shared-memory slot, or
+result is never older than that.  A frame still waiting for room when its deadline passes,
+or with less time left than recent frames took from their sending to their outcome (and
+than half its timeout), is never sent: it fails with DeadlineExceeded in its turn
+(counted in `expired`).  With `latest_wins=False` under a model that cannot keep up, that
+is what bounds the backlog and keeps the model on frames that can still make it (without a
+timeout, every frame waits its turn, as asked).  Ordinary arrays are copied at `send()` time (into a shared-memory slot, or
 into a private inline buffer), so the caller may reuse its frame buffer immediately.  A
 buffer from `client.alloc` is sent by reference instead (that is its point): do not
 overwrite it until its frame has a result or was dropped; a ring of `max_in_flight + 2`
@@ -38,7 +40,7 @@ from typing import Any, Callable, Mapping
 
 from .calls import deadline_exceeded, final_of_infer
 from .core import flag, wait_limit
-from .errors import EndOfStream, InferenceError, InvalidInput, NotSupported
+from .errors import DeadlineExceeded, EndOfStream, InferenceError, InvalidInput, NotSupported
 from .tensors import Result
 
 # EndOfStream lives in errors.py; it stays importable from here, where it used to be.
@@ -108,6 +110,9 @@ class _StreamCore:
         # Frames in `_outstanding` that were never sent (their deadline passed while they
         # waited for room): each holds its DeadlineExceeded for its turn, and no room.
         self._lapsed: set[int] = set()
+        # How long a frame sent now takes to its outcome, as recent ones did (`_learn`);
+        # 0 until one is known.
+        self._need = 0.0
         self._lat: deque[float] = deque(maxlen=self.LATENCY_WINDOW)
         self._closed = False
         self._finishing = False
@@ -182,30 +187,54 @@ class _StreamCore:
             room -= 1
 
     def _lapse(self, now: float) -> None:
-        """Pending frames whose deadline has passed (the oldest first: one timeout for all,
-        so their deadlines are in send order) are never sent: their slots go now, and each
-        takes its place among the outcomes with its DeadlineExceeded.  Sent at the last
-        moment, a frame would reach the broker with nothing left of its budget; kept,
-        `latest_wins=False` under a slow model built a backlog without end (a hunt saw 105
-        frames pending, and results 1.06 s after `send()` with a 0.1 s timeout)."""
+        """Pending frames that cannot make their deadline are never sent: those whose
+        deadline has passed, and those with less time left than recent frames took from
+        their sending to their outcome (`_need`) and than half their timeout.  The oldest
+        go first (one timeout for all: their deadlines are in send order).  Their
+        slots go now, and each takes its place among the outcomes with its
+        DeadlineExceeded.
+
+        Kept, `latest_wins=False` under a slow model built a backlog without end (a hunt
+        saw 105 frames pending, and results 1.06 s after `send()` with a 0.1 s timeout).
+        Sent with what was left, each frame reached the worker too late to finish: a stream
+        at twice a 20 ms model's capacity, timeout 0.1 s, completed 8 frames of 301
+        (bench/results/stream_backlog_1206).  A frame with half its timeout left is always
+        sent, so what frames take keeps being learnt: a stall's deadlines (`_learn`) never
+        keep every frame from being sent."""
         pending = self._pending
         while pending:
             call = pending[0]
             deadline = _deadline_of(call)
-            if deadline is None or now < deadline:
+            if deadline is None:
+                return
+            left = deadline - now
+            need = min(self._need, call.timeout * 0.5)
+            if left > 0 and left >= need:
                 return
             pending.popleft()
             self._client.give_up(call)  # never registered: discarded, its inputs freed
             waited = now - call.t_submit
+            why = ("and outlived its timeout" if left <= 0 else
+                   f"and had {left * 1e3:.3g} ms left of its timeout, less than the {need * 1e3:.3g} ms "
+                   "recent frames took")
             call.inbox.append(("error", deadline_exceeded(
                 f"frame {call.frame} of the stream to {self.service!r} waited {waited:.3g}s for room "
-                f"(max_in_flight={self.max_in_flight}) and outlived its timeout of {call.timeout:g}s; "
-                "it was never sent",
+                f"(max_in_flight={self.max_in_flight}) {why} of {call.timeout:g}s; it was never sent",
                 "the model is slower than the frames come: raise max_in_flight (or add workers), "
                 "send fewer frames, or use latest_wins=True to keep only the newest")))
             self._lapsed.add(call.frame)
             self._outstanding.append(call)
             self._expired += 1
+
+    def _learn(self, call: Any, kind: str, item: Any) -> None:
+        """What a sent frame's outcome says of how long a frame takes from its sending to
+        its outcome (`_need`): a result, that long (a moving average); a deadline, longer
+        than it had."""
+        if kind != "error":
+            took = call.t_done - call.t_sent
+            self._need = took if self._need == 0.0 else self._need + (took - self._need) * 0.25
+        elif isinstance(item, DeadlineExceeded) and call.deadline is not None:
+            self._need = max(self._need, call.deadline - call.t_sent)
 
     def _submit(self, call: Any, timeout: float | None) -> bool:
         """Submit one frame, its deadline counted from its `send()`; the frames dropped since
@@ -241,6 +270,7 @@ class _StreamCore:
                                           instead="use client.infer_stream() for each frame")
                 except NotSupported as e:
                     kind, item = "error", e
+            self._learn(head, kind, item)
             if kind == "error":
                 self._failed += 1
                 if not head.done:  # a client-side failure: tell the broker to stop
@@ -257,7 +287,9 @@ class _StreamCore:
         head = self._outstanding.popleft()
         self._failed += 1
         self._client.give_up(head)
-        return self._client.deadline_error(head)
+        err = self._client.deadline_error(head)
+        self._learn(head, "error", err)
+        return err
 
     def _shutdown(self) -> None:
         self._closed = True
