@@ -123,7 +123,8 @@ async def streams_window(client: Any, service: str, samples: list[dict], *, stre
 
     After the last tick every stream is finished and its outstanding frames get up to
     `drain_s` to come back; the streams are then closed.  A frame still in flight at that
-    point counts as failed (a timeout); one still waiting to be sent counts as dropped."""
+    point counts as failed (a timeout); one still waiting to be sent counts as dropped; one
+    whose deadline passed while it waited (never sent, the stream's `expired`) as failed."""
     if streams < 0 or fps <= 0 or duration_s <= 0:
         raise ValueError(f"need streams >= 0, fps > 0 and duration_s > 0 (got {streams}, {fps}, {duration_s})")
     if not samples:
@@ -164,7 +165,11 @@ async def streams_window(client: Any, service: str, samples: list[dict], *, stre
                 return
             except Exception as e:  # the frame's error: InferenceError, DeadlineExceeded, ...
                 before = counts[1] + counts[0]
-                if s.stats().failed + s.completed <= before:
+                st = s.stats()
+                # (`expired`: frames never sent, their deadline passed while they waited for
+                # room; each fails in its turn.  Counted when it lapsed, maybe before its turn:
+                # an error that is no frame's then passes for one, and the next ends the window.)
+                if st.failed + st.completed + st.expired <= before:
                     raise  # not one frame's outcome (the client itself broke): stop the window
                 counts[1] += 1
                 last_ns[0] = max(last_ns[0], time.perf_counter_ns())
@@ -236,8 +241,9 @@ async def streams_window(client: Any, service: str, samples: list[dict], *, stre
             entry["frames"] = len(ticks[i])
             entry["sent"] = s.sent
             entry["completed"] = got[i][0]
-            undrained = s.sent - got[i][0] - got[i][1]
-            unsent = len(ticks[i]) - s.sent - s.dropped - send_failed[i]
+            expired = s.stats().expired  # never sent (deadline passed waiting for room): failed
+            undrained = s.sent + expired - got[i][0] - got[i][1]
+            unsent = len(ticks[i]) - s.sent - s.dropped - expired - send_failed[i]
             entry["dropped"] = s.dropped + max(unsent, 0)
             entry["failed"] = got[i][1] + send_failed[i] + max(undrained, 0)
             for _ in range(max(undrained, 0)):

@@ -185,3 +185,37 @@ async def test_slow_model_drops_frames(slow_cluster):
     assert e["failed"] >= 1 and cut.timeouts == cut.errors == e["failed"], cut.error_samples
     assert e["completed"] + e["failed"] == e["sent"]
     assert e["sent"] + e["dropped"] == e["frames"] == 12
+
+    # A frame whose deadline passes while it waits for room is never sent and fails in its
+    # turn (the stream's `expired`): one frame's outcome, counted failed, not the client
+    # broken (before: `recv`'s DeadlineExceeded for it looked like no frame's outcome, and
+    # the window raised it).  The loop stalls (a busy spell, as a loaded generator's) in
+    # frame 1's send, while frame 0 holds the room, until frame 1's deadline has passed.
+    class Stalling:
+        def __init__(self, c):
+            self.c = c
+
+        def stream(self, *a, **kw):
+            s = self.c.stream(*a, **kw)
+            send = s.send
+
+            def stalling_send(inputs):
+                frame = send(inputs)
+                if frame == 1:
+                    assert s.stats().pending == 1
+                    until = time.monotonic() + 0.15
+                    while time.monotonic() < until:  # (the stall is the point: nothing runs meanwhile)
+                        pass
+                return frame
+
+            s.send = stalling_send
+            return s
+
+    async with AsyncClient(slow_cluster.frontend, timeout=10) as c:
+        async with asyncio.timeout(30):
+            lapsed = await streams_window(Stalling(c), "slow", SAMPLES, streams=1, fps=1000.0, duration_s=0.002,
+                                          max_in_flight=1, timeout_s=0.1, drain_s=5.0)
+    (e,) = lapsed.per_stream
+    assert (e["frames"], e["sent"], e["dropped"]) == (2, 1, 0), e
+    assert e["completed"] + e["failed"] == 2 and e["failed"] >= 1, e
+    assert any("never sent" in m for m in lapsed.error_samples), lapsed.error_samples
