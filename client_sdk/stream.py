@@ -67,6 +67,16 @@ class StreamStats:
         return getattr(self, key)
 
 
+# What a frame that expired waiting for room says to do (by its stream's latest_wins: one
+# that already keeps only the newest frame waited behind frames that held the room).
+_LAPSED_ADVICE = {
+    False: "the model is slower than the frames come: raise max_in_flight (or add workers), "
+           "send fewer frames, or use latest_wins=True to keep only the newest",
+    True: "the frames sent before it held the room that long (a result not read yet holds its place): "
+          "read results as they come, or raise max_in_flight (or add workers) or the timeout",
+}
+
+
 def _deadline_of(call: Any) -> float | None:
     """A frame's deadline: its timeout counted from its `send()`."""
     return None if call.timeout is None else call.t_submit + call.timeout
@@ -220,8 +230,7 @@ class _StreamCore:
             call.inbox.append(("error", deadline_exceeded(
                 f"frame {call.frame} of the stream to {self.service!r} waited {waited:.3g}s for room "
                 f"(max_in_flight={self.max_in_flight}) {why} of {call.timeout:g}s; it was never sent",
-                "the model is slower than the frames come: raise max_in_flight (or add workers), "
-                "send fewer frames, or use latest_wins=True to keep only the newest")))
+                _LAPSED_ADVICE[self.latest_wins])))
             self._lapsed.add(call.frame)
             self._outstanding.append(call)
             self._expired += 1

@@ -1138,6 +1138,38 @@ def test_stream_errors_and_close(fake, endpoint):
         assert c.pool.in_use() == 0
 
 
+def test_a_latest_wins_frame_that_lapses_is_not_told_to_use_latest_wins(fake, endpoint):
+    # A latest_wins stream's newest frame may still outlive its timeout waiting for room (a
+    # reader behind: an unread result holds its place).  Its error told the caller to "use
+    # latest_wins=True", which the stream already did.
+    with Client(endpoint, transport="inline") as c, c.stream("hold", max_in_flight=1, timeout=0.2) as s:
+        s.send({"x": np.zeros(2)})
+        fake.held_q.get(timeout=WAIT)
+        s.send({"x": np.ones(2)})  # waits for room
+        t1 = time.monotonic()
+        while time.monotonic() < t1 + 0.25:  # (waiting out the clock is the point)
+            c.pump(0.02)
+        with pytest.raises(DeadlineExceeded, match="no reply"):
+            s.recv(WAIT)
+        with pytest.raises(DeadlineExceeded, match="frame 1 .*never sent") as ei:
+            s.recv(WAIT)
+        assert "latest_wins=True" not in str(ei.value), ei.value
+        st = s.stats()
+        assert (st.sent, st.failed, st.expired, st.dropped) == (1, 1, 1, 0), st
+    with Client(endpoint, transport="inline") as c, c.stream("hold", latest_wins=False, max_in_flight=1,
+                                                           timeout=0.2) as s:
+        s.send({"x": np.zeros(2)})
+        fake.held_q.get(timeout=WAIT)
+        s.send({"x": np.ones(2)})
+        t1 = time.monotonic()
+        while time.monotonic() < t1 + 0.25:
+            c.pump(0.02)
+        with pytest.raises(DeadlineExceeded, match="no reply"):
+            s.recv(WAIT)
+        with pytest.raises(DeadlineExceeded, match="frame 1 .*never sent.*latest_wins=True"):
+            s.recv(WAIT)
+
+
 def test_stream_recv_timeout_keeps_frame(fake, endpoint):
     with Client(endpoint) as c:
         s = c.stream("hold", timeout=WAIT)
