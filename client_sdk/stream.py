@@ -223,6 +223,9 @@ class _StreamCore:
                 return
             pending.popleft()
             self._client.give_up(call)  # never registered: discarded, its inputs freed
+            # Its error is all it keeps for its turn: its packed inputs (an inline copy, the
+            # caller's arrays) go now, not when a reader behind gets to it.
+            call.packed = None
             waited = now - call.t_submit
             why = ("and outlived its timeout" if left <= 0 else
                    f"and had {left * 1e3:.3g} ms left of its timeout, less than the {need * 1e3:.3g} ms "

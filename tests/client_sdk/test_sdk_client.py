@@ -1170,6 +1170,33 @@ def test_a_latest_wins_frame_that_lapses_is_not_told_to_use_latest_wins(fake, en
             s.recv(WAIT)
 
 
+def test_a_frame_that_lapses_lets_go_of_its_inputs_before_its_turn(fake, endpoint):
+    # A frame never sent (its deadline passed while it waited for room) keeps only its error
+    # for its turn: it held its packed inputs (its private copy, and the caller's array) until
+    # the reader got to it, so a reader behind kept every lapsed frame's data alive.
+    import weakref
+
+    with Client(endpoint, transport="inline") as c, c.stream("hold", latest_wins=False, max_in_flight=1,
+                                                           timeout=0.1) as s:
+        s.send({"x": np.zeros(2)})
+        fake.held_q.get(timeout=WAIT)
+        x = np.ones(1 << 16)
+        gone = weakref.ref(x)
+        s.send({"x": x})
+        del x
+        t1 = time.monotonic()
+        while time.monotonic() < t1 + 0.15:  # (waiting out the clock is the point)
+            c.pump(0.02)
+        s.send({"x": np.zeros(2)})  # frame 1 lapses here
+        assert s.stats().expired == 1 and s.unfinished() == {0, 2}
+        gc.collect()
+        assert gone() is None, "a lapsed frame still holds its inputs"
+        with pytest.raises(DeadlineExceeded):
+            s.recv(WAIT)
+        with pytest.raises(DeadlineExceeded, match="frame 1 .*never sent"):
+            s.recv(WAIT)
+
+
 def test_stream_recv_timeout_keeps_frame(fake, endpoint):
     with Client(endpoint) as c:
         s = c.stream("hold", timeout=WAIT)
