@@ -188,13 +188,28 @@ class _StreamCore:
             return
         while self._pending and room > 0:
             call = self._pending.popleft()
-            if not self._submit(call, 0.0):
+            if not self._sent_one(call, 0.0):
                 # The broker is not reading (high-water mark): keep it for later.
                 self._pending.appendleft(call)
                 return
-            self._outstanding.append(call)
-            self._sent += 1
             room -= 1
+
+    def _sent_one(self, call: Any, timeout: float | None) -> bool:
+        """`_submit` a frame taken from the head of `_pending`: False when the socket did
+        not take it (the caller keeps it pending).  A frame the client could not send (its
+        request refused before it left: a header too big, out of descriptors) fails alone,
+        in its turn, as a sent frame whose error came back (counted in `sent`, then
+        `failed`); raised here, the error came out of another frame's `send()` or `recv()`
+        (which had just taken its own result: lost) and the frame was counted nowhere."""
+        try:
+            if not self._submit(call, timeout):
+                return False
+        except Exception as e:
+            self._client.give_up(call)  # (the client discarded it already: nothing more)
+            call.inbox.append(("error", e))
+        self._outstanding.append(call)
+        self._sent += 1
+        return True
 
     def _lapse(self, now: float) -> None:
         """Pending frames that cannot make their deadline are never sent: those whose
@@ -375,10 +390,7 @@ class Stream(_StreamCore):
                 deadline = _deadline_of(call)
                 if deadline is not None and (limit is None or deadline < limit):
                     limit = deadline  # (past it, the next `_flush` lapses it)
-                if self._submit(call, None if limit is None else max(limit - now, 1e-3)):
-                    self._outstanding.append(call)
-                    self._sent += 1
-                else:
+                if not self._sent_one(call, None if limit is None else max(limit - now, 1e-3)):
                     self._pending.appendleft(call)
                 continue
             head = self._outstanding[0]

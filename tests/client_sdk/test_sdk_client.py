@@ -1197,6 +1197,62 @@ def test_a_frame_that_lapses_lets_go_of_its_inputs_before_its_turn(fake, endpoin
             s.recv(WAIT)
 
 
+# 250 input names of 5 kB: packed, but a request header the client refuses to send.
+_UNSENDABLE = {f"n{i:03d}" + "y" * 5000: np.zeros(1) for i in range(250)}
+
+
+def _unsendable_behind_a_held_frame(fake, s) -> int:
+    s.send({"x": np.zeros(3)})
+    fake.held_q.get(timeout=WAIT)
+    assert s.send(_UNSENDABLE) == 1  # waits for room: sent (refused) when frame 0 is read
+    fake.release(1)
+    return 1
+
+
+def _counted(s) -> None:
+    st = s.stats()
+    assert st.sent == st.completed + st.failed + st.in_flight + st.cancelled, st
+    assert s._frames == st.sent + st.dropped + st.expired + st.pending, st
+
+
+def test_a_frame_the_client_cannot_send_fails_alone_in_its_turn(fake, endpoint):
+    # A frame whose submit raised (its request refused before it left: a header too big,
+    # out of descriptors) raised out of whichever call sent it: here frame 0's recv(), which
+    # had already taken frame 0's result (lost: counted completed, never handed out), and
+    # the refused frame was counted nowhere.  It fails alone, in its turn.
+    with Client(endpoint) as c, c.stream("hold", latest_wins=False, max_in_flight=1) as s:
+        _unsendable_behind_a_held_frame(fake, s)
+        with s.recv(WAIT) as r:
+            assert r.frame == 0
+        with pytest.raises(InvalidInput, match="header"):
+            s.recv(WAIT)
+        with pytest.raises(EndOfStream):
+            s.recv(0)
+        assert (s.stats().completed, s.stats().failed) == (1, 1)
+        _counted(s)
+        assert c.pool.in_use() == 0
+        assert s.send({"x": np.ones(2)}) == 2  # the stream goes on
+        fake.held_q.get(timeout=WAIT)
+        fake.release(1)
+        with s.recv(WAIT) as r:
+            assert r.frame == 2
+
+
+async def test_a_frame_the_async_client_cannot_send_fails_alone_in_its_turn(fake, endpoint):
+    async with AsyncClient(endpoint) as c:
+        s = c.stream("hold", latest_wins=False, max_in_flight=1)
+        s.send({"x": np.zeros(3)})
+        await asyncio.to_thread(fake.held_q.get, timeout=WAIT)
+        assert s.send(_UNSENDABLE) == 1
+        await asyncio.to_thread(fake.release, 1)
+        with await s.recv(WAIT) as r:
+            assert r.frame == 0
+        with pytest.raises(InvalidInput, match="header"):
+            await s.recv(WAIT)
+        _counted(s)
+        s.close()
+
+
 def test_stream_recv_timeout_keeps_frame(fake, endpoint):
     with Client(endpoint) as c:
         s = c.stream("hold", timeout=WAIT)
