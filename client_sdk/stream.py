@@ -242,12 +242,12 @@ class _StreamCore:
             # caller's arrays) go now, not when a reader behind gets to it.
             call.packed = None
             waited = now - call.t_submit
-            why = ("and outlived its timeout" if left <= 0 else
-                   f"and had {left * 1e3:.3g} ms left of its timeout, less than the {need * 1e3:.3g} ms "
-                   "recent frames took")
+            why = (f"and outlived its timeout of {call.timeout:g}s" if left <= 0 else
+                   f"and had {left * 1e3:.3g} ms left of its timeout of {call.timeout:g}s, less than "
+                   f"the {need * 1e3:.3g} ms recent frames took to their outcome")
             call.inbox.append(("error", deadline_exceeded(
                 f"frame {call.frame} of the stream to {self.service!r} waited {waited:.3g}s for room "
-                f"(max_in_flight={self.max_in_flight}) {why} of {call.timeout:g}s; it was never sent",
+                f"(max_in_flight={self.max_in_flight}) {why}; it was never sent",
                 _LAPSED_ADVICE[self.latest_wins])))
             self._lapsed.add(call.frame)
             self._outstanding.append(call)
