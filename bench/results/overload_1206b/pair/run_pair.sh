@@ -1,6 +1,7 @@
 #!/bin/bash
 # usage: run_pair.sh TREE OUTPREFIX ; a broker and one fixed-time worker of TREE; two bench run processes
-# (two principals) at once: a flood (125 req/s) and a light client (5 req/s), 100 ms timeouts
+# (two principals) at once: a flood (125 req/s) and a light client (5 req/s), 100 ms timeouts;
+# WORKER_ARGS: more gpu_worker arguments (e.g. "--credit 8")
 set -u
 TREE=$1; OUT=$2
 PY=/work/main/.venv/bin/python
@@ -10,7 +11,7 @@ cd $TREE
 PYTHONPATH=$TREE:$TREE/tests/e2e $PY -m broker --frontend ipc://$RT/fe.ipc --backend ipc://$RT/be.ipc > $RT/broker.out 2> $RT/broker.err &
 B=$!
 for i in $(seq 100); do [ -S $RT/be.ipc ] && break; sleep 0.1; done
-FIXED_MS=20 PYTHONPATH=$TREE:$TREE/tests/e2e $PY -m gpu_worker --broker ipc://$RT/be.ipc --model bench_models:fixed --max-batch 1 > $RT/worker.out 2> $RT/worker.err &
+FIXED_MS=20 PYTHONPATH=$TREE:$TREE/tests/e2e $PY -m gpu_worker --broker ipc://$RT/be.ipc --model bench_models:fixed --max-batch 1 ${WORKER_ARGS:-} > $RT/worker.out 2> $RT/worker.err &
 W=$!
 for i in $(seq 300); do grep -q READY $RT/worker.out 2>/dev/null && break; sleep 0.1; done
 cd /work/main
