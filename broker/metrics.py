@@ -310,8 +310,9 @@ def render(metrics: dict | None, sched: dict, known: Iterable[str]) -> list:
     for name, s in svcs:
         recalled.rows.append(((name,), s.recalled))
     fams.append(recalled)
-    dropped = _counter("zmq_infer_stream_dropped_frames", "Frames latest-wins streams dropped at their clients (a "
-                       "newer frame replaced them), as the clients report", "service")
+    dropped = _counter("zmq_infer_stream_dropped_frames", "Frames streams gave up at their clients without "
+                       "sending them (a newer frame replaced them, or their deadline came while they waited "
+                       "for room), as the clients report", "service")
     for name, s in svcs:
         dropped.rows.append(((name,), s.dropped))
     fams.append(dropped)

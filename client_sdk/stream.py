@@ -115,7 +115,7 @@ class _StreamCore:
         self._failed = 0
         self._dropped = 0
         self._cancelled = 0
-        self._told = 0  # of the dropped, how many a request sent so far told the broker about
+        self._told = 0  # of the dropped and expired, how many a request sent so far told the broker about
         self._expired = 0
         # Frames in `_outstanding` that were never sent (their deadline passed while they
         # waited for room): each holds its DeadlineExceeded for its turn, and no room.
@@ -264,14 +264,15 @@ class _StreamCore:
             self._need = max(self._need, call.deadline - call.t_sent)
 
     def _submit(self, call: Any, timeout: float | None) -> bool:
-        """Submit one frame, its deadline counted from its `send()`; the frames dropped since
-        the last one sent ride on it (the broker counts them:
-        `zmq_infer_stream_dropped_frames_total`)."""
+        """Submit one frame, its deadline counted from its `send()`; the frames dropped or
+        expired since the last one sent ride on it (the broker counts them:
+        `zmq_infer_stream_dropped_frames_total`, frames its service never saw)."""
         call.deadline = _deadline_of(call)  # (set again each try: an unsent call loses it)
-        call.dropped = self._dropped - self._told
+        gone = self._dropped + self._expired
+        call.dropped = gone - self._told
         if not self._submit_call(call, timeout):
             return False
-        self._told = self._dropped
+        self._told = gone
         return True
 
     def _pop_head(self) -> tuple[str, Any] | None:

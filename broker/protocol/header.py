@@ -178,7 +178,7 @@ class Request(msgspec.Struct, kw_only=True):
     meta: dict[str, Any] = {}         # free-form, for the model
     queue_ms: float | None = None     # set by the broker at dispatch: time from its receipt to this dispatch
     returned: int | None = None       # set by the broker: times a busy worker gave it back unstarted (RECALL)
-    dropped: int | None = None        # a latest-wins stream's frames dropped by the client since its previous request
+    dropped: int | None = None        # a stream's frames the client gave up unsent (replaced, or expired waiting) since its previous request
     backlog: int | None = None        # set by the broker at dispatch: requests of the service it still has queued
     reply_to: str | None = None       # "ipc://..." bound by the client: a same-host worker may send the FINAL there
     traceparent: str | None = None    # W3C trace context of the client's span, passed through untouched; a malformed one is dropped
@@ -357,7 +357,7 @@ class WorkerStats(msgspec.Struct, kw_only=True):
     # each REQUEST to its FINAL sent.
     leased: dict[int, int] | None = None
     leased_request: tuple[list[int], float] | None = None
-    leased_dropped: int = 0  # frames leased latest-wins streams dropped at their clients (Request.dropped)
+    leased_dropped: int = 0  # frames leased streams gave up unsent at their clients (Request.dropped)
 
 
 _UNKNOWN_CODE = 1 << 20  # an error code no version defines: counted as error_other
