@@ -299,8 +299,11 @@ def test_every_request_is_returned_exactly_once(ops, max_batch, max_cost, max_de
             done.add(p.item)
         for c in {p.priority for p in batch}:
             mine = [p.principal for p in batch if p.priority == c]
+            # (Waiting: not set aside as hopeless, with less than the margin left of a budget
+            # that had room for it: the batcher's `_late`; a 3.12 run found one counted.)
             waiting = {p.principal for i, p in added.items() if i not in done and p.key == batch[0].key
-                       and p.priority == c and (p.deadline is None or p.deadline > t)}
+                       and p.priority == c and (p.deadline is None or p.deadline > t and (
+                           p.deadline - b.deadline_margin > t or p.deadline - p.arrived < b.deadline_margin))}
             if waiting - set(mine):
                 assert len(mine) == len(set(mine)), (c, mine, waiting)
         returned.extend(p.item for p in batch)
