@@ -13,8 +13,10 @@ or with less time left than recent frames took from their sending to their outco
 than half its timeout), is never sent: it fails with DeadlineExceeded in its turn
 (counted in `expired`).  With `latest_wins=False` under a model that cannot keep up, that
 is what bounds the backlog and keeps the model on frames that can still make it (without a
-timeout, every frame waits its turn, as asked).  Ordinary arrays are copied at `send()` time (into a shared-memory slot, or
-into a private inline buffer), so the caller may reuse its frame buffer immediately.  A
+timeout, every frame waits its turn, as asked).
+
+Ordinary arrays are copied at `send()` time (into a shared-memory slot, or into a private
+inline buffer), so the caller may reuse its frame buffer immediately.  A
 buffer from `client.alloc` is sent by reference instead (that is its point): do not
 overwrite it until its frame has a result or was dropped; a ring of `max_in_flight + 2`
 buffers used round robin is always safe.
@@ -260,8 +262,9 @@ class _StreamCore:
         if kind != "error":
             took = call.t_done - call.t_sent
             self._need = took if self._need == 0.0 else self._need + (took - self._need) * 0.25
-        elif isinstance(item, DeadlineExceeded) and call.deadline is not None:
-            self._need = max(self._need, call.deadline - call.t_sent)
+        elif isinstance(item, DeadlineExceeded) and call.deadline is not None and call.t_sent:
+            # (t_sent: it reached the wire; at most its timeout, whatever the clocks say)
+            self._need = max(self._need, min(call.deadline - call.t_sent, call.timeout))
 
     def _submit(self, call: Any, timeout: float | None) -> bool:
         """Submit one frame, its deadline counted from its `send()`; the frames dropped or
