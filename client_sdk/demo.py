@@ -125,10 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                     raise TimeoutError("cartoon workers did not register")
                 time.sleep(0.01)
             # The "camera" writes each frame into shared memory once; the request carries a
-            # reference to it.  Four buffers, reused round robin, like a capture ring.
-            ring = [client.alloc((height, width, 3), np.uint8) for _ in range(4)]
+            # reference to it.  A capture ring of max_in_flight + 2 buffers (at most
+            # max_in_flight + 1 frames are unfinished with latest_wins).
+            ring = [client.alloc((height, width, 3), np.uint8) for _ in range(args.workers + 2)]
+            last = [None] * len(ring)  # the frame each buffer last carried
             before = after = None
-            errors = 0
             stream = client.stream("cartoon", latest_wins=True, max_in_flight=args.workers, timeout=args.timeout)
             t0 = time.monotonic()
             with stream:
@@ -138,31 +139,33 @@ def main(argv: list[str] | None = None) -> int:
                     while (left := due - time.monotonic()) > 0:
                         try:
                             res = stream.recv(timeout=left)
-                        except TimeoutError:
-                            break
-                        except EndOfStream:
+                        except EndOfStream:  # (an InferenceError: before it)
                             time.sleep(left)  # nothing in flight: the camera waits for its next frame
                             break
-                        except InferenceError as e:
-                            errors += 1
-                            print(f"frame failed: {e}", file=sys.stderr)
+                        except InferenceError as e:  # the frame's own error (before TimeoutError:
+                            print(f"frame failed: {e}", file=sys.stderr)  # DeadlineExceeded is one)
                             continue
+                        except TimeoutError:
+                            break
                         if after is None:
                             after = np.array(res["image"])  # keep one result past its release
                         res.release()
                     x = int(pan * (0.5 + 0.5 * np.sin(i / 25.0)))
-                    frame = ring[i % len(ring)]
+                    # A buffer whose last frame is no longer unfinished (docs/client.md,
+                    # "Streams": round robin is not safe once frames are dropped).
+                    busy = stream.unfinished()
+                    k = next(k for k, f in enumerate(last) if f not in busy)
+                    frame = ring[k]
                     np.copyto(frame, scene[:, x : x + width])
                     if i == 0:
                         before = frame.copy()
-                    stream.send({"image": frame})
+                    last[k] = stream.send({"image": frame})
                 while True:
                     try:
                         res = stream.recv(timeout=10)
                     except EndOfStream:
                         break
                     except InferenceError as e:
-                        errors += 1
                         print(f"frame failed: {e}", file=sys.stderr)
                         continue
                     if after is None:
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cartoon filter, {width}x{height} RGB frames offered at {args.fps:g} fps, "
               f"{args.workers} workers, shared memory, latest frame wins")
         print(f"{'frames':>8} {'done':>6} {'dropped':>8} {'failed':>7} {'fps':>7} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8}")
-        print(f"{args.frames:8d} {st.completed:6d} {st.dropped:8d} {st.failed + errors:7d} "
+        print(f"{args.frames:8d} {st.completed:6d} {st.dropped:8d} {st.failed + st.expired:7d} "
               f"{st.completed / wall:7.1f} {_pct(lat, 50):8.1f} {_pct(lat, 90):8.1f} {_pct(lat, 99):8.1f}")
         if before is not None and after is not None:
             from PIL import Image
