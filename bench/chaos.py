@@ -470,7 +470,7 @@ def _sync_client(fe: str, kind: str, tally: Tally, stop: threading.Event, timeou
 
 
 def _stream_client(fe: str, tally: Tally, stop: threading.Event, timeout: float, seed: int) -> None:
-    from client_sdk import Client, EndOfStream
+    from client_sdk import Client, EndOfStream, InferenceError
 
     tcp = fe.startswith("tcp://")
     rng = np.random.default_rng(seed)
@@ -500,10 +500,13 @@ def _stream_client(fe: str, tally: Tally, stop: threading.Event, timeout: float,
                 while True:  # what has come back
                     try:
                         take(st.recv(timeout=timeout if stopping else 0.0))
-                    except (TimeoutError, EndOfStream) as e:
-                        if isinstance(e, EndOfStream) or not stopping:
-                            break
-                        tally.failed(e)  # a frame still out after the timeout, at the end
+                    except EndOfStream:
+                        break
+                    except InferenceError as e:  # the frame's own error (DeadlineExceeded is a
+                        tally.failed(e)          # TimeoutError too: it went uncounted)
+                    except TimeoutError as e:
+                        if stopping:
+                            tally.failed(e)  # a frame still out after the timeout, at the end
                         break
                     except Exception as e:  # the frame's own error
                         tally.failed(e)

@@ -198,15 +198,15 @@ class Persona(threading.Thread):
                             pass
                         t = time.monotonic()
                         self.done.append((t, t, True))
-                    except TimeoutError:
-                        break
-                    except EndOfStream:
+                    except EndOfStream:  # (an InferenceError: first)
                         time.sleep(max(0.0, nxt - time.monotonic()))
                         break
-                    except InferenceError as e:
+                    except InferenceError as e:  # the frame's own (DeadlineExceeded is a TimeoutError too)
                         t = time.monotonic()
                         self.done.append((t, t, False))
                         self.errors.append((t, f"{type(e).__name__}: {e}"[:200]))
+                    except TimeoutError:
+                        break
                 self._pin_sample(c)
                 nxt = max(nxt, time.monotonic())
 
