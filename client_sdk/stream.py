@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import operator
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
@@ -423,6 +424,14 @@ class Stream(_StreamCore):
         self.close()
 
 
+def _waker(ref: "weakref.ref[AsyncStream]") -> Callable[[], None]:
+    def wake() -> None:
+        st = ref()
+        if st is not None:
+            st._wake()
+    return wake
+
+
 class AsyncStream(_StreamCore):
     """asyncio frame stream (`AsyncClient.stream`).  `send()` is a plain method (it never
     waits for the broker); results come from `await s.recv()` or `async for r in s`, which
@@ -461,7 +470,10 @@ class AsyncStream(_StreamCore):
 
     def _send(self, inputs: Mapping[str, Any]) -> int:
         call = self._make(inputs)
-        call.notify = self._wake
+        # A weak wake-up: the client holds each frame in flight (and its `notify`) until its
+        # outcome, and a bound `self._wake` kept a stream dropped unclosed alive that long, so
+        # its frames in flight were not cancelled, nor its lease ended, at its drop.
+        call.notify = _waker(weakref.ref(self))
         self._admit(call)
         self._flush()
         self._event.set()
