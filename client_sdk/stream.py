@@ -18,8 +18,11 @@ timeout, every frame waits its turn, as asked).
 Ordinary arrays are copied at `send()` time (into a shared-memory slot, or into a private
 inline buffer), so the caller may reuse its frame buffer immediately.  A
 buffer from `client.alloc` is sent by reference instead (that is its point): do not
-overwrite it until its frame has a result or was dropped; a ring of `max_in_flight + 2`
-buffers used round robin is always safe.
+overwrite it while its frame is in `unfinished()` (sent or waiting, its outcome not received).
+A fixed round-robin ring is not safe: with `latest_wins` dropped frames free their buffers
+at once while an older frame may still wait at the worker, and without it frames waiting for
+room hold theirs; take for each frame a buffer whose last frame is no longer unfinished
+(docs/client.md, "Streams").
 
 A stream is built on the clients' public seams only (docs/client.md, "Seams"): it packs a
 frame with `client.prepare`, sends it with `client.submit` when there is room, drops or
@@ -452,9 +455,10 @@ class AsyncStream(_StreamCore):
         self._via = via
 
     def _wake(self) -> None:
-        # Called by the client's reader for every reply to one of our frames: a finished
-        # frame frees capacity, so the newest pending frame goes out without waiting for
-        # the consumer to call recv().
+        # Called by the client's reader for every reply to one of our frames.  An arrived
+        # result holds its place until recv() takes it (`_in_flight`), so this sends nothing
+        # new; it lapses the pending frames that can no longer make their deadline, and
+        # wakes a waiting recv().
         if not self._closed:
             self._flush()
         self._event.set()
