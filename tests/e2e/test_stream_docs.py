@@ -491,3 +491,19 @@ def test_a_streams_lease_lasts_while_a_stream_on_it_is_open(cluster):
         with pytest.raises(InvalidInput):
             c.stream(SERVICE, pin=True)
         c.stream(SERVICE).close()  # pin=None: simply brokered
+
+
+def test_send_copies_an_ordinary_array_even_while_its_frame_waits(cluster, held):
+    """`send()` copies ordinary arrays, so the caller may reuse its buffer at once: a frame
+    still waiting for room goes with what the buffer held at its `send()`."""
+    gate = held
+    buf = _f(1)["x"]
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, SERVICE)
+        with c.stream(SERVICE, latest_wins=False, max_in_flight=1, pin=False) as st:
+            st.send(_f(0, 1))
+            st.send({"x": buf})  # waits for room
+            buf[:] = 7  # reused at once
+            assert st.stats().pending == 1
+            gate.release(1)
+            assert [_got(r) for r in st] == [(0, 0), (1, 1)]
