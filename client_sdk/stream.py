@@ -453,6 +453,11 @@ class AsyncStream(_StreamCore):
         # ``via(fn, *args)``: fn(*args), on the client's loop from another thread while it
         # runs (and waited for), else here (None: always here)
         self._via = via
+        # A weak wake-up for its frames: the client holds each frame in flight (and its
+        # `notify`) until its outcome, and a bound `self._wake` kept a stream dropped
+        # unclosed alive that long, so its frames in flight were not cancelled, nor its
+        # lease ended, at its drop.
+        self._notify = _waker(weakref.ref(self))
 
     def _wake(self) -> None:
         # Called by the client's reader for every reply to one of our frames.  An arrived
@@ -474,10 +479,7 @@ class AsyncStream(_StreamCore):
 
     def _send(self, inputs: Mapping[str, Any]) -> int:
         call = self._make(inputs)
-        # A weak wake-up: the client holds each frame in flight (and its `notify`) until its
-        # outcome, and a bound `self._wake` kept a stream dropped unclosed alive that long, so
-        # its frames in flight were not cancelled, nor its lease ended, at its drop.
-        call.notify = _waker(weakref.ref(self))
+        call.notify = self._notify
         self._admit(call)
         self._flush()
         self._event.set()
