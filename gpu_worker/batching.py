@@ -217,8 +217,7 @@ class _Turns:
         self.served: dict[Hashable, int] = {}
         if served is not None:
             self.served[first] = served
-        if left:
-            left.pop((key, first), None)  # it may have been served alone since, unseen: stale
+        # (``first`` has no entry in ``left``: `Batcher.add` dropped it with its queue's start.)
         #: the batch order while several classes are pending (`Batcher._best_scored_key`)
         self.mixed: list[_Entry] | None = None
         self._oldest: _Entry | None = None
@@ -431,6 +430,10 @@ class Batcher:
         group = self._groups.get(p.key)
         if group is None:
             self._groups[p.key] = deque((e,))
+            if self._left:
+                # Served alone from here on, unseen by the turns: its last turn beside the
+                # others, if remembered, is no longer its last (it would pass them).
+                self._left.pop((p.key, p.principal), None)
         elif type(group) is deque:
             if group[0].p.principal == p.principal:  # one principal: the common case
                 group.append(e)

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from collections import deque
 
-from gpu_worker.batching import Batcher, Pending
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_worker.batching import _LEFT_MEMO, Batcher, Pending
 
 
 def _p(item, arrived, principal=None, priority=1, key="k", cost=1.0, deadline=None):
@@ -222,3 +225,90 @@ def test_a_cancelled_request_is_not_a_turn_for_the_rejoin():
     assert _take1(b) == "A4"  # served since B1, after a drop
     b.add(_p("B2", t, "B"), t)
     assert _drain(b) == [["B2"], ["A5"]]
+
+
+def test_a_principal_served_alone_since_it_left_does_not_pass_one_served_before_that():
+    """A's last turn beside the others was before X's, but A was then served alone (its own
+    group, unseen by the turns): when A comes back beside X it is not the least recently
+    served of the two, and goes behind X (at the back: its last turn is not known)."""
+    b = Batcher(max_batch=1, max_delay=0.0)
+    t = _flood(b, 3, "Y")
+    b.add(_p("A0", t, "A"), t)
+    b.add(_p("X0", t, "X"), t)
+    assert _drain(b) == [["Y0"], ["A0"], ["X0"], ["Y1"], ["Y2"]]  # A's turn, then X's
+    b.add(_p("A1", 2.0, "A"), 2.0)
+    assert _drain(b) == [["A1"]]  # A alone: after X0
+    t = _flood(b, 3, "Y", 3.0)
+    b.add(_p("X1", t, "X"), t)
+    assert _take1(b) == "Y0"
+    b.add(_p("A2", t, "A"), t)
+    assert _drain(b) == [["X1"], ["Y1"], ["A2"], ["Y2"]], "A passed X, served before A's last request"
+
+
+_KEYS = ("k", "j")
+_WHO = ("A", "B", "C", None)
+_op = st.one_of(
+    st.tuples(st.just("add"), st.sampled_from(_KEYS), st.sampled_from(_WHO), st.sampled_from([1, 1, 1, 0]),
+              st.none() | st.sampled_from([0.001, 0.01])),
+    st.tuples(st.just("burst"), st.sampled_from(_KEYS), st.sampled_from(_WHO), st.integers(1, 4)),
+    st.tuples(st.just("take"), st.booleans()),
+    st.tuples(st.just("drop"), st.integers(0, 4)),
+    st.tuples(st.just("expire"), st.sampled_from([0.0, 0.005, 0.02])),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=st.lists(_op, max_size=50), max_batch=st.integers(1, 3))
+def test_what_the_turns_know_of_last_turns_is_never_out_of_date(ops, max_batch):
+    """Whatever the batcher remembers of principals' last turns in a group (a ring's
+    ``served``, ``_left``, a plain queue's `_Solo` not served since) orders them as they
+    were really last served in that group, alone or not: a record that outlived a turn it
+    did not see would let a principal pass one served before it."""
+    b = Batcher(max_batch=max_batch, max_delay=0.0)
+    now = 1.0
+    n = 0
+    clock = 0
+    truth: dict[tuple, int] = {}  # (key, principal) -> when last served there (batch order)
+
+    def took(batch):
+        nonlocal clock
+        for p in batch:
+            clock += 1
+            truth[(p.key, p.principal)] = clock
+
+    for o in ops:
+        now += 0.001
+        if o[0] == "add":
+            _, key, who, pri, ttl = o
+            b.add(Pending(key=key, cost=1.0, item=n, arrived=now, priority=pri, principal=who,
+                          deadline=None if ttl is None else now + ttl), now)
+            n += 1
+        elif o[0] == "burst":
+            _, key, who, k = o
+            for _ in range(k):
+                b.add(Pending(key=key, cost=1.0, item=n, arrived=now, principal=who), now)
+                n += 1
+        elif o[0] == "take":
+            took(b.take(now, idle=True, force=o[1]))
+        elif o[0] == "drop":
+            b.drop(lambda p, m=o[1]: p.item % 5 == m)
+        else:
+            now += o[1]
+            b.expire(now)
+        assert len(b._left) <= _LEFT_MEMO
+        for key in _KEYS:
+            known = {pr: v for (k, pr), v in b._left.items() if k == key}
+            group = b._groups.get(key)
+            if group is not None and type(group) is not deque:
+                assert not set(known) & set(group.queues), "a principal of the ring is also remembered as gone"
+                known.update(group.served)
+            elif group is not None:
+                assert group[0].p.principal not in known, "a plain queue's principal is remembered as gone"
+            s = b._solo.get(key)
+            if s is not None and s.seq and s.seq == group[0].seq:
+                known[group[0].p.principal] = s.served
+            ranked = sorted(known, key=known.__getitem__)
+            for p, q in zip(ranked, ranked[1:]):
+                assert (key, p) in truth and truth[(key, p)] < truth[(key, q)], (
+                    f"{key}: {p!r} recorded as served before {q!r}, but was served last at "
+                    f"{truth.get((key, p))}, {q!r} at {truth.get((key, q))}")
