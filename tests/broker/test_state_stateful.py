@@ -13,7 +13,9 @@ which requests are still owed a final) checks every action the scheduler returns
   principal, one connection its own principal, and a connection's principal may change
   between its requests): the per-principal caps refuse exactly the requests over them, and
   nothing else; an eviction only ever takes a queued request of another principal, and its
-  error goes to that request's own connection; the queue bookkeeping (per-principal FIFOs in
+  error goes to that request's own connection; it takes what that principal's walk would
+  serve last (congested, the oldest of its FIFOs walked newest first), never a request put
+  back at the front while the principal has another queued (`check_victim`); the queue bookkeeping (per-principal FIFOs in
   rings, per-principal queued counts and their buckets) agrees with the queued requests and
   never holds an empty FIFO or a zero or negative count; each principal's outstanding
   requests and bytes agree with what the model owes it (whatever its connections did), and
@@ -97,6 +99,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.final_n = 0         # finals the broker sent (ToClient final, ClientError)
         self.counted: dict = {}  # (client, rid) -> times counted (admitted requests only)
         self.s = Scheduler(self.cfg, on_direct=lambda *a: self.directs.append(a))
+        victim = self.s._victim
+
+        def checked_victim(svc, principal, now):
+            got = victim(svc, principal, now)
+            self.check_victim(svc, principal, now, *got)
+            return got
+
+        self.s._victim = checked_victim
         self.now = 0.0
         self.rids = itertools.count()
         self.workers: dict[bytes, dict] = {}  # live, as the outside world sees it
@@ -167,6 +177,26 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.workers.pop(a.worker, None)
             else:  # pragma: no cover
                 raise AssertionError(f"unknown action {a!r}")
+
+    def check_victim(self, svc, principal, now, req, oldest):
+        """An eviction for another principal's newcomer (Admission) takes one of the
+        heaviest's queued requests that its walk would serve last: never one put back at the
+        front (a retry, given back) while it has another queued; from a FIFO walked newest
+        first (congested), its oldest, the oldest of such FIFOs; else the newest."""
+        fifos = [list(f) for f in (svc.classes[pri].get(principal) for pri in (2, 1, 0)) if f]
+        mine = [r for f in fifos for r in f]
+        assert req in mine, "evicted a request its principal has not queued there"
+        if req.front:
+            assert all(r.front for r in mine), "evicted a request put back at the front while another was queued"
+        lifo = self.s._congested(svc, now)
+        newest_first = [f for f in fifos if lifo and not f[0].front and f[0].deadline is not None]
+        walk = next(f[::-1] if f in newest_first else f for f in fifos if req in f)
+        assert req is walk[-1], "evicted a request its FIFO's walk would not serve last"
+        assert oldest == (req in [f[0] for f in newest_first])
+        if newest_first:
+            assert oldest and req.enqueued_at == min(f[0].enqueued_at for f in newest_first), (
+                "a congested eviction took another request than the oldest walked newest first")
+        self.evictions = getattr(self, "evictions", 0) + 1
 
     def touch(self, client):
         if client in self.tracked:
@@ -363,11 +393,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         priority=st.sampled_from(list(Priority)),
         n=st.integers(2, 6),
         size=SIZES,
+        deadline=st.sampled_from([None, None, 3.0]),
     )
-    def client_burst(self, client, service, priority, n, size):
-        """Several requests at once: fills queues, reaches the caps, provokes evictions."""
+    def client_burst(self, client, service, priority, n, size, deadline):
+        """Several requests at once: fills queues, reaches the caps, provokes evictions
+        (with a deadline, congested: from FIFOs walked newest first)."""
         for _ in range(n):
-            self.send(client, service, priority, None, None, size)
+            self.send(client, service, priority, deadline, None, size)
 
     def send(self, client, service, priority, deadline, local_host, size):
         rid = next(self.rids)
