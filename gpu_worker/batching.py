@@ -19,22 +19,23 @@ Policy
   first pending request of the group (so, until one is served, in the order their oldest
   pending requests arrived), and one served in a batch goes to the back (the one served
   last at the very back), so turns go on across batches, even batches of one.  One that
-  rejoins, its requests of the group having run out as they were served, goes instead
-  ahead of the first principal in the turns served since its last turn, behind those
-  served before it (the broker's rule, broker/state.py "Dispatch": among the first
-  ``_SCAN``, none of them never served here; the last ``_LEFT_MEMO`` that left are
-  remembered).  Where a turn went unseen (a principal served alone, its queue the plain
-  one below, after its queue was gone and back) the principal counts as never served, and
-  a rejoiner goes behind it (at the back, as before): a client sending one request at a
-  time beside a flood otherwise waited, at the back, for one more of the flood's requests
-  every time (with a batch of one; with more it goes in the next batch anyway).  So a
-  flood of one principal parked at a worker (up to its credit, or a lease's slots) makes
-  another principal's lone request of its class wait for at most one request of each
-  principal ahead of it in the turns (and the batch running), not for the flood: with a
-  batch of two or more it goes in the next batch.  With one principal nothing changes
-  (and costs nothing: the group is the plain queue it always was, and becomes one again
-  once a single principal is left in it; whether that one was served since is read off
-  its queue's head when another joins, so the plain queue's path does no extra work).  A
+  rejoins, its requests of the group having run out (served, or the last ones cancelled
+  or expired: a turn it had is still its last), goes instead ahead of the first
+  principal in the turns served since its last turn, behind those served before it (the
+  broker's rule, broker/state.py "Dispatch": among the first ``_SCAN``, none of them
+  never served here; the last ``_LEFT_MEMO`` that left are remembered).  Where a turn
+  went unseen (a principal served alone, its queue the plain one below, after its queue
+  was gone and back) the principal counts as never served, and a rejoiner goes behind it
+  (at the back, as before): a client sending one request at a time beside a flood
+  otherwise waited, at the back, for one more of the flood's requests every time (with a
+  batch of one; with more it goes in the next batch anyway).  So a flood of one
+  principal parked at a worker (up to its credit, or a lease's slots) makes another
+  principal's lone request of its class wait for at most one request of each principal
+  ahead of it in the turns (and the batch running), not for the flood: with a batch of
+  two or more it goes in the next batch.  With one principal nothing changes (and costs
+  nothing: the group is the plain queue it always was, and becomes one again once a
+  single principal is left in it; whether that one was served since is read off its
+  queue's head when another joins, so the plain queue's path does no extra work).  A
   request without a principal (None) is one principal like any other.  The wait bounds
   below stay the group's oldest request's, whichever turn it is.
 * Priorities (``priority``: 0 urgent, 1 normal, 2 background, as in the request header).
@@ -183,6 +184,15 @@ def _rounds(queues: Iterable[Iterable[_Entry]]) -> Iterator[_Entry]:
         its = more
 
 
+def _remember(left: OrderedDict, k: tuple, turn: int) -> None:
+    """``k`` = (key, principal) left its group's turns with its last turn ``turn``
+    (`Batcher._left`: the newest last, the oldest forgotten past ``_LEFT_MEMO``)."""
+    left[k] = turn
+    left.move_to_end(k)
+    if len(left) > _LEFT_MEMO:
+        left.popitem(last=False)
+
+
 class _Solo:
     """What a group's turns knew of its last principal when it became a plain queue again
     (`Batcher._settle_turns`): whether that principal was served since, and when before.
@@ -314,15 +324,12 @@ class _Turns:
             else:
                 del queues[pr]
                 served.pop(pr, None)
-                left = self._left
-                k = (self._key, pr)
-                left[k] = turn
-                left.move_to_end(k)
-                if len(left) > _LEFT_MEMO:
-                    left.popitem(last=False)
+                _remember(self._left, (self._key, pr), turn)
         self.mixed = self._oldest = None
 
     def remove(self, seqs: set[int]) -> None:
+        """``seqs`` went unserved (dropped, expired): a principal whose queue ran out leaves,
+        its last turn (if it had one) remembered in ``_left``, as if it had been served."""
         queues = self.queues
         for pr in [pr for pr, q in queues.items() if any(e.seq in seqs for e in q)]:
             q = deque(e for e in queues[pr] if e.seq not in seqs)
@@ -330,6 +337,9 @@ class _Turns:
                 queues[pr] = q
             else:
                 del queues[pr]
+                turn = self.served.get(pr)
+                if turn is not None:
+                    _remember(self._left, (self._key, pr), turn)
         if len(self.ring) != len(queues):
             self.ring = deque(pr for pr in self.ring if pr in queues)
             served = self.served
@@ -825,12 +835,15 @@ class Batcher:
 
     def _rebuilt(self, key: Hashable, old: deque, new: deque) -> None:
         """A plain queue was rebuilt without serving anything (a removal, a reorder): its
-        `_Solo` goes on with the new one (served since or not, as before)."""
+        `_Solo` goes on with the new one (served since or not, as before).  Emptied, its
+        principal leaves with its last turn if it was not served since (`_Turns.remove`)."""
         s = self._solo.get(key)
         if s is None or s.group is not old:
             return
         if not new:
             del self._solo[key]
+            if s.seq and s.seq == old[0].seq:  # not served since: its last turn is still known
+                _remember(self._left, (key, old[0].p.principal), s.served)
             return
         s.group = new
         if s.seq and s.seq == old[0].seq:  # not served since: the new head is the mark

@@ -245,6 +245,38 @@ def test_a_principal_served_alone_since_it_left_does_not_pass_one_served_before_
     assert _drain(b) == [["X1"], ["Y1"], ["A2"], ["Y2"]], "A passed X, served before A's last request"
 
 
+
+def test_a_principal_whose_pending_request_was_cancelled_keeps_its_last_turn():
+    """B (one request at a time beside a flood) rejoined ahead of A; its request is cancelled
+    (or expires) before its turn: B's last turn is still B0's, and its next request goes
+    ahead of A again (A was served since B0), not to the back."""
+    b = Batcher(max_batch=1, max_delay=0.0)
+    t = _flood(b, 6)
+    b.add(_p("B0", t, "B"), t)
+    assert [_take1(b), _take1(b), _take1(b)] == ["A0", "B0", "A1"]
+    b.add(_p("B1", t, "B"), t)
+    assert [p.item for p in b.drop(lambda p: p.item == "B1")] == ["B1"]
+    b.add(_p("B2", t, "B"), t)
+    assert _take1(b) == "B2", "B lost its last turn with its cancelled request: at the back, behind A"
+
+
+def test_a_plain_queue_emptied_by_a_cancel_keeps_its_principals_last_turn():
+    """B's queue, the group again after A left (not served since), is emptied by a cancel:
+    B's last turn (B0, before A's) is not lost, and B rejoins ahead of A."""
+    b = Batcher(max_batch=1, max_delay=0.0)
+    b.add(_p("B0", 1.0, "B"), 1.0)
+    b.add(_p("B1", 1.0, "B"), 1.0)
+    b.add(_p("A0", 1.0, "A"), 1.0)
+    assert [_take1(b), _take1(b)] == ["B0", "A0"]
+    assert type(b._groups["k"]) is deque  # B's alone: the plain queue
+    assert [p.item for p in b.drop(lambda p: p.item == "B1")] == ["B1"]
+    t = _flood(b, 2, "C", 2.0)
+    b.add(_p("A1", t, "A"), t)
+    assert _take1(b) == "C0"  # turns: A (served at A0), C
+    b.add(_p("B2", t, "B"), t)
+    assert _drain(b) == [["B2"], ["A1"], ["C1"]], "B's last turn was lost with its emptied queue"
+
+
 _KEYS = ("k", "j")
 _WHO = ("A", "B", "C", None)
 _op = st.one_of(
