@@ -48,12 +48,14 @@ Each service has three priority classes.  A class holds one FIFO per principal (
 requests of all its connections) and keeps those principals in a ring, least recently
 served first: a principal joins the ring at its back when it queues something in the class
 while having nothing there, a principal that is served moves to the back, and one whose FIFO
-empties leaves.  A principal that rejoins after its last request was dispatched (its FIFO
-emptied then) goes instead ahead of the first principal in the ring served after it (among
-the first 16, none of them never served; ``_Service.left`` remembers when, for the last
-1024 per class; two light clients rejoining keep their order): a client sending one
-request at a time beside a flood waited, at the back, for one more of the flood's
-dispatches than it had to, every time (the flood had been served since; the overload hunt).
+empties leaves.  A principal that rejoins after it was served in the class (its FIFO
+emptied since, its last request dispatched, or cancelled, expired or evicted: its last
+dispatch is still its last) goes instead ahead of the first principal in the ring served
+after it (among the first 16, none of them never served; ``_Service.left`` remembers when,
+for the last 1024 per class; two light clients rejoining keep their order): a client
+sending one request at a time beside a flood waited, at the back, for one more of the
+flood's dispatches than it had to, every time (the flood had been served since; the
+overload hunt).
 A principal never served in the class (or forgotten) joins at the back: a new name gets no
 earlier turn.  A principal's FIFO is in arrival order (across its connections), except
 that retries go back to its front (see Failure handling).
@@ -597,10 +599,11 @@ class _Service:
         # principal to the back, a retry to the front).  FIFO keys are the requests
         # themselves; no FIFO in a ring is ever empty.
         self.classes = (OrderedDict(), OrderedDict(), OrderedDict())
-        # Per class, the principals whose FIFO emptied as its last request was dispatched:
-        # principal -> when (its FIFO's ``served``), oldest first, at most _LEFT_MEMO.  One
-        # that queues again goes ahead of the first principal in the ring served after it
-        # (least recently served first), not behind a flood served since (_enqueue).
+        # Per class, the principals whose FIFO emptied after one of its requests was
+        # dispatched: principal -> when (its FIFO's ``served``), oldest first, at most
+        # _LEFT_MEMO.  One that queues again goes ahead of the first principal in the ring
+        # served after it (least recently served first), not behind a flood served since
+        # (_enqueue).
         self.left = (OrderedDict(), OrderedDict(), OrderedDict())
         self.queued = 0
         self.since = 0.0  # when the queue last went from empty to not (meaningful while queued)
@@ -1747,7 +1750,9 @@ class Scheduler(LeaseEvents):
                 self._unlone(req)
         if not fifo:
             del ring[c]
-            if served and fifo.served:
+            if fifo.served:
+                # Its last dispatch, also when its last request leaves undispatched
+                # (cancelled, expired, evicted, refused): that turn is still its last.
                 left = svc.left[req.priority]
                 left[c] = fifo.served
                 left.move_to_end(c)

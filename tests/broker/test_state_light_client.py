@@ -117,3 +117,28 @@ def test_two_light_clients_are_not_put_behind_a_flood_served_since_their_last_re
                 req(s, H, 10 ** 7 + rid, now)
         rounds.append(order)
     assert rounds[1:] == [[L, L2]] * 4, f"dispatch order after each pair of light requests: {rounds}"
+
+
+def test_a_light_client_whose_queued_request_was_cancelled_keeps_its_last_dispatch():
+    """L rejoined ahead of the flood, then cancelled that request before its turn (or it
+    expired): L's last dispatch is still L1's, before the flood's last, so its next request
+    goes ahead of the flood again, not to the back (as the worker's batcher does)."""
+    s = Scheduler(Config())
+    s.worker_ready(b"w", "svc", 0.0)  # credit 1
+    token = of(req(s, H, 0, 0.0), Dispatch)[0].token
+    for i in range(1, 10):
+        req(s, H, i, 0.0)
+    req(s, L, 101, 0.01)
+    order = []
+    now = 0.0
+    for _ in range(3):
+        now += 0.02
+        d = of(s.worker_final(b"w", token, now, None), Dispatch)[0]
+        token = d.token
+        order.append((d.client, d.request_id))
+    assert order == [(H, 1), (L, 101), (H, 2)]  # H served after L's last dispatch
+    req(s, L, 102, now + 0.01)
+    s.client_cancel(L, 102, now + 0.015)
+    req(s, L, 103, now + 0.02)
+    d = of(s.worker_final(b"w", token, now + 0.03, None), Dispatch)[0]
+    assert (d.client, d.request_id) == (L, 103), "L lost its last dispatch with its cancelled request"
