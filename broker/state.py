@@ -57,8 +57,10 @@ sending one request at a time beside a flood waited, at the back, for one more o
 flood's dispatches than it had to, every time (the flood had been served since; the
 overload hunt).
 A principal never served in the class (or forgotten) joins at the back: a new name gets no
-earlier turn.  A principal's FIFO is in arrival order (across its connections), except
-that retries go back to its front (see Failure handling).
+earlier turn; so does one dispatched since straight from an empty queue (no ring saw that
+turn: its last one there is not its last, and it would pass those served before it).  A
+principal's FIFO is in arrival order (across its connections), except that retries go back
+to its front (see Failure handling).
 
 When a worker has spare credit, each non-empty class proposes one *candidate*: walking the
 ring from its front, the first request (in FIFO order) whose pool has a worker with spare
@@ -1232,6 +1234,11 @@ class Scheduler(LeaseEvents):
             # its pool takes it now (the common case under light load, kept short).
             w = self._ready_worker(pool)
             if w is not None:
+                left = svc.left[priority]
+                if left:
+                    # Served outside the ring: its last turn there, if remembered, is no
+                    # longer its last (it would pass those served before this one).
+                    left.pop(principal, None)
                 self._start(req, w, now, out)
                 self._flush(now, out)
                 return out

@@ -142,3 +142,38 @@ def test_a_light_client_whose_queued_request_was_cancelled_keeps_its_last_dispat
     req(s, L, 103, now + 0.02)
     d = of(s.worker_final(b"w", token, now + 0.03, None), Dispatch)[0]
     assert (d.client, d.request_id) == (L, 103), "L lost its last dispatch with its cancelled request"
+
+
+def test_a_client_dispatched_straight_from_an_empty_queue_does_not_pass_one_served_before():
+    """L's last dispatch from the ring came before X's, but L's next request went straight
+    to a free worker (the queue empty: no ring): L was served after X, and when both queue
+    again L does not go ahead of X (it rejoins at the back: its last turn there unknown)."""
+    X, Y = b"x", b"y"
+    s = Scheduler(Config())
+    s.worker_ready(b"w", "svc", 0.0)  # credit 1
+    token = of(req(s, H, 0, 0.0), Dispatch)[0].token
+    req(s, H, 1, 0.0)
+    req(s, L, 10, 0.001)
+    req(s, X, 20, 0.002)
+    order = []
+    now = 0.0
+    for _ in range(3):
+        now += 0.02
+        d = of(s.worker_final(b"w", token, now, None), Dispatch)[0]
+        token = d.token
+        order.append((d.client, d.request_id))
+    assert order == [(H, 1), (L, 10), (X, 20)]  # L's turn, then X's: both leave the ring
+    now += 0.02
+    assert of(s.worker_final(b"w", token, now, None), Dispatch) == []  # nothing queued
+    token = of(req(s, L, 11, now + 0.01), Dispatch)[0].token  # straight to the worker
+    now += 0.02
+    for rid in (30, 31):
+        req(s, Y, rid, now)
+    req(s, X, 21, now)  # behind Y (never served here)
+    now += 0.02
+    d = of(s.worker_final(b"w", token, now, None), Dispatch)[0]
+    token = d.token
+    assert (d.client, d.request_id) == (Y, 30)
+    req(s, L, 12, now + 0.001)
+    d = of(s.worker_final(b"w", token, now + 0.02, None), Dispatch)[0]
+    assert (d.client, d.request_id) == (X, 21), "L passed X, served before L's last request"
