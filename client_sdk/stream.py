@@ -12,8 +12,9 @@ result is never older than that.  A frame still waiting for room when its deadli
 or with less time left than recent frames took from their sending to their outcome (and
 than half its timeout), is never sent: it fails with DeadlineExceeded in its turn
 (counted in `expired`).  With `latest_wins=False` under a model that cannot keep up, that
-is what bounds the backlog and keeps the model on frames that can still make it (without a
-timeout, every frame waits its turn, as asked).
+is what bounds the backlog and keeps the model on frames that can still make it (with no timeout,
+neither the stream's nor the client's default that its `timeout=None` takes, every frame
+waits its turn, as asked).
 
 Ordinary arrays are copied at `send()` time (into a shared-memory slot, or into a private
 inline buffer), so the caller may reuse its frame buffer immediately.  A
@@ -62,7 +63,7 @@ class StreamStats:
     in_flight: int = 0     # sent, result not received yet (arrived or not)
     pending: int = 0       # waiting to be sent
     cancelled: int = 0     # sent, given up by close() before their result was received
-    expired: int = 0       # never sent: their deadline passed while they waited for room
+    expired: int = 0       # never sent: their deadline passed, or came too near, while they waited for room
     latencies_ms: list[float] = field(default_factory=list)  # send() to result, per completed frame
 
     @property
@@ -155,7 +156,7 @@ class _StreamCore:
 
     def unfinished(self) -> frozenset[int]:
         """The numbers of the frames whose inputs may still be read: sent or waiting to be
-        sent, outcome not received (a dropped frame is not one).  A `client.alloc` buffer of
+        sent, outcome not received (a dropped or expired frame is not one).  A `client.alloc` buffer of
         a frame in here must not be written yet (docs/client.md, "Streams")."""
         lapsed = self._lapsed
         return frozenset([c.frame for c in self._outstanding if c.frame not in lapsed]

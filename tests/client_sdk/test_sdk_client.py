@@ -1197,6 +1197,34 @@ def test_a_frame_that_lapses_lets_go_of_its_inputs_before_its_turn(fake, endpoin
             s.recv(WAIT)
 
 
+def test_a_stream_without_a_timeout_takes_the_clients_default_counted_from_send(fake, endpoint):
+    # docs/client.md, "Streams": a stream's `timeout` is `infer`'s, so None is the client's
+    # default (`Client(timeout=10.0)`), counted from each frame's `send()`: a frame waiting
+    # for room past it is never sent.  Only with no timeout anywhere does every frame wait
+    # its turn.
+    with Client(endpoint, transport="inline", timeout=0.2) as c, c.stream("hold", latest_wins=False,
+                                                                        max_in_flight=1) as s:
+        s.send({"x": np.zeros(2)})
+        fake.held_q.get(timeout=WAIT)
+        s.send({"x": np.ones(2)})  # waits for room
+        t1 = time.monotonic()
+        while time.monotonic() < t1 + 0.25:  # (waiting out the clock is the point)
+            c.pump(0.02)
+        s.send({"x": np.ones(2)})  # frame 1 lapses here
+        assert s.stats().expired == 1, s.stats()
+    with Client(endpoint, transport="inline", timeout=None) as c, c.stream("hold", latest_wins=False,
+                                                                         max_in_flight=1) as s:
+        s.send({"x": np.zeros(2)})
+        fake.held_q.get(timeout=WAIT)
+        s.send({"x": np.ones(2)})
+        t1 = time.monotonic()
+        while time.monotonic() < t1 + 0.25:
+            c.pump(0.02)
+        s.send({"x": np.ones(2)})
+        st = s.stats()
+        assert (st.expired, st.pending) == (0, 2), st
+
+
 # 250 input names of 5 kB: packed, but a request header the client refuses to send.
 _UNSENDABLE = {f"n{i:03d}" + "y" * 5000: np.zeros(1) for i in range(250)}
 
