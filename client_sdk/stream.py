@@ -428,11 +428,11 @@ class Stream(_StreamCore):
         self.close()
 
 
-def _waker(ref: "weakref.ref[AsyncStream]") -> Callable[[], None]:
+def _waker(method: "weakref.WeakMethod") -> Callable[[], None]:
     def wake() -> None:
-        st = ref()
-        if st is not None:
-            st._wake()
+        bound = method()
+        if bound is not None:
+            bound()
     return wake
 
 
@@ -458,7 +458,7 @@ class AsyncStream(_StreamCore):
         # `notify`) until its outcome, and a bound `self._wake` kept a stream dropped
         # unclosed alive that long, so its frames in flight were not cancelled, nor its
         # lease ended, at its drop.
-        self._notify = _waker(weakref.ref(self))
+        self._notify = _waker(weakref.WeakMethod(self._wake))
 
     def _wake(self) -> None:
         # Called by the client's reader for every reply to one of our frames.  An arrived
