@@ -2,10 +2,15 @@
 place of the DEALER to a broker (`gpu_worker.upstream.BrokerLink`'s interface)."""
 from __future__ import annotations
 
+import itertools
+
 import zmq
 
 from broker import protocol as P
 from broker.protocol.wire import send_frames
+
+
+_UNIQUE = itertools.count()
 
 
 class PairLink:
@@ -16,7 +21,10 @@ class PairLink:
 
     def __init__(self, name: str):
         self.ctx = zmq.Context.instance()
-        self.addr = f"inproc://{name}"
+        # Unique in the process: callers name links after id(tmp_path), which a later test's
+        # tmp_path can reuse, and libzmq frees a closed socket's inproc name only later, on
+        # its reaper thread (a loaded run's bind then failed: Address already in use).
+        self.addr = f"inproc://{name}-{next(_UNIQUE)}"
         self.peer = self.ctx.socket(zmq.PAIR)
         self.peer.linger = 0
         self.peer.bind(self.addr)
