@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -515,6 +516,9 @@ def _unlink_ipc(endpoints, ours: dict) -> None:
                 pass
 
 
+_HTTP_LINKS = itertools.count()  # the inproc names of Broker._open_http
+
+
 class Broker:
     """MDP/0.2 broker.  `Broker(cfg).serve(stop_event)`; a context manager that closes sockets."""
 
@@ -756,7 +760,9 @@ class Broker:
 
         address = parse_address(self.cfg.http)
         self._switch_was = sys.getswitchinterval()  # put back by close()
-        name = f"inproc://broker-http-{id(self)}"
+        # Not id(self): a closed broker's successor may get its address while libzmq's reaper
+        # thread still holds the old name (a bind then fails: Address already in use).
+        name = f"inproc://broker-http-{os.getpid()}-{next(_HTTP_LINKS)}"
         self._http_loop = self.ctx.socket(zmq.PAIR)
         self._http_loop.linger = 0
         self._http_loop.bind(name)

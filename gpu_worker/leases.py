@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import itertools
 import logging
 import os
 import socket
@@ -317,6 +318,9 @@ def direct_socket_path(runtime_dir: str | None = None) -> str:
     return P.direct_socket_path(runtime_dir)
 
 
+_ENDS_NAMES = itertools.count()  # DirectSocket monitors' inproc names
+
+
 class DirectSocket:
     """The worker's direct socket: a ROUTER on an ipc path only this user can reach, or on a
     tcp address (``tcp``) as a CurveZMQ server that admits only the keys of the clients that
@@ -403,7 +407,9 @@ class DirectSocket:
         # A receiving queue without bound: libzmq's I/O thread waits on a full monitor queue,
         # and with it every connection of the socket (2,000 ends between two looks stopped
         # the socket); an end waits there as a message of some 100 bytes until the next look.
-        ends_at = f"inproc://direct-socket-ends-{os.getpid()}-{id(self)}"
+        # A name of its own in the process (not id(self): a closed socket's successor may get
+        # its address while libzmq's reaper thread still holds the old monitor's name).
+        ends_at = f"inproc://direct-socket-ends-{os.getpid()}-{next(_ENDS_NAMES)}"
         sock.monitor(ends_at, zmq.EVENT_DISCONNECTED)
         self._ends = ctx.socket(zmq.PAIR)
         self._ends.linger = 0

@@ -3,6 +3,7 @@
 The end-to-end counts against real traffic are tests/e2e/test_metrics.py."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import socket
@@ -131,13 +132,16 @@ def test_parse_address():
             parse_address(bad)
 
 
+_LOOPS = itertools.count()
+
+
 class _Loop:
     """Stands in for the broker loop: answers the HTTP threads' questions from a dict, or
     not at all while `stuck`."""
 
     def __init__(self, answers: dict):
         self.ctx = zmq.Context.instance()
-        self.addr = f"inproc://test-http-{id(self)}"
+        self.addr = f"inproc://test-http-{next(_LOOPS)}"  # not id(self): a closed one's may be held yet
         self.sock = self.ctx.socket(zmq.PAIR)
         self.sock.linger = 0
         self.sock.bind(self.addr)
@@ -161,6 +165,23 @@ class _Loop:
         self.stop.set()
         self.thread.join(5)
         self.sock.close(linger=0)
+
+
+def test_a_broker_at_a_closed_ones_address_opens_its_http_endpoint(tmp_path, monkeypatch):
+    """The loop's inproc PAIR for the HTTP threads has a name of its own in the process.  It
+    was id(self): a closed Broker's successor often has its address, and libzmq's reaper
+    thread frees a closed socket's inproc name only later (Address already in use).  Every
+    object here has "the same address", so the name must not come from it."""
+    import broker.server as S
+
+    monkeypatch.setattr(S, "id", lambda obj: 1, raising=False)
+
+    def cfg(n):
+        return S.BrokerConfig(frontend=f"ipc://{tmp_path}/fe{n}.ipc", backend=f"ipc://{tmp_path}/be{n}.ipc",
+                              http="127.0.0.1:0")
+
+    with S.Broker(cfg(1)) as a, S.Broker(cfg(2)) as b:
+        assert a.http_address != b.http_address
 
 
 @pytest.fixture

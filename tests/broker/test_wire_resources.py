@@ -14,6 +14,7 @@ start its thread or socket, and once in a process of its own at its descriptor l
 from __future__ import annotations
 
 import errno
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -28,13 +29,16 @@ BIG = bytes(range(256)) * 512  # 128 KiB: sent zero-copy
 NEXT = [b"N0", b"N1", b"N2"]
 
 
+_PAIRS = itertools.count()
+
+
 @pytest.fixture
 def pair():
     ctx = zmq.Context.instance()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     a.linger = b.linger = 0
     a.sndhwm = b.rcvhwm = 0
-    a.bind(f"inproc://wire-resources-{id(a)}")
+    a.bind(f"inproc://wire-resources-{next(_PAIRS)}")  # not id(a): a closed one's may be held yet
     b.connect(a.LAST_ENDPOINT.decode())
     try:
         yield a, b

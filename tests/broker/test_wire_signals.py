@@ -6,6 +6,7 @@ of its own.  Real sockets (an inproc pair); the interruption placed at a chosen 
 real timer signals landing wherever they land."""
 from __future__ import annotations
 
+import itertools
 import signal
 import time
 
@@ -18,13 +19,16 @@ MSG = [b"F0", b"F1", b"F2", b"F3", b"F4"]
 NEXT = [b"N0", b"N1", b"N2", b"N3", b"N4"]
 
 
+_PAIRS = itertools.count()
+
+
 @pytest.fixture
 def pair():
     ctx = zmq.Context.instance()
     a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
     a.linger = b.linger = 0
     a.sndhwm = b.rcvhwm = 0
-    a.bind(f"inproc://wire-signals-{id(a)}")
+    a.bind(f"inproc://wire-signals-{next(_PAIRS)}")  # not id(a): a closed one's may be held yet
     b.connect(a.LAST_ENDPOINT.decode())
     try:
         yield a, b

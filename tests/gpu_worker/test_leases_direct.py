@@ -941,3 +941,22 @@ def test_many_direct_connections_ending_between_two_looks_never_stop_the_socket(
         seen += worker.direct_socket.closed_connections()
         assert time.monotonic() < deadline, f"{seen} of {ended} ends seen"
         time.sleep(0.01)  # (polling a condition, not a delay)
+
+
+def test_a_direct_socket_at_a_closed_ones_address_opens(tmp_path, monkeypatch):
+    """Its monitor's inproc name is its own in the process.  It was id(self): a closed
+    DirectSocket's successor often has its address, and libzmq's reaper thread frees a
+    closed socket's inproc name only later, so a worker opened again in the same process
+    (every in-process worker test with direct=True) could fail: Address already in use.
+    Every object here has "the same address", so the name must not come from it."""
+    from gpu_worker import leases
+
+    monkeypatch.setattr(leases, "id", lambda obj: 1, raising=False)
+    ctx = zmq.Context()
+    first = leases.DirectSocket(ctx, path=str(tmp_path / "a.ipc"), link=False)
+    try:
+        second = leases.DirectSocket(ctx, path=str(tmp_path / "b.ipc"), link=False)
+        second.close()
+    finally:
+        first.close()
+        ctx.destroy(linger=0)
