@@ -3,6 +3,7 @@ go straight to the client, the fallback to the broker, and when DONE is sent.  T
 alone are tested in test_direct.py; here the worker acts on them with real sockets."""
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -17,6 +18,9 @@ from gpu_worker.upstream import BrokerLink
 from gpu_worker.worker import Worker, WorkerConfig
 
 pytestmark = pytest.mark.timeout(30)
+
+
+_NAMES = itertools.count()  # inproc names (not id(tmp_path): a closed one's may be held yet)
 
 
 class _Recorder(BrokerLink):
@@ -49,7 +53,7 @@ class _Recorder(BrokerLink):
 
 @pytest.fixture
 def worker(tmp_path):
-    rec = _Recorder(zmq.Context.instance(), f"recorder-{id(tmp_path)}")
+    rec = _Recorder(zmq.Context.instance(), f"recorder-{next(_NAMES)}")
     w = Worker(WorkerConfig(broker=f"ipc://{tmp_path}/none.ipc", model="echo", warmup=False, credit=16,
                             done_delay=0.005), upstream=rec)
     w.recorder = rec

@@ -4,6 +4,7 @@ idle, never while it is off (the CPU default), and a request that arrives during
 waits for that one unit only."""
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -219,13 +220,16 @@ class _Units:
             assert self.cv.wait_for(lambda: len(self.starts) >= n, timeout), f"fewer than {n} keep-warm units"
 
 
+_NAMES = itertools.count()  # inproc names (not id(tmp_path): a closed one's may be held yet)
+
+
 @pytest.fixture
 def serving(tmp_path):
     """start(hold=..., **config) -> (worker, pipe, units): a CPU echo worker serving in a thread."""
     running = []
 
     def start(hold: float = 0.0, **kw):
-        pipe = _Pipe(zmq.Context.instance(), f"keep-warm-{id(tmp_path)}-{len(running)}")
+        pipe = _Pipe(zmq.Context.instance(), f"keep-warm-{next(_NAMES)}")
         cfg = dict(broker="inproc://unused", model="echo", device="cpu", transports=("inline",),
                    heartbeat_interval=0.05, credit=4)
         cfg.update(kw)
