@@ -17,6 +17,18 @@ def req(s, client, rid, now):
     return s.client_request(client, rid, "svc", now, payload=rid, deadline=now + 100.0)
 
 
+def serve(s, token, now, n, key=lambda d: d.client):
+    """``n`` dispatches, each as worker "w" finishes the one before, 20 ms apart: (what
+    ``key`` says of each, the last token, the clock)."""
+    order = []
+    for _ in range(n):
+        now += 0.02
+        d = of(s.worker_final(b"w", token, now, None), Dispatch)[0]
+        token = d.token
+        order.append(key(d))
+    return order, token, now
+
+
 def test_a_light_client_is_not_put_behind_a_flood_served_since_its_last_request():
     s = Scheduler(Config())
     s.worker_ready(b"w", "svc", 0.0)  # credit 1
@@ -70,21 +82,11 @@ def test_a_principal_served_after_the_front_one_joins_at_the_back():
     req(s, H, 1, 0.0)
     req(s, L, 2, 0.0)
     req(s, H, 3, 0.0)
-    order = []
-    now = 0.0
-    for i in range(2):
-        now += 0.02
-        d = of(s.worker_final(b"w", token, now, None), Dispatch)[0]
-        token = d.token
-        order.append(d.client)
+    order, token, now = serve(s, token, 0.0, 2)
     assert order == [H, L]  # H (1) then L (2): L was served after H
     req(s, L, 4, now)  # L rejoins: H (3) was last served before L
-    for i in range(2):
-        now += 0.02
-        d = of(s.worker_final(b"w", token, now, None), Dispatch)[0]
-        token = d.token
-        order.append(d.client)
-    assert order == [H, L, H, L]
+    more, token, now = serve(s, token, now, 2)
+    assert order + more == [H, L, H, L]
 
 
 def test_two_light_clients_are_not_put_behind_a_flood_served_since_their_last_requests():
@@ -129,13 +131,7 @@ def test_a_light_client_whose_queued_request_was_cancelled_keeps_its_last_dispat
     for i in range(1, 10):
         req(s, H, i, 0.0)
     req(s, L, 101, 0.01)
-    order = []
-    now = 0.0
-    for _ in range(3):
-        now += 0.02
-        d = of(s.worker_final(b"w", token, now, None), Dispatch)[0]
-        token = d.token
-        order.append((d.client, d.request_id))
+    order, token, now = serve(s, token, 0.0, 3, key=lambda d: (d.client, d.request_id))
     assert order == [(H, 1), (L, 101), (H, 2)]  # H served after L's last dispatch
     req(s, L, 102, now + 0.01)
     s.client_cancel(L, 102, now + 0.015)
@@ -155,13 +151,7 @@ def test_a_client_dispatched_straight_from_an_empty_queue_does_not_pass_one_serv
     req(s, H, 1, 0.0)
     req(s, L, 10, 0.001)
     req(s, X, 20, 0.002)
-    order = []
-    now = 0.0
-    for _ in range(3):
-        now += 0.02
-        d = of(s.worker_final(b"w", token, now, None), Dispatch)[0]
-        token = d.token
-        order.append((d.client, d.request_id))
+    order, token, now = serve(s, token, 0.0, 3, key=lambda d: (d.client, d.request_id))
     assert order == [(H, 1), (L, 10), (X, 20)]  # L's turn, then X's: both leave the ring
     now += 0.02
     assert of(s.worker_final(b"w", token, now, None), Dispatch) == []  # nothing queued

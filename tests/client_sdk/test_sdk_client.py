@@ -1138,6 +1138,13 @@ def test_stream_errors_and_close(fake, endpoint):
         assert c.pool.in_use() == 0
 
 
+
+def _pump_for(c, seconds: float) -> None:
+    """Let ``seconds`` pass while ``c`` reads what comes (waiting out the clock is the point)."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        c.pump(0.02)
+
 def test_a_latest_wins_frame_that_lapses_is_not_told_to_use_latest_wins(fake, endpoint):
     # A latest_wins stream's newest frame may still outlive its timeout waiting for room (a
     # reader behind: an unread result holds its place).  Its error told the caller to "use
@@ -1146,9 +1153,7 @@ def test_a_latest_wins_frame_that_lapses_is_not_told_to_use_latest_wins(fake, en
         s.send({"x": np.zeros(2)})
         fake.held_q.get(timeout=WAIT)
         s.send({"x": np.ones(2)})  # waits for room
-        t1 = time.monotonic()
-        while time.monotonic() < t1 + 0.25:  # (waiting out the clock is the point)
-            c.pump(0.02)
+        _pump_for(c, 0.25)
         with pytest.raises(DeadlineExceeded, match="no reply"):
             s.recv(WAIT)
         with pytest.raises(DeadlineExceeded, match="frame 1 .*never sent") as ei:
@@ -1161,9 +1166,7 @@ def test_a_latest_wins_frame_that_lapses_is_not_told_to_use_latest_wins(fake, en
         s.send({"x": np.zeros(2)})
         fake.held_q.get(timeout=WAIT)
         s.send({"x": np.ones(2)})
-        t1 = time.monotonic()
-        while time.monotonic() < t1 + 0.25:
-            c.pump(0.02)
+        _pump_for(c, 0.25)
         with pytest.raises(DeadlineExceeded, match="no reply"):
             s.recv(WAIT)
         with pytest.raises(DeadlineExceeded, match="frame 1 .*never sent.*latest_wins=True"):
@@ -1184,9 +1187,7 @@ def test_a_frame_that_lapses_lets_go_of_its_inputs_before_its_turn(fake, endpoin
         gone = weakref.ref(x)
         s.send({"x": x})
         del x
-        t1 = time.monotonic()
-        while time.monotonic() < t1 + 0.15:  # (waiting out the clock is the point)
-            c.pump(0.02)
+        _pump_for(c, 0.15)
         s.send({"x": np.zeros(2)})  # frame 1 lapses here
         assert s.stats().expired == 1 and s.unfinished() == {0, 2}
         gc.collect()
@@ -1207,9 +1208,7 @@ def test_a_stream_without_a_timeout_takes_the_clients_default_counted_from_send(
         s.send({"x": np.zeros(2)})
         fake.held_q.get(timeout=WAIT)
         s.send({"x": np.ones(2)})  # waits for room
-        t1 = time.monotonic()
-        while time.monotonic() < t1 + 0.25:  # (waiting out the clock is the point)
-            c.pump(0.02)
+        _pump_for(c, 0.25)
         s.send({"x": np.ones(2)})  # frame 1 lapses here
         assert s.stats().expired == 1, s.stats()
     with Client(endpoint, transport="inline", timeout=None) as c, c.stream("hold", latest_wins=False,
@@ -1217,9 +1216,7 @@ def test_a_stream_without_a_timeout_takes_the_clients_default_counted_from_send(
         s.send({"x": np.zeros(2)})
         fake.held_q.get(timeout=WAIT)
         s.send({"x": np.ones(2)})
-        t1 = time.monotonic()
-        while time.monotonic() < t1 + 0.25:
-            c.pump(0.02)
+        _pump_for(c, 0.25)
         s.send({"x": np.ones(2)})
         st = s.stats()
         assert (st.expired, st.pending) == (0, 2), st
