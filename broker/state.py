@@ -587,6 +587,15 @@ class _Pool:
         self.lost_at = None  # when its last live worker went (presumed dead, or left); None: never had one
 
 
+def _newest_first(fifo) -> bool:
+    """Whether a congested queue walks this (non-empty) FIFO newest first (Congestion): not
+    while its head must go first, a request put back at the front, or one without a deadline
+    (nothing else ever takes it out; newest first, it waited for as long as its principal
+    sent more)."""
+    head = next(iter(fifo))
+    return not head.front and head.deadline is not None
+
+
 class _Service:
     __slots__ = ("name", "classes", "left", "queued", "since", "tiers", "top", "workers", "pools", "any",
                  "in_flight", "idle", "deep", "recall_at", "lone", "aside", "isos",
@@ -1842,8 +1851,8 @@ class Scheduler(LeaseEvents):
             fifo = svc.classes[pri].get(principal)
             if not fifo:
                 continue
-            head = next(iter(fifo))
-            if lifo and not head.front and head.deadline is not None:
+            if lifo and _newest_first(fifo):
+                head = next(iter(fifo))
                 if old is None or head.enqueued_at < old.enqueued_at:
                     old = head
                 continue
@@ -1968,15 +1977,7 @@ class Scheduler(LeaseEvents):
                 # can go somewhere now (see Dispatch in the module docstring).
                 for fifo in ring.values():
                     n = scan if scan < left else left
-                    walk = fifo
-                    if lifo:
-                        # In order while its head must go first: a request put back at the
-                        # front, or one without a deadline (nothing else ever takes it out;
-                        # newest first, it waited for as long as its principal sent more).
-                        head = next(iter(fifo))
-                        if not head.front and head.deadline is not None:
-                            walk = reversed(fifo)
-                    for req in walk:
+                    for req in (reversed(fifo) if lifo and _newest_first(fifo) else fifo):
                         if not n:
                             break
                         n -= 1
