@@ -194,29 +194,49 @@ class _StreamCore:
         if room <= 0 or not self._pending or self._client.closed:
             return
         while self._pending and room > 0:
-            call = self._pending.popleft()
-            if not self._sent_one(call, 0.0):
-                # The broker is not reading (high-water mark): keep it for later.
-                self._pending.appendleft(call)
-                return
+            if not self._send_head(0.0):
+                return  # the broker is not reading (high-water mark): it waits
             room -= 1
 
-    def _sent_one(self, call: Any, timeout: float | None) -> bool:
-        """`_submit` a frame taken from the head of `_pending`: False when the socket did
-        not take it (the caller keeps it pending).  A frame the client could not send (its
-        request refused before it left: a header too big, out of descriptors) fails alone,
-        in its turn, as a sent frame whose error came back (counted in `sent`, then
-        `failed`); raised here, the error came out of another frame's `send()` or `recv()`
-        (which had just taken its own result: lost) and the frame was counted nowhere."""
+    def _send_head(self, timeout: float | None) -> bool:
+        """`_submit` the frame at the head of `_pending`: False when the socket did not
+        take it (it stays pending).  It leaves `_pending` only once it is sent: an interrupt
+        (KeyboardInterrupt, a signal handler's exception) in the socket's wait leaves it
+        there for a later `recv()` (taken off first, it was lost: counted nowhere, its
+        outcome never given).
+
+        A frame the client could not send (its request refused before it left: a header
+        too big, out of descriptors) fails alone, in its turn, as a sent frame whose error
+        came back (counted in `sent`, then `failed`); raised here, the error came out of
+        another frame's `send()` or `recv()` (which had just taken its own result: lost)
+        and the frame was counted nowhere."""
+        call = self._pending[0]
         try:
             if not self._submit(call, timeout):
                 return False
         except Exception as e:
             self._client.give_up(call)  # (the client discarded it already: nothing more)
             call.inbox.append(("error", e))
+        except BaseException as e:
+            if call.done:  # interrupted while it was being sent: the client discarded it
+                self._took(call)
+                call.inbox.append(("error", InferenceError(
+                    f"frame {call.frame} of the stream to {self.service!r} was interrupted "
+                    f"({type(e).__name__}) while it was being sent; it was never sent", code=None)))
+            elif call.id:  # interrupted once it had left: in flight
+                self._told += call.dropped
+                self._took(call)
+            raise
+        else:
+            self._told += call.dropped
+        self._took(call)
+        return True
+
+    def _took(self, call: Any) -> None:
+        """The head of `_pending`, `call`, was sent (or failed sending): outstanding now."""
+        self._pending.popleft()
         self._outstanding.append(call)
         self._sent += 1
-        return True
 
     def _lapse(self, now: float) -> None:
         """Pending frames that cannot make their deadline are never sent: those whose
@@ -276,12 +296,8 @@ class _StreamCore:
         expired since the last one sent ride on it (the broker counts them:
         `zmq_infer_stream_dropped_frames_total`, frames its service never saw)."""
         call.deadline = _deadline_of(call)  # (set again each try: an unsent call loses it)
-        gone = self._dropped + self._expired
-        call.dropped = gone - self._told
-        if not self._submit_call(call, timeout):
-            return False
-        self._told = gone
-        return True
+        call.dropped = self._dropped + self._expired - self._told  # (told once it left: `_send_head`)
+        return self._submit_call(call, timeout)
 
     def _pop_head(self) -> tuple[str, Any] | None:
         """The head frame's outcome, if it has one (PARTIALs are released unread)."""
@@ -394,13 +410,11 @@ class Stream(_StreamCore):
                 # Frames wait for the socket (high-water mark): wait until it takes the oldest.
                 if stop is not None and now >= stop:
                     raise TimeoutError(f"no result within {timeout:g}s; the broker is not reading")
-                call = self._pending.popleft()
                 limit = stop
-                deadline = _deadline_of(call)
+                deadline = _deadline_of(self._pending[0])
                 if deadline is not None and (limit is None or deadline < limit):
                     limit = deadline  # (past it, the next `_flush` lapses it)
-                if not self._sent_one(call, None if limit is None else max(limit - now, 1e-3)):
-                    self._pending.appendleft(call)
+                self._send_head(None if limit is None else max(limit - now, 1e-3))
                 continue
             head = self._outstanding[0]
             if head.deadline is not None and now >= head.deadline:

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import inspect
 import os
 import queue
 import re
+import signal
 import threading
 import time
 from typing import Any, Callable
@@ -1276,6 +1278,98 @@ async def test_a_frame_the_async_client_cannot_send_fails_alone_in_its_turn(fake
             await s.recv(WAIT)
         _counted(s)
         s.close()
+
+
+# A frame waiting for the socket (the broker not reading) when recv() is interrupted.
+
+@contextlib.contextmanager
+def _a_frame_waiting_for_the_socket(fake, c):
+    """The fake stops reading; a filler stream fills the client's socket (its queue and the
+    fake's, about 2000 messages); then yields a stream whose one frame, 0, waits for the
+    socket (pending, nothing outstanding), so its `recv` waits in the socket's send."""
+    go = threading.Event()
+    paused = threading.Thread(target=fake.call, args=(lambda: go.wait(WAIT),), daemon=True)
+    paused.start()
+    filler = c.stream("hold", latest_wins=False, max_in_flight=1 << 20, pin=False)
+    s = None
+    try:
+        deadline = time.monotonic() + WAIT
+        while s is None:
+            assert time.monotonic() < deadline, "the client's socket never filled"
+            while filler.stats().pending == 0:
+                filler.send({"x": np.zeros(1)})
+            s = c.stream("echo", max_in_flight=1, pin=False)
+            s.send({"x": np.full(1, 7)})
+            if s.stats().pending != 1:  # (the socket took it after all: fill it again)
+                s.close()
+                s = None
+        yield s, go
+    finally:
+        go.set()
+        paused.join(WAIT)
+        filler.close()
+        if s is not None:
+            s.close()
+
+
+@contextlib.contextmanager
+def _alarm(handler):
+    """``handler`` runs in a SIGALRM 50 ms from now (inside the wait that follows)."""
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.05)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+def test_a_recv_interrupted_while_its_frame_waits_for_the_socket_keeps_the_frame(fake, endpoint):
+    # A KeyboardInterrupt in recv's wait for the socket (the broker not reading) lost the
+    # frame recv had taken from the pending ones to send: counted nowhere, its outcome never
+    # delivered, the next recv() EndOfStream.  It waits again, pending, for a later recv().
+    with Client(endpoint, transport="inline", timeout=None) as c:
+        with _a_frame_waiting_for_the_socket(fake, c) as (s, go):
+            with _alarm(_interrupt), pytest.raises(KeyboardInterrupt):
+                s.recv(WAIT)
+            st = s.stats()
+            assert (st.sent, st.pending) == (0, 1) and s.unfinished() == {0}, st
+            _counted(s)
+            go.set()  # the fake reads again
+            with s.recv(WAIT) as r:
+                assert r.frame == 0 and int(r["x"][0]) == 7
+            st = s.stats()
+            assert (st.sent, st.completed, st.pending) == (1, 1, 0), st
+            _counted(s)
+
+
+def test_a_frame_interrupted_while_it_was_being_sent_fails_alone_in_its_turn(fake, endpoint, monkeypatch):
+    # An interrupt in the send itself (its request being made: the client discards the call
+    # and frees its inputs) lost the frame too.  It cannot be sent any more: it fails alone,
+    # in its turn, as a frame the client could not send (sent, then failed).
+    with Client(endpoint, transport="inline") as c, c.stream("echo", latest_wins=False, max_in_flight=1) as s:
+        real = c._core.request_frames
+
+        def interrupted(call, now):
+            monkeypatch.setattr(c._core, "request_frames", real)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(c._core, "request_frames", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            s.send({"x": np.zeros(2)})
+        _counted(s)
+        assert s.send({"x": np.ones(2)}) == 1
+        with pytest.raises(InferenceError, match=r"frame 0 .*interrupted \(KeyboardInterrupt\).*never sent"):
+            s.recv(WAIT)
+        with s.recv(WAIT) as r:
+            assert r.frame == 1
+        st = s.stats()
+        assert (st.sent, st.completed, st.failed) == (2, 1, 1), st
+        _counted(s)
 
 
 def test_stream_recv_timeout_keeps_frame(fake, endpoint):
