@@ -203,7 +203,8 @@ class _StreamCore:
         take it (it stays pending).  It leaves `_pending` only once it is sent: an interrupt
         (KeyboardInterrupt, a signal handler's exception) in the socket's wait leaves it
         there for a later `recv()` (taken off first, it was lost: counted nowhere, its
-        outcome never given).
+        outcome never given), and so does a client closed meanwhile (a signal handler's
+        `close()`): it never left, so it is not `sent`, and `close()` drops it.
 
         A frame the client could not send (its request refused before it left: a header
         too big, out of descriptors) fails alone, in its turn, as a sent frame whose error
@@ -215,6 +216,8 @@ class _StreamCore:
             if not self._submit(call, timeout):
                 return False
         except Exception as e:
+            if self._client.closed:
+                return False
             self._client.give_up(call)  # (the client discarded it already: nothing more)
             call.inbox.append(("error", e))
         except BaseException as e:

@@ -1372,6 +1372,24 @@ def test_a_frame_interrupted_while_it_was_being_sent_fails_alone_in_its_turn(fak
         _counted(s)
 
 
+def test_a_frame_the_client_closed_before_it_was_sent_is_not_counted_sent(fake, endpoint):
+    # A close() from a signal handler while recv waited for the socket to take a frame: the
+    # frame never left, yet it counted in `sent` and then `failed`.  It is never sent: it
+    # waits with the others, and close() drops it (docs/client.md, "Streams").
+    with Client(endpoint, transport="inline", timeout=None) as c:
+        with _a_frame_waiting_for_the_socket(fake, c) as (s, go):
+            with _alarm(lambda *_: c.close()), pytest.raises(InferenceError, match="closed") as ei:
+                s.recv(WAIT)
+            assert not isinstance(ei.value, EndOfStream), ei.value
+            st = s.stats()
+            assert (st.sent, st.failed, st.pending) == (0, 0, 1), st
+            _counted(s)
+            s.close()
+            st = s.stats()
+            assert (st.sent, st.failed, st.dropped, st.pending) == (0, 0, 1, 0), st
+            _counted(s)
+
+
 def test_stream_recv_timeout_keeps_frame(fake, endpoint):
     with Client(endpoint) as c:
         s = c.stream("hold", timeout=WAIT)
