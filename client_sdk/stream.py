@@ -59,11 +59,12 @@ class StreamStats:
     sent: int = 0          # frames that went to the broker
     completed: int = 0     # results received
     failed: int = 0        # frames that ended in an error (deadline, worker failure, ...)
-    dropped: int = 0       # frames replaced by a newer one before they were sent (or unsent at close)
+    dropped: int = 0       # frames replaced by a newer one before they were sent (or unsent at close, time left)
     in_flight: int = 0     # sent, result not received yet (arrived or not)
     pending: int = 0       # waiting to be sent
     cancelled: int = 0     # sent, given up by close() before their result was received
     expired: int = 0       # never sent: their deadline passed, or came too near, while they waited for room
+    #                        (or had passed when close() found them waiting)
     latencies_ms: list[float] = field(default_factory=list)  # send() to result, per completed frame
 
     @property
@@ -348,9 +349,15 @@ class _StreamCore:
 
     def _shutdown(self) -> None:
         self._closed = True
-        while self._pending:  # never sent: dropped, as a newer frame would have
-            self._client.give_up(self._pending.popleft())
-            self._dropped += 1
+        now = time.monotonic()
+        while self._pending:  # never sent: dropped, as a newer frame would have, or expired
+            call = self._pending.popleft()
+            self._client.give_up(call)
+            deadline = _deadline_of(call)
+            if deadline is not None and now >= deadline:
+                self._expired += 1  # out of time already (as `_lapse` counts it)
+            else:
+                self._dropped += 1
         while self._outstanding:
             call = self._outstanding.popleft()
             if call.frame in self._lapsed:  # never sent, given up already (counted in expired)
@@ -434,7 +441,8 @@ class Stream(_StreamCore):
             yield self.recv()
 
     def close(self) -> None:
-        """Cancel outstanding frames, drop pending ones.  Results already received stay valid."""
+        """Cancel outstanding frames, drop pending ones (those whose deadline passed count as
+        expired).  Results already received stay valid."""
         if not self._closed:
             self._shutdown()
 
@@ -576,7 +584,8 @@ class AsyncStream(_StreamCore):
             raise StopAsyncIteration from None
 
     def close(self) -> None:
-        """Cancel outstanding frames, drop pending ones, end iteration."""
+        """Cancel outstanding frames, drop pending ones (those whose deadline passed count as
+        expired), end iteration."""
         if self._via is not None:
             self._via(self._close)
         else:

@@ -1390,6 +1390,32 @@ def test_a_frame_the_client_closed_before_it_was_sent_is_not_counted_sent(fake, 
             _counted(s)
 
 
+def test_a_frame_waiting_at_close_past_its_deadline_counts_as_expired(fake, endpoint):
+    # A frame still waiting for room at close() whose deadline had passed counted in
+    # `dropped` (replaced, or not sent when the stream closed), not `expired`.
+    with Client(endpoint, transport="inline") as c:
+        s = c.stream("hold", latest_wins=False, max_in_flight=1, timeout=0.1)
+        s.send({"x": np.zeros(2)})
+        fake.held_q.get(timeout=WAIT)
+        s.send({"x": np.ones(2)})   # waits for room, past its deadline below
+        _pump_for(c, 0.15)
+        s.send({"x": np.ones(2)})   # frame 1 lapses here (expired); frame 2 waits
+        assert s.stats().expired == 1
+        _pump_for(c, 0.15)          # frame 2's deadline passes too, unseen
+        s.close()
+        st = s.stats()
+        assert (st.expired, st.dropped, st.cancelled) == (2, 0, 1), st
+        _counted(s)
+        s = c.stream("hold", latest_wins=False, max_in_flight=1, timeout=WAIT)
+        s.send({"x": np.zeros(2)})
+        fake.held_q.get(timeout=WAIT)
+        s.send({"x": np.ones(2)})
+        s.close()  # time left: dropped
+        st = s.stats()
+        assert (st.expired, st.dropped, st.cancelled) == (0, 1, 1), st
+        _counted(s)
+
+
 def test_stream_recv_timeout_keeps_frame(fake, endpoint):
     with Client(endpoint) as c:
         s = c.stream("hold", timeout=WAIT)
