@@ -169,8 +169,11 @@ class _StreamCore:
                            cancelled=self._cancelled, expired=self._expired, latencies_ms=list(self._lat))
 
     def _make(self, inputs: Mapping[str, Any]) -> Any:
-        if self._closed or self._finishing:
+        if self._closed:
             raise InferenceError("this stream is closed; open a new one with client.stream()", code=None)
+        if self._finishing:  # (AsyncStream; the same misuse, the same error as after close())
+            raise InferenceError("this stream was finished: no more frames after finish(); "
+                                 "open a new one with client.stream()", code=None)
         call = self._prepare(self.service, inputs, copy_inline=True, **self._opts)
         call.frame = self._frames
         call.t_submit = time.monotonic()  # its deadline counts from here (`_submit`)

@@ -1587,6 +1587,9 @@ async def test_async_stream_latest_wins(fake, endpoint):
         assert (st.sent, st.completed, st.dropped) == (2, 2, 3)
         for r in [r0, *rest]:
             r.release()
+        with pytest.raises(InferenceError, match=r"finished.*no more frames after finish\(\)"):
+            s.send({"x": np.zeros(1)})
+        s.close()
         with pytest.raises(InferenceError, match="closed"):
             s.send({"x": np.zeros(1)})
 
