@@ -204,7 +204,12 @@ keeps them counted.  Both are O(1) dict entries per principal (no zero entries),
 request by request, so they stay exact as the principal's connections come and go.
 
 ``max_queue`` bounds the requests queued in one service.  When the queue is over it after
-dispatching and the newcomer is still queued, one request of the principal holding the most
+dispatching and the newcomer is still queued, the deadlines already due that no tick() has
+fired yet (between two ticks a queue may hold requests past their deadline) fire first, as
+the tick would fire them (``Scheduler._expire_due``: from the timer heap, those due only, at
+most ``TICK_MAX`` entries; each fired leaves the heap for good, and a queue with room looks
+at nothing): requests past their deadline are answered DEADLINE_EXCEEDED and cost no live
+request its place.  If the queue is still over, one request of the principal holding the most
 queued requests in that service is refused.  If that is the newcomer's own principal (ties
 included), the newcomer is refused; otherwise one of that principal's queued requests,
 whichever of its connections sent it, gets its QUEUE_FULL final now (on that connection) and
@@ -213,7 +218,8 @@ the newcomer stays.  That one is what the principal's walk would serve last: its
 newest first (Congestion), the oldest of such a FIFO (the oldest of them; on a tie, the
 least urgent), which waits on for its deadline anyway; never a request put back at the front
 of its FIFO (a retry, or given back) while the principal has another queued
-(``Scheduler._victim``: at most three FIFOs looked at).
+(``Scheduler._victim``: at most three FIFOs looked at); one chosen past its deadline (more
+timers due than ``_expire_due`` looked at) is answered DEADLINE_EXCEEDED instead, never QUEUE_FULL.
 So a principal can only ever push itself into QUEUE_FULL, and a principal's burst, on any
 number of connections, fills the queue at no one else's expense.  (Retries after a worker
 death may take a queue over ``max_queue``; they refuse nothing.)  A principal's queued count
@@ -1258,8 +1264,13 @@ class Scheduler(LeaseEvents):
         # Full is judged after dispatching, so a free worker is never left idle by a queue
         # clogged with requests it cannot take.
         if req.state == _QUEUED and svc.queued > self.config.max_queue:
+            # Requests past their deadline that no tick() has answered yet leave first, as
+            # the tick would have them leave: they cost no live request its place.
+            self._expire_due(now, out)
+        if req.state == _QUEUED and svc.queued > self.config.max_queue:
             top, heavy = self._heaviest(svc)
             n = svc.count(principal)
+            victim = None
             if n >= top:
                 # This principal holds the most (ties included): the newcomer is refused.
                 self._unqueue(req)
@@ -1275,6 +1286,12 @@ class Scheduler(LeaseEvents):
                     f"request rate or start more workers", payload))
             else:
                 victim, oldest = self._victim(svc, heavy, now)
+                if victim.deadline is not None and victim.deadline <= now:
+                    # Past its deadline (more timers were due than _expire_due looks at): it
+                    # is answered by its deadline, not told to back off.
+                    self._expire_deadline(victim, now, out)
+                    victim = None
+            if victim is not None:
                 cnt["evicted"] += 1
                 self._unqueue(victim)
                 which = ("its oldest request (served last: the queue is congested, newest "
@@ -2319,6 +2336,33 @@ class Scheduler(LeaseEvents):
         if self._clients.get(obj.ident) is not obj:
             return None
         return obj.last_seen + self._client_ttl
+
+    def _expire_due(self, now, out):
+        """Fire the deadlines due by ``now`` that no tick() has fired yet, as the tick would:
+        asked by a full queue before it turns a live request away (Admission).  Other timers
+        due are left to the tick (a peer's silence is judged there, after the server read what
+        it sent).  At most TICK_MAX entries looked at, as a tick; a deadline fired or found
+        stale leaves the heap for good, so each costs O(log n) once, whoever fires it, and the
+        others due (a few between two ticks) go back as they were."""
+        timers = self._timers
+        kept = []
+        budget = TICK_MAX
+        while timers and timers[0][0] <= now and budget:
+            budget -= 1
+            entry = heapq.heappop(timers)
+            kind, obj = entry[2], entry[3]
+            if kind != _T_DEADLINE:
+                kept.append(entry)
+                continue
+            due = self._timer_due(kind, obj, entry[4])
+            if due is None:
+                continue
+            if due > now:
+                kept.append(entry)  # (a deadline never moves; as the tick, to be safe)
+                continue
+            self._expire_deadline(obj, now, out)
+        for entry in kept:
+            heapq.heappush(timers, entry)
 
     def _expire_deadline(self, req, now, out):
         if req.state == _CANCELLING:

@@ -315,6 +315,84 @@ def test_eviction_takes_the_newest_across_classes_and_the_least_urgent_on_a_tie(
     assert (err.client, err.request_id) == (A, 2)  # same time: the background one
 
 
+# A full queue holding requests whose deadline passed since the last tick(): they leave first,
+# answered DEADLINE_EXCEEDED (as the tick would), before anyone is evicted or refused.
+
+
+def _busy(max_queue, *deadlines, **cfg):
+    """A busy worker of credit 1 (X's request 0 running) and A's requests 1, 2, ... queued at
+    0 with these deadlines (a deadline of 0.5 is past at 1.0, where no tick ran yet)."""
+    s = Scheduler(Config(lifo_after=None, max_queue=max_queue, **cfg))
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, X, 0), Dispatch).token
+    for rid, deadline in enumerate(deadlines, 1):
+        assert req(s, A, rid, deadline=deadline) == []
+    return s, token
+
+
+def test_a_full_queue_of_requests_past_their_deadline_refuses_no_newcomer():
+    s, token = _busy(2, 0.5, 0.5)
+    out = req(s, A, 3, now=1.0, deadline=9.0)  # A holds the most: it was refused
+    assert [(type(a), a.client, a.request_id, a.code) for a in out] == [
+        (ClientError, A, 1, ErrorCode.DEADLINE_EXCEEDED),
+        (ClientError, A, 2, ErrorCode.DEADLINE_EXCEEDED)], (
+        f"a full queue of requests past their deadline cost a live one its place: {out}")
+    c = s.stats()["counters"]
+    assert (c["expired"], c["rejected_full"], c["evicted"]) == (2, 0, 0)
+    assert of(s.tick(1.0), ClientError) == []  # what the tick would have done is done
+    assert drain(s, b"w", token, 1, now=1.0)[0] == [(A, 3)]
+
+
+def test_a_request_past_its_deadline_is_never_evicted_with_queue_full():
+    s, token = _busy(3, None, None, 0.5)
+    out = req(s, B, 1, now=1.0)  # B holds less: one of A's had to go, its newest (3)
+    assert [(a.client, a.request_id, a.code) for a in out] == [(A, 3, ErrorCode.DEADLINE_EXCEEDED)], (
+        f"evicted instead of expiring A's 3, past its deadline: {out}")
+    assert s.stats()["counters"]["evicted"] == 0
+    s, token = _busy(3, 0.5, None, None)
+    out = req(s, B, 1, now=1.0)  # A's 1 expires; its 3, alive, keeps its place
+    assert [(a.client, a.request_id, a.code) for a in out] == [(A, 1, ErrorCode.DEADLINE_EXCEEDED)], (
+        f"evicted a live request while one past its deadline was queued: {out}")
+    assert s.stats()["counters"]["evicted"] == 0
+    assert drain(s, b"w", token, 3, now=1.0)[0] == [(A, 2), (B, 1), (A, 3)]
+
+
+def test_a_victim_past_its_deadline_left_by_a_spent_budget_is_answered_by_its_deadline(monkeypatch):
+    """More timers due than one admission looks at (TICK_MAX, as a tick): the victim itself,
+    if past its deadline, is answered DEADLINE_EXCEEDED, never QUEUE_FULL."""
+    import broker.state as state
+
+    s, token = _busy(3, None, None, 0.5)
+    for _ in range(5):  # due before A's 3: they use up the budget
+        s._push_timer(0.1, state._T_HEARTBEAT, s._workers[b"w"])
+    monkeypatch.setattr(state, "TICK_MAX", 2)
+    out = req(s, B, 1, now=1.0)
+    assert [(a.client, a.request_id, a.code) for a in out] == [(A, 3, ErrorCode.DEADLINE_EXCEEDED)], out
+    assert s.stats()["counters"]["evicted"] == 0
+
+
+def test_only_a_full_queue_looks_for_deadlines_due(monkeypatch):
+    """The look costs nothing while the queue has room; when it is full, it fires the
+    deadlines due (each timer once: what it fires leaves the heap) and leaves the other
+    timers due to the tick."""
+    looked = []
+    s, token = _busy(4, None, None)
+    real = s._expire_due
+    monkeypatch.setattr(s, "_expire_due", lambda *a: looked.append(a) or real(*a))
+    assert req(s, A, 3, deadline=0.5) == [] and req(s, B, 1, deadline=0.5) == []
+    assert looked == []  # room: no look
+    due = sorted(t[2] for t in s._timers if t[0] <= 1.0)
+    n = len(s._timers)
+    out = req(s, C, 1, now=1.0)  # full: A's 3 and B's 1 are past their deadline
+    assert sorted((a.client, a.request_id, a.code) for a in out) == [
+        (A, 3, ErrorCode.DEADLINE_EXCEEDED), (B, 1, ErrorCode.DEADLINE_EXCEEDED)]
+    assert len(looked) == 1
+    assert len(s._timers) == n - 2  # the two deadlines fired: gone
+    left = sorted(t[2] for t in s._timers if t[0] <= 1.0)
+    assert left == [k for k in due if k != 0][:len(left)] and 0 not in left  # the rest wait for the tick
+    assert len(left) == len(due) - 2
+
+
 def test_eviction_is_per_service():
     s = Scheduler(Config(lifo_after=None, max_queue=2))
     s.worker_ready(b"w1", "one", 0.0)

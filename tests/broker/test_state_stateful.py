@@ -15,7 +15,9 @@ which requests are still owed a final) checks every action the scheduler returns
   nothing else; an eviction only ever takes a queued request of another principal, and its
   error goes to that request's own connection; it takes what that principal's walk would
   serve last (congested, the oldest of its FIFOs walked newest first), never a request put
-  back at the front while the principal has another queued (`check_victim`); the queue bookkeeping (per-principal FIFOs in
+  back at the front while the principal has another queued (`check_victim`); no live request
+  is evicted or refused for a full queue while a request past its deadline (not ticked yet)
+  is queued there, and none of those is answered QUEUE_FULL (`check_full`); the queue bookkeeping (per-principal FIFOs in
   rings, per-principal queued counts and their buckets) agrees with the queued requests and
   never holds an empty FIFO or a zero or negative count; each principal's outstanding
   requests and bytes agree with what the model owes it (whatever its connections did), and
@@ -393,11 +395,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         priority=st.sampled_from(list(Priority)),
         n=st.integers(2, 6),
         size=SIZES,
-        deadline=st.sampled_from([None, None, 3.0]),
+        deadline=st.sampled_from([None, None, 3.0, 0.25]),
     )
     def client_burst(self, client, service, priority, n, size, deadline):
         """Several requests at once: fills queues, reaches the caps, provokes evictions
-        (with a deadline, congested: from FIFOs walked newest first)."""
+        (with a deadline, congested: from FIFOs walked newest first; a short one, past by the
+        next step: full queues holding requests past their deadline, `check_full`)."""
         for _ in range(n):
             self.send(client, service, priority, deadline, None, size)
 
@@ -432,7 +435,25 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert "largest share" in a.message
                 assert not any(rid_ == a.request_id for w in self.workers.values()
                                for (_, rid_) in w["tokens"].values())
+        self.check_full(service, out)
         self.apply(out)
+
+    def check_full(self, service, out):
+        """A full queue turns away a live request (an eviction, or the newcomer refused) only
+        once no request past its deadline is queued there: those leave first, answered
+        DEADLINE_EXCEEDED as the tick would, even if no tick ran since their deadline; and a
+        request past its deadline is never answered QUEUE_FULL."""
+        full = [a for a in out if isinstance(a, ClientError) and a.code == ErrorCode.QUEUE_FULL
+                and "largest share" in a.message]
+        if not full:
+            return
+        for a in full:
+            dl = self.reqs[(a.client, a.request_id)].deadline
+            assert dl is None or dl > self.now, f"a request past its deadline answered QUEUE_FULL: {a}"
+        svc = self.s._services.get(service)
+        dead = [(r.client, r.request_id) for ring in svc.classes for fifo in ring.values() for r in fifo
+                if r.deadline is not None and r.deadline <= self.now]
+        assert not dead, f"{full[0]} while requests past their deadline were queued: {dead}"
 
     @rule(client=st.sampled_from(CLIENTS), principal=st.sampled_from(PRINCIPALS))
     def change_principal(self, client, principal):

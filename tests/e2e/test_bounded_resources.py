@@ -11,6 +11,9 @@ whether or not it reads, and nothing it does makes another client wait or fail.
   is never refused with QUEUE_FULL and is served round robin, not behind the burst; once
   the queue is congested (served newest first), what it evicts for another client is the
   burster's oldest queued request, not the newest it would serve next.
+- A full queue holding requests whose deadline passed since the broker's timers last ran
+  lets those go first, answered `DEADLINE_EXCEEDED` as their deadline says: nobody is
+  evicted for them, and none of them is answered `QUEUE_FULL`.
 - ``--max-client-requests`` refuses exactly the requests over the cap, and nobody else's.
 
 The slow service is the gate model (tests/e2e/gate_model.py): each request finishes when the
@@ -19,6 +22,8 @@ exactly rather than guessed from timings.  Every wait is a poll with a deadline.
 """
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -28,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from broker import protocol as P
 from client_sdk import Client, DeadlineExceeded, InferenceError
-from tests.e2e.conftest import wait_service
+from tests.e2e.conftest import HERE, Proc, wait_service
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -367,6 +372,70 @@ def test_a_congested_full_queue_evicts_the_oldest_of_the_heaviest_client(cluster
         finally:
             burster.close(0)
         _gated_call(c, gate, np.array([7.0]), 2)
+
+
+def _until_stopped(pid: int) -> None:
+    deadline = time.monotonic() + 20.0
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.005)  # polling /proc (a condition, not a delay)
+
+
+def test_a_full_queue_lets_requests_past_their_deadline_go_before_it_evicts_anyone(cluster, gate, tmp_path):  # noqa: F811
+    # The broker's timers fire deadlines between the messages it reads; a request read before
+    # them found a full queue of requests already past their deadline, and evicted one of
+    # them with QUEUE_FULL (a caller told to back off when its time was simply up).  The
+    # broker stops itself at a timer run (tests/e2e/self_stopping_broker.py) before the two
+    # queued deadlines pass; on its thaw it runs that run's timers at the time it stopped,
+    # then reads the request sent meanwhile, before any timer sees the deadlines passed.
+    stop = tmp_path / "broker-stop"
+    broker = Proc([str(HERE / "self_stopping_broker.py"), "--frontend", cluster.frontend, "--backend",
+                   cluster.backend, "--heartbeat-interval", "0.2", "--heartbeat-liveness", "20",
+                   "--max-queue", "2", "--lifo-after-ms", "-1"], env={"BROKER_STOP_FILE": str(stop)})
+    cluster.procs.append(broker)
+    broker.wait_ready()
+    p = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "1",
+                       "--no-warmup", "--heartbeat-liveness", "20", env=gate.env, wait=False)
+    gate.open()
+    p.wait_ready()
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "gate")
+    burster = _ChildDealer(cluster.frontend, tmp_path)
+    late = _dealer(cluster.frontend)  # this process: another principal than the burster
+    try:
+        t = P.TensorRef(name="x", dtype="<f8", shape=[1], loc=P.InlineLoc(frame=0))
+        for rid, timeout_ms in ((1, None), (2, 1000), (3, 1000)):  # 1 runs (gated), 2 and 3 queue
+            head = P.encode_header(P.Request(id=rid, timeout_ms=timeout_ms, tensors=[t]))
+            burster.send_multipart(P.client_request("gate", [head, np.array([rid], np.float64).tobytes()]))
+        t0 = time.monotonic()
+        _barrier(burster)  # 2 and 3 are queued, their deadlines before t0 + 1
+        stop.touch()  # the broker stops itself at its next timer run (every 0.2 s: heartbeats)
+        _until_stopped(broker.p.pid)
+        assert time.monotonic() < t0 + 0.9, "the broker stopped too late to show anything"
+        late.send_multipart(_small("gate", 100))  # read on the thaw, before the timers run again
+        while time.monotonic() < t0 + 1.1:
+            time.sleep(0.01)  # the stimulus: the broker stopped past both deadlines
+        os.kill(broker.p.pid, signal.SIGCONT)
+        got = {}
+        for _ in range(2):
+            rep, _ = _recv_final(burster)
+            got[rep.id] = (rep.error.code, rep.error.message) if rep.error is not None else None
+        assert sorted(got) == [2, 3], got
+        for rid, (code, message) in got.items():
+            assert code == P.ErrorCode.DEADLINE_EXCEEDED, f"{rid}: {P.ErrorCode(code).name}: {message}"
+        gate.release(2)  # 1, then the request that came late
+        rep, frames = _recv_final(late)
+        assert rep.id == 100 and rep.error is None, rep
+        assert np.frombuffer(frames[0], np.float64).tolist() == [100]
+        rep, _ = _recv_final(burster)
+        assert rep.id == 1 and rep.error is None, rep
+    finally:
+        os.kill(broker.p.pid, signal.SIGCONT)  # (a failure above may have left it stopped)
+        late.close(0)
+        burster.close(0)
 
 
 def test_the_per_client_request_cap_refuses_exactly_what_is_over_it(cluster, gate, tmp_path):  # noqa: F811
