@@ -121,10 +121,10 @@ newest first is safe only for requests that leave by their deadline, and one wit
 batch job's call with no timeout) waited, behind a client that kept its pipeline full, for
 as long as that client sent more; walked in order from it, every request is served or
 leaves by its deadline, as before.  Admission is unchanged (a full queue refuses the
-newcomer if its principal is the heaviest: immediate backpressure; what stays too long
-leaves by its deadline), but an eviction for another principal's newcomer takes what the
-heaviest's walk would serve last: from a FIFO walked newest first, its oldest, not the
-newest it would serve next (see Admission).  The queue is FIFO again the moment it empties.
+newcomer if its principal is the heaviest, with nothing less urgent queued: immediate
+backpressure; what stays too long leaves by its deadline), but an eviction takes what the
+heaviest's walk would serve last in its least urgent class queued: from a FIFO walked
+newest first, its oldest, not the newest it would serve next (see Admission).  The queue is FIFO again the moment it empties.
 ``newest_first`` counts the dispatches made while congested.  Cost: one comparison per
 pass.
 
@@ -210,16 +210,23 @@ the tick would fire them (``Scheduler._expire_due``: from the timer heap, those 
 most ``TICK_MAX`` entries; each fired leaves the heap for good, and a queue with room looks
 at nothing): requests past their deadline are answered DEADLINE_EXCEEDED and cost no live
 request its place.  If the queue is still over, one request of the principal holding the most
-queued requests in that service is refused.  If that is the newcomer's own principal (ties
-included), the newcomer is refused; otherwise one of that principal's queued requests,
-whichever of its connections sent it, gets its QUEUE_FULL final now (on that connection) and
-the newcomer stays.  That one is what the principal's walk would serve last: its newest
-(latest ``enqueued_at``; on a tie, the least urgent), or, where one of its FIFOs is walked
-newest first (Congestion), the oldest of such a FIFO (the oldest of them; on a tie, the
-least urgent), which waits on for its deadline anyway; never a request put back at the front
-of its FIFO (a retry, or given back) while the principal has another queued
-(``Scheduler._victim``: at most three FIFOs looked at); one chosen past its deadline (more
-timers due than ``_expire_due`` looked at) is answered DEADLINE_EXCEEDED instead, never QUEUE_FULL.
+queued requests in that service is refused.  If that is another principal than the
+newcomer's, one of its queued requests, whichever of its connections sent it, gets its
+QUEUE_FULL final now (on that connection) and the newcomer stays.  That one is of the least
+urgent class the principal has queued (background, then normal, then urgent), and in that
+class what its walk would serve last: its newest, or, where its FIFO is walked newest first
+(Congestion), its oldest, which waits on for its deadline anyway; never a request put back
+at the front of its FIFO (a retry, or given back) while the principal has another queued
+(such a FIFO is passed over for the next class).  If the heaviest is the newcomer's own
+principal (ties included), the newcomer is refused, unless that principal has queued a
+request of a less urgent class than the newcomer's, not put back at the front: then that one
+goes, chosen as above among those classes, and the newcomer stays (``Scheduler._victim``: at
+most three FIFOs looked at).  Why the class first: it is the one word a client gives on
+which of its requests it can best do without; chosen by arrival alone, a principal feeding a
+background backlog lost its urgent request, the newest, to another client's newcomer, and its
+own urgent newcomer was refused, while the backlog kept its place.  A victim found past its
+deadline (more timers due than ``_expire_due`` looked at) is answered DEADLINE_EXCEEDED
+instead, never QUEUE_FULL.
 So a principal can only ever push itself into QUEUE_FULL, and a principal's burst, on any
 number of connections, fills the queue at no one else's expense.  (Retries after a worker
 death may take a queue over ``max_queue``; they refuse nothing.)  A principal's queued count
@@ -1270,9 +1277,15 @@ class Scheduler(LeaseEvents):
         if req.state == _QUEUED and svc.queued > self.config.max_queue:
             top, heavy = self._heaviest(svc)
             n = svc.count(principal)
-            victim = None
             if n >= top:
-                # This principal holds the most (ties included): the newcomer is refused.
+                # This principal holds the most (ties included): one of its own goes, its
+                # newcomer unless it has a request of a less urgent class queued.
+                own = True
+                victim, oldest = self._victim(svc, principal, now, priority)
+            else:
+                own = False
+                victim, oldest = self._victim(svc, heavy, now)
+            if victim is None:
                 self._unqueue(req)
                 self._unlink(req)
                 self._retire(req)
@@ -1282,16 +1295,13 @@ class Scheduler(LeaseEvents):
                     f"the queue for '{service}' is full ({self.config.max_queue} waiting) and "
                     f"this client process/principal holds the largest share of it, or as much as "
                     f"any other ({n - 1} waiting before this one, "
-                    f"over all its connections); retry with backoff, lower the "
-                    f"request rate or start more workers", payload))
+                    f"over all its connections, none less urgent than this one); retry with "
+                    f"backoff, lower the request rate or start more workers", payload))
+            elif victim.deadline is not None and victim.deadline <= now:
+                # Past its deadline (more timers were due than _expire_due looks at): it is
+                # answered by its deadline, not told to back off.
+                self._expire_deadline(victim, now, out)
             else:
-                victim, oldest = self._victim(svc, heavy, now)
-                if victim.deadline is not None and victim.deadline <= now:
-                    # Past its deadline (more timers were due than _expire_due looks at): it
-                    # is answered by its deadline, not told to back off.
-                    self._expire_deadline(victim, now, out)
-                    victim = None
-            if victim is not None:
                 cnt["evicted"] += 1
                 self._unqueue(victim)
                 which = ("its oldest request (served last: the queue is congested, newest "
@@ -1299,10 +1309,11 @@ class Scheduler(LeaseEvents):
                 self._error(victim, ErrorCode.QUEUE_FULL,
                             f"the queue for '{service}' is full ({self.config.max_queue} "
                             f"waiting) and this client process/principal holds the "
-                            f"largest share of it ({top} waiting, over all its "
-                            f"connections): {which} made room for another "
-                            f"client's; retry with backoff or send fewer requests at a "
-                            f"time", out)
+                            f"largest share of it ({n if own else top} waiting, over all its "
+                            f"connections): {which} made room for "
+                            + ("a more urgent one of its own" if own else "another client's")
+                            + f" ({victim.priority.name.lower()}: the least urgent class it had queued); "
+                            f"retry with backoff or send fewer requests at a time", out)
                 self._retire(victim)
         if (req.state == _QUEUED and not priority and svc.deep and self._recall_after is not None
                 and not req.alone):
@@ -1852,36 +1863,35 @@ class Scheduler(LeaseEvents):
         """Whether ``svc``'s queue has not been empty for ``lifo_after`` (Congestion)."""
         return bool(svc.queued) and self._lifo_after is not None and now - svc.since >= self._lifo_after
 
-    def _victim(self, svc, principal, now):
+    def _victim(self, svc, principal, now, than=None):
         """The queued request of ``principal`` in ``svc`` that an eviction takes, from
-        whichever of its connections, and whether it is its oldest (see Admission): in each
-        of its (at most three) FIFOs, the one that FIFO's walk would serve last, its oldest
-        when it is walked newest first (congested, its head neither put back at the front nor
-        without a deadline: then no request in it is at the front), else its newest.  Of
-        those, never one put back at the front (a retry, or given back) while another
-        remains; then one from a FIFO walked newest first, the oldest (it waits on for its
-        deadline: its caller is about to give up); else the newest; on a tie, the least
-        urgent.  O(1)."""
+        whichever of its connections, and whether it is its oldest (see Admission): one of
+        its least urgent class queued (background, then normal, then urgent: the class is the
+        one word a client gives on which of its requests it can best do without), the one
+        that class's FIFO walk would serve last: its oldest when it is walked newest first
+        (congested, its head neither put back at the front nor without a deadline: then no
+        request in it is at the front; its caller is about to give up), else its newest.  A
+        FIFO whose newest was put back at the front (a retry, or given back: then all of it
+        was) is passed over for the next class; if all are, the least urgent one's newest.
+        ``than``: for the principal's own newcomer of that class, only a less urgent class
+        and never one put back at the front (the newcomer is another request), else None
+        (the newcomer is refused).  O(1): at most three FIFOs looked at."""
         lifo = self._congested(svc, now)
-        old = new = back = None
+        back = None
         for pri in (2, 1, 0):
+            if than is not None and pri <= than:
+                break
             fifo = svc.classes[pri].get(principal)
             if not fifo:
                 continue
             if lifo and _newest_first(fifo):
-                head = next(iter(fifo))
-                if old is None or head.enqueued_at < old.enqueued_at:
-                    old = head
-                continue
+                return next(iter(fifo)), True
             req = next(reversed(fifo))  # at the front only if all of its FIFO is
-            if req.front:
-                if back is None or req.enqueued_at > back.enqueued_at:
-                    back = req
-            elif new is None or req.enqueued_at > new.enqueued_at:
-                new = req
-        if old is not None:
-            return old, True
-        return (new if new is not None else back), False
+            if not req.front:
+                return req, False
+            if back is None:
+                back = req
+        return (back if than is None else None), False
 
     def _worker_failed(self, req: _Request, why: str, out: list[Action]) -> None:
         """``req`` ends with WORKER_FAILED: ``why``, and where to look."""

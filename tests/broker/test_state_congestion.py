@@ -228,9 +228,10 @@ def test_eviction_takes_another_class_s_request_before_a_retry(lifo_after):
     assert err.request_id == (2 if lifo_after is None else 1)
 
 
-def test_congested_eviction_across_classes_takes_the_oldest_walked_newest_first():
-    """Each class has its own FIFO: among those walked newest first, the oldest goes (on a
-    tie, the least urgent), before the newest of one walked in order."""
+def test_congested_eviction_across_classes_takes_the_least_urgent_class_first():
+    """Each class has its own FIFO: the least urgent class goes first, and from its FIFO
+    what its walk serves last: walked newest first, its oldest; walked in order (its head
+    has no deadline), its newest."""
     s, token = busy_worker(max_queue=6)
     req(s, 1, 0.0, deadline=None)  # A's normal FIFO: walked in order
     req(s, 2, 0.08)
@@ -243,8 +244,8 @@ def test_congested_eviction_across_classes_takes_the_oldest_walked_newest_first(
         err = only(req(s, 100 + k, now, client=b"other-%d" % k), ClientError)
         assert err.client == A
         evicted.append(err.request_id)
-    # (Taking the newest, as in a queue that drains: 2, 6, 4, 5, 3.)
-    assert evicted == [5, 3, 6, 4, 2], evicted
+    # Background 5, 6 (oldest first), normal 2, 1 (in order: newest first), urgent 3.
+    assert evicted == [5, 6, 2, 1, 3], evicted
 
 
 def test_the_oldest_wait_on_and_are_failed_by_their_deadlines_never_dispatched():

@@ -295,7 +295,10 @@ def test_eviction_takes_the_newest_request_of_the_heaviest_client():
     assert sorted(order) == sorted({(A, 1), (A, 2), (B, 1), (B, 2), (C, 1)} - {(err.client, 2)})
 
 
-def test_eviction_takes_the_newest_across_classes_and_the_least_urgent_on_a_tie():
+def test_eviction_takes_the_least_urgent_class_first():
+    """The class is the one word a client gives on which of its requests it can best do
+    without: the heaviest's request that goes is one of its least urgent class queued (in
+    it, the newest), not its newest of any class, which was its urgent one here."""
     s = Scheduler(Config(lifo_after=None, max_queue=3))
     s.worker_ready(b"w", "svc", 0.0)
     only(req(s, X, 0), Dispatch)
@@ -303,16 +306,50 @@ def test_eviction_takes_the_newest_across_classes_and_the_least_urgent_on_a_tie(
     req(s, A, 2, now=0.2, priority=Priority.URGENT)
     req(s, A, 3, now=0.1, priority=Priority.NORMAL)
     err = only(req(s, B, 1, now=0.3), ClientError)
-    assert err.request_id == 2  # the newest, though urgent
-    err = only(req(s, A, 4, now=0.3, priority=Priority.URGENT), ClientError)
-    assert err.request_id == 4  # A holds 3 with this one, B 1: the newcomer is refused
+    assert err.request_id == 1, (
+        f"evicted A's {err.request_id}, not its background request (1): its newest, though urgent")
+    assert "made room for another client's (background: the least urgent class it had queued)" in err.message
     s2 = Scheduler(Config(lifo_after=None, max_queue=2))
     s2.worker_ready(b"w", "svc", 0.0)
     only(req(s2, X, 0), Dispatch)
     req(s2, A, 1, priority=Priority.URGENT)
     req(s2, A, 2, priority=Priority.BACKGROUND)
     err = only(req(s2, B, 1), ClientError)
-    assert (err.client, err.request_id) == (A, 2)  # same time: the background one
+    assert (err.client, err.request_id) == (A, 2)
+
+
+def test_the_heaviest_s_newcomer_takes_the_place_of_its_own_less_urgent_request():
+    """A principal holding the most, its newcomer refused as before, unless it has a request
+    of a less urgent class queued: that one goes (QUEUE_FULL, on its own connection), and the
+    newcomer stays; never a request put back at the front (a retry) for it."""
+    s = Scheduler(Config(lifo_after=None, max_queue=3))
+    s.worker_ready(b"w", "svc", 0.0)
+    token = only(req(s, X, 0), Dispatch).token
+    req(s, A, 1, now=0.0, priority=Priority.BACKGROUND)
+    req(s, A, 2, now=0.1, priority=Priority.NORMAL)
+    req(s, B, 1, now=0.2)
+    err = only(req(s, A, 3, now=0.3, priority=Priority.URGENT), ClientError)
+    assert (err.client, err.request_id, err.code) == (A, 1, ErrorCode.QUEUE_FULL), (
+        f"A's urgent request was refused while its background one (1) kept its place: {err}")
+    assert "made room for a more urgent one of its own" in err.message
+    err = only(req(s, A, 4, now=0.4, priority=Priority.NORMAL), ClientError)
+    assert (err.client, err.request_id) == (A, 4)  # nothing less urgent than it: refused
+    assert "none less urgent than this one" in err.message
+    c = s.stats()["counters"]
+    assert (c["evicted"], c["rejected_full"]) == (1, 1)
+    assert drain(s, b"w", token, 3, now=0.5)[0] == [(A, 3), (A, 2), (B, 1)]
+    # Its background FIFO holds a retry only: passed over for a request of another class.
+    s = Scheduler(Config(lifo_after=None, max_queue=2))
+    s.worker_ready(b"w1", "svc", 0.0)
+    s.worker_ready(b"w2", "svc", 0.0)
+    only(req(s, A, 1, priority=Priority.BACKGROUND), Dispatch)  # on w1
+    only(req(s, X, 0), Dispatch)  # on w2
+    req(s, A, 2, now=0.1)
+    assert s.worker_disconnect(b"w1", 0.2) == []  # 1 back at the front of A's background FIFO
+    err = only(req(s, A, 3, now=0.3, priority=Priority.URGENT), ClientError)
+    assert (err.client, err.request_id) == (A, 2), "a retry was evicted"
+    err = only(req(s, A, 4, now=0.4, priority=Priority.NORMAL), ClientError)
+    assert (err.client, err.request_id) == (A, 4), "a retry was evicted"
 
 
 # A full queue holding requests whose deadline passed since the last tick(): they leave first,

@@ -12,13 +12,14 @@ which requests are still owed a final) checks every action the scheduler returns
 - with several client connections, mapped onto fewer principals (several connections per
   principal, one connection its own principal, and a connection's principal may change
   between its requests): the per-principal caps refuse exactly the requests over them, and
-  nothing else; an eviction only ever takes a queued request of another principal, and its
-  error goes to that request's own connection; it takes what that principal's walk would
-  serve last (congested, the oldest of its FIFOs walked newest first), never a request put
-  back at the front while the principal has another queued (`check_victim`); no live request
-  is evicted or refused for a full queue while a request past its deadline (not ticked yet)
-  is queued there, and none of those is answered QUEUE_FULL (`check_full`); the queue bookkeeping (per-principal FIFOs in
-  rings, per-principal queued counts and their buckets) agrees with the queued requests and
+  nothing else; an eviction only ever takes a queued request of another principal (or of the
+  newcomer's own, of a less urgent class than the newcomer), and its error goes to that
+  request's own connection; it takes, from the least urgent class that principal has queued,
+  what that class's walk would serve last (congested, its oldest if walked newest first),
+  never a request put back at the front while the principal has another queued
+  (`check_victim`); no live request is evicted or refused for a full queue while a request
+  past its deadline (not ticked yet) is queued there, and none of those is answered
+  QUEUE_FULL (`check_full`); the queue bookkeeping (per-principal FIFOs in rings, per-principal queued counts and their buckets) agrees with the queued requests and
   never holds an empty FIFO or a zero or negative count; each principal's outstanding
   requests and bytes agree with what the model owes it (whatever its connections did), and
   are back to 0 at the end.
@@ -65,8 +66,9 @@ MAX_CLIENT_BYTES = 100
 
 
 class _Req:
-    def __init__(self, principal, service, deadline, local_host, size=0):
+    def __init__(self, principal, service, deadline, local_host, size=0, priority=Priority.NORMAL):
         self.principal = principal  # the key it counts against, fixed when it was sent
+        self.priority = priority
         self.size = size
         self.service = service
         self.deadline = deadline
@@ -103,9 +105,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.s = Scheduler(self.cfg, on_direct=lambda *a: self.directs.append(a))
         victim = self.s._victim
 
-        def checked_victim(svc, principal, now):
-            got = victim(svc, principal, now)
-            self.check_victim(svc, principal, now, *got)
+        def checked_victim(svc, principal, now, than=None):
+            got = victim(svc, principal, now, than)
+            self.check_victim(svc, principal, now, than, *got)
             return got
 
         self.s._victim = checked_victim
@@ -180,24 +182,30 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:  # pragma: no cover
                 raise AssertionError(f"unknown action {a!r}")
 
-    def check_victim(self, svc, principal, now, req, oldest):
-        """An eviction for another principal's newcomer (Admission) takes one of the
-        heaviest's queued requests that its walk would serve last: never one put back at the
-        front (a retry, given back) while it has another queued; from a FIFO walked newest
-        first (congested), its oldest, the oldest of such FIFOs; else the newest."""
-        fifos = [list(f) for f in (svc.classes[pri].get(principal) for pri in (2, 1, 0)) if f]
-        mine = [r for f in fifos for r in f]
-        assert req in mine, "evicted a request its principal has not queued there"
-        if req.front:
-            assert all(r.front for r in mine), "evicted a request put back at the front while another was queued"
+    def check_victim(self, svc, principal, now, than, req, oldest):
+        """An eviction (Admission) takes one of the heaviest's queued requests: of its least
+        urgent class queued, the one that class's walk would serve last (from a FIFO walked
+        newest first, congested: its oldest; else its newest); never one put back at the
+        front (a retry, given back) while it has another queued.  For its own newcomer
+        (``than``: the newcomer's class), only one of a less urgent class, never one put
+        back at the front; none: the newcomer is refused."""
         lifo = self.s._congested(svc, now)
-        newest_first = [f for f in fifos if lifo and not f[0].front and f[0].deadline is not None]
-        walk = next(f[::-1] if f in newest_first else f for f in fifos if req in f)
-        assert req is walk[-1], "evicted a request its FIFO's walk would not serve last"
-        assert oldest == (req in [f[0] for f in newest_first])
-        if newest_first:
-            assert oldest and req.enqueued_at == min(f[0].enqueued_at for f in newest_first), (
-                "a congested eviction took another request than the oldest walked newest first")
+        fifos = [(pri, list(f)) for pri, f in ((pri, svc.classes[pri].get(principal)) for pri in (2, 1, 0))
+                 if f and (than is None or pri > than)]
+
+        def newest_first(f):
+            return lifo and not f[0].front and f[0].deadline is not None
+
+        last = [f[0] if newest_first(f) else f[-1] for _, f in fifos]
+        free = [r for r in last if not r.front]
+        if req is None:
+            assert than is not None and not free, "refused the newcomer though a less urgent request could go"
+            return
+        assert req in [r for _, f in fifos for r in f], "evicted a request its principal has not queued there"
+        want = free[0] if free else (last[0] if than is None else None)
+        assert req is want, (f"evicted {req.request_id} (class {req.priority}), not {want and want.request_id}: "
+                             f"what the least urgent class's walk would serve last")
+        assert oldest == newest_first(next(f for _, f in fifos if req in f))
         self.evictions = getattr(self, "evictions", 0) + 1
 
     def touch(self, client):
@@ -411,7 +419,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         held = self.usage(key)
         over = (held["outstanding"] >= MAX_CLIENT_REQUESTS
                 or (size and held["bytes"] + size > MAX_CLIENT_BYTES))
-        self.reqs[(client, rid)] = _Req(key, service, dl, local_host, size)
+        self.reqs[(client, rid)] = _Req(key, service, dl, local_host, size, priority)
         self.sent_n += 1
         out = self.s.client_request(client, rid, service, self.now, payload=rid,
                                     priority=priority, deadline=dl, local_host=local_host,
@@ -429,9 +437,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert over and a.request_id == rid and a.code == ErrorCode.QUEUE_FULL
             if isinstance(a, ClientError) and a.request_id != rid and \
                     a.code == ErrorCode.QUEUE_FULL:
-                # An eviction: never the newcomer's own principal (whichever connection),
-                # always a queued request.
-                assert self.reqs[(a.client, a.request_id)].principal != key
+                # An eviction: the newcomer's own principal's (whichever connection) only
+                # if less urgent than the newcomer; always a queued request.
+                r = self.reqs[(a.client, a.request_id)]
+                assert r.principal != key or (r.priority > priority and "of its own" in a.message), a
                 assert "largest share" in a.message
                 assert not any(rid_ == a.request_id for w in self.workers.values()
                                for (_, rid_) in w["tokens"].values())
