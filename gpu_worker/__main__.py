@@ -57,6 +57,10 @@ def add_model_options(ap: argparse.ArgumentParser) -> None:
                     help="latency (default): a batch waits for company only while the broker has a backlog "
                          "(a lone client never waits); throughput: also on arrival-rate evidence alone "
                          "(docs/models.md, 'Batching policy')")
+    ap.add_argument("--lifo-after-ms", type=_number_any, default=100.0, metavar="MS",
+                    help="a batch group whose oldest request waited MS ms is congested: each client's "
+                         "requests newest first, as at the broker (default 100, as the broker's; negative: "
+                         "never, first in first out always; docs/models.md, 'Batching policy')")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0,
                     help="seconds, until the broker's WELCOME gives its own (default 1.0)")
     ap.add_argument("--out-capacity-mb", type=_positive_int, default=256, help="output ring size, MiB (default 256)")
@@ -81,6 +85,7 @@ def model_config(args: argparse.Namespace) -> dict:
         max_batch=args.max_batch,
         max_delay=args.max_delay_ms / 1000.0,
         batching=args.batching,
+        lifo_after=None if args.lifo_after_ms < 0 else args.lifo_after_ms / 1000.0,
         heartbeat_interval=args.heartbeat_interval,
         out_capacity=args.out_capacity_mb << 20,
         warmup=not args.no_warmup,
@@ -97,6 +102,13 @@ def _number(text: str, want: str) -> float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {want}, not {text!r}") from None
+
+
+def _number_any(text: str) -> float:
+    v = _number(text, "a number")
+    if v != v:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}")
+    return v
 
 
 def _non_negative(text: str) -> float:

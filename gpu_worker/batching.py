@@ -10,8 +10,8 @@ Policy
   builds one from an input dict.
 * Size.  A batch holds at most ``max_batch`` requests and at most ``max_cost`` total cost;
   a single request whose cost alone exceeds ``max_cost`` still runs, alone.  Requests of a
-  group are taken in order (add order, but for turns and priorities, below) and a batch
-  stops at the first one that does not fit (no overtaking inside a group).
+  group are taken in order (add order, but for turns, priorities and congestion, below) and
+  a batch stops at the first one that does not fit (no overtaking inside a group).
 * Turns.  Requests of several principals (``Pending.principal``: the client the broker
   attested) in one group take turns: a batch takes one request of each principal, then a
   second of each that has one, and so on, each principal's own in add order.  The
@@ -51,6 +51,31 @@ Policy
 * Fairness between groups.  Among requests of one class, the group holding the oldest
   pending request (by ``arrived``, ties by add order) goes first, even while a younger
   group's batch is fuller (whichever principal's turn that batch begins with).
+* Congestion.  The broker serves a congested service's queue newest first (broker/state.py,
+  "Congestion"), but what it dispatched to a worker with credit to spare (up to the
+  credit, or a lease's slots) waited here in add order: under overload the oldest
+  parked requests went first, each with its budget nearly spent, while the newest waited
+  behind them until they too were nearly out of time.  So a group is *congested* while its
+  oldest pending request has waited here ``lifo_after`` (0.1 s, the broker's
+  ``lifo_after``; the worker's ``--lifo-after-ms``; None: never), and then each principal's
+  requests in it go newest first: what runs has most of its time left, and the oldest wait
+  on until "Deadlines" below sets them aside (answered at once, never run late).  As at the
+  broker, a principal whose oldest pending request of the group (of the class, while
+  several are pending) has no deadline, or must go first (``in_order``: given back unstarted
+  once by a busy worker, which the broker served first; or a leased request: a pinned stream's
+  frames, whose results their client takes in send order, so a newer frame run first
+  would only wait, done, for the older ones), keeps add order.  The signal is the queue's
+  own head (how long its oldest has waited), not a timer: read where a batch is planned,
+  only while some group holds two requests or more (``_deep``; the lone request's path
+  does no extra work), and it ends by itself once the old requests are gone (served, set
+  aside or cancelled), as the broker's ends when its queue empties (under overload the
+  oldest linger until their deadlines, which keeps the group congested).  Everything
+  else holds: turns between principals (a congested group whose order this changes is its
+  principals' `_Turns`, ``lifo``, even with one principal: the plain queue's path knows
+  nothing of it),
+  priorities and aging (a batch's slots go to the classes by score as before; only which
+  request of a principal's class fills one changes), the wait bounds (the group's oldest
+  request's ``max_delay``) and the deadline rules.
 * Deadlines.  A request whose ``deadline`` has passed (``deadline <= now``) is never put
   in a batch: ``take()`` sets it aside and ``expire(now)`` hands it to the caller (which
   owes its client an error).  ``expire`` also collects any that passed since.  Nor is one
@@ -147,6 +172,12 @@ class Pending:
     #: when its time began (the broker's receipt, on this clock: ``arrived`` less the time
     #: it queued there); None: ``arrived``.  See "Deadlines" in the module docstring.
     since: float | None = None
+    #: its principal's requests of the group are taken in arrival order while it is the
+    #: oldest of them, even while the group is congested ("Congestion" in the module
+    #: docstring): the worker sets it for a request a busy worker gave back unstarted once
+    #: (the broker served it first: the header's ``returned``) and for a leased one (a
+    #: pinned stream's frames, whose results their client takes in send order)
+    in_order: bool = False
 
 
 def batch_key(inputs: Mapping[str, object]) -> Hashable:
@@ -184,6 +215,15 @@ def _rounds(queues: Iterable[Iterable[_Entry]]) -> Iterator[_Entry]:
         its = more
 
 
+def _newest_first(q) -> bool:
+    """Whether a congested group takes this (non-empty) queue of one principal, in add order,
+    newest first ("Congestion"): not while its oldest request must go first (``in_order``)
+    or has no deadline (nothing else would ever take it out; newest first, it waited for as
+    long as its principal sent more).  The broker's rule (broker/state.py, `_newest_first`)."""
+    head = q[0].p
+    return head.deadline is not None and not head.in_order
+
+
 def _remember(left: OrderedDict, k: tuple, turn: int) -> None:
     """``k`` = (key, principal) left its group's turns with its last turn ``turn``
     (`Batcher._left`: the newest last, the oldest forgotten past ``_LEFT_MEMO``)."""
@@ -212,9 +252,9 @@ class _Turns:
     recently served first; one joins at the back with its first pending request, or, back
     after its requests ran out, ahead of the first principal served since)."""
 
-    __slots__ = ("queues", "ring", "served", "mixed", "_oldest", "_key", "_left")
+    __slots__ = ("queues", "ring", "served", "mixed", "lifo", "_oldest", "_key", "_left")
 
-    def __init__(self, key: Hashable, left: OrderedDict, group: deque, served: int | None, e: _Entry):
+    def __init__(self, key: Hashable, left: OrderedDict, group: deque, served: int | None, e: _Entry | None):
         first = group[0].p.principal
         self._key = key
         #: the batcher's: (key, principal) -> its last turn, for principals whose requests of
@@ -230,8 +270,12 @@ class _Turns:
         # (``first`` has no entry in ``left``: `Batcher.add` dropped it with its queue's start.)
         #: the batch order while several classes are pending (`Batcher._best_scored_key`)
         self.mixed: list[_Entry] | None = None
+        #: the group is congested ("Congestion"): each principal's queue newest first
+        #: (`_newest_first`); `Batcher._congestion` says so before each batch is planned
+        self.lifo = False
         self._oldest: _Entry | None = None
-        self.add(e)
+        if e is not None:  # None: one principal's queue, congested (`Batcher._congestion`)
+            self.add(e)
 
     def add(self, e: _Entry) -> None:
         pr = e.p.principal
@@ -276,6 +320,8 @@ class _Turns:
         """The batch order while one class is pending: one request of each principal in
         turn, round after round."""
         queues = self.queues
+        if self.lifo:
+            return _rounds((reversed(q) if _newest_first(q) else q) for q in (queues[pr] for pr in self.ring))
         return _rounds(queues[pr] for pr in self.ring)
 
     def order_mixed(self, score: Callable[[_Entry], float]) -> _Entry:
@@ -287,6 +333,11 @@ class _Turns:
         per_class: dict[int, dict[Hashable, list[_Entry]]] = {}
         for e in ranked:
             per_class.setdefault(e.p.priority, {}).setdefault(e.p.principal, []).append(e)
+        if self.lifo:  # congested: a principal's requests of a class newest first (`_newest_first`)
+            for held in per_class.values():
+                for es in held.values():
+                    if len(es) > 1 and _newest_first((min(es, key=lambda e: e.seq),)):
+                        es.sort(key=lambda e: e.seq, reverse=True)
         place = {pr: i for i, pr in enumerate(self.ring)}
         turns = {c: _rounds(sorted(held.values(), key=lambda es: place[es[0].p.principal]))
                  for c, held in per_class.items()}
@@ -305,6 +356,8 @@ class _Turns:
             q = queues[pr]
             if q[0] is e:
                 q.popleft()
+            elif q[-1] is e:  # congested: newest first
+                q.pop()
             else:  # several classes: a principal's more urgent request went first
                 q.remove(e)
             last[pr] = i
@@ -372,7 +425,8 @@ class Batcher:
 
     def __init__(self, *, max_batch: int = 8, max_cost: float = math.inf, max_delay: float = 0.002,
                  deadline_margin: float = 0.0, latency_first: bool = True,
-                 priority_weights: tuple = (3.0, 1.0, 0.5), aging_s: float = 0.5):
+                 priority_weights: tuple = (3.0, 1.0, 0.5), aging_s: float = 0.5,
+                 lifo_after: float | None = 0.1):
         if int(max_batch) != max_batch or max_batch < 1:
             raise ValueError("max_batch must be an integer >= 1")
         if not max_cost > 0:
@@ -413,6 +467,15 @@ class Batcher:
             raise ValueError("aging_s must be > 0")
         self.priority_weights = tuple(float(w) for w in priority_weights)
         self.aging_s = float(aging_s)
+        if lifo_after is not None and not (0 <= lifo_after < math.inf):
+            raise ValueError("lifo_after must be None (never) or a finite number of seconds >= 0")
+        #: a group whose oldest pending request has waited this long is congested, and each
+        #: principal's requests in it go newest first ("Congestion"); None: never
+        self.lifo_after = None if lifo_after is None else float(lifo_after)
+        # Some group holds two requests or more, or several classes are pending: the next
+        # batch's order is looked at (`_congestion`, then `_best_scored_key` if mixed).  Set
+        # by `add` off its lone path; cleared by `_congestion` once no group needs it.
+        self._deep = False
         self._priority = 1     # the class of what is pending, while it is one class
         self._mixed = False    # several classes are pending: groups are ordered by score
 
@@ -435,7 +498,7 @@ class Batcher:
         if not self._live:
             self._priority = p.priority
         elif p.priority != self._priority:
-            self._mixed = True
+            self._mixed = self._deep = True
         self._live[e.seq] = e
         group = self._groups.get(p.key)
         if group is None:
@@ -445,6 +508,7 @@ class Batcher:
                 # others, if remembered, is no longer its last (it would pass them).
                 self._left.pop((p.key, p.principal), None)
         elif type(group) is deque:
+            self._deep = True
             if group[0].p.principal == p.principal:  # one principal: the common case
                 group.append(e)
             else:
@@ -608,8 +672,10 @@ class Batcher:
     # ------------------------------------------------------------------------------ internals
 
     def _oldest_key(self, now: float) -> Hashable | None:
-        if self._mixed:
-            return self._best_scored_key(now)
+        if self._deep:
+            self._congestion(now)
+            if self._mixed:
+                return self._best_scored_key(now)
         best = None
         best_key = None
         for key, group in self._groups.items():
@@ -618,6 +684,55 @@ class Batcher:
             if best is None or rank < best:
                 best, best_key = rank, key
         return best_key
+
+    def _congestion(self, now: float) -> None:
+        """Say which groups are congested now ("Congestion": the oldest pending request has
+        waited ``lifo_after``): a plain queue of two requests or more that is becomes its
+        principal's turns (`_Turns`, ``lifo``: the turns take each queue newest first, and
+        keep the principal's turns if another joins), and turns that no longer are lose
+        ``lifo`` (one principal's: its plain queue again, as `_settle_turns` makes it).
+        Clears ``_deep`` when nothing is left for it to look at."""
+        cut = None if self.lifo_after is None else now - self.lifo_after
+        deep = self._mixed
+        groups = self._groups
+        for key, group in list(groups.items()):
+            if type(group) is deque:
+                if len(group) < 2:
+                    continue
+                deep = True
+                if cut is None:
+                    continue
+                oldest = min(e.p.arrived for e in group) if self._mixed else group[0].p.arrived
+                if oldest <= cut and self._reversible(group):
+                    served = self._solo_served(key, group)
+                    if self._mixed:  # scored: back in add order, as the turns keep a queue
+                        group = deque(sorted(group, key=lambda e: e.seq))
+                    turns = groups[key] = _Turns(key, self._left, group, served, None)
+                    turns.lifo = True
+            else:
+                deep = True
+                lifo = cut is not None and group.oldest().p.arrived <= cut
+                if lifo is not group.lifo:
+                    group.lifo = lifo
+                    group.mixed = None
+                if len(group.queues) == 1:
+                    self._settle_turns(key, group)  # its plain queue again, unless newest first
+        self._deep = deep
+
+    def _reversible(self, q: deque) -> bool:
+        """Whether congestion changes the order of one principal's queue ``q`` (two requests
+        or more, in add order unless scored): newest first (`_newest_first`), of one class,
+        or of some class, while several are pending."""
+        if len(q) < 2:
+            return False
+        if not self._mixed:
+            return _newest_first(q)
+        heads: dict[int, _Entry] = {}
+        for e in q:
+            h = heads.get(e.p.priority)
+            if h is None or e.seq < h.seq:
+                heads[e.p.priority] = e
+        return any(_newest_first((h,)) for h in heads.values())
 
     def _best_scored_key(self, now: float) -> Hashable | None:
         """Several classes pending: each group put in the order its requests go (score,
@@ -813,6 +928,8 @@ class Batcher:
             return
         if group.queues:
             pr, q = next(iter(group.queues.items()))
+            if group.lifo and self._reversible(q):
+                return  # one principal's queue, congested, newest first: turns until `_congestion` says
             self._groups[key] = q
             served = group.served.get(pr)
             if served is not None:

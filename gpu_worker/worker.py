@@ -225,6 +225,7 @@ class WorkerConfig:
     keep_warm: float | None = None    # idle seconds between keep-warm units; None: 0.05 on CUDA, off on CPU; 0: off
     keep_warm_util: float = 0.6       # ... and only while the busy fraction of the recent window is at most this
     batching: str = "latency"         # "latency": wait for company only with a broker backlog; "throughput": on arrival rates
+    lifo_after: float | None = 0.1    # seconds a batch group's oldest request waits before it is congested (newest first); None: never
     direct: bool = False              # take leases: bind a direct socket, named in Ready.direct (docs/protocol.md section 10)
 
     def check(self) -> None:
@@ -276,6 +277,8 @@ class WorkerConfig:
              "a fraction between 0 and 1", self.keep_warm_util)
         need(self.batching in ("latency", "throughput"), "batching", "--batching", "'latency' or 'throughput'",
              self.batching)
+        need(self.lifo_after is None or (_number(self.lifo_after) and 0 <= self.lifo_after <= 86400), "lifo_after",
+             "--lifo-after-ms", "a number of ms from 0 to 86400000 (a day), or negative (never)", _ms(self.lifo_after))
         if self.service is not None:
             from gpu_worker.models import name_problem
 
@@ -382,7 +385,7 @@ class Worker:
         self.backend = make_backend(self.model, self.device, cfg.backend,
                                     **({"max_batch": max_batch} if cfg.backend == "tensorrt" else {}))
         self.batcher = Batcher(max_batch=max_batch, max_cost=cfg.max_cost, max_delay=cfg.max_delay,
-                               latency_first=cfg.batching == "latency")
+                               latency_first=cfg.batching == "latency", lifo_after=cfg.lifo_after)
         self.max_batch = max_batch        # the batcher's cap when the plane does not lower it
         self.credit = cfg.credit or min(max(2 * max_batch, 2), P.MAX_CREDIT)
         self.host = P.local_host_id()
@@ -1328,7 +1331,8 @@ class Worker:
         self.jobs[job.envelope] = job
         self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline,
                                  backlog=req.backlog, priority=req.priority,
-                                 principal=req.pid if req.pid is not None else principal, since=since),
+                                 principal=req.pid if req.pid is not None else principal, since=since,
+                                 in_order=job.route is not None or req.returned is not None),
                            now, observed=observed)
 
     def _lone_ready(self) -> bool:

@@ -65,7 +65,8 @@ def test_a_zero_client_byte_cap_is_refused_in_the_deploy_file(tmp_path):
 
 @pytest.mark.parametrize("flag, want", [("--keep-warm-ms", "a number >= 0"),
                                         ("--keep-warm-util", "a fraction between 0 and 1"),
-                                        ("--out-capacity-mb", "a whole number of MiB >= 1")])
+                                        ("--out-capacity-mb", "a whole number of MiB >= 1"),
+                                        ("--lifo-after-ms", "a number")])
 def test_a_worker_flag_that_is_not_a_number_says_what_it_takes(flag, want, capsys):
     # argparse named the type function: "invalid _non_negative value: 'abc'"
     from gpu_worker.__main__ import build_parser

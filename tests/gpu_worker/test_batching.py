@@ -180,7 +180,9 @@ def test_oldest_group_goes_first_even_if_another_is_fuller():
 
 
 def test_expired_requests_are_not_batched_and_are_returned_by_expire():
-    b = Batcher(max_batch=8, max_delay=0.0)
+    # (In add order: congestion, a second of waiting, would take "none" first; see
+    # test_batching_congested.py.)
+    b = Batcher(max_batch=8, max_delay=0.0, lifo_after=None)
     b.add(req("late", 0.0, deadline=0.5), 0.0)
     b.add(req("ok", 0.0, deadline=5.0), 0.0)
     b.add(req("none", 0.0), 0.0)
@@ -262,9 +264,11 @@ def test_bad_parameters_rejected():
 
 op = st.one_of(
     st.tuples(st.just("add"), st.sampled_from("abc"), st.floats(0.0, 5.0), st.none() | st.floats(0.0, 0.01),
-              st.floats(0.0, 0.003), st.sampled_from([None, "P", "Q"]), st.sampled_from([1, 1, 1, 0, 2])),
-    # a principal's flood: several requests at once (normal, no deadline)
-    st.tuples(st.just("burst"), st.sampled_from("ab"), st.sampled_from([None, "P", "Q"]), st.integers(1, 6)),
+              st.floats(0.0, 0.003), st.sampled_from([None, "P", "Q"]), st.sampled_from([1, 1, 1, 0, 2]),
+              st.sampled_from([False, False, False, True])),
+    # a principal's flood: several requests at once (normal; no deadline, or one for all)
+    st.tuples(st.just("burst"), st.sampled_from("ab"), st.sampled_from([None, "P", "Q"]), st.integers(1, 6),
+              st.none() | st.sampled_from([0.005, 0.05])),
     st.tuples(st.just("take"), st.booleans(), st.floats(0.0, 0.003)),
     st.tuples(st.just("drop"), st.integers(0, 6)),
     st.tuples(st.just("expire"), st.floats(0.0, 0.003)),
@@ -273,16 +277,19 @@ op = st.one_of(
 
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(op, max_size=60), max_batch=st.integers(1, 5), max_cost=st.sampled_from([3.0, 6.0, float("inf")]),
-       max_delay=st.sampled_from([0.0, 0.001, 0.002]))
-def test_every_request_is_returned_exactly_once(ops, max_batch, max_cost, max_delay):
-    """Also with several principals and classes: each principal's requests of one class and
-    key come out of `take` in add order, and within a class of a batch no principal has a
-    second request while another principal's request of that class and key waits (turns)."""
-    b = Batcher(max_batch=max_batch, max_cost=max_cost, max_delay=max_delay, deadline_margin=0.0005)
+       max_delay=st.sampled_from([0.0, 0.001, 0.002]), lifo_after=st.sampled_from([None, 0.0, 0.0, 0.004, 0.1]))
+def test_every_request_is_returned_exactly_once(ops, max_batch, max_cost, max_delay, lifo_after):
+    """Also with several principals and classes, congested or not: each principal's requests
+    of one class and key come out of `take` in add order, or, while their group is
+    congested (its oldest pending request waited ``lifo_after``) and the principal's oldest
+    of them has a deadline and is not ``in_order``, newest first; and within a class of a
+    batch no principal has a second request while another principal's request of that
+    class and key waits (turns)."""
+    b = Batcher(max_batch=max_batch, max_cost=max_cost, max_delay=max_delay, deadline_margin=0.0005,
+                lifo_after=lifo_after)
     now = 0.0
     added: dict[int, Pending] = {}
     returned: list[int] = []
-    last_taken: dict[tuple, int] = {}  # (principal, key, priority) -> the last item take returned
 
     def check_batch(batch, t):
         if not batch:
@@ -292,35 +299,43 @@ def test_every_request_is_returned_exactly_once(ops, max_batch, max_cost, max_de
         assert len(batch) == 1 or sum(p.cost for p in batch) <= max_cost
         assert all(p.deadline is None or p.deadline > t for p in batch)
         done = set(returned)
-        for p in batch:
-            who = (p.principal, p.key, p.priority)
-            assert p.item > last_taken.get(who, -1), f"{who}: {p.item} after {last_taken.get(who)}"
-            last_taken[who] = p.item
-            done.add(p.item)
+        # What was pending for this batch: not set aside as hopeless, with less than the
+        # margin left of a budget that had room for it (the batcher's `_late`; a 3.12 run
+        # found one counted), nor past its deadline.
+        waiting = {i: p for i, p in added.items() if i not in done and p.key == batch[0].key
+                   and (p.deadline is None or p.deadline > t and (
+                       p.deadline - b.deadline_margin > t or p.deadline - p.arrived < b.deadline_margin))}
+        waiting.update((p.item, p) for p in batch)  # (one alone may run late: nothing competes)
+        congested = lifo_after is not None and min(p.arrived for p in waiting.values()) <= t - lifo_after
+        for who in {(p.principal, p.priority) for p in batch}:
+            mine = [p.item for p in batch if (p.principal, p.priority) == who]
+            pend = sorted(i for i, p in waiting.items() if (p.principal, p.priority) == who)
+            head = waiting[pend[0]]
+            lifo = congested and head.deadline is not None and not head.in_order
+            assert mine == sorted(pend, reverse=lifo)[:len(mine)], (who, "newest first" if lifo else "in order",
+                                                                  mine, pend)
         for c in {p.priority for p in batch}:
             mine = [p.principal for p in batch if p.priority == c]
-            # (Waiting: not set aside as hopeless, with less than the margin left of a budget
-            # that had room for it: the batcher's `_late`; a 3.12 run found one counted.)
-            waiting = {p.principal for i, p in added.items() if i not in done and p.key == batch[0].key
-                       and p.priority == c and (p.deadline is None or p.deadline > t and (
-                           p.deadline - b.deadline_margin > t or p.deadline - p.arrived < b.deadline_margin))}
-            if waiting - set(mine):
-                assert len(mine) == len(set(mine)), (c, mine, waiting)
+            waiting_c = {p.principal for i, p in waiting.items() if p.priority == c and i not in
+                         {q.item for q in batch}}
+            if waiting_c - set(mine):
+                assert len(mine) == len(set(mine)), (c, mine, waiting_c)
         returned.extend(p.item for p in batch)
 
     for o in ops:
         if o[0] == "add":
-            _, key, cost, ttl, dt, principal, priority = o
+            _, key, cost, ttl, dt, principal, priority, in_order = o
             now += dt
             i = len(added)
             added[i] = Pending(key=key, cost=cost, item=i, arrived=now, deadline=None if ttl is None else now + ttl,
-                               principal=principal, priority=priority)
+                               principal=principal, priority=priority, in_order=in_order)
             b.add(added[i], now)
         elif o[0] == "burst":
-            _, key, principal, n = o
+            _, key, principal, n, ttl = o
             for _ in range(n):
                 i = len(added)
-                added[i] = Pending(key=key, cost=1.0, item=i, arrived=now, principal=principal)
+                added[i] = Pending(key=key, cost=1.0, item=i, arrived=now, principal=principal,
+                                   deadline=None if ttl is None else now + ttl)
                 b.add(added[i], now)
         elif o[0] == "take":
             _, idle, dt = o

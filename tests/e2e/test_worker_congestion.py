@@ -1,0 +1,82 @@
+"""A congested worker serves a client's parked requests newest first, as the broker's
+congested queue does (gpu_worker/batching.py, "Congestion"; docs/models.md, "Batching
+policy"): real broker and worker processes, a gated model, no sleeps."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import zmq
+
+from broker import protocol as P
+
+
+def _tagged(rid: int, tag: int) -> list:
+    """A REQUEST for `gate_model:counted` with a deadline (20 s): x = [tag]."""
+    t = P.TensorRef(name="x", dtype="<i8", shape=[1], loc=P.InlineLoc(frame=0))
+    head = P.encode_header(P.Request(id=rid, timeout_ms=20_000, tensors=[t]))
+    return P.client_request("cq", [head, np.array([tag], np.int64).tobytes()])
+
+
+def _recv_final(sock: zmq.Socket) -> P.Reply:
+    assert sock.poll(10_000), "no reply within 10 s"
+    m = P.parse_broker_to_client(sock.recv_multipart())
+    assert m.command == P.C_FINAL, m
+    return P.decode_reply(m.body[0], n_inline=len(m.body) - 1)
+
+
+def test_requests_parked_at_a_congested_worker_go_newest_first(cluster, gate, tmp_path):
+    """Credit 6, batches of one: request 0 runs, held at the gate; 1 to 4 park in the
+    worker's batcher behind it (the worker read them: it answered the cancel of a fifth
+    sent after them).  The group is congested (``--lifo-after-ms 0``: at once), so once
+    the gate opens the newest goes first: 4, 3, 2, 1.  Before, the worker served its
+    parked requests in arrival order (1, 2, 3, 4), the oldest first, while the broker's
+    congested queue sent the newest: a flood parked at the worker waited there first in
+    first out until it expired."""
+    cluster.broker()
+    runs = tmp_path / "runs.log"
+    p = cluster.worker("gate_model:counted", "--service", "cq", "--max-batch", "1", "--credit", "6",
+                       "--no-warmup", "--lifo-after-ms", "0", env={**gate.env, "RUN_LOG": str(runs)}, wait=False)
+    gate.open()  # returns at once: the model holds the FIFO open for reading and writing
+    p.wait_ready()
+
+    def run_order() -> list[int]:
+        return [int(line.split()[1]) for line in runs.read_text().splitlines()] if runs.exists() else []
+
+    def until_runs(n: int) -> None:
+        deadline = time.monotonic() + 20
+        while len(run_order()) < n:
+            assert time.monotonic() < deadline, f"{run_order()}: waited for {n} runs"
+            time.sleep(0.005)  # polling a file (a condition, not a delay)
+
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.connect(cluster.frontend)
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # until the broker knows the worker (MMI: a condition, not a delay)
+            s.send_multipart(P.client_request("mmi.service", [b"cq"]))
+            assert s.poll(10_000), "no MMI answer"
+            if P.parse_broker_to_client(s.recv_multipart()).body[0] == b"200":
+                break
+            assert time.monotonic() < deadline, "no worker for 'cq'"
+            time.sleep(0.01)
+        s.send_multipart(_tagged(1, 0))
+        until_runs(1)  # the first runs alone, held at the gate (offloaded: no warm-up timed it)
+        for tag in range(1, 6):
+            s.send_multipart(_tagged(tag + 1, tag))
+        s.send_multipart(P.client_cancel("cq", 6))  # the fifth: dispatched, so the worker answers
+        rep = _recv_final(s)
+        assert rep.id == 6 and rep.error is not None and rep.error.code == P.ErrorCode.CANCELLED, rep
+        # The worker read 1 to 4 before that cancel: they wait in its batcher.
+        for n in range(2, 6):
+            gate.release(1)
+            until_runs(n)
+        gate.release(1)
+        done = sorted(_recv_final(s).id for _ in range(5))
+        assert done == [1, 2, 3, 4, 5]
+    finally:
+        s.close(0)
+    order = run_order()
+    assert order == [0, 4, 3, 2, 1], f"run order {order}: the parked requests were not served newest first"

@@ -1,0 +1,153 @@
+"""Congestion in the worker's batcher: a group whose oldest pending request has waited
+``lifo_after`` takes each principal's requests newest first, as the broker's congested
+queue does (gpu_worker/batching.py, "Congestion"); injected clock, no sleeps."""
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from gpu_worker.batching import Batcher, Pending
+
+
+def _p(item, arrived, principal="A", deadline=10.0, priority=1, in_order=False, key="k"):
+    return Pending(key=key, cost=1.0, item=item, arrived=arrived, deadline=deadline, priority=priority,
+                   principal=principal, in_order=in_order)
+
+
+def _take(b: Batcher, now: float) -> list:
+    return [p.item for p in b.take(now, idle=True, force=True)]
+
+
+def _parked(b: Batcher, n: int, t: float = 0.0, principal="A", **kw) -> None:
+    """A credit's worth parked behind a running batch: ``n`` requests, one per ms."""
+    for i in range(n):
+        b.add(_p(f"{principal}{i}", t + i * 1e-3, principal, **kw), t + i * 1e-3)
+
+
+def test_a_congested_group_takes_the_newest_first():
+    """Parked behind a batch that ran past ``lifo_after``: the newest go first (they have the
+    most time left), the oldest wait on for their deadlines; new arrivals go first too."""
+    b = Batcher(max_batch=2, max_delay=0.0)
+    _parked(b, 5)
+    assert _take(b, 0.2) == ["A4", "A3"], "parked requests waited past lifo_after: not served newest first"
+    b.add(_p("A5", 0.2), 0.2)
+    assert _take(b, 0.21) == ["A5", "A2"]
+    assert _take(b, 0.22) == ["A1", "A0"]
+    assert len(b) == 0
+
+
+def test_an_uncongested_group_stays_first_in_first_out_and_pays_nothing():
+    b = Batcher(max_batch=2, max_delay=0.0)
+    _parked(b, 5)
+    assert type(b._groups["k"]) is deque
+    assert _take(b, 0.09) == ["A0", "A1"]  # the oldest waited 90 ms: under lifo_after
+    assert type(b._groups["k"]) is deque, "an uncongested queue left the plain queue"
+    # A lone request: nothing to order, and nothing looked at.
+    lone = Batcher(max_batch=1, max_delay=0.0)
+    lone.add(_p("x", 0.0), 0.0)
+    assert lone._deep is False
+    assert _take(lone, 5.0) == ["x"] and lone._deep is False
+
+
+def test_never_with_lifo_after_none():
+    b = Batcher(max_batch=2, max_delay=0.0, lifo_after=None)
+    _parked(b, 3)
+    assert _take(b, 5.0) == ["A0", "A1"]
+    for bad in (-0.1, float("inf"), float("nan")):
+        with pytest.raises(ValueError):
+            Batcher(lifo_after=bad)
+
+
+def test_an_oldest_without_deadline_or_in_order_keeps_its_principal_in_order():
+    """As at the broker: a principal whose oldest request has no deadline (nothing else
+    would take it out) or must go first (``in_order``: given back once, or a stream's frame)
+    is served in order; the others of the group newest first."""
+    b = Batcher(max_batch=1, max_delay=0.0)
+    b.add(_p("A0", 0.0, deadline=None), 0.0)
+    b.add(_p("A1", 0.0), 0.0)
+    b.add(_p("A2", 0.0), 0.0)
+    b.add(_p("B0", 0.0, "B", in_order=True), 0.0)
+    b.add(_p("B1", 0.0, "B"), 0.0)
+    b.add(_p("C0", 0.0, "C"), 0.0)
+    b.add(_p("C1", 0.0, "C"), 0.0)
+    order = [_take(b, 0.5)[0] for _ in range(3)]
+    assert order == ["A0", "B0", "C1"], order
+    # A's and B's heads went: their remaining ones newest first now.
+    assert [_take(b, 0.5)[0] for _ in range(4)] == ["A2", "B1", "C0", "A1"]
+
+
+def test_turns_between_principals_hold_while_congested():
+    """A flood parked beside another principal's requests: still one of each in turn."""
+    b = Batcher(max_batch=1, max_delay=0.0)
+    _parked(b, 4, principal="A")
+    _parked(b, 2, t=0.01, principal="B")
+    assert [_take(b, 0.3)[0] for _ in range(6)] == ["A3", "B1", "A2", "B0", "A1", "A0"]
+
+
+def test_priorities_and_aging_hold_while_congested():
+    """Several classes: the urgent go first still; inside a class, newest first."""
+    b = Batcher(max_batch=3, max_delay=0.0)
+    b.add(_p("n0", 0.0), 0.0)
+    b.add(_p("n1", 0.001), 0.001)
+    b.add(_p("u0", 0.002, priority=0), 0.002)
+    b.add(_p("u1", 0.003, priority=0), 0.003)
+    b.add(_p("n2", 0.004), 0.004)
+    assert _take(b, 0.2) == ["u1", "u0", "n2"]
+    assert _take(b, 0.2) == ["n1", "n0"]
+
+
+def test_the_deadline_margin_still_sets_aside_what_cannot_finish():
+    """Newest first, the oldest waits on: once it has less than the margin left while others
+    compete it is set aside (answered at once), never run late."""
+    b = Batcher(max_batch=1, max_delay=0.0, deadline_margin=0.02)
+    b.add(_p("old", 0.0, deadline=0.25), 0.0)
+    b.add(_p("mid", 0.01, deadline=0.5), 0.01)
+    b.add(_p("new", 0.02, deadline=0.5), 0.02)
+    assert _take(b, 0.2) == ["new"]
+    assert [p.item for p in b.expire(0.24)] == ["old"]
+    assert _take(b, 0.24) == ["mid"]
+    assert len(b) == 0
+
+
+def test_congestion_ends_with_the_old_requests():
+    """Once no pending request has waited ``lifo_after`` (the old ones served or set aside)
+    the group is in add order again, its plain queue once more."""
+    b = Batcher(max_batch=1, max_delay=0.0)
+    _parked(b, 3)
+    assert _take(b, 0.15) == ["A2"]
+    assert type(b._groups["k"]) is not deque  # newest first: the turns' walk
+    b.add(_p("A3", 0.15), 0.15)
+    b.add(_p("A4", 0.16), 0.16)
+    assert [p.item for p in b.drop(lambda p: p.item in ("A0", "A1"))] == ["A0", "A1"]  # (cancelled)
+    assert _take(b, 0.2) == ["A3"], "the group stayed newest first after its old requests left"
+    assert type(b._groups["k"]) is deque
+    assert _take(b, 0.2) == ["A4"]
+
+
+def test_wake_at_and_take_agree_on_the_congested_order():
+    """`wake_at` looks at the same order `take` serves: a congested group's next batch is
+    the newest requests'."""
+    b = Batcher(max_batch=2, max_delay=0.05)
+    for i in range(3):
+        b.add(Pending(key="k", cost=1.0, item=i, arrived=i * 1e-3, deadline=10.0, backlog=5), i * 1e-3)
+    assert [p.item for p in b.take(0.0021, idle=True, force=True)] == [0, 1]
+    b.add(Pending(key="k", cost=1.0, item=3, arrived=0.2, deadline=10.0, backlog=5), 0.2)
+    assert b.wake_at(0.2) == 0.2  # full: goes at once
+    assert [p.item for p in b.take(0.2, idle=True)] == [3, 2]
+
+
+def test_the_workers_lifo_after_ms_flag():
+    """``--lifo-after-ms``, as the broker's: ms, negative for never; what the worker cannot
+    run with is a `ConfigError` naming the flag."""
+    from gpu_worker.__main__ import build_parser, model_config
+    from gpu_worker.worker import ConfigError, WorkerConfig
+
+    ap = build_parser()
+    base = ["--broker", "ipc:///x"]
+    assert model_config(ap.parse_args(base))["lifo_after"] == 0.1
+    assert model_config(ap.parse_args(base + ["--lifo-after-ms", "-1"]))["lifo_after"] is None
+    assert model_config(ap.parse_args(base + ["--lifo-after-ms", "0"]))["lifo_after"] == 0.0
+    with pytest.raises(ConfigError, match=r"lifo_after \(--lifo-after-ms\) must be a number of ms from 0"):
+        WorkerConfig(broker="ipc:///x", lifo_after=float("inf")).check()
+    WorkerConfig(broker="ipc:///x", lifo_after=None).check()
