@@ -290,13 +290,15 @@ _op = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=st.lists(_op, max_size=50), max_batch=st.integers(1, 3))
-def test_what_the_turns_know_of_last_turns_is_never_out_of_date(ops, max_batch):
+@given(ops=st.lists(_op, max_size=50), max_batch=st.integers(1, 3), lifo_after=st.sampled_from([0.1, 0.0, None]))
+def test_what_the_turns_know_of_last_turns_is_never_out_of_date(ops, max_batch, lifo_after):
     """Whatever the batcher remembers of principals' last turns in a group (a ring's
     ``served``, ``_left``, a plain queue's `_Solo` not served since) orders them as they
     were really last served in that group, alone or not: a record that outlived a turn it
-    did not see would let a principal pass one served before it."""
-    b = Batcher(max_batch=max_batch, max_delay=0.0)
+    did not see would let a principal pass one served before it.  Also while groups turn
+    congested and back (``lifo_after`` 0: a group of two requests or more at once), one
+    principal's queue then becoming turns of its own and a plain queue again."""
+    b = Batcher(max_batch=max_batch, max_delay=0.0, lifo_after=lifo_after)
     now = 1.0
     n = 0
     clock = 0
