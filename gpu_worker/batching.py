@@ -55,21 +55,28 @@ Policy
   "Congestion"), but what it dispatched to a worker with credit to spare (up to the
   credit, or a lease's slots) waited here in add order: under overload the oldest
   parked requests went first, each with its budget nearly spent, while the newest waited
-  behind them until they too were nearly out of time.  So a group is *congested* while its
-  oldest pending request has waited here ``lifo_after`` (0.1 s, the broker's
-  ``lifo_after``; the worker's ``--lifo-after-ms``; None: never), and then each principal's
+  behind them until they too were nearly out of time.  So a group is *congested* once it
+  has held more requests than one batch takes (``max_batch``) for ``lifo_after`` (0.1 s,
+  the broker's ``lifo_after``; the worker's ``--lifo-after-ms``; None: never): a backlog
+  the worker has not worked off for that long, as the broker's queue not empty for that
+  long (a group of one batch or less goes whole into the next batch, whatever its order).
+  It counts from the ``add`` that took a principal's plain queue over a batch, or the first
+  look (a batch planned: `take`, `wake_at`) that saw the group over one; a look that sees
+  it at one batch or less, or its end, ends it.  Then each principal's
   requests in it go newest first: what runs has most of its time left, and the oldest wait
   on until "Deadlines" below sets them aside (answered at once, never run late).  As at the
   broker, a principal whose oldest pending request of the group (of the class, while
   several are pending) has no deadline, or must go first (``in_order``: given back unstarted
   once by a busy worker, which the broker served first; or a leased request: a pinned stream's
   frames, whose results their client takes in send order, so a newer frame run first
-  would only wait, done, for the older ones), keeps add order.  The signal is the queue's
-  own head (how long its oldest has waited), not a timer: read where a batch is planned,
-  only while some group holds two requests or more (``_deep``; the lone request's path
-  does no extra work), and it ends by itself once the old requests are gone (served, set
-  aside or cancelled), as the broker's ends when its queue empties (under overload the
-  oldest linger until their deadlines, which keeps the group congested).  Everything
+  would only wait, done, for the older ones), keeps add order.  Why not the oldest
+  request's wait: under a flood with deadlines the worker sets its oldest aside (below)
+  before it has waited as long as ``lifo_after``, so a flood parked at the worker was never
+  seen congested.  The signal is read where a batch is planned, only while some group holds
+  two requests or more (``_deep``; the lone request's path does no extra work but forget a
+  group's mark when it empties), and ends once the backlog is worked off, as the broker's
+  ends when its queue empties (under overload the oldest linger until their deadlines,
+  which keeps the group congested).  Everything
   else holds: turns between principals (a congested group whose order this changes is its
   principals' `_Turns`, ``lifo``, even with one principal: the plain queue's path knows
   nothing of it),
@@ -476,6 +483,10 @@ class Batcher:
         # batch's order is looked at (`_congestion`, then `_best_scored_key` if mixed).  Set
         # by `add` off its lone path; cleared by `_congestion` once no group needs it.
         self._deep = False
+        #: key -> since when its group has held more requests than one batch takes, for
+        #: the groups that do (`_congestion`; set by `add` where its queue crosses that, else
+        #: at the first look that sees it; gone at a look that sees no more, or with the group)
+        self._over: dict[Hashable, float] = {}
         self._priority = 1     # the class of what is pending, while it is one class
         self._mixed = False    # several classes are pending: groups are ordered by score
 
@@ -511,6 +522,8 @@ class Batcher:
             self._deep = True
             if group[0].p.principal == p.principal:  # one principal: the common case
                 group.append(e)
+                if len(group) == self.max_batch + 1:  # more than a batch takes, from now on
+                    self._over[p.key] = now
             else:
                 self._groups[p.key] = _Turns(p.key, self._left, group, self._solo_served(p.key, group), e)
         else:
@@ -686,24 +699,28 @@ class Batcher:
         return best_key
 
     def _congestion(self, now: float) -> None:
-        """Say which groups are congested now ("Congestion": the oldest pending request has
-        waited ``lifo_after``): a plain queue of two requests or more that is becomes its
+        """Say which groups are congested now ("Congestion": the group has held more
+        requests than one batch takes for ``lifo_after``): a plain queue that is becomes its
         principal's turns (`_Turns`, ``lifo``: the turns take each queue newest first, and
         keep the principal's turns if another joins), and turns that no longer are lose
         ``lifo`` (one principal's: its plain queue again, as `_settle_turns` makes it).
-        Clears ``_deep`` when nothing is left for it to look at."""
+        Keeps ``_over`` to the groups over a batch now.  Clears ``_deep`` when nothing is
+        left for it to look at."""
         cut = None if self.lifo_after is None else now - self.lifo_after
+        cap = self.max_batch
+        over, seen = self._over, {}
         deep = self._mixed
         groups = self._groups
         for key, group in list(groups.items()):
             if type(group) is deque:
-                if len(group) < 2:
+                n = len(group)
+                if n < 2:
                     continue
                 deep = True
-                if cut is None:
+                if cut is None or n <= cap:
                     continue
-                oldest = min(e.p.arrived for e in group) if self._mixed else group[0].p.arrived
-                if oldest <= cut and self._reversible(group):
+                since = seen[key] = over.get(key, now)
+                if since <= cut and self._reversible(group):
                     served = self._solo_served(key, group)
                     if self._mixed:  # scored: back in add order, as the turns keep a queue
                         group = deque(sorted(group, key=lambda e: e.seq))
@@ -711,12 +728,16 @@ class Batcher:
                     turns.lifo = True
             else:
                 deep = True
-                lifo = cut is not None and group.oldest().p.arrived <= cut
+                lifo = False
+                if cut is not None and sum(map(len, group.queues.values())) > cap:
+                    since = seen[key] = over.get(key, now)
+                    lifo = since <= cut
                 if lifo is not group.lifo:
                     group.lifo = lifo
                     group.mixed = None
                 if len(group.queues) == 1:
                     self._settle_turns(key, group)  # its plain queue again, unless newest first
+        self._over = seen
         self._deep = deep
 
     def _reversible(self, q: deque) -> bool:
@@ -887,6 +908,7 @@ class Batcher:
                     self._groups[key] = group
                 else:
                     del self._groups[key]
+                    self._over.pop(key, None)
             else:
                 group.remove(seqs)
                 self._settle_turns(key, group)
@@ -905,6 +927,8 @@ class Batcher:
                 batch.append(e.p)
             if not group:
                 del self._groups[key]
+                if self._over:
+                    self._over.pop(key, None)
                 if self._solo:
                     self._solo.pop(key, None)  # a new queue of the key knows nothing of it
         else:
@@ -936,6 +960,7 @@ class Batcher:
                 self._solo[key] = _Solo(q, served)
         else:
             del self._groups[key]
+            self._over.pop(key, None)
 
     def _solo_served(self, key: Hashable, group: deque) -> int | None:
         """The last turn of the principal of ``group``, a plain queue another principal now

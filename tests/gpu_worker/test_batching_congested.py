@@ -1,6 +1,6 @@
-"""Congestion in the worker's batcher: a group whose oldest pending request has waited
-``lifo_after`` takes each principal's requests newest first, as the broker's congested
-queue does (gpu_worker/batching.py, "Congestion"); injected clock, no sleeps."""
+"""Congestion in the worker's batcher: a group that has held more requests than one batch
+takes for ``lifo_after`` takes each principal's requests newest first, as the broker's
+congested queue does (gpu_worker/batching.py, "Congestion"); injected clock, no sleeps."""
 from __future__ import annotations
 
 from collections import deque
@@ -33,7 +33,7 @@ def test_a_congested_group_takes_the_newest_first():
     assert _take(b, 0.2) == ["A4", "A3"], "parked requests waited past lifo_after: not served newest first"
     b.add(_p("A5", 0.2), 0.2)
     assert _take(b, 0.21) == ["A5", "A2"]
-    assert _take(b, 0.22) == ["A1", "A0"]
+    assert _take(b, 0.22) == ["A0", "A1"]  # one batch's worth left: no backlog, add order
     assert len(b) == 0
 
 
@@ -41,8 +41,12 @@ def test_an_uncongested_group_stays_first_in_first_out_and_pays_nothing():
     b = Batcher(max_batch=2, max_delay=0.0)
     _parked(b, 5)
     assert type(b._groups["k"]) is deque
-    assert _take(b, 0.09) == ["A0", "A1"]  # the oldest waited 90 ms: under lifo_after
+    assert _take(b, 0.09) == ["A0", "A1"]  # over a batch since the third's add, 88 ms: under lifo_after
     assert type(b._groups["k"]) is deque, "an uncongested queue left the plain queue"
+    # However long they waited, requests one batch takes whole are no backlog.
+    whole = Batcher(max_batch=2, max_delay=0.0)
+    _parked(whole, 2)
+    assert _take(whole, 5.0) == ["A0", "A1"] and not whole._over
     # A lone request: nothing to order, and nothing looked at.
     lone = Batcher(max_batch=1, max_delay=0.0)
     lone.add(_p("x", 0.0), 0.0)
@@ -94,7 +98,7 @@ def test_priorities_and_aging_hold_while_congested():
     b.add(_p("u1", 0.003, priority=0), 0.003)
     b.add(_p("n2", 0.004), 0.004)
     assert _take(b, 0.2) == ["u1", "u0", "n2"]
-    assert _take(b, 0.2) == ["n1", "n0"]
+    assert _take(b, 0.2) == ["n0", "n1"]  # one batch's worth left: add order
 
 
 def test_the_deadline_margin_still_sets_aside_what_cannot_finish():
@@ -110,31 +114,51 @@ def test_the_deadline_margin_still_sets_aside_what_cannot_finish():
     assert len(b) == 0
 
 
-def test_congestion_ends_with_the_old_requests():
-    """Once no pending request has waited ``lifo_after`` (the old ones served or set aside)
-    the group is in add order again, its plain queue once more."""
+def test_congestion_ends_once_the_backlog_is_worked_off():
+    """Congestion is a backlog held for ``lifo_after``: once a look finds the group at one
+    batch or less, it is in add order again, its plain queue once more, and a new backlog
+    counts its ``lifo_after`` afresh."""
     b = Batcher(max_batch=1, max_delay=0.0)
     _parked(b, 3)
     assert _take(b, 0.15) == ["A2"]
     assert type(b._groups["k"]) is not deque  # newest first: the turns' walk
-    b.add(_p("A3", 0.15), 0.15)
-    b.add(_p("A4", 0.16), 0.16)
-    assert [p.item for p in b.drop(lambda p: p.item in ("A0", "A1"))] == ["A0", "A1"]  # (cancelled)
-    assert _take(b, 0.2) == ["A3"], "the group stayed newest first after its old requests left"
-    assert type(b._groups["k"]) is deque
-    assert _take(b, 0.2) == ["A4"]
+    assert [p.item for p in b.drop(lambda p: p.item == "A0")] == ["A0"]  # (cancelled)
+    assert _take(b, 0.16) == ["A1"]  # the last one: a batch takes it whole
+    b.add(_p("A3", 0.17), 0.17)
+    assert _take(b, 0.17) == ["A3"] and type(b._groups.get("k", deque())) is deque
+    _parked(b, 3, t=0.2)  # a new backlog, over a batch since 0.201
+    assert _take(b, 0.25) == ["A0"], "a new backlog was newest first before lifo_after"
+    assert _take(b, 0.302) == ["A2"], "a backlog held for lifo_after was not newest first"
+    # Its group gone (the rest cancelled): what it knew goes with it.
+    b.drop(lambda p: True)
+    assert not b._groups and not b._over
+
+
+def test_a_backlog_seen_first_by_a_look_counts_from_that_look():
+    """Two principals' turns (no plain queue's add to mark it): the look that first sees
+    the group over a batch starts its ``lifo_after``."""
+    b = Batcher(max_batch=2, max_delay=0.0)
+    b.add(_p("A0", 0.0), 0.0)
+    b.add(_p("B0", 0.0, "B"), 0.0)
+    b.add(_p("A1", 0.0), 0.0)
+    b.add(_p("B1", 0.0, "B"), 0.0)
+    assert b.wake_at(0.05) == 0.05 and b._over == {"k": 0.05}
+    assert _take(b, 0.1) == ["A0", "B0"], "newest first 50 ms after the look that saw the backlog"
+    b.add(_p("A2", 0.1), 0.1)
+    b.add(_p("B2", 0.1, "B"), 0.1)
+    assert _take(b, 0.16) == ["A2", "B2"]
 
 
 def test_wake_at_and_take_agree_on_the_congested_order():
     """`wake_at` looks at the same order `take` serves: a congested group's next batch is
     the newest requests'."""
     b = Batcher(max_batch=2, max_delay=0.05)
-    for i in range(3):
+    for i in range(5):
         b.add(Pending(key="k", cost=1.0, item=i, arrived=i * 1e-3, deadline=10.0, backlog=5), i * 1e-3)
-    assert [p.item for p in b.take(0.0021, idle=True, force=True)] == [0, 1]
-    b.add(Pending(key="k", cost=1.0, item=3, arrived=0.2, deadline=10.0, backlog=5), 0.2)
+    assert [p.item for p in b.take(0.0041, idle=True, force=True)] == [0, 1]  # 3 left: over a batch still
+    b.add(Pending(key="k", cost=1.0, item=5, arrived=0.2, deadline=10.0, backlog=5), 0.2)
     assert b.wake_at(0.2) == 0.2  # full: goes at once
-    assert [p.item for p in b.take(0.2, idle=True)] == [3, 2]
+    assert [p.item for p in b.take(0.2, idle=True)] == [5, 4]
 
 
 def test_the_workers_lifo_after_ms_flag():
@@ -151,3 +175,29 @@ def test_the_workers_lifo_after_ms_flag():
     with pytest.raises(ConfigError, match=r"lifo_after \(--lifo-after-ms\) must be a number of ms from 0"):
         WorkerConfig(broker="ipc:///x", lifo_after=float("inf")).check()
     WorkerConfig(broker="ipc:///x", lifo_after=None).check()
+
+
+def test_a_flood_whose_oldest_are_set_aside_before_lifo_after_is_congested():
+    """The flood of the benchmark (BENCHMARKS.md, "Newest first at the worker"): a 20 ms
+    model, batches of one, 100 ms deadlines, five parked.  The worker sets each oldest aside
+    at 80 ms (the margin), before it has waited ``lifo_after``: read off the oldest's wait,
+    the group was never congested and ran its oldest, nearly out of time, first in first
+    out.  A backlog held for ``lifo_after``, it runs the newest."""
+    b = Batcher(max_batch=1, max_delay=0.0, deadline_margin=0.02)
+    n = 0
+
+    def arrive(t):
+        nonlocal n
+        b.add(_p(n, t, deadline=t + 0.1), t)
+        n += 1
+
+    for i in range(5):
+        arrive(i * 0.004)
+    ran = []
+    for step in range(1, 16):
+        t = step * 0.02
+        b.expire(t)
+        ran.append((t, n - 1, _take(b, t)[0]))
+        arrive(t)
+    late = [(t, newest, got) for t, newest, got in ran if t > 0.12 and got != newest]
+    assert not late, f"(time, newest, what ran) while the backlog was held for lifo_after: {late}"
