@@ -1,0 +1,25 @@
+#!/bin/bash
+# usage: run_pair.sh TREE OUTPREFIX ; a broker and one fixed-time worker of TREE; two bench run processes
+# (two principals) at once: a flood (125 req/s) and light.py (5 req/s, each reply's timing split printed), 100 ms timeouts;
+# WORKER_ARGS: more gpu_worker arguments (e.g. "--credit 8")
+set -u
+TREE=$1; OUT=$2
+HERE=$(cd "$(dirname "$0")" && pwd)
+PY=/work/main/.venv/bin/python
+RT=$(mktemp -d /tmp/ovl/rt.XXXX)
+export XDG_RUNTIME_DIR=$RT
+cd $TREE
+PYTHONPATH=$TREE:$TREE/tests/e2e $PY -m broker --frontend ipc://$RT/fe.ipc --backend ipc://$RT/be.ipc > $RT/broker.out 2> $RT/broker.err &
+B=$!
+for i in $(seq 100); do [ -S $RT/be.ipc ] && break; sleep 0.1; done
+FIXED_MS=20 PYTHONPATH=$TREE:$TREE/tests/e2e $PY -m gpu_worker --broker ipc://$RT/be.ipc --model bench_models:fixed --max-batch 1 ${WORKER_ARGS:-} > $RT/worker.out 2> $RT/worker.err &
+W=$!
+for i in $(seq 300); do grep -q READY $RT/worker.out 2>/dev/null && break; sleep 0.1; done
+cd /work/main
+$PY -m bench run --endpoint ipc://$RT/fe.ipc --service fixed --input x=16:uint8 --request-rate-range 125:125 \
+   --timeout-s 0.1 --window-s 4 --warmup-s 1 --json ${OUT}_flood.json --quiet > $RT/flood.out 2>&1 &
+F=$!
+$PY $HERE/light.py ipc://$RT/fe.ipc > ${OUT}_light.txt 2>&1
+echo "light rc=$?"; wait $F; echo "flood rc=$?"
+kill -TERM $W; wait $W; kill -TERM $B; wait $B
+rm -rf $RT
