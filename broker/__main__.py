@@ -63,16 +63,41 @@ def keys_main(argv: list[str]) -> int:
 
 class _SignalStop:
     """The broker loop's stop flag, set from signal handlers: a plain attribute, no lock (a
-    threading.Event's set() takes one, and a second signal arriving inside it deadlocks)."""
+    threading.Event's set() takes one, and a second signal arriving inside it deadlocks).
+
+    ``wake_fd``: a pipe's read end that the C-level signal handler writes to
+    (`signal.set_wakeup_fd`, `listen()`), which `Broker.serve` watches: the interpreter runs
+    a Python handler only once the loop's wait returns (PEP 475 restarts it after EINTR,
+    timeout and all), so a SIGTERM to an idle broker was seen at the end of its wait, up to
+    100 ms later, where it now ends the wait at once."""
 
     def __init__(self):
         self._set = False
+        self.wake_fd: int | None = None
+        self._write_fd: int | None = None
 
     def set(self) -> None:
         self._set = True
 
     def is_set(self) -> bool:
         return self._set
+
+    def listen(self) -> None:
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: the loop sees the flag at its next pass
+            os.close(r)
+            os.close(w)
+            return
+        self.wake_fd, self._write_fd = r, w
+
+    def close(self) -> None:
+        if self.wake_fd is not None:
+            signal.set_wakeup_fd(-1)
+            os.close(self.wake_fd)
+            os.close(self._write_fd)
+            self.wake_fd = self._write_fd = None
 
 
 def pool_worker_argv(config: str, pool: str) -> list[str]:
@@ -295,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = _SignalStop()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.listen()
     if deploy is None:
         # SIGHUP rolls a launcher's pools; here there are none.  Its default action ended the
         # broker at once, with no drain.
@@ -324,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ignored, because the interpreter's exit puts the default actions back, and a SIGTERM
     # during it (a second one sent just after the first) ended the process with -15, not 0.
     ignore_stop_signals()
+    stop.close()
     return 0 if pools is None else pools.exit_code
 
 

@@ -146,6 +146,15 @@ DEFAULT_MAX_FRAME = 256 << 20
 DEFAULT_CLIENT_HWM = 4096  # = the default max_client_requests: a client within its cap is never dropped for pipelining
 
 
+def _drain_fd(fd: int) -> None:
+    """Read a non-blocking pipe until it is empty (a stop's wake-up bytes)."""
+    try:
+        while os.read(fd, 64):
+            pass
+    except OSError:  # BlockingIOError: empty
+        pass
+
+
 def _peer_pid(frame: Any) -> int | None:
     """SO_PEERCRED's pid for the unix-domain connection a received frame came from."""
     try:
@@ -846,7 +855,9 @@ class Broker:
             _unlink_ipc(("ipc://" + self._hidden,), self._ipc_files)
 
     def serve(self, stop: threading.Event | None = None) -> None:
-        """Run until `stop` is set (checked at least every 100 ms)."""
+        """Run until `stop` is set (checked at least every 100 ms, and at once when `stop`
+        has a ``wake_fd`` that turns readable: a pipe written when it is set, as python -m
+        broker's signal-set stop has)."""
         waiter = Waiter()
         try:
             self._serve(waiter, stop)
@@ -873,6 +884,12 @@ class Broker:
             http = self._http_loop.get(zmq.FD)
             waiter.add_fd(http)
             self._on_http()
+        # A stop that a signal sets says so on a descriptor too (`wake_fd`: python -m
+        # broker's, which the C-level handler writes to): the wait ends at once, and the
+        # loop's condition sees the flag.
+        stop_fd = getattr(stop, "wake_fd", None)
+        if stop_fd is not None:
+            waiter.add_fd(stop_fd)
         self._on_backend_events()
         self._on_frontend_events()
         wait = waiter.wait
@@ -954,6 +971,8 @@ class Broker:
                         self._drop_doomed()
                 elif sock == http:
                     self._on_http()
+                elif sock == stop_fd:
+                    _drain_fd(stop_fd)
             if self._gone:
                 self._settle_gone(monotonic())
             wake = sched.next_wakeup(monotonic())
