@@ -470,6 +470,9 @@ class Client(ClientBase):
         sock = self._sock
         if timeout != 0 and not sock_events(sock) & _POLLOUT:
             self._wait_writable(sock, max(1, wait_ms(timeout)) if timeout is not None else -1)
+            # A give_up() of this call left to the wait (a signal handler's, a stream's
+            # close() there) discarded it and freed its inputs: it must not go now.
+            core.check_submittable(call)
         now = time.monotonic()
         call.t_submit = call.t_submit or now
         try:

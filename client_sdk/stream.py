@@ -208,7 +208,8 @@ class _StreamCore:
         (KeyboardInterrupt, a signal handler's exception) in the socket's wait leaves it
         there for a later `recv()` (taken off first, it was lost: counted nowhere, its
         outcome never given), and so does a client closed meanwhile (a signal handler's
-        `close()`): it never left, so it is not `sent`, and `close()` drops it.
+        `close()`): it never left, so it is not `sent`, and `close()` drops it.  A stream
+        closed meanwhile (its own `close()` in a signal handler) dropped it already.
 
         A frame the client could not send (its request refused before it left: a header
         too big, out of descriptors) fails alone, in its turn, as a sent frame whose error
@@ -220,11 +221,13 @@ class _StreamCore:
             if not self._submit(call, timeout):
                 return False
         except Exception as e:
-            if self._client.closed:
+            if self._client.closed or self._closed:
                 return False
             self._client.give_up(call)  # (the client discarded it already: nothing more)
             call.inbox.append(("error", e))
         except BaseException as e:
+            if self._closed:  # (as below)
+                raise
             if call.done:  # interrupted while it was being sent: the client discarded it
                 self._took(call)
                 call.inbox.append(("error", InferenceError(
@@ -235,6 +238,11 @@ class _StreamCore:
                 self._took(call)
             raise
         else:
+            if self._closed:
+                # The stream's close() ran meanwhile (a signal handler's): it took the frame
+                # off `_pending` and counted it, and gave it up at the client (a send that
+                # went on is cancelled there).  (Taken off again: IndexError.)
+                return False
             self._told += call.dropped
         self._took(call)
         return True

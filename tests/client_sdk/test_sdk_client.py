@@ -1390,6 +1390,55 @@ def test_a_frame_the_client_closed_before_it_was_sent_is_not_counted_sent(fake, 
             _counted(s)
 
 
+def test_a_stream_closed_by_a_signal_handler_while_its_frame_is_sent(fake, endpoint, monkeypatch):
+    # The stream's own close() from a signal handler while a frame was being sent (here, as
+    # its request is made): close() dropped the frame from the pending ones, the send went
+    # on, and the stream then took it off the emptied pending frames: IndexError out of
+    # send() (or recv()).  The frame went (close() cancels it, at the client: deferred to the
+    # end of the send) and counts dropped, as a frame close() found waiting.
+    with Client(endpoint, transport="inline") as c:
+        s = c.stream("echo", latest_wins=False, max_in_flight=1)
+        real = c._core.request_frames
+
+        def closing(call, now):
+            monkeypatch.setattr(c._core, "request_frames", real)
+            s.close()  # (a signal handler's, landing in the send)
+            return real(call, now)
+
+        monkeypatch.setattr(c._core, "request_frames", closing)
+        assert s.send({"x": np.zeros(2)}) == 0
+        st = s.stats()
+        assert (st.sent, st.dropped, st.pending, st.in_flight) == (0, 1, 0, 0), st
+        _counted(s)
+        deadline = time.monotonic() + WAIT
+        while c.in_flight():  # its CANCEL went: the fake answers it
+            assert time.monotonic() < deadline, "the frame close() dropped stayed in flight"
+            c.pump(0.05)
+        with pytest.raises(EndOfStream):
+            s.recv(WAIT)
+
+
+def test_a_call_given_up_while_submit_waits_for_the_socket_is_not_sent(fake, endpoint, monkeypatch):
+    # A give_up() (a signal handler's, a stream's close() there) while submit() waited for
+    # the socket is left to the wait, which does it on waking: the call was discarded, its
+    # input slots freed, and the submit went on and sent it all the same (a worker then read
+    # slots that another request may hold by then).  The submit refuses it.
+    import client_sdk.client as client_mod
+    with Client(endpoint) as c:
+        call = c.prepare("echo", {"x": np.zeros(4096)})
+        monkeypatch.setattr(client_mod, "sock_events", lambda sock: 0)  # the socket looks full
+        real = c._wait_writable
+
+        def wait(sock, ms):
+            c.give_up(call)  # nested: deferred to this wait (and wakes it)
+            real(sock, ms)
+
+        monkeypatch.setattr(c, "_wait_writable", wait)
+        with pytest.raises(InvalidInput, match="given up"):
+            c.submit(call, WAIT)
+        assert call.id == 0 and call.done and c.in_flight() == 0
+
+
 def test_a_frame_waiting_at_close_past_its_deadline_counts_as_expired(fake, endpoint):
     # A frame still waiting for room at close() whose deadline had passed counted in
     # `dropped` (replaced, or not sent when the stream closed), not `expired`.
