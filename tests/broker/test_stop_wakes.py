@@ -36,9 +36,11 @@ class _PipeStop:
 def test_a_stop_with_a_wake_fd_ends_the_brokers_wait_at_once(tmp_path, monkeypatch):
     real_wait = wire.Waiter.wait
     waits = []
+    waiting = threading.Event()
 
     def endless(self, ms):  # every wait without a limit: only a descriptor ends it
         waits.append(ms)
+        waiting.set()
         return real_wait(self, -1)
 
     monkeypatch.setattr(wire.Waiter, "wait", endless)
@@ -48,6 +50,8 @@ def test_a_stop_with_a_wake_fd_ends_the_brokers_wait_at_once(tmp_path, monkeypat
     t = threading.Thread(target=broker.serve, args=(stop,), daemon=True)
     try:
         t.start()
+        # Set once the loop waits (set before its first pass, the loop never ran: "never waited").
+        assert waiting.wait(10), "the broker's loop never began to wait"
         stop.set()
         t.join(10)
         assert not t.is_alive(), "the broker's wait did not end when its stop was set: it sees only its timeout"
