@@ -407,16 +407,17 @@ def test_a_full_queue_lets_requests_past_their_deadline_go_before_it_evicts_anyo
     late = _dealer(cluster.frontend)  # this process: another principal than the burster
     try:
         t = P.TensorRef(name="x", dtype="<f8", shape=[1], loc=P.InlineLoc(frame=0))
+        t0 = time.monotonic()  # before the broker read them: their deadlines after t0 + 1
         for rid, timeout_ms in ((1, None), (2, 1000), (3, 1000)):  # 1 runs (gated), 2 and 3 queue
             head = P.encode_header(P.Request(id=rid, timeout_ms=timeout_ms, tensors=[t]))
             burster.send_multipart(P.client_request("gate", [head, np.array([rid], np.float64).tobytes()]))
-        t0 = time.monotonic()
-        _barrier(burster)  # 2 and 3 are queued, their deadlines before t0 + 1
+        _barrier(burster)  # 2 and 3 are queued, their deadlines before t1 + 1
+        t1 = time.monotonic()  # (not t0: the broker may read them later than t0, under load)
         stop.touch()  # the broker stops itself at its next timer run (every 0.2 s: heartbeats)
         _until_stopped(broker.p.pid)
         assert time.monotonic() < t0 + 0.9, "the broker stopped too late to show anything"
         late.send_multipart(_small("gate", 100))  # read on the thaw, before the timers run again
-        while time.monotonic() < t0 + 1.1:
+        while time.monotonic() < t1 + 1.1:
             time.sleep(0.01)  # the stimulus: the broker stopped past both deadlines
         os.kill(broker.p.pid, signal.SIGCONT)
         got = {}
