@@ -476,8 +476,9 @@ class Batcher:
         self.aging_s = float(aging_s)
         if lifo_after is not None and not (0 <= lifo_after < math.inf):
             raise ValueError("lifo_after must be None (never) or a finite number of seconds >= 0")
-        #: a group whose oldest pending request has waited this long is congested, and each
-        #: principal's requests in it go newest first ("Congestion"); None: never
+        #: a group that has held more requests than one batch takes for this long is
+        #: congested, and each principal's requests in it go newest first ("Congestion");
+        #: None: never
         self.lifo_after = None if lifo_after is None else float(lifo_after)
         # Some group holds two requests or more, or several classes are pending: the next
         # batch's order is looked at (`_congestion`, then `_best_scored_key` if mixed).  Set
