@@ -192,6 +192,24 @@ def cluster(tmp_path):
         c.close()
 
 
+class RunLog:
+    """The $RUN_LOG of tests/e2e/gate_model.py's `counted` and `counted_batch`: the tags
+    of the requests its model ran, in run order."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def order(self) -> list[int]:
+        return [int(line.split()[1]) for line in self.path.read_text().splitlines()] if self.path.exists() else []
+
+    def until(self, n: int, timeout: float = 20.0) -> None:
+        """Until `n` runs are logged (polling a file: a condition, not a delay)."""
+        deadline = time.monotonic() + timeout
+        while len(self.order()) < n:
+            assert time.monotonic() < deadline, f"{self.order()}: waited for {n} runs"
+            time.sleep(0.005)
+
+
 def wait_service(client, service: str, timeout: float = 20.0) -> None:
     """Poll MMI until the broker knows a live worker for `service` (a condition, not a sleep)."""
     deadline = time.monotonic() + timeout

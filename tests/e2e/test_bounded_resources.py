@@ -33,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from broker import protocol as P
 from client_sdk import Client, DeadlineExceeded, InferenceError
-from tests.e2e.conftest import HERE, Proc, wait_service
+from tests.e2e.conftest import HERE, Proc, RunLog, wait_service
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -846,20 +846,11 @@ def test_another_clients_lone_request_does_not_wait_behind_a_flood_parked_at_the
     the next batch, not behind the whole flood.  Before, it ran last: the 15 of the flood
     ran first, in four batches."""
     cluster.broker()
-    runs = tmp_path / "runs.log"
+    runs = RunLog(tmp_path / "runs.log")
     p = cluster.worker("gate_model:counted_batch", "--service", "cb", "--max-batch", "4", "--credit", "16",
-                       "--no-warmup", env={**gate.env, "RUN_LOG": str(runs)}, wait=False)
+                       "--no-warmup", env={**gate.env, "RUN_LOG": str(runs.path)}, wait=False)
     gate.open()  # returns at once: the model holds the FIFO open for reading and writing
     p.wait_ready()
-
-    def run_order() -> list[int]:
-        return [int(line.split()[1]) for line in runs.read_text().splitlines()] if runs.exists() else []
-
-    def until_runs(n: int) -> None:
-        deadline = time.monotonic() + 20
-        while len(run_order()) < n:
-            assert time.monotonic() < deadline, f"{run_order()}: waited for {n} runs"
-            time.sleep(0.005)  # polling a file (a condition, not a delay)
 
     def tagged(rid: int, tag: int) -> list:
         return _request("cb", rid, np.array([tag], np.int64).tobytes(), "<i8", [1])
@@ -869,7 +860,7 @@ def test_another_clients_lone_request_does_not_wait_behind_a_flood_parked_at_the
         with Client(cluster.frontend, timeout=20) as c:
             wait_service(c, "cb")
             flood.send_multipart(tagged(1, 0))
-            until_runs(1)  # the flood's first request runs alone, held at the gate
+            runs.until(1)  # the flood's first request runs alone, held at the gate
             for tag in range(1, 15):
                 flood.send_multipart(tagged(tag + 1, tag))
             _barrier(flood, "cb")  # all 14 dispatched to the worker (credit 16)
@@ -877,7 +868,7 @@ def test_another_clients_lone_request_does_not_wait_behind_a_flood_parked_at_the
                 assert c.mmi_service("cb", timeout=10)  # dispatched too: the last credit
                 for n in (5, 9, 13, 16):  # one batch at a time
                     gate.release(1)
-                    until_runs(n)
+                    runs.until(n)
                 gate.release(1)
                 res = next(mine)
                 assert res.final and res["x"].tolist() == [100]
@@ -887,7 +878,7 @@ def test_another_clients_lone_request_does_not_wait_behind_a_flood_parked_at_the
                 assert rep.error is None, rep
     finally:
         flood.close(0)
-    order = run_order()
+    order = runs.order()
     print(f"\nrun order (100: the other client's): {order}")
     assert [t for t in order if t != 100] == list(range(15)), order  # the flood's own order stays
     # Normally in the batch right after the flood's first (index 1 to 4); a batch later if

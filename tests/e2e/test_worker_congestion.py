@@ -10,6 +10,8 @@ import zmq
 
 from broker import protocol as P
 
+from .conftest import RunLog
+
 
 def _tagged(rid: int, tag: int) -> list:
     """A REQUEST for `gate_model:counted` with a deadline (20 s): x = [tag]."""
@@ -34,20 +36,11 @@ def test_requests_parked_at_a_congested_worker_go_newest_first(cluster, gate, tm
     congested queue sent the newest: a flood parked at the worker waited there first in
     first out until it expired."""
     cluster.broker()
-    runs = tmp_path / "runs.log"
+    runs = RunLog(tmp_path / "runs.log")
     p = cluster.worker("gate_model:counted", "--service", "cq", "--max-batch", "1", "--credit", "6",
-                       "--no-warmup", "--lifo-after-ms", "0", env={**gate.env, "RUN_LOG": str(runs)}, wait=False)
+                       "--no-warmup", "--lifo-after-ms", "0", env={**gate.env, "RUN_LOG": str(runs.path)}, wait=False)
     gate.open()  # returns at once: the model holds the FIFO open for reading and writing
     p.wait_ready()
-
-    def run_order() -> list[int]:
-        return [int(line.split()[1]) for line in runs.read_text().splitlines()] if runs.exists() else []
-
-    def until_runs(n: int) -> None:
-        deadline = time.monotonic() + 20
-        while len(run_order()) < n:
-            assert time.monotonic() < deadline, f"{run_order()}: waited for {n} runs"
-            time.sleep(0.005)  # polling a file (a condition, not a delay)
 
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
@@ -63,7 +56,7 @@ def test_requests_parked_at_a_congested_worker_go_newest_first(cluster, gate, tm
             assert time.monotonic() < deadline, "no worker for 'cq'"
             time.sleep(0.01)
         s.send_multipart(_tagged(1, 0))
-        until_runs(1)  # the first runs alone, held at the gate (offloaded: no warm-up timed it)
+        runs.until(1)  # the first runs alone, held at the gate (offloaded: no warm-up timed it)
         for tag in range(1, 6):
             s.send_multipart(_tagged(tag + 1, tag))
         s.send_multipart(P.client_cancel("cq", 6))  # the fifth: dispatched, so the worker answers
@@ -72,11 +65,11 @@ def test_requests_parked_at_a_congested_worker_go_newest_first(cluster, gate, tm
         # The worker read 1 to 4 before that cancel: they wait in its batcher.
         for n in range(2, 6):
             gate.release(1)
-            until_runs(n)
+            runs.until(n)
         gate.release(1)
         done = sorted(_recv_final(s).id for _ in range(5))
         assert done == [1, 2, 3, 4, 5]
     finally:
         s.close(0)
-    order = run_order()
+    order = runs.order()
     assert order == [0, 4, 3, 2, 1], f"run order {order}: the parked requests were not served newest first"

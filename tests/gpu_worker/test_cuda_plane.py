@@ -230,7 +230,7 @@ def test_cuda_inputs_from_another_host_are_refused(side):
     assert not job.cuda_in and job.inputs is None
 
 
-@pytest.mark.parametrize("pid", [None, 1, os.getpid() + 1])
+@pytest.mark.parametrize("pid", [None, 1, os.getpid() + 1], ids=["none", "1", "another"])
 def test_cuda_inputs_of_a_pool_the_requester_does_not_own_are_refused(side, pid):
     job = _job([_cuda_ref(side, np.zeros(2, np.uint8))], pid=pid)
     with pytest.raises(P.ProtocolError, match="attest|does not own") as e:

@@ -93,7 +93,7 @@ def test_what_a_host_plane_refuses(plane, client_pool, case):
     assert job.inputs is None and job.refs is None
 
 
-@pytest.mark.parametrize("pid", [-1, 1, os.getpid() + 1])
+@pytest.mark.parametrize("pid", [-1, 1, os.getpid() + 1], ids=["-1", "1", "another"])
 def test_a_segment_the_requester_does_not_own_is_refused_before_it_is_opened(plane, client_pool, pid):
     # The principal is the pid the broker attested (SO_PEERCRED), never anything the client
     # wrote; -1 stands for "not attested" (tcp, another pid namespace).

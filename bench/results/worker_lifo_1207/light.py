@@ -1,6 +1,6 @@
 import sys, time, json, numpy as np
 from client_sdk import Client
-ep = sys.argv[1]; out = []
+ep = sys.argv[1]; out = []  # the light client of overload_1206b/pair/run_pair.sh (LIGHT_PY=this), each reply's timing split
 with Client(ep, timeout=0.1) as c:
     x = np.zeros(16, np.uint8)
     t_next = time.monotonic() + 1.0

@@ -1,7 +1,7 @@
 #!/bin/bash
 # usage: run_pair.sh TREE OUTPREFIX ; a broker and one fixed-time worker of TREE; two bench run processes
 # (two principals) at once: a flood (125 req/s) and a light client (5 req/s), 100 ms timeouts;
-# WORKER_ARGS: more gpu_worker arguments (e.g. "--credit 8")
+# WORKER_ARGS: more gpu_worker arguments (e.g. "--credit 8"); LIGHT_PY: a script run as the light client instead
 set -u
 TREE=$1; OUT=$2
 PY=/work/main/.venv/bin/python
@@ -18,8 +18,12 @@ cd /work/main
 $PY -m bench run --endpoint ipc://$RT/fe.ipc --service fixed --input x=16:uint8 --request-rate-range 125:125 \
    --timeout-s 0.1 --window-s 4 --warmup-s 1 --json ${OUT}_flood.json --quiet > $RT/flood.out 2>&1 &
 F=$!
-$PY -m bench run --endpoint ipc://$RT/fe.ipc --service fixed --input x=16:uint8 --request-rate-range 5:5 \
-   --timeout-s 0.1 --window-s 4 --warmup-s 1 --json ${OUT}_light.json --quiet > $RT/light.out 2>&1
+if [ -n "${LIGHT_PY:-}" ]; then  # a script in the light client's place: LIGHT_PY FRONTEND, its output to OUT_light.txt
+  $PY $LIGHT_PY ipc://$RT/fe.ipc > ${OUT}_light.txt 2>&1
+else
+  $PY -m bench run --endpoint ipc://$RT/fe.ipc --service fixed --input x=16:uint8 --request-rate-range 5:5 \
+     --timeout-s 0.1 --window-s 4 --warmup-s 1 --json ${OUT}_light.json --quiet > $RT/light.out 2>&1
+fi
 echo "light rc=$?"; wait $F; echo "flood rc=$?"
 kill -TERM $W; wait $W; kill -TERM $B; wait $B
 rm -rf $RT
