@@ -58,7 +58,8 @@ def add_model_options(ap: argparse.ArgumentParser) -> None:
                          "(a lone client never waits); throughput: also on arrival-rate evidence alone "
                          "(docs/models.md, 'Batching policy')")
     ap.add_argument("--lifo-after-ms", type=_number_any, default=100.0, metavar="MS",
-                    help="a batch group that held more than a batch for MS ms is congested: each client's "
+                    help="a batch group holding more than a batch that lost a request to its deadline within MS ms is "
+                         "congested: each client's "
                          "requests newest first, as at the broker (default 100, as the broker's; negative: "
                          "never, first in first out always; docs/models.md, 'Batching policy')")
     ap.add_argument("--heartbeat-interval", type=float, default=1.0,

@@ -55,28 +55,29 @@ Policy
   "Congestion"), but what it dispatched to a worker with credit to spare (up to the
   credit, or a lease's slots) waited here in add order: under overload the oldest
   parked requests went first, each with its budget nearly spent, while the newest waited
-  behind them until they too were nearly out of time.  So a group is *congested* once it
-  has held more requests than one batch takes (``max_batch``) for ``lifo_after`` (0.1 s,
-  the broker's ``lifo_after``; the worker's ``--lifo-after-ms``; None: never): a backlog
-  the worker has not worked off for that long, as the broker's queue not empty for that
-  long (a group of one batch or less goes whole into the next batch, whatever its order).
-  It counts from the ``add`` that took a principal's plain queue over a batch, or the first
-  look (a batch planned: `take`, `wake_at`) that saw the group over one; a look that sees
-  it at one batch or less, or its end, ends it.  Then each principal's
+  behind them until they too were nearly out of time.  So a group is *congested* while it
+  holds more requests than one batch takes (``max_batch``: a group of one batch or less
+  goes whole into the next batch, whatever its order) and one of its requests was set
+  aside for its deadline (below: passed, or too near to run) within ``lifo_after`` (0.1 s,
+  the broker's; the worker's ``--lifo-after-ms``; None: never): first in first out is
+  losing requests to their deadlines.  Then each principal's
   requests in it go newest first: what runs has most of its time left, and the oldest wait
   on until "Deadlines" below sets them aside (answered at once, never run late).  As at the
   broker, a principal whose oldest pending request of the group (of the class, while
   several are pending) has no deadline, or must go first (``in_order``: given back unstarted
   once by a busy worker, which the broker served first; or a leased request: a pinned stream's
   frames, whose results their client takes in send order, so a newer frame run first
-  would only wait, done, for the older ones), keeps add order.  Why not the oldest
-  request's wait: under a flood with deadlines the worker sets its oldest aside (below)
-  before it has waited as long as ``lifo_after``, so a flood parked at the worker was never
-  seen congested.  The signal is read where a batch is planned, only while some group holds
-  two requests or more (``_deep``; the lone request's path does no extra work but forget a
-  group's mark when it empties), and ends once the backlog is worked off, as the broker's
-  ends when its queue empties (under overload the oldest linger until their deadlines,
-  which keeps the group congested).  Everything
+  would only wait, done, for the older ones), keeps add order.  Why not a time alone (the
+  broker's "not empty for ``lifo_after``", or the oldest request's wait): a model slower
+  than ``lifo_after`` keeps a parked request waiting that long in normal operation, and
+  newest first then only reordered a client's calls (a stream's frames through the broker
+  came back later: each waits for the one before it), with nothing gained; and under a
+  flood with short deadlines the oldest is set aside before it has waited ``lifo_after``.
+  A request lost to its deadline is what says the queue costs calls.  The signal is read
+  where a batch is planned, only while some group holds two requests or more (``_deep``;
+  the lone request's path does no extra work), and ends once the backlog is worked off or
+  no request was lost for ``lifo_after`` (under overload the oldest, served last, keep
+  being set aside, which keeps the group congested).  Everything
   else holds: turns between principals (a congested group whose order this changes is its
   principals' `_Turns`, ``lifo``, even with one principal: the plain queue's path knows
   nothing of it),
@@ -476,18 +477,18 @@ class Batcher:
         self.aging_s = float(aging_s)
         if lifo_after is not None and not (0 <= lifo_after < math.inf):
             raise ValueError("lifo_after must be None (never) or a finite number of seconds >= 0")
-        #: a group that has held more requests than one batch takes for this long is
-        #: congested, and each principal's requests in it go newest first ("Congestion");
-        #: None: never
+        #: a group holding more requests than one batch takes, one of which was set aside
+        #: for its deadline within this long, is congested, and each principal's requests in
+        #: it go newest first ("Congestion"); None: never
         self.lifo_after = None if lifo_after is None else float(lifo_after)
         # Some group holds two requests or more, or several classes are pending: the next
         # batch's order is looked at (`_congestion`, then `_best_scored_key` if mixed).  Set
         # by `add` off its lone path; cleared by `_congestion` once no group needs it.
         self._deep = False
-        #: key -> since when its group has held more requests than one batch takes, for
-        #: the groups that do (`_congestion`; set by `add` where its queue crosses that, else
-        #: at the first look that sees it; gone at a look that sees no more, or with the group)
-        self._over: dict[Hashable, float] = {}
+        #: key -> when a request of its group was last set aside for its deadline (passed,
+        #: or too near to run it: "Deadlines"), for `_congestion`: only those within
+        #: ``lifo_after`` count, and older ones are let go (`_shed`)
+        self._shed_at: dict[Hashable, float] = {}
         self._priority = 1     # the class of what is pending, while it is one class
         self._mixed = False    # several classes are pending: groups are ordered by score
 
@@ -523,8 +524,6 @@ class Batcher:
             self._deep = True
             if group[0].p.principal == p.principal:  # one principal: the common case
                 group.append(e)
-                if len(group) == self.max_batch + 1:  # more than a batch takes, from now on
-                    self._over[p.key] = now
             else:
                 self._groups[p.key] = _Turns(p.key, self._left, group, self._solo_served(p.key, group), e)
         else:
@@ -667,6 +666,13 @@ class Batcher:
         out, self._expired = self._expired, []
         return out
 
+    def lost(self, key: Hashable, now: float) -> None:
+        """A request of ``key`` pending here was lost to its deadline all the same, though
+        not set aside here (its broker's cancel for the deadline came first: the caller
+        `drop`\ s it): it counts for "Congestion" as one set aside."""
+        if self.lifo_after is not None:
+            self._shed((key,), now)
+
     def drop(self, predicate: Callable[[Pending], bool]) -> list[Pending]:
         """Remove and return the requests (pending or expired) for which ``predicate`` is
         true, e.g. cancelled ones."""
@@ -700,16 +706,16 @@ class Batcher:
         return best_key
 
     def _congestion(self, now: float) -> None:
-        """Say which groups are congested now ("Congestion": the group has held more
-        requests than one batch takes for ``lifo_after``): a plain queue that is becomes its
-        principal's turns (`_Turns`, ``lifo``: the turns take each queue newest first, and
-        keep the principal's turns if another joins), and turns that no longer are lose
-        ``lifo`` (one principal's: its plain queue again, as `_settle_turns` makes it).
-        Keeps ``_over`` to the groups over a batch now.  Clears ``_deep`` when nothing is
+        """Say which groups are congested now ("Congestion": the group holds more requests
+        than one batch takes, and one of its requests was set aside for its deadline within
+        ``lifo_after``): a plain queue that is becomes its principal's turns (`_Turns`,
+        ``lifo``: the turns take each queue newest first, and keep the principal's turns if
+        another joins), and turns that no longer are lose ``lifo`` (one principal's: its
+        plain queue again, as `_settle_turns` makes it).  Clears ``_deep`` when nothing is
         left for it to look at."""
-        cut = None if self.lifo_after is None else now - self.lifo_after
+        shed = self._shed_at
+        cut = None if self.lifo_after is None or not shed else now - self.lifo_after
         cap = self.max_batch
-        over, seen = self._over, {}
         deep = self._mixed
         groups = self._groups
         for key, group in list(groups.items()):
@@ -718,10 +724,9 @@ class Batcher:
                 if n < 2:
                     continue
                 deep = True
-                if cut is None or n <= cap:
+                if cut is None or n <= cap or shed.get(key, -math.inf) < cut:
                     continue
-                since = seen[key] = over.get(key, now)
-                if since <= cut and self._reversible(group):
+                if self._reversible(group):
                     served = self._solo_served(key, group)
                     if self._mixed:  # scored: back in add order, as the turns keep a queue
                         group = deque(sorted(group, key=lambda e: e.seq))
@@ -729,17 +734,23 @@ class Batcher:
                     turns.lifo = True
             else:
                 deep = True
-                lifo = False
-                if cut is not None and sum(map(len, group.queues.values())) > cap:
-                    since = seen[key] = over.get(key, now)
-                    lifo = since <= cut
+                lifo = (cut is not None and shed.get(key, -math.inf) >= cut
+                        and sum(map(len, group.queues.values())) > cap)
                 if lifo is not group.lifo:
                     group.lifo = lifo
                     group.mixed = None
                 if len(group.queues) == 1:
                     self._settle_turns(key, group)  # its plain queue again, unless newest first
-        self._over = seen
         self._deep = deep
+
+    def _shed(self, keys: Iterable[Hashable], now: float) -> None:
+        """Requests of ``keys`` were set aside for their deadlines now (`_congestion`)."""
+        shed = self._shed_at
+        for key in keys:
+            shed[key] = now
+        if len(shed) > 64 and self.lifo_after is not None:  # (a key's entry matters for lifo_after)
+            cut = now - self.lifo_after
+            self._shed_at = {k: t for k, t in shed.items() if t >= cut}
 
     def _reversible(self, q: deque) -> bool:
         """Whether congestion changes the order of one principal's queue ``q`` (two requests
@@ -882,6 +893,8 @@ class Batcher:
         for entry in kept:
             heapq.heappush(heap, entry)
         if gone:
+            if self.lifo_after is not None:
+                self._shed({self._live[s].p.key for s in gone}, now)
             self._remove(gone)
         if len(heap) > 64 and len(heap) > 4 * len(self._live):
             # Taken and dropped requests leave stale entries behind; compact once they
@@ -909,7 +922,6 @@ class Batcher:
                     self._groups[key] = group
                 else:
                     del self._groups[key]
-                    self._over.pop(key, None)
             else:
                 group.remove(seqs)
                 self._settle_turns(key, group)
@@ -928,8 +940,6 @@ class Batcher:
                 batch.append(e.p)
             if not group:
                 del self._groups[key]
-                if self._over:
-                    self._over.pop(key, None)
                 if self._solo:
                     self._solo.pop(key, None)  # a new queue of the key knows nothing of it
         else:
@@ -961,7 +971,6 @@ class Batcher:
                 self._solo[key] = _Solo(q, served)
         else:
             del self._groups[key]
-            self._over.pop(key, None)
 
     def _solo_served(self, key: Hashable, group: deque) -> int | None:
         """The last turn of the principal of ``group``, a plain queue another principal now

@@ -225,7 +225,7 @@ class WorkerConfig:
     keep_warm: float | None = None    # idle seconds between keep-warm units; None: 0.05 on CUDA, off on CPU; 0: off
     keep_warm_util: float = 0.6       # ... and only while the busy fraction of the recent window is at most this
     batching: str = "latency"         # "latency": wait for company only with a broker backlog; "throughput": on arrival rates
-    lifo_after: float | None = 0.1    # seconds a batch group holds more than a batch before it is congested (newest first); None: never
+    lifo_after: float | None = 0.1    # s: a group over a batch with a deadline loss this recent goes newest first; None: never
     direct: bool = False              # take leases: bind a direct socket, named in Ready.direct (docs/protocol.md section 10)
 
     def check(self) -> None:
@@ -940,7 +940,9 @@ class Worker:
         how = _EXPIRED if expired else _GONE if gone else True
         job = self.jobs.get(envelope)
         if job is not None:
-            self.batcher.drop(lambda p: p.item is job)
+            dropped = self.batcher.drop(lambda p: p.item is job)
+            if how is _EXPIRED and dropped:  # lost to its deadline while it waited here
+                self.batcher.lost(dropped[0].key, time.monotonic())
             del self.jobs[envelope]
             self._cancelled(job, how, "before it ran")
             return

@@ -13,10 +13,10 @@ from broker import protocol as P
 from .conftest import RunLog
 
 
-def _tagged(rid: int, tag: int) -> list:
-    """A REQUEST for `gate_model:counted` with a deadline (20 s): x = [tag]."""
+def _tagged(rid: int, tag: int, timeout_ms: int = 20_000) -> list:
+    """A REQUEST for `gate_model:counted` with a deadline (20 s unless said): x = [tag]."""
     t = P.TensorRef(name="x", dtype="<i8", shape=[1], loc=P.InlineLoc(frame=0))
-    head = P.encode_header(P.Request(id=rid, timeout_ms=20_000, tensors=[t]))
+    head = P.encode_header(P.Request(id=rid, timeout_ms=timeout_ms, tensors=[t]))
     return P.client_request("cq", [head, np.array([tag], np.int64).tobytes()])
 
 
@@ -30,15 +30,18 @@ def _recv_final(sock: zmq.Socket) -> P.Reply:
 def test_requests_parked_at_a_congested_worker_go_newest_first(cluster, gate, tmp_path):
     """Credit 6, batches of one: request 0 runs, held at the gate; 1 to 4 park in the
     worker's batcher behind it (the worker read them: it answered the cancel of a fifth
-    sent after them).  The group is congested (``--lifo-after-ms 0``: at once), so once
-    the gate opens the newest goes first: 4, 3, 2, 1.  Before, the worker served its
-    parked requests in arrival order (1, 2, 3, 4), the oldest first, while the broker's
-    congested queue sent the newest: a flood parked at the worker waited there first in
-    first out until it expired."""
+    sent after them).  Request 1, with a 0.3 s timeout, is lost to its deadline while it
+    waits: the backlog costs calls, so the group is congested (``--lifo-after-ms`` 60 s:
+    any loss counts), and once the gate opens the newest goes first: 4, 3, 2.  Before, the
+    worker served its parked requests in arrival order, the oldest first, while the
+    broker's congested queue sent the newest: a flood parked at the worker waited there
+    first in first out until it expired.  (That a backlog which loses nothing keeps its
+    order: tests/e2e/test_running_work.py, a model slower than ``lifo_after``.)"""
     cluster.broker()
     runs = RunLog(tmp_path / "runs.log")
     p = cluster.worker("gate_model:counted", "--service", "cq", "--max-batch", "1", "--credit", "6",
-                       "--no-warmup", "--lifo-after-ms", "0", env={**gate.env, "RUN_LOG": str(runs.path)}, wait=False)
+                       "--no-warmup", "--lifo-after-ms", "60000", env={**gate.env, "RUN_LOG": str(runs.path)},
+                       wait=False)
     gate.open()  # returns at once: the model holds the FIFO open for reading and writing
     p.wait_ready()
 
@@ -57,19 +60,22 @@ def test_requests_parked_at_a_congested_worker_go_newest_first(cluster, gate, tm
             time.sleep(0.01)
         s.send_multipart(_tagged(1, 0))
         runs.until(1)  # the first runs alone, held at the gate (offloaded: no warm-up timed it)
-        for tag in range(1, 6):
+        s.send_multipart(_tagged(2, 1, timeout_ms=300))
+        for tag in range(2, 6):
             s.send_multipart(_tagged(tag + 1, tag))
         s.send_multipart(P.client_cancel("cq", 6))  # the fifth: dispatched, so the worker answers
         rep = _recv_final(s)
         assert rep.id == 6 and rep.error is not None and rep.error.code == P.ErrorCode.CANCELLED, rep
-        # The worker read 1 to 4 before that cancel: they wait in its batcher.
-        for n in range(2, 6):
+        # The worker read 1 to 4 before that cancel: they wait in its batcher, and 1 is lost.
+        rep = _recv_final(s)
+        assert rep.id == 2 and rep.error is not None and rep.error.code == P.ErrorCode.DEADLINE_EXCEEDED, rep
+        for n in range(2, 5):
             gate.release(1)
             runs.until(n)
         gate.release(1)
-        done = sorted(_recv_final(s).id for _ in range(5))
-        assert done == [1, 2, 3, 4, 5]
+        done = sorted(_recv_final(s).id for _ in range(4))
+        assert done == [1, 3, 4, 5]
     finally:
         s.close(0)
     order = runs.order()
-    assert order == [0, 4, 3, 2, 1], f"run order {order}: the parked requests were not served newest first"
+    assert order == [0, 4, 3, 2], f"run order {order}: the parked requests were not served newest first"
