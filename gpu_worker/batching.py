@@ -668,8 +668,8 @@ class Batcher:
 
     def lost(self, key: Hashable, now: float) -> None:
         """A request of ``key`` pending here was lost to its deadline all the same, though
-        not set aside here (its broker's cancel for the deadline came first: the caller
-        `drop`\ s it): it counts for "Congestion" as one set aside."""
+        not set aside here (its broker's cancel for the deadline came first, and the
+        caller dropped it): it counts for "Congestion" as one set aside."""
         if self.lifo_after is not None:
             self._shed((key,), now)
 

@@ -17,7 +17,9 @@ from .test_direct_full import CALLS, STREAM_CLIENT, WAIT_S, _gated_worker, _Line
 from .test_metrics import scrape, until, value
 from .test_plain_close import _dealer, _held, _reply, _request
 
-pytestmark = pytest.mark.timeout(90)
+# One xdist worker runs them all: each worker process would check out the same commits
+# with `git worktree add` at once (old_tree), and git's bookkeeping of worktrees races.
+pytestmark = [pytest.mark.timeout(90), pytest.mark.xdist_group("old_tree")]
 
 #: the release before the one this tree makes (clients and workers users still run)
 PREVIOUS = "5578d288b9b537406b833690e3126a3960192564"
