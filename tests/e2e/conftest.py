@@ -210,6 +210,17 @@ class RunLog:
             time.sleep(0.005)
 
 
+def until_stopped(pid: int, timeout: float = 20.0) -> None:
+    """Until process `pid` is stopped (SIGSTOP: state T in /proc; polling, a condition)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.005)  # polling /proc (a condition, not a delay)
+
+
 def wait_service(client, service: str, timeout: float = 20.0) -> None:
     """Poll MMI until the broker knows a live worker for `service` (a condition, not a sleep)."""
     deadline = time.monotonic() + timeout

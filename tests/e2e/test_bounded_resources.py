@@ -33,7 +33,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from broker import protocol as P
 from client_sdk import Client, DeadlineExceeded, InferenceError
-from tests.e2e.conftest import HERE, Proc, RunLog, wait_service
+from tests.e2e.conftest import HERE, Proc, RunLog, until_stopped, wait_service
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -374,16 +374,6 @@ def test_a_congested_full_queue_evicts_the_oldest_of_the_heaviest_client(cluster
         _gated_call(c, gate, np.array([7.0]), 2)
 
 
-def _until_stopped(pid: int) -> None:
-    deadline = time.monotonic() + 20.0
-    while True:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        assert time.monotonic() < deadline, f"process {pid} did not stop"
-        time.sleep(0.005)  # polling /proc (a condition, not a delay)
-
-
 def test_a_full_queue_lets_requests_past_their_deadline_go_before_it_evicts_anyone(cluster, gate, tmp_path):  # noqa: F811
     # The broker's timers fire deadlines between the messages it reads; a request read before
     # them found a full queue of requests already past their deadline, and evicted one of
@@ -414,7 +404,7 @@ def test_a_full_queue_lets_requests_past_their_deadline_go_before_it_evicts_anyo
         _barrier(burster)  # 2 and 3 are queued, their deadlines before t1 + 1
         t1 = time.monotonic()  # (not t0: the broker may read them later than t0, under load)
         stop.touch()  # the broker stops itself at its next timer run (every 0.2 s: heartbeats)
-        _until_stopped(broker.p.pid)
+        until_stopped(broker.p.pid)
         assert time.monotonic() < t0 + 0.9, "the broker stopped too late to show anything"
         late.send_multipart(_small("gate", 100))  # read on the thaw, before the timers run again
         while time.monotonic() < t1 + 1.1:

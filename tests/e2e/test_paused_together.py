@@ -18,7 +18,7 @@ import pytest
 
 from client_sdk import Client
 
-from .conftest import HERE, Proc, wait_service
+from .conftest import HERE, Proc, until_stopped, wait_service
 from .test_metrics import scrape, until, value
 
 pytestmark = pytest.mark.timeout(90)
@@ -73,16 +73,6 @@ def test_a_broker_and_worker_stopped_together_keep_each_other_and_the_running_re
     assert "presumed dead" not in broker.stderr(None)
 
 
-def _until_stopped(pid: int) -> None:
-    deadline = time.monotonic() + 20.0
-    while True:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        assert time.monotonic() < deadline, f"process {pid} did not stop"
-        time.sleep(0.005)  # polling /proc (a condition, not a delay)
-
-
 def test_a_broker_stopped_between_a_pass_start_and_its_wait_still_counts_the_gap(cluster, tmp_path):
     """The stop lands after the loop took its time for the pass and before its wait (in a
     timer run here, every time; a SIGSTOP from outside lands there when it comes while the
@@ -102,7 +92,7 @@ def test_a_broker_stopped_between_a_pass_start_and_its_wait_still_counts_the_gap
         wait_service(c, "echo")
         os.kill(worker.p.pid, signal.SIGSTOP)  # first: nothing of its reaches the broker after
         stop.touch()  # the broker stops itself at its next timer run
-        _until_stopped(broker.p.pid)
+        until_stopped(broker.p.pid)
         time.sleep(3.0)  # the stimulus: both stopped, longer than the window
         os.kill(broker.p.pid, signal.SIGCONT)
         time.sleep(0.5)  # the stimulus: the worker still stopped this long, well within the window
