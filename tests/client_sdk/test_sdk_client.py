@@ -1023,7 +1023,9 @@ def test_close_disconnects_and_unlinks(connect, fake, endpoint):
     name = c.pool.name
     from shm.gc import list_segments
 
-    assert name in {s.name for s in list_segments(count_slots=False)}
+    # (By label: `list_segments` names a segment by the owner's lowest descriptor of it, which
+    # may be its mapping's duplicate, made later at a lower free number.)
+    assert name.rpartition("-")[0] in {s.name.rpartition("-")[0] for s in list_segments(count_slots=False)}
     c.close()
     c.close()
     with shm.SegmentCache() as cache, pytest.raises(shm.SegmentGone):  # no reader can open it now
