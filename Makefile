@@ -23,10 +23,11 @@ demo: $(STAMP)
 # PYTHONDONTWRITEBYTECODE emptied (as if unset): where the environment sets it, every
 # broker, worker and client process a test starts compiled the project from its sources
 # again (about 0.15 s per broker and worker pair here, hundreds of times a run).
-# Two pytest-xdist workers: most end-to-end tests wait on processes they started, so two
-# at a time finish the suite in about 8 minutes on 2 cores instead of 14 (BENCHMARKS.md,
-# "The test suite's time").  `make test XDIST=` runs it in one process.
-XDIST ?= -n 2 --dist loadgroup
+# One process by default.  `make test XDIST="-n 2 --dist loadgroup"` runs two pytest-xdist
+# workers: about 8 minutes on 2 cores instead of 14, but some timing-bound tests still
+# flake under the doubled load (BENCHMARKS.md, "The test suite's time"); fix those before
+# making it the default.
+XDIST ?=
 test: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q $(XDIST)
 
