@@ -35,7 +35,7 @@ from broker.protocol.heap import freeze_startup_heap
 from broker.protocol.limits import MIN_NOFILE, raise_nofile_limit
 from broker.protocol.logs import (
     add_log_options, announce, enable_crash_dumps, hold_std_descriptors, ignore_stop_signals, setup_logging,
-    warn_from_signal,
+    signal_wakeup_pipe, warn_from_signal,
 )
 from broker.protocol.naming import RuntimeDirError
 from broker.protocol.pid1 import become_init_if_pid1
@@ -83,14 +83,9 @@ class _SignalStop:
         return self._set
 
     def listen(self) -> None:
-        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        try:
-            signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        except ValueError:  # not the main thread: the loop sees the flag at its next pass
-            os.close(r)
-            os.close(w)
-            return
-        self.wake_fd, self._write_fd = r, w
+        pipe = signal_wakeup_pipe()
+        if pipe is not None:  # (None: not the main thread; the loop sees the flag at its next pass)
+            self.wake_fd, self._write_fd = pipe
 
     def close(self) -> None:
         if self.wake_fd is not None:

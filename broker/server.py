@@ -146,15 +146,6 @@ DEFAULT_MAX_FRAME = 256 << 20
 DEFAULT_CLIENT_HWM = 4096  # = the default max_client_requests: a client within its cap is never dropped for pipelining
 
 
-def _drain_fd(fd: int) -> None:
-    """Read a non-blocking pipe until it is empty (a stop's wake-up bytes)."""
-    try:
-        while os.read(fd, 64):
-            pass
-    except OSError:  # BlockingIOError: empty
-        pass
-
-
 def _peer_pid(frame: Any) -> int | None:
     """SO_PEERCRED's pid for the unix-domain connection a received frame came from."""
     try:
@@ -972,7 +963,7 @@ class Broker:
                 elif sock == http:
                     self._on_http()
                 elif sock == stop_fd:
-                    _drain_fd(stop_fd)
+                    logs.drain_pipe(stop_fd)
             if self._gone:
                 self._settle_gone(monotonic())
             wake = sched.next_wakeup(monotonic())

@@ -702,7 +702,7 @@ class Worker:
                     self._resumed(woke - looked - ms / 1000.0, woke)
                 looked = woke
                 if sig_fd is not None and sig_fd in events:
-                    _drain_pipe(sig_fd)  # the handler counted it; `_take_signals` acts on it
+                    logs.drain_pipe(sig_fd)  # the handler counted it; `_take_signals` acts on it
                 if self._busy and self._offload.done in events:
                     self._finish_offloaded()
                 if self.sock in events:
@@ -2729,20 +2729,6 @@ def install_sigterm_drain(worker: Worker) -> None:
     # The interpreter runs `on_signal` only once the loop's wait returns (PEP 475 restarts
     # it after EINTR, timeout and all): the C-level handler also writes the signal's number
     # to this pipe, which the loop watches (`Worker.signal_fd`).
-    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-        _WAKEUP_FD[0] = w
-    except ValueError:  # not the main thread: the loop notices at its next wake-up
-        os.close(r)
-        os.close(w)
-        return
-    worker.signal_fd = r
-
-
-def _drain_pipe(fd: int) -> None:
-    try:
-        while os.read(fd, 64):
-            pass
-    except BlockingIOError:
-        pass
+    pipe = logs.signal_wakeup_pipe()
+    if pipe is not None:  # (None: not the main thread; the loop notices at its next wake-up)
+        worker.signal_fd, _WAKEUP_FD[0] = pipe

@@ -308,6 +308,31 @@ def unblock_stop_signals() -> None:
         pass
 
 
+def signal_wakeup_pipe() -> tuple[int, int] | None:
+    """A non-blocking pipe that the C-level signal handler writes each signal's number to
+    (`signal.set_wakeup_fd`): (read end, write end), for a loop to watch the read end.  The
+    interpreter runs a Python handler only once the loop's wait returns (PEP 475 restarts
+    the wait after EINTR, timeout and all), so a stop set by a handler was seen at the end of
+    the wait; a readable pipe ends it at once.  None off the main thread (no pipe made)."""
+    r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread: the loop notices at its next wake-up
+        os.close(r)
+        os.close(w)
+        return None
+    return r, w
+
+
+def drain_pipe(fd: int) -> None:
+    """Read a non-blocking pipe until it is empty (`signal_wakeup_pipe`'s bytes)."""
+    try:
+        while os.read(fd, 64):
+            pass
+    except BlockingIOError:
+        pass
+
+
 def ignore_stop_signals() -> None:
     """SIGTERM and SIGINT ignored from now on: for a process that has finished its drain and
     only exits.  The interpreter's exit puts the default action back for every signal it
