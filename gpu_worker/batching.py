@@ -223,13 +223,13 @@ def _rounds(queues: Iterable[Iterable[_Entry]]) -> Iterator[_Entry]:
         its = more
 
 
-def _newest_first(q) -> bool:
-    """Whether a congested group takes this (non-empty) queue of one principal, in add order,
-    newest first ("Congestion"): not while its oldest request must go first (``in_order``)
-    or has no deadline (nothing else would ever take it out; newest first, it waited for as
-    long as its principal sent more).  The broker's rule (broker/state.py, `_newest_first`)."""
-    head = q[0].p
-    return head.deadline is not None and not head.in_order
+def _newest_first(oldest: _Entry) -> bool:
+    """Whether a congested group takes one principal's requests (of a class), whose oldest
+    is ``oldest``, newest first ("Congestion"): not while that oldest must go first
+    (``in_order``) or has no deadline (nothing else would ever take it out; newest first,
+    it waited for as long as its principal sent more).  The broker's rule (broker/state.py,
+    `_newest_first`)."""
+    return oldest.p.deadline is not None and not oldest.p.in_order
 
 
 def _remember(left: OrderedDict, k: tuple, turn: int) -> None:
@@ -329,7 +329,7 @@ class _Turns:
         turn, round after round."""
         queues = self.queues
         if self.lifo:
-            return _rounds((reversed(q) if _newest_first(q) else q) for q in (queues[pr] for pr in self.ring))
+            return _rounds((reversed(q) if _newest_first(q[0]) else q) for q in (queues[pr] for pr in self.ring))
         return _rounds(queues[pr] for pr in self.ring)
 
     def order_mixed(self, score: Callable[[_Entry], float]) -> _Entry:
@@ -344,7 +344,7 @@ class _Turns:
         if self.lifo:  # congested: a principal's requests of a class newest first (`_newest_first`)
             for held in per_class.values():
                 for es in held.values():
-                    if len(es) > 1 and _newest_first((min(es, key=lambda e: e.seq),)):
+                    if len(es) > 1 and _newest_first(min(es, key=lambda e: e.seq)):
                         es.sort(key=lambda e: e.seq, reverse=True)
         place = {pr: i for i, pr in enumerate(self.ring)}
         turns = {c: _rounds(sorted(held.values(), key=lambda es: place[es[0].p.principal]))
@@ -670,8 +670,7 @@ class Batcher:
         """A request of ``key`` pending here was lost to its deadline all the same, though
         not set aside here (its broker's cancel for the deadline came first, and the
         caller dropped it): it counts for "Congestion" as one set aside."""
-        if self.lifo_after is not None:
-            self._shed((key,), now)
+        self._shed((key,), now)
 
     def drop(self, predicate: Callable[[Pending], bool]) -> list[Pending]:
         """Remove and return the requests (pending or expired) for which ``predicate`` is
@@ -745,10 +744,12 @@ class Batcher:
 
     def _shed(self, keys: Iterable[Hashable], now: float) -> None:
         """Requests of ``keys`` were set aside for their deadlines now (`_congestion`)."""
+        if self.lifo_after is None:
+            return
         shed = self._shed_at
         for key in keys:
             shed[key] = now
-        if len(shed) > 64 and self.lifo_after is not None:  # (a key's entry matters for lifo_after)
+        if len(shed) > 64:  # (a key's entry matters for lifo_after only)
             cut = now - self.lifo_after
             self._shed_at = {k: t for k, t in shed.items() if t >= cut}
 
@@ -759,13 +760,13 @@ class Batcher:
         if len(q) < 2:
             return False
         if not self._mixed:
-            return _newest_first(q)
+            return _newest_first(q[0])
         heads: dict[int, _Entry] = {}
         for e in q:
             h = heads.get(e.p.priority)
             if h is None or e.seq < h.seq:
                 heads[e.p.priority] = e
-        return any(_newest_first((h,)) for h in heads.values())
+        return any(map(_newest_first, heads.values()))
 
     def _best_scored_key(self, now: float) -> Hashable | None:
         """Several classes pending: each group put in the order its requests go (score,
@@ -893,7 +894,7 @@ class Batcher:
         for entry in kept:
             heapq.heappush(heap, entry)
         if gone:
-            if self.lifo_after is not None:
+            if self.lifo_after is not None:  # (what `_shed` keeps matters only then)
                 self._shed({self._live[s].p.key for s in gone}, now)
             self._remove(gone)
         if len(heap) > 64 and len(heap) > 4 * len(self._live):
