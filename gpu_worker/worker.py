@@ -904,6 +904,8 @@ class Worker:
         """Handle one message from upstream (what the loop does with each one it receives)."""
         msg = self.upstream.receive(frames)
         if msg is not None:
+            if msg.command == P.W_REQUEST and log.isEnabledFor(logging.DEBUG):
+                log.debug("read a request from the broker (priority %s)", _priority_name(msg.body))
             self._handle(msg, time.monotonic())
 
     def _handle(self, msg: P.BrokerToWorker, received: float) -> None:
@@ -1076,6 +1078,9 @@ class Worker:
                 continue
             if msg.command == P.W_REQUEST:
                 self._stash_requests.add(msg.envelope)
+                if log.isEnabledFor(logging.DEBUG):  # when it reached this worker, not when the broker sent it
+                    log.debug("read a request from the broker while a batch computes (priority %s)",
+                              _priority_name(msg.body))
             self._stash.append((msg, time.monotonic()))
 
     def _read_direct_while_computing(self) -> None:
@@ -2586,6 +2591,15 @@ _END = object()  # the end of a streaming model's outputs
 
 def _holds_message(sock) -> bool:
     return bool(sock_events(sock) & _POLLIN)
+
+
+def _priority_name(body) -> str:
+    """The priority a brokered request's header names ("urgent", "normal", "background"),
+    for a debug line; "?" for a body that does not decode (the loop answers it later)."""
+    try:
+        return P.Priority(P.decode_request(body[0], len(body) - 1).priority).name.lower()
+    except Exception:
+        return "?"
 
 
 def _is_direct_request(frames) -> bool:

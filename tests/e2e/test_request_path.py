@@ -275,7 +275,8 @@ def test_an_urgent_request_does_not_wait_behind_background_work_parked_at_a_full
     broker = cluster.broker("--http", "127.0.0.1:0")
     base = "http://" + broker.field("http")
     p = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "4", "--credit", "8",
-                       "--no-warmup", *(["--direct"] if pin else []), env=gate.env, wait=False)
+                       "--no-warmup", "--log-level", "debug", *(["--direct"] if pin else []), env=gate.env,
+                       wait=False)
     gate.open()
     p.wait_ready()
 
@@ -303,6 +304,9 @@ def test_an_urgent_request_does_not_wait_behind_background_work_parked_at_a_full
                 value(s := scrape(base), "zmq_infer_broker_events_total", event="returned") >= 1
                 and value(s, "zmq_infer_queue_depth", service="gate", priority="urgent") == 0),
                 "the urgent request dispatched in place of a background one")
+            # And read by the worker: dispatched is not arrived (under load, the next batch
+            # formed before it came: the urgent request ran 8th).
+            await asyncio.to_thread(p.wait_log, "(priority urgent)")
             gate.release(16)
             await asyncio.wait_for(asyncio.gather(*tasks), 30)
             return order
