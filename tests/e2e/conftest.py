@@ -113,8 +113,14 @@ class Proc:
             self.p.kill()
         self.p.wait(10)
 
-    def close(self) -> None:
+    def close(self, say: bool = False) -> None:
+        """Stop it (`terminate`) and close its pipes; ``say``: print its command line and the
+        tail of its stderr first (a failed test's report shows them: a flake in CI is then
+        read from its processes' own words)."""
         self.terminate()
+        if say:
+            print(f"--- {' '.join(self.args)} (pid {self.p.pid}, exit {self.p.returncode}); stderr:\n"
+                  f"{self.stderr(6000)}")
         for f in (self.p.stdin, self.p.stdout, self.p.stderr):
             if f is not None:
                 f.close()
@@ -146,10 +152,10 @@ class Cluster:
             p.wait_ready()
         return p
 
-    def close(self) -> None:
+    def close(self, say: bool = False) -> None:
         # Workers first, so they can DISCONNECT from a live broker.
         for p in reversed(self.procs):
-            p.close()
+            p.close(say)
 
 
 @pytest.fixture(scope="session")
@@ -183,13 +189,27 @@ def old_tree(tmp_path_factory):
         git("worktree", "remove", "--force", str(path))
 
 
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Notes on the test item whether its call failed, for `cluster`'s teardown."""
+    report = yield
+    if report.when == "call":
+        item.stash[_FAILED] = report.failed
+    return report
+
+
 @pytest.fixture
-def cluster(tmp_path):
+def cluster(tmp_path, request):
+    """A `Cluster`; its processes are stopped at teardown, and when the test failed their
+    stderr is printed (the report's "Captured stdout teardown")."""
     c = Cluster(tmp_path)
     try:
         yield c
     finally:
-        c.close()
+        c.close(say=request.node.stash.get(_FAILED, False))
 
 
 class RunLog:
