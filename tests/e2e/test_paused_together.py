@@ -82,11 +82,11 @@ def test_a_broker_stopped_between_a_pass_start_and_its_wait_still_counts_the_gap
     stop = tmp_path / "broker-stop"
     broker = Proc([str(HERE / "self_stopping_broker.py"), "--frontend", cluster.frontend, "--backend",
                    cluster.backend, "--heartbeat-interval", "0.2", "--heartbeat-liveness", "10",  # a 2 s window
-                   "--http", "127.0.0.1:0"], env={"BROKER_STOP_FILE": str(stop)})
+                   "--http", "127.0.0.1:0", "--log-level", "info"], env={"BROKER_STOP_FILE": str(stop)})
     cluster.procs.append(broker)
     broker.wait_ready()
     base = "http://" + broker.field("http")
-    worker = cluster.worker("echo")
+    worker = cluster.worker("echo", "--log-level", "info")  # (info: a failure's report shows their words)
     x = np.arange(4, dtype=np.float32)
     with Client(cluster.frontend, timeout=20) as c:
         wait_service(c, "echo")
