@@ -23,11 +23,10 @@ demo: $(STAMP)
 # PYTHONDONTWRITEBYTECODE emptied (as if unset): where the environment sets it, every
 # broker, worker and client process a test starts compiled the project from its sources
 # again (about 0.15 s per broker and worker pair here, hundreds of times a run).
-# One process by default.  `make test XDIST="-n 2 --dist loadgroup"` runs two pytest-xdist
-# workers: about 8 minutes on 2 cores instead of 14, but some timing-bound tests still
-# flake under the doubled load (BENCHMARKS.md, "The test suite's time"); fix those before
-# making it the default.
-XDIST ?=
+# Two pytest-xdist workers (the 2 cores CI has): about 7 minutes instead of 14 in one
+# process (BENCHMARKS.md, "The test suite's time").  `make test XDIST=` runs one process;
+# `--dist loadgroup` keeps the tests of one `xdist_group` on one worker.
+XDIST ?= -n 2 --dist loadgroup
 test: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q $(XDIST)
 
