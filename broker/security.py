@@ -28,11 +28,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
+
+if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
 
 from broker import protocol as P
 from broker.protocol import curve as C
@@ -354,6 +356,10 @@ class ServerCurve:
     def start(self) -> None:
         if not self.plan.enabled:
             return
+        # Imported here, only where keys are in use: it imports asyncio (through zmq.asyncio),
+        # which took 25-50 ms of every broker's start, an ipc broker's too.
+        from zmq.auth.thread import ThreadAuthenticator
+
         auth = ThreadAuthenticator(self.ctx, log=logging.getLogger("broker.zap"))
         try:
             auth.start()

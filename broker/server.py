@@ -44,10 +44,9 @@ from broker.protocol import wire
 from broker.names import ServiceNames
 from broker.protocol.heap import TRIM_AFTER_CLOSES, trim_heap
 from broker.protocol.limits import Headroom, default_reserve, listen_backlog, move_aside, nofile_limit, put_back
-from broker.protocol.wire import Waiter, recv_frames, send_frames, sock_events
+from broker.protocol.wire import Waiter, recv_frames, recv_monitor_event, send_frames, sock_events
 from shm import gc as shm_gc
 from shm.segment import ClockPeers, OutOfResources, boot_offset_ticks, pid_exists, proc_starttime, process_alive
-from zmq.utils.monitor import recv_monitor_message
 
 from broker.connections import WorkerConnections
 from broker import security
@@ -1997,7 +1996,7 @@ class Broker:
     def _on_frontend_events(self) -> None:
         """Forget what was learned about clients whose connection closed."""
         while sock_events(self._frontend_events) & _POLLIN:
-            event = recv_monitor_message(self._frontend_events)
+            event = recv_monitor_event(self._frontend_events)
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 self._mismatch("client", event)
                 continue
@@ -2166,7 +2165,7 @@ class Broker:
         sees the pipe close, so they are in the backend by the time the event is here."""
         now = time.monotonic()
         while sock_events(self._backend_events) & _POLLIN:
-            event = recv_monitor_message(self._backend_events)
+            event = recv_monitor_event(self._backend_events)
             if event["event"] == zmq.EVENT_ACCEPTED:
                 self._accepted()
                 continue

@@ -41,14 +41,13 @@ from typing import Any
 
 import zmq
 from zmq.utils.garbage import gc as zero_copy_gc
-from zmq.utils.monitor import parse_monitor_message
 
 from broker import protocol as P
 from broker.protocol import curve as C
 from broker.protocol.limits import nofile_limit, open_descriptors
 from broker.protocol.naming import ipc_problem
 from broker.protocol.link import LinkConn
-from broker.protocol.wire import out_of_resources, recv_frames, tcp_liveness, touched, warm_zero_copy
+from broker.protocol.wire import monitor_event, out_of_resources, recv_frames, tcp_liveness, touched, warm_zero_copy
 
 from .core import flag
 from .errors import InferenceError, InvalidInput
@@ -389,7 +388,7 @@ def lease_events(monitor: zmq.Socket) -> list[tuple[bool, bool, str]]:
         except zmq.ZMQError:  # empty (or closed)
             return out
         try:
-            event = parse_monitor_message(frames)["event"]
+            event = monitor_event(frames)["event"]
         except Exception:  # not a monitor message: nothing of ours
             continue
         if event == LEASE_UP:
@@ -459,7 +458,7 @@ def handshakes(monitor: zmq.Socket) -> tuple[int, str | None, bool]:
         except zmq.ZMQError:  # empty (or closed)
             return ups, last, final
         try:
-            event = parse_monitor_message(frames)["event"]
+            event = monitor_event(frames)["event"]
         except Exception:  # not a monitor message: nothing of ours
             continue
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:

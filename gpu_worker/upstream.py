@@ -36,11 +36,10 @@ import logging
 import time
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from broker import protocol as P
 from broker.protocol import curve as C
-from broker.protocol.wire import send_frames
+from broker.protocol.wire import recv_monitor_event, send_frames
 
 __all__ = ["BrokerLink", "link_keys", "CurveKeyError", "ENV_WORKER_KEY"]
 
@@ -117,7 +116,7 @@ class BrokerLink:
         since the last (re)open, i.e. the worker should register afresh."""
         came_back = False
         while self.monitor is not None and self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)["event"]
+            event = recv_monitor_event(self.monitor)["event"]
             if event == zmq.EVENT_DISCONNECTED:
                 self._dropped = True
                 self.connected = False

@@ -32,7 +32,7 @@ from zmq.backend import Socket as _Base
 
 from .frames import MDPC
 
-__all__ = ["seed_routing_ids", "send_frames", "recv_frames", "sock_events", "touched", "Waiter", "NOBLOCK", "tcp_liveness", "keepalive_plan", "DEAD_AFTER_BEATS",
+__all__ = ["seed_routing_ids", "send_frames", "recv_frames", "sock_events", "monitor_event", "recv_monitor_event", "touched", "Waiter", "NOBLOCK", "tcp_liveness", "keepalive_plan", "DEAD_AFTER_BEATS",
            "tcp_counts", "TcpWatch", "out_of_resources", "warm_zero_copy", "MAX_WAIT_MS", "wait_ms"]
 
 NOBLOCK = int(zmq.NOBLOCK)
@@ -269,6 +269,27 @@ def sock_events(sock: zmq.Socket) -> int:
     elif sock in _WATCHED:
         _QUIET.add(sock)
     return ev
+
+
+_MONITOR_HEAD = struct.Struct("=HI")  # libzmq's first event format: event id, value; no padding
+
+
+def monitor_event(frames: Sequence[Any]) -> dict:
+    """A socket monitor's message as {"event", "value", "endpoint"} (ints, and the endpoint's
+    bytes): libzmq's first event format, a 6-byte frame (the event's 16-bit id, its 32-bit
+    value: a descriptor, an errno, a protocol error code) and the endpoint.  pyzmq's
+    `zmq.utils.monitor` reads the same, but that module imports asyncio (through
+    zmq.asyncio): 20-50 ms of the start of every broker, worker and blocking client, which
+    have no other use for it.  ValueError for any other message."""
+    if len(frames) != 2 or len(frames[0]) != 6:
+        raise ValueError(f"not a socket monitor's event: {len(frames)} frame(s)")
+    event, value = _MONITOR_HEAD.unpack(frames[0])
+    return {"event": event, "value": value, "endpoint": bytes(frames[1])}
+
+
+def recv_monitor_event(sock: zmq.Socket, flags: int = 0) -> dict:
+    """The next event of monitor socket ``sock`` (`monitor_event`)."""
+    return monitor_event(sock.recv_multipart(flags))
 
 
 #: heartbeat intervals a tcp peer may stay unreachable before `tcp_liveness(sock, ...)`, given
