@@ -46,7 +46,8 @@ from broker.protocol.heap import TRIM_AFTER_CLOSES, trim_heap
 from broker.protocol.limits import Headroom, default_reserve, listen_backlog, move_aside, nofile_limit, put_back
 from broker.protocol.wire import Waiter, recv_frames, recv_monitor_event, send_frames, sock_events
 from shm import gc as shm_gc
-from shm.segment import ClockPeers, OutOfResources, boot_offset_ticks, pid_exists, proc_starttime, process_alive
+from shm.errors import OutOfResources
+from shm.names import ClockPeers, boot_offset_ticks, pid_exists, proc_starttime, process_alive
 
 from broker.connections import WorkerConnections
 from broker import security

@@ -74,13 +74,34 @@ after loading RELEASED, and its reuse is control-dependent on that load.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from . import gc
 from .errors import RESOURCE_ERRNOS, BadDescriptor, NotShared, OutOfResources, SegmentGone, ShmError, ShmFull, StaleDescriptor
 from .fence import fence
 from .gc import collect
-from .pool import ShmPool
-from .reader import SegmentCache
-from .segment import FREE, IN_FLIGHT, RELEASED, WRITING, ShmRef
+from .names import ShmRef
+
+if TYPE_CHECKING:
+    from .pool import ShmPool
+    from .reader import SegmentCache
+    from .segment import FREE, IN_FLIGHT, RELEASED, WRITING
+
+# Loaded at first use (PEP 562): these bring numpy, which a process that only judges names
+# and owners (the broker, through `shm.names` and `shm.gc`) never needs.
+_LAZY = {"ShmPool": "pool", "SegmentCache": "reader", "FREE": "segment", "WRITING": "segment",
+         "IN_FLIGHT": "segment", "RELEASED": "segment"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shm' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # (asked once)
+    return value
 
 __all__ = [
     "ShmRef", "ShmPool", "SegmentCache", "collect", "fence", "gc",

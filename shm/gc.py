@@ -15,12 +15,10 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-import numpy as np
-
-from .segment import (
-    FREE, HEADER_DTYPE, HEADER_SIZE, LEGACY_NAME_RE, MAGIC, MAX_SLOTS, NAME_RE, PREFIX, SHM_DIR, SLOT_DTYPE,
-    SLOT_SIZE, mark_closed, pid_namespace, process_alive,
-)
+# Names only at import: `collect` (which a broker runs) reads no header unless a legacy file
+# is there, and `shm.segment` (the layout) brings numpy; the functions that read headers
+# import it.
+from .names import LEGACY_NAME_RE, NAME_RE, PREFIX, SHM_DIR, pid_namespace, process_alive
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _LINK_HEAD = "/memfd:" + PREFIX
@@ -38,6 +36,10 @@ class SegmentInfo(NamedTuple):
 
 
 def _header(fd: int):
+    import numpy as np
+
+    from .segment import HEADER_DTYPE, MAGIC
+
     raw = os.pread(fd, HEADER_DTYPE.itemsize, 0)
     if len(raw) < HEADER_DTYPE.itemsize:
         return None
@@ -48,6 +50,10 @@ def _header(fd: int):
 def _live_slots(fd: int, h, size: int) -> int | None:
     """Slots not FREE, or None when the header's count does not fit the file (any process
     of the user may make a memfd with our label and a header of its choosing)."""
+    import numpy as np
+
+    from .segment import FREE, HEADER_SIZE, MAX_SLOTS, SLOT_DTYPE, SLOT_SIZE
+
     slots = int(h["slot_count"])
     if not 0 < slots <= MAX_SLOTS or HEADER_SIZE + SLOT_SIZE * slots > size:
         return None
@@ -125,6 +131,8 @@ def _inspect_legacy(name: str, dry_run: bool) -> bool:
             if ns and mine and ns != mine:
                 return False
             if not dry_run:
+                from .segment import mark_closed
+
                 mark_closed(fd)
         return True
     except OSError:

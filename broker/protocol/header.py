@@ -15,10 +15,12 @@ import functools
 import logging
 import re
 from enum import IntEnum
-from typing import Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import msgspec
-import numpy as np
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["LEASED_CLIENT_GONE", "RoutedRequest", "MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_CREDIT", "MAX_ENVELOPE_LEN",
     "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_META_BYTES", "MAX_REPLY_TO_LEN", "MAX_ERROR_MESSAGE", "MAX_DONE", "MAX_MMI_TOKEN",
@@ -779,6 +781,8 @@ def parse_dtype(s: str) -> np.dtype:
         # Far longer than any dtype.str, or numpy's deprecated 'a' alias (numpy would warn on
         # every such message): numpy is not asked.
         raise ProtocolError(f"unknown dtype {s[:MAX_DTYPE_LEN]!r}; use numpy's dtype.str, e.g. '<f4' or '|u1'")
+    import numpy as np  # here, not at the top: a broker never reads a dtype, nor loads numpy
+
     try:
         dt = np.dtype(s)
     except Exception:  # TypeError, ValueError, or whatever numpy's parser makes of a hostile string

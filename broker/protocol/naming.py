@@ -17,7 +17,7 @@ import stat
 import tempfile
 
 from broker.protocol.limits import paused_by
-from shm.segment import pid_exists, self_identity
+from shm.names import pid_exists, self_identity
 
 __all__ = [
     "local_host_id", "default_runtime_dir", "RuntimeDirError", "default_endpoints", "reply_socket_path",

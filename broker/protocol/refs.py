@@ -9,7 +9,7 @@ record (`shm.SegmentCache`, `shm.cuda.CudaPoolCache`) before it maps a byte.
 from __future__ import annotations
 
 from shm.cuda.refs import DeviceRef
-from shm.segment import ShmRef
+from shm.names import ShmRef
 
 from .header import CudaLoc, ShmLoc
 

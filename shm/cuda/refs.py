@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from ..errors import BadDescriptor
-from ..segment import U32, ShmRef, parse_name
+from ..names import U32, ShmRef, parse_name
 
 __all__ = ["HANDLE_SIZE", "DeviceSlot", "DeviceRef", "check_ref", "host_ref"]
 

@@ -1,6 +1,6 @@
 """`broker.protocol.wire.monitor_event`: a socket monitor's events read as pyzmq reads them,
 without `zmq.utils.monitor` (which imports asyncio: 20-50 ms of every broker's, worker's and
-blocking client's start)."""
+blocking client's start); and what a broker and a worker import to start."""
 from __future__ import annotations
 
 import subprocess
@@ -67,10 +67,12 @@ def test_anything_else_is_a_value_error(frames):
         monitor_event(frames)
 
 
-def test_a_broker_and_a_worker_start_without_asyncio():
+def test_a_broker_and_a_worker_start_without_asyncio_and_a_broker_without_numpy():
     """Their start is what a restart waits for: neither imports asyncio (`client_sdk`'s
-    package does, for its asyncio client)."""
-    code = "import sys, broker.__main__, gpu_worker.__main__; print('asyncio' in sys.modules)"
+    package does, for its asyncio client), and the broker, which never looks inside a
+    tensor, not numpy either (`shm.names`, and `parse_dtype`'s import)."""
+    code = ("import sys, broker.__main__; b = {'asyncio', 'numpy'} & set(sys.modules); "
+            "import gpu_worker.__main__; print(sorted(b), 'asyncio' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False", "a broker or worker imports asyncio at start again"
+    assert out.stdout.strip() == "[] False", "a broker imports asyncio or numpy at start again, or a worker asyncio"
