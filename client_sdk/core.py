@@ -52,6 +52,7 @@ import numpy as np
 import shm as _shm
 from broker import protocol as P
 from broker.protocol import ErrorCode
+from shm.pool import ShmPool  # (at import: `shm` loads it at first use, which may find no descriptor left)
 
 from . import tensors as T
 from .calls import (MMI_SERVICE, Call, MmiQuery, check_service, deadline_exceeded, endpoint_is_local, parse_priority,
@@ -380,7 +381,7 @@ class ClientCore(PinEvents):
         if self._pool is None:
             self.check_open()
             try:
-                self._pool = _shm.ShmPool(self.pool_capacity)
+                self._pool = ShmPool(self.pool_capacity)
                 self.leases.own_segment = self._pool.name
             except (OSError, _shm.ShmError) as e:
                 transient = isinstance(e, _shm.OutOfResources) or (

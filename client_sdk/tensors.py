@@ -30,6 +30,7 @@ import numpy as np
 
 import shm as _shm
 from broker import protocol as P
+from shm.reader import SegmentCache  # (at import: `shm` loads it at first use, which may find no descriptor left)
 
 from . import cuda as _cuda
 # InvalidInput lives in errors.py with every other error class; it stays importable from here
@@ -414,7 +415,7 @@ class OutputLeases:
     def __init__(self, factory: Callable[[], Any] | None = None):
         # Owners tracked (a pidfd per worker whose ring is mapped): `sweep` drops the rings
         # of workers that died, whose SIGKILL never marked them closed.
-        self._factory = factory or (lambda: _shm.SegmentCache(track_owners=True))
+        self._factory = factory or (lambda: SegmentCache(track_owners=True))
         self._cache: Any = None
         self._lock = threading.RLock()
         self.own_segment: str | None = None  # the client's input pool: not an output ring

@@ -34,6 +34,8 @@ import sys
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 _MASK = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
 
+import numpy  # noqa: E402,F401  (here for its BLAS pool's threads: nothing imported below loads it now)
+
 from broker import protocol as P  # noqa: E402
 from broker.protocol.heap import freeze_startup_heap  # noqa: E402
 from broker.protocol.limits import raise_nofile_limit  # noqa: E402

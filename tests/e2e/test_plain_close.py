@@ -12,8 +12,6 @@ Real processes (broker, worker), ipc and tcp endpoints; every wait is a poll wit
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import zmq
@@ -201,4 +199,7 @@ def test_late_messages_of_a_closed_plain_client_are_dropped_and_counted(cluster,
     finally:
         s.close(0)
     gate.release()
-    assert len(Path(runs).read_text().splitlines()) == 1
+    # At most the one dispatched before the close was read ran: it may also have been
+    # cancelled before it started (the broker's CANCEL for a client that left reached the
+    # worker with it, as it does once the broker reads the close in the same pass).
+    assert len(runs.read_text().splitlines()) <= 1 if runs.exists() else True
