@@ -781,7 +781,7 @@ def parse_dtype(s: str) -> np.dtype:
         # Far longer than any dtype.str, or numpy's deprecated 'a' alias (numpy would warn on
         # every such message): numpy is not asked.
         raise ProtocolError(f"unknown dtype {s[:MAX_DTYPE_LEN]!r}; use numpy's dtype.str, e.g. '<f4' or '|u1'")
-    import numpy as np  # here, not at the top: a broker never reads a dtype, nor loads numpy
+    import numpy as np  # here, not at the top: a broker reads the common dtypes without it (`_itemsize`)
 
     try:
         dt = np.dtype(s)
@@ -801,11 +801,32 @@ def dtype_str(dt: np.dtype) -> str:
     return dt.str
 
 
+#: item sizes of numpy's canonical `dtype.str` for the plain numbers, bool and the sized
+#: bytes, strings and voids: what `parse_dtype` accepts, told without numpy, so that the
+#: broker, which checks every tensor it relays (`tensor_nbytes`) and reads nothing else of a
+#: dtype, never loads numpy (tests/broker/test_start_imports.py checks the two agree)
+_PLAIN_ITEMSIZE = {"|b1": 1, "|i1": 1, "|u1": 1, **{f"{o}{k}{n}": n for o in "<>" for k, ns in
+                   (("i", (2, 4, 8)), ("u", (2, 4, 8)), ("f", (2, 4, 8)), ("c", (8, 16))) for n in ns}}
+_SIZED_DTYPE = re.compile(r"(?:\|([SV])|([<>])U)([1-9][0-9]{0,7})")
+
+
+def _itemsize(s: str) -> int:
+    """The item size of dtype string ``s`` as `parse_dtype(s).itemsize` gives it (and its
+    refusals), without numpy for the common canonical strings."""
+    n = _PLAIN_ITEMSIZE.get(s)
+    if n is not None:
+        return n
+    m = _SIZED_DTYPE.fullmatch(s) if type(s) is str else None
+    if m is not None:
+        return int(m.group(3)) * (4 if m.group(2) else 1)
+    return parse_dtype(s).itemsize  # datetimes and anything else: numpy's word
+
+
 def tensor_nbytes(ref: TensorRef) -> int:
     """Bytes of a tensor: itemsize x prod(shape).  Raises ProtocolError for a dtype that
     `parse_dtype` refuses, a negative dimension, or a tensor over MAX_TENSOR_BYTES (each 0
     dimension counted as 1), computed with Python ints and without numpy allocating."""
-    n = parse_dtype(ref.dtype).itemsize
+    n = _itemsize(ref.dtype)
     empty = False
     for d in ref.shape:
         if d <= 0:

@@ -11,6 +11,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from broker.protocol.header import _PLAIN_ITEMSIZE as _PLAIN
 from broker.protocol.wire import monitor_event, recv_monitor_event
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,9 +71,42 @@ def test_anything_else_is_a_value_error(frames):
 def test_a_broker_and_a_worker_start_without_asyncio_and_a_broker_without_numpy():
     """Their start is what a restart waits for: neither imports asyncio (`client_sdk`'s
     package does, for its asyncio client), and the broker, which never looks inside a
-    tensor, not numpy either (`shm.names`, and `parse_dtype`'s import)."""
-    code = ("import sys, broker.__main__; b = {'asyncio', 'numpy'} & set(sys.modules); "
-            "import gpu_worker.__main__; print(sorted(b), 'asyncio' in sys.modules)")
+    tensor, not numpy either (`shm.names`), nor when it checks the tensors of the requests
+    and replies it relays (`header._itemsize`): numpy loaded there would stall its loop
+    once, and fail where no descriptor is left."""
+    code = """
+import sys, broker.__main__
+from broker import protocol as P
+from broker.protocol import header as H
+def ref(dtype):
+    return P.TensorRef("x", dtype, [2, 3], P.ShmLoc(segment="zinf-1-2-0123456789abcdef-5", offset=4096,
+                                                     nbytes=6 * H._itemsize(dtype), slot=0, generation=1))
+for dt in sorted(H._PLAIN_ITEMSIZE) + ["|S16", "<U4", "|V8"]:
+    P.decode_request(P.encode_header(P.Request(id=1, host="h", tensors=[ref(dt)])), 0, routed=True)
+    P.decode_reply(P.encode_header(P.Reply(id=1, tensors=[ref(dt)])), 0)
+b = {'asyncio', 'numpy'} & set(sys.modules)
+import gpu_worker.__main__
+print(sorted(b), 'asyncio' in sys.modules)
+"""
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[] False", "a broker imports asyncio or numpy at start again, or a worker asyncio"
+
+
+SIZED = ["|S1", "|S16", "|S99999999", "|V1", "|V8", "<U1", ">U4", "<U99999999"]
+REFUSED = ["<S16", "|U4", "|S0", "|V0", "<U0", "|S016", "S16", "<f3", "|f4", "<b1", "=f4", "|S999999999"]
+
+
+@pytest.mark.parametrize("dtype", sorted(_PLAIN) + SIZED + REFUSED + ["<M8[ns]", "<m8[s]", "|O"])
+def test_the_item_sizes_told_without_numpy_are_numpys(dtype):
+    """`_itemsize` answers as `parse_dtype` does: the same size, or the same refusal."""
+    from broker.protocol.header import ProtocolError, _itemsize, parse_dtype
+
+    try:
+        want = parse_dtype(dtype).itemsize
+    except ProtocolError as e:
+        with pytest.raises(ProtocolError) as got:
+            _itemsize(dtype)
+        assert str(got.value) == str(e)
+    else:
+        assert _itemsize(dtype) == want

@@ -71,6 +71,18 @@ class Proc:
         text = self._err.decode(errors="replace")
         return text if tail is None else text[-tail:]
 
+    def _stderr_now(self, tail: int, timeout: float = 2.0) -> str:
+        """As `stderr`, but reading for at most ``timeout`` s: a child of the process that
+        kept the pipe open (a model's subprocess) would hold a read to its end forever."""
+        fd = self.p.stderr.fileno()
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0 and select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            self._err += chunk
+        return self._err.decode(errors="replace")[-tail:]
+
     def wait_log(self, text: str, timeout: float = 15.0, after: int = 0) -> None:
         """Read stderr until it contains `text` (a condition, not a sleep), from its
         `after`th byte on (`logged`: what was read so far, to wait for a line logged again)."""
@@ -120,7 +132,7 @@ class Proc:
         self.terminate()
         if say:
             print(f"--- {' '.join(self.args)} (pid {self.p.pid}, exit {self.p.returncode}); stderr:\n"
-                  f"{self.stderr(6000)}")
+                  f"{self._stderr_now(6000)}")
         for f in (self.p.stdin, self.p.stdout, self.p.stderr):
             if f is not None:
                 f.close()
