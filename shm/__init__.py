@@ -103,6 +103,10 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value  # (asked once)
     return value
 
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 __all__ = [
     "ShmRef", "ShmPool", "SegmentCache", "collect", "fence", "gc",
     "ShmError", "ShmFull", "SegmentGone", "StaleDescriptor", "BadDescriptor", "NotShared", "OutOfResources", "RESOURCE_ERRNOS",
