@@ -154,6 +154,7 @@ class PoolConfig:
     transports: tuple[str, ...] | None = None
     keep_warm_ms: float | None = None
     drain_grace_s: float | None = None
+    lifo_after_ms: float | None = None
     extra_args: tuple[str, ...] = ()
 
     @property
@@ -197,6 +198,7 @@ _FLAGS = (
     ("service", "--service"), ("device", "--device"), ("max_batch", "--max-batch"),
     ("max_delay_ms", "--max-delay-ms"), ("max_cost", "--max-cost"), ("credit", "--credit"),
     ("transports", "--transports"), ("keep_warm_ms", "--keep-warm-ms"), ("drain_grace_s", "--drain-grace-s"),
+    ("lifo_after_ms", "--lifo-after-ms"),
 )
 
 
@@ -244,6 +246,9 @@ POOL_KEYS: dict[str, tuple] = {
     "keep_warm_ms": (lambda v: _is_number(v) and (v == 0 or 1 <= v <= 86_400_000),
                      "0 (off), or a number of ms from 1 to 86400000 (a day)"),
     "drain_grace_s": _number_between(0, _LONGEST_S),
+    # the worker's own bound (WorkerConfig.check): up to a day; negative: never newest first
+    "lifo_after_ms": (lambda v: _is_number(v) and v <= 86_400_000,
+                      "a number of ms up to 86400000 (a day), or negative (never newest first)"),
     "extra_args": (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
                    "a list of strings (python -m gpu_worker arguments)"),
 }
@@ -344,7 +349,7 @@ def _pool(table: Any, where: str) -> PoolConfig:
     for key in ("transports", "extra_args"):
         if key in kw:
             kw[key] = tuple(kw[key])
-    for key in ("max_delay_ms", "max_cost", "keep_warm_ms", "drain_grace_s"):
+    for key in ("max_delay_ms", "max_cost", "keep_warm_ms", "drain_grace_s", "lifo_after_ms"):
         if key in kw:
             kw[key] = float(kw[key])
     if "device" in kw:

@@ -439,6 +439,7 @@ def test_pool_tables_parse_and_map_to_worker_flags(tmp_path):
         transports = ["inline", "shm"]
         keep_warm_ms = 0
         drain_grace_s = 2
+        lifo_after_ms = -1
         extra_args = ["--no-warmup"]
     """)
     d = C.load_launcher(path)
@@ -449,7 +450,8 @@ def test_pool_tables_parse_and_map_to_worker_flags(tmp_path):
     assert args == ["--broker", "ipc:///b", "--model", "pkg.mod:factory", "--heartbeat-interval", "0.2",
                     "--heartbeat-liveness", "3", "--service", "svc", "--device", "cpu", "--max-batch", "4",
                     "--max-delay-ms", "1.0", "--max-cost", "2.5", "--credit", "3", "--transports", "inline,shm",
-                    "--keep-warm-ms", "0.0", "--drain-grace-s", "2.0", "--insecure", "--no-warmup"]
+                    "--keep-warm-ms", "0.0", "--drain-grace-s", "2.0", "--lifo-after-ms", "-1.0", "--insecure",
+                    "--no-warmup"]
     assert d.pools[0].worker_args("ipc:///b") == ["--broker", "ipc:///b", "--model", "echo"]
     # The broker's part of the same file is accepted as it is.
     from broker.server import BrokerConfig
@@ -474,6 +476,10 @@ def test_a_file_without_pools_is_no_launcher(tmp_path):
     # the worker's own bound, checked with the file (the worker exited 2 after the broker bound)
     ("[[pool]]\nmodel = 'echo'\nkeep_warm_ms = 0.5\n", ["keep_warm_ms must be 0 (off), or a number of ms from 1"]),
     ("[[pool]]\nmodel = 'echo'\nkeep_warm_ms = 1e8\n", ["keep_warm_ms must be"]),
+    ("[[pool]]\nmodel = 'echo'\nlifo_after_ms = 1e8\n", ["lifo_after_ms must be a number of ms up to 86400000"]),
+    ("[[pool]]\nmodel = 'echo'\nlifo_after_ms = 'never'\n", ["lifo_after_ms must be"]),
+    ("[[pool]]\nmodel = 'echo'\nlifo_after_ms = 50\nextra_args = ['--lifo-after-ms', '10']\n",
+     ["extra_args may not set --lifo-after-ms", "lifo_after_ms key sets it already"]),
     ("[[pool]]\nmodel = 'echo'\nextra_args = '--x'\n", ["extra_args must be a list of strings"]),
     # What the launcher sets from the broker, or a key of the same table sets: a worker sent
     # to another broker, or with other heartbeats, was never seen registered (killed as hung).
