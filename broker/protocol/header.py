@@ -781,8 +781,15 @@ def parse_dtype(s: str) -> np.dtype:
         # Far longer than any dtype.str, or numpy's deprecated 'a' alias (numpy would warn on
         # every such message): numpy is not asked.
         raise ProtocolError(f"unknown dtype {s[:MAX_DTYPE_LEN]!r}; use numpy's dtype.str, e.g. '<f4' or '|u1'")
-    import numpy as np  # here, not at the top: a broker reads the common dtypes without it (`_itemsize`)
-
+    try:
+        import numpy as np  # here, not at the top: a broker reads the common dtypes without it (`_itemsize`)
+    except (OSError, ImportError) as e:
+        # A broker loads numpy here, for its first uncommon dtype: with no descriptor or
+        # memory left that fails, which says nothing of the request (503: send it again).
+        err = ProtocolError(f"cannot check dtype {s[:MAX_DTYPE_LEN]!r} now ({type(e).__name__}: {e}); "
+                            f"send it again")
+        err.code = ErrorCode.SERVICE_UNAVAILABLE
+        raise err from None
     try:
         dt = np.dtype(s)
     except Exception:  # TypeError, ValueError, or whatever numpy's parser makes of a hostile string

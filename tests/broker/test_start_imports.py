@@ -110,3 +110,26 @@ def test_the_item_sizes_told_without_numpy_are_numpys(dtype):
         assert str(got.value) == str(e)
     else:
         assert _itemsize(dtype) == want
+
+
+def test_a_broker_that_cannot_load_numpy_answers_an_uncommon_dtype_503():
+    """A broker loads numpy at its first uncommon dtype (a datetime): where that import fails
+    (no descriptor or memory left) the request is answered 503, not dropped as malformed,
+    and the common dtypes are checked as before."""
+    code = """
+import builtins, sys
+from broker.protocol import header as H
+real = builtins.__import__
+def refuse(name, *a, **k):
+    if name == "numpy" or name.startswith("numpy."):
+        raise OSError(24, "Too many open files")
+    return real(name, *a, **k)
+builtins.__import__ = refuse
+try:
+    H.parse_dtype("<M8[ns]")
+except H.ProtocolError as e:
+    print(int(e.code), "send it again" in str(e), H._itemsize("<f4"), "numpy" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["503", "True", "4", "False"], out.stdout
