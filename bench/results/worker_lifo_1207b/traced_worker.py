@@ -1,4 +1,4 @@
-# (bench/results/worker_lifo_1207b/run_pair.sh runs it in place of python -m gpu_worker; BTRACE=FILE)
+# WORKER_PY=bench/results/worker_lifo_1207b/traced_worker.py BTRACE=FILE bench/results/overload_1206b/pair/run_pair.sh ...
 # A gpu_worker whose Batcher logs add/take/expire/lost per request (principal, seq-ish id, times)
 import os, sys, time, json
 from gpu_worker import batching as B

@@ -1,7 +1,9 @@
 #!/bin/bash
 # usage: run_pair.sh TREE OUTPREFIX ; a broker and one fixed-time worker of TREE; two bench run processes
 # (two principals) at once: a flood (125 req/s) and a light client (5 req/s), 100 ms timeouts;
-# WORKER_ARGS: more gpu_worker arguments (e.g. "--credit 8"); LIGHT_PY: a script run as the light client instead
+# WORKER_ARGS: more gpu_worker arguments (e.g. "--credit 8"); LIGHT_PY: a script run as the light client instead;
+# WORKER_PY: a script run as the worker instead of -m gpu_worker (with the same arguments: a traced worker);
+# FIXED_MS: the model's time (20); FLOOD_RATE: the flood's requests a second (125)
 set -u
 TREE=$1; OUT=$2
 PY=/work/main/.venv/bin/python
@@ -11,11 +13,11 @@ cd $TREE
 PYTHONPATH=$TREE:$TREE/tests/e2e $PY -m broker --frontend ipc://$RT/fe.ipc --backend ipc://$RT/be.ipc > $RT/broker.out 2> $RT/broker.err &
 B=$!
 for i in $(seq 100); do [ -S $RT/be.ipc ] && break; sleep 0.1; done
-FIXED_MS=20 PYTHONPATH=$TREE:$TREE/tests/e2e $PY -m gpu_worker --broker ipc://$RT/be.ipc --model bench_models:fixed --max-batch 1 ${WORKER_ARGS:-} > $RT/worker.out 2> $RT/worker.err &
+FIXED_MS=${FIXED_MS:-20} PYTHONPATH=$TREE:$TREE/tests/e2e $PY ${WORKER_PY:--m gpu_worker} --broker ipc://$RT/be.ipc --model bench_models:fixed --max-batch 1 ${WORKER_ARGS:-} > $RT/worker.out 2> $RT/worker.err &
 W=$!
 for i in $(seq 300); do grep -q READY $RT/worker.out 2>/dev/null && break; sleep 0.1; done
 cd /work/main
-$PY -m bench run --endpoint ipc://$RT/fe.ipc --service fixed --input x=16:uint8 --request-rate-range 125:125 \
+$PY -m bench run --endpoint ipc://$RT/fe.ipc --service fixed --input x=16:uint8 --request-rate-range ${FLOOD_RATE:-125}:${FLOOD_RATE:-125} \
    --timeout-s 0.1 --window-s 4 --warmup-s 1 --json ${OUT}_flood.json --quiet > $RT/flood.out 2>&1 &
 F=$!
 if [ -n "${LIGHT_PY:-}" ]; then  # a script in the light client's place: LIGHT_PY FRONTEND, its output to OUT_light.txt

@@ -1,3 +1,6 @@
+# WORKER_PY=bench/results/worker_lifo_1207b/read_tick/worker_rt.py WTRACE=FILE [READ_TICK=S] bench/results/overload_1206b/pair/run_pair.sh ...
+# (with LIGHT_PY=bench/results/worker_lifo_1207/light.py LIGHT_EVERY=1): a worker that logs each request's arrival
+# stamp and reply times; READ_TICK sets gpu_worker.compute.READ_TICK
 import os, sys, time, json
 from gpu_worker import worker as Wm, compute as Cm
 if os.environ.get("READ_TICK"): Cm.READ_TICK = float(os.environ["READ_TICK"])
