@@ -20,20 +20,37 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import zmq
 
 from broker.protocol.logs import block_stop_signals, unblock_stop_signals
 
-__all__ = ["raised", "message_of", "ComputeTimes", "ComputeThread", "LoopHeartbeats", "READ_TICK", "IDLE_AFTER"]
+__all__ = ["raised", "message_of", "ComputeTimes", "ComputeThread", "LoopHeartbeats", "READ_TICK", "READ_GAP",
+           "IDLE_AFTER"]
 
 # Seconds between the heartbeat thread's looks at the socket while a batch computes on the
-# loop's thread: what arrives meanwhile is read (and a RECALL answered) at most this late.
-# Outside compute each look is a failed lock attempt (see IDLE_AFTER for an idle worker).
+# loop's thread, when nothing wakes it sooner: after a look during compute it sleeps on the
+# sockets' descriptors, so what arrives meanwhile is read (and a RECALL answered) as it
+# comes, READ_GAP at most after the previous look.  Outside compute each look is a failed
+# lock attempt, after which the thread goes back to this tick (see IDLE_AFTER for an idle
+# worker).
 READ_TICK = 0.01
+#: the shortest time between two looks woken by arrivals: a flood of them during a batch
+#: takes the GIL from the model (and the lock from the loop, should the batch end) at most
+#: this often, reading what came meanwhile in one go
+READ_GAP = 0.001
+#: once an arrival came during a batch (one that lasted READ_GAP at least), each batch begun
+#: in the next RING_FOR seconds wakes the thread at its start (`computing_begin` rings a
+#: bell): what arrived just before, or arrives in the batch's first READ_TICK, is read as it
+#: comes rather than at the next tick.  Without such traffic (a lone client's requests come
+#: while the loop waits, not while it computes) nothing rings, and no batch pays for a look
+RING_FOR = 1.0
+# what `LoopHeartbeats._sleep_on` woke for
+_STOP, _TIMEOUT, _ARRIVAL, _BELL = object(), object(), object(), object()
 #: with no batch begun on the loop's thread for IDLE_AFTER seconds, `LoopHeartbeats` sleeps
 #: until the next `computing_begin()` wakes it (or half a heartbeat interval passes) instead
 #: of looking every READ_TICK: an idle worker's thread otherwise woke 100 times a second for
@@ -210,28 +227,47 @@ class LoopHeartbeats:
     does) still starves this thread: such models must be offloaded (their warm-up timing
     says so).
 
-    With ``during`` (the worker's `_read_while_computing`), the thread also reads the socket
-    every `READ_TICK` seconds while the loop computes: so a request that arrives during a
-    batch predicted fast but long (a misprediction) has its arrival time, and a RECALL for
-    it is answered while the batch runs instead of after it.  After `IDLE_AFTER` seconds
-    with no batch begun it says it is idle and sleeps until `computing_begin()` wakes it
-    (half a heartbeat interval at most): only the first batch after a quiet spell pays that
+    With ``during`` (the worker's `_read_while_computing`), the thread also reads the sockets
+    while the loop computes: so a request that arrives during a batch has its arrival time
+    (its wait in the batcher, its batching window), and a RECALL for it is answered while the
+    batch runs instead of after it.  ``during`` returns the descriptors to sleep on until the
+    next look (`wire.quiet_fd`: sockets it drained, whose next message signals them), or
+    nothing when one may hold a message that will not signal (a send after the drain, a
+    stash full).  After a look during compute the thread wakes at the next arrival
+    (`READ_GAP` after the look at the earliest) or at `READ_TICK`, whichever is first;
+    after a failed lock attempt, or with nothing to sleep on, at the tick.  The descriptors
+    are only slept on, never read, without the lock (libzmq's are edge-triggered: a poll
+    does not take the signal, the EVENTS of the next look does).  A batch that begins while
+    the loop has the socket is seen at the next tick, so what arrives in its first tick
+    would wait for it; hence, for `RING_FOR` seconds after an arrival during a batch, each
+    batch begun rings a bell (an eventfd the thread sleeps on with the sockets) and the
+    thread looks at its start.  Only workers whose batches see arrivals pay that wake-up;
+    a lone client's (its requests come while the loop waits) never rings.  After
+    `IDLE_AFTER` seconds with no batch begun it says it is idle and sleeps until
+    `computing_begin()` wakes it (half a heartbeat interval at most): only the first batch after a quiet spell pays that
     wake-up (an Event's set); the others cost the loop a counter and an attribute read (no
     syscall: a signal to this thread at every batch would cost every request a wake-up).
     """
 
     def __init__(self, send_heartbeat: Callable[[], None], last_sent: Callable[[], float], interval: float,
-                 during: Callable[[], None] | None = None):
+                 during: Callable[[], Sequence[int] | None] | None = None):
         self._send = send_heartbeat
         self._last_sent = last_sent
         self.interval = interval
-        self._during = during  # run with the socket held, every READ_TICK, while the loop computes
+        self._during = during  # run with the socket held at each look while the loop computes
         self._socket = threading.Lock()
         self._socket.acquire()  # the loop's, from now on (construct on the loop thread)
         self._stop = threading.Event()
         self.sent = 0
         self.begun = 0   # batches begun on the loop's thread (the loop writes it, this thread reads)
         self.looks = 0   # times this thread woke
+        self.woken = 0   # of them, woken by an arrival on a descriptor `during` returned
+        self.rung = 0    # of them, woken by `computing_begin` (traffic comes during batches)
+        self._poll = select.poll()
+        self._polled: tuple[int, ...] = ()
+        # Rung by `computing_begin` while `_ring` (set and cleared by this thread): see _loop
+        self._bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._ring = False
         # Idle: set by this thread before it sleeps on `_wake`, read by `computing_begin`
         # after it counted its batch (so either the loop sees it and sets `_wake`, or this
         # thread sees the count move before it sleeps: no batch is missed).
@@ -243,7 +279,12 @@ class LoopHeartbeats:
     def computing_begin(self) -> None:
         self.begun += 1
         self._socket.release()
-        if self._idle:
+        if self._ring:
+            try:  # traffic comes during batches: look now, at this one's start
+                os.eventfd_write(self._bell, 1)
+            except OSError:
+                pass
+        elif self._idle:
             self._wake.set()  # the first batch after a quiet spell: look now
 
     def computing_end(self) -> None:
@@ -257,7 +298,11 @@ class LoopHeartbeats:
         seen, quiet_since = self.begun, time.monotonic()
         wait = self._tick()
         idle = False
+        fds: Sequence[int] = ()  # what the last look, during compute, left to sleep on
+        phase = -1               # `begun` at the last look that held the socket
+        ring_until = 0.0
         while True:
+            woke = _TIMEOUT
             if idle:
                 self._wake.clear()
                 self._idle = True
@@ -266,36 +311,109 @@ class LoopHeartbeats:
                 self._idle = False
                 if self._stop.is_set():
                     break
+            elif fds or self._ring:
+                woke = self._sleep_on(fds, wait)
+                if woke is _STOP:
+                    break
             elif self._stop.wait(wait):
                 break
             self.looks += 1
             wait = self._tick()
             idle = False
+            fds = ()
             if not self._socket.acquire(blocking=False):
-                # the loop has the socket: it heartbeats itself
+                # the loop has the socket: it heartbeats itself (and, ringing, it rings when
+                # its next batch begins)
                 now = time.monotonic()
                 if self.begun != seen:
                     seen, quiet_since = self.begun, now
-                elif now - quiet_since >= IDLE_AFTER:
+                elif now - quiet_since >= IDLE_AFTER and not self._ring:
                     # nothing to do until a batch begins: `computing_begin` wakes us
                     wait, idle = self.interval / 2, True
                 continue
-            seen, quiet_since = self.begun, time.monotonic()
+            now = time.monotonic()
+            if woke is _ARRIVAL and self.begun == phase:
+                # an arrival in a batch this thread looked at READ_GAP before, at least
+                ring_until = now + RING_FOR
+                self._ring = True
+            elif self._ring and now >= ring_until:
+                self._ring = False
+            phase = seen = self.begun
+            quiet_since = now
             try:
+                try:
+                    # First, so that the read's last call on the socket is the EVENTS that
+                    # found it empty: its descriptor then signals the next message.
+                    if now - self._last_sent() >= self.interval:
+                        self._send()
+                        self.sent += 1
+                except Exception:  # its failure must not cost this look's read
+                    log.exception("heartbeat during compute failed")
                 if self._during is not None:
-                    try:
-                        self._during()
-                    except Exception:  # its failure must not cost this tick's heartbeat
-                        log.exception("reading the sockets during compute failed")
-                if time.monotonic() - self._last_sent() >= self.interval:
-                    self._send()
-                    self.sent += 1
-            except Exception:  # never let a heartbeat failure take the loop's lock with it
-                log.exception("heartbeat during compute failed")
+                    fds = self._during() or ()
+            except Exception:  # never let a failure take the loop's lock with it
+                log.exception("reading the sockets during compute failed")
+                fds = ()
             finally:
                 self._socket.release()
+
+    def _sleep_on(self, fds: Sequence[int], timeout: float) -> object:
+        """Sleep until one of ``fds`` signals (then until `READ_GAP` after the look just
+        made, at the earliest), the bell rings or ``timeout`` seconds pass: `_ARRIVAL`,
+        `_BELL`, `_TIMEOUT`, or `_STOP`."""
+        looked = time.monotonic()
+        fds = (self._bell, *fds)
+        poll = self._poll
+        if fds != self._polled:
+            self._forget()
+            for fd in fds:
+                poll.register(fd, select.POLLIN)
+            self._polled = fds
+        try:
+            ready = poll.poll(timeout * 1000.0)
+        except OSError:  # EINTR is retried by Python; anything else: a plain tick
+            ready = ()
+            self._forget()
+            if self._stop.wait(timeout):
+                return _STOP
+        if self._stop.is_set():
+            return _STOP
+        if not ready:
+            return _TIMEOUT
+        bell = self._bell
+        if any(fd == bell for fd, _ in ready):
+            try:
+                os.eventfd_read(bell)
+            except OSError:  # BlockingIOError: read by an earlier wake
+                pass
+            self.rung += 1
+            return _BELL
+        if any(ev & select.POLLNVAL for _, ev in ready):
+            # a descriptor closed under us (the loop reconnected since): the rest of the tick
+            # plain, then the next look says what to watch
+            self._forget()
+            return _STOP if self._stop.wait(max(0.0, looked + timeout - time.monotonic())) else _TIMEOUT
+        self.woken += 1
+        gap = looked + READ_GAP - time.monotonic()
+        if gap > 0 and self._stop.wait(gap):
+            return _STOP
+        return _ARRIVAL
+
+    def _forget(self) -> None:
+        for fd in self._polled:
+            try:
+                self._poll.unregister(fd)
+            except (KeyError, ValueError, OSError):
+                pass
+        self._polled = ()
 
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
+        try:
+            os.eventfd_write(self._bell, 1)
+        except OSError:
+            pass
         self._thread.join(5)
+        if not self._thread.is_alive():
+            os.close(self._bell)

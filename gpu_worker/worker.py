@@ -63,7 +63,7 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol import logs
-from broker.protocol.wire import TcpWatch, Waiter, recv_frames, sock_events, touched
+from broker.protocol.wire import TcpWatch, Waiter, quiet_fd, recv_frames, sock_events, touched
 from gpu_worker.batching import Batcher, Pending
 from gpu_worker.compute import ComputeThread, ComputeTimes, LoopHeartbeats, message_of, raised
 from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signature
@@ -1031,15 +1031,18 @@ class Worker:
             self.returned += len(back)
         self._send(P.worker_returned(back, kept))
 
-    def _read_while_computing(self) -> None:
+    def _read_while_computing(self) -> list[int] | None:
         """On the heartbeat thread, holding the socket, while a batch computes on the loop's
         thread (`compute.LoopHeartbeats`): read what has arrived, so that every request's
         wait is measured from its arrival and a RECALL is answered now, not after the batch.
         Everything but the RECALL is left for the loop (`_after_compute`); the loop thread
         does not touch `jobs` while it computes, so reading it here is safe.  The direct
         socket is read the same way (`_read_direct_while_computing`), and the broker is told
-        BUSY once the batch runs long."""
-        self._read_direct_while_computing()
+        BUSY once the batch runs long.  Returns the descriptors the thread may sleep on until
+        its next look (the sockets drained, whose next message signals them: the upstream
+        socket's, and the direct socket's and local link's unless their stash is full), or
+        None where the upstream socket may hold a message that will not signal."""
+        drained = self._read_direct_while_computing()
         if self.signals and (not self._stopping_told or (self.leases is not None and not self.leases.stopping)):
             # SIGTERM during a long batch: the broker hears of it now, and so do the
             # leaseholders (LEASE_END, relayed by the broker): their next requests go through
@@ -1052,7 +1055,7 @@ class Worker:
             self._maybe_tell_busy(time.monotonic())
         sock = self.sock
         if sock is None or self._reconnect_why is not None:
-            return
+            return None
         if self.dones.envelopes and self.dones.ready(time.monotonic()):
             # FINALs that went straight to their clients before this batch: the broker
             # settles them now, not after it (it counted them as still running, expired
@@ -1082,8 +1085,20 @@ class Worker:
                     log.debug("read a request from the broker while a batch computes (priority %s)",
                               _priority_name(msg.body))
             self._stash.append((msg, time.monotonic()))
+        fd = quiet_fd(sock)
+        if fd is None:
+            return None
+        fds = [fd]
+        ds = self.direct_socket
+        if drained and ds is not None:
+            fd = quiet_fd(ds.sock)
+            if fd is not None:
+                fds.append(fd)
+            if ds.link is not None:
+                fds.append(ds.link.fileno())  # level-triggered: readable while it has something to do
+        return fds
 
-    def _read_direct_while_computing(self) -> None:
+    def _read_direct_while_computing(self) -> bool:
         """On the heartbeat thread, holding the direct socket with the upstream one (the
         loop hands both over in `computing_begin` and takes them back in `computing_end`):
         stash what arrived with its arrival time, for `_after_compute`, so a leased
@@ -1093,10 +1108,11 @@ class Worker:
         already waiting in the batcher (`_bounce_queued`); a HELLO is handled now (it only
         binds a connection in the lease table) unless its connection has messages stashed
         (it then keeps its place behind them).  At most `_DIRECT_STASH_MAX` messages are
-        stashed; the rest stay in the socket for the loop."""
+        stashed; the rest stay in the socket for the loop.  Whether it read all there was
+        (the socket and the link then signal their next message)."""
         ds = self.direct_socket
         if ds is None:
-            return
+            return True
         stash = self._stash_direct
         at = self._batch_at
         if at is not None and runs_long(time.monotonic() - at, self._batch_predicted):
@@ -1115,7 +1131,7 @@ class Worker:
         while most > 0:
             frames = ds.next_message()
             if frames is None:
-                break
+                return True
             now = time.monotonic()
             request = _is_direct_request(frames)
             if request:
@@ -1141,6 +1157,7 @@ class Worker:
             if self._direct_judged == len(stash) - 1 and (
                     not request or (at is not None and runs_long(now - at, self._batch_predicted))):
                 self._direct_judged += 1
+        return False
 
     def _bounce_queued(self, now: float) -> None:
         """On the heartbeat thread during compute (`_read_direct_while_computing`), once the

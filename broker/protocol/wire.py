@@ -32,7 +32,7 @@ from zmq.backend import Socket as _Base
 
 from .frames import MDPC
 
-__all__ = ["seed_routing_ids", "send_frames", "recv_frames", "sock_events", "monitor_event", "recv_monitor_event", "touched", "Waiter", "NOBLOCK", "tcp_liveness", "keepalive_plan", "DEAD_AFTER_BEATS",
+__all__ = ["seed_routing_ids", "send_frames", "recv_frames", "sock_events", "monitor_event", "recv_monitor_event", "touched", "quiet_fd", "Waiter", "NOBLOCK", "tcp_liveness", "keepalive_plan", "DEAD_AFTER_BEATS",
            "tcp_counts", "TcpWatch", "out_of_resources", "warm_zero_copy", "MAX_WAIT_MS", "wait_ms"]
 
 NOBLOCK = int(zmq.NOBLOCK)
@@ -43,6 +43,7 @@ _send = _Base.send
 _recv = _Base.recv
 _get = _Base.get
 _EVENTS = int(zmq.EVENTS)
+_FD = int(zmq.FD)
 _POLLIN = int(zmq.POLLIN)
 
 # Sockets some Waiter watches, and those of them that are quiet: the last libzmq call on it
@@ -464,6 +465,17 @@ class TcpWatch:
         if last is not None and (received != last[1] or (acked - last[0] >= UPLOAD_MIN_BYTES and backlog)):
             self.moved_at = now
         return self.moved_at
+
+
+def quiet_fd(sock: zmq.Socket) -> int | None:
+    """The descriptor (ZMQ_FD) of a watched socket that is quiet (the last libzmq call on it
+    was an EVENTS that found no message, see Waiter), so that its next message signals it;
+    None for a socket that is not, whose descriptor may stay silent over a message that
+    waits.  For a thread that waits on a socket it may not call: it sleeps on this
+    descriptor, and reads the socket only once it holds it again."""
+    if sock not in _QUIET:
+        return None
+    return _get(sock, _FD)
 
 
 def touched(sock: zmq.Socket) -> None:

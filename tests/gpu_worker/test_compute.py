@@ -161,3 +161,163 @@ def test_loop_heartbeats_look_seldom_while_the_worker_is_idle_and_often_once_it_
         assert (beats.looks - before) / (time.monotonic() - t0) > 0.2 / READ_TICK
     finally:
         beats.close()
+
+
+class _Wire:
+    """A PAIR pair standing in for the worker's upstream socket and the broker, and a
+    `during` that drains the worker's side as `Worker._read_while_computing` does (EVENTS
+    until none, then the quiet socket's descriptor to sleep on), noting when each message
+    was read and when each look was made."""
+
+    def __init__(self, name: str, on_look=None):
+        from broker.protocol.wire import Waiter
+
+        self.ctx = zmq.Context.instance()
+        self.broker = self.ctx.socket(zmq.PAIR)
+        self.broker.linger = 0
+        addr = f"inproc://{name}-{id(self)}"
+        self.broker.bind(addr)
+        self.sock = self.ctx.socket(zmq.PAIR)
+        self.sock.linger = 0
+        self.sock.connect(addr)
+        self.waiter = Waiter()     # watched, as the worker loop's Waiter watches its upstream
+        self.waiter.add(self.sock)
+        self.read: list[tuple[bytes, float]] = []
+        self.looks: list[float] = []
+        self.got = threading.Event()
+        self.on_look = on_look
+
+    def during(self):
+        import time
+
+        from broker.protocol.wire import quiet_fd, recv_frames, sock_events
+
+        self.looks.append(time.monotonic())
+        if self.on_look is not None:
+            self.on_look(len(self.looks))
+        while sock_events(self.sock) & zmq.POLLIN:
+            self.read.append((bytes(recv_frames(self.sock)[0]), time.monotonic()))
+            self.got.set()
+        fd = quiet_fd(self.sock)
+        return None if fd is None else [fd]
+
+    def close(self) -> None:
+        self.waiter.close()
+        self.sock.close()
+        self.broker.close()
+
+
+def _slow_ticks_after(n: int, monkeypatch):
+    """An `on_look` that makes READ_TICK 30 s from the n-th look on: a look that comes
+    sooner was woken by something else (an arrival, the bell)."""
+    from gpu_worker import compute
+
+    def on_look(k: int) -> None:
+        if k == n:
+            monkeypatch.setattr(compute, "READ_TICK", 30.0)
+    return on_look
+
+
+def _wait_for(cond, seconds: float = 5.0) -> bool:
+    ev = threading.Event()
+    for _ in range(int(seconds / 0.01)):
+        if cond():
+            return True
+        ev.wait(0.01)
+    return cond()
+
+
+def test_during_a_batch_an_arrival_is_read_as_it_comes_not_at_the_next_tick(monkeypatch):
+    """After a look during compute the heartbeat thread sleeps on the drained socket's
+    descriptor (edge-triggered: the EVENTS that found it empty arms it), so a message that
+    arrives is read and stamped at once, not READ_TICK later (30 s here), and so is the next
+    one (the look's EVENTS arms it again)."""
+    from gpu_worker.compute import LoopHeartbeats
+
+    wire = _Wire("arrival", on_look=_slow_ticks_after(1, monkeypatch))
+    beats = LoopHeartbeats(lambda: None, lambda: float("inf"), interval=100.0, during=wire.during)
+    try:
+        beats.computing_begin()
+        assert _wait_for(lambda: len(wire.looks) >= 2)  # the second look waits 30 s, or for a message
+        for k in (b"a", b"b"):
+            wire.got.clear()
+            wire.broker.send(k)
+            assert wire.got.wait(5.0), f"{k!r} not read during compute"
+            assert wire.read[-1][0] == k
+        assert beats.woken >= 2
+        beats.computing_end()
+    finally:
+        beats.close()
+        wire.close()
+
+
+def test_arrivals_during_a_batch_wake_the_thread_read_gap_apart_at_most_often(monkeypatch):
+    """A flood during a batch: the thread takes the GIL (and the socket) no more often than
+    every READ_GAP, reading what came meanwhile in one go."""
+    import time
+
+    from gpu_worker.compute import READ_GAP, LoopHeartbeats
+
+    wire = _Wire("gap", on_look=_slow_ticks_after(1, monkeypatch))
+    beats = LoopHeartbeats(lambda: None, lambda: float("inf"), interval=100.0, during=wire.during)
+    try:
+        beats.computing_begin()
+        assert _wait_for(lambda: len(wire.looks) >= 2)
+        start = len(wire.looks)
+        end = time.monotonic() + 0.2
+        sent = 0
+        while time.monotonic() < end:   # a rate, not a sync: as fast as this thread can send
+            wire.broker.send(b"%d" % sent)
+            sent += 1
+        assert _wait_for(lambda: len(wire.read) == sent)
+        beats.computing_end()
+        looks = wire.looks[start - 1:]
+        gaps = [b - a for a, b in zip(looks, looks[1:])]
+        assert gaps and min(gaps) >= READ_GAP * 0.999, (min(gaps), len(gaps), sent)
+        assert len(looks) - 1 < sent  # several messages a look
+    finally:
+        beats.close()
+        wire.close()
+
+
+def test_after_arrivals_during_batches_the_next_batch_rings_and_a_lone_client_never_does(monkeypatch):
+    """A batch begun while the loop holds the socket is seen at the next tick; once batches
+    see arrivals, `computing_begin` rings the thread's bell instead, so it looks at the
+    batch's start (30 s ticks here: only the bell can bring that look).  Batches that see no
+    arrival (a lone client) never ring."""
+    from gpu_worker.compute import LoopHeartbeats
+
+    wire = _Wire("ring", on_look=_slow_ticks_after(1, monkeypatch))
+    beats = LoopHeartbeats(lambda: None, lambda: float("inf"), interval=100.0, during=wire.during)
+    try:
+        beats.computing_begin()
+        assert _wait_for(lambda: len(wire.looks) >= 2)
+        assert not beats._ring           # no arrival yet: nothing to ring for
+        wire.broker.send(b"x")
+        assert wire.got.wait(5.0)
+        assert _wait_for(lambda: len(wire.looks) >= 3)
+        beats.computing_end()
+        # the look that read "x" was woken by it, in a batch already looked at: rings now
+        assert beats._ring
+        looks = len(wire.looks)
+        beats.computing_begin()          # the next batch
+        assert _wait_for(lambda: len(wire.looks) > looks), "the batch's start was not looked at"
+        assert beats.rung >= 1
+        beats.computing_end()
+    finally:
+        beats.close()
+        wire.close()
+
+    lone = _Wire("lone", on_look=_slow_ticks_after(1, monkeypatch))
+    monkeypatch.setattr("gpu_worker.compute.READ_TICK", 0.01)
+    beats = LoopHeartbeats(lambda: None, lambda: float("inf"), interval=100.0, during=lone.during)
+    try:
+        for _ in range(3):   # batches, each looked at, no message arriving during any
+            beats.computing_begin()
+            assert _wait_for(lambda: len(lone.looks) >= 1)
+            beats.computing_end()
+            lone.broker.send(b"between")  # the loop's: arrives while it holds the socket
+        assert not beats._ring and beats.rung == 0
+    finally:
+        beats.close()
+        lone.close()

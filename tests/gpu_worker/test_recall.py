@@ -168,3 +168,38 @@ def test_cancelling_one_request_of_a_running_batch_drops_only_its_result(worker)
     np.testing.assert_array_equal(np.frombuffer(frames[t.loc.frame], t.dtype).reshape(t.shape),
                                   np.arange(4, dtype=np.float32))
     assert done.timing["batch"] == 2.0  # it ran in the batch with the cancelled one
+
+
+def test_the_read_during_compute_leaves_the_socket_armed_and_says_so(worker):
+    """`_read_while_computing` returns the upstream socket's descriptor once it drained it
+    (its last call an EVENTS that found nothing), so that the heartbeat thread sleeps on it:
+    the next message makes it readable.  While the worker reconnects there is nothing to
+    sleep on."""
+    import select
+
+    import zmq
+
+    from broker.protocol.wire import Waiter
+
+    waiter = Waiter()          # the loop's Waiter watches the socket (serve)
+    waiter.add(worker.sock)
+    try:
+        up = worker.up
+        up.request(1)
+        assert worker.sock.poll(5000)
+        fds = worker._read_while_computing()
+        assert [m.command for m, _ in worker._stash] == [P.W_REQUEST]
+        assert fds == [worker.sock.get(zmq.FD)]
+        p = select.poll()
+        p.register(fds[0], select.POLLIN)
+        assert not p.poll(0)
+        up.request(2)
+        assert p.poll(5000), "the next message did not signal the descriptor"
+        assert worker._read_while_computing() == fds
+        assert len(worker._stash) == 2
+        worker._reconnect_why = "test"
+        assert worker._read_while_computing() is None
+        worker._reconnect_why = None
+        worker._after_compute()
+    finally:
+        waiter.close()
