@@ -15,11 +15,15 @@ and drops sockets;
 `base` holds what both twins expose alike; `stream` the
 frame streams; `tensors` packing and results; `cuda` the CUDA side; `errors` every error
 class.  `__all__` below is pinned by tests/client_sdk/test_sdk_surface.py.
+
+The asyncio twin (`AsyncClient`, `AsyncReplyStream`, `run`) is loaded at its first use
+(PEP 562), so that a process with only blocking clients never imports asyncio (a fifth of
+the package's import time here); `AsyncStream` is defined beside `Stream` and needs nothing
+of asyncio until one is made.
 """
 from broker.protocol import Priority
 
 from . import errors
-from .aio import AsyncClient, AsyncReplyStream, run
 from .client import Client, ReplyStream
 from .errors import (
     BrokerUnreachable,
@@ -69,3 +73,19 @@ __all__ = [
     "PoolFull",
     "Priority",
 ]
+
+_ASYNC = ("AsyncClient", "AsyncReplyStream", "run")
+
+
+def __getattr__(name: str):
+    if name in _ASYNC:
+        from . import aio
+
+        value = getattr(aio, name)
+        globals()[name] = value  # once: later lookups do not come here
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_ASYNC))

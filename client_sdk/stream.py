@@ -37,7 +37,6 @@ marks its frames `call.no_pin`, so that none goes on a lease, on any client.
 """
 from __future__ import annotations
 
-import asyncio
 import operator
 import time
 import weakref
@@ -486,6 +485,8 @@ class AsyncStream(_StreamCore):
 
     def __init__(self, *args: Any, via: Callable[..., Any] | None = None, **kw: Any):
         super().__init__(*args, **kw)
+        import asyncio  # here, not at the module's top: a blocking client never loads asyncio
+
         self._event = asyncio.Event()
         # ``via(fn, *args)``: fn(*args), on the client's loop from another thread while it
         # runs (and waited for), else here (None: always here)
@@ -573,6 +574,8 @@ class AsyncStream(_StreamCore):
             if ends:
                 # asyncio.timeout, not wait_for: on 3.11 wait_for drops the task's
                 # cancellation when the event comes at the same moment.
+                import asyncio
+
                 try:
                     async with asyncio.timeout(min(ends) - now):
                         await self._event.wait()

@@ -69,8 +69,7 @@ def test_anything_else_is_a_value_error(frames):
 
 
 def test_a_broker_and_a_worker_start_without_asyncio_and_a_broker_without_numpy():
-    """Their start is what a restart waits for: neither imports asyncio (`client_sdk`'s
-    package does, for its asyncio client), and the broker, which never looks inside a
+    """Their start is what a restart waits for: neither imports asyncio, and the broker, which never looks inside a
     tensor, not numpy either (`shm.names`), nor when it checks the tensors of the requests
     and replies it relays (`header._itemsize`): numpy loaded there would stall its loop
     once, and fail where no descriptor is left."""
@@ -91,6 +90,34 @@ print(sorted(b), 'asyncio' in sys.modules)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[] False", "a broker imports asyncio or numpy at start again, or a worker asyncio"
+
+
+def test_a_blocking_client_loads_no_asyncio_and_the_asyncio_twin_is_there_at_first_use():
+    """`client_sdk` loads its asyncio client at first use (PEP 562): a process with only
+    blocking clients (a game server's) starts without asyncio; every public name is still
+    there, in `dir()` and by `from client_sdk import *`."""
+    code = """
+import sys
+import client_sdk
+from client_sdk import Client, Stream, StreamStats, AsyncStream, Result, errors
+b = 'asyncio' in sys.modules
+names = set(dir(client_sdk))
+from client_sdk import AsyncClient
+from client_sdk.aio import AsyncClient as A, run
+ns = {}
+exec('from client_sdk import *', ns)
+print(b, set(client_sdk.__all__) <= names, AsyncClient is A, client_sdk.run is run,
+      set(client_sdk.__all__) <= set(ns), 'asyncio' in sys.modules)
+try:
+    client_sdk.NoSuchName
+except AttributeError as e:
+    print('AttributeError', e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    first, second = out.stdout.strip().splitlines()
+    assert first == "False True True True True True", first
+    assert second == "AttributeError module 'client_sdk' has no attribute 'NoSuchName'"
 
 
 SIZED = ["|S1", "|S16", "|S99999999", "|V1", "|V8", "<U1", ">U4", "<U99999999"]
