@@ -2422,7 +2422,9 @@ class Broker:
             req.backlog = a.backlog  # 0 tells a latency-first batcher that nothing is on its way
             if a.priority is not None:
                 req.priority = a.priority  # a class it outscored by aging (broker/state.py, "Dispatch")
-            body = (P.encode_routed(req), *p.body)  # with the keys it did not know, as they came
+            # with the keys it did not know, as they came, and a retry's attempt (the worker
+            # then keeps its principal in order, as this broker did: a retry goes first)
+            body = (P.encode_routed(req, a.attempt or None), *p.body)
         try:
             self.send_to_worker(P.to_worker_request(a.worker, P.token_envelope(a.token), body))
         except zmq.ZMQError as e:

@@ -43,7 +43,8 @@ READ_TICK = 0.01
 #: takes the GIL from the model (and the lock from the loop, should the batch end) at most
 #: this often, reading what came meanwhile in one go
 READ_GAP = 0.001
-#: once an arrival came during a batch (one that lasted READ_GAP at least), each batch begun
+#: once work (a request, a RECALL, a CANCEL) arrived during a batch (one that lasted READ_GAP
+#: at least), each batch begun
 #: in the next RING_FOR seconds wakes the thread at its start (`computing_begin` rings a
 #: bell): what arrived just before, or arrives in the batch's first READ_TICK, is read as it
 #: comes rather than at the next tick.  Without such traffic (a lone client's requests come
@@ -230,16 +231,17 @@ class LoopHeartbeats:
     With ``during`` (the worker's `_read_while_computing`), the thread also reads the sockets
     while the loop computes: so a request that arrives during a batch has its arrival time
     (its wait in the batcher, its batching window), and a RECALL for it is answered while the
-    batch runs instead of after it.  ``during`` returns the descriptors to sleep on until the
-    next look (`wire.quiet_fd`: sockets it drained, whose next message signals them), or
-    nothing when one may hold a message that will not signal (a send after the drain, a
-    stash full).  After a look during compute the thread wakes at the next arrival
+    batch runs instead of after it.  ``during`` returns how many messages it read that were
+    work (requests, RECALLs, CANCELs: not heartbeats) and the descriptors to sleep on until
+    the next look (`wire.quiet_fd`: sockets it drained, whose next message signals them),
+    none when one may hold a message that will not signal (a send after the drain, a stash
+    full).  After a look during compute the thread wakes at the next arrival
     (`READ_GAP` after the look at the earliest) or at `READ_TICK`, whichever is first;
     after a failed lock attempt, or with nothing to sleep on, at the tick.  The descriptors
     are only slept on, never read, without the lock (libzmq's are edge-triggered: a poll
     does not take the signal, the EVENTS of the next look does).  A batch that begins while
     the loop has the socket is seen at the next tick, so what arrives in its first tick
-    would wait for it; hence, for `RING_FOR` seconds after an arrival during a batch, each
+    would wait for it; hence, for `RING_FOR` seconds after work arrived during a batch, each
     batch begun rings a bell (an eventfd the thread sleeps on with the sockets) and the
     thread looks at its start.  Only workers whose batches see arrivals pay that wake-up;
     a lone client's (its requests come while the loop waits) never rings.  After
@@ -250,7 +252,7 @@ class LoopHeartbeats:
     """
 
     def __init__(self, send_heartbeat: Callable[[], None], last_sent: Callable[[], float], interval: float,
-                 during: Callable[[], Sequence[int] | None] | None = None):
+                 during: Callable[[], tuple[int, Sequence[int]] | None] | None = None):
         self._send = send_heartbeat
         self._last_sent = last_sent
         self.interval = interval
@@ -325,6 +327,8 @@ class LoopHeartbeats:
                 # the loop has the socket: it heartbeats itself (and, ringing, it rings when
                 # its next batch begins)
                 now = time.monotonic()
+                if self._ring and now >= ring_until:
+                    self._ring = False  # no traffic during a batch for RING_FOR: the plain tick
                 if self.begun != seen:
                     seen, quiet_since = self.begun, now
                 elif now - quiet_since >= IDLE_AFTER and not self._ring:
@@ -332,11 +336,9 @@ class LoopHeartbeats:
                     wait, idle = self.interval / 2, True
                 continue
             now = time.monotonic()
-            if woke is _ARRIVAL and self.begun == phase:
-                # an arrival in a batch this thread looked at READ_GAP before, at least
-                ring_until = now + RING_FOR
-                self._ring = True
-            elif self._ring and now >= ring_until:
+            # woken by an arrival in a batch this thread looked at READ_GAP before, at least
+            traffic = woke is _ARRIVAL and self.begun == phase
+            if self._ring and now >= ring_until:
                 self._ring = False
             phase = seen = self.begun
             quiet_since = now
@@ -350,7 +352,10 @@ class LoopHeartbeats:
                 except Exception:  # its failure must not cost this look's read
                     log.exception("heartbeat during compute failed")
                 if self._during is not None:
-                    fds = self._during() or ()
+                    read, fds = self._during() or (0, ())
+                    if traffic and read:  # work came (not a heartbeat, not a socket command)
+                        ring_until = now + RING_FOR
+                        self._ring = True
             except Exception:  # never let a failure take the loop's lock with it
                 log.exception("reading the sockets during compute failed")
                 fds = ()
@@ -408,6 +413,7 @@ class LoopHeartbeats:
         self._polled = ()
 
     def close(self) -> None:
+        self._ring = False  # a computing_begin after this rings nothing
         self._stop.set()
         self._wake.set()
         try:
@@ -415,5 +421,6 @@ class LoopHeartbeats:
         except OSError:
             pass
         self._thread.join(5)
-        if not self._thread.is_alive():
+        if not self._thread.is_alive() and self._bell >= 0:
             os.close(self._bell)
+            self._bell = -1

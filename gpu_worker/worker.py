@@ -1031,18 +1031,19 @@ class Worker:
             self.returned += len(back)
         self._send(P.worker_returned(back, kept))
 
-    def _read_while_computing(self) -> list[int] | None:
+    def _read_while_computing(self) -> tuple[int, list[int]]:
         """On the heartbeat thread, holding the socket, while a batch computes on the loop's
         thread (`compute.LoopHeartbeats`): read what has arrived, so that every request's
         wait is measured from its arrival and a RECALL is answered now, not after the batch.
         Everything but the RECALL is left for the loop (`_after_compute`); the loop thread
         does not touch `jobs` while it computes, so reading it here is safe.  The direct
         socket is read the same way (`_read_direct_while_computing`), and the broker is told
-        BUSY once the batch runs long.  Returns the descriptors the thread may sleep on until
-        its next look (the sockets drained, whose next message signals them: the upstream
-        socket's, and the direct socket's and local link's unless their stash is full), or
-        None where the upstream socket may hold a message that will not signal."""
-        drained = self._read_direct_while_computing()
+        BUSY once the batch runs long.  Returns how many messages of work it read (all but
+        the broker's heartbeats) and the descriptors the thread may sleep on until its next
+        look (the sockets drained, whose next message signals them: the upstream socket's,
+        and the direct socket's and local link's unless their stash is full), none where the
+        upstream socket may hold a message that will not signal."""
+        drained, read = self._read_direct_while_computing()
         if self.signals and (not self._stopping_told or (self.leases is not None and not self.leases.stopping)):
             # SIGTERM during a long batch: the broker hears of it now, and so do the
             # leaseholders (LEASE_END, relayed by the broker): their next requests go through
@@ -1055,7 +1056,7 @@ class Worker:
             self._maybe_tell_busy(time.monotonic())
         sock = self.sock
         if sock is None or self._reconnect_why is not None:
-            return None
+            return read, []
         if self.dones.envelopes and self.dones.ready(time.monotonic()):
             # FINALs that went straight to their clients before this batch: the broker
             # settles them now, not after it (it counted them as still running, expired
@@ -1067,6 +1068,8 @@ class Worker:
             msg = self.upstream.receive(recv_frames(sock))
             if msg is None:
                 continue
+            if msg.command != P.W_HEARTBEAT:
+                read += 1
             if msg.command == P.W_RECALL:
                 early = self._returned_early
                 back, kept = [], []
@@ -1087,7 +1090,7 @@ class Worker:
             self._stash.append((msg, time.monotonic()))
         fd = quiet_fd(sock)
         if fd is None:
-            return None
+            return read, []
         fds = [fd]
         ds = self.direct_socket
         if drained and ds is not None:
@@ -1096,9 +1099,9 @@ class Worker:
                 fds.append(fd)
             if ds.link is not None:
                 fds.append(ds.link.fileno())  # level-triggered: readable while it has something to do
-        return fds
+        return read, fds
 
-    def _read_direct_while_computing(self) -> bool:
+    def _read_direct_while_computing(self) -> tuple[bool, int]:
         """On the heartbeat thread, holding the direct socket with the upstream one (the
         loop hands both over in `computing_begin` and takes them back in `computing_end`):
         stash what arrived with its arrival time, for `_after_compute`, so a leased
@@ -1109,10 +1112,10 @@ class Worker:
         binds a connection in the lease table) unless its connection has messages stashed
         (it then keeps its place behind them).  At most `_DIRECT_STASH_MAX` messages are
         stashed; the rest stay in the socket for the loop.  Whether it read all there was
-        (the socket and the link then signal their next message)."""
+        (the socket and the link then signal their next message), and how many it read."""
         ds = self.direct_socket
         if ds is None:
-            return True
+            return True, 0
         stash = self._stash_direct
         at = self._batch_at
         if at is not None and runs_long(time.monotonic() - at, self._batch_predicted):
@@ -1128,10 +1131,12 @@ class Worker:
             if self.jobs:
                 self._bounce_queued(now)
         most = _DIRECT_STASH_MAX - len(stash)  # a flood never starves the heartbeats
+        read = 0
         while most > 0:
             frames = ds.next_message()
             if frames is None:
-                return True
+                return True, read
+            read += 1
             now = time.monotonic()
             request = _is_direct_request(frames)
             if request:
@@ -1157,7 +1162,7 @@ class Worker:
             if self._direct_judged == len(stash) - 1 and (
                     not request or (at is not None and runs_long(now - at, self._batch_predicted))):
                 self._direct_judged += 1
-        return False
+        return False, read
 
     def _bounce_queued(self, now: float) -> None:
         """On the heartbeat thread during compute (`_read_direct_while_computing`), once the
@@ -1356,7 +1361,8 @@ class Worker:
         self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline,
                                  backlog=req.backlog, priority=req.priority,
                                  principal=req.pid if req.pid is not None else principal, since=since,
-                                 in_order=job.route is not None or req.returned is not None),
+                                 in_order=job.route is not None or req.returned is not None
+                                 or req.attempt is not None),
                            now, observed=observed)
 
     def _lone_ready(self) -> bool:
@@ -2612,11 +2618,14 @@ def _holds_message(sock) -> bool:
 
 def _priority_name(body) -> str:
     """The priority a brokered request's header names ("urgent", "normal", "background"),
-    for a debug line; "?" for a body that does not decode (the loop answers it later)."""
+    and its attempt when it is a retry ("normal, attempt 1"), for a debug line; "?" for a
+    body that does not decode (the loop answers it later)."""
     try:
-        return P.Priority(P.decode_request(body[0], len(body) - 1).priority).name.lower()
+        req = P.decode_request(body[0], len(body) - 1)
+        name = P.Priority(req.priority).name.lower()
     except Exception:
         return "?"
+    return name if req.attempt is None else f"{name}, attempt {req.attempt}"
 
 
 def _is_direct_request(frames) -> bool:

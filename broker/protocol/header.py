@@ -22,7 +22,7 @@ import msgspec
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["LEASED_CLIENT_GONE", "RoutedRequest", "MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_CREDIT", "MAX_ENVELOPE_LEN",
+__all__ = ["LEASED_CLIENT_GONE", "RoutedRequest", "DispatchedRequest", "MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_CREDIT", "MAX_ENVELOPE_LEN",
     "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_META_BYTES", "MAX_REPLY_TO_LEN", "MAX_ERROR_MESSAGE", "MAX_DONE", "MAX_MMI_TOKEN",
     "MAX_TENSOR_BYTES", "MAX_DEPTH", "MAX_DTYPE_LEN", "MAX_FORWARD_KEYS", "MAX_FORWARD_BYTES", "ErrorCode",
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
@@ -184,6 +184,20 @@ class Request(msgspec.Struct, kw_only=True):
     backlog: int | None = None        # set by the broker at dispatch: requests of the service it still has queued
     reply_to: str | None = None       # "ipc://..." bound by the client: a same-host worker may send the FINAL there
     traceparent: str | None = None    # W3C trace context of the client's span, passed through untouched; a malformed one is dropped
+
+
+class DispatchedRequest(Request, kw_only=True):
+    """A `Request` as a worker reads it (`decode_request`): with the keys only a broker
+    writes, at dispatch, and only when they have a value (`encode_routed`).  Kept off
+    `Request`, which clients encode (msgspec writes every field: a key an older broker does
+    not know sends the header down its slower `_Forwarding` path), and off `RoutedRequest`
+    (the broker relays a first attempt's header as it came, byte for byte)."""
+
+    attempt: int | None = None        # set by the broker: n for the n-th retry after worker deaths (absent: the first)
+
+
+#: keys only a broker writes (`DispatchedRequest`): one a client sends is dropped, not forwarded
+_BROKER_KEYS = frozenset(DispatchedRequest.__struct_encode_fields__) - frozenset(Request.__struct_encode_fields__)
 
 
 class RoutedRequest(Request, kw_only=True, forbid_unknown_fields=True):
@@ -370,11 +384,11 @@ class _ErrorOnly(msgspec.Struct):
 
 
 _ENC = msgspec.msgpack.Encoder()
-_DEC_REQUEST = msgspec.msgpack.Decoder(Request)
+_DEC_REQUEST = msgspec.msgpack.Decoder(DispatchedRequest)
 _DEC_ROUTED = msgspec.msgpack.Decoder(RoutedRequest)  # only known keys: the usual header
 _DEC_FORWARDING = msgspec.msgpack.Decoder(_Forwarding)  # any keys (the unknown ones skipped)
 _DEC_ENTRIES = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])  # a map's values left as bytes
-_KNOWN_KEYS = frozenset(RoutedRequest.__struct_encode_fields__)
+_KNOWN_KEYS = frozenset(RoutedRequest.__struct_encode_fields__) | _BROKER_KEYS  # never forwarded
 _UNKNOWN_FIELD = "Object contains unknown field"  # msgspec's words for `forbid_unknown_fields`
 _MAP_TYPES = frozenset((*range(0x80, 0x90), 0xDE, 0xDF))  # msgpack's first bytes of a map
 _DEC_REPLY = msgspec.msgpack.Decoder(Reply)
@@ -406,15 +420,21 @@ def encode_header(msg: msgspec.Struct) -> bytes:
     return MAGIC + _ENC.encode(msg)
 
 
-def encode_routed(req: RoutedRequest) -> bytes:
+def encode_routed(req: RoutedRequest, attempt: int | None = None) -> bytes:
     """A request header as the broker dispatches it: the known keys (with what the broker
-    rewrote in them), then the keys it did not know, as they came (`_Forwarding`).  Each key
-    once: a forwarded key is never a known one, so the broker's own values are the only ones."""
-    if type(req) is not _Forwarding:
+    rewrote in them), then the keys it did not know, as they came (`_Forwarding`), then
+    ``attempt`` when it is a retry (`DispatchedRequest`).  Each key once: a forwarded key is
+    never a known one nor a broker's (a client's ``attempt`` is dropped when read), so the
+    broker's own values are the only ones."""
+    forwarding = type(req) is _Forwarding
+    if not forwarding and attempt is None:
         return MAGIC + _ENC.encode(req)
-    n, entries = req.forwarded
+    n, entries = req.forwarded if forwarding else (0, b"")
     known = _ENC.encode(req)
     k, at = _map_head(known)
+    if attempt is not None:
+        extra = _ENC.encode({"attempt": attempt})
+        n, entries = n + 1, b"".join((entries, memoryview(extra)[_map_head(extra)[1]:]))
     return b"".join((MAGIC, _map_prefix(k + n), memoryview(known)[at:], entries))
 
 
@@ -498,7 +518,7 @@ def _decode(frame: Any, decoder: msgspec.msgpack.Decoder, what: str):
 
 
 def decode_request(frame: Any, n_inline: int | None = None, frames: Sequence[Any] | None = None,
-                   routed: bool = False) -> Request:
+                   routed: bool = False) -> DispatchedRequest:
     """Decode and validate a request header.  `n_inline` is the number of frames after the
     header; when given, inline references are checked against it and their sizes later by
     `check_inline_sizes`.  With ``frames`` (the frames after the header) both are checked

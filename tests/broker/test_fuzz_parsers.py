@@ -188,7 +188,8 @@ def test_valid_frames_round_trip():
     assert (m.command, m.service) == (P.C_REQUEST, b"echo")
     got = P.decode_request(m.body[0], len(m.body) - 1)
     P.check_inline_sizes(got.tensors, m.body[1:])
-    assert got == req
+    # read as a worker reads it: the client's fields, and none of the broker's (attempt)
+    assert got == P.DispatchedRequest(**msgspec.structs.asdict(req)) and got.attempt is None
     w = P.parse_worker(P.worker_reply(P.token_envelope(99), True, [P.encode_header(rep), *rinl]))
     assert P.envelope_token(w.envelope) == 99 and P.decode_reply(w.body[0], len(w.body) - 1) == rep
     b = P.parse_broker_to_worker(P.to_worker_welcome(b"id", P.Welcome(instance=b"\x01" * 8, heartbeat_interval=0.5,

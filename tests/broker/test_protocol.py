@@ -34,7 +34,8 @@ def test_request_round_trip_all_locations():
     req = P.Request(id=7, priority=0, timeout_ms=12.5, host="h", pid=1, tensors=refs, meta={"k": [1, 2]})
     frame = P.encode_header(req)
     assert P.is_header(frame)
-    assert P.decode_request(frame, n_inline=1) == req
+    # As a worker reads it: the client's fields, and the broker's (attempt) unset
+    assert P.decode_request(frame, n_inline=1) == P.DispatchedRequest(**msgspec.structs.asdict(req))
     # As the broker reads it: `meta` stays bytes, and goes on to the worker as it came.
     routed = P.decode_request(frame, n_inline=1, routed=True)
     assert bytes(routed.meta) == msgspec.msgpack.encode(req.meta)
@@ -359,7 +360,7 @@ def test_deep_meta_is_a_protocol_error_with_the_id_still_readable():
             P.decode_request(frame, 0)
         assert P.lenient_request_id(frame) == 42
     ok = P.Request(id=1, meta={"a": [[{"b": [1, 2]}]], "c": 1.5, "d": {(1, 2): "tuple key"}})
-    assert P.decode_request(P.encode_header(ok)) == ok
+    assert P.decode_request(P.encode_header(ok)) == P.DispatchedRequest(**msgspec.structs.asdict(ok))
 
 
 def test_header_id_reads_the_id_a_relay_checks_a_reply_against():
@@ -491,6 +492,34 @@ def test_the_known_keys_path_is_unchanged():
     routed = P.decode_request(frame, routed=True)
     assert type(routed) is P.RoutedRequest
     assert P.encode_routed(routed) == P.encode_header(routed) == frame
+
+
+def test_a_retry_carries_its_attempt_and_a_clients_attempt_is_dropped():
+    """`attempt` is the broker's (`DispatchedRequest`): written at dispatch for a retry
+    only (a first attempt's header goes on byte for byte), read by the worker, beside the
+    keys forwarded; one a client sends is dropped, never forwarded (the broker's value is
+    the only one)."""
+    req = P.Request(id=3, priority=0, timeout_ms=10.0, meta={"k": [1]})
+    frame = P.encode_header(req)
+    routed = P.decode_request(frame, routed=True)
+    assert P.encode_routed(routed, None) == frame
+    again = P.encode_routed(routed, 2)
+    got = P.decode_request(again)
+    assert got.attempt == 2 and got.id == 3 and got.meta == {"k": [1]}
+    assert P.decode_request(frame).attempt is None
+    # A client's attempt, beside a key this version does not know: the latter goes on, the
+    # former does not, and the broker's (none, then 1) is what the worker reads.
+    raw = msgspec.msgpack.decode(frame[4:])
+    sent = P.MAGIC + msgspec.msgpack.encode({**raw, "attempt": 7, "future_option": [1, 2]})
+    routed = P.decode_request(sent, routed=True)
+    assert not any(k == "attempt" for k in msgspec.msgpack.decode(P.encode_routed(routed)[4:]))
+    first = msgspec.msgpack.decode(P.encode_routed(routed)[4:])
+    assert first["future_option"] == [1, 2] and "attempt" not in first
+    retry = P.encode_routed(routed, 1)
+    assert msgspec.msgpack.decode(retry[4:])["attempt"] == 1
+    assert P.decode_request(retry).attempt == 1 and P.decode_request(P.encode_routed(routed)).attempt is None
+    with pytest.raises(P.ProtocolError):  # typed as the rest: not a number
+        P.decode_request(P.MAGIC + msgspec.msgpack.encode({**raw, "attempt": "x"}))
 
 
 def _map_of(entries: list[bytes]) -> bytes:

@@ -395,6 +395,34 @@ def test_max_retries_from_the_command_line_bounds_the_retries_after_a_worker_dea
         call.close()
 
 
+def test_a_request_retried_after_its_worker_died_reaches_the_next_one_as_a_retry(cluster, gate):
+    """The broker puts a dead worker's requests back at the front of their queue (they have
+    waited their turn) and says so to the worker that takes them (the header's ``attempt``,
+    docs/protocol.md): that worker keeps their client's requests in order while they wait,
+    instead of newest first once congested, so the retry is not the one left to expire."""
+    cluster.broker()
+    doomed = cluster.worker("gate_model:factory", "--service", "echo", "--max-batch", "1", "--no-warmup",
+                            env=gate.env, wait=False)
+    gate.open()
+    doomed.wait_ready()
+    with Client(cluster.frontend, timeout=60) as c:
+        wait_service(c, "echo")
+        x = np.arange(4, dtype=np.int32)
+        call = c.infer_stream("echo", {"x": x})
+        gate.wait_entered(1)  # running at the doomed worker
+        doomed.kill()
+        heir = cluster.worker("echo", "--log-level", "debug")
+        heir.wait_log("read a request from the broker (priority normal, attempt 1)")
+        out = call.result()
+        np.testing.assert_array_equal(out["x"], x)
+        out.release()
+        call.close()
+        # A first attempt says nothing of attempts.
+        out = c.infer("echo", {"x": x})
+        out.release()
+        heir.wait_log("read a request from the broker (priority normal)")
+
+
 def test_shm_request_with_no_local_worker(cluster):
     cluster.broker()
     cluster.worker("echo", "--transports", "inline")

@@ -195,11 +195,13 @@ class _Wire:
         self.looks.append(time.monotonic())
         if self.on_look is not None:
             self.on_look(len(self.looks))
+        n = 0
         while sock_events(self.sock) & zmq.POLLIN:
             self.read.append((bytes(recv_frames(self.sock)[0]), time.monotonic()))
+            n += 1
             self.got.set()
         fd = quiet_fd(self.sock)
-        return None if fd is None else [fd]
+        return n, [] if fd is None else [fd]
 
     def close(self) -> None:
         self.waiter.close()
@@ -208,8 +210,9 @@ class _Wire:
 
 
 def _slow_ticks_after(n: int, monkeypatch):
-    """An `on_look` that makes READ_TICK 30 s from the n-th look on: a look that comes
-    sooner was woken by something else (an arrival, the bell)."""
+    """An `on_look` that makes READ_TICK 30 s at the n-th look: from the sleep after the
+    next one on (the thread reads the tick before it looks), a look that comes within 30 s
+    was woken by something else (an arrival, the bell)."""
     from gpu_worker import compute
 
     def on_look(k: int) -> None:
@@ -238,7 +241,7 @@ def test_during_a_batch_an_arrival_is_read_as_it_comes_not_at_the_next_tick(monk
     beats = LoopHeartbeats(lambda: None, lambda: float("inf"), interval=100.0, during=wire.during)
     try:
         beats.computing_begin()
-        assert _wait_for(lambda: len(wire.looks) >= 2)  # the second look waits 30 s, or for a message
+        assert _wait_for(lambda: len(wire.looks) >= 2)  # the sleep after it: 30 s, or until a message
         for k in (b"a", b"b"):
             wire.got.clear()
             wire.broker.send(k)
@@ -308,16 +311,43 @@ def test_after_arrivals_during_batches_the_next_batch_rings_and_a_lone_client_ne
         beats.close()
         wire.close()
 
-    lone = _Wire("lone", on_look=_slow_ticks_after(1, monkeypatch))
+    lone = _Wire("lone")
     monkeypatch.setattr("gpu_worker.compute.READ_TICK", 0.01)
     beats = LoopHeartbeats(lambda: None, lambda: float("inf"), interval=100.0, during=lone.during)
     try:
-        for _ in range(3):   # batches, each looked at, no message arriving during any
+        for i in range(3):   # batches, each looked at, no message arriving during any
             beats.computing_begin()
-            assert _wait_for(lambda: len(lone.looks) >= 1)
+            assert _wait_for(lambda: len(lone.looks) >= i + 1)
             beats.computing_end()
+            assert not beats._ring and beats.rung == 0
             lone.broker.send(b"between")  # the loop's: arrives while it holds the socket
         assert not beats._ring and beats.rung == 0
     finally:
         beats.close()
         lone.close()
+
+
+def test_ringing_stops_once_batches_see_no_work_and_the_thread_goes_idle(monkeypatch):
+    """Work during a batch makes the next batches ring for RING_FOR; then, with no batch at
+    all, the ring lapses and the thread goes idle (sleeps until a batch begins) as before:
+    a worker that once saw traffic does not keep waking every READ_TICK."""
+    from gpu_worker import compute
+    from gpu_worker.compute import LoopHeartbeats
+
+    monkeypatch.setattr(compute, "RING_FOR", 0.05)
+    monkeypatch.setattr(compute, "IDLE_AFTER", 0.1)
+    wire = _Wire("lapse", on_look=_slow_ticks_after(1, monkeypatch))
+    beats = LoopHeartbeats(lambda: None, lambda: float("inf"), interval=100.0, during=wire.during)
+    try:
+        beats.computing_begin()
+        assert _wait_for(lambda: len(wire.looks) >= 2)
+        wire.broker.send(b"x")
+        assert _wait_for(lambda: len(wire.read) == 1 and len(wire.looks) >= 3)
+        beats.computing_end()
+        assert beats._ring
+        monkeypatch.setattr(compute, "READ_TICK", 0.01)  # looks again, each finding the socket taken,
+        wire.broker.send(b"y")                            # from this message's wake on
+        assert _wait_for(lambda: not beats._ring and beats._idle), (beats._ring, beats._idle)
+    finally:
+        beats.close()
+        wire.close()

@@ -187,19 +187,48 @@ def test_the_read_during_compute_leaves_the_socket_armed_and_says_so(worker):
         up = worker.up
         up.request(1)
         assert worker.sock.poll(5000)
-        fds = worker._read_while_computing()
+        read, fds = worker._read_while_computing()
         assert [m.command for m, _ in worker._stash] == [P.W_REQUEST]
-        assert fds == [worker.sock.get(zmq.FD)]
+        assert read == 1 and fds == [worker.sock.get(zmq.FD)]
         p = select.poll()
         p.register(fds[0], select.POLLIN)
         assert not p.poll(0)
         up.request(2)
         assert p.poll(5000), "the next message did not signal the descriptor"
-        assert worker._read_while_computing() == fds
+        assert worker._read_while_computing() == (1, fds)
         assert len(worker._stash) == 2
+        up.to_worker([P.MDPW, P.W_HEARTBEAT])  # read, but not work: it rings nothing
+        assert p.poll(5000)
+        assert worker._read_while_computing() == (0, fds)
         worker._reconnect_why = "test"
-        assert worker._read_while_computing() is None
+        assert worker._read_while_computing() == (0, [])
         worker._reconnect_why = None
         worker._after_compute()
     finally:
         waiter.close()
+
+
+def test_a_retry_and_a_request_given_back_wait_in_order_and_a_first_attempt_does_not(worker):
+    """The broker's word that a request was dispatched before (``returned``: given back by
+    a busy worker; ``attempt``: its worker died) makes the worker keep its principal's
+    requests in order (`Pending.in_order`), as the broker did; a first attempt may go
+    newest first once its group is congested."""
+    up = worker.up
+    x = np.arange(4, dtype=np.float32)
+
+    def send(token: int, attempt=None, returned=None) -> None:
+        req = P.Request(id=token, reply="inline", returned=returned,
+                        tensors=[P.TensorRef("x", "<f4", [4], P.InlineLoc(frame=0))])
+        routed = P.decode_request(P.encode_header(req), 1, routed=True)
+        up.to_worker([P.MDPW, P.W_REQUEST, P.token_envelope(token), b"", P.encode_routed(routed, attempt),
+                      x.tobytes()])
+
+    send(1)
+    send(2, attempt=1)
+    send(3, returned=1)
+    _settle(worker, lambda: len(worker.jobs) == 3)
+    pending = {p.item.req.id: p.in_order for p in worker.batcher.drop(lambda p: True)}
+    assert pending == {1: False, 2: True, 3: True}
+    for p in list(worker.jobs.values()):
+        worker.plane.finish_reads(p)
+    worker.jobs.clear()
