@@ -680,7 +680,9 @@ class ClientCore(PinEvents):
             meta=call.meta,
             reply_to=self.reply_to,
             traceparent=call.traceparent,
-            dropped=call.dropped or None,
+            # A stream's frame says so (0 included): its worker keeps the stream's frames in
+            # order (docs/models.md, "Congestion"); a plain call writes nothing.
+            dropped=call.dropped if call.frame is not None else None,
         )
         try:
             head = P.encode_header(hdr)

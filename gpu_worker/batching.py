@@ -66,9 +66,9 @@ Policy
   broker, a principal whose oldest pending request of the group (of the class, while
   several are pending) has no deadline, or must go first (``in_order``: given back unstarted
   once by a busy worker, or dispatched again after its worker died, either of which the
-  broker served first; or a leased request: a pinned stream's
-  frames, whose results their client takes in send order, so a newer frame run first
-  would only wait, done, for the older ones), keeps add order.  Why not a time alone (the
+  broker served first; or a stream's frame, pinned or brokered, whose results their client
+  takes in send order, so a newer frame run first would only wait, done, for the older
+  ones), keeps add order.  Why not a time alone (the
   broker's "not empty for ``lifo_after``", or the oldest request's wait): a model slower
   than ``lifo_after`` keeps a parked request waiting that long in normal operation, and
   newest first then only reordered a client's calls (a stream's frames through the broker
@@ -185,8 +185,8 @@ class Pending:
     #: oldest of them, even while the group is congested ("Congestion" in the module
     #: docstring): the worker sets it for a request a busy worker gave back unstarted once
     #: (the broker served it first: the header's ``returned``), for a retry after its
-    #: worker died (put back at the front: ``attempt``) and for a leased one (a
-    #: pinned stream's frames, whose results their client takes in send order)
+    #: worker died (put back at the front: ``attempt``) and for a stream's frame (the
+    #: header's ``dropped``, 0 included: its results their client takes in send order)
     in_order: bool = False
 
 

@@ -1361,7 +1361,7 @@ class Worker:
         self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline,
                                  backlog=req.backlog, priority=req.priority,
                                  principal=req.pid if req.pid is not None else principal, since=since,
-                                 in_order=job.route is not None or req.returned is not None
+                                 in_order=req.dropped is not None or req.returned is not None
                                  or req.attempt is not None),
                            now, observed=observed)
 

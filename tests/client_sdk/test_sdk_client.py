@@ -1056,6 +1056,26 @@ def test_transport_resolution(endpoint):
 # ================================================================================================
 # Streams (blocking)
 
+def test_a_streams_frames_say_what_they_dropped_and_a_plain_call_says_nothing(fake, endpoint):
+    """Every frame of a stream writes ``dropped`` (0 included), and nothing else does: the
+    worker keeps a stream's frames in order by it (docs/models.md, "Congestion")."""
+    with Client(endpoint) as c:
+        out = c.infer("echo", {"x": np.ones(2)})
+        out.release()
+        with c.stream("hold", max_in_flight=1) as s:
+            for i in range(4):
+                s.send({"x": np.full(3, i)})   # 1 and 2 are replaced by 3 (latest wins)
+            fake.held_q.get(timeout=WAIT)
+            fake.release(1)
+            assert int(s.recv(WAIT)["x"][0]) == 0
+            fake.held_q.get(timeout=WAIT)
+            fake.release(1)
+            assert int(s.recv(WAIT)["x"][0]) == 3
+    heads = fake.call(lambda: [(service, req.dropped) for service, req in fake.requests
+                               if isinstance(req, P.Request)])
+    assert heads == [("echo", None), ("hold", 0), ("hold", 2)], heads
+
+
 def test_stream_latest_wins_drops_and_keeps_order(fake, endpoint):
     with Client(endpoint) as c, c.stream("hold", max_in_flight=2) as s:
         for i in range(10):

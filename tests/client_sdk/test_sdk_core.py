@@ -268,7 +268,7 @@ def test_not_local_resends_the_same_inputs_inline_under_a_new_id():
     core = ClientCore("ipc:///tmp/zinf-core-test.sock", transport="shm")
     try:
         call = core.new_call("remote", {"x": np.arange(4.0)})
-        call.dropped = 3  # a latest-wins stream's frame, telling of its drops
+        call.frame, call.dropped = 0, 3  # a latest-wins stream's frame, telling of its drops
         frames = core.request_frames(call, 5.0)
         first = call.id
         assert P.decode_request(frames[3], len(frames) - 4).dropped == 3

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 import zmq
 
 from broker import protocol as P
@@ -13,10 +14,11 @@ from broker import protocol as P
 from .conftest import RunLog
 
 
-def _tagged(rid: int, tag: int, timeout_ms: int = 20_000) -> list:
-    """A REQUEST for `gate_model:counted` with a deadline (20 s unless said): x = [tag]."""
+def _tagged(rid: int, tag: int, timeout_ms: int = 20_000, dropped: int | None = None) -> list:
+    """A REQUEST for `gate_model:counted` with a deadline (20 s unless said): x = [tag];
+    ``dropped`` set (0 included): a stream's frame."""
     t = P.TensorRef(name="x", dtype="<i8", shape=[1], loc=P.InlineLoc(frame=0))
-    head = P.encode_header(P.Request(id=rid, timeout_ms=timeout_ms, tensors=[t]))
+    head = P.encode_header(P.Request(id=rid, timeout_ms=timeout_ms, tensors=[t], dropped=dropped))
     return P.client_request("cq", [head, np.array([tag], np.int64).tobytes()])
 
 
@@ -27,7 +29,8 @@ def _recv_final(sock: zmq.Socket) -> P.Reply:
     return P.decode_reply(m.body[0], n_inline=len(m.body) - 1)
 
 
-def test_requests_parked_at_a_congested_worker_go_newest_first(cluster, gate, tmp_path):
+@pytest.mark.parametrize("frames", [False, True], ids=["calls", "stream_frames"])
+def test_requests_parked_at_a_congested_worker_go_newest_first(cluster, gate, tmp_path, frames):
     """Credit 6, batches of one: request 0 runs, held at the gate; 1 to 4 park in the
     worker's batcher behind it (the worker read them: it answered the cancel of a fifth
     sent after them).  Request 1, with a 0.3 s timeout, is lost to its deadline while it
@@ -36,7 +39,9 @@ def test_requests_parked_at_a_congested_worker_go_newest_first(cluster, gate, tm
     worker served its parked requests in arrival order, the oldest first, while the
     broker's congested queue sent the newest: a flood parked at the worker waited there
     first in first out until it expired.  (That a backlog which loses nothing keeps its
-    order: tests/e2e/test_running_work.py, a model slower than ``lifo_after``.)"""
+    order: tests/e2e/test_running_work.py, a model slower than ``lifo_after``.)  A stream's
+    frames (the header's ``dropped``, written on each) keep their order even then: 2, 3, 4
+    (their client takes the results in send order; a newer frame run first would wait)."""
     cluster.broker()
     runs = RunLog(tmp_path / "runs.log")
     p = cluster.worker("gate_model:counted", "--service", "cq", "--max-batch", "1", "--credit", "6",
@@ -58,11 +63,12 @@ def test_requests_parked_at_a_congested_worker_go_newest_first(cluster, gate, tm
                 break
             assert time.monotonic() < deadline, "no worker for 'cq'"
             time.sleep(0.01)
-        s.send_multipart(_tagged(1, 0))
+        dropped = 0 if frames else None
+        s.send_multipart(_tagged(1, 0, dropped=dropped))
         runs.until(1)  # the first runs alone, held at the gate (offloaded: no warm-up timed it)
-        s.send_multipart(_tagged(2, 1, timeout_ms=300))
+        s.send_multipart(_tagged(2, 1, timeout_ms=300, dropped=dropped))
         for tag in range(2, 6):
-            s.send_multipart(_tagged(tag + 1, tag))
+            s.send_multipart(_tagged(tag + 1, tag, dropped=dropped))
         s.send_multipart(P.client_cancel("cq", 6))  # the fifth: dispatched, so the worker answers
         rep = _recv_final(s)
         assert rep.id == 6 and rep.error is not None and rep.error.code == P.ErrorCode.CANCELLED, rep
@@ -78,4 +84,7 @@ def test_requests_parked_at_a_congested_worker_go_newest_first(cluster, gate, tm
     finally:
         s.close(0)
     order = runs.order()
-    assert order == [0, 4, 3, 2], f"run order {order}: the parked requests were not served newest first"
+    if frames:
+        assert order == [0, 2, 3, 4], f"run order {order}: a stream's frames were not served in order"
+    else:
+        assert order == [0, 4, 3, 2], f"run order {order}: the parked requests were not served newest first"

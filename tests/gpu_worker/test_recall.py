@@ -208,16 +208,17 @@ def test_the_read_during_compute_leaves_the_socket_armed_and_says_so(worker):
         waiter.close()
 
 
-def test_a_retry_and_a_request_given_back_wait_in_order_and_a_first_attempt_does_not(worker):
+def test_a_retry_a_request_given_back_and_a_stream_frame_wait_in_order_and_a_plain_call_does_not(worker):
     """The broker's word that a request was dispatched before (``returned``: given back by
     a busy worker; ``attempt``: its worker died) makes the worker keep its principal's
-    requests in order (`Pending.in_order`), as the broker did; a first attempt may go
-    newest first once its group is congested."""
+    requests in order (`Pending.in_order`), as the broker did, and so does a stream's frame
+    (``dropped``, 0 included: its client takes the results in send order); a plain first
+    attempt may go newest first once its group is congested."""
     up = worker.up
     x = np.arange(4, dtype=np.float32)
 
-    def send(token: int, attempt=None, returned=None) -> None:
-        req = P.Request(id=token, reply="inline", returned=returned,
+    def send(token: int, attempt=None, returned=None, dropped=None) -> None:
+        req = P.Request(id=token, reply="inline", returned=returned, dropped=dropped,
                         tensors=[P.TensorRef("x", "<f4", [4], P.InlineLoc(frame=0))])
         routed = P.decode_request(P.encode_header(req), 1, routed=True)
         up.to_worker([P.MDPW, P.W_REQUEST, P.token_envelope(token), b"", P.encode_routed(routed, attempt),
@@ -226,9 +227,10 @@ def test_a_retry_and_a_request_given_back_wait_in_order_and_a_first_attempt_does
     send(1)
     send(2, attempt=1)
     send(3, returned=1)
-    _settle(worker, lambda: len(worker.jobs) == 3)
+    send(4, dropped=0)
+    _settle(worker, lambda: len(worker.jobs) == 4)
     pending = {p.item.req.id: p.in_order for p in worker.batcher.drop(lambda p: True)}
-    assert pending == {1: False, 2: True, 3: True}
+    assert pending == {1: False, 2: True, 3: True, 4: True}
     for p in list(worker.jobs.values()):
         worker.plane.finish_reads(p)
     worker.jobs.clear()
