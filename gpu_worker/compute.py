@@ -43,12 +43,12 @@ READ_TICK = 0.01
 #: takes the GIL from the model (and the lock from the loop, should the batch end) at most
 #: this often, reading what came meanwhile in one go
 READ_GAP = 0.001
-#: once work (a request, a RECALL, a CANCEL) arrived during a batch (one that lasted READ_GAP
-#: at least), each batch begun
-#: in the next RING_FOR seconds wakes the thread at its start (`computing_begin` rings a
-#: bell): what arrived just before, or arrives in the batch's first READ_TICK, is read as it
-#: comes rather than at the next tick.  Without such traffic (a lone client's requests come
-#: while the loop waits, not while it computes) nothing rings, and no batch pays for a look
+#: once work (a request, a RECALL, a CANCEL) arrived during a batch (one that lasted
+#: READ_GAP at least), each batch begun in the next RING_FOR seconds wakes the thread at its
+#: start (`computing_begin` rings a bell): what arrived just before, or arrives in the
+#: batch's first READ_TICK, is read as it comes rather than at the next tick.  Without such
+#: traffic (a lone client's requests come while the loop waits, not while it computes)
+#: nothing rings, and no batch pays for a look
 RING_FOR = 1.0
 # what `LoopHeartbeats._sleep_on` woke for
 _STOP, _TIMEOUT, _ARRIVAL, _BELL = object(), object(), object(), object()
@@ -246,9 +246,10 @@ class LoopHeartbeats:
     thread looks at its start.  Only workers whose batches see arrivals pay that wake-up;
     a lone client's (its requests come while the loop waits) never rings.  After
     `IDLE_AFTER` seconds with no batch begun it says it is idle and sleeps until
-    `computing_begin()` wakes it (half a heartbeat interval at most): only the first batch after a quiet spell pays that
-    wake-up (an Event's set); the others cost the loop a counter and an attribute read (no
-    syscall: a signal to this thread at every batch would cost every request a wake-up).
+    `computing_begin()` wakes it (half a heartbeat interval at most): only the first batch
+    after a quiet spell pays that wake-up (an Event's set); the others cost the loop a
+    counter and an attribute read (no syscall: a signal to this thread at every batch would
+    cost every request a wake-up).
     """
 
     def __init__(self, send_heartbeat: Callable[[], None], last_sent: Callable[[], float], interval: float,
