@@ -376,15 +376,22 @@ def test_worker_sigkill_requests_complete_once_elsewhere(cluster, gate):
     asyncio.run(scenario())
 
 
+def _doomed_echo(cluster, gate):
+    """A gated worker serving "echo", one request at a time, ready: one to kill with a
+    request held at its gate."""
+    doomed = cluster.worker("gate_model:factory", "--service", "echo", "--max-batch", "1", "--no-warmup",
+                            env=gate.env, wait=False)
+    gate.open()
+    doomed.wait_ready()
+    return doomed
+
+
 def test_max_retries_from_the_command_line_bounds_the_retries_after_a_worker_death(cluster, gate):
     """`python -m broker --max-retries 0`: the request of a worker that died is not dispatched
     again; it fails with WORKER_FAILED at once (by default it would wait `service_grace` for
     another worker, then fail with SERVICE_UNAVAILABLE)."""
     cluster.broker("--max-retries", "0")
-    doomed = cluster.worker("gate_model:factory", "--service", "echo", "--max-batch", "1", "--no-warmup",
-                            env=gate.env, wait=False)
-    gate.open()
-    doomed.wait_ready()
+    doomed = _doomed_echo(cluster, gate)
     with Client(cluster.frontend, timeout=60) as c:
         wait_service(c, "echo")
         call = c.infer_stream("echo", {"x": np.zeros(4, np.int32)})
@@ -401,10 +408,7 @@ def test_a_request_retried_after_its_worker_died_reaches_the_next_one_as_a_retry
     docs/protocol.md): that worker keeps their client's requests in order while they wait,
     instead of newest first once congested, so the retry is not the one left to expire."""
     cluster.broker()
-    doomed = cluster.worker("gate_model:factory", "--service", "echo", "--max-batch", "1", "--no-warmup",
-                            env=gate.env, wait=False)
-    gate.open()
-    doomed.wait_ready()
+    doomed = _doomed_echo(cluster, gate)
     with Client(cluster.frontend, timeout=60) as c:
         wait_service(c, "echo")
         x = np.arange(4, dtype=np.int32)
