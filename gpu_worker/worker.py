@@ -2182,7 +2182,7 @@ class Worker:
         req.pid_start = grant.client_start
         req.host = grant.client_host if near else None
         req.reply_to = None                   # replies go back on this connection
-        req.queue_ms = req.returned = None    # the broker's fields: nothing queued it
+        req.queue_ms = req.returned = req.attempt = None  # the broker's fields: nothing queued it
         req.backlog = 0                       # the lease's other requests are here already
         self._admit(Job(key, req, None, None, now, None, None, route), rest, now, grant.principal)
 

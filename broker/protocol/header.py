@@ -191,7 +191,8 @@ class DispatchedRequest(Request, kw_only=True):
     writes, at dispatch, and only when they have a value (`encode_routed`).  Kept off
     `Request`, which clients encode (msgspec writes every field: a key an older broker does
     not know sends the header down its slower `_Forwarding` path), and off `RoutedRequest`
-    (the broker relays a first attempt's header as it came, byte for byte)."""
+    (whose every field the broker writes on every dispatch: a first attempt's header gains
+    no key)."""
 
     attempt: int | None = None        # set by the broker: n for the n-th retry after worker deaths (absent: the first)
 

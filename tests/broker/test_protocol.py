@@ -496,9 +496,9 @@ def test_the_known_keys_path_is_unchanged():
 
 def test_a_retry_carries_its_attempt_and_a_clients_attempt_is_dropped():
     """`attempt` is the broker's (`DispatchedRequest`): written at dispatch for a retry
-    only (a first attempt's header goes on byte for byte), read by the worker, beside the
-    keys forwarded; one a client sends is dropped, never forwarded (the broker's value is
-    the only one)."""
+    only (a first attempt's header, an SDK's here, goes on byte for byte), read by the
+    worker, beside the keys forwarded; one a client sends is dropped, never forwarded (the
+    broker's value is the only one)."""
     req = P.Request(id=3, priority=0, timeout_ms=10.0, meta={"k": [1]})
     frame = P.encode_header(req)
     routed = P.decode_request(frame, routed=True)

@@ -58,8 +58,8 @@ def _lease(worker, n=1, slots=2, **kw) -> bytes:
     return grant.lease
 
 
-def _request(client, rid, x, **kw) -> None:
-    head = P.Request(id=rid, tensors=[P.TensorRef("x", x.dtype.str, list(x.shape), P.InlineLoc(frame=0))], **kw)
+def _request(client, rid, x, cls=P.Request, **kw) -> None:
+    head = cls(id=rid, tensors=[P.TensorRef("x", x.dtype.str, list(x.shape), P.InlineLoc(frame=0))], **kw)
     client.send_multipart(P.client_request("echo", [P.encode_header(head), x.tobytes()]))
 
 
@@ -125,10 +125,13 @@ def test_a_leased_request_runs_with_the_grants_pid_and_answers_on_the_direct_soc
     assert worker.upstream.sent() == [P.worker_leased(lease)]
     client.send_multipart([P.MDPC, P.C_HELLO, P.encode_header(P.LeaseHello(lease=lease, secret=SECRET))])
     x = np.arange(6, dtype=np.int16)
-    _request(client, 5, x, pid=1, host="elsewhere/0", reply_to="ipc:///tmp/c-1-1-00.ipc", backlog=9)
+    # The broker's fields, written by the client: none is believed (no broker queued it)
+    _request(client, 5, x, cls=P.DispatchedRequest, pid=1, host="elsewhere/0", reply_to="ipc:///tmp/c-1-1-00.ipc",
+             backlog=9, queue_ms=5.0, returned=2, attempt=3)
     _take(worker, lambda: len(worker.jobs) == 1)
     [job] = worker.jobs.values()
     assert job.req.pid == 4242 and job.req.host is None and job.req.reply_to is None and job.req.backlog == 0
+    assert job.req.queue_ms is None and job.req.returned is None and job.req.attempt is None
     assert worker.leases.in_flight(lease) == 1
     worker.run_ready_batches(force=True)
     rep, frames = _reply(client)
