@@ -441,3 +441,65 @@ def test_a_free_cut_short_by_a_signal_never_leaves_a_stale_descriptor_cached():
             ref = pool.ref_of(arr)
             pool.mark_in_flight(ref)
             pool.free(ref)
+
+
+class _Holders:
+    """Holder liveness the test decides: pid -> alive."""
+
+    def __init__(self):
+        self.live: dict[int, bool] = {}
+        self.asked: list[int] = []
+
+    def starttime(self, pid: int) -> int:
+        return 1000 + pid
+
+    def alive(self, pid: int, starttime: int) -> bool:
+        self.asked.append(pid)
+        return self.live.get(pid, False)
+
+    def prune(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def test_reclaim_asks_each_holder_once_and_frees_only_a_dead_ones_slots():
+    """`SlotBook` keeps held slots by holder: `reclaim` asks each holder once whether it lives
+    (not each slot: a walk of 4,000 held slots took 1.3 ms at each of the worker's
+    housekeeping passes) and frees exactly the IN_FLIGHT slots of those that died; a slot
+    freed, or lent again to another, leaves its first holder's books."""
+    holders = _Holders()
+    holders.live.update({11: True, 22: True, 33: True})
+    with ShmPool(1 << 20, slots=64, holders=holders) as pool:
+        book = pool._book
+        refs = {pid: [] for pid in (11, 22, 33)}
+        for i in range(30):
+            pid = (11, 22, 33)[i % 3]
+            ref, _ = pool.alloc_nbytes(64)
+            pool.mark_in_flight(ref, holder_pid=pid)
+            refs[pid].append(ref)
+        pool.free(refs[33].pop())                # its owner freed one
+        moved = refs[22].pop()                   # one lent again, to 11 now
+        pool.mark_in_flight(moved, holder_pid=11)
+        refs[11].append(moved)
+
+        def by_holder():
+            out: dict[int, set[int]] = {}
+            for slot, (pid, _) in book._holder_of.items():
+                out.setdefault(pid, set()).add(slot)
+            return out
+        assert {k[0]: v for k, v in book._held_by.items()} == by_holder()
+        assert pool.reclaim() == 0 and sorted(holders.asked) == [11, 22, 33]
+
+        holders.live[22] = False
+        holders.asked.clear()
+        before = pool.in_use()
+        assert pool.reclaim() == len(refs[22]) == 9
+        assert sorted(holders.asked) == [11, 22, 33] and pool.in_use() == before - 9
+        assert {k[0] for k in book._held_by} == {11, 33}
+        assert {k[0]: v for k, v in book._held_by.items()} == by_holder()
+        for pid in (11, 33):
+            for r in refs[pid]:
+                pool.free(r)
+        assert not book._held_by and not book._holder_of and pool.in_use() == 0
