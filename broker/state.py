@@ -57,8 +57,13 @@ sending one request at a time beside a flood waited, at the back, for one more o
 flood's dispatches than it had to, every time (the flood had been served since; the
 overload hunt).
 A principal never served in the class (or forgotten) joins at the back: a new name gets no
-earlier turn; so does one dispatched since straight from an empty queue (no ring saw that
-turn: its last one there is not its last, and it would pass those served before it).  A
+earlier turn.  A request sent straight to a free worker from an empty queue is its
+principal's turn too, remembered as its last, and a FIFO made in an empty ring starts with
+its principal's remembered turn: before, either left a FIFO "never served", which no
+rejoining principal passes, so a light client queued behind a flood served after it each
+time the service's queue had emptied (a congested worker setting its oldest aside frees
+credit in bunches, and the queue empties often: 12 light calls of 60 waited one flood
+dispatch more, tests/broker/test_state_light_client.py).  A
 principal's FIFO is in arrival order (across its connections), except that retries go back
 to its front (see Failure handling).
 
@@ -624,8 +629,8 @@ class _Service:
         # themselves; no FIFO in a ring is ever empty.
         self.classes = (OrderedDict(), OrderedDict(), OrderedDict())
         # Per class, the principals whose FIFO emptied after one of its requests was
-        # dispatched: principal -> when (its FIFO's ``served``), oldest first, at most
-        # _LEFT_MEMO.  One that queues again goes ahead of the first principal in the ring
+        # dispatched, or whose request went straight to a worker from an empty queue:
+        # principal -> when it was last served, oldest first, at most _LEFT_MEMO.  One that queues again goes ahead of the first principal in the ring
         # served after it (least recently served first), not behind a flood served since
         # (_enqueue).
         self.left = (OrderedDict(), OrderedDict(), OrderedDict())
@@ -1256,11 +1261,14 @@ class Scheduler(LeaseEvents):
             # its pool takes it now (the common case under light load, kept short).
             w = self._ready_worker(pool)
             if w is not None:
+                # Served outside the ring, but served: its last turn is now (a memo kept from
+                # an older turn would let it pass those served before this one, and none at
+                # all would make its next FIFO "never served", which nobody passes).
                 left = svc.left[priority]
-                if left:
-                    # Served outside the ring: its last turn there, if remembered, is no
-                    # longer its last (it would pass those served before this one).
-                    left.pop(principal, None)
+                left[principal] = now
+                left.move_to_end(principal)
+                if len(left) > _LEFT_MEMO:
+                    left.popitem(last=False)
                 self._start(req, w, now, out)
                 self._flush(now, out)
                 return out
@@ -1736,7 +1744,9 @@ class Scheduler(LeaseEvents):
         ring = svc.classes[req.priority]
         fifo = ring.get(c)
         if fifo is None:
-            last = svc.left[req.priority].pop(c, None) if ring else None
+            # (also into an empty ring: a FIFO counted as never served keeps everyone who
+            # rejoins later behind it)
+            last = svc.left[req.priority].pop(c, None)
             fifo = ring[c] = OrderedDict()
             # When this FIFO last had a request dispatched (_pump's aging: a rejoining
             # principal's last dispatch is older than its request, so it ages as before).

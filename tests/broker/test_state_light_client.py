@@ -167,3 +167,28 @@ def test_a_client_dispatched_straight_from_an_empty_queue_does_not_pass_one_serv
     req(s, L, 12, now + 0.001)
     d = of(s.worker_final(b"w", token, now + 0.02, None), Dispatch)[0]
     assert (d.client, d.request_id) == (X, 21), "L passed X, served before L's last request"
+
+
+def test_a_flood_whose_queue_emptied_and_came_back_does_not_keep_a_light_client_behind_it():
+    """The service's queue empties (the flood's requests all dispatched or expired: a
+    congested worker setting its oldest aside frees credit in bunches) and the flood's next
+    requests queue again into an empty ring: before, that new FIFO counted as never served,
+    and a light client rejoining after it went behind it, one flood dispatch more to wait
+    (12 light calls of 60 in a traced run at credit 8, 1 in 60 with the worker first in first
+    out).  The flood's last turn is remembered across the empty queue, and a request sent
+    straight to a free worker is a turn too, so the light client, served before, goes first."""
+    s = Scheduler(Config())
+    s.worker_ready(b"w", "svc", 0.0)  # credit 1
+    token = of(req(s, H, 0, 0.0), Dispatch)[0].token   # straight: the queue was empty
+    req(s, L, 1, 0.005)                                # queued behind the running one
+    order, token, now = serve(s, token, 0.0, 1)
+    assert order == [L]                                # L served at 0.02 (its FIFO empties)
+    # The flood's next request goes straight to the worker when it frees up...
+    now += 0.02
+    assert not of(s.worker_final(b"w", token, now, None), Dispatch)  # nothing queued: idle
+    token = of(req(s, H, 2, now + 0.001), Dispatch)[0].token       # straight: H served last
+    # ...then both queue behind it, the flood first, into an empty ring.
+    req(s, H, 3, now + 0.002)
+    req(s, L, 4, now + 0.003)
+    order, token, now = serve(s, token, now + 0.003, 2)
+    assert order == [L, H], f"the light client waited behind the flood served after it: {order}"
