@@ -630,9 +630,9 @@ class _Service:
         self.classes = (OrderedDict(), OrderedDict(), OrderedDict())
         # Per class, the principals whose FIFO emptied after one of its requests was
         # dispatched, or whose request went straight to a worker from an empty queue:
-        # principal -> when it was last served, oldest first, at most _LEFT_MEMO.  One that queues again goes ahead of the first principal in the ring
-        # served after it (least recently served first), not behind a flood served since
-        # (_enqueue).
+        # principal -> when it was last served, oldest first, at most _LEFT_MEMO.  One that
+        # queues again goes ahead of the first principal in the ring served after it (least
+        # recently served first), not behind a flood served since (_enqueue).
         self.left = (OrderedDict(), OrderedDict(), OrderedDict())
         self.queued = 0
         self.since = 0.0  # when the queue last went from empty to not (meaningful while queued)
@@ -2091,7 +2091,7 @@ class Scheduler(LeaseEvents):
                             w = t
                             break
                 if not w.in_flight:
-                    self._take(req, True)
+                    self._served_alone(req, now)
                     self._counters["alone"] += 1
                     self._start(req, w, now, out)
         if svc.lone and svc.isos < len(svc.workers):
@@ -2118,9 +2118,15 @@ class Scheduler(LeaseEvents):
                 w = free.pop(best[1])
                 self._set_aside(w, req)
                 if not w.in_flight:
-                    self._take(req, True)
+                    self._served_alone(req, now)
                     self._counters["alone"] += 1
                     self._start(req, w, now, out)
+
+    def _served_alone(self, req, now):
+        """``req`` leaves its queue to run alone: its principal's turn, as a dispatch from
+        `_pump` is (its FIFO's ``served``: the rejoin memo and the aging read it)."""
+        req.svc.classes[req.priority][req.principal].served = now
+        self._take(req, True)
 
     def _set_aside(self, w, req):
         """``w`` is ``req``'s until it has run it alone (``req`` is queued now)."""

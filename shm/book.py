@@ -338,16 +338,20 @@ class SlotBook:
         if self._holder_of and slot in self._holder_of:
             self._forget_holder(slot)
         if hp:
+            # `_held_by` first: a signal handler's exception between the two steps then leaves
+            # only an extra entry there, which `reclaim` checks against `_holder_of` (a slot
+            # in `_holder_of` alone would never be freed at its holder's death)
             key = (hp, hs)
-            self._holder_of[slot] = key
             held = self._held_by.get(key)
             if held is None:
                 self._held_by[key] = {slot}
             else:
                 held.add(slot)
+            self._holder_of[slot] = key
 
     def _forget_holder(self, slot: int) -> tuple[int, int] | None:
-        """``slot`` leaves its holder's books (`_holder_of`, `_held_by`); its holder, if any."""
+        """``slot`` leaves its holder's books (`_holder_of` first, then `_held_by`: cut short,
+        it leaves only an extra `_held_by` entry); its holder, if any."""
         key = self._holder_of.pop(slot, None)
         if key is not None:
             held = self._held_by.get(key)
@@ -424,9 +428,15 @@ class SlotBook:
         # Holders that exited let go of their cached pidfds, including those that hold
         # nothing of ours any more (they released everything, then left).
         self._holders.prune()
+        holder_of = self._holder_of
         for key in [k for k in self._held_by if not self._holders.alive(*k)]:
-            for s in list(self._held_by.get(key, ())):
-                if pstate[s] == IN_FLIGHT:
+            held = self._held_by.get(key, ())
+            for s in list(held):
+                if holder_of.get(s) != key:
+                    held.discard(s)  # left by an update a signal cut short: not this holder's
+                elif pstate[s] == IN_FLIGHT:
                     self.free_slot(s)
                     n += 1
+            if not held:
+                self._held_by.pop(key, None)
         return n

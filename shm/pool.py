@@ -114,7 +114,6 @@ class ShmPool:
         self._nb = book._nb
         self._free = book._free
         self._ring = book._ring
-        self._holder_of = book._holder_of
         self._holders = book._holders
         self._own_holders = holders is None
         self._take = book.take  # close() swaps in one that raises ShmError

@@ -637,6 +637,9 @@ def test_a_worker_set_aside_for_a_last_attempt_takes_nothing_else_until_it_has_r
     # B finishes 1: it runs 10 alone, then 11 alone, then takes brokered work again.
     d = only(s.worker_final(b"b", d1.token, 0.6), Dispatch)
     assert (d.request_id, d.attempt) == (10, 1)
+    # Run alone, it was its principal's turn (the rejoin memo and the aging read it)
+    principal = s._services["svc"].classes[1]
+    assert [f.served for f in principal.values()] == [0.6]
     d = only(s.worker_final(b"b", d.token, 0.7), Dispatch)
     assert (d.request_id, d.attempt) == (11, 1)
     d = only(s.worker_final(b"b", d.token, 0.8), Dispatch)

@@ -503,3 +503,22 @@ def test_reclaim_asks_each_holder_once_and_frees_only_a_dead_ones_slots():
             for r in refs[pid]:
                 pool.free(r)
         assert not book._held_by and not book._holder_of and pool.in_use() == 0
+
+
+def test_a_holder_entry_left_by_an_interrupted_update_frees_nothing_of_another_holder():
+    """An update of the holder books cut short by a signal handler's exception leaves at
+    most an extra entry in `_held_by` (the order of the two steps); `reclaim` frees a slot
+    only for the holder `_holder_of` names, and drops the stray entry."""
+    holders = _Holders()
+    holders.live.update({11: True, 22: True})
+    with ShmPool(1 << 20, slots=8, holders=holders) as pool:
+        book = pool._book
+        ref, _ = pool.alloc_nbytes(64)
+        pool.mark_in_flight(ref, holder_pid=22)
+        key11 = (11, holders.starttime(11))
+        book._held_by.setdefault(key11, set()).add(ref.slot)   # the stray entry: 11 never held it
+        holders.live[11] = False
+        assert pool.reclaim() == 0 and pool.in_use() == 1       # 22's slot stays lent
+        assert key11 not in book._held_by
+        pool.free(ref)
+        assert not book._held_by and not book._holder_of
