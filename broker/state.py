@@ -605,6 +605,15 @@ class _Pool:
         self.lost_at = None  # when its last live worker went (presumed dead, or left); None: never had one
 
 
+def _remember_turn(left, principal, when) -> None:
+    """``principal``'s last turn in a class was at ``when`` (`_Service.left`: the newest
+    last, the oldest forgotten past ``_LEFT_MEMO``)."""
+    left[principal] = when
+    left.move_to_end(principal)
+    if len(left) > _LEFT_MEMO:
+        left.popitem(last=False)
+
+
 def _newest_first(fifo) -> bool:
     """Whether a congested queue walks this (non-empty) FIFO newest first (Congestion): not
     while its head must go first, a request put back at the front, or one without a deadline
@@ -1264,11 +1273,7 @@ class Scheduler(LeaseEvents):
                 # Served outside the ring, but served: its last turn is now (a memo kept from
                 # an older turn would let it pass those served before this one, and none at
                 # all would make its next FIFO "never served", which nobody passes).
-                left = svc.left[priority]
-                left[principal] = now
-                left.move_to_end(principal)
-                if len(left) > _LEFT_MEMO:
-                    left.popitem(last=False)
+                _remember_turn(svc.left[priority], principal, now)
                 self._start(req, w, now, out)
                 self._flush(now, out)
                 return out
@@ -1807,11 +1812,7 @@ class Scheduler(LeaseEvents):
             if fifo.served:
                 # Its last dispatch, also when its last request leaves undispatched
                 # (cancelled, expired, evicted, refused): that turn is still its last.
-                left = svc.left[req.priority]
-                left[c] = fifo.served
-                left.move_to_end(c)
-                if len(left) > _LEFT_MEMO:
-                    left.popitem(last=False)
+                _remember_turn(svc.left[req.priority], c, fifo.served)
         elif served:
             ring.move_to_end(c)
         svc.queued -= 1

@@ -324,23 +324,20 @@ class LoopHeartbeats:
             wait = self._tick()
             idle = False
             fds = ()
+            now = time.monotonic()
+            if self._ring and now >= ring_until:
+                self._ring = False  # no traffic during a batch for RING_FOR: the plain tick
             if not self._socket.acquire(blocking=False):
                 # the loop has the socket: it heartbeats itself (and, ringing, it rings when
                 # its next batch begins)
-                now = time.monotonic()
-                if self._ring and now >= ring_until:
-                    self._ring = False  # no traffic during a batch for RING_FOR: the plain tick
                 if self.begun != seen:
                     seen, quiet_since = self.begun, now
                 elif now - quiet_since >= IDLE_AFTER and not self._ring:
                     # nothing to do until a batch begins: `computing_begin` wakes us
                     wait, idle = self.interval / 2, True
                 continue
-            now = time.monotonic()
             # woken by an arrival in a batch this thread looked at READ_GAP before, at least
             traffic = woke is _ARRIVAL and self.begun == phase
-            if self._ring and now >= ring_until:
-                self._ring = False
             phase = seen = self.begun
             quiet_since = now
             try:
