@@ -305,7 +305,8 @@ def render(metrics: dict | None, sched: dict, known: Iterable[str]) -> list:
     for name, s in svcs:
         warm.rows.append(((name,), s.keep_warm))
     fams.append(warm)
-    recalled = _counter("zmq_infer_recalled", "Requests asked back from a busy worker for an idle one or an urgent one (RECALL)",
+    recalled = _counter("zmq_infer_recalled", "Requests asked back from a busy worker for an idle one, an urgent request "
+                        "or another client's turn (RECALL)",
                         "service")
     for name, s in svcs:
         recalled.rows.append(((name,), s.recalled))

@@ -23,19 +23,24 @@ Policy
   or expired: a turn it had is still its last), goes instead ahead of the first
   principal in the turns served since its last turn, behind those served before it (the
   broker's rule, broker/state.py "Dispatch": among the first ``_SCAN``, none of them
-  never served here; the last ``_LEFT_MEMO`` that left are remembered).  Where a turn
-  went unseen (a principal served alone, its queue the plain one below, after its queue
-  was gone and back) the principal counts as never served, and a rejoiner goes behind it
-  (at the back, as before): a client sending one request at a time beside a flood
-  otherwise waited, at the back, for one more of the flood's requests every time (with a
-  batch of one; with more it goes in the next batch anyway).  So a flood of one
+  never served here; the last ``_LEFT_MEMO`` that left are remembered).  A principal
+  left alone in a group (its queue the plain one below) keeps the last turn it had: once
+  its queue's head is served it was served after every turn remembered there (also when
+  it had none in the turns), and a principal with a turn on record whose plain queue runs
+  out as it is served is remembered as served then.  Where a turn went unseen (a
+  principal with no turn on record served alone, its queue gone and back) it counts as
+  never served, and a rejoiner goes behind it (at the back, as before): a client sending
+  one request at a time beside a flood otherwise waited, at the back, for one more of the
+  flood's requests every time (with a batch of one; with more it goes in the next batch
+  anyway).  So a flood of one
   principal parked at a worker (up to its credit, or a lease's slots) makes another
   principal's lone request of its class wait for at most one request of each principal
   ahead of it in the turns (and the batch running), not for the flood: with a batch of
   two or more it goes in the next batch.  With one principal nothing changes (and costs
   nothing: the group is the plain queue it always was, and becomes one again once a
   single principal is left in it; whether that one was served since is read off its
-  queue's head when another joins, so the plain queue's path does no extra work).  A
+  queue's head when another joins, so the plain queue's path does no extra work but a
+  look at ``_solo`` when it runs out).  A
   request without a principal (None) is one principal like any other.  The wait bounds
   below stay the group's oldest request's, whichever turn it is.
 * Priorities (``priority``: 0 urgent, 1 normal, 2 background, as in the request header).
@@ -250,10 +255,10 @@ class _Solo:
 
     __slots__ = ("group", "seq", "served")
 
-    def __init__(self, group: deque, served: int):
+    def __init__(self, group: deque, served: int | None):
         self.group = group  # the plain queue (a rebuild that serves nothing carries this on)
         self.seq = group[0].seq  # its head then; 0: served since (a popleft took the head)
-        self.served = served  # the principal's last turn then (`Batcher._tick`)
+        self.served = served  # the principal's last turn then (`Batcher._tick`); None: it had none
 
 
 class _Turns:
@@ -517,11 +522,14 @@ class Batcher:
         self._live[e.seq] = e
         group = self._groups.get(p.key)
         if group is None:
-            self._groups[p.key] = deque((e,))
+            self._groups[p.key] = group = deque((e,))
             if self._left:
                 # Served alone from here on, unseen by the turns: its last turn beside the
-                # others, if remembered, is no longer its last (it would pass them).
-                self._left.pop((p.key, p.principal), None)
+                # others, if remembered, goes on with its queue (`_Solo`: it is its last
+                # until its queue's head is served; then it was served after them all).
+                last = self._left.pop((p.key, p.principal), None)
+                if last is not None:
+                    self._solo[p.key] = _Solo(group, last)
         elif type(group) is deque:
             self._deep = True
             if group[0].p.principal == p.principal:  # one principal: the common case
@@ -944,7 +952,14 @@ class Batcher:
             if not group:
                 del self._groups[key]
                 if self._solo:
-                    self._solo.pop(key, None)  # a new queue of the key knows nothing of it
+                    s = self._solo.pop(key, None)
+                    if s is not None and s.group is group:
+                        # Its principal has a turn on record here, and was just served: that
+                        # is its last turn now, after every other one remembered here (a
+                        # rejoiner served before it goes ahead of it; lost, it counted as
+                        # never served, which nobody passes).
+                        self._tick += 1
+                        _remember(self._left, (key, batch[-1].principal), self._tick)
         else:
             taken = list(islice(self._order(key), n))
             group.settle(taken, self._tick + 1)
@@ -969,17 +984,18 @@ class Batcher:
             if group.lifo and self._reversible(q):
                 return  # one principal's queue, congested, newest first: turns until `_congestion` says
             self._groups[key] = q
-            served = group.served.get(pr)
-            if served is not None:
-                self._solo[key] = _Solo(q, served)
+            # (also one never served in the turns: served alone from now on, it is served
+            # after every turn remembered, which a rejoiner must not pass for "never")
+            self._solo[key] = _Solo(q, group.served.get(pr))
         else:
             del self._groups[key]
 
     def _solo_served(self, key: Hashable, group: deque) -> int | None:
         """The last turn of the principal of ``group``, a plain queue another principal now
         joins: as its turns left it (`_Solo`), or now if it was served since (a newer turn
-        than any remembered); None if unknown (never in turns, or its queue ran out since:
-        it is "never served", and nobody passes it)."""
+        than any remembered, whether or not it had one in the turns); None if unknown (never
+        in turns, its queue ran out since, or it had no turn there and none since: it is
+        "never served", and nobody passes it)."""
         s = self._solo.pop(key, None) if self._solo else None
         if s is None or s.group is not group:
             return None
@@ -997,7 +1013,12 @@ class Batcher:
             return
         if not new:
             del self._solo[key]
-            if s.seq and s.seq == old[0].seq:  # not served since: its last turn is still known
+            if not (s.seq and s.seq == old[0].seq):
+                # served since: after every turn remembered here
+                self._tick += 1
+                _remember(self._left, (key, old[0].p.principal), self._tick)
+            elif s.served is not None:
+                # not served since: its last turn (if it had one) is still known
                 _remember(self._left, (key, old[0].p.principal), s.served)
             return
         s.group = new

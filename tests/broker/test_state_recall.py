@@ -439,9 +439,10 @@ def test_nothing_is_taken_back_for_urgent_work_when_it_cannot_help():
     # What the worker holds is urgent too: urgent work is not taken back for urgent work.
     s, _ = full_worker(pri=0)
     assert s.client_request(b"slo", 1, "svc", 0.01, payload="u", priority=0) == []
-    # A normal request never takes anything back (only urgent work does).
+    # A normal request of the principal whose work is parked there takes nothing back (a
+    # newcomer's turn, below, is for a principal holding nothing there).
     s, _ = full_worker(pri=2)
-    assert s.client_request(b"slo", 1, "svc", 0.01, payload="n", priority=1) == []
+    assert s.client_request(C, 11, "svc", 0.01, payload="n", priority=1) == []
     # A worker that does not answer RECALL, or recall turned off.
     s, _ = full_worker(recall=False)
     assert s.client_request(b"slo", 1, "svc", 0.01, payload="u", priority=0) == []
@@ -490,6 +491,111 @@ def test_a_request_that_aging_dispatched_ahead_of_urgent_ones_is_not_taken_back_
     assert (d.client, d.priority) == (C, 0)
     # The worker now holds urgent 2 and it: a new urgent request takes nothing back.
     assert s.client_request(b"u", 4, "svc", 3.0, payload=4, priority=0) == []
+    assert s.stats()["counters"]["recalled"] == 0
+
+
+# ---- a newcomer's turn: a principal holding nothing at a full worker takes one parked
+# request back from the principal holding most there
+
+
+F, L = b"flood", b"light"
+
+
+def flooded(credit=8, queued=2, light_first=True, **kw):
+    """One worker of ``credit`` full of F's requests (ids 1..credit) and ``queued`` more of
+    them at the broker; L had one request served before the flood (``light_first``), so it
+    is remembered as served before F: its next request goes ahead of F's in the ring."""
+    s = Scheduler(Config(**kw))
+    s.worker_ready(W1, "svc", 0.0, credit=credit, recall=True)
+    if light_first:
+        d = only(s.client_request(L, 0, "svc", 0.0005, payload="l0"), Dispatch)
+        assert only(s.worker_final(W1, d.token, 0.001, "r"), ToClient).request_id == 0
+    held = [only(s.client_request(F, i, "svc", 0.002, payload=i), Dispatch) for i in range(1, credit + 1)]
+    for i in range(credit + 1, credit + 1 + queued):
+        assert s.client_request(F, i, "svc", 0.003, payload=i) == []
+    return s, held
+
+
+def test_a_light_client_queued_at_a_worker_full_of_a_flood_takes_the_newest_parked_one_back():
+    s, held = flooded()
+    out = s.client_request(L, 1, "svc", 0.01, payload="l1")
+    rec = only(out, RecallAtWorker)
+    assert rec.worker == W1 and rec.tokens == (held[-1].token,) and not of(out, Dispatch)
+    # Given back unstarted: the credit goes to the light client's request (its principal
+    # keeps its place in the ring, behind the light one), and the flood's request goes back
+    # to the front of its FIFO: it is the flood's next, before 9 and 10.
+    d = only(s.worker_returned(W1, [held[-1].token], 0.011), Dispatch)
+    assert (d.client, d.request_id) == (L, 1)
+    assert only(s.worker_final(W1, held[0].token, 0.02, "r"), Dispatch).request_id == 8
+    assert only(s.worker_final(W1, held[1].token, 0.03, "r"), Dispatch).request_id == 9
+    st = s.stats()["counters"]
+    assert st["recalled"] == 1 and st["returned"] == 1
+    # Started (the worker kept it): nothing moves, the light request goes at the next credit.
+    s, held = flooded()
+    rec = only(s.client_request(L, 1, "svc", 0.01, payload="l1"), RecallAtWorker)
+    assert s.worker_returned(W1, [], 0.011, kept=rec.tokens) == []
+    d = only(s.worker_final(W1, held[0].token, 0.02, "r"), Dispatch)
+    assert (d.client, d.request_id) == (L, 1)
+
+
+def test_two_newcomers_each_take_one_back_but_a_new_name_does_not_jump_the_queue():
+    # New here (never served): behind the flood's queued requests in the ring, so a credit
+    # given back would go to the flood: nothing asked.
+    s, held = flooded(light_first=False)
+    for p in (b"a", b"b"):
+        assert s.client_request(p, 1, "svc", 0.01, payload=1) == []
+    assert s.stats()["counters"]["recalled"] == 0
+    # Served before the flood came: each asks for one, the flood's newest first.
+    s = Scheduler(Config())
+    s.worker_ready(W1, "svc", 0.0, credit=8, recall=True)
+    for p in (b"a", b"b"):
+        d = only(s.client_request(p, 0, "svc", 0.0005, payload=0), Dispatch)
+        s.worker_final(W1, d.token, 0.001, "r")
+    held = [only(s.client_request(F, i, "svc", 0.002, payload=i), Dispatch) for i in range(1, 9)]
+    assert s.client_request(F, 9, "svc", 0.003, payload=9) == []
+    recs = [only(s.client_request(p, 1, "svc", 0.01, payload=1), RecallAtWorker) for p in (b"a", b"b")]
+    assert [r.tokens for r in recs] == [(held[-1].token,), (held[-2].token,)]
+    out = [d.client for r in recs for d in of(s.worker_returned(W1, list(r.tokens), 0.011), Dispatch)]
+    assert out == [b"a", b"b"]
+    # The flood's two go back to the front of its FIFO, the oldest first, before its 9.
+    assert [only(s.worker_final(W1, held[i].token, 0.02 + i / 100, "r"), Dispatch).request_id
+            for i in range(3)] == [7, 8, 9]
+
+
+def test_nothing_is_taken_back_for_a_client_that_has_its_share():
+    # It holds one at the worker already (its second request waits its turn at the broker).
+    s, held = flooded(credit=8)
+    s2 = Scheduler(Config())
+    s2.worker_ready(W1, "svc", 0.0, credit=4, recall=True)
+    d = only(s2.client_request(L, 0, "svc", 0.0005, payload=0), Dispatch)
+    s2.worker_final(W1, d.token, 0.001, "r")
+    only(s2.client_request(L, 1, "svc", 0.002, payload=1), Dispatch)
+    for i in range(1, 4):
+        only(s2.client_request(F, i, "svc", 0.002, payload=i), Dispatch)
+    assert s2.client_request(L, 2, "svc", 0.01, payload=2) == []
+    # It has another request queued already (only its first queued one asks).
+    assert s.client_request(L, 1, "svc", 0.01, payload=1) != []
+    assert s.client_request(L, 2, "svc", 0.01, payload=2) == []
+    # Everyone at the worker holds one: nobody holds more than its share.
+    s = Scheduler(Config())
+    s.worker_ready(W1, "svc", 0.0, credit=4, recall=True)
+    d = only(s.client_request(L, 0, "svc", 0.0005, payload=0), Dispatch)
+    s.worker_final(W1, d.token, 0.001, "r")
+    for p in (b"p1", b"p2", b"p3", b"p4"):
+        only(s.client_request(p, 1, "svc", 0.002, payload=1), Dispatch)
+    assert s.client_request(L, 1, "svc", 0.01, payload=1) == []
+    # What is parked there is more urgent than the newcomer's request.
+    s, _ = flooded()
+    assert s.client_request(L, 1, "svc", 0.01, payload=1, priority=2) == []
+    # A worker that does not answer RECALL, or recall turned off.
+    for kw in ({"recall": False}, {"recall_after": -1}):
+        s = Scheduler(Config(**{k: v for k, v in kw.items() if k != "recall"}))
+        s.worker_ready(W1, "svc", 0.0, credit=4, recall=kw.get("recall", True))
+        d = only(s.client_request(L, 0, "svc", 0.0005, payload=0), Dispatch)
+        s.worker_final(W1, d.token, 0.001, "r")
+        for i in range(1, 6):
+            s.client_request(F, i, "svc", 0.002, payload=i)
+        assert s.client_request(L, 1, "svc", 0.01, payload=1) == []
     assert s.stats()["counters"]["recalled"] == 0
 
 

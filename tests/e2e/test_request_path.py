@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import time
 
 import numpy as np
@@ -14,7 +15,7 @@ from broker import protocol as P
 from client_sdk import AsyncClient, Client
 from client_sdk.errors import DeadlineExceeded, NotLocal, QueueFull, ServiceUnavailable, WorkerFailed
 
-from .conftest import wait_service
+from .conftest import Proc, wait_service
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -315,6 +316,120 @@ def test_an_urgent_request_does_not_wait_behind_background_work_parked_at_a_full
     # bg0's batch, then the next one (URGENT with 3 parked background requests): at most 4
     # background requests before it (5 or more when a parked batch ran first).
     assert order.index("URGENT") <= 4, order
+
+
+_LIGHT = """
+import sys
+import numpy as np
+from client_sdk import Client
+with Client(sys.argv[1], timeout=30) as c:
+    print("READY", flush=True)
+    for line in sys.stdin:
+        n = int(line)
+        c.infer("gate", {"x": np.array([n])})
+        print(f"done {n}", flush=True)
+"""
+
+
+def _line(proc, timeout: float = 20.0) -> str:
+    """The next line ``proc`` prints (a condition, not a sleep)."""
+    fd = proc.p.stdout.fileno()
+    buf = b""
+    deadline = time.monotonic() + timeout
+    while not buf.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        assert left > 0, f"no line from the light client within {timeout} s (so far {buf!r})"
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 1)
+            assert chunk, f"the light client exited: {proc.stderr()}"
+            buf += chunk
+    return buf.decode().strip()
+
+
+def test_a_light_client_does_not_wait_behind_a_flood_parked_at_a_full_worker(cluster, gate):
+    """One process floods a worker (one runs, 3 more wait in its batcher at credit 4, the rest
+    queues at the broker); another, served once beside the flood before, sends one request.
+    It runs next, not behind the flood's parked requests: the broker takes the flood's newest
+    parked one back (RECALL) and the light request goes in its place (broker/state.py, "A
+    newcomer's turn"), where the worker's turns put it first.  Before, it waited at the
+    broker for the running request's end, and then at the worker behind the flood request
+    the worker took next while the light one was on its way."""
+    cluster.broker()
+    w = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "4",
+                       "--no-warmup", "--log-level", "debug", env=gate.env, wait=False)
+    gate.open()
+    w.wait_ready()
+    light = Proc(["-c", _LIGHT, cluster.frontend], stdin=True)  # another process: another principal
+    cluster.procs.append(light)
+    light.wait_ready()
+
+    def say(n):
+        light.p.stdin.write(f"{n}\n".encode())
+        light.p.stdin.flush()
+
+    read = b"read a request from the broker"
+    lp = f"rid={light.p.pid}:".encode()  # the worker's INFO line for each of the light requests
+
+    def pull():
+        """What the worker logged so far (read without waiting)."""
+        fd = w.p.stderr.fileno()
+        while select.select([fd], [], [], 0)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            w._err += chunk
+
+    def reads(n):
+        """Until the worker has read ``n`` requests (its debug lines)."""
+        while w._err.count(read) < n:
+            w.wait_log(read.decode(), after=w._err.rfind(read) + 1)
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=30) as flood:
+            done: list[int] = []
+
+            async def call(i):
+                await flood.infer("gate", {"x": np.array([i])})
+                done.append(i)
+
+            # The flood: f0 runs, 3 wait at the worker, 8 queue at the broker.
+            tasks = [asyncio.create_task(call(0))]
+            await asyncio.to_thread(gate.wait_entered, 1)
+            tasks += [asyncio.create_task(call(i)) for i in range(1, 12)]
+            await asyncio.sleep(0)
+            assert await flood.mmi_service("gate")  # barrier: all of them sent
+            await asyncio.to_thread(reads, 4)
+            # The light client's first request: new to the broker, it queues behind the
+            # flood (new names do not jump the queue) and takes its turn there and at the
+            # worker, where the flood always has more waiting: that turn is remembered.
+            say(1000)
+            entered = 1
+            while lp not in w._err:
+                assert entered < 9, "the light request did not run"
+                gate.release(1)
+                entered += 1
+                await asyncio.to_thread(gate.wait_entered, entered)  # the previous one logged
+                pull()
+            assert await asyncio.to_thread(_line, light) == "done 1000"
+            before = len(done)
+            # The flood's requests fill the worker again: one running, three waiting (every
+            # credit the ones done freed went to the flood, which still has some queued).
+            await asyncio.to_thread(reads, (entered - 1) + 4)
+            say(1001)
+            # Its newest waiting at the worker given back, the light request in its place,
+            # read by the worker.
+            await asyncio.to_thread(reads, (entered - 1) + 5)
+            gate.release(1)  # the running one ends; the worker's next is the light request
+            await asyncio.to_thread(gate.wait_entered, entered + 1)
+            gate.release(1)
+            assert await asyncio.to_thread(_line, light) == "done 1001"
+            assert len(done) == before + 1, done  # nothing of the flood ran before it but one
+            gate.release(12)
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            return done
+
+    done = asyncio.run(scenario())
+    assert sorted(done) == list(range(12))  # the one given back ran too, once
 
 
 def test_deadline_and_queue_full(cluster, gate):

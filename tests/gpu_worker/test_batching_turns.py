@@ -229,21 +229,42 @@ def test_a_cancelled_request_is_not_a_turn_for_the_rejoin():
 
 def test_a_principal_served_alone_since_it_left_does_not_pass_one_served_before_that():
     """A's last turn beside the others was before X's, but A was then served alone (its own
-    group, unseen by the turns): when A comes back beside X it is not the least recently
-    served of the two, and goes behind X (at the back: its last turn is not known)."""
+    group): when A comes back beside X it is not the least recently served of the two, and
+    goes behind X, and behind Y (served before A's last request too).  Y's and X's own
+    last turns, kept while Y's requests wait alone, put X (served before Y's last) first."""
     b = Batcher(max_batch=1, max_delay=0.0)
     t = _flood(b, 3, "Y")
     b.add(_p("A0", t, "A"), t)
     b.add(_p("X0", t, "X"), t)
     assert _drain(b) == [["Y0"], ["A0"], ["X0"], ["Y1"], ["Y2"]]  # A's turn, then X's
     b.add(_p("A1", 2.0, "A"), 2.0)
-    assert _drain(b) == [["A1"]]  # A alone: after X0
+    assert _drain(b) == [["A1"]]  # A alone: after X0 and Y2
     t = _flood(b, 3, "Y", 3.0)
     b.add(_p("X1", t, "X"), t)
-    assert _take1(b) == "Y0"
     b.add(_p("A2", t, "A"), t)
-    assert _drain(b) == [["X1"], ["Y1"], ["A2"], ["Y2"]], "A passed X, served before A's last request"
+    assert _drain(b) == [["X1"], ["Y0"], ["A2"], ["Y1"], ["Y2"]], "A passed X or Y, served before A's last request"
 
+
+
+def test_a_flood_served_alone_after_turns_in_which_it_had_none_is_passed_by_one_served_before():
+    """B's request came first, with the flood's behind it: B was served, the flood not yet
+    (it had no turn in the turns).  Then the flood, alone, was served; B's next request goes
+    ahead of the flood's next, as least recently served first says.  Before, the flood
+    counted as never served (no turn seen), and B waited behind one more of its requests
+    (the broker's turn for B, `_make_turn`, then bought nothing at the worker)."""
+    b = Batcher(max_batch=1, max_delay=0.0)
+    b.add(_p("B0", 1.0, "B"), 1.0)
+    _flood(b, 4, "A", 1.001)
+    assert [_take1(b), _take1(b)] == ["B0", "A0"]  # A0: served alone, after B0
+    b.add(_p("B1", 2.0, "B"), 2.0)
+    assert _drain(b) == [["B1"], ["A1"], ["A2"], ["A3"]]
+    # Not served since B0 (B rejoins before any of A's turns): behind A, never served.
+    b = Batcher(max_batch=1, max_delay=0.0)
+    b.add(_p("B0", 1.0, "B"), 1.0)
+    _flood(b, 3, "A", 1.001)
+    assert _take1(b) == "B0"
+    b.add(_p("B1", 2.0, "B"), 2.0)
+    assert _drain(b) == [["A0"], ["B1"], ["A1"], ["A2"]]
 
 
 def test_a_principal_whose_pending_request_was_cancelled_keeps_its_last_turn():
@@ -339,7 +360,7 @@ def test_what_the_turns_know_of_last_turns_is_never_out_of_date(ops, max_batch, 
             elif group is not None:
                 assert group[0].p.principal not in known, "a plain queue's principal is remembered as gone"
             s = b._solo.get(key)
-            if s is not None and s.seq and s.seq == group[0].seq:
+            if s is not None and s.seq and s.seq == group[0].seq and s.served is not None:
                 known[group[0].p.principal] = s.served
             ranked = sorted(known, key=known.__getitem__)
             for p, q in zip(ranked, ranked[1:]):

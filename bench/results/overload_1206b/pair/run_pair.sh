@@ -4,6 +4,7 @@
 # WORKER_ARGS: more gpu_worker arguments (e.g. "--credit 8"); LIGHT_PY: a script run as the light client instead;
 # WORKER_PY: a script run as the worker instead of -m gpu_worker (with the same arguments: a traced worker);
 # FIXED_MS: the model's time (20); FLOOD_RATE: the flood's requests a second (125);
+# BROKER_PY: a script run as the broker instead of -m broker (newcomer_turn_1207/trace/traced_broker.py);
 # BROKER_ARGS: more broker arguments (e.g. "--log-level info --log-format json"); KEEP_LOGS=DIR:
 # the broker's and the worker's stderr copied there (read_wake_1207c/broker_trace/an_tr.py reads them)
 set -u
@@ -12,7 +13,7 @@ PY=/work/main/.venv/bin/python
 RT=$(mktemp -d /tmp/ovl/rt.XXXX)
 export XDG_RUNTIME_DIR=$RT
 cd $TREE
-PYTHONPATH=$TREE:$TREE/tests/e2e $PY -m broker ${BROKER_ARGS:-} --frontend ipc://$RT/fe.ipc --backend ipc://$RT/be.ipc > $RT/broker.out 2> $RT/broker.err &
+PYTHONPATH=$TREE:$TREE/tests/e2e $PY ${BROKER_PY:--m broker} ${BROKER_ARGS:-} --frontend ipc://$RT/fe.ipc --backend ipc://$RT/be.ipc > $RT/broker.out 2> $RT/broker.err &
 B=$!
 for i in $(seq 100); do [ -S $RT/be.ipc ] && break; sleep 0.1; done
 FIXED_MS=${FIXED_MS:-20} PYTHONPATH=$TREE:$TREE/tests/e2e $PY ${WORKER_PY:--m gpu_worker} --broker ipc://$RT/be.ipc --model bench_models:fixed --max-batch 1 ${WORKER_ARGS:-} > $RT/worker.out 2> $RT/worker.err &
