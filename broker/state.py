@@ -186,12 +186,15 @@ begun its next batch from the flood's parked requests: a whole batch more (measu
 ms model at credit 8, a flood at 125/s and a client at 5/s, the light client's p50 49.5
 ms, two batches and a half).  The ring already puts a principal that was served before the
 flood ahead of it (Dispatch); so a request queued on arrival that is its principal's only
-one in the service (``count`` 1), for which one deep worker of its pool holds nothing of
-its principal's and two or more of another principal's (not counting those asked back
-already), asks that worker for its newest of the principal holding most there
-(``_make_turn``), of a class no more urgent than its own, from a principal not ahead of it
-in its class's ring (the credit freed goes to the ring's first: a principal never served
-here, which joins at the back, takes nothing from a flood queued ahead of it).  Given back
+one in the service (``count`` 1), for which one deep worker of its pool (not busy: the
+credit would put it behind a long batch) holds nothing of its principal's and two or more
+running of another principal's (not asked back already, not cancelling), asks that worker
+for its newest of the principal holding most there (``_make_turn``), of a class no more
+urgent than its own, from a principal the freed credit would not go to first: not ahead of
+it in its class's ring, and, with nothing queued, not remembered as served before it (its
+FIFO, made again by the give-back, would go ahead).  The credit freed goes to the ring's
+first: a principal never served here, which joins at the back, takes nothing from a flood
+queued ahead of it.  Given back
 unstarted, it goes to the front of its principal's FIFO, whose place in the ring stays
 where it was (a retry or an urgent request's give-back moves its principal to the front:
 here the credit would go straight back), and the freed credit goes to the newcomer, which
@@ -536,7 +539,7 @@ _COUNTERS = (
     "evicted",                   # queued requests of the heaviest principal refused for a newcomer
     "rejected_client_requests",  # over max_client_requests
     "rejected_client_bytes",     # over max_client_bytes
-    "recalled",                  # requests asked back from a busy worker for an idle one, or for an urgent one
+    "recalled",                  # requests asked back from a busy worker for an idle one, an urgent one or a turn
     "returned",                  # ... and given back unstarted (then run by another worker)
     "leases_granted",            # leases a worker confirmed (broker/leases.py)
     "leases_refused",            # lease asks answered with an error
@@ -2680,8 +2683,8 @@ class Scheduler(LeaseEvents):
             return
         left = _SCAN
         for w in req.svc.deep:
-            if w.iso is not None or pool not in w.pools:
-                continue
+            if w.busy or w.iso is not None or pool not in w.pools:
+                continue  # (busy: the credit freed there would put it behind a long batch)
             # As many as take it under its brokered credit: one, but more just after a
             # lease took some of that credit (brokered work it held then stays).
             k = len(w.in_flight) - (w.credit - w.leased) + 1
@@ -2706,57 +2709,83 @@ class Scheduler(LeaseEvents):
 
     def _make_turn(self, req, out):
         """``req``, its principal's only request in the service, was queued because every
-        worker of its pool is full: if one of them holds nothing of its principal's and two
-        or more of another principal's that is not ahead of it in its class (the credit
-        freed would go there), ask that worker back for the newest of those of the one
-        holding most, of a class no more urgent than ``req``'s (see "A newcomer's turn" in
-        the module docstring).  It comes back to the front of its principal's FIFO, which
-        keeps its place in the ring, so the credit it frees goes to ``req`` (or to a
-        principal ahead of it, whose turn it was).  At most ``_SCAN`` principals and
-        ``_CLASS_SCAN`` requests looked at."""
+        worker of its pool is full: if one of them (not busy) holds nothing of its
+        principal's and two or more running of another principal that a credit freed would
+        not go to first (one ahead of it in its class's ring, or one whose FIFO, made again
+        by the give-back, would go ahead of it), ask that worker back for the newest of
+        those of the one holding most, of a class no more urgent than ``req``'s (see "A
+        newcomer's turn" in the module docstring).  It comes back to the front of its
+        principal's FIFO, which keeps its place in the ring, so the credit it frees goes to
+        ``req`` (or to a principal ahead of it, whose turn it was).  At most ``_SCAN``
+        principals and ``_CLASS_SCAN`` requests looked at."""
         svc = req.svc
         pool = svc.pools.get(req.local_host)
         if pool is None:
             return
         me = req.principal
         pri = req.priority
+        ring = svc.classes[pri]
         # The principals ahead of it in its class (a principal never served here joins at
         # the back: new names do not jump the queue, and one behind a flood's queued
         # requests asks nothing of the flood).
         ahead = set()
-        for p in svc.classes[pri]:
+        for p in ring:
             if p == me:
                 break
             ahead.add(p)
             if len(ahead) == _SCAN:
                 return
+        mine = ring[me].served  # its last turn (0.0: never served here)
+        memo = svc.left[pri]
+        goes_first = {}  # principal -> whether a credit freed would go to it before req
         left = _CLASS_SCAN
         for w in svc.deep:
-            if w.iso is not None or pool not in w.pools or len(w.in_flight) != w.credit - w.leased:
-                continue  # (over its brokered credit after a lease: one given back would not do)
+            if (w.busy or w.iso is not None or pool not in w.pools
+                    or len(w.in_flight) != w.credit - w.leased):
+                # Busy: the credit freed there would put req behind its long batch.  Over
+                # its brokered credit after a lease: one given back would not do.
+                continue
             held = {}
+            newest = {}
             for r in w.in_flight.values():
                 q = r.principal
                 if q == me:
                     break  # it holds one of ours: its share is not nothing
-                # (one asked back already is leaving: not counted)
-                if not r.recalled and r.shown >= pri and not (r.shown == pri and q in ahead):
-                    held[q] = held.get(q, 0) + 1
                 left -= 1
                 if not left:
                     return
-            else:
-                top = max(held.values(), default=0)
-                if top < 2:
+                # (one asked back already is leaving, one cancelling or abandoned gives
+                # nothing back: not counted)
+                if r.recalled or r.state != _RUNNING or r.alone or r.shown < pri:
                     continue
-                for r in reversed(w.in_flight.values()):
-                    if (held.get(r.principal) == top and not r.recalled and r.shown >= pri
-                            and not (r.shown == pri and r.principal in ahead)
-                            and r.state == _RUNNING and not r.alone):
-                        r.recalled = _TURN
-                        self._counters["recalled"] += 1
-                        out.append(RecallAtWorker(w.ident, (r.token,)))
-                        return
+                if r.shown == pri:
+                    first = goes_first.get(q)
+                    if first is None:
+                        if q in ahead:
+                            first = True
+                        elif q in ring:
+                            first = False
+                        else:
+                            # Given back, its FIFO is made again from its remembered turn
+                            # (`_enqueue`): ahead of req's if that turn is older.
+                            last = memo.get(q)
+                            first = bool(mine) and last is not None and last < mine
+                        goes_first[q] = first
+                    if first:
+                        continue
+                held[q] = held.get(q, 0) + 1
+                newest[q] = r
+            else:
+                if not held:
+                    continue
+                q = max(held, key=held.__getitem__)
+                if held[q] < 2:
+                    continue
+                r = newest[q]
+                r.recalled = _TURN
+                self._counters["recalled"] += 1
+                out.append(RecallAtWorker(w.ident, (r.token,)))
+                return
 
     @staticmethod
     def _askable(victim) -> bool:

@@ -27,7 +27,8 @@ Policy
   left alone in a group (its queue the plain one below) keeps the last turn it had: once
   its queue's head is served it was served after every turn remembered there (also when
   it had none in the turns), and a principal with a turn on record whose plain queue runs
-  out as it is served is remembered as served then.  Where a turn went unseen (a
+  out as it is served is remembered as served then, as is one whose request the worker's
+  lone-request lane runs (`goes_alone`).  Where a turn went unseen (a
   principal with no turn on record served alone, its queue gone and back) it counts as
   never served, and a rejoiner goes behind it (at the back, as before): a client sending
   one request at a time beside a flood otherwise waited, at the back, for one more of the
@@ -40,7 +41,8 @@ Policy
   nothing: the group is the plain queue it always was, and becomes one again once a
   single principal is left in it; whether that one was served since is read off its
   queue's head when another joins, so the plain queue's path does no extra work but a
-  look at ``_solo`` when it runs out).  A
+  look at ``_solo`` when it runs out, and a principal with a turn on record, a record
+  renewed as it is served alone).  A
   request without a principal (None) is one principal like any other.  The wait bounds
   below stay the group's oldest request's, whichever turn it is.
 * Priorities (``priority``: 0 urgent, 1 normal, 2 background, as in the request header).
@@ -155,6 +157,9 @@ from dataclasses import dataclass
 from itertools import islice
 
 __all__ = ["Batcher", "Pending", "batch_key"]
+
+#: `Batcher.goes_alone`'s principal when the caller says none (None is a principal)
+_UNSAID = object()
 
 #: principals whose last turn is remembered after their requests of a group ran out
 #: (`Batcher._left`, all groups together): beyond it the oldest are forgotten (they rejoin
@@ -590,7 +595,7 @@ class Batcher:
         return []
 
     def goes_alone(self, key: Hashable, arrived: float, backlog: int | None,
-                   deadline: float | None = None, since: float | None = None) -> bool:
+                   deadline: float | None = None, since: float | None = None, principal=_UNSAID) -> bool:
         """Whether a request of ``key`` arriving at ``arrived`` (the current time) with
         ``backlog`` (the broker's word) and ``deadline`` would be a batch of one at once:
         nothing is pending, and `take(arrived, idle=True)` after `add` would return it now
@@ -605,7 +610,8 @@ class Batcher:
         reasons holds.  Not for a request already past its deadline (`add` sets it aside),
         nor for one that can no longer finish in time while the broker has others queued
         (``backlog`` > 0; ``since``, as `Pending.since`: `expire` sets it aside,
-        "Deadlines")."""
+        "Deadlines").  ``principal``, as `Pending.principal`: a turn it goes alone is
+        its last (remembered if one of its group's was: "Turns")."""
         self._observe_arrival(key, arrived)
         if self._live or self._expired:
             return False
@@ -632,6 +638,13 @@ class Batcher:
                     r.skips += 1  # waiting stopped paying off: it goes, and the probe comes closer
         self._settle_wait(key, 1)
         self._busy = True
+        if self._left and principal is not _UNSAID:
+            k = (key, principal)
+            if k in self._left:
+                # A turn, served alone: after every one remembered (left as it was, it
+                # would let it pass a principal served before this one).
+                self._tick += 1
+                _remember(self._left, k, self._tick)
         return True
 
     def idle(self) -> None:

@@ -1338,7 +1338,8 @@ class Worker:
         since = job.received - req.queue_ms / 1e3 if req.queue_ms and req.queue_ms > 0 else None
         observed = False
         if self._lone_ready():
-            if self.batcher.goes_alone(key, now, req.backlog, job.deadline, since):
+            if self.batcher.goes_alone(key, now, req.backlog, job.deadline, since,
+                                       req.pid if req.pid is not None else principal):
                 # The lone-request lane: what run_ready_batches would run right after this
                 # drain, a batch of one, runs now, without the batcher's queue around it.
                 self._lane_ran = True

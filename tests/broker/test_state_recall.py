@@ -599,6 +599,57 @@ def test_nothing_is_taken_back_for_a_client_that_has_its_share():
     assert s.stats()["counters"]["recalled"] == 0
 
 
+def test_nothing_is_taken_back_from_a_principal_the_freed_credit_would_go_to_first():
+    """F's requests are all at the worker (none queued: F is not in the ring), and F's last
+    turn is older than the newcomer's: given back, F's FIFO would be made ahead of N's
+    (least recently served first) and take the credit straight back.  So nothing is asked
+    (a review found the round trip wasted)."""
+    s = Scheduler(Config())
+    s.worker_ready(W1, "svc", 0.0, credit=8, recall=True)
+    for i in range(7):
+        only(s.client_request(F, i, "svc", 0.002, payload=i), Dispatch)  # F's last turn: 0.002
+    d = only(s.client_request(b"n", 0, "svc", 0.003, payload=0), Dispatch)  # N's: 0.003
+    s.worker_final(W1, d.token, 0.004, "r")
+    only(s.client_request(b"g", 0, "svc", 0.005, payload=0), Dispatch)  # the last credit
+    assert s.client_request(b"n", 1, "svc", 0.01, payload=1) == []
+    assert s.stats()["counters"]["recalled"] == 0
+
+
+def test_a_busy_worker_is_not_asked_for_a_turn_or_for_urgent_work():
+    """w2 says BUSY (a long batch): a request given back there would put the newcomer (or
+    the urgent request) behind that batch.  The other worker is asked instead."""
+    for pri in (1, 0):
+        s = Scheduler(Config())
+        for w in (W1, W2):
+            s.worker_ready(w, "svc", 0.0, credit=4, recall=True, direct=EP)
+        d = only(s.client_request(L, 0, "svc", 0.0005, payload=0), Dispatch)
+        s.worker_final(d.worker, d.token, 0.001, "r")
+        for i in range(8):
+            only(s.client_request(F, i, "svc", 0.002, payload=i, priority=2 if not pri else 1), Dispatch)
+        s.client_request(F, 100, "svc", 0.003, payload=100, priority=2 if not pri else 1)
+        s.worker_busy(W2, True, 0.004)
+        rec = only(s.client_request(L, 1, "svc", 0.01, payload=1, priority=pri), RecallAtWorker)
+        assert rec.worker == W1
+        d = only(s.worker_returned(W1, list(rec.tokens), 0.011), Dispatch)
+        assert (d.client, d.worker) == (L, W1)
+        # Only the busy one left to ask: nothing is.
+        s.worker_busy(W1, True, 0.012)
+        assert not of(s.client_request(b"m", 1, "svc", 0.013, payload=1, priority=pri), RecallAtWorker)
+
+
+def test_what_a_flood_cancelled_or_asked_back_already_does_not_count_as_its_share():
+    """F holds one request it runs and one its client cancelled: one to give, not two."""
+    s = Scheduler(Config())
+    s.worker_ready(W1, "svc", 0.0, credit=2, recall=True)
+    d = only(s.client_request(L, 0, "svc", 0.0005, payload=0), Dispatch)
+    s.worker_final(W1, d.token, 0.001, "r")
+    only(s.client_request(F, 1, "svc", 0.002, payload=1), Dispatch)
+    only(s.client_request(F, 2, "svc", 0.002, payload=2), Dispatch)
+    s.client_request(F, 3, "svc", 0.003, payload=3)
+    s.client_cancel(F, 2, 0.004)  # at the worker: cancelling
+    assert not of(s.client_request(L, 1, "svc", 0.01, payload=1), RecallAtWorker)
+
+
 class _Looked(dict):
     """A service's ``deep`` set that counts the workers looked at through it."""
 

@@ -307,6 +307,7 @@ _op = st.one_of(
     st.tuples(st.just("take"), st.booleans()),
     st.tuples(st.just("drop"), st.integers(0, 4)),
     st.tuples(st.just("expire"), st.sampled_from([0.0, 0.005, 0.02])),
+    st.tuples(st.just("lane"), st.sampled_from(_KEYS), st.sampled_from(_WHO)),
 )
 
 
@@ -314,8 +315,9 @@ _op = st.one_of(
 @given(ops=st.lists(_op, max_size=50), max_batch=st.integers(1, 3), lifo_after=st.sampled_from([0.1, 0.0, None]))
 def test_what_the_turns_know_of_last_turns_is_never_out_of_date(ops, max_batch, lifo_after):
     """Whatever the batcher remembers of principals' last turns in a group (a ring's
-    ``served``, ``_left``, a plain queue's `_Solo` not served since) orders them as they
-    were really last served in that group, alone or not: a record that outlived a turn it
+    ``served``, ``_left``, a plain queue's `_Solo`: its last turn, or after everyone once
+    its head was served) orders them as they were really last served in that group, alone
+    or not (in the worker's lone-request lane too, `goes_alone`): a record that outlived a turn it
     did not see would let a principal pass one served before it.  Also while groups turn
     congested and back (``lifo_after`` 0: a group of two requests or more at once), one
     principal's queue then becoming turns of its own and a plain queue again."""
@@ -347,6 +349,12 @@ def test_what_the_turns_know_of_last_turns_is_never_out_of_date(ops, max_batch, 
             took(b.take(now, idle=True, force=o[1]))
         elif o[0] == "drop":
             b.drop(lambda p, m=o[1]: p.item % 5 == m)
+        elif o[0] == "lane":  # the worker's lone-request lane: served alone, never queued
+            _, key, who = o
+            if b.goes_alone(key, now, 0, principal=who):
+                clock += 1
+                truth[(key, who)] = clock
+                b.idle()
         else:
             now += o[1]
             b.expire(now)
@@ -360,8 +368,12 @@ def test_what_the_turns_know_of_last_turns_is_never_out_of_date(ops, max_batch, 
             elif group is not None:
                 assert group[0].p.principal not in known, "a plain queue's principal is remembered as gone"
             s = b._solo.get(key)
-            if s is not None and s.seq and s.seq == group[0].seq and s.served is not None:
-                known[group[0].p.principal] = s.served
+            if s is not None and group is not None and type(group) is deque and s.group is group:
+                if s.seq and s.seq == group[0].seq:
+                    if s.served is not None:
+                        known[group[0].p.principal] = s.served
+                else:  # served since: after everyone remembered
+                    known[group[0].p.principal] = float("inf")
             ranked = sorted(known, key=known.__getitem__)
             for p, q in zip(ranked, ranked[1:]):
                 assert (key, p) in truth and truth[(key, p)] < truth[(key, q)], (
