@@ -170,8 +170,8 @@ at the broker got the first credit freed, and then waited at the worker behind t
 already formed from the parked background requests: one whole batch more than the running
 one (measured end to end: 5 background requests ran before it at a worker of batch 4 and
 credit 8).  So an urgent request that is queued on arrival (every worker of its pool full)
-asks one deep worker of its pool that answers RECALL for its newest request of a lower
-class not asked for yet (``_make_room``: at most ``_SCAN`` requests looked at; nothing when
+asks one deep worker of its pool that answers RECALL (a busy one only when no other will
+do) for its newest request of a lower class not asked for yet (``_make_room``: at most ``_SCAN`` requests looked at; nothing when
 ``recall_after`` is negative; from a worker holding more than its brokered credit, after a
 lease took some of it, as many as bring it one under, or none).  Given back unstarted, that request goes to the front of its
 principal's FIFO (``returned`` counted, not an attempt) and the credit it frees goes to the
@@ -186,8 +186,9 @@ begun its next batch from the flood's parked requests: a whole batch more (measu
 ms model at credit 8, a flood at 125/s and a client at 5/s, the light client's p50 49.5
 ms, two batches and a half).  The ring already puts a principal that was served before the
 flood ahead of it (Dispatch); so a request queued on arrival that is its principal's only
-one in the service (``count`` 1), for which one deep worker of its pool (not busy: the
-credit would put it behind a long batch) holds nothing of its principal's and two or more
+one in the service (``count`` 1), for which one deep worker of its pool (a busy one only
+when no other will do: its credit puts what takes it behind a long batch; as for urgent
+work) holds nothing of its principal's and two or more
 running of another principal's (not asked back already, not cancelling), asks that worker
 for its newest of the principal holding most there (``_make_turn``), of a class no more
 urgent than its own, from a principal the freed credit would not go to first: not ahead of
@@ -641,6 +642,22 @@ def _remember_turn(left, principal, when) -> None:
     left.move_to_end(principal)
     if len(left) > _LEFT_MEMO:
         left.popitem(last=False)
+
+
+def _busy_last(workers):
+    """``workers``, those that said BUSY last: a credit one of them frees puts what takes it
+    behind a long batch, so it is asked only when no other worker would do (every worker
+    of the pool busy, as with one worker whose batches all run long)."""
+    busy = None
+    for w in workers:
+        if w.busy:
+            if busy is None:
+                busy = []
+            busy.append(w)
+        else:
+            yield w
+    if busy:
+        yield from busy
 
 
 def _newest_first(fifo) -> bool:
@@ -2682,9 +2699,9 @@ class Scheduler(LeaseEvents):
         if pool is None:
             return
         left = _SCAN
-        for w in req.svc.deep:
-            if w.busy or w.iso is not None or pool not in w.pools:
-                continue  # (busy: the credit freed there would put it behind a long batch)
+        for w in _busy_last(req.svc.deep):
+            if w.iso is not None or pool not in w.pools:
+                continue
             # As many as take it under its brokered credit: one, but more just after a
             # lease took some of that credit (brokered work it held then stays).
             k = len(w.in_flight) - (w.credit - w.leased) + 1
@@ -2709,7 +2726,7 @@ class Scheduler(LeaseEvents):
 
     def _make_turn(self, req, out):
         """``req``, its principal's only request in the service, was queued because every
-        worker of its pool is full: if one of them (not busy) holds nothing of its
+        worker of its pool is full: if one of them (a busy one last) holds nothing of its
         principal's and two or more running of another principal that a credit freed would
         not go to first (one ahead of it in its class's ring, or one whose FIFO, made again
         by the give-back, would go ahead of it), ask that worker back for the newest of
@@ -2739,12 +2756,9 @@ class Scheduler(LeaseEvents):
         memo = svc.left[pri]
         goes_first = {}  # principal -> whether a credit freed would go to it before req
         left = _CLASS_SCAN
-        for w in svc.deep:
-            if (w.busy or w.iso is not None or pool not in w.pools
-                    or len(w.in_flight) != w.credit - w.leased):
-                # Busy: the credit freed there would put req behind its long batch.  Over
-                # its brokered credit after a lease: one given back would not do.
-                continue
+        for w in _busy_last(svc.deep):
+            if w.iso is not None or pool not in w.pools or len(w.in_flight) != w.credit - w.leased:
+                continue  # (over its brokered credit after a lease: one given back would not do)
             held = {}
             newest = {}
             for r in w.in_flight.values():

@@ -615,26 +615,31 @@ def test_nothing_is_taken_back_from_a_principal_the_freed_credit_would_go_to_fir
     assert s.stats()["counters"]["recalled"] == 0
 
 
-def test_a_busy_worker_is_not_asked_for_a_turn_or_for_urgent_work():
+def test_a_busy_worker_is_asked_for_a_turn_or_for_urgent_work_only_when_no_other_will_do():
     """w2 says BUSY (a long batch): a request given back there would put the newcomer (or
-    the urgent request) behind that batch.  The other worker is asked instead."""
-    for pri in (1, 0):
-        s = Scheduler(Config())
-        for w in (W1, W2):
-            s.worker_ready(w, "svc", 0.0, credit=4, recall=True, direct=EP)
-        d = only(s.client_request(L, 0, "svc", 0.0005, payload=0), Dispatch)
-        s.worker_final(d.worker, d.token, 0.001, "r")
-        for i in range(8):
-            only(s.client_request(F, i, "svc", 0.002, payload=i, priority=2 if not pri else 1), Dispatch)
-        s.client_request(F, 100, "svc", 0.003, payload=100, priority=2 if not pri else 1)
-        s.worker_busy(W2, True, 0.004)
-        rec = only(s.client_request(L, 1, "svc", 0.01, payload=1, priority=pri), RecallAtWorker)
-        assert rec.worker == W1
-        d = only(s.worker_returned(W1, list(rec.tokens), 0.011), Dispatch)
-        assert (d.client, d.worker) == (L, W1)
-        # Only the busy one left to ask: nothing is.
-        s.worker_busy(W1, True, 0.012)
-        assert not of(s.client_request(b"m", 1, "svc", 0.013, payload=1, priority=pri), RecallAtWorker)
+    the urgent request) behind that batch, so the other worker is asked instead.  With
+    every worker busy (one worker whose batches all run long: a worker that takes leases
+    says so of any batch predicted 5 ms or more), a busy one is asked, or the newcomer
+    would wait for a batch more."""
+    for pri, flood in ((1, 1), (0, 2)):  # a newcomer's turn; urgent work
+        for workers in ((W1, W2), (W1,)):
+            s = Scheduler(Config())
+            for w in workers:
+                s.worker_ready(w, "svc", 0.0, credit=4, recall=True, direct=EP)
+            d = only(s.client_request(L, 0, "svc", 0.0005, payload=0), Dispatch)
+            s.worker_final(d.worker, d.token, 0.001, "r")
+            for i in range(4 * len(workers)):
+                only(s.client_request(F, i, "svc", 0.002, payload=i, priority=flood), Dispatch)
+            s.client_request(F, 100, "svc", 0.003, payload=100, priority=flood)
+            # The busy one is the first a look at the service's deep workers finds (W2: L's
+            # request ran on W1, so W2 took F's first and held two first).
+            busy, other = workers[-1], workers[0]
+            assert next(iter(s._services["svc"].deep)).ident == busy
+            s.worker_busy(busy, True, 0.004)
+            rec = only(s.client_request(L, 1, "svc", 0.01, payload=1, priority=pri), RecallAtWorker)
+            assert rec.worker == other
+            d = only(s.worker_returned(rec.worker, list(rec.tokens), 0.011), Dispatch)
+            assert (d.client, d.worker) == (L, other)
 
 
 def test_what_a_flood_cancelled_or_asked_back_already_does_not_count_as_its_share():
