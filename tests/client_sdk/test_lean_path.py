@@ -183,7 +183,8 @@ SECRET = bytes(range(16))
 
 class FakeLeaseWorker(threading.Thread):
     """A worker's direct socket: echoes inline requests on its lease's connection, holds
-    those with an input named "hold", and records the CANCELs it gets."""
+    those with an input named "hold" (`release()` echoes them, back to back), and records
+    the CANCELs it gets."""
 
     def __init__(self, endpoint: str):
         super().__init__(name="fake-lease-worker", daemon=True)
@@ -194,10 +195,25 @@ class FakeLeaseWorker(threading.Thread):
         self.sock.bind(endpoint)
         self.requests: queue.Queue = queue.Queue()  # request ids
         self.cancels: queue.Queue = queue.Queue()
+        self.held: list = []  # (ident, frames, request) of the requests held
+        self._release = threading.Event()
         self._halt = False
+
+    def release(self) -> None:
+        """Echo the held requests, all at once (on the worker's thread, at its next look)."""
+        self._release.set()
+
+    def _echo(self, ident, frames, req) -> None:
+        head = P.encode_header(P.Reply(id=req.id, tensors=list(req.tensors)))
+        self.sock.send_multipart([ident, *P.client_reply(True, frames[2], [head, *frames[4:]])])
 
     def run(self) -> None:
         while not self._halt:
+            if self._release.is_set():
+                self._release.clear()
+                held, self.held = self.held, []
+                for h in held:
+                    self._echo(*h)
             if not self.sock.poll(20):
                 continue
             ident, *frames = self.sock.recv_multipart()
@@ -206,10 +222,11 @@ class FakeLeaseWorker(threading.Thread):
                 self.cancels.put(P.decode_cancel(frames[3]).id)
             elif cmd == P.C_REQUEST:
                 req = P.decode_request(frames[3], len(frames) - 4)
-                self.requests.put(req.id)
                 if all(t.name != "hold" for t in req.tensors):
-                    head = P.encode_header(P.Reply(id=req.id, tensors=list(req.tensors)))
-                    self.sock.send_multipart([ident, *P.client_reply(True, frames[2], [head, *frames[4:]])])
+                    self._echo(ident, frames, req)
+                else:
+                    self.held.append((ident, frames, req))
+                self.requests.put(req.id)
 
     def stop(self) -> None:
         self._halt = True
@@ -548,9 +565,12 @@ def test_a_resend_lease_end_finds_the_replies_already_on_the_lease_routed(pinned
     [lease] = c._pin_socks
     lease_sock = c._pin_socks[lease]
     before = len(broker.call(lambda: list(broker.requests)))
-    handles = [c.infer_stream("echo", {"x": np.arange(3) + i}) for i in range(2)]
+    handles = [c.infer_stream("echo", {"x": np.arange(3) + i, "hold": np.zeros(1)}) for i in range(2)]
     for _ in handles:
         worker.requests.get(timeout=WAIT)
+    # Both replies sent back to back (one after the other, the second could still be on
+    # its way when the first was there, and the resend below would find it missing).
+    worker.release()
     assert lease_sock.poll(int(WAIT * 1000))  # the replies are there (not read: poll only looks)
     ident = broker.call(lambda: broker.idents[-1])
     end = P.encode_header(P.LeaseEnd(lease=lease, reason="worker_failed", resend=True))
