@@ -186,14 +186,15 @@ begun its next batch from the flood's parked requests: a whole batch more (measu
 ms model at credit 8, a flood at 125/s and a client at 5/s, the light client's p50 49.5
 ms, two batches and a half).  The ring already puts a principal that was served before the
 flood ahead of it (Dispatch); so a request queued on arrival that is its principal's only
-one in the service (``count`` 1), for which one deep worker of its pool (a busy one only
+one queued in the service (``count`` 1), for which one deep worker of its pool (a busy one only
 when no other will do: its credit puts what takes it behind a long batch; as for urgent
 work) holds nothing of its principal's and two or more
 running of another principal's (not asked back already, not cancelling), asks that worker
 for its newest of the principal holding most there (``_make_turn``), of a class no more
 urgent than its own, from a principal the freed credit would not go to first: not ahead of
 it in its class's ring, and, with nothing queued, not remembered as served before it (its
-FIFO, made again by the give-back, would go ahead).  The credit freed goes to the ring's
+FIFO, made again by the give-back, would go ahead), and not one that aging sent ahead of
+a more urgent class (given back to its own, its wait may win).  The credit freed goes to the ring's
 first: a principal never served here, which joins at the back, takes nothing from a flood
 queued ahead of it.  Given back
 unstarted, it goes to the front of its principal's FIFO, whose place in the ring stays
@@ -2725,7 +2726,7 @@ class Scheduler(LeaseEvents):
                 return
 
     def _make_turn(self, req, out):
-        """``req``, its principal's only request in the service, was queued because every
+        """``req``, its principal's only request queued in the service, was queued because every
         worker of its pool is full: if one of them (a busy one last) holds nothing of its
         principal's and two or more running of another principal that a credit freed would
         not go to first (one ahead of it in its class's ring, or one whose FIFO, made again
@@ -2745,14 +2746,23 @@ class Scheduler(LeaseEvents):
         # The principals ahead of it in its class (a principal never served here joins at
         # the back: new names do not jump the queue, and one behind a flood's queued
         # requests asks nothing of the flood).
+        # And the newest last turn among the FIFOs up to its own, from the front, as far
+        # as the first never served: a FIFO made again from a remembered turn older than
+        # that goes ahead of the first FIFO served after it (`_enqueue`), so ahead of it.
         ahead = set()
-        for p in ring:
+        bar = 0.0
+        walk = True
+        for p, f in ring.items():
+            if walk:
+                if not f.served:
+                    walk = False
+                elif f.served > bar:
+                    bar = f.served
             if p == me:
                 break
             ahead.add(p)
             if len(ahead) == _SCAN:
                 return
-        mine = ring[me].served  # its last turn (0.0: never served here)
         memo = svc.left[pri]
         goes_first = {}  # principal -> whether a credit freed would go to it before req
         left = _CLASS_SCAN
@@ -2770,7 +2780,9 @@ class Scheduler(LeaseEvents):
                     return
                 # (one asked back already is leaving, one cancelling or abandoned gives
                 # nothing back: not counted)
-                if r.recalled or r.state != _RUNNING or r.alone or r.shown < pri:
+                if r.recalled or r.state != _RUNNING or r.alone or r.shown < pri or r.shown != r.priority:
+                    # (one aging sent ahead of a more urgent class goes back to its own,
+                    # where its wait may win the credit back)
                     continue
                 if r.shown == pri:
                     first = goes_first.get(q)
@@ -2780,10 +2792,9 @@ class Scheduler(LeaseEvents):
                         elif q in ring:
                             first = False
                         else:
-                            # Given back, its FIFO is made again from its remembered turn
-                            # (`_enqueue`): ahead of req's if that turn is older.
+                            # Given back, its FIFO is made again from its remembered turn.
                             last = memo.get(q)
-                            first = bool(mine) and last is not None and last < mine
+                            first = last is not None and last < bar
                         goes_first[q] = first
                     if first:
                         continue

@@ -615,6 +615,20 @@ def test_nothing_is_taken_back_from_a_principal_the_freed_credit_would_go_to_fir
     assert s.stats()["counters"]["recalled"] == 0
 
 
+def test_nothing_is_taken_back_from_a_flood_whose_fifo_would_be_made_again_ahead_of_one_ahead():
+    """P is ahead of N in the ring (N never served here) and was served after F's last
+    turn: F's FIFO, made again by a give-back, would go ahead of P's, so ahead of N's, and
+    take the credit back.  So nothing is asked (a second review's case)."""
+    s = Scheduler(Config())
+    s.worker_ready(W1, "svc", 0.0, credit=4, recall=True)
+    for i in range(3):
+        only(s.client_request(F, i, "svc", 0.002, payload=i), Dispatch)
+    only(s.client_request(b"p", 0, "svc", 0.003, payload=0), Dispatch)
+    assert s.client_request(b"p", 1, "svc", 0.004, payload=1) == []
+    assert s.client_request(b"n", 0, "svc", 0.005, payload=0) == []
+    assert s.stats()["counters"]["recalled"] == 0
+
+
 def test_a_busy_worker_is_asked_for_a_turn_or_for_urgent_work_only_when_no_other_will_do():
     """w2 says BUSY (a long batch): a request given back there would put the newcomer (or
     the urgent request) behind that batch, so the other worker is asked instead.  With

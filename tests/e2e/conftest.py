@@ -83,6 +83,17 @@ class Proc:
             self._err += chunk
         return self._err.decode(errors="replace")[-tail:]
 
+    def pull(self) -> str:
+        """What the process wrote to stderr so far, read without waiting (so its pipe never
+        fills while a test runs on)."""
+        fd = self.p.stderr.fileno()
+        while select.select([fd], [], [], 0)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            self._err += chunk
+        return self._err.decode(errors="replace")
+
     def wait_log(self, text: str, timeout: float = 15.0, after: int = 0) -> None:
         """Read stderr until it contains `text` (a condition, not a sleep), from its
         `after`th byte on (`logged`: what was read so far, to wait for a line logged again)."""

@@ -58,14 +58,6 @@ SERVICE = "held"    # gate_model:held's name
 INFO = ("--log-level", "INFO")
 
 
-def _slurp(proc) -> None:
-    """Read what `proc` wrote to stderr so far, without waiting (its pipe never fills)."""
-    fd = proc.p.stderr.fileno()
-    while select.select([fd], [], [], 0)[0]:
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            return
-        proc._err += chunk
 
 
 def _stderr(proc) -> str:
@@ -175,8 +167,8 @@ def test_a_pinned_worker_that_says_goodbye_is_never_presumed_dead(cluster, gate,
             # client hears of it by reading, and the next round pins afresh.
             _pump_until(c, lambda: not c.pinned(SERVICE), f"round {k}: the end of the lease heard")
             stopped.append(w)
-            _slurp(broker)
-            _slurp(plain)
+            broker.pull()
+            plain.pull()
         assert c.in_flight() == 0
         stray = c.stray_replies
         sent_in_all = next(keys) - 1
