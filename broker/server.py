@@ -1331,7 +1331,7 @@ class Broker:
             host, transports = None, frozenset({"inline"})  # as its requests: inline only
         who = self._client_pid(ident, first)
         pid, start = who if who is not None else (None, None)
-        principal = pid if pid is not None else self._tcp_principal(first)
+        principal = who if pid is not None else self._tcp_principal(first)  # (pid, start): see _client_request
         self._act(self.sched.client_lease(ident, principal, ask.id, service.decode(errors="replace"), now,
                                           slots=ask.slots, host=host, transports=transports,
                                           secret=secrets.token_bytes(16), pid=pid, start=start,
@@ -1431,7 +1431,10 @@ class Broker:
                 # is a view of it); short ones are bounded by the request count, and the
                 # usual shared-memory request counts nothing (no byte bookkeeping).
                 size=(len(first) if len(first) > _SHORT_HEADER else 0) + (_nbytes(rest) if rest else 0),
-                principal=pid if pid is not None else self._tcp_principal(first),
+                # The process, not its pid alone: (pid, start time), so that a new process
+                # that reuses a pid is not counted as the old one (its caps, its remembered
+                # turns: broker/state.py "Connections and principals").
+                principal=who if pid is not None else self._tcp_principal(first),
             )
         else:
             # A plain MDP/0.2 request: opaque body, relayed as is.  Its id lives in a
@@ -1441,7 +1444,7 @@ class Broker:
             pid = None if who is None else who[0]
             actions = self.sched.client_request(
                 ident, -self._opaque_ids, service.decode(errors="replace"), now, payload=_Payload(None, body),
-                size=_nbytes(body), principal=pid if pid is not None else self._tcp_principal(first),
+                size=_nbytes(body), principal=who if pid is not None else self._tcp_principal(first),
             )
         self._act(actions, now)
 

@@ -33,8 +33,9 @@ Connections and principals
 ``client`` is the ZeroMQ routing identity of one *connection*: replies and errors go to it,
 request ids are unique per connection, and cancellation, liveness and disconnect are per
 connection.  Fairness, eviction and the per-client caps are about who is *behind* the
-connection, its *principal*: the server passes the attested pid of an ipc client, the
-CurveZMQ user id of a tcp client, or None when it knows neither, and None means the
+connection, its *principal*: the server passes the attested process of an ipc client, its
+(pid, start time) (a new process that reuses a pid is another principal: it inherits no
+remembered turn, no caps), the CurveZMQ user id of a tcp client, or None when it knows neither, and None means the
 connection is its own principal (its identity is the key).  So a process that opens N
 connections still gets one share: one turn in each ring, one set of caps, one count when the
 heaviest is looked for.  A request's principal is recorded on it at admission and never

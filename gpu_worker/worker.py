@@ -1270,8 +1270,8 @@ class Worker:
 
         Its principal in the batcher, whose requests take turns with other principals'
         (gpu_worker/batching.py, "Turns"): the client the broker attested, as the broker
-        counts it (broker/state.py, "Connections and principals"): its pid (``req.pid``,
-        the broker's word, never the header's), else ``principal`` (a lease's, e.g. the
+        counts it (broker/state.py, "Connections and principals"): its process, (``req.pid``,
+        ``req.pid_start``), the broker's word, never the header's, else ``principal`` (a lease's, e.g. the
         CurveZMQ key of a tcp leaseholder), else None (the brokered requests of clients
         nobody could attest, tcp ones included, are one principal here)."""
         req = job.req
@@ -1337,9 +1337,10 @@ class Worker:
         # When its time began: the broker's receipt (it queued there for queue_ms).
         since = job.received - req.queue_ms / 1e3 if req.queue_ms and req.queue_ms > 0 else None
         observed = False
+        if req.pid is not None:
+            principal = (req.pid, req.pid_start)  # the process (a reused pid is another's)
         if self._lone_ready():
-            if self.batcher.goes_alone(key, now, req.backlog, job.deadline, since,
-                                       req.pid if req.pid is not None else principal):
+            if self.batcher.goes_alone(key, now, req.backlog, job.deadline, since, principal):
                 # The lone-request lane: what run_ready_batches would run right after this
                 # drain, a batch of one, runs now, without the batcher's queue around it.
                 self._lane_ran = True
@@ -1361,7 +1362,7 @@ class Worker:
         self.jobs[job.envelope] = job
         self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline,
                                  backlog=req.backlog, priority=req.priority,
-                                 principal=req.pid if req.pid is not None else principal, since=since,
+                                 principal=principal, since=since,
                                  in_order=req.dropped is not None or req.returned is not None
                                  or req.attempt is not None),
                            now, observed=observed)

@@ -90,3 +90,33 @@ def test_a_routing_id_reused_by_another_process_does_not_inherit_the_first_ones_
                 child.communicate(b"\n", timeout=30)
         assert seen[1][0] == seen[1][1] and seen[2][0] == seen[2][1]  # each its own process's pid
         assert seen[1][0] != seen[2][0]
+
+
+def test_a_clients_principal_is_its_process_not_its_pid_alone(tmp_path, monkeypatch):
+    """Fairness, caps and remembered turns count an ipc client by (pid, start time): a new
+    process that reuses a pid is another principal (it inherits no remembered turn)."""
+    from broker.state import Scheduler
+    from shm.names import proc_starttime
+
+    seen = []
+    real = Scheduler.client_request
+
+    def spy(self, *a, **kw):
+        seen.append(kw.get("principal"))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Scheduler, "client_request", spy)
+    with _broker_and_worker(tmp_path, credit=1) as (fe, worker):
+        client = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            client.connect(fe)
+            for attempt in range(200):  # until the READY is in: a request before it just queues
+                client.send_multipart(P.client_request("svc", [P.encode_header(P.Request(id=attempt + 1))]))
+                if worker.poll(50):
+                    break
+            req = _dispatched(worker)
+        finally:
+            client.close(0)
+    assert seen and set(seen) == {(os.getpid(), proc_starttime(os.getpid()))}
+    assert (req.pid, req.pid_start) == seen[0]  # what the worker counts it by too
+

@@ -234,3 +234,23 @@ def test_a_retry_a_request_given_back_and_a_stream_frame_wait_in_order_and_a_pla
     for p in list(worker.jobs.values()):
         worker.plane.finish_reads(p)
     worker.jobs.clear()
+
+
+def test_a_brokered_requests_principal_in_the_batcher_is_its_process(worker):
+    """The batcher's turns count a client by the process the broker attested, (pid, start
+    time): a new process that reuses a pid is another principal (no remembered turn)."""
+    up = worker.up
+    x = np.arange(4, dtype=np.float32)
+    for token, start in ((1, 111), (2, 222)):  # one pid, two processes
+        req = P.Request(id=token, reply="inline", pid=4242, pid_start=start,
+                        tensors=[P.TensorRef("x", "<f4", [4], P.InlineLoc(frame=0))])
+        routed = P.decode_request(P.encode_header(req), 1, routed=True)
+        up.to_worker([P.MDPW, P.W_REQUEST, P.token_envelope(token), b"", P.encode_routed(routed, None),
+                      x.tobytes()])
+    _settle(worker, lambda: len(worker.jobs) == 2)
+    principals = {p.item.req.id: p.principal for p in worker.batcher.drop(lambda p: True)}
+    assert principals == {1: (4242, 111), 2: (4242, 222)}
+    for p in list(worker.jobs.values()):
+        worker.plane.finish_reads(p)
+    worker.jobs.clear()
+
