@@ -206,7 +206,7 @@ gpu_worker/batching.py).  One who holds something there already, or has another 
 queued, asks nothing: with every principal holding one, nothing moves.  At most ``_SCAN``
 principals of the ring and ``_CLASS_SCAN`` held requests looked at; nothing when
 ``recall_after`` is negative or the worker does not answer RECALL; counted in
-``recalled``.
+``recalled`` and ``turns``.
 
 Leased work (pinned streams, broker/leases.py) runs at a worker without the broker seeing
 it, so a worker that takes leases and whose running batch runs long says BUSY
@@ -551,6 +551,7 @@ _COUNTERS = (
     "workers_left",              # workers that said DISCONNECT (a drain, a rolling restart): not deaths
     "paused",                    # the broker itself did not run for a while (stopped, frozen): `resumed`
     "newest_first",              # dispatches made while the service's queue was congested (newest first)
+    "turns",                     # of the recalled: asked back for a newcomer's turn (`_make_turn`)
 )
 
 
@@ -2810,6 +2811,7 @@ class Scheduler(LeaseEvents):
                 r = newest[q]
                 r.recalled = _TURN
                 self._counters["recalled"] += 1
+                self._counters["turns"] += 1
                 out.append(RecallAtWorker(w.ident, (r.token,)))
                 return
 

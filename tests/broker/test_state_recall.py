@@ -529,7 +529,7 @@ def test_a_light_client_queued_at_a_worker_full_of_a_flood_takes_the_newest_park
     assert only(s.worker_final(W1, held[0].token, 0.02, "r"), Dispatch).request_id == 8
     assert only(s.worker_final(W1, held[1].token, 0.03, "r"), Dispatch).request_id == 9
     st = s.stats()["counters"]
-    assert st["recalled"] == 1 and st["returned"] == 1
+    assert st["recalled"] == 1 and st["returned"] == 1 and st["turns"] == 1
     # Started (the worker kept it): nothing moves, the light request goes at the next credit.
     s, held = flooded()
     rec = only(s.client_request(L, 1, "svc", 0.01, payload="l1"), RecallAtWorker)
