@@ -188,6 +188,17 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _PEER_EXITED = frozenset({errno.ESRCH, errno.EINVAL, errno.ENODATA})
 
 
+def _principal_text(principal) -> str | None:
+    """A lease grant's ``principal``: a tcp client's key (``curve:...``), an ipc client's
+    process as ``pid:start`` (``pid`` where its start is unknown)."""
+    if principal is None:
+        return None
+    if type(principal) is tuple:
+        pid, start = principal
+        return str(pid) if start is None else f"{pid}:{start}"
+    return str(principal)
+
+
 def _fd_peer(fd: int, accepted: int | None = None) -> tuple[int, int | None] | None:
     """(pid, start time) of the process that made the unix-domain connection on descriptor
     ``fd``; None when closed, not unix-domain, a peer in a pid namespace we cannot see, or
@@ -674,6 +685,9 @@ class Broker:
         self._closed_conns = 0  # connections closed since the C heap was last trimmed (`trim_heap`)
         self._trimming: threading.Thread | None = None
         self._client_pids: dict[bytes, tuple | None] = {}  # client identity -> attested (pid, start)
+        # pid -> the start time last read for it: a principal's start where a connection's
+        # could not be read (out of descriptors), so one process stays one principal
+        self._pid_starts: dict[int, int] = {}
         # attested (pid, start) -> whether that process reads our CLOCK_MONOTONIC (`_on_our_clock`)
         self._clock_peers = ClockPeers(_MAX_CLIENT_PIDS)
         # What is learned about a client's connection (its pid, whether it is tcp) is
@@ -1331,7 +1345,7 @@ class Broker:
             host, transports = None, frozenset({"inline"})  # as its requests: inline only
         who = self._client_pid(ident, first)
         pid, start = who if who is not None else (None, None)
-        principal = who if pid is not None else self._tcp_principal(first)  # (pid, start): see _client_request
+        principal = self._principal(who) if pid is not None else self._tcp_principal(first)  # see _client_request
         self._act(self.sched.client_lease(ident, principal, ask.id, service.decode(errors="replace"), now,
                                           slots=ask.slots, host=host, transports=transports,
                                           secret=secrets.token_bytes(16), pid=pid, start=start,
@@ -1434,7 +1448,7 @@ class Broker:
                 # The process, not its pid alone: (pid, start time), so that a new process
                 # that reuses a pid is not counted as the old one (its caps, its remembered
                 # turns: broker/state.py "Connections and principals").
-                principal=who if pid is not None else self._tcp_principal(first),
+                principal=self._principal(who) if pid is not None else self._tcp_principal(first),
             )
         else:
             # A plain MDP/0.2 request: opaque body, relayed as is.  Its id lives in a
@@ -1444,9 +1458,20 @@ class Broker:
             pid = None if who is None else who[0]
             actions = self.sched.client_request(
                 ident, -self._opaque_ids, service.decode(errors="replace"), now, payload=_Payload(None, body),
-                size=_nbytes(body), principal=who if pid is not None else self._tcp_principal(first),
+                size=_nbytes(body), principal=self._principal(who) if pid is not None else self._tcp_principal(first),
             )
         self._act(actions, now)
+
+    def _principal(self, who: tuple) -> tuple:
+        """The principal of an attested ipc client, its process: (pid, start time), the start
+        last read for that pid where this connection's could not be (out of descriptors: one
+        process, one share; `who` itself keeps None, which the worker's ownership checks
+        take as unknown)."""
+        if who[1] is None:
+            start = self._pid_starts.get(who[0])
+            if start is not None:
+                return (who[0], start)
+        return who
 
     def _tcp_principal(self, frame: Any) -> str | None:
         """Whom the caps and the round-robin count a tcp client as: its CurveZMQ key (the
@@ -1978,9 +2003,12 @@ class Broker:
             who = None if fd is None else _fd_peer(fd, self._accept_ticks.get(fd))
             if who is not None:
                 self._on_our_clock(who)  # while the process is there to ask (a request may outlive it)
+                if who[1] is not None:
+                    self._pid_starts[who[0]] = who[1]
             if len(self._client_pids) >= _MAX_CLIENT_PIDS:
                 # Bounded: the clients still here are learned again.
                 self._client_pids.clear()
+                self._pid_starts.clear()
                 self._client_tcp.clear()
                 self._client_conn.clear()
                 self._conn_clients.clear()
@@ -2395,7 +2423,7 @@ class Broker:
         if t is LeaseToWorker:
             grant = P.LeaseGrant(lease=P.lease_id(a.lease), secret=a.secret, service=a.service, slots=a.slots,
                                  client_host=a.client_host, client_pid=a.client_pid, client_start=a.client_start,
-                                 principal=None if a.principal is None else str(a.principal))
+                                 principal=_principal_text(a.principal))
             self.send_to_worker(P.to_worker_lease(a.worker, P.encode_header(grant)))
         elif t is LeaseToClient:
             info = P.LeaseInfo(id=a.ask_id, lease=P.lease_id(a.lease), secret=a.secret, endpoint=a.endpoint,

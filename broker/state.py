@@ -1682,8 +1682,9 @@ class Scheduler(LeaseEvents):
     def client_usage(self, principal: object) -> dict:
         """What ``principal`` holds against its caps, over all its connections: requests
         outstanding (queued, running or cancelling, all services) and the sum of their
-        sizes in bytes.  ``principal`` is what the requests were sent with (a pid, a user
-        id), or the connection identity for requests sent with ``principal=None``."""
+        sizes in bytes.  ``principal`` is what the requests were sent with (an ipc client's
+        (pid, start time), a user id), or the connection identity for requests sent with
+        ``principal=None``."""
         return {"outstanding": self._outstanding.get(principal, 0),
                 "bytes": self._bytes.get(principal, 0)}
 

@@ -120,3 +120,19 @@ def test_a_clients_principal_is_its_process_not_its_pid_alone(tmp_path, monkeypa
     assert seen and set(seen) == {(os.getpid(), proc_starttime(os.getpid()))}
     assert (req.pid, req.pid_start) == seen[0]  # what the worker counts it by too
 
+
+def test_a_principal_whose_start_could_not_be_read_is_its_process_still():
+    """Out of descriptors the broker cannot read a connection's start time: its principal
+    takes the start last read for that pid, so one process keeps one share; a lease grant
+    names an ipc principal as pid:start."""
+    import types
+
+    from broker.server import Broker, _principal_text
+
+    b = types.SimpleNamespace(_pid_starts={4242: 77})
+    assert Broker._principal(b, (4242, None)) == (4242, 77)
+    assert Broker._principal(b, (4242, 78)) == (4242, 78)  # its own, when read
+    assert Broker._principal(b, (5, None)) == (5, None)  # nothing known
+    assert _principal_text((4242, 77)) == "4242:77" and _principal_text((5, None)) == "5"
+    assert _principal_text("curve:abc") == "curve:abc" and _principal_text(None) is None
+
