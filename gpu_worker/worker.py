@@ -1251,7 +1251,7 @@ class Worker:
             return
         rest = body[1:]
         try:
-            req = P.decode_request(body[0], frames=rest)
+            req = P.decode_request(body[0], frames=rest, brokered=True)
         except P.ProtocolError as e:
             # The id the header names, if any can be read, so the client can match the 400.
             job = Job(envelope, P.Request(id=P.lenient_request_id(body[0])), None, None, now, None, None)
@@ -2623,7 +2623,7 @@ def _priority_name(body) -> str:
     and its attempt when it is a retry ("normal, attempt 1"), for a debug line; "?" for a
     body that does not decode (the loop answers it later)."""
     try:
-        req = P.decode_request(body[0], len(body) - 1)
+        req = P.decode_request(body[0], len(body) - 1, brokered=True)
         name = P.Priority(req.priority).name.lower()
     except Exception:
         return "?"

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["LEASED_CLIENT_GONE", "RoutedRequest", "DispatchedRequest", "MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_CREDIT", "MAX_ENVELOPE_LEN",
-    "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "MAX_META_BYTES", "MAX_REPLY_TO_LEN", "MAX_ERROR_MESSAGE", "MAX_DONE", "MAX_MMI_TOKEN",
+    "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "ROUTED_HEADROOM", "MAX_META_BYTES", "MAX_REPLY_TO_LEN", "MAX_ERROR_MESSAGE", "MAX_DONE", "MAX_MMI_TOKEN",
     "MAX_TENSOR_BYTES", "MAX_DEPTH", "MAX_DTYPE_LEN", "MAX_FORWARD_KEYS", "MAX_FORWARD_BYTES", "ErrorCode",
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
     "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "DoneInfo", "WorkerStats", "TRANSPORTS", "REPLY_MODES", "SMALL_INLINE_BYTES", "is_header",
@@ -48,6 +48,10 @@ MAX_ENVELOPE_LEN = 255
 MAX_TENSORS = 256
 MAX_NDIM = 32
 MAX_HEADER_BYTES = 1 << 20
+#: what a broker's rewrites may add to a request header it admitted (pid, pid_start,
+#: queue_ms, returned, backlog and timeout_ms given values, a retry's attempt: 49 bytes at
+#: most, measured), which a worker allows a brokered header over MAX_HEADER_BYTES
+ROUTED_HEADROOM = 256
 #: The most bytes a request's `meta` may take, as msgpack: parameters for the model (data
 #: goes in tensors).  Decoded, 64 KiB of tiny values is at most ~5 MB of Python objects and
 #: ~10 ms; a whole 1 MiB header of them was 70 MB and 130 ms, for every such request queued.
@@ -490,13 +494,13 @@ def _unknown_entries(body: memoryview) -> tuple[int, memoryview]:
     return len(unknown), memoryview(packed)[at:]  # (not copied again)
 
 
-def _decode(frame: Any, decoder: msgspec.msgpack.Decoder, what: str):
+def _decode(frame: Any, decoder: msgspec.msgpack.Decoder, what: str, limit: int = MAX_HEADER_BYTES):
     try:
         mv = memoryview(frame)
     except TypeError:
         raise ProtocolError(f"{what} header must be a bytes frame, got {type(frame).__name__}") from None
-    if mv.nbytes > MAX_HEADER_BYTES:
-        raise ProtocolError(f"{what} header is {mv.nbytes} bytes; the limit is {MAX_HEADER_BYTES}")
+    if mv.nbytes > limit:
+        raise ProtocolError(f"{what} header is {mv.nbytes} bytes; the limit is {limit}")
     if bytes(mv[:4]) != MAGIC:
         raise ProtocolError(f"{what} header frame must start with the 4-byte magic C1 5A 4E 46")
     try:
@@ -519,7 +523,7 @@ def _decode(frame: Any, decoder: msgspec.msgpack.Decoder, what: str):
 
 
 def decode_request(frame: Any, n_inline: int | None = None, frames: Sequence[Any] | None = None,
-                   routed: bool = False) -> DispatchedRequest:
+                   routed: bool = False, brokered: bool = False) -> DispatchedRequest:
     """Decode and validate a request header.  `n_inline` is the number of frames after the
     header; when given, inline references are checked against it and their sizes later by
     `check_inline_sizes`.  With ``frames`` (the frames after the header) both are checked
@@ -527,7 +531,9 @@ def decode_request(frame: Any, n_inline: int | None = None, frames: Sequence[Any
     `RoutedRequest` (``meta`` undecoded: its size and first byte checked; its contents are
     the worker's to check), and top-level keys this version does not know kept, as their
     bytes, for `encode_routed` to forward (a `_Forwarding`; a receiver that is not routing,
-    a worker, ignores them)."""
+    a worker, ignores them).  ``brokered``: as a worker reads a header a broker dispatched
+    (`encode_routed`), which may be up to ``ROUTED_HEADROOM`` over the limit the broker
+    held its client to."""
     if routed:
         try:
             req = _decode(frame, _DEC_ROUTED, "request")
@@ -537,11 +543,12 @@ def decode_request(frame: Any, n_inline: int | None = None, frames: Sequence[Any
         if req.meta != _EMPTY_META:  # (the usual case, at the cost of a comparison)
             _check_meta_size(req.meta)
     else:
+        limit = MAX_HEADER_BYTES + ROUTED_HEADROOM if brokered else MAX_HEADER_BYTES
         if len(frame) > MAX_META_BYTES:
             # Only a header this long can hold a `meta` over its bound: measured first
             # (as the broker reads it), before building any of it.
-            _check_meta_size(_decode(frame, _DEC_FORWARDING, "request").meta)
-        req = _decode(frame, _DEC_REQUEST, "request")
+            _check_meta_size(_decode(frame, _DEC_FORWARDING, "request", limit).meta)
+        req = _decode(frame, _DEC_REQUEST, "request", limit)
         if req.meta:
             _check_depth(req.meta, "request")
     if not 0 <= req.id < 1 << 64:

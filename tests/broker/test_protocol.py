@@ -575,3 +575,39 @@ def test_hostile_unknown_keys_are_a_400_or_forwarded_bounded():
     pairs = msgspec.msgpack.Decoder(dict[str, msgspec.Raw]).decode(out[4:])
     assert out[4] == 0xDE and int.from_bytes(out[5:7], "big") == len(pairs)  # no key twice
     assert msgspec.msgpack.decode(out[4:])["x"] == 2 and P.decode_request(out).pid == 4242
+
+
+def _header_of(nbytes: int, n: int = 64) -> bytes:
+    """A client's request header of exactly ``nbytes`` (long tensor names)."""
+    def build(extra: int) -> bytes:
+        names = [f"{i:03d}" + "n" * (extra if i == 0 else 0) for i in range(n)]
+        base = (nbytes - 6000) // n
+        names = [nm + "m" * base for nm in names]
+        req = P.Request(id=7, timeout_ms=100, tensors=[P.TensorRef(nm, "<f4", [1], P.InlineLoc(frame=i))
+                                                       for i, nm in enumerate(names)])
+        return P.encode_header(req)
+    first = build(0)
+    head = build(nbytes - len(first))
+    assert len(head) == nbytes
+    return head
+
+
+def test_a_header_at_the_limit_still_reaches_the_worker_after_the_brokers_rewrites():
+    """A client header of MAX_HEADER_BYTES passes the broker, whose rewrites (its pid and
+    start, queue_ms, returned, backlog, timeout_ms, a retry's attempt) make it longer: the
+    worker reads a brokered header up to ROUTED_HEADROOM over the limit (before, the retry
+    of such a request was refused 400 at the next worker), and a client's own (a lease's)
+    at the limit."""
+    head = _header_of(P.MAX_HEADER_BYTES)
+    req = P.decode_request(head, 64, routed=True)
+    req.pid, req.pid_start = 2**31 - 1, 2**63 - 1
+    req.queue_ms, req.timeout_ms = 123456.789, 0.5
+    req.returned, req.backlog = 2**31 - 1, 2**31 - 1
+    routed = P.encode_routed(req, 2**31 - 1)
+    assert P.MAX_HEADER_BYTES < len(routed) <= P.MAX_HEADER_BYTES + P.ROUTED_HEADROOM
+    got = P.decode_request(routed, 64, brokered=True)
+    assert got.attempt == 2**31 - 1 and got.pid == 2**31 - 1 and len(got.tensors) == 64
+    with pytest.raises(P.ProtocolError, match="limit"):
+        P.decode_request(routed, 64)  # not from a broker: the client's limit
+    with pytest.raises(P.ProtocolError, match="limit"):
+        P.decode_request(b"x" * (P.MAX_HEADER_BYTES + P.ROUTED_HEADROOM + 1), 0, brokered=True)
