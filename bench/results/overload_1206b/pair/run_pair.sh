@@ -4,6 +4,7 @@
 # WORKER_ARGS: more gpu_worker arguments (e.g. "--credit 8"); LIGHT_PY: a script run as the light client instead;
 # WORKER_PY: a script run as the worker instead of -m gpu_worker (with the same arguments: a traced worker);
 # FIXED_MS: the model's time (20); FLOOD_RATE: the flood's requests a second (125);
+# LIGHT_LOAD: the light client's load (default --request-rate-range 5:5; e.g. --streams-range 1:1 --fps 30);
 # BROKER_PY: a script run as the broker instead of -m broker (newcomer_turn_1207/trace/traced_broker.py);
 # BROKER_ARGS: more broker arguments (e.g. "--log-level info --log-format json"); KEEP_LOGS=DIR:
 # the broker's and the worker's stderr copied there (read_wake_1207c/broker_trace/an_tr.py reads them)
@@ -26,7 +27,7 @@ F=$!
 if [ -n "${LIGHT_PY:-}" ]; then  # a script in the light client's place: LIGHT_PY FRONTEND, its output to OUT_light.txt
   $PY $LIGHT_PY ipc://$RT/fe.ipc > ${OUT}_light.txt 2>&1
 else
-  $PY -m bench run --endpoint ipc://$RT/fe.ipc --service fixed --input x=16:uint8 --request-rate-range 5:5 \
+  $PY -m bench run --endpoint ipc://$RT/fe.ipc --service fixed --input x=16:uint8 ${LIGHT_LOAD:---request-rate-range 5:5} \
      --timeout-s 0.1 --window-s 4 --warmup-s 1 --json ${OUT}_light.json --quiet > $RT/light.out 2>&1
 fi
 echo "light rc=$?"; wait $F; echo "flood rc=$?"
