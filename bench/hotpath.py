@@ -23,6 +23,7 @@ import json
 import statistics
 import sys
 import os
+import shutil
 import tempfile
 import time
 
@@ -83,6 +84,7 @@ def broker_us(n: int, metrics: bool = False) -> float:
         return _per_call_us(one, n)
     finally:
         b.close()
+        shutil.rmtree(d, ignore_errors=True)  # (the ipc endpoints' folder: it was left in /tmp)
 
 
 class _RecordingLink(BrokerLink):
@@ -190,6 +192,7 @@ def client_us(n: int) -> float:
         return _per_call_us(one, n)
     finally:
         core.close()
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
