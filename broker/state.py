@@ -2748,10 +2748,10 @@ class Scheduler(LeaseEvents):
         ring = svc.classes[pri]
         # The principals ahead of it in its class (a principal never served here joins at
         # the back: new names do not jump the queue, and one behind a flood's queued
-        # requests asks nothing of the flood).
-        # And the newest last turn among the FIFOs up to its own, from the front, as far
-        # as the first never served: a FIFO made again from a remembered turn older than
-        # that goes ahead of the first FIFO served after it (`_enqueue`), so ahead of it.
+        # requests asks nothing of the flood), and ``bar``, the newest last turn among the
+        # FIFOs up to its own, from the front, as far as the first never served: a FIFO
+        # made again from a remembered turn older than that goes ahead of the first FIFO
+        # served after it (`_enqueue`), so ahead of it.
         ahead = set()
         bar = 0.0
         walk = True
@@ -2781,11 +2781,11 @@ class Scheduler(LeaseEvents):
                 left -= 1
                 if not left:
                     return
-                # (one asked back already is leaving, one cancelling or abandoned gives
-                # nothing back: not counted)
+                # Not counted: one asked back already (it is leaving), one cancelling or
+                # abandoned (it gives nothing back), one of a more urgent class, and one
+                # aging sent ahead of a more urgent class (given back to its own, its wait
+                # may win the credit back).
                 if r.recalled or r.state != _RUNNING or r.alone or r.shown < pri or r.shown != r.priority:
-                    # (one aging sent ahead of a more urgent class goes back to its own,
-                    # where its wait may win the credit back)
                     continue
                 if r.shown == pri:
                     first = goes_first.get(q)
