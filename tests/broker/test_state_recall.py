@@ -523,7 +523,7 @@ def test_a_light_client_queued_at_a_worker_full_of_a_flood_takes_the_newest_park
     assert rec.worker == W1 and rec.tokens == (held[-1].token,) and not of(out, Dispatch)
     # Given back unstarted: the credit goes to the light client's request (its principal
     # keeps its place in the ring, behind the light one), and the flood's request goes back
-    # to the front of its FIFO: it is the flood's next, before 9 and 10.
+    # into its FIFO by age, ahead of the newer 9 and 10: it is the flood's next.
     d = only(s.worker_returned(W1, [held[-1].token], 0.011), Dispatch)
     assert (d.client, d.request_id) == (L, 1)
     assert only(s.worker_final(W1, held[0].token, 0.02, "r"), Dispatch).request_id == 8
@@ -557,9 +557,35 @@ def test_two_newcomers_each_take_one_back_but_a_new_name_does_not_jump_the_queue
     assert [r.tokens for r in recs] == [(held[-1].token,), (held[-2].token,)]
     out = [d.client for r in recs for d in of(s.worker_returned(W1, list(r.tokens), 0.011), Dispatch)]
     assert out == [b"a", b"b"]
-    # The flood's two go back to the front of its FIFO, the oldest first, before its 9.
+    # The flood's two go back into its FIFO by age (7 given back after 8, and ahead of
+    # it: they came together), both before its 9.
     assert [only(s.worker_final(W1, held[i].token, 0.02 + i / 100, "r"), Dispatch).request_id
             for i in range(3)] == [7, 8, 9]
+
+
+def test_given_back_for_a_turn_into_a_congested_queue_the_request_waits_by_age():
+    """Congested (newest first), the request given back goes among the flood's queued ones
+    by age: the newer go first.  Put back at the front, it made the flood's walk oldest
+    first: it went next, late, and the flood's newest waited for it."""
+    s = Scheduler(Config())
+    s.worker_ready(W1, "svc", 0.0, credit=2, recall=True)
+    d = only(s.client_request(L, 0, "svc", 0.0005, payload="l0", deadline=1.0), Dispatch)
+    s.worker_final(W1, d.token, 0.001, "r")
+    held = [only(s.client_request(F, i, "svc", 0.002 * i, payload=i, deadline=9.0), Dispatch) for i in (1, 2)]
+    for i in (3, 4, 5):
+        assert s.client_request(F, i, "svc", 0.002 * i, payload=i, deadline=9.0) == []
+    # 0.2 s later the queue has not emptied: congested.  The light request takes 2 back.
+    rec = only(s.client_request(L, 1, "svc", 0.2, payload="l1", deadline=9.0), RecallAtWorker)
+    assert rec.tokens == (held[1].token,)
+    light = only(s.worker_returned(W1, list(rec.tokens), 0.201), Dispatch)
+    assert light.client == L
+    # The flood's next are its newest, 5, 4, 3: the one given back (2) is its oldest now.
+    nxt = only(s.worker_final(W1, held[0].token, 0.21, "r"), Dispatch)
+    order = [nxt.payload]
+    for t, tok in enumerate((light.token, nxt.token), 1):
+        nxt = only(s.worker_final(W1, tok, 0.21 + t / 100, "r"), Dispatch)
+        order.append(nxt.payload)
+    assert order == [5, 4, 3]
 
 
 def test_nothing_is_taken_back_for_a_client_that_has_its_share():
