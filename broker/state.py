@@ -326,7 +326,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from broker.leases import T_LEASE, LeaseAction, LeaseEvents
-from broker.protocol import CANCEL_CLIENT_GONE, CANCEL_EXPIRED, ErrorCode, Priority  # noqa: F401  (re-exported)
+from broker.protocol import CANCEL_CLIENT_GONE, CANCEL_EXPIRED, MIN_LIVENESS_WINDOW, ErrorCode, Priority  # noqa: F401  (re-exported)
 
 __all__ = [
     "Priority",
@@ -809,8 +809,13 @@ class Scheduler(LeaseEvents):
             raise ValueError(f"heartbeat_interval must be from 0.001 to 3600 seconds, not {cfg.heartbeat_interval}")
         if not 1 <= cfg.heartbeat_liveness <= 1000:
             raise ValueError(f"heartbeat_liveness must be from 1 to 1000, not {cfg.heartbeat_liveness}")
-        if cfg.client_liveness is not None and not 0.001 <= cfg.client_liveness <= 86400:
-            raise ValueError(f"client_liveness must be from 0.001 to 86400 seconds, not {cfg.client_liveness}")
+        if cfg.heartbeat_interval * cfg.heartbeat_liveness < MIN_LIVENESS_WINDOW:
+            raise ValueError(f"heartbeat_interval x heartbeat_liveness (the liveness window) must be at least "
+                             f"{MIN_LIVENESS_WINDOW} s, not {cfg.heartbeat_interval} x {cfg.heartbeat_liveness}: "
+                             f"shorter, ordinary pauses of a live process read as deaths")
+        if cfg.client_liveness is not None and not MIN_LIVENESS_WINDOW <= cfg.client_liveness <= 86400:
+            raise ValueError(f"client_liveness must be from {MIN_LIVENESS_WINDOW} to 86400 seconds, "
+                             f"not {cfg.client_liveness}")
         if not 0 <= cfg.max_queue <= 1 << 31:
             raise ValueError(f"max_queue must be from 0 to {1 << 31}, not {cfg.max_queue}")
         if len(cfg.priority_weights) != 3 or any(not (0 < w < math.inf) for w in cfg.priority_weights):

@@ -250,6 +250,10 @@ class WorkerConfig:
              "--heartbeat-interval", "a number of seconds from 0.001 to 3600", self.heartbeat_interval)
         need(_whole(self.heartbeat_liveness) and 1 <= self.heartbeat_liveness <= 1000, "heartbeat_liveness",
              "--heartbeat-liveness", "an integer from 1 to 1000", self.heartbeat_liveness)
+        window = self.heartbeat_interval * self.heartbeat_liveness
+        need(window >= P.MIN_LIVENESS_WINDOW, "heartbeat_interval",
+             "--heartbeat-interval", f"at least {P.MIN_LIVENESS_WINDOW} s times --heartbeat-liveness (the liveness "
+             f"window; shorter, ordinary pauses read as deaths)", self.heartbeat_interval)
         need(_whole(self.out_capacity) and self.out_capacity > 0, "out_capacity", "--out-capacity-mb",
              "a size > 0", self.out_capacity)
         need(_whole(self.out_slots) and self.out_slots >= 1, "out_slots", None, "an integer >= 1", self.out_slots)

@@ -22,7 +22,7 @@ import msgspec
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["LEASED_CLIENT_GONE", "RoutedRequest", "DispatchedRequest", "MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_CREDIT", "MAX_ENVELOPE_LEN",
+__all__ = ["LEASED_CLIENT_GONE", "RoutedRequest", "DispatchedRequest", "MAGIC", "VERSION", "MMI_PREFIX", "MAX_SERVICE_LEN", "MAX_CREDIT", "MIN_LIVENESS_WINDOW", "MAX_ENVELOPE_LEN",
     "MAX_TENSORS", "MAX_NDIM", "MAX_HEADER_BYTES", "ROUTED_HEADROOM", "MAX_META_BYTES", "MAX_REPLY_TO_LEN", "MAX_ERROR_MESSAGE", "MAX_DONE", "MAX_MMI_TOKEN",
     "MAX_TENSOR_BYTES", "MAX_DEPTH", "MAX_DTYPE_LEN", "MAX_FORWARD_KEYS", "MAX_FORWARD_BYTES", "ErrorCode",
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
@@ -44,6 +44,13 @@ MMI_PREFIX = "mmi."
 
 MAX_SERVICE_LEN = 255
 MAX_CREDIT = 1 << 16  # requests a worker may hold at once (Ready.credit)
+#: the shortest liveness window (heartbeat interval x liveness, seconds) our broker and
+#: workers are configured with: shorter, a Python process's ordinary pauses on a busy host
+#: (a garbage collection, the scheduler, a model holding the GIL for its switch interval)
+#: read as deaths (a 1 ms window: the worker reconnected hundreds of times a second, the
+#: broker presumed it dead as often, and requests failed WorkerFailed).  What a WELCOME may
+#: carry stays wider (another broker's choice is its own).
+MIN_LIVENESS_WINDOW = 0.1
 MAX_ENVELOPE_LEN = 255
 MAX_TENSORS = 256
 MAX_NDIM = 32

@@ -86,6 +86,8 @@ def test_a_worker_from_the_deploy_file_serves_and_later_flags_override_it(tmp_pa
     (["--service-grace", "nan"], "--service-grace must be from 0 to 86400"),  # crashed the running broker later
     (["--heartbeat-interval", "inf"], "--heartbeat-interval must be from 0.001 to 3600"),  # a traceback
     (["--heartbeat-interval", "1e-9"], "--heartbeat-interval must be from 0.001"),  # a busy loop
+    # a 1 ms liveness window: every worker presumed dead and reconnecting, requests failed
+    (["--heartbeat-interval", "0.001", "--heartbeat-liveness", "1"], "(the liveness window) must be at least 0.1 s"),
     (["--max-frame-mb", "0"], "--max-frame-mb must be from"),  # clamped to 1 byte: every client dropped
     (["--client-hwm", "99999999999"], "--client-hwm must be from 1 to 2147483647"),  # an OverflowError
     (["--max-client-mb", "-1"], "--max-client-mb must be from 0"),  # clamped to 0
@@ -123,7 +125,7 @@ def test_a_file_at_an_ipc_endpoint_path_is_never_removed(tmp_path):
 
 def test_a_deploy_file_value_out_of_its_range_names_the_file_and_is_exit_2(tmp_path):
     for text, words in (("[scheduler]\nservice_grace = nan\n", "service_grace"),
-                        ("[scheduler]\nclient_liveness = 0\n", "[scheduler] client_liveness must be from 0.001"),
+                        ("[scheduler]\nclient_liveness = 0\n", "[scheduler] client_liveness must be from 0.1"),
                         ("client_hwm = 99999999999\n", "client_hwm must be an integer from 1 to 2147483647"),
                         ("[[pool]]\nmodel = 'echo'\n[launcher]\nready_timeout_s = 1e308\n",
                          "ready_timeout_s must be a number from 1 to 1e+06")):
