@@ -463,12 +463,16 @@ class ClientCore(PinEvents):
         if self.closed:  # its pool went with it, alloc() buffers included: nothing to free
             raise InferenceError("this client is closed: its alloc() buffers were freed with its pool by close() "
                                  "(do not use them any more)", code=None)
-        ref = T.ref_in_pool(self._pool, arr) if self._pool is not None and isinstance(arr, np.ndarray) else None
-        if ref is None and self._pool is not None and isinstance(arr, np.ndarray):
-            src = T.alloc_source(arr)  # an empty buffer: no bytes for ref_in_pool to find
-            ref = self._pool.ref_of(src) if src is not None else None
+        # The array alloc() returned itself, not a view of it: a slice's bytes lie in the
+        # same slot, and freeing it freed the whole buffer, which the next alloc() then
+        # shared with the array it was sliced from (silently mixed data).
+        src = T.alloc_source(arr) if self._pool is not None and isinstance(arr, np.ndarray) else None
+        ref = self._pool.ref_of(src) if src is not None else None
         fin = self._user_bufs.pop((ref.segment, ref.slot, ref.generation), None) if ref is not None else None
         if fin is None:
+            if src is None and isinstance(arr, np.ndarray) and T.ref_in_pool(self._pool, arr) is not None:
+                raise InvalidInput("free() takes the array alloc() returned, not a view of it (a slice, a "
+                                   "reshape): the buffer is freed whole, views included")
             raise InvalidInput("free() takes an array returned by alloc() that was not freed yet")
         fin()
 

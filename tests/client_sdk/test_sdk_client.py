@@ -552,6 +552,19 @@ def test_alloc_buffers_go_by_reference(connect, fake, endpoint):
         assert c.pool.in_use() == 0
         with pytest.raises(InvalidInput):
             c.free(np.zeros(3))
+        # A view is refused, and frees nothing: it freed the whole buffer, which the next
+        # alloc() then shared with the array it was sliced from (silently mixed data).
+        a = c.alloc((1000,), np.float32)
+        a[:] = 5
+        for view in (a[10:20], a.reshape(10, 100), a[:]):
+            with pytest.raises(InvalidInput, match="not a view of it"):
+                c.free(view)
+        b = c.alloc((1000,), np.float32)
+        b[:] = 9
+        assert not np.shares_memory(a, b) and (a == 5).all()
+        c.free(a)
+        c.free(b)
+        assert c.pool.in_use() == 0
 
 
 def test_buffer_dropped_in_another_thread(connect, endpoint):
