@@ -59,7 +59,9 @@ class InferenceError(Exception):
     """Base of every error the SDK raises.  `code` is the wire `ErrorCode` (an int), or None
     for errors that never crossed the wire."""
 
-    code: int | None = ErrorCode.INTERNAL
+    # (None for the base: it was INTERNAL, so "this client is closed" and the other local
+    # errors, raised with code=None, read 500, which `code is not None` then kept)
+    code: int | None = None
     #: appended to the message when it does not already say what to do
     hint = ""
 
@@ -164,8 +166,9 @@ class InvalidInput(InferenceError, ValueError):
     hint = ""  # a local argument error says what to do itself
 
     def __init__(self, message: str = "", *, code: int | None = None, request_id: int | None = None):
-        if code == ErrorCode.INVALID_INPUT and message:
-            message = f"{message} (send inputs that match it; the model did not run)"
+        if code == ErrorCode.INVALID_INPUT and message and "inputs" not in message:
+            # (the worker's 422s say what to do; a terse one from another worker gets this)
+            message = f"{message} (send inputs the model takes)"
         super().__init__(message, code=code, request_id=request_id)
 
 

@@ -1283,7 +1283,8 @@ class Worker:
             why = mismatch(self._signature, req.tensors)
             if why is not None:
                 self._reply_error(job, P.ErrorCode.INVALID_INPUT,
-                                  f"{why}; service {self.service!r} takes {describe(self._signature)}")
+                                  f"{why}; service {self.service!r} takes {describe(self._signature)} (send "
+                                  f"inputs that match it; the model did not run)")
                 return
         shed = self.plane.admit()
         if shed is not None:
@@ -1805,7 +1806,8 @@ class Worker:
         else the model's."""
         if isinstance(e, _request_faults()):
             self._reply_error(job, P.ErrorCode.INVALID_INPUT, f"model {self.model.name!r} cannot take this "
-                              f"request's inputs: {raised(e)}")
+                              f"request's inputs: {raised(e)} (the model refused them as it ran: send inputs "
+                              f"it takes; the same ones again fail the same way)")
         else:
             self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {raised(e)}")
 

@@ -9,6 +9,7 @@ import pathlib
 import pkgutil
 import re
 
+import numpy as np
 import pytest
 
 import client_sdk
@@ -169,3 +170,16 @@ def test_no_underscored_name_crosses_a_module_of_the_sdk():
             if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
                     and isinstance(node.value, ast.Name) and node.value.id in modules):
                 pytest.fail(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+
+
+def test_an_error_that_never_crossed_the_wire_has_no_code(tmp_path):
+    """docs/client.md: `.code` is the wire ErrorCode, or None.  The base class said 500, so
+    "this client is closed" and the SDK's other local errors read INTERNAL."""
+    assert errors.InferenceError("local").code is None
+    assert errors.InternalError().code == 500
+    assert errors.error_from(599, "new").code == 599 and type(errors.error_from(599)) is errors.InferenceError
+    c = client_sdk.Client(f"ipc://{tmp_path}/nobody.ipc", timeout=1)
+    c.close()
+    with pytest.raises(errors.InferenceError, match="closed") as ei:
+        c.infer("echo", {"x": np.zeros(2)})
+    assert type(ei.value) is errors.InferenceError and ei.value.code is None

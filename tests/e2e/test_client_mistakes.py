@@ -30,6 +30,7 @@ def test_client_mistakes_are_typed_client_errors_not_server_faults(cluster):
             with pytest.raises(InvalidInput, match=re.escape("service 'declared' takes image: |u1[?, ?, 3]")) as info:
                 c.infer("declared", inputs)
             assert why in str(info.value) and info.value.code == 422
+            assert str(info.value).endswith("(send inputs that match it; the model did not run)"), info.value
 
 
 def test_infer_on_a_streaming_service_says_to_use_infer_stream(cluster):
