@@ -594,15 +594,24 @@ class Result(Mapping):
 
     def __getitem__(self, name: str) -> np.ndarray:
         if self._released:
-            raise KeyError(f"{name!r}: this Result was released; read outputs before release() or "
-                           "copy them with np.array(result[name])")
+            self._gone(repr(name))
         return self._arrays[name]
 
     def __iter__(self) -> Iterator[str]:
+        if self._released:
+            self._gone("its names")
         return iter(self._arrays)
 
     def __len__(self) -> int:
+        if self._released:
+            self._gone("its size")
         return len(self._arrays)
+
+    def _gone(self, what: str) -> None:
+        # Not a KeyError: Mapping's `in`, `get()`, `keys()` and `len()` answered a released
+        # Result as an empty one ("x" in r False, r.get("x") None), with no error at all.
+        raise InferenceError(f"{what}: this Result was released; read outputs before release() (or the end "
+                             f"of its `with` block), or copy them with np.array(result[name])", code=None)
 
     @property
     def released(self) -> bool:

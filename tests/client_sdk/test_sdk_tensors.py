@@ -128,8 +128,15 @@ def test_result_mapping_and_release_semantics():
     with r:
         pass
     assert r.released and "released" in repr(r)
-    with pytest.raises(KeyError, match="released"):
+    with pytest.raises(errors.InferenceError, match="released"):
         r["a"]
+    # Not a KeyError, which Mapping's `in`, get(), keys() and len() took for an empty Result
+    # (no error at all); each raises now.
+    for look in (lambda: "a" in r, lambda: r.get("a"), lambda: list(r.keys()), lambda: len(r),
+                 lambda: list(r.items())):
+        with pytest.raises(errors.InferenceError, match="released") as ei:
+            look()
+        assert not isinstance(ei.value, KeyError) and ei.value.code is None
 
 
 def test_lease_finalizer_waits_for_every_view():
