@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import operator
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -127,14 +128,18 @@ _NOT_BOUND = "not bound to a lease"
 
 
 def pin_slots(pin: Any) -> int:
-    """The slots a `pin=` option asks for: 0 (off) for False/None/0, PIN_SLOTS for True, or
-    the number given."""
+    """The slots a `pin=` option asks for: 0 (off) for False/None, PIN_SLOTS for True, or
+    the number given (an int, numpy's included, 1..PIN_MAX_SLOTS)."""
     if pin is None or pin is False:
         return 0
     if pin is True:
         return PIN_SLOTS
-    if isinstance(pin, int) and 1 <= pin <= PIN_MAX_SLOTS:
-        return int(pin)
+    try:
+        n = operator.index(pin)  # an int, numpy's too (as pool_capacity and max_in_flight take)
+    except TypeError:
+        n = 0
+    if 1 <= n <= PIN_MAX_SLOTS and type(pin).__name__ != "bool_":
+        return n
     raise InvalidInput(f"pin must be True, False or a number of slots (1..65536), got {pin!r}")
 
 

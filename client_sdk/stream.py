@@ -422,7 +422,8 @@ class Stream(_StreamCore):
                     raise item
                 return item
             if client.closed and not self._closed:  # close() failed its calls, then let go of them
-                raise InferenceError("the client was closed while this stream was waiting", code=None)
+                raise InferenceError("this stream's client was closed (its frames still out failed with it); "
+                                     "make a new client and stream", code=None)
             now = time.monotonic()
             if not self._outstanding:
                 if not self._pending:
@@ -554,7 +555,8 @@ class AsyncStream(_StreamCore):
             if not self._outstanding and not self._pending and self._finishing:
                 raise EndOfStream("the stream is finished and every frame has its result")
             if self._client.closed:  # close() failed its calls, then let go of them
-                raise InferenceError("the client was closed while this stream was waiting", code=None)
+                raise InferenceError("this stream's client was closed (its frames still out failed with it); "
+                                     "make a new client and stream", code=None)
             now = time.monotonic()
             head = self._outstanding[0] if self._outstanding else None
             if head is not None and head.deadline is not None and now >= head.deadline:

@@ -189,10 +189,12 @@ def test_options_and_fresh_objects_are_what_client_md_says(tmp_path):
         asyncio.run(tcp.close()) if cls is AsyncClient else tcp.close()
         for bad in (dict(heartbeat_interval=0.0009), dict(heartbeat_interval=math.inf),
                     dict(heartbeat_interval=-1), dict(linger=-1), dict(linger=math.inf), dict(linger=math.nan),
-                    dict(pin=0), dict(pin=1.5), dict(pin=65537), dict(transport="bogus")):
+                    dict(pin=0), dict(pin=1.5), dict(pin=65537), dict(pin=np.True_), dict(pin="3"),
+                    dict(transport="bogus")):
             with pytest.raises(InvalidInput):
                 cls(ep, **bad)
-        for ok in (dict(heartbeat_interval=0), dict(heartbeat_interval=0.001), dict(linger=0), dict(pin=3), dict(pin=65536)):
+        for ok in (dict(heartbeat_interval=0), dict(heartbeat_interval=0.001), dict(linger=0), dict(pin=3), dict(pin=65536),
+                   dict(pin=np.int64(3))):  # numpy's ints, as pool_capacity and max_in_flight take them
             c = cls(ep, **ok)
             asyncio.run(c.close()) if cls is AsyncClient else c.close()
     assert (Priority.URGENT, Priority.NORMAL, Priority.BACKGROUND) == (0, 1, 2)

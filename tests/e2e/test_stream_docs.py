@@ -255,7 +255,7 @@ def test_a_stream_after_its_client_closed(cluster, held):
 def test_an_async_stream_after_its_client_closed(cluster, held):
     """The same on AsyncClient, whose loop reads replies as they come: results that arrived
     are handed out in send order, then InferenceError; a `recv()` waiting when the client
-    closes raises InferenceError ("the client was closed...")."""
+    closes raises InferenceError ("this stream's client was closed...")."""
     gate = held
 
     async def scenario():
