@@ -161,7 +161,7 @@ def pool_main(argv: list[str]) -> int:
 #: and silly small ones were clamped into something else (the command-line hunt)
 _RANGES = {
     "heartbeat_interval": ("--heartbeat-interval", 0.001, 3600),
-    "heartbeat_liveness": ("--heartbeat-liveness", 1, 1000),
+    "heartbeat_liveness": ("--heartbeat-liveness", 2, 1000),
     "max_queue": ("--max-queue", 0, 1 << 31),
     "service_grace": ("--service-grace", 0, 86400),
     "max_retries": ("--max-retries", 0, 100),
@@ -183,6 +183,15 @@ def _check_ranges(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None
         v = getattr(args, flag, None)
         if v is not None and not v.strip():
             ap.error(f"--{flag} is empty (leave it out for the default endpoint)")
+        if v is not None and v.strip().lower().startswith("inproc://"):
+            # (a broker that printed READY there, which no other process can reach)
+            ap.error(f"--{flag} {v}: an inproc:// endpoint is reachable only from inside this process; "
+                     f"use ipc:// or tcp://")
+    # The same slip with --http turned metrics and health off, over the file's `http` too,
+    # without a word (a readiness probe then never passes).
+    http = getattr(args, "http", None)
+    if http is not None and not http.strip():
+        ap.error("--http is empty (leave it out for the deploy file's `http`, or no /metrics and /v2/health)")
     for key, (flag, lo, hi) in _RANGES.items():
         v = getattr(args, key, None)
         if v is None:

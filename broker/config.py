@@ -180,16 +180,20 @@ class PoolConfig:
         """`python -m gpu_worker` arguments for one worker of this pool (after `-m gpu_worker`).
         `link`: flags for the broker connection (`--insecure`, `--server-key KEY` on tcp);
         `extra_args` come last, so they override anything before them."""
-        a = ["--broker", backend, "--model", self.model]
+        # Each flag and its value one word (`--flag=value`): as two, a value that starts with
+        # "-" (lifo_after_ms = -1e20, a model or service named "-fast") was taken by the
+        # worker's parser for a flag, and the worker exited 2 ("expected one argument").
+        a = [f"--broker={backend}", f"--model={self.model}"]
         if heartbeat_interval is not None:
-            a += ["--heartbeat-interval", repr(float(heartbeat_interval))]
+            a.append(f"--heartbeat-interval={float(heartbeat_interval)!r}")
         if heartbeat_liveness is not None:
-            a += ["--heartbeat-liveness", str(int(heartbeat_liveness))]
+            a.append(f"--heartbeat-liveness={int(heartbeat_liveness)}")
         for key, flag in _FLAGS:
             v = getattr(self, key)
             if v is None:
                 continue
-            a += [flag, ",".join(v) if key == "transports" else (repr(float(v)) if isinstance(v, float) else str(v))]
+            a.append(f"{flag}=" + (",".join(v) if key == "transports" else (repr(float(v)) if isinstance(v, float)
+                                                                          else str(v))))
         return a + list(link) + list(self.extra_args)
 
 

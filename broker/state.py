@@ -807,8 +807,10 @@ class Scheduler(LeaseEvents):
                 raise ValueError(f"{name} must be a finite number, not {v}")
         if not 0.001 <= cfg.heartbeat_interval <= 3600:
             raise ValueError(f"heartbeat_interval must be from 0.001 to 3600 seconds, not {cfg.heartbeat_interval}")
-        if not 1 <= cfg.heartbeat_liveness <= 1000:
-            raise ValueError(f"heartbeat_liveness must be from 1 to 1000, not {cfg.heartbeat_liveness}")
+        if not 2 <= cfg.heartbeat_liveness <= 1000:
+            # (1: a peer heartbeating every interval is presumed dead whenever one heartbeat
+            # comes a moment late: an idle worker was, about once a second)
+            raise ValueError(f"heartbeat_liveness must be from 2 to 1000, not {cfg.heartbeat_liveness}")
         if cfg.heartbeat_interval * cfg.heartbeat_liveness < MIN_LIVENESS_WINDOW:
             raise ValueError(f"heartbeat_interval x heartbeat_liveness (the liveness window) must be at least "
                              f"{MIN_LIVENESS_WINDOW} s, not {cfg.heartbeat_interval} x {cfg.heartbeat_liveness}: "

@@ -248,8 +248,9 @@ class WorkerConfig:
         # READY; 1e-9 s was a busy loop: the command-line hunt).
         need(_number(self.heartbeat_interval) and 0.001 <= self.heartbeat_interval <= 3600, "heartbeat_interval",
              "--heartbeat-interval", "a number of seconds from 0.001 to 3600", self.heartbeat_interval)
-        need(_whole(self.heartbeat_liveness) and 1 <= self.heartbeat_liveness <= 1000, "heartbeat_liveness",
-             "--heartbeat-liveness", "an integer from 1 to 1000", self.heartbeat_liveness)
+        need(_whole(self.heartbeat_liveness) and 2 <= self.heartbeat_liveness <= 1000, "heartbeat_liveness",
+             "--heartbeat-liveness", "an integer from 2 to 1000 (1: one heartbeat a moment late reads as a death)",
+             self.heartbeat_liveness)
         window = self.heartbeat_interval * self.heartbeat_liveness
         need(window >= P.MIN_LIVENESS_WINDOW, "heartbeat_interval",
              "--heartbeat-interval", f"at least {P.MIN_LIVENESS_WINDOW} s times --heartbeat-liveness (the liveness "

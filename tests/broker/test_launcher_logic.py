@@ -447,12 +447,27 @@ def test_pool_tables_parse_and_map_to_worker_flags(tmp_path):
     assert d.drain_timeout_s == 5.0 and d.stop_timeout == 40.0  # the echo pool's default grace (30) + 10
     assert d.hang_timeout_s == 0 and d.ready_timeout_s == 600.0
     args = d.pools[1].worker_args("ipc:///b", heartbeat_interval=0.2, heartbeat_liveness=3, link=("--insecure",))
-    assert args == ["--broker", "ipc:///b", "--model", "pkg.mod:factory", "--heartbeat-interval", "0.2",
-                    "--heartbeat-liveness", "3", "--service", "svc", "--device", "cpu", "--max-batch", "4",
-                    "--max-delay-ms", "1.0", "--max-cost", "2.5", "--credit", "3", "--transports", "inline,shm",
-                    "--keep-warm-ms", "0.0", "--drain-grace-s", "2.0", "--lifo-after-ms", "-1.0", "--insecure",
+    # One word a flag (a value starting with "-", as -1.0 here, was taken for a flag as two).
+    assert args == ["--broker=ipc:///b", "--model=pkg.mod:factory", "--heartbeat-interval=0.2",
+                    "--heartbeat-liveness=3", "--service=svc", "--device=cpu", "--max-batch=4",
+                    "--max-delay-ms=1.0", "--max-cost=2.5", "--credit=3", "--transports=inline,shm",
+                    "--keep-warm-ms=0.0", "--drain-grace-s=2.0", "--lifo-after-ms=-1.0", "--insecure",
                     "--no-warmup"]
-    assert d.pools[0].worker_args("ipc:///b") == ["--broker", "ipc:///b", "--model", "echo"]
+    assert d.pools[0].worker_args("ipc:///b") == ["--broker=ipc:///b", "--model=echo"]
+    from gpu_worker.__main__ import build_parser
+
+    parsed = build_parser().parse_args(args)
+    assert (parsed.lifo_after_ms, parsed.model, parsed.service) == (-1.0, "pkg.mod:factory", "svc")
+    # What argparse takes for a flag as a word of its own: the worker exited 2 ("expected
+    # one argument") for each (the operations-docs audit).
+    pool, = C.load_launcher(write(tmp_path, """
+        [[pool]]
+        model = "echo"
+        service = "-fast"
+        lifo_after_ms = -1e20
+    """)).pools
+    parsed = build_parser().parse_args(pool.worker_args("ipc:///b"))
+    assert (parsed.service, parsed.lifo_after_ms) == ("-fast", -1e20)
     # The broker's part of the same file is accepted as it is.
     from broker.server import BrokerConfig
 
@@ -582,7 +597,7 @@ def test_the_shipped_sample_and_the_docs_sample_parse(tmp_path):
         BrokerConfig.from_toml(path)
         d = C.load_launcher(path)
         assert d is not None and d.workers >= 2
-        assert all(p.worker_args("ipc:///x")[:4] == ["--broker", "ipc:///x", "--model", p.model] for p in d.pools)
+        assert all(p.worker_args("ipc:///x")[:2] == ["--broker=ipc:///x", f"--model={p.model}"] for p in d.pools)
 
 
 def test_the_flags_extra_args_may_not_set_are_the_workers_and_take_no_abbreviation():

@@ -61,6 +61,7 @@ def test_error_codes_are_fixed_on_the_wire():
         {"heartbeat_interval": 0},
         {"heartbeat_liveness": 0},
         {"heartbeat_interval": 0.01, "heartbeat_liveness": 3},  # a liveness window under 0.1 s
+        {"heartbeat_liveness": 1},  # an idle worker presumed dead about once a second
         {"client_liveness": 0.05},
         {"aging_s": 0},
         {"priority_weights": (1.0, 1.0)},

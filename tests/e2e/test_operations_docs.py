@@ -167,7 +167,7 @@ def test_help_defaults_and_bad_values_as_documented(tmp_path):
     deploy.write_text("[[pool]]\nmodel = 'echo'\nmax_cost = inf\n")
     pool, = load_launcher(str(deploy)).pools
     args = pool.worker_args(f"ipc://{tmp_path}/be.ipc", heartbeat_interval=1.0, heartbeat_liveness=3, link=())
-    assert args[args.index("--max-cost") + 1] == "inf", args
+    assert "--max-cost=inf" in args, args
 
 
 # ---------------------------------------------------------------------------- signals

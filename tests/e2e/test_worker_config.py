@@ -33,10 +33,8 @@ extra_args = ["--out-capacity-mb", "64"]
 def test_pool_argv_is_the_launchers_command_line(tmp_path):
     be = f"ipc://{tmp_path}/be.ipc"
     argv = pool_argv(_deploy(tmp_path, be), "tiny")
-    assert argv[:4] == ["--broker", be, "--model", "echo"]
-    assert argv[argv.index("--heartbeat-interval") + 1] == "0.2"
-    assert argv[argv.index("--service") + 1] == "tiny-echo"
-    assert argv[argv.index("--max-batch") + 1] == "4"
+    assert argv[:2] == [f"--broker={be}", "--model=echo"]
+    assert "--heartbeat-interval=0.2" in argv and "--service=tiny-echo" in argv and "--max-batch=4" in argv
     assert argv[-2:] == ["--out-capacity-mb", "64"]  # extra_args last
 
 
@@ -87,8 +85,11 @@ def test_a_worker_from_the_deploy_file_serves_and_later_flags_override_it(tmp_pa
     (["--heartbeat-interval", "inf"], "--heartbeat-interval must be from 0.001 to 3600"),  # a traceback
     (["--heartbeat-interval", "1e-9"], "--heartbeat-interval must be from 0.001"),  # a busy loop
     # a 1 ms liveness window: every worker presumed dead and reconnecting, requests failed
-    (["--heartbeat-interval", "0.001", "--heartbeat-liveness", "1"], "(the liveness window) must be at least 0.1 s"),
+    (["--heartbeat-interval", "0.01", "--heartbeat-liveness", "3"], "(the liveness window) must be at least 0.1 s"),
+    (["--heartbeat-liveness", "1"], "--heartbeat-liveness must be from 2 to 1000"),  # idle workers flapped
     (["--max-frame-mb", "0"], "--max-frame-mb must be from"),  # clamped to 1 byte: every client dropped
+    (["--http", ""], "--http is empty"),  # metrics and health off, over the file's http, silently
+    (["--frontend", "inproc://x"], "reachable only from inside this process"),  # READY, and unreachable
     (["--client-hwm", "99999999999"], "--client-hwm must be from 1 to 2147483647"),  # an OverflowError
     (["--max-client-mb", "-1"], "--max-client-mb must be from 0"),  # clamped to 0
     (["--frontend", "tcp://127.0.0.1:99999", "--insecure"], "port 99999 is not from 0 to 65535"),  # wrapped
