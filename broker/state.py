@@ -1364,7 +1364,22 @@ class Scheduler(LeaseEvents):
             else:
                 own = False
                 victim, oldest = self._victim(svc, heavy, now)
-            if victim is None:
+            if victim is None and svc.any.live == 0:
+                # No worker to wait for, and no room to wait in (max_queue 0 always): the
+                # service is unavailable, not busy ("queue full" for a misspelt name, and
+                # counted as load shedding: the operations-docs audit).
+                self._unqueue(req)
+                self._unlink(req)
+                self._retire(req)
+                cnt["unavailable"] += 1
+                lost = svc.any.lost_at
+                out.append(ClientError(
+                    client, request_id, service, ErrorCode.SERVICE_UNAVAILABLE,
+                    (f"no worker serves '{service}'" if lost is None else
+                     f"no live worker for '{service}': its last one went {now - lost:.1f} s ago")
+                    + f", and the queue is full ({self.config.max_queue} waiting): nothing can wait for one; "
+                      f"start a worker for the service, or check its name", payload))
+            elif victim is None:
                 self._unqueue(req)
                 self._unlink(req)
                 self._retire(req)

@@ -346,6 +346,21 @@ def test_a_free_worker_is_used_even_with_no_queue_room():
     assert only(req(s, 2), ClientError).code == ErrorCode.QUEUE_FULL
 
 
+def test_with_no_room_to_wait_a_service_without_a_worker_is_unavailable_not_full():
+    """max_queue 0: a misspelt service was answered QUEUE_FULL ("retry with backoff"), and
+    counted as load shed; it is SERVICE_UNAVAILABLE, as with room to wait for the grace."""
+    s = Scheduler(Config(max_queue=0))
+    err = only(req(s, 1, service="nosuch"), ClientError)
+    assert err.code == ErrorCode.SERVICE_UNAVAILABLE and "no worker serves 'nosuch'" in err.message
+    c = s.stats()["counters"]
+    assert (c["unavailable"], c["rejected_full"]) == (1, 0)
+    # A service whose last worker went: said so.
+    s.worker_ready(b"w", "svc", 0.0)
+    s.worker_disconnect(b"w", 1.0)
+    err = only(req(s, 2, now=3.0), ClientError)
+    assert err.code == ErrorCode.SERVICE_UNAVAILABLE and "its last one went 2.0 s ago" in err.message
+
+
 def test_duplicate_request_id_is_a_protocol_error_for_the_new_one_only():
     s = Scheduler()
     s.worker_ready(b"w", "svc", 0.0)
