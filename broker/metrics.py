@@ -265,6 +265,17 @@ def render(metrics: dict | None, sched: dict, known: Iterable[str]) -> list:
         lc[label] = lc.get(label, 0) + s.get("leased_credit", 0)
         for host, n in s.get("hosts", {}).items():
             wk[label, host] = wk.get((label, host), 0) + n
+    # A known service the scheduler forgot (its last worker gone, nothing waiting) keeps its
+    # series, at 0, until its label is retired (names.py, 10 minutes): they vanished with its
+    # last worker, and `zmq_infer_workers == 0` never matched (the operations-docs audit).
+    hosted = {k[0] for k in wk}
+    for name in known:
+        if name not in fl:
+            for pri in _PRIORITIES:
+                q[name, pri] = 0
+            fl[name] = cr[name] = ls[name] = lc[name] = 0
+        if name not in hosted:
+            wk[name, ""] = 0  # (an empty host: no host label)
     for key in sorted(q):
         queue.rows.append((key, q[key]))
     for key in sorted(fl):

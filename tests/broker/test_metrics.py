@@ -68,6 +68,23 @@ def test_counts_labels_and_one_series_per_label_set():
     assert got[("zmq_infer_broker_events_total", (("event", "dispatched"),))] == 3
 
 
+def test_a_known_service_the_scheduler_forgot_keeps_its_gauges_at_zero():
+    """docs/operations.md: a service's series go when its label is retired (10 minutes
+    without a worker); its gauges went with its last worker (the scheduler forgets it), so
+    `zmq_infer_workers == 0` never matched."""
+    m = Metrics()
+    m.register("echo", 0.0)
+    m.register("gone", 0.0)
+    got = {(n, lab): v for n, lab, v in _samples(exposition(render(m.snapshot(), _sched({"echo": (1, 1)}), m.known)))}
+    assert got[("zmq_infer_workers", (("host", "h"), ("service", "echo")))] == 1
+    assert got[("zmq_infer_workers", (("host", ""), ("service", "gone")))] == 0  # (Prometheus: no host label)
+    for name in ("zmq_infer_in_flight", "zmq_infer_credit", "zmq_infer_leases", "zmq_infer_leased_credit"):
+        assert got[(name, (("service", "gone"),))] == 0
+    for pri in ("urgent", "normal", "background"):
+        assert got[("zmq_infer_queue_depth", (("priority", pri), ("service", "gone")))] == 0
+    assert not any(lab == (("service", "echo"),) and n == "zmq_infer_workers" for n, lab in got)
+
+
 def test_service_labels_are_capped():
     m = Metrics()
     for i in range(MAX_SERVICES + 10):
