@@ -2,7 +2,10 @@
 
 Binds both endpoints (ipc:// under the runtime directory by default), prints one line
 `READY frontend=<ep> backend=<ep>` on stdout once it serves (scripts and tests wait for that
-line instead of sleeping), and exits 0 on SIGTERM or SIGINT.
+line instead of sleeping).  On SIGTERM or SIGINT it drains: nothing new goes to its workers,
+what they hold is answered (`--drain-timeout-s` at most, 10 s by default), and it exits 0;
+what is still queued goes with it, for its clients to send to the next broker (a restart);
+another signal exits at once.
 
 With `[[pool]]` tables in the `--config` file it is also their launcher (broker.launcher,
 docs/operations.md "One launcher"): it starts and supervises those workers, its READY line
@@ -71,13 +74,23 @@ class _SignalStop:
     timeout and all), so a SIGTERM to an idle broker was seen at the end of its wait, up to
     100 ms later, where it now ends the wait at once."""
 
-    def __init__(self):
+    def __init__(self, drain_s: float | None = None):
         self._set = False
         self.wake_fd: int | None = None
         self._write_fd: int | None = None
+        # A standalone broker's first SIGTERM or SIGINT drains (`Broker._hold`: the loop ends
+        # itself once its workers' requests are answered, ``drain_s`` at most); the next sets.
+        self.drain_s = drain_s
+        self.drain_asked = False
 
     def set(self) -> None:
         self._set = True
+
+    def signalled(self, *_: object) -> None:
+        if self.drain_s is not None and not self.drain_asked:
+            self.drain_asked = True
+        else:
+            self._set = True
 
     def is_set(self) -> bool:
         return self._set
@@ -162,6 +175,7 @@ def pool_main(argv: list[str]) -> int:
 _RANGES = {
     "heartbeat_interval": ("--heartbeat-interval", 0.001, 3600),
     "heartbeat_liveness": ("--heartbeat-liveness", 2, 1000),
+    "drain_timeout_s": ("--drain-timeout-s", 0, 1e6),
     "max_queue": ("--max-queue", 0, 1 << 31),
     "service_grace": ("--service-grace", 0, 86400),
     "max_retries": ("--max-retries", 0, 100),
@@ -252,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http", metavar="HOST:PORT",
                     help="serve /metrics (Prometheus) and the /v2/health and /v2/models paths here "
                          "(PORT alone: 127.0.0.1); off by default, and then nothing is counted")
+    ap.add_argument("--drain-timeout-s", type=float, default=10.0,
+                    help="a broker without [[pool]] tables, on SIGTERM or SIGINT: dispatch nothing new, wait this "
+                         "long at most for the requests its workers hold, then exit (queued requests go with it, "
+                         "for their clients to send to the next broker); another signal exits at once; 0: exit at "
+                         "once (default 10; a launcher uses its file's [launcher] drain_timeout_s)")
     ap.add_argument("--recall-after-ms", type=float,
                     help="an idle worker takes back requests waiting behind a busy worker's batch once that "
                          "batch has run this long (default 5; negative: never)")
@@ -321,9 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     except (SecurityError, RuntimeDirError, ValueError, RuntimeError) as e:
         print(f"python -m broker: {e}", file=sys.stderr, flush=True)
         return 2
-    stop = _SignalStop()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    # Standalone, the first signal drains (a launcher drains its own way: it takes the signals
+    # over); a drain of 0 s is none: it stops at once, as before.
+    stop = _SignalStop(args.drain_timeout_s if deploy is None and args.drain_timeout_s else None)
+    signal.signal(signal.SIGTERM, stop.signalled)
+    signal.signal(signal.SIGINT, stop.signalled)
     stop.listen()
     if deploy is None:
         # SIGHUP rolls a launcher's pools; here there are none.  Its default action ended the

@@ -178,9 +178,11 @@ class LeaseEvents:
         loses its leases.  All of a principal's leases hold at most ``max_client_requests``
         slots together."""
         out: list = []
-        if self._draining is not None:
+        if self._draining is not None or self._holding:
             self._counters["leases_refused"] += 1
-            out.append(LeaseRefused(client, ask_id, service, ErrorCode.SERVICE_UNAVAILABLE, self._draining))
+            out.append(LeaseRefused(client, ask_id, service, ErrorCode.SERVICE_UNAVAILABLE,
+                                    self._draining or "the broker is shutting down (SIGTERM): requests go through "
+                                                      "the broker, to its successor"))
             return out
         slots = max(1, int(slots))
         svc = self._services.get(service)

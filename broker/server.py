@@ -98,6 +98,8 @@ _HANDSHAKE_ERRORS = {
 _PAUSED_S = 0.25
 #: the soonest a sweep asked for by a worker's disconnect follows the one before (seconds)
 _SWEEP_SOON_S = 0.1
+#: how long the frontend's last messages may take to leave after a standalone broker's drain
+_DRAINED_LINGER_MS = 1000
 #: how long a worker that said DISCONNECT is listed as leaving (its drain grace and more)
 _LEAVING_KEPT_S = 600.0
 _POLLIN = int(zmq.POLLIN)
@@ -758,6 +760,7 @@ class Broker:
         self._log_levels()  # whether request lines are logged (read again every _GC_INTERVAL)
         self.stalled_clients = 0  # clients dropped because they stopped reading their replies
         self._closed = False
+        self._drained = False  # the loop ended after a drain (`_hold`): close() lets the last replies go
         self.http = None
         self._http_loop = None
         self.last_pass = time.monotonic()  # the loop's last pass (the HTTP liveness probe reads it)
@@ -852,8 +855,10 @@ class Broker:
         self._backend_events.close(linger=0)
         self.frontend.disable_monitor()
         self._frontend_events.close(linger=0)
-        for s in (self.frontend, self.backend):
-            s.close(linger=0)
+        # After a drain, the replies it relayed last may still be in libzmq's queue: a
+        # moment for them to go (a peer gone takes none of it: a ROUTER drops its messages).
+        self.frontend.close(linger=_DRAINED_LINGER_MS if self._drained else 0)
+        self.backend.close(linger=0)
         self._curve.stop()
         _unlink_ipc((self.frontend_ep, self.backend_ep), self._ipc_files)
         if self._hidden is not None:
@@ -914,8 +919,21 @@ class Broker:
         # window at most.
         paused_after = min(_PAUSED_S, sc.heartbeat_interval * sc.heartbeat_liveness / 4, sched.client_window / 4)
         due = monotonic()  # when this pass was to begin at the latest
+        drain_by = None  # a drain's end at the latest (`_hold`)
         while stop is None or not stop.is_set():
             now = self.last_pass = monotonic()
+            if drain_by is None and getattr(stop, "drain_asked", False):
+                drain_by = self._hold(now, stop.drain_s)
+            if drain_by is not None:
+                left = sched.at_workers()
+                if not left or now >= drain_by:
+                    if left:
+                        log.warning("%d request(s) still at workers after %g s of drain: exiting anyway (their "
+                                    "clients send them again to the next broker)", left, stop.drain_s)
+                    log.info("drained: exiting, %d request(s) left queued for their clients to send to the next "
+                             "broker", sched.live - left)
+                    self._drained = True
+                    break
             if now - due > paused_after:
                 self._resumed(now - due, now)
             if now >= next_look:
@@ -957,6 +975,8 @@ class Broker:
                 timeout = max(0, min(timeout, int((next_look - now) * 1000.0 + 0.999)))
             if self._gone:  # a closed worker's verdict waits for its last messages: look again soon
                 timeout = min(timeout, 10)
+            if drain_by is not None:
+                timeout = max(0, min(timeout, int((drain_by - now) * 1000.0 + 0.999)))
             # Counted from the pass's start, so that a stop anywhere in the pass is seen: from
             # the wait's own start, a stop that came before it (in a timer run, say: the
             # moment a request was just handled) went unseen, and the peers stopped with the
@@ -982,6 +1002,18 @@ class Broker:
                 self._settle_gone(monotonic())
             wake = sched.next_wakeup(monotonic())
         self._collect_shm()
+
+    def _hold(self, now: float, drain_s: float) -> float:
+        """A standalone broker's SIGTERM (python -m broker): nothing new is dispatched
+        (`Scheduler.hold`), what the workers hold runs to its end and its replies go out, and
+        the loop ends once they are all in, ``drain_s`` seconds from now at the latest.
+        Returns that time."""
+        sched = self.sched
+        sched.hold()
+        log.info("shutting down (SIGTERM): nothing new goes to the workers; the %d request(s) they hold finish first "
+                 "(at most %g s); the %d queued stay queued, for their clients to send to the next broker (a "
+                 "restart); another signal exits now", sched.at_workers(), drain_s, sched.live - sched.at_workers())
+        return now + drain_s
 
     def _resumed(self, lost: float, now: float) -> None:
         """The loop began a pass ``lost`` seconds later than the pass before it began plus
@@ -1097,11 +1129,11 @@ class Broker:
         if what == "live":
             return True
         if what == "ready":
-            # Not while draining (SIGTERM to the launcher): new requests are refused then;
-            # nor while a launcher starts its pools.
-            return not sched.draining and self.pools_ready and sched.live_services() > 0
+            # Not while draining (SIGTERM to the launcher: new requests are refused then; to a
+            # standalone broker: nothing new is dispatched), nor while a launcher starts its pools.
+            return not sched.draining and not sched.holding and self.pools_ready and sched.live_services() > 0
         if what == "model_ready":
-            if sched.draining:
+            if sched.draining or sched.holding:
                 return "unavailable"
             if sched.has_service(arg):
                 return "ready"

@@ -888,6 +888,7 @@ class Scheduler(LeaseEvents):
         self._dirty: dict[_Service, None] = {}
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._draining: str | None = None  # see drain()
+        self._holding = False  # see hold()
         self._on_direct = on_direct
         self._init_leases()
 
@@ -1102,7 +1103,7 @@ class Scheduler(LeaseEvents):
                 req.returned += 1
                 pool = req.svc.pools.get(req.local_host)
                 if (thief is not None and thief.alive and not thief.busy and not thief.closing
-                        and thief.iso is None and len(thief.in_flight) < thief.credit - thief.leased
+                        and not self._holding and thief.iso is None and len(thief.in_flight) < thief.credit - thief.leased
                         and pool is not None and pool in thief.pools):
                     # It already had its turn: straight to the worker it was taken back for.
                     self._start(req, thief, now, out)
@@ -1335,7 +1336,7 @@ class Scheduler(LeaseEvents):
             # Nothing else waits, so there is no order to decide: the least-loaded worker of
             # its pool takes it now (the common case under light load, kept short).
             w = self._ready_worker(pool)
-            if w is not None:
+            if w is not None and not self._holding:
                 # Served outside the ring, but served: its last turn is now (a memo kept from
                 # an older turn would let it pass those served before this one, and none at
                 # all would make its next FIFO "never served", which nobody passes).
@@ -1409,7 +1410,8 @@ class Scheduler(LeaseEvents):
                             + f" ({victim.priority.name.lower()}: the least urgent class it had queued); "
                             f"retry with backoff or send fewer requests at a time", out)
                 self._retire(victim)
-        if req.state == _QUEUED and svc.deep and self._recall_after is not None and not req.alone:
+        if (req.state == _QUEUED and svc.deep and self._recall_after is not None and not req.alone
+                and not self._holding):
             if not priority:
                 self._make_room(req, out)
             elif svc.count(principal) == 1:
@@ -1602,6 +1604,25 @@ class Scheduler(LeaseEvents):
         a graceful shutdown (broker.launcher waits for :attr:`live` to reach 0).  One
         attribute store: the launcher's thread may call it while the loop runs."""
         self._draining = reason
+
+    def hold(self) -> None:
+        """Dispatch nothing from now on: queued requests, and those that arrive, stay queued,
+        while what the workers hold runs to its end (its replies and DONEs still come
+        through): a standalone broker's SIGTERM (python -m broker), which exits once
+        :meth:`at_workers` is 0.  What stays queued goes with the broker, for its clients to
+        send again to the next one (a restart), as they would at a crash; nothing is taken
+        back from a worker (a RECALL would only queue it again)."""
+        self._holding = True
+
+    @property
+    def holding(self) -> bool:
+        """Whether `hold()` was called."""
+        return self._holding
+
+    def at_workers(self) -> int:
+        """Requests the workers hold (running, cancelling, or answered directly and not
+        DONE yet).  O(services): for a drain's look, not per request."""
+        return sum(svc.in_flight for svc in self._services.values())
 
     @property
     def live(self) -> int:
@@ -2090,7 +2111,7 @@ class Scheduler(LeaseEvents):
 
     def _pump(self, svc, now, out):
         """Dispatch while some queued request has a worker with spare credit in its pool."""
-        if not svc.queued:
+        if not svc.queued or self._holding:
             return
         if svc.lone or svc.aside:
             self._place_lone(svc, now, out)
@@ -2617,7 +2638,7 @@ class Scheduler(LeaseEvents):
             if self._services.get(svc.name) is not svc:
                 continue
             self._pump(svc, now, out)
-            if svc.idle and svc.deep and self._recall_after is not None:
+            if svc.idle and svc.deep and self._recall_after is not None and not self._holding:
                 # The full look only when something an idle worker could take may have
                 # appeared since the last one (see _recall_touched); a timer it set may be
                 # due and not fired yet (no tick() since).

@@ -335,3 +335,59 @@ def test_a_call_the_dead_broker_held_is_sent_again_once_the_new_one_connects_not
         with handle.result(timeout=30) as r:
             np.testing.assert_array_equal(r["x"], x)
         assert c.broker_restarts == 1
+
+
+def test_sigterm_drains_a_standalone_broker_and_its_successor_runs_what_stayed_queued(cluster, gate):
+    """A broker without pools stopped at once on SIGTERM: the request its worker ran was lost
+    with it (its reply came through the broker) and ran again after the restart, its caller
+    waiting meanwhile (the operations-docs audit).  Now it drains: nothing new goes to the
+    worker, the request it holds is answered through the old broker, which then exits 0;
+    the request still queued goes with it, and the client sends it to the next broker."""
+    import signal
+
+    broker = cluster.broker("--log-level", "info")
+    worker = cluster.worker("gate_model:copying", "--service", "gate", "--max-batch", "1", "--credit", "1",
+                            "--no-direct-reply", "--no-warmup", env=gate.env, wait=False)
+    gate.open()
+    worker.wait_ready()
+    x0, x1 = np.arange(16, dtype=np.int32), np.arange(16, 32, dtype=np.int32)
+    with Client(cluster.frontend, timeout=30) as c:
+        wait_service(c, "gate")
+        held = c.infer_stream("gate", {"x": x0})
+        gate.wait_entered(1)  # the worker runs it
+        queued = c.infer_stream("gate", {"x": x1})  # credit 1: it waits at the broker
+        broker.p.send_signal(signal.SIGTERM)
+        broker.wait_log("shutting down (SIGTERM)")
+        gate.release(1)
+        with held.result(timeout=20) as r:  # through the old broker, which still runs
+            np.testing.assert_array_equal(r["x"], x0)
+        assert broker.p.wait(20) == 0, broker.stderr()
+        assert "drained: exiting" in broker.stderr()
+        assert gate.entered() == 1  # the queued one never went to the worker
+        # A restart: the worker registers again, the client sends the queued call again.
+        cluster.broker()
+        gate.release(1)
+        with queued.result(timeout=20) as r:
+            np.testing.assert_array_equal(r["x"], x1)
+        assert gate.entered() == 2 and c.broker_restarts >= 1
+
+
+def test_a_second_sigterm_stops_a_draining_broker_at_once(cluster, gate):
+    import signal
+
+    broker = cluster.broker("--log-level", "info")
+    worker = cluster.worker("gate_model:copying", "--service", "gate", "--no-direct-reply", "--no-warmup",
+                            env=gate.env, wait=False)
+    gate.open()
+    worker.wait_ready()
+    with Client(cluster.frontend, timeout=30) as c:
+        wait_service(c, "gate")
+        c.infer_stream("gate", {"x": np.zeros(4, np.int32)})
+        gate.wait_entered(1)
+        broker.p.send_signal(signal.SIGTERM)
+        broker.wait_log("shutting down (SIGTERM)")
+        assert broker.p.poll() is None  # draining: the request is held at the worker
+        broker.p.send_signal(signal.SIGTERM)
+        assert broker.p.wait(10) == 0, broker.stderr()
+        assert "drained" not in broker.stderr()
+        gate.release(1)
