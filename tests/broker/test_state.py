@@ -1439,3 +1439,28 @@ def test_a_cancelled_request_whose_deadline_passes_before_its_worker_confirms_co
     assert s.worker_final(b"w", d.token, 1.2, "late", code=0) == []
     assert s.stats()["counters"]["dropped_late"] == 1
     assert of(req(s, 1, now=1.3), ClientError) == []  # its id is free again
+
+
+# ----------------------------------------------------------------------------- hold (a standalone broker's drain)
+
+
+def test_holding_dispatches_nothing_and_lets_the_workers_finish():
+    """`hold()` (a standalone broker's SIGTERM): what a worker holds is answered as before;
+    nothing queued, nor arriving, goes to a worker, and `at_workers` reaches 0."""
+    s = Scheduler(Config())
+    s.worker_ready(b"w1", "svc", 0.0, credit=1, recall=True)
+    s.worker_ready(b"w2", "svc", 0.0, credit=1, recall=True)
+    d1 = only(req(s, 1), Dispatch)
+    d2 = only(req(s, 2), Dispatch)
+    assert req(s, 3) == []  # queued: both workers full
+    s.hold()
+    assert s.holding and s.at_workers() == 2
+    assert only(s.worker_final(d1.worker, d1.token, 1.0, "r1"), ToClient).request_id == 1  # nothing dispatched
+    assert not of(s.tick(1.5), Dispatch)
+    assert req(s, 4, now=2.0) == []  # a free worker, and still queued
+    assert s.at_workers() == 1
+    assert only(s.worker_final(d2.worker, d2.token, 2.0, "r2"), ToClient).request_id == 2
+    assert s.at_workers() == 0 and s.stats()["services"]["svc"]["queued"]["normal"] == 2
+    # A lease is refused: requests go through the broker, to its successor.
+    refused = s.client_lease(b"c2", None, 1, "svc", 2.0)
+    assert refused and refused[0].code == ErrorCode.SERVICE_UNAVAILABLE and "shutting down" in refused[0].message
