@@ -382,7 +382,7 @@ def test_a_second_sigterm_stops_a_draining_broker_at_once(cluster, gate):
     worker.wait_ready()
     with Client(cluster.frontend, timeout=30) as c:
         wait_service(c, "gate")
-        c.infer_stream("gate", {"x": np.zeros(4, np.int32)})
+        h = c.infer_stream("gate", {"x": np.zeros(4, np.int32)})  # (kept: a handle dropped cancels its call)
         gate.wait_entered(1)
         broker.p.send_signal(signal.SIGTERM)
         broker.wait_log("shutting down (SIGTERM)")
@@ -391,3 +391,4 @@ def test_a_second_sigterm_stops_a_draining_broker_at_once(cluster, gate):
         assert broker.p.wait(10) == 0, broker.stderr()
         assert "drained" not in broker.stderr()
         gate.release(1)
+        h.close()
