@@ -169,6 +169,10 @@ def pool_main(argv: list[str]) -> int:
     return 0  # pragma: no cover - execv does not return
 
 
+#: how long a standalone broker's SIGTERM waits at most for what its workers hold
+#: (`--drain-timeout-s`): under the 10 s docker stop gives before its SIGKILL
+DRAIN_TIMEOUT_S = 8.0
+
 #: each numeric flag's range (the deploy file's keys have theirs: broker.state.Scheduler.check,
 #: broker.server.LIMITS): NaN, infinities and huge values passed and crashed the broker later,
 #: and silly small ones were clamped into something else (the command-line hunt)
@@ -197,10 +201,6 @@ def _check_ranges(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None
         v = getattr(args, flag, None)
         if v is not None and not v.strip():
             ap.error(f"--{flag} is empty (leave it out for the default endpoint)")
-        if v is not None and v.strip().lower().startswith("inproc://"):
-            # (a broker that printed READY there, which no other process can reach)
-            ap.error(f"--{flag} {v}: an inproc:// endpoint is reachable only from inside this process; "
-                     f"use ipc:// or tcp://")
     # The same slip with --http turned metrics and health off, over the file's `http` too,
     # without a word (a readiness probe then never passes).
     http = getattr(args, "http", None)
@@ -266,11 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--http", metavar="HOST:PORT",
                     help="serve /metrics (Prometheus) and the /v2/health and /v2/models paths here "
                          "(PORT alone: 127.0.0.1); off by default, and then nothing is counted")
-    ap.add_argument("--drain-timeout-s", type=float, default=10.0,
+    ap.add_argument("--drain-timeout-s", type=float,
                     help="a broker without [[pool]] tables, on SIGTERM or SIGINT: dispatch nothing new, wait this "
-                         "long at most for the requests its workers hold, then exit (queued requests go with it, "
-                         "for their clients to send to the next broker); another signal exits at once; 0: exit at "
-                         "once (default 10; a launcher uses its file's [launcher] drain_timeout_s)")
+                         f"long at most for the requests its workers hold, then exit (queued requests go with it, "
+                         f"for their clients to send to the next broker); another signal exits at once; 0: exit at "
+                         f"once (default {DRAIN_TIMEOUT_S:g}: under docker stop's 10 s; a launcher drains for its "
+                         f"file's [launcher] drain_timeout_s)")
     ap.add_argument("--recall-after-ms", type=float,
                     help="an idle worker takes back requests waiting behind a busy worker's batch once that "
                          "batch has run this long (default 5; negative: never)")
@@ -303,6 +304,17 @@ def main(argv: list[str] | None = None) -> int:
         cfg.frontend = args.frontend
     if args.backend:
         cfg.backend = args.backend
+    for key in ("frontend", "backend"):
+        ep = getattr(cfg, key) or ""
+        if ep.strip().lower().startswith("inproc://"):
+            # (the file's too: a broker that printed READY there, which no other process can reach)
+            print(f"python -m broker: {key} {ep}: an inproc:// endpoint is reachable only from inside this process; "
+                  f"use ipc:// or tcp://", file=sys.stderr, flush=True)
+            return 2
+    if args.drain_timeout_s is not None and deploy is not None:
+        print("python -m broker: --drain-timeout-s is for a broker without [[pool]] tables; a launcher drains for its "
+              "file's [launcher] drain_timeout_s", file=sys.stderr, flush=True)
+        return 2
     for opt in ("heartbeat_interval", "heartbeat_liveness", "max_queue", "service_grace", "max_retries"):
         v = getattr(args, opt)
         if v is not None:
@@ -342,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Standalone, the first signal drains (a launcher drains its own way: it takes the signals
     # over); a drain of 0 s is none: it stops at once, as before.
-    stop = _SignalStop(args.drain_timeout_s if deploy is None and args.drain_timeout_s else None)
+    drain_s = DRAIN_TIMEOUT_S if args.drain_timeout_s is None else args.drain_timeout_s
+    stop = _SignalStop(drain_s if deploy is None and drain_s else None)
     signal.signal(signal.SIGTERM, stop.signalled)
     signal.signal(signal.SIGINT, stop.signalled)
     stop.listen()

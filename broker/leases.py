@@ -181,8 +181,8 @@ class LeaseEvents:
         if self._draining is not None or self._holding:
             self._counters["leases_refused"] += 1
             out.append(LeaseRefused(client, ask_id, service, ErrorCode.SERVICE_UNAVAILABLE,
-                                    self._draining or "the broker is shutting down (SIGTERM): requests go through "
-                                                      "the broker, to its successor"))
+                                    self._draining or "the broker is shutting down (told to stop): requests go "
+                                                      "through the broker, to its successor"))
             return out
         slots = max(1, int(slots))
         svc = self._services.get(service)

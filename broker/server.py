@@ -44,7 +44,8 @@ from broker.protocol import wire
 from broker.names import ServiceNames
 from broker.protocol.heap import TRIM_AFTER_CLOSES, trim_heap
 from broker.protocol.limits import Headroom, default_reserve, listen_backlog, move_aside, nofile_limit, put_back
-from broker.protocol.wire import Waiter, recv_frames, recv_monitor_event, send_frames, sock_events
+from broker.protocol.wire import (MAX_FRAMES, TooManyFrames, Waiter, recv_frames, recv_monitor_event, send_frames,
+                                  sock_events)
 from shm import gc as shm_gc
 from shm.errors import OutOfResources
 from shm.names import ClockPeers, boot_offset_ticks, pid_exists, proc_starttime, process_alive
@@ -857,9 +858,16 @@ class Broker:
         self._frontend_events.close(linger=0)
         # After a drain, the replies it relayed last may still be in libzmq's queue: a
         # moment for them to go (a peer gone takes none of it: a ROUTER drops its messages).
+        # A linger is kept only by the context's termination (the process's exit does not
+        # wait for it: 32 of 50 large messages reached a slow reader), so the context is
+        # terminated then, from a thread given the linger and a little more.
         self.frontend.close(linger=_DRAINED_LINGER_MS if self._drained else 0)
         self.backend.close(linger=0)
         self._curve.stop()
+        if self._drained:
+            t = threading.Thread(target=self.ctx.term, name="drained-term", daemon=True)
+            t.start()
+            t.join(_DRAINED_LINGER_MS / 1000 + 0.5)
         _unlink_ipc((self.frontend_ep, self.backend_ep), self._ipc_files)
         if self._hidden is not None:
             _unlink_ipc(("ipc://" + self._hidden,), self._ipc_files)
@@ -1010,7 +1018,7 @@ class Broker:
         Returns that time."""
         sched = self.sched
         sched.hold()
-        log.info("shutting down (SIGTERM): nothing new goes to the workers; the %d request(s) they hold finish first "
+        log.info("shutting down (SIGTERM or SIGINT): nothing new goes to the workers; the %d request(s) they hold finish first "
                  "(at most %g s); the %d queued stay queued, for their clients to send to the next broker (a "
                  "restart); another signal exits now", sched.at_workers(), drain_s, sched.live - sched.at_workers())
         return now + drain_s
@@ -1189,7 +1197,11 @@ class Broker:
         # Poll said a message is there; after it, ask EVENTS rather than catch zmq.Again
         # (an exception per wake-up is measurable at this rate).
         for _ in range(_DRAIN):
-            frames = recv_frames(sock)
+            try:
+                frames = recv_frames(sock, 0, MAX_FRAMES)
+            except TooManyFrames as e:
+                self._too_many_frames(sock, e)
+                return  # (the loop's other work before this socket's next message: it took a while)
             try:
                 handler(frames)
                 if self._doomed:  # a client a direct answer (heartbeat, MMI, 400) found stalled
@@ -1199,6 +1211,28 @@ class Broker:
                 self._oops.exception("unexpected error while handling a message; dropped it")
             if not sock_events(sock) & _POLLIN:
                 return
+
+    def _too_many_frames(self, sock: zmq.Socket, e: TooManyFrames) -> None:
+        """A message of more frames than any of ours has, read and dropped whole
+        (`wire.recv_frames`).  Its sender is cut off: a client as one that stopped reading
+        (its requests dropped, its connection ended: each such message held the loop for
+        about a microsecond a frame), a worker as one that failed (its requests go to the
+        others)."""
+        self.malformed += 1
+        if sock is self.frontend:
+            self._bad.warning("a client (%r) sent a message of %d frames (at most %d): dropped unread; its "
+                              "requests dropped and its connection ended", e.ident[:16], e.frames, MAX_FRAMES)
+            self._client_pid(e.ident, e.first)  # its connection, if its first message
+            self._doomed[e.ident] = None
+            self._end_connection(e.ident)
+            self._drop_doomed()
+        else:
+            self._bad.warning("a worker (%r) sent a message of %d frames (at most %d): dropped unread; "
+                              "disconnected", e.ident[:16], e.frames, MAX_FRAMES)
+            now = time.monotonic()
+            if self.sched.has_worker(e.ident):
+                self._act(self.sched.worker_disconnect(e.ident, now), now)
+            self.send_to_worker([e.ident, *P.worker_disconnect()])
 
     # ------------------------------------------------------------------ clients
 

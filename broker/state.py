@@ -253,7 +253,8 @@ QUEUE_FULL final now (on that connection) and the newcomer stays.  That one is o
 urgent class the principal has queued (background, then normal, then urgent), and in that
 class what its walk would serve last: its newest, or, where its FIFO is walked newest first
 (Congestion), its oldest, which waits on for its deadline anyway; never a request put back
-at the front of its FIFO (a retry, or given back) while the principal has another queued
+at the front of its FIFO (a retry, or given back to an idle worker's take-back or urgent
+work; not one given back for a newcomer's turn, which goes back by age) while the principal has another queued
 (such a FIFO is passed over for the next class).  If the heaviest is the newcomer's own
 principal (ties included), the newcomer is refused, unless that principal has queued a
 request of a less urgent class than the newcomer's, not put back at the front: then that one
@@ -598,7 +599,7 @@ class _Request:
         self.payload = payload
         self.priority = priority
         self.shown = priority  # the class its current dispatch told the worker (Dispatch.priority)
-        self.front = False  # queued at the front of its FIFO (a retry, or given back): served in order
+        self.front = False  # queued at the front of its FIFO (a retry, or given back, not for a turn): served in order
         self.deadline = deadline
         self.local_host = local_host
         self.enqueued_at = now
@@ -1053,8 +1054,8 @@ class Scheduler(LeaseEvents):
     def worker_returned(self, worker: bytes, tokens, now: float, kept=()) -> list[Action]:
         """``worker``'s answer to a RECALL: ``tokens`` it gave back unstarted, ``kept`` the
         ones it had started (they finish there).  Each one given back goes to the idle worker
-        it was recalled for if that one can still take it, or to the front of its queue,
-        without counting as an attempt; one the broker did not recall counts as a failed
+        it was recalled for if that one can still take it, or to the front of its queue (one
+        given back for a newcomer's turn: into it by age), without counting as an attempt; one the broker did not recall counts as a failed
         attempt (a worker refusing work); cancelled or abandoned ones end here.  A kept one
         frees its idle worker to look elsewhere.  Tokens it does not hold are dropped and
         counted."""
@@ -1889,15 +1890,18 @@ class Scheduler(LeaseEvents):
             # queued (the rule but for congestion) at the front; congested, among the newest
             # few (it was dispatched newest first), found from the back, at most _CLASS_SCAN
             # looked at.
+            # Never ahead of a request put back at the front (a retry): those stay a prefix
+            # served first (`_newest_first`, `_victim`).
             t = req.enqueued_at
-            if next(iter(fifo)).enqueued_at >= t:
+            head = next(iter(fifo))
+            if head.enqueued_at >= t and not head.front:
                 fifo.move_to_end(req, last=False)
             else:
                 newer = []
                 it = reversed(fifo)
                 next(it)  # req itself
                 for r in it:
-                    if r.enqueued_at < t or len(newer) == _CLASS_SCAN:
+                    if r.enqueued_at < t or r.front or len(newer) == _CLASS_SCAN:
                         break
                     newer.append(r)
                 for r in reversed(newer):
@@ -2804,8 +2808,8 @@ class Scheduler(LeaseEvents):
         not go to first (one ahead of it in its class's ring, or one whose FIFO, made again
         by the give-back, would go ahead of it), ask that worker back for the newest of
         those of the one holding most, of a class no more urgent than ``req``'s (see "A
-        newcomer's turn" in the module docstring).  It comes back to the front of its
-        principal's FIFO, which keeps its place in the ring, so the credit it frees goes to
+        newcomer's turn" in the module docstring).  It comes back into its principal's FIFO
+        by age, the FIFO keeping its place in the ring, so the credit it frees goes to
         ``req`` (or to a principal ahead of it, whose turn it was).  At most ``_SCAN``
         principals and ``_CLASS_SCAN`` requests looked at."""
         svc = req.svc

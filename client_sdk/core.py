@@ -470,7 +470,8 @@ class ClientCore(PinEvents):
         ref = self._pool.ref_of(src) if src is not None else None
         fin = self._user_bufs.pop((ref.segment, ref.slot, ref.generation), None) if ref is not None else None
         if fin is None:
-            if src is None and isinstance(arr, np.ndarray) and T.ref_in_pool(self._pool, arr) is not None:
+            if (src is None and self._pool is not None and isinstance(arr, np.ndarray)
+                    and T.ref_in_pool(self._pool, arr) is not None):
                 raise InvalidInput("free() takes the array alloc() returned, not a view of it (a slice, a "
                                    "reshape): the buffer is freed whole, views included")
             raise InvalidInput("free() takes an array returned by alloc() that was not freed yet")

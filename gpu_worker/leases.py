@@ -45,8 +45,8 @@ import zmq
 
 from broker import protocol as P
 from broker.protocol.link import LinkServer
-from broker.protocol.wire import (DEAD_AFTER_BEATS, NOBLOCK, dup_socket, recv_frames, seed_routing_ids, send_frames,
-                                  sock_events, tcp_liveness, touched)
+from broker.protocol.wire import (DEAD_AFTER_BEATS, MAX_FRAMES, NOBLOCK, TooManyFrames, dup_socket, recv_frames,
+                                  seed_routing_ids, send_frames, sock_events, tcp_liveness, touched)
 
 __all__ = ["Lease", "Refusal", "LeaseTable", "DirectSocket", "DirectSocketError", "direct_socket_path", "Unsent",
            "NOT_BOUND", "WORKER_STOPPING", "LONG_BATCH_S", "MAX_ROUTES", "runs_long"]
@@ -589,7 +589,12 @@ class DirectSocket:
         """One message read (``[routing id, ...]``) from the ROUTER or the link, without
         waiting; None when neither holds one (``router``/``link``: which to look at)."""
         while router and sock_events(self.sock) & _POLLIN:
-            frames = recv_frames(self.sock)
+            try:
+                frames = recv_frames(self.sock, 0, MAX_FRAMES)
+            except TooManyFrames as e:  # a leaseholder's (or a stranger's): read and dropped whole
+                self._bad.warning("dropped a message of %d frames on the direct socket (at most %d)", e.frames,
+                                  MAX_FRAMES)
+                continue
             route = frames[0]  # a zmq.Frame
             if len(route) != 9 or bytes(route)[0] != 0:
                 return frames

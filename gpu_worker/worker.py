@@ -252,9 +252,11 @@ class WorkerConfig:
              "--heartbeat-liveness", "an integer from 2 to 1000 (1: one heartbeat a moment late reads as a death)",
              self.heartbeat_liveness)
         window = self.heartbeat_interval * self.heartbeat_liveness
-        need(window >= P.MIN_LIVENESS_WINDOW, "heartbeat_interval",
-             "--heartbeat-interval", f"at least {P.MIN_LIVENESS_WINDOW} s times --heartbeat-liveness (the liveness "
-             f"window; shorter, ordinary pauses read as deaths)", self.heartbeat_interval)
+        if window < P.MIN_LIVENESS_WINDOW:
+            raise ConfigError(f"heartbeat_interval x heartbeat_liveness (--heartbeat-interval x --heartbeat-liveness, "
+                              f"the liveness window) must be at least {P.MIN_LIVENESS_WINDOW} s, not "
+                              f"{self.heartbeat_interval:g} x {self.heartbeat_liveness}: shorter, ordinary pauses "
+                              f"of a live process read as deaths")
         need(_whole(self.out_capacity) and self.out_capacity > 0, "out_capacity", "--out-capacity-mb",
              "a size > 0", self.out_capacity)
         need(_whole(self.out_slots) and self.out_slots >= 1, "out_slots", None, "an integer >= 1", self.out_slots)

@@ -33,7 +33,8 @@ from zmq.backend import Socket as _Base
 from .frames import MDPC
 
 __all__ = ["seed_routing_ids", "send_frames", "recv_frames", "sock_events", "monitor_event", "recv_monitor_event", "touched", "quiet_fd", "Waiter", "NOBLOCK", "tcp_liveness", "keepalive_plan", "DEAD_AFTER_BEATS",
-           "tcp_counts", "TcpWatch", "out_of_resources", "warm_zero_copy", "MAX_WAIT_MS", "wait_ms"]
+           "tcp_counts", "TcpWatch", "out_of_resources", "warm_zero_copy", "MAX_WAIT_MS", "wait_ms", "MAX_FRAMES",
+           "TooManyFrames"]
 
 NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
@@ -224,27 +225,70 @@ def warm_zero_copy() -> None:
     zmq.Frame(b"\0", copy=False)  # made zero-copy whatever its size, and dropped at once
 
 
-def recv_frames(sock: zmq.Socket, flags: int = 0) -> list[zmq.Frame]:
+#: The most frames a message from a peer may have (`recv_frames`' ``max_frames``): ours have
+#: a handful, a REQUEST a header and up to MAX_TENSORS (256) tensors, a DONE up to MAX_DONE
+#: (4096) envelopes; a plain MDP body of many frames has room too.  A message of empty frames
+#: costs its sender 2 bytes a frame and its reader a Python object each: 500,000 of them, in
+#: one message of 1 MB, held the broker's loop for 0.9 s and took 60 MB (the hostile hunt).
+MAX_FRAMES = 8192
+
+
+class TooManyFrames(Exception):
+    """A message of more than ``max_frames`` frames was read and dropped (`recv_frames`):
+    ``ident`` is its first frame (a ROUTER's peer), ``frames`` how many it had."""
+
+    def __init__(self, first: Any, frames: int):
+        super().__init__(f"a message of {frames} frames (at most {MAX_FRAMES})")
+        self.first = first  # its first frame (a zmq.Frame: it says which connection it came on)
+        self.ident = bytes(first.bytes)
+        self.frames = frames
+
+
+def recv_frames(sock: zmq.Socket, flags: int = 0, max_frames: int | None = None) -> list[zmq.Frame]:
     """`sock.recv_multipart(flags, copy=False)`, faster.
 
     A signal handler's exception (Ctrl-C, an alarm) in the middle of a message loses that
     message (pyzmq runs the handlers after each frame it receives, and the frame it had
     just read goes with the exception): the rest of it is read and dropped before the
     exception goes on, so that the socket's next read starts a message (it had been read
-    as a malformed one of its own)."""
+    as a malformed one of its own).
+
+    ``max_frames``: a message with more is read to its end without keeping its frames
+    (libzmq hands a message over whole: it is in memory already, and only reading it frees
+    it) and raises `TooManyFrames`."""
     _QUIET.discard(sock)
     try:
         f = _recv(sock, flags, False)
         parts = [f]
         while f.more:
+            if max_frames is not None and len(parts) >= max_frames:
+                break
             f = _recv(sock, flags, False)
             parts.append(f)
+        else:
+            return parts
     except zmq.ZMQError:
         raise
     except BaseException:
         _drop_rest(sock)  # (RCVMORE: whether the last frame read, or lost, had more after it)
         raise
-    return parts
+    raise TooManyFrames(parts[0], len(parts) + _discard(sock))
+
+
+def _discard(sock: zmq.Socket) -> int:
+    """Read what is left of the message being received, keeping nothing (bytes, not
+    frames: no Python object outlives its read); how many frames that was."""
+    n = 0
+    while True:
+        try:
+            if not _get(sock, _RCVMORE):
+                return n
+            _recv(sock, _NOBLOCK, True)
+            n += 1
+        except zmq.ZMQError:
+            return n
+        except BaseException:  # noqa: BLE001 - a signal handler's exception: keep reading
+            pass
 
 
 def _drop_rest(sock: zmq.Socket) -> None:

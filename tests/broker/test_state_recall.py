@@ -773,3 +773,45 @@ def test_an_event_with_nothing_new_to_take_back_looks_at_no_deep_worker():
             s, events = scenario(n)
             looked.append(_deep_looked_at(s, events))
         assert looked[0] == looked[1], (scenario.__name__, looked)
+
+
+def test_given_back_by_age_it_never_goes_ahead_of_a_retry_at_the_front():
+    """A retry goes back to the front of its FIFO and is served first (`_newest_first` and
+    eviction count on that prefix); a request given back for a turn goes by age, but never
+    ahead of one (a review: a worker that dies between the RECALL and its answer puts its
+    retries there).  On the queue itself (no worker: nothing is dispatched meanwhile)."""
+    s = Scheduler(Config())
+    for i in (1, 2, 3, 4, 5):
+        assert s.client_request(F, i, "svc", 0.001 * i, payload=i) == []
+    svc = s._services["svc"]
+    fifo = svc.classes[1][F]
+    req = {r.payload: r for r in fifo}
+
+    def put_back(i, **kw):
+        s._take(req[i], False)
+        s._enqueue(req[i], 0.01, **kw)
+
+    put_back(3, front=True)  # a retry
+    put_back(2, by_age=True)  # older than the retry: still behind it
+    assert [r.payload for r in fifo] == [3, 1, 2, 4, 5]
+    put_back(4, by_age=True)
+    assert [r.payload for r in fifo] == [3, 1, 2, 4, 5]
+    put_back(1, by_age=True)  # the oldest: right behind the retry
+    assert [r.payload for r in fifo] == [3, 1, 2, 4, 5]
+    put_back(5, front=True)
+    put_back(4, by_age=True)  # newer than every one after the retries
+    assert [r.payload for r in fifo] == [5, 3, 1, 2, 4]
+
+
+def test_holding_takes_nothing_back():
+    """`hold()` (a standalone broker's drain): a newcomer asks no turn, and a request given
+    back is queued, not handed to the worker it was taken back for."""
+    s, held = flooded()
+    s.hold()
+    assert s.client_request(L, 1, "svc", 0.01, payload="l1") == []  # no RECALL
+    s, held = flooded()
+    rec = only(s.client_request(L, 1, "svc", 0.01, payload="l1"), RecallAtWorker)
+    s.hold()
+    assert not of(s.worker_returned(W1, list(rec.tokens), 0.011), Dispatch)
+    assert not of(s.worker_final(W1, held[0].token, 0.02, "r"), Dispatch)
+    assert s.at_workers() == 6

@@ -230,3 +230,29 @@ def test_a_peer_gone_mid_message_does_not_take_the_next_message_with_it(monkeypa
     wire.send_frames(object(), [b"reply-B", b"h", b"body"], zmq.NOBLOCK)
     wire.send_frames(object(), [b"reply-C", b"h", b"body"], zmq.NOBLOCK)
     assert lb.delivered == [[b"reply-B", b"h", b"body"], [b"reply-C", b"h", b"body"]]
+
+
+def test_a_message_over_max_frames_is_read_whole_and_dropped():
+    """wire.recv_frames(max_frames=): the message is read to its end (its frames kept by
+    nobody) and TooManyFrames names its sender and its size; the next message is whole."""
+    import zmq
+
+    from broker.protocol.wire import TooManyFrames, recv_frames
+
+    ctx = zmq.Context()
+    r, d = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        r.bind("inproc://too-many")
+        d.connect("inproc://too-many")
+        d.send_multipart([b"a"] * 100)
+        d.send_multipart([b"x", b"y"])
+        assert r.poll(5000)
+        with pytest.raises(TooManyFrames) as ei:
+            recv_frames(r, 0, 10)
+        assert ei.value.frames == 101  # its routing id and the 100
+        nxt = [bytes(f) for f in recv_frames(r, 0, 10)]
+        assert nxt == [ei.value.ident, b"x", b"y"]
+    finally:
+        r.close(0)
+        d.close(0)
+        ctx.term()

@@ -242,3 +242,40 @@ def test_the_worker_refuses_hostile_headers_itself(cluster):
         _stop_cleanly(worker)
     finally:
         router.close()
+
+
+def test_a_message_of_too_many_frames_is_dropped_whole_and_its_sender_cut_off(cluster):
+    """Any number of frames: 500,000 empty ones (1 MB) held the broker's loop 0.9 s each and
+    took 60 MB of it while kept (16 of them: 0.95 GB, a 7 s stall, workers presumed dead:
+    the hostile hunt).  Past wire.MAX_FRAMES a message is read to its end and dropped, its
+    sender's requests dropped and its connection ended; the worker's direct socket too."""
+    from broker.protocol.wire import MAX_FRAMES
+
+    broker = cluster.broker()
+    worker = cluster.worker("echo", "--direct")
+    _echo_round_trip(cluster.frontend, timeout=20)
+    n = MAX_FRAMES * 2
+    c, w = _dealer(cluster.frontend), _dealer(cluster.backend)
+    events = c.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        c.send_multipart([P.MDPC, P.C_HEARTBEAT] + [b""] * n)
+        w.send_multipart([b"", P.MDPW, P.W_HEARTBEAT] + [b""] * n)
+        broker.wait_log(f"sent a message of {n + 3} frames (at most {MAX_FRAMES}): dropped unread; its "
+                        f"requests dropped and its connection ended", timeout=20)  # (its routing id counts)
+        broker.wait_log(f"sent a message of {n + 4} frames (at most {MAX_FRAMES}): dropped unread; "
+                        f"disconnected", timeout=20)
+        assert events.poll(10_000), "the broker did not end the connection"
+    finally:
+        c.disable_monitor()
+        events.close(0)
+        c.close()
+        w.close()
+    # A leaseholder's (or a stranger's) on the worker's direct socket: dropped there.
+    d = _dealer(worker.field("direct"))
+    try:
+        d.send_multipart([b"\x01"] + [b""] * n)
+        worker.wait_log(f"dropped a message of {n + 2} frames on the direct socket", timeout=20)
+    finally:
+        d.close()
+    _echo_round_trip(cluster.frontend, timeout=10)
+    _stop_cleanly(worker, broker)

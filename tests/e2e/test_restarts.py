@@ -345,7 +345,10 @@ def test_sigterm_drains_a_standalone_broker_and_its_successor_runs_what_stayed_q
     the request still queued goes with it, and the client sends it to the next broker."""
     import signal
 
-    broker = cluster.broker("--log-level", "info")
+    from tests.e2e.test_metrics import get
+
+    broker = cluster.broker("--log-level", "info", "--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
     worker = cluster.worker("gate_model:copying", "--service", "gate", "--max-batch", "1", "--credit", "1",
                             "--no-direct-reply", "--no-warmup", env=gate.env, wait=False)
     gate.open()
@@ -353,11 +356,13 @@ def test_sigterm_drains_a_standalone_broker_and_its_successor_runs_what_stayed_q
     x0, x1 = np.arange(16, dtype=np.int32), np.arange(16, 32, dtype=np.int32)
     with Client(cluster.frontend, timeout=30) as c:
         wait_service(c, "gate")
+        assert get(base, "/v2/health/ready")[0] == 200
         held = c.infer_stream("gate", {"x": x0})
         gate.wait_entered(1)  # the worker runs it
         queued = c.infer_stream("gate", {"x": x1})  # credit 1: it waits at the broker
         broker.p.send_signal(signal.SIGTERM)
-        broker.wait_log("shutting down (SIGTERM)")
+        broker.wait_log("shutting down (SIGTERM or SIGINT)")
+        assert get(base, "/v2/health/ready")[0] == 503  # (orchestrators stop sending clients)
         gate.release(1)
         with held.result(timeout=20) as r:  # through the old broker, which still runs
             np.testing.assert_array_equal(r["x"], x0)
@@ -385,10 +390,29 @@ def test_a_second_sigterm_stops_a_draining_broker_at_once(cluster, gate):
         h = c.infer_stream("gate", {"x": np.zeros(4, np.int32)})  # (kept: a handle dropped cancels its call)
         gate.wait_entered(1)
         broker.p.send_signal(signal.SIGTERM)
-        broker.wait_log("shutting down (SIGTERM)")
+        broker.wait_log("shutting down (SIGTERM or SIGINT)")
         assert broker.p.poll() is None  # draining: the request is held at the worker
         broker.p.send_signal(signal.SIGTERM)
         assert broker.p.wait(10) == 0, broker.stderr()
         assert "drained" not in broker.stderr()
+        gate.release(1)
+        h.close()
+
+
+def test_a_drain_that_runs_out_exits_anyway_and_says_what_was_left(cluster, gate):
+    import signal
+
+    broker = cluster.broker("--drain-timeout-s", "0.5")
+    worker = cluster.worker("gate_model:copying", "--service", "gate", "--no-direct-reply", "--no-warmup",
+                            env=gate.env, wait=False)
+    gate.open()
+    worker.wait_ready()
+    with Client(cluster.frontend, timeout=30) as c:
+        wait_service(c, "gate")
+        h = c.infer_stream("gate", {"x": np.zeros(4, np.int32)})  # held at the gate past the drain
+        gate.wait_entered(1)
+        broker.p.send_signal(signal.SIGTERM)
+        assert broker.p.wait(10) == 0, broker.stderr()
+        assert "1 request(s) still at workers after 0.5 s of drain: exiting anyway" in broker.stderr()
         gate.release(1)
         h.close()

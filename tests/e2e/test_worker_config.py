@@ -89,7 +89,7 @@ def test_a_worker_from_the_deploy_file_serves_and_later_flags_override_it(tmp_pa
     (["--heartbeat-liveness", "1"], "--heartbeat-liveness must be from 2 to 1000"),  # idle workers flapped
     (["--max-frame-mb", "0"], "--max-frame-mb must be from"),  # clamped to 1 byte: every client dropped
     (["--http", ""], "--http is empty"),  # metrics and health off, over the file's http, silently
-    (["--frontend", "inproc://x"], "reachable only from inside this process"),  # READY, and unreachable
+    (["--frontend", "inproc://x"], "frontend inproc://x: an inproc:// endpoint is reachable only"),  # READY, unreachable
     (["--client-hwm", "99999999999"], "--client-hwm must be from 1 to 2147483647"),  # an OverflowError
     (["--max-client-mb", "-1"], "--max-client-mb must be from 0"),  # clamped to 0
     (["--frontend", "tcp://127.0.0.1:99999", "--insecure"], "port 99999 is not from 0 to 65535"),  # wrapped
@@ -122,6 +122,23 @@ def test_a_file_at_an_ipc_endpoint_path_is_never_removed(tmp_path):
     finally:
         p.close()
     assert precious.read_text() == "data"
+
+
+def test_an_inproc_endpoint_in_the_file_and_a_drain_timeout_beside_pools_are_refused(tmp_path):
+    """A file's `frontend = "inproc://x"` started a broker that printed READY where no other
+    process could reach it; --drain-timeout-s beside [[pool]] tables was silently ignored
+    (a launcher drains for its file's drain_timeout_s).  Both: one line, exit 2."""
+    path = tmp_path / "deploy.toml"
+    for text, args, words in (
+            ('frontend = "inproc://x"\n', (), "frontend inproc://x: an inproc:// endpoint is reachable only"),
+            ("[[pool]]\nmodel = 'echo'\n", ("--drain-timeout-s", "5"), "--drain-timeout-s is for a broker without")):
+        path.write_text(f'backend = "ipc://{tmp_path}/be.ipc"\n' + text)
+        p = Proc(["-m", "broker", "--config", str(path), *args])
+        try:
+            assert p.p.wait(60) == 2
+            assert words in p.stderr(), p.stderr()
+        finally:
+            p.close()
 
 
 def test_a_deploy_file_value_out_of_its_range_names_the_file_and_is_exit_2(tmp_path):

@@ -550,7 +550,7 @@ def test_a_model_whose_warmup_raises_is_one_line(factories, tmp_path):
     ("echo", ("--heartbeat-interval", "0"), ("--heartbeat-interval", "from 0.001 to 3600")),
     # a 1 ms liveness window: the worker reconnected hundreds of times a second
     ("echo", ("--heartbeat-interval", "0.01", "--heartbeat-liveness", "3"),
-     ("--heartbeat-interval", "at least 0.1 s times --heartbeat-liveness", "0.01")),
+     ("--heartbeat-interval x --heartbeat-liveness", "must be at least 0.1 s, not 0.01 x 3")),
     ("echo", ("--heartbeat-liveness", "1"), ("--heartbeat-liveness", "an integer from 2 to 1000")),
     ("echo", ("--transports", "carrier-pigeon"), ("--transports", "carrier-pigeon")),
     ("echo", ("--device", "cpu", "--transports", "inline,shm,cuda"), ("--transports", "needs a CUDA device", "cpu")),
