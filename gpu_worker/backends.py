@@ -598,6 +598,11 @@ def warmup(backend: Backend, model=None, batch_sizes: Iterable[int] = (1,)) -> d
     sizes = sorted({max(1, int(b)) for b in batch_sizes})
     if not getattr(model, "batchable", True):
         sizes = [1]
+    # The example inputs as they were: a batch of one is passed as views of them, as a
+    # worker passes a client's shared-memory slots, so a model that writes to its inputs
+    # changes them here, where it costs nothing to say so.
+    before = {k: np.array(v, copy=True) for k, v in example.items()
+              if type(v) is np.ndarray and not v.dtype.hasobject} if isinstance(example, Mapping) else {}
     timings: dict[int, float] = {}
     for b in sizes:
         t0 = time.perf_counter()
@@ -607,4 +612,18 @@ def warmup(backend: Backend, model=None, batch_sizes: Iterable[int] = (1,)) -> d
         else:
             backend.run([example] * b)
         timings[b] = time.perf_counter() - t0
+        if before:
+            for k, was in before.items():
+                if was.tobytes() != example[k].tobytes():
+                    raise WritesInputs(
+                        f"model {model.name!r} wrote to its input {k!r} (its example's values changed as it ran): "
+                        f"a worker's inputs are its clients' shared memory, mapped read-only, and torch cannot "
+                        f"enforce that: an in-place write there (x.add_(), x += 1, ReLU(inplace=True) on the "
+                        f"input) crashes the worker (SIGSEGV), and every worker the request is retried on; copy "
+                        f"it first (x = x.clone(), or np.array(x))")
+            before = {}  # (a batch of more is a staging copy: no client's memory)
     return timings
+
+
+class WritesInputs(BackendError):
+    """A model wrote to its inputs during its warm-up (`warmup`)."""

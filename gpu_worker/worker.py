@@ -1365,8 +1365,15 @@ class Worker:
             observed = True  # its arrival is counted
         try:
             cost = float(self.model.cost(job.inputs))
-        except Exception:
-            cost = 1.0
+            if not cost >= 0:  # NaN (no bound compares with it) or negative
+                raise ValueError(f"it returned {cost}")
+        except Exception as e:
+            # A cost it cannot say counts as the whole bound: the request runs alone, never
+            # in a batch over --max-cost (taken as 1.0, a cost() that raised or said NaN let
+            # batches of four times the bound through, and nothing said so: the models audit).
+            cost = self.batcher.max_cost if self.batcher.max_cost < math.inf else 1.0
+            self._oops.warning("model %r: cost() failed (%s): this request counts as --max-cost (%g), so it runs "
+                               "alone; fix the model's cost()", self.model.name, raised(e), cost)
         self.jobs[job.envelope] = job
         self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline,
                                  backlog=req.backlog, priority=req.priority,
@@ -2545,6 +2552,8 @@ class Worker:
                 example = self.model.example_inputs()
             except NotImplementedError:
                 why = "the model has no example_inputs()"
+            except Exception as e:  # (it was a traceback and exit 1 at start: keep-warm is an optimisation)
+                why = f"its example_inputs() raised {raised(e)}"
         if why is None:
             plane = self.plane
 

@@ -259,3 +259,71 @@ class Forking(ModelBase):
 
 def forking(device="cpu"):
     return Forking(device)
+
+
+class BadCost(Batched):
+    """`batched` whose cost() raises (meta has no part in it: every request)."""
+
+    name = "badcost"
+
+    def __init__(self, device="cpu", how="raise"):
+        super().__init__(device)
+        self.how = how
+
+    def cost(self, inputs):
+        if self.how == "nan":
+            return float("nan")
+        raise RuntimeError("cost() broke")
+
+
+def badcost(device="cpu"):
+    return BadCost(device)
+
+
+def nancost(device="cpu"):
+    return BadCost(device, "nan")
+
+
+class InputWriter(Batched):
+    """Writes to its input (y = x after x += 1 in place): a contract broken."""
+
+    name = "inputwriter"
+
+    def __call__(self, batch, meta=None):
+        x = batch["x"]
+        x += 1
+        return {"y": x.copy()}
+
+
+def inputwriter(device="cpu"):
+    return InputWriter(device)
+
+
+class TorchInputWriter(TorchAdd):
+    """A torch module whose first step is in place on its input (ReLU(inplace=True) does)."""
+
+    name = "torchwriter"
+
+    def __call__(self, batch):
+        import torch
+
+        x = torch.as_tensor(batch["x"])
+        x.add_(1)
+        return {"y": x.clone()}
+
+
+def torchwriter(device="cpu"):
+    return TorchInputWriter(device)
+
+
+class BrokenExamples(Batched):
+    """example_inputs() raises (a file it reads is missing)."""
+
+    name = "brokenexamples"
+
+    def example_inputs(self):
+        raise FileNotFoundError("examples.npz")
+
+
+def brokenexamples(device="cpu"):
+    return BrokenExamples(device)

@@ -463,3 +463,63 @@ def test_a_child_the_model_forked_ends_where_it_leaves_the_model(cluster, do):
     assert w.terminate() == 0, w.stderr()
     if do == "raise":
         assert "forking: the child raised" in w.stderr(None)  # the child's traceback, as Python prints it
+
+
+# ---- model-author mistakes that the docs' audit found silent or fatal
+
+
+@pytest.mark.parametrize("model", ["inputwriter", "torchwriter"])
+def test_a_model_that_writes_to_its_input_is_refused_at_its_warm_up(tmp_path, model):
+    """docs/models.md: never write to an input.  A torch model that did (x.add_(1)) crashed
+    the worker with SIGSEGV on the first request whose input came in shared memory (mapped
+    read-only), and every worker the broker retried it on; now its warm-up says so, one
+    line, exit 2, before it registers."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "gpu_worker", "--model", f"faulty_model:{model}", "--device", "cpu",
+                        "--broker", f"ipc://{tmp_path}/nobody.ipc", "--out-capacity-mb", "1"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "wrote to its input 'x'" in lines[0] and "copy it first" in lines[0], lines[0]
+
+
+def test_a_cost_that_fails_counts_as_the_whole_bound(cluster):
+    """docs/models.md: a batch holds at most --max-cost.  A cost() that raised (or said NaN)
+    was taken as 1.0, silently: batches of 8 under a bound of 8 at a cost of 4 each.  Now such
+    a request counts as --max-cost (it runs alone), and the worker says why."""
+    cluster.broker()
+    w = cluster.worker("faulty_model:badcost", "--max-batch", "8", "--max-cost", "8", "--max-delay-ms", "50")
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=30) as c:
+            while not await c.mmi_service("badcost"):
+                await asyncio.sleep(0.01)
+            xs = [np.full(4, i, np.float32) for i in range(8)]
+            results = await asyncio.gather(*(c.infer("badcost", {"x": x}) for x in xs))
+            sizes = [r.timing["batch"] for r in results]
+            for x, r in zip(xs, results):
+                np.testing.assert_array_equal(r["y"], x + 1)
+                r.release()
+            return sizes
+
+    assert asyncio.run(scenario()) == [1] * 8
+    w.wait_log("cost() failed (RuntimeError: cost() broke)")
+
+
+def test_keep_warm_with_example_inputs_that_raise_is_off_not_a_crash(cluster):
+    """docs/models.md: a model without example inputs is not kept warm.  One whose
+    example_inputs() raised (a file it reads missing), started with --no-warmup and
+    keep-warm on, exited with a traceback; now keep-warm is off, and says why."""
+    cluster.broker()
+    w = cluster.worker("faulty_model:brokenexamples", "--no-warmup", "--keep-warm-ms", "10")
+    w.wait_log("keep-warm off for brokenexamples: its example_inputs() raised FileNotFoundError")
+    with Client(cluster.frontend, timeout=30) as c:
+        wait_service(c, "brokenexamples")
+        with c.infer("brokenexamples", {"x": np.zeros(4, np.float32)}) as r:
+            np.testing.assert_array_equal(r["y"], np.ones(4, np.float32))
