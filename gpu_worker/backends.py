@@ -230,19 +230,36 @@ def _meta_caller(model):
     module = getattr(model, "module", None)
     if isinstance(model, M.TorchModuleModel) and module is not None and declares_meta(module.forward):
         sig = inspect.signature(module.forward)
-        styles: dict[tuple, bool] = {}
+        styles: dict[tuple, str] = {}
 
         def call_module(batch, meta):
+            # As `TorchModuleModel` calls it without meta: by name, else one tensor
+            # positionally whatever its name (it went as a dict, which forward(x) took for
+            # x), else the dict; the memo bounded as there (names are the client's choice).
             names = tuple(sorted(batch))
-            kwargs = styles.get(names)
-            if kwargs is None:
+            style = styles.get(names)
+            if style is None:
                 try:
                     sig.bind(**dict.fromkeys(names), meta=None)
-                    kwargs = True
+                    style = "kwargs"
                 except TypeError:
-                    kwargs = False
-                styles[names] = kwargs
-            out = module(**batch, meta=meta) if kwargs else module(dict(batch), meta=meta)
+                    style = "dict"
+                    try:
+                        sig.bind(None, meta=None)
+                        if len(names) == 1 and not M._wants_mapping(sig):
+                            style = "positional"
+                    except TypeError:
+                        pass
+                if len(styles) >= M.MAX_CALL_STYLES:
+                    styles.clear()
+                styles[names] = style
+            if style == "kwargs":
+                out = module(**batch, meta=meta)
+            elif style == "positional":
+                (tensor,) = batch.values()
+                out = module(tensor, meta=meta)
+            else:
+                out = module(dict(batch), meta=meta)
             if model.streaming:
                 return (M.normalise_outputs(o, model.name) for o in out)
             return M.normalise_outputs(out, model.name)

@@ -355,6 +355,7 @@ class Worker:
         cfg.check()  # ConfigError: one line naming the option, before anything is loaded
         self.cfg = cfg
         self._oops = P.RateLimitedLog(log)  # a traceback a second at most, whatever a peer sends
+        self._isolate_log = P.RateLimitedLog(log)  # (`_run_model`: one batch at a time, on either thread)
         # A broker that stays down: its first silence is a WARNING, the reconnects after it
         # one line a minute with their count (one every liveness window filled the log).
         self._silence_log = P.RateLimitedLog(log, every=60.0)
@@ -1505,7 +1506,16 @@ class Worker:
             if os.getpid() != self.pid:  # a child the model forked returned here (a syscall a batch:
                 end_forked_child()       # a flag set at fork would miss a fork made in C)
             return outs
-        return self._isolate(jobs, first)
+        outs = self._isolate(jobs, first)
+        if len(jobs) > 1 and not any(type(o) is ModelFailed for o in outs):
+            # Every request served alone: the model fails on batches only (a wrong leading
+            # axis, say), its compute paid over again on every one, and nothing said so (a
+            # request that fails alone has its own ERROR line: `_complete`).
+            self._isolate_log.warning("model %r raised on a batch of %d (%s) and served each of its requests when "
+                                      "run again in smaller batches: it fails on batches, and pays its compute "
+                                      "twice or more each time (fix it, or --max-batch 1)", self.model.name,
+                                      len(jobs), raised(first.error))
+        return outs
 
     def _isolate(self, jobs: list, failed: ModelFailed) -> list:
         """``jobs``, whose batch raised ``failed``: each half run again (cancelled requests

@@ -327,3 +327,18 @@ class BrokenExamples(Batched):
 
 def brokenexamples(device="cpu"):
     return BrokenExamples(device)
+
+
+class BatchOnlyFault(Batched):
+    """Fails on every batch of more than one (a wrong leading axis), serves ones."""
+
+    name = "batchfault"
+
+    def __call__(self, batch, meta=None):
+        if len(batch["x"]) > 1:
+            raise ValueError("axis 0 mixed up")
+        return {"y": batch["x"] + 1}
+
+
+def batchfault(device="cpu"):
+    return BatchOnlyFault(device)

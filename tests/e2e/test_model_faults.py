@@ -523,3 +523,23 @@ def test_keep_warm_with_example_inputs_that_raise_is_off_not_a_crash(cluster):
         wait_service(c, "brokenexamples")
         with c.infer("brokenexamples", {"x": np.zeros(4, np.float32)}) as r:
             np.testing.assert_array_equal(r["y"], np.ones(4, np.float32))
+
+
+def test_a_model_that_fails_on_batches_only_is_served_and_said(cluster):
+    """Run again in halves down to ones, every request of a batch that raised was served,
+    and nothing said that the model fails on every batch (its compute paid over again)."""
+    cluster.broker()
+    # (its warm-up, at max-batch 8, refuses it: --no-warmup, as a model whose examples pass would)
+    w = cluster.worker("faulty_model:batchfault", "--max-batch", "8", "--max-delay-ms", "50", "--no-warmup")
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=30) as c:
+            while not await c.mmi_service("batchfault"):
+                await asyncio.sleep(0.01)
+            xs = [np.full(4, i, np.float32) for i in range(8)]
+            for x, r in zip(xs, await asyncio.gather(*(c.infer("batchfault", {"x": x}) for x in xs))):
+                np.testing.assert_array_equal(r["y"], x + 1)
+                r.release()
+
+    asyncio.run(scenario())
+    w.wait_log("served each of its requests when run again in smaller batches: it fails on batches")

@@ -454,6 +454,15 @@ def test_torch_module_forward_declaring_meta():
     assert [o["output"].tolist() for o in outs] == [[3.0, 3.0], [1.0, 1.0]]
     (one,) = backend.run([{"x": x}], meta=[{"scale": 7}])
     assert one["output"].tolist() == [7.0, 7.0]
+    # One tensor goes positionally whatever its name, as without meta (it went as a dict:
+    # "'dict' object has no attribute 'dtype'", the models audit), and many names stay bounded.
+    (img,) = backend.run([{"image": x}], meta=[{"scale": 5}])
+    assert img["output"].tolist() == [5.0, 5.0]
+    from gpu_worker.models import MAX_CALL_STYLES
+
+    for i in range(MAX_CALL_STYLES + 5):
+        (o,) = backend.run([{f"n{i}": x}], meta=[{}])
+        assert o["output"].tolist() == [1.0, 1.0]
 
     plain = TorchBackend(TorchModuleModel(Plain(), name="plain"))
     assert not plain.takes_meta
