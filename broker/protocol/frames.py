@@ -462,10 +462,16 @@ def parse_client(frames: Sequence[Any]) -> ClientMessage:
 
 
 def _service(frame: Any) -> bytes:
-    """A service name frame: 1..MAX_SERVICE_LEN bytes, else ProtocolError."""
+    """A service name frame: 1..MAX_SERVICE_LEN bytes of UTF-8, else ProtocolError.  (Not
+    UTF-8: the broker's names are text, and every such name read as one with U+FFFD in it,
+    so a worker registered under one took the requests of every other: the hostile hunt.)"""
     service = bytes(frame)
     if not service or len(service) > MAX_SERVICE_LEN:
         raise ProtocolError(f"service name must be 1..{MAX_SERVICE_LEN} bytes")
+    try:
+        service.decode()
+    except UnicodeDecodeError:
+        raise ProtocolError(f"service name must be UTF-8, got {service[:32]!r}") from None
     return service
 
 

@@ -611,3 +611,16 @@ def test_a_header_at_the_limit_still_reaches_the_worker_after_the_brokers_rewrit
         P.decode_request(routed, 64)  # not from a broker: the client's limit
     with pytest.raises(P.ProtocolError, match="limit"):
         P.decode_request(b"x" * (P.MAX_HEADER_BYTES + P.ROUTED_HEADROOM + 1), 0, brokered=True)
+
+
+def test_a_service_name_that_is_not_utf8_is_a_protocol_error():
+    """Every such name read as one with U+FFFD in it: a worker registered under b'\\xff' took
+    the requests sent to b'\\xfe' (the hostile hunt)."""
+    for bad in (b"\xff", b"\xfe", b"ok\xc0"):
+        with pytest.raises(P.ProtocolError, match="service name must be UTF-8"):
+            P.parse_client([P.MDPC, P.C_REQUEST, bad, b"body"])
+        with pytest.raises(P.ProtocolError, match="service name must be UTF-8"):
+            P.parse_worker([b"", P.MDPW, P.W_READY, bad])
+        with pytest.raises(P.ProtocolError, match="service name must be UTF-8"):
+            P.parse_client([b"", P.MDPC01, bad, b"body"])
+    assert P.parse_client([P.MDPC, P.C_REQUEST, "écho".encode(), b"body"]).service == "écho".encode()
