@@ -224,7 +224,7 @@ def _meta_caller(model):
         def call_fn(batch, meta):
             out = fn(batch, meta=meta)
             if model.streaming:
-                return (M.normalise_outputs(o, model.name) for o in out)
+                return M.stream_outputs(out, model.name)
             return M.normalise_outputs(out, model.name)
         return call_fn
     module = getattr(model, "module", None)
@@ -261,7 +261,7 @@ def _meta_caller(model):
             else:
                 out = module(dict(batch), meta=meta)
             if model.streaming:
-                return (M.normalise_outputs(o, model.name) for o in out)
+                return M.stream_outputs(out, model.name)
             return M.normalise_outputs(out, model.name)
         return call_module
     return None

@@ -496,7 +496,7 @@ class TorchModuleModel(ModelBase):
         else:
             out = self.module(dict(batch))
         if self.streaming:
-            return (normalise_outputs(o, self.name) for o in out)
+            return stream_outputs(out, self.name)
         return normalise_outputs(out, self.name)
 
     def cost(self, inputs):
@@ -531,7 +531,7 @@ class CallableModel(ModelBase):
     def __call__(self, batch):
         out = self.fn(batch)
         if self.streaming:
-            return (normalise_outputs(o, self.name) for o in out)
+            return stream_outputs(out, self.name)
         return normalise_outputs(out, self.name)
 
     def cost(self, inputs):
@@ -543,6 +543,15 @@ class CallableModel(ModelBase):
         if ex is None:
             return super().example_inputs()
         return dict(ex() if callable(ex) else ex)
+
+
+def stream_outputs(out: Any, name: str) -> Iterator[dict]:
+    """A streaming model's partials, each normalised: what it returned is iterated, but one
+    dict is its one partial (a plain function with ``streaming = True`` that returned a
+    dict had its keys iterated, and failed "returned str"; a ModelBase's was one partial)."""
+    if isinstance(out, Mapping):
+        return iter((normalise_outputs(out, name),))
+    return (normalise_outputs(o, name) for o in out)
 
 
 def normalise_outputs(out, name: str):

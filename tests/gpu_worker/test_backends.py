@@ -482,3 +482,21 @@ def test_torch_outputs_with_lazy_conj_or_neg_bits_come_back_and_bfloat16_says_wh
     np.testing.assert_array_equal(_to_numpy(torch._neg_view(t), "y"), -t.numpy())
     with pytest.raises(BackendError, match="bfloat16.*no numpy dtype.*float"):
         _to_numpy(torch.ones(2, dtype=torch.bfloat16), "y")
+
+
+def test_a_streaming_callable_that_returns_one_dict_streams_it_as_its_one_partial():
+    """As a streaming ModelBase's dict is: a plain function with streaming = True that
+    returned a dict had its keys iterated ("returned str", the models audit)."""
+    from gpu_worker.models import CallableModel
+
+    def once(batch):
+        return {"y": batch["x"] + 1}
+    once.streaming = True
+
+    def once_meta(batch, *, meta):
+        return {"y": batch["x"] + meta.get("k", 0)}
+    once_meta.streaming = True
+    x = np.arange(3, dtype=np.float32)
+    for fn, meta, want in ((once, None, x + 1), (once_meta, {"k": 5}, x + 5)):
+        (part,) = list(CallableBackend(CallableModel(fn, name="once")).run_stream({"x": x}, meta=meta))
+        np.testing.assert_array_equal(part["y"], want)
