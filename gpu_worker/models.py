@@ -683,6 +683,12 @@ def _build_model(spec: str, device: str = "cpu") -> Model:
                              "(fix the factory or what it loads; it is called as factory(device=...) "
                              "or factory())") from e
 
+    if isinstance(obj, type):
+        # A class carries every attribute a Model has, so it passed for one, and each call
+        # made an instance of it ("missing 1 required positional argument: 'self'" at the
+        # warm-up; "object has no attribute 'items'" with --no-warmup: the models audit).
+        raise ModelLoadError(f"factory {spec!r} returned the class {obj.__name__}, not an instance of it: return "
+                             f"{obj.__name__}(...) ({_EXPECTED})")
     if _is_model(obj):
         return obj
     if _is_torch_module(obj):

@@ -302,6 +302,9 @@ FACTORIES = textwrap.dedent(
 
     def make_bad_warmup():
         return BadWarmup()
+
+    def make_the_class():
+        return Doubler
     '''
 )
 
@@ -368,6 +371,15 @@ def test_load_factory_returning_a_model(factories):
     m = load_model(f"{factories}:make_model", "cpu")
     assert type(m).__name__ == "Doubler" and m.name == "doubler"
     assert m({"x": np.ones((1, 3))})["y"].tolist() == [[2, 2, 2]]
+
+
+def test_a_factory_that_returns_a_class_is_refused_at_load(factories):
+    """A class has every attribute a Model has: it passed for one, and each call made an
+    instance of it (the models audit)."""
+    from gpu_worker.models import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="returned the class Doubler, not an instance of it: return Doubler"):
+        load_model(f"{factories}:make_the_class", "cpu")
 
 
 def test_load_factory_returning_an_nn_module(factories):
