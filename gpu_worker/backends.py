@@ -144,6 +144,10 @@ def _to_numpy(value, name: str) -> np.ndarray:
             value = value.resolve_conj()
         if value.is_neg():
             value = value.resolve_neg()
+        if getattr(value, "layout", None) is not None and str(value.layout) != "torch.strided":
+            # (sparse, or another layout: numpy takes dense tensors only; the dtype was blamed)
+            raise BackendError(f"output {name!r} is a {str(value.layout).removeprefix('torch.')} torch tensor: "
+                               f"numpy takes dense ones; convert it in the model (e.g. .to_dense())")
         try:
             return value.numpy()
         except TypeError as e:  # a dtype numpy lacks (bfloat16): the model must say which it means

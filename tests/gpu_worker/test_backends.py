@@ -482,6 +482,9 @@ def test_torch_outputs_with_lazy_conj_or_neg_bits_come_back_and_bfloat16_says_wh
     np.testing.assert_array_equal(_to_numpy(torch._neg_view(t), "y"), -t.numpy())
     with pytest.raises(BackendError, match="bfloat16.*no numpy dtype.*float"):
         _to_numpy(torch.ones(2, dtype=torch.bfloat16), "y")
+    # A sparse one is blamed on its layout, not its dtype (float32 has a numpy dtype).
+    with pytest.raises(BackendError, match="sparse_coo torch tensor: numpy takes dense ones.*to_dense"):
+        _to_numpy(torch.eye(2).to_sparse(), "y")
 
 
 def test_a_streaming_callable_that_returns_one_dict_streams_it_as_its_one_partial():
