@@ -44,8 +44,8 @@ from broker.protocol import wire
 from broker.names import ServiceNames
 from broker.protocol.heap import TRIM_AFTER_CLOSES, trim_heap
 from broker.protocol.limits import Headroom, default_reserve, listen_backlog, move_aside, nofile_limit, put_back
-from broker.protocol.wire import (MAX_FRAMES, TooManyFrames, Waiter, recv_frames, recv_monitor_event, send_frames,
-                                  sock_events)
+from broker.protocol.wire import (MAX_FRAMES, MAX_WORKER_FRAMES, TooManyFrames, Waiter, recv_frames,
+                                  recv_monitor_event, send_frames, sock_events)
 from shm import gc as shm_gc
 from shm.errors import OutOfResources
 from shm.names import ClockPeers, boot_offset_ticks, pid_exists, proc_starttime, process_alive
@@ -552,6 +552,7 @@ class Broker:
         self.backend_ep = self.cfg.backend or be
         # CURVE on tcp endpoints, or a refusal to start (broker.security), before anything binds.
         self._curve_plan = security.plan(self.cfg.security, self.frontend_ep, self.backend_ep)
+        self._ctx_given = ctx is not None
         self.ctx = ctx or zmq.Context.instance()
         # Metrics are counted only when someone can read them (--http): otherwise the
         # request path pays nothing for them (broker.metrics).
@@ -864,7 +865,7 @@ class Broker:
         self.frontend.close(linger=_DRAINED_LINGER_MS if self._drained else 0)
         self.backend.close(linger=0)
         self._curve.stop()
-        if self._drained:
+        if self._drained and not self._ctx_given:  # (a context the caller gave is the caller's)
             t = threading.Thread(target=self.ctx.term, name="drained-term", daemon=True)
             t.start()
             t.join(_DRAINED_LINGER_MS / 1000 + 0.5)
@@ -1198,9 +1199,12 @@ class Broker:
         # (an exception per wake-up is measurable at this rate).
         for _ in range(_DRAIN):
             try:
-                frames = recv_frames(sock, 0, MAX_FRAMES)
+                frames = recv_frames(sock, 0, MAX_FRAMES if sock is self.frontend else MAX_WORKER_FRAMES)
             except TooManyFrames as e:
-                self._too_many_frames(sock, e)
+                try:
+                    self._too_many_frames(sock, e)
+                except Exception:  # the loop must survive any one message
+                    self._oops.exception("unexpected error while dropping a message of too many frames")
                 return  # (the loop's other work before this socket's next message: it took a while)
             try:
                 handler(frames)
@@ -1228,7 +1232,7 @@ class Broker:
             self._drop_doomed()
         else:
             self._bad.warning("a worker (%r) sent a message of %d frames (at most %d): dropped unread; "
-                              "disconnected", e.ident[:16], e.frames, MAX_FRAMES)
+                              "disconnected", e.ident[:16], e.frames, MAX_WORKER_FRAMES)
             now = time.monotonic()
             if self.sched.has_worker(e.ident):
                 self._act(self.sched.worker_disconnect(e.ident, now), now)
@@ -1554,8 +1558,11 @@ class Broker:
     def _mmi(self, ident: bytes, service: bytes, body: tuple, code: bytes | None = None) -> None:
         """Answer an MMI question (RFC 8); ``code``: the answer decided already (403)."""
         if code is None and service == b"mmi.service":
-            name = bytes(body[0]).decode(errors="replace")
-            code = b"200" if self.sched.has_service(name) else b"404"
+            try:
+                name = bytes(body[0]).decode()
+            except UnicodeDecodeError:  # (no service is named so: names are UTF-8)
+                name = None
+            code = b"200" if name is not None and self.sched.has_service(name) else b"404"
         elif code is None:
             code = b"501"
         # A second frame of up to 64 bytes is the asker's correlation token: echoed after the

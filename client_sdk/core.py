@@ -52,6 +52,7 @@ import numpy as np
 import shm as _shm
 from broker import protocol as P
 from broker.protocol import ErrorCode
+from broker.protocol.wire import MAX_FRAMES
 from shm.pool import ShmPool  # (at import: `shm` loads it at first use, which may find no descriptor left)
 
 from . import tensors as T
@@ -259,6 +260,12 @@ def _heartbeat_interval(hb: Any) -> float | None:
                            f"{MIN_HEARTBEAT_S} up, got {hb!r}")
     return f
 
+
+
+#: the most body frames of a plain MDP request (`opaque_frames`): the broker's bound on a
+#: message's frames (`wire.MAX_FRAMES`), less the frames around the body (its routing id,
+#: MDPC02, the command, the service name)
+MAX_BODY_FRAMES = MAX_FRAMES - 4
 
 class ClientCore(PinEvents):
     """Ids, packing, the input pools, output leases, reply routing and delivery, the inline
@@ -594,6 +601,11 @@ class ClientCore(PinEvents):
             raise InvalidInput(f"frames must be a list of bytes-like body frames, got {type(frames).__name__}")
         if not frames:
             raise InvalidInput("an MDP request needs at least one body frame")
+        if len(frames) > MAX_BODY_FRAMES:
+            # (the broker drops a message of more frames unread, and the connection with it:
+            # the call waited for its deadline)
+            raise InvalidInput(f"an MDP request of {len(frames)} body frames: at most {MAX_BODY_FRAMES} (the broker "
+                               f"refuses a message of more than {MAX_FRAMES} frames); join them into fewer")
         for f in frames:
             if not isinstance(f, (bytes, bytearray, memoryview)):
                 try:

@@ -381,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         _fail(f"{e}; give a smaller --out-capacity-mb")
         return 2
     except WarmupError as e:
+        from gpu_worker.backends import WritesInputs
+
+        if isinstance(e.__cause__, WritesInputs):  # (--no-warmup would only move the crash to serving)
+            _fail(f"{e.__cause__} (docs/models.md, \"Never write to an input\")")
+            return 2
         _fail(f"model {args.model!r} failed its warm-up on its example_inputs: {e}; "
               "make example_inputs() match the inputs the model takes (and its declared `inputs`), "
               "fix the model, or start with --no-warmup (docs/models.md)")

@@ -356,6 +356,7 @@ class Worker:
         self.cfg = cfg
         self._oops = P.RateLimitedLog(log)  # a traceback a second at most, whatever a peer sends
         self._isolate_log = P.RateLimitedLog(log)  # (`_run_model`: one batch at a time, on either thread)
+        self._cost_log = P.RateLimitedLog(log)  # a cost() that fails on every request says so once a second
         # A broker that stays down: its first silence is a WARNING, the reconnects after it
         # one line a minute with their count (one every liveness window filled the log).
         self._silence_log = P.RateLimitedLog(log, every=60.0)
@@ -1372,9 +1373,11 @@ class Worker:
             # A cost it cannot say counts as the whole bound: the request runs alone, never
             # in a batch over --max-cost (taken as 1.0, a cost() that raised or said NaN let
             # batches of four times the bound through, and nothing said so: the models audit).
-            cost = self.batcher.max_cost if self.batcher.max_cost < math.inf else 1.0
-            self._oops.warning("model %r: cost() failed (%s): this request counts as --max-cost (%g), so it runs "
-                               "alone; fix the model's cost()", self.model.name, raised(e), cost)
+            bounded = self.batcher.max_cost < math.inf
+            cost = self.batcher.max_cost if bounded else 1.0
+            self._cost_log.warning("model %r: cost() failed (%s): %s; fix the model's cost()", self.model.name,
+                                   raised(e), f"this request counts as --max-cost ({cost:g}), so it runs alone"
+                                   if bounded else "no --max-cost bounds its batches, so nothing rides on it")
         self.jobs[job.envelope] = job
         self.batcher.add(Pending(key=key, cost=cost, item=job, arrived=now, deadline=job.deadline,
                                  backlog=req.backlog, priority=req.priority,

@@ -34,7 +34,7 @@ from .frames import MDPC
 
 __all__ = ["seed_routing_ids", "send_frames", "recv_frames", "sock_events", "monitor_event", "recv_monitor_event", "touched", "quiet_fd", "Waiter", "NOBLOCK", "tcp_liveness", "keepalive_plan", "DEAD_AFTER_BEATS",
            "tcp_counts", "TcpWatch", "out_of_resources", "warm_zero_copy", "MAX_WAIT_MS", "wait_ms", "MAX_FRAMES",
-           "TooManyFrames"]
+           "MAX_WORKER_FRAMES", "TooManyFrames"]
 
 NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
@@ -231,6 +231,10 @@ def warm_zero_copy() -> None:
 #: costs its sender 2 bytes a frame and its reader a Python object each: 500,000 of them, in
 #: one message of 1 MB, held the broker's loop for 0.9 s and took 60 MB (the hostile hunt).
 MAX_FRAMES = 8192
+#: a worker's: its reply echoes a client's body (`echo` a plain MDP request of MAX_FRAMES,
+#: with the reply's own frames around it), so a client's largest message never makes its
+#: worker's reply too long (the review: one such request disconnected worker after worker)
+MAX_WORKER_FRAMES = MAX_FRAMES + 64
 
 
 class TooManyFrames(Exception):
@@ -277,32 +281,35 @@ def recv_frames(sock: zmq.Socket, flags: int = 0, max_frames: int | None = None)
 
 def _discard(sock: zmq.Socket) -> int:
     """Read what is left of the message being received, keeping nothing (bytes, not
-    frames: no Python object outlives its read); how many frames that was."""
+    frames: no Python object outlives its read); how many frames that was.  A signal
+    handler's exception meanwhile (Ctrl-C) is raised once the message is read."""
     n = 0
+    raised = None
     while True:
         try:
             if not _get(sock, _RCVMORE):
-                return n
+                break
             _recv(sock, _NOBLOCK, True)
             n += 1
         except zmq.ZMQError:
-            return n
-        except BaseException:  # noqa: BLE001 - a signal handler's exception: keep reading
-            pass
+            break
+        except BaseException as e:  # noqa: BLE001 - a signal handler's: the message first
+            if raised is None:
+                raised = e
+    if raised is not None:
+        raise raised
+    return n
 
 
 def _drop_rest(sock: zmq.Socket) -> None:
     """Read and drop what is left of the message being received (libzmq delivers a
-    message's frames together: none of these reads waits)."""
-    for _ in range(1 << 16):
-        try:
-            if not _get(sock, _RCVMORE):
-                return
-            _recv(sock, _NOBLOCK, False)
-        except zmq.ZMQError:
-            return
-        except BaseException:  # noqa: BLE001 - another handler's exception: keep reading
-            pass
+    message's frames together: none of these reads waits), to its end (it stopped at
+    65,536 frames, and the rest was read as messages of their own); another handler's
+    exception meanwhile is dropped (the one on its way out is the caller's)."""
+    try:
+        _discard(sock)
+    except BaseException:  # noqa: BLE001
+        pass
 
 
 def sock_events(sock: zmq.Socket) -> int:

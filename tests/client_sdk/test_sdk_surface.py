@@ -183,3 +183,15 @@ def test_an_error_that_never_crossed_the_wire_has_no_code(tmp_path):
     with pytest.raises(errors.InferenceError, match="closed") as ei:
         c.infer("echo", {"x": np.zeros(2)})
     assert type(ei.value) is errors.InferenceError and ei.value.code is None
+
+
+def test_a_plain_request_of_more_frames_than_the_broker_takes_is_refused_before_sending(tmp_path):
+    """The broker drops a message of more than wire.MAX_FRAMES frames unread, and its
+    connection: the call waited for its deadline.  `request()` refuses it first."""
+    from broker.protocol.wire import MAX_FRAMES
+    from client_sdk.core import MAX_BODY_FRAMES
+
+    assert MAX_BODY_FRAMES == MAX_FRAMES - 4
+    with client_sdk.Client(f"ipc://{tmp_path}/nobody.ipc", timeout=1) as c:
+        with pytest.raises(errors.InvalidInput, match=f"at most {MAX_BODY_FRAMES}"):
+            c.request("svc", [b""] * (MAX_BODY_FRAMES + 1))

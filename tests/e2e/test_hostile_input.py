@@ -249,7 +249,7 @@ def test_a_message_of_too_many_frames_is_dropped_whole_and_its_sender_cut_off(cl
     took 60 MB of it while kept (16 of them: 0.95 GB, a 7 s stall, workers presumed dead:
     the hostile hunt).  Past wire.MAX_FRAMES a message is read to its end and dropped, its
     sender's requests dropped and its connection ended; the worker's direct socket too."""
-    from broker.protocol.wire import MAX_FRAMES
+    from broker.protocol.wire import MAX_FRAMES, MAX_WORKER_FRAMES
 
     broker = cluster.broker()
     worker = cluster.worker("echo", "--direct")
@@ -262,7 +262,7 @@ def test_a_message_of_too_many_frames_is_dropped_whole_and_its_sender_cut_off(cl
         w.send_multipart([b"", P.MDPW, P.W_HEARTBEAT] + [b""] * n)
         broker.wait_log(f"sent a message of {n + 3} frames (at most {MAX_FRAMES}): dropped unread; its "
                         f"requests dropped and its connection ended", timeout=20)  # (its routing id counts)
-        broker.wait_log(f"sent a message of {n + 4} frames (at most {MAX_FRAMES}): dropped unread; "
+        broker.wait_log(f"sent a message of {n + 4} frames (at most {MAX_WORKER_FRAMES}): dropped unread; "
                         f"disconnected", timeout=20)
         assert events.poll(10_000), "the broker did not end the connection"
     finally:
@@ -278,4 +278,19 @@ def test_a_message_of_too_many_frames_is_dropped_whole_and_its_sender_cut_off(cl
     finally:
         d.close()
     _echo_round_trip(cluster.frontend, timeout=10)
+    _stop_cleanly(worker, broker)
+
+
+def test_the_longest_plain_request_a_client_may_send_comes_back_from_echo(cluster):
+    """A plain MDP request of the most body frames the frontend takes, echoed: its worker's
+    reply is longer by its own frames, and the backend's bound leaves room for them (the
+    same bound on both sides disconnected worker after worker over one such request)."""
+    from client_sdk.core import MAX_BODY_FRAMES
+
+    broker = cluster.broker()
+    worker = cluster.worker("echo")
+    with Client(cluster.frontend, timeout=20) as c:
+        wait_service(c, "echo")
+        body = [bytes([i % 256]) for i in range(MAX_BODY_FRAMES)]
+        assert c.request("echo", body) == body
     _stop_cleanly(worker, broker)

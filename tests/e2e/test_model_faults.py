@@ -487,6 +487,7 @@ def test_a_model_that_writes_to_its_input_is_refused_at_its_warm_up(tmp_path, mo
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
     assert "wrote to its input 'x'" in lines[0] and "copy it first" in lines[0], lines[0]
+    assert "--no-warmup" not in lines[0]  # (it would only move the crash to serving)
 
 
 def test_a_cost_that_fails_counts_as_the_whole_bound(cluster):
