@@ -250,7 +250,7 @@ def _meta_caller(model):
                     style = "dict"
                     try:
                         sig.bind(None, meta=None)
-                        if len(names) == 1 and not M._wants_mapping(sig):
+                        if len(names) == 1 and not M.wants_mapping(sig):
                             style = "positional"
                     except TypeError:
                         pass

@@ -48,6 +48,9 @@ __all__ = [
     "load_model",
     "name_problem",
     "normalise_outputs",
+    "stream_outputs",
+    "wants_mapping",
+    "MAX_CALL_STYLES",
 ]
 
 
@@ -411,7 +414,7 @@ def _binds_one_positional(sig: inspect.Signature) -> bool:
 _MAPPING_ANNOTATIONS = ("dict", "Dict", "Mapping", "MutableMapping")
 
 
-def _wants_mapping(sig: inspect.Signature) -> bool:
+def wants_mapping(sig: inspect.Signature) -> bool:
     """Whether the first positional parameter is annotated as a dict (it then gets the batch
     dict even when the batch has one tensor)."""
     for p in sig.parameters.values():
@@ -474,7 +477,7 @@ class TorchModuleModel(ModelBase):
                     sig.bind(**dict.fromkeys(names))
                 except TypeError:
                     style = "dict"
-                    if len(names) == 1 and _binds_one_positional(sig) and not _wants_mapping(sig):
+                    if len(names) == 1 and _binds_one_positional(sig) and not wants_mapping(sig):
                         style = "positional"
             memo = self._call_style
             if len(memo) >= MAX_CALL_STYLES:

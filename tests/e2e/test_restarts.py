@@ -2,6 +2,7 @@
 and workers stopped with SIGTERM while they hold requests (docs/operations.md)."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -377,10 +378,11 @@ def test_sigterm_drains_a_standalone_broker_and_its_successor_runs_what_stayed_q
         assert gate.entered() == 2 and c.broker_restarts >= 1
 
 
-def test_a_second_sigterm_stops_a_draining_broker_at_once(cluster, gate):
-    import signal
-
-    broker = cluster.broker("--log-level", "info")
+@contextlib.contextmanager
+def _held_at_a_drain(cluster, gate, *broker_args: str):
+    """A broker (``broker_args``), a gated worker answering through it, and one call held at
+    the gate; yields (broker, client): the test signals the broker.  The gate opens after."""
+    broker = cluster.broker(*broker_args)
     worker = cluster.worker("gate_model:copying", "--service", "gate", "--no-direct-reply", "--no-warmup",
                             env=gate.env, wait=False)
     gate.open()
@@ -389,30 +391,29 @@ def test_a_second_sigterm_stops_a_draining_broker_at_once(cluster, gate):
         wait_service(c, "gate")
         h = c.infer_stream("gate", {"x": np.zeros(4, np.int32)})  # (kept: a handle dropped cancels its call)
         gate.wait_entered(1)
+        try:
+            yield broker, c
+        finally:
+            gate.release(1)
+            h.close()
+
+
+def test_a_second_sigterm_stops_a_draining_broker_at_once(cluster, gate):
+    import signal
+
+    with _held_at_a_drain(cluster, gate, "--log-level", "info") as (broker, _):
         broker.p.send_signal(signal.SIGTERM)
         broker.wait_log("shutting down (SIGTERM or SIGINT)")
         assert broker.p.poll() is None  # draining: the request is held at the worker
         broker.p.send_signal(signal.SIGTERM)
         assert broker.p.wait(10) == 0, broker.stderr()
         assert "drained" not in broker.stderr()
-        gate.release(1)
-        h.close()
 
 
 def test_a_drain_that_runs_out_exits_anyway_and_says_what_was_left(cluster, gate):
     import signal
 
-    broker = cluster.broker("--drain-timeout-s", "0.5")
-    worker = cluster.worker("gate_model:copying", "--service", "gate", "--no-direct-reply", "--no-warmup",
-                            env=gate.env, wait=False)
-    gate.open()
-    worker.wait_ready()
-    with Client(cluster.frontend, timeout=30) as c:
-        wait_service(c, "gate")
-        h = c.infer_stream("gate", {"x": np.zeros(4, np.int32)})  # held at the gate past the drain
-        gate.wait_entered(1)
+    with _held_at_a_drain(cluster, gate, "--drain-timeout-s", "0.5") as (broker, _):
         broker.p.send_signal(signal.SIGTERM)
         assert broker.p.wait(10) == 0, broker.stderr()
         assert "1 request(s) still at workers after 0.5 s of drain: exiting anyway" in broker.stderr()
-        gate.release(1)
-        h.close()
