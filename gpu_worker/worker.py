@@ -57,7 +57,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass, replace as _replace
+from typing import NamedTuple
 
 import zmq
 
@@ -166,6 +168,14 @@ def model_fault(e: BaseException) -> ModelFailed:
     if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
         raise e
     return ModelFailed(e)
+
+
+class _Seen(NamedTuple):
+    """An example input as `signature.mismatch` reads a request's tensors."""
+
+    name: str
+    dtype: str
+    shape: tuple
 
 
 class WarmupError(RuntimeError):
@@ -589,12 +599,35 @@ class Worker:
     def _warmup(self) -> None:
         from gpu_worker.backends import warmup
 
+        why = self._examples_misfit()
+        if why is not None:
+            # (they warmed it up and kept it warm on inputs its own service refuses with 422)
+            raise ValueError(f"they do not fit its declared inputs: {why}")
         t0 = time.perf_counter()
         sizes = sorted({1, self.batcher.max_batch})
         warmup(self.backend, self.model, sizes)           # lazy init: allocator, kernels, CUDA context
         self.compute_times.seed(warmup(self.backend, self.model, sizes))  # steady-state times
         self._set_margin()
         log.info("warm-up of %s on %s took %.1f ms", self.model.name, self.device, (time.perf_counter() - t0) * 1e3)
+
+    def _examples_misfit(self) -> str | None:
+        """Why the model's example inputs do not fit its declared `inputs`, or None (they
+        do, or either is missing)."""
+        if self._signature is None:
+            return None
+        try:
+            example = self.model.example_inputs()
+        except NotImplementedError:
+            return None
+        if not isinstance(example, Mapping):
+            return None
+        import numpy as np
+
+        seen = []
+        for name, v in example.items():
+            a = np.asarray(v) if type(v).__module__.split(".")[0] != "torch" else v.detach().cpu().numpy()
+            seen.append(_Seen(name, a.dtype.str, a.shape))
+        return mismatch(self._signature, seen)
 
     def _set_margin(self) -> None:
         """The batcher refuses to run a request with less time left than the quickest
@@ -2567,6 +2600,10 @@ class Worker:
                 why = "the model has no example_inputs()"
             except Exception as e:  # (it was a traceback and exit 1 at start: keep-warm is an optimisation)
                 why = f"its example_inputs() raised {raised(e)}"
+            else:
+                misfit = self._examples_misfit()
+                if misfit is not None:
+                    why = f"its example_inputs() do not fit its declared inputs ({misfit})"
         if why is None:
             plane = self.plane
 

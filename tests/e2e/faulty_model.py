@@ -342,3 +342,17 @@ class BatchOnlyFault(Batched):
 
 def batchfault(device="cpu"):
     return BatchOnlyFault(device)
+
+
+class MisfitExamples(Batched):
+    """Declares x: <f4[3]; its example_inputs() give a (5,)."""
+
+    name = "misfit"
+    inputs = {"x": ("<f4", (3,))}
+
+    def example_inputs(self):
+        return {"x": np.zeros(5, np.float32)}
+
+
+def misfit(device="cpu"):
+    return MisfitExamples(device)

@@ -544,3 +544,23 @@ def test_a_model_that_fails_on_batches_only_is_served_and_said(cluster):
 
     asyncio.run(scenario())
     w.wait_log("served each of its requests when run again in smaller batches: it fails on batches")
+
+
+def test_example_inputs_that_do_not_fit_the_declared_inputs_are_said(cluster, tmp_path):
+    """The worker's warm-up (and keep-warm, 105 runs a second when idle) ran the model on
+    example inputs its own service answers 422; now the warm-up refuses them (one line,
+    exit 2), and keep-warm is off with a WARNING naming the misfit."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "gpu_worker", "--model", "faulty_model:misfit", "--device", "cpu",
+                        "--broker", f"ipc://{tmp_path}/nobody.ipc", "--out-capacity-mb", "1"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "do not fit its declared inputs: input 'x' has shape [5], expected [3]" in p.stderr, p.stderr
+    cluster.broker()
+    w = cluster.worker("faulty_model:misfit", "--no-warmup", "--keep-warm-ms", "10")
+    w.wait_log("keep-warm off for misfit: its example_inputs() do not fit its declared inputs (input 'x' has shape")
