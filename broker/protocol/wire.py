@@ -241,8 +241,8 @@ class TooManyFrames(Exception):
     """A message of more than ``max_frames`` frames was read and dropped (`recv_frames`):
     ``ident`` is its first frame (a ROUTER's peer), ``frames`` how many it had."""
 
-    def __init__(self, first: Any, frames: int):
-        super().__init__(f"a message of {frames} frames (at most {MAX_FRAMES})")
+    def __init__(self, first: Any, frames: int, limit: int = MAX_FRAMES):
+        super().__init__(f"a message of {frames} frames (at most {limit})")
         self.first = first  # its first frame (a zmq.Frame: it says which connection it came on)
         self.ident = bytes(first.bytes)
         self.frames = frames
@@ -276,7 +276,7 @@ def recv_frames(sock: zmq.Socket, flags: int = 0, max_frames: int | None = None)
     except BaseException:
         _drop_rest(sock)  # (RCVMORE: whether the last frame read, or lost, had more after it)
         raise
-    raise TooManyFrames(parts[0], len(parts) + _discard(sock))
+    raise TooManyFrames(parts[0], len(parts) + _discard(sock), max_frames)
 
 
 def _discard(sock: zmq.Socket) -> int:
