@@ -150,6 +150,11 @@ class InternalError(InferenceError):
     code = ErrorCode.INTERNAL
     hint = "see the broker and worker logs; retrying may help"
 
+    def __init__(self, message: str = "", **kw):
+        if "a fault of the model: the same request fails" in message:  # the worker's: outputs it cannot send
+            self.hint = ""
+        super().__init__(message, **kw)
+
 
 class NotSupported(InferenceError, NotImplementedError):
     """This input is not supported yet."""

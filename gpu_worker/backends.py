@@ -72,6 +72,21 @@ class BackendError(RuntimeError):
     """A batch could not be run: incompatible requests or malformed model outputs."""
 
 
+class BadOutputs(BackendError):
+    """What the model returned is not a dict of outputs with the batch's leading axis: the
+    model's mistake, which the same request meets again (its client is not told that
+    retrying may help)."""
+
+
+def _outputs(model, out: Any) -> Mapping[str, Any]:
+    """``out``, which the model returned, if it is a mapping of outputs (a list or a bare
+    array failed as an AttributeError from deep in a backend)."""
+    if not isinstance(out, Mapping):
+        raise BadOutputs(f"model {model.name!r} returned {type(out).__name__}; expected a dict of outputs "
+                         "(name -> array)")
+    return out
+
+
 class UnsupportedInput(BackendError):
     """A request's input the backend's framework cannot hold (a dtype torch lacks): the
     request's fault, answered INVALID_INPUT, not the model's."""
@@ -146,16 +161,16 @@ def _to_numpy(value, name: str) -> np.ndarray:
             value = value.resolve_neg()
         if getattr(value, "layout", None) is not None and str(value.layout) != "torch.strided":
             # (sparse, or another layout: numpy takes dense tensors only; the dtype was blamed)
-            raise BackendError(f"output {name!r} is a {str(value.layout).removeprefix('torch.')} torch tensor: "
+            raise BadOutputs(f"output {name!r} is a {str(value.layout).removeprefix('torch.')} torch tensor: "
                                f"numpy takes dense ones; convert it in the model (e.g. .to_dense())")
         try:
             return value.numpy()
         except TypeError as e:  # a dtype numpy lacks (bfloat16): the model must say which it means
-            raise BackendError(f"output {name!r} is a torch {str(value.dtype).removeprefix('torch.')} tensor, which "
+            raise BadOutputs(f"output {name!r} is a torch {str(value.dtype).removeprefix('torch.')} tensor, which "
                                f"has no numpy dtype: convert it in the model (e.g. .float())") from e
     arr = np.asarray(value)
     if arr.dtype.hasobject:
-        raise BackendError(f"output {name!r} is a {type(value).__name__}, not an array or tensor")
+        raise BadOutputs(f"output {name!r} is a {type(value).__name__}, not an array or tensor")
     return arr
 
 
@@ -358,7 +373,7 @@ class Backend:
         if isinstance(partials, Mapping):  # a non-streaming model: a single "partial"
             partials = iter((partials,))
         for out in self._iterate(partials):
-            yield self._split(model, self._from_model(out), 1)[0]
+            yield self._split(model, self._from_model(_outputs(model, out)), 1)[0]
 
     def close(self) -> None:
         self._staging.clear()
@@ -377,12 +392,12 @@ class Backend:
                 if type(v) is not np.ndarray:
                     v = np.asarray(v)
                 batch[k] = v.reshape((1, *v.shape))
-            outputs = self._from_model(self._call(model, self._to_model(model, batch)) if meta is None
-                                       else self._call_meta(model, self._to_model(model, batch), meta))
+            outputs = self._from_model(_outputs(model, self._call(model, self._to_model(model, batch)) if meta is None
+                                                else self._call_meta(model, self._to_model(model, batch), meta)))
             return self._split(model, outputs, 1)
         batch, staged = self._stack(requests)
-        outputs = self._from_model(self._call(model, self._to_model(model, batch)) if meta is None
-                                   else self._call_meta(model, self._to_model(model, batch), meta))
+        outputs = self._from_model(_outputs(model, self._call(model, self._to_model(model, batch)) if meta is None
+                                            else self._call_meta(model, self._to_model(model, batch), meta)))
         if staged:
             # An output that aliases a staging buffer owns it from now on.
             for key, buf in staged:
@@ -422,7 +437,7 @@ class Backend:
             one: Outputs = {}
             for name, arr in outputs.items():
                 if arr.ndim == 0 or arr.shape[0] != 1:
-                    raise BackendError(f"model {model.name!r} output {name!r} has shape {arr.shape}; "
+                    raise BadOutputs(f"model {model.name!r} output {name!r} has shape {arr.shape}; "
                                        f"expected a leading batch axis of 1")
                 view = arr[0, ...]
                 if isinstance(view, np.ndarray):
@@ -431,7 +446,7 @@ class Backend:
             return [one]
         for name, arr in outputs.items():
             if arr.ndim == 0 or arr.shape[0] != n:
-                raise BackendError(f"model {model.name!r} output {name!r} has shape {arr.shape}; "
+                raise BadOutputs(f"model {model.name!r} output {name!r} has shape {arr.shape}; "
                                    f"expected a leading batch axis of {n}")
         per_request: list[Outputs] = [{} for _ in range(n)]
         for name, arr in outputs.items():

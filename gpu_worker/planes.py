@@ -110,34 +110,40 @@ def _within(arr: np.ndarray, inputs) -> bool:
 MAX_OUTPUT_NAMES = P.MAX_HEADER_BYTES // 2
 
 
+class OutputRefused(TypeError, ValueError):
+    """What a model returned cannot go in a reply (`check_outputs`): the model's fault, and
+    the same request fails the same way again.  A TypeError or a ValueError, as each check
+    raised before it had a class of its own."""
+
+
 def check_outputs(out: Any) -> None:
     """What a reply can carry, checked before anything is written: a dict of at most
     `P.MAX_TENSORS` outputs named by strings, each at most `P.MAX_NDIM` dimensions (a model
     that breaks this gets a clear error naming it, not a reply its client refuses as a
     protocol bug), named in valid UTF-8 and at most `MAX_OUTPUT_NAMES` bytes of names."""
     if not isinstance(out, dict):
-        raise TypeError(f"the model returned {type(out).__name__} for a request; expected a dict of outputs")
+        raise OutputRefused(f"the model returned {type(out).__name__} for a request; expected a dict of outputs")
     if len(out) > P.MAX_TENSORS:
-        raise ValueError(f"the model returned {len(out)} outputs; a reply carries at most {P.MAX_TENSORS}")
+        raise OutputRefused(f"the model returned {len(out)} outputs; a reply carries at most {P.MAX_TENSORS}")
     names = 0  # their UTF-8 bytes: a reply header over MAX_HEADER_BYTES is refused by its client
     for name, value in out.items():
         if type(name) is not str or not name:  # ("" as a client's input name is refused too)
-            raise TypeError(f"output names must be non-empty strings; the model returned {name!r}")
+            raise OutputRefused(f"output names must be non-empty strings; the model returned {name!r}")
         if name.isascii():
             names += len(name)
         else:
             try:
                 names += len(name.encode())
             except UnicodeEncodeError as e:  # checked here, before an output slot is taken
-                raise ValueError(f"output name {name!r} is not valid UTF-8 ({e.reason})") from None
+                raise OutputRefused(f"output name {name!r} is not valid UTF-8 ({e.reason})") from None
         ndim = np.ndim(value)
         if ndim > P.MAX_NDIM:
-            raise ValueError(f"output {name!r} has {ndim} dimensions; the limit is {P.MAX_NDIM}")
+            raise OutputRefused(f"output {name!r} has {ndim} dimensions; the limit is {P.MAX_NDIM}")
         itemsize = None
         if isinstance(value, np.ndarray):  # (a subclass too: np.ma, np.matrix, sent as its plain array)
             if value.dtype.hasobject or value.dtype.itemsize == 0:
                 # (object arrays' bytes are pointers; a zero-size item a client cannot read)
-                raise TypeError(f"output {name!r} has dtype {value.dtype.str!r}, which cannot be sent")
+                raise OutputRefused(f"output {name!r} has dtype {value.dtype.str!r}, which cannot be sent")
             if not value.size:
                 itemsize = value.dtype.itemsize
         elif type(value).__module__.startswith("torch") and hasattr(value, "element_size") and not value.numel():
@@ -146,11 +152,11 @@ def check_outputs(out: Any) -> None:
             # An empty array with an absurd shape ((0, 1 << 40) float32): zero bytes, but
             # every peer refuses its header (`P.tensor_nbytes`), so its client raised a
             # ProtocolError blaming mismatched versions (found by the edge hunt).
-            raise ValueError(f"output {name!r} is empty but its shape {tuple(value.shape)} and dtype {value.dtype} "
+            raise OutputRefused(f"output {name!r} is empty but its shape {tuple(value.shape)} and dtype {value.dtype} "
                              f"describe more than {P.MAX_TENSOR_BYTES} bytes (counting 0 dimensions as 1), "
                              "which no peer accepts")
     if names > MAX_OUTPUT_NAMES:
-        raise ValueError(f"the model's {len(out)} output names take {names} bytes; a reply's take at most "
+        raise OutputRefused(f"the model's {len(out)} output names take {names} bytes; a reply's take at most "
                          f"{MAX_OUTPUT_NAMES} (its header is at most {P.MAX_HEADER_BYTES})")
 
 

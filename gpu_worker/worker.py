@@ -72,7 +72,7 @@ from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signatur
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
 from gpu_worker.leases import LINK_CONNS, DirectSocket, DirectSocketError, LeaseTable, Refusal, Unsent, runs_long
-from gpu_worker.planes import DataPlane, HostPlane, NotAttested, reply_sockets
+from gpu_worker.planes import DataPlane, HostPlane, NotAttested, OutputRefused, reply_sockets
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
@@ -110,6 +110,23 @@ def _request_faults() -> tuple:
     from gpu_worker.models import InvalidInput
 
     return UnsupportedInput, InvalidInput
+
+
+def _output_faults() -> tuple:
+    """What says a model returned outputs that cannot be used: not a dict, without the
+    batch's leading axis, of a type no array takes (`backends.BadOutputs`), or that no reply
+    can carry (`planes.OutputRefused`).  (Imported here, as `_request_faults`.)"""
+    from gpu_worker.backends import BadOutputs
+
+    return BadOutputs, OutputRefused
+
+
+def refused_outputs(model: str, e: BaseException) -> str:
+    """An error reply's words for outputs the model returned that cannot be used or sent
+    (`_output_faults`): the model's mistake, which the same request meets again, so its
+    client is not told that retrying may help (`client_sdk.InternalError`)."""
+    return (f"model {model!r} returned outputs no reply can carry: {message_of(e)} (a fault of the model: "
+            f"the same request fails the same way; fix the model)")
 
 
 class LaneFault(BaseException):
@@ -1689,8 +1706,14 @@ class Worker:
                     hist["input"].observe(job.input_ms / 1e3)
                     hist["output"].observe(timing["output_ms"] / 1e3)
             except Exception as e:  # one bad output must not take the worker (and its other requests) down
-                log.exception("could not send the outputs of request %d", job.req.id, extra=logs.request_fields(job.req))
-                self._reply_error(job, P.ErrorCode.INTERNAL, f"could not send outputs: {raised(e)}")
+                if isinstance(e, OutputRefused):  # the model's own mistake: said once per batch is enough
+                    log.error("model %s returned outputs no reply can carry for request %d: %s", self.model.name,
+                              job.req.id, e, extra=logs.request_fields(job.req))
+                    self._reply_error(job, P.ErrorCode.INTERNAL, refused_outputs(self.model.name, e))
+                else:
+                    log.exception("could not send the outputs of request %d", job.req.id,
+                                  extra=logs.request_fields(job.req))
+                    self._reply_error(job, P.ErrorCode.INTERNAL, f"could not send outputs: {raised(e)}")
                 continue
             if info:
                 log.info("request done", extra=logs.done_fields(job.req, self.service, timing))
@@ -1834,9 +1857,13 @@ class Worker:
         else:
             log.error("model %s failed on streaming request %d after %d partial(s): %r", self.model.name,
                       job.req.id, seq, failed.error, extra=logs.request_fields(job.req))
-            self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised "
-                              f"{type(failed.error).__name__} after {seq} partial result(s): "
-                              f"{message_of(failed.error)}")
+            if isinstance(failed.error, _output_faults()):
+                self._reply_error(job, P.ErrorCode.INTERNAL, f"{refused_outputs(self.model.name, failed.error)} "
+                                  f"(after {seq} partial result(s))")
+            else:
+                self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised "
+                                  f"{type(failed.error).__name__} after {seq} partial result(s): "
+                                  f"{message_of(failed.error)}")
         self.served += 1
 
     # ------------------------------------------------------------------ replying
@@ -1864,6 +1891,8 @@ class Worker:
             self._reply_error(job, P.ErrorCode.INVALID_INPUT, f"model {self.model.name!r} cannot take this "
                               f"request's inputs: {raised(e)} (the model refused them as it ran: send inputs "
                               f"it takes; the same ones again fail the same way)")
+        elif isinstance(e, _output_faults()):
+            self._reply_error(job, P.ErrorCode.INTERNAL, refused_outputs(self.model.name, e))
         else:
             self._reply_error(job, P.ErrorCode.INTERNAL, f"model {self.model.name!r} raised {raised(e)}")
 

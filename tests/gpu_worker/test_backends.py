@@ -202,6 +202,23 @@ def test_output_without_batch_axis_is_an_error():
 
 
 @pytest.mark.parametrize("n", [1, 2])
+def test_a_model_returning_what_is_not_a_dict_is_said_as_such(n):
+    # A list (or a bare array) failed as an AttributeError from deep in the backend, blamed
+    # on the model as an error that "retrying may help".
+    from gpu_worker.backends import BadOutputs
+
+    class Listing(ModelBase):
+        name = "listing"
+        framework = "numpy"
+
+        def __call__(self, batch):
+            return [batch["x"] + 1]
+
+    with pytest.raises(BadOutputs, match="'listing' returned list; expected a dict of outputs"):
+        make_backend(Listing(), "cpu").run([{"x": np.zeros(1)}] * n)
+
+
+@pytest.mark.parametrize("n", [1, 2])
 def test_an_ndarray_subclass_output_splits_as_a_plain_array(n):
     # np.matrix stays 2-d when indexed: each request's (3,) output came out (1, 3).
     class Matrix(ModelBase):
