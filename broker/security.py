@@ -42,8 +42,8 @@ from broker.protocol.wire import dup_socket
 
 __all__ = [
     "SecurityError", "SecurityConfig", "FRONTEND_DOMAIN", "BACKEND_DOMAIN", "make_keys",
-    "load_allow_list", "load_server_secret", "plan", "CurvePlan", "configure_server", "ServerCurve",
-    "TCP_REFS", "peer_is_tcp", "names_local_memory", "allow_list_state", "RELOAD_PERIOD_S", "LOOK_SHARE",
+    "load_allow_list", "load_allow_entries", "read_allow_list", "load_server_secret", "plan", "CurvePlan", "configure_server", "ServerCurve",
+    "TCP_REFS", "peer_is_tcp", "kernel_guarded", "names_local_memory", "allow_list_state", "RELOAD_PERIOD_S", "LOOK_SHARE",
 ]
 
 log = logging.getLogger("broker")
@@ -139,9 +139,10 @@ def _certificates(entries):
     return [e for e in entries if e.name.endswith(".key") and not e.name.startswith(".")]
 
 
-def load_allow_list(directory: str, what: str) -> frozenset[bytes]:
-    """The z85 public keys of the `*.key` certificates in `directory`; an allow-list that is
-    missing or empty is an error (it would refuse everyone, which is never what was meant)."""
+def read_allow_list(directory: str, what: str) -> tuple[dict[str, bytes], dict[str, str]]:
+    """Each ``*.key`` entry of an allow-list directory read on its own: (name -> key of the
+    entries that read, name -> why of those that do not).  A directory that is missing or
+    cannot be listed is an error."""
     if not directory or not os.path.isdir(directory):
         raise SecurityError(f"{what} allow-list {directory!r} is not a directory of public certificates (*.key)")
     try:
@@ -151,16 +152,32 @@ def load_allow_list(directory: str, what: str) -> frozenset[bytes]:
             names = sorted(e.name for e in _certificates(it))
     except OSError as e:
         raise SecurityError(f"cannot list the {what} allow-list {directory!r}: {e.strerror or e}") from None
-    keys = set()
-    for path in (os.path.join(directory, name) for name in names):
+    good: dict[str, bytes] = {}
+    bad: dict[str, str] = {}
+    for name in names:
         try:
-            keys.add(C.load_public_key(path, f"{what} allow-list"))
+            good[name] = C.load_public_key(os.path.join(directory, name), f"{what} allow-list")
         except C.CurveKeyError as e:
-            raise SecurityError(str(e)) from None
-    if not keys:
+            bad[name] = str(e)
+    return good, bad
+
+
+def load_allow_entries(directory: str, what: str) -> dict[str, bytes]:
+    """name -> z85 public key of the `*.key` certificates in `directory`; one that does not
+    read, or an allow-list that is missing or empty, is an error (an empty one would refuse
+    everyone, which is never what was meant)."""
+    good, bad = read_allow_list(directory, what)
+    if bad:
+        raise SecurityError(next(iter(bad.values())))
+    if not good:
         raise SecurityError(f"{what} allow-list {directory!r} holds no public certificate (*.key); copy the "
                             f"NAME.key file of each {what} allowed in there")
-    return frozenset(keys)
+    return good
+
+
+def load_allow_list(directory: str, what: str) -> frozenset[bytes]:
+    """The z85 public keys of the `*.key` certificates in `directory` (`load_allow_entries`)."""
+    return frozenset(load_allow_entries(directory, what).values())
 
 
 def allow_list_state(directory: str) -> tuple:
@@ -197,8 +214,9 @@ class CurvePlan:
     secret: bytes | None = None
     allow: tuple[tuple[str, str, frozenset], ...] = ()   # (role, domain, keys) for each CURVE socket
     insecure: tuple[str, ...] = ()
-    #: (role, directory, its `allow_list_state` read just before the keys) of each list
-    sources: tuple[tuple[str, str, tuple], ...] = ()
+    #: (role, directory, its `allow_list_state` read just before the keys, entry name -> key)
+    #: of each list
+    sources: tuple[tuple[str, str, tuple, dict], ...] = ()
 
     def domain_of(self, role: str) -> str | None:
         for r, domain, _ in self.allow:
@@ -217,7 +235,7 @@ _FIX = ("pass --curve-secret FILE (the broker's NAME.key_secret) with --client-k
         "unauthenticated tcp (the [broker.security] table of the TOML file takes the same keys)")
 
 
-def _kernel_guarded(ep: str) -> bool:
+def kernel_guarded(ep: str) -> bool:
     """ipc:// socket files (file permissions) and inproc:// (one process) need no keys."""
     return (ep.startswith("ipc://") and not ep.startswith("ipc://@")) or ep.startswith("inproc://")
 
@@ -231,7 +249,7 @@ def plan(cfg: SecurityConfig, frontend: str, backend: str) -> CurvePlan:
              ("backend", backend, cfg.worker_keys, "--worker-keys", "worker", BACKEND_DOMAIN)]
     tcp = [s for s in sides if C.is_tcp(s[1])]
     keys_given = bool(cfg.curve_secret or cfg.client_keys or cfg.worker_keys)
-    bare = [ep for _, ep, *_ in sides if ep and not C.is_tcp(ep) and not _kernel_guarded(ep)]
+    bare = [ep for _, ep, *_ in sides if ep and not C.is_tcp(ep) and not kernel_guarded(ep)]
     if bare and not cfg.insecure:
         raise SecurityError(f"refusing to serve {' and '.join(bare)}: only tcp (with CurveZMQ), ipc:// socket "
                             f"files (guarded by their directory's and their own permissions) and inproc:// are "
@@ -241,7 +259,7 @@ def plan(cfg: SecurityConfig, frontend: str, backend: str) -> CurvePlan:
         if keys_given:
             raise SecurityError("--insecure (security.insecure) asks for plain tcp, yet CURVE keys were given "
                                 "(--curve-secret, --client-keys, --worker-keys); pass one or the other")
-        return CurvePlan(insecure=tuple(ep for _, ep, *_ in tcp))
+        return CurvePlan(insecure=tuple(ep for _, ep, *_ in sides if ep and not kernel_guarded(ep)))
     # Keys for an endpoint that is not tcp are not needed, and were ignored without a word:
     # an operator who meant tcp learns it here (the command-line hunt).
     unused = [flag for _, ep, directory, flag, *_ in sides if directory and not C.is_tcp(ep)]
@@ -267,8 +285,9 @@ def plan(cfg: SecurityConfig, frontend: str, backend: str) -> CurvePlan:
         # The directory's state before its keys, as a reload reads them: a change in between
         # is seen at the watcher's first look (read after, at its start, it was never seen).
         state = allow_list_state(directory)
-        allow.append((role, domain, load_allow_list(directory, who)))
-        sources.append((role, directory, state))
+        entries = load_allow_entries(directory, who)
+        allow.append((role, domain, frozenset(entries.values())))
+        sources.append((role, directory, state, entries))
     return CurvePlan(public=public, secret=secret, allow=tuple(allow), sources=tuple(sources))
 
 
@@ -291,33 +310,59 @@ class _AllowList:
     """A `zmq.auth` credentials provider: the public keys one ZAP domain accepts.  ``keys``
     is replaced whole by a reload (the ZAP thread reads one set or the other, never half)."""
 
-    def __init__(self, keys: frozenset[bytes], role: str = "", directory: str = "", state: tuple | None = None):
+    def __init__(self, keys: frozenset[bytes], role: str = "", directory: str = "", state: tuple | None = None,
+                 entries: dict[str, bytes] | None = None):
         self.keys = keys
         self.role = role
         self.directory = directory
         #: the directory's state when ``keys`` were read (read before them)
         self.state = state if state is not None else allow_list_state(directory) if directory else ()
+        #: entry name -> the key it held when last read whole or still held (what a list
+        #: that fails its checks is compared with: its removals are applied)
+        self.entries: dict[str, bytes] = dict(entries) if entries is not None else {}
         self.failed: tuple | None = None  # the state a reload refused (said once)
 
     def reload(self) -> tuple[frozenset, frozenset] | None:
         """Read the directory again if it changed: (added, removed) when a new list was
-        taken, None when nothing changed or the new one fails the checks of the start (an
-        ERROR, once per state: the previous list stays in force)."""
+        taken, None when nothing changed.  A list that fails the checks of the start (an
+        entry that is not a certificate, a half-copied file; an ERROR, once per state) adds
+        nothing, but its removals hold: a key whose entry is gone, or now holds another
+        key, leaves (a removed client must not stay in for as long as a stray file sits
+        beside it).  A list with no key left that reads keeps the previous one (an emptied
+        or unlisted directory reads as a mistake; docs/deploy.md)."""
         state = allow_list_state(self.directory)
         if state == self.state or state == self.failed:
             return None
         who = _WHO.get(self.role, self.role)
         try:
-            keys = load_allow_list(self.directory, who)
+            good, bad = read_allow_list(self.directory, who)
         except SecurityError as e:
-            self.failed = state
-            log.error("the %s allow-list changed but cannot be taken (%s); the previous one, %d key(s), stays in "
-                      "force", who, e, len(self.keys))
-            return None
+            good, bad = {}, {"": str(e)}
         # The state read before the keys: a change between the two is seen at the next look.
+        if bad or not good:
+            self.failed = state
+            why = next(iter(bad.values())) if bad else (f"{who} allow-list {self.directory!r} holds no public "
+                                                        "certificate (*.key)")
+            # What still stands of the previous list: each entry that still holds its key,
+            # or that no longer reads (half rewritten: not taken as a removal either).
+            kept = {name: key for name, key in self.entries.items()
+                    if good.get(name) == key or (name in bad and "" not in bad)}
+            keys = frozenset(kept.values())
+            removed = self.keys - keys
+            if not good or not keys:
+                log.error("the %s allow-list changed but cannot be taken (%s); the previous one, %d key(s), stays "
+                          "in force", who, why, len(self.keys))
+                return None
+            log.error("the %s allow-list changed but cannot be taken whole (%s): nothing is added until it can; "
+                      "%d key(s) removed, %d key(s) stay", who, why, len(removed), len(keys))
+            if not removed:
+                return None
+            self.keys, self.entries = keys, kept
+            return frozenset(), frozenset(removed)
         self.state, self.failed = state, None
+        keys = frozenset(good.values())
         added, removed = keys - self.keys, self.keys - keys
-        self.keys = keys
+        self.keys, self.entries = keys, good
         # A WARNING, as the refusals are: who may connect changed, a line worth having in a
         # log kept at the default level (INFO is a line per request).
         log.warning("%s allow-list %s reloaded: %d key(s), %d added, %d removed", who, self.directory, len(keys),
@@ -367,12 +412,12 @@ class ServerCurve:
             auth.stop()
             raise SecurityError(f"cannot start the ZAP handler ({e}): another CURVE broker uses this "
                                 f"zmq.Context; give each broker a context of its own") from None
-        dirs = {role: (directory, state) for role, directory, state in self.plan.sources}
+        dirs = {role: (directory, state, entries) for role, directory, state, entries in self.plan.sources}
         for role, domain, keys in self.plan.allow:
             # Keys loaded and checked here (configure_curve only logs a directory it cannot
             # read); a domain with no list is refused by the authenticator.
-            directory, state = dirs.get(role, ("", None))
-            lst = self.lists[role] = _AllowList(keys, role, directory, state)
+            directory, state, entries = dirs.get(role, ("", None, None))
+            lst = self.lists[role] = _AllowList(keys, role, directory, state, entries)
             auth.configure_curve_callback(domain, lst)
         self.auth = auth
         if any(lst.directory for lst in self.lists.values()) and self._reload_period > 0:

@@ -652,10 +652,12 @@ class Broker:
         # Resolve wildcard ports so callers (tests, bench) can connect.
         self.frontend_ep = self.frontend.getsockopt_string(zmq.LAST_ENDPOINT)
         self.backend_ep = self.backend.getsockopt_string(zmq.LAST_ENDPOINT)
-        insecure = [ep for ep in (self.frontend_ep, self.backend_ep) if ep.startswith("tcp://")
-                    and not self._curve_plan.enabled]
+        # (an abstract ipc://@name too, which any local user reaches: it was served without
+        # a word; the security audit)
+        insecure = [ep for ep in (self.frontend_ep, self.backend_ep) if not security.kernel_guarded(ep)
+                    and not (ep.startswith("tcp://") and self._curve_plan.enabled)]
         if insecure:
-            log.warning("INSECURE: serving %s as plain tcp (--insecure): no authentication, no encryption; "
+            log.warning("INSECURE: serving %s without authentication (--insecure): no keys, no encryption; "
                         "any process that can reach it can act as a client or a worker", " and ".join(insecure))
         # Whether a client's connection is tcp (learned once per client, as its pid is): tcp
         # peers may not name shared memory, CUDA memory or a reply socket.  Only a frontend

@@ -82,7 +82,13 @@ def load_public_key(value: Any, what: str = "server key") -> bytes:
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if isinstance(value, str) and os.path.exists(value):
-        return _read_cert(value, what)[0]
+        public, secret = _read_cert(value, what)
+        if secret is not None:
+            # Taken (its public half is what is meant), but a secret certificate where a
+            # public one will do is a secret copied where it need not be (the security audit).
+            log.warning("the %s %s is a secret certificate: its public half is used; give this side the public "
+                        "NAME.key instead and keep the secret with its owner alone", what, value)
+        return public
     key = z85_key(value)
     if key is not None:
         return key
@@ -138,10 +144,18 @@ def _read_cert(path: str, what: str) -> tuple[bytes, bytes | None]:
                                     f"for a certificate (at most {MAX_CERT_BYTES})")
             # pyzmq's reader, on the file checked here (its descriptor's path: the same
             # file, whatever has been renamed over the name since)
-            public, secret = zmq.auth.load_certificate(f"/proc/self/fd/{fd}")
+            try:
+                public, secret = zmq.auth.load_certificate(f"/proc/self/fd/{fd}")
+            except ValueError:
+                # (pyzmq's words name the descriptor's path, /proc/self/fd/N: what the file lacks
+                # is said here instead, the file by its own name)
+                empty = " (it is empty)" if not st.st_size else ""
+                raise CurveKeyError(f"the {what} certificate {path!r} is not a certificate{empty}: it holds no "
+                                    f"public-key line; expected a NAME.key (or NAME.key_secret) written by "
+                                    f"`python -m broker keys DIR --name NAME`") from None
         finally:
             os.close(fd)
-    except (OSError, ValueError) as e:
+    except OSError as e:
         raise CurveKeyError(f"cannot read the {what} certificate {path!r}: {e}") from None
     if z85_key(public) is None or (secret is not None and z85_key(secret) is None):
         raise CurveKeyError(f"the {what} certificate {path!r} does not hold 40-character z85 keys")

@@ -84,6 +84,46 @@ def test_a_list_that_fails_its_checks_is_not_taken_and_said_once(setup, caplog):
     assert len([r for r in caplog.records if "cannot be taken" in r.getMessage()]) == 3
 
 
+def test_a_removal_holds_while_another_entry_fails_its_checks(setup, caplog):
+    """Found by the security audit: a reload was all or nothing, so a key removed while any
+    other entry did not read (a stray README.key, a half-copied file) stayed in force, new
+    connections included, for as long as that entry sat there.  Its removals hold; what it
+    adds waits for it to read; an entry half rewritten is neither."""
+    curve, clients, made = setup
+    a, b, c = _z85(made["a"]), _z85(made["b"]), _z85(made["c"])
+    for n in ("b", "c"):
+        shutil.copy(made[n], clients)
+    curve.reload()
+    assert all(curve.allowed("frontend", k) for k in (a, b, c))
+    caplog.set_level(logging.ERROR, logger="broker")
+    (clients / "junk.key").write_text("garbage\n")
+    os.unlink(clients / "a.key")
+    curve.reload()
+    assert not curve.allowed("frontend", a) and curve.allowed("frontend", b) and curve.allowed("frontend", c)
+    assert list(curve.removals) == [("frontend", frozenset({a}))] and curve.revoked
+    line = [r.getMessage() for r in caplog.records if "cannot be taken whole" in r.getMessage()]
+    assert len(line) == 1 and "junk.key" in line[0] and "1 key(s) removed, 2 key(s) stay" in line[0], caplog.text
+    # c.key half rewritten (not a removal: kept), b.key now holding a's key (b leaves, a is
+    # not let back in while junk.key is there), a new key copied in (waits).
+    (clients / "c.key").write_text("metadata\ncurve\n    public-key = \"trunc")
+    shutil.copy(made["a"], clients / "b.key")
+    shutil.copy(made["a"], clients / "a2.key")
+    curve.reload()
+    assert not curve.allowed("frontend", b) and curve.allowed("frontend", c) and not curve.allowed("frontend", a)
+    assert list(curve.removals)[-1] == ("frontend", frozenset({b}))
+    os.unlink(clients / "junk.key")  # the stray entry gone, and c.key whole again: all taken
+    shutil.copy(made["c"], clients / "c.key")
+    curve.reload()
+    assert curve.allowed("frontend", a) and curve.allowed("frontend", c) and not curve.allowed("frontend", b)
+    # Every key that read removed beside a stray entry: the previous list stays (emptied).
+    for n in ("a2.key", "b.key"):
+        os.unlink(clients / n)
+    (clients / "c.key").unlink()
+    (clients / "junk.key").write_text("garbage\n")
+    curve.reload()
+    assert curve.allowed("frontend", a) and curve.allowed("frontend", c)
+
+
 def test_a_kubernetes_secret_volume_swap_is_seen(tmp_path):
     """A Secret volume: each file is a link through ``..data``, itself a link to a dated
     directory that the kubelet replaces whole (a new directory, the link renamed over):
@@ -255,17 +295,17 @@ def test_a_change_between_the_start_s_read_and_its_watch_is_seen(tmp_path, monke
     clients.mkdir()
     for n in ("a", "b"):
         shutil.copy(made[n], clients)
-    real = S.load_allow_list
+    real = S.load_allow_entries
 
     def then_removed(directory, what):
-        keys = real(directory, what)
+        entries = real(directory, what)
         os.unlink(clients / "a.key")  # removed just after the start read the list
-        return keys
+        return entries
 
-    monkeypatch.setattr(S, "load_allow_list", then_removed)
+    monkeypatch.setattr(S, "load_allow_entries", then_removed)
     cfg = S.SecurityConfig(curve_secret=str(tmp_path / "keys" / "server.key_secret"), client_keys=str(clients))
     plan = S.plan(cfg, "tcp://127.0.0.1:0", "ipc:///nowhere/b.ipc")
-    monkeypatch.setattr(S, "load_allow_list", real)
+    monkeypatch.setattr(S, "load_allow_entries", real)
     ctx = zmq.Context()
     curve = S.ServerCurve(ctx, plan, reload_period=0)
     curve.start()

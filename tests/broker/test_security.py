@@ -80,8 +80,10 @@ def test_allow_lists_and_server_secret(keys, tmp_path):
     with pytest.raises(S.SecurityError, match="holds no public certificate"):
         S.load_allow_list(str(root / "empty"), "worker")
     (root / "clients" / "junk.key").write_text("not a certificate\n")
-    with pytest.raises(S.SecurityError, match="junk.key"):
+    with pytest.raises(S.SecurityError, match="junk.key") as e:
         S.load_allow_list(str(root / "clients"), "client")
+    # (pyzmq's words named the descriptor read, /proc/self/fd/N; found by the security audit)
+    assert "/proc/self" not in str(e.value) and "holds no public-key line" in str(e.value), str(e.value)
     with pytest.raises(S.SecurityError, match="no secret key"):
         S.load_server_secret(k["server"][0])  # the public half
     assert S.load_server_secret(k["server"][1]) == zmq.auth.load_certificate(k["server"][1])
@@ -416,3 +418,16 @@ def test_a_look_at_a_frames_descriptor_that_a_file_took_leaks_no_descriptor(tmp_
             assert _devnull_fds() == before, f"{_devnull_fds() - before} descriptors leaked"
     finally:
         os.close(null)
+
+
+def test_a_secret_certificate_where_a_public_one_will_do_is_taken_and_said(keys, caplog):
+    """A client given the broker's server.key_secret as its server key (or a secret
+    certificate copied into an allow-list as NAME.key) works, silently before: a secret
+    spread where it need not be (the security audit)."""
+    root, k = keys
+    caplog.set_level(logging.WARNING, logger="broker.protocol")
+    assert C.load_public_key(k["server"][1]) == zmq.auth.load_certificate(k["server"][0])[0]
+    assert "is a secret certificate: its public half is used" in caplog.text
+    caplog.clear()
+    assert C.load_public_key(k["server"][0]) == zmq.auth.load_certificate(k["server"][0])[0]
+    assert not caplog.text

@@ -5,7 +5,7 @@ processes on tcp loopback.
 A key copied into an allow-list is served without a restart; a key removed stops being
 served on the connection it already holds (its brokered calls, its MMI questions, and its
 pinned calls, whose lease ends, all answered 403: `Forbidden`), while every other client is
-served as before; a list that fails its checks is not taken; a worker whose key is removed
+served as before; a list that fails its checks adds nothing, but its removals hold; a worker whose key is removed
 is disconnected, told why, and exits 2, its service served by the others.
 
 Every wait is bounded: the broker's log is read for each reload (`Proc.wait_log`), and a
@@ -35,7 +35,7 @@ LOOPBACK = "tcp://127.0.0.1:0"
 def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("keys")
     return {n: SimpleNamespace(pub=pub, sec=sec)
-            for n in ("server", "a", "b", "junk", "w1", "w2")
+            for n in ("server", "a", "b", "c", "junk", "w1", "w2")
             for pub, sec in [S.make_keys(str(root), n)]}
 
 
@@ -120,11 +120,27 @@ def test_keys_added_and_removed_while_the_broker_runs(broker, made):
                 # A list that fails its checks is not taken: b stays, a stays out.  (Its line
                 # after the mark: a look that met a key half copied above said it too.)
                 mark = broker.proc.logged
-                (broker.clients / "junk.key").write_text("not a certificate\n")
-                broker.proc.wait_log("cannot be taken", after=mark)
+                shutil.copy(made["c"].pub, broker.clients)
+                broker.proc.wait_log("2 key(s), 1 added, 0 removed", after=mark)
+                with _client(broker, made, "c") as c:
+                    _echo(c, "echo", x)
+                    mark = broker.proc.logged
+                    (broker.clients / "junk.key").write_text("not a certificate\n")
+                    broker.proc.wait_log("cannot be taken", after=mark)
+                    _echo(b, "echo", x)
+                    with pytest.raises(Forbidden):
+                        _echo(a, "echo", x)
+                    # ...but its removals hold (they waited for the junk to go): c is refused.
+                    os.unlink(broker.clients / "c.key")
+                    broker.proc.wait_log("1 key(s) removed, 1 key(s) stay", after=mark)
+                    deadline = time.monotonic() + 20
+                    while True:
+                        try:
+                            _echo(c, "echo", x)
+                        except Forbidden:
+                            break
+                        assert time.monotonic() < deadline, "a key removed beside a stray entry is still served"
                 _echo(b, "echo", x)
-                with pytest.raises(Forbidden):
-                    _echo(a, "echo", x)
                 # Put back (the junk gone, a's key copied in again): a is served again.
                 mark = broker.proc.logged
                 os.unlink(broker.clients / "junk.key")

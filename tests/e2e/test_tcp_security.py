@@ -1426,3 +1426,19 @@ def test_an_ipv6_broker_worker_and_client_talk(tmp_path):
         for p in (worker, broker):
             if p is not None:
                 p.close()
+
+
+def test_insecure_abstract_ipc_is_warned_of_as_plain_tcp_is(tmp_path):
+    # An abstract ipc://@name has no file permissions: any local user reaches it.  Refused
+    # without --insecure; with it, it was served without the WARNING plain tcp gets (the
+    # security audit).
+    fe = f"ipc://@zinf-test-insecure-{os.getpid()}-{time.monotonic_ns()}"
+    b = Proc(["-m", "broker", "--frontend", fe, "--backend", f"ipc://{tmp_path}/be.ipc", "--insecure"])
+    try:
+        b.wait_ready()
+        b.wait_log("INSECURE")
+        b.terminate()
+        lines = [ln for ln in b.stderr(tail=None).splitlines() if "INSECURE" in ln]
+        assert len(lines) == 1 and "WARNING" in lines[0] and fe in lines[0] and "be.ipc" not in lines[0], lines
+    finally:
+        b.close()
