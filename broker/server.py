@@ -123,11 +123,13 @@ _TRACK_BYTES = 64 << 10
 class _Unread:
     """Big frames sent to one client that libzmq may still hold (`Broker._track_unread`)."""
 
-    __slots__ = ("q", "total")
+    __slots__ = ("q", "total", "principal")
 
-    def __init__(self):
+    def __init__(self, principal: object = None):
         self.q: deque = deque()  # (tracker, bytes), in the order sent
         self.total = 0
+        #: whom its client counts as when it is not its own principal (`Broker._conn_principal`)
+        self.principal = principal
 
     def settle(self) -> int:
         """Forget the frames libzmq let go of (in order: one connection writes in order); how
@@ -758,6 +760,12 @@ class Broker:
         # Big frames sent to each client that libzmq may still hold (`_track_unread`), and how
         # many bytes of them a client may have waiting: its byte cap's worth.
         self._unread: dict[bytes, _Unread] = {}
+        #: principal -> its connections in `_unread` (only principals that are not a
+        #: connection of their own): what one principal's connections hold together is
+        #: bounded by the same cap (`_track_unread`)
+        self._unread_by: dict[object, set[bytes]] = {}
+        #: the CurveZMQ principal of each tcp client connection seen with one (`_tcp_principal`)
+        self._client_keys: dict[bytes, str] = {}
         self._max_unread = max(self.cfg.scheduler.max_client_bytes, 4 * _TRACK_BYTES)
         self._dropping = False
         self.malformed = 0
@@ -1044,7 +1052,18 @@ class Broker:
         for ident, u in list(unread.items()):
             u.settle()
             if not u.q:
-                del unread[ident]
+                self._drop_unread(ident)
+
+    def _drop_unread(self, ident: bytes) -> None:
+        """Forget what ``ident`` was sent tracked (its connection ended, or libzmq let all of
+        it go)."""
+        u = self._unread.pop(ident, None)
+        if u is not None and u.principal is not None:
+            conns = self._unread_by.get(u.principal)
+            if conns is not None:
+                conns.discard(ident)
+                if not conns:
+                    del self._unread_by[u.principal]
 
     def _prune_workers(self) -> None:
         """Once a second: what is kept per worker, for the workers that are registered only
@@ -1417,17 +1436,18 @@ class Broker:
             host, transports = None, frozenset({"inline"})  # as its requests: inline only
         who = self._client_pid(ident, first)
         pid, start = who if who is not None else (None, None)
-        principal = self._principal(who) if pid is not None else self._tcp_principal(first)  # see _client_request
+        principal = self._principal(who) if pid is not None else self._tcp_principal(first, ident)  # see _client_request
         self._act(self.sched.client_lease(ident, principal, ask.id, service.decode(errors="replace"), now,
                                           slots=ask.slots, host=host, transports=transports,
                                           secret=secrets.token_bytes(16), pid=pid, start=start,
                                           remote=remote), now)
 
     def _forget_client(self, ident: bytes) -> None:
-        self._unread.pop(ident, None)
+        self._drop_unread(ident)
         self._kept_conns.pop(ident, None)
         self._client_pids.pop(ident, None)
         self._client_tcp.pop(ident, None)
+        self._client_keys.pop(ident, None)
         self._client_conn.pop(ident, None)
         self._req_clients.discard(ident)
         self._v01_clients.discard(ident)
@@ -1520,7 +1540,7 @@ class Broker:
                 # The process, not its pid alone: (pid, start time), so that a new process
                 # that reuses a pid is not counted as the old one (its caps, its remembered
                 # turns: broker/state.py "Connections and principals").
-                principal=self._principal(who) if pid is not None else self._tcp_principal(first),
+                principal=self._principal(who) if pid is not None else self._tcp_principal(first, ident),
             )
         else:
             # A plain MDP/0.2 request: opaque body, relayed as is.  Its id lives in a
@@ -1530,7 +1550,7 @@ class Broker:
             pid = None if who is None else who[0]
             actions = self.sched.client_request(
                 ident, -self._opaque_ids, service.decode(errors="replace"), now, payload=_Payload(None, body),
-                size=_nbytes(body), principal=self._principal(who) if pid is not None else self._tcp_principal(first),
+                size=_nbytes(body), principal=self._principal(who) if pid is not None else self._tcp_principal(first, ident),
             )
         self._act(actions, now)
 
@@ -1545,17 +1565,34 @@ class Broker:
                 return (who[0], start)
         return who
 
-    def _tcp_principal(self, frame: Any) -> str | None:
+    def _tcp_principal(self, frame: Any, ident: bytes) -> str | None:
         """Whom the caps and the round-robin count a tcp client as: its CurveZMQ key (the
         ZAP User-Id), whichever connection it uses.  None (the connection is its own
-        principal) without CURVE, or when the frame says nothing."""
+        principal) without CURVE, or when the frame says nothing.  Kept for ``ident``
+        (`_conn_principal`)."""
         if not self._tcp_frontend:
             return None
         try:
             uid = frame.get("User-Id")
         except (zmq.ZMQError, AttributeError, TypeError, ValueError):
             return None
-        return f"curve:{uid}" if uid else None
+        if not uid:
+            return None
+        p = f"curve:{uid}"
+        keys = self._client_keys
+        if keys.get(ident) != p:
+            if len(keys) >= _MAX_CLIENT_PIDS:  # bounded as the pids are
+                keys.clear()
+            keys[ident] = p
+        return p
+
+    def _conn_principal(self, ident: bytes) -> object:
+        """Whom client connection ``ident`` counts as, as its requests do: its attested
+        process, its CurveZMQ key, or None (the connection is its own principal)."""
+        who = self._client_pids.get(ident)
+        if who is not None:
+            return self._principal(who)
+        return self._client_keys.get(ident)
 
     def _mmi(self, ident: bytes, service: bytes, body: tuple, code: bytes | None = None) -> None:
         """Answer an MMI question (RFC 8); ``code``: the answer decided already (403)."""
@@ -1658,7 +1695,9 @@ class Broker:
         reply over its cap, several in flight over it: found by review)."""
         u = self._unread.get(ident)
         if u is None:
-            u = self._unread[ident] = _Unread()
+            u = self._unread[ident] = _Unread(self._conn_principal(ident))
+            if u.principal is not None:
+                self._unread_by.setdefault(u.principal, set()).add(ident)
         went = u.settle()
         held = u.total  # of what was sent before this message
         for t in tracked:
@@ -1666,8 +1705,30 @@ class Broker:
             u.total += t[1]
         if held > self._max_unread and not went:
             self._stalled(ident, f"{held >> 20} MiB of replies unread")
-        elif not u.q:
-            del self._unread[ident]
+        elif u.principal is not None and len(self._unread_by[u.principal]) > 1 and not went:
+            self._principal_unread(u.principal, ident, held)
+
+    def _principal_unread(self, principal: object, ident: bytes, held: int) -> None:
+        """The cap is the principal's, whichever connections it reads on: one that opened N
+        connections and read none of them held N caps' worth in the broker (the security
+        audit).  Over it, the connection of ``principal`` holding the most that read none of
+        it since the previous look is taken for one that stopped reading (a connection that
+        reads keeps its frames going, however much it pulls)."""
+        total, worst, most = held, None, 0
+        unread = self._unread
+        for other in self._unread_by[principal]:
+            if other == ident:
+                stuck, n = held > 0, held
+            else:
+                o = unread[other]
+                stuck = not o.settle() and o.total > 0
+                n = o.total
+                total += n
+            if stuck and n > most:
+                worst, most = other, n
+        if total > self._max_unread and worst is not None:
+            self._stalled(worst, f"{most >> 20} MiB of replies unread, {total >> 20} MiB on all the connections of "
+                                 f"its principal")
 
     def _stalled(self, ident: bytes, why: str) -> None:
         """``ident`` does not read what it asked for.  Drop it as if it had disconnected
@@ -2085,6 +2146,7 @@ class Broker:
                 self._client_pids.clear()
                 self._pid_starts.clear()
                 self._client_tcp.clear()
+                self._client_keys.clear()
                 self._client_conn.clear()
                 self._conn_clients.clear()
                 self._kept_conns.clear()
@@ -2127,10 +2189,11 @@ class Broker:
                     del self._client_conn[ident]
                     self._client_pids.pop(ident, None)
                     self._client_tcp.pop(ident, None)
+                    self._client_keys.pop(ident, None)
                     self._kept_conns.pop(ident, None)
                     self._req_clients.discard(ident)
                     self._v01_clients.discard(ident)
-                    self._unread.pop(ident, None)
+                    self._drop_unread(ident)
                     self._conn_closed(ident, fd, state)
 
     def _conn_closed(self, ident: bytes, fd: int, state: int) -> None:

@@ -1320,3 +1320,71 @@ def test_a_client_within_a_raised_request_cap_is_not_taken_for_one_that_stopped_
     assert broker.p.poll() is None
 
 
+
+
+_HOGS = """
+import sys
+import zmq
+from broker import protocol as P
+from tests.e2e.test_bounded_resources import _request
+endpoint, conns, each, size = sys.argv[1], *map(int, sys.argv[2:5])
+ctx = zmq.Context.instance()
+hogs = []
+for _ in range(conns):
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    s.rcvhwm, s.rcvbuf, s.sndhwm, s.sndbuf, s.sndtimeo = 1, 4096, 1, 65536, 2000
+    s.connect(endpoint)
+    hogs.append(s)
+payload = bytes(size)
+for r in range(each):
+    for i, s in enumerate(hogs):
+        try:  # (one whose connection the broker ended times out: not reading, it cannot tell)
+            s.send_multipart(_request("echo", r * conns + i + 1, payload, "|u1", [size], reply="inline"), copy=False)
+        except zmq.Again:
+            pass
+print("SENT", flush=True)
+sys.stdin.read()  # until the test closes its end: reading nothing meanwhile
+"""
+
+
+def test_replies_unread_on_many_connections_of_one_client_are_bounded_by_its_one_cap(cluster):
+    """The byte cap on unread replies was counted per connection: a client process that
+    opened eight connections and read none held eight caps' worth of replies in the broker
+    (the security audit: 384 MiB for a cap of 64).  It is the principal's, as its request
+    caps are: past it, its connection holding the most unread is dropped as one that stopped
+    reading; another client is served throughout."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import ROOT
+
+    broker = cluster.broker("--max-client-mb", "16")
+    cluster.worker("echo")
+    pid = broker.p.pid
+    size, conns, each = 4 * MiB, 8, 5
+    with Client(cluster.frontend, timeout=10) as good:
+        wait_service(good, "echo")
+        _echo(good, np.arange(16, dtype=np.int64))
+        rss0 = _status_kib(pid, "VmRSS")
+        hogs = subprocess.Popen([sys.executable, "-c", _HOGS, cluster.frontend, str(conns), str(each), str(size)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, text=True)
+        try:
+            broker.wait_log("on all the connections of its principal", timeout=30)
+            _echo(good, np.arange(16, dtype=np.int64))  # served throughout
+            hwm = _status_kib(pid, "VmHWM")
+            print(f"\nunread replies on {conns} connections: broker peak VmHWM +{hwm - rss0} KiB for "
+                  f"{conns * each} requests of {size >> 20} MiB")
+            # Its cap (16 MiB) of unread replies, the requests in flight, the kernel's buffers
+            # and allocator slack; per connection, up to 8 x 5 x 4 MiB = 160 MiB stayed.
+            assert hwm - rss0 < 90 * 1024, (rss0, hwm)
+        finally:
+            hogs.stdin.close()
+            try:
+                hogs.wait(20)
+            finally:
+                if hogs.poll() is None:
+                    hogs.kill()
+                    hogs.wait(10)
+                hogs.stdout.close()
+    assert broker.p.poll() is None, broker.stderr()
