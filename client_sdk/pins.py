@@ -82,7 +82,7 @@ __all__ = ["Pin", "PinOpen", "PinSend", "PinClose", "PinEvents", "pin_slots", "P
 log = logging.getLogger("client_sdk")
 
 #: slots a `pin=True` client asks for per lease (the broker may grant fewer); a stream's
-#: service pinned on demand asks for as many, or the stream's max_in_flight if larger
+#: service pinned on demand asks for the stream's max_in_flight
 PIN_SLOTS = 8
 #: the most slots one lease may ask for
 PIN_MAX_SLOTS = 1 << 16
