@@ -204,11 +204,14 @@ class LeaseTable:
             del self._routes[oldest]  # unbound: its next REQUEST is told to say HELLO
         return None
 
-    def unbind(self, route: bytes) -> None:
-        """Connection ``route`` said DISCONNECT: it is bound to nothing."""
+    def unbind(self, route: bytes) -> list[bytes]:
+        """Connection ``route`` said DISCONNECT: it is bound to nothing.  The keys of the
+        requests it has in flight (its client left: they run for nobody)."""
         lease = self._routes.pop(route, None)
         if lease is not None:
             lease.routes.pop(route, None)
+        keys = self._keys
+        return [k for k, (_, r, _) in keys.items() if r == route] if keys else []
 
     def lease_of(self, route: bytes) -> Lease | None:
         return self._routes.get(route)

@@ -2225,7 +2225,12 @@ class Worker:
             if key is not None:
                 self._cancel(key, cancel.expired)
         elif cmd == P.C_DISCONNECT:
-            self.leases.unbind(route)
+            # Its client's goodbye on this connection (our SDK says it when it closes, and
+            # sends nothing more there): what it has here is dropped or cancelled, as the
+            # broker does at a client's DISCONNECT.  Unstarted, they ran for nobody (a
+            # pinned client closed with three queued: all three ran; the leases audit).
+            for key in self.leases.unbind(route):
+                self._cancel(key, gone=True)
         elif cmd != P.C_HEARTBEAT:
             raise P.ProtocolError(f"command {cmd!r} is not taken on a worker's direct socket")
 

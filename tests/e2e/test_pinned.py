@@ -720,3 +720,45 @@ def test_a_streams_pinned_frames_wait_behind_its_own_brokered_ones(cluster, monk
                     assert r["x"][1] == got
                 got += 1
     assert bounced == []
+
+
+def test_a_pinned_client_that_closes_leaves_nothing_queued_to_run_for_it(cluster, gate):
+    # Found by the leases audit: a pinned client closed with calls queued at its worker (a
+    # close without linger cancels nothing) left them to run for nobody, where a brokered
+    # client's DISCONNECT drops them at the broker.  The client's DISCONNECT on the lease's
+    # connection now does the same at the worker.
+    cluster.broker()
+    w = cluster.worker("gate_model:factory", "--service", "gate", "--max-batch", "1", "--credit", "16",
+                       "--no-warmup", "--direct", "--log-level", "INFO", env=gate.env, wait=False)
+    gate.open()
+    w.wait_ready()
+    c = Client(cluster.frontend, timeout=30, pin=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not c.pinned("gate"):
+            assert time.monotonic() < deadline, "never pinned"
+            gate.release(1)
+            with c.infer("gate", {"x": np.arange(3)}, timeout=TIMEOUT_S):
+                pass
+            if not c.pinned("gate"):
+                c.pump(0.05)
+        ran = gate.entered()
+        calls = [c.prepare("gate", {"x": np.full(3, i)}) for i in range(4)]
+        for call in calls:
+            assert c.submit(call, timeout=TIMEOUT_S)
+        gate.wait_entered(ran + 1)  # the first runs (held at the gate), three wait behind it
+        mark = w.logged
+        c.close(0)
+        gate.release(1)  # the running one ends (the worker reads its sockets between batches)
+        for _ in range(3):  # each queued one dropped, answered to nobody
+            w.wait_log("cancelled before it ran: its client left", after=mark)
+            mark = w._err.index(b"cancelled before it ran: its client left", mark) + 1
+    finally:
+        c.close(0)
+    # None of the three reached the gate; a call through the broker (let through) runs after
+    # whatever was still queued.
+    gate.release(1)
+    with Client(cluster.frontend, timeout=TIMEOUT_S) as other:
+        with other.infer("gate", {"x": np.arange(3)}):
+            pass
+    assert gate.entered() == ran + 2, (ran, gate.entered())

@@ -109,8 +109,11 @@ def test_reset_ends_every_lease_and_disconnect_unbinds(table):
     lid = P.lease_id(1)
     table.hello(A, lid, SECRET)
     table.hello(B, lid, SECRET)
-    table.unbind(B)
+    table.admit(B, 7, b"kb")
+    assert table.unbind(B) == [b"kb"]  # what it has in flight: its client left (the worker cancels it)
+    assert table.unbind(B) == [b"kb"] and table.unbind(b"conn-never") == []
     assert table.lease_of(B) is None and table.admit(B, 1, b"k").message == NOT_BOUND
+    assert table.finish(b"kb")
     table.admit(A, 1, b"k1")
     table.reset("broker connection lost")
     assert len(table) == 0
