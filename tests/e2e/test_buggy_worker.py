@@ -178,6 +178,30 @@ def test_a_reply_carrying_another_requests_id_answers_neither_wrongly(cluster, b
         ring.close()
 
 
+def test_a_reply_header_that_names_its_id_twice_is_read_as_the_client_reads_it(cluster, bad):
+    """The interop audit: a header with the key `id` twice (its own request's, then
+    another's) passed the broker's check, which read the first, and the client, whose
+    decoder keeps the last, took it for the other call's answer.  The broker reads what the
+    client reads: a misaddressed reply, a 400 for its own request."""
+    import msgpack
+
+    with Client(cluster.frontend, timeout=5) as c:
+        first = c.infer_stream("bad", {"x": np.full(4, 1, np.uint8)})
+        env1, req1 = bad.request()
+        second = c.infer_stream("bad", {"x": np.full(4, 2, np.uint8)})
+        env2, req2 = bad.request()
+        one = P.TensorRef(name="y", dtype="|u1", shape=[1], loc=P.InlineLoc(frame=0))
+        fields = list(msgpack.unpackb(P.encode_header(P.Reply(id=req1.id, tensors=[one]))[len(P.MAGIC):],
+                                      raw=False).items())
+        assert [k for k, _ in fields[:2]] == ["v", "id"]
+        twice = P.MAGIC + msgpack.Packer().pack_map_pairs([*fields[:2], ("id", req2.id), *fields[2:]])
+        bad.sock.send_multipart(P.worker_reply(env1, True, [twice, b"\x01"]))
+        with pytest.raises(ProtocolError, match=f"a reply for request id {req2.id}"):
+            first.result()
+        bad.final(env2, P.Reply(id=req2.id, tensors=[one]), [b"\x02"])
+        assert [int(r["y"][0]) for r in second] == [2]  # its own answer, not the other's
+
+
 def test_a_heartbeat_on_the_reply_socket_is_not_the_brokers(cluster, bad):
     """Only the broker speaks for the broker.  A worker that sent a HEARTBEAT to a client's
     direct-reply socket with another instance id made the client believe the broker had

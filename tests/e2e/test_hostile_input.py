@@ -53,6 +53,9 @@ def _hostile_requests(host: str) -> dict[int, tuple[list[bytes], str]]:
         6: ([_deep_meta(6)], "nests deeper than 32 levels"),
         7: ([enc(P.Request(id=7, host=host, tensors=[huge]))], "describe more than 1099511627776 bytes"),
         8: ([enc(P.Request(id=8, tensors=[empty_huge])), b""], "describe more than 1099511627776 bytes"),
+        # (an input named "": echo failed to send it back, a 500 and a traceback; the interop audit)
+        9: ([enc(P.Request(id=9, tensors=[P.TensorRef(name="", dtype="<f4", shape=[1], loc=P.InlineLoc(frame=0))])),
+             b"\x00" * 4], "a tensor name may not be empty"),
         # 16 separate requests with a |V0 tensor each, sent together
         **{100 + i: ([enc(P.Request(id=100 + i, tensors=[_zero("z", "inline")])), b""], "item size 0")
            for i in range(16)},

@@ -289,6 +289,28 @@ def _mdp01_worker(cluster, service: str, *extra: str) -> Proc:
     return p
 
 
+def test_an_mdp02_req_client_of_a_streaming_service_gets_each_request_s_own_final(cluster):
+    # A REQ socket takes the first reply that comes after its next send as that request's
+    # answer: a stream's later PARTIALs reached it, and the next request got the previous
+    # one's PARTIAL, one reply out of step for good (the interop audit).  It gets the FINAL.
+    cluster.broker()
+    w, r = _dealer(cluster.backend), _req(cluster.frontend)
+    try:
+        w.send_multipart([MDPW, P.W_READY, b"svc"])
+        _mmi(r, b"svc", b"200")
+        for n in range(3):
+            r.send_multipart([MDPC, P.C_REQUEST, b"svc", b"ask%d" % n])
+            env, *body = _worker_request(w)
+            assert body == [b"ask%d" % n]
+            w.send_multipart([MDPW, P.W_PARTIAL, env, b"", b"p0"])
+            w.send_multipart([MDPW, P.W_PARTIAL, env, b"", b"p1"])
+            w.send_multipart([MDPW, P.W_FINAL, env, b"", b"done%d" % n])
+            assert _recv(r) == [MDPC, P.C_FINAL, b"svc", b"done%d" % n]
+    finally:
+        w.close(0)
+        r.close(0)
+
+
 def test_a_zguide_mdp01_worker_heartbeats_and_serves_mdp02_and_mdp01_clients(cluster):
     # tests/e2e/mdp01_worker.py does what the zguide's mdwrkapi does, asserts included.  It
     # stays registered across many liveness windows of heartbeats both ways, and serves an
