@@ -324,12 +324,14 @@ class _AllowList:
 
     def reload(self) -> tuple[frozenset, frozenset] | None:
         """Read the directory again if it changed: (added, removed) when a new list was
-        taken, None when nothing changed.  A list that fails the checks of the start (an
-        entry that is not a certificate, a half-copied file; an ERROR, once per state) adds
-        nothing, but its removals hold: a key whose entry is gone, or now holds another
-        key, leaves (a removed client must not stay in for as long as a stray file sits
-        beside it).  A list with no key left that reads keeps the previous one (an emptied
-        or unlisted directory reads as a mistake; docs/deploy.md)."""
+        taken, None when nothing changed.  The list taken is the keys of the entries that
+        read; an entry that does not (a half-copied file, a stray README.key, a FIFO: an
+        ERROR, once per state of the directory) adds nothing, and keeps the key it held, if
+        it held one (an editor's half-written rewrite is not a removal).  So a removal holds
+        beside a stray entry (it stayed in force for as long as one sat there: the security
+        audit), and so does a rotation (a new key copied in, the old one removed).  A
+        directory emptied, missing or unlisted, or with no entry that reads, keeps the
+        previous list whole: that reads as a mistake (docs/deploy.md)."""
         state = allow_list_state(self.directory)
         if state == self.state or state == self.failed:
             return None
@@ -338,31 +340,26 @@ class _AllowList:
             good, bad = read_allow_list(self.directory, who)
         except SecurityError as e:
             good, bad = {}, {"": str(e)}
-        # The state read before the keys: a change between the two is seen at the next look.
-        if bad or not good:
+        if not good:
             self.failed = state
             why = next(iter(bad.values())) if bad else (f"{who} allow-list {self.directory!r} holds no public "
                                                         "certificate (*.key)")
-            # What still stands of the previous list: each entry that still holds its key,
-            # or that no longer reads (half rewritten: not taken as a removal either).
-            kept = {name: key for name, key in self.entries.items()
-                    if good.get(name) == key or (name in bad and "" not in bad)}
-            keys = frozenset(kept.values())
-            removed = self.keys - keys
-            if not good or not keys:
-                log.error("the %s allow-list changed but cannot be taken (%s); the previous one, %d key(s), stays "
-                          "in force", who, why, len(self.keys))
-                return None
-            log.error("the %s allow-list changed but cannot be taken whole (%s): nothing is added until it can; "
-                      "%d key(s) removed, %d key(s) stay", who, why, len(removed), len(keys))
-            if not removed:
-                return None
-            self.keys, self.entries = keys, kept
-            return frozenset(), frozenset(removed)
+            log.error("the %s allow-list changed but cannot be taken (%s); the previous one, %d key(s), stays in "
+                      "force", who, why, len(self.keys))
+            return None
+        # The state read before the keys: a change between the two is seen at the next look.
+        kept = {name: key for name, key in self.entries.items() if name in bad}
+        entries = {**kept, **good}
+        keys = frozenset(entries.values())
         self.state, self.failed = state, None
-        keys = frozenset(good.values())
         added, removed = keys - self.keys, self.keys - keys
-        self.keys, self.entries = keys, good
+        self.keys, self.entries = keys, entries
+        if bad:
+            log.error("the %s allow-list %s changed, but %d of its entries cannot be taken (%s): each adds nothing "
+                      "until it reads, and keeps the key it held; %d key(s) in force", who, self.directory, len(bad),
+                      next(iter(bad.values())), len(keys))
+            if not added and not removed:
+                return None
         # A WARNING, as the refusals are: who may connect changed, a line worth having in a
         # log kept at the default level (INFO is a line per request).
         log.warning("%s allow-list %s reloaded: %d key(s), %d added, %d removed", who, self.directory, len(keys),

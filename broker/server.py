@@ -131,15 +131,17 @@ def _collect_legacy_shm() -> None:
 class _Unread:
     """Big frames sent to one client that libzmq may still hold (`Broker._track_unread`)."""
 
-    __slots__ = ("q", "total", "principal")
+    __slots__ = ("q", "total", "principal", "went_at", "looked_at")
 
-    def __init__(self, principal: object = None):
+    def __init__(self, principal: object = None, now: float = 0.0):
         self.q: deque = deque()  # (tracker, bytes), in the order sent
         self.total = 0
         #: whom its client counts as when it is not its own principal (`Broker._conn_principal`)
         self.principal = principal
+        self.went_at = now  # when libzmq last let one of its frames go (or it was made)
+        self.looked_at = now  # its own previous look (`Broker._track_unread`)
 
-    def settle(self) -> int:
+    def settle(self, now: float = 0.0) -> int:
         """Forget the frames libzmq let go of (in order: one connection writes in order); how
         many."""
         q = self.q
@@ -147,6 +149,8 @@ class _Unread:
         while q and q[0][0].done:
             self.total -= q.popleft()[1]
             n += 1
+        if n:
+            self.went_at = now
         return n
 #: the interpreter's switch interval while the HTTP threads run (`_open_http`)
 HTTP_SWITCH_S = 0.0005
@@ -736,6 +740,9 @@ class Broker:
         # (`_from_closed`).
         self._closed_clients: dict[bytes, tuple[int, int]] = {}
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
+        #: those of them whose socket is a REQ (ZMTP's Socket-Type): one reply per request,
+        #: so no PARTIAL (a DEALER that leads with the delimiter reads streams)
+        self._req_sockets: set[bytes] = set()
         # Clients that sent an MDP/0.1 request (docs/protocol.md section 12.1): what goes to
         # them is written in MDP/0.1 (`_send_client`).  A subset of `_req_clients` (a 0.1
         # message leads with the empty frame), forgotten with it.
@@ -984,6 +991,8 @@ class Broker:
                 self._prune_workers()
                 self._headroom_tick()
                 self._settle_unread()
+                if self._doomed:  # a principal's quiet connection dropped there
+                    self._drop_doomed()
                 for throttle in self._throttles:
                     throttle.flush()  # what a burst held back is said within a second or so
                 if self._closed_conns >= TRIM_AFTER_CLOSES and not (self._trimming and self._trimming.is_alive()):
@@ -1062,10 +1071,14 @@ class Broker:
         """Once a second: forget the clients whose big frames libzmq has all let go of (a
         client that asked for nothing more since is not looked at otherwise)."""
         unread = self._unread
+        now = time.monotonic()
         for ident, u in list(unread.items()):
-            u.settle()
+            u.settle(now)
             if not u.q:
                 self._drop_unread(ident)
+        for principal, conns in list(self._unread_by.items()):
+            if len(conns) > 1:  # (a principal's connections that are all quiet now, sent nothing since)
+                self._principal_unread(principal, None, 0, now)
 
     def _drop_unread(self, ident: bytes) -> None:
         """Forget what ``ident`` was sent tracked (its connection ended, or libzmq let all of
@@ -1316,6 +1329,11 @@ class Broker:
             return
         if msg.leading_empty:
             self._req_clients.add(ident)
+            try:
+                if frames[1].get("Socket-Type") == "REQ":
+                    self._req_sockets.add(ident)
+            except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+                pass
             if _protocol_frame(frames) == P.MDPC01:
                 self._v01_clients.add(ident)  # answered in MDP/0.1 from now on
             if ident not in self._client_conn:
@@ -1461,6 +1479,7 @@ class Broker:
         self._client_keys.pop(ident, None)
         self._client_conn.pop(ident, None)
         self._req_clients.discard(ident)
+        self._req_sockets.discard(ident)
         self._v01_clients.discard(ident)
 
     def _on_request(self, ident: bytes, msg: P.ClientMessage, now: float) -> None:
@@ -1655,11 +1674,12 @@ class Broker:
                     return True
                 head = [ident]
             else:
-                if frames[1] == P.C_PARTIAL:
+                if frames[1] == P.C_PARTIAL and ident in self._req_sockets:
                     # A REQ socket takes one reply per request, and takes the first that comes
                     # after its next send for that one's: a stream's later PARTIALs answered
                     # its next request, one reply out of step for good (the interop audit).
-                    # It gets the FINAL only, as an MDP/0.1 client does.
+                    # It gets the FINAL only, as an MDP/0.1 client does.  (A DEALER that
+                    # leads with the delimiter, majortomo's client, reads them all.)
                     return True
                 head = [ident, b""]
         else:
@@ -1710,38 +1730,47 @@ class Broker:
         been sent before is over its cap and none of it went since the previous look: a
         client that reads keeps its trackers finishing, however much it pulls at once (one
         reply over its cap, several in flight over it: found by review)."""
+        now = time.monotonic()
         u = self._unread.get(ident)
         if u is None:
-            u = self._unread[ident] = _Unread(self._conn_principal(ident))
+            u = self._unread[ident] = _Unread(self._conn_principal(ident), now)
             if u.principal is not None:
                 self._unread_by.setdefault(u.principal, set()).add(ident)
-        went = u.settle()
+        u.settle(now)
+        went = u.went_at > u.looked_at  # since its own previous look, whoever settled it since
+        u.looked_at = now
         held = u.total  # of what was sent before this message
         for t in tracked:
             u.q.append(t)
             u.total += t[1]
         if held > self._max_unread and not went:
             self._stalled(ident, f"{held >> 20} MiB of replies unread")
-        elif u.principal is not None and len(self._unread_by[u.principal]) > 1 and not went:
-            self._principal_unread(u.principal, ident, held)
+        elif u.principal is not None and len(self._unread_by[u.principal]) > 1:
+            self._principal_unread(u.principal, ident, held, now)
 
-    def _principal_unread(self, principal: object, ident: bytes, held: int) -> None:
+    def _principal_unread(self, principal: object, ident: bytes | None, held: int, now: float) -> None:
         """The cap is the principal's, whichever connections it reads on: one that opened N
         connections and read none of them held N caps' worth in the broker (the security
-        audit).  Over it, the connection of ``principal`` holding the most that read none of
-        it since the previous look is taken for one that stopped reading (a connection that
-        reads keeps its frames going, however much it pulls)."""
-        total, worst, most = held, None, 0
-        unread = self._unread
-        for other in self._unread_by[principal]:
+        audit).  Over it, of the principal's connections that libzmq has let no frame of go
+        for the client liveness window, the one holding the most is taken for one that
+        stopped reading.  (A window, not the previous look: a connection that reads one
+        large frame lets it go only once it is all written, and its siblings' sends look
+        often; found by review.)  ``ident``: the connection being sent to, ``held`` what it
+        held before (None: the once-a-second look)."""
+        total, worst, most = 0, None, 0
+        unread, doomed = self._unread, self._doomed
+        quiet = self.sched.client_window
+        for other in list(self._unread_by[principal]):
+            if other in doomed:
+                continue  # being dropped: what it holds goes with it
+            o = unread[other]
             if other == ident:
-                stuck, n = held > 0, held
+                n = held
             else:
-                o = unread[other]
-                stuck = not o.settle() and o.total > 0
+                o.settle(now)
                 n = o.total
-                total += n
-            if stuck and n > most:
+            total += n
+            if n > most and now - o.went_at >= quiet:
                 worst, most = other, n
         if total > self._max_unread and worst is not None:
             self._stalled(worst, f"{most >> 20} MiB of replies unread, {total >> 20} MiB on all the connections of "
@@ -2209,6 +2238,7 @@ class Broker:
                     self._client_keys.pop(ident, None)
                     self._kept_conns.pop(ident, None)
                     self._req_clients.discard(ident)
+                    self._req_sockets.discard(ident)
                     self._v01_clients.discard(ident)
                     self._drop_unread(ident)
                     self._conn_closed(ident, fd, state)

@@ -125,8 +125,9 @@ def refused_outputs(model: str, e: BaseException) -> str:
     """An error reply's words for outputs the model returned that cannot be used or sent
     (`_output_faults`): the model's mistake, which the same request meets again, so its
     client is not told that retrying may help (`client_sdk.InternalError`)."""
-    return (f"model {model!r} returned outputs no reply can carry: {message_of(e)} (a fault of the model: "
-            f"the same request fails the same way; fix the model)")
+    # (the words the client looks for first: a long output name in the message may be cut)
+    return (f"model {model[:200]!r} returned outputs no reply can carry (a fault of the model: the same request "
+            f"fails the same way; fix the model): {message_of(e)}")
 
 
 class LaneFault(BaseException):
@@ -1706,7 +1707,7 @@ class Worker:
                     hist["input"].observe(job.input_ms / 1e3)
                     hist["output"].observe(timing["output_ms"] / 1e3)
             except Exception as e:  # one bad output must not take the worker (and its other requests) down
-                if isinstance(e, OutputRefused):  # the model's own mistake: said once per batch is enough
+                if isinstance(e, OutputRefused):  # the model's own mistake: a line, not a traceback
                     log.error("model %s returned outputs no reply can carry for request %d: %s", self.model.name,
                               job.req.id, e, extra=logs.request_fields(job.req))
                     self._reply_error(job, P.ErrorCode.INTERNAL, refused_outputs(self.model.name, e))

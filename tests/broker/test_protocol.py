@@ -624,3 +624,16 @@ def test_a_service_name_that_is_not_utf8_is_a_protocol_error():
         with pytest.raises(P.ProtocolError, match="service name must be UTF-8"):
             P.parse_client([b"", P.MDPC01, bad, b"body"])
     assert P.parse_client([P.MDPC, P.C_REQUEST, "écho".encode(), b"body"]).service == "écho".encode()
+
+
+@pytest.mark.parametrize("second", [b"\xa2id", b"\xd9\x02id", b"\xda\x00\x02id", b"\xdb\x00\x00\x00\x02id"],
+                         ids=["fixstr", "str8", "str16", "str32"])
+def test_header_id_reads_a_repeated_id_as_a_client_decodes_it(second):
+    # A reply header that names `id` twice: the broker's relay check read the first, the
+    # client's decoder keeps the last (the interop audit; a longer string format for the
+    # second key slipped past the first fix: found by review).
+    body = b"\x84\xa1v\x01\xa2id\x05" + second + b"\x07\xa7tensors\x90"
+    frame = P.MAGIC + body
+    assert P.decode_reply(frame).id == 7
+    assert P.header_id(frame) == 7
+    assert P.header_id(P.MAGIC + b"\x82\xa1v\x01\xa2id\x05") == 5  # once: the fast path's answer

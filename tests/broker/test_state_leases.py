@@ -144,6 +144,9 @@ def test_a_worker_dying_before_it_confirmed_answers_the_ask_with_an_error():
     r = only(out, LeaseRefused)
     assert r.ask_id == 7 and r.code == ErrorCode.SERVICE_UNAVAILABLE
     assert not of(out, LeaseEndToClient)
+    # Refused, not ended: only a granted lease ends (the leases audit: ended outnumbered granted).
+    counters = s.stats()["counters"]
+    assert (counters["leases_granted"], counters["leases_refused"], counters["leases_ended"]) == (0, 1, 0)
 
 
 def test_a_drain_ends_every_lease_on_both_sides_without_resending():
@@ -260,6 +263,8 @@ def test_an_unconfirmed_lease_is_refused_after_the_workers_liveness_window():
     assert only(out, LeaseEndToWorker).lease == to_w.lease
     assert s.stats()["services"]["svc"]["leased_credit"] == 0
     assert s.worker_leased(b"w", to_w.lease, 3.1) == []  # too late
+    counters = s.stats()["counters"]
+    assert (counters["leases_granted"], counters["leases_refused"], counters["leases_ended"]) == (0, 1, 0)
 
 
 def test_shared_memory_is_offered_only_when_the_lease_is_near_and_a_remote_client_needs_tcp():

@@ -1388,3 +1388,47 @@ def test_replies_unread_on_many_connections_of_one_client_are_bounded_by_its_one
                     hogs.wait(10)
                 hogs.stdout.close()
     assert broker.p.poll() is None, broker.stderr()
+
+
+def test_connections_of_one_client_that_read_big_replies_are_not_taken_for_stalled_ones(cluster):
+    """The other side of the principal's cap on unread replies (found by review): four
+    connections of one process, each with two 6 MiB replies in flight (48 MiB at once, over
+    a cap of 16), all reading as the replies come.  None is dropped: a connection is taken
+    for one that stopped reading only when libzmq let none of its frames go for the client
+    liveness window."""
+    broker = cluster.broker("--max-client-mb", "16")
+    cluster.worker("grow_model:factory", "--service", "grow", "--no-warmup")
+    size, conns, each = 6 * MiB, 4, 12
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "grow")
+    socks = [_dealer(cluster.frontend) for _ in range(conns)]
+    try:
+        poller = zmq.Poller()
+        for s in socks:
+            poller.register(s, zmq.POLLIN)
+        sent = {s: 0 for s in socks}
+        got = {s: 0 for s in socks}
+
+        def send(s):
+            sent[s] += 1
+            s.send_multipart(_request("grow", sent[s], np.array([size], np.int64).tobytes(), "<i8", [1],
+                                      reply="inline"))
+
+        for s in socks:
+            send(s)
+            send(s)
+        deadline = time.monotonic() + 60
+        while any(n < each for n in got.values()):
+            assert time.monotonic() < deadline, got
+            for s, _ in poller.poll(1000):
+                rep, body = _recv_final(s)
+                assert rep.error is None, rep.error
+                assert len(body[0]) == size
+                got[s] += 1
+                if sent[s] < each:
+                    send(s)
+    finally:
+        for s in socks:
+            s.close(0)
+    assert "stopped reading" not in broker.stderr(tail=None), broker.stderr()
+    assert broker.p.poll() is None

@@ -306,6 +306,18 @@ def test_an_mdp02_req_client_of_a_streaming_service_gets_each_request_s_own_fina
             w.send_multipart([MDPW, P.W_PARTIAL, env, b"", b"p1"])
             w.send_multipart([MDPW, P.W_FINAL, env, b"", b"done%d" % n])
             assert _recv(r) == [MDPC, P.C_FINAL, b"svc", b"done%d" % n]
+        # A DEALER that leads with the empty frame (majortomo's client) reads streams: it
+        # gets every PARTIAL, the broker telling the two apart by their announced socket type.
+        d = _dealer(cluster.frontend)
+        try:
+            d.send_multipart([b"", MDPC, P.C_REQUEST, b"svc", b"ask"])
+            env, *body = _worker_request(w)
+            w.send_multipart([MDPW, P.W_PARTIAL, env, b"", b"p0"])
+            w.send_multipart([MDPW, P.W_FINAL, env, b"", b"done"])
+            assert _recv(d) == [b"", MDPC, P.C_PARTIAL, b"svc", b"p0"]
+            assert _recv(d) == [b"", MDPC, P.C_FINAL, b"svc", b"done"]
+        finally:
+            d.close(0)
     finally:
         w.close(0)
         r.close(0)
