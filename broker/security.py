@@ -25,6 +25,7 @@ import collections
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -180,6 +181,22 @@ def load_allow_list(directory: str, what: str) -> frozenset[bytes]:
     return frozenset(load_allow_entries(directory, what).values())
 
 
+def _warn_if_writable(directory: str, who: str) -> None:
+    """A WARNING for an allow-list directory that another user may write to: whoever can
+    copy a key in there is let in within a second (the broker reads it again while it runs;
+    the security audit)."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return
+    euid = os.geteuid()
+    other = st.st_uid not in (euid, 0)
+    if other or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        log.warning("the %s allow-list %s is %s: whoever can write a key there is let in; make it the "
+                    "broker's user's, mode 0755 or less", who, directory,
+                    f"owned by uid {st.st_uid}" if other else f"writable by others (mode {stat.S_IMODE(st.st_mode):o})")
+
+
 def allow_list_state(directory: str) -> tuple:
     """What a reload watches of an allow-list directory: each ``*.key`` entry's name and,
     links followed, its inode, size, modification and change times, sorted; a directory that cannot
@@ -286,6 +303,7 @@ def plan(cfg: SecurityConfig, frontend: str, backend: str) -> CurvePlan:
         # is seen at the watcher's first look (read after, at its start, it was never seen).
         state = allow_list_state(directory)
         entries = load_allow_entries(directory, who)
+        _warn_if_writable(directory, who)
         allow.append((role, domain, frozenset(entries.values())))
         sources.append((role, directory, state, entries))
     return CurvePlan(public=public, secret=secret, allow=tuple(allow), sources=tuple(sources))

@@ -851,12 +851,20 @@ class Broker:
                     os.unlink(path)  # a stale socket file from a dead broker
                 except OSError:
                     pass
+        file = ep.startswith("ipc://") and not ep.startswith("ipc://@")
+        # An ipc socket file is made 0600 from its creation on: made with the process's umask
+        # and chmodded after, it was open to a permissive umask's other users in between
+        # (the security audit).  libzmq binds an ipc listener in the calling thread.
+        old_mask = os.umask(0o177) if file else None
         try:
             P.ipv6_for(sock, ep)
             sock.bind(ep)
         except zmq.ZMQError as e:
             raise RuntimeError(f"cannot bind {ep}: {e.strerror}") from None
-        if ep.startswith("ipc://") and not ep.startswith("ipc://@"):
+        finally:
+            if old_mask is not None:
+                os.umask(old_mask)
+        if file:
             # Only this user may connect (the runtime directory is 0700 as well; an explicit
             # path may be elsewhere).
             os.chmod(sock.getsockopt_string(zmq.LAST_ENDPOINT)[len("ipc://") :], 0o600)

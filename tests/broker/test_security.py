@@ -211,6 +211,27 @@ def test_ipc_sockets_are_0600(tmp_path):
         assert inbox is not None and _mode(inbox.path) == 0o600
     finally:
         inbox.close()
+    # Made 0600, not chmodded after: with a permissive umask the file was open to other
+    # users between the bind and the chmod (the security audit).  The mode the file has as
+    # libzmq's bind returns, before the chmod, read from inside the bind.
+    seen = []
+    real_bind = zmq.Socket.bind
+
+    def bind(sock, ep):
+        out = real_bind(sock, ep)
+        if ep.startswith("ipc://"):
+            seen.append(_mode(ep[len("ipc://"):]))
+        return out
+
+    old = os.umask(0)
+    try:
+        zmq.Socket.bind = bind
+        with Broker(BrokerConfig(frontend=f"ipc://{tmp_path}/fe2.ipc", backend=f"ipc://{tmp_path}/be2.ipc"), ctx=ctx):
+            pass
+    finally:
+        zmq.Socket.bind = real_bind
+        os.umask(old)
+    assert seen == [0o600, 0o600], [oct(m) for m in seen]
     ctx.term()
 
 
@@ -431,3 +452,21 @@ def test_a_secret_certificate_where_a_public_one_will_do_is_taken_and_said(keys,
     caplog.clear()
     assert C.load_public_key(k["server"][0]) == zmq.auth.load_certificate(k["server"][0])[0]
     assert not caplog.text
+
+
+def test_an_allow_list_others_may_write_to_is_warned_of(keys, caplog):
+    # Whoever can copy a key into an allow-list is let in within a second (the reload): a
+    # directory writable by others was taken without a word (the security audit).
+    root, k = keys
+    clients = root / "clients"
+    cfg = S.SecurityConfig(curve_secret=k["server"][1], client_keys=str(clients))
+    with caplog.at_level(logging.WARNING, logger="broker"):
+        S.plan(cfg, "tcp://127.0.0.1:1", "ipc:///b")
+    assert "writable by others" not in caplog.text
+    os.chmod(clients, 0o777)
+    try:
+        with caplog.at_level(logging.WARNING, logger="broker"):
+            S.plan(cfg, "tcp://127.0.0.1:1", "ipc:///b")
+    finally:
+        os.chmod(clients, 0o755)
+    assert "is writable by others (mode 777): whoever can write a key there is let in" in caplog.text
