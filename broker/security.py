@@ -48,7 +48,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("broker")
-_refusals = P.RateLimitedLog(log, 10.0)  # keys refused by the allow-lists (the ZAP thread's)
+#: keys refused by the allow-lists (the ZAP thread's), one log per ZAP domain: a flood of
+#: unknown client keys must not hide a refused worker's among the suppressed
+_refusals: dict[str, P.RateLimitedLog] = collections.defaultdict(lambda: P.RateLimitedLog(log, 10.0))
 
 #: how often the allow-list directories are looked at for added and removed keys (seconds)
 RELOAD_PERIOD_S = 1.0
@@ -389,7 +391,7 @@ class _AllowList:
             return True
         # WARNING (rate-limited): a worker or client refused here hears nothing but silence,
         # so this line is the operator's one clue.
-        _refusals.warning("refused a tcp peer: CURVE key %s is not in the %s allow-list",
+        _refusals[domain].warning("refused a tcp peer: CURVE key %s is not in the %s allow-list",
                           key.decode(errors="replace"), domain)
         return False
 
