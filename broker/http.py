@@ -125,7 +125,10 @@ class _Handler(BoundedHandler):
 
     def do_GET(self):
         link: LoopLink = self.server.link
-        raw = urlsplit(self.path).path.rstrip("/") or "/"
+        try:
+            raw = urlsplit(self.path).path.rstrip("/") or "/"
+        except ValueError:  # ("GET http://[::1 ...": an ERROR with a traceback, and no answer)
+            return self._json(400, {"error": "the request's path cannot be parsed"})
         parts = [unquote(p) for p in raw.split("/")[1:]]  # split first: a name may hold %2F
         path = unquote(raw)
         if path == "/metrics":
@@ -161,6 +164,10 @@ class _Handler(BoundedHandler):
         return self._json(404, {"error": f"no such path {path!r}"})
 
 
+#: a /metrics render waits this many times what the previous snapshot and render cost
+SCRAPE_SHARE = 10
+
+
 class _Scrapes:
     """`/metrics` bodies, rendered one at a time and shared: a scrape is answered with the
     first body whose snapshot the loop took after the scrape arrived, so scrapes that come
@@ -172,6 +179,8 @@ class _Scrapes:
         self._lock = threading.Lock()
         self._body: bytes | None = None
         self._at = -float("inf")  # when the snapshot under _body was asked for
+        #: until when _body is answered to every scrape: `SCRAPE_SHARE` times what it cost
+        self._fresh_until = -float("inf")
 
     def __call__(self, link: LoopLink) -> bytes | None:
         arrived = time.monotonic()
@@ -180,6 +189,13 @@ class _Scrapes:
         try:
             if self._body is not None and self._at >= arrived:
                 return self._body
+            # Not before the last body has been kept for SCRAPE_SHARE times what it cost: a
+            # scraper that asks again as soon as it is answered waits here (on its HTTP
+            # thread), and still gets a snapshot taken after it arrived.
+            if arrived < self._fresh_until:
+                wait = min(self._fresh_until - time.monotonic(), LOOP_TIMEOUT_S)
+                if wait > 0:
+                    time.sleep(wait)
             at = time.monotonic()
             snap = link.ask("metrics")
             if snap is None:
@@ -188,6 +204,14 @@ class _Scrapes:
 
             # Rendered here, on this thread: the loop only copied its numbers.
             self._body, self._at = exposition(render(*snap)), at
+            # A scraper that asks again as soon as it is answered (one HTTP peer in a loop, or
+            # HEAD, which downloads nothing) took a snapshot on the loop and a render every
+            # time: with 1,000 services, p99 of 16 B calls 2.9 -> 16-20 ms (the HTTP audit).
+            # The next render waits SCRAPE_SHARE times what this one cost, so scrapes take
+            # at most about a tenth of the interpreter however often they come (a few
+            # milliseconds for a few services).
+            done = time.monotonic()
+            self._fresh_until = done + SCRAPE_SHARE * (done - at)
             return self._body
         finally:
             self._lock.release()

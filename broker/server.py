@@ -580,6 +580,10 @@ class Broker:
         # Registered at some point (404 vs 503), bounded, retired once without a worker for
         # RETAIN_S (ServiceNames)
         self._seen_services = ServiceNames(_MAX_SERVICES)
+        #: live services whose name found the lists full at their READY (counted under
+        #: _other, a 404 for readiness): added once there is room, not at their next READY,
+        #: which a long-lived worker never sends (the HTTP audit)
+        self._unlabelled: set[str] = set()
         # False while a launcher (broker.launcher) starts its pools: /v2/health/ready says
         # 503 until every pool's workers were ready once (its READY line), not as soon as
         # the fastest pool registered (the docs hunt: clients let in then met 503s).
@@ -1112,6 +1116,15 @@ class Broker:
         if self.metrics is not None:
             self.metrics.prune(has)
             self.metrics.sweep(self.sched.holds_service, now)
+        for service in list(self._unlabelled):
+            if self.sched.holds_service(service):
+                self._seen_services.add(service, now)
+                if self.metrics is not None:
+                    self.metrics.register(service, now)
+                if service not in self._seen_services or (self.metrics is not None
+                                                          and service not in self.metrics.known):
+                    continue  # still no room
+            self._unlabelled.discard(service)
         if len(self._worker_info) > 64:
             self._worker_info = {w: v for w, v in self._worker_info.items() if has(w)}
         if len(self._worker_keys) > 64:
@@ -1219,7 +1232,9 @@ class Broker:
             live = [w for w in workers if not w["stopping"]]  # (draining ones finish, take nothing new)
             return {
                 "name": arg,
-                "ready": bool(live),
+                # (as /v2/models/{name}/ready says: not while the broker drains or holds; the
+                # HTTP audit found this true then)
+                "ready": bool(live) and not (sched.draining or sched.holding),
                 "platform": "zmq-infer",
                 "workers": workers,
                 "hosts": sorted({w["host"] for w in live if w["host"]}),
@@ -2123,6 +2138,8 @@ class Broker:
         self._seen_services.add(service, now)
         if self.metrics is not None:
             self.metrics.register(service, now)
+        if service not in self._seen_services or (self.metrics is not None and service not in self.metrics.known):
+            self._unlabelled.add(service)  # no room for its name now: taken once there is (`_prune_workers`)
         if len(self._worker_info) >= _MAX_CLIENT_PIDS:
             live = {w: v for w, v in self._worker_info.items() if self.sched.has_worker(w)}
             self._worker_info = live

@@ -52,8 +52,13 @@ class _Handler(BoundedHandler):
         self.do_GET()
 
     def do_GET(self):
-        path = urlsplit(self.path).path.rstrip("/")
-        if path == "/v2/health/live":
+        try:
+            path = urlsplit(self.path).path.rstrip("/")
+        except ValueError:  # ("GET http://[::1 ...": an ERROR with a traceback, and no answer)
+            path = None
+        if path is None:
+            body, status = {"error": "the request's path cannot be parsed"}, 400
+        elif path == "/v2/health/live":
             ok = self.server.live()
             body, status = {"live": ok}, 200 if ok else 503
         elif path == "/v2/health/ready":

@@ -121,3 +121,30 @@ def test_a_ready_looks_at_its_own_service_s_workers_not_at_every_worker(tmp_path
         b.on_worker(ready(1001, "svc", "int8"))  # unlike its service's live worker: said once
         assert Looked.n <= 4
         assert b._sig_warned and all(k[0] == "svc" for k in b._sig_warned)
+
+
+def test_a_service_that_found_the_names_full_is_named_once_there_is_room(tmp_path, monkeypatch):
+    # Found by the HTTP audit: a service whose READY found the names full stayed unnamed for
+    # its worker's life (counted under _other; its readiness a 404 "unknown" once its worker
+    # went, not a 503), since only a READY added names.  It is added once there is room.
+    monkeypatch.setattr(S, "_MAX_SERVICES", 4)
+    cfg = S.BrokerConfig(frontend=f"ipc://{tmp_path}/fe.ipc", backend=f"ipc://{tmp_path}/be.ipc")
+
+    def frames(i, msg):
+        return [zmq.Frame(b"W%d" % i), *(zmq.Frame(bytes(f)) for f in msg)]
+
+    with S.Broker(cfg) as b:
+        b.send_to_worker = lambda frames: None
+        for i in range(4):
+            b.on_worker(frames(i, P.worker_ready(f"svc{i}", P.Ready(credit=1, transports=["inline"]))))
+        b.on_worker(frames(0, P.worker_disconnect()))
+        b._prune_workers()  # svc0 has no worker from now on
+        b.on_worker(frames(4, P.worker_ready("svc4", P.Ready(credit=1, transports=["inline"]))))
+        assert "svc4" not in b._seen_services  # full, and svc0 not gone long enough to make room
+        b._prune_workers()
+        assert "svc4" not in b._seen_services
+        b._seen_services.evict_after = 0.0  # (svc0 gone long enough)
+        b._prune_workers()
+        assert "svc4" in b._seen_services and "svc0" not in b._seen_services and not b._unlabelled
+        b.on_worker(frames(4, P.worker_disconnect()))
+        assert b._http_answer("model_ready", "svc4") == "unavailable"  # a 503, not "unknown"

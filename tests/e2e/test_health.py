@@ -50,7 +50,9 @@ def test_the_broker_is_not_ready_while_it_drains(tmp_path, gate):
             assert get(base, "/v2/health/live")[0] == 200
             assert get(base, "/v2/health/ready")[0] == 503
             assert get(base, "/v2/models/held/ready")[0] == 503
-            assert json.loads(get(base, "/v2/models/held")[1])["in_flight"] == 1  # still held
+            held = json.loads(get(base, "/v2/models/held")[1])
+            assert held["in_flight"] == 1  # still held
+            assert held["ready"] is False  # as its /ready says (it said true: the HTTP audit)
             gate.release()
             r = call.result(timeout=WAIT)
             np.testing.assert_array_equal(r["x"], x)
@@ -232,3 +234,21 @@ def test_a_worker_is_not_ready_once_signalled_during_a_batch(cluster, gate, tmp_
         gate.release(1)
         h.result(timeout=WAIT).release()  # the batch it held still answers
     assert w.p.wait(WAIT) == 0
+
+
+def test_a_request_line_whose_url_cannot_be_parsed_is_a_400_on_both_ports(cluster):
+    # Found by the HTTP audit: "GET http://[::1 HTTP/1.0" made urlsplit raise: no answer at
+    # all, and an ERROR with a traceback in the broker's (or the worker's) log.
+    import socket
+
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    w = cluster.worker("echo", "--health-port", "127.0.0.1:0")
+    for proc, field in ((broker, "http"), (w, "health")):
+        host, port = proc.field(field).rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=WAIT) as c:
+            c.sendall(b"GET http://[::1 HTTP/1.0\r\n\r\n")
+            got = b""
+            while chunk := c.recv(4096):
+                got += chunk
+        assert got.startswith(b"HTTP/1.0 400"), got
+    assert "Traceback" not in broker.stderr(tail=None) and "Traceback" not in w.stderr(tail=None)
