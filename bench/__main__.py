@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import signal
 import sys
 import time
 from datetime import datetime, timezone
@@ -67,9 +69,30 @@ def _floats(text: str) -> list[float]:
         vals = [float(t) for t in _csv(text)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers: {text!r}") from None
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive numbers: {text!r}")
+    if not vals or any(not (0 < v < math.inf) for v in vals):  # (NaN fails this too)
+        raise argparse.ArgumentTypeError(f"expected positive finite numbers: {text!r}")
     return vals
+
+
+#: the most seconds a window, a warm-up, a run or a timeout may be: a day (as `run`'s)
+_DAY_S = 86400.0
+
+
+def _number(low: float, high: float, *, low_open: bool = False, integer: bool = False):
+    """An argparse type: a finite number (an int with ``integer``) in [low, high] (low
+    excluded with ``low_open``).  The peer subcommands took 0, negative and NaN values
+    silently: a concurrency of 0 measured nothing and said "stable", a NaN timeout meant
+    none (the bench audit)."""
+    def parse(text: str):
+        try:
+            v = int(text) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if integer else 'a number'}: {text!r}") from None
+        if not (low < v if low_open else low <= v) or not v <= high:  # (NaN fails both)
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range: expected {'more than' if low_open else 'at least'} "
+                                             f"{low:g} and at most {high:g}")
+        return v
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,22 +107,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="import MODULE to register more peers (repeatable)")
     g.add_argument("--list-peers", action="store_true", help="list peers and exit")
     t = common.add_argument_group("measurement")
-    t.add_argument("--window-s", type=float, help="length of one measurement window")
-    t.add_argument("--warmup-s", type=float, help="discarded warm-up window per peer (0: none)")
-    t.add_argument("--max-duration-s", type=float,
+    t.add_argument("--window-s", type=_number(0, _DAY_S, low_open=True), help="length of one measurement window")
+    t.add_argument("--warmup-s", type=_number(0, _DAY_S), help="discarded warm-up window per peer (0: none)")
+    t.add_argument("--max-duration-s", type=_number(0, _DAY_S, low_open=True),
                    help="stop repeating windows after this long, per workload (all peers)")
-    t.add_argument("--stable-windows", type=int, default=3,
+    t.add_argument("--stable-windows", type=_number(1, 1e6, integer=True), default=3,
                    help="consecutive windows whose p50s must agree (default 3)")
-    t.add_argument("--tolerance", type=float, default=0.10,
+    t.add_argument("--tolerance", type=_number(0, 1e6, low_open=True), default=0.10,
                    help="relative p50 agreement that counts as stable (default 0.10)")
-    t.add_argument("--min-requests", type=int, default=3,
+    t.add_argument("--min-requests", type=_number(1, 1e9, integer=True), default=3,
                    help="a closed-loop window runs past --window-s until this many were sent")
-    t.add_argument("--timeout-s", type=float, default=30.0,
+    t.add_argument("--timeout-s", type=_number(0, _DAY_S), default=30.0,
                    help="per-request timeout; a timed-out request is an error (default 30)")
-    t.add_argument("--slo-ms", type=float, default=10.0,
+    t.add_argument("--slo-ms", type=_number(0, _DAY_S * 1e3, low_open=True), default=10.0,
                    help="SLO threshold for attainment (default 10 ms)")
     t.add_argument("--seed", type=int, default=1, help="payload bytes and Poisson arrivals")
-    t.add_argument("--spin-us", type=float, default=1000.0,
+    t.add_argument("--spin-us", type=_number(0, 1e6), default=1000.0,
                    help="open loop: wait the last SPIN_US before each send by yielding instead "
                         "of a ~1 ms-grained timer (default 1000; 0 = timers only, less CPU)")
     o = common.add_argument_group("output")
@@ -112,14 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("latency", parents=[common], help="closed loop at concurrency N")
     s.add_argument("--size", type=_sizes, default=_sizes("16"),
                    help="payload: bytes (16, 4k, 64m) or HxWxC uint8 (default 16)")
-    s.add_argument("--concurrency", type=int, default=1, help="requests in flight (default 1)")
+    s.add_argument("--concurrency", type=_number(1, 1e6, integer=True), default=1, help="requests in flight (default 1)")
     _add_blocking(s)
 
     s = sub.add_parser("rate", parents=[common],
                        help="open loop at R req/s, latency from intended send times")
     s.add_argument("--size", type=_sizes, default=_sizes("16"),
                    help="payload: bytes (16, 4k, 64m) or HxWxC uint8 (default 16)")
-    s.add_argument("--rate", type=float, required=True, help="requests per second")
+    s.add_argument("--rate", type=_number(0, 1e9, low_open=True), required=True, help="requests per second")
     s.add_argument("--arrival", choices=("constant", "poisson"), default="constant",
                    help="open-loop arrivals: evenly spaced or Poisson (default constant)")
 
@@ -139,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, parents=[common], help=helptext)
         s.add_argument("--sizes", type=_sizes, default=_sizes(DEFAULT_COMPARE_SIZES),
                        help=f"comma-separated payloads (default {DEFAULT_COMPARE_SIZES})")
-        s.add_argument("--concurrency", type=int, default=1, help="closed-loop concurrency (default 1)")
-        s.add_argument("--rate", type=float, help="open loop at this rate instead of closed loop")
+        s.add_argument("--concurrency", type=_number(1, 1e6, integer=True), default=1, help="closed-loop concurrency (default 1)")
+        s.add_argument("--rate", type=_number(0, 1e9, low_open=True),
+                       help="open loop at this rate instead of closed loop")
         s.add_argument("--arrival", choices=("constant", "poisson"), default="constant",
                    help="open-loop arrivals: evenly spaced or Poisson (default constant)")
         _add_blocking(s)
@@ -203,7 +227,7 @@ def build_workloads(a: argparse.Namespace) -> list[Workload]:
         concurrencies = a.concurrencies or (
             [1] if clients_mode(a) != "asyncio" else _ints(DEFAULT_SWEEP_CONCURRENCIES))
         return [Workload(sz, "closed", concurrency=n) for sz in a.sizes for n in concurrencies]
-    if a.rate:
+    if a.rate is not None:
         return [Workload(sz, "open", rate=a.rate, arrival=a.arrival) for sz in a.sizes]
     return [Workload(sz, "closed", concurrency=a.concurrency) for sz in a.sizes]
 
@@ -375,9 +399,20 @@ def _config_dict(a: argparse.Namespace, cfg: RunConfig, names: list[str],
 
 
 def cmd_render(a: argparse.Namespace) -> int:
-    with open(a.report) as f:
-        report = json.load(f)
-    from bench import run_report as rr
+    why = rep.output_problem({"--markdown": a.markdown, "--csv": a.csv}, {"--plots": a.plots})
+    if why:
+        print(f"python -m bench render: error: {why}", file=sys.stderr)
+        return 2
+    try:
+        with open(a.report) as f:
+            report = json.load(f)
+        from bench import run_report as rr
+
+        if not (rr.is_run_report(report) or (isinstance(report, dict) and "peers" in report)):
+            raise ValueError("not a report that --json wrote")
+    except (OSError, ValueError) as e:  # (a traceback before: the bench audit)
+        print(f"python -m bench render: error: cannot read {a.report}: {e}", file=sys.stderr)
+        return 2
 
     if rr.is_run_report(report):
         if not a.quiet:
@@ -403,6 +438,22 @@ def cmd_render(a: argparse.Namespace) -> int:
     return 0
 
 
+def _sigterm_exits() -> None:
+    """SIGTERM (what `timeout` sends) as SystemExit(143): the peers are stopped on the way
+    out (`finally`, atexit).  Left to its default, it ended the harness at once, and the
+    broker and worker peers it had started ran on, their temporary directories kept (the
+    bench audit)."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        def stop(signum, frame):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends it at once
+            raise SystemExit(128 + signum)
+
+        try:
+            signal.signal(signal.SIGTERM, stop)
+        except ValueError:  # not the main thread (a test calling main): as before
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     # The interpreter's own argv when run from a shell: exactly what was typed.
     argv_full = (list(sys.orig_argv) if argv is None
@@ -425,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m bench {a.command}: error: {why}", file=sys.stderr)
         return 2
     mode = clients_mode(a)
+    _sigterm_exits()
     load_plugins(a.peer_module)
     names = resolve_peers(a)
     if a.list_peers:
@@ -454,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
                 status[name] = {"status": "failed", "reason": f"start failed: {e}",
                                 "description": desc}
                 continue
+            except BaseException:  # Ctrl-C or SIGTERM while it started: stopped with the rest
+                peer.stop()
+                raise
             running[name] = peer
             status[name] = {"status": "ok", "reason": "", "description": desc}
             if mode != "asyncio":  # its blocking variant, right after it (table order)
@@ -471,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
                 running, variants, workloads, cfg, progress, use_uvloop=not a.no_uvloop)
             for label, reason in no_sync.items():
                 status[label].update(status="skipped", reason=reason)
+    except KeyboardInterrupt:  # (a traceback before: the peers stopped, nothing reported)
+        print(f"python -m bench {a.command}: interrupted; the peers are stopped, nothing is reported",
+              file=sys.stderr)
+        return 130
     finally:
         progress.close()
         for p in running.values():

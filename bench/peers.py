@@ -184,9 +184,12 @@ class Peer:
         _LIVE.add(self)
         try:
             return wait_ready(proc, ready_timeout)
-        except PeerStartError:
+        except (PeerStartError, KeyboardInterrupt, SystemExit):
+            # (a Ctrl-C, or the harness's SIGTERM, goes on as itself: taken for this peer's
+            # failure, the run went on against the peers the same signal had stopped, and
+            # exited 0: the bench audit; the process is reaped by stop())
             raise
-        except BaseException as e:  # KeyboardInterrupt while waiting: still reaped by stop()
+        except BaseException as e:
             raise PeerStartError(f"{self.name}: {e!r}") from e
 
     @staticmethod

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -78,6 +79,7 @@ def one_round(hb: float) -> dict:
     finally:
         for p in reversed(procs):
             _stop(p)
+        shutil.rmtree(d, ignore_errors=True)  # (3 left a round before: the bench audit)
 
 
 def failover_round(hb: float) -> float:
@@ -110,6 +112,7 @@ def failover_round(hb: float) -> float:
     finally:
         for p in reversed(procs):
             _stop(p)
+        shutil.rmtree(d, ignore_errors=True)  # (3 left a round before: the bench audit)
 
 
 def reset_round(hb: float) -> float:
@@ -142,6 +145,7 @@ def reset_round(hb: float) -> float:
         relay.close()
         for p in reversed(procs):
             _stop(p)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def slow_echo(device: str = "cpu"):

@@ -208,7 +208,10 @@ class Generator:
                                       insecure=o.insecure,
                                       pool_capacity=self._pool_bytes())
         except Exception as e:  # a malformed endpoint, tcp without keys, a bad key file, ...
-            raise TargetError(f"cannot make a client for {o.endpoint}: {e}") from None
+            # (the SDK names its own arguments; this command's are flags: the bench audit)
+            why = (str(e).replace("server_key=", "--server-key").replace("client_key=", "--client-key")
+                   .replace("insecure=True", "--insecure"))
+            raise TargetError(f"cannot make a client for {o.endpoint}: {why}") from None
         try:
             has = await self.client.mmi_service(o.service, timeout=CONNECT_TIMEOUT_S)
         except Exception as e:
@@ -429,10 +432,20 @@ class ProcessGenerators:
                 c.send(None)
             except OSError:
                 pass
-        for p in self.procs:
-            p.join(timeout=10.0)
-            if p.is_alive():
-                p.kill()
+        try:
+            for p in self.procs:
+                p.join(timeout=10.0)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5.0)
+        except KeyboardInterrupt:
+            # A second Ctrl-C while the generators wind down: they are killed, not waited
+            # for, and the run goes on to write what it measured (the traceback lost the
+            # whole report: the bench audit).
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
+            for p in self.procs:
                 p.join(timeout=5.0)
         for c in self.conns:
             c.close()

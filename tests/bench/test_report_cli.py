@@ -306,3 +306,119 @@ def test_peer_plugins_register_and_a_broken_default_plugin_is_reported(tmp_path,
     assert rep["results"][0]["peer"] == "plug-peer"
     if rep["peers"]["broker-shm"]["status"] != "ok":
         assert "broker package missing" in rep["peers"]["broker-shm"]["reason"]
+
+
+@pytest.mark.parametrize("args", [["latency", "--concurrency", "0"], ["latency", "--concurrency", "-1"],
+                                  ["rate", "--rate", "0"], ["rate", "--rate", "nan"], ["compare", "--rate", "0"],
+                                  ["sweep", "--rates", "nan"], ["latency", "--window-s", "nan"],
+                                  ["latency", "--window-s", "0"], ["latency", "--warmup-s", "-1"],
+                                  ["latency", "--max-duration-s", "-1"], ["latency", "--stable-windows", "0"],
+                                  ["latency", "--tolerance", "nan"], ["latency", "--min-requests", "0"],
+                                  ["latency", "--slo-ms", "-1"], ["latency", "--spin-us", "-5"],
+                                  ["latency", "--timeout-s", "nan"], ["latency", "--timeout-s", "-1"]])
+def test_the_peer_subcommands_refuse_numbers_out_of_range(args, monkeypatch, capsys):
+    # Found by the bench audit: a concurrency of 0 measured nothing and said "stable", a rate
+    # of 0 ran closed loop, a NaN timeout meant none, a NaN rate was a traceback after the
+    # peers had started.  Each is a usage error now, exit 2 before anything starts.
+    started = []
+    monkeypatch.setitem(PEERS, "fake-a", fake_peer("fake-a", 1.0))
+    monkeypatch.setattr(PEERS["fake-a"], "start", lambda self: started.append(1))
+    with pytest.raises(SystemExit) as e:
+        cli.main([*args, "--peers", "fake-a", "--quiet"])
+    assert e.value.code == 2 and started == []
+    err = capsys.readouterr().err
+    assert "expected" in err or "out of range" in err, err
+
+
+def test_render_says_what_is_wrong_with_its_input_in_one_line(tmp_path, capsys):
+    # A missing file, a JSON that is no report, a file that is not JSON, an output that
+    # cannot be written: tracebacks before (the bench audit).
+    not_json = tmp_path / "x.txt"
+    not_json.write_text("hello")
+    empty = tmp_path / "e.json"
+    empty.write_text("{}")
+    for args in ([str(tmp_path / "missing.json")], [str(empty)], [str(not_json)],
+                 [str(empty), "--plots", str(not_json)]):
+        assert cli.main(["render", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_ctrl_c_while_a_peer_starts_stops_the_run(monkeypatch, capsys):
+    # Found by the bench audit: spawn() turned the KeyboardInterrupt into that peer's start
+    # failure, and the run went on against the peers the same Ctrl-C had stopped, exit 0.
+    stopped = []
+    monkeypatch.setitem(PEERS, "fake-a", fake_peer("fake-a", 1.0))
+    monkeypatch.setitem(PEERS, "fake-b", fake_peer("fake-b", 1.0))
+    monkeypatch.setattr(PEERS["fake-a"], "stop", lambda self: stopped.append("a"))
+    monkeypatch.setattr(PEERS["fake-b"], "stop", lambda self: stopped.append("b"))
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PEERS["fake-b"], "start", interrupted)
+    assert cli.main(["latency", "--peers", "fake-a,fake-b", *FAST]) == 130
+    assert sorted(stopped) == ["a", "b"] and "interrupted" in capsys.readouterr().err
+
+
+def _descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/task/{p}/children") as f:
+                kids = [int(k) for k in f.read().split()]
+        except OSError:
+            continue
+        out.update(kids)
+        todo.extend(kids)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_sigterm_to_the_harness_stops_its_broker_and_worker_peers(tmp_path):
+    # Found by the bench audit: `timeout` (SIGTERM) ended the harness at once; the broker and
+    # worker peers it had started ran on, their temporary directories kept.
+    import signal
+    import time
+
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    h = subprocess.Popen([sys.executable, "-m", "bench", "latency", "--peers", "broker-shm", "--window-s", "0.2",
+                          "--warmup-s", "0", "--max-duration-s", "60", "--quiet"], cwd=ROOT, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    kids: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until its worker peer runs (the broker before it)
+            kids |= _descendants(h.pid)
+            if any("gpu_worker" in _cmdline(k) for k in kids):
+                break
+            assert h.poll() is None, h.stderr.read()
+            assert time.monotonic() < deadline, "the peers did not start"
+            time.sleep(0.05)  # polling /proc (a condition, not a delay)
+        h.send_signal(signal.SIGTERM)
+        assert h.wait(30) == 143
+        deadline = time.monotonic() + 20
+        while any(os.path.exists(f"/proc/{k}") and _cmdline(k) for k in kids):
+            assert time.monotonic() < deadline, [_cmdline(k) for k in kids if _cmdline(k)]
+            time.sleep(0.05)
+        assert not [p for p in os.listdir(tmp_path) if p.startswith("zbench-")], os.listdir(tmp_path)
+    finally:
+        if h.poll() is None:
+            h.kill()
+            h.wait(10)
+        h.stderr.close()
+        for k in kids:  # (what a failure left: never another process that took a pid since)
+            if str(tmp_path) not in _cmdline(k):
+                continue
+            try:
+                os.kill(k, signal.SIGKILL)
+            except OSError:
+                pass
