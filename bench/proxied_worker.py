@@ -67,6 +67,8 @@ class ProxyLink(BrokerLink):
     # A proxy never speaks on its own: silence is not a dead broker, and a reconnect would
     # also drop what the worker holds.
     watch_liveness = False
+    # ...nor sends a WELCOME: the worker is ready at once, without its "nothing heard" warning
+    relay = True
 
     def __init__(self, endpoint: str, ctx: zmq.Context):
         super().__init__(endpoint, ctx)

@@ -15,6 +15,8 @@ upstream with the same four methods and two attributes:
     last_sent: float                    monotonic time of the last message sent upstream
     watch_liveness: bool                whether silence for heartbeat_liveness intervals
                                         means the peer is gone (the worker reconnects)
+    relay: bool                         a relay that never speaks on its own (no WELCOME):
+                                        the worker is ready at once, without a warning
     monitor: zmq.Socket | None          polled by the loop when set, by its file descriptor
                                         (ZMQ_FD: it signals on new events only, so
                                         reconnected() must read until none is left, and
@@ -74,6 +76,7 @@ class BrokerLink:
     """A DEALER to the broker at ``endpoint`` (see the module docstring)."""
 
     watch_liveness = True
+    relay = False
 
     def __init__(self, endpoint: str, ctx: zmq.Context, *, server_key=None, worker_key=None,
                  insecure: bool = False):
