@@ -339,7 +339,10 @@ class PinEvents:
         hunt: 8 of 8 after 300 Ctrl-Cs).  The call itself stays, its inputs with it, until a
         FINAL comes or the client closes; one still running takes one slot more than the
         lease has, which the worker answers 429 and the client sends through the broker."""
-        for pin in list(self.pins.values()):
+        # Every open lease, ending ones too: one ended without resend (a drain) stays open
+        # for the calls still on it, and a given-up one whose answer was lost kept it, and its
+        # connection, for the client's life (found by the leases audit).
+        for pin in list(self.pin_all.values()):
             given = pin.given_up
             if not given:
                 continue

@@ -223,6 +223,22 @@ def test_lease_end_without_resend_lets_calls_finish_on_the_connection(core):
     assert type(op) is PinClose and op.pin is pin and LEASE not in core.pin_all
 
 
+def test_a_given_up_call_on_an_ending_lease_whose_answer_was_lost_lets_the_lease_close(core):
+    # Found by the leases audit: `free_given_up` looked at the leases in use only, so a call
+    # given up on a lease that had ended without resend (a drain), whose answer never came,
+    # kept that lease open, and its connection, for the client's life.
+    _, pin = _pinned(core)
+    c1, _ = _send(core, now=101.0)
+    assert core.on_message(_lease_end(False, reason="drain"), 102.0) == []
+    assert pin.ending and LEASE in core.pin_all
+    core.give_up(c1, 102.5)  # its CANCEL goes on the lease; its answer is lost
+    _ops(core)
+    core.free_given_up(103.0, 3.0)  # the window not yet passed
+    assert LEASE in core.pin_all
+    core.free_given_up(106.0, 3.0)
+    assert LEASE not in core.pin_all and any(type(op) is PinClose and op.pin is pin for op in _ops(core))
+
+
 def test_a_direct_503_asking_to_resend_goes_through_the_broker_instead(core):
     _, pin = _pinned(core)
     c1, _ = _send(core, now=101.0)
