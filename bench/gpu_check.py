@@ -117,9 +117,16 @@ def device_info() -> dict:
             "count": torch.cuda.device_count()}
 
 
-def default_out() -> Path:
+def default_out(measured: bool = True) -> Path:
+    """$OUT/gpu_check.json, else bench/results/gpu_check.json for a run that measures; a dry
+    run (or a machine without CUDA) writes into the temporary directory instead, never a
+    stray file in the source tree (the architecture audit)."""
     if os.environ.get("OUT"):
         return Path(os.environ["OUT"]) / "gpu_check.json"
+    if not measured:
+        import tempfile
+
+        return Path(tempfile.gettempdir()) / "gpu_check_dry_run.json"
     return ROOT / "bench" / "results" / "gpu_check.json"
 
 
@@ -130,7 +137,7 @@ class Report:
     def __init__(self, path: Path, argv: list[str], budget: float, dry_run: bool):
         self.path = path
         self.t0 = time.monotonic()
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # (write() holds it around write_as_is())
         self.children: list[subprocess.Popen] = []
         self.doc: dict[str, Any] = {
             "schema": SCHEMA,
@@ -157,9 +164,14 @@ class Report:
 
     def write(self) -> None:
         with self.lock:
-            self.doc["elapsed_s"] = round(time.monotonic() - self.t0, 2)
             statuses = [c.get("status") for c in self.doc["checks"].values()]
             self.doc["ok"] = all(s in ("ok", "skipped") for s in statuses)
+            self.write_as_is()
+
+    def write_as_is(self) -> None:
+        """The document as it stands (`ok` not worked out again)."""
+        with self.lock:
+            self.doc["elapsed_s"] = round(time.monotonic() - self.t0, 2)
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text(json.dumps(self.doc, indent=1, default=str))
@@ -799,16 +811,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         return serve(args.serve)
 
-    report = Report(args.out or default_out(), argv, args.budget, args.dry_run)
-    report.doc["out"] = str(report.path)
-    report.doc["versions"] = versions()
     from shm.cuda import cuda_status
 
     ok, why = cuda_status()
+    report = Report(args.out or default_out(measured=ok and not args.dry_run), argv, args.budget, args.dry_run)
+    report.doc["out"] = str(report.path)
+    report.doc["versions"] = versions()
     if not ok:
         dry_run(report, why)
-        print(f"gpu_check: no CUDA device ({why}); wrote {report.path}")
-        return 0
+        if args.dry_run:
+            print(f"gpu_check: no CUDA device ({why}); wrote {report.path}")
+            return 0
+        # Asked to measure, and nothing could be: not a success (it exited 0 with "ok": true,
+        # which a gate reads as the GPU checks passed; the architecture audit).
+        report.doc["ok"] = False
+        report.doc["status"] = "no_device"
+        report.write_as_is()
+        print(f"gpu_check: no CUDA device ({why}): nothing measured; wrote {report.path}", file=sys.stderr)
+        return 3
     report.doc["device"] = device_info()
     if args.dry_run:
         for name in CHECKS:

@@ -371,7 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     except BackendError as e:  # the backend cannot run this model (a framework it does not take, no example inputs)
         _fail(_backend_failure(args.backend, args.model, str(e)))
         return 2
-    except (ModelLoadError, DeviceError, DeviceUnavailable) as e:  # the message says what was expected
+    except (DeviceError, DeviceUnavailable) as e:  # (said as the model's load before: the architecture audit)
+        _fail(f"--device {args.device or 'auto'}: {e}")
+        return 2
+    except ModelLoadError as e:  # the message says what was expected
         _fail(f"cannot load model {args.model!r}: {e}")
         return 2
     except DirectSocketError as e:

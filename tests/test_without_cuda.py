@@ -3,6 +3,7 @@ run with one typed error."""
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 from shm.cuda import CudaUnavailable, cuda_status
 
 HAVE_CUDA, WHY = cuda_status()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 no_cuda = pytest.mark.skipif(HAVE_CUDA, reason="CUDA is available here; these check the CPU-only behaviour")
 
 
@@ -75,3 +77,16 @@ def test_the_protocol_loads_no_device_pool():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["['shm.cuda',", "'shm.cuda.refs']"]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:7", "gpu"])
+def test_a_device_a_worker_cannot_use_is_said_as_the_device_not_the_model(device, tmp_path):
+    # Found by the architecture audit: "cannot load model 'echo': device 'cuda' requested but
+    # CUDA is not available", the model blamed for the device.
+    if device != "gpu" and HAVE_CUDA:
+        pytest.skip("CUDA is here: the device is usable")
+    p = subprocess.run([sys.executable, "-m", "gpu_worker", "--broker", f"ipc://{tmp_path}/be.ipc", "--model",
+                        "echo", "--device", device], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert f"--device {device}:" in p.stderr and "cannot load model" not in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr

@@ -104,3 +104,19 @@ def test_python_m_bench_without_the_bench_extra_is_one_line(tmp_path):
     assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
     assert p.stderr.strip() == ("python -m bench: needs the bench extra: pip install 'zmq-infer[bench]' (from a clone: "
                                 "pip install '.[bench]'; `make install` has it)")
+
+
+def test_a_run_that_measures_without_cuda_is_no_success(tmp_path):
+    # Found by the architecture audit: without --dry-run and without CUDA, every check was
+    # "skipped", "ok" true and the exit 0, which a gate reads as the GPU checks passed.
+    ok, _ = cuda_status()
+    if ok:
+        return  # a CUDA machine measures (its gpu_check run is the device session's)
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("OUT", None)
+    p = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--out", str(out)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3, (p.returncode, p.stderr)
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is False and doc["status"] == "no_device" and "nothing measured" in p.stderr
