@@ -201,6 +201,11 @@ class LinkConn:
     def fileno(self) -> int:
         return self._fd
 
+    @property
+    def partial(self) -> bool:
+        """Whether a message in pieces has begun to arrive, and its next piece not yet."""
+        return self._whole is not None
+
     def send(self, frames: Sequence[Any]) -> bool:
         """Send one message of a single datagram without blocking; False when it was not
         sent (too large for one datagram, the socket full, or the connection gone)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -163,3 +164,31 @@ def test_an_async_pinned_client_uses_the_link_too(cluster):
         assert type(ac._pin_socks[ac._core.pins["echo"].lease]) is LinkConn
 
     asyncio.run(asyncio.wait_for(async_pinned_echoes(cluster.frontend, on_the_link), 30))
+
+
+def test_a_large_reply_on_the_link_is_read_whole_by_one_poll(cluster):
+    # Found by the streams audit: a reply of many pieces (2 MB inline: ten socket buffers) was
+    # read one buffer per pump, so a camera loop polling with recv(timeout=0) every 33 ms had
+    # its frame after ten polls, 300 ms, against 35 through the broker.  A poll that finds a
+    # message begun waits briefly for its pieces, which the worker writes as they are read.
+    cluster.broker()
+    cluster.worker("echo", "--direct")
+    with Client(cluster.frontend, timeout=TIMEOUT_S, pin=True) as c:
+        wait_service(c, "echo")
+        _until_pinned(c, "echo")
+        link = _lease_socket(c, "echo")
+        assert type(link) is LinkConn
+        x = np.arange(2 << 20, dtype=np.uint8)
+        for _ in range(3):
+            h = c.infer_stream("echo", {"x": x}, reply="inline")
+            begun = 0  # polls that left a message begun and unfinished
+            deadline = time.monotonic() + TIMEOUT_S
+            while True:
+                c.pump(0)
+                if h._call.inbox:
+                    break
+                begun += link.partial
+                assert time.monotonic() < deadline, "no reply"
+            with h.result(timeout=TIMEOUT_S) as r:
+                np.testing.assert_array_equal(r["x"], x)
+            assert begun <= 1, begun
