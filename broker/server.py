@@ -1594,6 +1594,7 @@ class Broker:
                 # that reuses a pid is not counted as the old one (its caps, its remembered
                 # turns: broker/state.py "Connections and principals").
                 principal=self._principal(who) if pid is not None else self._tcp_principal(first, ident),
+                stream=req.dropped is not None,
             )
         else:
             # A plain MDP/0.2 request: opaque body, relayed as is.  Its id lives in a

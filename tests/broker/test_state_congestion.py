@@ -73,6 +73,21 @@ def test_the_queue_is_first_in_first_out_again_once_it_has_emptied():
     assert drain(s, token, 0.7, 2)[0] == [5, 4]
 
 
+def test_a_streams_frames_are_served_in_their_order_when_congested():
+    # Found by the streams audit: a stream's frames (latest_wins off, six in flight) were run
+    # newest first under congestion, 46 of 153 after a newer one, which the client then had
+    # delivered ahead of it.  A FIFO whose oldest is a stream's frame is walked in order; the
+    # client already gives up its stale frames.  Another principal's plain requests are not.
+    s, token = busy_worker()
+    for rid in (1, 2, 3):
+        req(s, rid, 0.0, stream=True)
+    for rid in (11, 12, 13):
+        req(s, rid, 0.0, client=B)
+    order = drain(s, token, 0.2, 6)[0]
+    assert [r for r in order if r < 10] == [1, 2, 3]
+    assert [r for r in order if r > 10] == [13, 12, 11]
+
+
 def test_a_negative_lifo_after_means_first_in_first_out_always():
     s, token = busy_worker(lifo_after=-1.0)
     for rid in (1, 2, 3):
