@@ -127,6 +127,9 @@ class _StreamCore:
         # Frames in `_outstanding` that were never sent (their deadline passed while they
         # waited for room): each holds its DeadlineExceeded for its turn, and no room.
         self._lapsed: set[int] = set()
+        #: a lapsed frame standing for a run of them (`_lapse`): its number -> (the run's
+        #: first frame, how many)
+        self._runs: dict[int, tuple[int, int]] = {}
         # How long a frame sent now takes to its outcome, as recent ones did (`_learn`);
         # 0 until one is known.
         self._need = 0.0
@@ -286,13 +289,32 @@ class _StreamCore:
             why = (f"and outlived its timeout of {call.timeout:g}s" if left <= 0 else
                    f"and had {left * 1e3:.3g} ms left of its timeout of {call.timeout:g}s, less than "
                    f"the {need * 1e3:.3g} ms recent frames took to their outcome")
-            call.inbox.append(("error", deadline_exceeded(
-                f"frame {call.frame} of the stream to {self.service!r} waited {waited:.3g}s for room "
-                f"(max_in_flight={self.max_in_flight}) {why}; it was never sent",
-                _LAPSED_ADVICE[self.latest_wins])))
+            self._expired += 1
+            last = self._outstanding[-1] if self._outstanding else None
+            if last is not None and last.frame in self._lapsed and len(last.inbox) == 1:
+                # A run of frames never sent, one after another, is one outcome: each its own,
+                # a reader that paused (one recv per send) was served the run one error per
+                # frame, so the errors came in as fast as it read them and the stream never
+                # caught up (13 times older than its timeout 12 s on, its backlog growing
+                # 2 KB a frame: the streams audit).
+                first = self._runs.get(last.frame, (last.frame, 1))
+                first, n = first[0], first[1] + 1
+                self._lapsed.discard(last.frame)
+                self._runs.pop(last.frame, None)
+                self._outstanding.pop()
+                call.inbox.clear()
+                call.inbox.append(("error", deadline_exceeded(
+                    f"frames {first} to {call.frame} of the stream to {self.service!r} ({n} frames) waited for "
+                    f"room (max_in_flight={self.max_in_flight}) and ran out of time; they were never sent "
+                    f"(the last waited {waited:.3g}s {why})", _LAPSED_ADVICE[self.latest_wins])))
+                self._runs[call.frame] = (first, n)
+            else:
+                call.inbox.append(("error", deadline_exceeded(
+                    f"frame {call.frame} of the stream to {self.service!r} waited {waited:.3g}s for room "
+                    f"(max_in_flight={self.max_in_flight}) {why}; it was never sent",
+                    _LAPSED_ADVICE[self.latest_wins])))
             self._lapsed.add(call.frame)
             self._outstanding.append(call)
-            self._expired += 1
 
     def _learn(self, call: Any, kind: str, item: Any) -> None:
         """What a sent frame's outcome says of how long a frame takes from its sending to
@@ -325,6 +347,7 @@ class _StreamCore:
             self._outstanding.popleft()
             if self._lapsed and head.frame in self._lapsed:  # never sent (`_lapse`): counted there
                 self._lapsed.discard(head.frame)
+                self._runs.pop(head.frame, None)
                 if not self._closed:
                     self._flush()
                 return kind, item
@@ -375,6 +398,7 @@ class _StreamCore:
             self._client.give_up(call)
             self._cancelled += 1
         self._lapsed.clear()
+        self._runs.clear()
         if self._pinned:
             self._pinned = False
             self._client.stream_closed(self.service)  # the last stream of a service ends its lease

@@ -1231,8 +1231,31 @@ def test_a_frame_that_lapses_lets_go_of_its_inputs_before_its_turn(fake, endpoin
         assert gone() is None, "a lapsed frame still holds its inputs"
         with pytest.raises(DeadlineExceeded):
             s.recv(WAIT)
-        with pytest.raises(DeadlineExceeded, match="frame 1 .*never sent"):
+        # (frame 2 lapses too while frame 0's outcome is waited for: one outcome with 1)
+        with pytest.raises(DeadlineExceeded, match="frames? 1 .*never sent"):
             s.recv(WAIT)
+
+
+def test_frames_that_lapse_one_after_another_are_one_outcome(fake, endpoint):
+    # Found by the streams audit: a latest_wins=False stream whose reader paused was served
+    # one "never sent" error per lapsed frame; read once per send, the errors came as fast as
+    # they were read, and the stream never caught up (results 13 times older than their
+    # timeout, its backlog growing 2 KB a frame).  A run of them is one outcome.
+    with Client(endpoint, transport="inline") as c, c.stream("hold", latest_wins=False, max_in_flight=1,
+                                                           timeout=0.1) as s:
+        s.send({"x": np.zeros(2)})
+        fake.held_q.get(timeout=WAIT)
+        for _ in range(5):
+            s.send({"x": np.ones(2)})
+        _pump_for(c, 0.15)
+        s.send({"x": np.zeros(2)})  # frames 1-5 lapse here
+        st = s.stats()
+        assert st.expired == 5 and s.unfinished() == {0, 6}, (st, s.unfinished())
+        with pytest.raises(DeadlineExceeded):
+            s.recv(WAIT)  # frame 0's, held at the worker past its deadline
+        with pytest.raises(DeadlineExceeded, match=r"frames 1 to 5 .*\(5 frames\).*never sent"):
+            s.recv(WAIT)
+        assert len(s._outstanding) <= 1  # frame 6 alone, if sent (no backlog of errors)
 
 
 def test_a_stream_without_a_timeout_takes_the_clients_default_counted_from_send(fake, endpoint):

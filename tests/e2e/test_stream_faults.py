@@ -297,9 +297,10 @@ def test_a_frame_that_waits_for_room_past_its_deadline_is_never_sent(cluster, ga
             assert st.unfinished() == {0, 1, 2, 3}
             with pytest.raises(DeadlineExceeded, match=SENT):
                 st.recv(timeout=WAIT)  # frame 0, sent: its deadline
-            for i in (1, 2, 3):
-                with pytest.raises(DeadlineExceeded, match=f"frame {i} .*never sent"):
-                    st.recv(timeout=WAIT)
+            # (frames never sent one after another are one outcome: recv once per send, a
+            # reader was served their errors as fast as it read, and never caught up)
+            with pytest.raises(DeadlineExceeded, match="frames 1 to 3 .*never sent"):
+                st.recv(timeout=WAIT)
             s = st.stats()
             assert (s.sent, s.failed, s.expired, s.pending, s.in_flight) == (1, 1, 3, 0, 0), s
             _balanced(s)
