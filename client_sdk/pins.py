@@ -500,9 +500,14 @@ class PinEvents:
         if lost and call.partials:
             self._forget(call)
             self._finish_inputs(call)
+            # (said as the worker's failure alone, where the worker had closed the connection
+            # of a client that read its partials too slowly: the streams audit)
             self._deliver(call, ("error", error_from(
-                int(ErrorCode.WORKER_FAILED), f"the pinned worker of {call.service!r} failed after request "
-                f"{call.id} had streamed results", request_id=call.id)), True, now)
+                int(ErrorCode.WORKER_FAILED), f"the pinned worker of {call.service!r}, or its connection to this "
+                f"client, ended after request {call.id} had streamed {call.partials} partial result(s): the worker "
+                f"stopped or died, or this client read its replies too slowly (a worker ends the connection of a "
+                f"client it holds too much for: read a stream's partials as they come); a stream is not run again",
+                request_id=call.id)), True, now)
             return []
         if park:
             return self._park(call)

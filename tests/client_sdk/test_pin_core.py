@@ -206,6 +206,8 @@ def test_lease_end_with_resend_forgets_abandoned_calls_and_fails_streamed_ones(c
     assert gone.done and gone.id not in core.calls
     kind, err = streamed.inbox[-1]
     assert kind == "error" and isinstance(err, errors.WorkerFailed) and streamed.done
+    # (it may be this client's slowness: a worker ends a connection it holds too much for)
+    assert "streamed 1 partial result(s)" in str(err) and "read its replies too slowly" in str(err), err
     assert set(core.calls) == {first.id}
     streamed.inbox.popleft()[1].release()
 
