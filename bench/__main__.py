@@ -476,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"python -m bench {a.command}: error: {why}", file=sys.stderr)
         return 2
     mode = clients_mode(a)
-    _sigterm_exits()
+    if argv is None:  # the command itself, not a caller of main() (whose handler it would replace for good)
+        _sigterm_exits()
     load_plugins(a.peer_module)
     names = resolve_peers(a)
     if a.list_peers:

@@ -126,7 +126,7 @@ def default_out(measured: bool = True) -> Path:
     if not measured:
         import tempfile
 
-        return Path(tempfile.gettempdir()) / "gpu_check_dry_run.json"
+        return Path(tempfile.gettempdir()) / f"gpu_check-{os.getuid()}.json"  # (per user: /tmp is shared)
     return ROOT / "bench" / "results" / "gpu_check.json"
 
 
@@ -818,12 +818,15 @@ def main(argv: list[str] | None = None) -> int:
     report.doc["out"] = str(report.path)
     report.doc["versions"] = versions()
     if not ok:
-        dry_run(report, why)
         if args.dry_run:
+            dry_run(report, why)
             print(f"gpu_check: no CUDA device ({why}); wrote {report.path}")
             return 0
         # Asked to measure, and nothing could be: not a success (it exited 0 with "ok": true,
-        # which a gate reads as the GPU checks passed; the architecture audit).
+        # which a gate reads as the GPU checks passed; the architecture audit).  Written once,
+        # as it is: never "ok" on the way.
+        for name in CHECKS:
+            report.doc["checks"][name] = {"status": "skipped", "reason": f"no CUDA device: {why}"}
         report.doc["ok"] = False
         report.doc["status"] = "no_device"
         report.write_as_is()

@@ -184,18 +184,19 @@ class _Scrapes:
 
     def __call__(self, link: LoopLink) -> bytes | None:
         arrived = time.monotonic()
+        # Not before the last body has been kept for SCRAPE_SHARE times what it cost: a
+        # scraper that asks again as soon as it is answered waits here, on its HTTP thread
+        # and outside the lock (so that scrapes waiting together share the one render that
+        # follows, each of a snapshot taken after it arrived).
+        if arrived < self._fresh_until:
+            wait = min(self._fresh_until - arrived, LOOP_TIMEOUT_S)
+            if wait > 0:
+                time.sleep(wait)
         if not self._lock.acquire(timeout=LOOP_TIMEOUT_S * 2):
             return None
         try:
             if self._body is not None and self._at >= arrived:
                 return self._body
-            # Not before the last body has been kept for SCRAPE_SHARE times what it cost: a
-            # scraper that asks again as soon as it is answered waits here (on its HTTP
-            # thread), and still gets a snapshot taken after it arrived.
-            if arrived < self._fresh_until:
-                wait = min(self._fresh_until - time.monotonic(), LOOP_TIMEOUT_S)
-                if wait > 0:
-                    time.sleep(wait)
             at = time.monotonic()
             snap = link.ask("metrics")
             if snap is None:

@@ -53,6 +53,12 @@ class ServiceNames:
         self.names[name] = None
         return gone
 
+    def has_room(self, now: float) -> bool:
+        """Whether `add` would take a new name now (O(names) when full: once a pass)."""
+        if len(self.names) < self.cap:
+            return True
+        return bool(self.dead_since) and now - min(self.dead_since.values()) >= self.evict_after
+
     def forget(self, name: str) -> None:
         self.names.pop(name, None)
         self.dead_since.pop(name, None)

@@ -1116,8 +1116,12 @@ class Broker:
         if self.metrics is not None:
             self.metrics.prune(has)
             self.metrics.sweep(self.sched.holds_service, now)
+        room = bool(self._unlabelled) and (self._seen_services.has_room(now) or (
+            self.metrics is not None and self.metrics.known.has_room(now)))  # (once a pass: O(names) when full)
         for service in list(self._unlabelled):
             if self.sched.holds_service(service):
+                if not room:
+                    continue
                 self._seen_services.add(service, now)
                 if self.metrics is not None:
                     self.metrics.register(service, now)

@@ -227,6 +227,9 @@ class Client(ClientBase):
         # collector) leaves to the call it interrupted (`_one_thread_or_later`), and the
         # descriptor it writes to wake that call's wait.
         self._later: deque[Any] = deque()
+        #: seconds this pump may still wait for the pieces of replies begun on leases' links
+        #: (`_drain_link`); None between pumps
+        self._piece_budget: float | None = None
         self._nested = False  # doing what a nested call left (`_do_later`)
         self._wake = _wake_fd()
         if self._wake is not None:
@@ -468,7 +471,7 @@ class Client(ClientBase):
         resent).  Free when the broker's socket is quiet and nothing came (one poll of its
         descriptor; wire.Waiter)."""
         if self._waiter.has_message(self._sock):
-            self._pump(0, time.monotonic())
+            self._pump_quick()
 
     @_one_thread
     def submit(self, call: Call, timeout: float | None = 0.0) -> bool:
@@ -522,7 +525,9 @@ class Client(ClientBase):
         batch of traffic, and after at most one heartbeat interval (and may return earlier
         with nothing routed, on a wake-up that brought no message: loop on your own deadline).  While calls wait it also
         does what AsyncClient's heartbeat task does: sends a HEARTBEAT when one is due, and
-        fails (in their inbox) the calls the broker has been silent on for too long."""
+        fails (in their inbox) the calls the broker has been silent on for too long.  A pump
+        that finds a reply begun on a lease's local link waits for its remaining pieces, up to
+        `LINK_PIECES_WAIT_S` (20 ms) in all, `timeout=0` included (a stream's `send()` too)."""
         self._pump(wait_limit(timeout), time.monotonic())
 
     def _last_look(self, inbox: Any, now: float) -> None:
@@ -537,8 +542,23 @@ class Client(ClientBase):
                 return
             self._pump(end - now, now, inbox)
 
+    def _pump_quick(self) -> None:
+        """`pump(0)` that never waits, not even for the rest of a reply begun on a lease's
+        link (the look before a call picks its route, `_heed_lease_ends`)."""
+        self._piece_budget = 0.0
+        try:
+            self._pump(0.0, time.monotonic())
+        finally:
+            self._piece_budget = None
+
     def _pump(self, timeout: float | None, now: float, until: Any = None) -> None:
         """`pump` at `now`; ``until``: `_drain`'s."""
+        if self._piece_budget is None:  # (one budget for the pass, whatever links it reads)
+            self._piece_budget = LINK_PIECES_WAIT_S
+            try:
+                return self._pump(timeout, now, until)
+            finally:
+                self._piece_budget = None
         core = self._core
         if self._later:  # left by a nested call (a signal handler's close(), ...)
             self._do_later()
@@ -890,20 +910,21 @@ class Client(ClientBase):
             return True
         core = self._core
         pin = self._pin_of.get(link)
-        waited = 0.0
         n = 256 if whole else 1
         while n > 0:
             try:
                 frames = link.recv()
-                if frames is None and link.partial and waited < LINK_PIECES_WAIT_S:
+                if frames is None and link.partial and self._piece_budget:
                     # A message in pieces has begun: the worker writes its next piece as soon as
                     # this one is read, so it is waited for here, briefly, rather than at the
                     # next pump.  A 2 MB reply is ten socket buffers: polled every 33 ms (a
                     # camera loop's recv(timeout=0)), it took ten polls, 300 ms, where the
                     # brokered path took 35 (the streams audit).
+                    # At most LINK_PIECES_WAIT_S a pump, whatever links it reads; none for a
+                    # pump that must not wait (`_pump_quick`).
                     t0 = time.monotonic()
-                    ready = _readable(fd, LINK_PIECES_WAIT_S - waited)
-                    waited += time.monotonic() - t0
+                    ready = _readable(fd, self._piece_budget)
+                    self._piece_budget = max(0.0, self._piece_budget - (time.monotonic() - t0))
                     if ready:
                         continue
             except (EOFError, LinkError) as e:

@@ -355,6 +355,14 @@ class PinEvents:
                 elif now - at > window:
                     del given[cid]
                     del pin.calls[cid]
+                    if pin.ending:
+                        # Its lease is over: once its connection closes nothing can answer
+                        # it, so it is forgotten now, its inputs with it (found by review:
+                        # it stayed in the client's calls until the client closed).
+                        call.pin = None
+                        self._forget(call)
+                        self._finish_inputs(call)
+                        call.done = True
             if pin.ending and not pin.calls:
                 self._close_pin(pin)
 

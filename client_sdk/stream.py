@@ -304,7 +304,8 @@ class _StreamCore:
                 self._outstanding.pop()
                 call.inbox.clear()
                 call.inbox.append(("error", deadline_exceeded(
-                    f"frames {first} to {call.frame} of the stream to {self.service!r} ({n} frames) waited for "
+                    f"frames {first} to {call.frame} of the stream to {self.service!r} "
+                    f"({n} frames{'' if n == call.frame - first + 1 else ' of them: the others were dropped'}) waited for "
                     f"room (max_in_flight={self.max_in_flight}) and ran out of time; they were never sent "
                     f"(the last waited {waited:.3g}s {why})", _LAPSED_ADVICE[self.latest_wins])))
                 self._runs[call.frame] = (first, n)
@@ -419,7 +420,8 @@ class Stream(_StreamCore):
     """Blocking frame stream (`Client.stream`).  Not thread-safe, like the client."""
 
     def send(self, inputs: Mapping[str, Any]) -> int:
-        """Queue one frame and return its number (0, 1, ...).  Never waits for the broker."""
+        """Queue one frame and return its number (0, 1, ...).  Never waits for the broker (a
+        reply begun on a lease's link is read whole first: 20 ms at most, `Client.pump`)."""
         self._client.pump(0)
         call = self._make(inputs)
         self._admit(call)

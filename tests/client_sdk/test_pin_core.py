@@ -239,6 +239,7 @@ def test_a_given_up_call_on_an_ending_lease_whose_answer_was_lost_lets_the_lease
     assert LEASE in core.pin_all
     core.free_given_up(106.0, 3.0)
     assert LEASE not in core.pin_all and any(type(op) is PinClose and op.pin is pin for op in _ops(core))
+    assert c1.id not in core.calls and c1.done and c1.pin is None  # nothing can answer it now
 
 
 def test_a_direct_503_asking_to_resend_goes_through_the_broker_instead(core):

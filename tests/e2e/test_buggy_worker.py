@@ -146,6 +146,17 @@ def test_a_reply_naming_memory_nobody_lent_the_client_is_refused_and_frees_nothi
         victim.stdout.close()
 
 
+def _two_at_the_worker(c, bad):
+    """Two calls of ``c`` (x = [1]*4, [2]*4) held by the raw worker ``bad``: (handle,
+    envelope, request) of each, and a one-byte inline output's reference."""
+    first = c.infer_stream("bad", {"x": np.full(4, 1, np.uint8)})
+    env1, req1 = bad.request()
+    second = c.infer_stream("bad", {"x": np.full(4, 2, np.uint8)})
+    env2, req2 = bad.request()
+    one = P.TensorRef(name="y", dtype="|u1", shape=[1], loc=P.InlineLoc(frame=0))
+    return (first, env1, req1), (second, env2, req2), one
+
+
 def test_a_reply_carrying_another_requests_id_answers_neither_wrongly(cluster, bad):
     """A worker that answers one request with a header naming another request of the same
     client (a mix-up in its batch): the broker relayed the body as it came, so the client
@@ -157,11 +168,7 @@ def test_a_reply_carrying_another_requests_id_answers_neither_wrongly(cluster, b
     ring = shm.ShmPool(1 << 20, slots=8)
     try:
         with Client(cluster.frontend, timeout=5) as c:
-            first = c.infer_stream("bad", {"x": np.full(4, 1, np.uint8)})
-            env1, req1 = bad.request()
-            second = c.infer_stream("bad", {"x": np.full(4, 2, np.uint8)})
-            env2, req2 = bad.request()
-            one = P.TensorRef(name="y", dtype="|u1", shape=[1], loc=P.InlineLoc(frame=0))
+            (first, env1, req1), (second, env2, req2), one = _two_at_the_worker(c, bad)
             out = ring.alloc(8192, np.uint8)
             ref = ring.ref_of(out)
             ring.mark_in_flight(ref, holder_pid=os.getpid())
@@ -186,11 +193,7 @@ def test_a_reply_header_that_names_its_id_twice_is_read_as_the_client_reads_it(c
     import msgpack
 
     with Client(cluster.frontend, timeout=5) as c:
-        first = c.infer_stream("bad", {"x": np.full(4, 1, np.uint8)})
-        env1, req1 = bad.request()
-        second = c.infer_stream("bad", {"x": np.full(4, 2, np.uint8)})
-        env2, req2 = bad.request()
-        one = P.TensorRef(name="y", dtype="|u1", shape=[1], loc=P.InlineLoc(frame=0))
+        (first, env1, req1), (second, env2, req2), one = _two_at_the_worker(c, bad)
         fields = list(msgpack.unpackb(P.encode_header(P.Reply(id=req1.id, tensors=[one]))[len(P.MAGIC):],
                                       raw=False).items())
         assert [k for k, _ in fields[:2]] == ["v", "id"]

@@ -191,4 +191,4 @@ def test_a_large_reply_on_the_link_is_read_whole_by_one_poll(cluster):
                 assert time.monotonic() < deadline, "no reply"
             with h.result(timeout=TIMEOUT_S) as r:
                 np.testing.assert_array_equal(r["x"], x)
-            assert begun <= 1, begun
+            assert begun <= 3, begun  # (479 before; 1 unless the worker was descheduled 20 ms)
