@@ -859,7 +859,11 @@ class Broker:
         # An ipc socket file is made 0600 from its creation on: made with the process's umask
         # and chmodded after, it was open to a permissive umask's other users in between
         # (the security audit).  libzmq binds an ipc listener in the calling thread.
-        old_mask = os.umask(0o177) if file else None
+        # (Not for ipc://*: libzmq makes a fresh directory for it, 0700 by the usual umask,
+        # which 0177 would make unsearchable, and the bind would fail for a user other than
+        # root: found by review.  The umask is the process's: an embedding program's other
+        # threads making files during the bind would get it too.)
+        old_mask = os.umask(0o177) if file and ep != "ipc://*" else None
         try:
             P.ipv6_for(sock, ep)
             sock.bind(ep)
