@@ -53,15 +53,6 @@ from .tensors import Result
 #: that has begun to arrive (`Client._drain_link`): its pieces come as fast as they are read
 LINK_PIECES_WAIT_S = 0.02
 
-
-def _readable(fd: int, timeout: float) -> bool:
-    """Whether ``fd`` turns readable within ``timeout`` seconds."""
-    import select
-
-    p = select.poll()
-    p.register(fd, select.POLLIN)
-    return bool(p.poll(max(0, int(timeout * 1000)) or 1))
-
 # resolve_transport and parse_priority are re-exported: they were importable from here.
 __all__ = ["Client", "ReplyStream", "resolve_transport", "parse_priority"]
 
@@ -923,7 +914,7 @@ class Client(ClientBase):
                     # At most LINK_PIECES_WAIT_S a pump, whatever links it reads; none for a
                     # pump that must not wait (`_pump_quick`).
                     t0 = time.monotonic()
-                    ready = _readable(fd, self._piece_budget)
+                    ready = link.readable_within(self._piece_budget)
                     self._piece_budget = max(0.0, self._piece_budget - (time.monotonic() - t0))
                     if ready:
                         continue

@@ -297,10 +297,9 @@ class _StreamCore:
                 # frame, so the errors came in as fast as it read them and the stream never
                 # caught up (13 times older than its timeout 12 s on, its backlog growing
                 # 2 KB a frame: the streams audit).
-                first = self._runs.get(last.frame, (last.frame, 1))
-                first, n = first[0], first[1] + 1
+                first, n = self._runs.pop(last.frame, (last.frame, 1))
+                n += 1
                 self._lapsed.discard(last.frame)
-                self._runs.pop(last.frame, None)
                 self._outstanding.pop()
                 call.inbox.clear()
                 call.inbox.append(("error", deadline_exceeded(

@@ -1048,7 +1048,7 @@ def header_id(frame: Any) -> int | None:
     a header."""
     try:
         mv = memoryview(frame)
-        data = mv.tobytes() if mv.nbytes <= 4096 else mv[:4096].tobytes()
+        data = mv[:4096].tobytes()
     except Exception:
         return None
     if data[:4] != MAGIC:

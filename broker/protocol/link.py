@@ -59,6 +59,7 @@ replies.  Neither side has a thread.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import select
 import socket
@@ -205,6 +206,12 @@ class LinkConn:
     def partial(self) -> bool:
         """Whether a message in pieces has begun to arrive, and its next piece not yet."""
         return self._whole is not None
+
+    def readable_within(self, timeout: float) -> bool:
+        """Whether something (a piece, the end) comes within ``timeout`` seconds."""
+        p = select.poll()
+        p.register(self._fd, select.POLLIN)
+        return bool(p.poll(max(0, math.ceil(timeout * 1000))))  # (whole ms, rounded up, as wire.wait_ms)
 
     def send(self, frames: Sequence[Any]) -> bool:
         """Send one message of a single datagram without blocking; False when it was not
