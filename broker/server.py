@@ -141,7 +141,7 @@ class _Unread:
         self.went_at = now  # when libzmq last let one of its frames go (or it was made)
         self.looked_at = now  # its own previous look (`Broker._track_unread`)
 
-    def settle(self, now: float = 0.0) -> int:
+    def settle(self, now: float) -> int:
         """Forget the frames libzmq let go of (in order: one connection writes in order); how
         many."""
         q = self.q
