@@ -36,6 +36,7 @@ Invariants a maintainer must keep:
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import operator
@@ -71,6 +72,15 @@ log = logging.getLogger("client_sdk")
 LIVENESS = 5
 
 _MMI_SERVICE_B = MMI_SERVICE.encode()
+#: every request id of this process's clients (`ClientCore._ids`): from a random start, one
+#: count for all (`next` is one step under the GIL), so an id names one client's request
+_IDS = itertools.count(1 + secrets.randbelow(1 << 31))
+#: request ids given up on without their answer (`ClientCore._give_up`), kept so that the
+#: output slots a worker lent for them, in replies lost on their way, go back: at most this
+#: many, each for this many heartbeat looks (ten minutes at the default interval: a request
+#: that ran that long on a worker while its broker restarted still has its slots found)
+GIVEN_UP_MAX = 4096
+GIVEN_UP_LOOKS = 600
 
 #: service names whose check (and UTF-8 encoding) a client remembers, so that the next
 #: request to one skips both; bounded, for a client that makes up names as it goes
@@ -328,9 +338,12 @@ class ClientCore(PinEvents):
         self._gen = T.fork_generation()  # a forked child's copy is refused, and gives nothing back
         self._creator = os.getpid()
         self._deferred: deque[Any] = deque()
-        # A random start: two clients of one process (or one made again) name different
-        # requests in the logs' rid=<pid>:<id> (ids are per connection, any start works).
-        self._next_id = 1 + secrets.randbelow(1 << 31)
+        # Request ids come from one count per process (`_IDS`): two clients of one process (or
+        # one made again) name different requests in the logs' rid=<pid>:<id>, and a worker's
+        # output slot, lent to this pid for a request id (its `lend_tag`), is one client's.
+        self._ids = _IDS
+        self._given_up: dict[int, int] = {}  # request id -> `_looks` when given up
+        self._looks = 0
         self.calls: dict[int, Call] = {}
         # service -> when (on the clock of `now`, as last seen) to try shared memory again: a
         # service with no worker on this host may get one later (a worker started or moved).
@@ -371,6 +384,7 @@ class ClientCore(PinEvents):
         self._suspects: dict[int, tuple[Call, float]] = {}
         self.closed = False
         self.discarded = 0   # late or unknown replies dropped (for tests and debugging)
+        self.given_up_returned = 0  # output slots of given-up requests given back (`_return_given_up`)
         self.direct_replies = 0  # replies that came straight from a worker (reply_to)
         self.mmi_waiters: deque[MmiQuery] = deque()  # MMI questions sent, oldest first
         self._mmi_seq = 0
@@ -672,8 +686,7 @@ class ClientCore(PinEvents):
         call.t_sent = now
         call.broker = self.broker_instance
         call.route = self.broker_route
-        call.id = self._next_id
-        self._next_id += 1
+        call.id = next(self._ids)
         self.calls[call.id] = call
         return self._encode_request(call, now)
 
@@ -898,7 +911,7 @@ class ClientCore(PinEvents):
             self.pinned_replies += 1
         elif direct:
             self.direct_replies += 1
-        self._forget(call)
+        self._forget(call, call.id)
         packed = call.packed
         pool = self._pool
         try:
@@ -1007,7 +1020,7 @@ class ClientCore(PinEvents):
             if not call.abandoned and not call.done:
                 out.append(P.client_cancel(call.service, call.id))
         if final:
-            self._forget(call)
+            self._forget(call, rep.id)
             if (rep.error is not None and rep.error.code == ErrorCode.NOT_LOCAL and self.fallback_inline
                     and not call.retried and not call.abandoned and call.packed is not None):
                 return [self._resend_inline(call, now)]
@@ -1144,13 +1157,39 @@ class ClientCore(PinEvents):
         """Calls sent and not yet answered with a FINAL (each once, whatever ids it has)."""
         return sum(1 for k, c in self.calls.items() if k == c.id)
 
-    def _forget(self, call: Call) -> None:
-        """The call is answered: no id of it is answerable any more."""
+    def _forget(self, call: Call, answered: int | None = None) -> None:
+        """The call is over: no id of it is answerable any more.  ``answered``: the id whose
+        FINAL came (the others are given up: `_give_up`)."""
         self.calls.pop(call.id, None)
         for old in call.old_ids:
             self.calls.pop(old, None)
         if call.pin is not None:
             self._unpin(call)
+        if call.old_ids or call.id != answered:
+            self._give_up(call, answered)
+
+    def _give_up(self, call: Call, answered: int | None) -> None:
+        """The ids of ``call`` other than ``answered`` will never be answered here: a reply
+        for one that comes is released unread, and the output slots lent for one whose reply
+        was lost on its way (with a broker that died, or with a connection the broker dropped
+        for not reading) go back at the next heartbeat looks (`_return_given_up`).  Without
+        this they stayed lent until the process exited (docs/shm.md, "When a process dies")."""
+        given = self._given_up
+        for rid in (call.id, *call.old_ids):
+            if rid and rid != answered:
+                given[rid] = self._looks
+        while len(given) > GIVEN_UP_MAX:
+            del given[next(iter(given))]
+
+    def _return_given_up(self) -> None:
+        """Give back the output slots lent for the requests given up on (`_give_up`), in the
+        rings this client has mapped; the ids older than `GIVEN_UP_LOOKS` looks are dropped."""
+        given = self._given_up
+        oldest = self._looks - GIVEN_UP_LOOKS
+        while given and next(iter(given.values())) < oldest:
+            del given[next(iter(given))]
+        if given:
+            self.given_up_returned += self.leases.release_given_up(given)
 
     def heard_bytes(self, when: float) -> None:
         """Bytes from the broker were seen on their way at `when` (its tcp connection moved:
@@ -1361,7 +1400,11 @@ class ClientCore(PinEvents):
     def _sweep_outputs(self) -> None:
         """The mappings of workers that are gone, dropped (once a heartbeat period, while
         calls wait or leases are held): their output rings, and, with a CUDA side, their
-        device pools, whose IPC mappings hold GPU memory."""
+        device pools, whose IPC mappings hold GPU memory.  Output slots lent for requests
+        given up on go back (`_return_given_up`)."""
+        self._looks += 1
+        if self._given_up:
+            self._return_given_up()
         self.leases.sweep()
         side = self._cuda
         if side is not None:

@@ -302,8 +302,7 @@ class PinEvents:
             self._pin_refused(svc, now)
         if now < self._pin_retry.get(svc, -1.0):
             return
-        ask_id = self._next_id
-        self._next_id += 1
+        ask_id = next(self._ids)
         self._asking[svc] = (ask_id, now)
         self._ask_ids[ask_id] = svc
         transports = ["shm", "inline"] if self.use_shm else ["inline"]

@@ -20,10 +20,12 @@ anyway).
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -36,6 +38,12 @@ from . import cuda as _cuda
 # InvalidInput lives in errors.py with every other error class; it stays importable from here
 # for code written against the older layout.
 from .errors import InferenceError, InvalidInput, NotSupported, ProtocolError, WorkerFailed
+
+log = logging.getLogger("client_sdk")
+
+#: a slot lent for a given-up request goes back only once it has been lent this long: a worker
+#: frees a slot it lent only while writing the reply (it could not finish it), at once
+GIVEN_UP_HOLD_NS = 1_000_000_000
 
 __all__ = ["Result", "Packed", "pack", "unpack", "to_numpy", "OutputLeases", "lease_array",
            "ref_in_pool", "free_temp", "local_output", "Adopted", "release_reply", "alloc_source"]
@@ -531,6 +539,24 @@ class OutputLeases:
                 return gone
             except Exception:  # housekeeping never fails a call
                 return []
+
+    def release_given_up(self, given_up: Container[int]) -> int:
+        """Give back the output slots lent to this process for requests it gave up on, whose
+        replies were lost on their way (`SegmentCache.release_given_up`), in the rings mapped
+        here, except those a result views and those lent in the last `GIVEN_UP_HOLD_NS`.
+        How many went back."""
+        if self._gen != _forks:
+            return 0
+        with self._lock:
+            cache = self._cache
+            if cache is None or self._closing:
+                return 0
+            try:
+                return cache.release_given_up(given_up, self._pid, time.monotonic_ns() - GIVEN_UP_HOLD_NS,
+                                              keep=self._views, skip=self.own_segment)
+            except Exception:  # housekeeping never fails a call
+                log.debug("could not give back the slots of given-up requests", exc_info=True)
+                return 0
 
     def release_unviewed(self, loc: P.ShmLoc) -> None:
         """Give back an output slot nobody will read (a discarded late reply)."""

@@ -303,7 +303,7 @@ class HostPlane:
                     ref = self.out_pool.ref_of(buf)
                     lent.append(ref)
                     np.copyto(buf, arr)
-                    self.out_pool.mark_in_flight(ref, holder_pid=req.pid, holder_start=req.pid_start)
+                    self.out_pool.mark_in_flight(ref, holder_pid=req.pid, holder_start=req.pid_start, tag=req.id)
                     refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape),
                                             loc=P.shm_loc(ref)))
                     continue

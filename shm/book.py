@@ -31,14 +31,15 @@ import errno
 import operator
 import os
 import select
+import time
 import weakref
 from collections import deque
 from typing import Any, Callable, Iterable
 
 from .errors import OutOfResources, StaleDescriptor
 from .segment import (
-    FREE, IN_FLIGHT, MAX_ALIGN, MAX_SLOTS, Q_HOLDER_PID, Q_HOLDER_START, Q_NBYTES, Q_OFFSET, QS,
-    RELEASED, U32, WRITING, proc_starttime, process_alive,
+    FREE, IN_FLIGHT, MAX_ALIGN, MAX_SLOTS, Q_HOLDER_PID, Q_HOLDER_START, Q_LEND_TAG, Q_LENT_AT, Q_NBYTES,
+    Q_OFFSET, QS, RELEASED, U32, WRITING, proc_starttime, process_alive,
 )
 
 __all__ = ["SlotBook", "PidfdHolders", "ProcHolders", "check_geometry", "UNKNOWN_STARTTIME"]
@@ -308,13 +309,17 @@ class SlotBook:
         w[b] = (self._gen[slot] << 32) | WRITING
         return slot
 
-    def set_in_flight(self, slot: int, holder_pid: int | None = None, holder_start: int | None = None) -> None:
+    def set_in_flight(self, slot: int, holder_pid: int | None = None, holder_start: int | None = None,
+                      tag: int = 0) -> None:
         """WRITING -> IN_FLIGHT of a live slot; re-marking (a retry) only updates the holder.
 
         ``holder_pid`` names the process that will release the slot; if it dies first,
         reclaim() frees the slot.  None: the owner frees it itself.  ``holder_start``: that
         process's start time as attested with its pid, when known: a pid now another
-        process's (it started at another time) is a holder gone already.
+        process's (it started at another time) is a holder gone already.  ``tag``: what the
+        slot is lent for (an output: its request's id), stored with the time of the lending,
+        so that a holder that gave up on that request, whose reply was lost on its way,
+        can give the slot back (`SegmentCache.release_given_up`).
         """
         w = self.words
         b = slot * QS
@@ -332,6 +337,9 @@ class SlotBook:
                 hs = 0  # the attested process exited and its pid was reused: reclaimable at once
         w[b + Q_HOLDER_PID] = hp
         w[b + Q_HOLDER_START] = max(hs, 0)  # (informational: liveness reads _holder_of)
+        if hp or tag:
+            w[b + Q_LEND_TAG] = tag
+            w[b + Q_LENT_AT] = time.monotonic_ns()
         self._pstate[slot] = IN_FLIGHT
         self._in_flight.add(slot)
         w[b] = (gen << 32) | IN_FLIGHT
@@ -381,6 +389,8 @@ class SlotBook:
             b = s * QS
             w[b + Q_HOLDER_PID] = 0
             w[b + Q_HOLDER_START] = 0
+            w[b + Q_LEND_TAG] = 0
+            w[b + Q_LENT_AT] = 0
         w[s * QS] = g << 32  # | FREE (0): one store, generation and state together
         self._free.append(s)
         if self._nb[s]:

@@ -336,16 +336,18 @@ class ShmPool:
         return slot
 
     # ------------------------------------------------------------------ state changes
-    def mark_in_flight(self, ref: ShmRef, holder_pid: int | None = None, holder_start: int | None = None) -> None:
+    def mark_in_flight(self, ref: ShmRef, holder_pid: int | None = None, holder_start: int | None = None,
+                       tag: int = 0) -> None:
         """WRITING -> IN_FLIGHT, before the descriptor is sent.
 
         ``holder_pid`` names the process that will read and release the slot (the client,
         for outputs); if it dies first, reclaim() frees the slot.  Leave it None for slots
         the owner frees itself (inputs).  Re-marking an IN_FLIGHT slot (a retry) only
         updates the holder.  ``holder_start``: the holder's start time, as attested with its
-        pid (`SlotBook.set_in_flight`).
+        pid (`SlotBook.set_in_flight`).  ``tag``: what the slot is lent for (an output: its
+        request's id), for a holder that gives up on it (`SegmentCache.release_given_up`).
         """
-        self._set_in_flight(self._own(ref), holder_pid, holder_start)
+        self._set_in_flight(self._own(ref), holder_pid, holder_start, tag)
 
     def free(self, ref: ShmRef) -> None:
         """Owner returns a slot (any live state) to FREE; its generation goes up by one."""

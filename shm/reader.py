@@ -7,6 +7,7 @@ is touched, and the data area is mapped read-only so a reader cannot scribble on
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 
 import numpy as np
 
@@ -14,7 +15,8 @@ from .book import PidfdHolders, ProcHolders
 from .errors import BadDescriptor, SegmentGone, ShmError, StaleDescriptor
 from .fence import fence
 from .segment import (
-    H32_CLOSED, IN_FLIGHT, MAX_MAPPED_SEGMENT, Q_HOLDER_PID, Q_NBYTES, Q_OFFSET, QS, RELEASED, STATE_NAMES, U32, Attached,
+    H32_CLOSED, IN_FLIGHT, MAX_MAPPED_SEGMENT, Q_HOLDER_PID, Q_LEND_TAG, Q_LENT_AT, Q_NBYTES, Q_OFFSET, QS, RELEASED,
+    STATE_NAMES, U32, Attached,
     ShmRef, attach_segment, checked_dtype, detach, normalize_shape, parse_name,
 )
 
@@ -208,6 +210,44 @@ class SegmentCache:
         # before the owner can see RELEASED and overwrite the bytes.  See shm/fence.py.
         fence()
         a.q[b] = (w & ~U32) | RELEASED  # one aligned 8-byte store: same generation, RELEASED
+
+    def release_given_up(self, given_up: Container[int], holder: int, lent_before_ns: int,
+                         keep: Container[tuple[str, int, int]] = (), skip: str | None = None) -> int:
+        """Give back the slots of the mapped rings that their owners lent to ``holder`` for a
+        request it gave up on (its reply was lost on its way, with a broker that died or a
+        connection that was dropped: the holder will never be told their descriptors).
+
+        A slot goes back when it is IN_FLIGHT, lent to ``holder``, its ``lend_tag`` is in
+        ``given_up`` (0 is no tag), it was lent before ``lent_before_ns`` (CLOCK_MONOTONIC), and its
+        (segment, slot, generation) is not in ``keep`` (slots the holder views).  The same
+        store as `release`, and as safe without a compare-and-swap: a slot lent to a live
+        holder leaves IN_FLIGHT only by that holder's RELEASED, or by its owner freeing it
+        at once when the reply could not be written (within the lending, long before
+        ``lent_before_ns``), so the generation checked just before the store is still the
+        slot's when it lands.  ``skip``: a segment never touched (the holder's own pool).
+        Returns how many slots went back."""
+        n = 0
+        for name, a in list(self._segs.items()):
+            if name == skip or a.h32[H32_CLOSED]:
+                continue
+            rows = np.frombuffer(a.q, np.uint64).reshape(-1, QS)
+            try:
+                lent = np.flatnonzero(((rows[:, 0] & U32) == IN_FLIGHT) & (rows[:, Q_HOLDER_PID] == holder)
+                                      & (rows[:, Q_LEND_TAG] != 0) & (rows[:, Q_LENT_AT] != 0)
+                                      & (rows[:, Q_LENT_AT] < lent_before_ns))
+                found = [(int(s), int(rows[s, 0]), int(rows[s, Q_LEND_TAG])) for s in lent.tolist()]
+            finally:
+                del rows  # (an export of the mapping: `detach` could not close it)
+            q = a.q
+            for s, w, tag in found:
+                if tag not in given_up or (name, s, w >> 32) in keep:
+                    continue
+                b = s * QS
+                if q[b] != w or q[b + Q_LEND_TAG] != tag:
+                    continue  # moved on since the look (the same lifetime keeps its word)
+                q[b] = (w & ~U32) | RELEASED  # nothing was read: no fence needed
+                n += 1
+        return n
 
     def mapping(self, segment: str):
         """The read-only mmap of ``segment``'s data area, if it is mapped (else None).

@@ -94,6 +94,8 @@ SLOT_FIELDS: tuple[Field, ...] = (
     Field(16, "nbytes", "<u8", "owner, at alloc"),
     Field(24, "holder_pid", "<u4", "owner, at mark_in_flight (0: no holder)"),
     Field(32, "holder_starttime", "<u8", "owner, at mark_in_flight"),
+    Field(40, "lend_tag", "<u8", "owner, at mark_in_flight: what the slot was lent for (an output: its request's id; 0: not said)"),
+    Field(48, "lent_at", "<u8", "owner, at mark_in_flight with a holder: CLOCK_MONOTONIC, ns"),
 )
 
 
@@ -137,6 +139,8 @@ Q_OFFSET = 1
 Q_NBYTES = 2
 Q_HOLDER_PID = 3  # holder pid in the low 32 bits; the high 32 bits are padding, kept 0
 Q_HOLDER_START = 4
+Q_LEND_TAG = 5  # (read by a holder that gave up on what it was lent for: `SegmentCache.release_given_up`)
+Q_LENT_AT = 6
 class Geometry(NamedTuple):
     slot_count: int
     data_offset: int

@@ -4,6 +4,7 @@ LEASE_END and the leased worker's replies (`on_message(..., pin=...)`) by hand."
 from __future__ import annotations
 
 import ast
+import itertools
 import pathlib
 
 import numpy as np
@@ -633,7 +634,7 @@ def test_a_pinning_client_sends_the_same_request_frames_as_a_plain_one():
     plain = ClientCore("ipc:///tmp/zinf-pin-core-test.sock", transport="inline", pin=False)
     pinning = ClientCore("ipc:///tmp/zinf-pin-core-test.sock", transport="inline", pin=True)
     try:
-        pinning._next_id = plain._next_id
+        plain._ids, pinning._ids = itertools.count(7), itertools.count(7)
         kw = dict(timeout=3.0, priority="urgent", meta={"k": 1}, traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01")
         a = plain.request_frames(plain.new_call("echo", {"x": np.arange(5)}, **kw), 100.0)
         b = pinning.request_frames(pinning.new_call("echo", {"x": np.arange(5)}, **kw), 100.0)
@@ -654,7 +655,7 @@ def test_a_stream_pins_its_service_on_a_plain_client_and_nothing_else():
     c = _plain_core(pin=False)
     twin = _plain_core(pin=False)  # the same client without any stream: the reference frames
     try:
-        twin._next_id = c._next_id
+        c._ids = itertools.count(7)
         before, _ = _send(c, "other")
         assert not c.ops and before.pin is None
         assert c.stream_pins(None) is True
@@ -664,7 +665,8 @@ def test_a_stream_pins_its_service_on_a_plain_client_and_nothing_else():
         ask = _ask_of(_ops(c))
         assert ask.slots == 2 and first.pin is None  # brokered until LEASED: its max_in_flight
         # A plain request to another service: no ask, and the frames of a client without streams.
-        twin._next_id = c._next_id
+        n = next(c._ids)
+        c._ids, twin._ids = itertools.count(n), itertools.count(n)
         other, frames = _send(c, "other", now=100.5)
         _, twin_frames = _send(twin, "other", now=100.5)
         assert not c.ops and not twin.ops and other.pin is None
@@ -947,3 +949,45 @@ def test_close_gives_up_a_parked_call_which_is_then_never_sent():
         assert a.id not in core.calls and a.done
     finally:
         core.close()
+
+
+# ------------------------------------------------------------------ ids given up on (docs/shm.md)
+
+def test_the_ids_of_a_call_that_no_answer_came_for_are_given_up_for_their_output_slots(monkeypatch):
+    """A call sent again after a broker restart has two ids; the one that does not answer
+    is given up (its reply may have been lost with the broker, naming output slots lent to
+    this process), and so is every id of a call forgotten without an answer.  Kept for
+    `GIVEN_UP_LOOKS` heartbeat looks, at most `GIVEN_UP_MAX` of them."""
+    from types import SimpleNamespace
+
+    from client_sdk import core as core_mod
+
+    c = _plain_core(pin=False)
+    try:
+        c.on_message(_hb(), 100.0)
+        a, _ = _send(c, now=100.0)
+        b, _ = _send(c, now=100.0)
+        old_a, old_b = a.id, b.id
+        out = c.on_message(_hb(b"broker02"), 101.0)  # a restart: both sent again, under new ids
+        assert sorted(_ids(out)) == sorted([a.id, b.id]) and old_a not in (a.id, b.id)
+        assert not c._given_up  # both ids of each still answerable
+        c.on_message(_final(a, np.int64([1])), 101.1)  # a's new run answers
+        assert list(c._given_up) == [old_a]
+        c.on_message(_final(SimpleNamespace(id=old_b, service="echo"), np.int64([2])), 101.2)  # b's old run
+        assert list(c._given_up) == [old_a, b.id]
+        assert _result(a) == 1 and _result(b) == 2
+        d, _ = _send(c, now=102.0)
+        c.on_message(_final(d, np.int64([3])), 102.1)  # answered at once: nothing given up
+        assert list(c._given_up) == [old_a, b.id] and _result(d) == 3
+        monkeypatch.setattr(core_mod, "GIVEN_UP_MAX", 2)
+        e, _ = _send(c, now=103.0)
+        c._forget(e)  # forgotten without an answer (as when a stream is cut by a restart)
+        assert list(c._given_up) == [b.id, e.id]  # the oldest went
+        c._looks += core_mod.GIVEN_UP_LOOKS
+        c._return_given_up()
+        assert list(c._given_up) == [b.id, e.id]  # (not yet older than the window)
+        c._looks += 1
+        c._return_given_up()
+        assert not c._given_up
+    finally:
+        c.close()

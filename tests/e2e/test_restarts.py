@@ -3,6 +3,7 @@ and workers stopped with SIGTERM while they hold requests (docs/operations.md)."
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import numpy as np
@@ -286,6 +287,47 @@ def test_a_stream_cut_by_a_broker_restart_leaves_no_output_slot_held(cluster, ga
             time.sleep(0.05)
         gate.release()  # a third byte, should anything still wait for it
         wait_service(c, "gstream")  # the worker registered with the new broker
+
+
+def test_an_output_slot_whose_reply_was_lost_with_the_broker_goes_back(cluster, gate):
+    """A FINAL relayed through the broker (no direct reply) names a slot of the worker's
+    output ring, lent to the client.  The broker is stopped before it relays the FINAL, then
+    SIGKILLed: the reply is lost, and the client never learns which slot it named.  The
+    client sends the call again to the new broker and is answered; the old run's slot goes
+    back at one of its next heartbeats (sent while calls wait), found by the request id it
+    was lent for (its `lend_tag`), which the client gave up on.  Before, it stayed lent until
+    the client exited."""
+    import signal
+
+    broker = cluster.broker()
+    w = cluster.worker("gate_model:copying", "--service", "gate", "--max-batch", "1", "--no-warmup",
+                       env=gate.env, wait=False)
+    gate.open()
+    w.wait_ready()
+    worker_pid = int(w.field("pid"))
+    x = np.arange(1 << 14, dtype=np.float32)  # 64 KiB: the reply is a slot of the worker's ring
+    with Client(cluster.frontend, timeout=30, direct_reply=False) as c:
+        wait_service(c, "gate")
+        call = c.infer_stream("gate", {"x": x}, reply="shm")  # (a handle on a plain call)
+        gate.wait_entered(1)
+        os.kill(broker.p.pid, signal.SIGSTOP)
+        gate.release()  # the reply is written, lent to us, and sent to a broker that reads nothing
+        t0 = time.monotonic()
+        while _live_slots(worker_pid) < 1:
+            assert time.monotonic() - t0 < 10.0, "the worker never wrote its reply"
+            time.sleep(0.01)  # polling the worker's ring (a condition, not a delay)
+        broker.kill()
+        cluster.broker()
+        gate.release()  # for the call sent again (the client sends it as it waits for it)
+        with call.result(timeout=30) as r:
+            np.testing.assert_array_equal(r["x"], x)
+        assert c.broker_restarts == 1
+        t0 = time.monotonic()
+        while _live_slots(worker_pid) > 0:
+            assert time.monotonic() - t0 < 10.0, f"{_live_slots(worker_pid)} output slots still held"
+            gate.release()
+            c.infer("gate", {"x": x[:4]}).release()  # heartbeats go out while calls wait
+        assert c._core.given_up_returned == 1
 
 
 def test_replies_after_their_deadline_leave_no_output_slot_held(cluster):

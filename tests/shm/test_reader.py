@@ -372,3 +372,33 @@ def test_a_reader_maps_no_more_bytes_in_all_than_its_bound():
     finally:
         for p in pools:
             p.close()
+
+
+def test_slots_lent_for_requests_given_up_on_go_back_and_no_other(pool, cache):
+    # A reply lost on its way (a broker that died) names slots lent to a live reader, which
+    # never learns their descriptors.  The reader gives up on the request: what was lent
+    # for it (the owner's `tag`, the request id), to it, long enough ago, and not viewed by
+    # it goes back; nothing else does.
+    import time
+
+    me = os.getpid()
+
+    def lent(tag, holder=me):
+        ref = pool.ref_of(pool.alloc(16, np.uint8))
+        pool.mark_in_flight(ref, holder_pid=holder, tag=tag)
+        return ref
+
+    lost, answered, viewed, others, untagged = lent(7), lent(8), lent(7), lent(7, holder=1), lent(0)
+    cache.view(viewed, np.uint8, (16,), holder=me)  # (maps the ring)
+    row = pool.table[lost.slot]
+    assert row["lend_tag"] == 7 and row["holder_pid"] == me and row["lent_at"] > 0
+    keep = {(viewed[0], viewed.slot, viewed.generation)}
+    assert cache.release_given_up({7}, me, int(row["lent_at"]), keep=keep) == 0  # lent too recently
+    assert cache.release_given_up({7}, me, time.monotonic_ns() + 1, keep=keep, skip=pool.name) == 0
+    assert cache.release_given_up({7, 0}, me, time.monotonic_ns() + 1, keep=keep) == 1
+    states = {ref.slot: int(pool.table[ref.slot]["state"]) for ref in (lost, answered, viewed, others, untagged)}
+    assert states == {lost.slot: RELEASED, answered.slot: IN_FLIGHT, viewed.slot: IN_FLIGHT,
+                      others.slot: IN_FLIGHT, untagged.slot: IN_FLIGHT}
+    assert pool.reclaim() == 1
+    assert pool.table[lost.slot]["lend_tag"] == 0 and pool.table[lost.slot]["lent_at"] == 0
+    assert cache.release_given_up({7}, me, time.monotonic_ns() + 1, keep=keep) == 0  # (freed: only the viewed left)

@@ -109,15 +109,18 @@ def test_a_slot_record_on_file_is_as_the_table_says():
         assert int(word) == (ref.generation << 32) | IN_FLIGHT
         assert (int(offset), int(nbytes)) == (ref.offset, 100)
         assert int.from_bytes(raw[24:28], "little") == pid and raw[28:32] == bytes(4)
-        assert int.from_bytes(raw[32:40], "little") == start and raw[40:] == bytes(24)
+        assert int.from_bytes(raw[32:40], "little") == start
+        # lend_tag (0: not said) and lent_at (CLOCK_MONOTONIC ns), at mark_in_flight with a holder
+        assert raw[40:48] == bytes(8) and 0 < int.from_bytes(raw[48:56], "little") <= time.monotonic_ns()
+        assert raw[56:] == bytes(8)
         pool.free(ref)
         del a
         raw = _raw_slot(pool, ref.slot)
         assert int.from_bytes(raw[:8], "little") == ((ref.generation + 1) << 32) | FREE
-        assert raw[24:40] == bytes(16)  # holder cleared
+        assert raw[24:56] == bytes(32)  # holder, tag and time cleared
         b, ref2 = _sent(pool, 8)  # no holder: 0
         assert ref2.slot == ref.slot and ref2.generation == ref.generation + 1  # LIFO: the slot just freed
-        assert _raw_slot(pool, ref2.slot)[24:40] == bytes(16)
+        assert _raw_slot(pool, ref2.slot)[24:56] == bytes(32)
 
 
 def test_remarking_in_flight_updates_the_holder_and_a_released_slot_is_stale():
