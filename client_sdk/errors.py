@@ -82,8 +82,14 @@ class ServiceUnavailable(InferenceError):
     hint = "start a worker for the service, or check the service name (client.mmi_service(name))"
 
     def __init__(self, message: str = "", **kw):
-        if "its last one went" in message:  # the broker's: the service had workers, and lost them
+        if "its last one went" in message and "start a worker" not in message:
+            # the broker's: the service had workers, and lost them
             self.hint = "look at its workers: are they running, and do they reach the broker?"
+        elif "shutting down" in message or "start a worker" in message:
+            # The broker's own advice (its drain: "send the request elsewhere or later"; a
+            # full queue with no worker: "start a worker ..."): a second one said "start a
+            # worker" of a broker that was stopping, or said it twice.
+            self.hint = ""
         super().__init__(message, **kw)
 
 

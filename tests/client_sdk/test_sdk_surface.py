@@ -195,3 +195,21 @@ def test_a_plain_request_of_more_frames_than_the_broker_takes_is_refused_before_
     with client_sdk.Client(f"ipc://{tmp_path}/nobody.ipc", timeout=1) as c:
         with pytest.raises(errors.InvalidInput, match=f"at most {MAX_BODY_FRAMES}"):
             c.request("svc", [b""] * (MAX_BODY_FRAMES + 1))
+
+
+def test_a_service_unavailable_error_adds_its_advice_only_where_the_broker_gave_none():
+    """The client's advice ("start a worker ...") follows a message that has none; the
+    broker's drain ("send the request elsewhere or later") and its full queue with no
+    worker ("start a worker ...") say what to do already: it was added to both (the
+    operations audit: a stopping broker's callers were told to start a worker)."""
+    from broker.launcher import _DRAIN_REASON
+
+    plain = errors.ServiceUnavailable("no worker serves 'x'")
+    assert str(plain).count("start a worker") == 1
+    drain = errors.ServiceUnavailable(_DRAIN_REASON)
+    assert str(drain) == _DRAIN_REASON
+    full = ("no live worker for 'x': its last one went 2.0 s ago, and the queue is full (0 waiting): nothing "
+            "can wait for one; start a worker for the service, or check its name")
+    assert str(errors.ServiceUnavailable(full)) == full
+    lost = errors.ServiceUnavailable("no live worker for 'x': its last one went 2.0 s ago")
+    assert "look at its workers" in str(lost) and "start a worker" not in str(lost)
