@@ -55,7 +55,7 @@ from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, context, curve_keys, dealer, descriptor_room, drain_unread, drop_lease_dealer,
                       drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link, redial,
-                      send_failure, tcp_options)
+                      refusal, refused_error, send_failure, tcp_options)
 from .tensors import Result
 
 __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
@@ -280,6 +280,7 @@ class AsyncClient(ClientBase):
                                 max_inline_mb=max_inline_mb, linger=linger)
         self._core.endpoint_problem = IpcDiagnosis(endpoint)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
+        self._core.plain_tcp = self._curve is None and endpoint.startswith("tcp://")
         ctx = context(endpoint)  # first: it sees that libzmq's threads can start
         self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
         # with the monitor of its handshakes (heartbeats on), attached before it connected
@@ -1039,7 +1040,11 @@ class AsyncClient(ClientBase):
         Like `Client.request`, it uses a socket of its own."""
         out = self._core.opaque_frames(service, frames)
         limit = self._core.timeout_of(timeout)
-        sock = dealer(self._ctx, self.endpoint, self._curve)
+        # Over tcp with keys, a handshake the broker refuses for good fails it at once (as
+        # `Client.request`).
+        sock, monitor = (broker_dealer(self._ctx, self.endpoint, self._curve, self._core.heartbeat_interval)
+                         if self._curve is not None else (dealer(self._ctx, self.endpoint, self._curve), None))
+        waits: list[asyncio.Future] = []
         try:
             await sock.send_multipart(out, copy=False)
 
@@ -1049,12 +1054,29 @@ class AsyncClient(ClientBase):
                     if done:
                         return body
 
+            async def refused() -> InferenceError:
+                while True:
+                    said = refusal(await monitor.recv_multipart())
+                    if said is not None:
+                        self._core.broker_said(said[1], time.monotonic())
+                        if said[0]:
+                            return refused_error(self.endpoint, said[1])
+
             try:
                 async with asyncio.timeout(limit):
-                    return await final()
+                    if monitor is None:
+                        return await final()
+                    waits = [asyncio.ensure_future(final()), asyncio.ensure_future(refused())]
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    if waits[0].done():
+                        return waits[0].result()
+                    raise waits[1].result()
             except TimeoutError:
                 raise self._core.opaque_deadline_error(service, limit) from None
         finally:
+            for w in waits:
+                w.cancel()
+            drop_monitor(sock, monitor)
             drop_socket(sock)
 
     async def mmi_service(self, name: str, timeout: float | None = None) -> bool:

@@ -46,7 +46,7 @@ from .errors import BrokerUnreachable, DeadlineExceeded, InferenceError, Invalid
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, context, curve_keys, dealer, descriptor_room, drain_unread, drop_lease_dealer,
                       drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link, redial,
-                      send_failure, tcp_options)
+                      refused_error, send_failure, tcp_options)
 from .tensors import Result
 
 #: the most seconds one drain of a lease's link waits for the rest of a message in pieces
@@ -204,6 +204,7 @@ class Client(ClientBase):
                                 max_inline_mb=max_inline_mb, linger=linger)
         self._core.endpoint_problem = IpcDiagnosis(endpoint)
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
+        self._core.plain_tcp = self._curve is None and endpoint.startswith("tcp://")
         self._ctx = context(endpoint)
         # with the monitor of its handshakes (heartbeats on), attached before it connected
         self._sock, self._broker_monitor = broker_dealer(self._ctx, endpoint, self._curve, self._core.heartbeat_interval)
@@ -338,7 +339,16 @@ class Client(ClientBase):
         out = self._core.opaque_frames(service, frames)
         limit = self._core.timeout_of(timeout)
         deadline = None if limit is None else time.monotonic() + limit
-        sock = dealer(self._ctx, self.endpoint, self._curve)
+        # Over tcp with keys, the socket's handshakes are watched: one the broker refuses for
+        # good (a key removed from its allow-list since the client connected) fails the call
+        # at once (`sockets.refused_error`).
+        sock, monitor = (broker_dealer(self._ctx, self.endpoint, self._curve, self._core.heartbeat_interval)
+                         if self._curve is not None else (dealer(self._ctx, self.endpoint, self._curve), None))
+        poller = None
+        if monitor is not None:
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
         try:
             sock.send_multipart(out, copy=False)
             while True:
@@ -350,12 +360,22 @@ class Client(ClientBase):
                 if left is not None and left <= 0:
                     self._heed_broker_monitor()
                     raise self._core.opaque_deadline_error(service, limit)
-                if not sock.poll(wait_ms(left), zmq.POLLIN):
+                if poller is not None:
+                    ready = dict(poller.poll(wait_ms(left)))
+                    if monitor in ready:
+                        _, last, final = handshakes(monitor)
+                        self._core.broker_said(last, time.monotonic())  # (for later calls' errors too)
+                        if final and last:
+                            raise refused_error(self.endpoint, last)
+                    if sock not in ready:
+                        continue
+                elif not sock.poll(wait_ms(left), zmq.POLLIN):
                     continue
                 done, body = opaque_reply(sock.recv_multipart(), service)
                 if done:
                     return body
         finally:
+            drop_monitor(sock, monitor)
             drop_socket(sock)
 
     def _heed_broker_monitor(self) -> None:

@@ -132,6 +132,10 @@ REDIAL_S = 1.0
 #: How the word on a handshake the broker failed without detail begins (`sockets.handshakes`):
 #: a refusal with detail is not replaced by it (`broker_said`).
 NO_DETAIL = "no detail given"
+#: what a plain tcp client (`insecure=True`) is told of such a handshake: `sockets`' word
+#: blames `server_key`, which it has none of (the client audit)
+PLAIN_NO_DETAIL = (f"{NO_DETAIL}; this client speaks plain tcp (`insecure=True`), whose greeting a broker with "
+                   "keys cuts short: give the client `server_key` and `client_key`, or run the broker --insecure")
 
 
 def _check_meta(meta: dict) -> None:
@@ -384,6 +388,7 @@ class ClientCore(PinEvents):
         self._suspects: dict[int, tuple[Call, float]] = {}
         self.closed = False
         self.discarded = 0   # late or unknown replies dropped (for tests and debugging)
+        self.plain_tcp = False  # a tcp client without keys (`insecure=True`): set by the twin
         self.given_up_returned = 0  # output slots of given-up requests given back (`_return_given_up`)
         self.direct_replies = 0  # replies that came straight from a worker (reply_to)
         self.mmi_waiters: deque[MmiQuery] = deque()  # MMI questions sent, oldest first
@@ -421,6 +426,10 @@ class ClientCore(PinEvents):
         return self._pool
 
     def alloc(self, shape: Any, dtype: Any = np.float32) -> np.ndarray:
+        if self.closed or self._gen != T.fork_generation():
+            # A forked child's copy: its pool is the parent's, whose next alloc() was handed
+            # the same slot (the child's writes went out in the parent's next request).
+            self.check_open()
         self.run_deferred()
         if shape is True or shape is False or (type(shape) in (tuple, list) and bool in map(type, shape)):
             # (shm's fast path takes a bool for 0 or 1, as Python's arithmetic does)
@@ -453,6 +462,7 @@ class ClientCore(PinEvents):
         return self._cuda
 
     def alloc_cuda(self, shape: Any, dtype: Any = np.float32, device: Any = "cuda:0") -> Any:
+        self.check_open()
         side = self.cuda_side(device)
         side.check_device(device)
         return side.alloc(shape, dtype)
@@ -484,6 +494,7 @@ class ClientCore(PinEvents):
         if self.closed:  # its pool went with it, alloc() buffers included: nothing to free
             raise InferenceError("this client is closed: its alloc() buffers were freed with its pool by close() "
                                  "(do not use them any more)", code=None)
+        self.check_open()  # a forked child's copy: the buffers are the parent's (it returned None, freeing nothing)
         # The array alloc() returned itself, not a view of it: a slice's bytes lie in the
         # same slot, and freeing it freed the whole buffer, which the next alloc() then
         # shared with the array it was sliced from (silently mixed data).
@@ -1232,6 +1243,8 @@ class ClientCore(PinEvents):
         `REDIAL_S` after the dial before."""
         if last is None:
             return
+        if self.plain_tcp and last.startswith(NO_DETAIL):
+            last = PLAIN_NO_DETAIL
         # A refusal without detail does not replace one with: a plain tcp client of a broker
         # with keys hears both (the one whose greeting the broker cut short, as a loaded
         # broker often does, is told nothing), and "most likely `server_key`" misleads it.

@@ -130,7 +130,9 @@ class WorkerFailed(InferenceError):
 
 class Forbidden(InferenceError, PermissionError):
     """The broker no longer serves this client's CurveZMQ key: it was removed from the
-    broker's client allow-list while the client was connected (docs/security.md)."""
+    broker's client allow-list while the client was connected (docs/security.md); or, for a
+    plain MDP `request` (a connection of its own), the broker refused the key at that
+    connection's handshake."""
 
     code = ErrorCode.FORBIDDEN
     hint = "ask the broker's operator to put this client's public key back in --client-keys"

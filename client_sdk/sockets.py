@@ -434,6 +434,30 @@ _BROKER_REFUSED = {
 }
 
 
+def refusal(frames: list[Any]) -> tuple[bool, str] | None:
+    """A monitor message (`broker_monitor`'s) that says the broker refused a handshake:
+    (final, why), as `_BROKER_REFUSED` has them; None for anything else."""
+    try:
+        event = monitor_event(frames)["event"]
+    except Exception:  # not a monitor message: nothing of ours
+        return None
+    return _BROKER_REFUSED.get(event)
+
+
+def refused_error(endpoint: str, why: str) -> InferenceError:
+    """The error of a plain MDP `request` whose own socket's handshake the broker refused
+    for good (libzmq gives the endpoint up): raised at once.  It waited for its timeout,
+    told to raise it, and for ever without one: a key removed from the broker's allow-list
+    is refused on the new connection a request makes, while the client's own connection,
+    made before, is answered `Forbidden` (the client audit)."""
+    from .errors import BrokerUnreachable, Forbidden
+
+    said = f"the broker at {endpoint} refused the handshake of this request's connection: {why}"
+    if why == _BROKER_REFUSED[zmq.EVENT_HANDSHAKE_FAILED_AUTH][1]:
+        return Forbidden(said)
+    return BrokerUnreachable(said)
+
+
 def redial(sock: zmq.Socket, endpoint: str) -> None:
     """Connect `sock` to `endpoint` again, libzmq having given it up at a refused handshake
     (`_BROKER_REFUSED`): what is left of the old connection's entry goes first, so that

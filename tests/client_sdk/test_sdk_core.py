@@ -192,6 +192,23 @@ def test_a_refused_handshake_dials_again_at_once_then_at_most_once_per_redial_in
     assert core.redial_at is None
 
 
+def test_a_plain_tcp_client_is_not_told_its_server_key_is_wrong():
+    """A handshake failed without detail is most likely the wrong `server_key`, for a client
+    that has one; a plain tcp client (`insecure=True`) has none, and was told so anyway (the
+    client audit): it is told that a broker with keys cuts its greeting short."""
+    from client_sdk.core import NO_DETAIL, PLAIN_NO_DETAIL
+
+    c = ClientCore("tcp://127.0.0.1:5555", transport="inline", heartbeat_interval=1.0)
+    try:
+        c.plain_tcp = True
+        c.broker_said(f"{NO_DETAIL}; most likely `server_key` (or $ZMQ_INFER_SERVER_KEY) is not ...", 1.0)
+        assert c.refused == PLAIN_NO_DETAIL and "server_key`" in c.refused and "insecure=True" in c.refused
+        c.broker_said("one side speaks CurveZMQ and the other plain tcp", 1.1)  # a cause: kept as said
+        assert c.refused.startswith("one side speaks")
+    finally:
+        c.close()
+
+
 def test_mmi_answers_without_a_token_match_questions_in_order(core):
     first = core.expect_mmi(core.mmi_question("echo"))
     first.abandoned = True             # timed out; its answer is still on the way

@@ -111,19 +111,24 @@ def test_a_forked_child_neither_uses_nor_gives_back_its_parents_client(cluster):
         y = held["y"]
         assert held.zero_copy == {"y": True}
         pending = c.infer_stream("batched", {"x": x})  # in flight across the fork
+        buf = c.alloc((1024,), np.uint8)
+        buf[:] = 0x11
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
             code = 1
             try:
                 refused = 0
                 for use in (lambda: c.infer("batched", {"x": x}), lambda: c.pump(0.1), pending.result,
-                            lambda: c.stream("batched").send({"x": x}), lambda: c.mmi_service("batched")):
+                            lambda: c.stream("batched").send({"x": x}), lambda: c.mmi_service("batched"),
+                            # (alloc() handed the child the slot the parent's next alloc() got,
+                            # and free() freed nothing, silently: the client audit)
+                            lambda: c.alloc((1024,), np.uint8)[:].fill(0xCC), lambda: c.free(buf)):
                     try:
                         use()
                     except InvalidInput as e:
                         refused += "forked" in str(e)
                 pending.close()  # gives nothing back, sends nothing
-                code = 0 if refused == 5 else 2
+                code = 0 if refused == 7 else 2
                 held.release()
                 del y
                 import gc
@@ -134,6 +139,11 @@ def test_a_forked_child_neither_uses_nor_gives_back_its_parents_client(cluster):
             finally:
                 os._exit(code)
         assert _wait_child(pid) == 0
+        mine = c.alloc((1024,), np.uint8)
+        mine[:] = 0x22
+        assert (buf == 0x11).all() and (mine == 0x22).all()
+        c.free(buf)
+        c.free(mine)
         with pending.result() as r:  # the parent's call, untouched by the child's close
             np.testing.assert_array_equal(r["y"], x + 1)
         assert os.path.exists(c._inbox.path)  # its reply socket is still there

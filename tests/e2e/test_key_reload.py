@@ -13,6 +13,7 @@ removal is waited for by calling until the refusal comes, against a deadline.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import time
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 from broker import security as S
-from client_sdk import Client, Forbidden
+from client_sdk import AsyncClient, Client, Forbidden
 
 from .conftest import Proc, wait_service
 
@@ -113,6 +114,23 @@ def test_keys_added_and_removed_while_the_broker_runs(broker, made):
                         _echo(a, "echo", x)
                 with pytest.raises(Forbidden):
                     a.mmi_service("echo")
+                # A plain MDP request makes a connection of its own, whose handshake the
+                # broker refuses: at once, not at its timeout with "raise `timeout`" (the
+                # client audit), in both twins.
+                t0 = time.monotonic()
+                with pytest.raises(Forbidden, match="refused the handshake of this request's connection"):
+                    a.request("echo", [b"opaque"], timeout=15)
+                assert time.monotonic() - t0 < 10
+
+                async def refused_async() -> None:
+                    async with AsyncClient(broker.frontend, server_key=made["server"].pub,
+                                           client_key=made["a"].sec, timeout=20) as aa:
+                        with pytest.raises(Forbidden, match="refused the handshake"):
+                            await aa.request("echo", [b"opaque"], timeout=15)
+
+                t0 = time.monotonic()
+                asyncio.run(refused_async())
+                assert time.monotonic() - t0 < 10
                 assert isinstance(Forbidden("x"), PermissionError)
                 _echo(b, "echo", x)  # the others are served as before
                 assert b.mmi_service("echo")
