@@ -584,13 +584,18 @@ def stream_outputs(out: Any, name: str) -> Iterator[dict]:
 
 
 def normalise_outputs(out, name: str):
-    """A model's return value as a dict of named outputs (a lone tensor is output ``name``)."""
+    """A model's return value as a dict of named outputs (a lone tensor is output
+    "output").  Anything else is `backends.BadOutputs`, the model's mistake, which the same
+    request meets again: a plain TypeError was answered as something the model raised,
+    "retrying may help" (the models audit)."""
     if isinstance(out, Mapping):
         return out
     if hasattr(out, "shape") and hasattr(out, "dtype"):  # a single tensor or array
         return {"output": out}
-    raise TypeError(f"model {name!r} returned {type(out).__name__}; expected a dict of arrays/tensors "
-                    "or a single array/tensor")
+    from gpu_worker.backends import BadOutputs  # (on the error path: a backend is running us)
+
+    raise BadOutputs(f"model {name!r} returned {type(out).__name__}; expected a dict of arrays/tensors "
+                     "or a single array/tensor")
 
 
 # --------------------------------------------------------------------------- loading

@@ -633,7 +633,10 @@ class Worker:
             raise ValueError(f"they do not fit its declared inputs: {why}")
         t0 = time.perf_counter()
         sizes = sorted({1, self.batcher.max_batch})
-        warmup(self.backend, self.model, sizes)           # lazy init: allocator, kernels, CUDA context
+        if not warmup(self.backend, self.model, sizes):  # lazy init: allocator, kernels, CUDA context
+            # No example inputs: nothing ran (it was logged as a warm-up of 0.0 ms).
+            log.info("warm-up of %s skipped: the model has no example_inputs()", self.model.name)
+            return
         self.compute_times.seed(warmup(self.backend, self.model, sizes))  # steady-state times
         self._set_margin()
         log.info("warm-up of %s on %s took %.1f ms", self.model.name, self.device, (time.perf_counter() - t0) * 1e3)

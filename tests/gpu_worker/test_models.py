@@ -468,6 +468,16 @@ def test_what_wrapping_the_factorys_result_raises_is_a_model_load_error(factorie
         load_model(factory, "cpu")
 
 
+def test_a_model_returning_no_dict_is_the_models_mistake(factories):
+    # A plain TypeError, which the worker answered as what the model raised, "retrying may
+    # help"; the same request fails the same way.
+    from gpu_worker.backends import BadOutputs, make_backend
+
+    m = load_model("mymodels.plain:picky", "cpu")
+    with pytest.raises(BadOutputs, match="'picky' returned list; expected a dict of arrays/tensors"):
+        make_backend(m, "cpu").run([{"x": np.zeros(2, np.float32)}])
+
+
 def test_load_nn_module_taking_a_dict(factories):
     m = load_model(f"{factories}:make_dictnet", "cpu")
     assert not m.batchable
