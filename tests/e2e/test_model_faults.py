@@ -469,6 +469,25 @@ def test_a_model_that_crashes_in_native_code_leaves_its_stack_on_stderr(cluster)
     assert "Fatal Python error: Segmentation fault" in err and "faulty_model.py" in err, err[-3000:]
 
 
+def test_a_service_whose_last_worker_crashed_says_it_crashed(cluster):
+    # After its only worker crashed, the service's requests failed ServiceUnavailable saying
+    # the worker went "presumed dead after silence, or stopped" (the models audit): the
+    # broker saw its connection close without a DISCONNECT, and says so.
+    from client_sdk.errors import ServiceUnavailable
+
+    cluster.broker("--max-retries", "0", "--service-grace", "0.3")
+    w = cluster.worker("faulty_model:batched", "--service", "batched")
+    with Client(cluster.frontend, timeout=30) as c:
+        with pytest.raises(WorkerFailed):
+            c.infer("batched", {"x": np.zeros(4, np.float32)}, meta={"do": "crash"})
+        assert w.p.wait(30) == 70
+        with pytest.raises(ServiceUnavailable) as e:
+            c.infer("batched", {"x": np.zeros(4, np.float32)})
+    words = str(e.value)
+    assert "its last one went" in words and "it crashed or was killed" in words, words
+    assert "silence" not in words, words
+
+
 @pytest.mark.parametrize("do", ["exit", "raise", "return"])
 def test_a_child_the_model_forked_ends_where_it_leaves_the_model(cluster, do):
     # Found by the fork hunt: a model forking a helper whose child ended with sys.exit() (or
