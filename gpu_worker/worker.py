@@ -1607,8 +1607,9 @@ class Worker:
         return outs
 
     def _isolate(self, jobs: list, failed: ModelFailed) -> list:
-        """``jobs``, whose batch raised ``failed``: each half run again (cancelled requests
-        are not), recursively.  What a run returns is copied before the next run: a model
+        """``jobs``, whose batch raised ``failed`` (or returned outputs no reply can carry:
+        `_check_each`, on every run here): each half run again (cancelled requests are
+        not), recursively.  What a run returns is copied before the next run: a model
         may fill the same output buffer on every call, and these replies are written only
         after the last run.  A stale request (its broker connection replaced meanwhile) runs
         again: as after a batch that did not raise, its result may still go straight to its
