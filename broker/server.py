@@ -2454,7 +2454,7 @@ class Broker:
         throttled: a host's workers dying together are one line and a count), then the
         scheduler's verdict."""
         self._warn_death(ident, f"{how}; presumed dead{self.sched.death_note(ident)}")
-        self._act(self.sched.worker_disconnect(ident, now), now)
+        self._act(self.sched.worker_disconnect(ident, now, closed=True), now)
 
     def _warn_death(self, ident: bytes, what: str) -> None:
         info = self._worker_info.get(ident)

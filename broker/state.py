@@ -629,10 +629,22 @@ class _Request:
         self.late = None
 
 
+# How a service's last worker went, in its requests' SERVICE_UNAVAILABLE ("its last one went
+# 2.0 s ago (...)"): the broker tells these apart.  A crash (SIGSEGV, os._exit, SIGKILL)
+# closes the worker's connection without a DISCONNECT, which the server sees at once; only a
+# worker that stalled, or whose host or network went, is presumed dead after its silence.
+# All of them were "presumed dead after silence, or stopped" (the models audit).
+_WENT_SILENT = "presumed dead after its silence past the liveness window"
+_WENT_CLOSED = "its connection closed without a goodbye: it crashed or was killed"
+_WENT_AWAY = "it said goodbye: stopped, or drained"
+_WENT_STOPPING = "it was stopped (draining)"
+_WENT_DROPPED = "disconnected by the broker"
+
+
 class _Pool:
     """The workers of one service able to take one class of request (see docstring)."""
 
-    __slots__ = ("key", "live", "ready", "gap_since", "gap_epoch", "lost_at")
+    __slots__ = ("key", "live", "ready", "gap_since", "gap_epoch", "lost_at", "lost_how")
 
     def __init__(self, key, now, epoch):
         self.key = key
@@ -644,6 +656,7 @@ class _Pool:
         self.gap_since = now
         self.gap_epoch = epoch
         self.lost_at = None  # when its last live worker went (presumed dead, or left); None: never had one
+        self.lost_how = _WENT_SILENT  # how it went (`Scheduler._leave_pools`), for the error that says so
 
 
 def _remember_turn(left, principal, when) -> None:
@@ -872,7 +885,7 @@ class Scheduler(LeaseEvents):
         self._services: dict[str, _Service] = {}
         # name -> when its last live worker went, for services whose record was dropped
         # (`_flush`), oldest first, at most _GONE_SERVICES
-        self._lost_services: dict[str, float] = {}
+        self._lost_services: dict[str, tuple[float, str]] = {}  # (lost_at, lost_how) of _Pool
         self._workers: dict[bytes, _Worker] = {}
         self._clients: dict[bytes, _Client] = {}  # only clients that sent a heartbeat
         # Requests live for their client, per connection (routing, duplicate ids, cancel,
@@ -933,7 +946,7 @@ class Scheduler(LeaseEvents):
         if known is not None:
             # MDP: a second READY means the peer lost its state (restart with the same
             # identity) or is confused; either way its in-flight work cannot be trusted.
-            self._kill_worker(known, now, out)
+            self._kill_worker(known, now, out, how=_WENT_DROPPED)
             out.insert(0, DisconnectWorker(worker, "READY from a worker already registered; "
                                                    "reconnect and send READY once"))
             self._flush(now, out)
@@ -1217,19 +1230,23 @@ class Scheduler(LeaseEvents):
             w.closing = True
             self._reload(w)  # out of the ready heaps and the idle and deep sets
         out: list[Action] = []
-        self._leave_pools(w, now)
+        self._leave_pools(w, now, _WENT_STOPPING)
         self._flush(now, out)
         return out
 
-    def worker_disconnect(self, worker: bytes, now: float, *, failed: bool = True) -> list[Action]:
+    def worker_disconnect(self, worker: bytes, now: float, *, failed: bool = True,
+                          closed: bool = False) -> list[Action]:
         """The worker is gone: retry its work.  ``failed=False``: it said DISCONNECT, so it
         finished what it held (its leases' requests included); otherwise (the server saw
-        its connection close, or its number reused) it may have died holding some."""
+        its connection close, or its number reused) it may have died holding some.
+        ``closed``: the server saw its connection close without a DISCONNECT (it crashed
+        or was killed), which the service's later SERVICE_UNAVAILABLE says."""
         w = self._workers.get(worker)
         if w is None:
             return []
         out: list[Action] = []
-        self._kill_worker(w, now, out, failed=failed)
+        how = _WENT_AWAY if not failed else _WENT_CLOSED if closed else _WENT_DROPPED
+        self._kill_worker(w, now, out, failed=failed, how=how)
         self._flush(now, out)
         return out
 
@@ -1385,7 +1402,8 @@ class Scheduler(LeaseEvents):
                 out.append(ClientError(
                     client, request_id, service, ErrorCode.SERVICE_UNAVAILABLE,
                     (f"no worker serves '{service}'" if lost is None else
-                     f"no live worker for '{service}': its last one went {now - lost:.1f} s ago")
+                     f"no live worker for '{service}': its last one went {now - lost:.1f} s ago "
+                     f"({svc.any.lost_how})")
                     + f", and the queue is full ({self.config.max_queue} waiting): nothing can wait for one; "
                       f"start a worker for the service, or check its name", payload))
             elif victim is None:
@@ -1575,7 +1593,7 @@ class Scheduler(LeaseEvents):
                     obj.ident, f"no message for {now - obj.last_seen:.3f} s "
                                f"(liveness {self._worker_ttl} s); presumed dead{self.death_note(obj.ident)}",
                     dead=True))
-                self._kill_worker(obj, now, out)
+                self._kill_worker(obj, now, out, how=_WENT_SILENT)
             else:
                 self._rename_if_it_loses(obj.ident)
                 self._drop_client(obj.ident, out, now)
@@ -1755,7 +1773,7 @@ class Scheduler(LeaseEvents):
             svc = self._services[name] = _Service(name, now, next(self._epochs))
             lost = self._lost_services.pop(name, None)
             if lost is not None:  # it had workers before its record went: its grace's error says so
-                svc.any.lost_at = lost
+                svc.any.lost_at, svc.any.lost_how = lost
         return svc
 
     def _pool(self, svc, key, now):
@@ -2350,9 +2368,10 @@ class Scheduler(LeaseEvents):
         out.append(Dispatch(w.ident, token, req.client, req.request_id, svc.name, req.payload,
                             req.enqueued_at, req.deadline, req.attempt, req.returned, svc.queued, shown))
 
-    def _kill_worker(self, w, now, out, failed: bool = True):
+    def _kill_worker(self, w, now, out, failed: bool = True, how: str = _WENT_DROPPED):
         """Forget a dead worker and settle everything it held (``failed``: it did not say
-        DISCONNECT, so what it held on leases it had ended may be lost too)."""
+        DISCONNECT, so what it held on leases it had ended may be lost too; ``how``: the
+        words for how it went, `_leave_pools`)."""
         w.alive = False
         self._end_worker_leases(w, out, failed=failed)
         svc = w.svc
@@ -2412,7 +2431,7 @@ class Scheduler(LeaseEvents):
         # these requests have already waited their turn.
         self._retry(retry, now)
         if not w.stopping:
-            self._leave_pools(w, now)
+            self._leave_pools(w, now, how)
         else:
             # It left its pools when it said STOPPING; what it held and did not answer (it
             # died draining) waits for another worker, a whole grace from now if there is
@@ -2427,13 +2446,15 @@ class Scheduler(LeaseEvents):
                 self._open_gap(svc, pool, now)
         self._dirty[svc] = None
 
-    def _leave_pools(self, w, now):
+    def _leave_pools(self, w, now, how: str):
         """``w`` no longer counts as live in its pools: a pool left with none starts the grace
-        of the requests waiting for it (and a host's pool nobody waits for is forgotten)."""
+        of the requests waiting for it (and a host's pool nobody waits for is forgotten);
+        ``how`` it went is what their SERVICE_UNAVAILABLE says."""
         svc = w.svc
         for pool in w.pools:
             pool.live -= 1
             if pool.live == 0:
+                pool.lost_how = how
                 waiting = self._open_gap(svc, pool, now)
                 if not waiting and pool is not svc.any:
                     # A host's pool with no worker and nothing waiting for one: forgotten (a
@@ -2579,7 +2600,7 @@ class Scheduler(LeaseEvents):
                        f"with python -m gpu_worker --model {svc.name}")
             else:  # it had workers: "start one" would point the wrong way
                 why = (f"no live worker for '{svc.name}' within {grace} s: its last one went {now - lost:.1f} s "
-                       f"ago (presumed dead after silence, or stopped) and none has registered since")  # errors.py
+                       f"ago ({svc.any.lost_how}) and none has registered since")  # errors.py
             self._error(req, ErrorCode.SERVICE_UNAVAILABLE, why, out)
         else:
             self._counters["not_local"] += 1
@@ -2664,7 +2685,7 @@ class Scheduler(LeaseEvents):
                     gone.pop(svc.name, None)
                     if len(gone) >= _GONE_SERVICES:
                         del gone[next(iter(gone))]
-                    gone[svc.name] = svc.any.lost_at
+                    gone[svc.name] = (svc.any.lost_at, svc.any.lost_how)
 
     def _recall(self, svc, now, out):
         """Take back requests parked behind busy workers' running batches for the workers

@@ -432,12 +432,35 @@ def wants_mapping(sig: inspect.Signature) -> bool:
     return False
 
 
+def _forward_signature(module) -> inspect.Signature | None:
+    """The signature of ``module.forward``, or None if it has none to read.  A traced
+    TorchScript module's forward (a ``ScriptMethod``) has none that `inspect` reads (a
+    scripted one has): it is made from the method's schema, whose first argument is
+    ``self``, so that its inputs bind by name or positionally as a module's do."""
+    forward = module.forward
+    try:
+        return inspect.signature(forward)
+    except (TypeError, ValueError):
+        pass
+    args = list(getattr(getattr(forward, "schema", None), "arguments", None) or ())
+    if not args or args[0].name != "self":
+        return None
+    P = inspect.Parameter
+    try:
+        return inspect.Signature([P(a.name, P.KEYWORD_ONLY if a.kwarg_only else P.POSITIONAL_OR_KEYWORD,
+                                    default=a.default_value if a.has_default_value() else P.empty)
+                                  for a in args[1:]])
+    except (TypeError, ValueError):  # a schema Python's signatures cannot say
+        return None
+
+
 #: sets of input names whose binding to a forward a torch model remembers (`TorchModuleModel._style`)
 MAX_CALL_STYLES = 64
 
 
 class TorchModuleModel(ModelBase):
-    """Wraps an ``nn.Module`` returned by a ``package.module:factory``.
+    """Wraps an ``nn.Module`` returned by a ``package.module:factory`` (a TorchScript module,
+    scripted, traced or loaded, included).
 
     The module is called with the batch as keyword arguments (``forward(self, image)`` for
     an input named "image").  When the names do not bind: a batch of one tensor goes to a
@@ -453,7 +476,13 @@ class TorchModuleModel(ModelBase):
     framework = "torch"
 
     def __init__(self, module, *, name: str, device: str = "cpu"):
-        module.eval().requires_grad_(False)
+        module.eval()
+        # Gradients off one parameter at a time, which is all `requires_grad_(False)` does: a
+        # TorchScript module (torch.jit.script) refuses that call ("not supported on
+        # ScriptModules"), and was refused at load (the models audit).  The backend runs
+        # every model under inference mode anyway.
+        for p in module.parameters():
+            p.requires_grad_(False)
         self.module = module.to(device)
         self.name = name
         self.device = device
@@ -462,10 +491,7 @@ class TorchModuleModel(ModelBase):
         self.inputs = _attr_or(module, "inputs", None)
         self.outputs = _attr_or(module, "outputs", None)
         self._call_style: dict[tuple[str, ...], str] = {}
-        try:
-            self._signature = inspect.signature(module.forward)
-        except (TypeError, ValueError):
-            self._signature = None
+        self._signature = _forward_signature(module)
 
     def _style(self, names: tuple[str, ...]) -> str:
         style = self._call_style.get(names)
@@ -558,13 +584,18 @@ def stream_outputs(out: Any, name: str) -> Iterator[dict]:
 
 
 def normalise_outputs(out, name: str):
-    """A model's return value as a dict of named outputs (a lone tensor is output ``name``)."""
+    """A model's return value as a dict of named outputs (a lone tensor is output
+    "output").  Anything else is `backends.BadOutputs`, the model's mistake, which the same
+    request meets again: a plain TypeError was answered as something the model raised,
+    "retrying may help" (the models audit)."""
     if isinstance(out, Mapping):
         return out
     if hasattr(out, "shape") and hasattr(out, "dtype"):  # a single tensor or array
         return {"output": out}
-    raise TypeError(f"model {name!r} returned {type(out).__name__}; expected a dict of arrays/tensors "
-                    "or a single array/tensor")
+    from gpu_worker.backends import BadOutputs  # (on the error path: a backend is running us)
+
+    raise BadOutputs(f"model {name!r} returned {type(out).__name__}; expected a dict of arrays/tensors "
+                     "or a single array/tensor")
 
 
 # --------------------------------------------------------------------------- loading
@@ -628,11 +659,17 @@ def load_model(spec: str, device: str = "cpu") -> Model:
     from gpu_worker.signature import parse_inputs
 
     model = _build_model(spec, device)
-    why = name_problem(getattr(model, "name", None))
+    try:
+        name = getattr(model, "name", None)
+        declared = {what: getattr(model, what, None) for what in ("inputs", "outputs")}
+    except (Exception, SystemExit) as e:  # a property that raises
+        raise ModelLoadError(f"model spec {spec!r}: reading the model's name, inputs and outputs raised "
+                             f"{type(e).__name__}: {e}") from e
+    why = name_problem(name)
     if why is not None:
         raise ModelLoadError(f"{why} (model spec {spec!r}: change the model's `name`)")
-    for what in ("inputs", "outputs"):
-        parse_inputs(getattr(model, what, None), what)
+    for what, value in declared.items():
+        parse_inputs(value, what)
     return model
 
 
@@ -644,7 +681,8 @@ def _build_model(spec: str, device: str = "cpu") -> Model:
     already implements ``Model``; an ``nn.Module`` is wrapped in ``TorchModuleModel`` (moved
     to ``device``, eval mode) and any other callable in ``CallableModel``.  A wrapped model
     is named after itself, never after the factory (see ``_model_name``): that name is the
-    worker's default service.
+    worker's default service.  Whatever the factory or its result raises (`SystemExit`
+    included) is a `ModelLoadError`.
     """
     from .devices import resolve_device
 
@@ -681,7 +719,10 @@ def _build_model(spec: str, device: str = "cpu") -> Model:
         raise ModelLoadError(f"{spec!r} is a {type(factory).__name__}, not a callable factory: {_EXPECTED}")
     try:
         obj = _call_factory(factory, device)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
+        # SystemExit too: a factory's sys.exit(0) ended the worker with status 0, which a
+        # launcher takes for a clean leave (sys.exit("why") with 1 and no line of ours).
+        # A KeyboardInterrupt stays Ctrl-C.
         raise ModelLoadError(f"factory {spec!r} raised {type(e).__name__}: {e} "
                              "(fix the factory or what it loads; it is called as factory(device=...) "
                              "or factory())") from e
@@ -692,12 +733,18 @@ def _build_model(spec: str, device: str = "cpu") -> Model:
         # warm-up; "object has no attribute 'items'" with --no-warmup: the models audit).
         raise ModelLoadError(f"factory {spec!r} returned the class {obj.__name__}, not an instance of it: return "
                              f"{obj.__name__}(...) ({_EXPECTED})")
-    if _is_model(obj):
-        return obj
-    if _is_torch_module(obj):
-        return TorchModuleModel(obj, name=_model_name(obj, attr), device=device)
-    if callable(obj):
-        return CallableModel(obj, name=_model_name(obj, attr), device=device)
+    try:
+        if _is_model(obj):
+            return obj
+        if _is_torch_module(obj):
+            return TorchModuleModel(obj, name=_model_name(obj, attr), device=device)
+        if callable(obj):
+            return CallableModel(obj, name=_model_name(obj, attr), device=device)
+    except (Exception, SystemExit) as e:
+        # What the result's own code raised as it was looked at or wrapped (a property, a
+        # module's `.to(device)`): it escaped as a traceback, exit 1 (the models audit).
+        raise ModelLoadError(f"factory {spec!r} returned a {type(obj).__name__} that cannot be used as a model: "
+                             f"{type(e).__name__}: {e} (fix it, or return a Model: docs/models.md)") from e
     raise ModelLoadError(f"factory {spec!r} returned {type(obj).__name__}: {_EXPECTED}")
 
 
@@ -713,6 +760,13 @@ def _model_name(obj: object, attr: str) -> str:
     if isinstance(name, str) and name.strip():
         return name.strip()
     if _is_torch_module(obj):
+        jit = getattr(sys.modules["torch"], "jit", None)
+        if jit is not None and isinstance(obj, jit.ScriptModule):
+            # A scripted or traced module's class is TorchScript's (RecursiveScriptModule,
+            # TopLevelTracedModule); the class it was made from is its `original_name`.
+            original = getattr(obj, "original_name", None)
+            if isinstance(original, str) and original.isidentifier():
+                return original.lower()
         return type(obj).__name__.lower()
     if inspect.isfunction(obj) or inspect.ismethod(obj) or inspect.isbuiltin(obj):
         fn_name = getattr(obj, "__name__", "")

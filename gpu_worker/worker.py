@@ -72,7 +72,7 @@ from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signatur
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
 from gpu_worker.leases import LINK_CONNS, DirectSocket, DirectSocketError, LeaseTable, Refusal, Unsent, runs_long
-from gpu_worker.planes import DataPlane, HostPlane, NotAttested, OutputRefused, reply_sockets
+from gpu_worker.planes import DataPlane, HostPlane, NotAttested, OutputRefused, check_outputs, reply_sockets
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
@@ -128,6 +128,16 @@ def refused_outputs(model: str, e: BaseException) -> str:
     # (the words the client looks for first: a long output name in the message may be cut)
     return (f"model {model[:200]!r} returned outputs no reply can carry (a fault of the model: the same request "
             f"fails the same way; fix the model): {message_of(e)}")
+
+
+def _check_each(outs: list) -> None:
+    """`check_outputs` on each request's outputs of a batch, so that outputs no reply can
+    carry fail the batch as if the model had raised (`Worker._run_model` runs it again in
+    halves).  Checked only at the reply, they failed every request of the batch, though one
+    request's inputs alone made the model return them (the models audit).  A batch of one
+    needs no check here: its reply checks its outputs, with the same words."""
+    for out in outs:
+        check_outputs(out)
 
 
 class LaneFault(BaseException):
@@ -623,7 +633,10 @@ class Worker:
             raise ValueError(f"they do not fit its declared inputs: {why}")
         t0 = time.perf_counter()
         sizes = sorted({1, self.batcher.max_batch})
-        warmup(self.backend, self.model, sizes)           # lazy init: allocator, kernels, CUDA context
+        if not warmup(self.backend, self.model, sizes):  # lazy init: allocator, kernels, CUDA context
+            # No example inputs: nothing ran (it was logged as a warm-up of 0.0 ms).
+            log.info("warm-up of %s skipped: the model has no example_inputs()", self.model.name)
+            return
         self.compute_times.seed(warmup(self.backend, self.model, sizes))  # steady-state times
         self._set_margin()
         log.info("warm-up of %s on %s took %.1f ms", self.model.name, self.device, (time.perf_counter() - t0) * 1e3)
@@ -1567,12 +1580,15 @@ class Worker:
 
     def _run_model(self, jobs: list) -> list:
         """The model on a batch (the data plane's run), on the loop's thread or the compute
-        thread.  A batch that raises is run again in halves, down to single requests, so that
-        one request (one client's bad input) fails alone and the others get their results;
+        thread.  A batch that raises, or returns outputs no reply can carry (`_check_each`), is
+        run again in halves, down to single requests, so that one request (one client's bad
+        input) fails alone and the others get their results;
         each failed request's place holds a `ModelFailed`.  (A model is a function of its
         inputs: a batch that raised left nothing behind.)"""
         try:
             outs = self.plane.run(jobs)
+            if len(outs) > 1:
+                _check_each(outs)
         except BaseException as e:
             first = model_fault(e)
         else:
@@ -1591,8 +1607,9 @@ class Worker:
         return outs
 
     def _isolate(self, jobs: list, failed: ModelFailed) -> list:
-        """``jobs``, whose batch raised ``failed``: each half run again (cancelled requests
-        are not), recursively.  What a run returns is copied before the next run: a model
+        """``jobs``, whose batch raised ``failed`` (or returned outputs no reply can carry:
+        `_check_each`, on every run here): each half run again (cancelled requests are
+        not), recursively.  What a run returns is copied before the next run: a model
         may fill the same output buffer on every call, and these replies are written only
         after the last run.  A stale request (its broker connection replaced meanwhile) runs
         again: as after a batch that did not raise, its result may still go straight to its
@@ -1612,7 +1629,9 @@ class Worker:
                 outs.extend(failed for _ in half)  # answered CANCELLED anyway
                 continue
             try:
-                got = self.plane.detach(self.plane.run(live))
+                got = self.plane.run(live)
+                _check_each(got)
+                got = self.plane.detach(got)
             except BaseException as e:
                 got = self._isolate(live, model_fault(e))
             # Matched to `live` as it was run, not by asking again which are cancelled: on

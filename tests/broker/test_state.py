@@ -1139,9 +1139,30 @@ def test_a_service_that_lost_its_workers_says_so_instead_of_start_one():
     [err] = [a for a in out if type(a) is ClientError]
     assert err.code == ErrorCode.SERVICE_UNAVAILABLE
     assert "its last one went" in err.message and "start one" not in err.message, err.message
+    assert "presumed dead after its silence" in err.message, err.message
     req(s, 2, 5.0, service="never", client=b"c")
     [err] = [a for a in s.tick(6.1) if type(a) is ClientError]
     assert "start one" in err.message
+
+
+@pytest.mark.parametrize("went, words", [
+    ({"closed": True}, "its connection closed without a goodbye: it crashed or was killed"),
+    ({"failed": False}, "it said goodbye: stopped, or drained"),
+    ({}, "disconnected by the broker"),
+    (None, "it was stopped (draining)"),
+])
+def test_a_service_that_lost_its_workers_says_how_the_last_one_went(went, words):
+    # Every way was "presumed dead after silence, or stopped" (the models audit), a crash
+    # too, which the server sees as a closed connection at once.
+    s = Scheduler(Config(service_grace=1.0))
+    s.worker_ready(b"w", "svc", 0.0)
+    if went is None:
+        s.worker_stopping(b"w", 2.0)
+    else:
+        s.worker_disconnect(b"w", 2.0, **went)
+    req(s, 1, 3.0, client=b"c")  # (its record kept through the gap when it went with nothing queued)
+    [err] = [a for a in s.tick(4.1) if type(a) is ClientError]
+    assert err.code == ErrorCode.SERVICE_UNAVAILABLE and f"ago ({words})" in err.message, err.message
 
 
 def test_a_request_left_queued_by_a_shutdown_that_stopped_the_workers_says_so():

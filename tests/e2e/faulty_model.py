@@ -10,7 +10,9 @@ faulty_model:<factory>`, with this folder on PYTHONPATH.  Each request says what
   "surrogate" (a message with a lone surrogate), "badstr" (an exception whose str() raises),
   "longmsg" (a 2 MiB message), "longname" (an output named by 2 MiB), "surrname" (an output
   name with a lone surrogate), "emptyhuge" (an empty output of shape (0, 1 << 40) float32),
-  "list" (a list, not a dict), "noaxis" (an output without the batch's leading axis);
+  "list" (a list, not a dict), "noaxis" (an output without the batch's leading axis),
+  "objects" and "intname" (for the whole batch it is in, whatever its size: an object array,
+  an output named 1);
   slow = 1
   makes the batch
   take 0.15 s (slow = 0.03: 0.03 s; any time over `leases.LONG_BATCH_S` makes it a batch
@@ -95,6 +97,10 @@ class Batched(ModelBase):
                 return [x + 1]
             if do == "noaxis" and n == 1:
                 return {"y": np.zeros(5, np.float32)}
+            if do == "objects":
+                return {"y": np.array([object()] * n, dtype=object)}
+            if do == "intname":
+                return {1: x + 1}
             if do == "emptyhuge" and n == 1:  # empty, but a shape over P.MAX_TENSOR_BYTES
                 return {"y": np.lib.stride_tricks.as_strided(x, (1, 0, 1 << 40), (0, 0, 0))}
         if self.keep:  # one buffer, filled again on every call (the preallocated `out=` pattern)

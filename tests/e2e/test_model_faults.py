@@ -290,6 +290,25 @@ def test_outputs_that_cannot_be_sent_are_a_clear_error_and_keep_no_slot(cluster,
     assert w.p.poll() is None
 
 
+@pytest.mark.parametrize("do, match", [("objects", "has dtype '|O', which cannot be sent"),
+                                       ("intname", "must be non-empty strings; the model returned 1")])
+def test_outputs_no_reply_can_carry_fail_only_the_request_that_made_them(cluster, do, match):
+    # Outputs were checked only as each request's reply was written, after the batch was
+    # split: one request that made the model return an object array failed every request
+    # of its batch (the models audit).  Such a batch is run again in halves, as one that
+    # raised, and only the request that makes the model return them alone fails.
+    cluster.broker()
+    w = cluster.worker("faulty_model:batched", "--service", "batched", "--max-batch", "8", "--max-delay-ms", "5")
+    served, errors = _mixed_load(cluster.frontend, {"do": do})
+    assert served == 48 and len(errors) == 16
+    assert all(isinstance(e, InternalError) and e.code == P.ErrorCode.INTERNAL for e in errors), errors
+    for e in errors:
+        # The model's mistake, met again by the same request: not "retrying may help".
+        assert "no reply can carry" in str(e) and "retrying" not in str(e) and match in str(e), e
+    w.wait_log("the others were served")  # batches did mix good and bad requests
+    assert w.p.poll() is None
+
+
 @pytest.mark.parametrize("do, words", [("surrogate", ["cannot open /data/\\udcff.bin"]),
                                        ("badstr", ["Unprintable: (its str() raised RuntimeError)"]),
                                        ("longmsg", ["xxxx", "more characters cut)"])])
@@ -448,6 +467,25 @@ def test_a_model_that_crashes_in_native_code_leaves_its_stack_on_stderr(cluster)
     assert w.p.wait(30) != 0
     err = w.stderr(tail=None)  # the whole of it: the stack runs past any tail on a long path
     assert "Fatal Python error: Segmentation fault" in err and "faulty_model.py" in err, err[-3000:]
+
+
+def test_a_service_whose_last_worker_crashed_says_it_crashed(cluster):
+    # After its only worker crashed, the service's requests failed ServiceUnavailable saying
+    # the worker went "presumed dead after silence, or stopped" (the models audit): the
+    # broker saw its connection close without a DISCONNECT, and says so.
+    from client_sdk.errors import ServiceUnavailable
+
+    cluster.broker("--max-retries", "0", "--service-grace", "0.3")
+    w = cluster.worker("faulty_model:batched", "--service", "batched")
+    with Client(cluster.frontend, timeout=30) as c:
+        with pytest.raises(WorkerFailed):
+            c.infer("batched", {"x": np.zeros(4, np.float32)}, meta={"do": "crash"})
+        assert w.p.wait(30) == 70
+        with pytest.raises(ServiceUnavailable) as e:
+            c.infer("batched", {"x": np.zeros(4, np.float32)})
+    words = str(e.value)
+    assert "its last one went" in words and "it crashed or was killed" in words, words
+    assert "silence" not in words, words
 
 
 @pytest.mark.parametrize("do", ["exit", "raise", "return"])

@@ -305,6 +305,25 @@ FACTORIES = textwrap.dedent(
 
     def make_the_class():
         return Doubler
+
+    def make_scripted():        # TorchScript: requires_grad_ is "not supported on ScriptModules"
+        return torch.jit.script(Affine())
+
+    def make_traced():          # traced: class TopLevelTracedModule, forward a ScriptMethod
+        return torch.jit.trace(Affine(), torch.zeros(1, 2))
+
+    def make_traced_seq():      # forward(self, input): one input binds whatever its name
+        torch.manual_seed(0)
+        return torch.jit.trace(torch.nn.Sequential(torch.nn.Linear(4, 2)), torch.zeros(1, 4))
+
+    class NoMove(torch.nn.Module):
+        def forward(self, x):
+            return x
+        def to(self, *args, **kwargs):
+            raise RuntimeError("this module stays where it is")
+
+    def make_nomove():
+        return NoMove()
     '''
 )
 
@@ -343,6 +362,28 @@ PLAIN = textwrap.dedent(
         f = lambda batch: dict(batch)
         f.name = "echo\x07"
         return f
+
+    def exits_quietly():
+        raise SystemExit(0)
+
+    def exits_saying():
+        import sys
+        sys.exit("no weights here")
+
+    class Nameless:
+        @property
+        def name(self):
+            raise RuntimeError("no name yet")
+        def __call__(self, batch):
+            return dict(batch)
+
+    def nameless():
+        return Nameless()
+
+    def picky():                # a plain function that returns a list, not a dict
+        def picky(batch):
+            return [batch["x"]]
+        return picky
 
     def declared():
         f = lambda batch: {"y": batch["x"] * 2}
@@ -391,6 +432,50 @@ def test_load_factory_returning_an_nn_module(factories):
     assert list(out) == ["output"] and out["output"].tolist() == [[4.0, 7.0]]
     with pytest.raises(NotImplementedError):
         m.example_inputs()
+
+
+@pytest.mark.parametrize("factory, name", [("make_scripted", "affine"), ("make_traced", "affine")])
+def test_a_torchscript_module_is_a_module_model(factories, factory, name):
+    """docs/models.md, "TorchScript": a scripted or traced module is wrapped as any
+    nn.Module.  `requires_grad_` refused a scripted one at load, as a traceback (the models
+    audit), and a traced one was named "topleveltracedmodule"."""
+    m = load_model(f"{factories}:{factory}", "cpu")
+    assert isinstance(m, TorchModuleModel) and m.name == name
+    assert not m.module.training and not any(p.requires_grad for p in m.module.parameters())
+    out = run(m, x=np.array([[1.0, 2.0]], np.float32))
+    assert list(out) == ["output"] and out["output"].tolist() == [[4.0, 7.0]]
+
+
+def test_a_traced_modules_lone_input_binds_whatever_its_name(factories):
+    # A traced forward has no signature that inspect reads: the input went by keyword
+    # ("forward() is missing value for argument 'input'").  Its schema gives the names.
+    m = load_model(f"{factories}:make_traced_seq", "cpu")
+    assert m.name == "sequential"
+    x = np.ones((3, 4), np.float32)
+    with torch.inference_mode():
+        want = m.module(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(run(m, image=x)["output"], want)
+    np.testing.assert_array_equal(run(m, input=x)["output"], want)
+
+
+@pytest.mark.parametrize("factory, words", [
+    ("mymodels.zoo:make_nomove", "returned a NoMove that cannot be used as a model: RuntimeError: this module stays"),
+    ("mymodels.plain:nameless", "returned a Nameless that cannot be used as a model: RuntimeError: no name yet"),
+])
+def test_what_wrapping_the_factorys_result_raises_is_a_model_load_error(factories, factory, words):
+    # It escaped load_model as the bare exception: a traceback and exit 1 from the CLI.
+    with pytest.raises(ModelLoadError, match=re.escape(words)):
+        load_model(factory, "cpu")
+
+
+def test_a_model_returning_no_dict_is_the_models_mistake(factories):
+    # A plain TypeError, which the worker answered as what the model raised, "retrying may
+    # help"; the same request fails the same way.
+    from gpu_worker.backends import BadOutputs, make_backend
+
+    m = load_model("mymodels.plain:picky", "cpu")
+    with pytest.raises(BadOutputs, match="'picky' returned list; expected a dict of arrays/tensors"):
+        make_backend(m, "cpu").run([{"x": np.zeros(2, np.float32)}])
 
 
 def test_load_nn_module_taking_a_dict(factories):
@@ -545,6 +630,16 @@ def test_a_model_that_does_not_import_is_one_line(factories, tmp_path):
 def test_a_factory_that_raises_is_one_line(factories, tmp_path):
     line = _one_line(_start_worker(f"{factories}:broken", str(tmp_path)))
     assert "weights missing" in line and "fix the factory" in line
+
+
+@pytest.mark.parametrize("factory, words", [("exits_quietly", "raised SystemExit: 0"),
+                                            ("exits_saying", "raised SystemExit: no weights here")])
+def test_a_factory_that_exits_is_one_line_and_exit_2(factories, tmp_path, factory, words):
+    # sys.exit(0) in a factory ended the worker silently with status 0, which a launcher
+    # takes for a clean leave; sys.exit("...") with 1.
+    p = _start_worker(f"mymodels.plain:{factory}", str(tmp_path))
+    line = _one_line(p)
+    assert p.returncode == 2 and words in line and "fix the factory" in line, line
 
 
 def test_a_model_whose_warmup_raises_is_one_line(factories, tmp_path):

@@ -381,7 +381,8 @@ def test_the_shipped_models_are_as_the_table_says():
     # convnet: H, W >= 32 -> logits float32 (1000,)
     out = _served(models["convnet"], {"image": np.zeros((32, 32, 3), np.uint8)})[0]["logits"]
     assert out.shape == (1000,) and out.dtype == np.float32
-    # chunks: x in k = 4 pieces along its first axis
-    x = np.arange(10 * 2, dtype=np.float32).reshape(10, 2)
-    parts = [p["x"] for p in make_backend(models["chunks"], "cpu").run_stream({"x": x})]
-    assert len(parts) == 4 and np.array_equal(np.concatenate(parts), x)
+    # chunks: x in min(4, len(x)) pieces along its first axis; one for a 0-d or an empty x
+    for x, n in [(np.arange(10 * 2, dtype=np.float32).reshape(10, 2), 4), (np.arange(3, dtype=np.float32), 3),
+                 (np.float32(7.0).reshape(()), 1), (np.zeros((0, 2), np.float32), 1)]:
+        parts = [p["x"] for p in make_backend(models["chunks"], "cpu").run_stream({"x": x})]
+        assert len(parts) == n and np.array_equal(np.concatenate(parts) if x.ndim else parts[0], x), x.shape

@@ -1,0 +1,53 @@
+"""What the worker makes of a factory's result (docs/models.md, "Loading a custom model",
+tests/e2e/wrapped_model.py): a TorchScript module serves as an nn.Module does; a function
+that returns no dict gets its request a 500 that says the same request fails the same way;
+a model without example inputs is said to skip its warm-up.  Real broker and workers on ipc;
+every wait bounded.  (A factory that cannot load is one line and exit 2:
+tests/gpu_worker/test_models.py, with the worker's own process.)"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from client_sdk import Client
+from client_sdk.errors import InternalError
+from tests.e2e.conftest import wait_service
+
+pytestmark = pytest.mark.timeout(120)
+
+WAIT = 20.0
+
+
+def test_a_scripted_module_serves_as_a_module(cluster):
+    # `requires_grad_` refused it at load, a traceback and exit 1 (the models audit).
+    cluster.broker()
+    w = cluster.worker("wrapped_model:scripted", "--log-level", "INFO")  # the service: its class's name
+    w.wait_log("warm-up of scale on cpu took")
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, "scale")
+        for n in (1, 3):
+            x = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+            with c.infer("scale", {"x": x}) as r:
+                np.testing.assert_array_equal(r["output"], x * 2 + 1)
+    assert w.p.poll() is None
+
+
+def test_a_function_returning_no_dict_fails_its_request_as_the_models_mistake(cluster):
+    # A plain TypeError: answered "model 'picky' raised TypeError ... (retrying may help)".
+    cluster.broker()
+    w = cluster.worker("wrapped_model:picky", "--log-level", "INFO")
+    # It has no example inputs: its warm-up was logged as one of 0.0 ms.
+    w.wait_log("warm-up of picky skipped: the model has no example_inputs()")
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, "picky")
+        with pytest.raises(InternalError) as e:
+            with c.infer("picky", {"x": np.array([-1.0, 2.0], np.float32)}):
+                pass
+        words = str(e.value)
+        assert "no reply can carry" in words and "the same request fails the same way" in words, words
+        assert "returned list; expected a dict" in words and "retrying" not in words, words
+        x = np.array([1.0, 2.0], np.float32)
+        with c.infer("picky", {"x": x}) as r:  # and the worker serves on
+            np.testing.assert_array_equal(r["y"], x + 1)
+    assert w.p.poll() is None
+    assert "took 0.0 ms" not in w.stderr(None)

@@ -1,0 +1,32 @@
+"""Factories whose results the worker wraps (docs/models.md, "Loading a custom model"), for
+tests/e2e/test_wrapped_models.py.  Loaded as `--model wrapped_model:<factory>`, with this
+folder on PYTHONPATH.
+
+- `scripted`: a TorchScript module (`torch.jit.script`) computing x * 2 + 1, with example
+  inputs set on it; the service is its class's name, "scale".
+- `picky`: a plain function with no example inputs that returns a list, not a dict, when
+  x[0] is negative, else {"y": x + 1}; the service is "picky".
+"""
+import numpy as np
+
+
+def scripted(device="cpu"):
+    import torch
+
+    class Scale(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 + 1
+
+    module = torch.jit.script(Scale())
+    module.example_inputs = lambda: {"x": np.ones(3, np.float32)}
+    return module
+
+
+def picky(device="cpu"):
+    def picky(batch):
+        x = batch["x"]
+        if (x[:, 0] < 0).any():
+            return [x + 1]
+        return {"y": x + 1}
+
+    return picky
