@@ -635,12 +635,13 @@ def test_dockerfiles_install_as_the_makefile_does(name):
     assert re.search(r"pip install -q --upgrade pip", make_text) and re.search(r"pip install -q --upgrade pip", text)
     install = re.search(r"pip install\b[^\n]*?(\S*\.\[([^\]]+)\]\S*)([^\n]*)", text)
     assert install, f"{name}: no `pip install .[...]` of the project"
-    extras = {"torch"} if name == "Dockerfile" else set(_arg(text, "EXTRAS").split(","))
-    if name == "Dockerfile":
-        assert install.group(2) == "torch"
-    else:
-        assert install.group(2) == "$EXTRAS"
-    assert "torch" in extras and extras <= set(project["project"]["optional-dependencies"])
+    # both take their extras as a build argument (torch by default; torch,otel for traces:
+    # docs/deploy.md, "Images"), and more packages (an OTLP exporter) as another
+    extras = set(_arg(text, "EXTRAS").split(","))
+    assert install.group(2) == "$EXTRAS" and "$EXTRA_PACKAGES" in install.group(3)
+    assert extras == {"torch"} and extras <= set(project["project"]["optional-dependencies"])
+    assert "otel" in project["project"]["optional-dependencies"], "the extra docs/deploy.md builds traces with"
+    assert "EXTRAS=torch,otel" in (DEPLOY / name).read_text(), f"{name}: its comment says how to build with traces"
     assert "torch" in make_extras, "the Makefile installs the torch extra"
     # the torch pin is pyproject's: restated nowhere else (or restated equal)
     for pin in re.findall(r"torch==[\w.+]+", text + make_text):
@@ -653,13 +654,14 @@ def test_dockerfiles_install_as_the_makefile_does(name):
     if name == "Dockerfile":
         assert index == "https://download.pytorch.org/whl/cpu"
         assert re.search(r"^FROM python:3\.12-slim$", text, re.M)
+        assert _arg(text, "EXTRA_PACKAGES") == ""
         py = (3, 12)
     else:
         assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d{3}", index)
         assert re.match(r"nvidia/cuda:[\d.]+-(cudnn-)?runtime-ubuntu24\.04$", _arg(text, "CUDA_IMAGE"))
         py = (3, 12)  # Ubuntu 24.04's python3
         cuda_python = next(r for r in project["project"]["optional-dependencies"]["gpu"] if r.startswith("cuda-python"))
-        assert _arg(text, "EXTRA_PACKAGES") == cuda_python and "$EXTRA_PACKAGES" in install.group(3)
+        assert _arg(text, "EXTRA_PACKAGES") == cuda_python
     low = re.fullmatch(r">=(\d+)\.(\d+)", project["project"]["requires-python"])
     assert py >= (int(low.group(1)), int(low.group(2)))
     # every package setuptools installs, and the readme pyproject names, is copied in
