@@ -16,7 +16,9 @@ FINAL went (docs/operations.md, "Metrics").
 
 Label values are bounded: a `service` label is the name of a service some worker registered
 (`register`); requests for any other name count under ``_other``, so a client sending random
-service names cannot grow the exposition.  Per-worker gauges are dropped when the worker goes
+service names cannot grow the exposition.  A service's series exist from its registration,
+before any request: its ``zmq_infer_requests_total`` for every outcome (`OUTCOMES`) at 0, and
+its histograms empty; they go when its name is retired (`sweep`) or makes room for another.  Per-worker gauges are dropped when the worker goes
 (`prune`, from the broker's housekeeping once a second, and at each scrape), whether or not
 anyone scrapes.
 """
@@ -35,8 +37,8 @@ from broker.names import MAX_SERVICES as _MAX_SERVICES
 from broker.names import RETAIN_S, ServiceNames
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
 
-__all__ = ["Metrics", "Family", "render", "exposition", "reference", "outcome_name", "OTHER", "MAX_SERVICES", "CLIENT_GONE", "ServiceNames",
-           "RETAIN_S"]
+__all__ = ["Metrics", "Family", "render", "exposition", "reference", "outcome_name", "OTHER", "OUTCOMES", "MAX_SERVICES",
+           "CLIENT_GONE", "ServiceNames", "RETAIN_S"]
 
 OTHER = "_other"
 #: Distinct service names the metrics keep labels for; more registered names count as OTHER.
@@ -65,12 +67,19 @@ def outcome_name(code: int) -> str:
     return _CODES.get(code) or "error_other"
 
 
+#: Every outcome label the broker writes: each service's ``zmq_infer_requests_total`` has all
+#: of them from the start, at 0 (`_Service`), so that a service nobody has called yet is in
+#: the exposition (a dashboard's service picker lists it) and the first request of each
+#: outcome is an increase that `rate()` and `increase()` see, not a series that appears at 1.
+OUTCOMES = ("ok", *(c.name.lower() for c in ErrorCode), "client_gone", "error_other")
+
+
 class _Service:
     __slots__ = ("outcomes", "queue_wait", "request", "compute", "input", "output", "batch", "keep_warm",
                  "recalled", "dropped")
 
     def __init__(self):
-        self.outcomes: dict[str, int] = {}
+        self.outcomes: dict[str, int] = dict.fromkeys(OUTCOMES, 0)
         self.queue_wait = Histogram(LATENCY_BUCKETS)
         self.request = Histogram(LATENCY_BUCKETS)
         self.compute = Histogram(LATENCY_BUCKETS)
@@ -109,10 +118,14 @@ class Metrics:
         return service if service in self.known.names else OTHER
 
     def register(self, service: str, now: float) -> None:
-        """A worker registered for ``service``: it gets its own label from now on."""
+        """A worker registered for ``service``: it gets its own label from now on, and its
+        series at once (every outcome's count at 0, empty histograms), traffic or not.  A name
+        past the label bound (`MAX_SERVICES`) gets none of its own: it counts under OTHER."""
         gone = self.known.add(service, now)
         if gone is not None:
             self.services.pop(gone, None)
+        if service in self.known.names and service not in self.services:
+            self.services[service] = _Service()
 
     def sweep(self, live, now: float) -> None:
         """Once a second: services without a live worker for `RETAIN_S` are forgotten, their

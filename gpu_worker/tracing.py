@@ -107,9 +107,10 @@ def _provider(names: list[str], env: Mapping[str, str]):
 class Tracing:
     """Spans for one worker's requests, recorded after the fact (see the module docstring).
 
-    Per batch the worker calls `batch(started, compute_ms)`, then `request(job, timing)` for
-    each of its requests in reply order (also those without a traceparent: the output spans
-    follow one another)."""
+    Per batch the worker calls `batch(started, compute_ms, n)`, ``started`` the monotonic time
+    its batch started, after the inputs of its requests were mapped (the compute span begins
+    there), then `request(job, timing)` for each of its requests in reply order (also those
+    without a traceparent: the output spans follow one another, from the compute span's end)."""
 
     def __init__(self, tracer: Any, service: str):
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator

@@ -1424,7 +1424,10 @@ class Worker:
                 # drain, a batch of one, runs now, without the batcher's queue around it.
                 self._lane_ran = True
                 try:
-                    self._run([job], now)
+                    # Its batch starts now, its inputs mapped, not at its receipt (``now``):
+                    # its compute span began with its input span, and its batch_wait_ms left
+                    # the mapping out (the batcher's batches count it).
+                    self._run([job], time.monotonic())
                 except Exception as e:
                     # As from run_ready_batches: a fault of the worker's own, not of this
                     # message, ends the loop (the drains would log it and go on with a

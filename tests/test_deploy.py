@@ -55,8 +55,18 @@ SERIES = COUNTERS | GAUGES | {h + s for h in HISTOGRAMS for s in ("_bucket", "_s
 OUTCOMES = {"ok", "cancelled", "deadline_exceeded", "queue_full", "invalid_input", "protocol_error",
             "not_local", "forbidden", "internal", "worker_failed", "service_unavailable"}
 METRIC_LABELS = {"service", "outcome", "priority", "host", "worker", "le"}
-# Labels Prometheus (and the Prometheus Operator's PodMonitor) add to every scraped series.
-TARGET_LABELS = {"namespace", "pod", "container", "job", "instance", "endpoint"}
+# Labels a scrape adds to every series: Prometheus itself job and instance; the Prometheus
+# Operator's PodMonitor namespace, pod, container and endpoint; a ServiceMonitor those and
+# `service` (the Kubernetes Service's name), as the prometheus chart's kubernetes-service-endpoints
+# job does.  That `service` collides with the broker's own: with honorLabels false (the default)
+# the broker's is renamed exported_service and every query by service finds nothing, so a scrape
+# that adds it must honour the target's labels (test_scrapes_keep_the_brokers_labels).
+POD_MONITOR_LABELS = {"namespace", "pod", "container", "endpoint", "job", "instance"}
+SERVICE_MONITOR_LABELS = POD_MONITOR_LABELS | {"service"}
+# `layout` (base or colocated): the PodMonitor's relabeling, which tells the two layouts' brokers
+# apart (test_the_two_layouts_are_told_apart).
+LAYOUTS = {"zmq-infer-broker": "base", "zmq-infer-colocated": "colocated"}
+TARGET_LABELS = SERVICE_MONITOR_LABELS | {"layout"}
 
 
 def family(series: str) -> str:
@@ -258,6 +268,58 @@ def test_the_validators_reject_broken_manifests():
         validate_manifest(rule)
 
 
+def _prom_label(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", name)
+
+
+def scrape_added_labels(doc: dict) -> list[tuple[dict, set[str]]]:
+    """(endpoint, the labels a scrape through it adds to every series) for a PodMonitor or a
+    ServiceMonitor: the operator's own, its relabelings' targets, and the pod's (and the
+    Service's) labels it copies (podTargetLabels, targetLabels)."""
+    spec = doc["spec"]
+    kind = doc["kind"]
+    base = SERVICE_MONITOR_LABELS if kind == "ServiceMonitor" else POD_MONITOR_LABELS
+    copied = {_prom_label(n) for n in spec.get("podTargetLabels", []) + spec.get("targetLabels", [])}
+    endpoints = spec["endpoints"] if kind == "ServiceMonitor" else spec["podMetricsEndpoints"]
+    out = []
+    for e in endpoints:
+        relabelled = {r["targetLabel"] for r in e.get("relabelings", []) if "targetLabel" in r}
+        out.append((e, base | copied | relabelled))
+    return out
+
+
+def check_scrape_keeps_labels(doc: dict) -> None:
+    for e, added in scrape_added_labels(doc):
+        clash = added & METRIC_LABELS
+        assert not clash or e.get("honorLabels") is True, (
+            f"{doc['kind']}/{doc['metadata']['name']}: the scrape adds {sorted(clash)}, labels the broker writes "
+            f"itself; without honorLabels: true Prometheus renames the broker's (exported_{sorted(clash)[0]})")
+
+
+def test_scrapes_keep_the_brokers_labels():
+    """A shipped PodMonitor or ServiceMonitor either adds no label the broker writes, or honours
+    the broker's (honorLabels: true).  A PodMonitor adds no `service`; a ServiceMonitor does."""
+    monitors = [d for _p, d in manifests() if d["kind"] in ("PodMonitor", "ServiceMonitor")]
+    assert monitors
+    for d in monitors:
+        check_scrape_keeps_labels(d)
+    sm = {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor", "metadata": {"name": "zmq-infer"},
+          "spec": {"selector": {"matchLabels": {"app.kubernetes.io/component": "metrics"}},
+                   "endpoints": [{"port": "http", "path": "/metrics"}]}}
+    with pytest.raises(AssertionError, match="exported_service"):
+        check_scrape_keeps_labels(sm)
+    sm["spec"]["endpoints"][0]["honorLabels"] = True
+    check_scrape_keeps_labels(sm)
+    pm = copy.deepcopy(objects("PodMonitor")["zmq-infer"])
+    pm["spec"]["podTargetLabels"] = ["service"]  # a pod label named `service`, copied: the same clash
+    with pytest.raises(AssertionError, match="exported_service"):
+        check_scrape_keeps_labels(pm)
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    assert "honorLabels: true" in docs and "honor_labels: true" in docs
+    metrics_service = (K8S / "base" / "zmq-infer.yaml").read_text()
+    assert "honorLabels: true" in metrics_service and "honor_labels: true" in metrics_service
+
+
 def test_every_custom_resource_has_a_vendored_schema():
     core = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (the dev extra)")
     crds = crd_schemas()
@@ -444,11 +506,12 @@ def test_the_autoscalers_scale_the_workers_alike():
         check_promql(q, f"ScaledObject trigger {t['name']}")
         labels = promql_labels(q)
         assert labels["service"] == {model} and labels["namespace"] == {NAMESPACE}, q
+        assert labels["layout"] == {LAYOUTS["zmq-infer-broker"]}, f"{q}: not scoped to the base broker's layout"
     assert "zmq_infer_queue_wait_seconds_bucket" in promql_metric_names(triggers["queue-wait"]["metadata"]["query"])
     metrics = {m["external"]["metric"]["name"]: m["external"] for m in hpa["metrics"]}
     assert set(metrics) == {"zmq_infer_load", "zmq_infer_queue_wait_p99_seconds"}
     for m in metrics.values():
-        assert m["metric"]["selector"]["matchLabels"] == {"service": model}
+        assert m["metric"]["selector"]["matchLabels"] == {"service": model, "layout": LAYOUTS["zmq-infer-broker"]}
     # the same targets: KEDA's threshold is the HPA's target
     assert triggers["load"]["metricType"] == metrics["zmq_infer_load"]["target"]["type"] == "AverageValue"
     assert float(triggers["load"]["metadata"]["threshold"]) == float(metrics["zmq_infer_load"]["target"]["averageValue"])
@@ -486,6 +549,61 @@ def test_the_podmonitor_scrapes_every_broker():
             assert endpoints[0]["port"] in {p["name"] for p in broker["ports"]}
             scraped.append(name)
     assert sorted(scraped) == ["zmq-infer-broker", "zmq-infer-colocated"]
+
+
+def relabelled_layout(pod_labels: dict) -> str | None:
+    """The `layout` label the PodMonitor's relabelings give a pod with these labels (rules of
+    action replace, one source label: what the shipped rules are)."""
+    (endpoint,) = objects("PodMonitor")["zmq-infer"]["spec"]["podMetricsEndpoints"]
+    out = None
+    for r in endpoint.get("relabelings", []):
+        if r.get("targetLabel") != "layout":
+            continue
+        assert r.get("action", "replace") == "replace" and len(r["sourceLabels"]) == 1, r
+        source = r["sourceLabels"][0]
+        prefix = "__meta_kubernetes_pod_label_"
+        assert source.startswith(prefix), r
+        value = next((v for k, v in pod_labels.items() if _prom_label(k) == source[len(prefix):]), "")
+        m = re.fullmatch(r.get("regex", "(.*)"), value)
+        if m:
+            out = m.expand(r.get("replacement", "$1").replace("$", "\\"))
+    return out
+
+
+def test_the_two_layouts_are_told_apart():
+    """base/ and colocated/ serve the same service in one namespace, and the PodMonitor scrapes
+    both kinds of broker: each gets its own `layout`, and everything that sums by service
+    (the autoscalers of the base workers, the adapter's series, every alert, the dashboard)
+    keeps the two apart.  Summed together, the colocated pods' load scaled the base workers,
+    which cannot relieve it, and one layout's live workers hid the other's dead ones."""
+    deployments = objects("Deployment")
+    got = {name: relabelled_layout(deployments[name]["spec"]["template"]["metadata"]["labels"]) for name in LAYOUTS}
+    assert got == LAYOUTS
+    assert relabelled_layout(deployments["zmq-infer-workers"]["spec"]["template"]["metadata"]["labels"]) is None
+    # the scaled workers serve the broker the backend Service selects: the base layout's
+    backend = objects("Service")["zmq-infer-backend"]["spec"]["selector"]
+    assert backend.items() <= deployments["zmq-infer-broker"]["spec"]["template"]["metadata"]["labels"].items()
+    adapter = yaml.safe_load((DEPLOY / "prometheus" / "adapter-rules.yaml").read_text())["rules"]["external"]
+    for r in adapter:
+        assert "layout" in promql_labels(r["seriesQuery"]), r["seriesQuery"]
+    # every alert groups by layout wherever it groups
+    for g in alert_groups():
+        for r in g["rules"]:
+            groupings = _GROUPING.findall(_STRINGS.sub('""', r["expr"]))
+            assert groupings, r["alert"]
+            for _kw, names in groupings:
+                assert {"namespace", "layout", "service"} <= {n.strip() for n in names.split(",")}, (r["alert"], names)
+    # the promtool cases include one with both layouts in one namespace
+    cases = (DEPLOY / "prometheus" / "alerts.test.yaml").read_text()
+    assert 'layout="colocated"' in cases and "layout: base" in cases
+    # the dashboard: a layout variable, and every query filtered by it
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert variables["layout"]["query"]["query"] == "label_values(zmq_infer_requests_total, layout)"
+    assert variables["layout"]["allValue"] == ".*"  # All also matches series without the label
+    for p in dashboard_panels():
+        for t in p.get("targets", []):
+            assert t["expr"].count('layout=~"$layout"') == t["expr"].count('service=~"$service"'), p["title"]
+    assert "Two layouts in one namespace" in (ROOT / "docs" / "deploy.md").read_text()
 
 
 # ---------------------------------------------------------------------------------- alert rules
@@ -635,12 +753,13 @@ def test_dockerfiles_install_as_the_makefile_does(name):
     assert re.search(r"pip install -q --upgrade pip", make_text) and re.search(r"pip install -q --upgrade pip", text)
     install = re.search(r"pip install\b[^\n]*?(\S*\.\[([^\]]+)\]\S*)([^\n]*)", text)
     assert install, f"{name}: no `pip install .[...]` of the project"
-    extras = {"torch"} if name == "Dockerfile" else set(_arg(text, "EXTRAS").split(","))
-    if name == "Dockerfile":
-        assert install.group(2) == "torch"
-    else:
-        assert install.group(2) == "$EXTRAS"
-    assert "torch" in extras and extras <= set(project["project"]["optional-dependencies"])
+    # both take their extras as a build argument (torch by default; torch,otel for traces:
+    # docs/deploy.md, "Images"), and more packages (an OTLP exporter) as another
+    extras = set(_arg(text, "EXTRAS").split(","))
+    assert install.group(2) == "$EXTRAS" and "$EXTRA_PACKAGES" in install.group(3)
+    assert extras == {"torch"} and extras <= set(project["project"]["optional-dependencies"])
+    assert "otel" in project["project"]["optional-dependencies"], "the extra docs/deploy.md builds traces with"
+    assert "EXTRAS=torch,otel" in (DEPLOY / name).read_text(), f"{name}: its comment says how to build with traces"
     assert "torch" in make_extras, "the Makefile installs the torch extra"
     # the torch pin is pyproject's: restated nowhere else (or restated equal)
     for pin in re.findall(r"torch==[\w.+]+", text + make_text):
@@ -653,13 +772,14 @@ def test_dockerfiles_install_as_the_makefile_does(name):
     if name == "Dockerfile":
         assert index == "https://download.pytorch.org/whl/cpu"
         assert re.search(r"^FROM python:3\.12-slim$", text, re.M)
+        assert _arg(text, "EXTRA_PACKAGES") == ""
         py = (3, 12)
     else:
         assert re.fullmatch(r"https://download\.pytorch\.org/whl/cu\d{3}", index)
         assert re.match(r"nvidia/cuda:[\d.]+-(cudnn-)?runtime-ubuntu24\.04$", _arg(text, "CUDA_IMAGE"))
         py = (3, 12)  # Ubuntu 24.04's python3
         cuda_python = next(r for r in project["project"]["optional-dependencies"]["gpu"] if r.startswith("cuda-python"))
-        assert _arg(text, "EXTRA_PACKAGES") == cuda_python and "$EXTRA_PACKAGES" in install.group(3)
+        assert _arg(text, "EXTRA_PACKAGES") == cuda_python
     low = re.fullmatch(r">=(\d+)\.(\d+)", project["project"]["requires-python"])
     assert py >= (int(low.group(1)), int(low.group(2)))
     # every package setuptools installs, and the readme pyproject names, is copied in

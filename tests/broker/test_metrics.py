@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from broker import protocol as P
 from broker.http import MAX_CONNECTIONS, HttpFront, LoopLink, parse_address
-from broker.metrics import CLIENT_GONE, MAX_SERVICES, OTHER, Metrics, exposition, outcome_name, render
+from broker.metrics import CLIENT_GONE, MAX_SERVICES, OTHER, OUTCOMES, Metrics, exposition, outcome_name, render
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS
 
 pytestmark = pytest.mark.timeout(30)
@@ -90,6 +90,35 @@ def test_service_labels_are_capped():
     for i in range(MAX_SERVICES + 10):
         m.register(f"s{i}", 0.0)
     assert len(m.known) == MAX_SERVICES and m.label(f"s{MAX_SERVICES + 5}") == OTHER
+
+
+def test_a_registered_service_has_every_outcome_at_zero_before_any_request():
+    """The series exist from the registration: a dashboard's `label_values(zmq_infer_requests_total,
+    service)` lists a service nobody has called yet, and the first request of an outcome is an
+    increase from 0 that rate() sees (a series that appears at 1 has none).  Bounded as the
+    labels are: a name past the cap gets no series of its own; a retired one loses them."""
+    assert set(OUTCOMES) == {"ok", "client_gone", "error_other"} | {c.name.lower() for c in P.ErrorCode}
+    assert {outcome_name(c) for c in (0, CLIENT_GONE, 7, *map(int, P.ErrorCode))} == set(OUTCOMES)
+    m = Metrics()
+    m.register("idle", 0.0)
+    got = {(n, lab): v for n, lab, v in _samples(exposition(render(m.snapshot(), _sched({}), m.known)))}
+    for outcome in OUTCOMES:
+        assert got[("zmq_infer_requests_total", (("outcome", outcome), ("service", "idle")))] == 0
+    assert got[("zmq_infer_queue_wait_seconds_count", (("service", "idle"),))] == 0
+    assert not any(dict(lab).get("service") == OTHER for _n, lab in got)  # nothing counted there
+    m.final("idle", 0, 1.0, 1.0, 1.001)
+    m.register("idle", 2.0)  # its worker registers again: the counts stay
+    got = {(n, lab): v for n, lab, v in _samples(exposition(render(m.snapshot(), _sched({}), m.known)))}
+    assert got[("zmq_infer_requests_total", (("outcome", "ok"), ("service", "idle")))] == 1
+    # The cap: a name past it has no series; requests for it count under _other.
+    capped = Metrics()
+    for i in range(MAX_SERVICES + 3):
+        capped.register(f"s{i}", 0.0)
+    assert len(capped.services) == MAX_SERVICES and f"s{MAX_SERVICES + 1}" not in capped.services
+    # Retired (10 minutes without a worker): its series go with its label.
+    m.sweep(lambda name: False, 10.0)
+    m.sweep(lambda name: False, 10.0 + 601.0)
+    assert "idle" not in m.known and "idle" not in m.services
 
 
 def _stats(**kw):

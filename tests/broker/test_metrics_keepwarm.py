@@ -41,7 +41,7 @@ def test_keep_warm_runs_of_two_workers_add_up_per_service():
     m.register("cartoon", 0.0)
     assert m.worker_stats(b"w1", "echo", "11@h", _stats(3))
     assert m.worker_stats(b"w2", "echo", "12@h", _stats(4))
-    assert _keep_warm(m) == {"echo": 7}
+    assert _keep_warm(m) == {"echo": 7, "cartoon": 0}  # registered: its series at 0 from the start
     # Later STATS carry only what ran since: added, not replacing the worker's last figure.
     assert m.worker_stats(b"w1", "echo", "11@h", _stats(2))
     assert m.worker_stats(b"w2", "echo", "12@h", _stats(0))  # nothing new: no change
@@ -75,4 +75,4 @@ def test_a_service_no_worker_registered_counts_under_other():
     m = Metrics()
     m.register("echo", 0.0)
     assert m.worker_stats(b"w1", "stranger", "11@h", _stats(3))
-    assert _keep_warm(m) == {OTHER: 3}
+    assert _keep_warm(m) == {"echo": 0, OTHER: 3}

@@ -255,6 +255,26 @@ def test_counts_queue_depth_batches_and_health(cluster, gate):
     assert [w["pid"] for w in json.loads(get(base, "/v2/models/echo")[1])["workers"]] == [again.p.pid]
 
 
+def test_a_registered_service_without_traffic_has_its_series_at_zero(cluster):
+    """A worker registers and nobody calls it: its service is in the exposition all the same,
+    every outcome's `zmq_infer_requests_total` at 0 (Grafana's service picker,
+    `label_values(zmq_infer_requests_total, service)`, lists it; the first request of an
+    outcome is an increase that rate() sees, not a series appearing at 1)."""
+    from broker.metrics import OUTCOMES
+
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    cluster.worker("echo")
+    s = until(lambda: (s := scrape(base)) and ("zmq_infer_requests_total", frozenset(
+        {"service": "echo", "outcome": "ok"}.items())) in s and s, "the service's series")
+    got = {dict(labels)["outcome"]: v for (name, labels), v in s.items()
+           if name == "zmq_infer_requests_total" and dict(labels)["service"] == "echo"}
+    assert got == dict.fromkeys(OUTCOMES, 0.0)
+    assert {"ok", "internal", "service_unavailable", "deadline_exceeded", "client_gone"} <= set(got)
+    assert ("zmq_infer_queue_wait_seconds_count", frozenset({"service": "echo"}.items())) in s
+    assert not any(dict(labels).get("service") == "_other" for _name, labels in s)  # nothing counted there
+
+
 def test_pinned_requests_are_counted_from_the_workers_stats(cluster):
     """Requests on a lease never cross the broker: the worker counts them (outcome, and the
     time from its receipt to the FINAL) in its STATS, so once the next STATS is in, the

@@ -139,3 +139,51 @@ def test_spans_that_cannot_be_recorded_never_fail_the_request(traced_worker):
     (head,) = [f for f in w.upstream.sent[-1] if P.is_header(f)]
     rep = P.decode_reply(head)
     assert rep.id == 7 and rep.error is None
+
+
+def test_a_lone_requests_compute_span_starts_after_its_inputs_were_mapped(tmp_path):
+    """The lone-request lane (`Worker._admit`) runs a request while it is handled: its batch
+    started at the request's receipt, the very instant its input span starts, so compute (and
+    output, behind it) overlapped the mapping of its inputs.  Mapping made slow here: the
+    spans follow one another, as the work did."""
+    pytest.importorskip("opentelemetry.sdk.trace", reason="needs opentelemetry-sdk (the dev extra)")
+    import time
+
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from gpu_worker.worker import Worker, WorkerConfig
+    from tests.gpu_worker.pair_link import PairLink
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    up = PairLink(f"otel-lane-{id(tmp_path)}")
+    w = Worker(WorkerConfig(broker="inproc://unused", model="echo", warmup=False, credit=8), upstream=up,
+               tracing=Tracing(provider.get_tracer("t"), "echo"))
+    try:
+        w._connect()
+        w.lone_lane = True  # as serve() has it
+        map_inputs = w.plane.map_inputs
+
+        def slow_map(job, rest):
+            map_inputs(job, rest)
+            time.sleep(0.005)
+
+        w.plane.map_inputs = slow_map
+        x = np.arange(4, dtype=np.float32)
+        head = P.encode_header(P.Request(id=1, reply="inline", backlog=0, traceparent=f"00-{TRACE_ID}-{SPAN_ID}-01",
+                                         tensors=[P.TensorRef("x", "<f4", [4], P.InlineLoc(frame=0))]))
+        up.to_worker([P.MDPW, P.W_REQUEST, P.token_envelope(1), b"", head, x.tobytes()])
+        assert w.sock.poll(5000)
+        w.on_message(w.sock.recv_multipart(copy=False))
+        assert w.served == 1 and not w.jobs and len(w.batcher) == 0  # it went by the lane
+        queue, inp, compute, out = exporter.get_finished_spans()
+        assert [s.name for s in (queue, inp, compute, out)] == ["queue", "input", "compute", "output"]
+        assert inp.end_time - inp.start_time >= 5_000_000
+        assert inp.end_time <= compute.start_time + 1000  # after the mapping (1 us: ms to ns rounding)
+        assert compute.end_time <= out.start_time
+    finally:
+        w.close()
+        provider.shutdown()
