@@ -190,6 +190,7 @@ _RANGES = {
     "max_client_mb": ("--max-client-mb", 0, 1 << 30),
     "recall_after_ms": ("--recall-after-ms", -math.inf, 86400e3),
     "lifo_after_ms": ("--lifo-after-ms", -math.inf, 86400e3),
+    "lifo_miss_ms": ("--lifo-miss-ms", -math.inf, 86400e3),
 }
 
 
@@ -276,8 +277,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="an idle worker takes back requests waiting behind a busy worker's batch once that "
                          "batch has run this long (default 5; negative: never)")
     ap.add_argument("--lifo-after-ms", type=float,
-                    help="once a service's queue has not emptied for this long, it serves each client's newest "
-                         "requests first (default 100; negative: never)")
+                    help="once a service's queue has not emptied for this long, and one of its requests missed "
+                         "its deadline (--lifo-miss-ms), it serves each client's newest requests first (default "
+                         "100; negative: never)")
+    ap.add_argument("--lifo-miss-ms", type=float,
+                    help="a missed deadline counts for --lifo-after-ms this long (default 100; negative: a queue "
+                         "that has not emptied serves newest first whatever its deadlines)")
     ap.add_argument("--curve-secret", metavar="FILE", help="tcp endpoints: the broker's secret certificate (NAME.key_secret)")
     ap.add_argument("--client-keys", metavar="DIR", help="tcp frontend: directory of allowed clients' public *.key certificates")
     ap.add_argument("--worker-keys", metavar="DIR", help="tcp backend: directory of allowed workers' public *.key certificates")
@@ -333,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.scheduler.recall_after = None if args.recall_after_ms < 0 else args.recall_after_ms / 1000.0
     if args.lifo_after_ms is not None:
         cfg.scheduler.lifo_after = None if args.lifo_after_ms < 0 else args.lifo_after_ms / 1000.0
+    if args.lifo_miss_ms is not None:
+        cfg.scheduler.lifo_miss_window = None if args.lifo_miss_ms < 0 else args.lifo_miss_ms / 1000.0
     for opt in ("curve_secret", "client_keys", "worker_keys"):
         v = getattr(args, opt)
         if v is not None:

@@ -113,8 +113,10 @@ does not: under sustained overload every request waits behind all the others, re
 worker with its budget nearly spent, and finishes late or barely in time (each caller
 waits nearly its whole timeout for a success), while the newest requests, the ones whose
 callers will wait longest, wait most.  So once a service's queue has not been empty for
-``lifo_after`` seconds (0.1; ``_Service.since``: when it last went from empty to not), it
-is *congested*, and the walk takes each principal's FIFO from its newest end (adaptive
+``lifo_after`` seconds (0.1; ``_Service.since``: when it last went from empty to not), and
+one of its requests missed its deadline within the last ``lifo_miss_window`` seconds (0.1;
+``_Service.missed``: one expired here, queued or running, or a worker answered one 504,
+as one it would not run; None: not asked), it is *congested*, and the walk takes each principal's FIFO from its newest end (adaptive
 LIFO, as Facebook's "Fail at scale" describes it): what is dispatched then has most of its
 time left, and the oldest, whose callers are about to give up, wait on and are failed by
 their deadlines here, never dispatched.  Everything else stays as above: round robin
@@ -132,8 +134,17 @@ already giving up its stale frames.  Admission is unchanged (a full queue refuse
 newcomer if its principal is the heaviest, with nothing less urgent queued: immediate
 backpressure; what stays too long leaves by its deadline), but an eviction takes what the
 heaviest's walk would serve last in its least urgent class queued: from a FIFO walked
-newest first, its oldest, not the newest it would serve next (see Admission).  The queue is FIFO again the moment it empties.
-``newest_first`` counts the dispatches made while congested.  Cost: one comparison per
+newest first, its oldest, not the newest it would serve next (see Admission).  The queue is FIFO again the moment it empties,
+and while its requests keep their deadlines.
+Why the missed deadline: a queue that stands is not by itself one past what it serves.
+Closed-loop callers (each sends its next call as the previous returns) more than the
+workers take at once keep one standing with every call in time, and when they are one
+principal (the threads of one process, the coroutines sharing a client) newest first
+served the ones that had just been answered and left the one whose request was oldest to
+wait: one of four threads of one process waited 6.6 s, the others 1.2 s at most (the
+operations audit).  A deadline missed is what says first in first out is costing calls
+(the workers ask the same before they go newest first: gpu_worker/batching.py).
+``newest_first`` counts the dispatches made while congested.  Cost: two comparisons per
 pass.
 
 Taking work back
@@ -385,6 +396,9 @@ class Config:
     # negative: never), each principal's queued requests are served newest first.  See
     # "Congestion" in the module docstring.
     lifo_after: float | None = 0.1
+    # ... and one of its requests missed its deadline at most this long ago (seconds; None or
+    # negative: a queue that has not emptied is congested whatever its deadlines).
+    lifo_miss_window: float | None = 0.1
 
 
 # ----------------------------------------------------------------------------- actions
@@ -696,7 +710,7 @@ def _newest_first(fifo) -> bool:
 
 
 class _Service:
-    __slots__ = ("name", "classes", "left", "queued", "since", "tiers", "top", "workers", "pools", "any",
+    __slots__ = ("name", "classes", "left", "queued", "since", "missed", "tiers", "top", "workers", "pools", "any",
                  "in_flight", "idle", "deep", "recall_at", "lone", "aside", "isos",
                  "recall_stale", "recall_hot", "recall_takers", "recall_touched")
 
@@ -717,6 +731,9 @@ class _Service:
         self.left = (OrderedDict(), OrderedDict(), OrderedDict())
         self.queued = 0
         self.since = 0.0  # when the queue last went from empty to not (meaningful while queued)
+        # When a request of the service last missed its deadline: in the queue, while a
+        # worker ran it, or answered 504 by the worker ("not run"): Congestion's second test.
+        self.missed = -math.inf
         # How many requests a principal has queued here is the length of its FIFOs (at
         # most three: _Service.count).  While the queue is long (see Scheduler._heaviest),
         # the principals are also bucketed by that count (count -> {principal: None}; no
@@ -821,7 +838,7 @@ class Scheduler(LeaseEvents):
         running broker at its first grace timer (the command-line hunt); the heartbeat bounds
         are what a WELCOME may carry (workers refuse others)."""
         for name in ("heartbeat_interval", "aging_s", "service_grace", "quiet_client_max", "client_liveness",
-                     "recall_after", "lifo_after"):
+                     "recall_after", "lifo_after", "lifo_miss_window"):
             v = getattr(cfg, name)
             if v is not None and not math.isfinite(v):
                 raise ValueError(f"{name} must be a finite number, not {v}")
@@ -876,6 +893,8 @@ class Scheduler(LeaseEvents):
                               else float(cfg.recall_after))
         self._lifo_after = (None if cfg.lifo_after is None or cfg.lifo_after < 0
                             else float(cfg.lifo_after))
+        self._lifo_miss = (None if cfg.lifo_miss_window is None or cfg.lifo_miss_window < 0
+                           else float(cfg.lifo_miss_window))
         self._tiers_off = int(cfg.max_queue) // 2  # see _heaviest
         self._weights = tuple(float(w) for w in cfg.priority_weights)
         self._worker_ttl = cfg.heartbeat_interval * cfg.heartbeat_liveness
@@ -1150,6 +1169,8 @@ class Scheduler(LeaseEvents):
         req = self._held(worker, token, now)
         if req is None:
             return
+        if code == ErrorCode.DEADLINE_EXCEEDED:
+            req.svc.missed = now  # (a worker's "not run": Congestion)
         w = req.worker
         del w.in_flight[token]
         req.svc.in_flight -= 1
@@ -2024,8 +2045,11 @@ class Scheduler(LeaseEvents):
         self._dirty[req.svc] = None
 
     def _congested(self, svc, now):
-        """Whether ``svc``'s queue has not been empty for ``lifo_after`` (Congestion)."""
-        return bool(svc.queued) and self._lifo_after is not None and now - svc.since >= self._lifo_after
+        """Whether ``svc``'s queue has not been empty for ``lifo_after``, and one of its
+        requests missed its deadline within the last ``lifo_miss_window`` (Congestion)."""
+        after = self._lifo_after
+        return (bool(svc.queued) and after is not None and now - svc.since >= after
+                and (self._lifo_miss is None or now - svc.missed <= self._lifo_miss))
 
     def _victim(self, svc, principal, now, than=None):
         """The queued request of ``principal`` in ``svc`` that an eviction takes, from
@@ -2562,6 +2586,7 @@ class Scheduler(LeaseEvents):
                         f"({now - req.dispatched_at:.3f} s in flight)", out)
             return
         self._counters["expired"] += 1
+        req.svc.missed = now
         if req.state == _QUEUED:
             self._unqueue(req)
             self._error(req, ErrorCode.DEADLINE_EXCEEDED,

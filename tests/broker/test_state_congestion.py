@@ -27,11 +27,19 @@ def busy_worker(**cfg):
     return s, only(req(s, 0, 0.0), Dispatch).token
 
 
-def drain(s, token, now, n, step=0.0):
-    """Let the worker finish ``n`` requests, one after the other: the ids dispatched."""
+def missed(s, now, service="svc"):
+    """A request of ``service`` missed its deadline at ``now`` (the queue's, or a worker's
+    504): Congestion's second test, set where a test's events hold none (an eviction)."""
+    s._services[service].missed = now
+
+
+def drain(s, token, now, n, step=0.0, code=ErrorCode.DEADLINE_EXCEEDED):
+    """Let the worker finish ``n`` requests, one after the other: the ids dispatched.  Each
+    answered ``code``: by default 504, a deadline missed (what makes a queue that has not
+    emptied congested: a queue that keeps its deadlines stays first in first out)."""
     order = []
     for _ in range(n):
-        d = of(s.worker_final(b"w", token, now, None), Dispatch)
+        d = of(s.worker_final(b"w", token, now, None, code), Dispatch)
         if not d:
             break
         order.append(d[0].request_id)
@@ -46,6 +54,32 @@ def test_a_queue_that_drains_in_time_is_first_in_first_out():
         req(s, rid, 0.0)
     assert drain(s, token, 0.05, 3)[0] == [1, 2, 3]
     assert s.stats()["counters"]["newest_first"] == 0
+
+
+def test_a_queue_that_has_not_emptied_but_keeps_its_deadlines_stays_first_in_first_out():
+    """A standing queue alone is no overload: closed-loop callers (threads of one process,
+    coroutines sharing a client, each sending its next call as the previous returns) keep
+    one, and newest first left the one whose request was oldest waiting to its deadline
+    while its siblings were served (the operations audit: one of four threads 6.6 s, the
+    others 1.2 s at most).  Newest first only while requests miss their deadlines."""
+    s, token = busy_worker()
+    for rid in (1, 2, 3):
+        req(s, rid, 0.0)
+    req(s, 4, 0.08)
+    assert drain(s, token, 0.5, 4, code=0)[0] == [1, 2, 3, 4]
+    assert s.stats()["counters"]["newest_first"] == 0
+    # One that missed its deadline 0.1 s ago or less (here: the worker's 504): newest first.
+    s, token = busy_worker()
+    for rid in (1, 2, 3):
+        req(s, rid, 0.0)
+    d = only(s.worker_final(b"w", token, 0.3, None, ErrorCode.DEADLINE_EXCEEDED), Dispatch)
+    assert d.request_id == 3
+    assert drain(s, d.token, 0.45, 2, code=0)[0] == [1, 2]  # (0.15 s after it: in order again)
+    s, token = busy_worker()
+    for rid in (1, 2, 3, 4):
+        req(s, rid, 0.0, deadline=0.3 if rid == 1 else 9.0)
+    assert only(s.tick(0.3), ClientError).request_id == 1  # lost in the queue: newest first
+    assert drain(s, token, 0.35, 3, code=0)[0] == [4, 3, 2]
 
 
 def test_a_queue_that_has_not_emptied_for_lifo_after_serves_the_newest_first():
@@ -116,7 +150,7 @@ def test_retries_are_still_served_first_when_congested():
     token = d2.token
     now = 0.3
     for _ in range(4):
-        d = only(s.worker_final(b"w2", token, now, None), Dispatch)
+        d = only(s.worker_final(b"w2", token, now, None, ErrorCode.DEADLINE_EXCEEDED), Dispatch)
         order.append((d.request_id, d.attempt))
         token = d.token
     assert order == [(1, 1), (5, 0), (4, 0), (3, 0)]
@@ -146,7 +180,7 @@ def test_a_steady_normal_stream_is_not_starved_by_an_urgent_flood_when_congested
         for client, pri in ((A, Priority.URGENT), (B, Priority.NORMAL)):
             req(s, rid, now, client=client, priority=pri)
             rid += 1
-        d = only(s.worker_final(b"w", token, now, None), Dispatch)
+        d = only(s.worker_final(b"w", token, now, None, ErrorCode.DEADLINE_EXCEEDED), Dispatch)
         token = d.token
         if d.client == B:
             normal_served.append(now)
@@ -166,6 +200,7 @@ def test_a_full_congested_queue_evicts_what_the_heaviest_would_have_served_last(
         req(s, rid, 0.0)
     err = only(req(s, 4, 0.2), ClientError)
     assert (err.request_id, err.code) == (4, ErrorCode.QUEUE_FULL)
+    missed(s, 0.3)
     err = only(req(s, 11, 0.3, client=B), ClientError)
     assert (err.client, err.request_id, err.code) == (A, 1, ErrorCode.QUEUE_FULL), (
         f"evicted A's {err.request_id}: the walk serves A's newest first, so its oldest (1) "
@@ -210,12 +245,13 @@ def test_eviction_never_takes_a_retry_from_a_congested_queue():
     for rid in (2, 3, 4):
         req(s, rid, 0.0)
     assert s.worker_disconnect(b"w1", 0.2) == []  # 1 back at the front of A's FIFO
+    missed(s, 0.3)
     err = only(req(s, 11, 0.3, client=b"client-c"), ClientError)
     assert (err.client, err.request_id) == (A, 4)
     order = []
     token = d.token
     for _ in range(4):
-        d = only(s.worker_final(b"w2", token, 0.4, None), Dispatch)
+        d = only(s.worker_final(b"w2", token, 0.4, None, ErrorCode.DEADLINE_EXCEEDED), Dispatch)
         order.append(d.request_id)
         token = d.token
     assert order == [1, 11, 3, 2]
@@ -238,6 +274,7 @@ def test_eviction_takes_another_class_s_request_before_a_retry(lifo_after):
     d = only(s.worker_final(b"w1", t1, 0.15, None), Dispatch)
     assert d.request_id == 3
     assert s.worker_disconnect(b"w1", 0.2) == []  # 3 back at the front of A's normal FIFO
+    missed(s, 0.3)
     err = only(req(s, 11, 0.3, client=b"client-c"), ClientError)
     assert err.client == A and err.request_id != 3, "a retry was evicted"
     assert err.request_id == (2 if lifo_after is None else 1)
@@ -255,6 +292,7 @@ def test_congested_eviction_across_classes_takes_the_least_urgent_class_first():
     for rid, now in ((5, 0.01), (6, 0.02)):
         req(s, rid, now, priority=Priority.BACKGROUND)
     evicted = []
+    missed(s, 0.3)
     for k, now in enumerate((0.3, 0.31, 0.32, 0.33, 0.34)):
         err = only(req(s, 100 + k, now, client=b"other-%d" % k), ClientError)
         assert err.client == A
@@ -287,7 +325,7 @@ def test_a_request_without_a_deadline_is_not_starved_by_newer_ones_when_congeste
     for _ in range(40):  # one new request per completion: the queue never empties
         req(s, rid, now, deadline=now + 60.0)
         rid += 1
-        d = only(s.worker_final(b"w", token, now, None), Dispatch)
+        d = only(s.worker_final(b"w", token, now, None, ErrorCode.DEADLINE_EXCEEDED), Dispatch)
         served.append(d.request_id)
         token = d.token
         now += 0.05

@@ -574,16 +574,18 @@ def test_given_back_for_a_turn_into_a_congested_queue_the_request_waits_by_age()
     held = [only(s.client_request(F, i, "svc", 0.002 * i, payload=i, deadline=9.0), Dispatch) for i in (1, 2)]
     for i in (3, 4, 5):
         assert s.client_request(F, i, "svc", 0.002 * i, payload=i, deadline=9.0) == []
-    # 0.2 s later the queue has not emptied: congested.  The light request takes 2 back.
+    # 0.2 s later the queue has not emptied, and a request just missed its deadline
+    # (set here: this test's events hold none): congested.  The light request takes 2 back.
+    s._services["svc"].missed = 0.2
     rec = only(s.client_request(L, 1, "svc", 0.2, payload="l1", deadline=9.0), RecallAtWorker)
     assert rec.tokens == (held[1].token,)
     light = only(s.worker_returned(W1, list(rec.tokens), 0.201), Dispatch)
     assert light.client == L
     # The flood's next are its newest, 5, 4, 3: the one given back (2) is its oldest now.
-    nxt = only(s.worker_final(W1, held[0].token, 0.21, "r"), Dispatch)
+    nxt = only(s.worker_final(W1, held[0].token, 0.21, "r", ErrorCode.DEADLINE_EXCEEDED), Dispatch)
     order = [nxt.payload]
     for t, tok in enumerate((light.token, nxt.token), 1):
-        nxt = only(s.worker_final(W1, tok, 0.21 + t / 100, "r"), Dispatch)
+        nxt = only(s.worker_final(W1, tok, 0.21 + t / 100, "r", ErrorCode.DEADLINE_EXCEEDED), Dispatch)
         order.append(nxt.payload)
     assert order == [5, 4, 3]
 

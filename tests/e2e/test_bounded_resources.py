@@ -337,10 +337,10 @@ def test_a_burst_from_one_client_never_pushes_another_into_queue_full(cluster, g
 
 
 def test_a_congested_full_queue_evicts_the_oldest_of_the_heaviest_client(cluster, gate, tmp_path):  # noqa: F811
-    # Congested at once (--lifo-after-ms 0), each client's newest go first: another client's
+    # Congested at once (--lifo-after-ms 0, no missed deadline needed), each client's newest go first: another client's
     # newcomer takes the place of the burster's oldest queued request (served last, its
     # caller about to give up), not of its newest (served next): test_state_congestion.py.
-    cluster.broker("--max-queue", "4", "--lifo-after-ms", "0")
+    cluster.broker("--max-queue", "4", "--lifo-after-ms", "0", "--lifo-miss-ms", "-1")
     _gated_worker(cluster, gate)
     with Client(cluster.frontend, timeout=10) as c:
         wait_service(c, "gate")
