@@ -983,7 +983,8 @@ class Worker:
         msg = self.upstream.receive(frames)
         if msg is not None:
             if msg.command == P.W_REQUEST and log.isEnabledFor(logging.DEBUG):
-                log.debug("read a request from the broker (priority %s)", _priority_name(msg.body))
+                name, fields = _priority_name(msg.body)
+                log.debug("read a request from the broker (priority %s)", name, extra=fields)
             self._handle(msg, time.monotonic())
 
     def _handle(self, msg: P.BrokerToWorker, received: float) -> None:
@@ -1163,8 +1164,9 @@ class Worker:
             if msg.command == P.W_REQUEST:
                 self._stash_requests.add(msg.envelope)
                 if log.isEnabledFor(logging.DEBUG):  # when it reached this worker, not when the broker sent it
-                    log.debug("read a request from the broker while a batch computes (priority %s)",
-                              _priority_name(msg.body))
+                    name, fields = _priority_name(msg.body)
+                    log.debug("read a request from the broker while a batch computes (priority %s)", name,
+                              extra=fields)
             self._stash.append((msg, time.monotonic()))
         fd = quiet_fd(sock)
         if fd is None:
@@ -2762,16 +2764,17 @@ def _holds_message(sock) -> bool:
     return bool(sock_events(sock) & _POLLIN)
 
 
-def _priority_name(body) -> str:
+def _priority_name(body) -> tuple[str, dict]:
     """The priority a brokered request's header names ("urgent", "normal", "background"),
-    and its attempt when it is a retry ("normal, attempt 1"), for a debug line; "?" for a
-    body that does not decode (the loop answers it later)."""
+    and its attempt when it is a retry ("normal, attempt 1"), for a debug line, with the
+    line's `extra=` (its rid and trace_id: every line about a request names it, the logs
+    audit); "?" and none for a body that does not decode (the loop answers it later)."""
     try:
         req = P.decode_request(body[0], len(body) - 1, brokered=True)
         name = P.Priority(req.priority).name.lower()
     except Exception:
-        return "?"
-    return name if req.attempt is None else f"{name}, attempt {req.attempt}"
+        return "?", {}
+    return (name if req.attempt is None else f"{name}, attempt {req.attempt}"), logs.request_fields(req)
 
 
 def _is_direct_request(frames) -> bool:

@@ -119,7 +119,8 @@ def test_debug_adds_tensor_shapes_dtypes_and_shared_memory(cluster):
     assert len(received) == N, broker_err
     assert json.loads(_fields(received[0])["inputs"])[0]["segment"].startswith("zinf-")
     assert "ignored a malformed traceparent" in broker_err, broker_err
-    assert worker_err.count("trace_id=") == 2  # the good one's two lines; the bad one has none
+    # the good one's three lines (read, done, tensors: each names its request); the bad one has none
+    assert worker_err.count("trace_id=") == 3
 
 
 def test_json_lines_all_parse_with_their_fields(cluster):

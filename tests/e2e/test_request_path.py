@@ -418,7 +418,7 @@ def test_a_light_client_does_not_wait_behind_a_flood_parked_at_a_full_worker(clu
         light.p.stdin.flush()
 
     read = b"read a request from the broker"
-    lp = f"rid={light.p.pid}:".encode()  # the worker's INFO line for each of the light requests
+    lp = f"request done rid={light.p.pid}:".encode()  # the worker's INFO line for each of the light requests
 
     def reads(n):
         """Until the worker has read ``n`` requests (its debug lines)."""
