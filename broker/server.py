@@ -604,9 +604,12 @@ class Broker:
         self._leaving: dict[int, float] = {}  # pid -> when it said DISCONNECT
         self._client_window_ms = max(1, min(int(self.sched.client_window * 1000), (1 << 32) - 1))
         sc = self.cfg.scheduler
+        # The scheduler's congestion rule reads the deadlines workers miss (their 504s: "not
+        # run"), counting or not: the codes of the FINALs relayed and of the DONEs.
+        self._outcomes = self.sched.reads_misses
         self._welcome = P.Welcome(instance=self.instance, heartbeat_interval=sc.heartbeat_interval,
                                   heartbeat_liveness=sc.heartbeat_liveness, metrics=bool(self.cfg.http),
-                                  stopping=True)
+                                  stopping=True, outcomes=self._outcomes)
         wire.seed_routing_ids()  # libzmq's own ids for the peers: unpredictable
         self.frontend = self.ctx.socket(zmq.ROUTER)
         self.backend = self.ctx.socket(zmq.ROUTER)
@@ -1940,7 +1943,9 @@ class Broker:
                 sched.worker_seen(ident, now)
                 return
             if cmd == P.W_FINAL:
-                code = P.reply_error_code(msg.body[0]) if self.metrics is not None and msg.body else 0
+                body = msg.body
+                code = (P.reply_error_code(body[0]) if body and (self.metrics is not None or (
+                    self._outcomes and P.may_be_error(body[0]))) else 0)
                 actions = sched.worker_final(ident, token, now, msg.body, code)
             else:
                 actions = sched.worker_partial(ident, token, now, msg.body)
@@ -1948,7 +1953,7 @@ class Broker:
         elif cmd == P.W_DONE:
             tokens = []
             info = None
-            if msg.info is not None and self.metrics is not None:
+            if msg.info is not None and (self.metrics is not None or self._outcomes):
                 try:
                     info = P.decode_done_info(msg.info, len(msg.body))
                 except P.ProtocolError as e:

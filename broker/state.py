@@ -2044,6 +2044,12 @@ class Scheduler(LeaseEvents):
         self._take(req, False)
         self._dirty[req.svc] = None
 
+    @property
+    def reads_misses(self) -> bool:
+        """Whether the congestion rule reads missed deadlines (Congestion): then a worker's
+        504 counts, and the server reads the codes of its FINALs and DONEs."""
+        return self._lifo_after is not None and self._lifo_miss is not None
+
     def _congested(self, svc, now):
         """Whether ``svc``'s queue has not been empty for ``lifo_after``, and one of its
         requests missed its deadline within the last ``lifo_miss_window`` (Congestion)."""

@@ -1056,7 +1056,10 @@ class Worker:
         self._direct_ok = self.cfg.direct_reply
         self.registered = True
         self._plain_broker = False  # ours after all (a READY announced before it came): WELCOMEs rule
-        self.counts = self.dones.info = bool(w.metrics)
+        self.counts = bool(w.metrics)
+        # Outcomes in the DONEs for a counting broker, and for one whose congestion rule
+        # reads the deadlines we miss (our 504s: broker/state.py, "Congestion").
+        self.dones.info = bool(w.metrics or w.outcomes)
         # A new registration (a restarted broker, or a reconnect after a stall) knows none of
         # the pools' gauges: the next STATS carries them, changed or not (the metrics hunt:
         # they were missing from a restarted broker until traffic moved them).

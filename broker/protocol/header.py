@@ -28,7 +28,7 @@ __all__ = ["LEASED_CLIENT_GONE", "RoutedRequest", "DispatchedRequest", "MAGIC", 
     "Priority", "ProtocolError", "InlineLoc", "ShmLoc", "CudaLoc", "Location", "TensorRef",
     "ErrorInfo", "Request", "Reply", "Cancel", "Ready", "Welcome", "DoneInfo", "WorkerStats", "TRANSPORTS", "REPLY_MODES", "SMALL_INLINE_BYTES", "is_header",
     "encode_header", "encode_routed", "decode_request", "decode_reply", "decode_cancel", "decode_ready", "decode_welcome",
-    "decode_done_info", "decode_worker_stats", "reply_error_code", "reply_error_text",
+    "decode_done_info", "decode_worker_stats", "may_be_error", "reply_error_code", "reply_error_text",
     "parse_dtype", "dtype_str", "tensor_nbytes", "claimed_nbytes", "check_tensors", "check_inline_sizes", "lenient_request_id", "header_id",
     "valid_traceparent",
     "LeaseAsk", "LeaseGrant", "LeaseInfo", "LeaseEnd", "LeaseHello", "LEASE_REASONS", "decode_lease_ask",
@@ -283,6 +283,7 @@ class Welcome(msgspec.Struct, kw_only=True):
     heartbeat_interval: float      # seconds; the worker heartbeats at this rate
     heartbeat_liveness: int        # missed intervals before either side presumes the other dead
     metrics: bool = False          # the broker counts (--http): send STATS and DONE outcomes
+    outcomes: bool = False         # send DONE outcomes (the broker's congestion rule reads 504s), counting or not
     stopping: bool = False         # the broker takes STOPPING (an older one would log it as malformed)
 
 
@@ -627,6 +628,18 @@ def decode_done_info(frame: Any, n: int) -> DoneInfo:
 
 def decode_worker_stats(frame: Any) -> WorkerStats:
     return _decode(frame, _DEC_STATS, "stats")
+
+
+def may_be_error(frame: Any) -> bool:
+    """Whether a reply's header frame may carry an error (False: it certainly does not): the
+    word ``error`` is in its first 4 KiB, where an error header has it (a result's header
+    has no such key; one that names a tensor "error" is looked at whole, by
+    `reply_error_code`).  About a tenth of `reply_error_code`'s cost, for the broker that
+    reads only the errors (its congestion rule) on every FINAL it relays."""
+    try:
+        return b"error" in bytes(memoryview(frame)[:4096])
+    except Exception:
+        return True
 
 
 def reply_error_code(frame: Any) -> int:

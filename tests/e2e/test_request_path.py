@@ -263,6 +263,28 @@ def test_a_congested_queue_serves_the_newest_first_within_each_class(cluster, ga
     assert _finishing_order(cluster, gate, "0") == ["first", "urgent2", "urgent1", "urgent0", "bg2", "bg1", "bg0"]
 
 
+@pytest.mark.parametrize("args, outcomes", [((), True), (("--lifo-miss-ms", "-1"), False),
+                                             (("--lifo-after-ms", "-1"), False)])
+def test_a_broker_whose_congestion_reads_missed_deadlines_asks_workers_for_their_outcomes(cluster, args, outcomes):
+    """A worker's 504 (a request it would not run, too little time left) is a missed deadline
+    for the broker's congestion rule: the broker reads the codes of relayed FINALs and asks
+    for them in DONEs (WELCOME `outcomes`), counting (`--http`) or not.  Before, a broker
+    without --http read no code, and only its own timers' misses counted (the review)."""
+    cluster.broker(*args)
+    w = zmq.Context.instance().socket(zmq.DEALER)
+    w.linger = 0
+    w.connect(cluster.backend)
+    try:
+        w.send_multipart(P.worker_ready("svc", P.Ready(credit=1, welcome=True)))
+        assert w.poll(20_000), "no WELCOME"
+        frames = w.recv_multipart()
+        assert frames[:2] == [P.MDPW, P.W_WELCOME], frames
+        welcome = P.decode_welcome(frames[-1])
+        assert welcome.outcomes is outcomes and welcome.metrics is False
+    finally:
+        w.close()
+
+
 def test_closed_loop_callers_of_one_process_are_served_in_turn_while_deadlines_hold(cluster):
     """Four threads of one process, each with its own Client, each sending its next call as
     the previous returns, against one worker of a 50 ms model: a queue of about three stands

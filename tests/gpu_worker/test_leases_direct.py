@@ -963,3 +963,18 @@ def test_a_direct_socket_at_a_closed_ones_address_opens(tmp_path, monkeypatch):
     finally:
         first.close()
         ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("metrics, outcomes", [(False, False), (False, True), (True, False), (True, True)])
+def test_a_welcome_asking_for_outcomes_gets_them_in_dones_whether_or_not_the_broker_counts(
+        tmp_path, metrics, outcomes):
+    """WELCOME `outcomes`: the broker's congestion rule reads the deadlines this worker misses
+    (its 504s), so the DONEs carry the outcomes without the broker counting (no STATS)."""
+    w = _worker(tmp_path, direct=False)
+    try:
+        welcome = P.Welcome(instance=b"\x01" * 8, heartbeat_interval=1.0, heartbeat_liveness=3,
+                            metrics=metrics, outcomes=outcomes)
+        w.on_message(P.to_worker_welcome(b"", welcome)[1:])
+        assert w.dones.info is (metrics or outcomes) and w.counts is metrics
+    finally:
+        w.close()
