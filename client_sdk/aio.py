@@ -55,7 +55,7 @@ from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, context, curve_keys, dealer, descriptor_room, drain_unread, drop_lease_dealer,
                       drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link, redial,
-                      refusal, refused_error, send_failure, tcp_options)
+                      refusal, refused_error, request_dealer, send_failure, tcp_options)
 from .tensors import Result
 
 __all__ = ["AsyncClient", "AsyncReplyStream", "run"]
@@ -1042,7 +1042,7 @@ class AsyncClient(ClientBase):
         limit = self._core.timeout_of(timeout)
         # Over tcp with keys, a handshake the broker refuses for good fails it at once (as
         # `Client.request`).
-        sock, monitor = (broker_dealer(self._ctx, self.endpoint, self._curve, self._core.heartbeat_interval)
+        sock, monitor = (request_dealer(self._ctx, self.endpoint, self._curve)
                          if self._curve is not None else (dealer(self._ctx, self.endpoint, self._curve), None))
         waits: list[asyncio.Future] = []
         try:
@@ -1057,10 +1057,8 @@ class AsyncClient(ClientBase):
             async def refused() -> InferenceError:
                 while True:
                     said = refusal(await monitor.recv_multipart())
-                    if said is not None:
-                        self._core.broker_said(said[1], time.monotonic())
-                        if said[0]:
-                            return refused_error(self.endpoint, said[1])
+                    if said is not None and said[0]:  # (this request's connection's word, for it alone)
+                        return refused_error(self.endpoint, said[1])
 
             try:
                 async with asyncio.timeout(limit):
@@ -1070,12 +1068,16 @@ class AsyncClient(ClientBase):
                     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                     if waits[0].done():
                         return waits[0].result()
+                    if waits[1].exception() is not None:  # the monitor failed: the reply decides
+                        return await waits[0]
                     raise waits[1].result()
             except TimeoutError:
                 raise self._core.opaque_deadline_error(service, limit) from None
         finally:
             for w in waits:
                 w.cancel()
+                if w.done() and not w.cancelled():
+                    w.exception()  # retrieved: a failure beside the one raised is not logged as lost
             drop_monitor(sock, monitor)
             drop_socket(sock)
 

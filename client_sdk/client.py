@@ -46,7 +46,7 @@ from .errors import BrokerUnreachable, DeadlineExceeded, InferenceError, Invalid
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
 from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, context, curve_keys, dealer, descriptor_room, drain_unread, drop_lease_dealer,
                       drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link, redial,
-                      refused_error, send_failure, tcp_options)
+                      refused_error, request_dealer, send_failure, tcp_options)
 from .tensors import Result
 
 #: the most seconds one drain of a lease's link waits for the rest of a message in pieces
@@ -342,7 +342,7 @@ class Client(ClientBase):
         # Over tcp with keys, the socket's handshakes are watched: one the broker refuses for
         # good (a key removed from its allow-list since the client connected) fails the call
         # at once (`sockets.refused_error`).
-        sock, monitor = (broker_dealer(self._ctx, self.endpoint, self._curve, self._core.heartbeat_interval)
+        sock, monitor = (request_dealer(self._ctx, self.endpoint, self._curve)
                          if self._curve is not None else (dealer(self._ctx, self.endpoint, self._curve), None))
         poller = None
         if monitor is not None:
@@ -363,8 +363,9 @@ class Client(ClientBase):
                 if poller is not None:
                     ready = dict(poller.poll(wait_ms(left)))
                     if monitor in ready:
+                        # (This connection's word, for this request alone: the client's own
+                        # connection has a word of its own, and this may be another thread.)
                         _, last, final = handshakes(monitor)
-                        self._core.broker_said(last, time.monotonic())  # (for later calls' errors too)
                         if final and last:
                             raise refused_error(self.endpoint, last)
                     if sock not in ready:

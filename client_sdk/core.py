@@ -134,8 +134,9 @@ REDIAL_S = 1.0
 NO_DETAIL = "no detail given"
 #: what a plain tcp client (`insecure=True`) is told of such a handshake: `sockets`' word
 #: blames `server_key`, which it has none of (the client audit)
-PLAIN_NO_DETAIL = (f"{NO_DETAIL}; this client speaks plain tcp (`insecure=True`), whose greeting a broker with "
-                   "keys cuts short: give the client `server_key` and `client_key`, or run the broker --insecure")
+PLAIN_NO_DETAIL = (f"{NO_DETAIL}; this client speaks plain tcp (`insecure=True`): most likely the broker has keys "
+                   "and cut its greeting short (give the client `server_key` and `client_key`, or run the broker "
+                   "--insecure), else the broker went away during the handshake")
 
 
 def _check_meta(meta: dict) -> None:
@@ -1185,6 +1186,8 @@ class ClientCore(PinEvents):
         was lost on its way (with a broker that died, or with a connection the broker dropped
         for not reading) go back at the next heartbeat looks (`_return_given_up`).  Without
         this they stayed lent until the process exited (docs/shm.md, "When a process dies")."""
+        if not self.use_shm or call.reply == "inline":
+            return  # (no slot can be lent for it: its outputs come inline)
         given = self._given_up
         for rid in (call.id, *call.old_ids):
             if rid and rid != answered:

@@ -263,8 +263,17 @@ def broker_dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None,
     return _dealer(ctx, endpoint, curve, heartbeat_s, True)
 
 
+def request_dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys) -> tuple[zmq.Socket, zmq.Socket]:
+    """A plain MDP `request`'s own DEALER (`dealer`, with keys) and the monitor of its
+    handshakes (`broker_monitor`'s events, heartbeats or not), attached before it connects:
+    a refusal fails the request at once (`refused_error`)."""
+    sock, monitor = _dealer(ctx, endpoint, curve, None, True, always=True)
+    assert monitor is not None
+    return sock, monitor
+
+
 def _dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None, heartbeat_s: float | None,
-            watch: bool) -> tuple[zmq.Socket, zmq.Socket | None]:
+            watch: bool, always: bool = False) -> tuple[zmq.Socket, zmq.Socket | None]:
     try:
         sock = ctx.socket(zmq.DEALER)
     except zmq.ZMQError as e:
@@ -279,7 +288,8 @@ def _dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None, heartbeat
             tcp_liveness(sock, LIVENESS * heartbeat_s)
             sock.setsockopt(zmq.CONNECT_TIMEOUT, BROKER_CONNECT_TIMEOUT_MS)
         if watch:
-            monitor = broker_monitor(sock, endpoint, heartbeat_s)
+            # (``always``: a monitor whether or not heartbeats run, `request_dealer`)
+            monitor = broker_monitor(sock, endpoint, heartbeat_s or (1.0 if always else None))
         _connect(sock, endpoint)
     except BaseException:
         if monitor is not None:

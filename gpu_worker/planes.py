@@ -265,6 +265,12 @@ class HostPlane:
             for ref in lent:
                 self.out_pool.free(ref)
             raise
+        if lent:
+            # What each slot is lent for, written once the reply is whole: a client that gave
+            # up on the request (its reply lost with a broker) gives back the slots so tagged,
+            # and a slot freed just above never carries a tag (docs/shm.md, "When a process dies").
+            for ref in lent:
+                self.out_pool.tag(ref, req.id)
         return refs, frames
 
     def _may_read(self, req: P.Request) -> bool:
@@ -303,7 +309,7 @@ class HostPlane:
                     ref = self.out_pool.ref_of(buf)
                     lent.append(ref)
                     np.copyto(buf, arr)
-                    self.out_pool.mark_in_flight(ref, holder_pid=req.pid, holder_start=req.pid_start, tag=req.id)
+                    self.out_pool.mark_in_flight(ref, holder_pid=req.pid, holder_start=req.pid_start)
                     refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape),
                                             loc=P.shm_loc(ref)))
                     continue

@@ -337,7 +337,7 @@ class SlotBook:
                 hs = 0  # the attested process exited and its pid was reused: reclaimable at once
         w[b + Q_HOLDER_PID] = hp
         w[b + Q_HOLDER_START] = max(hs, 0)  # (informational: liveness reads _holder_of)
-        if hp or tag:
+        if tag:
             w[b + Q_LEND_TAG] = tag
             w[b + Q_LENT_AT] = time.monotonic_ns()
         self._pstate[slot] = IN_FLIGHT
@@ -356,6 +356,16 @@ class SlotBook:
             else:
                 held.add(slot)
             self._holder_of[slot] = key
+
+    def set_tag(self, slot: int, tag: int) -> None:
+        """Record what an IN_FLIGHT slot was lent for (``tag``, not 0) and when: the worker
+        does it once the reply naming the slot is written whole, so that a slot it frees
+        (a reply it could not finish) never carries a tag its holder may act on
+        (`SegmentCache.release_given_up`)."""
+        w = self.words
+        b = slot * QS
+        w[b + Q_LEND_TAG] = tag
+        w[b + Q_LENT_AT] = time.monotonic_ns()
 
     def _forget_holder(self, slot: int) -> tuple[int, int] | None:
         """``slot`` leaves its holder's books (`_holder_of` first, then `_held_by`: cut short,

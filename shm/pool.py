@@ -349,6 +349,11 @@ class ShmPool:
         """
         self._set_in_flight(self._own(ref), holder_pid, holder_start, tag)
 
+    def tag(self, ref: ShmRef, tag: int) -> None:
+        """Record what an IN_FLIGHT slot is lent for (its request's id) and when, once the
+        reply naming it is written whole (`SlotBook.set_tag`)."""
+        self._book.set_tag(self._own(ref), tag)
+
     def free(self, ref: ShmRef) -> None:
         """Owner returns a slot (any live state) to FREE; its generation goes up by one."""
         self._free_slot(self._own(ref))

@@ -232,19 +232,22 @@ class SegmentCache:
                 continue
             rows = np.frombuffer(a.q, np.uint64).reshape(-1, QS)
             try:
-                lent = np.flatnonzero(((rows[:, 0] & U32) == IN_FLIGHT) & (rows[:, Q_HOLDER_PID] == holder)
-                                      & (rows[:, Q_LEND_TAG] != 0) & (rows[:, Q_LENT_AT] != 0)
-                                      & (rows[:, Q_LENT_AT] < lent_before_ns))
-                found = [(int(s), int(rows[s, 0]), int(rows[s, Q_LEND_TAG])) for s in lent.tolist()]
+                # One copy of the records lent to the holder, then every test on that copy: the
+                # live table moves under the look (the owner lends and frees as it goes).
+                idx = np.flatnonzero(rows[:, Q_HOLDER_PID] == holder)
+                snap = rows[idx]  # (indexing by a list of rows copies them)
             finally:
                 del rows  # (an export of the mapping: `detach` could not close it)
+            hit = (((snap[:, 0] & U32) == IN_FLIGHT) & (snap[:, Q_LEND_TAG] != 0) & (snap[:, Q_LENT_AT] != 0)
+                   & (snap[:, Q_LENT_AT] < lent_before_ns))
             q = a.q
-            for s, w, tag in found:
+            for i in np.flatnonzero(hit).tolist():
+                s, w, tag, at = int(idx[i]), int(snap[i, 0]), int(snap[i, Q_LEND_TAG]), int(snap[i, Q_LENT_AT])
                 if tag not in given_up or (name, s, w >> 32) in keep:
                     continue
                 b = s * QS
-                if q[b] != w or q[b + Q_LEND_TAG] != tag:
-                    continue  # moved on since the look (the same lifetime keeps its word)
+                if q[b] != w or q[b + Q_LEND_TAG] != tag or q[b + Q_LENT_AT] != at or q[b + Q_HOLDER_PID] != holder:
+                    continue  # moved on since the look (one lifetime keeps its word, tag and time)
                 q[b] = (w & ~U32) | RELEASED  # nothing was read: no fence needed
                 n += 1
         return n

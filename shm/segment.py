@@ -94,8 +94,8 @@ SLOT_FIELDS: tuple[Field, ...] = (
     Field(16, "nbytes", "<u8", "owner, at alloc"),
     Field(24, "holder_pid", "<u4", "owner, at mark_in_flight (0: no holder)"),
     Field(32, "holder_starttime", "<u8", "owner, at mark_in_flight"),
-    Field(40, "lend_tag", "<u8", "owner, at mark_in_flight: what the slot was lent for (an output: its request's id; 0: not said)"),
-    Field(48, "lent_at", "<u8", "owner, at mark_in_flight with a holder: CLOCK_MONOTONIC, ns"),
+    Field(40, "lend_tag", "<u8", "owner, once the reply naming the slot is written whole: what it was lent for (an output: its request's id; 0: not said)"),
+    Field(48, "lent_at", "<u8", "owner, with lend_tag: CLOCK_MONOTONIC, ns"),
 )
 
 

@@ -962,7 +962,8 @@ def test_the_ids_of_a_call_that_no_answer_came_for_are_given_up_for_their_output
 
     from client_sdk import core as core_mod
 
-    c = _plain_core(pin=False)
+    # (transport "auto" on ipc: outputs may come in slots; an inline client gives nothing up)
+    c = ClientCore("ipc:///tmp/zinf-pin-core-test.sock", heartbeat_interval=1.0, pool_capacity=1 << 20, pin=False)
     try:
         c.on_message(_hb(), 100.0)
         a, _ = _send(c, now=100.0)
@@ -983,6 +984,9 @@ def test_the_ids_of_a_call_that_no_answer_came_for_are_given_up_for_their_output
         e, _ = _send(c, now=103.0)
         c._forget(e)  # forgotten without an answer (as when a stream is cut by a restart)
         assert list(c._given_up) == [b.id, e.id]  # the oldest went
+        f, _ = _send(c, now=103.5, reply="inline")
+        c._forget(f)  # its outputs come inline: nothing to give back
+        assert list(c._given_up) == [b.id, e.id]
         c._looks += core_mod.GIVEN_UP_LOOKS
         c._return_given_up()
         assert list(c._given_up) == [b.id, e.id]  # (not yet older than the window)

@@ -293,35 +293,47 @@ def test_closed_loop_callers_of_one_process_are_served_in_turn_while_deadlines_h
     its deadline while the other three were served (the operations audit: 6.6 s against
     1.2 s; here two of the four waited 1.2-1.4 s, the others 0.1-0.15 s).  Nothing misses its
     deadline here, so the queue stays first in first out (broker/state.py, "Congestion"):
-    every call is answered within about the queue's length of calls (0.2 s here).
+    while a call waits, the others' calls answered number at most about the queue ahead of
+    it (3), however slow the machine (counted, not timed).
     (CLOSED_LOOP_BROKER_ARGS="--lifo-miss-ms -1" runs it against the former rule: it fails.)"""
     import threading
-
-    from client_sdk.errors import DeadlineExceeded
 
     cluster.broker(*os.environ.get("CLOSED_LOOP_BROKER_ARGS", "").split())
     cluster.worker("tests.bench.slow_model:factory", "--credit", "1", "--max-batch", "1")
     with Client(cluster.frontend, timeout=20) as c:
         wait_service(c, "slow")
-    results: dict[int, list] = {k: [] for k in range(4)}
+    lock = threading.Lock()
+    answered = [0]  # calls answered so far, all threads
+    passed: dict[int, list[int]] = {k: [] for k in range(4)}  # per call: others' answers while it waited
+    failed: list[str] = []
 
     def caller(k: int) -> None:
-        with Client(cluster.frontend, timeout=0.8) as c:  # four times a turn round the queue
+        with Client(cluster.frontend, timeout=20) as c:
             for i in range(12):
                 x = np.full(16, k * 16 + i, np.uint8)
+                with lock:
+                    before = answered[0]
                 try:
                     with c.infer("slow", {"x": x}) as r:
-                        results[k].append(bool((r["x"] == x).all()))
-                except DeadlineExceeded:
-                    results[k].append("late")
+                        ok = bool((r["x"] == x).all())
+                except Exception as e:  # any failure is one
+                    failed.append(repr(e))
+                    return
+                with lock:
+                    passed[k].append(answered[0] - before)
+                    answered[0] += 1
+                if not ok:
+                    failed.append(f"thread {k} call {i}: another's result")
 
     threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(120)
     assert not any(t.is_alive() for t in threads)
-    assert all(r == [True] * 12 for r in results.values()), results
+    assert not failed, failed
+    worst = max(max(v) for v in passed.values())
+    assert worst <= 6, passed  # (3 ahead, and room for the dispatch racing a caller's next send)
 
 
 @pytest.mark.parametrize("pin", [False, True])

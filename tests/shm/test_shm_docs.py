@@ -110,9 +110,11 @@ def test_a_slot_record_on_file_is_as_the_table_says():
         assert (int(offset), int(nbytes)) == (ref.offset, 100)
         assert int.from_bytes(raw[24:28], "little") == pid and raw[28:32] == bytes(4)
         assert int.from_bytes(raw[32:40], "little") == start
-        # lend_tag (0: not said) and lent_at (CLOCK_MONOTONIC ns), at mark_in_flight with a holder
-        assert raw[40:48] == bytes(8) and 0 < int.from_bytes(raw[48:56], "little") <= time.monotonic_ns()
-        assert raw[56:] == bytes(8)
+        assert raw[40:] == bytes(24)  # lend_tag and lent_at: not said
+        pool.tag(ref, 77)  # once the reply is written whole: what the slot is lent for, and when
+        raw = _raw_slot(pool, ref.slot)
+        assert int.from_bytes(raw[40:48], "little") == 77
+        assert 0 < int.from_bytes(raw[48:56], "little") <= time.monotonic_ns() and raw[56:] == bytes(8)
         pool.free(ref)
         del a
         raw = _raw_slot(pool, ref.slot)
