@@ -5,6 +5,7 @@ timeout) instead of sleeping, and stop every process they started at teardown (S
 SIGKILL if it does not exit in time)."""
 from __future__ import annotations
 
+import errno
 import os
 import select
 import signal
@@ -67,8 +68,9 @@ class Proc:
         """What the process wrote to stderr, its last `tail` characters (None: all of it)."""
         if self.p.poll() is None:
             return "(still running)"
-        self._err += self.p.stderr.read()
-        text = self._err.decode(errors="replace")
+        # Read for at most a few seconds: a child of the process (a model's helper) that kept
+        # the pipe open would hold a read to its end, and a failing test's message, forever.
+        text = self._stderr_now(1 << 62, timeout=5.0)
         return text if tail is None else text[-tail:]
 
     def _stderr_now(self, tail: int, timeout: float = 2.0) -> str:
@@ -302,9 +304,22 @@ def gate(tmp_path):
                 assert time.monotonic() < deadline, f"{self.entered()} of {n} gated calls reached the gate"
                 time.sleep(0.005)  # polling a file (a condition, not a delay)
 
-        def open(self):
-            # Opening the write end blocks until the worker opened the read end.
-            self.fd = os.open(path, os.O_WRONLY)
+        def open(self, timeout: float = 60.0):
+            # The write end opens once the worker opened the read end: tried without blocking
+            # (ENXIO: no reader yet) until then, so that a worker that failed to start fails
+            # the test here, with a message, rather than block it until pytest's timeout.
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+                    break
+                except OSError as e:
+                    if e.errno != errno.ENXIO:
+                        raise
+                assert time.monotonic() < deadline, f"no worker opened the gate within {timeout} s"
+                time.sleep(0.01)  # polling for the reader (a condition, not a delay)
+            os.set_blocking(fd, True)
+            self.fd = fd
 
         def release(self, n=1):
             os.write(self.fd, b"x" * n)

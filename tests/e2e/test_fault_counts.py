@@ -192,7 +192,7 @@ def test_a_cancelled_call_whose_deadline_passes_before_its_worker_confirms_count
 
     with Client(cluster.frontend, timeout=WAIT) as c:
         wait_service(c, "gate")
-        h = c.infer_stream("gate", {"x": np.zeros(1)}, timeout=0.5)
+        h = c.infer_stream("gate", {"x": np.zeros(1)}, timeout=3.0)  # (room to reach the gate, and cancel)
         gate.wait_entered(1)
         assert h.cancel()
         until(lambda: sum(_outcomes(base, "gate").values()), "the call answered at its deadline")
