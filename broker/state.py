@@ -115,8 +115,9 @@ waits nearly its whole timeout for a success), while the newest requests, the on
 callers will wait longest, wait most.  So once a service's queue has not been empty for
 ``lifo_after`` seconds (0.1; ``_Service.since``: when it last went from empty to not), and
 one of its requests missed its deadline within the last ``lifo_miss_window`` seconds (0.1;
-``_Service.missed``: one expired here, queued or running, or a worker answered one 504,
-as one it would not run; None: not asked), it is *congested*, and the walk takes each principal's FIFO from its newest end (adaptive
+``_Service.missed``: one expired here in the queue; or one that had waited a quarter of its
+budget or more in the queue expired while running, or its worker answered it 504, as one it
+would not run: `_queue_took_it`; None: not asked), it is *congested*, and the walk takes each principal's FIFO from its newest end (adaptive
 LIFO, as Facebook's "Fail at scale" describes it): what is dispatched then has most of its
 time left, and the oldest, whose callers are about to give up, wait on and are failed by
 their deadlines here, never dispatched.  Everything else stays as above: round robin
@@ -698,6 +699,16 @@ def _busy_last(workers):
         yield from busy
 
 
+def _queue_took_it(req) -> bool:
+    """Whether a dispatched request that missed its deadline had spent a quarter of its budget
+    or more queued here: a miss the queue's order may have caused (Congestion).  One sent on
+    at once that its worker could not finish in time (a timeout shorter than the model's
+    run) says nothing of the queue: counted, one such client beside a standing queue kept
+    it newest first, and its closed-loop callers starved again (the review)."""
+    d = req.deadline
+    return d is None or (req.dispatched_at - req.enqueued_at) * 4 >= d - req.enqueued_at
+
+
 def _newest_first(fifo) -> bool:
     """Whether a congested queue walks this (non-empty) FIFO newest first (Congestion): not
     while its head must go first, a request put back at the front, or one without a deadline
@@ -1169,7 +1180,7 @@ class Scheduler(LeaseEvents):
         req = self._held(worker, token, now)
         if req is None:
             return
-        if code == ErrorCode.DEADLINE_EXCEEDED:
+        if code == ErrorCode.DEADLINE_EXCEEDED and _queue_took_it(req):
             req.svc.missed = now  # (a worker's "not run": Congestion)
         w = req.worker
         del w.in_flight[token]
@@ -2592,7 +2603,8 @@ class Scheduler(LeaseEvents):
                         f"({now - req.dispatched_at:.3f} s in flight)", out)
             return
         self._counters["expired"] += 1
-        req.svc.missed = now
+        if req.state == _QUEUED or _queue_took_it(req):
+            req.svc.missed = now  # (Congestion)
         if req.state == _QUEUED:
             self._unqueue(req)
             self._error(req, ErrorCode.DEADLINE_EXCEEDED,

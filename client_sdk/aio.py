@@ -1042,7 +1042,7 @@ class AsyncClient(ClientBase):
         limit = self._core.timeout_of(timeout)
         # Over tcp with keys, a handshake the broker refuses for good fails it at once (as
         # `Client.request`).
-        sock, monitor = (request_dealer(self._ctx, self.endpoint, self._curve)
+        sock, monitor = (request_dealer(self._ctx, self.endpoint, self._curve, self._core.heartbeat_interval)
                          if self._curve is not None else (dealer(self._ctx, self.endpoint, self._curve), None))
         waits: list[asyncio.Future] = []
         try:

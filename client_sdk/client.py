@@ -342,7 +342,7 @@ class Client(ClientBase):
         # Over tcp with keys, the socket's handshakes are watched: one the broker refuses for
         # good (a key removed from its allow-list since the client connected) fails the call
         # at once (`sockets.refused_error`).
-        sock, monitor = (request_dealer(self._ctx, self.endpoint, self._curve)
+        sock, monitor = (request_dealer(self._ctx, self.endpoint, self._curve, self._core.heartbeat_interval)
                          if self._curve is not None else (dealer(self._ctx, self.endpoint, self._curve), None))
         poller = None
         if monitor is not None:

@@ -1186,7 +1186,7 @@ class ClientCore(PinEvents):
         was lost on its way (with a broker that died, or with a connection the broker dropped
         for not reading) go back at the next heartbeat looks (`_return_given_up`).  Without
         this they stayed lent until the process exited (docs/shm.md, "When a process dies")."""
-        if not self.use_shm or call.reply == "inline":
+        if call.reply == "inline":
             return  # (no slot can be lent for it: its outputs come inline)
         given = self._given_up
         for rid in (call.id, *call.old_ids):

@@ -263,11 +263,12 @@ def broker_dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None,
     return _dealer(ctx, endpoint, curve, heartbeat_s, True)
 
 
-def request_dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys) -> tuple[zmq.Socket, zmq.Socket]:
-    """A plain MDP `request`'s own DEALER (`dealer`, with keys) and the monitor of its
-    handshakes (`broker_monitor`'s events, heartbeats or not), attached before it connects:
-    a refusal fails the request at once (`refused_error`)."""
-    sock, monitor = _dealer(ctx, endpoint, curve, None, True, always=True)
+def request_dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys,
+                   heartbeat_s: float | None) -> tuple[zmq.Socket, zmq.Socket]:
+    """A plain MDP `request`'s own DEALER (`dealer`, with keys, its tcp liveness the client's)
+    and the monitor of its handshakes (`broker_monitor`'s events, heartbeats or not),
+    attached before it connects: a refusal fails the request at once (`refused_error`)."""
+    sock, monitor = _dealer(ctx, endpoint, curve, heartbeat_s, True, always=True)
     assert monitor is not None
     return sock, monitor
 

@@ -483,7 +483,7 @@ class Worker:
         self._leased_dropped = 0  # frames leased latest-wins streams dropped, since the last STATS
         self._stats_warm = 0     # keep-warm runs already reported
         self._stats_usage = None  # pool use last reported
-        self.counts = False        # the broker counts (its WELCOME said so): STATS, DONE outcomes
+        self.counts = False        # the broker counts (its WELCOME said so): STATS, histograms
         self.registered = False    # a WELCOME since the last (re)connect (see `ready`)
         self._plain_broker = False  # no WELCOME came within the wait: a plain MDP broker, or none
         self.last_loop = time.monotonic()  # the loop's last pass (the health endpoint's liveness)
@@ -536,7 +536,7 @@ class Worker:
         self.direct = DirectSockets(self.ctx, capacity=cfg.direct_sockets if cfg.direct_sockets is not None
                                     else reply_sockets(), holders=getattr(self.plane, "holders", None))
         self.dones = DoneGather(delay=cfg.done_delay, max_pending=max(1, cfg.done_batch or self.credit // 4))
-        self.dones.info = False  # until a counting broker's WELCOME
+        self.dones.info = False  # until a WELCOME asks for outcomes (`metrics` or `outcomes`)
         # While a batch's replies are written: its header-only FINALs per reply_to, sent as
         # one FINALS message per client when the batch is done (None: send each at once).
         self.batch_finals: BatchFinals | None = None

@@ -443,6 +443,26 @@ def test_a_reply_whose_error_does_not_parse_is_not_counted_as_a_result():
         assert P.reply_error_code(P.MAGIC + enc(bad)) == _UNKNOWN_CODE, bad
 
 
+def test_may_be_error_passes_over_our_results_and_never_over_an_error():
+    """The broker's congestion rule reads the code of every FINAL it relays; `may_be_error`
+    skips the decode for a result as our encoder writes it (its `error` key, nil), and for
+    nothing else: an error, a header without the key (another implementation), a frame it
+    cannot read."""
+    import msgspec
+
+    t = P.TensorRef(name="error", dtype="<f4", shape=[2], loc=P.InlineLoc(frame=0))  # a tensor named so
+    for result in (P.Reply(id=1), P.Reply(id=2, tensors=[t], timing={"compute_ms": 1.0}), P.Reply(id=3, seq=4)):
+        head = P.encode_header(result)
+        assert not P.may_be_error(head) and not P.may_be_error(memoryview(head)), result
+        assert P.reply_error_code(head) == 0
+    for code in (504, 422, 500):
+        head = P.error_body(9, code, "not run: 3 ms were left")[0]
+        assert P.may_be_error(head) and P.may_be_error(bytearray(head))
+        assert P.reply_error_code(head) == code
+    assert P.may_be_error(P.MAGIC + msgspec.msgpack.encode({"v": 1, "id": 1}))  # no key: decoded (a result)
+    assert P.may_be_error(object())
+
+
 # ----------------------------------------------------------------------------- unknown keys
 
 

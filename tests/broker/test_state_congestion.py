@@ -33,12 +33,15 @@ def missed(s, now, service="svc"):
     s._services[service].missed = now
 
 
-def drain(s, token, now, n, step=0.0, code=ErrorCode.DEADLINE_EXCEEDED):
+def drain(s, token, now, n, step=0.0, code=0, miss=True):
     """Let the worker finish ``n`` requests, one after the other: the ids dispatched.  Each
-    answered ``code``: by default 504, a deadline missed (what makes a queue that has not
-    emptied congested: a queue that keeps its deadlines stays first in first out)."""
+    answered ``code``; with ``miss``, a deadline of the service missed just before each
+    (`missed`: what makes a queue that has not emptied congested; a queue that keeps its
+    deadlines stays first in first out)."""
     order = []
     for _ in range(n):
+        if miss:
+            missed(s, now)
         d = of(s.worker_final(b"w", token, now, None, code), Dispatch)
         if not d:
             break
@@ -66,20 +69,24 @@ def test_a_queue_that_has_not_emptied_but_keeps_its_deadlines_stays_first_in_fir
     for rid in (1, 2, 3):
         req(s, rid, 0.0)
     req(s, 4, 0.08)
-    assert drain(s, token, 0.5, 4, code=0)[0] == [1, 2, 3, 4]
+    assert drain(s, token, 0.5, 4, miss=False)[0] == [1, 2, 3, 4]
     assert s.stats()["counters"]["newest_first"] == 0
-    # One that missed its deadline 0.1 s ago or less (here: the worker's 504): newest first.
+    # A worker's 504 ("not run") for one that waited a quarter of its budget or more in the
+    # queue is a miss: newest first, for 0.1 s.  For one sent on at once (0 of it: request
+    # 0, its timeout shorter than the model's run), it says nothing of the queue.
     s, token = busy_worker()
-    for rid in (1, 2, 3):
-        req(s, rid, 0.0)
+    for rid in (1, 2, 3, 4):
+        req(s, rid, 0.0, deadline=1.0)
     d = only(s.worker_final(b"w", token, 0.3, None, ErrorCode.DEADLINE_EXCEEDED), Dispatch)
-    assert d.request_id == 3
-    assert drain(s, d.token, 0.45, 2, code=0)[0] == [1, 2]  # (0.15 s after it: in order again)
+    assert d.request_id == 1  # request 0's 504: no miss, in order
+    d = only(s.worker_final(b"w", d.token, 0.3, None, ErrorCode.DEADLINE_EXCEEDED), Dispatch)
+    assert d.request_id == 4  # request 1 waited 0.3 of its 1.0 s: a miss, newest first
+    assert drain(s, d.token, 0.45, 2, miss=False)[0] == [2, 3]  # (0.15 s after it: in order again)
     s, token = busy_worker()
     for rid in (1, 2, 3, 4):
         req(s, rid, 0.0, deadline=0.3 if rid == 1 else 9.0)
     assert only(s.tick(0.3), ClientError).request_id == 1  # lost in the queue: newest first
-    assert drain(s, token, 0.35, 3, code=0)[0] == [4, 3, 2]
+    assert drain(s, token, 0.35, 3, miss=False)[0] == [4, 3, 2]
 
 
 def test_a_queue_that_has_not_emptied_for_lifo_after_serves_the_newest_first():
@@ -150,7 +157,8 @@ def test_retries_are_still_served_first_when_congested():
     token = d2.token
     now = 0.3
     for _ in range(4):
-        d = only(s.worker_final(b"w2", token, now, None, ErrorCode.DEADLINE_EXCEEDED), Dispatch)
+        missed(s, now)
+        d = only(s.worker_final(b"w2", token, now, None), Dispatch)
         order.append((d.request_id, d.attempt))
         token = d.token
     assert order == [(1, 1), (5, 0), (4, 0), (3, 0)]
@@ -180,7 +188,8 @@ def test_a_steady_normal_stream_is_not_starved_by_an_urgent_flood_when_congested
         for client, pri in ((A, Priority.URGENT), (B, Priority.NORMAL)):
             req(s, rid, now, client=client, priority=pri)
             rid += 1
-        d = only(s.worker_final(b"w", token, now, None, ErrorCode.DEADLINE_EXCEEDED), Dispatch)
+        missed(s, now)
+        d = only(s.worker_final(b"w", token, now, None), Dispatch)
         token = d.token
         if d.client == B:
             normal_served.append(now)
@@ -251,7 +260,8 @@ def test_eviction_never_takes_a_retry_from_a_congested_queue():
     order = []
     token = d.token
     for _ in range(4):
-        d = only(s.worker_final(b"w2", token, 0.4, None, ErrorCode.DEADLINE_EXCEEDED), Dispatch)
+        missed(s, 0.4)
+        d = only(s.worker_final(b"w2", token, 0.4, None), Dispatch)
         order.append(d.request_id)
         token = d.token
     assert order == [1, 11, 3, 2]
@@ -325,7 +335,8 @@ def test_a_request_without_a_deadline_is_not_starved_by_newer_ones_when_congeste
     for _ in range(40):  # one new request per completion: the queue never empties
         req(s, rid, now, deadline=now + 60.0)
         rid += 1
-        d = only(s.worker_final(b"w", token, now, None, ErrorCode.DEADLINE_EXCEEDED), Dispatch)
+        missed(s, now)
+        d = only(s.worker_final(b"w", token, now, None), Dispatch)
         served.append(d.request_id)
         token = d.token
         now += 0.05

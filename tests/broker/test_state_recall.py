@@ -582,10 +582,12 @@ def test_given_back_for_a_turn_into_a_congested_queue_the_request_waits_by_age()
     light = only(s.worker_returned(W1, list(rec.tokens), 0.201), Dispatch)
     assert light.client == L
     # The flood's next are its newest, 5, 4, 3: the one given back (2) is its oldest now.
-    nxt = only(s.worker_final(W1, held[0].token, 0.21, "r", ErrorCode.DEADLINE_EXCEEDED), Dispatch)
+    s._services["svc"].missed = 0.21
+    nxt = only(s.worker_final(W1, held[0].token, 0.21, "r"), Dispatch)
     order = [nxt.payload]
     for t, tok in enumerate((light.token, nxt.token), 1):
-        nxt = only(s.worker_final(W1, tok, 0.21 + t / 100, "r", ErrorCode.DEADLINE_EXCEEDED), Dispatch)
+        s._services["svc"].missed = 0.21 + t / 100
+        nxt = only(s.worker_final(W1, tok, 0.21 + t / 100, "r"), Dispatch)
         order.append(nxt.payload)
     assert order == [5, 4, 3]
 

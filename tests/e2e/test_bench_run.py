@@ -100,7 +100,7 @@ def test_streams_drop_frames_only_when_offered_fps_exceeds_capacity(cluster, tmp
     sd, fd = slow["streams_detail"], fast["streams_detail"]
     assert sd["drop_rate"] == 0 and slow["errors"] == 0, sd
     assert sd["per_stream"][0]["dropped"] == 0
-    assert sd["achieved_fps"] <= 11  # (what it achieves below that is the machine's load, not the policy)
+    assert 5 <= sd["achieved_fps"] <= 11  # (a loose floor: the pacer sends; below 10 is the machine's load)
     assert slow["holds_slo"], slow["why_not"]
     assert fd["drop_rate"] > 0.2 and fd["per_stream"][0]["dropped"] > 0, fd
     assert fd["achieved_fps"] <= 21

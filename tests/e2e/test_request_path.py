@@ -332,6 +332,7 @@ def test_closed_loop_callers_of_one_process_are_served_in_turn_while_deadlines_h
         t.join(120)
     assert not any(t.is_alive() for t in threads)
     assert not failed, failed
+    assert all(len(v) == 12 for v in passed.values()), passed  # (a thread that died before its calls)
     worst = max(max(v) for v in passed.values())
     assert worst <= 6, passed  # (3 ahead, and room for the dispatch racing a caller's next send)
 

@@ -331,22 +331,23 @@ def test_a_frame_that_waits_for_room_past_its_deadline_is_never_sent(cluster, ga
             assert time.monotonic() - t9 < 3.2, "frame 2's deadline counted from when it was sent"
             gate.release(1)
         # A frame with less time left than recent frames took to their outcome (and than
-        # half its timeout) is not sent either: frame 10 took 0.5 s, and frame 12, 0.4 s
-        # left when room comes, lapses; frame 13, sent then, goes (and completes).
-        with c.stream(SERVICE, latest_wins=False, max_in_flight=1, pin=False, timeout=1.0, reply="inline") as st:
+        # half its timeout) is not sent either: frame 10 took 1 s, and frame 12, 0.8 s
+        # left when room comes, lapses; frame 13, sent then, goes (and completes).  (In
+        # seconds twice the rule's example: frame 11's release and answer have 0.8 s.)
+        with c.stream(SERVICE, latest_wins=False, max_in_flight=1, pin=False, timeout=2.0, reply="inline") as st:
             t = time.monotonic()
             st.send(_f(10, 1))
-            _pump_until(c, lambda: time.monotonic() >= t + 0.5, "0.5 s")
+            _pump_until(c, lambda: time.monotonic() >= t + 1.0, "1.0 s")
             gate.release(1)
-            assert _got(st.recv(timeout=WAIT)) == (0, 10)  # it took 0.5 s: that is what a frame takes
+            assert _got(st.recv(timeout=WAIT)) == (0, 10)  # it took 1 s: that is what a frame takes
             st.send(_f(11, 1))
             t = time.monotonic()
             st.send(_f(12))
-            _pump_until(c, lambda: time.monotonic() >= t + 0.6, "0.6 s")
+            _pump_until(c, lambda: time.monotonic() >= t + 1.2, "1.2 s")
             st.send(_f(13))
             gate.release(1)
             assert _got(st.recv(timeout=WAIT)) == (1, 11)
-            with pytest.raises(DeadlineExceeded, match=r"frame 2 .* ms left of its timeout of 1s, less than .* never sent"):
+            with pytest.raises(DeadlineExceeded, match=r"frame 2 .* ms left of its timeout of 2s, less than .* never sent"):
                 st.recv(timeout=WAIT)
             assert _got(st.recv(timeout=WAIT)) == (3, 13)
             s = st.stats()
