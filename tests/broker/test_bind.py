@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from broker.server import _ipc_served
+from tests.children import readline_within
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,7 +81,7 @@ def test_the_broker_raises_its_descriptor_limit_to_the_hard_one(tmp_path):
                           "--backend", f"ipc://{tmp_path}/be.ipc"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, preexec_fn=_lowered(256))
     try:
-        line = p.stdout.readline()  # READY (the broker starts in well under the test's timeout)
+        line = readline_within(p.stdout, 30, "the broker's READY")
         assert line.startswith(b"READY"), p.stderr.read() if p.poll() is not None else line
         assert _soft_limit(p.pid) == want
     finally:

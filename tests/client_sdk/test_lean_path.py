@@ -26,6 +26,7 @@ from broker.protocol.wire import touched
 from client_sdk import Client, DeadlineExceeded, InferenceError, InvalidInput, errors
 from client_sdk import tensors as T
 from client_sdk.core import ClientCore
+from tests.children import read_within, wait_child
 
 from .test_sdk_client import WAIT, FakeBroker
 
@@ -490,10 +491,10 @@ def test_a_forked_child_refuses_its_parents_client_and_its_own_names_its_pid(tmp
             os._exit(0)
     os.close(w)
     try:
-        got = os.read(r, 256).decode()
+        got = read_within(r, 256, 20, "the child's answer").decode()
     finally:
         os.close(r)
-        os.waitpid(pid, 0)
+        wait_child(pid, 20, "answering and leaving with os._exit")
     assert got == f"refused {pid}"
     assert not core.forked()
     call = core.new_call("echo", {"x": np.arange(2)})

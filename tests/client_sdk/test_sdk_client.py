@@ -83,7 +83,7 @@ class FakeBroker(threading.Thread):
         self.events: queue.Queue = queue.Queue()     # ("heartbeat",), ("disconnect",)
         self.lease_asks: list[tuple[str, P.LeaseAsk]] = []  # every LEASE (a stream's), refused
         self.answer_cancel = True
-        self._halt = False
+        self._halt = threading.Event()                # stop(): the loop ends at its next look
         self._direct: dict[str, zmq.Socket] = {}      # reply_to -> PUSH, like a worker's
 
     # ---------------------------------------------------------------- test-side API
@@ -143,13 +143,20 @@ class FakeBroker(threading.Thread):
         return self.call(self.pool.reclaim)
 
     def stop(self) -> None:
-        self.call(lambda: setattr(self, "_halt", True))
-        self.join(WAIT)
-        for s in (self.sock, self._wake_rx, self._wake_tx, *self._direct.values()):
-            s.close(linger=0)
-        self.cache.close()
-        self.pool.close()
-        self.ctx.term()
+        """End the loop, then close its sockets, cache, pool and context, each even if one
+        before it raises, and also when the thread died of an exception.  A thread still
+        running after WAIT s fails the test and keeps them open: its sockets are its own
+        (zmq sockets are not thread-safe), and the context would wait for them for good."""
+        self._halt.set()
+        if self.ident is not None:  # started
+            self.join(WAIT)
+        assert not self.is_alive(), f"the fake broker's thread did not stop within {WAIT} s"
+        with contextlib.ExitStack() as closing:  # its callbacks run last-in first-out
+            closing.callback(self.ctx.term)
+            closing.callback(self.pool.close)
+            closing.callback(self.cache.close)
+            for s in (self.sock, self._wake_rx, self._wake_tx, *self._direct.values()):
+                closing.callback(s.close, linger=0)
 
     # ---------------------------------------------------------------- the loop
 
@@ -157,8 +164,8 @@ class FakeBroker(threading.Thread):
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
-        while not self._halt:
-            ready = dict(poller.poll())
+        while not self._halt.is_set():
+            ready = dict(poller.poll(50))  # a timeout: it looks at `_halt` at least this often
             if self._wake_rx in ready:
                 self._wake_rx.recv()
                 fn, fut = self._calls.get()

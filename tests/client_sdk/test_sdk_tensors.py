@@ -13,6 +13,7 @@ from broker.protocol import ErrorCode
 from client_sdk import InvalidInput, errors
 from client_sdk import tensors as T
 from client_sdk.tensors import Result
+from tests.children import readline_within
 
 
 @pytest.fixture
@@ -192,7 +193,7 @@ def test_a_dead_workers_ring_is_dropped_at_the_second_sweep_that_finds_it_dead()
         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
     leases = T.OutputLeases()
     try:
-        f = owner.stdout.readline().split()
+        f = readline_within(owner.stdout, 30, "the owner's two slots").split()
         seg = f[0]
         locs = [P.ShmLoc(segment=f[i], offset=int(f[i + 1]), nbytes=int(f[i + 2]), slot=int(f[i + 3]),
                          generation=int(f[i + 4])) for i in (0, 5)]

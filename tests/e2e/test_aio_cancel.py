@@ -157,7 +157,7 @@ def test_close_wakes_every_task_that_waits_on_the_client(cluster, gate):
         assert asked.exception() is None or isinstance(asked.exception(), InferenceError)
 
     try:
-        asyncio.run(scenario())
+        asyncio.run(asyncio.wait_for(scenario(), 60))  # its client waits without a timeout
     finally:
         gate.release(8)  # the gated calls end, so the worker can drain
 
@@ -197,7 +197,7 @@ def test_a_call_made_while_close_waits_is_woken_by_the_close(cluster, gate):
             assert isinstance(t.exception(), InferenceError) and "closed" in str(t.exception()), t.exception()
 
     try:
-        asyncio.run(scenario())
+        asyncio.run(asyncio.wait_for(scenario(), 60))  # its client waits without a timeout
     finally:
         gate.release(8)
 
@@ -227,7 +227,7 @@ def test_an_mmi_question_pending_while_close_waits_is_told_the_client_closed(clu
             os.kill(broker.p.pid, signal.SIGCONT)
 
     try:
-        asyncio.run(scenario())
+        asyncio.run(asyncio.wait_for(scenario(), 60))  # its client waits without a timeout
     finally:
         gate.release(8)
 
@@ -256,7 +256,7 @@ def test_close_does_not_wait_on_a_silent_broker_past_its_window(cluster, gate):
         assert c.closed and took < 3, f"close() waited {took:.1f}s on a broker silent after {5 * hb:g}s"
 
     try:
-        asyncio.run(scenario())
+        asyncio.run(asyncio.wait_for(scenario(), 60))  # its client waits without a timeout
         gate.release(1)  # the twin's turn: its call reaches the gate
         c = Client(cluster.frontend, timeout=None, heartbeat_interval=hb, linger=6)
         held = c.infer_stream("gate", {"x": X})  # noqa: F841

@@ -34,6 +34,7 @@ from zmq.utils.monitor import recv_monitor_message
 from broker import protocol as P
 from client_sdk import Client, DeadlineExceeded, InferenceError
 from tests.e2e.conftest import HERE, Proc, RunLog, until_stopped, wait_service
+from tests.children import readline_within
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -92,11 +93,14 @@ class _ChildDealer:
         relay = f"ipc://{tmp_path}/relay-{id(self)}.ipc"
         self.proc = subprocess.Popen([sys.executable, "-c", _RELAY, endpoint, relay], stdout=subprocess.PIPE,
                                      cwd=ROOT, text=True)
-        if self.proc.stdout.readline().strip() != "READY":
+        try:
+            said = readline_within(self.proc.stdout, 30, "the relay child's READY")
+            assert said.strip() == "READY", f"the relay child did not start: {said!r}"
+        except BaseException:  # a wrong line or none in time: the child goes too
             self.proc.kill()
             self.proc.wait(10)
             self.proc.stdout.close()
-            raise AssertionError("the relay child did not start")
+            raise
         self.sock = zmq.Context.instance().socket(zmq.PAIR)
         self.sock.linger = 0
         self.sock.rcvhwm = self.sock.sndhwm = 0
@@ -571,7 +575,7 @@ def test_a_burst_of_connections_past_the_descriptor_limit_does_not_abort_the_bro
                 k.stdin.write("go\n")
                 k.stdin.flush()
             for k in kids:
-                assert k.stdout.readline() == "CONNECTING\n"
+                assert readline_within(k.stdout, 30, f"CONNECTING from the connector {k.pid}") == "CONNECTING\n"
             broker.wait_log("new clients cannot connect until some close", timeout=30)
             assert broker.p.poll() is None, broker.stderr()
             with first.infer("echo", x) as r:  # connected before: served as before

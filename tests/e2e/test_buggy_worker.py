@@ -20,6 +20,7 @@ import shm
 from broker import protocol as P
 from client_sdk import Client, ProtocolError
 from tests.e2e.conftest import ROOT
+from tests.children import readline_within
 
 HOST = P.local_host_id()
 
@@ -105,7 +106,7 @@ def test_a_reply_naming_memory_nobody_lent_the_client_is_refused_and_frees_nothi
                               text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     ring = shm.ShmPool(1 << 20, slots=8)
     try:
-        name, off, nb, slot, gen = victim.stdout.readline().split()
+        name, off, nb, slot, gen = readline_within(victim.stdout, 30, "the victim's input slot").split()
         theirs = P.ShmLoc(segment=name, offset=int(off), nbytes=int(nb), slot=int(slot), generation=int(gen))
         with Client(cluster.frontend, timeout=5, direct_reply=False) as c:
             buf = c.alloc((8192,), np.uint8)
@@ -127,7 +128,8 @@ def test_a_reply_naming_memory_nobody_lent_the_client_is_refused_and_frees_nothi
             assert not np.shares_memory(again, buf), "alloc() handed out a buffer the caller still holds"
             victim.stdin.write("reclaim\n")
             victim.stdin.flush()
-            assert victim.stdout.readline().split() == ["0", "True"], "the other process's input slot was freed"
+            said = readline_within(victim.stdout, 30, "the victim's reclaim and its slot's state").split()
+            assert said == ["0", "True"], "the other process's input slot was freed"
             # The worker's own ring, lent to this client, still goes through (and back).
             out = ring.alloc(8192, np.uint8)
             out[:] = 3

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.children import readline_within
+
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +52,7 @@ def _client(fe: str, service: str, mode: str) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-c", CLIENT, fe, service, mode], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
-        line = p.stdout.readline()  # the request's own timeout (20 s) bounds this
+        line = readline_within(p.stdout, 60, "the client's DONE (its request's own timeout is 20 s)")
         assert line.strip() == "DONE", (line, p.stderr.read() if p.poll() is not None else "")
     except BaseException:
         p.kill()

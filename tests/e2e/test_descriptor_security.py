@@ -29,6 +29,7 @@ from broker import protocol as P
 from client_sdk import Client, InferenceError
 from gpu_worker.planes import NOT_ATTESTED, NOT_OWNED
 from tests.e2e.conftest import ROOT, wait_service
+from tests.children import readline_within
 
 HOST = P.local_host_id()
 
@@ -79,7 +80,7 @@ def test_a_descriptor_into_another_processs_segment_is_refused_and_tells_nothing
     cluster.worker("echo")
     victim = _child(VICTIM)
     try:
-        name, off, nb, slot, gen = victim.stdout.readline().split()
+        name, off, nb, slot, gen = readline_within(victim.stdout, 30, "the victim's secret slot").split()
         ref = shm.ShmRef(name, int(off), int(nb), int(slot), int(gen))
         with Client(cluster.frontend, timeout=10) as c:
             wait_service(c, "echo")
@@ -246,7 +247,8 @@ def test_forged_pids_pin_no_output_slot(cluster):
         wait_service(c, "echo")
     holder = _child(HOLDER, cluster.frontend, str(b.p.pid))  # among the claims: a live process
     try:
-        assert holder.stdout.readline().strip() == "HELD", holder.stderr.read() if holder.poll() else ""
+        said = readline_within(holder.stdout, 30, "the holder's HELD (its 8 calls answered)")
+        assert said.strip() == "HELD", holder.stderr.read() if holder.poll() else ""
         worker_pid = int(w.field("pid"))
         assert _live_slots(worker_pid) >= 8
         holder.kill()

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker import protocol as P
 
 from client_sdk import Client, DeadlineExceeded, QueueFull, ServiceUnavailable
+from tests.children import readline_within
 
 from .conftest import wait_service
 
@@ -504,7 +505,7 @@ def test_a_dead_pinned_clients_requests_count_as_client_gone_once(cluster, tmp_p
     child = subprocess.Popen([sys.executable, "-c", _PINNED_CHILD, cluster.frontend], stdout=subprocess.PIPE,
                              text=True)
     try:
-        sent, n = child.stdout.readline().split()
+        sent, n = readline_within(child.stdout, 30, "the pinned child's SENT").split()
         assert sent == "SENT"
         until(lambda: runs.exists() and runs.read_text().count("\n") == 1, "the first held request running")
         child.kill()
@@ -583,7 +584,7 @@ def test_timeouts_count_as_deadlines_and_a_dead_clients_request_as_client_gone(c
         child = subprocess.Popen([sys.executable, "-c", _BROKERED_CHILD, cluster.frontend],
                                  stdout=subprocess.PIPE, text=True)
         try:
-            assert child.stdout.readline().split() == ["SENT"]
+            assert readline_within(child.stdout, 30, "the brokered child's SENT").split() == ["SENT"]
             until(lambda: runs.exists() and runs.read_text().count("\n") == n_runs, "the child's request running")
             child.kill()
             child.wait(WAIT)

@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.children import readline_within
+
 from .conftest import HERE, ROOT, Proc
 from .test_metrics import get, until
 
@@ -234,7 +236,7 @@ def test_default_endpoints_ready_lines_models_metrics_and_files_as_documented():
                 "print('served', flush=True)\nsys.stdin.read()\n")
         c = Proc(["-c", code], env=env, stdin=True)
         procs.append(c)
-        assert c.p.stdout.readline() == b"served\n", c.stderr()
+        assert readline_within(c.p.stdout, 30, "the client's served") == b"served\n", c.stderr()
         reply, = [n for n in os.listdir(run) if n.startswith("c-")]
         assert re.fullmatch(rf"c-{c.p.pid}-\d+-[0-9a-f]+\.ipc", reply), reply
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from client_sdk import Client
+from tests.children import readline_within
 
 from .conftest import ROOT, Proc
 
@@ -138,7 +139,9 @@ def test_a_client_out_of_descriptors_is_told_so_not_to_check_the_broker(cluster)
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     try:
-        assert p.stdout.readline().strip() == "full", p.stderr.read()[-2000:] if p.poll() is not None else ""
+        # (It writes nothing more until it reads "go": `communicate` below reads all the rest.)
+        said = readline_within(p.stdout, 30, "the child's full (its descriptors used up)")
+        assert said.strip() == "full", p.stderr.read()[-2000:] if p.poll() is not None else ""
         cluster.broker()  # the socket file appears only now: the client cannot have connected
         cluster.worker("echo")
         p.stdin.write("go\n")

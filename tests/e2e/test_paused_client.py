@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from tests.children import readline_within
+
 from .conftest import ROOT
 from .test_metrics import scrape, until, value
 
@@ -65,7 +67,7 @@ def test_a_client_stopped_past_its_deadline_while_the_result_came_returns_it(clu
     child = subprocess.Popen([sys.executable, "-c", CHILD, cluster.frontend, kind, str(TIMEOUT)],
                              stdout=subprocess.PIPE, env=env, text=True)
     try:
-        assert child.stdout.readline().strip() == "ready"
+        assert readline_within(child.stdout, 30, "the child's ready (its client up)").strip() == "ready"
         start = time.monotonic()
 
         def held() -> bool:
@@ -77,7 +79,7 @@ def test_a_client_stopped_past_its_deadline_while_the_result_came_returns_it(clu
         until(lambda: not held(), "the worker's DONE")
         time.sleep(max(0.0, start + TIMEOUT + 0.3 - time.monotonic()))  # the stimulus: past the deadline
         os.kill(child.pid, signal.SIGCONT)
-        assert child.stdout.readline().split() == ["result", "True"]
+        assert readline_within(child.stdout, 30, "the continued child's result").split() == ["result", "True"]
         assert child.wait(10) == 0
     finally:
         if child.poll() is None:

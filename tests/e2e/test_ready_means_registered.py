@@ -90,11 +90,16 @@ def served(tmp_path):
     try:
         yield start, broker, calls
     finally:
-        if "w" in box:
-            box["w"].stop.set()
-            box["t"].join(10)
-            box["w"].close()
-        broker.close()
+        try:
+            if "w" in box:
+                box["w"].stop.set()
+                box["t"].join(10)
+                # The worker's sockets are its serving thread's (zmq sockets are not
+                # thread-safe): closed here only once that thread ended.
+                assert not box["t"].is_alive(), "the worker's serve() did not return within 10 s of its stop"
+                box["w"].close()
+        finally:
+            broker.close()
 
 
 def _wait(cond, timeout: float = 5.0) -> None:

@@ -25,6 +25,7 @@ import pytest
 import zmq
 
 from client_sdk import Client
+from tests.children import readline_within
 
 from .conftest import HERE, ROOT
 from .test_metrics import scrape, until, value
@@ -91,7 +92,7 @@ def test_a_dead_clients_request_read_after_its_deadline_never_runs(cluster, held
     child = subprocess.Popen([sys.executable, "-c", CHILD, cluster.frontend, str(TIMEOUT), f"ipc://{tmp_path}/sent.ipc"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
     try:
-        assert child.stdout.readline().strip() == "ready"
+        assert readline_within(child.stdout, 30, "the child's ready (its client up)").strip() == "ready"
         os.kill(broker.p.pid, signal.SIGSTOP)
         t0 = time.monotonic()
         child.stdin.write("\n")

@@ -20,6 +20,7 @@ import pytest
 from shm import RELEASED, SegmentCache, SegmentGone, ShmPool, ShmRef, StaleDescriptor, collect
 from shm.gc import list_segments
 from shm.segment import SHM_DIR
+from tests.children import readline_within
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,8 +53,9 @@ class Child:
         )
         self.pid = self.proc.pid
 
-    def read(self) -> str:
-        line = self.proc.stdout.readline()
+    def read(self, timeout: float = 30.0) -> str:
+        """The child's next line, waited for at most ``timeout`` s."""
+        line = readline_within(self.proc.stdout, timeout, f"a line from the child {self.pid}")
         if not line:
             self.proc.wait(timeout=10)
             raise AssertionError(f"child exited with {self.proc.returncode}: {self.proc.stderr.read()}")

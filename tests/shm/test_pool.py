@@ -15,6 +15,7 @@ from shm import (
 )
 from shm import SegmentGone
 from shm.segment import HEADER_DTYPE, MAGIC, SEALS, open_checked, parse_name, path_of, proc_starttime
+from tests.children import wait_child
 
 
 def path(pool: ShmPool) -> str:
@@ -340,8 +341,7 @@ def test_forked_child_does_not_unlink_the_parents_segment():
         if pid == 0:  # pragma: no cover - child
             pool.close()
             os._exit(0)
-        _, status = os.waitpid(pid, 0)
-        assert status == 0
+        assert wait_child(pid, 30, "closing its copy of the pool") == 0
         assert exists(pool.name)
 
 
