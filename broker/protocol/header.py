@@ -637,9 +637,9 @@ _NIL_ERROR = b"\xa5error\xc0"
 def may_be_error(frame: Any) -> bool:
     """Whether a reply's header frame may carry an error: False for a header that holds the
     ``error`` key with nil (a result, as our workers write it), True otherwise (an error, or
-    a header another implementation wrote without the key: `reply_error_code` tells).  A
-    third of `reply_error_code`'s cost, for the broker that reads only the errors (its
-    congestion rule) of every FINAL it relays.  (A worker's unknown key holding a map with
+    a header another implementation wrote without the key: `reply_error_code` tells).  About
+    0.4 us against the decode's 1 us (a 132-byte result header, here), for the broker that
+    reads only the errors (its congestion rule) of every FINAL it relays.  (A worker's unknown key holding a map with
     ``error: nil`` would hide its error from that rule, never from its client.)"""
     try:
         f = frame if type(frame) is bytes else bytes(frame)
