@@ -275,59 +275,63 @@ def wait_service(client, service: str, timeout: float = 20.0) -> None:
         time.sleep(0.01)
 
 
+class Gate:
+    """A FIFO at `path` for tests/e2e/gate_model.py (the `gate` fixture's; a test that needs
+    a second one, to release one worker's calls and not another's, makes its own)."""
+
+    def __init__(self, path: Path, entered_log: Path):
+        os.mkfifo(path)
+        self.path = path
+        self.entered_log = entered_log
+        self.env = {"GATE_FIFO": str(path), "GATE_ENTERED": str(entered_log)}
+        self.fd = None
+
+    def entered(self) -> int:
+        """How many gated calls reached the gate so far."""
+        return self.entered_log.read_text().count("\n") if self.entered_log.exists() else 0
+
+    def wait_entered(self, n: int = 1, timeout: float = 20.0) -> None:
+        """Until `n` gated calls reached the gate: the worker read them and runs them.
+        Wait for this, not for the broker's word, before a signal meant to find a request
+        held at the worker: an MMI answer, the broker's in_flight or a busy worker prove
+        only that the broker dispatched it, and under load the worker read it after the
+        signal (a stopping worker sends a request it reads then back to the broker, 503)."""
+        deadline = time.monotonic() + timeout
+        while self.entered() < n:
+            assert time.monotonic() < deadline, f"{self.entered()} of {n} gated calls reached the gate"
+            time.sleep(0.005)  # polling a file (a condition, not a delay)
+
+    def open(self, timeout: float = 60.0):
+        # The write end opens once the worker opened the read end: tried without blocking
+        # (ENXIO: no reader yet) until then, so that a worker that failed to start fails
+        # the test here, with a message, rather than block it until pytest's timeout.
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+            assert time.monotonic() < deadline, f"no worker opened the gate within {timeout} s"
+            time.sleep(0.01)  # polling for the reader (a condition, not a delay)
+        os.set_blocking(fd, True)
+        self.fd = fd
+
+    def release(self, n=1):
+        os.write(self.fd, b"x" * n)
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+
+
 @pytest.fixture
 def gate(tmp_path):
     """A FIFO for tests/e2e/gate_model.py: `open()` once the worker started (it returns
     when the worker opened the read end), then each byte `release()`s one gated call.
     `wait_entered(n)`: until n calls of `gate_model:factory` or `:copying` reached the gate
     ($GATE_ENTERED), the proof that a worker holds a request (see its docstring)."""
-    path = tmp_path / "gate.fifo"
-    entered_log = tmp_path / "gate.entered"
-    os.mkfifo(path)
-
-    class Gate:
-        env = {"GATE_FIFO": str(path), "GATE_ENTERED": str(entered_log)}
-        fd = None
-
-        def entered(self) -> int:
-            """How many gated calls reached the gate so far."""
-            return entered_log.read_text().count("\n") if entered_log.exists() else 0
-
-        def wait_entered(self, n: int = 1, timeout: float = 20.0) -> None:
-            """Until `n` gated calls reached the gate: the worker read them and runs them.
-            Wait for this, not for the broker's word, before a signal meant to find a request
-            held at the worker: an MMI answer, the broker's in_flight or a busy worker prove
-            only that the broker dispatched it, and under load the worker read it after the
-            signal (a stopping worker sends a request it reads then back to the broker, 503)."""
-            deadline = time.monotonic() + timeout
-            while self.entered() < n:
-                assert time.monotonic() < deadline, f"{self.entered()} of {n} gated calls reached the gate"
-                time.sleep(0.005)  # polling a file (a condition, not a delay)
-
-        def open(self, timeout: float = 60.0):
-            # The write end opens once the worker opened the read end: tried without blocking
-            # (ENXIO: no reader yet) until then, so that a worker that failed to start fails
-            # the test here, with a message, rather than block it until pytest's timeout.
-            deadline = time.monotonic() + timeout
-            while True:
-                try:
-                    fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
-                    break
-                except OSError as e:
-                    if e.errno != errno.ENXIO:
-                        raise
-                assert time.monotonic() < deadline, f"no worker opened the gate within {timeout} s"
-                time.sleep(0.01)  # polling for the reader (a condition, not a delay)
-            os.set_blocking(fd, True)
-            self.fd = fd
-
-        def release(self, n=1):
-            os.write(self.fd, b"x" * n)
-
-        def close(self):
-            if self.fd is not None:
-                os.close(self.fd)
-
-    g = Gate()
+    g = Gate(tmp_path / "gate.fifo", tmp_path / "gate.entered")
     yield g
     g.close()

@@ -808,7 +808,7 @@ def test_a_client_that_marks_everything_urgent_does_not_starve_normal_ones(clust
                     break
                 rid += 1
                 greedy.send_multipart(urgent(rid))
-            took = []
+            took, at_worker = [], []
             for _ in range(3 if credit == "1" else 2):
                 with c.infer_stream("sleepy", {"x": np.array([0.0])}, timeout=8) as replies:
                     t0 = time.monotonic()
@@ -823,11 +823,17 @@ def test_a_client_that_marks_everything_urgent_does_not_starve_normal_ones(clust
                         except TimeoutError:
                             pass
                     took.append(time.monotonic() - t0)
+                    at_worker.append(res.timing["batch_wait_ms"])
                     res.release()
-            print(f"\nnormal requests behind an urgent flood: {[round(s, 2) for s in took]} s")
-            # About 1 s of aging at the broker, then at most the 7 urgent calls of 20 ms the
-            # worker already held (credit 8; before: 1 s more of aging in its batcher).
-            assert max(took) < (3.0 if credit == "1" else 1.7), took
+            print(f"\nnormal requests behind an urgent flood: {[round(s, 2) for s in took]} s, "
+                  f"{[round(ms) for ms in at_worker]} ms of it at the worker")
+            # About 1 s of aging at the broker (before: past the 8 s deadline), then at most
+            # the 7 urgent calls of 20 ms the worker already held (credit 8).  Before, the
+            # worker's batcher aged it again from its arrival there: over 1 s at the worker
+            # (weight 1 outscores 3 only after 2 x 0.5 s), counted apart from the broker's
+            # wait so that a loaded machine's slower calls do not eat the margin.
+            assert max(took) < 5.0, took
+            assert max(at_worker) < 800.0, at_worker
     finally:
         greedy.close()
 

@@ -93,23 +93,25 @@ def test_a_helper_forked_in_a_call_does_not_hold_the_dead_workers_connection(clu
     # Found by the fork hunt: a helper the model forked during a batch kept the worker's
     # connection to its broker open after the worker was SIGKILLed, so the broker, which
     # hears a crash from the connection closing, waited out the worker's heartbeat
-    # liveness (3 intervals) before it knew.  The child now closes its copies.
+    # liveness (3 intervals) before it knew.  The child now closes its copies.  Heartbeats
+    # of 10 s (30 s of liveness, the helper living 60 s) keep "at once" far from the
+    # liveness window on a loaded machine.
     from tests.e2e.conftest import Proc
 
     pids = tmp_path / "helpers"
     b = Proc(["-m", "broker", "--frontend", cluster.frontend, "--backend", cluster.backend,
-              "--heartbeat-interval", "1.0"])
+              "--heartbeat-interval", "10.0"])
     cluster.procs.append(b)
     b.wait_ready()
-    w = cluster.worker("forking_model:helper_in_call", "--heartbeat-interval", "1.0",
-                       env={"HELPER_PIDS": str(pids), "HELPER_S": "10"})
+    w = cluster.worker("forking_model:helper_in_call", "--heartbeat-interval", "10.0",
+                       env={"HELPER_PIDS": str(pids), "HELPER_S": "60"})
     try:
         with Client(cluster.frontend, timeout=15) as c:
             wait_service(c, "helper_in_call")
             with c.infer("helper_in_call", {"x": np.zeros(2, np.float32)}) as r:
                 np.testing.assert_array_equal(r["x"], np.zeros(2, np.float32))
             w.kill()
-            deadline = time.monotonic() + 1.5  # under the 3 s of liveness
+            deadline = time.monotonic() + 10.0  # far under the 30 s of liveness
             while c.mmi_service("helper_in_call"):
                 assert time.monotonic() < deadline, "the broker still counted the SIGKILLed worker alive"
                 time.sleep(0.02)

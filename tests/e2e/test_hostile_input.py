@@ -237,11 +237,12 @@ def test_the_worker_refuses_hostile_headers_itself(cluster):
             P.TensorRef(name="x", dtype=x.dtype.str, shape=list(x.shape), loc=P.InlineLoc(frame=0))]))
         t0 = time.monotonic()
         send(P.to_worker_request(ident, P.token_envelope(5000), [good, x.tobytes()])[1:])
-        body = finals({P.token_envelope(5000)}, timeout=2.0)[P.token_envelope(5000)]
+        body = finals({P.token_envelope(5000)}, timeout=10.0)[P.token_envelope(5000)]
         rep = P.decode_reply(body[0], len(body) - 1)
         assert rep.error is None and rep.id == 5000, rep
         assert body[1 + rep.tensors[0].loc.frame] == x.tobytes()
-        assert time.monotonic() - t0 < 2.0
+        # At once (milliseconds): seconds of slack for a loaded machine, none for a hang.
+        assert time.monotonic() - t0 < 5.0
         _stop_cleanly(worker)
     finally:
         router.close()

@@ -567,9 +567,14 @@ def test_timeouts_count_as_deadlines_and_a_dead_clients_request_as_client_gone(c
     with Client(cluster.frontend, timeout=WAIT) as c:
         wait_service(c, "held")
         c.infer("held", quick).release()
-        running = c.infer_stream("held", held, timeout=0.3)  # runs, held past its deadline
-        c.pump(0.05)
-        queued = [c.infer_stream("held", quick, timeout=0.3) for _ in range(4)]  # wait behind it
+        # Runs, held past its deadline: one long enough for a loaded machine to start it
+        # (the worker logs its run) before it passes.
+        running = c.infer_stream("held", held, timeout=1.5)
+        until(lambda: runs.exists() and runs.read_text().count("\n") == 1, "the held request running")
+        # Wait behind it.  Their deadline is a second later than the running one's, and the
+        # test releases it only once all have timed out: its batch ends well past its
+        # deadline at the worker too.
+        queued = [c.infer_stream("held", quick, timeout=2.5) for _ in range(4)]
         for h in [running, *queued]:
             with pytest.raises(DeadlineExceeded):
                 h.result()

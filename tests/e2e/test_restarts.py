@@ -106,20 +106,21 @@ def test_a_long_request_on_the_loop_thread_runs_exactly_once(cluster, tmp_path):
 
 
 def test_a_sigkilled_local_worker_fails_over_when_its_connection_closes(cluster, gate):
-    """Heartbeats of 1 s (3 s liveness): the broker still moves the dead worker's requests at
-    once, because the closed connection names the worker (broker.connections)."""
+    """Heartbeats of 10 s (30 s liveness): the broker still moves the dead worker's requests at
+    once, because the closed connection names the worker (broker.connections).  The long
+    window keeps "at once" far from "when liveness ran out" on a loaded machine."""
     import asyncio
 
     from client_sdk import AsyncClient
 
-    cluster.broker("--heartbeat-interval", "1.0")
+    cluster.broker("--heartbeat-interval", "10.0")
     doomed = cluster.worker("gate_model:factory", "--service", "echo", "--max-batch", "1", "--credit", "8",
-                            "--no-warmup", "--heartbeat-interval", "1.0", env=gate.env, wait=False)
+                            "--no-warmup", "--heartbeat-interval", "10.0", env=gate.env, wait=False)
     gate.open()
     doomed.wait_ready()
 
     async def scenario():
-        async with AsyncClient(cluster.frontend, timeout=30) as c:
+        async with AsyncClient(cluster.frontend, timeout=45) as c:
             while not await c.mmi_service("echo"):
                 await asyncio.sleep(0.01)
             xs = [np.full((16,), i, dtype=np.int32) for i in range(4)]
@@ -127,10 +128,10 @@ def test_a_sigkilled_local_worker_fails_over_when_its_connection_closes(cluster,
             while c.in_flight() < len(xs):
                 await asyncio.sleep(0)
             assert await c.mmi_service("echo")  # all four are at the doomed worker
-            await asyncio.to_thread(cluster.worker, "echo", "--heartbeat-interval", "1.0")
+            await asyncio.to_thread(cluster.worker, "echo", "--heartbeat-interval", "10.0")
             t0 = time.monotonic()
             doomed.kill()
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 45)
             took = time.monotonic() - t0
             for x, r in zip(xs, results):
                 np.testing.assert_array_equal(r["x"], x)
@@ -138,7 +139,7 @@ def test_a_sigkilled_local_worker_fails_over_when_its_connection_closes(cluster,
             return took
 
     took = asyncio.run(scenario())
-    assert took < 2.5, f"fail-over took {took:.2f} s; the liveness window is 3 s"
+    assert took < 10.0, f"fail-over took {took:.2f} s; the liveness window is 30 s"
 
 
 _HOLDER = """
@@ -180,9 +181,11 @@ def test_a_killed_clients_results_are_reclaimed_from_the_output_ring(cluster, tm
         holder.wait(10)
         t0 = time.monotonic()
         while _live_slots(worker_pid) > 0:  # a condition polled with a deadline, as wait_service does
-            assert time.monotonic() - t0 < 5.0, f"{_live_slots(worker_pid)} output slots still held"
+            assert time.monotonic() - t0 < 10.0, f"{_live_slots(worker_pid)} output slots still held"
             time.sleep(0.02)
-        assert time.monotonic() - t0 < 2.0
+        # Within a few heartbeat intervals (0.2 s) even on a loaded machine; a worker that
+        # reclaims only when an allocation finds its ring full never frees them.
+        assert time.monotonic() - t0 < 5.0
     finally:
         if holder.poll() is None:
             holder.kill()

@@ -25,7 +25,7 @@ from .test_metrics import scrape, until, value
 pytestmark = pytest.mark.timeout(60)
 
 WAIT = 10.0
-HOLD = 0.3  # seconds the first request stays held after the second reached the worker
+HOLD = 2.0  # seconds the first request stays held after the second reached the worker
 
 
 def _lines(path: Path) -> list[str]:
@@ -58,8 +58,10 @@ def test_a_wait_behind_a_loop_thread_batch_shows_in_batch_wait_ms(cluster, tmp_p
             assert t["batch_wait_ms"] >= HOLD * 1e3 - 100, t
             waits = t.get("queue_ms", 0.0) + t["batch_wait_ms"]
             assert HOLD * 1e3 - 100 <= waits <= took_ms + 50, (t, took_ms)
-            assert t["compute_ms"] < 100, t  # the wait is not counted as its compute
-            assert res_first.timing["batch_wait_ms"] < 100, res_first.timing  # the first never waited
+            # The wait is not counted as its compute (it would be HOLD and more); bounds
+            # of half of HOLD leave a loaded machine room.
+            assert t["compute_ms"] < HOLD * 1e3 / 2, t
+            assert res_first.timing["batch_wait_ms"] < HOLD * 1e3 / 2, res_first.timing  # the first never waited
         finally:
             res_first.release()
             res_second.release()
