@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import contextlib
 import importlib.util
 import itertools
 import os
@@ -29,6 +30,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from typing import Any, ClassVar
@@ -71,6 +73,29 @@ PEERS: dict[str, type["Peer"]] = {}
 # Peers still running at interpreter exit are stopped there, so an exception in the harness
 # (or a test) never orphans server processes.
 _LIVE: "weakref.WeakSet[Peer]" = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM held off, then delivered as they came once the block is left: a
+    process started and tracked (`Peer.spawn`) is stopped with the rest.  One that came while
+    `subprocess.Popen` waited for the child's exec raised there, before the Popen was
+    returned: the child (a worker peer) ran on, untracked, after the harness had exited
+    (tests/bench/test_report_cli.py, once in a fresh clone's `make test`).  Only the main
+    thread can set handlers: elsewhere it holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    old = {sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in held}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for signum in got:
+            signal.raise_signal(signum)  # to the handler it was meant for, now
 
 
 @atexit.register
@@ -172,16 +197,17 @@ class Peer:
         Returns the info after READY (e.g. a bound port). The process is tracked and reaped
         by stop(). Raises PeerStartError (with the exit status) if it dies or stays silent.
         """
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=None,  # server tracebacks go straight to the user's terminal
-            env=env,
-            close_fds=True,
-        )
-        self._procs.append(proc)
-        _LIVE.add(self)
+        with signals_held():  # (a Ctrl-C or SIGTERM now: after the process is tracked)
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=None,  # server tracebacks go straight to the user's terminal
+                env=env,
+                close_fds=True,
+            )
+            self._procs.append(proc)
+            _LIVE.add(self)
         try:
             return wait_ready(proc, ready_timeout)
         except (PeerStartError, KeyboardInterrupt, SystemExit):

@@ -15,6 +15,8 @@ import pytest
 from client_sdk import Client
 from client_sdk.errors import InvalidInput
 
+from tests.children import wait_child
+
 from .conftest import wait_service
 
 pytestmark = pytest.mark.timeout(120)
@@ -85,16 +87,7 @@ def test_threads_sharing_a_client_get_a_typed_error_and_lose_nothing(cluster):
 
 
 def _wait_child(pid: int, timeout: float = 20.0) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            raise AssertionError(f"child {pid} still running after {timeout} s")
-        time.sleep(0.01)
+    return wait_child(pid, timeout, "a child forked with a client")
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")  # 3.12: forks on purpose
