@@ -87,7 +87,7 @@ class DataPlane(Protocol):
     def run(self, jobs: list[Job]) -> list: ...
     def detach(self, outs: list) -> list: ...
     def warm(self, inputs) -> None: ...
-    def write_outputs(self, job: Job, out: dict) -> tuple[list[P.TensorRef], list]: ...
+    def write_outputs(self, job: Job, out: dict, checked: bool = False) -> tuple[list[P.TensorRef], list]: ...
     def finish_reads(self, job: Job) -> None: ...
     def housekeeping(self) -> None: ...
     def lent(self) -> int: ...
@@ -248,7 +248,8 @@ class HostPlane:
 
     # ------------------------------------------------------------------ outputs
 
-    def write_outputs(self, job: Job, out: dict) -> tuple[list[P.TensorRef], list[Any]]:
+    def write_outputs(self, job: Job, out: dict, checked: bool = False) -> tuple[list[P.TensorRef], list[Any]]:
+        """``checked``: `check_outputs` passed on ``out`` already (a batch's, `Worker._run_model`)."""
         req = job.req
         # An output slot is lent to the process the broker attested, which gives it back by
         # releasing it or by dying; a request without one (tcp, another pid namespace) would
@@ -257,7 +258,8 @@ class HostPlane:
                     and req.reply != "inline" and self._may_read(req))
         refs: list[P.TensorRef] = []
         frames: list[Any] = []
-        check_outputs(out)  # before any slot is taken: a model's mistake costs no slot
+        if not checked:
+            check_outputs(out)  # before any slot is taken: a model's mistake costs no slot
         lent: list[Any] = []  # output slots taken for this reply: freed if it fails half way
         try:
             self._write(job, req, out, want_shm, refs, frames, lent)

@@ -135,7 +135,8 @@ def _check_each(outs: list) -> None:
     carry fail the batch as if the model had raised (`Worker._run_model` runs it again in
     halves).  Checked only at the reply, they failed every request of the batch, though one
     request's inputs alone made the model return them (the models audit).  A batch of one
-    needs no check here: its reply checks its outputs, with the same words."""
+    needs no check here: its reply checks its outputs, with the same words; a larger one's
+    replies do not check them again (`write_outputs`' ``checked``)."""
     for out in outs:
         check_outputs(out)
 
@@ -1746,7 +1747,8 @@ class Worker:
             if job.req.returned:
                 timing["returned"] = float(job.req.returned)
             try:
-                refs = self._reply_tensors(job, out, timing, final=True)
+                # (a batch of more than one had its outputs checked: `_run_model`)
+                refs = self._reply_tensors(job, out, timing, final=True, checked=n > 1)
                 if self.counts:
                     hist = self._hist
                     hist["compute"].observe(compute_ms / 1e3)
@@ -1915,7 +1917,8 @@ class Worker:
 
     # ------------------------------------------------------------------ replying
 
-    def _reply_tensors(self, job: Job, out: dict, timing: dict, *, final: bool, seq: int = 0) -> list:
+    def _reply_tensors(self, job: Job, out: dict, timing: dict, *, final: bool, seq: int = 0,
+                       checked: bool = False) -> list:
         if job.stale and self._relayed(job, final):
             # Its broker connection was replaced: relayed, the reply would be dropped, and
             # an output slot it names would stay lent to its (live) client.  Not written.
@@ -1923,7 +1926,7 @@ class Worker:
             self.stale_replies += 1
             return []
         t0 = time.perf_counter()
-        refs, frames = self.plane.write_outputs(job, out)
+        refs, frames = self.plane.write_outputs(job, out, checked)
         timing["output_ms"] = (time.perf_counter() - t0) * 1e3
         header = P.encode_header(P.Reply(id=job.req.id, tensors=refs, timing=timing, seq=seq))
         self._reply(job, final, [header, *frames])
