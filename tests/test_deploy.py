@@ -586,16 +586,22 @@ def test_the_two_layouts_are_told_apart():
     adapter = yaml.safe_load((DEPLOY / "prometheus" / "adapter-rules.yaml").read_text())["rules"]["external"]
     for r in adapter:
         assert "layout" in promql_labels(r["seriesQuery"]), r["seriesQuery"]
-    # every alert groups by layout wherever it groups
+    # every alert groups by layout wherever it groups: by service, or by broker (`pod`, which
+    # ZmqInferNoLiveWorker joins with `up`: each colocated replica is a broker of its own)
     for g in alert_groups():
         for r in g["rules"]:
             groupings = _GROUPING.findall(_STRINGS.sub('""', r["expr"]))
             assert groupings, r["alert"]
             for _kw, names in groupings:
-                assert {"namespace", "layout", "service"} <= {n.strip() for n in names.split(",")}, (r["alert"], names)
-    # the promtool cases include one with both layouts in one namespace
+                names = {n.strip() for n in names.split(",")}
+                assert {"namespace", "layout"} <= names and names & {"service", "pod"}, (r["alert"], names)
+    no_worker = next(r["expr"] for g in alert_groups() for r in g["rules"] if r["alert"] == "ZmqInferNoLiveWorker")
+    assert "sum by (namespace, layout, pod, service) (zmq_infer_workers) == 0" in no_worker
+    # the promtool cases include one with both layouts in one namespace, and one with a dead
+    # worker in one colocated replica among live ones
     cases = (DEPLOY / "prometheus" / "alerts.test.yaml").read_text()
     assert 'layout="colocated"' in cases and "layout: base" in cases
+    assert "layout: colocated, pod: zmq-infer-colocated-1" in cases
     # the dashboard: a layout variable, and every query filtered by it
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
     assert variables["layout"]["query"]["query"] == "label_values(zmq_infer_requests_total, layout)"
