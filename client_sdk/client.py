@@ -29,6 +29,7 @@ import math
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from typing import Any, Mapping
@@ -155,12 +156,21 @@ def _wake_fd() -> int | None:
 
 
 def _let_go(waiter: Waiter, wake: list, core: ClientCore | None = None, socks: tuple = (),
-            pins: dict | None = None) -> None:
+            pins: dict | None = None, unclosed: list | None = None) -> None:
     """`Client._unwatch`: stop watching its sockets (wire's module-wide marks) and close its
     wake descriptor (`close()`, or a client dropped without it).  A client dropped unclosed
     gives back the output slots of the replies its sockets still hold, as `close()` does
-    (`core`, its broker socket and inbox `socks`, its leases' sockets `pins`)."""
+    (`core`, its broker socket and inbox `socks`, its leases' sockets `pins`), and says so
+    with a ResourceWarning naming its endpoint, as `AsyncClient` and Python's own files do
+    (pyzmq's named only a socket); ``unclosed`` (the endpoint) is emptied by `close()`.  Not
+    in a forked child's copy, nor at interpreter exit (not collected, only left open)."""
     if core is not None and not core.closed and not core.forked():
+        if unclosed and threading.main_thread().is_alive():
+            try:
+                warnings.warn(f"unclosed Client ({unclosed[0]}): close it (client.close(), or with)",
+                              ResourceWarning, stacklevel=3)
+            except Exception:  # a finalizer never raises (warnings turned into errors: ignored, as here)
+                pass
         try:
             drain_unread([*socks, *(pins.values() if pins else ())], core.release_unread)
         except Exception:  # a finalizer never raises
@@ -229,9 +239,12 @@ class Client(ClientBase):
         # A client dropped without close(): its sockets are not held by the Waiter's marks
         # (wire's module-wide sets) for the life of the process, nor its wake descriptor open.
         self._pin_socks: dict[bytes, Any] = {}
+        # The endpoint once made (below), emptied by close(): the finalizer's warning is for
+        # clients dropped open, not for one whose __init__ raised.
+        self._unclosed: list[str] = []
         self._unwatch = weakref.finalize(self, _let_go, self._waiter, [self._wake], self._core,
                                          (self._sock, self._inbox.sock if self._inbox is not None else None),
-                                         self._pin_socks)
+                                         self._pin_socks, self._unclosed)
         self._pending: deque[list[Any]] = deque()  # REQUESTs (resends) and CANCELs the socket refused, in order
         # pin=True or a stream's service: a DEALER per lease, on its worker's direct socket (pins.py)
         # (a near lease's is a LinkConn instead: the worker's local link, docs/protocol.md 10.6):
@@ -249,6 +262,7 @@ class Client(ClientBase):
         hello = self._core.hello(time.monotonic())
         if hello is not None:
             self._send_soon(hello)
+        self._unclosed.append(endpoint)
 
     # ---------------------------------------------------------------- requests
 
@@ -1169,6 +1183,7 @@ class Client(ClientBase):
         finally:
             try:
                 self._wake = None  # (closed by _unwatch: nothing may write to its number any more)
+                self._unclosed.clear()  # closed, not dropped: no ResourceWarning
                 self._unwatch()
                 drop_monitor(self._sock, self._broker_monitor)
             finally:

@@ -753,13 +753,13 @@ class ClientCore(PinEvents):
 
     def mmi_question(self, name: str) -> MmiQuery:
         """An `mmi.service` question about `name`: its REQUEST frames (checked, not sent) with
-        a fresh token."""
+        a fresh token.  A name that `infer` refuses (`check_service`: empty, over
+        `MAX_SERVICE_LEN` bytes, not UTF-8) is refused here too, as `InvalidInput`: it was
+        sent, and the broker's 404 made it False, a service that merely had no worker yet."""
         if not isinstance(name, str):
             raise InvalidInput(f"mmi_service takes a service name (str), got {type(name).__name__}")
-        try:
-            encoded = name.encode()
-        except UnicodeEncodeError as e:  # a lone surrogate
-            raise InvalidInput(f"service name {name!r} is not valid UTF-8 ({e.reason})") from None
+        check_service(name)
+        encoded = name.encode()
         self._mmi_seq += 1
         token = self._mmi_seq.to_bytes(8, "big")
         return MmiQuery(name, token, self.opaque_frames(MMI_SERVICE, [encoded, token]))

@@ -43,6 +43,7 @@ __all__ = [
     "Model",
     "ModelBase",
     "ModelLoadError",
+    "TorchFunctionModel",
     "TorchModuleModel",
     "cartoon_filter",
     "load_model",
@@ -101,6 +102,8 @@ def _is_model(obj: object) -> bool:
     if isinstance(obj, ModelBase):
         return True
     if inspect.isfunction(obj) or inspect.ismethod(obj) or inspect.isbuiltin(obj) or isinstance(obj, functools.partial):
+        return False
+    if _is_script_function(obj):  # a function too, TorchScript's: wrapped (`TorchFunctionModel`)
         return False
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.nn.Module):
@@ -442,56 +445,51 @@ def _forward_signature(module) -> inspect.Signature | None:
         return inspect.signature(forward)
     except (TypeError, ValueError):
         pass
-    args = list(getattr(getattr(forward, "schema", None), "arguments", None) or ())
-    if not args or args[0].name != "self":
-        return None
+    return _schema_signature(forward, method=True)
+
+
+def _schema_signature(fn, *, method: bool) -> inspect.Signature | None:
+    """The signature of a TorchScript method or function (``ScriptMethod``,
+    ``ScriptFunction``: `inspect` reads none), made from its schema; a method's first
+    argument, ``self``, is left out.  None if there is no schema, or one that Python's
+    signatures cannot say.  Each parameter is annotated with its TorchScript type's name
+    (``Dict[str, Tensor]``), so that `wants_mapping` reads a dict parameter as one."""
+    args = list(getattr(getattr(fn, "schema", None), "arguments", None) or ())
+    if method:
+        if not args or args[0].name != "self":
+            return None
+        args = args[1:]
     P = inspect.Parameter
     try:
         return inspect.Signature([P(a.name, P.KEYWORD_ONLY if a.kwarg_only else P.POSITIONAL_OR_KEYWORD,
-                                    default=a.default_value if a.has_default_value() else P.empty)
-                                  for a in args[1:]])
+                                    default=a.default_value if a.has_default_value() else P.empty,
+                                    annotation=str(a.type))
+                                  for a in args])
     except (TypeError, ValueError):  # a schema Python's signatures cannot say
         return None
 
 
-#: sets of input names whose binding to a forward a torch model remembers (`TorchModuleModel._style`)
+#: sets of input names whose binding to a forward a torch model remembers (`_TorchCallModel._style`)
 MAX_CALL_STYLES = 64
 
 
-class TorchModuleModel(ModelBase):
-    """Wraps an ``nn.Module`` returned by a ``package.module:factory`` (a TorchScript module,
-    scripted, traced or loaded, included).
-
-    The module is called with the batch as keyword arguments (``forward(self, image)`` for
-    an input named "image").  When the names do not bind: a batch of one tensor goes to a
-    forward that takes one positional argument (``nn.Sequential``'s ``forward(self, input)``,
-    ``forward(self, *args)``) positionally, whatever its name -- unless that parameter is
-    annotated as a dict/Mapping, which gets the dict; a batch of several tensors goes to a
-    single-parameter forward as the whole dict.  A returned tensor becomes the output
-    "output"; a returned dict is used as is.  Optional attributes on the module override
-    the defaults: ``batchable``, ``streaming``, ``cost(inputs)``, ``example_inputs`` (a dict
-    or a function returning one).
-    """
+class _TorchCallModel(ModelBase):
+    """What `TorchModuleModel` and `TorchFunctionModel` share: torch tensors in and out, the
+    batch bound to the wrapped callable's parameters by name (else as `TorchModuleModel`
+    says), and the optional attributes read from the wrapped object."""
 
     framework = "torch"
 
-    def __init__(self, module, *, name: str, device: str = "cpu"):
-        module.eval()
-        # Gradients off one parameter at a time, which is all `requires_grad_(False)` does: a
-        # TorchScript module (torch.jit.script) refuses that call ("not supported on
-        # ScriptModules"), and was refused at load (the models audit).  The backend runs
-        # every model under inference mode anyway.
-        for p in module.parameters():
-            p.requires_grad_(False)
-        self.module = module.to(device)
+    def _wrap(self, target, signature: inspect.Signature | None, *, name: str, device: str) -> None:
+        self._target = target
         self.name = name
         self.device = device
-        self.batchable = bool(_attr_or(module, "batchable", True))
-        self.streaming = bool(_attr_or(module, "streaming", False))
-        self.inputs = _attr_or(module, "inputs", None)
-        self.outputs = _attr_or(module, "outputs", None)
+        self.batchable = bool(_attr_or(target, "batchable", True))
+        self.streaming = bool(_attr_or(target, "streaming", False))
+        self.inputs = _attr_or(target, "inputs", None)
+        self.outputs = _attr_or(target, "outputs", None)
         self._call_style: dict[tuple[str, ...], str] = {}
-        self._signature = _forward_signature(module)
+        self._signature = signature
 
     def _style(self, names: tuple[str, ...]) -> str:
         style = self._call_style.get(names)
@@ -518,25 +516,67 @@ class TorchModuleModel(ModelBase):
         names = tuple(sorted(batch))
         style = self._style(names)
         if style == "kwargs":
-            out = self.module(**batch)
+            out = self._target(**batch)
         elif style == "positional":
             (tensor,) = batch.values()
-            out = self.module(tensor)
+            out = self._target(tensor)
         else:
-            out = self.module(dict(batch))
+            out = self._target(dict(batch))
         if self.streaming:
             return stream_outputs(out, self.name)
         return normalise_outputs(out, self.name)
 
     def cost(self, inputs):
-        fn = getattr(self.module, "cost", None)
+        fn = getattr(self._target, "cost", None)
         return float(fn(inputs)) if callable(fn) else _nbytes(inputs)
 
     def example_inputs(self):
-        ex = getattr(self.module, "example_inputs", None)
+        ex = getattr(self._target, "example_inputs", None)
         if ex is None:
             return super().example_inputs()
         return dict(ex() if callable(ex) else ex)
+
+
+class TorchModuleModel(_TorchCallModel):
+    """Wraps an ``nn.Module`` returned by a ``package.module:factory`` (a TorchScript module,
+    scripted, traced or loaded, included).
+
+    The module is called with the batch as keyword arguments (``forward(self, image)`` for
+    an input named "image").  When the names do not bind: a batch of one tensor goes to a
+    forward that takes one positional argument (``nn.Sequential``'s ``forward(self, input)``,
+    ``forward(self, *args)``) positionally, whatever its name -- unless that parameter is
+    annotated as a dict/Mapping, which gets the dict; a batch of several tensors goes to a
+    single-parameter forward as the whole dict.  A returned tensor becomes the output
+    "output"; a returned dict is used as is.  Optional attributes on the module override
+    the defaults: ``batchable``, ``streaming``, ``cost(inputs)``, ``example_inputs`` (a dict
+    or a function returning one).
+    """
+
+    def __init__(self, module, *, name: str, device: str = "cpu"):
+        module.eval()
+        # Gradients off one parameter at a time, which is all `requires_grad_(False)` does: a
+        # TorchScript module (torch.jit.script) refuses that call ("not supported on
+        # ScriptModules"), and was refused at load (the models audit).  The backend runs
+        # every model under inference mode anyway.
+        for p in module.parameters():
+            p.requires_grad_(False)
+        self.module = module.to(device)
+        self._wrap(self.module, _forward_signature(module), name=name, device=device)
+
+
+class TorchFunctionModel(_TorchCallModel):
+    """Wraps a TorchScript function (``torch.jit.script(fn)``, ``torch.jit.trace(fn,
+    example)``: a ``torch.jit.ScriptFunction``) returned by a factory.  It is a torch model:
+    it gets ``torch.Tensor`` on ``device``, bound to its parameters as `TorchModuleModel`
+    binds a forward's (by name; one tensor positionally whatever its name; else the dict).
+    It was wrapped as a numpy callable, called with the dict of numpy arrays, which no
+    TorchScript function takes: every request failed ("Expected a value of type 'Tensor'").
+    It has no parameters to move or freeze.  Optional attributes set on it are honoured as
+    on a module."""
+
+    def __init__(self, fn, *, name: str, device: str = "cpu"):
+        self.fn = fn
+        self._wrap(fn, _schema_signature(fn, method=False), name=name, device=device)
 
 
 class CallableModel(ModelBase):
@@ -619,6 +659,14 @@ def _is_torch_module(obj: object) -> bool:
     return torch is not None and isinstance(obj, torch.nn.Module)
 
 
+def _is_script_function(obj: object) -> bool:
+    """Whether ``obj`` is a TorchScript function (``torch.jit.script`` or ``torch.jit.trace``
+    of a plain function), without importing torch."""
+    torch = sys.modules.get("torch")
+    script_function = getattr(getattr(torch, "jit", None), "ScriptFunction", None)
+    return isinstance(script_function, type) and isinstance(obj, script_function)
+
+
 def _call_factory(factory, device: str):
     try:
         params = inspect.signature(factory).parameters
@@ -679,7 +727,8 @@ def _build_model(spec: str, device: str = "cpu") -> Model:
     ``spec`` is a shipped name (see ``SHIPPED_MODELS``) or ``package.module:factory``
     (``factory`` may be a dotted attribute path).  The factory's result is used as is when it
     already implements ``Model``; an ``nn.Module`` is wrapped in ``TorchModuleModel`` (moved
-    to ``device``, eval mode) and any other callable in ``CallableModel``.  A wrapped model
+    to ``device``, eval mode), a TorchScript function in ``TorchFunctionModel`` (torch
+    tensors in and out, as a module) and any other callable in ``CallableModel``.  A wrapped model
     is named after itself, never after the factory (see ``_model_name``): that name is the
     worker's default service.  Whatever the factory or its result raises (`SystemExit`
     included) is a `ModelLoadError`.
@@ -738,6 +787,8 @@ def _build_model(spec: str, device: str = "cpu") -> Model:
             return obj
         if _is_torch_module(obj):
             return TorchModuleModel(obj, name=_model_name(obj, attr), device=device)
+        if _is_script_function(obj):
+            return TorchFunctionModel(obj, name=_model_name(obj, attr), device=device)
         if callable(obj):
             return CallableModel(obj, name=_model_name(obj, attr), device=device)
     except (Exception, SystemExit) as e:

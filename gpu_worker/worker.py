@@ -141,6 +141,15 @@ def _check_each(outs: list) -> None:
         check_outputs(out)
 
 
+def _failed_how(e: BaseException, n: int) -> tuple[str, int, str]:
+    """How a batch of ``n`` failed, for a log line's ``model NAME %s on a batch of %d (%s)``:
+    outputs no reply can carry (`_output_faults`: the model returned them, it raised
+    nothing), with the reason; else what the model raised, with its type and message."""
+    if isinstance(e, _output_faults()):
+        return "returned outputs no reply can carry", n, message_of(e)
+    return "raised", n, raised(e)
+
+
 class LaneFault(BaseException):
     """An unexpected error of the worker's own while it ran a batch in the lone-request lane
     (`Worker._admit`): raised past the drains' per-message handlers, which would drop it and
@@ -1608,11 +1617,13 @@ class Worker:
         if len(jobs) > 1 and not any(type(o) is ModelFailed for o in outs):
             # Every request served alone: the model fails on batches only (a wrong leading
             # axis, say), its compute paid over again on every one, and nothing said so (a
-            # request that fails alone has its own ERROR line: `_complete`).
-            self._isolate_log.warning("model %r raised on a batch of %d (%s) and served each of its requests when "
+            # request that fails alone has its own ERROR line: `_complete`).  What failed
+            # is said as it was: outputs refused (`_check_each`, a backend's `BadOutputs`)
+            # were called "raised on a batch", which the model never did.
+            self._isolate_log.warning("model %r %s on a batch of %d (%s) and served each of its requests when "
                                       "run again in smaller batches: it fails on batches, and pays its compute "
                                       "twice or more each time (fix it, or --max-batch 1)", self.model.name,
-                                      len(jobs), raised(first.error))
+                                      *_failed_how(first.error, len(jobs)))
         return outs
 
     def _isolate(self, jobs: list, failed: ModelFailed) -> list:
@@ -1726,9 +1737,14 @@ class Worker:
             # One line a batch, with the failed requests' ids (at the errors-only level, the
             # one line about them); the others in it were run again alone and served.
             others = "" if len(failed) == n else f" ({len(failed)} of its requests; the others were served)"
-            log.error("model %s failed on a batch of %d: %r%s", self.model.name, n, failed[0][1], others,
-                      extra={"service": self.service,
-                             "rids": [logs.request_id(job.req) for job, _ in failed if job.req is not None]})
+            first = failed[0][1]
+            extra = {"service": self.service,
+                     "rids": [logs.request_id(job.req) for job, _ in failed if job.req is not None]}
+            if isinstance(first, _output_faults()):  # it returned them, and raised nothing
+                log.error("model %s returned outputs no reply can carry on a batch of %d: %s%s", self.model.name, n,
+                          message_of(first), others, extra=extra)
+            else:
+                log.error("model %s failed on a batch of %d: %r%s", self.model.name, n, first, others, extra=extra)
         for job, out in zip(jobs, outputs):
             if job.cancelled:
                 self._cancelled(job, job.cancelled, "while its batch ran; its result was dropped")

@@ -262,6 +262,10 @@ def test_the_validators_reject_broken_manifests():
     pm["spec"]["podMetricsEndpoints"][0]["prot"] = "http"
     with pytest.raises(jsonschema.ValidationError, match="prot"):
         validate_manifest(pm)
+    sm = copy.deepcopy(objects("ServiceMonitor")["zmq-infer"])
+    sm["spec"]["endpoints"][0]["honourLabels"] = True
+    with pytest.raises(jsonschema.ValidationError, match="honourLabels"):
+        validate_manifest(sm)
     rule = copy.deepcopy(objects("PrometheusRule")["zmq-infer"])
     rule["spec"]["groups"][0]["rules"][0]["for"] = "ten minutes"
     with pytest.raises(jsonschema.ValidationError, match="ten minutes"):
@@ -323,7 +327,7 @@ def test_scrapes_keep_the_brokers_labels():
 def test_every_custom_resource_has_a_vendored_schema():
     core = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (the dev extra)")
     crds = crd_schemas()
-    assert {k for _v, k in crds} == {"ScaledObject", "PodMonitor", "PrometheusRule"}
+    assert {k for _v, k in crds} == {"ScaledObject", "PodMonitor", "ServiceMonitor", "PrometheusRule"}
     for path, doc in manifests():
         if (doc["apiVersion"], doc["kind"]) in crds:
             continue
@@ -348,7 +352,7 @@ def test_every_manifest_is_in_a_kustomization():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not on PATH (kubectl kustomize builds the overlays)")
-@pytest.mark.parametrize("overlay", [".", "base", "monitoring", "keda", "hpa", "colocated"])
+@pytest.mark.parametrize("overlay", [".", "base", "monitoring", "servicemonitor", "keda", "hpa", "colocated"])
 def test_kustomize_builds(overlay):
     out = subprocess.run(["kubectl", "kustomize", str(K8S / overlay)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
@@ -357,6 +361,8 @@ def test_kustomize_builds(overlay):
     for d in docs:
         validate_manifest(d)
         assert d["metadata"].get("namespace", NAMESPACE) == NAMESPACE
+    # the PodMonitor or the ServiceMonitor, never both: every series would be scraped twice
+    assert not {"PodMonitor", "ServiceMonitor"} <= {d["kind"] for d in docs}, overlay
 
 
 # ------------------------------------------------------------------------------ the pod layout
@@ -551,6 +557,37 @@ def test_the_podmonitor_scrapes_every_broker():
     assert sorted(scraped) == ["zmq-infer-broker", "zmq-infer-colocated"]
 
 
+def test_the_servicemonitor_scrapes_the_base_broker_through_its_service():
+    """deploy/k8s/servicemonitor (docs/deploy.md, "Scraping through a Service"): the
+    alternative to the PodMonitor for a Prometheus that selects ServiceMonitors.  It selects
+    the zmq-infer-metrics Service alone, which selects the base broker's pod and names the
+    port it scrapes; it keeps the broker's labels (honorLabels) and labels the series
+    `layout: base`; it is applied on its own, never with the PodMonitor; the docs show it."""
+    sm = objects("ServiceMonitor")["zmq-infer"]
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint.get("honorLabels") is True
+    services = objects("Service")
+    selected = [name for name, svc in services.items()
+                if sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"].get("labels", {}).items()]
+    assert selected == ["zmq-infer-metrics"], selected
+    svc = services["zmq-infer-metrics"]["spec"]
+    assert endpoint["port"] in {p["name"] for p in svc["ports"]}
+    pods = {name: d["spec"]["template"]["metadata"]["labels"] for name, d in objects("Deployment").items()}
+    assert [name for name, labels in pods.items() if svc["selector"].items() <= labels.items()] == ["zmq-infer-broker"]
+    assert LAYOUTS["zmq-infer-broker"] == "base"
+    layout = [r for r in endpoint["relabelings"] if r.get("targetLabel") == "layout"]
+    assert layout == [{"targetLabel": "layout", "replacement": "base"}], layout  # no source: always base
+    # applied alone: in no kustomization with the PodMonitor (test_kustomize_builds builds them)
+    assert "servicemonitor" not in kustomization(K8S)["resources"]
+    assert kustomization(K8S / "servicemonitor")["resources"] == ["servicemonitor.yaml"]
+    # the docs' copy is the shipped one
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    section = doc.split("### Scraping through a Service", 1)[1].split("\n## ", 1)[0]
+    (shown,) = [d for d in (yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", section, re.S))
+                if d.get("kind") == "ServiceMonitor"]
+    assert shown["spec"] == sm["spec"], "docs/deploy.md shows another ServiceMonitor than deploy/k8s/servicemonitor"
+
+
 def relabelled_layout(pod_labels: dict) -> str | None:
     """The `layout` label the PodMonitor's relabelings give a pod with these labels (rules of
     action replace, one source label: what the shipped rules are)."""
@@ -586,16 +623,22 @@ def test_the_two_layouts_are_told_apart():
     adapter = yaml.safe_load((DEPLOY / "prometheus" / "adapter-rules.yaml").read_text())["rules"]["external"]
     for r in adapter:
         assert "layout" in promql_labels(r["seriesQuery"]), r["seriesQuery"]
-    # every alert groups by layout wherever it groups
+    # every alert groups by layout wherever it groups: by service, or by broker (`pod`, which
+    # ZmqInferNoLiveWorker joins with `up`: each colocated replica is a broker of its own)
     for g in alert_groups():
         for r in g["rules"]:
             groupings = _GROUPING.findall(_STRINGS.sub('""', r["expr"]))
             assert groupings, r["alert"]
             for _kw, names in groupings:
-                assert {"namespace", "layout", "service"} <= {n.strip() for n in names.split(",")}, (r["alert"], names)
-    # the promtool cases include one with both layouts in one namespace
+                names = {n.strip() for n in names.split(",")}
+                assert {"namespace", "layout"} <= names and names & {"service", "pod"}, (r["alert"], names)
+    no_worker = next(r["expr"] for g in alert_groups() for r in g["rules"] if r["alert"] == "ZmqInferNoLiveWorker")
+    assert "sum by (namespace, layout, pod, service) (zmq_infer_workers) == 0" in no_worker
+    # the promtool cases include one with both layouts in one namespace, and one with a dead
+    # worker in one colocated replica among live ones
     cases = (DEPLOY / "prometheus" / "alerts.test.yaml").read_text()
     assert 'layout="colocated"' in cases and "layout: base" in cases
+    assert "layout: colocated, pod: zmq-infer-colocated-1" in cases
     # the dashboard: a layout variable, and every query filtered by it
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
     assert variables["layout"]["query"]["query"] == "label_values(zmq_infer_requests_total, layout)"

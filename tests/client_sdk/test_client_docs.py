@@ -119,11 +119,40 @@ def test_a_client_collected_unclosed_says_so_with_a_resource_warning(tmp_path):
             c.close()
         return c
 
-    assert collected(made)
+    # Our own, naming the client and its endpoint (as Python's files do), not only pyzmq's
+    # "Unclosed socket <zmq.Socket(zmq.DEALER) at 0x...>", which named neither.
+    said = [str(w.message) for w in collected(made)]
+    assert f"unclosed Client ({ep}): close it (client.close(), or with)" in said, said
     assert not collected(lambda: made(close=True))
 
     async def twin():
-        assert collected(lambda: AsyncClient(ep, heartbeat_interval=None))
+        said = [str(w.message) for w in collected(lambda: AsyncClient(ep, heartbeat_interval=None))]
+        assert any(m.startswith(f"unclosed AsyncClient ({ep}): close it") for m in said), said
+
+    asyncio.run(twin())
+
+
+def test_the_pool_of_a_closed_client_is_refused_as_its_calls_are(tmp_path):
+    """"A call made after it (..., the `pool` attribute, ...) raises `InferenceError` ("this
+    client is closed...")": on both twins, whether or not the pool was made before the close
+    (not the closed pool itself, nor a new one made for a closed client)."""
+    ep = f"ipc://{tmp_path}/nobody.ipc"
+    for made in (False, True):
+        c = Client(ep, heartbeat_interval=None)
+        if made:
+            c.alloc((4,), np.float32)
+        c.close()
+        with pytest.raises(InferenceError, match="this client is closed"):
+            c.pool
+
+    async def twin():
+        for made in (False, True):
+            c = AsyncClient(ep, heartbeat_interval=None)
+            if made:
+                c.alloc((4,), np.float32)
+            await c.close()
+            with pytest.raises(InferenceError, match="this client is closed"):
+                c.pool
 
     asyncio.run(twin())
 

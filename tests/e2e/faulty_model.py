@@ -367,3 +367,20 @@ class MisfitExamples(Batched):
 
 def misfit(device="cpu"):
     return MisfitExamples(device)
+
+
+class BatchOnlyObjects(Batched):
+    """Returns an object array (outputs no reply can carry) for every batch of more than
+    one, raising nothing; serves ones."""
+
+    name = "batchobjects"
+
+    def __call__(self, batch, meta=None):
+        x = batch["x"]
+        if len(x) > 1:
+            return {"y": np.array([object()] * len(x), dtype=object)}
+        return {"y": x + 1}
+
+
+def batchobjects(device="cpu"):
+    return BatchOnlyObjects(device)

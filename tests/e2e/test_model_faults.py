@@ -617,3 +617,45 @@ def test_example_inputs_that_do_not_fit_the_declared_inputs_are_said(cluster, tm
     cluster.broker()
     w = cluster.worker("faulty_model:misfit", "--no-warmup", "--keep-warm-ms", "10")
     w.wait_log("keep-warm off for misfit: its example_inputs() do not fit its declared inputs (input 'x' has shape")
+
+
+def _rounds_until(cluster, w, service: str, said: str, meta: dict | None = None) -> None:
+    """Rounds of 8 requests at once until the worker logs ``said``: a request that comes
+    alone takes the lone-request lane, and a batch of one is not one that failed whole."""
+
+    async def scenario():
+        async with AsyncClient(cluster.frontend, timeout=30) as c:
+            while not await c.mmi_service(service):
+                await asyncio.sleep(0.01)
+            xs = [np.full(4, i, np.float32) for i in range(8)]
+            got = await asyncio.gather(*(c.infer(service, {"x": x}, meta=meta) for x in xs), return_exceptions=True)
+            for x, r in zip(xs, got):
+                if meta is None:  # served, each request run again alone
+                    np.testing.assert_array_equal(r["y"], x + 1)
+                    r.release()
+                else:  # refused, each: the model's mistake
+                    assert isinstance(r, InternalError) and "no reply can carry" in str(r), r
+
+    for _ in range(20):
+        asyncio.run(scenario())
+        if said in w.pull():
+            break
+    w.wait_log(said)
+
+
+def test_a_batch_whose_outputs_are_refused_is_said_so_not_said_to_have_raised(cluster):
+    """A batch whose outputs no reply can carry (an object array) is run again in halves,
+    as one that raised; the worker said the model "raised on a batch", which it never did
+    (and, for a batch every request of which was refused, logged the error's repr as a
+    failure).  Now the lines say the outputs were refused, and why."""
+    cluster.broker()
+    w = cluster.worker("faulty_model:batchobjects", "--max-batch", "8", "--max-delay-ms", "50", "--no-warmup")
+    _rounds_until(cluster, w, "batchobjects", "model 'batchobjects' returned outputs no reply can carry on a batch of")
+    w.wait_log("(output 'y' has dtype '|O', which cannot be sent) and served each of its requests when run again")
+    assert "raised on a batch" not in w.pull()
+
+    other = cluster.worker("faulty_model:batched", "--service", "batched", "--max-batch", "8", "--max-delay-ms", "50")
+    _rounds_until(cluster, other, "batched", "model batched returned outputs no reply can carry on a batch of",
+                  meta={"do": "objects"})
+    other.wait_log("which cannot be sent service=batched rids=")
+    assert "failed on a batch" not in other.pull()

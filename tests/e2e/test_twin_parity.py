@@ -296,7 +296,7 @@ CALL_ARGS = [
     *[("request frames", v) for v in (b"x", [], [1], ["x"], [b"x", 1])],
     *[("request service", v) for v in (1, "")],
     *[("request timeout", v) for v in (0, -1, math.nan, "1")],
-    *[("mmi_service name", v) for v in (1, None, b"echo", "\udc80")],
+    *[("mmi_service name", v) for v in (1, None, b"echo", "\udc80", "", "x" * 300)],
     *[("mmi_service timeout", v) for v in (0, -1, math.nan, "1")],
     *[("pump timeout", v) for v in (math.nan, "1", -1, 0, [])],
     *[("close linger", v) for v in (-1, math.nan, math.inf, "1", [])],

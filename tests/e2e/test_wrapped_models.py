@@ -1,5 +1,6 @@
 """What the worker makes of a factory's result (docs/models.md, "Loading a custom model",
-tests/e2e/wrapped_model.py): a TorchScript module serves as an nn.Module does; a function
+tests/e2e/wrapped_model.py): a TorchScript module serves as an nn.Module does, and a
+TorchScript function as a torch model (tensors in and out); a function
 that returns no dict gets its request a 500 that says the same request fails the same way;
 a model without example inputs is said to skip its warm-up.  Real broker and workers on ipc;
 every wait bounded.  (A factory that cannot load is one line and exit 2:
@@ -29,6 +30,22 @@ def test_a_scripted_module_serves_as_a_module(cluster):
             x = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
             with c.infer("scale", {"x": x}) as r:
                 np.testing.assert_array_equal(r["output"], x * 2 + 1)
+    assert w.p.poll() is None
+
+
+def test_a_scripted_function_serves_as_a_torch_model(cluster):
+    # It was wrapped as a numpy callable and called with the dict of arrays: its warm-up
+    # failed, and with --no-warmup every request was a 500 ("Expected a value of type
+    # 'Tensor' for argument 'x' but instead found type 'dict'").
+    cluster.broker()
+    w = cluster.worker("wrapped_model:scripted_fn", "--log-level", "INFO")  # the service: the function's name
+    w.wait_log("warm-up of negate on cpu took")
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, "negate")
+        for n in (1, 3):
+            x = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+            with c.infer("negate", {"x": x}) as r:
+                np.testing.assert_array_equal(r["output"], -x)
     assert w.p.poll() is None
 
 

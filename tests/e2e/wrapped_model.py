@@ -4,6 +4,8 @@ folder on PYTHONPATH.
 
 - `scripted`: a TorchScript module (`torch.jit.script`) computing x * 2 + 1, with example
   inputs set on it; the service is its class's name, "scale".
+- `scripted_fn`: a TorchScript function (`torch.jit.script` of a plain function) computing
+  -x, with example inputs set on it; the service is the function's name, "negate".
 - `picky`: a plain function with no example inputs that returns a list, not a dict, when
   x[0] is negative, else {"y": x + 1}; the service is "picky".
 """
@@ -20,6 +22,17 @@ def scripted(device="cpu"):
     module = torch.jit.script(Scale())
     module.example_inputs = lambda: {"x": np.ones(3, np.float32)}
     return module
+
+
+def scripted_fn(device="cpu"):
+    import torch
+
+    def negate(x: torch.Tensor) -> torch.Tensor:
+        return -x
+
+    fn = torch.jit.script(negate)
+    fn.example_inputs = lambda: {"x": np.ones(3, np.float32)}
+    return fn
 
 
 def picky(device="cpu"):
