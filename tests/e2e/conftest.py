@@ -152,17 +152,26 @@ class Proc:
 
 
 class Cluster:
-    """A broker and workers on ipc endpoints in a private temp dir."""
+    """A broker and workers on ipc endpoints in a private temp dir.
 
-    def __init__(self, tmp: Path):
+    Heartbeats every 0.2 s, and by default a peer is presumed dead after 3 silent intervals
+    (0.6 s: tests of a death found by silence see it soon).  ``liveness`` (the
+    `heartbeat_liveness` marker of the `cluster` fixture) widens that window for tests that
+    do not look at silence: a loaded CI box that stalls a process for 0.6 s otherwise reads
+    it as a death (its requests retried elsewhere, its leases ended).  The broker's
+    liveness is the workers' too: its WELCOME sets it."""
+
+    def __init__(self, tmp: Path, liveness: int | None = None):
         self.tmp = tmp
         self.procs: list[Proc] = []
         self.frontend = f"ipc://{tmp}/fe.ipc"
         self.backend = f"ipc://{tmp}/be.ipc"
+        self.liveness = liveness
 
     def broker(self, *extra: str, tree: Path | None = None) -> Proc:
+        wide = () if self.liveness is None else ("--heartbeat-liveness", str(self.liveness))
         p = Proc(["-m", "broker", "--frontend", self.frontend, "--backend", self.backend,
-                  "--heartbeat-interval", "0.2", *extra], tree=tree)
+                  "--heartbeat-interval", "0.2", *wide, *extra], tree=tree)
         self.procs.append(p)
         p.wait_ready()
         return p
@@ -226,11 +235,18 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "heartbeat_liveness(n): the `cluster` broker's --heartbeat-liveness "
+                                       "(silent 0.2 s intervals before a peer is presumed dead; default 3)")
+
+
 @pytest.fixture
 def cluster(tmp_path, request):
     """A `Cluster`; its processes are stopped at teardown, and when the test failed their
-    stderr is printed (the report's "Captured stdout teardown")."""
-    c = Cluster(tmp_path)
+    stderr is printed (the report's "Captured stdout teardown").  A `heartbeat_liveness(n)`
+    marker on the test (or its module) widens the liveness window (`Cluster`)."""
+    mark = request.node.get_closest_marker("heartbeat_liveness")
+    c = Cluster(tmp_path, liveness=None if mark is None else int(mark.args[0]))
     try:
         yield c
     finally:
