@@ -271,6 +271,43 @@ class RunLog:
             time.sleep(0.005)
 
 
+def listening_port(pid: int, timeout: float = 30.0) -> int:
+    """The TCP port that process ``pid`` listens on (one it bound with port 0, the kernel's
+    pick), once it listens: read from the kernel (its socket descriptors, /proc/net/tcp and
+    tcp6), for a process that reports its port late or not at all (a launcher says READY
+    only once its pools are).  A port picked by the test and bound by the process later
+    (`bench.peers.free_port`) may be taken meanwhile by another process of a busy machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        inodes = set()
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except FileNotFoundError:
+            raise RuntimeError(f"process {pid} exited before it listened on a TCP port") from None
+        ports = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                with open(table) as f:
+                    rows = f.read().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN, one of its sockets
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+        if len(ports) == 1:
+            return ports.pop()
+        assert len(ports) < 2, f"process {pid} listens on several TCP ports: {sorted(ports)}"
+        assert time.monotonic() < deadline, f"process {pid} did not listen on a TCP port within {timeout} s"
+        time.sleep(0.01)  # polling /proc (a condition, not a delay)
+
+
 def until_stopped(pid: int, timeout: float = 20.0) -> None:
     """Until process `pid` is stopped (SIGSTOP: state T in /proc; polling, a condition)."""
     deadline = time.monotonic() + timeout
