@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,11 @@ class Cluster:
         return p
 
     def close(self, say: bool = False) -> None:
+        # Every gate opened wide first: a worker stopped with a call held at a gate drains
+        # it, and `held` (which keeps its FIFO open read-write) never sees the test's end of
+        # it, so a failed test's teardown waited out each such worker's 15 s.
+        for g in list(Gate.live):
+            g.open_wide()
         # Workers first, so they can DISCONNECT from a live broker.
         for p in reversed(self.procs):
             p.close(say)
@@ -330,7 +336,11 @@ def wait_service(client, service: str, timeout: float = 20.0) -> None:
 
 class Gate:
     """A FIFO at `path` for tests/e2e/gate_model.py (the `gate` fixture's; a test that needs
-    a second one, to release one worker's calls and not another's, makes its own)."""
+    a second one, to release one worker's calls and not another's, makes its own).  Gates
+    open for writing are in `live`, which `Cluster.close` opens wide before it stops the
+    processes."""
+
+    live: "weakref.WeakSet[Gate]" = weakref.WeakSet()
 
     def __init__(self, path: Path, entered_log: Path):
         os.mkfifo(path)
@@ -370,13 +380,31 @@ class Gate:
             time.sleep(0.01)  # polling for the reader (a condition, not a delay)
         os.set_blocking(fd, True)
         self.fd = fd
+        Gate.live.add(self)
 
     def release(self, n=1):
         os.write(self.fd, b"x" * n)
 
+    def open_wide(self) -> None:
+        """Release every call held at the gate, and those to come (as many bytes as the
+        FIFO takes: 64 KiB), without blocking: for the end of a test, passed or failed."""
+        if self.fd is None:
+            return
+        os.set_blocking(self.fd, False)
+        try:
+            while os.write(self.fd, b"x" * 4096):
+                pass
+        except (BlockingIOError, BrokenPipeError):
+            pass
+
     def close(self):
+        """Open wide (`open_wide`: a `gate_model:held` worker keeps the FIFO open itself, so
+        only bytes end its held calls) and close the write end."""
         if self.fd is not None:
+            self.open_wide()
             os.close(self.fd)
+            self.fd = None
+        Gate.live.discard(self)
 
 
 @pytest.fixture
