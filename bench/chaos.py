@@ -108,7 +108,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.peers import PeerStartError, wait_ready
+from bench.peers import PeerStartError, signals_held, wait_ready
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "zinf-"
@@ -181,6 +181,10 @@ class Fleet:
         self.hostile_report: dict | None = None  # what it printed as it ended
         self.workers: list[subprocess.Popen] = []
         self.gone: list[subprocess.Popen] = []  # ended by a fault: reaped at close
+        # Every process started, kept as Popen returns (signals held meanwhile: a Ctrl-C or
+        # SIGTERM raised inside Popen left the child running, untracked): close() reaps
+        # those an interrupt kept from their place above.
+        self.spawned: list[subprocess.Popen] = []
         self.wrong = 0  # wrong replies the client process saw (its exit status 3)
         self.failures: list[str] = []  # what went wrong with the processes themselves
         try:
@@ -198,8 +202,10 @@ class Fleet:
             raise
 
     def _spawn(self, args: list[str], stderr=subprocess.DEVNULL) -> subprocess.Popen:
-        p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=stderr,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        with signals_held():
+            p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=stderr,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.spawned.append(p)
         try:
             p.ready_line = wait_ready(p, 120)
         except BaseException:  # PeerStartError, or an interrupt while it starts: not left running
@@ -370,6 +376,13 @@ class Fleet:
                 self.failures.append(f"client process {self.client.pid} ended with status {self.client.returncode}")
         if self.hostile is not None and (hostile_early or self.hostile.returncode != 0):
             self.failures.append(self._hostile_ended(hostile_early))
+        placed = {id(p) for p in [self.hostile, self.client, *self.workers, self.broker, *self.gone]}
+        for p in self.spawned:  # started, but an interrupt came before it was kept in its place
+            if id(p) not in placed and p.returncode is None:
+                p.kill()
+                p.wait(10)
+            if id(p) not in placed and p.stdout is not None:
+                p.stdout.close()
         if self.relay is not None:
             self.relay.close()
 

@@ -78,7 +78,8 @@ _LIVE: "weakref.WeakSet[Peer]" = weakref.WeakSet()
 @contextlib.contextmanager
 def signals_held():
     """SIGINT and SIGTERM held off, then delivered as they came once the block is left: a
-    process started and tracked (`Peer.spawn`) is stopped with the rest.  One that came while
+    process started and tracked (`Peer.spawn`, `start_ready`, bench.chaos's fleet) is
+    stopped with the rest.  One that came while
     `subprocess.Popen` waited for the child's exec raised there, before the Popen was
     returned: the child (a worker peer) ran on, untracked, after the harness had exited
     (tests/bench/test_report_cli.py, once in a fresh clone's `make test`).  Only the main
@@ -238,11 +239,37 @@ class Peer:
         return backend
 
 
+# Processes `start_ready` started, stopped at interpreter exit if still running: a Ctrl-C or
+# SIGTERM between its return and the caller's keeping the process (or a caller that stops
+# its processes only once they all started) would leave it running after the harness.
+_STARTED: "weakref.WeakSet[subprocess.Popen]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_started() -> None:
+    for p in list(_STARTED):
+        try:
+            stop_process(p)
+        except Exception:
+            pass
+
+
 def start_ready(args: list[str], env: dict | None = None, timeout: float = 120) -> subprocess.Popen:
-    """`python ARGS` (one of our processes), returned once it printed its READY line."""
+    """`python ARGS` (one of our processes), returned once it printed its READY line.  One
+    that fails to (it exits, stays silent, or a signal interrupts the wait) is killed and
+    reaped before the exception goes on; a SIGTERM or Ctrl-C while it is started is held
+    until it is tracked (`signals_held`), and one still running at exit is stopped then."""
     full = None if env is None else {**os.environ, **env}
-    p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=full)
-    wait_ready(p, timeout)
+    with signals_held():
+        p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=full)
+        _STARTED.add(p)
+    try:
+        wait_ready(p, timeout)
+    except BaseException:
+        p.kill()
+        p.wait(10)
+        p.stdout.close()
+        raise
     return p
 
 

@@ -134,8 +134,18 @@ def _instrumented_worker(argv: list[str]) -> int:
 
 
 def _instrumented_lean(connect: str) -> None:
-    """The lean worker with its receive-to-send time taken; medians to $STAGES_OUT at exit."""
+    """The lean worker with its receive-to-send time taken; medians to $STAGES_OUT on SIGTERM.
+
+    The lean worker blocks in a plain ``recv`` (it has no wake-up pipe, as ours has), and a
+    Python signal handler runs only once the main thread's blocking call returns: a SIGTERM
+    that came just before the call blocked, or that the kernel gave another thread (numpy's
+    BLAS thread), tripped the handler's flag and woke nothing, and the worker slept on until
+    `Peer.stop` killed it 5 s later, with no results written (tests/bench/test_worker_stages,
+    under load: 11 of 80 SIGTERMs to a loaded 2-core box's lean worker were not acted on for
+    10 s).  The C-level handler writes the signal to the wake-up fd on whatever thread it
+    ran, so a thread of ours that waits on that fd writes the results and ends the process."""
     import signal
+    import threading
 
     import bench.lean_floor as L
 
@@ -156,13 +166,27 @@ def _instrumented_lean(connect: str) -> None:
     L.recv_frames, L.send_frames = timed_recv, timed_send
 
     def dump() -> None:
-        rs = rows[SKIP:]
-        with open(os.environ["STAGES_OUT"], "w") as f:
+        rs = rows[SKIP:]  # (a list's slice is taken whole, the main thread running or not)
+        tmp = os.environ["STAGES_OUT"] + ".tmp"
+        with open(tmp, "w") as f:
             json.dump({"n": len(rs), "received -> sent": round(statistics.median(b - a for a, b in rs) / 1e3, 1)
                        if rs else None}, f)
+        os.replace(tmp, os.environ["STAGES_OUT"])  # whole or not at all
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # exit through atexit
-    atexit.register(dump)
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # (a Python handler: the wake-up fd is written)
+
+    def on_term() -> None:
+        while os.read(r, 1) != bytes([signal.SIGTERM]):  # (SIGINT, say, is the main thread's)
+            pass
+        try:
+            dump()
+        finally:
+            os._exit(0)
+
+    threading.Thread(target=on_term, name="stages-dump", daemon=True).start()
     L.run_worker(connect)
 
 
@@ -182,6 +206,15 @@ class _Staged:
                 args = ["--connect", back, *worker_args] if sub == "serve" else [back]
                 self.spawn(self.python_module("bench.worker_stages", sub, *args), env=dict(os.environ, STAGES_OUT=out),
                            ready_timeout=180.0)
+
+            def stop(self) -> None:
+                procs = list(self._procs)
+                super().stop()
+                if len(procs) == 2:  # the worker's exit status (-9: killed by stop(), not ended by its SIGTERM)
+                    outer.worker_status = procs[1].returncode
+
+        outer = self
+        self.worker_status: int | None = None
 
         self.peer = Staged()
 
@@ -285,7 +318,8 @@ def measure(n: int, client: str = "lean", device: str = "cpu", transport: str = 
     try:
         for name, sub, args in runs:
             path = os.path.join(tmp, f"{name}.json")
-            with _Staged(sub, path, args).peer as peer:  # stop() ends the worker: it writes `path`
+            staged = _Staged(sub, path, args)
+            with staged.peer as peer:  # stop() ends the worker: it writes `path`
                 if client == "lean":
                     c = LeanClient(peer.endpoint)
                     call, close, stages = c.call, c.close, None
@@ -299,6 +333,9 @@ def measure(n: int, client: str = "lean", device: str = "cpu", transport: str = 
                         out["client_stages"] = stages()
                 finally:
                     close()
+            if not os.path.exists(path):
+                raise RuntimeError(f"the {name} stage's worker wrote no results (its exit status: "
+                                   f"{staged.worker_status}; -9: it did not end on SIGTERM and was killed)")
             with open(path) as f:
                 out[name] = json.load(f)
     finally:

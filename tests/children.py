@@ -7,8 +7,9 @@ what it read past the line for its next call.  Once it was used on a pipe, it mu
 pipe's only reader: a buffered ``pipe.readline()`` or ``pipe.read()`` would not see the bytes
 it holds, and it would not see the bytes such a read buffered.
 
-`read_within` and `wait_child` bound the two waits on a forked child: its answer on a pipe
-(``os.read``) and its exit (``os.waitpid``).
+`read_rest_within` bounds a read to the end of a child's pipe, which a child of the child
+may hold open after the child exited.  `read_within` and `wait_child` bound the two waits
+on a forked child: its answer on a pipe (``os.read``) and its exit (``os.waitpid``).
 """
 from __future__ import annotations
 
@@ -48,6 +49,31 @@ def readline_within(pipe, timeout: float, what: str):
     if isinstance(pipe, io.TextIOBase):
         return line.decode(pipe.encoding or "utf-8", errors=pipe.errors or "strict")
     return line
+
+
+def read_rest_within(pipe, timeout: float, what: str):
+    """What is left of ``pipe`` (a `subprocess.Popen` pipe) up to its end of file, as
+    ``pipe.read()`` returns it (``str`` for a text pipe), including what `readline_within`
+    read past its last line.  The end of file comes when every process holding the write
+    end closed it: the child, and any child of its own that inherited it (a model's helper,
+    a forked server) and may outlive it.  Raises `TimeoutError`, naming ``what``, with what
+    was read so far, when it did not come within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    fd = pipe.fileno()
+    buf = _rest.pop(pipe, b"")
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the child's pipe did not end within {timeout} s (a process of its own still "
+                               f"holds it?): waited for {what}; read so far: {buf[-2000:]!r}")
+        if select.select([fd], [], [], left)[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            buf += chunk
+    if isinstance(pipe, io.TextIOBase):
+        return buf.decode(pipe.encoding or "utf-8", errors=pipe.errors or "strict")
+    return buf
 
 
 def read_within(fd: int, n: int, timeout: float, what: str) -> bytes:

@@ -19,6 +19,7 @@ from bench import chaos
 from bench.hostile import victim_segments
 from broker import protocol as P
 from shm import ShmPool
+from tests.children import read_rest_within
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -80,7 +81,8 @@ def test_a_served_forgery_is_caught():
             head = P.encode_header(P.Reply(id=rid, tensors=[ok]))
             router.send_multipart([ident, *P.client_reply(True, m.service, [head, np.zeros(16, np.uint8)])])
         assert p.wait(10) == 4
-        report = json.loads(p.stdout.read().decode().strip().splitlines()[-1])
+        out = read_rest_within(p.stdout, 10, "the end of the hostile peer's report")
+        report = json.loads(out.decode().strip().splitlines()[-1])
         assert report["breaches"] and "a forged descriptor was served" in report["breaches"][0]
     finally:
         if p.poll() is None:

@@ -101,3 +101,39 @@ def test_registry_holds_the_floors_in_order():
     assert list(PEERS)[:3] == FLOORS
     for cls in PEERS.values():
         assert cls.name and cls.description
+
+
+def test_start_ready_reaps_a_process_that_never_said_ready():
+    """`start_ready`: a process that exits, stays silent, or whose wait a Ctrl-C ends is
+    killed and reaped before the exception goes on (the suite's fixture checks that no
+    process is left)."""
+    from bench.peers import start_ready
+    from tests.alarms import alarm
+
+    with pytest.raises(PeerStartError, match="status 3"):
+        start_ready(["-c", "import sys; sys.exit(3)"])
+    with pytest.raises(PeerStartError, match="no READY"):
+        start_ready(["-c", "import time; time.sleep(30)"], timeout=0.3)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    with alarm(interrupt, 0.3), pytest.raises(KeyboardInterrupt):
+        start_ready(["-c", "import time; time.sleep(30)"], timeout=30)
+
+
+def test_a_started_process_still_running_at_exit_is_stopped_then():
+    """What `start_ready` started and the caller never stopped (a Ctrl-C between its return
+    and the caller's keeping it) is stopped at interpreter exit."""
+    from bench import peers
+
+    p = peers.start_ready(["-c", "print('READY', flush=True); import time; time.sleep(30)"])
+    try:
+        assert p.poll() is None
+        peers._stop_started()  # what the interpreter's exit runs
+        assert p.returncode is not None
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+        p.stdout.close()

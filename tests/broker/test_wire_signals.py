@@ -7,13 +7,13 @@ real timer signals landing wherever they land."""
 from __future__ import annotations
 
 import itertools
-import signal
 import time
 
 import pytest
 import zmq
 
 from broker.protocol import wire
+from tests.alarms import alarm
 
 MSG = [b"F0", b"F1", b"F2", b"F3", b"F4"]
 NEXT = [b"N0", b"N1", b"N2", b"N3", b"N4"]
@@ -100,10 +100,8 @@ def test_real_signals_never_glue_two_messages(pair):
             armed[0] = False
             raise Boom
 
-    old = signal.signal(signal.SIGALRM, handler)
     sent = interrupted = 0
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.0002, 0.0002)
+    with alarm(handler, 0.0002, 0.0002):  # (pytest-timeout's alarm kept: tests/alarms.py)
         end = time.monotonic() + 1.5
         while interrupted < 1000 and time.monotonic() < end:
             try:
@@ -113,9 +111,6 @@ def test_real_signals_never_glue_two_messages(pair):
                 sent += 1
             except Boom:
                 interrupted += 1
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0, 0)
-        signal.signal(signal.SIGALRM, old)
     wire.send_frames(a, NEXT)
     got = _read_all(b)
     assert interrupted > 10, "the timer never landed in a send"

@@ -10,6 +10,7 @@ import pytest
 
 from client_sdk import AsyncClient, Client, InferenceError, InvalidInput
 from client_sdk.core import ClientCore
+from tests.alarms import alarm
 
 
 def test_core_free_after_close_says_closed(tmp_path):
@@ -73,7 +74,6 @@ def test_close_from_a_signal_handler_ends_a_call_waiting_for_the_socket_to_take_
     waits for the socket to take its message.  A signal handler's close() ended it only at
     its timeout (`infer`, 6 s) or never (`submit` with no timeout: a stream's recv); found by
     review.  It ends at once now."""
-    import signal
     import time
 
     c = Client(f"ipc://{tmp_path}/nobody.sock", timeout=6.0, heartbeat_interval=None, transport="inline",
@@ -90,16 +90,13 @@ def test_close_from_a_signal_handler_ends_a_call_waiting_for_the_socket_to_take_
         c.close()
         closed_at.append(time.monotonic())
 
-    old = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, 0.2)  # the stimulus: a signal while the call waits
     try:
-        with pytest.raises(InferenceError, match="closed while this call was waiting"):
-            if where == "send":
-                c.infer("echo", x)
-            else:
-                c.submit(c.prepare("echo", x), timeout=None)
+        with alarm(handler, 0.2):  # the stimulus: a signal while the call waits (pytest-timeout's kept)
+            with pytest.raises(InferenceError, match="closed while this call was waiting"):
+                if where == "send":
+                    c.infer("echo", x)
+                else:
+                    c.submit(c.prepare("echo", x), timeout=None)
         assert closed_at and time.monotonic() - closed_at[0] < 1.0
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
         c.close()

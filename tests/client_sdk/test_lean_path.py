@@ -9,6 +9,7 @@ leased worker of its own here.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import signal
@@ -230,10 +231,19 @@ class FakeLeaseWorker(threading.Thread):
                 self.requests.put(req.id)
 
     def stop(self) -> None:
+        """End the loop, then close its socket and context (also when the thread died of an
+        exception).  A thread still running after WAIT s fails the test and keeps them open,
+        as `FakeBroker.stop` does: the socket is the thread's (zmq sockets are not
+        thread-safe: closed under a poll it may abort the process), and the context would
+        wait for it for good."""
         self._halt = True
-        self.join(WAIT)
-        self.sock.close(linger=0)
-        self.ctx.term()
+        if self.ident is not None:  # started
+            self.join(WAIT)
+        assert not self.is_alive(), f"the fake lease worker's thread did not stop within {WAIT} s"
+        try:
+            self.sock.close(linger=0)
+        finally:
+            self.ctx.term()
 
 
 class LeasingFakeBroker(FakeBroker):
@@ -269,9 +279,10 @@ def pinned(tmp_path_factory):
         assert c.pinned("echo")
         yield c, broker, worker
     finally:
-        c.close()
-        broker.stop()
-        worker.stop()
+        with contextlib.ExitStack() as stopping:  # each, even if one before it raises
+            stopping.callback(worker.stop)
+            stopping.callback(broker.stop)
+            stopping.callback(c.close)
 
 
 def test_pinned_infer_goes_to_the_leased_worker(pinned):

@@ -21,7 +21,6 @@ import inspect
 import os
 import queue
 import re
-import signal
 import threading
 import time
 from typing import Any, Callable
@@ -45,6 +44,7 @@ from client_sdk import (
     errors,
     run,
 )
+from tests.alarms import alarm
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -1377,16 +1377,10 @@ def _a_frame_waiting_for_the_socket(fake, c):
             s.close()
 
 
-@contextlib.contextmanager
 def _alarm(handler):
-    """``handler`` runs in a SIGALRM 50 ms from now (inside the wait that follows)."""
-    old = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, 0.05)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    """``handler`` runs in a SIGALRM 50 ms from now (inside the wait that follows);
+    pytest-timeout's alarm is kept (tests/alarms.py)."""
+    return alarm(handler, 0.05)
 
 
 def _interrupt(*_):

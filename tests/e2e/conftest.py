@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -152,17 +153,26 @@ class Proc:
 
 
 class Cluster:
-    """A broker and workers on ipc endpoints in a private temp dir."""
+    """A broker and workers on ipc endpoints in a private temp dir.
 
-    def __init__(self, tmp: Path):
+    Heartbeats every 0.2 s, and by default a peer is presumed dead after 3 silent intervals
+    (0.6 s: tests of a death found by silence see it soon).  ``liveness`` (the
+    `heartbeat_liveness` marker of the `cluster` fixture) widens that window for tests that
+    do not look at silence: a loaded CI box that stalls a process for 0.6 s otherwise reads
+    it as a death (its requests retried elsewhere, its leases ended).  The broker's
+    liveness is the workers' too: its WELCOME sets it."""
+
+    def __init__(self, tmp: Path, liveness: int | None = None):
         self.tmp = tmp
         self.procs: list[Proc] = []
         self.frontend = f"ipc://{tmp}/fe.ipc"
         self.backend = f"ipc://{tmp}/be.ipc"
+        self.liveness = liveness
 
     def broker(self, *extra: str, tree: Path | None = None) -> Proc:
+        wide = () if self.liveness is None else ("--heartbeat-liveness", str(self.liveness))
         p = Proc(["-m", "broker", "--frontend", self.frontend, "--backend", self.backend,
-                  "--heartbeat-interval", "0.2", *extra], tree=tree)
+                  "--heartbeat-interval", "0.2", *wide, *extra], tree=tree)
         self.procs.append(p)
         p.wait_ready()
         return p
@@ -178,6 +188,11 @@ class Cluster:
         return p
 
     def close(self, say: bool = False) -> None:
+        # Every gate opened wide first: a worker stopped with a call held at a gate drains
+        # it, and `held` (which keeps its FIFO open read-write) never sees the test's end of
+        # it, so a failed test's teardown waited out each such worker's 15 s.
+        for g in list(Gate.live):
+            g.open_wide()
         # Workers first, so they can DISCONNECT from a live broker.
         for p in reversed(self.procs):
             p.close(say)
@@ -226,11 +241,18 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "heartbeat_liveness(n): the `cluster` broker's --heartbeat-liveness "
+                                       "(silent 0.2 s intervals before a peer is presumed dead; default 3)")
+
+
 @pytest.fixture
 def cluster(tmp_path, request):
     """A `Cluster`; its processes are stopped at teardown, and when the test failed their
-    stderr is printed (the report's "Captured stdout teardown")."""
-    c = Cluster(tmp_path)
+    stderr is printed (the report's "Captured stdout teardown").  A `heartbeat_liveness(n)`
+    marker on the test (or its module) widens the liveness window (`Cluster`)."""
+    mark = request.node.get_closest_marker("heartbeat_liveness")
+    c = Cluster(tmp_path, liveness=None if mark is None else int(mark.args[0]))
     try:
         yield c
     finally:
@@ -255,6 +277,43 @@ class RunLog:
             time.sleep(0.005)
 
 
+def listening_port(pid: int, timeout: float = 30.0) -> int:
+    """The TCP port that process ``pid`` listens on (one it bound with port 0, the kernel's
+    pick), once it listens: read from the kernel (its socket descriptors, /proc/net/tcp and
+    tcp6), for a process that reports its port late or not at all (a launcher says READY
+    only once its pools are).  A port picked by the test and bound by the process later
+    (`bench.peers.free_port`) may be taken meanwhile by another process of a busy machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        inodes = set()
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except FileNotFoundError:
+            raise RuntimeError(f"process {pid} exited before it listened on a TCP port") from None
+        ports = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                with open(table) as f:
+                    rows = f.read().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                cols = row.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN, one of its sockets
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+        if len(ports) == 1:
+            return ports.pop()
+        assert len(ports) < 2, f"process {pid} listens on several TCP ports: {sorted(ports)}"
+        assert time.monotonic() < deadline, f"process {pid} did not listen on a TCP port within {timeout} s"
+        time.sleep(0.01)  # polling /proc (a condition, not a delay)
+
+
 def until_stopped(pid: int, timeout: float = 20.0) -> None:
     """Until process `pid` is stopped (SIGSTOP: state T in /proc; polling, a condition)."""
     deadline = time.monotonic() + timeout
@@ -277,7 +336,11 @@ def wait_service(client, service: str, timeout: float = 20.0) -> None:
 
 class Gate:
     """A FIFO at `path` for tests/e2e/gate_model.py (the `gate` fixture's; a test that needs
-    a second one, to release one worker's calls and not another's, makes its own)."""
+    a second one, to release one worker's calls and not another's, makes its own).  Gates
+    open for writing are in `live`, which `Cluster.close` opens wide before it stops the
+    processes."""
+
+    live: "weakref.WeakSet[Gate]" = weakref.WeakSet()
 
     def __init__(self, path: Path, entered_log: Path):
         os.mkfifo(path)
@@ -317,13 +380,31 @@ class Gate:
             time.sleep(0.01)  # polling for the reader (a condition, not a delay)
         os.set_blocking(fd, True)
         self.fd = fd
+        Gate.live.add(self)
 
     def release(self, n=1):
         os.write(self.fd, b"x" * n)
 
+    def open_wide(self) -> None:
+        """Release every call held at the gate, and those to come (as many bytes as the
+        FIFO takes: 64 KiB), without blocking: for the end of a test, passed or failed."""
+        if self.fd is None:
+            return
+        os.set_blocking(self.fd, False)
+        try:
+            while os.write(self.fd, b"x" * 4096):
+                pass
+        except (BlockingIOError, BrokenPipeError):
+            pass
+
     def close(self):
+        """Open wide (`open_wide`: a `gate_model:held` worker keeps the FIFO open itself, so
+        only bytes end its held calls) and close the write end."""
         if self.fd is not None:
+            self.open_wide()
             os.close(self.fd)
+            self.fd = None
+        Gate.live.discard(self)
 
 
 @pytest.fixture

@@ -29,6 +29,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from tests.children import readline_within  # noqa: E402  (after the path)
+
 WAIT = 20.0
 
 
@@ -195,8 +197,7 @@ def main() -> None:
         procs.append(subprocess.Popen([sys.executable, "-m", "gpu_worker", "--broker", f"ipc://{d}/be.ipc",
                                        "--model", "echo", "--no-warmup"], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
-        r, _, _ = select.select([procs[1].stdout], [], [], WAIT)
-        assert r and procs[1].stdout.readline().startswith(b"READY"), "no worker"
+        assert readline_within(procs[1].stdout, WAIT, "the worker's READY").startswith(b"READY"), "no worker"
         for case in ("late", "reused"):
             print(case, _case(d, case), flush=True)
         print("sdk", _sdk(d), flush=True)

@@ -134,14 +134,13 @@ def test_an_asyncio_client_whose_loop_was_held_keeps_its_request(cluster, gate):
 
 
 def _tcp_broker(cluster) -> str:
-    from bench.peers import free_port
-
-    frontend = f"tcp://127.0.0.1:{free_port()}"
-    broker = Proc(["-m", "broker", "--frontend", frontend, "--backend", cluster.backend,
+    """A broker on a tcp frontend of the kernel's port (its READY names it: a port picked
+    here and bound there may be taken meanwhile)."""
+    broker = Proc(["-m", "broker", "--frontend", "tcp://127.0.0.1:0", "--backend", cluster.backend,
                    "--heartbeat-interval", "0.2", "--insecure"])
     cluster.procs.append(broker)
     broker.wait_ready()
-    return frontend
+    return broker.field("frontend")
 
 
 def test_over_tcp_an_idle_client_forgotten_for_its_silence_keeps_its_name(cluster, gate):

@@ -14,7 +14,7 @@ import pytest
 
 from client_sdk import Client
 
-from .conftest import Proc, wait_service
+from .conftest import Proc, listening_port, wait_service
 from .test_metrics import WAIT, get, until
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,9 +65,6 @@ def test_the_broker_is_not_ready_while_it_drains(tmp_path, gate):
 def test_the_broker_is_not_ready_until_every_pool_is(tmp_path, gate):
     # Found by the docs hunt: readiness was 200 once the fastest pool registered, while the
     # others still loaded (README waits on it before sending): requests let in met 503s.
-    from bench.peers import free_port
-
-    port = free_port()
     path = tmp_path / "deploy.toml"
     path.write_text(f'frontend = "ipc://{tmp_path}/fe.ipc"\nbackend = "ipc://{tmp_path}/be.ipc"\n'
                     "[scheduler]\nheartbeat_interval = 0.2\n" + textwrap.dedent("""
@@ -77,9 +74,11 @@ def test_the_broker_is_not_ready_until_every_pool_is(tmp_path, gate):
                         model = "gate_model:factory"
                         service = "gate"
                     """))
-    la = Proc(["-m", "broker", "--config", str(path), "--http", f"127.0.0.1:{port}"], env=gate.env)
+    # Port 0: the kernel's pick, read from its sockets (READY, which names it, comes only
+    # once every pool is ready)
+    la = Proc(["-m", "broker", "--config", str(path), "--http", "127.0.0.1:0"], env=gate.env)
     try:
-        base = f"http://127.0.0.1:{port}"
+        base = f"http://127.0.0.1:{listening_port(la.p.pid)}"
         until(lambda: _status(base, "/v2/models/echo/ready") == 200, "the echo pool registered")
         assert get(base, "/v2/health/ready")[0] == 503  # the gate pool still loads (its FIFO)
         gate.open()  # the gate worker's load ends

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from client_sdk import Client, InternalError
+from tests.children import read_rest_within
 
 from .conftest import wait_service
 
@@ -50,7 +51,7 @@ def _run(cluster, level: str, fmt: str = "text", *, env: dict | None = None, tra
             with c.infer("echo", {"x": x}, traceparent=tp) as out:
                 assert int(out["x"][0]) == i
     assert worker.terminate() == 0
-    worker_out = worker.p.stdout.read().decode()
+    worker_out = read_rest_within(worker.p.stdout, 10, "the end of the stopped worker's stdout").decode()
     worker_err = _stderr(worker)
     assert broker.terminate() == 0
     return _stderr(broker), worker_err, worker_out
@@ -58,7 +59,8 @@ def _run(cluster, level: str, fmt: str = "text", *, env: dict | None = None, tra
 
 def _stderr(proc) -> str:
     """All of a stopped process's stderr (what wait_log read, then the rest)."""
-    return (proc._err + proc.p.stderr.read()).decode(errors="replace")
+    return (proc._err + read_rest_within(proc.p.stderr, 10, "the end of a stopped process's stderr")).decode(
+        errors="replace")
 
 
 def _lines(text: str, what: str) -> list[str]:

@@ -65,14 +65,13 @@ def _held(cluster, gate, tmp_path, base: str, tree=None):
 
 
 def _tcp_broker(cluster) -> tuple[str, Proc]:
-    from bench.peers import free_port
-
-    frontend = f"tcp://127.0.0.1:{free_port()}"
-    broker = Proc(["-m", "broker", "--frontend", frontend, "--backend", cluster.backend,
+    """A broker on a tcp frontend of the kernel's port (its READY names it: a port picked
+    here and bound there may be taken meanwhile)."""
+    broker = Proc(["-m", "broker", "--frontend", "tcp://127.0.0.1:0", "--backend", cluster.backend,
                    "--heartbeat-interval", "0.2", "--insecure", "--http", "127.0.0.1:0"])
     cluster.procs.append(broker)
     broker.wait_ready()
-    return frontend, broker
+    return broker.field("frontend"), broker
 
 
 @pytest.mark.parametrize("transport, routing_id", [("ipc", None), ("ipc", b"plain-a"), ("tcp", None)])

@@ -18,6 +18,7 @@ import zmq
 
 from broker import protocol as P
 from client_sdk import Client
+from tests.children import read_rest_within
 from tests.e2e.conftest import Proc, wait_service
 
 WAIT_MS = 10_000
@@ -84,7 +85,7 @@ def test_a_worker_whose_ready_is_refused_exits_2_without_saying_ready(cluster):
               "--heartbeat-interval", "0.2"])
     try:
         assert w.p.wait(30) == 2
-        out = w.p.stdout.read().decode()
+        out = read_rest_within(w.p.stdout, 10, "the end of the refused worker's stdout").decode()
         err = w.stderr(tail=None)
         assert "READY" not in out, out
         assert "the broker refused to register this worker: READY refused: credit 70000" in err, err[-2000:]

@@ -27,7 +27,10 @@ from broker import protocol as P
 from client_sdk import Client
 from tests.e2e.conftest import Gate
 
-pytestmark = pytest.mark.timeout(60)
+# A held batch runs for as long as the test holds it: a stall of the loaded machine longer
+# than the default 0.6 s liveness window would read as the worker's death (its held request
+# run again elsewhere).  No test here looks at silence: 3 s.
+pytestmark = [pytest.mark.timeout(60), pytest.mark.heartbeat_liveness(15)]
 
 WAIT = 10.0
 

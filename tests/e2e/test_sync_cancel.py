@@ -14,13 +14,13 @@ cancelled.  Every wait polls a condition with a timeout; nothing sleeps.
 """
 from __future__ import annotations
 
-import signal
 import time
 
 import numpy as np
 import pytest
 
 from client_sdk import Cancelled, Client, DeadlineExceeded, EndOfStream
+from tests.alarms import alarm
 
 from .conftest import wait_service
 
@@ -152,26 +152,20 @@ def test_handle_cancel_of_a_running_request_frees_the_caller_at_once(gated, gate
 
 class _Interrupt:
     """SIGALRM raising KeyboardInterrupt after `delay` seconds, as Ctrl-C would, in the main
-    thread; restores the previous handler and timer (pytest-timeout's) on exit."""
+    thread; pytest-timeout's alarm is kept meanwhile and after (tests/alarms.py)."""
 
     def __init__(self, delay: float):
-        self.delay = delay
-
-    def __enter__(self):
         def handler(signum, frame):
             raise KeyboardInterrupt
 
-        self.t0 = time.monotonic()
-        self.old_handler = signal.signal(signal.SIGALRM, handler)
-        self.old_timer = signal.setitimer(signal.ITIMER_REAL, self.delay)
+        self._alarm = alarm(handler, delay)
+
+    def __enter__(self):
+        self._alarm.__enter__()
         return self
 
     def __exit__(self, *exc):
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, self.old_handler)
-        left, interval = self.old_timer
-        if left > 0:
-            signal.setitimer(signal.ITIMER_REAL, max(0.001, left - (time.monotonic() - self.t0)), interval)
+        return self._alarm.__exit__(*exc)
 
 
 def test_keyboard_interrupt_in_infer_cancels_at_the_broker(gated, gate):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from shm.cuda import cuda_status
+from tests.children import read_rest_within, readline_within
 
 HAVE_CUDA, WHY = cuda_status()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAVE_CUDA, reason=f"needs a CUDA device: {WHY}")]
@@ -75,10 +76,11 @@ class Child:
         self.pid = self.proc.pid
 
     def read(self) -> str:
-        line = self.proc.stdout.readline()
+        line = readline_within(self.proc.stdout, 60, "the CUDA child's next line")
         if not line:
             self.proc.wait(timeout=30)
-            raise AssertionError(f"child exited with {self.proc.returncode}: {self.proc.stderr.read()[-3000:]}")
+            err = read_rest_within(self.proc.stderr, 10, "the end of the CUDA child's stderr")
+            raise AssertionError(f"child exited with {self.proc.returncode}: {err[-3000:]}")
         return line.strip()
 
     def send(self, line: str) -> None:
