@@ -79,7 +79,7 @@ from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
 from broker.protocol.heap import ClosesSeen, trim_heap
 from broker.protocol.limits import Headroom, move_aside, nofile_limit, open_descriptors, put_back
 from broker.protocol.naming import ipc_problem
-from shm.errors import NotShared, OutOfResources, SegmentGone
+from shm.errors import NotShared, OutOfResources, SegmentGone, StaleDescriptor
 from shm.segment import ClockPeers
 
 __all__ = ["Worker", "WorkerConfig", "WarmupError", "ConfigError", "install_sigterm_drain", "ignore_other_signals",
@@ -1409,6 +1409,21 @@ class Worker:
             # gateway shutdown counted as protocol errors).  Nobody reads the answer.
             self._reply_error(job, P.ErrorCode.CANCELLED,
                               f"cannot read inputs: {e}; taken as cancelled by its sender")
+            return
+        except StaleDescriptor as e:
+            if req.attempt is not None:
+                # A retry (the broker sent it again after its worker died) whose inputs the
+                # sender has freed since, in its own memory (the owner check passed): a
+                # client frees them only at its call's end, so the first run answered it,
+                # straight to the client (direct reply) before its worker died and before
+                # its delayed DONE told the broker.  Nobody reads this answer: it is counted
+                # as the sender's, as a closed segment is, not as a protocol error (a chaos
+                # soak saw each such worker death in the protocol_error rate).
+                self._reply_error(job, P.ErrorCode.CANCELLED,
+                                  f"cannot read inputs: {e}; a retry whose sender had freed its inputs (the first "
+                                  f"run answered it): taken as cancelled by its sender")
+            else:
+                self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR, f"cannot read inputs: {e}")
             return
         except Exception as e:  # a stale/forged reference fails this request only
             self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR, f"cannot read inputs: {e}")

@@ -84,6 +84,36 @@ def test_a_result_that_crosses_its_cancel_counts_as_the_cancellation_its_client_
     assert _outcomes(base, "held") == {"ok": 1, "cancelled": 1}
 
 
+def test_a_retry_of_a_request_its_dead_worker_had_answered_straight_counts_cancelled(cluster):
+    """A worker answered a request straight to its client (direct reply) and was SIGKILLed
+    before its DONE (gathered for a while) told the broker: the broker sends the request
+    again to another worker (attempt 1), whose inputs the client freed at its answer.  The
+    second worker refused the stale slot as a forged descriptor, 400, and the broker
+    counted a protocol error for every such death (a chaos soak's protocol_error rate);
+    now the retry is taken as cancelled by its sender, and counted so.  (A stale slot on a
+    first attempt is still a 400: tests/e2e/test_descriptor_security.py.)"""
+    broker = cluster.broker("--http", "127.0.0.1:0")
+    base = "http://" + broker.field("http")
+    first = cluster.worker("echo", "--done-delay-ms", "30000", "--credit", "8", "--max-batch", "1")
+    x = np.arange(2048, dtype=np.float64)  # 16 KiB, not the client's alloc(): a slot freed at the answer
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, "echo")
+        with c.infer("echo", {"x": x}) as out:
+            np.testing.assert_array_equal(out["x"], x)
+        assert c.direct_replies == 1, "the answer was relayed: no direct reply to test"
+        assert _outcomes(base, "echo") == {}, "the DONE came already: nothing left for a retry"
+        second = cluster.worker("echo", "--log-level", "INFO")
+        until(lambda: sum(v for (name, labels), v in scrape(base).items()
+                          if name == "zmq_infer_workers" and dict(labels)["service"] == "echo") == 2,
+              "both workers registered")
+        first.kill()
+        second.wait_log("taken as cancelled by its sender")
+        until(lambda: sum(_outcomes(base, "echo").values()) == 1, "the retry counted")
+        assert _outcomes(base, "echo") == {"cancelled": 1}
+        c.infer("echo", {"x": x}).release()  # the survivor serves
+        until(lambda: _outcomes(base, "echo") == {"cancelled": 1, "ok": 1}, "the survivor's answer counted")
+
+
 @contextlib.contextmanager
 def _relayed_held(tmp_path, credit: int):
     """A broker on tcp (metrics on) behind a `bench.relay.Relay` the test can cut, and one
