@@ -1378,8 +1378,8 @@ class Broker:
         cmd = msg.command
         if cmd == P.C_REQUEST:
             sched.client_seen(ident, now)
-            if self._revoking and self._key_removed(frames[1]):
-                self._forbid(ident, msg, now)
+            if self._revoking and (key := self._key_removed(frames[1])):
+                self._forbid(ident, msg, now, key)
                 return
             self._on_request(ident, msg, now)
         elif cmd == P.C_HEARTBEAT:
@@ -1410,8 +1410,8 @@ class Broker:
             self._forget_client(ident)
             self._act(sched.client_disconnect(ident, now), now)
         elif cmd == P.C_LEASE:
-            if self._revoking and self._key_removed(frames[1]):
-                self._forbid(ident, msg, now)
+            if self._revoking and (key := self._key_removed(frames[1])):
+                self._forbid(ident, msg, now, key)
                 return
             self._on_lease(ident, msg, now)
         elif cmd == P.C_LEASE_END:
@@ -1424,20 +1424,22 @@ class Broker:
                 return
             self._act(sched.client_lease_end(ident, P.lease_number(end.lease), now), now)
 
-    def _key_removed(self, frame: Any) -> bool:
-        """Whether a client message came on a tcp connection whose CurveZMQ key has left the
-        client allow-list since its handshake."""
+    def _key_removed(self, frame: Any) -> str | None:
+        """The CurveZMQ key (Z85) of a client message's tcp connection if that key has left
+        the client allow-list since its handshake, else None."""
         try:
             uid = frame.get("User-Id")
         except (zmq.ZMQError, AttributeError, TypeError, ValueError):
-            return False
-        return bool(uid) and not self._curve.allowed("frontend", uid)
+            return None
+        return uid if uid and not self._curve.allowed("frontend", uid) else None
 
-    def _forbid(self, ident: bytes, msg: P.ClientMessage, now: float) -> None:
-        """Refuse a REQUEST (MMI included) or LEASE of a client whose key was removed: 403."""
+    def _forbid(self, ident: bytes, msg: P.ClientMessage, now: float, key: str) -> None:
+        """Refuse a REQUEST (MMI included) or LEASE of a client whose key was removed: 403.
+        The line names the key, as the handshake's refusal does (the connection's routing id
+        says nothing to whoever removed it: the ops audit)."""
         service = msg.service
-        self._bad.warning("refused a %s from tcp client %r: its CurveZMQ key was removed from the client "
-                          "allow-list", "LEASE" if msg.command == P.C_LEASE else "request", ident[:16])
+        self._bad.warning("refused a %s from tcp client %r, key %s: its CurveZMQ key was removed from the "
+                          "client allow-list", "LEASE" if msg.command == P.C_LEASE else "request", ident[:16], key)
         first = msg.body[0] if msg.body else b""
         rid = P.lenient_request_id(first) if first and P.is_header(first) else 0
         body = P.error_body(rid, P.ErrorCode.FORBIDDEN, _FORBIDDEN)

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import zmq.auth
 
 from broker import security as S
 from client_sdk import AsyncClient, Client, Forbidden
@@ -109,6 +110,9 @@ def test_keys_added_and_removed_while_the_broker_runs(broker, made):
                     served += 1  # sent before the broker acted on the removal
                     assert time.monotonic() < deadline, "a removed key is still served"
                 assert not a.pinned("echo")  # its lease ended
+                # The broker's line names the key (the operator removed a key, not a routing id).
+                a_key = zmq.auth.load_certificate(str(made["a"].pub))[0].decode()
+                broker.proc.wait_log(f"key {a_key}: its CurveZMQ key was removed from the client allow-list")
                 for _ in range(3):
                     with pytest.raises(Forbidden):
                         _echo(a, "echo", x)
