@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import json
 import math
-import signal
 import sys
 import time
 from datetime import datetime, timezone
@@ -21,7 +20,7 @@ except ImportError:
 
 from bench import loadgen, report as rep
 from bench.loadgen import Measurement, PayloadSpec, RunConfig, Workload, parse_size
-from bench.peers import PEERS, Peer, PeerClient, availability, load_plugins, make_peer
+from bench.peers import PEERS, Peer, PeerClient, availability, load_plugins, make_peer, sigterm_exits
 
 DEFAULT_SWEEP_SIZES = "16,256,4k,64k,1m,1080x1920x3,16m,64m"
 DEFAULT_COMPARE_SIZES = "16,1080x1920x3,64m"
@@ -438,22 +437,6 @@ def cmd_render(a: argparse.Namespace) -> int:
     return 0
 
 
-def _sigterm_exits() -> None:
-    """SIGTERM (what `timeout` sends) as SystemExit(143): the peers are stopped on the way
-    out (`finally`, atexit).  Left to its default, it ended the harness at once, and the
-    broker and worker peers it had started ran on, their temporary directories kept (the
-    bench audit)."""
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        def stop(signum, frame):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends it at once
-            raise SystemExit(128 + signum)
-
-        try:
-            signal.signal(signal.SIGTERM, stop)
-        except ValueError:  # not the main thread (a test calling main): as before
-            pass
-
-
 def main(argv: list[str] | None = None) -> int:
     # The interpreter's own argv when run from a shell: exactly what was typed.
     argv_full = (list(sys.orig_argv) if argv is None
@@ -462,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["soak"]:  # its own options (bench/soak.py): a run of the product, not of peers
         from bench import soak
 
+        if argv is None:
+            sigterm_exits()
         return soak.main(args[1:])
     if args[:1] == ["run"]:  # its own options (bench/run.py): a deployment that is already running
         from bench import run
@@ -477,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     mode = clients_mode(a)
     if argv is None:  # the command itself, not a caller of main() (whose handler it would replace for good)
-        _sigterm_exits()
+        sigterm_exits()
     load_plugins(a.peer_module)
     names = resolve_peers(a)
     if a.list_peers:

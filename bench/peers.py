@@ -96,7 +96,30 @@ def signals_held():
         for sig, handler in old.items():
             signal.signal(sig, handler)
         for signum in got:
+            if old[signum] is signal.SIG_DFL:
+                # Its default would end the process at once, past every `finally` and
+                # atexit that stops what was started: a harness that set no handler of
+                # its own (`sigterm_exits`) exits as if it had.
+                raise SystemExit(128 + signum)
             signal.raise_signal(signum)  # to the handler it was meant for, now
+
+
+def sigterm_exits() -> None:
+    """SIGTERM (what `timeout` sends) as SystemExit(143), for a harness's command (not a
+    caller of its `main()`, whose handler it would replace for good): the processes it
+    started are stopped on the way out (`finally`, atexit).  Left to its default, it ended
+    the harness at once, and the broker and worker processes it had started ran on, their
+    temporary directories kept (the bench audit; `python -m bench`, bench.chaos, bench.soak,
+    bench.restart).  A second SIGTERM ends it at once."""
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        def stop(signum, frame):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends it at once
+            raise SystemExit(128 + signum)
+
+        try:
+            signal.signal(signal.SIGTERM, stop)
+        except ValueError:  # not the main thread: as before
+            pass
 
 
 @atexit.register

@@ -194,4 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from bench.peers import sigterm_exits
+
+    sigterm_exits()
     sys.exit(main())

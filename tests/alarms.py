@@ -25,6 +25,8 @@ def alarm(handler, delay: float, interval: float = 0.0):
     left, _ = signal.getitimer(signal.ITIMER_REAL)
     theirs = time.monotonic() + left if left > 0 else None  # pytest-timeout's deadline
     due = [time.monotonic() + delay]  # our next alarm; None once a one-shot one rang
+    fired = [False]  # pytest-timeout's handler ran: its deadline is not armed again on leaving
+    leaving = [False]  # the block is being left: a tick that comes now arms nothing
 
     def arm() -> None:
         nxt = [t for t in (due[0], theirs) if t is not None]
@@ -34,11 +36,14 @@ def alarm(handler, delay: float, interval: float = 0.0):
         now = time.monotonic()
         if theirs is not None and now >= theirs:  # pytest-timeout's time: its handler, as it armed it
             due[0] = None
+            fired[0] = True
             signal.setitimer(signal.ITIMER_REAL, 0.0)
             signal.signal(signal.SIGALRM, theirs_handler)
             if callable(theirs_handler):
                 theirs_handler(signum, frame)
             return
+        if leaving[0]:
+            return  # (our alarm's last tick, as the block ends: nothing to run, nothing to arm)
         if due[0] is not None and now >= due[0]:
             due[0] = now + interval if interval > 0 else None
             arm()  # before the handler, which may raise
@@ -51,7 +56,8 @@ def alarm(handler, delay: float, interval: float = 0.0):
         arm()
         yield
     finally:
+        leaving[0] = True
         signal.setitimer(signal.ITIMER_REAL, 0.0)
         signal.signal(signal.SIGALRM, theirs_handler)
-        if theirs is not None:
+        if theirs is not None and not fired[0]:
             signal.setitimer(signal.ITIMER_REAL, max(1e-6, theirs - time.monotonic()))

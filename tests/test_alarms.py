@@ -51,3 +51,23 @@ def test_an_interval_alarm_rings_until_the_block_is_left():
     n = len(rang)
     threading.Event().wait(0.05)  # a span in which a timer left armed would ring (not a sync)
     assert len(rang) == n
+
+
+def test_a_shared_deadline_that_rang_inside_the_block_is_not_armed_again_on_leaving():
+    """pytest-timeout's handler ran inside the block (its test timed out): leaving the block
+    does not arm that deadline again (its handler ran a second time, raising wherever the
+    test's cleanup was).  Here a plain handler and timer stand for pytest-timeout's."""
+    calls = []
+    t0 = time.monotonic()
+    theirs = signal.signal(signal.SIGALRM, lambda *_: calls.append(1))
+    left, _ = signal.setitimer(signal.ITIMER_REAL, 0.05)
+    try:
+        with alarm(lambda *_: None, 30.0):
+            assert _wait_for(lambda: calls)
+        assert signal.getitimer(signal.ITIMER_REAL)[0] == 0
+        threading.Event().wait(0.1)  # a span in which a deadline armed again would ring (not a sync)
+        assert calls == [1]
+    finally:
+        signal.signal(signal.SIGALRM, theirs)
+        if left > 0:  # pytest-timeout's own, less the time spent
+            signal.setitimer(signal.ITIMER_REAL, max(1e-6, left - (time.monotonic() - t0)))

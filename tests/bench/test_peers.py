@@ -115,21 +115,31 @@ def test_start_ready_reaps_a_process_that_never_said_ready():
     with pytest.raises(PeerStartError, match="no READY"):
         start_ready(["-c", "import time; time.sleep(30)"], timeout=0.3)
 
-    def interrupt(*_):
-        raise KeyboardInterrupt
+    def interrupt(signum, frame):
+        # In the wait for READY, not in Popen (which `signals_held` guards only against
+        # SIGINT and SIGTERM, not this SIGALRM): a slow start rings again.
+        while frame is not None and frame.f_code.co_name != "wait_ready":
+            frame = frame.f_back
+        if frame is not None:
+            raise KeyboardInterrupt
 
-    with alarm(interrupt, 0.3), pytest.raises(KeyboardInterrupt):
+    with alarm(interrupt, 0.3, interval=0.05), pytest.raises(KeyboardInterrupt):
         start_ready(["-c", "import time; time.sleep(30)"], timeout=30)
 
 
-def test_a_started_process_still_running_at_exit_is_stopped_then():
+def test_a_started_process_still_running_at_exit_is_stopped_then(monkeypatch):
     """What `start_ready` started and the caller never stopped (a Ctrl-C between its return
     and the caller's keeping it) is stopped at interpreter exit."""
+    import weakref
+
     from bench import peers
 
     p = peers.start_ready(["-c", "print('READY', flush=True); import time; time.sleep(30)"])
     try:
         assert p.poll() is None
+        assert p in peers._STARTED
+        # This test's process alone (what other tests of this worker started is theirs).
+        monkeypatch.setattr(peers, "_STARTED", weakref.WeakSet([p]))
         peers._stop_started()  # what the interpreter's exit runs
         assert p.returncode is not None
     finally:
@@ -137,3 +147,26 @@ def test_a_started_process_still_running_at_exit_is_stopped_then():
             p.kill()
             p.wait(10)
         p.stdout.close()
+
+
+def test_a_sigterm_held_while_a_harness_has_no_handler_of_its_own_exits_through_finally(tmp_path):
+    """A SIGTERM held by `signals_held` in a process whose SIGTERM is at its default (a
+    harness run without `sigterm_exits`) was raised again there and ended the process at
+    once, past the `finally` and atexit that stop what it started; it is SystemExit(143)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "held.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from bench.peers import signals_held\n"
+        "try:\n"
+        "    with signals_held():\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    print('not reached', flush=True)\n"
+        "finally:\n"
+        "    print('finally ran', flush=True)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert r.returncode == 143, r
+    assert r.stdout == "finally ran\n", r
