@@ -86,7 +86,8 @@ def test_a_result_that_crosses_its_cancel_counts_as_the_cancellation_its_client_
 
 def test_a_retry_of_a_request_its_dead_worker_had_answered_straight_counts_cancelled(cluster):
     """A worker answered a request straight to its client (direct reply) and was SIGKILLed
-    before its DONE (gathered for a while) told the broker: the broker sends the request
+    before its DONE (gathered for 30 s here: a DONE waits at most half its call's timeout,
+    hence the call's 120 s) told the broker: the broker sends the request
     again to another worker (attempt 1), whose inputs the client freed at its answer.  The
     second worker refused the stale slot as a forged descriptor, 400, and the broker
     counted a protocol error for every such death (a chaos soak's protocol_error rate);
@@ -98,7 +99,7 @@ def test_a_retry_of_a_request_its_dead_worker_had_answered_straight_counts_cance
     x = np.arange(2048, dtype=np.float64)  # 16 KiB, not the client's alloc(): a slot freed at the answer
     with Client(cluster.frontend, timeout=WAIT) as c:
         wait_service(c, "echo")
-        with c.infer("echo", {"x": x}) as out:
+        with c.infer("echo", {"x": x}, timeout=120) as out:
             np.testing.assert_array_equal(out["x"], x)
         assert c.direct_replies == 1, "the answer was relayed: no direct reply to test"
         assert _outcomes(base, "echo") == {}, "the DONE came already: nothing left for a retry"
