@@ -522,7 +522,10 @@ class Soak:
         self.status_dir = os.path.join(d, "status")
         os.makedirs(self.status_dir)
         self.fe, self.be = f"ipc://{d}/fe.ipc", f"ipc://{d}/be.ipc"
-        self.env = {"XDG_RUNTIME_DIR": d, "PYTHONUNBUFFERED": "1"}
+        # The children run this tree's code, as this process does, wherever it was started from.
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        self.env = {"XDG_RUNTIME_DIR": d, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
         self.started: list[tuple[str, subprocess.Popen]] = []  # (instance name, process): every one
         self.broker: subprocess.Popen | None = None
         self.http = ""
@@ -978,9 +981,10 @@ def print_report(r: dict, out=sys.stdout) -> None:
 
 
 def _sigterm_exits() -> None:
-    """SIGTERM as SystemExit(143), so that everything started is stopped on the way out."""
+    """SIGTERM as SystemExit(143), so that everything started is stopped on the way out (a
+    second one, during that stop, cuts it short as a second Ctrl-C does: what is still
+    running is SIGKILLed, never left)."""
     def stop(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends it at once
         raise SystemExit(128 + signum)
 
     try:
