@@ -36,10 +36,11 @@ status went stale that long); a fault after which the probe got no answer within
 `--recovery-s`, or a client that got no answer after the last fault; a client that crashed
 or exited by itself, or a kind with no answer at all; a drained worker, or a process
 stopped at the end, exiting non-zero; `zmq_infer_requests_total{outcome="protocol_error"}`
-above 0 in any broker instance; a process whose RSS, open files or threads kept growing
-(first third < middle third < last third of its samples, and last - first above 16 MiB
-and 10 % / 4 files / 2 threads; judged only for processes that lived `--growth-min-s`);
-a process, `/dev/shm/zinf-*` file or file in the run's directory left behind.
+above 0 in any broker instance; a process whose heap (RssAnon), open files or threads kept
+growing (`growth`: from the first third of its samples to the last by more than 16 MiB and
+10 % / 8 files / 2 threads, and from the middle third to the last by more than half that;
+judged only for processes that lived `--growth-min-s`); a process, `/dev/shm/zinf-*` file
+or file in the run's directory left behind.
 
 Exit status 0 on PASS, 1 on FAIL, 130 when interrupted (everything is stopped all the
 same, and the report says `aborted`).
@@ -72,9 +73,9 @@ SERVICE = "echo"
 BIG = (2048, 3072)  # 6 MiB of uint8
 TIMEOUTS = {"small": 3.0, "big": 5.0, "async": 3.0, "pinned": 3.0, "stream": 2.0}
 PROBE_TIMEOUT = 2.0
-# growth that counts (besides first < middle < last third): RSS bytes and fraction, fds, threads
-GROWTH_RSS = (16 * 2**20, 0.10)
-GROWTH_FDS = 4
+# growth that counts (`growth`): heap bytes and fraction of the first third's, fds, threads
+GROWTH_ANON = (16 * 2**20, 0.10)
+GROWTH_FDS = 8
 GROWTH_THREADS = 2
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "zinf-"
@@ -464,16 +465,19 @@ def client_process(kind: str, ep: str, status: str, seed: int, margin: float) ->
 
 
 def proc_stats(pid: int) -> dict | None:
-    """RSS (bytes), open files and threads of a process, from /proc; None once it is gone."""
+    """RSS (bytes; `anon`: its private part, the heap; `shmem`: the shared memory it has
+    touched, bounded by the pools, rings and segments it maps), open files and threads of a
+    process, from /proc; None once it is gone."""
+    keys = {"VmRSS:": "rss", "RssAnon:": "anon", "RssShmem:": "shmem", "Threads:": "threads"}
     try:
-        rss = threads = 0
+        out = dict.fromkeys(keys.values(), 0)
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1]) * 1024
-                elif line.startswith("Threads:"):
-                    threads = int(line.split()[1])
-        return {"rss": rss, "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": threads}
+                k = keys.get(line.split(":", 1)[0] + ":")
+                if k is not None:
+                    out[k] = int(line.split()[1]) * (1 if k == "threads" else 1024)
+        out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+        return out
     except (FileNotFoundError, ProcessLookupError):
         return None
 
@@ -487,21 +491,24 @@ def shm_files() -> set[str]:
 
 def growth(samples: list[dict]) -> dict:
     """Means of the first, middle and last third of one process's samples, per measure, and
-    whether it kept growing (see the module docstring)."""
+    which measures kept growing: up by more than the limit from the first third to the last,
+    and by more than half of it from the middle third to the last (a step that then holds,
+    a pool or a cache filling, is not growth).  The heap (`anon`) is judged, not the shared
+    memory a process has touched (`shmem`: a worker's output ring fills page by page up to
+    its size) nor their sum; open files and threads are."""
     k = len(samples) // 3
     out: dict[str, Any] = {"samples": len(samples), "span_s": round(samples[-1]["t"] - samples[0]["t"], 1)}
     growing = []
-    for m in ("rss", "fds", "threads"):
+    for m in ("rss", "anon", "shmem", "fds", "threads"):
         a, b, c = (statistics.fmean(s[m] for s in part) for part in
                    (samples[:k], samples[k:len(samples) - k], samples[len(samples) - k:]))
-        if m == "rss":
-            limit = max(GROWTH_RSS[0], GROWTH_RSS[1] * a)
-            scale = 2**20
-            out["rss_mib"] = [round(a / scale, 1), round(b / scale, 1), round(c / scale, 1)]
+        if m in ("rss", "anon", "shmem"):
+            out[f"{m}_mib"] = [round(v / 2**20, 1) for v in (a, b, c)]
         else:
-            limit = GROWTH_FDS if m == "fds" else GROWTH_THREADS
-            out[m] = [round(a, 1), round(b, 1), round(c, 1)]
-        if a < b < c and c - a > limit:
+            out[m] = [round(v, 1) for v in (a, b, c)]
+        limit = {"anon": max(GROWTH_ANON[0], GROWTH_ANON[1] * a), "fds": GROWTH_FDS,
+                 "threads": GROWTH_THREADS}.get(m)
+        if limit is not None and c - a > limit and c - b > limit / 2:
             growing.append(m)
     out["growing"] = growing
     return out
@@ -536,6 +543,8 @@ class Soak:
         self.failures: list[str] = []
         self.hangs: list[dict] = []
         self.broker_counts: dict[int, dict[str, float]] = {}  # broker pid -> its last requests_total
+        # when a scrape found protocol_error risen: (monotonic time, broker pid, its count)
+        self.protocol_errors: list[tuple[float, int, int]] = []
         self.lock = threading.Lock()
 
     def _start(self, name: str, args: list[str]) -> subprocess.Popen:
@@ -584,8 +593,19 @@ class Soak:
             snap = snapshot(fetch(f"http://{self.http}/metrics", timeout_s=5.0), SERVICE)
         except ScrapeError:
             return
+        counts = {k.split(":", 1)[1]: v for k, v in snap.items() if k.startswith("requests:")}
         with self.lock:
-            self.broker_counts[b.pid] = {k.split(":", 1)[1]: v for k, v in snap.items() if k.startswith("requests:")}
+            before = self.broker_counts.get(b.pid, {}).get("protocol_error", 0)
+            if counts.get("protocol_error", 0) > before:
+                self.protocol_errors.append((time.monotonic(), b.pid, int(counts["protocol_error"])))
+            self.broker_counts[b.pid] = counts
+
+    @staticmethod
+    def _reaped(p: subprocess.Popen) -> None:
+        """A process ended by a fault: its stdout pipe closed (kept, one a fault, this
+        process's descriptors grew all run long)."""
+        if p.stdout is not None:
+            p.stdout.close()
 
     def fault(self, kind: str, rng: random.Random) -> dict:
         t_sig = time.monotonic()
@@ -595,12 +615,14 @@ class Soak:
             old = self.broker
             old.kill()
             old.wait(10)
+            self._reaped(old)
             self.start_broker()
             ev.update(pid=old.pid, new_pid=self.broker.pid)
         elif kind == "client-kill":
             old = self.clients["victim"]
             old.kill()
             old.wait(10)
+            self._reaped(old)
             self.start_client("victim")
             ev.update(pid=old.pid, new_pid=self.clients["victim"].pid)
         else:
@@ -621,6 +643,7 @@ class Soak:
                     self.failures.append(f"drained worker {w.pid} exited with status {w.returncode}")
                 ev["exit_status"] = w.returncode
             ev["stopped_s"] = round(time.monotonic() - t_sig, 3)
+            self._reaped(w)
             self.start_worker(i)
             ev.update(worker=i, pid=w.pid, new_pid=self.workers[i].pid)
         ev["t_mono"] = t_sig
@@ -642,6 +665,7 @@ class Soak:
         for kind, p in list(self.clients.items()):
             if p.poll() is not None:
                 self.failures.append(f"client {kind} ({p.pid}) exited by itself with status {p.returncode}")
+                self._reaped(p)
                 self.start_client(kind)
                 continue
             st = self.read_status(p.pid)
@@ -762,7 +786,7 @@ def run(minutes: float = 10.0, *, seed: int = 1, every: float = 15.0, settle_s: 
     wall = time.monotonic() - t0
     return _report(soak, result, events, plan, probe_log, probe_info, samples, shm_seen, aborted, wall,
                    dict(minutes=minutes, seed=seed, every_s=every, settle_s=settle_s, sample_s=sample_s,
-                        hang_margin_s=hang_margin_s, recovery_s=recovery_s, growth_min_s=growth_min_s))
+                        hang_margin_s=hang_margin_s, recovery_s=recovery_s, growth_min_s=growth_min_s), t0)
 
 
 def _close(soak: Soak, stop: threading.Event, threads: list[threading.Thread], shm_before: set[str],
@@ -796,9 +820,14 @@ def _close(soak: Soak, stop: threading.Event, threads: list[threading.Thread], s
             soak.failures.append(f"{p.args[2]} {p.pid} had exited by itself (status {p.returncode})")
         else:
             p.terminate()
+    wait_by = time.monotonic() + 45  # the broker drains in 8 s at most, a worker once its results are released
     for p in fleet:
         was_live = p.returncode is None
-        stop_process(p)
+        try:
+            p.wait(max(0.1, wait_by - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
         if was_live and p.returncode != 0:
             soak.failures.append(f"{p.args[2]} {p.pid} exited with status {p.returncode} on SIGTERM")
     for _, p in soak.started:  # the killed ones were reaped when killed; any other, now
@@ -835,7 +864,7 @@ def _close(soak: Soak, stop: threading.Event, threads: list[threading.Thread], s
 
 
 def _report(soak: Soak, result: dict, events: list[dict], plan, probe_log, probe_info, samples, shm_seen,
-            aborted, wall: float, config: dict) -> dict:
+            aborted, wall: float, config: dict, t0: float) -> dict:
     reasons: list[str] = []
     cfg = config
     # Clients, by kind (every process of a kind added up: the victims' last status each).
@@ -911,8 +940,10 @@ def _report(soak: Soak, result: dict, events: list[dict], plan, probe_log, probe
     brokers: Counter = Counter()
     for counts in soak.broker_counts.values():
         brokers.update({k: int(v) for k, v in counts.items()})
+    seen = [{"t": round(t - t0, 1), "broker_pid": pid, "protocol_error": n} for t, pid, n in soak.protocol_errors]
     if brokers.get("protocol_error", 0) > 0:
-        reasons.append(f"the brokers counted {brokers['protocol_error']} protocol_error outcome(s)")
+        reasons.append(f"the brokers counted {brokers['protocol_error']} protocol_error outcome(s) (first seen by "
+                       f"the scrapes at {', '.join(str(x['t']) + ' s' for x in seen[:5])})")
     # Growth: per process instance that lived long enough.
     procs = {}
     short = 0
@@ -924,7 +955,7 @@ def _report(soak: Soak, result: dict, events: list[dict], plan, probe_log, probe
         procs[name] = g
         if g["growing"]:
             reasons.append(f"{name}: {', '.join(g['growing'])} kept growing over {g['span_s']} s "
-                           f"(thirds: rss {g['rss_mib']} MiB, fds {g['fds']}, threads {g['threads']})")
+                           f"(thirds: heap {g['anon_mib']} MiB, fds {g['fds']}, threads {g['threads']})")
     for what, key in (("process(es)", "left_processes"), ("/dev/shm file(s)", "left_shm"),
                       ("file(s) in the run's directory", "left_files")):
         if result[key]:
@@ -947,13 +978,21 @@ def _report(soak: Soak, result: dict, events: list[dict], plan, probe_log, probe
         "probe": {"outcomes": dict(probe), **probe_info},
         "broker_requests_total": dict(brokers),
         "broker_instances": len(soak.broker_counts),
+        "broker_counts_by_instance": {str(pid): {k: int(v) for k, v in c.items() if v}
+                                      for pid, c in soak.broker_counts.items()},
+        "protocol_error_seen": seen,
         "hangs": soak.hangs,
         "process_failures": soak.failures,
         "growth": {"judged": procs, "not_judged_short_lived": short, "min_span_s": cfg["growth_min_s"]},
         "shm_new_max": max(shm_seen, default=0),
+        "samples": samples,  # per process instance: [{t, rss, fds, threads}], t from the start of the load
         "left_processes": result["left_processes"], "left_shm": result["left_shm"],
         "left_files": result["left_files"],
     }
+
+
+def _thirds(v: list[float]) -> str:
+    return " ".join(f"{x:g}" for x in v)
 
 
 def print_report(r: dict, out=sys.stdout) -> None:
@@ -968,10 +1007,13 @@ def print_report(r: dict, out=sys.stdout) -> None:
       f"max by fault {rec['max_by_fault']}")
     p(f"brokers ({r['broker_instances']} instances), requests_total: {r['broker_requests_total']}")
     g = r["growth"]
-    p(f"{'process':14s} {'span s':>7s} {'RSS MiB (thirds)':>22s} {'fds':>18s} {'threads':>16s}")
+    p("per process that lived long enough, means of the first, middle and last third of its samples:")
+    p(f"{'process':16s} {'span s':>6s} {'RSS MiB':>21s} {'heap MiB':>21s} {'shmem MiB':>21s} {'fds':>18s} "
+      f"{'threads':>15s}")
     for name, x in g["judged"].items():
-        p(f"{name:14s} {x['span_s']:7.0f} {str(x['rss_mib']):>22s} {str(x['fds']):>18s} {str(x['threads']):>16s}"
-          + (f"  GROWING: {x['growing']}" if x["growing"] else ""))
+        p(f"{name:16s} {x['span_s']:6.0f} {_thirds(x['rss_mib']):>21s} {_thirds(x['anon_mib']):>21s} "
+          f"{_thirds(x['shmem_mib']):>21s} {_thirds(x['fds']):>18s} {_thirds(x['threads']):>15s}"
+          + (f"  GROWING: {', '.join(x['growing'])}" if x["growing"] else ""))
     p(f"({g['not_judged_short_lived']} process instance(s) lived under {g['min_span_s']:g} s: not judged)")
     p(f"left behind: processes {len(r['left_processes'])}, /dev/shm files {len(r['left_shm'])}, "
       f"files {len(r['left_files'])}; hangs {len(r['hangs'])}")
