@@ -42,8 +42,8 @@ growing (`growth`: from the first third of its samples to the last by more than 
 judged only for processes that lived `--growth-min-s`); a process, `/dev/shm/zinf-*` file
 or file in the run's directory left behind.
 
-Exit status 0 on PASS, 1 on FAIL, 130 when interrupted (everything is stopped all the
-same, and the report says `aborted`).
+Exit status 0 on PASS, 1 on FAIL, 130 on Ctrl-C and 143 on SIGTERM (everything is stopped
+all the same, and the report says `aborted`).
 """
 from __future__ import annotations
 
