@@ -445,9 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     if args[:1] == ["soak"]:  # its own options (bench/soak.py): a run of the product, not of peers
         from bench import soak
 
-        if argv is None:
-            sigterm_exits()
-        return soak.main(args[1:])
+        return soak.main(args[1:], from_shell=argv is None)
     if args[:1] == ["run"]:  # its own options (bench/run.py): a deployment that is already running
         from bench import run
 

@@ -277,14 +277,16 @@ def _stop_started() -> None:
             pass
 
 
-def start_ready(args: list[str], env: dict | None = None, timeout: float = 120) -> subprocess.Popen:
+def start_ready(args: list[str], env: dict | None = None, timeout: float = 120,
+                stderr: Any = subprocess.DEVNULL) -> subprocess.Popen:
     """`python ARGS` (one of our processes), returned once it printed its READY line.  One
     that fails to (it exits, stays silent, or a signal interrupts the wait) is killed and
     reaped before the exception goes on; a SIGTERM or Ctrl-C while it is started is held
-    until it is tracked (`signals_held`), and one still running at exit is stopped then."""
+    until it is tracked (`signals_held`), and one still running at exit is stopped then.
+    `stderr`: where its logs go (a file object or descriptor; discarded by default)."""
     full = None if env is None else {**os.environ, **env}
     with signals_held():
-        p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=full)
+        p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=stderr, env=full)
         _STARTED.add(p)
     try:
         wait_ready(p, timeout)

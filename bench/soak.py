@@ -9,6 +9,11 @@ per process, the values at the start and the end of the second half and the grow
 second half is the pass mark; it is not run by `make test`.
 
     python -m bench soak --minutes 4 [--json PATH] [--sample-s 5]
+
+With `--faults` it is the soak with faults instead (bench/soak_faults.py: processes killed,
+drained and restarted under mixed load, every answer checked, a PASS/FAIL verdict):
+
+    python -m bench soak --faults --minutes 10 [--seed 1] [--json PATH]
 """
 from __future__ import annotations
 
@@ -94,12 +99,22 @@ def run(minutes: float, sample_s: float) -> dict:
     return {"minutes": minutes, "requests": dict(counts), "second_half": growth, "samples": samples}
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, from_shell: bool | None = None) -> int:
+    if "--faults" in (sys.argv[1:] if argv is None else argv):
+        from bench import soak_faults
+
+        return soak_faults.main(argv, from_shell=argv is None if from_shell is None else from_shell)
     ap = argparse.ArgumentParser(prog="python -m bench soak", description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=4.0)
     ap.add_argument("--sample-s", type=float, default=5.0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--faults", action="store_true",
+                    help="the soak with faults (bench/soak_faults.py; `--faults --help` for its options)")
     a = ap.parse_args(argv)
+    if (argv is None if from_shell is None else from_shell):  # (a caller of main(), a test, keeps its own)
+        from bench.peers import sigterm_exits
+
+        sigterm_exits()
     res = run(a.minutes, a.sample_s)
     print(f"requests: {res['requests']}")
     print(f"{'process':10s} {'RSS MiB (2nd half)':>22s} {'growth':>8s} {'fds':>9s} {'growth':>7s}")
@@ -113,7 +128,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from bench.peers import sigterm_exits
-
-    sigterm_exits()
     sys.exit(main())
