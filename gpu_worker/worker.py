@@ -1411,19 +1411,21 @@ class Worker:
                               f"cannot read inputs: {e}; taken as cancelled by its sender")
             return
         except StaleDescriptor as e:
-            if req.attempt is not None:
-                # A retry (the broker sent it again after its worker died) whose inputs the
-                # sender has freed since, in its own memory (the owner check passed): a
-                # client frees them only at its call's end, so the first run answered it,
-                # straight to the client (direct reply) before its worker died and before
-                # its delayed DONE told the broker.  Nobody reads this answer: it is counted
-                # as the sender's, as a closed segment is, not as a protocol error (a chaos
-                # soak saw each such worker death in the protocol_error rate).
-                self._reply_error(job, P.ErrorCode.CANCELLED,
-                                  f"cannot read inputs: {e}; a retry whose sender had freed its inputs (the first "
-                                  f"run answered it): taken as cancelled by its sender")
-            else:
+            if not e.moved_on:  # a state or generation the slot never had: forged, or sent unready
                 self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR, f"cannot read inputs: {e}")
+                return
+            # A slot of the sender's own memory (the owner check passed) that the sender has
+            # freed since it sent the request: our client frees a call's inputs only at its
+            # end, so this is a copy of a call already answered (a retry after its worker
+            # died, which had answered straight to the client before its delayed DONE told
+            # the broker; a client's resend after a broker restart whose old copy answered
+            # first) or given up.  Nobody reads the answer: it is the sender's, as a closed
+            # segment is, not a protocol error (chaos soaks saw each such copy in the
+            # protocol_error rate; a client that frees its inputs early is told the same
+            # stale slot).
+            self._reply_error(job, P.ErrorCode.CANCELLED,
+                              f"cannot read inputs: {e}; its sender freed them since it sent the request (a "
+                              f"copy of a call already answered, or given up): taken as cancelled by its sender")
             return
         except Exception as e:  # a stale/forged reference fails this request only
             self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR, f"cannot read inputs: {e}")

@@ -35,7 +35,13 @@ class SegmentGone(ShmError):
 
 
 class StaleDescriptor(ShmError):
-    """The descriptor names a slot generation that is no longer live."""
+    """The descriptor names a slot generation that is no longer live.  ``moved_on``: the
+    slot's generation is past the descriptor's (its owner freed it since the descriptor was
+    made), not a state or a generation the slot never had (a forged or early reference)."""
+
+    def __init__(self, *args, moved_on: bool = False):
+        super().__init__(*args)
+        self.moved_on = moved_on
 
 
 class BadDescriptor(ShmError):

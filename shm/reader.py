@@ -146,7 +146,8 @@ class SegmentCache:
                 return a, b, -1
             raise StaleDescriptor(
                 f"descriptor for slot {slot} generation {gen} of {name} is stale: the slot is "
-                f"{STATE_NAMES.get(state, state)} at generation {w >> 32}"
+                f"{STATE_NAMES.get(state, state)} at generation {w >> 32}",
+                moved_on=w >> 32 > gen,
             )
         if holder is not None and q[b + Q_HOLDER_PID] & U32 != holder:
             # Not lent to this reader: a request's input (its owner frees it, and a RELEASED
@@ -166,7 +167,7 @@ class SegmentCache:
         if q[b] != w:
             # The owner moved the slot on while we looked at it: our reads of offset and
             # nbytes may belong to the next generation.
-            raise StaleDescriptor(f"slot {slot} of {name} changed while being validated")
+            raise StaleDescriptor(f"slot {slot} of {name} changed while being validated", moved_on=True)
         return a, b, w
 
     # ------------------------------------------------------------------ public API

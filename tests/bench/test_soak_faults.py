@@ -62,15 +62,10 @@ def test_a_short_run_with_every_fault_passes_and_leaves_nothing_behind():
     lines: list[str] = []
     # Generous margins: a loaded machine may be slow, never wrong.
     r = sf.run(0.3, seed=5, plan=plan, sample_s=1.0, hang_margin_s=30.0, recovery_s=60.0, log=lines.append)
-    # A known product bug (open): a call the client resent after the broker restart, whose
-    # old copy reached the new broker too and answered first, had its inputs freed by that
-    # answer while the new copy was dispatched: the worker answers the copy 400 (a stale
-    # slot on a first attempt) and the broker counts a protocol_error nobody reads.  Every
-    # other reason fails the test; that one alone makes it an xfail until the bug is fixed.
-    restart = next((f["t"] for f in r["faults"] if f["fault"] == "broker-restart"), float("inf"))
-    known = [w for w in r["reasons"] if w.startswith("the brokers counted") and "protocol_error" in w
-             and all(x["t"] >= restart for x in r["protocol_error_seen"])]
-    assert [w for w in r["reasons"] if w not in known] == [] and r["aborted"] is None, r["reasons"]
+    # (A call resent after the broker restart whose old copy reached the new broker too and
+    # answered first had its inputs freed while the new copy was dispatched: that copy was
+    # answered 400, a protocol_error nobody read.  It is the sender's cancellation now.)
+    assert r["reasons"] == [] and r["aborted"] is None, r["reasons"]
     assert [f["fault"] for f in r["faults"]] == [k for _, k in plan]
     assert all(f["recovery_s"] is not None for f in r["faults"]), r["faults"]
     assert r["fault_counts"] == {k: 1 for k in sf.FAULTS}
@@ -85,8 +80,6 @@ def test_a_short_run_with_every_fault_passes_and_leaves_nothing_behind():
     assert r["process_failures"] == [] and r["hangs"] == []
     run_dir = lines[0].rsplit("dir ", 1)[1]
     assert not os.path.exists(run_dir) and _running_with(run_dir) == []
-    if known:
-        pytest.xfail(f"known bug, a resend after a broker restart counted as protocol_error: {known}")
     assert r["verdict"] == "PASS" and r["broker_requests_total"].get("protocol_error", 0) == 0, r["reasons"]
 
 

@@ -91,8 +91,9 @@ def test_a_retry_of_a_request_its_dead_worker_had_answered_straight_counts_cance
     again to another worker (attempt 1), whose inputs the client freed at its answer.  The
     second worker refused the stale slot as a forged descriptor, 400, and the broker
     counted a protocol error for every such death (a chaos soak's protocol_error rate);
-    now the retry is taken as cancelled by its sender, and counted so.  (A stale slot on a
-    first attempt is still a 400: tests/e2e/test_descriptor_security.py.)"""
+    now the retry is taken as cancelled by its sender, and counted so (as is any copy whose
+    inputs its sender freed since: tests/bench/test_soak_faults.py's resend after a broker
+    restart whose old copy answered first)."""
     broker = cluster.broker("--http", "127.0.0.1:0")
     base = "http://" + broker.field("http")
     first = cluster.worker("echo", "--done-delay-ms", "30000", "--credit", "8", "--max-batch", "1")

@@ -113,19 +113,25 @@ def test_shape_and_dtype_must_match_the_descriptor(pool, cache):
 def test_only_in_flight_slots_can_be_viewed(pool, cache):
     a = pool.alloc(16, np.uint8)
     ref = pool.ref_of(a)
-    with pytest.raises(StaleDescriptor, match="WRITING"):
+    with pytest.raises(StaleDescriptor, match="WRITING") as e:
         cache.view(ref, np.uint8, 16)  # not sent yet: the owner may still be writing
+    assert not e.value.moved_on  # (a state the slot has not left: not a freed one)
+    with pytest.raises(StaleDescriptor) as e:
+        cache.view(ref._replace(generation=ref.generation + 5), np.uint8, 16)
+    assert not e.value.moved_on  # a generation the slot never had
     pool.mark_in_flight(ref)
     cache.view(ref, np.uint8, 16)
     pool.free(ref)
-    with pytest.raises(StaleDescriptor, match="FREE"):
+    with pytest.raises(StaleDescriptor, match="FREE") as e:
         cache.view(ref, np.uint8, 16)
+    assert e.value.moved_on  # freed since: a copy of a call its owner is done with
     b = pool.alloc(16, np.uint8)  # same slot, next generation
     rb = pool.ref_of(b)
     pool.mark_in_flight(rb)
     assert rb.slot == ref.slot and rb.generation == ref.generation + 1
-    with pytest.raises(StaleDescriptor):
+    with pytest.raises(StaleDescriptor) as e:
         cache.view(ref, np.uint8, 16)
+    assert e.value.moved_on
     with pytest.raises(StaleDescriptor):
         cache.release(ref)
     assert pool.table[rb.slot]["state"] == IN_FLIGHT  # the stale release stored nothing
