@@ -149,13 +149,18 @@ def test_a_worker_pointed_at_the_brokers_frontend_is_not_ready(cluster):
 
 
 def _takes_sigterm(pid: int) -> list[str]:
-    """The threads of `pid` that do not block SIGTERM (/proc/PID/task/*/status, SigBlk)."""
+    """The threads of `pid` that do not block SIGTERM (/proc/PID/task/*/status, SigBlk); a
+    thread that ended between the listing and its read (the health probe's request thread,
+    a fresh clone's run) takes nothing."""
     import os
 
     out = []
     for tid in sorted(os.listdir(f"/proc/{pid}/task")):
-        with open(f"/proc/{pid}/task/{tid}/status") as f:
-            blocked = next(line for line in f if line.startswith("SigBlk:")).split()[1]
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                blocked = next(line for line in f if line.startswith("SigBlk:")).split()[1]
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            continue
         if not int(blocked, 16) & (1 << (signal.SIGTERM - 1)):
             out.append(tid)
     return out
