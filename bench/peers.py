@@ -110,11 +110,21 @@ def sigterm_exits() -> None:
     started are stopped on the way out (`finally`, atexit).  Left to its default, it ended
     the harness at once, and the broker and worker processes it had started ran on, their
     temporary directories kept (the bench audit; `python -m bench`, bench.chaos, bench.soak,
-    bench.restart).  A second SIGTERM ends it at once."""
+    bench.restart).  A second SIGTERM (the stop itself stuck, or a supervisor's impatience)
+    SIGKILLs every process started and tracked here, then ends the harness at once."""
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         def stop(signum, frame):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends it at once
+            signal.signal(signal.SIGTERM, kill_all)
             raise SystemExit(128 + signum)
+
+        def kill_all(signum, frame):
+            procs = list(_STARTED) + [p for peer in list(_LIVE) for p in getattr(peer, "_procs", ())]
+            for p in procs:
+                try:
+                    p.kill()
+                except Exception:
+                    pass
+            os._exit(128 + signum)
 
         try:
             signal.signal(signal.SIGTERM, stop)

@@ -16,7 +16,8 @@ children's XDG_RUNTIME_DIR, so whatever they leave there is seen):
     pinned   `Client(pin=True)`, 16 B, every 50th call 1 MiB through shared memory
     stream   `Client.stream` (latest wins, 2 in flight), a 16 B frame every 20 ms,
              reopened every 30 s
-    victim   all of the above at once, without pauses, SIGKILLed mid-call (client-kill)
+    victim   all of the above at once, paced 5 ms (6 MiB calls unpaced), SIGKILLed mid-call
+             (client-kill)
 - a probe in this process: a sync `Client`, 16 B, 4 a second, 2 s timeout: its first
   answer after each fault is the fault's recovery time.
 
@@ -69,6 +70,8 @@ SCHEMA = "zinf-bench-soak-faults/1"
 FAULTS = ("worker-kill", "worker-drain", "client-kill", "broker-restart")
 FAULT_WEIGHTS = (3, 1, 3, 1)  # beyond the one of each kind
 KINDS = ("small", "big", "async", "pinned", "stream", "victim")
+#: the kinds that cancel calls on purpose (a `Cancelled` is theirs to see)
+CANCELLING = ("small", "async", "victim")
 SERVICE = "echo"
 BIG = (2048, 3072)  # 6 MiB of uint8
 TIMEOUTS = {"small": 3.0, "big": 5.0, "async": 3.0, "pinned": 3.0, "stream": 2.0}
@@ -607,14 +610,26 @@ class Soak:
         if p.stdout is not None:
             p.stdout.close()
 
+    def _exited(self, name: str, p: subprocess.Popen) -> bool:
+        """Whether ``p`` (the broker or a worker) ended by itself before a fault reached it: a
+        failure (a crash a later fault would hide by replacing it)."""
+        if p.poll() is None:
+            return False
+        self.failures.append(f"{name} ({p.pid}) exited by itself with status {p.returncode}")
+        return True
+
     def fault(self, kind: str, rng: random.Random) -> dict:
+        """One fault, done; ``t_mono`` in the event is when it took effect (the process gone,
+        not the signal sent: the checks of what came after it are measured from there)."""
         t_sig = time.monotonic()
         ev: dict[str, Any] = {"fault": kind}
         if kind == "broker-restart":
             self.scrape()
             old = self.broker
+            self._exited("broker", old)
             old.kill()
             old.wait(10)
+            t_eff = time.monotonic()
             self._reaped(old)
             self.start_broker()
             ev.update(pid=old.pid, new_pid=self.broker.pid)
@@ -622,12 +637,14 @@ class Soak:
             old = self.clients["victim"]
             old.kill()
             old.wait(10)
+            t_eff = time.monotonic()
             self._reaped(old)
             self.start_client("victim")
             ev.update(pid=old.pid, new_pid=self.clients["victim"].pid)
         else:
             i = rng.choice([1, 2])
             w = self.workers[i]
+            self._exited(f"worker {i}", w)
             if kind == "worker-kill":
                 w.kill()
                 w.wait(10)
@@ -642,11 +659,12 @@ class Soak:
                 if w.returncode != 0:
                     self.failures.append(f"drained worker {w.pid} exited with status {w.returncode}")
                 ev["exit_status"] = w.returncode
-            ev["stopped_s"] = round(time.monotonic() - t_sig, 3)
+            t_eff = time.monotonic()
+            ev["stopped_s"] = round(t_eff - t_sig, 3)
             self._reaped(w)
             self.start_worker(i)
             ev.update(worker=i, pid=w.pid, new_pid=self.workers[i].pid)
-        ev["t_mono"] = t_sig
+        ev["t_mono"] = t_eff
         ev["replaced_s"] = round(time.monotonic() - t_sig, 3)
         return ev
 
@@ -658,8 +676,16 @@ class Soak:
             return None
 
     def watch_clients(self) -> None:
-        """A client process that ended by itself is a failure (and is replaced); a call out
-        past its timeout + margin, or a status gone stale that long, is a hang."""
+        """A process (client, broker or worker) that ended by itself is a failure (and is
+        replaced); a call out past its timeout + margin, or a status gone stale that long, is a
+        hang."""
+        if self._exited("broker", self.broker):
+            self._reaped(self.broker)
+            self.start_broker()
+        for i, w in enumerate(self.workers):
+            if w is not None and self._exited(f"worker {i}", w):
+                self._reaped(w)
+                self.start_worker(i)
         now = time.monotonic()
         limit = max(TIMEOUTS.values()) + self.margin
         for kind, p in list(self.clients.items()):
@@ -774,15 +800,28 @@ def run(minutes: float = 10.0, *, seed: int = 1, every: float = 15.0, settle_s: 
             soak.failures.append(f"the harness failed: {aborted}")
         result = _close(soak, stop, threads, shm_before, d)
     finally:
-        # Whatever happened above (a second interrupt included), nothing is left running.
-        stop.set()
-        for _, p in soak.started:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-            if p.stdout is not None and not p.stdout.closed:
-                p.stdout.close()
-        shutil.rmtree(d, ignore_errors=True)
+        # Whatever happened above (a second interrupt included), nothing is left running: with
+        # SIGINT and SIGTERM held off meanwhile (one more, raised in a wait here, stopped the
+        # loop with processes and the temp dir left), delivered after.
+        main = threading.current_thread() is threading.main_thread()
+        held = {signal.SIGINT, signal.SIGTERM}
+        if main:
+            signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            stop.set()
+            for _, p in soak.started:
+                try:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait(10)
+                    if p.stdout is not None and not p.stdout.closed:
+                        p.stdout.close()
+                except Exception:  # (one that will not die: the next ones still go)
+                    pass
+            shutil.rmtree(d, ignore_errors=True)
+        finally:
+            if main:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     wall = time.monotonic() - t0
     return _report(soak, result, events, plan, probe_log, probe_info, samples, shm_seen, aborted, wall,
                    dict(minutes=minutes, seed=seed, every_s=every, settle_s=settle_s, sample_s=sample_s,
@@ -905,6 +944,16 @@ def _report(soak: Soak, result: dict, events: list[dict], plan, probe_log, probe
         untyped = {e: n for e, n in o.items() if e.startswith("untyped:")}
         if untyped:
             reasons.append(f"client {kind}: untyped errors {untyped}")
+        # Typed errors the run explains: a deadline (the short ones asked for, or a call caught
+        # by a fault), and the cancellations the cancelling kinds ask for.  Anything else
+        # (ProtocolError, WorkerFailed, ServiceUnavailable, BrokerUnreachable, ...) is a call
+        # the faults were not to cost: the product promises each one its answer.
+        allowed = {"DeadlineExceeded"} | ({"Cancelled"} if kind in CANCELLING else set())
+        other = {e: n for e, n in o.items() if e not in allowed and not e.startswith("untyped:")
+                 and e not in ("ok", "wrong", "overrun", "cancelled", "crashed")}
+        if other:
+            reasons.append(f"client {kind}: errors the faults do not explain {other} "
+                           f"(e.g. {k['error_samples'].get(next(iter(other)), '?')})")
         if o.get("crashed"):
             reasons.append(f"client {kind}: crashed ({k['error_samples'].get('crashed')})")
         if o.get("overrun"):

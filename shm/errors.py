@@ -37,7 +37,10 @@ class SegmentGone(ShmError):
 class StaleDescriptor(ShmError):
     """The descriptor names a slot generation that is no longer live.  ``moved_on``: the
     slot's generation is past the descriptor's (its owner freed it since the descriptor was
-    made), not a state or a generation the slot never had (a forged or early reference)."""
+    made), not a state or a generation the slot never had (a forged or early reference).
+    Set by the reader's checks (`shm.reader`); the owner's own refusals leave it False.  At
+    the generation counter's wrap (2^32 generations of one slot) a freed slot reads as not
+    moved on: the stricter answer."""
 
     def __init__(self, *args, moved_on: bool = False):
         super().__init__(*args)

@@ -167,7 +167,8 @@ class SegmentCache:
         if q[b] != w:
             # The owner moved the slot on while we looked at it: our reads of offset and
             # nbytes may belong to the next generation.
-            raise StaleDescriptor(f"slot {slot} of {name} changed while being validated", moved_on=True)
+            raise StaleDescriptor(f"slot {slot} of {name} changed while being validated",
+                                  moved_on=int(q[b]) >> 32 > gen)
         return a, b, w
 
     # ------------------------------------------------------------------ public API

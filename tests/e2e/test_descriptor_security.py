@@ -297,3 +297,44 @@ def test_another_user_cannot_open_a_segment():
         assert got.stdout.strip() == "EACCES", (got.stdout, got.stderr)
         # Nor is there a name in /dev/shm to open instead.
         assert not any(n.startswith(pool.name.rsplit("-", 1)[0]) for n in os.listdir(seg.SHM_DIR))
+
+
+def test_a_slot_its_sender_freed_since_is_a_cancellation_and_a_slot_it_never_had_a_400(cluster):
+    """A request naming a slot of the sender's own memory that the sender freed since (its
+    generation moved on: a copy of a call already answered, sent again after a broker
+    restart or a worker's death) is answered 499, taken as cancelled by its sender, with
+    nothing read; one naming a generation the slot never had, or a slot not yet handed off
+    (WRITING), is a forged or early reference: 400, as before."""
+    from shm import ShmPool
+
+    cluster.broker()
+    cluster.worker("echo")
+    with Client(cluster.frontend, timeout=10) as c:
+        wait_service(c, "echo")
+    pool = ShmPool(1 << 20, slots=8)
+    try:
+        def call(i: int, ref) -> P.Reply:
+            t = P.TensorRef(name="x", dtype="|u1", shape=[ref.nbytes], loc=P.shm_loc(ref))
+            return _raw_call(cluster.frontend, P.Request(id=i, host=HOST, reply="inline", tensors=[t]))
+
+        a = pool.alloc(64, np.uint8)
+        a[:] = 7
+        freed = pool.ref_of(a)
+        pool.mark_in_flight(freed)
+        rep = call(1, freed)  # in flight: served
+        assert rep.error is None and len(rep.tensors) == 1
+        pool.free(freed)
+        rep = call(2, freed)
+        assert rep.error is not None and rep.error.code == P.ErrorCode.CANCELLED, rep.error
+        assert "taken as cancelled by its sender" in rep.error.message and not rep.tensors
+
+        b = pool.alloc(64, np.uint8)
+        live = pool.ref_of(b)
+        rep = call(3, live)  # WRITING: never handed off
+        assert rep.error is not None and rep.error.code == P.ErrorCode.PROTOCOL_ERROR, rep.error
+        pool.mark_in_flight(live)
+        rep = call(4, live._replace(generation=live.generation + 1))  # a generation it never had
+        assert rep.error is not None and rep.error.code == P.ErrorCode.PROTOCOL_ERROR, rep.error
+        assert call(5, live).error is None  # the real one still serves
+    finally:
+        pool.close()
