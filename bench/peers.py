@@ -289,7 +289,8 @@ def _stop_started() -> None:
 
 def start_ready(args: list[str], env: dict | None = None, timeout: float = 120,
                 stderr: Any = subprocess.DEVNULL) -> subprocess.Popen:
-    """`python ARGS` (one of our processes), returned once it printed its READY line.  One
+    """`python ARGS` (one of our processes), returned once it printed its READY line (what
+    follows the word: the process's ``ready_line``, e.g. ``http=127.0.0.1:40123``).  One
     that fails to (it exits, stays silent, or a signal interrupts the wait) is killed and
     reaped before the exception goes on; a SIGTERM or Ctrl-C while it is started is held
     until it is tracked (`signals_held`), and one still running at exit is stopped then.
@@ -299,7 +300,7 @@ def start_ready(args: list[str], env: dict | None = None, timeout: float = 120,
         p = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=stderr, env=full)
         _STARTED.add(p)
     try:
-        wait_ready(p, timeout)
+        p.ready_line = wait_ready(p, timeout)  # (what its READY line says after the word)
     except BaseException:
         p.kill()
         p.wait(10)

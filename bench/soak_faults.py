@@ -522,13 +522,10 @@ class Soak:
 
     def __init__(self, d: str, seed: int, margin: float, log: Callable[[str], None],
                  logs_dir: str | None = None, log_level: str = "WARNING"):
-        from bench.peers import free_port
-
         self.d, self.seed, self.margin, self.log = d, seed, margin, log
         self.logs_dir, self.log_level = logs_dir, log_level
         if logs_dir:
             os.makedirs(logs_dir, exist_ok=True)
-        self.free_port = free_port
         self.status_dir = os.path.join(d, "status")
         os.makedirs(self.status_dir)
         self.fe, self.be = f"ipc://{d}/fe.ipc", f"ipc://{d}/be.ipc"
@@ -539,6 +536,8 @@ class Soak:
         self.started: list[tuple[str, subprocess.Popen]] = []  # (instance name, process): every one
         self.broker: subprocess.Popen | None = None
         self.http = ""
+        # (broker, its http address), set as one: a scrape reads the pair of one instance
+        self._metrics: tuple[subprocess.Popen | None, str] = (None, "")
         self.workers: list[subprocess.Popen | None] = [None, None, None]
         self.clients: dict[str, subprocess.Popen] = {}
         self.status_of: dict[int, str] = {}  # client pid -> its status file
@@ -564,10 +563,16 @@ class Soak:
         return p
 
     def start_broker(self) -> None:
-        self.http = f"127.0.0.1:{self.free_port()}"
-        self.broker = self._start("broker", ["-m", "broker", "--frontend", self.fe, "--backend", self.be,
-                                             "--http", self.http, "--service-grace", "15", "--max-retries", "4",
-                                             "--log-level", self.log_level])
+        # Port 0: the kernel's pick, named in the broker's READY line (a port picked here and
+        # bound by the broker later may be taken meanwhile by another process).
+        b = self._start("broker", ["-m", "broker", "--frontend", self.fe, "--backend", self.be,
+                                   "--http", "127.0.0.1:0", "--service-grace", "15", "--max-retries", "4",
+                                   "--log-level", self.log_level])
+        http = next((f.split("=", 1)[1] for f in b.ready_line.split() if f.startswith("http=")), "")
+        if not http:
+            raise RuntimeError(f"the broker's READY line names no http address: {b.ready_line!r}")
+        self.broker, self.http = b, http
+        self._metrics = (b, http)
 
     def start_worker(self, i: int) -> None:
         self.workers[i] = self._start(f"worker{i}", ["-m", "gpu_worker", "--broker", self.be, "--model", "echo",
@@ -589,19 +594,22 @@ class Soak:
         last word (its counters die with it)."""
         from bench.scrape import ScrapeError, fetch, snapshot
 
-        b = self.broker
+        b, http = self._metrics
         if b is None or b.poll() is not None:
             return
         try:
-            snap = snapshot(fetch(f"http://{self.http}/metrics", timeout_s=5.0), SERVICE)
+            snap = snapshot(fetch(f"http://{http}/metrics", timeout_s=5.0), SERVICE)
         except ScrapeError:
             return
         counts = {k.split(":", 1)[1]: v for k, v in snap.items() if k.startswith("requests:")}
         with self.lock:
-            before = self.broker_counts.get(b.pid, {}).get("protocol_error", 0)
+            prev = self.broker_counts.get(b.pid, {})
+            before = prev.get("protocol_error", 0)
             if counts.get("protocol_error", 0) > before:
                 self.protocol_errors.append((time.monotonic(), b.pid, int(counts["protocol_error"])))
-            self.broker_counts[b.pid] = counts
+            # Counters only grow: of two scrapes that ended out of order, the later answer
+            # keeps what the earlier one saw (the sampler's and the one before a kill).
+            self.broker_counts[b.pid] = {k: max(v, prev.get(k, 0)) for k, v in {**prev, **counts}.items()}
 
     @staticmethod
     def _reaped(p: subprocess.Popen) -> None:
