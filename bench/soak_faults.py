@@ -140,6 +140,8 @@ class Tally:
                 self.overruns.append({"who": who, "outcome": outcome, "took_s": round(took, 3), "timeout_s": timeout})
             if took > timeout + self.margin:
                 self.outcomes["overrun"] += 1
+        if outcome == "wrong" or outcome.startswith("untyped:"):
+            self.write()  # at once: a victim killed before the next half-second write loses nothing
 
     def failed(self, who: str, t0: float, timeout: float, e: BaseException) -> None:
         from client_sdk import InferenceError
@@ -162,7 +164,7 @@ class Tally:
                   "outcomes": dict(self.outcomes), "samples": dict(self.samples), "wrong": list(self.wrong),
                   "overruns": list(self.overruns), "in_call": dict(self.in_call), "last_ok": self.last_ok,
                   "stats": dict(self.stats), **extra}
-        tmp = self.path + ".tmp"
+        tmp = f"{self.path}.{threading.get_ident()}.tmp"  # (a call's thread may write beside the main one)
         with open(tmp, "w") as f:
             json.dump(st, f)
         os.replace(tmp, self.path)
@@ -432,6 +434,10 @@ def client_process(kind: str, ep: str, status: str, seed: int, margin: float) ->
     twice a second; SIGTERM stops it (exit 0)."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # A Ctrl-C at the harness's terminal reaches its whole process group: the harness stops
+    # the clients (SIGTERM) with their tallies; one that died of the SIGINT lost its tally
+    # and read as a failure.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     t = Tally(kind, status, margin)
     plans = {"small": [(run_small, {})], "big": [(run_big, {})], "async": [(run_async, {})],
              "pinned": [(run_pinned, {})], "stream": [(run_stream, {})],
@@ -731,7 +737,11 @@ def run(minutes: float = 10.0, *, seed: int = 1, every: float = 15.0, settle_s: 
     rng = random.Random(seed + 1)
     shm_before = shm_files()
     d = tempfile.mkdtemp(prefix="zinf-soakf-")
-    soak = Soak(d, seed, hang_margin_s, log, logs_dir, log_level)
+    try:
+        soak = Soak(d, seed, hang_margin_s, log, logs_dir, log_level)
+    except BaseException:  # (a SIGTERM now, or a --logs directory it cannot make: no temp dir left)
+        shutil.rmtree(d, ignore_errors=True)
+        raise
     stop = threading.Event()
     samples: dict[str, list[dict]] = {}
     shm_seen: list[int] = []
@@ -806,7 +816,7 @@ def run(minutes: float = 10.0, *, seed: int = 1, every: float = 15.0, settle_s: 
         except Exception as e:
             aborted = f"{type(e).__name__}: {e}"
             soak.failures.append(f"the harness failed: {aborted}")
-        result = _close(soak, stop, threads, shm_before, d)
+        result = _close(soak, stop, threads, shm_before, d, interrupted=aborted == "interrupted (SIGINT)")
     finally:
         # Whatever happened above (a second interrupt included), nothing is left running: with
         # SIGINT and SIGTERM held off meanwhile (one more, raised in a wait here, stopped the
@@ -837,9 +847,11 @@ def run(minutes: float = 10.0, *, seed: int = 1, every: float = 15.0, settle_s: 
 
 
 def _close(soak: Soak, stop: threading.Event, threads: list[threading.Thread], shm_before: set[str],
-           d: str) -> dict:
+           d: str, interrupted: bool = False) -> dict:
     """Stop everything in order (clients, then the probe and sampler, then the broker's last
-    count, then workers and broker, which drain and exit 0), and look for what is left."""
+    count, then workers and broker, which drain and exit 0), and look for what is left.
+    ``interrupted``: a Ctrl-C at the terminal reached the broker and workers too (one
+    process group), which drained and exited on it: not a failure of theirs."""
     from bench.peers import stop_process
 
     out: dict[str, Any] = {}
@@ -863,7 +875,7 @@ def _close(soak: Soak, stop: threading.Event, threads: list[threading.Thread], s
     soak.scrape()
     fleet = [p for p in [*soak.workers, soak.broker] if p is not None]
     for p in fleet:
-        if p.poll() is not None:
+        if p.poll() is not None and not (interrupted and p.returncode == 0):
             soak.failures.append(f"{p.args[2]} {p.pid} had exited by itself (status {p.returncode})")
         else:
             p.terminate()
@@ -882,18 +894,12 @@ def _close(soak: Soak, stop: threading.Event, threads: list[threading.Thread], s
             stop_process(p)
     # Leftovers: processes naming the run's directory, /dev/shm files, files in the directory.
     left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid, cmd in running_with(d):
+        left.append(f"{pid}: {cmd[:200]}")
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            os.kill(pid, signal.SIGKILL)  # ours: it names our private directory
         except OSError:
-            continue
-        if d in cmd and int(pid) != os.getpid():
-            left.append(f"{pid}: {cmd[:200]}")
-            try:
-                os.kill(int(pid), signal.SIGKILL)  # ours: it names our private directory
-            except OSError:
-                pass
+            pass
     out["left_processes"] = left
     out["left_shm"] = sorted(shm_files() - shm_before)
     out["left_files"] = sorted(os.path.relpath(os.path.join(r, n), d) for r, _, fs in os.walk(d) for n in fs
@@ -908,6 +914,21 @@ def _close(soak: Soak, stop: threading.Event, threads: list[threading.Thread], s
                 pass
     out["statuses"] = statuses
     return out
+
+
+def running_with(text: str) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes but this one whose command line holds ``text``
+    (a run's private directory: its processes name it)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd and int(pid) != os.getpid():
+            found.append((int(pid), cmd))
+    return found
 
 
 def _report(soak: Soak, result: dict, events: list[dict], plan, probe_log, probe_info, samples, shm_seen,

@@ -24,16 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _running_with(text: str) -> list[str]:
     """Processes whose command line holds `text`."""
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmd and int(pid) != os.getpid():
-            found.append(f"{pid}: {cmd}")
-    return found
+    return [f"{pid}: {cmd}" for pid, cmd in sf.running_with(text)]
 
 
 def test_the_schedule_is_the_seed_s_and_holds_every_fault():
