@@ -111,6 +111,7 @@ class Tally:
     def __init__(self, kind: str, path: str, margin: float):
         self.kind, self.path, self.margin = kind, path, margin
         self.lock = threading.Lock()
+        self._wlock = threading.Lock()  # (the status file's writes, whole, one at a time)
         self.outcomes: Counter = Counter()
         self.samples: dict[str, str] = {}  # the first message of each error type
         self.wrong: list[str] = []
@@ -159,12 +160,16 @@ class Tally:
                 self.stats[k] = max(self.stats[k], getattr(c, k, 0))
 
     def write(self, final: bool = False, **extra: Any) -> None:
+        with self._wlock:  # one write at a time, snapshot to rename: never an older one last
+            self._write(final, **extra)
+
+    def _write(self, final: bool, **extra: Any) -> None:
         with self.lock:
             st = {"pid": os.getpid(), "kind": self.kind, "now": time.monotonic(), "final": final,
                   "outcomes": dict(self.outcomes), "samples": dict(self.samples), "wrong": list(self.wrong),
                   "overruns": list(self.overruns), "in_call": dict(self.in_call), "last_ok": self.last_ok,
                   "stats": dict(self.stats), **extra}
-        tmp = f"{self.path}.{threading.get_ident()}.tmp"  # (a call's thread may write beside the main one)
+        tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(st, f)
         os.replace(tmp, self.path)
@@ -438,6 +443,7 @@ def client_process(kind: str, ep: str, status: str, seed: int, margin: float) ->
     # the clients (SIGTERM) with their tallies; one that died of the SIGINT lost its tally
     # and read as a failure.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()  # a harness that died without stopping us (SIGKILL, OOM): we stop too
     t = Tally(kind, status, margin)
     plans = {"small": [(run_small, {})], "big": [(run_big, {})], "async": [(run_async, {})],
              "pinned": [(run_pinned, {})], "stream": [(run_stream, {})],
@@ -463,6 +469,8 @@ def client_process(kind: str, ep: str, status: str, seed: int, margin: float) ->
     while not stop.is_set():
         stop.wait(0.5)
         t.write()
+        if os.getppid() != parent:
+            stop.set()
     join_by = time.monotonic() + max(TIMEOUTS.values()) + margin + 5
     for th in threads:
         th.join(max(0.0, join_by - time.monotonic()))
@@ -731,6 +739,8 @@ def run(minutes: float = 10.0, *, seed: int = 1, every: float = 15.0, settle_s: 
         growth_min_s: float = 120.0, plan: list[tuple[float, str]] | None = None,
         logs_dir: str | None = None, log_level: str = "WARNING", log: Callable[[str], None] = print) -> dict:
     """One run (the module docstring); `plan` replaces the seeded schedule."""
+    from bench.peers import signals_held
+
     seconds = minutes * 60.0
     if plan is None:
         plan = schedule(max(0.0, seconds - settle_s), every, seed)
@@ -816,16 +826,15 @@ def run(minutes: float = 10.0, *, seed: int = 1, every: float = 15.0, settle_s: 
         except Exception as e:
             aborted = f"{type(e).__name__}: {e}"
             soak.failures.append(f"the harness failed: {aborted}")
-        result = _close(soak, stop, threads, shm_before, d, interrupted=aborted == "interrupted (SIGINT)")
+        # (A Ctrl-C, or `timeout`'s SIGTERM, reaches the whole process group: the broker and
+        # workers drained and exited 0 on it.)
+        result = _close(soak, stop, threads, shm_before, d,
+                        interrupted=aborted is not None and aborted.startswith(("interrupted", "stopped")))
     finally:
         # Whatever happened above (a second interrupt included), nothing is left running: with
         # SIGINT and SIGTERM held off meanwhile (one more, raised in a wait here, stopped the
         # loop with processes and the temp dir left), delivered after.
-        main = threading.current_thread() is threading.main_thread()
-        held = {signal.SIGINT, signal.SIGTERM}
-        if main:
-            signal.pthread_sigmask(signal.SIG_BLOCK, held)
-        try:
+        with signals_held():  # (Python's handlers replaced: whichever thread a signal lands on)
             stop.set()
             for _, p in soak.started:
                 try:
@@ -837,9 +846,6 @@ def run(minutes: float = 10.0, *, seed: int = 1, every: float = 15.0, settle_s: 
                 except Exception:  # (one that will not die: the next ones still go)
                     pass
             shutil.rmtree(d, ignore_errors=True)
-        finally:
-            if main:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
     wall = time.monotonic() - t0
     return _report(soak, result, events, plan, probe_log, probe_info, samples, shm_seen, aborted, wall,
                    dict(minutes=minutes, seed=seed, every_s=every, settle_s=settle_s, sample_s=sample_s,
