@@ -1410,25 +1410,22 @@ class Worker:
             self._reply_error(job, P.ErrorCode.CANCELLED,
                               f"cannot read inputs: {e}; taken as cancelled by its sender")
             return
-        except StaleDescriptor as e:
-            if not e.moved_on:  # a state or generation the slot never had: forged, or sent unready
-                self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR, f"cannot read inputs: {e}")
-                return
-            # A slot of the sender's own memory (the owner check passed) that the sender has
-            # freed since it sent the request: our client frees a call's inputs only at its
-            # end, so this is a copy of a call already answered (a retry after its worker
-            # died, which had answered straight to the client before its delayed DONE told
-            # the broker; a client's resend after a broker restart whose old copy answered
-            # first) or given up.  Nobody reads the answer: it is the sender's, as a closed
-            # segment is, not a protocol error (chaos soaks saw each such copy in the
-            # protocol_error rate; a client that frees its inputs early is told the same
-            # stale slot).
-            self._reply_error(job, P.ErrorCode.CANCELLED,
-                              f"cannot read inputs: {e}; its sender freed them since it sent the request (a "
-                              f"copy of a call already answered, or given up): taken as cancelled by its sender")
-            return
         except Exception as e:  # a stale/forged reference fails this request only
-            self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR, f"cannot read inputs: {e}")
+            if isinstance(e, StaleDescriptor) and e.moved_on:
+                # A slot of the sender's own memory (the owner check passed) that the sender
+                # has freed since it sent the request: our client frees a call's inputs only
+                # at its end, so this is a copy of a call already answered (a retry after its
+                # worker died, which had answered straight to the client before its delayed
+                # DONE told the broker; a client's resend after a broker restart whose old
+                # copy answered first) or given up.  Nobody reads the answer: it is the
+                # sender's, as a closed segment is, not a protocol error (chaos soaks saw each
+                # such copy in the protocol_error rate).  A state or generation the slot never
+                # had (forged, or sent unready) is the 400 below.
+                self._reply_error(job, P.ErrorCode.CANCELLED,
+                                  f"cannot read inputs: {e}; its sender freed them since it sent the request "
+                                  f"(a copy of a call already answered, or given up): taken as cancelled by its sender")
+            else:
+                self._reply_error(job, P.ErrorCode.PROTOCOL_ERROR, f"cannot read inputs: {e}")
             return
         if req.timeout_ms is not None:
             job.deadline = now + req.timeout_ms / 1000.0
