@@ -107,14 +107,18 @@ def versions() -> dict:
     return v
 
 
-def device_info() -> dict:
+def device_info(measure: bool = True) -> dict:
+    """The device's facts.  A dry run (`measure` False) reads only what the driver tells
+    without a context (properties, count); `mem_get_info` creates the CUDA context on the
+    device (hundreds of MiB of its memory), which a dry run promises not to do."""
     import torch
 
     p = torch.cuda.get_device_properties(0)
-    free, total = torch.cuda.mem_get_info(0)
-    return {"name": p.name, "capability": f"{p.major}.{p.minor}", "total_memory": p.total_memory,
-            "free_memory_at_start": free, "multiprocessors": p.multi_processor_count,
-            "count": torch.cuda.device_count()}
+    info = {"name": p.name, "capability": f"{p.major}.{p.minor}", "total_memory": p.total_memory,
+            "multiprocessors": p.multi_processor_count, "count": torch.cuda.device_count()}
+    if measure:
+        info["free_memory_at_start"] = torch.cuda.mem_get_info(0)[0]
+    return info
 
 
 def default_out(measured: bool = True) -> Path:
@@ -805,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=200, help="measured round trips per configuration")
     ap.add_argument("--runtimes", default="eager,graph,tensorrt", help="comma list of eager, graph, tensorrt")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: " + ",".join(CHECKS))
-    ap.add_argument("--dry-run", action="store_true", help="check what would run; touch no GPU")
+    ap.add_argument("--dry-run", action="store_true", help="check what would run; no CUDA context, nothing measured")
     ap.add_argument("--serve", metavar="ENDPOINT", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.serve:
@@ -832,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
         report.write_as_is()
         print(f"gpu_check: no CUDA device ({why}): nothing measured; wrote {report.path}", file=sys.stderr)
         return 3
-    report.doc["device"] = device_info()
+    report.doc["device"] = device_info(measure=not args.dry_run)
     if args.dry_run:
         for name in CHECKS:
             report.doc["checks"][name] = {"status": "skipped", "reason": "dry run (a CUDA device is present)"}
