@@ -164,12 +164,52 @@ DEFAULT_CLIENT_HWM = 4096  # = the default max_client_requests: a client within 
 
 
 def _peer_pid(frame: Any) -> int | None:
-    """SO_PEERCRED's pid for the unix-domain connection a received frame came from."""
+    """SO_PEERCRED's pid for the unix-domain connection a received frame came from; None
+    where the frame's descriptor is another connection's by now (`_said_pid`)."""
     try:
         fd = frame.get(zmq.SRCFD)
     except (zmq.ZMQError, AttributeError):
         return None
-    return _fd_peer_pid(fd)
+    pid = _fd_peer_pid(fd)
+    if pid is not None:
+        said = _said_pid(frame)
+        if said is not None and said != pid:
+            return None
+    return pid
+
+
+def _said_pid(frame: Any) -> int | None:
+    """The pid libzmq read for the connection a received frame came on, or None where it
+    says none (tcp, a frame not received, a libzmq built without SO_PEERCRED).
+
+    ZMQ_SRCFD names a descriptor *number*, which libzmq's I/O thread closes and reuses on
+    its own: a message read after its connection closed (libzmq keeps up to the high-water
+    mark of them) names a number that may be a newer connection's, another process's, by
+    then (the fuzz audit: a dropped client's left-behind requests were dispatched under a
+    victim's pid).  libzmq also asks SO_PEERCRED once, when it takes the connection, and
+    puts the answer in every message's "Peer-Address" (``<address>:<uid>:<gid>:<pid>`` on
+    a unix socket): tied to the connection itself, so it is the check on the number."""
+    try:
+        addr = frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError, KeyError):
+        return None
+    if not isinstance(addr, str):
+        return None
+    rest, _, pid = addr.rpartition(":")
+    rest, _, gid = rest.rpartition(":")
+    _, sep, uid = rest.rpartition(":")
+    if not (sep and pid.isdigit() and gid.isdigit() and uid.isdigit()):
+        return None
+    return int(pid)
+
+
+#: client commands that only end work: applied even when left behind by a closed connection
+_ENDINGS = frozenset({P.C_CANCEL, P.C_DISCONNECT, P.C_LEASE_END})
+
+
+class _LeftBehind(Exception):
+    """A client message read after its connection had closed and its descriptor number was
+    taken by another connection (`Broker._client_pid`): dropped, for nobody reads its answer."""
 
 
 def _fd_peer_pid(fd: int) -> int | None:
@@ -1289,6 +1329,8 @@ class Broker:
                 handler(frames)
                 if self._doomed:  # a client a direct answer (heartbeat, MMI, 400) found stalled
                     self._drop_doomed()
+            except _LeftBehind:
+                self._count_left_behind(frames)
             except Exception:  # the loop must survive any one message
                 self.malformed += 1
                 self._oops.exception("unexpected error while handling a message; dropped it")
@@ -1305,7 +1347,10 @@ class Broker:
         if sock is self.frontend:
             self._bad.warning("a client (%r) sent a message of %d frames (at most %d): dropped unread; its "
                               "requests dropped and its connection ended", e.ident[:16], e.frames, MAX_FRAMES)
-            self._client_pid(e.ident, e.first)  # its connection, if its first message
+            try:
+                self._client_pid(e.ident, e.first)  # its connection, if its first message
+            except _LeftBehind:
+                return  # (its connection has closed already)
             self._doomed[e.ident] = None
             self._end_connection(e.ident)
             self._drop_doomed()
@@ -1356,8 +1401,10 @@ class Broker:
             if self._doomed:  # that close ended the id's requests: before this message
                 self._drop_doomed()
         closed = self._closed_clients
-        if closed and ident in closed and self._from_closed(ident, frames[1]):
-            # A message a closed connection left behind: nobody reads its answer.
+        if closed and ident in closed and msg.command not in _ENDINGS and self._from_closed(ident, frames[1]):
+            # A message a closed connection left behind: nobody reads its answer.  (What
+            # only ends work, a CANCEL, a DISCONNECT or a LEASE_END, is still applied: a
+            # client that heartbeats is otherwise left to its liveness window.)
             if msg.command == P.C_REQUEST and self.metrics is not None and not msg.service.startswith(b"mmi."):
                 self.metrics.final(msg.service.decode(errors="replace"), CLIENT_GONE, None, None, now)
             return
@@ -2225,6 +2272,12 @@ class Broker:
                 self._on_frontend_events()
             who = None if fd is None else _fd_peer(fd, self._accept_ticks.get(fd))
             if who is not None:
+                said = _said_pid(frame)
+                if said is not None and said != who[0]:
+                    # The number is another process's connection now: this message came on
+                    # one that closed (`_said_pid`).  Nothing is learned from it.
+                    self._left_behind(ident)
+                    raise _LeftBehind
                 self._on_our_clock(who)  # while the process is there to ask (a request may outlive it)
                 if who[1] is not None:
                     self._pid_starts[who[0]] = who[1]
@@ -2283,6 +2336,12 @@ class Broker:
                     self._v01_clients.discard(ident)
                     self._drop_unread(ident)
                     self._conn_closed(ident, fd, state)
+                if not ident[0]:
+                    # libzmq's own routing id, never given to another connection: what it
+                    # sent that is read from now on was left behind by this connection
+                    # (one dropped for not reading, or forgotten at its DISCONNECT, included:
+                    # learned again, its number may be another process's connection by then).
+                    self._file_closed(ident, fd, state)
 
     def _conn_closed(self, ident: bytes, fd: int, state: int) -> None:
         """The connection of client ``ident`` (descriptor ``fd``, closed as ``state``) has
@@ -2297,12 +2356,37 @@ class Broker:
         a close is never taken for the connection that reused its number."""
         if not self.sched.ends_with_connection(ident):
             return
+        self._file_closed(ident, fd, state)
+        self._doomed[ident] = None
+
+    def _file_closed(self, ident: bytes, fd: int, state: int) -> None:
+        """Drop ``ident``'s messages that came on its closed connection (`_from_closed`)."""
         closed = self._closed_clients
         closed.pop(ident, None)
         if len(closed) >= _MAX_CLIENT_PIDS:
             del closed[next(iter(closed))]
         closed[ident] = (fd, state)
-        self._doomed[ident] = None
+
+    def _left_behind(self, ident: bytes) -> None:
+        """``ident``'s message came on a connection that has closed, its descriptor reused
+        (`_client_pid`).  A routing id of libzmq's own (a zero byte first) never comes on
+        another connection: its messages from now on are dropped unread (`_from_closed`).
+        A chosen one may connect again; its next message is looked at afresh."""
+        self._forget_client(ident)
+        if not ident[0]:
+            self._file_closed(ident, -1, 0)
+
+    def _count_left_behind(self, frames: list) -> None:
+        """A message dropped as left behind (`_LeftBehind`): a REQUEST is counted as one
+        whose client went, as a message of a closed connection is (`on_client`)."""
+        if self.metrics is None:
+            return
+        try:
+            msg = P.parse_client(frames[1:])
+        except P.ProtocolError:
+            return
+        if msg.command == P.C_REQUEST and not msg.service.startswith(b"mmi."):
+            self.metrics.final(msg.service.decode(errors="replace"), CLIENT_GONE, None, None, time.monotonic())
 
     def _from_closed(self, ident: bytes, frame: Any) -> bool:
         """Whether a message of ``ident``, a client whose connection's close ended its

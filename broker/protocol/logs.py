@@ -38,6 +38,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import stat
 import sys
@@ -413,12 +414,29 @@ def _extras(record: logging.LogRecord) -> dict[str, Any]:
     return {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")}
 
 
+#: what a text line must not carry raw: C0 controls but the tab, and DEL
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _escaped(text: str) -> str:
+    """``text`` with its control characters written as escapes (``\\n``, ``\\x00``): a
+    peer's words in a line (a service name, a host, a model's message) cannot start a line
+    of their own, a forged one (the fuzz audit)."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 class TextFormatter(logging.Formatter):
     """``<time> <process> <LEVEL> <message> key=value ...`` (the extras, in the order given;
-    lists and maps as compact JSON)."""
+    lists and maps as compact JSON).  One record, one line (a traceback below it): control
+    characters in the message and the extras are escaped (`_escaped`)."""
 
     def __init__(self, process: str):
         super().__init__("%(asctime)s " + process.replace("%", "%%") + " %(levelname)s %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        if _CONTROL.search(record.message):
+            record.message = _escaped(record.message)
+        return super().formatMessage(record)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
@@ -431,6 +449,10 @@ class TextFormatter(logging.Formatter):
                 continue
             if isinstance(v, (list, tuple, dict)):
                 v = json.dumps(v, separators=(",", ":"), default=str)
+            else:
+                v = str(v)
+                if _CONTROL.search(v):
+                    v = _escaped(v)
             parts.append(f"{k}={v}")
         if not parts:
             return line

@@ -266,3 +266,28 @@ def test_clients_that_close_normally_are_no_warning(cluster):
             # else closed at once: its first heartbeat's answer on its way as it goes
     b.terminate()
     assert "could not send to client" not in b.stderr(None)
+
+
+def test_a_peers_words_cannot_forge_a_line(cluster):
+    """A service name (or any text a peer chose) with a newline in it is written escaped in
+    the broker's text lines: it cannot start a line of its own (the fuzz audit: a client's
+    service name and header `host` were written raw, a forged line each)."""
+    import zmq
+
+    from broker import protocol as P
+
+    b = cluster.broker("--log-level", "INFO", "--service-grace", "0.2")
+    name = "ghost\n2026-01-01 00:00:00,000 broker WARNING FORGED-LINE"
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        s.connect(cluster.frontend)
+        s.send_multipart(P.client_request(name, [P.encode_header(P.Request(id=1))]))
+        assert s.poll(10_000), "no answer to the request for a service nobody serves"
+        s.recv_multipart()  # (its 503)
+    finally:
+        s.close(0)
+    assert b.terminate() == 0
+    err = _stderr(b)
+    assert not [line for line in err.splitlines() if line.startswith("2026-01-01 00:00:00,000")], err
+    said = [line for line in err.splitlines() if "FORGED-LINE" in line]
+    assert said and all("ghost\\n2026-01-01" in line for line in said), err
