@@ -1229,6 +1229,10 @@ class AsyncClient(ClientBase):
     alloc = _on_its_loop(ClientBase.alloc)
     alloc_cuda = _on_its_loop(ClientBase.alloc_cuda)
     free = _on_its_loop(ClientBase.free)
+    # They read the calls and leases the loop changes (a dict iterated from another thread
+    # while the reader added to it raised RuntimeError: the AR audit's polling thread).
+    in_flight = _on_its_loop(ClientBase.in_flight)
+    pinned = _on_its_loop(ClientBase.pinned)
 
     async def pump(self, timeout: float | None = None) -> None:
         """Route what has arrived; if nothing had, wait up to `timeout` seconds (None: until

@@ -560,6 +560,24 @@ class AsyncStream(_StreamCore):
         self._finishing = True
         self._event.set()
 
+    def unfinished(self) -> frozenset[int]:
+        """As `Stream.unfinished`; from another thread (the camera thread that picks the
+        `client.alloc` buffer to write next) it is read on the client's loop, between two
+        of the loop's own steps: read in the caller's thread, the deques it reads changed
+        under it (RuntimeError), and a frame moving from pending to outstanding could be in
+        neither (its buffer then taken for free while the worker reads it: the AR audit)."""
+        via = self._via
+        if via is not None:
+            return via(super().unfinished)
+        return super().unfinished()
+
+    def stats(self) -> StreamStats:
+        """As `Stream.stats`; from another thread, read on the client's loop (`unfinished`)."""
+        via = self._via
+        if via is not None:
+            return via(super().stats)
+        return super().stats()
+
     async def recv(self, timeout: float | None = None) -> Result:
         """The next result in send order; same errors as `Stream.recv`.  With nothing
         outstanding it waits for the next `send()`, unless the stream is finished or closed

@@ -59,8 +59,14 @@ def threads_of(monkeypatch):
 
     def watch(c: AsyncClient) -> None:
         core = c._core
-        for name in ("new_call", "request_frames", "give_up", "on_message", "alloc", "free"):
+        for name in ("new_call", "request_frames", "give_up", "on_message", "alloc", "free", "in_flight",
+                     "pinned"):
             setattr(core, name, noting(getattr(core, name)))  # (on the instance: this client only)
+
+    from client_sdk import stream as stream_mod
+
+    for name in ("unfinished", "stats"):  # what a stream's reads go through, whatever the class
+        monkeypatch.setattr(stream_mod._StreamCore, name, noting(getattr(stream_mod._StreamCore, name)))
 
     return seen, watch
 
@@ -132,6 +138,13 @@ def test_a_stream_fed_by_another_thread_sends_on_the_loop(cluster, threads_of):
             def camera() -> None:
                 buf = np.empty(2048, np.float32)
                 for i in range(frames):
+                    # What a camera thread reads between frames (the alloc-ring recipe picks
+                    # a buffer outside s.unfinished()): read on the loop, as a send is (read
+                    # here, the loop changed what they iterate: RuntimeError, the AR audit).
+                    assert all(0 <= n < i for n in s.unfinished())
+                    st = s.stats()
+                    assert st.sent + st.pending == i  # (latest_wins off: none dropped)
+                    assert c.in_flight() >= 0 and c.pinned("echo") is False
                     buf[:] = i  # reused at once: send() copied it before it returned
                     numbers.append(s.send({"x": buf}))
                 s.finish()
