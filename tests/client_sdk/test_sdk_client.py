@@ -1833,3 +1833,30 @@ def test_a_header_that_cannot_be_encoded_is_invalid_input_and_keeps_nothing(tmp_
         with pytest.raises(InvalidInput, match="is not valid UTF-8"):
             c.infer(bad, {"x": x})
 
+
+
+def test_a_calls_last_wait_ends_at_its_deadline_not_the_next_whole_millisecond(fake, endpoint):
+    """The blocking client's wait for a call's deadline is to the microsecond (the Waiter
+    sleeps a fraction of a millisecond in select): rounded up to whole milliseconds, the
+    call ended up to 1 ms past its deadline and took a result that came in that overshoot,
+    which the broker had counted `deadline_exceeded` (the game-server audit)."""
+    asked: list[float] = []
+    with Client(endpoint, timeout=WAIT) as c:
+        class Noting:  # the client's Waiter, its waits noted
+            def __init__(self, waiter):
+                self._w = waiter
+
+            def __getattr__(self, name):
+                return getattr(self._w, name)
+
+            def wait(self, ms):
+                asked.append(ms)
+                return self._w.wait(ms)
+
+        c._waiter = Noting(c._waiter)
+        with pytest.raises(DeadlineExceeded):
+            c.infer("hold", {"x": np.ones(1)}, timeout=0.0123)
+        waits = [ms for ms in asked if ms > 0]  # the call's (not close()'s)
+        fake.held_q.get(timeout=WAIT)
+    assert waits and all(ms <= 12.3 for ms in waits), asked
+    assert any(ms != int(ms) for ms in waits), asked  # a fraction asked for, not rounded up
