@@ -17,6 +17,7 @@ request id, otherwise dropped; it never raises out of the loop.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import hashlib
 import itertools
@@ -195,12 +196,10 @@ def _said_pid(frame: Any) -> int | None:
         return None
     if not isinstance(addr, str):
         return None
-    rest, _, pid = addr.rpartition(":")
-    rest, _, gid = rest.rpartition(":")
-    _, sep, uid = rest.rpartition(":")
-    if not (sep and pid.isdigit() and gid.isdigit() and uid.isdigit()):
+    parts = addr.split(":")  # (an IPv6 peer's address has colons of its own: not 4 parts, or not digits)
+    if len(parts) != 4 or not all(p.isdigit() for p in parts[1:]):
         return None
-    return int(pid)
+    return int(parts[3])
 
 
 #: client commands that only end work: applied even when left behind by a closed connection
@@ -724,6 +723,9 @@ class Broker:
         # peers may not name shared memory, CUDA memory or a reply socket.  Only a frontend
         # that is not ipc can have any.
         self._tcp_frontend = not self.frontend_ep.startswith("ipc://")
+        #: every client connection is tcp: a descriptor number found to be anything else is
+        #: another connection's by reuse (a message read after its own closed)
+        self._tcp_only = self.frontend_ep.startswith("tcp://")
         #: a key left the client allow-list (`_apply_revocations`): tcp clients' REQUESTs and
         #: LEASEs are looked up in it from then on (never before: until a key leaves, every
         #: connection's key is on its list, the handshake checked it).  One for each list: a
@@ -785,7 +787,7 @@ class Broker:
         # descriptor and its closed state then, oldest first (bounded): a message of theirs
         # read later is one the closed connection left in libzmq's queue, for nobody
         # (`_from_closed`).
-        self._closed_clients: dict[bytes, tuple[int, int]] = {}
+        self._closed_clients: collections.OrderedDict[bytes, tuple[int, int]] = collections.OrderedDict()
         self._req_clients: set[bytes] = set()  # REQ-style clients want the empty delimiter back
         #: those of them whose socket is a REQ (ZMTP's Socket-Type): one reply per request,
         #: so no PARTIAL (a DEALER that leads with the delimiter reads streams)
@@ -1331,6 +1333,8 @@ class Broker:
                     self._drop_doomed()
             except _LeftBehind:
                 self._count_left_behind(frames)
+                if self._doomed:  # (closes read on the way: `_client_pid`)
+                    self._drop_doomed()
             except Exception:  # the loop must survive any one message
                 self.malformed += 1
                 self._oops.exception("unexpected error while handling a message; dropped it")
@@ -1349,8 +1353,10 @@ class Broker:
                               "requests dropped and its connection ended", e.ident[:16], e.frames, MAX_FRAMES)
             try:
                 self._client_pid(e.ident, e.first)  # its connection, if its first message
-            except _LeftBehind:
-                return  # (its connection has closed already)
+            except _LeftBehind:  # (its connection has closed already)
+                if self._doomed:
+                    self._drop_doomed()
+                return
             self._doomed[e.ident] = None
             self._end_connection(e.ident)
             self._drop_doomed()
@@ -1417,9 +1423,10 @@ class Broker:
                 pass
             if _protocol_frame(frames) == P.MDPC01:
                 self._v01_clients.add(ident)  # answered in MDP/0.1 from now on
-            if ident not in self._client_conn:
+            if ident not in self._client_conn and not (closed and ident in closed):
                 # Its connection, learned: a REQ client never says DISCONNECT, so the
-                # connection's close is when it is forgotten (`_on_frontend_events`).
+                # connection's close is when it is forgotten (`_on_frontend_events`).  (Not
+                # for an ending left behind by a closed one: `_ENDINGS`.)
                 self._client_pid(ident, frames[1])
         sched = self.sched
         cmd = msg.command
@@ -1543,7 +1550,7 @@ class Broker:
             self._send_client(ident, P.client_leased(service, P.error_body(P.lenient_request_id(first), e.code, str(e))))
             return
         host, transports = ask.host, frozenset(ask.transports)
-        remote = self._tcp_frontend and security.peer_is_tcp(first, unknown=True)
+        remote = self._tcp_frontend and (self._tcp_only or security.peer_is_tcp(first, unknown=True))
         if remote:
             host, transports = None, frozenset({"inline"})  # as its requests: inline only
         who = self._client_pid(ident, first)
@@ -1586,7 +1593,7 @@ class Broker:
                     self.metrics.final(service.decode(errors="replace"), int(e.code), None, None, now)
                 return
             if self._tcp_frontend:
-                tcp = self._client_tcp.get(ident)
+                tcp = True if self._tcp_only else self._client_tcp.get(ident)
                 if tcp is None:  # learned once per client, as its pid is; bounded the same way
                     if len(self._client_tcp) >= _MAX_CLIENT_PIDS:
                         self._client_tcp.clear()
@@ -2270,7 +2277,14 @@ class Broker:
                 # fresh client's request, read before the close of the connection whose
                 # number it got, was never answered).
                 self._on_frontend_events()
-            who = None if fd is None else _fd_peer(fd, self._accept_ticks.get(fd))
+            if not ident[0] and ident in self._closed_clients:
+                # Its connection's close was among those events: what it sent is left behind,
+                # whoever has the number now (its own process again, after a drop, included).
+                self._left_behind(ident)
+                raise _LeftBehind
+            # (On a tcp frontend no client connection is a unix socket: one found under the
+            # number is another connection's, a worker's, by reuse.)
+            who = None if fd is None or self._tcp_frontend else _fd_peer(fd, self._accept_ticks.get(fd))
             if who is not None:
                 said = _said_pid(frame)
                 if said is not None and said != who[0]:
@@ -2364,7 +2378,7 @@ class Broker:
         closed = self._closed_clients
         closed.pop(ident, None)
         if len(closed) >= _MAX_CLIENT_PIDS:
-            del closed[next(iter(closed))]
+            closed.popitem(last=False)  # (O(1): a dict's first key after many deletions is a scan)
         closed[ident] = (fd, state)
 
     def _left_behind(self, ident: bytes) -> None:

@@ -414,8 +414,15 @@ def _extras(record: logging.LogRecord) -> dict[str, Any]:
     return {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")}
 
 
-#: what a text line must not carry raw: C0 controls but the tab, and DEL
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+#: what a text line must not carry raw: C0 controls but the tab, DEL, C1 controls (NEL, CSI...)
+#: and the Unicode line and paragraph separators (str.splitlines splits on those too)
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+#: the same but the newline, which a traceback is made of
+_BREAKS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")
+#: the lines of a traceback that start at its left edge (the rest is indented, or a message)
+_TRACEBACK_HEADS = ("Traceback (most recent call last):",
+                    "During handling of the above exception, another exception occurred:",
+                    "The above exception was the direct cause of the following exception:")
 
 
 def _escaped(text: str) -> str:
@@ -437,6 +444,14 @@ class TextFormatter(logging.Formatter):
         if _CONTROL.search(record.message):
             record.message = _escaped(record.message)
         return super().formatMessage(record)
+
+    def formatException(self, ei) -> str:
+        """The traceback, below the line, with every line that is not one of its own
+        headers indented: an exception's message is anybody's words (a peer's, in a
+        ValueError naming what it sent), and its lines must not pass for log lines."""
+        text = _BREAKS.sub(lambda m: repr(m.group())[1:-1], super().formatException(ei))
+        return "\n".join(line if not line or line[0].isspace() or line in _TRACEBACK_HEADS else "  " + line
+                         for line in text.split("\n"))
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)

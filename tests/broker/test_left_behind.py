@@ -98,6 +98,26 @@ def _take_number(peer: _Peer, fd: int) -> None:
     pytest.fail(f"descriptor {fd} was not reused within 64 connections")
 
 
+def _peer_address_has_pid(tmp_path) -> None:
+    """Skip where libzmq puts no pid in a message's Peer-Address (built without SO_PEERCRED):
+    the broker cannot tell a left-behind message there (docs/protocol.md, section 2)."""
+    from broker.server import _said_pid
+
+    ctx = zmq.Context.instance()
+    r, d = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    try:
+        r.bind(f"ipc://{tmp_path}/probe.ipc")
+        d.connect(f"ipc://{tmp_path}/probe.ipc")
+        d.send(b"x")
+        assert r.poll(10_000)
+        frames = r.recv_multipart(copy=False)
+        if _said_pid(frames[1]) != os.getpid():
+            pytest.skip("this libzmq puts no pid in Peer-Address")
+    finally:
+        r.close(0)
+        d.close(0)
+
+
 @pytest.fixture
 def stepped(tmp_path):
     """A broker whose loop the test steps, a worker of "svc" that records what it is sent,
@@ -113,6 +133,7 @@ def stepped(tmp_path):
             dispatched[req.id] = req.pid
 
     b.send_to_worker = to_worker
+    _peer_address_has_pid(tmp_path)
     b.on_worker([zmq.Frame(b"W"), *(zmq.Frame(bytes(f)) for f in P.worker_ready(
         "svc", P.Ready(credit=64, host=P.local_host_id(), transports=["inline"])))])
     a = _Peer(cfg.frontend)
@@ -153,6 +174,50 @@ def test_a_dropped_clients_left_behind_request_is_not_another_processes(stepped)
     _until(lambda: b.frontend.poll(0), "c's request")
     _step(b)
     assert dispatched == {1: a.proc.pid, 3: c.proc.pid}
+
+
+def test_a_dropped_clients_left_behind_request_is_dropped_when_its_own_process_has_the_number(stepped):
+    """The same, with the dropped client's own process on the number again (our SDK makes a
+    new connection after such a drop, and sends its calls again on it): the left-behind
+    copy is not run beside the resent one (the review)."""
+    b, dispatched, a, _ = stepped
+    a.do("open")
+    a.do("send 1")
+    _until(lambda: b.frontend.poll(0), "the first request")
+    _step(b)
+    (fd,) = _conns_of(a.proc.pid)
+    a.do("send 2")
+    _until(lambda: b.frontend.poll(0), "the second request, in the broker's queue")
+    ident = next(i for i, f in b._client_conn.items() if f == fd)
+    b._stalled(ident, "the test says so")
+    b._drop_doomed()
+    _until(lambda: _fd_peer_pid(fd) != a.proc.pid, "the shut connection's descriptor to close")
+    _take_number(a, fd)  # a's new connection on the same number
+    _step(b)
+    assert 2 not in dispatched
+    a.do("send 3")
+    _until(lambda: b.frontend.poll(0), "the new connection's request")
+    _step(b)
+    assert dispatched == {1: a.proc.pid, 3: a.proc.pid}
+
+
+def test_the_pid_libzmq_read_for_a_connection_is_parsed_from_its_peer_address():
+    from broker.server import _said_pid
+
+    class Frame:
+        def __init__(self, addr):
+            self.addr = addr
+
+        def get(self, name):
+            assert name == "Peer-Address"
+            if isinstance(self.addr, Exception):
+                raise self.addr
+            return self.addr
+
+    assert _said_pid(Frame("localhost:1000:1000:4242")) == 4242  # ipc: <address>:<uid>:<gid>:<pid>
+    for other in ("127.0.0.1", "2001:db8::1:2:3", "::1:2:3", "::1", "", "localhost:a:b:c", "x:1:2:3:4",
+                  zmq.ZMQError(22), None):
+        assert _said_pid(Frame(other)) is None, other
 
 
 def test_a_first_message_read_after_its_connection_closed_is_nobodys(stepped):

@@ -287,3 +287,25 @@ def test_a_signal_handlers_line_is_a_log_line_and_never_waits_for_the_lock(resto
     logging.getLogger().setLevel(logging.ERROR)  # --log-level ERROR: warnings are not wanted
     logs.warn_from_signal("broker", "not said")
     assert handler.writer.flush(5.0) and "not said" not in out.getvalue()
+
+
+def test_a_text_line_is_one_line_whatever_its_words():
+    """Control characters, C1 controls and the Unicode line separators in a message, an
+    extra or an exception's message are escaped or indented: a peer's words cannot start a
+    line of their own (the fuzz audit, then its review)."""
+    import sys
+
+    f = logs.TextFormatter("broker")
+    forged = "x\n2026-01-01 00:00:00,000 broker WARNING FORGED\r\u2028\u2029\x85\x9b\x00"
+    r = logging.LogRecord("broker", logging.INFO, __file__, 1, "no worker for %r", (forged,), None)
+    r.service = forged
+    line = f.format(r)
+    assert line.splitlines() == [line] and "\\n2026-01-01" in line and "\\u2028" in line
+    try:
+        raise ValueError(forged)
+    except ValueError:
+        r = logging.LogRecord("broker", logging.ERROR, __file__, 1, "boom", (), sys.exc_info())
+    lines = f.format(r).splitlines()
+    assert lines[0].endswith("ERROR boom") and lines[1] == "Traceback (most recent call last):"
+    assert not [ln for ln in lines[2:] if not ln[:1].isspace()], lines  # the message's lines, indented
+    assert any("  2026-01-01 00:00:00,000 broker WARNING FORGED" in ln for ln in lines), lines
