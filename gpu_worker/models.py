@@ -43,6 +43,7 @@ __all__ = [
     "Model",
     "ModelBase",
     "ModelLoadError",
+    "TorchExportedModel",
     "TorchFunctionModel",
     "TorchModuleModel",
     "cartoon_filter",
@@ -579,6 +580,134 @@ class TorchFunctionModel(_TorchCallModel):
         self._wrap(fn, _schema_signature(fn, method=False), name=name, device=device)
 
 
+class TorchExportedModel(_TorchCallModel):
+    """Wraps a ``torch.export`` program (an ``ExportedProgram``: ``torch.export.export(...)``,
+    or one read back with ``torch.export.load``) returned by a factory: TorchScript's
+    successor (torch 2.13 deprecates ``torch.jit.script`` and ``trace``).  It is run as the
+    module it makes (``program.module()``, moved to ``device`` first with torch's
+    ``move_to_device_pass``), bound as `TorchModuleModel` binds a forward.  An
+    ``ExportedProgram`` is callable but refuses every call ("use exported_program.module()"):
+    wrapped as a numpy callable, every request failed.
+
+    The worker stacks requests along a new dimension 0 (a batch of one included), so every
+    input's dimension 0 is the batch: a program exported with a ``Dim`` for it
+    (``dynamic_shapes``) is batched; one exported with a fixed size of 1 there runs each
+    request alone (``batchable`` False, unless set on the program); any other fixed size,
+    or an input with no dimension, could take no batch the worker makes (its shape guards
+    fail every request) and is refused at load, saying so.  Its warm-up is the program's own
+    example inputs (the first item of each).  Optional attributes set on the program
+    (``batchable``, ``streaming``, ``inputs``, ``outputs``, ``cost``) are honoured as on a
+    module; it keeps no name of its own (``name`` on it, else the factory's)."""
+
+    def __init__(self, program, *, name: str, device: str = "cpu"):
+        fixed = _fixed_batch(program)
+        wrong = sorted(n for n, size in fixed.items() if size != 1)
+        if wrong:
+            raise ModelLoadError(
+                f"the exported program {name!r} fixes dimension 0 of its input(s) {', '.join(wrong)} "
+                f"({', '.join(_dim0_words(fixed[n]) for n in wrong)}): the worker stacks requests along a new "
+                f"dimension 0, so no batch it makes passes the program's shape guards.  Export it with that "
+                f"dimension dynamic (dynamic_shapes={{{wrong[0]!r}: {{0: torch.export.Dim('batch')}}, ...}}), or "
+                f"with a batch of 1 to run each request alone")
+        passes = sys.modules.get("torch.export.passes")
+        if passes is None:
+            import torch.export.passes as passes
+        move = getattr(passes, "move_to_device_pass", None)
+        if move is not None:
+            program = move(program, device)
+        module = program.module()  # (no eval(): an exported module refuses it; export a model in eval mode)
+        for p in module.parameters():
+            p.requires_grad_(False)
+        for attr in ("batchable", "streaming", "inputs", "outputs", "cost"):  # (its example_inputs are torch's)
+            if hasattr(program, attr):
+                setattr(module, attr, getattr(program, attr))
+        self.program = program
+        self.module = module
+        self._wrap(module, _forward_signature(module), name=name, device=device)
+        if fixed and not hasattr(program, "batchable"):
+            self.batchable = False
+        # Called as it was exported: its positional arguments by position, its keyword ones
+        # by name (the module checks the call against the export's; keywords for its
+        # positional parameters are refused: "kwarg keyword mismatch").
+        args, kwargs = _example_call(program)
+        params = list(self._signature.parameters) if self._signature is not None else []
+        self._positional = tuple(params[:args])
+        self._keywords = tuple(kwargs)
+
+    def __call__(self, batch):
+        pos, kw = self._positional, self._keywords
+        if len(batch) == 1 and len(pos) == 1 and not kw and pos[0] not in batch:
+            args = tuple(batch.values())  # one tensor: positionally, whatever its name (as a module's)
+        else:
+            missing = [n for n in (*pos, *kw) if n not in batch]
+            if missing:
+                raise InvalidInput(f"the exported program {self.name!r} takes the inputs "
+                                   f"{', '.join(map(repr, (*pos, *kw)))}; this request has none named "
+                                   f"{', '.join(map(repr, missing))} (it has {', '.join(map(repr, sorted(batch)))})")
+            args = tuple(batch[n] for n in pos)
+        try:
+            out = self._target(*args, **{k: batch[k] for k in kw})
+        except AssertionError as e:
+            if not str(e).startswith("Guard failed"):
+                raise
+            # A shape or dtype the program was not exported for: the request's (422), not
+            # the model's (500, "retrying may help").
+            raise InvalidInput(f"the exported program {self.name!r} does not take these inputs ({e}; dimension 0 "
+                               f"is the batch the worker makes: a request carries one item, without it)") from None
+        if self.streaming:
+            return stream_outputs(out, self.name)
+        return normalise_outputs(out, self.name)
+
+    def example_inputs(self):
+        """The program's example inputs (what it was exported with: ``(args, kwargs)``), the
+        first item of each along dimension 0, by the forward's parameter names."""
+        try:
+            args, kwargs = self.program.example_inputs
+        except (TypeError, ValueError):
+            return super().example_inputs()
+        names = list(self._signature.parameters) if self._signature is not None else []
+        if len(args) > len(names):
+            return super().example_inputs()
+        out = {}
+        for key, value in [*zip(names, args), *dict(kwargs).items()]:
+            if getattr(value, "ndim", 0) < 1 or not hasattr(value, "detach"):
+                return super().example_inputs()
+            out[key] = value[0].detach().cpu().numpy()
+        return out
+
+
+def _example_call(program) -> tuple[int, list[str]]:
+    """How ``program`` was called at its export: its number of positional arguments, and its
+    keyword arguments' names."""
+    try:
+        args, kwargs = program.example_inputs
+        return len(args), list(kwargs)
+    except (TypeError, ValueError):  # none kept (a program from an older torch): positional
+        return len(program.graph_signature.user_inputs), []
+
+
+def _fixed_batch(program) -> dict[str, int | None]:
+    """The inputs of ``program`` whose dimension 0 has a fixed size, with that size (None for
+    an input with no dimension); inputs with a dynamic one are left out."""
+    user = set(program.graph_signature.user_inputs)
+    fixed: dict[str, int | None] = {}
+    for node in program.graph.nodes:
+        if node.op != "placeholder" or node.name not in user:
+            continue
+        shape = getattr(node.meta.get("val"), "shape", None)
+        if shape is None:
+            continue
+        if len(shape) == 0:
+            fixed[node.name] = None
+        elif isinstance(shape[0], int):
+            fixed[node.name] = shape[0]
+    return fixed
+
+
+def _dim0_words(size: int | None) -> str:
+    return "no dimension" if size is None else f"size {size}"
+
+
 class CallableModel(ModelBase):
     """Wraps a plain callable ``fn(dict of np.ndarray) -> dict of np.ndarray``.
 
@@ -657,6 +786,13 @@ def _is_torch_module(obj: object) -> bool:
     # An nn.Module can only exist if torch was imported already; do not import it here.
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.nn.Module)
+
+
+def _is_exported_program(obj: object) -> bool:
+    """Whether ``obj`` is a ``torch.export`` program, without importing torch."""
+    export = sys.modules.get("torch.export")
+    program = getattr(export, "ExportedProgram", None)
+    return isinstance(program, type) and isinstance(obj, program)
 
 
 def _is_script_function(obj: object) -> bool:
@@ -789,8 +925,12 @@ def _build_model(spec: str, device: str = "cpu") -> Model:
             return TorchModuleModel(obj, name=_model_name(obj, attr), device=device)
         if _is_script_function(obj):
             return TorchFunctionModel(obj, name=_model_name(obj, attr), device=device)
+        if _is_exported_program(obj):
+            return TorchExportedModel(obj, name=_model_name(obj, attr), device=device)
         if callable(obj):
             return CallableModel(obj, name=_model_name(obj, attr), device=device)
+    except ModelLoadError:
+        raise  # (a wrapper's own refusal, which says why)
     except (Exception, SystemExit) as e:
         # What the result's own code raised as it was looked at or wrapped (a property, a
         # module's `.to(device)`): it escaped as a traceback, exit 1 (the models audit).
@@ -819,6 +959,8 @@ def _model_name(obj: object, attr: str) -> str:
             if isinstance(original, str) and original.isidentifier():
                 return original.lower()
         return type(obj).__name__.lower()
+    if _is_exported_program(obj):
+        return attr.rsplit(".", 1)[-1]  # (it keeps no name of the module it was exported from)
     if inspect.isfunction(obj) or inspect.ismethod(obj) or inspect.isbuiltin(obj):
         fn_name = getattr(obj, "__name__", "")
         if fn_name and fn_name.isidentifier():  # not "<lambda>"

@@ -1,6 +1,6 @@
 """What the worker makes of a factory's result (docs/models.md, "Loading a custom model",
 tests/e2e/wrapped_model.py): a TorchScript module serves as an nn.Module does, and a
-TorchScript function as a torch model (tensors in and out); a function
+TorchScript function and a `torch.export` program as torch models (tensors in and out); a function
 that returns no dict gets its request a 500 that says the same request fails the same way;
 a model without example inputs is said to skip its warm-up.  Real broker and workers on ipc;
 every wait bounded.  (A factory that cannot load is one line and exit 2:
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from client_sdk import Client
-from client_sdk.errors import InternalError
+from client_sdk.errors import InternalError, InvalidInput
 from tests.e2e.conftest import wait_service
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,6 +46,24 @@ def test_a_scripted_function_serves_as_a_torch_model(cluster):
             x = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
             with c.infer("negate", {"x": x}) as r:
                 np.testing.assert_array_equal(r["output"], -x)
+    assert w.p.poll() is None
+
+
+def test_a_torch_export_program_serves_as_a_torch_model(cluster):
+    # Callable, it was wrapped as a numpy callable: every request failed ("Unable to call
+    # ExportedProgram directly").  Its warm-up is its own example inputs.
+    cluster.broker()
+    w = cluster.worker("wrapped_model:exported", "--log-level", "INFO")  # the service: the factory's name
+    w.wait_log("warm-up of exported on cpu took")
+    with Client(cluster.frontend, timeout=WAIT) as c:
+        wait_service(c, "exported")
+        for k in range(3):  # one item each: dimension 0 is the batch the worker makes
+            x = np.arange(3, dtype=np.float32) * k
+            with c.infer("exported", {"x": x}) as r:
+                np.testing.assert_array_equal(r["output"], x * 2 - 1)
+        # A shape it was not exported for: the request's 422, not the model's 500.
+        with pytest.raises(InvalidInput, match="does not take these inputs"):
+            c.infer("exported", {"x": np.ones((2, 3), np.float32)})
     assert w.p.poll() is None
 
 

@@ -6,6 +6,8 @@ folder on PYTHONPATH.
   inputs set on it; the service is its class's name, "scale".
 - `scripted_fn`: a TorchScript function (`torch.jit.script` of a plain function) computing
   -x, with example inputs set on it; the service is the function's name, "negate".
+- `exported`: a `torch.export` program (x * 2 - 1, dimension 0 dynamic); the service is
+  the factory's name, "exported"; its warm-up is the program's own example inputs.
 - `picky`: a plain function with no example inputs that returns a list, not a dict, when
   x[0] is negative, else {"y": x + 1}; the service is "picky".
 """
@@ -33,6 +35,17 @@ def scripted_fn(device="cpu"):
     fn = torch.jit.script(negate)
     fn.example_inputs = lambda: {"x": np.ones(3, np.float32)}
     return fn
+
+
+def exported(device="cpu"):
+    import torch
+
+    class Shift(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 - 1
+
+    return torch.export.export(Shift().eval(), (torch.ones(2, 3),),
+                               dynamic_shapes={"x": {0: torch.export.Dim("batch")}})
 
 
 def picky(device="cpu"):

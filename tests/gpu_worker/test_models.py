@@ -351,6 +351,34 @@ FACTORIES = textwrap.dedent(
         def shift(x, y):
             return x + y
         return torch.jit.trace(shift, (torch.zeros(1, 2), torch.zeros(1, 2)))
+
+    class Mix(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+            with torch.no_grad():
+                self.lin.weight.fill_(1.0)
+                self.lin.bias.fill_(0.5)
+        def forward(self, x, y):
+            return {"s": self.lin(x) + y}
+
+    _B = torch.export.Dim("batch")
+
+    def make_exported():        # torch.export, dynamic batch: batched, named after the factory
+        return torch.export.export(Mix().eval(), (torch.ones(2, 3), torch.zeros(2, 2)),
+                                   dynamic_shapes={"x": {0: _B}, "y": {0: _B}})
+
+    def make_exported_kw():     # y passed as a keyword at the export: called so
+        return torch.export.export(Mix().eval(), (torch.ones(2, 3),), {"y": torch.zeros(2, 2)},
+                                   dynamic_shapes={"x": {0: _B}, "y": {0: _B}})
+
+    def make_exported_one():    # a fixed batch of 1: each request alone
+        program = torch.export.export(Mix().eval(), (torch.ones(1, 3), torch.zeros(1, 2)))
+        program.name = "mix_one"
+        return program
+
+    def make_exported_two():    # a fixed batch of 2: no batch the worker makes passes its guards
+        return torch.export.export(Mix().eval(), (torch.ones(2, 3), torch.zeros(2, 2)))
     '''
 )
 
@@ -471,6 +499,36 @@ def test_a_torchscript_module_is_a_module_model(factories, factory, name):
     assert not m.module.training and not any(p.requires_grad for p in m.module.parameters())
     out = run(m, x=np.array([[1.0, 2.0]], np.float32))
     assert list(out) == ["output"] and out["output"].tolist() == [[4.0, 7.0]]
+
+
+def test_a_torch_export_program_is_a_torch_model(factories):
+    """docs/models.md, "torch.export": an `ExportedProgram` (TorchScript's successor: torch
+    2.13 deprecates torch.jit) is run as the module it makes, called as it was exported.
+    Callable, it was wrapped as a numpy callable, and every request failed ("Unable to call
+    ExportedProgram directly")."""
+    from gpu_worker.backends import make_backend
+    from gpu_worker.models import InvalidInput, ModelLoadError, TorchExportedModel
+
+    x, y = np.ones(3, np.float32), np.full(2, 2.0, np.float32)
+    for factory in ("make_exported", "make_exported_kw"):
+        m = load_model(f"{factories}:{factory}", "cpu")
+        assert isinstance(m, TorchExportedModel) and m.framework == "torch" and m.batchable
+        assert m.name == factory
+        assert {k: v.shape for k, v in m.example_inputs().items()} == {"x": (3,), "y": (2,)}  # its own, item 0
+        backend = make_backend(m, "cpu")
+        for n in (1, 3):  # a lone request, and a batch of three
+            outs = backend.run([{"x": x * i, "y": y} for i in range(1, n + 1)])
+            assert [o["s"].tolist() for o in outs] == [[3.0 * i + 2.5] * 2 for i in range(1, n + 1)]
+        with pytest.raises(InvalidInput, match="has none named 'y'"):
+            m({"x": np.ones((1, 3), np.float32)})
+        with pytest.raises(InvalidInput, match="does not take these inputs .Guard failed"):  # 422, not 500
+            backend.run([{"x": np.ones(4, np.float32), "y": y}])
+
+    one = load_model(f"{factories}:make_exported_one", "cpu")
+    assert one.name == "mix_one" and one.batchable is False  # its fixed batch of 1: run alone
+    assert make_backend(one, "cpu").run([{"x": x, "y": y}])[0]["s"].tolist() == [5.5, 5.5]
+    with pytest.raises(ModelLoadError, match="fixes dimension 0 of its input.s. x, y .size 2, size 2.*Dim"):
+        load_model(f"{factories}:make_exported_two", "cpu")
 
 
 def test_a_torchscript_function_is_a_torch_model(factories):
