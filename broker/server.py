@@ -43,7 +43,7 @@ from broker import protocol as P
 from broker.protocol import logs
 from broker.protocol import wire
 from broker.names import ServiceNames
-from broker.protocol.heap import TRIM_AFTER_CLOSES, trim_heap
+from broker.protocol.heap import TRIM_AFTER_CLOSES, start_trim
 from broker.protocol.limits import Headroom, default_reserve, listen_backlog, move_aside, nofile_limit, put_back
 from broker.protocol.wire import (MAX_FRAMES, MAX_WORKER_FRAMES, TooManyFrames, Waiter, recv_frames,
                                   recv_monitor_event, send_frames, sock_events)
@@ -1062,8 +1062,7 @@ class Broker:
                     # during which the loop runs, though a malloc of its own from the arena
                     # being trimmed waits for it (glibc holds the arena's lock meanwhile).
                     self._closed_conns = 0
-                    self._trimming = threading.Thread(target=trim_heap, name="trim-heap", daemon=True)
-                    self._trimming.start()
+                    self._trimming = start_trim()  # (None: no thread to be had, skipped)
             if wake is not None and now >= wake:
                 self._run_timers(now)
                 wake = sched.next_wakeup(now)

@@ -76,7 +76,7 @@ from gpu_worker.planes import DataPlane, HostPlane, NotAttested, OutputRefused, 
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
-from broker.protocol.heap import ClosesSeen, trim_heap
+from broker.protocol.heap import ClosesSeen, start_trim
 from broker.protocol.limits import Headroom, move_aside, nofile_limit, open_descriptors, put_back
 from broker.protocol.naming import ipc_problem
 from shm.errors import NotShared, OutOfResources, SegmentGone, StaleDescriptor
@@ -2206,8 +2206,7 @@ class Worker:
                 or (self._trimming is not None and self._trimming.is_alive())):
             return
         self._closes.trimmed()
-        self._trimming = threading.Thread(target=trim_heap, name="trim-heap", daemon=True)
-        self._trimming.start()
+        self._trimming = start_trim()  # (None: no thread to be had, skipped)
 
     def _on_lease_end(self, end: P.LeaseEnd) -> None:
         """LEASE_END from the broker: forget the lease; what it holds finishes and answers

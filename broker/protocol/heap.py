@@ -32,8 +32,10 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import threading
+import time
 
-__all__ = ["freeze_startup_heap", "trim_heap", "TRIM_AFTER_CLOSES", "ClosesSeen"]
+__all__ = ["freeze_startup_heap", "trim_heap", "start_trim", "TRIM_AFTER_CLOSES", "ClosesSeen"]
 
 log = logging.getLogger("broker.protocol.heap")
 
@@ -70,6 +72,28 @@ def trim_heap() -> bool:
         return False
     _libc.malloc_trim(0)
     return True
+
+
+_trim_refused_at = -1e9  # when a trim's thread could not start, last said (monotonic)
+
+
+def start_trim() -> "threading.Thread | None":
+    """`trim_heap` on a thread of its own, started; None when no thread can be started (a
+    pids cgroup or RLIMIT_NPROC at its limit): the trim is skipped, and said (at most once a
+    minute).  A trim is housekeeping: the resource audit saw the broker's and a worker's
+    loops end on its RuntimeError ("can't start new thread"), every client losing service."""
+    global _trim_refused_at
+    t = threading.Thread(target=trim_heap, name="trim-heap", daemon=True)
+    try:
+        t.start()
+    except RuntimeError as e:
+        now = time.monotonic()
+        if now - _trim_refused_at >= 60.0:
+            _trim_refused_at = now
+            log.warning("could not start a thread to give freed memory back to the kernel (%s): skipped; the "
+                        "process's threads are at a limit (a pids cgroup, RLIMIT_NPROC)", e)
+        return None
+    return t
 
 
 #: Connections closed (or descriptors, where a process counts those) after which the

@@ -71,16 +71,21 @@ class LineWriter:
     line is dropped and counted, and the next batch written starts with ``notice(n)`` (a
     line saying that ``n`` were dropped).  The thread writes whatever is queued in one write
     and one flush.  ``flush(timeout)`` waits until what was put before it is written (or
-    given up on); ``close(timeout)`` does the same and ends the thread.  Errors writing
-    (a closed stream, EPIPE) drop the lines silently, as a stream handler would."""
+    given up on); ``close(timeout)`` does the same and ends the thread.  A write that fails
+    (a full disk, EPIPE, a closed stream) loses its lines, and the next write that succeeds
+    starts with a line saying how many were lost and why (they went without a word before:
+    the resource audit's full tmpfs)."""
 
     def __init__(self, stream: Any, capacity: int = QUEUED_LINES, name: str = "log-writer"):
         self.stream = stream
         self.capacity = capacity
         self.notice = lambda n: f"{n} log lines were dropped: the stream they go to was not read fast enough"
+        self.lost_notice = lambda n, why: f"{n} log lines were lost: writing them failed ({why})"
         self._q: collections.deque = collections.deque()
         self._cv = threading.Condition(threading.Lock())
         self._dropped = 0
+        self._lost = 0     # lines whose write failed, not yet reported
+        self._lost_why = ""
         self._put = 0      # lines accepted
         self._done = 0     # lines written or given up on
         self._closed = False
@@ -162,11 +167,19 @@ class LineWriter:
                     lines.insert(0, self.notice(dropped))
                 except Exception:  # noqa: BLE001 - a notice is never worth the lines
                     pass
+            lost = self._lost
+            if lost:
+                try:
+                    lines.insert(0, self.lost_notice(lost, self._lost_why))
+                except Exception:  # noqa: BLE001 - a notice is never worth the lines
+                    pass
             try:
                 self.stream.write("\n".join(lines) + "\n")
                 self.stream.flush()
-            except Exception:  # noqa: BLE001 - EPIPE, a closed stream, sys.stderr None: the thread goes on
-                pass
+                self._lost = 0
+            except Exception as e:  # noqa: BLE001 - EPIPE, a full disk, sys.stderr None: the thread goes on
+                self._lost = lost + n + dropped
+                self._lost_why = f"{type(e).__name__}: {e}"[:200]
             with cv:
                 self._done += n
                 cv.notify_all()
@@ -545,7 +558,13 @@ def setup_logging(level: str | int = "WARNING", fmt: str = "text", process: str 
             "%d log lines were dropped: stderr was not read fast enough (a pipe nobody reads, a "
             "paused terminal, a stalled log collector)", (n,), None))
 
+    def lost_notice(n: int, why: str) -> str:
+        return formatter.format(logging.LogRecord(
+            __name__, logging.WARNING, __file__, 0, "%d log lines were lost: writing them to stderr failed (%s)",
+            (n, why), None))
+
     writer.notice = notice
+    writer.lost_notice = lost_notice
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)

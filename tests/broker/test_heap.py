@@ -80,3 +80,24 @@ def test_connections_seen_to_end_count_where_no_fall_shows():
     assert not c.look(1000 - half, half)  # one crowd, seen both ways: counted once
     assert not c.look(-1, 10)  # could not list: the ends still count
     assert c.look(1000 - 2 * half + 10)  # a fall from the last listing
+
+
+def test_a_trim_without_a_thread_to_run_it_is_skipped_and_said(monkeypatch, caplog):
+    """The resource audit: with the process's threads at a pids cgroup's limit, the trim's
+    thread could not start, and the RuntimeError ended the broker's (and a worker's) loop.
+    The trim is housekeeping: skipped, said once a minute at most."""
+    import logging
+    import threading
+
+    from broker.protocol import heap
+
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    monkeypatch.setattr(heap, "_trim_refused_at", -1e9)
+    with caplog.at_level(logging.WARNING, logger="broker.protocol.heap"):
+        assert heap.start_trim() is None
+        assert heap.start_trim() is None
+    said = [r for r in caplog.records if "could not start a thread" in r.getMessage()]
+    assert len(said) == 1 and "can't start new thread" in said[0].getMessage()

@@ -309,3 +309,31 @@ def test_a_text_line_is_one_line_whatever_its_words():
     assert lines[0].endswith("ERROR boom") and lines[1] == "Traceback (most recent call last):"
     assert not [ln for ln in lines[2:] if not ln[:1].isspace()], lines  # the message's lines, indented
     assert any("  2026-01-01 00:00:00,000 broker WARNING FORGED" in ln for ln in lines), lines
+
+
+def test_lines_a_failed_write_lost_are_said_by_the_next_write(restore_root):
+    """The resource audit: logs on a full disk lost about 12 s of lines without a word.  A
+    write that fails is counted, and the next one that succeeds starts with how many and
+    why (in the configured format)."""
+    class Disk(io.StringIO):
+        full = True
+
+        def write(self, text):
+            if self.full:
+                raise OSError(28, "No space left on device")
+            return super().write(text)
+
+    disk = Disk()
+    handler = logs.setup_logging("INFO", "json", "broker", stream=disk)
+    log = logging.getLogger("broker.test")
+    for i in range(5):
+        log.info("line %d", i)
+        assert handler.writer.flush(5.0)
+    disk.full = False
+    log.info("after")
+    assert handler.writer.flush(5.0)
+    lines = [json.loads(x) for x in disk.getvalue().splitlines()]
+    assert [x["msg"] for x in lines][-1] == "after"
+    (said,) = [x for x in lines if "lost" in x["msg"]]
+    assert said["level"] == "WARNING" and said["msg"].startswith("5 log lines were lost: writing them to stderr failed")
+    assert "No space left on device" in said["msg"]
