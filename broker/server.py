@@ -667,6 +667,7 @@ class Broker:
         # all the same: at most half the descriptors' reserve (libzmq's default of 100 is
         # more than the whole reserve under a limit of 800 or so).
         self.frontend.backlog = listen_backlog(default_reserve(nofile_limit()))
+        self.backend.backlog = self.frontend.backlog  # (the same for workers' connections: the resource audit)
         # A tcp peer unreachable behind a partition (or with its host) is dropped after twice
         # the window in which the broker presumes such a peer dead, DEAD_AFTER_BEATS
         # heartbeats at least, with the replies queued to it: TCP alone keeps a half-open
@@ -768,6 +769,7 @@ class Broker:
         # listening until connections close (`_accepted`, `_headroom_tick`).
         self._headroom = Headroom(nofile_limit())
         self._hidden: str | None = None  # the frontend's socket file, moved aside (`_accepted`)
+        self._hidden_backend: str | None = None  # the backend's, the same
         self._accept_ticks: dict[int, int] = {}  # a frontend connection's fd -> when it was accepted (_boot_ticks)
         self._client_conn: dict[bytes, int] = {}  # client identity -> the fd it was learned on
         # Quiet ipc clients whose connection the look has checked (client -> descriptor):
@@ -956,8 +958,9 @@ class Broker:
             t.start()
             t.join(_DRAINED_LINGER_MS / 1000 + 0.5)
         _unlink_ipc((self.frontend_ep, self.backend_ep), self._ipc_files)
-        if self._hidden is not None:
-            _unlink_ipc(("ipc://" + self._hidden,), self._ipc_files)
+        for hidden in (self._hidden, self._hidden_backend):
+            if hidden is not None:
+                _unlink_ipc(("ipc://" + hidden,), self._ipc_files)
 
     def serve(self, stop: threading.Event | None = None) -> None:
         """Run until `stop` is set (checked at least every 100 ms, and at once when `stop`
@@ -2422,29 +2425,49 @@ class Broker:
         return False
 
     def _accepted(self) -> None:
-        """A connection was accepted: near the descriptor limit, stop new clients from
-        reaching the frontend (see Headroom).  On an ipc path, its socket file is moved
-        aside: new clients find no broker there and keep trying (libzmq reconnects), while
+        """A connection was accepted: near the descriptor limit, stop new clients and workers
+        from reaching the broker (see Headroom).  On an ipc path, the socket file is moved
+        aside: new peers find no broker there and keep trying (libzmq reconnects), while
         the connections made are served as before (an unbind would close them all).  A tcp
-        or abstract frontend cannot be hidden that way: the warning is all."""
+        or abstract endpoint cannot be hidden that way: the warning is all.  The backend's
+        too: a flood of connections to it took the last descriptors, and libzmq aborted the
+        broker (the resource audit)."""
         hr = self._headroom
         if not hr.accepted():
             return
-        path = self._ipc_path(self.frontend_ep)
-        hidden = None
-        if path is not None:
-            try:
-                hidden = move_aside(path)
-            except OSError as e:
-                log.error("cannot move %s aside: %s", path, e)
-            else:
-                self._own_ipc("ipc://" + hidden, was=path)
-        self._hidden = hidden
+        self._hidden = self._hide(self.frontend_ep)
+        self._hidden_backend = self._hide(self.backend_ep)
+        hidden = self._hidden
         log.warning("%d of this process's %d descriptors are in use: %s; at the limit libzmq would abort the "
                     "broker.  Raise its descriptor limit (ulimit -n; LimitNOFILE= in a systemd unit; --ulimit "
                     "nofile= for a container)", hr.used, hr.limit,
-                    "new clients cannot connect until some close (connected ones are served as before)"
+                    "new clients cannot connect until some close, nor new workers (connected ones are served as before)"
                     if hidden is not None else "new clients would take the last of them", )
+
+    def _hide(self, ep: str) -> str | None:
+        """Move ``ep``'s socket file aside (`_accepted`); where it went, or None."""
+        path = self._ipc_path(ep)
+        if path is None:
+            return None
+        try:
+            hidden = move_aside(path)
+        except OSError as e:
+            log.error("cannot move %s aside: %s", path, e)
+            return None
+        self._own_ipc("ipc://" + hidden, was=path)
+        return hidden
+
+    def _show(self, hidden: str, ep: str) -> bool:
+        """Put ``ep``'s socket file back from ``hidden`` (`_headroom_tick`); False if it
+        could not be (tried again at the next tick)."""
+        path = self._ipc_path(ep)
+        try:
+            put_back(hidden, path)
+        except OSError as e:
+            self._gc_oops.warning("cannot put %s back (%s): new peers cannot reach this broker", path, e)
+            return False
+        self._own_ipc(ep, was=hidden)
+        return True
 
     def _own_ipc(self, ep: str, was: str | None = None) -> None:
         """The socket file at ``ep``'s path is this broker's now (bound, or moved there from
@@ -2466,20 +2489,20 @@ class Broker:
         hr = self._headroom
         if not hr.paused or not hr.tick():
             return
+        if self._hidden_backend is not None:
+            if not self._show(self._hidden_backend, self.backend_ep):
+                hr.paused = True  # tried again at the next tick; the file stays ours to unlink
+                return
+            self._hidden_backend = None
         hidden = self._hidden
         if hidden is None:
             return  # a tcp or abstract frontend: nothing was hidden
-        path = self._ipc_path(self.frontend_ep)
-        try:
-            put_back(hidden, path)
-        except OSError as e:
-            hr.paused = True  # tried again at the next tick; the file stays ours to unlink
-            self._gc_oops.warning("cannot put %s back (%s): new clients cannot reach this broker", path, e)
+        if not self._show(hidden, self.frontend_ep):
+            hr.paused = True
             return
         self._hidden = None
-        self._own_ipc(self.frontend_ep, was=hidden)
-        log.warning("%d of %d descriptors in use: new clients can connect to %s again", hr.used, hr.limit,
-                    self.frontend_ep)
+        log.warning("%d of %d descriptors in use: new clients can connect to %s again (and workers to %s)",
+                    hr.used, hr.limit, self.frontend_ep, self.backend_ep)
 
     def _bind_connection(self, ident: bytes, frame: Any, now: float) -> None:
         if self._gone.pop(ident, None) is not None and self.sched.has_worker(ident):

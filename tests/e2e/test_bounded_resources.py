@@ -597,6 +597,57 @@ def test_a_burst_of_connections_past_the_descriptor_limit_does_not_abort_the_bro
     assert broker.terminate() == 0
 
 
+def test_a_burst_of_connections_to_the_backend_past_the_descriptor_limit_does_not_abort_the_broker(cluster):
+    # The resource audit: only the frontend's socket file was moved aside at the pause, and
+    # bare sockets connecting to the backend took the last descriptors: libzmq aborted the
+    # broker ("Too many open files (src/ipc_listener.cpp:297)").  Both files go aside now.
+    import subprocess
+    import sys
+
+    LIMIT, KIDS, EACH = 1024, 4, 300
+
+    from tests.e2e.conftest import Proc
+
+    limited = [sys.executable, "-c", "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, "
+               f"({LIMIT}, {LIMIT})); os.execv(sys.argv[1], sys.argv[1:])"]
+    broker = Proc(["-m", "broker", "--frontend", cluster.frontend, "--backend", cluster.backend,
+                   "--heartbeat-interval", "0.2"], prefix=limited)
+    cluster.procs.append(broker)
+    broker.wait_ready()
+    cluster.worker("echo")
+    x = {"x": np.arange(4)}
+    kids = [subprocess.Popen([sys.executable, "-c", _CONNECTOR, cluster.backend, str(EACH)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True) for _ in range(KIDS)]
+    try:
+        with Client(cluster.frontend, timeout=20) as first:
+            wait_service(first, "echo")
+            for k in kids:
+                k.stdin.write("go\n")
+                k.stdin.flush()
+            for k in kids:
+                assert readline_within(k.stdout, 30, f"CONNECTING from the connector {k.pid}") == "CONNECTING\n"
+            broker.wait_log("new clients cannot connect until some close, nor new workers", timeout=30)
+            assert broker.p.poll() is None, broker.stderr()
+            with first.infer("echo", x) as r:  # its worker, connected before: served as before
+                assert r["x"][3] == 3
+            assert broker.p.poll() is None, broker.stderr()
+    finally:
+        for k in kids:
+            if k.poll() is None:
+                k.stdin.write("close\n")
+                k.stdin.close()
+        for k in kids:
+            try:
+                k.wait(20)
+            except subprocess.TimeoutExpired:
+                k.kill()
+                k.wait(10)
+            k.stdout.close()
+    broker.wait_log("new clients can connect to", timeout=30)
+    assert broker.p.poll() is None, broker.stderr()
+    assert broker.terminate() == 0
+
+
 def test_a_worker_out_of_descriptors_relays_a_reply_it_cannot_send_direct(cluster):
     # A worker opens a socket to each local client's reply_to.  At its descriptor limit the
     # socket could be made but not its connection (the I/O thread's connect failed on EMFILE
