@@ -53,7 +53,7 @@ from .calls import Call, final_of_infer, mmi_answer, opaque_reply
 from .core import CLOSE_LINGER_S, LAST_LOOK_S, PAUSED_S, ClientCore, close_linger, wait_limit
 from .errors import DeadlineExceeded, InferenceError, InvalidInput
 from .pins import PIN_CONNECT_S, PinClose, PinOpen, PinSend
-from .sockets import (CLOSE_LINGER_MS, ReplyInbox, broker_dealer, context, curve_keys, dealer, descriptor_room, drain_unread, drop_lease_dealer,
+from .sockets import (CLOSE_LINGER_MS, ReplyInbox, room_for_sockets, broker_dealer, context, curve_keys, dealer, descriptor_room, drain_unread, drop_lease_dealer,
                       drop_monitor, drop_socket, handshakes, IpcDiagnosis, lease_dealer, lease_events, open_link, redial,
                       refusal, refused_error, request_dealer, send_failure, tcp_options)
 from .tensors import Result
@@ -282,7 +282,7 @@ class AsyncClient(ClientBase):
         self._curve = curve_keys(endpoint, server_key, client_key, insecure)
         self._core.plain_tcp = self._curve is None and endpoint.startswith("tcp://")
         ctx = context(endpoint)  # first: it sees that libzmq's threads can start
-        self._ctx = zmq.asyncio.Context.instance()  # for opaque requests' own sockets
+        self._ctx = room_for_sockets(zmq.asyncio.Context.instance())  # for opaque requests' own sockets
         # with the monitor of its handshakes (heartbeats on), attached before it connected
         self._sock, self._broker_monitor = broker_dealer(ctx, endpoint, self._curve, self._core.heartbeat_interval)
         # Over tcp, bytes of the broker's that are on their way count as its word (a large

@@ -54,7 +54,8 @@ from .errors import InferenceError, InvalidInput
 
 __all__ = ["CLOSE_LINGER_MS", "dealer", "broker_dealer", "broker_monitor", "handshakes", "redial", "drop_monitor", "drop_socket", "ReplyInbox",
            "curve_keys", "tcp_options", "ENV_CLIENT_KEY", "lease_curve", "open_link", "lease_dealer", "lease_events",
-           "drop_lease_dealer", "ipc_problem", "IpcDiagnosis", "send_failure", "drain_unread"]
+           "drop_lease_dealer", "ipc_problem", "IpcDiagnosis", "send_failure", "drain_unread", "room_for_sockets",
+           "MAX_SOCKETS"]
 
 log = logging.getLogger("client_sdk")
 
@@ -148,8 +149,35 @@ def open_link(pin: Any, hello: list[Any]) -> LinkConn | None:
 BROKER_CONNECT_TIMEOUT_MS = 2000
 
 
+#: the sockets the SDK asks of pyzmq's process-wide context, when it is the first to make
+#: one there (libzmq's default, 1023, is about 250 clients: each takes a DEALER, a reply
+#: inbox, a monitor and its pair; a slot costs a dozen bytes)
+MAX_SOCKETS = 8192
+
+
+def room_for_sockets(ctx: zmq.Context) -> zmq.Context:
+    """``ctx`` with room for `MAX_SOCKETS` sockets where libzmq allows it (the limit counts
+    only if set before the context's first socket: a context an application used first
+    keeps its own).  The resource audit: past about 250 Clients a process got "out of
+    descriptors, raise RLIMIT_NOFILE" with most of its descriptors free."""
+    try:
+        if ctx.get(zmq.MAX_SOCKETS) < MAX_SOCKETS:
+            ctx.set(zmq.MAX_SOCKETS, min(MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT)))
+    except zmq.ZMQError:
+        pass
+    return ctx
+
+
 def _out_of_descriptors(e: zmq.ZMQError, endpoint: str) -> Exception:
     if e.errno in (errno.EMFILE, errno.ENFILE):
+        if e.errno == errno.EMFILE and descriptor_room()[0]:
+            # libzmq says EMFILE for its context's socket limit too: descriptors are not it.
+            return InferenceError(
+                f"cannot make a socket to {endpoint}: this process's ZeroMQ context has no room for another "
+                f"socket ({e}; its limit, zmq.MAX_SOCKETS, is set before its first socket: the SDK asks "
+                f"{MAX_SOCKETS}, an application that used zmq.Context.instance() first keeps its own); close "
+                f"clients this process no longer uses (each takes about four sockets), or set "
+                f"zmq.Context.instance().max_sockets before anything makes a socket", code=None)
         return InferenceError(f"cannot make a socket to {endpoint}: this process is out of descriptors ({e}); close "
                               f"some, or raise its RLIMIT_NOFILE", code=None)
     return e
@@ -229,7 +257,7 @@ def context(endpoint: str) -> zmq.Context:
     be started (`InferenceError` when not: libzmq would abort the process)."""
     _check_threads(endpoint)
     try:
-        return zmq.Context.instance()
+        return room_for_sockets(zmq.Context.instance())
     except zmq.ZMQError as e:
         raise _out_of_descriptors(e, endpoint) from None
 
@@ -290,7 +318,10 @@ def _dealer(ctx: zmq.Context, endpoint: str, curve: C.PeerKeys | None, heartbeat
             sock.setsockopt(zmq.CONNECT_TIMEOUT, BROKER_CONNECT_TIMEOUT_MS)
         if watch:
             # (``always``: a monitor whether or not heartbeats run, `request_dealer`)
-            monitor = broker_monitor(sock, endpoint, heartbeat_s or (1.0 if always else None))
+            try:
+                monitor = broker_monitor(sock, endpoint, heartbeat_s or (1.0 if always else None))
+            except zmq.ZMQError as e:  # (its two sockets: the context's room, or descriptors)
+                raise _out_of_descriptors(e, endpoint) from None
         _connect(sock, endpoint)
     except BaseException:
         if monitor is not None:
@@ -645,7 +676,11 @@ class ReplyInbox:
         if len(path.encode()) > _MAX_IPC_PATH:
             log.info("runtime directory path too long for a reply socket; replies go through the broker")
             return None
-        sock = ctx.socket(zmq.PULL)
+        try:
+            sock = ctx.socket(zmq.PULL)
+        except zmq.ZMQError as e:  # no room for a socket in the context (or no descriptor): a bare error before
+            log.info("no reply socket (%s); replies go through the broker", e)
+            return None
         sock.linger = 0
         sock.rcvhwm = 100_000
         try:
