@@ -188,6 +188,7 @@ _RANGES = {
     "max_client_requests": ("--max-client-requests", 1, 1 << 31),
     # (more than 0: a byte at least, _check_ranges)
     "max_client_mb": ("--max-client-mb", 0, 1 << 30),
+    "max_total_mb": ("--max-total-mb", 0, 1 << 30),
     "recall_after_ms": ("--recall-after-ms", -math.inf, 86400e3),
     "lifo_after_ms": ("--lifo-after-ms", -math.inf, 86400e3),
     "lifo_miss_ms": ("--lifo-miss-ms", -math.inf, 86400e3),
@@ -214,6 +215,9 @@ def _check_ranges(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None
         if not (math.isfinite(v) or (v == -math.inf and lo == -math.inf)) or not lo <= v <= hi:
             ap.error(f"{flag} must be from {_num(lo)} to {_num(hi)}, not {v}" if lo > -math.inf else
                      f"{flag} must be a number up to {_num(hi)} (negative: never), not {v}")
+    total = getattr(args, "max_total_mb", None)
+    if total is not None and int(total * (1 << 20)) < 1:
+        ap.error(f"--max-total-mb must be more than 0, at most {_num(_RANGES['max_total_mb'][2])}, not {total}")
     mb = getattr(args, "max_client_mb", None)
     if mb is not None and int(mb * (1 << 20)) < 1:
         # 0 is not "no limit": it refused every request with an inline tensor (the small ones
@@ -264,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-client-mb", type=float,
                     help="MiB of requests (headers and inline tensors) one client may have queued or running, "
                          "and of big replies waiting for it unread (default 512)")
+    ap.add_argument("--max-total-mb", type=float,
+                    help="MiB of requests (headers and inline tensors) all clients together may have queued or "
+                         "running (default: half the memory the broker may use, its cgroup's limit or the "
+                         "machine's); over it a request is refused QUEUE_FULL")
     ap.add_argument("--http", metavar="HOST:PORT",
                     help="serve /metrics (Prometheus) and the /v2/health and /v2/models paths here "
                          "(PORT alone: 127.0.0.1); off by default, and then nothing is counted")
@@ -332,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.scheduler.max_client_requests = args.max_client_requests
     if args.max_client_mb is not None:
         cfg.scheduler.max_client_bytes = int(args.max_client_mb * (1 << 20))
+    if args.max_total_mb is not None:
+        cfg.scheduler.max_total_bytes = int(args.max_total_mb * (1 << 20))
     if args.http is not None:
         cfg.http = args.http
     if args.recall_after_ms is not None:

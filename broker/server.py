@@ -44,7 +44,8 @@ from broker.protocol import logs
 from broker.protocol import wire
 from broker.names import ServiceNames
 from broker.protocol.heap import TRIM_AFTER_CLOSES, start_trim
-from broker.protocol.limits import Headroom, default_reserve, listen_backlog, move_aside, nofile_limit, put_back
+from broker.protocol.limits import (Headroom, default_reserve, listen_backlog, memory_limit, move_aside, nofile_limit,
+                                    put_back)
 from broker.protocol.wire import (MAX_FRAMES, MAX_WORKER_FRAMES, TooManyFrames, Waiter, recv_frames,
                                   recv_monitor_event, send_frames, sock_events)
 from shm import gc as shm_gc
@@ -56,6 +57,7 @@ from broker import security
 
 from broker.leases import DRAIN, LeaseEndToClient, LeaseEndToWorker, LeaseRefused, LeaseToClient, LeaseToWorker
 from broker.state import (
+    NO_TOTAL_CAP,
     CLIENT_GONE,
     ClientError,
     CancelAtWorker,
@@ -162,6 +164,16 @@ _NOBLOCK = int(zmq.NOBLOCK)
 DEFAULT_MAX_FRAME = 256 << 20
 #: default messages queued towards one client before it counts as not reading
 DEFAULT_CLIENT_HWM = 4096  # = the default max_client_requests: a client within its cap is never dropped for pipelining
+
+
+def default_total_bytes(max_client_bytes: int) -> int:
+    """The broker-wide cap on outstanding requests' bytes when none is given: half the memory
+    this process may use (its cgroup's limit, else the machine's: `memory_limit`), at least
+    one client's cap.  The broker's own memory and its unread replies need the rest."""
+    limit = memory_limit()
+    if limit is None:
+        return NO_TOTAL_CAP
+    return max(max_client_bytes, min(NO_TOTAL_CAP, limit // 2))
 
 
 def _peer_pid(frame: Any) -> int | None:
@@ -614,8 +626,10 @@ class Broker:
             from broker.metrics import Metrics
 
             self.metrics = Metrics()
-        self.sched = Scheduler(self.cfg.scheduler,
-                               on_direct=self.metrics.final if self.metrics is not None else None)
+        sc = self.cfg.scheduler
+        if sc.max_total_bytes == NO_TOTAL_CAP:  # not given: half the memory it may use
+            sc.max_total_bytes = default_total_bytes(sc.max_client_bytes)
+        self.sched = Scheduler(sc, on_direct=self.metrics.final if self.metrics is not None else None)
         # Registered at some point (404 vs 503), bounded, retired once without a worker for
         # RETAIN_S (ServiceNames)
         self._seen_services = ServiceNames(_MAX_SERVICES)

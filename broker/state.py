@@ -370,6 +370,10 @@ def cuda_key(host: str) -> str:
     return host + "#cuda"
 
 
+#: `Config.max_total_bytes` not given: no broker-wide cap here (`broker.server` sets one)
+NO_TOTAL_CAP = 1 << 50
+
+
 @dataclass(slots=True)
 class Config:
     heartbeat_interval: float = 1.0  # seconds between heartbeats to workers
@@ -389,6 +393,11 @@ class Config:
     # the sum of their ``size`` (inline payload bytes).  Over either: QUEUE_FULL.
     max_client_requests: int = 4096
     max_client_bytes: int = 512 << 20  # 512 MiB: two of the broker's largest messages
+    # All principals together: the ``size`` sum of every outstanding request.  Over it:
+    # QUEUE_FULL.  (Many processes within their caps held more than the broker's memory:
+    # the resource audit's broker was killed by its cgroup.)  The broker sets it from its
+    # memory limit when it is not given (`broker.server`, half its cgroup's or the machine's).
+    max_total_bytes: int = NO_TOTAL_CAP
     # Head-of-line: a worker of the pool that is idle takes back requests parked behind a
     # busy worker's running batch once that worker's oldest request has run this long
     # (seconds; None: never).  See "Taking work back" in the module docstring.
@@ -563,6 +572,7 @@ _COUNTERS = (
     "evicted",                   # queued requests of the heaviest principal refused for a newcomer
     "rejected_client_requests",  # over max_client_requests
     "rejected_client_bytes",     # over max_client_bytes
+    "rejected_total_bytes",      # over max_total_bytes
     "recalled",                  # requests asked back from a busy worker for an idle one, an urgent one or a turn
     "returned",                  # ... and given back unstarted (then run by another worker)
     "leases_granted",            # leases a worker confirmed (broker/leases.py)
@@ -886,6 +896,8 @@ class Scheduler(LeaseEvents):
         if not 1 <= cfg.max_client_bytes <= 1 << 50:
             raise ValueError(f"max_client_bytes must be from 1 to {1 << 50} (0 is not 'no limit': it would refuse "
                              f"every request with an inline tensor), not {cfg.max_client_bytes}")
+        if not 1 <= cfg.max_total_bytes <= 1 << 50:
+            raise ValueError(f"max_total_bytes must be from 1 to {1 << 50}, not {cfg.max_total_bytes}")
 
     def __init__(self, config: Config | None = None, *, on_direct=None):
         """``on_direct(service, code, enqueued_at, dispatched_at, finished_at, key)`` (``key``:
@@ -899,6 +911,8 @@ class Scheduler(LeaseEvents):
         self.config = cfg
         self._max_client_requests = int(cfg.max_client_requests)
         self._max_client_bytes = int(cfg.max_client_bytes)
+        self._max_total_bytes = int(cfg.max_total_bytes)
+        self._total_bytes = 0  # the sum of `_bytes`
         # Negative: never (a TOML file has no null to say so).
         self._recall_after = (None if cfg.recall_after is None or cfg.recall_after < 0
                               else float(cfg.recall_after))
@@ -1371,7 +1385,16 @@ class Scheduler(LeaseEvents):
                               f"per client (max_client_bytes={self._max_client_bytes}); wait "
                               f"for results before sending more, or pass large tensors in "
                               f"shared memory")
+            total = self._total_bytes
+            if total + size > self._max_total_bytes:
+                cnt["rejected_total_bytes"] += 1
+                return reject(ErrorCode.QUEUE_FULL,
+                              f"this request's {size} payload bytes would take what the broker holds for all "
+                              f"its clients' outstanding requests to {total + size} bytes, over its limit "
+                              f"(max_total_bytes={self._max_total_bytes}, the broker's --max-total-mb); retry "
+                              f"later, or pass large tensors in shared memory")
             self._bytes[principal] = held + size
+            self._total_bytes = total + size
         self._outstanding[principal] = outstanding + 1
         if svc is None:
             svc = self._service(service, now)
@@ -1890,6 +1913,7 @@ class Scheduler(LeaseEvents):
         else:
             del self._outstanding[p]
         if req.size:
+            self._total_bytes -= req.size
             left = self._bytes[p] - req.size
             if left:
                 self._bytes[p] = left

@@ -26,7 +26,7 @@ import resource
 from typing import Callable
 
 __all__ = ["MIN_NOFILE", "raise_nofile_limit", "nofile_limit", "open_descriptors", "Headroom", "default_reserve", "listen_backlog",
-           "move_aside", "paused_by", "put_back"]
+           "move_aside", "paused_by", "put_back", "memory_limit"]
 
 #: above this the kernel's own cap (fs.nr_open, 1048576 by default) applies anyway
 _MOST = 1 << 20
@@ -167,3 +167,36 @@ def put_back(aside: str, path: str) -> None:
     if os.path.exists(path):
         raise OSError(errno.EEXIST, "another socket took the path meanwhile")
     os.rename(aside, path)
+
+
+def memory_limit() -> int | None:
+    """The bytes of memory this process may use: its cgroup's limit (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``: a container's or a systemd unit's MemoryMax) where there is
+    one, else the machine's physical memory; None when neither can be read."""
+    phys = None
+    try:
+        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return phys
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            candidates = [f"/sys/fs/cgroup{path}/memory.max"]
+        elif "memory" in controllers.split(","):
+            candidates = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+        else:
+            continue
+        for name in candidates:
+            try:
+                with open(name) as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text.isdigit() and (phys is None or int(text) < phys):
+                return int(text)
+    return phys

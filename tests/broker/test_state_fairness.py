@@ -471,6 +471,22 @@ def test_a_request_over_the_byte_cap_by_itself_is_not_told_to_wait():
     assert "wait for results" in err.message, err.message
 
 
+def test_the_broker_wide_byte_cap_counts_every_principal():
+    """The resource audit: processes each within their cap held more than the broker's
+    memory.  ``max_total_bytes`` bounds all principals' outstanding bytes together."""
+    s = Scheduler(Config(lifo_after=None, max_client_bytes=100, max_total_bytes=150))
+    s.worker_ready(b"w", "svc", 0.0)
+    d = only(req(s, A, 1, size=100), Dispatch)  # A at its own cap
+    assert req(s, B, 1, size=50) == []  # queued: 150 in all, at the cap
+    err = only(req(s, C, 1, size=1), ClientError)  # a third process, within its own cap: over the broker's
+    assert err.code == ErrorCode.QUEUE_FULL and "max_total_bytes=150" in err.message, err.message
+    assert "--max-total-mb" in err.message and s.stats()["counters"]["rejected_total_bytes"] == 1
+    assert req(s, C, 2) == []  # a request of no inline bytes is not refused for bytes
+    out = s.worker_final(b"w", d.token, 0.1, "ok")  # A's answer gives its 100 back
+    assert only(out, ToClient).request_id == 1
+    assert of(req(s, C, 3, size=100, now=0.2), ClientError) == []  # 50 + 100: admitted
+
+
 def test_defaults():
     cfg = Config()
     assert cfg.max_client_requests == 4096 and cfg.max_client_bytes == 512 << 20

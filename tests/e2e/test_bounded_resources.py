@@ -1493,3 +1493,44 @@ def test_connections_of_one_client_that_read_big_replies_are_not_taken_for_stall
             s.close(0)
     assert "stopped reading" not in broker.stderr(tail=None), broker.stderr()
     assert broker.p.poll() is None
+
+
+_HOLDER = """
+import sys
+import numpy as np
+from client_sdk import Client
+with Client(sys.argv[1], timeout=30, transport="inline") as c:
+    h = c.infer_stream("later", {"x": np.zeros(700_000, np.uint8)})  # queued: no worker yet
+    c.mmi_service("later", timeout=10)  # a barrier: the request above is queued at the broker
+    print("SENT", flush=True)
+    sys.stdin.readline()
+    h.cancel()
+"""
+
+
+def test_processes_each_within_their_cap_are_held_to_the_brokers(cluster):
+    # The resource audit: three processes, each under --max-client-mb, held 900 MB of inline
+    # requests in a broker whose cgroup allowed 500: the kernel killed it.  All clients'
+    # outstanding bytes together are capped now (--max-total-mb; by default half the memory
+    # the broker may use): over it, QUEUE_FULL, and the broker lives.
+    import subprocess
+    import sys
+
+    from client_sdk import QueueFull
+
+    broker = cluster.broker("--max-total-mb", "1", "--service-grace", "30")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, cluster.frontend], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert readline_within(holder.stdout, 30, "the holder's SENT") == "SENT\n"
+        with Client(cluster.frontend, timeout=10, transport="inline") as c:
+            with pytest.raises(QueueFull, match="max_total_bytes=1048576"):
+                c.infer("later", {"x": np.zeros(700_000, np.uint8)})
+            with pytest.raises(DeadlineExceeded):  # a small one still goes in (and waits for a worker)
+                c.infer("later", {"x": np.zeros(8, np.uint8)}, timeout=0.3)
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.close()
+        holder.wait(20)
+        holder.stdout.close()
+    assert broker.p.poll() is None
