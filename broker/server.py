@@ -160,6 +160,13 @@ HTTP_SWITCH_S = 0.0005
 _LIVE_WITHIN_S = 2.0  # live: the loop passed this recently (it passes at least every 100 ms)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _NOBLOCK = int(zmq.NOBLOCK)
+#: how long a tcp peer's handshake may take (ms): what an unauthenticated connection holds (a
+#: descriptor, a frame buffered as large as its size claims) it holds this long at most
+#: (libzmq's default is 30 s).  A CurveZMQ handshake is two round trips.
+HANDSHAKE_MS = 5000
+#: a worker's reply frame over a tcp backend may be this many times --max-frame-mb (and 1 GiB
+#: at least): bounded, for what an unauthenticated peer can make the broker buffer
+REPLY_FRAME_FACTOR = 4
 #: default largest client frame: the largest inline tensor a deployment expects, and then some
 DEFAULT_MAX_FRAME = 256 << 20
 #: default messages queued towards one client before it counts as not reading
@@ -668,9 +675,20 @@ class Broker:
         self.backend = self.ctx.socket(zmq.ROUTER)
         for s in (self.frontend, self.backend):
             s.linger = 0
-        # Only clients are limited: a worker's reply may be as large as its model makes it
-        # (a client asking for a large inline output must not get the worker cut off).
+        # Clients are limited: a worker's reply may be as large as its model makes it (a
+        # client asking for a large inline output must not get the worker cut off).  But a
+        # tcp backend takes connections from anyone who can reach it, and libzmq buffers a
+        # frame whole as its size claims, before the handshake authenticates the peer: one
+        # unauthenticated connection claiming 2 GiB held 2.1 GB of the broker (the tcp fuzz
+        # audit).  There, a frame may be at most REPLY_FRAME_FACTOR x --max-frame-mb (1 GiB
+        # at the default); and on every tcp endpoint a handshake gets HANDSHAKE_MS, not
+        # libzmq's 30 s, to hold what it holds.
         self.frontend.maxmsgsize = self.cfg.max_frame_bytes
+        for sock, ep in ((self.frontend, self.frontend_ep), (self.backend, self.backend_ep)):
+            if ep.startswith("tcp://"):
+                sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
+        if self.backend_ep.startswith("tcp://"):
+            self.backend.maxmsgsize = max(REPLY_FRAME_FACTOR * self.cfg.max_frame_bytes, 1 << 30)
         # Workers are few and ours: deep queues.  Clients are many: each gets client_hwm
         # messages each way, and a client that lets its replies pile up to that is told
         # apart (ROUTER_MANDATORY turns "queue full" into EAGAIN instead of a silent drop).

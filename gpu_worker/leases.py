@@ -366,6 +366,10 @@ class DirectSocket:
         # reaches this socket without the broker, which bounds what reaches a worker
         # otherwise (the CURVE hunt had one 512 MiB frame buffered whole, before any HELLO).
         sock.maxmsgsize = MAX_FRAME_BYTES
+        if tcp is not None:
+            # What an unauthenticated connection holds (a descriptor, a frame buffered whole
+            # before the handshake) it holds 5 s at most, not libzmq's 30 (the tcp fuzz audit).
+            sock.setsockopt(zmq.HANDSHAKE_IVL, 5000)
         self.tcp = tcp is not None
         self.public_key: bytes | None = None  # ours, for Ready.direct_key (tcp with CurveZMQ)
         self.allowed: frozenset[bytes] = frozenset()  # the leaseholders' public keys (z85), tcp with CurveZMQ
