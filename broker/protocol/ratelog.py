@@ -66,13 +66,16 @@ class RateLimitedLog:
         once were in no line at all).  Call it periodically (the broker: once a second)."""
         if not self.suppressed or time.monotonic() - self.last < self.every:
             return
-        shown = []
+        seen: dict[str, int] = {}  # each message once, with how many times it was held (in order)
         for msg, args in self._held:
             try:
-                shown.append(msg % args if args else msg)
+                text = msg % args if args else msg
             except Exception:  # (a message that does not format is shown as it is)
-                shown.append(msg)
+                text = msg
+            seen[text] = seen.get(text, 0) + 1
+        shown = [text if k == 1 else f"{text} (x{k})" for text, k in seen.items()]
+        held = len(self._held)
         n, self.suppressed, self._held = self.suppressed, 0, []
         self.last = time.monotonic()
-        more = f"; and {n - len(shown)} more" if n > len(shown) else ""
+        more = f"; and {n - held} more" if n > held else ""
         self.log.warning("%d similar messages held back in the last %gs: %s%s", n, self.every, "; ".join(shown), more)

@@ -61,3 +61,17 @@ def test_a_line_about_a_request_keeps_its_rid_held_back_or_not(monkeypatch, capl
         log.flush()
         assert caplog.records[-1].getMessage() == (
             "1 similar messages held back in the last 1s: request failed: its workers died rid=7:2")
+
+
+def test_the_same_message_held_back_is_said_once_with_its_count(monkeypatch, caplog):
+    # The tcp fuzz audit: one failed handshake's words, written three times in one line.
+    clock = Clock()
+    monkeypatch.setattr(ratelog.time, "monotonic", clock)
+    log = RateLimitedLog(logging.getLogger("test-ratelog"), every=1.0)
+    with caplog.at_level(logging.WARNING, logger="test-ratelog"):
+        for _ in range(6):
+            log.warning("a handshake on %s failed", "tcp://x:1")
+        clock.t += 1.0
+        log.flush()
+        assert caplog.records[-1].getMessage() == (
+            "5 similar messages held back in the last 1s: a handshake on tcp://x:1 failed (x3); and 2 more")
