@@ -184,6 +184,7 @@ _RANGES = {
     "service_grace": ("--service-grace", 0, 86400),
     "max_retries": ("--max-retries", 0, 100),
     "max_frame_mb": ("--max-frame-mb", 0.0625, 1 << 20),
+    "max_reply_mb": ("--max-reply-mb", 0.0625, 1 << 22),
     "client_hwm": ("--client-hwm", 1, (1 << 31) - 1),
     "max_client_requests": ("--max-client-requests", 1, 1 << 31),
     # (more than 0: a byte at least, _check_ranges)
@@ -260,6 +261,10 @@ def main(argv: list[str] | None = None) -> int:
                          "WORKER_FAILED (default 2)")
     ap.add_argument("--max-frame-mb", type=float,
                     help="largest frame a client may send, MiB (default 256); a larger one drops its connection")
+    ap.add_argument("--max-reply-mb", type=float,
+                    help="largest frame a worker may send over a tcp backend, MiB (default 4 x --max-frame-mb, "
+                         "1024 at least: what a peer can make the broker buffer before its handshake); a larger "
+                         "one drops the worker's connection.  Ipc backends: no limit")
     ap.add_argument("--client-hwm", type=int,
                     help="messages queued towards one client before it counts as not reading and is dropped "
                          "(default: --max-client-requests, at least 4096)")
@@ -334,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             setattr(cfg.scheduler, opt, v)
     if args.max_frame_mb is not None:
         cfg.max_frame_bytes = int(args.max_frame_mb * (1 << 20))  # (in range: _check_ranges)
+    if args.max_reply_mb is not None:
+        cfg.max_reply_frame_bytes = int(args.max_reply_mb * (1 << 20))
     if args.client_hwm is not None:
         cfg.client_hwm = args.client_hwm
     if args.max_client_requests is not None:

@@ -18,6 +18,7 @@ request id, otherwise dropped; it never raises out of the loop.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import hashlib
 import itertools
@@ -57,7 +58,6 @@ from broker import security
 
 from broker.leases import DRAIN, LeaseEndToClient, LeaseEndToWorker, LeaseRefused, LeaseToClient, LeaseToWorker
 from broker.state import (
-    NO_TOTAL_CAP,
     CLIENT_GONE,
     ClientError,
     CancelAtWorker,
@@ -179,8 +179,8 @@ def default_total_bytes(max_client_bytes: int) -> int:
     one client's cap.  The broker's own memory and its unread replies need the rest."""
     limit = memory_limit()
     if limit is None:
-        return NO_TOTAL_CAP
-    return max(max_client_bytes, min(NO_TOTAL_CAP, limit // 2))
+        return 1 << 50
+    return max(max_client_bytes, min(1 << 50, limit // 2))
 
 
 def _peer_pid(frame: Any) -> int | None:
@@ -400,6 +400,11 @@ class BrokerConfig:
     #: buffering it.  A message of n frames can still hold n times this; the per-client byte
     #: cap refuses it once read.  Workers (few, authenticated) are not limited.
     max_frame_bytes: int = DEFAULT_MAX_FRAME
+    #: largest frame a worker may send over a tcp backend (before its handshake, anyone who
+    #: reaches the port is such a peer: libzmq buffers a frame as its size claims).  None:
+    #: 4 x ``max_frame_bytes``, 1 GiB at least.  A worker's larger reply frame ends its
+    #: connection (it is presumed dead, its requests retried).  Ipc backends: no limit.
+    max_reply_frame_bytes: int | None = None
     #: messages the broker queues towards one client; a client whose queue is full has
     #: stopped reading: its requests are dropped as if it had disconnected.  None: the
     #: request cap (``max_client_requests``), and at least `DEFAULT_CLIENT_HWM`, so that a
@@ -455,7 +460,8 @@ class BrokerConfig:
 
 #: what a deploy file's [broker] limits may be: a frame limit under 64 KiB dropped every
 #: client; a queue of more than 2**31 messages overflowed libzmq's option (the command-line hunt)
-LIMITS = {"max_frame_bytes": (1 << 16, 1 << 40), "client_hwm": (1, (1 << 31) - 1)}
+LIMITS = {"max_frame_bytes": (1 << 16, 1 << 40), "max_reply_frame_bytes": (1 << 16, 1 << 42),
+          "client_hwm": (1, (1 << 31) - 1)}
 
 
 class _Payload(msgspec.Struct, array_like=True):
@@ -634,8 +640,8 @@ class Broker:
 
             self.metrics = Metrics()
         sc = self.cfg.scheduler
-        if sc.max_total_bytes == NO_TOTAL_CAP:  # not given: half the memory it may use
-            sc.max_total_bytes = default_total_bytes(sc.max_client_bytes)
+        if sc.max_total_bytes is None:  # not given: half the memory it may use (the caller's config untouched)
+            sc = dataclasses.replace(sc, max_total_bytes=default_total_bytes(sc.max_client_bytes))
         self.sched = Scheduler(sc, on_direct=self.metrics.final if self.metrics is not None else None)
         # Registered at some point (404 vs 503), bounded, retired once without a worker for
         # RETAIN_S (ServiceNames)
@@ -688,7 +694,8 @@ class Broker:
             if ep.startswith("tcp://"):
                 sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)
         if self.backend_ep.startswith("tcp://"):
-            self.backend.maxmsgsize = max(REPLY_FRAME_FACTOR * self.cfg.max_frame_bytes, 1 << 30)
+            self.backend.maxmsgsize = (self.cfg.max_reply_frame_bytes or
+                                       max(REPLY_FRAME_FACTOR * self.cfg.max_frame_bytes, 1 << 30))
         # Workers are few and ours: deep queues.  Clients are many: each gets client_hwm
         # messages each way, and a client that lets its replies pile up to that is told
         # apart (ROUTER_MANDATORY turns "queue full" into EAGAIN instead of a silent drop).
@@ -2521,13 +2528,18 @@ class Broker:
         hr = self._headroom
         if not hr.paused or not hr.tick():
             return
+        # Each file on its own: one that cannot be put back now keeps the pause (tried again
+        # at the next tick; the file stays ours to unlink), not the other out.
         if self._hidden_backend is not None:
-            if not self._show(self._hidden_backend, self.backend_ep):
-                hr.paused = True  # tried again at the next tick; the file stays ours to unlink
-                return
-            self._hidden_backend = None
+            if self._show(self._hidden_backend, self.backend_ep):
+                self._hidden_backend = None
+            else:
+                hr.paused = True
         hidden = self._hidden
         if hidden is None:
+            if self._hidden_backend is None:
+                log.warning("%d of %d descriptors in use: new workers can connect to %s again", hr.used, hr.limit,
+                            self.backend_ep)
             return  # a tcp or abstract frontend: nothing was hidden
         if not self._show(hidden, self.frontend_ep):
             hr.paused = True

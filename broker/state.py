@@ -370,10 +370,6 @@ def cuda_key(host: str) -> str:
     return host + "#cuda"
 
 
-#: `Config.max_total_bytes` not given: no broker-wide cap here (`broker.server` sets one)
-NO_TOTAL_CAP = 1 << 50
-
-
 @dataclass(slots=True)
 class Config:
     heartbeat_interval: float = 1.0  # seconds between heartbeats to workers
@@ -397,7 +393,7 @@ class Config:
     # QUEUE_FULL.  (Many processes within their caps held more than the broker's memory:
     # the resource audit's broker was killed by its cgroup.)  The broker sets it from its
     # memory limit when it is not given (`broker.server`, half its cgroup's or the machine's).
-    max_total_bytes: int = NO_TOTAL_CAP
+    max_total_bytes: int | None = None  # None: no cap here (`broker.server` gives it one)
     # Head-of-line: a worker of the pool that is idle takes back requests parked behind a
     # busy worker's running batch once that worker's oldest request has run this long
     # (seconds; None: never).  See "Taking work back" in the module docstring.
@@ -896,7 +892,7 @@ class Scheduler(LeaseEvents):
         if not 1 <= cfg.max_client_bytes <= 1 << 50:
             raise ValueError(f"max_client_bytes must be from 1 to {1 << 50} (0 is not 'no limit': it would refuse "
                              f"every request with an inline tensor), not {cfg.max_client_bytes}")
-        if not 1 <= cfg.max_total_bytes <= 1 << 50:
+        if cfg.max_total_bytes is not None and not 1 <= cfg.max_total_bytes <= 1 << 50:
             raise ValueError(f"max_total_bytes must be from 1 to {1 << 50}, not {cfg.max_total_bytes}")
 
     def __init__(self, config: Config | None = None, *, on_direct=None):
@@ -911,7 +907,7 @@ class Scheduler(LeaseEvents):
         self.config = cfg
         self._max_client_requests = int(cfg.max_client_requests)
         self._max_client_bytes = int(cfg.max_client_bytes)
-        self._max_total_bytes = int(cfg.max_total_bytes)
+        self._max_total_bytes = 1 << 62 if cfg.max_total_bytes is None else int(cfg.max_total_bytes)
         self._total_bytes = 0  # the sum of `_bytes`
         # Negative: never (a TOML file has no null to say so).
         self._recall_after = (None if cfg.recall_after is None or cfg.recall_after < 0

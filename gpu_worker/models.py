@@ -631,6 +631,12 @@ class TorchExportedModel(_TorchCallModel):
         # positional parameters are refused: "kwarg keyword mismatch").
         args, kwargs = _example_call(program)
         params = list(self._signature.parameters) if self._signature is not None else []
+        scalars = _non_tensor_inputs(program)
+        if scalars:
+            raise ModelLoadError(
+                f"the exported program {name!r} takes {', '.join(map(repr, scalars))}, not a tensor: a request "
+                f"carries tensors only; export it with those values fixed (closed over in the module), or "
+                f"taken as tensors")
         self._positional = tuple(params[:args])
         self._keywords = tuple(kwargs)
 
@@ -647,8 +653,10 @@ class TorchExportedModel(_TorchCallModel):
             args = tuple(batch[n] for n in pos)
         try:
             out = self._target(*args, **{k: batch[k] for k in kw})
-        except AssertionError as e:
-            if not str(e).startswith("Guard failed"):
+        except (AssertionError, RuntimeError) as e:
+            # (a program kept without example inputs checks its inputs itself: RuntimeError
+            # "Expected input at ... to be equal to 3, but got 4"; the review)
+            if not str(e).startswith(("Guard failed", "Expected input")):
                 raise
             # A shape or dtype the program was not exported for: the request's (422), not
             # the model's (500, "retrying may help").
@@ -684,6 +692,22 @@ def _example_call(program) -> tuple[int, list[str]]:
         return len(args), list(kwargs)
     except (TypeError, ValueError):  # none kept (a program from an older torch): positional
         return len(program.graph_signature.user_inputs), []
+
+
+def _non_tensor_inputs(program) -> list[str]:
+    """The names of ``program``'s example arguments that are not tensors (a Python scalar, a
+    string), which no request can carry."""
+    try:
+        args, kwargs = program.example_inputs
+    except (TypeError, ValueError):
+        return []
+    sig = getattr(program.module(), "forward", None)
+    try:
+        names = list(inspect.signature(sig).parameters) if sig is not None else []
+    except (TypeError, ValueError):
+        names = []
+    pairs = [*zip(names, args), *dict(kwargs).items()]
+    return [n for n, v in pairs if not hasattr(v, "detach")]
 
 
 def _fixed_batch(program) -> dict[str, int | None]:

@@ -169,34 +169,48 @@ def put_back(aside: str, path: str) -> None:
     os.rename(aside, path)
 
 
-def memory_limit() -> int | None:
+def memory_limit(root: str = "/") -> int | None:
     """The bytes of memory this process may use: its cgroup's limit (v2 ``memory.max``, v1
     ``memory.limit_in_bytes``: a container's or a systemd unit's MemoryMax) where there is
-    one, else the machine's physical memory; None when neither can be read."""
+    one, else the machine's physical memory; None when neither can be read.  ``root``: where
+    /proc and /sys are (tests).
+
+    /proc/self/cgroup names the cgroup from the host's root when the process has no cgroup
+    namespace of its own, while a container sees its own cgroup mounted at the hierarchy's
+    root: the path is tried whole, then with its leading parts dropped, down to the mount
+    itself (a v1 container's limit was missed, and the host's memory taken: the review)."""
     phys = None
     try:
         phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         pass
     try:
-        with open("/proc/self/cgroup") as f:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
             lines = f.read().splitlines()
     except OSError:
         return phys
+    best = None
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         if controllers == "":  # v2
-            candidates = [f"/sys/fs/cgroup{path}/memory.max"]
+            base, name = "sys/fs/cgroup", "memory.max"
         elif "memory" in controllers.split(","):
-            candidates = [f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes"]
+            base, name = "sys/fs/cgroup/memory", "memory.limit_in_bytes"
         else:
             continue
-        for name in candidates:
+        steps = [p for p in path.split("/") if p]
+        for k in range(len(steps) + 1):
             try:
-                with open(name) as f:
+                with open(os.path.join(root, base, *steps[k:], name)) as f:
                     text = f.read().strip()
             except OSError:
                 continue
-            if text.isdigit() and (phys is None or int(text) < phys):
-                return int(text)
+            if text.isdigit() and (best is None or int(text) < best):
+                best = int(text)
+            break  # (the deepest one found is this process's: "max" there is no limit)
+    if best is not None and (phys is None or best < phys):
+        return best
     return phys

@@ -178,8 +178,11 @@ class LineWriter:
                 self.stream.flush()
                 self._lost = 0
             except Exception as e:  # noqa: BLE001 - EPIPE, a full disk, sys.stderr None: the thread goes on
-                self._lost = lost + n + dropped
+                self._lost = lost + n
                 self._lost_why = f"{type(e).__name__}: {e}"[:200]
+                if dropped:
+                    with cv:  # (its notice was in this batch: said with the next one instead)
+                        self._dropped += dropped
             with cv:
                 self._done += n
                 cv.notify_all()

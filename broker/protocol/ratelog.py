@@ -28,7 +28,9 @@ class RateLimitedLog:
         self.every = every
         self.last = -float("inf")
         self.suppressed = 0
-        self._held: list = []  # (msg, args) of the first suppressed ones since the last line
+        #: (msg, args) of the first `SHOWN` different suppressed ones since the last line -> how
+        #: many times each came (the same words held three times were written three times)
+        self._held: dict = {}
 
     def _due(self, msg: str, args: tuple, extra: dict | None = None) -> bool:
         now = time.monotonic()
@@ -36,17 +38,25 @@ class RateLimitedLog:
             self.last = now
             return True
         self.suppressed += 1
-        if len(self._held) < SHOWN:
-            rid = extra.get("rid") if extra else None
-            # A held line about a request keeps its rid in the summary (grep finds it there).
-            self._held.append((msg + " rid=%s", (*args, rid)) if rid is not None else (msg, args))
+        rid = extra.get("rid") if extra else None
+        # A held line about a request keeps its rid in the summary (grep finds it there).
+        key = (msg + " rid=%s", (*args, rid)) if rid is not None else (msg, args)
+        held = self._held
+        try:
+            if key in held:
+                held[key] += 1
+            elif len(held) < SHOWN:
+                held[key] = 1
+        except TypeError:  # (an argument that cannot be hashed: held as it comes)
+            if len(held) < SHOWN:
+                held[(msg, id(args), args)] = 1
         return False
 
     def _tail(self, msg: str) -> str:
         if self.suppressed:
             msg += f" ({self.suppressed} similar messages suppressed)"
             self.suppressed = 0
-            self._held = []
+            self._held = {}
         return msg
 
     def warning(self, msg: str, *args, extra: dict | None = None) -> None:
@@ -66,16 +76,16 @@ class RateLimitedLog:
         once were in no line at all).  Call it periodically (the broker: once a second)."""
         if not self.suppressed or time.monotonic() - self.last < self.every:
             return
-        seen: dict[str, int] = {}  # each message once, with how many times it was held (in order)
-        for msg, args in self._held:
+        shown = []
+        for key, k in self._held.items():
+            msg, args = key[0], key[-1]
             try:
                 text = msg % args if args else msg
             except Exception:  # (a message that does not format is shown as it is)
                 text = msg
-            seen[text] = seen.get(text, 0) + 1
-        shown = [text if k == 1 else f"{text} (x{k})" for text, k in seen.items()]
-        held = len(self._held)
-        n, self.suppressed, self._held = self.suppressed, 0, []
+            shown.append(text if k == 1 else f"{text} (x{k})")
+        held = sum(self._held.values())
+        n, self.suppressed, self._held = self.suppressed, 0, {}
         self.last = time.monotonic()
         more = f"; and {n - held} more" if n > held else ""
         self.log.warning("%d similar messages held back in the last %gs: %s%s", n, self.every, "; ".join(shown), more)

@@ -74,4 +74,4 @@ def test_the_same_message_held_back_is_said_once_with_its_count(monkeypatch, cap
         clock.t += 1.0
         log.flush()
         assert caplog.records[-1].getMessage() == (
-            "5 similar messages held back in the last 1s: a handshake on tcp://x:1 failed (x3); and 2 more")
+            "5 similar messages held back in the last 1s: a handshake on tcp://x:1 failed (x5)")

@@ -379,6 +379,14 @@ FACTORIES = textwrap.dedent(
 
     def make_exported_two():    # a fixed batch of 2: no batch the worker makes passes its guards
         return torch.export.export(Mix().eval(), (torch.ones(2, 3), torch.zeros(2, 2)))
+
+    class Scaled(torch.nn.Module):
+        def forward(self, x, scale: float):
+            return x * scale
+
+    def make_exported_scalar():  # a Python scalar argument: no request can carry it
+        return torch.export.export(Scaled(), (torch.ones(2, 3), 2.0),
+                                   dynamic_shapes={"x": {0: _B}, "scale": None})
     '''
 )
 
@@ -529,6 +537,8 @@ def test_a_torch_export_program_is_a_torch_model(factories):
     assert make_backend(one, "cpu").run([{"x": x, "y": y}])[0]["s"].tolist() == [5.5, 5.5]
     with pytest.raises(ModelLoadError, match="fixes dimension 0 of its input.s. x, y .size 2, size 2.*Dim"):
         load_model(f"{factories}:make_exported_two", "cpu")
+    with pytest.raises(ModelLoadError, match="takes 'scale', not a tensor"):
+        load_model(f"{factories}:make_exported_scalar", "cpu")
 
 
 def test_a_torchscript_function_is_a_torch_model(factories):
