@@ -2476,12 +2476,16 @@ class Broker:
             return
         self._hidden = self._hide(self.frontend_ep)
         self._hidden_backend = self._hide(self.backend_ep)
-        hidden = self._hidden
+        if self._hidden is not None:
+            what = ("new clients cannot connect until some close" +
+                    (", nor new workers" if self._hidden_backend is not None else "") +
+                    " (connected ones are served as before)")
+        else:  # (a tcp frontend cannot be hidden)
+            what = ("new workers cannot connect until some close; " if self._hidden_backend is not None else "") + \
+                   "new clients would take the last of them"
         log.warning("%d of this process's %d descriptors are in use: %s; at the limit libzmq would abort the "
                     "broker.  Raise its descriptor limit (ulimit -n; LimitNOFILE= in a systemd unit; --ulimit "
-                    "nofile= for a container)", hr.used, hr.limit,
-                    "new clients cannot connect until some close, nor new workers (connected ones are served as before)"
-                    if hidden is not None else "new clients would take the last of them", )
+                    "nofile= for a container)", hr.used, hr.limit, what)
 
     def _hide(self, ep: str) -> str | None:
         """Move ``ep``'s socket file aside (`_accepted`); where it went, or None."""
@@ -2530,23 +2534,15 @@ class Broker:
             return
         # Each file on its own: one that cannot be put back now keeps the pause (tried again
         # at the next tick; the file stays ours to unlink), not the other out.
-        if self._hidden_backend is not None:
-            if self._show(self._hidden_backend, self.backend_ep):
-                self._hidden_backend = None
-            else:
+        for attr, ep, who in (("_hidden", self.frontend_ep, "clients"), ("_hidden_backend", self.backend_ep, "workers")):
+            hidden = getattr(self, attr)
+            if hidden is None:
+                continue  # a tcp or abstract endpoint: nothing was hidden
+            if not self._show(hidden, ep):
                 hr.paused = True
-        hidden = self._hidden
-        if hidden is None:
-            if self._hidden_backend is None:
-                log.warning("%d of %d descriptors in use: new workers can connect to %s again", hr.used, hr.limit,
-                            self.backend_ep)
-            return  # a tcp or abstract frontend: nothing was hidden
-        if not self._show(hidden, self.frontend_ep):
-            hr.paused = True
-            return
-        self._hidden = None
-        log.warning("%d of %d descriptors in use: new clients can connect to %s again (and workers to %s)",
-                    hr.used, hr.limit, self.frontend_ep, self.backend_ep)
+                continue
+            setattr(self, attr, None)
+            log.warning("%d of %d descriptors in use: new %s can connect to %s again", hr.used, hr.limit, who, ep)
 
     def _bind_connection(self, ident: bytes, frame: Any, now: float) -> None:
         if self._gone.pop(ident, None) is not None and self.sched.has_worker(ident):

@@ -628,17 +628,23 @@ class TorchExportedModel(_TorchCallModel):
             self.batchable = False
         # Called as it was exported: its positional arguments by position, its keyword ones
         # by name (the module checks the call against the export's; keywords for its
-        # positional parameters are refused: "kwarg keyword mismatch").
-        args, kwargs = _example_call(program)
+        # positional parameters are refused: "kwarg keyword mismatch").  A program kept
+        # without its example inputs (an older torch's) was called positionally.
         params = list(self._signature.parameters) if self._signature is not None else []
-        scalars = _non_tensor_inputs(program)
+        try:
+            args, kwargs = program.example_inputs
+            kwargs = dict(kwargs)
+        except (TypeError, ValueError):
+            args, kwargs = [None] * len(program.graph_signature.user_inputs), {}
+        self._positional = tuple(params[:len(args)])
+        self._keywords = tuple(kwargs)
+        scalars = [n for n, v in [*zip(self._positional, args), *kwargs.items()]
+                   if v is not None and not hasattr(v, "detach")]
         if scalars:
             raise ModelLoadError(
                 f"the exported program {name!r} takes {', '.join(map(repr, scalars))}, not a tensor: a request "
                 f"carries tensors only; export it with those values fixed (closed over in the module), or "
                 f"taken as tensors")
-        self._positional = tuple(params[:args])
-        self._keywords = tuple(kwargs)
 
     def __call__(self, batch):
         pos, kw = self._positional, self._keywords
@@ -673,41 +679,14 @@ class TorchExportedModel(_TorchCallModel):
             args, kwargs = self.program.example_inputs
         except (TypeError, ValueError):
             return super().example_inputs()
-        names = list(self._signature.parameters) if self._signature is not None else []
-        if len(args) > len(names):
+        if len(args) > len(self._positional):
             return super().example_inputs()
         out = {}
-        for key, value in [*zip(names, args), *dict(kwargs).items()]:
+        for key, value in [*zip(self._positional, args), *dict(kwargs).items()]:
             if getattr(value, "ndim", 0) < 1 or not hasattr(value, "detach"):
                 return super().example_inputs()
             out[key] = value[0].detach().cpu().numpy()
         return out
-
-
-def _example_call(program) -> tuple[int, list[str]]:
-    """How ``program`` was called at its export: its number of positional arguments, and its
-    keyword arguments' names."""
-    try:
-        args, kwargs = program.example_inputs
-        return len(args), list(kwargs)
-    except (TypeError, ValueError):  # none kept (a program from an older torch): positional
-        return len(program.graph_signature.user_inputs), []
-
-
-def _non_tensor_inputs(program) -> list[str]:
-    """The names of ``program``'s example arguments that are not tensors (a Python scalar, a
-    string), which no request can carry."""
-    try:
-        args, kwargs = program.example_inputs
-    except (TypeError, ValueError):
-        return []
-    sig = getattr(program.module(), "forward", None)
-    try:
-        names = list(inspect.signature(sig).parameters) if sig is not None else []
-    except (TypeError, ValueError):
-        names = []
-    pairs = [*zip(names, args), *dict(kwargs).items()]
-    return [n for n, v in pairs if not hasattr(v, "detach")]
 
 
 def _fixed_batch(program) -> dict[str, int | None]:

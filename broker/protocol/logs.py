@@ -441,11 +441,15 @@ _TRACEBACK_HEADS = ("Traceback (most recent call last):",
                     "The above exception was the direct cause of the following exception:")
 
 
+def _escape(m: re.Match) -> str:
+    return repr(m.group())[1:-1]  # ("\\n", "\\x00", "\\u2028")
+
+
 def _escaped(text: str) -> str:
     """``text`` with its control characters written as escapes (``\\n``, ``\\x00``): a
     peer's words in a line (a service name, a host, a model's message) cannot start a line
     of their own, a forged one (the fuzz audit)."""
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+    return _CONTROL.sub(_escape, text)
 
 
 class TextFormatter(logging.Formatter):
@@ -465,7 +469,7 @@ class TextFormatter(logging.Formatter):
         """The traceback, below the line, with every line that is not one of its own
         headers indented: an exception's message is anybody's words (a peer's, in a
         ValueError naming what it sent), and its lines must not pass for log lines."""
-        text = _BREAKS.sub(lambda m: repr(m.group())[1:-1], super().formatException(ei))
+        text = _BREAKS.sub(_escape, super().formatException(ei))
         return "\n".join(line if not line or line[0].isspace() or line in _TRACEBACK_HEADS else "  " + line
                          for line in text.split("\n"))
 
