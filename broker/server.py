@@ -793,6 +793,9 @@ class Broker:
         self._gone: dict[bytes, float] = {}  # workers whose connection closed -> when: their verdict waits (`_settle_gone`)
         self._closed_conns = 0  # connections closed since the C heap was last trimmed (`trim_heap`)
         self._trimming: threading.Thread | None = None
+        # Housekeeping rounds left that trim the C heap whatever the closes (`_stalled`):
+        # what a reader that stopped held in libzmq's queue, freed by its I/O thread
+        self._trim_rounds = 0
         self._client_pids: dict[bytes, tuple | None] = {}  # client identity -> attested (pid, start)
         # pid -> the start time last read for it: a principal's start where a connection's
         # could not be read (out of descriptors), so one process stays one principal
@@ -1098,12 +1101,14 @@ class Broker:
                     self._drop_doomed()
                 for throttle in self._throttles:
                     throttle.flush()  # what a burst held back is said within a second or so
-                if self._closed_conns >= TRIM_AFTER_CLOSES and not (self._trimming and self._trimming.is_alive()):
+                due = self._closed_conns >= TRIM_AFTER_CLOSES or self._trim_rounds > 0
+                if due and not (self._trimming and self._trimming.is_alive()):
                     # libzmq's buffers of the connections that left, back to the kernel, on a
                     # thread of its own (ctypes lets go of the GIL): freeing 80 MB took 12 ms,
                     # during which the loop runs, though a malloc of its own from the arena
                     # being trimmed waits for it (glibc holds the arena's lock meanwhile).
                     self._closed_conns = 0
+                    self._trim_rounds = max(0, self._trim_rounds - 1)
                     self._trimming = start_trim()  # (None: no thread to be had, skipped)
             if wake is not None and now >= wake:
                 self._run_timers(now)
@@ -1920,6 +1925,11 @@ class Broker:
                                 "connection", ident[:16], why)
         self._doomed[ident] = None
         self._end_connection(ident)
+        # What its queue held (up to its byte cap of replies, in big frames) stays with glibc
+        # once libzmq's I/O thread frees it, 62 MiB of 64 once for good (CI): trimmed in the
+        # next two rounds (the I/O thread frees it after it sees the connection end, most often
+        # before the first).
+        self._trim_rounds = 2
 
     def _end_connection(self, ident: bytes) -> None:
         """Shut down the connection ``ident`` came on.  libzmq owns the descriptor (and

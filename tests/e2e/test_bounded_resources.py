@@ -771,14 +771,16 @@ def test_replies_a_client_does_not_read_are_bounded_in_bytes_not_only_in_count(c
             # replies in flight, the kernel's buffers and allocator slack; unbounded, most of
             # what was sent (4 MiB a request) stayed.
             assert hwm - rss0 < 120 * 1024, (rss0, hwm)
-            # What it held goes with the connection: libzmq's I/O thread frees the dropped
-            # connection's queue after the log line, so on a loaded machine the first look
-            # can still see it (+70 MiB once, beside other suites); wait for it to go.
+            # What it held goes with the connection, and back to the kernel: libzmq's I/O
+            # thread frees the dropped connection's queue after the log line, so on a loaded
+            # machine the first look can still see it (+70 MiB once, beside other suites); wait
+            # for it to go.  glibc kept it (+62 MiB of 64 in most runs, for good: CI) until the
+            # broker trimmed its heap after a drop.
             until_s = time.monotonic() + 10
-            while rss1 - rss0 >= 64 * 1024 and time.monotonic() < until_s:
+            while rss1 - rss0 >= 16 * 1024 and time.monotonic() < until_s:
                 time.sleep(0.05)  # polling the broker's RSS (a condition, not a delay)
                 rss1 = _status_kib(pid, "VmRSS")
-            assert rss1 - rss0 < 64 * 1024, (rss0, rss1)
+            assert rss1 - rss0 < 16 * 1024, (rss0, rss1)
             _echo(good, np.arange(16, dtype=np.int64))  # the well-behaved client never noticed
         finally:
             hog.close(0)
