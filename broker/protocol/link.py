@@ -334,10 +334,16 @@ LINK_QUEUE_BYTES = 64 << 20
 #: with what it still holds (`LinkServer.expire`): a client that never reads again must not
 #: keep the worker's memory and a descriptor for good; its calls go through the broker
 RETIRE_GRACE_S = 10.0
+#: seconds a connection may stay without sending a message before it is ended
+#: (`LinkServer.expire`): a client says HELLO as soon as it connects, and connections that
+#: said nothing held the link's `max_conns` for good (same-user processes only: a fresh
+#: leaseholder then could not use the link, and sent through the ipc direct socket)
+SILENT_GRACE_S = 5.0
 
 
 class _Peer:
-    __slots__ = ("sock", "fd", "route", "outbox", "writing", "queued", "queued_bytes", "retiring", "retired_at")
+    __slots__ = ("sock", "fd", "route", "outbox", "writing", "queued", "queued_bytes", "retiring", "retired_at",
+                 "since", "heard")
 
     def __init__(self, sock: socket.socket, route: bytes):
         self.sock = sock
@@ -351,6 +357,8 @@ class _Peer:
         self.queued_bytes = 0         # their bytes still there
         self.retiring = False         # over a cap: its outbox leaves, then it closes (module docstring)
         self.retired_at = 0.0         # when it began to retire (monotonic)
+        self.since = time.monotonic()  # when it was accepted
+        self.heard = False            # a message read from it
 
 
 def _discard_unread(sock: socket.socket, most: int = 100_000) -> None:
@@ -408,6 +416,7 @@ class LinkServer:
         self.retired = 0                         # connections retired for an outbox at a cap
         self.refused = 0                         # connections refused (another uid, too many)
         self.malformed = 0                       # connections ended for sending what is not a message
+        self.silent = 0                          # connections ended for saying nothing (`expire`)
         self.closed = False
 
     # ------------------------------------------------------------------ reading
@@ -539,6 +548,7 @@ class LinkServer:
                 return
             frames.insert(0, peer.route)
             inbox.append(frames)
+            peer.heard = True
 
     def _end(self, peer: _Peer) -> None:
         """The connection is over: forgotten, closed, and a DISCONNECT of its own queued (a
@@ -585,15 +595,24 @@ class LinkServer:
             inbox.extend(keep)
         inbox.append([route, MDPC, C_DISCONNECT])
 
-    def expire(self, now: float | None = None, grace: float = RETIRE_GRACE_S) -> int:
+    def expire(self, now: float | None = None, grace: float = RETIRE_GRACE_S,
+               silent_grace: float = SILENT_GRACE_S) -> int:
         """End the retiring connections whose outbox has not left within ``grace`` seconds
         of their retirement, dropping what it still holds (counted in `dropped`): their
         client stopped reading for good, or is too slow to be waited for.  It then reads
         what reached its socket, then the end, and sends the calls still waiting through
-        the broker, as for any retired connection.  For the owner's housekeeping (the link
+        the broker, as for any retired connection.  And the connections that have sent no
+        message within ``silent_grace`` seconds of their accept (counted in `silent`; each
+        gets its DISCONNECT, as one that closed).  For the owner's housekeeping (the link
         has no timers); the number ended."""
         now = time.monotonic() if now is None else now
-        late = [peer for peer in self._peers.values() if peer.retiring and now - peer.retired_at >= grace]
+        late, quiet = [], []
+        for peer in self._peers.values():
+            if peer.retiring:
+                if now - peer.retired_at >= grace:
+                    late.append(peer)
+            elif not peer.heard and now - peer.since >= silent_grace:
+                quiet.append(peer)
         for peer in late:
             self.dropped += peer.queued
             peer.outbox.clear()
@@ -602,7 +621,18 @@ class LinkServer:
         if late:
             log.warning("%d link connection(s) ended: their client read nothing of what waited for it for %.0f s",
                         len(late), grace)
-        return len(late)
+        ended = 0
+        for peer in quiet:
+            if peer.fd in self._peers:
+                self._read(peer, 1)  # a HELLO the loop had no time to read yet (a long batch) still counts
+            if peer.fd in self._peers and not peer.heard:
+                self.silent += 1
+                ended += 1
+                self._end(peer)
+        if ended:
+            log.warning("%d link connection(s) ended: they sent nothing within %.0f s of connecting (a client says "
+                        "HELLO at once)", ended, silent_grace)
+        return len(late) + ended
 
     # ------------------------------------------------------------------ writing
 

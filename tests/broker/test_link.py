@@ -657,3 +657,30 @@ def test_a_worker_that_closed_with_requests_unread_and_nothing_sent_is_an_end_of
         worker.close()
         with pytest.raises(EOFError):
             _client_recv(conn)
+
+
+def test_a_connection_that_says_nothing_is_ended_after_its_grace_and_one_that_spoke_is_not(path):
+    server = LinkServer(path)
+    quiet, spoke, late = LinkConn(path), LinkConn(path), LinkConn(path)
+    try:
+        spoke.send([b"hello"])
+        assert bytes(_server_recv(server)[1]) == b"hello"
+        while len(server) < 3:  # accepts (quiet and late say nothing yet)
+            assert _readable(server.fileno())
+            server.pump()
+        t0 = time.monotonic()
+        assert server.expire(t0 + 1.0, silent_grace=5.0) == 0 and len(server) == 3
+        # ``late`` speaks after the loop last read (a long batch): the look reads it first.
+        late.send([b"hello at last"])
+        assert server.expire(t0 + 6.0, silent_grace=5.0) == 1
+        assert len(server) == 2 and server.silent == 1
+        got = [server.inbox.popleft() for _ in range(len(server.inbox))]
+        assert sorted(b"".join(bytes(f) for f in m[1:]) for m in got) == [P.MDPC + P.C_DISCONNECT, b"hello at last"]
+        assert _readable(quiet.fileno())
+        with pytest.raises(EOFError):
+            quiet.recv()
+        assert server.expire(t0 + 60.0, silent_grace=5.0) == 0  # those that spoke stay, however long
+    finally:
+        for c in (quiet, spoke, late):
+            c.close()
+        server.close()

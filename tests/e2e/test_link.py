@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
+import struct
 import time
 
 import numpy as np
@@ -192,3 +193,40 @@ def test_a_large_reply_on_the_link_is_read_whole_by_one_poll(cluster):
             with h.result(timeout=TIMEOUT_S) as r:
                 np.testing.assert_array_equal(r["x"], x)
             assert begun <= 3, begun  # (479 before; 1 unless the worker was descheduled 20 ms)
+
+
+def test_connections_that_never_say_hello_are_ended_and_the_link_serves_again(cluster):
+    # Found by the ninth session's audit: the link kept every connection that said nothing,
+    # and at its cap (256) refused the rest, so a leaseholder that came later sent through
+    # the ipc direct socket for as long as the silent ones stayed (for good).  A client says
+    # HELLO as soon as it connects: one that said nothing for SILENT_GRACE_S is ended.
+    from broker.protocol.link import SILENT_GRACE_S
+    from gpu_worker.leases import LINK_CONNS
+
+    cluster.broker()
+    w = cluster.worker("echo", "--direct")
+    path = re.search(r" link=(\S+)", w.ready_line).group(1)
+    silent = []
+    for _ in range(LINK_CONNS):  # blocking connects: the listen backlog (128) fills while the worker accepts
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        silent.append(s)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(TIMEOUT_S), 0))
+        s.connect(path)
+    try:
+        with _raw(path) as late:  # the link is full: one more is closed at once
+            assert late.recv(16) == b""
+        for s in silent:  # each is ended (the worker's housekeeping looks once a second)
+            s.settimeout(SILENT_GRACE_S + 10)
+            assert s.recv(16) == b""
+        w.wait_log("sent nothing within")
+        with Client(cluster.frontend, timeout=TIMEOUT_S, pin=True) as c:
+            wait_service(c, "echo")
+            _until_pinned(c, "echo")
+            assert type(_lease_socket(c, "echo")) is LinkConn
+            before = c.pinned_replies
+            _echo(c, "echo", 2)
+            assert c.pinned_replies == before + 1
+    finally:
+        for s in silent:
+            s.close()
+    assert w.p.poll() is None
