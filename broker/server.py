@@ -696,6 +696,11 @@ class Broker:
         if self.backend_ep.startswith("tcp://"):
             self.backend.maxmsgsize = (self.cfg.max_reply_frame_bytes or
                                        max(REPLY_FRAME_FACTOR * self.cfg.max_frame_bytes, 1 << 30))
+            # Told to the workers, which answer a reply over it with an error instead: a
+            # frame over it ended the worker's connection, so that the request was retried
+            # on every worker in turn, each losing its connection (and its other requests'
+            # replies went again elsewhere).
+            self._welcome.max_reply_frame = self.backend.maxmsgsize
         # Workers are few and ours: deep queues.  Clients are many: each gets client_hwm
         # messages each way, and a client that lets its replies pile up to that is told
         # apart (ROUTER_MANDATORY turns "queue full" into EAGAIN instead of a silent drop).

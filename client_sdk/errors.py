@@ -159,7 +159,7 @@ class InternalError(InferenceError):
     hint = "see the broker and worker logs; retrying may help"
 
     def __init__(self, message: str = "", **kw):
-        if "a fault of the model: the same request fails" in message:  # the worker's: outputs it cannot send
+        if "the same request fails the same way" in message:  # the worker's: outputs it cannot send
             self.hint = ""
         super().__init__(message, **kw)
 

@@ -335,7 +335,8 @@ class CudaPlane:
 
     # ------------------------------------------------------------------ outputs
 
-    def write_outputs(self, job: Job, out: dict, checked: bool = False) -> tuple[list[P.TensorRef], list[Any]]:
+    def write_outputs(self, job: Job, out: dict, checked: bool = False,
+                      max_inline: int | None = None) -> tuple[list[P.TensorRef], list[Any]]:
         try:
             if self._wants_device(job):
                 if not checked:
@@ -351,7 +352,7 @@ class CudaPlane:
             # copy into the pool, the hand-off's event or the download.
             self._check_context(e)
             raise
-        return self.host.write_outputs(job, out, checked)
+        return self.host.write_outputs(job, out, checked, max_inline)
 
     def _np_dtype(self, tdtype) -> np.dtype:
         dt = self._np_dtypes.get(tdtype)

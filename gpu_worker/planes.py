@@ -70,7 +70,7 @@ def reply_sockets(limit: int | None = None) -> int:
     limit = nofile_limit() if limit is None else limit
     return max(64, min(256, (limit - 256) // 8))
 
-__all__ = ["DataPlane", "HostPlane", "NotAttested", "check_owner", "is_same_array"]
+__all__ = ["DataPlane", "HostPlane", "NotAttested", "ReplyTooLarge", "check_owner", "is_same_array"]
 
 CUDA_ON_CPU_WORKER = ("CUDA IPC tensors need a worker on a CUDA device (start it with "
                       "python -m gpu_worker --device cuda:N); this worker runs on the CPU")
@@ -87,7 +87,8 @@ class DataPlane(Protocol):
     def run(self, jobs: list[Job]) -> list: ...
     def detach(self, outs: list) -> list: ...
     def warm(self, inputs) -> None: ...
-    def write_outputs(self, job: Job, out: dict, checked: bool = False) -> tuple[list[P.TensorRef], list]: ...
+    def write_outputs(self, job: Job, out: dict, checked: bool = False,
+                      max_inline: int | None = None) -> tuple[list[P.TensorRef], list]: ...
     def finish_reads(self, job: Job) -> None: ...
     def housekeeping(self) -> None: ...
     def lent(self) -> int: ...
@@ -114,6 +115,12 @@ class OutputRefused(TypeError, ValueError):
     """What a model returned cannot go in a reply (`check_outputs`): the model's fault, and
     the same request fails the same way again.  A TypeError or a ValueError, as each check
     raised before it had a class of its own."""
+
+
+class ReplyTooLarge(OutputRefused):
+    """An output would go inline in a frame larger than the broker reads from this worker
+    (`Welcome.max_reply_frame`: a tcp backend's --max-reply-mb).  Sent, it ended the
+    worker's connection, and the request, retried elsewhere, ended the next worker's."""
 
 
 def check_outputs(out: Any) -> None:
@@ -248,8 +255,11 @@ class HostPlane:
 
     # ------------------------------------------------------------------ outputs
 
-    def write_outputs(self, job: Job, out: dict, checked: bool = False) -> tuple[list[P.TensorRef], list[Any]]:
-        """``checked``: `check_outputs` passed on ``out`` already (a batch's, `Worker._run_model`)."""
+    def write_outputs(self, job: Job, out: dict, checked: bool = False,
+                      max_inline: int | None = None) -> tuple[list[P.TensorRef], list[Any]]:
+        """``checked``: `check_outputs` passed on ``out`` already (a batch's, `Worker._run_model`);
+        ``max_inline``: the largest inline frame the reply may carry (`ReplyTooLarge` past it,
+        the slots taken freed)."""
         req = job.req
         # An output slot is lent to the process the broker attested, which gives it back by
         # releasing it or by dying; a request without one (tcp, another pid namespace) would
@@ -262,7 +272,7 @@ class HostPlane:
             check_outputs(out)  # before any slot is taken: a model's mistake costs no slot
         lent: list[Any] = []  # output slots taken for this reply: freed if it fails half way
         try:
-            self._write(job, req, out, want_shm, refs, frames, lent)
+            self._write(job, req, out, want_shm, refs, frames, lent, max_inline)
         except BaseException:
             for ref in lent:
                 self.out_pool.free(ref)
@@ -295,7 +305,8 @@ class HostPlane:
             self._readers[key] = ok
         return ok
 
-    def _write(self, job: Job, req, out: dict, want_shm: bool, refs: list, frames: list, lent: list) -> None:
+    def _write(self, job: Job, req, out: dict, want_shm: bool, refs: list, frames: list, lent: list,
+               max_inline: int | None = None) -> None:
         for name, value in out.items():
             arr = value if type(value) is np.ndarray else np.asarray(value)
             same = job.inputs.get(name) if job.inputs else None
@@ -318,6 +329,10 @@ class HostPlane:
                 # Output ring full (the client holds many results): degrade to inline, never fail.
             refs.append(P.TensorRef(name=name, dtype=dts, shape=list(arr.shape), loc=P.InlineLoc(frame=len(frames))))
             nbytes = arr.nbytes
+            if max_inline is not None and nbytes > max_inline:
+                raise ReplyTooLarge(f"output {name[:200]!r} is {nbytes} bytes, over the {max_inline} bytes a reply frame "
+                                    f"may carry through the broker (its --max-reply-mb, on a tcp backend): ask for a "
+                                    f"smaller output, or start the broker with a larger --max-reply-mb")
             if nbytes <= P.SMALL_INLINE_BYTES and not arr.dtype.hasobject:
                 # A small copy (in C order, whatever the layout) costs less than the views.
                 # (Object arrays are refused below, as the buffer protocol refuses them:

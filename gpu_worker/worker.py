@@ -72,7 +72,8 @@ from gpu_worker.signature import describe, mismatch, parse_inputs, wire_signatur
 from gpu_worker.direct import DIRECT_LINGER_MS, BatchFinals, DirectSockets, DoneGather, direct_endpoint, gathers_finals
 from gpu_worker.job import Job
 from gpu_worker.leases import LINK_CONNS, DirectSocket, DirectSocketError, LeaseTable, Refusal, Unsent, runs_long
-from gpu_worker.planes import DataPlane, HostPlane, NotAttested, OutputRefused, check_outputs, reply_sockets
+from gpu_worker.planes import (DataPlane, HostPlane, NotAttested, OutputRefused, ReplyTooLarge, check_outputs,
+                               reply_sockets)
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
@@ -126,6 +127,9 @@ def refused_outputs(model: str, e: BaseException) -> str:
     (`_output_faults`): the model's mistake, which the same request meets again, so its
     client is not told that retrying may help (`client_sdk.InternalError`)."""
     # (the words the client looks for first: a long output name in the message may be cut)
+    if isinstance(e, ReplyTooLarge):  # (not the model's fault: the broker's limit)
+        return (f"model {model[:200]!r} returned an output too large for a reply through the broker (the same request "
+                f"fails the same way): {message_of(e)}")
     return (f"model {model[:200]!r} returned outputs no reply can carry (a fault of the model: the same request "
             f"fails the same way; fix the model): {message_of(e)}")
 
@@ -494,6 +498,7 @@ class Worker:
         self._stats_warm = 0     # keep-warm runs already reported
         self._stats_usage = None  # pool use last reported
         self.counts = False        # the broker counts (its WELCOME said so): STATS, histograms
+        self._max_reply_frame: int | None = None  # the largest reply frame our broker reads (its WELCOME)
         self.registered = False    # a WELCOME since the last (re)connect (see `ready`)
         self._plain_broker = False  # no WELCOME came within the wait: a plain MDP broker, or none
         self.last_loop = time.monotonic()  # the loop's last pass (the health endpoint's liveness)
@@ -1067,6 +1072,7 @@ class Worker:
         self.registered = True
         self._plain_broker = False  # ours after all (a READY announced before it came): WELCOMEs rule
         self.counts = bool(w.metrics)
+        self._max_reply_frame = w.max_reply_frame  # (`_reply_tensors`)
         # Outcomes in the DONEs for a counting broker, and for one whose congestion rule
         # reads the deadlines we miss (our 504s: broker/state.py, "Congestion").
         self.dones.info = bool(w.metrics or w.outcomes)
@@ -1956,7 +1962,10 @@ class Worker:
             self.stale_replies += 1
             return []
         t0 = time.perf_counter()
-        refs, frames = self.plane.write_outputs(job, out, checked)
+        limit = self._max_reply_frame  # (a tcp backend's: only for a reply through the broker)
+        if limit is not None and not self._relayed(job, final):
+            limit = None
+        refs, frames = self.plane.write_outputs(job, out, checked, limit)
         timing["output_ms"] = (time.perf_counter() - t0) * 1e3
         header = P.encode_header(P.Reply(id=job.req.id, tensors=refs, timing=timing, seq=seq))
         self._reply(job, final, [header, *frames])

@@ -285,6 +285,9 @@ class Welcome(msgspec.Struct, kw_only=True):
     metrics: bool = False          # the broker counts (--http): send STATS and DONE outcomes
     outcomes: bool = False         # send DONE outcomes (the broker's congestion rule reads 504s), counting or not
     stopping: bool = False         # the broker takes STOPPING (an older one would log it as malformed)
+    # the largest frame of a reply the broker reads from this worker (a tcp backend's
+    # --max-reply-mb; nil: no limit): a larger one would end the worker's connection
+    max_reply_frame: int | None = None
 
 
 class LeaseAsk(msgspec.Struct, kw_only=True):

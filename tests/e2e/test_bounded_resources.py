@@ -1499,3 +1499,40 @@ def test_processes_each_within_their_cap_are_held_to_the_brokers(cluster):
         holder.wait(20)
         holder.stdout.close()
     assert broker.p.poll() is None
+
+
+def test_a_reply_over_the_brokers_reply_frame_limit_is_an_error_and_no_worker_is_cut_off():
+    """A tcp backend reads reply frames of at most --max-reply-mb.  A model output over it
+    ended the worker's connection: the broker took the worker for dead and ran the request
+    again on the next worker, which lost its connection the same way, every request in
+    flight on them sent again elsewhere (the ninth session's left-alone list).  The broker
+    says its limit in WELCOME, and the worker answers such a request with an error."""
+    from client_sdk import InternalError
+
+    b = Proc(["-m", "broker", "--frontend", "tcp://127.0.0.1:0", "--backend", "tcp://127.0.0.1:0", "--insecure",
+              "--max-reply-mb", "1"])
+    workers = []
+    try:
+        b.wait_ready()
+        for _ in range(2):
+            w = Proc(["-m", "gpu_worker", "--broker", b.field("backend"), "--model", "echo", "--insecure"])
+            workers.append(w)
+            w.wait_ready()
+        with Client(b.field("frontend"), insecure=True, timeout=10) as c:
+            wait_service(c, "echo")
+            for _ in range(2):
+                with pytest.raises(InternalError) as e:
+                    c.infer("echo", {"x": np.zeros(2 << 20, np.uint8)}).close()
+                words = str(e.value)
+                assert "--max-reply-mb" in words and "retrying may help" not in words, words
+            x = np.arange(1 << 17, dtype=np.int64)  # 1 MiB: at the limit, not over it
+            with c.infer("echo", {"x": x}) as r:
+                np.testing.assert_array_equal(r["x"], x)
+        # No worker was lost (WorkerFailed before: "the workers running this request died 3
+        # times"): the broker said nothing but its --insecure warning.
+        assert all(w.p.poll() is None for w in workers)
+        said = [line for line in b.pull().splitlines() if line and "INSECURE" not in line]
+        assert not said, said
+    finally:
+        for p in (*workers, b):
+            p.close()
