@@ -2689,7 +2689,7 @@ class Broker:
                             if payload is not None:
                                 self._send_late(a.client, P.client_reply(a.final, a.service.encode(), payload))
                     elif t is ClientError:
-                        if self.metrics is not None:
+                        if self.metrics is not None and a.counted:
                             # (left_queue: its deadline took it out of the queue, and that wait counts)
                             self.metrics.final(a.service, a.code, a.enqueued_at, a.left_queue, now)
                         if a.code == P.ErrorCode.WORKER_FAILED:

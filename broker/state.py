@@ -478,6 +478,9 @@ class ClientError:
     #: counts in the queue-wait histogram as a dispatched one's does; newest first, under
     #: overload, that is where the queue's wait is: "Congestion")
     left_queue: float | None = None
+    #: False: its outcome is counted later, through ``on_direct`` (a deadline that passed while
+    #: a worker ran it: "Deadlines", `Scheduler._expire_deadline`)
+    counted: bool = field(default=True, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -536,6 +539,7 @@ _T_DEADLINE, _T_GRACE, _T_HEARTBEAT, _T_WORKER, _T_CLIENT, _T_RECALL = range(6)
 #: timers one `Scheduler.tick` handles at most (about 50 ms of the broker's work at the most)
 TICK_MAX = 4096
 _T_LEASE = T_LEASE  # 6: a lease its worker has not confirmed yet (broker/leases.py)
+_T_COUNT = 7  # a running request's deadline passed: its outcome is counted now, if no answer came
 
 # How many queued requests a dispatch pass looks at to get past ones that cannot go anywhere
 # now (locality): at most _SCAN of one principal's FIFO and _CLASS_SCAN of one priority class.
@@ -610,6 +614,7 @@ class _Request:
         "shown",
         "front",
         "stream",
+        "count_by",
     )
 
     def __init__(self, client, principal, request_id, svc, payload, priority, deadline,
@@ -648,6 +653,9 @@ class _Request:
         # one that never heartbeats), to which the worker's late replies go while it is the
         # client's record still (LateToClient)
         self.late = None
+        # Its deadline passed while a worker ran it, and its outcome waits for the worker's
+        # answer until then (`_expire_deadline`); None otherwise
+        self.count_by = None
 
 
 # How a service's last worker went, in its requests' SERVICE_UNAVAILABLE ("its last one went
@@ -1202,6 +1210,15 @@ class Scheduler(LeaseEvents):
         self._reload(w)
         self._dirty[req.svc] = None
         if req.state == _ABANDONED:
+            if req.count_by is not None:
+                # Its deadline passed while it ran: a result sent straight to the client
+                # before then was taken (`_expire_deadline`); anything later, or relayed (the
+                # broker's error went first), the client saw as its deadline.
+                sent = now - age
+                if not relay and sent <= req.deadline:
+                    self._count_expired(req, max(req.dispatched_at, sent), code)
+                else:
+                    self._count_expired(req, req.deadline)
             if relay or not req.orphan:
                 # (A DONE of a request whose client left went to that client itself, read or
                 # not: nothing is dropped here, and `_on_direct` below is its one count; a
@@ -1633,6 +1650,8 @@ class Scheduler(LeaseEvents):
                 self._dirty[obj] = None  # _flush looks for work to take back
             elif kind == _T_LEASE:
                 self._lease_unconfirmed(obj, out)
+            elif kind == _T_COUNT:
+                self._count_expired(obj, obj.deadline)
             elif kind == _T_WORKER:
                 if obj.quiet_busy and any(r.state == _RUNNING for r in obj.in_flight.values()):
                     # A plain worker busy for a client: its silence is its work (worker_ready).
@@ -1917,6 +1936,8 @@ class Scheduler(LeaseEvents):
                 del self._bytes[p]
 
     def _retire(self, req):
+        if req.count_by is not None:  # no answer came (its worker died): its deadline's outcome
+            self._count_expired(req, req.deadline)
         req.state = _DONE
         req.worker = None
         self._live -= 1
@@ -2570,6 +2591,8 @@ class Scheduler(LeaseEvents):
             return obj.last_heartbeat + self.config.heartbeat_interval if obj.alive else None
         if kind == _T_WORKER:
             return obj.last_seen + self._worker_ttl if obj.alive else None
+        if kind == _T_COUNT:
+            return obj.count_by
         if kind == _T_LEASE:  # a lease the worker has not confirmed (broker/leases.py)
             return obj.confirm_by if self._leases.get(obj.id) is obj and obj.state == "pending" else None
         if kind == _T_RECALL:
@@ -2633,15 +2656,38 @@ class Scheduler(LeaseEvents):
                         f"start more workers", out, now)
             self._retire(req)
             return
+        counted = True
         if req.state == _RUNNING:
             out.append(CancelAtWorker(req.worker.ident, req.token, CANCEL_EXPIRED))
+            if self._on_direct is not None:
+                # Its FINAL may have gone straight to the client a hair before the deadline,
+                # and the client took that result: its DONE, on its way, says when it went.
+                # Counted `deadline_exceeded` here, the broker's counts and its callers'
+                # differed by 1-2 % of calls with deadlines near their compute time (the
+                # ninth session's deadline hunt).  So its outcome waits for the worker's
+                # answer (`_settle`), a heartbeat interval at most (`_T_COUNT`), or the
+                # worker's end (`_retire`).
+                counted = False
+                req.count_by = now + self.config.heartbeat_interval
+                self._push_timer(req.count_by, _T_COUNT, req)
         # The worker keeps the credit until its late final arrives or it dies.
         req.state = _ABANDONED
         req.late = self._clients.get(req.client)  # what the worker still sends goes to it (LateToClient)
-        self._error(req, ErrorCode.DEADLINE_EXCEEDED,
-                    f"deadline passed while a worker was running the request "
-                    f"({now - req.dispatched_at:.3f} s in flight); allow more time or use a "
-                    f"faster worker", out)
+        out.append(ClientError(req.client, req.request_id, req.svc.name, ErrorCode.DEADLINE_EXCEEDED,
+                               f"deadline passed while a worker was running the request "
+                               f"({now - req.dispatched_at:.3f} s in flight); allow more time or use a "
+                               f"faster worker", req.payload, req.enqueued_at, None, counted))
+        self._unlink(req)
+
+    def _count_expired(self, req, finished, code=ErrorCode.DEADLINE_EXCEEDED):
+        """The outcome of a request whose deadline passed while a worker ran it, once known
+        (`_expire_deadline`): ``code`` as its client saw it (a result sent straight to it
+        before the deadline: 0), at ``finished``."""
+        if req.count_by is None:
+            return
+        req.count_by = None
+        self._on_direct(req.svc.name, code, req.enqueued_at, req.dispatched_at, finished,
+                        (req.client, req.request_id))
 
     def _expire_grace(self, req, out, now):
         svc = req.svc

@@ -1485,3 +1485,48 @@ def test_holding_dispatches_nothing_and_lets_the_workers_finish():
     # A lease is refused: requests go through the broker, to its successor.
     refused = s.client_lease(b"c2", None, 1, "svc", 2.0)
     assert refused and refused[0].code == ErrorCode.SERVICE_UNAVAILABLE and "shutting down" in refused[0].message
+
+
+def test_a_running_requests_deadline_counts_what_its_client_saw_once_the_worker_answers():
+    """The deadline of a request a worker runs passed, and the broker sent its 504 (its
+    client's own timer ends the call anyway).  Its FINAL may have gone straight to the
+    client a hair before: counted `deadline_exceeded` at once, the broker's outcomes and its
+    callers' differed by 16-42 of 2,000 calls with deadlines near their compute time.  The
+    count waits for the worker's answer (its DONE says when the FINAL went), a heartbeat
+    interval at most, or the worker's end."""
+    counted = []
+    s = Scheduler(Config(heartbeat_interval=1.0),
+                  on_direct=lambda service, code, enq, disp, fin, key: counted.append((key[1], int(code), fin)))
+    s.worker_ready(b"w", "svc", 0.0, credit=4)
+    d = {rid: only(req(s, rid, deadline=1.0), Dispatch) for rid in (1, 2, 3, 4)}
+    out = s.tick(1.0)
+    errors = of(out, ClientError)
+    assert sorted(e.request_id for e in errors) == [1, 2, 3, 4]  # sent at once
+    assert all(e.code == ErrorCode.DEADLINE_EXCEEDED and not e.counted for e in errors)
+    assert len(of(out, CancelAtWorker)) == 4 and counted == []
+    # 1: its result went 0.2 ms before the deadline (DONE at 1.0005, age 0.7 ms): `ok`.
+    # 2: its result went after the deadline: the client had given up.
+    s.worker_done(b"w", [d[1].token, d[2].token], 1.0005, [0, 0], [0.0007, 0.0001])
+    assert [c[:2] for c in counted] == [(1, 0), (2, 504)]
+    assert counted[0][2] == pytest.approx(0.9998) and counted[1][2] == 1.0
+    # 3: relayed (the broker's 504 went first): the deadline's.
+    s.worker_final(b"w", d[3].token, 1.1, "late result", code=0)
+    assert counted[-1] == (3, 504, 1.0)
+    # 4: no answer within a heartbeat interval: counted then, and not again at its answer.
+    assert s.tick(1.9) == [] and len(counted) == 3
+    s.tick(2.0)
+    assert counted[-1] == (4, 504, 1.0)
+    s.worker_done(b"w", [d[4].token], 2.5, [0], [0.0])
+    assert len(counted) == 4
+    # The worker dies holding one: counted at its end.
+    d5 = only(req(s, 5, deadline=3.0), Dispatch)
+    s.tick(3.0)
+    s.worker_disconnect(b"w", 3.1)
+    assert counted[-1] == (5, 504, 3.0) and len(counted) == 5
+
+
+def test_without_a_counter_a_running_requests_deadline_is_counted_at_once():
+    s = Scheduler()  # no metrics: nothing waits
+    s.worker_ready(b"w", "svc", 0.0)
+    only(req(s, 1, deadline=1.0), Dispatch)
+    assert only(s.tick(1.0), ClientError).counted

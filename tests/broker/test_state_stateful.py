@@ -78,6 +78,9 @@ class _Req:
         self.left = False  # its client went away, before or after its final
         self.code = None  # its final's code (a ClientError's), once it had one
         self.counted = False  # (gone) its worker's answer was counted
+        # its deadline passed while a worker ran it: the broker's error FINAL went, and its
+        # count waits for the worker's answer, a timer or the worker's end (through on_direct)
+        self.deferred = False
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -157,8 +160,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if isinstance(a, ClientError) or a.final:
                     r.finals = 1
                     r.code = a.code if isinstance(a, ClientError) else None
-                    self.final_n += 1
-                    self.counted[(a.client, a.request_id)] = self.counted.get((a.client, a.request_id), 0) + 1
+                    if isinstance(a, ClientError) and not a.counted:
+                        assert a.code == ErrorCode.DEADLINE_EXCEEDED, a
+                        r.deferred = True
+                    else:
+                        self.final_n += 1
+                        self.counted[(a.client, a.request_id)] = self.counted.get((a.client, a.request_id), 0) + 1
             elif isinstance(a, LateToClient):
                 # Only for a request its deadline answered (one its client had cancelled, its
                 # worker not confirming by then, ends `cancelled`: _expire_deadline), to its
@@ -321,9 +328,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         tokens = data.draw(st.lists(st.sampled_from(sorted(held)), min_size=1, unique=True))
         self.s.worker_seen(worker, self.now)
         owed = 0
+        deferred = set()
+        counted = {d[-1] for d in self.directs}
         for token in tokens:
-            r = self.reqs[held.pop(token)]
-            if r.finals == 0 and not r.gone:
+            key = held.pop(token)
+            r = self.reqs[key]
+            if r.deferred and key not in counted:
+                deferred.add(key)  # its deadline's count waited for this answer
+                owed += 1
+            elif r.finals == 0 and not r.gone:
                 r.finals = 1  # the client has it; the broker must not send another
                 owed += 1
             elif r.finals == 0 and r.gone and not r.counted:
@@ -334,7 +347,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.apply(self.s.worker_done(worker, tokens, self.now, codes, [0.0] * len(tokens)))
         # Counted once for each request whose client was still waiting, and only those.
         assert len(self.directs) - before == owed
-        for service, code, enq, disp, fin, _ in self.directs[before:]:
+        for service, code, enq, disp, fin, key in self.directs[before:]:
+            if key in deferred:  # sent at `now` (age 0): as the client saw it, at its deadline or after
+                assert code in (0, 499, ErrorCode.DEADLINE_EXCEEDED) and enq <= disp <= fin <= self.now
+                continue
             # (499 to a request whose client left first: the broker's own cancellation, CLIENT_GONE)
             assert code in (0, 499, CLIENT_GONE) and enq <= disp <= fin == self.now
 
