@@ -540,6 +540,11 @@ _T_DEADLINE, _T_GRACE, _T_HEARTBEAT, _T_WORKER, _T_CLIENT, _T_RECALL = range(6)
 TICK_MAX = 4096
 _T_LEASE = T_LEASE  # 6: a lease its worker has not confirmed yet (broker/leases.py)
 _T_COUNT = 7  # a running request's deadline passed: its outcome is counted now, if no answer came
+#: about how long a FINAL sent straight to its client takes to be read there (one ipc hop and a
+#: wake-up; `_settle`): one sent later than this before its deadline came too late for the
+#: client's own timer (0.1-0.3 ms gave callers' and broker's `ok` within 10 of 2,000 near-deadline
+#: calls on the test VM: BENCHMARKS.md, "Deadlines counted as their callers saw them")
+_DELIVERY_S = 0.0002
 
 # How many queued requests a dispatch pass looks at to get past ones that cannot go anywhere
 # now (locality): at most _SCAN of one principal's FIFO and _CLASS_SCAN of one priority class.
@@ -1212,10 +1217,11 @@ class Scheduler(LeaseEvents):
         if req.state == _ABANDONED:
             if req.count_by is not None:
                 # Its deadline passed while it ran: a result sent straight to the client
-                # before then was taken (`_expire_deadline`); anything later, or relayed (the
-                # broker's error went first), the client saw as its deadline.
+                # before then (less the time it takes to be read) was taken
+                # (`_expire_deadline`); anything later, or relayed (the broker's error went
+                # first), the client saw as its deadline.
                 sent = now - age
-                if not relay and sent <= req.deadline:
+                if not relay and sent <= req.deadline - _DELIVERY_S:
                     self._count_expired(req, max(req.dispatched_at, sent), code)
                 else:
                     self._count_expired(req, req.deadline)
