@@ -190,6 +190,7 @@ _RANGES = {
     # (more than 0: a byte at least, _check_ranges)
     "max_client_mb": ("--max-client-mb", 0, 1 << 30),
     "max_total_mb": ("--max-total-mb", 0, 1 << 30),
+    "max_unread_mb": ("--max-unread-mb", 0.0625, 1 << 30),
     "recall_after_ms": ("--recall-after-ms", -math.inf, 86400e3),
     "lifo_after_ms": ("--lifo-after-ms", -math.inf, 86400e3),
     "lifo_miss_ms": ("--lifo-miss-ms", -math.inf, 86400e3),
@@ -277,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="MiB of requests (headers and inline tensors) all clients together may have queued or "
                          "running (default: half the memory the broker may use, its cgroup's limit or the "
                          "machine's); over it a request is refused QUEUE_FULL")
+    ap.add_argument("--max-unread-mb", type=float,
+                    help="MiB of big replies all clients together may have waiting unread (default: a quarter of "
+                         "the memory the broker may use); over it the reader holding the most, of those that read "
+                         "none of theirs for a second, is dropped as one that stopped reading (past twice it, the "
+                         "one holding the most)")
     ap.add_argument("--http", metavar="HOST:PORT",
                     help="serve /metrics (Prometheus) and the /v2/health and /v2/models paths here "
                          "(PORT alone: 127.0.0.1); off by default, and then nothing is counted")
@@ -349,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg.scheduler.max_client_bytes = int(args.max_client_mb * (1 << 20))
     if args.max_total_mb is not None:
         cfg.scheduler.max_total_bytes = int(args.max_total_mb * (1 << 20))
+    if args.max_unread_mb is not None:
+        cfg.max_unread_bytes = int(args.max_unread_mb * (1 << 20))
     if args.http is not None:
         cfg.http = args.http
     if args.recall_after_ms is not None:

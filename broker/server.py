@@ -121,6 +121,9 @@ _FORBIDDEN_WORKER = ("this worker's CurveZMQ key was removed from the broker's w
 #: frames to a client at least this long are sent tracked (`_track_unread`): what libzmq
 #: holds of smaller ones is bounded by their count (`client_hwm`)
 _TRACK_BYTES = 64 << 10
+#: seconds a client may let no big frame go (libzmq writes each whole) before, with all
+#: clients' unread replies over the broker-wide cap, it counts as one that stopped reading
+_UNREAD_QUIET_S = 1.0
 
 
 def _collect_legacy_shm() -> None:
@@ -173,14 +176,28 @@ DEFAULT_MAX_FRAME = 256 << 20
 DEFAULT_CLIENT_HWM = 4096  # = the default max_client_requests: a client within its cap is never dropped for pipelining
 
 
-def default_total_bytes(max_client_bytes: int) -> int:
+def default_total_bytes(max_client_bytes: int | None = None) -> int:
     """The broker-wide cap on outstanding requests' bytes when none is given: half the memory
-    this process may use (its cgroup's limit, else the machine's: `memory_limit`), at least
-    one client's cap.  The broker's own memory and its unread replies need the rest."""
+    this process may use (its cgroup's limit, else the machine's: `memory_limit`).  The
+    broker's own memory and its unread replies (`default_unread_bytes`) need the rest.  (It
+    was at least one client's cap, 512 MiB: the whole of a 512 MiB broker's cgroup, and one
+    client's queued requests got it OOM-killed: the memory audit.)  ``max_client_bytes``:
+    unused, kept for callers."""
     limit = memory_limit()
     if limit is None:
         return 1 << 50
-    return max(max_client_bytes, min(1 << 50, limit // 2))
+    return max(1 << 20, min(1 << 50, limit // 2))
+
+
+def default_unread_bytes() -> int | None:
+    """The broker-wide cap on big replies waiting unread for all clients together when none
+    is given: a quarter of the memory this process may use (None: no limit known).  Each
+    client's own cap (--max-client-mb) let four stopped readers of 300 MiB replies take a
+    1 GiB broker's cgroup, and the OOM killer took the broker (the memory audit)."""
+    limit = memory_limit()
+    if limit is None:
+        return None
+    return max(1 << 20, min(1 << 50, limit // 4))
 
 
 def _peer_pid(frame: Any) -> int | None:
@@ -402,9 +419,15 @@ class BrokerConfig:
     max_frame_bytes: int = DEFAULT_MAX_FRAME
     #: largest frame a worker may send over a tcp backend (before its handshake, anyone who
     #: reaches the port is such a peer: libzmq buffers a frame as its size claims).  None:
-    #: 4 x ``max_frame_bytes``, 1 GiB at least.  A worker's larger reply frame ends its
-    #: connection (it is presumed dead, its requests retried).  Ipc backends: no limit.
+    #: 4 x ``max_frame_bytes``, 1 GiB at least.  Told to the workers in WELCOME, which answer a
+    #: request whose inline output is larger with an error (a frame over it would end the
+    #: worker's connection).  Ipc backends: no limit.
     max_reply_frame_bytes: int | None = None
+    #: bytes of big replies all clients together may have waiting unread (each is bounded by
+    #: the per-client byte cap too); over it the reader holding the most, among those that read
+    #: none of theirs for a while, is dropped as one that stopped reading, and past twice it,
+    #: the one holding the most.  None: a quarter of the memory the broker may use
+    max_unread_bytes: int | None = None
     #: messages the broker queues towards one client; a client whose queue is full has
     #: stopped reading: its requests are dropped as if it had disconnected.  None: the
     #: request cap (``max_client_requests``), and at least `DEFAULT_CLIENT_HWM`, so that a
@@ -461,7 +484,7 @@ class BrokerConfig:
 #: what a deploy file's [broker] limits may be: a frame limit under 64 KiB dropped every
 #: client; a queue of more than 2**31 messages overflowed libzmq's option (the command-line hunt)
 LIMITS = {"max_frame_bytes": (1 << 16, 1 << 40), "max_reply_frame_bytes": (1 << 16, 1 << 42),
-          "client_hwm": (1, (1 << 31) - 1)}
+          "max_unread_bytes": (1 << 16, 1 << 50), "client_hwm": (1, (1 << 31) - 1)}
 
 
 class _Payload(msgspec.Struct, array_like=True):
@@ -880,6 +903,8 @@ class Broker:
         #: the CurveZMQ principal of each tcp client connection seen with one (`_tcp_principal`)
         self._client_keys: dict[bytes, str] = {}
         self._max_unread = max(self.cfg.scheduler.max_client_bytes, 4 * _TRACK_BYTES)
+        self._max_unread_all = (self.cfg.max_unread_bytes if self.cfg.max_unread_bytes is not None
+                                else default_unread_bytes())  # (None: no limit known)
         self._dropping = False
         self.malformed = 0
         self._log_levels()  # whether request lines are logged (read again every _GC_INTERVAL)
@@ -1191,6 +1216,9 @@ class Broker:
         for principal, conns in list(self._unread_by.items()):
             if len(conns) > 1:  # (a principal's connections that are all quiet now, sent nothing since)
                 self._principal_unread(principal, None, 0, now)
+        cap = self._max_unread_all
+        if cap is not None and unread and sum(o.total for o in unread.values()) > cap:
+            self._all_unread(now, cap)  # (readers that went quiet since the last send)
 
     def _drop_unread(self, ident: bytes) -> None:
         """Forget what ``ident`` was sent tracked (its connection ended, or libzmq let all of
@@ -1889,6 +1917,34 @@ class Broker:
             self._stalled(ident, f"{held >> 20} MiB of replies unread")
         elif u.principal is not None and len(self._unread_by[u.principal]) > 1:
             self._principal_unread(u.principal, ident, held, now)
+        cap = self._max_unread_all
+        if cap is not None and sum(o.total for o in self._unread.values()) > cap:
+            self._all_unread(now, cap)
+
+    def _all_unread(self, now: float, cap: int) -> None:
+        """What all clients have waiting unread is over the broker-wide cap
+        (`BrokerConfig.max_unread_bytes`): the reader holding the most of those that libzmq
+        let no frame of go for `_UNREAD_QUIET_S` is dropped as one that stopped reading, and
+        the next, until it is under; past twice the cap, the one holding the most whatever, of
+        several (a slow reader is dropped rather than the broker killed by its cgroup: its SDK sends
+        its calls again on a new connection).  A client that reads lets its frames go as it
+        reads them (one frame at a time: a reader of one huge frame looks quiet for as long
+        as it takes, hence the hard line at twice the cap)."""
+        unread, doomed = self._unread, self._doomed
+        for o in unread.values():
+            o.settle(now)
+        total = sum(o.total for ident, o in unread.items() if ident not in doomed)
+        while total > cap:
+            live = [(o.total, ident) for ident, o in unread.items() if ident not in doomed and o.total]
+            quiet = [c for c in live if now - unread[c[1]].went_at >= _UNREAD_QUIET_S]
+            # (one client alone is bounded by its own cap: the hard line is for several)
+            pick = max(quiet) if quiet else max(live) if len(live) > 1 and total > 2 * cap else None
+            if pick is None:
+                return
+            held, ident = pick
+            self._stalled(ident, f"{held >> 20} MiB of replies unread, {total >> 20} MiB for all clients together "
+                                 f"(the broker's --max-unread-mb: {cap >> 20})")
+            total -= held
 
     def _principal_unread(self, principal: object, ident: bytes | None, held: int, now: float) -> None:
         """The cap is the principal's, whichever connections it reads on: one that opened N

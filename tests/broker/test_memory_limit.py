@@ -50,3 +50,17 @@ def test_cgroup_v1_unlimited_is_the_machines(tmp_path):
 
 def test_no_cgroup_file_is_the_machines(tmp_path):
     assert memory_limit(str(tmp_path)) == _phys()
+
+
+def test_the_brokers_default_caps_fit_its_memory(monkeypatch):
+    # The memory audit: in a 512 MiB cgroup the request cap was max(--max-client-mb, half)
+    # = 512 MiB, all of it, and one client's queued requests got the broker OOM-killed; and
+    # nothing bounded all clients' unread replies together.  Half for requests, a quarter
+    # for unread replies, whatever the per-client cap.
+    from broker import server
+
+    monkeypatch.setattr(server, "memory_limit", lambda: 512 << 20)
+    assert server.default_total_bytes(512 << 20) == 256 << 20
+    assert server.default_unread_bytes() == 128 << 20
+    monkeypatch.setattr(server, "memory_limit", lambda: None)
+    assert server.default_total_bytes() == 1 << 50 and server.default_unread_bytes() is None

@@ -1536,3 +1536,58 @@ def test_a_reply_over_the_brokers_reply_frame_limit_is_an_error_and_no_worker_is
     finally:
         for p in (*workers, b):
             p.close()
+
+
+_STOPPED_READER = """
+import sys
+import numpy as np
+import zmq
+sys.path.insert(0, sys.argv[2])
+from tests.e2e.test_bounded_resources import _dealer, _request
+d = _dealer(sys.argv[1], rcvhwm=1, rcvbuf=4096)
+size = 4 << 20
+for rid in range(1, 5):  # 16 MiB of inline replies it never reads
+    d.send_multipart(_request("echo", rid, bytes(size), "|u1", [size], reply="inline"), copy=False)
+print("SENT", flush=True)
+sys.stdin.readline()
+d.close(0)
+"""
+
+
+def test_replies_unread_by_several_clients_are_bounded_together(cluster):
+    """Each client's unread replies are bounded by its own byte cap; four stopped readers of
+    300 MiB replies, each within it, took a 1 GiB broker's cgroup, and the OOM killer took
+    the broker (the memory audit).  All clients' unread replies together are bounded too
+    (--max-unread-mb; by default a quarter of the memory the broker may use): over it, the
+    stopped readers holding the most are dropped until it is under."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import ROOT
+
+    broker = cluster.broker("--max-client-mb", "32", "--max-unread-mb", "20")
+    cluster.worker("echo")
+    readers = []
+    try:
+        with Client(cluster.frontend, timeout=10) as good:
+            wait_service(good, "echo")
+            for _ in range(3):  # three processes, 16 MiB each (12 once the first 4 MiB went to the kernel)
+                p = subprocess.Popen([sys.executable, "-c", _STOPPED_READER, cluster.frontend, str(ROOT)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                readers.append(p)
+                assert readline_within(p.stdout, 30, "the reader's SENT") == "SENT\n"
+            # Two are dropped (36-48 -> 24-32 -> 12-16 MiB), once they read nothing for a second
+            # (two lines in the same second: the second is said with the next second's).
+            said = "MiB for all clients together"
+            until = time.monotonic() + 20
+            while broker.pull().count(said) < 2:
+                broker.wait_log(said, timeout=max(0.1, until - time.monotonic()), after=broker.logged)
+            assert broker.pull().count(said) == 2, broker.pull()
+            _echo(good, np.arange(16, dtype=np.int64))  # the well-behaved client never noticed
+    finally:
+        for p in readers:
+            p.stdin.write("\n")
+            p.stdin.close()
+            p.wait(20)
+            p.stdout.close()
+    assert broker.p.poll() is None
