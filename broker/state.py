@@ -1405,6 +1405,14 @@ class Scheduler(LeaseEvents):
                               f"for results before sending more, or pass large tensors in "
                               f"shared memory")
             total = self._total_bytes
+            if size > self._max_total_bytes:  # (a broker in a small cgroup: under its client cap)
+                cnt["rejected_total_bytes"] += 1
+                return reject(ErrorCode.QUEUE_FULL,
+                              f"this request's {size} payload bytes are over what the broker holds for all its "
+                              f"clients' outstanding requests (max_total_bytes={self._max_total_bytes}, the "
+                              f"broker's --max-total-mb: by default half its memory) by themselves: it can never be "
+                              f"admitted; pass its large tensors in shared memory, split it, or raise the broker's "
+                              f"--max-total-mb or its memory")
             if total + size > self._max_total_bytes:
                 cnt["rejected_total_bytes"] += 1
                 return reject(ErrorCode.QUEUE_FULL,

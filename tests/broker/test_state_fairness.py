@@ -487,6 +487,15 @@ def test_the_broker_wide_byte_cap_counts_every_principal():
     assert of(req(s, C, 3, size=100, now=0.2), ClientError) == []  # 50 + 100: admitted
 
 
+def test_a_request_over_the_broker_wide_cap_by_itself_is_told_it_can_never_be_admitted():
+    # A broker in a small cgroup: its request cap (half its memory) under the per-client cap.
+    s = Scheduler(Config(lifo_after=None, max_client_bytes=100, max_total_bytes=60))
+    s.worker_ready(b"w", "svc", 0.0)
+    err = only(req(s, A, 1, size=80), ClientError)
+    assert err.code == ErrorCode.QUEUE_FULL and "can never be admitted" in err.message, err.message
+    assert "max_total_bytes=60" in err.message
+
+
 def test_defaults():
     cfg = Config()
     assert cfg.max_client_requests == 4096 and cfg.max_client_bytes == 512 << 20
