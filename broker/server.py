@@ -44,7 +44,7 @@ from broker import protocol as P
 from broker.protocol import logs
 from broker.protocol import wire
 from broker.names import ServiceNames
-from broker.protocol.heap import TRIM_AFTER_CLOSES, start_trim
+from broker.protocol.heap import TRIM_AFTER_CLOSES, BurstSeen, start_trim
 from broker.protocol.limits import (Headroom, default_reserve, listen_backlog, memory_limit, move_aside, nofile_limit,
                                     put_back)
 from broker.protocol.wire import (MAX_FRAMES, MAX_WORKER_FRAMES, TooManyFrames, Waiter, recv_frames,
@@ -824,6 +824,7 @@ class Broker:
         # Housekeeping rounds left that trim the C heap whatever the closes (`_stalled`):
         # what a reader that stopped held in libzmq's queue, freed by its I/O thread
         self._trim_rounds = 0
+        self._burst = BurstSeen()  # big frames moved: a burst's memory trimmed once it is over
         self._client_pids: dict[bytes, tuple | None] = {}  # client identity -> attested (pid, start)
         # pid -> the start time last read for it: a principal's start where a connection's
         # could not be read (out of descriptors), so one process stays one principal
@@ -1131,7 +1132,8 @@ class Broker:
                     self._drop_doomed()
                 for throttle in self._throttles:
                     throttle.flush()  # what a burst held back is said within a second or so
-                due = self._closed_conns >= TRIM_AFTER_CLOSES or self._trim_rounds > 0
+                due = self._burst.due()  # (a look every round: it notes what moved since)
+                due = due or self._closed_conns >= TRIM_AFTER_CLOSES or self._trim_rounds > 0
                 if due and not (self._trimming and self._trimming.is_alive()):
                     # libzmq's buffers of the connections that left, back to the kernel, on a
                     # thread of its own (ctypes lets go of the GIL): freeing 80 MB took 12 ms,
@@ -1723,6 +1725,12 @@ class Broker:
                 deadline = at
             if req.dropped and self.metrics is not None:
                 self.metrics.dropped(service.decode(errors="replace"), req.dropped)
+            # A long header counts too (it may fill its 1 MiB, and the broker keeps it: `meta`
+            # is a view of it); short ones are bounded by the request count, and the usual
+            # shared-memory request counts nothing (no byte bookkeeping).
+            size = (len(first) if len(first) > _SHORT_HEADER else 0) + (_nbytes(rest) if rest else 0)
+            if size >= _TRACK_BYTES:
+                self._burst.moved += size
             actions = self.sched.client_request(
                 ident,
                 req.id,
@@ -1732,10 +1740,7 @@ class Broker:
                 priority=req.priority,
                 deadline=deadline,
                 local_host=local,
-                # A long header counts too (it may fill its 1 MiB, and the broker keeps it: `meta`
-                # is a view of it); short ones are bounded by the request count, and the
-                # usual shared-memory request counts nothing (no byte bookkeeping).
-                size=(len(first) if len(first) > _SHORT_HEADER else 0) + (_nbytes(rest) if rest else 0),
+                size=size,
                 # The process, not its pid alone: (pid, start time), so that a new process
                 # that reuses a pid is not counted as the old one (its caps, its remembered
                 # turns: broker/state.py "Connections and principals").
@@ -1913,6 +1918,7 @@ class Broker:
         for t in tracked:
             u.q.append(t)
             u.total += t[1]
+        self._burst.moved += u.total - held
         if held > self._max_unread and not went:
             self._stalled(ident, f"{held >> 20} MiB of replies unread")
         elif u.principal is not None and len(self._unread_by[u.principal]) > 1:

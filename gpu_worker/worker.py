@@ -77,7 +77,7 @@ from gpu_worker.planes import (DataPlane, HostPlane, NotAttested, OutputRefused,
 from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
-from broker.protocol.heap import ClosesSeen, start_trim
+from broker.protocol.heap import BurstSeen, ClosesSeen, start_trim
 from broker.protocol.limits import Headroom, move_aside, nofile_limit, open_descriptors, put_back
 from broker.protocol.naming import ipc_problem
 from shm.errors import NotShared, OutOfResources, SegmentGone, StaleDescriptor
@@ -111,6 +111,10 @@ def _request_faults() -> tuple:
     from gpu_worker.models import InvalidInput
 
     return UnsupportedInput, InvalidInput
+
+
+#: bytes of a request's or reply's inline frames from which they count as big (`BurstSeen`)
+_BIG_FRAMES = 64 << 10
 
 
 def _output_faults() -> tuple:
@@ -563,6 +567,7 @@ class Worker:
         self._fd_guard: Headroom | None = None  # an ipc direct socket's, near the descriptor limit
         # Descriptors closed since the C heap was last trimmed (`_trim_after_closes`), and the trim's thread
         self._closes = ClosesSeen()
+        self._burst = BurstSeen()  # inline tensors moved: a burst's memory trimmed once it is over
         self._trimming: threading.Thread | None = None
         self._direct_aside: str | None = None  # where its file is while moved aside
         self.leased_sent = 0          # FINALs sent on the direct socket
@@ -1373,6 +1378,12 @@ class Worker:
         ``req.pid_start``), the broker's word, never the header's, else ``principal`` (a lease's, e.g. the
         CurveZMQ key of a tcp leaseholder), else None (the brokered requests of clients
         nobody could attest, tcp ones included, are one principal here)."""
+        if rest:
+            n = 0
+            for f in rest:
+                n += len(f)
+            if n >= _BIG_FRAMES:
+                self._burst.moved += n
         req = job.req
         if self._signature is not None:
             why = mismatch(self._signature, req.tensors)
@@ -1966,6 +1977,12 @@ class Worker:
         if limit is not None and not self._relayed(job, final):
             limit = None
         refs, frames = self.plane.write_outputs(job, out, checked, limit)
+        if frames:
+            n = 0
+            for f in frames:
+                n += len(f)
+            if n >= _BIG_FRAMES:
+                self._burst.moved += n
         timing["output_ms"] = (time.perf_counter() - t0) * 1e3
         header = P.encode_header(P.Reply(id=job.req.id, tensors=refs, timing=timing, seq=seq))
         self._reply(job, final, [header, *frames])
@@ -2199,22 +2216,25 @@ class Worker:
         log.warning("%d of %d descriptors in use: taking leases again", guard.used, guard.limit)
 
     def _trim_after_closes(self) -> None:
-        """Once a housekeeping interval, for a worker with a direct socket: libzmq keeps each
+        """Once a housekeeping interval: after a burst of inline tensors (`BurstSeen`), and,
+        for a worker with a direct socket, after many closes.  libzmq keeps each
         connection's buffers (~40 KB) in the C heap, and glibc kept them after the connection
         closed (1,500 leaseholder connections that came and left together: 30-45 MB more for
         good; the churn hunt).  After many of the worker's descriptors closed, the heap's free
         memory goes back to the kernel, on a thread (ctypes lets go of the GIL; a malloc from
         the arena being trimmed waits for it, as in the broker's housekeeping)."""
-        if self.direct_socket is None:
+        burst = self._burst.due()  # (a look every round: it notes what moved since)
+        closes = False
+        if self.direct_socket is not None:
+            guard = self._fd_guard
+            used = guard.used if guard is not None else open_descriptors()  # (the guard has just listed them)
+            # Its connections that ended count too: a crowd that came and left between two
+            # looks leaves no fall in the descriptors to see.
+            closes = self._closes.look(used, self.direct_socket.closed_connections())
+        if not (burst or closes) or (self._trimming is not None and self._trimming.is_alive()):
             return
-        guard = self._fd_guard
-        used = guard.used if guard is not None else open_descriptors()  # (the guard has just listed them)
-        # Its connections that ended count too: a crowd that came and left between two looks
-        # leaves no fall in the descriptors to see.
-        if (not self._closes.look(used, self.direct_socket.closed_connections())
-                or (self._trimming is not None and self._trimming.is_alive())):
-            return
-        self._closes.trimmed()
+        if closes:
+            self._closes.trimmed()
         self._trimming = start_trim()  # (None: no thread to be had, skipped)
 
     def _on_lease_end(self, end: P.LeaseEnd) -> None:

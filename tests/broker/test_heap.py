@@ -101,3 +101,20 @@ def test_a_trim_without_a_thread_to_run_it_is_skipped_and_said(monkeypatch, capl
         assert heap.start_trim() is None
     said = [r for r in caplog.records if "could not start a thread" in r.getMessage()]
     assert len(said) == 1 and "can't start new thread" in said[0].getMessage()
+
+
+def test_a_burst_is_trimmed_once_it_is_over_and_not_during_it():
+    from broker.protocol.heap import TRIM_AFTER_BYTES, BurstSeen
+
+    b = BurstSeen()
+    assert not b.due()  # nothing moved
+    b.moved += TRIM_AFTER_BYTES // 2
+    assert not b.due()  # moving, and too little yet
+    b.moved += TRIM_AFTER_BYTES
+    assert not b.due()  # still moving
+    assert b.due()      # a look with nothing moved since: the burst is over
+    assert not b.due()  # once
+    b.moved += TRIM_AFTER_BYTES - 1
+    assert not b.due() and not b.due()  # a small one after it: not worth a trim
+    b.moved += 1
+    assert not b.due() and b.due()      # ... until its bytes add up
