@@ -1110,9 +1110,11 @@ class Worker:
         """The health probe's ready: registered (a WELCOME since the last (re)connect), or,
         from a broker that sends no WELCOME (plain MDP: READY was announced after the wait),
         connected to it.  Never ready with no broker at all: announcing READY after the wait
-        does not make a worker that nobody has registered."""
+        does not make a worker that nobody has registered.  Not while its connection is seen
+        closed (the monitor's word): a broker that exited left its workers ready for their
+        liveness window, 3 s at the defaults (the SLO audit)."""
         if self.registered:
-            return True
+            return bool(getattr(self.upstream, "connected", True))
         # A plain MDP broker heartbeats its workers: one heard from within the liveness
         # window.  A socket merely connected (to the broker's frontend by mistake, say)
         # answered 200 for good.

@@ -256,3 +256,18 @@ def test_a_request_line_whose_url_cannot_be_parsed_is_a_400_on_both_ports(cluste
                 got += chunk
         assert got.startswith(b"HTTP/1.0 400"), got
     assert "Traceback" not in broker.stderr(tail=None) and "Traceback" not in w.stderr(tail=None)
+
+
+def test_a_worker_is_not_ready_once_its_brokers_connection_closes(cluster):
+    """The SLO audit: a broker SIGKILLed (or exited) left its workers' probes at 200 for
+    their liveness window (3 s at the defaults; 15 s here), though each worker's monitor had
+    seen its connection close at once."""
+    broker = cluster.broker("--heartbeat-interval", "5")  # (the last flag wins: a 15 s window)
+    w = cluster.worker("echo", "--health-port", "127.0.0.1:0")
+    base = "http://" + w.field("health")
+    until(lambda: get(base, "/v2/health/ready")[0] == 200, "the worker registered")
+    broker.kill()
+    until(lambda: get(base, "/v2/health/ready")[0] == 503, "not ready once its broker is gone", timeout=5)
+    assert get(base, "/v2/health/live")[0] == 200
+    cluster.broker("--heartbeat-interval", "5")  # a new one: registered again
+    until(lambda: get(base, "/v2/health/ready")[0] == 200, "registered with the new broker")
