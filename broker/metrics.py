@@ -256,7 +256,8 @@ def render(metrics: dict | None, sched: dict, known: Iterable[str]) -> list:
     known = set(known)
     fams = []
     queue = _gauge("zmq_infer_queue_depth", "Requests queued in the broker, by priority", "service", "priority")
-    in_flight = _gauge("zmq_infer_in_flight", "Requests held by the service's workers", "service")
+    in_flight = _gauge("zmq_infer_in_flight", "Requests held by the service's workers, through the broker (leased "
+                       "ones are not seen: zmq_infer_leased_credit bounds them)", "service")
     workers = _gauge("zmq_infer_workers", "Live workers, by host", "service", "host")
     credit = _gauge("zmq_infer_credit", "Requests the service's live workers may hold at once", "service")
     leases = _gauge("zmq_infer_leases", "Leases (pinned clients) held on the service's workers", "service")
