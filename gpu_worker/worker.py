@@ -78,7 +78,7 @@ from gpu_worker.tracing import from_env as tracing_from_env
 from gpu_worker.upstream import BrokerLink
 from broker.protocol.stats import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram
 from broker.protocol.heap import BurstSeen, ClosesSeen, start_trim
-from broker.protocol.limits import Headroom, move_aside, nofile_limit, open_descriptors, put_back
+from broker.protocol.limits import Headroom, memory_limit, move_aside, nofile_limit, open_descriptors, put_back
 from broker.protocol.naming import ipc_problem
 from shm.errors import NotShared, OutOfResources, SegmentGone, StaleDescriptor
 from shm.segment import ClockPeers
@@ -111,6 +111,19 @@ def _request_faults() -> tuple:
     from gpu_worker.models import InvalidInput
 
     return UnsupportedInput, InvalidInput
+
+
+def ring_too_large(out_capacity: int, limit: int | None) -> str | None:
+    """Words for a start where the output ring is more than half the memory the worker may
+    use (``limit``: its cgroup's, else the machine's): the ring's pages count against the
+    worker as its replies are written, moving through the whole ring, and a worker in a
+    200 MiB cgroup with the default 256 MiB ring was OOM-killed by its fourth 40 MiB reply
+    (the memory audit).  None when it fits."""
+    if limit is None or out_capacity <= limit // 2:
+        return None
+    return (f"the output ring ({out_capacity >> 20} MiB, --out-capacity-mb) is more than half the memory this worker "
+            f"may use ({limit >> 20} MiB: its cgroup's limit, else the machine's); its pages count against the "
+            f"worker as replies are written, and it may be OOM-killed: lower --out-capacity-mb, or raise its memory")
 
 
 #: bytes of a request's or reply's inline frames from which they count as big (`BurstSeen`)
@@ -633,6 +646,9 @@ class Worker:
         """The data plane, chosen once: everything CUDA exists only on a CUDA worker, so the
         CPU path pays nothing for it."""
         cfg = self.cfg
+        why = ring_too_large(cfg.out_capacity, memory_limit())
+        if why is not None:
+            log.warning("%s", why)
         host = HostPlane(self.backend, host=self.host, transports=cfg.transports,
                          out_capacity=cfg.out_capacity, out_slots=cfg.out_slots)
         if not self.cuda:

@@ -249,3 +249,14 @@ def test_reply_sockets_are_as_many_as_the_descriptor_limit_leaves_room_for():
     assert reply_sockets(1 << 20) == 256 and reply_sockets(1024) == 96 and reply_sockets(300) == 64
     assert WorkerConfig("ipc:///x/b.ipc", model="echo").direct_sockets is None  # None: reply_sockets()
     WorkerConfig("ipc:///x/b.ipc", model="echo", direct_sockets=8)  # still settable
+
+
+def test_an_output_ring_over_half_the_workers_memory_is_warned_of():
+    # The memory audit: a worker in a 200 MiB cgroup with the default 256 MiB ring was
+    # OOM-killed by its fourth 40 MiB reply (the ring's pages count as they are written).
+    from gpu_worker.worker import ring_too_large
+
+    assert ring_too_large(256 << 20, 200 << 20) is not None
+    words = ring_too_large(256 << 20, 200 << 20)
+    assert "256 MiB" in words and "200 MiB" in words and "--out-capacity-mb" in words
+    assert ring_too_large(256 << 20, 512 << 20) is None and ring_too_large(256 << 20, None) is None
