@@ -54,6 +54,7 @@ import shm as _shm
 from broker import protocol as P
 from broker.protocol import ErrorCode
 from broker.protocol.wire import MAX_FRAMES
+from shm.segment import max_capacity
 from shm.pool import ShmPool  # (at import: `shm` loads it at first use, which may find no descriptor left)
 
 from . import tensors as T
@@ -315,6 +316,9 @@ class ClientCore(PinEvents):
             capacity = 0
         if isinstance(pool_capacity, bool) or not 1 <= capacity < 1 << 62:
             raise InvalidInput(f"pool_capacity {pool_capacity!r} must be a whole number of bytes >= 1 (256 << 20 by default)")
+        if capacity > max_capacity():  # (workers would refuse its segment, as a protocol bug)
+            raise InvalidInput(f"pool_capacity {capacity} is over the {max_capacity()} bytes a worker maps of a "
+                               f"client's pool (64 GiB with its header and slot table)")
         self.pool_capacity = capacity
         try:
             resends = operator.index(restart_resends)  # (1.5, "2": not a count)

@@ -316,8 +316,9 @@ def pack(inputs: Mapping[str, Any], pool: Any | None, *, copy_inline: bool = Fal
                         where = f"it does not fit the client's pool ({pool.capacity >> 20} MiB, pool_capacity)"
                         fix = "raise pool_capacity, or"
                     raise InvalidInput(
-                        f"input {name!r} is {arr.nbytes / (1 << 20):.0f} MiB and would go inline ({where}), over "
-                        f"max_inline_mb ({max_inline_bytes / (1 << 20):g}: the broker's --max-frame-mb, 256 by "
+                        f"input {name!r} is {arr.nbytes} bytes ({arr.nbytes / (1 << 20):.6g} MiB) and would go "
+                        f"inline ({where}), over max_inline_mb ({max_inline_bytes / (1 << 20):g} MiB, "
+                        f"{max_inline_bytes} bytes: the broker's --max-frame-mb, 256 by "
                         f"default); {fix} max_inline_mb to match a broker that takes more")
                 loc = P.InlineLoc(frame=len(out.frames))
                 # A small tensor of a client with shared memory is copied now (100 ns): it

@@ -81,7 +81,7 @@ from broker.protocol.heap import BurstSeen, ClosesSeen, start_trim
 from broker.protocol.limits import Headroom, memory_limit, move_aside, nofile_limit, open_descriptors, put_back
 from broker.protocol.naming import ipc_problem
 from shm.errors import NotShared, OutOfResources, SegmentGone, StaleDescriptor
-from shm.segment import ClockPeers
+from shm.segment import ClockPeers, max_capacity
 
 __all__ = ["Worker", "WorkerConfig", "WarmupError", "ConfigError", "install_sigterm_drain", "ignore_other_signals",
            "DIRECT_LINGER_MS"]
@@ -326,9 +326,10 @@ class WorkerConfig:
                               f"the liveness window) must be at least {P.MIN_LIVENESS_WINDOW} s, not "
                               f"{self.heartbeat_interval:g} x {self.heartbeat_liveness}: shorter, ordinary pauses "
                               f"of a live process read as deaths")
-        need(_whole(self.out_capacity) and self.out_capacity > 0, "out_capacity", "--out-capacity-mb",
-             "a size > 0", self.out_capacity)
         need(_whole(self.out_slots) and self.out_slots >= 1, "out_slots", None, "an integer >= 1", self.out_slots)
+        most = max_capacity(min(self.out_slots, 1 << 20) if _whole(self.out_slots) else 4096)
+        need(_whole(self.out_capacity) and 0 < self.out_capacity <= most, "out_capacity", "--out-capacity-mb",
+             f"a size > 0 and at most {most >> 20} MiB (what a client maps of a worker's ring)", self.out_capacity)
         need(bool(self.transports) and all(t in P.TRANSPORTS for t in self.transports), "transports",
              "--transports", f"a non-empty list of {', '.join(sorted(P.TRANSPORTS))}", ",".join(self.transports))
         need(self.backend in ("auto", "torch", "numpy", "tensorrt"), "backend", "--backend",

@@ -221,6 +221,9 @@ def create_segment(capacity: int, slots: int, align: int) -> tuple[str, mmap.mma
     data_offset = round_up(HEADER_SIZE + SLOT_SIZE * slots, max(align, PAGE))
     data_size = round_up(capacity, align)
     total = data_offset + data_size
+    if total > MAX_MAPPED_SEGMENT:
+        raise ValueError(f"a segment of {capacity} bytes would be {total} bytes with its header and slot table, over "
+                         f"the {MAX_MAPPED_SEGMENT} its readers map: at most {max_capacity(slots, align)} bytes")
     nonce = secrets.randbits(64)
     label = f"{PREFIX}{pid}-{st}-{nonce:016x}"
     fd = _memfd(label)
@@ -426,6 +429,14 @@ def mark_closed(target: Any) -> None:
 MAX_MAPPED_SEGMENT = 1 << 36  # 64 GiB
 
 
+def max_capacity(slots: int = 4096, align: int = 64) -> int:
+    """The largest data area a segment of ``slots`` slots may have for its readers to map it
+    (`MAX_MAPPED_SEGMENT` counts its header and slot table too): a pool of exactly 64 GiB
+    was made, and every worker refused its requests, as a protocol bug (the memory audit)."""
+    data_offset = round_up(HEADER_SIZE + SLOT_SIZE * slots, max(align, PAGE))
+    return (MAX_MAPPED_SEGMENT - data_offset) // align * align
+
+
 def attach_segment(name: str, max_size: int = MAX_MAPPED_SEGMENT) -> Attached:
     """Map an existing segment for reading.  SegmentGone if it does not exist or is closed;
     BadDescriptor if it is larger than ``max_size`` bytes."""
@@ -497,5 +508,5 @@ __all__ = [
     "FREE", "WRITING", "IN_FLIGHT", "RELEASED", "STATE_NAMES", "HEADER_DTYPE", "SLOT_DTYPE",
     "ShmRef", "make_ref", "Geometry", "parse_name", "owner_of", "name_parts", "path_of", "proc_starttime", "boot_offset_ticks", "process_alive", "pid_exists",
     "self_identity", "pid_namespace", "create_segment", "attach_segment", "detach",
-    "read_header", "normalize_shape", "checked_dtype", "mark_closed", "H32_CLOSED", "MAX_MAPPED_SEGMENT",
+    "read_header", "normalize_shape", "checked_dtype", "mark_closed", "H32_CLOSED", "MAX_MAPPED_SEGMENT", "max_capacity",
 ]

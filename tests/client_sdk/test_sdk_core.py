@@ -643,8 +643,12 @@ def test_an_input_too_large_for_the_pool_and_for_a_frame_is_invalid_input():
     # the data hunt).  It is refused before anything is sent, saying what to raise.
     c = ClientCore("ipc:///tmp/zinf-core-test.sock", transport="inline", heartbeat_interval=1.0, max_inline_mb=1)
     try:
-        with pytest.raises(InvalidInput, match=r"'x' is 2 MiB and would go inline.*max_inline_mb \(1") as e:
+        with pytest.raises(InvalidInput, match=r"'x' is 2097152 bytes \(2 MiB\) and would go inline.*max_inline_mb "
+                                               r"\(1 MiB, 1048576 bytes") as e:
             c.new_call("echo", {"x": np.zeros(2 << 20, np.uint8)})
+        # One byte over: the sizes say so (both read "1 MiB" before: the memory audit).
+        with pytest.raises(InvalidInput, match=r"'x' is 1048577 bytes"):
+            c.new_call("echo", {"x": np.zeros((1 << 20) + 1, np.uint8)})
         # No shared memory here: a larger pool_capacity would not help, so it is not suggested.
         assert "pool_capacity" not in str(e.value) and "shared memory (an ipc://" in str(e.value)
         c.new_call("echo", {"x": np.zeros(1 << 20, np.uint8)})  # at the limit: fine
@@ -740,3 +744,16 @@ def test_linger_is_a_number_of_seconds_from_zero():
     for bad in (-1, float("nan"), float("inf"), True, "1", None):
         with pytest.raises(InvalidInput, match="linger must be a number of seconds >= 0"):
             ClientCore("ipc:///tmp/zinf-core-test.sock", linger=bad)
+
+
+def test_a_pool_no_worker_would_map_is_refused_at_once():
+    # The memory audit: pool_capacity=64 GiB (what docs/client.md said a worker maps) made a
+    # segment of 64 GiB and 100 KiB, which every worker refused as a protocol bug.
+    from shm.segment import MAX_MAPPED_SEGMENT, max_capacity
+
+    most = max_capacity()
+    assert MAX_MAPPED_SEGMENT - (1 << 20) < most < MAX_MAPPED_SEGMENT
+    for too_big in (1 << 36, most + 1):
+        with pytest.raises(InvalidInput, match=rf"pool_capacity {too_big} is over the {most} bytes a worker maps"):
+            ClientCore("ipc:///tmp/zinf-core-test.sock", pool_capacity=too_big)
+    ClientCore("ipc:///tmp/zinf-core-test.sock", pool_capacity=most).close()

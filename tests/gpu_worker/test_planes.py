@@ -260,3 +260,17 @@ def test_an_output_ring_over_half_the_workers_memory_is_warned_of():
     words = ring_too_large(256 << 20, 200 << 20)
     assert "256 MiB" in words and "200 MiB" in words and "--out-capacity-mb" in words
     assert ring_too_large(256 << 20, 512 << 20) is None and ring_too_large(256 << 20, None) is None
+
+
+def test_an_output_ring_no_client_would_map_is_refused_at_the_start():
+    import pytest
+
+    from gpu_worker.worker import ConfigError, WorkerConfig
+    from shm.segment import create_segment, max_capacity
+
+    most = max_capacity()
+    with pytest.raises(ConfigError, match="at most 65535 MiB"):
+        WorkerConfig(broker="ipc:///x", out_capacity=1 << 36).check()
+    WorkerConfig(broker="ipc:///x", out_capacity=most).check()
+    with pytest.raises(ValueError, match=f"at most {most} bytes"):  # and any segment made so
+        create_segment(most + 64, 4096, 64)

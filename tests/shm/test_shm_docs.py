@@ -242,16 +242,22 @@ def test_the_documented_defaults():
     assert reply_sockets(1024) == input_segments(1024) == 96
 
 
-def test_a_reader_maps_a_64_gib_segment_but_not_one_page_more():
+def test_a_reader_maps_a_64_gib_segment_but_not_one_page_more(monkeypatch):
     """"a reader maps at most 64 GiB of one segment and 4 TiB in all" (a sparse memfd costs its
-    owner nothing, so the bound is the reader's)."""
+    owner nothing, so the bound is the reader's).  Our own pools are never made larger
+    (`create_segment` refuses them); another process's may be."""
     page = os.sysconf("SC_PAGE_SIZE")
     data_offset = seg.round_up(seg.HEADER_SIZE + seg.SLOT_SIZE, page)
     try:
         exact = ShmPool((64 << 30) - data_offset, slots=1)
     except ShmError as e:  # pragma: no cover - a host whose address space is capped
         pytest.skip(f"cannot make a sparse 64 GiB segment here: {e}")
-    with exact, ShmPool((64 << 30) - data_offset + page, slots=1) as over, SegmentCache() as cache:
+    with pytest.raises(ValueError, match="over the 68719476736 its readers map"):
+        ShmPool((64 << 30) - data_offset + page, slots=1)
+    monkeypatch.setattr(seg, "MAX_MAPPED_SEGMENT", 1 << 37)  # made as another process would
+    over = ShmPool((64 << 30) - data_offset + page, slots=1)
+    monkeypatch.undo()
+    with exact, over, SegmentCache() as cache:
         _, r1 = _sent(exact, 64)
         _, r2 = _sent(over, 64)
         assert cache.view(r1, np.uint8, 64).shape == (64,)
