@@ -207,14 +207,22 @@ def test_connections_that_never_say_hello_are_ended_and_the_link_serves_again(cl
     w = cluster.worker("echo", "--direct")
     path = re.search(r" link=(\S+)", w.ready_line).group(1)
     silent = []
-    for _ in range(LINK_CONNS):  # blocking connects: the listen backlog (128) fills while the worker accepts
+
+    def connect() -> socket.socket:  # blocking: the listen backlog (128) fills while the worker accepts
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         silent.append(s)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(TIMEOUT_S), 0))
         s.connect(path)
+        s.settimeout(TIMEOUT_S)
+        return s
+
+    for _ in range(LINK_CONNS):
+        connect()
     try:
-        with _raw(path) as late:  # the link is full: one more is closed at once
-            assert late.recv(16) == b""
+        late = connect()  # the link is full: one more is closed at once
+        assert late.recv(16) == b""
+        silent.remove(late)
+        late.close()
         for s in silent:  # each is ended (the worker's housekeeping looks once a second)
             s.settimeout(SILENT_GRACE_S + 10)
             assert s.recv(16) == b""
