@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-unread-mb", type=float,
                     help="MiB of big replies all clients together may have waiting unread (default: a quarter of "
                          "the memory the broker may use); over it the reader holding the most, of those that read "
-                         "none of theirs for a second, is dropped as one that stopped reading (past twice it, the "
+                         "none of theirs for a second (longer for a big frame), is dropped as one that stopped reading (past twice it, the "
                          "one holding the most)")
     ap.add_argument("--http", metavar="HOST:PORT",
                     help="serve /metrics (Prometheus) and the /v2/health and /v2/models paths here "

@@ -124,6 +124,10 @@ _TRACK_BYTES = 64 << 10
 #: seconds a client may let no big frame go (libzmq writes each whole) before, with all
 #: clients' unread replies over the broker-wide cap, it counts as one that stopped reading
 _UNREAD_QUIET_S = 1.0
+#: bytes a second a reader is expected to take a big frame at, at least (`_Unread.quiet_for`)
+_SLOW_READ_BPS = 16 << 20
+#: seconds between two broker-wide looks from the send path (`_all_unread`: it settles them all)
+_UNREAD_LOOK_S = 0.1
 
 
 def _collect_legacy_shm() -> None:
@@ -137,27 +141,53 @@ def _collect_legacy_shm() -> None:
 class _Unread:
     """Big frames sent to one client that libzmq may still hold (`Broker._track_unread`)."""
 
-    __slots__ = ("q", "total", "principal", "went_at", "looked_at")
+    __slots__ = ("q", "total", "principal", "went_at", "looked_at", "all")
 
-    def __init__(self, principal: object = None, now: float = 0.0):
+    def __init__(self, principal: object = None, now: float = 0.0, all_: list | None = None):
         self.q: deque = deque()  # (tracker, bytes), in the order sent
         self.total = 0
         #: whom its client counts as when it is not its own principal (`Broker._conn_principal`)
         self.principal = principal
         self.went_at = now  # when libzmq last let one of its frames go (or it was made)
         self.looked_at = now  # its own previous look (`Broker._track_unread`)
+        #: [bytes] of all clients' entries together (the broker's), kept as frames come and go
+        self.all = [0] if all_ is None else all_
+
+    def add(self, tracked: list, now: float) -> None:
+        """Frames just sent (tracker, bytes).  Sent to a client that held nothing, its quiet
+        starts now (it had read all it was sent)."""
+        q = self.q
+        if not q:
+            self.went_at = now
+        n = 0
+        for t in tracked:
+            q.append(t)
+            n += t[1]
+        self.total += n
+        self.all[0] += n
 
     def settle(self, now: float) -> int:
         """Forget the frames libzmq let go of (in order: one connection writes in order); how
         many."""
         q = self.q
         n = 0
+        freed = 0
         while q and q[0][0].done:
-            self.total -= q.popleft()[1]
+            freed += q.popleft()[1]
             n += 1
         if n:
+            self.total -= freed
+            self.all[0] -= freed
             self.went_at = now
         return n
+
+    def quiet_for(self) -> float:
+        """Seconds without a frame let go after which, with all clients over the broker-wide
+        cap, this one counts as not reading (`Broker._all_unread`): a second, or as long as
+        its oldest frame takes at `_SLOW_READ_BPS` (libzmq lets a frame go only once all of
+        it is written: a reader of a 256 MiB frame over a slow link looked quiet)."""
+        q = self.q
+        return max(_UNREAD_QUIET_S, q[0][1] / _SLOW_READ_BPS) if q else _UNREAD_QUIET_S
 #: the interpreter's switch interval while the HTTP threads run (`_open_http`)
 HTTP_SWITCH_S = 0.0005
 _LIVE_WITHIN_S = 2.0  # live: the loop passed this recently (it passes at least every 100 ms)
@@ -906,6 +936,8 @@ class Broker:
         self._max_unread = max(self.cfg.scheduler.max_client_bytes, 4 * _TRACK_BYTES)
         self._max_unread_all = (self.cfg.max_unread_bytes if self.cfg.max_unread_bytes is not None
                                 else default_unread_bytes())  # (None: no limit known)
+        self._unread_all = [0]  # bytes of every `_unread` entry together (`_Unread.all`)
+        self._unread_look = -math.inf  # the last broker-wide look (`_all_unread`)
         self._dropping = False
         self.malformed = 0
         self._log_levels()  # whether request lines are logged (read again every _GC_INTERVAL)
@@ -1132,9 +1164,11 @@ class Broker:
                     self._drop_doomed()
                 for throttle in self._throttles:
                     throttle.flush()  # what a burst held back is said within a second or so
-                due = self._burst.due()  # (a look every round: it notes what moved since)
+                trimming = self._trimming is not None and self._trimming.is_alive()
+                # (a burst's look only when a trim could start: a trim it asked for is not lost)
+                due = not trimming and self._burst.due()
                 due = due or self._closed_conns >= TRIM_AFTER_CLOSES or self._trim_rounds > 0
-                if due and not (self._trimming and self._trimming.is_alive()):
+                if due and not trimming:
                     # libzmq's buffers of the connections that left, back to the kernel, on a
                     # thread of its own (ctypes lets go of the GIL): freeing 80 MB took 12 ms,
                     # during which the loop runs, though a malloc of its own from the arena
@@ -1219,13 +1253,17 @@ class Broker:
             if len(conns) > 1:  # (a principal's connections that are all quiet now, sent nothing since)
                 self._principal_unread(principal, None, 0, now)
         cap = self._max_unread_all
-        if cap is not None and unread and sum(o.total for o in unread.values()) > cap:
+        if cap is not None and self._unread_all[0] > cap:
             self._all_unread(now, cap)  # (readers that went quiet since the last send)
 
     def _drop_unread(self, ident: bytes) -> None:
         """Forget what ``ident`` was sent tracked (its connection ended, or libzmq let all of
         it go)."""
         u = self._unread.pop(ident, None)
+        if u is not None:
+            u.all[0] -= u.total
+            u.total = 0
+            u.q.clear()
         if u is not None and u.principal is not None:
             conns = self._unread_by.get(u.principal)
             if conns is not None:
@@ -1908,41 +1946,45 @@ class Broker:
         now = time.monotonic()
         u = self._unread.get(ident)
         if u is None:
-            u = self._unread[ident] = _Unread(self._conn_principal(ident), now)
+            u = self._unread[ident] = _Unread(self._conn_principal(ident), now, self._unread_all)
             if u.principal is not None:
                 self._unread_by.setdefault(u.principal, set()).add(ident)
         u.settle(now)
         went = u.went_at > u.looked_at  # since its own previous look, whoever settled it since
         u.looked_at = now
         held = u.total  # of what was sent before this message
-        for t in tracked:
-            u.q.append(t)
-            u.total += t[1]
+        u.add(tracked, now)
         self._burst.moved += u.total - held
         if held > self._max_unread and not went:
             self._stalled(ident, f"{held >> 20} MiB of replies unread")
         elif u.principal is not None and len(self._unread_by[u.principal]) > 1:
             self._principal_unread(u.principal, ident, held, now)
         cap = self._max_unread_all
-        if cap is not None and sum(o.total for o in self._unread.values()) > cap:
+        if cap is not None and self._unread_all[0] > cap and now - self._unread_look >= _UNREAD_LOOK_S:
             self._all_unread(now, cap)
 
     def _all_unread(self, now: float, cap: int) -> None:
         """What all clients have waiting unread is over the broker-wide cap
         (`BrokerConfig.max_unread_bytes`): the reader holding the most of those that libzmq
-        let no frame of go for `_UNREAD_QUIET_S` is dropped as one that stopped reading, and
+        let no frame of go for a while (`_Unread.quiet_for`: a second, longer for a big frame)
+        is dropped as one that stopped reading, and
         the next, until it is under; past twice the cap, the one holding the most whatever, of
         several (a slow reader is dropped rather than the broker killed by its cgroup: its SDK sends
         its calls again on a new connection).  A client that reads lets its frames go as it
         reads them (one frame at a time: a reader of one huge frame looks quiet for as long
         as it takes, hence the hard line at twice the cap)."""
+        self._unread_look = now
         unread, doomed = self._unread, self._doomed
         for o in unread.values():
             o.settle(now)
-        total = sum(o.total for ident, o in unread.items() if ident not in doomed)
-        while total > cap:
+        while True:
+            # (again after each drop: ending a connection reads the frontend's events, which
+            # may forget other connections' entries)
             live = [(o.total, ident) for ident, o in unread.items() if ident not in doomed and o.total]
-            quiet = [c for c in live if now - unread[c[1]].went_at >= _UNREAD_QUIET_S]
+            total = sum(c[0] for c in live)
+            if total <= cap:
+                return
+            quiet = [c for c in live if now - unread[c[1]].went_at >= unread[c[1]].quiet_for()]
             # (one client alone is bounded by its own cap: the hard line is for several)
             pick = max(quiet) if quiet else max(live) if len(live) > 1 and total > 2 * cap else None
             if pick is None:
@@ -1950,7 +1992,6 @@ class Broker:
             held, ident = pick
             self._stalled(ident, f"{held >> 20} MiB of replies unread, {total >> 20} MiB for all clients together "
                                  f"(the broker's --max-unread-mb: {cap >> 20})")
-            total -= held
 
     def _principal_unread(self, principal: object, ident: bytes | None, held: int, now: float) -> None:
         """The cap is the principal's, whichever connections it reads on: one that opened N

@@ -1395,6 +1395,14 @@ class Scheduler(LeaseEvents):
                               f"(max_client_bytes={self._max_client_bytes}) by themselves: it can never be "
                               f"admitted; pass its large tensors in shared memory, split it, or raise the "
                               f"broker's --max-client-mb")
+            if size > self._max_total_bytes:  # (a broker in a small cgroup: under its client cap)
+                cnt["rejected_total_bytes"] += 1
+                return reject(ErrorCode.QUEUE_FULL,
+                              f"this request's {size} payload bytes are over what the broker holds for all its "
+                              f"clients' outstanding requests (max_total_bytes={self._max_total_bytes}, the "
+                              f"broker's --max-total-mb: by default half its memory) by themselves: it can never be "
+                              f"admitted; pass its large tensors in shared memory, split it, or raise the broker's "
+                              f"--max-total-mb or its memory")
             if held + size > self._max_client_bytes:
                 cnt["rejected_client_bytes"] += 1
                 return reject(ErrorCode.QUEUE_FULL,
@@ -1405,14 +1413,6 @@ class Scheduler(LeaseEvents):
                               f"for results before sending more, or pass large tensors in "
                               f"shared memory")
             total = self._total_bytes
-            if size > self._max_total_bytes:  # (a broker in a small cgroup: under its client cap)
-                cnt["rejected_total_bytes"] += 1
-                return reject(ErrorCode.QUEUE_FULL,
-                              f"this request's {size} payload bytes are over what the broker holds for all its "
-                              f"clients' outstanding requests (max_total_bytes={self._max_total_bytes}, the "
-                              f"broker's --max-total-mb: by default half its memory) by themselves: it can never be "
-                              f"admitted; pass its large tensors in shared memory, split it, or raise the broker's "
-                              f"--max-total-mb or its memory")
             if total + size > self._max_total_bytes:
                 cnt["rejected_total_bytes"] += 1
                 return reject(ErrorCode.QUEUE_FULL,

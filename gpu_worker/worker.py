@@ -427,6 +427,7 @@ class Worker:
         self._oops = P.RateLimitedLog(log)  # a traceback a second at most, whatever a peer sends
         self._isolate_log = P.RateLimitedLog(log)  # (`_run_model`: one batch at a time, on either thread)
         self._cost_log = P.RateLimitedLog(log)  # a cost() that fails on every request says so once a second
+        self._too_large = P.RateLimitedLog(log)  # outputs over the broker's reply-frame limit (a client asks for them)
         # A broker that stays down: its first silence is a WARNING, the reconnects after it
         # one line a minute with their count (one every liveness window filled the log).
         self._silence_log = P.RateLimitedLog(log, every=60.0)
@@ -1821,7 +1822,10 @@ class Worker:
                     hist["input"].observe(job.input_ms / 1e3)
                     hist["output"].observe(timing["output_ms"] / 1e3)
             except Exception as e:  # one bad output must not take the worker (and its other requests) down
-                if isinstance(e, OutputRefused):  # the model's own mistake: a line, not a traceback
+                if isinstance(e, ReplyTooLarge):  # the broker's limit, not the model's mistake
+                    self._too_large.warning("request %d: %s", job.req.id, e, extra=logs.request_fields(job.req))
+                    self._reply_error(job, P.ErrorCode.INTERNAL, refused_outputs(self.model.name, e))
+                elif isinstance(e, OutputRefused):  # the model's own mistake: a line, not a traceback
                     log.error("model %s returned outputs no reply can carry for request %d: %s", self.model.name,
                               job.req.id, e, extra=logs.request_fields(job.req))
                     self._reply_error(job, P.ErrorCode.INTERNAL, refused_outputs(self.model.name, e))
@@ -2063,6 +2067,13 @@ class Worker:
                 self._note_done(job)
                 self.direct_sent += 1
                 return
+            limit = self._max_reply_frame  # (its outputs were written for the direct socket)
+            if limit is not None and any(len(f) > limit for f in body[1:]):
+                big = max(len(f) for f in body[1:])
+                body = P.error_body(job.req.id if job.req is not None else 0, P.ErrorCode.INTERNAL, (
+                    f"the direct reply could not go (its client's socket full or gone), and through the broker an "
+                    f"output frame of {big} bytes is over the {limit} it reads from this worker (its --max-reply-mb): "
+                    f"the same request fails the same way when its client does not read"))
         self._send(P.worker_reply(job.envelope, final, body))
 
     def _send_batch_finals(self) -> None:
@@ -2242,7 +2253,8 @@ class Worker:
         good; the churn hunt).  After many of the worker's descriptors closed, the heap's free
         memory goes back to the kernel, on a thread (ctypes lets go of the GIL; a malloc from
         the arena being trimmed waits for it, as in the broker's housekeeping)."""
-        burst = self._burst.due()  # (a look every round: it notes what moved since)
+        trimming = self._trimming is not None and self._trimming.is_alive()
+        burst = not trimming and self._burst.due()  # (a trim it asks for is not lost to one running)
         closes = False
         if self.direct_socket is not None:
             guard = self._fd_guard
@@ -2250,7 +2262,7 @@ class Worker:
             # Its connections that ended count too: a crowd that came and left between two
             # looks leaves no fall in the descriptors to see.
             closes = self._closes.look(used, self.direct_socket.closed_connections())
-        if not (burst or closes) or (self._trimming is not None and self._trimming.is_alive()):
+        if not (burst or closes) or trimming:
             return
         if closes:
             self._closes.trimmed()
