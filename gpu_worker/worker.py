@@ -1399,11 +1399,7 @@ class Worker:
         CurveZMQ key of a tcp leaseholder), else None (the brokered requests of clients
         nobody could attest, tcp ones included, are one principal here)."""
         if rest:
-            n = 0
-            for f in rest:
-                n += len(f)
-            if n >= _BIG_FRAMES:
-                self._burst.moved += n
+            self._count_big(rest)
         req = job.req
         if self._signature is not None:
             why = mismatch(self._signature, req.tensors)
@@ -2001,11 +1997,7 @@ class Worker:
             limit = None
         refs, frames = self.plane.write_outputs(job, out, checked, limit)
         if frames:
-            n = 0
-            for f in frames:
-                n += len(f)
-            if n >= _BIG_FRAMES:
-                self._burst.moved += n
+            self._count_big(frames)
         timing["output_ms"] = (time.perf_counter() - t0) * 1e3
         header = P.encode_header(P.Reply(id=job.req.id, tensors=refs, timing=timing, seq=seq))
         self._reply(job, final, [header, *frames])
@@ -2244,6 +2236,14 @@ class Worker:
             except OSError as e:
                 log.error("cannot put the direct socket's file %s back: %s", path, e)
         log.warning("%d of %d descriptors in use: taking leases again", guard.used, guard.limit)
+
+    def _count_big(self, frames) -> None:
+        """A request's or reply's inline frames, for the burst they may be part of (`BurstSeen`)."""
+        n = 0
+        for f in frames:
+            n += len(f)
+        if n >= _BIG_FRAMES:
+            self._burst.moved += n
 
     def _trim_after_closes(self) -> None:
         """Once a housekeeping interval: after a burst of inline tensors (`BurstSeen`), and,

@@ -1,11 +1,11 @@
 #!/bin/bash
 # The broker from the tree before (OLD: a clone of 9f66065) and after (this tree), alternating,
 # each with two sleepy workers and the same client (this tree's); acct.py compares what the
-# caller saw with the broker's outcome counts.  acct.py, sleepy.py: as in ../deadline_edge_1207.
+# caller saw with the broker's outcome counts.  acct.py, sleepy.py: ../deadline_edge_1207's.
 # usage: OLD=<clone of 9f66065> ./run.sh > out.txt
 set -u
 PY=/work/main/.venv/bin/python
-S=/work/main/bench/results/deadline_count_1207
+S=/work/main/bench/results/deadline_edge_1207
 for r in 1 2 3; do
   for tree in old new; do
     if [ $tree = old ]; then T=$OLD; else T=/work/main; fi
