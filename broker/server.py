@@ -1166,7 +1166,7 @@ class Broker:
                     throttle.flush()  # what a burst held back is said within a second or so
                 trimming = self._trimming is not None and self._trimming.is_alive()
                 # (a burst's look only when a trim could start: a trim it asked for is not lost)
-                due = not trimming and self._burst.due()
+                due = not trimming and self._burst.due(now)
                 due = due or self._closed_conns >= TRIM_AFTER_CLOSES or self._trim_rounds > 0
                 if due and not trimming:
                     # libzmq's buffers of the connections that left, back to the kernel, on a

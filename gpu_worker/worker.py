@@ -2254,7 +2254,7 @@ class Worker:
         memory goes back to the kernel, on a thread (ctypes lets go of the GIL; a malloc from
         the arena being trimmed waits for it, as in the broker's housekeeping)."""
         trimming = self._trimming is not None and self._trimming.is_alive()
-        burst = not trimming and self._burst.due()  # (a trim it asks for is not lost to one running)
+        burst = not trimming and self._burst.due(time.monotonic())  # (a trim it asks for is not lost to one running)
         closes = False
         if self.direct_socket is not None:
             guard = self._fd_guard

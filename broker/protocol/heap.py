@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 
-__all__ = ["freeze_startup_heap", "trim_heap", "start_trim", "TRIM_AFTER_CLOSES", "TRIM_AFTER_BYTES", "ClosesSeen",
+__all__ = ["freeze_startup_heap", "trim_heap", "start_trim", "TRIM_AFTER_CLOSES", "TRIM_AFTER_BYTES", "TRIM_QUIET_S", "ClosesSeen",
            "BurstSeen"]
 
 log = logging.getLogger("broker.protocol.heap")
@@ -140,6 +140,11 @@ class ClosesSeen:
 #: bytes of big frames (inline tensors) a process moved after which, once they stop coming,
 #: the C heap's free memory goes back to the kernel (`BurstSeen`)
 TRIM_AFTER_BYTES = 64 << 20
+#: seconds without big frames after which a burst counts as over (`BurstSeen`); doubled, up
+#: to `TRIM_QUIET_MAX_S`, each time big frames come back within `TRIM_BACKOFF_S` of a trim
+TRIM_QUIET_S = 5.0
+TRIM_QUIET_MAX_S = 60.0
+TRIM_BACKOFF_S = 30.0
 
 
 class BurstSeen:
@@ -148,24 +153,44 @@ class BurstSeen:
     threshold from mmap and gives it back when freed, but raises that threshold to the size
     of each such block freed (up to 32 MiB), so that the next frames of that size come from
     the heap, which keeps them when freed: a burst of 24 inline requests of 16 MiB left a
-    broker 193 MiB larger and its worker 48 MiB, for good (the memory audit).  A trim is due
-    once `TRIM_AFTER_BYTES` moved since the last one and nothing moved since the previous
-    look: after a burst, not during one (a trim in a stream of big frames would give back
-    what the next frame takes again, and fault its pages in anew).  Pure: the caller trims."""
+    broker 193 MiB larger and its worker 48 MiB, for good (the memory audit).
 
-    __slots__ = ("moved", "last", "at_trim")
+    A trim is not free: glibc holds each arena's lock while it gives memory back (about
+    0.1 ms a MiB), and a concurrent call that allocates from it waits (5-14 ms after 96 MiB
+    bursts on the test VM), and the next burst faults its pages in again (bursts every 2 s,
+    a trim between each: 1.5x the broker's CPU a request; the trim audit).  Fixing the mmap
+    threshold instead (GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4194304) faults every
+    frame in: a steady 16 MiB stream took 2.3x the CPU and 2.4x the latency.  So a trim is
+    due once `TRIM_AFTER_BYTES` moved since the last one and none for `TRIM_QUIET_S`: after
+    a burst, not between the bursts of a stream; and big frames that come back within
+    `TRIM_BACKOFF_S` of a trim double that quiet (up to `TRIM_QUIET_MAX_S`: a periodic
+    stream is trimmed ever more rarely), reset once a trim was not followed so soon.  Pure:
+    the caller trims."""
+
+    __slots__ = ("moved", "last", "at_trim", "quiet_since", "quiet_s", "trimmed_at")
 
     def __init__(self) -> None:
         self.moved = 0    # bytes of big frames moved, in all
         self.last = 0     # ... at the previous look
         self.at_trim = 0  # ... at the last trim
+        self.quiet_since = 0.0  # the look that first saw nothing moved since (monotonic)
+        self.quiet_s = TRIM_QUIET_S
+        self.trimmed_at: float | None = None  # the last trim, until big frames came again
 
-    def due(self) -> bool:
-        """At each housekeeping look: whether a burst is over and its memory worth a trim."""
+    def due(self, now: float) -> bool:
+        """At each housekeeping look (``now``: monotonic seconds): whether a burst is over
+        and its memory worth a trim."""
         moved = self.moved
-        quiet = moved == self.last
-        self.last = moved
-        if quiet and moved - self.at_trim >= TRIM_AFTER_BYTES:
+        if moved != self.last:
+            self.last = moved
+            self.quiet_since = now
+            if self.trimmed_at is not None:  # the first frames since a trim: was it too soon?
+                soon = now - self.trimmed_at < TRIM_BACKOFF_S
+                self.quiet_s = min(self.quiet_s * 2, TRIM_QUIET_MAX_S) if soon else TRIM_QUIET_S
+                self.trimmed_at = None
+            return False
+        if now - self.quiet_since >= self.quiet_s and moved - self.at_trim >= TRIM_AFTER_BYTES:
             self.at_trim = moved
+            self.trimmed_at = now
             return True
         return False

@@ -104,17 +104,57 @@ def test_a_trim_without_a_thread_to_run_it_is_skipped_and_said(monkeypatch, capl
 
 
 def test_a_burst_is_trimmed_once_it_is_over_and_not_during_it():
-    from broker.protocol.heap import TRIM_AFTER_BYTES, BurstSeen
+    from broker.protocol.heap import TRIM_AFTER_BYTES, TRIM_QUIET_S, BurstSeen
 
     b = BurstSeen()
-    assert not b.due()  # nothing moved
+    t = 1000.0
+    assert not b.due(t)  # nothing moved
     b.moved += TRIM_AFTER_BYTES // 2
-    assert not b.due()  # moving, and too little yet
+    assert not b.due(t + 1)  # moving, and too little yet
     b.moved += TRIM_AFTER_BYTES
-    assert not b.due()  # still moving
-    assert b.due()      # a look with nothing moved since: the burst is over
-    assert not b.due()  # once
+    assert not b.due(t + 2)  # still moving
+    assert not b.due(t + 3)  # quiet for a second only: bursts of a stream come seconds apart
+    assert not b.due(t + 2 + TRIM_QUIET_S - 0.5)
+    assert b.due(t + 2 + TRIM_QUIET_S)  # quiet long enough: the burst is over
+    assert not b.due(t + 3 + TRIM_QUIET_S)  # once
     b.moved += TRIM_AFTER_BYTES - 1
-    assert not b.due() and not b.due()  # a small one after it: not worth a trim
+    t = 2000.0  # long after: the quiet needed is the first one again
+    assert not b.due(t) and not b.due(t + TRIM_QUIET_S)  # a small one after it: not worth a trim
     b.moved += 1
-    assert not b.due() and b.due()      # ... until its bytes add up
+    assert not b.due(t + TRIM_QUIET_S + 1) and b.due(t + 2 * TRIM_QUIET_S + 1)  # ... until its bytes add up
+
+
+def test_a_stream_whose_bursts_come_back_soon_after_a_trim_is_trimmed_ever_more_rarely():
+    # The trim audit: bursts every 2 s got a trim between each, and the next burst faulted
+    # its pages in again (1.5x the broker's CPU a request).
+    from broker.protocol.heap import TRIM_AFTER_BYTES, TRIM_BACKOFF_S, TRIM_QUIET_MAX_S, TRIM_QUIET_S, BurstSeen
+
+    b = BurstSeen()
+    t, trims, quiet = 0.0, [], []
+    for _ in range(12):  # a burst, then a gap of 6 s (past the first quiet), again and again
+        b.moved += TRIM_AFTER_BYTES
+        for k in range(7):
+            if b.due(t + k):
+                trims.append(t + k)
+        quiet.append(b.quiet_s)
+        t += 7
+    # One trim, after the first gap; the next burst came 1 s after it: 10 s of quiet needed
+    # since, which no gap of this stream reaches.
+    assert trims == [5.0] and quiet[-1] == 2 * TRIM_QUIET_S
+    # A stream whose gaps pass each quiet needed: 5, 10, 20, 40, then 60 s at most.
+    c = BurstSeen()
+    t2, gaps = 0.0, []
+    for _ in range(6):
+        c.moved += TRIM_AFTER_BYTES
+        assert not c.due(t2)
+        gaps.append(c.quiet_s)
+        assert c.due(t2 + c.quiet_s)
+        t2 += c.quiet_s + 1
+    assert gaps == [5.0, 10.0, 20.0, 40.0, TRIM_QUIET_MAX_S, TRIM_QUIET_MAX_S]
+    # Then silence: trimmed after the quiet needed; frames long after start over at 5 s.
+    last = t - 7  # the last burst's look
+    assert not b.due(last + 2 * TRIM_QUIET_S - 0.5)
+    assert b.due(last + 2 * TRIM_QUIET_S)
+    t = last + 2 * TRIM_QUIET_S + TRIM_BACKOFF_S + 1
+    b.moved += TRIM_AFTER_BYTES
+    assert not b.due(t) and b.quiet_s == TRIM_QUIET_S and b.due(t + TRIM_QUIET_S)

@@ -1598,7 +1598,8 @@ def test_a_burst_of_inline_tensors_leaves_no_memory_behind(cluster):
     so that the next frames of that size come from its heap, which keeps them once freed: a
     burst of 24 inline requests of 16 MiB left the broker 193 MiB larger and its echo
     worker 48 MiB, for good (the memory audit).  Both give the heap's free memory back once
-    a burst is over (`heap.BurstSeen`)."""
+    a burst is over (`heap.BurstSeen`: 5 s without big frames; not between the two bursts
+    here)."""
     broker = cluster.broker()
     worker = cluster.worker("echo")
     size = 16 * MiB
@@ -1611,7 +1612,7 @@ def test_a_burst_of_inline_tensors_leaves_no_memory_behind(cluster):
             for i, h in enumerate(handles):
                 with h.result() as r:
                     assert r["x"].nbytes == size and int(r["x"][-1]) == i
-        until = time.monotonic() + 15
+        until = time.monotonic() + 25  # (a burst is over after TRIM_QUIET_S, 5 s, without big frames)
         while True:  # polling their RSS (a condition, not a delay)
             grown = {pid: _status_kib(pid, "VmRSS") - kib for pid, kib in base.items()}
             if all(g < 24 * 1024 for g in grown.values()) or time.monotonic() > until:
