@@ -45,8 +45,8 @@ from broker.protocol import logs
 from broker.protocol import wire
 from broker.names import ServiceNames
 from broker.protocol.heap import TRIM_AFTER_CLOSES, BurstSeen, start_trim
-from broker.protocol.limits import (Headroom, default_reserve, listen_backlog, memory_limit, move_aside, nofile_limit,
-                                    put_back)
+from broker.protocol.limits import (TCP_BACKLOG, Headroom, default_reserve, listen_backlog, memory_limit, move_aside,
+                                    nofile_limit, put_back)
 from broker.protocol.wire import (MAX_FRAMES, MAX_WORKER_FRAMES, TooManyFrames, Waiter, recv_frames,
                                   recv_monitor_event, send_frames, sock_events)
 from shm import gc as shm_gc
@@ -765,6 +765,9 @@ class Broker:
         # more than the whole reserve under a limit of 800 or so).
         self.frontend.backlog = listen_backlog(default_reserve(nofile_limit()))
         self.backend.backlog = self.frontend.backlog  # (the same for workers' connections: the resource audit)
+        for sock, ep in ((self.frontend, self.frontend_ep), (self.backend, self.backend_ep)):
+            if ep.startswith("tcp://"):
+                sock.backlog = TCP_BACKLOG  # (no pause there: a restart's storm of redials fits)
         # A tcp peer unreachable behind a partition (or with its host) is dropped after twice
         # the window in which the broker presumes such a peer dead, DEAD_AFTER_BEATS
         # heartbeats at least, with the replies queued to it: TCP alone keeps a half-open

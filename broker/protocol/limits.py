@@ -83,6 +83,14 @@ def listen_backlog(reserve: int) -> int:
     return max(8, min(100, reserve // 2))
 
 
+#: the listen backlog of a tcp endpoint (the kernel caps it at net.core.somaxconn): nothing
+#: pauses its accepting (its socket has no file to move aside), and 1,000-3,000 clients
+#: redialling a restarted broker overflowed libzmq's 100: the kernel dropped their
+#: connections in silence, and plain clients sat on dead ones for libzmq's 30 s handshake
+#: limit (the reconnect-storm audit: 34 s for the last, 7 s with this)
+TCP_BACKLOG = 4096
+
+
 class Headroom:
     """Whether to accept connections, for a process whose descriptor limit is ``limit``.
 

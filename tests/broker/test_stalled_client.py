@@ -70,3 +70,15 @@ def test_the_unread_tally_follows_every_entry_and_a_reader_that_had_read_all_is_
     assert a.went_at == 5.0
     assert a.quiet_for() == max(_UNREAD_QUIET_S, (64 << 20) / _SLOW_READ_BPS) == 4.0
     assert tally == [30 + (64 << 20)]
+
+
+def test_a_tcp_frontend_listens_with_room_for_a_restarts_redials(tmp_path):
+    # The reconnect-storm audit: 3,000 clients redialling a restarted broker overflowed a
+    # backlog of 100 (the kernel dropped them in silence; plain clients sat 30 s on dead
+    # connections).  Ipc endpoints keep half the descriptors' reserve (their accepting pauses).
+    from broker.protocol.limits import TCP_BACKLOG
+
+    cfg = BrokerConfig(frontend="tcp://127.0.0.1:0", backend=f"ipc://{tmp_path}/be.ipc")
+    cfg.security.insecure = True
+    with Broker(cfg) as b:
+        assert b.frontend.backlog == TCP_BACKLOG and b.backend.backlog <= 512
