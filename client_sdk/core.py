@@ -138,6 +138,12 @@ NO_DETAIL = "no detail given"
 PLAIN_NO_DETAIL = (f"{NO_DETAIL}; this client speaks plain tcp (`insecure=True`): most likely the broker has keys "
                    "and cut its greeting short (give the client `server_key` and `client_key`, or run the broker "
                    "--insecure), else the broker went away during the handshake")
+#: ... and a client whose keys that endpoint took before: `sockets`' word blamed
+#: `server_key` for handshakes a restarting or overloaded broker cut short (the
+#: reconnect-storm audit: correctly configured clients were told to check their keys)
+KNOWN_NO_DETAIL = (f"{NO_DETAIL}; this client's keys were taken by this endpoint before: most likely the broker "
+                   "restarted, is overloaded, or cut the handshake short (the client keeps dialling; the broker's "
+                   "log says the cause: if it restarted with another key pair, give the client its new `server_key`)")
 
 
 def _check_meta(meta: dict) -> None:
@@ -367,6 +373,7 @@ class ClientCore(PinEvents):
         self.endpoint_problem: Callable[[], str | None] | None = None
         #: why the broker refused this client's latest tcp handshake (None: it did not)
         self.refused: str | None = None
+        self.handshook = False  # a handshake with the broker succeeded once (`broker_said`)
         #: when to dial the broker again, libzmq having given its endpoint up at a refused
         #: handshake (None: not needed; `broker_said`, `redialed`)
         self.redial_at: float | None = None
@@ -1250,8 +1257,12 @@ class ClientCore(PinEvents):
         `REDIAL_S` after the dial before."""
         if last is None:
             return
+        if last == "":
+            self.handshook = True
         if self.plain_tcp and last.startswith(NO_DETAIL):
             last = PLAIN_NO_DETAIL
+        elif self.handshook and last.startswith(NO_DETAIL):
+            last = KNOWN_NO_DETAIL
         # A refusal without detail does not replace one with: a plain tcp client of a broker
         # with keys hears both (the one whose greeting the broker cut short, as a loaded
         # broker often does, is told nothing), and "most likely `server_key`" misleads it.

@@ -192,6 +192,20 @@ def test_a_refused_handshake_dials_again_at_once_then_at_most_once_per_redial_in
     assert core.redial_at is None
 
 
+def test_a_client_whose_keys_were_taken_before_is_not_told_its_server_key_is_wrong(core):
+    # The reconnect-storm audit: handshakes a restarting broker cut short were blamed on
+    # `server_key` for clients whose keys it had taken a moment before.
+    from client_sdk.core import KNOWN_NO_DETAIL, NO_DETAIL
+
+    blamed = f"{NO_DETAIL}; most likely `server_key` (or $ZMQ_INFER_SERVER_KEY) is not that broker's public certificate"
+    core.broker_said(blamed, 10.0, False)  # never taken: the key is the likely cause, as before
+    assert core.refused == blamed
+    core.broker_said("", 11.0, False)  # a handshake succeeded
+    core.broker_said(blamed, 20.0, False)  # the broker restarts
+    assert core.refused == KNOWN_NO_DETAIL and "most likely `server_key`" not in core.refused
+    assert "restarted" in core.silence_advice(3.0)
+
+
 def test_a_plain_tcp_client_is_not_told_its_server_key_is_wrong():
     """A handshake failed without detail is most likely the wrong `server_key`, for a client
     that has one; a plain tcp client (`insecure=True`) has none, and was told so anyway (the
