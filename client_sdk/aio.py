@@ -684,7 +684,7 @@ class AsyncClient(ClientBase):
             return
         if pin is _BROKER:
             ups, last, final = handshakes(monitor)
-            core.broker_said(last, time.monotonic(), final)
+            core.broker_said(last, time.monotonic(), final, ups)
             if core.redial_at is not None and self._redial_timer is None:
                 # libzmq gave the endpoint up at a refused handshake (core.REDIAL_S)
                 self._redial_timer = self._loop.call_later(max(0.0, core.redial_at - time.monotonic()),

@@ -1039,7 +1039,7 @@ class Client(ClientBase):
         if pin is _BROKER:
             ups, last, final = handshakes(monitor)
             now = time.monotonic()
-            core.broker_said(last, now, final)
+            core.broker_said(last, now, final, ups)
             if core.redial_at is not None and now >= core.redial_at:
                 self._redial(now)
             if ups and not core.closed and core.heartbeat_interval is not None:

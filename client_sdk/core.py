@@ -1250,15 +1250,16 @@ class ClientCore(PinEvents):
         nothing, and "raise the timeout" was the wrong advice."""
         return call.deadline_error(self.silence_advice(call.timeout))
 
-    def broker_said(self, last: str | None, now: float, final: bool = False) -> None:
+    def broker_said(self, last: str | None, now: float, final: bool = False, ups: int = 0) -> None:
         """The broker connection's monitor's word (`sockets.handshakes`): ``last`` "" a
         handshake succeeded, a reason the broker refused it, None nothing new; ``final``:
         libzmq gave the endpoint up at a refusal, so it is dialled again at once, or
-        `REDIAL_S` after the dial before."""
+        `REDIAL_S` after the dial before.  ``ups``: handshakes that succeeded meanwhile (one
+        read may hold a success and a later refusal: `last` is the refusal)."""
+        if ups or last == "":
+            self.handshook = True
         if last is None:
             return
-        if last == "":
-            self.handshook = True
         if self.plain_tcp and last.startswith(NO_DETAIL):
             last = PLAIN_NO_DETAIL
         elif self.handshook and last.startswith(NO_DETAIL):

@@ -145,6 +145,9 @@ TRIM_AFTER_BYTES = 64 << 20
 TRIM_QUIET_S = 5.0
 TRIM_QUIET_MAX_S = 60.0
 TRIM_BACKOFF_S = 30.0
+#: bytes of big frames between two looks that do not break a quiet (a trickle of ordinary
+#: large requests: one every few seconds kept a burst's memory for good; found by review)
+TRIM_TRICKLE = TRIM_AFTER_BYTES // 64
 
 
 class BurstSeen:
@@ -161,11 +164,11 @@ class BurstSeen:
     a trim between each: 1.5x the broker's CPU a request; the trim audit).  Fixing the mmap
     threshold instead (GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4194304) faults every
     frame in: a steady 16 MiB stream took 2.3x the CPU and 2.4x the latency.  So a trim is
-    due once `TRIM_AFTER_BYTES` moved since the last one and none for `TRIM_QUIET_S`: after
-    a burst, not between the bursts of a stream; and big frames that come back within
-    `TRIM_BACKOFF_S` of a trim double that quiet (up to `TRIM_QUIET_MAX_S`: a periodic
-    stream is trimmed ever more rarely), reset once a trim was not followed so soon.  Pure:
-    the caller trims."""
+    due once `TRIM_AFTER_BYTES` moved since the last one and no more than `TRIM_TRICKLE` a
+    look for `TRIM_QUIET_S`: after a burst, not between the bursts of a stream; and big
+    frames that come back within `TRIM_BACKOFF_S` of a trim double that quiet (up to
+    `TRIM_QUIET_MAX_S`: a periodic stream is trimmed ever more rarely), reset once a trim
+    was not followed so soon, or after a rest that long.  Pure: the caller trims."""
 
     __slots__ = ("moved", "last", "at_trim", "quiet_since", "quiet_s", "trimmed_at")
 
@@ -173,7 +176,7 @@ class BurstSeen:
         self.moved = 0    # bytes of big frames moved, in all
         self.last = 0     # ... at the previous look
         self.at_trim = 0  # ... at the last trim
-        self.quiet_since = 0.0  # the look that first saw nothing moved since (monotonic)
+        self.quiet_since = 0.0  # the last look that saw more than a trickle move (monotonic)
         self.quiet_s = TRIM_QUIET_S
         self.trimmed_at: float | None = None  # the last trim, until big frames came again
 
@@ -181,14 +184,17 @@ class BurstSeen:
         """At each housekeeping look (``now``: monotonic seconds): whether a burst is over
         and its memory worth a trim."""
         moved = self.moved
-        if moved != self.last:
+        if moved - self.last > TRIM_TRICKLE:
             self.last = moved
-            self.quiet_since = now
             if self.trimmed_at is not None:  # the first frames since a trim: was it too soon?
                 soon = now - self.trimmed_at < TRIM_BACKOFF_S
                 self.quiet_s = min(self.quiet_s * 2, TRIM_QUIET_MAX_S) if soon else TRIM_QUIET_S
                 self.trimmed_at = None
+            elif now - self.quiet_since >= TRIM_BACKOFF_S:
+                self.quiet_s = TRIM_QUIET_S  # (a long rest since the last movement: start over)
+            self.quiet_since = now
             return False
+        self.last = moved  # (a trickle: counted towards the next trim, no break in the quiet)
         if now - self.quiet_since >= self.quiet_s and moved - self.at_trim >= TRIM_AFTER_BYTES:
             self.at_trim = moved
             self.trimmed_at = now

@@ -87,7 +87,8 @@ def listen_backlog(reserve: int) -> int:
 #: pauses its accepting (its socket has no file to move aside), and 1,000-3,000 clients
 #: redialling a restarted broker overflowed libzmq's 100: the kernel dropped their
 #: connections in silence, and plain clients sat on dead ones for libzmq's 30 s handshake
-#: limit (the reconnect-storm audit: 34 s for the last, 7 s with this)
+#: limit (the reconnect-storm audit: 34 s for the last, 7 s with this;
+#: bench/results/reconnect_storm_1207).  somaxconn was 128 before Linux 5.4: raise it there
 TCP_BACKLOG = 4096
 
 

@@ -121,7 +121,7 @@ def test_a_burst_is_trimmed_once_it_is_over_and_not_during_it():
     t = 2000.0  # long after: the quiet needed is the first one again
     assert not b.due(t) and not b.due(t + TRIM_QUIET_S)  # a small one after it: not worth a trim
     b.moved += 1
-    assert not b.due(t + TRIM_QUIET_S + 1) and b.due(t + 2 * TRIM_QUIET_S + 1)  # ... until its bytes add up
+    assert b.due(t + TRIM_QUIET_S + 1)  # ... until its bytes add up (a trickle: the quiet goes on)
 
 
 def test_a_stream_whose_bursts_come_back_soon_after_a_trim_is_trimmed_ever_more_rarely():
@@ -158,3 +158,35 @@ def test_a_stream_whose_bursts_come_back_soon_after_a_trim_is_trimmed_ever_more_
     t = last + 2 * TRIM_QUIET_S + TRIM_BACKOFF_S + 1
     b.moved += TRIM_AFTER_BYTES
     assert not b.due(t) and b.quiet_s == TRIM_QUIET_S and b.due(t + TRIM_QUIET_S)
+
+
+def test_a_trickle_of_big_frames_does_not_keep_a_bursts_memory():
+    # Found by review: one 64 KiB+ request every few seconds broke every quiet, and a
+    # burst's memory stayed for good.
+    from broker.protocol.heap import TRIM_AFTER_BYTES, TRIM_QUIET_S, TRIM_TRICKLE, BurstSeen
+
+    b = BurstSeen()
+    b.moved += 2 * TRIM_AFTER_BYTES
+    assert not b.due(0.0)
+    for k in range(1, int(TRIM_QUIET_S)):
+        b.moved += TRIM_TRICKLE  # one ordinary large request a second
+        assert not b.due(float(k))
+    b.moved += TRIM_TRICKLE
+    assert b.due(TRIM_QUIET_S)
+
+
+def test_a_doubled_quiet_starts_over_after_a_long_rest():
+    # Found by review: after it doubled, less than TRIM_AFTER_BYTES moved, no trim came, and
+    # a burst hours later still needed the long quiet.
+    from broker.protocol.heap import TRIM_AFTER_BYTES, TRIM_BACKOFF_S, TRIM_QUIET_S, BurstSeen
+
+    b = BurstSeen()
+    b.moved += TRIM_AFTER_BYTES
+    assert not b.due(0.0) and b.due(TRIM_QUIET_S)
+    b.moved += TRIM_AFTER_BYTES // 4  # soon after the trim: the quiet doubles
+    assert not b.due(TRIM_QUIET_S + 1) and b.quiet_s == 2 * TRIM_QUIET_S
+    assert not b.due(1000.0)  # too little for a trim
+    b.moved += TRIM_AFTER_BYTES  # hours later
+    assert not b.due(10_000.0) and b.quiet_s == TRIM_QUIET_S
+    assert b.due(10_000.0 + TRIM_QUIET_S)
+    assert TRIM_BACKOFF_S < 10_000.0

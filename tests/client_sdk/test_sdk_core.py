@@ -204,6 +204,14 @@ def test_a_client_whose_keys_were_taken_before_is_not_told_its_server_key_is_wro
     core.broker_said(blamed, 20.0, False)  # the broker restarts
     assert core.refused == KNOWN_NO_DETAIL and "most likely `server_key`" not in core.refused
     assert "restarted" in core.silence_advice(3.0)
+    # A success and a later refusal read together (an idle sync client reads its monitor
+    # only during calls): the success counts (found by review).
+    other = ClientCore("ipc:///tmp/zinf-core-test.sock", heartbeat_interval=1.0)
+    try:
+        other.broker_said(blamed, 30.0, False, ups=1)
+        assert other.refused == KNOWN_NO_DETAIL
+    finally:
+        other.close()
 
 
 def test_a_plain_tcp_client_is_not_told_its_server_key_is_wrong():

@@ -113,15 +113,17 @@ resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLI
 c = Client(sys.argv[1], timeout=2)
 import time
 held = []
-# The application uses up every descriptor left, and keeps taking those that come free for
-# a while: libzmq's reconnect attempts (every 100 ms; no broker yet) each hold one for a
-# moment, and one held at the first "full" came free later and was served (a full run).
-until = time.monotonic() + 0.5
-while time.monotonic() < until:
+# The application uses up every descriptor left, and keeps taking those that come free
+# until none has for 0.3 s: libzmq's reconnect attempts (every 100 ms; no broker yet) each
+# hold one for a moment, and one held at the first "full" came free later and was served
+# (a full run).  (Polling a condition, bounded: at most 10 s.)
+last, give_up = time.monotonic(), time.monotonic() + 10
+while time.monotonic() - last < 0.3 and time.monotonic() < give_up:
     try:
         held.append(os.open("/dev/null", os.O_RDONLY))
+        last = time.monotonic()
     except OSError:
-        pass
+        time.sleep(0.001)  # (lets libzmq's I/O thread run on a loaded machine)
 print("full", flush=True)
 sys.stdin.readline()  # the broker is up now
 try:
