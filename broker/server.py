@@ -206,13 +206,12 @@ DEFAULT_MAX_FRAME = 256 << 20
 DEFAULT_CLIENT_HWM = 4096  # = the default max_client_requests: a client within its cap is never dropped for pipelining
 
 
-def default_total_bytes(max_client_bytes: int | None = None) -> int:
+def default_total_bytes() -> int:
     """The broker-wide cap on outstanding requests' bytes when none is given: half the memory
     this process may use (its cgroup's limit, else the machine's: `memory_limit`).  The
     broker's own memory and its unread replies (`default_unread_bytes`) need the rest.  (It
     was at least one client's cap, 512 MiB: the whole of a 512 MiB broker's cgroup, and one
-    client's queued requests got it OOM-killed: the memory audit.)  ``max_client_bytes``:
-    unused, kept for callers."""
+    client's queued requests got it OOM-killed: the memory audit.)"""
     limit = memory_limit()
     if limit is None:
         return 1 << 50
@@ -694,7 +693,7 @@ class Broker:
             self.metrics = Metrics()
         sc = self.cfg.scheduler
         if sc.max_total_bytes is None:  # not given: half the memory it may use (the caller's config untouched)
-            sc = dataclasses.replace(sc, max_total_bytes=default_total_bytes(sc.max_client_bytes))
+            sc = dataclasses.replace(sc, max_total_bytes=default_total_bytes())
         self.sched = Scheduler(sc, on_direct=self.metrics.final if self.metrics is not None else None)
         # Registered at some point (404 vs 503), bounded, retired once without a worker for
         # RETAIN_S (ServiceNames)

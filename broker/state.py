@@ -2159,9 +2159,9 @@ class Scheduler(LeaseEvents):
         self._error(req, ErrorCode.WORKER_FAILED, f"{why}; check the logs of the '{req.svc.name}' workers", out)
         self._retire(req)
 
-    def _error(self, req, code, message, out, left_queue=None):
+    def _error(self, req, code, message, out, left_queue=None, counted=True):
         out.append(ClientError(req.client, req.request_id, req.svc.name, code, message,
-                               req.payload, req.enqueued_at, left_queue))
+                               req.payload, req.enqueued_at, left_queue, counted))
         self._unlink(req)
 
     # ---- workers and dispatch
@@ -2687,11 +2687,10 @@ class Scheduler(LeaseEvents):
         # The worker keeps the credit until its late final arrives or it dies.
         req.state = _ABANDONED
         req.late = self._clients.get(req.client)  # what the worker still sends goes to it (LateToClient)
-        out.append(ClientError(req.client, req.request_id, req.svc.name, ErrorCode.DEADLINE_EXCEEDED,
-                               f"deadline passed while a worker was running the request "
-                               f"({now - req.dispatched_at:.3f} s in flight); allow more time or use a "
-                               f"faster worker", req.payload, req.enqueued_at, None, counted))
-        self._unlink(req)
+        self._error(req, ErrorCode.DEADLINE_EXCEEDED,
+                    f"deadline passed while a worker was running the request "
+                    f"({now - req.dispatched_at:.3f} s in flight); allow more time or use a "
+                    f"faster worker", out, counted=counted)
 
     def _count_expired(self, req, finished, code=ErrorCode.DEADLINE_EXCEEDED):
         """The outcome of a request whose deadline passed while a worker ran it, once known

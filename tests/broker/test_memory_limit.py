@@ -60,7 +60,7 @@ def test_the_brokers_default_caps_fit_its_memory(monkeypatch):
     from broker import server
 
     monkeypatch.setattr(server, "memory_limit", lambda: 512 << 20)
-    assert server.default_total_bytes(512 << 20) == 256 << 20
+    assert server.default_total_bytes() == 256 << 20
     assert server.default_unread_bytes() == 128 << 20
     monkeypatch.setattr(server, "memory_limit", lambda: None)
     assert server.default_total_bytes() == 1 << 50 and server.default_unread_bytes() is None
