@@ -70,7 +70,9 @@ class ClientBase:
     def broker_reconnects(self) -> int:
         """Times this client's connection to the broker was replaced under it (the same broker
         process knew it by a new identity: a reset, or a connection closed for silence), or
-        the broker dropped its record of the client for its silence while it held work; the
+        the broker dropped its record of the client for its silence while it held work, or
+        the connection was replaced before any answer named the broker (a restart cannot be
+        told from a reset then); the
         calls sent before and still waited for were sent again (docs/client.md, "When the
         connection to the broker is replaced")."""
         return self._core.broker_reconnects

@@ -374,6 +374,10 @@ class ClientCore(PinEvents):
         #: why the broker refused this client's latest tcp handshake (None: it did not)
         self.refused: str | None = None
         self.handshook = False  # a handshake with the broker succeeded once (`broker_said`)
+        self.connections = 0    # ... how many times (each a new connection)
+        # A connection was replaced before any heartbeat answer named the broker: what was
+        # sent on it may be lost, told by the next answer (`_on_broker_instance`).
+        self._replaced_unheard = False
         #: when to dial the broker again, libzmq having given its endpoint up at a refused
         #: handshake (None: not needed; `broker_said`, `redialed`)
         self.redial_at: float | None = None
@@ -1258,6 +1262,10 @@ class ClientCore(PinEvents):
         read may hold a success and a later refusal: `last` is the refusal)."""
         if ups or last == "":
             self.handshook = True
+        if ups:
+            if self.connections + ups > 1 and self.broker_instance is None:
+                self._replaced_unheard = True
+            self.connections += ups
         if last is None:
             return
         if self.plain_tcp and last.startswith(NO_DETAIL):
@@ -1498,8 +1506,16 @@ class ClientCore(PinEvents):
         heartbeat intervals (it was the old connection's), it fails with `BrokerUnreachable`
         (`_expire_suspects`).  Leases granted to the new connection before the answer came are
         handed back too (LEASE_END; the broker ignores it for the old connection's, which it
-        ends itself).  MMI questions still waited for are asked again (`_reask_mmi`).  A
-        connection replaced before its first answer came goes unnoticed."""
+        ends itself).  MMI questions still waited for are asked again (`_reask_mmi`).
+
+        A connection replaced before any answer came (its monitor saw a second handshake
+        first: `broker_said`) is one whose broker the client never knew: a broker killed
+        before its answer to the client's first heartbeat left its socket (a CI run).  The
+        first answer then counts as a replaced connection's (the client cannot tell a restart
+        from a reset), and what was sent before it is sent again as above; otherwise it went
+        to a broker that no longer holds it, and its caller waited out its deadline.  (That
+        answer may be the old connection's, read late: then the next one, the new broker's,
+        sends those calls once more.)"""
         known, self.broker_instance = self.broker_instance, instance
         known_route = self.broker_route
         if route is not None:
@@ -1515,12 +1531,14 @@ class ClientCore(PinEvents):
             return [*self._resend_brokered(now, "the broker restarted", lambda call: call.broker != instance,
                                            same_broker=False),
                     *self._reask_mmi()]
-        if known is None or (known_route is None and route is not None):  # first learnt: what was sent went there
+        unheard, self._replaced_unheard = self._replaced_unheard and known is None and route is not None, False
+        if not unheard and (known is None or (known_route is None and route is not None)):
+            # first learnt: what was sent went there
             for call in self.calls.values():
                 call.broker = call.broker or instance
                 call.route = call.route or route
             return []
-        if route is None or route == known_route:
+        if not unheard and (route is None or route == known_route):
             return []
         self.broker_reconnects += 1
         # Brokered streams that may be the new connection's (the docstring): spared, watched.

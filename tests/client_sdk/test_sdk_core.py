@@ -467,6 +467,35 @@ def test_a_replaced_connection_resends_the_brokered_calls_sent_before_it_was_kno
     assert not early.inbox and early.id in core.calls  # the resent run still answers the call
 
 
+def test_a_connection_replaced_before_the_broker_first_answered_resends_what_was_sent_on_it(core):
+    """The broker died before its answer to the client's first heartbeat left it (a CI run:
+    SIGKILLed just after it logged the request): the client never knew it, and the first
+    answer, the new broker's, was taken for the broker its calls went to.  The monitor's
+    second handshake says the connection was replaced: that answer sends them again, as a
+    replaced connection's (a restart and a reset look alike here).  One handshake, or a
+    second once the broker was known, changes nothing here."""
+    inst, a = b"\x01" * 8, b"route--a"
+    core.broker_said("", 99.0, ups=1)  # the first connection
+    early = _sent(core, now=99.0)
+    core.broker_said("", 99.5, ups=1)  # a second one, no answer heard on the first
+    out = core.on_message(P.broker_heartbeat(inst, 3000, a), 100.0)
+    assert [f[1] for f in out] == [P.C_CANCEL, P.C_REQUEST]
+    assert P.decode_cancel(out[0][3]).queued_only and early.resends == 1 and early.route == a
+    assert core.broker_reconnects == 1 and core.broker_restarts == 0
+    # Known from now on: the same answer again resends nothing.
+    assert core.on_message(P.broker_heartbeat(inst, 3000, a), 100.1) == []
+    # A handshake once the broker is known is left to the answers' names, as before.
+    core.broker_said("", 100.2, ups=1)
+    assert core.on_message(P.broker_heartbeat(inst, 3000, a), 100.3) == [] and early.resends == 1
+
+
+def test_one_handshake_then_the_first_answer_resends_nothing(core):
+    core.broker_said("", 99.0, ups=1)
+    call = _sent(core, now=99.0)
+    assert core.on_message(P.broker_heartbeat(b"\x01" * 8, 3000, b"route--a"), 100.0) == []
+    assert call.resends == 0 and core.broker_reconnects == 0
+
+
 def test_a_stream_whose_first_partial_came_after_the_last_answer_on_the_old_connection_goes_on(core):
     """A DEALER keeps the order of what it receives across connections: a stream with a
     PARTIAL before the last answer naming the old connection was that connection's (it

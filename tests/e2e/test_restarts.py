@@ -374,6 +374,9 @@ def test_a_call_the_dead_broker_held_is_sent_again_once_the_new_one_connects_not
     broker = cluster.broker(*slow, "--service-grace", "60", "--log-level", "DEBUG")
     x = np.arange(16, dtype=np.int32)
     with Client(cluster.frontend, timeout=60, heartbeat_interval=30) as c:
+        # The broker's name known first (its MMI answer comes after its answer to the hello):
+        # a broker killed before that answer left it is the next test's.
+        assert c.mmi_service("echo", timeout=10) is False
         handle = c.infer_stream("echo", {"x": x}, timeout=25)  # no worker yet: it waits in the broker's queue
         broker.wait_log("request received")
         broker.kill()
@@ -382,6 +385,42 @@ def test_a_call_the_dead_broker_held_is_sent_again_once_the_new_one_connects_not
         with handle.result(timeout=30) as r:
             np.testing.assert_array_equal(r["x"], x)
         assert c.broker_restarts == 1
+
+
+def test_a_call_sent_to_a_broker_that_died_before_it_ever_answered_is_sent_again(cluster):
+    """A client whose broker died before its answer to the client's first heartbeat left it
+    (a CI run: SIGKILLed just after it logged the request) never knew that broker: the new
+    broker's first answer was taken for the broker the call went to, nothing was sent again,
+    and the call waited out its 25 s deadline.  Here the dead broker is a bare ROUTER that
+    reads the hello and the request and closes; the client's monitor saw two handshakes before
+    any answer, so that answer sends the call again."""
+    import zmq
+
+    from broker import protocol as P
+
+    x = np.arange(16, dtype=np.int32)
+    ctx = zmq.Context()
+    mute = ctx.socket(zmq.ROUTER)
+    mute.setsockopt(zmq.LINGER, 0)
+    try:
+        mute.bind(cluster.frontend)
+        with Client(cluster.frontend, timeout=60, heartbeat_interval=30) as c:
+            handle = c.infer_stream("echo", {"x": x}, timeout=25)
+            got = []
+            while len(got) < 2:  # the hello (a HEARTBEAT), then the REQUEST: never answered
+                assert mute.poll(10_000), got
+                frames = mute.recv_multipart()
+                got.append(frames[frames.index(P.MDPC) + 1])
+            assert got == [P.C_HEARTBEAT, P.C_REQUEST], got
+            mute.close()
+            cluster.broker("--heartbeat-interval", "30")
+            cluster.worker("echo", "--heartbeat-interval", "30")
+            with handle.result(timeout=30) as r:
+                np.testing.assert_array_equal(r["x"], x)
+            assert c.broker_reconnects == 1 and c.resent_calls == 1
+    finally:
+        mute.close()
+        ctx.term()
 
 
 def test_sigterm_drains_a_standalone_broker_and_its_successor_runs_what_stayed_queued(cluster, gate):
