@@ -685,6 +685,8 @@ class AsyncClient(ClientBase):
         if pin is _BROKER:
             ups, last, final = handshakes(monitor)
             core.broker_said(last, time.monotonic(), final, ups)
+            if final and last:
+                core.refused_for_good(lambda rid: refused_error(self.endpoint, last, None, rid))
             if core.redial_at is not None and self._redial_timer is None:
                 # libzmq gave the endpoint up at a refused handshake (core.REDIAL_S)
                 self._redial_timer = self._loop.call_later(max(0.0, core.redial_at - time.monotonic()),
@@ -1199,6 +1201,8 @@ class AsyncClient(ClientBase):
         frames = core.request_frames(call, now)
         if core.ops:
             self._run_ops()
+        if frames is None:  # answered already (core.refused_for_good)
+            return True
         if call.pin is None:
             self._send_soon(frames, call)
         else:

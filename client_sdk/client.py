@@ -520,9 +520,14 @@ class Client(ClientBase):
         try:
             # (In the try, as `_send_call`'s: an interrupt while the frames were made left the
             # call registered and never sent, for good.)
+            if self._core.shut_out is not None and self._broker_monitor is not None:
+                self._on_monitor(self._broker_monitor)  # (a dial again due, or a handshake's word unread)
+                touched(self._broker_monitor)
             frames = self._core.request_frames(call, now)
             if self._core.ops:
                 self._run_ops()
+            if frames is None:  # answered already (core.refused_for_good)
+                return True
             if call.pin is not None:
                 sock = self._sock_for(call)
                 if type(sock) is LinkConn:
@@ -786,9 +791,14 @@ class Client(ClientBase):
             # (In the try: a KeyboardInterrupt while the frames are made, or a LEASE sent,
             # left the call registered and never sent, in flight for good with its input
             # slot and, pinned, a lease slot: the interruption hunt.)
+            if core.shut_out is not None and self._broker_monitor is not None:
+                self._on_monitor(self._broker_monitor)  # (a dial again due, or a handshake's word unread)
+                touched(self._broker_monitor)
             frames = core.request_frames(call, time.monotonic())
             if core.ops:
                 self._run_ops()
+            if frames is None:  # answered already (core.refused_for_good)
+                return
             pin = call.pin
             if pin is not None:
                 # On its lease's connection, unless that one cannot take it now (what
@@ -1040,6 +1050,8 @@ class Client(ClientBase):
             ups, last, final = handshakes(monitor)
             now = time.monotonic()
             core.broker_said(last, now, final, ups)
+            if final and last:
+                core.refused_for_good(lambda rid: refused_error(self.endpoint, last, None, rid))
             if core.redial_at is not None and now >= core.redial_at:
                 self._redial(now)
             if ups and not core.closed and core.heartbeat_interval is not None:

@@ -375,6 +375,9 @@ class ClientCore(PinEvents):
         self.refused: str | None = None
         self.handshook = False  # a handshake with the broker succeeded once (`broker_said`)
         self.connections = 0    # ... how many times (each a new connection)
+        #: the error of a call made while the broker's latest word was a refusal for good
+        #: (`refused_for_good`; None once a handshake succeeds)
+        self.shut_out: Callable[[int | None], InferenceError] | None = None
         # A connection was replaced before any heartbeat answer named the broker: what was
         # sent on it may be lost, told by the next answer (`_on_broker_instance`).
         self._replaced_unheard = False
@@ -669,14 +672,22 @@ class ClientCore(PinEvents):
             raise InvalidInput("this call was submitted already (in flight, answered or given up): "
                                "prepare() a new one for each request")
 
-    def request_frames(self, call: Call, now: float) -> list[Any]:
+    def request_frames(self, call: Call, now: float) -> list[Any] | None:
         """Assign an id, register the call and return its REQUEST frames.  On a pinning
         client (or to a service pinned on demand by a stream) `call.pin` then says where to
         send them: None, to the broker; else on that lease's connection (pins.py); `ops` may
-        hold a LEASE to send."""
+        hold a LEASE to send.  None: nothing to send, the call answered already (the broker
+        refuses this client's handshake: `refused_for_good`)."""
         frames = self._brokered_request(call, now)
         if (self.pin_slots or call.service in self.pin_services) and not call.no_pin:
             self._pin_route(call, now)
+        if self.shut_out is not None and call.pin is None:
+            # (`refused_for_good`) answered with its error, not sent: queued, it went to the
+            # broker once a handshake succeeded, run for nobody
+            self._forget(call)
+            self._free_inputs(call)
+            self._deliver(call, ("error", self.shut_out(call.id)), True, now)
+            return None
         return frames
 
     def use_inbox(self, endpoint: str, room: Callable[[], tuple[bool, bool]]) -> None:
@@ -785,6 +796,8 @@ class ClientCore(PinEvents):
         the last word heard, whichever is later (`fail_unreachable`)."""
         q.t_sent = now
         self.mmi_waiters.append(q)
+        if self.shut_out is not None:
+            q.error = self.shut_out(None)  # (`refused_for_good`)
         return q
 
     def mmi_waiting(self) -> bool:
@@ -1252,7 +1265,30 @@ class ClientCore(PinEvents):
         come from it since this client connected although the call waited long enough for
         a heartbeat's answer: a wrong endpoint (a broker's backend, another program) answers
         nothing, and "raise the timeout" was the wrong advice."""
-        return call.deadline_error(self.silence_advice(call.timeout))
+        advice = self.silence_advice(call.timeout)
+        if advice is None and call.deadline is not None:
+            advice = self._quiet_advice(call, call.deadline)
+        return call.deadline_error(advice)
+
+    def _quiet_advice(self, call: Call, now: float) -> str | None:
+        """What a call's `DeadlineExceeded` says when the broker, heard from before, answered
+        nothing, not even a heartbeat, for more than two heartbeat periods of its wait (it
+        is asked once a period while calls wait): it stopped, restarted or stalled, or the
+        connection is down; "raise `timeout`, lower the load" was the wrong advice (the
+        broker-restart audit: a call shorter than the liveness window, against a killed
+        broker).  None when it answered, with heartbeats off, or for a call on a live lease
+        (its worker answers it, not the broker)."""
+        period = self.heartbeat_period
+        pin = call.pin
+        if period is None or (pin is not None and pin.ready and not pin.closed):
+            return None
+        silence = now - max(self.last_recv, call.t_sent, self.resumed_at)
+        if silence <= 2 * period:
+            return None
+        why = self._endpoint_problem()
+        return (f"nothing has come from the broker at {self.endpoint} for the last {silence:.1f}s of the wait, "
+                f"not even answers to heartbeats: it stopped, restarted or stalled, or the connection is down"
+                + (f" ({why})" if why else "") + "; check that it runs, and its log")
 
     def broker_said(self, last: str | None, now: float, final: bool = False, ups: int = 0) -> None:
         """The broker connection's monitor's word (`sockets.handshakes`): ``last`` "" a
@@ -1263,6 +1299,7 @@ class ClientCore(PinEvents):
         if ups or last == "":
             self.handshook = True
         if ups:
+            self.shut_out = None
             if self.connections + ups > 1 and self.broker_instance is None:
                 self._replaced_unheard = True
             self.connections += ups
@@ -1280,10 +1317,40 @@ class ClientCore(PinEvents):
         if final and self.redial_at is None and not self.closed:
             self.redial_at = max(now, self._redialed + REDIAL_S)
 
+    def refused_for_good(self, error: Callable[[int | None], InferenceError]) -> int:
+        """The broker refused this client's handshake for good (its key, or plain tcp
+        against keys: libzmq gave the endpoint up, `broker_said`'s ``final``): every call that
+        waits on the broker fails now with ``error(request id)``, as do the MMI questions; a
+        call on a lease whose connection is up is its worker's, and goes on.  Nothing sent
+        reached the broker, or will (the refused connection's queue goes with it), so
+        waiting could only end at the liveness window or the deadline, told to raise it.
+        A call made after it, until the client dials again (`redialed`: at once after a
+        first refusal, then at most each `REDIAL_S`, so a key put on the allow-list is served
+        within about that), fails at once, unsent (`request_frames`), as a gRPC channel in
+        TRANSIENT_FAILURE fails its calls; one made once it dialled waits for that dial's word.
+        Returns how many were failed."""
+        self.shut_out = error
+        n = 0
+        for call in self.active():
+            pin = call.pin
+            if pin is not None and pin.ready and not pin.closed:
+                continue
+            if self.fail(call, error(call.id or None)):
+                n += 1
+        for q in self.mmi_waiters:
+            if q.answer is None and q.error is None and not q.abandoned:
+                q.error = error(None)
+                if q.notify is not None:
+                    q.notify()
+                n += 1
+        return n
+
     def redialed(self, now: float) -> None:
-        """The client dialled the broker again (`sockets.redial`)."""
+        """The client dialled the broker again (`sockets.redial`): calls go out again and
+        wait for that handshake's word (`refused_for_good` fails them at a refusal)."""
         self.redial_at = None
         self._redialed = now
+        self.shut_out = None
 
     def silence_advice(self, timeout: float | None, *, heard: bool = True) -> str | None:
         """What a call's `DeadlineExceeded` says instead of "raise the timeout" when the

@@ -486,18 +486,22 @@ def refusal(frames: list[Any]) -> tuple[bool, str] | None:
     return _BROKER_REFUSED.get(event)
 
 
-def refused_error(endpoint: str, why: str) -> InferenceError:
-    """The error of a plain MDP `request` whose own socket's handshake the broker refused
-    for good (libzmq gives the endpoint up): raised at once.  It waited for its timeout,
-    told to raise it, and for ever without one: a key removed from the broker's allow-list
-    is refused on the new connection a request makes, while the client's own connection,
-    made before, is answered `Forbidden` (the client audit)."""
+def refused_error(endpoint: str, why: str, conn: str | None = "this request's connection",
+                  request_id: int | None = None) -> InferenceError:
+    """The error of a call whose connection's handshake the broker refused for good
+    (libzmq gives the endpoint up): `Forbidden` for this client's key, else
+    `BrokerUnreachable`.  A plain MDP `request` (a socket of its own) raises it at once: it
+    waited for its timeout, told to raise it, and for ever without one (the client audit).
+    The client's own connection (``conn`` None) fails its waiting calls with it
+    (`ClientCore.refused_for_good`): a client whose key is not on the broker's allow-list
+    waited out each call's liveness window, or its timeout when shorter."""
     from .errors import BrokerUnreachable, Forbidden
 
-    said = f"the broker at {endpoint} refused the handshake of this request's connection: {why}"
+    said = (f"the broker at {endpoint} refuses this client's handshake: {why}" if conn is None else
+            f"the broker at {endpoint} refused the handshake of {conn}: {why}")
     if why == _BROKER_REFUSED[zmq.EVENT_HANDSHAKE_FAILED_AUTH][1]:
-        return Forbidden(said)
-    return BrokerUnreachable(said)
+        return Forbidden(said, request_id=request_id)
+    return BrokerUnreachable(said, request_id=request_id)
 
 
 def redial(sock: zmq.Socket, endpoint: str) -> None:

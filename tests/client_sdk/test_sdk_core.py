@@ -192,6 +192,44 @@ def test_a_refused_handshake_dials_again_at_once_then_at_most_once_per_redial_in
     assert core.redial_at is None
 
 
+def test_a_deadline_the_broker_was_silent_through_says_so_not_raise_the_timeout(core):
+    """A call shorter than the liveness window whose broker answered nothing, not even a
+    heartbeat, for over two heartbeat periods of its wait (a killed broker): its error says
+    the broker is silent, not "raise `timeout`".  A broker that answered late in the wait
+    (a slow model, a live broker) leaves the usual advice."""
+    core.on_message(P.broker_heartbeat(b"\x01" * 8, 10_000, b"route--a"), 100.0)
+    call = _sent(core, now=100.0, timeout=3.0)
+    said = str(core.deadline_error(call))
+    assert "nothing has come from the broker at" in said and "for the last 3.0s" in said, said
+    assert "raise `timeout`" not in said, said
+    core.on_message(P.broker_heartbeat(b"\x01" * 8, 10_000, b"route--a"), 102.5)
+    assert "raise `timeout`" in str(core.deadline_error(call))
+    short = _sent(core, now=102.5, timeout=0.5)  # too short a wait to tell
+    assert "raise `timeout`" in str(core.deadline_error(short))
+
+
+def test_a_refusal_for_good_fails_what_waits_and_what_is_made_until_a_handshake_succeeds(core):
+    """The broker refused this client's key (libzmq gave the endpoint up): nothing sent can
+    reach it.  Waiting calls and MMI questions fail now with the twin's error; a call made
+    meanwhile is answered at once and not sent (None); a handshake that succeeds ends it."""
+    from client_sdk.errors import Forbidden
+
+    key = "it refused this client's key"
+    waiting = _sent(core, now=10.0)
+    q = core.expect_mmi(core.mmi_question("echo"), 10.0)
+    core.broker_said(key, 10.1, True)
+    assert core.refused_for_good(lambda rid: Forbidden(f"refused ({rid})", request_id=rid)) == 2
+    assert waiting.inbox[-1][0] == "error" and waiting.inbox[-1][1].request_id == waiting.id
+    assert isinstance(q.error, Forbidden)
+    made = core.new_call("echo", {"x": np.arange(3)})
+    assert core.request_frames(made, 10.2) is None
+    assert made.done and made.id not in core.calls and isinstance(made.inbox[-1][1], Forbidden)
+    assert isinstance(core.expect_mmi(core.mmi_question("echo"), 10.2).error, Forbidden)
+    core.broker_said("", 11.2, False, ups=1)  # dialled again, and taken
+    assert not _sent(core, now=11.3).inbox
+    assert core.expect_mmi(core.mmi_question("echo"), 11.3).error is None
+
+
 def test_a_client_whose_keys_were_taken_before_is_not_told_its_server_key_is_wrong(core):
     # The reconnect-storm audit: handshakes a restarting broker cut short were blamed on
     # `server_key` for clients whose keys it had taken a moment before.

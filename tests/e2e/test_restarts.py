@@ -2,11 +2,13 @@
 and workers stopped with SIGTERM while they hold requests (docs/operations.md)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import time
 
 import numpy as np
+import pytest
 
 from client_sdk import Client
 from tests.e2e.conftest import wait_service
@@ -421,6 +423,40 @@ def test_a_call_sent_to_a_broker_that_died_before_it_ever_answered_is_sent_again
     finally:
         mute.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["Client", "AsyncClient"])
+def test_a_call_that_times_out_against_a_dead_broker_says_the_broker_is_silent(cluster, blocking):
+    """A call whose timeout is shorter than the liveness window, made once the broker was
+    SIGKILLed: its error advised "raise `timeout`, lower the load, or add workers" though
+    nothing, not even an answer to its heartbeats, had come.  It says the broker is silent
+    now, and what the kernel says of the ipc endpoint (nothing listening)."""
+    from client_sdk import AsyncClient, DeadlineExceeded
+
+    broker = cluster.broker()
+    x = np.arange(4, dtype=np.int32)
+    opts = dict(timeout=1.8, heartbeat_interval=0.5)  # liveness window 2.5 s; two periods 1 s
+
+    def check(said):
+        assert "nothing has come from the broker at" in said and "nothing listens on" in said, said
+        assert "raise `timeout`" not in said, said
+
+    if blocking:
+        with Client(cluster.frontend, **opts) as c:
+            assert c.mmi_service("echo", timeout=10) is False  # heard from
+            broker.kill()
+            with pytest.raises(DeadlineExceeded) as e:
+                c.infer("echo", {"x": x})
+            check(str(e.value))
+    else:
+        async def main():
+            async with AsyncClient(cluster.frontend, **opts) as a:
+                assert await a.mmi_service("echo", timeout=10) is False
+                await asyncio.get_running_loop().run_in_executor(None, broker.kill)
+                with pytest.raises(DeadlineExceeded) as e:
+                    await a.infer("echo", {"x": x})
+                return str(e.value)
+        check(asyncio.run(main()))
 
 
 def test_sigterm_drains_a_standalone_broker_and_its_successor_runs_what_stayed_queued(cluster, gate):

@@ -263,7 +263,7 @@ def test_unauthenticated_clients_get_no_service(secure, keys):
             while (c._core.refused is None or (why != "the wrong server key" and c._core.refused.startswith(NO_DETAIL))) \
                     and time.monotonic() < deadline:
                 c.pump(0.1)
-            with pytest.raises((DeadlineExceeded, BrokerUnreachable)) as e:
+            with pytest.raises((DeadlineExceeded, BrokerUnreachable, Forbidden)) as e:
                 c.infer("echo", {"x": x})
                 pytest.fail(f"a client with {why} was served")
         # Each is named in the call's error (the wrong server key only as the likely cause:
@@ -281,6 +281,81 @@ def test_unauthenticated_clients_get_no_service(secure, keys):
     with _good_client(secure, keys, timeout=20) as c:
         with c.infer("echo", {"x": x}) as out:
             np.testing.assert_array_equal(out["x"], x)
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["Client", "AsyncClient"])
+def test_a_client_whose_key_is_refused_fails_at_once_and_is_served_once_allowed(tmp_path, keys, blocking):
+    """A client whose key is not on the broker's allow-list: its calls waited out the
+    liveness window (5 heartbeat intervals: 50 s here), or their timeout when shorter, though
+    its monitor heard the refusal in milliseconds.  Now the refusal fails the waiting call at
+    once (`Forbidden`, naming the key), and a call made until the client dials again (each
+    second) fails as it is made, unsent; once the key is copied into the allow-list (the
+    broker looks each second) the same client is served."""
+    allowed = tmp_path / "clients"
+    allowed.mkdir()
+    shutil.copy(keys.client.pub, allowed)  # (an empty allow-list is refused at start)
+    b = Proc(["-m", "broker", "--frontend", LOOPBACK, "--backend", LOOPBACK, "--curve-secret", keys.server.sec,
+              "--client-keys", str(allowed), "--worker-keys", str(keys.root / "workers")])
+    procs = [b]
+    try:
+        b.wait_ready()
+        procs.append(_worker(b.field("backend"), "--server-key", keys.server.pub, "--worker-key", keys.worker.sec))
+        x = np.arange(4, dtype=np.float32)
+        opts = dict(server_key=keys.server.pub, client_key=keys.stranger.sec, timeout=60, heartbeat_interval=10)
+
+        def allow_and_wait(served):
+            shutil.copy(keys.stranger.pub, allowed)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    return served()
+                except Forbidden:
+                    assert time.monotonic() < deadline, "never served once its key was allowed"
+
+        if blocking:
+            with Client(b.field("frontend"), **opts) as c:
+                t0 = time.monotonic()
+                with pytest.raises(Forbidden) as first:
+                    c.infer("echo", {"x": x})
+                with pytest.raises(Forbidden) as second:  # refused still: at the next refusal, or at once
+                    c.infer("echo", {"x": x})
+                took = time.monotonic() - t0
+
+                def served():
+                    c.pump(0.05)  # (reads the monitor: the next handshake's word)
+                    with c.infer("echo", {"x": x}) as r:
+                        return r["x"].copy()
+                out = allow_and_wait(served)
+        else:
+            async def main():
+                async with AsyncClient(b.field("frontend"), **opts) as a:
+                    t0 = time.monotonic()
+                    with pytest.raises(Forbidden) as first:
+                        await a.infer("echo", {"x": x})
+                    with pytest.raises(Forbidden) as second:
+                        await a.infer("echo", {"x": x})
+                    took = time.monotonic() - t0
+                    loop = asyncio.get_running_loop()
+                    deadline = time.monotonic() + 30
+                    await loop.run_in_executor(None, shutil.copy, keys.stranger.pub, allowed)
+                    while True:
+                        try:
+                            r = await a.infer("echo", {"x": x})
+                            break
+                        except Forbidden:
+                            assert time.monotonic() < deadline, "never served once its key was allowed"
+                            await asyncio.sleep(0.05)  # (a retry's pace: the client dials again each second)
+                    out = r["x"].copy()
+                    r.release()
+                    return first, second, took, out
+            first, second, took, out = run(main())
+        assert took < 20.0, took  # the refusals', not the liveness window's (50 s) nor the timeout's
+        for e in (first, second):
+            assert "refuses this client's handshake" in str(e.value) and "refused this client's key" in str(e.value)
+        np.testing.assert_array_equal(out, x)
+    finally:
+        for p in reversed(procs):
+            p.close()
 
 
 def test_a_plain_mdp_request_the_broker_refuses_says_so(secure, keys):
