@@ -156,6 +156,8 @@ def test_mdp01_messages_are_read_as_the_mdp02_commands_they_mean():
     for bad, match in (([b"MDPW01", b"\x01", b"echo"], "empty frame"),
                        ([b"", b"MDPW01", b"\x01", b"echo", P.encode_header(P.Ready())], "nothing more"),
                        ([b"", b"MDPW01", b"\x01", b"mmi.x"], "reserved"),
+                       ([b"", b"MDPW01", b"\x01", b"echo\n"], "control characters"),
+                       ([b"", b"MDPW01", b"\x01", b"e\x1b[2Jcho"], "control characters"),
                        ([b"", b"MDPW01", b"\x02", b"env", b"", b"x"], "only a broker sends"),
                        ([b"", b"MDPW01", b"\x03", b"env", b"x"], "REPLY"),
                        ([b"", b"MDPW01", b"\x03", b"e" * 256, b""], "255"),
