@@ -686,7 +686,8 @@ class AsyncClient(ClientBase):
             ups, last, final = handshakes(monitor)
             core.broker_said(last, time.monotonic(), final, ups)
             if final and last:
-                core.refused_for_good(lambda rid: refused_error(self.endpoint, last, None, rid))
+                core.refused_for_good(lambda rid: refused_error(self.endpoint, last, None, rid),
+                                      time.monotonic())
             if core.redial_at is not None and self._redial_timer is None:
                 # libzmq gave the endpoint up at a refused handshake (core.REDIAL_S)
                 self._redial_timer = self._loop.call_later(max(0.0, core.redial_at - time.monotonic()),
@@ -1048,9 +1049,10 @@ class AsyncClient(ClientBase):
                          if self._curve is not None else (dealer(self._ctx, self.endpoint, self._curve), None))
         waits: list[asyncio.Future] = []
         try:
-            await sock.send_multipart(out, copy=False)
-
             async def final() -> list[bytes]:
+                # (Sent here, by the deadline: a send to a connection the broker had refused
+                # before it ran waited for ever, `Client._send_request`.)
+                await sock.send_multipart(out, copy=False)
                 while True:
                     done, body = opaque_reply(await sock.recv_multipart(), service)
                     if done:
@@ -1093,6 +1095,8 @@ class AsyncClient(ClientBase):
         core = self._core
         q = core.mmi_question(name)
         limit = core.timeout_of(timeout)
+        if core.shut_out is not None:
+            raise core.shut_out(None)  # the broker refuses this client's handshake (core.refused_for_good)
         core.expect_mmi(q, time.monotonic())
         fut = self._loop.create_future()
         q.notify = lambda: fut.done() or fut.set_result(None)

@@ -364,7 +364,7 @@ class Client(ClientBase):
             poller.register(sock, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
         try:
-            sock.send_multipart(out, copy=False)
+            self._send_request(sock, monitor, out, deadline, service, limit)
             while True:
                 # Whole milliseconds, rounded up: truncated, the deadline's last fraction of
                 # one would be a poll(0), and the call would fail before its time.  And the
@@ -392,6 +392,33 @@ class Client(ClientBase):
         finally:
             drop_monitor(sock, monitor)
             drop_socket(sock)
+
+    def _send_request(self, sock: zmq.Socket, monitor: zmq.Socket | None, out: list[Any], deadline: float | None,
+                      service: str, limit: float | None) -> None:
+        """Send a plain `request`'s message on its own socket by its deadline.  A blocking
+        send waited for ever once the broker had refused that connection's handshake before
+        it ran (libzmq gives a refused endpoint up, and a DEALER without a peer blocks): a
+        loaded machine's test process, descheduled between its connect and its send, hung
+        there (a full run)."""
+        wait = zmq.Poller()
+        wait.register(sock, zmq.POLLOUT)
+        if monitor is not None:
+            wait.register(monitor, zmq.POLLIN)
+        while True:
+            try:
+                sock.send_multipart(out, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                pass
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self._heed_broker_monitor()
+                raise self._core.unsent_deadline_error(f"no reply from service {service!r}", limit, False)
+            ready = dict(wait.poll(wait_ms(left)))
+            if monitor is not None and monitor in ready:
+                _, last, final = handshakes(monitor)
+                if final and last:
+                    raise refused_error(self.endpoint, last)
 
     def _heed_broker_monitor(self) -> None:
         """Read what the broker connection's monitor said (a refused handshake), for the error
@@ -422,6 +449,11 @@ class Client(ClientBase):
         q = core.mmi_question(name)
         limit = core.timeout_of(timeout)
         stop = None if limit is None else time.monotonic() + limit
+        if core.shut_out is not None and self._broker_monitor is not None:
+            self._on_monitor(self._broker_monitor)  # (a dial again due, or a handshake's word unread)
+            touched(self._broker_monitor)
+            if core.shut_out is not None:
+                raise core.shut_out(None)  # the broker refuses this client's handshake (core.refused_for_good)
         self._send(q.frames, stop, limit=limit)
         core.expect_mmi(q, time.monotonic())
         try:
@@ -1051,7 +1083,8 @@ class Client(ClientBase):
             now = time.monotonic()
             core.broker_said(last, now, final, ups)
             if final and last:
-                core.refused_for_good(lambda rid: refused_error(self.endpoint, last, None, rid))
+                core.refused_for_good(lambda rid: refused_error(self.endpoint, last, None, rid),
+                                      time.monotonic())
             if core.redial_at is not None and now >= core.redial_at:
                 self._redial(now)
             if ups and not core.closed and core.heartbeat_interval is not None:

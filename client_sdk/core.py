@@ -381,11 +381,14 @@ class ClientCore(PinEvents):
         # A connection was replaced before any heartbeat answer named the broker: what was
         # sent on it may be lost, told by the next answer (`_on_broker_instance`).
         self._replaced_unheard = False
+        # ... then the time of the first answer, which the next one says the connection of
+        self._confirm_before: float | None = None
         #: when to dial the broker again, libzmq having given its endpoint up at a refused
         #: handshake (None: not needed; `broker_said`, `redialed`)
         self.redial_at: float | None = None
         self._redialed = -math.inf
         self.last_heartbeat = 0.0
+        self._first_unanswered: float | None = None  # the first heartbeat sent since the broker's last word
         # When the client last looked at its sockets (`looking`), and when it came back from
         # an absence longer than a heartbeat period: silence is counted from then too, since
         # nothing could be heard (or asked) while nobody looked.
@@ -796,8 +799,6 @@ class ClientCore(PinEvents):
         the last word heard, whichever is later (`fail_unreachable`)."""
         q.t_sent = now
         self.mmi_waiters.append(q)
-        if self.shut_out is not None:
-            q.error = self.shut_out(None)  # (`refused_for_good`)
         return q
 
     def mmi_waiting(self) -> bool:
@@ -1271,23 +1272,33 @@ class ClientCore(PinEvents):
         return call.deadline_error(advice)
 
     def _quiet_advice(self, call: Call, now: float) -> str | None:
-        """What a call's `DeadlineExceeded` says when the broker, heard from before, answered
-        nothing, not even a heartbeat, for more than two heartbeat periods of its wait (it
-        is asked once a period while calls wait): it stopped, restarted or stalled, or the
-        connection is down; "raise `timeout`, lower the load" was the wrong advice (the
-        broker-restart audit: a call shorter than the liveness window, against a killed
-        broker).  None when it answered, with heartbeats off, or for a call on a live lease
+        """`broker_silence` for a call's `DeadlineExceeded`; None for a call on a live lease
         (its worker answers it, not the broker)."""
-        period = self.heartbeat_period
         pin = call.pin
-        if period is None or (pin is not None and pin.ready and not pin.closed):
+        if pin is not None and pin.ready and not pin.closed:
             return None
-        silence = now - max(self.last_recv, call.t_sent, self.resumed_at)
+        return self.broker_silence(now)
+
+    def broker_silence(self, now: float) -> str | None:
+        """What an error says when the broker has answered nothing, not even a heartbeat,
+        for more than two heartbeat periods since the first heartbeat it was sent after its
+        last word (the client heartbeats once a period while calls wait; an answer takes a
+        round trip): it stopped, restarted or stalled, or the connection is down.  "Raise
+        `timeout`, lower the load" was the wrong advice there (the broker-restart audit: a
+        call shorter than the liveness window against a killed broker; a 2 s call, made 4.5 s
+        after it was killed, was still told to raise its timeout).  None when it answered
+        since, with heartbeats off, or counting from the client's return from an absence
+        (`resumed_at`): nobody asked meanwhile."""
+        period = self.heartbeat_period
+        asked = self._first_unanswered
+        if period is None or asked is None or asked <= self.last_recv:
+            return None
+        silence = now - max(asked, self.resumed_at)
         if silence <= 2 * period:
             return None
         why = self._endpoint_problem()
-        return (f"nothing has come from the broker at {self.endpoint} for the last {silence:.1f}s of the wait, "
-                f"not even answers to heartbeats: it stopped, restarted or stalled, or the connection is down"
+        return (f"nothing has come from the broker at {self.endpoint} for {silence:.1f}s, not even answers to "
+                f"heartbeats: it stopped, restarted or stalled, or the connection is down"
                 + (f" ({why})" if why else "") + "; check that it runs, and its log")
 
     def broker_said(self, last: str | None, now: float, final: bool = False, ups: int = 0) -> None:
@@ -1317,12 +1328,13 @@ class ClientCore(PinEvents):
         if final and self.redial_at is None and not self.closed:
             self.redial_at = max(now, self._redialed + REDIAL_S)
 
-    def refused_for_good(self, error: Callable[[int | None], InferenceError]) -> int:
+    def refused_for_good(self, error: Callable[[int | None], InferenceError], now: float) -> int:
         """The broker refused this client's handshake for good (its key, or plain tcp
         against keys: libzmq gave the endpoint up, `broker_said`'s ``final``): every call that
         waits on the broker fails now with ``error(request id)``, as do the MMI questions; a
-        call on a lease whose connection is up is its worker's, and goes on.  Nothing sent
-        reached the broker, or will (the refused connection's queue goes with it), so
+        call on a lease whose connection is up is its worker's, and goes on.  What was sent
+        on the refused connection never reaches the broker (its queue goes with it), and
+        answers to what went on an earlier one have no connection to come back on, so
         waiting could only end at the liveness window or the deadline, told to raise it.
         A call made after it, until the client dials again (`redialed`: at once after a
         first refusal, then at most each `REDIAL_S`, so a key put on the allow-list is served
@@ -1335,7 +1347,17 @@ class ClientCore(PinEvents):
             pin = call.pin
             if pin is not None and pin.ready and not pin.closed:
                 continue
-            if self.fail(call, error(call.id or None)):
+            if call.pin is None and not self.use_shm:
+                # Over tcp (CurveZMQ is tcp's): inputs inline, replies through the broker,
+                # which lost this client's connection: nothing can answer it, forgotten (its
+                # caller's CANCEL went into the refused connection, and it stayed for good).
+                if call.inbox and call.inbox[-1][0] == "error":
+                    continue
+                self._forget(call)
+                self._finish_inputs(call)
+                self._deliver(call, ("error", error(call.id or None)), True, now)
+                n += 1
+            elif self.fail(call, error(call.id or None)):
                 n += 1
         for q in self.mmi_waiters:
             if q.answer is None and q.error is None and not q.abandoned:
@@ -1496,6 +1518,8 @@ class ClientCore(PinEvents):
         is overdue: `pins_overdue`, whose ops the twin runs; and fail the streams a replaced
         connection took with it: `_expire_suspects`)."""
         self.last_heartbeat = now
+        if self._first_unanswered is None or self._first_unanswered <= self.last_recv:
+            self._first_unanswered = now  # (`broker_silence`)
         if self.pins:
             self.pins_overdue(now)
             self.free_given_up(now, LIVENESS * (self.heartbeat_interval or 0.0))
@@ -1577,18 +1601,22 @@ class ClientCore(PinEvents):
 
         A connection replaced before any answer came (its monitor saw a second handshake
         first: `broker_said`) is one whose broker the client never knew: a broker killed
-        before its answer to the client's first heartbeat left its socket (a CI run).  The
-        first answer then counts as a replaced connection's (the client cannot tell a restart
-        from a reset), and what was sent before it is sent again as above; otherwise it went
-        to a broker that no longer holds it, and its caller waited out its deadline.  (That
-        answer may be the old connection's, read late: then the next one, the new broker's,
-        sends those calls once more.)"""
+        before its answer to the client's first heartbeat left its socket (a CI run), and
+        what was sent on it waited out its deadline.  Its first answer may be the old
+        connection's, read late, or the new one's: the client asks again at once, and the
+        next answer tells.  A new name (instance or route) is a restart or a replaced
+        connection as above; the same one means the first answer was this connection's,
+        and the calls sent before it are sent again as a replaced connection's (a restart
+        cannot be told from a reset there: `broker_reconnects`), streams that streamed
+        excepted (what came for them came on this connection)."""
         known, self.broker_instance = self.broker_instance, instance
         known_route = self.broker_route
         if route is not None:
             self.broker_route = route
         mark = self._route_mark  # every PARTIAL stamped with it came before this answer
         self._route_mark += 1
+        # (an answer that followed one taken as a connection's replaced before any answer)
+        confirm, self._confirm_before = self._confirm_before, None
         if known is not None and known != instance:
             self.broker_restarts += 1
             if self.pin_all or self._asking:
@@ -1599,14 +1627,24 @@ class ClientCore(PinEvents):
                                            same_broker=False),
                     *self._reask_mmi()]
         unheard, self._replaced_unheard = self._replaced_unheard and known is None and route is not None, False
-        if not unheard and (known is None or (known_route is None and route is not None)):
+        if known is None or (known_route is None and route is not None):
             # first learnt: what was sent went there
             for call in self.calls.values():
                 call.broker = call.broker or instance
                 call.route = call.route or route
+            if unheard:  # ... unless this answer is the replaced connection's: asked at once
+                self._confirm_before = now
+                return [self.heartbeat(now)]
             return []
-        if not unheard and (route is None or route == known_route):
-            return []
+        if route is None or route == known_route:
+            if confirm is None:
+                return []
+            # The first answer was this connection's: what was sent before it went on the
+            # one replaced before any answer (a stream that streamed is this one's).
+            self.broker_reconnects += 1
+            return [*self._resend_brokered(now, "the connection to the broker was replaced before it answered",
+                                           lambda call: call.t_sent < confirm and not call.partials),
+                    *self._reask_mmi()]
         self.broker_reconnects += 1
         # Brokered streams that may be the new connection's (the docstring): spared, watched.
         spared = {id(call): call for call in self.active()

@@ -290,6 +290,9 @@ class _StreamCore:
                    f"and had {left * 1e3:.3g} ms left of its timeout of {call.timeout:g}s, less than "
                    f"the {need * 1e3:.3g} ms recent frames took to their outcome")
             self._expired += 1
+            # The broker silent (down, restarting): that held the room, not the model.
+            core = getattr(self._client, "_core", None)
+            advice = (core.broker_silence(now) if core is not None else None) or _LAPSED_ADVICE[self.latest_wins]
             last = self._outstanding[-1] if self._outstanding else None
             if last is not None and last.frame in self._lapsed and len(last.inbox) == 1:
                 # A run of frames never sent, one after another, is one outcome: each its own,
@@ -306,13 +309,13 @@ class _StreamCore:
                     f"frames {first} to {call.frame} of the stream to {self.service!r} "
                     f"({n} frames{'' if n == call.frame - first + 1 else ' of them: the others were dropped'}) waited for "
                     f"room (max_in_flight={self.max_in_flight}) and ran out of time; they were never sent "
-                    f"(the last waited {waited:.3g}s {why})", _LAPSED_ADVICE[self.latest_wins])))
+                    f"(the last waited {waited:.3g}s {why})", advice)))
                 self._runs[call.frame] = (first, n)
             else:
                 call.inbox.append(("error", deadline_exceeded(
                     f"frame {call.frame} of the stream to {self.service!r} waited {waited:.3g}s for room "
                     f"(max_in_flight={self.max_in_flight}) {why}; it was never sent",
-                    _LAPSED_ADVICE[self.latest_wins])))
+                    advice)))
             self._lapsed.add(call.frame)
             self._outstanding.append(call)
 

@@ -477,7 +477,7 @@ def _service(frame: Any) -> bytes:
 
 def _worker_service(frame: Any) -> bytes:
     """A READY's service name: as `_service`, not one of the broker's own (``mmi.``), and
-    printable (no control characters).  A raw MDP worker registered ``"echo\\n"`` or one
+    printable (`str.isprintable`).  A raw MDP worker registered ``"echo\\n"`` or one
     with an ANSI escape: a name every metric, log line and MMI answer then carried (escaped,
     but a different service from the one its clients named); `gpu_worker` refuses such names
     itself (models.name_problem), whitespace included."""
@@ -486,7 +486,8 @@ def _worker_service(frame: Any) -> bytes:
         raise ProtocolError("service names starting with 'mmi.' are reserved for the broker")
     name = service.decode()
     if not name.isprintable():
-        raise ProtocolError(f"service name {name!r} has control characters (a service name must be printable)")
+        raise ProtocolError(f"service name {name!r} is not printable (it has control, format or separator "
+                            f"characters)")
     return service
 
 

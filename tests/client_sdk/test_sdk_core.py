@@ -193,19 +193,27 @@ def test_a_refused_handshake_dials_again_at_once_then_at_most_once_per_redial_in
 
 
 def test_a_deadline_the_broker_was_silent_through_says_so_not_raise_the_timeout(core):
-    """A call shorter than the liveness window whose broker answered nothing, not even a
-    heartbeat, for over two heartbeat periods of its wait (a killed broker): its error says
-    the broker is silent, not "raise `timeout`".  A broker that answered late in the wait
-    (a slow model, a live broker) leaves the usual advice."""
-    core.on_message(P.broker_heartbeat(b"\x01" * 8, 10_000, b"route--a"), 100.0)
+    """A call whose broker answered nothing, not even a heartbeat, for over two heartbeat
+    periods since the first heartbeat sent after its last word (a killed broker): its error
+    says the broker is silent, not "raise `timeout`", also for a call shorter than that made
+    long after (an AR client's 2 s call, 4.5 s after the broker was killed: the rolling-restart
+    audit).  A broker that answered since (a slow model, a live broker) leaves the usual
+    advice, as does a wait too short to tell."""
+    inst, a = b"\x01" * 8, b"route--a"
+    core.on_message(P.broker_heartbeat(inst, 10_000, a), 100.0)
     call = _sent(core, now=100.0, timeout=3.0)
+    core.heartbeat(100.01)  # unanswered, as every one after it
+    core.heartbeat(101.01)
     said = str(core.deadline_error(call))
-    assert "nothing has come from the broker at" in said and "for the last 3.0s" in said, said
+    assert "nothing has come from the broker at" in said and "for 3.0s" in said, said
     assert "raise `timeout`" not in said, said
-    core.on_message(P.broker_heartbeat(b"\x01" * 8, 10_000, b"route--a"), 102.5)
+    short = _sent(core, now=104.0, timeout=0.5)  # made long after: the broker still silent
+    assert "nothing has come from the broker at" in str(core.deadline_error(short))
+    core.on_message(P.broker_heartbeat(inst, 10_000, a), 104.6)  # it answers again
     assert "raise `timeout`" in str(core.deadline_error(call))
-    short = _sent(core, now=102.5, timeout=0.5)  # too short a wait to tell
-    assert "raise `timeout`" in str(core.deadline_error(short))
+    late = _sent(core, now=104.7, timeout=0.5)
+    core.heartbeat(104.7)
+    assert "raise `timeout`" in str(core.deadline_error(late))  # too short a wait to tell
 
 
 def test_a_refusal_for_good_fails_what_waits_and_what_is_made_until_a_handshake_succeeds(core):
@@ -218,16 +226,20 @@ def test_a_refusal_for_good_fails_what_waits_and_what_is_made_until_a_handshake_
     waiting = _sent(core, now=10.0)
     q = core.expect_mmi(core.mmi_question("echo"), 10.0)
     core.broker_said(key, 10.1, True)
-    assert core.refused_for_good(lambda rid: Forbidden(f"refused ({rid})", request_id=rid)) == 2
+    assert core.refused_for_good(lambda rid: Forbidden(f"refused ({rid})", request_id=rid), 10.1) == 2
     assert waiting.inbox[-1][0] == "error" and waiting.inbox[-1][1].request_id == waiting.id
+    assert waiting.done and waiting.id not in core.calls  # (inline, through the broker: nothing can answer it)
     assert isinstance(q.error, Forbidden)
     made = core.new_call("echo", {"x": np.arange(3)})
     assert core.request_frames(made, 10.2) is None
     assert made.done and made.id not in core.calls and isinstance(made.inbox[-1][1], Forbidden)
-    assert isinstance(core.expect_mmi(core.mmi_question("echo"), 10.2).error, Forbidden)
-    core.broker_said("", 11.2, False, ups=1)  # dialled again, and taken
-    assert not _sent(core, now=11.3).inbox
-    assert core.expect_mmi(core.mmi_question("echo"), 11.3).error is None
+    assert core.shut_out is not None  # (the twins' MMI questions raise it, unsent)
+    core.redialed(11.1)  # dialled again: calls go out and wait for its word
+    assert core.shut_out is None and not _sent(core, now=11.15).inbox
+    core.broker_said(key, 11.2, True)
+    core.refused_for_good(lambda rid: Forbidden("refused", request_id=rid), 11.2)
+    core.broker_said("", 12.2, False, ups=1)  # dialled again, and taken
+    assert core.shut_out is None and not _sent(core, now=12.3).inbox
 
 
 def test_a_client_whose_keys_were_taken_before_is_not_told_its_server_key_is_wrong(core):
@@ -509,22 +521,41 @@ def test_a_connection_replaced_before_the_broker_first_answered_resends_what_was
     """The broker died before its answer to the client's first heartbeat left it (a CI run:
     SIGKILLed just after it logged the request): the client never knew it, and the first
     answer, the new broker's, was taken for the broker its calls went to.  The monitor's
-    second handshake says the connection was replaced: that answer sends them again, as a
-    replaced connection's (a restart and a reset look alike here).  One handshake, or a
-    second once the broker was known, changes nothing here."""
+    second handshake says the connection was replaced: the first answer is asked about again
+    at once, and the next one, on the same connection, sends the calls sent before it again,
+    once (a restart and a reset look alike here).  One handshake, or a second once the
+    broker was known, changes nothing here."""
     inst, a = b"\x01" * 8, b"route--a"
     core.broker_said("", 99.0, ups=1)  # the first connection
     early = _sent(core, now=99.0)
     core.broker_said("", 99.5, ups=1)  # a second one, no answer heard on the first
-    out = core.on_message(P.broker_heartbeat(inst, 3000, a), 100.0)
+    assert core.on_message(P.broker_heartbeat(inst, 3000, a), 100.0) == [P.client_heartbeat(ask_route=True)]
+    later = _sent(core, now=100.05)  # once the first answer came: this connection's
+    out = core.on_message(P.broker_heartbeat(inst, 3000, a), 100.1)
     assert [f[1] for f in out] == [P.C_CANCEL, P.C_REQUEST]
-    assert P.decode_cancel(out[0][3]).queued_only and early.resends == 1 and early.route == a
+    assert P.decode_cancel(out[0][3]).queued_only and early.resends == 1 and later.resends == 0
     assert core.broker_reconnects == 1 and core.broker_restarts == 0
     # Known from now on: the same answer again resends nothing.
-    assert core.on_message(P.broker_heartbeat(inst, 3000, a), 100.1) == []
+    assert core.on_message(P.broker_heartbeat(inst, 3000, a), 100.2) == []
     # A handshake once the broker is known is left to the answers' names, as before.
-    core.broker_said("", 100.2, ups=1)
-    assert core.on_message(P.broker_heartbeat(inst, 3000, a), 100.3) == [] and early.resends == 1
+    core.broker_said("", 100.3, ups=1)
+    assert core.on_message(P.broker_heartbeat(inst, 3000, a), 100.4) == [] and early.resends == 1
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["reset", "restart"])
+def test_a_replaced_connections_first_answer_read_late_sends_the_calls_again_once(core, restarted):
+    """The first answer read after the second handshake may be the old connection's (read
+    late from the socket): the next one, the new connection's, names another route (or
+    broker), and the calls go again once, as at any replaced connection or restart; with
+    `restart_resends=1` a call had failed, sent again twice."""
+    core.restart_resends = 1
+    core.broker_said("", 99.0, ups=2)  # both handshakes read at once
+    call = _sent(core, now=99.0)
+    assert core.on_message(P.broker_heartbeat(b"\x01" * 8, 3000, b"route--a"), 100.0) == [
+        P.client_heartbeat(ask_route=True)]
+    out = core.on_message(P.broker_heartbeat(b"\x02" * 8 if restarted else b"\x01" * 8, 3000, b"route--b"), 100.1)
+    assert [f[1] for f in out] == [P.C_CANCEL, P.C_REQUEST] and call.resends == 1 and not call.inbox
+    assert (core.broker_restarts, core.broker_reconnects) == ((1, 0) if restarted else (0, 1))
 
 
 def test_one_handshake_then_the_first_answer_resends_nothing(core):

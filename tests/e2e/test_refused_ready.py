@@ -39,7 +39,7 @@ def _answer(s: zmq.Socket) -> P.BrokerToWorker:
 @pytest.mark.parametrize("ready, why", [
     (P.worker_ready("echo", P.Ready(credit=70000)), "credit 70000 must be between 1 and 65536"),
     ([P.MDPW, P.W_READY, b"mmi.x"], "'mmi.' are reserved"),
-    ([P.MDPW, P.W_READY, b"echo\r\n"], "control characters"),
+    ([P.MDPW, P.W_READY, b"echo\r\n"], "not printable"),
     ([P.MDPW, P.W_READY, b"echo", P.MAGIC + b"\x81\xa1v\x02"], "version"),
 ])
 def test_a_refused_ready_is_answered_with_the_reason(cluster, ready, why):

@@ -433,9 +433,11 @@ def test_a_call_that_times_out_against_a_dead_broker_says_the_broker_is_silent(c
     now, and what the kernel says of the ipc endpoint (nothing listening)."""
     from client_sdk import AsyncClient, DeadlineExceeded
 
-    broker = cluster.broker()
+    broker = cluster.broker("--heartbeat-interval", "1")  # its client window 5 s: the client's period stays 1 s
     x = np.arange(4, dtype=np.int32)
-    opts = dict(timeout=1.8, heartbeat_interval=0.5)  # liveness window 2.5 s; two periods 1 s
+    # The liveness window 5 s; two periods 2 s (a stall of the test process longer than that
+    # near the deadline would count the silence from its end: not this machine's kind).
+    opts = dict(timeout=3.5, heartbeat_interval=1.0)
 
     def check(said):
         assert "nothing has come from the broker at" in said and "nothing listens on" in said, said
@@ -457,6 +459,36 @@ def test_a_call_that_times_out_against_a_dead_broker_says_the_broker_is_silent(c
                     await a.infer("echo", {"x": x})
                 return str(e.value)
         check(asyncio.run(main()))
+
+
+def test_stream_frames_that_wait_out_a_broker_outage_say_the_broker_is_silent(cluster):
+    """Frames of a stream that waited for room while the broker was down (its sent frame
+    stuck with it) were told that the model is slower than the frames come, to raise
+    max_in_flight or add workers (the rolling-restart audit: a 6 s outage).  They say the
+    broker is silent now, as the sent frame's error does."""
+    from client_sdk import DeadlineExceeded
+
+    broker = cluster.broker("--heartbeat-interval", "1")
+    cluster.worker("echo")
+    x = np.arange(4, dtype=np.int32)
+    with Client(cluster.frontend, timeout=30, heartbeat_interval=1.0) as c:
+        wait_service(c, "echo")
+        with c.stream("echo", latest_wins=False, max_in_flight=1, pin=False, timeout=3.5) as st:
+            st.send({"x": x})
+            with st.recv(timeout=10) as r:
+                np.testing.assert_array_equal(r["x"], x)
+            broker.kill()
+            for _ in range(3):
+                st.send({"x": x})  # the first goes to the dead broker, the others wait for room
+            errors = []
+            for _ in range(2):  # the sent frame's error, then the two never sent, as one
+                with pytest.raises(DeadlineExceeded) as e:
+                    st.recv(timeout=10)
+                errors.append(str(e.value))
+    assert "never sent" not in errors[0] and "never sent" in errors[1], errors
+    for said in errors:
+        assert "nothing has come from the broker at" in said, said
+        assert "raise max_in_flight" not in said and "raise `timeout`" not in said, said
 
 
 def test_sigterm_drains_a_standalone_broker_and_its_successor_runs_what_stayed_queued(cluster, gate):
