@@ -139,8 +139,11 @@ class BrokerLink:
     def connect(self, service: str, ready: P.Ready) -> zmq.Socket:
         """(Re)open and register with the broker (READY)."""
         s = self.open()
-        s.send_multipart(P.worker_ready(service, ready))
-        self.last_sent = time.monotonic()
+        # Never blocking (`send`): a handshake the broker refused for good before this line
+        # ran (a loaded machine descheduled the worker after its connect: libzmq then gives
+        # the endpoint up, and a DEALER with no peer takes nothing) left the worker in this
+        # send for good, deaf to SIGTERM.  Dropped, the liveness check opens it again.
+        self.send(P.worker_ready(service, ready))
         return s
 
     def receive(self, frames) -> P.BrokerToWorker | None:

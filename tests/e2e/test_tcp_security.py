@@ -1396,6 +1396,39 @@ def test_a_worker_refused_by_the_handshake_says_so_and_stops_on_sigterm(secure, 
         w.close()
 
 
+_REFUSED_BEFORE_READY = """
+import runpy, sys, time
+import zmq
+import gpu_worker.upstream as U
+real_open = U.BrokerLink.open
+def open_refused(self):
+    # The stimulus: the worker descheduled between its connect and its READY until libzmq
+    # has given the refused endpoint up (a DEALER without a peer then takes nothing).
+    s = real_open(self)
+    plain = zmq.Socket.shadow(s.underlying)
+    t0 = time.monotonic()
+    while plain.poll(0, zmq.POLLOUT) and time.monotonic() - t0 < 15:
+        time.sleep(0.01)  # (polling a condition, bounded)
+    return s
+U.BrokerLink.open = open_refused
+sys.argv = ["gpu_worker", *sys.argv[1:]]
+runpy.run_module("gpu_worker", run_name="__main__")
+"""
+
+
+def test_a_worker_refused_before_its_ready_went_stops_on_sigterm(secure, keys):
+    """The READY went with a blocking send right after the connect: a worker whose refused
+    handshake (plain tcp against keys) came before that send ran (a loaded machine) waited
+    in it for good, deaf to SIGTERM.  It is sent as every other message now, never blocking."""
+    w = Proc(["-c", _REFUSED_BEFORE_READY, "--broker", secure.backend, "--model", "echo", "--heartbeat-interval",
+              "0.2", "--out-capacity-mb", "16", "--insecure", "--no-warmup"])
+    try:
+        w.wait_log("could not send to the broker at " + secure.backend, timeout=30)  # the READY, dropped
+        assert w.terminate(timeout=15) == 0  # drains and exits
+    finally:
+        w.close()
+
+
 def test_a_worker_whose_key_the_broker_refuses_is_told_so_not_that_its_endpoint_is_wrong(secure, keys):
     # A worker whose key is not (or no longer: a broker restarted with another allow-list) in
     # the broker's --worker-keys logged the refusal once, then, every time it looked again,
