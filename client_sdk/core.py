@@ -1268,10 +1268,10 @@ class ClientCore(PinEvents):
         nothing, and "raise the timeout" was the wrong advice."""
         advice = self.silence_advice(call.timeout)
         if advice is None and call.deadline is not None:
-            advice = self._quiet_advice(call, call.deadline)
+            advice = self.quiet_advice(call, call.deadline)
         return call.deadline_error(advice)
 
-    def _quiet_advice(self, call: Call, now: float) -> str | None:
+    def quiet_advice(self, call: Call, now: float) -> str | None:
         """`broker_silence` for a call's `DeadlineExceeded`; None for a call on a live lease
         (its worker answers it, not the broker)."""
         pin = call.pin

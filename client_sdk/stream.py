@@ -290,9 +290,14 @@ class _StreamCore:
                    f"and had {left * 1e3:.3g} ms left of its timeout of {call.timeout:g}s, less than "
                    f"the {need * 1e3:.3g} ms recent frames took to their outcome")
             self._expired += 1
-            # The broker silent (down, restarting): that held the room, not the model.
+            # The broker silent (down, restarting): that held the room, not the model (unless
+            # the oldest frame out is on a live lease: its worker held it).
             core = getattr(self._client, "_core", None)
-            advice = (core.broker_silence(now) if core is not None else None) or _LAPSED_ADVICE[self.latest_wins]
+            silent = None
+            if core is not None:
+                silent = (core.quiet_advice(self._outstanding[0], now) if self._outstanding
+                          else core.broker_silence(now))
+            advice = silent or _LAPSED_ADVICE[self.latest_wins]
             last = self._outstanding[-1] if self._outstanding else None
             if last is not None and last.frame in self._lapsed and len(last.inbox) == 1:
                 # A run of frames never sent, one after another, is one outcome: each its own,

@@ -486,8 +486,8 @@ def _worker_service(frame: Any) -> bytes:
         raise ProtocolError("service names starting with 'mmi.' are reserved for the broker")
     name = service.decode()
     if not name.isprintable():
-        raise ProtocolError(f"service name {name!r} is not printable (it has control, format or separator "
-                            f"characters)")
+        raise ProtocolError(f"service name {name!r} is not printable (str.isprintable: no control, format, "
+                            f"private-use or unassigned characters, no separator but the space)")
     return service
 
 

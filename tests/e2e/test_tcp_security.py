@@ -397,18 +397,18 @@ def test_a_plain_request_whose_connection_was_refused_before_it_was_sent_ends_at
     def refused_dealer(ctx, endpoint, curve):
         sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
-        mon = zmq.Socket.shadow(sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL).underlying)
+        m = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         plain = zmq.Socket.shadow(sock.underlying)  # (the AsyncClient's context makes asyncio sockets)
         try:
             sock.connect(endpoint)
-            assert mon.poll(15_000), "the broker never refused the plain handshake"
+            assert zmq.Socket.shadow(m.underlying).poll(15_000), "the broker never refused the plain handshake"
             t0 = time.monotonic()
             while plain.poll(0, zmq.POLLOUT):  # until libzmq has given the endpoint up (polling a condition)
                 assert time.monotonic() - t0 < 15, "libzmq kept the refused endpoint"
                 time.sleep(0.01)
         finally:
             sock.disable_monitor()
-            mon.close()
+            m.close()
         return sock
 
     monkeypatch.setattr(CL if blocking else A, "dealer", refused_dealer)
