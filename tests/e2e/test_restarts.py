@@ -389,37 +389,56 @@ def test_a_call_the_dead_broker_held_is_sent_again_once_the_new_one_connects_not
         assert c.broker_restarts == 1
 
 
-def test_a_call_sent_to_a_broker_that_died_before_it_ever_answered_is_sent_again(cluster):
+@pytest.mark.parametrize("blocking", [True, False], ids=["Client", "AsyncClient"])
+def test_a_call_sent_to_a_broker_that_died_before_it_ever_answered_is_sent_again(cluster, blocking):
     """A client whose broker died before its answer to the client's first heartbeat left it
     (a CI run: SIGKILLed just after it logged the request) never knew that broker: the new
     broker's first answer was taken for the broker the call went to, nothing was sent again,
     and the call waited out its 25 s deadline.  Here the dead broker is a bare ROUTER that
     reads the hello and the request and closes; the client's monitor saw two handshakes before
-    any answer, so that answer sends the call again."""
+    any answer, so the answers that follow send the call again, once."""
     import zmq
 
     from broker import protocol as P
+    from client_sdk import AsyncClient
 
     x = np.arange(16, dtype=np.int32)
     ctx = zmq.Context()
     mute = ctx.socket(zmq.ROUTER)
     mute.setsockopt(zmq.LINGER, 0)
+    opts = dict(timeout=60, heartbeat_interval=30)
+
+    def silence_then_restart():
+        got = []
+        while P.C_REQUEST not in got:  # the hello (a HEARTBEAT, two from an AsyncClient), the REQUEST
+            assert mute.poll(10_000), got
+            frames = mute.recv_multipart()
+            got.append(frames[frames.index(P.MDPC) + 1])
+        assert got[0] == P.C_HEARTBEAT and got[-1] == P.C_REQUEST, got  # none answered
+        mute.close()
+        cluster.broker("--heartbeat-interval", "30")
+        cluster.worker("echo", "--heartbeat-interval", "30")
+
     try:
         mute.bind(cluster.frontend)
-        with Client(cluster.frontend, timeout=60, heartbeat_interval=30) as c:
-            handle = c.infer_stream("echo", {"x": x}, timeout=25)
-            got = []
-            while len(got) < 2:  # the hello (a HEARTBEAT), then the REQUEST: never answered
-                assert mute.poll(10_000), got
-                frames = mute.recv_multipart()
-                got.append(frames[frames.index(P.MDPC) + 1])
-            assert got == [P.C_HEARTBEAT, P.C_REQUEST], got
-            mute.close()
-            cluster.broker("--heartbeat-interval", "30")
-            cluster.worker("echo", "--heartbeat-interval", "30")
-            with handle.result(timeout=30) as r:
-                np.testing.assert_array_equal(r["x"], x)
-            assert c.broker_reconnects == 1 and c.resent_calls == 1
+        if blocking:
+            with Client(cluster.frontend, **opts) as c:
+                handle = c.infer_stream("echo", {"x": x}, timeout=25)
+                silence_then_restart()
+                with handle.result(timeout=30) as r:
+                    np.testing.assert_array_equal(r["x"], x)
+                counts = c.broker_reconnects, c.resent_calls
+        else:
+            async def main():
+                async with AsyncClient(cluster.frontend, **opts) as a:
+                    call = asyncio.ensure_future(a.infer("echo", {"x": x}, timeout=25))
+                    await asyncio.get_running_loop().run_in_executor(None, silence_then_restart)
+                    r = await call
+                    np.testing.assert_array_equal(r["x"], x)
+                    r.release()
+                    return a.broker_reconnects, a.resent_calls
+            counts = asyncio.run(main())
+        assert counts == (1, 1), counts
     finally:
         mute.close()
         ctx.term()
