@@ -519,11 +519,13 @@ class AsyncClient(ClientBase):
             capped = False
             if only is None or only is self._sock:
                 monitor = self._broker_monitor
-                if monitor is not None and not monitor.closed and monitor.getsockopt(zmq.EVENTS) & _POLLIN:
-                    # The monitor's word first, as the blocking twin reads it: a second
-                    # handshake read after the answer it came before was never seen as one
-                    # (core `_replaced_unheard`), and the calls the dead connection took
-                    # waited out their deadlines (the review).
+                if (core.broker_instance is None and monitor is not None and not monitor.closed
+                        and monitor.getsockopt(zmq.EVENTS) & _POLLIN):
+                    # The monitor's word first, as the blocking twin reads it, until the broker
+                    # is known (nothing to pay on the hot path after): a second handshake read
+                    # after the answer it came before was never seen as one (core
+                    # `_replaced_unheard`), and the calls the dead connection took waited out
+                    # their deadlines (the review).
                     self._on_monitor(monitor)
                 for link in list(self._links):  # the leases' links first, as their sockets
                     n = self._read_link(link, 256)
