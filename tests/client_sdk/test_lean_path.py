@@ -199,6 +199,7 @@ class FakeLeaseWorker(threading.Thread):
         self.cancels: queue.Queue = queue.Queue()
         self.held: list = []  # (ident, frames, request) of the requests held
         self._release = threading.Event()
+        self.echoed = threading.Event()  # set once a release's echoes were all sent
         self._halt = False
 
     def release(self) -> None:
@@ -216,6 +217,7 @@ class FakeLeaseWorker(threading.Thread):
                 held, self.held = self.held, []
                 for h in held:
                     self._echo(*h)
+                self.echoed.set()
             if not self.sock.poll(20):
                 continue
             ident, *frames = self.sock.recv_multipart()
@@ -583,6 +585,10 @@ def test_a_resend_lease_end_finds_the_replies_already_on_the_lease_routed(pinned
     # Both replies sent back to back (one after the other, the second could still be on
     # its way when the first was there, and the resend below would find it missing).
     worker.release()
+    # Both sent before the client is looked at: the test's thread ran on between the two
+    # sends (a loaded machine), and its pump found the second missing (1 in 30 beside two
+    # CPU burners).
+    assert worker.echoed.wait(WAIT)
     assert lease_sock.poll(int(WAIT * 1000))  # the replies are there (not read: poll only looks)
     ident = broker.call(lambda: broker.idents[-1])
     end = P.encode_header(P.LeaseEnd(lease=lease, reason="worker_failed", resend=True))
