@@ -693,10 +693,10 @@ class AsyncClient(ClientBase):
             return
         if pin is _BROKER:
             ups, last, final = handshakes(monitor)
-            core.broker_said(last, time.monotonic(), final, ups)
+            now = time.monotonic()
+            core.broker_said(last, now, final, ups)
             if final and last:
-                core.refused_for_good(lambda rid: refused_error(self.endpoint, last, None, rid),
-                                      time.monotonic())
+                core.refused_for_good(lambda rid: refused_error(self.endpoint, last, None, rid), now)
             if core.redial_at is not None and self._redial_timer is None:
                 # libzmq gave the endpoint up at a refused handshake (core.REDIAL_S)
                 self._redial_timer = self._loop.call_later(max(0.0, core.redial_at - time.monotonic()),

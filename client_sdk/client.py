@@ -420,6 +420,15 @@ class Client(ClientBase):
                 if final and last:
                     raise refused_error(self.endpoint, last)
 
+    def _look_again(self) -> None:
+        """The broker refuses this client (core `shut_out`): read its monitor's word before a
+        call is made (a dial again due, a handshake's success unread), by the thread inside
+        the client (the calls that ask are `_one_thread`'s)."""
+        monitor = self._broker_monitor
+        if monitor is not None:
+            self._on_monitor(monitor)
+            touched(monitor)
+
     def _heed_broker_monitor(self) -> None:
         """Read what the broker connection's monitor said (a refused handshake), for the error
         of a call that did not wait on the client's own socket (`request`): that socket's
@@ -449,9 +458,8 @@ class Client(ClientBase):
         q = core.mmi_question(name)
         limit = core.timeout_of(timeout)
         stop = None if limit is None else time.monotonic() + limit
-        if core.shut_out is not None and self._broker_monitor is not None:
-            self._on_monitor(self._broker_monitor)  # (a dial again due, or a handshake's word unread)
-            touched(self._broker_monitor)
+        if core.shut_out is not None:
+            self._look_again()
             if core.shut_out is not None:
                 raise core.shut_out(None)  # the broker refuses this client's handshake (core.refused_for_good)
         self._send(q.frames, stop, limit=limit)
@@ -552,9 +560,8 @@ class Client(ClientBase):
         try:
             # (In the try, as `_send_call`'s: an interrupt while the frames were made left the
             # call registered and never sent, for good.)
-            if self._core.shut_out is not None and self._broker_monitor is not None:
-                self._on_monitor(self._broker_monitor)  # (a dial again due, or a handshake's word unread)
-                touched(self._broker_monitor)
+            if self._core.shut_out is not None:
+                self._look_again()
             frames = self._core.request_frames(call, now)
             if self._core.ops:
                 self._run_ops()
@@ -823,9 +830,8 @@ class Client(ClientBase):
             # (In the try: a KeyboardInterrupt while the frames are made, or a LEASE sent,
             # left the call registered and never sent, in flight for good with its input
             # slot and, pinned, a lease slot: the interruption hunt.)
-            if core.shut_out is not None and self._broker_monitor is not None:
-                self._on_monitor(self._broker_monitor)  # (a dial again due, or a handshake's word unread)
-                touched(self._broker_monitor)
+            if core.shut_out is not None:
+                self._look_again()
             frames = core.request_frames(call, time.monotonic())
             if core.ops:
                 self._run_ops()
@@ -1083,8 +1089,7 @@ class Client(ClientBase):
             now = time.monotonic()
             core.broker_said(last, now, final, ups)
             if final and last:
-                core.refused_for_good(lambda rid: refused_error(self.endpoint, last, None, rid),
-                                      time.monotonic())
+                core.refused_for_good(lambda rid: refused_error(self.endpoint, last, None, rid), now)
             if core.redial_at is not None and now >= core.redial_at:
                 self._redial(now)
             if ups and not core.closed and core.heartbeat_interval is not None:

@@ -687,9 +687,7 @@ class ClientCore(PinEvents):
         if self.shut_out is not None and call.pin is None:
             # (`refused_for_good`) answered with its error, not sent: queued, it went to the
             # broker once a handshake succeeded, run for nobody
-            self._forget(call)
-            self._free_inputs(call)
-            self._deliver(call, ("error", self.shut_out(call.id)), True, now)
+            self._end_with(call, self.shut_out(call.id), now)
             return None
         return frames
 
@@ -990,10 +988,8 @@ class ClientCore(PinEvents):
                     call = None  # a leased worker answers only for the calls on its lease
                 self._bad.warning("bad reply header%s: %s", f" for request {call.id}" if call else "", e)
                 if call is not None and final and not call.abandoned:
-                    self._forget(call)
-                    self._finish_inputs(call)
-                    self._deliver(call, ("error", ProtocolError(f"the reply header was invalid: {e}",
-                                                                request_id=call.id)), True, now)
+                    self._end_with(call, ProtocolError(f"the reply header was invalid: {e}", request_id=call.id),
+                                   now)
                 return []
             call = self.calls.get(rep.id)
             if call is None or (pin is not None and call.pin is not pin):
@@ -1164,6 +1160,13 @@ class ClientCore(PinEvents):
             # worker stream); host and error replies were synchronised before FINAL.
             after = self._cuda.events_of(reply.tensors) if reply is not None else ()
             self._cuda.free_temp(packed.cuda_temp, after=after)
+
+    def _end_with(self, call: Call, exc: InferenceError, now: float) -> None:
+        """End `call` with ``exc``, its last word: no id of it answerable any more, its
+        inputs freed (nothing can read them: its caller's error is its final outcome)."""
+        self._forget(call)
+        self._finish_inputs(call)
+        self._deliver(call, ("error", exc), True, now)
 
     def _deliver(self, call: Call, item: tuple[str, Any], final: bool, now: float) -> None:
         if self._suspects:
@@ -1347,16 +1350,13 @@ class ClientCore(PinEvents):
             pin = call.pin
             if pin is not None and pin.ready and not pin.closed:
                 continue
-            if call.pin is None and not self.use_shm:
+            if pin is None and not self.use_shm:
                 # Over tcp (CurveZMQ is tcp's): inputs inline, replies through the broker,
                 # which lost this client's connection: nothing can answer it, forgotten (its
                 # caller's CANCEL went into the refused connection, and it stayed for good).
-                if call.inbox and call.inbox[-1][0] == "error":
-                    continue
-                self._forget(call)
-                self._finish_inputs(call)
-                self._deliver(call, ("error", error(call.id or None)), True, now)
-                n += 1
+                if not (call.inbox and call.inbox[-1][0] == "error"):
+                    self._end_with(call, error(call.id or None), now)
+                    n += 1
             elif self.fail(call, error(call.id or None)):
                 n += 1
         for q in self.mmi_waiters:
@@ -1688,11 +1688,8 @@ class ClientCore(PinEvents):
             if call.partials or call.resends >= self.restart_resends:
                 why = ("it had streamed results" if call.partials
                        else f"it was resent {call.resends} times already")
-                self._forget(call)
-                self._finish_inputs(call)
-                self._deliver(call, ("error", BrokerUnreachable(
-                    f"{what} while request {call.id} to {call.service!r} was in flight, "
-                    f"and {why}", request_id=call.id)), True, now)
+                self._end_with(call, BrokerUnreachable(f"{what} while request {call.id} to {call.service!r} was in "
+                                                       f"flight, and {why}", request_id=call.id), now)
                 continue
             log.info("%s; resending request %d to %r", what, call.id, call.service)
             call.resends += 1
